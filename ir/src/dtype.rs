@@ -1,0 +1,70 @@
+//! Element types of IR values and weights.
+
+use std::fmt;
+
+/// The element type of a value or a stored weight. Block-quantized types (GGML's formats) only
+/// appear on weights: the IR computes on f32 activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    I32,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+impl DType {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::F16 => "f16",
+            Self::BF16 => "bf16",
+            Self::I32 => "i32",
+            Self::Q4_0 => "q4_0",
+            Self::Q4_1 => "q4_1",
+            Self::Q5_0 => "q5_0",
+            Self::Q5_1 => "q5_1",
+            Self::Q8_0 => "q8_0",
+            Self::Q4K => "q4_k",
+            Self::Q5K => "q5_k",
+            Self::Q6K => "q6_k",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        [
+            Self::F32,
+            Self::F16,
+            Self::BF16,
+            Self::I32,
+            Self::Q4_0,
+            Self::Q4_1,
+            Self::Q5_0,
+            Self::Q5_1,
+            Self::Q8_0,
+            Self::Q4K,
+            Self::Q5K,
+            Self::Q6K,
+        ]
+        .into_iter()
+        .find(|d| d.name() == s)
+    }
+
+    pub fn is_quantized(self) -> bool {
+        !matches!(self, Self::F32 | Self::F16 | Self::BF16 | Self::I32)
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}

@@ -1,0 +1,252 @@
+//! The graph: nodes in topological order (every input precedes its user), named outputs.
+//!
+//! Invariants, checked by [`Graph::validate`]: inputs refer to earlier nodes; each node's
+//! shape and dtype are what its op infers from its inputs; outputs exist.
+
+use crate::op::Op;
+use crate::{DType, Dim, InputKind, Shape};
+use petgraph::graph::DiGraph;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(pub usize);
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Node {
+    pub op: Op,
+    pub inputs: Vec<NodeId>,
+    pub shape: Shape,
+    pub dtype: DType,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GraphError {
+    #[error("graph `{graph}`, node %{node} ({op}): {message}")]
+    Shape {
+        graph: String,
+        node: usize,
+        op: &'static str,
+        message: String,
+    },
+    #[error("graph `{graph}`: node %{node} reads %{input}, which does not precede it")]
+    Order {
+        graph: String,
+        node: usize,
+        input: usize,
+    },
+    #[error("graph `{graph}`: output `{name}` refers to missing node %{node}")]
+    Output {
+        graph: String,
+        name: String,
+        node: usize,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Graph {
+    pub name: String,
+    nodes: Vec<Node>,
+    outputs: Vec<(String, NodeId)>,
+}
+
+impl Graph {
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            nodes: Vec::new(),
+            outputs: Vec::new(),
+        }
+    }
+
+    pub fn nodes(&self) -> &[Node] {
+        &self.nodes
+    }
+
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id.0]
+    }
+
+    pub fn outputs(&self) -> &[(String, NodeId)] {
+        &self.outputs
+    }
+
+    pub fn output(&self, name: &str) -> Option<NodeId> {
+        self.outputs
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, id)| *id)
+    }
+
+    pub fn set_output(&mut self, name: impl Into<String>, id: NodeId) {
+        let name = name.into();
+        self.outputs.retain(|(n, _)| *n != name);
+        self.outputs.push((name, id));
+    }
+
+    fn push(&mut self, op: Op, inputs: Vec<NodeId>, shape: Shape, dtype: DType) -> NodeId {
+        self.nodes.push(Node {
+            op,
+            inputs,
+            shape,
+            dtype,
+        });
+        NodeId(self.nodes.len() - 1)
+    }
+
+    pub fn input(&mut self, kind: InputKind) -> NodeId {
+        self.push(
+            Op::Input(kind),
+            vec![],
+            Shape::new([crate::TOKENS]),
+            DType::I32,
+        )
+    }
+
+    pub fn weight(&mut self, name: impl Into<String>, shape: &[usize], dtype: DType) -> NodeId {
+        let shape = Shape::new(shape.iter().map(|&d| Dim::Const(d)));
+        self.push(Op::Weight { name: name.into() }, vec![], shape, dtype)
+    }
+
+    /// Append `op` applied to `inputs`, inferring its shape; an error names the node and why.
+    pub fn add(&mut self, op: Op, inputs: &[NodeId]) -> Result<NodeId, GraphError> {
+        let (shape, dtype) = self.infer(self.nodes.len(), &op, inputs)?;
+        Ok(self.push(op, inputs.to_vec(), shape, dtype))
+    }
+
+    fn infer(&self, at: usize, op: &Op, inputs: &[NodeId]) -> Result<(Shape, DType), GraphError> {
+        if let Some(bad) = inputs.iter().find(|i| i.0 >= at) {
+            return Err(GraphError::Order {
+                graph: self.name.clone(),
+                node: at,
+                input: bad.0,
+            });
+        }
+        let ins: Vec<(&Shape, DType)> = inputs
+            .iter()
+            .map(|i| (&self.nodes[i.0].shape, self.nodes[i.0].dtype))
+            .collect();
+        op.infer(&ins).map_err(|message| GraphError::Shape {
+            graph: self.name.clone(),
+            node: at,
+            op: op.name(),
+            message,
+        })
+    }
+
+    /// Check the invariants above.
+    pub fn validate(&self) -> Result<(), GraphError> {
+        for (at, node) in self.nodes.iter().enumerate() {
+            if matches!(node.op, Op::Input(_) | Op::Weight { .. }) {
+                continue;
+            }
+            let (shape, dtype) = self.infer(at, &node.op, &node.inputs)?;
+            if shape != node.shape || dtype != node.dtype {
+                return Err(GraphError::Shape {
+                    graph: self.name.clone(),
+                    node: at,
+                    op: node.op.name(),
+                    message: format!(
+                        "recorded {}{} but inputs give {dtype}{shape}",
+                        node.dtype, node.shape
+                    ),
+                });
+            }
+        }
+        for (name, id) in &self.outputs {
+            if id.0 >= self.nodes.len() {
+                return Err(GraphError::Output {
+                    graph: self.name.clone(),
+                    name: name.clone(),
+                    node: id.0,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The data-flow graph as petgraph, edges from producer to consumer weighted by operand index.
+    pub fn to_petgraph(&self) -> DiGraph<&Node, usize> {
+        let mut g = DiGraph::with_capacity(self.nodes.len(), self.nodes.len() * 2);
+        let ids: Vec<_> = self.nodes.iter().map(|n| g.add_node(n)).collect();
+        for (at, node) in self.nodes.iter().enumerate() {
+            for (slot, input) in node.inputs.iter().enumerate() {
+                g.add_edge(ids[input.0], ids[at], slot);
+            }
+        }
+        g
+    }
+
+    /// Remove nodes no output depends on, keeping order; returns how many were removed.
+    pub fn prune_dead(&mut self) -> usize {
+        let pg = self.to_petgraph();
+        let mut live = vec![false; self.nodes.len()];
+        for (_, out) in &self.outputs {
+            let mut dfs = petgraph::visit::Dfs::new(
+                petgraph::visit::Reversed(&pg),
+                petgraph::graph::NodeIndex::new(out.0),
+            );
+            while let Some(n) = dfs.next(petgraph::visit::Reversed(&pg)) {
+                live[n.index()] = true;
+            }
+        }
+        let mut remap = vec![usize::MAX; self.nodes.len()];
+        let mut kept = Vec::with_capacity(self.nodes.len());
+        for (i, node) in std::mem::take(&mut self.nodes).into_iter().enumerate() {
+            if live[i] {
+                remap[i] = kept.len();
+                kept.push(node);
+            }
+        }
+        let removed = live.len() - kept.len();
+        for node in &mut kept {
+            for input in &mut node.inputs {
+                input.0 = remap[input.0];
+            }
+        }
+        for (_, out) in &mut self.outputs {
+            out.0 = remap[out.0];
+        }
+        self.nodes = kept;
+        removed
+    }
+
+    /// How many nodes of each op kind (weights and inputs excluded): ops per step.
+    pub fn op_count(&self) -> usize {
+        self.nodes
+            .iter()
+            .filter(|n| !matches!(n.op, Op::Input(_) | Op::Weight { .. }))
+            .count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::TOKENS;
+
+    #[test]
+    fn shape_errors_name_the_node() {
+        let mut g = Graph::new("t");
+        let x = g.input(InputKind::TokenIds);
+        let table = g.weight("emb", &[10, 4], DType::F32);
+        let h = g.add(Op::Embedding, &[table, x]).unwrap();
+        assert_eq!(g.node(h).shape, Shape::new([TOKENS, Dim::Const(4)]));
+        let w = g.weight("w", &[3, 5], DType::F32);
+        let err = g.add(Op::MatMul, &[h, w]).unwrap_err().to_string();
+        assert!(err.contains("%4 (matmul)"), "{err}");
+    }
+
+    #[test]
+    fn prune_dead_keeps_what_outputs_need() {
+        let mut g = Graph::new("t");
+        let x = g.input(InputKind::TokenIds);
+        let table = g.weight("emb", &[10, 4], DType::F32);
+        let h = g.add(Op::Embedding, &[table, x]).unwrap();
+        let _unused = g.add(Op::Silu, &[h]).unwrap();
+        let y = g.add(Op::Scale { factor: 2.0 }, &[h]).unwrap();
+        g.set_output("y", y);
+        assert_eq!(g.prune_dead(), 1);
+        g.validate().unwrap();
+        assert_eq!(g.nodes().len(), 4);
+        assert_eq!(g.node(g.output("y").unwrap()).op, Op::Scale { factor: 2.0 });
+    }
+}

@@ -1,0 +1,272 @@
+//! The operations of the IR and their shape rules.
+
+use crate::{DType, Dim, Shape, Sym};
+
+/// Run-time inputs of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum InputKind {
+    /// `i32[tokens]`: the new tokens.
+    TokenIds,
+    /// `i32[tokens]`: their absolute positions in the sequence.
+    Positions,
+}
+
+impl InputKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::TokenIds => "token_ids",
+            Self::Positions => "positions",
+        }
+    }
+}
+
+/// How rotary pairs are laid out inside a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RopeLayout {
+    /// HF/NEOX: element i pairs with i + rotary_dim/2.
+    RotateHalf,
+    /// GPT-J / llama.cpp's permuted GGUF Llama weights: element 2i pairs with 2i+1.
+    AdjacentPairs,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeSpec {
+    pub heads: usize,
+    pub head_dim: usize,
+    /// The first `rotary_dim` elements of each head rotate; the rest pass through.
+    pub rotary_dim: usize,
+    pub theta: f64,
+    /// Linear position scaling (positions are divided by it); 1.0 for none.
+    pub position_scale: f64,
+    pub layout: RopeLayout,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionSpec {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Multiplies q·k before the softmax.
+    pub scale: f64,
+    /// Sliding window: a query at position p sees keys at k with p − window < k ≤ p.
+    pub window: Option<usize>,
+    /// Which KV cache this attention appends to and reads (one per layer).
+    pub cache_slot: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Op {
+    Input(InputKind),
+    /// A named model weight; its shape and storage dtype are the node's.
+    Weight {
+        name: String,
+    },
+    /// `(table [vocab, d], ids i32[t]) -> [t, d]`.
+    Embedding,
+    /// `(x [t, k], w [n, k]) -> [t, n]`, i.e. `x · wᵀ` as every linear layer stores `w`.
+    MatMul,
+    /// RMSNorm over consecutive groups of `group` elements of the last dim:
+    /// `x · rsqrt(mean(x²) + eps) · (w + weight_offset)`; `w` has `group` elements.
+    RmsNorm {
+        eps: f64,
+        weight_offset: f32,
+        group: usize,
+    },
+    /// `(x [t, heads·head_dim], positions i32[t])`: rotary position embedding.
+    Rope(RopeSpec),
+    /// `(q [t, heads·hd], k [t, kv_heads·hd], v [t, kv_heads·hd]) -> [t, heads·hd]`: appends
+    /// k, v to the cache slot, then causal softmax attention over everything cached.
+    Attention(AttentionSpec),
+    Add,
+    Mul,
+    /// Multiply by a constant.
+    Scale {
+        factor: f32,
+    },
+    /// `x · sigmoid(x)`.
+    Silu,
+    /// GELU, tanh approximation (PyTorch's `gelu(approximate="tanh")`).
+    GeluTanh,
+    /// `[t, d] -> [1, d]`: the last row (logits are only needed for the last token).
+    LastToken,
+}
+
+impl Op {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Input(_) => "input",
+            Self::Weight { .. } => "weight",
+            Self::Embedding => "embedding",
+            Self::MatMul => "matmul",
+            Self::RmsNorm { .. } => "rms_norm",
+            Self::Rope(_) => "rope",
+            Self::Attention(_) => "attention",
+            Self::Add => "add",
+            Self::Mul => "mul",
+            Self::Scale { .. } => "scale",
+            Self::Silu => "silu",
+            Self::GeluTanh => "gelu_tanh",
+            Self::LastToken => "last_token",
+        }
+    }
+
+    pub fn arity(&self) -> usize {
+        match self {
+            Self::Input(_) | Self::Weight { .. } => 0,
+            Self::Scale { .. } | Self::Silu | Self::GeluTanh | Self::LastToken => 1,
+            Self::Embedding
+            | Self::MatMul
+            | Self::RmsNorm { .. }
+            | Self::Rope(_)
+            | Self::Add
+            | Self::Mul => 2,
+            Self::Attention(_) => 3,
+        }
+    }
+
+    /// The output shape and dtype from the inputs', or why the inputs do not fit.
+    pub fn infer(&self, inputs: &[(&Shape, DType)]) -> Result<(Shape, DType), String> {
+        if inputs.len() != self.arity() {
+            return Err(format!(
+                "{} takes {} inputs, got {}",
+                self.name(),
+                self.arity(),
+                inputs.len()
+            ));
+        }
+        let f32_rows = |s: &Shape| -> Result<(Dim, Dim), String> {
+            match s.0.as_slice() {
+                [r, c] => Ok((*r, *c)),
+                _ => Err(format!("{} expects a matrix, got {s}", self.name())),
+            }
+        };
+        let tokens_vec = |s: &Shape, d: DType, what: &str| -> Result<Dim, String> {
+            match (s.0.as_slice(), d) {
+                ([t], DType::I32) => Ok(*t),
+                _ => Err(format!(
+                    "{}: {what} must be i32[tokens], got {d}{s}",
+                    self.name()
+                )),
+            }
+        };
+        match self {
+            Self::Input(_) => Err("inputs are created by Graph::input".into()),
+            Self::Weight { .. } => Err("weights are created by Graph::weight".into()),
+            Self::Embedding => {
+                let (_, d) = f32_rows(inputs[0].0)?;
+                let t = tokens_vec(inputs[1].0, inputs[1].1, "ids")?;
+                Ok((Shape::new([t, d]), DType::F32))
+            }
+            Self::MatMul => {
+                let (t, k) = f32_rows(inputs[0].0)?;
+                let (n, wk) = f32_rows(inputs[1].0)?;
+                if k != wk {
+                    return Err(format!(
+                        "matmul: x is {} but w is {}",
+                        inputs[0].0, inputs[1].0
+                    ));
+                }
+                Ok((Shape::new([t, n]), DType::F32))
+            }
+            Self::RmsNorm { group, .. } => {
+                let (t, d) = f32_rows(inputs[0].0)?;
+                let w = inputs[1].0;
+                let ok_group = *group > 0 && d.as_const().is_some_and(|d| d % group == 0);
+                if !ok_group || w.0.as_slice() != [Dim::Const(*group)] {
+                    return Err(format!(
+                        "rms_norm: x {} with group {group} and weight {w}",
+                        inputs[0].0
+                    ));
+                }
+                Ok((Shape::new([t, d]), DType::F32))
+            }
+            Self::Rope(spec) => {
+                let (t, d) = f32_rows(inputs[0].0)?;
+                tokens_vec(inputs[1].0, inputs[1].1, "positions")?;
+                let fits = d == Dim::Const(spec.heads * spec.head_dim)
+                    && spec.rotary_dim <= spec.head_dim
+                    && spec.rotary_dim % 2 == 0;
+                if !fits {
+                    return Err(format!("rope: x {} does not fit {spec:?}", inputs[0].0));
+                }
+                Ok((Shape::new([t, d]), DType::F32))
+            }
+            Self::Attention(spec) => {
+                let (t, dq) = f32_rows(inputs[0].0)?;
+                let (tk, dk) = f32_rows(inputs[1].0)?;
+                let (tv, dv) = f32_rows(inputs[2].0)?;
+                let fits = dq == Dim::Const(spec.heads * spec.head_dim)
+                    && dk == Dim::Const(spec.kv_heads * spec.head_dim)
+                    && dv == dk
+                    && t == tk
+                    && t == tv
+                    && spec.kv_heads > 0
+                    && spec.heads % spec.kv_heads == 0;
+                if !fits {
+                    return Err(format!(
+                        "attention: q {} k {} v {} do not fit {spec:?}",
+                        inputs[0].0, inputs[1].0, inputs[2].0
+                    ));
+                }
+                Ok((Shape::new([t, dq]), DType::F32))
+            }
+            Self::Add | Self::Mul => {
+                if inputs[0].0 != inputs[1].0 {
+                    return Err(format!(
+                        "{}: shapes {} and {} differ",
+                        self.name(),
+                        inputs[0].0,
+                        inputs[1].0
+                    ));
+                }
+                Ok((inputs[0].0.clone(), DType::F32))
+            }
+            Self::Scale { .. } | Self::Silu | Self::GeluTanh => {
+                Ok((inputs[0].0.clone(), DType::F32))
+            }
+            Self::LastToken => {
+                let (_, d) = f32_rows(inputs[0].0)?;
+                Ok((Shape::new([Dim::Const(1), d]), DType::F32))
+            }
+        }
+    }
+
+    /// Attributes in the canonical text form, e.g. `eps=1e-5, group=576`.
+    pub fn attributes(&self) -> String {
+        match self {
+            Self::Input(kind) => kind.name().to_string(),
+            Self::Weight { name } => format!("{name:?}"),
+            Self::RmsNorm {
+                eps,
+                weight_offset,
+                group,
+            } => format!("eps={eps:e}, weight_offset={weight_offset}, group={group}"),
+            Self::Rope(s) => format!(
+                "heads={}, head_dim={}, rotary_dim={}, theta={}, position_scale={}, layout={}",
+                s.heads,
+                s.head_dim,
+                s.rotary_dim,
+                s.theta,
+                s.position_scale,
+                match s.layout {
+                    RopeLayout::RotateHalf => "rotate_half",
+                    RopeLayout::AdjacentPairs => "adjacent_pairs",
+                }
+            ),
+            Self::Attention(s) => format!(
+                "heads={}, kv_heads={}, head_dim={}, scale={}, window={}, cache={}",
+                s.heads,
+                s.kv_heads,
+                s.head_dim,
+                s.scale,
+                s.window.map_or("none".to_string(), |w| w.to_string()),
+                s.cache_slot
+            ),
+            Self::Scale { factor } => format!("factor={factor}"),
+            _ => String::new(),
+        }
+    }
+}
+
+/// `Dim` for the step's token count, for builders.
+pub const TOKENS: Dim = Dim::Sym(Sym::Tokens);

@@ -1,0 +1,266 @@
+//! The reference interpreter: runs a [`Graph`] step by step on f32 tensors, keeping a KV cache
+//! per attention cache slot. Slow and simple on purpose: it defines the numbers.
+
+pub mod ops;
+
+use crate::op::{AttentionSpec, InputKind, Op};
+use crate::{Graph, Tensor};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Where the interpreter gets weights from (as dequantized f32).
+pub trait WeightProvider {
+    fn weight_f32(&self, name: &str) -> Result<Arc<Tensor>, String>;
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum InterpError {
+    #[error("weight `{name}`: {message}")]
+    Weight { name: String, message: String },
+    #[error("token id {id} is outside the vocabulary (size {vocab})")]
+    TokenOutOfRange { id: u32, vocab: usize },
+    #[error("{0}")]
+    Input(String),
+    #[error(transparent)]
+    Graph(#[from] crate::GraphError),
+}
+
+/// The cached keys and values of one attention slot, with the position of each entry.
+#[derive(Debug, Default, Clone)]
+pub struct KvSlot {
+    pub positions: Vec<usize>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+enum Value {
+    F32(Tensor),
+    Weight(Arc<Tensor>),
+    Ids(Vec<usize>),
+}
+
+impl Value {
+    fn tensor(&self) -> &Tensor {
+        match self {
+            Value::F32(t) => t,
+            Value::Weight(t) => t,
+            Value::Ids(_) => unreachable!("validated graphs never feed ids to a float operand"),
+        }
+    }
+    fn ids(&self) -> &[usize] {
+        match self {
+            Value::Ids(ids) => ids,
+            _ => unreachable!("validated graphs only feed i32 inputs to id operands"),
+        }
+    }
+}
+
+pub struct Interpreter<'w> {
+    weights: &'w dyn WeightProvider,
+    caches: HashMap<usize, KvSlot>,
+}
+
+impl<'w> Interpreter<'w> {
+    pub fn new(weights: &'w dyn WeightProvider) -> Self {
+        Self {
+            weights,
+            caches: HashMap::new(),
+        }
+    }
+
+    /// Tokens held in the cache (the position the next step starts at).
+    pub fn cached_len(&self) -> usize {
+        self.caches
+            .values()
+            .map(|c| c.positions.len())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Run one step over `token_ids` at `positions`; returns every named output.
+    pub fn step(
+        &mut self,
+        graph: &Graph,
+        token_ids: &[u32],
+        positions: &[usize],
+    ) -> Result<HashMap<String, Tensor>, InterpError> {
+        if token_ids.len() != positions.len() || token_ids.is_empty() {
+            return Err(InterpError::Input(format!(
+                "{} token ids with {} positions",
+                token_ids.len(),
+                positions.len()
+            )));
+        }
+        graph.validate()?;
+        let mut values: Vec<Option<Value>> = Vec::with_capacity(graph.nodes().len());
+        for node in graph.nodes() {
+            let args: Vec<&Value> = node
+                .inputs
+                .iter()
+                .map(|i| values[i.0].as_ref().expect("inputs precede"))
+                .collect();
+            let value = match &node.op {
+                Op::Input(InputKind::TokenIds) => {
+                    Value::Ids(token_ids.iter().map(|&t| t as usize).collect())
+                }
+                Op::Input(InputKind::Positions) => Value::Ids(positions.to_vec()),
+                Op::Weight { name } => {
+                    let t =
+                        self.weights
+                            .weight_f32(name)
+                            .map_err(|message| InterpError::Weight {
+                                name: name.clone(),
+                                message,
+                            })?;
+                    let want = node.shape.resolve(0, 0);
+                    if t.shape != want {
+                        return Err(InterpError::Weight {
+                            name: name.clone(),
+                            message: format!("has shape {:?}, graph expects {want:?}", t.shape),
+                        });
+                    }
+                    Value::Weight(t)
+                }
+                op => Value::F32(self.eval(op, &args, positions)?),
+            };
+            values.push(Some(value));
+        }
+        Ok(graph
+            .outputs()
+            .iter()
+            .map(|(name, id)| {
+                (
+                    name.clone(),
+                    values[id.0].as_ref().expect("evaluated").tensor().clone(),
+                )
+            })
+            .collect())
+    }
+
+    fn eval(
+        &mut self,
+        op: &Op,
+        args: &[&Value],
+        positions: &[usize],
+    ) -> Result<Tensor, InterpError> {
+        Ok(match op {
+            Op::Embedding => embedding(args[0].tensor(), args[1].ids())?,
+            Op::MatMul => {
+                let (x, w) = (args[0].tensor(), args[1].tensor());
+                let (k, n) = (x.row_len(), w.rows());
+                let mut out = Tensor::zeros(vec![x.rows(), n]);
+                ops::matmul(&x.data, &w.data, k, &mut out.data);
+                out
+            }
+            Op::RmsNorm {
+                eps, weight_offset, ..
+            } => {
+                let x = args[0].tensor();
+                let mut out = Tensor::zeros(x.shape.clone());
+                ops::rms_norm(
+                    &x.data,
+                    &args[1].tensor().data,
+                    *eps,
+                    *weight_offset,
+                    &mut out.data,
+                );
+                out
+            }
+            Op::Rope(spec) => {
+                let mut x = args[0].tensor().clone();
+                ops::rope(spec, &mut x.data, args[1].ids());
+                x
+            }
+            Op::Attention(spec) => {
+                let slot = self.caches.entry(spec.cache_slot).or_default();
+                slot.k.extend_from_slice(&args[1].tensor().data);
+                slot.v.extend_from_slice(&args[2].tensor().data);
+                slot.positions.extend_from_slice(positions);
+                attention_over_slot(spec, args[0].tensor(), slot, positions)
+            }
+            Op::Add => zip_map(args[0].tensor(), args[1].tensor(), |a, b| a + b),
+            Op::Mul => zip_map(args[0].tensor(), args[1].tensor(), |a, b| a * b),
+            Op::Scale { factor } => map(args[0].tensor(), |a| a * factor),
+            Op::Silu => map(args[0].tensor(), ops::silu),
+            Op::GeluTanh => map(args[0].tensor(), ops::gelu_tanh),
+            Op::LastToken => {
+                let x = args[0].tensor();
+                Tensor::new(vec![1, x.row_len()], x.row(x.rows() - 1).to_vec())
+            }
+            Op::Input(_) | Op::Weight { .. } => unreachable!("handled by step"),
+        })
+    }
+}
+
+fn embedding(table: &Tensor, ids: &[usize]) -> Result<Tensor, InterpError> {
+    let d = table.row_len();
+    let mut out = Vec::with_capacity(ids.len() * d);
+    for &id in ids {
+        if id >= table.rows() {
+            return Err(InterpError::TokenOutOfRange {
+                id: id as u32,
+                vocab: table.rows(),
+            });
+        }
+        out.extend_from_slice(table.row(id));
+    }
+    Ok(Tensor::new(vec![ids.len(), d], out))
+}
+
+/// Causal (optionally windowed) softmax attention of `q` over everything in `slot`, with
+/// grouped KV heads (query head h reads KV head h / (heads / kv_heads)); f64 accumulation.
+pub fn attention_over_slot(
+    spec: &AttentionSpec,
+    q: &Tensor,
+    slot: &KvSlot,
+    q_positions: &[usize],
+) -> Tensor {
+    let hd = spec.head_dim;
+    let kv_dim = spec.kv_heads * hd;
+    let group = spec.heads / spec.kv_heads;
+    let mut out = Tensor::zeros(q.shape.clone());
+    for (t, &qp) in q_positions.iter().enumerate() {
+        for h in 0..spec.heads {
+            let kvh = h / group;
+            let qv = &q.row(t)[h * hd..(h + 1) * hd];
+            let visible: Vec<usize> = (0..slot.positions.len())
+                .filter(|&j| ops::attends(qp, slot.positions[j], spec.window))
+                .collect();
+            let scores: Vec<f64> = visible
+                .iter()
+                .map(|&j| {
+                    let kr = &slot.k[j * kv_dim + kvh * hd..j * kv_dim + (kvh + 1) * hd];
+                    qv.iter()
+                        .zip(kr)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>()
+                        * spec.scale
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let total: f64 = exps.iter().sum();
+            let o = &mut out.data[t * spec.heads * hd + h * hd..t * spec.heads * hd + (h + 1) * hd];
+            for (d, od) in o.iter_mut().enumerate() {
+                let acc: f64 = visible
+                    .iter()
+                    .zip(&exps)
+                    .map(|(&j, &e)| e * slot.v[j * kv_dim + kvh * hd + d] as f64)
+                    .sum();
+                *od = (acc / total) as f32;
+            }
+        }
+    }
+    out
+}
+
+fn map(x: &Tensor, f: impl Fn(f32) -> f32) -> Tensor {
+    Tensor::new(x.shape.clone(), x.data.iter().map(|&a| f(a)).collect())
+}
+
+fn zip_map(a: &Tensor, b: &Tensor, f: impl Fn(f32, f32) -> f32) -> Tensor {
+    Tensor::new(
+        a.shape.clone(),
+        a.data.iter().zip(&b.data).map(|(&x, &y)| f(x, y)).collect(),
+    )
+}

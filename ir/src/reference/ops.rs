@@ -1,0 +1,99 @@
+//! The meaning of each op, as plain functions over slices. The interpreter calls these; fast
+//! backends reuse the cheap ones and are tested against the expensive ones.
+
+use crate::{RopeLayout, RopeSpec};
+
+/// RMSNorm over groups of `w.len()` elements: `x·rsqrt(mean(x²)+eps)·(w+offset)`, the mean
+/// accumulated in f64 (HF normalises in fp32; f64 keeps the reference above both).
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f64, weight_offset: f32, out: &mut [f32]) {
+    let group = w.len();
+    for (xg, og) in x.chunks_exact(group).zip(out.chunks_exact_mut(group)) {
+        let mean_sq = xg.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / group as f64;
+        let inv = (1.0 / (mean_sq + eps).sqrt()) as f32;
+        for ((o, &v), &wi) in og.iter_mut().zip(xg).zip(w) {
+            *o = v * inv * (wi + weight_offset);
+        }
+    }
+}
+
+/// HF's `inv_freq = 1 / θ^(2i/d)` for the rotary dims, rounded to f32 as HF computes it.
+pub fn rope_inv_freq(spec: &RopeSpec) -> Vec<f32> {
+    (0..spec.rotary_dim / 2)
+        .map(|i| (1.0 / spec.theta.powf(2.0 * i as f64 / spec.rotary_dim as f64)) as f32)
+        .collect()
+}
+
+/// (cos, sin) of every rotary frequency at one position: angle = (pos / scale) · inv_freq in
+/// f32 (as HF multiplies), then cos/sin of that angle.
+pub fn rope_cos_sin(
+    spec: &RopeSpec,
+    inv_freq: &[f32],
+    position: usize,
+    cos: &mut [f32],
+    sin: &mut [f32],
+) {
+    let pos = (position as f64 / spec.position_scale) as f32;
+    for ((c, s), &f) in cos.iter_mut().zip(sin.iter_mut()).zip(inv_freq) {
+        let angle = (pos * f) as f64;
+        *c = angle.cos() as f32;
+        *s = angle.sin() as f32;
+    }
+}
+
+/// Rotate one token's `[heads·head_dim]` row in place, given its (cos, sin).
+pub fn rope_row(spec: &RopeSpec, row: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let half = spec.rotary_dim / 2;
+    for head in row.chunks_exact_mut(spec.head_dim) {
+        for i in 0..half {
+            let (a, b) = match spec.layout {
+                RopeLayout::RotateHalf => (i, i + half),
+                RopeLayout::AdjacentPairs => (2 * i, 2 * i + 1),
+            };
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0 * cos[i] - x1 * sin[i];
+            head[b] = x1 * cos[i] + x0 * sin[i];
+        }
+    }
+}
+
+pub fn rope(spec: &RopeSpec, x: &mut [f32], positions: &[usize]) {
+    let inv_freq = rope_inv_freq(spec);
+    let (mut cos, mut sin) = (vec![0f32; inv_freq.len()], vec![0f32; inv_freq.len()]);
+    for (row, &p) in x
+        .chunks_exact_mut(spec.heads * spec.head_dim)
+        .zip(positions)
+    {
+        rope_cos_sin(spec, &inv_freq, p, &mut cos, &mut sin);
+        rope_row(spec, row, &cos, &sin);
+    }
+}
+
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// PyTorch's `gelu(x, approximate="tanh")`.
+pub fn gelu_tanh(x: f32) -> f32 {
+    let x64 = x as f64;
+    let inner = (2.0 / std::f64::consts::PI).sqrt() * (x64 + 0.044715 * x64 * x64 * x64);
+    (0.5 * x64 * (1.0 + inner.tanh())) as f32
+}
+
+/// `out[t, n] = Σ_k x[t, k]·w[n, k]`, accumulated in f64.
+pub fn matmul(x: &[f32], w: &[f32], k: usize, out: &mut [f32]) {
+    let n = w.len() / k;
+    for (xr, or) in x.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
+        for (o, wr) in or.iter_mut().zip(w.chunks_exact(k)) {
+            *o = xr
+                .iter()
+                .zip(wr)
+                .map(|(&a, &b)| a as f64 * b as f64)
+                .sum::<f64>() as f32;
+        }
+    }
+}
+
+/// Whether a query at `q_pos` may attend to a key at `k_pos` (causal, optional sliding window).
+pub fn attends(q_pos: usize, k_pos: usize, window: Option<usize>) -> bool {
+    k_pos <= q_pos && window.is_none_or(|w| q_pos - k_pos < w)
+}

@@ -1,0 +1,306 @@
+//! Architecture hyperparameters, read from GGUF metadata or an HF `config.json`.
+
+use crate::error::{io_error, ModelError, Result};
+use crate::gguf::GgufFile;
+use serde::Serialize;
+use std::path::Path;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Family {
+    Llama,
+    Gemma3,
+}
+
+impl Family {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Gemma3 => "gemma3",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "llama" => Some(Self::Llama),
+            "gemma3" | "gemma3_text" => Some(Self::Gemma3),
+            _ => None,
+        }
+    }
+}
+
+/// Whether a layer attends to everything before it or to a sliding window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum LayerAttention {
+    Full,
+    Sliding,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelConfig {
+    pub family: Family,
+    pub vocab_size: usize,
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    pub rms_eps: f64,
+    /// RoPE θ of full-attention layers.
+    pub rope_theta: f64,
+    /// RoPE θ of sliding-window layers (Gemma 3: 10 000).
+    pub rope_local_theta: f64,
+    /// Linear RoPE scaling of full-attention layers (1.0 for none).
+    pub rope_scale: f64,
+    pub context_length: usize,
+    pub sliding_window: Option<usize>,
+    pub layer_attention: Vec<LayerAttention>,
+    /// Gemma: attention scale is `query_pre_attn_scalar^-0.5`.
+    pub query_pre_attn_scalar: Option<f64>,
+    pub tied_embeddings: bool,
+}
+
+/// Gemma 3's layer pattern: every sixth layer is global.
+fn gemma3_pattern(layers: usize, every: usize) -> Vec<LayerAttention> {
+    (0..layers)
+        .map(|i| {
+            if (i + 1) % every == 0 {
+                LayerAttention::Full
+            } else {
+                LayerAttention::Sliding
+            }
+        })
+        .collect()
+}
+
+impl ModelConfig {
+    pub fn from_gguf(file: &GgufFile) -> Result<Self> {
+        let arch = file.require_str("general.architecture")?;
+        let family = Family::parse(arch).ok_or_else(|| ModelError::Metadata {
+            path: file.path.clone(),
+            key: "general.architecture".into(),
+            problem: format!("is `{arch}`; bbc runs llama and gemma3"),
+        })?;
+        let key = |k: &str| format!("{arch}.{k}");
+        let u = |k: &str| file.require_u64(&key(k)).map(|v| v as usize);
+        let hidden = u("embedding_length")?;
+        let heads = u("attention.head_count")?;
+        let layers = u("block_count")?;
+        let head_dim = match file.optional_u64(&key("attention.key_length"))? {
+            Some(d) => d as usize,
+            None => hidden / heads.max(1),
+        };
+        let vocab_size = match file.get("tokenizer.ggml.tokens").and_then(|t| t.as_array()) {
+            Some(tokens) => tokens.len(),
+            None => u("vocab_size")?,
+        };
+        let sliding_window = file
+            .optional_u64(&key("attention.sliding_window"))?
+            .map(|w| w as usize);
+        let rope_theta = file
+            .optional_f64(&key("rope.freq_base"))?
+            .unwrap_or(10_000.0);
+        let (layer_attention, rope_local_theta, query_pre_attn_scalar) = match family {
+            Family::Llama => (vec![LayerAttention::Full; layers], rope_theta, None),
+            // llama.cpp's gemma3: sliding layers use θ = 10 000; the scale is 1/√head_dim
+            // (gemma-3 sets query_pre_attn_scalar = head_dim).
+            Family::Gemma3 => (gemma3_pattern(layers, 6), 10_000.0, Some(head_dim as f64)),
+        };
+        let rope_scale = match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
+            Some("linear") => file
+                .optional_f64(&key("rope.scaling.factor"))?
+                .unwrap_or(1.0),
+            _ => 1.0,
+        };
+        let config = Self {
+            family,
+            vocab_size,
+            hidden,
+            layers,
+            heads,
+            kv_heads: file
+                .optional_u64(&key("attention.head_count_kv"))?
+                .map_or(heads, |v| v as usize),
+            head_dim,
+            intermediate: u("feed_forward_length")?,
+            rms_eps: file.require_f64(&key("attention.layer_norm_rms_epsilon"))?,
+            rope_theta,
+            rope_local_theta,
+            rope_scale,
+            context_length: u("context_length")?,
+            sliding_window,
+            layer_attention,
+            query_pre_attn_scalar,
+            tied_embeddings: file.tensor("output.weight").is_none(),
+        };
+        config.check(&file.path)
+    }
+
+    pub fn from_hf_config(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| io_error(path, e))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| ModelError::Config {
+                path: path.to_path_buf(),
+                what: format!("invalid JSON: {e}"),
+            })?;
+        let cfg = HfConfig { json: &json, path };
+        let model_type = cfg.str("model_type")?;
+        let family = Family::parse(model_type).ok_or_else(|| {
+            cfg.error(&format!(
+                "model_type `{model_type}` is not one bbc runs (llama, gemma3)"
+            ))
+        })?;
+        let hidden = cfg.usize("hidden_size")?;
+        let heads = cfg.usize("num_attention_heads")?;
+        let layers = cfg.usize("num_hidden_layers")?;
+        let head_dim = cfg.opt_usize("head_dim")?.unwrap_or(hidden / heads.max(1));
+        let rope_theta_of = |kind: &str| -> Option<f64> {
+            let p = json.get("rope_parameters")?;
+            p.get(kind).unwrap_or(p).get("rope_theta")?.as_f64()
+        };
+        let rope_theta = rope_theta_of("full_attention")
+            .or_else(|| json.get("rope_theta").and_then(|v| v.as_f64()))
+            .unwrap_or(10_000.0);
+        let rope_local_theta = rope_theta_of("sliding_attention")
+            .or_else(|| json.get("rope_local_base_freq").and_then(|v| v.as_f64()))
+            .unwrap_or(match family {
+                Family::Gemma3 => 10_000.0,
+                Family::Llama => rope_theta,
+            });
+        let layer_attention = match json.get("layer_types").and_then(|v| v.as_array()) {
+            Some(types) => types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("full_attention") => Ok(LayerAttention::Full),
+                    Some("sliding_attention") => Ok(LayerAttention::Sliding),
+                    _ => Err(cfg.error(&format!(
+                        "layer_types holds {t}, expected full_attention or sliding_attention"
+                    ))),
+                })
+                .collect::<Result<Vec<_>>>()?,
+            None => match family {
+                Family::Llama => vec![LayerAttention::Full; layers],
+                Family::Gemma3 => gemma3_pattern(
+                    layers,
+                    cfg.opt_usize("_sliding_window_pattern")?.unwrap_or(6),
+                ),
+            },
+        };
+        let config = Self {
+            family,
+            vocab_size: cfg.usize("vocab_size")?,
+            hidden,
+            layers,
+            heads,
+            kv_heads: cfg.opt_usize("num_key_value_heads")?.unwrap_or(heads),
+            head_dim,
+            intermediate: cfg.usize("intermediate_size")?,
+            rms_eps: cfg.f64("rms_norm_eps")?,
+            rope_theta,
+            rope_local_theta,
+            rope_scale: 1.0,
+            context_length: cfg.opt_usize("max_position_embeddings")?.unwrap_or(2048),
+            sliding_window: cfg.opt_usize("sliding_window")?,
+            layer_attention,
+            query_pre_attn_scalar: json.get("query_pre_attn_scalar").and_then(|v| v.as_f64()),
+            tied_embeddings: json
+                .get("tie_word_embeddings")
+                .and_then(|v| v.as_bool())
+                .unwrap_or(true),
+        };
+        config.check(path)
+    }
+
+    /// Reject hyperparameters no model can have, so lowering never divides by zero.
+    fn check(self, path: &Path) -> Result<Self> {
+        let bad = |what: String| ModelError::Config {
+            path: path.to_path_buf(),
+            what,
+        };
+        if self.hidden == 0
+            || self.heads == 0
+            || self.kv_heads == 0
+            || self.head_dim == 0
+            || self.layers == 0
+            || self.vocab_size == 0
+        {
+            return Err(bad(
+                "hidden size, heads, KV heads, head_dim, layers and vocab must be positive".into(),
+            ));
+        }
+        if self.heads % self.kv_heads != 0 {
+            return Err(bad(format!(
+                "{} heads is not a multiple of {} KV heads",
+                self.heads, self.kv_heads
+            )));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(bad(format!(
+                "head_dim {} must be even for RoPE",
+                self.head_dim
+            )));
+        }
+        if self.layer_attention.len() != self.layers {
+            return Err(bad(format!(
+                "{} layer types for {} layers",
+                self.layer_attention.len(),
+                self.layers
+            )));
+        }
+        if self.layer_attention.contains(&LayerAttention::Sliding)
+            && self.sliding_window.is_none_or(|w| w == 0)
+        {
+            return Err(bad(
+                "sliding-window layers need a positive sliding_window".into()
+            ));
+        }
+        if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
+            return Err(bad(format!(
+                "rms eps {} is not a non-negative number",
+                self.rms_eps
+            )));
+        }
+        Ok(self)
+    }
+}
+
+struct HfConfig<'a> {
+    json: &'a serde_json::Value,
+    path: &'a Path,
+}
+
+impl HfConfig<'_> {
+    fn error(&self, what: &str) -> ModelError {
+        ModelError::Config {
+            path: self.path.to_path_buf(),
+            what: what.into(),
+        }
+    }
+    fn str(&self, key: &str) -> Result<&str> {
+        self.json
+            .get(key)
+            .and_then(|v| v.as_str())
+            .ok_or_else(|| self.error(&format!("`{key}` is missing or not a string")))
+    }
+    fn usize(&self, key: &str) -> Result<usize> {
+        self.opt_usize(key)?
+            .ok_or_else(|| self.error(&format!("`{key}` is missing")))
+    }
+    fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.json.get(key) {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(v) => v.as_u64().map(|v| Some(v as usize)).ok_or_else(|| {
+                self.error(&format!(
+                    "`{key}` should be a non-negative integer, found {v}"
+                ))
+            }),
+        }
+    }
+    fn f64(&self, key: &str) -> Result<f64> {
+        self.json
+            .get(key)
+            .and_then(|v| v.as_f64())
+            .ok_or_else(|| self.error(&format!("`{key}` is missing or not a number")))
+    }
+}

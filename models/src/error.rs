@@ -1,0 +1,52 @@
+//! Errors a user can cause by handing us a model: every one names the file and what is wrong.
+
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: not a GGUF file (magic bytes {found:?}, expected \"GGUF\")")]
+    BadMagic { path: PathBuf, found: [u8; 4] },
+    #[error("{path}: GGUF version {version} is not supported (supported: 2 and 3)")]
+    UnsupportedVersion { path: PathBuf, version: u32 },
+    #[error("{path}: truncated or corrupt: {what}")]
+    Corrupt { path: PathBuf, what: String },
+    #[error("{path}: tensor `{tensor}` has GGML type id {type_id}, which bbc does not support (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)")]
+    UnsupportedTensorType {
+        path: PathBuf,
+        tensor: String,
+        type_id: u32,
+    },
+    #[error("{path}: metadata key `{key}` {problem}")]
+    Metadata {
+        path: PathBuf,
+        key: String,
+        problem: String,
+    },
+    #[error("{path}: safetensors: {what}")]
+    Safetensors { path: PathBuf, what: String },
+    #[error("{path}: {what}")]
+    Config { path: PathBuf, what: String },
+    #[error("tensor `{0}` not found in the model's weights")]
+    MissingTensor(String),
+    #[error("tensor `{name}`: {what}")]
+    TensorShape { name: String, what: String },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+}
+
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;
+
+pub(crate) fn io_error(path: &std::path::Path, source: std::io::Error) -> ModelError {
+    ModelError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}

@@ -1,0 +1,82 @@
+//! Llama (SmolLM2): pre-norm decoder, GQA attention with RoPE, SwiGLU MLP, tied or separate
+//! LM head. HF `LlamaForCausalLM` semantics.
+//!
+//! llama.cpp's converter permutes the rows of `attn_q`/`attn_k` in GGUF files so that rotary
+//! pairs are adjacent; with GGUF weights we rotate adjacent pairs instead of undoing the
+//! permutation, which is the same function.
+
+use super::{Builder, LayerTensor, Naming};
+use crate::config::ModelConfig;
+use crate::error::Result;
+use ir::{AttentionSpec, InputKind, Op, RopeLayout, RopeSpec};
+
+pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
+    let ids = b.graph.input(InputKind::TokenIds);
+    let positions = b.graph.input(InputKind::Positions);
+    let table = b.matrix(b.naming.embedding(), c.vocab_size, c.hidden)?;
+    let mut x = b.op(Op::Embedding, &[table, ids])?;
+    let layout = match b.naming {
+        Naming::Gguf => RopeLayout::AdjacentPairs,
+        Naming::Hf => RopeLayout::RotateHalf,
+    };
+    let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+    for i in 0..c.layers {
+        let naming = b.naming;
+        let name = |t| naming.layer(i, t);
+        let (n_attn, n_q, n_k, n_v, n_o) = (
+            name(LayerTensor::AttnNorm),
+            name(LayerTensor::Q),
+            name(LayerTensor::K),
+            name(LayerTensor::V),
+            name(LayerTensor::O),
+        );
+        let (n_ffn, n_gate, n_up, n_down) = (
+            name(LayerTensor::FfnNorm),
+            name(LayerTensor::Gate),
+            name(LayerTensor::Up),
+            name(LayerTensor::Down),
+        );
+        let h = b.rms_norm(x, &n_attn, c.hidden, c.rms_eps, 0.0)?;
+        let (wq, wk, wv) = (
+            b.matrix(&n_q, q_dim, c.hidden)?,
+            b.matrix(&n_k, kv_dim, c.hidden)?,
+            b.matrix(&n_v, kv_dim, c.hidden)?,
+        );
+        let (q, k, v) = (b.matmul(h, wq)?, b.matmul(h, wk)?, b.matmul(h, wv)?);
+        let rope = |heads| RopeSpec {
+            heads,
+            head_dim: c.head_dim,
+            rotary_dim: c.head_dim,
+            theta: c.rope_theta,
+            position_scale: c.rope_scale,
+            layout,
+        };
+        let q = b.op(Op::Rope(rope(c.heads)), &[q, positions])?;
+        let k = b.op(Op::Rope(rope(c.kv_heads)), &[k, positions])?;
+        let spec = AttentionSpec {
+            heads: c.heads,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            scale: 1.0 / (c.head_dim as f64).sqrt(),
+            window: None,
+            cache_slot: i,
+        };
+        let a = b.op(Op::Attention(spec), &[q, k, v])?;
+        let wo = b.matrix(&n_o, c.hidden, q_dim)?;
+        let o = b.matmul(a, wo)?;
+        x = b.add(x, o)?;
+
+        let h = b.rms_norm(x, &n_ffn, c.hidden, c.rms_eps, 0.0)?;
+        let (wg, wu) = (
+            b.matrix(&n_gate, c.intermediate, c.hidden)?,
+            b.matrix(&n_up, c.intermediate, c.hidden)?,
+        );
+        let (g, u) = (b.matmul(h, wg)?, b.matmul(h, wu)?);
+        let g = b.op(Op::Silu, &[g])?;
+        let m = b.op(Op::Mul, &[g, u])?;
+        let wd = b.matrix(&n_down, c.hidden, c.intermediate)?;
+        let d = b.matmul(m, wd)?;
+        x = b.add(x, d)?;
+    }
+    b.lm_head(c, x, 0.0)
+}

@@ -1,0 +1,257 @@
+//! Lowering of each model family to the IR: one file per family.
+//!
+//! A lowering reads the [`ModelConfig`] and the weights' shapes and storage types (not their
+//! data) and builds the graph of one forward step. Weight names are the source's own (GGUF
+//! or HF), so the graph can be run straight from the file.
+
+mod gemma3;
+mod llama;
+
+use crate::config::{Family, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::weights::{ir_dtype, WeightSource};
+use ir::{DType, Graph, NodeId, Op};
+use serde::{Deserialize, Serialize};
+
+/// What the graph computes logits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsFor {
+    /// Only the step's last token: what generation needs.
+    LastToken,
+    /// Every token of the step: for teacher-forced checks and `--dump-logits`.
+    AllTokens,
+}
+
+/// The dtype matrices are computed in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ComputeDtype {
+    /// Dequantize every weight to f32 (the exactness reference).
+    F32,
+    /// Weights as bf16, activations f32, f32 accumulation.
+    Bf16,
+    /// Keep the file's storage (quantized blocks stay quantized).
+    Native,
+}
+
+impl ComputeDtype {
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "f32" => Some(Self::F32),
+            "bf16" => Some(Self::Bf16),
+            "native" => Some(Self::Native),
+            _ => None,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::Native => "native",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct LowerOptions {
+    pub logits: LogitsFor,
+    pub compute: ComputeDtype,
+}
+
+/// Lower the model to the graph of one step.
+pub fn lower(config: &ModelConfig, weights: &WeightSource, options: LowerOptions) -> Result<Graph> {
+    let naming = Naming::detect(weights);
+    let mut b = Builder {
+        graph: Graph::new(config.family.name()),
+        weights,
+        naming,
+        options,
+    };
+    match config.family {
+        Family::Llama => llama::lower(config, &mut b)?,
+        Family::Gemma3 => gemma3::lower(config, &mut b)?,
+    }
+    b.graph.validate().map_err(graph_error)?;
+    Ok(b.graph)
+}
+
+fn graph_error(e: ir::GraphError) -> ModelError {
+    ModelError::TensorShape {
+        name: "graph".into(),
+        what: e.to_string(),
+    }
+}
+
+/// Which naming scheme the weights use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Naming {
+    Gguf,
+    Hf,
+}
+
+/// Tensors of a decoder layer, named once here for both schemes.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum LayerTensor {
+    AttnNorm,
+    Q,
+    K,
+    V,
+    O,
+    QNorm,
+    KNorm,
+    PostAttnNorm,
+    FfnNorm,
+    /// Gemma's norm before the MLP (Llama's is `FfnNorm`, named post-attention in HF).
+    PreFfnNorm,
+    Gate,
+    Up,
+    Down,
+    PostFfnNorm,
+}
+
+impl Naming {
+    fn detect(weights: &WeightSource) -> Self {
+        if weights.contains("token_embd.weight") {
+            Self::Gguf
+        } else {
+            Self::Hf
+        }
+    }
+
+    pub(crate) fn embedding(self) -> &'static str {
+        match self {
+            Self::Gguf => "token_embd.weight",
+            Self::Hf => "model.embed_tokens.weight",
+        }
+    }
+
+    pub(crate) fn output_norm(self) -> &'static str {
+        match self {
+            Self::Gguf => "output_norm.weight",
+            Self::Hf => "model.norm.weight",
+        }
+    }
+
+    pub(crate) fn lm_head(self) -> &'static str {
+        match self {
+            Self::Gguf => "output.weight",
+            Self::Hf => "lm_head.weight",
+        }
+    }
+
+    pub(crate) fn layer(self, i: usize, t: LayerTensor) -> String {
+        use LayerTensor::*;
+        let (gguf, hf) = match t {
+            AttnNorm => ("attn_norm", "input_layernorm"),
+            Q => ("attn_q", "self_attn.q_proj"),
+            K => ("attn_k", "self_attn.k_proj"),
+            V => ("attn_v", "self_attn.v_proj"),
+            O => ("attn_output", "self_attn.o_proj"),
+            QNorm => ("attn_q_norm", "self_attn.q_norm"),
+            KNorm => ("attn_k_norm", "self_attn.k_norm"),
+            PostAttnNorm => ("post_attention_norm", "post_attention_layernorm"),
+            FfnNorm => ("ffn_norm", "post_attention_layernorm"),
+            PreFfnNorm => ("ffn_norm", "pre_feedforward_layernorm"),
+            Gate => ("ffn_gate", "mlp.gate_proj"),
+            Up => ("ffn_up", "mlp.up_proj"),
+            Down => ("ffn_down", "mlp.down_proj"),
+            PostFfnNorm => ("post_ffw_norm", "post_feedforward_layernorm"),
+        };
+        match self {
+            Self::Gguf => format!("blk.{i}.{gguf}.weight"),
+            Self::Hf => format!("model.layers.{i}.{hf}.weight"),
+        }
+    }
+}
+
+/// Graph under construction plus what lowering needs to add weight nodes.
+pub(crate) struct Builder<'w> {
+    pub graph: Graph,
+    weights: &'w WeightSource,
+    pub naming: Naming,
+    pub options: LowerOptions,
+}
+
+impl Builder<'_> {
+    /// A matrix weight `[rows, cols]`, typed as the compute dtype asks.
+    pub fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<NodeId> {
+        let view = self.weights.require(name)?;
+        if view.shape != [rows, cols] {
+            return Err(ModelError::TensorShape {
+                name: name.into(),
+                what: format!(
+                    "has shape {:?}, the config implies [{rows}, {cols}]",
+                    view.shape
+                ),
+            });
+        }
+        let dtype = match self.options.compute {
+            ComputeDtype::F32 => DType::F32,
+            ComputeDtype::Bf16 => DType::BF16,
+            ComputeDtype::Native => ir_dtype(view.dtype),
+        };
+        Ok(self.graph.weight(name, &[rows, cols], dtype))
+    }
+
+    /// A vector weight (norms), always computed in f32.
+    pub fn vector(&mut self, name: &str, len: usize) -> Result<NodeId> {
+        let view = self.weights.require(name)?;
+        if view.shape != [len] {
+            return Err(ModelError::TensorShape {
+                name: name.into(),
+                what: format!("has shape {:?}, the config implies [{len}]", view.shape),
+            });
+        }
+        Ok(self.graph.weight(name, &[len], DType::F32))
+    }
+
+    pub fn op(&mut self, op: Op, inputs: &[NodeId]) -> Result<NodeId> {
+        self.graph.add(op, inputs).map_err(graph_error)
+    }
+
+    pub fn matmul(&mut self, x: NodeId, w: NodeId) -> Result<NodeId> {
+        self.op(Op::MatMul, &[x, w])
+    }
+
+    pub fn add(&mut self, a: NodeId, b: NodeId) -> Result<NodeId> {
+        self.op(Op::Add, &[a, b])
+    }
+
+    pub fn rms_norm(
+        &mut self,
+        x: NodeId,
+        weight: &str,
+        len: usize,
+        eps: f64,
+        weight_offset: f32,
+    ) -> Result<NodeId> {
+        let w = self.vector(weight, len)?;
+        self.op(
+            Op::RmsNorm {
+                eps,
+                weight_offset,
+                group: len,
+            },
+            &[x, w],
+        )
+    }
+
+    /// Final norm, optional last-token selection, and the (possibly tied) LM head.
+    pub fn lm_head(&mut self, config: &ModelConfig, x: NodeId, norm_offset: f32) -> Result<()> {
+        let mut x = x;
+        if self.options.logits == LogitsFor::LastToken {
+            x = self.op(Op::LastToken, &[x])?;
+        }
+        let name = self.naming.output_norm();
+        let x = self.rms_norm(x, name, config.hidden, config.rms_eps, norm_offset)?;
+        let head = if config.tied_embeddings || !self.weights.contains(self.naming.lm_head()) {
+            self.naming.embedding()
+        } else {
+            self.naming.lm_head()
+        };
+        let w = self.matrix(head, config.vocab_size, config.hidden)?;
+        let logits = self.matmul(x, w)?;
+        self.graph.set_output("logits", logits);
+        Ok(())
+    }
+}

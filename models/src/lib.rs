@@ -1,0 +1,114 @@
+//! Models: `model.toml`, weight sources (GGUF with its quant blocks, safetensors), tokenizers,
+//! and one lowering per architecture family.
+
+pub mod config;
+pub mod error;
+pub mod families;
+pub mod gguf;
+pub mod model_toml;
+pub mod quant;
+pub mod safetensors_dir;
+pub mod tokenizer;
+pub mod weights;
+
+pub use config::{Family, ModelConfig};
+pub use error::{ModelError, Result};
+pub use families::{lower, ComputeDtype, LogitsFor, LowerOptions};
+pub use model_toml::ModelSpec;
+pub use tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
+pub use weights::{TensorView, WeightSource};
+
+use std::path::{Path, PathBuf};
+
+/// A model ready to lower and run: its config, weights and (when it has one) tokenizer.
+pub struct Model {
+    pub spec: ModelSpec,
+    pub config: ModelConfig,
+    pub weights: WeightSource,
+    pub tokenizer: Option<Tokenizer>,
+}
+
+impl Model {
+    /// Open what `spec` names: a `.gguf` file or an HF directory.
+    pub fn open(spec: ModelSpec) -> Result<Self> {
+        let path = spec.weights.clone();
+        let (mut config, weights, tokenizer) = if path.is_dir() {
+            let config = ModelConfig::from_hf_config(&path.join("config.json"))?;
+            let weights = WeightSource::open_safetensors(&path)?;
+            let tokenizer = if path.join("tokenizer.json").exists() {
+                Some(Tokenizer::from_hf_dir(&path)?)
+            } else {
+                None
+            };
+            (config, weights, tokenizer)
+        } else {
+            let file = gguf::GgufFile::open(&path)?;
+            let config = ModelConfig::from_gguf(&file)?;
+            let tokenizer = match file.get("tokenizer.ggml.tokens") {
+                Some(_) => Some(Tokenizer::from_gguf(&file)?),
+                None => None,
+            };
+            (config, WeightSource::from_gguf(file), tokenizer)
+        };
+        if let Some(family) = spec.architecture {
+            if family != config.family {
+                return Err(ModelError::Config {
+                    path: path.clone(),
+                    what: format!(
+                        "model.toml says {} but the weights are {}",
+                        family.name(),
+                        config.family.name()
+                    ),
+                });
+            }
+        }
+        if let Some(limit) = spec.context_length {
+            if limit > config.context_length {
+                return Err(ModelError::Config {
+                    path,
+                    what: format!(
+                        "context_length {limit} exceeds the model's {}",
+                        config.context_length
+                    ),
+                });
+            }
+            config.context_length = limit;
+        }
+        let tokenizer = match &spec.tokenizer {
+            Some(t) => Some(Tokenizer::from_hf_dir(
+                t.parent().unwrap_or(Path::new(".")),
+            )?),
+            None => tokenizer,
+        };
+        Ok(Self {
+            spec,
+            config,
+            weights,
+            tokenizer,
+        })
+    }
+
+    pub fn open_path(path: &Path) -> Result<Self> {
+        if path.extension().is_some_and(|e| e == "toml") {
+            Self::open(ModelSpec::load(path)?)
+        } else {
+            Self::open(ModelSpec::for_weights(path))
+        }
+    }
+
+    /// Lower to the graph of one step.
+    pub fn lower(&self, logits: LogitsFor) -> Result<ir::Graph> {
+        lower(
+            &self.config,
+            &self.weights,
+            LowerOptions {
+                logits,
+                compute: self.spec.dtype,
+            },
+        )
+    }
+
+    pub fn weights_path(&self) -> PathBuf {
+        self.spec.weights.clone()
+    }
+}

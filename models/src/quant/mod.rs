@@ -1,0 +1,213 @@
+//! GGML tensor element formats.
+//!
+//! One trait, [`BlockFormat`], describes a block-quantized format (block size in elements and
+//! bytes, dequantization); one file per format implements it, after ggml's `ggml-quants.c`.
+//! [`GgmlType`] is the run-time tag read from a GGUF tensor info and dispatches to the formats.
+
+mod q4_0;
+mod q4_1;
+mod q4_k;
+mod q5_0;
+mod q5_1;
+mod q5_k;
+mod q6_k;
+mod q8_0;
+
+pub use q4_0::Q4_0;
+pub use q4_1::Q4_1;
+pub use q4_k::Q4K;
+pub use q5_0::Q5_0;
+pub use q5_1::Q5_1;
+pub use q5_k::Q5K;
+pub use q6_k::Q6K;
+pub use q8_0::Q8_0;
+
+use half::{bf16, f16};
+
+/// A block-quantized format: `BLOCK_ELEMS` values stored in `BLOCK_BYTES` bytes.
+pub trait BlockFormat {
+    const BLOCK_ELEMS: usize;
+    const BLOCK_BYTES: usize;
+    /// Dequantize one block; `block.len() == BLOCK_BYTES`, `out.len() == BLOCK_ELEMS`.
+    fn dequantize_block(block: &[u8], out: &mut [f32]);
+
+    /// Dot product of one block with `BLOCK_ELEMS` activations.
+    fn dot_block(block: &[u8], x: &[f32]) -> f32 {
+        let mut tmp = [0f32; 256];
+        let tmp = &mut tmp[..Self::BLOCK_ELEMS];
+        Self::dequantize_block(block, tmp);
+        tmp.iter().zip(x).map(|(a, b)| a * b).sum()
+    }
+}
+
+/// Element types of GGUF tensors that bbc reads. Discriminants are ggml's type ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum GgmlType {
+    F32 = 0,
+    F16 = 1,
+    Q4_0 = 2,
+    Q4_1 = 3,
+    Q5_0 = 6,
+    Q5_1 = 7,
+    Q8_0 = 8,
+    Q4K = 12,
+    Q5K = 13,
+    Q6K = 14,
+    BF16 = 30,
+}
+
+impl GgmlType {
+    pub fn from_id(id: u32) -> Option<Self> {
+        Some(match id {
+            0 => Self::F32,
+            1 => Self::F16,
+            2 => Self::Q4_0,
+            3 => Self::Q4_1,
+            6 => Self::Q5_0,
+            7 => Self::Q5_1,
+            8 => Self::Q8_0,
+            12 => Self::Q4K,
+            13 => Self::Q5K,
+            14 => Self::Q6K,
+            30 => Self::BF16,
+            _ => return None,
+        })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "F32",
+            Self::F16 => "F16",
+            Self::BF16 => "BF16",
+            Self::Q4_0 => "Q4_0",
+            Self::Q4_1 => "Q4_1",
+            Self::Q5_0 => "Q5_0",
+            Self::Q5_1 => "Q5_1",
+            Self::Q8_0 => "Q8_0",
+            Self::Q4K => "Q4_K",
+            Self::Q5K => "Q5_K",
+            Self::Q6K => "Q6_K",
+        }
+    }
+
+    /// (elements, bytes) of one block; plain float types are blocks of one element.
+    pub fn block_layout(self) -> (usize, usize) {
+        match self {
+            Self::F32 => (1, 4),
+            Self::F16 | Self::BF16 => (1, 2),
+            Self::Q4_0 => (Q4_0::BLOCK_ELEMS, Q4_0::BLOCK_BYTES),
+            Self::Q4_1 => (Q4_1::BLOCK_ELEMS, Q4_1::BLOCK_BYTES),
+            Self::Q5_0 => (Q5_0::BLOCK_ELEMS, Q5_0::BLOCK_BYTES),
+            Self::Q5_1 => (Q5_1::BLOCK_ELEMS, Q5_1::BLOCK_BYTES),
+            Self::Q8_0 => (Q8_0::BLOCK_ELEMS, Q8_0::BLOCK_BYTES),
+            Self::Q4K => (Q4K::BLOCK_ELEMS, Q4K::BLOCK_BYTES),
+            Self::Q5K => (Q5K::BLOCK_ELEMS, Q5K::BLOCK_BYTES),
+            Self::Q6K => (Q6K::BLOCK_ELEMS, Q6K::BLOCK_BYTES),
+        }
+    }
+
+    /// Bytes taken by `elems` elements, or `None` when `elems` is not a whole number of blocks.
+    pub fn bytes_for(self, elems: usize) -> Option<usize> {
+        let (be, bb) = self.block_layout();
+        (elems % be == 0)
+            .then(|| elems / be)
+            .and_then(|b| b.checked_mul(bb))
+    }
+
+    /// Dequantize `data` (a whole number of blocks) into `out`.
+    pub fn dequantize(self, data: &[u8], out: &mut [f32]) {
+        match self {
+            Self::F32 => {
+                for (o, c) in out.iter_mut().zip(data.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            Self::F16 => {
+                for (o, c) in out.iter_mut().zip(data.chunks_exact(2)) {
+                    *o = f16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+            Self::BF16 => {
+                for (o, c) in out.iter_mut().zip(data.chunks_exact(2)) {
+                    *o = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+                }
+            }
+            Self::Q4_0 => dequantize_blocks::<Q4_0>(data, out),
+            Self::Q4_1 => dequantize_blocks::<Q4_1>(data, out),
+            Self::Q5_0 => dequantize_blocks::<Q5_0>(data, out),
+            Self::Q5_1 => dequantize_blocks::<Q5_1>(data, out),
+            Self::Q8_0 => dequantize_blocks::<Q8_0>(data, out),
+            Self::Q4K => dequantize_blocks::<Q4K>(data, out),
+            Self::Q5K => dequantize_blocks::<Q5K>(data, out),
+            Self::Q6K => dequantize_blocks::<Q6K>(data, out),
+        }
+    }
+
+    /// Dot product of a row stored in this format with `x` (`x.len()` elements).
+    pub fn dot(self, data: &[u8], x: &[f32]) -> f32 {
+        match self {
+            Self::Q4_0 => dot_blocks::<Q4_0>(data, x),
+            Self::Q4_1 => dot_blocks::<Q4_1>(data, x),
+            Self::Q5_0 => dot_blocks::<Q5_0>(data, x),
+            Self::Q5_1 => dot_blocks::<Q5_1>(data, x),
+            Self::Q8_0 => dot_blocks::<Q8_0>(data, x),
+            Self::Q4K => dot_blocks::<Q4K>(data, x),
+            Self::Q5K => dot_blocks::<Q5K>(data, x),
+            Self::Q6K => dot_blocks::<Q6K>(data, x),
+            Self::F32 | Self::F16 | Self::BF16 => {
+                let mut row = vec![0f32; x.len()];
+                self.dequantize(data, &mut row);
+                row.iter().zip(x).map(|(a, b)| a * b).sum()
+            }
+        }
+    }
+}
+
+fn dequantize_blocks<F: BlockFormat>(data: &[u8], out: &mut [f32]) {
+    for (block, out) in data
+        .chunks_exact(F::BLOCK_BYTES)
+        .zip(out.chunks_exact_mut(F::BLOCK_ELEMS))
+    {
+        F::dequantize_block(block, out);
+    }
+}
+
+fn dot_blocks<F: BlockFormat>(data: &[u8], x: &[f32]) -> f32 {
+    data.chunks_exact(F::BLOCK_BYTES)
+        .zip(x.chunks_exact(F::BLOCK_ELEMS))
+        .map(|(block, x)| F::dot_block(block, x))
+        .sum()
+}
+
+/// Little-endian f16 at `offset` of a block, as f32.
+#[inline(always)]
+pub(crate) fn f16_at(block: &[u8], offset: usize) -> f32 {
+    f16::from_le_bytes([block[offset], block[offset + 1]]).to_f32()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_round_trip_and_unknown_ids_are_rejected() {
+        for id in 0..64 {
+            if let Some(t) = GgmlType::from_id(id) {
+                assert_eq!(t as u32, id);
+            }
+        }
+        assert_eq!(
+            GgmlType::from_id(9),
+            None,
+            "Q8_1 is not a storage format we read"
+        );
+        assert_eq!(GgmlType::from_id(1000), None);
+    }
+
+    #[test]
+    fn bytes_for_requires_whole_blocks() {
+        assert_eq!(GgmlType::Q4K.bytes_for(512), Some(288));
+        assert_eq!(GgmlType::Q4K.bytes_for(100), None);
+        assert_eq!(GgmlType::F16.bytes_for(3), Some(6));
+    }
+}

@@ -1,0 +1,124 @@
+//! Chat templates: the model's own Jinja template (GGUF `tokenizer.chat_template` or
+//! `tokenizer_config.json`'s `chat_template`), rendered with minijinja as HF renders it:
+//! `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, and `raise_exception`.
+
+use crate::error::{ModelError, Result};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: &str, content: &str) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct ChatTemplate {
+    source: String,
+    bos_token: String,
+    eos_token: String,
+}
+
+impl ChatTemplate {
+    pub(crate) fn new(
+        source: &str,
+        tokenizer: &tokenizers::Tokenizer,
+        bos: Option<u32>,
+        eos: Option<u32>,
+    ) -> Self {
+        let text = |id: Option<u32>| {
+            id.and_then(|i| tokenizer.id_to_token(i))
+                .unwrap_or_default()
+        };
+        Self {
+            source: source.to_string(),
+            bos_token: text(bos),
+            eos_token: text(eos),
+        }
+    }
+
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The prompt text for `messages`, ending with the assistant's turn opened when
+    /// `add_generation_prompt` is set.
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let mut env = minijinja::Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function(
+            "raise_exception",
+            |message: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    message,
+                ))
+            },
+        );
+        env.add_template("chat", &self.source).map_err(|e| {
+            ModelError::ChatTemplate(format!("the model's template does not parse: {e}"))
+        })?;
+        let template = env
+            .get_template("chat")
+            .map_err(|e| ModelError::ChatTemplate(e.to_string()))?;
+        template
+            .render(minijinja::context! {
+                messages => messages,
+                add_generation_prompt => add_generation_prompt,
+                bos_token => self.bos_token,
+                eos_token => self.eos_token,
+            })
+            .map_err(|e| ModelError::ChatTemplate(format!("rendering failed: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn template(source: &str) -> ChatTemplate {
+        ChatTemplate {
+            source: source.into(),
+            bos_token: "<s>".into(),
+            eos_token: "</s>".into(),
+        }
+    }
+
+    #[test]
+    fn renders_messages_and_generation_prompt() {
+        let t = template("{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content | trim }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}");
+        let out = t.render(&[ChatMessage::new("user", " hi ")], true).unwrap();
+        assert_eq!(out, "<s>[user]hi[assistant]");
+    }
+
+    #[test]
+    fn python_string_methods_and_raise_exception_work() {
+        let t = template("{% if messages[0].role == 'system' %}{{ raise_exception('no system role') }}{% endif %}{{ messages[0].content.strip() }}");
+        assert_eq!(
+            t.render(&[ChatMessage::new("user", " x ")], false).unwrap(),
+            "x"
+        );
+        let err = t
+            .render(&[ChatMessage::new("system", "x")], false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no system role"), "{err}");
+    }
+
+    #[test]
+    fn a_broken_template_is_an_error() {
+        let err = template("{% for %}")
+            .render(&[], true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("does not parse"), "{err}");
+    }
+}

@@ -1,0 +1,142 @@
+//! One view over weights from either source: a GGUF file or an HF safetensors directory.
+
+use crate::error::{ModelError, Result};
+use crate::gguf::GgufFile;
+use crate::quant::GgmlType;
+use crate::safetensors_dir::SafetensorsDir;
+use ir::Tensor;
+use std::path::Path;
+use std::sync::Arc;
+
+/// A borrowed weight: row-major `shape`, stored as `dtype` in `bytes` (rows are contiguous and
+/// each row is a whole number of blocks).
+#[derive(Debug, Clone, Copy)]
+pub struct TensorView<'a> {
+    pub shape: &'a [usize],
+    pub dtype: GgmlType,
+    pub bytes: &'a [u8],
+}
+
+impl TensorView<'_> {
+    pub fn elements(&self) -> usize {
+        self.shape.iter().product()
+    }
+    pub fn row_len(&self) -> usize {
+        self.shape.last().copied().unwrap_or(1)
+    }
+    pub fn rows(&self) -> usize {
+        self.elements() / self.row_len().max(1)
+    }
+    pub fn row_bytes(&self) -> usize {
+        self.dtype
+            .bytes_for(self.row_len())
+            .expect("rows are whole blocks")
+    }
+    pub fn to_f32(&self) -> Tensor {
+        let mut data = vec![0f32; self.elements()];
+        self.dtype.dequantize(self.bytes, &mut data);
+        Tensor::new(self.shape.to_vec(), data)
+    }
+}
+
+pub enum WeightSource {
+    Gguf(GgufFile, Vec<Vec<usize>>),
+    Safetensors(SafetensorsDir),
+}
+
+impl WeightSource {
+    pub fn from_gguf(file: GgufFile) -> Self {
+        let shapes = file.tensors.iter().map(|t| t.shape()).collect();
+        Self::Gguf(file, shapes)
+    }
+
+    pub fn open_safetensors(dir: &Path) -> Result<Self> {
+        Ok(Self::Safetensors(SafetensorsDir::open(dir)?))
+    }
+
+    pub fn get(&self, name: &str) -> Option<TensorView<'_>> {
+        match self {
+            Self::Gguf(file, shapes) => {
+                let i = file.tensors.iter().position(|t| t.name == name)?;
+                let info = &file.tensors[i];
+                Some(TensorView {
+                    shape: &shapes[i],
+                    dtype: info.dtype,
+                    bytes: file.tensor_data(info),
+                })
+            }
+            Self::Safetensors(dir) => dir.tensors.get(name).map(|e| TensorView {
+                shape: &e.shape,
+                dtype: e.dtype,
+                bytes: dir.data(e),
+            }),
+        }
+    }
+
+    pub fn require(&self, name: &str) -> Result<TensorView<'_>> {
+        self.get(name)
+            .ok_or_else(|| ModelError::MissingTensor(name.to_string()))
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.get(name).is_some()
+    }
+
+    pub fn names(&self) -> Vec<&str> {
+        match self {
+            Self::Gguf(file, _) => file.tensors.iter().map(|t| t.name.as_str()).collect(),
+            Self::Safetensors(dir) => dir.tensors.keys().map(String::as_str).collect(),
+        }
+    }
+}
+
+/// The IR's name for a storage type.
+pub fn ir_dtype(t: GgmlType) -> ir::DType {
+    match t {
+        GgmlType::F32 => ir::DType::F32,
+        GgmlType::F16 => ir::DType::F16,
+        GgmlType::BF16 => ir::DType::BF16,
+        GgmlType::Q4_0 => ir::DType::Q4_0,
+        GgmlType::Q4_1 => ir::DType::Q4_1,
+        GgmlType::Q5_0 => ir::DType::Q5_0,
+        GgmlType::Q5_1 => ir::DType::Q5_1,
+        GgmlType::Q8_0 => ir::DType::Q8_0,
+        GgmlType::Q4K => ir::DType::Q4K,
+        GgmlType::Q5K => ir::DType::Q5K,
+        GgmlType::Q6K => ir::DType::Q6K,
+    }
+}
+
+/// Dequantizes weights for the reference interpreter, caching each one.
+pub struct DequantizedWeights<'a> {
+    source: &'a WeightSource,
+    cache: std::sync::Mutex<std::collections::HashMap<String, Arc<Tensor>>>,
+}
+
+impl<'a> DequantizedWeights<'a> {
+    pub fn new(source: &'a WeightSource) -> Self {
+        Self {
+            source,
+            cache: Default::default(),
+        }
+    }
+}
+
+impl ir::reference::WeightProvider for DequantizedWeights<'_> {
+    fn weight_f32(&self, name: &str) -> std::result::Result<Arc<Tensor>, String> {
+        let mut cache = self
+            .cache
+            .lock()
+            .map_err(|_| "weight cache poisoned".to_string())?;
+        if let Some(t) = cache.get(name) {
+            return Ok(t.clone());
+        }
+        let view = self
+            .source
+            .get(name)
+            .ok_or_else(|| "not found in the model's weights".to_string())?;
+        let t = Arc::new(view.to_f32());
+        cache.insert(name.to_string(), t.clone());
+        Ok(t)
+    }
+}

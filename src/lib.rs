@@ -1,0 +1,4 @@
+//! The `bbc` binary's library half: model fetching and the command implementations, so that
+//! integration tests drive the same code the CLI runs.
+
+pub mod fetch;
