@@ -1,1 +1,12 @@
+//! The runtime: executes a model's graph on a backend, with a KV cache per sequence, and the
+//! generation loop (prefill, decode, sampling) on top.
 
+pub mod cpu;
+pub mod error;
+pub mod generate;
+pub mod sampling;
+
+pub use cpu::{CpuBackend, CpuSequence};
+pub use error::{Result, RuntimeError};
+pub use generate::{generate, GenerateOptions, StepEvent};
+pub use sampling::{Sampler, SamplingParams};

@@ -1,0 +1,397 @@
+//! The CPU backend: executes a graph op by op on f32 activations, with multithreaded kernels
+//! for the heavy ops (matmul, attention) and the IR's reference functions for the light ones.
+
+mod attention;
+mod matrix;
+pub mod simd;
+
+pub use attention::LayerKv;
+pub use matrix::{Matrix, Storage};
+
+use crate::error::{Result, RuntimeError};
+use half::bf16;
+use ir::reference::ops;
+use ir::{DType, Graph, InputKind, Op, Tensor};
+use models::WeightSource;
+use rayon::prelude::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+pub enum CpuWeight {
+    Matrix(Matrix),
+    Vector(Vec<f32>),
+}
+
+pub struct CpuBackend {
+    graph: Graph,
+    /// Per node: its weight, for weight nodes.
+    weights: Vec<Option<Arc<CpuWeight>>>,
+    /// Per node: the index of the last node reading it (values are freed after).
+    last_use: Vec<usize>,
+    /// Per attention cache slot: the KV row width.
+    kv_dims: Vec<usize>,
+    vocab: usize,
+    context_length: usize,
+}
+
+/// One sequence's state: its KV cache, one entry per attention slot.
+#[derive(Debug, Default, Clone)]
+pub struct CpuSequence {
+    pub layers: Vec<LayerKv>,
+    pub len: usize,
+}
+
+enum Value {
+    F32(Tensor),
+    Ids(Vec<usize>),
+}
+
+impl Value {
+    fn tensor(&self) -> &Tensor {
+        match self {
+            Value::F32(t) => t,
+            Value::Ids(_) => unreachable!("validated graphs feed ids only to id operands"),
+        }
+    }
+    fn ids(&self) -> &[usize] {
+        match self {
+            Value::Ids(ids) => ids,
+            Value::F32(_) => unreachable!("validated graphs feed floats only to float operands"),
+        }
+    }
+}
+
+impl CpuBackend {
+    /// Prepare the graph's weights from `source` in the storage each weight node names.
+    pub fn new(graph: Graph, source: &WeightSource, context_length: usize) -> Result<Self> {
+        graph
+            .validate()
+            .map_err(|e| RuntimeError::Graph(e.to_string()))?;
+        let weights = load_weights(&graph, source)?;
+        let mut last_use = vec![0; graph.nodes().len()];
+        let mut kv_dims = Vec::new();
+        let mut vocab = 0;
+        for (i, node) in graph.nodes().iter().enumerate() {
+            for input in &node.inputs {
+                last_use[input.0] = i;
+            }
+            match &node.op {
+                Op::Attention(spec) => {
+                    if kv_dims.len() <= spec.cache_slot {
+                        kv_dims.resize(spec.cache_slot + 1, 0);
+                    }
+                    kv_dims[spec.cache_slot] = spec.kv_heads * spec.head_dim;
+                }
+                Op::Embedding => vocab = graph.node(node.inputs[0]).shape.resolve(0, 0)[0],
+                _ => {}
+            }
+        }
+        for (_, out) in graph.outputs() {
+            last_use[out.0] = usize::MAX;
+        }
+        Ok(Self {
+            graph,
+            weights,
+            last_use,
+            kv_dims,
+            vocab,
+            context_length,
+        })
+    }
+
+    pub fn graph(&self) -> &Graph {
+        &self.graph
+    }
+
+    pub fn context_length(&self) -> usize {
+        self.context_length
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    /// Bytes of weights read by one decode step.
+    pub fn weight_bytes(&self) -> usize {
+        let mut seen = std::collections::HashSet::new();
+        self.weights
+            .iter()
+            .flatten()
+            .filter(|w| seen.insert(Arc::as_ptr(w)))
+            .map(|w| match w.as_ref() {
+                CpuWeight::Matrix(m) => m.bytes(),
+                CpuWeight::Vector(v) => v.len() * 4,
+            })
+            .sum()
+    }
+
+    pub fn new_sequence(&self) -> CpuSequence {
+        CpuSequence {
+            layers: vec![LayerKv::default(); self.kv_dims.len()],
+            len: 0,
+        }
+    }
+
+    /// Process `ids` as the next tokens of `seq`; returns the graph's outputs by name.
+    pub fn step(&self, seq: &mut CpuSequence, ids: &[u32]) -> Result<HashMap<String, Tensor>> {
+        if ids.is_empty() {
+            return Err(RuntimeError::Input(
+                "a step needs at least one token".into(),
+            ));
+        }
+        if seq.len + ids.len() > self.context_length {
+            return Err(RuntimeError::ContextOverflow {
+                needed: seq.len + ids.len(),
+                limit: self.context_length,
+            });
+        }
+        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.vocab) {
+            return Err(RuntimeError::Input(format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                self.vocab
+            )));
+        }
+        let first = seq.len;
+        let tokens = ids.len();
+        let mut values: Vec<Option<Value>> = Vec::with_capacity(self.graph.nodes().len());
+        for (i, node) in self.graph.nodes().iter().enumerate() {
+            let value = match &node.op {
+                Op::Input(InputKind::TokenIds) => {
+                    Some(Value::Ids(ids.iter().map(|&t| t as usize).collect()))
+                }
+                Op::Input(InputKind::Positions) => {
+                    Some(Value::Ids((first..first + tokens).collect()))
+                }
+                Op::Weight { .. } => None,
+                op => {
+                    let args: Vec<Arg> = node
+                        .inputs
+                        .iter()
+                        .map(|x| match &self.weights[x.0] {
+                            Some(w) => Arg::Weight(w),
+                            None => Arg::Value(
+                                values[x.0]
+                                    .as_ref()
+                                    .expect("inputs are computed before use"),
+                            ),
+                        })
+                        .collect();
+                    Some(Value::F32(self.eval(op, &args, seq, first, tokens)?))
+                }
+            };
+            values.push(value);
+            for input in &node.inputs {
+                if self.last_use[input.0] == i {
+                    values[input.0] = None;
+                }
+            }
+        }
+        seq.len += tokens;
+        Ok(self
+            .graph
+            .outputs()
+            .iter()
+            .map(|(name, id)| {
+                (
+                    name.clone(),
+                    values[id.0]
+                        .as_ref()
+                        .expect("outputs are kept")
+                        .tensor()
+                        .clone(),
+                )
+            })
+            .collect())
+    }
+
+    fn eval(
+        &self,
+        op: &Op,
+        args: &[Arg],
+        seq: &mut CpuSequence,
+        first: usize,
+        tokens: usize,
+    ) -> Result<Tensor> {
+        Ok(match op {
+            Op::Embedding => {
+                let table = args[0].matrix();
+                let ids = args[1].value().ids();
+                let mut out = Tensor::zeros(vec![ids.len(), table.cols]);
+                for (row, &id) in out.data.chunks_exact_mut(table.cols).zip(ids) {
+                    table.gather_row(id, row);
+                }
+                out
+            }
+            Op::MatMul => {
+                let x = args[0].value().tensor();
+                let w = args[1].matrix();
+                let mut out = Tensor::zeros(vec![x.rows(), w.rows]);
+                w.matmul(&x.data, x.rows(), &mut out.data);
+                out
+            }
+            Op::RmsNorm {
+                eps, weight_offset, ..
+            } => {
+                let x = args[0].value().tensor();
+                let w = args[1].vector();
+                let mut out = Tensor::zeros(x.shape.clone());
+                out.data
+                    .par_chunks_mut(x.row_len())
+                    .zip(x.data.par_chunks(x.row_len()))
+                    .for_each(|(o, xr)| ops::rms_norm(xr, w, *eps, *weight_offset, o));
+                out
+            }
+            Op::Rope(spec) => {
+                let mut x = args[0].value().tensor().clone();
+                ops::rope(spec, &mut x.data, args[1].value().ids());
+                x
+            }
+            Op::Attention(spec) => {
+                let (q, k, v) = (
+                    args[0].value().tensor(),
+                    args[1].value().tensor(),
+                    args[2].value().tensor(),
+                );
+                let kv = &mut seq.layers[spec.cache_slot];
+                kv.k.extend_from_slice(&k.data);
+                kv.v.extend_from_slice(&v.data);
+                debug_assert_eq!(kv.len(self.kv_dims[spec.cache_slot]), first + tokens);
+                let mut out = Tensor::zeros(q.shape.clone());
+                attention::attention(spec, &q.data, first, kv, &mut out.data);
+                out
+            }
+            Op::Add => zip_map(
+                args[0].value().tensor(),
+                args[1].value().tensor(),
+                |a, b| a + b,
+            ),
+            Op::Mul => zip_map(
+                args[0].value().tensor(),
+                args[1].value().tensor(),
+                |a, b| a * b,
+            ),
+            Op::Scale { factor } => map(args[0].value().tensor(), |a| a * factor),
+            Op::Silu => map(args[0].value().tensor(), ops::silu),
+            Op::GeluTanh => map(args[0].value().tensor(), ops::gelu_tanh),
+            Op::LastToken => {
+                let x = args[0].value().tensor();
+                Tensor::new(vec![1, x.row_len()], x.row(x.rows() - 1).to_vec())
+            }
+            Op::Input(_) | Op::Weight { .. } => unreachable!("handled by step"),
+        })
+    }
+}
+
+enum Arg<'a> {
+    Value(&'a Value),
+    Weight(&'a CpuWeight),
+}
+
+impl Arg<'_> {
+    fn value(&self) -> &Value {
+        match self {
+            Arg::Value(v) => v,
+            Arg::Weight(_) => unreachable!("validated graphs feed weights only to weight operands"),
+        }
+    }
+    fn matrix(&self) -> &Matrix {
+        match self {
+            Arg::Weight(CpuWeight::Matrix(m)) => m,
+            _ => unreachable!("validated graphs feed matrices to matrix operands"),
+        }
+    }
+    fn vector(&self) -> &[f32] {
+        match self {
+            Arg::Weight(CpuWeight::Vector(v)) => v,
+            _ => unreachable!("validated graphs feed vectors to vector operands"),
+        }
+    }
+}
+
+fn map(x: &Tensor, f: impl Fn(f32) -> f32 + Sync) -> Tensor {
+    let mut out = x.clone();
+    out.data.par_iter_mut().for_each(|v| *v = f(*v));
+    out
+}
+
+fn zip_map(a: &Tensor, b: &Tensor, f: impl Fn(f32, f32) -> f32) -> Tensor {
+    Tensor::new(
+        a.shape.clone(),
+        a.data.iter().zip(&b.data).map(|(&x, &y)| f(x, y)).collect(),
+    )
+}
+
+/// Load every weight node, in parallel; a weight used twice (a tied LM head) is loaded once.
+fn load_weights(graph: &Graph, source: &WeightSource) -> Result<Vec<Option<Arc<CpuWeight>>>> {
+    let mut unique: HashMap<(String, DType), usize> = HashMap::new();
+    let mut jobs = Vec::new();
+    let mut slot_of_node = vec![None; graph.nodes().len()];
+    for (i, node) in graph.nodes().iter().enumerate() {
+        if let Op::Weight { name } = &node.op {
+            let key = (name.clone(), node.dtype);
+            let slot = *unique.entry(key).or_insert_with(|| {
+                jobs.push(i);
+                jobs.len() - 1
+            });
+            slot_of_node[i] = Some(slot);
+        }
+    }
+    let loaded: Vec<Arc<CpuWeight>> = jobs
+        .par_iter()
+        .map(|&i| load_weight(graph, i, source).map(Arc::new))
+        .collect::<Result<_>>()?;
+    Ok(slot_of_node
+        .into_iter()
+        .map(|s| s.map(|s| loaded[s].clone()))
+        .collect())
+}
+
+fn load_weight(graph: &Graph, i: usize, source: &WeightSource) -> Result<CpuWeight> {
+    let node = &graph.nodes()[i];
+    let Op::Weight { name } = &node.op else {
+        unreachable!("only weight nodes are loaded")
+    };
+    let view = source
+        .get(name)
+        .ok_or_else(|| RuntimeError::Weight(format!("`{name}` is not in the weights")))?;
+    let shape = node.shape.resolve(0, 0);
+    if view.shape != shape.as_slice() {
+        return Err(RuntimeError::Weight(format!(
+            "`{name}` has shape {:?}, the graph expects {shape:?}",
+            view.shape
+        )));
+    }
+    if let [len] = shape[..] {
+        let data = view.to_f32().data;
+        debug_assert_eq!(data.len(), len);
+        return Ok(CpuWeight::Vector(data));
+    }
+    let (rows, cols) = (shape[0], shape[1]);
+    let storage = match node.dtype {
+        DType::F32 | DType::F16 => Storage::F32(view.to_f32().data),
+        DType::BF16 => Storage::Bf16(view.to_f32().data.into_iter().map(bf16::from_f32).collect()),
+        DType::I32 => {
+            return Err(RuntimeError::Weight(format!(
+                "`{name}`: i32 weights are not matrices"
+            )))
+        }
+        quant => {
+            if models::weights::ir_dtype(view.dtype) != quant {
+                return Err(RuntimeError::Weight(format!(
+                    "`{name}` is stored as {}, the graph expects {quant}",
+                    view.dtype.name()
+                )));
+            }
+            Storage::Quant {
+                dtype: view.dtype,
+                bytes: view.bytes.to_vec(),
+                row_bytes: view.row_bytes(),
+            }
+        }
+    };
+    Ok(CpuWeight::Matrix(Matrix {
+        rows,
+        cols,
+        storage,
+    }))
+}

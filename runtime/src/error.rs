@@ -1,0 +1,19 @@
+//! Errors of running a model.
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("the graph is invalid: {0}")]
+    Graph(String),
+    #[error("weights: {0}")]
+    Weight(String),
+    #[error("{0}")]
+    Input(String),
+    #[error("the sequence needs {needed} tokens but the context length is {limit}; shorten the prompt or lower --max-tokens")]
+    ContextOverflow { needed: usize, limit: usize },
+    #[error(transparent)]
+    Model(#[from] models::ModelError),
+    #[error("{0}")]
+    Artifact(String),
+}
+
+pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
