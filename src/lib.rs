@@ -1,4 +1,6 @@
 //! The `bbc` binary's library half: model fetching and the command implementations, so that
 //! integration tests drive the same code the CLI runs.
 
+pub mod commands;
 pub mod fetch;
+pub mod model_ref;

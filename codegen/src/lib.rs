@@ -1,1 +1,11 @@
+//! From a (fused) graph to an artifact directory.
+//!
+//! Today the CPU target: the artifact holds the manifest, the graph (text for people, JSON for
+//! the runtime) and a reference to the weights, which the CPU backend reads in place. GPU
+//! targets (kernels, plan, transformed weights) come with the CUDA code generator.
 
+mod artifact;
+mod target;
+
+pub use artifact::{compile, read_manifest, read_graph, Manifest, ArtifactError, MANIFEST_FILE};
+pub use target::Target;

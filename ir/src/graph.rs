@@ -7,10 +7,10 @@ use crate::op::Op;
 use crate::{DType, Dim, InputKind, Shape};
 use petgraph::graph::DiGraph;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub struct NodeId(pub usize);
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Node {
     pub op: Op,
     pub inputs: Vec<NodeId>,
@@ -41,7 +41,7 @@ pub enum GraphError {
     },
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Graph {
     pub name: String,
     nodes: Vec<Node>,

@@ -3,7 +3,7 @@
 use crate::{DType, Dim, Shape, Sym};
 
 /// Run-time inputs of a step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum InputKind {
     /// `i32[tokens]`: the new tokens.
     TokenIds,
@@ -21,7 +21,7 @@ impl InputKind {
 }
 
 /// How rotary pairs are laid out inside a head.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum RopeLayout {
     /// HF/NEOX: element i pairs with i + rotary_dim/2.
     RotateHalf,
@@ -29,7 +29,7 @@ pub enum RopeLayout {
     AdjacentPairs,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RopeSpec {
     pub heads: usize,
     pub head_dim: usize,
@@ -41,7 +41,7 @@ pub struct RopeSpec {
     pub layout: RopeLayout,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AttentionSpec {
     pub heads: usize,
     pub kv_heads: usize,
@@ -54,7 +54,7 @@ pub struct AttentionSpec {
     pub cache_slot: usize,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Op {
     Input(InputKind),
     /// A named model weight; its shape and storage dtype are the node's.

@@ -3,7 +3,7 @@
 use std::fmt;
 
 /// Sizes known only at run time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Sym {
     /// New tokens processed in this step (prompt chunk length in prefill, 1 in decode).
     Tokens,
@@ -20,7 +20,7 @@ impl Sym {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum Dim {
     Const(usize),
     Sym(Sym),
@@ -57,7 +57,7 @@ impl fmt::Display for Dim {
 }
 
 /// Row-major shape, outermost dim first.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct Shape(pub Vec<Dim>);
 
 impl Shape {

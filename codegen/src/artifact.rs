@@ -1,0 +1,179 @@
+//! The artifact directory: `manifest.json`, `graph.ir` (canonical text), `graph.json` (what the
+//! runtime loads), and for the CPU target a reference to the weights file(s), which the CPU
+//! backend maps and converts at load time.
+
+use crate::target::Target;
+use ir::Graph;
+use models::Model;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+pub const MANIFEST_FILE: &str = "manifest.json";
+const GRAPH_TEXT: &str = "graph.ir";
+const GRAPH_JSON: &str = "graph.json";
+const FORMAT_VERSION: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ArtifactError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {what}")]
+    Invalid { path: PathBuf, what: String },
+    #[error("target {target} needs the CUDA code generator, which this build does not have yet; compile with --target cpu")]
+    UnsupportedTarget { target: &'static str },
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ArtifactError + '_ {
+    move |source| ArtifactError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Manifest {
+    pub format_version: u32,
+    pub bbc_version: String,
+    pub target: Target,
+    pub family: models::Family,
+    /// Compute dtype of the matrices.
+    pub dtype: models::ComputeDtype,
+    /// The weights (a GGUF file or an HF directory), absolute.
+    pub weights: PathBuf,
+    pub weights_sha256: String,
+    /// Where the tokenizer comes from: the weights themselves unless a model.toml overrode it.
+    pub tokenizer: Option<PathBuf>,
+    pub context_length: usize,
+    pub graph_text: String,
+    pub graph_json: String,
+    /// sha256 over the graph, the weights hash and every field above: the artifact's identity.
+    pub hash: String,
+}
+
+/// Write the artifact for `graph` of `model` into `dir`.
+pub fn compile(model: &Model, graph: &Graph, target: Target, dir: &Path) -> Result<Manifest, ArtifactError> {
+    if target != Target::Cpu {
+        return Err(ArtifactError::UnsupportedTarget { target: target.name() });
+    }
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let weights = std::fs::canonicalize(&model.spec.weights).map_err(io(&model.spec.weights))?;
+    let weights_sha256 = hash_weights(&weights)?;
+    let graph_json = serde_json::to_string(graph).expect("graphs serialise");
+    let mut manifest = Manifest {
+        format_version: FORMAT_VERSION,
+        bbc_version: env!("CARGO_PKG_VERSION").to_string(),
+        target,
+        family: model.config.family,
+        dtype: model.spec.dtype,
+        weights,
+        weights_sha256,
+        tokenizer: model.spec.tokenizer.clone(),
+        context_length: model.config.context_length,
+        graph_text: GRAPH_TEXT.into(),
+        graph_json: GRAPH_JSON.into(),
+        hash: String::new(),
+    };
+    manifest.hash = identity(&manifest, &graph_json);
+    write(dir, GRAPH_TEXT, graph.to_text().as_bytes())?;
+    write(dir, GRAPH_JSON, graph_json.as_bytes())?;
+    write(dir, MANIFEST_FILE, serde_json::to_string_pretty(&manifest).expect("manifests serialise").as_bytes())?;
+    Ok(manifest)
+}
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), ArtifactError> {
+    let path = dir.join(name);
+    std::fs::write(&path, bytes).map_err(io(&path))
+}
+
+fn identity(manifest: &Manifest, graph_json: &str) -> String {
+    let mut h = Sha256::new();
+    let fields = serde_json::to_string(&Manifest {
+        hash: String::new(),
+        ..manifest.clone()
+    })
+    .expect("manifests serialise");
+    h.update(fields.as_bytes());
+    h.update(graph_json.as_bytes());
+    hex(&h.finalize())
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// sha256 of the weights file, or of a directory's `*.safetensors` files in name order.
+fn hash_weights(path: &Path) -> Result<String, ArtifactError> {
+    let mut files = vec![];
+    if path.is_dir() {
+        for entry in std::fs::read_dir(path).map_err(io(path))? {
+            let p = entry.map_err(io(path))?.path();
+            if p.extension().is_some_and(|e| e == "safetensors") {
+                files.push(p);
+            }
+        }
+        files.sort();
+    } else {
+        files.push(path.to_path_buf());
+    }
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    for f in files {
+        let mut file = std::fs::File::open(&f).map_err(io(&f))?;
+        loop {
+            let n = file.read(&mut buf).map_err(io(&f))?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+    }
+    Ok(hex(&h.finalize()))
+}
+
+/// Read and check an artifact's manifest.
+pub fn read_manifest(dir: &Path) -> Result<Manifest, ArtifactError> {
+    let path = dir.join(MANIFEST_FILE);
+    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+    let manifest: Manifest = serde_json::from_str(&text).map_err(|e| ArtifactError::Invalid {
+        path: path.clone(),
+        what: format!("not a bbc manifest: {e}"),
+    })?;
+    if manifest.format_version != FORMAT_VERSION {
+        return Err(ArtifactError::Invalid {
+            path,
+            what: format!(
+                "artifact format {} but this bbc reads format {FORMAT_VERSION}; recompile it",
+                manifest.format_version
+            ),
+        });
+    }
+    Ok(manifest)
+}
+
+/// Read the graph an artifact holds, checking it against its manifest hash and the IR's rules.
+pub fn read_graph(dir: &Path, manifest: &Manifest) -> Result<Graph, ArtifactError> {
+    let path = dir.join(&manifest.graph_json);
+    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
+    if identity(manifest, &text) != manifest.hash {
+        return Err(ArtifactError::Invalid {
+            path,
+            what: "the graph or manifest was changed after compilation (hash mismatch); recompile".into(),
+        });
+    }
+    let graph: Graph = serde_json::from_str(&text).map_err(|e| ArtifactError::Invalid {
+        path: path.clone(),
+        what: format!("not a graph: {e}"),
+    })?;
+    graph.validate().map_err(|e| ArtifactError::Invalid {
+        path,
+        what: e.to_string(),
+    })?;
+    Ok(graph)
+}

@@ -1,0 +1,5 @@
+//! One file per `bbc` subcommand.
+
+pub mod compile;
+pub mod run;
+pub mod tokenize;

@@ -1,0 +1,163 @@
+//! `bbc run MODEL --prompt TEXT | --prompt-ids 1,2,3 [...]`: generate and stream text.
+
+use crate::model_ref;
+use anyhow::{bail, Context, Result};
+use models::{ChatMessage, ComputeDtype, LogitsFor, StreamDecoder, Tokenizer};
+use runtime::{generate, CpuBackend, GenerateOptions, SamplingParams};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+pub struct RunArgs {
+    pub model: String,
+    pub prompt: Option<String>,
+    pub prompt_ids: Option<Vec<u32>>,
+    pub chat: bool,
+    pub system: Option<String>,
+    pub max_tokens: usize,
+    pub temperature: f32,
+    pub seed: u64,
+    pub ignore_eos: bool,
+    pub json: bool,
+    pub dump_logits: Option<PathBuf>,
+    pub dtype: Option<ComputeDtype>,
+}
+
+pub fn run(args: &RunArgs) -> Result<()> {
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+        bail!("--temperature must be a finite number ≥ 0 (0 is greedy), got {}", args.temperature);
+    }
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let started = Instant::now();
+    let loaded = model_ref::load(&args.model, args.dtype, LogitsFor::LastToken, args.json)?;
+    let tokenizer = loaded.model.tokenizer.as_ref();
+    let prompt = prompt_ids(args, tokenizer)?;
+    let backend = CpuBackend::new(loaded.graph, &loaded.model.weights, loaded.model.config.context_length)?;
+    let load_time = started.elapsed();
+
+    let options = GenerateOptions {
+        max_tokens: args.max_tokens,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            seed: args.seed,
+        },
+        stop_tokens: match (args.ignore_eos, tokenizer) {
+            (false, Some(t)) => t.eos.clone(),
+            _ => Vec::new(),
+        },
+        ..GenerateOptions::default()
+    };
+    let mut decoder = StreamDecoder::new();
+    let mut logits_rows: Vec<f32> = Vec::new();
+    let mut stdout = std::io::stdout().lock();
+    let generation_start = Instant::now();
+    let mut first_token_at = None;
+    let ids = generate(&backend, &prompt, &options, |event| {
+        first_token_at.get_or_insert_with(Instant::now);
+        if args.dump_logits.is_some() {
+            logits_rows.extend_from_slice(event.logits);
+        }
+        let stops = options.stop_tokens.contains(&event.token);
+        if !args.json && !stops {
+            match tokenizer {
+                Some(t) => write!(stdout, "{}", decoder.push(t, event.token)?),
+                None => write!(stdout, "{} ", event.token),
+            }
+            .and_then(|_| stdout.flush())
+            .map_err(|e| runtime::RuntimeError::Input(format!("writing to stdout: {e}")))?;
+        }
+        Ok(true)
+    })?;
+    let done = Instant::now();
+    // The text leaves out a final stop token (it ends the answer, it is not part of it).
+    let shown = match ids.last() {
+        Some(last) if options.stop_tokens.contains(last) => &ids[..ids.len() - 1],
+        _ => &ids[..],
+    };
+    let text = match tokenizer {
+        Some(t) => Some(t.decode(shown)?),
+        None => None,
+    };
+    if args.json {
+        let out = serde_json::json!({ "prompt_ids": prompt, "ids": ids, "text": text });
+        writeln!(stdout, "{out}")?;
+    } else {
+        if let Some(t) = tokenizer {
+            write!(stdout, "{}", decoder.finish(t)?)?;
+        }
+        writeln!(stdout)?;
+    }
+    if let Some(path) = &args.dump_logits {
+        write_logits(path, &logits_rows, backend.vocab_size())?;
+    }
+    if !args.json {
+        let first = first_token_at.unwrap_or(done);
+        let prefill = first - generation_start;
+        let decode = done - first;
+        let decode_rate = (ids.len().saturating_sub(1)) as f64 / decode.as_secs_f64().max(1e-9);
+        eprintln!(
+            "[load {:.2}s | prompt {} tokens in {:.2}s ({:.1} tok/s) | {} generated, decode {:.1} tok/s | {} threads, {}]",
+            load_time.as_secs_f64(),
+            prompt.len(),
+            prefill.as_secs_f64(),
+            prompt.len() as f64 / prefill.as_secs_f64().max(1e-9),
+            ids.len(),
+            decode_rate,
+            rayon::current_num_threads(),
+            runtime::cpu::simd::isa(),
+        );
+    }
+    Ok(())
+}
+
+fn prompt_ids(args: &RunArgs, tokenizer: Option<&Tokenizer>) -> Result<Vec<u32>> {
+    match (&args.prompt, &args.prompt_ids) {
+        (Some(_), Some(_)) => bail!("give --prompt or --prompt-ids, not both"),
+        (None, None) => bail!("give a prompt: --prompt TEXT or --prompt-ids 1,2,3"),
+        (None, Some(ids)) => {
+            if args.chat {
+                bail!("--chat renders text through the chat template; it needs --prompt, not --prompt-ids");
+            }
+            if ids.is_empty() {
+                bail!("--prompt-ids is empty");
+            }
+            Ok(ids.clone())
+        }
+        (Some(text), None) => {
+            let tokenizer = tokenizer.context("this model has no tokenizer; give --prompt-ids instead of --prompt")?;
+            if !args.chat {
+                if args.system.is_some() {
+                    bail!("--system applies to --chat prompts");
+                }
+                return Ok(tokenizer.encode(text, true)?);
+            }
+            let template = tokenizer
+                .chat_template
+                .as_ref()
+                .context("this model has no chat template (a base model?); run without --chat")?;
+            let mut messages = Vec::new();
+            if let Some(system) = &args.system {
+                messages.push(ChatMessage::new("system", system));
+            }
+            messages.push(ChatMessage::new("user", text));
+            let rendered = template.render(&messages, true)?;
+            // The template writes BOS itself when the model wants it.
+            let ids = tokenizer.encode(&rendered, false)?;
+            if ids.is_empty() {
+                bail!("the rendered chat prompt is empty");
+            }
+            Ok(ids)
+        }
+    }
+}
+
+/// One tensor `logits` [steps, vocab] f32.
+fn write_logits(path: &std::path::Path, rows: &[f32], vocab: usize) -> Result<()> {
+    let bytes: Vec<u8> = rows.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![rows.len() / vocab.max(1), vocab], &bytes)
+        .context("building the logits tensor")?;
+    safetensors::serialize_to_file([("logits", view)], None, path).with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}

@@ -1,0 +1,98 @@
+//! What a MODEL argument names, and loading it: an artifact directory, a `model.toml`, a
+//! weights path (GGUF file or HF directory), or the name of a model bbc fetches.
+
+use crate::fetch;
+use anyhow::{bail, Context, Result};
+use codegen::Target;
+use ir::Graph;
+use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
+use std::path::{Path, PathBuf};
+
+pub enum ModelRef {
+    Artifact(PathBuf),
+    Toml(PathBuf),
+    Weights(PathBuf),
+    Known(&'static fetch::KnownModel),
+}
+
+impl ModelRef {
+    pub fn parse(arg: &str) -> Result<Self> {
+        let path = Path::new(arg);
+        if path.join(codegen::MANIFEST_FILE).is_file() {
+            return Ok(Self::Artifact(path.into()));
+        }
+        if path.is_file() && path.extension().is_some_and(|e| e == "toml") {
+            return Ok(Self::Toml(path.into()));
+        }
+        if path.exists() {
+            return Ok(Self::Weights(path.into()));
+        }
+        if let Some(model) = fetch::known(arg) {
+            return Ok(Self::Known(model));
+        }
+        let names: Vec<&str> = fetch::MODELS.iter().map(|m| m.name).collect();
+        bail!(
+            "`{arg}` is not an artifact directory, a model.toml, a weights path, or a known model ({})",
+            names.join(", ")
+        )
+    }
+
+    /// The model spec this names (fetching a known model first); `None` for artifacts.
+    fn spec(&self, quiet: bool) -> Result<Option<ModelSpec>> {
+        Ok(match self {
+            Self::Artifact(_) => None,
+            Self::Toml(path) => Some(ModelSpec::load(path)?),
+            Self::Weights(path) => Some(ModelSpec::for_weights(path)),
+            Self::Known(model) => Some(ModelSpec::for_weights(&fetch::ensure(model, quiet)?)),
+        })
+    }
+}
+
+/// A model opened and lowered (or read from its artifact), ready for a backend.
+pub struct Loaded {
+    pub model: Model,
+    pub graph: Graph,
+}
+
+/// Open `arg`; `dtype` overrides the compute dtype of anything but an artifact.
+pub fn load(arg: &str, dtype: Option<ComputeDtype>, logits: LogitsFor, quiet: bool) -> Result<Loaded> {
+    let reference = ModelRef::parse(arg)?;
+    match reference.spec(quiet)? {
+        Some(mut spec) => {
+            if let Some(d) = dtype {
+                spec.dtype = d;
+            }
+            let model = Model::open(spec)?;
+            let graph = model.lower(logits)?;
+            Ok(Loaded { model, graph })
+        }
+        None => {
+            let ModelRef::Artifact(dir) = reference else { unreachable!("only artifacts have no spec") };
+            if dtype.is_some() {
+                bail!("--dtype does not apply to a compiled artifact: its dtype was fixed by `bbc compile`");
+            }
+            load_artifact(&dir)
+        }
+    }
+}
+
+fn load_artifact(dir: &Path) -> Result<Loaded> {
+    let manifest = codegen::read_manifest(dir)?;
+    if manifest.target != Target::Cpu {
+        bail!(
+            "{} was compiled for {}; this bbc has only the CPU backend, so compile with --target cpu",
+            dir.display(),
+            manifest.target.name()
+        );
+    }
+    let spec = ModelSpec {
+        weights: manifest.weights.clone(),
+        architecture: Some(manifest.family),
+        dtype: manifest.dtype,
+        context_length: Some(manifest.context_length),
+        tokenizer: manifest.tokenizer.clone(),
+    };
+    let model = Model::open(spec).with_context(|| format!("opening the weights {} names", dir.display()))?;
+    let graph = codegen::read_graph(dir, &manifest)?;
+    Ok(Loaded { model, graph })
+}
