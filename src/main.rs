@@ -51,7 +51,7 @@ enum Command {
         #[arg(long, default_value_t = 128)]
         max_tokens: usize,
         /// 0 is greedy.
-        #[arg(long, default_value_t = 0.0)]
+        #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
         temperature: f32,
         #[arg(long, default_value_t = 0)]
         seed: u64,
@@ -97,7 +97,12 @@ fn run(cli: Cli) -> Result<()> {
             println!("{}", path.display());
             Ok(())
         }
-        Command::Compile { model, target, output, emit } => commands::compile::compile(&model, &target, &output, emit.as_deref()),
+        Command::Compile {
+            model,
+            target,
+            output,
+            emit,
+        } => commands::compile::compile(&model, &target, &output, emit.as_deref()),
         Command::Run {
             model,
             prompt,
@@ -113,7 +118,10 @@ fn run(cli: Cli) -> Result<()> {
             dtype,
         } => {
             let dtype = dtype
-                .map(|d| ComputeDtype::parse(&d).ok_or_else(|| anyhow::anyhow!("--dtype {d}: choose f32, bf16 or native")))
+                .map(|d| {
+                    ComputeDtype::parse(&d)
+                        .ok_or_else(|| anyhow::anyhow!("--dtype {d}: choose f32, bf16 or native"))
+                })
                 .transpose()?;
             commands::run::run(&commands::run::RunArgs {
                 model,
@@ -130,6 +138,10 @@ fn run(cli: Cli) -> Result<()> {
                 dtype,
             })
         }
-        Command::Tokenize { model, text, add_special } => commands::tokenize::tokenize(&model, &text, add_special),
+        Command::Tokenize {
+            model,
+            text,
+            add_special,
+        } => commands::tokenize::tokenize(&model, &text, add_special),
     }
 }

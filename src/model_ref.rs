@@ -55,7 +55,12 @@ pub struct Loaded {
 }
 
 /// Open `arg`; `dtype` overrides the compute dtype of anything but an artifact.
-pub fn load(arg: &str, dtype: Option<ComputeDtype>, logits: LogitsFor, quiet: bool) -> Result<Loaded> {
+pub fn load(
+    arg: &str,
+    dtype: Option<ComputeDtype>,
+    logits: LogitsFor,
+    quiet: bool,
+) -> Result<Loaded> {
     let reference = ModelRef::parse(arg)?;
     match reference.spec(quiet)? {
         Some(mut spec) => {
@@ -67,7 +72,9 @@ pub fn load(arg: &str, dtype: Option<ComputeDtype>, logits: LogitsFor, quiet: bo
             Ok(Loaded { model, graph })
         }
         None => {
-            let ModelRef::Artifact(dir) = reference else { unreachable!("only artifacts have no spec") };
+            let ModelRef::Artifact(dir) = reference else {
+                unreachable!("only artifacts have no spec")
+            };
             if dtype.is_some() {
                 bail!("--dtype does not apply to a compiled artifact: its dtype was fixed by `bbc compile`");
             }
@@ -92,7 +99,8 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
         context_length: Some(manifest.context_length),
         tokenizer: manifest.tokenizer.clone(),
     };
-    let model = Model::open(spec).with_context(|| format!("opening the weights {} names", dir.display()))?;
+    let model = Model::open(spec)
+        .with_context(|| format!("opening the weights {} names", dir.display()))?;
     let graph = codegen::read_graph(dir, &manifest)?;
     Ok(Loaded { model, graph })
 }

@@ -58,9 +58,16 @@ pub struct Manifest {
 }
 
 /// Write the artifact for `graph` of `model` into `dir`.
-pub fn compile(model: &Model, graph: &Graph, target: Target, dir: &Path) -> Result<Manifest, ArtifactError> {
+pub fn compile(
+    model: &Model,
+    graph: &Graph,
+    target: Target,
+    dir: &Path,
+) -> Result<Manifest, ArtifactError> {
     if target != Target::Cpu {
-        return Err(ArtifactError::UnsupportedTarget { target: target.name() });
+        return Err(ArtifactError::UnsupportedTarget {
+            target: target.name(),
+        });
     }
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let weights = std::fs::canonicalize(&model.spec.weights).map_err(io(&model.spec.weights))?;
@@ -83,7 +90,13 @@ pub fn compile(model: &Model, graph: &Graph, target: Target, dir: &Path) -> Resu
     manifest.hash = identity(&manifest, &graph_json);
     write(dir, GRAPH_TEXT, graph.to_text().as_bytes())?;
     write(dir, GRAPH_JSON, graph_json.as_bytes())?;
-    write(dir, MANIFEST_FILE, serde_json::to_string_pretty(&manifest).expect("manifests serialise").as_bytes())?;
+    write(
+        dir,
+        MANIFEST_FILE,
+        serde_json::to_string_pretty(&manifest)
+            .expect("manifests serialise")
+            .as_bytes(),
+    )?;
     Ok(manifest)
 }
 
@@ -164,7 +177,8 @@ pub fn read_graph(dir: &Path, manifest: &Manifest) -> Result<Graph, ArtifactErro
     if identity(manifest, &text) != manifest.hash {
         return Err(ArtifactError::Invalid {
             path,
-            what: "the graph or manifest was changed after compilation (hash mismatch); recompile".into(),
+            what: "the graph or manifest was changed after compilation (hash mismatch); recompile"
+                .into(),
         });
     }
     let graph: Graph = serde_json::from_str(&text).map_err(|e| ArtifactError::Invalid {

@@ -7,7 +7,9 @@ use crate::op::Op;
 use crate::{DType, Dim, InputKind, Shape};
 use petgraph::graph::DiGraph;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 pub struct NodeId(pub usize);
 
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]

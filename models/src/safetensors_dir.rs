@@ -99,58 +99,103 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// Parse and check the header: `u64 n`, then `n` bytes of JSON `{name: {dtype, shape,
 /// data_offsets: [begin, end]}}`; offsets are relative to the end of the header and must
-/// match shape × dtype size and lie inside the file.
+/// match shape × dtype size and lie inside the file. Each tensor is checked here first so an
+/// error names it; the safetensors crate then checks the layout as a whole.
 fn read_header(bytes: &[u8], path: &Path, shard: usize) -> Result<Vec<(String, SafetensorsEntry)>> {
     let bad = |what: String| ModelError::Safetensors {
         path: path.to_path_buf(),
         what,
     };
-    let (_, metadata) = safetensors::SafeTensors::read_metadata(bytes)
-        .map_err(|e| bad(format!("invalid header: {e}")))?;
-    let header_len = u64::from_le_bytes(
-        bytes[..8]
-            .try_into()
-            .expect("read_metadata checked the length"),
-    ) as usize;
-    let data_start = 8 + header_len;
+    let header_len = bytes
+        .get(..8)
+        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .ok_or_else(|| {
+            bad(format!(
+                "file is {} bytes, too short for a header",
+                bytes.len()
+            ))
+        })?;
+    let data_start = usize::try_from(header_len)
+        .ok()
+        .and_then(|n| n.checked_add(8))
+        .filter(|&s| s <= bytes.len())
+        .ok_or_else(|| {
+            bad(format!(
+                "header claims {header_len} bytes but the file has {}",
+                bytes.len()
+            ))
+        })?;
+    let header: BTreeMap<String, serde_json::Value> = serde_json::from_slice(&bytes[8..data_start])
+        .map_err(|e| bad(format!("header is not valid JSON: {e}")))?;
     let data_len = bytes.len() - data_start;
     let mut out = Vec::new();
-    for (name, info) in metadata.tensors() {
-        let dtype = match info.dtype {
-            safetensors::Dtype::F32 => GgmlType::F32,
-            safetensors::Dtype::F16 => GgmlType::F16,
-            safetensors::Dtype::BF16 => GgmlType::BF16,
-            other => {
-                return Err(bad(format!(
-                    "tensor `{name}` has dtype {other:?}; bbc reads F32, F16 and BF16"
-                )))
-            }
-        };
-        let (begin, end) = info.data_offsets;
-        let elements = info.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-        let want = elements.and_then(|e| dtype.bytes_for(e));
-        if want != Some(end.wrapping_sub(begin)) || begin > end {
-            return Err(bad(format!(
-                "tensor `{name}`: shape {:?} × {} does not match its byte range {begin}..{end}",
-                info.shape,
-                dtype.name()
-            )));
-        }
-        if end > data_len {
-            return Err(bad(format!(
-                "tensor `{name}` ends at byte {end} but the file has {data_len} bytes of data"
-            )));
+    for (name, info) in header {
+        if name == "__metadata__" {
+            continue;
         }
         out.push((
-            name,
-            SafetensorsEntry {
-                shard,
-                dtype,
-                shape: info.shape.clone(),
-                start: data_start + begin,
-                end: data_start + end,
-            },
+            name.clone(),
+            header_entry(&name, &info, data_start, data_len, shard).map_err(bad)?,
         ));
     }
+    safetensors::SafeTensors::read_metadata(bytes)
+        .map_err(|e| bad(format!("invalid layout: {e}")))?;
     Ok(out)
+}
+
+fn header_entry(
+    name: &str,
+    info: &serde_json::Value,
+    data_start: usize,
+    data_len: usize,
+    shard: usize,
+) -> std::result::Result<SafetensorsEntry, String> {
+    let dtype = match info.get("dtype").and_then(|d| d.as_str()) {
+        Some("F32") => GgmlType::F32,
+        Some("F16") => GgmlType::F16,
+        Some("BF16") => GgmlType::BF16,
+        other => {
+            return Err(format!(
+                "tensor `{name}` has dtype {other:?}; bbc reads F32, F16 and BF16"
+            ))
+        }
+    };
+    let shape: Vec<usize> = info
+        .get("shape")
+        .and_then(|s| s.as_array())
+        .and_then(|dims| {
+            dims.iter()
+                .map(|d| d.as_u64().map(|d| d as usize))
+                .collect()
+        })
+        .ok_or_else(|| format!("tensor `{name}` has no valid shape"))?;
+    let offsets: Vec<usize> = info
+        .get("data_offsets")
+        .and_then(|s| s.as_array())
+        .and_then(|o| o.iter().map(|d| d.as_u64().map(|d| d as usize)).collect())
+        .filter(|o: &Vec<usize>| o.len() == 2)
+        .ok_or_else(|| format!("tensor `{name}` has no valid data_offsets"))?;
+    let (begin, end) = (offsets[0], offsets[1]);
+    let want = shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .and_then(|e| dtype.bytes_for(e));
+    if begin > end || want != Some(end - begin) {
+        return Err(format!(
+            "tensor `{name}`: shape {shape:?} × {} does not match its byte range {begin}..{end}",
+            dtype.name()
+        ));
+    }
+    if end > data_len {
+        return Err(format!(
+            "tensor `{name}` ends at byte {end} but the file has {data_len} bytes of data"
+        ));
+    }
+    Ok(SafetensorsEntry {
+        shard,
+        dtype,
+        shape,
+        start: data_start + begin,
+        end: data_start + end,
+    })
 }

@@ -9,10 +9,15 @@ use std::path::Path;
 pub fn compile(model: &str, target: &str, out: &Path, emit: Option<&str>) -> Result<()> {
     let Some(target) = Target::parse(target) else {
         let names: Vec<&str> = Target::ALL.iter().map(|t| t.name()).collect();
-        bail!("unknown target `{target}`; choose one of {}", names.join(", "));
+        bail!(
+            "unknown target `{target}`; choose one of {}",
+            names.join(", ")
+        );
     };
     if matches!(ModelRef::parse(model)?, ModelRef::Artifact(_)) {
-        bail!("{model} is already an artifact; compile a model.toml, a weights path or a model name");
+        bail!(
+            "{model} is already an artifact; compile a model.toml, a weights path or a model name"
+        );
     }
     let loaded = model_ref::load(model, None, LogitsFor::LastToken, false)?;
     match emit {

@@ -25,7 +25,10 @@ pub struct RunArgs {
 
 pub fn run(args: &RunArgs) -> Result<()> {
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
-        bail!("--temperature must be a finite number ≥ 0 (0 is greedy), got {}", args.temperature);
+        bail!(
+            "--temperature must be a finite number ≥ 0 (0 is greedy), got {}",
+            args.temperature
+        );
     }
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
@@ -34,7 +37,11 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let loaded = model_ref::load(&args.model, args.dtype, LogitsFor::LastToken, args.json)?;
     let tokenizer = loaded.model.tokenizer.as_ref();
     let prompt = prompt_ids(args, tokenizer)?;
-    let backend = CpuBackend::new(loaded.graph, &loaded.model.weights, loaded.model.config.context_length)?;
+    let backend = CpuBackend::new(
+        loaded.graph,
+        &loaded.model.weights,
+        loaded.model.config.context_length,
+    )?;
     let load_time = started.elapsed();
 
     let options = GenerateOptions {
@@ -126,7 +133,8 @@ fn prompt_ids(args: &RunArgs, tokenizer: Option<&Tokenizer>) -> Result<Vec<u32>>
             Ok(ids.clone())
         }
         (Some(text), None) => {
-            let tokenizer = tokenizer.context("this model has no tokenizer; give --prompt-ids instead of --prompt")?;
+            let tokenizer = tokenizer
+                .context("this model has no tokenizer; give --prompt-ids instead of --prompt")?;
             if !args.chat {
                 if args.system.is_some() {
                     bail!("--system applies to --chat prompts");
@@ -156,8 +164,13 @@ fn prompt_ids(args: &RunArgs, tokenizer: Option<&Tokenizer>) -> Result<Vec<u32>>
 /// One tensor `logits` [steps, vocab] f32.
 fn write_logits(path: &std::path::Path, rows: &[f32], vocab: usize) -> Result<()> {
     let bytes: Vec<u8> = rows.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![rows.len() / vocab.max(1), vocab], &bytes)
-        .context("building the logits tensor")?;
-    safetensors::serialize_to_file([("logits", view)], None, path).with_context(|| format!("writing {}", path.display()))?;
+    let view = safetensors::tensor::TensorView::new(
+        safetensors::Dtype::F32,
+        vec![rows.len() / vocab.max(1), vocab],
+        &bytes,
+    )
+    .context("building the logits tensor")?;
+    safetensors::serialize_to_file([("logits", view)], None, path)
+        .with_context(|| format!("writing {}", path.display()))?;
     Ok(())
 }

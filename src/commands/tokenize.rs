@@ -6,7 +6,11 @@ use models::LogitsFor;
 
 pub fn tokenize(model: &str, text: &str, add_special: bool) -> Result<()> {
     let loaded = model_ref::load(model, None, LogitsFor::LastToken, true)?;
-    let tokenizer = loaded.model.tokenizer.as_ref().context("this model has no tokenizer")?;
+    let tokenizer = loaded
+        .model
+        .tokenizer
+        .as_ref()
+        .context("this model has no tokenizer")?;
     let ids = tokenizer.encode(text, add_special)?;
     println!("{}", serde_json::to_string(&ids)?);
     Ok(())

@@ -5,6 +5,7 @@
 //! allocation (counts are checked against the bytes that remain before anything is reserved).
 
 mod metadata;
+pub mod writer;
 
 pub use metadata::{MetaValue, Metadata};
 
@@ -436,5 +437,73 @@ impl RawTensorInfo {
             file_offset: start as usize,
             byte_len,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::writer::GgufWriter;
+    use super::*;
+
+    fn write_temp(bytes: &[u8], name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("bbc-gguf-{}-{name}", std::process::id()));
+        std::fs::write(&dir, bytes).unwrap();
+        dir
+    }
+
+    fn sample() -> GgufWriter {
+        GgufWriter::new()
+            .meta("general.architecture", MetaValue::String("llama".into()))
+            .meta("general.alignment", MetaValue::U32(32))
+            .meta(
+                "a.list",
+                MetaValue::Array(vec![MetaValue::I32(-1), MetaValue::I32(2)]),
+            )
+            .meta("a.f64", MetaValue::F64(0.5))
+            .meta("a.bool", MetaValue::Bool(true))
+            .tensor(
+                "w",
+                &[4, 2],
+                0,
+                (0..8).flat_map(|i| (i as f32).to_le_bytes()).collect(),
+            )
+            .tensor("q", &[32], 8, vec![0u8; 34])
+    }
+
+    #[test]
+    fn round_trips_metadata_and_tensors() {
+        let path = write_temp(&sample().to_bytes(), "ok");
+        let f = GgufFile::open(&path).unwrap();
+        assert_eq!(f.version, 3);
+        assert_eq!(f.require_str("general.architecture").unwrap(), "llama");
+        assert_eq!(f.number_array("a.list").unwrap(), vec![-1.0, 2.0]);
+        assert_eq!(f.require_f64("a.f64").unwrap(), 0.5);
+        let w = f.tensor("w").unwrap();
+        assert_eq!(w.shape(), vec![2, 4]);
+        assert_eq!(f.tensor_data(w).len(), 32);
+        assert_eq!(f.tensor("q").unwrap().dtype, GgmlType::Q8_0);
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn every_truncation_is_an_error_not_a_panic() {
+        let bytes = sample().to_bytes();
+        let full = GgufFile::open(&write_temp(&bytes, "full")).unwrap();
+        // Only the alignment padding after the last tensor may go missing.
+        let data_end = full
+            .tensors
+            .iter()
+            .map(|t| t.file_offset + t.byte_len)
+            .max()
+            .unwrap();
+        for cut in 0..data_end {
+            let path = write_temp(&bytes[..cut], "cut");
+            let err = GgufFile::open(&path).expect_err("a truncated file must not load");
+            let msg = err.to_string();
+            assert!(
+                msg.contains("truncated") || msg.contains("magic"),
+                "cut {cut}: {msg}"
+            );
+        }
     }
 }

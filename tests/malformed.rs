@@ -1,0 +1,201 @@
+//! Malformed model files and bad arguments give errors that name the problem, never a panic.
+
+mod common;
+
+use common::real_model;
+use models::gguf::writer::GgufWriter;
+use models::gguf::{GgufFile, MetaValue};
+use models::{Model, ModelSpec};
+use proptest::prelude::*;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn temp(name: &str, bytes: &[u8]) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bbc-malformed-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, bytes).unwrap();
+    path
+}
+
+fn open_error(path: &Path) -> String {
+    match Model::open(ModelSpec::for_weights(path)) {
+        Ok(_) => panic!("{} should not open", path.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn tiny_gguf(type_id: u32) -> Vec<u8> {
+    GgufWriter::new()
+        .meta("general.architecture", MetaValue::String("llama".into()))
+        .tensor("token_embd.weight", &[32, 2], type_id, vec![0u8; 256])
+        .to_bytes()
+}
+
+#[test]
+fn truncated_gguf_names_what_was_cut() {
+    let bytes = std::fs::read(real_model("smollm2")).unwrap();
+    for cut in [10, 1000, 2_000_000, bytes.len() - 1] {
+        let path = temp(&format!("truncated-{cut}.gguf"), &bytes[..cut]);
+        let err = open_error(&path);
+        assert!(
+            err.contains("truncated") && err.contains(path.to_str().unwrap()),
+            "cut {cut}: {err}"
+        );
+    }
+}
+
+#[test]
+fn wrong_magic_is_named() {
+    let mut bytes = tiny_gguf(0);
+    bytes[..4].copy_from_slice(b"GGML");
+    let err = open_error(&temp("magic.gguf", &bytes));
+    assert!(
+        err.contains("not a GGUF file") && err.contains("GGUF"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unknown_tensor_type_is_named() {
+    let err = open_error(&temp("type.gguf", &tiny_gguf(99)));
+    assert!(
+        err.contains("token_embd.weight") && err.contains("type id 99"),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_architecture_metadata_is_named() {
+    let err = open_error(&temp("arch.gguf", &tiny_gguf(0)));
+    assert!(
+        err.contains("llama.embedding_length") && err.contains("missing"),
+        "{err}"
+    );
+}
+
+fn safetensors_bytes(header: &str, data_len: usize) -> Vec<u8> {
+    let mut out = (header.len() as u64).to_le_bytes().to_vec();
+    out.extend(header.as_bytes());
+    out.extend(vec![0u8; data_len]);
+    out
+}
+
+#[test]
+fn safetensors_header_lying_about_sizes_is_named() {
+    let dir = std::env::temp_dir().join(format!("bbc-malformed-st-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(
+        common::fixture("hf-tiny/llama/config.json"),
+        dir.join("config.json"),
+    )
+    .unwrap();
+    let cases = [
+        // Claims 64 bytes, the file holds 16.
+        (
+            r#"{"w":{"dtype":"F32","shape":[4,4],"data_offsets":[0,64]}}"#,
+            16,
+            "w",
+        ),
+        // Shape says 64 bytes, offsets say 32.
+        (
+            r#"{"w":{"dtype":"F32","shape":[4,4],"data_offsets":[0,32]}}"#,
+            32,
+            "w",
+        ),
+        (r#"{"w":{"dtype":"F32","shape":[4,4]"#, 64, "header"),
+    ];
+    for (header, data_len, needle) in cases {
+        std::fs::write(
+            dir.join("model.safetensors"),
+            safetensors_bytes(header, data_len),
+        )
+        .unwrap();
+        let err = open_error(&dir);
+        assert!(
+            err.contains("safetensors") && err.contains(needle),
+            "{header}: {err}"
+        );
+    }
+}
+
+fn bbc(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
+        .args(args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        !stderr.contains("panicked"),
+        "bbc {args:?} panicked: {stderr}"
+    );
+    (out.status.success(), stderr)
+}
+
+#[test]
+fn model_toml_with_unknown_key_is_named_by_the_cli() {
+    let path = temp(
+        "model.toml",
+        b"[model]\nweights = \"x.gguf\"\ncontext_len = 5\n",
+    );
+    let (ok, stderr) = bbc(&["run", path.to_str().unwrap(), "--prompt", "hi"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("context_len") && stderr.contains("model.toml"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn bad_cli_input_is_an_error() {
+    let model = real_model("smollm2");
+    let model = model.to_str().unwrap();
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["run", model, "--prompt-ids", "999999"],
+            "outside the vocabulary",
+        ),
+        (
+            &["run", model, "--prompt", "hi", "--max-tokens", "9000"],
+            "context length",
+        ),
+        (
+            &["run", model, "--prompt", "hi", "--temperature", "-1"],
+            "temperature",
+        ),
+        (&["run", model, "--prompt", "hi", "--dtype", "f8"], "f8"),
+        (&["run", model], "give a prompt"),
+        (&["run", "no-such-model", "--prompt", "hi"], "no-such-model"),
+        (
+            &["compile", model, "--target", "tpu", "-o", "/tmp/x"],
+            "unknown target",
+        ),
+    ];
+    for (args, needle) in cases {
+        let (ok, stderr) = bbc(args);
+        assert!(!ok, "{args:?} should fail");
+        assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Random corruption of a valid GGUF header either loads or is an error; never a panic.
+    #[test]
+    fn corrupted_gguf_never_panics(flips in proptest::collection::vec((0usize..4096, any::<u8>()), 1..8)) {
+        let mut bytes = GgufWriter::new()
+            .meta("general.architecture", MetaValue::String("llama".into()))
+            .meta("llama.embedding_length", MetaValue::U32(32))
+            .meta("tokenizer.ggml.tokens", MetaValue::Array(vec![MetaValue::String("a".into()), MetaValue::String("b".into())]))
+            .tensor("token_embd.weight", &[32, 2], 0, vec![0u8; 256])
+            .to_bytes();
+        for (at, value) in flips {
+            let i = at % bytes.len();
+            bytes[i] = value;
+        }
+        let path = temp(&format!("fuzz-{}.gguf", bytes.iter().map(|&b| b as usize).sum::<usize>()), &bytes);
+        let _ = GgufFile::open(&path);
+        let _ = Model::open(ModelSpec::for_weights(&path));
+    }
+}
