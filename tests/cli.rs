@@ -1,0 +1,183 @@
+//! The `bbc` binary end to end on the real SmolLM2: run (json, streaming, chat, dump-logits),
+//! compile then run the artifact, tokenize.
+
+mod common;
+
+use common::{ids, read_json, real_model};
+use std::process::Command;
+
+fn bbc(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
+        .args(args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bbc {args:?} failed: {stderr}");
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn json(args: &[&str]) -> serde_json::Value {
+    serde_json::from_str(&bbc(args)).unwrap()
+}
+
+fn smollm2() -> String {
+    real_model("smollm2").to_str().unwrap().to_string()
+}
+
+#[test]
+fn run_json_gives_the_reference_greedy_tokens() {
+    let reference = read_json("real/smollm2.json");
+    let case = &reference["raw"][0];
+    let model = smollm2();
+    let out = json(&[
+        "run",
+        &model,
+        "--prompt",
+        case["prompt"].as_str().unwrap(),
+        "--max-tokens",
+        "8",
+        "--dtype",
+        "f32",
+        "--json",
+    ]);
+    assert_eq!(ids(&out["prompt_ids"]), ids(&case["prompt_ids"]));
+    assert_eq!(ids(&out["ids"]), ids(&case["greedy_ids"])[..8]);
+    assert_eq!(out["text"].as_str().unwrap(), " Paris.\n\nThe answer is:");
+}
+
+#[test]
+fn streaming_prints_the_same_text_as_json() {
+    let model = smollm2();
+    let args = [
+        "run",
+        &model,
+        "--prompt",
+        "Once upon a time",
+        "--max-tokens",
+        "12",
+    ];
+    let streamed = bbc(&args);
+    let mut with_json = args.to_vec();
+    with_json.push("--json");
+    let out = json(&with_json);
+    assert_eq!(
+        streamed.trim_end_matches('\n'),
+        out["text"].as_str().unwrap()
+    );
+}
+
+#[test]
+fn chat_renders_the_template() {
+    let reference = read_json("real/smollm2.json");
+    let case = &reference["chat"][0];
+    let model = smollm2();
+    let out = json(&[
+        "run",
+        &model,
+        "--chat",
+        "--prompt",
+        "What is 2+2?",
+        "--max-tokens",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(ids(&out["prompt_ids"]), ids(&case["prompt_ids"]));
+    let with_system = json(&[
+        "run",
+        &model,
+        "--chat",
+        "--system",
+        "Be brief.",
+        "--prompt",
+        "Hi",
+        "--max-tokens",
+        "1",
+        "--json",
+    ]);
+    // A system message replaces the template's default one.
+    let expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
+    let expected_ids: Vec<u32> =
+        serde_json::from_str(&bbc(&["tokenize", &model, "--text", expected])).unwrap();
+    assert_eq!(ids(&with_system["prompt_ids"]), expected_ids);
+}
+
+#[test]
+fn dump_logits_writes_one_row_per_generated_token() {
+    let model = smollm2();
+    let path = std::env::temp_dir().join(format!("bbc-logits-{}.safetensors", std::process::id()));
+    let out = json(&[
+        "run",
+        &model,
+        "--prompt-ids",
+        "504,3575,282,4649,314",
+        "--max-tokens",
+        "4",
+        "--ignore-eos",
+        "--json",
+        "--dump-logits",
+        path.to_str().unwrap(),
+    ]);
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let logits = st.tensor("logits").unwrap();
+    assert_eq!(logits.shape(), &[4, 49152]);
+    let rows: Vec<f32> = logits
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let chosen: Vec<u32> = rows
+        .chunks_exact(49152)
+        .map(runtime::sampling::argmax)
+        .collect();
+    assert_eq!(chosen, ids(&out["ids"]));
+}
+
+#[test]
+fn a_compiled_artifact_runs_like_the_model() {
+    let model = smollm2();
+    let dir = std::env::temp_dir().join(format!("bbc-artifact-{}", std::process::id()));
+    let ir = bbc(&[
+        "compile",
+        &model,
+        "--target",
+        "cpu",
+        "-o",
+        dir.to_str().unwrap(),
+        "--emit",
+        "ir",
+    ]);
+    assert!(ir.starts_with("graph llama\n"));
+    assert_eq!(std::fs::read_to_string(dir.join("graph.ir")).unwrap(), ir);
+    let args = |m: &str| {
+        json(&[
+            "run",
+            m,
+            "--prompt",
+            "The three primary colors are",
+            "--max-tokens",
+            "6",
+            "--json",
+        ])["ids"]
+            .clone()
+    };
+    assert_eq!(args(dir.to_str().unwrap()), args(&model));
+    // A tampered graph is refused.
+    let graph = dir.join("graph.json");
+    let text = std::fs::read_to_string(&graph)
+        .unwrap()
+        .replacen("1e-5", "2e-5", 1);
+    std::fs::write(&graph, text.replacen("\"eps\":", "\"eps\" :", 1)).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
+        .args(["run", dir.to_str().unwrap(), "--prompt", "x"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("hash mismatch"));
+}
+
+#[test]
+fn tokenize_prints_ids() {
+    let out = bbc(&["tokenize", &smollm2(), "--text", "Hello, world!"]);
+    assert_eq!(out.trim(), "[19556,28,905,17]");
+}
