@@ -4,6 +4,7 @@
 //! bytes, dequantization); one file per format implements it, after ggml's `ggml-quants.c`.
 //! [`GgmlType`] is the run-time tag read from a GGUF tensor info and dispatches to the formats.
 
+pub mod int8;
 mod q4_0;
 mod q4_1;
 mod q4_k;
@@ -28,8 +29,15 @@ use half::{bf16, f16};
 pub trait BlockFormat {
     const BLOCK_ELEMS: usize;
     const BLOCK_BYTES: usize;
+    /// Elements per scale group in [`BlockFormat::unpack_groups`].
+    const GROUP: usize;
+
     /// Dequantize one block; `block.len() == BLOCK_BYTES`, `out.len() == BLOCK_ELEMS`.
     fn dequantize_block(block: &[u8], out: &mut [f32]);
+
+    /// The block as small integers per group: element `i` of group `g` is
+    /// `scale[g]·w[i] − min[g]`. This is what integer dot products ([`int8`]) consume.
+    fn unpack_groups(block: &[u8], w: &mut [i8], scale: &mut [f32], min: &mut [f32]);
 
     /// Dot product of one block with `BLOCK_ELEMS` activations.
     fn dot_block(block: &[u8], x: &[f32]) -> f32 {

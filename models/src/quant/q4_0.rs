@@ -9,6 +9,20 @@ impl BlockFormat for Q4_0 {
     const BLOCK_ELEMS: usize = 32;
     const BLOCK_BYTES: usize = 18;
 
+    const GROUP: usize = 32;
+
+    #[inline(always)]
+    fn unpack_groups(block: &[u8], w: &mut [i8], scale: &mut [f32], min: &mut [f32]) {
+        let d = f16_at(block, 0);
+        let qs = &block[2..18];
+        for j in 0..16 {
+            w[j] = (qs[j] & 0x0F) as i8 - 8;
+            w[j + 16] = (qs[j] >> 4) as i8 - 8;
+        }
+        scale[0] = d;
+        min[0] = 0.0;
+    }
+
     fn dequantize_block(block: &[u8], out: &mut [f32]) {
         let d = f16_at(block, 0);
         let qs = &block[2..18];

@@ -9,6 +9,19 @@ impl BlockFormat for Q4_1 {
     const BLOCK_ELEMS: usize = 32;
     const BLOCK_BYTES: usize = 20;
 
+    const GROUP: usize = 32;
+
+    #[inline(always)]
+    fn unpack_groups(block: &[u8], w: &mut [i8], scale: &mut [f32], min: &mut [f32]) {
+        let qs = &block[4..20];
+        for j in 0..16 {
+            w[j] = (qs[j] & 0x0F) as i8;
+            w[j + 16] = (qs[j] >> 4) as i8;
+        }
+        scale[0] = f16_at(block, 0);
+        min[0] = -f16_at(block, 2);
+    }
+
     fn dequantize_block(block: &[u8], out: &mut [f32]) {
         let d = f16_at(block, 0);
         let m = f16_at(block, 2);

@@ -23,6 +23,28 @@ impl BlockFormat for Q4K {
     const BLOCK_ELEMS: usize = 256;
     const BLOCK_BYTES: usize = 144;
 
+    const GROUP: usize = 32;
+
+    #[inline(always)]
+    fn unpack_groups(block: &[u8], w: &mut [i8], scale: &mut [f32], min: &mut [f32]) {
+        let d = f16_at(block, 0);
+        let dmin = f16_at(block, 2);
+        let scales = &block[4..16];
+        let qs = &block[16..144];
+        for chunk in 0..4 {
+            for sub in 0..2 {
+                let (sc, m) = scale_min_k4(2 * chunk + sub, scales);
+                scale[2 * chunk + sub] = d * sc as f32;
+                min[2 * chunk + sub] = dmin * m as f32;
+            }
+            let q = &qs[32 * chunk..32 * chunk + 32];
+            for l in 0..32 {
+                w[64 * chunk + l] = (q[l] & 0x0F) as i8;
+                w[64 * chunk + 32 + l] = (q[l] >> 4) as i8;
+            }
+        }
+    }
+
     fn dequantize_block(block: &[u8], out: &mut [f32]) {
         let d = f16_at(block, 0);
         let dmin = f16_at(block, 2);

@@ -10,6 +10,29 @@ impl BlockFormat for Q6K {
     const BLOCK_ELEMS: usize = 256;
     const BLOCK_BYTES: usize = 210;
 
+    const GROUP: usize = 16;
+
+    #[inline(always)]
+    fn unpack_groups(block: &[u8], w: &mut [i8], scale: &mut [f32], min: &mut [f32]) {
+        let d = f16_at(block, 208);
+        for half in 0..2 {
+            let ql = &block[64 * half..64 * half + 64];
+            let qh = &block[128 + 32 * half..128 + 32 * half + 32];
+            let w = &mut w[128 * half..128 * half + 128];
+            for l in 0..32 {
+                w[l] = ((ql[l] & 0x0F) | ((qh[l] & 3) << 4)) as i8 - 32;
+                w[l + 32] = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+                w[l + 64] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+                w[l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+            }
+        }
+        // Group g covers elements 16g..16g+16 and uses scale byte g (ggml's `is` indexing).
+        for (g, s) in scale.iter_mut().enumerate() {
+            *s = d * (block[192 + g] as i8) as f32;
+        }
+        min.fill(0.0);
+    }
+
     fn dequantize_block(block: &[u8], out: &mut [f32]) {
         let d = f16_at(block, 208);
         for half in 0..2 {

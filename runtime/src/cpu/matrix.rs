@@ -3,10 +3,13 @@
 //! A matrix keeps the storage its graph node asks for: f32, bf16, or a GGML block format.
 //! The product walks W's rows in parallel chunks; each row is widened to f32 once (a
 //! dequantized row of a few KiB stays in L1) and dotted with every token's activation, so
-//! prefill reads the weights once per step and decode is a pass over the weights.
+//! prefill reads the weights once per step and decode is a pass over the weights. Quantized
+//! weights take the integer path instead: activations quantized to int8 once per step, each
+//! weight row unpacked to its integer groups and dotted in integers (ggml's scheme).
 
 use super::simd;
 use half::bf16;
+use models::quant::int8::{Q8Row, UnpackedRow, ACT_BLOCK};
 use models::quant::GgmlType;
 use rayon::prelude::*;
 
@@ -25,9 +28,6 @@ pub struct Matrix {
     pub cols: usize,
     pub storage: Storage,
 }
-
-/// Rows per parallel task: enough work to amortise scheduling, enough tasks to balance.
-const ROWS_PER_TASK: usize = 32;
 
 impl Matrix {
     pub fn bytes(&self) -> usize {
@@ -65,28 +65,57 @@ impl Matrix {
         let (n, k) = (self.rows, self.cols);
         debug_assert_eq!(x.len(), tokens * k);
         debug_assert_eq!(out.len(), tokens * n);
-        // Each task fills a [chunk_rows, tokens] block; blocks are scattered into `out` after.
-        let blocks: Vec<Vec<f32>> = (0..n.div_ceil(ROWS_PER_TASK))
-            .into_par_iter()
-            .map_init(
-                || vec![0f32; k],
-                |row_buf, chunk| {
-                    let start = chunk * ROWS_PER_TASK;
-                    let end = (start + ROWS_PER_TASK).min(n);
-                    let mut block = Vec::with_capacity((end - start) * tokens);
-                    for r in start..end {
-                        let w = self.row_f32(r, row_buf);
-                        block.extend(x.chunks_exact(k).map(|xt| simd::dot(w, xt)));
+        // Results are computed as [n, tokens] (each task owns a run of W's rows) and
+        // transposed into `out` unless there is a single token, where the two layouts agree.
+        let mut transposed = if tokens == 1 {
+            Vec::new()
+        } else {
+            vec![0f32; n * tokens]
+        };
+        let target: &mut [f32] = if tokens == 1 {
+            &mut *out
+        } else {
+            &mut transposed
+        };
+        let rows_per_task = rows_per_task(n);
+        match &self.storage {
+            Storage::Quant {
+                dtype,
+                bytes,
+                row_bytes,
+            } if k % ACT_BLOCK == 0 => {
+                let acts: Vec<Q8Row> = x.chunks_exact(k).map(Q8Row::quantize).collect();
+                for_row_runs(
+                    target,
+                    tokens,
+                    rows_per_task,
+                    |unpacked: &mut UnpackedRow, r, dst| {
+                        unpacked
+                            .unpack(*dtype, &bytes[r * row_bytes..(r + 1) * row_bytes])
+                            .expect("quantized storage");
+                        for (d, a) in dst.iter_mut().zip(&acts) {
+                            *d = unpacked.dot(a);
+                        }
+                    },
+                );
+            }
+            _ => for_row_runs(
+                target,
+                tokens,
+                rows_per_task,
+                |row_buf: &mut Vec<f32>, r, dst| {
+                    row_buf.resize(k, 0.0);
+                    let w = self.row_f32(r, row_buf);
+                    for (d, xt) in dst.iter_mut().zip(x.chunks_exact(k)) {
+                        *d = simd::dot(w, xt);
                     }
-                    block
                 },
-            )
-            .collect();
-        for (chunk, block) in blocks.iter().enumerate() {
-            let start = chunk * ROWS_PER_TASK;
-            for (i, row) in block.chunks_exact(tokens).enumerate() {
+            ),
+        }
+        if tokens > 1 {
+            for (r, row) in transposed.chunks_exact(tokens).enumerate() {
                 for (t, &v) in row.iter().enumerate() {
-                    out[t * n + start + i] = v;
+                    out[t * n + r] = v;
                 }
             }
         }
@@ -100,6 +129,31 @@ impl Matrix {
             self.row_f32(r, out);
         }
     }
+}
+
+/// Rows per parallel task: a few tasks per thread (for balance) of at least 16 rows (so the
+/// scheduling cost stays small next to the work).
+fn rows_per_task(rows: usize) -> usize {
+    let tasks = rayon::current_num_threads() * 4;
+    rows.div_ceil(tasks).max(16)
+}
+
+/// Run `row_fn(scratch, row, dst)` for every row of W in parallel runs of `rows_per_task`
+/// rows; `dst` is that row's `tokens` results in `target` (`[rows, tokens]`).
+fn for_row_runs<S: Default + Send>(
+    target: &mut [f32],
+    tokens: usize,
+    rows_per_task: usize,
+    row_fn: impl Fn(&mut S, usize, &mut [f32]) + Sync,
+) {
+    target
+        .par_chunks_mut(rows_per_task * tokens)
+        .enumerate()
+        .for_each_init(S::default, |scratch, (run, dst)| {
+            for (i, row_dst) in dst.chunks_exact_mut(tokens).enumerate() {
+                row_fn(scratch, run * rows_per_task + i, row_dst);
+            }
+        });
 }
 
 #[cfg(test)]

@@ -235,10 +235,7 @@ impl CpuBackend {
                 let x = args[0].value().tensor();
                 let w = args[1].vector();
                 let mut out = Tensor::zeros(x.shape.clone());
-                out.data
-                    .par_chunks_mut(x.row_len())
-                    .zip(x.data.par_chunks(x.row_len()))
-                    .for_each(|(o, xr)| ops::rms_norm(xr, w, *eps, *weight_offset, o));
+                ops::rms_norm(&x.data, w, *eps, *weight_offset, &mut out.data);
                 out
             }
             Op::Rope(spec) => {
@@ -308,10 +305,9 @@ impl Arg<'_> {
     }
 }
 
-fn map(x: &Tensor, f: impl Fn(f32) -> f32 + Sync) -> Tensor {
-    let mut out = x.clone();
-    out.data.par_iter_mut().for_each(|v| *v = f(*v));
-    out
+/// Elementwise maps run on one thread: at decode sizes a parallel region costs more than it saves.
+fn map(x: &Tensor, f: impl Fn(f32) -> f32) -> Tensor {
+    Tensor::new(x.shape.clone(), x.data.iter().map(|&v| f(v)).collect())
 }
 
 fn zip_map(a: &Tensor, b: &Tensor, f: impl Fn(f32, f32) -> f32) -> Tensor {

