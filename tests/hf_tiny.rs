@@ -147,3 +147,44 @@ fn llama_reference_interpreter_matches_hf() {
 fn gemma3_reference_interpreter_matches_hf() {
     check_reference_interpreter("gemma3");
 }
+
+/// A model split into shards through `model.safetensors.index.json` loads to the same weights.
+#[test]
+fn sharded_safetensors_load_like_one_file() {
+    let src = fixture("hf-tiny/llama");
+    let dir = std::env::temp_dir().join(format!("bbc-sharded-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
+    names.sort();
+    let (first, second) = names.split_at(names.len() / 2);
+    let mut weight_map = serde_json::Map::new();
+    for (shard, part) in [
+        ("model-00001-of-00002.safetensors", first),
+        ("model-00002-of-00002.safetensors", second),
+    ] {
+        let views: Vec<(String, safetensors::tensor::TensorView)> = part
+            .iter()
+            .map(|n| (n.clone(), st.tensor(n).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.join(shard)).unwrap();
+        for n in part {
+            weight_map.insert(n.clone(), serde_json::Value::String(shard.into()));
+        }
+    }
+    let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
+    std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+
+    let sharded = models::WeightSource::open_safetensors(&dir).unwrap();
+    let whole = models::WeightSource::open_safetensors(&src).unwrap();
+    assert_eq!(sharded.names().len(), whole.names().len());
+    for name in whole.names() {
+        assert_eq!(
+            sharded.require(name).unwrap().bytes,
+            whole.require(name).unwrap().bytes,
+            "{name}"
+        );
+    }
+}
