@@ -7,6 +7,7 @@
 //! f64 accumulation where sums are long. Later backends are checked against it.
 
 mod dtype;
+mod expr;
 mod graph;
 mod op;
 pub mod reference;
@@ -15,7 +16,8 @@ mod tensor;
 mod text;
 
 pub use dtype::DType;
+pub use expr::Expr;
 pub use graph::{Graph, GraphError, Node, NodeId};
-pub use op::{AttentionSpec, InputKind, Op, RopeLayout, RopeSpec, TOKENS};
+pub use op::{AttentionSpec, GluAct, InputKind, Op, RopeLayout, RopeSpec, TOKENS};
 pub use shape::{Dim, Shape, Sym};
 pub use tensor::Tensor;

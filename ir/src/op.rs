@@ -89,6 +89,52 @@ pub enum Op {
     GeluTanh,
     /// `[t, d] -> [1, d]`: the last row (logits are only needed for the last token).
     LastToken,
+
+    // Ops that rewrites produce (see the `passes` crate).
+    /// `[t, n] -> [t, len]`: columns `start..start+len` (a view of a fused op's output).
+    Slice {
+        start: usize,
+        len: usize,
+    },
+    /// Weights `[n_i, k]` of one storage dtype stacked to `[Σn_i, k]`: a compile-time weight
+    /// transform, so one matmul computes several projections of the same activation.
+    ConcatRows,
+    /// `(a [t, d], b [t, d], w [d]) -> [t, 2d]`: `[a + b | rms_norm(a + b)]` in one pass.
+    AddRmsNorm {
+        eps: f64,
+        weight_offset: f32,
+    },
+    /// `(x [t, d], w [d], W [n, d]) -> [t, n]`: `rms_norm(x) · Wᵀ` with the norm as the
+    /// matmul's prologue.
+    RmsNormMatMul {
+        eps: f64,
+        weight_offset: f32,
+    },
+    /// `x [t, 2n] -> [t, n]`: `act(x[:, :n]) · x[:, n:]` (SwiGLU, GeGLU on joined gate/up).
+    Glu {
+        act: GluAct,
+    },
+    /// Inputs of one shape combined per element by an expression tree.
+    Elementwise {
+        expr: crate::Expr,
+    },
+    /// `x [t, v] -> i32[t, k]`: indices of the k largest values, largest first, ties to the
+    /// lowest index (argmax is k = 1).
+    TopK {
+        k: usize,
+    },
+    /// `(h [t, d], W [v, d]) -> i32[t, k]`: exactly `TopK(h · Wᵀ)`, computed by an INT8 pass
+    /// with per-row error bounds and a full-precision rescoring of the candidates only.
+    Int8BoundTopK {
+        k: usize,
+    },
+}
+
+/// The activation of a gated linear unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum GluAct {
+    Silu,
+    GeluTanh,
 }
 
 impl Op {
@@ -107,32 +153,61 @@ impl Op {
             Self::Silu => "silu",
             Self::GeluTanh => "gelu_tanh",
             Self::LastToken => "last_token",
+            Self::Slice { .. } => "slice",
+            Self::ConcatRows => "concat_rows",
+            Self::AddRmsNorm { .. } => "add_rms_norm",
+            Self::RmsNormMatMul { .. } => "rms_norm_matmul",
+            Self::Glu { act: GluAct::Silu } => "swiglu",
+            Self::Glu {
+                act: GluAct::GeluTanh,
+            } => "geglu",
+            Self::Elementwise { .. } => "elementwise",
+            Self::TopK { .. } => "top_k",
+            Self::Int8BoundTopK { .. } => "int8_bound_top_k",
         }
     }
 
-    pub fn arity(&self) -> usize {
-        match self {
+    /// Ops that combine values element by element (fusable into one `Elementwise`).
+    pub fn is_elementwise(&self) -> bool {
+        matches!(
+            self,
+            Self::Add
+                | Self::Mul
+                | Self::Scale { .. }
+                | Self::Silu
+                | Self::GeluTanh
+                | Self::Elementwise { .. }
+        )
+    }
+
+    /// Number of inputs; `None` for variadic ops (`ConcatRows`, `Elementwise`).
+    pub fn arity(&self) -> Option<usize> {
+        Some(match self {
             Self::Input(_) | Self::Weight { .. } => 0,
             Self::Scale { .. } | Self::Silu | Self::GeluTanh | Self::LastToken => 1,
+            Self::Slice { .. } | Self::Glu { .. } | Self::TopK { .. } => 1,
             Self::Embedding
             | Self::MatMul
             | Self::RmsNorm { .. }
             | Self::Rope(_)
             | Self::Add
             | Self::Mul => 2,
-            Self::Attention(_) => 3,
-        }
+            Self::Int8BoundTopK { .. } => 2,
+            Self::Attention(_) | Self::AddRmsNorm { .. } | Self::RmsNormMatMul { .. } => 3,
+            Self::ConcatRows | Self::Elementwise { .. } => return None,
+        })
     }
 
     /// The output shape and dtype from the inputs', or why the inputs do not fit.
     pub fn infer(&self, inputs: &[(&Shape, DType)]) -> Result<(Shape, DType), String> {
-        if inputs.len() != self.arity() {
-            return Err(format!(
-                "{} takes {} inputs, got {}",
-                self.name(),
-                self.arity(),
-                inputs.len()
-            ));
+        if let Some(arity) = self.arity() {
+            if inputs.len() != arity {
+                return Err(format!(
+                    "{} takes {arity} inputs, got {}",
+                    self.name(),
+                    inputs.len()
+                ));
+            }
         }
         let f32_rows = |s: &Shape| -> Result<(Dim, Dim), String> {
             match s.0.as_slice() {
@@ -228,6 +303,94 @@ impl Op {
                 let (_, d) = f32_rows(inputs[0].0)?;
                 Ok((Shape::new([Dim::Const(1), d]), DType::F32))
             }
+            Self::Slice { start, len } => {
+                let (t, n) = f32_rows(inputs[0].0)?;
+                if *len == 0 || n.as_const().is_none_or(|n| start + len > n) {
+                    return Err(format!("slice {start}..{} of {}", start + len, inputs[0].0));
+                }
+                Ok((Shape::new([t, Dim::Const(*len)]), DType::F32))
+            }
+            Self::ConcatRows => {
+                let (first, dtype) = inputs.first().ok_or("concat_rows needs inputs")?;
+                let (_, k) = f32_rows(first)?;
+                let mut rows = 0;
+                for (s, d) in inputs {
+                    let (n, kk) = f32_rows(s)?;
+                    match (n.as_const(), kk == k, d == dtype) {
+                        (Some(n), true, true) => rows += n,
+                        _ => {
+                            return Err(format!(
+                                "concat_rows: {d}{s} does not stack onto {dtype}{first}"
+                            ))
+                        }
+                    }
+                }
+                Ok((Shape::new([Dim::Const(rows), k]), *dtype))
+            }
+            Self::AddRmsNorm { .. } => {
+                let (t, d) = f32_rows(inputs[0].0)?;
+                let fits = inputs[1].0 == inputs[0].0 && inputs[2].0 .0.as_slice() == [d];
+                let twice = d.as_const().map(|d| Dim::Const(2 * d));
+                match (fits, twice) {
+                    (true, Some(two_d)) => Ok((Shape::new([t, two_d]), DType::F32)),
+                    _ => Err(format!(
+                        "add_rms_norm: {} + {} with weight {}",
+                        inputs[0].0, inputs[1].0, inputs[2].0
+                    )),
+                }
+            }
+            Self::RmsNormMatMul { .. } => {
+                let (t, d) = f32_rows(inputs[0].0)?;
+                let (n, k) = f32_rows(inputs[2].0)?;
+                if inputs[1].0 .0.as_slice() != [d] || k != d {
+                    return Err(format!(
+                        "rms_norm_matmul: x {} w {} W {}",
+                        inputs[0].0, inputs[1].0, inputs[2].0
+                    ));
+                }
+                Ok((Shape::new([t, n]), DType::F32))
+            }
+            Self::Glu { .. } => {
+                let (t, n) = f32_rows(inputs[0].0)?;
+                match n.as_const() {
+                    Some(n) if n % 2 == 0 => Ok((Shape::new([t, Dim::Const(n / 2)]), DType::F32)),
+                    _ => Err(format!(
+                        "{}: {} has no even halves",
+                        self.name(),
+                        inputs[0].0
+                    )),
+                }
+            }
+            Self::Elementwise { expr } => {
+                let (first, _) = inputs.first().ok_or("elementwise needs inputs")?;
+                if inputs.iter().any(|(s, d)| *s != *first || *d != DType::F32)
+                    || expr.arity() != inputs.len()
+                {
+                    return Err(format!(
+                        "elementwise {expr} over {} inputs of differing shapes",
+                        inputs.len()
+                    ));
+                }
+                Ok(((*first).clone(), DType::F32))
+            }
+            Self::TopK { k } => {
+                let (t, v) = f32_rows(inputs[0].0)?;
+                if *k == 0 || v.as_const().is_none_or(|v| *k > v) {
+                    return Err(format!("top_k {k} of {}", inputs[0].0));
+                }
+                Ok((Shape::new([t, Dim::Const(*k)]), DType::I32))
+            }
+            Self::Int8BoundTopK { k } => {
+                let (t, d) = f32_rows(inputs[0].0)?;
+                let (v, wd) = f32_rows(inputs[1].0)?;
+                if wd != d || *k == 0 || v.as_const().is_none_or(|v| *k > v) {
+                    return Err(format!(
+                        "int8_bound_top_k {k}: h {} W {}",
+                        inputs[0].0, inputs[1].0
+                    ));
+                }
+                Ok((Shape::new([t, Dim::Const(*k)]), DType::I32))
+            }
         }
     }
 
@@ -263,6 +426,13 @@ impl Op {
                 s.cache_slot
             ),
             Self::Scale { factor } => format!("factor={factor}"),
+            Self::Slice { start, len } => format!("start={start}, len={len}"),
+            Self::AddRmsNorm { eps, weight_offset }
+            | Self::RmsNormMatMul { eps, weight_offset } => {
+                format!("eps={eps:e}, weight_offset={weight_offset}")
+            }
+            Self::Elementwise { expr } => format!("{expr}"),
+            Self::TopK { k } | Self::Int8BoundTopK { k } => format!("k={k}"),
             _ => String::new(),
         }
     }

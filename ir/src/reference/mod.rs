@@ -187,9 +187,77 @@ impl<'w> Interpreter<'w> {
                 let x = args[0].tensor();
                 Tensor::new(vec![1, x.row_len()], x.row(x.rows() - 1).to_vec())
             }
+            Op::Slice { start, len } => {
+                let x = args[0].tensor();
+                Tensor::new(
+                    vec![x.rows(), *len],
+                    ops::slice_columns(&x.data, x.row_len(), *start, *len),
+                )
+            }
+            Op::ConcatRows => {
+                let k = args[0].tensor().row_len();
+                let data: Vec<f32> = args
+                    .iter()
+                    .flat_map(|a| a.tensor().data.iter().copied())
+                    .collect();
+                Tensor::new(vec![data.len() / k, k], data)
+            }
+            Op::AddRmsNorm { eps, weight_offset } => {
+                let (a, b, w) = (args[0].tensor(), args[1].tensor(), args[2].tensor());
+                Tensor::new(
+                    vec![a.rows(), 2 * a.row_len()],
+                    ops::add_rms_norm(&a.data, &b.data, &w.data, *eps, *weight_offset),
+                )
+            }
+            Op::RmsNormMatMul { eps, weight_offset } => {
+                let (x, w, m) = (args[0].tensor(), args[1].tensor(), args[2].tensor());
+                let mut normed = vec![0f32; x.data.len()];
+                ops::rms_norm(&x.data, &w.data, *eps, *weight_offset, &mut normed);
+                let mut out = Tensor::zeros(vec![x.rows(), m.rows()]);
+                ops::matmul(&normed, &m.data, x.row_len(), &mut out.data);
+                out
+            }
+            Op::Glu { act } => {
+                let x = args[0].tensor();
+                Tensor::new(
+                    vec![x.rows(), x.row_len() / 2],
+                    ops::glu(&x.data, x.row_len(), *act),
+                )
+            }
+            Op::Elementwise { expr } => {
+                let first = args[0].tensor();
+                let mut inputs = vec![0f32; args.len()];
+                let data = (0..first.data.len())
+                    .map(|i| {
+                        for (slot, a) in inputs.iter_mut().zip(args) {
+                            *slot = a.tensor().data[i];
+                        }
+                        expr.eval(&inputs)
+                    })
+                    .collect();
+                Tensor::new(first.shape.clone(), data)
+            }
+            Op::TopK { k } => top_k_rows(args[0].tensor(), *k),
+            // The meaning of the INT8-bound head is the exact top-k of the full product; how it
+            // gets there (bounds, rescoring) is the backend's business.
+            Op::Int8BoundTopK { k } => {
+                let (h, w) = (args[0].tensor(), args[1].tensor());
+                let mut logits = Tensor::zeros(vec![h.rows(), w.rows()]);
+                ops::matmul(&h.data, &w.data, h.row_len(), &mut logits.data);
+                top_k_rows(&logits, *k)
+            }
             Op::Input(_) | Op::Weight { .. } => unreachable!("handled by step"),
         })
     }
+}
+
+/// Token ids as values of an f32 tensor (exact below 2²⁴, far above any vocabulary).
+fn top_k_rows(x: &Tensor, k: usize) -> Tensor {
+    let data = (0..x.rows())
+        .flat_map(|r| ops::top_k(x.row(r), k))
+        .map(|i| i as f32)
+        .collect();
+    Tensor::new(vec![x.rows(), k], data)
 }
 
 fn embedding(table: &Tensor, ids: &[usize]) -> Result<Tensor, InterpError> {

@@ -97,3 +97,52 @@ pub fn matmul(x: &[f32], w: &[f32], k: usize, out: &mut [f32]) {
 pub fn attends(q_pos: usize, k_pos: usize, window: Option<usize>) -> bool {
     k_pos <= q_pos && window.is_none_or(|w| q_pos - k_pos < w)
 }
+
+/// Columns `start..start+len` of every row.
+pub fn slice_columns(x: &[f32], row_len: usize, start: usize, len: usize) -> Vec<f32> {
+    x.chunks_exact(row_len)
+        .flat_map(|r| r[start..start + len].iter().copied())
+        .collect()
+}
+
+/// `[a + b | rms_norm(a + b)]` per row of `d` elements.
+pub fn add_rms_norm(a: &[f32], b: &[f32], w: &[f32], eps: f64, weight_offset: f32) -> Vec<f32> {
+    let d = w.len();
+    let mut out = Vec::with_capacity(2 * a.len());
+    let mut normed = vec![0f32; d];
+    for (ar, br) in a.chunks_exact(d).zip(b.chunks_exact(d)) {
+        let sum: Vec<f32> = ar.iter().zip(br).map(|(x, y)| x + y).collect();
+        rms_norm(&sum, w, eps, weight_offset, &mut normed);
+        out.extend_from_slice(&sum);
+        out.extend_from_slice(&normed);
+    }
+    out
+}
+
+/// `act(x[:, :n]) · x[:, n:]` per row of `2n` elements.
+pub fn glu(x: &[f32], row_len: usize, act: crate::GluAct) -> Vec<f32> {
+    let n = row_len / 2;
+    let f = match act {
+        crate::GluAct::Silu => silu,
+        crate::GluAct::GeluTanh => gelu_tanh,
+    };
+    x.chunks_exact(row_len)
+        .flat_map(|r| (0..n).map(move |i| f(r[i]) * r[n + i]))
+        .collect()
+}
+
+/// Indices of the `k` largest values of a row, largest first; equal values keep the lower
+/// index first (the tie rule every argmax in bbc follows). NaN sorts below everything.
+pub fn top_k(row: &[f32], k: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..row.len()).collect();
+    let key = |i: usize| {
+        if row[i].is_nan() {
+            f32::NEG_INFINITY
+        } else {
+            row[i]
+        }
+    };
+    idx.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx
+}

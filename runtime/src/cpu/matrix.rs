@@ -121,6 +121,56 @@ impl Matrix {
         }
     }
 
+    /// Stack matrices of one storage kind and width into one (`ConcatRows`).
+    pub fn stack_rows(parts: &[&Matrix]) -> Result<Matrix, String> {
+        let first = parts.first().ok_or("nothing to stack")?;
+        let cols = first.cols;
+        if parts.iter().any(|p| p.cols != cols) {
+            return Err("matrices of different widths".into());
+        }
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let storage = match &first.storage {
+            Storage::F32(_) => Storage::F32(collect(parts, |s| {
+                if let Storage::F32(v) = s {
+                    Some(v)
+                } else {
+                    None
+                }
+            })?),
+            Storage::Bf16(_) => Storage::Bf16(collect(parts, |s| {
+                if let Storage::Bf16(v) = s {
+                    Some(v)
+                } else {
+                    None
+                }
+            })?),
+            Storage::Quant {
+                dtype, row_bytes, ..
+            } => {
+                fn same(s: &Storage, dtype: GgmlType, row_bytes: usize) -> Option<&Vec<u8>> {
+                    match s {
+                        Storage::Quant {
+                            dtype: d,
+                            bytes,
+                            row_bytes: rb,
+                        } if *d == dtype && *rb == row_bytes => Some(bytes),
+                        _ => None,
+                    }
+                }
+                Storage::Quant {
+                    dtype: *dtype,
+                    bytes: collect(parts, |s| same(s, *dtype, *row_bytes))?,
+                    row_bytes: *row_bytes,
+                }
+            }
+        };
+        Ok(Matrix {
+            rows,
+            cols,
+            storage,
+        })
+    }
+
     /// Copy row `r` as f32 into `out` (embedding gather).
     pub fn gather_row(&self, r: usize, out: &mut [f32]) {
         if let Storage::F32(v) = &self.storage {
@@ -129,6 +179,18 @@ impl Matrix {
             self.row_f32(r, out);
         }
     }
+}
+
+/// The concatenation of each part's storage, which `pick` must recognise as the same kind.
+fn collect<'a, T: Clone + 'a>(
+    parts: &[&'a Matrix],
+    pick: impl Fn(&'a Storage) -> Option<&'a Vec<T>>,
+) -> Result<Vec<T>, String> {
+    let mut out = Vec::new();
+    for p in parts {
+        out.extend_from_slice(pick(&p.storage).ok_or("matrices of different storage types")?);
+    }
+    Ok(out)
 }
 
 /// Rows per parallel task: a few tasks per thread (for balance) of at least 16 rows (so the

@@ -2,10 +2,12 @@
 //! for the heavy ops (matmul, attention) and the IR's reference functions for the light ones.
 
 mod attention;
+pub mod int8_head;
 mod matrix;
 pub mod simd;
 
 pub use attention::LayerKv;
+pub use int8_head::Int8Head;
 pub use matrix::{Matrix, Storage};
 
 use crate::error::{Result, RuntimeError};
@@ -24,8 +26,10 @@ pub enum CpuWeight {
 
 pub struct CpuBackend {
     graph: Graph,
-    /// Per node: its weight, for weight nodes.
+    /// Per node: its weight, for weight nodes and weight transforms folded at load time.
     weights: Vec<Option<Arc<CpuWeight>>>,
+    /// Per `Int8BoundTopK` node: its head, quantized at load time.
+    int8_heads: HashMap<usize, Int8Head>,
     /// Per node: the index of the last node reading it (values are freed after).
     last_use: Vec<usize>,
     /// Per attention cache slot: the KV row width.
@@ -67,7 +71,9 @@ impl CpuBackend {
         graph
             .validate()
             .map_err(|e| RuntimeError::Graph(e.to_string()))?;
-        let weights = load_weights(&graph, source)?;
+        let mut weights = load_weights(&graph, source)?;
+        fold_weight_transforms(&graph, &mut weights)?;
+        let int8_heads = prepare_int8_heads(&graph, &weights)?;
         let mut last_use = vec![0; graph.nodes().len()];
         let mut kv_dims = Vec::new();
         let mut vocab = 0;
@@ -92,6 +98,7 @@ impl CpuBackend {
         Ok(Self {
             graph,
             weights,
+            int8_heads,
             last_use,
             kv_dims,
             vocab,
@@ -162,7 +169,7 @@ impl CpuBackend {
                 Op::Input(InputKind::Positions) => {
                     Some(Value::Ids((first..first + tokens).collect()))
                 }
-                Op::Weight { .. } => None,
+                Op::Weight { .. } | Op::ConcatRows => None,
                 op => {
                     let args: Vec<Arg> = node
                         .inputs
@@ -176,7 +183,7 @@ impl CpuBackend {
                             ),
                         })
                         .collect();
-                    Some(Value::F32(self.eval(op, &args, seq, first, tokens)?))
+                    Some(Value::F32(self.eval(i, op, &args, seq, first, tokens)?))
                 }
             };
             values.push(value);
@@ -206,6 +213,7 @@ impl CpuBackend {
 
     fn eval(
         &self,
+        node: usize,
         op: &Op,
         args: &[Arg],
         seq: &mut CpuSequence,
@@ -274,6 +282,67 @@ impl CpuBackend {
                 let x = args[0].value().tensor();
                 Tensor::new(vec![1, x.row_len()], x.row(x.rows() - 1).to_vec())
             }
+            Op::Slice { start, len } => {
+                let x = args[0].value().tensor();
+                Tensor::new(
+                    vec![x.rows(), *len],
+                    ops::slice_columns(&x.data, x.row_len(), *start, *len),
+                )
+            }
+            Op::AddRmsNorm { eps, weight_offset } => {
+                let (a, b) = (args[0].value().tensor(), args[1].value().tensor());
+                let out =
+                    ops::add_rms_norm(&a.data, &b.data, args[2].vector(), *eps, *weight_offset);
+                Tensor::new(vec![a.rows(), 2 * a.row_len()], out)
+            }
+            Op::RmsNormMatMul { eps, weight_offset } => {
+                let x = args[0].value().tensor();
+                let mut normed = vec![0f32; x.data.len()];
+                ops::rms_norm(&x.data, args[1].vector(), *eps, *weight_offset, &mut normed);
+                let w = args[2].matrix();
+                let mut out = Tensor::zeros(vec![x.rows(), w.rows]);
+                w.matmul(&normed, x.rows(), &mut out.data);
+                out
+            }
+            Op::Glu { act } => {
+                let x = args[0].value().tensor();
+                Tensor::new(
+                    vec![x.rows(), x.row_len() / 2],
+                    ops::glu(&x.data, x.row_len(), *act),
+                )
+            }
+            Op::Elementwise { expr } => {
+                let inputs: Vec<&Tensor> = args.iter().map(|a| a.value().tensor()).collect();
+                let mut scratch = vec![0f32; inputs.len()];
+                let data = (0..inputs[0].data.len())
+                    .map(|i| {
+                        for (s, t) in scratch.iter_mut().zip(&inputs) {
+                            *s = t.data[i];
+                        }
+                        expr.eval(&scratch)
+                    })
+                    .collect();
+                Tensor::new(inputs[0].shape.clone(), data)
+            }
+            Op::TopK { k } => {
+                let x = args[0].value().tensor();
+                let data = (0..x.rows())
+                    .flat_map(|r| ops::top_k(x.row(r), *k))
+                    .map(|i| i as f32)
+                    .collect();
+                Tensor::new(vec![x.rows(), *k], data)
+            }
+            Op::Int8BoundTopK { k } => {
+                let h = args[0].value().tensor();
+                let head = &self.int8_heads[&node];
+                let full = args[1].matrix();
+                let data = (0..h.rows())
+                    .flat_map(|r| head.top_k(h.row(r), *k, full).ids)
+                    .map(|i| i as f32)
+                    .collect();
+                Tensor::new(vec![h.rows(), *k], data)
+            }
+            Op::ConcatRows => unreachable!("weight concatenation is folded at load time"),
             Op::Input(_) | Op::Weight { .. } => unreachable!("handled by step"),
         })
     }
@@ -315,6 +384,54 @@ fn zip_map(a: &Tensor, b: &Tensor, f: impl Fn(f32, f32) -> f32) -> Tensor {
         a.shape.clone(),
         a.data.iter().zip(&b.data).map(|(&x, &y)| f(x, y)).collect(),
     )
+}
+
+/// Fold `ConcatRows` of loaded weights into one matrix (rows are independent in every
+/// storage, so stacking rows is stacking bytes).
+fn fold_weight_transforms(graph: &Graph, weights: &mut [Option<Arc<CpuWeight>>]) -> Result<()> {
+    for (i, node) in graph.nodes().iter().enumerate() {
+        if node.op != Op::ConcatRows {
+            continue;
+        }
+        let parts: Vec<&Matrix> = node
+            .inputs
+            .iter()
+            .map(|x| match weights[x.0].as_deref() {
+                Some(CpuWeight::Matrix(m)) => Ok(m),
+                _ => Err(RuntimeError::Graph(format!(
+                    "concat_rows %{i} stacks something that is not a weight matrix"
+                ))),
+            })
+            .collect::<Result<_>>()?;
+        let stacked = Matrix::stack_rows(&parts)
+            .map_err(|e| RuntimeError::Graph(format!("concat_rows %{i}: {e}")))?;
+        weights[i] = Some(Arc::new(CpuWeight::Matrix(stacked)));
+    }
+    Ok(())
+}
+
+/// Quantize the head of every `Int8BoundTopK` (a full-precision matrix) once.
+fn prepare_int8_heads(
+    graph: &Graph,
+    weights: &[Option<Arc<CpuWeight>>],
+) -> Result<HashMap<usize, Int8Head>> {
+    let mut heads = HashMap::new();
+    for (i, node) in graph.nodes().iter().enumerate() {
+        if let Op::Int8BoundTopK { .. } = node.op {
+            let head = match weights[node.inputs[1].0].as_deref() {
+                Some(CpuWeight::Matrix(m)) if !matches!(m.storage, Storage::Quant { .. }) => {
+                    Int8Head::prepare(m)
+                }
+                _ => {
+                    return Err(RuntimeError::Graph(format!(
+                        "int8_bound_top_k %{i} needs a full-precision (f32/bf16) head"
+                    )))
+                }
+            };
+            heads.insert(i, head);
+        }
+    }
+    Ok(heads)
 }
 
 /// Load every weight node, in parallel; a weight used twice (a tied LM head) is loaded once.
