@@ -155,7 +155,10 @@ mod tests {
         let mut data: Vec<f32> = (0..rows * cols)
             .map(|i| (((i * 2654435761) >> 9) % 1000) as f32 / 500.0 - 1.0)
             .collect();
-        // Exact ties: rows 7, 150 and 299 are copies of row 3.
+        // Exact ties at the top: rows 7, 150 and 299 are copies of row 3, made the largest.
+        for v in &mut data[3 * cols..4 * cols] {
+            *v *= 4.0;
+        }
         for copy in [7, 150, 299] {
             let (src, dst) = (3 * cols, copy * cols);
             data.copy_within(src..src + cols, dst);
