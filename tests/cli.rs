@@ -7,10 +7,7 @@ use common::{ids, read_json, real_model};
 use std::process::Command;
 
 fn bbc(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
-        .args(args)
-        .output()
-        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_bbc")).args(args).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "bbc {args:?} failed: {stderr}");
     String::from_utf8(out.stdout).unwrap()
@@ -48,22 +45,12 @@ fn run_json_gives_the_reference_greedy_tokens() {
 #[test]
 fn streaming_prints_the_same_text_as_json() {
     let model = smollm2();
-    let args = [
-        "run",
-        &model,
-        "--prompt",
-        "Once upon a time",
-        "--max-tokens",
-        "12",
-    ];
+    let args = ["run", &model, "--prompt", "Once upon a time", "--max-tokens", "12"];
     let streamed = bbc(&args);
     let mut with_json = args.to_vec();
     with_json.push("--json");
     let out = json(&with_json);
-    assert_eq!(
-        streamed.trim_end_matches('\n'),
-        out["text"].as_str().unwrap()
-    );
+    assert_eq!(streamed.trim_end_matches('\n'), out["text"].as_str().unwrap());
 }
 
 #[test]
@@ -96,8 +83,7 @@ fn chat_renders_the_template() {
     ]);
     // A system message replaces the template's default one.
     let expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
-    let expected_ids: Vec<u32> =
-        serde_json::from_str(&bbc(&["tokenize", &model, "--text", expected])).unwrap();
+    let expected_ids: Vec<u32> = serde_json::from_str(&bbc(&["tokenize", &model, "--text", expected])).unwrap();
     assert_eq!(ids(&with_system["prompt_ids"]), expected_ids);
 }
 
@@ -126,10 +112,7 @@ fn dump_logits_writes_one_row_per_generated_token() {
         .chunks_exact(4)
         .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
         .collect();
-    let chosen: Vec<u32> = rows
-        .chunks_exact(49152)
-        .map(runtime::sampling::argmax)
-        .collect();
+    let chosen: Vec<u32> = rows.chunks_exact(49152).map(runtime::sampling::argmax).collect();
     assert_eq!(chosen, ids(&out["ids"]));
 }
 
@@ -145,10 +128,14 @@ fn a_compiled_artifact_runs_like_the_model() {
         "-o",
         dir.to_str().unwrap(),
         "--emit",
-        "ir",
+        "fused-ir",
     ]);
     assert!(ir.starts_with("graph llama\n"));
-    assert_eq!(std::fs::read_to_string(dir.join("graph.ir")).unwrap(), ir);
+    assert!(
+        std::fs::read_to_string(dir.join("graph.ir")).unwrap() == ir,
+        "graph.ir is the fused graph"
+    );
+    assert!(ir.contains("add_rms_norm") && ir.contains("swiglu") && ir.contains("concat_rows"));
     let args = |m: &str| {
         json(&[
             "run",
@@ -164,9 +151,7 @@ fn a_compiled_artifact_runs_like_the_model() {
     assert_eq!(args(dir.to_str().unwrap()), args(&model));
     // A tampered graph is refused.
     let graph = dir.join("graph.json");
-    let text = std::fs::read_to_string(&graph)
-        .unwrap()
-        .replacen("1e-5", "2e-5", 1);
+    let text = std::fs::read_to_string(&graph).unwrap().replacen("1e-5", "2e-5", 1);
     std::fs::write(&graph, text.replacen("\"eps\":", "\"eps\" :", 1)).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
         .args(["run", dir.to_str().unwrap(), "--prompt", "x"])

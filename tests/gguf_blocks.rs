@@ -25,25 +25,13 @@ fn dequantization_matches_gguf_py() {
             .collect();
         let mut got = vec![f32::NAN; want.len()];
         dtype.dequantize(&raw, &mut got);
-        assert!(
-            want.iter().any(|&v| v != 0.0),
-            "{name}: the reference is not all zeros"
-        );
+        assert!(want.iter().any(|&v| v != 0.0), "{name}: the reference is not all zeros");
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             // gguf-py multiplies in a different order than ggml for some formats: one ulp apart.
-            assert!(
-                (g - w).abs() <= 1e-6 * w.abs().max(1e-3),
-                "{name}[{i}]: {g} vs {w}"
-            );
+            assert!((g - w).abs() <= 1e-6 * w.abs().max(1e-3), "{name}[{i}]: {g} vs {w}");
         }
-        let x: Vec<f32> = (0..want.len())
-            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 4.0)
-            .collect();
-        let reference: f64 = want
-            .iter()
-            .zip(&x)
-            .map(|(&a, &b)| a as f64 * b as f64)
-            .sum();
+        let x: Vec<f32> = (0..want.len()).map(|i| ((i * 7 % 13) as f32 - 6.0) / 4.0).collect();
+        let reference: f64 = want.iter().zip(&x).map(|(&a, &b)| a as f64 * b as f64).sum();
         let dot = dtype.dot(&raw, &x) as f64;
         assert!(
             (dot - reference).abs() <= 1e-4 * reference.abs().max(1.0),

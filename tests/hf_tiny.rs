@@ -54,11 +54,7 @@ fn open(family: &str) -> Model {
 fn assert_close(got: &[f32], want: &[f32], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let worst = got
-        .iter()
-        .zip(want)
-        .map(|(g, w)| (g - w).abs())
-        .fold(0f32, f32::max);
+    let worst = got.iter().zip(want).map(|(g, w)| (g - w).abs()).fold(0f32, f32::max);
     assert!(
         worst <= 1e-4 * scale,
         "{what}: max error {worst} exceeds 1e-4 × {scale}"
@@ -91,9 +87,7 @@ fn check_cpu_backend(family: &str) {
         );
         let id = argmax(&last);
         assert_eq!(id, want_id, "{family}: greedy id at step {step}");
-        last = backend.step(&mut seq, &[id]).unwrap()["logits"]
-            .data
-            .clone();
+        last = backend.step(&mut seq, &[id]).unwrap()["logits"].data.clone();
     }
 }
 
@@ -105,9 +99,7 @@ fn check_reference_interpreter(family: &str) {
     let mut interp = ir::reference::Interpreter::new(&weights);
     let n = reference.input_ids.len();
     let positions: Vec<usize> = (0..n).collect();
-    let out = interp
-        .step(&graph, &reference.input_ids, &positions)
-        .unwrap();
+    let out = interp.step(&graph, &reference.input_ids, &positions).unwrap();
     assert_close(
         &out["logits"].data,
         &reference.logits,
@@ -165,10 +157,8 @@ fn sharded_safetensors_load_like_one_file() {
         ("model-00001-of-00002.safetensors", first),
         ("model-00002-of-00002.safetensors", second),
     ] {
-        let views: Vec<(String, safetensors::tensor::TensorView)> = part
-            .iter()
-            .map(|n| (n.clone(), st.tensor(n).unwrap()))
-            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView)> =
+            part.iter().map(|n| (n.clone(), st.tensor(n).unwrap())).collect();
         safetensors::serialize_to_file(views, None, &dir.join(shard)).unwrap();
         for n in part {
             weight_map.insert(n.clone(), serde_json::Value::String(shard.into()));

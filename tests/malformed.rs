@@ -50,19 +50,13 @@ fn wrong_magic_is_named() {
     let mut bytes = tiny_gguf(0);
     bytes[..4].copy_from_slice(b"GGML");
     let err = open_error(&temp("magic.gguf", &bytes));
-    assert!(
-        err.contains("not a GGUF file") && err.contains("GGUF"),
-        "{err}"
-    );
+    assert!(err.contains("not a GGUF file") && err.contains("GGUF"), "{err}");
 }
 
 #[test]
 fn unknown_tensor_type_is_named() {
     let err = open_error(&temp("type.gguf", &tiny_gguf(99)));
-    assert!(
-        err.contains("token_embd.weight") && err.contains("type id 99"),
-        "{err}"
-    );
+    assert!(err.contains("token_embd.weight") && err.contains("type id 99"), "{err}");
 }
 
 #[test]
@@ -85,59 +79,31 @@ fn safetensors_bytes(header: &str, data_len: usize) -> Vec<u8> {
 fn safetensors_header_lying_about_sizes_is_named() {
     let dir = std::env::temp_dir().join(format!("bbc-malformed-st-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    std::fs::copy(
-        common::fixture("hf-tiny/llama/config.json"),
-        dir.join("config.json"),
-    )
-    .unwrap();
+    std::fs::copy(common::fixture("hf-tiny/llama/config.json"), dir.join("config.json")).unwrap();
     let cases = [
         // Claims 64 bytes, the file holds 16.
-        (
-            r#"{"w":{"dtype":"F32","shape":[4,4],"data_offsets":[0,64]}}"#,
-            16,
-            "w",
-        ),
+        (r#"{"w":{"dtype":"F32","shape":[4,4],"data_offsets":[0,64]}}"#, 16, "w"),
         // Shape says 64 bytes, offsets say 32.
-        (
-            r#"{"w":{"dtype":"F32","shape":[4,4],"data_offsets":[0,32]}}"#,
-            32,
-            "w",
-        ),
+        (r#"{"w":{"dtype":"F32","shape":[4,4],"data_offsets":[0,32]}}"#, 32, "w"),
         (r#"{"w":{"dtype":"F32","shape":[4,4]"#, 64, "header"),
     ];
     for (header, data_len, needle) in cases {
-        std::fs::write(
-            dir.join("model.safetensors"),
-            safetensors_bytes(header, data_len),
-        )
-        .unwrap();
+        std::fs::write(dir.join("model.safetensors"), safetensors_bytes(header, data_len)).unwrap();
         let err = open_error(&dir);
-        assert!(
-            err.contains("safetensors") && err.contains(needle),
-            "{header}: {err}"
-        );
+        assert!(err.contains("safetensors") && err.contains(needle), "{header}: {err}");
     }
 }
 
 fn bbc(args: &[&str]) -> (bool, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
-        .args(args)
-        .output()
-        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_bbc")).args(args).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(
-        !stderr.contains("panicked"),
-        "bbc {args:?} panicked: {stderr}"
-    );
+    assert!(!stderr.contains("panicked"), "bbc {args:?} panicked: {stderr}");
     (out.status.success(), stderr)
 }
 
 #[test]
 fn model_toml_with_unknown_key_is_named_by_the_cli() {
-    let path = temp(
-        "model.toml",
-        b"[model]\nweights = \"x.gguf\"\ncontext_len = 5\n",
-    );
+    let path = temp("model.toml", b"[model]\nweights = \"x.gguf\"\ncontext_len = 5\n");
     let (ok, stderr) = bbc(&["run", path.to_str().unwrap(), "--prompt", "hi"]);
     assert!(!ok);
     assert!(
@@ -151,25 +117,16 @@ fn bad_cli_input_is_an_error() {
     let model = real_model("smollm2");
     let model = model.to_str().unwrap();
     let cases: &[(&[&str], &str)] = &[
-        (
-            &["run", model, "--prompt-ids", "999999"],
-            "outside the vocabulary",
-        ),
+        (&["run", model, "--prompt-ids", "999999"], "outside the vocabulary"),
         (
             &["run", model, "--prompt", "hi", "--max-tokens", "9000"],
             "context length",
         ),
-        (
-            &["run", model, "--prompt", "hi", "--temperature", "-1"],
-            "temperature",
-        ),
+        (&["run", model, "--prompt", "hi", "--temperature", "-1"], "temperature"),
         (&["run", model, "--prompt", "hi", "--dtype", "f8"], "f8"),
         (&["run", model], "give a prompt"),
         (&["run", "no-such-model", "--prompt", "hi"], "no-such-model"),
-        (
-            &["compile", model, "--target", "tpu", "-o", "/tmp/x"],
-            "unknown target",
-        ),
+        (&["compile", model, "--target", "tpu", "-o", "/tmp/x"], "unknown target"),
     ];
     for (args, needle) in cases {
         let (ok, stderr) = bbc(args);

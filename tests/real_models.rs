@@ -30,26 +30,15 @@ fn check(name: &str, fixture: &str) {
     for case in cases {
         let prompt = ids(&case["prompt_ids"]);
         let greedy = ids(&case["greedy_ids"]);
-        let label = case
-            .get("prompt")
-            .or(case.get("prompt_text"))
-            .unwrap()
-            .to_string();
+        let label = case.get("prompt").or(case.get("prompt_text")).unwrap().to_string();
         let mut seq = backend.new_sequence();
-        let mut logits = backend.step(&mut seq, &prompt).unwrap()["logits"]
-            .data
-            .clone();
+        let mut logits = backend.step(&mut seq, &prompt).unwrap()["logits"].data.clone();
         let mut ids_compared = true;
         for (s, step) in case["steps"].as_array().unwrap().iter().enumerate() {
-            for (id, want) in ids(&step["top_ids"])
-                .iter()
-                .zip(step["top_logits"].as_array().unwrap())
-            {
+            for (id, want) in ids(&step["top_ids"]).iter().zip(step["top_logits"].as_array().unwrap()) {
                 let (got, want) = (logits[*id as usize], want.as_f64().unwrap() as f32);
                 if (got - want).abs() > LOGIT_TOLERANCE {
-                    failures.push(format!(
-                        "{label} step {s}: logit of {id} is {got}, reference {want}"
-                    ));
+                    failures.push(format!("{label} step {s}: logit of {id} is {got}, reference {want}"));
                 }
             }
             if step["margin"].as_f64().unwrap() < NEAR_TIE {
@@ -64,16 +53,11 @@ fn check(name: &str, fixture: &str) {
             }
             compared_steps += 1;
             if s + 1 < greedy.len() {
-                logits = backend.step(&mut seq, &[greedy[s]]).unwrap()["logits"]
-                    .data
-                    .clone();
+                logits = backend.step(&mut seq, &[greedy[s]]).unwrap()["logits"].data.clone();
             }
         }
     }
-    assert!(
-        compared_steps >= 100,
-        "only {compared_steps} steps compared"
-    );
+    assert!(compared_steps >= 100, "only {compared_steps} steps compared");
     assert!(
         failures.is_empty(),
         "{} mismatches:\n{}",

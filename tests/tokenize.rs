@@ -8,20 +8,14 @@ use models::{ChatMessage, Model};
 
 fn check_model(name: &str, fixture: &str) {
     let model = Model::open_path(&real_model(name)).unwrap();
-    let tok = model
-        .tokenizer
-        .as_ref()
-        .expect("the GGUF carries a tokenizer");
+    let tok = model.tokenizer.as_ref().expect("the GGUF carries a tokenizer");
     let reference = read_json(fixture);
     let mut failures = Vec::new();
     for case in reference["tokenize"].as_array().unwrap() {
         let text = case["text"].as_str().unwrap();
         let got = tok.encode(text, false).unwrap();
         if got != ids(&case["ids"]) {
-            failures.push(format!(
-                "tokenize {text:?}: got {got:?}, want {:?}",
-                ids(&case["ids"])
-            ));
+            failures.push(format!("tokenize {text:?}: got {got:?}, want {:?}", ids(&case["ids"])));
         }
     }
     for case in reference["raw"].as_array().unwrap() {

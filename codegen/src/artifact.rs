@@ -25,7 +25,9 @@ pub enum ArtifactError {
     },
     #[error("{path}: {what}")]
     Invalid { path: PathBuf, what: String },
-    #[error("target {target} needs the CUDA code generator, which this build does not have yet; compile with --target cpu")]
+    #[error(
+        "target {target} needs the CUDA code generator, which this build does not have yet; compile with --target cpu"
+    )]
     UnsupportedTarget { target: &'static str },
 }
 
@@ -58,16 +60,9 @@ pub struct Manifest {
 }
 
 /// Write the artifact for `graph` of `model` into `dir`.
-pub fn compile(
-    model: &Model,
-    graph: &Graph,
-    target: Target,
-    dir: &Path,
-) -> Result<Manifest, ArtifactError> {
+pub fn compile(model: &Model, graph: &Graph, target: Target, dir: &Path) -> Result<Manifest, ArtifactError> {
     if target != Target::Cpu {
-        return Err(ArtifactError::UnsupportedTarget {
-            target: target.name(),
-        });
+        return Err(ArtifactError::UnsupportedTarget { target: target.name() });
     }
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let weights = std::fs::canonicalize(&model.spec.weights).map_err(io(&model.spec.weights))?;
@@ -177,8 +172,7 @@ pub fn read_graph(dir: &Path, manifest: &Manifest) -> Result<Graph, ArtifactErro
     if identity(manifest, &text) != manifest.hash {
         return Err(ArtifactError::Invalid {
             path,
-            what: "the graph or manifest was changed after compilation (hash mismatch); recompile"
-                .into(),
+            what: "the graph or manifest was changed after compilation (hash mismatch); recompile".into(),
         });
     }
     let graph: Graph = serde_json::from_str(&text).map_err(|e| ArtifactError::Invalid {

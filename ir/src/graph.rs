@@ -7,9 +7,7 @@ use crate::op::Op;
 use crate::{DType, Dim, InputKind, Shape};
 use petgraph::graph::DiGraph;
 
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub struct NodeId(pub usize);
 
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -30,17 +28,9 @@ pub enum GraphError {
         message: String,
     },
     #[error("graph `{graph}`: node %{node} reads %{input}, which does not precede it")]
-    Order {
-        graph: String,
-        node: usize,
-        input: usize,
-    },
+    Order { graph: String, node: usize, input: usize },
     #[error("graph `{graph}`: output `{name}` refers to missing node %{node}")]
-    Output {
-        graph: String,
-        name: String,
-        node: usize,
-    },
+    Output { graph: String, name: String, node: usize },
 }
 
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -72,10 +62,7 @@ impl Graph {
     }
 
     pub fn output(&self, name: &str) -> Option<NodeId> {
-        self.outputs
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, id)| *id)
+        self.outputs.iter().find(|(n, _)| n == name).map(|(_, id)| *id)
     }
 
     pub fn set_output(&mut self, name: impl Into<String>, id: NodeId) {
@@ -95,12 +82,7 @@ impl Graph {
     }
 
     pub fn input(&mut self, kind: InputKind) -> NodeId {
-        self.push(
-            Op::Input(kind),
-            vec![],
-            Shape::new([crate::TOKENS]),
-            DType::I32,
-        )
+        self.push(Op::Input(kind), vec![], Shape::new([crate::TOKENS]), DType::I32)
     }
 
     pub fn weight(&mut self, name: impl Into<String>, shape: &[usize], dtype: DType) -> NodeId {
@@ -146,10 +128,7 @@ impl Graph {
                     graph: self.name.clone(),
                     node: at,
                     op: node.op.name(),
-                    message: format!(
-                        "recorded {}{} but inputs give {dtype}{shape}",
-                        node.dtype, node.shape
-                    ),
+                    message: format!("recorded {}{} but inputs give {dtype}{shape}", node.dtype, node.shape),
                 });
             }
         }
@@ -182,10 +161,8 @@ impl Graph {
         let pg = self.to_petgraph();
         let mut live = vec![false; self.nodes.len()];
         for (_, out) in &self.outputs {
-            let mut dfs = petgraph::visit::Dfs::new(
-                petgraph::visit::Reversed(&pg),
-                petgraph::graph::NodeIndex::new(out.0),
-            );
+            let mut dfs =
+                petgraph::visit::Dfs::new(petgraph::visit::Reversed(&pg), petgraph::graph::NodeIndex::new(out.0));
             while let Some(n) = dfs.next(petgraph::visit::Reversed(&pg)) {
                 live[n.index()] = true;
             }
@@ -211,11 +188,17 @@ impl Graph {
         removed
     }
 
-    /// How many nodes of each op kind (weights and inputs excluded): ops per step.
+    /// Ops executed per step: everything but inputs, weights, compile-time weight transforms
+    /// (`concat_rows`) and views (`slice`).
     pub fn op_count(&self) -> usize {
         self.nodes
             .iter()
-            .filter(|n| !matches!(n.op, Op::Input(_) | Op::Weight { .. }))
+            .filter(|n| {
+                !matches!(
+                    n.op,
+                    Op::Input(_) | Op::Weight { .. } | Op::ConcatRows | Op::Slice { .. }
+                )
+            })
             .count()
     }
 }

@@ -158,9 +158,7 @@ impl Op {
             Self::AddRmsNorm { .. } => "add_rms_norm",
             Self::RmsNormMatMul { .. } => "rms_norm_matmul",
             Self::Glu { act: GluAct::Silu } => "swiglu",
-            Self::Glu {
-                act: GluAct::GeluTanh,
-            } => "geglu",
+            Self::Glu { act: GluAct::GeluTanh } => "geglu",
             Self::Elementwise { .. } => "elementwise",
             Self::TopK { .. } => "top_k",
             Self::Int8BoundTopK { .. } => "int8_bound_top_k",
@@ -171,12 +169,7 @@ impl Op {
     pub fn is_elementwise(&self) -> bool {
         matches!(
             self,
-            Self::Add
-                | Self::Mul
-                | Self::Scale { .. }
-                | Self::Silu
-                | Self::GeluTanh
-                | Self::Elementwise { .. }
+            Self::Add | Self::Mul | Self::Scale { .. } | Self::Silu | Self::GeluTanh | Self::Elementwise { .. }
         )
     }
 
@@ -186,12 +179,7 @@ impl Op {
             Self::Input(_) | Self::Weight { .. } => 0,
             Self::Scale { .. } | Self::Silu | Self::GeluTanh | Self::LastToken => 1,
             Self::Slice { .. } | Self::Glu { .. } | Self::TopK { .. } => 1,
-            Self::Embedding
-            | Self::MatMul
-            | Self::RmsNorm { .. }
-            | Self::Rope(_)
-            | Self::Add
-            | Self::Mul => 2,
+            Self::Embedding | Self::MatMul | Self::RmsNorm { .. } | Self::Rope(_) | Self::Add | Self::Mul => 2,
             Self::Int8BoundTopK { .. } => 2,
             Self::Attention(_) | Self::AddRmsNorm { .. } | Self::RmsNormMatMul { .. } => 3,
             Self::ConcatRows | Self::Elementwise { .. } => return None,
@@ -202,11 +190,7 @@ impl Op {
     pub fn infer(&self, inputs: &[(&Shape, DType)]) -> Result<(Shape, DType), String> {
         if let Some(arity) = self.arity() {
             if inputs.len() != arity {
-                return Err(format!(
-                    "{} takes {arity} inputs, got {}",
-                    self.name(),
-                    inputs.len()
-                ));
+                return Err(format!("{} takes {arity} inputs, got {}", self.name(), inputs.len()));
             }
         }
         let f32_rows = |s: &Shape| -> Result<(Dim, Dim), String> {
@@ -218,10 +202,7 @@ impl Op {
         let tokens_vec = |s: &Shape, d: DType, what: &str| -> Result<Dim, String> {
             match (s.0.as_slice(), d) {
                 ([t], DType::I32) => Ok(*t),
-                _ => Err(format!(
-                    "{}: {what} must be i32[tokens], got {d}{s}",
-                    self.name()
-                )),
+                _ => Err(format!("{}: {what} must be i32[tokens], got {d}{s}", self.name())),
             }
         };
         match self {
@@ -236,10 +217,7 @@ impl Op {
                 let (t, k) = f32_rows(inputs[0].0)?;
                 let (n, wk) = f32_rows(inputs[1].0)?;
                 if k != wk {
-                    return Err(format!(
-                        "matmul: x is {} but w is {}",
-                        inputs[0].0, inputs[1].0
-                    ));
+                    return Err(format!("matmul: x is {} but w is {}", inputs[0].0, inputs[1].0));
                 }
                 Ok((Shape::new([t, n]), DType::F32))
             }
@@ -248,10 +226,7 @@ impl Op {
                 let w = inputs[1].0;
                 let ok_group = *group > 0 && d.as_const().is_some_and(|d| d % group == 0);
                 if !ok_group || w.0.as_slice() != [Dim::Const(*group)] {
-                    return Err(format!(
-                        "rms_norm: x {} with group {group} and weight {w}",
-                        inputs[0].0
-                    ));
+                    return Err(format!("rms_norm: x {} with group {group} and weight {w}", inputs[0].0));
                 }
                 Ok((Shape::new([t, d]), DType::F32))
             }
@@ -296,9 +271,7 @@ impl Op {
                 }
                 Ok((inputs[0].0.clone(), DType::F32))
             }
-            Self::Scale { .. } | Self::Silu | Self::GeluTanh => {
-                Ok((inputs[0].0.clone(), DType::F32))
-            }
+            Self::Scale { .. } | Self::Silu | Self::GeluTanh => Ok((inputs[0].0.clone(), DType::F32)),
             Self::LastToken => {
                 let (_, d) = f32_rows(inputs[0].0)?;
                 Ok((Shape::new([Dim::Const(1), d]), DType::F32))
@@ -318,11 +291,7 @@ impl Op {
                     let (n, kk) = f32_rows(s)?;
                     match (n.as_const(), kk == k, d == dtype) {
                         (Some(n), true, true) => rows += n,
-                        _ => {
-                            return Err(format!(
-                                "concat_rows: {d}{s} does not stack onto {dtype}{first}"
-                            ))
-                        }
+                        _ => return Err(format!("concat_rows: {d}{s} does not stack onto {dtype}{first}")),
                     }
                 }
                 Ok((Shape::new([Dim::Const(rows), k]), *dtype))
@@ -354,18 +323,12 @@ impl Op {
                 let (t, n) = f32_rows(inputs[0].0)?;
                 match n.as_const() {
                     Some(n) if n % 2 == 0 => Ok((Shape::new([t, Dim::Const(n / 2)]), DType::F32)),
-                    _ => Err(format!(
-                        "{}: {} has no even halves",
-                        self.name(),
-                        inputs[0].0
-                    )),
+                    _ => Err(format!("{}: {} has no even halves", self.name(), inputs[0].0)),
                 }
             }
             Self::Elementwise { expr } => {
                 let (first, _) = inputs.first().ok_or("elementwise needs inputs")?;
-                if inputs.iter().any(|(s, d)| *s != *first || *d != DType::F32)
-                    || expr.arity() != inputs.len()
-                {
+                if inputs.iter().any(|(s, d)| *s != *first || *d != DType::F32) || expr.arity() != inputs.len() {
                     return Err(format!(
                         "elementwise {expr} over {} inputs of differing shapes",
                         inputs.len()
@@ -384,10 +347,7 @@ impl Op {
                 let (t, d) = f32_rows(inputs[0].0)?;
                 let (v, wd) = f32_rows(inputs[1].0)?;
                 if wd != d || *k == 0 || v.as_const().is_none_or(|v| *k > v) {
-                    return Err(format!(
-                        "int8_bound_top_k {k}: h {} W {}",
-                        inputs[0].0, inputs[1].0
-                    ));
+                    return Err(format!("int8_bound_top_k {k}: h {} W {}", inputs[0].0, inputs[1].0));
                 }
                 Ok((Shape::new([t, Dim::Const(*k)]), DType::I32))
             }
@@ -427,8 +387,7 @@ impl Op {
             ),
             Self::Scale { factor } => format!("factor={factor}"),
             Self::Slice { start, len } => format!("start={start}, len={len}"),
-            Self::AddRmsNorm { eps, weight_offset }
-            | Self::RmsNormMatMul { eps, weight_offset } => {
+            Self::AddRmsNorm { eps, weight_offset } | Self::RmsNormMatMul { eps, weight_offset } => {
                 format!("eps={eps:e}, weight_offset={weight_offset}")
             }
             Self::Elementwise { expr } => format!("{expr}"),

@@ -22,8 +22,7 @@ impl Graph {
                     let _ = write!(out, " {}", node.op.attributes());
                 }
                 op => {
-                    let args: Vec<String> =
-                        node.inputs.iter().map(|x| format!("%{}", x.0)).collect();
+                    let args: Vec<String> = node.inputs.iter().map(|x| format!("%{}", x.0)).collect();
                     let _ = write!(out, "({})", args.join(", "));
                     let attrs = op.attributes();
                     if !attrs.is_empty() {

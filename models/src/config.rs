@@ -95,12 +95,8 @@ impl ModelConfig {
             Some(tokens) => tokens.len(),
             None => u("vocab_size")?,
         };
-        let sliding_window = file
-            .optional_u64(&key("attention.sliding_window"))?
-            .map(|w| w as usize);
-        let rope_theta = file
-            .optional_f64(&key("rope.freq_base"))?
-            .unwrap_or(10_000.0);
+        let sliding_window = file.optional_u64(&key("attention.sliding_window"))?.map(|w| w as usize);
+        let rope_theta = file.optional_f64(&key("rope.freq_base"))?.unwrap_or(10_000.0);
         let (layer_attention, rope_local_theta, query_pre_attn_scalar) = match family {
             Family::Llama => (vec![LayerAttention::Full; layers], rope_theta, None),
             // llama.cpp's gemma3: sliding layers use θ = 10 000; the scale is 1/√head_dim
@@ -108,9 +104,7 @@ impl ModelConfig {
             Family::Gemma3 => (gemma3_pattern(layers, 6), 10_000.0, Some(head_dim as f64)),
         };
         let rope_scale = match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
-            Some("linear") => file
-                .optional_f64(&key("rope.scaling.factor"))?
-                .unwrap_or(1.0),
+            Some("linear") => file.optional_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0),
             _ => 1.0,
         };
         let config = Self {
@@ -139,11 +133,10 @@ impl ModelConfig {
 
     pub fn from_hf_config(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| io_error(path, e))?;
-        let json: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| ModelError::Config {
-                path: path.to_path_buf(),
-                what: format!("invalid JSON: {e}"),
-            })?;
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::Config {
+            path: path.to_path_buf(),
+            what: format!("invalid JSON: {e}"),
+        })?;
         let cfg = HfConfig { json: &json, path };
         let model_type = cfg.str("model_type")?;
         let family = Family::parse(model_type).ok_or_else(|| {
@@ -181,10 +174,7 @@ impl ModelConfig {
                 .collect::<Result<Vec<_>>>()?,
             None => match family {
                 Family::Llama => vec![LayerAttention::Full; layers],
-                Family::Gemma3 => gemma3_pattern(
-                    layers,
-                    cfg.opt_usize("_sliding_window_pattern")?.unwrap_or(6),
-                ),
+                Family::Gemma3 => gemma3_pattern(layers, cfg.opt_usize("_sliding_window_pattern")?.unwrap_or(6)),
             },
         };
         let config = Self {
@@ -236,10 +226,7 @@ impl ModelConfig {
             )));
         }
         if self.head_dim % 2 != 0 {
-            return Err(bad(format!(
-                "head_dim {} must be even for RoPE",
-                self.head_dim
-            )));
+            return Err(bad(format!("head_dim {} must be even for RoPE", self.head_dim)));
         }
         if self.layer_attention.len() != self.layers {
             return Err(bad(format!(
@@ -248,18 +235,11 @@ impl ModelConfig {
                 self.layers
             )));
         }
-        if self.layer_attention.contains(&LayerAttention::Sliding)
-            && self.sliding_window.is_none_or(|w| w == 0)
-        {
-            return Err(bad(
-                "sliding-window layers need a positive sliding_window".into()
-            ));
+        if self.layer_attention.contains(&LayerAttention::Sliding) && self.sliding_window.is_none_or(|w| w == 0) {
+            return Err(bad("sliding-window layers need a positive sliding_window".into()));
         }
         if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
-            return Err(bad(format!(
-                "rms eps {} is not a non-negative number",
-                self.rms_eps
-            )));
+            return Err(bad(format!("rms eps {} is not a non-negative number", self.rms_eps)));
         }
         Ok(self)
     }
@@ -290,11 +270,10 @@ impl HfConfig<'_> {
     fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
         match self.json.get(key) {
             None | Some(serde_json::Value::Null) => Ok(None),
-            Some(v) => v.as_u64().map(|v| Some(v as usize)).ok_or_else(|| {
-                self.error(&format!(
-                    "`{key}` should be a non-negative integer, found {v}"
-                ))
-            }),
+            Some(v) => v
+                .as_u64()
+                .map(|v| Some(v as usize))
+                .ok_or_else(|| self.error(&format!("`{key}` should be a non-negative integer, found {v}"))),
         }
     }
     fn f64(&self, key: &str) -> Result<f64> {

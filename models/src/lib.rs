@@ -66,18 +66,13 @@ impl Model {
             if limit > config.context_length {
                 return Err(ModelError::Config {
                     path,
-                    what: format!(
-                        "context_length {limit} exceeds the model's {}",
-                        config.context_length
-                    ),
+                    what: format!("context_length {limit} exceeds the model's {}", config.context_length),
                 });
             }
             config.context_length = limit;
         }
         let tokenizer = match &spec.tokenizer {
-            Some(t) => Some(Tokenizer::from_hf_dir(
-                t.parent().unwrap_or(Path::new(".")),
-            )?),
+            Some(t) => Some(Tokenizer::from_hf_dir(t.parent().unwrap_or(Path::new(".")))?),
             None => tokenizer,
         };
         Ok(Self {

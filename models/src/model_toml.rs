@@ -56,27 +56,19 @@ impl ModelSpec {
             path: path.to_path_buf(),
             what,
         };
-        let parsed: ModelToml =
-            toml::from_str(text).map_err(|e| bad(e.to_string().trim_end().to_string()))?;
+        let parsed: ModelToml = toml::from_str(text).map_err(|e| bad(e.to_string().trim_end().to_string()))?;
         let m = parsed.model;
         let base = path.parent().unwrap_or(Path::new("."));
         let architecture = m
             .architecture
             .map(|a| {
-                Family::parse(&a).ok_or_else(|| {
-                    bad(format!(
-                        "model.architecture `{a}` is not one of: llama, gemma3"
-                    ))
-                })
+                Family::parse(&a).ok_or_else(|| bad(format!("model.architecture `{a}` is not one of: llama, gemma3")))
             })
             .transpose()?;
         let dtype = match m.dtype.as_deref() {
             None => ComputeDtype::Native,
-            Some(d) => ComputeDtype::parse(d).ok_or_else(|| {
-                bad(format!(
-                    "model.dtype `{d}` is not one of: f32, bf16, native"
-                ))
-            })?,
+            Some(d) => ComputeDtype::parse(d)
+                .ok_or_else(|| bad(format!("model.dtype `{d}` is not one of: f32, bf16, native")))?,
         };
         if m.context_length == Some(0) {
             return Err(bad("model.context_length must be at least 1".into()));
@@ -123,10 +115,7 @@ mod tests {
         let err = parse("[model]\nweights = \"w.gguf\"\nweigths = 1\n")
             .unwrap_err()
             .to_string();
-        assert!(
-            err.contains("weigths") && err.contains("model.toml"),
-            "{err}"
-        );
+        assert!(err.contains("weigths") && err.contains("model.toml"), "{err}");
         let err = parse("[model]\nweights = \"w.gguf\"\n[serving]\nport = 1\n")
             .unwrap_err()
             .to_string();

@@ -58,11 +58,10 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         let text = std::fs::read_to_string(&index).map_err(|e| io_error(&index, e))?;
-        let json: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| ModelError::Config {
-                path: index.clone(),
-                what: format!("invalid JSON: {e}"),
-            })?;
+        let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::Config {
+            path: index.clone(),
+            what: format!("invalid JSON: {e}"),
+        })?;
         let map = json
             .get("weight_map")
             .and_then(|m| m.as_object())
@@ -70,10 +69,7 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
                 path: index.clone(),
                 what: "has no `weight_map` object".into(),
             })?;
-        let mut files: Vec<String> = map
-            .values()
-            .filter_map(|v| v.as_str().map(String::from))
-            .collect();
+        let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(String::from)).collect();
         files.sort();
         files.dedup();
         if files
@@ -109,12 +105,7 @@ fn read_header(bytes: &[u8], path: &Path, shard: usize) -> Result<Vec<(String, S
     let header_len = bytes
         .get(..8)
         .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
-        .ok_or_else(|| {
-            bad(format!(
-                "file is {} bytes, too short for a header",
-                bytes.len()
-            ))
-        })?;
+        .ok_or_else(|| bad(format!("file is {} bytes, too short for a header", bytes.len())))?;
     let data_start = usize::try_from(header_len)
         .ok()
         .and_then(|n| n.checked_add(8))
@@ -125,8 +116,8 @@ fn read_header(bytes: &[u8], path: &Path, shard: usize) -> Result<Vec<(String, S
                 bytes.len()
             ))
         })?;
-    let header: BTreeMap<String, serde_json::Value> = serde_json::from_slice(&bytes[8..data_start])
-        .map_err(|e| bad(format!("header is not valid JSON: {e}")))?;
+    let header: BTreeMap<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..data_start]).map_err(|e| bad(format!("header is not valid JSON: {e}")))?;
     let data_len = bytes.len() - data_start;
     let mut out = Vec::new();
     for (name, info) in header {
@@ -138,8 +129,7 @@ fn read_header(bytes: &[u8], path: &Path, shard: usize) -> Result<Vec<(String, S
             header_entry(&name, &info, data_start, data_len, shard).map_err(bad)?,
         ));
     }
-    safetensors::SafeTensors::read_metadata(bytes)
-        .map_err(|e| bad(format!("invalid layout: {e}")))?;
+    safetensors::SafeTensors::read_metadata(bytes).map_err(|e| bad(format!("invalid layout: {e}")))?;
     Ok(out)
 }
 
@@ -163,11 +153,7 @@ fn header_entry(
     let shape: Vec<usize> = info
         .get("shape")
         .and_then(|s| s.as_array())
-        .and_then(|dims| {
-            dims.iter()
-                .map(|d| d.as_u64().map(|d| d as usize))
-                .collect()
-        })
+        .and_then(|dims| dims.iter().map(|d| d.as_u64().map(|d| d as usize)).collect())
         .ok_or_else(|| format!("tensor `{name}` has no valid shape"))?;
     let offsets: Vec<usize> = info
         .get("data_offsets")

@@ -28,9 +28,7 @@ impl TensorView<'_> {
         self.elements() / self.row_len().max(1)
     }
     pub fn row_bytes(&self) -> usize {
-        self.dtype
-            .bytes_for(self.row_len())
-            .expect("rows are whole blocks")
+        self.dtype.bytes_for(self.row_len()).expect("rows are whole blocks")
     }
     pub fn to_f32(&self) -> Tensor {
         let mut data = vec![0f32; self.elements()];
@@ -124,10 +122,7 @@ impl<'a> DequantizedWeights<'a> {
 
 impl ir::reference::WeightProvider for DequantizedWeights<'_> {
     fn weight_f32(&self, name: &str) -> std::result::Result<Arc<Tensor>, String> {
-        let mut cache = self
-            .cache
-            .lock()
-            .map_err(|_| "weight cache poisoned".to_string())?;
+        let mut cache = self.cache.lock().map_err(|_| "weight cache poisoned".to_string())?;
         if let Some(t) = cache.get(name) {
             return Ok(t.clone());
         }

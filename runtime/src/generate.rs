@@ -59,10 +59,7 @@ pub fn generate(
     while out.len() < options.max_tokens {
         let token = sampler.sample(&logits);
         out.push(token);
-        let go_on = on_step(StepEvent {
-            token,
-            logits: &logits,
-        })?;
+        let go_on = on_step(StepEvent { token, logits: &logits })?;
         if !go_on || options.stop_tokens.contains(&token) || out.len() == options.max_tokens {
             break;
         }

@@ -67,10 +67,7 @@ impl Sampler {
         }
         let t = self.params.temperature as f64;
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let weights: Vec<f64> = logits
-            .iter()
-            .map(|&l| ((l as f64 - max) / t).exp())
-            .collect();
+        let weights: Vec<f64> = logits.iter().map(|&l| ((l as f64 - max) / t).exp()).collect();
         let total: f64 = weights.iter().sum();
         let mut target = self.rng.next_f64() * total;
         for (i, w) in weights.iter().enumerate() {

@@ -1,4 +1,4 @@
-//! `bbc compile MODEL --target T -o DIR [--emit ir]`.
+//! `bbc compile MODEL --target T -o DIR [--emit ir|fused-ir] [--emit-after PASS] [--verify]`.
 
 use crate::model_ref::{self, ModelRef};
 use anyhow::{bail, Result};
@@ -6,33 +6,74 @@ use codegen::Target;
 use models::LogitsFor;
 use std::path::Path;
 
-pub fn compile(model: &str, target: &str, out: &Path, emit: Option<&str>) -> Result<()> {
-    let Some(target) = Target::parse(target) else {
+pub struct CompileArgs<'a> {
+    pub model: &'a str,
+    pub target: &'a str,
+    pub output: &'a Path,
+    /// `ir` (as lowered) or `fused-ir` (after the pipeline), printed to stdout.
+    pub emit: Option<&'a str>,
+    /// Stop the pipeline after this pass and print its graph.
+    pub emit_after: Option<&'a str>,
+    /// Check every pass on random inputs before writing the artifact.
+    pub verify: bool,
+}
+
+pub fn compile(args: &CompileArgs) -> Result<()> {
+    let Some(target) = Target::parse(args.target) else {
         let names: Vec<&str> = Target::ALL.iter().map(|t| t.name()).collect();
-        bail!(
-            "unknown target `{target}`; choose one of {}",
-            names.join(", ")
-        );
+        bail!("unknown target `{}`; choose one of {}", args.target, names.join(", "));
     };
-    if matches!(ModelRef::parse(model)?, ModelRef::Artifact(_)) {
+    if matches!(ModelRef::parse(args.model)?, ModelRef::Artifact(_)) {
         bail!(
-            "{model} is already an artifact; compile a model.toml, a weights path or a model name"
+            "{} is already an artifact; compile a model.toml, a weights path or a model name",
+            args.model
         );
     }
-    let loaded = model_ref::load(model, None, LogitsFor::LastToken, false)?;
-    match emit {
-        None => {}
-        Some("ir") => print!("{}", loaded.graph.to_text()),
-        Some(other) => bail!("--emit {other}: this build can emit `ir` (the unfused graph)"),
+    let options = model_ref::LoadOptions {
+        dtype: None,
+        logits: LogitsFor::LastToken,
+        fuse: false,
+        quiet: false,
+    };
+    let loaded = model_ref::load(args.model, options)?;
+    let stages = passes::optimize(&loaded.graph, model_ref::cost_model(target), args.emit_after)?;
+    for stage in &stages {
+        let r = &stage.report;
+        let applied: Vec<String> = r.applied.iter().map(|(rule, n)| format!("{rule}×{n}")).collect();
+        eprintln!(
+            "pass {:<24} ops {:>4} → {:<4} ({} iterations, {} e-nodes, {}) {}",
+            r.pass,
+            r.ops_before,
+            r.ops_after,
+            r.iterations,
+            r.egraph_nodes,
+            r.stop,
+            applied.join(" ")
+        );
     }
-    let manifest = codegen::compile(&loaded.model, &loaded.graph, target, out)?;
+    if args.verify {
+        crate::verify::verify_stages(&loaded, &stages)?;
+    }
+    let fused = stages.last().map_or(&loaded.graph, |s| &s.graph);
+    match (args.emit, args.emit_after) {
+        (_, Some(_)) => print!("{}", fused.to_text()),
+        (None, None) => {}
+        (Some("ir"), None) => print!("{}", loaded.graph.to_text()),
+        (Some("fused-ir"), None) => print!("{}", fused.to_text()),
+        (Some(other), None) => bail!("--emit {other}: choose `ir` or `fused-ir`"),
+    }
+    if args.emit_after.is_some() {
+        return Ok(());
+    }
+    let manifest = codegen::compile(&loaded.model, fused, target, args.output)?;
     eprintln!(
-        "compiled {} ({} ops per step, dtype {}) for {} into {}",
+        "compiled {} ({} → {} ops per step, dtype {}) for {} into {}",
         manifest.family.name(),
         loaded.graph.op_count(),
+        fused.op_count(),
         manifest.dtype.name(),
         target.name(),
-        out.display()
+        args.output.display()
     );
     Ok(())
 }

@@ -21,6 +21,8 @@ pub struct RunArgs {
     pub json: bool,
     pub dump_logits: Option<PathBuf>,
     pub dtype: Option<ComputeDtype>,
+    /// Run the graph as lowered, without the fusion passes.
+    pub no_fuse: bool,
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {
@@ -34,14 +36,16 @@ pub fn run(args: &RunArgs) -> Result<()> {
         bail!("--max-tokens must be at least 1");
     }
     let started = Instant::now();
-    let loaded = model_ref::load(&args.model, args.dtype, LogitsFor::LastToken, args.json)?;
+    let options = model_ref::LoadOptions {
+        dtype: args.dtype,
+        logits: LogitsFor::LastToken,
+        fuse: !args.no_fuse,
+        quiet: args.json,
+    };
+    let loaded = model_ref::load(&args.model, options)?;
     let tokenizer = loaded.model.tokenizer.as_ref();
     let prompt = prompt_ids(args, tokenizer)?;
-    let backend = CpuBackend::new(
-        loaded.graph,
-        &loaded.model.weights,
-        loaded.model.config.context_length,
-    )?;
+    let backend = CpuBackend::new(loaded.graph, &loaded.model.weights, loaded.model.config.context_length)?;
     let load_time = started.elapsed();
 
     let options = GenerateOptions {
@@ -133,8 +137,7 @@ fn prompt_ids(args: &RunArgs, tokenizer: Option<&Tokenizer>) -> Result<Vec<u32>>
             Ok(ids.clone())
         }
         (Some(text), None) => {
-            let tokenizer = tokenizer
-                .context("this model has no tokenizer; give --prompt-ids instead of --prompt")?;
+            let tokenizer = tokenizer.context("this model has no tokenizer; give --prompt-ids instead of --prompt")?;
             if !args.chat {
                 if args.system.is_some() {
                     bail!("--system applies to --chat prompts");
@@ -164,12 +167,9 @@ fn prompt_ids(args: &RunArgs, tokenizer: Option<&Tokenizer>) -> Result<Vec<u32>>
 /// One tensor `logits` [steps, vocab] f32.
 fn write_logits(path: &std::path::Path, rows: &[f32], vocab: usize) -> Result<()> {
     let bytes: Vec<u8> = rows.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let view = safetensors::tensor::TensorView::new(
-        safetensors::Dtype::F32,
-        vec![rows.len() / vocab.max(1), vocab],
-        &bytes,
-    )
-    .context("building the logits tensor")?;
+    let view =
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![rows.len() / vocab.max(1), vocab], &bytes)
+            .context("building the logits tensor")?;
     safetensors::serialize_to_file([("logits", view)], None, path)
         .with_context(|| format!("writing {}", path.display()))?;
     Ok(())

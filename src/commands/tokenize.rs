@@ -5,12 +5,14 @@ use anyhow::{Context, Result};
 use models::LogitsFor;
 
 pub fn tokenize(model: &str, text: &str, add_special: bool) -> Result<()> {
-    let loaded = model_ref::load(model, None, LogitsFor::LastToken, true)?;
-    let tokenizer = loaded
-        .model
-        .tokenizer
-        .as_ref()
-        .context("this model has no tokenizer")?;
+    let options = model_ref::LoadOptions {
+        dtype: None,
+        logits: LogitsFor::LastToken,
+        fuse: false,
+        quiet: true,
+    };
+    let loaded = model_ref::load(model, options)?;
+    let tokenizer = loaded.model.tokenizer.as_ref().context("this model has no tokenizer")?;
     let ids = tokenizer.encode(text, add_special)?;
     println!("{}", serde_json::to_string(&ids)?);
     Ok(())

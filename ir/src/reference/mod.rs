@@ -70,11 +70,7 @@ impl<'w> Interpreter<'w> {
 
     /// Tokens held in the cache (the position the next step starts at).
     pub fn cached_len(&self) -> usize {
-        self.caches
-            .values()
-            .map(|c| c.positions.len())
-            .max()
-            .unwrap_or(0)
+        self.caches.values().map(|c| c.positions.len()).max().unwrap_or(0)
     }
 
     /// Run one step over `token_ids` at `positions`; returns every named output.
@@ -100,18 +96,13 @@ impl<'w> Interpreter<'w> {
                 .map(|i| values[i.0].as_ref().expect("inputs precede"))
                 .collect();
             let value = match &node.op {
-                Op::Input(InputKind::TokenIds) => {
-                    Value::Ids(token_ids.iter().map(|&t| t as usize).collect())
-                }
+                Op::Input(InputKind::TokenIds) => Value::Ids(token_ids.iter().map(|&t| t as usize).collect()),
                 Op::Input(InputKind::Positions) => Value::Ids(positions.to_vec()),
                 Op::Weight { name } => {
-                    let t =
-                        self.weights
-                            .weight_f32(name)
-                            .map_err(|message| InterpError::Weight {
-                                name: name.clone(),
-                                message,
-                            })?;
+                    let t = self.weights.weight_f32(name).map_err(|message| InterpError::Weight {
+                        name: name.clone(),
+                        message,
+                    })?;
                     let want = node.shape.resolve(0, 0);
                     if t.shape != want {
                         return Err(InterpError::Weight {
@@ -128,21 +119,11 @@ impl<'w> Interpreter<'w> {
         Ok(graph
             .outputs()
             .iter()
-            .map(|(name, id)| {
-                (
-                    name.clone(),
-                    values[id.0].as_ref().expect("evaluated").tensor().clone(),
-                )
-            })
+            .map(|(name, id)| (name.clone(), values[id.0].as_ref().expect("evaluated").tensor().clone()))
             .collect())
     }
 
-    fn eval(
-        &mut self,
-        op: &Op,
-        args: &[&Value],
-        positions: &[usize],
-    ) -> Result<Tensor, InterpError> {
+    fn eval(&mut self, op: &Op, args: &[&Value], positions: &[usize]) -> Result<Tensor, InterpError> {
         Ok(match op {
             Op::Embedding => embedding(args[0].tensor(), args[1].ids())?,
             Op::MatMul => {
@@ -152,18 +133,10 @@ impl<'w> Interpreter<'w> {
                 ops::matmul(&x.data, &w.data, k, &mut out.data);
                 out
             }
-            Op::RmsNorm {
-                eps, weight_offset, ..
-            } => {
+            Op::RmsNorm { eps, weight_offset, .. } => {
                 let x = args[0].tensor();
                 let mut out = Tensor::zeros(x.shape.clone());
-                ops::rms_norm(
-                    &x.data,
-                    &args[1].tensor().data,
-                    *eps,
-                    *weight_offset,
-                    &mut out.data,
-                );
+                ops::rms_norm(&x.data, &args[1].tensor().data, *eps, *weight_offset, &mut out.data);
                 out
             }
             Op::Rope(spec) => {
@@ -196,10 +169,7 @@ impl<'w> Interpreter<'w> {
             }
             Op::ConcatRows => {
                 let k = args[0].tensor().row_len();
-                let data: Vec<f32> = args
-                    .iter()
-                    .flat_map(|a| a.tensor().data.iter().copied())
-                    .collect();
+                let data: Vec<f32> = args.iter().flat_map(|a| a.tensor().data.iter().copied()).collect();
                 Tensor::new(vec![data.len() / k, k], data)
             }
             Op::AddRmsNorm { eps, weight_offset } => {
@@ -219,10 +189,7 @@ impl<'w> Interpreter<'w> {
             }
             Op::Glu { act } => {
                 let x = args[0].tensor();
-                Tensor::new(
-                    vec![x.rows(), x.row_len() / 2],
-                    ops::glu(&x.data, x.row_len(), *act),
-                )
+                Tensor::new(vec![x.rows(), x.row_len() / 2], ops::glu(&x.data, x.row_len(), *act))
             }
             Op::Elementwise { expr } => {
                 let first = args[0].tensor();
@@ -277,12 +244,7 @@ fn embedding(table: &Tensor, ids: &[usize]) -> Result<Tensor, InterpError> {
 
 /// Causal (optionally windowed) softmax attention of `q` over everything in `slot`, with
 /// grouped KV heads (query head h reads KV head h / (heads / kv_heads)); f64 accumulation.
-pub fn attention_over_slot(
-    spec: &AttentionSpec,
-    q: &Tensor,
-    slot: &KvSlot,
-    q_positions: &[usize],
-) -> Tensor {
+pub fn attention_over_slot(spec: &AttentionSpec, q: &Tensor, slot: &KvSlot, q_positions: &[usize]) -> Tensor {
     let hd = spec.head_dim;
     let kv_dim = spec.kv_heads * hd;
     let group = spec.heads / spec.kv_heads;
@@ -298,11 +260,7 @@ pub fn attention_over_slot(
                 .iter()
                 .map(|&j| {
                     let kr = &slot.k[j * kv_dim + kvh * hd..j * kv_dim + (kvh + 1) * hd];
-                    qv.iter()
-                        .zip(kr)
-                        .map(|(&a, &b)| a as f64 * b as f64)
-                        .sum::<f64>()
-                        * spec.scale
+                    qv.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * spec.scale
                 })
                 .collect();
             let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);

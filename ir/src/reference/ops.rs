@@ -25,13 +25,7 @@ pub fn rope_inv_freq(spec: &RopeSpec) -> Vec<f32> {
 
 /// (cos, sin) of every rotary frequency at one position: angle = (pos / scale) · inv_freq in
 /// f32 (as HF multiplies), then cos/sin of that angle.
-pub fn rope_cos_sin(
-    spec: &RopeSpec,
-    inv_freq: &[f32],
-    position: usize,
-    cos: &mut [f32],
-    sin: &mut [f32],
-) {
+pub fn rope_cos_sin(spec: &RopeSpec, inv_freq: &[f32], position: usize, cos: &mut [f32], sin: &mut [f32]) {
     let pos = (position as f64 / spec.position_scale) as f32;
     for ((c, s), &f) in cos.iter_mut().zip(sin.iter_mut()).zip(inv_freq) {
         let angle = (pos * f) as f64;
@@ -59,10 +53,7 @@ pub fn rope_row(spec: &RopeSpec, row: &mut [f32], cos: &[f32], sin: &[f32]) {
 pub fn rope(spec: &RopeSpec, x: &mut [f32], positions: &[usize]) {
     let inv_freq = rope_inv_freq(spec);
     let (mut cos, mut sin) = (vec![0f32; inv_freq.len()], vec![0f32; inv_freq.len()]);
-    for (row, &p) in x
-        .chunks_exact_mut(spec.heads * spec.head_dim)
-        .zip(positions)
-    {
+    for (row, &p) in x.chunks_exact_mut(spec.heads * spec.head_dim).zip(positions) {
         rope_cos_sin(spec, &inv_freq, p, &mut cos, &mut sin);
         rope_row(spec, row, &cos, &sin);
     }
@@ -84,11 +75,7 @@ pub fn matmul(x: &[f32], w: &[f32], k: usize, out: &mut [f32]) {
     let n = w.len() / k;
     for (xr, or) in x.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
         for (o, wr) in or.iter_mut().zip(w.chunks_exact(k)) {
-            *o = xr
-                .iter()
-                .zip(wr)
-                .map(|(&a, &b)| a as f64 * b as f64)
-                .sum::<f64>() as f32;
+            *o = xr.iter().zip(wr).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() as f32;
         }
     }
 }

@@ -44,11 +44,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
             heads,
             head_dim: c.head_dim,
             rotary_dim: c.head_dim,
-            theta: if sliding {
-                c.rope_local_theta
-            } else {
-                c.rope_theta
-            },
+            theta: if sliding { c.rope_local_theta } else { c.rope_theta },
             position_scale: if sliding { 1.0 } else { c.rope_scale },
             layout: RopeLayout::RotateHalf,
         };

@@ -20,6 +20,9 @@ pub enum LogitsFor {
     LastToken,
     /// Every token of the step: for teacher-forced checks and `--dump-logits`.
     AllTokens,
+    /// Only the argmax of the last token (`next_token`, ties to the lowest id): greedy
+    /// decoding, where the INT8-bound head can replace the full one.
+    GreedyToken,
 }
 
 /// The dtype matrices are computed in.
@@ -179,10 +182,7 @@ impl Builder<'_> {
         if view.shape != [rows, cols] {
             return Err(ModelError::TensorShape {
                 name: name.into(),
-                what: format!(
-                    "has shape {:?}, the config implies [{rows}, {cols}]",
-                    view.shape
-                ),
+                what: format!("has shape {:?}, the config implies [{rows}, {cols}]", view.shape),
             });
         }
         let dtype = match self.options.compute {
@@ -217,14 +217,7 @@ impl Builder<'_> {
         self.op(Op::Add, &[a, b])
     }
 
-    pub fn rms_norm(
-        &mut self,
-        x: NodeId,
-        weight: &str,
-        len: usize,
-        eps: f64,
-        weight_offset: f32,
-    ) -> Result<NodeId> {
+    pub fn rms_norm(&mut self, x: NodeId, weight: &str, len: usize, eps: f64, weight_offset: f32) -> Result<NodeId> {
         let w = self.vector(weight, len)?;
         self.op(
             Op::RmsNorm {
@@ -236,10 +229,11 @@ impl Builder<'_> {
         )
     }
 
-    /// Final norm, optional last-token selection, and the (possibly tied) LM head.
+    /// Final norm, optional last-token selection, and the (possibly tied) LM head. Outputs
+    /// `hidden` (the normed state the head reads) and `logits`, or `next_token` for greedy.
     pub fn lm_head(&mut self, config: &ModelConfig, x: NodeId, norm_offset: f32) -> Result<()> {
         let mut x = x;
-        if self.options.logits == LogitsFor::LastToken {
+        if self.options.logits != LogitsFor::AllTokens {
             x = self.op(Op::LastToken, &[x])?;
         }
         let name = self.naming.output_norm();
@@ -250,8 +244,15 @@ impl Builder<'_> {
             self.naming.lm_head()
         };
         let w = self.matrix(head, config.vocab_size, config.hidden)?;
+        self.graph.set_output("hidden", x);
         let logits = self.matmul(x, w)?;
-        self.graph.set_output("logits", logits);
+        match self.options.logits {
+            LogitsFor::GreedyToken => {
+                let next = self.op(Op::TopK { k: 1 }, &[logits])?;
+                self.graph.set_output("next_token", next);
+            }
+            LogitsFor::LastToken | LogitsFor::AllTokens => self.graph.set_output("logits", logits),
+        }
         Ok(())
     }
 }

@@ -94,33 +94,21 @@ impl GgufFile {
     }
 
     pub fn require_u64(&self, key: &str) -> Result<u64> {
-        let v = self
-            .get(key)
-            .ok_or_else(|| self.meta_error(key, "is missing"))?;
-        v.as_u64().ok_or_else(|| {
-            self.meta_error(
-                key,
-                &format!("should be an unsigned integer, found {}", v.type_name()),
-            )
-        })
+        let v = self.get(key).ok_or_else(|| self.meta_error(key, "is missing"))?;
+        v.as_u64()
+            .ok_or_else(|| self.meta_error(key, &format!("should be an unsigned integer, found {}", v.type_name())))
     }
 
     pub fn require_f64(&self, key: &str) -> Result<f64> {
-        let v = self
-            .get(key)
-            .ok_or_else(|| self.meta_error(key, "is missing"))?;
-        v.as_f64().ok_or_else(|| {
-            self.meta_error(key, &format!("should be a number, found {}", v.type_name()))
-        })
+        let v = self.get(key).ok_or_else(|| self.meta_error(key, "is missing"))?;
+        v.as_f64()
+            .ok_or_else(|| self.meta_error(key, &format!("should be a number, found {}", v.type_name())))
     }
 
     pub fn require_str(&self, key: &str) -> Result<&str> {
-        let v = self
-            .get(key)
-            .ok_or_else(|| self.meta_error(key, "is missing"))?;
-        v.as_str().ok_or_else(|| {
-            self.meta_error(key, &format!("should be a string, found {}", v.type_name()))
-        })
+        let v = self.get(key).ok_or_else(|| self.meta_error(key, "is missing"))?;
+        v.as_str()
+            .ok_or_else(|| self.meta_error(key, &format!("should be a string, found {}", v.type_name())))
     }
 
     pub fn optional_u64(&self, key: &str) -> Result<Option<u64>> {
@@ -133,33 +121,19 @@ impl GgufFile {
 
     /// An array of strings (e.g. `tokenizer.ggml.tokens`).
     pub fn string_array(&self, key: &str) -> Result<Vec<&str>> {
-        let v = self
-            .get(key)
-            .ok_or_else(|| self.meta_error(key, "is missing"))?;
-        let arr = v
-            .as_array()
-            .ok_or_else(|| self.meta_error(key, "should be an array"))?;
+        let v = self.get(key).ok_or_else(|| self.meta_error(key, "is missing"))?;
+        let arr = v.as_array().ok_or_else(|| self.meta_error(key, "should be an array"))?;
         arr.iter()
-            .map(|x| {
-                x.as_str()
-                    .ok_or_else(|| self.meta_error(key, "should hold strings"))
-            })
+            .map(|x| x.as_str().ok_or_else(|| self.meta_error(key, "should hold strings")))
             .collect()
     }
 
     /// An array of numbers (e.g. `tokenizer.ggml.scores`, `token_type`).
     pub fn number_array(&self, key: &str) -> Result<Vec<f64>> {
-        let v = self
-            .get(key)
-            .ok_or_else(|| self.meta_error(key, "is missing"))?;
-        let arr = v
-            .as_array()
-            .ok_or_else(|| self.meta_error(key, "should be an array"))?;
+        let v = self.get(key).ok_or_else(|| self.meta_error(key, "is missing"))?;
+        let arr = v.as_array().ok_or_else(|| self.meta_error(key, "should be an array"))?;
         arr.iter()
-            .map(|x| {
-                x.as_f64()
-                    .ok_or_else(|| self.meta_error(key, "should hold numbers"))
-            })
+            .map(|x| x.as_f64().ok_or_else(|| self.meta_error(key, "should hold numbers")))
             .collect()
     }
 }
@@ -200,10 +174,7 @@ impl<'a> Cursor<'a> {
     }
 
     fn array<const N: usize>(&mut self, what: &str) -> Result<[u8; N]> {
-        Ok(self
-            .take(N, what)?
-            .try_into()
-            .expect("take returned N bytes"))
+        Ok(self.take(N, what)?.try_into().expect("take returned N bytes"))
     }
 
     fn u32(&mut self, what: &str) -> Result<u32> {
@@ -238,8 +209,7 @@ impl<'a> Cursor<'a> {
     fn string(&mut self, version: u32, what: &str) -> Result<String> {
         let len = self.count(version, 1, &format!("length of {what}"))?;
         let bytes = self.take(len, what)?;
-        String::from_utf8(bytes.to_vec())
-            .map_err(|_| self.corrupt(format!("{what} is not valid UTF-8")))
+        String::from_utf8(bytes.to_vec()).map_err(|_| self.corrupt(format!("{what} is not valid UTF-8")))
     }
 
     fn value(&mut self, version: u32, type_id: u32, key: &str, depth: usize) -> Result<MetaValue> {
@@ -263,11 +233,7 @@ impl<'a> Cursor<'a> {
                     return Err(self.corrupt(format!("{what}: nested arrays are not allowed")));
                 }
                 let item_type = self.u32(&what)?;
-                let n = self.count(
-                    version,
-                    min_value_bytes(item_type),
-                    &format!("length of {what}"),
-                )?;
+                let n = self.count(version, min_value_bytes(item_type), &format!("length of {what}"))?;
                 let mut items = Vec::with_capacity(n);
                 for _ in 0..n {
                     items.push(self.value(version, item_type, key, depth + 1)?);
@@ -293,11 +259,7 @@ fn min_value_bytes(type_id: u32) -> usize {
 }
 
 fn parse(bytes: &[u8], path: &Path) -> Result<Header> {
-    let mut c = Cursor {
-        bytes,
-        pos: 0,
-        path,
-    };
+    let mut c = Cursor { bytes, pos: 0, path };
     let magic: [u8; 4] = c.array("magic")?;
     if &magic != b"GGUF" {
         return Err(ModelError::BadMagic {
@@ -356,9 +318,7 @@ fn read_tensor_info(c: &mut Cursor, version: u32, index: usize) -> Result<RawTen
     let name = c.string(version, &format!("name of tensor #{index}"))?;
     let n_dims = c.u32(&format!("dimension count of `{name}`"))? as usize;
     if n_dims == 0 || n_dims > MAX_DIMS {
-        return Err(c.corrupt(format!(
-            "tensor `{name}` has {n_dims} dimensions (1..=4 allowed)"
-        )));
+        return Err(c.corrupt(format!("tensor `{name}` has {n_dims} dimensions (1..=4 allowed)")));
     }
     let mut dims = Vec::with_capacity(n_dims);
     for _ in 0..n_dims {
@@ -375,35 +335,23 @@ fn read_tensor_info(c: &mut Cursor, version: u32, index: usize) -> Result<RawTen
 }
 
 impl RawTensorInfo {
-    fn place(
-        self,
-        data_start: u64,
-        alignment: u64,
-        file_len: usize,
-        path: &Path,
-    ) -> Result<GgufTensorInfo> {
+    fn place(self, data_start: u64, alignment: u64, file_len: usize, path: &Path) -> Result<GgufTensorInfo> {
         let corrupt = |what: String| ModelError::Corrupt {
             path: path.to_path_buf(),
             what,
         };
         let name = self.name;
-        let dtype =
-            GgmlType::from_id(self.type_id).ok_or_else(|| ModelError::UnsupportedTensorType {
-                path: path.to_path_buf(),
-                tensor: name.clone(),
-                type_id: self.type_id,
-            })?;
+        let dtype = GgmlType::from_id(self.type_id).ok_or_else(|| ModelError::UnsupportedTensorType {
+            path: path.to_path_buf(),
+            tensor: name.clone(),
+            type_id: self.type_id,
+        })?;
         let elements = self
             .dims
             .iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d))
             .filter(|&e| e <= usize::MAX as u64 / 4)
-            .ok_or_else(|| {
-                corrupt(format!(
-                    "tensor `{name}` dimensions {:?} overflow",
-                    self.dims
-                ))
-            })?;
+            .ok_or_else(|| corrupt(format!("tensor `{name}` dimensions {:?} overflow", self.dims)))?;
         let (block_elems, _) = dtype.block_layout();
         if self.dims[0] % block_elems as u64 != 0 {
             return Err(corrupt(format!(
@@ -455,18 +403,10 @@ mod tests {
         GgufWriter::new()
             .meta("general.architecture", MetaValue::String("llama".into()))
             .meta("general.alignment", MetaValue::U32(32))
-            .meta(
-                "a.list",
-                MetaValue::Array(vec![MetaValue::I32(-1), MetaValue::I32(2)]),
-            )
+            .meta("a.list", MetaValue::Array(vec![MetaValue::I32(-1), MetaValue::I32(2)]))
             .meta("a.f64", MetaValue::F64(0.5))
             .meta("a.bool", MetaValue::Bool(true))
-            .tensor(
-                "w",
-                &[4, 2],
-                0,
-                (0..8).flat_map(|i| (i as f32).to_le_bytes()).collect(),
-            )
+            .tensor("w", &[4, 2], 0, (0..8).flat_map(|i| (i as f32).to_le_bytes()).collect())
             .tensor("q", &[32], 8, vec![0u8; 34])
     }
 
@@ -490,20 +430,12 @@ mod tests {
         let bytes = sample().to_bytes();
         let full = GgufFile::open(&write_temp(&bytes, "full")).unwrap();
         // Only the alignment padding after the last tensor may go missing.
-        let data_end = full
-            .tensors
-            .iter()
-            .map(|t| t.file_offset + t.byte_len)
-            .max()
-            .unwrap();
+        let data_end = full.tensors.iter().map(|t| t.file_offset + t.byte_len).max().unwrap();
         for cut in 0..data_end {
             let path = write_temp(&bytes[..cut], "cut");
             let err = GgufFile::open(&path).expect_err("a truncated file must not load");
             let msg = err.to_string();
-            assert!(
-                msg.contains("truncated") || msg.contains("magic"),
-                "cut {cut}: {msg}"
-            );
+            assert!(msg.contains("truncated") || msg.contains("magic"), "cut {cut}: {msg}");
         }
     }
 }

@@ -21,8 +21,7 @@ impl GgufWriter {
 
     /// A tensor with dims innermost-first, a GGML type id and its raw bytes.
     pub fn tensor(mut self, name: &str, dims: &[u64], type_id: u32, data: Vec<u8>) -> Self {
-        self.tensors
-            .push((name.into(), dims.to_vec(), type_id, data));
+        self.tensors.push((name.into(), dims.to_vec(), type_id, data));
         self
     }
 

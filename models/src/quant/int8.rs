@@ -31,10 +31,7 @@ impl Q8Row {
         self.q.resize(x.len(), 0);
         self.d.clear();
         self.sum16.clear();
-        for (xb, qb) in x
-            .chunks_exact(ACT_BLOCK)
-            .zip(self.q.chunks_exact_mut(ACT_BLOCK))
-        {
+        for (xb, qb) in x.chunks_exact(ACT_BLOCK).zip(self.q.chunks_exact_mut(ACT_BLOCK)) {
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
@@ -132,10 +129,7 @@ impl UnpackedRow {
         acc
     }
 
-    fn groups<'a>(
-        &'a self,
-        act: &'a Q8Row,
-    ) -> impl Iterator<Item = ((&'a [i8], &'a [i8]), (&'a f32, &'a f32))> {
+    fn groups<'a>(&'a self, act: &'a Q8Row) -> impl Iterator<Item = ((&'a [i8], &'a [i8]), (&'a f32, &'a f32))> {
         self.w
             .chunks_exact(self.group)
             .zip(act.q.chunks_exact(self.group))
@@ -170,9 +164,7 @@ impl UnpackedRow {
         use std::arch::x86_64::*;
         let groups = self.scale.len();
         // Every unchecked read below stays inside these bounds.
-        assert!(
-            self.min.len() == groups && self.w.len() >= groups * G && act.q.len() >= groups * G
-        );
+        assert!(self.min.len() == groups && self.w.len() >= groups * G && act.q.len() >= groups * G);
         assert!(act.d.len() * ACT_BLOCK >= groups * G && act.sum16.len() * 16 >= groups * G);
         let (w, q) = (self.w.as_ptr(), act.q.as_ptr());
         let mut acc = _mm256_setzero_ps();
@@ -204,8 +196,7 @@ impl UnpackedRow {
         let mut lanes = [0f32; 8];
         // SAFETY: `lanes` holds eight f32.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-        let total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
-            + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+        let total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
         total - offset
     }
 }
@@ -217,9 +208,7 @@ mod tests {
     /// Random-looking but valid blocks: scales are small finite f16s.
     fn blocks(dtype: GgmlType, count: usize) -> Vec<u8> {
         let (_, bytes) = dtype.block_layout();
-        let mut data: Vec<u8> = (0..count * bytes)
-            .map(|i| (i * 2654435761usize >> 7) as u8)
-            .collect();
+        let mut data: Vec<u8> = (0..count * bytes).map(|i| (i * 2654435761usize >> 7) as u8).collect();
         let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes();
         for b in data.chunks_exact_mut(bytes) {
             match dtype {
@@ -244,28 +233,18 @@ mod tests {
             let mut w = vec![0f32; n];
             dtype.dequantize(&data, &mut w);
             let exact: f64 = w.iter().zip(&x).map(|(&a, &b)| a as f64 * b as f64).sum();
-            let magnitude: f64 = w
-                .iter()
-                .zip(&x)
-                .map(|(&a, &b)| (a as f64 * b as f64).abs())
-                .sum();
+            let magnitude: f64 = w.iter().zip(&x).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
             let mut row = UnpackedRow::default();
             row.unpack(dtype, &data).unwrap();
             // Unpacking is exact: scale·w − min reproduces the dequantized weights.
             for (i, &v) in w.iter().enumerate() {
                 let g = i / row.group;
                 let y = row.scale[g] * row.w[i] as f32 - row.min[g];
-                assert!(
-                    (y - v).abs() <= 1e-6 * v.abs().max(1e-3),
-                    "{dtype:?}[{i}]: {y} vs {v}"
-                );
+                assert!((y - v).abs() <= 1e-6 * v.abs().max(1e-3), "{dtype:?}[{i}]: {y} vs {v}");
             }
             let act = Q8Row::quantize(&x);
             let got = row.dot(&act) as f64;
-            assert!(
-                (got - exact).abs() <= 0.01 * magnitude,
-                "{dtype:?}: {got} vs {exact}"
-            );
+            assert!((got - exact).abs() <= 0.01 * magnitude, "{dtype:?}: {got} vs {exact}");
             // The SIMD path computes the same integer sums as the definition.
             let portable = row.dot_portable(&act) as f64;
             assert!(

@@ -117,9 +117,7 @@ impl GgmlType {
     /// Bytes taken by `elems` elements, or `None` when `elems` is not a whole number of blocks.
     pub fn bytes_for(self, elems: usize) -> Option<usize> {
         let (be, bb) = self.block_layout();
-        (elems % be == 0)
-            .then(|| elems / be)
-            .and_then(|b| b.checked_mul(bb))
+        (elems % be == 0).then(|| elems / be).and_then(|b| b.checked_mul(bb))
     }
 
     /// Dequantize `data` (a whole number of blocks) into `out`.
@@ -204,11 +202,7 @@ mod tests {
                 assert_eq!(t as u32, id);
             }
         }
-        assert_eq!(
-            GgmlType::from_id(9),
-            None,
-            "Q8_1 is not a storage format we read"
-        );
+        assert_eq!(GgmlType::from_id(9), None, "Q8_1 is not a storage format we read");
         assert_eq!(GgmlType::from_id(1000), None);
     }
 

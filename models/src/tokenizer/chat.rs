@@ -28,16 +28,8 @@ pub struct ChatTemplate {
 }
 
 impl ChatTemplate {
-    pub(crate) fn new(
-        source: &str,
-        tokenizer: &tokenizers::Tokenizer,
-        bos: Option<u32>,
-        eos: Option<u32>,
-    ) -> Self {
-        let text = |id: Option<u32>| {
-            id.and_then(|i| tokenizer.id_to_token(i))
-                .unwrap_or_default()
-        };
+    pub(crate) fn new(source: &str, tokenizer: &tokenizers::Tokenizer, bos: Option<u32>, eos: Option<u32>) -> Self {
+        let text = |id: Option<u32>| id.and_then(|i| tokenizer.id_to_token(i)).unwrap_or_default();
         Self {
             source: source.to_string(),
             bos_token: text(bos),
@@ -57,15 +49,11 @@ impl ChatTemplate {
         env.add_function(
             "raise_exception",
             |message: String| -> std::result::Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    message,
-                ))
+                Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, message))
             },
         );
-        env.add_template("chat", &self.source).map_err(|e| {
-            ModelError::ChatTemplate(format!("the model's template does not parse: {e}"))
-        })?;
+        env.add_template("chat", &self.source)
+            .map_err(|e| ModelError::ChatTemplate(format!("the model's template does not parse: {e}")))?;
         let template = env
             .get_template("chat")
             .map_err(|e| ModelError::ChatTemplate(e.to_string()))?;
@@ -102,10 +90,7 @@ mod tests {
     #[test]
     fn python_string_methods_and_raise_exception_work() {
         let t = template("{% if messages[0].role == 'system' %}{{ raise_exception('no system role') }}{% endif %}{{ messages[0].content.strip() }}");
-        assert_eq!(
-            t.render(&[ChatMessage::new("user", " x ")], false).unwrap(),
-            "x"
-        );
+        assert_eq!(t.render(&[ChatMessage::new("user", " x ")], false).unwrap(), "x");
         let err = t
             .render(&[ChatMessage::new("system", "x")], false)
             .unwrap_err()
@@ -115,10 +100,7 @@ mod tests {
 
     #[test]
     fn a_broken_template_is_an_error() {
-        let err = template("{% for %}")
-            .render(&[], true)
-            .unwrap_err()
-            .to_string();
+        let err = template("{% for %}").render(&[], true).unwrap_err().to_string();
         assert!(err.contains("does not parse"), "{err}");
     }
 }

@@ -137,13 +137,7 @@ fn byte_level_bpe(file: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokeni
         .map(|m| {
             m.split_once(' ')
                 .map(|(a, b)| (a.to_string(), b.to_string()))
-                .ok_or_else(|| {
-                    meta_error(
-                        file,
-                        "tokenizer.ggml.merges",
-                        &format!("holds `{m}`, not two tokens"),
-                    )
-                })
+                .ok_or_else(|| meta_error(file, "tokenizer.ggml.merges", &format!("holds `{m}`, not two tokens")))
         })
         .collect::<Result<Vec<_>>>()?;
     let bpe = BPE::builder()
@@ -153,9 +147,7 @@ fn byte_level_bpe(file: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokeni
     let mut tk = tokenizers::Tokenizer::new(bpe);
     let byte_level = ByteLevel::new(false, true, true);
     let pre: PreTokenizerWrapper = match file.get("tokenizer.ggml.pre").and_then(|v| v.as_str()) {
-        Some("smollm") => {
-            PreSequence::new(vec![Digits::new(true).into(), byte_level.into()]).into()
-        }
+        Some("smollm") => PreSequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
         _ => byte_level.into(),
     };
     tk.with_pre_tokenizer(Some(pre));
@@ -183,11 +175,7 @@ fn sentencepiece_bpe(file: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tok
         ));
     }
     let pieces: Vec<String> = tokens.iter().map(|t| respell_spaces(t)).collect();
-    let vocab: Vocab = pieces
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), i as u32))
-        .collect();
+    let vocab: Vocab = pieces.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
     let merges = derive_merges(&pieces, &vocab, &scores);
     let unk = file
         .optional_u64("tokenizer.ggml.unknown_token_id")?

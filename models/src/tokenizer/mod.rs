@@ -104,12 +104,10 @@ fn read_json_if_present(path: &Path) -> Result<Option<serde_json::Value>> {
         return Ok(None);
     }
     let text = std::fs::read_to_string(path).map_err(|e| io_error(path, e))?;
-    serde_json::from_str(&text)
-        .map(Some)
-        .map_err(|e| ModelError::Config {
-            path: path.to_path_buf(),
-            what: format!("invalid JSON: {e}"),
-        })
+    serde_json::from_str(&text).map(Some).map_err(|e| ModelError::Config {
+        path: path.to_path_buf(),
+        what: format!("invalid JSON: {e}"),
+    })
 }
 
 /// Decodes a growing token stream into text pieces without ever splitting a UTF-8 character:
@@ -132,10 +130,7 @@ impl StreamDecoder {
     pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<String> {
         self.ids.push(id);
         let text = tokenizer.decode(&self.ids)?;
-        if text.ends_with('\u{FFFD}')
-            || text.len() < self.emitted
-            || !text.is_char_boundary(self.emitted)
-        {
+        if text.ends_with('\u{FFFD}') || text.len() < self.emitted || !text.is_char_boundary(self.emitted) {
             return Ok(String::new());
         }
         let piece = text[self.emitted..].to_string();

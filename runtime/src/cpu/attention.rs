@@ -37,12 +37,9 @@ pub fn attention(spec: &AttentionSpec, q: &[f32], first: usize, kv: &LayerKv, ou
             let lo = spec.window.map_or(0, |w| (pos + 1).saturating_sub(w));
             debug_assert!((lo..=pos).all(|j| attends(pos, j, spec.window)));
             scores.clear();
-            scores.extend((lo..=pos).map(|j| {
-                simd::dot(
-                    qh,
-                    &kv.k[j * kv_dim + kvh * hd..j * kv_dim + (kvh + 1) * hd],
-                ) * scale
-            }));
+            scores.extend(
+                (lo..=pos).map(|j| simd::dot(qh, &kv.k[j * kv_dim + kvh * hd..j * kv_dim + (kvh + 1) * hd]) * scale),
+            );
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut total = 0f32;
             for s in scores.iter_mut() {
@@ -51,11 +48,7 @@ pub fn attention(spec: &AttentionSpec, q: &[f32], first: usize, kv: &LayerKv, ou
             }
             o.fill(0.0);
             for (j, &p) in (lo..=pos).zip(scores.iter()) {
-                simd::axpy(
-                    p / total,
-                    &kv.v[j * kv_dim + kvh * hd..j * kv_dim + (kvh + 1) * hd],
-                    o,
-                );
+                simd::axpy(p / total, &kv.v[j * kv_dim + kvh * hd..j * kv_dim + (kvh + 1) * hd], o);
             }
         },
     );
@@ -95,8 +88,7 @@ mod tests {
                 v: kv.v.clone(),
             };
             let positions: Vec<usize> = (first..len).collect();
-            let want =
-                attention_over_slot(&spec, &Tensor::new(vec![tokens, 32], q), &slot, &positions);
+            let want = attention_over_slot(&spec, &Tensor::new(vec![tokens, 32], q), &slot, &positions);
             for (g, w) in got.iter().zip(&want.data) {
                 assert!((g - w).abs() < 1e-5, "{window:?}: {g} vs {w}");
             }

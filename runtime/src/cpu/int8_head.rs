@@ -143,9 +143,7 @@ mod tests {
 
     fn plain_top_k(w: &Matrix, h: &[f32], k: usize) -> Vec<usize> {
         let mut buf = vec![0f32; w.cols];
-        let scores: Vec<f32> = (0..w.rows)
-            .map(|v| simd::dot(w.row_f32(v, &mut buf), h))
-            .collect();
+        let scores: Vec<f32> = (0..w.rows).map(|v| simd::dot(w.row_f32(v, &mut buf), h)).collect();
         ir::reference::ops::top_k(&scores, k)
     }
 
@@ -172,10 +170,6 @@ mod tests {
         let h: Vec<f32> = w.row_f32(3, &mut vec![0.0; cols]).to_vec();
         let got = head.top_k(&h, 5, &w);
         assert_eq!(got.ids, plain_top_k(&w, &h, 5));
-        assert_eq!(
-            &got.ids[..4],
-            &[3, 7, 150, 299],
-            "ties go to the lowest index first"
-        );
+        assert_eq!(&got.ids[..4], &[3, 7, 150, 299], "ties go to the lowest index first");
     }
 }

@@ -72,11 +72,7 @@ impl Matrix {
         } else {
             vec![0f32; n * tokens]
         };
-        let target: &mut [f32] = if tokens == 1 {
-            &mut *out
-        } else {
-            &mut transposed
-        };
+        let target: &mut [f32] = if tokens == 1 { &mut *out } else { &mut transposed };
         let rows_per_task = rows_per_task(n);
         match &self.storage {
             Storage::Quant {
@@ -85,32 +81,22 @@ impl Matrix {
                 row_bytes,
             } if k % ACT_BLOCK == 0 => {
                 let acts: Vec<Q8Row> = x.chunks_exact(k).map(Q8Row::quantize).collect();
-                for_row_runs(
-                    target,
-                    tokens,
-                    rows_per_task,
-                    |unpacked: &mut UnpackedRow, r, dst| {
-                        unpacked
-                            .unpack(*dtype, &bytes[r * row_bytes..(r + 1) * row_bytes])
-                            .expect("quantized storage");
-                        for (d, a) in dst.iter_mut().zip(&acts) {
-                            *d = unpacked.dot(a);
-                        }
-                    },
-                );
-            }
-            _ => for_row_runs(
-                target,
-                tokens,
-                rows_per_task,
-                |row_buf: &mut Vec<f32>, r, dst| {
-                    row_buf.resize(k, 0.0);
-                    let w = self.row_f32(r, row_buf);
-                    for (d, xt) in dst.iter_mut().zip(x.chunks_exact(k)) {
-                        *d = simd::dot(w, xt);
+                for_row_runs(target, tokens, rows_per_task, |unpacked: &mut UnpackedRow, r, dst| {
+                    unpacked
+                        .unpack(*dtype, &bytes[r * row_bytes..(r + 1) * row_bytes])
+                        .expect("quantized storage");
+                    for (d, a) in dst.iter_mut().zip(&acts) {
+                        *d = unpacked.dot(a);
                     }
-                },
-            ),
+                });
+            }
+            _ => for_row_runs(target, tokens, rows_per_task, |row_buf: &mut Vec<f32>, r, dst| {
+                row_buf.resize(k, 0.0);
+                let w = self.row_f32(r, row_buf);
+                for (d, xt) in dst.iter_mut().zip(x.chunks_exact(k)) {
+                    *d = simd::dot(w, xt);
+                }
+            }),
         }
         if tokens > 1 {
             for (r, row) in transposed.chunks_exact(tokens).enumerate() {
@@ -130,23 +116,27 @@ impl Matrix {
         }
         let rows = parts.iter().map(|p| p.rows).sum();
         let storage = match &first.storage {
-            Storage::F32(_) => Storage::F32(collect(parts, |s| {
-                if let Storage::F32(v) = s {
-                    Some(v)
-                } else {
-                    None
-                }
-            })?),
-            Storage::Bf16(_) => Storage::Bf16(collect(parts, |s| {
-                if let Storage::Bf16(v) = s {
-                    Some(v)
-                } else {
-                    None
-                }
-            })?),
-            Storage::Quant {
-                dtype, row_bytes, ..
-            } => {
+            Storage::F32(_) => Storage::F32(collect(
+                parts,
+                |s| {
+                    if let Storage::F32(v) = s {
+                        Some(v)
+                    } else {
+                        None
+                    }
+                },
+            )?),
+            Storage::Bf16(_) => Storage::Bf16(collect(
+                parts,
+                |s| {
+                    if let Storage::Bf16(v) = s {
+                        Some(v)
+                    } else {
+                        None
+                    }
+                },
+            )?),
+            Storage::Quant { dtype, row_bytes, .. } => {
                 fn same(s: &Storage, dtype: GgmlType, row_bytes: usize) -> Option<&Vec<u8>> {
                     match s {
                         Storage::Quant {
@@ -164,11 +154,7 @@ impl Matrix {
                 }
             }
         };
-        Ok(Matrix {
-            rows,
-            cols,
-            storage,
-        })
+        Ok(Matrix { rows, cols, storage })
     }
 
     /// Copy row `r` as f32 into `out` (embedding gather).
@@ -225,12 +211,8 @@ mod tests {
     #[test]
     fn matmul_matches_reference_for_every_storage() {
         let (n, k, t) = (70, 64, 3);
-        let w: Vec<f32> = (0..n * k)
-            .map(|i| ((i * 7919 % 97) as f32 - 48.0) / 32.0)
-            .collect();
-        let x: Vec<f32> = (0..t * k)
-            .map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0)
-            .collect();
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 97) as f32 - 48.0) / 32.0).collect();
+        let x: Vec<f32> = (0..t * k).map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0).collect();
         let mut want = vec![0f32; t * n];
         ir::reference::ops::matmul(&x, &w, k, &mut want);
         let storages = [

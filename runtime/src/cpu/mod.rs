@@ -68,9 +68,7 @@ impl Value {
 impl CpuBackend {
     /// Prepare the graph's weights from `source` in the storage each weight node names.
     pub fn new(graph: Graph, source: &WeightSource, context_length: usize) -> Result<Self> {
-        graph
-            .validate()
-            .map_err(|e| RuntimeError::Graph(e.to_string()))?;
+        graph.validate().map_err(|e| RuntimeError::Graph(e.to_string()))?;
         let mut weights = load_weights(&graph, source)?;
         fold_weight_transforms(&graph, &mut weights)?;
         let int8_heads = prepare_int8_heads(&graph, &weights)?;
@@ -142,9 +140,7 @@ impl CpuBackend {
     /// Process `ids` as the next tokens of `seq`; returns the graph's outputs by name.
     pub fn step(&self, seq: &mut CpuSequence, ids: &[u32]) -> Result<HashMap<String, Tensor>> {
         if ids.is_empty() {
-            return Err(RuntimeError::Input(
-                "a step needs at least one token".into(),
-            ));
+            return Err(RuntimeError::Input("a step needs at least one token".into()));
         }
         if seq.len + ids.len() > self.context_length {
             return Err(RuntimeError::ContextOverflow {
@@ -163,12 +159,8 @@ impl CpuBackend {
         let mut values: Vec<Option<Value>> = Vec::with_capacity(self.graph.nodes().len());
         for (i, node) in self.graph.nodes().iter().enumerate() {
             let value = match &node.op {
-                Op::Input(InputKind::TokenIds) => {
-                    Some(Value::Ids(ids.iter().map(|&t| t as usize).collect()))
-                }
-                Op::Input(InputKind::Positions) => {
-                    Some(Value::Ids((first..first + tokens).collect()))
-                }
+                Op::Input(InputKind::TokenIds) => Some(Value::Ids(ids.iter().map(|&t| t as usize).collect())),
+                Op::Input(InputKind::Positions) => Some(Value::Ids((first..first + tokens).collect())),
                 Op::Weight { .. } | Op::ConcatRows => None,
                 op => {
                     let args: Vec<Arg> = node
@@ -176,11 +168,7 @@ impl CpuBackend {
                         .iter()
                         .map(|x| match &self.weights[x.0] {
                             Some(w) => Arg::Weight(w),
-                            None => Arg::Value(
-                                values[x.0]
-                                    .as_ref()
-                                    .expect("inputs are computed before use"),
-                            ),
+                            None => Arg::Value(values[x.0].as_ref().expect("inputs are computed before use")),
                         })
                         .collect();
                     Some(Value::F32(self.eval(i, op, &args, seq, first, tokens)?))
@@ -201,11 +189,7 @@ impl CpuBackend {
             .map(|(name, id)| {
                 (
                     name.clone(),
-                    values[id.0]
-                        .as_ref()
-                        .expect("outputs are kept")
-                        .tensor()
-                        .clone(),
+                    values[id.0].as_ref().expect("outputs are kept").tensor().clone(),
                 )
             })
             .collect())
@@ -237,9 +221,7 @@ impl CpuBackend {
                 w.matmul(&x.data, x.rows(), &mut out.data);
                 out
             }
-            Op::RmsNorm {
-                eps, weight_offset, ..
-            } => {
+            Op::RmsNorm { eps, weight_offset, .. } => {
                 let x = args[0].value().tensor();
                 let w = args[1].vector();
                 let mut out = Tensor::zeros(x.shape.clone());
@@ -265,16 +247,8 @@ impl CpuBackend {
                 attention::attention(spec, &q.data, first, kv, &mut out.data);
                 out
             }
-            Op::Add => zip_map(
-                args[0].value().tensor(),
-                args[1].value().tensor(),
-                |a, b| a + b,
-            ),
-            Op::Mul => zip_map(
-                args[0].value().tensor(),
-                args[1].value().tensor(),
-                |a, b| a * b,
-            ),
+            Op::Add => zip_map(args[0].value().tensor(), args[1].value().tensor(), |a, b| a + b),
+            Op::Mul => zip_map(args[0].value().tensor(), args[1].value().tensor(), |a, b| a * b),
             Op::Scale { factor } => map(args[0].value().tensor(), |a| a * factor),
             Op::Silu => map(args[0].value().tensor(), ops::silu),
             Op::GeluTanh => map(args[0].value().tensor(), ops::gelu_tanh),
@@ -291,8 +265,7 @@ impl CpuBackend {
             }
             Op::AddRmsNorm { eps, weight_offset } => {
                 let (a, b) = (args[0].value().tensor(), args[1].value().tensor());
-                let out =
-                    ops::add_rms_norm(&a.data, &b.data, args[2].vector(), *eps, *weight_offset);
+                let out = ops::add_rms_norm(&a.data, &b.data, args[2].vector(), *eps, *weight_offset);
                 Tensor::new(vec![a.rows(), 2 * a.row_len()], out)
             }
             Op::RmsNormMatMul { eps, weight_offset } => {
@@ -306,10 +279,7 @@ impl CpuBackend {
             }
             Op::Glu { act } => {
                 let x = args[0].value().tensor();
-                Tensor::new(
-                    vec![x.rows(), x.row_len() / 2],
-                    ops::glu(&x.data, x.row_len(), *act),
-                )
+                Tensor::new(vec![x.rows(), x.row_len() / 2], ops::glu(&x.data, x.row_len(), *act))
             }
             Op::Elementwise { expr } => {
                 let inputs: Vec<&Tensor> = args.iter().map(|a| a.value().tensor()).collect();
@@ -403,25 +373,19 @@ fn fold_weight_transforms(graph: &Graph, weights: &mut [Option<Arc<CpuWeight>>])
                 ))),
             })
             .collect::<Result<_>>()?;
-        let stacked = Matrix::stack_rows(&parts)
-            .map_err(|e| RuntimeError::Graph(format!("concat_rows %{i}: {e}")))?;
+        let stacked = Matrix::stack_rows(&parts).map_err(|e| RuntimeError::Graph(format!("concat_rows %{i}: {e}")))?;
         weights[i] = Some(Arc::new(CpuWeight::Matrix(stacked)));
     }
     Ok(())
 }
 
 /// Quantize the head of every `Int8BoundTopK` (a full-precision matrix) once.
-fn prepare_int8_heads(
-    graph: &Graph,
-    weights: &[Option<Arc<CpuWeight>>],
-) -> Result<HashMap<usize, Int8Head>> {
+fn prepare_int8_heads(graph: &Graph, weights: &[Option<Arc<CpuWeight>>]) -> Result<HashMap<usize, Int8Head>> {
     let mut heads = HashMap::new();
     for (i, node) in graph.nodes().iter().enumerate() {
         if let Op::Int8BoundTopK { .. } = node.op {
             let head = match weights[node.inputs[1].0].as_deref() {
-                Some(CpuWeight::Matrix(m)) if !matches!(m.storage, Storage::Quant { .. }) => {
-                    Int8Head::prepare(m)
-                }
+                Some(CpuWeight::Matrix(m)) if !matches!(m.storage, Storage::Quant { .. }) => Int8Head::prepare(m),
                 _ => {
                     return Err(RuntimeError::Graph(format!(
                         "int8_bound_top_k %{i} needs a full-precision (f32/bf16) head"
@@ -453,10 +417,7 @@ fn load_weights(graph: &Graph, source: &WeightSource) -> Result<Vec<Option<Arc<C
         .par_iter()
         .map(|&i| load_weight(graph, i, source).map(Arc::new))
         .collect::<Result<_>>()?;
-    Ok(slot_of_node
-        .into_iter()
-        .map(|s| s.map(|s| loaded[s].clone()))
-        .collect())
+    Ok(slot_of_node.into_iter().map(|s| s.map(|s| loaded[s].clone())).collect())
 }
 
 fn load_weight(graph: &Graph, i: usize, source: &WeightSource) -> Result<CpuWeight> {
@@ -483,11 +444,7 @@ fn load_weight(graph: &Graph, i: usize, source: &WeightSource) -> Result<CpuWeig
     let storage = match node.dtype {
         DType::F32 | DType::F16 => Storage::F32(view.to_f32().data),
         DType::BF16 => Storage::Bf16(view.to_f32().data.into_iter().map(bf16::from_f32).collect()),
-        DType::I32 => {
-            return Err(RuntimeError::Weight(format!(
-                "`{name}`: i32 weights are not matrices"
-            )))
-        }
+        DType::I32 => return Err(RuntimeError::Weight(format!("`{name}`: i32 weights are not matrices"))),
         quant => {
             if models::weights::ir_dtype(view.dtype) != quant {
                 return Err(RuntimeError::Weight(format!(
@@ -502,9 +459,5 @@ fn load_weight(graph: &Graph, i: usize, source: &WeightSource) -> Result<CpuWeig
             }
         }
     };
-    Ok(CpuWeight::Matrix(Matrix {
-        rows,
-        cols,
-        storage,
-    }))
+    Ok(CpuWeight::Matrix(Matrix { rows, cols, storage }))
 }

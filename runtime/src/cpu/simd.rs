@@ -12,10 +12,7 @@ fn dot_body<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
     let chunks = n / LANES;
     for c in 0..chunks {
-        let (x, y) = (
-            &a[c * LANES..c * LANES + LANES],
-            &b[c * LANES..c * LANES + LANES],
-        );
+        let (x, y) = (&a[c * LANES..c * LANES + LANES], &b[c * LANES..c * LANES + LANES]);
         for i in 0..LANES {
             acc[i] = if FMA {
                 x[i].mul_add(y[i], acc[i])
@@ -41,11 +38,7 @@ fn dot_body<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
 #[inline(always)]
 fn axpy_body<const FMA: bool>(alpha: f32, x: &[f32], y: &mut [f32]) {
     for (yi, &xi) in y.iter_mut().zip(x) {
-        *yi = if FMA {
-            xi.mul_add(alpha, *yi)
-        } else {
-            *yi + xi * alpha
-        };
+        *yi = if FMA { xi.mul_add(alpha, *yi) } else { *yi + xi * alpha };
     }
 }
 
@@ -106,9 +99,7 @@ mod tests {
     #[test]
     fn dot_matches_f64_sum_at_ragged_lengths() {
         for n in [0, 1, 7, 16, 17, 100, 577] {
-            let a: Vec<f32> = (0..n)
-                .map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.25)
-                .collect();
+            let a: Vec<f32> = (0..n).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.25).collect();
             let b: Vec<f32> = (0..n).map(|i| ((i * 13 % 7) as f32 - 3.0) * 0.5).collect();
             let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
             assert!((dot(&a, &b) as f64 - want).abs() < 1e-4, "n = {n}");
@@ -124,9 +115,6 @@ mod tests {
         let mut y = vec![1.0f32; 19];
         let x: Vec<f32> = (0..19).map(|i| i as f32).collect();
         axpy(2.0, &x, &mut y);
-        assert!(y
-            .iter()
-            .enumerate()
-            .all(|(i, &v)| v == 1.0 + 2.0 * i as f32));
+        assert!(y.iter().enumerate().all(|(i, &v)| v == 1.0 + 2.0 * i as f32));
     }
 }
