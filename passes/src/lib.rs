@@ -100,19 +100,23 @@ pub struct PassReport {
 
 /// Run one pass on `graph` for the target `model`.
 pub fn run_pass(graph: &Graph, pass: &Pass, model: CostModel) -> Result<(Graph, PassReport), PassError> {
+    run_rules(graph, pass.name, &(pass.rules)(), model)
+}
+
+/// Run `rules` to saturation (within the bounds) and extract the cheapest graph for `model`.
+pub fn run_rules(graph: &Graph, name: &'static str, rules: &[Rewrite<Node, TypeAnalysis>], model: CostModel) -> Result<(Graph, PassReport), PassError> {
     let (egraph, classes) = lang::to_egraph(graph);
     let roots: Vec<(String, egg::Id)> = graph
         .outputs()
         .iter()
         .map(|(n, id)| (n.clone(), classes[id.0]))
         .collect();
-    let rules = (pass.rules)();
     let runner = Runner::default()
         .with_egraph(egraph)
         .with_iter_limit(ITERATION_LIMIT)
         .with_node_limit(NODE_LIMIT)
         .with_time_limit(TIME_LIMIT)
-        .run(&rules);
+        .run(rules);
     let mut applied: std::collections::BTreeMap<String, usize> = Default::default();
     for iteration in &runner.iterations {
         for (rule, n) in &iteration.applied {
@@ -126,16 +130,16 @@ pub fn run_pass(graph: &Graph, pass: &Pass, model: CostModel) -> Result<(Graph, 
     };
     let mut out =
         extract::extract(&runner.egraph, &roots, &graph.name, model).map_err(|source| PassError::Invalid {
-            pass: pass.name,
+            pass: name,
             source,
         })?;
     out.prune_dead();
     out.validate().map_err(|source| PassError::Invalid {
-        pass: pass.name,
+        pass: name,
         source,
     })?;
     let report = PassReport {
-        pass: pass.name,
+        pass: name,
         iterations: runner.iterations.len(),
         egraph_nodes: runner.egraph.total_number_of_nodes(),
         stop,

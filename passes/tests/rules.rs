@@ -1,0 +1,217 @@
+//! Every rule, on random shapes and values: the graph after the rule computes what the graph
+//! before it computes (IR reference interpreter), and the rule actually fired.
+
+use egg::Rewrite;
+use ir::reference::{Interpreter, WeightProvider};
+use ir::{DType, Expr, Graph, InputKind, NodeId, Op, Tensor};
+use passes::analysis::TypeAnalysis;
+use passes::lang::Node;
+use passes::rules::*;
+use passes::CostModel;
+use proptest::prelude::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Weights by name, filled with deterministic pseudo-random values.
+#[derive(Default)]
+struct Weights {
+    map: HashMap<String, Arc<Tensor>>,
+    seed: u64,
+}
+
+impl Weights {
+    fn next(&mut self) -> f32 {
+        self.seed = self.seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((self.seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    fn add(&mut self, graph: &mut Graph, name: &str, shape: &[usize]) -> NodeId {
+        let n = shape.iter().product();
+        let data = (0..n).map(|_| self.next()).collect();
+        self.map.insert(name.into(), Arc::new(Tensor::new(shape.to_vec(), data)));
+        graph.weight(name, shape, DType::F32)
+    }
+}
+
+impl WeightProvider for Weights {
+    fn weight_f32(&self, name: &str) -> Result<Arc<Tensor>, String> {
+        self.map.get(name).cloned().ok_or_else(|| format!("no weight {name}"))
+    }
+}
+
+/// A graph's start: token ids embedded into `[tokens, d]` activations.
+fn activation(graph: &mut Graph, weights: &mut Weights, d: usize) -> NodeId {
+    let ids = graph.input(InputKind::TokenIds);
+    let table = weights.add(graph, "embedding", &[16, d]);
+    graph.add(Op::Embedding, &[table, ids]).unwrap()
+}
+
+fn outputs(graph: &Graph, weights: &Weights) -> Vec<(String, Vec<f32>)> {
+    let mut interp = Interpreter::new(weights);
+    let mut all = Vec::new();
+    for (ids, first) in [(&[3u32, 7, 1][..], 0), (&[5][..], 3)] {
+        let positions: Vec<usize> = (first..first + ids.len()).collect();
+        let out = interp.step(graph, ids, &positions).unwrap();
+        let mut names: Vec<_> = out.into_iter().collect();
+        names.sort_by(|a, b| a.0.cmp(&b.0));
+        all.extend(names.into_iter().map(|(n, t)| (n, t.data)));
+    }
+    all
+}
+
+/// Run `rules`; check the named rule fired, the result holds `fused_op`, and outputs agree.
+fn check(graph: &Graph, weights: &Weights, rules: Vec<Rewrite<Node, TypeAnalysis>>, rule: &str, fused_op: &str, model: CostModel) {
+    graph.validate().unwrap();
+    let (after, report) = passes::run_rules(graph, "under-test", &rules, model).unwrap();
+    assert!(report.applied.iter().any(|(r, n)| r == rule && *n > 0), "{rule} did not fire: {report:?}");
+    assert!(after.nodes().iter().any(|n| n.op.name() == fused_op), "no {fused_op} in:\n{}", after.to_text());
+    let (want, got) = (outputs(graph, weights), outputs(&after, weights));
+    assert_eq!(want.len(), got.len());
+    for ((name, w), (_, g)) in want.iter().zip(&got) {
+        let scale = w.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
+        for (a, b) in w.iter().zip(g) {
+            assert!((a - b).abs() <= 1e-5 * scale, "{rule}: output {name} differs: {a} vs {b}");
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn join_projections_preserves_every_projection(d in 1usize..24, widths in proptest::collection::vec(1usize..20, 2..5), seed in any::<u64>()) {
+        let mut g = Graph::new("join");
+        let mut w = Weights { seed, ..Default::default() };
+        let x = activation(&mut g, &mut w, d);
+        for (i, n) in widths.iter().enumerate() {
+            let wi = w.add(&mut g, &format!("w{i}"), &[*n, d]);
+            let p = g.add(Op::MatMul, &[x, wi]).unwrap();
+            g.set_output(format!("p{i}"), p);
+        }
+        let rules = vec![joined_projections::join_projections(), joined_projections::compose_slices()];
+        check(&g, &w, rules, "join-projections", "concat_rows", CostModel::CPU);
+    }
+
+    #[test]
+    fn compose_slices_preserves_values(n in 2usize..30, a in 0usize..10, b in 0usize..10, seed in any::<u64>()) {
+        let (outer_start, inner_start) = (a % n, b % n);
+        let inner_len = n - inner_start;
+        prop_assume!(outer_start < inner_len);
+        let mut g = Graph::new("slices");
+        let mut w = Weights { seed, ..Default::default() };
+        let x = activation(&mut g, &mut w, n);
+        let inner = g.add(Op::Slice { start: inner_start, len: inner_len }, &[x]).unwrap();
+        let outer = g.add(Op::Slice { start: outer_start, len: inner_len - outer_start }, &[inner]).unwrap();
+        g.set_output("y", outer);
+        check(&g, &w, vec![joined_projections::compose_slices()], "compose-slices", "slice", CostModel::CPU);
+    }
+
+    #[test]
+    fn residual_rms_norm_preserves_sum_and_norm(d in 1usize..32, offset in prop::bool::ANY, seed in any::<u64>()) {
+        let mut g = Graph::new("residual");
+        let mut w = Weights { seed, ..Default::default() };
+        let x = activation(&mut g, &mut w, d);
+        let wm = w.add(&mut g, "proj", &[d, d]);
+        let y = g.add(Op::MatMul, &[x, wm]).unwrap();
+        let s = g.add(Op::Add, &[x, y]).unwrap();
+        let nw = w.add(&mut g, "norm", &[d]);
+        let n = g.add(Op::RmsNorm { eps: 1e-6, weight_offset: if offset { 1.0 } else { 0.0 }, group: d }, &[s, nw]).unwrap();
+        let wo = w.add(&mut g, "out", &[3, d]);
+        let o = g.add(Op::MatMul, &[n, wo]).unwrap();
+        g.set_output("residual", s);
+        g.set_output("out", o);
+        check(&g, &w, vec![residual_norm::residual_rms_norm()], "residual-rms-norm", "add_rms_norm", CostModel::CPU);
+    }
+
+    #[test]
+    fn gated_mlp_preserves_values(d in 1usize..24, n in 1usize..24, gelu in prop::bool::ANY, seed in any::<u64>()) {
+        let mut g = Graph::new("glu");
+        let mut w = Weights { seed, ..Default::default() };
+        let x = activation(&mut g, &mut w, d);
+        let wgu = w.add(&mut g, "gate_up", &[2 * n, d]);
+        let m = g.add(Op::MatMul, &[x, wgu]).unwrap();
+        let gate = g.add(Op::Slice { start: 0, len: n }, &[m]).unwrap();
+        let up = g.add(Op::Slice { start: n, len: n }, &[m]).unwrap();
+        let act = g.add(if gelu { Op::GeluTanh } else { Op::Silu }, &[gate]).unwrap();
+        let y = g.add(Op::Mul, &[act, up]).unwrap();
+        g.set_output("y", y);
+        let (rule, op) = if gelu { ("fuse-geglu", "geglu") } else { ("fuse-swiglu", "swiglu") };
+        check(&g, &w, vec![gated_mlp::swiglu(), gated_mlp::geglu()], rule, op, CostModel::CPU);
+    }
+
+    #[test]
+    fn norm_matmul_preserves_values(d in 1usize..32, n in 1usize..40, seed in any::<u64>()) {
+        let mut g = Graph::new("norm_matmul");
+        let mut w = Weights { seed, ..Default::default() };
+        let x = activation(&mut g, &mut w, d);
+        let nw = w.add(&mut g, "norm", &[d]);
+        let h = g.add(Op::RmsNorm { eps: 1e-5, weight_offset: 0.0, group: d }, &[x, nw]).unwrap();
+        let wm = w.add(&mut g, "proj", &[n, d]);
+        let y = g.add(Op::MatMul, &[h, wm]).unwrap();
+        g.set_output("y", y);
+        // A GPU target, whose cost model takes the prologue.
+        check(&g, &w, vec![norm_matmul::norm_matmul()], "norm-matmul-prologue", "rms_norm_matmul", CostModel::H200);
+    }
+
+    #[test]
+    fn elementwise_chains_collapse(d in 1usize..16, ops in proptest::collection::vec(0u8..5, 2..6), seed in any::<u64>()) {
+        let mut g = Graph::new("chain");
+        let mut w = Weights { seed, ..Default::default() };
+        let x = activation(&mut g, &mut w, d);
+        let wy = w.add(&mut g, "proj", &[d, d]);
+        let y = g.add(Op::MatMul, &[x, wy]).unwrap();
+        let mut v = x;
+        for op in ops {
+            v = match op {
+                0 => g.add(Op::Silu, &[v]),
+                1 => g.add(Op::GeluTanh, &[v]),
+                2 => g.add(Op::Scale { factor: 0.5 }, &[v]),
+                3 => g.add(Op::Add, &[v, y]),
+                _ => g.add(Op::Mul, &[v, y]),
+            }.unwrap();
+        }
+        g.set_output("y", v);
+        let mut rules = elementwise::lift_rules();
+        rules.push(elementwise::merge_elementwise());
+        check(&g, &w, rules, "merge-elementwise", "elementwise", CostModel::CPU);
+    }
+
+    #[test]
+    fn int8_bound_lm_head_keeps_the_top_k(d in 1usize..24, vocab in 2usize..60, k in 1usize..5, seed in any::<u64>()) {
+        let k = k.min(vocab);
+        let mut g = Graph::new("head");
+        let mut w = Weights { seed, ..Default::default() };
+        let x = activation(&mut g, &mut w, d);
+        let head = w.add(&mut g, "head", &[vocab, d]);
+        let logits = g.add(Op::MatMul, &[x, head]).unwrap();
+        let top = g.add(Op::TopK { k }, &[logits]).unwrap();
+        g.set_output("top", top);
+        check(&g, &w, vec![lm_head::int8_bound_top_k()], "int8-bound-top-k", "int8_bound_top_k", CostModel::CPU);
+    }
+}
+
+#[test]
+fn elementwise_expressions_compose_in_input_order() {
+    // mul(silu($0), $1) with $0 := add($0, $1) gives mul(silu(add($0, $1)), $2).
+    let outer = Expr::Mul(Box::new(Expr::Silu(Box::new(Expr::Input(0)))), Box::new(Expr::Input(1)));
+    let inner = Expr::Add(Box::new(Expr::Input(0)), Box::new(Expr::Input(1)));
+    let composed = outer.substitute(&|j| if j == 0 { inner.clone() } else { Expr::Input(j + 1) });
+    assert_eq!(composed.to_string(), "mul(silu(add($0, $1)), $2)");
+}
+
+#[test]
+fn fusion_is_deterministic() {
+    let build = || {
+        let mut g = Graph::new("det");
+        let mut w = Weights { seed: 9, ..Default::default() };
+        let x = activation(&mut g, &mut w, 8);
+        for i in 0..3 {
+            let wi = w.add(&mut g, &format!("w{i}"), &[4 + i, 8]);
+            let p = g.add(Op::MatMul, &[x, wi]).unwrap();
+            g.set_output(format!("p{i}"), p);
+        }
+        g
+    };
+    let run = || passes::optimize(&build(), CostModel::CPU, None).unwrap().last().unwrap().graph.to_text();
+    assert_eq!(run(), run());
+}
