@@ -1,0 +1,37 @@
+//! The fused graph generates exactly what the unfused graph generates: SmolLM2 and Gemma 3,
+//! every fixture prompt (raw and chat), 32 greedy tokens, with the file's own quantization.
+
+mod common;
+
+use common::{ids, read_json, real_model};
+use models::{LogitsFor, Model, ModelSpec};
+use runtime::{generate, CpuBackend, GenerateOptions};
+
+fn check(name: &str, fixture: &str) {
+    let model = Model::open(ModelSpec::for_weights(&real_model(name))).unwrap();
+    let unfused = model.lower(LogitsFor::LastToken).unwrap();
+    let fused = passes::optimize(&unfused, passes::CostModel::CPU, None).unwrap().pop().unwrap().graph;
+    assert!(fused.op_count() < unfused.op_count() * 3 / 4, "fusion removed too little: {} → {}", unfused.op_count(), fused.op_count());
+    let ctx = model.config.context_length;
+    let (plain, fast) = (CpuBackend::new(unfused, &model.weights, ctx).unwrap(), CpuBackend::new(fused, &model.weights, ctx).unwrap());
+    let options = GenerateOptions { max_tokens: 32, ..Default::default() };
+    let reference = read_json(fixture);
+    let cases = reference["raw"].as_array().unwrap().iter().chain(reference["chat"].as_array().into_iter().flatten());
+    for case in cases {
+        let prompt = ids(&case["prompt_ids"]);
+        let want = generate(&plain, &prompt, &options, |_| Ok(true)).unwrap();
+        let got = generate(&fast, &prompt, &options, |_| Ok(true)).unwrap();
+        assert_eq!(got, want, "{name}: {prompt:?}");
+        assert_eq!(want.len(), 32);
+    }
+}
+
+#[test]
+fn smollm2_fused_equals_unfused() {
+    check("smollm2", "real/smollm2.json");
+}
+
+#[test]
+fn gemma3_fused_equals_unfused() {
+    check("gemma3-270m", "real/gemma3.json");
+}
