@@ -10,13 +10,32 @@ use runtime::{generate, CpuBackend, GenerateOptions};
 fn check(name: &str, fixture: &str) {
     let model = Model::open(ModelSpec::for_weights(&real_model(name))).unwrap();
     let unfused = model.lower(LogitsFor::LastToken).unwrap();
-    let fused = passes::optimize(&unfused, passes::CostModel::CPU, None).unwrap().pop().unwrap().graph;
-    assert!(fused.op_count() < unfused.op_count() * 3 / 4, "fusion removed too little: {} → {}", unfused.op_count(), fused.op_count());
+    let fused = passes::optimize(&unfused, passes::CostModel::CPU, None)
+        .unwrap()
+        .pop()
+        .unwrap()
+        .graph;
+    assert!(
+        fused.op_count() < unfused.op_count() * 3 / 4,
+        "fusion removed too little: {} → {}",
+        unfused.op_count(),
+        fused.op_count()
+    );
     let ctx = model.config.context_length;
-    let (plain, fast) = (CpuBackend::new(unfused, &model.weights, ctx).unwrap(), CpuBackend::new(fused, &model.weights, ctx).unwrap());
-    let options = GenerateOptions { max_tokens: 32, ..Default::default() };
+    let (plain, fast) = (
+        CpuBackend::new(unfused, &model.weights, ctx).unwrap(),
+        CpuBackend::new(fused, &model.weights, ctx).unwrap(),
+    );
+    let options = GenerateOptions {
+        max_tokens: 32,
+        ..Default::default()
+    };
     let reference = read_json(fixture);
-    let cases = reference["raw"].as_array().unwrap().iter().chain(reference["chat"].as_array().into_iter().flatten());
+    let cases = reference["raw"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(reference["chat"].as_array().into_iter().flatten());
     for case in cases {
         let prompt = ids(&case["prompt_ids"]);
         let want = generate(&plain, &prompt, &options, |_| Ok(true)).unwrap();

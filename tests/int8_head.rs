@@ -21,7 +21,10 @@ fn full_top_k(w: &Matrix, h: &[f32], k: usize) -> Vec<usize> {
 struct Lcg(u64);
 impl Lcg {
     fn next(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 }
@@ -41,7 +44,11 @@ fn random_hidden_states_with_ties_and_near_ties() {
             data[r * d + i] = v + v * 1e-7 * (r - 199) as f32;
         }
     }
-    let w = Matrix { rows: vocab, cols: d, storage: Storage::F32(data.clone()) };
+    let w = Matrix {
+        rows: vocab,
+        cols: d,
+        storage: Storage::F32(data.clone()),
+    };
     let head = Int8Head::prepare(&w);
     let (mut rescored, queries) = (0usize, 100_000);
     for q in 0..queries {
@@ -56,20 +63,40 @@ fn random_hidden_states_with_ties_and_near_ties() {
         assert_eq!(got.ids, want, "query {q}");
         rescored += got.rescored;
     }
-    println!("random heads: {:.1} rows rescored per query of {vocab}", rescored as f64 / queries as f64);
+    println!(
+        "random heads: {:.1} rows rescored per query of {vocab}",
+        rescored as f64 / queries as f64
+    );
 }
 
 fn check_real(name: &str, fixture: &str) {
     let mut spec = ModelSpec::for_weights(&real_model(name));
     spec.dtype = ComputeDtype::F32;
     let model = Model::open(spec).unwrap();
-    let backend = CpuBackend::new(model.lower(LogitsFor::LastToken).unwrap(), &model.weights, model.config.context_length).unwrap();
-    let head_name = if model.weights.contains("output.weight") { "output.weight" } else { "token_embd.weight" };
+    let backend = CpuBackend::new(
+        model.lower(LogitsFor::LastToken).unwrap(),
+        &model.weights,
+        model.config.context_length,
+    )
+    .unwrap();
+    let head_name = if model.weights.contains("output.weight") {
+        "output.weight"
+    } else {
+        "token_embd.weight"
+    };
     let view = model.weights.require(head_name).unwrap();
-    let w = Matrix { rows: view.shape[0], cols: view.shape[1], storage: Storage::F32(view.to_f32().data) };
+    let w = Matrix {
+        rows: view.shape[0],
+        cols: view.shape[1],
+        storage: Storage::F32(view.to_f32().data),
+    };
     let head = Int8Head::prepare(&w);
     let reference = read_json(fixture);
-    let cases = reference["raw"].as_array().unwrap().iter().chain(reference["chat"].as_array().into_iter().flatten());
+    let cases = reference["raw"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(reference["chat"].as_array().into_iter().flatten());
     let (mut rescored, mut queries) = (0usize, 0usize);
     for case in cases {
         let mut seq = backend.new_sequence();
@@ -83,7 +110,11 @@ fn check_real(name: &str, fixture: &str) {
             out = backend.step(&mut seq, &[next]).unwrap();
         }
     }
-    println!("{name}: {:.1} rows rescored per step of {} ({queries} steps)", rescored as f64 / queries as f64, w.rows);
+    println!(
+        "{name}: {:.1} rows rescored per step of {} ({queries} steps)",
+        rescored as f64 / queries as f64,
+        w.rows
+    );
 }
 
 #[test]

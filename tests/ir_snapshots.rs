@@ -28,3 +28,42 @@ fn lowering_is_deterministic() {
         graph_text("gemma3", LogitsFor::AllTokens)
     );
 }
+
+fn fused_text(graph: &ir::Graph, model: passes::CostModel) -> String {
+    passes::optimize(graph, model, None)
+        .unwrap()
+        .pop()
+        .unwrap()
+        .graph
+        .to_text()
+}
+
+fn real_graph(name: &str) -> ir::Graph {
+    Model::open(ModelSpec::for_weights(&common::real_model(name)))
+        .unwrap()
+        .lower(LogitsFor::LastToken)
+        .unwrap()
+}
+
+#[test]
+fn smollm2_fused_graph() {
+    insta::assert_snapshot!(fused_text(&real_graph("smollm2"), passes::CostModel::CPU));
+}
+
+#[test]
+fn gemma3_fused_graph() {
+    insta::assert_snapshot!(fused_text(&real_graph("gemma3-270m"), passes::CostModel::CPU));
+}
+
+#[test]
+fn qwen3_5_projections_fused_graph() {
+    use models::families::qwen3_5::{projection_skeleton, Qwen35Shape};
+    let graph = projection_skeleton(&Qwen35Shape::TINY).unwrap();
+    let fused = fused_text(&graph, passes::CostModel::H200);
+    // The four DeltaNet input projections became one GEMM.
+    assert!(
+        fused.contains("concat_rows(%") && fused.contains(": bf16[200, 64]"),
+        "{fused}"
+    );
+    insta::assert_snapshot!(fused);
+}

@@ -104,7 +104,12 @@ pub fn run_pass(graph: &Graph, pass: &Pass, model: CostModel) -> Result<(Graph, 
 }
 
 /// Run `rules` to saturation (within the bounds) and extract the cheapest graph for `model`.
-pub fn run_rules(graph: &Graph, name: &'static str, rules: &[Rewrite<Node, TypeAnalysis>], model: CostModel) -> Result<(Graph, PassReport), PassError> {
+pub fn run_rules(
+    graph: &Graph,
+    name: &'static str,
+    rules: &[Rewrite<Node, TypeAnalysis>],
+    model: CostModel,
+) -> Result<(Graph, PassReport), PassError> {
     let (egraph, classes) = lang::to_egraph(graph);
     let roots: Vec<(String, egg::Id)> = graph
         .outputs()
@@ -128,16 +133,11 @@ pub fn run_rules(graph: &Graph, name: &'static str, rules: &[Rewrite<Node, TypeA
         Some(other) => format!("{other:?}"),
         None => "unknown".to_string(),
     };
-    let mut out =
-        extract::extract(&runner.egraph, &roots, &graph.name, model).map_err(|source| PassError::Invalid {
-            pass: name,
-            source,
-        })?;
+    let mut out = extract::extract(&runner.egraph, &roots, &graph.name, model)
+        .map_err(|source| PassError::Invalid { pass: name, source })?;
     out.prune_dead();
-    out.validate().map_err(|source| PassError::Invalid {
-        pass: name,
-        source,
-    })?;
+    out.validate()
+        .map_err(|source| PassError::Invalid { pass: name, source })?;
     let report = PassReport {
         pass: name,
         iterations: runner.iterations.len(),

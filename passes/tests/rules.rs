@@ -21,14 +21,18 @@ struct Weights {
 
 impl Weights {
     fn next(&mut self) -> f32 {
-        self.seed = self.seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.seed = self
+            .seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((self.seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
     fn add(&mut self, graph: &mut Graph, name: &str, shape: &[usize]) -> NodeId {
         let n = shape.iter().product();
         let data = (0..n).map(|_| self.next()).collect();
-        self.map.insert(name.into(), Arc::new(Tensor::new(shape.to_vec(), data)));
+        self.map
+            .insert(name.into(), Arc::new(Tensor::new(shape.to_vec(), data)));
         graph.weight(name, shape, DType::F32)
     }
 }
@@ -60,17 +64,34 @@ fn outputs(graph: &Graph, weights: &Weights) -> Vec<(String, Vec<f32>)> {
 }
 
 /// Run `rules`; check the named rule fired, the result holds `fused_op`, and outputs agree.
-fn check(graph: &Graph, weights: &Weights, rules: Vec<Rewrite<Node, TypeAnalysis>>, rule: &str, fused_op: &str, model: CostModel) {
+fn check(
+    graph: &Graph,
+    weights: &Weights,
+    rules: Vec<Rewrite<Node, TypeAnalysis>>,
+    rule: &str,
+    fused_op: &str,
+    model: CostModel,
+) {
     graph.validate().unwrap();
     let (after, report) = passes::run_rules(graph, "under-test", &rules, model).unwrap();
-    assert!(report.applied.iter().any(|(r, n)| r == rule && *n > 0), "{rule} did not fire: {report:?}");
-    assert!(after.nodes().iter().any(|n| n.op.name() == fused_op), "no {fused_op} in:\n{}", after.to_text());
+    assert!(
+        report.applied.iter().any(|(r, n)| r == rule && *n > 0),
+        "{rule} did not fire: {report:?}"
+    );
+    assert!(
+        after.nodes().iter().any(|n| n.op.name() == fused_op),
+        "no {fused_op} in:\n{}",
+        after.to_text()
+    );
     let (want, got) = (outputs(graph, weights), outputs(&after, weights));
     assert_eq!(want.len(), got.len());
     for ((name, w), (_, g)) in want.iter().zip(&got) {
         let scale = w.iter().fold(1e-6f32, |m, v| m.max(v.abs()));
         for (a, b) in w.iter().zip(g) {
-            assert!((a - b).abs() <= 1e-5 * scale, "{rule}: output {name} differs: {a} vs {b}");
+            assert!(
+                (a - b).abs() <= 1e-5 * scale,
+                "{rule}: output {name} differs: {a} vs {b}"
+            );
         }
     }
 }
@@ -203,7 +224,10 @@ fn elementwise_expressions_compose_in_input_order() {
 fn fusion_is_deterministic() {
     let build = || {
         let mut g = Graph::new("det");
-        let mut w = Weights { seed: 9, ..Default::default() };
+        let mut w = Weights {
+            seed: 9,
+            ..Default::default()
+        };
         let x = activation(&mut g, &mut w, 8);
         for i in 0..3 {
             let wi = w.add(&mut g, &format!("w{i}"), &[4 + i, 8]);
@@ -212,6 +236,13 @@ fn fusion_is_deterministic() {
         }
         g
     };
-    let run = || passes::optimize(&build(), CostModel::CPU, None).unwrap().last().unwrap().graph.to_text();
+    let run = || {
+        passes::optimize(&build(), CostModel::CPU, None)
+            .unwrap()
+            .last()
+            .unwrap()
+            .graph
+            .to_text()
+    };
     assert_eq!(run(), run());
 }

@@ -6,6 +6,7 @@
 
 mod gemma3;
 mod llama;
+pub mod qwen3_5;
 
 use crate::config::{Family, ModelConfig};
 use crate::error::{ModelError, Result};
