@@ -52,6 +52,8 @@ impl ModelRef {
 pub struct Loaded {
     pub model: Model,
     pub graph: Graph,
+    /// The greedy graph (argmax only), when asked for.
+    pub greedy: Option<Graph>,
 }
 
 /// The cost model the passes optimise for on `target`.
@@ -69,6 +71,8 @@ pub fn cost_model(target: Target) -> passes::CostModel {
 pub struct LoadOptions {
     pub dtype: Option<ComputeDtype>,
     pub logits: LogitsFor,
+    /// Also build the greedy graph (whose LM head may become the INT8-bound top-k).
+    pub greedy: bool,
     /// Run the pass pipeline for the CPU (artifacts are already optimised for their target).
     pub fuse: bool,
     pub quiet: bool,
@@ -83,12 +87,19 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
                 spec.dtype = d;
             }
             let model = Model::open(spec)?;
-            let mut graph = model.lower(options.logits)?;
-            if options.fuse {
+            let fuse = |graph: Graph| -> Result<Graph> {
+                if !options.fuse {
+                    return Ok(graph);
+                }
                 let stages = passes::optimize(&graph, passes::CostModel::CPU, None)?;
-                graph = stages.into_iter().last().map(|s| s.graph).unwrap_or(graph);
-            }
-            Ok(Loaded { model, graph })
+                Ok(stages.into_iter().last().map_or(graph, |s| s.graph))
+            };
+            let graph = fuse(model.lower(options.logits)?)?;
+            let greedy = match options.greedy {
+                true => Some(fuse(model.lower(LogitsFor::GreedyToken)?)?),
+                false => None,
+            };
+            Ok(Loaded { model, graph, greedy })
         }
         None => {
             let ModelRef::Artifact(dir) = reference else {
@@ -119,6 +130,10 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
         tokenizer: manifest.tokenizer.clone(),
     };
     let model = Model::open(spec).with_context(|| format!("opening the weights {} names", dir.display()))?;
-    let graph = codegen::read_graph(dir, &manifest)?;
-    Ok(Loaded { model, graph })
+    let graphs = codegen::read_graphs(dir, &manifest)?;
+    Ok(Loaded {
+        model,
+        graph: graphs.logits,
+        greedy: graphs.greedy,
+    })
 }

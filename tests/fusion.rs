@@ -5,7 +5,7 @@ mod common;
 
 use common::{ids, read_json, real_model};
 use models::{LogitsFor, Model, ModelSpec};
-use runtime::{generate, CpuBackend, GenerateOptions};
+use runtime::{generate, CpuBackend, Engine, GenerateOptions};
 
 fn check(name: &str, fixture: &str) {
     let model = Model::open(ModelSpec::for_weights(&real_model(name))).unwrap();
@@ -22,10 +22,8 @@ fn check(name: &str, fixture: &str) {
         fused.op_count()
     );
     let ctx = model.config.context_length;
-    let (plain, fast) = (
-        CpuBackend::new(unfused, &model.weights, ctx).unwrap(),
-        CpuBackend::new(fused, &model.weights, ctx).unwrap(),
-    );
+    let plain = Engine::from(CpuBackend::new(unfused, &model.weights, ctx).unwrap());
+    let fast = Engine::from(CpuBackend::new(fused, &model.weights, ctx).unwrap());
     let options = GenerateOptions {
         max_tokens: 32,
         ..Default::default()

@@ -126,3 +126,52 @@ fn smollm2_hidden_states() {
 fn gemma3_hidden_states() {
     check_real("gemma3-270m", "real/gemma3.json");
 }
+
+/// In the product: with a full-precision (f32) head, the greedy graph's LM head is the
+/// INT8-bound top-k, and greedy generation through it equals generation from full logits.
+#[test]
+fn greedy_graph_with_int8_head_generates_like_the_logits_graph() {
+    let mut spec = ModelSpec::for_weights(&real_model("smollm2"));
+    spec.dtype = ComputeDtype::F32;
+    let model = Model::open(spec).unwrap();
+    let fuse = |g: ir::Graph| {
+        passes::optimize(&g, passes::CostModel::CPU, None)
+            .unwrap()
+            .pop()
+            .unwrap()
+            .graph
+    };
+    let logits = fuse(model.lower(LogitsFor::LastToken).unwrap());
+    let greedy = fuse(model.lower(LogitsFor::GreedyToken).unwrap());
+    assert!(
+        greedy
+            .nodes()
+            .iter()
+            .any(|n| matches!(n.op, ir::Op::Int8BoundTopK { k: 1 })),
+        "{}",
+        greedy.to_text()
+    );
+    let engine = runtime::Engine::new(logits, Some(greedy), &model.weights, model.config.context_length).unwrap();
+    let reference = read_json("real/smollm2.json");
+    for case in reference["raw"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(reference["chat"].as_array().unwrap())
+    {
+        let prompt = ids(&case["prompt_ids"]);
+        let run = |need_logits| {
+            let options = runtime::GenerateOptions {
+                max_tokens: 32,
+                need_logits,
+                ..Default::default()
+            };
+            runtime::generate(&engine, &prompt, &options, |e| {
+                assert_eq!(e.logits.is_some(), need_logits);
+                Ok(true)
+            })
+            .unwrap()
+        };
+        assert_eq!(run(false), run(true), "{prompt:?}");
+    }
+}

@@ -84,7 +84,7 @@ fn gemma3_f32_matches_transformers() {
 fn smollm2_native_agrees_with_llama_cpp() {
     let model = Model::open_path(&real_model("smollm2")).unwrap();
     let graph = model.lower(LogitsFor::LastToken).unwrap();
-    let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
+    let engine = runtime::Engine::from(CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap());
     let reference = read_json("real/llamacpp-smollm2.json");
     for (case, agreeing) in [("raw_completion", 14), ("chat_template", 32)] {
         let prompt = ids(&reference[case]["prompt_token_ids"]);
@@ -93,7 +93,7 @@ fn smollm2_native_agrees_with_llama_cpp() {
             max_tokens: 32,
             ..Default::default()
         };
-        let got = runtime::generate(&backend, &prompt, &options, |_| Ok(true)).unwrap();
+        let got = runtime::generate(&engine, &prompt, &options, |_| Ok(true)).unwrap();
         assert_eq!(got[..agreeing], want[..agreeing], "{case}");
     }
 }

@@ -13,6 +13,8 @@ use std::path::{Path, PathBuf};
 pub const MANIFEST_FILE: &str = "manifest.json";
 const GRAPH_TEXT: &str = "graph.ir";
 const GRAPH_JSON: &str = "graph.json";
+const GREEDY_GRAPH_TEXT: &str = "greedy.ir";
+const GREEDY_GRAPH_JSON: &str = "greedy.json";
 const FORMAT_VERSION: u32 = 1;
 
 #[derive(Debug, thiserror::Error)]
@@ -55,12 +57,20 @@ pub struct Manifest {
     pub context_length: usize,
     pub graph_text: String,
     pub graph_json: String,
+    /// The greedy graph (argmax only, INT8-bound LM head where the head qualifies), if any.
+    pub greedy_graph_json: Option<String>,
     /// sha256 over the graph, the weights hash and every field above: the artifact's identity.
     pub hash: String,
 }
 
-/// Write the artifact for `graph` of `model` into `dir`.
-pub fn compile(model: &Model, graph: &Graph, target: Target, dir: &Path) -> Result<Manifest, ArtifactError> {
+/// Write the artifact for `graph` (and the greedy graph, when given) of `model` into `dir`.
+pub fn compile(
+    model: &Model,
+    graph: &Graph,
+    greedy: Option<&Graph>,
+    target: Target,
+    dir: &Path,
+) -> Result<Manifest, ArtifactError> {
     if target != Target::Cpu {
         return Err(ArtifactError::UnsupportedTarget { target: target.name() });
     }
@@ -68,6 +78,7 @@ pub fn compile(model: &Model, graph: &Graph, target: Target, dir: &Path) -> Resu
     let weights = std::fs::canonicalize(&model.spec.weights).map_err(io(&model.spec.weights))?;
     let weights_sha256 = hash_weights(&weights)?;
     let graph_json = serde_json::to_string(graph).expect("graphs serialise");
+    let greedy_json = greedy.map(|g| serde_json::to_string(g).expect("graphs serialise"));
     let mut manifest = Manifest {
         format_version: FORMAT_VERSION,
         bbc_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -80,11 +91,16 @@ pub fn compile(model: &Model, graph: &Graph, target: Target, dir: &Path) -> Resu
         context_length: model.config.context_length,
         graph_text: GRAPH_TEXT.into(),
         graph_json: GRAPH_JSON.into(),
+        greedy_graph_json: greedy.map(|_| GREEDY_GRAPH_JSON.into()),
         hash: String::new(),
     };
-    manifest.hash = identity(&manifest, &graph_json);
+    manifest.hash = identity(&manifest, &graph_json, greedy_json.as_deref());
     write(dir, GRAPH_TEXT, graph.to_text().as_bytes())?;
     write(dir, GRAPH_JSON, graph_json.as_bytes())?;
+    if let (Some(g), Some(json)) = (greedy, &greedy_json) {
+        write(dir, GREEDY_GRAPH_TEXT, g.to_text().as_bytes())?;
+        write(dir, GREEDY_GRAPH_JSON, json.as_bytes())?;
+    }
     write(
         dir,
         MANIFEST_FILE,
@@ -100,7 +116,7 @@ fn write(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), ArtifactError> {
     std::fs::write(&path, bytes).map_err(io(&path))
 }
 
-fn identity(manifest: &Manifest, graph_json: &str) -> String {
+fn identity(manifest: &Manifest, graph_json: &str, greedy_json: Option<&str>) -> String {
     let mut h = Sha256::new();
     let fields = serde_json::to_string(&Manifest {
         hash: String::new(),
@@ -109,6 +125,9 @@ fn identity(manifest: &Manifest, graph_json: &str) -> String {
     .expect("manifests serialise");
     h.update(fields.as_bytes());
     h.update(graph_json.as_bytes());
+    if let Some(greedy) = greedy_json {
+        h.update(greedy.as_bytes());
+    }
     hex(&h.finalize())
 }
 
@@ -165,23 +184,43 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, ArtifactError> {
     Ok(manifest)
 }
 
-/// Read the graph an artifact holds, checking it against its manifest hash and the IR's rules.
-pub fn read_graph(dir: &Path, manifest: &Manifest) -> Result<Graph, ArtifactError> {
-    let path = dir.join(&manifest.graph_json);
-    let text = std::fs::read_to_string(&path).map_err(io(&path))?;
-    if identity(manifest, &text) != manifest.hash {
+/// The graphs an artifact holds: the logits graph and, when compiled, the greedy one.
+pub struct ArtifactGraphs {
+    pub logits: Graph,
+    pub greedy: Option<Graph>,
+}
+
+/// Read the graphs an artifact holds, checking them against the manifest hash and the IR's rules.
+pub fn read_graphs(dir: &Path, manifest: &Manifest) -> Result<ArtifactGraphs, ArtifactError> {
+    let read = |name: &str| -> Result<String, ArtifactError> {
+        let path = dir.join(name);
+        std::fs::read_to_string(&path).map_err(io(&path))
+    };
+    let logits_text = read(&manifest.graph_json)?;
+    let greedy_text = manifest.greedy_graph_json.as_deref().map(read).transpose()?;
+    if identity(manifest, &logits_text, greedy_text.as_deref()) != manifest.hash {
         return Err(ArtifactError::Invalid {
-            path,
-            what: "the graph or manifest was changed after compilation (hash mismatch); recompile".into(),
+            path: dir.to_path_buf(),
+            what: "the graphs or manifest were changed after compilation (hash mismatch); recompile".into(),
         });
     }
-    let graph: Graph = serde_json::from_str(&text).map_err(|e| ArtifactError::Invalid {
-        path: path.clone(),
-        what: format!("not a graph: {e}"),
-    })?;
-    graph.validate().map_err(|e| ArtifactError::Invalid {
-        path,
-        what: e.to_string(),
-    })?;
-    Ok(graph)
+    let parse = |text: &str, name: &str| -> Result<Graph, ArtifactError> {
+        let path = dir.join(name);
+        let graph: Graph = serde_json::from_str(text).map_err(|e| ArtifactError::Invalid {
+            path: path.clone(),
+            what: format!("not a graph: {e}"),
+        })?;
+        graph.validate().map_err(|e| ArtifactError::Invalid {
+            path,
+            what: e.to_string(),
+        })?;
+        Ok(graph)
+    };
+    Ok(ArtifactGraphs {
+        logits: parse(&logits_text, &manifest.graph_json)?,
+        greedy: match (&greedy_text, &manifest.greedy_graph_json) {
+            (Some(text), Some(name)) => Some(parse(text, name)?),
+            _ => None,
+        },
+    })
 }

@@ -7,5 +7,5 @@
 mod artifact;
 mod target;
 
-pub use artifact::{compile, read_graph, read_manifest, ArtifactError, Manifest, MANIFEST_FILE};
+pub use artifact::{compile, read_graphs, read_manifest, ArtifactError, ArtifactGraphs, Manifest, MANIFEST_FILE};
 pub use target::Target;

@@ -1,8 +1,10 @@
 //! The generation loop: prefill the prompt in chunks, then decode one token at a time.
 
-use crate::cpu::{CpuBackend, CpuSequence};
+use crate::cpu::{CpuBackend, CpuSequence, WeightCache};
 use crate::error::{Result, RuntimeError};
 use crate::sampling::{Sampler, SamplingParams};
+use ir::Graph;
+use models::WeightSource;
 
 #[derive(Debug, Clone)]
 pub struct GenerateOptions {
@@ -12,6 +14,9 @@ pub struct GenerateOptions {
     pub stop_tokens: Vec<u32>,
     /// Prompt tokens per prefill step (bounds activation memory on long prompts).
     pub prefill_chunk: usize,
+    /// Every step's logits are wanted (e.g. to dump them), so greedy decoding must not take
+    /// the greedy graph, which computes only the argmax.
+    pub need_logits: bool,
 }
 
 impl Default for GenerateOptions {
@@ -21,20 +26,46 @@ impl Default for GenerateOptions {
             sampling: SamplingParams::default(),
             stop_tokens: Vec::new(),
             prefill_chunk: 512,
+            need_logits: false,
         }
     }
 }
 
-/// What each step produced: the chosen token and the logits it was chosen from.
+/// What each step produced: the chosen token and, unless the greedy graph chose it, the logits
+/// it was chosen from.
 pub struct StepEvent<'a> {
     pub token: u32,
-    pub logits: &'a [f32],
+    pub logits: Option<&'a [f32]>,
+}
+
+/// A model ready to generate: its logits graph, and its greedy graph when it has one (whose LM
+/// head may be the INT8-bound top-k). Both share weights and read the same KV cache layout.
+pub struct Engine {
+    pub logits: CpuBackend,
+    pub greedy: Option<CpuBackend>,
+}
+
+impl Engine {
+    pub fn new(logits: Graph, greedy: Option<Graph>, source: &WeightSource, context_length: usize) -> Result<Self> {
+        let mut cache = WeightCache::default();
+        let logits = CpuBackend::with_cache(logits, source, context_length, &mut cache)?;
+        let greedy = greedy
+            .map(|g| CpuBackend::with_cache(g, source, context_length, &mut cache))
+            .transpose()?;
+        Ok(Self { logits, greedy })
+    }
+}
+
+impl From<CpuBackend> for Engine {
+    fn from(logits: CpuBackend) -> Self {
+        Self { logits, greedy: None }
+    }
 }
 
 /// Generate up to `max_tokens` after `prompt`. `on_step` sees every token as it is chosen and
 /// returns `false` to stop. Returns the generated ids.
 pub fn generate(
-    backend: &CpuBackend,
+    engine: &Engine,
     prompt: &[u32],
     options: &GenerateOptions,
     mut on_step: impl FnMut(StepEvent) -> Result<bool>,
@@ -42,6 +73,7 @@ pub fn generate(
     if prompt.is_empty() {
         return Err(RuntimeError::Input("the prompt is empty".into()));
     }
+    let backend = &engine.logits;
     let needed = prompt.len() + options.max_tokens;
     if needed > backend.context_length() {
         return Err(RuntimeError::ContextOverflow {
@@ -49,17 +81,42 @@ pub fn generate(
             limit: backend.context_length(),
         });
     }
+    let greedy = engine
+        .greedy
+        .as_ref()
+        .filter(|_| options.sampling.temperature <= 0.0 && !options.need_logits);
     let mut seq: CpuSequence = backend.new_sequence();
+    let mut out = Vec::with_capacity(options.max_tokens);
+    if let Some(greedy) = greedy {
+        let mut next = 0;
+        for chunk in prompt.chunks(options.prefill_chunk.max(1)) {
+            next = next_token(greedy, &mut seq, chunk)?;
+        }
+        while out.len() < options.max_tokens {
+            out.push(next);
+            let go_on = on_step(StepEvent {
+                token: next,
+                logits: None,
+            })?;
+            if !go_on || options.stop_tokens.contains(&next) || out.len() == options.max_tokens {
+                break;
+            }
+            next = next_token(greedy, &mut seq, &[next])?;
+        }
+        return Ok(out);
+    }
     let mut logits = Vec::new();
     for chunk in prompt.chunks(options.prefill_chunk.max(1)) {
         logits = last_logits(backend, &mut seq, chunk)?;
     }
     let mut sampler = Sampler::new(options.sampling);
-    let mut out = Vec::with_capacity(options.max_tokens);
     while out.len() < options.max_tokens {
         let token = sampler.sample(&logits);
         out.push(token);
-        let go_on = on_step(StepEvent { token, logits: &logits })?;
+        let go_on = on_step(StepEvent {
+            token,
+            logits: Some(&logits),
+        })?;
         if !go_on || options.stop_tokens.contains(&token) || out.len() == options.max_tokens {
             break;
         }
@@ -74,4 +131,12 @@ fn last_logits(backend: &CpuBackend, seq: &mut CpuSequence, ids: &[u32]) -> Resu
         .get("logits")
         .ok_or_else(|| RuntimeError::Graph("the graph has no `logits` output".into()))?;
     Ok(logits.row(logits.rows() - 1).to_vec())
+}
+
+fn next_token(backend: &CpuBackend, seq: &mut CpuSequence, ids: &[u32]) -> Result<u32> {
+    let outputs = backend.step(seq, ids)?;
+    let next = outputs
+        .get("next_token")
+        .ok_or_else(|| RuntimeError::Graph("the greedy graph has no `next_token` output".into()))?;
+    Ok(next.data[next.data.len() - 1] as u32)
 }

@@ -6,7 +6,7 @@ pub mod error;
 pub mod generate;
 pub mod sampling;
 
-pub use cpu::{CpuBackend, CpuSequence};
+pub use cpu::{CpuBackend, CpuSequence, WeightCache};
 pub use error::{Result, RuntimeError};
-pub use generate::{generate, GenerateOptions, StepEvent};
+pub use generate::{generate, Engine, GenerateOptions, StepEvent};
 pub use sampling::{Sampler, SamplingParams};

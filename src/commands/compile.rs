@@ -32,6 +32,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     let options = model_ref::LoadOptions {
         dtype: None,
         logits: LogitsFor::LastToken,
+        greedy: true,
         fuse: false,
         quiet: false,
     };
@@ -55,6 +56,15 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         crate::verify::verify_stages(&loaded, &stages)?;
     }
     let fused = stages.last().map_or(&loaded.graph, |s| &s.graph);
+    // The greedy graph goes through the same pipeline (its LM head may become INT8-bound).
+    let greedy = match (&loaded.greedy, args.emit_after) {
+        (Some(g), None) => Some(
+            passes::optimize(g, model_ref::cost_model(target), None)?
+                .pop()
+                .map_or_else(|| g.clone(), |s| s.graph),
+        ),
+        _ => None,
+    };
     match (args.emit, args.emit_after) {
         (_, Some(_)) => print!("{}", fused.to_text()),
         (None, None) => {}
@@ -65,7 +75,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     if args.emit_after.is_some() {
         return Ok(());
     }
-    let manifest = codegen::compile(&loaded.model, fused, target, args.output)?;
+    let manifest = codegen::compile(&loaded.model, fused, greedy.as_ref(), target, args.output)?;
     eprintln!(
         "compiled {} ({} → {} ops per step, dtype {}) for {} into {}",
         manifest.family.name(),

@@ -3,7 +3,7 @@
 use crate::model_ref;
 use anyhow::{bail, Context, Result};
 use models::{ChatMessage, ComputeDtype, LogitsFor, StreamDecoder, Tokenizer};
-use runtime::{generate, CpuBackend, GenerateOptions, SamplingParams};
+use runtime::{generate, Engine, GenerateOptions, SamplingParams};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -39,13 +39,19 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let options = model_ref::LoadOptions {
         dtype: args.dtype,
         logits: LogitsFor::LastToken,
+        greedy: true,
         fuse: !args.no_fuse,
         quiet: args.json,
     };
     let loaded = model_ref::load(&args.model, options)?;
     let tokenizer = loaded.model.tokenizer.as_ref();
     let prompt = prompt_ids(args, tokenizer)?;
-    let backend = CpuBackend::new(loaded.graph, &loaded.model.weights, loaded.model.config.context_length)?;
+    let engine = Engine::new(
+        loaded.graph,
+        loaded.greedy,
+        &loaded.model.weights,
+        loaded.model.config.context_length,
+    )?;
     let load_time = started.elapsed();
 
     let options = GenerateOptions {
@@ -58,6 +64,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             (false, Some(t)) => t.eos.clone(),
             _ => Vec::new(),
         },
+        need_logits: args.dump_logits.is_some(),
         ..GenerateOptions::default()
     };
     let mut decoder = StreamDecoder::new();
@@ -65,10 +72,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
     let generation_start = Instant::now();
     let mut first_token_at = None;
-    let ids = generate(&backend, &prompt, &options, |event| {
+    let ids = generate(&engine, &prompt, &options, |event| {
         first_token_at.get_or_insert_with(Instant::now);
-        if args.dump_logits.is_some() {
-            logits_rows.extend_from_slice(event.logits);
+        if let (Some(_), Some(logits)) = (&args.dump_logits, event.logits) {
+            logits_rows.extend_from_slice(logits);
         }
         let stops = options.stop_tokens.contains(&event.token);
         if !args.json && !stops {
@@ -101,7 +108,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         writeln!(stdout)?;
     }
     if let Some(path) = &args.dump_logits {
-        write_logits(path, &logits_rows, backend.vocab_size())?;
+        write_logits(path, &logits_rows, engine.logits.vocab_size())?;
     }
     if !args.json {
         let first = first_token_at.unwrap_or(done);

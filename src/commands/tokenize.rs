@@ -8,6 +8,7 @@ pub fn tokenize(model: &str, text: &str, add_special: bool) -> Result<()> {
     let options = model_ref::LoadOptions {
         dtype: None,
         logits: LogitsFor::LastToken,
+        greedy: false,
         fuse: false,
         quiet: true,
     };

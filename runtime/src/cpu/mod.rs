@@ -68,9 +68,20 @@ impl Value {
 impl CpuBackend {
     /// Prepare the graph's weights from `source` in the storage each weight node names.
     pub fn new(graph: Graph, source: &WeightSource, context_length: usize) -> Result<Self> {
+        Self::with_cache(graph, source, context_length, &mut WeightCache::default())
+    }
+
+    /// Like `new`, sharing weights already loaded for another graph of the same model (the
+    /// greedy and the logits graphs of one engine hold one copy).
+    pub fn with_cache(
+        graph: Graph,
+        source: &WeightSource,
+        context_length: usize,
+        cache: &mut WeightCache,
+    ) -> Result<Self> {
         graph.validate().map_err(|e| RuntimeError::Graph(e.to_string()))?;
-        let mut weights = load_weights(&graph, source)?;
-        fold_weight_transforms(&graph, &mut weights)?;
+        let mut weights = load_weights(&graph, source, cache)?;
+        fold_weight_transforms(&graph, &mut weights, cache)?;
         let int8_heads = prepare_int8_heads(&graph, &weights)?;
         let mut last_use = vec![0; graph.nodes().len()];
         let mut kv_dims = Vec::new();
@@ -356,9 +367,21 @@ fn zip_map(a: &Tensor, b: &Tensor, f: impl Fn(f32, f32) -> f32) -> Tensor {
     )
 }
 
+/// Weights loaded for a model, by name and storage, and stacked weights by their parts: graphs
+/// of one model share them.
+#[derive(Default)]
+pub struct WeightCache {
+    loaded: HashMap<(String, DType), Arc<CpuWeight>>,
+    stacked: HashMap<Vec<usize>, Arc<CpuWeight>>,
+}
+
 /// Fold `ConcatRows` of loaded weights into one matrix (rows are independent in every
 /// storage, so stacking rows is stacking bytes).
-fn fold_weight_transforms(graph: &Graph, weights: &mut [Option<Arc<CpuWeight>>]) -> Result<()> {
+fn fold_weight_transforms(
+    graph: &Graph,
+    weights: &mut [Option<Arc<CpuWeight>>],
+    cache: &mut WeightCache,
+) -> Result<()> {
     for (i, node) in graph.nodes().iter().enumerate() {
         if node.op != Op::ConcatRows {
             continue;
@@ -373,8 +396,19 @@ fn fold_weight_transforms(graph: &Graph, weights: &mut [Option<Arc<CpuWeight>>])
                 ))),
             })
             .collect::<Result<_>>()?;
+        let key: Vec<usize> = node
+            .inputs
+            .iter()
+            .map(|x| weights[x.0].as_ref().map_or(0, |w| Arc::as_ptr(w) as usize))
+            .collect();
+        if let Some(done) = cache.stacked.get(&key) {
+            weights[i] = Some(done.clone());
+            continue;
+        }
         let stacked = Matrix::stack_rows(&parts).map_err(|e| RuntimeError::Graph(format!("concat_rows %{i}: {e}")))?;
-        weights[i] = Some(Arc::new(CpuWeight::Matrix(stacked)));
+        let stacked = Arc::new(CpuWeight::Matrix(stacked));
+        cache.stacked.insert(key, stacked.clone());
+        weights[i] = Some(stacked);
     }
     Ok(())
 }
@@ -398,26 +432,39 @@ fn prepare_int8_heads(graph: &Graph, weights: &[Option<Arc<CpuWeight>>]) -> Resu
     Ok(heads)
 }
 
-/// Load every weight node, in parallel; a weight used twice (a tied LM head) is loaded once.
-fn load_weights(graph: &Graph, source: &WeightSource) -> Result<Vec<Option<Arc<CpuWeight>>>> {
-    let mut unique: HashMap<(String, DType), usize> = HashMap::new();
-    let mut jobs = Vec::new();
-    let mut slot_of_node = vec![None; graph.nodes().len()];
+/// Load every weight node not cached yet, in parallel; a weight used twice (a tied LM head, two
+/// graphs of one model) is loaded once.
+fn load_weights(graph: &Graph, source: &WeightSource, cache: &mut WeightCache) -> Result<Vec<Option<Arc<CpuWeight>>>> {
+    // Weights not in the cache yet, each once, loaded in parallel.
+    let mut jobs: Vec<usize> = Vec::new();
+    let mut queued = std::collections::HashSet::new();
     for (i, node) in graph.nodes().iter().enumerate() {
         if let Op::Weight { name } = &node.op {
             let key = (name.clone(), node.dtype);
-            let slot = *unique.entry(key).or_insert_with(|| {
+            if !cache.loaded.contains_key(&key) && queued.insert(key) {
                 jobs.push(i);
-                jobs.len() - 1
-            });
-            slot_of_node[i] = Some(slot);
+            }
         }
     }
     let loaded: Vec<Arc<CpuWeight>> = jobs
         .par_iter()
         .map(|&i| load_weight(graph, i, source).map(Arc::new))
         .collect::<Result<_>>()?;
-    Ok(slot_of_node.into_iter().map(|s| s.map(|s| loaded[s].clone())).collect())
+    for (&i, w) in jobs.iter().zip(loaded) {
+        let node = graph.node(ir::NodeId(i));
+        let Op::Weight { name } = &node.op else {
+            unreachable!("jobs are weight nodes")
+        };
+        cache.loaded.insert((name.clone(), node.dtype), w);
+    }
+    Ok(graph
+        .nodes()
+        .iter()
+        .map(|node| match &node.op {
+            Op::Weight { name } => cache.loaded.get(&(name.clone(), node.dtype)).cloned(),
+            _ => None,
+        })
+        .collect())
 }
 
 fn load_weight(graph: &Graph, i: usize, source: &WeightSource) -> Result<CpuWeight> {
