@@ -54,6 +54,19 @@ pub struct Loaded {
     pub graph: Graph,
     /// The greedy graph (argmax only), when asked for.
     pub greedy: Option<Graph>,
+    /// Weights prepared at compile time (an artifact's INT8 heads), by weight name.
+    pub int8_heads: Vec<(String, passes::weight_transforms::Int8Rows)>,
+}
+
+impl Loaded {
+    /// The weight cache to start an engine from: what the artifact prepared.
+    pub fn weight_cache(&mut self) -> runtime::WeightCache {
+        let mut cache = runtime::WeightCache::default();
+        for (name, rows) in self.int8_heads.drain(..) {
+            cache.insert_int8(name, std::sync::Arc::new(rows));
+        }
+        cache
+    }
 }
 
 /// The cost model the passes optimise for on `target`.
@@ -99,7 +112,12 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
                 true => Some(fuse(model.lower(LogitsFor::GreedyToken)?)?),
                 false => None,
             };
-            Ok(Loaded { model, graph, greedy })
+            Ok(Loaded {
+                model,
+                graph,
+                greedy,
+                int8_heads: Vec::new(),
+            })
         }
         None => {
             let ModelRef::Artifact(dir) = reference else {
@@ -135,5 +153,6 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
         model,
         graph: graphs.logits,
         greedy: graphs.greedy,
+        int8_heads: codegen::read_int8_heads(dir, &manifest.int8_heads)?,
     })
 }

@@ -78,7 +78,8 @@ fn compare(want: &[(String, Vec<f32>)], got: &[(String, Vec<f32>)]) -> Option<St
         }
         let scale = w.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
         let worst = w.iter().zip(g).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        if !(worst <= TOLERANCE * scale) {
+        // NaN fails too.
+        if worst.is_nan() || worst > TOLERANCE * scale {
             return Some(format!("output `{name}` differs by {worst} (largest value {scale})"));
         }
     }

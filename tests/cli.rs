@@ -166,3 +166,32 @@ fn tokenize_prints_ids() {
     let out = bbc(&["tokenize", &smollm2(), "--text", "Hello, world!"]);
     assert_eq!(out.trim(), "[19556,28,905,17]");
 }
+
+/// With a full-precision head, the artifact carries the INT8 head quantized at compile time,
+/// and running the artifact gives the model's own greedy tokens.
+#[test]
+fn an_f32_artifact_carries_its_int8_head() {
+    let dir = std::env::temp_dir().join(format!("bbc-artifact-f32-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let toml = dir.join("model.toml");
+    std::fs::write(&toml, format!("[model]\nweights = {:?}\ndtype = \"f32\"\n", smollm2())).unwrap();
+    let out = dir.join("artifact");
+    bbc(&["compile", toml.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert!(out.join("weights/token_embd.weight.int8.safetensors").is_file());
+    assert!(std::fs::read_to_string(out.join("greedy.ir"))
+        .unwrap()
+        .contains("int8_bound_top_k"));
+    let run = |m: &str| {
+        json(&[
+            "run",
+            m,
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "8",
+            "--json",
+        ])["ids"]
+            .clone()
+    };
+    assert_eq!(run(out.to_str().unwrap()), run(toml.to_str().unwrap()));
+}

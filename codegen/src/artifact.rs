@@ -59,6 +59,8 @@ pub struct Manifest {
     pub graph_json: String,
     /// The greedy graph (argmax only, INT8-bound LM head where the head qualifies), if any.
     pub greedy_graph_json: Option<String>,
+    /// INT8 rows of the heads the greedy graph's `int8_bound_top_k` reads, made at compile time.
+    pub int8_heads: Vec<crate::derived::DerivedWeight>,
     /// sha256 over the graph, the weights hash and every field above: the artifact's identity.
     pub hash: String,
 }
@@ -92,6 +94,10 @@ pub fn compile(
         graph_text: GRAPH_TEXT.into(),
         graph_json: GRAPH_JSON.into(),
         greedy_graph_json: greedy.map(|_| GREEDY_GRAPH_JSON.into()),
+        int8_heads: match greedy {
+            Some(g) => crate::derived::write_int8_heads(g, &model.weights, dir)?,
+            None => Vec::new(),
+        },
         hash: String::new(),
     };
     manifest.hash = identity(&manifest, &graph_json, greedy_json.as_deref());

@@ -5,7 +5,9 @@
 //! targets (kernels, plan, transformed weights) come with the CUDA code generator.
 
 mod artifact;
+mod derived;
 mod target;
 
 pub use artifact::{compile, read_graphs, read_manifest, ArtifactError, ArtifactGraphs, Manifest, MANIFEST_FILE};
+pub use derived::{read_int8_heads, DerivedWeight};
 pub use target::Target;

@@ -219,13 +219,13 @@ impl ModelConfig {
                 "hidden size, heads, KV heads, head_dim, layers and vocab must be positive".into(),
             ));
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(bad(format!(
                 "{} heads is not a multiple of {} KV heads",
                 self.heads, self.kv_heads
             )));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(bad(format!("head_dim {} must be even for RoPE", self.head_dim)));
         }
         if self.layer_attention.len() != self.layers {

@@ -47,7 +47,17 @@ pub struct Engine {
 
 impl Engine {
     pub fn new(logits: Graph, greedy: Option<Graph>, source: &WeightSource, context_length: usize) -> Result<Self> {
-        let mut cache = WeightCache::default();
+        Self::with_cache(logits, greedy, source, context_length, WeightCache::default())
+    }
+
+    /// Like `new`, starting from weights prepared elsewhere (an artifact's INT8 heads).
+    pub fn with_cache(
+        logits: Graph,
+        greedy: Option<Graph>,
+        source: &WeightSource,
+        context_length: usize,
+        mut cache: WeightCache,
+    ) -> Result<Self> {
         let logits = CpuBackend::with_cache(logits, source, context_length, &mut cache)?;
         let greedy = greedy
             .map(|g| CpuBackend::with_cache(g, source, context_length, &mut cache))

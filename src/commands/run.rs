@@ -43,14 +43,16 @@ pub fn run(args: &RunArgs) -> Result<()> {
         fuse: !args.no_fuse,
         quiet: args.json,
     };
-    let loaded = model_ref::load(&args.model, options)?;
+    let mut loaded = model_ref::load(&args.model, options)?;
+    let cache = loaded.weight_cache();
     let tokenizer = loaded.model.tokenizer.as_ref();
     let prompt = prompt_ids(args, tokenizer)?;
-    let engine = Engine::new(
+    let engine = Engine::with_cache(
         loaded.graph,
         loaded.greedy,
         &loaded.model.weights,
         loaded.model.config.context_length,
+        cache,
     )?;
     let load_time = started.elapsed();
 

@@ -353,7 +353,7 @@ impl RawTensorInfo {
             .filter(|&e| e <= usize::MAX as u64 / 4)
             .ok_or_else(|| corrupt(format!("tensor `{name}` dimensions {:?} overflow", self.dims)))?;
         let (block_elems, _) = dtype.block_layout();
-        if self.dims[0] % block_elems as u64 != 0 {
+        if !self.dims[0].is_multiple_of(block_elems as u64) {
             return Err(corrupt(format!(
                 "tensor `{name}`: row length {} is not a multiple of the {} block size {block_elems}",
                 self.dims[0],
@@ -363,7 +363,7 @@ impl RawTensorInfo {
         let byte_len = dtype
             .bytes_for(elements as usize)
             .ok_or_else(|| corrupt(format!("tensor `{name}` size overflows")))?;
-        if self.offset % alignment != 0 {
+        if !self.offset.is_multiple_of(alignment) {
             return Err(corrupt(format!(
                 "tensor `{name}` offset {} is not aligned to {alignment}",
                 self.offset

@@ -46,6 +46,9 @@ impl Q8Row {
     }
 }
 
+/// A weight group and its activation group, with the weight group's scale and min.
+type GroupPair<'a> = ((&'a [i8], &'a [i8]), (&'a f32, &'a f32));
+
 /// A weight row unpacked once (for many activation rows): integers, and per group scale/min.
 #[derive(Debug, Clone, Default)]
 pub struct UnpackedRow {
@@ -129,7 +132,7 @@ impl UnpackedRow {
         acc
     }
 
-    fn groups<'a>(&'a self, act: &'a Q8Row) -> impl Iterator<Item = ((&'a [i8], &'a [i8]), (&'a f32, &'a f32))> {
+    fn groups<'a>(&'a self, act: &'a Q8Row) -> impl Iterator<Item = GroupPair<'a>> {
         self.w
             .chunks_exact(self.group)
             .zip(act.q.chunks_exact(self.group))
@@ -208,7 +211,7 @@ mod tests {
     /// Random-looking but valid blocks: scales are small finite f16s.
     fn blocks(dtype: GgmlType, count: usize) -> Vec<u8> {
         let (_, bytes) = dtype.block_layout();
-        let mut data: Vec<u8> = (0..count * bytes).map(|i| (i * 2654435761usize >> 7) as u8).collect();
+        let mut data: Vec<u8> = (0..count * bytes).map(|i| ((i * 2654435761usize) >> 7) as u8).collect();
         let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes();
         for b in data.chunks_exact_mut(bytes) {
             match dtype {

@@ -219,8 +219,7 @@ fn sentencepiece_bpe(file: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tok
 fn derive_merges(pieces: &[String], vocab: &Vocab, scores: &[f64]) -> Vec<(String, String)> {
     let mut ranked: Vec<(u32, u32, u32)> = Vec::new();
     for (id, piece) in pieces.iter().enumerate() {
-        let mut cuts = piece.char_indices().map(|(i, _)| i).skip(1).peekable();
-        while let Some(cut) = cuts.next() {
+        for cut in piece.char_indices().map(|(i, _)| i).skip(1) {
             let (l, r) = piece.split_at(cut);
             if let (Some(&li), Some(&ri)) = (vocab.get(l), vocab.get(r)) {
                 ranked.push((id as u32, li, ri));

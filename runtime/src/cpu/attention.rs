@@ -28,7 +28,7 @@ pub fn attention(spec: &AttentionSpec, q: &[f32], first: usize, kv: &LayerKv, ou
     let q_dim = spec.heads * hd;
     let scale = spec.scale as f32;
     out.par_chunks_mut(hd).enumerate().for_each_init(
-        || Vec::<f32>::new(),
+        Vec::<f32>::new,
         |scores, (task, o)| {
             let (t, h) = (task / spec.heads, task % spec.heads);
             let pos = first + t;

@@ -82,7 +82,7 @@ impl CpuBackend {
         graph.validate().map_err(|e| RuntimeError::Graph(e.to_string()))?;
         let mut weights = load_weights(&graph, source, cache)?;
         fold_weight_transforms(&graph, &mut weights, cache)?;
-        let int8_heads = prepare_int8_heads(&graph, &weights)?;
+        let int8_heads = prepare_int8_heads(&graph, &weights, cache)?;
         let mut last_use = vec![0; graph.nodes().len()];
         let mut kv_dims = Vec::new();
         let mut vocab = 0;
@@ -373,6 +373,15 @@ fn zip_map(a: &Tensor, b: &Tensor, f: impl Fn(f32, f32) -> f32) -> Tensor {
 pub struct WeightCache {
     loaded: HashMap<(String, DType), Arc<CpuWeight>>,
     stacked: HashMap<Vec<usize>, Arc<CpuWeight>>,
+    /// INT8 heads by weight name: quantized at compile time (from the artifact) or at load.
+    int8: HashMap<String, Arc<passes::weight_transforms::Int8Rows>>,
+}
+
+impl WeightCache {
+    /// Provide the INT8 rows of weight `name`, computed at compile time.
+    pub fn insert_int8(&mut self, name: String, rows: Arc<passes::weight_transforms::Int8Rows>) {
+        self.int8.insert(name, rows);
+    }
 }
 
 /// Fold `ConcatRows` of loaded weights into one matrix (rows are independent in every
@@ -413,20 +422,38 @@ fn fold_weight_transforms(
     Ok(())
 }
 
-/// Quantize the head of every `Int8BoundTopK` (a full-precision matrix) once.
-fn prepare_int8_heads(graph: &Graph, weights: &[Option<Arc<CpuWeight>>]) -> Result<HashMap<usize, Int8Head>> {
+/// The head of every `Int8BoundTopK`: quantized at compile time when the cache has it, else now.
+fn prepare_int8_heads(
+    graph: &Graph,
+    weights: &[Option<Arc<CpuWeight>>],
+    cache: &mut WeightCache,
+) -> Result<HashMap<usize, Int8Head>> {
     let mut heads = HashMap::new();
     for (i, node) in graph.nodes().iter().enumerate() {
         if let Op::Int8BoundTopK { .. } = node.op {
-            let head = match weights[node.inputs[1].0].as_deref() {
-                Some(CpuWeight::Matrix(m)) if !matches!(m.storage, Storage::Quant { .. }) => Int8Head::prepare(m),
+            let w = node.inputs[1];
+            let full = match weights[w.0].as_deref() {
+                Some(CpuWeight::Matrix(m)) if !matches!(m.storage, Storage::Quant { .. }) => m,
                 _ => {
                     return Err(RuntimeError::Graph(format!(
                         "int8_bound_top_k %{i} needs a full-precision (f32/bf16) head"
                     )))
                 }
             };
-            heads.insert(i, head);
+            let name = match &graph.node(w).op {
+                Op::Weight { name } => name.clone(),
+                _ => format!("%{}", w.0),
+            };
+            let rows = match cache.int8.get(&name) {
+                Some(rows) if rows.rows == full.rows && rows.cols == full.cols => rows.clone(),
+                _ => {
+                    let head = Int8Head::prepare(full);
+                    cache.int8.insert(name, head.rows_arc());
+                    heads.insert(i, head);
+                    continue;
+                }
+            };
+            heads.insert(i, Int8Head::from_rows(rows));
         }
     }
     Ok(heads)
