@@ -117,7 +117,10 @@ impl GgmlType {
     /// Bytes taken by `elems` elements, or `None` when `elems` is not a whole number of blocks.
     pub fn bytes_for(self, elems: usize) -> Option<usize> {
         let (be, bb) = self.block_layout();
-        elems.is_multiple_of(be).then(|| elems / be).and_then(|b| b.checked_mul(bb))
+        elems
+            .is_multiple_of(be)
+            .then(|| elems / be)
+            .and_then(|b| b.checked_mul(bb))
     }
 
     /// Dequantize `data` (a whole number of blocks) into `out`.

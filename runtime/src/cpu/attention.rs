@@ -27,9 +27,9 @@ pub fn attention(spec: &AttentionSpec, q: &[f32], first: usize, kv: &LayerKv, ou
     let group = spec.heads / spec.kv_heads;
     let q_dim = spec.heads * hd;
     let scale = spec.scale as f32;
-    out.par_chunks_mut(hd).enumerate().for_each_init(
-        Vec::<f32>::new,
-        |scores, (task, o)| {
+    out.par_chunks_mut(hd)
+        .enumerate()
+        .for_each_init(Vec::<f32>::new, |scores, (task, o)| {
             let (t, h) = (task / spec.heads, task % spec.heads);
             let pos = first + t;
             let kvh = h / group;
@@ -50,8 +50,7 @@ pub fn attention(spec: &AttentionSpec, q: &[f32], first: usize, kv: &LayerKv, ou
             for (j, &p) in (lo..=pos).zip(scores.iter()) {
                 simd::axpy(p / total, &kv.v[j * kv_dim + kvh * hd..j * kv_dim + (kvh + 1) * hd], o);
             }
-        },
-    );
+        });
 }
 
 #[cfg(test)]
