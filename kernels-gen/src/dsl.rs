@@ -1,0 +1,318 @@
+//! The kernel DSL: a small structured language (not strings) for one CUDA kernel. Values are
+//! typed; buffers are global arrays passed as parameters; shared arrays live per block; control
+//! flow is structured (`for`, `if`). The CUDA C emitter and the CPU emulator both consume it.
+
+use std::fmt;
+
+/// Element and value types. `Bf16` values are stored as 16-bit patterns and computed in f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Ty {
+    F32,
+    Bf16,
+    I32,
+    U32,
+    I8,
+    U8,
+    Bool,
+}
+
+impl Ty {
+    /// The type a loaded element computes in (bf16 widens to f32, small ints to i32).
+    pub fn compute(self) -> Ty {
+        match self {
+            Ty::Bf16 => Ty::F32,
+            Ty::I8 | Ty::U8 => Ty::I32,
+            t => t,
+        }
+    }
+}
+
+/// Thread and block coordinates (x only: our kernels are 1-D grids of 1-D blocks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Builtin {
+    ThreadIdx,
+    BlockIdx,
+    BlockDim,
+    /// `threadIdx.x % 32`.
+    Lane,
+    /// `threadIdx.x / 32`.
+    Warp,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BinOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Rem,
+    Min,
+    Max,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+    Eq,
+    Ne,
+    And,
+    Or,
+    Shl,
+    Shr,
+    BitAnd,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum UnOp {
+    Neg,
+    Not,
+    Exp,
+    Tanh,
+    Sqrt,
+    Rsqrt,
+    Cos,
+    Sin,
+    Abs,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Expr {
+    F32(f32),
+    Int(i64),
+    Bool(bool),
+    Builtin(Builtin),
+    /// A local variable or a scalar parameter.
+    Var(String),
+    /// `buf[index]` of a global buffer or shared array, widened to its compute type.
+    Load {
+        buf: String,
+        index: Box<Expr>,
+    },
+    Bin(BinOp, Box<Expr>, Box<Expr>),
+    Un(UnOp, Box<Expr>),
+    Cast(Ty, Box<Expr>),
+    Select(Box<Expr>, Box<Expr>, Box<Expr>),
+    /// `__shfl_xor_sync(full mask, value, lane_mask)`: the value held by lane `lane ^ mask`.
+    ShflXor(Box<Expr>, u32),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Stmt {
+    Let {
+        name: String,
+        ty: Ty,
+        value: Expr,
+    },
+    Assign {
+        name: String,
+        value: Expr,
+    },
+    /// `buf[index] = value`, narrowed to the buffer's element type.
+    Store {
+        buf: String,
+        index: Expr,
+        value: Expr,
+    },
+    /// `for (i32 var = start; var < end; var += step)`.
+    For {
+        var: String,
+        start: Expr,
+        end: Expr,
+        step: Expr,
+        body: Vec<Stmt>,
+    },
+    If {
+        cond: Expr,
+        then: Vec<Stmt>,
+        otherwise: Vec<Stmt>,
+    },
+    /// `__syncthreads()`: every thread of the block must reach it together.
+    SyncThreads,
+    Comment(String),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Param {
+    /// A global array; `writable` ones are outputs.
+    Buffer {
+        name: String,
+        ty: Ty,
+        writable: bool,
+    },
+    Scalar {
+        name: String,
+        ty: Ty,
+    },
+}
+
+impl Param {
+    pub fn name(&self) -> &str {
+        match self {
+            Param::Buffer { name, .. } | Param::Scalar { name, .. } => name,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct SharedArray {
+    pub name: String,
+    pub ty: Ty,
+    pub len: usize,
+}
+
+/// One kernel: launched as `grid` blocks (a scalar expression of the parameters) of
+/// `block_dim` threads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Kernel {
+    pub name: String,
+    /// Where it came from (IR node, target), for the generated file's header.
+    pub origin: String,
+    pub params: Vec<Param>,
+    pub shared: Vec<SharedArray>,
+    pub block_dim: u32,
+    /// Blocks to launch, in terms of the scalar parameters.
+    pub grid: Expr,
+    pub body: Vec<Stmt>,
+}
+
+impl Kernel {
+    pub fn param(&self, name: &str) -> Option<&Param> {
+        self.params.iter().find(|p| p.name() == name)
+    }
+}
+
+// Builders: the templates read like the kernels they describe.
+
+pub fn f(v: f32) -> Expr {
+    Expr::F32(v)
+}
+pub fn int(v: i64) -> Expr {
+    Expr::Int(v)
+}
+pub fn var(name: &str) -> Expr {
+    Expr::Var(name.into())
+}
+pub fn tid() -> Expr {
+    Expr::Builtin(Builtin::ThreadIdx)
+}
+pub fn bid() -> Expr {
+    Expr::Builtin(Builtin::BlockIdx)
+}
+pub fn bdim() -> Expr {
+    Expr::Builtin(Builtin::BlockDim)
+}
+pub fn lane() -> Expr {
+    Expr::Builtin(Builtin::Lane)
+}
+pub fn warp() -> Expr {
+    Expr::Builtin(Builtin::Warp)
+}
+pub fn load(buf: &str, index: Expr) -> Expr {
+    Expr::Load {
+        buf: buf.into(),
+        index: Box::new(index),
+    }
+}
+pub fn bin(op: BinOp, a: Expr, b: Expr) -> Expr {
+    Expr::Bin(op, Box::new(a), Box::new(b))
+}
+pub fn un(op: UnOp, a: Expr) -> Expr {
+    Expr::Un(op, Box::new(a))
+}
+pub fn cast(ty: Ty, a: Expr) -> Expr {
+    Expr::Cast(ty, Box::new(a))
+}
+pub fn select(c: Expr, a: Expr, b: Expr) -> Expr {
+    Expr::Select(Box::new(c), Box::new(a), Box::new(b))
+}
+pub fn shfl_xor(a: Expr, mask: u32) -> Expr {
+    Expr::ShflXor(Box::new(a), mask)
+}
+
+impl std::ops::Add for Expr {
+    type Output = Expr;
+    fn add(self, o: Expr) -> Expr {
+        bin(BinOp::Add, self, o)
+    }
+}
+impl std::ops::Sub for Expr {
+    type Output = Expr;
+    fn sub(self, o: Expr) -> Expr {
+        bin(BinOp::Sub, self, o)
+    }
+}
+impl std::ops::Mul for Expr {
+    type Output = Expr;
+    fn mul(self, o: Expr) -> Expr {
+        bin(BinOp::Mul, self, o)
+    }
+}
+impl std::ops::Div for Expr {
+    type Output = Expr;
+    fn div(self, o: Expr) -> Expr {
+        bin(BinOp::Div, self, o)
+    }
+}
+
+pub fn let_(name: &str, ty: Ty, value: Expr) -> Stmt {
+    Stmt::Let {
+        name: name.into(),
+        ty,
+        value,
+    }
+}
+pub fn assign(name: &str, value: Expr) -> Stmt {
+    Stmt::Assign {
+        name: name.into(),
+        value,
+    }
+}
+pub fn store(buf: &str, index: Expr, value: Expr) -> Stmt {
+    Stmt::Store {
+        buf: buf.into(),
+        index,
+        value,
+    }
+}
+pub fn for_(v: &str, start: Expr, end: Expr, step: Expr, body: Vec<Stmt>) -> Stmt {
+    Stmt::For {
+        var: v.into(),
+        start,
+        end,
+        step,
+        body,
+    }
+}
+pub fn if_(cond: Expr, then: Vec<Stmt>) -> Stmt {
+    Stmt::If {
+        cond,
+        then,
+        otherwise: vec![],
+    }
+}
+pub fn if_else(cond: Expr, then: Vec<Stmt>, otherwise: Vec<Stmt>) -> Stmt {
+    Stmt::If { cond, then, otherwise }
+}
+pub fn buffer(name: &str, ty: Ty, writable: bool) -> Param {
+    Param::Buffer {
+        name: name.into(),
+        ty,
+        writable,
+    }
+}
+pub fn scalar(name: &str, ty: Ty) -> Param {
+    Param::Scalar { name: name.into(), ty }
+}
+
+impl fmt::Display for Ty {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Ty::F32 => "float",
+            Ty::Bf16 => "unsigned short",
+            Ty::I32 => "int",
+            Ty::U32 => "unsigned int",
+            Ty::I8 => "signed char",
+            Ty::U8 => "unsigned char",
+            Ty::Bool => "bool",
+        })
+    }
+}

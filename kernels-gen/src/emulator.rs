@@ -1,0 +1,566 @@
+//! Runs a DSL kernel on the CPU the way a GPU would: blocks one after another, the threads of a
+//! block in lockstep statement by statement with a per-thread active mask (so divergence,
+//! loops with per-thread bounds and barriers behave as on the device), warp shuffles reading
+//! other lanes, shared memory per block. What a GPU would silently get wrong is an error here:
+//! out-of-bounds accesses, reads of never-written memory (outputs start poisoned), a barrier in
+//! divergent code, a shuffle with inactive lanes, two threads storing different values to one
+//! address in one statement, and reading shared memory another thread wrote since the last
+//! barrier (a missing `__syncthreads`).
+
+use crate::dsl::*;
+use crate::types::{check, Scope};
+use half::bf16;
+use std::collections::HashMap;
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum EmuError {
+    #[error("{0}")]
+    Type(#[from] crate::types::TypeError),
+    #[error("kernel {kernel}, block {block}, thread {thread}: {message}")]
+    Fault {
+        kernel: String,
+        block: usize,
+        thread: usize,
+        message: String,
+    },
+    #[error("kernel {kernel}: {message}")]
+    Launch { kernel: String, message: String },
+}
+
+/// The contents of one array, with which elements hold a written value.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Array {
+    pub ty: Ty,
+    values: Vec<f64>,
+    init: Vec<bool>,
+}
+
+impl Array {
+    pub fn f32(data: &[f32]) -> Self {
+        Self {
+            ty: Ty::F32,
+            values: data.iter().map(|&v| v as f64).collect(),
+            init: vec![true; data.len()],
+        }
+    }
+    pub fn bf16(data: &[bf16]) -> Self {
+        Self {
+            ty: Ty::Bf16,
+            values: data.iter().map(|v| v.to_f32() as f64).collect(),
+            init: vec![true; data.len()],
+        }
+    }
+    pub fn ints(ty: Ty, data: &[i64]) -> Self {
+        Self {
+            ty,
+            values: data.iter().map(|&v| v as f64).collect(),
+            init: vec![true; data.len()],
+        }
+    }
+    pub fn u8(data: &[u8]) -> Self {
+        Self::ints(Ty::U8, &data.iter().map(|&v| v as i64).collect::<Vec<_>>())
+    }
+    /// An output: `len` elements, every one poisoned until written.
+    pub fn poisoned(ty: Ty, len: usize) -> Self {
+        Self {
+            ty,
+            values: vec![f64::NAN; len],
+            init: vec![false; len],
+        }
+    }
+    pub fn len(&self) -> usize {
+        self.values.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+    /// The values as f32; an element never written is an error.
+    pub fn to_f32(&self) -> Result<Vec<f32>, String> {
+        match self.init.iter().position(|&i| !i) {
+            Some(i) => Err(format!("element {i} was never written")),
+            None => Ok(self.values.iter().map(|&v| v as f32).collect()),
+        }
+    }
+    pub fn to_i64(&self) -> Result<Vec<i64>, String> {
+        Ok(self.to_f32()?.iter().map(|&v| v as i64).collect())
+    }
+}
+
+/// Scalar arguments.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Scalar {
+    Int(i64),
+    F32(f32),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Val {
+    F(f32),
+    I(i64),
+    B(bool),
+    Undef,
+}
+
+impl Val {
+    fn f(self) -> f32 {
+        match self {
+            Val::F(v) => v,
+            Val::I(v) => v as f32,
+            Val::B(b) => b as i32 as f32,
+            Val::Undef => f32::NAN,
+        }
+    }
+    fn i(self) -> i64 {
+        match self {
+            Val::I(v) => v,
+            Val::F(v) => v as i64,
+            Val::B(b) => b as i64,
+            Val::Undef => 0,
+        }
+    }
+    fn b(self) -> bool {
+        matches!(self, Val::B(true))
+    }
+}
+
+/// Round through the element type the way a store to it would.
+fn narrow(ty: Ty, v: Val) -> f64 {
+    match ty {
+        Ty::F32 => v.f() as f64,
+        Ty::Bf16 => bf16::from_f32(v.f()).to_f32() as f64,
+        Ty::I32 => v.i() as i32 as f64,
+        Ty::U32 => v.i() as u32 as f64,
+        Ty::I8 => v.i() as i8 as f64,
+        Ty::U8 => v.i() as u8 as f64,
+        Ty::Bool => v.b() as i32 as f64,
+    }
+}
+
+fn widen(ty: Ty, v: f64) -> Val {
+    match ty.compute() {
+        Ty::F32 => Val::F(v as f32),
+        Ty::Bool => Val::B(v != 0.0),
+        _ => Val::I(v as i64),
+    }
+}
+
+struct Block<'k> {
+    kernel: &'k Kernel,
+    block: usize,
+    threads: usize,
+    scope: Scope,
+    vars: HashMap<String, Vec<Val>>,
+    shared: HashMap<String, Array>,
+    /// For each shared element: the thread that wrote it since the last barrier.
+    shared_writer: HashMap<String, Vec<Option<usize>>>,
+}
+
+/// Run `kernel` over `buffers` (by parameter name) with `scalars`.
+pub fn run(
+    kernel: &Kernel,
+    buffers: &mut HashMap<String, Array>,
+    scalars: &HashMap<String, Scalar>,
+) -> Result<(), EmuError> {
+    check(kernel)?;
+    let launch = |message: String| EmuError::Launch {
+        kernel: kernel.name.clone(),
+        message,
+    };
+    for p in &kernel.params {
+        match p {
+            Param::Buffer { name, ty, .. } => match buffers.get(name) {
+                Some(a) if a.ty == *ty => {}
+                Some(a) => {
+                    return Err(launch(format!(
+                        "buffer `{name}` is {:?}, the kernel takes {ty:?}",
+                        a.ty
+                    )))
+                }
+                None => return Err(launch(format!("buffer `{name}` is missing"))),
+            },
+            Param::Scalar { name, .. } => {
+                if !scalars.contains_key(name) {
+                    return Err(launch(format!("scalar `{name}` is missing")));
+                }
+            }
+        }
+    }
+    let scalar_vals: HashMap<String, Val> = scalars
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                match v {
+                    Scalar::Int(i) => Val::I(*i),
+                    Scalar::F32(f) => Val::F(*f),
+                },
+            )
+        })
+        .collect();
+    let grid = {
+        let mut b = Block::new(kernel, 0, 1);
+        b.set_scalars(&scalar_vals);
+        b.eval(&kernel.grid, &[true], buffers).map_err(|(_, m)| launch(m))?[0].i()
+    };
+    if grid < 0 {
+        return Err(launch(format!("grid of {grid} blocks")));
+    }
+    for block in 0..grid as usize {
+        let mut b = Block::new(kernel, block, kernel.block_dim as usize);
+        b.set_scalars(&scalar_vals);
+        let mask = vec![true; b.threads];
+        b.exec(&kernel.body, &mask, buffers)
+            .map_err(|(thread, message)| EmuError::Fault {
+                kernel: kernel.name.clone(),
+                block,
+                thread,
+                message,
+            })?;
+    }
+    Ok(())
+}
+
+type Fault = (usize, String);
+
+impl<'k> Block<'k> {
+    fn new(kernel: &'k Kernel, block: usize, threads: usize) -> Self {
+        let shared = kernel
+            .shared
+            .iter()
+            .map(|a| (a.name.clone(), Array::poisoned(a.ty, a.len)))
+            .collect();
+        let shared_writer = kernel
+            .shared
+            .iter()
+            .map(|a| (a.name.clone(), vec![None; a.len]))
+            .collect();
+        Self {
+            kernel,
+            block,
+            threads,
+            scope: Scope::of(kernel),
+            vars: HashMap::new(),
+            shared,
+            shared_writer,
+        }
+    }
+
+    fn set_scalars(&mut self, scalars: &HashMap<String, Val>) {
+        for (k, v) in scalars {
+            self.vars.insert(k.clone(), vec![*v; self.threads]);
+        }
+    }
+
+    fn exec(&mut self, body: &[Stmt], mask: &[bool], global: &mut HashMap<String, Array>) -> Result<(), Fault> {
+        for s in body {
+            if !mask.iter().any(|&m| m) {
+                return Ok(());
+            }
+            self.stmt(s, mask, global)?;
+        }
+        Ok(())
+    }
+
+    fn stmt(&mut self, s: &Stmt, mask: &[bool], global: &mut HashMap<String, Array>) -> Result<(), Fault> {
+        match s {
+            Stmt::Let { name, ty, value } => {
+                let v = self.eval(value, mask, global)?;
+                let slot = self
+                    .vars
+                    .entry(name.clone())
+                    .or_insert_with(|| vec![Val::Undef; mask.len()]);
+                for (t, &m) in mask.iter().enumerate() {
+                    if m {
+                        slot[t] = v[t];
+                    }
+                }
+                self.scope.vars.insert(name.clone(), *ty);
+            }
+            Stmt::Assign { name, value } => {
+                let v = self.eval(value, mask, global)?;
+                let slot = self.vars.get_mut(name).expect("type-checked");
+                for (t, &m) in mask.iter().enumerate() {
+                    if m {
+                        slot[t] = v[t];
+                    }
+                }
+            }
+            Stmt::Store { buf, index, value } => {
+                let (idx, v) = (self.eval(index, mask, global)?, self.eval(value, mask, global)?);
+                self.store(buf, &idx, &v, mask, global)?;
+            }
+            Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body,
+            } => {
+                let start = self.eval(start, mask, global)?;
+                let step = self.eval(step, mask, global)?;
+                if let Some(t) = (0..mask.len()).find(|&t| mask[t] && step[t].i() <= 0) {
+                    return Err((t, format!("loop `{var}` has step {}", step[t].i())));
+                }
+                let previous = self.vars.insert(var.clone(), start);
+                self.scope.vars.insert(var.clone(), Ty::I32);
+                loop {
+                    let end_v = self.eval(end, mask, global)?;
+                    let cur = self.vars[var].clone();
+                    let live: Vec<bool> = (0..mask.len()).map(|t| mask[t] && cur[t].i() < end_v[t].i()).collect();
+                    if !live.iter().any(|&l| l) {
+                        break;
+                    }
+                    self.exec(body, &live, global)?;
+                    let slot = self.vars.get_mut(var).expect("loop variable");
+                    for t in 0..mask.len() {
+                        if live[t] {
+                            slot[t] = Val::I(slot[t].i() + step[t].i());
+                        }
+                    }
+                }
+                match previous {
+                    Some(p) => self.vars.insert(var.clone(), p),
+                    None => self.vars.remove(var),
+                };
+            }
+            Stmt::If { cond, then, otherwise } => {
+                let c = self.eval(cond, mask, global)?;
+                let yes: Vec<bool> = (0..mask.len()).map(|t| mask[t] && c[t].b()).collect();
+                let no: Vec<bool> = (0..mask.len()).map(|t| mask[t] && !c[t].b()).collect();
+                self.exec(then, &yes, global)?;
+                self.exec(otherwise, &no, global)?;
+            }
+            Stmt::SyncThreads => {
+                if let Some(t) = mask.iter().position(|&m| !m) {
+                    return Err((
+                        t,
+                        "__syncthreads() in divergent code: this thread does not reach it".into(),
+                    ));
+                }
+                for w in self.shared_writer.values_mut() {
+                    w.fill(None);
+                }
+            }
+            Stmt::Comment(_) => {}
+        }
+        Ok(())
+    }
+
+    fn store(
+        &mut self,
+        buf: &str,
+        idx: &[Val],
+        v: &[Val],
+        mask: &[bool],
+        global: &mut HashMap<String, Array>,
+    ) -> Result<(), Fault> {
+        let is_shared = self.shared.contains_key(buf);
+        let mut this_stmt: HashMap<usize, (usize, f64)> = HashMap::new();
+        for t in (0..mask.len()).filter(|&t| mask[t]) {
+            let array = if is_shared {
+                self.shared.get_mut(buf)
+            } else {
+                global.get_mut(buf)
+            }
+            .expect("type-checked");
+            let i = idx[t].i();
+            if i < 0 || i as usize >= array.len() {
+                return Err((t, format!("store to {buf}[{i}] out of bounds (length {})", array.len())));
+            }
+            let i = i as usize;
+            let value = narrow(array.ty, v[t]);
+            if let Some(&(other, prev)) = this_stmt.get(&i) {
+                if prev.to_bits() != value.to_bits() {
+                    return Err((
+                        t,
+                        format!("threads {other} and {t} store different values to {buf}[{i}] at once"),
+                    ));
+                }
+            }
+            this_stmt.insert(i, (t, value));
+            array.values[i] = value;
+            array.init[i] = true;
+            if is_shared {
+                self.shared_writer.get_mut(buf).expect("shared")[i] = Some(t);
+            }
+        }
+        Ok(())
+    }
+
+    fn eval(&self, e: &Expr, mask: &[bool], global: &HashMap<String, Array>) -> Result<Vec<Val>, Fault> {
+        let n = mask.len();
+        Ok(match e {
+            Expr::F32(v) => vec![Val::F(*v); n],
+            Expr::Int(v) => vec![Val::I(*v); n],
+            Expr::Bool(b) => vec![Val::B(*b); n],
+            Expr::Builtin(b) => (0..n)
+                .map(|t| {
+                    Val::I(match b {
+                        Builtin::ThreadIdx => t as i64,
+                        Builtin::BlockIdx => self.block as i64,
+                        Builtin::BlockDim => self.kernel.block_dim as i64,
+                        Builtin::Lane => (t % 32) as i64,
+                        Builtin::Warp => (t / 32) as i64,
+                    })
+                })
+                .collect(),
+            Expr::Var(name) => {
+                let vals = self.vars.get(name).ok_or((0, format!("`{name}` has no value")))?;
+                if let Some(t) = (0..n).find(|&t| mask[t] && vals[t] == Val::Undef) {
+                    return Err((t, format!("`{name}` read before it was set on this thread")));
+                }
+                vals.clone()
+            }
+            Expr::Load { buf, index } => {
+                let idx = self.eval(index, mask, global)?;
+                let (array, writers) = match self.shared.get(buf) {
+                    Some(a) => (a, self.shared_writer.get(buf)),
+                    None => (global.get(buf).expect("type-checked"), None),
+                };
+                let mut out = vec![Val::Undef; n];
+                for t in (0..n).filter(|&t| mask[t]) {
+                    let i = idx[t].i();
+                    if i < 0 || i as usize >= array.len() {
+                        return Err((t, format!("load of {buf}[{i}] out of bounds (length {})", array.len())));
+                    }
+                    let i = i as usize;
+                    if !array.init[i] {
+                        return Err((t, format!("load of {buf}[{i}], which was never written")));
+                    }
+                    if let Some(Some(w)) = writers.map(|w| w[i]) {
+                        if w != t {
+                            return Err((
+                                t,
+                                format!("reads {buf}[{i}] written by thread {w} without a __syncthreads() between"),
+                            ));
+                        }
+                    }
+                    out[t] = widen(array.ty, array.values[i]);
+                }
+                out
+            }
+            Expr::Bin(op, a, b) => {
+                let (x, y) = (self.eval(a, mask, global)?, self.eval(b, mask, global)?);
+                let float = self.scope.type_of(a) == Ok(Ty::F32);
+                let mut out = vec![Val::Undef; n];
+                for t in (0..n).filter(|&t| mask[t]) {
+                    out[t] = binop(*op, x[t], y[t], float).map_err(|m| (t, m))?;
+                }
+                out
+            }
+            Expr::Un(op, a) => {
+                let x = self.eval(a, mask, global)?;
+                x.into_iter()
+                    .map(|v| match (op, v) {
+                        (_, Val::Undef) => Val::Undef,
+                        (UnOp::Neg, Val::I(i)) => Val::I(-i),
+                        (UnOp::Abs, Val::I(i)) => Val::I(i.abs()),
+                        (UnOp::Not, v) => Val::B(!v.b()),
+                        (op, v) => Val::F(unop_f32(*op, v.f())),
+                    })
+                    .collect()
+            }
+            Expr::Cast(ty, a) => {
+                let x = self.eval(a, mask, global)?;
+                x.into_iter()
+                    .map(|v| match v {
+                        Val::Undef => Val::Undef,
+                        v => widen(*ty, narrow(*ty, v)),
+                    })
+                    .collect()
+            }
+            Expr::Select(c, a, b) => {
+                let (c, x, y) = (
+                    self.eval(c, mask, global)?,
+                    self.eval(a, mask, global)?,
+                    self.eval(b, mask, global)?,
+                );
+                (0..n).map(|t| if c[t].b() { x[t] } else { y[t] }).collect()
+            }
+            Expr::ShflXor(a, m) => {
+                let x = self.eval(a, mask, global)?;
+                let mut out = vec![Val::Undef; n];
+                for t in (0..n).filter(|&t| mask[t]) {
+                    let src = t ^ *m as usize;
+                    let warp_start = t / 32 * 32;
+                    if let Some(off) = (warp_start..(warp_start + 32).min(n)).find(|&l| !mask[l]) {
+                        return Err((t, format!("shuffle with lane {} of the warp inactive", off % 32)));
+                    }
+                    if src >= n {
+                        return Err((t, format!("shuffle from lane {src} outside the block")));
+                    }
+                    out[t] = x[src];
+                }
+                out
+            }
+        })
+    }
+}
+
+fn binop(op: BinOp, x: Val, y: Val, float: bool) -> Result<Val, String> {
+    if x == Val::Undef || y == Val::Undef {
+        return Ok(Val::Undef);
+    }
+    if let (Val::B(a), Val::B(b)) = (x, y) {
+        return Ok(Val::B(match op {
+            BinOp::And => a && b,
+            BinOp::Or => a || b,
+            BinOp::Eq => a == b,
+            BinOp::Ne => a != b,
+            _ => return Err(format!("{op:?} of bools")),
+        }));
+    }
+    if float {
+        let (a, b) = (x.f(), y.f());
+        return Ok(match op {
+            BinOp::Add => Val::F(a + b),
+            BinOp::Sub => Val::F(a - b),
+            BinOp::Mul => Val::F(a * b),
+            BinOp::Div => Val::F(a / b),
+            BinOp::Min => Val::F(a.min(b)),
+            BinOp::Max => Val::F(a.max(b)),
+            BinOp::Lt => Val::B(a < b),
+            BinOp::Le => Val::B(a <= b),
+            BinOp::Gt => Val::B(a > b),
+            BinOp::Ge => Val::B(a >= b),
+            BinOp::Eq => Val::B(a == b),
+            BinOp::Ne => Val::B(a != b),
+            _ => return Err(format!("{op:?} of floats")),
+        });
+    }
+    let (a, b) = (x.i(), y.i());
+    Ok(match op {
+        BinOp::Add => Val::I(a + b),
+        BinOp::Sub => Val::I(a - b),
+        BinOp::Mul => Val::I(a * b),
+        BinOp::Div | BinOp::Rem if b == 0 => return Err("integer division by zero".into()),
+        BinOp::Div => Val::I(a / b),
+        BinOp::Rem => Val::I(a % b),
+        BinOp::Min => Val::I(a.min(b)),
+        BinOp::Max => Val::I(a.max(b)),
+        BinOp::Lt => Val::B(a < b),
+        BinOp::Le => Val::B(a <= b),
+        BinOp::Gt => Val::B(a > b),
+        BinOp::Ge => Val::B(a >= b),
+        BinOp::Eq => Val::B(a == b),
+        BinOp::Ne => Val::B(a != b),
+        BinOp::Shl => Val::I(a << b),
+        BinOp::Shr => Val::I(a >> b),
+        BinOp::BitAnd => Val::I(a & b),
+        BinOp::And | BinOp::Or => return Err(format!("{op:?} of integers")),
+    })
+}
+
+fn unop_f32(op: UnOp, v: f32) -> f32 {
+    match op {
+        UnOp::Neg => -v,
+        UnOp::Exp => v.exp(),
+        UnOp::Tanh => v.tanh(),
+        UnOp::Sqrt => v.sqrt(),
+        UnOp::Rsqrt => 1.0 / v.sqrt(),
+        UnOp::Cos => v.cos(),
+        UnOp::Sin => v.sin(),
+        UnOp::Abs => v.abs(),
+        UnOp::Not => (v == 0.0) as i32 as f32,
+    }
+}

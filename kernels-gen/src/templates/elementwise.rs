@@ -1,0 +1,55 @@
+//! Fused elementwise ops: the IR's expression tree becomes one expression of one kernel, a
+//! thread per element (memory-bound; one pass over the inputs and the output).
+
+use super::{blocks_for, BLOCK};
+use crate::dsl::*;
+use ir::Expr as IrExpr;
+
+fn lower(e: &IrExpr) -> Expr {
+    match e {
+        IrExpr::Input(i) => load(&format!("in{i}"), var("i")),
+        IrExpr::Add(a, b) => lower(a) + lower(b),
+        IrExpr::Mul(a, b) => lower(a) * lower(b),
+        IrExpr::Scale(a, s) => lower(a) * f(*s),
+        // silu(x) = x / (1 + e^-x)
+        IrExpr::Silu(a) => {
+            let x = lower(a);
+            x.clone() / (f(1.0) + un(UnOp::Exp, un(UnOp::Neg, x)))
+        }
+        IrExpr::GeluTanh(a) => gelu_tanh(lower(a)),
+    }
+}
+
+/// PyTorch's tanh GELU: `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
+pub fn gelu_tanh(x: Expr) -> Expr {
+    let inner = f(0.797_884_6) * (x.clone() + f(0.044715) * x.clone() * x.clone() * x.clone());
+    f(0.5) * x * (f(1.0) + un(UnOp::Tanh, inner))
+}
+
+pub fn silu(x: Expr) -> Expr {
+    x.clone() / (f(1.0) + un(UnOp::Exp, un(UnOp::Neg, x)))
+}
+
+/// `out[i] = expr(in0[i], in1[i], …)` for `i < n`.
+pub fn elementwise(name: &str, origin: &str, expr: &IrExpr) -> Kernel {
+    let mut params: Vec<Param> = (0..expr.arity())
+        .map(|i| buffer(&format!("in{i}"), Ty::F32, false))
+        .collect();
+    params.push(buffer("out", Ty::F32, true));
+    params.push(scalar("n", Ty::I32));
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: elementwise {expr}"),
+        params,
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(var("n"), BLOCK as i64),
+        body: vec![
+            let_("i", Ty::I32, bid() * bdim() + tid()),
+            if_(
+                bin(BinOp::Lt, var("i"), var("n")),
+                vec![store("out", var("i"), lower(expr))],
+            ),
+        ],
+    }
+}

@@ -1,0 +1,59 @@
+//! Templates: DSL kernels for the fused IR's ops, parameterised by shape and dtype. Each file
+//! holds one op family with its launch shape and the reasoning behind it.
+
+pub mod argmax;
+pub mod attention;
+pub mod elementwise;
+pub mod embedding;
+pub mod gemv;
+pub mod glu;
+pub mod rms_norm;
+pub mod rope;
+
+use crate::dsl::*;
+
+/// Threads per block for the row-parallel kernels: 8 warps.
+pub const BLOCK: u32 = 256;
+
+/// `ceil(n / d)` as a grid expression over a scalar parameter.
+pub fn blocks_for(n: Expr, per_block: i64) -> Expr {
+    (n + int(per_block - 1)) / int(per_block)
+}
+
+/// Sum `value` (an f32 local) across a warp with butterfly shuffles; every lane ends with it.
+pub fn warp_sum(value: &str) -> Vec<Stmt> {
+    [16, 8, 4, 2, 1]
+        .iter()
+        .map(|&m| assign(value, var(value) + shfl_xor(var(value), m)))
+        .collect()
+}
+
+/// Sum `value` across the whole block: per-warp sums through `scratch` (one slot per warp),
+/// then the first warp sums those; every thread ends with the total in `value`.
+pub fn block_sum(value: &str, scratch: &str, warps: u32) -> Vec<Stmt> {
+    let mut s = warp_sum(value);
+    s.push(if_(
+        bin(BinOp::Eq, lane(), int(0)),
+        vec![store(scratch, warp(), var(value))],
+    ));
+    s.push(Stmt::SyncThreads);
+    s.push(assign(value, f(0.0)));
+    s.push(for_(
+        "w",
+        int(0),
+        int(warps as i64),
+        int(1),
+        vec![assign(value, var(value) + load(scratch, var("w")))],
+    ));
+    s.push(Stmt::SyncThreads);
+    s
+}
+
+/// Shared scratch of one f32 per warp.
+pub fn warp_scratch(name: &str, warps: u32) -> SharedArray {
+    SharedArray {
+        name: name.into(),
+        ty: Ty::F32,
+        len: warps as usize,
+    }
+}

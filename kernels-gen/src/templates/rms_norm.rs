@@ -1,0 +1,119 @@
+//! RMSNorm over groups of `group` elements (a whole row, or one head for q/k norms), and the
+//! fused residual form `[a + b | rms_norm(a + b)]`. One block per group: threads stride the
+//! group accumulating Σx², a block reduction, then every thread scales its elements. The
+//! reduction is in f32 (the IR reference accumulates in f64; tests compare within f32 error).
+
+use super::{block_sum, warp_scratch, BLOCK};
+use crate::dsl::*;
+
+const WARPS: u32 = BLOCK / 32;
+
+/// `out = x·rsqrt(mean(x²) + eps)·(w + offset)` per group; grid = number of groups.
+pub fn rms_norm(name: &str, origin: &str, eps: f32, weight_offset: f32) -> Kernel {
+    let x = |i: Expr| load("x", var("base") + i);
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: rms_norm"),
+        params: vec![
+            buffer("x", Ty::F32, false),
+            buffer("w", Ty::F32, false),
+            buffer("out", Ty::F32, true),
+            scalar("groups", Ty::I32),
+            scalar("group", Ty::I32),
+        ],
+        shared: vec![warp_scratch("partial", WARPS)],
+        block_dim: BLOCK,
+        grid: var("groups"),
+        body: [
+            vec![
+                let_("base", Ty::I32, bid() * var("group")),
+                let_("sum", Ty::F32, f(0.0)),
+                for_(
+                    "i",
+                    tid(),
+                    var("group"),
+                    bdim(),
+                    vec![assign("sum", var("sum") + x(var("i")) * x(var("i")))],
+                ),
+            ],
+            block_sum("sum", "partial", WARPS),
+            vec![
+                let_(
+                    "inv",
+                    Ty::F32,
+                    un(UnOp::Rsqrt, var("sum") / cast(Ty::F32, var("group")) + f(eps)),
+                ),
+                for_(
+                    "i",
+                    tid(),
+                    var("group"),
+                    bdim(),
+                    vec![store(
+                        "out",
+                        var("base") + var("i"),
+                        x(var("i")) * var("inv") * (load("w", var("i")) + f(weight_offset)),
+                    )],
+                ),
+            ],
+        ]
+        .concat(),
+    }
+}
+
+/// `out[r] = [a + b | rms_norm(a + b)]` per row of `d`; grid = rows.
+pub fn add_rms_norm(name: &str, origin: &str, eps: f32, weight_offset: f32) -> Kernel {
+    let sum_at = |i: Expr| load("a", var("base") + i.clone()) + load("b", var("base") + i);
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: add_rms_norm"),
+        params: vec![
+            buffer("a", Ty::F32, false),
+            buffer("b", Ty::F32, false),
+            buffer("w", Ty::F32, false),
+            buffer("out", Ty::F32, true),
+            scalar("rows", Ty::I32),
+            scalar("d", Ty::I32),
+        ],
+        shared: vec![warp_scratch("partial", WARPS)],
+        block_dim: BLOCK,
+        grid: var("rows"),
+        body: [
+            vec![
+                let_("base", Ty::I32, bid() * var("d")),
+                let_("out_base", Ty::I32, bid() * var("d") * int(2)),
+                let_("sum", Ty::F32, f(0.0)),
+                for_(
+                    "i",
+                    tid(),
+                    var("d"),
+                    bdim(),
+                    vec![
+                        let_("s", Ty::F32, sum_at(var("i"))),
+                        store("out", var("out_base") + var("i"), var("s")),
+                        assign("sum", var("sum") + var("s") * var("s")),
+                    ],
+                ),
+            ],
+            block_sum("sum", "partial", WARPS),
+            vec![
+                let_(
+                    "inv",
+                    Ty::F32,
+                    un(UnOp::Rsqrt, var("sum") / cast(Ty::F32, var("d")) + f(eps)),
+                ),
+                for_(
+                    "i",
+                    tid(),
+                    var("d"),
+                    bdim(),
+                    vec![store(
+                        "out",
+                        var("out_base") + var("d") + var("i"),
+                        sum_at(var("i")) * var("inv") * (load("w", var("i")) + f(weight_offset)),
+                    )],
+                ),
+            ],
+        ]
+        .concat(),
+    }
+}

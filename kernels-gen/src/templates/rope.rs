@@ -1,0 +1,86 @@
+//! Rotary position embedding: a thread per element of `[tokens, heads·head_dim]`; the angle is
+//! `position · inv_freq[i]` with `inv_freq` computed on the host exactly as the IR reference
+//! does (HF's f32 values), rotated pairs per the layout (rotate-half or adjacent pairs),
+//! dims past `rotary_dim` copied.
+
+use super::{blocks_for, BLOCK};
+use crate::dsl::*;
+use ir::RopeLayout;
+
+pub fn rope(name: &str, origin: &str, layout: RopeLayout, position_scale: f32) -> Kernel {
+    let x = |j: Expr| load("x", var("row") + j);
+    let (pair_index, partner, first_of_pair) = match layout {
+        RopeLayout::RotateHalf => (
+            bin(BinOp::Rem, var("j"), var("half")),
+            select(
+                bin(BinOp::Lt, var("j"), var("half")),
+                var("j") + var("half"),
+                var("j") - var("half"),
+            ),
+            bin(BinOp::Lt, var("j"), var("half")),
+        ),
+        RopeLayout::AdjacentPairs => (
+            var("j") / int(2),
+            select(
+                bin(BinOp::Eq, bin(BinOp::BitAnd, var("j"), int(1)), int(0)),
+                var("j") + int(1),
+                var("j") - int(1),
+            ),
+            bin(BinOp::Eq, bin(BinOp::BitAnd, var("j"), int(1)), int(0)),
+        ),
+    };
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: rope ({layout:?})"),
+        params: vec![
+            buffer("x", Ty::F32, false),
+            buffer("positions", Ty::I32, false),
+            buffer("inv_freq", Ty::F32, false),
+            buffer("out", Ty::F32, true),
+            scalar("tokens", Ty::I32),
+            scalar("width", Ty::I32),
+            scalar("head_dim", Ty::I32),
+            scalar("rotary_dim", Ty::I32),
+        ],
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(var("tokens") * var("width"), BLOCK as i64),
+        body: vec![
+            let_("e", Ty::I32, bid() * bdim() + tid()),
+            if_(
+                bin(BinOp::Lt, var("e"), var("tokens") * var("width")),
+                vec![
+                    let_("t", Ty::I32, var("e") / var("width")),
+                    let_("c", Ty::I32, bin(BinOp::Rem, var("e"), var("width"))),
+                    let_(
+                        "row",
+                        Ty::I32,
+                        var("t") * var("width") + var("c") - bin(BinOp::Rem, var("c"), var("head_dim")),
+                    ),
+                    let_("j", Ty::I32, bin(BinOp::Rem, var("c"), var("head_dim"))),
+                    let_("half", Ty::I32, var("rotary_dim") / int(2)),
+                    if_else(
+                        bin(BinOp::Lt, var("j"), var("rotary_dim")),
+                        vec![
+                            let_(
+                                "pos",
+                                Ty::F32,
+                                cast(Ty::F32, load("positions", var("t"))) / f(position_scale),
+                            ),
+                            let_("angle", Ty::F32, var("pos") * load("inv_freq", pair_index)),
+                            let_("cos", Ty::F32, un(UnOp::Cos, var("angle"))),
+                            let_("sin", Ty::F32, un(UnOp::Sin, var("angle"))),
+                            let_("sign", Ty::F32, select(first_of_pair, f(-1.0), f(1.0))),
+                            store(
+                                "out",
+                                var("e"),
+                                x(var("j")) * var("cos") + var("sign") * x(partner) * var("sin"),
+                            ),
+                        ],
+                        vec![store("out", var("e"), x(var("j")))],
+                    ),
+                ],
+            ),
+        ],
+    }
+}

@@ -1,0 +1,173 @@
+//! Type checking of DSL kernels: every variable defined before use, operands of one kind,
+//! loads from declared arrays, stores only to writable buffers or shared arrays. Both the
+//! emitter and the emulator ask it the type of an expression.
+
+use crate::dsl::*;
+use std::collections::HashMap;
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum TypeError {
+    #[error("kernel {kernel}: {message}")]
+    Invalid { kernel: String, message: String },
+}
+
+/// Types of names in scope: parameters, shared arrays (element types) and locals.
+#[derive(Debug, Clone, Default)]
+pub struct Scope {
+    pub vars: HashMap<String, Ty>,
+    pub arrays: HashMap<String, (Ty, bool)>,
+}
+
+impl Scope {
+    pub fn of(kernel: &Kernel) -> Self {
+        let mut s = Scope::default();
+        for p in &kernel.params {
+            match p {
+                Param::Buffer { name, ty, writable } => {
+                    s.arrays.insert(name.clone(), (*ty, *writable));
+                }
+                Param::Scalar { name, ty } => {
+                    s.vars.insert(name.clone(), *ty);
+                }
+            }
+        }
+        for a in &kernel.shared {
+            s.arrays.insert(a.name.clone(), (a.ty, true));
+        }
+        s
+    }
+
+    /// The compute type of `e`, or why it has none.
+    pub fn type_of(&self, e: &Expr) -> Result<Ty, String> {
+        Ok(match e {
+            Expr::F32(_) => Ty::F32,
+            Expr::Int(_) | Expr::Builtin(_) => Ty::I32,
+            Expr::Bool(_) => Ty::Bool,
+            Expr::Var(n) => *self.vars.get(n).ok_or_else(|| format!("`{n}` is not defined"))?,
+            Expr::Load { buf, index } => {
+                let (ty, _) = self.arrays.get(buf).ok_or_else(|| format!("`{buf}` is not an array"))?;
+                self.int(index)?;
+                ty.compute()
+            }
+            Expr::Bin(op, a, b) => {
+                let (ta, tb) = (self.type_of(a)?, self.type_of(b)?);
+                if ta != tb {
+                    return Err(format!("{op:?} of {ta:?} and {tb:?}"));
+                }
+                match op {
+                    BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge | BinOp::Eq | BinOp::Ne => Ty::Bool,
+                    BinOp::And | BinOp::Or if ta == Ty::Bool => Ty::Bool,
+                    BinOp::And | BinOp::Or => return Err(format!("{op:?} of {ta:?}")),
+                    BinOp::Shl | BinOp::Shr | BinOp::BitAnd | BinOp::Rem if !matches!(ta, Ty::I32 | Ty::U32) => {
+                        return Err(format!("{op:?} of {ta:?}"))
+                    }
+                    _ => ta,
+                }
+            }
+            Expr::Un(op, a) => {
+                let t = self.type_of(a)?;
+                match op {
+                    UnOp::Not if t == Ty::Bool => Ty::Bool,
+                    UnOp::Neg | UnOp::Abs => t,
+                    _ if t == Ty::F32 => Ty::F32,
+                    _ => return Err(format!("{op:?} of {t:?}")),
+                }
+            }
+            Expr::Cast(ty, a) => {
+                self.type_of(a)?;
+                ty.compute()
+            }
+            Expr::Select(c, a, b) => {
+                if self.type_of(c)? != Ty::Bool {
+                    return Err("select needs a bool condition".into());
+                }
+                let (ta, tb) = (self.type_of(a)?, self.type_of(b)?);
+                if ta != tb {
+                    return Err(format!("select of {ta:?} and {tb:?}"));
+                }
+                ta
+            }
+            Expr::ShflXor(a, mask) => {
+                if *mask >= 32 {
+                    return Err(format!("shuffle mask {mask} leaves the warp"));
+                }
+                self.type_of(a)?
+            }
+        })
+    }
+
+    fn int(&self, e: &Expr) -> Result<(), String> {
+        match self.type_of(e)? {
+            Ty::I32 | Ty::U32 => Ok(()),
+            t => Err(format!("index of type {t:?}")),
+        }
+    }
+}
+
+pub fn check(kernel: &Kernel) -> Result<(), TypeError> {
+    let err = |message: String| TypeError::Invalid {
+        kernel: kernel.name.clone(),
+        message,
+    };
+    let scope = Scope::of(kernel);
+    scope.type_of(&kernel.grid).map_err(err)?;
+    check_block(&kernel.body, &mut scope.clone()).map_err(err)
+}
+
+fn check_block(body: &[Stmt], scope: &mut Scope) -> Result<(), String> {
+    for s in body {
+        match s {
+            Stmt::Let { name, ty, value } => {
+                let t = scope.type_of(value)?;
+                if t != ty.compute() {
+                    return Err(format!("`{name}`: {ty:?} initialised with {t:?}"));
+                }
+                scope.vars.insert(name.clone(), *ty);
+            }
+            Stmt::Assign { name, value } => {
+                let want = *scope.vars.get(name).ok_or_else(|| format!("`{name}` is not defined"))?;
+                let got = scope.type_of(value)?;
+                if got != want.compute() {
+                    return Err(format!("`{name}`: {want:?} assigned {got:?}"));
+                }
+            }
+            Stmt::Store { buf, index, value } => {
+                let (ty, writable) = *scope
+                    .arrays
+                    .get(buf)
+                    .ok_or_else(|| format!("`{buf}` is not an array"))?;
+                if !writable {
+                    return Err(format!("`{buf}` is read-only"));
+                }
+                scope.int(index)?;
+                let got = scope.type_of(value)?;
+                if got != ty.compute() {
+                    return Err(format!("store of {got:?} into {ty:?} `{buf}`"));
+                }
+            }
+            Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body,
+            } => {
+                for e in [start, end, step] {
+                    scope.int(e)?;
+                }
+                let mut inner = scope.clone();
+                inner.vars.insert(var.clone(), Ty::I32);
+                check_block(body, &mut inner)?;
+            }
+            Stmt::If { cond, then, otherwise } => {
+                if scope.type_of(cond)? != Ty::Bool {
+                    return Err("if needs a bool condition".into());
+                }
+                check_block(then, &mut scope.clone())?;
+                check_block(otherwise, &mut scope.clone())?;
+            }
+            Stmt::SyncThreads | Stmt::Comment(_) => {}
+        }
+    }
+    Ok(())
+}

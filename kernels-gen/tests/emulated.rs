@@ -1,0 +1,294 @@
+//! Every template, run on the emulator, against the IR reference on random data (never
+//! zeros) at several shapes, ragged ones included; outputs start poisoned, so an element the
+//! kernel forgets to write fails the test.
+
+use half::bf16;
+use ir::reference::ops;
+use ir::{GluAct, RopeLayout, RopeSpec};
+use kernels_gen::dsl::Ty;
+use kernels_gen::emulator::{run, Array, Scalar};
+use kernels_gen::templates::*;
+use std::collections::HashMap;
+
+struct Rng(u64);
+impl Rng {
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                self.0 = self
+                    .0
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+}
+
+fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    let scale = want.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= tol * scale, "{what}[{i}]: {g} vs {w}");
+    }
+}
+
+fn ints(pairs: &[(&str, i64)]) -> HashMap<String, Scalar> {
+    pairs.iter().map(|(k, v)| (k.to_string(), Scalar::Int(*v))).collect()
+}
+
+#[test]
+fn elementwise_matches_expression_semantics() {
+    let expr = ir::Expr::Mul(
+        Box::new(ir::Expr::Silu(Box::new(ir::Expr::Add(
+            Box::new(ir::Expr::Input(0)),
+            Box::new(ir::Expr::Input(1)),
+        )))),
+        Box::new(ir::Expr::GeluTanh(Box::new(ir::Expr::Scale(
+            Box::new(ir::Expr::Input(1)),
+            0.5,
+        )))),
+    );
+    let k = elementwise::elementwise("ew", "test", &expr);
+    let mut rng = Rng(1);
+    for n in [1, 255, 256, 1000] {
+        let (a, b) = (rng.vec(n), rng.vec(n));
+        let mut bufs = HashMap::from([
+            ("in0".into(), Array::f32(&a)),
+            ("in1".into(), Array::f32(&b)),
+            ("out".into(), Array::poisoned(Ty::F32, n)),
+        ]);
+        run(&k, &mut bufs, &ints(&[("n", n as i64)])).unwrap();
+        let want: Vec<f32> = (0..n).map(|i| expr.eval(&[a[i], b[i]])).collect();
+        close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "elementwise");
+    }
+}
+
+#[test]
+fn rms_norm_and_residual_form_match_reference() {
+    let mut rng = Rng(2);
+    for (groups, group) in [(1, 1), (3, 64), (2, 577), (5, 256)] {
+        let (x, w) = (rng.vec(groups * group), rng.vec(group));
+        let k = rms_norm::rms_norm("norm", "test", 1e-6, 1.0);
+        let mut bufs = HashMap::from([
+            ("x".into(), Array::f32(&x)),
+            ("w".into(), Array::f32(&w)),
+            ("out".into(), Array::poisoned(Ty::F32, x.len())),
+        ]);
+        run(
+            &k,
+            &mut bufs,
+            &ints(&[("groups", groups as i64), ("group", group as i64)]),
+        )
+        .unwrap();
+        let mut want = vec![0f32; x.len()];
+        ops::rms_norm(&x, &w, 1e-6, 1.0, &mut want);
+        close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "rms_norm");
+
+        let b = rng.vec(x.len());
+        let k = rms_norm::add_rms_norm("add_norm", "test", 1e-6, 0.0);
+        let mut bufs = HashMap::from([
+            ("a".into(), Array::f32(&x)),
+            ("b".into(), Array::f32(&b)),
+            ("w".into(), Array::f32(&w)),
+            ("out".into(), Array::poisoned(Ty::F32, 2 * x.len())),
+        ]);
+        run(&k, &mut bufs, &ints(&[("rows", groups as i64), ("d", group as i64)])).unwrap();
+        close(
+            &bufs["out"].to_f32().unwrap(),
+            &ops::add_rms_norm(&x, &b, &w, 1e-6, 0.0),
+            1e-5,
+            "add_rms_norm",
+        );
+    }
+}
+
+#[test]
+fn gemv_matches_reference_for_f32_and_bf16_weights() {
+    let mut rng = Rng(3);
+    for (tokens, n, k) in [(1, 1, 1), (1, 37, 100), (3, 9, 64), (2, 17, 333)] {
+        let (x, w) = (rng.vec(tokens * k), rng.vec(n * k));
+        let mut want = vec![0f32; tokens * n];
+        for weight in [Ty::F32, Ty::Bf16] {
+            let w_used: Vec<f32> = match weight {
+                Ty::Bf16 => w.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+                _ => w.clone(),
+            };
+            ops::matmul(&x, &w_used, k, &mut want);
+            let wbuf = match weight {
+                Ty::Bf16 => Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()),
+                _ => Array::f32(&w),
+            };
+            let kernel = gemv::gemv("gemv", "test", weight);
+            let mut bufs = HashMap::from([
+                ("x".into(), Array::f32(&x)),
+                ("w".into(), wbuf),
+                ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
+            ]);
+            run(
+                &kernel,
+                &mut bufs,
+                &ints(&[("tokens", tokens as i64), ("n", n as i64), ("k", k as i64)]),
+            )
+            .unwrap();
+            close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "gemv");
+        }
+    }
+}
+
+#[test]
+fn glu_matches_reference() {
+    let mut rng = Rng(4);
+    for (tokens, n) in [(1, 1), (2, 300), (3, 17)] {
+        let x = rng.vec(tokens * 2 * n);
+        for act in [GluAct::Silu, GluAct::GeluTanh] {
+            let k = glu::glu("glu", "test", act);
+            let mut bufs = HashMap::from([
+                ("x".into(), Array::f32(&x)),
+                ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
+            ]);
+            run(&k, &mut bufs, &ints(&[("tokens", tokens as i64), ("n", n as i64)])).unwrap();
+            close(&bufs["out"].to_f32().unwrap(), &ops::glu(&x, 2 * n, act), 1e-5, "glu");
+        }
+    }
+}
+
+#[test]
+fn rope_matches_reference_for_both_layouts_and_partial_rotation() {
+    let mut rng = Rng(5);
+    for layout in [RopeLayout::RotateHalf, RopeLayout::AdjacentPairs] {
+        for (heads, head_dim, rotary_dim) in [(2, 8, 8), (3, 16, 4), (1, 64, 64)] {
+            let spec = RopeSpec {
+                heads,
+                head_dim,
+                rotary_dim,
+                theta: 10_000.0,
+                position_scale: 1.0,
+                layout,
+            };
+            let tokens = 3;
+            let x = rng.vec(tokens * heads * head_dim);
+            let positions = [0usize, 7, 41];
+            let k = rope::rope("rope", "test", layout, 1.0);
+            let mut bufs = HashMap::from([
+                ("x".into(), Array::f32(&x)),
+                ("positions".into(), Array::ints(Ty::I32, &positions.map(|p| p as i64))),
+                ("inv_freq".into(), Array::f32(&ops::rope_inv_freq(&spec))),
+                ("out".into(), Array::poisoned(Ty::F32, x.len())),
+            ]);
+            let scalars = ints(&[
+                ("tokens", tokens as i64),
+                ("width", (heads * head_dim) as i64),
+                ("head_dim", head_dim as i64),
+                ("rotary_dim", rotary_dim as i64),
+            ]);
+            run(&k, &mut bufs, &scalars).unwrap();
+            let mut want = x.clone();
+            ops::rope(&spec, &mut want, &positions);
+            close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "rope");
+        }
+    }
+}
+
+#[test]
+fn embedding_gathers_and_scales() {
+    let mut rng = Rng(6);
+    let (vocab, d) = (11, 13);
+    let table = rng.vec(vocab * d);
+    let ids = [3i64, 0, 10, 3];
+    let k = embedding::embedding("embed", "test", Ty::F32);
+    let mut bufs = HashMap::from([
+        ("table".into(), Array::f32(&table)),
+        ("ids".into(), Array::ints(Ty::I32, &ids)),
+        ("out".into(), Array::poisoned(Ty::F32, ids.len() * d)),
+    ]);
+    let mut scalars = ints(&[("tokens", ids.len() as i64), ("d", d as i64)]);
+    scalars.insert("scale".into(), Scalar::F32(2.5));
+    run(&k, &mut bufs, &scalars).unwrap();
+    let want: Vec<f32> = ids
+        .iter()
+        .flat_map(|&i| table[i as usize * d..(i as usize + 1) * d].iter().map(|v| v * 2.5))
+        .collect();
+    close(&bufs["out"].to_f32().unwrap(), &want, 0.0, "embedding");
+}
+
+#[test]
+fn argmax_breaks_ties_to_the_lowest_index() {
+    let mut rng = Rng(7);
+    for v in [1, 5, 256, 1000, 3001] {
+        let mut logits = rng.vec(2 * v);
+        // A tie in the second row at its maximum.
+        if v > 10 {
+            let m = logits[v..].iter().cloned().fold(f32::NEG_INFINITY, f32::max) + 1.0;
+            logits[v + 9] = m;
+            logits[v + 3] = m;
+            logits[v + 1] = f32::NAN;
+        }
+        let k = argmax::argmax("argmax", "test");
+        let mut bufs = HashMap::from([
+            ("logits".into(), Array::f32(&logits)),
+            ("out".into(), Array::poisoned(Ty::I32, 2)),
+        ]);
+        run(&k, &mut bufs, &ints(&[("rows", 2), ("v", v as i64)])).unwrap();
+        let want: Vec<i64> = (0..2)
+            .map(|r| ops::top_k(&logits[r * v..(r + 1) * v], 1)[0] as i64)
+            .collect();
+        assert_eq!(bufs["out"].to_i64().unwrap(), want, "v = {v}");
+    }
+}
+
+#[test]
+fn attention_matches_reference_with_windows_groups_and_long_caches() {
+    let mut rng = Rng(8);
+    for (tokens, first, heads, kv_heads, head_dim, window) in [
+        (1, 0, 2, 1, 8, 0),
+        (1, 300, 4, 2, 16, 0),
+        (3, 5, 2, 2, 8, 4),
+        (2, 520, 2, 1, 32, 300),
+    ] {
+        let len = first + tokens;
+        let (q, k, v) = (
+            rng.vec(tokens * heads * head_dim),
+            rng.vec(len * kv_heads * head_dim),
+            rng.vec(len * kv_heads * head_dim),
+        );
+        let spec = ir::AttentionSpec {
+            heads,
+            kv_heads,
+            head_dim,
+            scale: 0.3,
+            window: (window > 0).then_some(window),
+            cache_slot: 0,
+        };
+        let slot = ir::reference::KvSlot {
+            positions: (0..len).collect(),
+            k: k.clone(),
+            v: v.clone(),
+        };
+        let positions: Vec<usize> = (first..len).collect();
+        let want = ir::reference::attention_over_slot(
+            &spec,
+            &ir::Tensor::new(vec![tokens, heads * head_dim], q.clone()),
+            &slot,
+            &positions,
+        );
+        let kernel = attention::attention("attention", "test");
+        let mut bufs = HashMap::from([
+            ("q".into(), Array::f32(&q)),
+            ("k".into(), Array::f32(&k)),
+            ("v".into(), Array::f32(&v)),
+            ("out".into(), Array::poisoned(Ty::F32, q.len())),
+        ]);
+        let mut scalars = ints(&[
+            ("tokens", tokens as i64),
+            ("first", first as i64),
+            ("heads", heads as i64),
+            ("kv_heads", kv_heads as i64),
+            ("head_dim", head_dim as i64),
+            ("window", window as i64),
+        ]);
+        scalars.insert("scale".into(), Scalar::F32(0.3));
+        run(&kernel, &mut bufs, &scalars).unwrap();
+        close(&bufs["out"].to_f32().unwrap(), &want.data, 1e-5, "attention");
+    }
+}

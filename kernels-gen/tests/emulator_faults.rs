@@ -1,0 +1,104 @@
+//! The emulator reports what a GPU would silently get wrong.
+
+use kernels_gen::dsl::*;
+use kernels_gen::emulator::{run, Array, EmuError};
+use std::collections::HashMap;
+
+fn kernel(body: Vec<Stmt>, shared: Vec<SharedArray>) -> Kernel {
+    Kernel {
+        name: "k".into(),
+        origin: "test".into(),
+        params: vec![buffer("x", Ty::F32, false), buffer("out", Ty::F32, true)],
+        shared,
+        block_dim: 64,
+        grid: int(1),
+        body,
+    }
+}
+
+fn fault(k: &Kernel, out_len: usize) -> String {
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&[1.0; 64])),
+        ("out".into(), Array::poisoned(Ty::F32, out_len)),
+    ]);
+    match run(k, &mut bufs, &HashMap::new()) {
+        Err(EmuError::Fault { message, .. }) => message,
+        other => panic!("expected a fault, got {other:?}"),
+    }
+}
+
+fn scratch() -> Vec<SharedArray> {
+    vec![SharedArray {
+        name: "s".into(),
+        ty: Ty::F32,
+        len: 64,
+    }]
+}
+
+#[test]
+fn out_of_bounds_is_reported() {
+    let k = kernel(vec![store("out", tid() + int(1), f(1.0))], vec![]);
+    assert!(fault(&k, 64).contains("out of bounds"));
+}
+
+#[test]
+fn reading_unwritten_memory_is_reported() {
+    let k = kernel(vec![store("out", tid(), load("s", tid()))], scratch());
+    assert!(fault(&k, 64).contains("never written"));
+}
+
+#[test]
+fn a_missing_barrier_is_reported() {
+    let body = vec![
+        store("s", tid(), load("x", tid())),
+        store("out", tid(), load("s", bin(BinOp::Rem, tid() + int(1), int(64)))),
+    ];
+    assert!(fault(&kernel(body, scratch()), 64).contains("without a __syncthreads"));
+    let fixed = vec![
+        store("s", tid(), load("x", tid())),
+        Stmt::SyncThreads,
+        store("out", tid(), load("s", bin(BinOp::Rem, tid() + int(1), int(64)))),
+    ];
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&[1.0; 64])),
+        ("out".into(), Array::poisoned(Ty::F32, 64)),
+    ]);
+    run(&kernel(fixed, scratch()), &mut bufs, &HashMap::new()).unwrap();
+}
+
+#[test]
+fn a_barrier_in_divergent_code_is_reported() {
+    let k = kernel(
+        vec![if_(bin(BinOp::Lt, tid(), int(10)), vec![Stmt::SyncThreads])],
+        vec![],
+    );
+    assert!(fault(&k, 64).contains("divergent"));
+}
+
+#[test]
+fn racing_stores_are_reported() {
+    let k = kernel(vec![store("out", int(0), cast(Ty::F32, tid()))], vec![]);
+    assert!(fault(&k, 1).contains("store different values"));
+}
+
+#[test]
+fn a_shuffle_with_inactive_lanes_is_reported() {
+    let k = kernel(
+        vec![if_(
+            bin(BinOp::Lt, lane(), int(16)),
+            vec![store("out", tid(), shfl_xor(load("x", tid()), 1))],
+        )],
+        vec![],
+    );
+    assert!(fault(&k, 64).contains("inactive"));
+}
+
+#[test]
+fn type_errors_are_caught_before_running() {
+    let k = kernel(vec![store("x", tid(), f(1.0))], vec![]);
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&[1.0; 64])),
+        ("out".into(), Array::poisoned(Ty::F32, 64)),
+    ]);
+    assert!(matches!(run(&k, &mut bufs, &HashMap::new()), Err(EmuError::Type(_))));
+}
