@@ -6,6 +6,7 @@
 
 mod artifact;
 mod derived;
+pub mod nvrtc;
 mod target;
 
 pub use artifact::{compile, read_graphs, read_manifest, ArtifactError, ArtifactGraphs, Manifest, MANIFEST_FILE};

@@ -57,3 +57,24 @@ pub fn warp_scratch(name: &str, warps: u32) -> SharedArray {
         len: warps as usize,
     }
 }
+
+/// One instance of every template, as the code generator would emit them: what snapshot tests,
+/// NVRTC checks and the kernel report cover.
+pub fn catalog() -> Vec<Kernel> {
+    use ir::{Expr as E, GluAct, RopeLayout};
+    let swiglu_expr = E::Mul(Box::new(E::Silu(Box::new(E::Input(0)))), Box::new(E::Input(1)));
+    vec![
+        elementwise::elementwise("elementwise_silu_mul", "catalog", &swiglu_expr),
+        rms_norm::rms_norm("rms_norm", "catalog", 1e-5, 0.0),
+        rms_norm::add_rms_norm("add_rms_norm", "catalog", 1e-6, 1.0),
+        gemv::gemv("gemv_f32", "catalog", Ty::F32),
+        gemv::gemv("gemv_bf16", "catalog", Ty::Bf16),
+        glu::glu("swiglu", "catalog", GluAct::Silu),
+        glu::glu("geglu", "catalog", GluAct::GeluTanh),
+        rope::rope("rope_rotate_half", "catalog", RopeLayout::RotateHalf, 1.0),
+        rope::rope("rope_adjacent_pairs", "catalog", RopeLayout::AdjacentPairs, 1.0),
+        embedding::embedding("embedding_bf16", "catalog", Ty::Bf16),
+        argmax::argmax("argmax", "catalog"),
+        attention::attention("attention", "catalog"),
+    ]
+}

@@ -1,0 +1,208 @@
+//! Compiling generated CUDA C with NVRTC (through cudarc, loaded at run time): PTX for the
+//! artifact (`compute_XXa`), and a cubin build (`sm_XXa`, where ptxas runs, so invalid
+//! instructions fail and register use and spills are reported). Results are cached on disk,
+//! keyed by source + options + architecture + NVRTC version.
+//!
+//! NVRTC comes from PyPI (`nvidia-cuda-nvrtc`); bbc looks for `libnvrtc.so.13` on the loader
+//! path, then under `$BBC_NVRTC_DIR`, then `$BBC_HOME/cuda/nvidia/cu13/lib`.
+
+use cudarc::nvrtc::{result, sys};
+use sha2::{Digest, Sha256};
+use std::ffi::CString;
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NvrtcError {
+    #[error("NVRTC is not available: {0}")]
+    Missing(String),
+    #[error("NVRTC failed to compile `{kernel}` for {arch}:\n{log}\n--- source ---\n{code}")]
+    Compile {
+        kernel: String,
+        arch: String,
+        log: String,
+        code: String,
+    },
+    #[error("NVRTC: {0}")]
+    Api(String),
+}
+
+/// What ptxas reported for one kernel on one architecture.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resources {
+    pub arch: String,
+    pub registers: u32,
+    pub spill_stores: u32,
+    pub spill_loads: u32,
+}
+
+fn candidate_dirs() -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    if let Some(d) = std::env::var_os("BBC_NVRTC_DIR") {
+        dirs.push(PathBuf::from(d));
+    }
+    if let Some(home) = std::env::var_os("BBC_HOME") {
+        dirs.push(PathBuf::from(home).join("cuda/nvidia/cu13/lib"));
+    }
+    dirs
+}
+
+/// Make NVRTC loadable: already on the loader path, or preloaded by full path (later loads by
+/// soname then find it). Returns its version.
+pub fn ensure_loaded() -> Result<(i32, i32), NvrtcError> {
+    // SAFETY: probing for the library has no side effect beyond loading it.
+    if !unsafe { sys::is_culib_present() } {
+        let found = candidate_dirs()
+            .into_iter()
+            .map(|d| d.join("libnvrtc.so.13"))
+            .find(|p| p.is_file());
+        let Some(path) = found else {
+            return Err(NvrtcError::Missing(
+                "libnvrtc.so.13 not found; `pip install nvidia-cuda-nvrtc==13.5.37` and put its nvidia/cu13/lib on LD_LIBRARY_PATH or BBC_NVRTC_DIR".into(),
+            ));
+        };
+        // SAFETY: loading NVRTC runs its initialisers, as any NVRTC user does. The handle is
+        // leaked on purpose: the library stays loaded for the process.
+        let lib = unsafe { libloading_open(&path) }.map_err(NvrtcError::Missing)?;
+        std::mem::forget(lib);
+        // SAFETY: as above.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(NvrtcError::Missing(format!(
+                "{} loaded but NVRTC is still not visible",
+                path.display()
+            )));
+        }
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: NVRTC is loaded (checked above); the pointers are valid for the call.
+    unsafe { sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| NvrtcError::Api(format!("{e:?}")))?;
+    Ok((major, minor))
+}
+
+unsafe fn libloading_open(path: &std::path::Path) -> Result<libloading::Library, String> {
+    // SAFETY: the caller accepts the library's initialisers running.
+    unsafe { libloading::Library::new(path) }.map_err(|e| format!("{}: {e}", path.display()))
+}
+
+struct Program(sys::nvrtcProgram);
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: the program was created by create_program and is destroyed once.
+        let _ = unsafe { result::destroy_program(self.0) };
+    }
+}
+
+fn compile(kernel: &str, source: &str, options: &[String]) -> Result<(Program, String), NvrtcError> {
+    let arch = options.first().cloned().unwrap_or_default();
+    let src = CString::new(source).map_err(|e| NvrtcError::Api(e.to_string()))?;
+    let name = CString::new(format!("{kernel}.cu")).map_err(|e| NvrtcError::Api(e.to_string()))?;
+    let prog = Program(result::create_program(&src, Some(&name)).map_err(|e| NvrtcError::Api(format!("{e:?}")))?);
+    // SAFETY: `prog` is a live program; options are plain strings.
+    let compiled = unsafe { result::compile_program(prog.0, options) };
+    // SAFETY: as above; the log exists after a compile attempt.
+    let log = unsafe { result::get_program_log(prog.0) }
+        .map(|l| l.iter().map(|&c| c as u8 as char).collect::<String>())
+        .unwrap_or_default();
+    let log = log.trim_end_matches('\0').to_string();
+    match compiled {
+        Ok(()) => Ok((prog, log)),
+        Err(_) => Err(NvrtcError::Compile {
+            kernel: kernel.into(),
+            arch,
+            log,
+            code: source.into(),
+        }),
+    }
+}
+
+/// PTX of `source` for `arch` (`sm_90a` → `compute_90a`), cached on disk.
+pub fn compile_ptx(kernel: &str, source: &str, arch: &str) -> Result<String, NvrtcError> {
+    let version = ensure_loaded()?;
+    let virtual_arch = arch.replace("sm_", "compute_");
+    let options = vec![format!("--gpu-architecture={virtual_arch}"), "--std=c++17".to_string()];
+    let key = cache_key(source, &options, version);
+    if let Some(ptx) = cache_dir().and_then(|d| std::fs::read_to_string(d.join(format!("{key}.ptx"))).ok()) {
+        return Ok(ptx);
+    }
+    let (prog, _) = compile(kernel, source, &options)?;
+    // SAFETY: the program compiled successfully.
+    let ptx = unsafe { result::get_ptx(prog.0) }.map_err(|e| NvrtcError::Api(format!("{e:?}")))?;
+    let ptx: String = ptx
+        .iter()
+        .map(|&c| c as u8 as char)
+        .collect::<String>()
+        .trim_end_matches('\0')
+        .to_string();
+    if let Some(dir) = cache_dir() {
+        let _ = std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(dir.join(format!("{key}.ptx")), &ptx));
+    }
+    Ok(ptx)
+}
+
+/// Build `source` for the real architecture `arch` with ptxas's resource report.
+pub fn check_resources(kernel: &str, source: &str, arch: &str) -> Result<Resources, NvrtcError> {
+    ensure_loaded()?;
+    let options = vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        "-Xptxas=-v".to_string(),
+    ];
+    let (_, log) = compile(kernel, source, &options)?;
+    parse_resources(arch, &log).ok_or_else(|| NvrtcError::Api(format!("no resource report in the ptxas log:\n{log}")))
+}
+
+/// From lines like `ptxas info : Used 16 registers, …` and `0 bytes spill stores, 0 bytes spill loads`.
+pub fn parse_resources(arch: &str, log: &str) -> Option<Resources> {
+    let number_before = |line: &str, word: &str| -> Option<u32> {
+        let at = line.find(word)?;
+        line[..at].split_whitespace().last()?.parse().ok()
+    };
+    let registers = log.lines().find_map(|l| number_before(l, " registers"))?;
+    let spills = log.lines().find(|l| l.contains("spill stores"))?;
+    Some(Resources {
+        arch: arch.into(),
+        registers,
+        spill_stores: number_before(spills, "bytes spill stores")?,
+        spill_loads: number_before(spills, "bytes spill loads")?,
+    })
+}
+
+fn cache_key(source: &str, options: &[String], version: (i32, i32)) -> String {
+    let mut h = Sha256::new();
+    h.update(source.as_bytes());
+    for o in options {
+        h.update(o.as_bytes());
+        h.update([0]);
+    }
+    h.update(format!("nvrtc {}.{}", version.0, version.1).as_bytes());
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    std::env::var_os("BBC_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/bbc")))
+        .map(|d| d.join("nvrtc-cache"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_ptxas_report() {
+        let log = "ptxas info    : Compiling entry function 'k' for 'sm_90a'\nptxas info    : Function properties for k\n    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\nptxas info    : Used 16 registers, used 0 barriers, 360 bytes cmem[0]\n";
+        assert_eq!(
+            parse_resources("sm_90a", log),
+            Some(Resources {
+                arch: "sm_90a".into(),
+                registers: 16,
+                spill_stores: 0,
+                spill_loads: 0
+            })
+        );
+        assert_eq!(parse_resources("sm_90a", "nothing"), None);
+    }
+}
