@@ -58,7 +58,17 @@ fn elementwise_matches_expression_semantics() {
             ("in1".into(), Array::f32(&b)),
             ("out".into(), Array::poisoned(Ty::F32, n)),
         ]);
-        run(&k, &mut bufs, &ints(&[("n", n as i64)])).unwrap();
+        run(
+            &k,
+            &mut bufs,
+            &ints(&[
+                ("n", n as i64),
+                ("width", n as i64),
+                ("in0_stride", n as i64),
+                ("in1_stride", n as i64),
+            ]),
+        )
+        .unwrap();
         let want: Vec<f32> = (0..n).map(|i| expr.eval(&[a[i], b[i]])).collect();
         close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "elementwise");
     }
@@ -93,7 +103,13 @@ fn rms_norm_and_residual_form_match_reference() {
             ("w".into(), Array::f32(&w)),
             ("out".into(), Array::poisoned(Ty::F32, 2 * x.len())),
         ]);
-        run(&k, &mut bufs, &ints(&[("rows", groups as i64), ("d", group as i64)])).unwrap();
+        let d = group as i64;
+        run(
+            &k,
+            &mut bufs,
+            &ints(&[("rows", groups as i64), ("d", d), ("a_stride", d), ("b_stride", d)]),
+        )
+        .unwrap();
         close(
             &bufs["out"].to_f32().unwrap(),
             &ops::add_rms_norm(&x, &b, &w, 1e-6, 0.0),
@@ -147,7 +163,12 @@ fn glu_matches_reference() {
                 ("x".into(), Array::f32(&x)),
                 ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
             ]);
-            run(&k, &mut bufs, &ints(&[("tokens", tokens as i64), ("n", n as i64)])).unwrap();
+            run(
+                &k,
+                &mut bufs,
+                &ints(&[("tokens", tokens as i64), ("n", n as i64), ("x_stride", 2 * n as i64)]),
+            )
+            .unwrap();
             close(&bufs["out"].to_f32().unwrap(), &ops::glu(&x, 2 * n, act), 1e-5, "glu");
         }
     }
@@ -291,4 +312,104 @@ fn attention_matches_reference_with_windows_groups_and_long_caches() {
         run(&kernel, &mut bufs, &scalars).unwrap();
         close(&bufs["out"].to_f32().unwrap(), &want.data, 1e-5, "attention");
     }
+}
+
+/// Column slices of fused outputs are read in place: inputs whose rows lie further apart than
+/// their width (the Q part of a joined QKV row, the normed half of `add_rms_norm`).
+#[test]
+fn strided_inputs_read_slices_in_place() {
+    let mut rng = Rng(9);
+    let (tokens, k, extra, n) = (3, 40, 24, 7);
+    let stride = k + extra;
+    let wide = rng.vec(tokens * stride);
+    let x: Vec<f32> = (0..tokens)
+        .flat_map(|t| wide[t * stride + extra..t * stride + extra + k].to_vec())
+        .collect();
+    let w = rng.vec(n * k);
+    let mut want = vec![0f32; tokens * n];
+    ops::matmul(&x, &w, k, &mut want);
+    // The slice starts `extra` columns in: the launch passes the buffer at that offset.
+    let shifted: Vec<f32> = wide[extra..].to_vec();
+    let kernel = gemv::gemv("gemv", "test", Ty::F32);
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&shifted)),
+        ("w".into(), Array::f32(&w)),
+        ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
+    ]);
+    run(
+        &kernel,
+        &mut bufs,
+        &ints(&[
+            ("tokens", tokens as i64),
+            ("n", n as i64),
+            ("k", k as i64),
+            ("x_stride", stride as i64),
+        ]),
+    )
+    .unwrap();
+    close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "strided gemv");
+
+    let (groups_per_row, group) = (4, 10);
+    let width = groups_per_row * group;
+    let wide = rng.vec(tokens * (width + 6));
+    let x: Vec<f32> = (0..tokens)
+        .flat_map(|t| wide[t * (width + 6)..t * (width + 6) + width].to_vec())
+        .collect();
+    let nw = rng.vec(group);
+    let mut want = vec![0f32; x.len()];
+    ops::rms_norm(&x, &nw, 1e-6, 0.0, &mut want);
+    let kernel = rms_norm::rms_norm("norm", "test", 1e-6, 0.0);
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&wide)),
+        ("w".into(), Array::f32(&nw)),
+        ("out".into(), Array::poisoned(Ty::F32, x.len())),
+    ]);
+    let scalars = ints(&[
+        ("groups", (tokens * groups_per_row) as i64),
+        ("group", group as i64),
+        ("width", width as i64),
+        ("x_stride", (width + 6) as i64),
+    ]);
+    run(&kernel, &mut bufs, &scalars).unwrap();
+    close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "strided per-head rms_norm");
+}
+
+#[test]
+fn kv_append_writes_rows_after_the_cached_ones() {
+    let mut rng = Rng(10);
+    let (tokens, kv_dim, first, stride) = (2, 6, 3, 9);
+    let src = rng.vec(tokens * stride);
+    let old = rng.vec(first * kv_dim);
+    let mut cache = Array::poisoned(Ty::F32, (first + tokens) * kv_dim);
+    // The old rows are already there.
+    let mut prefilled = HashMap::from([("src".into(), Array::f32(&old)), ("cache".into(), cache.clone())]);
+    run(
+        &kv_append::kv_append("kv", "test"),
+        &mut prefilled,
+        &ints(&[
+            ("tokens", first as i64),
+            ("kv_dim", kv_dim as i64),
+            ("first", 0),
+            ("src_stride", kv_dim as i64),
+        ]),
+    )
+    .unwrap();
+    cache = prefilled.remove("cache").unwrap();
+    let mut bufs = HashMap::from([("src".into(), Array::f32(&src)), ("cache".into(), cache)]);
+    run(
+        &kv_append::kv_append("kv", "test"),
+        &mut bufs,
+        &ints(&[
+            ("tokens", tokens as i64),
+            ("kv_dim", kv_dim as i64),
+            ("first", first as i64),
+            ("src_stride", stride as i64),
+        ]),
+    )
+    .unwrap();
+    let mut want = old.clone();
+    for t in 0..tokens {
+        want.extend_from_slice(&src[t * stride..t * stride + kv_dim]);
+    }
+    close(&bufs["cache"].to_f32().unwrap(), &want, 0.0, "kv_append");
 }

@@ -7,7 +7,7 @@ use ir::Expr as IrExpr;
 
 fn lower(e: &IrExpr) -> Expr {
     match e {
-        IrExpr::Input(i) => load(&format!("in{i}"), var("i")),
+        IrExpr::Input(i) => load(&format!("in{i}"), var("t") * var(&format!("in{i}_stride")) + var("j")),
         IrExpr::Add(a, b) => lower(a) + lower(b),
         IrExpr::Mul(a, b) => lower(a) * lower(b),
         IrExpr::Scale(a, s) => lower(a) * f(*s),
@@ -30,13 +30,16 @@ pub fn silu(x: Expr) -> Expr {
     x.clone() / (f(1.0) + un(UnOp::Exp, un(UnOp::Neg, x)))
 }
 
-/// `out[i] = expr(in0[i], in1[i], …)` for `i < n`.
+/// `out[i] = expr(in0[i], in1[i], …)` for `i < n`, rows of `width`; input k's rows lie
+/// `in{k}_stride` apart (slices are read in place).
 pub fn elementwise(name: &str, origin: &str, expr: &IrExpr) -> Kernel {
     let mut params: Vec<Param> = (0..expr.arity())
         .map(|i| buffer(&format!("in{i}"), Ty::F32, false))
         .collect();
     params.push(buffer("out", Ty::F32, true));
     params.push(scalar("n", Ty::I32));
+    params.push(scalar("width", Ty::I32));
+    params.extend((0..expr.arity()).map(|i| scalar(&format!("in{i}_stride"), Ty::I32)));
     Kernel {
         name: name.into(),
         origin: format!("{origin}: elementwise {expr}"),
@@ -48,7 +51,11 @@ pub fn elementwise(name: &str, origin: &str, expr: &IrExpr) -> Kernel {
             let_("i", Ty::I32, bid() * bdim() + tid()),
             if_(
                 bin(BinOp::Lt, var("i"), var("n")),
-                vec![store("out", var("i"), lower(expr))],
+                vec![
+                    let_("t", Ty::I32, var("i") / var("width")),
+                    let_("j", Ty::I32, bin(BinOp::Rem, var("i"), var("width"))),
+                    store("out", var("i"), lower(expr)),
+                ],
             ),
         ],
     }

@@ -1,4 +1,5 @@
-//! `out[t, r] = Σ_k x[t, k]·W[r, k]` with f32 or bf16 weights: one warp per output element,
+//! `out[t, r] = Σ_k x[t, k]·W[r, k]` with f32 or bf16 weights (`x` rows `x_stride` apart, so a
+//! column slice of a fused output is read in place): one warp per output element,
 //! lanes striding the row (coalesced 128-byte reads), a butterfly shuffle sum. Decode reads
 //! each weight once, which is all a memory-bound GEMV can do; tensor-core tiles for prefill
 //! and quantized weight formats are separate templates (not built yet).
@@ -18,6 +19,7 @@ pub fn gemv(name: &str, origin: &str, weight: Ty) -> Kernel {
             scalar("tokens", Ty::I32),
             scalar("n", Ty::I32),
             scalar("k", Ty::I32),
+            scalar("x_stride", Ty::I32),
         ],
         shared: vec![],
         block_dim: BLOCK,
@@ -40,7 +42,7 @@ pub fn gemv(name: &str, origin: &str, weight: Ty) -> Kernel {
                             vec![assign(
                                 "acc",
                                 var("acc")
-                                    + load("x", var("t") * var("k") + var("i"))
+                                    + load("x", var("t") * var("x_stride") + var("i"))
                                         * load("w", var("r") * var("k") + var("i")),
                             )],
                         ),

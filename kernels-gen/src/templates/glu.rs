@@ -7,8 +7,8 @@ use crate::dsl::*;
 use ir::GluAct;
 
 pub fn glu(name: &str, origin: &str, act: GluAct) -> Kernel {
-    let gate = load("x", var("t") * int(2) * var("n") + var("j"));
-    let up = load("x", var("t") * int(2) * var("n") + var("n") + var("j"));
+    let gate = load("x", var("t") * var("x_stride") + var("j"));
+    let up = load("x", var("t") * var("x_stride") + var("n") + var("j"));
     let activated = match act {
         GluAct::Silu => silu(gate),
         GluAct::GeluTanh => gelu_tanh(gate),
@@ -21,6 +21,7 @@ pub fn glu(name: &str, origin: &str, act: GluAct) -> Kernel {
             buffer("out", Ty::F32, true),
             scalar("tokens", Ty::I32),
             scalar("n", Ty::I32),
+            scalar("x_stride", Ty::I32),
         ],
         shared: vec![],
         block_dim: BLOCK,

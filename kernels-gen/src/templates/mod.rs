@@ -7,6 +7,7 @@ pub mod elementwise;
 pub mod embedding;
 pub mod gemv;
 pub mod glu;
+pub mod kv_append;
 pub mod rms_norm;
 pub mod rope;
 
@@ -76,5 +77,6 @@ pub fn catalog() -> Vec<Kernel> {
         embedding::embedding("embedding_bf16", "catalog", Ty::Bf16),
         argmax::argmax("argmax", "catalog"),
         attention::attention("attention", "catalog"),
+        kv_append::kv_append("kv_append", "catalog"),
     ]
 }

@@ -20,13 +20,22 @@ pub fn rms_norm(name: &str, origin: &str, eps: f32, weight_offset: f32) -> Kerne
             buffer("out", Ty::F32, true),
             scalar("groups", Ty::I32),
             scalar("group", Ty::I32),
+            scalar("width", Ty::I32),
+            scalar("x_stride", Ty::I32),
         ],
         shared: vec![warp_scratch("partial", WARPS)],
         block_dim: BLOCK,
         grid: var("groups"),
         body: [
             vec![
-                let_("base", Ty::I32, bid() * var("group")),
+                // Group g starts at element g·group of the (row-major, `width`-wide) output;
+                // the input row may be a slice, `x_stride` apart.
+                let_("start", Ty::I32, bid() * var("group")),
+                let_(
+                    "base",
+                    Ty::I32,
+                    var("start") / var("width") * var("x_stride") + bin(BinOp::Rem, var("start"), var("width")),
+                ),
                 let_("sum", Ty::F32, f(0.0)),
                 for_(
                     "i",
@@ -50,7 +59,7 @@ pub fn rms_norm(name: &str, origin: &str, eps: f32, weight_offset: f32) -> Kerne
                     bdim(),
                     vec![store(
                         "out",
-                        var("base") + var("i"),
+                        var("start") + var("i"),
                         x(var("i")) * var("inv") * (load("w", var("i")) + f(weight_offset)),
                     )],
                 ),
@@ -62,7 +71,7 @@ pub fn rms_norm(name: &str, origin: &str, eps: f32, weight_offset: f32) -> Kerne
 
 /// `out[r] = [a + b | rms_norm(a + b)]` per row of `d`; grid = rows.
 pub fn add_rms_norm(name: &str, origin: &str, eps: f32, weight_offset: f32) -> Kernel {
-    let sum_at = |i: Expr| load("a", var("base") + i.clone()) + load("b", var("base") + i);
+    let sum_at = |i: Expr| load("a", bid() * var("a_stride") + i.clone()) + load("b", bid() * var("b_stride") + i);
     Kernel {
         name: name.into(),
         origin: format!("{origin}: add_rms_norm"),
@@ -73,13 +82,14 @@ pub fn add_rms_norm(name: &str, origin: &str, eps: f32, weight_offset: f32) -> K
             buffer("out", Ty::F32, true),
             scalar("rows", Ty::I32),
             scalar("d", Ty::I32),
+            scalar("a_stride", Ty::I32),
+            scalar("b_stride", Ty::I32),
         ],
         shared: vec![warp_scratch("partial", WARPS)],
         block_dim: BLOCK,
         grid: var("rows"),
         body: [
             vec![
-                let_("base", Ty::I32, bid() * var("d")),
                 let_("out_base", Ty::I32, bid() * var("d") * int(2)),
                 let_("sum", Ty::F32, f(0.0)),
                 for_(

@@ -41,6 +41,7 @@ pub fn rope(name: &str, origin: &str, layout: RopeLayout, position_scale: f32) -
             scalar("width", Ty::I32),
             scalar("head_dim", Ty::I32),
             scalar("rotary_dim", Ty::I32),
+            scalar("x_stride", Ty::I32),
         ],
         shared: vec![],
         block_dim: BLOCK,
