@@ -88,7 +88,12 @@ fn rms_norm_and_residual_form_match_reference() {
         run(
             &k,
             &mut bufs,
-            &ints(&[("groups", groups as i64), ("group", group as i64)]),
+            &ints(&[
+                ("groups", groups as i64),
+                ("group", group as i64),
+                ("width", group as i64),
+                ("x_stride", group as i64),
+            ]),
         )
         .unwrap();
         let mut want = vec![0f32; x.len()];
@@ -144,7 +149,12 @@ fn gemv_matches_reference_for_f32_and_bf16_weights() {
             run(
                 &kernel,
                 &mut bufs,
-                &ints(&[("tokens", tokens as i64), ("n", n as i64), ("k", k as i64)]),
+                &ints(&[
+                    ("tokens", tokens as i64),
+                    ("n", n as i64),
+                    ("k", k as i64),
+                    ("x_stride", k as i64),
+                ]),
             )
             .unwrap();
             close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "gemv");
@@ -202,6 +212,7 @@ fn rope_matches_reference_for_both_layouts_and_partial_rotation() {
                 ("width", (heads * head_dim) as i64),
                 ("head_dim", head_dim as i64),
                 ("rotary_dim", rotary_dim as i64),
+                ("x_stride", (heads * head_dim) as i64),
             ]);
             run(&k, &mut bufs, &scalars).unwrap();
             let mut want = x.clone();
