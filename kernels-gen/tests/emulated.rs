@@ -424,3 +424,34 @@ fn kv_append_writes_rows_after_the_cached_ones() {
     }
     close(&bufs["cache"].to_f32().unwrap(), &want, 0.0, "kv_append");
 }
+
+#[test]
+fn rms_norm_prologue_gemv_matches_norm_then_matmul() {
+    let mut rng = Rng(11);
+    for (tokens, n, k) in [(1, 5, 64), (2, 9, 100)] {
+        let (x, g, w) = (rng.vec(tokens * k), rng.vec(k), rng.vec(n * k));
+        let mut normed = vec![0f32; x.len()];
+        ops::rms_norm(&x, &g, 1e-6, 1.0, &mut normed);
+        let mut want = vec![0f32; tokens * n];
+        ops::matmul(&normed, &w, k, &mut want);
+        let kernel = rms_norm_gemv::rms_norm_gemv("norm_gemv", "test", Ty::F32, 1e-6, 1.0);
+        let mut bufs = HashMap::from([
+            ("x".into(), Array::f32(&x)),
+            ("g".into(), Array::f32(&g)),
+            ("w".into(), Array::f32(&w)),
+            ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
+        ]);
+        run(
+            &kernel,
+            &mut bufs,
+            &ints(&[
+                ("tokens", tokens as i64),
+                ("n", n as i64),
+                ("k", k as i64),
+                ("x_stride", k as i64),
+            ]),
+        )
+        .unwrap();
+        close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "rms_norm_gemv");
+    }
+}

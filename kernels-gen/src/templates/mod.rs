@@ -9,6 +9,7 @@ pub mod gemv;
 pub mod glu;
 pub mod kv_append;
 pub mod rms_norm;
+pub mod rms_norm_gemv;
 pub mod rope;
 
 use crate::dsl::*;
@@ -78,5 +79,6 @@ pub fn catalog() -> Vec<Kernel> {
         argmax::argmax("argmax", "catalog"),
         attention::attention("attention", "catalog"),
         kv_append::kv_append("kv_append", "catalog"),
+        rms_norm_gemv::rms_norm_gemv("rms_norm_gemv_bf16", "catalog", Ty::Bf16, 1e-6, 0.0),
     ]
 }
