@@ -27,10 +27,18 @@ pub enum ArtifactError {
     },
     #[error("{path}: {what}")]
     Invalid { path: PathBuf, what: String },
-    #[error(
-        "target {target} needs the CUDA code generator, which this build does not have yet; compile with --target cpu"
-    )]
-    UnsupportedTarget { target: &'static str },
+    #[error("target {target}: {source}")]
+    Gpu {
+        target: &'static str,
+        #[source]
+        source: crate::gpu::GpuCodegenError,
+    },
+    #[error("target {target}: {source}")]
+    Nvrtc {
+        target: &'static str,
+        #[source]
+        source: crate::nvrtc::NvrtcError,
+    },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ArtifactError + '_ {
@@ -61,6 +69,8 @@ pub struct Manifest {
     pub greedy_graph_json: Option<String>,
     /// INT8 rows of the heads the greedy graph's `int8_bound_top_k` reads, made at compile time.
     pub int8_heads: Vec<crate::derived::DerivedWeight>,
+    /// GPU targets: the launch plan (`plan.json`), next to `kernels/*.cu` and `kernels/*.ptx`.
+    pub plan: Option<String>,
     /// sha256 over the graph, the weights hash and every field above: the artifact's identity.
     pub hash: String,
 }
@@ -73,10 +83,11 @@ pub fn compile(
     target: Target,
     dir: &Path,
 ) -> Result<Manifest, ArtifactError> {
-    if target != Target::Cpu {
-        return Err(ArtifactError::UnsupportedTarget { target: target.name() });
-    }
     std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let plan = match target {
+        Target::Cpu => None,
+        gpu => Some(write_gpu_program(graph, gpu, dir)?),
+    };
     let weights = std::fs::canonicalize(&model.spec.weights).map_err(io(&model.spec.weights))?;
     let weights_sha256 = hash_weights(&weights)?;
     let graph_json = serde_json::to_string(graph).expect("graphs serialise");
@@ -94,6 +105,7 @@ pub fn compile(
         graph_text: GRAPH_TEXT.into(),
         graph_json: GRAPH_JSON.into(),
         greedy_graph_json: greedy.map(|_| GREEDY_GRAPH_JSON.into()),
+        plan,
         int8_heads: match greedy {
             Some(g) => crate::derived::write_int8_heads(g, &model.weights, dir)?,
             None => Vec::new(),
@@ -115,6 +127,41 @@ pub fn compile(
             .as_bytes(),
     )?;
     Ok(manifest)
+}
+
+/// Rows the GPU activation buffers are sized for: the prefill chunk of the runtime.
+pub const GPU_MAX_TOKENS: usize = 512;
+
+/// `kernels/*.cu`, `kernels/*.ptx` (NVRTC, checked for spills on the real architecture) and
+/// `plan.json`; returns the plan's file name.
+fn write_gpu_program(graph: &Graph, target: Target, dir: &Path) -> Result<String, ArtifactError> {
+    let name = target.name();
+    let mut plan = crate::gpu::build(graph, target, GPU_MAX_TOKENS)
+        .map_err(|source| ArtifactError::Gpu { target: name, source })?;
+    let kernels = dir.join("kernels");
+    std::fs::create_dir_all(&kernels).map_err(io(&kernels))?;
+    for k in &mut plan.kernels {
+        write(&kernels, &format!("{}.cu", k.name), k.source.as_bytes())?;
+        let ptx = crate::nvrtc::compile_ptx(&k.name, &k.source, &plan.arch)
+            .map_err(|source| ArtifactError::Nvrtc { target: name, source })?;
+        let resources = crate::nvrtc::check_resources(&k.name, &k.source, &plan.arch)
+            .map_err(|source| ArtifactError::Nvrtc { target: name, source })?;
+        if resources.spill_stores + resources.spill_loads > 0 {
+            return Err(ArtifactError::Invalid {
+                path: kernels.join(format!("{}.cu", k.name)),
+                what: format!("spills registers on {}: {resources:?}", plan.arch),
+            });
+        }
+        write(&kernels, &format!("{}.ptx", k.name), ptx.as_bytes())?;
+        k.ptx = Some(format!("kernels/{}.ptx", k.name));
+        k.registers = Some(resources.registers);
+    }
+    write(
+        dir,
+        "plan.json",
+        serde_json::to_string_pretty(&plan).expect("plans serialise").as_bytes(),
+    )?;
+    Ok("plan.json".into())
 }
 
 fn write(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), ArtifactError> {

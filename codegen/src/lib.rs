@@ -6,6 +6,7 @@
 
 mod artifact;
 mod derived;
+pub mod gpu;
 pub mod nvrtc;
 mod target;
 

@@ -67,6 +67,11 @@ pub fn emit(kernel: &Kernel) -> String {
     out
 }
 
+/// The launch grid (blocks) as C, in terms of the kernel's scalar parameters.
+pub fn grid_expr(kernel: &Kernel) -> String {
+    expr(&kernel.grid, &Scope::of(kernel))
+}
+
 fn uses_bf16(kernel: &Kernel) -> bool {
     kernel
         .params

@@ -70,12 +70,17 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         (None, None) => {}
         (Some("ir"), None) => print!("{}", loaded.graph.to_text()),
         (Some("fused-ir"), None) => print!("{}", fused.to_text()),
-        (Some(other), None) => bail!("--emit {other}: choose `ir` or `fused-ir`"),
+        (Some("kernel-report"), None) if target == Target::Cpu => bail!("--emit kernel-report is for GPU targets"),
+        (Some("kernel-report"), None) => {}
+        (Some(other), None) => bail!("--emit {other}: choose `ir`, `fused-ir` or `kernel-report`"),
     }
     if args.emit_after.is_some() {
         return Ok(());
     }
     let manifest = codegen::compile(&loaded.model, fused, greedy.as_ref(), target, args.output)?;
+    if args.emit == Some("kernel-report") {
+        print_kernel_report(&args.output.join("plan.json"))?;
+    }
     eprintln!(
         "compiled {} ({} → {} ops per step, dtype {}) for {} into {}",
         manifest.family.name(),
@@ -84,6 +89,30 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         manifest.dtype.name(),
         target.name(),
         args.output.display()
+    );
+    Ok(())
+}
+
+/// One line per generated kernel: registers per thread on the target, launches per step.
+fn print_kernel_report(plan: &Path) -> Result<()> {
+    let plan: codegen::gpu::GpuPlan = serde_json::from_str(&std::fs::read_to_string(plan)?)?;
+    println!(
+        "{:<24} {:>9} {:>8} {:>9}  (arch {}, 0 spill bytes)",
+        "kernel", "registers", "threads", "launches", plan.arch
+    );
+    for k in &plan.kernels {
+        let launches = plan.launches.iter().filter(|l| l.kernel == k.name).count();
+        println!(
+            "{:<24} {:>9} {:>8} {:>9}",
+            k.name,
+            k.registers.map_or("-".into(), |r| r.to_string()),
+            k.block,
+            launches
+        );
+    }
+    println!(
+        "activation arena: {} bytes for {} tokens",
+        plan.memory.arena_bytes, plan.max_tokens
     );
     Ok(())
 }

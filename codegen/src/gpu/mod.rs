@@ -1,0 +1,245 @@
+//! Code generation for GPU targets: a kernel per graph node from the templates (fused ops map
+//! one to one), launches in graph order with their arguments, a memory plan for activations
+//! (`plan`), the KV cache layout, constants (RoPE frequencies) and the weight transforms the
+//! kernels expect. Written into the artifact as `kernels/*.cu`, `kernels/*.ptx` and `plan.json`.
+//!
+//! Covered: the ops of the fused Llama and Gemma 3 graphs with f32/bf16 weights, decode and
+//! prefill alike (`tokens` is a launch-time scalar). Not yet: GGUF-quantized weights on the GPU,
+//! the INT8-bound head, tensor-core GEMM tiles for long prefills, a paged KV cache.
+
+pub mod plan;
+mod select;
+
+use crate::target::Target;
+use ir::{Dim, Graph, Sym};
+use kernels_gen::dsl::Kernel;
+use plan::MemoryPlan;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuCodegenError {
+    #[error("node %{node} ({op}): {what}")]
+    Unsupported {
+        node: usize,
+        op: &'static str,
+        what: String,
+    },
+}
+
+/// An argument of a launch, resolved at run time from the plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum LaunchArg {
+    /// An activation: the arena range of `node`, plus an element offset (an expression of
+    /// `tokens`, for views into it).
+    Activation {
+        node: usize,
+        offset: String,
+    },
+    /// A weight (after its transform).
+    Weight {
+        node: usize,
+    },
+    /// Layer `slot`'s key or value cache.
+    KvCache {
+        slot: usize,
+        value: bool,
+    },
+    Constant {
+        name: String,
+    },
+    /// A scalar: an expression of `tokens` (rows this step) and `first` (cached positions).
+    Scalar {
+        name: String,
+        value: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Launch {
+    pub kernel: String,
+    pub node: usize,
+    pub args: Vec<LaunchArg>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KernelEntry {
+    pub name: String,
+    pub block: u32,
+    pub grid: String,
+    pub source: String,
+    pub ptx: Option<String>,
+    /// Registers per thread on the target (ptxas), once compiled.
+    pub registers: Option<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WeightUse {
+    pub node: usize,
+    /// The source weights stacked by rows (one for a plain weight).
+    pub parts: Vec<String>,
+    pub dtype: ir::DType,
+    pub shape: Vec<usize>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KvLayout {
+    pub slot: usize,
+    pub kv_dim: usize,
+    /// f32 keys (and as many for values) per cached token.
+    pub bytes_per_token: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuPlan {
+    pub target: String,
+    pub arch: String,
+    /// Rows the activation buffers are sized for (the prefill chunk).
+    pub max_tokens: usize,
+    pub kernels: Vec<KernelEntry>,
+    pub launches: Vec<Launch>,
+    pub memory: MemoryPlan,
+    pub token_ids: Option<usize>,
+    pub positions: Option<usize>,
+    pub outputs: Vec<(String, usize)>,
+    pub weights: Vec<WeightUse>,
+    pub kv_cache: Vec<KvLayout>,
+    pub constants: BTreeMap<String, Vec<f32>>,
+}
+
+/// Where a value lives: a base node's buffer, a column offset, a row stride and a row offset.
+#[derive(Debug, Clone)]
+pub(crate) struct View {
+    pub base: usize,
+    pub col: usize,
+    pub stride: usize,
+    /// Rows skipped (an expression of `tokens`), for `last_token`.
+    pub row: Option<String>,
+}
+
+impl View {
+    pub fn offset(&self) -> String {
+        match &self.row {
+            Some(r) => format!("({r})*{}+{}", self.stride, self.col),
+            None => self.col.to_string(),
+        }
+    }
+}
+
+pub(crate) fn width(graph: &Graph, node: usize) -> usize {
+    graph.nodes()[node].shape.last().and_then(Dim::as_const).unwrap_or(1)
+}
+
+/// Rows of a value: the step's tokens, or a constant.
+pub(crate) fn rows(graph: &Graph, node: usize) -> String {
+    match graph.nodes()[node].shape.0.first() {
+        Some(Dim::Sym(Sym::Tokens)) => "tokens".into(),
+        Some(Dim::Const(n)) if graph.nodes()[node].shape.rank() == 2 => n.to_string(),
+        _ => "tokens".into(),
+    }
+}
+
+/// Build the GPU program of `graph` for `target`, activations sized for `max_tokens` rows.
+pub fn build(graph: &Graph, target: Target, max_tokens: usize) -> Result<GpuPlan, GpuCodegenError> {
+    let selected = select::select(graph)?;
+    // One file per distinct kernel source, named in order of first use.
+    let mut kernels: Vec<(Kernel, String)> = Vec::new();
+    let mut launches = Vec::new();
+    for (node, kernel, args) in selected.launches {
+        let source = kernels_gen::cuda::emit(&Kernel {
+            name: String::new(),
+            ..kernel.clone()
+        });
+        let name = match kernels.iter().find(|(_, s)| *s == source) {
+            Some((k, _)) => k.name.clone(),
+            None => {
+                let name = format!("{}_{}", kernel.name, kernels.len());
+                kernels.push((
+                    Kernel {
+                        name: name.clone(),
+                        ..kernel
+                    },
+                    source,
+                ));
+                name
+            }
+        };
+        launches.push(Launch {
+            kernel: name,
+            node,
+            args,
+        });
+    }
+    let memory = plan_memory(graph, &launches, &selected.views, max_tokens);
+    let kernels = kernels
+        .into_iter()
+        .map(|(k, _)| KernelEntry {
+            name: k.name.clone(),
+            block: k.block_dim,
+            grid: kernels_gen::cuda::grid_expr(&k),
+            source: kernels_gen::cuda::emit(&k),
+            ptx: None,
+            registers: None,
+        })
+        .collect();
+    Ok(GpuPlan {
+        target: target.name().into(),
+        arch: target.cuda_arch().unwrap_or_default().into(),
+        max_tokens,
+        kernels,
+        launches,
+        memory,
+        token_ids: selected.token_ids,
+        positions: selected.positions,
+        outputs: graph
+            .outputs()
+            .iter()
+            .map(|(n, id)| (n.clone(), selected.views[&id.0].base))
+            .collect(),
+        weights: selected.weights,
+        kv_cache: selected.kv_cache,
+        constants: selected.constants,
+    })
+}
+
+/// Every base activation node: its size at `max_tokens` rows and the launches that touch it.
+fn plan_memory(graph: &Graph, launches: &[Launch], views: &BTreeMap<usize, View>, max_tokens: usize) -> MemoryPlan {
+    fn touch(live: &mut BTreeMap<usize, (usize, usize)>, node: usize, at: usize) {
+        let e = live.entry(node).or_insert((at, at));
+        e.0 = e.0.min(at);
+        e.1 = e.1.max(at);
+    }
+    let mut live: BTreeMap<usize, (usize, usize)> = BTreeMap::new();
+    for (i, l) in launches.iter().enumerate() {
+        touch(&mut live, views[&l.node].base, i);
+        for a in &l.args {
+            if let LaunchArg::Activation { node, .. } = a {
+                touch(&mut live, *node, i);
+            }
+        }
+    }
+    // Values no launch produces (the step's inputs) are written before the first launch.
+    let produced: std::collections::BTreeSet<usize> = launches.iter().map(|l| views[&l.node].base).collect();
+    for (node, range) in live.iter_mut() {
+        if !produced.contains(node) {
+            range.0 = 0;
+        }
+    }
+    // Outputs are read after the last launch.
+    for (_, id) in graph.outputs() {
+        touch(&mut live, views[&id.0].base, launches.len());
+    }
+    let mut requests: Vec<(usize, usize, usize, usize)> = live
+        .into_iter()
+        .map(|(node, (first, last))| {
+            let rows = match graph.nodes()[node].shape.0.first() {
+                Some(Dim::Const(n)) if graph.nodes()[node].shape.rank() == 2 => *n,
+                _ => max_tokens,
+            };
+            (node, rows * width(graph, node) * 4, first, last)
+        })
+        .collect();
+    requests.sort_by_key(|r| (r.2, r.0));
+    plan::place(&requests)
+}

@@ -1,0 +1,333 @@
+//! Choosing a kernel (a template instance) for every node of a fused graph, and its arguments.
+
+use super::{rows, width, GpuCodegenError, KvLayout, LaunchArg, View, WeightUse};
+use ir::reference::ops::rope_inv_freq;
+use ir::{DType, Expr as IrExpr, Graph, InputKind, Op};
+use kernels_gen::dsl::{Kernel, Ty};
+use kernels_gen::templates::*;
+use std::collections::BTreeMap;
+
+pub(crate) struct Selected {
+    pub launches: Vec<(usize, Kernel, Vec<LaunchArg>)>,
+    pub views: BTreeMap<usize, View>,
+    pub weights: Vec<WeightUse>,
+    pub kv_cache: Vec<KvLayout>,
+    pub constants: BTreeMap<String, Vec<f32>>,
+    pub token_ids: Option<usize>,
+    pub positions: Option<usize>,
+}
+
+fn scalar(name: &str, value: impl ToString) -> LaunchArg {
+    LaunchArg::Scalar {
+        name: name.into(),
+        value: value.to_string(),
+    }
+}
+
+fn weight_ty(dtype: DType, node: usize, op: &'static str) -> Result<Ty, GpuCodegenError> {
+    match dtype {
+        DType::F32 => Ok(Ty::F32),
+        DType::BF16 => Ok(Ty::Bf16),
+        other => Err(GpuCodegenError::Unsupported {
+            node,
+            op,
+            what: format!("{other} weights: the GPU templates take f32/bf16 (compile with dtype = \"bf16\")"),
+        }),
+    }
+}
+
+/// The single-op expression of an elementwise op.
+fn as_expr(op: &Op) -> Option<IrExpr> {
+    let x = || Box::new(IrExpr::Input(0));
+    let y = || Box::new(IrExpr::Input(1));
+    Some(match op {
+        Op::Add => IrExpr::Add(x(), y()),
+        Op::Mul => IrExpr::Mul(x(), y()),
+        Op::Scale { factor } => IrExpr::Scale(x(), *factor),
+        Op::Silu => IrExpr::Silu(x()),
+        Op::GeluTanh => IrExpr::GeluTanh(x()),
+        Op::Elementwise { expr } => expr.clone(),
+        _ => return None,
+    })
+}
+
+pub(crate) fn select(graph: &Graph) -> Result<Selected, GpuCodegenError> {
+    let mut s = Selected {
+        launches: Vec::new(),
+        views: BTreeMap::new(),
+        weights: Vec::new(),
+        kv_cache: Vec::new(),
+        constants: BTreeMap::new(),
+        token_ids: None,
+        positions: None,
+    };
+    for (i, node) in graph.nodes().iter().enumerate() {
+        let unsupported = |what: String| GpuCodegenError::Unsupported {
+            node: i,
+            op: node.op.name(),
+            what,
+        };
+        let input = |k: usize| node.inputs[k].0;
+        let own = View {
+            base: i,
+            col: 0,
+            stride: width(graph, i),
+            row: None,
+        };
+        let act = |s: &Selected, k: usize| -> (LaunchArg, usize) {
+            let v = &s.views[&input(k)];
+            (
+                LaunchArg::Activation {
+                    node: v.base,
+                    offset: v.offset(),
+                },
+                v.stride,
+            )
+        };
+        let out = LaunchArg::Activation {
+            node: i,
+            offset: "0".into(),
+        };
+        let weight = |k: usize| LaunchArg::Weight { node: input(k) };
+        match &node.op {
+            Op::Input(kind) => {
+                match kind {
+                    InputKind::TokenIds => s.token_ids = Some(i),
+                    InputKind::Positions => s.positions = Some(i),
+                }
+                s.views.insert(i, own);
+            }
+            Op::Weight { name } => s.weights.push(WeightUse {
+                node: i,
+                parts: vec![name.clone()],
+                dtype: node.dtype,
+                shape: node.shape.resolve(0, 0),
+            }),
+            Op::ConcatRows => {
+                let parts = node
+                    .inputs
+                    .iter()
+                    .map(|p| match &graph.node(*p).op {
+                        Op::Weight { name } => Ok(name.clone()),
+                        _ => Err(unsupported("stacks something that is not a weight".into())),
+                    })
+                    .collect::<Result<_, _>>()?;
+                s.weights.push(WeightUse {
+                    node: i,
+                    parts,
+                    dtype: node.dtype,
+                    shape: node.shape.resolve(0, 0),
+                });
+            }
+            Op::Slice { start, .. } => {
+                let v = s.views[&input(0)].clone();
+                s.views.insert(
+                    i,
+                    View {
+                        col: v.col + start,
+                        ..v
+                    },
+                );
+            }
+            Op::LastToken => {
+                let v = s.views[&input(0)].clone();
+                s.views.insert(
+                    i,
+                    View {
+                        row: Some("tokens-1".into()),
+                        ..v
+                    },
+                );
+            }
+            op => {
+                s.views.insert(i, own);
+                let rows = rows(graph, i);
+                let (kernel, args) = match op {
+                    Op::Embedding => {
+                        let table = weight_ty(graph.node(node.inputs[0]).dtype, i, op.name())?;
+                        let (ids, _) = act(&s, 1);
+                        let args = vec![
+                            weight(0),
+                            ids,
+                            out,
+                            scalar("tokens", &rows),
+                            scalar("d", width(graph, i)),
+                            scalar("scale", 1.0),
+                        ];
+                        (embedding::embedding("embedding", &graph.name, table), args)
+                    }
+                    Op::MatMul => {
+                        let w = weight_ty(graph.node(node.inputs[1]).dtype, i, op.name())?;
+                        let (x, stride) = act(&s, 0);
+                        let k = width(graph, input(0));
+                        let args = vec![
+                            x,
+                            weight(1),
+                            out,
+                            scalar("tokens", &rows),
+                            scalar("n", width(graph, i)),
+                            scalar("k", k),
+                            scalar("x_stride", stride),
+                        ];
+                        (gemv::gemv("gemv", &graph.name, w), args)
+                    }
+                    Op::RmsNormMatMul { eps, weight_offset } => {
+                        let w = weight_ty(graph.node(node.inputs[2]).dtype, i, op.name())?;
+                        let (x, stride) = act(&s, 0);
+                        let k = width(graph, input(0));
+                        let args = vec![
+                            x,
+                            weight(1),
+                            weight(2),
+                            out,
+                            scalar("tokens", &rows),
+                            scalar("n", width(graph, i)),
+                            scalar("k", k),
+                            scalar("x_stride", stride),
+                        ];
+                        (
+                            rms_norm_gemv::rms_norm_gemv("rms_norm_gemv", &graph.name, w, *eps as f32, *weight_offset),
+                            args,
+                        )
+                    }
+                    Op::RmsNorm {
+                        eps,
+                        weight_offset,
+                        group,
+                    } => {
+                        let (x, stride) = act(&s, 0);
+                        let w = width(graph, i);
+                        let groups = format!("({rows})*{}", w / group);
+                        let args = vec![
+                            x,
+                            weight(1),
+                            out,
+                            scalar("groups", groups),
+                            scalar("group", group),
+                            scalar("width", w),
+                            scalar("x_stride", stride),
+                        ];
+                        (
+                            rms_norm::rms_norm("rms_norm", &graph.name, *eps as f32, *weight_offset),
+                            args,
+                        )
+                    }
+                    Op::AddRmsNorm { eps, weight_offset } => {
+                        let ((a, sa), (b, sb)) = (act(&s, 0), act(&s, 1));
+                        let d = width(graph, input(0));
+                        let args = vec![
+                            a,
+                            b,
+                            weight(2),
+                            out,
+                            scalar("rows", &rows),
+                            scalar("d", d),
+                            scalar("a_stride", sa),
+                            scalar("b_stride", sb),
+                        ];
+                        (
+                            rms_norm::add_rms_norm("add_rms_norm", &graph.name, *eps as f32, *weight_offset),
+                            args,
+                        )
+                    }
+                    Op::Rope(spec) => {
+                        let name = format!("rope_inv_freq_theta{}_dim{}", spec.theta, spec.rotary_dim);
+                        s.constants.entry(name.clone()).or_insert_with(|| rope_inv_freq(spec));
+                        let ((x, stride), (pos, _)) = (act(&s, 0), act(&s, 1));
+                        let args = vec![
+                            x,
+                            pos,
+                            LaunchArg::Constant { name },
+                            out,
+                            scalar("tokens", &rows),
+                            scalar("width", width(graph, i)),
+                            scalar("head_dim", spec.head_dim),
+                            scalar("rotary_dim", spec.rotary_dim),
+                            scalar("x_stride", stride),
+                        ];
+                        (
+                            rope::rope("rope", &graph.name, spec.layout, spec.position_scale as f32),
+                            args,
+                        )
+                    }
+                    Op::Attention(spec) => {
+                        let kv_dim = spec.kv_heads * spec.head_dim;
+                        s.kv_cache.push(KvLayout {
+                            slot: spec.cache_slot,
+                            kv_dim,
+                            bytes_per_token: kv_dim * 4,
+                        });
+                        // Append this step's keys and values, then attend over the cache.
+                        for (k, value) in [(1, false), (2, true)] {
+                            let (src, stride) = act(&s, k);
+                            let args = vec![
+                                src,
+                                LaunchArg::KvCache {
+                                    slot: spec.cache_slot,
+                                    value,
+                                },
+                                scalar("tokens", &rows),
+                                scalar("kv_dim", kv_dim),
+                                scalar("first", "first"),
+                                scalar("src_stride", stride),
+                            ];
+                            s.launches
+                                .push((i, kv_append::kv_append("kv_append", &graph.name), args));
+                        }
+                        let (q, _) = act(&s, 0);
+                        let args = vec![
+                            q,
+                            LaunchArg::KvCache {
+                                slot: spec.cache_slot,
+                                value: false,
+                            },
+                            LaunchArg::KvCache {
+                                slot: spec.cache_slot,
+                                value: true,
+                            },
+                            out,
+                            scalar("tokens", &rows),
+                            scalar("first", "first"),
+                            scalar("heads", spec.heads),
+                            scalar("kv_heads", spec.kv_heads),
+                            scalar("head_dim", spec.head_dim),
+                            scalar("window", spec.window.unwrap_or(0)),
+                            scalar("scale", spec.scale as f32),
+                        ];
+                        (attention::attention("attention", &graph.name), args)
+                    }
+                    Op::Glu { act: a } => {
+                        let (x, stride) = act(&s, 0);
+                        let args = vec![
+                            x,
+                            out,
+                            scalar("tokens", &rows),
+                            scalar("n", width(graph, i)),
+                            scalar("x_stride", stride),
+                        ];
+                        (glu::glu("glu", &graph.name, *a), args)
+                    }
+                    Op::TopK { k: 1 } => {
+                        let (logits, _) = act(&s, 0);
+                        let args = vec![logits, out, scalar("rows", &rows), scalar("v", width(graph, input(0)))];
+                        (argmax::argmax("argmax", &graph.name), args)
+                    }
+                    op => match as_expr(op) {
+                        Some(expr) => {
+                            let w = width(graph, i);
+                            let mut args: Vec<LaunchArg> = (0..node.inputs.len()).map(|k| act(&s, k).0).collect();
+                            args.push(out);
+                            args.push(scalar("n", format!("({rows})*{w}")));
+                            args.push(scalar("width", w));
+                            args.extend((0..node.inputs.len()).map(|k| scalar(&format!("in{k}_stride"), act(&s, k).1)));
+                            (elementwise::elementwise("elementwise", &graph.name, &expr), args)
+                        }
+                        None => return Err(unsupported("no GPU template yet".into())),
+                    },
+                };
+                s.launches.push((i, kernel, args));
+            }
+        }
+    }
+    Ok(s)
+}

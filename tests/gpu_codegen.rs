@@ -1,0 +1,96 @@
+//! `bbc compile` of SmolLM2 and Gemma 3 (bf16 weights) for h200, b200 and rtx-pro-6000: a
+//! kernel for every launch, and a memory plan whose buffers never overlap while live. With
+//! NVRTC installed (CI installs it) the full artifact is written, PTX included.
+
+mod common;
+
+use codegen::gpu::{self, LaunchArg};
+use codegen::Target;
+use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
+use std::collections::HashSet;
+
+fn fused(name: &str, target: Target) -> (Model, ir::Graph) {
+    let mut spec = ModelSpec::for_weights(&common::real_model(name));
+    spec.dtype = ComputeDtype::Bf16;
+    let model = Model::open(spec).unwrap();
+    let graph = model.lower(LogitsFor::LastToken).unwrap();
+    let model_for = match target {
+        Target::H200 => passes::CostModel::H200,
+        Target::B200 => passes::CostModel::B200,
+        _ => passes::CostModel::RTX_PRO_6000,
+    };
+    let fused = passes::optimize(&graph, model_for, None).unwrap().pop().unwrap().graph;
+    (model, fused)
+}
+
+#[test]
+fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
+    for name in ["smollm2", "gemma3-270m"] {
+        for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+            let (_, graph) = fused(name, target);
+            let plan = gpu::build(&graph, target, 512).unwrap();
+            assert_eq!(plan.arch, target.cuda_arch().unwrap());
+            if let Some((a, b)) = plan.memory.conflict() {
+                panic!(
+                    "{name} on {}: buffers of %{} and %{} overlap while both live",
+                    target.name(),
+                    a.node,
+                    b.node
+                );
+            }
+            let kernels: HashSet<&str> = plan.kernels.iter().map(|k| k.name.as_str()).collect();
+            let planned: HashSet<usize> = plan.memory.buffers.iter().map(|b| b.node).collect();
+            for launch in &plan.launches {
+                assert!(kernels.contains(launch.kernel.as_str()), "{}", launch.kernel);
+                for arg in &launch.args {
+                    if let LaunchArg::Activation { node, .. } = arg {
+                        assert!(planned.contains(node), "%{node} has no buffer");
+                    }
+                }
+            }
+            // Every op of the graph that computes something has a launch (`last_token` is a view).
+            let launched: HashSet<usize> = plan.launches.iter().map(|l| l.node).collect();
+            let views = graph.nodes().iter().filter(|n| n.op == ir::Op::LastToken).count();
+            assert_eq!(
+                launched.len(),
+                graph.op_count() - views,
+                "{name}: one launch group per op"
+            );
+            assert_eq!(
+                plan.kv_cache.len(),
+                graph
+                    .nodes()
+                    .iter()
+                    .filter(|n| matches!(n.op, ir::Op::Attention(_)))
+                    .count()
+            );
+        }
+    }
+}
+
+#[test]
+fn gpu_artifacts_carry_kernels_ptx_and_plan() {
+    if codegen::nvrtc::ensure_loaded().is_err() {
+        assert!(
+            std::env::var_os("BBC_REQUIRE_NVRTC").is_none(),
+            "BBC_REQUIRE_NVRTC is set but NVRTC is missing"
+        );
+        eprintln!("skipped: NVRTC not installed");
+        return;
+    }
+    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+        let (model, graph) = fused("smollm2", target);
+        let dir = std::env::temp_dir().join(format!("bbc-gpu-{}-{}", target.name(), std::process::id()));
+        let manifest = codegen::compile(&model, &graph, None, target, &dir).unwrap();
+        assert_eq!(manifest.plan.as_deref(), Some("plan.json"));
+        let plan: gpu::GpuPlan =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
+        for k in &plan.kernels {
+            assert!(dir.join(format!("kernels/{}.cu", k.name)).is_file());
+            let ptx = std::fs::read_to_string(dir.join(k.ptx.as_ref().unwrap())).unwrap();
+            assert!(ptx.contains(&format!(".entry {}", k.name)));
+            assert!(k.registers.unwrap() > 0);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
