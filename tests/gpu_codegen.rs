@@ -1,4 +1,5 @@
-//! `bbc compile` of SmolLM2 and Gemma 3 (bf16 weights) for h200, b200 and rtx-pro-6000: a
+//! `bbc compile` of SmolLM2 and Gemma 3 (bf16 weights, and the GGUF files' own quantization)
+//! for h200, b200 and rtx-pro-6000: a
 //! kernel for every launch, and a memory plan whose buffers never overlap while live. With
 //! NVRTC installed (CI installs it) the full artifact is written, PTX included.
 
@@ -9,9 +10,9 @@ use codegen::Target;
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use std::collections::HashSet;
 
-fn fused(name: &str, target: Target) -> (Model, ir::Graph) {
+fn fused(name: &str, target: Target, dtype: ComputeDtype) -> (Model, ir::Graph) {
     let mut spec = ModelSpec::for_weights(&common::real_model(name));
-    spec.dtype = ComputeDtype::Bf16;
+    spec.dtype = dtype;
     let model = Model::open(spec).unwrap();
     let graph = model.lower(LogitsFor::LastToken).unwrap();
     let model_for = match target {
@@ -25,9 +26,14 @@ fn fused(name: &str, target: Target) -> (Model, ir::Graph) {
 
 #[test]
 fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
-    for name in ["smollm2", "gemma3-270m"] {
+    for (name, dtype) in [
+        ("smollm2", ComputeDtype::Bf16),
+        ("gemma3-270m", ComputeDtype::Bf16),
+        ("smollm2", ComputeDtype::Native),
+        ("gemma3-270m", ComputeDtype::Native),
+    ] {
         for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-            let (_, graph) = fused(name, target);
+            let (_, graph) = fused(name, target, dtype);
             let plan = gpu::build(&graph, target, 512).unwrap();
             assert_eq!(plan.arch, target.cuda_arch().unwrap());
             if let Some((a, b)) = plan.memory.conflict() {
@@ -79,7 +85,7 @@ fn gpu_artifacts_carry_kernels_ptx_and_plan() {
         return;
     }
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-        let (model, graph) = fused("smollm2", target);
+        let (model, graph) = fused("smollm2", target, ComputeDtype::Native);
         let dir = std::env::temp_dir().join(format!("bbc-gpu-{}-{}", target.name(), std::process::id()));
         let manifest = codegen::compile(&model, &graph, None, target, &dir).unwrap();
         assert_eq!(manifest.plan.as_deref(), Some("plan.json"));

@@ -17,6 +17,15 @@ static __device__ __forceinline__ unsigned short bbc_f32_to_bf16(float f) {
 }
 "#;
 
+const F16_HELPER: &str = r#"// IEEE half (as 16 bits) -> f32, subnormals, infinities and NaN included.
+static __device__ __forceinline__ float bbc_f16_to_f32(unsigned int h) {
+    unsigned int sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+    if (exp == 0) { float v = (float)mant * 5.9604644775390625e-8f; return sign ? -v : v; }
+    if (exp == 31) return __uint_as_float(sign | 0x7f800000u | (mant << 13));
+    return __uint_as_float(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+"#;
+
 pub fn emit(kernel: &Kernel) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "// bbc kernel `{}`", kernel.name);
@@ -33,6 +42,9 @@ pub fn emit(kernel: &Kernel) -> String {
     );
     if uses_bf16(kernel) {
         let _ = writeln!(out, "{BF16_HELPERS}");
+    }
+    if uses_op(&kernel.body, UnOp::HalfToFloat) {
+        let _ = writeln!(out, "{F16_HELPER}");
     }
     let params: Vec<String> = kernel
         .params
@@ -70,6 +82,28 @@ pub fn emit(kernel: &Kernel) -> String {
 /// The launch grid (blocks) as C, in terms of the kernel's scalar parameters.
 pub fn grid_expr(kernel: &Kernel) -> String {
     expr(&kernel.grid, &Scope::of(kernel))
+}
+
+fn uses_op(body: &[Stmt], op: UnOp) -> bool {
+    fn in_expr(e: &Expr, op: UnOp) -> bool {
+        match e {
+            Expr::Un(o, a) => *o == op || in_expr(a, op),
+            Expr::Bin(_, a, b) => in_expr(a, op) || in_expr(b, op),
+            Expr::Load { index, .. } => in_expr(index, op),
+            Expr::Cast(_, a) | Expr::ShflXor(a, _) => in_expr(a, op),
+            Expr::Select(c, a, b) => in_expr(c, op) || in_expr(a, op) || in_expr(b, op),
+            _ => false,
+        }
+    }
+    body.iter().any(|s| match s {
+        Stmt::Let { value, .. } | Stmt::Assign { value, .. } => in_expr(value, op),
+        Stmt::Store { index, value, .. } => in_expr(index, op) || in_expr(value, op),
+        Stmt::For {
+            start, end, step, body, ..
+        } => [start, end, step].iter().any(|e| in_expr(e, op)) || uses_op(body, op),
+        Stmt::If { cond, then, otherwise } => in_expr(cond, op) || uses_op(then, op) || uses_op(otherwise, op),
+        _ => false,
+    })
 }
 
 fn uses_bf16(kernel: &Kernel) -> bool {
@@ -225,6 +259,7 @@ fn expr(e: &Expr, scope: &Scope) -> String {
                 UnOp::Rsqrt => format!("rsqrtf({x})"),
                 UnOp::Cos => format!("cosf({x})"),
                 UnOp::Sin => format!("sinf({x})"),
+                UnOp::HalfToFloat => format!("bbc_f16_to_f32((unsigned int)({x}))"),
                 UnOp::Abs if scope.type_of(a) == Ok(Ty::F32) => format!("fabsf({x})"),
                 UnOp::Abs => format!("abs({x})"),
             }

@@ -72,6 +72,8 @@ pub enum UnOp {
     Cos,
     Sin,
     Abs,
+    /// The f32 value of an IEEE half given as its 16 bits (an integer): GGUF block scales.
+    HalfToFloat,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -456,6 +456,7 @@ impl<'k> Block<'k> {
                         (UnOp::Neg, Val::I(i)) => Val::I(-i),
                         (UnOp::Abs, Val::I(i)) => Val::I(i.abs()),
                         (UnOp::Not, v) => Val::B(!v.b()),
+                        (UnOp::HalfToFloat, v) => Val::F(half::f16::from_bits(v.i() as u16).to_f32()),
                         (op, v) => Val::F(unop_f32(*op, v.f())),
                     })
                     .collect()
@@ -562,5 +563,6 @@ fn unop_f32(op: UnOp, v: f32) -> f32 {
         UnOp::Sin => v.sin(),
         UnOp::Abs => v.abs(),
         UnOp::Not => (v == 0.0) as i32 as f32,
+        UnOp::HalfToFloat => half::f16::from_bits(v as u16).to_f32(),
     }
 }

@@ -67,6 +67,8 @@ impl Scope {
             Expr::Un(op, a) => {
                 let t = self.type_of(a)?;
                 match op {
+                    UnOp::HalfToFloat if matches!(t, Ty::I32 | Ty::U32) => Ty::F32,
+                    UnOp::HalfToFloat => return Err(format!("half bits of type {t:?}")),
                     UnOp::Not if t == Ty::Bool => Ty::Bool,
                     UnOp::Neg | UnOp::Abs => t,
                     _ if t == Ty::F32 => Ty::F32,

@@ -434,7 +434,7 @@ fn rms_norm_prologue_gemv_matches_norm_then_matmul() {
         ops::rms_norm(&x, &g, 1e-6, 1.0, &mut normed);
         let mut want = vec![0f32; tokens * n];
         ops::matmul(&normed, &w, k, &mut want);
-        let kernel = rms_norm_gemv::rms_norm_gemv("norm_gemv", "test", Ty::F32, 1e-6, 1.0);
+        let kernel = rms_norm_gemv::rms_norm_gemv("norm_gemv", "test", quant::WeightFormat::Dense(Ty::F32), 1e-6, 1.0);
         let mut bufs = HashMap::from([
             ("x".into(), Array::f32(&x)),
             ("g".into(), Array::f32(&g)),

@@ -3,9 +3,10 @@
 //! (`plan`), the KV cache layout, constants (RoPE frequencies) and the weight transforms the
 //! kernels expect. Written into the artifact as `kernels/*.cu`, `kernels/*.ptx` and `plan.json`.
 //!
-//! Covered: the ops of the fused Llama and Gemma 3 graphs with f32/bf16 weights, decode and
-//! prefill alike (`tokens` is a launch-time scalar). Not yet: GGUF-quantized weights on the GPU,
-//! the INT8-bound head, tensor-core GEMM tiles for long prefills, a paged KV cache.
+//! Covered: the ops of the fused Llama and Gemma 3 graphs with f32/bf16 weights or GGUF blocks
+//! (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, kept quantized), decode and prefill alike
+//! (`tokens` is a launch-time scalar). Not yet: the INT8-bound head, tensor-core GEMM tiles for
+//! long prefills, a paged KV cache.
 
 pub mod plan;
 mod select;

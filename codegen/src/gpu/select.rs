@@ -3,7 +3,8 @@
 use super::{rows, width, GpuCodegenError, KvLayout, LaunchArg, View, WeightUse};
 use ir::reference::ops::rope_inv_freq;
 use ir::{DType, Expr as IrExpr, Graph, InputKind, Op};
-use kernels_gen::dsl::{Kernel, Ty};
+use kernels_gen::dsl::Kernel;
+use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::*;
 use std::collections::BTreeMap;
 
@@ -24,16 +25,12 @@ fn scalar(name: &str, value: impl ToString) -> LaunchArg {
     }
 }
 
-fn weight_ty(dtype: DType, node: usize, op: &'static str) -> Result<Ty, GpuCodegenError> {
-    match dtype {
-        DType::F32 => Ok(Ty::F32),
-        DType::BF16 => Ok(Ty::Bf16),
-        other => Err(GpuCodegenError::Unsupported {
-            node,
-            op,
-            what: format!("{other} weights: the GPU templates take f32/bf16 (compile with dtype = \"bf16\")"),
-        }),
-    }
+fn weight_format(dtype: DType, node: usize, op: &'static str) -> Result<WeightFormat, GpuCodegenError> {
+    WeightFormat::of(dtype).ok_or_else(|| GpuCodegenError::Unsupported {
+        node,
+        op,
+        what: format!("{dtype} weights have no GPU template"),
+    })
 }
 
 /// The single-op expression of an elementwise op.
@@ -144,7 +141,7 @@ pub(crate) fn select(graph: &Graph) -> Result<Selected, GpuCodegenError> {
                 let rows = rows(graph, i);
                 let (kernel, args) = match op {
                     Op::Embedding => {
-                        let table = weight_ty(graph.node(node.inputs[0]).dtype, i, op.name())?;
+                        let table = weight_format(graph.node(node.inputs[0]).dtype, i, op.name())?;
                         let (ids, _) = act(&s, 1);
                         let args = vec![
                             weight(0),
@@ -154,10 +151,14 @@ pub(crate) fn select(graph: &Graph) -> Result<Selected, GpuCodegenError> {
                             scalar("d", width(graph, i)),
                             scalar("scale", 1.0),
                         ];
-                        (embedding::embedding("embedding", &graph.name, table), args)
+                        let kernel = match table {
+                            WeightFormat::Dense(ty) => embedding::embedding("embedding", &graph.name, ty),
+                            WeightFormat::Blocks(format) => quant::embedding_q("embedding", &graph.name, format),
+                        };
+                        (kernel, args)
                     }
                     Op::MatMul => {
-                        let w = weight_ty(graph.node(node.inputs[1]).dtype, i, op.name())?;
+                        let w = weight_format(graph.node(node.inputs[1]).dtype, i, op.name())?;
                         let (x, stride) = act(&s, 0);
                         let k = width(graph, input(0));
                         let args = vec![
@@ -169,10 +170,10 @@ pub(crate) fn select(graph: &Graph) -> Result<Selected, GpuCodegenError> {
                             scalar("k", k),
                             scalar("x_stride", stride),
                         ];
-                        (gemv::gemv("gemv", &graph.name, w), args)
+                        (gemv::gemv_weights("gemv", &graph.name, w), args)
                     }
                     Op::RmsNormMatMul { eps, weight_offset } => {
-                        let w = weight_ty(graph.node(node.inputs[2]).dtype, i, op.name())?;
+                        let w = weight_format(graph.node(node.inputs[2]).dtype, i, op.name())?;
                         let (x, stride) = act(&s, 0);
                         let k = width(graph, input(0));
                         let args = vec![

@@ -4,17 +4,23 @@
 //! each weight once, which is all a memory-bound GEMV can do; tensor-core tiles for prefill
 //! and quantized weight formats are separate templates (not built yet).
 
+use super::quant::WeightFormat;
 use super::{blocks_for, warp_sum, BLOCK};
 use crate::dsl::*;
 
 pub fn gemv(name: &str, origin: &str, weight: Ty) -> Kernel {
+    gemv_weights(name, origin, WeightFormat::Dense(weight))
+}
+
+/// The GEMV for any weight storage (dense, or GGUF blocks dequantized per element).
+pub fn gemv_weights(name: &str, origin: &str, weight: WeightFormat) -> Kernel {
     let warps = (BLOCK / 32) as i64;
     Kernel {
         name: name.into(),
-        origin: format!("{origin}: matmul x·Wᵀ, {weight:?} weights"),
+        origin: format!("{origin}: matmul x·Wᵀ, {} weights", weight.describe()),
         params: vec![
             buffer("x", Ty::F32, false),
-            buffer("w", weight, false),
+            buffer("w", weight.buffer_ty(), false),
             buffer("out", Ty::F32, true),
             scalar("tokens", Ty::I32),
             scalar("n", Ty::I32),
@@ -39,12 +45,14 @@ pub fn gemv(name: &str, origin: &str, weight: Ty) -> Kernel {
                             lane(),
                             var("k"),
                             int(32),
-                            vec![assign(
-                                "acc",
-                                var("acc")
-                                    + load("x", var("t") * var("x_stride") + var("i"))
-                                        * load("w", var("r") * var("k") + var("i")),
-                            )],
+                            [
+                                weight.element("wi", var("r"), var("k"), var("i")),
+                                vec![assign(
+                                    "acc",
+                                    var("acc") + load("x", var("t") * var("x_stride") + var("i")) * var("wi"),
+                                )],
+                            ]
+                            .concat(),
                         ),
                     ],
                     warp_sum("acc"),

@@ -8,6 +8,7 @@ pub mod embedding;
 pub mod gemv;
 pub mod glu;
 pub mod kv_append;
+pub mod quant;
 pub mod rms_norm;
 pub mod rms_norm_gemv;
 pub mod rope;
@@ -60,6 +61,18 @@ pub fn warp_scratch(name: &str, warps: u32) -> SharedArray {
     }
 }
 
+/// The GGUF block formats the GPU templates read.
+pub const QUANT_FORMATS: [ir::DType; 8] = [
+    ir::DType::Q4_0,
+    ir::DType::Q4_1,
+    ir::DType::Q5_0,
+    ir::DType::Q5_1,
+    ir::DType::Q8_0,
+    ir::DType::Q4K,
+    ir::DType::Q5K,
+    ir::DType::Q6K,
+];
+
 /// One instance of every template, as the code generator would emit them: what snapshot tests,
 /// NVRTC checks and the kernel report cover.
 pub fn catalog() -> Vec<Kernel> {
@@ -79,6 +92,21 @@ pub fn catalog() -> Vec<Kernel> {
         argmax::argmax("argmax", "catalog"),
         attention::attention("attention", "catalog"),
         kv_append::kv_append("kv_append", "catalog"),
-        rms_norm_gemv::rms_norm_gemv("rms_norm_gemv_bf16", "catalog", Ty::Bf16, 1e-6, 0.0),
+        rms_norm_gemv::rms_norm_gemv(
+            "rms_norm_gemv_bf16",
+            "catalog",
+            quant::WeightFormat::Dense(Ty::Bf16),
+            1e-6,
+            0.0,
+        ),
     ]
+    .into_iter()
+    .chain(QUANT_FORMATS.iter().flat_map(|&f| {
+        let name = f.name();
+        [
+            gemv::gemv_weights(&format!("gemv_{name}"), "catalog", quant::WeightFormat::Blocks(f)),
+            quant::embedding_q(&format!("embedding_{name}"), "catalog", f),
+        ]
+    }))
+    .collect()
 }

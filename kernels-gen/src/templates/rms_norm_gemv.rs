@@ -3,19 +3,20 @@
 //! row stays in cache across the warps of a block), so the normalised row is never written:
 //! what `fuse_norm_matmul` buys on a GPU.
 
+use super::quant::WeightFormat;
 use super::{blocks_for, warp_sum, BLOCK};
 use crate::dsl::*;
 
-pub fn rms_norm_gemv(name: &str, origin: &str, weight: Ty, eps: f32, weight_offset: f32) -> Kernel {
+pub fn rms_norm_gemv(name: &str, origin: &str, weight: WeightFormat, eps: f32, weight_offset: f32) -> Kernel {
     let warps = (BLOCK / 32) as i64;
     let x = load("x", var("t") * var("x_stride") + var("i"));
     Kernel {
         name: name.into(),
-        origin: format!("{origin}: rms_norm prologue + matmul, {weight:?} weights"),
+        origin: format!("{origin}: rms_norm prologue + matmul, {} weights", weight.describe()),
         params: vec![
             buffer("x", Ty::F32, false),
             buffer("g", Ty::F32, false),
-            buffer("w", weight, false),
+            buffer("w", weight.buffer_ty(), false),
             buffer("out", Ty::F32, true),
             scalar("tokens", Ty::I32),
             scalar("n", Ty::I32),
@@ -40,17 +41,15 @@ pub fn rms_norm_gemv(name: &str, origin: &str, weight: Ty, eps: f32, weight_offs
                             lane(),
                             var("k"),
                             int(32),
-                            vec![
-                                let_("xi", Ty::F32, x),
-                                assign("sq", var("sq") + var("xi") * var("xi")),
-                                assign(
+                            [
+                                vec![let_("xi", Ty::F32, x), assign("sq", var("sq") + var("xi") * var("xi"))],
+                                weight.element("wi", var("r"), var("k"), var("i")),
+                                vec![assign(
                                     "acc",
-                                    var("acc")
-                                        + var("xi")
-                                            * (load("g", var("i")) + f(weight_offset))
-                                            * load("w", var("r") * var("k") + var("i")),
-                                ),
-                            ],
+                                    var("acc") + var("xi") * (load("g", var("i")) + f(weight_offset)) * var("wi"),
+                                )],
+                            ]
+                            .concat(),
                         ),
                     ],
                     super::warp_sum("sq"),

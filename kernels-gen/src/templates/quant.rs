@@ -1,0 +1,252 @@
+//! GGUF block formats on the GPU: statements that dequantize element `e` of a row from the raw
+//! block bytes (`u8` buffer `w`, row starting at byte `row`), after ggml's `ggml-quants.c`
+//! layouts (the same as `models::quant`, which the tests compare against). The quantized GEMV
+//! and embedding gather are built on them.
+//!
+//! Element-wise dequantization reads each block's scales once per element rather than once per
+//! block: correct for every format and every shape, simple to check, but not yet the
+//! bandwidth-optimal block-per-lane kernel a decode GEMV wants.
+
+use super::{blocks_for, BLOCK};
+use crate::dsl::*;
+use ir::DType;
+
+/// (elements, bytes) of a block.
+pub fn block_layout(format: DType) -> Option<(i64, i64)> {
+    Some(match format {
+        DType::Q4_0 => (32, 18),
+        DType::Q4_1 => (32, 20),
+        DType::Q5_0 => (32, 22),
+        DType::Q5_1 => (32, 24),
+        DType::Q8_0 => (32, 34),
+        DType::Q4K => (256, 144),
+        DType::Q5K => (256, 176),
+        DType::Q6K => (256, 210),
+        _ => return None,
+    })
+}
+
+fn byte(i: Expr) -> Expr {
+    load("w", i)
+}
+fn s8(i: Expr) -> Expr {
+    let b = byte(i);
+    select(bin(BinOp::Ge, b.clone(), int(128)), b.clone() - int(256), b)
+}
+fn half(i: Expr) -> Expr {
+    un(
+        UnOp::HalfToFloat,
+        bin(
+            BinOp::BitAnd,
+            byte(i.clone()) + bin(BinOp::Shl, byte(i + int(1)), int(8)),
+            int(0xffff),
+        ),
+    )
+}
+fn and(a: Expr, m: i64) -> Expr {
+    bin(BinOp::BitAnd, a, int(m))
+}
+fn shr(a: Expr, n: Expr) -> Expr {
+    bin(BinOp::Shr, a, n)
+}
+fn lt(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::Lt, a, b)
+}
+fn f32_of(i: Expr) -> Expr {
+    cast(Ty::F32, i)
+}
+
+/// Statements setting `out` (an f32 local) to element `e` of the row starting at byte `row`.
+pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
+    let (be, bb) = block_layout(format).expect("a block format");
+    let mut s = vec![
+        let_("q_blk", Ty::I32, row + (e.clone() / int(be)) * int(bb)),
+        let_("q_j", Ty::I32, bin(BinOp::Rem, e, int(be))),
+    ];
+    let base = || var("q_blk");
+    let j = || var("q_j");
+    // The 4-bit value of element j of a 32-element block whose nibbles start at `at`:
+    // low nibbles are elements 0..16, high nibbles 16..32.
+    let nibble = |at: Expr| {
+        let jj = bin(BinOp::Rem, j(), int(16));
+        select(
+            lt(j(), int(16)),
+            and(byte(at.clone() + jj.clone()), 15),
+            shr(byte(at + jj), int(4)),
+        )
+    };
+    // Q5: the fifth bit of element j is bit j of the u32 `qh` at `at`.
+    let fifth_bit = |at: Expr| {
+        let word = byte(at.clone()) + bin(BinOp::Shl, byte(at.clone() + int(1)), int(8));
+        let word_hi = byte(at.clone() + int(2)) + bin(BinOp::Shl, byte(at + int(3)), int(8));
+        let bit_lo = and(shr(word, j()), 1);
+        let bit_hi = and(shr(word_hi, j() - int(16)), 1);
+        select(lt(j(), int(16)), bit_lo, bit_hi)
+    };
+    let value = match format {
+        DType::Q8_0 => half(base()) * f32_of(s8(base() + int(2) + j())),
+        DType::Q4_0 => half(base()) * f32_of(nibble(base() + int(2)) - int(8)),
+        DType::Q4_1 => half(base()) * f32_of(nibble(base() + int(4))) + half(base() + int(2)),
+        DType::Q5_0 => {
+            half(base())
+                * f32_of(nibble(base() + int(6)) + bin(BinOp::Shl, fifth_bit(base() + int(2)), int(4)) - int(16))
+        }
+        DType::Q5_1 => {
+            half(base()) * f32_of(nibble(base() + int(8)) + bin(BinOp::Shl, fifth_bit(base() + int(4)), int(4)))
+                + half(base() + int(2))
+        }
+        DType::Q4K | DType::Q5K => {
+            // Chunk c of 64 holds sub-blocks 2c (low nibbles) and 2c+1 (high nibbles).
+            s.push(let_("q_c", Ty::I32, j() / int(64)));
+            s.push(let_("q_l", Ty::I32, bin(BinOp::Rem, j(), int(64))));
+            s.push(let_(
+                "q_sub",
+                Ty::I32,
+                var("q_c") * int(2) + select(lt(var("q_l"), int(32)), int(0), int(1)),
+            ));
+            s.extend(scale_min_k4(base() + int(4)));
+            let qs = if format == DType::Q4K { 16 } else { 48 };
+            let v = byte(base() + int(qs) + var("q_c") * int(32) + bin(BinOp::Rem, var("q_l"), int(32)));
+            let mut q = select(lt(var("q_l"), int(32)), and(v.clone(), 15), shr(v, int(4)));
+            if format == DType::Q5K {
+                let high = and(
+                    shr(
+                        byte(base() + int(16) + bin(BinOp::Rem, var("q_l"), int(32))),
+                        var("q_sub"),
+                    ),
+                    1,
+                );
+                q = q + bin(BinOp::Shl, high, int(4));
+            }
+            half(base()) * f32_of(var("q_sc")) * f32_of(q) - half(base() + int(2)) * f32_of(var("q_m"))
+        }
+        DType::Q6K => {
+            // Half h (128 elements): quarter g of 32 takes low/high nibbles of ql and bit pair g of qh.
+            s.push(let_("q_h", Ty::I32, j() / int(128)));
+            s.push(let_("q_g", Ty::I32, bin(BinOp::Rem, j(), int(128)) / int(32)));
+            s.push(let_("q_l", Ty::I32, bin(BinOp::Rem, j(), int(32))));
+            let ql = byte(base() + var("q_h") * int(64) + var("q_l") + and(var("q_g"), 1) * int(32));
+            let nib = select(lt(var("q_g"), int(2)), and(ql.clone(), 15), shr(ql, int(4)));
+            let qh = and(
+                shr(
+                    byte(base() + int(128) + var("q_h") * int(32) + var("q_l")),
+                    var("q_g") * int(2),
+                ),
+                3,
+            );
+            let q = nib + bin(BinOp::Shl, qh, int(4)) - int(32);
+            let sc = s8(base() + int(192) + var("q_h") * int(8) + var("q_l") / int(16) + var("q_g") * int(2));
+            half(base() + int(208)) * f32_of(sc) * f32_of(q)
+        }
+        other => panic!("{other} is not a block format"),
+    };
+    s.push(let_(out, Ty::F32, value));
+    s
+}
+
+/// ggml's `get_scale_min_k4` for sub-block `q_sub`: sets `q_sc` and `q_m` (6-bit each).
+fn scale_min_k4(scales: Expr) -> Vec<Stmt> {
+    let q = |i: Expr| byte(scales.clone() + i);
+    let j = || var("q_sub");
+    let low = lt(j(), int(4));
+    vec![
+        let_(
+            "q_sc",
+            Ty::I32,
+            select(
+                low.clone(),
+                and(q(j()), 63),
+                and(q(j() + int(4)), 15) + bin(BinOp::Shl, shr(q(j() - int(4)), int(6)), int(4)),
+            ),
+        ),
+        let_(
+            "q_m",
+            Ty::I32,
+            select(
+                low,
+                and(q(j() + int(4)), 63),
+                shr(q(j() + int(4)), int(4)) + bin(BinOp::Shl, shr(q(j()), int(6)), int(4)),
+            ),
+        ),
+    ]
+}
+
+/// How a matmul's weights are stored: dense f32/bf16, or GGUF blocks (as raw bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    Dense(Ty),
+    Blocks(DType),
+}
+
+impl WeightFormat {
+    /// From an IR weight dtype.
+    pub fn of(dtype: DType) -> Option<Self> {
+        match dtype {
+            DType::F32 => Some(Self::Dense(Ty::F32)),
+            DType::BF16 => Some(Self::Dense(Ty::Bf16)),
+            d if block_layout(d).is_some() => Some(Self::Blocks(d)),
+            _ => None,
+        }
+    }
+
+    /// The element type of the `w` buffer.
+    pub fn buffer_ty(self) -> Ty {
+        match self {
+            Self::Dense(ty) => ty,
+            Self::Blocks(_) => Ty::U8,
+        }
+    }
+
+    pub fn describe(self) -> String {
+        match self {
+            Self::Dense(ty) => format!("{ty:?}"),
+            Self::Blocks(d) => d.to_string(),
+        }
+    }
+
+    /// Statements setting `out` to `W[r, i]` of a `k`-wide matrix in buffer `w`.
+    pub fn element(self, out: &str, r: Expr, k: Expr, i: Expr) -> Vec<Stmt> {
+        match self {
+            Self::Dense(_) => vec![let_(out, Ty::F32, load("w", r * k + i))],
+            Self::Blocks(format) => {
+                let (be, bb) = block_layout(format).expect("a block format");
+                dequant(format, out, r * (k / int(be)) * int(bb), i)
+            }
+        }
+    }
+}
+
+/// Embedding gather from a table in a GGUF block format: a thread per output element.
+pub fn embedding_q(name: &str, origin: &str, format: DType) -> Kernel {
+    let (be, bb) = block_layout(format).expect("a block format");
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: embedding, {format} table"),
+        params: vec![
+            buffer("w", Ty::U8, false),
+            buffer("ids", Ty::I32, false),
+            buffer("out", Ty::F32, true),
+            scalar("tokens", Ty::I32),
+            scalar("d", Ty::I32),
+            scalar("scale", Ty::F32),
+        ],
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(var("tokens") * var("d"), BLOCK as i64),
+        body: vec![
+            let_("el", Ty::I32, bid() * bdim() + tid()),
+            if_(
+                lt(var("el"), var("tokens") * var("d")),
+                [
+                    vec![
+                        let_("t", Ty::I32, var("el") / var("d")),
+                        let_("row", Ty::I32, load("ids", var("t")) * (var("d") / int(be)) * int(bb)),
+                    ],
+                    dequant(format, "v", var("row"), bin(BinOp::Rem, var("el"), var("d"))),
+                    vec![store("out", var("el"), var("v") * var("scale"))],
+                ]
+                .concat(),
+            ),
+        ],
+    }
+}

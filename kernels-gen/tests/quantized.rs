@@ -1,0 +1,103 @@
+//! The quantized GEMV and embedding gather, on the emulator, against `models::quant`'s
+//! dequantization (itself checked against gguf-py) on the real blocks in the fixtures.
+
+use ir::DType;
+use kernels_gen::dsl::Ty;
+use kernels_gen::emulator::{run, Array, Scalar};
+use kernels_gen::templates::gemv::gemv_weights;
+use kernels_gen::templates::quant::{block_layout, embedding_q, WeightFormat};
+use kernels_gen::templates::QUANT_FORMATS;
+use models::quant::GgmlType;
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+fn ggml(format: DType) -> GgmlType {
+    match format {
+        DType::Q4_0 => GgmlType::Q4_0,
+        DType::Q4_1 => GgmlType::Q4_1,
+        DType::Q5_0 => GgmlType::Q5_0,
+        DType::Q5_1 => GgmlType::Q5_1,
+        DType::Q8_0 => GgmlType::Q8_0,
+        DType::Q4K => GgmlType::Q4K,
+        DType::Q5K => GgmlType::Q5K,
+        DType::Q6K => GgmlType::Q6K,
+        other => panic!("{other}"),
+    }
+}
+
+fn blocks(format: DType) -> Vec<u8> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join(format!("../tests/fixtures/gguf-blocks/{}.bin", ggml(format).name()));
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn ints(pairs: &[(&str, i64)]) -> HashMap<String, Scalar> {
+    pairs.iter().map(|(k, v)| (k.to_string(), Scalar::Int(*v))).collect()
+}
+
+#[test]
+fn quantized_gemv_matches_dequantize_then_matmul() {
+    for format in QUANT_FORMATS {
+        let data = blocks(format);
+        let (be, bb) = block_layout(format).unwrap();
+        let n_blocks = data.len() / bb as usize;
+        // Rows of two blocks (ragged for the 32-element formats: k = 64).
+        let k = 2 * be as usize;
+        let n = n_blocks / 2;
+        let mut w = vec![0f32; n * k];
+        ggml(format).dequantize(&data, &mut w);
+        let tokens = 2;
+        let x: Vec<f32> = (0..tokens * k).map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0).collect();
+        let mut want = vec![0f32; tokens * n];
+        ir::reference::ops::matmul(&x, &w, k, &mut want);
+        let kernel = gemv_weights("gemv_q", "test", WeightFormat::Blocks(format));
+        let mut bufs = HashMap::from([
+            ("x".into(), Array::f32(&x)),
+            ("w".into(), Array::u8(&data)),
+            ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
+        ]);
+        run(
+            &kernel,
+            &mut bufs,
+            &ints(&[
+                ("tokens", tokens as i64),
+                ("n", n as i64),
+                ("k", k as i64),
+                ("x_stride", k as i64),
+            ]),
+        )
+        .unwrap();
+        let got = bufs["out"].to_f32().unwrap();
+        let scale = want.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+        for (g, e) in got.iter().zip(&want) {
+            assert!((g - e).abs() <= 1e-4 * scale, "{format}: {g} vs {e}");
+        }
+    }
+}
+
+#[test]
+fn quantized_embedding_gathers_dequantized_rows() {
+    for format in QUANT_FORMATS {
+        let data = blocks(format);
+        let (be, bb) = block_layout(format).unwrap();
+        let d = be as usize;
+        let rows = data.len() / bb as usize;
+        let mut table = vec![0f32; rows * d];
+        ggml(format).dequantize(&data, &mut table);
+        let ids = [rows as i64 - 1, 0, 3];
+        let kernel = embedding_q("embedding_q", "test", format);
+        let mut bufs = HashMap::from([
+            ("w".into(), Array::u8(&data)),
+            ("ids".into(), Array::ints(Ty::I32, &ids)),
+            ("out".into(), Array::poisoned(Ty::F32, ids.len() * d)),
+        ]);
+        let mut scalars = ints(&[("tokens", ids.len() as i64), ("d", d as i64)]);
+        scalars.insert("scale".into(), Scalar::F32(1.0));
+        run(&kernel, &mut bufs, &scalars).unwrap();
+        let want: Vec<f32> = ids
+            .iter()
+            .flat_map(|&i| table[i as usize * d..(i as usize + 1) * d].to_vec())
+            .collect();
+        assert_eq!(bufs["out"].to_f32().unwrap(), want, "{format}");
+    }
+}
