@@ -15,6 +15,10 @@ static __device__ __forceinline__ unsigned short bbc_f32_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (unsigned short)(u >> 16);
 }
+// Two bf16 in one register, the lower-indexed element in the low half (the mma operand layout).
+static __device__ __forceinline__ unsigned int bbc_pack_bf16x2(float lo, float hi) {
+    return (unsigned int)bbc_f32_to_bf16(lo) | ((unsigned int)bbc_f32_to_bf16(hi) << 16);
+}
 "#;
 
 const F16_HELPER: &str = r#"// IEEE half (as 16 bits) -> f32, subnormals, infinities and NaN included.
@@ -107,11 +111,20 @@ fn uses_op(body: &[Stmt], op: UnOp) -> bool {
 }
 
 fn uses_bf16(kernel: &Kernel) -> bool {
+    fn has_mma(body: &[Stmt]) -> bool {
+        body.iter().any(|s| match s {
+            Stmt::MmaBf16 { .. } => true,
+            Stmt::For { body, .. } => has_mma(body),
+            Stmt::If { then, otherwise, .. } => has_mma(then) || has_mma(otherwise),
+            _ => false,
+        })
+    }
     kernel
         .params
         .iter()
         .any(|p| matches!(p, Param::Buffer { ty: Ty::Bf16, .. }))
         || kernel.shared.iter().any(|a| a.ty == Ty::Bf16)
+        || has_mma(&kernel.body)
 }
 
 fn indent(out: &mut String, depth: usize) {
@@ -173,6 +186,23 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
                 out.push_str("}\n");
             }
             Stmt::SyncThreads => out.push_str("__syncthreads();\n"),
+            Stmt::MmaBf16 { a, b, c } => {
+                let pack = |x: &str, y: &str| format!("bbc_pack_bf16x2({x}, {y})");
+                let _ = writeln!(
+                    out,
+                    "asm volatile(\"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, {{%0,%1,%2,%3}};\" : \"+f\"({}), \"+f\"({}), \"+f\"({}), \"+f\"({}) : \"r\"({}), \"r\"({}), \"r\"({}), \"r\"({}), \"r\"({}), \"r\"({}));",
+                    c[0],
+                    c[1],
+                    c[2],
+                    c[3],
+                    pack(&a[0], &a[1]),
+                    pack(&a[2], &a[3]),
+                    pack(&a[4], &a[5]),
+                    pack(&a[6], &a[7]),
+                    pack(&b[0], &b[1]),
+                    pack(&b[2], &b[3]),
+                );
+            }
             Stmt::Comment(c) => {
                 let _ = writeln!(out, "// {c}");
             }

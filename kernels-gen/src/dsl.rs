@@ -129,6 +129,18 @@ pub enum Stmt {
     },
     /// `__syncthreads()`: every thread of the block must reach it together.
     SyncThreads,
+    /// Tensor cores, `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`: the warp multiplies
+    /// a 16×16 A by a 16×8 B (bf16 operands) into a 16×8 f32 accumulator, `c += a·b`. Each lane
+    /// holds its fragments in f32 locals, in the PTX ISA's register layout (g = lane / 4,
+    /// t = lane % 4): `a[0..2]` = A[g][2t, 2t+1], `a[2..4]` = A[g+8][2t, 2t+1], `a[4..6]` =
+    /// A[g][2t+8, 2t+9], `a[6..8]` = A[g+8][2t+8, 2t+9]; `b[0..2]` = B[2t, 2t+1][g], `b[2..4]` =
+    /// B[2t+8, 2t+9][g]; `c[0..2]` = C[g][2t, 2t+1], `c[2..4]` = C[g+8][2t, 2t+1]. Every lane of
+    /// the warp must execute it together.
+    MmaBf16 {
+        a: [String; 8],
+        b: [String; 4],
+        c: [String; 4],
+    },
     Comment(String),
 }
 

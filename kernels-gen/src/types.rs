@@ -168,6 +168,14 @@ fn check_block(body: &[Stmt], scope: &mut Scope) -> Result<(), String> {
                 check_block(then, &mut scope.clone())?;
                 check_block(otherwise, &mut scope.clone())?;
             }
+            Stmt::MmaBf16 { a, b, c } => {
+                for name in a.iter().chain(b).chain(c) {
+                    match scope.vars.get(name) {
+                        Some(Ty::F32) => {}
+                        other => return Err(format!("mma fragment `{name}` must be an f32 local, is {other:?}")),
+                    }
+                }
+            }
             Stmt::SyncThreads | Stmt::Comment(_) => {}
         }
     }

@@ -455,3 +455,35 @@ fn rms_norm_prologue_gemv_matches_norm_then_matmul() {
         close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "rms_norm_gemv");
     }
 }
+
+#[test]
+fn tensor_core_gemm_matches_reference_on_bf16_inputs() {
+    let mut rng = Rng(12);
+    for (tokens, n, k) in [(16, 8, 16), (20, 13, 40), (3, 70, 100), (33, 9, 16)] {
+        let (x, w) = (rng.vec(tokens * k), rng.vec(n * k));
+        let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+        let mut want = vec![0f32; tokens * n];
+        ops::matmul(&round(&x), &round(&w), k, &mut want);
+        let kernel = gemm_mma::gemm_mma_bf16("gemm", "test");
+        let mut bufs = HashMap::from([
+            ("x".into(), Array::f32(&x)),
+            (
+                "w".into(),
+                Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()),
+            ),
+            ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
+        ]);
+        run(
+            &kernel,
+            &mut bufs,
+            &ints(&[
+                ("tokens", tokens as i64),
+                ("n", n as i64),
+                ("k", k as i64),
+                ("x_stride", k as i64),
+            ]),
+        )
+        .unwrap();
+        close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "mma gemm");
+    }
+}

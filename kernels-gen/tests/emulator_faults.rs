@@ -102,3 +102,19 @@ fn type_errors_are_caught_before_running() {
     ]);
     assert!(matches!(run(&k, &mut bufs, &HashMap::new()), Err(EmuError::Type(_))));
 }
+
+#[test]
+fn an_mma_with_inactive_lanes_is_reported() {
+    let names = |p: &str, n: usize| -> Vec<String> { (0..n).map(|i| format!("{p}{i}")).collect() };
+    let (a, b, c) = (names("a", 8), names("b", 4), names("c", 4));
+    let mut body: Vec<Stmt> = a.iter().chain(&b).chain(&c).map(|n| let_(n, Ty::F32, f(1.0))).collect();
+    body.push(if_(
+        bin(BinOp::Lt, lane(), int(31)),
+        vec![Stmt::MmaBf16 {
+            a: a.try_into().unwrap(),
+            b: b.try_into().unwrap(),
+            c: c.try_into().unwrap(),
+        }],
+    ));
+    assert!(fault(&kernel(body, vec![]), 64).contains("whole warp"));
+}

@@ -5,6 +5,7 @@ pub mod argmax;
 pub mod attention;
 pub mod elementwise;
 pub mod embedding;
+pub mod gemm_mma;
 pub mod gemv;
 pub mod glu;
 pub mod kv_append;
@@ -92,6 +93,7 @@ pub fn catalog() -> Vec<Kernel> {
         argmax::argmax("argmax", "catalog"),
         attention::attention("attention", "catalog"),
         kv_append::kv_append("kv_append", "catalog"),
+        gemm_mma::gemm_mma_bf16("gemm_mma_bf16", "catalog"),
         rms_norm_gemv::rms_norm_gemv(
             "rms_norm_gemv_bf16",
             "catalog",
