@@ -113,7 +113,7 @@ fn uses_op(body: &[Stmt], op: UnOp) -> bool {
 fn uses_bf16(kernel: &Kernel) -> bool {
     fn has_mma(body: &[Stmt]) -> bool {
         body.iter().any(|s| match s {
-            Stmt::MmaBf16 { .. } => true,
+            Stmt::MmaBf16(_) => true,
             Stmt::For { body, .. } => has_mma(body),
             Stmt::If { then, otherwise, .. } => has_mma(then) || has_mma(otherwise),
             _ => false,
@@ -186,7 +186,8 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
                 out.push_str("}\n");
             }
             Stmt::SyncThreads => out.push_str("__syncthreads();\n"),
-            Stmt::MmaBf16 { a, b, c } => {
+            Stmt::MmaBf16(m) => {
+                let (a, b, c) = (&m.a, &m.b, &m.c);
                 let pack = |x: &str, y: &str| format!("bbc_pack_bf16x2({x}, {y})");
                 let _ = writeln!(
                     out,

@@ -136,12 +136,16 @@ pub enum Stmt {
     /// A[g][2t+8, 2t+9], `a[6..8]` = A[g+8][2t+8, 2t+9]; `b[0..2]` = B[2t, 2t+1][g], `b[2..4]` =
     /// B[2t+8, 2t+9][g]; `c[0..2]` = C[g][2t, 2t+1], `c[2..4]` = C[g+8][2t, 2t+1]. Every lane of
     /// the warp must execute it together.
-    MmaBf16 {
-        a: [String; 8],
-        b: [String; 4],
-        c: [String; 4],
-    },
+    MmaBf16(Box<MmaFragments>),
     Comment(String),
+}
+
+/// The fragment locals of one `mma.sync` (see `Stmt::MmaBf16`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MmaFragments {
+    pub a: [String; 8],
+    pub b: [String; 4],
+    pub c: [String; 4],
 }
 
 #[derive(Debug, Clone, PartialEq)]

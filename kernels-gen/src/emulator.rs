@@ -341,7 +341,7 @@ impl<'k> Block<'k> {
                     w.fill(None);
                 }
             }
-            Stmt::MmaBf16 { a, b, c } => self.mma_bf16(a, b, c, mask)?,
+            Stmt::MmaBf16(m) => self.mma_bf16(&m.a, &m.b, &m.c, mask)?,
             Stmt::Comment(_) => {}
         }
         Ok(())

@@ -168,8 +168,8 @@ fn check_block(body: &[Stmt], scope: &mut Scope) -> Result<(), String> {
                 check_block(then, &mut scope.clone())?;
                 check_block(otherwise, &mut scope.clone())?;
             }
-            Stmt::MmaBf16 { a, b, c } => {
-                for name in a.iter().chain(b).chain(c) {
+            Stmt::MmaBf16(m) => {
+                for name in m.a.iter().chain(&m.b).chain(&m.c) {
                     match scope.vars.get(name) {
                         Some(Ty::F32) => {}
                         other => return Err(format!("mma fragment `{name}` must be an f32 local, is {other:?}")),

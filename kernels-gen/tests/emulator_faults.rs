@@ -110,11 +110,11 @@ fn an_mma_with_inactive_lanes_is_reported() {
     let mut body: Vec<Stmt> = a.iter().chain(&b).chain(&c).map(|n| let_(n, Ty::F32, f(1.0))).collect();
     body.push(if_(
         bin(BinOp::Lt, lane(), int(31)),
-        vec![Stmt::MmaBf16 {
+        vec![Stmt::MmaBf16(Box::new(MmaFragments {
             a: a.try_into().unwrap(),
             b: b.try_into().unwrap(),
             c: c.try_into().unwrap(),
-        }],
+        }))],
     ));
     assert!(fault(&kernel(body, vec![]), 64).contains("whole warp"));
 }

@@ -43,11 +43,11 @@ pub fn gemm_mma_bf16(name: &str, origin: &str) -> Kernel {
         let cond = both(lt(col.clone(), var("n")), lt(krow.clone(), var("k")));
         k_step.extend(guarded(b_i, cond, load("w", col * var("k") + krow)));
     }
-    k_step.push(Stmt::MmaBf16 {
+    k_step.push(Stmt::MmaBf16(Box::new(MmaFragments {
         a: a.clone().try_into().expect("8 names"),
         b: b.clone().try_into().expect("4 names"),
         c: c.clone().try_into().expect("4 names"),
-    });
+    })));
     let mut store_c = Vec::new();
     for (i, c_i) in c.iter().enumerate() {
         let row = var("m0") + var("g") + int(if i >= 2 { 8 } else { 0 });
