@@ -487,3 +487,89 @@ fn tensor_core_gemm_matches_reference_on_bf16_inputs() {
         close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "mma gemm");
     }
 }
+
+/// A paged cache (blocks scattered through a pool by a block table) gives the same attention
+/// as the contiguous one, and appends land in the right physical rows.
+#[test]
+fn paged_attention_and_append_match_the_contiguous_cache() {
+    use kernels_gen::templates::cache_layout::CacheLayout;
+    let mut rng = Rng(13);
+    let (heads, kv_heads, head_dim, block_size) = (4, 2, 8, 4);
+    let kv_dim = kv_heads * head_dim;
+    let (first, tokens) = (9, 2);
+    let len = first + tokens;
+    // Logical blocks 0..3 live in physical blocks 5, 1, 3 of a pool of 6.
+    let table = [5i64, 1, 3];
+    let pool_rows = 6 * block_size;
+    let (k, v) = (rng.vec(len * kv_dim), rng.vec(len * kv_dim));
+    let q = rng.vec(tokens * heads * head_dim);
+    let physical = |p: usize| table[p / block_size] as usize * block_size + p % block_size;
+    // Place the first `first` positions in the pool by hand; the kernel appends the rest.
+    let mut kpool = vec![0f32; pool_rows * kv_dim];
+    let mut vpool = vec![0f32; pool_rows * kv_dim];
+    for p in 0..first {
+        kpool[physical(p) * kv_dim..(physical(p) + 1) * kv_dim].copy_from_slice(&k[p * kv_dim..(p + 1) * kv_dim]);
+        vpool[physical(p) * kv_dim..(physical(p) + 1) * kv_dim].copy_from_slice(&v[p * kv_dim..(p + 1) * kv_dim]);
+    }
+    let mut bufs = HashMap::from([("block_table".into(), Array::ints(Ty::I32, &table))]);
+    for (pool, all, name) in [(kpool, &k, "k"), (vpool, &v, "v")] {
+        let mut b = HashMap::from([
+            ("src".into(), Array::f32(&all[first * kv_dim..])),
+            ("cache".into(), Array::f32(&pool)),
+            ("block_table".into(), Array::ints(Ty::I32, &table)),
+        ]);
+        let scalars = ints(&[
+            ("tokens", tokens as i64),
+            ("kv_dim", kv_dim as i64),
+            ("first", first as i64),
+            ("src_stride", kv_dim as i64),
+            ("block_size", block_size as i64),
+        ]);
+        run(
+            &kv_append::kv_append_with("append", "test", CacheLayout::Paged),
+            &mut b,
+            &scalars,
+        )
+        .unwrap();
+        bufs.insert(name.into(), b.remove("cache").unwrap());
+    }
+    bufs.insert("q".into(), Array::f32(&q));
+    bufs.insert("out".into(), Array::poisoned(Ty::F32, q.len()));
+    let mut scalars = ints(&[
+        ("tokens", tokens as i64),
+        ("first", first as i64),
+        ("heads", heads as i64),
+        ("kv_heads", kv_heads as i64),
+        ("head_dim", head_dim as i64),
+        ("window", 0),
+        ("block_size", block_size as i64),
+    ]);
+    scalars.insert("scale".into(), Scalar::F32(0.35));
+    run(
+        &attention::attention_with("paged", "test", CacheLayout::Paged),
+        &mut bufs,
+        &scalars,
+    )
+    .unwrap();
+    let spec = ir::AttentionSpec {
+        heads,
+        kv_heads,
+        head_dim,
+        scale: 0.35,
+        window: None,
+        cache_slot: 0,
+    };
+    let slot = ir::reference::KvSlot {
+        positions: (0..len).collect(),
+        k,
+        v,
+    };
+    let positions: Vec<usize> = (first..len).collect();
+    let want = ir::reference::attention_over_slot(
+        &spec,
+        &ir::Tensor::new(vec![tokens, heads * head_dim], q),
+        &slot,
+        &positions,
+    );
+    close(&bufs["out"].to_f32().unwrap(), &want.data, 1e-5, "paged attention");
+}

@@ -4,6 +4,7 @@
 //! running sum and accumulator (online softmax, FlashAttention's recurrence), and each thread
 //! `d < head_dim` accumulates `Σ p_j·v_j[d]`. Softmax in f32.
 
+use super::cache_layout::CacheLayout;
 use super::{warp_scratch, BLOCK};
 use crate::dsl::*;
 
@@ -33,6 +34,11 @@ fn block_max(value: &str, scratch: &str) -> Vec<Stmt> {
 
 /// `window` ≤ 0 means none. The cache holds `first + tokens` rows: the new keys included.
 pub fn attention(name: &str, origin: &str) -> Kernel {
+    attention_with(name, origin, CacheLayout::Contiguous)
+}
+
+/// Attention over a cache in `layout` (contiguous, or paged through a block table).
+pub fn attention_with(name: &str, origin: &str, layout: CacheLayout) -> Kernel {
     let chunk = BLOCK as i64;
     let q = |d: Expr| {
         load(
@@ -43,7 +49,7 @@ pub fn attention(name: &str, origin: &str) -> Kernel {
     let kv_at = |buf: &str, j: Expr, d: Expr| {
         load(
             buf,
-            j * var("kv_heads") * var("head_dim") + var("kvh") * var("head_dim") + d,
+            layout.row(j) * var("kv_heads") * var("head_dim") + var("kvh") * var("head_dim") + d,
         )
     };
     let body = [vec![
@@ -132,20 +138,24 @@ pub fn attention(name: &str, origin: &str) -> Kernel {
     .concat();
     Kernel {
         name: name.into(),
-        origin: format!("{origin}: causal attention, online softmax"),
-        params: vec![
-            buffer("q", Ty::F32, false),
-            buffer("k", Ty::F32, false),
-            buffer("v", Ty::F32, false),
-            buffer("out", Ty::F32, true),
-            scalar("tokens", Ty::I32),
-            scalar("first", Ty::I32),
-            scalar("heads", Ty::I32),
-            scalar("kv_heads", Ty::I32),
-            scalar("head_dim", Ty::I32),
-            scalar("window", Ty::I32),
-            scalar("scale", Ty::F32),
-        ],
+        origin: format!("{origin}: causal attention, online softmax, {}", layout.describe()),
+        params: [
+            vec![
+                buffer("q", Ty::F32, false),
+                buffer("k", Ty::F32, false),
+                buffer("v", Ty::F32, false),
+                buffer("out", Ty::F32, true),
+                scalar("tokens", Ty::I32),
+                scalar("first", Ty::I32),
+                scalar("heads", Ty::I32),
+                scalar("kv_heads", Ty::I32),
+                scalar("head_dim", Ty::I32),
+                scalar("window", Ty::I32),
+                scalar("scale", Ty::F32),
+            ],
+            layout.params(),
+        ]
+        .concat(),
         shared: vec![
             SharedArray {
                 name: "scores".into(),

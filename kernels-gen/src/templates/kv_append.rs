@@ -1,21 +1,31 @@
 //! Appending a step's keys or values to a layer's contiguous cache: row `t` of `src` (rows
 //! `src_stride` apart: V is a slice of the joined QKV output) becomes cache row `first + t`.
 
+use super::cache_layout::CacheLayout;
 use super::{blocks_for, BLOCK};
 use crate::dsl::*;
 
 pub fn kv_append(name: &str, origin: &str) -> Kernel {
+    kv_append_with(name, origin, CacheLayout::Contiguous)
+}
+
+/// Append into a cache in `layout` (contiguous, or paged through a block table).
+pub fn kv_append_with(name: &str, origin: &str, layout: CacheLayout) -> Kernel {
     Kernel {
         name: name.into(),
-        origin: format!("{origin}: append to the KV cache"),
-        params: vec![
-            buffer("src", Ty::F32, false),
-            buffer("cache", Ty::F32, true),
-            scalar("tokens", Ty::I32),
-            scalar("kv_dim", Ty::I32),
-            scalar("first", Ty::I32),
-            scalar("src_stride", Ty::I32),
-        ],
+        origin: format!("{origin}: append to the KV cache, {}", layout.describe()),
+        params: [
+            vec![
+                buffer("src", Ty::F32, false),
+                buffer("cache", Ty::F32, true),
+                scalar("tokens", Ty::I32),
+                scalar("kv_dim", Ty::I32),
+                scalar("first", Ty::I32),
+                scalar("src_stride", Ty::I32),
+            ],
+            layout.params(),
+        ]
+        .concat(),
         shared: vec![],
         block_dim: BLOCK,
         grid: blocks_for(var("tokens") * var("kv_dim"), BLOCK as i64),
@@ -28,7 +38,7 @@ pub fn kv_append(name: &str, origin: &str) -> Kernel {
                     let_("c", Ty::I32, bin(BinOp::Rem, var("e"), var("kv_dim"))),
                     store(
                         "cache",
-                        (var("first") + var("t")) * var("kv_dim") + var("c"),
+                        layout.row(var("first") + var("t")) * var("kv_dim") + var("c"),
                         load("src", var("t") * var("src_stride") + var("c")),
                     ),
                 ],

@@ -3,6 +3,7 @@
 
 pub mod argmax;
 pub mod attention;
+pub mod cache_layout;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm_mma;
@@ -93,6 +94,8 @@ pub fn catalog() -> Vec<Kernel> {
         argmax::argmax("argmax", "catalog"),
         attention::attention("attention", "catalog"),
         kv_append::kv_append("kv_append", "catalog"),
+        attention::attention_with("attention_paged", "catalog", cache_layout::CacheLayout::Paged),
+        kv_append::kv_append_with("kv_append_paged", "catalog", cache_layout::CacheLayout::Paged),
         gemm_mma::gemm_mma_bf16("gemm_mma_bf16", "catalog"),
         rms_norm_gemv::rms_norm_gemv(
             "rms_norm_gemv_bf16",
