@@ -573,3 +573,43 @@ fn paged_attention_and_append_match_the_contiguous_cache() {
     );
     close(&bufs["out"].to_f32().unwrap(), &want.data, 1e-5, "paged attention");
 }
+
+/// The sampler picks the token whose cumulative probability interval holds `u` (computed here
+/// in f64, left to right); draws near an interval's edge may fall either side within f32
+/// rounding, so those are checked against the interval with a tolerance.
+#[test]
+fn sampling_inverts_the_cdf() {
+    let mut rng = Rng(14);
+    for v in [3, 300, 1000] {
+        let logits = rng.vec(v).iter().map(|x| x * 4.0).collect::<Vec<f32>>();
+        let us: Vec<f32> = vec![0.0, 0.13, 0.5, 0.77, 0.999_999];
+        for temperature in [0.7f32, 1.5] {
+            let rows = us.len();
+            let all: Vec<f32> = (0..rows).flat_map(|_| logits.clone()).collect();
+            let kernel = sample::sample("sample", "test");
+            let mut bufs = HashMap::from([
+                ("logits".into(), Array::f32(&all)),
+                ("u".into(), Array::f32(&us)),
+                ("out".into(), Array::poisoned(Ty::I32, rows)),
+            ]);
+            let mut scalars = ints(&[("rows", rows as i64), ("v", v as i64)]);
+            scalars.insert("temperature".into(), Scalar::F32(temperature));
+            run(&kernel, &mut bufs, &scalars).unwrap();
+            let picks = bufs["out"].to_i64().unwrap();
+            let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let p: Vec<f64> = logits
+                .iter()
+                .map(|&x| ((x as f64 - max) / temperature as f64).exp())
+                .collect();
+            let total: f64 = p.iter().sum();
+            for (&u, &pick) in us.iter().zip(&picks) {
+                let before: f64 = p[..pick as usize].iter().sum::<f64>() / total;
+                let after = before + p[pick as usize] / total;
+                assert!(
+                    before - 1e-5 <= u as f64 && (u as f64) < after + 1e-5,
+                    "v {v}, T {temperature}: u {u} picked {pick} covering [{before}, {after})"
+                );
+            }
+        }
+    }
+}

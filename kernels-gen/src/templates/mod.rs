@@ -14,6 +14,7 @@ pub mod quant;
 pub mod rms_norm;
 pub mod rms_norm_gemv;
 pub mod rope;
+pub mod sample;
 
 use crate::dsl::*;
 
@@ -92,6 +93,7 @@ pub fn catalog() -> Vec<Kernel> {
         rope::rope("rope_adjacent_pairs", "catalog", RopeLayout::AdjacentPairs, 1.0),
         embedding::embedding("embedding_bf16", "catalog", Ty::Bf16),
         argmax::argmax("argmax", "catalog"),
+        sample::sample("sample", "catalog"),
         attention::attention("attention", "catalog"),
         kv_append::kv_append("kv_append", "catalog"),
         attention::attention_with("attention_paged", "catalog", cache_layout::CacheLayout::Paged),
