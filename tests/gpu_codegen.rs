@@ -48,6 +48,9 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
             let planned: HashSet<usize> = plan.memory.buffers.iter().map(|b| b.node).collect();
             for launch in &plan.launches {
                 assert!(kernels.contains(launch.kernel.as_str()), "{}", launch.kernel);
+                if let Some(p) = &launch.prefill_kernel {
+                    assert!(kernels.contains(p.as_str()) && p.starts_with("gemm"), "{p}");
+                }
                 for arg in &launch.args {
                     if let LaunchArg::Activation { node, .. } = arg {
                         assert!(planned.contains(node), "%{node} has no buffer");
@@ -69,6 +72,13 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
                     .iter()
                     .filter(|n| matches!(n.op, ir::Op::Attention(_)))
                     .count()
+            );
+            // bf16 matmuls get the tensor-core GEMM for prefill steps; GGUF blocks do not (yet).
+            let gemms = plan.launches.iter().filter(|l| l.prefill_kernel.is_some()).count();
+            assert_eq!(
+                gemms > 0,
+                dtype == ComputeDtype::Bf16,
+                "{name} {dtype:?}: {gemms} prefill GEMMs"
             );
         }
     }

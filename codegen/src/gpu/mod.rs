@@ -60,9 +60,15 @@ pub enum LaunchArg {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Launch {
     pub kernel: String,
+    /// A kernel with the same arguments for steps of at least [`PREFILL_TOKENS`] tokens (the
+    /// tensor-core GEMM in place of a GEMV).
+    pub prefill_kernel: Option<String>,
     pub node: usize,
     pub args: Vec<LaunchArg>,
 }
+
+/// From this many tokens a step's matmuls take the tensor-core GEMM: a 16-row tile is full.
+pub const PREFILL_TOKENS: usize = 16;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KernelEntry {
@@ -147,12 +153,12 @@ pub fn build(graph: &Graph, target: Target, max_tokens: usize) -> Result<GpuPlan
     // One file per distinct kernel source, named in order of first use.
     let mut kernels: Vec<(Kernel, String)> = Vec::new();
     let mut launches = Vec::new();
-    for (node, kernel, args) in selected.launches {
+    let mut intern = |kernel: Kernel| -> String {
         let source = kernels_gen::cuda::emit(&Kernel {
             name: String::new(),
             ..kernel.clone()
         });
-        let name = match kernels.iter().find(|(_, s)| *s == source) {
+        match kernels.iter().find(|(_, s)| *s == source) {
             Some((k, _)) => k.name.clone(),
             None => {
                 let name = format!("{}_{}", kernel.name, kernels.len());
@@ -165,9 +171,14 @@ pub fn build(graph: &Graph, target: Target, max_tokens: usize) -> Result<GpuPlan
                 ));
                 name
             }
-        };
+        }
+    };
+    for (node, kernel, prefill, args) in selected.launches {
+        let kernel = intern(kernel);
+        let prefill_kernel = prefill.map(&mut intern);
         launches.push(Launch {
-            kernel: name,
+            kernel,
+            prefill_kernel,
             node,
             args,
         });

@@ -9,7 +9,8 @@ use kernels_gen::templates::*;
 use std::collections::BTreeMap;
 
 pub(crate) struct Selected {
-    pub launches: Vec<(usize, Kernel, Vec<LaunchArg>)>,
+    /// (node, kernel, prefill alternative, arguments).
+    pub launches: Vec<(usize, Kernel, Option<Kernel>, Vec<LaunchArg>)>,
     pub views: BTreeMap<usize, View>,
     pub weights: Vec<WeightUse>,
     pub kv_cache: Vec<KvLayout>,
@@ -273,7 +274,7 @@ pub(crate) fn select(graph: &Graph) -> Result<Selected, GpuCodegenError> {
                                 scalar("src_stride", stride),
                             ];
                             s.launches
-                                .push((i, kv_append::kv_append("kv_append", &graph.name), args));
+                                .push((i, kv_append::kv_append("kv_append", &graph.name), None, args));
                         }
                         let (q, _) = act(&s, 0);
                         let args = vec![
@@ -326,7 +327,17 @@ pub(crate) fn select(graph: &Graph) -> Result<Selected, GpuCodegenError> {
                         None => return Err(unsupported("no GPU template yet".into())),
                     },
                 };
-                s.launches.push((i, kernel, args));
+                // bf16 matmuls have a tensor-core GEMM for prefill steps.
+                let prefill = match (
+                    op,
+                    WeightFormat::of(graph.node(node.inputs.last().copied().unwrap_or(ir::NodeId(i))).dtype),
+                ) {
+                    (Op::MatMul, Some(WeightFormat::Dense(kernels_gen::dsl::Ty::Bf16))) => {
+                        Some(gemm_mma::gemm_mma_bf16("gemm", &graph.name))
+                    }
+                    _ => None,
+                };
+                s.launches.push((i, kernel, prefill, args));
             }
         }
     }
