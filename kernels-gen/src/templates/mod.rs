@@ -9,6 +9,7 @@ pub mod embedding;
 pub mod gemm_mma;
 pub mod gemv;
 pub mod glu;
+pub mod int8_head;
 pub mod kv_append;
 pub mod quant;
 pub mod rms_norm;
@@ -94,6 +95,10 @@ pub fn catalog() -> Vec<Kernel> {
         embedding::embedding("embedding_bf16", "catalog", Ty::Bf16),
         argmax::argmax("argmax", "catalog"),
         sample::sample("sample", "catalog"),
+        int8_head::quantize_h("int8_quantize_h", "catalog"),
+        int8_head::score("int8_score", "catalog"),
+        int8_head::max_reduce("max_reduce", "catalog"),
+        int8_head::rescore("int8_rescore_bf16", "catalog", quant::WeightFormat::Dense(Ty::Bf16)),
         attention::attention("attention", "catalog"),
         kv_append::kv_append("kv_append", "catalog"),
         attention::attention_with("attention_paged", "catalog", cache_layout::CacheLayout::Paged),
