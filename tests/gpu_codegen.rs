@@ -98,6 +98,7 @@ fn gpu_artifacts_carry_kernels_ptx_and_plan() {
         let (model, graph) = fused("smollm2", target, ComputeDtype::Native);
         let dir = std::env::temp_dir().join(format!("bbc-gpu-{}-{}", target.name(), std::process::id()));
         let manifest = codegen::compile(&model, &graph, None, target, &dir).unwrap();
+        assert_eq!(manifest.greedy_plan, None);
         assert_eq!(manifest.plan.as_deref(), Some("plan.json"));
         let plan: gpu::GpuPlan =
             serde_json::from_str(&std::fs::read_to_string(dir.join("plan.json")).unwrap()).unwrap();
@@ -109,4 +110,53 @@ fn gpu_artifacts_carry_kernels_ptx_and_plan() {
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// With a full-precision head, the greedy graph's GPU plan runs the INT8-bound head: its
+/// kernels in order, scratch memory planned with everything else, the INT8 rows derived.
+#[test]
+fn greedy_plans_run_the_int8_head() {
+    let mut spec = ModelSpec::for_weights(&common::real_model("smollm2"));
+    spec.dtype = ComputeDtype::Bf16;
+    let model = Model::open(spec).unwrap();
+    let greedy = model.lower(LogitsFor::GreedyToken).unwrap();
+    let greedy = passes::optimize(&greedy, passes::CostModel::H200, None)
+        .unwrap()
+        .pop()
+        .unwrap()
+        .graph;
+    assert!(greedy
+        .nodes()
+        .iter()
+        .any(|n| matches!(n.op, ir::Op::Int8BoundTopK { k: 1 })));
+    let plan = gpu::build(&greedy, Target::H200, 512).unwrap();
+    assert!(plan.memory.conflict().is_none());
+    let order: Vec<&str> = plan
+        .launches
+        .iter()
+        .rev()
+        .take(6)
+        .map(|l| l.kernel.split('_').next().unwrap())
+        .collect();
+    assert_eq!(
+        order,
+        ["argmax", "int8", "max", "max", "int8", "int8"],
+        "{:?}",
+        plan.launches
+            .iter()
+            .rev()
+            .take(6)
+            .map(|l| &l.kernel)
+            .collect::<Vec<_>>()
+    );
+    assert!(plan
+        .memory
+        .buffers
+        .iter()
+        .any(|b| b.scratch.as_deref() == Some("upper")));
+    assert!(plan
+        .launches
+        .iter()
+        .flat_map(|l| &l.args)
+        .any(|a| matches!(a, LaunchArg::Derived { tensor, .. } if tensor == "err_norm")));
 }

@@ -71,6 +71,8 @@ pub struct Manifest {
     pub int8_heads: Vec<crate::derived::DerivedWeight>,
     /// GPU targets: the launch plan (`plan.json`), next to `kernels/*.cu` and `kernels/*.ptx`.
     pub plan: Option<String>,
+    /// GPU targets: the greedy graph's plan (`greedy_plan.json`), when there is a greedy graph.
+    pub greedy_plan: Option<String>,
     /// sha256 over the graph, the weights hash and every field above: the artifact's identity.
     pub hash: String,
 }
@@ -84,9 +86,14 @@ pub fn compile(
     dir: &Path,
 ) -> Result<Manifest, ArtifactError> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let plan = match target {
-        Target::Cpu => None,
-        gpu => Some(write_gpu_program(graph, gpu, dir)?),
+    let (plan, greedy_plan) = match target {
+        Target::Cpu => (None, None),
+        gpu => (
+            Some(write_gpu_program(graph, gpu, dir, "kernels", "plan.json")?),
+            greedy
+                .map(|g| write_gpu_program(g, gpu, dir, "kernels/greedy", "greedy_plan.json"))
+                .transpose()?,
+        ),
     };
     let weights = std::fs::canonicalize(&model.spec.weights).map_err(io(&model.spec.weights))?;
     let weights_sha256 = hash_weights(&weights)?;
@@ -106,6 +113,7 @@ pub fn compile(
         graph_json: GRAPH_JSON.into(),
         greedy_graph_json: greedy.map(|_| GREEDY_GRAPH_JSON.into()),
         plan,
+        greedy_plan,
         int8_heads: match greedy {
             Some(g) => crate::derived::write_int8_heads(g, &model.weights, dir)?,
             None => Vec::new(),
@@ -133,12 +141,19 @@ pub fn compile(
 pub const GPU_MAX_TOKENS: usize = 512;
 
 /// `kernels/*.cu`, `kernels/*.ptx` (NVRTC, checked for spills on the real architecture) and
-/// `plan.json`; returns the plan's file name.
-fn write_gpu_program(graph: &Graph, target: Target, dir: &Path) -> Result<String, ArtifactError> {
+/// the plan (`plan_file`); returns the plan's file name. Each plan's kernels go to their own
+/// directory: names are unique within a plan, not across plans.
+fn write_gpu_program(
+    graph: &Graph,
+    target: Target,
+    dir: &Path,
+    kernel_dir: &str,
+    plan_file: &str,
+) -> Result<String, ArtifactError> {
     let name = target.name();
     let mut plan = crate::gpu::build(graph, target, GPU_MAX_TOKENS)
         .map_err(|source| ArtifactError::Gpu { target: name, source })?;
-    let kernels = dir.join("kernels");
+    let kernels = dir.join(kernel_dir);
     std::fs::create_dir_all(&kernels).map_err(io(&kernels))?;
     for k in &mut plan.kernels {
         write(&kernels, &format!("{}.cu", k.name), k.source.as_bytes())?;
@@ -153,15 +168,15 @@ fn write_gpu_program(graph: &Graph, target: Target, dir: &Path) -> Result<String
             });
         }
         write(&kernels, &format!("{}.ptx", k.name), ptx.as_bytes())?;
-        k.ptx = Some(format!("kernels/{}.ptx", k.name));
+        k.ptx = Some(format!("{kernel_dir}/{}.ptx", k.name));
         k.registers = Some(resources.registers);
     }
     write(
         dir,
-        "plan.json",
+        plan_file,
         serde_json::to_string_pretty(&plan).expect("plans serialise").as_bytes(),
     )?;
-    Ok("plan.json".into())
+    Ok(plan_file.into())
 }
 
 fn write(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), ArtifactError> {

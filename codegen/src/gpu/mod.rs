@@ -50,6 +50,17 @@ pub enum LaunchArg {
     Constant {
         name: String,
     },
+    /// Working memory of one op's launches (`bytes` long), planned like an activation.
+    Scratch {
+        node: usize,
+        name: String,
+        bytes: usize,
+    },
+    /// A tensor derived from weight `weight` at compile time (`weights/<weight>.int8.safetensors`).
+    Derived {
+        weight: String,
+        tensor: String,
+    },
     /// A scalar: an expression of `tokens` (rows this step) and `first` (cached positions).
     Scalar {
         name: String,
@@ -217,41 +228,54 @@ pub fn build(graph: &Graph, target: Target, max_tokens: usize) -> Result<GpuPlan
 
 /// Every base activation node: its size at `max_tokens` rows and the launches that touch it.
 fn plan_memory(graph: &Graph, launches: &[Launch], views: &BTreeMap<usize, View>, max_tokens: usize) -> MemoryPlan {
-    fn touch(live: &mut BTreeMap<usize, (usize, usize)>, node: usize, at: usize) {
-        let e = live.entry(node).or_insert((at, at));
+    // Keyed by (node, scratch name): the node's value, or one of its launches' scratch buffers.
+    type Key = (usize, Option<String>);
+    fn touch(live: &mut BTreeMap<Key, (usize, usize, usize)>, key: Key, bytes: usize, at: usize) {
+        let e = live.entry(key).or_insert((at, at, bytes));
         e.0 = e.0.min(at);
         e.1 = e.1.max(at);
     }
-    let mut live: BTreeMap<usize, (usize, usize)> = BTreeMap::new();
+    let value_bytes = |node: usize| {
+        let rows = match graph.nodes()[node].shape.0.first() {
+            Some(Dim::Const(n)) if graph.nodes()[node].shape.rank() == 2 => *n,
+            _ => max_tokens,
+        };
+        rows * width(graph, node) * 4
+    };
+    let mut live: BTreeMap<Key, (usize, usize, usize)> = BTreeMap::new();
     for (i, l) in launches.iter().enumerate() {
-        touch(&mut live, views[&l.node].base, i);
+        let base = views[&l.node].base;
+        touch(&mut live, (base, None), value_bytes(base), i);
         for a in &l.args {
-            if let LaunchArg::Activation { node, .. } = a {
-                touch(&mut live, *node, i);
+            match a {
+                LaunchArg::Activation { node, .. } => touch(&mut live, (*node, None), value_bytes(*node), i),
+                LaunchArg::Scratch { node, name, bytes } => touch(&mut live, (*node, Some(name.clone())), *bytes, i),
+                _ => {}
             }
         }
     }
     // Values no launch produces (the step's inputs) are written before the first launch.
     let produced: std::collections::BTreeSet<usize> = launches.iter().map(|l| views[&l.node].base).collect();
-    for (node, range) in live.iter_mut() {
-        if !produced.contains(node) {
+    for ((node, scratch), range) in live.iter_mut() {
+        if scratch.is_none() && !produced.contains(node) {
             range.0 = 0;
         }
     }
     // Outputs are read after the last launch.
     for (_, id) in graph.outputs() {
-        touch(&mut live, views[&id.0].base, launches.len());
+        let base = views[&id.0].base;
+        touch(&mut live, (base, None), value_bytes(base), launches.len());
     }
-    let mut requests: Vec<(usize, usize, usize, usize)> = live
+    let mut requests: Vec<plan::Request> = live
         .into_iter()
-        .map(|(node, (first, last))| {
-            let rows = match graph.nodes()[node].shape.0.first() {
-                Some(Dim::Const(n)) if graph.nodes()[node].shape.rank() == 2 => *n,
-                _ => max_tokens,
-            };
-            (node, rows * width(graph, node) * 4, first, last)
+        .map(|((node, scratch), (first, last, bytes))| plan::Request {
+            node,
+            scratch,
+            bytes,
+            first,
+            last,
         })
         .collect();
-    requests.sort_by_key(|r| (r.2, r.0));
+    requests.sort_by(|a, b| (a.first, a.node, &a.scratch).cmp(&(b.first, b.node, &b.scratch)));
     plan::place(&requests)
 }

@@ -12,8 +12,11 @@ pub const ALIGN: usize = 256;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PlannedBuffer {
-    /// The graph node whose value it holds.
+    /// The graph node whose value it holds (or whose launches use it as scratch).
     pub node: usize,
+    /// For scratch memory: its name among the node's scratch buffers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scratch: Option<String>,
     pub offset: usize,
     pub bytes: usize,
     /// First and last launch index that touch it (inclusive).
@@ -26,11 +29,22 @@ pub struct MemoryPlan {
     pub buffers: Vec<PlannedBuffer>,
 }
 
-/// Place `requests` = (node, bytes, first use, last use), ordered by first use.
-pub fn place(requests: &[(usize, usize, usize, usize)]) -> MemoryPlan {
+/// A buffer to place: whose it is, its size, and the first and last launch that use it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Request {
+    pub node: usize,
+    pub scratch: Option<String>,
+    pub bytes: usize,
+    pub first: usize,
+    pub last: usize,
+}
+
+/// Place `requests`, ordered by first use.
+pub fn place(requests: &[Request]) -> MemoryPlan {
     let mut placed: Vec<PlannedBuffer> = Vec::with_capacity(requests.len());
     let mut arena_bytes = 0;
-    for &(node, bytes, first, last) in requests {
+    for r in requests {
+        let (node, bytes, first, last) = (r.node, r.bytes, r.first, r.last);
         let bytes = bytes.div_ceil(ALIGN) * ALIGN;
         // Ranges still alive when this buffer is born, by address.
         let mut busy: Vec<(usize, usize)> = placed
@@ -49,6 +63,7 @@ pub fn place(requests: &[(usize, usize, usize, usize)]) -> MemoryPlan {
         arena_bytes = arena_bytes.max(offset + bytes);
         placed.push(PlannedBuffer {
             node,
+            scratch: r.scratch.clone(),
             offset,
             bytes,
             live: (first, last),
@@ -83,7 +98,14 @@ mod tests {
     #[test]
     fn dead_memory_is_reused_and_live_memory_is_not() {
         // a lives 0..1, b 1..2, c 2..3: c can take a's place, b cannot.
-        let plan = place(&[(0, 1000, 0, 1), (1, 1000, 1, 2), (2, 1000, 2, 3)]);
+        let req = |node, first, last| Request {
+            node,
+            scratch: None,
+            bytes: 1000,
+            first,
+            last,
+        };
+        let plan = place(&[req(0, 0, 1), req(1, 1, 2), req(2, 2, 3)]);
         assert!(plan.conflict().is_none());
         assert_eq!(plan.buffers[2].offset, plan.buffers[0].offset);
         assert_ne!(plan.buffers[1].offset, plan.buffers[0].offset);

@@ -309,6 +309,100 @@ pub(crate) fn select(graph: &Graph) -> Result<Selected, GpuCodegenError> {
                         ];
                         (glu::glu("glu", &graph.name, *a), args)
                     }
+                    Op::Int8BoundTopK { k: 1 } => {
+                        let head_name = match &graph.nodes()[input(1)].op {
+                            Op::Weight { name } => name.clone(),
+                            _ => {
+                                return Err(unsupported(
+                                    "the head must be a plain weight (its INT8 rows are derived from it)".into(),
+                                ))
+                            }
+                        };
+                        let w = weight_format(graph.nodes()[input(1)].dtype, i, op.name())?;
+                        let (h, _) = act(&s, 0);
+                        let d = width(graph, input(0));
+                        let vocab = graph.nodes()[input(1)].shape.resolve(0, 0)[0];
+                        let blocks = d.div_ceil(32);
+                        let partials = vocab.div_ceil(256);
+                        let scratch = |name: &str, bytes: usize| LaunchArg::Scratch {
+                            node: i,
+                            name: name.into(),
+                            bytes,
+                        };
+                        let derived = |tensor: &str| LaunchArg::Derived {
+                            weight: head_name.clone(),
+                            tensor: tensor.into(),
+                        };
+                        let steps: Vec<(Kernel, Vec<LaunchArg>)> = vec![
+                            (
+                                int8_head::quantize_h("int8_quantize_h", &graph.name),
+                                vec![
+                                    h.clone(),
+                                    scratch("qh", d),
+                                    scratch("hs", blocks * 4),
+                                    scratch("he", blocks * 4),
+                                    scratch("hn", blocks * 4),
+                                    scalar("d", d),
+                                ],
+                            ),
+                            (
+                                int8_head::score("int8_score", &graph.name),
+                                vec![
+                                    derived("q"),
+                                    derived("scale"),
+                                    derived("err_norm"),
+                                    derived("quant_norm"),
+                                    derived("norm"),
+                                    scratch("qh", d),
+                                    scratch("hs", blocks * 4),
+                                    scratch("he", blocks * 4),
+                                    scratch("hn", blocks * 4),
+                                    scratch("lower", vocab * 4),
+                                    scratch("upper", vocab * 4),
+                                    scalar("rows", vocab),
+                                    scalar("d", d),
+                                ],
+                            ),
+                            (
+                                int8_head::max_reduce("max_reduce", &graph.name),
+                                vec![
+                                    scratch("lower", vocab * 4),
+                                    scratch("partial", partials * 4),
+                                    scalar("n", vocab),
+                                ],
+                            ),
+                            (
+                                int8_head::max_reduce("max_reduce", &graph.name),
+                                vec![
+                                    scratch("partial", partials * 4),
+                                    scratch("tau", 4),
+                                    scalar("n", partials),
+                                ],
+                            ),
+                            (
+                                int8_head::rescore("int8_rescore", &graph.name, w),
+                                vec![
+                                    h,
+                                    weight(1),
+                                    scratch("upper", vocab * 4),
+                                    scratch("tau", 4),
+                                    scratch("rescored", vocab * 4),
+                                    scalar("rows", vocab),
+                                    scalar("k", d),
+                                ],
+                            ),
+                        ];
+                        for (kernel, args) in steps {
+                            s.launches.push((i, kernel, None, args));
+                        }
+                        let args = vec![
+                            scratch("rescored", vocab * 4),
+                            out,
+                            scalar("rows", 1),
+                            scalar("v", vocab),
+                        ];
+                        (argmax::argmax("argmax", &graph.name), args)
+                    }
                     Op::TopK { k: 1 } => {
                         let (logits, _) = act(&s, 0);
                         let args = vec![logits, out, scalar("rows", &rows), scalar("v", width(graph, input(0)))];
