@@ -51,6 +51,18 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
                 if let Some(p) = &launch.prefill_kernel {
                     assert!(kernels.contains(p.as_str()) && p.starts_with("gemm"), "{p}");
                 }
+                // Arguments bind to the kernel's parameters one for one.
+                let params = &plan.kernels.iter().find(|k| k.name == launch.kernel).unwrap().params;
+                assert_eq!(launch.args.len(), params.len(), "{}", launch.kernel);
+                for (arg, param) in launch.args.iter().zip(params) {
+                    assert_eq!(
+                        matches!(arg, LaunchArg::Scalar { .. }),
+                        param.kind != "buffer",
+                        "{} {}",
+                        launch.kernel,
+                        param.name
+                    );
+                }
                 for arg in &launch.args {
                     if let LaunchArg::Activation { node, .. } = arg {
                         assert!(planned.contains(node), "%{node} has no buffer");

@@ -8,6 +8,7 @@
 //! (`tokens` is a launch-time scalar). Not yet: the INT8-bound head, tensor-core GEMM tiles for
 //! long prefills, a paged KV cache.
 
+pub mod expr;
 pub mod plan;
 mod select;
 
@@ -90,6 +91,16 @@ pub struct KernelEntry {
     pub ptx: Option<String>,
     /// Registers per thread on the target (ptxas), once compiled.
     pub registers: Option<u32>,
+    /// The parameters in order: what each launch argument binds to.
+    pub params: Vec<KernelParam>,
+}
+
+/// A kernel parameter as the launcher needs it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KernelParam {
+    pub name: String,
+    /// `buffer` (a device pointer) or the scalar's C type (`int`, `float`).
+    pub kind: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -204,6 +215,20 @@ pub fn build(graph: &Graph, target: Target, max_tokens: usize) -> Result<GpuPlan
             source: kernels_gen::cuda::emit(&k),
             ptx: None,
             registers: None,
+            params: k
+                .params
+                .iter()
+                .map(|p| match p {
+                    kernels_gen::dsl::Param::Buffer { name, .. } => KernelParam {
+                        name: name.clone(),
+                        kind: "buffer".into(),
+                    },
+                    kernels_gen::dsl::Param::Scalar { name, ty } => KernelParam {
+                        name: name.clone(),
+                        kind: ty.to_string(),
+                    },
+                })
+                .collect(),
         })
         .collect();
     Ok(GpuPlan {

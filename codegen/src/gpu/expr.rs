@@ -1,0 +1,200 @@
+//! The expressions `plan.json` carries — scalar arguments such as `(tokens)*9` or `tokens-1`, and
+//! kernel grids such as `(((tokens * n) + 7) / 8)` — evaluated at launch time. Integers with C's
+//! truncating division unless a float appears (`0.125`), then floats throughout.
+
+use std::collections::HashMap;
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Value {
+    Int(i64),
+    Float(f64),
+}
+
+impl Value {
+    pub fn as_i64(self) -> i64 {
+        match self {
+            Value::Int(i) => i,
+            Value::Float(f) => f as i64,
+        }
+    }
+    pub fn as_f64(self) -> f64 {
+        match self {
+            Value::Int(i) => i as f64,
+            Value::Float(f) => f,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("expression `{text}`: {what}")]
+pub struct ExprError {
+    pub text: String,
+    pub what: String,
+}
+
+/// Evaluate `text` with the given variables.
+pub fn eval(text: &str, vars: &HashMap<&str, Value>) -> Result<Value, ExprError> {
+    let err = |what: String| ExprError {
+        text: text.into(),
+        what,
+    };
+    let tokens = lex(text).map_err(err)?;
+    let mut p = Parser {
+        tokens: &tokens,
+        at: 0,
+        vars,
+    };
+    let v = p.sum().map_err(err)?;
+    if p.at != tokens.len() {
+        return Err(err(format!("unexpected `{:?}`", tokens[p.at])));
+    }
+    Ok(v)
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Token {
+    Num(Value),
+    Name(String),
+    Op(char),
+}
+
+fn lex(text: &str) -> Result<Vec<Token>, String> {
+    let chars: Vec<char> = text.chars().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < chars.len() {
+        let c = chars[i];
+        if c.is_whitespace() {
+            i += 1;
+        } else if c.is_ascii_digit() || c == '.' {
+            let start = i;
+            while i < chars.len()
+                && (chars[i].is_ascii_digit()
+                    || chars[i] == '.'
+                    || chars[i] == 'e'
+                    || ((chars[i] == '-' || chars[i] == '+') && chars[i - 1] == 'e'))
+            {
+                i += 1;
+            }
+            let s: String = chars[start..i].iter().collect();
+            let s = s.trim_end_matches('f');
+            let v = match s.parse::<i64>() {
+                Ok(n) => Value::Int(n),
+                Err(_) => Value::Float(s.parse().map_err(|_| format!("bad number `{s}`"))?),
+            };
+            out.push(Token::Num(v));
+            if i < chars.len() && chars[i] == 'f' {
+                i += 1;
+            }
+        } else if c.is_alphabetic() || c == '_' {
+            let start = i;
+            while i < chars.len() && (chars[i].is_alphanumeric() || chars[i] == '_') {
+                i += 1;
+            }
+            out.push(Token::Name(chars[start..i].iter().collect()));
+        } else if "+-*/%()".contains(c) {
+            out.push(Token::Op(c));
+            i += 1;
+        } else {
+            return Err(format!("unexpected `{c}`"));
+        }
+    }
+    Ok(out)
+}
+
+struct Parser<'a> {
+    tokens: &'a [Token],
+    at: usize,
+    vars: &'a HashMap<&'a str, Value>,
+}
+
+fn arith(op: char, a: Value, b: Value) -> Result<Value, String> {
+    Ok(match (a, b) {
+        (Value::Int(x), Value::Int(y)) => Value::Int(match op {
+            '+' => x + y,
+            '-' => x - y,
+            '*' => x * y,
+            '/' | '%' if y == 0 => return Err("division by zero".into()),
+            '/' => x / y,
+            _ => x % y,
+        }),
+        (a, b) => {
+            let (x, y) = (a.as_f64(), b.as_f64());
+            Value::Float(match op {
+                '+' => x + y,
+                '-' => x - y,
+                '*' => x * y,
+                '/' => x / y,
+                _ => x % y,
+            })
+        }
+    })
+}
+
+impl Parser<'_> {
+    fn peek_op(&self) -> Option<char> {
+        match self.tokens.get(self.at) {
+            Some(Token::Op(c)) => Some(*c),
+            _ => None,
+        }
+    }
+
+    fn sum(&mut self) -> Result<Value, String> {
+        let mut v = self.product()?;
+        while let Some(op @ ('+' | '-')) = self.peek_op() {
+            self.at += 1;
+            v = arith(op, v, self.product()?)?;
+        }
+        Ok(v)
+    }
+
+    fn product(&mut self) -> Result<Value, String> {
+        let mut v = self.atom()?;
+        while let Some(op @ ('*' | '/' | '%')) = self.peek_op() {
+            self.at += 1;
+            v = arith(op, v, self.atom()?)?;
+        }
+        Ok(v)
+    }
+
+    fn atom(&mut self) -> Result<Value, String> {
+        let token = self.tokens.get(self.at).cloned().ok_or("unexpected end")?;
+        self.at += 1;
+        match token {
+            Token::Num(v) => Ok(v),
+            Token::Name(n) => self.vars.get(n.as_str()).copied().ok_or(format!("unknown name `{n}`")),
+            Token::Op('-') => Ok(arith('-', Value::Int(0), self.atom()?)?),
+            Token::Op('(') => {
+                let v = self.sum()?;
+                if self.peek_op() != Some(')') {
+                    return Err("missing `)`".into());
+                }
+                self.at += 1;
+                Ok(v)
+            }
+            Token::Op(c) => Err(format!("unexpected `{c}`")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn evaluates_plan_expressions() {
+        let vars = HashMap::from([
+            ("tokens", Value::Int(5)),
+            ("n", Value::Int(9)),
+            ("first", Value::Int(3)),
+        ]);
+        assert_eq!(eval("(((tokens * n) + 7) / 8)", &vars).unwrap(), Value::Int(6));
+        assert_eq!(eval("(tokens-1)*576+0", &vars).unwrap(), Value::Int(2304));
+        assert_eq!(eval("first", &vars).unwrap(), Value::Int(3));
+        assert_eq!(eval("0.125", &vars).unwrap(), Value::Float(0.125));
+        assert_eq!(eval("-7 % 3", &vars).unwrap(), Value::Int(-1));
+        assert!(eval("tokens / 0", &vars).is_err());
+        assert!(eval("tokens +", &vars).is_err());
+        assert!(eval("nope", &vars).is_err());
+    }
+}
