@@ -56,6 +56,8 @@ pub struct Loaded {
     pub greedy: Option<Graph>,
     /// Weights prepared at compile time (an artifact's INT8 heads), by weight name.
     pub int8_heads: Vec<(String, passes::weight_transforms::Int8Rows)>,
+    /// For an artifact compiled for a GPU: its directory and plan file.
+    pub gpu_plan: Option<(PathBuf, String)>,
 }
 
 impl Loaded {
@@ -117,6 +119,7 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
                 graph,
                 greedy,
                 int8_heads: Vec::new(),
+                gpu_plan: None,
             })
         }
         None => {
@@ -133,13 +136,6 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
 
 fn load_artifact(dir: &Path) -> Result<Loaded> {
     let manifest = codegen::read_manifest(dir)?;
-    if manifest.target != Target::Cpu {
-        bail!(
-            "{} was compiled for {}; this bbc has only the CPU backend, so compile with --target cpu",
-            dir.display(),
-            manifest.target.name()
-        );
-    }
     let spec = ModelSpec {
         weights: manifest.weights.clone(),
         architecture: Some(manifest.family),
@@ -154,5 +150,10 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
         graph: graphs.logits,
         greedy: graphs.greedy,
         int8_heads: codegen::read_int8_heads(dir, &manifest.int8_heads)?,
+        gpu_plan: manifest
+            .plan
+            .clone()
+            .filter(|_| manifest.target != Target::Cpu)
+            .map(|p| (dir.to_path_buf(), p)),
     })
 }

@@ -172,3 +172,34 @@ fn greedy_plans_run_the_int8_head() {
         .flat_map(|l| &l.args)
         .any(|a| matches!(a, LaunchArg::Derived { tensor, .. } if tensor == "err_norm")));
 }
+
+/// Without an NVIDIA driver, running a GPU artifact is a clear error, never a panic.
+#[test]
+fn running_a_gpu_artifact_without_a_driver_says_so() {
+    if runtime::cuda::driver_present() {
+        eprintln!("skipped: this machine has a CUDA driver (tests/gpu_runtime.rs runs there)");
+        return;
+    }
+    if codegen::nvrtc::ensure_loaded().is_err() {
+        assert!(
+            std::env::var_os("BBC_REQUIRE_NVRTC").is_none(),
+            "BBC_REQUIRE_NVRTC is set but NVRTC is missing"
+        );
+        eprintln!("skipped: NVRTC not installed");
+        return;
+    }
+    let (model, graph) = fused("smollm2", Target::H200, ComputeDtype::Native);
+    let dir = std::env::temp_dir().join(format!("bbc-gpu-nodriver-{}", std::process::id()));
+    codegen::compile(&model, &graph, None, Target::H200, &dir).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"))
+        .args(["run", dir.to_str().unwrap(), "--prompt", "hi"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("no CUDA driver") && !stderr.contains("panicked"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -14,6 +14,10 @@ pub enum RuntimeError {
     Model(#[from] models::ModelError),
     #[error("{0}")]
     Artifact(String),
+    #[error("no CUDA driver on this machine (libcuda could not be loaded): run a GPU artifact where an NVIDIA GPU is, or compile with --target cpu")]
+    NoCudaDriver,
+    #[error("CUDA: {0}")]
+    Cuda(String),
 }
 
 pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;

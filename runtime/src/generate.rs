@@ -1,6 +1,6 @@
 //! The generation loop: prefill the prompt in chunks, then decode one token at a time.
 
-use crate::cpu::{CpuBackend, CpuSequence, WeightCache};
+use crate::cpu::{CpuBackend, WeightCache};
 use crate::error::{Result, RuntimeError};
 use crate::sampling::{Sampler, SamplingParams};
 use ir::Graph;
@@ -38,11 +38,53 @@ pub struct StepEvent<'a> {
     pub logits: Option<&'a [f32]>,
 }
 
+/// What generation needs of a backend: sequences and steps over them.
+pub trait Backend {
+    type Sequence;
+    fn new_sequence(&self) -> Self::Sequence;
+    /// Process `ids` as the next tokens of `seq`; the graph's outputs by name.
+    fn step(&self, seq: &mut Self::Sequence, ids: &[u32]) -> Result<std::collections::HashMap<String, ir::Tensor>>;
+    fn context_length(&self) -> usize;
+}
+
+impl Backend for CpuBackend {
+    type Sequence = crate::cpu::CpuSequence;
+    fn new_sequence(&self) -> Self::Sequence {
+        CpuBackend::new_sequence(self)
+    }
+    fn step(&self, seq: &mut Self::Sequence, ids: &[u32]) -> Result<std::collections::HashMap<String, ir::Tensor>> {
+        CpuBackend::step(self, seq, ids)
+    }
+    fn context_length(&self) -> usize {
+        CpuBackend::context_length(self)
+    }
+}
+
+impl Backend for crate::cuda::CudaBackend {
+    type Sequence = crate::cuda::CudaSequence;
+    fn new_sequence(&self) -> Self::Sequence {
+        crate::cuda::CudaBackend::new_sequence(self)
+    }
+    fn step(&self, seq: &mut Self::Sequence, ids: &[u32]) -> Result<std::collections::HashMap<String, ir::Tensor>> {
+        crate::cuda::CudaBackend::step(self, seq, ids)
+    }
+    fn context_length(&self) -> usize {
+        crate::cuda::CudaBackend::context_length(self)
+    }
+}
+
 /// A model ready to generate: its logits graph, and its greedy graph when it has one (whose LM
 /// head may be the INT8-bound top-k). Both share weights and read the same KV cache layout.
-pub struct Engine {
-    pub logits: CpuBackend,
-    pub greedy: Option<CpuBackend>,
+pub struct Engine<B: Backend = CpuBackend> {
+    pub logits: B,
+    pub greedy: Option<B>,
+}
+
+impl<B: Backend> Engine<B> {
+    /// An engine with the logits graph only.
+    pub fn logits_only(logits: B) -> Self {
+        Self { logits, greedy: None }
+    }
 }
 
 impl Engine {
@@ -68,14 +110,14 @@ impl Engine {
 
 impl From<CpuBackend> for Engine {
     fn from(logits: CpuBackend) -> Self {
-        Self { logits, greedy: None }
+        Self::logits_only(logits)
     }
 }
 
 /// Generate up to `max_tokens` after `prompt`. `on_step` sees every token as it is chosen and
 /// returns `false` to stop. Returns the generated ids.
-pub fn generate(
-    engine: &Engine,
+pub fn generate<B: Backend>(
+    engine: &Engine<B>,
     prompt: &[u32],
     options: &GenerateOptions,
     mut on_step: impl FnMut(StepEvent) -> Result<bool>,
@@ -95,7 +137,7 @@ pub fn generate(
         .greedy
         .as_ref()
         .filter(|_| options.sampling.temperature <= 0.0 && !options.need_logits);
-    let mut seq: CpuSequence = backend.new_sequence();
+    let mut seq = backend.new_sequence();
     let mut out = Vec::with_capacity(options.max_tokens);
     if let Some(greedy) = greedy {
         let mut next = 0;
@@ -135,7 +177,7 @@ pub fn generate(
     Ok(out)
 }
 
-fn last_logits(backend: &CpuBackend, seq: &mut CpuSequence, ids: &[u32]) -> Result<Vec<f32>> {
+fn last_logits<B: Backend>(backend: &B, seq: &mut B::Sequence, ids: &[u32]) -> Result<Vec<f32>> {
     let outputs = backend.step(seq, ids)?;
     let logits = outputs
         .get("logits")
@@ -143,7 +185,7 @@ fn last_logits(backend: &CpuBackend, seq: &mut CpuSequence, ids: &[u32]) -> Resu
     Ok(logits.row(logits.rows() - 1).to_vec())
 }
 
-fn next_token(backend: &CpuBackend, seq: &mut CpuSequence, ids: &[u32]) -> Result<u32> {
+fn next_token<B: Backend>(backend: &B, seq: &mut B::Sequence, ids: &[u32]) -> Result<u32> {
     let outputs = backend.step(seq, ids)?;
     let next = outputs
         .get("next_token")

@@ -2,11 +2,12 @@
 //! generation loop (prefill, decode, sampling) on top.
 
 pub mod cpu;
+pub mod cuda;
 pub mod error;
 pub mod generate;
 pub mod sampling;
 
 pub use cpu::{CpuBackend, CpuSequence, WeightCache};
 pub use error::{Result, RuntimeError};
-pub use generate::{generate, Engine, GenerateOptions, StepEvent};
+pub use generate::{generate, Backend, Engine, GenerateOptions, StepEvent};
 pub use sampling::{Sampler, SamplingParams};

@@ -44,18 +44,38 @@ pub fn run(args: &RunArgs) -> Result<()> {
         quiet: args.json,
     };
     let mut loaded = model_ref::load(&args.model, options)?;
-    let cache = loaded.weight_cache();
+    let cache = match loaded.gpu_plan {
+        Some(_) => runtime::WeightCache::default(),
+        None => loaded.weight_cache(),
+    };
     let tokenizer = loaded.model.tokenizer.as_ref();
     let prompt = prompt_ids(args, tokenizer)?;
-    let engine = Engine::with_cache(
-        loaded.graph,
-        loaded.greedy,
-        &loaded.model.weights,
-        loaded.model.config.context_length,
-        cache,
-    )?;
-    let load_time = started.elapsed();
+    let context = loaded.model.config.context_length;
+    if let Some((dir, plan)) = &loaded.gpu_plan {
+        // A GPU artifact runs on the CUDA backend (its logits plan; greedy picks the argmax).
+        let backend = runtime::cuda::CudaBackend::new(
+            dir,
+            plan,
+            loaded.graph.clone(),
+            &loaded.model.weights,
+            &loaded.int8_heads,
+            context,
+        )?;
+        let engine = Engine::logits_only(backend);
+        return stream(args, &engine, &prompt, tokenizer, started.elapsed());
+    }
+    let engine = Engine::with_cache(loaded.graph, loaded.greedy, &loaded.model.weights, context, cache)?;
+    stream(args, &engine, &prompt, tokenizer, started.elapsed())
+}
 
+/// Generate with `engine`, streaming text (or printing JSON), dumping logits, reporting speed.
+fn stream<B: runtime::Backend>(
+    args: &RunArgs,
+    engine: &Engine<B>,
+    prompt: &[u32],
+    tokenizer: Option<&Tokenizer>,
+    load_time: std::time::Duration,
+) -> Result<()> {
     let options = GenerateOptions {
         max_tokens: args.max_tokens,
         sampling: SamplingParams {
@@ -74,7 +94,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
     let generation_start = Instant::now();
     let mut first_token_at = None;
-    let ids = generate(&engine, &prompt, &options, |event| {
+    let ids = generate(engine, prompt, &options, |event| {
         first_token_at.get_or_insert_with(Instant::now);
         if let (Some(_), Some(logits)) = (&args.dump_logits, event.logits) {
             logits_rows.extend_from_slice(logits);
@@ -110,7 +130,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         writeln!(stdout)?;
     }
     if let Some(path) = &args.dump_logits {
-        write_logits(path, &logits_rows, engine.logits.vocab_size())?;
+        write_logits(path, &logits_rows, logits_rows.len() / ids.len().max(1))?;
     }
     if !args.json {
         let first = first_token_at.unwrap_or(done);

@@ -1,0 +1,63 @@
+//! On a machine with an NVIDIA GPU (and NVRTC): SmolLM2 with bf16 weights, compiled for the GPU
+//! (`BBC_GPU_TARGET`, default h200) and run by the CUDA backend, generates exactly the greedy
+//! tokens the CPU backend generates from the same bf16 weights. Skipped elsewhere.
+
+mod common;
+
+use codegen::Target;
+use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
+use runtime::{generate, CpuBackend, Engine, GenerateOptions};
+
+#[test]
+fn smollm2_bf16_greedy_on_the_gpu_equals_the_cpu() {
+    if !runtime::cuda::driver_present() || codegen::nvrtc::ensure_loaded().is_err() {
+        eprintln!("skipped: needs an NVIDIA driver and NVRTC");
+        return;
+    }
+    let target = std::env::var("BBC_GPU_TARGET")
+        .ok()
+        .and_then(|t| Target::parse(&t))
+        .unwrap_or(Target::H200);
+    let mut spec = ModelSpec::for_weights(&common::real_model("smollm2"));
+    spec.dtype = ComputeDtype::Bf16;
+    let model = Model::open(spec).unwrap();
+    let graph = model.lower(LogitsFor::LastToken).unwrap();
+    let cost = match target {
+        Target::B200 => passes::CostModel::B200,
+        Target::RtxPro6000 => passes::CostModel::RTX_PRO_6000,
+        _ => passes::CostModel::H200,
+    };
+    let gpu_graph = passes::optimize(&graph, cost, None).unwrap().pop().unwrap().graph;
+    let dir = std::env::temp_dir().join(format!("bbc-gpu-run-{}", std::process::id()));
+    codegen::compile(&model, &gpu_graph, None, target, &dir).unwrap();
+    let gpu = runtime::cuda::CudaBackend::new(
+        &dir,
+        "plan.json",
+        gpu_graph,
+        &model.weights,
+        &[],
+        model.config.context_length,
+    )
+    .unwrap();
+    let cpu_graph = passes::optimize(&graph, passes::CostModel::CPU, None)
+        .unwrap()
+        .pop()
+        .unwrap()
+        .graph;
+    let cpu = Engine::from(CpuBackend::new(cpu_graph, &model.weights, model.config.context_length).unwrap());
+    // Each generation starts a new sequence at position 0; the GPU's one cache is rewritten.
+    let gpu = Engine::logits_only(gpu);
+    let options = GenerateOptions {
+        max_tokens: 32,
+        ..Default::default()
+    };
+    for prompt in [
+        vec![504u32, 3575, 282, 4649, 314],
+        (0..40).map(|i| 100 + 7 * i).collect(),
+    ] {
+        let want = generate(&cpu, &prompt, &options, |_| Ok(true)).unwrap();
+        let got = generate(&gpu, &prompt, &options, |_| Ok(true)).unwrap();
+        assert_eq!(got, want, "{prompt:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
