@@ -78,22 +78,33 @@ fn gemma3_f32_matches_transformers() {
 
 /// The native (int8 activation) path is llama.cpp's arithmetic: a second opinion from
 /// llama.cpp itself on the same file. Both quantize activations, with different rounding
-/// details, so near-ties may flip: the raw prompt agrees for 14 tokens (llama.cpp then writes
-/// "311" where we write "321"), the chat prompt for all 32.
+/// details, so near-ties may flip. The chat prompt agrees for all 32 tokens. The raw prompt
+/// agrees up to generated token 5, the 0.19 near-tie where llama.cpp and transformers part
+/// (see the fixtures' README); from there on we must follow one of the two references.
 #[test]
 fn smollm2_native_agrees_with_llama_cpp() {
     let model = Model::open_path(&real_model("smollm2")).unwrap();
     let graph = model.lower(LogitsFor::LastToken).unwrap();
     let engine = runtime::Engine::from(CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap());
     let reference = read_json("real/llamacpp-smollm2.json");
-    for (case, agreeing) in [("raw_completion", 14), ("chat_template", 32)] {
+    let transformers = read_json("real/smollm2.json");
+    let options = runtime::GenerateOptions {
+        max_tokens: 32,
+        ..Default::default()
+    };
+    for (case, agreeing) in [("raw_completion", 5), ("chat_template", 32)] {
         let prompt = ids(&reference[case]["prompt_token_ids"]);
         let want = ids(&reference[case]["greedy_token_ids"]);
-        let options = runtime::GenerateOptions {
-            max_tokens: 32,
-            ..Default::default()
-        };
         let got = runtime::generate(&engine, &prompt, &options, |_| Ok(true)).unwrap();
         assert_eq!(got[..agreeing], want[..agreeing], "{case}");
+        if agreeing < 32 {
+            let hf = ids(&transformers["raw"][0]["greedy_ids"]);
+            assert_eq!(ids(&transformers["raw"][0]["prompt_ids"]), prompt);
+            let follows = |r: &[u32]| got[agreeing] == r[agreeing];
+            assert!(
+                follows(&want) || follows(&hf),
+                "{case}: token {agreeing} is neither reference's: {got:?}"
+            );
+        }
     }
 }

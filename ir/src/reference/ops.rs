@@ -129,7 +129,29 @@ pub fn top_k(row: &[f32], k: usize) -> Vec<usize> {
             row[i]
         }
     };
-    idx.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
-    idx.truncate(k);
+    let order = |&a: &usize, &b: &usize| key(b).total_cmp(&key(a)).then(a.cmp(&b));
+    // Select the k best first (linear time), then order only those: vocabularies are large.
+    if k < idx.len() {
+        if k == 0 {
+            return Vec::new();
+        }
+        idx.select_nth_unstable_by(k - 1, order);
+        idx.truncate(k);
+    }
+    idx.sort_by(order);
     idx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_orders_by_value_then_index_and_skips_nan() {
+        let row = [1.0, 3.0, f32::NAN, 3.0, 2.0, 3.0];
+        assert_eq!(top_k(&row, 1), vec![1]);
+        assert_eq!(top_k(&row, 4), vec![1, 3, 5, 4]);
+        assert_eq!(top_k(&row, 6), vec![1, 3, 5, 4, 0, 2]);
+        assert_eq!(top_k(&row, 0), Vec::<usize>::new());
+    }
 }

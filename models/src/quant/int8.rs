@@ -257,3 +257,108 @@ mod tests {
         }
     }
 }
+
+/// `Σ y·x` straight from a row of 32-element blocks (Q4_0, Q4_1, Q8_0) without unpacking it:
+/// llama.cpp's `vec_dot_q4_1_q8_1` scheme with AVX2 (`pmaddubsw` on the packed nibbles).
+/// `None` for other formats or CPUs without AVX2, where the unpacked path applies.
+pub fn dot_packed(dtype: GgmlType, row: &[u8], act: &Q8Row) -> Option<f32> {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+        && std::is_x86_feature_detected!("avx2")
+        && std::is_x86_feature_detected!("fma")
+    {
+        let (_, bytes) = dtype.block_layout();
+        let blocks = row.len() / bytes;
+        if act.q.len() < blocks * ACT_BLOCK || act.d.len() < blocks || act.sum16.len() < 2 * blocks {
+            return None;
+        }
+        // SAFETY: AVX2 and FMA are present (checked above); lengths are checked inside.
+        return Some(unsafe { dot_packed_avx2(dtype, row, act) });
+    }
+    let _ = (dtype, row, act);
+    None
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_packed_avx2(dtype: GgmlType, row: &[u8], act: &Q8Row) -> f32 {
+    use super::f16_at;
+    use std::arch::x86_64::*;
+    let (_, bytes) = dtype.block_layout();
+    let ones = _mm256_set1_epi16(1);
+    let low_nibbles = _mm_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_ps();
+    let mut offset = 0f32;
+    for (b, block) in row.chunks_exact(bytes).enumerate() {
+        let dx = act.d[b];
+        let qsum = (act.sum16[2 * b] + act.sum16[2 * b + 1]) as f32;
+        // SAFETY: the caller checked the activation holds `blocks` blocks; each load reads
+        // 16 or 32 bytes inside `block` or inside block `b` of `act.q`.
+        let qx = unsafe { _mm256_loadu_si256(act.q.as_ptr().add(b * ACT_BLOCK) as *const __m256i) };
+        let (products, scale) = match dtype {
+            GgmlType::Q8_0 => {
+                // SAFETY: a Q8_0 block is 2 + 32 bytes.
+                let q = unsafe { _mm256_loadu_si256(block.as_ptr().add(2) as *const __m256i) };
+                // u8 × i8 multiply: |q| against qx carrying q's sign.
+                (
+                    _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(qx, q)),
+                    f16_at(block, 0),
+                )
+            }
+            _ => {
+                let start = if dtype == GgmlType::Q4_1 { 4 } else { 2 };
+                // SAFETY: a Q4 block holds 16 bytes of nibbles after its scales.
+                let packed = unsafe { _mm_loadu_si128(block.as_ptr().add(start) as *const __m128i) };
+                let lo = _mm_and_si128(packed, low_nibbles);
+                let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);
+                let q = _mm256_set_m128i(hi, lo);
+                (_mm256_maddubs_epi16(q, qx), f16_at(block, 0))
+            }
+        };
+        let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, ones));
+        acc = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * dx), acc);
+        offset += match dtype {
+            // Q4_0 stores q + 8: Σ(q − 8)·x = Σq·x − 8·Σx.
+            GgmlType::Q4_0 => -8.0 * scale * dx * qsum,
+            // Q4_1: y = d·q + m.
+            GgmlType::Q4_1 => f16_at(block, 2) * dx * qsum,
+            _ => 0.0,
+        };
+    }
+    let mut lanes = [0f32; 8];
+    // SAFETY: `lanes` holds eight f32.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    let total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    total + offset
+}
+
+#[cfg(test)]
+mod packed_tests {
+    use super::*;
+
+    #[test]
+    fn packed_dot_equals_the_unpacked_dot() {
+        for dtype in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            let (_, bytes) = dtype.block_layout();
+            let blocks = 18;
+            let mut data: Vec<u8> = (0..blocks * bytes).map(|i| (i * 2654435761usize >> 9) as u8).collect();
+            for b in data.chunks_exact_mut(bytes) {
+                b[0..2].copy_from_slice(&half::f16::from_f32(0.02).to_le_bytes());
+                if dtype == GgmlType::Q4_1 {
+                    b[2..4].copy_from_slice(&half::f16::from_f32(-0.1).to_le_bytes());
+                }
+            }
+            let x: Vec<f32> = (0..blocks * 32).map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0).collect();
+            let act = Q8Row::quantize(&x);
+            let mut row = UnpackedRow::default();
+            row.unpack(dtype, &data).unwrap();
+            let want = row.dot(&act);
+            if let Some(got) = dot_packed(dtype, &data, &act) {
+                assert!(
+                    (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                    "{dtype:?}: {got} vs {want}"
+                );
+            }
+        }
+    }
+}
