@@ -6,6 +6,7 @@ pub mod cuda;
 pub mod error;
 pub mod generate;
 pub mod sampling;
+pub mod serving;
 
 pub use cpu::{CpuBackend, CpuSequence, WeightCache};
 pub use error::{Result, RuntimeError};

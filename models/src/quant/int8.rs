@@ -341,7 +341,9 @@ mod packed_tests {
         for dtype in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
             let (_, bytes) = dtype.block_layout();
             let blocks = 18;
-            let mut data: Vec<u8> = (0..blocks * bytes).map(|i| ((i * 2654435761usize) >> 9) as u8).collect();
+            let mut data: Vec<u8> = (0..blocks * bytes)
+                .map(|i| ((i * 2654435761usize) >> 9) as u8)
+                .collect();
             for b in data.chunks_exact_mut(bytes) {
                 b[0..2].copy_from_slice(&half::f16::from_f32(0.02).to_le_bytes());
                 if dtype == GgmlType::Q4_1 {

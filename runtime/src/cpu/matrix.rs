@@ -13,9 +13,6 @@ use models::quant::int8::{self, Q8Row, UnpackedRow, ACT_BLOCK};
 use models::quant::GgmlType;
 use rayon::prelude::*;
 
-/// Up to this many tokens per step, quantized rows are dotted packed rather than unpacked.
-const PACKED_DOT_MAX_TOKENS: usize = 2;
-
 pub enum Storage {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
@@ -86,16 +83,16 @@ impl Matrix {
                 let acts: Vec<Q8Row> = x.chunks_exact(k).map(Q8Row::quantize).collect();
                 for_row_runs(target, tokens, rows_per_task, |unpacked: &mut UnpackedRow, r, dst| {
                     let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
-                    // Few tokens (decode): dot the packed blocks directly where a kernel exists;
-                    // more: unpack the row once and reuse it for every token.
-                    if tokens <= PACKED_DOT_MAX_TOKENS {
-                        if let Some(first) = int8::dot_packed(*dtype, row, &acts[0]) {
-                            dst[0] = first;
-                            for (d, a) in dst.iter_mut().zip(&acts).skip(1) {
-                                *d = int8::dot_packed(*dtype, row, a).expect("same format");
-                            }
-                            return;
+                    // Dot the packed blocks directly where a kernel exists, else unpack the row
+                    // once for every token. Either way a (row, token) product is computed the
+                    // same whatever the step's token count: chunked prefill, decode and
+                    // recomputation after preemption give bit-identical logits.
+                    if let Some(first) = int8::dot_packed(*dtype, row, &acts[0]) {
+                        dst[0] = first;
+                        for (d, a) in dst.iter_mut().zip(&acts).skip(1) {
+                            *d = int8::dot_packed(*dtype, row, a).expect("same format");
                         }
+                        return;
                     }
                     unpacked.unpack(*dtype, row).expect("quantized storage");
                     for (d, a) in dst.iter_mut().zip(&acts) {

@@ -1,0 +1,98 @@
+//! The serving loop: each step runs the scheduler's work on the backend, sequence by sequence
+//! (the CPU backend computes one sequence per call; a batched step is the GPU backend's job),
+//! samples where a sequence reached its last position, and reports new tokens and finished
+//! sequences. Preempted sequences lose their cached state and recompute it when readmitted.
+//!
+//! On the CPU backend a sequence's keys and values live in its own contiguous cache; the block
+//! manager accounts for them in blocks, so admission and preemption follow the configured KV
+//! budget exactly, but blocks are not yet physical pages there (the GPU kernels take a block
+//! table; see `kernels_gen::templates::cache_layout`).
+
+use super::scheduler::{AddError, Finished, Scheduler, SchedulerConfig, SeqId};
+use crate::error::{Result, RuntimeError};
+use crate::generate::Backend;
+use crate::sampling::{Sampler, SamplingParams};
+use std::collections::HashMap;
+
+/// What one step produced.
+#[derive(Debug, Default)]
+pub struct StepOutput {
+    /// Tokens chosen this step, by sequence.
+    pub tokens: Vec<(SeqId, u32)>,
+    pub finished: Vec<Finished>,
+}
+
+pub struct ServingEngine<B: Backend> {
+    backend: B,
+    scheduler: Scheduler,
+    states: HashMap<SeqId, B::Sequence>,
+    samplers: HashMap<SeqId, Sampler>,
+}
+
+impl<B: Backend> ServingEngine<B> {
+    pub fn new(backend: B, config: SchedulerConfig) -> Self {
+        Self {
+            backend,
+            scheduler: Scheduler::new(config),
+            states: HashMap::new(),
+            samplers: HashMap::new(),
+        }
+    }
+
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    pub fn add(
+        &mut self,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        stop_tokens: Vec<u32>,
+        sampling: SamplingParams,
+    ) -> std::result::Result<SeqId, AddError> {
+        let id = self.scheduler.add(prompt, max_tokens, stop_tokens)?;
+        self.samplers.insert(id, Sampler::new(sampling));
+        Ok(id)
+    }
+
+    /// Drop a request (its client went away): its blocks and state are freed now.
+    pub fn abort(&mut self, id: SeqId) -> bool {
+        self.states.remove(&id);
+        self.samplers.remove(&id);
+        self.scheduler.abort(id)
+    }
+
+    /// Run one step of scheduled work.
+    pub fn step(&mut self) -> Result<StepOutput> {
+        let schedule = self.scheduler.schedule();
+        for id in &schedule.preempted {
+            self.states.remove(id);
+        }
+        let mut out = StepOutput::default();
+        for work in &schedule.work {
+            let state = self
+                .states
+                .entry(work.seq)
+                .or_insert_with(|| self.backend.new_sequence());
+            let outputs = self.backend.step(state, &work.tokens)?;
+            let sampled = if work.samples {
+                let logits = outputs
+                    .get("logits")
+                    .ok_or_else(|| RuntimeError::Graph("the graph has no `logits` output".into()))?;
+                let sampler = self.samplers.get_mut(&work.seq).expect("every sequence has a sampler");
+                Some(sampler.sample(logits.row(logits.rows() - 1)))
+            } else {
+                None
+            };
+            if let Some(token) = sampled {
+                out.tokens.push((work.seq, token));
+            }
+            if let Some(done) = self.scheduler.complete(work, sampled) {
+                self.states.remove(&done.seq);
+                self.samplers.remove(&done.seq);
+                out.finished.push(done);
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,10 @@
+//! Serving many sequences at once: the KV block manager, the continuous-batching scheduler,
+//! and the loop that runs scheduled work on a backend.
+
+pub mod block_manager;
+pub mod engine;
+pub mod scheduler;
+
+pub use block_manager::{BlockId, BlockManager, OutOfBlocks};
+pub use engine::{ServingEngine, StepOutput};
+pub use scheduler::{AddError, FinishReason, Finished, Schedule, Scheduler, SchedulerConfig, SeqId, Work};

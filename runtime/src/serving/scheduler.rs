@@ -1,0 +1,313 @@
+//! Continuous batching: which sequences compute which tokens in the next step.
+//!
+//! Policy, in one place (after nano-vllm): every step first serves the running sequences in
+//! arrival order — a decode token, or the next chunk of a prompt — within a token budget; when
+//! the cache has no block for one, the most recently admitted running sequence is preempted
+//! (its blocks released, its tokens recomputed later: prompt and what it generated so far) and
+//! put back at the head of the queue. Then waiting sequences are admitted while the budget,
+//! the running limit and free blocks allow. The waiting queue is bounded: a request beyond it is
+//! refused at once (the server answers 503).
+//!
+//! Invariants (checked by [`Scheduler::check`], property-tested): the block manager's (no block
+//! free and owned, none owned twice, none leaked); a running sequence's table covers exactly
+//! the positions it has cached; waiting sequences own no blocks; every sequence is in exactly
+//! one place.
+
+use super::block_manager::{BlockId, BlockManager};
+use std::collections::{BTreeMap, VecDeque};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u64);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Sequences waiting to start, at most.
+    pub max_waiting: usize,
+    /// Sequences running at once, at most.
+    pub max_running: usize,
+    /// Tokens computed per step, at most (decode tokens and prompt chunks together).
+    pub token_budget: usize,
+    pub kv_blocks: usize,
+    pub block_size: usize,
+    /// Positions a sequence may reach (prompt + generated).
+    pub context_length: usize,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AddError {
+    #[error("the waiting queue is full ({0} requests); retry later")]
+    QueueFull(usize),
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("This model's maximum context length is {limit} tokens. However, your request has {needed} tokens ({prompt} in the prompt, {max_tokens} to generate).")]
+    TooLong {
+        limit: usize,
+        needed: usize,
+        prompt: usize,
+        max_tokens: usize,
+    },
+    #[error("the request can never fit the KV cache ({needed} blocks, {total} in all)")]
+    NeverFits { needed: usize, total: usize },
+}
+
+#[derive(Debug, Clone)]
+struct Seq {
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Positions whose keys and values are in the cache.
+    cached: usize,
+    table: Vec<BlockId>,
+    max_tokens: usize,
+    stop_tokens: Vec<u32>,
+}
+
+impl Seq {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+/// One sequence's share of a step: compute positions `start..end` of its tokens; when `end`
+/// is the last position, the step's output there chooses its next token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Work {
+    pub seq: SeqId,
+    pub start: usize,
+    pub end: usize,
+    pub tokens: Vec<u32>,
+    pub samples: bool,
+}
+
+/// What a step's schedule is: the work, and the sequences whose cached state was dropped.
+#[derive(Debug, Default)]
+pub struct Schedule {
+    pub work: Vec<Work>,
+    pub preempted: Vec<SeqId>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Finished {
+    pub seq: SeqId,
+    pub generated: Vec<u32>,
+    pub reason: FinishReason,
+}
+
+pub struct Scheduler {
+    config: SchedulerConfig,
+    blocks: BlockManager,
+    waiting: VecDeque<SeqId>,
+    running: Vec<SeqId>,
+    seqs: BTreeMap<SeqId, Seq>,
+    next_id: u64,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Self {
+        Self {
+            config,
+            blocks: BlockManager::new(config.kv_blocks, config.block_size),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            seqs: BTreeMap::new(),
+            next_id: 0,
+        }
+    }
+
+    pub fn used_blocks(&self) -> usize {
+        self.blocks.used_blocks()
+    }
+
+    pub fn waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// Queue a request; refused at once when the queue is full or it can never run.
+    pub fn add(&mut self, prompt: Vec<u32>, max_tokens: usize, stop_tokens: Vec<u32>) -> Result<SeqId, AddError> {
+        if prompt.is_empty() {
+            return Err(AddError::EmptyPrompt);
+        }
+        let needed = prompt.len() + max_tokens;
+        if needed > self.config.context_length {
+            return Err(AddError::TooLong {
+                limit: self.config.context_length,
+                needed,
+                prompt: prompt.len(),
+                max_tokens,
+            });
+        }
+        // The last generated token is never cached: positions up to needed − 1.
+        let blocks = self.blocks.blocks_for(needed - 1);
+        if blocks > self.blocks.total() {
+            return Err(AddError::NeverFits {
+                needed: blocks,
+                total: self.blocks.total(),
+            });
+        }
+        if self.waiting.len() >= self.config.max_waiting {
+            return Err(AddError::QueueFull(self.config.max_waiting));
+        }
+        let id = SeqId(self.next_id);
+        self.next_id += 1;
+        let prompt_len = prompt.len();
+        self.seqs.insert(
+            id,
+            Seq {
+                tokens: prompt,
+                prompt_len,
+                cached: 0,
+                table: Vec::new(),
+                max_tokens,
+                stop_tokens,
+            },
+        );
+        self.waiting.push_back(id);
+        Ok(id)
+    }
+
+    /// Decide the next step.
+    pub fn schedule(&mut self) -> Schedule {
+        let mut out = Schedule::default();
+        let mut budget = self.config.token_budget;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let seq = &self.seqs[&id];
+            let n = (seq.tokens.len() - seq.cached).min(budget);
+            let end = seq.cached + n;
+            let mut table = std::mem::take(&mut self.seqs.get_mut(&id).expect("running").table);
+            match self.blocks.grow(&mut table, end) {
+                Ok(()) => {
+                    self.seqs.get_mut(&id).expect("running").table = table;
+                    out.work.push(self.work(id, end));
+                    budget -= n;
+                    i += 1;
+                }
+                Err(_) => {
+                    self.seqs.get_mut(&id).expect("running").table = table;
+                    // Free memory from the newest running sequence (possibly this one).
+                    let victim = *self.running.last().expect("this one runs");
+                    self.preempt(victim);
+                    out.preempted.push(victim);
+                    out.work.retain(|w| w.seq != victim);
+                }
+            }
+        }
+        while budget > 0 && self.running.len() < self.config.max_running {
+            let Some(&id) = self.waiting.front() else { break };
+            let seq = &self.seqs[&id];
+            let n = (seq.tokens.len() - seq.cached).min(budget);
+            let end = seq.cached + n;
+            let mut table = Vec::new();
+            if self.blocks.grow(&mut table, end).is_err() {
+                break;
+            }
+            self.waiting.pop_front();
+            self.seqs.get_mut(&id).expect("waiting").table = table;
+            self.running.push(id);
+            out.work.push(self.work(id, end));
+            budget -= n;
+        }
+        out
+    }
+
+    fn work(&self, id: SeqId, end: usize) -> Work {
+        let seq = &self.seqs[&id];
+        Work {
+            seq: id,
+            start: seq.cached,
+            end,
+            tokens: seq.tokens[seq.cached..end].to_vec(),
+            samples: end == seq.tokens.len(),
+        }
+    }
+
+    fn preempt(&mut self, id: SeqId) {
+        let seq = self.seqs.get_mut(&id).expect("running");
+        self.blocks.release(&mut seq.table);
+        seq.cached = 0;
+        self.running.retain(|&r| r != id);
+        self.waiting.push_front(id);
+    }
+
+    /// Record that `work` ran; `sampled` is the token chosen when it sampled.
+    pub fn complete(&mut self, work: &Work, sampled: Option<u32>) -> Option<Finished> {
+        let seq = self.seqs.get_mut(&work.seq)?;
+        if seq.cached != work.start {
+            // Preempted or replaced since it was scheduled: the result is stale.
+            return None;
+        }
+        seq.cached = work.end;
+        let token = sampled.filter(|_| work.samples)?;
+        seq.tokens.push(token);
+        let reason = if seq.stop_tokens.contains(&token) {
+            FinishReason::Stop
+        } else if seq.generated() >= seq.max_tokens {
+            FinishReason::Length
+        } else {
+            return None;
+        };
+        let generated = seq.tokens[seq.prompt_len..].to_vec();
+        self.remove(work.seq);
+        Some(Finished {
+            seq: work.seq,
+            generated,
+            reason,
+        })
+    }
+
+    /// Drop a sequence wherever it is (a client went away); its blocks are free at once.
+    pub fn abort(&mut self, id: SeqId) -> bool {
+        self.seqs.contains_key(&id) && {
+            self.remove(id);
+            true
+        }
+    }
+
+    fn remove(&mut self, id: SeqId) {
+        if let Some(mut seq) = self.seqs.remove(&id) {
+            self.blocks.release(&mut seq.table);
+        }
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&w| w != id);
+    }
+
+    /// Check the invariants above; the first violation, if any.
+    pub fn check(&self) -> Result<(), String> {
+        self.blocks.check(self.seqs.values().map(|s| s.table.as_slice()))?;
+        for (id, seq) in &self.seqs {
+            let places =
+                self.running.iter().filter(|&&r| r == *id).count() + self.waiting.iter().filter(|&&w| w == *id).count();
+            if places != 1 {
+                return Err(format!("{id:?} is in {places} places"));
+            }
+            if self.waiting.contains(id) && !seq.table.is_empty() {
+                return Err(format!("waiting {id:?} owns blocks"));
+            }
+            if self.running.contains(id) && seq.table.len() < self.blocks.blocks_for(seq.cached) {
+                return Err(format!(
+                    "{id:?} caches {} positions in {} blocks",
+                    seq.cached,
+                    seq.table.len()
+                ));
+            }
+        }
+        if self.running.len() + self.waiting.len() != self.seqs.len() {
+            return Err("a queue holds an unknown sequence".into());
+        }
+        Ok(())
+    }
+}
