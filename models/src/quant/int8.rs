@@ -262,26 +262,67 @@ mod tests {
 /// llama.cpp's `vec_dot_q4_1_q8_1` scheme with AVX2 (`pmaddubsw` on the packed nibbles).
 /// `None` for other formats or CPUs without AVX2, where the unpacked path applies.
 pub fn dot_packed(dtype: GgmlType, row: &[u8], act: &Q8Row) -> Option<f32> {
-    #[cfg(target_arch = "x86_64")]
-    if matches!(dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
-        && std::is_x86_feature_detected!("avx2")
-        && std::is_x86_feature_detected!("fma")
-    {
-        let (_, bytes) = dtype.block_layout();
-        let blocks = row.len() / bytes;
-        if act.q.len() < blocks * ACT_BLOCK || act.d.len() < blocks || act.sum16.len() < 2 * blocks {
-            return None;
-        }
-        // SAFETY: AVX2 and FMA are present (checked above); lengths are checked inside.
-        return Some(unsafe { dot_packed_avx2(dtype, row, act) });
-    }
-    let _ = (dtype, row, act);
-    None
+    let kernel = PackedDot::new(dtype, row.len(), std::slice::from_ref(act))?;
+    let mut out = [0f32];
+    kernel.run(row, std::slice::from_ref(act), &mut out);
+    Some(out[0])
 }
 
+/// The packed dot for one matmul, its preconditions (format, CPU features, activation
+/// lengths) checked once rather than per row. Each result is bit for bit what [`dot_packed`]
+/// gives for that activation alone, however many are computed together, so a token's logits
+/// do not depend on its step's size.
+#[derive(Debug, Clone, Copy)]
+pub struct PackedDot {
+    dtype: GgmlType,
+}
+
+impl PackedDot {
+    /// For rows of `row_bytes` against `acts`; `None` where the unpacked path must be used.
+    pub fn new(dtype: GgmlType, row_bytes: usize, acts: &[Q8Row]) -> Option<Self> {
+        #[cfg(target_arch = "x86_64")]
+        if matches!(dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
+            && std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+        {
+            let blocks = row_bytes / dtype.block_layout().1;
+            let fits =
+                |a: &Q8Row| a.q.len() >= blocks * ACT_BLOCK && a.d.len() >= blocks && a.sum16.len() >= 2 * blocks;
+            return acts.iter().all(fits).then_some(Self { dtype });
+        }
+        let _ = (dtype, row_bytes, acts);
+        None
+    }
+
+    /// `out[t] = row · acts[t]` for a row of the length given to `new`.
+    pub fn run(&self, row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        for (acts, out) in acts.chunks(PACKED_TILE).zip(out.chunks_mut(PACKED_TILE)) {
+            // SAFETY: `new` checked the format, AVX2/FMA and that every activation covers the
+            // row's blocks. The tile width is a constant so the accumulators stay in registers.
+            unsafe {
+                match acts.len() {
+                    1 => out[0] = dot_packed_single_avx2(self.dtype, row, &acts[0]),
+                    2 => dot_packed_avx2::<2>(self.dtype, row, acts, out),
+                    3 => dot_packed_avx2::<3>(self.dtype, row, acts, out),
+                    4 => dot_packed_avx2::<4>(self.dtype, row, acts, out),
+                    5 => dot_packed_avx2::<5>(self.dtype, row, acts, out),
+                    6 => dot_packed_avx2::<6>(self.dtype, row, acts, out),
+                    7 => dot_packed_avx2::<7>(self.dtype, row, acts, out),
+                    _ => dot_packed_avx2::<8>(self.dtype, row, acts, out),
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (row, acts, out);
+    }
+}
+
+/// One activation row: the same operations, in the same order, as one lane of
+/// [`dot_packed_avx2`] (the tests check the bits), in a form the compiler keeps in registers.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_packed_avx2(dtype: GgmlType, row: &[u8], act: &Q8Row) -> f32 {
+unsafe fn dot_packed_single_avx2(dtype: GgmlType, row: &[u8], act: &Q8Row) -> f32 {
     use super::f16_at;
     use std::arch::x86_64::*;
     let (_, bytes) = dtype.block_layout();
@@ -290,20 +331,17 @@ unsafe fn dot_packed_avx2(dtype: GgmlType, row: &[u8], act: &Q8Row) -> f32 {
     let mut acc = _mm256_setzero_ps();
     let mut offset = 0f32;
     for (b, block) in row.chunks_exact(bytes).enumerate() {
+        let scale = f16_at(block, 0);
         let dx = act.d[b];
         let qsum = (act.sum16[2 * b] + act.sum16[2 * b + 1]) as f32;
-        // SAFETY: the caller checked the activation holds `blocks` blocks; each load reads
-        // 16 or 32 bytes inside `block` or inside block `b` of `act.q`.
+        // SAFETY: the caller checked the activation holds block `b`; the block loads stay
+        // inside `block` (see `dot_packed_avx2`).
         let qx = unsafe { _mm256_loadu_si256(act.q.as_ptr().add(b * ACT_BLOCK) as *const __m256i) };
-        let (products, scale) = match dtype {
+        let products = match dtype {
             GgmlType::Q8_0 => {
                 // SAFETY: a Q8_0 block is 2 + 32 bytes.
                 let q = unsafe { _mm256_loadu_si256(block.as_ptr().add(2) as *const __m256i) };
-                // u8 × i8 multiply: |q| against qx carrying q's sign.
-                (
-                    _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(qx, q)),
-                    f16_at(block, 0),
-                )
+                _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(qx, q))
             }
             _ => {
                 let start = if dtype == GgmlType::Q4_1 { 4 } else { 2 };
@@ -311,16 +349,13 @@ unsafe fn dot_packed_avx2(dtype: GgmlType, row: &[u8], act: &Q8Row) -> f32 {
                 let packed = unsafe { _mm_loadu_si128(block.as_ptr().add(start) as *const __m128i) };
                 let lo = _mm_and_si128(packed, low_nibbles);
                 let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);
-                let q = _mm256_set_m128i(hi, lo);
-                (_mm256_maddubs_epi16(q, qx), f16_at(block, 0))
+                _mm256_maddubs_epi16(_mm256_set_m128i(hi, lo), qx)
             }
         };
         let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, ones));
         acc = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * dx), acc);
         offset += match dtype {
-            // Q4_0 stores q + 8: Σ(q − 8)·x = Σq·x − 8·Σx.
             GgmlType::Q4_0 => -8.0 * scale * dx * qsum,
-            // Q4_1: y = d·q + m.
             GgmlType::Q4_1 => f16_at(block, 2) * dx * qsum,
             _ => 0.0,
         };
@@ -330,6 +365,69 @@ unsafe fn dot_packed_avx2(dtype: GgmlType, row: &[u8], act: &Q8Row) -> f32 {
     unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
     let total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
     total + offset
+}
+
+/// Activation rows per pass over a weight row (accumulators held in registers).
+const PACKED_TILE: usize = 8;
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_packed_avx2<const N: usize>(dtype: GgmlType, row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
+    use super::f16_at;
+    use std::arch::x86_64::*;
+    let (_, bytes) = dtype.block_layout();
+    let ones = _mm256_set1_epi16(1);
+    let low_nibbles = _mm_set1_epi8(0x0F);
+    let acts = &acts[..N];
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut offset = [0f32; N];
+    for (b, block) in row.chunks_exact(bytes).enumerate() {
+        let scale = f16_at(block, 0);
+        // The block's weights as 32 bytes in element order, decoded once for every row.
+        let q = match dtype {
+            // SAFETY: a Q8_0 block is 2 + 32 bytes.
+            GgmlType::Q8_0 => unsafe { _mm256_loadu_si256(block.as_ptr().add(2) as *const __m256i) },
+            _ => {
+                let start = if dtype == GgmlType::Q4_1 { 4 } else { 2 };
+                // SAFETY: a Q4 block holds 16 bytes of nibbles after its scales.
+                let packed = unsafe { _mm_loadu_si128(block.as_ptr().add(start) as *const __m128i) };
+                let lo = _mm_and_si128(packed, low_nibbles);
+                let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);
+                _mm256_set_m128i(hi, lo)
+            }
+        };
+        let q_abs = _mm256_sign_epi8(q, q);
+        // A constant trip count: unrolled, the accumulators live in registers.
+        #[allow(clippy::needless_range_loop)]
+        for t in 0..N {
+            let act = &acts[t];
+            let dx = act.d[b];
+            let qsum = (act.sum16[2 * b] + act.sum16[2 * b + 1]) as f32;
+            // SAFETY: the caller checked the activation holds block `b`.
+            let qx = unsafe { _mm256_loadu_si256(act.q.as_ptr().add(b * ACT_BLOCK) as *const __m256i) };
+            let products = match dtype {
+                // u8 × i8 multiply: |q| against qx carrying q's sign.
+                GgmlType::Q8_0 => _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(qx, q)),
+                _ => _mm256_maddubs_epi16(q, qx),
+            };
+            let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, ones));
+            acc[t] = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * dx), acc[t]);
+            offset[t] += match dtype {
+                // Q4_0 stores q + 8: Σ(q − 8)·x = Σq·x − 8·Σx.
+                GgmlType::Q4_0 => -8.0 * scale * dx * qsum,
+                // Q4_1: y = d·q + m.
+                GgmlType::Q4_1 => f16_at(block, 2) * dx * qsum,
+                _ => 0.0,
+            };
+        }
+    }
+    for (t, o) in out.iter_mut().enumerate().take(N) {
+        let mut lanes = [0f32; 8];
+        // SAFETY: `lanes` holds eight f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]) };
+        let total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+        *o = total + offset[t];
+    }
 }
 
 #[cfg(test)]
@@ -360,6 +458,42 @@ mod packed_tests {
                     (got - want).abs() <= 1e-4 * want.abs().max(1.0),
                     "{dtype:?}: {got} vs {want}"
                 );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod packed_many_tests {
+    use super::*;
+
+    #[test]
+    fn many_rows_at_once_give_each_rows_single_result_exactly() {
+        for dtype in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            let (_, bytes) = dtype.block_layout();
+            let mut data: Vec<u8> = (0..7 * bytes).map(|i| ((i * 2654435761usize) >> 11) as u8).collect();
+            for b in data.chunks_exact_mut(bytes) {
+                b[0..2].copy_from_slice(&half::f16::from_f32(0.03).to_le_bytes());
+                if dtype == GgmlType::Q4_1 {
+                    b[2..4].copy_from_slice(&half::f16::from_f32(0.05).to_le_bytes());
+                }
+            }
+            let acts: Vec<Q8Row> = (0..6)
+                .map(|s| {
+                    Q8Row::quantize(
+                        &(0..7 * 32)
+                            .map(|i| ((i * (s + 3)) % 29) as f32 - 14.0)
+                            .collect::<Vec<_>>(),
+                    )
+                })
+                .collect();
+            let Some(kernel) = PackedDot::new(dtype, data.len(), &acts) else {
+                return;
+            };
+            let mut many = vec![0f32; acts.len()];
+            kernel.run(&data, &acts, &mut many);
+            for (a, m) in acts.iter().zip(&many) {
+                assert_eq!(m.to_bits(), dot_packed(dtype, &data, a).unwrap().to_bits(), "{dtype:?}");
             }
         }
     }

@@ -81,18 +81,15 @@ impl Matrix {
                 row_bytes,
             } if k % ACT_BLOCK == 0 => {
                 let acts: Vec<Q8Row> = x.chunks_exact(k).map(Q8Row::quantize).collect();
+                let packed = int8::PackedDot::new(*dtype, *row_bytes, &acts);
                 for_row_runs(target, tokens, rows_per_task, |unpacked: &mut UnpackedRow, r, dst| {
                     let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
                     // Dot the packed blocks directly where a kernel exists, else unpack the row
                     // once for every token. Either way a (row, token) product is computed the
                     // same whatever the step's token count: chunked prefill, decode and
                     // recomputation after preemption give bit-identical logits.
-                    if let Some(first) = int8::dot_packed(*dtype, row, &acts[0]) {
-                        dst[0] = first;
-                        for (d, a) in dst.iter_mut().zip(&acts).skip(1) {
-                            *d = int8::dot_packed(*dtype, row, a).expect("same format");
-                        }
-                        return;
+                    if let Some(packed) = packed {
+                        return packed.run(row, &acts, dst);
                     }
                     unpacked.unpack(*dtype, row).expect("quantized storage");
                     for (d, a) in dst.iter_mut().zip(&acts) {
