@@ -20,8 +20,13 @@ fn action() -> impl Strategy<Value = Action> {
     ]
 }
 
-fn run_step(s: &mut Scheduler, stop: bool) -> usize {
+fn run_step(s: &mut Scheduler, stop: bool, budget: usize) -> usize {
     let schedule = s.schedule();
+    let scheduled: usize = schedule.work.iter().map(|w| w.end - w.start).sum();
+    assert!(
+        scheduled <= budget,
+        "{scheduled} tokens scheduled over a budget of {budget}"
+    );
     let mut finished = 0;
     for w in &schedule.work {
         assert!(w.start < w.end && w.tokens.len() == w.end - w.start, "{w:?}");
@@ -55,7 +60,7 @@ proptest! {
                     }
                 }
                 Action::Step { stop } => {
-                    run_step(&mut s, stop);
+                    run_step(&mut s, stop, budget);
                 }
                 Action::Abort(i) => {
                     if let Some(&id) = ids.get(i % ids.len().max(1)) {
@@ -68,7 +73,7 @@ proptest! {
         // Everything still queued completes: no livelock, and every block comes back.
         let mut steps = 0;
         while !s.is_idle() {
-            run_step(&mut s, false);
+            run_step(&mut s, false, budget);
             prop_assert_eq!(s.check(), Ok(()));
             steps += 1;
             prop_assert!(steps < 10_000, "the scheduler stopped making progress");
