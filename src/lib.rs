@@ -4,4 +4,5 @@
 pub mod commands;
 pub mod fetch;
 pub mod model_ref;
+pub mod serve;
 pub mod verify;

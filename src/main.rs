@@ -78,6 +78,40 @@ enum Command {
         #[arg(long)]
         no_fuse: bool,
     },
+    /// Serve a model over an OpenAI-compatible HTTP API (continuous batching on the CPU backend).
+    Serve {
+        /// An artifact directory, a model.toml, a weights path or a model name (fetched on first use).
+        model: String,
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        /// 0 picks a free port (printed on start).
+        #[arg(long, default_value_t = 8000)]
+        port: u16,
+        /// Require `Authorization: Bearer KEY` on /v1 endpoints.
+        #[arg(long)]
+        api_key: Option<String>,
+        /// Requests allowed to wait; past it the server answers 503.
+        #[arg(long, default_value_t = 256)]
+        max_queued: usize,
+        /// Sequences computed together.
+        #[arg(long, default_value_t = 64)]
+        max_num_seqs: usize,
+        /// KV-cache blocks for all sequences together.
+        #[arg(long, default_value_t = 1024)]
+        kv_blocks: usize,
+        /// Positions per KV-cache block.
+        #[arg(long, default_value_t = 16)]
+        block_size: usize,
+        /// Tokens computed per step across all sequences.
+        #[arg(long, default_value_t = 512)]
+        token_budget: usize,
+        /// The model id clients send (default: the model's name).
+        #[arg(long)]
+        served_model_name: Option<String>,
+        /// Compute dtype for matrices: f32, bf16 or native (the file's quantization).
+        #[arg(long)]
+        dtype: Option<String>,
+    },
     /// Print the token ids of a text as JSON.
     Tokenize {
         model: String,
@@ -137,11 +171,7 @@ fn run(cli: Cli) -> Result<()> {
             dtype,
             no_fuse,
         } => {
-            let dtype = dtype
-                .map(|d| {
-                    ComputeDtype::parse(&d).ok_or_else(|| anyhow::anyhow!("--dtype {d}: choose f32, bf16 or native"))
-                })
-                .transpose()?;
+            let dtype = parse_dtype(dtype)?;
             commands::run::run(&commands::run::RunArgs {
                 model,
                 prompt,
@@ -158,10 +188,41 @@ fn run(cli: Cli) -> Result<()> {
                 no_fuse,
             })
         }
+        Command::Serve {
+            model,
+            host,
+            port,
+            api_key,
+            max_queued,
+            max_num_seqs,
+            kv_blocks,
+            block_size,
+            token_budget,
+            served_model_name,
+            dtype,
+        } => bbc::serve::serve(&bbc::serve::ServeArgs {
+            model,
+            host,
+            port,
+            api_key,
+            max_queued,
+            max_num_seqs,
+            kv_blocks,
+            block_size,
+            token_budget,
+            served_model_name,
+            dtype: parse_dtype(dtype)?,
+        }),
         Command::Tokenize {
             model,
             text,
             add_special,
         } => commands::tokenize::tokenize(&model, &text, add_special),
     }
+}
+
+fn parse_dtype(dtype: Option<String>) -> Result<Option<ComputeDtype>> {
+    dtype
+        .map(|d| ComputeDtype::parse(&d).ok_or_else(|| anyhow::anyhow!("--dtype {d}: choose f32, bf16 or native")))
+        .transpose()
 }

@@ -1,11 +1,19 @@
 //! Choosing the next token from logits: greedy (argmax, ties to the lowest id) or sampling at a
-//! temperature with a seeded generator, so a seed reproduces a run.
+//! temperature with a seeded generator, so a seed reproduces a run. Sampling can be narrowed to
+//! the `top_k` most likely tokens, the smallest set holding `top_p` of the probability, and the
+//! tokens at least `min_p` times as likely as the best (applied in that order, as vLLM does).
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplingParams {
     /// 0 means greedy.
     pub temperature: f32,
     pub seed: u64,
+    /// 0 keeps every token.
+    pub top_k: usize,
+    /// In (0, 1]; 1 keeps every token.
+    pub top_p: f32,
+    /// In [0, 1]; 0 keeps every token.
+    pub min_p: f32,
 }
 
 impl Default for SamplingParams {
@@ -13,6 +21,9 @@ impl Default for SamplingParams {
         Self {
             temperature: 0.0,
             seed: 0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
         }
     }
 }
@@ -65,18 +76,58 @@ impl Sampler {
         if self.params.temperature <= 0.0 {
             return argmax(logits);
         }
-        let t = self.params.temperature as f64;
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let weights: Vec<f64> = logits.iter().map(|&l| ((l as f64 - max) / t).exp()).collect();
-        let total: f64 = weights.iter().sum();
+        let candidates = self.candidates(logits);
+        let total: f64 = candidates.iter().map(|&(_, w)| w).sum();
         let mut target = self.rng.next_f64() * total;
-        for (i, w) in weights.iter().enumerate() {
+        for &(id, w) in &candidates {
             target -= w;
             if target < 0.0 {
-                return i as u32;
+                return id;
             }
         }
-        argmax(logits)
+        candidates.first().map_or_else(|| argmax(logits), |&(id, _)| id)
+    }
+
+    /// The tokens sampling may choose, with unnormalised weights exp((l − max) / T), most likely
+    /// first when any filter is on (ties to the lower id, so the order is deterministic).
+    fn candidates(&self, logits: &[f32]) -> Vec<(u32, f64)> {
+        let t = self.params.temperature as f64;
+        let max = logits
+            .iter()
+            .copied()
+            .filter(|l| !l.is_nan())
+            .fold(f32::NEG_INFINITY, f32::max) as f64;
+        let mut weights: Vec<(u32, f64)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, if l.is_nan() { 0.0 } else { ((l as f64 - max) / t).exp() }))
+            .collect();
+        let filtered = self.params.top_k > 0 || self.params.top_p < 1.0 || self.params.min_p > 0.0;
+        if !filtered {
+            return weights;
+        }
+        weights.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if self.params.top_k > 0 {
+            weights.truncate(self.params.top_k);
+        }
+        if self.params.top_p < 1.0 {
+            let total: f64 = weights.iter().map(|&(_, w)| w).sum();
+            let mut kept = 0.0;
+            let keep = weights
+                .iter()
+                .position(|&(_, w)| {
+                    kept += w;
+                    kept >= self.params.top_p as f64 * total
+                })
+                .map_or(weights.len(), |i| i + 1);
+            weights.truncate(keep);
+        }
+        if self.params.min_p > 0.0 {
+            // The best token has weight 1 before any filter, and filters keep the best.
+            let floor = self.params.min_p as f64 * weights.first().map_or(0.0, |&(_, w)| w);
+            weights.retain(|&(_, w)| w >= floor);
+        }
+        weights
     }
 }
 
@@ -96,6 +147,7 @@ mod tests {
         let params = SamplingParams {
             temperature: 1.0,
             seed: 42,
+            ..SamplingParams::default()
         };
         let run = |p| {
             let mut s = Sampler::new(p);
@@ -112,8 +164,35 @@ mod tests {
         let mut s = Sampler::new(SamplingParams {
             temperature: 1.0,
             seed: 7,
+            ..SamplingParams::default()
         });
         let ones = (0..20_000).filter(|_| s.sample(&logits) == 1).count();
         assert!((14_500..15_500).contains(&ones), "{ones}");
+    }
+
+    fn chosen(params: SamplingParams, logits: &[f32]) -> std::collections::BTreeSet<u32> {
+        let mut s = Sampler::new(params);
+        (0..4_000).map(|_| s.sample(logits)).collect()
+    }
+
+    #[test]
+    fn top_k_top_p_and_min_p_narrow_the_choice() {
+        // Probabilities at T = 1: 0.4, 0.3, 0.2, 0.1 (token 3 is the likeliest).
+        let logits = [0.2f32.ln(), 0.1f32.ln(), 0.3f32.ln(), 0.4f32.ln()];
+        let base = SamplingParams {
+            temperature: 1.0,
+            seed: 3,
+            ..SamplingParams::default()
+        };
+        assert_eq!(chosen(base, &logits), [0, 1, 2, 3].into());
+        assert_eq!(chosen(SamplingParams { top_k: 2, ..base }, &logits), [2, 3].into());
+        assert_eq!(chosen(SamplingParams { top_k: 1, ..base }, &logits), [3].into());
+        // 0.4 + 0.3 reaches 0.65; 0.4 alone does not.
+        assert_eq!(chosen(SamplingParams { top_p: 0.65, ..base }, &logits), [2, 3].into());
+        // min_p 0.45: tokens at least 0.18 likely.
+        assert_eq!(
+            chosen(SamplingParams { min_p: 0.45, ..base }, &logits),
+            [0, 2, 3].into()
+        );
     }
 }

@@ -81,6 +81,7 @@ fn stream<B: runtime::Backend>(
         sampling: SamplingParams {
             temperature: args.temperature,
             seed: args.seed,
+            ..SamplingParams::default()
         },
         stop_tokens: match (args.ignore_eos, tokenizer) {
             (false, Some(t)) => t.eos.clone(),

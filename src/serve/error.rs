@@ -1,0 +1,67 @@
+//! Errors as OpenAI-compatible servers send them: a status code and
+//! `{"error": {"message", "type", "code", "param"}}`, naming the parameter at fault.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub param: Option<String>,
+}
+
+impl ApiError {
+    /// 400 naming `param`.
+    pub fn invalid(param: &str, message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            param: Some(param.to_string()),
+        }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    pub fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self.status {
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::SERVICE_UNAVAILABLE => "service_unavailable_error",
+            s if s.is_server_error() => "internal_server_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind(),
+                "code": self.status.as_u16(),
+                "param": self.param,
+            }
+        })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = self.body().to_string();
+        (self.status, [("content-type", "application/json")], body).into_response()
+    }
+}

@@ -1,0 +1,127 @@
+//! `bbc serve MODEL`: an OpenAI-compatible HTTP server over the continuous-batching engine.
+//! One thread owns the engine (`worker`); axum handlers (`http`) parse (`request`), detokenize
+//! (`text`) and report (`metrics`, `error`).
+
+mod error;
+mod http;
+mod metrics;
+mod request;
+mod text;
+mod worker;
+
+use crate::model_ref;
+use anyhow::{bail, Context, Result};
+use models::{ComputeDtype, LogitsFor};
+use runtime::serving::{SchedulerConfig, ServingEngine};
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+
+pub struct ServeArgs {
+    pub model: String,
+    pub host: String,
+    pub port: u16,
+    pub api_key: Option<String>,
+    /// Requests waiting beyond the running ones; past it, 503.
+    pub max_queued: usize,
+    /// Sequences computed together.
+    pub max_num_seqs: usize,
+    /// KV-cache blocks (of `block_size` positions) for all sequences together.
+    pub kv_blocks: usize,
+    pub block_size: usize,
+    /// Tokens computed per step across sequences (prefill chunks and decodes).
+    pub token_budget: usize,
+    pub served_model_name: Option<String>,
+    pub dtype: Option<ComputeDtype>,
+}
+
+pub fn serve(args: &ServeArgs) -> Result<()> {
+    for (name, value) in [
+        ("--max-queued", args.max_queued),
+        ("--max-num-seqs", args.max_num_seqs),
+        ("--kv-blocks", args.kv_blocks),
+        ("--block-size", args.block_size),
+        ("--token-budget", args.token_budget),
+    ] {
+        if value == 0 {
+            bail!("{name} must be at least 1");
+        }
+    }
+    let options = model_ref::LoadOptions {
+        dtype: args.dtype,
+        logits: LogitsFor::LastToken,
+        greedy: false,
+        fuse: true,
+        quiet: false,
+    };
+    let mut loaded = model_ref::load(&args.model, options)?;
+    if loaded.gpu_plan.is_some() {
+        bail!("serving a GPU artifact is not supported yet; serve the model (or a CPU artifact) instead");
+    }
+    let tokenizer = Arc::new(
+        loaded
+            .model
+            .tokenizer
+            .take()
+            .context("this model has no tokenizer; bbc serve needs one to read prompts and write text")?,
+    );
+    let context_length = loaded.model.config.context_length;
+    let mut cache = loaded.weight_cache();
+    let backend = runtime::CpuBackend::with_cache(loaded.graph, &loaded.model.weights, context_length, &mut cache)?;
+    let config = SchedulerConfig {
+        max_waiting: args.max_queued,
+        max_running: args.max_num_seqs,
+        token_budget: args.token_budget,
+        kv_blocks: args.kv_blocks,
+        block_size: args.block_size,
+        context_length,
+    };
+    let metrics = Arc::new(metrics::Metrics::default());
+    metrics.kv_blocks_total.store(args.kv_blocks as u64, Relaxed);
+    let (requests, inbox) = tokio::sync::mpsc::unbounded_channel();
+    let engine = ServingEngine::new(backend, config);
+    let worker_metrics = metrics.clone();
+    std::thread::Builder::new()
+        .name("bbc-engine".into())
+        .spawn(move || worker::run(engine, inbox, worker_metrics))
+        .context("starting the engine thread")?;
+    let state = Arc::new(http::AppState {
+        model_name: args
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| served_name(&args.model)),
+        tokenizer,
+        context_length,
+        api_key: args.api_key.clone(),
+        requests,
+        metrics,
+        next_id: AtomicU64::new(0),
+    });
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(listen(args, state))
+}
+
+async fn listen(args: &ServeArgs, state: Arc<http::AppState>) -> Result<()> {
+    let address = format!("{}:{}", args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(&address)
+        .await
+        .with_context(|| format!("binding {address}"))?;
+    let bound = listener.local_addr()?;
+    eprintln!("serving `{}` on http://{bound}", state.model_name);
+    axum::serve(listener, http::router(state))
+        .with_graceful_shutdown(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await
+        .context("serving HTTP")
+}
+
+/// The model id clients send: a known model's name, or the file or directory name.
+fn served_name(model: &str) -> String {
+    let path = std::path::Path::new(model.trim_end_matches('/'));
+    path.file_stem()
+        .map_or_else(|| model.to_string(), |s| s.to_string_lossy().into_owned())
+}

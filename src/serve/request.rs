@@ -1,0 +1,381 @@
+//! Request bodies of `/v1/completions` and `/v1/chat/completions`, parsed by hand from JSON so
+//! that a wrong type or value is a 400 naming the parameter (a derive would give 422s and
+//! serde's positions). Parameters the server cannot honour are refused, never ignored.
+
+use super::error::ApiError;
+use runtime::SamplingParams;
+use serde_json::{Map, Value};
+
+/// What to generate from, before tokenization.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptInput {
+    Text(String),
+    Ids(Vec<u32>),
+    /// Chat messages as (role, content).
+    Chat(Vec<(String, String)>),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationRequest {
+    pub model: Option<String>,
+    pub prompt: PromptInput,
+    /// None: as many as the context allows (chat) or 16 (completions, OpenAI's default).
+    pub max_tokens: Option<usize>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+}
+
+/// Which endpoint a body was sent to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Completions,
+    Chat,
+}
+
+/// Parse and validate a request body.
+pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<GenerationRequest, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+    let Value::Object(obj) = value else {
+        return Err(ApiError::bad_request("the request body must be a JSON object"));
+    };
+    let fields = Fields(&obj);
+    let prompt = match endpoint {
+        Endpoint::Completions => completion_prompt(&fields)?,
+        Endpoint::Chat => PromptInput::Chat(chat_messages(&fields)?),
+    };
+    let max_tokens = match endpoint {
+        Endpoint::Chat => fields.count("max_completion_tokens")?.or(fields.count("max_tokens")?),
+        Endpoint::Completions => fields.count("max_tokens")?,
+    };
+    let stream = fields.bool("stream")?.unwrap_or(false);
+    let include_usage = match obj.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(o)) => Fields(o).bool("include_usage")?.unwrap_or(false),
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stream_options",
+                "`stream_options` must be an object",
+            ))
+        }
+    };
+    let sampling = sampling(&fields)?;
+    refuse_unsupported(&fields)?;
+    Ok(GenerationRequest {
+        model: fields.string("model")?,
+        prompt,
+        max_tokens,
+        stream,
+        include_usage,
+        sampling,
+        stop: stop_strings(&fields)?,
+        stop_token_ids: fields.ids("stop_token_ids")?.unwrap_or_default(),
+        ignore_eos: fields.bool("ignore_eos")?.unwrap_or(false),
+    })
+}
+
+fn completion_prompt(fields: &Fields) -> Result<PromptInput, ApiError> {
+    match fields.0.get("prompt") {
+        None | Some(Value::Null) => Err(ApiError::invalid("prompt", "`prompt` is required")),
+        Some(Value::String(s)) => Ok(PromptInput::Text(s.clone())),
+        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
+            Ok(PromptInput::Text(items[0].as_str().unwrap_or_default().to_string()))
+        }
+        Some(Value::Array(items)) if items.iter().all(Value::is_number) => {
+            Ok(PromptInput::Ids(fields.ids("prompt")?.unwrap_or_default()))
+        }
+        Some(Value::Array(_)) => Err(ApiError::invalid(
+            "prompt",
+            "`prompt` must be a string or an array of token ids (one prompt per request)",
+        )),
+        Some(_) => Err(ApiError::invalid(
+            "prompt",
+            "`prompt` must be a string or an array of token ids",
+        )),
+    }
+}
+
+fn chat_messages(fields: &Fields) -> Result<Vec<(String, String)>, ApiError> {
+    let Some(Value::Array(items)) = fields.0.get("messages") else {
+        return Err(ApiError::invalid("messages", "`messages` must be an array of messages"));
+    };
+    if items.is_empty() {
+        return Err(ApiError::invalid("messages", "`messages` must not be empty"));
+    }
+    items.iter().map(chat_message).collect()
+}
+
+fn chat_message(item: &Value) -> Result<(String, String), ApiError> {
+    let bad = |what: &str| ApiError::invalid("messages", format!("each message needs {what}"));
+    let Value::Object(m) = item else {
+        return Err(bad("to be an object with `role` and `content`"));
+    };
+    let role = m
+        .get("role")
+        .and_then(Value::as_str)
+        .ok_or_else(|| bad("a string `role`"))?;
+    let content = match m.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        // The array form: text parts only (this server has no image or audio input).
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .map(|p| {
+                match (
+                    p.get("type").and_then(Value::as_str),
+                    p.get("text").and_then(Value::as_str),
+                ) {
+                    (Some("text"), Some(text)) => Ok(text),
+                    _ => Err(bad("`content` parts of type `text` (no other input is supported)")),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()?
+            .concat(),
+        None | Some(Value::Null) => String::new(),
+        Some(_) => return Err(bad("`content` as a string or an array of text parts")),
+    };
+    Ok((role.to_string(), content))
+}
+
+fn sampling(fields: &Fields) -> Result<SamplingParams, ApiError> {
+    let defaults = SamplingParams::default();
+    // OpenAI's default temperature is 1.
+    let temperature = fields.number("temperature")?.unwrap_or(1.0);
+    if !(0.0..=100.0).contains(&temperature) {
+        return Err(ApiError::invalid(
+            "temperature",
+            format!("`temperature` must be ≥ 0, got {temperature}"),
+        ));
+    }
+    let top_p = fields.number("top_p")?.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ApiError::invalid(
+            "top_p",
+            format!("`top_p` must be in (0, 1], got {top_p}"),
+        ));
+    }
+    let min_p = fields.number("min_p")?.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ApiError::invalid(
+            "min_p",
+            format!("`min_p` must be in [0, 1], got {min_p}"),
+        ));
+    }
+    let top_k = match fields.integer("top_k")? {
+        None | Some(-1) | Some(0) => 0,
+        Some(k) if k > 0 => k as usize,
+        Some(k) => {
+            return Err(ApiError::invalid(
+                "top_k",
+                format!("`top_k` must be -1 (off) or ≥ 1, got {k}"),
+            ))
+        }
+    };
+    let seed = match fields.integer("seed")? {
+        None => defaults.seed,
+        Some(s) => s as u64,
+    };
+    Ok(SamplingParams {
+        temperature: temperature as f32,
+        seed,
+        top_k,
+        top_p: top_p as f32,
+        min_p: min_p as f32,
+    })
+}
+
+/// Parameters a client may send whose non-default values this server does not implement yet:
+/// a 400 saying so is better than an answer that silently differs from what was asked.
+fn refuse_unsupported(fields: &Fields) -> Result<(), ApiError> {
+    for (param, neutral) in [("n", 1.0), ("best_of", 1.0)] {
+        if let Some(v) = fields.number(param)? {
+            if v != neutral {
+                return Err(ApiError::invalid(
+                    param,
+                    format!("`{param}` other than 1 is not supported"),
+                ));
+            }
+        }
+    }
+    for (param, neutral) in [
+        ("presence_penalty", 0.0),
+        ("frequency_penalty", 0.0),
+        ("repetition_penalty", 1.0),
+    ] {
+        if let Some(v) = fields.number(param)? {
+            if v != neutral {
+                return Err(ApiError::invalid(param, format!("`{param}` is not supported yet")));
+            }
+        }
+    }
+    match fields.0.get("logprobs") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(()),
+        Some(_) => Err(ApiError::invalid("logprobs", "`logprobs` is not supported yet")),
+    }
+}
+
+fn stop_strings(fields: &Fields) -> Result<Vec<String>, ApiError> {
+    let stops = match fields.0.get("stop") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_str().map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| ApiError::invalid("stop", "`stop` must be a string or an array of strings"))?,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "stop",
+                "`stop` must be a string or an array of strings",
+            ))
+        }
+    };
+    if stops.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("stop", "`stop` strings must not be empty"));
+    }
+    Ok(stops)
+}
+
+/// Typed access to a body's fields; `null` counts as absent.
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl Fields<'_> {
+    fn get(&self, name: &str) -> Option<&Value> {
+        self.0.get(name).filter(|v| !v.is_null())
+    }
+
+    fn wrong_type(name: &str, want: &str) -> ApiError {
+        ApiError::invalid(name, format!("`{name}` must be {want}"))
+    }
+
+    fn string(&self, name: &str) -> Result<Option<String>, ApiError> {
+        self.get(name)
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_string)
+                    .ok_or_else(|| Self::wrong_type(name, "a string"))
+            })
+            .transpose()
+    }
+
+    fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
+        self.get(name)
+            .map(|v| v.as_bool().ok_or_else(|| Self::wrong_type(name, "a boolean")))
+            .transpose()
+    }
+
+    fn number(&self, name: &str) -> Result<Option<f64>, ApiError> {
+        self.get(name)
+            .map(|v| v.as_f64().ok_or_else(|| Self::wrong_type(name, "a number")))
+            .transpose()
+    }
+
+    fn integer(&self, name: &str) -> Result<Option<i64>, ApiError> {
+        self.get(name)
+            .map(|v| v.as_i64().ok_or_else(|| Self::wrong_type(name, "an integer")))
+            .transpose()
+    }
+
+    /// A count of tokens: an integer ≥ 1.
+    fn count(&self, name: &str) -> Result<Option<usize>, ApiError> {
+        match self.integer(name)? {
+            None => Ok(None),
+            Some(n) if n >= 1 => Ok(Some(n as usize)),
+            Some(n) => Err(ApiError::invalid(name, format!("`{name}` must be at least 1, got {n}"))),
+        }
+    }
+
+    fn ids(&self, name: &str) -> Result<Option<Vec<u32>>, ApiError> {
+        let Some(v) = self.get(name) else { return Ok(None) };
+        let items = v
+            .as_array()
+            .ok_or_else(|| Self::wrong_type(name, "an array of token ids"))?;
+        items
+            .iter()
+            .map(|i| {
+                i.as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .ok_or_else(|| Self::wrong_type(name, "an array of token ids"))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn completions(body: &str) -> Result<GenerationRequest, ApiError> {
+        parse(body.as_bytes(), Endpoint::Completions)
+    }
+
+    #[test]
+    fn the_inferencex_body_parses() {
+        let r = completions(
+            r#"{"model":"m","prompt":"hi","temperature":0.0,"best_of":1,"max_tokens":8,"logprobs":null,
+                "stream":true,"stream_options":{"include_usage":true},"ignore_eos":true}"#,
+        )
+        .unwrap();
+        assert_eq!(r.prompt, PromptInput::Text("hi".into()));
+        assert_eq!(
+            (r.max_tokens, r.stream, r.include_usage, r.ignore_eos),
+            (Some(8), true, true, true)
+        );
+        assert_eq!(r.sampling.temperature, 0.0);
+    }
+
+    #[test]
+    fn errors_name_the_parameter() {
+        let param = |body: &str| completions(body).unwrap_err().param;
+        assert_eq!(
+            param(r#"{"prompt":"x","temperature":-1}"#).as_deref(),
+            Some("temperature")
+        );
+        assert_eq!(
+            param(r#"{"prompt":"x","temperature":"hot"}"#).as_deref(),
+            Some("temperature")
+        );
+        assert_eq!(param(r#"{"prompt":"x","top_p":0}"#).as_deref(), Some("top_p"));
+        assert_eq!(param(r#"{"prompt":"x","top_k":-2}"#).as_deref(), Some("top_k"));
+        assert_eq!(param(r#"{"prompt":"x","max_tokens":0}"#).as_deref(), Some("max_tokens"));
+        assert_eq!(
+            param(r#"{"prompt":"x","max_tokens":1.5}"#).as_deref(),
+            Some("max_tokens")
+        );
+        assert_eq!(param(r#"{"prompt":"x","stop":[1]}"#).as_deref(), Some("stop"));
+        assert_eq!(param(r#"{"prompt":"x","n":2}"#).as_deref(), Some("n"));
+        assert_eq!(param(r#"{"prompt":"x","stream":"yes"}"#).as_deref(), Some("stream"));
+        assert_eq!(param(r#"{"prompt":[1,-3]}"#).as_deref(), Some("prompt"));
+        assert_eq!(param(r#"{}"#).as_deref(), Some("prompt"));
+        assert_eq!(
+            parse(br#"{"messages":[{"content":"x"}]}"#, Endpoint::Chat)
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("messages")
+        );
+    }
+
+    #[test]
+    fn malformed_json_is_a_400() {
+        for body in ["", "{", "[1,2]", "\"x\"", "{\"prompt\":\"x\",}"] {
+            assert_eq!(completions(body).unwrap_err().status.as_u16(), 400, "{body:?}");
+        }
+    }
+
+    #[test]
+    fn chat_takes_max_completion_tokens_and_text_parts() {
+        let r = parse(
+            br#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],
+                 "max_completion_tokens":5}"#,
+            Endpoint::Chat,
+        )
+        .unwrap();
+        assert_eq!(r.prompt, PromptInput::Chat(vec![("user".into(), "ab".into())]));
+        assert_eq!(r.max_tokens, Some(5));
+    }
+}

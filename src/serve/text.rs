@@ -1,0 +1,120 @@
+//! Turning a request's generated tokens into the text a client sees: incremental decoding that
+//! never splits a UTF-8 character, and stop strings matched across token boundaries. Text that
+//! might be the start of a stop string is held back until it is known not to be, so a stop
+//! string is never emitted, not even in part.
+
+use models::{StreamDecoder, Tokenizer};
+
+pub struct TextOutput {
+    decoder: StreamDecoder,
+    stops: Vec<String>,
+    /// Decoded text not yet released (a possible stop-string prefix).
+    held: String,
+    stopped: bool,
+}
+
+/// What one token released.
+#[derive(Debug, Default, PartialEq)]
+pub struct Piece {
+    pub text: String,
+    /// A stop string was completed: generation must end here.
+    pub stopped: bool,
+}
+
+impl TextOutput {
+    pub fn new(stops: Vec<String>) -> Self {
+        Self {
+            decoder: StreamDecoder::new(),
+            stops,
+            held: String::new(),
+            stopped: false,
+        }
+    }
+
+    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> models::Result<Piece> {
+        if self.stopped {
+            return Ok(Piece::default());
+        }
+        let piece = self.decoder.push(tokenizer, id)?;
+        Ok(self.release(&piece))
+    }
+
+    /// The rest at the end of generation.
+    pub fn finish(&mut self, tokenizer: &Tokenizer) -> models::Result<String> {
+        if self.stopped {
+            return Ok(String::new());
+        }
+        let rest = self.decoder.finish(tokenizer)?;
+        let piece = self.release(&rest);
+        Ok(if piece.stopped {
+            piece.text
+        } else {
+            piece.text + &std::mem::take(&mut self.held)
+        })
+    }
+
+    fn release(&mut self, piece: &str) -> Piece {
+        self.held.push_str(piece);
+        if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+            self.stopped = true;
+            let text = self.held[..at].to_string();
+            self.held.clear();
+            return Piece { text, stopped: true };
+        }
+        let keep = self.longest_stop_prefix_suffix();
+        let text = self.held[..self.held.len() - keep].to_string();
+        self.held.drain(..self.held.len() - keep);
+        Piece { text, stopped: false }
+    }
+
+    /// Length of the longest end of `held` that begins some stop string.
+    fn longest_stop_prefix_suffix(&self) -> usize {
+        let mut longest = 0;
+        for stop in &self.stops {
+            for (len, _) in stop.char_indices().skip(1) {
+                if len > longest && self.held.ends_with(&stop[..len]) {
+                    longest = len;
+                }
+            }
+        }
+        longest
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feeds text pieces straight to the stop-string logic (the decoder is tested in `models`).
+    fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {
+        let mut out = TextOutput::new(stops.iter().map(|s| s.to_string()).collect());
+        let mut text = String::new();
+        for p in pieces {
+            let piece = out.release(p);
+            text += &piece.text;
+            if piece.stopped {
+                return (text, true);
+            }
+        }
+        text += &out.held;
+        (text, false)
+    }
+
+    #[test]
+    fn a_stop_string_split_across_tokens_is_never_emitted() {
+        assert_eq!(run(&["STOP"], &["ab", "cS", "TO", "Pxyz"]), ("abc".into(), true));
+        assert_eq!(run(&["\n\n"], &["one\n", "\ntwo"]), ("one".into(), true));
+    }
+
+    #[test]
+    fn a_false_start_is_released() {
+        assert_eq!(run(&["STOP"], &["aST", "x", "b"]), ("aSTxb".into(), false));
+        assert_eq!(run(&["ab", "xyz"], &["x", "y", "q"]), ("xyq".into(), false));
+    }
+
+    #[test]
+    fn the_earliest_stop_wins_and_characters_stay_whole() {
+        assert_eq!(run(&["é!", "b"], &["aé", "!b"]), ("a".into(), true));
+        assert_eq!(run(&["éa"], &["xé", "b"]), ("xéb".into(), false));
+    }
+}

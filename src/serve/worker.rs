@@ -1,0 +1,124 @@
+//! The engine thread: owns the backend and the serving engine, takes requests and aborts over a
+//! channel, and runs steps while any sequence is in flight. Each request gets its own event
+//! channel; when the receiving side is gone (the client disconnected, or the handler stopped it
+//! on a stop string) the sequence is aborted and its KV blocks are freed before the next step.
+
+use super::metrics::Metrics;
+use runtime::serving::{AddError, FinishReason, SeqId, ServingEngine};
+use runtime::{Backend, SamplingParams};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use tokio::sync::{mpsc, oneshot};
+
+/// What the engine reports to a request's handler.
+#[derive(Debug)]
+pub enum Event {
+    Token(u32),
+    Finished(FinishReason),
+    /// The backend failed; the request cannot continue.
+    Failed(String),
+}
+
+pub struct NewRequest {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub stop_tokens: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub events: mpsc::UnboundedSender<Event>,
+    pub admitted: oneshot::Sender<Result<SeqId, AddError>>,
+}
+
+/// Run the engine until every sender of `requests` is gone.
+pub fn run<B: Backend>(
+    mut engine: ServingEngine<B>,
+    mut requests: mpsc::UnboundedReceiver<NewRequest>,
+    metrics: Arc<Metrics>,
+) {
+    let mut clients: HashMap<SeqId, mpsc::UnboundedSender<Event>> = HashMap::new();
+    loop {
+        if engine.scheduler().is_idle() {
+            match requests.blocking_recv() {
+                Some(request) => admit(&mut engine, &mut clients, request),
+                None => return,
+            }
+        }
+        while let Ok(request) = requests.try_recv() {
+            admit(&mut engine, &mut clients, request);
+        }
+        drop_departed(&mut engine, &mut clients);
+        if !engine.scheduler().is_idle() {
+            step(&mut engine, &mut clients, &metrics);
+        }
+        publish(&engine, &metrics);
+    }
+}
+
+fn admit<B: Backend>(
+    engine: &mut ServingEngine<B>,
+    clients: &mut HashMap<SeqId, mpsc::UnboundedSender<Event>>,
+    r: NewRequest,
+) {
+    let added = engine.add(r.prompt, r.max_tokens, r.stop_tokens, r.sampling);
+    if let Ok(id) = added {
+        clients.insert(id, r.events);
+    }
+    if let (Err(_), Ok(id)) = (r.admitted.send(added.clone()), added) {
+        // The handler is gone already.
+        engine.abort(id);
+        clients.remove(&id);
+    }
+}
+
+/// Abort every sequence whose client stopped listening.
+fn drop_departed<B: Backend>(
+    engine: &mut ServingEngine<B>,
+    clients: &mut HashMap<SeqId, mpsc::UnboundedSender<Event>>,
+) {
+    clients.retain(|&id, events| {
+        let open = !events.is_closed();
+        if !open {
+            engine.abort(id);
+        }
+        open
+    });
+}
+
+fn step<B: Backend>(
+    engine: &mut ServingEngine<B>,
+    clients: &mut HashMap<SeqId, mpsc::UnboundedSender<Event>>,
+    metrics: &Metrics,
+) {
+    match engine.step() {
+        Ok(out) => {
+            metrics.generation_tokens.fetch_add(out.tokens.len() as u64, Relaxed);
+            for (id, token) in out.tokens {
+                let delivered = clients.get(&id).is_some_and(|c| c.send(Event::Token(token)).is_ok());
+                if !delivered {
+                    engine.abort(id);
+                    clients.remove(&id);
+                }
+            }
+            for done in out.finished {
+                if let Some(client) = clients.remove(&done.seq) {
+                    let _ = client.send(Event::Finished(done.reason));
+                }
+            }
+        }
+        Err(e) => {
+            // A backend failure ends every request in flight; the server stays up.
+            let message = format!("the engine failed: {e}");
+            for (id, client) in clients.drain() {
+                let _ = client.send(Event::Failed(message.clone()));
+                engine.abort(id);
+            }
+        }
+    }
+}
+
+fn publish<B: Backend>(engine: &ServingEngine<B>, metrics: &Metrics) {
+    let s = engine.scheduler();
+    metrics.waiting.store(s.waiting() as u64, Relaxed);
+    metrics.running.store(s.running() as u64, Relaxed);
+    metrics.kv_blocks_used.store(s.used_blocks() as u64, Relaxed);
+}

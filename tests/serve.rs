@@ -1,0 +1,449 @@
+//! `bbc serve` end to end: the real binary on 127.0.0.1 with SmolLM2, spoken to over raw
+//! HTTP/1.1 (one connection per request, as the InferenceX client does).
+
+mod common;
+
+use proptest::prelude::*;
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running server, killed when dropped.
+struct Server {
+    child: Child,
+    address: String,
+}
+
+impl Server {
+    fn start(extra: &[&str]) -> Self {
+        let model = common::real_model("smollm2");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_bbc"))
+            .arg("serve")
+            .arg(&model)
+            .args(["--port", "0", "--served-model-name", "smollm2"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting bbc serve");
+        let stderr = child.stderr.take().expect("stderr");
+        // From here on, dropping `server` kills the process, panics included.
+        let mut server = Self {
+            child,
+            address: String::new(),
+        };
+        let mut stderr = BufReader::new(stderr);
+        let mut line = String::new();
+        while server.address.is_empty() {
+            line.clear();
+            if stderr.read_line(&mut line).expect("reading the server's stderr") == 0 {
+                panic!("bbc serve exited before listening");
+            }
+            if let Some((_, address)) = line.trim().rsplit_once("http://") {
+                server.address = address.to_string();
+            }
+        }
+        // Keep draining stderr so the server never blocks on a full pipe.
+        std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+        server
+    }
+
+    fn connect(&self) -> TcpStream {
+        let stream = TcpStream::connect(&self.address).expect("connecting");
+        stream.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+        stream
+    }
+
+    fn send(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> TcpStream {
+        let mut stream = self.connect();
+        let mut head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+            self.address,
+            body.len()
+        );
+        for (k, v) in headers {
+            head += &format!("{k}: {v}\r\n");
+        }
+        head += "\r\n";
+        stream.write_all(head.as_bytes()).unwrap();
+        stream.write_all(body).unwrap();
+        stream
+    }
+
+    /// Status and (de-chunked) body.
+    fn request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> (u16, String) {
+        let mut raw = Vec::new();
+        self.send(method, path, headers, body)
+            .read_to_end(&mut raw)
+            .expect("reading the response");
+        parse_response(&raw)
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let (status, text) = self.request("POST", path, &[], body.to_string().as_bytes());
+        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    }
+
+    /// The `data:` payloads of a streamed response.
+    fn stream(&self, path: &str, body: &Value) -> (u16, Vec<String>) {
+        let (status, text) = self.request("POST", path, &[], body.to_string().as_bytes());
+        let data = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .map(str::to_string)
+            .collect();
+        (status, data)
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        let (_, text) = self.request("GET", "/metrics", &[], b"");
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no metric {name} in\n{text}"))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn parse_response(raw: &[u8]) -> (u16, String) {
+    let text = String::from_utf8_lossy(raw);
+    let (head, body) = text.split_once("\r\n\r\n").expect("an HTTP response");
+    let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).expect("a status");
+    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
+    (status, if chunked { dechunk(body) } else { body.to_string() })
+}
+
+fn dechunk(mut body: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = body.split_once("\r\n") {
+        let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out += &rest[..n];
+        body = rest[n..].strip_prefix("\r\n").unwrap_or(&rest[n..]);
+    }
+    out
+}
+
+fn error_of(body: &Value) -> (&str, Option<&str>) {
+    let e = &body["error"];
+    (e["message"].as_str().expect("an error message"), e["param"].as_str())
+}
+
+#[test]
+fn completions_and_chat_answer_streamed_and_whole() {
+    let server = Server::start(&[]);
+    let (status, models) = server.request("GET", "/v1/models", &[], b"");
+    assert_eq!(status, 200);
+    assert!(models.contains("\"id\":\"smollm2\""), "{models}");
+    assert_eq!(server.request("GET", "/health", &[], b"").0, 200);
+
+    let body = json!({"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0});
+    let (status, whole) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    let text = whole["choices"][0]["text"].as_str().unwrap().to_string();
+    assert!(text.contains("Paris"), "{text:?}");
+    assert_eq!(whole["usage"]["completion_tokens"], 8);
+
+    // Streaming the same request gives the same text, piece by piece.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (status, data) = server.stream("/v1/completions", &streamed);
+    assert_eq!(status, 200);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let joined: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    assert_eq!(joined, text);
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "length");
+
+    // Chat, whole and streamed.
+    let chat = json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                      "max_completion_tokens": 12, "temperature": 0});
+    let (status, whole) = server.post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["object"], "chat.completion");
+    let answer = whole["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    // The same chat template and tokens as `bbc run --chat`.
+    let run = Command::new(env!("CARGO_BIN_EXE_bbc"))
+        .args(["run", "smollm2", "--chat", "--prompt", "What is the capital of France?"])
+        .args(["--max-tokens", "12", "--json"])
+        .output()
+        .expect("running bbc run");
+    let run: Value = serde_json::from_slice(&run.stdout).expect("bbc run --json");
+    assert_eq!(run["text"], answer);
+    let mut chat_stream = chat.clone();
+    chat_stream["stream"] = json!(true);
+    let (_, data) = server.stream("/v1/chat/completions", &chat_stream);
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let joined: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(joined, answer);
+}
+
+#[test]
+fn the_inferencex_body_streams_and_ends_with_a_usage_chunk() {
+    let server = Server::start(&[]);
+    let body = json!({"model": "smollm2", "prompt": "Once upon a time, in a small village,", "temperature": 0.0,
+        "best_of": 1, "max_tokens": 24, "logprobs": null, "stream": true,
+        "stream_options": {"include_usage": true}, "ignore_eos": true});
+    let (status, data) = server.stream("/v1/completions", &body);
+    assert_eq!(status, 200);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]), "usage rides alone, as vLLM sends it");
+    let with_text = chunks
+        .iter()
+        .filter(|c| !c["choices"][0]["text"].as_str().unwrap_or("").is_empty())
+        .count();
+    assert_eq!(usage["usage"]["completion_tokens"], 24);
+    assert_eq!(with_text, 24, "one chunk per token for plain English text");
+    assert!(chunks[..chunks.len() - 1].iter().all(|c| c.get("usage").is_none()));
+}
+
+#[test]
+fn stop_strings_and_stop_token_ids_end_generation_unprinted() {
+    let server = Server::start(&[]);
+    let prompt = "The capital of France is";
+    let (_, free) = server.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 8, "temperature": 0}),
+    );
+    let text = free["choices"][0]["text"].as_str().unwrap();
+    // Stop at the first "." the free run printed: everything before it, nothing after.
+    let cut = text.find('.').expect("the answer has a full stop");
+    let (_, stopped) = server.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": ["."]}),
+    );
+    assert_eq!(stopped["choices"][0]["text"], text[..cut]);
+    assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+}
+
+#[test]
+fn concurrent_greedy_requests_generate_what_they_generate_alone() {
+    let server = Server::start(&["--max-num-seqs", "64", "--token-budget", "256"]);
+    let body = |i: u32| {
+        let prompt: Vec<u32> = (0..(4 + i % 9)).map(|j| 200 + 31 * i + 7 * j).collect();
+        json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true})
+    };
+    let alone: Vec<Value> = (0..64).map(|i| server.post("/v1/completions", &body(i)).1).collect();
+    let server = &server;
+    let together: Vec<Value> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..64)
+            .map(|i| s.spawn(move || server.post("/v1/completions", &body(i)).1))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(a["choices"][0]["text"], t["choices"][0]["text"], "request {i}");
+    }
+}
+
+#[test]
+fn invalid_requests_get_400s_naming_the_parameter() {
+    let server = Server::start(&[]);
+    let cases = [
+        (json!({"prompt": "x", "temperature": -1}), "temperature"),
+        (json!({"prompt": "x", "temperature": "hot"}), "temperature"),
+        (json!({"prompt": "x", "top_p": 1.5}), "top_p"),
+        (json!({"prompt": "x", "max_tokens": 0}), "max_tokens"),
+        (json!({"prompt": "x", "max_tokens": 100000}), "max_tokens"),
+        (json!({"prompt": "x", "stop": 3}), "stop"),
+        (json!({"prompt": [1, 2, 99999999]}), "prompt"),
+        (json!({"max_tokens": 3}), "prompt"),
+    ];
+    for (body, param) in cases {
+        let (status, answer) = server.post("/v1/completions", &body);
+        assert_eq!(status, 400, "{body}: {answer}");
+        assert_eq!(error_of(&answer).1, Some(param), "{body}: {answer}");
+    }
+    let (status, answer) = server.post("/v1/chat/completions", &json!({"messages": "hi"}));
+    assert_eq!((status, error_of(&answer).1), (400, Some("messages")));
+
+    // A prompt over the context length: vLLM's message.
+    let long: Vec<u32> = (0..9000).map(|i| 100 + i % 1000).collect();
+    let (status, answer) = server.post("/v1/completions", &json!({"prompt": long, "max_tokens": 1}));
+    assert_eq!(status, 400);
+    assert!(
+        error_of(&answer).0.starts_with(
+            "This model's maximum context length is 8192 tokens. However, your request has 9000 input tokens."
+        ),
+        "{answer}"
+    );
+
+    for raw in ["{", "[]", "nonsense", "{\"prompt\": \"x\",}"] {
+        let (status, text) = server.request("POST", "/v1/completions", &[], raw.as_bytes());
+        assert_eq!(status, 400, "{raw}: {text}");
+    }
+    let (status, answer) = server.post("/v1/completions", &json!({"model": "gpt-5", "prompt": "x"}));
+    assert_eq!(status, 404);
+    assert!(error_of(&answer).0.contains("gpt-5"));
+}
+
+#[test]
+fn an_api_key_is_required_when_set() {
+    let server = Server::start(&["--api-key", "sesame"]);
+    let body = json!({"prompt": "x", "max_tokens": 1}).to_string();
+    let (status, _) = server.request("POST", "/v1/completions", &[], body.as_bytes());
+    assert_eq!(status, 401);
+    let (status, _) = server.request(
+        "POST",
+        "/v1/completions",
+        &[("Authorization", "Bearer nope")],
+        body.as_bytes(),
+    );
+    assert_eq!(status, 401);
+    let (status, _) = server.request("GET", "/v1/models", &[], b"");
+    assert_eq!(status, 401);
+    let (status, text) = server.request(
+        "POST",
+        "/v1/completions",
+        &[("Authorization", "Bearer sesame")],
+        body.as_bytes(),
+    );
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(server.request("GET", "/health", &[], b"").0, 200, "health needs no key");
+}
+
+#[test]
+fn a_full_queue_answers_503_and_the_accepted_requests_complete() {
+    let server = Server::start(&["--max-queued", "2", "--max-num-seqs", "2"]);
+    let body = json!({"prompt": "Tell me a long story.", "max_tokens": 48, "temperature": 0, "ignore_eos": true});
+    let statuses: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..16)
+            .map(|_| s.spawn(|| server.post("/v1/completions", &body)))
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let refused = statuses.iter().filter(|(s, _)| *s == 503).count();
+    let served = statuses.iter().filter(|(s, _)| *s == 200).count();
+    assert_eq!(refused + served, 16, "{statuses:?}");
+    assert!(refused > 0 && served >= 2, "{refused} refused, {served} served");
+    for (status, answer) in &statuses {
+        if *status == 200 {
+            assert_eq!(answer["usage"]["completion_tokens"], 48);
+        } else {
+            assert!(error_of(answer).0.contains("queue is full"), "{answer}");
+        }
+    }
+    assert_eq!(server.metric("bbc_kv_blocks_used"), 0.0);
+}
+
+#[test]
+fn disconnecting_clients_free_their_blocks_at_once() {
+    let server = Server::start(&[]);
+    let body = json!({"prompt": "Write a very long essay.", "max_tokens": 4000, "temperature": 0,
+                      "ignore_eos": true, "stream": true})
+    .to_string();
+    for _ in 0..8 {
+        let mut stream = server.send("POST", "/v1/completions", &[], body.as_bytes());
+        // Wait for the first token, then hang up.
+        let mut buf = [0u8; 512];
+        let n = stream.read(&mut buf).unwrap();
+        assert!(n > 0);
+        drop(stream);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while server.metric("bbc_kv_blocks_used") > 0.0 || server.metric("bbc_requests_running") > 0.0 {
+        assert!(
+            Instant::now() < deadline,
+            "blocks still held 10 s after every client left"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let asked = Instant::now();
+    let (status, _) = server.post("/v1/completions", &json!({"prompt": "Hi", "max_tokens": 4}));
+    assert_eq!(status, 200);
+    assert!(asked.elapsed() < Duration::from_secs(5));
+}
+
+/// Bodies near valid ones: valid fields with wrong types or values, truncations, garbage.
+fn body() -> impl Strategy<Value = Vec<u8>> {
+    let value = prop_oneof![
+        Just(json!(null)),
+        any::<bool>().prop_map(Value::from),
+        any::<i64>().prop_map(Value::from),
+        (-10.0f64..10.0).prop_map(Value::from),
+        "[a-z ]{0,12}".prop_map(Value::from),
+        proptest::collection::vec(0u32..60000, 0..4).prop_map(|v| json!(v)),
+        Just(json!({"include_usage": "yes"})),
+        Just(json!([{"role": 1}])),
+    ];
+    let key = prop_oneof![
+        Just("prompt"),
+        Just("messages"),
+        Just("max_tokens"),
+        Just("temperature"),
+        Just("top_p"),
+        Just("top_k"),
+        Just("stop"),
+        Just("stream"),
+        Just("stream_options"),
+        Just("seed"),
+        Just("n"),
+        Just("model"),
+        Just("logprobs"),
+        Just("min_p"),
+        Just("stop_token_ids"),
+    ];
+    let object = proptest::collection::vec((key, value), 0..6).prop_map(|fields| {
+        let mut map = serde_json::Map::new();
+        for (k, v) in fields {
+            map.insert(k.to_string(), v);
+        }
+        // Keep valid requests short.
+        if map.get("max_tokens").and_then(Value::as_i64).is_some_and(|n| n > 4) {
+            map.insert("max_tokens".into(), json!(2));
+        }
+        map.entry("max_tokens").or_insert(json!(2));
+        Value::Object(map).to_string().into_bytes()
+    });
+    prop_oneof![
+        3 => object.clone(),
+        1 => (object, any::<usize>()).prop_map(|(b, cut)| b[..cut % (b.len() + 1)].to_vec()),
+        1 => proptest::collection::vec(any::<u8>(), 0..64),
+    ]
+}
+
+#[test]
+fn random_and_malformed_bodies_never_crash_the_server() {
+    let server = Server::start(&[]);
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(500));
+    for path in ["/v1/completions", "/v1/chat/completions"] {
+        runner
+            .run(&body(), |b| {
+                let (status, text) = server.request("POST", path, &[], &b);
+                prop_assert!(matches!(status, 200 | 400 | 404), "{status} {text}");
+                if status != 200 {
+                    let answer: Value = serde_json::from_str(&text).expect("errors are JSON");
+                    prop_assert!(answer["error"]["message"].is_string());
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
+    assert_eq!(server.request("GET", "/health", &[], b"").0, 200);
+    assert_eq!(server.metric("bbc_kv_blocks_used"), 0.0);
+}
