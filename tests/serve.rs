@@ -239,6 +239,17 @@ fn stop_strings_and_stop_token_ids_end_generation_unprinted() {
     );
     assert_eq!(stopped["choices"][0]["text"], text[..cut]);
     assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+
+    // The same cut by token id: "." is one token.
+    let model = models::Model::open(models::ModelSpec::for_weights(&common::real_model("smollm2"))).unwrap();
+    let period = model.tokenizer.as_ref().unwrap().encode(".", false).unwrap();
+    assert_eq!(period.len(), 1);
+    let (_, stopped) = server.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "stop_token_ids": period}),
+    );
+    assert_eq!(stopped["choices"][0]["text"], text[..cut]);
+    assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
 }
 
 #[test]
@@ -446,4 +457,47 @@ fn random_and_malformed_bodies_never_crash_the_server() {
     }
     assert_eq!(server.request("GET", "/health", &[], b"").0, 200);
     assert_eq!(server.metric("bbc_kv_blocks_used"), 0.0);
+}
+
+/// The official `openai` Python client, when installed (`.ci/run` installs it into
+/// `$BBC_HOME/python` and sets BBC_REQUIRE_OPENAI=1, so CI never skips this).
+#[test]
+fn the_openai_python_client_works() {
+    let python_path = bbc::fetch::cache_dir().join("python");
+    let has_client = Command::new("python3")
+        .args(["-c", "import openai"])
+        .env("PYTHONPATH", &python_path)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !has_client {
+        assert!(
+            std::env::var("BBC_REQUIRE_OPENAI").is_err(),
+            "BBC_REQUIRE_OPENAI is set but `openai` does not import"
+        );
+        eprintln!("skipping: the `openai` Python package is not installed");
+        return;
+    }
+    let server = Server::start(&[]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(format!("http://{}/v1", server.address))
+        .env("PYTHONPATH", &python_path)
+        .output()
+        .expect("running the openai client");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let got: Value = serde_json::from_slice(&out.stdout).expect("the script's JSON");
+    let (_, want) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(got["completion"], want["choices"][0]["text"]);
+    assert_eq!(got["completion_stream"], got["completion"]);
+    assert_eq!(
+        (got["completion_usage"].as_u64(), got["stream_usage"].as_u64()),
+        (Some(8), Some(8))
+    );
+    assert!(!got["chat"].as_str().unwrap().is_empty());
+    assert_eq!(got["chat_stream"], got["chat"]);
+    assert_eq!(got["models"], json!(["smollm2"]));
 }
