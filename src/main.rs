@@ -102,8 +102,9 @@ enum Command {
         /// Positions per KV-cache block.
         #[arg(long, default_value_t = 16)]
         block_size: usize,
-        /// Tokens computed per step across all sequences.
-        #[arg(long, default_value_t = 512)]
+        /// Tokens computed per step across all sequences (a step's length bounds every
+        /// running request's time per output token).
+        #[arg(long, default_value_t = 128)]
         token_budget: usize,
         /// The model id clients send (default: the model's name).
         #[arg(long)]

@@ -96,8 +96,14 @@ fn aborting_frees_blocks_at_once() {
         engine.step().unwrap();
     }
     assert!(engine.scheduler().used_blocks() > 0);
-    assert!(engine.abort(a) && engine.abort(b));
+    // A step that finds `b` unwanted aborts it instead of computing it; `a` goes on.
+    let out = engine.step_while(|id| id != b).unwrap();
+    assert_eq!(out.tokens.iter().map(|&(id, _)| id).collect::<Vec<_>>(), vec![a]);
+    assert!(!engine.abort(b), "already aborted");
+    assert_eq!(engine.scheduler().running(), 1);
+    assert!(engine.abort(a));
     assert!(!engine.abort(a), "a second abort finds nothing");
+    assert!(!engine.abort(b));
     assert_eq!(engine.scheduler().used_blocks(), 0);
     assert!(engine.scheduler().is_idle());
 }

@@ -89,7 +89,8 @@ fn step<B: Backend>(
     clients: &mut HashMap<SeqId, mpsc::UnboundedSender<Event>>,
     metrics: &Metrics,
 ) {
-    match engine.step() {
+    let wanted = |id: SeqId| clients.get(&id).is_some_and(|c| !c.is_closed());
+    match engine.step_while(wanted) {
         Ok(out) => {
             metrics.generation_tokens.fetch_add(out.tokens.len() as u64, Relaxed);
             for (id, token) in out.tokens {

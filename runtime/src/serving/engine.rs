@@ -64,12 +64,23 @@ impl<B: Backend> ServingEngine<B> {
 
     /// Run one step of scheduled work.
     pub fn step(&mut self) -> Result<StepOutput> {
+        self.step_while(|_| true)
+    }
+
+    /// Run one step, first asking `wanted` about each sequence before computing it: one that is
+    /// no longer wanted (its client left) is aborted there, so a step over many sequences never
+    /// spends time on a request nobody is waiting for.
+    pub fn step_while(&mut self, mut wanted: impl FnMut(SeqId) -> bool) -> Result<StepOutput> {
         let schedule = self.scheduler.schedule();
         for id in &schedule.preempted {
             self.states.remove(id);
         }
         let mut out = StepOutput::default();
         for work in &schedule.work {
+            if !wanted(work.seq) {
+                self.abort(work.seq);
+                continue;
+            }
             let state = self
                 .states
                 .entry(work.seq)
