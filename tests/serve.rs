@@ -582,3 +582,21 @@ fn overload_bursts_are_refused_and_memory_stays_flat() {
         );
     }
 }
+
+#[test]
+fn penalties_reach_the_sampler() {
+    let server = Server::start(&[]);
+    let body = |extra: Value| {
+        let mut b = json!({"prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 12, "temperature": 0});
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        server.post("/v1/completions", &b).1["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let plain = body(json!({}));
+    assert_eq!(body(json!({"repetition_penalty": 1.0, "presence_penalty": 0})), plain);
+    // Counting repeats ", " every other token: penalising repeats must change the greedy text.
+    assert_ne!(body(json!({"repetition_penalty": 1.5})), plain);
+    assert_ne!(body(json!({"frequency_penalty": 1.5})), plain);
+}

@@ -2,6 +2,11 @@
 //! temperature with a seeded generator, so a seed reproduces a run. Sampling can be narrowed to
 //! the `top_k` most likely tokens, the smallest set holding `top_p` of the probability, and the
 //! tokens at least `min_p` times as likely as the best (applied in that order, as vLLM does).
+//! Penalties adjust the logits first, greedy included, with vLLM's definitions: `repetition`
+//! divides positive (multiplies negative) logits of tokens seen in the prompt or the output;
+//! `frequency` subtracts per occurrence in the output, `presence` once per token in it.
+
+use std::collections::{HashMap, HashSet};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplingParams {
@@ -14,6 +19,18 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// In [0, 1]; 0 keeps every token.
     pub min_p: f32,
+    /// 0 is off.
+    pub presence_penalty: f32,
+    /// 0 is off.
+    pub frequency_penalty: f32,
+    /// Above 0; 1 is off.
+    pub repetition_penalty: f32,
+}
+
+impl SamplingParams {
+    fn penalises(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repetition_penalty != 1.0
+    }
 }
 
 impl Default for SamplingParams {
@@ -24,6 +41,9 @@ impl Default for SamplingParams {
             top_k: 0,
             top_p: 1.0,
             min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
         }
     }
 }
@@ -51,6 +71,10 @@ impl SplitMix64 {
 pub struct Sampler {
     params: SamplingParams,
     rng: SplitMix64,
+    /// Tokens of the prompt (for the repetition penalty).
+    prompt: HashSet<u32>,
+    /// Occurrences of each token in the output so far.
+    output: HashMap<u32, u32>,
 }
 
 /// Index of the largest value; the lowest index among equals. NaN never wins.
@@ -66,13 +90,60 @@ pub fn argmax(logits: &[f32]) -> u32 {
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
+        Self::with_prompt(params, &[])
+    }
+
+    /// A sampler whose repetition penalty also counts the prompt's tokens.
+    pub fn with_prompt(params: SamplingParams, prompt: &[u32]) -> Self {
         Self {
             params,
             rng: SplitMix64(params.seed),
+            prompt: if params.penalises() {
+                prompt.iter().copied().collect()
+            } else {
+                HashSet::new()
+            },
+            output: HashMap::new(),
         }
     }
 
+    /// Choose the next token; it counts as output from then on.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let token = if self.params.penalises() {
+            let penalised = self.penalise(logits);
+            self.choose(&penalised)
+        } else {
+            self.choose(logits)
+        };
+        if self.params.penalises() {
+            *self.output.entry(token).or_default() += 1;
+        }
+        token
+    }
+
+    fn penalise(&self, logits: &[f32]) -> Vec<f32> {
+        let mut out = logits.to_vec();
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 {
+            for &id in self.prompt.iter().chain(self.output.keys()) {
+                if let Some(l) = out.get_mut(id as usize) {
+                    *l = if *l > 0.0 {
+                        *l / p.repetition_penalty
+                    } else {
+                        *l * p.repetition_penalty
+                    };
+                }
+            }
+        }
+        for (&id, &count) in &self.output {
+            if let Some(l) = out.get_mut(id as usize) {
+                *l -= p.frequency_penalty * count as f32 + p.presence_penalty;
+            }
+        }
+        out
+    }
+
+    fn choose(&mut self, logits: &[f32]) -> u32 {
         if self.params.temperature <= 0.0 {
             return argmax(logits);
         }
@@ -194,5 +265,37 @@ mod tests {
             chosen(SamplingParams { min_p: 0.45, ..base }, &logits),
             [0, 2, 3].into()
         );
+    }
+
+    #[test]
+    fn penalties_follow_vllm() {
+        let logits = [2.0f32, 1.9, -1.0, 0.5];
+        let greedy = |params: SamplingParams, prompt: &[u32], steps: usize| {
+            let mut s = Sampler::with_prompt(params, prompt);
+            (0..steps).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+        };
+        let off = SamplingParams::default();
+        assert_eq!(greedy(off, &[], 3), [0, 0, 0]);
+        // Presence: 0 once output costs 0.2 → 1.8 < 1.9; then 1 costs the same → 0 again.
+        let presence = SamplingParams {
+            presence_penalty: 0.2,
+            ..off
+        };
+        assert_eq!(greedy(presence, &[], 3), [0, 1, 0]);
+        // Frequency: each occurrence costs 0.06: 0 wins twice (2.0, 1.94), then 1.88 < 1.9.
+        let frequency = SamplingParams {
+            frequency_penalty: 0.06,
+            ..off
+        };
+        assert_eq!(greedy(frequency, &[], 3), [0, 0, 1]);
+        // Repetition 1.1 on a prompt holding 0: 2.0 / 1.1 < 1.9; a negative logit is multiplied.
+        let repetition = SamplingParams {
+            repetition_penalty: 1.1,
+            ..off
+        };
+        assert_eq!(greedy(repetition, &[0], 1), [1]);
+        assert_eq!(greedy(repetition, &[2], 1), [0]);
+        let s = Sampler::with_prompt(repetition, &[2]);
+        assert_eq!(s.penalise(&logits)[2], -1.1);
     }
 }

@@ -174,6 +174,23 @@ fn sampling(fields: &Fields) -> Result<SamplingParams, ApiError> {
             ))
         }
     };
+    let mut penalties = [0.0; 2];
+    for (slot, param) in penalties.iter_mut().zip(["presence_penalty", "frequency_penalty"]) {
+        *slot = fields.number(param)?.unwrap_or(0.0);
+        if !(-2.0..=2.0).contains(slot) {
+            return Err(ApiError::invalid(
+                param,
+                format!("`{param}` must be in [-2, 2], got {slot}"),
+            ));
+        }
+    }
+    let repetition_penalty = fields.number("repetition_penalty")?.unwrap_or(1.0);
+    if !(repetition_penalty > 0.0 && repetition_penalty <= 100.0) {
+        return Err(ApiError::invalid(
+            "repetition_penalty",
+            format!("`repetition_penalty` must be > 0, got {repetition_penalty}"),
+        ));
+    }
     let seed = match fields.integer("seed")? {
         None => defaults.seed,
         Some(s) => s as u64,
@@ -184,10 +201,13 @@ fn sampling(fields: &Fields) -> Result<SamplingParams, ApiError> {
         top_k,
         top_p: top_p as f32,
         min_p: min_p as f32,
+        presence_penalty: penalties[0] as f32,
+        frequency_penalty: penalties[1] as f32,
+        repetition_penalty: repetition_penalty as f32,
     })
 }
 
-/// Parameters a client may send whose non-default values this server does not implement yet:
+/// Parameters a client may send whose other values this server does not implement yet:
 /// a 400 saying so is better than an answer that silently differs from what was asked.
 fn refuse_unsupported(fields: &Fields) -> Result<(), ApiError> {
     for (param, neutral) in [("n", 1.0), ("best_of", 1.0)] {
@@ -197,17 +217,6 @@ fn refuse_unsupported(fields: &Fields) -> Result<(), ApiError> {
                     param,
                     format!("`{param}` other than 1 is not supported"),
                 ));
-            }
-        }
-    }
-    for (param, neutral) in [
-        ("presence_penalty", 0.0),
-        ("frequency_penalty", 0.0),
-        ("repetition_penalty", 1.0),
-    ] {
-        if let Some(v) = fields.number(param)? {
-            if v != neutral {
-                return Err(ApiError::invalid(param, format!("`{param}` is not supported yet")));
             }
         }
     }
@@ -348,6 +357,14 @@ mod tests {
         );
         assert_eq!(param(r#"{"prompt":"x","stop":[1]}"#).as_deref(), Some("stop"));
         assert_eq!(param(r#"{"prompt":"x","n":2}"#).as_deref(), Some("n"));
+        assert_eq!(
+            param(r#"{"prompt":"x","presence_penalty":3}"#).as_deref(),
+            Some("presence_penalty")
+        );
+        assert_eq!(
+            param(r#"{"prompt":"x","repetition_penalty":0}"#).as_deref(),
+            Some("repetition_penalty")
+        );
         assert_eq!(param(r#"{"prompt":"x","stream":"yes"}"#).as_deref(), Some("stream"));
         assert_eq!(param(r#"{"prompt":[1,-3]}"#).as_deref(), Some("prompt"));
         assert_eq!(param(r#"{}"#).as_deref(), Some("prompt"));

@@ -50,8 +50,9 @@ impl<B: Backend> ServingEngine<B> {
         stop_tokens: Vec<u32>,
         sampling: SamplingParams,
     ) -> std::result::Result<SeqId, AddError> {
+        let sampler = Sampler::with_prompt(sampling, &prompt);
         let id = self.scheduler.add(prompt, max_tokens, stop_tokens)?;
-        self.samplers.insert(id, Sampler::new(sampling));
+        self.samplers.insert(id, sampler);
         Ok(id)
     }
 
