@@ -600,3 +600,80 @@ fn penalties_reach_the_sampler() {
     assert_ne!(body(json!({"repetition_penalty": 1.5})), plain);
     assert_ne!(body(json!({"frequency_penalty": 1.5})), plain);
 }
+
+#[test]
+fn logprobs_report_the_greedy_token_as_the_most_likely() {
+    let server = Server::start(&[]);
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0, "logprobs": 3});
+    let (status, whole) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    let choice = &whole["choices"][0];
+    let lp = &choice["logprobs"];
+    let tokens: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.len(), 6);
+    assert_eq!(tokens.concat(), choice["text"].as_str().unwrap());
+    for (i, (chosen, top)) in lp["token_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(lp["top_logprobs"].as_array().unwrap())
+        .enumerate()
+    {
+        let top = top.as_object().unwrap();
+        assert_eq!(top.len(), 3, "token {i}");
+        let best = top
+            .values()
+            .map(|v| v.as_f64().unwrap())
+            .fold(f64::NEG_INFINITY, f64::max);
+        let chosen = chosen.as_f64().unwrap();
+        assert!(
+            chosen <= 0.0 && (chosen - best).abs() < 1e-6,
+            "greedy picks the most likely: {chosen} vs {best}"
+        );
+        assert_eq!(top[tokens[i]].as_f64().unwrap(), chosen);
+    }
+    let offsets: Vec<u64> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(offsets[0], 0);
+    assert!(offsets.windows(2).all(|w| w[0] < w[1]));
+
+    // Streamed: the same tokens, spread over the chunks.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (_, data) = server.stream("/v1/completions", &streamed);
+    let chunk_tokens: Vec<String> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+        .flat_map(|c| {
+            c["choices"][0]["logprobs"]["tokens"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .map(|t| t.as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(chunk_tokens, tokens);
+
+    // Chat: `logprobs: true` with `top_logprobs`.
+    let chat = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
+                      "logprobs": true, "top_logprobs": 2, "ignore_eos": true});
+    let (status, whole) = server.post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{whole}");
+    let content = whole["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), 4);
+    assert!(content
+        .iter()
+        .all(|e| e["top_logprobs"].as_array().unwrap().len() == 2 && e["logprob"].as_f64().unwrap() <= 0.0));
+    // Without asking, no logprobs.
+    let (_, plain) = server.post("/v1/completions", &json!({"prompt": "x", "max_tokens": 1}));
+    assert!(plain["choices"][0]["logprobs"].is_null());
+}

@@ -98,7 +98,7 @@ fn aborting_frees_blocks_at_once() {
     assert!(engine.scheduler().used_blocks() > 0);
     // A step that finds `b` unwanted aborts it instead of computing it; `a` goes on.
     let out = engine.step_while(|id| id != b).unwrap();
-    assert_eq!(out.tokens.iter().map(|&(id, _)| id).collect::<Vec<_>>(), vec![a]);
+    assert_eq!(out.tokens.iter().map(|s| s.seq).collect::<Vec<_>>(), vec![a]);
     assert!(!engine.abort(b), "already aborted");
     assert_eq!(engine.scheduler().running(), 1);
     assert!(engine.abort(a));

@@ -11,4 +11,4 @@ pub mod serving;
 pub use cpu::{CpuBackend, CpuSequence, WeightCache};
 pub use error::{Result, RuntimeError};
 pub use generate::{generate, Backend, Engine, GenerateOptions, StepEvent};
-pub use sampling::{Sampler, SamplingParams};
+pub use sampling::{Sampler, SamplingParams, TokenLogprobs};

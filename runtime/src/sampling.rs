@@ -25,6 +25,8 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// Above 0; 1 is off.
     pub repetition_penalty: f32,
+    /// Report the chosen token's log-probability and this many most likely alternatives.
+    pub logprobs: Option<usize>,
 }
 
 impl SamplingParams {
@@ -44,6 +46,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             repetition_penalty: 1.0,
+            logprobs: None,
         }
     }
 }
@@ -77,6 +80,48 @@ pub struct Sampler {
     output: HashMap<u32, u32>,
 }
 
+/// A chosen token's log-probability under the model's distribution (the raw logits, before
+/// temperature and penalties, as vLLM reports them) and the most likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    /// Most likely first (ties to the lower id).
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    pub fn of(logits: &[f32], token: u32, top: usize) -> Self {
+        let max = logits
+            .iter()
+            .copied()
+            .filter(|l| !l.is_nan())
+            .fold(f32::NEG_INFINITY, f32::max) as f64;
+        let sum: f64 = logits
+            .iter()
+            .filter(|l| !l.is_nan())
+            .map(|&l| (l as f64 - max).exp())
+            .sum();
+        let log_z = max + sum.ln();
+        let logprob = |id: u32| {
+            logits
+                .get(id as usize)
+                .map_or(f32::NEG_INFINITY, |&l| (l as f64 - log_z) as f32)
+        };
+        let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+        let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+        let top = top.min(ids.len());
+        if top > 0 && top < ids.len() {
+            ids.select_nth_unstable_by(top - 1, by_logit);
+        }
+        ids.truncate(top);
+        ids.sort_by(by_logit);
+        Self {
+            logprob: logprob(token),
+            top: ids.into_iter().map(|id| (id, logprob(id))).collect(),
+        }
+    }
+}
+
 /// Index of the largest value; the lowest index among equals. NaN never wins.
 pub fn argmax(logits: &[f32]) -> u32 {
     let mut best = 0;
@@ -105,6 +150,10 @@ impl Sampler {
             },
             output: HashMap::new(),
         }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
     }
 
     /// Choose the next token; it counts as output from then on.
@@ -265,6 +314,17 @@ mod tests {
             chosen(SamplingParams { min_p: 0.45, ..base }, &logits),
             [0, 2, 3].into()
         );
+    }
+
+    #[test]
+    fn logprobs_are_log_softmax_with_the_top_alternatives() {
+        let logits = [0.2f32.ln(), 0.1f32.ln(), 0.3f32.ln(), 0.4f32.ln()];
+        let lp = TokenLogprobs::of(&logits, 1, 2);
+        assert!((lp.logprob - 0.1f32.ln()).abs() < 1e-6);
+        assert_eq!(lp.top.iter().map(|&(id, _)| id).collect::<Vec<_>>(), [3, 2]);
+        assert!((lp.top[0].1 - 0.4f32.ln()).abs() < 1e-6);
+        assert!(TokenLogprobs::of(&logits, 0, 0).top.is_empty());
+        assert_eq!(TokenLogprobs::of(&logits, 0, 9).top.len(), 4);
     }
 
     #[test]

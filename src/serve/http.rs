@@ -16,6 +16,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use models::{ChatMessage, Tokenizer};
 use runtime::serving::{AddError, FinishReason};
+use runtime::TokenLogprobs;
 use serde_json::{json, Value};
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -149,6 +150,9 @@ async fn start(
         first_token_at: None,
         pending: VecDeque::new(),
         done: false,
+        want_logprobs: request.sampling.logprobs.is_some(),
+        logprobs: Vec::new(),
+        text_offset: 0,
     })
 }
 
@@ -234,7 +238,9 @@ fn unix_time() -> u64 {
 
 /// What a generation produces, before it is formatted for the wire.
 enum Output {
-    Text(String),
+    /// A piece of text, with the log-probabilities of the tokens consumed since the last piece
+    /// (empty unless asked for).
+    Text(String, Vec<(u32, TokenLogprobs)>),
     Finish(&'static str),
     Error(String),
 }
@@ -257,6 +263,11 @@ struct Generation {
     first_token_at: Option<Instant>,
     pending: VecDeque<Output>,
     done: bool,
+    want_logprobs: bool,
+    /// Log-probabilities of tokens not yet attached to a piece of text.
+    logprobs: Vec<(u32, TokenLogprobs)>,
+    /// Characters of token text reported so far (completions' `text_offset`).
+    text_offset: usize,
 }
 
 impl Generation {
@@ -271,12 +282,13 @@ impl Generation {
 
     fn handle(&mut self, event: Option<Event>) {
         match event {
-            Some(Event::Token(token)) => {
+            Some(Event::Token(token, logprobs)) => {
                 self.completion_tokens += 1;
                 self.first_token_at.get_or_insert_with(Instant::now);
                 if self.stop_tokens.contains(&token) {
                     return; // Finished(Stop) follows; the stop token is not text.
                 }
+                self.logprobs.extend(logprobs.map(|lp| (token, lp)));
                 match self.text.push(&self.app.tokenizer, token) {
                     Ok(piece) => {
                         self.push_text(piece.text);
@@ -304,11 +316,17 @@ impl Generation {
 
     fn push_text(&mut self, text: String) {
         if !text.is_empty() {
-            self.pending.push_back(Output::Text(text));
+            let logprobs = std::mem::take(&mut self.logprobs);
+            self.pending.push_back(Output::Text(text, logprobs));
         }
     }
 
     fn finish(&mut self, reason: &'static str) {
+        if !self.logprobs.is_empty() {
+            // Tokens whose text was held back (a stop string's start, a partial character).
+            let logprobs = std::mem::take(&mut self.logprobs);
+            self.pending.push_back(Output::Text(String::new(), logprobs));
+        }
         self.pending.push_back(Output::Finish(reason));
         self.end();
         let m = &self.app.metrics;
@@ -357,11 +375,54 @@ impl Generation {
         })
     }
 
+    /// The `logprobs` of a choice in OpenAI's per-endpoint format; null when not asked for.
+    fn logprobs_json(&mut self, entries: &[(u32, TokenLogprobs)]) -> Value {
+        if !self.want_logprobs {
+            return Value::Null;
+        }
+        let tokenizer = &self.app.tokenizer;
+        let text = |id: u32| tokenizer.decode(&[id]).unwrap_or_default();
+        match self.endpoint {
+            Endpoint::Completions => {
+                let mut offsets = Vec::new();
+                for &(id, _) in entries {
+                    offsets.push(self.text_offset);
+                    self.text_offset += text(id).chars().count();
+                }
+                let top: Vec<Value> = entries
+                    .iter()
+                    .map(|(_, lp)| Value::Object(lp.top.iter().map(|&(id, p)| (text(id), json!(p))).collect()))
+                    .collect();
+                json!({
+                    "tokens": entries.iter().map(|&(id, _)| text(id)).collect::<Vec<_>>(),
+                    "token_logprobs": entries.iter().map(|(_, lp)| lp.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": top,
+                    "text_offset": offsets,
+                })
+            }
+            Endpoint::Chat => {
+                let entry = |id: u32, logprob: f32| {
+                    let t = text(id);
+                    json!({ "token": t, "logprob": logprob, "bytes": t.as_bytes() })
+                };
+                let content: Vec<Value> = entries
+                    .iter()
+                    .map(|(id, lp)| {
+                        let mut e = entry(*id, lp.logprob);
+                        e["top_logprobs"] = lp.top.iter().map(|&(id, p)| entry(id, p)).collect();
+                        e
+                    })
+                    .collect();
+                json!({ "content": content })
+            }
+        }
+    }
+
     /// One streamed choice carrying `text` and/or a finish reason.
-    fn choice(&self, text: Option<&str>, finish: Option<&str>, first: bool) -> Value {
+    fn choice(&self, text: Option<&str>, finish: Option<&str>, first: bool, logprobs: Value) -> Value {
         match self.endpoint {
             Endpoint::Completions => json!([{
-                "index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish,
+                "index": 0, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish,
             }]),
             Endpoint::Chat => {
                 let delta = match (text, first) {
@@ -369,7 +430,7 @@ impl Generation {
                     (Some(t), false) => json!({ "content": t }),
                     (None, _) => json!({}),
                 };
-                json!([{ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish }])
+                json!([{ "index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish }])
             }
         }
     }
@@ -406,14 +467,15 @@ impl StreamState {
     async fn advance(&mut self) {
         let g = &mut self.generation;
         match g.next().await {
-            Some(Output::Text(t)) => {
-                self.ready
-                    .push_back(g.chunk(g.choice(Some(&t), None, !self.sent_text)).to_string());
+            Some(Output::Text(t, logprobs)) => {
+                let logprobs = g.logprobs_json(&logprobs);
+                let choice = g.choice(Some(&t), None, !self.sent_text, logprobs);
+                self.ready.push_back(g.chunk(choice).to_string());
                 self.sent_text = true;
             }
             Some(Output::Finish(reason)) => {
-                self.ready
-                    .push_back(g.chunk(g.choice(None, Some(reason), false)).to_string());
+                let choice = g.choice(None, Some(reason), false, Value::Null);
+                self.ready.push_back(g.chunk(choice).to_string());
                 if g.include_usage {
                     let mut usage = g.chunk(json!([]));
                     usage["usage"] = g.usage();
@@ -437,17 +499,23 @@ impl StreamState {
 async fn complete(mut g: Generation) -> Response {
     let mut text = String::new();
     let mut finish = "length";
+    let mut logprobs = Vec::new();
     while let Some(output) = g.next().await {
         match output {
-            Output::Text(t) => text += &t,
+            Output::Text(t, lp) => {
+                text += &t;
+                logprobs.extend(lp);
+            }
             Output::Finish(reason) => finish = reason,
             Output::Error(message) => return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message).into_response(),
         }
     }
+    let logprobs = g.logprobs_json(&logprobs);
     let choice = match g.endpoint {
-        Endpoint::Completions => json!({ "index": 0, "text": text, "logprobs": null, "finish_reason": finish }),
+        Endpoint::Completions => json!({ "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish }),
         Endpoint::Chat => json!({
-            "index": 0, "message": { "role": "assistant", "content": text }, "logprobs": null, "finish_reason": finish,
+            "index": 0, "message": { "role": "assistant", "content": text }, "logprobs": logprobs,
+            "finish_reason": finish,
         }),
     };
     let body = json!({

@@ -63,7 +63,8 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<GenerationRequest, ApiEr
             ))
         }
     };
-    let sampling = sampling(&fields)?;
+    let mut sampling = sampling(&fields)?;
+    sampling.logprobs = logprobs(&fields, endpoint)?;
     refuse_unsupported(&fields)?;
     Ok(GenerationRequest {
         model: fields.string("model")?,
@@ -204,10 +205,11 @@ fn sampling(fields: &Fields) -> Result<SamplingParams, ApiError> {
         presence_penalty: penalties[0] as f32,
         frequency_penalty: penalties[1] as f32,
         repetition_penalty: repetition_penalty as f32,
+        logprobs: None,
     })
 }
 
-/// Parameters a client may send whose other values this server does not implement yet:
+/// Parameters a client may send whose other values this server does not implement:
 /// a 400 saying so is better than an answer that silently differs from what was asked.
 fn refuse_unsupported(fields: &Fields) -> Result<(), ApiError> {
     for (param, neutral) in [("n", 1.0), ("best_of", 1.0)] {
@@ -220,9 +222,33 @@ fn refuse_unsupported(fields: &Fields) -> Result<(), ApiError> {
             }
         }
     }
-    match fields.0.get("logprobs") {
-        None | Some(Value::Null) | Some(Value::Bool(false)) => Ok(()),
-        Some(_) => Err(ApiError::invalid("logprobs", "`logprobs` is not supported yet")),
+    Ok(())
+}
+
+/// How many alternatives to report per token, when log-probabilities are asked for:
+/// completions send `logprobs: N`; chat sends `logprobs: true` and `top_logprobs: N`.
+fn logprobs(fields: &Fields, endpoint: Endpoint) -> Result<Option<usize>, ApiError> {
+    const MAX: i64 = 20;
+    let top = |param: &str, n: Option<i64>| match n {
+        Some(n) if !(0..=MAX).contains(&n) => Err(ApiError::invalid(
+            param,
+            format!("`{param}` must be between 0 and {MAX}, got {n}"),
+        )),
+        n => Ok(n.map(|n| n as usize)),
+    };
+    match endpoint {
+        Endpoint::Completions => top("logprobs", fields.integer("logprobs")?),
+        Endpoint::Chat => {
+            let alternatives = top("top_logprobs", fields.integer("top_logprobs")?)?;
+            match fields.bool("logprobs")? {
+                Some(true) => Ok(Some(alternatives.unwrap_or(0))),
+                _ if alternatives.is_some() => Err(ApiError::invalid(
+                    "top_logprobs",
+                    "`top_logprobs` needs `logprobs: true`",
+                )),
+                _ => Ok(None),
+            }
+        }
     }
 }
 
@@ -357,6 +383,8 @@ mod tests {
         );
         assert_eq!(param(r#"{"prompt":"x","stop":[1]}"#).as_deref(), Some("stop"));
         assert_eq!(param(r#"{"prompt":"x","n":2}"#).as_deref(), Some("n"));
+        assert_eq!(param(r#"{"prompt":"x","logprobs":21}"#).as_deref(), Some("logprobs"));
+        assert_eq!(param(r#"{"prompt":"x","logprobs":true}"#).as_deref(), Some("logprobs"));
         assert_eq!(
             param(r#"{"prompt":"x","presence_penalty":3}"#).as_deref(),
             Some("presence_penalty")
@@ -394,5 +422,11 @@ mod tests {
         .unwrap();
         assert_eq!(r.prompt, PromptInput::Chat(vec![("user".into(), "ab".into())]));
         assert_eq!(r.max_tokens, Some(5));
+        let r = parse(
+            br#"{"messages":[{"role":"user","content":"a"}],"logprobs":true,"top_logprobs":3}"#,
+            Endpoint::Chat,
+        )
+        .unwrap();
+        assert_eq!(r.sampling.logprobs, Some(3));
     }
 }

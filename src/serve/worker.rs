@@ -5,7 +5,7 @@
 
 use super::metrics::Metrics;
 use runtime::serving::{AddError, FinishReason, SeqId, ServingEngine};
-use runtime::{Backend, SamplingParams};
+use runtime::{Backend, SamplingParams, TokenLogprobs};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -14,7 +14,7 @@ use tokio::sync::{mpsc, oneshot};
 /// What the engine reports to a request's handler.
 #[derive(Debug)]
 pub enum Event {
-    Token(u32),
+    Token(u32, Option<TokenLogprobs>),
     Finished(FinishReason),
     /// The backend failed; the request cannot continue.
     Failed(String),
@@ -93,8 +93,10 @@ fn step<B: Backend>(
     match engine.step_while(wanted) {
         Ok(out) => {
             metrics.generation_tokens.fetch_add(out.tokens.len() as u64, Relaxed);
-            for (id, token) in out.tokens {
-                let delivered = clients.get(&id).is_some_and(|c| c.send(Event::Token(token)).is_ok());
+            for sampled in out.tokens {
+                let id = sampled.seq;
+                let event = Event::Token(sampled.token, sampled.logprobs);
+                let delivered = clients.get(&id).is_some_and(|c| c.send(event).is_ok());
                 if !delivered {
                     engine.abort(id);
                     clients.remove(&id);

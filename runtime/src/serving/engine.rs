@@ -11,14 +11,23 @@
 use super::scheduler::{AddError, Finished, Scheduler, SchedulerConfig, SeqId};
 use crate::error::{Result, RuntimeError};
 use crate::generate::Backend;
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{Sampler, SamplingParams, TokenLogprobs};
+use ir::Tensor;
 use std::collections::HashMap;
+
+/// A token chosen this step.
+#[derive(Debug)]
+pub struct Sampled {
+    pub seq: SeqId,
+    pub token: u32,
+    /// When the request asked for them.
+    pub logprobs: Option<TokenLogprobs>,
+}
 
 /// What one step produced.
 #[derive(Debug, Default)]
 pub struct StepOutput {
-    /// Tokens chosen this step, by sequence.
-    pub tokens: Vec<(SeqId, u32)>,
+    pub tokens: Vec<Sampled>,
     pub finished: Vec<Finished>,
 }
 
@@ -87,24 +96,30 @@ impl<B: Backend> ServingEngine<B> {
                 .entry(work.seq)
                 .or_insert_with(|| self.backend.new_sequence());
             let outputs = self.backend.step(state, &work.tokens)?;
-            let sampled = if work.samples {
-                let logits = outputs
-                    .get("logits")
-                    .ok_or_else(|| RuntimeError::Graph("the graph has no `logits` output".into()))?;
-                let sampler = self.samplers.get_mut(&work.seq).expect("every sequence has a sampler");
-                Some(sampler.sample(logits.row(logits.rows() - 1)))
-            } else {
-                None
+            let sampled = match work.samples {
+                true => Some(self.sample(work.seq, &outputs)?),
+                false => None,
             };
-            if let Some(token) = sampled {
-                out.tokens.push((work.seq, token));
-            }
-            if let Some(done) = self.scheduler.complete(work, sampled) {
+            let token = sampled.as_ref().map(|s| s.token);
+            out.tokens.extend(sampled);
+            if let Some(done) = self.scheduler.complete(work, token) {
                 self.states.remove(&done.seq);
                 self.samplers.remove(&done.seq);
                 out.finished.push(done);
             }
         }
         Ok(out)
+    }
+
+    /// Choose `seq`'s next token from the last row of the step's logits.
+    fn sample(&mut self, seq: SeqId, outputs: &HashMap<String, Tensor>) -> Result<Sampled> {
+        let logits = outputs
+            .get("logits")
+            .ok_or_else(|| RuntimeError::Graph("the graph has no `logits` output".into()))?;
+        let row = logits.row(logits.rows() - 1);
+        let sampler = self.samplers.get_mut(&seq).expect("every sequence has a sampler");
+        let token = sampler.sample(row);
+        let logprobs = sampler.params().logprobs.map(|top| TokenLogprobs::of(row, token, top));
+        Ok(Sampled { seq, token, logprobs })
     }
 }

@@ -6,5 +6,5 @@ pub mod engine;
 pub mod scheduler;
 
 pub use block_manager::{BlockId, BlockManager, OutOfBlocks};
-pub use engine::{ServingEngine, StepOutput};
+pub use engine::{Sampled, ServingEngine, StepOutput};
 pub use scheduler::{AddError, FinishReason, Finished, Schedule, Scheduler, SchedulerConfig, SeqId, Work};
