@@ -136,7 +136,14 @@ async fn start(
     app.metrics.prompt_tokens.fetch_add(prompt.len() as u64, Relaxed);
     Ok(Generation {
         app: app.clone(),
-        id: format!("cmpl-{}", app.next_id.fetch_add(1, Relaxed)),
+        id: format!(
+            "{}-{}",
+            match endpoint {
+                Endpoint::Completions => "cmpl",
+                Endpoint::Chat => "chatcmpl",
+            },
+            app.next_id.fetch_add(1, Relaxed)
+        ),
         created: unix_time(),
         endpoint,
         stream: request.stream,
