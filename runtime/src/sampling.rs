@@ -174,7 +174,9 @@ impl Sampler {
         let mut out = logits.to_vec();
         let p = &self.params;
         if p.repetition_penalty != 1.0 {
-            for &id in self.prompt.iter().chain(self.output.keys()) {
+            // Once per token seen, in the prompt or the output or both.
+            let output_only = self.output.keys().filter(|id| !self.prompt.contains(id));
+            for &id in self.prompt.iter().chain(output_only) {
                 if let Some(l) = out.get_mut(id as usize) {
                     *l = if *l > 0.0 {
                         *l / p.repetition_penalty
@@ -357,5 +359,9 @@ mod tests {
         assert_eq!(greedy(repetition, &[2], 1), [0]);
         let s = Sampler::with_prompt(repetition, &[2]);
         assert_eq!(s.penalise(&logits)[2], -1.1);
+        // A token in both the prompt and the output is penalised once.
+        let mut s = Sampler::with_prompt(repetition, &[0]);
+        assert_eq!(s.sample(&[3.0, 1.0]), 0);
+        assert_eq!(s.penalise(&[3.0, 1.0])[0], 3.0 / 1.1);
     }
 }
