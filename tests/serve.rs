@@ -677,3 +677,35 @@ fn logprobs_report_the_greedy_token_as_the_most_likely() {
     let (_, plain) = server.post("/v1/completions", &json!({"prompt": "x", "max_tokens": 1}));
     assert!(plain["choices"][0]["logprobs"].is_null());
 }
+
+#[test]
+fn n_choices_are_separate_sequences() {
+    let server = Server::start(&[]);
+    let body = json!({"prompt": "My favourite animal is", "max_tokens": 8, "temperature": 1.0, "seed": 5,
+                      "n": 3, "ignore_eos": true});
+    let (status, whole) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    let choices = whole["choices"].as_array().unwrap();
+    assert_eq!(
+        choices.iter().map(|c| c["index"].as_u64().unwrap()).collect::<Vec<_>>(),
+        [0, 1, 2]
+    );
+    assert_eq!(whole["usage"]["completion_tokens"], 24);
+    let texts: Vec<&str> = choices.iter().map(|c| c["text"].as_str().unwrap()).collect();
+    assert!(texts[0] != texts[1] || texts[1] != texts[2], "seeded apart: {texts:?}");
+
+    // Streamed, the chunks interleave by index and add up to the same texts (same seeds).
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (_, data) = server.stream("/v1/completions", &streamed);
+    let mut joined = vec![String::new(); 3];
+    let mut finished = 0;
+    for d in &data[..data.len() - 1] {
+        let c: Value = serde_json::from_str(d).unwrap();
+        let choice = &c["choices"][0];
+        joined[choice["index"].as_u64().unwrap() as usize] += choice["text"].as_str().unwrap();
+        finished += usize::from(!choice["finish_reason"].is_null());
+    }
+    assert_eq!(joined, texts);
+    assert_eq!(finished, 3);
+}

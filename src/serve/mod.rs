@@ -1,11 +1,14 @@
 //! `bbc serve MODEL`: an OpenAI-compatible HTTP server over the continuous-batching engine.
-//! One thread owns the engine (`worker`); axum handlers (`http`) parse (`request`), detokenize
-//! (`text`) and report (`metrics`, `error`).
+//! One thread owns the engine (`worker`); axum handlers (`http`) parse (`request`) and admit a
+//! request, follow its sequences (`generation`, detokenizing with `text`) and answer in OpenAI's
+//! format (`response`), reporting through `metrics` and `error`.
 
 mod error;
+mod generation;
 mod http;
 mod metrics;
 mod request;
+mod response;
 mod text;
 mod worker;
 

@@ -27,6 +27,8 @@ pub struct GenerationRequest {
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
     pub ignore_eos: bool,
+    /// Choices to generate (each its own sequence).
+    pub n: usize,
 }
 
 /// Which endpoint a body was sent to.
@@ -65,7 +67,6 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<GenerationRequest, ApiEr
     };
     let mut sampling = sampling(&fields)?;
     sampling.logprobs = logprobs(&fields, endpoint)?;
-    refuse_unsupported(&fields)?;
     Ok(GenerationRequest {
         model: fields.string("model")?,
         prompt,
@@ -76,6 +77,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<GenerationRequest, ApiEr
         stop: stop_strings(&fields)?,
         stop_token_ids: fields.ids("stop_token_ids")?.unwrap_or_default(),
         ignore_eos: fields.bool("ignore_eos")?.unwrap_or(false),
+        n: choices(&fields)?,
     })
 }
 
@@ -209,20 +211,25 @@ fn sampling(fields: &Fields) -> Result<SamplingParams, ApiError> {
     })
 }
 
-/// Parameters a client may send whose other values this server does not implement:
-/// a 400 saying so is better than an answer that silently differs from what was asked.
-fn refuse_unsupported(fields: &Fields) -> Result<(), ApiError> {
-    for (param, neutral) in [("n", 1.0), ("best_of", 1.0)] {
-        if let Some(v) = fields.number(param)? {
-            if v != neutral {
-                return Err(ApiError::invalid(
-                    param,
-                    format!("`{param}` other than 1 is not supported"),
-                ));
-            }
+/// `n` choices (each a sequence of its own); `best_of` is accepted when it asks for no more.
+fn choices(fields: &Fields) -> Result<usize, ApiError> {
+    const MAX: i64 = 16;
+    let n = fields.integer("n")?.unwrap_or(1);
+    if !(1..=MAX).contains(&n) {
+        return Err(ApiError::invalid(
+            "n",
+            format!("`n` must be between 1 and {MAX}, got {n}"),
+        ));
+    }
+    if let Some(best_of) = fields.integer("best_of")? {
+        if best_of != 1 && best_of != n {
+            return Err(ApiError::invalid(
+                "best_of",
+                format!("`best_of` other than 1 or `n` is not supported, got {best_of}"),
+            ));
         }
     }
-    Ok(())
+    Ok(n as usize)
 }
 
 /// How many alternatives to report per token, when log-probabilities are asked for:
@@ -382,7 +389,8 @@ mod tests {
             Some("max_tokens")
         );
         assert_eq!(param(r#"{"prompt":"x","stop":[1]}"#).as_deref(), Some("stop"));
-        assert_eq!(param(r#"{"prompt":"x","n":2}"#).as_deref(), Some("n"));
+        assert_eq!(param(r#"{"prompt":"x","n":0}"#).as_deref(), Some("n"));
+        assert_eq!(param(r#"{"prompt":"x","n":2,"best_of":3}"#).as_deref(), Some("best_of"));
         assert_eq!(param(r#"{"prompt":"x","logprobs":21}"#).as_deref(), Some("logprobs"));
         assert_eq!(param(r#"{"prompt":"x","logprobs":true}"#).as_deref(), Some("logprobs"));
         assert_eq!(

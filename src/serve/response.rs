@@ -1,0 +1,218 @@
+//! OpenAI's wire format for a generation: server-sent event chunks or one JSON response, per
+//! endpoint (`text_completion` or `chat.completion[.chunk]`), with usage and log-probabilities.
+
+use super::error::ApiError;
+use super::generation::{Generation, Output};
+use super::request::Endpoint;
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use runtime::TokenLogprobs;
+use serde_json::{json, Value};
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+pub fn unix_time() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+pub fn json_response(body: Value) -> Response {
+    ([("content-type", "application/json")], body.to_string()).into_response()
+}
+
+fn object(endpoint: Endpoint, chunk: bool) -> &'static str {
+    match (endpoint, chunk) {
+        (Endpoint::Completions, _) => "text_completion",
+        (Endpoint::Chat, true) => "chat.completion.chunk",
+        (Endpoint::Chat, false) => "chat.completion",
+    }
+}
+
+fn usage(g: &Generation) -> Value {
+    json!({
+        "prompt_tokens": g.prompt_tokens(),
+        "completion_tokens": g.completion_tokens(),
+        "total_tokens": g.prompt_tokens() + g.completion_tokens(),
+    })
+}
+
+fn chunk(g: &Generation, choices: Value) -> Value {
+    json!({
+        "id": g.id, "object": object(g.endpoint, true), "created": g.created,
+        "model": g.app.model_name, "choices": choices,
+    })
+}
+
+/// A choice's `logprobs` in the endpoint's format; null when not asked for. `text_offset`
+/// counts the characters of token text this choice reported before.
+fn logprobs_json(g: &Generation, entries: &[(u32, TokenLogprobs)], text_offset: &mut usize) -> Value {
+    if !g.want_logprobs {
+        return Value::Null;
+    }
+    let text = |id: u32| g.app.tokenizer.decode(&[id]).unwrap_or_default();
+    match g.endpoint {
+        Endpoint::Completions => {
+            let mut offsets = Vec::new();
+            for &(id, _) in entries {
+                offsets.push(*text_offset);
+                *text_offset += text(id).chars().count();
+            }
+            let top: Vec<Value> = entries
+                .iter()
+                .map(|(_, lp)| Value::Object(lp.top.iter().map(|&(id, p)| (text(id), json!(p))).collect()))
+                .collect();
+            json!({
+                "tokens": entries.iter().map(|&(id, _)| text(id)).collect::<Vec<_>>(),
+                "token_logprobs": entries.iter().map(|(_, lp)| lp.logprob).collect::<Vec<_>>(),
+                "top_logprobs": top,
+                "text_offset": offsets,
+            })
+        }
+        Endpoint::Chat => {
+            let entry = |id: u32, logprob: f32| {
+                let t = text(id);
+                json!({ "token": t, "logprob": logprob, "bytes": t.as_bytes() })
+            };
+            let content: Vec<Value> = entries
+                .iter()
+                .map(|(id, lp)| {
+                    let mut e = entry(*id, lp.logprob);
+                    e["top_logprobs"] = lp.top.iter().map(|&(id, p)| entry(id, p)).collect();
+                    e
+                })
+                .collect();
+            json!({ "content": content })
+        }
+    }
+}
+
+/// One streamed choice carrying `text` and/or a finish reason.
+fn stream_choice(
+    endpoint: Endpoint,
+    index: usize,
+    text: Option<&str>,
+    finish: Option<&str>,
+    first: bool,
+    logprobs: Value,
+) -> Value {
+    match endpoint {
+        Endpoint::Completions => json!([{
+            "index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish,
+        }]),
+        Endpoint::Chat => {
+            let delta = match (text, first) {
+                (Some(t), true) => json!({ "role": "assistant", "content": t }),
+                (Some(t), false) => json!({ "content": t }),
+                (None, _) => json!({}),
+            };
+            json!([{ "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish }])
+        }
+    }
+}
+
+/// Server-sent events: a chunk per text piece, a chunk per choice with its finish reason, the
+/// usage chunk (`choices: []`) when asked for, then `[DONE]`. A failure mid-stream is an error
+/// event.
+pub fn stream(generation: Generation) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
+    let n = generation.choices();
+    let state = StreamState {
+        generation,
+        ready: VecDeque::new(),
+        sent_text: vec![false; n],
+        text_offsets: vec![0; n],
+        ended: false,
+    };
+    let events = futures_util::stream::unfold(state, |mut s| async move {
+        while s.ready.is_empty() && !s.ended {
+            s.advance().await;
+        }
+        let data = s.ready.pop_front()?;
+        Some((Ok(SseEvent::default().data(data)), s))
+    });
+    Sse::new(events)
+}
+
+struct StreamState {
+    generation: Generation,
+    /// `data:` payloads ready to send.
+    ready: VecDeque<String>,
+    /// Per choice: whether a text chunk went out (the first carries the chat role).
+    sent_text: Vec<bool>,
+    text_offsets: Vec<usize>,
+    ended: bool,
+}
+
+impl StreamState {
+    async fn advance(&mut self) {
+        let g = &mut self.generation;
+        match g.next().await {
+            Some(Output::Text { index, text, logprobs }) => {
+                let logprobs = logprobs_json(g, &logprobs, &mut self.text_offsets[index]);
+                let first = !self.sent_text[index];
+                let choice = stream_choice(g.endpoint, index, Some(&text), None, first, logprobs);
+                self.ready.push_back(chunk(g, choice).to_string());
+                self.sent_text[index] = true;
+            }
+            Some(Output::Finish { index, reason }) => {
+                let choice = stream_choice(g.endpoint, index, None, Some(reason), false, Value::Null);
+                self.ready.push_back(chunk(g, choice).to_string());
+            }
+            Some(Output::Error(message)) => {
+                let error = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message).body();
+                self.ready.push_back(error.to_string());
+                self.ready.push_back("[DONE]".into());
+                self.ended = true;
+            }
+            None => {
+                if g.include_usage {
+                    let mut last = chunk(g, json!([]));
+                    last["usage"] = usage(g);
+                    self.ready.push_back(last.to_string());
+                }
+                self.ready.push_back("[DONE]".into());
+                self.ended = true;
+            }
+        }
+    }
+}
+
+/// A whole (non-streamed) response.
+pub async fn complete(mut g: Generation) -> Response {
+    let n = g.choices();
+    let mut texts = vec![String::new(); n];
+    let mut finishes = vec!["length"; n];
+    let mut logprobs: Vec<Vec<(u32, TokenLogprobs)>> = vec![Vec::new(); n];
+    while let Some(output) = g.next().await {
+        match output {
+            Output::Text {
+                index,
+                text,
+                logprobs: lp,
+            } => {
+                texts[index] += &text;
+                logprobs[index].extend(lp);
+            }
+            Output::Finish { index, reason } => finishes[index] = reason,
+            Output::Error(message) => return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message).into_response(),
+        }
+    }
+    let choices: Vec<Value> = (0..n)
+        .map(|i| {
+            let lp = logprobs_json(&g, &logprobs[i], &mut 0);
+            match g.endpoint {
+                Endpoint::Completions => json!({
+                    "index": i, "text": texts[i], "logprobs": lp, "finish_reason": finishes[i],
+                }),
+                Endpoint::Chat => json!({
+                    "index": i, "message": { "role": "assistant", "content": texts[i] }, "logprobs": lp,
+                    "finish_reason": finishes[i],
+                }),
+            }
+        })
+        .collect();
+    json_response(json!({
+        "id": g.id, "object": object(g.endpoint, false), "created": g.created, "model": g.app.model_name,
+        "choices": choices, "usage": usage(&g),
+    }))
+}
