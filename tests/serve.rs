@@ -86,15 +86,16 @@ impl Server {
         (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
     }
 
-    /// The `data:` payloads of a streamed response.
-    fn stream(&self, path: &str, body: &Value) -> (u16, Vec<String>) {
+    /// The chunks of a streamed response, parsed; the stream must end with `data: [DONE]`.
+    fn stream(&self, path: &str, body: &Value) -> (u16, Vec<Value>) {
         let (status, text) = self.request("POST", path, &[], body.to_string().as_bytes());
-        let data = text
-            .lines()
-            .filter_map(|l| l.strip_prefix("data: "))
-            .map(str::to_string)
+        let mut data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+        assert_eq!(data.pop(), Some("[DONE]"), "{text}");
+        let chunks = data
+            .iter()
+            .map(|d| serde_json::from_str(d).expect("a JSON chunk"))
             .collect();
-        (status, data)
+        (status, chunks)
     }
 
     /// Wait until no KV block is in use (the engine publishes after the step that ended the
@@ -167,13 +168,8 @@ fn completions_and_chat_answer_streamed_and_whole() {
     // Streaming the same request gives the same text, piece by piece.
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
-    let (status, data) = server.stream("/v1/completions", &streamed);
+    let (status, chunks) = server.stream("/v1/completions", &streamed);
     assert_eq!(status, 200);
-    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
     let joined: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
     assert_eq!(joined, text);
     assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "length");
@@ -195,11 +191,7 @@ fn completions_and_chat_answer_streamed_and_whole() {
     assert_eq!(run["text"], answer);
     let mut chat_stream = chat.clone();
     chat_stream["stream"] = json!(true);
-    let (_, data) = server.stream("/v1/chat/completions", &chat_stream);
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let (_, chunks) = server.stream("/v1/chat/completions", &chat_stream);
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let joined: String = chunks
         .iter()
@@ -214,13 +206,8 @@ fn the_inferencex_body_streams_and_ends_with_a_usage_chunk() {
     let body = json!({"model": "smollm2", "prompt": "Once upon a time, in a small village,", "temperature": 0.0,
         "best_of": 1, "max_tokens": 24, "logprobs": null, "stream": true,
         "stream_options": {"include_usage": true}, "ignore_eos": true});
-    let (status, data) = server.stream("/v1/completions", &body);
+    let (status, chunks) = server.stream("/v1/completions", &body);
     assert_eq!(status, 200);
-    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = data[..data.len() - 1]
-        .iter()
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
     let usage = chunks.last().unwrap();
     assert_eq!(usage["choices"], json!([]), "usage rides alone, as vLLM sends it");
     let with_text = chunks
@@ -649,10 +636,9 @@ fn logprobs_report_the_greedy_token_as_the_most_likely() {
     // Streamed: the same tokens, spread over the chunks.
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
-    let (_, data) = server.stream("/v1/completions", &streamed);
-    let chunk_tokens: Vec<String> = data[..data.len() - 1]
+    let (_, chunks) = server.stream("/v1/completions", &streamed);
+    let chunk_tokens: Vec<String> = chunks
         .iter()
-        .map(|d| serde_json::from_str::<Value>(d).unwrap())
         .flat_map(|c| {
             c["choices"][0]["logprobs"]["tokens"]
                 .as_array()
@@ -697,11 +683,10 @@ fn n_choices_are_separate_sequences() {
     // Streamed, the chunks interleave by index and add up to the same texts (same seeds).
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
-    let (_, data) = server.stream("/v1/completions", &streamed);
+    let (_, chunks) = server.stream("/v1/completions", &streamed);
     let mut joined = vec![String::new(); 3];
     let mut finished = 0;
-    for d in &data[..data.len() - 1] {
-        let c: Value = serde_json::from_str(d).unwrap();
+    for c in &chunks {
         let choice = &c["choices"][0];
         joined[choice["index"].as_u64().unwrap() as usize] += choice["text"].as_str().unwrap();
         finished += usize::from(!choice["finish_reason"].is_null());

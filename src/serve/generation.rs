@@ -41,26 +41,8 @@ struct Choice {
     done: bool,
 }
 
-pub struct Generation {
-    pub app: Arc<AppState>,
-    pub id: String,
-    pub created: u64,
-    pub endpoint: Endpoint,
-    pub stream: bool,
-    pub include_usage: bool,
-    pub want_logprobs: bool,
-    choices: Vec<Choice>,
-    stop_tokens: Vec<u32>,
-    prompt_tokens: usize,
-    completion_tokens: usize,
-    started: Instant,
-    first_token_at: Option<Instant>,
-    pending: VecDeque<Output>,
-    failed: bool,
-}
-
-/// What `Generation::new` needs besides the event channels.
-pub struct GenerationSetup {
+/// What a request asked for, fixed at admission.
+pub struct RequestInfo {
     pub app: Arc<AppState>,
     pub id: String,
     pub created: u64,
@@ -74,30 +56,30 @@ pub struct GenerationSetup {
     pub started: Instant,
 }
 
+pub struct Generation {
+    pub info: RequestInfo,
+    choices: Vec<Choice>,
+    completion_tokens: usize,
+    first_token_at: Option<Instant>,
+    pending: VecDeque<Output>,
+    failed: bool,
+}
+
 impl Generation {
-    pub fn new(setup: GenerationSetup, events: Vec<mpsc::UnboundedReceiver<Event>>) -> Self {
+    pub fn new(info: RequestInfo, events: Vec<mpsc::UnboundedReceiver<Event>>) -> Self {
         let choices = events
             .into_iter()
             .map(|events| Choice {
                 events,
-                text: TextOutput::new(setup.stop_strings.clone()),
+                text: TextOutput::new(info.stop_strings.clone()),
                 logprobs: Vec::new(),
                 done: false,
             })
             .collect();
         Self {
-            app: setup.app,
-            id: setup.id,
-            created: setup.created,
-            endpoint: setup.endpoint,
-            stream: setup.stream,
-            include_usage: setup.include_usage,
-            want_logprobs: setup.want_logprobs,
+            info,
             choices,
-            stop_tokens: setup.stop_tokens,
-            prompt_tokens: setup.prompt_tokens,
             completion_tokens: 0,
-            started: setup.started,
             first_token_at: None,
             pending: VecDeque::new(),
             failed: false,
@@ -132,12 +114,12 @@ impl Generation {
             Some(Event::Token(token, logprobs)) => {
                 self.completion_tokens += 1;
                 self.first_token_at.get_or_insert_with(Instant::now);
-                if self.stop_tokens.contains(&token) {
+                if self.info.stop_tokens.contains(&token) {
                     return; // Finished(Stop) follows; the stop token is not text.
                 }
                 let choice = &mut self.choices[index];
                 choice.logprobs.extend(logprobs.map(|lp| (token, lp)));
-                match choice.text.push(&self.app.tokenizer, token) {
+                match choice.text.push(&self.info.app.tokenizer, token) {
                     Ok(piece) => {
                         self.push_text(index, piece.text);
                         if piece.stopped {
@@ -147,7 +129,7 @@ impl Generation {
                     Err(e) => self.fail(format!("detokenizing: {e}")),
                 }
             }
-            Some(Event::Finished(reason)) => match self.choices[index].text.finish(&self.app.tokenizer) {
+            Some(Event::Finished(reason)) => match self.choices[index].text.finish(&self.info.app.tokenizer) {
                 Ok(rest) => {
                     self.push_text(index, rest);
                     let reason = match reason {
@@ -200,11 +182,11 @@ impl Generation {
     }
 
     fn record_latency(&self) {
-        let m = &self.app.metrics;
+        let m = &self.info.app.metrics;
         let now = Instant::now();
-        m.e2e.observe((now - self.started).as_secs_f64());
+        m.e2e.observe((now - self.info.started).as_secs_f64());
         if let Some(first) = self.first_token_at {
-            m.ttft.observe((first - self.started).as_secs_f64());
+            m.ttft.observe((first - self.info.started).as_secs_f64());
             let per_choice = self.completion_tokens / self.choices.len();
             if per_choice > 1 {
                 m.tpot.observe((now - first).as_secs_f64() / (per_choice - 1) as f64);
@@ -213,7 +195,7 @@ impl Generation {
     }
 
     pub fn prompt_tokens(&self) -> usize {
-        self.prompt_tokens
+        self.info.prompt_tokens
     }
 
     /// Tokens generated over all choices (stop tokens included, as vLLM counts them).

@@ -3,7 +3,7 @@
 //! `generation`'s (events to outputs) and `response`'s (outputs to OpenAI's format).
 
 use super::error::ApiError;
-use super::generation::{Generation, GenerationSetup};
+use super::generation::{Generation, RequestInfo};
 use super::metrics::Metrics;
 use super::request::{self, Endpoint, GenerationRequest, PromptInput};
 use super::response::{self, json_response, unix_time};
@@ -68,7 +68,7 @@ async fn chat_completions(State(app): State<Arc<AppState>>, headers: HeaderMap, 
 
 async fn answer(app: Arc<AppState>, headers: HeaderMap, body: Bytes, endpoint: Endpoint) -> Response {
     let response = match start(&app, &headers, &body, endpoint).await {
-        Ok(generation) if generation.stream => response::stream(generation).into_response(),
+        Ok(generation) if generation.info.stream => response::stream(generation).into_response(),
         Ok(generation) => response::complete(generation).await,
         Err(e) => e.into_response(),
     };
@@ -150,7 +150,7 @@ async fn start(
         Endpoint::Completions => "cmpl",
         Endpoint::Chat => "chatcmpl",
     };
-    let setup = GenerationSetup {
+    let info = RequestInfo {
         app: app.clone(),
         id: format!("{prefix}-{}", app.next_id.fetch_add(1, Relaxed)),
         created: unix_time(),
@@ -163,7 +163,7 @@ async fn start(
         prompt_tokens: prompt.len(),
         started,
     };
-    Ok(Generation::new(setup, events))
+    Ok(Generation::new(info, events))
 }
 
 fn tokenize(tokenizer: &Tokenizer, prompt: &PromptInput) -> Result<Vec<u32>, ApiError> {

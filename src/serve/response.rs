@@ -39,19 +39,19 @@ fn usage(g: &Generation) -> Value {
 
 fn chunk(g: &Generation, choices: Value) -> Value {
     json!({
-        "id": g.id, "object": object(g.endpoint, true), "created": g.created,
-        "model": g.app.model_name, "choices": choices,
+        "id": g.info.id, "object": object(g.info.endpoint, true), "created": g.info.created,
+        "model": g.info.app.model_name, "choices": choices,
     })
 }
 
 /// A choice's `logprobs` in the endpoint's format; null when not asked for. `text_offset`
 /// counts the characters of token text this choice reported before.
 fn logprobs_json(g: &Generation, entries: &[(u32, TokenLogprobs)], text_offset: &mut usize) -> Value {
-    if !g.want_logprobs {
+    if !g.info.want_logprobs {
         return Value::Null;
     }
-    let text = |id: u32| g.app.tokenizer.decode(&[id]).unwrap_or_default();
-    match g.endpoint {
+    let text = |id: u32| g.info.app.tokenizer.decode(&[id]).unwrap_or_default();
+    match g.info.endpoint {
         Endpoint::Completions => {
             let mut offsets = Vec::new();
             for &(id, _) in entries {
@@ -150,12 +150,12 @@ impl StreamState {
             Some(Output::Text { index, text, logprobs }) => {
                 let logprobs = logprobs_json(g, &logprobs, &mut self.text_offsets[index]);
                 let first = !self.sent_text[index];
-                let choice = stream_choice(g.endpoint, index, Some(&text), None, first, logprobs);
+                let choice = stream_choice(g.info.endpoint, index, Some(&text), None, first, logprobs);
                 self.ready.push_back(chunk(g, choice).to_string());
                 self.sent_text[index] = true;
             }
             Some(Output::Finish { index, reason }) => {
-                let choice = stream_choice(g.endpoint, index, None, Some(reason), false, Value::Null);
+                let choice = stream_choice(g.info.endpoint, index, None, Some(reason), false, Value::Null);
                 self.ready.push_back(chunk(g, choice).to_string());
             }
             Some(Output::Error(message)) => {
@@ -165,7 +165,7 @@ impl StreamState {
                 self.ended = true;
             }
             None => {
-                if g.include_usage {
+                if g.info.include_usage {
                     let mut last = chunk(g, json!([]));
                     last["usage"] = usage(g);
                     self.ready.push_back(last.to_string());
@@ -200,7 +200,7 @@ pub async fn complete(mut g: Generation) -> Response {
     let choices: Vec<Value> = (0..n)
         .map(|i| {
             let lp = logprobs_json(&g, &logprobs[i], &mut 0);
-            match g.endpoint {
+            match g.info.endpoint {
                 Endpoint::Completions => json!({
                     "index": i, "text": texts[i], "logprobs": lp, "finish_reason": finishes[i],
                 }),
@@ -212,7 +212,7 @@ pub async fn complete(mut g: Generation) -> Response {
         })
         .collect();
     json_response(json!({
-        "id": g.id, "object": object(g.endpoint, false), "created": g.created, "model": g.app.model_name,
+        "id": g.info.id, "object": object(g.info.endpoint, false), "created": g.info.created, "model": g.info.app.model_name,
         "choices": choices, "usage": usage(&g),
     }))
 }
