@@ -8,21 +8,48 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
+#[derive(clap::Args)]
 pub struct RunArgs {
     pub model: String,
+    /// The prompt text (tokenized with the model's tokenizer; BOS added when the model wants it).
+    #[arg(long)]
     pub prompt: Option<String>,
+    /// The prompt as token ids, comma-separated (for models without a tokenizer).
+    #[arg(long, value_delimiter = ',')]
     pub prompt_ids: Option<Vec<u32>>,
+    /// Send the prompt as a user message through the model's chat template.
+    #[arg(long)]
     pub chat: bool,
+    /// With --chat: a system message first.
+    #[arg(long)]
     pub system: Option<String>,
+    #[arg(long, default_value_t = 128)]
     pub max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub temperature: f32,
+    #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Keep generating past the end-of-sequence token.
+    #[arg(long)]
     pub ignore_eos: bool,
+    /// Print one JSON object {prompt_ids, ids, text} instead of streaming text.
+    #[arg(long)]
     pub json: bool,
+    /// Write the logits of the last prompt position and of every generated step (safetensors, `logits` [steps, vocab]).
+    #[arg(long)]
     pub dump_logits: Option<PathBuf>,
+    /// Compute dtype for matrices: f32, bf16 or native (the file's quantization).
+    #[arg(long, value_parser = parse_dtype)]
     pub dtype: Option<ComputeDtype>,
     /// Run the graph as lowered, without the fusion passes.
+    #[arg(long)]
     pub no_fuse: bool,
+}
+
+/// `--dtype` as clap reads it (shared by `run` and `serve`).
+pub fn parse_dtype(d: &str) -> std::result::Result<ComputeDtype, String> {
+    ComputeDtype::parse(d).ok_or_else(|| format!("--dtype {d}: choose f32, bf16 or native"))
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {

@@ -19,21 +19,39 @@ use runtime::serving::{SchedulerConfig, ServingEngine};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
+#[derive(clap::Args)]
 pub struct ServeArgs {
+    /// An artifact directory, a model.toml, a weights path or a model name (fetched on first use).
     pub model: String,
+    #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
+    /// 0 picks a free port (printed on start).
+    #[arg(long, default_value_t = 8000)]
     pub port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1 endpoints.
+    #[arg(long)]
     pub api_key: Option<String>,
-    /// Requests waiting beyond the running ones; past it, 503.
+    /// Requests allowed to wait; past it the server answers 503.
+    #[arg(long, default_value_t = 256)]
     pub max_queued: usize,
     /// Sequences computed together.
+    #[arg(long, default_value_t = 64)]
     pub max_num_seqs: usize,
-    /// KV-cache blocks (of `block_size` positions) for all sequences together.
+    /// KV-cache blocks for all sequences together.
+    #[arg(long, default_value_t = 1024)]
     pub kv_blocks: usize,
+    /// Positions per KV-cache block.
+    #[arg(long, default_value_t = 16)]
     pub block_size: usize,
-    /// Tokens computed per step across sequences (prefill chunks and decodes).
+    /// Tokens computed per step across all sequences (a step's length bounds every
+    /// running request's time per output token).
+    #[arg(long, default_value_t = 128)]
     pub token_budget: usize,
+    /// The model id clients send (default: the model's name).
+    #[arg(long)]
     pub served_model_name: Option<String>,
+    /// Compute dtype for matrices: f32, bf16 or native (the file's quantization).
+    #[arg(long, value_parser = crate::commands::run::parse_dtype)]
     pub dtype: Option<ComputeDtype>,
 }
 
