@@ -10,32 +10,8 @@ use kernels_gen::emulator::{run, Array, Scalar};
 use kernels_gen::templates::*;
 use std::collections::HashMap;
 
-struct Rng(u64);
-impl Rng {
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                self.0 = self
-                    .0
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
-}
-
-fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}");
-    let scale = want.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!((g - w).abs() <= tol * scale, "{what}[{i}]: {g} vs {w}");
-    }
-}
-
-fn ints(pairs: &[(&str, i64)]) -> HashMap<String, Scalar> {
-    pairs.iter().map(|(k, v)| (k.to_string(), Scalar::Int(*v))).collect()
-}
+mod common;
+use common::{close, ints, run_gemv, Rng};
 
 #[test]
 fn elementwise_matches_expression_semantics() {
@@ -140,24 +116,8 @@ fn gemv_matches_reference_for_f32_and_bf16_weights() {
                 Ty::Bf16 => Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()),
                 _ => Array::f32(&w),
             };
-            let kernel = gemv::gemv("gemv", "test", weight);
-            let mut bufs = HashMap::from([
-                ("x".into(), Array::f32(&x)),
-                ("w".into(), wbuf),
-                ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
-            ]);
-            run(
-                &kernel,
-                &mut bufs,
-                &ints(&[
-                    ("tokens", tokens as i64),
-                    ("n", n as i64),
-                    ("k", k as i64),
-                    ("x_stride", k as i64),
-                ]),
-            )
-            .unwrap();
-            close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "gemv");
+            let out = run_gemv(&gemv::gemv("gemv", "test", weight), &x, wbuf, (tokens, n, k, k));
+            close(&out.to_f32().unwrap(), &want, 1e-5, "gemv");
         }
     }
 }
@@ -342,23 +302,8 @@ fn strided_inputs_read_slices_in_place() {
     // The slice starts `extra` columns in: the launch passes the buffer at that offset.
     let shifted: Vec<f32> = wide[extra..].to_vec();
     let kernel = gemv::gemv("gemv", "test", Ty::F32);
-    let mut bufs = HashMap::from([
-        ("x".into(), Array::f32(&shifted)),
-        ("w".into(), Array::f32(&w)),
-        ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
-    ]);
-    run(
-        &kernel,
-        &mut bufs,
-        &ints(&[
-            ("tokens", tokens as i64),
-            ("n", n as i64),
-            ("k", k as i64),
-            ("x_stride", stride as i64),
-        ]),
-    )
-    .unwrap();
-    close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "strided gemv");
+    let out = run_gemv(&kernel, &shifted, Array::f32(&w), (tokens, n, k, stride));
+    close(&out.to_f32().unwrap(), &want, 1e-5, "strided gemv");
 
     let (groups_per_row, group) = (4, 10);
     let width = groups_per_row * group;

@@ -4,26 +4,14 @@
 
 use half::bf16;
 use kernels_gen::dsl::Ty;
-use kernels_gen::emulator::{run, Array, Scalar};
+use kernels_gen::emulator::{run, Array};
 use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::{argmax, gemv, int8_head};
 use passes::weight_transforms::Int8Rows;
 use std::collections::HashMap;
 
-fn ints(pairs: &[(&str, i64)]) -> HashMap<String, Scalar> {
-    pairs.iter().map(|(k, v)| (k.to_string(), Scalar::Int(*v))).collect()
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> f32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-}
+mod common;
+use common::{ints, run_gemv, Rng};
 
 fn argmax_of(bufs: &mut HashMap<String, Array>, rows: usize) -> i64 {
     let scores = bufs.remove("scores").unwrap();
@@ -56,23 +44,13 @@ fn gpu_int8_head_gives_the_plain_heads_argmax() {
             _ => (0..d).map(|_| rng.next()).collect(),
         };
         // The plain head: the bf16 GEMV, then argmax.
-        let mut plain = HashMap::from([
-            ("x".into(), Array::f32(&h)),
-            ("w".into(), Array::bf16(&w_bf16)),
-            ("out".into(), Array::poisoned(Ty::F32, rows)),
-        ]);
-        run(
+        let scores = run_gemv(
             &gemv::gemv("gemv", "t", Ty::Bf16),
-            &mut plain,
-            &ints(&[
-                ("tokens", 1),
-                ("n", rows as i64),
-                ("k", d as i64),
-                ("x_stride", d as i64),
-            ]),
-        )
-        .unwrap();
-        let mut plain = HashMap::from([("scores".into(), plain.remove("out").unwrap())]);
+            &h,
+            Array::bf16(&w_bf16),
+            (1, rows, d, d),
+        );
+        let mut plain = HashMap::from([("scores".into(), scores)]);
         let want = argmax_of(&mut plain, rows);
 
         let mut bufs: HashMap<String, Array> = HashMap::from([

@@ -11,6 +11,9 @@ use models::quant::GgmlType;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
+mod common;
+use common::{close, ints, run_gemv};
+
 fn ggml(format: DType) -> GgmlType {
     match format {
         DType::Q4_0 => GgmlType::Q4_0,
@@ -31,10 +34,6 @@ fn blocks(format: DType) -> Vec<u8> {
     std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-fn ints(pairs: &[(&str, i64)]) -> HashMap<String, Scalar> {
-    pairs.iter().map(|(k, v)| (k.to_string(), Scalar::Int(*v))).collect()
-}
-
 #[test]
 fn quantized_gemv_matches_dequantize_then_matmul() {
     for format in QUANT_FORMATS {
@@ -51,27 +50,8 @@ fn quantized_gemv_matches_dequantize_then_matmul() {
         let mut want = vec![0f32; tokens * n];
         ir::reference::ops::matmul(&x, &w, k, &mut want);
         let kernel = gemv_weights("gemv_q", "test", WeightFormat::Blocks(format));
-        let mut bufs = HashMap::from([
-            ("x".into(), Array::f32(&x)),
-            ("w".into(), Array::u8(&data)),
-            ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
-        ]);
-        run(
-            &kernel,
-            &mut bufs,
-            &ints(&[
-                ("tokens", tokens as i64),
-                ("n", n as i64),
-                ("k", k as i64),
-                ("x_stride", k as i64),
-            ]),
-        )
-        .unwrap();
-        let got = bufs["out"].to_f32().unwrap();
-        let scale = want.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
-        for (g, e) in got.iter().zip(&want) {
-            assert!((g - e).abs() <= 1e-4 * scale, "{format}: {g} vs {e}");
-        }
+        let out = run_gemv(&kernel, &x, Array::u8(&data), (tokens, n, k, k));
+        close(&out.to_f32().unwrap(), &want, 1e-4, &format!("{format}"));
     }
 }
 

@@ -1,0 +1,55 @@
+//! Shared by the emulator tests: deterministic data, scalar arguments, comparison with a
+//! tolerance, and the GEMV launch several tests make.
+#![allow(dead_code)]
+
+use kernels_gen::dsl::{Kernel, Ty};
+use kernels_gen::emulator::{run, Array, Scalar};
+use std::collections::HashMap;
+
+/// A small LCG: the same values on every run and machine, in [-1, 1).
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> f32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    pub fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.next()).collect()
+    }
+}
+
+pub fn ints(pairs: &[(&str, i64)]) -> HashMap<String, Scalar> {
+    pairs.iter().map(|(k, v)| (k.to_string(), Scalar::Int(*v))).collect()
+}
+
+/// Every element within `tol` of the reference, relative to its largest magnitude.
+pub fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    let scale = want.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= tol * scale, "{what}[{i}]: {g} vs {w}");
+    }
+}
+
+/// Run a GEMV kernel (`gemv` / `gemv_weights`) on `x` [tokens, x_stride] and weights `w` of
+/// `n` rows by `k`; its `out` buffer, poisoned before the launch.
+pub fn run_gemv(kernel: &Kernel, x: &[f32], w: Array, (tokens, n, k, x_stride): (usize, usize, usize, usize)) -> Array {
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(x)),
+        ("w".into(), w),
+        ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
+    ]);
+    let scalars = ints(&[
+        ("tokens", tokens as i64),
+        ("n", n as i64),
+        ("k", k as i64),
+        ("x_stride", x_stride as i64),
+    ]);
+    run(kernel, &mut bufs, &scalars).expect("the GEMV runs cleanly");
+    bufs.remove("out").expect("an out buffer")
+}
