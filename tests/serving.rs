@@ -1,6 +1,7 @@
-//! Continuous batching on the CPU backend: many greedy requests in flight together, with a KV
-//! budget tight enough to force preemption and recomputation, each produce exactly the tokens
-//! they produce alone; aborts free their blocks at once.
+//! Continuous batching on the CPU backend: many greedy requests in flight together, in batched
+//! steps over a paged KV cache, with a KV budget tight enough to force preemption and
+//! recomputation, or sharing prompt prefixes through the prefix cache, each produce exactly the
+//! tokens they produce alone; aborts free their blocks at once.
 
 mod common;
 
@@ -29,15 +30,7 @@ fn concurrent_requests_generate_what_they_generate_alone() {
         .map(|i| (0..(5 + 3 * i)).map(|j| 100 + 13 * i + 7 * j).collect())
         .collect();
     let max_tokens = 12;
-    let alone = Engine::from(backend(&model));
-    let options = GenerateOptions {
-        max_tokens,
-        ..Default::default()
-    };
-    let want: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| generate(&alone, p, &options, |_| Ok(true)).unwrap())
-        .collect();
+    let want = alone(&model, &prompts, max_tokens);
 
     // 12 blocks of 8 positions: far fewer than 12 sequences of up to 50 positions need.
     let config = SchedulerConfig {
@@ -71,6 +64,87 @@ fn concurrent_requests_generate_what_they_generate_alone() {
     for (id, want) in ids.iter().zip(&want) {
         assert_eq!(&got[id], want, "{id:?}");
     }
+    assert_eq!(engine.scheduler().used_blocks(), 0);
+}
+
+/// Generate each prompt alone, the reference for batched serving.
+fn alone(model: &Model, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<Vec<u32>> {
+    let engine = Engine::from(backend(model));
+    let options = GenerateOptions {
+        max_tokens,
+        ..Default::default()
+    };
+    prompts
+        .iter()
+        .map(|p| generate(&engine, p, &options, |_| Ok(true)).unwrap())
+        .collect()
+}
+
+#[test]
+fn requests_sharing_a_prefix_reuse_its_blocks_and_generate_what_they_generate_alone() {
+    let model = Model::open(ModelSpec::for_weights(&common::real_model("smollm2"))).unwrap();
+    // A 37-token "system prompt" shared by every request, then each one's own question; the
+    // last pair repeats an earlier prompt exactly.
+    let system: Vec<u32> = (0..37u32).map(|j| 200 + 11 * j).collect();
+    let mut prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|i| {
+            system
+                .iter()
+                .copied()
+                .chain((0..3 + i).map(|j| 900 + 17 * i + j))
+                .collect()
+        })
+        .collect();
+    prompts.push(prompts[2].clone());
+    let max_tokens = 6;
+    let want = alone(&model, &prompts, max_tokens);
+
+    let config = SchedulerConfig {
+        max_waiting: 64,
+        max_running: 8,
+        token_budget: 48,
+        kv_blocks: 64,
+        block_size: 8,
+        context_length: 2048,
+    };
+    let mut engine = ServingEngine::new(backend(&model), config);
+    let mut got: HashMap<_, Vec<u32>> = HashMap::new();
+    let mut ids = Vec::new();
+    // The first request alone fills the cache; the rest arrive together after it.
+    for (i, p) in prompts.iter().enumerate() {
+        ids.push(
+            engine
+                .add(p.clone(), max_tokens, vec![], SamplingParams::default())
+                .unwrap(),
+        );
+        while i == 0 && !engine.scheduler().is_idle() {
+            got.extend(
+                engine
+                    .step()
+                    .unwrap()
+                    .finished
+                    .into_iter()
+                    .map(|d| (d.seq, d.generated)),
+            );
+        }
+    }
+    while !engine.scheduler().is_idle() {
+        got.extend(
+            engine
+                .step()
+                .unwrap()
+                .finished
+                .into_iter()
+                .map(|d| (d.seq, d.generated)),
+        );
+        assert!(engine.scheduler().check().is_ok());
+    }
+    for (id, want) in ids.iter().zip(&want) {
+        assert_eq!(&got[id], want, "{id:?}");
+    }
+    // Every later request found at least the system prompt's 4 full blocks cached.
+    let stats = engine.scheduler().prefix_cache_stats();
+    assert!(stats.hit >= 6 * 32, "{stats:?}");
     assert_eq!(engine.scheduler().used_blocks(), 0);
 }
 

@@ -5,10 +5,11 @@ pub mod cpu;
 pub mod cuda;
 pub mod error;
 pub mod generate;
+pub mod kv;
 pub mod sampling;
 pub mod serving;
 
-pub use cpu::{CpuBackend, CpuSequence, WeightCache};
+pub use cpu::{CpuBackend, CpuSequence, KvPages, WeightCache};
 pub use error::{Result, RuntimeError};
 pub use generate::{generate, Backend, Engine, GenerateOptions, StepEvent};
 pub use sampling::{Sampler, SamplingParams, TokenLogprobs};

@@ -1,42 +1,121 @@
 //! The scheduler and block manager under random interleavings of requests, steps and aborts
-//! (with a KV pool small enough to force preemption): the invariants hold after every
-//! operation, and once everything is done or aborted every block is free again.
+//! (with a KV pool small enough to force preemption, and prompts that share prefixes so the
+//! prefix cache is hit): the invariants hold after every operation; a simulated KV cache shows
+//! that every position a sequence reads holds exactly what that sequence's own tokens put
+//! there, whoever computed it; every scheduled work computes at least one token; and once
+//! everything is done or aborted no block is in use.
 
 use proptest::prelude::*;
-use runtime::serving::{Scheduler, SchedulerConfig, SeqId};
+use runtime::kv::cache_row;
+use runtime::serving::{Scheduler, SchedulerConfig, SeqId, Work};
+use std::collections::HashMap;
 
 #[derive(Debug, Clone)]
 enum Action {
-    Add { prompt: usize, max_tokens: usize },
-    Step { stop: bool },
+    /// A prompt: the first `shared` tokens of one of a few common prefixes, then its own tail.
+    Add {
+        family: u32,
+        shared: usize,
+        tail: usize,
+        max_tokens: usize,
+    },
+    Step {
+        stop: bool,
+    },
     Abort(usize),
 }
 
 fn action() -> impl Strategy<Value = Action> {
     prop_oneof![
-        (1usize..40, 1usize..20).prop_map(|(prompt, max_tokens)| Action::Add { prompt, max_tokens }),
+        (0u32..3, 0usize..24, 0usize..16, 1usize..20).prop_map(|(family, shared, tail, max_tokens)| Action::Add {
+            family,
+            shared,
+            tail,
+            max_tokens
+        }),
         any::<bool>().prop_map(|stop| Action::Step { stop }),
         (0usize..64).prop_map(Action::Abort),
     ]
 }
 
-fn run_step(s: &mut Scheduler, stop: bool, budget: usize) -> usize {
+/// Tokens come from a four-letter alphabet, so equal blocks after different prefixes are
+/// common: a cache keyed by a block's tokens alone would hand out the wrong keys and values.
+fn prompt(family: u32, shared: usize, tail: usize, salt: u32) -> Vec<u32> {
+    let letter = |x: u32| x.wrapping_mul(2_654_435_761) >> 30;
+    let common = (0..shared as u32).map(|t| letter(family * 1000 + t / 2));
+    let own = (0..tail as u32).map(|t| letter(salt * 1000 + t));
+    let mut p: Vec<u32> = common.chain(own).collect();
+    if p.is_empty() {
+        p.push(1);
+    }
+    p
+}
+
+/// The tests' stand-in for the KV cache: per cache row, the token prefix whose last position
+/// was computed into it (a key and value are a function of exactly that).
+#[derive(Default)]
+struct SimulatedKv {
+    rows: HashMap<usize, Vec<u32>>,
+    /// Every sequence's tokens so far (prompt and sampled).
+    tokens: HashMap<SeqId, Vec<u32>>,
+}
+
+impl SimulatedKv {
+    /// Check what `w` reads, then write what it computes.
+    fn run(&mut self, w: &Work, block_size: usize) {
+        let tokens = &self.tokens[&w.seq];
+        assert_eq!(&tokens[w.start..w.end], w.tokens.as_slice());
+        for pos in 0..w.start {
+            let row = cache_row(&w.table, block_size, pos);
+            assert_eq!(
+                self.rows.get(&row).map(Vec::as_slice),
+                Some(&tokens[..=pos]),
+                "{:?} reads position {pos} from row {row}, which holds another prefix",
+                w.seq
+            );
+        }
+        for pos in w.start..w.end {
+            self.rows
+                .insert(cache_row(&w.table, block_size, pos), tokens[..=pos].to_vec());
+        }
+    }
+}
+
+fn run_step(s: &mut Scheduler, kv: &mut SimulatedKv, stop: bool, config: &SchedulerConfig) -> usize {
     let schedule = s.schedule();
     let scheduled: usize = schedule.work.iter().map(|w| w.end - w.start).sum();
     assert!(
-        scheduled <= budget,
-        "{scheduled} tokens scheduled over a budget of {budget}"
+        scheduled <= config.token_budget,
+        "{scheduled} tokens scheduled over a budget of {}",
+        config.token_budget
     );
     let mut finished = 0;
     for w in &schedule.work {
+        // Computes at least one token, even when the whole prompt was cached.
         assert!(w.start < w.end && w.tokens.len() == w.end - w.start, "{w:?}");
+        kv.run(w, config.block_size);
         // Token 7 is the stop token; `stop` decides whether this step emits it.
-        let token = if stop { 7 } else { 3 };
-        if s.complete(w, w.samples.then_some(token)).is_some() {
+        if complete(s, kv, w, if stop { 7 } else { 3 }) {
             finished += 1;
         }
     }
     finished
+}
+
+/// Record that `w` ran and sampled `token` where it samples; whether its sequence finished.
+fn complete(s: &mut Scheduler, kv: &mut SimulatedKv, w: &Work, token: u32) -> bool {
+    match s.complete(w, w.samples.then_some(token)) {
+        Some(_) => {
+            kv.tokens.remove(&w.seq);
+            true
+        }
+        None => {
+            if w.samples {
+                kv.tokens.get_mut(&w.seq).expect("running").push(token);
+            }
+            false
+        }
+    }
 }
 
 proptest! {
@@ -51,20 +130,24 @@ proptest! {
     ) {
         let config = SchedulerConfig { max_waiting: 8, max_running: 4, token_budget: budget, kv_blocks: blocks, block_size, context_length: 64 };
         let mut s = Scheduler::new(config);
+        let mut kv = SimulatedKv::default();
         let mut ids: Vec<SeqId> = Vec::new();
-        for a in actions {
+        for (salt, a) in actions.into_iter().enumerate() {
             match a {
-                Action::Add { prompt, max_tokens } => {
-                    if let Ok(id) = s.add((0..prompt as u32).map(|t| 10 + t).collect(), max_tokens, vec![7]) {
+                Action::Add { family, shared, tail, max_tokens } => {
+                    let p = prompt(family, shared, tail, salt as u32);
+                    if let Ok(id) = s.add(p.clone(), max_tokens, vec![7]) {
+                        kv.tokens.insert(id, p);
                         ids.push(id);
                     }
                 }
                 Action::Step { stop } => {
-                    run_step(&mut s, stop, budget);
+                    run_step(&mut s, &mut kv, stop, &config);
                 }
                 Action::Abort(i) => {
                     if let Some(&id) = ids.get(i % ids.len().max(1)) {
                         s.abort(id);
+                        kv.tokens.remove(&id);
                     }
                 }
             }
@@ -73,7 +156,7 @@ proptest! {
         // Everything still queued completes: no livelock, and every block comes back.
         let mut steps = 0;
         while !s.is_idle() {
-            run_step(&mut s, false, budget);
+            run_step(&mut s, &mut kv, false, &config);
             prop_assert_eq!(s.check(), Ok(()));
             steps += 1;
             prop_assert!(steps < 10_000, "the scheduler stopped making progress");
@@ -146,4 +229,50 @@ fn preemption_recomputes_and_still_finishes_everyone() {
     finished.sort();
     assert_eq!(finished, vec![a, b]);
     assert_eq!(s.used_blocks(), 0);
+}
+
+#[test]
+fn a_cached_prefix_is_reused_but_the_last_prompt_token_is_always_computed() {
+    let config = SchedulerConfig {
+        max_waiting: 8,
+        max_running: 4,
+        token_budget: 64,
+        kv_blocks: 16,
+        block_size: 4,
+        context_length: 64,
+    };
+    let mut s = Scheduler::new(config);
+    let mut kv = SimulatedKv::default();
+    let prompt: Vec<u32> = (1..=8).collect();
+    let first_work = |s: &mut Scheduler, kv: &mut SimulatedKv, prompt: Vec<u32>| {
+        let id = s.add(prompt.clone(), 2, vec![]).unwrap();
+        kv.tokens.insert(id, prompt);
+        let work = s.schedule().work.into_iter().find(|w| w.seq == id).unwrap();
+        let span = (work.start, work.end);
+        kv.run(&work, config.block_size);
+        complete(s, kv, &work, 3);
+        while !s.is_idle() {
+            run_step(s, kv, false, &config);
+        }
+        span
+    };
+    assert_eq!(
+        first_work(&mut s, &mut kv, prompt.clone()),
+        (0, 8),
+        "nothing cached yet"
+    );
+    // The same 8 tokens: both blocks are cached, but the last token must be computed, so only
+    // the first block is taken from the cache.
+    assert_eq!(first_work(&mut s, &mut kv, prompt.clone()), (4, 8));
+    // One token more: both blocks come from the cache.
+    let longer: Vec<u32> = (1..=9).collect();
+    assert_eq!(first_work(&mut s, &mut kv, longer), (8, 9));
+    // A different first token shares nothing, even though later blocks repeat.
+    let other: Vec<u32> = [99].into_iter().chain(2..=9).collect();
+    assert_eq!(first_work(&mut s, &mut kv, other), (0, 9));
+    let stats = s.prefix_cache_stats();
+    assert_eq!((stats.queried, stats.hit), (8 + 8 + 9 + 9, 4 + 8));
+    assert_eq!(s.used_blocks(), 0);
+    assert!(s.cached_blocks() > 0);
+    s.check().unwrap();
 }

@@ -46,7 +46,10 @@ pub struct Metrics {
     pub waiting: AtomicU64,
     pub running: AtomicU64,
     pub kv_blocks_used: AtomicU64,
+    pub kv_blocks_cached: AtomicU64,
     pub kv_blocks_total: AtomicU64,
+    pub prefix_cache_queries: AtomicU64,
+    pub prefix_cache_hits: AtomicU64,
     pub ttft: Histogram,
     pub tpot: Histogram,
     pub e2e: Histogram,
@@ -77,6 +80,16 @@ impl Metrics {
                 "Tokens generated.",
                 &self.generation_tokens,
             ),
+            (
+                "bbc_prefix_cache_queries_total",
+                "Tokens looked up in the prefix cache when sequences were admitted.",
+                &self.prefix_cache_queries,
+            ),
+            (
+                "bbc_prefix_cache_hits_total",
+                "Tokens found in the prefix cache (not computed).",
+                &self.prefix_cache_hits,
+            ),
         ];
         for (name, help, value) in counters {
             let _ = writeln!(
@@ -90,8 +103,13 @@ impl Metrics {
             ("bbc_requests_running", "Sequences being computed.", &self.running),
             (
                 "bbc_kv_blocks_used",
-                "KV-cache blocks owned by sequences.",
+                "KV-cache blocks held by sequences.",
                 &self.kv_blocks_used,
+            ),
+            (
+                "bbc_kv_blocks_cached",
+                "KV-cache blocks held by no sequence that still cache a prefix (reused or evicted as needed).",
+                &self.kv_blocks_cached,
             ),
             ("bbc_kv_blocks_total", "KV-cache blocks in all.", &self.kv_blocks_total),
         ];

@@ -4,8 +4,9 @@
 //! on a stop string) the sequence is aborted and its KV blocks are freed before the next step.
 
 use super::metrics::Metrics;
+use runtime::serving::PagedBackend;
 use runtime::serving::{AddError, FinishReason, SeqId, ServingEngine};
-use runtime::{Backend, SamplingParams, TokenLogprobs};
+use runtime::{SamplingParams, TokenLogprobs};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -30,7 +31,7 @@ pub struct NewRequest {
 }
 
 /// Run the engine until every sender of `requests` is gone.
-pub fn run<B: Backend>(
+pub fn run<B: PagedBackend>(
     mut engine: ServingEngine<B>,
     mut requests: mpsc::UnboundedReceiver<NewRequest>,
     metrics: Arc<Metrics>,
@@ -54,7 +55,7 @@ pub fn run<B: Backend>(
     }
 }
 
-fn admit<B: Backend>(
+fn admit<B: PagedBackend>(
     engine: &mut ServingEngine<B>,
     clients: &mut HashMap<SeqId, mpsc::UnboundedSender<Event>>,
     r: NewRequest,
@@ -71,7 +72,7 @@ fn admit<B: Backend>(
 }
 
 /// Abort every sequence whose client stopped listening.
-fn drop_departed<B: Backend>(
+fn drop_departed<B: PagedBackend>(
     engine: &mut ServingEngine<B>,
     clients: &mut HashMap<SeqId, mpsc::UnboundedSender<Event>>,
 ) {
@@ -84,7 +85,7 @@ fn drop_departed<B: Backend>(
     });
 }
 
-fn step<B: Backend>(
+fn step<B: PagedBackend>(
     engine: &mut ServingEngine<B>,
     clients: &mut HashMap<SeqId, mpsc::UnboundedSender<Event>>,
     metrics: &Metrics,
@@ -119,9 +120,13 @@ fn step<B: Backend>(
     }
 }
 
-fn publish<B: Backend>(engine: &ServingEngine<B>, metrics: &Metrics) {
+fn publish<B: PagedBackend>(engine: &ServingEngine<B>, metrics: &Metrics) {
     let s = engine.scheduler();
     metrics.waiting.store(s.waiting() as u64, Relaxed);
     metrics.running.store(s.running() as u64, Relaxed);
     metrics.kv_blocks_used.store(s.used_blocks() as u64, Relaxed);
+    metrics.kv_blocks_cached.store(s.cached_blocks() as u64, Relaxed);
+    let prefix = s.prefix_cache_stats();
+    metrics.prefix_cache_queries.store(prefix.queried, Relaxed);
+    metrics.prefix_cache_hits.store(prefix.hit, Relaxed);
 }

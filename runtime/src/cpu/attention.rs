@@ -1,45 +1,43 @@
-//! Attention over a sequence's KV cache on the CPU: one task per (token, head), f32 softmax
-//! with the running max subtracted, grouped KV heads. Tested against the IR reference.
+//! Attention over the paged KV cache on the CPU: one task per (query row, head) across every
+//! sequence of the step, f32 softmax with the running max subtracted, grouped KV heads. Each
+//! row is computed alone (the same arithmetic whatever else is in the step), so a batched step
+//! gives every sequence bit-identical results to running it by itself. Tested against the IR
+//! reference.
 
+use super::kv_pages::LayerPages;
 use super::simd;
+use crate::kv::{cache_row, BlockId};
 use ir::reference::ops::attends;
 use ir::AttentionSpec;
 use rayon::prelude::*;
 
-/// Keys and values of one layer of one sequence: row `j` is position `j`.
-#[derive(Debug, Default, Clone)]
-pub struct LayerKv {
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
+/// A query row of the step: its position, and the block table of its sequence, whose cache
+/// already holds the keys and values of every position up to and including `pos`.
+#[derive(Debug, Clone, Copy)]
+pub struct QueryRow<'a> {
+    pub pos: usize,
+    pub table: &'a [BlockId],
 }
 
-impl LayerKv {
-    pub fn len(&self, kv_dim: usize) -> usize {
-        self.k.len() / kv_dim
-    }
-}
-
-/// `q` is `[tokens, heads·hd]` for positions `first..first+tokens`; the cache already holds
-/// their keys and values. Writes `[tokens, heads·hd]` into `out`.
-pub fn attention(spec: &AttentionSpec, q: &[f32], first: usize, kv: &LayerKv, out: &mut [f32]) {
+/// `q` is `[rows.len(), heads·hd]`; writes `[rows.len(), heads·hd]` into `out`.
+pub fn attention(spec: &AttentionSpec, q: &[f32], rows: &[QueryRow], kv: &LayerPages, out: &mut [f32]) {
     let hd = spec.head_dim;
-    let kv_dim = spec.kv_heads * hd;
     let group = spec.heads / spec.kv_heads;
     let q_dim = spec.heads * hd;
     let scale = spec.scale as f32;
+    let block_size = kv.block_size();
     out.par_chunks_mut(hd)
         .enumerate()
         .for_each_init(Vec::<f32>::new, |scores, (task, o)| {
             let (t, h) = (task / spec.heads, task % spec.heads);
-            let pos = first + t;
-            let kvh = h / group;
+            let QueryRow { pos, table } = rows[t];
+            let kv_cols = (h / group) * hd..(h / group + 1) * hd;
             let qh = &q[t * q_dim + h * hd..t * q_dim + (h + 1) * hd];
             let lo = spec.window.map_or(0, |w| (pos + 1).saturating_sub(w));
             debug_assert!((lo..=pos).all(|j| attends(pos, j, spec.window)));
+            let row = |j: usize| cache_row(table, block_size, j);
             scores.clear();
-            scores.extend(
-                (lo..=pos).map(|j| simd::dot(qh, &kv.k[j * kv_dim + kvh * hd..j * kv_dim + (kvh + 1) * hd]) * scale),
-            );
+            scores.extend((lo..=pos).map(|j| simd::dot(qh, kv.key(row(j), kv_cols.clone())) * scale));
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut total = 0f32;
             for s in scores.iter_mut() {
@@ -48,7 +46,7 @@ pub fn attention(spec: &AttentionSpec, q: &[f32], first: usize, kv: &LayerKv, ou
             }
             o.fill(0.0);
             for (j, &p) in (lo..=pos).zip(scores.iter()) {
-                simd::axpy(p / total, &kv.v[j * kv_dim + kvh * hd..j * kv_dim + (kvh + 1) * hd], o);
+                simd::axpy(p / total, kv.value(row(j), kv_cols.clone()), o);
             }
         });
 }
@@ -73,18 +71,21 @@ mod tests {
             let (len, tokens) = (9, 4);
             let kv_dim = 16;
             let val = |i: usize, m: usize| ((i * m % 23) as f32 - 11.0) / 7.0;
-            let kv = LayerKv {
-                k: (0..len * kv_dim).map(|i| val(i, 7)).collect(),
-                v: (0..len * kv_dim).map(|i| val(i, 5)).collect(),
-            };
+            let k: Vec<f32> = (0..len * kv_dim).map(|i| val(i, 7)).collect();
+            let v: Vec<f32> = (0..len * kv_dim).map(|i| val(i, 5)).collect();
+            // Blocks of 2 positions, scattered: the table is not in block order.
+            let table = [4, 0, 3, 1, 2].map(BlockId);
+            let mut pages = super::super::KvPages::new(&[kv_dim], 2);
+            pages.layer_mut(0).write(&table, 0, &k, &v);
             let q: Vec<f32> = (0..tokens * 32).map(|i| val(i, 3)).collect();
             let first = len - tokens;
+            let rows: Vec<QueryRow> = (first..len).map(|pos| QueryRow { pos, table: &table }).collect();
             let mut got = vec![f32::NAN; tokens * 32];
-            attention(&spec, &q, first, &kv, &mut got);
+            attention(&spec, &q, &rows, pages.layer(0), &mut got);
             let slot = KvSlot {
                 positions: (0..len).collect(),
-                k: kv.k.clone(),
-                v: kv.v.clone(),
+                k,
+                v,
             };
             let positions: Vec<usize> = (first..len).collect();
             let want = attention_over_slot(&spec, &Tensor::new(vec![tokens, 32], q), &slot, &positions);

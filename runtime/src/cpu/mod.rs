@@ -1,16 +1,24 @@
 //! The CPU backend: executes a graph op by op on f32 activations, with multithreaded kernels
 //! for the heavy ops (matmul, attention) and the IR's reference functions for the light ones.
+//!
+//! A step takes any number of sequences at once (a batch of [`Segment`]s): their tokens are
+//! stacked into one activation matrix, so every weight is read once per step for all of them,
+//! and only attention looks at which sequence a row belongs to. Every op computes a row the
+//! same way whatever else is in the step, so batching never changes a sequence's results.
 
 mod attention;
 pub mod int8_head;
+mod kv_pages;
 mod matrix;
 pub mod simd;
 
-pub use attention::LayerKv;
 pub use int8_head::Int8Head;
+pub use kv_pages::{KvPages, LayerPages};
 pub use matrix::{Matrix, Storage};
 
 use crate::error::{Result, RuntimeError};
+use crate::kv::{BlockId, Segment};
+use attention::QueryRow;
 use half::bf16;
 use ir::reference::ops;
 use ir::{DType, Graph, InputKind, Op, Tensor};
@@ -38,11 +46,72 @@ pub struct CpuBackend {
     context_length: usize,
 }
 
-/// One sequence's state: its KV cache, one entry per attention slot.
-#[derive(Debug, Default, Clone)]
+/// One sequence on its own (`bbc run`): a private page pool whose blocks it takes in order.
+#[derive(Debug, Clone)]
 pub struct CpuSequence {
-    pub layers: Vec<LayerKv>,
-    pub len: usize,
+    pages: KvPages,
+    table: Vec<BlockId>,
+    len: usize,
+}
+
+impl CpuSequence {
+    /// Positions computed so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Positions per block of a lone sequence's pool: nothing shares its blocks, so they are large.
+const LONE_SEQUENCE_BLOCK: usize = 256;
+
+/// Where each row of a batched step comes from.
+struct StepRows<'a> {
+    segments: &'a [Segment<'a>],
+    /// Per segment, its rows of the stacked activations.
+    ranges: Vec<std::ops::Range<usize>>,
+    /// Per row, its position and its sequence's block table.
+    query: Vec<QueryRow<'a>>,
+}
+
+impl<'a> StepRows<'a> {
+    fn of(segments: &'a [Segment<'a>]) -> Self {
+        let mut ranges = Vec::with_capacity(segments.len());
+        let mut query = Vec::new();
+        for seg in segments {
+            ranges.push(query.len()..query.len() + seg.ids.len());
+            query.extend((seg.start..seg.end()).map(|pos| QueryRow { pos, table: seg.table }));
+        }
+        Self {
+            segments,
+            ranges,
+            query,
+        }
+    }
+
+    /// Split a graph output into one tensor per segment: its rows when the output has a row per
+    /// token, its row when it has one per sequence (after `LastToken`).
+    fn split(&self, t: &Tensor) -> Result<Vec<Tensor>> {
+        let width = t.row_len();
+        let rows = |r: std::ops::Range<usize>| {
+            Tensor::new(vec![r.len(), width], t.data[r.start * width..r.end * width].to_vec())
+        };
+        if t.rows() == self.query.len() {
+            Ok(self.ranges.iter().map(|r| rows(r.clone())).collect())
+        } else if t.rows() == self.segments.len() {
+            Ok((0..self.segments.len()).map(|i| rows(i..i + 1)).collect())
+        } else {
+            Err(RuntimeError::Graph(format!(
+                "an output has {} rows for a step of {} tokens in {} sequences",
+                t.rows(),
+                self.query.len(),
+                self.segments.len()
+            )))
+        }
+    }
 }
 
 enum Value {
@@ -143,35 +212,50 @@ impl CpuBackend {
 
     pub fn new_sequence(&self) -> CpuSequence {
         CpuSequence {
-            layers: vec![LayerKv::default(); self.kv_dims.len()],
+            pages: self.new_pages(LONE_SEQUENCE_BLOCK),
+            table: Vec::new(),
             len: 0,
         }
     }
 
+    /// An empty KV pool for this graph's attention slots, in blocks of `block_size` positions.
+    pub fn new_pages(&self, block_size: usize) -> KvPages {
+        KvPages::new(&self.kv_dims, block_size)
+    }
+
     /// Process `ids` as the next tokens of `seq`; returns the graph's outputs by name.
     pub fn step(&self, seq: &mut CpuSequence, ids: &[u32]) -> Result<HashMap<String, Tensor>> {
-        if ids.is_empty() {
-            return Err(RuntimeError::Input("a step needs at least one token".into()));
-        }
-        if seq.len + ids.len() > self.context_length {
+        let end = seq.len + ids.len();
+        if end > self.context_length {
             return Err(RuntimeError::ContextOverflow {
-                needed: seq.len + ids.len(),
+                needed: end,
                 limit: self.context_length,
             });
         }
-        if let Some(&bad) = ids.iter().find(|&&id| id as usize >= self.vocab) {
-            return Err(RuntimeError::Input(format!(
-                "token id {bad} is outside the vocabulary (size {})",
-                self.vocab
-            )));
+        while seq.table.len() * seq.pages.block_size() < end {
+            seq.table.push(BlockId(seq.table.len() as u32));
         }
-        let first = seq.len;
-        let tokens = ids.len();
+        let segment = Segment {
+            table: &seq.table,
+            start: seq.len,
+            ids,
+        };
+        let out = self.step_batch(&mut seq.pages, &[segment])?.pop();
+        seq.len = end;
+        Ok(out.expect("one output per segment"))
+    }
+
+    /// Process every segment's tokens in one pass, keys and values going to `pages`; returns
+    /// each segment's outputs by name (in the order of `batch`).
+    pub fn step_batch(&self, pages: &mut KvPages, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
+        self.check_batch(pages, batch)?;
+        let rows = StepRows::of(batch);
+        let ids: Vec<usize> = batch.iter().flat_map(|s| s.ids).map(|&t| t as usize).collect();
         let mut values: Vec<Option<Value>> = Vec::with_capacity(self.graph.nodes().len());
         for (i, node) in self.graph.nodes().iter().enumerate() {
             let value = match &node.op {
-                Op::Input(InputKind::TokenIds) => Some(Value::Ids(ids.iter().map(|&t| t as usize).collect())),
-                Op::Input(InputKind::Positions) => Some(Value::Ids((first..first + tokens).collect())),
+                Op::Input(InputKind::TokenIds) => Some(Value::Ids(ids.clone())),
+                Op::Input(InputKind::Positions) => Some(Value::Ids(rows.query.iter().map(|q| q.pos).collect())),
                 Op::Weight { .. } | Op::ConcatRows => None,
                 op => {
                     let args: Vec<Arg> = node
@@ -182,7 +266,7 @@ impl CpuBackend {
                             None => Arg::Value(values[x.0].as_ref().expect("inputs are computed before use")),
                         })
                         .collect();
-                    Some(Value::F32(self.eval(i, op, &args, seq, first, tokens)?))
+                    Some(Value::F32(self.eval(i, op, &args, pages, &rows)?))
                 }
             };
             values.push(value);
@@ -192,29 +276,50 @@ impl CpuBackend {
                 }
             }
         }
-        seq.len += tokens;
-        Ok(self
-            .graph
-            .outputs()
-            .iter()
-            .map(|(name, id)| {
-                (
-                    name.clone(),
-                    values[id.0].as_ref().expect("outputs are kept").tensor().clone(),
-                )
-            })
-            .collect())
+        let mut per_segment: Vec<HashMap<String, Tensor>> = vec![HashMap::new(); batch.len()];
+        for (name, id) in self.graph.outputs() {
+            let output = values[id.0].as_ref().expect("outputs are kept").tensor();
+            for (outputs, t) in per_segment.iter_mut().zip(rows.split(output)?) {
+                outputs.insert(name.clone(), t);
+            }
+        }
+        Ok(per_segment)
     }
 
-    fn eval(
-        &self,
-        node: usize,
-        op: &Op,
-        args: &[Arg],
-        seq: &mut CpuSequence,
-        first: usize,
-        tokens: usize,
-    ) -> Result<Tensor> {
+    /// A batch the graph can run: tokens in every segment, positions within the context and
+    /// within the segment's blocks, ids within the vocabulary.
+    fn check_batch(&self, pages: &KvPages, batch: &[Segment]) -> Result<()> {
+        if batch.is_empty() {
+            return Err(RuntimeError::Input("a step needs at least one sequence".into()));
+        }
+        for seg in batch {
+            if seg.ids.is_empty() {
+                return Err(RuntimeError::Input("a step needs at least one token".into()));
+            }
+            if seg.end() > self.context_length {
+                return Err(RuntimeError::ContextOverflow {
+                    needed: seg.end(),
+                    limit: self.context_length,
+                });
+            }
+            if seg.table.len() * pages.block_size() < seg.end() {
+                return Err(RuntimeError::Input(format!(
+                    "a block table of {} blocks cannot hold {} positions",
+                    seg.table.len(),
+                    seg.end()
+                )));
+            }
+            if let Some(&bad) = seg.ids.iter().find(|&&id| id as usize >= self.vocab) {
+                return Err(RuntimeError::Input(format!(
+                    "token id {bad} is outside the vocabulary (size {})",
+                    self.vocab
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn eval(&self, node: usize, op: &Op, args: &[Arg], pages: &mut KvPages, rows: &StepRows) -> Result<Tensor> {
         Ok(match op {
             Op::Embedding => {
                 let table = args[0].matrix();
@@ -250,12 +355,14 @@ impl CpuBackend {
                     args[1].value().tensor(),
                     args[2].value().tensor(),
                 );
-                let kv = &mut seq.layers[spec.cache_slot];
-                kv.k.extend_from_slice(&k.data);
-                kv.v.extend_from_slice(&v.data);
-                debug_assert_eq!(kv.len(self.kv_dims[spec.cache_slot]), first + tokens);
+                let layer = pages.layer_mut(spec.cache_slot);
+                let dim = layer.dim();
+                for (seg, r) in rows.segments.iter().zip(&rows.ranges) {
+                    let (k, v) = (&k.data[r.start * dim..r.end * dim], &v.data[r.start * dim..r.end * dim]);
+                    layer.write(seg.table, seg.start, k, v);
+                }
                 let mut out = Tensor::zeros(q.shape.clone());
-                attention::attention(spec, &q.data, first, kv, &mut out.data);
+                attention::attention(spec, &q.data, &rows.query, pages.layer(spec.cache_slot), &mut out.data);
                 out
             }
             Op::Add => zip_map(args[0].value().tensor(), args[1].value().tensor(), |a, b| a + b),
@@ -265,7 +372,8 @@ impl CpuBackend {
             Op::GeluTanh => map(args[0].value().tensor(), ops::gelu_tanh),
             Op::LastToken => {
                 let x = args[0].value().tensor();
-                Tensor::new(vec![1, x.row_len()], x.row(x.rows() - 1).to_vec())
+                let data = rows.ranges.iter().flat_map(|r| x.row(r.end - 1)).copied().collect();
+                Tensor::new(vec![rows.ranges.len(), x.row_len()], data)
             }
             Op::Slice { start, len } => {
                 let x = args[0].value().tensor();

@@ -1,19 +1,34 @@
-//! The serving loop: each step runs the scheduler's work on the backend, sequence by sequence
-//! (the CPU backend computes one sequence per call; a batched step is the GPU backend's job),
-//! samples where a sequence reached its last position, and reports new tokens and finished
-//! sequences. Preempted sequences lose their cached state and recompute it when readmitted.
-//!
-//! On the CPU backend a sequence's keys and values live in its own contiguous cache; the block
-//! manager accounts for them in blocks, so admission and preemption follow the configured KV
-//! budget exactly, but blocks are not yet physical pages there (the GPU kernels take a block
-//! table; see `kernels_gen::templates::cache_layout`).
+//! The serving loop: each step runs all of the scheduler's work as one batched pass of the
+//! backend over a shared, paged KV cache (the block tables come from the scheduler), samples
+//! where a sequence reached its last position, and reports new tokens and finished sequences.
+//! Preempted sequences lose their blocks and recompute what the prefix cache no longer holds
+//! when readmitted.
 
 use super::scheduler::{AddError, Finished, Scheduler, SchedulerConfig, SeqId};
 use crate::error::{Result, RuntimeError};
-use crate::generate::Backend;
+use crate::kv::Segment;
 use crate::sampling::{Sampler, SamplingParams, TokenLogprobs};
 use ir::Tensor;
 use std::collections::HashMap;
+
+/// What serving needs of a backend: a KV cache in blocks, and steps over many sequences at once.
+pub trait PagedBackend {
+    /// The KV cache of every sequence, in blocks addressed through block tables.
+    type Pages;
+    fn new_pages(&self, block_size: usize) -> Self::Pages;
+    /// Process every segment's tokens in one pass; each segment's outputs by name, in order.
+    fn step_batch(&self, pages: &mut Self::Pages, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>>;
+}
+
+impl PagedBackend for crate::CpuBackend {
+    type Pages = crate::KvPages;
+    fn new_pages(&self, block_size: usize) -> Self::Pages {
+        crate::CpuBackend::new_pages(self, block_size)
+    }
+    fn step_batch(&self, pages: &mut Self::Pages, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
+        crate::CpuBackend::step_batch(self, pages, batch)
+    }
+}
 
 /// A token chosen this step.
 #[derive(Debug)]
@@ -31,21 +46,25 @@ pub struct StepOutput {
     pub finished: Vec<Finished>,
 }
 
-pub struct ServingEngine<B: Backend> {
+pub struct ServingEngine<B: PagedBackend> {
     backend: B,
     scheduler: Scheduler,
-    states: HashMap<SeqId, B::Sequence>,
+    pages: B::Pages,
     samplers: HashMap<SeqId, Sampler>,
 }
 
-impl<B: Backend> ServingEngine<B> {
+impl<B: PagedBackend> ServingEngine<B> {
     pub fn new(backend: B, config: SchedulerConfig) -> Self {
         Self {
+            pages: backend.new_pages(config.block_size),
             backend,
             scheduler: Scheduler::new(config),
-            states: HashMap::new(),
             samplers: HashMap::new(),
         }
+    }
+
+    pub fn pages(&self) -> &B::Pages {
+        &self.pages
     }
 
     pub fn scheduler(&self) -> &Scheduler {
@@ -67,7 +86,6 @@ impl<B: Backend> ServingEngine<B> {
 
     /// Drop a request (its client went away): its blocks and state are freed now.
     pub fn abort(&mut self, id: SeqId) -> bool {
-        self.states.remove(&id);
         self.samplers.remove(&id);
         self.scheduler.abort(id)
     }
@@ -77,33 +95,40 @@ impl<B: Backend> ServingEngine<B> {
         self.step_while(|_| true)
     }
 
-    /// Run one step, first asking `wanted` about each sequence before computing it: one that is
-    /// no longer wanted (its client left) is aborted there, so a step over many sequences never
-    /// spends time on a request nobody is waiting for.
+    /// Run one step, first asking `wanted` about each scheduled sequence: one that is no longer
+    /// wanted (its client left) is aborted there, so a step never spends time on a request
+    /// nobody is waiting for.
     pub fn step_while(&mut self, mut wanted: impl FnMut(SeqId) -> bool) -> Result<StepOutput> {
-        let schedule = self.scheduler.schedule();
-        for id in &schedule.preempted {
-            self.states.remove(id);
-        }
-        let mut out = StepOutput::default();
-        for work in &schedule.work {
-            if !wanted(work.seq) {
-                self.abort(work.seq);
-                continue;
+        let mut schedule = self.scheduler.schedule();
+        schedule.work.retain(|w| {
+            let keep = wanted(w.seq);
+            if !keep {
+                self.abort(w.seq);
             }
-            let state = self
-                .states
-                .entry(work.seq)
-                .or_insert_with(|| self.backend.new_sequence());
-            let outputs = self.backend.step(state, &work.tokens)?;
+            keep
+        });
+        let mut out = StepOutput::default();
+        if schedule.work.is_empty() {
+            return Ok(out);
+        }
+        let batch: Vec<Segment> = schedule
+            .work
+            .iter()
+            .map(|w| Segment {
+                table: &w.table,
+                start: w.start,
+                ids: &w.tokens,
+            })
+            .collect();
+        let outputs = self.backend.step_batch(&mut self.pages, &batch)?;
+        for (work, outputs) in schedule.work.iter().zip(&outputs) {
             let sampled = match work.samples {
-                true => Some(self.sample(work.seq, &outputs)?),
+                true => Some(self.sample(work.seq, outputs)?),
                 false => None,
             };
             let token = sampled.as_ref().map(|s| s.token);
             out.tokens.extend(sampled);
             if let Some(done) = self.scheduler.complete(work, token) {
-                self.states.remove(&done.seq);
                 self.samplers.remove(&done.seq);
                 out.finished.push(done);
             }

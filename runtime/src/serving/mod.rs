@@ -6,5 +6,7 @@ pub mod engine;
 pub mod scheduler;
 
 pub use block_manager::{BlockId, BlockManager, OutOfBlocks};
-pub use engine::{Sampled, ServingEngine, StepOutput};
-pub use scheduler::{AddError, FinishReason, Finished, Schedule, Scheduler, SchedulerConfig, SeqId, Work};
+pub use engine::{PagedBackend, Sampled, ServingEngine, StepOutput};
+pub use scheduler::{
+    AddError, FinishReason, Finished, PrefixCacheStats, Schedule, Scheduler, SchedulerConfig, SeqId, Work,
+};

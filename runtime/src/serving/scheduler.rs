@@ -8,12 +8,19 @@
 //! the running limit and free blocks allow. The waiting queue is bounded: a request beyond it is
 //! refused at once (the server answers 503).
 //!
+//! Prefix caching: a sequence being admitted starts from the longest cached prefix of its
+//! tokens in whole blocks (see [`BlockManager`]), but never all of them: its last token is
+//! always computed, since its output chooses the next token. Each block a sequence fills is
+//! registered as it completes, prompt and generated tokens alike, so a preempted sequence
+//! readmitted soon after finds most of its work still cached.
+//!
 //! Invariants (checked by [`Scheduler::check`], property-tested): the block manager's (no block
 //! free and owned, none owned twice, none leaked); a running sequence's table covers exactly
-//! the positions it has cached; waiting sequences own no blocks; every sequence is in exactly
-//! one place.
+//! the positions it has cached, and every block it will write (from its first uncached
+//! position on) is its alone; its registered chain covers exactly its full cached blocks;
+//! waiting sequences hold no blocks; every sequence is in exactly one place.
 
-use super::block_manager::{BlockId, BlockManager};
+use super::block_manager::{BlockId, BlockManager, Serial};
 use std::collections::{BTreeMap, VecDeque};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -57,6 +64,8 @@ struct Seq {
     /// Positions whose keys and values are in the cache.
     cached: usize,
     table: Vec<BlockId>,
+    /// Registration serials of the first full blocks of `table` (the prefix-cache keys' chain).
+    chain: Vec<Serial>,
     max_tokens: usize,
     stop_tokens: Vec<u32>,
 }
@@ -67,15 +76,26 @@ impl Seq {
     }
 }
 
-/// One sequence's share of a step: compute positions `start..end` of its tokens; when `end`
-/// is the last position, the step's output there chooses its next token.
+/// One sequence's share of a step: compute positions `start..end` of its tokens, keeping their
+/// keys and values in the blocks of `table`; when `end` is the last position, the step's output
+/// there chooses its next token.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Work {
     pub seq: SeqId,
     pub start: usize,
     pub end: usize,
     pub tokens: Vec<u32>,
+    pub table: Vec<BlockId>,
     pub samples: bool,
+}
+
+/// Prefix-cache effect so far, in tokens (vLLM's `prefix_cache_queries` and `_hits`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixCacheStats {
+    /// Tokens looked up on admission.
+    pub queried: u64,
+    /// Of those, tokens found cached (not computed).
+    pub hit: u64,
 }
 
 /// What a step's schedule is: the work, and the sequences whose cached state was dropped.
@@ -105,6 +125,7 @@ pub struct Scheduler {
     running: Vec<SeqId>,
     seqs: BTreeMap<SeqId, Seq>,
     next_id: u64,
+    prefix_cache: PrefixCacheStats,
 }
 
 impl Scheduler {
@@ -116,11 +137,21 @@ impl Scheduler {
             running: Vec::new(),
             seqs: BTreeMap::new(),
             next_id: 0,
+            prefix_cache: PrefixCacheStats::default(),
         }
     }
 
     pub fn used_blocks(&self) -> usize {
         self.blocks.used_blocks()
+    }
+
+    /// Blocks nobody holds that still cache a prefix (reusable, or evicted when needed).
+    pub fn cached_blocks(&self) -> usize {
+        self.blocks.cached_blocks()
+    }
+
+    pub fn prefix_cache_stats(&self) -> PrefixCacheStats {
+        self.prefix_cache
     }
 
     pub fn waiting(&self) -> usize {
@@ -170,6 +201,7 @@ impl Scheduler {
                 prompt_len,
                 cached: 0,
                 table: Vec::new(),
+                chain: Vec::new(),
                 max_tokens,
                 stop_tokens,
             },
@@ -208,20 +240,38 @@ impl Scheduler {
         }
         while budget > 0 && self.running.len() < self.config.max_running {
             let Some(&id) = self.waiting.front() else { break };
-            let seq = &self.seqs[&id];
-            let n = (seq.tokens.len() - seq.cached).min(budget);
-            let end = seq.cached + n;
-            let mut table = Vec::new();
-            if self.blocks.grow(&mut table, end).is_err() {
+            if !self.admit(id, &mut budget, &mut out) {
                 break;
             }
-            self.waiting.pop_front();
-            self.seqs.get_mut(&id).expect("waiting").table = table;
-            self.running.push(id);
-            out.work.push(self.work(id, end));
-            budget -= n;
         }
         out
+    }
+
+    /// Start waiting sequence `id` from its longest cached prefix and schedule its next chunk;
+    /// false (and nothing changed) when the cache cannot hold that chunk.
+    fn admit(&mut self, id: SeqId, budget: &mut usize, out: &mut Schedule) -> bool {
+        let seq = self.seqs.get_mut(&id).expect("waiting");
+        let mut table = Vec::new();
+        // All but the last token may come from the cache: the last one's output is the point.
+        let chain = self
+            .blocks
+            .share_prefix(&mut table, &seq.tokens[..seq.tokens.len() - 1]);
+        let cached = chain.len() * self.blocks.block_size();
+        let n = (seq.tokens.len() - cached).min(*budget);
+        if self.blocks.grow(&mut table, cached + n).is_err() {
+            self.blocks.release(&mut table);
+            return false;
+        }
+        self.prefix_cache.queried += seq.tokens.len() as u64;
+        self.prefix_cache.hit += cached as u64;
+        seq.table = table;
+        seq.chain = chain;
+        seq.cached = cached;
+        self.waiting.pop_front();
+        self.running.push(id);
+        out.work.push(self.work(id, cached + n));
+        *budget -= n;
+        true
     }
 
     fn work(&self, id: SeqId, end: usize) -> Work {
@@ -231,6 +281,7 @@ impl Scheduler {
             start: seq.cached,
             end,
             tokens: seq.tokens[seq.cached..end].to_vec(),
+            table: seq.table.clone(),
             samples: end == seq.tokens.len(),
         }
     }
@@ -238,6 +289,7 @@ impl Scheduler {
     fn preempt(&mut self, id: SeqId) {
         let seq = self.seqs.get_mut(&id).expect("running");
         self.blocks.release(&mut seq.table);
+        seq.chain.clear();
         seq.cached = 0;
         self.running.retain(|&r| r != id);
         self.waiting.push_front(id);
@@ -251,6 +303,8 @@ impl Scheduler {
             return None;
         }
         seq.cached = work.end;
+        self.register_full_blocks(work.seq);
+        let seq = self.seqs.get_mut(&work.seq).expect("checked above");
         let token = sampled.filter(|_| work.samples)?;
         seq.tokens.push(token);
         let reason = if seq.stop_tokens.contains(&token) {
@@ -267,6 +321,22 @@ impl Scheduler {
             generated,
             reason,
         })
+    }
+
+    /// Register every block of `id` that its cached positions now fill, so that later
+    /// sequences with the same prefix (or this one, readmitted after preemption) reuse it.
+    fn register_full_blocks(&mut self, id: SeqId) {
+        let seq = self.seqs.get_mut(&id).expect("running");
+        let size = self.blocks.block_size();
+        while (seq.chain.len() + 1) * size <= seq.cached {
+            let i = seq.chain.len();
+            let serial = self.blocks.register(
+                seq.table[i],
+                seq.chain.last().copied(),
+                &seq.tokens[i * size..(i + 1) * size],
+            );
+            seq.chain.push(serial);
+        }
     }
 
     /// Drop a sequence wherever it is (a client went away); its blocks are free at once.
@@ -294,8 +364,20 @@ impl Scheduler {
             if places != 1 {
                 return Err(format!("{id:?} is in {places} places"));
             }
-            if self.waiting.contains(id) && !seq.table.is_empty() {
-                return Err(format!("waiting {id:?} owns blocks"));
+            if self.waiting.contains(id) && !(seq.table.is_empty() && seq.chain.is_empty()) {
+                return Err(format!("waiting {id:?} holds blocks"));
+            }
+            let size = self.blocks.block_size();
+            if self.running.contains(id) && seq.chain.len() != seq.cached / size {
+                return Err(format!(
+                    "{id:?} caches {} positions but its chain has {} blocks",
+                    seq.cached,
+                    seq.chain.len()
+                ));
+            }
+            let unwritten = seq.table.get(seq.cached / size..).unwrap_or_default();
+            if let Some(shared) = unwritten.iter().find(|&&b| self.blocks.holders(b) != 1) {
+                return Err(format!("{id:?} will write {shared:?}, which it shares"));
             }
             if self.running.contains(id) && seq.table.len() < self.blocks.blocks_for(seq.cached) {
                 return Err(format!(

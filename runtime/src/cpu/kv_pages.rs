@@ -1,0 +1,120 @@
+//! The CPU backend's KV cache: per attention slot, one pool of rows in blocks of `block_size`
+//! positions, addressed through each sequence's block table (see [`crate::kv`]). Sequences that
+//! share a prompt prefix share its blocks, so a prefix-cache hit skips computing it.
+//!
+//! The pool grows on first use of a block rather than at creation: a server configured for
+//! thousands of blocks holds memory only for the blocks it has used (block ids are handed out
+//! lowest first, so the pool's size follows the peak working set).
+
+use crate::kv::{cache_row, BlockId};
+
+#[derive(Debug, Clone)]
+pub struct KvPages {
+    block_size: usize,
+    layers: Vec<LayerPages>,
+}
+
+/// Keys and values of one attention slot: row `r` of the pool is `k[r·dim..(r+1)·dim]`.
+#[derive(Debug, Clone)]
+pub struct LayerPages {
+    dim: usize,
+    block_size: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl KvPages {
+    /// An empty pool for attention slots of the given KV row widths.
+    pub fn new(kv_dims: &[usize], block_size: usize) -> Self {
+        assert!(block_size > 0, "blocks hold at least one position");
+        Self {
+            block_size,
+            layers: kv_dims
+                .iter()
+                .map(|&dim| LayerPages {
+                    dim,
+                    block_size,
+                    k: Vec::new(),
+                    v: Vec::new(),
+                })
+                .collect(),
+        }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn layer(&self, slot: usize) -> &LayerPages {
+        &self.layers[slot]
+    }
+
+    pub fn layer_mut(&mut self, slot: usize) -> &mut LayerPages {
+        &mut self.layers[slot]
+    }
+
+    /// Bytes held by the pool now.
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(|l| (l.k.len() + l.v.len()) * 4).sum()
+    }
+}
+
+impl LayerPages {
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Store the keys and values of positions `start..start + rows` (`k` and `v` are
+    /// `[rows, dim]`) in the blocks of `table`.
+    pub fn write(&mut self, table: &[BlockId], start: usize, k: &[f32], v: &[f32]) {
+        debug_assert_eq!(k.len(), v.len());
+        let dim = self.dim;
+        for (i, (k, v)) in k.chunks_exact(dim).zip(v.chunks_exact(dim)).enumerate() {
+            let row = cache_row(table, self.block_size, start + i);
+            if (row + 1) * dim > self.k.len() {
+                let blocks = row / self.block_size + 1;
+                self.k.resize(blocks * self.block_size * dim, 0.0);
+                self.v.resize(blocks * self.block_size * dim, 0.0);
+            }
+            self.k[row * dim..(row + 1) * dim].copy_from_slice(k);
+            self.v[row * dim..(row + 1) * dim].copy_from_slice(v);
+        }
+    }
+
+    /// Cache row `row`'s key, columns `cols` (one KV head).
+    pub fn key(&self, row: usize, cols: std::ops::Range<usize>) -> &[f32] {
+        &self.k[row * self.dim + cols.start..row * self.dim + cols.end]
+    }
+
+    pub fn value(&self, row: usize, cols: std::ops::Range<usize>) -> &[f32] {
+        &self.v[row * self.dim + cols.start..row * self.dim + cols.end]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_land_in_their_blocks_and_the_pool_grows_to_the_highest_block() {
+        let mut pages = KvPages::new(&[2], 2);
+        let layer = pages.layer_mut(0);
+        // Positions 0..3 of a sequence whose table is [block 3, block 1].
+        let table = [BlockId(3), BlockId(1)];
+        let k = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5];
+        let v = k.map(|x| -x);
+        layer.write(&table, 0, &k, &v);
+        assert_eq!(layer.key(6, 0..2), &[1.0, 1.5], "position 0: block 3, row 0");
+        assert_eq!(layer.key(7, 0..2), &[2.0, 2.5]);
+        assert_eq!(layer.value(2, 1..2), &[-3.5], "position 2: block 1, row 0");
+        assert_eq!(
+            pages.bytes(),
+            2 * 8 * 2 * 4,
+            "blocks 0..=3 of 2 rows of 2 floats, k and v"
+        );
+    }
+}
