@@ -1,6 +1,7 @@
 //! The `bbc` binary's library half: model fetching and the command implementations, so that
 //! integration tests drive the same code the CLI runs.
 
+pub mod bench;
 pub mod commands;
 pub mod fetch;
 pub mod model_ref;

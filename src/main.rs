@@ -43,6 +43,9 @@ enum Command {
     Run(commands::run::RunArgs),
     /// Serve a model over an OpenAI-compatible HTTP API (continuous batching on the CPU backend).
     Serve(bbc::serve::ServeArgs),
+    /// Measure a running server as the InferenceX benchmark does (throughput, TTFT, TPOT, ITL,
+    /// end-to-end latency).
+    Bench(bbc::bench::BenchArgs),
     /// Print the token ids of a text as JSON.
     Tokenize {
         model: String,
@@ -89,6 +92,7 @@ fn run(cli: Cli) -> Result<()> {
         }),
         Command::Run(args) => commands::run::run(&args),
         Command::Serve(args) => bbc::serve::serve(&args),
+        Command::Bench(args) => bbc::bench::bench(&args),
         Command::Tokenize {
             model,
             text,

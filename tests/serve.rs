@@ -5,51 +5,15 @@ mod common;
 
 use proptest::prelude::*;
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// A running server, killed when dropped.
-struct Server {
-    child: Child,
-    address: String,
-}
+use common::server::Server;
 
+/// Raw HTTP/1.1 requests to the server under test.
 impl Server {
-    fn start(extra: &[&str]) -> Self {
-        let model = common::real_model("smollm2");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_bbc"))
-            .arg("serve")
-            .arg(&model)
-            .args(["--port", "0", "--served-model-name", "smollm2"])
-            .args(extra)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("starting bbc serve");
-        let stderr = child.stderr.take().expect("stderr");
-        // From here on, dropping `server` kills the process, panics included.
-        let mut server = Self {
-            child,
-            address: String::new(),
-        };
-        let mut stderr = BufReader::new(stderr);
-        let mut line = String::new();
-        while server.address.is_empty() {
-            line.clear();
-            if stderr.read_line(&mut line).expect("reading the server's stderr") == 0 {
-                panic!("bbc serve exited before listening");
-            }
-            if let Some((_, address)) = line.trim().rsplit_once("http://") {
-                server.address = address.to_string();
-            }
-        }
-        // Keep draining stderr so the server never blocks on a full pipe.
-        std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
-        server
-    }
-
     fn connect(&self) -> TcpStream {
         let stream = TcpStream::connect(&self.address).expect("connecting");
         stream.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
@@ -114,13 +78,6 @@ impl Server {
             .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or_else(|| panic!("no metric {name} in\n{text}"))
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -528,7 +485,7 @@ fn a_cancellation_storm_leaves_nothing_behind() {
 }
 
 fn resident_kib(server: &Server) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", server.child.id())).unwrap_or_default();
+    let status = std::fs::read_to_string(format!("/proc/{}/status", server.pid())).unwrap_or_default();
     status
         .lines()
         .find_map(|l| l.strip_prefix("VmRSS:"))

@@ -1,6 +1,8 @@
 //! Shared by the integration tests: fixture paths and the fetched real models.
 #![allow(dead_code)]
 
+pub mod server;
+
 use std::path::PathBuf;
 
 pub fn fixture(rel: &str) -> PathBuf {

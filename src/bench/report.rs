@@ -1,0 +1,168 @@
+//! The numbers InferenceX reports: output and request throughput over the measured run, and
+//! TTFT, TPOT, ITL and end-to-end latency at mean, median, p90 and p99 across requests.
+
+use super::client::Measured;
+use serde::Serialize;
+use std::fmt;
+use std::time::Duration;
+
+/// One latency metric across requests, in milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Distribution {
+    pub mean: f64,
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+}
+
+impl Distribution {
+    pub fn of(values_ms: &[f64]) -> Self {
+        if values_ms.is_empty() {
+            return Self::default();
+        }
+        let mut sorted = values_ms.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        Self {
+            mean: sorted.iter().sum::<f64>() / sorted.len() as f64,
+            p50: percentile(&sorted, 50.0),
+            p90: percentile(&sorted, 90.0),
+            p99: percentile(&sorted, 99.0),
+        }
+    }
+}
+
+/// numpy's default percentile (linear interpolation between closest ranks) of sorted values.
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let rank = p / 100.0 * (sorted.len() - 1) as f64;
+    let (lo, hi) = (rank.floor() as usize, rank.ceil() as usize);
+    sorted[lo] + (sorted[hi] - sorted[lo]) * (rank - lo as f64)
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub concurrency: usize,
+    pub completed: usize,
+    pub failed: usize,
+    pub duration_s: f64,
+    pub input_tokens: usize,
+    pub output_tokens: usize,
+    pub request_throughput: f64,
+    pub output_throughput: f64,
+    pub ttft_ms: Distribution,
+    pub tpot_ms: Distribution,
+    pub itl_ms: Distribution,
+    pub e2el_ms: Distribution,
+    /// The first few failures' messages, to say why.
+    pub errors: Vec<String>,
+}
+
+impl Report {
+    pub fn new(concurrency: usize, results: &[Result<Measured, String>], wall: Duration) -> Self {
+        let ok: Vec<&Measured> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let output_tokens: usize = ok.iter().map(|m| m.output_tokens).sum();
+        let seconds = wall.as_secs_f64().max(f64::MIN_POSITIVE);
+        let tpot: Vec<f64> = ok
+            .iter()
+            .filter(|m| m.output_tokens > 1)
+            .map(|m| ms(m.e2e - m.ttft) / (m.output_tokens - 1) as f64)
+            .collect();
+        Self {
+            concurrency,
+            completed: ok.len(),
+            failed: results.len() - ok.len(),
+            duration_s: wall.as_secs_f64(),
+            input_tokens: ok.iter().map(|m| m.prompt_tokens).sum(),
+            output_tokens,
+            request_throughput: ok.len() as f64 / seconds,
+            output_throughput: output_tokens as f64 / seconds,
+            ttft_ms: Distribution::of(&ok.iter().map(|m| ms(m.ttft)).collect::<Vec<_>>()),
+            tpot_ms: Distribution::of(&tpot),
+            itl_ms: Distribution::of(&ok.iter().flat_map(|m| m.itl.iter().map(|&d| ms(d))).collect::<Vec<_>>()),
+            e2el_ms: Distribution::of(&ok.iter().map(|m| ms(m.e2e)).collect::<Vec<_>>()),
+            errors: results
+                .iter()
+                .filter_map(|r| r.as_ref().err())
+                .take(5)
+                .cloned()
+                .collect(),
+        }
+    }
+
+    /// InferenceX fails a run when more than 5% of its requests fail.
+    pub fn acceptable(&self) -> bool {
+        self.failed * 20 <= self.completed + self.failed
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        writeln!(f, "concurrency            {}", self.concurrency)?;
+        writeln!(
+            f,
+            "requests               {} completed, {} failed",
+            self.completed, self.failed
+        )?;
+        writeln!(f, "duration               {:.2} s", self.duration_s)?;
+        writeln!(f, "input tokens           {}", self.input_tokens)?;
+        writeln!(f, "output tokens          {}", self.output_tokens)?;
+        writeln!(f, "request throughput     {:.3} req/s", self.request_throughput)?;
+        writeln!(f, "output throughput      {:.2} tok/s", self.output_throughput)?;
+        writeln!(
+            f,
+            "{:<22} {:>10} {:>10} {:>10} {:>10}",
+            "(ms)", "mean", "p50", "p90", "p99"
+        )?;
+        for (name, d) in [
+            ("TTFT", self.ttft_ms),
+            ("TPOT", self.tpot_ms),
+            ("ITL", self.itl_ms),
+            ("E2EL", self.e2el_ms),
+        ] {
+            writeln!(
+                f,
+                "{name:<22} {:>10.2} {:>10.2} {:>10.2} {:>10.2}",
+                d.mean, d.p50, d.p90, d.p99
+            )?;
+        }
+        for e in &self.errors {
+            writeln!(f, "failed: {e}")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_interpolate_like_numpy() {
+        // numpy.percentile([1, 2, 3, 4, 10], [50, 90, 99]) = [3.0, 7.6, 9.76]
+        let d = Distribution::of(&[10.0, 1.0, 3.0, 2.0, 4.0]);
+        assert_eq!(d.mean, 4.0);
+        assert_eq!(d.p50, 3.0);
+        assert!((d.p90 - 7.6).abs() < 1e-12 && (d.p99 - 9.76).abs() < 1e-12, "{d:?}");
+        assert_eq!(Distribution::of(&[5.0]).p99, 5.0);
+    }
+
+    #[test]
+    fn throughput_counts_completed_requests_and_tpot_skips_single_tokens() {
+        let ms = Duration::from_millis;
+        let one = |ttft, e2e, out| Measured {
+            ttft: ms(ttft),
+            e2e: ms(e2e),
+            itl: vec![],
+            prompt_tokens: 10,
+            output_tokens: out,
+        };
+        let results = vec![Ok(one(100, 1100, 11)), Ok(one(50, 50, 1)), Err("HTTP 503".to_string())];
+        let r = Report::new(2, &results, Duration::from_secs(2));
+        assert_eq!((r.completed, r.failed, r.output_tokens, r.input_tokens), (2, 1, 12, 20));
+        assert_eq!(r.output_throughput, 6.0);
+        assert_eq!(r.tpot_ms.mean, 100.0, "(1100 − 100) / 10, the 1-token request left out");
+        assert_eq!(r.ttft_ms.mean, 75.0);
+        assert!(!r.acceptable(), "1 failure in 3 is over 5%");
+        assert_eq!(r.errors, vec!["HTTP 503".to_string()]);
+    }
+}
