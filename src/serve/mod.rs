@@ -96,6 +96,13 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         block_size: args.block_size,
         context_length,
     };
+    let positions = args.kv_blocks * args.block_size;
+    eprintln!(
+        "KV cache: {} blocks of {} positions ({positions} positions, up to {} MiB as it fills)",
+        args.kv_blocks,
+        args.block_size,
+        (positions * backend.kv_bytes_per_position()) >> 20
+    );
     let metrics = Arc::new(metrics::Metrics::default());
     metrics.kv_blocks_total.store(args.kv_blocks as u64, Relaxed);
     let (requests, inbox) = tokio::sync::mpsc::unbounded_channel();

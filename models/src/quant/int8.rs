@@ -270,8 +270,8 @@ pub fn dot_packed(dtype: GgmlType, row: &[u8], act: &Q8Row) -> Option<f32> {
 
 /// The packed dot for one matmul, its preconditions (format, CPU features, activation
 /// lengths) checked once rather than per row. Each result is bit for bit what [`dot_packed`]
-/// gives for that activation alone, however many are computed together, so a token's logits
-/// do not depend on its step's size.
+/// gives for that activation alone, however many are computed together (one kernel computes
+/// every lane the same way), so a token's logits do not depend on its step's size.
 #[derive(Debug, Clone, Copy)]
 pub struct PackedDot {
     dtype: GgmlType,
@@ -284,6 +284,7 @@ impl PackedDot {
         if matches!(dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
             && std::is_x86_feature_detected!("avx2")
             && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
         {
             let blocks = row_bytes / dtype.block_layout().1;
             let fits =
@@ -297,136 +298,170 @@ impl PackedDot {
     /// `out[t] = row · acts[t]` for a row of the length given to `new`.
     pub fn run(&self, row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
-        for (acts, out) in acts.chunks(PACKED_TILE).zip(out.chunks_mut(PACKED_TILE)) {
-            // SAFETY: `new` checked the format, AVX2/FMA and that every activation covers the
-            // row's blocks. The tile width is a constant so the accumulators stay in registers.
-            unsafe {
-                match acts.len() {
-                    1 => out[0] = dot_packed_single_avx2(self.dtype, row, &acts[0]),
-                    2 => dot_packed_avx2::<2>(self.dtype, row, acts, out),
-                    3 => dot_packed_avx2::<3>(self.dtype, row, acts, out),
-                    4 => dot_packed_avx2::<4>(self.dtype, row, acts, out),
-                    5 => dot_packed_avx2::<5>(self.dtype, row, acts, out),
-                    6 => dot_packed_avx2::<6>(self.dtype, row, acts, out),
-                    7 => dot_packed_avx2::<7>(self.dtype, row, acts, out),
-                    _ => dot_packed_avx2::<8>(self.dtype, row, acts, out),
-                }
-            }
+        match self.dtype {
+            GgmlType::Q4_0 => packed_avx2::run::<packed_avx2::Q4_0>(row, acts, out),
+            GgmlType::Q4_1 => packed_avx2::run::<packed_avx2::Q4_1>(row, acts, out),
+            _ => packed_avx2::run::<packed_avx2::Q8_0>(row, acts, out),
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = (row, acts, out);
     }
 }
 
-/// One activation row: the same operations, in the same order, as one lane of
-/// [`dot_packed_avx2`] (the tests check the bits), in a form the compiler keeps in registers.
+/// The AVX2 kernel: per weight block, its 32 weights decoded once into a register, then
+/// multiplied into up to [`TILE`] activation rows whose accumulators stay in registers. The
+/// format is a type parameter, so each instance's inner loop has no branch on it.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_packed_single_avx2(dtype: GgmlType, row: &[u8], act: &Q8Row) -> f32 {
-    use super::f16_at;
+mod packed_avx2 {
+    use super::{Q8Row, ACT_BLOCK};
     use std::arch::x86_64::*;
-    let (_, bytes) = dtype.block_layout();
-    let ones = _mm256_set1_epi16(1);
-    let low_nibbles = _mm_set1_epi8(0x0F);
-    let mut acc = _mm256_setzero_ps();
-    let mut offset = 0f32;
-    for (b, block) in row.chunks_exact(bytes).enumerate() {
-        let scale = f16_at(block, 0);
-        let dx = act.d[b];
-        let qsum = (act.sum16[2 * b] + act.sum16[2 * b + 1]) as f32;
-        // SAFETY: the caller checked the activation holds block `b`; the block loads stay
-        // inside `block` (see `dot_packed_avx2`).
-        let qx = unsafe { _mm256_loadu_si256(act.q.as_ptr().add(b * ACT_BLOCK) as *const __m256i) };
-        let products = match dtype {
-            GgmlType::Q8_0 => {
-                // SAFETY: a Q8_0 block is 2 + 32 bytes.
-                let q = unsafe { _mm256_loadu_si256(block.as_ptr().add(2) as *const __m256i) };
-                _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(qx, q))
-            }
-            _ => {
-                let start = if dtype == GgmlType::Q4_1 { 4 } else { 2 };
-                // SAFETY: a Q4 block holds 16 bytes of nibbles after its scales.
-                let packed = unsafe { _mm_loadu_si128(block.as_ptr().add(start) as *const __m128i) };
-                let lo = _mm_and_si128(packed, low_nibbles);
-                let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);
-                _mm256_maddubs_epi16(_mm256_set_m128i(hi, lo), qx)
-            }
-        };
-        let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, ones));
-        acc = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * dx), acc);
-        offset += match dtype {
-            GgmlType::Q4_0 => -8.0 * scale * dx * qsum,
-            GgmlType::Q4_1 => f16_at(block, 2) * dx * qsum,
-            _ => 0.0,
-        };
+
+    /// Activation rows per pass over a weight row.
+    const TILE: usize = 8;
+
+    /// A 32-element block format: `y = d·w + offset` per element.
+    pub trait Format {
+        const BYTES: usize;
+        /// The 32 weights in element order: unsigned nibbles for Q4, signed bytes for Q8_0.
+        unsafe fn weights(block: *const u8) -> __m256i;
+        /// Pairwise `w·qx` sums as i16 (`pmaddubsw` wants its first operand unsigned).
+        unsafe fn products(w: __m256i, qx: __m256i) -> __m256i;
+        /// What multiplies `dx·Σqx` in the block's contribution, given its scale `d`.
+        unsafe fn offset(block: *const u8, d: f32) -> f32;
     }
-    let mut lanes = [0f32; 8];
-    // SAFETY: `lanes` holds eight f32.
-    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-    let total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-    total + offset
-}
 
-/// Activation rows per pass over a weight row (accumulators held in registers).
-const PACKED_TILE: usize = 8;
+    pub struct Q4_0;
+    pub struct Q4_1;
+    pub struct Q8_0;
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_packed_avx2<const N: usize>(dtype: GgmlType, row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
-    use super::f16_at;
-    use std::arch::x86_64::*;
-    let (_, bytes) = dtype.block_layout();
-    let ones = _mm256_set1_epi16(1);
-    let low_nibbles = _mm_set1_epi8(0x0F);
-    let acts = &acts[..N];
-    let mut acc = [_mm256_setzero_ps(); N];
-    let mut offset = [0f32; N];
-    for (b, block) in row.chunks_exact(bytes).enumerate() {
-        let scale = f16_at(block, 0);
-        // The block's weights as 32 bytes in element order, decoded once for every row.
-        let q = match dtype {
-            // SAFETY: a Q8_0 block is 2 + 32 bytes.
-            GgmlType::Q8_0 => unsafe { _mm256_loadu_si256(block.as_ptr().add(2) as *const __m256i) },
-            _ => {
-                let start = if dtype == GgmlType::Q4_1 { 4 } else { 2 };
-                // SAFETY: a Q4 block holds 16 bytes of nibbles after its scales.
-                let packed = unsafe { _mm_loadu_si128(block.as_ptr().add(start) as *const __m128i) };
-                let lo = _mm_and_si128(packed, low_nibbles);
-                let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low_nibbles);
-                _mm256_set_m128i(hi, lo)
-            }
-        };
-        let q_abs = _mm256_sign_epi8(q, q);
-        // A constant trip count: unrolled, the accumulators live in registers.
-        #[allow(clippy::needless_range_loop)]
-        for t in 0..N {
-            let act = &acts[t];
-            let dx = act.d[b];
-            let qsum = (act.sum16[2 * b] + act.sum16[2 * b + 1]) as f32;
-            // SAFETY: the caller checked the activation holds block `b`.
-            let qx = unsafe { _mm256_loadu_si256(act.q.as_ptr().add(b * ACT_BLOCK) as *const __m256i) };
-            let products = match dtype {
-                // u8 × i8 multiply: |q| against qx carrying q's sign.
-                GgmlType::Q8_0 => _mm256_maddubs_epi16(q_abs, _mm256_sign_epi8(qx, q)),
-                _ => _mm256_maddubs_epi16(q, qx),
-            };
-            let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(products, ones));
-            acc[t] = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * dx), acc[t]);
-            offset[t] += match dtype {
-                // Q4_0 stores q + 8: Σ(q − 8)·x = Σq·x − 8·Σx.
-                GgmlType::Q4_0 => -8.0 * scale * dx * qsum,
-                // Q4_1: y = d·q + m.
-                GgmlType::Q4_1 => f16_at(block, 2) * dx * qsum,
-                _ => 0.0,
-            };
+    /// Bytes `at..at+2` of a block as an f16, widened.
+    #[inline(always)]
+    unsafe fn f16_at(block: *const u8, at: usize) -> f32 {
+        // SAFETY (caller): the block holds the two bytes; F16C is enabled where this inlines.
+        let bits = unsafe { std::ptr::read_unaligned(block.add(at) as *const u16) };
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    /// 16 bytes of nibbles as 32 bytes: the low nibbles (elements 0..16), then the high ones.
+    #[inline(always)]
+    unsafe fn nibbles(at: *const u8) -> __m256i {
+        // SAFETY (caller): 16 bytes are readable at `at`.
+        let packed = unsafe { _mm_loadu_si128(at as *const __m128i) };
+        let low = _mm_set1_epi8(0x0F);
+        _mm256_set_m128i(
+            _mm_and_si128(_mm_srli_epi16(packed, 4), low),
+            _mm_and_si128(packed, low),
+        )
+    }
+
+    impl Format for Q4_0 {
+        const BYTES: usize = 18;
+        #[inline(always)]
+        unsafe fn weights(block: *const u8) -> __m256i {
+            unsafe { nibbles(block.add(2)) }
+        }
+        #[inline(always)]
+        unsafe fn products(w: __m256i, qx: __m256i) -> __m256i {
+            _mm256_maddubs_epi16(w, qx)
+        }
+        /// Q4_0 stores w + 8: Σ(w − 8)·x = Σw·x − 8·Σx.
+        #[inline(always)]
+        unsafe fn offset(_: *const u8, d: f32) -> f32 {
+            -8.0 * d
         }
     }
-    for (t, o) in out.iter_mut().enumerate().take(N) {
-        let mut lanes = [0f32; 8];
-        // SAFETY: `lanes` holds eight f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]) };
-        let total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-        *o = total + offset[t];
+
+    impl Format for Q4_1 {
+        const BYTES: usize = 20;
+        #[inline(always)]
+        unsafe fn weights(block: *const u8) -> __m256i {
+            unsafe { nibbles(block.add(4)) }
+        }
+        #[inline(always)]
+        unsafe fn products(w: __m256i, qx: __m256i) -> __m256i {
+            _mm256_maddubs_epi16(w, qx)
+        }
+        /// Q4_1: y = d·w + m.
+        #[inline(always)]
+        unsafe fn offset(block: *const u8, _: f32) -> f32 {
+            unsafe { f16_at(block, 2) }
+        }
+    }
+
+    impl Format for Q8_0 {
+        const BYTES: usize = 34;
+        #[inline(always)]
+        unsafe fn weights(block: *const u8) -> __m256i {
+            unsafe { _mm256_loadu_si256(block.add(2) as *const __m256i) }
+        }
+        /// |w| against qx carrying w's sign.
+        #[inline(always)]
+        unsafe fn products(w: __m256i, qx: __m256i) -> __m256i {
+            _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(qx, w))
+        }
+        #[inline(always)]
+        unsafe fn offset(_: *const u8, _: f32) -> f32 {
+            0.0
+        }
+    }
+
+    pub fn run<F: Format>(row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
+        for (acts, out) in acts.chunks(TILE).zip(out.chunks_mut(TILE)) {
+            // SAFETY: `PackedDot::new` checked AVX2/FMA/F16C and that every activation covers
+            // the row's blocks; the tile width is a constant so the accumulators stay in registers.
+            unsafe {
+                match acts.len() {
+                    1 => tile::<F, 1>(row, acts, out),
+                    2 => tile::<F, 2>(row, acts, out),
+                    3 => tile::<F, 3>(row, acts, out),
+                    4 => tile::<F, 4>(row, acts, out),
+                    5 => tile::<F, 5>(row, acts, out),
+                    6 => tile::<F, 6>(row, acts, out),
+                    7 => tile::<F, 7>(row, acts, out),
+                    _ => tile::<F, TILE>(row, acts, out),
+                }
+            }
+        }
+    }
+
+    /// `out[t] = row · acts[t]` for `N` activations. Every lane runs the same operations in the
+    /// same order, so a lane's result does not depend on `N` or on its neighbours.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile<F: Format, const N: usize>(row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
+        let ones = _mm256_set1_epi16(1);
+        // Loop-invariant pointers into each activation, hoisted out of the block loop.
+        let q: [*const i8; N] = std::array::from_fn(|t| acts[t].q.as_ptr());
+        let d: [*const f32; N] = std::array::from_fn(|t| acts[t].d.as_ptr());
+        let sum16: [*const i32; N] = std::array::from_fn(|t| acts[t].sum16.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut offset = [0f32; N];
+        let blocks = row.len() / F::BYTES;
+        for b in 0..blocks {
+            // SAFETY: block `b` lies within `row`; the caller checked every activation holds
+            // block `b` (32 quants, one scale, two sums).
+            unsafe {
+                let block = row.as_ptr().add(b * F::BYTES);
+                let scale = f16_at(block, 0);
+                let coef = F::offset(block, scale);
+                let w = F::weights(block);
+                for t in 0..N {
+                    let dx = *d[t].add(b);
+                    let qsum = (*sum16[t].add(2 * b) + *sum16[t].add(2 * b + 1)) as f32;
+                    let qx = _mm256_loadu_si256(q[t].add(b * ACT_BLOCK) as *const __m256i);
+                    let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(F::products(w, qx), ones));
+                    acc[t] = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * dx), acc[t]);
+                    offset[t] += coef * dx * qsum;
+                }
+            }
+        }
+        for t in 0..N {
+            let mut lanes = [0f32; 8];
+            // SAFETY: `lanes` holds eight f32.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]) };
+            let total =
+                ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+            out[t] = total + offset[t];
+        }
     }
 }
 

@@ -210,6 +210,11 @@ impl CpuBackend {
             .sum()
     }
 
+    /// Bytes of keys and values one cached position takes, over every attention slot.
+    pub fn kv_bytes_per_position(&self) -> usize {
+        self.kv_dims.iter().sum::<usize>() * 2 * std::mem::size_of::<f32>()
+    }
+
     pub fn new_sequence(&self) -> CpuSequence {
         CpuSequence {
             pages: self.new_pages(LONE_SEQUENCE_BLOCK),

@@ -1,0 +1,101 @@
+//! One serving step of the CPU backend at several batch sizes (SmolLM2, native Q4_1): decode
+//! steps of 1, 4, 16 and 64 sequences over a paged KV cache holding 64 positions each, and one
+//! 128-token prefill chunk. Prints time per step and tokens per second, and each batch's
+//! speed-up over batch 1 measured in the same run. `cargo bench --bench batched_step`.
+
+use models::{LogitsFor, Model, ModelSpec};
+use runtime::kv::{BlockId, Segment};
+use runtime::CpuBackend;
+use std::time::Instant;
+
+const CONTEXT: usize = 64;
+const BLOCK: usize = 16;
+
+fn main() {
+    let path = bbc::fetch::ensure(bbc::fetch::known("smollm2").expect("known"), true).expect("fetching smollm2");
+    let model = Model::open(ModelSpec::for_weights(&path)).expect("opening smollm2");
+    let graph = passes::optimize(
+        &model.lower(LogitsFor::LastToken).unwrap(),
+        passes::CostModel::CPU,
+        None,
+    )
+    .unwrap()
+    .pop()
+    .unwrap()
+    .graph;
+    let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
+    let blocks_per_seq = (CONTEXT + 1).div_ceil(BLOCK);
+    let mut base = None;
+    println!(
+        "{:>10} {:>12} {:>12} {:>10}",
+        "batch", "ms/step", "tokens/s", "vs batch 1"
+    );
+    for batch in [1usize, 4, 16, 64] {
+        let tables: Vec<Vec<BlockId>> = (0..batch)
+            .map(|s| {
+                (0..blocks_per_seq)
+                    .map(|b| BlockId((s * blocks_per_seq + b) as u32))
+                    .collect()
+            })
+            .collect();
+        let mut pages = backend.new_pages(BLOCK);
+        // Fill every sequence's cache with CONTEXT positions, then time decode steps after it.
+        let prompt: Vec<u32> = (0..CONTEXT as u32).map(|i| 100 + 7 * i).collect();
+        for table in &tables {
+            let fill = Segment {
+                table,
+                start: 0,
+                ids: &prompt,
+            };
+            backend.step_batch(&mut pages, &[fill]).unwrap();
+        }
+        let next = [42u32];
+        let segments: Vec<Segment> = tables
+            .iter()
+            .map(|table| Segment {
+                table,
+                start: CONTEXT,
+                ids: &next,
+            })
+            .collect();
+        let seconds = time(|| {
+            backend.step_batch(&mut pages, &segments).unwrap();
+        });
+        let tokens_per_s = batch as f64 / seconds;
+        let speedup = tokens_per_s / *base.get_or_insert(tokens_per_s);
+        println!(
+            "{batch:>10} {:>12.2} {tokens_per_s:>12.1} {speedup:>9.2}x",
+            seconds * 1e3
+        );
+    }
+    let table: Vec<BlockId> = (0..128 / BLOCK as u32).map(BlockId).collect();
+    let chunk: Vec<u32> = (0..128u32).map(|i| 300 + 3 * i).collect();
+    let mut pages = backend.new_pages(BLOCK);
+    let seconds = time(|| {
+        let prefill = Segment {
+            table: &table,
+            start: 0,
+            ids: &chunk,
+        };
+        backend.step_batch(&mut pages, &[prefill]).unwrap();
+    });
+    println!("prefill 128 {:>11.2} {:>12.1}", seconds * 1e3, 128.0 / seconds);
+}
+
+/// Median seconds of `f` over enough runs to take about two seconds (at least five).
+fn time(mut f: impl FnMut()) -> f64 {
+    f();
+    let start = Instant::now();
+    f();
+    let once = start.elapsed().as_secs_f64();
+    let runs = ((2.0 / once) as usize).clamp(5, 200);
+    let mut samples: Vec<f64> = (0..runs)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    samples.sort_by(f64::total_cmp);
+    samples[runs / 2]
+}
