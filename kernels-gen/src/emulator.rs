@@ -4,8 +4,9 @@
 //! other lanes, shared memory per block. What a GPU would silently get wrong is an error here:
 //! out-of-bounds accesses, reads of never-written memory (outputs start poisoned), a barrier in
 //! divergent code, a shuffle with inactive lanes, two threads storing different values to one
-//! address in one statement, and reading shared memory another thread wrote since the last
-//! barrier (a missing `__syncthreads`).
+//! address in one statement, reading shared memory another thread wrote since the last barrier,
+//! and overwriting shared memory another thread read since the last barrier (both a missing
+//! `__syncthreads`; the second is invisible to lockstep execution, so it is tracked).
 
 use crate::dsl::*;
 use crate::types::{check, Scope};
@@ -153,6 +154,35 @@ struct Block<'k> {
     shared: HashMap<String, Array>,
     /// For each shared element: the thread that wrote it since the last barrier.
     shared_writer: HashMap<String, Vec<Option<usize>>>,
+    /// For each shared element: who read it since the last barrier (loads only see `&self`).
+    shared_readers: std::cell::RefCell<HashMap<String, Vec<Readers>>>,
+}
+
+/// The threads that read a shared element since the last barrier.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Readers {
+    None,
+    One(usize),
+    Many,
+}
+
+impl Readers {
+    fn add(self, t: usize) -> Self {
+        match self {
+            Readers::None => Readers::One(t),
+            Readers::One(r) if r == t => self,
+            _ => Readers::Many,
+        }
+    }
+
+    /// A reader other than `t`, if any.
+    fn other_than(self, t: usize) -> Option<String> {
+        match self {
+            Readers::One(r) if r != t => Some(format!("thread {r}")),
+            Readers::Many => Some("other threads".into()),
+            _ => None,
+        }
+    }
 }
 
 /// Run `kernel` over `buffers` (by parameter name) with `scalars`.
@@ -240,6 +270,13 @@ impl<'k> Block<'k> {
             threads,
             scope: Scope::of(kernel),
             vars: HashMap::new(),
+            shared_readers: std::cell::RefCell::new(
+                kernel
+                    .shared
+                    .iter()
+                    .map(|a| (a.name.clone(), vec![Readers::None; a.len]))
+                    .collect(),
+            ),
             shared,
             shared_writer,
         }
@@ -340,6 +377,9 @@ impl<'k> Block<'k> {
                 for w in self.shared_writer.values_mut() {
                     w.fill(None);
                 }
+                for r in self.shared_readers.get_mut().values_mut() {
+                    r.fill(Readers::None);
+                }
             }
             Stmt::MmaBf16(m) => self.mma_bf16(&m.a, &m.b, &m.c, mask)?,
             Stmt::Comment(_) => {}
@@ -434,11 +474,18 @@ impl<'k> Block<'k> {
                 }
             }
             this_stmt.insert(i, (t, value));
-            array.values[i] = value;
-            array.init[i] = true;
             if is_shared {
+                let readers = self.shared_readers.get_mut().get(buf).expect("shared")[i];
+                if let Some(reader) = readers.other_than(t) {
+                    return Err((
+                        t,
+                        format!("overwrites {buf}[{i}], read by {reader} without a __syncthreads() between"),
+                    ));
+                }
                 self.shared_writer.get_mut(buf).expect("shared")[i] = Some(t);
             }
+            array.values[i] = value;
+            array.init[i] = true;
         }
         Ok(())
     }
@@ -490,6 +537,11 @@ impl<'k> Block<'k> {
                                 format!("reads {buf}[{i}] written by thread {w} without a __syncthreads() between"),
                             ));
                         }
+                    }
+                    if writers.is_some() {
+                        let mut readers = self.shared_readers.borrow_mut();
+                        let r = &mut readers.get_mut(buf.as_str()).expect("shared")[i];
+                        *r = r.add(t);
                     }
                     out[t] = widen(array.ty, array.values[i]);
                 }

@@ -117,12 +117,17 @@ pub fn check(kernel: &Kernel) -> Result<(), TypeError> {
 }
 
 fn check_block(body: &[Stmt], scope: &mut Scope) -> Result<(), String> {
+    // C rejects a second declaration of a name in one block (an inner block may shadow it).
+    let mut declared = std::collections::HashSet::new();
     for s in body {
         match s {
             Stmt::Let { name, ty, value } => {
                 let t = scope.type_of(value)?;
                 if t != ty.compute() {
                     return Err(format!("`{name}`: {ty:?} initialised with {t:?}"));
+                }
+                if !declared.insert(name) {
+                    return Err(format!("`{name}` is declared twice in one block"));
                 }
                 scope.vars.insert(name.clone(), *ty);
             }

@@ -404,7 +404,15 @@ fn rms_norm_prologue_gemv_matches_norm_then_matmul() {
 #[test]
 fn tensor_core_gemm_matches_reference_on_bf16_inputs() {
     let mut rng = Rng(12);
-    for (tokens, n, k) in [(16, 8, 16), (20, 13, 40), (3, 70, 100), (33, 9, 16)] {
+    // One tile, ragged edges, several tiles each way with a ragged K step.
+    for (tokens, n, k) in [
+        (16, 8, 16),
+        (20, 13, 40),
+        (3, 70, 100),
+        (33, 9, 16),
+        (64, 64, 32),
+        (130, 70, 72),
+    ] {
         let (x, w) = (rng.vec(tokens * k), rng.vec(n * k));
         let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
         let mut want = vec![0f32; tokens * n];

@@ -66,6 +66,36 @@ fn a_missing_barrier_is_reported() {
     run(&kernel(fixed, scratch()), &mut bufs, &HashMap::new()).unwrap();
 }
 
+/// Reusing a shared buffer before every thread has read it: in lockstep the reads happen to
+/// come first, on a GPU a fast warp overwrites what a slow one has yet to read.
+#[test]
+fn overwriting_what_another_thread_read_without_a_barrier_is_reported() {
+    let neighbour = || load("s", bin(BinOp::Rem, tid() + int(1), int(64)));
+    let reuse = |barrier: bool| {
+        let mut body = vec![
+            store("s", tid(), load("x", tid())),
+            Stmt::SyncThreads,
+            let_("v", Ty::F32, neighbour()),
+        ];
+        if barrier {
+            body.push(Stmt::SyncThreads);
+        }
+        body.extend([
+            store("s", tid(), var("v") * f(2.0)),
+            Stmt::SyncThreads,
+            store("out", tid(), neighbour()),
+        ]);
+        body
+    };
+    assert!(fault(&kernel(reuse(false), scratch()), 64).contains("read by thread"));
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&[1.0; 64])),
+        ("out".into(), Array::poisoned(Ty::F32, 64)),
+    ]);
+    run(&kernel(reuse(true), scratch()), &mut bufs, &HashMap::new()).unwrap();
+    assert_eq!(bufs["out"].to_f32().unwrap(), vec![2.0; 64]);
+}
+
 #[test]
 fn a_barrier_in_divergent_code_is_reported() {
     let k = kernel(
@@ -101,6 +131,27 @@ fn type_errors_are_caught_before_running() {
         ("out".into(), Array::poisoned(Ty::F32, 64)),
     ]);
     assert!(matches!(run(&k, &mut bufs, &HashMap::new()), Err(EmuError::Type(_))));
+}
+
+/// What NVRTC would reject is rejected before any kernel runs: a name declared twice in one
+/// block (an inner block may shadow it, as in C).
+#[test]
+fn a_name_declared_twice_in_one_block_is_a_type_error() {
+    let twice = vec![let_("v", Ty::F32, f(1.0)), let_("v", Ty::F32, f(2.0))];
+    let shadowed = vec![
+        let_("v", Ty::F32, f(1.0)),
+        if_(Expr::Bool(true), vec![let_("v", Ty::F32, f(2.0))]),
+    ];
+    for (body, ok) in [(twice, false), (shadowed, true)] {
+        let mut body = body;
+        body.push(store("out", tid(), f(0.0)));
+        let mut bufs = HashMap::from([
+            ("x".into(), Array::f32(&[1.0; 64])),
+            ("out".into(), Array::poisoned(Ty::F32, 64)),
+        ]);
+        let result = run(&kernel(body, vec![]), &mut bufs, &HashMap::new());
+        assert_eq!(result.is_ok(), ok, "{result:?}");
+    }
 }
 
 #[test]

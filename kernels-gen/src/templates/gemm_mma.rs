@@ -1,23 +1,39 @@
-//! Prefill GEMM on tensor cores: `out[t, r] = Σ_k x[t, k]·W[r, k]` with bf16 weights, one warp
-//! per 16×8 output tile, K in steps of 16 through `mma.sync.m16n8k16` (activations rounded to
-//! bf16, f32 accumulation). Fragments load straight from global memory in the PTX register
-//! layout, zero-filled past the edges, so any shape works.
+//! Prefill GEMM on tensor cores: `out[t, r] = Σ_k x[t, k]·W[r, k]` with bf16 weights
+//! (activations rounded to bf16, f32 accumulation), through `mma.sync.m16n8k16`.
+//!
+//! Tiling: a block of 4 warps computes a 64×64 tile of `out` (64 tokens × 64 weight rows),
+//! walking K in steps of 32. Each step the block stages the 64×32 slices of `x` and `W` in
+//! shared memory (bf16, each thread loading 16 elements of each, a warp reading 32 consecutive
+//! elements of one row, so global loads coalesce; zero-filled past every edge, so any shape
+//! works), then each warp multiplies its 32×32 quarter from shared memory: 2×4 `mma` tiles per
+//! 16-wide k slice, 32 accumulators per lane in registers. Staging cuts global traffic by the
+//! tile's reuse: every element of `x` and `W` is read from global memory once per 64-wide tile
+//! of the other operand instead of once per 16×8 `mma` tile. Blocks run along the token tiles
+//! first, so consecutive blocks read the same weight tile (it stays in L2).
 //!
 //! Per target: `mma.sync` is the warp-level tensor-core instruction sm_90a, sm_100a and sm_120a
-//! all run, so this template serves all three. Hopper's `wgmma` (sm_90a) and Blackwell's
-//! `tcgen05` (sm_100a) are faster on large tiles but need shared-memory operand descriptors and
-//! asynchronous pipelines the DSL does not model yet; decode is a memory-bound GEMV on every
-//! target and gains nothing from them.
+//! all run, and one tile shape serves them: 10 KiB of shared memory and 128 threads fit several
+//! blocks per SM on each (sm_120a allows 99 KiB a block, Hopper and B200 227 KiB), and prefill
+//! chunks of up to 512 tokens over 576..4096-row weights give enough tiles to fill 132-170 SMs.
+//! Hopper's `wgmma` (sm_90a) and Blackwell's `tcgen05` (sm_100a) reach higher peaks on larger
+//! tiles, but need shared-memory operand descriptors and asynchronous copy pipelines
+//! (`cp.async`/TMA) that the DSL and its emulator do not model yet, so they are not generated;
+//! decode is a memory-bound GEMV on every target and gains nothing from them.
 
-use super::blocks_for;
 use crate::dsl::*;
 
 const WARPS: i64 = 4;
-
-/// `let name = 0; if cond { name = value }`: loads past the edge never happen.
-fn guarded(name: &str, cond: Expr, value: Expr) -> Vec<Stmt> {
-    vec![let_(name, Ty::F32, f(0.0)), if_(cond, vec![assign(name, value)])]
-}
+/// Tokens per block tile.
+const TILE_M: i64 = 64;
+/// Weight rows per block tile.
+const TILE_N: i64 = 64;
+/// K per shared-memory stage.
+const TILE_K: i64 = 32;
+/// Row stride of the staged slices: 8 bf16 of padding shift successive rows across banks.
+const STAGE_STRIDE: i64 = TILE_K + 8;
+/// Each warp's quarter: 2 `mma` tiles of 16 tokens by 4 of 8 rows.
+const WARP_M_TILES: usize = 2;
+const WARP_N_TILES: usize = 4;
 
 fn both(a: Expr, b: Expr) -> Expr {
     bin(BinOp::And, a, b)
@@ -27,41 +43,138 @@ fn lt(a: Expr, b: Expr) -> Expr {
     bin(BinOp::Lt, a, b)
 }
 
-pub fn gemm_mma_bf16(name: &str, origin: &str) -> Kernel {
-    let names = |p: &str, n: usize| -> Vec<String> { (0..n).map(|i| format!("{p}{i}")).collect() };
-    let (a, b, c) = (names("a", 8), names("b", 4), names("c", 4));
-    let mut k_step = Vec::new();
-    for (i, a_i) in a.iter().enumerate() {
-        let row = var("m0") + var("g") + int(if i % 4 >= 2 { 8 } else { 0 });
-        let col = var("k0") + var("t2") + int((i % 2) as i64 + if i >= 4 { 8 } else { 0 });
-        let cond = both(lt(row.clone(), var("tokens")), lt(col.clone(), var("k")));
-        k_step.extend(guarded(a_i, cond, load("x", row * var("x_stride") + col)));
+fn rem(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::Rem, a, b)
+}
+
+/// Stage a 64×32 slice (rows `row0..`, columns `k0..`) of a row-major global array into shared
+/// `dst`, zero past `rows` and `k`: thread `tid` takes elements `tid + 128·i`.
+fn stage(src: &str, dst: &str, row0: &str, rows: &str, row_stride: Expr) -> Vec<Stmt> {
+    let per_thread = TILE_M * TILE_K / (32 * WARPS);
+    let e = tid() + var("i") * int(32 * WARPS);
+    let (r, c) = (e.clone() / int(TILE_K), rem(e, int(TILE_K)));
+    let (grow, gcol) = (var(row0) + r.clone(), var("k0") + c.clone());
+    let value = format!("{dst}_v");
+    vec![for_(
+        "i",
+        int(0),
+        int(per_thread),
+        int(1),
+        vec![
+            let_(&value, Ty::F32, f(0.0)),
+            if_(
+                both(lt(grow.clone(), var(rows)), lt(gcol.clone(), var("k"))),
+                vec![assign(&value, load(src, grow * row_stride + gcol))],
+            ),
+            store(dst, r * int(STAGE_STRIDE) + c, var(&value)),
+        ],
+    )]
+}
+
+fn name(prefix: &str, tile: usize, i: usize) -> String {
+    format!("{prefix}{tile}_{i}")
+}
+
+/// The fragment locals of one k slice, declared once for the kernel.
+fn fragments() -> Vec<Stmt> {
+    let a = (0..WARP_M_TILES).flat_map(|mi| (0..8).map(move |i| name("a", mi, i)));
+    let b = (0..WARP_N_TILES).flat_map(|ni| (0..4).map(move |i| name("b", ni, i)));
+    a.chain(b).map(|n| let_(&n, Ty::F32, f(0.0))).collect()
+}
+
+/// One 16-wide k slice of the warp's quarter: load its fragments from shared memory and issue
+/// the 2×4 `mma`s (fragment layout in `Stmt::MmaBf16`).
+fn warp_k_slice(kk: i64) -> Vec<Stmt> {
+    let mut out = Vec::new();
+    for mi in 0..WARP_M_TILES {
+        for i in 0..8 {
+            let row = var("wm") + int(16 * mi as i64) + var("g") + int(if i % 4 >= 2 { 8 } else { 0 });
+            let col = var("t2") + int(kk + (i % 2) as i64 + if i >= 4 { 8 } else { 0 });
+            out.push(assign(&name("a", mi, i), load("xs", row * int(STAGE_STRIDE) + col)));
+        }
     }
-    for (i, b_i) in b.iter().enumerate() {
-        let krow = var("k0") + var("t2") + int((i % 2) as i64 + if i >= 2 { 8 } else { 0 });
-        let col = var("n0") + var("g");
-        let cond = both(lt(col.clone(), var("n")), lt(krow.clone(), var("k")));
-        k_step.extend(guarded(b_i, cond, load("w", col * var("k") + krow)));
+    for ni in 0..WARP_N_TILES {
+        for i in 0..4 {
+            let row = var("wn") + int(8 * ni as i64) + var("g");
+            let col = var("t2") + int(kk + (i % 2) as i64 + if i >= 2 { 8 } else { 0 });
+            out.push(assign(&name("b", ni, i), load("ws", row * int(STAGE_STRIDE) + col)));
+        }
     }
-    k_step.push(Stmt::MmaBf16(Box::new(MmaFragments {
-        a: a.clone().try_into().expect("8 names"),
-        b: b.clone().try_into().expect("4 names"),
-        c: c.clone().try_into().expect("4 names"),
-    })));
-    let mut store_c = Vec::new();
-    for (i, c_i) in c.iter().enumerate() {
-        let row = var("m0") + var("g") + int(if i >= 2 { 8 } else { 0 });
-        let col = var("n0") + var("t2") + int((i % 2) as i64);
-        store_c.push(if_(
-            both(lt(row.clone(), var("tokens")), lt(col.clone(), var("n"))),
-            vec![store("out", row * var("n") + col, var(c_i))],
-        ));
+    for mi in 0..WARP_M_TILES {
+        for ni in 0..WARP_N_TILES {
+            let tile = mi * WARP_N_TILES + ni;
+            out.push(Stmt::MmaBf16(Box::new(MmaFragments {
+                a: std::array::from_fn(|i| name("a", mi, i)),
+                b: std::array::from_fn(|i| name("b", ni, i)),
+                c: std::array::from_fn(|i| name("c", tile, i)),
+            })));
+        }
     }
-    let tiles_n = (var("n") + int(7)) / int(8);
-    let tiles = (var("tokens") + int(15)) / int(16) * tiles_n.clone();
-    Kernel {
+    out
+}
+
+/// Store the warp's accumulators where they fall inside `out`.
+fn store_accumulators() -> Vec<Stmt> {
+    let mut out = Vec::new();
+    for mi in 0..WARP_M_TILES {
+        for ni in 0..WARP_N_TILES {
+            for i in 0..4 {
+                let row = var("m0") + var("wm") + int(16 * mi as i64) + var("g") + int(if i >= 2 { 8 } else { 0 });
+                let col = var("n0") + var("wn") + int(8 * ni as i64) + var("t2") + int((i % 2) as i64);
+                out.push(if_(
+                    both(lt(row.clone(), var("tokens")), lt(col.clone(), var("n"))),
+                    vec![store(
+                        "out",
+                        row * var("n") + col,
+                        var(&name("c", mi * WARP_N_TILES + ni, i)),
+                    )],
+                ));
+            }
+        }
+    }
+    out
+}
+
+pub fn gemm_mma_bf16(name_: &str, origin: &str) -> Kernel {
+    let tiles_m = (var("tokens") + int(TILE_M - 1)) / int(TILE_M);
+    let tiles_n = (var("n") + int(TILE_N - 1)) / int(TILE_N);
+    let accumulators = (0..WARP_M_TILES * WARP_N_TILES)
+        .flat_map(|tile| (0..4).map(move |i| let_(&name("c", tile, i), Ty::F32, f(0.0))))
+        .collect::<Vec<_>>();
+    let k_step = [
+        stage("x", "xs", "m0", "tokens", var("x_stride")),
+        stage("w", "ws", "n0", "n", var("k")),
+        vec![Stmt::SyncThreads],
+        warp_k_slice(0),
+        warp_k_slice(16),
+        // Nobody restages until every warp has read this stage.
+        vec![Stmt::SyncThreads],
+    ]
+    .concat();
+    let body = [
+        vec![
+            // Token tiles vary fastest: neighbouring blocks share a weight tile.
+            let_("m0", Ty::I32, rem(bid(), tiles_m.clone()) * int(TILE_M)),
+            let_("n0", Ty::I32, bid() / tiles_m.clone() * int(TILE_N)),
+            let_("wm", Ty::I32, (warp() / int(2)) * int(16 * WARP_M_TILES as i64)),
+            let_("wn", Ty::I32, rem(warp(), int(2)) * int(8 * WARP_N_TILES as i64)),
+            let_("g", Ty::I32, lane() / int(4)),
+            let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
+        ],
+        accumulators,
+        fragments(),
+        vec![for_("k0", int(0), var("k"), int(TILE_K), k_step)],
+        store_accumulators(),
+    ]
+    .concat();
+    let staged = |name: &str| SharedArray {
         name: name.into(),
-        origin: format!("{origin}: matmul x·Wᵀ on tensor cores (mma.sync m16n8k16 bf16)"),
+        ty: Ty::Bf16,
+        len: (TILE_M * STAGE_STRIDE) as usize,
+    };
+    Kernel {
+        name: name_.into(),
+        origin: format!("{origin}: matmul x·Wᵀ on tensor cores (mma.sync m16n8k16 bf16, 64×64×32 shared-memory tiles)"),
         params: vec![
             buffer("x", Ty::F32, false),
             buffer("w", Ty::Bf16, false),
@@ -71,27 +184,9 @@ pub fn gemm_mma_bf16(name: &str, origin: &str) -> Kernel {
             scalar("k", Ty::I32),
             scalar("x_stride", Ty::I32),
         ],
-        shared: vec![],
+        shared: vec![staged("xs"), staged("ws")],
         block_dim: (32 * WARPS) as u32,
-        grid: blocks_for(tiles.clone(), WARPS),
-        body: vec![
-            let_("item", Ty::I32, bid() * int(WARPS) + warp()),
-            // Whole warps leave together: mma.sync needs every lane.
-            if_(
-                lt(var("item"), tiles),
-                [
-                    vec![
-                        let_("m0", Ty::I32, var("item") / tiles_n.clone() * int(16)),
-                        let_("n0", Ty::I32, bin(BinOp::Rem, var("item"), tiles_n) * int(8)),
-                        let_("g", Ty::I32, lane() / int(4)),
-                        let_("t2", Ty::I32, bin(BinOp::Rem, lane(), int(4)) * int(2)),
-                    ],
-                    c.iter().map(|c_i| let_(c_i, Ty::F32, f(0.0))).collect(),
-                    vec![for_("k0", int(0), var("k"), int(16), k_step)],
-                    store_c,
-                ]
-                .concat(),
-            ),
-        ],
+        grid: tiles_m * tiles_n,
+        body,
     }
 }
