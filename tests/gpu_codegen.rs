@@ -48,20 +48,20 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
             let planned: HashSet<usize> = plan.memory.buffers.iter().map(|b| b.node).collect();
             for launch in &plan.launches {
                 assert!(kernels.contains(launch.kernel.as_str()), "{}", launch.kernel);
-                if let Some(p) = &launch.prefill_kernel {
-                    assert!(kernels.contains(p.as_str()) && p.starts_with("gemm"), "{p}");
-                }
-                // Arguments bind to the kernel's parameters one for one.
-                let params = &plan.kernels.iter().find(|k| k.name == launch.kernel).unwrap().params;
-                assert_eq!(launch.args.len(), params.len(), "{}", launch.kernel);
-                for (arg, param) in launch.args.iter().zip(params) {
-                    assert_eq!(
-                        matches!(arg, LaunchArg::Scalar { .. }),
-                        param.kind != "buffer",
-                        "{} {}",
-                        launch.kernel,
-                        param.name
-                    );
+                // Arguments bind to the parameters of the kernel, and of its prefill variant (a
+                // tensor-core GEMM or a several-tokens-per-pass GEMV), one for one.
+                for kernel in std::iter::once(&launch.kernel).chain(&launch.prefill_kernel) {
+                    assert!(kernels.contains(kernel.as_str()), "{kernel}");
+                    let params = &plan.kernels.iter().find(|k| &k.name == kernel).unwrap().params;
+                    assert_eq!(launch.args.len(), params.len(), "{kernel}");
+                    for (arg, param) in launch.args.iter().zip(params) {
+                        assert_eq!(
+                            matches!(arg, LaunchArg::Scalar { .. }),
+                            param.kind != "buffer",
+                            "{kernel} {}",
+                            param.name
+                        );
+                    }
                 }
                 for arg in &launch.args {
                     if let LaunchArg::Activation { node, .. } = arg {
@@ -85,12 +85,29 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
                     .filter(|n| matches!(n.op, ir::Op::Attention(_)))
                     .count()
             );
-            // bf16 matmuls get the tensor-core GEMM for prefill steps; GGUF blocks do not (yet).
-            let gemms = plan.launches.iter().filter(|l| l.prefill_kernel.is_some()).count();
+            // bf16 matmuls get the tensor-core GEMM for prefill steps; GGUF blocks do not (yet),
+            // but every matmul has a prefill variant.
+            let prefill = |prefix: &str| {
+                plan.launches
+                    .iter()
+                    .filter(|l| l.prefill_kernel.as_deref().is_some_and(|k| k.starts_with(prefix)))
+                    .count()
+            };
+            let gemms = prefill("gemm");
             assert_eq!(
                 gemms > 0,
                 dtype == ComputeDtype::Bf16,
                 "{name} {dtype:?}: {gemms} prefill GEMMs"
+            );
+            let matmuls = graph
+                .nodes()
+                .iter()
+                .filter(|n| matches!(n.op, ir::Op::MatMul | ir::Op::RmsNormMatMul { .. }))
+                .count();
+            assert_eq!(
+                gemms + prefill("gemv") + prefill("rms_norm_gemv"),
+                matmuls,
+                "{name} {dtype:?}"
             );
         }
     }

@@ -204,10 +204,39 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
                     pack(&b[2], &b[3]),
                 );
             }
+            Stmt::LoadVec { buf, index, names } => vector_load(out, buf, &expr(index, scope), names, scope, depth),
             Stmt::Comment(c) => {
                 let _ = writeln!(out, "// {c}");
             }
         }
+    }
+}
+
+/// One aligned 4/8/16-byte load into a CUDA vector, then its lanes as f32 locals (a bf16 is
+/// the top half of an f32: the low element shifted up, the high one masked).
+fn vector_load(out: &mut String, buf: &str, index: &str, names: &[String], scope: &mut Scope, depth: usize) {
+    let ty = scope.arrays[buf].0;
+    let (vector, parts): (&str, &[&str]) = match (ty, names.len()) {
+        (Ty::Bf16, 2) => ("unsigned int", &[""]),
+        (Ty::Bf16, 4) => ("uint2", &[".x", ".y"]),
+        (Ty::Bf16, _) => ("uint4", &[".x", ".y", ".z", ".w"]),
+        (_, 2) => ("float2", &[".x", ".y"]),
+        _ => ("float4", &[".x", ".y", ".z", ".w"]),
+    };
+    let v = format!("{}_vec", names[0]);
+    let _ = writeln!(
+        out,
+        "const {vector} {v} = *reinterpret_cast<const {vector}*>({buf} + ({index}));"
+    );
+    for (j, name) in names.iter().enumerate() {
+        indent(out, depth);
+        let value = match ty {
+            Ty::Bf16 if j % 2 == 0 => format!("__uint_as_float({v}{} << 16)", parts[j / 2]),
+            Ty::Bf16 => format!("__uint_as_float({v}{} & 0xffff0000u)", parts[j / 2]),
+            _ => format!("{v}{}", parts[j]),
+        };
+        let _ = writeln!(out, "float {name} = {value};");
+        scope.vars.insert(name.clone(), Ty::F32);
     }
 }
 

@@ -137,6 +137,14 @@ pub enum Stmt {
     /// B[2t+8, 2t+9][g]; `c[0..2]` = C[g][2t, 2t+1], `c[2..4]` = C[g+8][2t, 2t+1]. Every lane of
     /// the warp must execute it together.
     MmaBf16(Box<MmaFragments>),
+    /// Declare f32 locals `names[j] = buf[index + j]`, read as one 4-, 8- or 16-byte load (2, 4
+    /// or 8 bf16; 2 or 4 f32). `index` must be a multiple of `names.len()`: buffers start
+    /// 16-byte aligned, so the load is aligned. What lets a warp read 512 bytes at once.
+    LoadVec {
+        buf: String,
+        index: Expr,
+        names: Vec<String>,
+    },
     Comment(String),
 }
 
@@ -284,6 +292,15 @@ pub fn assign(name: &str, value: Expr) -> Stmt {
         value,
     }
 }
+/// `let names[j] = buf[index + j]` as one vector load (see `Stmt::LoadVec`).
+pub fn load_vec(buf: &str, index: Expr, names: &[String]) -> Stmt {
+    Stmt::LoadVec {
+        buf: buf.into(),
+        index,
+        names: names.to_vec(),
+    }
+}
+
 pub fn store(buf: &str, index: Expr, value: Expr) -> Stmt {
     Stmt::Store {
         buf: buf.into(),

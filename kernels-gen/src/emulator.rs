@@ -326,6 +326,35 @@ impl<'k> Block<'k> {
                 let (idx, v) = (self.eval(index, mask, global)?, self.eval(value, mask, global)?);
                 self.store(buf, &idx, &v, mask, global)?;
             }
+            Stmt::LoadVec { buf, index, names } => {
+                let width = names.len() as i64;
+                let idx = self.eval(index, mask, global)?;
+                if let Some(t) = (0..mask.len()).find(|&t| mask[t] && idx[t].i() % width != 0) {
+                    return Err((
+                        t,
+                        format!("vector load of {width} from {buf}[{}] is misaligned", idx[t].i()),
+                    ));
+                }
+                // Element by element through `Load`, which checks bounds, initialisation and
+                // shared-memory ordering.
+                for (j, name) in names.iter().enumerate() {
+                    let element = Expr::Load {
+                        buf: buf.clone(),
+                        index: Box::new(index.clone() + int(j as i64)),
+                    };
+                    let v = self.eval(&element, mask, global)?;
+                    let slot = self
+                        .vars
+                        .entry(name.clone())
+                        .or_insert_with(|| vec![Val::Undef; mask.len()]);
+                    for (t, &m) in mask.iter().enumerate() {
+                        if m {
+                            slot[t] = v[t];
+                        }
+                    }
+                    self.scope.vars.insert(name.clone(), Ty::F32);
+                }
+            }
             Stmt::For {
                 var,
                 start,

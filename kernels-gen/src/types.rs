@@ -117,8 +117,17 @@ pub fn check(kernel: &Kernel) -> Result<(), TypeError> {
 }
 
 fn check_block(body: &[Stmt], scope: &mut Scope) -> Result<(), String> {
-    // C rejects a second declaration of a name in one block (an inner block may shadow it).
-    let mut declared = std::collections::HashSet::new();
+    check_block_declaring(body, scope, std::collections::HashSet::new())
+}
+
+/// C++ rejects a second declaration of a name in one block (an inner block may shadow it); a
+/// `for` loop's variable counts as declared in its body's block. `declared` starts with the
+/// names the enclosing construct declares there.
+fn check_block_declaring<'a>(
+    body: &'a [Stmt],
+    scope: &mut Scope,
+    mut declared: std::collections::HashSet<&'a String>,
+) -> Result<(), String> {
     for s in body {
         match s {
             Stmt::Let { name, ty, value } => {
@@ -164,7 +173,7 @@ fn check_block(body: &[Stmt], scope: &mut Scope) -> Result<(), String> {
                 }
                 let mut inner = scope.clone();
                 inner.vars.insert(var.clone(), Ty::I32);
-                check_block(body, &mut inner)?;
+                check_block_declaring(body, &mut inner, std::collections::HashSet::from([var]))?;
             }
             Stmt::If { cond, then, otherwise } => {
                 if scope.type_of(cond)? != Ty::Bool {
@@ -179,6 +188,27 @@ fn check_block(body: &[Stmt], scope: &mut Scope) -> Result<(), String> {
                         Some(Ty::F32) => {}
                         other => return Err(format!("mma fragment `{name}` must be an f32 local, is {other:?}")),
                     }
+                }
+            }
+            Stmt::LoadVec { buf, index, names } => {
+                let (ty, _) = *scope
+                    .arrays
+                    .get(buf)
+                    .ok_or_else(|| format!("`{buf}` is not an array"))?;
+                let widths: &[usize] = match ty {
+                    Ty::Bf16 => &[2, 4, 8],
+                    Ty::F32 => &[2, 4],
+                    _ => &[],
+                };
+                if !widths.contains(&names.len()) {
+                    return Err(format!("a vector load of {} {ty:?} from `{buf}`", names.len()));
+                }
+                scope.int(index)?;
+                for name in names {
+                    if !declared.insert(name) {
+                        return Err(format!("`{name}` is declared twice in one block"));
+                    }
+                    scope.vars.insert(name.clone(), Ty::F32);
                 }
             }
             Stmt::SyncThreads | Stmt::Comment(_) => {}

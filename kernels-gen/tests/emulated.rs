@@ -7,6 +7,7 @@ use ir::reference::ops;
 use ir::{GluAct, RopeLayout, RopeSpec};
 use kernels_gen::dsl::Ty;
 use kernels_gen::emulator::{run, Array, Scalar};
+use kernels_gen::templates::gemv::GemvSpec;
 use kernels_gen::templates::*;
 use std::collections::HashMap;
 
@@ -100,10 +101,19 @@ fn rms_norm_and_residual_form_match_reference() {
     }
 }
 
+/// Every GEMV variant: scalar and vector loads (k a multiple of the vector, or not), one token
+/// per pass (decode) or eight (prefill, with token counts that leave a partial last pass).
 #[test]
 fn gemv_matches_reference_for_f32_and_bf16_weights() {
     let mut rng = Rng(3);
-    for (tokens, n, k) in [(1, 1, 1), (1, 37, 100), (3, 9, 64), (2, 17, 333)] {
+    for (tokens, n, k) in [
+        (1, 1, 1),
+        (1, 37, 100),
+        (3, 9, 64),
+        (2, 17, 333),
+        (11, 5, 256),
+        (8, 3, 40),
+    ] {
         let (x, w) = (rng.vec(tokens * k), rng.vec(n * k));
         let mut want = vec![0f32; tokens * n];
         for weight in [Ty::F32, Ty::Bf16] {
@@ -116,8 +126,11 @@ fn gemv_matches_reference_for_f32_and_bf16_weights() {
                 Ty::Bf16 => Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()),
                 _ => Array::f32(&w),
             };
-            let out = run_gemv(&gemv::gemv("gemv", "test", weight), &x, wbuf, (tokens, n, k, k));
-            close(&out.to_f32().unwrap(), &want, 1e-5, "gemv");
+            let decode = GemvSpec::decode(quant::WeightFormat::Dense(weight), k);
+            for spec in [decode, decode.prefill()] {
+                let out = run_gemv(&gemv::gemv("gemv", "test", spec), &x, wbuf.clone(), (tokens, n, k, k));
+                close(&out.to_f32().unwrap(), &want, 1e-5, &format!("gemv {spec:?}"));
+            }
         }
     }
 }
@@ -301,7 +314,7 @@ fn strided_inputs_read_slices_in_place() {
     ops::matmul(&x, &w, k, &mut want);
     // The slice starts `extra` columns in: the launch passes the buffer at that offset.
     let shifted: Vec<f32> = wide[extra..].to_vec();
-    let kernel = gemv::gemv("gemv", "test", Ty::F32);
+    let kernel = gemv::gemv("gemv", "test", GemvSpec::decode(quant::WeightFormat::Dense(Ty::F32), k));
     let out = run_gemv(&kernel, &shifted, Array::f32(&w), (tokens, n, k, stride));
     close(&out.to_f32().unwrap(), &want, 1e-5, "strided gemv");
 
@@ -373,31 +386,34 @@ fn kv_append_writes_rows_after_the_cached_ones() {
 #[test]
 fn rms_norm_prologue_gemv_matches_norm_then_matmul() {
     let mut rng = Rng(11);
-    for (tokens, n, k) in [(1, 5, 64), (2, 9, 100)] {
+    for (tokens, n, k) in [(1, 5, 64), (2, 9, 100), (10, 4, 32)] {
         let (x, g, w) = (rng.vec(tokens * k), rng.vec(k), rng.vec(n * k));
         let mut normed = vec![0f32; x.len()];
         ops::rms_norm(&x, &g, 1e-6, 1.0, &mut normed);
         let mut want = vec![0f32; tokens * n];
         ops::matmul(&normed, &w, k, &mut want);
-        let kernel = rms_norm_gemv::rms_norm_gemv("norm_gemv", "test", quant::WeightFormat::Dense(Ty::F32), 1e-6, 1.0);
-        let mut bufs = HashMap::from([
-            ("x".into(), Array::f32(&x)),
-            ("g".into(), Array::f32(&g)),
-            ("w".into(), Array::f32(&w)),
-            ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
-        ]);
-        run(
-            &kernel,
-            &mut bufs,
-            &ints(&[
+        let decode = GemvSpec::decode(quant::WeightFormat::Dense(Ty::F32), k).with_norm(1e-6, 1.0);
+        for spec in [decode, decode.prefill()] {
+            let mut bufs = HashMap::from([
+                ("x".into(), Array::f32(&x)),
+                ("g".into(), Array::f32(&g)),
+                ("w".into(), Array::f32(&w)),
+                ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
+            ]);
+            let scalars = ints(&[
                 ("tokens", tokens as i64),
                 ("n", n as i64),
                 ("k", k as i64),
                 ("x_stride", k as i64),
-            ]),
-        )
-        .unwrap();
-        close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "rms_norm_gemv");
+            ]);
+            run(&gemv::gemv("norm_gemv", "test", spec), &mut bufs, &scalars).unwrap();
+            close(
+                &bufs["out"].to_f32().unwrap(),
+                &want,
+                1e-5,
+                &format!("rms_norm_gemv {spec:?}"),
+            );
+        }
     }
 }
 

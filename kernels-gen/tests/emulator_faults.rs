@@ -134,7 +134,7 @@ fn type_errors_are_caught_before_running() {
 }
 
 /// What NVRTC would reject is rejected before any kernel runs: a name declared twice in one
-/// block (an inner block may shadow it, as in C).
+/// block, or a loop's variable declared again in its body (an inner block may shadow a name).
 #[test]
 fn a_name_declared_twice_in_one_block_is_a_type_error() {
     let twice = vec![let_("v", Ty::F32, f(1.0)), let_("v", Ty::F32, f(2.0))];

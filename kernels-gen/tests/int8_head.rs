@@ -45,7 +45,7 @@ fn gpu_int8_head_gives_the_plain_heads_argmax() {
         };
         // The plain head: the bf16 GEMV, then argmax.
         let scores = run_gemv(
-            &gemv::gemv("gemv", "t", Ty::Bf16),
+            &gemv::gemv("gemv", "t", gemv::GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), d)),
             &h,
             Array::bf16(&w_bf16),
             (1, rows, d, d),

@@ -4,7 +4,7 @@
 use ir::DType;
 use kernels_gen::dsl::Ty;
 use kernels_gen::emulator::{run, Array, Scalar};
-use kernels_gen::templates::gemv::gemv_weights;
+use kernels_gen::templates::gemv::{gemv, GemvSpec};
 use kernels_gen::templates::quant::{block_layout, embedding_q, WeightFormat};
 use kernels_gen::templates::QUANT_FORMATS;
 use models::quant::GgmlType;
@@ -49,9 +49,11 @@ fn quantized_gemv_matches_dequantize_then_matmul() {
         let x: Vec<f32> = (0..tokens * k).map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0).collect();
         let mut want = vec![0f32; tokens * n];
         ir::reference::ops::matmul(&x, &w, k, &mut want);
-        let kernel = gemv_weights("gemv_q", "test", WeightFormat::Blocks(format));
-        let out = run_gemv(&kernel, &x, Array::u8(&data), (tokens, n, k, k));
-        close(&out.to_f32().unwrap(), &want, 1e-4, &format!("{format}"));
+        let decode = GemvSpec::decode(WeightFormat::Blocks(format), k);
+        for spec in [decode, decode.prefill()] {
+            let out = run_gemv(&gemv("gemv_q", "test", spec), &x, Array::u8(&data), (tokens, n, k, k));
+            close(&out.to_f32().unwrap(), &want, 1e-4, &format!("{format}"));
+        }
     }
 }
 

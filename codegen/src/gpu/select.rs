@@ -140,6 +140,8 @@ pub(crate) fn select(graph: &Graph) -> Result<Selected, GpuCodegenError> {
             op => {
                 s.views.insert(i, own);
                 let rows = rows(graph, i);
+                // A GEMV's variant for prefill steps, where the arm below chooses one.
+                let mut gemv_prefill = None;
                 let (kernel, args) = match op {
                     Op::Embedding => {
                         let table = weight_format(graph.node(node.inputs[0]).dtype, i, op.name())?;
@@ -171,7 +173,9 @@ pub(crate) fn select(graph: &Graph) -> Result<Selected, GpuCodegenError> {
                             scalar("k", k),
                             scalar("x_stride", stride),
                         ];
-                        (gemv::gemv_weights("gemv", &graph.name, w), args)
+                        let spec = gemv::GemvSpec::decode(w, k);
+                        gemv_prefill = Some(gemv::gemv("gemv", &graph.name, spec.prefill()));
+                        (gemv::gemv("gemv", &graph.name, spec), args)
                     }
                     Op::RmsNormMatMul { eps, weight_offset } => {
                         let w = weight_format(graph.node(node.inputs[2]).dtype, i, op.name())?;
@@ -187,10 +191,9 @@ pub(crate) fn select(graph: &Graph) -> Result<Selected, GpuCodegenError> {
                             scalar("k", k),
                             scalar("x_stride", stride),
                         ];
-                        (
-                            rms_norm_gemv::rms_norm_gemv("rms_norm_gemv", &graph.name, w, *eps as f32, *weight_offset),
-                            args,
-                        )
+                        let spec = gemv::GemvSpec::decode(w, k).with_norm(*eps as f32, *weight_offset);
+                        gemv_prefill = Some(gemv::gemv("rms_norm_gemv", &graph.name, spec.prefill()));
+                        (gemv::gemv("rms_norm_gemv", &graph.name, spec), args)
                     }
                     Op::RmsNorm {
                         eps,
@@ -421,7 +424,8 @@ pub(crate) fn select(graph: &Graph) -> Result<Selected, GpuCodegenError> {
                         None => return Err(unsupported("no GPU template yet".into())),
                     },
                 };
-                // bf16 matmuls have a tensor-core GEMM for prefill steps.
+                // bf16 matmuls have a tensor-core GEMM for prefill steps; other GEMVs carry
+                // several tokens per pass over the weights there.
                 let prefill = match (
                     op,
                     WeightFormat::of(graph.node(node.inputs.last().copied().unwrap_or(ir::NodeId(i))).dtype),
@@ -429,7 +433,7 @@ pub(crate) fn select(graph: &Graph) -> Result<Selected, GpuCodegenError> {
                     (Op::MatMul, Some(WeightFormat::Dense(kernels_gen::dsl::Ty::Bf16))) => {
                         Some(gemm_mma::gemm_mma_bf16("gemm", &graph.name))
                     }
-                    _ => None,
+                    _ => gemv_prefill,
                 };
                 s.launches.push((i, kernel, prefill, args));
             }

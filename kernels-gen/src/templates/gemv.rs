@@ -1,68 +1,209 @@
-//! `out[t, r] = Σ_k x[t, k]·W[r, k]` with f32 or bf16 weights (`x` rows `x_stride` apart, so a
-//! column slice of a fused output is read in place): one warp per output element,
-//! lanes striding the row (coalesced 128-byte reads), a butterfly shuffle sum. Decode reads
-//! each weight once, which is all a memory-bound GEMV can do; tensor-core tiles for prefill
-//! and quantized weight formats are separate templates (not built yet).
+//! GEMV: `out[t, r] = Σ_k x'[t, k]·W[r, k]`, where `x'` is `x` (rows `x_stride` apart, so a
+//! column slice of a fused output is read in place) or, with the RMSNorm prologue,
+//! `rsqrt(mean(x[t]²) + eps)·x[t]·(g + o)`: the norm's sum of squares and the scaled dot are
+//! taken in the same pass over the row, so the normalised row is never written (what
+//! `fuse_norm_matmul` buys on a GPU).
+//!
+//! One warp per weight row; the warp carries `tokens_per_pass` token rows through each pass
+//! over its weight row, so a step of T tokens reads the weights ⌈T / tokens_per_pass⌉ times
+//! (decode: one token, one pass; the prefill variant carries 4). Dense weights whose rows are a
+//! whole number of vectors are read with 16-byte loads (8 bf16 or 4 f32 per lane, 512 bytes
+//! per warp per load), which is what lets a memory-bound GEMV approach copy bandwidth; GGUF
+//! block formats are dequantized element by element. Rows past `tokens` in the last pass are
+//! computed on a clamped copy of the last row and not stored, so the inner loop has no branch.
 
 use super::quant::WeightFormat;
-use super::{blocks_for, warp_sum, BLOCK};
+use super::{warp_sum, BLOCK};
 use crate::dsl::*;
 
-pub fn gemv(name: &str, origin: &str, weight: Ty) -> Kernel {
-    gemv_weights(name, origin, WeightFormat::Dense(weight))
+/// An RMSNorm applied to `x` inside the GEMV (`g` is its weight, `offset` added to it).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NormPrologue {
+    pub eps: f32,
+    pub offset: f32,
 }
 
-/// The GEMV for any weight storage (dense, or GGUF blocks dequantized per element).
-pub fn gemv_weights(name: &str, origin: &str, weight: WeightFormat) -> Kernel {
+/// What to generate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GemvSpec {
+    pub weight: WeightFormat,
+    pub norm: Option<NormPrologue>,
+    /// Token rows a warp carries through one pass over its weight row.
+    pub tokens_per_pass: usize,
+    /// Elements per weight load: 1, or a 16-byte vector of dense weights (needs `k` to be a
+    /// multiple of it, so every row starts aligned).
+    pub vector: usize,
+}
+
+impl GemvSpec {
+    /// The decode GEMV for `k`-wide rows of `weight`: one token per pass, vector loads where
+    /// the rows allow them.
+    pub fn decode(weight: WeightFormat, k: usize) -> Self {
+        let vector = match weight {
+            WeightFormat::Dense(Ty::Bf16) => 8,
+            WeightFormat::Dense(Ty::F32) => 4,
+            _ => 1,
+        };
+        Self {
+            weight,
+            norm: None,
+            tokens_per_pass: 1,
+            vector: if k.is_multiple_of(vector) { vector } else { 1 },
+        }
+    }
+
+    /// Carrying 4 tokens per pass: the variant for prefill steps. Not 8: for 256-thread blocks
+    /// sm_120a's ptxas holds a kernel to 40 registers, and 8 rows of accumulators spill there.
+    pub fn prefill(self) -> Self {
+        Self {
+            tokens_per_pass: 4,
+            ..self
+        }
+    }
+
+    pub fn with_norm(self, eps: f32, offset: f32) -> Self {
+        Self {
+            norm: Some(NormPrologue { eps, offset }),
+            ..self
+        }
+    }
+}
+
+fn names(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}{i}")).collect()
+}
+
+pub fn gemv(name: &str, origin: &str, spec: GemvSpec) -> Kernel {
     let warps = (BLOCK / 32) as i64;
+    let mut params = vec![buffer("x", Ty::F32, false)];
+    if spec.norm.is_some() {
+        params.push(buffer("g", Ty::F32, false));
+    }
+    params.extend([
+        buffer("w", spec.weight.buffer_ty(), false),
+        buffer("out", Ty::F32, true),
+        scalar("tokens", Ty::I32),
+        scalar("n", Ty::I32),
+        scalar("k", Ty::I32),
+        scalar("x_stride", Ty::I32),
+    ]);
+    let prologue = match spec.norm {
+        Some(_) => "rms_norm prologue + ",
+        None => "",
+    };
     Kernel {
         name: name.into(),
-        origin: format!("{origin}: matmul x·Wᵀ, {} weights", weight.describe()),
-        params: vec![
-            buffer("x", Ty::F32, false),
-            buffer("w", weight.buffer_ty(), false),
-            buffer("out", Ty::F32, true),
-            scalar("tokens", Ty::I32),
-            scalar("n", Ty::I32),
-            scalar("k", Ty::I32),
-            scalar("x_stride", Ty::I32),
-        ],
+        origin: format!(
+            "{origin}: {prologue}matmul x·Wᵀ, {} weights, {} token(s) per pass",
+            spec.weight.describe(),
+            spec.tokens_per_pass
+        ),
+        params,
         shared: vec![],
         block_dim: BLOCK,
-        grid: blocks_for(var("tokens") * var("n"), warps),
+        grid: super::blocks_for(var("n"), warps),
         body: vec![
-            let_("item", Ty::I32, bid() * int(warps) + warp()),
+            let_("r", Ty::I32, bid() * int(warps) + warp()),
             // Whole warps leave together, so the shuffles below always see 32 lanes.
             if_(
-                bin(BinOp::Lt, var("item"), var("tokens") * var("n")),
-                [
-                    vec![
-                        let_("t", Ty::I32, var("item") / var("n")),
-                        let_("r", Ty::I32, bin(BinOp::Rem, var("item"), var("n"))),
-                        let_("acc", Ty::F32, f(0.0)),
-                        for_(
-                            "i",
-                            lane(),
-                            var("k"),
-                            int(32),
-                            [
-                                weight.element("wi", var("r"), var("k"), var("i")),
-                                vec![assign(
-                                    "acc",
-                                    var("acc") + load("x", var("t") * var("x_stride") + var("i")) * var("wi"),
-                                )],
-                            ]
-                            .concat(),
-                        ),
-                    ],
-                    warp_sum("acc"),
-                    vec![if_(
-                        bin(BinOp::Eq, lane(), int(0)),
-                        vec![store("out", var("t") * var("n") + var("r"), var("acc"))],
-                    )],
-                ]
-                .concat(),
+                bin(BinOp::Lt, var("r"), var("n")),
+                vec![for_(
+                    "first",
+                    int(0),
+                    var("tokens"),
+                    int(spec.tokens_per_pass as i64),
+                    pass(&spec),
+                )],
             ),
         ],
     }
+}
+
+/// One pass over weight row `r` for token rows `first..first + tokens_per_pass`.
+fn pass(spec: &GemvSpec) -> Vec<Stmt> {
+    let tokens = spec.tokens_per_pass;
+    let (t, acc, sq) = (names("row", tokens), names("acc", tokens), names("sq", tokens));
+    let mut out = Vec::new();
+    for (j, t_j) in t.iter().enumerate() {
+        let row = var("first") + int(j as i64);
+        let clamped = select(bin(BinOp::Lt, row.clone(), var("tokens")), row, var("tokens") - int(1));
+        out.push(let_(t_j, Ty::I32, clamped));
+    }
+    for j in 0..tokens {
+        out.push(let_(&acc[j], Ty::F32, f(0.0)));
+        if spec.norm.is_some() {
+            out.push(let_(&sq[j], Ty::F32, f(0.0)));
+        }
+    }
+    let (start, step) = (lane() * int(spec.vector as i64), int(32 * spec.vector as i64));
+    out.push(for_("i", start, var("k"), step, k_step(spec, &t, &acc, &sq)));
+    for j in 0..tokens {
+        out.extend(warp_sum(&acc[j]));
+        if spec.norm.is_some() {
+            out.extend(warp_sum(&sq[j]));
+        }
+    }
+    let stores = (0..tokens)
+        .map(|j| {
+            let row = var("first") + int(j as i64);
+            let value = match spec.norm {
+                Some(norm) => var(&acc[j]) * un(UnOp::Rsqrt, var(&sq[j]) / cast(Ty::F32, var("k")) + f(norm.eps)),
+                None => var(&acc[j]),
+            };
+            if_(
+                bin(BinOp::Lt, row.clone(), var("tokens")),
+                vec![store("out", row * var("n") + var("r"), value)],
+            )
+        })
+        .collect();
+    out.push(if_(bin(BinOp::Eq, lane(), int(0)), stores));
+    out
+}
+
+/// Elements `i..i + vector` of the row: the weights (scaled by the norm's `g + o`), then each
+/// token's products.
+fn k_step(spec: &GemvSpec, t: &[String], acc: &[String], sq: &[String]) -> Vec<Stmt> {
+    let v = spec.vector;
+    let mut out = Vec::new();
+    let w = names("w", v);
+    if v > 1 {
+        out.push(load_vec("w", var("r") * var("k") + var("i"), &w));
+    } else {
+        out.extend(spec.weight.element(&w[0], var("r"), var("k"), var("i")));
+    }
+    // The weight each x element meets: W, or W·(g + o) under the norm.
+    let u: Vec<String> = match spec.norm {
+        None => w,
+        Some(norm) => {
+            let g = names("g", v);
+            for chunk in (0..v).step_by(4) {
+                let width = (v - chunk).min(4);
+                let index = var("i") + int(chunk as i64);
+                match width {
+                    1 => out.push(let_(&g[chunk], Ty::F32, load("g", index))),
+                    _ => out.push(load_vec("g", index, &g[chunk..chunk + width])),
+                }
+            }
+            let u = names("u", v);
+            for e in 0..v {
+                out.push(let_(&u[e], Ty::F32, var(&w[e]) * (var(&g[e]) + f(norm.offset))));
+            }
+            u
+        }
+    };
+    for (j, t_j) in t.iter().enumerate() {
+        for (e, u_e) in u.iter().enumerate() {
+            let x = format!("x{j}_{e}");
+            out.push(let_(
+                &x,
+                Ty::F32,
+                load("x", var(t_j) * var("x_stride") + var("i") + int(e as i64)),
+            ));
+            if spec.norm.is_some() {
+                out.push(assign(&sq[j], var(&sq[j]) + var(&x) * var(&x)));
+            }
+            out.push(assign(&acc[j], var(&acc[j]) + var(&x) * var(u_e)));
+        }
+    }
+    out
 }

@@ -13,7 +13,6 @@ pub mod int8_head;
 pub mod kv_append;
 pub mod quant;
 pub mod rms_norm;
-pub mod rms_norm_gemv;
 pub mod rope;
 pub mod sample;
 
@@ -80,14 +79,22 @@ pub const QUANT_FORMATS: [ir::DType; 8] = [
 /// One instance of every template, as the code generator would emit them: what snapshot tests,
 /// NVRTC checks and the kernel report cover.
 pub fn catalog() -> Vec<Kernel> {
+    use gemv::GemvSpec;
     use ir::{Expr as E, GluAct, RopeLayout};
+    use quant::WeightFormat::{Blocks, Dense};
     let swiglu_expr = E::Mul(Box::new(E::Silu(Box::new(E::Input(0)))), Box::new(E::Input(1)));
     vec![
         elementwise::elementwise("elementwise_silu_mul", "catalog", &swiglu_expr),
         rms_norm::rms_norm("rms_norm", "catalog", 1e-5, 0.0),
         rms_norm::add_rms_norm("add_rms_norm", "catalog", 1e-6, 1.0),
-        gemv::gemv("gemv_f32", "catalog", Ty::F32),
-        gemv::gemv("gemv_bf16", "catalog", Ty::Bf16),
+        gemv::gemv("gemv_f32", "catalog", GemvSpec::decode(Dense(Ty::F32), 4096)),
+        gemv::gemv("gemv_bf16", "catalog", GemvSpec::decode(Dense(Ty::Bf16), 4096)),
+        gemv::gemv(
+            "gemv_bf16_prefill",
+            "catalog",
+            GemvSpec::decode(Dense(Ty::Bf16), 4096).prefill(),
+        ),
+        gemv::gemv("gemv_bf16_ragged", "catalog", GemvSpec::decode(Dense(Ty::Bf16), 4095)),
         glu::glu("swiglu", "catalog", GluAct::Silu),
         glu::glu("geglu", "catalog", GluAct::GeluTanh),
         rope::rope("rope_rotate_half", "catalog", RopeLayout::RotateHalf, 1.0),
@@ -104,19 +111,22 @@ pub fn catalog() -> Vec<Kernel> {
         attention::attention_with("attention_paged", "catalog", cache_layout::CacheLayout::Paged),
         kv_append::kv_append_with("kv_append_paged", "catalog", cache_layout::CacheLayout::Paged),
         gemm_mma::gemm_mma_bf16("gemm_mma_bf16", "catalog"),
-        rms_norm_gemv::rms_norm_gemv(
+        gemv::gemv(
             "rms_norm_gemv_bf16",
             "catalog",
-            quant::WeightFormat::Dense(Ty::Bf16),
-            1e-6,
-            0.0,
+            GemvSpec::decode(Dense(Ty::Bf16), 4096).with_norm(1e-6, 0.0),
+        ),
+        gemv::gemv(
+            "rms_norm_gemv_bf16_prefill",
+            "catalog",
+            GemvSpec::decode(Dense(Ty::Bf16), 4096).with_norm(1e-6, 0.0).prefill(),
         ),
     ]
     .into_iter()
     .chain(QUANT_FORMATS.iter().flat_map(|&f| {
         let name = f.name();
         [
-            gemv::gemv_weights(&format!("gemv_{name}"), "catalog", quant::WeightFormat::Blocks(f)),
+            gemv::gemv(&format!("gemv_{name}"), "catalog", GemvSpec::decode(Blocks(f), 4096)),
             quant::embedding_q(&format!("embedding_{name}"), "catalog", f),
         ]
     }))

@@ -36,7 +36,7 @@ pub fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
     }
 }
 
-/// Run a GEMV kernel (`gemv` / `gemv_weights`) on `x` [tokens, x_stride] and weights `w` of
+/// Run a GEMV kernel (`gemv::gemv` without the norm prologue) on `x` [tokens, x_stride] and weights `w` of
 /// `n` rows by `k`; its `out` buffer, poisoned before the launch.
 pub fn run_gemv(kernel: &Kernel, x: &[f32], w: Array, (tokens, n, k, x_stride): (usize, usize, usize, usize)) -> Array {
     let mut bufs = HashMap::from([
