@@ -96,6 +96,31 @@ fn overwriting_what_another_thread_read_without_a_barrier_is_reported() {
     assert_eq!(bufs["out"].to_f32().unwrap(), vec![2.0; 64]);
 }
 
+/// A 16-byte load must start on a 16-byte boundary: index a multiple of its width.
+#[test]
+fn a_misaligned_vector_load_is_reported() {
+    let lanes: Vec<String> = (0..4).map(|i| format!("v{i}")).collect();
+    let body = |start: i64| {
+        vec![
+            if_(
+                bin(BinOp::Lt, tid(), int(15)),
+                vec![
+                    load_vec("x", tid() * int(4) + int(start), &lanes),
+                    store("out", tid(), var("v3")),
+                ],
+            ),
+            if_(bin(BinOp::Ge, tid(), int(15)), vec![store("out", tid(), f(0.0))]),
+        ]
+    };
+    assert!(fault(&kernel(body(2), vec![]), 64).contains("misaligned"));
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&(0..64).map(|i| i as f32).collect::<Vec<_>>())),
+        ("out".into(), Array::poisoned(Ty::F32, 64)),
+    ]);
+    run(&kernel(body(4), vec![]), &mut bufs, &HashMap::new()).unwrap();
+    assert_eq!(bufs["out"].to_f32().unwrap()[..3], [7.0, 11.0, 15.0]);
+}
+
 #[test]
 fn a_barrier_in_divergent_code_is_reported() {
     let k = kernel(
