@@ -85,6 +85,53 @@ impl Array {
     pub fn to_i64(&self) -> Result<Vec<i64>, String> {
         Ok(self.to_f32()?.iter().map(|&v| v as i64).collect())
     }
+
+    /// Device memory as an array of `ty` (little-endian; a trailing partial element is left
+    /// out), every element initialised.
+    pub fn from_le_bytes(ty: Ty, bytes: &[u8]) -> Self {
+        let values: Vec<f64> = match ty {
+            Ty::F32 => bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+                .collect(),
+            Ty::Bf16 => bytes
+                .chunks_exact(2)
+                .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32() as f64)
+                .collect(),
+            Ty::I32 => bytes
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+                .collect(),
+            Ty::U32 => bytes
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+                .collect(),
+            Ty::I8 => bytes.iter().map(|&b| b as i8 as f64).collect(),
+            Ty::U8 | Ty::Bool => bytes.iter().map(|&b| b as f64).collect(),
+        };
+        Self {
+            ty,
+            init: vec![true; values.len()],
+            values,
+        }
+    }
+
+    /// The array as device memory (little-endian); never-written elements as zero bytes.
+    pub fn to_le_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(self.values.len() * 4);
+        for (&v, &init) in self.values.iter().zip(&self.init) {
+            let v = if init { v } else { 0.0 };
+            match self.ty {
+                Ty::F32 => out.extend((v as f32).to_le_bytes()),
+                Ty::Bf16 => out.extend(bf16::from_f64(v).to_le_bytes()),
+                Ty::I32 => out.extend((v as i32).to_le_bytes()),
+                Ty::U32 => out.extend((v as u32).to_le_bytes()),
+                Ty::I8 => out.push(v as i8 as u8),
+                Ty::U8 | Ty::Bool => out.push(v as u8),
+            }
+        }
+        out
+    }
 }
 
 /// Scalar arguments.

@@ -341,6 +341,45 @@ fn strided_inputs_read_slices_in_place() {
     ]);
     run(&kernel, &mut bufs, &scalars).unwrap();
     close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "strided per-head rms_norm");
+
+    // RoPE on the query columns of a joined QKV output (as the GPU plan launches it).
+    let (heads, head_dim) = (2, 8);
+    let width = heads * head_dim;
+    let stride = width + 12;
+    let wide = rng.vec(tokens * stride);
+    let mut want: Vec<f32> = (0..tokens)
+        .flat_map(|t| wide[t * stride..t * stride + width].to_vec())
+        .collect();
+    let spec = RopeSpec {
+        heads,
+        head_dim,
+        rotary_dim: head_dim,
+        theta: 10_000.0,
+        position_scale: 1.0,
+        layout: RopeLayout::RotateHalf,
+    };
+    let positions = [3usize, 4, 5];
+    ops::rope(&spec, &mut want, &positions);
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&wide)),
+        ("positions".into(), Array::ints(Ty::I32, &positions.map(|p| p as i64))),
+        ("inv_freq".into(), Array::f32(&ops::rope_inv_freq(&spec))),
+        ("out".into(), Array::poisoned(Ty::F32, want.len())),
+    ]);
+    let scalars = ints(&[
+        ("tokens", tokens as i64),
+        ("width", width as i64),
+        ("head_dim", head_dim as i64),
+        ("rotary_dim", head_dim as i64),
+        ("x_stride", stride as i64),
+    ]);
+    run(
+        &rope::rope("rope", "test", RopeLayout::RotateHalf, 1.0),
+        &mut bufs,
+        &scalars,
+    )
+    .unwrap();
+    close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "strided rope");
 }
 
 #[test]

@@ -3,9 +3,11 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod emulated;
 pub mod error;
 pub mod generate;
 pub mod kv;
+pub mod plan_exec;
 pub mod sampling;
 pub mod serving;
 

@@ -171,6 +171,16 @@ pub(crate) fn rows(graph: &Graph, node: usize) -> String {
 
 /// Build the GPU program of `graph` for `target`, activations sized for `max_tokens` rows.
 pub fn build(graph: &Graph, target: Target, max_tokens: usize) -> Result<GpuPlan, GpuCodegenError> {
+    build_with_kernels(graph, target, max_tokens).map(|(plan, _)| plan)
+}
+
+/// Like [`build`], also returning the plan's kernels as DSL programs (named as in the plan), for
+/// running the plan on the emulator.
+pub fn build_with_kernels(
+    graph: &Graph,
+    target: Target,
+    max_tokens: usize,
+) -> Result<(GpuPlan, Vec<Kernel>), GpuCodegenError> {
     let selected = select::select(graph)?;
     // One file per distinct kernel source, named in order of first use.
     let mut kernels: Vec<(Kernel, String)> = Vec::new();
@@ -206,6 +216,7 @@ pub fn build(graph: &Graph, target: Target, max_tokens: usize) -> Result<GpuPlan
         });
     }
     let memory = plan_memory(graph, &launches, &selected.views, max_tokens);
+    let programs: Vec<Kernel> = kernels.iter().map(|(k, _)| k.clone()).collect();
     let kernels = kernels
         .into_iter()
         .map(|(k, _)| KernelEntry {
@@ -231,7 +242,7 @@ pub fn build(graph: &Graph, target: Target, max_tokens: usize) -> Result<GpuPlan
                 .collect(),
         })
         .collect();
-    Ok(GpuPlan {
+    let plan = GpuPlan {
         target: target.name().into(),
         arch: target.cuda_arch().unwrap_or_default().into(),
         max_tokens,
@@ -248,7 +259,8 @@ pub fn build(graph: &Graph, target: Target, max_tokens: usize) -> Result<GpuPlan
         weights: selected.weights,
         kv_cache: selected.kv_cache,
         constants: selected.constants,
-    })
+    };
+    Ok((plan, programs))
 }
 
 /// Every base activation node: its size at `max_tokens` rows and the launches that touch it.

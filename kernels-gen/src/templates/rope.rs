@@ -53,10 +53,12 @@ pub fn rope(name: &str, origin: &str, layout: RopeLayout, position_scale: f32) -
                 vec![
                     let_("t", Ty::I32, var("e") / var("width")),
                     let_("c", Ty::I32, bin(BinOp::Rem, var("e"), var("width"))),
+                    // The head's first element in `x`, whose rows are `x_stride` apart (a column
+                    // slice of a fused projection is read in place).
                     let_(
                         "row",
                         Ty::I32,
-                        var("t") * var("width") + var("c") - bin(BinOp::Rem, var("c"), var("head_dim")),
+                        var("t") * var("x_stride") + var("c") - bin(BinOp::Rem, var("c"), var("head_dim")),
                     ),
                     let_("j", Ty::I32, bin(BinOp::Rem, var("c"), var("head_dim"))),
                     let_("half", Ty::I32, var("rotary_dim") / int(2)),

@@ -1,0 +1,323 @@
+//! Running a GPU plan (`plan.json`), the device-independent half of the GPU backend: upload the
+//! weights in the layout the kernels expect (row-stacked, bf16 or GGUF blocks as the plan says;
+//! the INT8 heads from the artifact), allocate the activation arena and the KV cache, and run
+//! a step as the plan's launches in order, each argument resolved from the plan (arena offsets,
+//! views, scalars that are expressions of `tokens` and `first`), then read the outputs back.
+//!
+//! The device ([`PlanDevice`]) owns memory and launches kernels: CUDA through cudarc
+//! (`crate::cuda`), or the kernels-gen emulator (`crate::emulated`), which runs the very same
+//! plan on the CPU, so everything above the kernels is tested without a GPU.
+
+use crate::error::{Result, RuntimeError};
+use codegen::gpu::expr::{self, Value};
+use codegen::gpu::{GpuPlan, LaunchArg, PREFILL_TOKENS};
+use half::bf16;
+use ir::{DType, Graph, Tensor};
+use models::WeightSource;
+use passes::weight_transforms::Int8Rows;
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Mutex;
+
+/// Memory and launches on one device.
+pub trait PlanDevice {
+    type Buffer;
+    /// A zeroed buffer of `bytes`.
+    fn alloc(&mut self, bytes: usize) -> Result<Self::Buffer>;
+    fn upload(&mut self, bytes: &[u8]) -> Result<Self::Buffer>;
+    fn write(&mut self, buffer: &mut Self::Buffer, at: usize, bytes: &[u8]) -> Result<()>;
+    fn read(&mut self, buffer: &Self::Buffer, range: Range<usize>) -> Result<Vec<u8>>;
+    /// Launch `kernel` as `grid` blocks of `block` threads.
+    fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[DeviceArg<'_, Self::Buffer>]) -> Result<()>;
+}
+
+/// A launch argument as the device takes it.
+pub enum DeviceArg<'a, B> {
+    /// The bytes `range` of a buffer: the kernel gets a pointer to its start and may touch
+    /// nothing outside it.
+    Buffer(&'a B, Range<usize>),
+    I32(i32),
+    F32(f32),
+}
+
+/// Everything the plan's launches point into.
+struct Buffers<B> {
+    arena: B,
+    weights: HashMap<usize, B>,
+    derived: HashMap<(String, String), B>,
+    constants: HashMap<String, B>,
+    kv: HashMap<(usize, bool), B>,
+    /// Byte sizes, for the ranges handed to launches.
+    sizes: HashMap<BufferKey, usize>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum BufferKey {
+    Weight(usize),
+    Derived(String, String),
+    Constant(String),
+    Kv(usize, bool),
+}
+
+/// A GPU plan loaded on a device, with the KV cache of one sequence.
+pub struct PlanExecutor<D: PlanDevice> {
+    plan: GpuPlan,
+    graph: Graph,
+    context_length: usize,
+    state: Mutex<(D, Buffers<D::Buffer>)>,
+}
+
+/// A sequence's state on the device is the executor's KV cache; this is its length.
+#[derive(Debug, Default, Clone)]
+pub struct PlanSequence {
+    pub len: usize,
+}
+
+impl<D: PlanDevice> PlanExecutor<D> {
+    /// Put `plan`'s weights, INT8 rows, constants, KV cache and arena on `device`.
+    pub fn new(
+        mut device: D,
+        plan: GpuPlan,
+        graph: Graph,
+        weights: &WeightSource,
+        int8: &[(String, Int8Rows)],
+        context_length: usize,
+    ) -> Result<Self> {
+        let mut sizes = HashMap::new();
+        let mut upload = |device: &mut D, key: BufferKey, bytes: &[u8]| {
+            sizes.insert(key, bytes.len());
+            device.upload(bytes)
+        };
+        let mut device_weights = HashMap::new();
+        for w in &plan.weights {
+            let bytes = weight_bytes(w.dtype, &w.parts, weights)?;
+            device_weights.insert(w.node, upload(&mut device, BufferKey::Weight(w.node), &bytes)?);
+        }
+        let mut derived = HashMap::new();
+        for (name, rows) in int8 {
+            for (tensor, bytes) in int8_tensors(rows) {
+                let key = BufferKey::Derived(name.clone(), tensor.to_string());
+                derived.insert((name.clone(), tensor.to_string()), upload(&mut device, key, &bytes)?);
+            }
+        }
+        let mut constants = HashMap::new();
+        for (name, values) in &plan.constants {
+            let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            constants.insert(
+                name.clone(),
+                upload(&mut device, BufferKey::Constant(name.clone()), &bytes)?,
+            );
+        }
+        let mut kv = HashMap::new();
+        for layout in &plan.kv_cache {
+            for value in [false, true] {
+                let bytes = context_length * layout.bytes_per_token;
+                sizes.insert(BufferKey::Kv(layout.slot, value), bytes);
+                kv.insert((layout.slot, value), device.alloc(bytes)?);
+            }
+        }
+        let arena = device.alloc(plan.memory.arena_bytes.max(1))?;
+        let buffers = Buffers {
+            arena,
+            weights: device_weights,
+            derived,
+            constants,
+            kv,
+            sizes,
+        };
+        Ok(Self {
+            plan,
+            graph,
+            context_length,
+            state: Mutex::new((device, buffers)),
+        })
+    }
+
+    pub fn context_length(&self) -> usize {
+        self.context_length
+    }
+
+    pub fn new_sequence(&self) -> PlanSequence {
+        PlanSequence::default()
+    }
+
+    /// Process `ids` as the next tokens of `seq` (the one sequence the KV cache holds).
+    pub fn step(&self, seq: &mut PlanSequence, ids: &[u32]) -> Result<HashMap<String, Tensor>> {
+        let tokens = ids.len();
+        if tokens == 0 || tokens > self.plan.max_tokens {
+            return Err(RuntimeError::Input(format!(
+                "a GPU step takes 1 to {} tokens, got {tokens}",
+                self.plan.max_tokens
+            )));
+        }
+        if seq.len + tokens > self.context_length {
+            return Err(RuntimeError::ContextOverflow {
+                needed: seq.len + tokens,
+                limit: self.context_length,
+            });
+        }
+        let mut state = self
+            .state
+            .lock()
+            .map_err(|_| RuntimeError::Cuda("device state poisoned".into()))?;
+        let (device, buffers) = &mut *state;
+        // Inputs: token ids and positions as i32 at their planned offsets.
+        let positions: Vec<i32> = (seq.len..seq.len + tokens).map(|p| p as i32).collect();
+        let id_values: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+        for (node, values) in [(self.plan.token_ids, &id_values), (self.plan.positions, &positions)] {
+            if let Some(node) = node {
+                let at = self.buffer(node, None)?.start;
+                let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                device.write(&mut buffers.arena, at, &bytes)?;
+            }
+        }
+        let vars: HashMap<&str, Value> = HashMap::from([
+            ("tokens", Value::Int(tokens as i64)),
+            ("first", Value::Int(seq.len as i64)),
+        ]);
+        for launch in &self.plan.launches {
+            let name = match &launch.prefill_kernel {
+                Some(p) if tokens >= PREFILL_TOKENS => p,
+                _ => &launch.kernel,
+            };
+            let kernel = self
+                .plan
+                .kernels
+                .iter()
+                .find(|k| &k.name == name)
+                .ok_or_else(|| RuntimeError::Artifact(format!("no kernel {name}")))?;
+            let mut args = Vec::with_capacity(launch.args.len());
+            let mut scalars: HashMap<&str, Value> = vars.clone();
+            for (arg, param) in launch.args.iter().zip(&kernel.params) {
+                args.push(match arg {
+                    LaunchArg::Scalar { value, .. } => {
+                        let v = expr::eval(value, &vars).map_err(|e| RuntimeError::Artifact(e.to_string()))?;
+                        scalars.insert(param.name.as_str(), v);
+                        match param.kind.as_str() {
+                            "float" => DeviceArg::F32(v.as_f64() as f32),
+                            _ => DeviceArg::I32(v.as_i64() as i32),
+                        }
+                    }
+                    other => self.resolve(other, buffers, &vars)?,
+                });
+            }
+            let grid = expr::eval(&kernel.grid, &scalars)
+                .map_err(|e| RuntimeError::Artifact(e.to_string()))?
+                .as_i64();
+            if grid > 0 {
+                device.launch(name, grid as u32, kernel.block, &args)?;
+            }
+        }
+        seq.len += tokens;
+        let mut outputs = HashMap::new();
+        for (name, node) in &self.plan.outputs {
+            let shape = self.graph.nodes()[*node].shape.resolve(tokens, seq.len);
+            let at = self.buffer(*node, None)?.start;
+            let len = shape.iter().product::<usize>();
+            let bytes = device.read(&buffers.arena, at..at + 4 * len)?;
+            let words = bytes.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]);
+            let data: Vec<f32> = match self.graph.nodes()[*node].dtype {
+                DType::I32 => words.map(|w| i32::from_le_bytes(w) as f32).collect(),
+                _ => words.map(f32::from_le_bytes).collect(),
+            };
+            outputs.insert(name.clone(), Tensor::new(shape, data));
+        }
+        Ok(outputs)
+    }
+
+    /// The arena bytes of `node`'s value, or of one of its launches' scratch buffers.
+    fn buffer(&self, node: usize, scratch: Option<&str>) -> Result<Range<usize>> {
+        self.plan
+            .memory
+            .buffers
+            .iter()
+            .find(|b| b.node == node && b.scratch.as_deref() == scratch)
+            .map(|b| b.offset..b.offset + b.bytes)
+            .ok_or_else(|| RuntimeError::Artifact(format!("no planned buffer for %{node} {scratch:?}")))
+    }
+
+    /// A buffer argument: which buffer, and the bytes of it the launch may touch.
+    fn resolve<'b>(
+        &self,
+        arg: &LaunchArg,
+        buffers: &'b Buffers<D::Buffer>,
+        vars: &HashMap<&str, Value>,
+    ) -> Result<DeviceArg<'b, D::Buffer>> {
+        let missing = |what: String| RuntimeError::Artifact(format!("{what} missing"));
+        let whole = |key: BufferKey| 0..buffers.sizes.get(&key).copied().unwrap_or(0);
+        Ok(match arg {
+            LaunchArg::Activation { node, offset } => {
+                let elems = expr::eval(offset, vars)
+                    .map_err(|e| RuntimeError::Artifact(e.to_string()))?
+                    .as_i64() as usize;
+                let range = self.buffer(*node, None)?;
+                DeviceArg::Buffer(&buffers.arena, (range.start + 4 * elems).min(range.end)..range.end)
+            }
+            LaunchArg::Scratch { node, name, .. } => DeviceArg::Buffer(&buffers.arena, self.buffer(*node, Some(name))?),
+            LaunchArg::Weight { node } => DeviceArg::Buffer(
+                buffers
+                    .weights
+                    .get(node)
+                    .ok_or_else(|| missing(format!("weight %{node}")))?,
+                whole(BufferKey::Weight(*node)),
+            ),
+            LaunchArg::KvCache { slot, value } => DeviceArg::Buffer(
+                buffers
+                    .kv
+                    .get(&(*slot, *value))
+                    .ok_or_else(|| missing(format!("KV cache {slot}")))?,
+                whole(BufferKey::Kv(*slot, *value)),
+            ),
+            LaunchArg::Constant { name } => DeviceArg::Buffer(
+                buffers
+                    .constants
+                    .get(name)
+                    .ok_or_else(|| missing(format!("constant `{name}`")))?,
+                whole(BufferKey::Constant(name.clone())),
+            ),
+            LaunchArg::Derived { weight, tensor } => DeviceArg::Buffer(
+                buffers
+                    .derived
+                    .get(&(weight.clone(), tensor.clone()))
+                    .ok_or_else(|| missing(format!("INT8 rows of `{weight}` (from the artifact)")))?,
+                whole(BufferKey::Derived(weight.clone(), tensor.clone())),
+            ),
+            LaunchArg::Scalar { .. } => unreachable!("scalars are resolved by the caller"),
+        })
+    }
+}
+
+/// The tensors of an INT8 head as the kernels read them.
+fn int8_tensors(rows: &Int8Rows) -> [(&'static str, Vec<u8>); 5] {
+    let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    [
+        ("q", rows.q.iter().map(|&q| q as u8).collect()),
+        ("scale", f32s(&rows.scale)),
+        ("err_norm", f32s(&rows.err_norm)),
+        ("quant_norm", f32s(&rows.quant_norm)),
+        ("norm", f32s(&rows.norm)),
+    ]
+}
+
+/// A weight as the kernels read it: the parts stacked by rows, converted to `dtype` (f32, bf16)
+/// or kept as GGUF blocks.
+fn weight_bytes(dtype: DType, parts: &[String], source: &WeightSource) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    for name in parts {
+        let view = source
+            .get(name)
+            .ok_or_else(|| RuntimeError::Weight(format!("`{name}` is not in the weights")))?;
+        match dtype {
+            DType::F32 => out.extend(view.to_f32().data.iter().flat_map(|v| v.to_le_bytes())),
+            DType::BF16 => out.extend(view.to_f32().data.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes())),
+            quant if models::weights::ir_dtype(view.dtype) == quant => out.extend_from_slice(view.bytes),
+            other => {
+                return Err(RuntimeError::Weight(format!(
+                    "`{name}` is {} but the plan wants {other}",
+                    view.dtype.name()
+                )))
+            }
+        }
+    }
+    Ok(out)
+}
