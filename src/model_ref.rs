@@ -56,8 +56,18 @@ pub struct Loaded {
     pub greedy: Option<Graph>,
     /// Weights prepared at compile time (an artifact's INT8 heads), by weight name.
     pub int8_heads: Vec<(String, passes::weight_transforms::Int8Rows)>,
-    /// For an artifact compiled for a GPU: its directory and plan file.
-    pub gpu_plan: Option<(PathBuf, String)>,
+    /// For an artifact compiled for a GPU: its directory and plan files.
+    pub gpu_plan: Option<GpuPlanFiles>,
+}
+
+/// Where a GPU artifact's plans are.
+#[derive(Debug, Clone)]
+pub struct GpuPlanFiles {
+    pub dir: PathBuf,
+    /// The logits graph's plan.
+    pub logits: String,
+    /// The greedy graph's plan (INT8-bound head), when the artifact has one.
+    pub greedy: Option<String>,
 }
 
 impl Loaded {
@@ -154,6 +164,10 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
             .plan
             .clone()
             .filter(|_| manifest.target != Target::Cpu)
-            .map(|p| (dir.to_path_buf(), p)),
+            .map(|logits| GpuPlanFiles {
+                dir: dir.to_path_buf(),
+                logits,
+                greedy: manifest.greedy_plan.clone(),
+            }),
     })
 }

@@ -3,7 +3,9 @@
 //! kernels-gen emulator, agree with the CPU backend step by step: a prefill long enough for the
 //! prefill kernels (the tensor-core GEMM for bf16 weights), one short enough for the decode
 //! kernels, then decode steps over the KV cache. Every buffer offset, view, scalar and launch
-//! of the plan is exercised; each kernel may touch only the bytes its arguments give it.
+//! of the plan is exercised; each kernel may touch only the bytes its arguments give it. The
+//! greedy graph's plan (the INT8-bound LM head with its compile-time INT8 rows) picks exactly
+//! the argmax of the CPU backend's full-precision logits.
 
 use codegen::gpu::{self, PREFILL_TOKENS};
 use codegen::Target;
@@ -100,4 +102,53 @@ fn tiny_gemma3_plans_agree_with_the_cpu_backend() {
         check("gemma3", ComputeDtype::F32, target);
     }
     check("gemma3", ComputeDtype::Bf16, Target::H200);
+}
+
+/// The greedy plan's `next_token` at every step equals the argmax of the CPU logits.
+fn check_greedy(family: &str, target: Target) {
+    let model = open(family, ComputeDtype::F32);
+    let context = model.config.context_length.min(256);
+    let greedy = model.lower(LogitsFor::GreedyToken).unwrap();
+    let greedy = passes::optimize(&greedy, cost_model(target), None)
+        .unwrap()
+        .pop()
+        .unwrap()
+        .graph;
+    assert!(
+        greedy
+            .nodes()
+            .iter()
+            .any(|n| matches!(n.op, ir::Op::Int8BoundTopK { .. })),
+        "the greedy graph of {family} takes the INT8-bound head"
+    );
+    let int8 = codegen::int8_heads(&greedy, &model.weights).unwrap();
+    let (plan, kernels) = gpu::build_with_kernels(&greedy, target, 64).unwrap();
+    let gpu = EmulatedBackend::emulated(plan, kernels, greedy, &model.weights, &int8, context).unwrap();
+    let logits = model.lower(LogitsFor::LastToken).unwrap();
+    let cpu = CpuBackend::new(logits, &model.weights, context).unwrap();
+    for prompt_len in [PREFILL_TOKENS + 2, 3] {
+        let (mut g, mut c) = (gpu.new_sequence(), cpu.new_sequence());
+        let mut ids: Vec<u32> = (0..prompt_len as u32).map(|i| (11 + 29 * i) % 310).collect();
+        for step in 0..6 {
+            let got = gpu.step(&mut g, &ids).unwrap()["next_token"].data[0] as u32;
+            let outputs = cpu.step(&mut c, &ids).unwrap();
+            let logits = &outputs["logits"];
+            let want = runtime::sampling::argmax(logits.row(logits.rows() - 1));
+            assert_eq!(
+                got,
+                want,
+                "{family} on {}: step {step} of a {prompt_len}-token prompt",
+                target.name()
+            );
+            ids = vec![want];
+        }
+    }
+}
+
+#[test]
+fn greedy_plans_with_the_int8_head_pick_the_exact_argmax() {
+    for family in ["llama", "gemma3"] {
+        check_greedy(family, Target::H200);
+    }
+    check_greedy("llama", Target::RtxPro6000);
 }

@@ -1,6 +1,7 @@
 //! On a machine with an NVIDIA GPU (and NVRTC): SmolLM2 with bf16 weights, compiled for the GPU
 //! (`BBC_GPU_TARGET`, default h200) and run by the CUDA backend, generates exactly the greedy
-//! tokens the CPU backend generates from the same bf16 weights. Skipped elsewhere.
+//! tokens the CPU backend generates from the same bf16 weights, through the logits plan and
+//! through the greedy plan (INT8-bound head). Skipped elsewhere.
 
 mod common;
 
@@ -28,8 +29,24 @@ fn smollm2_bf16_greedy_on_the_gpu_equals_the_cpu() {
         _ => passes::CostModel::H200,
     };
     let gpu_graph = passes::optimize(&graph, cost, None).unwrap().pop().unwrap().graph;
+    let greedy_graph = model.lower(LogitsFor::GreedyToken).unwrap();
+    let greedy_graph = passes::optimize(&greedy_graph, cost, None)
+        .unwrap()
+        .pop()
+        .unwrap()
+        .graph;
     let dir = std::env::temp_dir().join(format!("bbc-gpu-run-{}", std::process::id()));
-    codegen::compile(&model, &gpu_graph, None, target, &dir).unwrap();
+    let manifest = codegen::compile(&model, &gpu_graph, Some(&greedy_graph), target, &dir).unwrap();
+    let int8 = codegen::read_int8_heads(&dir, &manifest.int8_heads).unwrap();
+    let greedy = runtime::cuda::CudaBackend::new(
+        &dir,
+        manifest.greedy_plan.as_deref().expect("a greedy plan"),
+        greedy_graph,
+        &model.weights,
+        &int8,
+        model.config.context_length,
+    )
+    .unwrap();
     let gpu = runtime::cuda::CudaBackend::new(
         &dir,
         "plan.json",
@@ -46,7 +63,10 @@ fn smollm2_bf16_greedy_on_the_gpu_equals_the_cpu() {
         .graph;
     let cpu = Engine::from(CpuBackend::new(cpu_graph, &model.weights, model.config.context_length).unwrap());
     // Each generation starts a new sequence at position 0; the GPU's one cache is rewritten.
-    let gpu = Engine::logits_only(gpu);
+    let gpu = Engine {
+        logits: gpu,
+        greedy: Some(greedy),
+    };
     let options = GenerateOptions {
         max_tokens: 32,
         ..Default::default()
@@ -56,8 +76,15 @@ fn smollm2_bf16_greedy_on_the_gpu_equals_the_cpu() {
         (0..40).map(|i| 100 + 7 * i).collect(),
     ] {
         let want = generate(&cpu, &prompt, &options, |_| Ok(true)).unwrap();
+        // The logits plan (with the greedy plan left out), then the greedy plan.
+        let logits_only = GenerateOptions {
+            need_logits: true,
+            ..options.clone()
+        };
+        let got = generate(&gpu, &prompt, &logits_only, |_| Ok(true)).unwrap();
+        assert_eq!(got, want, "logits plan, {prompt:?}");
         let got = generate(&gpu, &prompt, &options, |_| Ok(true)).unwrap();
-        assert_eq!(got, want, "{prompt:?}");
+        assert_eq!(got, want, "greedy plan, {prompt:?}");
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -28,13 +28,9 @@ fn invalid(path: &Path, what: String) -> ArtifactError {
     }
 }
 
-/// Quantize and write the INT8 rows of every head an `int8_bound_top_k` in `graph` reads.
-pub fn write_int8_heads(
-    graph: &Graph,
-    weights: &WeightSource,
-    dir: &Path,
-) -> Result<Vec<DerivedWeight>, ArtifactError> {
-    let mut written: Vec<DerivedWeight> = Vec::new();
+/// The INT8 rows of every head an `int8_bound_top_k` in `graph` reads, by weight name.
+pub fn int8_heads(graph: &Graph, weights: &WeightSource) -> Result<Vec<(String, Int8Rows)>, String> {
+    let mut heads: Vec<(String, Int8Rows)> = Vec::new();
     for node in graph.nodes() {
         if !matches!(node.op, Op::Int8BoundTopK { .. }) {
             continue;
@@ -42,18 +38,31 @@ pub fn write_int8_heads(
         let Op::Weight { name } = &graph.node(node.inputs[1]).op else {
             continue;
         };
-        if written.iter().any(|d| &d.weight == name) {
+        if heads.iter().any(|(n, _)| n == name) {
             continue;
         }
         let view = weights
             .get(name)
-            .ok_or_else(|| invalid(dir, format!("weight `{name}` is not in the model")))?;
+            .ok_or_else(|| format!("weight `{name}` is not in the model"))?;
         let (rows, cols) = (view.rows(), view.row_len());
         let row_bytes = view.row_bytes();
         let quantized = Int8Rows::quantize(rows, cols, |r, buf| {
             view.dtype
                 .dequantize(&view.bytes[r * row_bytes..(r + 1) * row_bytes], buf)
         });
+        heads.push((name.clone(), quantized));
+    }
+    Ok(heads)
+}
+
+/// Quantize and write the INT8 rows of every head an `int8_bound_top_k` in `graph` reads.
+pub fn write_int8_heads(
+    graph: &Graph,
+    weights: &WeightSource,
+    dir: &Path,
+) -> Result<Vec<DerivedWeight>, ArtifactError> {
+    let mut written: Vec<DerivedWeight> = Vec::new();
+    for (name, quantized) in int8_heads(graph, weights).map_err(|what| invalid(dir, what))? {
         let file = format!("weights/{}.int8.safetensors", name.replace(['/', '\\'], "_"));
         let bytes = serialize(&quantized);
         let path = dir.join(&file);
@@ -61,7 +70,7 @@ pub fn write_int8_heads(
             .map_err(|e| invalid(&path, e.to_string()))?;
         std::fs::write(&path, &bytes).map_err(|e| invalid(&path, e.to_string()))?;
         written.push(DerivedWeight {
-            weight: name.clone(),
+            weight: name,
             file,
             sha256: hex(&Sha256::digest(&bytes)),
         });

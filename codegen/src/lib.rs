@@ -11,5 +11,5 @@ pub mod nvrtc;
 mod target;
 
 pub use artifact::{compile, read_graphs, read_manifest, ArtifactError, ArtifactGraphs, Manifest, MANIFEST_FILE};
-pub use derived::{read_int8_heads, DerivedWeight};
+pub use derived::{int8_heads, read_int8_heads, DerivedWeight};
 pub use target::Target;

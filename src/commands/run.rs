@@ -78,17 +78,20 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let tokenizer = loaded.model.tokenizer.as_ref();
     let prompt = prompt_ids(args, tokenizer)?;
     let context = loaded.model.config.context_length;
-    if let Some((dir, plan)) = &loaded.gpu_plan {
-        // A GPU artifact runs on the CUDA backend (its logits plan; greedy picks the argmax).
-        let backend = runtime::cuda::CudaBackend::new(
-            dir,
-            plan,
-            loaded.graph.clone(),
-            &loaded.model.weights,
-            &loaded.int8_heads,
-            context,
-        )?;
-        let engine = Engine::logits_only(backend);
+    if let Some(plans) = &loaded.gpu_plan {
+        // A GPU artifact runs on the CUDA backend: its greedy plan (the INT8-bound head) for
+        // greedy decoding, its logits plan otherwise. Each plan holds its own copy of the
+        // weights on the device.
+        let backend = |plan: &str, graph: ir::Graph| {
+            let w = &loaded.model.weights;
+            runtime::cuda::CudaBackend::new(&plans.dir, plan, graph, w, &loaded.int8_heads, context)
+        };
+        let logits = backend(&plans.logits, loaded.graph.clone())?;
+        let greedy = match (&plans.greedy, &loaded.greedy) {
+            (Some(plan), Some(graph)) => Some(backend(plan, graph.clone())?),
+            _ => None,
+        };
+        let engine = Engine { logits, greedy };
         return stream(args, &engine, &prompt, tokenizer, started.elapsed());
     }
     let engine = Engine::with_cache(loaded.graph, loaded.greedy, &loaded.model.weights, context, cache)?;
