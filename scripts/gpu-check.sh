@@ -5,9 +5,12 @@
 #      (zero spills required) — `codegen/tests/nvrtc.rs`;
 #   3. runs SmolLM2 with bf16 weights on the GPU through the CUDA backend and compares its
 #      greedy tokens with the CPU backend's on the same bf16 weights — `tests/gpu_runtime.rs`;
-#   4. times decode on the GPU (bbc run on a GPU artifact) against the CPU, and prints a table.
-# Not covered yet (the CUDA backend is new): per-kernel GPU-vs-reference errors, device copy
-# bandwidth, and the Llama-8B-shaped decode at batch 1/16/64.
+#   4. times SmolLM2 decode on the GPU (bbc run on a GPU artifact) against the CPU;
+#   5. `benches/gpu_check.rs`, printed last: device copy bandwidth; every kernel of the tiny
+#      Llama/Gemma 3 plans on the GPU in lockstep with the emulator (max relative error per kernel); the
+#      matmuls of a Llama-8B-shaped layer and head with random bf16 weights timed at batch 1,
+#      16 and 64 (GB/s of weights, % of copy bandwidth, the decode step they add up to).
+# Paste the tables into docs/gpu-results.md with the date, GPU and commit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export BBC_HOME="${BBC_HOME:-$HOME/.cache/bbc}"
@@ -31,3 +34,5 @@ for art in "$work/gpu" "$work/model.toml"; do
   line=$(./target/release/bbc run "$art" --prompt-ids "$ids" --max-tokens 128 --ignore-eos 2>&1 >/dev/null | tail -1)
   echo "| $( [ "$art" = "$work/gpu" ] && echo "cuda ($target)" || echo cpu ) | $(echo "$line" | sed -E 's/.*in [0-9.]+s \(([0-9.]+) tok\/s\).*/\1/') | $(echo "$line" | sed -E 's/.*decode ([0-9.]+) tok\/s.*/\1/') |"
 done
+# Last, the kernel errors and the 8B-shaped matmul table (kernel, time, GB/s, % of copy bandwidth).
+cargo bench --bench gpu_check 2>&1 | tee /tmp/bbc-gpu-check.log | grep -vE "^\s*(Compiling|Finished|Running)"

@@ -10,7 +10,9 @@
 use codegen::gpu::{self, PREFILL_TOKENS};
 use codegen::Target;
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
-use runtime::emulated::EmulatedBackend;
+use runtime::compare::CompareDevice;
+use runtime::emulated::{EmulatedBackend, EmulatedDevice};
+use runtime::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
 use runtime::CpuBackend;
 use std::path::PathBuf;
 
@@ -151,4 +153,82 @@ fn greedy_plans_with_the_int8_head_pick_the_exact_argmax() {
         check_greedy(family, Target::H200);
     }
     check_greedy("llama", Target::RtxPro6000);
+}
+
+/// The emulated device, except that after launches of `kernel` it adds 1 to the first element
+/// of its last buffer argument (the output): a stand-in for a GPU kernel that is wrong.
+struct OneWrongKernel {
+    device: EmulatedDevice,
+    kernel: String,
+}
+
+impl PlanDevice for OneWrongKernel {
+    type Buffer = usize;
+    fn alloc(&mut self, bytes: usize) -> runtime::Result<usize> {
+        self.device.alloc(bytes)
+    }
+    fn upload(&mut self, bytes: &[u8]) -> runtime::Result<usize> {
+        self.device.upload(bytes)
+    }
+    fn write(&mut self, buffer: &usize, at: usize, bytes: &[u8]) -> runtime::Result<()> {
+        self.device.write(buffer, at, bytes)
+    }
+    fn read(&mut self, buffer: &usize, range: std::ops::Range<usize>) -> runtime::Result<Vec<u8>> {
+        self.device.read(buffer, range)
+    }
+    fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[DeviceArg<'_, usize>]) -> runtime::Result<()> {
+        self.device.launch(kernel, grid, block, args)?;
+        if kernel == self.kernel {
+            let out = args.iter().rev().find_map(|a| match a {
+                DeviceArg::Buffer(b, r) => Some((**b, r.start)),
+                _ => None,
+            });
+            let (buffer, at) = out.expect("a buffer argument");
+            let v = f32::from_le_bytes(self.device.read(&buffer, at..at + 4)?.try_into().unwrap());
+            self.device.write(&buffer, at, &(v + 1.0).to_le_bytes())?;
+        }
+        Ok(())
+    }
+}
+
+/// The lockstep comparison the GPU check runs (GPU against emulator), here with the emulator on
+/// both sides: every launched kernel is reported, exact where both agree, and a wrong kernel
+/// is named alone (outputs are made equal again after each launch, so errors do not spread).
+#[test]
+fn the_lockstep_comparison_names_exactly_the_wrong_kernel() {
+    let model = open("llama", ComputeDtype::F32);
+    let graph = model.lower(LogitsFor::LastToken).unwrap();
+    let graph = passes::optimize(&graph, cost_model(Target::H200), None)
+        .unwrap()
+        .pop()
+        .unwrap()
+        .graph;
+    let (plan, kernels) = gpu::build_with_kernels(&graph, Target::H200, 64).unwrap();
+    let wrong = plan
+        .launches
+        .iter()
+        .find(|l| l.kernel.starts_with("rope"))
+        .unwrap()
+        .kernel
+        .clone();
+    let test = OneWrongKernel {
+        device: EmulatedDevice::new(kernels.clone()),
+        kernel: wrong.clone(),
+    };
+    let device = CompareDevice::new(test, EmulatedDevice::new(kernels.clone()), &kernels);
+    let gpu = PlanExecutor::new(device, plan.clone(), graph, &model.weights, &[], 64).unwrap();
+    let mut seq = gpu.new_sequence();
+    for ids in [vec![5u32, 9, 200, 17, 3], vec![42]] {
+        gpu.step(&mut seq, &ids).unwrap();
+    }
+    let errors = gpu.with_device(|d| d.errors().clone()).unwrap();
+    let launched: std::collections::BTreeSet<&String> = plan.launches.iter().map(|l| &l.kernel).collect();
+    assert_eq!(errors.keys().collect::<std::collections::BTreeSet<_>>(), launched);
+    for (kernel, error) in &errors {
+        assert!(error.launches >= 2, "{kernel}: {error:?}");
+        match kernel == &wrong {
+            true => assert!(error.relative > 1e-3, "{kernel}: {error:?}"),
+            false => assert_eq!(error.relative, 0.0, "{kernel} inherited the wrong kernel's error"),
+        }
+    }
 }

@@ -38,23 +38,66 @@ pub struct CudaDevice {
 impl CudaDevice {
     /// Load every kernel of `plan` from its PTX file under `dir`.
     pub fn new(dir: &Path, plan: &GpuPlan) -> Result<Self> {
+        let ptx = plan.kernels.iter().map(|k| {
+            let path = k
+                .ptx
+                .as_ref()
+                .ok_or_else(|| RuntimeError::Artifact(format!("kernel {} has no PTX", k.name)))?;
+            let text =
+                std::fs::read_to_string(dir.join(path)).map_err(|e| RuntimeError::Artifact(format!("{path}: {e}")))?;
+            Ok((k.name.clone(), text))
+        });
+        Self::load(ptx.collect::<Result<Vec<_>>>()?)
+    }
+
+    /// Compile DSL `kernels` with NVRTC for `arch` (e.g. `sm_90a`) and load them.
+    pub fn compile(kernels: &[kernels_gen::dsl::Kernel], arch: &str) -> Result<Self> {
+        let ptx = kernels.iter().map(|k| {
+            let source = kernels_gen::cuda::emit(k);
+            codegen::nvrtc::compile_ptx(&k.name, &source, arch)
+                .map(|ptx| (k.name.clone(), ptx))
+                .map_err(|e| RuntimeError::Artifact(e.to_string()))
+        });
+        Self::load(ptx.collect::<Result<Vec<_>>>()?)
+    }
+
+    /// Load kernels given as (name, PTX).
+    fn load(ptx: Vec<(String, String)>) -> Result<Self> {
         if !driver_present() {
             return Err(RuntimeError::NoCudaDriver);
         }
         let ctx = CudaContext::new(0).map_err(driver)?;
         let stream = ctx.default_stream();
         let mut functions = HashMap::new();
-        for k in &plan.kernels {
-            let ptx_path = k
-                .ptx
-                .as_ref()
-                .ok_or_else(|| RuntimeError::Artifact(format!("kernel {} has no PTX", k.name)))?;
-            let ptx = std::fs::read_to_string(dir.join(ptx_path))
-                .map_err(|e| RuntimeError::Artifact(format!("{ptx_path}: {e}")))?;
-            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(ptx)).map_err(driver)?;
-            functions.insert(k.name.clone(), module.load_function(&k.name).map_err(driver)?);
+        for (name, text) in ptx {
+            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(text)).map_err(driver)?;
+            functions.insert(name.clone(), module.load_function(&name).map_err(driver)?);
         }
         Ok(Self { stream, functions })
+    }
+
+    /// Seconds per call of `work` (device time between two events around `iterations` calls,
+    /// after one call to warm up).
+    pub fn time(&mut self, iterations: usize, mut work: impl FnMut(&mut Self) -> Result<()>) -> Result<f64> {
+        work(self)?;
+        let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.stream.record_event(timed).map_err(driver)?;
+        for _ in 0..iterations {
+            work(self)?;
+        }
+        let end = self.stream.record_event(timed).map_err(driver)?;
+        let ms = start.elapsed_ms(&end).map_err(driver)?;
+        Ok(ms as f64 / 1e3 / iterations.max(1) as f64)
+    }
+
+    /// Device-to-device copy bandwidth in bytes per second (bytes read plus bytes written),
+    /// over a buffer of `bytes`.
+    pub fn copy_bandwidth(&mut self, bytes: usize) -> Result<f64> {
+        let src = self.alloc(bytes)?;
+        let mut dst = self.alloc(bytes)?;
+        let stream = self.stream.clone();
+        let seconds = self.time(20, |_| stream.memcpy_dtod(&src, &mut dst).map_err(driver))?;
+        Ok(2.0 * bytes as f64 / seconds)
     }
 }
 
@@ -69,10 +112,20 @@ impl PlanDevice for CudaDevice {
         self.stream.clone_htod(bytes).map_err(driver)
     }
 
-    fn write(&mut self, buffer: &mut Self::Buffer, at: usize, bytes: &[u8]) -> Result<()> {
-        self.stream
-            .memcpy_htod(bytes, &mut buffer.slice_mut(at..at + bytes.len()))
-            .map_err(driver)
+    fn write(&mut self, buffer: &Self::Buffer, at: usize, bytes: &[u8]) -> Result<()> {
+        if at + bytes.len() > buffer.len() {
+            return Err(RuntimeError::Cuda(format!(
+                "a write of {} bytes at {at} overruns a {}-byte buffer",
+                bytes.len(),
+                buffer.len()
+            )));
+        }
+        // Launches already issued may read or write these bytes: let them finish first.
+        self.stream.synchronize().map_err(driver)?;
+        let (ptr, _synced) = buffer.device_ptr(&self.stream);
+        // SAFETY: the range lies inside the allocation (checked above) and no launch is in
+        // flight on the stream.
+        unsafe { cudarc::driver::result::memcpy_htod_sync(ptr + at as u64, bytes) }.map_err(driver)
     }
 
     fn read(&mut self, buffer: &Self::Buffer, range: Range<usize>) -> Result<Vec<u8>> {

@@ -50,7 +50,7 @@ impl PlanDevice for EmulatedDevice {
         Ok(self.memory.len() - 1)
     }
 
-    fn write(&mut self, buffer: &mut usize, at: usize, bytes: &[u8]) -> Result<()> {
+    fn write(&mut self, buffer: &usize, at: usize, bytes: &[u8]) -> Result<()> {
         self.memory[*buffer][at..at + bytes.len()].copy_from_slice(bytes);
         Ok(())
     }

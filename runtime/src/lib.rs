@@ -1,6 +1,7 @@
 //! The runtime: executes a model's graph on a backend, with a KV cache per sequence, and the
 //! generation loop (prefill, decode, sampling) on top.
 
+pub mod compare;
 pub mod cpu;
 pub mod cuda;
 pub mod emulated;

@@ -25,7 +25,8 @@ pub trait PlanDevice {
     /// A zeroed buffer of `bytes`.
     fn alloc(&mut self, bytes: usize) -> Result<Self::Buffer>;
     fn upload(&mut self, bytes: &[u8]) -> Result<Self::Buffer>;
-    fn write(&mut self, buffer: &mut Self::Buffer, at: usize, bytes: &[u8]) -> Result<()>;
+    /// Copy `bytes` into `buffer` at byte `at`, after every launch already issued.
+    fn write(&mut self, buffer: &Self::Buffer, at: usize, bytes: &[u8]) -> Result<()>;
     fn read(&mut self, buffer: &Self::Buffer, range: Range<usize>) -> Result<Vec<u8>>;
     /// Launch `kernel` as `grid` blocks of `block` threads.
     fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[DeviceArg<'_, Self::Buffer>]) -> Result<()>;
@@ -137,6 +138,15 @@ impl<D: PlanDevice> PlanExecutor<D> {
         self.context_length
     }
 
+    /// Look at the device (e.g. what a comparing device recorded).
+    pub fn with_device<R>(&self, f: impl FnOnce(&D) -> R) -> Result<R> {
+        let state = self
+            .state
+            .lock()
+            .map_err(|_| RuntimeError::Cuda("device state poisoned".into()))?;
+        Ok(f(&state.0))
+    }
+
     pub fn new_sequence(&self) -> PlanSequence {
         PlanSequence::default()
     }
@@ -168,7 +178,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             if let Some(node) = node {
                 let at = self.buffer(node, None)?.start;
                 let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-                device.write(&mut buffers.arena, at, &bytes)?;
+                device.write(&buffers.arena, at, &bytes)?;
             }
         }
         let vars: HashMap<&str, Value> = HashMap::from([

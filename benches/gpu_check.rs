@@ -1,0 +1,233 @@
+//! The GPU half of `scripts/gpu-check.sh`, for a machine with an NVIDIA GPU (skips elsewhere):
+//! 1. device copy bandwidth;
+//! 2. every kernel of the tiny Llama and Gemma 3 plans (f32 and bf16 weights) run on the GPU in
+//!    lockstep with the emulator, each launch's outputs compared and then made equal again, so
+//!    each kernel's max relative error is its own;
+//! 3. the matmuls of a Llama-8B-shaped layer and LM head with random bf16 weights (made on the
+//!    host, no download) timed at batch 1, 16 and 64, each as GB/s of weights read and as a share
+//!    of the copy bandwidth, and the decode step they add up to (matmuls only: 32 layers and the
+//!    head; attention, norms and the rest are not in it).
+//!
+//! `BBC_GPU_TARGET` (h200, b200, rtx-pro-6000; default h200) picks the architecture.
+
+use codegen::gpu::{self, PREFILL_TOKENS};
+use codegen::Target;
+use kernels_gen::dsl::{Kernel, Ty};
+use kernels_gen::templates::gemm_mma::gemm_mma_bf16;
+use kernels_gen::templates::gemv::{gemv, GemvSpec};
+use kernels_gen::templates::quant::WeightFormat;
+use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
+use rayon::prelude::*;
+use runtime::compare::CompareDevice;
+use runtime::cuda::CudaDevice;
+use runtime::emulated::EmulatedDevice;
+use runtime::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
+use std::path::PathBuf;
+
+type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+fn main() {
+    if !runtime::cuda::driver_present() || codegen::nvrtc::ensure_loaded().is_err() {
+        println!("skipped: needs an NVIDIA driver and NVRTC");
+        return;
+    }
+    if let Err(e) = run() {
+        eprintln!("gpu check failed: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
+    let target = std::env::var("BBC_GPU_TARGET")
+        .ok()
+        .and_then(|t| Target::parse(&t))
+        .unwrap_or(Target::H200);
+    let arch = target.cuda_arch().ok_or("a GPU target")?;
+    let bandwidth = CudaDevice::compile(&[], arch)?.copy_bandwidth(1 << 30)?;
+    println!(
+        "device copy bandwidth: {:.0} GB/s (bytes read + written)",
+        bandwidth / 1e9
+    );
+    let worst = kernel_errors(target, arch)?;
+    let table = matmul_timings(arch, bandwidth)?;
+    println!("{table}");
+    if worst > 2e-2 {
+        return Err(format!("a kernel's error ({worst:.2e}) is over 2e-2").into());
+    }
+    Ok(())
+}
+
+/// Run the tiny models' plans in lockstep on the GPU and the emulator; print each kernel's max
+/// relative error; the worst.
+fn kernel_errors(target: Target, arch: &str) -> Result<f64> {
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny");
+    let mut worst = 0f64;
+    println!("| model | kernel | launches | max relative error |");
+    println!("|-------|--------|----------|--------------------|");
+    for family in ["llama", "gemma3"] {
+        for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
+            let mut spec = ModelSpec::for_weights(&fixtures.join(family));
+            spec.dtype = dtype;
+            let model = Model::open(spec)?;
+            let graph = model.lower(LogitsFor::LastToken)?;
+            let cost = match target {
+                Target::B200 => passes::CostModel::B200,
+                Target::RtxPro6000 => passes::CostModel::RTX_PRO_6000,
+                _ => passes::CostModel::H200,
+            };
+            let graph = passes::optimize(&graph, cost, None)?
+                .pop()
+                .ok_or("a fused graph")?
+                .graph;
+            let (plan, kernels) = gpu::build_with_kernels(&graph, target, 64)?;
+            let device = CompareDevice::new(
+                CudaDevice::compile(&kernels, arch)?,
+                EmulatedDevice::new(kernels.clone()),
+                &kernels,
+            );
+            let exec = PlanExecutor::new(device, plan, graph, &model.weights, &[], 256)?;
+            let mut seq = exec.new_sequence();
+            let prompt: Vec<u32> = (0..PREFILL_TOKENS as u32 + 3).map(|i| (7 + 13 * i) % 300).collect();
+            for ids in [prompt, vec![5], vec![77], vec![123]] {
+                exec.step(&mut seq, &ids)?;
+            }
+            for (kernel, error) in exec.with_device(|d| d.errors().clone())? {
+                println!(
+                    "| {family} {dtype:?} | {kernel} | {} | {:.2e} |",
+                    error.launches, error.relative
+                );
+                worst = worst.max(error.relative);
+            }
+        }
+    }
+    Ok(worst)
+}
+
+/// Llama-3-8B's matmuls: (name, output rows, input width, count per decode step).
+const SHAPES: [(&str, usize, usize, usize); 5] = [
+    ("qkv", 6144, 4096, 32),
+    ("o", 4096, 4096, 32),
+    ("gate_up", 28672, 4096, 32),
+    ("down", 4096, 14336, 32),
+    ("lm_head", 128256, 4096, 1),
+];
+
+/// Time every shape's matmul at batch 1 (the decode GEMV), 16 and 64 (the tensor-core GEMM, and
+/// the 4-tokens-per-pass GEMV for comparison); the table as markdown.
+fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
+    let decode = |k: usize| gemv("gemv", "gpu-check", GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k));
+    let mut table = String::from(
+        "| matmul | batch | kernel | µs | weight GB/s | % of copy bandwidth |\n|---|---|---|---|---|---|\n",
+    );
+    let mut step = [0f64; 3];
+    for (name, n, k, count) in SHAPES {
+        let kernels: Vec<Kernel> = vec![
+            decode(k),
+            Kernel {
+                name: "gemv_prefill".into(),
+                ..gemv(
+                    "gemv",
+                    "gpu-check",
+                    GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k).prefill(),
+                )
+            },
+            gemm_mma_bf16("gemm", "gpu-check"),
+        ];
+        let mut device = CudaDevice::compile(&kernels, arch)?;
+        let w = device.upload(&random_bf16(n * k, n as u64))?;
+        let x = device.upload(&random_f32(64 * k, k as u64))?;
+        let out = device.alloc(64 * n * 4)?;
+        for (batch, kernel) in [
+            (1, "gemv"),
+            (16, "gemm"),
+            (16, "gemv_prefill"),
+            (64, "gemm"),
+            (64, "gemv_prefill"),
+        ] {
+            let block = kernels
+                .iter()
+                .find(|kk| kk.name == kernel)
+                .map(|kk| kk.block_dim)
+                .unwrap_or(256);
+            let grid = grid_of(kernel, batch, n);
+            let args = [
+                DeviceArg::Buffer(&x, 0..64 * k * 4),
+                DeviceArg::Buffer(&w, 0..n * k * 2),
+                DeviceArg::Buffer(&out, 0..64 * n * 4),
+                DeviceArg::I32(batch as i32),
+                DeviceArg::I32(n as i32),
+                DeviceArg::I32(k as i32),
+                DeviceArg::I32(k as i32),
+            ];
+            let seconds = device.time(20, |d| d.launch(kernel, grid, block, &args))?;
+            let rate = (n * k * 2) as f64 / seconds;
+            table += &format!(
+                "| {name} {n}×{k} | {batch} | {kernel} | {:.1} | {:.0} | {:.0}% |\n",
+                seconds * 1e6,
+                rate / 1e9,
+                100.0 * rate / bandwidth
+            );
+            // The decode step: the GEMV at batch 1, the GEMM at 16 and 64.
+            match (batch, kernel) {
+                (1, _) => step[0] += seconds * count as f64,
+                (16, "gemm") => step[1] += seconds * count as f64,
+                (64, "gemm") => step[2] += seconds * count as f64,
+                _ => {}
+            }
+        }
+    }
+    let weight_bytes: usize = SHAPES.iter().map(|&(_, n, k, count)| n * k * 2 * count).sum();
+    for (batch, seconds) in [1, 16, 64].into_iter().zip(step) {
+        table += &format!(
+            "\nLlama-8B-shaped decode, batch {batch}: matmuls {:.2} ms per step, {:.0} tok/s, {:.0}% of copy bandwidth",
+            seconds * 1e3,
+            batch as f64 / seconds,
+            100.0 * weight_bytes as f64 / seconds / bandwidth
+        );
+    }
+    Ok(table)
+}
+
+/// Blocks for `kernel` over `batch` tokens and `n` rows, as the templates' grid expressions say.
+fn grid_of(kernel: &str, batch: usize, n: usize) -> u32 {
+    match kernel {
+        "gemm" => (batch.div_ceil(64) * n.div_ceil(64)) as u32,
+        _ => n.div_ceil(8) as u32,
+    }
+}
+
+fn random_bits(len: usize, seed: u64, f: impl Fn(u64) -> [u8; 4] + Sync, width: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len * width];
+    out.par_chunks_mut(1 << 20).enumerate().for_each(|(c, chunk)| {
+        let mut s = seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        for v in chunk.chunks_exact_mut(width) {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            v.copy_from_slice(&f(s)[..width]);
+        }
+    });
+    out
+}
+
+/// Uniform values in [-1, 1) as bf16.
+fn random_bf16(len: usize, seed: u64) -> Vec<u8> {
+    random_bits(
+        len,
+        seed | 1,
+        |s| {
+            let v = half::bf16::from_f32((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0).to_le_bytes();
+            [v[0], v[1], 0, 0]
+        },
+        2,
+    )
+}
+
+fn random_f32(len: usize, seed: u64) -> Vec<u8> {
+    random_bits(
+        len,
+        seed | 1,
+        |s| ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0).to_le_bytes(),
+        4,
+    )
+}
