@@ -103,6 +103,21 @@ pub struct LoadOptions {
     pub quiet: bool,
 }
 
+/// The tokenizer of model `arg` (a name, weights path, model.toml or artifact).
+pub fn tokenizer(arg: &str) -> Result<models::Tokenizer> {
+    let options = LoadOptions {
+        dtype: None,
+        logits: LogitsFor::LastToken,
+        greedy: false,
+        fuse: false,
+        quiet: true,
+    };
+    load(arg, options)?
+        .model
+        .tokenizer
+        .with_context(|| format!("`{arg}` has no tokenizer"))
+}
+
 /// Open `arg`; `options.dtype` overrides the compute dtype of anything but an artifact.
 pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
     let reference = ModelRef::parse(arg)?;

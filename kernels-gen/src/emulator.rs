@@ -349,16 +349,7 @@ impl<'k> Block<'k> {
         match s {
             Stmt::Let { name, ty, value } => {
                 let v = self.eval(value, mask, global)?;
-                let slot = self
-                    .vars
-                    .entry(name.clone())
-                    .or_insert_with(|| vec![Val::Undef; mask.len()]);
-                for (t, &m) in mask.iter().enumerate() {
-                    if m {
-                        slot[t] = v[t];
-                    }
-                }
-                self.scope.vars.insert(name.clone(), *ty);
+                self.declare(name, *ty, &v, mask);
             }
             Stmt::Assign { name, value } => {
                 let v = self.eval(value, mask, global)?;
@@ -390,16 +381,7 @@ impl<'k> Block<'k> {
                         index: Box::new(index.clone() + int(j as i64)),
                     };
                     let v = self.eval(&element, mask, global)?;
-                    let slot = self
-                        .vars
-                        .entry(name.clone())
-                        .or_insert_with(|| vec![Val::Undef; mask.len()]);
-                    for (t, &m) in mask.iter().enumerate() {
-                        if m {
-                            slot[t] = v[t];
-                        }
-                    }
-                    self.scope.vars.insert(name.clone(), Ty::F32);
+                    self.declare(name, Ty::F32, &v, mask);
                 }
             }
             Stmt::For {
@@ -461,6 +443,20 @@ impl<'k> Block<'k> {
             Stmt::Comment(_) => {}
         }
         Ok(())
+    }
+
+    /// Declare local `name` of type `ty`, set to `values` on the active threads.
+    fn declare(&mut self, name: &str, ty: Ty, values: &[Val], mask: &[bool]) {
+        let slot = self
+            .vars
+            .entry(name.to_string())
+            .or_insert_with(|| vec![Val::Undef; mask.len()]);
+        for (t, &m) in mask.iter().enumerate() {
+            if m {
+                slot[t] = values[t];
+            }
+        }
+        self.scope.vars.insert(name.to_string(), ty);
     }
 
     /// One m16n8k16 bf16 MMA per warp: gather the fragments from the lanes (PTX layout, see

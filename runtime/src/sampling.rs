@@ -51,12 +51,13 @@ impl Default for SamplingParams {
     }
 }
 
-/// SplitMix64 (Steele, Lea, Flood 2014): tiny, fast and well distributed; all sampling needs.
+/// SplitMix64 (Steele, Lea, Flood 2014): tiny, fast and well distributed; all sampling (and
+/// `bbc bench`'s seeded prompts) needs.
 #[derive(Debug, Clone)]
-struct SplitMix64(u64);
+pub struct SplitMix64(pub u64);
 
 impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -65,8 +66,13 @@ impl SplitMix64 {
     }
 
     /// Uniform in [0, 1) with 53 bits.
-    fn next_f64(&mut self) -> f64 {
+    pub fn next_f64(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Uniform in [0, n) (n ≥ 1; the modulo bias is below 2⁻³² for any n that fits a u32).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n.max(1)
     }
 }
 

@@ -11,7 +11,6 @@ mod report;
 use crate::model_ref;
 use anyhow::{bail, Context, Result};
 use client::{Measured, Server};
-use models::LogitsFor;
 use prompts::{BenchRequest, Lengths};
 use report::Report;
 use serde_json::{json, Value};
@@ -173,17 +172,6 @@ async fn first_model(server: &Server) -> Result<String> {
 }
 
 fn load_tokenizer(model: &str) -> Result<models::Tokenizer> {
-    let options = model_ref::LoadOptions {
-        dtype: None,
-        logits: LogitsFor::LastToken,
-        greedy: false,
-        fuse: false,
-        quiet: true,
-    };
-    let loaded = model_ref::load(model, options)
-        .with_context(|| format!("loading the tokenizer of `{model}` (choose another with --tokenizer)"))?;
-    loaded
-        .model
-        .tokenizer
-        .context("that model has no tokenizer; choose one with --tokenizer")
+    model_ref::tokenizer(model)
+        .with_context(|| format!("loading the tokenizer of `{model}` (choose another with --tokenizer)"))
 }

@@ -4,6 +4,7 @@
 
 use anyhow::Result;
 use models::Tokenizer;
+use runtime::sampling::SplitMix64;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct BenchRequest {
@@ -25,8 +26,8 @@ pub fn random_requests(tokenizer: &Tokenizer, count: usize, lengths: Lengths, se
     let vocab = tokenizer.vocab_size() as u64;
     (0..count)
         .map(|_| {
-            let input = rng.between(lengths.input, lengths.range_ratio);
-            let max_tokens = rng.between(lengths.output, lengths.range_ratio);
+            let input = between(&mut rng, lengths.input, lengths.range_ratio);
+            let max_tokens = between(&mut rng, lengths.output, lengths.range_ratio);
             let ids: Vec<u32> = (0..input).map(|_| rng.below(vocab) as u32).collect();
             let mut reencoded = tokenizer.encode(&tokenizer.decode(&ids)?, false)?;
             reencoded.truncate(input);
@@ -38,27 +39,10 @@ pub fn random_requests(tokenizer: &Tokenizer, count: usize, lengths: Lengths, se
         .collect()
 }
 
-/// A small, seeded generator: the benchmark's prompts are the same on every run.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-
-    /// Uniform in [⌊ratio·max⌋, max], at least 1.
-    fn between(&mut self, max: usize, ratio: f64) -> usize {
-        let min = ((max as f64 * ratio) as usize).clamp(1, max.max(1));
-        min + self.below((max.max(1) - min + 1) as u64) as usize
-    }
+/// Uniform in [⌊ratio·max⌋, max], at least 1.
+fn between(rng: &mut SplitMix64, max: usize, ratio: f64) -> usize {
+    let min = ((max as f64 * ratio) as usize).clamp(1, max.max(1));
+    min + rng.below((max.max(1) - min + 1) as u64) as usize
 }
 
 #[cfg(test)]
@@ -68,14 +52,14 @@ mod tests {
     #[test]
     fn draws_stay_in_range_and_cover_it() {
         let mut rng = SplitMix64(7);
-        let draws: Vec<usize> = (0..2000).map(|_| rng.between(10, 0.8)).collect();
+        let draws: Vec<usize> = (0..2000).map(|_| between(&mut rng, 10, 0.8)).collect();
         assert!(draws.iter().all(|&d| (8..=10).contains(&d)));
         for want in 8..=10 {
             assert!(draws.contains(&want), "{want} never drawn");
         }
-        assert_eq!(SplitMix64(3).between(1, 0.8), 1);
+        assert_eq!(between(&mut SplitMix64(3), 1, 0.8), 1);
         assert_eq!(
-            SplitMix64(3).between(0, 0.8),
+            between(&mut SplitMix64(3), 0, 0.8),
             1,
             "a request asks for at least one token"
         );

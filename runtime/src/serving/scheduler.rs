@@ -248,7 +248,8 @@ impl Scheduler {
     }
 
     /// Start waiting sequence `id` from its longest cached prefix and schedule its next chunk;
-    /// false (and nothing changed) when the cache cannot hold that chunk.
+    /// false when the cache cannot hold that chunk (the sequence stays waiting and the shared
+    /// blocks go back to the cache).
     fn admit(&mut self, id: SeqId, budget: &mut usize, out: &mut Schedule) -> bool {
         let seq = self.seqs.get_mut(&id).expect("waiting");
         let mut table = Vec::new();
