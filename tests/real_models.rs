@@ -2,6 +2,8 @@
 //! float32): teacher-forced on the reference's greedy tokens, our logits for the reference's
 //! top-20 ids are within 2e-2 at every step, and our greedy choice equals the reference's up
 //! to the first near-tie (margin < 0.05), from which another correct implementation may differ.
+//! The native (int8 activation) paths: SmolLM2 against llama.cpp, Gemma 3 against transformers
+//! wherever its greedy choice is clear.
 
 mod common;
 
@@ -107,4 +109,34 @@ fn smollm2_native_agrees_with_llama_cpp() {
             );
         }
     }
+}
+
+/// Gemma 3's native path (its Q5_0, Q4_K, Q6_K and Q8_0 blocks dotted with int8 activations,
+/// the packed AVX2 kernel for Q5_0 and Q8_0) against transformers on the same file,
+/// teacher-forced on the reference's greedy tokens: wherever the reference's best two logits
+/// are at least 0.5 apart (more than activation rounding can move them), our greedy choice is
+/// the reference's.
+#[test]
+fn gemma3_native_picks_transformers_greedy_tokens_where_they_are_clear() {
+    let model = Model::open_path(&real_model("gemma3-270m")).unwrap();
+    let graph = model.lower(LogitsFor::LastToken).unwrap();
+    let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
+    let reference = read_json("real/gemma3.json");
+    let mut checked = 0;
+    for case in reference["raw"].as_array().unwrap() {
+        let greedy = ids(&case["greedy_ids"]);
+        let mut seq = backend.new_sequence();
+        let mut input = ids(&case["prompt_ids"]);
+        for (step, (want, info)) in greedy.iter().zip(case["steps"].as_array().unwrap()).enumerate() {
+            let outputs = backend.step(&mut seq, &input).unwrap();
+            let logits = &outputs["logits"];
+            if info["margin"].as_f64().unwrap() >= 0.5 {
+                let got = argmax(logits.row(logits.rows() - 1));
+                assert_eq!(got, *want, "{:?}, step {step}", case["prompt"]);
+                checked += 1;
+            }
+            input = vec![*want];
+        }
+    }
+    assert!(checked >= 80, "only {checked} clear steps checked");
 }

@@ -258,7 +258,8 @@ mod tests {
     }
 }
 
-/// `Σ y·x` straight from a row of 32-element blocks (Q4_0, Q4_1, Q8_0) without unpacking it:
+/// `Σ y·x` straight from a row of 32-element blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) without
+/// unpacking it:
 /// llama.cpp's `vec_dot_q4_1_q8_1` scheme with AVX2 (`pmaddubsw` on the packed nibbles).
 /// `None` for other formats or CPUs without AVX2, where the unpacked path applies.
 pub fn dot_packed(dtype: GgmlType, row: &[u8], act: &Q8Row) -> Option<f32> {
@@ -281,8 +282,10 @@ impl PackedDot {
     /// For rows of `row_bytes` against `acts`; `None` where the unpacked path must be used.
     pub fn new(dtype: GgmlType, row_bytes: usize, acts: &[Q8Row]) -> Option<Self> {
         #[cfg(target_arch = "x86_64")]
-        if matches!(dtype, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0)
-            && std::is_x86_feature_detected!("avx2")
+        if matches!(
+            dtype,
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0
+        ) && std::is_x86_feature_detected!("avx2")
             && std::is_x86_feature_detected!("fma")
             && std::is_x86_feature_detected!("f16c")
         {
@@ -301,6 +304,8 @@ impl PackedDot {
         match self.dtype {
             GgmlType::Q4_0 => packed_avx2::run::<packed_avx2::Q4_0>(row, acts, out),
             GgmlType::Q4_1 => packed_avx2::run::<packed_avx2::Q4_1>(row, acts, out),
+            GgmlType::Q5_0 => packed_avx2::run::<packed_avx2::Q5_0>(row, acts, out),
+            GgmlType::Q5_1 => packed_avx2::run::<packed_avx2::Q5_1>(row, acts, out),
             _ => packed_avx2::run::<packed_avx2::Q8_0>(row, acts, out),
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -332,6 +337,8 @@ mod packed_avx2 {
 
     pub struct Q4_0;
     pub struct Q4_1;
+    pub struct Q5_0;
+    pub struct Q5_1;
     pub struct Q8_0;
 
     /// Bytes `at..at+2` of a block as an f16, widened.
@@ -382,6 +389,58 @@ mod packed_avx2 {
             _mm256_maddubs_epi16(w, qx)
         }
         /// Q4_1: y = d·w + m.
+        #[inline(always)]
+        unsafe fn offset(block: *const u8, _: f32) -> f32 {
+            unsafe { f16_at(block, 2) }
+        }
+    }
+
+    /// 16 bytes of nibbles and the 32 high bits before them (`qh`, little-endian, bit `i` for
+    /// element `i`) as 32 five-bit values in element order (ggml's `bytes_from_bits_32`).
+    #[inline(always)]
+    unsafe fn five_bits(qh: *const u8, qs: *const u8) -> __m256i {
+        // SAFETY (caller): 4 bytes at `qh` and 16 at `qs` are readable.
+        let bits = unsafe { std::ptr::read_unaligned(qh as *const u32) };
+        let spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(bits as i32),
+            _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0),
+        );
+        // Byte i keeps bit (i % 8) of its source byte: all ones where that bit is set.
+        let set = _mm256_cmpeq_epi8(
+            _mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+            _mm256_set1_epi64x(-1),
+        );
+        _mm256_or_si256(unsafe { nibbles(qs) }, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
+    }
+
+    impl Format for Q5_0 {
+        const BYTES: usize = 22;
+        #[inline(always)]
+        unsafe fn weights(block: *const u8) -> __m256i {
+            unsafe { five_bits(block.add(2), block.add(6)) }
+        }
+        #[inline(always)]
+        unsafe fn products(w: __m256i, qx: __m256i) -> __m256i {
+            _mm256_maddubs_epi16(w, qx)
+        }
+        /// Q5_0 stores w + 16.
+        #[inline(always)]
+        unsafe fn offset(_: *const u8, d: f32) -> f32 {
+            -16.0 * d
+        }
+    }
+
+    impl Format for Q5_1 {
+        const BYTES: usize = 24;
+        #[inline(always)]
+        unsafe fn weights(block: *const u8) -> __m256i {
+            unsafe { five_bits(block.add(4), block.add(8)) }
+        }
+        #[inline(always)]
+        unsafe fn products(w: __m256i, qx: __m256i) -> __m256i {
+            _mm256_maddubs_epi16(w, qx)
+        }
+        /// Q5_1: y = d·w + m.
         #[inline(always)]
         unsafe fn offset(block: *const u8, _: f32) -> f32 {
             unsafe { f16_at(block, 2) }
@@ -469,9 +528,18 @@ mod packed_avx2 {
 mod packed_tests {
     use super::*;
 
+    /// The formats the packed kernel reads.
+    pub(super) const PACKED: [GgmlType; 5] = [
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+    ];
+
     #[test]
     fn packed_dot_equals_the_unpacked_dot() {
-        for dtype in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        for dtype in PACKED {
             let (_, bytes) = dtype.block_layout();
             let blocks = 18;
             let mut data: Vec<u8> = (0..blocks * bytes)
@@ -479,7 +547,7 @@ mod packed_tests {
                 .collect();
             for b in data.chunks_exact_mut(bytes) {
                 b[0..2].copy_from_slice(&half::f16::from_f32(0.02).to_le_bytes());
-                if dtype == GgmlType::Q4_1 {
+                if matches!(dtype, GgmlType::Q4_1 | GgmlType::Q5_1) {
                     b[2..4].copy_from_slice(&half::f16::from_f32(-0.1).to_le_bytes());
                 }
             }
@@ -504,12 +572,12 @@ mod packed_many_tests {
 
     #[test]
     fn many_rows_at_once_give_each_rows_single_result_exactly() {
-        for dtype in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+        for dtype in super::packed_tests::PACKED {
             let (_, bytes) = dtype.block_layout();
             let mut data: Vec<u8> = (0..7 * bytes).map(|i| ((i * 2654435761usize) >> 11) as u8).collect();
             for b in data.chunks_exact_mut(bytes) {
                 b[0..2].copy_from_slice(&half::f16::from_f32(0.03).to_le_bytes());
-                if dtype == GgmlType::Q4_1 {
+                if matches!(dtype, GgmlType::Q4_1 | GgmlType::Q5_1) {
                     b[2..4].copy_from_slice(&half::f16::from_f32(0.05).to_le_bytes());
                 }
             }
