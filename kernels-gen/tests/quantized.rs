@@ -54,6 +54,32 @@ fn quantized_gemv_matches_dequantize_then_matmul() {
             let out = run_gemv(&gemv("gemv_q", "test", spec), &x, Array::u8(&data), (tokens, n, k, k));
             close(&out.to_f32().unwrap(), &want, 1e-4, &format!("{format}"));
         }
+        // With the RMSNorm prologue.
+        let g: Vec<f32> = (0..k).map(|i| ((i * 13 % 17) as f32 - 8.0) / 9.0).collect();
+        let mut normed = vec![0f32; x.len()];
+        ir::reference::ops::rms_norm(&x, &g, 1e-6, 1.0, &mut normed);
+        ir::reference::ops::matmul(&normed, &w, k, &mut want);
+        for spec in [decode.with_norm(1e-6, 1.0), decode.with_norm(1e-6, 1.0).prefill()] {
+            let mut bufs = HashMap::from([
+                ("x".into(), Array::f32(&x)),
+                ("g".into(), Array::f32(&g)),
+                ("w".into(), Array::u8(&data)),
+                ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
+            ]);
+            let scalars = ints(&[
+                ("tokens", tokens as i64),
+                ("n", n as i64),
+                ("k", k as i64),
+                ("x_stride", k as i64),
+            ]);
+            run(&gemv("norm_gemv_q", "test", spec), &mut bufs, &scalars).unwrap();
+            close(
+                &bufs["out"].to_f32().unwrap(),
+                &want,
+                1e-4,
+                &format!("{format} with norm"),
+            );
+        }
     }
 }
 

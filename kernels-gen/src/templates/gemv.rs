@@ -8,8 +8,9 @@
 //! over its weight row, so a step of T tokens reads the weights ⌈T / tokens_per_pass⌉ times
 //! (decode: one token, one pass; the prefill variant carries 4). Dense weights whose rows are a
 //! whole number of vectors are read with 16-byte loads (8 bf16 or 4 f32 per lane, 512 bytes
-//! per warp per load), which is what lets a memory-bound GEMV approach copy bandwidth; GGUF
-//! block formats are dequantized element by element. Rows past `tokens` in the last pass are
+//! per warp per load), which is what lets a memory-bound GEMV approach copy bandwidth; the
+//! 32-element GGUF formats are decoded a block per lane (its scale read once, a byte giving two
+//! nibbles), the K-quants element by element. Rows past `tokens` in the last pass are
 //! computed on a clamped copy of the last row and not stored, so the inner loop has no branch.
 
 use super::quant::WeightFormat;
@@ -30,8 +31,8 @@ pub struct GemvSpec {
     pub norm: Option<NormPrologue>,
     /// Token rows a warp carries through one pass over its weight row.
     pub tokens_per_pass: usize,
-    /// Elements per weight load: 1, or a 16-byte vector of dense weights (needs `k` to be a
-    /// multiple of it, so every row starts aligned).
+    /// Elements per weight load: 1, a 16-byte vector of dense weights (needs `k` to be a
+    /// multiple of it, so every row starts aligned), or 32: a whole GGUF block per lane.
     pub vector: usize,
 }
 
@@ -42,6 +43,7 @@ impl GemvSpec {
         let vector = match weight {
             WeightFormat::Dense(Ty::Bf16) => 8,
             WeightFormat::Dense(Ty::F32) => 4,
+            WeightFormat::Blocks(format) if super::quant::decodes_whole_blocks(format) => 32,
             _ => 1,
         };
         Self {
@@ -166,10 +168,15 @@ fn k_step(spec: &GemvSpec, t: &[String], acc: &[String], sq: &[String]) -> Vec<S
     let v = spec.vector;
     let mut out = Vec::new();
     let w = names("w", v);
-    if v > 1 {
-        out.push(load_vec("w", var("r") * var("k") + var("i"), &w));
-    } else {
-        out.extend(spec.weight.element(&w[0], var("r"), var("k"), var("i")));
+    match spec.weight {
+        WeightFormat::Blocks(format) if v == 32 => {
+            // Block i/32 of row r: rows are whole blocks of 32 elements.
+            let bytes = int(super::quant::block_layout(format).expect("a block format").1);
+            let base = (var("r") * (var("k") / int(32)) + var("i") / int(32)) * bytes;
+            out.extend(super::quant::block_weights(format, "w", base));
+        }
+        _ if v > 1 => out.push(load_vec("w", var("r") * var("k") + var("i"), &w)),
+        _ => out.extend(spec.weight.element(&w[0], var("r"), var("k"), var("i"))),
     }
     // The weight each x element meets: W, or W·(g + o) under the norm.
     let u: Vec<String> = match spec.norm {

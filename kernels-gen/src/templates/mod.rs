@@ -121,6 +121,14 @@ pub fn catalog() -> Vec<Kernel> {
             "catalog",
             GemvSpec::decode(Dense(Ty::Bf16), 4096).with_norm(1e-6, 0.0).prefill(),
         ),
+        // The heaviest block-per-lane GEMV: five-bit values, the norm prologue, 4 tokens a pass.
+        gemv::gemv(
+            "rms_norm_gemv_q5_0_prefill",
+            "catalog",
+            GemvSpec::decode(Blocks(ir::DType::Q5_0), 4096)
+                .with_norm(1e-6, 1.0)
+                .prefill(),
+        ),
     ]
     .into_iter()
     .chain(QUANT_FORMATS.iter().flat_map(|&f| {

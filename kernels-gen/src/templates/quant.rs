@@ -3,9 +3,10 @@
 //! layouts (the same as `models::quant`, which the tests compare against). The quantized GEMV
 //! and embedding gather are built on them.
 //!
-//! Element-wise dequantization reads each block's scales once per element rather than once per
-//! block: correct for every format and every shape, simple to check, but not yet the
-//! bandwidth-optimal block-per-lane kernel a decode GEMV wants.
+//! Element-wise dequantization (`dequant`) reads each block's scales once per element: correct
+//! for every format and shape, and what the K-quants (256-element super-blocks) still use. The
+//! 32-element formats also decode a whole block at once (`block_weights`), one lane per block:
+//! its scale (and min or high bits) read once, each nibble byte giving two elements.
 
 use super::{blocks_for, BLOCK};
 use crate::dsl::*;
@@ -141,6 +142,81 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
         other => panic!("{other} is not a block format"),
     };
     s.push(let_(out, Ty::F32, value));
+    s
+}
+
+/// Whether `block_weights` decodes `format` (a 32-element block with one scale).
+pub fn decodes_whole_blocks(format: DType) -> bool {
+    matches!(
+        format,
+        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0
+    )
+}
+
+/// Statements declaring f32 locals `{prefix}0..{prefix}31`: the 32 weights of the block at byte
+/// `base` of a 32-element format (see [`decodes_whole_blocks`]), each computed as `dequant`
+/// computes it.
+pub fn block_weights(format: DType, prefix: &str, base: Expr) -> Vec<Stmt> {
+    assert!(
+        decodes_whole_blocks(format),
+        "{format} is not a 32-element block format"
+    );
+    let at = |offset: i64| var("blk_at") + int(offset);
+    let mut s = vec![let_("blk_at", Ty::I32, base), let_("blk_d", Ty::F32, half(at(0)))];
+    let (qs, offset, with_min, qh) = match format {
+        DType::Q4_0 => (2, 8, false, None),
+        DType::Q4_1 => (4, 0, true, None),
+        DType::Q5_0 => (6, 16, false, Some(2)),
+        DType::Q5_1 => (8, 0, true, Some(4)),
+        _ => (2, 0, false, None),
+    };
+    if with_min {
+        s.push(let_("blk_m", Ty::F32, half(at(2))));
+    }
+    if let Some(qh) = qh {
+        // The 32 fifth bits, little-endian: bit e belongs to element e.
+        s.push(let_(
+            "blk_h0",
+            Ty::I32,
+            byte(at(qh)) + bin(BinOp::Shl, byte(at(qh + 1)), int(8)),
+        ));
+        s.push(let_(
+            "blk_h1",
+            Ty::I32,
+            byte(at(qh + 2)) + bin(BinOp::Shl, byte(at(qh + 3)), int(8)),
+        ));
+    }
+    let scaled = |q: Expr| {
+        let v = var("blk_d") * f32_of(q - int(offset));
+        match with_min {
+            true => v + var("blk_m"),
+            false => v,
+        }
+    };
+    if format == DType::Q8_0 {
+        for e in 0..32 {
+            s.push(let_(
+                &format!("{prefix}{e}"),
+                Ty::F32,
+                var("blk_d") * f32_of(s8(at(2 + e))),
+            ));
+        }
+        return s;
+    }
+    for j in 0..16 {
+        let b = format!("blk_b{j}");
+        s.push(let_(&b, Ty::I32, byte(at(qs + j))));
+        for (e, nibble) in [(j, and(var(&b), 15)), (j + 16, shr(var(&b), int(4)))] {
+            let q = match qh {
+                Some(_) => {
+                    let word = if e < 16 { "blk_h0" } else { "blk_h1" };
+                    nibble + bin(BinOp::Shl, and(shr(var(word), int(e % 16)), 1), int(4))
+                }
+                None => nibble,
+            };
+            s.push(let_(&format!("{prefix}{e}"), Ty::F32, scaled(q)));
+        }
+    }
     s
 }
 
