@@ -582,6 +582,106 @@ fn paged_attention_and_append_match_the_contiguous_cache() {
     close(&bufs["out"].to_f32().unwrap(), &want.data, 1e-5, "paged attention");
 }
 
+/// A batched step: rows of two sequences (one decoding after 9 cached positions, one starting
+/// a 3-token prompt) in one launch, their blocks interleaved in one pool, each row with its own
+/// position and block table: every row attends to its own sequence only, and every appended
+/// key lands in its sequence's block.
+#[test]
+fn batched_attention_and_append_keep_sequences_apart() {
+    use kernels_gen::templates::cache_layout::CacheLayout;
+    let mut rng = Rng(15);
+    let (heads, kv_heads, head_dim, block_size) = (4, 2, 8, 4);
+    let kv_dim = kv_heads * head_dim;
+    // (cached positions, new rows, physical blocks)
+    let seqs = [(9usize, 1usize, vec![5i64, 0, 3]), (0, 3, vec![2])];
+    let pool_rows = 6 * block_size;
+    let tables: Vec<i64> = seqs.iter().flat_map(|s| s.2.clone()).collect();
+    let (mut row_table, mut row_pos) = (Vec::new(), Vec::new());
+    let (mut kpool, mut vpool) = (vec![0f32; pool_rows * kv_dim], vec![0f32; pool_rows * kv_dim]);
+    let (mut new_k, mut new_v, mut q) = (Vec::new(), Vec::new(), Vec::new());
+    let mut per_seq = Vec::new();
+    let mut table_at = 0;
+    for (first, rows, table) in &seqs {
+        let len = first + rows;
+        let (k, v) = (rng.vec(len * kv_dim), rng.vec(len * kv_dim));
+        let physical = |p: usize| table[p / block_size] as usize * block_size + p % block_size;
+        for p in 0..*first {
+            kpool[physical(p) * kv_dim..(physical(p) + 1) * kv_dim].copy_from_slice(&k[p * kv_dim..(p + 1) * kv_dim]);
+            vpool[physical(p) * kv_dim..(physical(p) + 1) * kv_dim].copy_from_slice(&v[p * kv_dim..(p + 1) * kv_dim]);
+        }
+        new_k.extend_from_slice(&k[first * kv_dim..]);
+        new_v.extend_from_slice(&v[first * kv_dim..]);
+        let qs = rng.vec(rows * heads * head_dim);
+        q.extend_from_slice(&qs);
+        for t in 0..*rows {
+            row_table.push(table_at);
+            row_pos.push((first + t) as i64);
+        }
+        table_at += table.len() as i64;
+        per_seq.push((k, v, qs, *first, len));
+    }
+    let tokens = row_pos.len();
+    let step = |b: &mut HashMap<String, Array>| {
+        b.insert("block_tables".into(), Array::ints(Ty::I32, &tables));
+        b.insert("row_table".into(), Array::ints(Ty::I32, &row_table));
+        b.insert("row_pos".into(), Array::ints(Ty::I32, &row_pos));
+    };
+    let mut bufs = HashMap::new();
+    for (pool, new, name) in [(kpool, &new_k, "k"), (vpool, &new_v, "v")] {
+        let mut b = HashMap::from([("src".into(), Array::f32(new)), ("cache".into(), Array::f32(&pool))]);
+        step(&mut b);
+        let scalars = ints(&[
+            ("tokens", tokens as i64),
+            ("kv_dim", kv_dim as i64),
+            ("first", 0),
+            ("src_stride", kv_dim as i64),
+            ("block_size", block_size as i64),
+        ]);
+        let append = kv_append::kv_append_with("append", "test", CacheLayout::Batched);
+        run(&append, &mut b, &scalars).unwrap();
+        bufs.insert(name.into(), b.remove("cache").unwrap());
+    }
+    step(&mut bufs);
+    bufs.insert("q".into(), Array::f32(&q));
+    bufs.insert("out".into(), Array::poisoned(Ty::F32, q.len()));
+    let mut scalars = ints(&[
+        ("tokens", tokens as i64),
+        ("first", 0),
+        ("heads", heads as i64),
+        ("kv_heads", kv_heads as i64),
+        ("head_dim", head_dim as i64),
+        ("window", 0),
+        ("block_size", block_size as i64),
+    ]);
+    scalars.insert("scale".into(), Scalar::F32(0.35));
+    run(
+        &attention::attention_with("batched", "test", CacheLayout::Batched),
+        &mut bufs,
+        &scalars,
+    )
+    .unwrap();
+    let spec = ir::AttentionSpec {
+        heads,
+        kv_heads,
+        head_dim,
+        scale: 0.35,
+        window: None,
+        cache_slot: 0,
+    };
+    let mut want = Vec::new();
+    for (k, v, qs, first, len) in per_seq {
+        let slot = ir::reference::KvSlot {
+            positions: (0..len).collect(),
+            k,
+            v,
+        };
+        let positions: Vec<usize> = (first..len).collect();
+        let q = ir::Tensor::new(vec![len - first, heads * head_dim], qs);
+        want.extend(ir::reference::attention_over_slot(&spec, &q, &slot, &positions).data);
+    }
+    close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "batched attention");
+}
+
 /// The sampler picks the token whose cumulative probability interval holds `u` (computed here
 /// in f64, left to right); draws near an interval's edge may fall either side within f32
 /// rounding, so those are checked against the interval with a tolerance.

@@ -9,6 +9,7 @@
 //! plan on the CPU, so everything above the kernels is tested without a GPU.
 
 use crate::error::{Result, RuntimeError};
+use crate::kv::Segment;
 use codegen::gpu::expr::{self, Value};
 use codegen::gpu::{GpuPlan, LaunchArg, PREFILL_TOKENS};
 use half::bf16;
@@ -48,6 +49,8 @@ struct Buffers<B> {
     derived: HashMap<(String, String), B>,
     constants: HashMap<String, B>,
     kv: HashMap<(usize, bool), B>,
+    /// A batched plan's per-step inputs, by name.
+    step_inputs: HashMap<String, B>,
     /// Byte sizes, for the ranges handed to launches.
     sizes: HashMap<BufferKey, usize>,
 }
@@ -58,6 +61,7 @@ enum BufferKey {
     Derived(String, String),
     Constant(String),
     Kv(usize, bool),
+    StepInput(String),
 }
 
 /// A GPU plan loaded on a device, with the KV cache of one sequence.
@@ -109,12 +113,24 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 upload(&mut device, BufferKey::Constant(name.clone()), &bytes)?,
             );
         }
+        // A batched plan's cache is the block pool; a one-sequence plan's, its context.
+        let cache_rows = plan.batched.map_or(context_length, |c| c.blocks * c.block_size);
         let mut kv = HashMap::new();
         for layout in &plan.kv_cache {
             for value in [false, true] {
-                let bytes = context_length * layout.bytes_per_token;
+                let bytes = cache_rows * layout.bytes_per_token;
                 sizes.insert(BufferKey::Kv(layout.slot, value), bytes);
                 kv.insert((layout.slot, value), device.alloc(bytes)?);
+            }
+        }
+        let mut step_inputs = HashMap::new();
+        if let Some(cache) = plan.batched {
+            // Every row a sequence of its own, each with a table for the whole context.
+            let rows = plan.max_tokens;
+            let table_entries = rows * context_length.div_ceil(cache.block_size);
+            for (name, entries) in [("block_tables", table_entries), ("row_table", rows), ("row_pos", rows)] {
+                sizes.insert(BufferKey::StepInput(name.into()), 4 * entries);
+                step_inputs.insert(name.to_string(), device.alloc(4 * entries)?);
             }
         }
         let arena = device.alloc(plan.memory.arena_bytes.max(1))?;
@@ -124,6 +140,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             derived,
             constants,
             kv,
+            step_inputs,
             sizes,
         };
         Ok(Self {
@@ -153,38 +170,142 @@ impl<D: PlanDevice> PlanExecutor<D> {
 
     /// Process `ids` as the next tokens of `seq` (the one sequence the KV cache holds).
     pub fn step(&self, seq: &mut PlanSequence, ids: &[u32]) -> Result<HashMap<String, Tensor>> {
-        let tokens = ids.len();
-        if tokens == 0 || tokens > self.plan.max_tokens {
-            return Err(RuntimeError::Input(format!(
-                "a GPU step takes 1 to {} tokens, got {tokens}",
-                self.plan.max_tokens
-            )));
+        if self.plan.batched.is_some() {
+            return Err(RuntimeError::Artifact(
+                "this plan runs batched steps (step_batch), not one sequence".into(),
+            ));
         }
+        let tokens = ids.len();
+        self.check_rows(tokens)?;
         if seq.len + tokens > self.context_length {
             return Err(RuntimeError::ContextOverflow {
                 needed: seq.len + tokens,
                 limit: self.context_length,
             });
         }
-        let mut state = self
-            .state
-            .lock()
-            .map_err(|_| RuntimeError::Cuda("device state poisoned".into()))?;
+        let mut state = self.lock()?;
         let (device, buffers) = &mut *state;
-        // Inputs: token ids and positions as i32 at their planned offsets.
-        let positions: Vec<i32> = (seq.len..seq.len + tokens).map(|p| p as i32).collect();
-        let id_values: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
-        for (node, values) in [(self.plan.token_ids, &id_values), (self.plan.positions, &positions)] {
+        let positions: Vec<usize> = (seq.len..seq.len + tokens).collect();
+        self.write_inputs(device, buffers, ids, &positions)?;
+        let vars = HashMap::from([
+            ("tokens", Value::Int(tokens as i64)),
+            ("first", Value::Int(seq.len as i64)),
+        ]);
+        self.launch_all(device, buffers, &vars)?;
+        seq.len += tokens;
+        self.read_outputs(device, buffers, tokens, seq.len)
+    }
+
+    /// Process every segment's tokens in one batched step over the paged KV cache (a plan from
+    /// `codegen::gpu::build_batched`); each segment's outputs (its rows), in order.
+    pub fn step_batch(&self, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
+        let cache = self
+            .plan
+            .batched
+            .ok_or_else(|| RuntimeError::Artifact("this plan runs one sequence; it has no batched steps".into()))?;
+        let tokens: usize = batch.iter().map(|s| s.ids.len()).sum();
+        self.check_rows(tokens)?;
+        let (mut ids, mut positions) = (Vec::new(), Vec::new());
+        let (mut tables, mut row_table) = (Vec::new(), Vec::new());
+        for seg in batch {
+            if seg.ids.is_empty() || seg.end() > self.context_length {
+                return Err(RuntimeError::Input(format!(
+                    "a segment of {} tokens at {} does not fit a context of {}",
+                    seg.ids.len(),
+                    seg.start,
+                    self.context_length
+                )));
+            }
+            let blocks = seg.end().div_ceil(cache.block_size);
+            if seg.table.len() < blocks || seg.table[..blocks].iter().any(|b| b.0 as usize >= cache.blocks) {
+                return Err(RuntimeError::Input(format!(
+                    "a block table of {} blocks cannot hold {} positions in a pool of {}",
+                    seg.table.len(),
+                    seg.end(),
+                    cache.blocks
+                )));
+            }
+            ids.extend_from_slice(seg.ids);
+            positions.extend(seg.start..seg.end());
+            row_table.extend(std::iter::repeat_n(tables.len() as i32, seg.ids.len()));
+            tables.extend(seg.table[..blocks].iter().map(|b| b.0 as i32));
+        }
+        let mut state = self.lock()?;
+        let (device, buffers) = &mut *state;
+        self.write_inputs(device, buffers, &ids, &positions)?;
+        let row_pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        for (name, values) in [
+            ("block_tables", &tables),
+            ("row_table", &row_table),
+            ("row_pos", &row_pos),
+        ] {
+            let buffer = buffers
+                .step_inputs
+                .get(name)
+                .ok_or_else(|| RuntimeError::Artifact(format!("no step input `{name}`")))?;
+            let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            device.write(buffer, 0, &bytes)?;
+        }
+        let vars = HashMap::from([
+            ("tokens", Value::Int(tokens as i64)),
+            ("first", Value::Int(0)),
+            ("block_size", Value::Int(cache.block_size as i64)),
+        ]);
+        self.launch_all(device, buffers, &vars)?;
+        let outputs = self.read_outputs(device, buffers, tokens, 0)?;
+        let mut per_segment = vec![HashMap::new(); batch.len()];
+        for (name, t) in outputs {
+            let width = t.row_len();
+            let mut row = 0;
+            for (seg, out) in batch.iter().zip(per_segment.iter_mut()) {
+                let rows = row..row + seg.ids.len();
+                let data = t.data[rows.start * width..rows.end * width].to_vec();
+                out.insert(name.clone(), Tensor::new(vec![rows.len(), width], data));
+                row = rows.end;
+            }
+        }
+        Ok(per_segment)
+    }
+
+    fn check_rows(&self, tokens: usize) -> Result<()> {
+        if tokens == 0 || tokens > self.plan.max_tokens {
+            return Err(RuntimeError::Input(format!(
+                "a GPU step takes 1 to {} tokens, got {tokens}",
+                self.plan.max_tokens
+            )));
+        }
+        Ok(())
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, (D, Buffers<D::Buffer>)>> {
+        self.state
+            .lock()
+            .map_err(|_| RuntimeError::Cuda("device state poisoned".into()))
+    }
+
+    /// Token ids and positions as i32 at their planned offsets.
+    fn write_inputs(
+        &self,
+        device: &mut D,
+        buffers: &Buffers<D::Buffer>,
+        ids: &[u32],
+        positions: &[usize],
+    ) -> Result<()> {
+        let ids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+        let positions: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        for (node, values) in [(self.plan.token_ids, &ids), (self.plan.positions, &positions)] {
             if let Some(node) = node {
                 let at = self.buffer(node, None)?.start;
                 let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
                 device.write(&buffers.arena, at, &bytes)?;
             }
         }
-        let vars: HashMap<&str, Value> = HashMap::from([
-            ("tokens", Value::Int(tokens as i64)),
-            ("first", Value::Int(seq.len as i64)),
-        ]);
+        Ok(())
+    }
+
+    /// The plan's launches in order, arguments resolved against `vars`.
+    fn launch_all(&self, device: &mut D, buffers: &Buffers<D::Buffer>, vars: &HashMap<&str, Value>) -> Result<()> {
+        let tokens = vars.get("tokens").map_or(0, |v| v.as_i64()) as usize;
         for launch in &self.plan.launches {
             let name = match &launch.prefill_kernel {
                 Some(p) if tokens >= PREFILL_TOKENS => p,
@@ -201,14 +322,14 @@ impl<D: PlanDevice> PlanExecutor<D> {
             for (arg, param) in launch.args.iter().zip(&kernel.params) {
                 args.push(match arg {
                     LaunchArg::Scalar { value, .. } => {
-                        let v = expr::eval(value, &vars).map_err(|e| RuntimeError::Artifact(e.to_string()))?;
+                        let v = expr::eval(value, vars).map_err(|e| RuntimeError::Artifact(e.to_string()))?;
                         scalars.insert(param.name.as_str(), v);
                         match param.kind.as_str() {
                             "float" => DeviceArg::F32(v.as_f64() as f32),
                             _ => DeviceArg::I32(v.as_i64() as i32),
                         }
                     }
-                    other => self.resolve(other, buffers, &vars)?,
+                    other => self.resolve(other, buffers, vars)?,
                 });
             }
             let grid = expr::eval(&kernel.grid, &scalars)
@@ -218,10 +339,20 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 device.launch(name, grid as u32, kernel.block, &args)?;
             }
         }
-        seq.len += tokens;
+        Ok(())
+    }
+
+    /// The graph's outputs after a step of `tokens` rows (`cached` positions in the cache).
+    fn read_outputs(
+        &self,
+        device: &mut D,
+        buffers: &Buffers<D::Buffer>,
+        tokens: usize,
+        cached: usize,
+    ) -> Result<HashMap<String, Tensor>> {
         let mut outputs = HashMap::new();
         for (name, node) in &self.plan.outputs {
-            let shape = self.graph.nodes()[*node].shape.resolve(tokens, seq.len);
+            let shape = self.graph.nodes()[*node].shape.resolve(tokens, cached);
             let at = self.buffer(*node, None)?.start;
             let len = shape.iter().product::<usize>();
             let bytes = device.read(&buffers.arena, at..at + 4 * len)?;
@@ -292,6 +423,13 @@ impl<D: PlanDevice> PlanExecutor<D> {
                     .ok_or_else(|| missing(format!("INT8 rows of `{weight}` (from the artifact)")))?,
                 whole(BufferKey::Derived(weight.clone(), tensor.clone())),
             ),
+            LaunchArg::StepInput { name } => DeviceArg::Buffer(
+                buffers
+                    .step_inputs
+                    .get(name)
+                    .ok_or_else(|| missing(format!("step input `{name}` (the plan is not batched)")))?,
+                whole(BufferKey::StepInput(name.clone())),
+            ),
             LaunchArg::Scalar { .. } => unreachable!("scalars are resolved by the caller"),
         })
     }
@@ -330,4 +468,28 @@ fn weight_bytes(dtype: DType, parts: &[String], source: &WeightSource) -> Result
         }
     }
     Ok(out)
+}
+
+/// A batched plan serves like the CPU backend: the KV pool lives on the device, addressed by
+/// the scheduler's block tables.
+impl<D: PlanDevice> crate::serving::PagedBackend for PlanExecutor<D> {
+    /// The pool is the executor's own; this records the block size it was built for.
+    type Pages = usize;
+
+    fn new_pages(&self, block_size: usize) -> usize {
+        block_size
+    }
+
+    fn step_batch(&self, pages: &mut usize, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
+        match self.plan.batched {
+            Some(cache) if cache.block_size == *pages => self.step_batch(batch),
+            Some(cache) => Err(RuntimeError::Artifact(format!(
+                "the plan's KV blocks hold {} positions, the scheduler's {}",
+                cache.block_size, pages
+            ))),
+            None => Err(RuntimeError::Artifact(
+                "this plan runs one sequence; it has no batched steps".into(),
+            )),
+        }
+    }
 }

@@ -5,8 +5,9 @@
 //!
 //! Covered: the ops of the fused Llama and Gemma 3 graphs with f32/bf16 weights or GGUF blocks
 //! (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, kept quantized), decode and prefill alike
-//! (`tokens` is a launch-time scalar). Not yet: the INT8-bound head, tensor-core GEMM tiles for
-//! long prefills, a paged KV cache.
+//! (`tokens` is a launch-time scalar), with the INT8-bound head and a tensor-core GEMM for
+//! prefill. A plan runs one sequence over a contiguous cache, or (`build_batched`) rows of many
+//! sequences over one paged KV pool.
 
 pub mod expr;
 pub mod plan;
@@ -62,11 +63,25 @@ pub enum LaunchArg {
         weight: String,
         tensor: String,
     },
-    /// A scalar: an expression of `tokens` (rows this step) and `first` (cached positions).
+    /// A scalar: an expression of `tokens` (rows this step), `first` (cached positions) and, in
+    /// a batched plan, `block_size`.
     Scalar {
         name: String,
         value: String,
     },
+    /// A batched plan's per-step input (`block_tables`, `row_table`, `row_pos`: see
+    /// `kernels_gen::templates::cache_layout`), written by the runtime before each step.
+    StepInput {
+        name: String,
+    },
+}
+
+/// A batched plan's KV cache: one pool of `blocks` blocks of `block_size` positions per layer,
+/// shared by every sequence through block tables.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BatchedCache {
+    pub blocks: usize,
+    pub block_size: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -135,6 +150,10 @@ pub struct GpuPlan {
     pub weights: Vec<WeightUse>,
     pub kv_cache: Vec<KvLayout>,
     pub constants: BTreeMap<String, Vec<f32>>,
+    /// Set for a plan whose steps hold rows of many sequences (continuous batching); absent,
+    /// a step is rows `first..first + tokens` of one sequence in a contiguous cache.
+    #[serde(default)]
+    pub batched: Option<BatchedCache>,
 }
 
 /// Where a value lives: a base node's buffer, a column offset, a row stride and a row offset.
@@ -181,7 +200,39 @@ pub fn build_with_kernels(
     target: Target,
     max_tokens: usize,
 ) -> Result<(GpuPlan, Vec<Kernel>), GpuCodegenError> {
-    let selected = select::select(graph)?;
+    build_program(graph, target, max_tokens, None)
+}
+
+/// The plan of a batched step (continuous batching: rows of many sequences over one paged KV
+/// cache), and its kernels. `graph` must give logits for every row (`LogitsFor::AllTokens`):
+/// each sequence's last row is picked by the runtime.
+pub fn build_batched(
+    graph: &Graph,
+    target: Target,
+    max_tokens: usize,
+    cache: BatchedCache,
+) -> Result<(GpuPlan, Vec<Kernel>), GpuCodegenError> {
+    if let Some(i) = graph.nodes().iter().position(|n| n.op == ir::Op::LastToken) {
+        return Err(GpuCodegenError::Unsupported {
+            node: i,
+            op: "last_token",
+            what: "a batched plan needs logits for every row (LogitsFor::AllTokens)".into(),
+        });
+    }
+    build_program(graph, target, max_tokens, Some(cache))
+}
+
+fn build_program(
+    graph: &Graph,
+    target: Target,
+    max_tokens: usize,
+    batched: Option<BatchedCache>,
+) -> Result<(GpuPlan, Vec<Kernel>), GpuCodegenError> {
+    let layout = match batched {
+        Some(_) => kernels_gen::templates::cache_layout::CacheLayout::Batched,
+        None => kernels_gen::templates::cache_layout::CacheLayout::Contiguous,
+    };
+    let selected = select::select(graph, layout)?;
     // One file per distinct kernel source, named in order of first use.
     let mut kernels: Vec<(Kernel, String)> = Vec::new();
     let mut launches = Vec::new();
@@ -259,6 +310,7 @@ pub fn build_with_kernels(
         weights: selected.weights,
         kv_cache: selected.kv_cache,
         constants: selected.constants,
+        batched,
     };
     Ok((plan, programs))
 }

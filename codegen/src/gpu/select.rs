@@ -4,6 +4,7 @@ use super::{rows, width, GpuCodegenError, KvLayout, LaunchArg, View, WeightUse};
 use ir::reference::ops::rope_inv_freq;
 use ir::{DType, Expr as IrExpr, Graph, InputKind, Op};
 use kernels_gen::dsl::Kernel;
+use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::*;
 use std::collections::BTreeMap;
@@ -49,7 +50,8 @@ fn as_expr(op: &Op) -> Option<IrExpr> {
     })
 }
 
-pub(crate) fn select(graph: &Graph) -> Result<Selected, GpuCodegenError> {
+/// Kernels and arguments for every node, attention and KV appends in cache `layout`.
+pub(crate) fn select(graph: &Graph, layout: CacheLayout) -> Result<Selected, GpuCodegenError> {
     let mut s = Selected {
         launches: Vec::new(),
         views: BTreeMap::new(),
@@ -262,10 +264,27 @@ pub(crate) fn select(graph: &Graph) -> Result<Selected, GpuCodegenError> {
                             kv_dim,
                             bytes_per_token: kv_dim * 4,
                         });
+                        // What the layout adds to both kernels' arguments.
+                        let layout_args = match layout {
+                            CacheLayout::Batched => vec![
+                                LaunchArg::StepInput {
+                                    name: "block_tables".into(),
+                                },
+                                LaunchArg::StepInput {
+                                    name: "row_table".into(),
+                                },
+                                LaunchArg::StepInput { name: "row_pos".into() },
+                                scalar("block_size", "block_size"),
+                            ],
+                            CacheLayout::Contiguous => vec![],
+                            CacheLayout::Paged => {
+                                return Err(unsupported("a one-sequence paged plan is not built".into()))
+                            }
+                        };
                         // Append this step's keys and values, then attend over the cache.
                         for (k, value) in [(1, false), (2, true)] {
                             let (src, stride) = act(&s, k);
-                            let args = vec![
+                            let mut args = vec![
                                 src,
                                 LaunchArg::KvCache {
                                     slot: spec.cache_slot,
@@ -276,8 +295,9 @@ pub(crate) fn select(graph: &Graph) -> Result<Selected, GpuCodegenError> {
                                 scalar("first", "first"),
                                 scalar("src_stride", stride),
                             ];
-                            s.launches
-                                .push((i, kv_append::kv_append("kv_append", &graph.name), None, args));
+                            args.extend(layout_args.iter().cloned());
+                            let kernel = kv_append::kv_append_with("kv_append", &graph.name, layout);
+                            s.launches.push((i, kernel, None, args));
                         }
                         let (q, _) = act(&s, 0);
                         let args = vec![
@@ -299,7 +319,8 @@ pub(crate) fn select(graph: &Graph) -> Result<Selected, GpuCodegenError> {
                             scalar("window", spec.window.unwrap_or(0)),
                             scalar("scale", spec.scale as f32),
                         ];
-                        (attention::attention("attention", &graph.name), args)
+                        let args = [args, layout_args].concat();
+                        (attention::attention_with("attention", &graph.name, layout), args)
                     }
                     Op::Glu { act: a } => {
                         let (x, stride) = act(&s, 0);

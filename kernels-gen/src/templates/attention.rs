@@ -52,89 +52,92 @@ pub fn attention_with(name: &str, origin: &str, layout: CacheLayout) -> Kernel {
             layout.row(j) * var("kv_heads") * var("head_dim") + var("kvh") * var("head_dim") + d,
         )
     };
-    let body = [vec![
-        let_("t", Ty::I32, bid() / var("heads")),
-        let_("h", Ty::I32, bin(BinOp::Rem, bid(), var("heads"))),
-        let_("kvh", Ty::I32, var("h") / (var("heads") / var("kv_heads"))),
-        let_("pos", Ty::I32, var("first") + var("t")),
-        let_("hi", Ty::I32, var("pos") + int(1)),
-        let_(
-            "lo",
-            Ty::I32,
-            select(
-                bin(BinOp::Gt, var("window"), int(0)),
-                bin(BinOp::Max, int(0), var("hi") - var("window")),
-                int(0),
+    let body = [
+        vec![let_("t", Ty::I32, bid() / var("heads"))],
+        layout.prologue(var("t")),
+        vec![
+            let_("h", Ty::I32, bin(BinOp::Rem, bid(), var("heads"))),
+            let_("kvh", Ty::I32, var("h") / (var("heads") / var("kv_heads"))),
+            let_("pos", Ty::I32, layout.position(var("t"))),
+            let_("hi", Ty::I32, var("pos") + int(1)),
+            let_(
+                "lo",
+                Ty::I32,
+                select(
+                    bin(BinOp::Gt, var("window"), int(0)),
+                    bin(BinOp::Max, int(0), var("hi") - var("window")),
+                    int(0),
+                ),
             ),
-        ),
-        let_("m", Ty::F32, f(f32::NEG_INFINITY)),
-        let_("l", Ty::F32, f(0.0)),
-        let_("acc", Ty::F32, f(0.0)),
-        for_(
-            "c0",
-            var("lo"),
-            var("hi"),
-            int(chunk),
-            [
-                vec![
-                    let_("j", Ty::I32, var("c0") + tid()),
-                    let_("s", Ty::F32, f(f32::NEG_INFINITY)),
-                    if_(
-                        bin(BinOp::Lt, var("j"), var("hi")),
-                        vec![
-                            assign("s", f(0.0)),
-                            for_(
-                                "d",
-                                int(0),
-                                var("head_dim"),
-                                int(1),
-                                vec![assign("s", var("s") + q(var("d")) * kv_at("k", var("j"), var("d")))],
-                            ),
-                            assign("s", var("s") * var("scale")),
-                        ],
-                    ),
-                    store("scores", tid(), var("s")),
-                    let_("cm", Ty::F32, var("s")),
-                ],
-                block_max("cm", "partial"),
-                vec![
-                    let_("m_new", Ty::F32, bin(BinOp::Max, var("m"), var("cm"))),
-                    let_("correction", Ty::F32, un(UnOp::Exp, var("m") - var("m_new"))),
-                    assign("l", var("l") * var("correction")),
-                    assign("acc", var("acc") * var("correction")),
-                    let_("n", Ty::I32, bin(BinOp::Min, int(chunk), var("hi") - var("c0"))),
-                    for_(
-                        "jj",
-                        int(0),
-                        var("n"),
-                        int(1),
-                        vec![
-                            let_("p", Ty::F32, un(UnOp::Exp, load("scores", var("jj")) - var("m_new"))),
-                            assign("l", var("l") + var("p")),
-                            if_(
-                                bin(BinOp::Lt, tid(), var("head_dim")),
-                                vec![assign(
-                                    "acc",
-                                    var("acc") + var("p") * kv_at("v", var("c0") + var("jj"), tid()),
-                                )],
-                            ),
-                        ],
-                    ),
-                    assign("m", var("m_new")),
-                    Stmt::SyncThreads,
-                ],
-            ]
-            .concat(),
-        ),
-        if_(
-            bin(BinOp::Lt, tid(), var("head_dim")),
-            vec![store(
-                "out",
-                var("t") * var("heads") * var("head_dim") + var("h") * var("head_dim") + tid(),
-                var("acc") / var("l"),
-            )],
-        ),
-    ]]
+            let_("m", Ty::F32, f(f32::NEG_INFINITY)),
+            let_("l", Ty::F32, f(0.0)),
+            let_("acc", Ty::F32, f(0.0)),
+            for_(
+                "c0",
+                var("lo"),
+                var("hi"),
+                int(chunk),
+                [
+                    vec![
+                        let_("j", Ty::I32, var("c0") + tid()),
+                        let_("s", Ty::F32, f(f32::NEG_INFINITY)),
+                        if_(
+                            bin(BinOp::Lt, var("j"), var("hi")),
+                            vec![
+                                assign("s", f(0.0)),
+                                for_(
+                                    "d",
+                                    int(0),
+                                    var("head_dim"),
+                                    int(1),
+                                    vec![assign("s", var("s") + q(var("d")) * kv_at("k", var("j"), var("d")))],
+                                ),
+                                assign("s", var("s") * var("scale")),
+                            ],
+                        ),
+                        store("scores", tid(), var("s")),
+                        let_("cm", Ty::F32, var("s")),
+                    ],
+                    block_max("cm", "partial"),
+                    vec![
+                        let_("m_new", Ty::F32, bin(BinOp::Max, var("m"), var("cm"))),
+                        let_("correction", Ty::F32, un(UnOp::Exp, var("m") - var("m_new"))),
+                        assign("l", var("l") * var("correction")),
+                        assign("acc", var("acc") * var("correction")),
+                        let_("n", Ty::I32, bin(BinOp::Min, int(chunk), var("hi") - var("c0"))),
+                        for_(
+                            "jj",
+                            int(0),
+                            var("n"),
+                            int(1),
+                            vec![
+                                let_("p", Ty::F32, un(UnOp::Exp, load("scores", var("jj")) - var("m_new"))),
+                                assign("l", var("l") + var("p")),
+                                if_(
+                                    bin(BinOp::Lt, tid(), var("head_dim")),
+                                    vec![assign(
+                                        "acc",
+                                        var("acc") + var("p") * kv_at("v", var("c0") + var("jj"), tid()),
+                                    )],
+                                ),
+                            ],
+                        ),
+                        assign("m", var("m_new")),
+                        Stmt::SyncThreads,
+                    ],
+                ]
+                .concat(),
+            ),
+            if_(
+                bin(BinOp::Lt, tid(), var("head_dim")),
+                vec![store(
+                    "out",
+                    var("t") * var("heads") * var("head_dim") + var("h") * var("head_dim") + tid(),
+                    var("acc") / var("l"),
+                )],
+            ),
+        ],
+    ]
     .concat();
     Kernel {
         name: name.into(),

@@ -1,5 +1,6 @@
-//! Appending a step's keys or values to a layer's contiguous cache: row `t` of `src` (rows
-//! `src_stride` apart: V is a slice of the joined QKV output) becomes cache row `first + t`.
+//! Appending a step's keys or values to a layer's cache: row `t` of `src` (rows `src_stride`
+//! apart: V is a slice of the joined QKV output) becomes the cache row of its position
+//! (`first + t`, or the row's own in a batched step).
 
 use super::cache_layout::CacheLayout;
 use super::{blocks_for, BLOCK};
@@ -33,15 +34,19 @@ pub fn kv_append_with(name: &str, origin: &str, layout: CacheLayout) -> Kernel {
             let_("e", Ty::I32, bid() * bdim() + tid()),
             if_(
                 bin(BinOp::Lt, var("e"), var("tokens") * var("kv_dim")),
-                vec![
-                    let_("t", Ty::I32, var("e") / var("kv_dim")),
-                    let_("c", Ty::I32, bin(BinOp::Rem, var("e"), var("kv_dim"))),
-                    store(
+                [
+                    vec![
+                        let_("t", Ty::I32, var("e") / var("kv_dim")),
+                        let_("c", Ty::I32, bin(BinOp::Rem, var("e"), var("kv_dim"))),
+                    ],
+                    layout.prologue(var("t")),
+                    vec![store(
                         "cache",
-                        layout.row(var("first") + var("t")) * var("kv_dim") + var("c"),
+                        layout.row(layout.position(var("t"))) * var("kv_dim") + var("c"),
                         load("src", var("t") * var("src_stride") + var("c")),
-                    ),
-                ],
+                    )],
+                ]
+                .concat(),
             ),
         ],
     }

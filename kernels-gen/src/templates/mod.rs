@@ -110,6 +110,8 @@ pub fn catalog() -> Vec<Kernel> {
         kv_append::kv_append("kv_append", "catalog"),
         attention::attention_with("attention_paged", "catalog", cache_layout::CacheLayout::Paged),
         kv_append::kv_append_with("kv_append_paged", "catalog", cache_layout::CacheLayout::Paged),
+        attention::attention_with("attention_batched", "catalog", cache_layout::CacheLayout::Batched),
+        kv_append::kv_append_with("kv_append_batched", "catalog", cache_layout::CacheLayout::Batched),
         gemm_mma::gemm_mma_bf16("gemm_mma_bf16", "catalog"),
         gemv::gemv(
             "rms_norm_gemv_bf16",
