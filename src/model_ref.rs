@@ -68,6 +68,8 @@ pub struct GpuPlanFiles {
     pub logits: String,
     /// The greedy graph's plan (INT8-bound head), when the artifact has one.
     pub greedy: Option<String>,
+    /// The batched serving plan and its graph, when the artifact has them.
+    pub serving: Option<(String, Graph)>,
 }
 
 impl Loaded {
@@ -183,6 +185,7 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
                 dir: dir.to_path_buf(),
                 logits,
                 greedy: manifest.greedy_plan.clone(),
+                serving: manifest.serving_plan.clone().zip(graphs.serving),
             }),
     })
 }

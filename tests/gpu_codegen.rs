@@ -10,6 +10,15 @@ use codegen::Target;
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use std::collections::HashSet;
 
+/// The logits graph alone.
+fn graphs(logits: &ir::Graph) -> codegen::CompiledGraphs<'_> {
+    codegen::CompiledGraphs {
+        logits,
+        greedy: None,
+        serving: None,
+    }
+}
+
 fn fused(name: &str, target: Target, dtype: ComputeDtype) -> (Model, ir::Graph) {
     let mut spec = ModelSpec::for_weights(&common::real_model(name));
     spec.dtype = dtype;
@@ -126,7 +135,7 @@ fn gpu_artifacts_carry_kernels_ptx_and_plan() {
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
         let (model, graph) = fused("smollm2", target, ComputeDtype::Native);
         let dir = std::env::temp_dir().join(format!("bbc-gpu-{}-{}", target.name(), std::process::id()));
-        let manifest = codegen::compile(&model, &graph, None, target, &dir).unwrap();
+        let manifest = codegen::compile(&model, graphs(&graph), target, &dir).unwrap();
         assert_eq!(manifest.greedy_plan, None);
         assert_eq!(manifest.plan.as_deref(), Some("plan.json"));
         let plan: gpu::GpuPlan =
@@ -139,6 +148,50 @@ fn gpu_artifacts_carry_kernels_ptx_and_plan() {
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// A GPU artifact carries the batched serving plan `bbc serve` runs, with its graph (logits for
+/// every row) and its own compiled kernels, and the graph reads back under the manifest's hash.
+#[test]
+fn gpu_artifacts_carry_the_batched_serving_plan() {
+    if codegen::nvrtc::ensure_loaded().is_err() {
+        assert!(
+            std::env::var_os("BBC_REQUIRE_NVRTC").is_none(),
+            "BBC_REQUIRE_NVRTC is set but NVRTC is missing"
+        );
+        eprintln!("skipped: NVRTC not installed");
+        return;
+    }
+    let (model, graph) = fused("smollm2", Target::H200, ComputeDtype::Native);
+    let serving = model.lower(LogitsFor::AllTokens).unwrap();
+    let serving = passes::optimize(&serving, passes::CostModel::H200, None)
+        .unwrap()
+        .pop()
+        .unwrap()
+        .graph;
+    let dir = std::env::temp_dir().join(format!("bbc-gpu-serving-{}", std::process::id()));
+    let all = codegen::CompiledGraphs {
+        logits: &graph,
+        greedy: None,
+        serving: Some(&serving),
+    };
+    let manifest = codegen::compile(&model, all, Target::H200, &dir).unwrap();
+    assert_eq!(manifest.serving_plan.as_deref(), Some("serving_plan.json"));
+    let plan: gpu::GpuPlan =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("serving_plan.json")).unwrap()).unwrap();
+    assert!(plan.batched.is_some());
+    assert!(plan
+        .launches
+        .iter()
+        .any(|l| l.args.iter().any(|a| matches!(a, LaunchArg::StepInput { .. }))));
+    for k in &plan.kernels {
+        assert!(dir.join(k.ptx.as_ref().unwrap()).is_file(), "{}", k.name);
+    }
+    let read = codegen::read_graphs(&dir, &manifest).unwrap();
+    assert_eq!(read.serving.map(|g| g.op_count()), Some(serving.op_count()));
+    // A serving plan needs logits for every row.
+    assert!(gpu::build_batched(&graph, Target::H200, 64, plan.batched.unwrap()).is_err());
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// With a full-precision head, the greedy graph's GPU plan runs the INT8-bound head: its
@@ -206,17 +259,34 @@ fn running_a_gpu_artifact_without_a_driver_says_so() {
         return;
     }
     let (model, graph) = fused("smollm2", Target::H200, ComputeDtype::Native);
+    let serving = model.lower(LogitsFor::AllTokens).unwrap();
+    let serving = passes::optimize(&serving, passes::CostModel::H200, None)
+        .unwrap()
+        .pop()
+        .unwrap()
+        .graph;
     let dir = std::env::temp_dir().join(format!("bbc-gpu-nodriver-{}", std::process::id()));
-    codegen::compile(&model, &graph, None, Target::H200, &dir).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"))
-        .args(["run", dir.to_str().unwrap(), "--prompt", "hi"])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(
-        stderr.contains("no CUDA driver") && !stderr.contains("panicked"),
-        "{stderr}"
-    );
+    let all = codegen::CompiledGraphs {
+        logits: &graph,
+        greedy: None,
+        serving: Some(&serving),
+    };
+    codegen::compile(&model, all, Target::H200, &dir).unwrap();
+    // `bbc run` and `bbc serve` both say what is missing, and neither panics.
+    for command in [
+        vec!["run", dir.to_str().unwrap(), "--prompt", "hi"],
+        vec!["serve", dir.to_str().unwrap(), "--port", "0"],
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"))
+            .args(&command)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{command:?}");
+        assert!(
+            stderr.contains("no CUDA driver") && !stderr.contains("panicked"),
+            "{command:?}: {stderr}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -36,7 +36,12 @@ fn smollm2_bf16_greedy_on_the_gpu_equals_the_cpu() {
         .unwrap()
         .graph;
     let dir = std::env::temp_dir().join(format!("bbc-gpu-run-{}", std::process::id()));
-    let manifest = codegen::compile(&model, &gpu_graph, Some(&greedy_graph), target, &dir).unwrap();
+    let graphs = codegen::CompiledGraphs {
+        logits: &gpu_graph,
+        greedy: Some(&greedy_graph),
+        serving: None,
+    };
+    let manifest = codegen::compile(&model, graphs, target, &dir).unwrap();
     let int8 = codegen::read_int8_heads(&dir, &manifest.int8_heads).unwrap();
     let greedy = runtime::cuda::CudaBackend::new(
         &dir,

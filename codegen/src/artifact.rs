@@ -1,6 +1,7 @@
 //! The artifact directory: `manifest.json`, `graph.ir` (canonical text), `graph.json` (what the
-//! runtime loads), and for the CPU target a reference to the weights file(s), which the CPU
-//! backend maps and converts at load time.
+//! runtime loads), the greedy graph (`greedy.*`), a reference to the weights file(s), and for
+//! GPU targets the plans with their kernels: `plan.json` (`bbc run`), `greedy_plan.json`, and
+//! `serving_plan.json` with its graph `serving.*` (`bbc serve`: batched steps).
 
 use crate::target::Target;
 use ir::Graph;
@@ -15,6 +16,14 @@ const GRAPH_TEXT: &str = "graph.ir";
 const GRAPH_JSON: &str = "graph.json";
 const GREEDY_GRAPH_TEXT: &str = "greedy.ir";
 const GREEDY_GRAPH_JSON: &str = "greedy.json";
+const SERVING_GRAPH_TEXT: &str = "serving.ir";
+const SERVING_GRAPH_JSON: &str = "serving.json";
+/// The KV pool a serving plan is written with; `bbc serve` sets its own (`--kv-blocks`,
+/// `--block-size`): the kernels take the block size at run time.
+const DEFAULT_SERVING_CACHE: crate::gpu::BatchedCache = crate::gpu::BatchedCache {
+    blocks: 1024,
+    block_size: 16,
+};
 const FORMAT_VERSION: u32 = 1;
 
 #[derive(Debug, thiserror::Error)]
@@ -73,25 +82,49 @@ pub struct Manifest {
     pub plan: Option<String>,
     /// GPU targets: the greedy graph's plan (`greedy_plan.json`), when there is a greedy graph.
     pub greedy_plan: Option<String>,
+    /// GPU targets: the serving graph (logits for every row), run by `serving_plan`.
+    #[serde(default)]
+    pub serving_graph_json: Option<String>,
+    /// GPU targets: the batched plan `bbc serve` runs (`serving_plan.json`: rows of many
+    /// sequences over one paged KV pool).
+    #[serde(default)]
+    pub serving_plan: Option<String>,
     /// sha256 over the graph, the weights hash and every field above: the artifact's identity.
     pub hash: String,
 }
 
-/// Write the artifact for `graph` (and the greedy graph, when given) of `model` into `dir`.
-pub fn compile(
-    model: &Model,
-    graph: &Graph,
-    greedy: Option<&Graph>,
-    target: Target,
-    dir: &Path,
-) -> Result<Manifest, ArtifactError> {
+/// The graphs of an artifact, as compiled.
+#[derive(Debug, Clone, Copy)]
+pub struct CompiledGraphs<'a> {
+    /// Logits of the last row: `bbc run`.
+    pub logits: &'a Graph,
+    /// The argmax only (INT8-bound head where the head qualifies): greedy `bbc run`.
+    pub greedy: Option<&'a Graph>,
+    /// Logits of every row, for the batched serving plan (GPU targets only).
+    pub serving: Option<&'a Graph>,
+}
+
+/// Write the artifact for `graphs` of `model` into `dir`.
+pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path) -> Result<Manifest, ArtifactError> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let (plan, greedy_plan) = match target {
-        Target::Cpu => (None, None),
+    let CompiledGraphs {
+        logits: graph,
+        greedy,
+        serving,
+    } = graphs;
+    let serving = serving.filter(|_| target != Target::Cpu);
+    let (plan, greedy_plan, serving_plan) = match target {
+        Target::Cpu => (None, None, None),
         gpu => (
-            Some(write_gpu_program(graph, gpu, dir, "kernels", "plan.json")?),
+            Some(write_gpu_program(graph, gpu, dir, "kernels", "plan.json", None)?),
             greedy
-                .map(|g| write_gpu_program(g, gpu, dir, "kernels/greedy", "greedy_plan.json"))
+                .map(|g| write_gpu_program(g, gpu, dir, "kernels/greedy", "greedy_plan.json", None))
+                .transpose()?,
+            serving
+                .map(|g| {
+                    let cache = Some(DEFAULT_SERVING_CACHE);
+                    write_gpu_program(g, gpu, dir, "kernels/serving", "serving_plan.json", cache)
+                })
                 .transpose()?,
         ),
     };
@@ -99,6 +132,7 @@ pub fn compile(
     let weights_sha256 = hash_weights(&weights)?;
     let graph_json = serde_json::to_string(graph).expect("graphs serialise");
     let greedy_json = greedy.map(|g| serde_json::to_string(g).expect("graphs serialise"));
+    let serving_json = serving.map(|g| serde_json::to_string(g).expect("graphs serialise"));
     let mut manifest = Manifest {
         format_version: FORMAT_VERSION,
         bbc_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -114,18 +148,28 @@ pub fn compile(
         greedy_graph_json: greedy.map(|_| GREEDY_GRAPH_JSON.into()),
         plan,
         greedy_plan,
+        serving_graph_json: serving.map(|_| SERVING_GRAPH_JSON.into()),
+        serving_plan,
         int8_heads: match greedy {
             Some(g) => crate::derived::write_int8_heads(g, &model.weights, dir)?,
             None => Vec::new(),
         },
         hash: String::new(),
     };
-    manifest.hash = identity(&manifest, &graph_json, greedy_json.as_deref());
+    manifest.hash = identity(
+        &manifest,
+        &graph_json,
+        &[greedy_json.as_deref(), serving_json.as_deref()],
+    );
     write(dir, GRAPH_TEXT, graph.to_text().as_bytes())?;
     write(dir, GRAPH_JSON, graph_json.as_bytes())?;
     if let (Some(g), Some(json)) = (greedy, &greedy_json) {
         write(dir, GREEDY_GRAPH_TEXT, g.to_text().as_bytes())?;
         write(dir, GREEDY_GRAPH_JSON, json.as_bytes())?;
+    }
+    if let (Some(g), Some(json)) = (serving, &serving_json) {
+        write(dir, SERVING_GRAPH_TEXT, g.to_text().as_bytes())?;
+        write(dir, SERVING_GRAPH_JSON, json.as_bytes())?;
     }
     write(
         dir,
@@ -149,10 +193,14 @@ fn write_gpu_program(
     dir: &Path,
     kernel_dir: &str,
     plan_file: &str,
+    batched: Option<crate::gpu::BatchedCache>,
 ) -> Result<String, ArtifactError> {
     let name = target.name();
-    let mut plan = crate::gpu::build(graph, target, GPU_MAX_TOKENS)
-        .map_err(|source| ArtifactError::Gpu { target: name, source })?;
+    let built = match batched {
+        Some(cache) => crate::gpu::build_batched(graph, target, GPU_MAX_TOKENS, cache).map(|(plan, _)| plan),
+        None => crate::gpu::build(graph, target, GPU_MAX_TOKENS),
+    };
+    let mut plan = built.map_err(|source| ArtifactError::Gpu { target: name, source })?;
     let kernels = dir.join(kernel_dir);
     std::fs::create_dir_all(&kernels).map_err(io(&kernels))?;
     for k in &mut plan.kernels {
@@ -184,7 +232,8 @@ fn write(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), ArtifactError> {
     std::fs::write(&path, bytes).map_err(io(&path))
 }
 
-fn identity(manifest: &Manifest, graph_json: &str, greedy_json: Option<&str>) -> String {
+/// The hash over the manifest's fields, the logits graph and the other graphs present.
+fn identity(manifest: &Manifest, graph_json: &str, others: &[Option<&str>]) -> String {
     let mut h = Sha256::new();
     let fields = serde_json::to_string(&Manifest {
         hash: String::new(),
@@ -193,8 +242,8 @@ fn identity(manifest: &Manifest, graph_json: &str, greedy_json: Option<&str>) ->
     .expect("manifests serialise");
     h.update(fields.as_bytes());
     h.update(graph_json.as_bytes());
-    if let Some(greedy) = greedy_json {
-        h.update(greedy.as_bytes());
+    for other in others.iter().flatten() {
+        h.update(other.as_bytes());
     }
     hex(&h.finalize())
 }
@@ -256,6 +305,8 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, ArtifactError> {
 pub struct ArtifactGraphs {
     pub logits: Graph,
     pub greedy: Option<Graph>,
+    /// GPU targets: the graph of the batched serving plan.
+    pub serving: Option<Graph>,
 }
 
 /// Read the graphs an artifact holds, checking them against the manifest hash and the IR's rules.
@@ -266,7 +317,13 @@ pub fn read_graphs(dir: &Path, manifest: &Manifest) -> Result<ArtifactGraphs, Ar
     };
     let logits_text = read(&manifest.graph_json)?;
     let greedy_text = manifest.greedy_graph_json.as_deref().map(read).transpose()?;
-    if identity(manifest, &logits_text, greedy_text.as_deref()) != manifest.hash {
+    let serving_text = manifest.serving_graph_json.as_deref().map(read).transpose()?;
+    if identity(
+        manifest,
+        &logits_text,
+        &[greedy_text.as_deref(), serving_text.as_deref()],
+    ) != manifest.hash
+    {
         return Err(ArtifactError::Invalid {
             path: dir.to_path_buf(),
             what: "the graphs or manifest were changed after compilation (hash mismatch); recompile".into(),
@@ -287,6 +344,10 @@ pub fn read_graphs(dir: &Path, manifest: &Manifest) -> Result<ArtifactGraphs, Ar
     Ok(ArtifactGraphs {
         logits: parse(&logits_text, &manifest.graph_json)?,
         greedy: match (&greedy_text, &manifest.greedy_graph_json) {
+            (Some(text), Some(name)) => Some(parse(text, name)?),
+            _ => None,
+        },
+        serving: match (&serving_text, &manifest.serving_graph_json) {
             (Some(text), Some(name)) => Some(parse(text, name)?),
             _ => None,
         },

@@ -10,6 +10,8 @@ pub mod gpu;
 pub mod nvrtc;
 mod target;
 
-pub use artifact::{compile, read_graphs, read_manifest, ArtifactError, ArtifactGraphs, Manifest, MANIFEST_FILE};
+pub use artifact::{
+    compile, read_graphs, read_manifest, ArtifactError, ArtifactGraphs, CompiledGraphs, Manifest, MANIFEST_FILE,
+};
 pub use derived::{int8_heads, read_int8_heads, DerivedWeight};
 pub use target::Target;

@@ -198,6 +198,40 @@ impl CudaBackend {
         )?))
     }
 
+    /// The batched serving plan `plan_file` of the artifact in `dir`, its KV pool `cache`: for
+    /// `bbc serve` (continuous batching through [`crate::serving::PagedBackend`]).
+    pub fn batched(
+        dir: &Path,
+        plan_file: &str,
+        graph: Graph,
+        weights: &WeightSource,
+        int8: &[(String, Int8Rows)],
+        context_length: usize,
+        cache: codegen::gpu::BatchedCache,
+    ) -> Result<Self> {
+        if !driver_present() {
+            return Err(RuntimeError::NoCudaDriver);
+        }
+        let text = std::fs::read_to_string(dir.join(plan_file))
+            .map_err(|e| RuntimeError::Artifact(format!("{plan_file}: {e}")))?;
+        let mut plan: GpuPlan =
+            serde_json::from_str(&text).map_err(|e| RuntimeError::Artifact(format!("{plan_file}: {e}")))?;
+        if plan.batched.is_none() {
+            return Err(RuntimeError::Artifact(format!("{plan_file} is not a batched plan")));
+        }
+        // The pool is sized at run time; the kernels take the block size as a scalar.
+        plan.batched = Some(cache);
+        let device = CudaDevice::new(dir, &plan)?;
+        Ok(Self(PlanExecutor::new(
+            device,
+            plan,
+            graph,
+            weights,
+            int8,
+            context_length,
+        )?))
+    }
+
     pub fn context_length(&self) -> usize {
         self.0.context_length()
     }
@@ -209,5 +243,16 @@ impl CudaBackend {
     /// Process `ids` as the next tokens of `seq` (the one sequence the KV cache holds).
     pub fn step(&self, seq: &mut CudaSequence, ids: &[u32]) -> Result<HashMap<String, Tensor>> {
         self.0.step(seq, ids)
+    }
+}
+
+/// Continuous batching on the GPU: a backend made by [`CudaBackend::batched`].
+impl crate::serving::PagedBackend for CudaBackend {
+    type Pages = usize;
+    fn new_pages(&self, block_size: usize) -> usize {
+        crate::serving::PagedBackend::new_pages(&self.0, block_size)
+    }
+    fn step_batch(&self, pages: &mut usize, batch: &[crate::kv::Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
+        crate::serving::PagedBackend::step_batch(&self.0, pages, batch)
     }
 }

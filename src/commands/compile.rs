@@ -1,7 +1,7 @@
 //! `bbc compile MODEL --target T -o DIR [--emit ir|fused-ir] [--emit-after PASS] [--verify]`.
 
 use crate::model_ref::{self, ModelRef};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use codegen::Target;
 use models::LogitsFor;
 use std::path::Path;
@@ -77,7 +77,26 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     if args.emit_after.is_some() {
         return Ok(());
     }
-    let manifest = codegen::compile(&loaded.model, fused, greedy.as_ref(), target, args.output)?;
+    // GPU targets also get the batched serving plan, over a graph with logits for every row.
+    let serving = match target {
+        Target::Cpu => None,
+        gpu => Some(
+            passes::optimize(
+                &loaded.model.lower(LogitsFor::AllTokens)?,
+                model_ref::cost_model(gpu),
+                None,
+            )?
+            .pop()
+            .map(|s| s.graph)
+            .context("the pass pipeline returned no graph")?,
+        ),
+    };
+    let graphs = codegen::CompiledGraphs {
+        logits: fused,
+        greedy: greedy.as_ref(),
+        serving: serving.as_ref(),
+    };
+    let manifest = codegen::compile(&loaded.model, graphs, target, args.output)?;
     if args.emit == Some("kernel-report") {
         print_kernel_report(&args.output.join("plan.json"))?;
     }

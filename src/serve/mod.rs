@@ -75,9 +75,6 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         quiet: false,
     };
     let mut loaded = model_ref::load(&args.model, options)?;
-    if loaded.gpu_plan.is_some() {
-        bail!("serving a GPU artifact is not supported yet; serve the model (or a CPU artifact) instead");
-    }
     let tokenizer = Arc::new(
         loaded
             .model
@@ -86,8 +83,6 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             .context("this model has no tokenizer; bbc serve needs one to read prompts and write text")?,
     );
     let context_length = loaded.model.config.context_length;
-    let mut cache = loaded.weight_cache();
-    let backend = runtime::CpuBackend::with_cache(loaded.graph, &loaded.model.weights, context_length, &mut cache)?;
     let config = SchedulerConfig {
         max_waiting: args.max_queued,
         max_running: args.max_num_seqs,
@@ -96,22 +91,43 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         block_size: args.block_size,
         context_length,
     };
-    let positions = args.kv_blocks * args.block_size;
-    eprintln!(
-        "KV cache: {} blocks of {} positions ({positions} positions, up to {} MiB as it fills)",
-        args.kv_blocks,
-        args.block_size,
-        (positions * backend.kv_bytes_per_position()) >> 20
-    );
     let metrics = Arc::new(metrics::Metrics::default());
     metrics.kv_blocks_total.store(args.kv_blocks as u64, Relaxed);
     let (requests, inbox) = tokio::sync::mpsc::unbounded_channel();
-    let engine = ServingEngine::new(backend, config);
-    let worker_metrics = metrics.clone();
-    std::thread::Builder::new()
-        .name("bbc-engine".into())
-        .spawn(move || worker::run(engine, inbox, worker_metrics))
-        .context("starting the engine thread")?;
+    let positions = args.kv_blocks * args.block_size;
+    match loaded.gpu_plan.clone() {
+        Some(plans) => {
+            // A GPU artifact: its batched serving plan, with the KV pool sized here.
+            let (plan, graph) = plans
+                .serving
+                .context("this GPU artifact has no serving plan (an older bbc compiled it); compile it again")?;
+            let cache = codegen::gpu::BatchedCache {
+                blocks: args.kv_blocks,
+                block_size: args.block_size,
+            };
+            let weights = &loaded.model.weights;
+            let int8 = &loaded.int8_heads;
+            let backend =
+                runtime::cuda::CudaBackend::batched(&plans.dir, &plan, graph, weights, int8, context_length, cache)?;
+            eprintln!(
+                "KV cache on the GPU: {} blocks of {} positions ({positions} positions)",
+                args.kv_blocks, args.block_size
+            );
+            start_engine(ServingEngine::new(backend, config), inbox, metrics.clone())?;
+        }
+        None => {
+            let mut cache = loaded.weight_cache();
+            let backend =
+                runtime::CpuBackend::with_cache(loaded.graph, &loaded.model.weights, context_length, &mut cache)?;
+            eprintln!(
+                "KV cache: {} blocks of {} positions ({positions} positions, up to {} MiB as it fills)",
+                args.kv_blocks,
+                args.block_size,
+                (positions * backend.kv_bytes_per_position()) >> 20
+            );
+            start_engine(ServingEngine::new(backend, config), inbox, metrics.clone())?;
+        }
+    }
     let state = Arc::new(http::AppState {
         model_name: args
             .served_model_name
@@ -130,6 +146,23 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(listen(args, state))
+}
+
+/// Run `engine` on its own thread, taking requests from `inbox`.
+fn start_engine<B>(
+    engine: ServingEngine<B>,
+    inbox: tokio::sync::mpsc::UnboundedReceiver<worker::NewRequest>,
+    metrics: Arc<metrics::Metrics>,
+) -> Result<()>
+where
+    B: runtime::serving::PagedBackend + Send + 'static,
+    B::Pages: Send,
+{
+    std::thread::Builder::new()
+        .name("bbc-engine".into())
+        .spawn(move || worker::run(engine, inbox, metrics))
+        .context("starting the engine thread")?;
+    Ok(())
 }
 
 async fn listen(args: &ServeArgs, state: Arc<http::AppState>) -> Result<()> {
