@@ -41,7 +41,8 @@ enum Command {
     },
     /// Generate text from an artifact, a model.toml, a weights path or a model name.
     Run(commands::run::RunArgs),
-    /// Serve a model over an OpenAI-compatible HTTP API (continuous batching on the CPU backend).
+    /// Serve a model over an OpenAI-compatible HTTP API (continuous batching: the CPU backend, or
+    /// a GPU artifact's batched plan on the CUDA backend).
     Serve(bbc::serve::ServeArgs),
     /// Measure a running server as the InferenceX benchmark does (throughput, TTFT, TPOT, ITL,
     /// end-to-end latency).

@@ -3,9 +3,10 @@
 //! kernel's PTX loaded as a module, buffers as device allocations, launches on one stream.
 //!
 //! Without an NVIDIA driver, [`CudaBackend::new`] returns [`RuntimeError::NoCudaDriver`]: never
-//! a panic. Not yet: CUDA graphs for decode, several sequences at once. The plan executor above
-//! it runs on the emulator in CI (`tests/gpu_plan_emulated.rs`), but this device has not run on
-//! a GPU yet: `scripts/gpu-check.sh` is the check to run where one is lent.
+//! a panic. Not yet: CUDA graphs for decode. The plan executor above it (one sequence, and
+//! batched steps for `bbc serve`) runs on the emulator in CI (`tests/gpu_plan_emulated.rs`), but
+//! this device has not run on a GPU yet: `scripts/gpu-check.sh` is the check to run where one
+//! is lent.
 
 use crate::error::{Result, RuntimeError};
 use crate::plan_exec::{DeviceArg, PlanDevice, PlanExecutor, PlanSequence};

@@ -2,7 +2,9 @@
 //! weights in the layout the kernels expect (row-stacked, bf16 or GGUF blocks as the plan says;
 //! the INT8 heads from the artifact), allocate the activation arena and the KV cache, and run
 //! a step as the plan's launches in order, each argument resolved from the plan (arena offsets,
-//! views, scalars that are expressions of `tokens` and `first`), then read the outputs back.
+//! views, scalars that are expressions of `tokens` and `first`), then read the outputs back. A
+//! one-sequence plan steps one sequence over a contiguous cache (`step`); a batched plan steps
+//! rows of many sequences over a paged pool, with the scheduler's block tables (`step_batch`).
 //!
 //! The device ([`PlanDevice`]) owns memory and launches kernels: CUDA through cudarc
 //! (`crate::cuda`), or the kernels-gen emulator (`crate::emulated`), which runs the very same
@@ -64,7 +66,7 @@ enum BufferKey {
     StepInput(String),
 }
 
-/// A GPU plan loaded on a device, with the KV cache of one sequence.
+/// A GPU plan loaded on a device, with its KV cache: one sequence's, or a batched plan's pool.
 pub struct PlanExecutor<D: PlanDevice> {
     plan: GpuPlan,
     graph: Graph,
