@@ -174,7 +174,10 @@ pub fn gemm_mma_bf16(name_: &str, origin: &str) -> Kernel {
     };
     Kernel {
         name: name_.into(),
-        origin: format!("{origin}: matmul x·Wᵀ on tensor cores (mma.sync m16n8k16 bf16, 64×64×32 shared-memory tiles)"),
+        origin: format!(
+            "{origin}: matmul x·Wᵀ on tensor cores (mma.sync m16n8k16 bf16, {TILE_M}×{TILE_N}×{TILE_K} \
+             shared-memory tiles)"
+        ),
         params: vec![
             buffer("x", Ty::F32, false),
             buffer("w", Ty::Bf16, false),
