@@ -321,8 +321,9 @@ mod packed_avx2 {
     use super::{Q8Row, ACT_BLOCK};
     use std::arch::x86_64::*;
 
-    /// Activation rows per pass over a weight row.
-    const TILE: usize = 8;
+    /// Activation rows per pass over a weight row: 4 rows × 2 accumulators fill 8 of the 16
+    /// vector registers.
+    const TILE: usize = 4;
 
     /// A 32-element block format: `y = d·w + offset` per element.
     pub trait Format {
@@ -473,10 +474,6 @@ mod packed_avx2 {
                     1 => tile::<F, 1>(row, acts, out),
                     2 => tile::<F, 2>(row, acts, out),
                     3 => tile::<F, 3>(row, acts, out),
-                    4 => tile::<F, 4>(row, acts, out),
-                    5 => tile::<F, 5>(row, acts, out),
-                    6 => tile::<F, 6>(row, acts, out),
-                    7 => tile::<F, 7>(row, acts, out),
                     _ => tile::<F, TILE>(row, acts, out),
                 }
             }
@@ -492,10 +489,14 @@ mod packed_avx2 {
         let q: [*const i8; N] = std::array::from_fn(|t| acts[t].q.as_ptr());
         let d: [*const f32; N] = std::array::from_fn(|t| acts[t].d.as_ptr());
         let sum16: [*const i32; N] = std::array::from_fn(|t| acts[t].sum16.as_ptr());
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut offset = [0f32; N];
+        // Two accumulators per row, for even and odd blocks: two independent FMA chains, so a
+        // one-row tile (decode) is not bound by the FMA latency. Every tile width keeps the
+        // same two, so a row's result never depends on the width.
+        let mut acc = [[_mm256_setzero_ps(); N]; 2];
+        let mut offset = [[0f32; N]; 2];
         let blocks = row.len() / F::BYTES;
         for b in 0..blocks {
+            let parity = b & 1;
             // SAFETY: block `b` lies within `row`; the caller checked every activation holds
             // block `b` (32 quants, one scale, two sums).
             unsafe {
@@ -508,18 +509,18 @@ mod packed_avx2 {
                     let qsum = (*sum16[t].add(2 * b) + *sum16[t].add(2 * b + 1)) as f32;
                     let qx = _mm256_loadu_si256(q[t].add(b * ACT_BLOCK) as *const __m256i);
                     let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(F::products(w, qx), ones));
-                    acc[t] = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * dx), acc[t]);
-                    offset[t] += coef * dx * qsum;
+                    acc[parity][t] = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * dx), acc[parity][t]);
+                    offset[parity][t] += coef * dx * qsum;
                 }
             }
         }
         for t in 0..N {
             let mut lanes = [0f32; 8];
             // SAFETY: `lanes` holds eight f32.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]) };
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc[0][t], acc[1][t])) };
             let total =
                 ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-            out[t] = total + offset[t];
+            out[t] = total + (offset[0][t] + offset[1][t]);
         }
     }
 }
