@@ -10,6 +10,16 @@ use codegen::Target;
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use std::collections::HashSet;
 
+/// SmolLM2's serving graph (logits for every row) fused for the H200.
+fn serving_graph(model: &Model) -> ir::Graph {
+    let graph = model.lower(LogitsFor::AllTokens).unwrap();
+    passes::optimize(&graph, passes::CostModel::H200, None)
+        .unwrap()
+        .pop()
+        .unwrap()
+        .graph
+}
+
 /// The logits graph alone.
 fn graphs(logits: &ir::Graph) -> codegen::CompiledGraphs<'_> {
     codegen::CompiledGraphs {
@@ -163,12 +173,7 @@ fn gpu_artifacts_carry_the_batched_serving_plan() {
         return;
     }
     let (model, graph) = fused("smollm2", Target::H200, ComputeDtype::Native);
-    let serving = model.lower(LogitsFor::AllTokens).unwrap();
-    let serving = passes::optimize(&serving, passes::CostModel::H200, None)
-        .unwrap()
-        .pop()
-        .unwrap()
-        .graph;
+    let serving = serving_graph(&model);
     let dir = std::env::temp_dir().join(format!("bbc-gpu-serving-{}", std::process::id()));
     let all = codegen::CompiledGraphs {
         logits: &graph,
@@ -259,12 +264,7 @@ fn running_a_gpu_artifact_without_a_driver_says_so() {
         return;
     }
     let (model, graph) = fused("smollm2", Target::H200, ComputeDtype::Native);
-    let serving = model.lower(LogitsFor::AllTokens).unwrap();
-    let serving = passes::optimize(&serving, passes::CostModel::H200, None)
-        .unwrap()
-        .pop()
-        .unwrap()
-        .graph;
+    let serving = serving_graph(&model);
     let dir = std::env::temp_dir().join(format!("bbc-gpu-nodriver-{}", std::process::id()));
     let all = codegen::CompiledGraphs {
         logits: &graph,

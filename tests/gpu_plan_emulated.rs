@@ -33,6 +33,15 @@ fn cost_model(target: Target) -> passes::CostModel {
     }
 }
 
+/// `graph` through the pass pipeline for `target`.
+fn fused_for(graph: &ir::Graph, target: Target) -> ir::Graph {
+    passes::optimize(graph, cost_model(target), None)
+        .unwrap()
+        .pop()
+        .unwrap()
+        .graph
+}
+
 /// Max |got − want| over max |want|.
 fn relative_error(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
@@ -44,11 +53,7 @@ fn check(family: &str, dtype: ComputeDtype, target: Target) {
     let model = open(family, dtype);
     let graph = model.lower(LogitsFor::LastToken).unwrap();
     let context = model.config.context_length.min(256);
-    let gpu_graph = passes::optimize(&graph, cost_model(target), None)
-        .unwrap()
-        .pop()
-        .unwrap()
-        .graph;
+    let gpu_graph = fused_for(&graph, target);
     let (plan, kernels) = gpu::build_with_kernels(&gpu_graph, target, 64).unwrap();
     let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], context).unwrap();
     let cpu_graph = passes::optimize(&graph, passes::CostModel::CPU, None)
@@ -111,11 +116,7 @@ fn check_greedy(family: &str, target: Target) {
     let model = open(family, ComputeDtype::F32);
     let context = model.config.context_length.min(256);
     let greedy = model.lower(LogitsFor::GreedyToken).unwrap();
-    let greedy = passes::optimize(&greedy, cost_model(target), None)
-        .unwrap()
-        .pop()
-        .unwrap()
-        .graph;
+    let greedy = fused_for(&greedy, target);
     assert!(
         greedy
             .nodes()
@@ -198,11 +199,7 @@ impl PlanDevice for OneWrongKernel {
 fn the_lockstep_comparison_names_exactly_the_wrong_kernel() {
     let model = open("llama", ComputeDtype::F32);
     let graph = model.lower(LogitsFor::LastToken).unwrap();
-    let graph = passes::optimize(&graph, cost_model(Target::H200), None)
-        .unwrap()
-        .pop()
-        .unwrap()
-        .graph;
+    let graph = fused_for(&graph, Target::H200);
     let (plan, kernels) = gpu::build_with_kernels(&graph, Target::H200, 64).unwrap();
     let wrong = plan
         .launches
@@ -242,11 +239,7 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
     for family in ["llama", "gemma3"] {
         let model = open(family, ComputeDtype::F32);
         let graph = model.lower(LogitsFor::AllTokens).unwrap();
-        let gpu_graph = passes::optimize(&graph, cost_model(Target::H200), None)
-            .unwrap()
-            .pop()
-            .unwrap()
-            .graph;
+        let gpu_graph = fused_for(&graph, Target::H200);
         let cache = gpu::BatchedCache {
             blocks: 8,
             block_size: 4,
@@ -312,11 +305,7 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
     use runtime::serving::{SchedulerConfig, ServingEngine};
     let model = open("llama", ComputeDtype::F32);
     let graph = model.lower(LogitsFor::AllTokens).unwrap();
-    let gpu_graph = passes::optimize(&graph, cost_model(Target::H200), None)
-        .unwrap()
-        .pop()
-        .unwrap()
-        .graph;
+    let gpu_graph = fused_for(&graph, Target::H200);
     let config = SchedulerConfig {
         max_waiting: 16,
         max_running: 4,

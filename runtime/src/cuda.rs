@@ -165,6 +165,16 @@ impl PlanDevice for CudaDevice {
     }
 }
 
+/// The plan file `plan_file` of the artifact in `dir`; first, whether a driver is there at all.
+fn read_plan(dir: &Path, plan_file: &str) -> Result<GpuPlan> {
+    if !driver_present() {
+        return Err(RuntimeError::NoCudaDriver);
+    }
+    let text = std::fs::read_to_string(dir.join(plan_file))
+        .map_err(|e| RuntimeError::Artifact(format!("{plan_file}: {e}")))?;
+    serde_json::from_str(&text).map_err(|e| RuntimeError::Artifact(format!("{plan_file}: {e}")))
+}
+
 /// A GPU artifact on GPU 0.
 pub struct CudaBackend(PlanExecutor<CudaDevice>);
 
@@ -181,22 +191,8 @@ impl CudaBackend {
         int8: &[(String, Int8Rows)],
         context_length: usize,
     ) -> Result<Self> {
-        if !driver_present() {
-            return Err(RuntimeError::NoCudaDriver);
-        }
-        let text = std::fs::read_to_string(dir.join(plan_file))
-            .map_err(|e| RuntimeError::Artifact(format!("{plan_file}: {e}")))?;
-        let plan: GpuPlan =
-            serde_json::from_str(&text).map_err(|e| RuntimeError::Artifact(format!("{plan_file}: {e}")))?;
-        let device = CudaDevice::new(dir, &plan)?;
-        Ok(Self(PlanExecutor::new(
-            device,
-            plan,
-            graph,
-            weights,
-            int8,
-            context_length,
-        )?))
+        let plan = read_plan(dir, plan_file)?;
+        Self::load(dir, plan, graph, weights, int8, context_length)
     }
 
     /// The batched serving plan `plan_file` of the artifact in `dir`, its KV pool `cache`: for
@@ -210,18 +206,23 @@ impl CudaBackend {
         context_length: usize,
         cache: codegen::gpu::BatchedCache,
     ) -> Result<Self> {
-        if !driver_present() {
-            return Err(RuntimeError::NoCudaDriver);
-        }
-        let text = std::fs::read_to_string(dir.join(plan_file))
-            .map_err(|e| RuntimeError::Artifact(format!("{plan_file}: {e}")))?;
-        let mut plan: GpuPlan =
-            serde_json::from_str(&text).map_err(|e| RuntimeError::Artifact(format!("{plan_file}: {e}")))?;
+        let mut plan = read_plan(dir, plan_file)?;
         if plan.batched.is_none() {
             return Err(RuntimeError::Artifact(format!("{plan_file} is not a batched plan")));
         }
         // The pool is sized at run time; the kernels take the block size as a scalar.
         plan.batched = Some(cache);
+        Self::load(dir, plan, graph, weights, int8, context_length)
+    }
+
+    fn load(
+        dir: &Path,
+        plan: GpuPlan,
+        graph: Graph,
+        weights: &WeightSource,
+        int8: &[(String, Int8Rows)],
+        context_length: usize,
+    ) -> Result<Self> {
         let device = CudaDevice::new(dir, &plan)?;
         Ok(Self(PlanExecutor::new(
             device,
