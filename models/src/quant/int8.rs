@@ -16,6 +16,9 @@ pub struct Q8Row {
     pub q: Vec<i8>,
     pub d: Vec<f32>,
     pub sum16: Vec<i32>,
+    /// Per 32-element block: `d · Σ qx`, what a block's offset term (its min, or the zero
+    /// point of a signed format) multiplies in the packed dot.
+    pub dsum: Vec<f32>,
 }
 
 impl Q8Row {
@@ -31,6 +34,7 @@ impl Q8Row {
         self.q.resize(x.len(), 0);
         self.d.clear();
         self.sum16.clear();
+        self.dsum.clear();
         for (xb, qb) in x.chunks_exact(ACT_BLOCK).zip(self.q.chunks_exact_mut(ACT_BLOCK)) {
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
@@ -42,6 +46,8 @@ impl Q8Row {
             for half in qb.chunks_exact(16) {
                 self.sum16.push(half.iter().map(|&q| q as i32).sum());
             }
+            let n = self.sum16.len();
+            self.dsum.push(d * (self.sum16[n - 2] + self.sum16[n - 1]) as f32);
         }
     }
 }
@@ -290,8 +296,7 @@ impl PackedDot {
             && std::is_x86_feature_detected!("f16c")
         {
             let blocks = row_bytes / dtype.block_layout().1;
-            let fits =
-                |a: &Q8Row| a.q.len() >= blocks * ACT_BLOCK && a.d.len() >= blocks && a.sum16.len() >= 2 * blocks;
+            let fits = |a: &Q8Row| a.q.len() >= blocks * ACT_BLOCK && a.d.len() >= blocks && a.dsum.len() >= blocks;
             return acts.iter().all(fits).then_some(Self { dtype });
         }
         let _ = (dtype, row_bytes, acts);
@@ -488,7 +493,7 @@ mod packed_avx2 {
         // Loop-invariant pointers into each activation, hoisted out of the block loop.
         let q: [*const i8; N] = std::array::from_fn(|t| acts[t].q.as_ptr());
         let d: [*const f32; N] = std::array::from_fn(|t| acts[t].d.as_ptr());
-        let sum16: [*const i32; N] = std::array::from_fn(|t| acts[t].sum16.as_ptr());
+        let dsum: [*const f32; N] = std::array::from_fn(|t| acts[t].dsum.as_ptr());
         // Two accumulators per row, for even and odd blocks: two independent FMA chains, so a
         // one-row tile (decode) is not bound by the FMA latency. Every tile width keeps the
         // same two, so a row's result never depends on the width.
@@ -498,7 +503,7 @@ mod packed_avx2 {
         for b in 0..blocks {
             let parity = b & 1;
             // SAFETY: block `b` lies within `row`; the caller checked every activation holds
-            // block `b` (32 quants, one scale, two sums).
+            // block `b` (32 quants, its scale and its d·Σq).
             unsafe {
                 let block = row.as_ptr().add(b * F::BYTES);
                 let scale = f16_at(block, 0);
@@ -506,11 +511,10 @@ mod packed_avx2 {
                 let w = F::weights(block);
                 for t in 0..N {
                     let dx = *d[t].add(b);
-                    let qsum = (*sum16[t].add(2 * b) + *sum16[t].add(2 * b + 1)) as f32;
                     let qx = _mm256_loadu_si256(q[t].add(b * ACT_BLOCK) as *const __m256i);
                     let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(F::products(w, qx), ones));
                     acc[parity][t] = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * dx), acc[parity][t]);
-                    offset[parity][t] += coef * dx * qsum;
+                    offset[parity][t] += coef * *dsum[t].add(b);
                 }
             }
         }
