@@ -6,6 +6,7 @@
 //! and only attention looks at which sequence a row belongs to. Every op computes a row the
 //! same way whatever else is in the step, so batching never changes a sequence's results.
 
+mod activation;
 mod attention;
 pub mod int8_head;
 mod kv_pages;
@@ -380,7 +381,7 @@ impl CpuBackend {
             Op::Mul => zip_map(args[0].value().tensor(), args[1].value().tensor(), |a, b| a * b),
             Op::Scale { factor } => map(args[0].value().tensor(), |a| a * factor),
             Op::Silu => map(args[0].value().tensor(), ops::silu),
-            Op::GeluTanh => map(args[0].value().tensor(), ops::gelu_tanh),
+            Op::GeluTanh => map(args[0].value().tensor(), activation::gelu_tanh),
             Op::LastToken => {
                 let x = args[0].value().tensor();
                 let data = rows.ranges.iter().flat_map(|r| x.row(r.end - 1)).copied().collect();
@@ -409,7 +410,10 @@ impl CpuBackend {
             }
             Op::Glu { act } => {
                 let x = args[0].value().tensor();
-                Tensor::new(vec![x.rows(), x.row_len() / 2], ops::glu(&x.data, x.row_len(), *act))
+                Tensor::new(
+                    vec![x.rows(), x.row_len() / 2],
+                    activation::glu(&x.data, x.row_len(), *act),
+                )
             }
             Op::Elementwise { expr } => {
                 let inputs: Vec<&Tensor> = args.iter().map(|a| a.value().tensor()).collect();
