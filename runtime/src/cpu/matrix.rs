@@ -106,11 +106,7 @@ impl Matrix {
             }),
         }
         if tokens > 1 {
-            for (r, row) in transposed.chunks_exact(tokens).enumerate() {
-                for (t, &v) in row.iter().enumerate() {
-                    out[t * n + r] = v;
-                }
-            }
+            transpose_into(&transposed, n, tokens, out);
         }
     }
 
@@ -188,6 +184,21 @@ fn collect<'a, T: Clone + 'a>(
 
 /// Rows per parallel task: a few tasks per thread (for balance) of at least 16 rows (so the
 /// scheduling cost stays small next to the work).
+/// `out[t·n + r] = src[r·tokens + t]`, in square tiles so both sides stay in cache (a plain
+/// row-by-row transpose strides `out` by a whole row per element).
+fn transpose_into(src: &[f32], n: usize, tokens: usize, out: &mut [f32]) {
+    const TILE: usize = 32;
+    for r0 in (0..n).step_by(TILE) {
+        for t0 in (0..tokens).step_by(TILE) {
+            for r in r0..(r0 + TILE).min(n) {
+                for t in t0..(t0 + TILE).min(tokens) {
+                    out[t * n + r] = src[r * tokens + t];
+                }
+            }
+        }
+    }
+}
+
 fn rows_per_task(rows: usize) -> usize {
     let tasks = rayon::current_num_threads() * 4;
     rows.div_ceil(tasks).max(16)
@@ -217,25 +228,28 @@ mod tests {
 
     #[test]
     fn matmul_matches_reference_for_every_storage() {
-        let (n, k, t) = (70, 64, 3);
-        let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 97) as f32 - 48.0) / 32.0).collect();
-        let x: Vec<f32> = (0..t * k).map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0).collect();
-        let mut want = vec![0f32; t * n];
-        ir::reference::ops::matmul(&x, &w, k, &mut want);
-        let storages = [
-            Storage::F32(w.clone()),
-            Storage::Bf16(w.iter().map(|&v| bf16::from_f32(v)).collect()),
-        ];
-        for storage in storages {
-            let m = Matrix {
-                rows: n,
-                cols: k,
-                storage,
-            };
-            let mut got = vec![f32::NAN; t * n];
-            m.matmul(&x, t, &mut got);
-            for (g, w) in got.iter().zip(&want) {
-                assert!((g - w).abs() < 1e-3 * w.abs().max(1.0), "{g} vs {w}");
+        // 3 tokens, and 40: more than one transpose tile each way (n = 70 is ragged too).
+        for t in [3, 40] {
+            let (n, k) = (70, 64);
+            let w: Vec<f32> = (0..n * k).map(|i| ((i * 7919 % 97) as f32 - 48.0) / 32.0).collect();
+            let x: Vec<f32> = (0..t * k).map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0).collect();
+            let mut want = vec![0f32; t * n];
+            ir::reference::ops::matmul(&x, &w, k, &mut want);
+            let storages = [
+                Storage::F32(w.clone()),
+                Storage::Bf16(w.iter().map(|&v| bf16::from_f32(v)).collect()),
+            ];
+            for storage in storages {
+                let m = Matrix {
+                    rows: n,
+                    cols: k,
+                    storage,
+                };
+                let mut got = vec![f32::NAN; t * n];
+                m.matmul(&x, t, &mut got);
+                for (g, w) in got.iter().zip(&want) {
+                    assert!((g - w).abs() < 1e-3 * w.abs().max(1.0), "{g} vs {w}");
+                }
             }
         }
     }
