@@ -43,6 +43,19 @@ pub(crate) fn width(egraph: &BbcGraph, id: Id) -> Option<usize> {
     ty(egraph, id).shape.last()?.as_const()
 }
 
+/// `(eps, weight_offset)` of the `rms_norm` bound to `norm` when it normalises whole rows of
+/// `x` (one group as wide as the row): the only norms the fused ops take.
+pub(crate) fn full_row_norm(egraph: &BbcGraph, subst: &Subst, norm: &str, x: Id) -> Option<(f64, f32)> {
+    match attr_op(egraph, subst, norm) {
+        Op::RmsNorm {
+            eps,
+            weight_offset,
+            group,
+        } if width(egraph, x) == Some(group) => Some((eps, weight_offset)),
+        _ => None,
+    }
+}
+
 /// The first e-node of `class` whose op satisfies `pick`, with its op.
 pub(crate) fn find_node(egraph: &BbcGraph, class: Id, pick: impl Fn(&Op) -> bool) -> Option<(Node, Op)> {
     egraph[class]

@@ -3,7 +3,7 @@
 //! and a round trip through memory cost more than recomputing the row's scale per tile (GPU
 //! decode); the target's cost model decides. Full-row norms only.
 
-use super::{add_op, attr_op, unite, var, width};
+use super::{add_op, full_row_norm, unite, var};
 use crate::analysis::{BbcGraph, TypeAnalysis};
 use crate::lang::Node;
 use egg::{Applier, Id, Pattern, PatternAst, Rewrite, Subst, Symbol};
@@ -25,18 +25,10 @@ impl Applier<Node, TypeAnalysis> for NormMatMul {
         _: Option<&PatternAst<Node>>,
         _: Symbol,
     ) -> Vec<Id> {
-        let Op::RmsNorm {
-            eps,
-            weight_offset,
-            group,
-        } = attr_op(egraph, subst, "?r")
-        else {
+        let x = var(subst, "?x");
+        let Some((eps, weight_offset)) = full_row_norm(egraph, subst, "?r", x) else {
             return vec![];
         };
-        let x = var(subst, "?x");
-        if width(egraph, x) != Some(group) {
-            return vec![];
-        }
         let fused = add_op(
             egraph,
             &Op::RmsNormMatMul { eps, weight_offset },

@@ -3,7 +3,7 @@
 //! slices of it. One pass over the row instead of writing the sum and reading it back
 //! (the "fused add + RMSNorm" of vLLM and TensorRT-LLM). Applies to full-row norms only.
 
-use super::{add_op, attr_op, unite, var, width};
+use super::{add_op, full_row_norm, unite, var, width};
 use crate::analysis::{BbcGraph, TypeAnalysis};
 use crate::lang::Node;
 use egg::{Applier, Id, MultiPattern, PatternAst, Rewrite, Subst, Symbol};
@@ -27,19 +27,10 @@ impl Applier<Node, TypeAnalysis> for ResidualRmsNorm {
         _: Option<&PatternAst<Node>>,
         _: Symbol,
     ) -> Vec<Id> {
-        let Op::RmsNorm {
-            eps,
-            weight_offset,
-            group,
-        } = attr_op(egraph, subst, "?r")
-        else {
+        let (s, n) = (var(subst, "?s"), var(subst, "?n"));
+        let (Some((eps, weight_offset)), Some(d)) = (full_row_norm(egraph, subst, "?r", s), width(egraph, s)) else {
             return vec![];
         };
-        let (s, n) = (var(subst, "?s"), var(subst, "?n"));
-        let Some(d) = width(egraph, s) else { return vec![] };
-        if group != d {
-            return vec![];
-        }
         let fused = add_op(
             egraph,
             &Op::AddRmsNorm { eps, weight_offset },
