@@ -201,9 +201,9 @@ fn embedding_gathers_and_scales() {
     let (vocab, d) = (11, 13);
     let table = rng.vec(vocab * d);
     let ids = [3i64, 0, 10, 3];
-    let k = embedding::embedding("embed", "test", Ty::F32);
+    let k = embedding::embedding("embed", "test", quant::WeightFormat::Dense(Ty::F32));
     let mut bufs = HashMap::from([
-        ("table".into(), Array::f32(&table)),
+        ("w".into(), Array::f32(&table)),
         ("ids".into(), Array::ints(Ty::I32, &ids)),
         ("out".into(), Array::poisoned(Ty::F32, ids.len() * d)),
     ]);

@@ -4,8 +4,9 @@
 use ir::DType;
 use kernels_gen::dsl::Ty;
 use kernels_gen::emulator::{run, Array, Scalar};
+use kernels_gen::templates::embedding::embedding;
 use kernels_gen::templates::gemv::{gemv, GemvSpec};
-use kernels_gen::templates::quant::{block_layout, embedding_q, WeightFormat};
+use kernels_gen::templates::quant::{block_layout, WeightFormat};
 use kernels_gen::templates::QUANT_FORMATS;
 use models::quant::GgmlType;
 use std::collections::HashMap;
@@ -93,7 +94,7 @@ fn quantized_embedding_gathers_dequantized_rows() {
         let mut table = vec![0f32; rows * d];
         ggml(format).dequantize(&data, &mut table);
         let ids = [rows as i64 - 1, 0, 3];
-        let kernel = embedding_q("embedding_q", "test", format);
+        let kernel = embedding("embedding_q", "test", WeightFormat::Blocks(format));
         let mut bufs = HashMap::from([
             ("w".into(), Array::u8(&data)),
             ("ids".into(), Array::ints(Ty::I32, &ids)),

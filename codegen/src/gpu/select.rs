@@ -156,11 +156,7 @@ pub(crate) fn select(graph: &Graph, layout: CacheLayout) -> Result<Selected, Gpu
                             scalar("d", width(graph, i)),
                             scalar("scale", 1.0),
                         ];
-                        let kernel = match table {
-                            WeightFormat::Dense(ty) => embedding::embedding("embedding", &graph.name, ty),
-                            WeightFormat::Blocks(format) => quant::embedding_q("embedding", &graph.name, format),
-                        };
-                        (kernel, args)
+                        (embedding::embedding("embedding", &graph.name, table), args)
                     }
                     Op::MatMul => {
                         let w = weight_format(graph.node(node.inputs[1]).dtype, i, op.name())?;

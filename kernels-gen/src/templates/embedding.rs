@@ -1,15 +1,17 @@
 //! Embedding gather: `out[t, i] = table[ids[t], i]·scale` (Gemma's √hidden folds in as
-//! `scale`), a thread per element. Ids are checked against the vocabulary by the runtime.
+//! `scale`), a thread per element, from a dense table or one in a GGUF block format (each
+//! element dequantized as the GEMV does). Ids are checked against the vocabulary by the runtime.
 
+use super::quant::WeightFormat;
 use super::{blocks_for, BLOCK};
 use crate::dsl::*;
 
-pub fn embedding(name: &str, origin: &str, table: Ty) -> Kernel {
+pub fn embedding(name: &str, origin: &str, table: WeightFormat) -> Kernel {
     Kernel {
         name: name.into(),
-        origin: format!("{origin}: embedding, {table:?} table"),
+        origin: format!("{origin}: embedding, {} table", table.describe()),
         params: vec![
-            buffer("table", table, false),
+            buffer("w", table.buffer_ty(), false),
             buffer("ids", Ty::I32, false),
             buffer("out", Ty::F32, true),
             scalar("tokens", Ty::I32),
@@ -23,15 +25,15 @@ pub fn embedding(name: &str, origin: &str, table: Ty) -> Kernel {
             let_("e", Ty::I32, bid() * bdim() + tid()),
             if_(
                 bin(BinOp::Lt, var("e"), var("tokens") * var("d")),
-                vec![
-                    let_("t", Ty::I32, var("e") / var("d")),
-                    let_("id", Ty::I32, load("ids", var("t"))),
-                    store(
-                        "out",
-                        var("e"),
-                        load("table", var("id") * var("d") + bin(BinOp::Rem, var("e"), var("d"))) * var("scale"),
-                    ),
-                ],
+                [
+                    vec![
+                        let_("t", Ty::I32, var("e") / var("d")),
+                        let_("id", Ty::I32, load("ids", var("t"))),
+                    ],
+                    table.element("v", var("id"), var("d"), bin(BinOp::Rem, var("e"), var("d"))),
+                    vec![store("out", var("e"), var("v") * var("scale"))],
+                ]
+                .concat(),
             ),
         ],
     }

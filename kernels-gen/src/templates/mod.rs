@@ -99,7 +99,7 @@ pub fn catalog() -> Vec<Kernel> {
         glu::glu("geglu", "catalog", GluAct::GeluTanh),
         rope::rope("rope_rotate_half", "catalog", RopeLayout::RotateHalf, 1.0),
         rope::rope("rope_adjacent_pairs", "catalog", RopeLayout::AdjacentPairs, 1.0),
-        embedding::embedding("embedding_bf16", "catalog", Ty::Bf16),
+        embedding::embedding("embedding_bf16", "catalog", Dense(Ty::Bf16)),
         argmax::argmax("argmax", "catalog"),
         sample::sample("sample", "catalog"),
         int8_head::quantize_h("int8_quantize_h", "catalog"),
@@ -137,7 +137,7 @@ pub fn catalog() -> Vec<Kernel> {
         let name = f.name();
         [
             gemv::gemv(&format!("gemv_{name}"), "catalog", GemvSpec::decode(Blocks(f), 4096)),
-            quant::embedding_q(&format!("embedding_{name}"), "catalog", f),
+            embedding::embedding(&format!("embedding_{name}"), "catalog", Blocks(f)),
         ]
     }))
     .collect()

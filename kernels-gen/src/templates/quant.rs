@@ -8,7 +8,6 @@
 //! 32-element formats also decode a whole block at once (`block_weights`), one lane per block:
 //! its scale (and min or high bits) read once, each nibble byte giving two elements.
 
-use super::{blocks_for, BLOCK};
 use crate::dsl::*;
 use ir::DType;
 
@@ -289,40 +288,5 @@ impl WeightFormat {
                 dequant(format, out, r * (k / int(be)) * int(bb), i)
             }
         }
-    }
-}
-
-/// Embedding gather from a table in a GGUF block format: a thread per output element.
-pub fn embedding_q(name: &str, origin: &str, format: DType) -> Kernel {
-    let (be, bb) = block_layout(format).expect("a block format");
-    Kernel {
-        name: name.into(),
-        origin: format!("{origin}: embedding, {format} table"),
-        params: vec![
-            buffer("w", Ty::U8, false),
-            buffer("ids", Ty::I32, false),
-            buffer("out", Ty::F32, true),
-            scalar("tokens", Ty::I32),
-            scalar("d", Ty::I32),
-            scalar("scale", Ty::F32),
-        ],
-        shared: vec![],
-        block_dim: BLOCK,
-        grid: blocks_for(var("tokens") * var("d"), BLOCK as i64),
-        body: vec![
-            let_("el", Ty::I32, bid() * bdim() + tid()),
-            if_(
-                lt(var("el"), var("tokens") * var("d")),
-                [
-                    vec![
-                        let_("t", Ty::I32, var("el") / var("d")),
-                        let_("row", Ty::I32, load("ids", var("t")) * (var("d") / int(be)) * int(bb)),
-                    ],
-                    dequant(format, "v", var("row"), bin(BinOp::Rem, var("el"), var("d"))),
-                    vec![store("out", var("el"), var("v") * var("scale"))],
-                ]
-                .concat(),
-            ),
-        ],
     }
 }
