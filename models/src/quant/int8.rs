@@ -335,8 +335,12 @@ mod packed_avx2 {
         const BYTES: usize;
         /// The 32 weights in element order: unsigned nibbles for Q4, signed bytes for Q8_0.
         unsafe fn weights(block: *const u8) -> __m256i;
-        /// Pairwise `w·qx` sums as i16 (`pmaddubsw` wants its first operand unsigned).
-        unsafe fn products(w: __m256i, qx: __m256i) -> __m256i;
+        /// Pairwise `w·qx` sums as i16 (`pmaddubsw` wants its first operand unsigned, as the
+        /// 4- and 5-bit formats' weights are).
+        #[inline(always)]
+        unsafe fn products(w: __m256i, qx: __m256i) -> __m256i {
+            _mm256_maddubs_epi16(w, qx)
+        }
         /// What multiplies `dx·Σqx` in the block's contribution, given its scale `d`.
         unsafe fn offset(block: *const u8, d: f32) -> f32;
     }
@@ -373,10 +377,6 @@ mod packed_avx2 {
         unsafe fn weights(block: *const u8) -> __m256i {
             unsafe { nibbles(block.add(2)) }
         }
-        #[inline(always)]
-        unsafe fn products(w: __m256i, qx: __m256i) -> __m256i {
-            _mm256_maddubs_epi16(w, qx)
-        }
         /// Q4_0 stores w + 8: Σ(w − 8)·x = Σw·x − 8·Σx.
         #[inline(always)]
         unsafe fn offset(_: *const u8, d: f32) -> f32 {
@@ -389,10 +389,6 @@ mod packed_avx2 {
         #[inline(always)]
         unsafe fn weights(block: *const u8) -> __m256i {
             unsafe { nibbles(block.add(4)) }
-        }
-        #[inline(always)]
-        unsafe fn products(w: __m256i, qx: __m256i) -> __m256i {
-            _mm256_maddubs_epi16(w, qx)
         }
         /// Q4_1: y = d·w + m.
         #[inline(always)]
@@ -425,10 +421,6 @@ mod packed_avx2 {
         unsafe fn weights(block: *const u8) -> __m256i {
             unsafe { five_bits(block.add(2), block.add(6)) }
         }
-        #[inline(always)]
-        unsafe fn products(w: __m256i, qx: __m256i) -> __m256i {
-            _mm256_maddubs_epi16(w, qx)
-        }
         /// Q5_0 stores w + 16.
         #[inline(always)]
         unsafe fn offset(_: *const u8, d: f32) -> f32 {
@@ -441,10 +433,6 @@ mod packed_avx2 {
         #[inline(always)]
         unsafe fn weights(block: *const u8) -> __m256i {
             unsafe { five_bits(block.add(4), block.add(8)) }
-        }
-        #[inline(always)]
-        unsafe fn products(w: __m256i, qx: __m256i) -> __m256i {
-            _mm256_maddubs_epi16(w, qx)
         }
         /// Q5_1: y = d·w + m.
         #[inline(always)]
