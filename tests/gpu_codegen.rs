@@ -20,6 +20,20 @@ fn serving_graph(model: &Model) -> ir::Graph {
         .graph
 }
 
+/// Whether NVRTC can compile here; without it the test says it skipped, unless CI requires
+/// NVRTC (`BBC_REQUIRE_NVRTC`), where its absence is a failure.
+fn nvrtc_present() -> bool {
+    if codegen::nvrtc::ensure_loaded().is_ok() {
+        return true;
+    }
+    assert!(
+        std::env::var_os("BBC_REQUIRE_NVRTC").is_none(),
+        "BBC_REQUIRE_NVRTC is set but NVRTC is missing"
+    );
+    eprintln!("skipped: NVRTC not installed");
+    false
+}
+
 /// The logits graph alone.
 fn graphs(logits: &ir::Graph) -> codegen::CompiledGraphs<'_> {
     codegen::CompiledGraphs {
@@ -134,12 +148,7 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
 
 #[test]
 fn gpu_artifacts_carry_kernels_ptx_and_plan() {
-    if codegen::nvrtc::ensure_loaded().is_err() {
-        assert!(
-            std::env::var_os("BBC_REQUIRE_NVRTC").is_none(),
-            "BBC_REQUIRE_NVRTC is set but NVRTC is missing"
-        );
-        eprintln!("skipped: NVRTC not installed");
+    if !nvrtc_present() {
         return;
     }
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
@@ -164,12 +173,7 @@ fn gpu_artifacts_carry_kernels_ptx_and_plan() {
 /// every row) and its own compiled kernels, and the graph reads back under the manifest's hash.
 #[test]
 fn gpu_artifacts_carry_the_batched_serving_plan() {
-    if codegen::nvrtc::ensure_loaded().is_err() {
-        assert!(
-            std::env::var_os("BBC_REQUIRE_NVRTC").is_none(),
-            "BBC_REQUIRE_NVRTC is set but NVRTC is missing"
-        );
-        eprintln!("skipped: NVRTC not installed");
+    if !nvrtc_present() {
         return;
     }
     let (model, graph) = fused("smollm2", Target::H200, ComputeDtype::Native);
@@ -255,12 +259,7 @@ fn running_a_gpu_artifact_without_a_driver_says_so() {
         eprintln!("skipped: this machine has a CUDA driver (tests/gpu_runtime.rs runs there)");
         return;
     }
-    if codegen::nvrtc::ensure_loaded().is_err() {
-        assert!(
-            std::env::var_os("BBC_REQUIRE_NVRTC").is_none(),
-            "BBC_REQUIRE_NVRTC is set but NVRTC is missing"
-        );
-        eprintln!("skipped: NVRTC not installed");
+    if !nvrtc_present() {
         return;
     }
     let (model, graph) = fused("smollm2", Target::H200, ComputeDtype::Native);
