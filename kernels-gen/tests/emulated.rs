@@ -12,7 +12,7 @@ use kernels_gen::templates::*;
 use std::collections::HashMap;
 
 mod common;
-use common::{close, ints, run_gemv, Rng};
+use common::{close, ints, run_gemv, run_norm_gemv, Rng};
 
 #[test]
 fn elementwise_matches_expression_semantics() {
@@ -433,25 +433,9 @@ fn rms_norm_prologue_gemv_matches_norm_then_matmul() {
         ops::matmul(&normed, &w, k, &mut want);
         let decode = GemvSpec::decode(quant::WeightFormat::Dense(Ty::F32), k).with_norm(1e-6, 1.0);
         for spec in [decode, decode.prefill()] {
-            let mut bufs = HashMap::from([
-                ("x".into(), Array::f32(&x)),
-                ("g".into(), Array::f32(&g)),
-                ("w".into(), Array::f32(&w)),
-                ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
-            ]);
-            let scalars = ints(&[
-                ("tokens", tokens as i64),
-                ("n", n as i64),
-                ("k", k as i64),
-                ("x_stride", k as i64),
-            ]);
-            run(&gemv::gemv("norm_gemv", "test", spec), &mut bufs, &scalars).unwrap();
-            close(
-                &bufs["out"].to_f32().unwrap(),
-                &want,
-                1e-5,
-                &format!("rms_norm_gemv {spec:?}"),
-            );
+            let kernel = gemv::gemv("norm_gemv", "test", spec);
+            let out = run_norm_gemv(&kernel, &x, Some(&g), Array::f32(&w), (tokens, n, k, k));
+            close(&out.to_f32().unwrap(), &want, 1e-5, &format!("rms_norm_gemv {spec:?}"));
         }
     }
 }

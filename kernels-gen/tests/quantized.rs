@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 mod common;
-use common::{close, ints, run_gemv};
+use common::{close, ints, run_gemv, run_norm_gemv};
 
 fn ggml(format: DType) -> GgmlType {
     match format {
@@ -61,25 +61,9 @@ fn quantized_gemv_matches_dequantize_then_matmul() {
         ir::reference::ops::rms_norm(&x, &g, 1e-6, 1.0, &mut normed);
         ir::reference::ops::matmul(&normed, &w, k, &mut want);
         for spec in [decode.with_norm(1e-6, 1.0), decode.with_norm(1e-6, 1.0).prefill()] {
-            let mut bufs = HashMap::from([
-                ("x".into(), Array::f32(&x)),
-                ("g".into(), Array::f32(&g)),
-                ("w".into(), Array::u8(&data)),
-                ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
-            ]);
-            let scalars = ints(&[
-                ("tokens", tokens as i64),
-                ("n", n as i64),
-                ("k", k as i64),
-                ("x_stride", k as i64),
-            ]);
-            run(&gemv("norm_gemv_q", "test", spec), &mut bufs, &scalars).unwrap();
-            close(
-                &bufs["out"].to_f32().unwrap(),
-                &want,
-                1e-4,
-                &format!("{format} with norm"),
-            );
+            let kernel = gemv("norm_gemv_q", "test", spec);
+            let out = run_norm_gemv(&kernel, &x, Some(&g), Array::u8(&data), (tokens, n, k, k));
+            close(&out.to_f32().unwrap(), &want, 1e-4, &format!("{format} with norm"));
         }
     }
 }

@@ -38,12 +38,26 @@ pub fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
 
 /// Run a GEMV kernel (`gemv::gemv` without the norm prologue) on `x` [tokens, x_stride] and weights `w` of
 /// `n` rows by `k`; its `out` buffer, poisoned before the launch.
-pub fn run_gemv(kernel: &Kernel, x: &[f32], w: Array, (tokens, n, k, x_stride): (usize, usize, usize, usize)) -> Array {
+pub fn run_gemv(kernel: &Kernel, x: &[f32], w: Array, dims: (usize, usize, usize, usize)) -> Array {
+    run_norm_gemv(kernel, x, None, w, dims)
+}
+
+/// `run_gemv` for a GEMV with the RMSNorm prologue too, whose norm weight is `g`.
+pub fn run_norm_gemv(
+    kernel: &Kernel,
+    x: &[f32],
+    g: Option<&[f32]>,
+    w: Array,
+    (tokens, n, k, x_stride): (usize, usize, usize, usize),
+) -> Array {
     let mut bufs = HashMap::from([
         ("x".into(), Array::f32(x)),
         ("w".into(), w),
         ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
     ]);
+    if let Some(g) = g {
+        bufs.insert("g".into(), Array::f32(g));
+    }
     let scalars = ints(&[
         ("tokens", tokens as i64),
         ("n", n as i64),
