@@ -95,7 +95,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     metrics.kv_blocks_total.store(args.kv_blocks as u64, Relaxed);
     let (requests, inbox) = tokio::sync::mpsc::unbounded_channel();
     let positions = args.kv_blocks * args.block_size;
-    match loaded.gpu_plan.clone() {
+    match loaded.gpu_plan.take() {
         Some(plans) => {
             // A GPU artifact: its batched serving plan, with the KV pool sized here.
             let (plan, graph) = plans
