@@ -10,11 +10,11 @@
 //!
 //! `BBC_GPU_TARGET` (h200, b200, rtx-pro-6000; default h200) picks the architecture.
 
-use codegen::gpu::{self, PREFILL_TOKENS};
+use codegen::gpu::{self, expr, PREFILL_TOKENS};
 use codegen::Target;
 use kernels_gen::dsl::{Kernel, Ty};
-use kernels_gen::templates::gemm_mma::gemm_mma_bf16;
 use kernels_gen::templates::gemv::{gemv, GemvSpec};
+use kernels_gen::templates::prefill_gemm_bf16;
 use kernels_gen::templates::quant::WeightFormat;
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use rayon::prelude::*;
@@ -131,7 +131,8 @@ fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
                     GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k).prefill(),
                 )
             },
-            gemm_mma_bf16("gemm", "gpu-check"),
+            // The target's tensor-core GEMM: wgmma on sm_90a, mma.sync elsewhere.
+            prefill_gemm_bf16(arch, k, "gemm", "gpu-check"),
         ];
         let mut device = CudaDevice::compile(&kernels, arch)?;
         let w = device.upload(&random_bf16(n * k, n as u64))?;
@@ -144,12 +145,8 @@ fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
             (64, "gemm"),
             (64, "gemv_prefill"),
         ] {
-            let block = kernels
-                .iter()
-                .find(|kk| kk.name == kernel)
-                .map(|kk| kk.block_dim)
-                .unwrap_or(256);
-            let grid = grid_of(kernel, batch, n);
+            let program = kernels.iter().find(|kk| kk.name == kernel).ok_or("a timed kernel")?;
+            let grid = grid_of(program, batch, n, k)?;
             let args = [
                 DeviceArg::Buffer(&x, 0..64 * k * 4),
                 DeviceArg::Buffer(&w, 0..n * k * 2),
@@ -159,7 +156,7 @@ fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
                 DeviceArg::I32(k as i32),
                 DeviceArg::I32(k as i32),
             ];
-            let seconds = device.time(20, |d| d.launch(kernel, grid, block, &args))?;
+            let seconds = device.time(20, |d| d.launch(kernel, grid, program.block_dim, &args))?;
             let rate = (n * k * 2) as f64 / seconds;
             table += &format!(
                 "| {name} {n}×{k} | {batch} | {kernel} | {:.1} | {:.0} | {:.0}% |\n",
@@ -188,11 +185,15 @@ fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
     Ok(table)
 }
 
-/// Blocks for `kernel` over `batch` tokens and `n` rows, as the templates' grid expressions say.
-fn grid_of(kernel: &str, batch: usize, n: usize) -> u32 {
-    match kernel {
-        "gemm" => (batch.div_ceil(64) * n.div_ceil(64)) as u32,
-        _ => n.div_ceil(8) as u32,
+/// Blocks for `kernel` over `batch` tokens, `n` rows and width `k`: its grid expression.
+fn grid_of(kernel: &Kernel, batch: usize, n: usize, k: usize) -> Result<u32> {
+    let scalars = [("tokens", batch), ("n", n), ("k", k), ("x_stride", k)]
+        .into_iter()
+        .map(|(name, v)| (name, expr::Value::Int(v as i64)))
+        .collect();
+    match expr::eval(&kernels_gen::cuda::grid_expr(kernel), &scalars)? {
+        expr::Value::Int(blocks) => Ok(blocks as u32),
+        other => Err(format!("grid of {}: {other:?}", kernel.name).into()),
     }
 }
 

@@ -55,6 +55,11 @@ fn check(family: &str, dtype: ComputeDtype, target: Target) {
     let context = model.config.context_length.min(256);
     let gpu_graph = fused_for(&graph, target);
     let (plan, kernels) = gpu::build_with_kernels(&gpu_graph, target, 64).unwrap();
+    if dtype == ComputeDtype::Bf16 {
+        // bf16 prefill runs the target's tensor-core GEMM: wgmma on Hopper only.
+        let wgmma = kernels.iter().any(|k| kernels_gen::cuda::required_arch(k).is_some());
+        assert_eq!(wgmma, target == Target::H200, "{family} on {}", target.name());
+    }
     let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], context).unwrap();
     let cpu_graph = passes::optimize(&graph, passes::CostModel::CPU, None)
         .unwrap()
@@ -101,6 +106,7 @@ fn tiny_llama_plans_agree_with_the_cpu_backend() {
         check("llama", ComputeDtype::F32, target);
     }
     check("llama", ComputeDtype::Bf16, Target::H200);
+    check("llama", ComputeDtype::Bf16, Target::B200);
 }
 
 #[test]

@@ -33,6 +33,9 @@ pub struct Resources {
     pub registers: u32,
     pub spill_stores: u32,
     pub spill_loads: u32,
+    /// ptxas's warnings, such as `wgmma` serialised because the compiler touched its
+    /// registers in flight: correct code, lost overlap.
+    pub warnings: Vec<String>,
 }
 
 fn candidate_dirs() -> Vec<PathBuf> {
@@ -166,6 +169,11 @@ pub fn parse_resources(arch: &str, log: &str) -> Option<Resources> {
         registers,
         spill_stores: number_before(spills, "bytes spill stores")?,
         spill_loads: number_before(spills, "bytes spill loads")?,
+        warnings: log
+            .lines()
+            .filter(|l| l.starts_with("ptxas warning"))
+            .map(str::to_string)
+            .collect(),
     })
 }
 
@@ -193,14 +201,15 @@ mod tests {
 
     #[test]
     fn parses_the_ptxas_report() {
-        let log = "ptxas info    : Compiling entry function 'k' for 'sm_90a'\nptxas info    : Function properties for k\n    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\nptxas info    : Used 16 registers, used 0 barriers, 360 bytes cmem[0]\n";
+        let log = "ptxas info    : Compiling entry function 'k' for 'sm_90a'\nptxas info    : Function properties for k\n    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\nptxas info    : Used 16 registers, used 0 barriers, 360 bytes cmem[0]\nptxas warning : something slow\n";
         assert_eq!(
             parse_resources("sm_90a", log),
             Some(Resources {
                 arch: "sm_90a".into(),
                 registers: 16,
                 spill_stores: 0,
-                spill_loads: 0
+                spill_loads: 0,
+                warnings: vec!["ptxas warning : something slow".into()],
             })
         );
         assert_eq!(parse_resources("sm_90a", "nothing"), None);

@@ -30,6 +30,29 @@ static __device__ __forceinline__ float bbc_f16_to_f32(unsigned int h) {
 }
 "#;
 
+const ASYNC_HELPERS: &str = r#"// 16 bytes global -> shared without registers (cp.async.cg), or 16 zero bytes when !valid
+// (then nothing is read: the source may be past the end of its buffer).
+static __device__ __forceinline__ void bbc_cp_async_16(void* dst, const void* src, bool valid) {
+    const unsigned int shared_dst = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(shared_dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+"#;
+
+const WGMMA_HELPERS: &str = r#"// A wgmma shared-memory descriptor without swizzling: start address, leading (K) and stride
+// (M/N) byte offsets, each encoded as (x & 0x3ffff) >> 4.
+static __device__ __forceinline__ unsigned long long bbc_wgmma_desc(const void* start, unsigned int lbo, unsigned int sbo) {
+    const unsigned long long address = (unsigned long long)__cvta_generic_to_shared(start);
+    return ((address & 0x3ffffull) >> 4) | ((unsigned long long)((lbo & 0x3ffffu) >> 4) << 16)
+        | ((unsigned long long)((sbo & 0x3ffffu) >> 4) << 32);
+}
+"#;
+
+/// The architecture a kernel needs beyond what every target has: `wgmma` exists on sm_90a
+/// only (Blackwell replaced it with `tcgen05`).
+pub fn required_arch(kernel: &Kernel) -> Option<&'static str> {
+    any_stmt(&kernel.body, &|s| matches!(s, Stmt::Wgmma(_))).then_some("sm_90a")
+}
+
 pub fn emit(kernel: &Kernel) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "// bbc kernel `{}`", kernel.name);
@@ -49,6 +72,14 @@ pub fn emit(kernel: &Kernel) -> String {
     }
     if uses_op(&kernel.body, UnOp::HalfToFloat) {
         let _ = writeln!(out, "{F16_HELPER}");
+    }
+    let copies_async = any_stmt(&kernel.body, &|s| matches!(s, Stmt::CpAsync(_)));
+    if copies_async {
+        let _ = writeln!(out, "{ASYNC_HELPERS}");
+    }
+    let uses_wgmma = required_arch(kernel).is_some();
+    if uses_wgmma {
+        let _ = writeln!(out, "{WGMMA_HELPERS}");
     }
     let params: Vec<String> = kernel
         .params
@@ -74,8 +105,14 @@ pub fn emit(kernel: &Kernel) -> String {
         kernel.name,
         params.join(",\n    ")
     );
+    // cp.async destinations and wgmma operands must start 16-byte aligned.
+    let align = if copies_async || uses_wgmma {
+        "__align__(16) "
+    } else {
+        ""
+    };
     for a in &kernel.shared {
-        let _ = writeln!(out, "    __shared__ {} {}[{}];", a.ty, a.name, a.len);
+        let _ = writeln!(out, "    __shared__ {align}{} {}[{}];", a.ty, a.name, a.len);
     }
     let mut scope = Scope::of(kernel);
     block(&mut out, &kernel.body, &mut scope, 1);
@@ -110,21 +147,25 @@ fn uses_op(body: &[Stmt], op: UnOp) -> bool {
     })
 }
 
+/// Whether any statement of `body`, nested ones included, satisfies `pred`.
+fn any_stmt(body: &[Stmt], pred: &dyn Fn(&Stmt) -> bool) -> bool {
+    body.iter().any(|s| {
+        pred(s)
+            || match s {
+                Stmt::For { body, .. } => any_stmt(body, pred),
+                Stmt::If { then, otherwise, .. } => any_stmt(then, pred) || any_stmt(otherwise, pred),
+                _ => false,
+            }
+    })
+}
+
 fn uses_bf16(kernel: &Kernel) -> bool {
-    fn has_mma(body: &[Stmt]) -> bool {
-        body.iter().any(|s| match s {
-            Stmt::MmaBf16(_) => true,
-            Stmt::For { body, .. } => has_mma(body),
-            Stmt::If { then, otherwise, .. } => has_mma(then) || has_mma(otherwise),
-            _ => false,
-        })
-    }
     kernel
         .params
         .iter()
         .any(|p| matches!(p, Param::Buffer { ty: Ty::Bf16, .. }))
         || kernel.shared.iter().any(|a| a.ty == Ty::Bf16)
-        || has_mma(&kernel.body)
+        || any_stmt(&kernel.body, &|s| matches!(s, Stmt::MmaBf16(_) | Stmt::Wgmma(_)))
 }
 
 fn indent(out: &mut String, depth: usize) {
@@ -205,11 +246,85 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
                 );
             }
             Stmt::LoadVec { buf, index, names } => vector_load(out, buf, &expr(index, scope), names, scope, depth),
+            Stmt::CpAsync(c) => {
+                let (src, valid) = (&c.src, expr(&c.valid, scope));
+                let _ = writeln!(
+                    out,
+                    "bbc_cp_async_16(&{}[{}], ({valid}) ? (const void*)({src} + ({})) : (const void*){src}, {valid});",
+                    c.dst,
+                    expr(&c.dst_index, scope),
+                    expr(&c.src_index, scope),
+                );
+            }
+            Stmt::CpAsyncCommit => out.push_str("asm volatile(\"cp.async.commit_group;\\n\" ::: \"memory\");\n"),
+            Stmt::CpAsyncWait(n) => {
+                let _ = writeln!(out, "asm volatile(\"cp.async.wait_group {n};\\n\" ::: \"memory\");");
+            }
+            Stmt::FenceProxyAsync => {
+                out.push_str("asm volatile(\"fence.proxy.async.shared::cta;\\n\" ::: \"memory\");\n")
+            }
+            Stmt::WgmmaFence => out.push_str("asm volatile(\"wgmma.fence.sync.aligned;\\n\" ::: \"memory\");\n"),
+            Stmt::WgmmaCommit => {
+                out.push_str("asm volatile(\"wgmma.commit_group.sync.aligned;\\n\" ::: \"memory\");\n")
+            }
+            Stmt::WgmmaWait(n) => {
+                let _ = writeln!(
+                    out,
+                    "asm volatile(\"wgmma.wait_group.sync.aligned {n};\\n\" ::: \"memory\");"
+                );
+            }
+            Stmt::Wgmma(w) => wgmma(out, w, scope, depth),
             Stmt::Comment(c) => {
                 let _ = writeln!(out, "// {c}");
             }
         }
     }
+}
+
+/// One `wgmma.mma_async` with A from registers (packed to bf16 pairs) and B through a
+/// descriptor; the accumulators are read-write operands. scale-d is 1 (accumulate), so is
+/// the scale of A and B; imm-trans-b is 0 (B is K-major).
+fn wgmma(out: &mut String, w: &WgmmaOp, scope: &Scope, depth: usize) {
+    let accumulators = w.d.len();
+    let registers = |from: usize, count: usize| (from..from + count).map(|i| format!("%{i}")).collect::<Vec<_>>();
+    let pad = "    ".repeat(depth);
+    let d_list = registers(0, accumulators)
+        .chunks(8)
+        .map(|c| c.join(", "))
+        .collect::<Vec<_>>()
+        .join(&format!(",\\n\"\n{pad}    \""));
+    let a_list = registers(accumulators, 4).join(", ");
+    let (desc, one) = (accumulators + 4, accumulators + 5);
+    let _ = writeln!(
+        out,
+        "asm volatile(\"{{\\n.reg .pred scale_d;\\nsetp.ne.b32 scale_d, %{one}, 0;\\n\""
+    );
+    let _ = writeln!(
+        out,
+        "{pad}    \"wgmma.mma_async.sync.aligned.m64n{}k16.f32.bf16.bf16 {{{d_list}}},\\n\"",
+        w.n
+    );
+    let _ = writeln!(out, "{pad}    \"{{{a_list}}}, %{desc}, scale_d, 1, 1, 0;\\n}}\\n\"");
+    let d_operands =
+        w.d.chunks(8)
+            .map(|c| c.iter().map(|d| format!("\"+f\"({d})")).collect::<Vec<_>>().join(", "))
+            .collect::<Vec<_>>()
+            .join(&format!(",\n{pad}      "));
+    let _ = writeln!(out, "{pad}    : {d_operands}");
+    let a = &w.a;
+    let _ = writeln!(
+        out,
+        "{pad}    : \"r\"(bbc_pack_bf16x2({}, {})), \"r\"(bbc_pack_bf16x2({}, {})), \"r\"(bbc_pack_bf16x2({}, {})), \"r\"(bbc_pack_bf16x2({}, {})),",
+        a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
+    );
+    let _ = writeln!(
+        out,
+        "{pad}      \"l\"(bbc_wgmma_desc(&{}[{}], {}u, {}u)), \"r\"(1));",
+        w.b.array,
+        expr(&w.b.start, scope),
+        w.b.lbo,
+        w.b.sbo
+    );
 }
 
 /// One aligned 4/8/16-byte load into a CUDA vector, then its lanes as f32 locals (a bf16 is

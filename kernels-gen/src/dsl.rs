@@ -145,7 +145,72 @@ pub enum Stmt {
         index: Expr,
         names: Vec<String>,
     },
+    /// `cp.async.cg.shared.global` (sm_80 and later): copy 16 bytes (8 bf16) from the global
+    /// `src[src_index..+8]` to the shared `dst[dst_index..+8]` without passing through
+    /// registers, or 16 zero bytes when `valid` is false. The copy lands at a later
+    /// `CpAsyncWait`; until then the destination must not be touched. Both indices are
+    /// multiples of 8 (16-byte aligned).
+    CpAsync(Box<AsyncCopy>),
+    /// `cp.async.commit_group`: the thread's copies issued since the last commit form a group.
+    CpAsyncCommit,
+    /// `cp.async.wait_group n`: wait until at most `n` of the thread's newest groups are still
+    /// in flight (other threads see the data after the next barrier).
+    CpAsyncWait(u32),
+    /// `fence.proxy.async.shared::cta`: makes this thread's shared-memory writes (stores and
+    /// landed `cp.async`) visible to the async proxy that `wgmma` reads through; each writer
+    /// runs it before the barrier that precedes the `wgmma`.
+    FenceProxyAsync,
+    /// `wgmma.fence.sync.aligned`: orders the warpgroup's register accesses before its next
+    /// `wgmma` (needed before the first one and after the accumulators were touched).
+    WgmmaFence,
+    /// `wgmma.mma_async` (sm_90a only): see `WgmmaOp`. Asynchronous: its registers and shared
+    /// operand must not be touched until a `WgmmaWait` retires its group.
+    Wgmma(Box<WgmmaOp>),
+    /// `wgmma.commit_group.sync.aligned`: the warpgroup's uncommitted `wgmma`s form a group.
+    WgmmaCommit,
+    /// `wgmma.wait_group.sync.aligned n`: wait until at most `n` groups are in flight.
+    WgmmaWait(u32),
     Comment(String),
+}
+
+/// One `cp.async` of 16 bytes (see `Stmt::CpAsync`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AsyncCopy {
+    pub dst: String,
+    pub dst_index: Expr,
+    pub src: String,
+    pub src_index: Expr,
+    pub valid: Expr,
+}
+
+/// A K-major bf16 operand in shared memory without swizzling, as a `wgmma` descriptor sees
+/// it: 8×8 "core matrices" (8 rows of 16 bytes, 128 contiguous bytes); element (row, k) of
+/// the operand sits at `start + (row / 8)·sbo + (k / 8)·lbo + (row % 8)·8 + k % 8` elements,
+/// with `lbo`/`sbo` the descriptor's leading/stride byte offsets given here in bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SmemMatrix {
+    pub array: String,
+    /// First element, a multiple of 8 (the descriptor's address is 16-byte aligned).
+    pub start: Expr,
+    /// Bytes between core matrices adjacent along K.
+    pub lbo: u32,
+    /// Bytes between core matrices adjacent along M/N (8-row groups).
+    pub sbo: u32,
+}
+
+/// `wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16` with A in registers: the warpgroup
+/// (4 consecutive warps, 128 threads) multiplies a 64×16 A by a 16×N B into a 64×N f32
+/// accumulator, `d += a·b`. Warp w of the group holds rows 16w..16w+16 of A and D. Per lane
+/// (g = lane / 4, t = lane % 4, rows relative to 16w): `a` is laid out as `mma.sync`'s A
+/// (see `Stmt::MmaBf16`); `d[4j..4j+2]` = D[g][8j+2t, +1], `d[4j+2..4j+4]` = D[g+8][8j+2t, +1].
+/// B comes from shared memory: B[k][col] is element (col, k) of `b`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WgmmaOp {
+    pub n: u32,
+    pub a: [String; 8],
+    pub b: SmemMatrix,
+    /// N/2 f32 accumulator locals.
+    pub d: Vec<String>,
 }
 
 /// The fragment locals of one `mma.sync` (see `Stmt::MmaBf16`).

@@ -16,6 +16,8 @@ pub enum TypeError {
 pub struct Scope {
     pub vars: HashMap<String, Ty>,
     pub arrays: HashMap<String, (Ty, bool)>,
+    /// Which arrays are shared memory (the rest are global buffers).
+    pub shared: std::collections::HashSet<String>,
 }
 
 impl Scope {
@@ -33,6 +35,7 @@ impl Scope {
         }
         for a in &kernel.shared {
             s.arrays.insert(a.name.clone(), (a.ty, true));
+            s.shared.insert(a.name.clone());
         }
         s
     }
@@ -96,6 +99,25 @@ impl Scope {
                 self.type_of(a)?
             }
         })
+    }
+
+    /// `name` is an array in shared memory (`true`) or a global buffer, of bf16 elements.
+    fn bf16_array(&self, name: &str, shared: bool) -> Result<(), String> {
+        let place = if shared { "shared" } else { "global" };
+        match self.arrays.get(name) {
+            Some((Ty::Bf16, _)) if self.shared.contains(name) == shared => Ok(()),
+            _ => Err(format!("`{name}` must be a {place} bf16 array")),
+        }
+    }
+
+    fn f32_locals<'a>(&self, what: &str, names: impl IntoIterator<Item = &'a String>) -> Result<(), String> {
+        for name in names {
+            match self.vars.get(name) {
+                Some(Ty::F32) => {}
+                other => return Err(format!("{what} `{name}` must be an f32 local, is {other:?}")),
+            }
+        }
+        Ok(())
     }
 
     fn int(&self, e: &Expr) -> Result<(), String> {
@@ -182,11 +204,36 @@ fn check_block_declaring<'a>(
                 check_block(then, &mut scope.clone())?;
                 check_block(otherwise, &mut scope.clone())?;
             }
-            Stmt::MmaBf16(m) => {
-                for name in m.a.iter().chain(&m.b).chain(&m.c) {
-                    match scope.vars.get(name) {
-                        Some(Ty::F32) => {}
-                        other => return Err(format!("mma fragment `{name}` must be an f32 local, is {other:?}")),
+            Stmt::MmaBf16(m) => scope.f32_locals("mma fragment", m.a.iter().chain(&m.b).chain(&m.c))?,
+            Stmt::CpAsync(c) => {
+                scope.bf16_array(&c.dst, true)?;
+                scope.bf16_array(&c.src, false)?;
+                scope.int(&c.dst_index)?;
+                scope.int(&c.src_index)?;
+                if scope.type_of(&c.valid)? != Ty::Bool {
+                    return Err("cp.async needs a bool `valid`".into());
+                }
+            }
+            Stmt::Wgmma(w) => {
+                if w.n == 0 || w.n > 256 || w.n % 8 != 0 {
+                    return Err(format!("wgmma with N = {} (8..=256, a multiple of 8)", w.n));
+                }
+                if w.d.len() != w.n as usize / 2 {
+                    return Err(format!(
+                        "wgmma N = {} needs {} accumulators, has {}",
+                        w.n,
+                        w.n / 2,
+                        w.d.len()
+                    ));
+                }
+                scope.f32_locals("wgmma operand", w.a.iter().chain(&w.d))?;
+                scope.bf16_array(&w.b.array, true)?;
+                scope.int(&w.b.start)?;
+                for (what, bytes) in [("leading", w.b.lbo), ("stride", w.b.sbo)] {
+                    if bytes % 16 != 0 || bytes >= 1 << 18 {
+                        return Err(format!(
+                            "wgmma {what} byte offset {bytes} (a multiple of 16 below 2^18)"
+                        ));
                     }
                 }
             }
@@ -211,7 +258,14 @@ fn check_block_declaring<'a>(
                     scope.vars.insert(name.clone(), Ty::F32);
                 }
             }
-            Stmt::SyncThreads | Stmt::Comment(_) => {}
+            Stmt::SyncThreads
+            | Stmt::CpAsyncCommit
+            | Stmt::CpAsyncWait(_)
+            | Stmt::FenceProxyAsync
+            | Stmt::WgmmaFence
+            | Stmt::WgmmaCommit
+            | Stmt::WgmmaWait(_)
+            | Stmt::Comment(_) => {}
         }
     }
     Ok(())

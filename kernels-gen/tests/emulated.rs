@@ -5,7 +5,7 @@
 use half::bf16;
 use ir::reference::ops;
 use ir::{GluAct, RopeLayout, RopeSpec};
-use kernels_gen::dsl::Ty;
+use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::emulator::{run, Array, Scalar};
 use kernels_gen::templates::gemv::GemvSpec;
 use kernels_gen::templates::*;
@@ -440,23 +440,17 @@ fn rms_norm_prologue_gemv_matches_norm_then_matmul() {
     }
 }
 
-#[test]
-fn tensor_core_gemm_matches_reference_on_bf16_inputs() {
-    let mut rng = Rng(12);
-    // One tile, ragged edges, several tiles each way with a ragged K step.
-    for (tokens, n, k) in [
-        (16, 8, 16),
-        (20, 13, 40),
-        (3, 70, 100),
-        (33, 9, 16),
-        (64, 64, 32),
-        (130, 70, 72),
-    ] {
-        let (x, w) = (rng.vec(tokens * k), rng.vec(n * k));
+/// Run a prefill GEMM kernel on `(tokens, n, k)` shapes with activations `pad` columns wider
+/// than `k` and compare with the reference on bf16-rounded inputs.
+fn gemm_matches_reference(kernel: &Kernel, shapes: &[(usize, usize, usize)], pad: usize, seed: u64) {
+    let mut rng = Rng(seed);
+    for &(tokens, n, k) in shapes {
+        let x_stride = k + pad;
+        let (x, w) = (rng.vec(tokens * x_stride), rng.vec(n * k));
         let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+        let dense_x: Vec<f32> = x.chunks(x_stride).flat_map(|row| round(&row[..k])).collect();
         let mut want = vec![0f32; tokens * n];
-        ops::matmul(&round(&x), &round(&w), k, &mut want);
-        let kernel = gemm_mma::gemm_mma_bf16("gemm", "test");
+        ops::matmul(&dense_x, &round(&w), k, &mut want);
         let mut bufs = HashMap::from([
             ("x".into(), Array::f32(&x)),
             (
@@ -466,18 +460,54 @@ fn tensor_core_gemm_matches_reference_on_bf16_inputs() {
             ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
         ]);
         run(
-            &kernel,
+            kernel,
             &mut bufs,
             &ints(&[
                 ("tokens", tokens as i64),
                 ("n", n as i64),
                 ("k", k as i64),
-                ("x_stride", k as i64),
+                ("x_stride", x_stride as i64),
             ]),
         )
-        .unwrap();
-        close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "mma gemm");
+        .unwrap_or_else(|e| panic!("{tokens}×{n}×{k}: {e}"));
+        close(
+            &bufs["out"].to_f32().unwrap(),
+            &want,
+            1e-5,
+            &format!("{} {tokens}×{n}×{k}", kernel.name),
+        );
     }
+}
+
+#[test]
+fn tensor_core_gemm_matches_reference_on_bf16_inputs() {
+    // One tile, ragged edges, several tiles each way with a ragged K step.
+    let shapes = [
+        (16, 8, 16),
+        (20, 13, 40),
+        (3, 70, 100),
+        (33, 9, 16),
+        (64, 64, 32),
+        (130, 70, 72),
+    ];
+    gemm_matches_reference(&gemm_mma::gemm_mma_bf16("gemm", "test"), &shapes, 0, 12);
+    gemm_matches_reference(&gemm_mma::gemm_mma_bf16("gemm", "test"), &shapes[1..3], 3, 14);
+}
+
+#[test]
+fn hopper_wgmma_gemm_matches_reference_on_bf16_inputs() {
+    // K a multiple of 8 (the kernel's contract): one k step and one tile, ragged tokens and
+    // rows, a ragged last k step, several tiles each way, and K past two pipeline stages.
+    let shapes = [
+        (16, 8, 16),
+        (20, 13, 40),
+        (3, 70, 104),
+        (64, 128, 64),
+        (130, 140, 200),
+        (70, 260, 136),
+    ];
+    gemm_matches_reference(&gemm_wgmma::gemm_wgmma_bf16("gemm", "test"), &shapes, 0, 15);
+    gemm_matches_reference(&gemm_wgmma::gemm_wgmma_bf16("gemm", "test"), &shapes[1..3], 5, 16);
 }
 
 /// A paged cache (blocks scattered through a pool by a block table) gives the same attention

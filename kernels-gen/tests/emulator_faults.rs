@@ -194,3 +194,113 @@ fn an_mma_with_inactive_lanes_is_reported() {
     ));
     assert!(fault(&kernel(body, vec![]), 64).contains("whole warp"));
 }
+
+/// A complete cp.async → wgmma program (one warpgroup, B of 16×8 from shared memory), each
+/// step labelled so a test can drop or add one.
+fn wgmma_program() -> Vec<(&'static str, Stmt)> {
+    let a: [String; 8] = std::array::from_fn(|i| format!("a{i}"));
+    let d: Vec<String> = (0..4).map(|i| format!("d{i}")).collect();
+    let mut steps = vec![(
+        "copy",
+        Stmt::CpAsync(Box::new(AsyncCopy {
+            dst: "ws".into(),
+            dst_index: tid() * int(8),
+            src: "w".into(),
+            src_index: tid() * int(8),
+            valid: Expr::Bool(true),
+        })),
+    )];
+    steps.extend([
+        ("commit", Stmt::CpAsyncCommit),
+        ("wait", Stmt::CpAsyncWait(0)),
+        ("proxy fence", Stmt::FenceProxyAsync),
+        ("barrier", Stmt::SyncThreads),
+    ]);
+    steps.extend(a.iter().map(|n| ("a", let_(n, Ty::F32, f(1.0)))));
+    steps.extend(d.iter().map(|n| ("d", let_(n, Ty::F32, f(0.0)))));
+    steps.extend([
+        ("wgmma fence", Stmt::WgmmaFence),
+        (
+            "wgmma",
+            Stmt::Wgmma(Box::new(WgmmaOp {
+                n: 8,
+                a,
+                b: SmemMatrix {
+                    array: "ws".into(),
+                    start: int(0),
+                    lbo: 128,
+                    sbo: 256,
+                },
+                d: d.clone(),
+            })),
+        ),
+        ("wgmma commit", Stmt::WgmmaCommit),
+        ("wgmma wait", Stmt::WgmmaWait(0)),
+    ]);
+    steps.extend(
+        d.iter()
+            .enumerate()
+            .map(|(j, n)| ("store", store("out", tid() * int(4) + int(j as i64), var(n)))),
+    );
+    steps
+}
+
+fn run_wgmma(steps: Vec<(&'static str, Stmt)>) -> Result<Vec<f32>, String> {
+    let k = Kernel {
+        name: "k".into(),
+        origin: "test".into(),
+        params: vec![buffer("w", Ty::Bf16, false), buffer("out", Ty::F32, true)],
+        shared: vec![SharedArray {
+            name: "ws".into(),
+            ty: Ty::Bf16,
+            len: 1024,
+        }],
+        block_dim: 128,
+        grid: int(1),
+        body: steps.into_iter().map(|(_, s)| s).collect(),
+    };
+    let mut bufs = HashMap::from([
+        ("w".into(), Array::bf16(&[half::bf16::from_f32(0.5); 1024])),
+        ("out".into(), Array::poisoned(Ty::F32, 512)),
+    ]);
+    match run(&k, &mut bufs, &HashMap::new()) {
+        Ok(()) => Ok(bufs["out"].to_f32().unwrap()),
+        Err(EmuError::Fault { message, .. }) => Err(message),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+fn without(label: &str) -> Vec<(&'static str, Stmt)> {
+    wgmma_program().into_iter().filter(|(l, _)| *l != label).collect()
+}
+
+#[test]
+fn the_complete_wgmma_program_runs() {
+    // Every product is 1 · 0.5 summed over k = 16.
+    assert_eq!(run_wgmma(wgmma_program()).unwrap(), vec![8.0; 512]);
+}
+
+#[test]
+fn async_copy_and_wgmma_races_are_reported() {
+    for (dropped, expected) in [
+        ("wait", "while a cp.async into it is in flight"),
+        ("proxy fence", "without fence.proxy.async"),
+        ("barrier", "without a __syncthreads()"),
+        ("wgmma fence", "without a wgmma.fence"),
+        ("wgmma wait", "while a wgmma using it is in flight"),
+    ] {
+        let message = run_wgmma(without(dropped)).unwrap_err();
+        assert!(message.contains(expected), "without `{dropped}`: {message}");
+    }
+}
+
+#[test]
+fn overwriting_a_wgmma_operand_in_flight_is_reported() {
+    let mut steps = without("wgmma wait");
+    let at = steps.iter().position(|(l, _)| *l == "wgmma commit").unwrap() + 1;
+    // A barrier does not retire the wgmma: only its wait does.
+    steps.insert(at, ("barrier", Stmt::SyncThreads));
+    steps.insert(at + 1, ("overwrite", store("ws", tid(), f(0.0))));
+    let message = run_wgmma(steps).unwrap_err();
+    assert!(message.contains("while a wgmma reading it is in flight"), "{message}");
+}

@@ -232,7 +232,7 @@ fn build_program(
         Some(_) => kernels_gen::templates::cache_layout::CacheLayout::Batched,
         None => kernels_gen::templates::cache_layout::CacheLayout::Contiguous,
     };
-    let selected = select::select(graph, layout)?;
+    let selected = select::select(graph, layout, target.cuda_arch().unwrap_or_default())?;
     // One file per distinct kernel source, named in order of first use.
     let mut kernels: Vec<(Kernel, String)> = Vec::new();
     let mut launches = Vec::new();

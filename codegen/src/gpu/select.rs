@@ -6,7 +6,7 @@ use ir::{DType, Expr as IrExpr, Graph, InputKind, Op};
 use kernels_gen::dsl::Kernel;
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::quant::WeightFormat;
-use kernels_gen::templates::*;
+use kernels_gen::templates::{self, *};
 use std::collections::BTreeMap;
 
 pub(crate) struct Selected {
@@ -51,7 +51,7 @@ fn as_expr(op: &Op) -> Option<IrExpr> {
 }
 
 /// Kernels and arguments for every node, attention and KV appends in cache `layout`.
-pub(crate) fn select(graph: &Graph, layout: CacheLayout) -> Result<Selected, GpuCodegenError> {
+pub(crate) fn select(graph: &Graph, layout: CacheLayout, arch: &str) -> Result<Selected, GpuCodegenError> {
     let mut s = Selected {
         launches: Vec::new(),
         views: BTreeMap::new(),
@@ -441,15 +441,15 @@ pub(crate) fn select(graph: &Graph, layout: CacheLayout) -> Result<Selected, Gpu
                         None => return Err(unsupported("no GPU template yet".into())),
                     },
                 };
-                // bf16 matmuls have a tensor-core GEMM for prefill steps; other GEMVs carry
-                // several tokens per pass over the weights there.
+                // bf16 matmuls have a tensor-core GEMM for prefill steps (chosen per target);
+                // other GEMVs carry several tokens per pass over the weights there.
                 let prefill = match (
                     op,
                     WeightFormat::of(graph.node(node.inputs.last().copied().unwrap_or(ir::NodeId(i))).dtype),
                 ) {
-                    (Op::MatMul, Some(WeightFormat::Dense(kernels_gen::dsl::Ty::Bf16))) => {
-                        Some(gemm_mma::gemm_mma_bf16("gemm", &graph.name))
-                    }
+                    (Op::MatMul, Some(WeightFormat::Dense(kernels_gen::dsl::Ty::Bf16))) => Some(
+                        templates::prefill_gemm_bf16(arch, width(graph, input(0)), "gemm", &graph.name),
+                    ),
                     _ => gemv_prefill,
                 };
                 s.launches.push((i, kernel, prefill, args));

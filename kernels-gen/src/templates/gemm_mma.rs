@@ -11,14 +11,12 @@
 //! of the other operand instead of once per 16×8 `mma` tile. Blocks run along the token tiles
 //! first, so consecutive blocks read the same weight tile (it stays in L2).
 //!
-//! Per target: `mma.sync` is the warp-level tensor-core instruction sm_90a, sm_100a and sm_120a
-//! all run, and one tile shape serves them: 10 KiB of shared memory and 128 threads fit several
-//! blocks per SM on each (sm_120a allows 99 KiB a block, Hopper and B200 227 KiB), and prefill
-//! chunks of up to 512 tokens over 576..4096-row weights give enough tiles to fill 132-170 SMs.
-//! Hopper's `wgmma` (sm_90a) and Blackwell's `tcgen05` (sm_100a) reach higher peaks on larger
-//! tiles, but need shared-memory operand descriptors and asynchronous copy pipelines
-//! (`cp.async`/TMA) that the DSL and its emulator do not model yet, so they are not generated;
-//! decode is a memory-bound GEMV on every target and gains nothing from them.
+//! Per target (see `prefill_gemm_bf16`): `mma.sync` is the warp-level tensor-core instruction
+//! sm_90a, sm_100a and sm_120a all run; it serves sm_100a and sm_120a, and sm_90a where `k` is
+//! not a multiple of 8 (Hopper otherwise gets `gemm_wgmma`). One tile shape serves them:
+//! 10 KiB of shared memory and 128 threads fit several blocks per SM on each (sm_120a allows
+//! 99 KiB a block, B200 227 KiB), and prefill chunks of up to 512 tokens over 576..4096-row
+//! weights give enough tiles to fill 132-170 SMs.
 
 use crate::dsl::*;
 

@@ -7,6 +7,7 @@ pub mod cache_layout;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm_mma;
+pub mod gemm_wgmma;
 pub mod gemv;
 pub mod glu;
 pub mod int8_head;
@@ -17,6 +18,28 @@ pub mod rope;
 pub mod sample;
 
 use crate::dsl::*;
+
+/// The prefill GEMM (bf16 weights) for CUDA architecture `arch` and reduction width `k`.
+///
+/// What each target gets, and why:
+/// - **sm_90a (H100/H200)**: `wgmma` fed by a `cp.async` pipeline (`gemm_wgmma`). `mma.sync`
+///   reaches only part of Hopper's tensor-core peak; `wgmma` is the instruction that reaches
+///   it, reading B straight from shared memory. It needs `k` to be a multiple of 8 (16-byte
+///   copies inside one row), as every model dimension is; other shapes keep `mma.sync`.
+/// - **sm_100a (B200)**: `mma.sync` (`gemm_mma`). Blackwell dropped `wgmma`; its `tcgen05`
+///   MMA keeps accumulators in tensor memory, which takes `tcgen05.alloc`, completion through
+///   mbarriers and `tcgen05.ld` back to registers — none of which the DSL or its emulator
+///   model yet, and generating it unverified would trade a known-correct kernel for an
+///   unchecked one. Decode, the latency that serving feels, is a GEMV on every target.
+/// - **sm_120a (RTX PRO 6000)**: `mma.sync` (`gemm_mma`): consumer Blackwell has neither
+///   `wgmma` nor `tcgen05`; `mma.sync` is its tensor-core instruction.
+pub fn prefill_gemm_bf16(arch: &str, k: usize, name: &str, origin: &str) -> Kernel {
+    if arch == "sm_90a" && k.is_multiple_of(8) {
+        gemm_wgmma::gemm_wgmma_bf16(name, origin)
+    } else {
+        gemm_mma::gemm_mma_bf16(name, origin)
+    }
+}
 
 /// Threads per block for the row-parallel kernels: 8 warps.
 pub const BLOCK: u32 = 256;
@@ -113,6 +136,7 @@ pub fn catalog() -> Vec<Kernel> {
         attention::attention_with("attention_batched", "catalog", cache_layout::CacheLayout::Batched),
         kv_append::kv_append_with("kv_append_batched", "catalog", cache_layout::CacheLayout::Batched),
         gemm_mma::gemm_mma_bf16("gemm_mma_bf16", "catalog"),
+        gemm_wgmma::gemm_wgmma_bf16("gemm_wgmma_bf16", "catalog"),
         gemv::gemv(
             "rms_norm_gemv_bf16",
             "catalog",

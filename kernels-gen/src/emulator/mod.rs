@@ -8,8 +8,11 @@
 //! and overwriting shared memory another thread read since the last barrier (both a missing
 //! `__syncthreads`; the second is invisible to lockstep execution, so it is tracked).
 
+mod asynchronous;
+
 use crate::dsl::*;
 use crate::types::{check, Scope};
+use asynchronous::AsyncState;
 use half::bf16;
 use std::collections::HashMap;
 
@@ -203,6 +206,8 @@ struct Block<'k> {
     shared_writer: HashMap<String, Vec<Option<usize>>>,
     /// For each shared element: who read it since the last barrier (loads only see `&self`).
     shared_readers: std::cell::RefCell<HashMap<String, Vec<Readers>>>,
+    /// cp.async copies and wgmma operations in flight.
+    asynch: AsyncState,
 }
 
 /// The threads that read a shared element since the last barrier.
@@ -326,6 +331,14 @@ impl<'k> Block<'k> {
             ),
             shared,
             shared_writer,
+            asynch: AsyncState::new(
+                threads,
+                &kernel
+                    .shared
+                    .iter()
+                    .map(|a| (a.name.clone(), a.len))
+                    .collect::<Vec<_>>(),
+            ),
         }
     }
 
@@ -349,10 +362,12 @@ impl<'k> Block<'k> {
         match s {
             Stmt::Let { name, ty, value } => {
                 let v = self.eval(value, mask, global)?;
+                self.touch(name, mask)?;
                 self.declare(name, *ty, &v, mask);
             }
             Stmt::Assign { name, value } => {
                 let v = self.eval(value, mask, global)?;
+                self.touch(name, mask)?;
                 let slot = self.vars.get_mut(name).expect("type-checked");
                 for (t, &m) in mask.iter().enumerate() {
                     if m {
@@ -381,6 +396,7 @@ impl<'k> Block<'k> {
                         index: Box::new(index.clone() + int(j as i64)),
                     };
                     let v = self.eval(&element, mask, global)?;
+                    self.touch(name, mask)?;
                     self.declare(name, Ty::F32, &v, mask);
                 }
             }
@@ -440,7 +456,25 @@ impl<'k> Block<'k> {
                 }
             }
             Stmt::MmaBf16(m) => self.mma_bf16(&m.a, &m.b, &m.c, mask)?,
+            Stmt::CpAsync(copy) => self.cp_async(copy, mask, global)?,
+            Stmt::CpAsyncCommit => self.cp_async_commit(mask),
+            Stmt::CpAsyncWait(n) => self.cp_async_wait(*n, mask)?,
+            Stmt::FenceProxyAsync => self.fence_proxy_async(mask),
+            Stmt::WgmmaFence => self.wgmma_fence(mask)?,
+            Stmt::Wgmma(op) => self.wgmma(op, mask, global)?,
+            Stmt::WgmmaCommit => self.wgmma_commit(mask)?,
+            Stmt::WgmmaWait(n) => self.wgmma_wait(*n, mask)?,
             Stmt::Comment(_) => {}
+        }
+        Ok(())
+    }
+
+    /// The active threads access local `name`: not while a wgmma uses it.
+    fn touch(&self, name: &str, mask: &[bool]) -> Result<(), Fault> {
+        if self.asynch.registers_busy() {
+            for t in (0..mask.len()).filter(|&t| mask[t]) {
+                self.asynch.check_register(name, t)?;
+            }
         }
         Ok(())
     }
@@ -554,6 +588,8 @@ impl<'k> Block<'k> {
                         format!("overwrites {buf}[{i}], read by {reader} without a __syncthreads() between"),
                     ));
                 }
+                self.asynch.check_shared(buf, i, t)?;
+                self.asynch.note_write(buf, i, t)?;
                 self.shared_writer.get_mut(buf).expect("shared")[i] = Some(t);
             }
             array.values[i] = value;
@@ -580,6 +616,7 @@ impl<'k> Block<'k> {
                 })
                 .collect(),
             Expr::Var(name) => {
+                self.touch(name, mask)?;
                 let vals = self.vars.get(name).ok_or((0, format!("`{name}` has no value")))?;
                 if let Some(t) = (0..n).find(|&t| mask[t] && vals[t] == Val::Undef) {
                     return Err((t, format!("`{name}` read before it was set on this thread")));
@@ -599,6 +636,9 @@ impl<'k> Block<'k> {
                         return Err((t, format!("load of {buf}[{i}] out of bounds (length {})", array.len())));
                     }
                     let i = i as usize;
+                    if writers.is_some() {
+                        self.asynch.check_shared(buf, i, t)?;
+                    }
                     if !array.init[i] {
                         return Err((t, format!("load of {buf}[{i}], which was never written")));
                     }

@@ -1,0 +1,452 @@
+//! The asynchronous operations on the emulator: `cp.async` copies (sm_80 and later) and
+//! Hopper's `wgmma`. On the device both finish some time after they are issued. The emulator
+//! lands a copy when the device guarantees it has landed (its group retired by
+//! `cp.async.wait_group`) and computes a `wgmma` at issue (its result is not observable
+//! before its group retires), and it reports every access the device would race: touching a
+//! copy's destination before it lands, touching a `wgmma`'s registers or shared operand
+//! before its group retires, a `wgmma` with no `wgmma.fence` since the last wait, and a
+//! `wgmma` reading shared memory that was not fenced into the async proxy
+//! (`fence.proxy.async`) and published with a barrier.
+
+use super::{Block, Fault, Readers, Val};
+use crate::dsl::{AsyncCopy, WgmmaOp};
+use half::bf16;
+use std::collections::{HashMap, HashSet, VecDeque};
+
+/// Threads in a warpgroup, the unit that issues `wgmma`.
+const WARPGROUP: usize = 128;
+/// Elements of one 16-byte `cp.async` of bf16.
+const COPY_ELEMENTS: usize = 8;
+
+struct PendingCopy {
+    array: String,
+    index: usize,
+    values: [f64; COPY_ELEMENTS],
+}
+
+/// What one `wgmma` keeps busy until its group retires.
+#[derive(Default)]
+struct Footprint {
+    registers: Vec<(usize, String)>,
+    shared: Vec<(String, usize)>,
+}
+
+/// The in-flight state of one block's asynchronous operations.
+pub(super) struct AsyncState {
+    /// Per thread: copies issued since its last commit, and its committed groups, oldest first.
+    uncommitted_copies: Vec<Vec<PendingCopy>>,
+    copy_groups: Vec<VecDeque<Vec<PendingCopy>>>,
+    /// Per shared element: a copy in flight will write it.
+    copy_targets: HashMap<String, Vec<bool>>,
+    /// Per shared element: the thread that wrote it and has not run `fence.proxy.async` since.
+    unfenced: HashMap<String, Vec<Option<usize>>>,
+    /// Per warpgroup: a `wgmma.fence` since its last wait; its uncommitted and committed wgmmas.
+    wgmma_fenced: Vec<bool>,
+    uncommitted_wgmma: Vec<Footprint>,
+    wgmma_groups: Vec<VecDeque<Footprint>>,
+    /// (warpgroup, local) that some wgmma in flight uses; per shared element, how many
+    /// wgmmas in flight read it.
+    busy_registers: HashSet<(usize, String)>,
+    busy_shared: HashMap<String, Vec<u32>>,
+}
+
+impl AsyncState {
+    pub(super) fn new(threads: usize, shared: &[(String, usize)]) -> Self {
+        let warpgroups = threads.div_ceil(WARPGROUP);
+        let per_element = |init| {
+            shared
+                .iter()
+                .map(|(name, len)| (name.clone(), vec![init; *len]))
+                .collect()
+        };
+        Self {
+            uncommitted_copies: (0..threads).map(|_| Vec::new()).collect(),
+            copy_groups: (0..threads).map(|_| VecDeque::new()).collect(),
+            copy_targets: per_element(false),
+            unfenced: shared
+                .iter()
+                .map(|(name, len)| (name.clone(), vec![None; *len]))
+                .collect(),
+            wgmma_fenced: vec![false; warpgroups],
+            uncommitted_wgmma: (0..warpgroups).map(|_| Footprint::default()).collect(),
+            wgmma_groups: (0..warpgroups).map(|_| VecDeque::new()).collect(),
+            busy_registers: HashSet::new(),
+            busy_shared: shared.iter().map(|(name, len)| (name.clone(), vec![0; *len])).collect(),
+        }
+    }
+
+    pub(super) fn registers_busy(&self) -> bool {
+        !self.busy_registers.is_empty()
+    }
+
+    /// Thread `t` reads or writes local `name`: not while a wgmma of its warpgroup uses it.
+    pub(super) fn check_register(&self, name: &str, t: usize) -> Result<(), Fault> {
+        if self.registers_busy() && self.busy_registers.contains(&(t / WARPGROUP, name.to_string())) {
+            return Err((
+                t,
+                format!("touches `{name}` while a wgmma using it is in flight (no wgmma.wait_group)"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Thread `t` accesses shared `array[index]` with an ordinary load or store.
+    pub(super) fn check_shared(&self, array: &str, index: usize, t: usize) -> Result<(), Fault> {
+        if self.copy_targets.get(array).is_some_and(|c| c[index]) {
+            return Err((
+                t,
+                format!("touches {array}[{index}] while a cp.async into it is in flight"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Thread `t` writes shared `array[index]` (a store or a landed copy).
+    pub(super) fn note_write(&mut self, array: &str, index: usize, t: usize) -> Result<(), Fault> {
+        if self.busy_shared.get(array).is_some_and(|b| b[index] > 0) {
+            return Err((
+                t,
+                format!("overwrites {array}[{index}] while a wgmma reading it is in flight"),
+            ));
+        }
+        if let Some(slots) = self.unfenced.get_mut(array) {
+            slots[index] = Some(t);
+        }
+        Ok(())
+    }
+}
+
+fn warpgroups(mask: &[bool]) -> impl Iterator<Item = usize> + '_ {
+    (0..mask.len().div_ceil(WARPGROUP)).filter(move |wg| {
+        mask[wg * WARPGROUP..((wg + 1) * WARPGROUP).min(mask.len())]
+            .iter()
+            .any(|&m| m)
+    })
+}
+
+impl Block<'_> {
+    pub(super) fn cp_async(
+        &mut self,
+        copy: &AsyncCopy,
+        mask: &[bool],
+        global: &HashMap<String, super::Array>,
+    ) -> Result<(), Fault> {
+        let dst_index = self.eval(&copy.dst_index, mask, global)?;
+        let src_index = self.eval(&copy.src_index, mask, global)?;
+        let valid = self.eval(&copy.valid, mask, global)?;
+        for t in (0..mask.len()).filter(|&t| mask[t]) {
+            let (d, s) = (dst_index[t].i(), src_index[t].i());
+            if d % COPY_ELEMENTS as i64 != 0 || (valid[t].b() && s % COPY_ELEMENTS as i64 != 0) {
+                return Err((
+                    t,
+                    format!(
+                        "cp.async from {}[{s}] to {}[{d}] is not 16-byte aligned",
+                        copy.src, copy.dst
+                    ),
+                ));
+            }
+            let dst_len = self.shared[&copy.dst].len() as i64;
+            if d < 0 || d + COPY_ELEMENTS as i64 > dst_len {
+                return Err((
+                    t,
+                    format!("cp.async to {}[{d}..+8] out of bounds (length {dst_len})", copy.dst),
+                ));
+            }
+            let mut values = [0.0; COPY_ELEMENTS];
+            if valid[t].b() {
+                let src = &global[&copy.src];
+                if s < 0 || s + COPY_ELEMENTS as i64 > src.len() as i64 {
+                    return Err((
+                        t,
+                        format!(
+                            "cp.async from {}[{s}..+8] out of bounds (length {})",
+                            copy.src,
+                            src.len()
+                        ),
+                    ));
+                }
+                for (j, v) in values.iter_mut().enumerate() {
+                    let i = s as usize + j;
+                    if !src.init[i] {
+                        return Err((t, format!("cp.async of {}[{i}], which was never written", copy.src)));
+                    }
+                    *v = src.values[i];
+                }
+            }
+            let readers = &self.shared_readers.get_mut()[&copy.dst];
+            let d = d as usize;
+            for (i, reader) in readers.iter().enumerate().skip(d).take(COPY_ELEMENTS) {
+                if let Some(reader) = reader.other_than(t) {
+                    return Err((
+                        t,
+                        format!(
+                            "cp.async overwrites {}[{i}], read by {reader} without a __syncthreads() between",
+                            copy.dst
+                        ),
+                    ));
+                }
+                self.asynch.check_shared(&copy.dst, i, t)?;
+                if self.asynch.busy_shared[&copy.dst][i] > 0 {
+                    return Err((
+                        t,
+                        format!(
+                            "cp.async overwrites {}[{i}] while a wgmma reading it is in flight",
+                            copy.dst
+                        ),
+                    ));
+                }
+                self.asynch.copy_targets.get_mut(&copy.dst).expect("shared")[i] = true;
+            }
+            self.asynch.uncommitted_copies[t].push(PendingCopy {
+                array: copy.dst.clone(),
+                index: d,
+                values,
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn cp_async_commit(&mut self, mask: &[bool]) {
+        for t in (0..mask.len()).filter(|&t| mask[t]) {
+            let group = std::mem::take(&mut self.asynch.uncommitted_copies[t]);
+            self.asynch.copy_groups[t].push_back(group);
+        }
+    }
+
+    /// Land every group of each thread but its newest `pending`.
+    pub(super) fn cp_async_wait(&mut self, pending: u32, mask: &[bool]) -> Result<(), Fault> {
+        for t in (0..mask.len()).filter(|&t| mask[t]) {
+            while self.asynch.copy_groups[t].len() > pending as usize {
+                let group = self.asynch.copy_groups[t].pop_front().expect("non-empty");
+                for copy in group {
+                    self.land(copy, t)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn land(&mut self, copy: PendingCopy, t: usize) -> Result<(), Fault> {
+        for (j, value) in copy.values.into_iter().enumerate() {
+            let i = copy.index + j;
+            self.asynch.copy_targets.get_mut(&copy.array).expect("shared")[i] = false;
+            self.asynch.note_write(&copy.array, i, t)?;
+            self.shared_writer.get_mut(&copy.array).expect("shared")[i] = Some(t);
+            let array = self.shared.get_mut(&copy.array).expect("shared");
+            array.values[i] = value;
+            array.init[i] = true;
+        }
+        Ok(())
+    }
+
+    /// `fence.proxy.async`: the active threads' writes become visible to wgmma.
+    pub(super) fn fence_proxy_async(&mut self, mask: &[bool]) {
+        for slots in self.asynch.unfenced.values_mut() {
+            for slot in slots.iter_mut() {
+                if matches!(*slot, Some(w) if mask[w]) {
+                    *slot = None;
+                }
+            }
+        }
+    }
+
+    /// The warpgroups taking part in a warpgroup-wide instruction: all 128 threads of each.
+    fn full_warpgroups(&self, what: &str, mask: &[bool]) -> Result<Vec<usize>, Fault> {
+        let groups: Vec<usize> = warpgroups(mask).collect();
+        for &wg in &groups {
+            let threads = wg * WARPGROUP..(wg + 1) * WARPGROUP;
+            if threads.end > mask.len() {
+                return Err((threads.start, format!("{what} needs a whole warpgroup of 128 threads")));
+            }
+            if let Some(t) = threads.clone().find(|&t| !mask[t]) {
+                return Err((
+                    t,
+                    format!("{what} with an inactive thread: the whole warpgroup must take part"),
+                ));
+            }
+        }
+        Ok(groups)
+    }
+
+    pub(super) fn wgmma_fence(&mut self, mask: &[bool]) -> Result<(), Fault> {
+        for wg in self.full_warpgroups("wgmma.fence", mask)? {
+            self.asynch.wgmma_fenced[wg] = true;
+        }
+        Ok(())
+    }
+
+    pub(super) fn wgmma_commit(&mut self, mask: &[bool]) -> Result<(), Fault> {
+        for wg in self.full_warpgroups("wgmma.commit_group", mask)? {
+            let group = std::mem::take(&mut self.asynch.uncommitted_wgmma[wg]);
+            self.asynch.wgmma_groups[wg].push_back(group);
+        }
+        Ok(())
+    }
+
+    pub(super) fn wgmma_wait(&mut self, pending: u32, mask: &[bool]) -> Result<(), Fault> {
+        for wg in self.full_warpgroups("wgmma.wait_group", mask)? {
+            while self.asynch.wgmma_groups[wg].len() > pending as usize {
+                let done = self.asynch.wgmma_groups[wg].pop_front().expect("non-empty");
+                for r in &done.registers {
+                    self.asynch.busy_registers.remove(r);
+                }
+                for (array, i) in &done.shared {
+                    self.asynch.busy_shared.get_mut(array).expect("shared")[*i] -= 1;
+                }
+            }
+            self.asynch.wgmma_fenced[wg] = false;
+        }
+        Ok(())
+    }
+
+    /// One `wgmma.mma_async` per warpgroup (layouts in `WgmmaOp` and `SmemMatrix`): bf16
+    /// operands, f32 accumulation.
+    pub(super) fn wgmma(
+        &mut self,
+        op: &WgmmaOp,
+        mask: &[bool],
+        global: &HashMap<String, super::Array>,
+    ) -> Result<(), Fault> {
+        let start = self.eval(&op.b.start, mask, global)?;
+        let n = op.n as usize;
+        for wg in self.full_warpgroups("wgmma", mask)? {
+            let first = wg * WARPGROUP;
+            if !self.asynch.wgmma_fenced[wg] {
+                return Err((
+                    first,
+                    "wgmma without a wgmma.fence since the last wgmma.wait_group".into(),
+                ));
+            }
+            let s = start[first].i();
+            if let Some(t) = (first..first + WARPGROUP).find(|&t| start[t].i() != s) {
+                return Err((t, "wgmma descriptor differs across the warpgroup".into()));
+            }
+            if s < 0 || s % 8 != 0 {
+                return Err((
+                    first,
+                    format!("wgmma operand at {}[{s}] is not 16-byte aligned", op.b.array),
+                ));
+            }
+            let a = self.gather_a(op, first)?;
+            let b = self.read_b(op, s as usize, n, first)?;
+            let mut d = vec![[0f32; 256]; 64];
+            for warp in 0..4 {
+                for lane in 0..32 {
+                    let t = first + 32 * warp + lane;
+                    for (i, name) in op.d.iter().enumerate() {
+                        let (row, col) = accumulator_position(warp, lane, i);
+                        d[row][col] = self.register(name, t)?;
+                    }
+                }
+            }
+            for (row, acc) in d.iter_mut().enumerate() {
+                for (col, out) in acc.iter_mut().take(n).enumerate() {
+                    *out += (0..16).map(|k| a[row][k] * b[k][col]).sum::<f32>();
+                }
+            }
+            let mut footprint = Footprint::default();
+            for warp in 0..4 {
+                for lane in 0..32 {
+                    let t = first + 32 * warp + lane;
+                    for (i, name) in op.d.iter().enumerate() {
+                        let (row, col) = accumulator_position(warp, lane, i);
+                        self.vars.get_mut(name).expect("type-checked")[t] = Val::F(d[row][col]);
+                    }
+                }
+            }
+            for name in op.a.iter().chain(&op.d) {
+                footprint.registers.push((wg, name.clone()));
+                self.asynch.busy_registers.insert((wg, name.clone()));
+            }
+            for col in 0..n {
+                for k in 0..16 {
+                    let i = b_element(op, s as usize, col, k);
+                    footprint.shared.push((op.b.array.clone(), i));
+                    self.asynch.busy_shared.get_mut(&op.b.array).expect("shared")[i] += 1;
+                }
+            }
+            let uncommitted = &mut self.asynch.uncommitted_wgmma[wg];
+            uncommitted.registers.append(&mut footprint.registers);
+            uncommitted.shared.append(&mut footprint.shared);
+        }
+        Ok(())
+    }
+
+    /// A wgmma operand. Wgmmas in flight may share it: the device orders wgmmas on the same
+    /// accumulators, and operands are only read.
+    fn register(&self, name: &str, t: usize) -> Result<f32, Fault> {
+        match self.vars.get(name).map(|v| v[t]) {
+            Some(Val::Undef) | None => Err((t, format!("wgmma operand `{name}` is not set"))),
+            Some(v) => Ok(v.f()),
+        }
+    }
+
+    /// A (64×16, bf16-rounded) from the fragments of the warpgroup starting at thread `first`.
+    fn gather_a(&self, op: &WgmmaOp, first: usize) -> Result<[[f32; 16]; 64], Fault> {
+        let mut a = [[0f32; 16]; 64];
+        for warp in 0..4 {
+            for lane in 0..32 {
+                let (g, t) = (lane / 4, lane % 4);
+                for (i, name) in op.a.iter().enumerate() {
+                    let row = 16 * warp + g + if i % 4 >= 2 { 8 } else { 0 };
+                    let col = 2 * t + (i % 2) + if i >= 4 { 8 } else { 0 };
+                    a[row][col] = bf16::from_f32(self.register(name, first + 32 * warp + lane)?).to_f32();
+                }
+            }
+        }
+        Ok(a)
+    }
+
+    /// B (16×N) through the descriptor, checking the device's visibility rules.
+    fn read_b(&mut self, op: &WgmmaOp, start: usize, n: usize, first: usize) -> Result<Vec<Vec<f32>>, Fault> {
+        let name = &op.b.array;
+        let mut b = vec![vec![0f32; n]; 16];
+        let readers = self.shared_readers.get_mut().get_mut(name).expect("shared");
+        let array = &self.shared[name];
+        for (k, row) in b.iter_mut().enumerate() {
+            for (col, out) in row.iter_mut().enumerate() {
+                let i = b_element(op, start, col, k);
+                if i >= array.len() {
+                    return Err((
+                        first,
+                        format!("wgmma reads {name}[{i}] out of bounds (length {})", array.len()),
+                    ));
+                }
+                self.asynch.check_shared(name, i, first)?;
+                if !array.init[i] {
+                    return Err((first, format!("wgmma reads {name}[{i}], which was never written")));
+                }
+                if let Some(w) = self.shared_writer[name][i] {
+                    return Err((
+                        first,
+                        format!("wgmma reads {name}[{i}] written by thread {w} without a __syncthreads() between"),
+                    ));
+                }
+                if let Some(w) = self.asynch.unfenced[name][i] {
+                    return Err((
+                        first,
+                        format!("wgmma reads {name}[{i}] written by thread {w} without fence.proxy.async"),
+                    ));
+                }
+                readers[i] = Readers::Many;
+                *out = array.values[i] as f32;
+            }
+        }
+        Ok(b)
+    }
+}
+
+/// The element of B[k][col] in the shared operand (see `SmemMatrix`).
+fn b_element(op: &WgmmaOp, start: usize, col: usize, k: usize) -> usize {
+    let (lbo, sbo) = (op.b.lbo as usize / 2, op.b.sbo as usize / 2);
+    start + (col / 8) * sbo + (k / 8) * lbo + (col % 8) * 8 + k % 8
+}
+
+/// (row, column) of accumulator `i` of `lane` in `warp` of a warpgroup (see `WgmmaOp`).
+fn accumulator_position(warp: usize, lane: usize, i: usize) -> (usize, usize) {
+    let (g, t) = (lane / 4, lane % 4);
+    (
+        16 * warp + g + if i % 4 >= 2 { 8 } else { 0 },
+        8 * (i / 4) + 2 * t + (i % 2),
+    )
+}

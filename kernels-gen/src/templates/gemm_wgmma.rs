@@ -1,0 +1,217 @@
+//! Prefill GEMM for Hopper (sm_90a): `out[t, r] = Σ_k x[t, k]·W[r, k]` with bf16 weights
+//! (activations rounded to bf16, f32 accumulation) on `wgmma`, the warpgroup-wide
+//! asynchronous tensor-core instruction, fed by a two-stage `cp.async` pipeline.
+//!
+//! Tiling: one warpgroup (128 threads) computes a 64×128 tile of `out` (64 tokens × 128
+//! weight rows) with `wgmma.m64n128k16`: 64 f32 accumulators per thread. K advances 64 at a
+//! time. The weight slice of a step (128 rows × 64) travels global → shared with `cp.async`
+//! (16 bytes a copy, no registers, zero-filled past `n` and `k`) into one of two buffers while
+//! the tensor cores work on the other, so the copy of step i+1 overlaps the math of step i.
+//! Activations go straight to registers as `wgmma`'s A operand (f32 in global memory, rounded
+//! to bf16 when packed), loaded while the step's weights are still landing.
+//!
+//! Shared layout: `wgmma` reads B through a descriptor without swizzling, as 8×8 core
+//! matrices of 128 contiguous bytes (8 rows × 8 k). Core matrices of one 8-row group sit
+//! next to each other along K (leading byte offset 128) and groups follow each other (stride
+//! byte offset 1 KiB); each 16-wide k slice starts 2 core matrices further. A warp's copies of
+//! one instruction cover 8 rows × 4 chunks: 64 contiguous bytes of each row in global memory
+//! (whole 32-byte sectors) and, per 8-lane phase, one 128-byte core matrix in shared memory
+//! (no bank conflicts).
+//!
+//! Requirements, checked by the caller: `k` a multiple of 8 (each 16-byte copy is wholly
+//! inside a row and aligned). Why this shape on H200: a 64×128 tile per 128 threads keeps
+//! the accumulators in registers (about 110 a thread, no spills) and 32 KiB of static shared
+//! memory (two stages) leaves room for several blocks per SM; a prefill chunk of 512 tokens
+//! over a 4096-row weight gives 8×32 = 256 tiles for 132 SMs.
+
+use crate::dsl::*;
+
+const THREADS: i64 = 128;
+/// Tokens per block tile: wgmma's M.
+const TILE_M: i64 = 64;
+/// Weight rows per block tile: wgmma's N.
+const TILE_N: i64 = 128;
+/// K per pipeline stage.
+const TILE_K: i64 = 64;
+/// Elements of one stage's weight slice.
+const STAGE: i64 = TILE_N * TILE_K;
+/// bf16 elements per 16-byte copy (one core-matrix row).
+const CHUNK: i64 = 8;
+/// Bytes between core matrices adjacent along K, and between 8-row groups.
+const LEADING_BYTES: u32 = 128;
+const STRIDE_BYTES: u32 = (TILE_K * 16) as u32;
+/// 16-wide k slices per stage.
+const K_SLICES: usize = (TILE_K / 16) as usize;
+
+fn both(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::And, a, b)
+}
+
+fn lt(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::Lt, a, b)
+}
+
+fn rem(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::Rem, a, b)
+}
+
+fn a_name(slice: usize, i: usize) -> String {
+    format!("a{slice}_{i}")
+}
+
+fn d_name(i: usize) -> String {
+    format!("d{i}")
+}
+
+/// Issue the copies of the weight slice at `k0` into stage buffer `stage`: copy
+/// `c = tid + 128·i` takes row `8·(c / 64) + c % 8`, k chunk `(c / 8) % 8`.
+fn copy_stage(stage: Expr, k0: Expr) -> Vec<Stmt> {
+    let c = var("c");
+    let dst = stage * int(STAGE)
+        + var("row") / int(8) * int(TILE_K * 8)
+        + var("chunk") * int(64)
+        + rem(var("row"), int(8)) * int(8);
+    vec![for_(
+        "i",
+        int(0),
+        int(STAGE / CHUNK / THREADS),
+        int(1),
+        vec![
+            let_("c", Ty::I32, tid() + var("i") * int(THREADS)),
+            let_("row", Ty::I32, c.clone() / int(64) * int(8) + rem(c.clone(), int(8))),
+            let_("chunk", Ty::I32, rem(c / int(8), int(8))),
+            let_("col", Ty::I32, k0 + var("chunk") * int(CHUNK)),
+            Stmt::CpAsync(Box::new(AsyncCopy {
+                dst: "ws".into(),
+                dst_index: dst,
+                src: "w".into(),
+                src_index: (var("n0") + var("row")) * var("k") + var("col"),
+                valid: both(lt(var("n0") + var("row"), var("n")), lt(var("col"), var("k"))),
+            })),
+        ],
+    )]
+}
+
+/// Load this thread's A fragments of the stage at `k0` (zero past `tokens` and `k`): per k
+/// slice, rows g and g + 8 of the warp's 16, columns 2t, 2t + 1 and those + 8.
+fn load_a() -> Vec<Stmt> {
+    let mut out = Vec::new();
+    for slice in 0..K_SLICES {
+        for (row_half, col_half) in [(0, 0), (1, 0), (0, 1), (1, 1)] {
+            let row = var("m0") + var("wrow") + var("g") + int(8 * row_half);
+            let col = var("k0") + int(16 * slice as i64 + 8 * col_half) + var("t2");
+            let first = 2 * row_half as usize + 4 * col_half as usize;
+            let names = [a_name(slice, first), a_name(slice, first + 1)];
+            out.push(assign(&names[0], f(0.0)));
+            out.push(assign(&names[1], f(0.0)));
+            out.push(if_(
+                both(lt(row.clone(), var("tokens")), lt(col.clone(), var("k"))),
+                vec![
+                    assign(&names[0], load("x", row.clone() * var("x_stride") + col.clone())),
+                    assign(&names[1], load("x", row * var("x_stride") + col + int(1))),
+                ],
+            ));
+        }
+    }
+    out
+}
+
+/// The stage's four k slices on the tensor cores, waited for before returning.
+fn multiply_stage() -> Vec<Stmt> {
+    let mut out = vec![Stmt::WgmmaFence];
+    for slice in 0..K_SLICES {
+        out.push(Stmt::Wgmma(Box::new(WgmmaOp {
+            n: TILE_N as u32,
+            a: std::array::from_fn(|i| a_name(slice, i)),
+            b: SmemMatrix {
+                array: "ws".into(),
+                start: var("s") * int(STAGE) + int(2 * slice as i64 * 64),
+                lbo: LEADING_BYTES,
+                sbo: STRIDE_BYTES,
+            },
+            d: (0..TILE_N as usize / 2).map(d_name).collect(),
+        })));
+    }
+    out.extend([Stmt::WgmmaCommit, Stmt::WgmmaWait(0)]);
+    out
+}
+
+/// Store the accumulators where they fall inside `out` (layout in `WgmmaOp`).
+fn store_accumulators() -> Vec<Stmt> {
+    (0..TILE_N as usize / 2)
+        .map(|i| {
+            let row = var("m0") + var("wrow") + var("g") + int(if i % 4 >= 2 { 8 } else { 0 });
+            let col = var("n0") + int(8 * (i / 4) as i64 + (i % 2) as i64) + var("t2");
+            if_(
+                both(lt(row.clone(), var("tokens")), lt(col.clone(), var("n"))),
+                vec![store("out", row * var("n") + col, var(&d_name(i)))],
+            )
+        })
+        .collect()
+}
+
+pub fn gemm_wgmma_bf16(name: &str, origin: &str) -> Kernel {
+    let tiles_m = (var("tokens") + int(TILE_M - 1)) / int(TILE_M);
+    let tiles_n = (var("n") + int(TILE_N - 1)) / int(TILE_N);
+    let locals = (0..TILE_N as usize / 2)
+        .map(d_name)
+        .chain((0..K_SLICES).flat_map(|s| (0..8).map(move |i| a_name(s, i))))
+        .map(|n| let_(&n, Ty::F32, f(0.0)));
+    let step = [
+        vec![let_("s", Ty::I32, rem(var("k0") / int(TILE_K), int(2)))],
+        // The next step's weights start flowing into the other buffer; past the end an empty
+        // group keeps "all but the newest group" meaning this step's copies.
+        vec![
+            if_(
+                lt(var("k0") + int(TILE_K), var("k")),
+                copy_stage(int(1) - var("s"), var("k0") + int(TILE_K)),
+            ),
+            Stmt::CpAsyncCommit,
+        ],
+        load_a(),
+        vec![Stmt::CpAsyncWait(1), Stmt::FenceProxyAsync, Stmt::SyncThreads],
+        multiply_stage(),
+        // Nobody refills this buffer (next step) before every thread is past the wait.
+        vec![Stmt::SyncThreads],
+    ]
+    .concat();
+    let body = [
+        vec![
+            // Token tiles vary fastest: neighbouring blocks share a weight tile.
+            let_("m0", Ty::I32, rem(bid(), tiles_m.clone()) * int(TILE_M)),
+            let_("n0", Ty::I32, bid() / tiles_m.clone() * int(TILE_N)),
+            let_("wrow", Ty::I32, warp() * int(16)),
+            let_("g", Ty::I32, lane() / int(4)),
+            let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
+        ],
+        locals.collect(),
+        copy_stage(int(0), int(0)),
+        vec![Stmt::CpAsyncCommit, for_("k0", int(0), var("k"), int(TILE_K), step)],
+        store_accumulators(),
+    ]
+    .concat();
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: matmul x·Wᵀ on Hopper tensor cores (wgmma m64n{TILE_N}k16 bf16, A from registers, \
+             B through a 2-stage cp.async pipeline of {TILE_N}×{TILE_K} slices)"
+        ),
+        params: vec![
+            buffer("x", Ty::F32, false),
+            buffer("w", Ty::Bf16, false),
+            buffer("out", Ty::F32, true),
+            scalar("tokens", Ty::I32),
+            scalar("n", Ty::I32),
+            scalar("k", Ty::I32),
+            scalar("x_stride", Ty::I32),
+        ],
+        shared: vec![SharedArray {
+            name: "ws".into(),
+            ty: Ty::Bf16,
+            len: (2 * STAGE) as usize,
+        }],
+        block_dim: THREADS as u32,
+        grid: tiles_m * tiles_n,
+        body,
+    }
+}
