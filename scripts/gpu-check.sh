@@ -9,7 +9,9 @@
 #   5. `benches/gpu_check.rs`, printed last: device copy bandwidth; every kernel of the tiny
 #      Llama/Gemma 3 plans on the GPU in lockstep with the emulator (max relative error per kernel); the
 #      matmuls of a Llama-8B-shaped layer and head with random bf16 weights timed at batch 1,
-#      16 and 64 (GB/s of weights, % of copy bandwidth, the decode step they add up to).
+#      16 and 64 (GB/s of weights, % of copy bandwidth, the decode step they add up to);
+#      batched decode steps replayed as CUDA graphs against kernel-by-kernel launches (logits
+#      bit for bit equal; wall time per step).
 # Paste the tables into docs/gpu-results.md with the date, GPU and commit.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -325,7 +325,10 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
         block_size: config.block_size,
     };
     let (plan, kernels) = gpu::build_batched(&gpu_graph, Target::H200, 32, cache).unwrap();
-    let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64).unwrap();
+    // Decode batches run as graphs, as `bbc serve` runs them on a GPU.
+    let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+        .unwrap()
+        .capture_graphs_up_to(config.max_running);
     let cpu = CpuBackend::new(graph, &model.weights, 64).unwrap();
     let prompts: Vec<Vec<u32>> = (0..5u32)
         .map(|i| {
@@ -344,6 +347,51 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
         "the shared prefix was reused"
     );
     assert_eq!(on_gpu.scheduler().used_blocks(), 0);
+}
+
+/// Batched steps replayed from graphs (captured once per row count) give bit for bit what the
+/// same steps give launched kernel by kernel, though every replay has new ids, positions and
+/// block tables; steps above the graph limit launch one by one.
+#[test]
+fn batched_steps_replayed_as_graphs_match_launching_kernel_by_kernel() {
+    use runtime::kv::{BlockId, Segment};
+    let model = open("llama", ComputeDtype::F32);
+    let graph = fused_for(&model.lower(LogitsFor::AllTokens).unwrap(), Target::H200);
+    let cache = gpu::BatchedCache {
+        blocks: 8,
+        block_size: 4,
+    };
+    let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
+    let build = || EmulatedBackend::emulated(plan.clone(), kernels.clone(), graph.clone(), &model.weights, &[], 64);
+    let (eager, graphs) = (build().unwrap(), build().unwrap().capture_graphs_up_to(2));
+    let tables = [
+        [BlockId(3), BlockId(0), BlockId(6)],
+        [BlockId(5), BlockId(1), BlockId(2)],
+    ];
+    // Prompts (9 rows: launched one by one), then four 2-row decode steps and a 1-row one.
+    let mut steps: Vec<Vec<(usize, Vec<u32>)>> =
+        vec![vec![(0, vec![5, 16, 27, 38, 49]), (0, vec![200, 203, 206, 209])]];
+    steps.extend((0..4).map(|i| vec![(5 + i, vec![40 + i as u32]), (4 + i, vec![90 + 7 * i as u32])]));
+    steps.push(vec![(9, vec![3])]);
+    for (n, segments) in steps.iter().enumerate() {
+        let batch: Vec<Segment> = segments
+            .iter()
+            .zip(&tables)
+            .map(|((start, ids), table)| Segment {
+                table,
+                start: *start,
+                ids,
+            })
+            .collect();
+        let (want, got) = (eager.step_batch(&batch).unwrap(), graphs.step_batch(&batch).unwrap());
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g["logits"].data, w["logits"].data, "step {n}");
+        }
+    }
+    // Graphs for 2 and 1 rows, run by all five decode steps (the first of each row count
+    // captured its graph, then ran it); the prompt step launched kernel by kernel.
+    assert_eq!(graphs.with_device(|d| d.graph_counts()).unwrap(), (5, 2));
+    assert_eq!(eager.with_device(|d| d.graph_counts()).unwrap(), (0, 0));
 }
 
 /// Add every prompt (6 greedy tokens each) and step until all are done; each one's tokens.

@@ -2,16 +2,20 @@
 //! cudarc (the driver is loaded at run time, so this builds and links everywhere): every
 //! kernel's PTX loaded as a module, buffers as device allocations, launches on one stream.
 //!
+//! Batched steps (`bbc serve`) of up to a chosen row count run as CUDA graphs, one per row
+//! count, captured on first use (see `PlanExecutor::capture_graphs_up_to`).
+//!
 //! Without an NVIDIA driver, [`CudaBackend::new`] returns [`RuntimeError::NoCudaDriver`]: never
-//! a panic. Not yet: CUDA graphs for decode. The plan executor above it (one sequence, and
-//! batched steps for `bbc serve`) runs on the emulator in CI (`tests/gpu_plan_emulated.rs`), but
-//! this device has not run on a GPU yet: `scripts/gpu-check.sh` is the check to run where one
-//! is lent.
+//! a panic. The plan executor above it (one sequence, and batched steps with their graphs)
+//! runs on the emulator in CI (`tests/gpu_plan_emulated.rs`), but this device has not run on a
+//! GPU yet: `scripts/gpu-check.sh` is the check to run where one is lent.
 
 use crate::error::{Result, RuntimeError};
 use crate::plan_exec::{DeviceArg, PlanDevice, PlanExecutor, PlanSequence};
 use codegen::gpu::GpuPlan;
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
+};
 use ir::{Graph, Tensor};
 use models::WeightSource;
 use passes::weight_transforms::Int8Rows;
@@ -34,7 +38,17 @@ fn driver(e: cudarc::driver::DriverError) -> RuntimeError {
 pub struct CudaDevice {
     stream: Arc<CudaStream>,
     functions: HashMap<String, CudaFunction>,
+    /// Instantiated graphs by key (a batched step's row count).
+    graphs: HashMap<usize, OwnedGraph>,
 }
+
+/// A CUDA graph that may move between threads.
+struct OwnedGraph(CudaGraph);
+
+// SAFETY: CUDA graph handles are not tied to the thread that made them; cudarc binds the
+// context to the calling thread before each use, and the device that owns the graphs is used
+// by one thread at a time (the plan executor keeps it behind a mutex).
+unsafe impl Send for OwnedGraph {}
 
 impl CudaDevice {
     /// Load every kernel of `plan` from its PTX file under `dir`.
@@ -68,13 +82,22 @@ impl CudaDevice {
             return Err(RuntimeError::NoCudaDriver);
         }
         let ctx = CudaContext::new(0).map_err(driver)?;
-        let stream = ctx.default_stream();
+        // One stream orders everything, so cudarc's cross-stream events are not needed; they
+        // would also put waits on events recorded before a capture into it, which CUDA refuses.
+        // SAFETY: every buffer is allocated, used and freed on `stream` alone.
+        unsafe { ctx.disable_event_tracking() };
+        // Graphs are captured from a stream of our own: the legacy default stream cannot be.
+        let stream = ctx.new_stream().map_err(driver)?;
         let mut functions = HashMap::new();
         for (name, text) in ptx {
             let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(text)).map_err(driver)?;
             functions.insert(name.clone(), module.load_function(&name).map_err(driver)?);
         }
-        Ok(Self { stream, functions })
+        Ok(Self {
+            stream,
+            functions,
+            graphs: HashMap::new(),
+        })
     }
 
     /// Seconds per call of `work` (device time between two events around `iterations` calls,
@@ -163,6 +186,34 @@ impl PlanDevice for CudaDevice {
         unsafe { builder.launch(config) }.map_err(driver)?;
         Ok(())
     }
+
+    fn records_graphs(&self) -> bool {
+        true
+    }
+
+    fn begin_capture(&mut self) -> Result<()> {
+        let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        self.stream.begin_capture(mode).map_err(driver)
+    }
+
+    fn end_capture(&mut self, key: usize) -> Result<()> {
+        let flags = cudarc::driver::sys::CUgraphInstantiate_flags(0);
+        let graph = self
+            .stream
+            .end_capture(flags)
+            .map_err(driver)?
+            .ok_or_else(|| RuntimeError::Cuda("the capture recorded nothing".into()))?;
+        graph.upload().map_err(driver)?;
+        self.graphs.insert(key, OwnedGraph(graph));
+        Ok(())
+    }
+
+    fn replay(&mut self, key: usize) -> Result<bool> {
+        match self.graphs.get(&key) {
+            Some(graph) => graph.0.launch().map_err(driver).map(|()| true),
+            None => Ok(false),
+        }
+    }
 }
 
 /// The plan file `plan_file` of the artifact in `dir`; first, whether a driver is there at all.
@@ -213,6 +264,12 @@ impl CudaBackend {
         // The pool is sized at run time; the kernels take the block size as a scalar.
         plan.batched = Some(cache);
         Self::load(dir, plan, graph, weights, int8, context_length)
+    }
+
+    /// Run batched steps of up to `rows` rows (the decode batches: one row per running
+    /// sequence) as CUDA graphs.
+    pub fn capture_graphs_up_to(self, rows: usize) -> Self {
+        Self(self.0.capture_graphs_up_to(rows))
     }
 
     fn load(

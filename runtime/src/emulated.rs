@@ -3,7 +3,9 @@
 //! run depends on above the kernels themselves (buffer offsets and sizes, views, scalars, the
 //! choice of prefill kernels, the KV cache, the order of launches) against the CPU backend,
 //! on machines without a GPU, and each kernel's indexing against the bytes the plan gives it
-//! (a launch that touches anything outside its argument's range is an error).
+//! (a launch that touches anything outside its argument's range is an error). It keeps graphs
+//! as CUDA does (launches recorded during a capture instead of run, replayed by key), so the
+//! executor's graph path runs here too.
 
 use crate::error::{Result, RuntimeError};
 use crate::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
@@ -20,6 +22,23 @@ use std::ops::Range;
 pub struct EmulatedDevice {
     kernels: HashMap<String, Kernel>,
     memory: Vec<Vec<u8>>,
+    /// Graphs as CUDA keeps them: launches recorded during a capture, by key.
+    recording: Option<Vec<RecordedLaunch>>,
+    graphs: HashMap<usize, Vec<RecordedLaunch>>,
+    replays: usize,
+}
+
+/// One launch of a graph, its arguments owned.
+struct RecordedLaunch {
+    kernel: String,
+    block: u32,
+    args: Vec<RecordedArg>,
+}
+
+enum RecordedArg {
+    Buffer(usize, Range<usize>),
+    I32(i32),
+    F32(f32),
 }
 
 impl EmulatedDevice {
@@ -28,38 +47,19 @@ impl EmulatedDevice {
         Self {
             kernels: kernels.into_iter().map(|k| (k.name.clone(), k)).collect(),
             memory: Vec::new(),
+            recording: None,
+            graphs: HashMap::new(),
+            replays: 0,
         }
     }
-}
 
-fn fault(e: impl std::fmt::Display) -> RuntimeError {
-    RuntimeError::Cuda(format!("emulated launch: {e}"))
-}
-
-impl PlanDevice for EmulatedDevice {
-    /// An index into the device's memory.
-    type Buffer = usize;
-
-    fn alloc(&mut self, bytes: usize) -> Result<usize> {
-        self.memory.push(vec![0; bytes]);
-        Ok(self.memory.len() - 1)
+    /// How many steps ran as a replayed graph, and how many graphs were recorded.
+    pub fn graph_counts(&self) -> (usize, usize) {
+        (self.replays, self.graphs.len())
     }
 
-    fn upload(&mut self, bytes: &[u8]) -> Result<usize> {
-        self.memory.push(bytes.to_vec());
-        Ok(self.memory.len() - 1)
-    }
-
-    fn write(&mut self, buffer: &usize, at: usize, bytes: &[u8]) -> Result<()> {
-        self.memory[*buffer][at..at + bytes.len()].copy_from_slice(bytes);
-        Ok(())
-    }
-
-    fn read(&mut self, buffer: &usize, range: Range<usize>) -> Result<Vec<u8>> {
-        Ok(self.memory[*buffer][range].to_vec())
-    }
-
-    fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[DeviceArg<'_, usize>]) -> Result<()> {
+    /// Run one launch on the emulator.
+    fn run(&mut self, kernel: &str, block: u32, args: &[DeviceArg<'_, usize>]) -> Result<()> {
         let k = self
             .kernels
             .get(kernel)
@@ -99,13 +99,100 @@ impl PlanDevice for EmulatedDevice {
             }
         }
         check_no_aliased_writes(kernel, k, args)?;
-        let _ = grid; // the emulator evaluates the kernel's own grid expression from the scalars
         emulator::run(k, &mut arrays, &scalars).map_err(fault)?;
         for (name, buffer, range) in written {
             let bytes = arrays[&name].to_le_bytes();
             self.memory[buffer][range.start..range.start + bytes.len()].copy_from_slice(&bytes);
         }
         Ok(())
+    }
+}
+
+fn fault(e: impl std::fmt::Display) -> RuntimeError {
+    RuntimeError::Cuda(format!("emulated launch: {e}"))
+}
+
+impl PlanDevice for EmulatedDevice {
+    /// An index into the device's memory.
+    type Buffer = usize;
+
+    fn alloc(&mut self, bytes: usize) -> Result<usize> {
+        self.memory.push(vec![0; bytes]);
+        Ok(self.memory.len() - 1)
+    }
+
+    fn upload(&mut self, bytes: &[u8]) -> Result<usize> {
+        self.memory.push(bytes.to_vec());
+        Ok(self.memory.len() - 1)
+    }
+
+    fn write(&mut self, buffer: &usize, at: usize, bytes: &[u8]) -> Result<()> {
+        self.memory[*buffer][at..at + bytes.len()].copy_from_slice(bytes);
+        Ok(())
+    }
+
+    fn read(&mut self, buffer: &usize, range: Range<usize>) -> Result<Vec<u8>> {
+        Ok(self.memory[*buffer][range].to_vec())
+    }
+
+    fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[DeviceArg<'_, usize>]) -> Result<()> {
+        let _ = grid; // the emulator evaluates the kernel's own grid expression from the scalars
+        match &mut self.recording {
+            Some(graph) => {
+                graph.push(RecordedLaunch {
+                    kernel: kernel.to_string(),
+                    block,
+                    args: args
+                        .iter()
+                        .map(|a| match a {
+                            DeviceArg::Buffer(&b, range) => RecordedArg::Buffer(b, range.clone()),
+                            DeviceArg::I32(v) => RecordedArg::I32(*v),
+                            DeviceArg::F32(v) => RecordedArg::F32(*v),
+                        })
+                        .collect(),
+                });
+                Ok(())
+            }
+            None => self.run(kernel, block, args),
+        }
+    }
+
+    fn records_graphs(&self) -> bool {
+        true
+    }
+
+    fn begin_capture(&mut self) -> Result<()> {
+        match self.recording.replace(Vec::new()) {
+            Some(_) => Err(fault("a capture is already running")),
+            None => Ok(()),
+        }
+    }
+
+    fn end_capture(&mut self, key: usize) -> Result<()> {
+        let graph = self.recording.take().ok_or_else(|| fault("no capture is running"))?;
+        self.graphs.insert(key, graph);
+        Ok(())
+    }
+
+    fn replay(&mut self, key: usize) -> Result<bool> {
+        let Some(graph) = self.graphs.remove(&key) else {
+            return Ok(false);
+        };
+        let result = graph.iter().try_for_each(|launch| {
+            let args: Vec<DeviceArg<'_, usize>> = launch
+                .args
+                .iter()
+                .map(|a| match a {
+                    RecordedArg::Buffer(b, range) => DeviceArg::Buffer(b, range.clone()),
+                    RecordedArg::I32(v) => DeviceArg::I32(*v),
+                    RecordedArg::F32(v) => DeviceArg::F32(*v),
+                })
+                .collect();
+            self.run(&launch.kernel, launch.block, &args)
+        });
+        self.graphs.insert(key, graph);
+        self.replays += 1;
+        result.map(|()| true)
     }
 }
 

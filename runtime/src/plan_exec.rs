@@ -33,6 +33,23 @@ pub trait PlanDevice {
     fn read(&mut self, buffer: &Self::Buffer, range: Range<usize>) -> Result<Vec<u8>>;
     /// Launch `kernel` as `grid` blocks of `block` threads.
     fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[DeviceArg<'_, Self::Buffer>]) -> Result<()>;
+
+    /// Whether the device keeps replayable launch sequences (CUDA graphs): launches between
+    /// `begin_capture` and `end_capture(key)` are recorded instead of run, and `replay(key)`
+    /// runs them again. Devices without them keep these defaults and launch one by one.
+    fn records_graphs(&self) -> bool {
+        false
+    }
+    fn begin_capture(&mut self) -> Result<()> {
+        Err(RuntimeError::Cuda("this device records no graphs".into()))
+    }
+    fn end_capture(&mut self, _key: usize) -> Result<()> {
+        Err(RuntimeError::Cuda("this device records no graphs".into()))
+    }
+    /// Run the launches recorded under `key`; `false` when there are none.
+    fn replay(&mut self, _key: usize) -> Result<bool> {
+        Ok(false)
+    }
 }
 
 /// A launch argument as the device takes it.
@@ -71,6 +88,8 @@ pub struct PlanExecutor<D: PlanDevice> {
     plan: GpuPlan,
     graph: Graph,
     context_length: usize,
+    /// Batched steps of up to this many rows run as recorded graphs (0: never).
+    graph_rows: usize,
     state: Mutex<(D, Buffers<D::Buffer>)>,
 }
 
@@ -149,8 +168,19 @@ impl<D: PlanDevice> PlanExecutor<D> {
             plan,
             graph,
             context_length,
+            graph_rows: 0,
             state: Mutex::new((device, buffers)),
         })
+    }
+
+    /// Run batched steps of up to `rows` rows as graphs, where the device records them: each
+    /// row count is captured the first time it comes and replayed after, so a decode step is
+    /// one launch for the host instead of one per kernel. Sound because a batched step's
+    /// launches depend on its row count alone: everything else the kernels read (ids,
+    /// positions, block tables) sits in device buffers that never move.
+    pub fn capture_graphs_up_to(mut self, rows: usize) -> Self {
+        self.graph_rows = rows;
+        self
     }
 
     pub fn context_length(&self) -> usize {
@@ -253,7 +283,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             ("first", Value::Int(0)),
             ("block_size", Value::Int(cache.block_size as i64)),
         ]);
-        self.launch_all(device, buffers, &vars)?;
+        self.launch_batched(device, buffers, &vars, tokens)?;
         let outputs = self.read_outputs(device, buffers, tokens, 0)?;
         let mut per_segment = vec![HashMap::new(); batch.len()];
         for (name, t) in outputs {
@@ -306,6 +336,35 @@ impl<D: PlanDevice> PlanExecutor<D> {
     }
 
     /// The plan's launches in order, arguments resolved against `vars`.
+    /// A batched step's launches: replayed from the graph of its row count, captured first if
+    /// there is none yet (see `capture_graphs_up_to`), or launched one by one.
+    fn launch_batched(
+        &self,
+        device: &mut D,
+        buffers: &Buffers<D::Buffer>,
+        vars: &HashMap<&str, Value>,
+        tokens: usize,
+    ) -> Result<()> {
+        if tokens > self.graph_rows || !device.records_graphs() {
+            return self.launch_all(device, buffers, vars);
+        }
+        if device.replay(tokens)? {
+            return Ok(());
+        }
+        device.begin_capture()?;
+        // The capture ends even when a launch fails, so the device is usable after the error.
+        let launched = self.launch_all(device, buffers, vars);
+        let captured = device.end_capture(tokens);
+        launched?;
+        captured?;
+        match device.replay(tokens)? {
+            true => Ok(()),
+            false => Err(RuntimeError::Cuda(format!(
+                "the graph of a {tokens}-row step was not kept"
+            ))),
+        }
+    }
+
     fn launch_all(&self, device: &mut D, buffers: &Buffers<D::Buffer>, vars: &HashMap<&str, Value>) -> Result<()> {
         let tokens = vars.get("tokens").map_or(0, |v| v.as_i64()) as usize;
         for launch in &self.plan.launches {

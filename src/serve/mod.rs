@@ -108,7 +108,9 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             let weights = &loaded.model.weights;
             let int8 = &loaded.int8_heads;
             let backend =
-                runtime::cuda::CudaBackend::batched(&plans.dir, &plan, graph, weights, int8, context_length, cache)?;
+                runtime::cuda::CudaBackend::batched(&plans.dir, &plan, graph, weights, int8, context_length, cache)?
+                    // A decode step has one row per running sequence: those row counts run as graphs.
+                    .capture_graphs_up_to(args.max_num_seqs);
             eprintln!(
                 "KV cache on the GPU: {} blocks of {} positions ({positions} positions)",
                 args.kv_blocks, args.block_size
