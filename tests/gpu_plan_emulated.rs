@@ -56,9 +56,14 @@ fn check(family: &str, dtype: ComputeDtype, target: Target) {
     let gpu_graph = fused_for(&graph, target);
     let (plan, kernels) = gpu::build_with_kernels(&gpu_graph, target, 64).unwrap();
     if dtype == ComputeDtype::Bf16 {
-        // bf16 prefill runs the target's tensor-core GEMM: wgmma on Hopper only.
-        let wgmma = kernels.iter().any(|k| kernels_gen::cuda::required_arch(k).is_some());
-        assert_eq!(wgmma, target == Target::H200, "{family} on {}", target.name());
+        // bf16 prefill runs the target's own tensor-core GEMM: wgmma on Hopper, tcgen05 on
+        // B200 (each only there), mma.sync on the RTX PRO 6000.
+        let special: Vec<_> = kernels.iter().filter_map(kernels_gen::cuda::required_arch).collect();
+        let expected = match target {
+            Target::H200 | Target::B200 => target.cuda_arch().into_iter().collect(),
+            _ => vec![],
+        };
+        assert_eq!(special, expected, "{family} on {}", target.name());
     }
     let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], context).unwrap();
     let cpu_graph = passes::optimize(&graph, passes::CostModel::CPU, None)

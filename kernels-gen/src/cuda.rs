@@ -47,10 +47,45 @@ static __device__ __forceinline__ unsigned long long bbc_wgmma_desc(const void* 
 }
 "#;
 
+const TCGEN05_HELPERS: &str = r#"// The 32-bit shared-memory address of a generic pointer into shared memory.
+static __device__ __forceinline__ unsigned int bbc_shared_address(const void* p) {
+    return (unsigned int)__cvta_generic_to_shared(p);
+}
+// A tcgen05 shared-memory descriptor without swizzling: start address, leading (K) and stride
+// (M/N) byte offsets, each encoded as (x & 0x3ffff) >> 4, and the fixed 0b001 at bits 46-48.
+static __device__ __forceinline__ unsigned long long bbc_tcgen05_desc(const void* start, unsigned int lbo, unsigned int sbo) {
+    const unsigned long long address = bbc_shared_address(start);
+    return ((address & 0x3ffffull) >> 4) | ((unsigned long long)((lbo & 0x3ffffu) >> 4) << 16)
+        | ((unsigned long long)((sbo & 0x3ffffu) >> 4) << 32) | (1ull << 46);
+}
+// Spin until the mbarrier's phase of this parity has completed.
+static __device__ __forceinline__ void bbc_mbarrier_wait(const void* barrier, int parity) {
+    unsigned int done = 0;
+    while (!done) {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(bbc_shared_address(barrier)), "r"(parity) : "memory");
+    }
+}
+"#;
+
 /// The architecture a kernel needs beyond what every target has: `wgmma` exists on sm_90a
-/// only (Blackwell replaced it with `tcgen05`).
+/// only, `tcgen05` on sm_100a only (consumer Blackwell, sm_120a, has neither).
 pub fn required_arch(kernel: &Kernel) -> Option<&'static str> {
-    any_stmt(&kernel.body, &|s| matches!(s, Stmt::Wgmma(_))).then_some("sm_90a")
+    if any_stmt(&kernel.body, &|s| matches!(s, Stmt::Wgmma(_))) {
+        Some("sm_90a")
+    } else if any_stmt(&kernel.body, &|s| matches!(s, Stmt::Tcgen05(_))) {
+        Some("sm_100a")
+    } else {
+        None
+    }
+}
+
+/// The `tcgen05.mma` instruction descriptor for bf16 A and B (both K-major), f32 D, M = 128:
+/// D type at bits 4-5, A and B types at 7-9 and 10-12, N >> 3 at 17-22, M >> 4 at 24-28.
+pub fn tcgen05_instruction_descriptor(n: u32) -> u32 {
+    const F32: u32 = 1;
+    const BF16: u32 = 1;
+    (F32 << 4) | (BF16 << 7) | (BF16 << 10) | ((n >> 3) << 17) | ((128 >> 4) << 24)
 }
 
 pub fn emit(kernel: &Kernel) -> String {
@@ -77,9 +112,13 @@ pub fn emit(kernel: &Kernel) -> String {
     if copies_async {
         let _ = writeln!(out, "{ASYNC_HELPERS}");
     }
-    let uses_wgmma = required_arch(kernel).is_some();
+    let uses_wgmma = required_arch(kernel) == Some("sm_90a");
     if uses_wgmma {
         let _ = writeln!(out, "{WGMMA_HELPERS}");
+    }
+    let uses_tcgen05 = required_arch(kernel) == Some("sm_100a");
+    if uses_tcgen05 {
+        let _ = writeln!(out, "{TCGEN05_HELPERS}");
     }
     let params: Vec<String> = kernel
         .params
@@ -105,8 +144,8 @@ pub fn emit(kernel: &Kernel) -> String {
         kernel.name,
         params.join(",\n    ")
     );
-    // cp.async destinations and wgmma operands must start 16-byte aligned.
-    let align = if copies_async || uses_wgmma {
+    // cp.async destinations, wgmma/tcgen05 operands and mbarriers need aligned shared memory.
+    let align = if copies_async || uses_wgmma || uses_tcgen05 {
         "__align__(16) "
     } else {
         ""
@@ -274,6 +313,7 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
                 );
             }
             Stmt::Wgmma(w) => wgmma(out, w, scope, depth),
+            Stmt::Tcgen05(op) => tcgen05(out, op, scope, depth),
             Stmt::Comment(c) => {
                 let _ = writeln!(out, "// {c}");
             }
@@ -325,6 +365,84 @@ fn wgmma(out: &mut String, w: &WgmmaOp, scope: &Scope, depth: usize) {
         w.b.lbo,
         w.b.sbo
     );
+}
+
+/// One `tcgen05` statement (see `Tcgen05`) as inline PTX.
+fn tcgen05(out: &mut String, op: &Tcgen05, scope: &mut Scope, depth: usize) {
+    let pad = "    ".repeat(depth);
+    let address = |array: &str| format!("bbc_shared_address(&{array}[0])");
+    let desc = |m: &SmemMatrix, scope: &Scope| {
+        format!(
+            "bbc_tcgen05_desc(&{}[{}], {}u, {}u)",
+            m.array,
+            expr(&m.start, scope),
+            m.lbo,
+            m.sbo
+        )
+    };
+    let asm = |text: &str| format!("asm volatile(\"{text}\\n\" ::: \"memory\");");
+    let line = match op {
+        Tcgen05::Alloc { columns, slot } => format!(
+            "asm volatile(\"tcgen05.alloc.cta_group::1.sync.aligned.shared::cta.b32 [%0], {columns};\\n\" :: \"r\"({}) : \"memory\");\n{pad}{}",
+            address(slot),
+            asm("tcgen05.relinquish_alloc_permit.cta_group::1.sync.aligned;")
+        ),
+        Tcgen05::Dealloc { columns, address } => format!(
+            "asm volatile(\"tcgen05.dealloc.cta_group::1.sync.aligned.b32 %0, {columns};\\n\" :: \"r\"({}) : \"memory\");",
+            expr(address, scope)
+        ),
+        Tcgen05::MbarrierInit { barrier, count } => format!(
+            "asm volatile(\"mbarrier.init.shared::cta.b64 [%0], {count};\\n\" :: \"r\"({}) : \"memory\");\n{pad}{}",
+            address(barrier),
+            asm("fence.mbarrier_init.release.cluster;")
+        ),
+        Tcgen05::MbarrierWait { barrier, parity } => {
+            format!("bbc_mbarrier_wait(&{barrier}[0], {});", expr(parity, scope))
+        }
+        Tcgen05::Mma(TmemMma {
+            tmem,
+            a,
+            b,
+            n,
+            accumulate,
+        }) => format!(
+            "asm volatile(\"{{\\n.reg .pred accumulate;\\nsetp.ne.b32 accumulate, %4, 0;\\n\"\n\
+             {pad}    \"tcgen05.mma.cta_group::1.kind::f16 [%0], %1, %2, %3, accumulate;\\n}}\\n\"\n\
+             {pad}    :: \"r\"({}), \"l\"({}), \"l\"({}),\n\
+             {pad}       \"r\"({:#010x}u /* bf16 x bf16 -> f32, M = 128, N = {n}, both K-major */), \"r\"((int)({}))\n\
+             {pad}    : \"memory\");",
+            expr(tmem, scope),
+            desc(a, scope),
+            desc(b, scope),
+            tcgen05_instruction_descriptor(*n),
+            expr(accumulate, scope)
+        ),
+        Tcgen05::Commit { barrier } => format!(
+            "asm volatile(\"tcgen05.commit.cta_group::1.mbarrier::arrive::one.shared::cluster.b64 [%0];\\n\" :: \"r\"({}) : \"memory\");",
+            address(barrier)
+        ),
+        Tcgen05::Load { address, names } => {
+            let registers = (0..names.len()).map(|i| format!("%{i}")).collect::<Vec<_>>().join(", ");
+            let outputs = names.iter().map(|n| format!("\"=f\"({n})")).collect::<Vec<_>>().join(", ");
+            let text = format!(
+                "float {};\n\
+                 {pad}asm volatile(\"tcgen05.ld.sync.aligned.32x32b.x{}.b32 {{{registers}}}, [%{}];\\n\"\n\
+                 {pad}    : {outputs} : \"r\"({}) : \"memory\");",
+                names.join(", "),
+                names.len(),
+                names.len(),
+                expr(address, scope)
+            );
+            for name in names {
+                scope.vars.insert(name.clone(), Ty::F32);
+            }
+            text
+        }
+        Tcgen05::WaitLd => asm("tcgen05.wait::ld.sync.aligned;"),
+        Tcgen05::FenceBeforeSync => asm("tcgen05.fence::before_thread_sync;"),
+        Tcgen05::FenceAfterSync => asm("tcgen05.fence::after_thread_sync;"),
+    };
+    let _ = writeln!(out, "{line}");
 }
 
 /// One aligned 4/8/16-byte load into a CUDA vector, then its lanes as f32 locals (a bf16 is

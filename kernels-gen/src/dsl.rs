@@ -170,7 +170,42 @@ pub enum Stmt {
     WgmmaCommit,
     /// `wgmma.wait_group.sync.aligned n`: wait until at most `n` groups are in flight.
     WgmmaWait(u32),
+    /// Blackwell datacenter (sm_100a) tensor cores: see `Tcgen05`.
+    Tcgen05(Box<Tcgen05>),
     Comment(String),
+}
+
+/// The `tcgen05` family (sm_100a only) and the mbarriers that order it. The accumulator lives
+/// in tensor memory (TMEM: 128 lanes × 512 columns of 32 bits per SM, allocated by columns),
+/// an MMA is issued by one thread and completes asynchronously, signalled through an mbarrier;
+/// warps read their quarter of the lanes back into registers. An mbarrier is a shared `u32`
+/// array of length 2 (its 8 bytes).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Tcgen05 {
+    /// One whole warp: allocate `columns` TMEM columns (a power of two, 32..=512) and write
+    /// their address to the shared i32 `slot[0]`; then give up the right to allocate more, so
+    /// other blocks on the SM can allocate.
+    Alloc { columns: u32, slot: String },
+    /// One whole warp: free the `columns` columns at `address` (required before the block ends).
+    Dealloc { columns: u32, address: Expr },
+    /// One thread: an mbarrier expecting `count` arrivals per phase.
+    MbarrierInit { barrier: String, count: u32 },
+    /// Wait until the phase of `barrier` with this parity (0 or 1) has completed.
+    MbarrierWait { barrier: String, parity: Expr },
+    /// One thread: see `TmemMma`.
+    Mma(TmemMma),
+    /// The issuing thread: one arrival on `barrier` once its MMAs issued so far complete.
+    Commit { barrier: String },
+    /// One whole warp (warp w of each group of 4 reads lanes 32·(w % 4)..+32):
+    /// `tcgen05.ld.32x32b.xN`, lane l gets TMEM lane `(address >> 16) + l`, columns
+    /// `(address & 0xffff) + j` as new f32 locals `names[j]`; valid after `WaitLd`.
+    Load { address: Expr, names: Vec<String> },
+    /// `tcgen05.wait::ld`: this thread's loads from TMEM have landed in its registers.
+    WaitLd,
+    /// `tcgen05.fence::before_thread_sync`: orders prior tcgen05 work before a barrier.
+    FenceBeforeSync,
+    /// `tcgen05.fence::after_thread_sync`: orders later tcgen05 work after a barrier or wait.
+    FenceAfterSync,
 }
 
 /// One `cp.async` of 16 bytes (see `Stmt::CpAsync`).
@@ -211,6 +246,19 @@ pub struct WgmmaOp {
     pub b: SmemMatrix,
     /// N/2 f32 accumulator locals.
     pub d: Vec<String>,
+}
+
+/// `tcgen05.mma.cta_group::1.kind::f16`: D (f32, in TMEM at `tmem`) = A·B, plus D when
+/// `accumulate`; A is 128×16 and B is N×16 (the transpose of the K×N operand), both K-major
+/// bf16 in shared memory (`SmemMatrix`). Row i of D is TMEM lane i, column j is column
+/// `tmem + j`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TmemMma {
+    pub tmem: Expr,
+    pub a: SmemMatrix,
+    pub b: SmemMatrix,
+    pub n: u32,
+    pub accumulate: Expr,
 }
 
 /// The fragment locals of one `mma.sync` (see `Stmt::MmaBf16`).

@@ -16,8 +16,8 @@ pub enum TypeError {
 pub struct Scope {
     pub vars: HashMap<String, Ty>,
     pub arrays: HashMap<String, (Ty, bool)>,
-    /// Which arrays are shared memory (the rest are global buffers).
-    pub shared: std::collections::HashSet<String>,
+    /// The shared-memory arrays and their lengths (the other arrays are global buffers).
+    pub shared: HashMap<String, usize>,
 }
 
 impl Scope {
@@ -35,7 +35,7 @@ impl Scope {
         }
         for a in &kernel.shared {
             s.arrays.insert(a.name.clone(), (a.ty, true));
-            s.shared.insert(a.name.clone());
+            s.shared.insert(a.name.clone(), a.len);
         }
         s
     }
@@ -105,8 +105,16 @@ impl Scope {
     fn bf16_array(&self, name: &str, shared: bool) -> Result<(), String> {
         let place = if shared { "shared" } else { "global" };
         match self.arrays.get(name) {
-            Some((Ty::Bf16, _)) if self.shared.contains(name) == shared => Ok(()),
+            Some((Ty::Bf16, _)) if self.shared.contains_key(name) == shared => Ok(()),
             _ => Err(format!("`{name}` must be a {place} bf16 array")),
+        }
+    }
+
+    /// `name` is a shared array of `ty` with at least `len` elements.
+    fn shared_array(&self, name: &str, ty: Ty, len: usize, what: &str) -> Result<(), String> {
+        match (self.arrays.get(name), self.shared.get(name)) {
+            (Some((t, _)), Some(&l)) if *t == ty && l >= len => Ok(()),
+            _ => Err(format!("{what} `{name}` must be a shared {ty:?} array of {len}")),
         }
     }
 
@@ -258,6 +266,7 @@ fn check_block_declaring<'a>(
                     scope.vars.insert(name.clone(), Ty::F32);
                 }
             }
+            Stmt::Tcgen05(op) => check_tcgen05(op, scope, &mut declared)?,
             Stmt::SyncThreads
             | Stmt::CpAsyncCommit
             | Stmt::CpAsyncWait(_)
@@ -269,4 +278,75 @@ fn check_block_declaring<'a>(
         }
     }
     Ok(())
+}
+
+fn check_tcgen05<'a>(
+    op: &'a Tcgen05,
+    scope: &mut Scope,
+    declared: &mut std::collections::HashSet<&'a String>,
+) -> Result<(), String> {
+    match op {
+        Tcgen05::Alloc { columns, slot } => {
+            tmem_columns(*columns)?;
+            scope.shared_array(slot, Ty::I32, 1, "the TMEM address slot")?;
+        }
+        Tcgen05::Dealloc { columns, address } => {
+            tmem_columns(*columns)?;
+            scope.int(address)?;
+        }
+        Tcgen05::MbarrierInit { barrier, .. } | Tcgen05::Commit { barrier } => {
+            scope.shared_array(barrier, Ty::U32, 2, "mbarrier")?
+        }
+        Tcgen05::MbarrierWait { barrier, parity } => {
+            scope.shared_array(barrier, Ty::U32, 2, "mbarrier")?;
+            scope.int(parity)?;
+        }
+        Tcgen05::Mma(TmemMma {
+            tmem,
+            a,
+            b,
+            n,
+            accumulate,
+        }) => {
+            if *n < 16 || *n > 256 || n % 16 != 0 {
+                return Err(format!(
+                    "tcgen05.mma with M = 128 takes N = 16..=256 in steps of 16, not {n}"
+                ));
+            }
+            scope.int(tmem)?;
+            for operand in [a, b] {
+                scope.bf16_array(&operand.array, true)?;
+                scope.int(&operand.start)?;
+            }
+            if scope.type_of(accumulate)? != Ty::Bool {
+                return Err("tcgen05.mma needs a bool `accumulate`".into());
+            }
+        }
+        Tcgen05::Load { address, names } => {
+            if !names.len().is_power_of_two() || names.len() > 128 {
+                return Err(format!(
+                    "tcgen05.ld.32x32b loads 1..=128 columns, a power of two: {}",
+                    names.len()
+                ));
+            }
+            scope.int(address)?;
+            for name in names {
+                if !declared.insert(name) {
+                    return Err(format!("`{name}` is declared twice in one block"));
+                }
+                scope.vars.insert(name.clone(), Ty::F32);
+            }
+        }
+        Tcgen05::WaitLd | Tcgen05::FenceBeforeSync | Tcgen05::FenceAfterSync => {}
+    }
+    Ok(())
+}
+
+fn tmem_columns(columns: u32) -> Result<(), String> {
+    match columns.is_power_of_two() && (32..=512).contains(&columns) {
+        true => Ok(()),
+        false => Err(format!(
+            "TMEM allocations are 32..=512 columns, a power of two: {columns}"
+        )),
+    }
 }

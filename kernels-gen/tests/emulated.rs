@@ -510,6 +510,22 @@ fn hopper_wgmma_gemm_matches_reference_on_bf16_inputs() {
     gemm_matches_reference(&gemm_wgmma::gemm_wgmma_bf16("gemm", "test"), &shapes[1..3], 5, 16);
 }
 
+#[test]
+fn blackwell_tcgen05_gemm_matches_reference_on_bf16_inputs() {
+    // K a multiple of 8: one k step, ragged tokens and rows, a ragged last k step, several
+    // tiles each way (64 tokens × 128 rows a tile), and K past two pipeline stages.
+    let shapes = [
+        (16, 8, 16),
+        (20, 13, 40),
+        (3, 130, 104),
+        (64, 128, 32),
+        (130, 140, 200),
+        (70, 260, 136),
+    ];
+    gemm_matches_reference(&gemm_tcgen05::gemm_tcgen05_bf16("gemm", "test"), &shapes, 0, 17);
+    gemm_matches_reference(&gemm_tcgen05::gemm_tcgen05_bf16("gemm", "test"), &shapes[1..3], 5, 18);
+}
+
 /// A paged cache (blocks scattered through a pool by a block table) gives the same attention
 /// as the contiguous one, and appends land in the right physical rows.
 #[test]

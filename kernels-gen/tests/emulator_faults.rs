@@ -304,3 +304,191 @@ fn overwriting_a_wgmma_operand_in_flight_is_reported() {
     let message = run_wgmma(steps).unwrap_err();
     assert!(message.contains("while a wgmma reading it is in flight"), "{message}");
 }
+
+fn tc(op: Tcgen05) -> Stmt {
+    Stmt::Tcgen05(Box::new(op))
+}
+
+/// A complete tcgen05 program: warp 0 allocates 32 TMEM columns, thread 0 multiplies a 128×16
+/// A (all 1) by a 16×16 B (all 0.5, in `bs`) and commits, everyone waits, each warp reads
+/// its lanes; every step labelled.
+fn tcgen05_program() -> Vec<(&'static str, Stmt)> {
+    let k_major = |array: &str, height: u32| SmemMatrix {
+        array: array.into(),
+        start: int(0),
+        lbo: height * 16,
+        sbo: 128,
+    };
+    let names: Vec<String> = (0..16).map(|j| format!("v{j}")).collect();
+    let mut steps = vec![
+        (
+            "alloc",
+            if_(
+                bin(BinOp::Eq, warp(), int(0)),
+                vec![tc(Tcgen05::Alloc {
+                    columns: 32,
+                    slot: "slot".into(),
+                })],
+            ),
+        ),
+        (
+            "init",
+            if_(
+                bin(BinOp::Eq, tid(), int(0)),
+                vec![tc(Tcgen05::MbarrierInit {
+                    barrier: "bar".into(),
+                    count: 1,
+                })],
+            ),
+        ),
+        (
+            "fill a",
+            for_(
+                "i",
+                int(0),
+                int(16),
+                int(1),
+                vec![store("as", tid() * int(16) + var("i"), f(1.0))],
+            ),
+        ),
+        (
+            "fill b",
+            for_(
+                "i",
+                int(0),
+                int(2),
+                int(1),
+                vec![store("bs", tid() * int(2) + var("i"), f(0.5))],
+            ),
+        ),
+        ("proxy fence", Stmt::FenceProxyAsync),
+        ("barrier", Stmt::SyncThreads),
+        ("tmem", let_("tmem", Ty::I32, load("slot", int(0)))),
+    ];
+    let mma = tc(Tcgen05::Mma(TmemMma {
+        tmem: var("tmem"),
+        a: k_major("as", 128),
+        b: k_major("bs", 16),
+        n: 16,
+        accumulate: Expr::Bool(false),
+    }));
+    let commit = tc(Tcgen05::Commit { barrier: "bar".into() });
+    steps.extend([
+        ("mma", if_(bin(BinOp::Eq, tid(), int(0)), vec![mma, commit])),
+        (
+            "wait",
+            tc(Tcgen05::MbarrierWait {
+                barrier: "bar".into(),
+                parity: int(0),
+            }),
+        ),
+        (
+            "load",
+            tc(Tcgen05::Load {
+                address: var("tmem") + bin(BinOp::Shl, warp() * int(32), int(16)),
+                names: names.clone(),
+            }),
+        ),
+        ("wait ld", tc(Tcgen05::WaitLd)),
+    ]);
+    steps.extend(
+        names
+            .iter()
+            .enumerate()
+            .map(|(j, n)| ("store", store("out", tid() * int(16) + int(j as i64), var(n)))),
+    );
+    steps.extend([
+        ("barrier", Stmt::SyncThreads),
+        (
+            "dealloc",
+            if_(
+                bin(BinOp::Eq, warp(), int(0)),
+                vec![tc(Tcgen05::Dealloc {
+                    columns: 32,
+                    address: var("tmem"),
+                })],
+            ),
+        ),
+    ]);
+    steps
+}
+
+fn run_tcgen05(steps: Vec<(&'static str, Stmt)>) -> Result<Vec<f32>, String> {
+    let shared = |name: &str, ty: Ty, len: usize| SharedArray {
+        name: name.into(),
+        ty,
+        len,
+    };
+    let k = Kernel {
+        name: "k".into(),
+        origin: "test".into(),
+        params: vec![buffer("out", Ty::F32, true)],
+        shared: vec![
+            shared("as", Ty::Bf16, 128 * 16),
+            shared("bs", Ty::Bf16, 16 * 16),
+            shared("bar", Ty::U32, 2),
+            shared("slot", Ty::I32, 1),
+        ],
+        block_dim: 128,
+        grid: int(1),
+        body: steps.into_iter().map(|(_, s)| s).collect(),
+    };
+    let mut bufs = HashMap::from([("out".into(), Array::poisoned(Ty::F32, 128 * 16))]);
+    match run(&k, &mut bufs, &HashMap::new()) {
+        Ok(()) => Ok(bufs["out"].to_f32().unwrap()),
+        Err(EmuError::Fault { message, .. }) => Err(message),
+        Err(e) => panic!("{e}"),
+    }
+}
+
+#[test]
+fn the_complete_tcgen05_program_runs() {
+    // Every product is 1 · 0.5 summed over k = 16.
+    assert_eq!(run_tcgen05(tcgen05_program()).unwrap(), vec![8.0; 128 * 16]);
+}
+
+#[test]
+fn tcgen05_races_and_leaks_are_reported() {
+    let without = |label: &str| -> Vec<(&'static str, Stmt)> {
+        tcgen05_program().into_iter().filter(|(l, _)| *l != label).collect()
+    };
+    for (dropped, expected) in [
+        ("wait", "before waiting on the `bar` phase"),
+        ("wait ld", "before tcgen05.wait::ld"),
+        ("dealloc", "still allocated when the block exits"),
+        ("proxy fence", "without fence.proxy.async"),
+        ("init", "before mbarrier.init"),
+    ] {
+        let message = run_tcgen05(without(dropped)).unwrap_err();
+        assert!(message.contains(expected), "without `{dropped}`: {message}");
+    }
+    // The MMA issued by every thread, a second wait on a phase nobody completes, and warps
+    // reading each other's lanes.
+    let mut everyone = tcgen05_program();
+    let at = everyone.iter().position(|(l, _)| *l == "mma").unwrap();
+    let Stmt::If { then, .. } = everyone[at].1.clone() else {
+        unreachable!()
+    };
+    everyone[at].1 = then[0].clone();
+    assert!(run_tcgen05(everyone).unwrap_err().contains("one thread issues it"));
+    let mut twice = tcgen05_program();
+    let at = twice.iter().position(|(l, _)| *l == "wait").unwrap();
+    twice.insert(
+        at,
+        (
+            "wait",
+            tc(Tcgen05::MbarrierWait {
+                barrier: "bar".into(),
+                parity: int(1),
+            }),
+        ),
+    );
+    assert!(run_tcgen05(twice).unwrap_err().contains("never completes"));
+    let mut crossed = tcgen05_program();
+    let at = crossed.iter().position(|(l, _)| *l == "load").unwrap();
+    crossed[at].1 = tc(Tcgen05::Load {
+        address: var("tmem"),
+        names: (0..16).map(|j| format!("v{j}")).collect(),
+    });
+    assert!(run_tcgen05(crossed).unwrap_err().contains("it may read only"));
+}

@@ -8,8 +8,8 @@
 //! `wgmma` reading shared memory that was not fenced into the async proxy
 //! (`fence.proxy.async`) and published with a barrier.
 
-use super::{Block, Fault, Readers, Val};
-use crate::dsl::{AsyncCopy, WgmmaOp};
+use super::{Block, Fault, Val};
+use crate::dsl::{AsyncCopy, SmemMatrix, WgmmaOp};
 use half::bf16;
 use std::collections::{HashMap, HashSet, VecDeque};
 
@@ -328,7 +328,7 @@ impl Block<'_> {
                 ));
             }
             let a = self.gather_a(op, first)?;
-            let b = self.read_b(op, s as usize, n, first)?;
+            let (b, b_indices) = self.read_operand("wgmma", &op.b, s as usize, n, first)?;
             let mut d = vec![[0f32; 256]; 64];
             for warp in 0..4 {
                 for lane in 0..32 {
@@ -341,7 +341,7 @@ impl Block<'_> {
             }
             for (row, acc) in d.iter_mut().enumerate() {
                 for (col, out) in acc.iter_mut().take(n).enumerate() {
-                    *out += (0..16).map(|k| a[row][k] * b[k][col]).sum::<f32>();
+                    *out += (0..16).map(|k| a[row][k] * b[col][k]).sum::<f32>();
                 }
             }
             let mut footprint = Footprint::default();
@@ -358,13 +358,10 @@ impl Block<'_> {
                 footprint.registers.push((wg, name.clone()));
                 self.asynch.busy_registers.insert((wg, name.clone()));
             }
-            for col in 0..n {
-                for k in 0..16 {
-                    let i = b_element(op, s as usize, col, k);
-                    footprint.shared.push((op.b.array.clone(), i));
-                    self.asynch.busy_shared.get_mut(&op.b.array).expect("shared")[i] += 1;
-                }
-            }
+            self.hold_shared(&op.b.array, &b_indices, 1);
+            footprint
+                .shared
+                .extend(b_indices.into_iter().map(|i| (op.b.array.clone(), i)));
             let uncommitted = &mut self.asynch.uncommitted_wgmma[wg];
             uncommitted.registers.append(&mut footprint.registers);
             uncommitted.shared.append(&mut footprint.shared);
@@ -397,49 +394,65 @@ impl Block<'_> {
         Ok(a)
     }
 
-    /// B (16×N) through the descriptor, checking the device's visibility rules.
-    fn read_b(&mut self, op: &WgmmaOp, start: usize, n: usize, first: usize) -> Result<Vec<Vec<f32>>, Fault> {
-        let name = &op.b.array;
-        let mut b = vec![vec![0f32; n]; 16];
-        let readers = self.shared_readers.get_mut().get_mut(name).expect("shared");
+    /// `rows` × 16 elements of a K-major shared operand (`matrix` from element `start`, see
+    /// `SmemMatrix`) as the tensor cores read them: `[row][k]`, with each element's index.
+    /// Checks the device's visibility rules for the `what` instruction reading them.
+    pub(super) fn read_operand(
+        &mut self,
+        what: &str,
+        matrix: &SmemMatrix,
+        start: usize,
+        rows: usize,
+        thread: usize,
+    ) -> Result<(Vec<[f32; 16]>, Vec<usize>), Fault> {
+        let name = &matrix.array;
+        let (mut values, mut indices) = (vec![[0f32; 16]; rows], Vec::with_capacity(rows * 16));
+        // Not recorded as readers: the tensor cores read through the async proxy, and the
+        // elements stay held (`hold_shared`) until the instruction completes instead.
         let array = &self.shared[name];
-        for (k, row) in b.iter_mut().enumerate() {
-            for (col, out) in row.iter_mut().enumerate() {
-                let i = b_element(op, start, col, k);
+        for (row, out) in values.iter_mut().enumerate() {
+            for (k, out) in out.iter_mut().enumerate() {
+                let i = operand_element(matrix, start, row, k);
                 if i >= array.len() {
-                    return Err((
-                        first,
-                        format!("wgmma reads {name}[{i}] out of bounds (length {})", array.len()),
-                    ));
+                    let len = array.len();
+                    return Err((thread, format!("{what} reads {name}[{i}] out of bounds (length {len})")));
                 }
-                self.asynch.check_shared(name, i, first)?;
+                self.asynch.check_shared(name, i, thread)?;
                 if !array.init[i] {
-                    return Err((first, format!("wgmma reads {name}[{i}], which was never written")));
+                    return Err((thread, format!("{what} reads {name}[{i}], which was never written")));
                 }
                 if let Some(w) = self.shared_writer[name][i] {
                     return Err((
-                        first,
-                        format!("wgmma reads {name}[{i}] written by thread {w} without a __syncthreads() between"),
+                        thread,
+                        format!("{what} reads {name}[{i}] written by thread {w} without a __syncthreads() between"),
                     ));
                 }
                 if let Some(w) = self.asynch.unfenced[name][i] {
                     return Err((
-                        first,
-                        format!("wgmma reads {name}[{i}] written by thread {w} without fence.proxy.async"),
+                        thread,
+                        format!("{what} reads {name}[{i}] written by thread {w} without fence.proxy.async"),
                     ));
                 }
-                readers[i] = Readers::Many;
                 *out = array.values[i] as f32;
+                indices.push(i);
             }
         }
-        Ok(b)
+        Ok((values, indices))
+    }
+
+    /// Shared elements an asynchronous MMA reads stay off limits until it completes.
+    pub(super) fn hold_shared(&mut self, array: &str, indices: &[usize], by: isize) {
+        let counts = self.asynch.busy_shared.get_mut(array).expect("shared");
+        for &i in indices {
+            counts[i] = counts[i].saturating_add_signed(by as i32);
+        }
     }
 }
 
-/// The element of B[k][col] in the shared operand (see `SmemMatrix`).
-fn b_element(op: &WgmmaOp, start: usize, col: usize, k: usize) -> usize {
-    let (lbo, sbo) = (op.b.lbo as usize / 2, op.b.sbo as usize / 2);
-    start + (col / 8) * sbo + (k / 8) * lbo + (col % 8) * 8 + k % 8
+/// The element of row `row`, column `k` of a K-major shared operand (see `SmemMatrix`).
+fn operand_element(matrix: &SmemMatrix, start: usize, row: usize, k: usize) -> usize {
+    let (lbo, sbo) = (matrix.lbo as usize / 2, matrix.sbo as usize / 2);
+    start + (row / 8) * sbo + (k / 8) * lbo + (row % 8) * 8 + k % 8
 }
 
 /// (row, column) of accumulator `i` of `lane` in `warp` of a warpgroup (see `WgmmaOp`).

@@ -9,12 +9,14 @@
 //! `__syncthreads`; the second is invisible to lockstep execution, so it is tracked).
 
 mod asynchronous;
+mod tcgen05;
 
 use crate::dsl::*;
 use crate::types::{check, Scope};
 use asynchronous::AsyncState;
 use half::bf16;
 use std::collections::HashMap;
+use tcgen05::TensorMemory;
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum EmuError {
@@ -208,6 +210,8 @@ struct Block<'k> {
     shared_readers: std::cell::RefCell<HashMap<String, Vec<Readers>>>,
     /// cp.async copies and wgmma operations in flight.
     asynch: AsyncState,
+    /// Tensor memory, mbarriers and tcgen05 MMAs in flight.
+    tmem: TensorMemory,
 }
 
 /// The threads that read a shared element since the last barrier.
@@ -292,6 +296,7 @@ pub fn run(
         b.set_scalars(&scalar_vals);
         let mask = vec![true; b.threads];
         b.exec(&kernel.body, &mask, buffers)
+            .and_then(|()| b.tmem.check_freed())
             .map_err(|(thread, message)| EmuError::Fault {
                 kernel: kernel.name.clone(),
                 block,
@@ -339,6 +344,7 @@ impl<'k> Block<'k> {
                     .map(|a| (a.name.clone(), a.len))
                     .collect::<Vec<_>>(),
             ),
+            tmem: TensorMemory::new(threads),
         }
     }
 
@@ -464,16 +470,18 @@ impl<'k> Block<'k> {
             Stmt::Wgmma(op) => self.wgmma(op, mask, global)?,
             Stmt::WgmmaCommit => self.wgmma_commit(mask)?,
             Stmt::WgmmaWait(n) => self.wgmma_wait(*n, mask)?,
+            Stmt::Tcgen05(op) => self.tcgen05(op, mask, global)?,
             Stmt::Comment(_) => {}
         }
         Ok(())
     }
 
-    /// The active threads access local `name`: not while a wgmma uses it.
+    /// The active threads access local `name`: not while a wgmma uses it or a tcgen05.ld fills it.
     fn touch(&self, name: &str, mask: &[bool]) -> Result<(), Fault> {
-        if self.asynch.registers_busy() {
+        if self.asynch.registers_busy() || self.tmem.loads_outstanding() {
             for t in (0..mask.len()).filter(|&t| mask[t]) {
                 self.asynch.check_register(name, t)?;
+                self.tmem.check_register(name, t)?;
             }
         }
         Ok(())

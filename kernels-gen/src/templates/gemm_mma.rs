@@ -12,8 +12,8 @@
 //! first, so consecutive blocks read the same weight tile (it stays in L2).
 //!
 //! Per target (see `prefill_gemm_bf16`): `mma.sync` is the warp-level tensor-core instruction
-//! sm_90a, sm_100a and sm_120a all run; it serves sm_100a and sm_120a, and sm_90a where `k` is
-//! not a multiple of 8 (Hopper otherwise gets `gemm_wgmma`). One tile shape serves them:
+//! sm_90a, sm_100a and sm_120a all run; it serves sm_120a, and sm_90a/sm_100a where `k` is not
+//! a multiple of 8 (they otherwise get `gemm_wgmma`/`gemm_tcgen05`). One tile shape serves:
 //! 10 KiB of shared memory and 128 threads fit several blocks per SM on each (sm_120a allows
 //! 99 KiB a block, B200 227 KiB), and prefill chunks of up to 512 tokens over 576..4096-row
 //! weights give enough tiles to fill 132-170 SMs.

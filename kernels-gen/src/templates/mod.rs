@@ -7,6 +7,7 @@ pub mod cache_layout;
 pub mod elementwise;
 pub mod embedding;
 pub mod gemm_mma;
+pub mod gemm_tcgen05;
 pub mod gemm_wgmma;
 pub mod gemv;
 pub mod glu;
@@ -26,18 +27,18 @@ use crate::dsl::*;
 ///   reaches only part of Hopper's tensor-core peak; `wgmma` is the instruction that reaches
 ///   it, reading B straight from shared memory. It needs `k` to be a multiple of 8 (16-byte
 ///   copies inside one row), as every model dimension is; other shapes keep `mma.sync`.
-/// - **sm_100a (B200)**: `mma.sync` (`gemm_mma`). Blackwell dropped `wgmma`; its `tcgen05`
-///   MMA keeps accumulators in tensor memory, which takes `tcgen05.alloc`, completion through
-///   mbarriers and `tcgen05.ld` back to registers — none of which the DSL or its emulator
-///   model yet, and generating it unverified would trade a known-correct kernel for an
-///   unchecked one. Decode, the latency that serving feels, is a GEMV on every target.
+/// - **sm_100a (B200)**: `tcgen05.mma` (`gemm_tcgen05`), under the same condition on `k`.
+///   Blackwell dropped `wgmma`; `tcgen05` is where its tensor-core throughput is (128-row
+///   MMAs issued by one thread, accumulators in tensor memory, registers free for the
+///   epilogue), so it pays for every prefill GEMM. Decode stays a GEMV: one token a step
+///   reads each weight once whatever the instruction, and memory bandwidth bounds it.
 /// - **sm_120a (RTX PRO 6000)**: `mma.sync` (`gemm_mma`): consumer Blackwell has neither
 ///   `wgmma` nor `tcgen05`; `mma.sync` is its tensor-core instruction.
 pub fn prefill_gemm_bf16(arch: &str, k: usize, name: &str, origin: &str) -> Kernel {
-    if arch == "sm_90a" && k.is_multiple_of(8) {
-        gemm_wgmma::gemm_wgmma_bf16(name, origin)
-    } else {
-        gemm_mma::gemm_mma_bf16(name, origin)
+    match arch {
+        "sm_90a" if k.is_multiple_of(8) => gemm_wgmma::gemm_wgmma_bf16(name, origin),
+        "sm_100a" if k.is_multiple_of(8) => gemm_tcgen05::gemm_tcgen05_bf16(name, origin),
+        _ => gemm_mma::gemm_mma_bf16(name, origin),
     }
 }
 
@@ -137,6 +138,7 @@ pub fn catalog() -> Vec<Kernel> {
         kv_append::kv_append_with("kv_append_batched", "catalog", cache_layout::CacheLayout::Batched),
         gemm_mma::gemm_mma_bf16("gemm_mma_bf16", "catalog"),
         gemm_wgmma::gemm_wgmma_bf16("gemm_wgmma_bf16", "catalog"),
+        gemm_tcgen05::gemm_tcgen05_bf16("gemm_tcgen05_bf16", "catalog"),
         gemv::gemv(
             "rms_norm_gemv_bf16",
             "catalog",

@@ -1,0 +1,428 @@
+//! Blackwell's `tcgen05` on the emulator: tensor memory (TMEM, 128 lanes × 512 columns of 32
+//! bits per block), its allocation by whole warps, MMAs issued by one thread that complete
+//! asynchronously, and the mbarriers that signal completion. An MMA is computed at issue but
+//! its TMEM cells only become readable to a thread that has waited on the mbarrier phase its
+//! commit completed; its shared operands stay off limits until that phase completes. Reported:
+//! reading TMEM an
+//! MMA is still writing (no commit, or no wait), touching `tcgen05.ld` results before
+//! `tcgen05.wait::ld`, a warp reading lanes outside its quarter, MMAs outside allocated
+//! columns, an allocation never freed, waiting on a phase that can never complete, and every
+//! shared-memory rule `wgmma` has. The `tcgen05.fence` instructions order work around barriers
+//! on the device; lockstep execution has nothing to reorder, so they are accepted as written.
+
+use super::{Block, Fault, Val};
+use crate::dsl::{Expr, Tcgen05, TmemMma};
+use half::bf16;
+use std::collections::{HashMap, HashSet};
+
+const LANES: usize = 128;
+const COLUMNS: usize = 512;
+/// tcgen05.mma's M with `cta_group::1` as generated here.
+const M: usize = 128;
+
+/// When a TMEM cell written by an MMA may be read.
+#[derive(Debug, Clone, PartialEq)]
+enum Ready {
+    /// Issued by this thread, not yet committed.
+    Uncommitted(usize),
+    /// Committed to `barrier`, whose phase `phase` completes it.
+    Committed { barrier: String, phase: u64 },
+}
+
+#[derive(Default)]
+struct Footprint {
+    cells: Vec<usize>,
+    shared: Vec<(String, usize)>,
+}
+
+struct Barrier {
+    count: u32,
+    arrivals: u32,
+    /// Phases completed so far.
+    completed: u64,
+    /// MMAs committed to the current phase.
+    committed: Vec<Footprint>,
+}
+
+pub(super) struct TensorMemory {
+    cells: Vec<f32>,
+    /// Per cell: `None` never written (or freed), else when its value is readable.
+    ready: Vec<Option<Ready>>,
+    /// (first column, columns) of each live allocation.
+    allocations: Vec<(usize, usize)>,
+    barriers: HashMap<String, Barrier>,
+    /// Per thread: the phases of each barrier it has seen complete.
+    observed: Vec<HashMap<String, u64>>,
+    /// Per thread: MMAs issued and not yet committed.
+    uncommitted: Vec<Vec<Footprint>>,
+    /// (thread, local) written by a `tcgen05.ld` not yet waited for.
+    loading: HashSet<(usize, String)>,
+}
+
+impl TensorMemory {
+    pub(super) fn new(threads: usize) -> Self {
+        Self {
+            cells: vec![0.0; LANES * COLUMNS],
+            ready: vec![None; LANES * COLUMNS],
+            allocations: Vec::new(),
+            barriers: HashMap::new(),
+            observed: vec![HashMap::new(); threads],
+            uncommitted: (0..threads).map(|_| Vec::new()).collect(),
+            loading: HashSet::new(),
+        }
+    }
+
+    /// Thread `t` touches local `name`: not while a `tcgen05.ld` into it is outstanding.
+    pub(super) fn check_register(&self, name: &str, t: usize) -> Result<(), Fault> {
+        if !self.loading.is_empty() && self.loading.contains(&(t, name.to_string())) {
+            return Err((t, format!("uses `{name}` before tcgen05.wait::ld")));
+        }
+        Ok(())
+    }
+
+    pub(super) fn loads_outstanding(&self) -> bool {
+        !self.loading.is_empty()
+    }
+
+    /// At the end of the block: TMEM must have been freed.
+    pub(super) fn check_freed(&self) -> Result<(), Fault> {
+        match self.allocations.first() {
+            Some((start, columns)) => Err((
+                0,
+                format!("{columns} TMEM columns at {start} are still allocated when the block exits"),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// The allocation holding columns `start..start + columns`, if any.
+    fn allocated(&self, start: usize, columns: usize) -> bool {
+        self.allocations
+            .iter()
+            .any(|&(s, c)| start >= s && start + columns <= s + c)
+    }
+}
+
+fn active(mask: &[bool]) -> Vec<usize> {
+    (0..mask.len()).filter(|&t| mask[t]).collect()
+}
+
+impl Block<'_> {
+    pub(super) fn tcgen05(
+        &mut self,
+        op: &Tcgen05,
+        mask: &[bool],
+        global: &HashMap<String, super::Array>,
+    ) -> Result<(), Fault> {
+        match op {
+            Tcgen05::Alloc { columns, slot } => self.tmem_alloc(*columns as usize, slot, mask),
+            Tcgen05::Dealloc { columns, address } => self.tmem_dealloc(*columns as usize, address, mask, global),
+            Tcgen05::MbarrierInit { barrier, count } => {
+                let t = self.one_thread("mbarrier.init", mask)?;
+                let fresh = Barrier {
+                    count: *count,
+                    arrivals: 0,
+                    completed: 0,
+                    committed: Vec::new(),
+                };
+                if self.tmem.barriers.insert(barrier.clone(), fresh).is_some() {
+                    return Err((t, format!("mbarrier `{barrier}` initialised twice")));
+                }
+                Ok(())
+            }
+            Tcgen05::MbarrierWait { barrier, parity } => self.mbarrier_wait(barrier, parity, mask, global),
+            Tcgen05::Mma(mma) => self.mma(mma, mask, global),
+            Tcgen05::Commit { barrier } => self.commit(barrier, mask),
+            Tcgen05::Load { address, names } => self.tmem_load(address, names, mask, global),
+            Tcgen05::WaitLd => {
+                self.tmem.loading.retain(|(t, _)| !mask[*t]);
+                Ok(())
+            }
+            Tcgen05::FenceBeforeSync | Tcgen05::FenceAfterSync => Ok(()),
+        }
+    }
+
+    /// The one active thread of a single-thread instruction.
+    fn one_thread(&self, what: &str, mask: &[bool]) -> Result<usize, Fault> {
+        match active(mask)[..] {
+            [t] => Ok(t),
+            ref threads => Err((
+                threads[0],
+                format!(
+                    "{what} issued by {} threads at once: one thread issues it",
+                    threads.len()
+                ),
+            )),
+        }
+    }
+
+    /// The first thread of the one whole warp a warp-wide instruction runs on.
+    fn one_warp(&self, what: &str, mask: &[bool]) -> Result<usize, Fault> {
+        let threads = active(mask);
+        let first = threads[0];
+        let whole = first.is_multiple_of(32) && threads.len() == 32 && threads[31] == first + 31;
+        match whole {
+            true => Ok(first),
+            false => Err((
+                first,
+                format!("{what} needs exactly one whole warp ({} threads active)", threads.len()),
+            )),
+        }
+    }
+
+    fn tmem_alloc(&mut self, columns: usize, slot: &str, mask: &[bool]) -> Result<(), Fault> {
+        let t = self.one_warp("tcgen05.alloc", mask)?;
+        // First fit, aligned to the allocation's size.
+        let start = (0..COLUMNS)
+            .step_by(columns)
+            .find(|&s| {
+                s + columns <= COLUMNS && !self.tmem.allocations.iter().any(|&(a, c)| s < a + c && a < s + columns)
+            })
+            .ok_or((t, format!("no {columns} free TMEM columns")))?;
+        self.tmem.allocations.push((start, columns));
+        // The address lands in shared memory, written by the warp: readers need a barrier.
+        self.asynch.note_write(slot, 0, t)?;
+        self.shared_writer.get_mut(slot).expect("shared")[0] = Some(t);
+        let array = self.shared.get_mut(slot).expect("shared");
+        array.values[0] = start as f64;
+        array.init[0] = true;
+        Ok(())
+    }
+
+    fn tmem_dealloc(
+        &mut self,
+        columns: usize,
+        address: &Expr,
+        mask: &[bool],
+        global: &HashMap<String, super::Array>,
+    ) -> Result<(), Fault> {
+        let t = self.one_warp("tcgen05.dealloc", mask)?;
+        let start = self.eval(address, mask, global)?[t].i() as usize;
+        let Some(i) = self.tmem.allocations.iter().position(|&a| a == (start, columns)) else {
+            return Err((
+                t,
+                format!("tcgen05.dealloc of {columns} columns at {start}, which is not an allocation"),
+            ));
+        };
+        let in_flight = (0..LANES).flat_map(|lane| (start..start + columns).map(move |c| lane * COLUMNS + c));
+        for cell in in_flight {
+            if matches!(self.tmem.ready[cell], Some(Ready::Uncommitted(_))) {
+                return Err((t, "tcgen05.dealloc while an MMA into those columns is in flight".into()));
+            }
+            self.tmem.ready[cell] = None;
+        }
+        self.tmem.allocations.remove(i);
+        Ok(())
+    }
+
+    fn mbarrier_wait(
+        &mut self,
+        barrier: &str,
+        parity: &Expr,
+        mask: &[bool],
+        global: &HashMap<String, super::Array>,
+    ) -> Result<(), Fault> {
+        let parity = self.eval(parity, mask, global)?;
+        for t in active(mask) {
+            let b = self
+                .tmem
+                .barriers
+                .get(barrier)
+                .ok_or((t, format!("waits on mbarrier `{barrier}` before mbarrier.init")))?;
+            // A parity's phase is complete once the current phase has the other parity; in
+            // lockstep nothing can arrive while every thread waits, so otherwise it never is.
+            if b.completed % 2 == parity[t].i() as u64 % 2 {
+                return Err((
+                    t,
+                    format!(
+                        "waits on phase parity {} of `{barrier}`, which never completes ({} of {} arrivals)",
+                        parity[t].i(),
+                        b.arrivals,
+                        b.count
+                    ),
+                ));
+            }
+            let completed = b.completed;
+            self.tmem.observed[t].insert(barrier.to_string(), completed);
+        }
+        Ok(())
+    }
+
+    fn mma(&mut self, mma: &TmemMma, mask: &[bool], global: &HashMap<String, super::Array>) -> Result<(), Fault> {
+        let TmemMma {
+            tmem,
+            a,
+            b,
+            n,
+            accumulate,
+        } = mma;
+        let n = *n as usize;
+        let t = self.one_thread("tcgen05.mma", mask)?;
+        let address = self.eval(tmem, mask, global)?[t].i() as usize;
+        let accumulate = self.eval(accumulate, mask, global)?[t].b();
+        let (lane, column) = (address >> 16, address & 0xffff);
+        if lane != 0 || !self.tmem.allocated(column, n) {
+            return Err((
+                t,
+                format!("tcgen05.mma into TMEM lane {lane}, columns {column}..+{n}, not allocated from lane 0"),
+            ));
+        }
+        let mut starts = Vec::new();
+        for operand in [a, b] {
+            let s = self.eval(&operand.start, mask, global)?[t].i();
+            if s < 0 || s % 8 != 0 {
+                return Err((
+                    t,
+                    format!("tcgen05.mma operand at {}[{s}] is not 16-byte aligned", operand.array),
+                ));
+            }
+            starts.push(s as usize);
+        }
+        let (a_values, a_indices) = self.read_operand("tcgen05.mma", a, starts[0], M, t)?;
+        let (b_values, b_indices) = self.read_operand("tcgen05.mma", b, starts[1], n, t)?;
+        let round = |v: f32| bf16::from_f32(v).to_f32();
+        let mut footprint = Footprint::default();
+        for (row, a_row) in a_values.iter().enumerate() {
+            for (col, b_row) in b_values.iter().enumerate() {
+                let cell = row * COLUMNS + column + col;
+                let before = match (accumulate, &self.tmem.ready[cell]) {
+                    (false, _) => 0.0,
+                    (true, Some(_)) => self.tmem.cells[cell],
+                    (true, None) => return Err((t, "tcgen05.mma accumulates into TMEM never written".into())),
+                };
+                let product: f32 = (0..16).map(|k| round(a_row[k]) * round(b_row[k])).sum();
+                self.tmem.cells[cell] = before + product;
+                self.tmem.ready[cell] = Some(Ready::Uncommitted(t));
+                footprint.cells.push(cell);
+            }
+        }
+        for (operand, indices) in [(a, a_indices), (b, b_indices)] {
+            self.hold_shared(&operand.array, &indices, 1);
+            footprint
+                .shared
+                .extend(indices.into_iter().map(|i| (operand.array.clone(), i)));
+        }
+        self.tmem.uncommitted[t].push(footprint);
+        Ok(())
+    }
+
+    /// `tcgen05.commit`: the thread's uncommitted MMAs complete with the barrier's phase, and
+    /// the thread arrives on it.
+    fn commit(&mut self, barrier: &str, mask: &[bool]) -> Result<(), Fault> {
+        let t = self.one_thread("tcgen05.commit", mask)?;
+        let Some(b) = self.tmem.barriers.get_mut(barrier) else {
+            return Err((
+                t,
+                format!("tcgen05.commit to mbarrier `{barrier}` before mbarrier.init"),
+            ));
+        };
+        let phase = b.completed;
+        for footprint in &self.tmem.uncommitted[t] {
+            for &cell in &footprint.cells {
+                self.tmem.ready[cell] = Some(Ready::Committed {
+                    barrier: barrier.to_string(),
+                    phase,
+                });
+            }
+        }
+        b.committed.append(&mut self.tmem.uncommitted[t]);
+        b.arrivals += 1;
+        if b.arrivals == b.count {
+            b.arrivals = 0;
+            b.completed += 1;
+            let done = std::mem::take(&mut b.committed);
+            for footprint in done {
+                for (array, i) in footprint.shared {
+                    self.hold_shared(&array, &[i], -1);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `tcgen05.ld.32x32b`: each active warp reads its 32 lanes, `names.len()` columns.
+    fn tmem_load(
+        &mut self,
+        address: &Expr,
+        names: &[String],
+        mask: &[bool],
+        global: &HashMap<String, super::Array>,
+    ) -> Result<(), Fault> {
+        let address = self.eval(address, mask, global)?;
+        let mut values = vec![vec![Val::Undef; mask.len()]; names.len()];
+        for warp_start in (0..mask.len())
+            .step_by(32)
+            .filter(|&w| mask[w..(w + 32).min(mask.len())].iter().any(|&m| m))
+        {
+            let lanes = warp_start..(warp_start + 32).min(mask.len());
+            if let Some(t) = lanes
+                .clone()
+                .find(|&t| !mask[t])
+                .or((lanes.len() < 32).then_some(warp_start))
+            {
+                return Err((t, "tcgen05.ld needs every lane of the warp".into()));
+            }
+            let a = address[warp_start].i() as usize;
+            if let Some(t) = lanes.clone().find(|&t| address[t].i() as usize != a) {
+                return Err((t, "tcgen05.ld address differs across the warp".into()));
+            }
+            let (lane_base, column) = (a >> 16, a & 0xffff);
+            let quarter = 32 * (warp_start / 32 % 4);
+            if lane_base != quarter {
+                return Err((
+                    warp_start,
+                    format!(
+                        "warp {} reads TMEM lanes {lane_base}..+32; it may read only {quarter}..+32",
+                        warp_start / 32
+                    ),
+                ));
+            }
+            if !self.tmem.allocated(column, names.len()) {
+                return Err((
+                    warp_start,
+                    format!(
+                        "tcgen05.ld of columns {column}..+{} outside any allocation",
+                        names.len()
+                    ),
+                ));
+            }
+            for t in lanes {
+                for (j, out) in values.iter_mut().enumerate() {
+                    let cell = (lane_base + t - warp_start) * COLUMNS + column + j;
+                    match &self.tmem.ready[cell] {
+                        None => {
+                            return Err((
+                                t,
+                                format!(
+                                    "tcgen05.ld of TMEM lane {}, column {}, never written",
+                                    cell / COLUMNS,
+                                    cell % COLUMNS
+                                ),
+                            ))
+                        }
+                        Some(Ready::Uncommitted(_)) => {
+                            return Err((t, "tcgen05.ld of TMEM an MMA is still writing (not committed)".into()))
+                        }
+                        Some(Ready::Committed { barrier, phase }) => {
+                            if self.tmem.observed[t].get(barrier).is_none_or(|&seen| seen <= *phase) {
+                                return Err((
+                                    t,
+                                    format!("tcgen05.ld of TMEM before waiting on the `{barrier}` phase that completes its MMA"),
+                                ));
+                            }
+                        }
+                    }
+                    out[t] = Val::F(self.tmem.cells[cell]);
+                }
+            }
+        }
+        for (name, v) in names.iter().zip(&values) {
+            self.touch(name, mask)?;
+            self.declare(name, crate::dsl::Ty::F32, v, mask);
+            for t in active(mask) {
+                self.tmem.loading.insert((t, name.clone()));
+            }
+        }
+        Ok(())
+    }
+}

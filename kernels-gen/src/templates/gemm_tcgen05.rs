@@ -1,0 +1,292 @@
+//! Prefill GEMM for B200 (sm_100a): `out[t, r] = Σ_k x[t, k]·W[r, k]` with bf16 weights
+//! (activations rounded to bf16, f32 accumulation) on `tcgen05.mma`, Blackwell's tensor-core
+//! MMA: issued by one thread, accumulating in tensor memory (TMEM), completing through an
+//! mbarrier.
+//!
+//! Roles: the MMA's M is 128, its N 16..256, so the weights are A (128 rows of a tile) and the
+//! activations B (64 tokens): D[i][j] = out[m0 + j][n0 + i]. A tile is 128 weight rows × 64
+//! tokens, its accumulator 64 TMEM columns × 128 lanes (allocated by warp 0, freed at the end).
+//! K advances 32 at a time through two stages: the weights travel global → shared with
+//! `cp.async` into one buffer while the tensor cores read the other, the activations are
+//! rounded to bf16 into shared memory by all threads; then thread 0 issues the step's two
+//! k16 MMAs and commits them to the mbarrier every thread waits on. The epilogue: each warp
+//! reads its 32 TMEM lanes (`tcgen05.ld.32x32b.x8`, 8 tokens at a time), and a warp's 32 lanes
+//! store 32 consecutive weight rows of one token (coalesced).
+//!
+//! Shared layouts are the canonical K-major ones without swizzling (as for `wgmma`): 8×8
+//! core matrices of 128 contiguous bytes, 8-row groups adjacent (stride byte offset 128),
+//! 16-byte K slices one whole tile height apart (leading byte offset 2 KiB for the weights,
+//! 1 KiB for the activations). Copies: 8 consecutive lanes fill one core matrix (128
+//! contiguous bytes in shared memory) from 8 rows, 4 lanes per row read 64 contiguous bytes.
+//!
+//! Requirement, checked by the caller: `k` a multiple of 8 (whole aligned 16-byte copies).
+//! Why this shape: M = 128 is the single-CTA MMA's full height, N = 64 tokens keeps 16-token
+//! prefill steps from wasting more than 4×, and 24 KiB of static shared memory with 64 TMEM
+//! columns leaves room for several blocks per SM.
+
+use crate::dsl::*;
+
+const THREADS: i64 = 128;
+/// Weight rows per tile: the MMA's M.
+const TILE_ROWS: i64 = 128;
+/// Tokens per tile: the MMA's N, and TMEM columns.
+const TILE_TOKENS: i64 = 64;
+/// K per pipeline stage.
+const TILE_K: i64 = 32;
+/// Elements of one stage's weight and activation slices.
+const W_STAGE: i64 = TILE_ROWS * TILE_K;
+const X_STAGE: i64 = TILE_TOKENS * TILE_K;
+/// bf16 elements per 16-byte copy (one core-matrix row).
+const CHUNK: i64 = 8;
+/// Stride byte offset (between 8-row groups) of both operands.
+const STRIDE_BYTES: u32 = 128;
+/// k16 MMAs per stage.
+const K_SLICES: i64 = TILE_K / 16;
+
+fn both(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::And, a, b)
+}
+
+fn lt(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::Lt, a, b)
+}
+
+fn eq(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::Eq, a, b)
+}
+
+fn rem(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::Rem, a, b)
+}
+
+/// Element (row, k) of a K-major core-matrix tile `height` rows tall.
+fn core_matrix_index(row: Expr, k: Expr, height: i64) -> Expr {
+    k.clone() / int(8) * int(height * 8) + row.clone() / int(8) * int(64) + rem(row, int(8)) * int(8) + rem(k, int(8))
+}
+
+/// Copy the weight slice at `k0` into stage buffer `stage`: copy `c = tid + 128·i` takes row
+/// `8·(c / 32) + c % 8`, k chunk `(c / 8) % 4`.
+fn copy_weights(stage: Expr, k0: Expr) -> Vec<Stmt> {
+    let c = var("c");
+    vec![for_(
+        "i",
+        int(0),
+        int(W_STAGE / CHUNK / THREADS),
+        int(1),
+        vec![
+            let_("c", Ty::I32, tid() + var("i") * int(THREADS)),
+            let_("row", Ty::I32, c.clone() / int(32) * int(8) + rem(c.clone(), int(8))),
+            let_("chunk", Ty::I32, rem(c / int(8), int(4)) * int(CHUNK)),
+            let_("col", Ty::I32, k0 + var("chunk")),
+            Stmt::CpAsync(Box::new(AsyncCopy {
+                dst: "ws".into(),
+                dst_index: stage * int(W_STAGE) + core_matrix_index(var("row"), var("chunk"), TILE_ROWS),
+                src: "w".into(),
+                src_index: (var("n0") + var("row")) * var("k") + var("col"),
+                valid: both(lt(var("n0") + var("row"), var("n")), lt(var("col"), var("k"))),
+            })),
+        ],
+    )]
+}
+
+/// Round the activation slice at `k0` to bf16 into stage buffer `stage` (zero past `tokens`
+/// and `k`): element `e = tid + 128·i` is token `e / 32`, k `e % 32`, so a warp reads 128
+/// contiguous bytes of one token.
+fn stage_activations() -> Vec<Stmt> {
+    let e = var("e");
+    vec![for_(
+        "i",
+        int(0),
+        int(X_STAGE / THREADS),
+        int(1),
+        vec![
+            let_("e", Ty::I32, tid() + var("i") * int(THREADS)),
+            let_("token", Ty::I32, e.clone() / int(TILE_K)),
+            let_("kk", Ty::I32, rem(e, int(TILE_K))),
+            let_("value", Ty::F32, f(0.0)),
+            if_(
+                both(
+                    lt(var("m0") + var("token"), var("tokens")),
+                    lt(var("k0") + var("kk"), var("k")),
+                ),
+                vec![assign(
+                    "value",
+                    load(
+                        "x",
+                        (var("m0") + var("token")) * var("x_stride") + var("k0") + var("kk"),
+                    ),
+                )],
+            ),
+            store(
+                "xs",
+                var("s") * int(X_STAGE) + core_matrix_index(var("token"), var("kk"), TILE_TOKENS),
+                var("value"),
+            ),
+        ],
+    )]
+}
+
+/// Thread 0 issues the stage's k16 MMAs and commits them to the mbarrier.
+fn multiply_stage() -> Stmt {
+    let mut issue: Vec<Stmt> = (0..K_SLICES)
+        .map(|slice| {
+            Stmt::Tcgen05(Box::new(Tcgen05::Mma(TmemMma {
+                tmem: var("tmem"),
+                a: SmemMatrix {
+                    array: "ws".into(),
+                    start: var("s") * int(W_STAGE) + int(2 * slice * TILE_ROWS * 8),
+                    lbo: (TILE_ROWS * 16) as u32,
+                    sbo: STRIDE_BYTES,
+                },
+                b: SmemMatrix {
+                    array: "xs".into(),
+                    start: var("s") * int(X_STAGE) + int(2 * slice * TILE_TOKENS * 8),
+                    lbo: (TILE_TOKENS * 16) as u32,
+                    sbo: STRIDE_BYTES,
+                },
+                n: TILE_TOKENS as u32,
+                // The first MMA of the first step starts the sum.
+                accumulate: match slice {
+                    0 => bin(BinOp::Gt, var("k0"), int(0)),
+                    _ => Expr::Bool(true),
+                },
+            })))
+        })
+        .collect();
+    issue.push(Stmt::Tcgen05(Box::new(Tcgen05::Commit { barrier: "bar".into() })));
+    if_(eq(tid(), int(0)), issue)
+}
+
+/// Each warp reads its 32 lanes (weight rows; this thread's is `row`) 8 tokens at a time and
+/// stores them.
+fn epilogue() -> Vec<Stmt> {
+    let names: Vec<String> = (0..8).map(|j| format!("acc{j}")).collect();
+    let row = var("row");
+    let mut body = vec![
+        Stmt::Tcgen05(Box::new(Tcgen05::Load {
+            address: var("tmem") + bin(BinOp::Shl, warp() * int(32), int(16)) + var("c") * int(8),
+            names: names.clone(),
+        })),
+        Stmt::Tcgen05(Box::new(Tcgen05::WaitLd)),
+    ];
+    for (j, name) in names.iter().enumerate() {
+        let token = var("m0") + var("c") * int(8) + int(j as i64);
+        body.push(if_(
+            both(lt(row.clone(), var("n")), lt(token.clone(), var("tokens"))),
+            vec![store("out", token * var("n") + row.clone(), var(name))],
+        ));
+    }
+    vec![
+        let_("row", Ty::I32, var("n0") + warp() * int(32) + lane()),
+        for_("c", int(0), int(TILE_TOKENS / 8), int(1), body),
+    ]
+}
+
+fn tc(op: Tcgen05) -> Stmt {
+    Stmt::Tcgen05(Box::new(op))
+}
+
+pub fn gemm_tcgen05_bf16(name: &str, origin: &str) -> Kernel {
+    let tiles_m = (var("tokens") + int(TILE_TOKENS - 1)) / int(TILE_TOKENS);
+    let tiles_n = (var("n") + int(TILE_ROWS - 1)) / int(TILE_ROWS);
+    let step = [
+        vec![let_("s", Ty::I32, rem(var("k0") / int(TILE_K), int(2)))],
+        // The next step's weights start flowing into the other buffer; past the end an empty
+        // group keeps "all but the newest group" meaning this step's copies.
+        vec![
+            if_(
+                lt(var("k0") + int(TILE_K), var("k")),
+                copy_weights(int(1) - var("s"), var("k0") + int(TILE_K)),
+            ),
+            Stmt::CpAsyncCommit,
+        ],
+        stage_activations(),
+        vec![
+            Stmt::CpAsyncWait(1),
+            Stmt::FenceProxyAsync,
+            Stmt::SyncThreads,
+            tc(Tcgen05::FenceAfterSync),
+            multiply_stage(),
+            // Everyone waits for the MMAs: their buffers are refilled next step.
+            tc(Tcgen05::MbarrierWait {
+                barrier: "bar".into(),
+                parity: var("phase"),
+            }),
+            assign("phase", int(1) - var("phase")),
+            tc(Tcgen05::FenceAfterSync),
+        ],
+    ]
+    .concat();
+    let body = [
+        vec![
+            // Token tiles vary fastest: neighbouring blocks share a weight tile.
+            let_("m0", Ty::I32, rem(bid(), tiles_m.clone()) * int(TILE_TOKENS)),
+            let_("n0", Ty::I32, bid() / tiles_m.clone() * int(TILE_ROWS)),
+            if_(
+                eq(warp(), int(0)),
+                vec![tc(Tcgen05::Alloc {
+                    columns: TILE_TOKENS as u32,
+                    slot: "tmem_slot".into(),
+                })],
+            ),
+            if_(
+                eq(tid(), int(0)),
+                vec![tc(Tcgen05::MbarrierInit {
+                    barrier: "bar".into(),
+                    count: 1,
+                })],
+            ),
+            tc(Tcgen05::FenceBeforeSync),
+            Stmt::SyncThreads,
+            tc(Tcgen05::FenceAfterSync),
+            let_("tmem", Ty::I32, load("tmem_slot", int(0))),
+            let_("phase", Ty::I32, int(0)),
+        ],
+        copy_weights(int(0), int(0)),
+        vec![Stmt::CpAsyncCommit, for_("k0", int(0), var("k"), int(TILE_K), step)],
+        epilogue(),
+        vec![
+            // Every warp has read its lanes before warp 0 frees the columns.
+            tc(Tcgen05::FenceBeforeSync),
+            Stmt::SyncThreads,
+            if_(
+                eq(warp(), int(0)),
+                vec![tc(Tcgen05::Dealloc {
+                    columns: TILE_TOKENS as u32,
+                    address: var("tmem"),
+                })],
+            ),
+        ],
+    ]
+    .concat();
+    let shared = |name: &str, ty: Ty, len: i64| SharedArray {
+        name: name.into(),
+        ty,
+        len: len as usize,
+    };
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: matmul x·Wᵀ on Blackwell tensor cores (tcgen05.mma M=128 N={TILE_TOKENS} bf16 into tensor \
+             memory, weights through a 2-stage cp.async pipeline of {TILE_ROWS}×{TILE_K} slices)"
+        ),
+        params: vec![
+            buffer("x", Ty::F32, false),
+            buffer("w", Ty::Bf16, false),
+            buffer("out", Ty::F32, true),
+            scalar("tokens", Ty::I32),
+            scalar("n", Ty::I32),
+            scalar("k", Ty::I32),
+            scalar("x_stride", Ty::I32),
+        ],
+        shared: vec![
+            shared("ws", Ty::Bf16, 2 * W_STAGE),
+            shared("xs", Ty::Bf16, 2 * X_STAGE),
+            shared("bar", Ty::U32, 2),
+            shared("tmem_slot", Ty::I32, 1),
+        ],
+        block_dim: THREADS as u32,
+        grid: tiles_m * tiles_n,
+        body,
+    }
+}
