@@ -57,7 +57,7 @@ fn check(family: &str, dtype: ComputeDtype, target: Target) {
     let (plan, kernels) = gpu::build_with_kernels(&gpu_graph, target, 64).unwrap();
     if dtype == ComputeDtype::Bf16 {
         // bf16 prefill runs the target's own tensor-core GEMM: wgmma on Hopper, tcgen05 on
-        // B200 (each only there), mma.sync on the RTX PRO 6000.
+        // B200 (each only there), mma.sync with cp.async weights on the RTX PRO 6000.
         let special: Vec<_> = kernels.iter().filter_map(kernels_gen::cuda::required_arch).collect();
         let expected = match target {
             Target::H200 | Target::B200 => target.cuda_arch().into_iter().collect(),
@@ -110,8 +110,9 @@ fn tiny_llama_plans_agree_with_the_cpu_backend() {
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
         check("llama", ComputeDtype::F32, target);
     }
-    check("llama", ComputeDtype::Bf16, Target::H200);
-    check("llama", ComputeDtype::Bf16, Target::B200);
+    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+        check("llama", ComputeDtype::Bf16, target);
+    }
 }
 
 #[test]

@@ -11,6 +11,10 @@
 //! of the other operand instead of once per 16×8 `mma` tile. Blocks run along the token tiles
 //! first, so consecutive blocks read the same weight tile (it stays in L2).
 //!
+//! Weights, two ways (`WeightStaging`): through registers like the activations, which works
+//! for any `k`; or, where `k` is a multiple of 8, with `cp.async` (16 bytes a copy straight
+//! into shared memory) into two buffers, so step i+1's weights arrive while step i multiplies.
+//!
 //! Per target (see `prefill_gemm_bf16`): `mma.sync` is the warp-level tensor-core instruction
 //! sm_90a, sm_100a and sm_120a all run; it serves sm_120a, and sm_90a/sm_100a where `k` is not
 //! a multiple of 8 (they otherwise get `gemm_wgmma`/`gemm_tcgen05`). One tile shape serves:
@@ -29,6 +33,8 @@ const TILE_N: i64 = 64;
 const TILE_K: i64 = 32;
 /// Row stride of the staged slices: 8 bf16 of padding shift successive rows across banks.
 const STAGE_STRIDE: i64 = TILE_K + 8;
+/// Elements of one staged slice.
+const STAGE: i64 = TILE_M * STAGE_STRIDE;
 /// Each warp's quarter: 2 `mma` tiles of 16 tokens by 4 of 8 rows.
 const WARP_M_TILES: usize = 2;
 const WARP_N_TILES: usize = 4;
@@ -69,6 +75,42 @@ fn stage(src: &str, dst: &str, row0: &str, rows: &str, row_stride: Expr) -> Vec<
     )]
 }
 
+/// How the weight slices reach shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightStaging {
+    /// Loaded and stored by each thread, one buffer: any `k`.
+    Registers,
+    /// `cp.async` into two buffers, the next step's copy overlapping this step's MMAs: `k` a
+    /// multiple of 8 (each 16-byte copy wholly inside one aligned row).
+    CpAsync,
+}
+
+/// Copy the 64×32 weight slice at `k0` into buffer `buffer` with `cp.async`: copy
+/// `c = tid + 128·i` is row `c / 4`, 8-element chunk `c % 4` (a warp reads 8 whole 64-byte
+/// row slices), zero-filled past `n` and `k`.
+fn copy_weights(buffer: Expr, k0: Expr) -> Vec<Stmt> {
+    vec![for_(
+        "i",
+        int(0),
+        int(TILE_N * TILE_K / 8 / (32 * WARPS)),
+        int(1),
+        vec![
+            let_("c", Ty::I32, tid() + var("i") * int(32 * WARPS)),
+            let_("row", Ty::I32, var("c") / int(TILE_K / 8)),
+            let_("col", Ty::I32, k0 + rem(var("c"), int(TILE_K / 8)) * int(8)),
+            Stmt::CpAsync(Box::new(AsyncCopy {
+                dst: "ws".into(),
+                dst_index: buffer * int(STAGE)
+                    + var("row") * int(STAGE_STRIDE)
+                    + rem(var("c"), int(TILE_K / 8)) * int(8),
+                src: "w".into(),
+                src_index: (var("n0") + var("row")) * var("k") + var("col"),
+                valid: both(lt(var("n0") + var("row"), var("n")), lt(var("col"), var("k"))),
+            })),
+        ],
+    )]
+}
+
 fn name(prefix: &str, tile: usize, i: usize) -> String {
     format!("{prefix}{tile}_{i}")
 }
@@ -80,9 +122,10 @@ fn fragments() -> Vec<Stmt> {
     a.chain(b).map(|n| let_(&n, Ty::F32, f(0.0))).collect()
 }
 
-/// One 16-wide k slice of the warp's quarter: load its fragments from shared memory and issue
-/// the 2×4 `mma`s (fragment layout in `Stmt::MmaBf16`).
-fn warp_k_slice(kk: i64) -> Vec<Stmt> {
+/// One 16-wide k slice of the warp's quarter: load its fragments from shared memory (the
+/// weights from the buffer starting at element `weights`) and issue the 2×4 `mma`s (fragment
+/// layout in `Stmt::MmaBf16`).
+fn warp_k_slice(kk: i64, weights: &Expr) -> Vec<Stmt> {
     let mut out = Vec::new();
     for mi in 0..WARP_M_TILES {
         for i in 0..8 {
@@ -95,7 +138,10 @@ fn warp_k_slice(kk: i64) -> Vec<Stmt> {
         for i in 0..4 {
             let row = var("wn") + int(8 * ni as i64) + var("g");
             let col = var("t2") + int(kk + (i % 2) as i64 + if i >= 2 { 8 } else { 0 });
-            out.push(assign(&name("b", ni, i), load("ws", row * int(STAGE_STRIDE) + col)));
+            out.push(assign(
+                &name("b", ni, i),
+                load("ws", weights.clone() + row * int(STAGE_STRIDE) + col),
+            ));
         }
     }
     for mi in 0..WARP_M_TILES {
@@ -133,22 +179,54 @@ fn store_accumulators() -> Vec<Stmt> {
     out
 }
 
-pub fn gemm_mma_bf16(name_: &str, origin: &str) -> Kernel {
+pub fn gemm_mma_bf16(name_: &str, origin: &str, staging: WeightStaging) -> Kernel {
     let tiles_m = (var("tokens") + int(TILE_M - 1)) / int(TILE_M);
     let tiles_n = (var("n") + int(TILE_N - 1)) / int(TILE_N);
     let accumulators = (0..WARP_M_TILES * WARP_N_TILES)
         .flat_map(|tile| (0..4).map(move |i| let_(&name("c", tile, i), Ty::F32, f(0.0))))
         .collect::<Vec<_>>();
-    let k_step = [
-        stage("x", "xs", "m0", "tokens", var("x_stride")),
-        stage("w", "ws", "n0", "n", var("k")),
-        vec![Stmt::SyncThreads],
-        warp_k_slice(0),
-        warp_k_slice(16),
-        // Nobody restages until every warp has read this stage.
-        vec![Stmt::SyncThreads],
-    ]
-    .concat();
+    let multiply = |weights: Expr| {
+        [
+            warp_k_slice(0, &weights),
+            warp_k_slice(16, &weights),
+            // Nobody restages until every warp has read this stage.
+            vec![Stmt::SyncThreads],
+        ]
+        .concat()
+    };
+    let (prologue, k_step, buffers) = match staging {
+        WeightStaging::Registers => (
+            vec![],
+            [
+                stage("x", "xs", "m0", "tokens", var("x_stride")),
+                stage("w", "ws", "n0", "n", var("k")),
+                vec![Stmt::SyncThreads],
+                multiply(int(0)),
+            ]
+            .concat(),
+            1,
+        ),
+        WeightStaging::CpAsync => (
+            [copy_weights(int(0), int(0)), vec![Stmt::CpAsyncCommit]].concat(),
+            [
+                vec![let_("s", Ty::I32, rem(var("k0") / int(TILE_K), int(2)))],
+                // The next step's weights start flowing into the other buffer; past the end an
+                // empty group keeps "all but the newest group" meaning this step's copies.
+                vec![
+                    if_(
+                        lt(var("k0") + int(TILE_K), var("k")),
+                        copy_weights(int(1) - var("s"), var("k0") + int(TILE_K)),
+                    ),
+                    Stmt::CpAsyncCommit,
+                ],
+                stage("x", "xs", "m0", "tokens", var("x_stride")),
+                vec![Stmt::CpAsyncWait(1), Stmt::SyncThreads],
+                multiply(var("s") * int(STAGE)),
+            ]
+            .concat(),
+            2,
+        ),
+    };
     let body = [
         vec![
             // Token tiles vary fastest: neighbouring blocks share a weight tile.
@@ -161,20 +239,25 @@ pub fn gemm_mma_bf16(name_: &str, origin: &str) -> Kernel {
         ],
         accumulators,
         fragments(),
+        prologue,
         vec![for_("k0", int(0), var("k"), int(TILE_K), k_step)],
         store_accumulators(),
     ]
     .concat();
-    let staged = |name: &str| SharedArray {
+    let staged = |name: &str, buffers: i64| SharedArray {
         name: name.into(),
         ty: Ty::Bf16,
-        len: (TILE_M * STAGE_STRIDE) as usize,
+        len: (buffers * STAGE) as usize,
+    };
+    let weights = match staging {
+        WeightStaging::Registers => "",
+        WeightStaging::CpAsync => ", weights through a 2-stage cp.async pipeline",
     };
     Kernel {
         name: name_.into(),
         origin: format!(
             "{origin}: matmul x·Wᵀ on tensor cores (mma.sync m16n8k16 bf16, {TILE_M}×{TILE_N}×{TILE_K} \
-             shared-memory tiles)"
+             shared-memory tiles{weights})"
         ),
         params: vec![
             buffer("x", Ty::F32, false),
@@ -185,7 +268,7 @@ pub fn gemm_mma_bf16(name_: &str, origin: &str) -> Kernel {
             scalar("k", Ty::I32),
             scalar("x_stride", Ty::I32),
         ],
-        shared: vec![staged("xs"), staged("ws")],
+        shared: vec![staged("xs", 1), staged("ws", buffers)],
         block_dim: (32 * WARPS) as u32,
         grid: tiles_m * tiles_n,
         body,

@@ -33,12 +33,16 @@ use crate::dsl::*;
 ///   epilogue), so it pays for every prefill GEMM. Decode stays a GEMV: one token a step
 ///   reads each weight once whatever the instruction, and memory bandwidth bounds it.
 /// - **sm_120a (RTX PRO 6000)**: `mma.sync` (`gemm_mma`): consumer Blackwell has neither
-///   `wgmma` nor `tcgen05`; `mma.sync` is its tensor-core instruction.
+///   `wgmma` nor `tcgen05`; `mma.sync` is its tensor-core instruction. Its weights come
+///   through the `cp.async` pipeline when `k` allows, through registers otherwise (as on the
+///   other targets when `k` is not a multiple of 8).
 pub fn prefill_gemm_bf16(arch: &str, k: usize, name: &str, origin: &str) -> Kernel {
+    use gemm_mma::WeightStaging;
     match arch {
         "sm_90a" if k.is_multiple_of(8) => gemm_wgmma::gemm_wgmma_bf16(name, origin),
         "sm_100a" if k.is_multiple_of(8) => gemm_tcgen05::gemm_tcgen05_bf16(name, origin),
-        _ => gemm_mma::gemm_mma_bf16(name, origin),
+        _ if k.is_multiple_of(8) => gemm_mma::gemm_mma_bf16(name, origin, WeightStaging::CpAsync),
+        _ => gemm_mma::gemm_mma_bf16(name, origin, WeightStaging::Registers),
     }
 }
 
@@ -136,7 +140,8 @@ pub fn catalog() -> Vec<Kernel> {
         kv_append::kv_append_with("kv_append_paged", "catalog", cache_layout::CacheLayout::Paged),
         attention::attention_with("attention_batched", "catalog", cache_layout::CacheLayout::Batched),
         kv_append::kv_append_with("kv_append_batched", "catalog", cache_layout::CacheLayout::Batched),
-        gemm_mma::gemm_mma_bf16("gemm_mma_bf16", "catalog"),
+        gemm_mma::gemm_mma_bf16("gemm_mma_bf16", "catalog", gemm_mma::WeightStaging::Registers),
+        gemm_mma::gemm_mma_bf16("gemm_mma_bf16_pipelined", "catalog", gemm_mma::WeightStaging::CpAsync),
         gemm_wgmma::gemm_wgmma_bf16("gemm_wgmma_bf16", "catalog"),
         gemm_tcgen05::gemm_tcgen05_bf16("gemm_tcgen05_bf16", "catalog"),
         gemv::gemv(
