@@ -218,28 +218,47 @@ fn embedding_gathers_and_scales() {
 }
 
 #[test]
-fn argmax_breaks_ties_to_the_lowest_index() {
+fn top_k_matches_reference_with_ties_and_nan() {
     let mut rng = Rng(7);
     for v in [1, 5, 256, 1000, 3001] {
         let mut logits = rng.vec(2 * v);
-        // A tie in the second row at its maximum.
+        // Ties in the second row at its maximum and below it, and a NaN.
         if v > 10 {
             let m = logits[v..].iter().cloned().fold(f32::NEG_INFINITY, f32::max) + 1.0;
             logits[v + 9] = m;
             logits[v + 3] = m;
+            logits[v + 7] = m - 0.5;
+            logits[v + 2] = m - 0.5;
             logits[v + 1] = f32::NAN;
         }
-        let k = argmax::argmax("argmax", "test");
-        let mut bufs = HashMap::from([
-            ("logits".into(), Array::f32(&logits)),
-            ("out".into(), Array::poisoned(Ty::I32, 2)),
-        ]);
-        run(&k, &mut bufs, &ints(&[("rows", 2), ("v", v as i64)])).unwrap();
-        let want: Vec<i64> = (0..2)
-            .map(|r| ops::top_k(&logits[r * v..(r + 1) * v], 1)[0] as i64)
-            .collect();
-        assert_eq!(bufs["out"].to_i64().unwrap(), want, "v = {v}");
+        for k in [1, 5] {
+            let k = k.min(v);
+            let kernel = top_k::top_k("top_k", "test");
+            let mut bufs = HashMap::from([
+                ("logits".into(), Array::f32(&logits)),
+                ("out".into(), Array::poisoned(Ty::I32, 2 * k)),
+            ]);
+            run(
+                &kernel,
+                &mut bufs,
+                &ints(&[("rows", 2), ("v", v as i64), ("k", k as i64)]),
+            )
+            .unwrap();
+            let want: Vec<i64> = (0..2)
+                .flat_map(|r| ops::top_k(&logits[r * v..(r + 1) * v], k))
+                .map(|i| i as i64)
+                .collect();
+            assert_eq!(bufs["out"].to_i64().unwrap(), want, "v = {v}, k = {k}");
+        }
     }
+    // A row of NaN only ranks them all as −∞: lowest indices first, as the reference does.
+    let kernel = top_k::top_k("top_k", "test");
+    let mut bufs = HashMap::from([
+        ("logits".into(), Array::f32(&[f32::NAN; 4])),
+        ("out".into(), Array::poisoned(Ty::I32, 3)),
+    ]);
+    run(&kernel, &mut bufs, &ints(&[("rows", 1), ("v", 4), ("k", 3)])).unwrap();
+    assert_eq!(bufs["out"].to_i64().unwrap(), vec![0, 1, 2]);
 }
 
 #[test]

@@ -6,7 +6,7 @@ use half::bf16;
 use kernels_gen::dsl::Ty;
 use kernels_gen::emulator::{run, Array};
 use kernels_gen::templates::quant::WeightFormat;
-use kernels_gen::templates::{argmax, gemv, int8_head};
+use kernels_gen::templates::{gemv, int8_head, top_k};
 use passes::weight_transforms::Int8Rows;
 use std::collections::HashMap;
 
@@ -17,9 +17,9 @@ fn argmax_of(bufs: &mut HashMap<String, Array>, rows: usize) -> i64 {
     let scores = bufs.remove("scores").unwrap();
     let mut b = HashMap::from([("logits".into(), scores), ("out".into(), Array::poisoned(Ty::I32, 1))]);
     run(
-        &argmax::argmax("argmax", "t"),
+        &top_k::top_k("argmax", "t"),
         &mut b,
-        &ints(&[("rows", 1), ("v", rows as i64)]),
+        &ints(&[("rows", 1), ("v", rows as i64), ("k", 1)]),
     )
     .unwrap();
     b["out"].to_i64().unwrap()[0]

@@ -420,13 +420,20 @@ pub(crate) fn select(graph: &Graph, layout: CacheLayout, arch: &str) -> Result<S
                             out,
                             scalar("rows", 1),
                             scalar("v", vocab),
+                            scalar("k", 1),
                         ];
-                        (argmax::argmax("argmax", &graph.name), args)
+                        (top_k::top_k("argmax", &graph.name), args)
                     }
-                    Op::TopK { k: 1 } => {
+                    Op::TopK { k } => {
                         let (logits, _) = act(&s, 0);
-                        let args = vec![logits, out, scalar("rows", &rows), scalar("v", width(graph, input(0)))];
-                        (argmax::argmax("argmax", &graph.name), args)
+                        let args = vec![
+                            logits,
+                            out,
+                            scalar("rows", &rows),
+                            scalar("v", width(graph, input(0))),
+                            scalar("k", k),
+                        ];
+                        (top_k::top_k("top_k", &graph.name), args)
                     }
                     op => match as_expr(op) {
                         Some(expr) => {

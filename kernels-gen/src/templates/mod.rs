@@ -1,7 +1,6 @@
 //! Templates: DSL kernels for the fused IR's ops, parameterised by shape and dtype. Each file
 //! holds one op family with its launch shape and the reasoning behind it.
 
-pub mod argmax;
 pub mod attention;
 pub mod cache_layout;
 pub mod elementwise;
@@ -17,6 +16,7 @@ pub mod quant;
 pub mod rms_norm;
 pub mod rope;
 pub mod sample;
+pub mod top_k;
 
 use crate::dsl::*;
 
@@ -128,7 +128,7 @@ pub fn catalog() -> Vec<Kernel> {
         rope::rope("rope_rotate_half", "catalog", RopeLayout::RotateHalf, 1.0),
         rope::rope("rope_adjacent_pairs", "catalog", RopeLayout::AdjacentPairs, 1.0),
         embedding::embedding("embedding_bf16", "catalog", Dense(Ty::Bf16)),
-        argmax::argmax("argmax", "catalog"),
+        top_k::top_k("top_k", "catalog"),
         sample::sample("sample", "catalog"),
         int8_head::quantize_h("int8_quantize_h", "catalog"),
         int8_head::score("int8_score", "catalog"),

@@ -1,0 +1,131 @@
+//! Top-k per row (argmax is k = 1) with bbc's order: larger first, equal values to the lower
+//! index, NaN ranked as −∞ (as `ir::reference::ops::top_k`). One block per row, k rounds: in
+//! each, threads stride the row keeping their best (value, index) among the elements ranked
+//! after the previous round's winner, then a shared-memory tree halves the candidates and the
+//! winner is written. k passes over the row: meant for the small k of greedy and top-k
+//! sampling heads, where the row (the vocabulary) stays in L2.
+
+use super::BLOCK;
+use crate::dsl::*;
+
+fn or(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::Or, a, b)
+}
+
+fn and(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::And, a, b)
+}
+
+/// Whether candidate (v, i) ranks before (bv, bi): larger, or equal and earlier; any
+/// candidate ranks before an empty best (bi < 0), and an empty candidate (i < 0) before none.
+fn ranks_before(v: Expr, i: Expr, bv: Expr, bi: Expr) -> Expr {
+    let larger = bin(BinOp::Gt, v.clone(), bv.clone());
+    let tie_earlier = and(bin(BinOp::Eq, v, bv), bin(BinOp::Lt, i.clone(), bi.clone()));
+    let best_empty = bin(BinOp::Lt, bi, int(0));
+    and(bin(BinOp::Ge, i, int(0)), or(best_empty, or(larger, tie_earlier)))
+}
+
+/// One round: this thread's best among the elements ranked after (`prev`, `prev_i`), then the
+/// block's best in `vals[0]`/`idx[0]`.
+fn round() -> Vec<Stmt> {
+    let mut body = vec![
+        let_("best", Ty::F32, f(f32::NEG_INFINITY)),
+        let_("best_i", Ty::I32, int(-1)),
+        for_(
+            "i",
+            tid(),
+            var("v"),
+            bdim(),
+            vec![
+                let_("x", Ty::F32, load("logits", var("base") + var("i"))),
+                // x == x is false for NaN, which ranks as −∞.
+                let_(
+                    "key",
+                    Ty::F32,
+                    select(bin(BinOp::Eq, var("x"), var("x")), var("x"), f(f32::NEG_INFINITY)),
+                ),
+                let_(
+                    "after_prev",
+                    Ty::Bool,
+                    or(
+                        bin(BinOp::Lt, var("key"), var("prev")),
+                        and(
+                            bin(BinOp::Eq, var("key"), var("prev")),
+                            bin(BinOp::Gt, var("i"), var("prev_i")),
+                        ),
+                    ),
+                ),
+                if_(
+                    and(
+                        var("after_prev"),
+                        ranks_before(var("key"), var("i"), var("best"), var("best_i")),
+                    ),
+                    vec![assign("best", var("key")), assign("best_i", var("i"))],
+                ),
+            ],
+        ),
+        // Everyone has read the previous winner from vals[0]/idx[0] before they are rewritten.
+        Stmt::SyncThreads,
+        store("vals", tid(), var("best")),
+        store("idx", tid(), var("best_i")),
+        Stmt::SyncThreads,
+    ];
+    let mut stride = BLOCK / 2;
+    while stride > 0 {
+        let other = tid() + int(stride as i64);
+        body.push(if_(
+            bin(BinOp::Lt, tid(), int(stride as i64)),
+            vec![
+                let_("ov", Ty::F32, load("vals", other.clone())),
+                let_("oi", Ty::I32, load("idx", other)),
+                let_("mv", Ty::F32, load("vals", tid())),
+                let_("mi", Ty::I32, load("idx", tid())),
+                if_(
+                    ranks_before(var("ov"), var("oi"), var("mv"), var("mi")),
+                    vec![store("vals", tid(), var("ov")), store("idx", tid(), var("oi"))],
+                ),
+            ],
+        ));
+        body.push(Stmt::SyncThreads);
+        stride /= 2;
+    }
+    body.extend([
+        if_(
+            bin(BinOp::Eq, tid(), int(0)),
+            vec![store("out", bid() * var("k") + var("r"), load("idx", int(0)))],
+        ),
+        assign("prev", load("vals", int(0))),
+        assign("prev_i", load("idx", int(0))),
+    ]);
+    body
+}
+
+pub fn top_k(name: &str, origin: &str) -> Kernel {
+    let body = vec![
+        let_("base", Ty::I32, bid() * var("v")),
+        // The previous round's winner; before the first, a rank above everything.
+        let_("prev", Ty::F32, f(f32::INFINITY)),
+        let_("prev_i", Ty::I32, int(-1)),
+        for_("r", int(0), var("k"), int(1), round()),
+    ];
+    let shared = |name: &str, ty: Ty| SharedArray {
+        name: name.into(),
+        ty,
+        len: BLOCK as usize,
+    };
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: top-k indices per row, largest first (ties to the lowest index)"),
+        params: vec![
+            buffer("logits", Ty::F32, false),
+            buffer("out", Ty::I32, true),
+            scalar("rows", Ty::I32),
+            scalar("v", Ty::I32),
+            scalar("k", Ty::I32),
+        ],
+        shared: vec![shared("vals", Ty::F32), shared("idx", Ty::I32)],
+        block_dim: BLOCK,
+        grid: var("rows"),
+        body,
+    }
+}
