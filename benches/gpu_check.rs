@@ -17,7 +17,7 @@ use codegen::gpu::{self, expr, PREFILL_TOKENS};
 use codegen::Target;
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::gemv::{gemv, GemvSpec};
-use kernels_gen::templates::prefill_gemm_bf16;
+use kernels_gen::templates::prefill_gemm;
 use kernels_gen::templates::quant::WeightFormat;
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use rayon::prelude::*;
@@ -198,7 +198,7 @@ fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
                 )
             },
             // The target's tensor-core GEMM: wgmma on sm_90a, mma.sync elsewhere.
-            prefill_gemm_bf16(arch, k, "gemm", "gpu-check"),
+            prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), k, "gemm", "gpu-check").ok_or("a bf16 GEMM")?,
         ];
         let mut device = CudaDevice::compile(&kernels, arch)?;
         let w = device.upload(&random_bf16(n * k, n as u64))?;

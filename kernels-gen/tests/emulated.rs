@@ -509,7 +509,7 @@ fn tensor_core_gemm_matches_reference_on_bf16_inputs() {
         (64, 64, 32),
         (130, 70, 72),
     ];
-    let registers = gemm_mma::gemm_mma_bf16("gemm", "test", gemm_mma::WeightStaging::Registers);
+    let registers = gemm_mma::gemm_mma("gemm", "test", gemm_mma::WeightStaging::Registers);
     gemm_matches_reference(&registers, &shapes, 0, 12);
     gemm_matches_reference(&registers, &shapes[1..3], 3, 14);
     // The cp.async weight pipeline needs K a multiple of 8 (the last shape: K past two stages).
@@ -521,7 +521,7 @@ fn tensor_core_gemm_matches_reference_on_bf16_inputs() {
         (130, 70, 72),
         (70, 130, 200),
     ];
-    let pipelined = gemm_mma::gemm_mma_bf16("gemm", "test", gemm_mma::WeightStaging::CpAsync);
+    let pipelined = gemm_mma::gemm_mma("gemm", "test", gemm_mma::WeightStaging::CpAsync);
     gemm_matches_reference(&pipelined, &shapes, 0, 19);
     gemm_matches_reference(&pipelined, &shapes[1..3], 3, 20);
 }

@@ -69,6 +69,45 @@ fn quantized_gemv_matches_dequantize_then_matmul() {
 }
 
 #[test]
+fn quantized_tensor_core_gemm_matches_dequantize_then_matmul() {
+    use kernels_gen::templates::gemm_mma::{gemm_mma, WeightStaging};
+    let round = |v: &[f32]| v.iter().map(|&a| half::bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+    for format in QUANT_FORMATS {
+        let data = blocks(format);
+        let (be, bb) = block_layout(format).unwrap();
+        let k = 2 * be as usize;
+        let n = data.len() / bb as usize / 2;
+        let mut w = vec![0f32; n * k];
+        ggml(format).dequantize(&data, &mut w);
+        let kernel = gemm_mma("gemm_q", "test", WeightStaging::Dequantize(format));
+        // One ragged token tile, and two.
+        for tokens in [20, 70] {
+            let x: Vec<f32> = (0..tokens * k).map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0).collect();
+            let mut want = vec![0f32; tokens * n];
+            ir::reference::ops::matmul(&round(&x), &round(&w), k, &mut want);
+            let mut bufs = HashMap::from([
+                ("x".into(), Array::f32(&x)),
+                ("w".into(), Array::u8(&data)),
+                ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
+            ]);
+            let scalars = ints(&[
+                ("tokens", tokens as i64),
+                ("n", n as i64),
+                ("k", k as i64),
+                ("x_stride", k as i64),
+            ]);
+            run(&kernel, &mut bufs, &scalars).unwrap();
+            close(
+                &bufs["out"].to_f32().unwrap(),
+                &want,
+                1e-5,
+                &format!("{format} × {tokens} tokens"),
+            );
+        }
+    }
+}
+
+#[test]
 fn quantized_embedding_gathers_dequantized_rows() {
     for format in QUANT_FORMATS {
         let data = blocks(format);

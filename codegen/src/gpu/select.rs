@@ -448,15 +448,16 @@ pub(crate) fn select(graph: &Graph, layout: CacheLayout, arch: &str) -> Result<S
                         None => return Err(unsupported("no GPU template yet".into())),
                     },
                 };
-                // bf16 matmuls have a tensor-core GEMM for prefill steps (chosen per target);
-                // other GEMVs carry several tokens per pass over the weights there.
+                // Matmuls with bf16 or GGUF-block weights have a tensor-core GEMM for prefill
+                // steps (chosen per target); the others carry several tokens per GEMV pass.
                 let prefill = match (
                     op,
                     WeightFormat::of(graph.node(node.inputs.last().copied().unwrap_or(ir::NodeId(i))).dtype),
                 ) {
-                    (Op::MatMul, Some(WeightFormat::Dense(kernels_gen::dsl::Ty::Bf16))) => Some(
-                        templates::prefill_gemm_bf16(arch, width(graph, input(0)), "gemm", &graph.name),
-                    ),
+                    (Op::MatMul, Some(format)) => {
+                        templates::prefill_gemm(arch, format, width(graph, input(0)), "gemm", &graph.name)
+                            .or(gemv_prefill)
+                    }
                     _ => gemv_prefill,
                 };
                 s.launches.push((i, kernel, prefill, args));

@@ -11,17 +11,20 @@
 //! of the other operand instead of once per 16×8 `mma` tile. Blocks run along the token tiles
 //! first, so consecutive blocks read the same weight tile (it stays in L2).
 //!
-//! Weights, two ways (`WeightStaging`): through registers like the activations, which works
-//! for any `k`; or, where `k` is a multiple of 8, with `cp.async` (16 bytes a copy straight
-//! into shared memory) into two buffers, so step i+1's weights arrive while step i multiplies.
+//! Weights, three ways (`WeightStaging`): bf16 through registers like the activations, which
+//! works for any `k`; bf16, where `k` is a multiple of 8, with `cp.async` (16 bytes a copy
+//! straight into shared memory) into two buffers, so step i+1's weights arrive while step i
+//! multiplies; or GGUF blocks decoded into the tile (rounded to bf16 there, as the
+//! activations are).
 //!
-//! Per target (see `prefill_gemm_bf16`): `mma.sync` is the warp-level tensor-core instruction
+//! Per target (see `prefill_gemm`): `mma.sync` is the warp-level tensor-core instruction
 //! sm_90a, sm_100a and sm_120a all run; it serves sm_120a, and sm_90a/sm_100a where `k` is not
 //! a multiple of 8 (they otherwise get `gemm_wgmma`/`gemm_tcgen05`). One tile shape serves:
 //! 10 KiB of shared memory and 128 threads fit several blocks per SM on each (sm_120a allows
 //! 99 KiB a block, B200 227 KiB), and prefill chunks of up to 512 tokens over 576..4096-row
 //! weights give enough tiles to fill 132-170 SMs.
 
+use super::quant;
 use crate::dsl::*;
 
 const WARPS: i64 = 4;
@@ -78,11 +81,41 @@ fn stage(src: &str, dst: &str, row0: &str, rows: &str, row_stride: Expr) -> Vec<
 /// How the weight slices reach shared memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightStaging {
-    /// Loaded and stored by each thread, one buffer: any `k`.
+    /// bf16 weights loaded and stored by each thread, one buffer: any `k`.
     Registers,
-    /// `cp.async` into two buffers, the next step's copy overlapping this step's MMAs: `k` a
-    /// multiple of 8 (each 16-byte copy wholly inside one aligned row).
+    /// bf16 weights by `cp.async` into two buffers, the next step's copy overlapping this
+    /// step's MMAs: `k` a multiple of 8 (each 16-byte copy wholly inside one aligned row).
     CpAsync,
+    /// GGUF blocks (raw bytes) decoded element by element (`quant::dequant`) and rounded to
+    /// bf16 on their way into shared memory: each weight is decoded once per 64-token tile,
+    /// where the prefill GEMV decodes it once per 4 tokens.
+    Dequantize(ir::DType),
+}
+
+/// Stage the 64×32 weight slice of GGUF-block weights, decoding each element.
+fn stage_blocks(format: ir::DType) -> Vec<Stmt> {
+    let (block_elements, block_bytes) = quant::block_layout(format).expect("a block format");
+    let per_thread = TILE_N * TILE_K / (32 * WARPS);
+    let e = tid() + var("i") * int(32 * WARPS);
+    let (r, c) = (e.clone() / int(TILE_K), rem(e, int(TILE_K)));
+    let (grow, gcol) = (var("n0") + r.clone(), var("k0") + c.clone());
+    let row_bytes = var("k") / int(block_elements) * int(block_bytes);
+    let decode = [
+        quant::dequant(format, "wq", grow.clone() * row_bytes, gcol.clone()),
+        vec![assign("ws_v", var("wq"))],
+    ]
+    .concat();
+    vec![for_(
+        "i",
+        int(0),
+        int(per_thread),
+        int(1),
+        vec![
+            let_("ws_v", Ty::F32, f(0.0)),
+            if_(both(lt(grow, var("n")), lt(gcol, var("k"))), decode),
+            store("ws", r * int(STAGE_STRIDE) + c, var("ws_v")),
+        ],
+    )]
 }
 
 /// Copy the 64×32 weight slice at `k0` into buffer `buffer` with `cp.async`: copy
@@ -179,7 +212,7 @@ fn store_accumulators() -> Vec<Stmt> {
     out
 }
 
-pub fn gemm_mma_bf16(name_: &str, origin: &str, staging: WeightStaging) -> Kernel {
+pub fn gemm_mma(name_: &str, origin: &str, staging: WeightStaging) -> Kernel {
     let tiles_m = (var("tokens") + int(TILE_M - 1)) / int(TILE_M);
     let tiles_n = (var("n") + int(TILE_N - 1)) / int(TILE_N);
     let accumulators = (0..WARP_M_TILES * WARP_N_TILES)
@@ -195,11 +228,14 @@ pub fn gemm_mma_bf16(name_: &str, origin: &str, staging: WeightStaging) -> Kerne
         .concat()
     };
     let (prologue, k_step, buffers) = match staging {
-        WeightStaging::Registers => (
+        WeightStaging::Registers | WeightStaging::Dequantize(_) => (
             vec![],
             [
                 stage("x", "xs", "m0", "tokens", var("x_stride")),
-                stage("w", "ws", "n0", "n", var("k")),
+                match staging {
+                    WeightStaging::Dequantize(format) => stage_blocks(format),
+                    _ => stage("w", "ws", "n0", "n", var("k")),
+                },
                 vec![Stmt::SyncThreads],
                 multiply(int(0)),
             ]
@@ -249,9 +285,10 @@ pub fn gemm_mma_bf16(name_: &str, origin: &str, staging: WeightStaging) -> Kerne
         ty: Ty::Bf16,
         len: (buffers * STAGE) as usize,
     };
-    let weights = match staging {
-        WeightStaging::Registers => "",
-        WeightStaging::CpAsync => ", weights through a 2-stage cp.async pipeline",
+    let (weights, weight_ty) = match staging {
+        WeightStaging::Registers => (String::new(), Ty::Bf16),
+        WeightStaging::CpAsync => (", weights through a 2-stage cp.async pipeline".into(), Ty::Bf16),
+        WeightStaging::Dequantize(format) => (format!(", {format} weights decoded into the tile"), Ty::U8),
     };
     Kernel {
         name: name_.into(),
@@ -261,7 +298,7 @@ pub fn gemm_mma_bf16(name_: &str, origin: &str, staging: WeightStaging) -> Kerne
         ),
         params: vec![
             buffer("x", Ty::F32, false),
-            buffer("w", Ty::Bf16, false),
+            buffer("w", weight_ty, false),
             buffer("out", Ty::F32, true),
             scalar("tokens", Ty::I32),
             scalar("n", Ty::I32),

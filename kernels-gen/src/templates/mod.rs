@@ -20,9 +20,10 @@ pub mod top_k;
 
 use crate::dsl::*;
 
-/// The prefill GEMM (bf16 weights) for CUDA architecture `arch` and reduction width `k`.
+/// The prefill GEMM for CUDA architecture `arch`, weights stored as `weights`, reduction
+/// width `k`; `None` for f32 weights, which keep the f32 GEMV (tensor cores would round them).
 ///
-/// What each target gets, and why:
+/// bf16 weights, what each target gets, and why:
 /// - **sm_90a (H100/H200)**: `wgmma` fed by a `cp.async` pipeline (`gemm_wgmma`). `mma.sync`
 ///   reaches only part of Hopper's tensor-core peak; `wgmma` is the instruction that reaches
 ///   it, reading B straight from shared memory. It needs `k` to be a multiple of 8 (16-byte
@@ -36,14 +37,26 @@ use crate::dsl::*;
 ///   `wgmma` nor `tcgen05`; `mma.sync` is its tensor-core instruction. Its weights come
 ///   through the `cp.async` pipeline when `k` allows, through registers otherwise (as on the
 ///   other targets when `k` is not a multiple of 8).
-pub fn prefill_gemm_bf16(arch: &str, k: usize, name: &str, origin: &str) -> Kernel {
+///
+/// GGUF blocks, every target: `mma.sync` with the blocks decoded into its shared-memory tile
+/// (`WeightStaging::Dequantize`); each weight is decoded once per 64 tokens instead of once
+/// per 4 as in the prefill GEMV. The wgmma/tcgen05 kernels take their weights by `cp.async`,
+/// which copies bytes and cannot decode.
+pub fn prefill_gemm(arch: &str, weights: quant::WeightFormat, k: usize, name: &str, origin: &str) -> Option<Kernel> {
     use gemm_mma::WeightStaging;
-    match arch {
-        "sm_90a" if k.is_multiple_of(8) => gemm_wgmma::gemm_wgmma_bf16(name, origin),
-        "sm_100a" if k.is_multiple_of(8) => gemm_tcgen05::gemm_tcgen05_bf16(name, origin),
-        _ if k.is_multiple_of(8) => gemm_mma::gemm_mma_bf16(name, origin, WeightStaging::CpAsync),
-        _ => gemm_mma::gemm_mma_bf16(name, origin, WeightStaging::Registers),
-    }
+    use quant::WeightFormat;
+    Some(match (weights, arch) {
+        (WeightFormat::Dense(Ty::Bf16), "sm_90a") if k.is_multiple_of(8) => gemm_wgmma::gemm_wgmma_bf16(name, origin),
+        (WeightFormat::Dense(Ty::Bf16), "sm_100a") if k.is_multiple_of(8) => {
+            gemm_tcgen05::gemm_tcgen05_bf16(name, origin)
+        }
+        (WeightFormat::Dense(Ty::Bf16), _) if k.is_multiple_of(8) => {
+            gemm_mma::gemm_mma(name, origin, WeightStaging::CpAsync)
+        }
+        (WeightFormat::Dense(Ty::Bf16), _) => gemm_mma::gemm_mma(name, origin, WeightStaging::Registers),
+        (WeightFormat::Blocks(format), _) => gemm_mma::gemm_mma(name, origin, WeightStaging::Dequantize(format)),
+        (WeightFormat::Dense(_), _) => return None,
+    })
 }
 
 /// Threads per block for the row-parallel kernels: 8 warps.
@@ -140,8 +153,19 @@ pub fn catalog() -> Vec<Kernel> {
         kv_append::kv_append_with("kv_append_paged", "catalog", cache_layout::CacheLayout::Paged),
         attention::attention_with("attention_batched", "catalog", cache_layout::CacheLayout::Batched),
         kv_append::kv_append_with("kv_append_batched", "catalog", cache_layout::CacheLayout::Batched),
-        gemm_mma::gemm_mma_bf16("gemm_mma_bf16", "catalog", gemm_mma::WeightStaging::Registers),
-        gemm_mma::gemm_mma_bf16("gemm_mma_bf16_pipelined", "catalog", gemm_mma::WeightStaging::CpAsync),
+        gemm_mma::gemm_mma("gemm_mma_bf16", "catalog", gemm_mma::WeightStaging::Registers),
+        gemm_mma::gemm_mma("gemm_mma_bf16_pipelined", "catalog", gemm_mma::WeightStaging::CpAsync),
+        // The heaviest decode: Q6_K's split 6-bit values and per-16 scales.
+        gemm_mma::gemm_mma(
+            "gemm_mma_q6_k",
+            "catalog",
+            gemm_mma::WeightStaging::Dequantize(ir::DType::Q6K),
+        ),
+        gemm_mma::gemm_mma(
+            "gemm_mma_q4_1",
+            "catalog",
+            gemm_mma::WeightStaging::Dequantize(ir::DType::Q4_1),
+        ),
         gemm_wgmma::gemm_wgmma_bf16("gemm_wgmma_bf16", "catalog"),
         gemm_tcgen05::gemm_tcgen05_bf16("gemm_tcgen05_bf16", "catalog"),
         gemv::gemv(
