@@ -288,6 +288,14 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
                 let error = relative_error(&g["logits"].data, &w["logits"].data);
                 assert!(error <= 1e-4, "{family}: step {step}, sequence {i}: error {error}");
             }
+            // The same step again (it rewrites the same cache positions with the same values),
+            // reading back only each sequence's last row, as serving does.
+            let last = gpu.step_batch_last_rows(&batch).unwrap();
+            for (g, l) in got.iter().zip(&last) {
+                let logits = &g["logits"];
+                assert_eq!(l["logits"].shape, vec![1, logits.row_len()]);
+                assert_eq!(l["logits"].data, logits.row(logits.rows() - 1));
+            }
         }
         // Out-of-range block ids and tables too short for the step are refused.
         let short = [BlockId(0)];

@@ -22,6 +22,13 @@ use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::Mutex;
 
+/// Which rows of a batched step's per-token outputs come back to the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rows {
+    All,
+    LastOfEachSegment,
+}
+
 /// Memory and launches on one device.
 pub trait PlanDevice {
     type Buffer;
@@ -231,6 +238,17 @@ impl<D: PlanDevice> PlanExecutor<D> {
     /// Process every segment's tokens in one batched step over the paged KV cache (a plan from
     /// `codegen::gpu::build_batched`); each segment's outputs (its rows), in order.
     pub fn step_batch(&self, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
+        self.step_batch_reading(batch, Rows::All)
+    }
+
+    /// Like `step_batch`, reading back only each segment's last row: what serving samples
+    /// from, and a prefill chunk's logits are otherwise most of the bytes a step copies to
+    /// the host.
+    pub fn step_batch_last_rows(&self, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
+        self.step_batch_reading(batch, Rows::LastOfEachSegment)
+    }
+
+    fn step_batch_reading(&self, batch: &[Segment], rows: Rows) -> Result<Vec<HashMap<String, Tensor>>> {
         let cache = self
             .plan
             .batched
@@ -284,19 +302,74 @@ impl<D: PlanDevice> PlanExecutor<D> {
             ("block_size", Value::Int(cache.block_size as i64)),
         ]);
         self.launch_batched(device, buffers, &vars, tokens)?;
-        let outputs = self.read_outputs(device, buffers, tokens, 0)?;
+        // Each segment's rows of the step: all of them, or its last.
+        let mut starts = Vec::with_capacity(batch.len());
+        let mut end = 0;
+        for seg in batch {
+            starts.push(end);
+            end += seg.ids.len();
+        }
+        let wanted: Vec<Range<usize>> = match rows {
+            Rows::All => starts.iter().zip(batch).map(|(&s, seg)| s..s + seg.ids.len()).collect(),
+            Rows::LastOfEachSegment => starts
+                .iter()
+                .zip(batch)
+                .map(|(&s, seg)| s + seg.ids.len() - 1..s + seg.ids.len())
+                .collect(),
+        };
         let mut per_segment = vec![HashMap::new(); batch.len()];
-        for (name, t) in outputs {
-            let width = t.row_len();
-            let mut row = 0;
-            for (seg, out) in batch.iter().zip(per_segment.iter_mut()) {
-                let rows = row..row + seg.ids.len();
-                let data = t.data[rows.start * width..rows.end * width].to_vec();
-                out.insert(name.clone(), Tensor::new(vec![rows.len(), width], data));
-                row = rows.end;
+        for (name, node) in &self.plan.outputs {
+            let width = self.graph.nodes()[*node]
+                .shape
+                .resolve(tokens, 0)
+                .last()
+                .copied()
+                .unwrap_or(1);
+            let data = self.read_rows(device, buffers, *node, width, &wanted)?;
+            for ((range, out), data) in wanted.iter().zip(per_segment.iter_mut()).zip(data) {
+                out.insert(name.clone(), Tensor::new(vec![range.len(), width], data));
             }
         }
         Ok(per_segment)
+    }
+
+    /// Rows `wanted` (ascending, disjoint) of `node`'s `width`-wide value, each range's values;
+    /// adjacent ranges are read in one copy.
+    fn read_rows(
+        &self,
+        device: &mut D,
+        buffers: &Buffers<D::Buffer>,
+        node: usize,
+        width: usize,
+        wanted: &[Range<usize>],
+    ) -> Result<Vec<Vec<f32>>> {
+        let at = self.buffer(node, None)?.start;
+        let integer = self.graph.nodes()[node].dtype == DType::I32;
+        let mut out = Vec::with_capacity(wanted.len());
+        let mut i = 0;
+        while i < wanted.len() {
+            // The run of ranges that touch each other.
+            let mut j = i + 1;
+            while j < wanted.len() && wanted[j].start == wanted[j - 1].end {
+                j += 1;
+            }
+            let rows = wanted[i].start..wanted[j - 1].end;
+            let bytes = device.read(&buffers.arena, at + 4 * width * rows.start..at + 4 * width * rows.end)?;
+            let values: Vec<f32> = bytes
+                .chunks_exact(4)
+                .map(|c| [c[0], c[1], c[2], c[3]])
+                .map(|w| match integer {
+                    true => i32::from_le_bytes(w) as f32,
+                    false => f32::from_le_bytes(w),
+                })
+                .collect();
+            for range in &wanted[i..j] {
+                let from = (range.start - rows.start) * width;
+                out.push(values[from..from + range.len() * width].to_vec());
+            }
+            i = j;
+        }
+        Ok(out)
     }
 
     fn check_rows(&self, tokens: usize) -> Result<()> {
@@ -543,7 +616,8 @@ impl<D: PlanDevice> crate::serving::PagedBackend for PlanExecutor<D> {
 
     fn step_batch(&self, pages: &mut usize, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
         match self.plan.batched {
-            Some(cache) if cache.block_size == *pages => self.step_batch(batch),
+            // Serving samples from each segment's last row only.
+            Some(cache) if cache.block_size == *pages => self.step_batch_last_rows(batch),
             Some(cache) => Err(RuntimeError::Artifact(format!(
                 "the plan's KV blocks hold {} positions, the scheduler's {}",
                 cache.block_size, pages

@@ -16,7 +16,8 @@ pub trait PagedBackend {
     /// The KV cache of every sequence, in blocks addressed through block tables.
     type Pages;
     fn new_pages(&self, block_size: usize) -> Self::Pages;
-    /// Process every segment's tokens in one pass; each segment's outputs by name, in order.
+    /// Process every segment's tokens in one pass; each segment's outputs by name, in order:
+    /// per-token outputs with at least the segment's last row (the one sampled from).
     fn step_batch(&self, pages: &mut Self::Pages, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>>;
 }
 
