@@ -242,6 +242,22 @@ fn the_lockstep_comparison_names_exactly_the_wrong_kernel() {
     }
 }
 
+/// A batched step's segments: each sequence's (first position, ids) with its block table.
+fn batch_of<'a>(
+    segments: &'a [(usize, Vec<u32>)],
+    tables: &'a [[runtime::kv::BlockId; 3]],
+) -> Vec<runtime::kv::Segment<'a>> {
+    segments
+        .iter()
+        .zip(tables)
+        .map(|((start, ids), table)| runtime::kv::Segment {
+            table,
+            start: *start,
+            ids,
+        })
+        .collect()
+}
+
 /// A batched plan (continuous batching over one paged KV pool) on the emulator: two sequences
 /// with interleaved blocks, prefilled together, then decoding together into new blocks, give
 /// each row the logits the CPU backend gives in the same batched steps.
@@ -273,15 +289,7 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
             [(7, vec![42]), (3, vec![17])],
         ];
         for (step, segments) in steps.iter().enumerate() {
-            let batch: Vec<Segment> = segments
-                .iter()
-                .zip(&tables)
-                .map(|((start, ids), table)| Segment {
-                    table,
-                    start: *start,
-                    ids,
-                })
-                .collect();
+            let batch = batch_of(segments, &tables);
             let got = gpu.step_batch(&batch).unwrap();
             let want = cpu.step_batch(&mut pages, &batch).unwrap();
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -368,7 +376,7 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
 /// block tables; steps above the graph limit launch one by one.
 #[test]
 fn batched_steps_replayed_as_graphs_match_launching_kernel_by_kernel() {
-    use runtime::kv::{BlockId, Segment};
+    use runtime::kv::BlockId;
     let model = open("llama", ComputeDtype::F32);
     let graph = fused_for(&model.lower(LogitsFor::AllTokens).unwrap(), Target::H200);
     let cache = gpu::BatchedCache {
@@ -388,15 +396,7 @@ fn batched_steps_replayed_as_graphs_match_launching_kernel_by_kernel() {
     steps.extend((0..4).map(|i| vec![(5 + i, vec![40 + i as u32]), (4 + i, vec![90 + 7 * i as u32])]));
     steps.push(vec![(9, vec![3])]);
     for (n, segments) in steps.iter().enumerate() {
-        let batch: Vec<Segment> = segments
-            .iter()
-            .zip(&tables)
-            .map(|((start, ids), table)| Segment {
-                table,
-                start: *start,
-                ids,
-            })
-            .collect();
+        let batch = batch_of(segments, &tables);
         let (want, got) = (eager.step_batch(&batch).unwrap(), graphs.step_batch(&batch).unwrap());
         for (g, w) in got.iter().zip(&want) {
             assert_eq!(g["logits"].data, w["logits"].data, "step {n}");

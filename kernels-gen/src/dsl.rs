@@ -366,6 +366,23 @@ pub fn select(c: Expr, a: Expr, b: Expr) -> Expr {
 pub fn shfl_xor(a: Expr, mask: u32) -> Expr {
     Expr::ShflXor(Box::new(a), mask)
 }
+pub fn lt(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::Lt, a, b)
+}
+pub fn eq(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::Eq, a, b)
+}
+pub fn rem(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::Rem, a, b)
+}
+/// Logical and of two bools.
+pub fn and(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::And, a, b)
+}
+/// Logical or of two bools.
+pub fn or(a: Expr, b: Expr) -> Expr {
+    bin(BinOp::Or, a, b)
+}
 
 impl std::ops::Add for Expr {
     type Output = Expr;

@@ -245,29 +245,48 @@ fn wgmma_program() -> Vec<(&'static str, Stmt)> {
     steps
 }
 
-fn run_wgmma(steps: Vec<(&'static str, Stmt)>) -> Result<Vec<f32>, String> {
+/// Run labelled `steps` as one block of 128 threads over `bufs`: `out` on success, else the
+/// fault's message.
+fn run_steps(
+    params: Vec<Param>,
+    shared: Vec<SharedArray>,
+    steps: Vec<(&'static str, Stmt)>,
+    mut bufs: HashMap<String, Array>,
+) -> Result<Vec<f32>, String> {
     let k = Kernel {
         name: "k".into(),
         origin: "test".into(),
-        params: vec![buffer("w", Ty::Bf16, false), buffer("out", Ty::F32, true)],
-        shared: vec![SharedArray {
-            name: "ws".into(),
-            ty: Ty::Bf16,
-            len: 1024,
-        }],
+        params,
+        shared,
         block_dim: 128,
         grid: int(1),
         body: steps.into_iter().map(|(_, s)| s).collect(),
     };
-    let mut bufs = HashMap::from([
-        ("w".into(), Array::bf16(&[half::bf16::from_f32(0.5); 1024])),
-        ("out".into(), Array::poisoned(Ty::F32, 512)),
-    ]);
     match run(&k, &mut bufs, &HashMap::new()) {
         Ok(()) => Ok(bufs["out"].to_f32().unwrap()),
         Err(EmuError::Fault { message, .. }) => Err(message),
         Err(e) => panic!("{e}"),
     }
+}
+
+fn shared(name: &str, ty: Ty, len: usize) -> SharedArray {
+    SharedArray {
+        name: name.into(),
+        ty,
+        len,
+    }
+}
+
+fn run_wgmma(steps: Vec<(&'static str, Stmt)>) -> Result<Vec<f32>, String> {
+    run_steps(
+        vec![buffer("w", Ty::Bf16, false), buffer("out", Ty::F32, true)],
+        vec![shared("ws", Ty::Bf16, 1024)],
+        steps,
+        HashMap::from([
+            ("w".into(), Array::bf16(&[half::bf16::from_f32(0.5); 1024])),
+            ("out".into(), Array::poisoned(Ty::F32, 512)),
+        ]),
+    )
 }
 
 fn without(label: &str) -> Vec<(&'static str, Stmt)> {
@@ -414,31 +433,17 @@ fn tcgen05_program() -> Vec<(&'static str, Stmt)> {
 }
 
 fn run_tcgen05(steps: Vec<(&'static str, Stmt)>) -> Result<Vec<f32>, String> {
-    let shared = |name: &str, ty: Ty, len: usize| SharedArray {
-        name: name.into(),
-        ty,
-        len,
-    };
-    let k = Kernel {
-        name: "k".into(),
-        origin: "test".into(),
-        params: vec![buffer("out", Ty::F32, true)],
-        shared: vec![
+    run_steps(
+        vec![buffer("out", Ty::F32, true)],
+        vec![
             shared("as", Ty::Bf16, 128 * 16),
             shared("bs", Ty::Bf16, 16 * 16),
             shared("bar", Ty::U32, 2),
             shared("slot", Ty::I32, 1),
         ],
-        block_dim: 128,
-        grid: int(1),
-        body: steps.into_iter().map(|(_, s)| s).collect(),
-    };
-    let mut bufs = HashMap::from([("out".into(), Array::poisoned(Ty::F32, 128 * 16))]);
-    match run(&k, &mut bufs, &HashMap::new()) {
-        Ok(()) => Ok(bufs["out"].to_f32().unwrap()),
-        Err(EmuError::Fault { message, .. }) => Err(message),
-        Err(e) => panic!("{e}"),
-    }
+        steps,
+        HashMap::from([("out".into(), Array::poisoned(Ty::F32, 128 * 16))]),
+    )
 }
 
 #[test]

@@ -42,18 +42,6 @@ const STAGE: i64 = TILE_M * STAGE_STRIDE;
 const WARP_M_TILES: usize = 2;
 const WARP_N_TILES: usize = 4;
 
-fn both(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::And, a, b)
-}
-
-fn lt(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Lt, a, b)
-}
-
-fn rem(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Rem, a, b)
-}
-
 /// Stage a 64×32 slice (rows `row0..`, columns `k0..`) of a row-major global array into shared
 /// `dst`, zero past `rows` and `k`: thread `tid` takes elements `tid + 128·i`.
 fn stage(src: &str, dst: &str, row0: &str, rows: &str, row_stride: Expr) -> Vec<Stmt> {
@@ -70,7 +58,7 @@ fn stage(src: &str, dst: &str, row0: &str, rows: &str, row_stride: Expr) -> Vec<
         vec![
             let_(&value, Ty::F32, f(0.0)),
             if_(
-                both(lt(grow.clone(), var(rows)), lt(gcol.clone(), var("k"))),
+                and(lt(grow.clone(), var(rows)), lt(gcol.clone(), var("k"))),
                 vec![assign(&value, load(src, grow * row_stride + gcol))],
             ),
             store(dst, r * int(STAGE_STRIDE) + c, var(&value)),
@@ -112,7 +100,7 @@ fn stage_blocks(format: ir::DType) -> Vec<Stmt> {
         int(1),
         vec![
             let_("ws_v", Ty::F32, f(0.0)),
-            if_(both(lt(grow, var("n")), lt(gcol, var("k"))), decode),
+            if_(and(lt(grow, var("n")), lt(gcol, var("k"))), decode),
             store("ws", r * int(STAGE_STRIDE) + c, var("ws_v")),
         ],
     )]
@@ -138,7 +126,7 @@ fn copy_weights(buffer: Expr, k0: Expr) -> Vec<Stmt> {
                     + rem(var("c"), int(TILE_K / 8)) * int(8),
                 src: "w".into(),
                 src_index: (var("n0") + var("row")) * var("k") + var("col"),
-                valid: both(lt(var("n0") + var("row"), var("n")), lt(var("col"), var("k"))),
+                valid: and(lt(var("n0") + var("row"), var("n")), lt(var("col"), var("k"))),
             })),
         ],
     )]
@@ -199,7 +187,7 @@ fn store_accumulators() -> Vec<Stmt> {
                 let row = var("m0") + var("wm") + int(16 * mi as i64) + var("g") + int(if i >= 2 { 8 } else { 0 });
                 let col = var("n0") + var("wn") + int(8 * ni as i64) + var("t2") + int((i % 2) as i64);
                 out.push(if_(
-                    both(lt(row.clone(), var("tokens")), lt(col.clone(), var("n"))),
+                    and(lt(row.clone(), var("tokens")), lt(col.clone(), var("n"))),
                     vec![store(
                         "out",
                         row * var("n") + col,
@@ -245,16 +233,7 @@ pub fn gemm_mma(name_: &str, origin: &str, staging: WeightStaging) -> Kernel {
         WeightStaging::CpAsync => (
             [copy_weights(int(0), int(0)), vec![Stmt::CpAsyncCommit]].concat(),
             [
-                vec![let_("s", Ty::I32, rem(var("k0") / int(TILE_K), int(2)))],
-                // The next step's weights start flowing into the other buffer; past the end an
-                // empty group keeps "all but the newest group" meaning this step's copies.
-                vec![
-                    if_(
-                        lt(var("k0") + int(TILE_K), var("k")),
-                        copy_weights(int(1) - var("s"), var("k0") + int(TILE_K)),
-                    ),
-                    Stmt::CpAsyncCommit,
-                ],
+                super::pipeline_step_head(TILE_K, copy_weights),
                 stage("x", "xs", "m0", "tokens", var("x_stride")),
                 vec![Stmt::CpAsyncWait(1), Stmt::SyncThreads],
                 multiply(var("s") * int(STAGE)),
@@ -296,15 +275,7 @@ pub fn gemm_mma(name_: &str, origin: &str, staging: WeightStaging) -> Kernel {
             "{origin}: matmul x·Wᵀ on tensor cores (mma.sync m16n8k16 bf16, {TILE_M}×{TILE_N}×{TILE_K} \
              shared-memory tiles{weights})"
         ),
-        params: vec![
-            buffer("x", Ty::F32, false),
-            buffer("w", weight_ty, false),
-            buffer("out", Ty::F32, true),
-            scalar("tokens", Ty::I32),
-            scalar("n", Ty::I32),
-            scalar("k", Ty::I32),
-            scalar("x_stride", Ty::I32),
-        ],
+        params: super::gemm_params(weight_ty),
         shared: vec![staged("xs", 1), staged("ws", buffers)],
         block_dim: (32 * WARPS) as u32,
         grid: tiles_m * tiles_n,

@@ -43,22 +43,6 @@ const STRIDE_BYTES: u32 = 128;
 /// k16 MMAs per stage.
 const K_SLICES: i64 = TILE_K / 16;
 
-fn both(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::And, a, b)
-}
-
-fn lt(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Lt, a, b)
-}
-
-fn eq(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Eq, a, b)
-}
-
-fn rem(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Rem, a, b)
-}
-
 /// Element (row, k) of a K-major core-matrix tile `height` rows tall.
 fn core_matrix_index(row: Expr, k: Expr, height: i64) -> Expr {
     k.clone() / int(8) * int(height * 8) + row.clone() / int(8) * int(64) + rem(row, int(8)) * int(8) + rem(k, int(8))
@@ -83,7 +67,7 @@ fn copy_weights(stage: Expr, k0: Expr) -> Vec<Stmt> {
                 dst_index: stage * int(W_STAGE) + core_matrix_index(var("row"), var("chunk"), TILE_ROWS),
                 src: "w".into(),
                 src_index: (var("n0") + var("row")) * var("k") + var("col"),
-                valid: both(lt(var("n0") + var("row"), var("n")), lt(var("col"), var("k"))),
+                valid: and(lt(var("n0") + var("row"), var("n")), lt(var("col"), var("k"))),
             })),
         ],
     )]
@@ -105,7 +89,7 @@ fn stage_activations() -> Vec<Stmt> {
             let_("kk", Ty::I32, rem(e, int(TILE_K))),
             let_("value", Ty::F32, f(0.0)),
             if_(
-                both(
+                and(
                     lt(var("m0") + var("token"), var("tokens")),
                     lt(var("k0") + var("kk"), var("k")),
                 ),
@@ -172,7 +156,7 @@ fn epilogue() -> Vec<Stmt> {
     for (j, name) in names.iter().enumerate() {
         let token = var("m0") + var("c") * int(8) + int(j as i64);
         body.push(if_(
-            both(lt(row.clone(), var("n")), lt(token.clone(), var("tokens"))),
+            and(lt(row.clone(), var("n")), lt(token.clone(), var("tokens"))),
             vec![store("out", token * var("n") + row.clone(), var(name))],
         ));
     }
@@ -190,16 +174,7 @@ pub fn gemm_tcgen05_bf16(name: &str, origin: &str) -> Kernel {
     let tiles_m = (var("tokens") + int(TILE_TOKENS - 1)) / int(TILE_TOKENS);
     let tiles_n = (var("n") + int(TILE_ROWS - 1)) / int(TILE_ROWS);
     let step = [
-        vec![let_("s", Ty::I32, rem(var("k0") / int(TILE_K), int(2)))],
-        // The next step's weights start flowing into the other buffer; past the end an empty
-        // group keeps "all but the newest group" meaning this step's copies.
-        vec![
-            if_(
-                lt(var("k0") + int(TILE_K), var("k")),
-                copy_weights(int(1) - var("s"), var("k0") + int(TILE_K)),
-            ),
-            Stmt::CpAsyncCommit,
-        ],
+        super::pipeline_step_head(TILE_K, copy_weights),
         stage_activations(),
         vec![
             Stmt::CpAsyncWait(1),
@@ -270,15 +245,7 @@ pub fn gemm_tcgen05_bf16(name: &str, origin: &str) -> Kernel {
             "{origin}: matmul x·Wᵀ on Blackwell tensor cores (tcgen05.mma M=128 N={TILE_TOKENS} bf16 into tensor \
              memory, weights through a 2-stage cp.async pipeline of {TILE_ROWS}×{TILE_K} slices)"
         ),
-        params: vec![
-            buffer("x", Ty::F32, false),
-            buffer("w", Ty::Bf16, false),
-            buffer("out", Ty::F32, true),
-            scalar("tokens", Ty::I32),
-            scalar("n", Ty::I32),
-            scalar("k", Ty::I32),
-            scalar("x_stride", Ty::I32),
-        ],
+        params: super::gemm_params(Ty::Bf16),
         shared: vec![
             shared("ws", Ty::Bf16, 2 * W_STAGE),
             shared("xs", Ty::Bf16, 2 * X_STAGE),

@@ -43,18 +43,6 @@ const STRIDE_BYTES: u32 = (TILE_K * 16) as u32;
 /// 16-wide k slices per stage.
 const K_SLICES: usize = (TILE_K / 16) as usize;
 
-fn both(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::And, a, b)
-}
-
-fn lt(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Lt, a, b)
-}
-
-fn rem(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Rem, a, b)
-}
-
 fn a_name(slice: usize, i: usize) -> String {
     format!("a{slice}_{i}")
 }
@@ -86,7 +74,7 @@ fn copy_stage(stage: Expr, k0: Expr) -> Vec<Stmt> {
                 dst_index: dst,
                 src: "w".into(),
                 src_index: (var("n0") + var("row")) * var("k") + var("col"),
-                valid: both(lt(var("n0") + var("row"), var("n")), lt(var("col"), var("k"))),
+                valid: and(lt(var("n0") + var("row"), var("n")), lt(var("col"), var("k"))),
             })),
         ],
     )]
@@ -105,7 +93,7 @@ fn load_a() -> Vec<Stmt> {
             out.push(assign(&names[0], f(0.0)));
             out.push(assign(&names[1], f(0.0)));
             out.push(if_(
-                both(lt(row.clone(), var("tokens")), lt(col.clone(), var("k"))),
+                and(lt(row.clone(), var("tokens")), lt(col.clone(), var("k"))),
                 vec![
                     assign(&names[0], load("x", row.clone() * var("x_stride") + col.clone())),
                     assign(&names[1], load("x", row * var("x_stride") + col + int(1))),
@@ -143,7 +131,7 @@ fn store_accumulators() -> Vec<Stmt> {
             let row = var("m0") + var("wrow") + var("g") + int(if i % 4 >= 2 { 8 } else { 0 });
             let col = var("n0") + int(8 * (i / 4) as i64 + (i % 2) as i64) + var("t2");
             if_(
-                both(lt(row.clone(), var("tokens")), lt(col.clone(), var("n"))),
+                and(lt(row.clone(), var("tokens")), lt(col.clone(), var("n"))),
                 vec![store("out", row * var("n") + col, var(&d_name(i)))],
             )
         })
@@ -158,16 +146,7 @@ pub fn gemm_wgmma_bf16(name: &str, origin: &str) -> Kernel {
         .chain((0..K_SLICES).flat_map(|s| (0..8).map(move |i| a_name(s, i))))
         .map(|n| let_(&n, Ty::F32, f(0.0)));
     let step = [
-        vec![let_("s", Ty::I32, rem(var("k0") / int(TILE_K), int(2)))],
-        // The next step's weights start flowing into the other buffer; past the end an empty
-        // group keeps "all but the newest group" meaning this step's copies.
-        vec![
-            if_(
-                lt(var("k0") + int(TILE_K), var("k")),
-                copy_stage(int(1) - var("s"), var("k0") + int(TILE_K)),
-            ),
-            Stmt::CpAsyncCommit,
-        ],
+        super::pipeline_step_head(TILE_K, copy_stage),
         load_a(),
         vec![Stmt::CpAsyncWait(1), Stmt::FenceProxyAsync, Stmt::SyncThreads],
         multiply_stage(),
@@ -196,15 +175,7 @@ pub fn gemm_wgmma_bf16(name: &str, origin: &str) -> Kernel {
             "{origin}: matmul x·Wᵀ on Hopper tensor cores (wgmma m64n{TILE_N}k16 bf16, A from registers, \
              B through a 2-stage cp.async pipeline of {TILE_N}×{TILE_K} slices)"
         ),
-        params: vec![
-            buffer("x", Ty::F32, false),
-            buffer("w", Ty::Bf16, false),
-            buffer("out", Ty::F32, true),
-            scalar("tokens", Ty::I32),
-            scalar("n", Ty::I32),
-            scalar("k", Ty::I32),
-            scalar("x_stride", Ty::I32),
-        ],
+        params: super::gemm_params(Ty::Bf16),
         shared: vec![SharedArray {
             name: "ws".into(),
             ty: Ty::Bf16,

@@ -21,10 +21,6 @@ const BLOCK_ELEMS: i64 = 32;
 /// Unit roundoff of f32.
 const U: f32 = f32::EPSILON / 2.0;
 
-fn lt(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Lt, a, b)
-}
-
 /// (1): `h` [d] → `qh` [d] (i8), and per block `hs` (scale), `he` (‖h_b − ĥ_b‖), `hn` (‖h_b‖).
 pub fn quantize_h(name: &str, origin: &str) -> Kernel {
     let warps = (BLOCK / 32) as i64;

@@ -59,6 +59,36 @@ pub fn prefill_gemm(arch: &str, weights: quant::WeightFormat, k: usize, name: &s
     })
 }
 
+/// The parameters of every prefill GEMM, in the order of the plain GEMV's (whose launch
+/// arguments a GEMM takes over for prefill steps): activations `x` (rows `x_stride` apart),
+/// weights `w` stored as `weights`, the f32 output, and the shape.
+pub fn gemm_params(weights: Ty) -> Vec<Param> {
+    vec![
+        buffer("x", Ty::F32, false),
+        buffer("w", weights, false),
+        buffer("out", Ty::F32, true),
+        scalar("tokens", Ty::I32),
+        scalar("n", Ty::I32),
+        scalar("k", Ty::I32),
+        scalar("x_stride", Ty::I32),
+    ]
+}
+
+/// The head of one step of a two-buffer `cp.async` pipeline over K (steps `tile_k` wide at
+/// `k0`): `s`, the buffer this step reads, and the next step's copies (`copy(buffer, k0)`)
+/// issued into the other buffer and committed as one group — an empty group past the end, so
+/// that waiting for all groups but the newest always means waiting for this step's copies.
+pub fn pipeline_step_head(tile_k: i64, copy: impl Fn(Expr, Expr) -> Vec<Stmt>) -> Vec<Stmt> {
+    vec![
+        let_("s", Ty::I32, rem(var("k0") / int(tile_k), int(2))),
+        if_(
+            lt(var("k0") + int(tile_k), var("k")),
+            copy(int(1) - var("s"), var("k0") + int(tile_k)),
+        ),
+        Stmt::CpAsyncCommit,
+    ]
+}
+
 /// Threads per block for the row-parallel kernels: 8 warps.
 pub const BLOCK: u32 = 256;
 

@@ -43,14 +43,12 @@ fn half(i: Expr) -> Expr {
         ),
     )
 }
-fn and(a: Expr, m: i64) -> Expr {
+/// `a & m`: the low bits of a byte or word.
+fn mask_bits(a: Expr, m: i64) -> Expr {
     bin(BinOp::BitAnd, a, int(m))
 }
 fn shr(a: Expr, n: Expr) -> Expr {
     bin(BinOp::Shr, a, n)
-}
-fn lt(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Lt, a, b)
 }
 fn f32_of(i: Expr) -> Expr {
     cast(Ty::F32, i)
@@ -71,7 +69,7 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
         let jj = bin(BinOp::Rem, j(), int(16));
         select(
             lt(j(), int(16)),
-            and(byte(at.clone() + jj.clone()), 15),
+            mask_bits(byte(at.clone() + jj.clone()), 15),
             shr(byte(at + jj), int(4)),
         )
     };
@@ -79,8 +77,8 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
     let fifth_bit = |at: Expr| {
         let word = byte(at.clone()) + bin(BinOp::Shl, byte(at.clone() + int(1)), int(8));
         let word_hi = byte(at.clone() + int(2)) + bin(BinOp::Shl, byte(at + int(3)), int(8));
-        let bit_lo = and(shr(word, j()), 1);
-        let bit_hi = and(shr(word_hi, j() - int(16)), 1);
+        let bit_lo = mask_bits(shr(word, j()), 1);
+        let bit_hi = mask_bits(shr(word_hi, j() - int(16)), 1);
         select(lt(j(), int(16)), bit_lo, bit_hi)
     };
     let value = match format {
@@ -107,9 +105,9 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
             s.extend(scale_min_k4(base() + int(4)));
             let qs = if format == DType::Q4K { 16 } else { 48 };
             let v = byte(base() + int(qs) + var("q_c") * int(32) + bin(BinOp::Rem, var("q_l"), int(32)));
-            let mut q = select(lt(var("q_l"), int(32)), and(v.clone(), 15), shr(v, int(4)));
+            let mut q = select(lt(var("q_l"), int(32)), mask_bits(v.clone(), 15), shr(v, int(4)));
             if format == DType::Q5K {
-                let high = and(
+                let high = mask_bits(
                     shr(
                         byte(base() + int(16) + bin(BinOp::Rem, var("q_l"), int(32))),
                         var("q_sub"),
@@ -125,9 +123,9 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
             s.push(let_("q_h", Ty::I32, j() / int(128)));
             s.push(let_("q_g", Ty::I32, bin(BinOp::Rem, j(), int(128)) / int(32)));
             s.push(let_("q_l", Ty::I32, bin(BinOp::Rem, j(), int(32))));
-            let ql = byte(base() + var("q_h") * int(64) + var("q_l") + and(var("q_g"), 1) * int(32));
-            let nib = select(lt(var("q_g"), int(2)), and(ql.clone(), 15), shr(ql, int(4)));
-            let qh = and(
+            let ql = byte(base() + var("q_h") * int(64) + var("q_l") + mask_bits(var("q_g"), 1) * int(32));
+            let nib = select(lt(var("q_g"), int(2)), mask_bits(ql.clone(), 15), shr(ql, int(4)));
+            let qh = mask_bits(
                 shr(
                     byte(base() + int(128) + var("q_h") * int(32) + var("q_l")),
                     var("q_g") * int(2),
@@ -205,11 +203,11 @@ pub fn block_weights(format: DType, prefix: &str, base: Expr) -> Vec<Stmt> {
     for j in 0..16 {
         let b = format!("blk_b{j}");
         s.push(let_(&b, Ty::I32, byte(at(qs + j))));
-        for (e, nibble) in [(j, and(var(&b), 15)), (j + 16, shr(var(&b), int(4)))] {
+        for (e, nibble) in [(j, mask_bits(var(&b), 15)), (j + 16, shr(var(&b), int(4)))] {
             let q = match qh {
                 Some(_) => {
                     let word = if e < 16 { "blk_h0" } else { "blk_h1" };
-                    nibble + bin(BinOp::Shl, and(shr(var(word), int(e % 16)), 1), int(4))
+                    nibble + bin(BinOp::Shl, mask_bits(shr(var(word), int(e % 16)), 1), int(4))
                 }
                 None => nibble,
             };
@@ -230,8 +228,8 @@ fn scale_min_k4(scales: Expr) -> Vec<Stmt> {
             Ty::I32,
             select(
                 low.clone(),
-                and(q(j()), 63),
-                and(q(j() + int(4)), 15) + bin(BinOp::Shl, shr(q(j() - int(4)), int(6)), int(4)),
+                mask_bits(q(j()), 63),
+                mask_bits(q(j() + int(4)), 15) + bin(BinOp::Shl, shr(q(j() - int(4)), int(6)), int(4)),
             ),
         ),
         let_(
@@ -239,7 +237,7 @@ fn scale_min_k4(scales: Expr) -> Vec<Stmt> {
             Ty::I32,
             select(
                 low,
-                and(q(j() + int(4)), 63),
+                mask_bits(q(j() + int(4)), 63),
                 shr(q(j() + int(4)), int(4)) + bin(BinOp::Shl, shr(q(j()), int(6)), int(4)),
             ),
         ),

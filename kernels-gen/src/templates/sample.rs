@@ -10,14 +10,6 @@ use crate::dsl::*;
 
 const WARPS: u32 = BLOCK / 32;
 
-fn lt(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Lt, a, b)
-}
-
-fn and(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::And, a, b)
-}
-
 pub fn sample(name: &str, origin: &str) -> Kernel {
     let x = |i: Expr| load("logits", var("base") + i);
     let p = |i: Expr| un(UnOp::Exp, (x(i) - var("max")) / var("temperature"));

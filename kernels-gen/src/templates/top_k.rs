@@ -8,14 +8,6 @@
 use super::BLOCK;
 use crate::dsl::*;
 
-fn or(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::Or, a, b)
-}
-
-fn and(a: Expr, b: Expr) -> Expr {
-    bin(BinOp::And, a, b)
-}
-
 /// Whether candidate (v, i) ranks before (bv, bi): larger, or equal and earlier; any
 /// candidate ranks before an empty best (bi < 0), and an empty candidate (i < 0) before none.
 fn ranks_before(v: Expr, i: Expr, bv: Expr, bi: Expr) -> Expr {
