@@ -126,6 +126,26 @@ impl UnpackedRow {
         self.dot_portable(act)
     }
 
+    /// `out[t] = self.dot(&acts[t])` for every activation row, bit for bit: with AVX2, four
+    /// rows a pass share each loaded and widened weight vector (prefill's many tokens per
+    /// weight row), each row's arithmetic in the same order as `dot`.
+    pub fn dot_many(&self, acts: &[Q8Row], out: &mut [f32]) {
+        debug_assert_eq!(acts.len(), out.len());
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            for (four, dst) in acts.chunks_exact(4).zip(out.chunks_exact_mut(4)) {
+                let four: &[Q8Row; 4] = four.try_into().expect("chunks of four");
+                // SAFETY: the CPU has AVX2 and FMA (checked above).
+                dst.copy_from_slice(&unsafe { self.dot4_avx2(four) });
+                done += 4;
+            }
+        }
+        for (act, d) in acts[done..].iter().zip(&mut out[done..]) {
+            *d = self.dot(act);
+        }
+    }
+
     /// The definition: per group, exact integer sum, then scaled.
     fn dot_portable(&self, act: &Q8Row) -> f32 {
         let g = self.group;
@@ -165,6 +185,73 @@ impl UnpackedRow {
         } else {
             unsafe { self.dot_avx2_groups::<32>(act) }
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot4_avx2(&self, acts: &[Q8Row; 4]) -> [f32; 4] {
+        // SAFETY (both calls): the caller checked AVX2/FMA; lengths are checked inside.
+        if self.group == 16 {
+            unsafe { self.dot4_avx2_groups::<16>(acts) }
+        } else {
+            unsafe { self.dot4_avx2_groups::<32>(acts) }
+        }
+    }
+
+    /// `dot_avx2_groups` for four activation rows at once: each weight vector is loaded and
+    /// widened once; per row, the same operations in the same order (so the same bits).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot4_avx2_groups<const G: usize>(&self, acts: &[Q8Row; 4]) -> [f32; 4] {
+        use std::arch::x86_64::*;
+        let groups = self.scale.len();
+        // Every unchecked read below stays inside these bounds.
+        assert!(self.min.len() == groups && self.w.len() >= groups * G);
+        for act in acts {
+            assert!(act.q.len() >= groups * G && act.d.len() * ACT_BLOCK >= groups * G);
+            assert!(act.sum16.len() * 16 >= groups * G);
+        }
+        let w = self.w.as_ptr();
+        let q = acts.each_ref().map(|a| a.q.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut offset = [0f32; 4];
+        for i in 0..groups {
+            // SAFETY: i < groups, so group i's G bytes, each act block and its sums are in bounds.
+            unsafe {
+                let mut isum = [_mm256_setzero_si256(); 4];
+                for c in 0..G / 16 {
+                    let at = i * G + 16 * c;
+                    let wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(w.add(at) as *const __m128i));
+                    for t in 0..4 {
+                        let qv = _mm256_cvtepi8_epi16(_mm_loadu_si128(q[t].add(at) as *const __m128i));
+                        isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(wv, qv));
+                    }
+                }
+                for t in 0..4 {
+                    let act = &acts[t];
+                    let dx = *act.d.get_unchecked(i * G / ACT_BLOCK);
+                    acc[t] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(isum[t]),
+                        _mm256_set1_ps(*self.scale.get_unchecked(i) * dx),
+                        acc[t],
+                    );
+                    let qsum = if G == 16 {
+                        *act.sum16.get_unchecked(i)
+                    } else {
+                        *act.sum16.get_unchecked(2 * i) + *act.sum16.get_unchecked(2 * i + 1)
+                    };
+                    offset[t] += *self.min.get_unchecked(i) * dx * qsum as f32;
+                }
+            }
+        }
+        std::array::from_fn(|t| {
+            let mut lanes = [0f32; 8];
+            // SAFETY: `lanes` holds eight f32.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]) };
+            let total =
+                ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+            total - offset[t]
+        })
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -259,6 +346,18 @@ mod tests {
             assert!(
                 (got - portable).abs() <= 1e-5 * magnitude,
                 "{dtype:?}: {got} vs portable {portable}"
+            );
+            // Many rows at once (four a pass, then the rest) give each row's `dot` exactly.
+            let acts: Vec<Q8Row> = (0..7)
+                .map(|t| Q8Row::quantize(&x.iter().map(|v| v * (t as f32 - 3.0) / 2.0).collect::<Vec<_>>()))
+                .collect();
+            let mut many = vec![0f32; acts.len()];
+            row.dot_many(&acts, &mut many);
+            let one_by_one: Vec<f32> = acts.iter().map(|a| row.dot(a)).collect();
+            assert_eq!(
+                many.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                one_by_one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{dtype:?}"
             );
         }
     }

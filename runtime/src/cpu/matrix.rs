@@ -92,9 +92,7 @@ impl Matrix {
                         return packed.run(row, &acts, dst);
                     }
                     unpacked.unpack(*dtype, row).expect("quantized storage");
-                    for (d, a) in dst.iter_mut().zip(&acts) {
-                        *d = unpacked.dot(a);
-                    }
+                    unpacked.dot_many(&acts, dst);
                 });
             }
             _ => for_row_runs(target, tokens, rows_per_task, |row_buf: &mut Vec<f32>, r, dst| {
