@@ -65,14 +65,9 @@ impl Matrix {
         let (n, k) = (self.rows, self.cols);
         debug_assert_eq!(x.len(), tokens * k);
         debug_assert_eq!(out.len(), tokens * n);
-        // Results are computed as [n, tokens] (each task owns a run of W's rows) and
-        // transposed into `out` unless there is a single token, where the two layouts agree.
-        let mut transposed = if tokens == 1 {
-            Vec::new()
-        } else {
-            vec![0f32; n * tokens]
-        };
-        let target: &mut [f32] = if tokens == 1 { &mut *out } else { &mut transposed };
+        // Each task computes a run of W's rows for every token ([rows, tokens]) and writes its
+        // columns of `out` itself (see `for_row_runs`).
+        let target = out;
         let rows_per_task = rows_per_task(n);
         match &self.storage {
             Storage::Quant {
@@ -82,29 +77,32 @@ impl Matrix {
             } if k % ACT_BLOCK == 0 => {
                 let acts: Vec<Q8Row> = x.chunks_exact(k).map(Q8Row::quantize).collect();
                 let packed = int8::PackedDot::new(*dtype, *row_bytes, &acts);
-                for_row_runs(target, tokens, rows_per_task, |unpacked: &mut UnpackedRow, r, dst| {
-                    let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
-                    // Dot the packed blocks directly where a kernel exists, else unpack the row
-                    // once for every token. Either way a (row, token) product is computed the
-                    // same whatever the step's token count: chunked prefill, decode and
-                    // recomputation after preemption give bit-identical logits.
-                    if let Some(packed) = packed {
-                        return packed.run(row, &acts, dst);
-                    }
-                    unpacked.unpack(*dtype, row).expect("quantized storage");
-                    unpacked.dot_many(&acts, dst);
-                });
+                for_row_runs(
+                    target,
+                    n,
+                    tokens,
+                    rows_per_task,
+                    |unpacked: &mut UnpackedRow, r, dst| {
+                        let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
+                        // Dot the packed blocks directly where a kernel exists, else unpack the row
+                        // once for every token. Either way a (row, token) product is computed the
+                        // same whatever the step's token count: chunked prefill, decode and
+                        // recomputation after preemption give bit-identical logits.
+                        if let Some(packed) = packed {
+                            return packed.run(row, &acts, dst);
+                        }
+                        unpacked.unpack(*dtype, row).expect("quantized storage");
+                        unpacked.dot_many(&acts, dst);
+                    },
+                );
             }
-            _ => for_row_runs(target, tokens, rows_per_task, |row_buf: &mut Vec<f32>, r, dst| {
+            _ => for_row_runs(target, n, tokens, rows_per_task, |row_buf: &mut Vec<f32>, r, dst| {
                 row_buf.resize(k, 0.0);
                 let w = self.row_f32(r, row_buf);
                 for (d, xt) in dst.iter_mut().zip(x.chunks_exact(k)) {
                     *d = simd::dot(w, xt);
                 }
             }),
-        }
-        if tokens > 1 {
-            transpose_into(&transposed, n, tokens, out);
         }
     }
 
@@ -182,43 +180,72 @@ fn collect<'a, T: Clone + 'a>(
 
 /// Rows per parallel task: a few tasks per thread (for balance) of at least 16 rows (so the
 /// scheduling cost stays small next to the work).
-/// `out[t·n + r] = src[r·tokens + t]`, in square tiles so both sides stay in cache (a plain
-/// row-by-row transpose strides `out` by a whole row per element).
-fn transpose_into(src: &[f32], n: usize, tokens: usize, out: &mut [f32]) {
-    const TILE: usize = 32;
-    for r0 in (0..n).step_by(TILE) {
-        for t0 in (0..tokens).step_by(TILE) {
-            for r in r0..(r0 + TILE).min(n) {
-                for t in t0..(t0 + TILE).min(tokens) {
-                    out[t * n + r] = src[r * tokens + t];
-                }
-            }
-        }
-    }
-}
-
 fn rows_per_task(rows: usize) -> usize {
     let tasks = rayon::current_num_threads() * 4;
     rows.div_ceil(tasks).max(16)
 }
 
-/// Run `row_fn(scratch, row, dst)` for every row of W in parallel runs of `rows_per_task`
-/// rows; `dst` is that row's `tokens` results in `target` (`[rows, tokens]`).
+/// Run `row_fn(scratch, row, dst)` for every row of W (`n` rows) in parallel runs of
+/// `rows_per_task` rows, `dst` being that row's `tokens` results; each run then writes its
+/// columns of `out` (`[tokens, n]`), one contiguous stretch per token, while its results are
+/// still in cache: no whole-matrix transpose after the parallel part.
 fn for_row_runs<S: Default + Send>(
-    target: &mut [f32],
+    out: &mut [f32],
+    n: usize,
     tokens: usize,
     rows_per_task: usize,
     row_fn: impl Fn(&mut S, usize, &mut [f32]) + Sync,
 ) {
-    target
-        .par_chunks_mut(rows_per_task * tokens)
-        .enumerate()
-        .for_each_init(S::default, |scratch, (run, dst)| {
-            for (i, row_dst) in dst.chunks_exact_mut(tokens).enumerate() {
-                row_fn(scratch, run * rows_per_task + i, row_dst);
+    assert_eq!(out.len(), n * tokens);
+    if tokens == 1 {
+        // One token: `[rows, 1]` is `out`'s own layout.
+        out.par_chunks_mut(rows_per_task)
+            .enumerate()
+            .for_each_init(S::default, |scratch, (run, dst)| {
+                for (i, row_dst) in dst.chunks_exact_mut(1).enumerate() {
+                    row_fn(scratch, run * rows_per_task + i, row_dst);
+                }
+            });
+        return;
+    }
+    let columns = OutColumns(out.as_mut_ptr());
+    (0..n.div_ceil(rows_per_task)).into_par_iter().for_each_init(
+        || (S::default(), Vec::new()),
+        |(scratch, local), run| {
+            let (r0, rows) = (run * rows_per_task, rows_per_task.min(n - run * rows_per_task));
+            local.resize(rows * tokens, 0.0);
+            for (i, row_dst) in local.chunks_exact_mut(tokens).enumerate() {
+                row_fn(scratch, r0 + i, row_dst);
             }
-        });
+            for t in 0..tokens {
+                for i in 0..rows {
+                    // SAFETY: t < tokens and r0 + i < n, so the index is inside `out`; runs
+                    // cover disjoint rows of W, so no two tasks write the same element, and
+                    // `out` is borrowed mutably for the whole call.
+                    unsafe { columns.write(t * n + r0 + i, local[i * tokens + t]) };
+                }
+            }
+        },
+    );
 }
+
+/// `out`'s storage, written by the row tasks of `for_row_runs` at disjoint columns.
+#[derive(Clone, Copy)]
+struct OutColumns(*mut f32);
+
+impl OutColumns {
+    /// # Safety
+    /// `at` is inside `out`, and no other task writes it.
+    unsafe fn write(&self, at: usize, value: f32) {
+        // SAFETY: as the caller promises.
+        unsafe { *self.0.add(at) = value };
+    }
+}
+
+// SAFETY: the tasks sharing it write disjoint elements, and the borrow it comes from outlives
+// them (`for_row_runs` returns only after every task has finished).
+unsafe impl Send for OutColumns {}
+unsafe impl Sync for OutColumns {}
 
 #[cfg(test)]
 mod tests {
