@@ -321,7 +321,10 @@ fn overwriting_a_wgmma_operand_in_flight_is_reported() {
     steps.insert(at, ("barrier", Stmt::SyncThreads));
     steps.insert(at + 1, ("overwrite", store("ws", tid(), f(0.0))));
     let message = run_wgmma(steps).unwrap_err();
-    assert!(message.contains("while a wgmma reading it is in flight"), "{message}");
+    assert!(
+        message.contains("while a tensor-core MMA reading it is in flight"),
+        "{message}"
+    );
 }
 
 fn tc(op: Tcgen05) -> Stmt {

@@ -45,7 +45,7 @@ pub(super) struct AsyncState {
     uncommitted_wgmma: Vec<Footprint>,
     wgmma_groups: Vec<VecDeque<Footprint>>,
     /// (warpgroup, local) that some wgmma in flight uses; per shared element, how many
-    /// wgmmas in flight read it.
+    /// tensor-core MMAs in flight (wgmma or tcgen05) read it.
     busy_registers: HashSet<(usize, String)>,
     busy_shared: HashMap<String, Vec<u32>>,
 }
@@ -53,25 +53,16 @@ pub(super) struct AsyncState {
 impl AsyncState {
     pub(super) fn new(threads: usize, shared: &[(String, usize)]) -> Self {
         let warpgroups = threads.div_ceil(WARPGROUP);
-        let per_element = |init| {
-            shared
-                .iter()
-                .map(|(name, len)| (name.clone(), vec![init; *len]))
-                .collect()
-        };
         Self {
             uncommitted_copies: (0..threads).map(|_| Vec::new()).collect(),
             copy_groups: (0..threads).map(|_| VecDeque::new()).collect(),
-            copy_targets: per_element(false),
-            unfenced: shared
-                .iter()
-                .map(|(name, len)| (name.clone(), vec![None; *len]))
-                .collect(),
+            copy_targets: per_element(shared, false),
+            unfenced: per_element(shared, None),
             wgmma_fenced: vec![false; warpgroups],
             uncommitted_wgmma: (0..warpgroups).map(|_| Footprint::default()).collect(),
             wgmma_groups: (0..warpgroups).map(|_| VecDeque::new()).collect(),
             busy_registers: HashSet::new(),
-            busy_shared: shared.iter().map(|(name, len)| (name.clone(), vec![0; *len])).collect(),
+            busy_shared: per_element(shared, 0),
         }
     }
 
@@ -106,7 +97,7 @@ impl AsyncState {
         if self.busy_shared.get(array).is_some_and(|b| b[index] > 0) {
             return Err((
                 t,
-                format!("overwrites {array}[{index}] while a wgmma reading it is in flight"),
+                format!("overwrites {array}[{index}] while a tensor-core MMA reading it is in flight"),
             ));
         }
         if let Some(slots) = self.unfenced.get_mut(array) {
@@ -114,6 +105,14 @@ impl AsyncState {
         }
         Ok(())
     }
+}
+
+/// One `init` per element of every shared array.
+fn per_element<T: Clone>(shared: &[(String, usize)], init: T) -> HashMap<String, Vec<T>> {
+    shared
+        .iter()
+        .map(|(name, len)| (name.clone(), vec![init.clone(); *len]))
+        .collect()
 }
 
 fn warpgroups(mask: &[bool]) -> impl Iterator<Item = usize> + '_ {
@@ -190,7 +189,7 @@ impl Block<'_> {
                     return Err((
                         t,
                         format!(
-                            "cp.async overwrites {}[{i}] while a wgmma reading it is in flight",
+                            "cp.async overwrites {}[{i}] while a tensor-core MMA reading it is in flight",
                             copy.dst
                         ),
                     ));
