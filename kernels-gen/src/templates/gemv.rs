@@ -9,8 +9,9 @@
 //! (decode: one token, one pass; the prefill variant carries 4). Dense weights whose rows are a
 //! whole number of vectors are read with 16-byte loads (8 bf16 or 4 f32 per lane, 512 bytes
 //! per warp per load), which is what lets a memory-bound GEMV approach copy bandwidth; the
-//! 32-element GGUF formats are decoded a block per lane (its scale read once, a byte giving two
-//! nibbles), the K-quants element by element. Rows past `tokens` in the last pass are
+//! GGUF formats are decoded 32 elements per lane: a whole block of the 32-element formats (its
+//! scale read once, a byte giving two nibbles), a sub-block of the K-quants (its scales
+//! decoded once). Rows past `tokens` in the last pass are
 //! computed on a clamped copy of the last row and not stored, so the inner loop has no branch.
 
 use super::quant::WeightFormat;
@@ -43,7 +44,11 @@ impl GemvSpec {
         let vector = match weight {
             WeightFormat::Dense(Ty::Bf16) => 8,
             WeightFormat::Dense(Ty::F32) => 4,
-            WeightFormat::Blocks(format) if super::quant::decodes_whole_blocks(format) => 32,
+            WeightFormat::Blocks(format)
+                if super::quant::decodes_whole_blocks(format) || super::quant::decodes_sub_blocks(format) =>
+            {
+                32
+            }
             _ => 1,
         };
         Self {
@@ -170,10 +175,19 @@ fn k_step(spec: &GemvSpec, t: &[String], acc: &[String], sq: &[String]) -> Vec<S
     let w = names("w", v);
     match spec.weight {
         WeightFormat::Blocks(format) if v == 32 => {
-            // Block i/32 of row r: rows are whole blocks of 32 elements.
-            let bytes = int(super::quant::block_layout(format).expect("a block format").1);
-            let base = (var("r") * (var("k") / int(32)) + var("i") / int(32)) * bytes;
-            out.extend(super::quant::block_weights(format, "w", base));
+            // The block (or K-quant sub-block) holding elements i..i + 32 of row r: rows are
+            // whole blocks.
+            let (elements, bytes) = super::quant::block_layout(format).expect("a block format");
+            let base = (var("r") * (var("k") / int(elements)) + var("i") / int(elements)) * int(bytes);
+            match super::quant::decodes_sub_blocks(format) {
+                true => out.extend(super::quant::k_sub_block_weights(
+                    format,
+                    "w",
+                    base,
+                    rem(var("i") / int(32), int(elements / 32)),
+                )),
+                false => out.extend(super::quant::block_weights(format, "w", base)),
+            }
         }
         _ if v > 1 => out.push(load_vec("w", var("r") * var("k") + var("i"), &w)),
         _ => out.extend(spec.weight.element(&w[0], var("r"), var("k"), var("i"))),

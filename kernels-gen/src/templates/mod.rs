@@ -208,6 +208,15 @@ pub fn catalog() -> Vec<Kernel> {
             "catalog",
             GemvSpec::decode(Dense(Ty::Bf16), 4096).with_norm(1e-6, 0.0).prefill(),
         ),
+        // The heaviest K-quant GEMV: Q5_K sub-blocks (scales, mins and high bits), the norm
+        // prologue, 4 tokens a pass.
+        gemv::gemv(
+            "rms_norm_gemv_q5_k_prefill",
+            "catalog",
+            GemvSpec::decode(Blocks(ir::DType::Q5K), 4096)
+                .with_norm(1e-6, 1.0)
+                .prefill(),
+        ),
         // The heaviest block-per-lane GEMV: five-bit values, the norm prologue, 4 tokens a pass.
         gemv::gemv(
             "rms_norm_gemv_q5_0_prefill",

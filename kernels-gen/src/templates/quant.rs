@@ -4,9 +4,11 @@
 //! and embedding gather are built on them.
 //!
 //! Element-wise dequantization (`dequant`) reads each block's scales once per element: correct
-//! for every format and shape, and what the K-quants (256-element super-blocks) still use. The
-//! 32-element formats also decode a whole block at once (`block_weights`), one lane per block:
-//! its scale (and min or high bits) read once, each nibble byte giving two elements.
+//! for every format and shape (the embedding gather and the GEMM's tile staging use it). The
+//! GEMV decodes 32 elements per lane instead: a whole block of the 32-element formats
+//! (`block_weights`: its scale, and min or high bits, read once, each nibble byte giving two
+//! elements), or one 32-element sub-block of a K-quant super-block (`k_sub_block_weights`:
+//! its 6-bit scale and min, or Q6_K's two scales, decoded once).
 
 use crate::dsl::*;
 use ir::DType;
@@ -215,6 +217,68 @@ pub fn block_weights(format: DType, prefix: &str, base: Expr) -> Vec<Stmt> {
         }
     }
     s
+}
+
+/// Statements declaring f32 locals `{prefix}0..{prefix}31`: the 32 weights of sub-block `sub`
+/// (0..8) of the K-quant super-block at byte `base`, each computed as `dequant` computes it
+/// (the same operations in the same order), with the sub-block's scales decoded once.
+pub fn k_sub_block_weights(format: DType, prefix: &str, base: Expr, sub: Expr) -> Vec<Stmt> {
+    let at = |offset: Expr| var("blk_at") + offset;
+    let mut s = vec![let_("blk_at", Ty::I32, base), let_("q_sub", Ty::I32, sub)];
+    let weight = |e: usize| format!("{prefix}{e}");
+    match format {
+        DType::Q4K | DType::Q5K => {
+            // Sub-block s: chunk s / 2 of 32 bytes, low nibbles when s is even, high when odd.
+            s.extend(scale_min_k4(at(int(4))));
+            s.push(let_("blk_ds", Ty::F32, half(at(int(0))) * f32_of(var("q_sc"))));
+            s.push(let_("blk_dm", Ty::F32, half(at(int(2))) * f32_of(var("q_m"))));
+            s.push(let_("blk_shift", Ty::I32, mask_bits(var("q_sub"), 1) * int(4)));
+            let qs = if format == DType::Q4K { 16 } else { 48 };
+            s.push(let_("blk_qs", Ty::I32, at(int(qs)) + var("q_sub") / int(2) * int(32)));
+            for e in 0..32 {
+                let mut q = mask_bits(shr(byte(var("blk_qs") + int(e)), var("blk_shift")), 15);
+                if format == DType::Q5K {
+                    let high = mask_bits(shr(byte(at(int(16 + e))), var("q_sub")), 1);
+                    q = q + bin(BinOp::Shl, high, int(4));
+                }
+                s.push(let_(
+                    &weight(e as usize),
+                    Ty::F32,
+                    var("blk_ds") * f32_of(q) - var("blk_dm"),
+                ));
+            }
+        }
+        DType::Q6K => {
+            // Sub-block s: half h = s / 4, quarter g = s % 4 (see `dequant`); a scale per 16.
+            s.push(let_("q_h", Ty::I32, var("q_sub") / int(4)));
+            s.push(let_("q_g", Ty::I32, rem(var("q_sub"), int(4))));
+            s.push(let_("blk_d", Ty::F32, half(at(int(208)))));
+            let scale = |half_: i64| s8(at(int(192)) + var("q_h") * int(8) + int(half_) + var("q_g") * int(2));
+            s.push(let_("blk_ds0", Ty::F32, var("blk_d") * f32_of(scale(0))));
+            s.push(let_("blk_ds1", Ty::F32, var("blk_d") * f32_of(scale(1))));
+            s.push(let_(
+                "blk_ql",
+                Ty::I32,
+                at(var("q_h") * int(64) + mask_bits(var("q_g"), 1) * int(32)),
+            ));
+            s.push(let_("blk_nib", Ty::I32, select(lt(var("q_g"), int(2)), int(0), int(4))));
+            s.push(let_("blk_qh", Ty::I32, at(int(128)) + var("q_h") * int(32)));
+            for e in 0..32 {
+                let nib = mask_bits(shr(byte(var("blk_ql") + int(e)), var("blk_nib")), 15);
+                let qh = mask_bits(shr(byte(var("blk_qh") + int(e)), var("q_g") * int(2)), 3);
+                let q = nib + bin(BinOp::Shl, qh, int(4)) - int(32);
+                let ds = if e < 16 { "blk_ds0" } else { "blk_ds1" };
+                s.push(let_(&weight(e as usize), Ty::F32, var(ds) * f32_of(q)));
+            }
+        }
+        other => panic!("{other} is not a K-quant"),
+    }
+    s
+}
+
+/// Whether `k_sub_block_weights` decodes `format` (a 256-element K-quant super-block).
+pub fn decodes_sub_blocks(format: DType) -> bool {
+    matches!(format, DType::Q4K | DType::Q5K | DType::Q6K)
 }
 
 /// ggml's `get_scale_min_k4` for sub-block `q_sub`: sets `q_sc` and `q_m` (6-bit each).
