@@ -11,15 +11,6 @@ use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use std::collections::HashSet;
 
 /// SmolLM2's serving graph (logits for every row) fused for the H200.
-fn serving_graph(model: &Model) -> ir::Graph {
-    let graph = model.lower(LogitsFor::AllTokens).unwrap();
-    passes::optimize(&graph, passes::CostModel::H200, None)
-        .unwrap()
-        .pop()
-        .unwrap()
-        .graph
-}
-
 /// Whether NVRTC can compile here; without it the test says it skipped, unless CI requires
 /// NVRTC (`BBC_REQUIRE_NVRTC`), where its absence is a failure.
 fn nvrtc_present() -> bool {
@@ -165,15 +156,16 @@ fn gpu_artifacts_carry_kernels_ptx_and_plan() {
     }
 }
 
-/// A GPU artifact carries the batched serving plan `bbc serve` runs, with its graph (logits for
-/// every row) and its own compiled kernels, and the graph reads back under the manifest's hash.
+/// A GPU artifact carries the batched serving plan `bbc serve` runs, with its graph (the logits
+/// graph: each sequence's last row gathered before the head) and its own compiled kernels, and
+/// the graph reads back under the manifest's hash.
 #[test]
 fn gpu_artifacts_carry_the_batched_serving_plan() {
     if !nvrtc_present() {
         return;
     }
     let (model, graph) = fused("smollm2", Target::H200, ComputeDtype::Native);
-    let serving = serving_graph(&model);
+    let serving = graph.clone();
     let dir = std::env::temp_dir().join(format!("bbc-gpu-serving-{}", std::process::id()));
     let all = codegen::CompiledGraphs {
         logits: &graph,
@@ -194,8 +186,19 @@ fn gpu_artifacts_carry_the_batched_serving_plan() {
     }
     let read = codegen::read_graphs(&dir, &manifest).unwrap();
     assert_eq!(read.serving.map(|g| g.op_count()), Some(serving.op_count()));
-    // A serving plan needs logits for every row.
-    assert!(gpu::build_batched(&graph, Target::H200, 64, plan.batched.unwrap()).is_err());
+    // Each sequence's last row is gathered (a step input names the rows), and the head runs
+    // on one row per sequence.
+    let gather = |a: &LaunchArg| matches!(a, LaunchArg::StepInput { name } if name == "last_rows");
+    assert!(plan.launches.iter().any(|l| l.args.iter().any(gather)));
+    let per_sequence = gpu::per_sequence_nodes(&serving);
+    assert!(!per_sequence.is_empty());
+    for l in plan.launches.iter().filter(|l| per_sequence.contains(&l.node)) {
+        let rows = l.args.iter().find_map(|a| match a {
+            LaunchArg::Scalar { name, value } if name == "tokens" || name == "rows" => Some(value.as_str()),
+            _ => None,
+        });
+        assert!(rows.is_none_or(|r| r == "seqs"), "{}: {rows:?} rows", l.kernel);
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -259,7 +262,8 @@ fn running_a_gpu_artifact_without_a_driver_says_so() {
         return;
     }
     let (model, graph) = fused("smollm2", Target::H200, ComputeDtype::Native);
-    let serving = serving_graph(&model);
+    // The serving plan is built from the logits graph, as `bbc compile` builds it.
+    let serving = graph.clone();
     let dir = std::env::temp_dir().join(format!("bbc-gpu-nodriver-{}", std::process::id()));
     let all = codegen::CompiledGraphs {
         logits: &graph,

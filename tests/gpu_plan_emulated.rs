@@ -274,6 +274,9 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
         };
         let (plan, kernels) = gpu::build_batched(&gpu_graph, Target::H200, 32, cache).unwrap();
         let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64).unwrap();
+        let last_graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
+        let (plan, kernels) = gpu::build_batched(&last_graph, Target::H200, 32, cache).unwrap();
+        let per_sequence = EmulatedBackend::emulated(plan, kernels, last_graph, &model.weights, &[], 64).unwrap();
         let cpu = CpuBackend::new(graph, &model.weights, 64).unwrap();
         let mut pages = cpu.new_pages(cache.block_size);
         let tables = [
@@ -299,10 +302,15 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
             // The same step again (it rewrites the same cache positions with the same values),
             // reading back only each sequence's last row, as serving does.
             let last = gpu.step_batch_last_rows(&batch).unwrap();
-            for (g, l) in got.iter().zip(&last) {
+            // And on the plan that gathers each sequence's last row before the head.
+            let gathered = per_sequence.step_batch(&batch).unwrap();
+            for ((g, l), p) in got.iter().zip(&last).zip(&gathered) {
                 let logits = &g["logits"];
                 assert_eq!(l["logits"].shape, vec![1, logits.row_len()]);
                 assert_eq!(l["logits"].data, logits.row(logits.rows() - 1));
+                assert_eq!(p["logits"].shape, vec![1, logits.row_len()]);
+                let error = relative_error(&p["logits"].data, logits.row(logits.rows() - 1));
+                assert!(error <= 1e-5, "{family}: step {step}: gathered rows differ by {error}");
             }
         }
         // Out-of-range block ids and tables too short for the step are refused.
@@ -333,7 +341,8 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
     use runtime::serving::{SchedulerConfig, ServingEngine};
     let model = open("llama", ComputeDtype::F32);
     let graph = model.lower(LogitsFor::AllTokens).unwrap();
-    let gpu_graph = fused_for(&graph, Target::H200);
+    // The serving plan `bbc compile` writes: each sequence's last row gathered before the head.
+    let gpu_graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
     let config = SchedulerConfig {
         max_waiting: 16,
         max_running: 4,
@@ -378,7 +387,7 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
 fn batched_steps_replayed_as_graphs_match_launching_kernel_by_kernel() {
     use runtime::kv::BlockId;
     let model = open("llama", ComputeDtype::F32);
-    let graph = fused_for(&model.lower(LogitsFor::AllTokens).unwrap(), Target::H200);
+    let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
     let cache = gpu::BatchedCache {
         blocks: 8,
         block_size: 4,

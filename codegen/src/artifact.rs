@@ -82,7 +82,7 @@ pub struct Manifest {
     pub plan: Option<String>,
     /// GPU targets: the greedy graph's plan (`greedy_plan.json`), when there is a greedy graph.
     pub greedy_plan: Option<String>,
-    /// GPU targets: the serving graph (logits for every row), run by `serving_plan`.
+    /// GPU targets: the serving graph (each sequence's last logits row), run by `serving_plan`.
     #[serde(default)]
     pub serving_graph_json: Option<String>,
     /// GPU targets: the batched plan `bbc serve` runs (`serving_plan.json`: rows of many
@@ -100,7 +100,8 @@ pub struct CompiledGraphs<'a> {
     pub logits: &'a Graph,
     /// The argmax only (INT8-bound head where the head qualifies): greedy `bbc run`.
     pub greedy: Option<&'a Graph>,
-    /// Logits of every row, for the batched serving plan (GPU targets only).
+    /// The batched serving plan's graph (GPU targets only): logits of each sequence's last row
+    /// (`last_token` gathers them in a batched step), or of every row.
     pub serving: Option<&'a Graph>,
 }
 

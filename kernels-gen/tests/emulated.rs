@@ -262,6 +262,30 @@ fn top_k_matches_reference_with_ties_and_nan() {
 }
 
 #[test]
+fn gather_rows_picks_the_indexed_rows_of_a_strided_source() {
+    let mut rng = Rng(21);
+    let (rows_in, width, stride) = (9, 13, 17);
+    let src = rng.vec(rows_in * stride);
+    let index = [8i64, 0, 3, 3];
+    let mut bufs = HashMap::from([
+        ("src".into(), Array::f32(&src)),
+        ("index".into(), Array::ints(Ty::I32, &index)),
+        ("out".into(), Array::poisoned(Ty::F32, index.len() * width)),
+    ]);
+    let scalars = ints(&[
+        ("rows", index.len() as i64),
+        ("width", width as i64),
+        ("src_stride", stride as i64),
+    ]);
+    run(&gather::gather_rows("gather", "test"), &mut bufs, &scalars).unwrap();
+    let want: Vec<f32> = index
+        .iter()
+        .flat_map(|&r| src[r as usize * stride..r as usize * stride + width].to_vec())
+        .collect();
+    assert_eq!(bufs["out"].to_f32().unwrap(), want);
+}
+
+#[test]
 fn attention_matches_reference_with_windows_groups_and_long_caches() {
     let mut rng = Rng(8);
     for (tokens, first, heads, kv_heads, head_dim, window) in [

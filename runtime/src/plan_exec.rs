@@ -18,7 +18,7 @@ use half::bf16;
 use ir::{DType, Graph, Tensor};
 use models::WeightSource;
 use passes::weight_transforms::Int8Rows;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
 use std::sync::Mutex;
 
@@ -97,6 +97,9 @@ pub struct PlanExecutor<D: PlanDevice> {
     context_length: usize,
     /// Batched steps of up to this many rows run as recorded graphs (0: never).
     graph_rows: usize,
+    /// In a batched plan, the nodes with one row per sequence (see
+    /// `codegen::gpu::per_sequence_nodes`).
+    per_sequence: BTreeSet<usize>,
     state: Mutex<(D, Buffers<D::Buffer>)>,
 }
 
@@ -156,7 +159,13 @@ impl<D: PlanDevice> PlanExecutor<D> {
             // Every row a sequence of its own, each with a table for the whole context.
             let rows = plan.max_tokens;
             let table_entries = rows * context_length.div_ceil(cache.block_size);
-            for (name, entries) in [("block_tables", table_entries), ("row_table", rows), ("row_pos", rows)] {
+            let inputs = [
+                ("block_tables", table_entries),
+                ("row_table", rows),
+                ("row_pos", rows),
+                ("last_rows", rows),
+            ];
+            for (name, entries) in inputs {
                 sizes.insert(BufferKey::StepInput(name.into()), 4 * entries);
                 step_inputs.insert(name.to_string(), device.alloc(4 * entries)?);
             }
@@ -171,11 +180,16 @@ impl<D: PlanDevice> PlanExecutor<D> {
             step_inputs,
             sizes,
         };
+        let per_sequence = match plan.batched {
+            Some(_) => codegen::gpu::per_sequence_nodes(&graph),
+            None => BTreeSet::new(),
+        };
         Ok(Self {
             plan,
             graph,
             context_length,
             graph_rows: 0,
+            per_sequence,
             state: Mutex::new((device, buffers)),
         })
     }
@@ -183,8 +197,8 @@ impl<D: PlanDevice> PlanExecutor<D> {
     /// Run batched steps of up to `rows` rows as graphs, where the device records them: each
     /// row count is captured the first time it comes and replayed after, so a decode step is
     /// one launch for the host instead of one per kernel. Sound because a batched step's
-    /// launches depend on its row count alone: everything else the kernels read (ids,
-    /// positions, block tables) sits in device buffers that never move.
+    /// launches depend on its row and sequence counts alone: everything else the kernels read
+    /// (ids, positions, block tables, last rows) sits in device buffers that never move.
     pub fn capture_graphs_up_to(mut self, rows: usize) -> Self {
         self.graph_rows = rows;
         self
@@ -284,10 +298,19 @@ impl<D: PlanDevice> PlanExecutor<D> {
         let (device, buffers) = &mut *state;
         self.write_inputs(device, buffers, &ids, &positions)?;
         let row_pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        // Each segment's last row, where per-sequence values (`last_token` on) gather from.
+        let last_rows: Vec<i32> = batch
+            .iter()
+            .scan(0, |end, seg| {
+                *end += seg.ids.len() as i32;
+                Some(*end - 1)
+            })
+            .collect();
         for (name, values) in [
             ("block_tables", &tables),
             ("row_table", &row_table),
             ("row_pos", &row_pos),
+            ("last_rows", &last_rows),
         ] {
             let buffer = buffers
                 .step_inputs
@@ -298,10 +321,11 @@ impl<D: PlanDevice> PlanExecutor<D> {
         }
         let vars = HashMap::from([
             ("tokens", Value::Int(tokens as i64)),
+            ("seqs", Value::Int(batch.len() as i64)),
             ("first", Value::Int(0)),
             ("block_size", Value::Int(cache.block_size as i64)),
         ]);
-        self.launch_batched(device, buffers, &vars, tokens)?;
+        self.launch_batched(device, buffers, &vars, tokens, batch.len())?;
         // Each segment's rows of the step: all of them, or its last.
         let mut starts = Vec::with_capacity(batch.len());
         let mut end = 0;
@@ -317,15 +341,21 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 .map(|(&s, seg)| s + seg.ids.len() - 1..s + seg.ids.len())
                 .collect(),
         };
+        // Per-sequence outputs (from `last_token` on) have row i for segment i.
+        let one_each: Vec<Range<usize>> = (0..batch.len()).map(|i| i..i + 1).collect();
         let mut per_segment = vec![HashMap::new(); batch.len()];
         for (name, node) in &self.plan.outputs {
+            let wanted = match self.per_sequence.contains(node) {
+                true => &one_each,
+                false => &wanted,
+            };
             let width = self.graph.nodes()[*node]
                 .shape
                 .resolve(tokens, 0)
                 .last()
                 .copied()
                 .unwrap_or(1);
-            let data = self.read_rows(device, buffers, *node, width, &wanted)?;
+            let data = self.read_rows(device, buffers, *node, width, wanted)?;
             for ((range, out), data) in wanted.iter().zip(per_segment.iter_mut()).zip(data) {
                 out.insert(name.clone(), Tensor::new(vec![range.len(), width], data));
             }
@@ -417,32 +447,47 @@ impl<D: PlanDevice> PlanExecutor<D> {
         buffers: &Buffers<D::Buffer>,
         vars: &HashMap<&str, Value>,
         tokens: usize,
+        seqs: usize,
     ) -> Result<()> {
         if tokens > self.graph_rows || !device.records_graphs() {
             return self.launch_all(device, buffers, vars);
         }
-        if device.replay(tokens)? {
+        // The launches depend on the row count and the sequence count (per-sequence rows).
+        let key = tokens * (self.plan.max_tokens + 1) + seqs;
+        if device.replay(key)? {
             return Ok(());
         }
         device.begin_capture()?;
         // The capture ends even when a launch fails, so the device is usable after the error.
         let launched = self.launch_all(device, buffers, vars);
-        let captured = device.end_capture(tokens);
+        let captured = device.end_capture(key);
         launched?;
         captured?;
-        match device.replay(tokens)? {
+        match device.replay(key)? {
             true => Ok(()),
             false => Err(RuntimeError::Cuda(format!(
-                "the graph of a {tokens}-row step was not kept"
+                "the graph of a {tokens}-row, {seqs}-sequence step was not kept"
             ))),
         }
     }
 
     fn launch_all(&self, device: &mut D, buffers: &Buffers<D::Buffer>, vars: &HashMap<&str, Value>) -> Result<()> {
-        let tokens = vars.get("tokens").map_or(0, |v| v.as_i64()) as usize;
+        let step_tokens = vars.get("tokens").map_or(0, |v| v.as_i64());
         for launch in &self.plan.launches {
+            // The prefill variant pays for launches of many rows: the launch's own row count
+            // (its `tokens` argument; a per-sequence launch has one row per sequence), else
+            // the step's.
+            let rows = match launch.args.iter().find_map(|a| match a {
+                LaunchArg::Scalar { name, value } if name == "tokens" => Some(value),
+                _ => None,
+            }) {
+                Some(value) => expr::eval(value, vars)
+                    .map_err(|e| RuntimeError::Artifact(e.to_string()))?
+                    .as_i64(),
+                None => step_tokens,
+            };
             let name = match &launch.prefill_kernel {
-                Some(p) if tokens >= PREFILL_TOKENS => p,
+                Some(p) if rows >= PREFILL_TOKENS as i64 => p,
                 _ => &launch.kernel,
             };
             let kernel = self

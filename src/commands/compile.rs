@@ -1,7 +1,7 @@
 //! `bbc compile MODEL --target T -o DIR [--emit ir|fused-ir] [--emit-after PASS] [--verify]`.
 
 use crate::model_ref::{self, ModelRef};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use codegen::Target;
 use models::LogitsFor;
 use std::path::Path;
@@ -77,24 +77,16 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     if args.emit_after.is_some() {
         return Ok(());
     }
-    // GPU targets also get the batched serving plan, over a graph with logits for every row.
+    // GPU targets also get the batched serving plan, over the same logits graph: in a batched
+    // step its `last_token` gathers each sequence's last row before the final norm and head.
     let serving = match target {
         Target::Cpu => None,
-        gpu => Some(
-            passes::optimize(
-                &loaded.model.lower(LogitsFor::AllTokens)?,
-                model_ref::cost_model(gpu),
-                None,
-            )?
-            .pop()
-            .map(|s| s.graph)
-            .context("the pass pipeline returned no graph")?,
-        ),
+        _ => Some(fused),
     };
     let graphs = codegen::CompiledGraphs {
         logits: fused,
         greedy: greedy.as_ref(),
-        serving: serving.as_ref(),
+        serving,
     };
     let manifest = codegen::compile(&loaded.model, graphs, target, args.output)?;
     if args.emit == Some("kernel-report") {

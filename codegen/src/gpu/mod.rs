@@ -18,7 +18,7 @@ use ir::{Dim, Graph, Sym};
 use kernels_gen::dsl::Kernel;
 use plan::MemoryPlan;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 #[derive(Debug, thiserror::Error)]
 pub enum GpuCodegenError {
@@ -70,7 +70,8 @@ pub enum LaunchArg {
         value: String,
     },
     /// A batched plan's per-step input (`block_tables`, `row_table`, `row_pos`: see
-    /// `kernels_gen::templates::cache_layout`), written by the runtime before each step.
+    /// `kernels_gen::templates::cache_layout`; `last_rows`: each sequence's last row), written
+    /// by the runtime before each step.
     StepInput {
         name: String,
     },
@@ -179,6 +180,21 @@ pub(crate) fn width(graph: &Graph, node: usize) -> usize {
     graph.nodes()[node].shape.last().and_then(Dim::as_const).unwrap_or(1)
 }
 
+/// The nodes of a batched step with one row per sequence: `last_token` (each sequence's last
+/// row) and every value computed from it that keeps its single row in the IR (the final norm,
+/// the LM head): their row count is the step's `seqs`, not the IR's 1.
+pub fn per_sequence_nodes(graph: &Graph) -> BTreeSet<usize> {
+    let mut per_sequence = BTreeSet::new();
+    for (i, node) in graph.nodes().iter().enumerate() {
+        let one_row = node.shape.rank() == 2 && node.shape.0.first() == Some(&Dim::Const(1));
+        let from_last = node.op == ir::Op::LastToken || node.inputs.iter().any(|p| per_sequence.contains(&p.0));
+        if one_row && from_last {
+            per_sequence.insert(i);
+        }
+    }
+    per_sequence
+}
+
 /// Rows of a value: the step's tokens, or a constant.
 pub(crate) fn rows(graph: &Graph, node: usize) -> String {
     match graph.nodes()[node].shape.0.first() {
@@ -204,21 +220,16 @@ pub fn build_with_kernels(
 }
 
 /// The plan of a batched step (continuous batching: rows of many sequences over one paged KV
-/// cache), and its kernels. `graph` must give logits for every row (`LogitsFor::AllTokens`):
-/// each sequence's last row is picked by the runtime.
+/// cache), and its kernels. With `LogitsFor::LastToken` (what `bbc compile` writes), the
+/// graph's `last_token` gathers each sequence's last row (step input `last_rows`) and what
+/// follows runs on one row per sequence (`seqs`, see [`per_sequence_nodes`]); with
+/// `LogitsFor::AllTokens` every row gets logits.
 pub fn build_batched(
     graph: &Graph,
     target: Target,
     max_tokens: usize,
     cache: BatchedCache,
 ) -> Result<(GpuPlan, Vec<Kernel>), GpuCodegenError> {
-    if let Some(i) = graph.nodes().iter().position(|n| n.op == ir::Op::LastToken) {
-        return Err(GpuCodegenError::Unsupported {
-            node: i,
-            op: "last_token",
-            what: "a batched plan needs logits for every row (LogitsFor::AllTokens)".into(),
-        });
-    }
     build_program(graph, target, max_tokens, Some(cache))
 }
 
@@ -232,7 +243,11 @@ fn build_program(
         Some(_) => kernels_gen::templates::cache_layout::CacheLayout::Batched,
         None => kernels_gen::templates::cache_layout::CacheLayout::Contiguous,
     };
-    let selected = select::select(graph, layout, target.cuda_arch().unwrap_or_default())?;
+    let per_sequence = match batched {
+        Some(_) => per_sequence_nodes(graph),
+        None => BTreeSet::new(),
+    };
+    let selected = select::select(graph, layout, target.cuda_arch().unwrap_or_default(), &per_sequence)?;
     // One file per distinct kernel source, named in order of first use.
     let mut kernels: Vec<(Kernel, String)> = Vec::new();
     let mut launches = Vec::new();
@@ -266,7 +281,7 @@ fn build_program(
             args,
         });
     }
-    let memory = plan_memory(graph, &launches, &selected.views, max_tokens);
+    let memory = plan_memory(graph, &launches, &selected.views, max_tokens, &per_sequence);
     let programs: Vec<Kernel> = kernels.iter().map(|(k, _)| k.clone()).collect();
     let kernels = kernels
         .into_iter()
@@ -316,7 +331,13 @@ fn build_program(
 }
 
 /// Every base activation node: its size at `max_tokens` rows and the launches that touch it.
-fn plan_memory(graph: &Graph, launches: &[Launch], views: &BTreeMap<usize, View>, max_tokens: usize) -> MemoryPlan {
+fn plan_memory(
+    graph: &Graph,
+    launches: &[Launch],
+    views: &BTreeMap<usize, View>,
+    max_tokens: usize,
+    per_sequence: &BTreeSet<usize>,
+) -> MemoryPlan {
     // Keyed by (node, scratch name): the node's value, or one of its launches' scratch buffers.
     type Key = (usize, Option<String>);
     fn touch(live: &mut BTreeMap<Key, (usize, usize, usize)>, key: Key, bytes: usize, at: usize) {
@@ -326,6 +347,8 @@ fn plan_memory(graph: &Graph, launches: &[Launch], views: &BTreeMap<usize, View>
     }
     let value_bytes = |node: usize| {
         let rows = match graph.nodes()[node].shape.0.first() {
+            // A batched step has at most as many sequences as rows.
+            _ if per_sequence.contains(&node) => max_tokens,
             Some(Dim::Const(n)) if graph.nodes()[node].shape.rank() == 2 => *n,
             _ => max_tokens,
         };

@@ -7,7 +7,7 @@ use kernels_gen::dsl::Kernel;
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::{self, *};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 pub(crate) struct Selected {
     /// (node, kernel, prefill alternative, arguments).
@@ -51,7 +51,15 @@ fn as_expr(op: &Op) -> Option<IrExpr> {
 }
 
 /// Kernels and arguments for every node, attention and KV appends in cache `layout`.
-pub(crate) fn select(graph: &Graph, layout: CacheLayout, arch: &str) -> Result<Selected, GpuCodegenError> {
+///
+/// `per_sequence` (batched plans): the nodes with one row per sequence (`last_token` and what
+/// follows it), whose row count is the step's `seqs`.
+pub(crate) fn select(
+    graph: &Graph,
+    layout: CacheLayout,
+    arch: &str,
+    per_sequence: &BTreeSet<usize>,
+) -> Result<Selected, GpuCodegenError> {
     let mut s = Selected {
         launches: Vec::new(),
         views: BTreeMap::new(),
@@ -129,7 +137,9 @@ pub(crate) fn select(graph: &Graph, layout: CacheLayout, arch: &str) -> Result<S
                     },
                 );
             }
-            Op::LastToken => {
+            // One sequence: the last row, read in place. A batched step gathers each
+            // sequence's last row (below).
+            Op::LastToken if layout != CacheLayout::Batched => {
                 let v = s.views[&input(0)].clone();
                 s.views.insert(
                     i,
@@ -141,10 +151,27 @@ pub(crate) fn select(graph: &Graph, layout: CacheLayout, arch: &str) -> Result<S
             }
             op => {
                 s.views.insert(i, own);
-                let rows = rows(graph, i);
+                let rows = match per_sequence.contains(&i) {
+                    true => "seqs".to_string(),
+                    false => rows(graph, i),
+                };
                 // A GEMV's variant for prefill steps, where the arm below chooses one.
                 let mut gemv_prefill = None;
                 let (kernel, args) = match op {
+                    Op::LastToken => {
+                        let (x, stride) = act(&s, 0);
+                        let args = vec![
+                            x,
+                            LaunchArg::StepInput {
+                                name: "last_rows".into(),
+                            },
+                            out,
+                            scalar("rows", "seqs"),
+                            scalar("width", width(graph, i)),
+                            scalar("src_stride", stride),
+                        ];
+                        (gather::gather_rows("gather_rows", &graph.name), args)
+                    }
                     Op::Embedding => {
                         let table = weight_format(graph.node(node.inputs[0]).dtype, i, op.name())?;
                         let (ids, _) = act(&s, 1);

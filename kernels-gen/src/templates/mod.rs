@@ -5,6 +5,7 @@ pub mod attention;
 pub mod cache_layout;
 pub mod elementwise;
 pub mod embedding;
+pub mod gather;
 pub mod gemm_mma;
 pub mod gemm_tcgen05;
 pub mod gemm_wgmma;
@@ -172,6 +173,7 @@ pub fn catalog() -> Vec<Kernel> {
         rope::rope("rope_adjacent_pairs", "catalog", RopeLayout::AdjacentPairs, 1.0),
         embedding::embedding("embedding_bf16", "catalog", Dense(Ty::Bf16)),
         top_k::top_k("top_k", "catalog"),
+        gather::gather_rows("gather_rows", "catalog"),
         sample::sample("sample", "catalog"),
         int8_head::quantize_h("int8_quantize_h", "catalog"),
         int8_head::score("int8_score", "catalog"),

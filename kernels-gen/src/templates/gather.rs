@@ -1,0 +1,40 @@
+//! Row gather: `out[t, j] = src[index[t], j]` for `rows` rows of `width`, `src`'s rows
+//! `src_stride` apart. In a batched step it picks each sequence's last row (the IR's
+//! `last_token`, one row per sequence) so that the final norm and the LM head run on those rows
+//! only. A thread per element (memory-bound; the rows are few).
+
+use super::{blocks_for, BLOCK};
+use crate::dsl::*;
+
+pub fn gather_rows(name: &str, origin: &str) -> Kernel {
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: gather rows by index"),
+        params: vec![
+            buffer("src", Ty::F32, false),
+            buffer("index", Ty::I32, false),
+            buffer("out", Ty::F32, true),
+            scalar("rows", Ty::I32),
+            scalar("width", Ty::I32),
+            scalar("src_stride", Ty::I32),
+        ],
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(var("rows") * var("width"), BLOCK as i64),
+        body: vec![
+            let_("i", Ty::I32, bid() * bdim() + tid()),
+            if_(
+                lt(var("i"), var("rows") * var("width")),
+                vec![
+                    let_("t", Ty::I32, var("i") / var("width")),
+                    let_("j", Ty::I32, rem(var("i"), var("width"))),
+                    store(
+                        "out",
+                        var("i"),
+                        load("src", load("index", var("t")) * var("src_stride") + var("j")),
+                    ),
+                ],
+            ),
+        ],
+    }
+}
