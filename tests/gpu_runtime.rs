@@ -69,7 +69,7 @@ fn smollm2_bf16_greedy_on_the_gpu_equals_the_cpu() {
     let cpu = Engine::from(CpuBackend::new(cpu_graph, &model.weights, model.config.context_length).unwrap());
     // Each generation starts a new sequence at position 0; the GPU's one cache is rewritten.
     let gpu = Engine {
-        logits: gpu,
+        logits: Some(gpu),
         greedy: Some(greedy),
     };
     let options = GenerateOptions {

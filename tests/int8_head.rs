@@ -174,4 +174,29 @@ fn greedy_graph_with_int8_head_generates_like_the_logits_graph() {
         };
         assert_eq!(run(false), run(true), "{prompt:?}");
     }
+    // Greedy decoding needs only the greedy graph (what `bbc run` loads on a GPU for it);
+    // sampling without the logits graph is refused, not attempted.
+    let prompt = ids(&reference["raw"][0]["prompt_ids"]);
+    let options = runtime::GenerateOptions {
+        max_tokens: 8,
+        ..Default::default()
+    };
+    let want = runtime::generate(&engine, &prompt, &options, |_| Ok(true)).unwrap();
+    let greedy_only = runtime::Engine {
+        logits: None,
+        greedy: engine.greedy,
+    };
+    assert_eq!(
+        runtime::generate(&greedy_only, &prompt, &options, |_| Ok(true)).unwrap(),
+        want
+    );
+    let sampling = runtime::GenerateOptions {
+        sampling: runtime::SamplingParams {
+            temperature: 0.8,
+            ..Default::default()
+        },
+        ..options
+    };
+    let refused = runtime::generate(&greedy_only, &prompt, &sampling, |_| Ok(true)).unwrap_err();
+    assert!(refused.to_string().contains("logits graph"), "{refused}");
 }

@@ -75,15 +75,21 @@ impl Backend for crate::cuda::CudaBackend {
 
 /// A model ready to generate: its logits graph, and its greedy graph when it has one (whose LM
 /// head may be the INT8-bound top-k). Both share weights and read the same KV cache layout.
+/// Either may be left out where the run will not use it (a GPU backend holds its own copy of
+/// the weights): greedy decoding needs only the greedy graph, sampling and logits dumps only
+/// the logits graph.
 pub struct Engine<B: Backend = CpuBackend> {
-    pub logits: B,
+    pub logits: Option<B>,
     pub greedy: Option<B>,
 }
 
 impl<B: Backend> Engine<B> {
     /// An engine with the logits graph only.
     pub fn logits_only(logits: B) -> Self {
-        Self { logits, greedy: None }
+        Self {
+            logits: Some(logits),
+            greedy: None,
+        }
     }
 }
 
@@ -104,7 +110,10 @@ impl Engine {
         let greedy = greedy
             .map(|g| CpuBackend::with_cache(g, source, context_length, &mut cache))
             .transpose()?;
-        Ok(Self { logits, greedy })
+        Ok(Self {
+            logits: Some(logits),
+            greedy,
+        })
     }
 }
 
@@ -125,7 +134,13 @@ pub fn generate<B: Backend>(
     if prompt.is_empty() {
         return Err(RuntimeError::Input("the prompt is empty".into()));
     }
-    let backend = &engine.logits;
+    let greedy = engine
+        .greedy
+        .as_ref()
+        .filter(|_| options.sampling.temperature <= 0.0 && !options.need_logits);
+    let backend = greedy.or(engine.logits.as_ref()).ok_or_else(|| {
+        RuntimeError::Input("sampling and logits need the logits graph, which this engine does not hold".into())
+    })?;
     let needed = prompt.len() + options.max_tokens;
     if needed > backend.context_length() {
         return Err(RuntimeError::ContextOverflow {
@@ -133,10 +148,6 @@ pub fn generate<B: Backend>(
             limit: backend.context_length(),
         });
     }
-    let greedy = engine
-        .greedy
-        .as_ref()
-        .filter(|_| options.sampling.temperature <= 0.0 && !options.need_logits);
     let mut seq = backend.new_sequence();
     let mut out = Vec::with_capacity(options.max_tokens);
     if let Some(greedy) = greedy {

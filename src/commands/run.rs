@@ -81,17 +81,19 @@ pub fn run(args: &RunArgs) -> Result<()> {
     if let Some(plans) = &loaded.gpu_plan {
         // A GPU artifact runs on the CUDA backend: its greedy plan (the INT8-bound head) for
         // greedy decoding, its logits plan otherwise. Each plan holds its own copy of the
-        // weights on the device.
+        // weights on the device, so only the one this run uses is loaded.
         let backend = |plan: &str, graph: ir::Graph| {
             let w = &loaded.model.weights;
             runtime::cuda::CudaBackend::new(&plans.dir, plan, graph, w, &loaded.int8_heads, context)
         };
-        let logits = backend(&plans.logits, loaded.graph.clone())?;
-        let greedy = match (&plans.greedy, &loaded.greedy) {
-            (Some(plan), Some(graph)) => Some(backend(plan, graph.clone())?),
-            _ => None,
+        let greedy_run = args.temperature <= 0.0 && args.dump_logits.is_none();
+        let engine = match (&plans.greedy, &loaded.greedy) {
+            (Some(plan), Some(graph)) if greedy_run => Engine {
+                logits: None,
+                greedy: Some(backend(plan, graph.clone())?),
+            },
+            _ => Engine::logits_only(backend(&plans.logits, loaded.graph.clone())?),
         };
-        let engine = Engine { logits, greedy };
         return stream(args, &engine, &prompt, tokenizer, started.elapsed());
     }
     let engine = Engine::with_cache(loaded.graph, loaded.greedy, &loaded.model.weights, context, cache)?;
