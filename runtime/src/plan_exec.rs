@@ -195,10 +195,11 @@ impl<D: PlanDevice> PlanExecutor<D> {
     }
 
     /// Run batched steps of up to `rows` rows as graphs, where the device records them: each
-    /// row count is captured the first time it comes and replayed after, so a decode step is
-    /// one launch for the host instead of one per kernel. Sound because a batched step's
-    /// launches depend on its row and sequence counts alone: everything else the kernels read
-    /// (ids, positions, block tables, last rows) sits in device buffers that never move.
+    /// (rows, sequences) shape is captured the first time it comes and replayed after, so a
+    /// decode step is one launch for the host instead of one per kernel. Sound because a
+    /// batched step's launches depend on its row and sequence counts alone: everything else
+    /// the kernels read (ids, positions, block tables, last rows) sits in device buffers that
+    /// never move.
     pub fn capture_graphs_up_to(mut self, rows: usize) -> Self {
         self.graph_rows = rows;
         self
@@ -438,9 +439,8 @@ impl<D: PlanDevice> PlanExecutor<D> {
         Ok(())
     }
 
-    /// The plan's launches in order, arguments resolved against `vars`.
-    /// A batched step's launches: replayed from the graph of its row count, captured first if
-    /// there is none yet (see `capture_graphs_up_to`), or launched one by one.
+    /// A batched step's launches: replayed from the graph of its row and sequence counts,
+    /// captured first if there is none yet (see `capture_graphs_up_to`), or launched one by one.
     fn launch_batched(
         &self,
         device: &mut D,
@@ -471,6 +471,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         }
     }
 
+    /// The plan's launches in order, arguments resolved against `vars`.
     fn launch_all(&self, device: &mut D, buffers: &Buffers<D::Buffer>, vars: &HashMap<&str, Value>) -> Result<()> {
         let step_tokens = vars.get("tokens").map_or(0, |v| v.as_i64());
         for launch in &self.plan.launches {
