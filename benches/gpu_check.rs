@@ -108,9 +108,9 @@ fn kernel_errors(target: Target, arch: &str) -> Result<f64> {
 }
 
 /// Eight sequences of the tiny Llama (bf16) decoding together on the serving plan (each
-/// sequence's last row gathered before the head), once with
-/// every kernel launched by itself and once replayed from CUDA graphs: the logits must agree
-/// bit for bit; prints the wall time per step of each (logits read back included).
+/// sequence's last row gathered before the head), once with every kernel launched by itself
+/// and once replayed from CUDA graphs: the logits must agree bit for bit; prints the wall time
+/// per step of each (logits read back included).
 fn graph_check(target: Target, arch: &str) -> Result<()> {
     use runtime::kv::{BlockId, Segment};
     let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny/llama");
