@@ -42,9 +42,10 @@ const STAGE: i64 = TILE_M * STAGE_STRIDE;
 const WARP_M_TILES: usize = 2;
 const WARP_N_TILES: usize = 4;
 
-/// Stage a 64×32 slice (rows `row0..`, columns `k0..`) of a row-major global array into shared
-/// `dst`, zero past `rows` and `k`: thread `tid` takes elements `tid + 128·i`.
-fn stage(src: &str, dst: &str, row0: &str, rows: &str, row_stride: Expr) -> Vec<Stmt> {
+/// Stage a 64×32 slice (rows `row0..`, columns `k0..`) into shared `dst`: element (row, col)
+/// is what `fetch(row, col, value)` sets the f32 local `value` to, zero past `rows` and `k`;
+/// thread `tid` takes elements `tid + 128·i`, a warp 32 consecutive columns of one row.
+fn stage(dst: &str, row0: &str, rows: &str, fetch: impl Fn(Expr, Expr, &str) -> Vec<Stmt>) -> Vec<Stmt> {
     let per_thread = TILE_M * TILE_K / (32 * WARPS);
     let e = tid() + var("i") * int(32 * WARPS);
     let (r, c) = (e.clone() / int(TILE_K), rem(e, int(TILE_K)));
@@ -59,11 +60,16 @@ fn stage(src: &str, dst: &str, row0: &str, rows: &str, row_stride: Expr) -> Vec<
             let_(&value, Ty::F32, f(0.0)),
             if_(
                 and(lt(grow.clone(), var(rows)), lt(gcol.clone(), var("k"))),
-                vec![assign(&value, load(src, grow * row_stride + gcol))],
+                fetch(grow, gcol, &value),
             ),
             store(dst, r * int(STAGE_STRIDE) + c, var(&value)),
         ],
     )]
+}
+
+/// A row-major array's element (row, col), rows `row_stride` apart.
+fn element_of(src: &'static str, row_stride: Expr) -> impl Fn(Expr, Expr, &str) -> Vec<Stmt> {
+    move |row, col, value| vec![assign(value, load(src, row * row_stride.clone() + col))]
 }
 
 /// How the weight slices reach shared memory.
@@ -83,27 +89,14 @@ pub enum WeightStaging {
 /// Stage the 64×32 weight slice of GGUF-block weights, decoding each element.
 fn stage_blocks(format: ir::DType) -> Vec<Stmt> {
     let (block_elements, block_bytes) = quant::block_layout(format).expect("a block format");
-    let per_thread = TILE_N * TILE_K / (32 * WARPS);
-    let e = tid() + var("i") * int(32 * WARPS);
-    let (r, c) = (e.clone() / int(TILE_K), rem(e, int(TILE_K)));
-    let (grow, gcol) = (var("n0") + r.clone(), var("k0") + c.clone());
-    let row_bytes = var("k") / int(block_elements) * int(block_bytes);
-    let decode = [
-        quant::dequant(format, "wq", grow.clone() * row_bytes, gcol.clone()),
-        vec![assign("ws_v", var("wq"))],
-    ]
-    .concat();
-    vec![for_(
-        "i",
-        int(0),
-        int(per_thread),
-        int(1),
-        vec![
-            let_("ws_v", Ty::F32, f(0.0)),
-            if_(and(lt(grow, var("n")), lt(gcol, var("k"))), decode),
-            store("ws", r * int(STAGE_STRIDE) + c, var("ws_v")),
-        ],
-    )]
+    stage("ws", "n0", "n", move |row, col, value| {
+        let row_bytes = var("k") / int(block_elements) * int(block_bytes);
+        [
+            quant::dequant(format, "wq", row * row_bytes, col),
+            vec![assign(value, var("wq"))],
+        ]
+        .concat()
+    })
 }
 
 /// Copy the 64×32 weight slice at `k0` into buffer `buffer` with `cp.async`: copy
@@ -219,10 +212,10 @@ pub fn gemm_mma(name_: &str, origin: &str, staging: WeightStaging) -> Kernel {
         WeightStaging::Registers | WeightStaging::Dequantize(_) => (
             vec![],
             [
-                stage("x", "xs", "m0", "tokens", var("x_stride")),
+                stage("xs", "m0", "tokens", element_of("x", var("x_stride"))),
                 match staging {
                     WeightStaging::Dequantize(format) => stage_blocks(format),
-                    _ => stage("w", "ws", "n0", "n", var("k")),
+                    _ => stage("ws", "n0", "n", element_of("w", var("k"))),
                 },
                 vec![Stmt::SyncThreads],
                 multiply(int(0)),
@@ -234,7 +227,7 @@ pub fn gemm_mma(name_: &str, origin: &str, staging: WeightStaging) -> Kernel {
             [copy_weights(int(0), int(0)), vec![Stmt::CpAsyncCommit]].concat(),
             [
                 super::pipeline_step_head(TILE_K, copy_weights),
-                stage("x", "xs", "m0", "tokens", var("x_stride")),
+                stage("xs", "m0", "tokens", element_of("x", var("x_stride"))),
                 vec![Stmt::CpAsyncWait(1), Stmt::SyncThreads],
                 multiply(var("s") * int(STAGE)),
             ]
