@@ -75,7 +75,11 @@ impl Matrix {
                 bytes,
                 row_bytes,
             } if k % ACT_BLOCK == 0 => {
-                let acts: Vec<Q8Row> = x.chunks_exact(k).map(Q8Row::quantize).collect();
+                // Quantizing many rows is worth spreading over the pool; one row (decode) is not.
+                let acts: Vec<Q8Row> = match tokens {
+                    1..=7 => x.chunks_exact(k).map(Q8Row::quantize).collect(),
+                    _ => x.par_chunks_exact(k).map(Q8Row::quantize).collect(),
+                };
                 let packed = int8::PackedDot::new(*dtype, *row_bytes, &acts);
                 for_row_runs(
                     target,
