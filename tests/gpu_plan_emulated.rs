@@ -399,11 +399,13 @@ fn batched_steps_replayed_as_graphs_match_launching_kernel_by_kernel() {
         [BlockId(3), BlockId(0), BlockId(6)],
         [BlockId(5), BlockId(1), BlockId(2)],
     ];
-    // Prompts (9 rows: launched one by one), then four 2-row decode steps and a 1-row one.
+    // Prompts (9 rows: launched one by one), four 2-row decode steps, a 1-row one, and a chunk.
     let mut steps: Vec<Vec<(usize, Vec<u32>)>> =
         vec![vec![(0, vec![5, 16, 27, 38, 49]), (0, vec![200, 203, 206, 209])]];
     steps.extend((0..4).map(|i| vec![(5 + i, vec![40 + i as u32]), (4 + i, vec![90 + 7 * i as u32])]));
     steps.push(vec![(9, vec![3])]);
+    // Two rows of one sequence: few enough rows, but not a decode step.
+    steps.push(vec![(10, vec![5, 6])]);
     for (n, segments) in steps.iter().enumerate() {
         let batch = batch_of(segments, &tables);
         let (want, got) = (eager.step_batch(&batch).unwrap(), graphs.step_batch(&batch).unwrap());
@@ -412,7 +414,8 @@ fn batched_steps_replayed_as_graphs_match_launching_kernel_by_kernel() {
         }
     }
     // Graphs for 2 and 1 rows, run by all five decode steps (the first of each row count
-    // captured its graph, then ran it); the prompt step launched kernel by kernel.
+    // captured its graph, then ran it); the prompt step and the two-row chunk of one sequence
+    // launched kernel by kernel.
     assert_eq!(graphs.with_device(|d| d.graph_counts()).unwrap(), (5, 2));
     assert_eq!(eager.with_device(|d| d.graph_counts()).unwrap(), (0, 0));
 }

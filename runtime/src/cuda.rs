@@ -2,8 +2,8 @@
 //! cudarc (the driver is loaded at run time, so this builds and links everywhere): every
 //! kernel's PTX loaded as a module, buffers as device allocations, launches on one stream.
 //!
-//! Batched steps (`bbc serve`) of up to a chosen row count run as CUDA graphs, one per row
-//! count, captured on first use (see `PlanExecutor::capture_graphs_up_to`).
+//! Decode steps of `bbc serve` (a row per sequence) up to a chosen batch size run as CUDA
+//! graphs, one per size, captured on first use (see `PlanExecutor::capture_graphs_up_to`).
 //!
 //! Without an NVIDIA driver, [`CudaBackend::new`] returns [`RuntimeError::NoCudaDriver`]: never
 //! a panic. The plan executor above it (one sequence, and batched steps with their graphs)
@@ -266,8 +266,8 @@ impl CudaBackend {
         Self::load(dir, plan, graph, weights, int8, context_length)
     }
 
-    /// Run batched steps of up to `rows` rows (the decode batches: one row per running
-    /// sequence) as CUDA graphs.
+    /// Run decode steps (one row per running sequence) of up to `rows` sequences as CUDA
+    /// graphs.
     pub fn capture_graphs_up_to(self, rows: usize) -> Self {
         Self(self.0.capture_graphs_up_to(rows))
     }

@@ -194,9 +194,9 @@ impl<D: PlanDevice> PlanExecutor<D> {
         })
     }
 
-    /// Run batched steps of up to `rows` rows as graphs, where the device records them: each
-    /// (rows, sequences) shape is captured the first time it comes and replayed after, so a
-    /// decode step is one launch for the host instead of one per kernel. Sound because a
+    /// Run decode steps (one row per sequence) of up to `rows` sequences as graphs, where the
+    /// device records them: each size is captured the first time it comes and replayed after,
+    /// so a decode step is one launch for the host instead of one per kernel. Sound because a
     /// batched step's launches depend on its row and sequence counts alone: everything else
     /// the kernels read (ids, positions, block tables, last rows) sits in device buffers that
     /// never move.
@@ -449,7 +449,9 @@ impl<D: PlanDevice> PlanExecutor<D> {
         tokens: usize,
         seqs: usize,
     ) -> Result<()> {
-        if tokens > self.graph_rows || !device.records_graphs() {
+        // Decode steps only (a row per sequence): the shapes that repeat step after step.
+        // Mixed steps with prompt chunks come in too many shapes to be worth a graph each.
+        if tokens > self.graph_rows || seqs != tokens || !device.records_graphs() {
             return self.launch_all(device, buffers, vars);
         }
         // The launches depend on the row count and the sequence count (per-sequence rows).
