@@ -343,10 +343,12 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
     let graph = model.lower(LogitsFor::AllTokens).unwrap();
     // The serving plan `bbc compile` writes: each sequence's last row gathered before the head.
     let gpu_graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
+    // A token budget above the 32 rows the plan is built for: the engine lowers it to 32 for
+    // the GPU backend (else its first step, four prompts at once, would be refused).
     let config = SchedulerConfig {
         max_waiting: 16,
         max_running: 4,
-        token_budget: 24,
+        token_budget: 100,
         kv_blocks: 24,
         block_size: 4,
         context_length: 64,

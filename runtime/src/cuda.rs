@@ -311,6 +311,9 @@ impl crate::serving::PagedBackend for CudaBackend {
     fn new_pages(&self, block_size: usize) -> usize {
         crate::serving::PagedBackend::new_pages(&self.0, block_size)
     }
+    fn max_step_tokens(&self) -> Option<usize> {
+        crate::serving::PagedBackend::max_step_tokens(&self.0)
+    }
     fn step_batch(&self, pages: &mut usize, batch: &[crate::kv::Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
         crate::serving::PagedBackend::step_batch(&self.0, pages, batch)
     }

@@ -662,6 +662,10 @@ impl<D: PlanDevice> crate::serving::PagedBackend for PlanExecutor<D> {
         block_size
     }
 
+    fn max_step_tokens(&self) -> Option<usize> {
+        Some(self.plan.max_tokens)
+    }
+
     fn step_batch(&self, pages: &mut usize, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
         match self.plan.batched {
             // Serving samples from each segment's last row only.

@@ -16,6 +16,11 @@ pub trait PagedBackend {
     /// The KV cache of every sequence, in blocks addressed through block tables.
     type Pages;
     fn new_pages(&self, block_size: usize) -> Self::Pages;
+    /// The most tokens one step may carry, where the backend has a limit (a GPU plan is
+    /// compiled for a number of rows).
+    fn max_step_tokens(&self) -> Option<usize> {
+        None
+    }
     /// Process every segment's tokens in one pass; each segment's outputs by name, in order:
     /// per-token outputs with at least the segment's last row (the one sampled from).
     fn step_batch(&self, pages: &mut Self::Pages, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>>;
@@ -55,7 +60,12 @@ pub struct ServingEngine<B: PagedBackend> {
 }
 
 impl<B: PagedBackend> ServingEngine<B> {
-    pub fn new(backend: B, config: SchedulerConfig) -> Self {
+    /// An engine over `backend`; a token budget above what the backend takes in one step is
+    /// lowered to it (prompts are then chunked smaller), so no step is refused for its size.
+    pub fn new(backend: B, mut config: SchedulerConfig) -> Self {
+        if let Some(limit) = backend.max_step_tokens() {
+            config.token_budget = config.token_budget.min(limit);
+        }
         Self {
             pages: backend.new_pages(config.block_size),
             backend,
