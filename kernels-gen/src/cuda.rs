@@ -175,13 +175,12 @@ fn uses_op(body: &[Stmt], op: UnOp) -> bool {
             _ => false,
         }
     }
-    body.iter().any(|s| match s {
+    // The statement's own expressions; `any_stmt` walks into loop bodies and branches.
+    any_stmt(body, &|s| match s {
         Stmt::Let { value, .. } | Stmt::Assign { value, .. } => in_expr(value, op),
         Stmt::Store { index, value, .. } => in_expr(index, op) || in_expr(value, op),
-        Stmt::For {
-            start, end, step, body, ..
-        } => [start, end, step].iter().any(|e| in_expr(e, op)) || uses_op(body, op),
-        Stmt::If { cond, then, otherwise } => in_expr(cond, op) || uses_op(then, op) || uses_op(otherwise, op),
+        Stmt::For { start, end, step, .. } => [start, end, step].iter().any(|e| in_expr(e, op)),
+        Stmt::If { cond, .. } => in_expr(cond, op),
         _ => false,
     })
 }
