@@ -179,30 +179,35 @@ impl UnpackedRow {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn dot_avx2(&self, act: &Q8Row) -> f32 {
-        // SAFETY (both calls): the caller checked AVX2/FMA; lengths are checked inside.
-        if self.group == 16 {
-            unsafe { self.dot_avx2_groups::<16>(act) }
-        } else {
-            unsafe { self.dot_avx2_groups::<32>(act) }
-        }
+        // SAFETY: the caller checked AVX2/FMA.
+        let [one] = unsafe { self.dot_n_avx2([act]) };
+        one
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn dot4_avx2(&self, acts: &[Q8Row; 4]) -> [f32; 4] {
+        // SAFETY: the caller checked AVX2/FMA.
+        unsafe { self.dot_n_avx2(acts.each_ref()) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot_n_avx2<const N: usize>(&self, acts: [&Q8Row; N]) -> [f32; N] {
         // SAFETY (both calls): the caller checked AVX2/FMA; lengths are checked inside.
         if self.group == 16 {
-            unsafe { self.dot4_avx2_groups::<16>(acts) }
+            unsafe { self.dot_n_avx2_groups::<16, N>(acts) }
         } else {
-            unsafe { self.dot4_avx2_groups::<32>(acts) }
+            unsafe { self.dot_n_avx2_groups::<32, N>(acts) }
         }
     }
 
-    /// `dot_avx2_groups` for four activation rows at once: each weight vector is loaded and
-    /// widened once; per row, the same operations in the same order (so the same bits).
+    /// The dot of `N` activation rows (one for decode, four a pass for prefill): each weight
+    /// vector is loaded and widened once, and every row runs the same operations in the same
+    /// order whatever `N`, so a row's result does not depend on how many share the pass.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn dot4_avx2_groups<const G: usize>(&self, acts: &[Q8Row; 4]) -> [f32; 4] {
+    unsafe fn dot_n_avx2_groups<const G: usize, const N: usize>(&self, acts: [&Q8Row; N]) -> [f32; N] {
         use std::arch::x86_64::*;
         let groups = self.scale.len();
         // Every unchecked read below stays inside these bounds.
@@ -212,23 +217,23 @@ impl UnpackedRow {
             assert!(act.sum16.len() * 16 >= groups * G);
         }
         let w = self.w.as_ptr();
-        let q = acts.each_ref().map(|a| a.q.as_ptr());
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut offset = [0f32; 4];
+        let q = acts.map(|a| a.q.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); N];
+        let mut offset = [0f32; N];
         for i in 0..groups {
             // SAFETY: i < groups, so group i's G bytes, each act block and its sums are in bounds.
             unsafe {
-                let mut isum = [_mm256_setzero_si256(); 4];
+                let mut isum = [_mm256_setzero_si256(); N];
                 for c in 0..G / 16 {
                     let at = i * G + 16 * c;
                     let wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(w.add(at) as *const __m128i));
-                    for t in 0..4 {
+                    for t in 0..N {
                         let qv = _mm256_cvtepi8_epi16(_mm_loadu_si128(q[t].add(at) as *const __m128i));
                         isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(wv, qv));
                     }
                 }
-                for t in 0..4 {
-                    let act = &acts[t];
+                for t in 0..N {
+                    let act = acts[t];
                     let dx = *act.d.get_unchecked(i * G / ACT_BLOCK);
                     acc[t] = _mm256_fmadd_ps(
                         _mm256_cvtepi32_ps(isum[t]),
@@ -244,56 +249,16 @@ impl UnpackedRow {
                 }
             }
         }
-        std::array::from_fn(|t| {
+        let mut out = [0f32; N];
+        for t in 0..N {
             let mut lanes = [0f32; 8];
             // SAFETY: `lanes` holds eight f32.
             unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[t]) };
             let total =
                 ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-            total - offset[t]
-        })
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn dot_avx2_groups<const G: usize>(&self, act: &Q8Row) -> f32 {
-        use std::arch::x86_64::*;
-        let groups = self.scale.len();
-        // Every unchecked read below stays inside these bounds.
-        assert!(self.min.len() == groups && self.w.len() >= groups * G && act.q.len() >= groups * G);
-        assert!(act.d.len() * ACT_BLOCK >= groups * G && act.sum16.len() * 16 >= groups * G);
-        let (w, q) = (self.w.as_ptr(), act.q.as_ptr());
-        let mut acc = _mm256_setzero_ps();
-        let mut offset = 0f32;
-        for i in 0..groups {
-            // SAFETY: i < groups, so group i's G bytes, its act block and its sums are in bounds.
-            unsafe {
-                let dx = *act.d.get_unchecked(i * G / ACT_BLOCK);
-                let mut isum = _mm256_setzero_si256();
-                for c in 0..G / 16 {
-                    let at = i * G + 16 * c;
-                    let wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(w.add(at) as *const __m128i));
-                    let qv = _mm256_cvtepi8_epi16(_mm_loadu_si128(q.add(at) as *const __m128i));
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(wv, qv));
-                }
-                acc = _mm256_fmadd_ps(
-                    _mm256_cvtepi32_ps(isum),
-                    _mm256_set1_ps(*self.scale.get_unchecked(i) * dx),
-                    acc,
-                );
-                let qsum = if G == 16 {
-                    *act.sum16.get_unchecked(i)
-                } else {
-                    *act.sum16.get_unchecked(2 * i) + *act.sum16.get_unchecked(2 * i + 1)
-                };
-                offset += *self.min.get_unchecked(i) * dx * qsum as f32;
-            }
+            out[t] = total - offset[t];
         }
-        let mut lanes = [0f32; 8];
-        // SAFETY: `lanes` holds eight f32.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-        let total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-        total - offset
+        out
     }
 }
 
