@@ -14,15 +14,7 @@ const BLOCK: usize = 16;
 fn main() {
     let path = bbc::fetch::ensure(bbc::fetch::known("smollm2").expect("known"), true).expect("fetching smollm2");
     let model = Model::open(ModelSpec::for_weights(&path)).expect("opening smollm2");
-    let graph = passes::optimize(
-        &model.lower(LogitsFor::LastToken).unwrap(),
-        passes::CostModel::CPU,
-        None,
-    )
-    .unwrap()
-    .pop()
-    .unwrap()
-    .graph;
+    let graph = passes::optimized(&model.lower(LogitsFor::LastToken).unwrap(), passes::CostModel::CPU).unwrap();
     let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
     let blocks_per_seq = (CONTEXT + 1).div_ceil(BLOCK);
     let mut base = None;

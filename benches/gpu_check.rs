@@ -79,10 +79,7 @@ fn kernel_errors(target: Target, arch: &str) -> Result<f64> {
                 Target::RtxPro6000 => passes::CostModel::RTX_PRO_6000,
                 _ => passes::CostModel::H200,
             };
-            let graph = passes::optimize(&graph, cost, None)?
-                .pop()
-                .ok_or("a fused graph")?
-                .graph;
+            let graph = passes::optimized(&graph, cost)?;
             let (plan, kernels) = gpu::build_with_kernels(&graph, target, 64)?;
             let device = CompareDevice::new(
                 CudaDevice::compile(&kernels, arch)?,
@@ -117,10 +114,7 @@ fn graph_check(target: Target, arch: &str) -> Result<()> {
     let mut spec = ModelSpec::for_weights(&fixtures);
     spec.dtype = ComputeDtype::Bf16;
     let model = Model::open(spec)?;
-    let graph = passes::optimize(&model.lower(LogitsFor::LastToken)?, passes::CostModel::H200, None)?
-        .pop()
-        .ok_or("a fused graph")?
-        .graph;
+    let graph = passes::optimized(&model.lower(LogitsFor::LastToken)?, passes::CostModel::H200)?;
     let (sequences, steps) = (8usize, 32usize);
     let cache = gpu::BatchedCache {
         blocks: sequences * (steps + 4).div_ceil(4),

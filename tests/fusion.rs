@@ -10,11 +10,7 @@ use runtime::{generate, CpuBackend, Engine, GenerateOptions};
 fn check(name: &str, fixture: &str) {
     let model = Model::open(ModelSpec::for_weights(&real_model(name))).unwrap();
     let unfused = model.lower(LogitsFor::LastToken).unwrap();
-    let fused = passes::optimize(&unfused, passes::CostModel::CPU, None)
-        .unwrap()
-        .pop()
-        .unwrap()
-        .graph;
+    let fused = passes::optimized(&unfused, passes::CostModel::CPU).unwrap();
     assert!(
         fused.op_count() < unfused.op_count() * 3 / 4,
         "fusion removed too little: {} → {}",

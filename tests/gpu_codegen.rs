@@ -44,7 +44,7 @@ fn fused(name: &str, target: Target, dtype: ComputeDtype) -> (Model, ir::Graph) 
         Target::B200 => passes::CostModel::B200,
         _ => passes::CostModel::RTX_PRO_6000,
     };
-    let fused = passes::optimize(&graph, model_for, None).unwrap().pop().unwrap().graph;
+    let fused = passes::optimized(&graph, model_for).unwrap();
     (model, fused)
 }
 
@@ -210,11 +210,7 @@ fn greedy_plans_run_the_int8_head() {
     spec.dtype = ComputeDtype::Bf16;
     let model = Model::open(spec).unwrap();
     let greedy = model.lower(LogitsFor::GreedyToken).unwrap();
-    let greedy = passes::optimize(&greedy, passes::CostModel::H200, None)
-        .unwrap()
-        .pop()
-        .unwrap()
-        .graph;
+    let greedy = passes::optimized(&greedy, passes::CostModel::H200).unwrap();
     assert!(greedy
         .nodes()
         .iter()

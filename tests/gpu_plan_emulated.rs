@@ -35,11 +35,7 @@ fn cost_model(target: Target) -> passes::CostModel {
 
 /// `graph` through the pass pipeline for `target`.
 fn fused_for(graph: &ir::Graph, target: Target) -> ir::Graph {
-    passes::optimize(graph, cost_model(target), None)
-        .unwrap()
-        .pop()
-        .unwrap()
-        .graph
+    passes::optimized(graph, cost_model(target)).unwrap()
 }
 
 /// Max |got − want| over max |want|.
@@ -66,11 +62,7 @@ fn check(family: &str, dtype: ComputeDtype, target: Target) {
         assert_eq!(special, expected, "{family} on {}", target.name());
     }
     let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], context).unwrap();
-    let cpu_graph = passes::optimize(&graph, passes::CostModel::CPU, None)
-        .unwrap()
-        .pop()
-        .unwrap()
-        .graph;
+    let cpu_graph = passes::optimized(&graph, passes::CostModel::CPU).unwrap();
     let cpu = CpuBackend::new(cpu_graph, &model.weights, context).unwrap();
     // The tensor-core GEMM rounds activations to bf16; every other kernel computes in f32.
     let prefill_tolerance: f32 = if dtype == ComputeDtype::Bf16 { 2e-2 } else { 1e-4 };

@@ -28,13 +28,9 @@ fn smollm2_bf16_greedy_on_the_gpu_equals_the_cpu() {
         Target::RtxPro6000 => passes::CostModel::RTX_PRO_6000,
         _ => passes::CostModel::H200,
     };
-    let gpu_graph = passes::optimize(&graph, cost, None).unwrap().pop().unwrap().graph;
+    let gpu_graph = passes::optimized(&graph, cost).unwrap();
     let greedy_graph = model.lower(LogitsFor::GreedyToken).unwrap();
-    let greedy_graph = passes::optimize(&greedy_graph, cost, None)
-        .unwrap()
-        .pop()
-        .unwrap()
-        .graph;
+    let greedy_graph = passes::optimized(&greedy_graph, cost).unwrap();
     let dir = std::env::temp_dir().join(format!("bbc-gpu-run-{}", std::process::id()));
     let graphs = codegen::CompiledGraphs {
         logits: &gpu_graph,
@@ -61,11 +57,7 @@ fn smollm2_bf16_greedy_on_the_gpu_equals_the_cpu() {
         model.config.context_length,
     )
     .unwrap();
-    let cpu_graph = passes::optimize(&graph, passes::CostModel::CPU, None)
-        .unwrap()
-        .pop()
-        .unwrap()
-        .graph;
+    let cpu_graph = passes::optimized(&graph, passes::CostModel::CPU).unwrap();
     let cpu = Engine::from(CpuBackend::new(cpu_graph, &model.weights, model.config.context_length).unwrap());
     // Each generation starts a new sequence at position 0; the GPU's one cache is rewritten.
     let gpu = Engine {

@@ -134,13 +134,7 @@ fn greedy_graph_with_int8_head_generates_like_the_logits_graph() {
     let mut spec = ModelSpec::for_weights(&real_model("smollm2"));
     spec.dtype = ComputeDtype::F32;
     let model = Model::open(spec).unwrap();
-    let fuse = |g: ir::Graph| {
-        passes::optimize(&g, passes::CostModel::CPU, None)
-            .unwrap()
-            .pop()
-            .unwrap()
-            .graph
-    };
+    let fuse = |g: ir::Graph| passes::optimized(&g, passes::CostModel::CPU).unwrap();
     let logits = fuse(model.lower(LogitsFor::LastToken).unwrap());
     let greedy = fuse(model.lower(LogitsFor::GreedyToken).unwrap());
     assert!(

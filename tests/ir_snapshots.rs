@@ -30,12 +30,7 @@ fn lowering_is_deterministic() {
 }
 
 fn fused_text(graph: &ir::Graph, model: passes::CostModel) -> String {
-    passes::optimize(graph, model, None)
-        .unwrap()
-        .pop()
-        .unwrap()
-        .graph
-        .to_text()
+    passes::optimized(graph, model).unwrap().to_text()
 }
 
 fn real_graph(name: &str) -> ir::Graph {

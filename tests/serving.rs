@@ -11,15 +11,7 @@ use runtime::{generate, CpuBackend, Engine, GenerateOptions, SamplingParams};
 use std::collections::HashMap;
 
 fn backend(model: &Model) -> CpuBackend {
-    let graph = passes::optimize(
-        &model.lower(LogitsFor::LastToken).unwrap(),
-        passes::CostModel::CPU,
-        None,
-    )
-    .unwrap()
-    .pop()
-    .unwrap()
-    .graph;
+    let graph = passes::optimized(&model.lower(LogitsFor::LastToken).unwrap(), passes::CostModel::CPU).unwrap();
     CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap()
 }
 

@@ -157,6 +157,14 @@ pub struct Stage {
     pub report: PassReport,
 }
 
+/// The graph after the whole pipeline (what compiling and running use; `optimize` keeps every
+/// stage for reports and `--emit-after`).
+pub fn optimized(graph: &Graph, model: CostModel) -> Result<Graph, PassError> {
+    Ok(optimize(graph, model, None)?
+        .pop()
+        .map_or_else(|| graph.clone(), |s| s.graph))
+}
+
 /// Run the pipeline (up to and including `until`, when given).
 pub fn optimize(graph: &Graph, model: CostModel, until: Option<&str>) -> Result<Vec<Stage>, PassError> {
     if let Some(name) = until {

@@ -58,11 +58,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     let fused = stages.last().map_or(&loaded.graph, |s| &s.graph);
     // The greedy graph goes through the same pipeline (its LM head may become INT8-bound).
     let greedy = match (&loaded.greedy, args.emit_after) {
-        (Some(g), None) => Some(
-            passes::optimize(g, model_ref::cost_model(target), None)?
-                .pop()
-                .map_or_else(|| g.clone(), |s| s.graph),
-        ),
+        (Some(g), None) => Some(passes::optimized(g, model_ref::cost_model(target))?),
         _ => None,
     };
     match (args.emit, args.emit_after) {
