@@ -74,12 +74,7 @@ fn kernel_errors(target: Target, arch: &str) -> Result<f64> {
             spec.dtype = dtype;
             let model = Model::open(spec)?;
             let graph = model.lower(LogitsFor::LastToken)?;
-            let cost = match target {
-                Target::B200 => passes::CostModel::B200,
-                Target::RtxPro6000 => passes::CostModel::RTX_PRO_6000,
-                _ => passes::CostModel::H200,
-            };
-            let graph = passes::optimized(&graph, cost)?;
+            let graph = passes::optimized(&graph, bbc::model_ref::cost_model(target))?;
             let (plan, kernels) = gpu::build_with_kernels(&graph, target, 64)?;
             let device = CompareDevice::new(
                 CudaDevice::compile(&kernels, arch)?,

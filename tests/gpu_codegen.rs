@@ -39,12 +39,7 @@ fn fused(name: &str, target: Target, dtype: ComputeDtype) -> (Model, ir::Graph) 
     spec.dtype = dtype;
     let model = Model::open(spec).unwrap();
     let graph = model.lower(LogitsFor::LastToken).unwrap();
-    let model_for = match target {
-        Target::H200 => passes::CostModel::H200,
-        Target::B200 => passes::CostModel::B200,
-        _ => passes::CostModel::RTX_PRO_6000,
-    };
-    let fused = passes::optimized(&graph, model_for).unwrap();
+    let fused = passes::optimized(&graph, bbc::model_ref::cost_model(target)).unwrap();
     (model, fused)
 }
 

@@ -25,17 +25,9 @@ fn open(family: &str, dtype: ComputeDtype) -> Model {
     Model::open(spec).unwrap()
 }
 
-fn cost_model(target: Target) -> passes::CostModel {
-    match target {
-        Target::B200 => passes::CostModel::B200,
-        Target::RtxPro6000 => passes::CostModel::RTX_PRO_6000,
-        _ => passes::CostModel::H200,
-    }
-}
-
 /// `graph` through the pass pipeline for `target`.
 fn fused_for(graph: &ir::Graph, target: Target) -> ir::Graph {
-    passes::optimized(graph, cost_model(target)).unwrap()
+    passes::optimized(graph, bbc::model_ref::cost_model(target)).unwrap()
 }
 
 /// Max |got − want| over max |want|.

@@ -23,11 +23,7 @@ fn smollm2_bf16_greedy_on_the_gpu_equals_the_cpu() {
     spec.dtype = ComputeDtype::Bf16;
     let model = Model::open(spec).unwrap();
     let graph = model.lower(LogitsFor::LastToken).unwrap();
-    let cost = match target {
-        Target::B200 => passes::CostModel::B200,
-        Target::RtxPro6000 => passes::CostModel::RTX_PRO_6000,
-        _ => passes::CostModel::H200,
-    };
+    let cost = bbc::model_ref::cost_model(target);
     let gpu_graph = passes::optimized(&graph, cost).unwrap();
     let greedy_graph = model.lower(LogitsFor::GreedyToken).unwrap();
     let greedy_graph = passes::optimized(&greedy_graph, cost).unwrap();
