@@ -272,7 +272,11 @@ impl<D: PlanDevice> PlanExecutor<D> {
         self.check_rows(tokens)?;
         let (mut ids, mut positions) = (Vec::new(), Vec::new());
         let (mut tables, mut row_table) = (Vec::new(), Vec::new());
+        // Each segment's rows of the step.
+        let mut segment_rows: Vec<Range<usize>> = Vec::with_capacity(batch.len());
         for seg in batch {
+            let first = segment_rows.last().map_or(0, |r| r.end);
+            segment_rows.push(first..first + seg.ids.len());
             if seg.ids.is_empty() || seg.end() > self.context_length {
                 return Err(RuntimeError::Input(format!(
                     "a segment of {} tokens at {} does not fit a context of {}",
@@ -300,13 +304,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         self.write_inputs(device, buffers, &ids, &positions)?;
         let row_pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
         // Each segment's last row, where per-sequence values (`last_token` on) gather from.
-        let last_rows: Vec<i32> = batch
-            .iter()
-            .scan(0, |end, seg| {
-                *end += seg.ids.len() as i32;
-                Some(*end - 1)
-            })
-            .collect();
+        let last_rows: Vec<i32> = segment_rows.iter().map(|r| r.end as i32 - 1).collect();
         for (name, values) in [
             ("block_tables", &tables),
             ("row_table", &row_table),
@@ -327,20 +325,10 @@ impl<D: PlanDevice> PlanExecutor<D> {
             ("block_size", Value::Int(cache.block_size as i64)),
         ]);
         self.launch_batched(device, buffers, &vars, tokens, batch.len())?;
-        // Each segment's rows of the step: all of them, or its last.
-        let mut starts = Vec::with_capacity(batch.len());
-        let mut end = 0;
-        for seg in batch {
-            starts.push(end);
-            end += seg.ids.len();
-        }
+        // The rows read back: each segment's, or its last.
         let wanted: Vec<Range<usize>> = match rows {
-            Rows::All => starts.iter().zip(batch).map(|(&s, seg)| s..s + seg.ids.len()).collect(),
-            Rows::LastOfEachSegment => starts
-                .iter()
-                .zip(batch)
-                .map(|(&s, seg)| s + seg.ids.len() - 1..s + seg.ids.len())
-                .collect(),
+            Rows::All => segment_rows,
+            Rows::LastOfEachSegment => segment_rows.iter().map(|r| r.end - 1..r.end).collect(),
         };
         // Per-sequence outputs (from `last_token` on) have row i for segment i.
         let one_each: Vec<Range<usize>> = (0..batch.len()).map(|i| i..i + 1).collect();
