@@ -582,6 +582,39 @@ fn blackwell_tcgen05_gemm_matches_reference_on_bf16_inputs() {
     gemm_matches_reference(&gemm_tcgen05::gemm_tcgen05_bf16("gemm", "test"), &shapes[1..3], 5, 18);
 }
 
+/// The attention the cache-layout tests run: no window, scale 0.35.
+fn cache_test_spec(heads: usize, kv_heads: usize, head_dim: usize) -> ir::AttentionSpec {
+    ir::AttentionSpec {
+        heads,
+        kv_heads,
+        head_dim,
+        scale: 0.35,
+        window: None,
+        cache_slot: 0,
+    }
+}
+
+/// The attention kernel's scalars for `spec` over a step of `tokens` rows after `first`
+/// cached positions, in blocks of `block_size`.
+fn attention_scalars(
+    spec: &ir::AttentionSpec,
+    tokens: usize,
+    first: usize,
+    block_size: usize,
+) -> HashMap<String, Scalar> {
+    let mut scalars = ints(&[
+        ("tokens", tokens as i64),
+        ("first", first as i64),
+        ("heads", spec.heads as i64),
+        ("kv_heads", spec.kv_heads as i64),
+        ("head_dim", spec.head_dim as i64),
+        ("window", spec.window.map_or(0, |w| w as i64)),
+        ("block_size", block_size as i64),
+    ]);
+    scalars.insert("scale".into(), Scalar::F32(spec.scale as f32));
+    scalars
+}
+
 /// A paged cache (blocks scattered through a pool by a block table) gives the same attention
 /// as the contiguous one, and appends land in the right physical rows.
 #[test]
@@ -629,30 +662,13 @@ fn paged_attention_and_append_match_the_contiguous_cache() {
     }
     bufs.insert("q".into(), Array::f32(&q));
     bufs.insert("out".into(), Array::poisoned(Ty::F32, q.len()));
-    let mut scalars = ints(&[
-        ("tokens", tokens as i64),
-        ("first", first as i64),
-        ("heads", heads as i64),
-        ("kv_heads", kv_heads as i64),
-        ("head_dim", head_dim as i64),
-        ("window", 0),
-        ("block_size", block_size as i64),
-    ]);
-    scalars.insert("scale".into(), Scalar::F32(0.35));
+    let spec = cache_test_spec(heads, kv_heads, head_dim);
     run(
         &attention::attention_with("paged", "test", CacheLayout::Paged),
         &mut bufs,
-        &scalars,
+        &attention_scalars(&spec, tokens, first, block_size),
     )
     .unwrap();
-    let spec = ir::AttentionSpec {
-        heads,
-        kv_heads,
-        head_dim,
-        scale: 0.35,
-        window: None,
-        cache_slot: 0,
-    };
     let slot = ir::reference::KvSlot {
         positions: (0..len).collect(),
         k,
@@ -730,30 +746,13 @@ fn batched_attention_and_append_keep_sequences_apart() {
     step(&mut bufs);
     bufs.insert("q".into(), Array::f32(&q));
     bufs.insert("out".into(), Array::poisoned(Ty::F32, q.len()));
-    let mut scalars = ints(&[
-        ("tokens", tokens as i64),
-        ("first", 0),
-        ("heads", heads as i64),
-        ("kv_heads", kv_heads as i64),
-        ("head_dim", head_dim as i64),
-        ("window", 0),
-        ("block_size", block_size as i64),
-    ]);
-    scalars.insert("scale".into(), Scalar::F32(0.35));
+    let spec = cache_test_spec(heads, kv_heads, head_dim);
     run(
         &attention::attention_with("batched", "test", CacheLayout::Batched),
         &mut bufs,
-        &scalars,
+        &attention_scalars(&spec, tokens, 0, block_size),
     )
     .unwrap();
-    let spec = ir::AttentionSpec {
-        heads,
-        kv_heads,
-        head_dim,
-        scale: 0.35,
-        window: None,
-        cache_slot: 0,
-    };
     let mut want = Vec::new();
     for (k, v, qs, first, len) in per_seq {
         let slot = ir::reference::KvSlot {
