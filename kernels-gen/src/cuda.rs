@@ -534,6 +534,7 @@ fn expr(e: &Expr, scope: &Scope) -> String {
                         BinOp::Shl => "<<",
                         BinOp::Shr => ">>",
                         BinOp::BitAnd => "&",
+                        BinOp::BitXor => "^",
                         BinOp::Min | BinOp::Max => unreachable!("handled above"),
                     };
                     format!("({x} {sym} {y})")

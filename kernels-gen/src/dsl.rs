@@ -59,6 +59,7 @@ pub enum BinOp {
     Shl,
     Shr,
     BitAnd,
+    BitXor,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -61,7 +61,9 @@ impl Scope {
                     BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge | BinOp::Eq | BinOp::Ne => Ty::Bool,
                     BinOp::And | BinOp::Or if ta == Ty::Bool => Ty::Bool,
                     BinOp::And | BinOp::Or => return Err(format!("{op:?} of {ta:?}")),
-                    BinOp::Shl | BinOp::Shr | BinOp::BitAnd | BinOp::Rem if !matches!(ta, Ty::I32 | Ty::U32) => {
+                    BinOp::Shl | BinOp::Shr | BinOp::BitAnd | BinOp::BitXor | BinOp::Rem
+                        if !matches!(ta, Ty::I32 | Ty::U32) =>
+                    {
                         return Err(format!("{op:?} of {ta:?}"))
                     }
                     _ => ta,

@@ -136,6 +136,42 @@ fn racing_stores_are_reported() {
     assert!(fault(&k, 1).contains("store different values"));
 }
 
+/// Signed overflow is undefined in CUDA C++ (and usually an index gone wrong); so is a shift by
+/// a negative count or by 32 or more, even on the side of a select that is not taken.
+#[test]
+fn signed_overflow_and_out_of_range_shifts_are_reported() {
+    let k = kernel(
+        vec![
+            let_("big", Ty::I32, int(1 << 30)),
+            store("out", tid(), cast(Ty::F32, var("big") * int(2))),
+        ],
+        vec![],
+    );
+    assert!(fault(&k, 64).contains("overflows i32"));
+    for count in [tid() - int(1), int(32)] {
+        let k = kernel(
+            vec![store("out", tid(), cast(Ty::F32, bin(BinOp::Shr, int(8), count)))],
+            vec![],
+        );
+        assert!(fault(&k, 64).contains("a shift by"));
+    }
+}
+
+/// Unsigned arithmetic wraps at 32 bits, as on the device (hashes rely on it).
+#[test]
+fn unsigned_arithmetic_wraps_at_32_bits() {
+    let u = |v: i64| cast(Ty::U32, int(v));
+    let product = bin(BinOp::Mul, u(0xFFFF_FFFF), u(3)); // 0xFFFF_FFFD after wrapping
+    let top = bin(BinOp::Shr, bin(BinOp::BitXor, product, u(0xF000_0000)), u(24));
+    let k = kernel(vec![store("out", tid(), cast(Ty::F32, top))], vec![]);
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&[1.0; 64])),
+        ("out".into(), Array::poisoned(Ty::F32, 64)),
+    ]);
+    run(&k, &mut bufs, &HashMap::new()).unwrap();
+    assert_eq!(bufs["out"].to_f32().unwrap()[0], 0x0F as f32);
+}
+
 #[test]
 fn a_shuffle_with_inactive_lanes_is_reported() {
     let k = kernel(

@@ -669,10 +669,10 @@ impl<'k> Block<'k> {
             }
             Expr::Bin(op, a, b) => {
                 let (x, y) = (self.eval(a, mask, global)?, self.eval(b, mask, global)?);
-                let float = self.scope.type_of(a) == Ok(Ty::F32);
+                let ty = self.scope.type_of(a).unwrap_or(Ty::I32);
                 let mut out = vec![Val::Undef; n];
                 for t in (0..n).filter(|&t| mask[t]) {
-                    out[t] = binop(*op, x[t], y[t], float).map_err(|m| (t, m))?;
+                    out[t] = binop(*op, x[t], y[t], ty).map_err(|m| (t, m))?;
                 }
                 out
             }
@@ -726,7 +726,10 @@ impl<'k> Block<'k> {
     }
 }
 
-fn binop(op: BinOp, x: Val, y: Val, float: bool) -> Result<Val, String> {
+/// `x op y` for operands of type `ty`. Integer results are those of 32-bit hardware: `u32`
+/// arithmetic wraps (defined in C++), and an `i32` result that does not fit is reported, since
+/// signed overflow is undefined in CUDA C++ (and in practice an index that went wrong).
+fn binop(op: BinOp, x: Val, y: Val, ty: Ty) -> Result<Val, String> {
     if x == Val::Undef || y == Val::Undef {
         return Ok(Val::Undef);
     }
@@ -739,7 +742,7 @@ fn binop(op: BinOp, x: Val, y: Val, float: bool) -> Result<Val, String> {
             _ => return Err(format!("{op:?} of bools")),
         }));
     }
-    if float {
+    if ty == Ty::F32 {
         let (a, b) = (x.f(), y.f());
         return Ok(match op {
             BinOp::Add => Val::F(a + b),
@@ -758,10 +761,10 @@ fn binop(op: BinOp, x: Val, y: Val, float: bool) -> Result<Val, String> {
         });
     }
     let (a, b) = (x.i(), y.i());
-    Ok(match op {
-        BinOp::Add => Val::I(a + b),
-        BinOp::Sub => Val::I(a - b),
-        BinOp::Mul => Val::I(a * b),
+    let v = match op {
+        BinOp::Add => Val::I(a.wrapping_add(b)),
+        BinOp::Sub => Val::I(a.wrapping_sub(b)),
+        BinOp::Mul => Val::I(a.wrapping_mul(b)),
         BinOp::Div | BinOp::Rem if b == 0 => return Err("integer division by zero".into()),
         BinOp::Div => Val::I(a / b),
         BinOp::Rem => Val::I(a % b),
@@ -773,11 +776,23 @@ fn binop(op: BinOp, x: Val, y: Val, float: bool) -> Result<Val, String> {
         BinOp::Ge => Val::B(a >= b),
         BinOp::Eq => Val::B(a == b),
         BinOp::Ne => Val::B(a != b),
-        BinOp::Shl => Val::I(a << b),
-        BinOp::Shr => Val::I(a >> b),
+        BinOp::Shl | BinOp::Shr if !(0..32).contains(&b) => return Err(format!("a shift by {b} bits")),
+        // A left shift keeps the low 32 bits in both types (C++20 defines it for signed too).
+        BinOp::Shl if ty == Ty::U32 => Val::I(((a as u32) << b) as i64),
+        BinOp::Shl => Val::I(((a as i32) << b) as i64),
+        BinOp::Shr if ty == Ty::U32 => Val::I(((a as u32) >> b) as i64),
+        BinOp::Shr => Val::I(((a as i32) >> b) as i64),
         BinOp::BitAnd => Val::I(a & b),
+        BinOp::BitXor => Val::I(a ^ b),
         BinOp::And | BinOp::Or => return Err(format!("{op:?} of integers")),
-    })
+    };
+    match (ty, v) {
+        (Ty::U32, Val::I(r)) => Ok(Val::I(r as u32 as i64)),
+        (Ty::I32, Val::I(r)) if i32::try_from(r).is_err() => {
+            Err(format!("{a} {op:?} {b} overflows i32 (undefined in CUDA C++)"))
+        }
+        _ => Ok(v),
+    }
 }
 
 fn unop_f32(op: UnOp, v: f32) -> f32 {

@@ -75,12 +75,14 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
             shr(byte(at + jj), int(4)),
         )
     };
-    // Q5: the fifth bit of element j is bit j of the u32 `qh` at `at`.
+    // Q5: the fifth bit of element j is bit j of the u32 `qh` at `at`, read from its low or
+    // high 16 bits. Both sides of a select are computed, so each shifts by j mod 16: a
+    // negative shift count would be undefined even on the side not taken.
     let fifth_bit = |at: Expr| {
         let word = byte(at.clone()) + bin(BinOp::Shl, byte(at.clone() + int(1)), int(8));
         let word_hi = byte(at.clone() + int(2)) + bin(BinOp::Shl, byte(at + int(3)), int(8));
-        let bit_lo = mask_bits(shr(word, j()), 1);
-        let bit_hi = mask_bits(shr(word_hi, j() - int(16)), 1);
+        let bit_lo = mask_bits(shr(word, rem(j(), int(16))), 1);
+        let bit_hi = mask_bits(shr(word_hi, rem(j(), int(16))), 1);
         select(lt(j(), int(16)), bit_lo, bit_hi)
     };
     let value = match format {
