@@ -285,6 +285,33 @@ fn gather_rows_picks_the_indexed_rows_of_a_strided_source() {
     assert_eq!(bufs["out"].to_f32().unwrap(), want);
 }
 
+/// The device fill equals the host's `uniform` element for element (bf16: rounded once), from
+/// any base index, and its values spread over [offset - scale, offset + scale).
+#[test]
+fn fill_uniform_makes_the_hosts_values_from_any_base() {
+    let (n, base, seed, offset, scale) = (1000usize, 7_000_000i64, 42i64, 0.5f32, 0.25f32);
+    for ty in [Ty::F32, Ty::Bf16] {
+        let mut bufs = HashMap::from([("out".to_string(), Array::poisoned(ty, n))]);
+        let mut scalars = ints(&[("n", n as i64), ("base", base), ("seed", seed)]);
+        scalars.insert("offset".into(), Scalar::F32(offset));
+        scalars.insert("scale".into(), Scalar::F32(scale));
+        run(&fill::fill_uniform("fill", "test", ty), &mut bufs, &scalars).unwrap();
+        let got = bufs["out"].to_f32().unwrap();
+        let want: Vec<f32> = (0..n)
+            .map(|i| fill::uniform(seed as u32, (base as usize + i) as u32, offset, scale))
+            .map(|v| if ty == Ty::Bf16 { bf16::from_f32(v).to_f32() } else { v })
+            .collect();
+        assert_eq!(got, want, "{ty:?}");
+        assert!(want.iter().all(|v| (offset - scale..=offset + scale).contains(v)));
+        let mean = want.iter().sum::<f32>() / n as f32;
+        assert!((mean - offset).abs() < 0.05 * scale * 4.0, "mean {mean}");
+        let below = want.iter().filter(|&&v| v < offset).count();
+        assert!((400..600).contains(&below), "{below} of {n} below the middle");
+    }
+    // Another seed, other values.
+    assert_ne!(fill::uniform(1, 5, 0.0, 1.0), fill::uniform(2, 5, 0.0, 1.0));
+}
+
 #[test]
 fn attention_matches_reference_with_windows_groups_and_long_caches() {
     let mut rng = Rng(8);

@@ -5,6 +5,7 @@ pub mod attention;
 pub mod cache_layout;
 pub mod elementwise;
 pub mod embedding;
+pub mod fill;
 pub mod gather;
 pub mod gemm_mma;
 pub mod gemm_tcgen05;
@@ -174,6 +175,7 @@ pub fn catalog() -> Vec<Kernel> {
         embedding::embedding("embedding_bf16", "catalog", Dense(Ty::Bf16)),
         top_k::top_k("top_k", "catalog"),
         gather::gather_rows("gather_rows", "catalog"),
+        fill::fill_uniform("fill_uniform_bf16", "catalog", Ty::Bf16),
         sample::sample("sample", "catalog"),
         int8_head::quantize_h("int8_quantize_h", "catalog"),
         int8_head::score("int8_score", "catalog"),
