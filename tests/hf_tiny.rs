@@ -178,3 +178,35 @@ fn sharded_safetensors_load_like_one_file() {
         );
     }
 }
+
+/// A model lowered from its config alone (no weights; what the GPU check's 8B-shaped decode
+/// uses) is the graph its weights give, for both families.
+#[test]
+fn lowering_without_weights_gives_the_graph_the_weights_give() {
+    for family in ["llama", "gemma3"] {
+        let mut spec = ModelSpec::for_weights(&fixture(&format!("hf-tiny/{family}")));
+        spec.dtype = ComputeDtype::Bf16;
+        let model = Model::open(spec).unwrap();
+        for logits in [LogitsFor::LastToken, LogitsFor::GreedyToken] {
+            let options = models::LowerOptions {
+                logits,
+                compute: ComputeDtype::Bf16,
+            };
+            let implied = models::lower_without_weights(&model.config, options).unwrap();
+            assert_eq!(implied.to_text(), model.lower(logits).unwrap().to_text(), "{family}");
+        }
+    }
+    let eight_b = models::ModelConfig::llama3_8b();
+    let options = models::LowerOptions {
+        logits: LogitsFor::LastToken,
+        compute: ComputeDtype::Bf16,
+    };
+    let graph = models::lower_without_weights(&eight_b, options).unwrap();
+    let weights: usize = graph
+        .nodes()
+        .iter()
+        .filter(|n| matches!(n.op, ir::Op::Weight { .. }))
+        .map(|n| n.shape.resolve(0, 0).iter().product::<usize>())
+        .sum();
+    assert_eq!(weights, 8_030_261_248, "Llama-3-8B's parameter count");
+}

@@ -75,6 +75,32 @@ fn gemma3_pattern(layers: usize, every: usize) -> Vec<LayerAttention> {
 }
 
 impl ModelConfig {
+    /// Llama-3-8B's shape (GQA 32/8 heads of 128, SwiGLU 14 336, 128 256-entry untied head),
+    /// without its weights: for shape-only graphs (`lower_without_weights`), such as the GPU
+    /// check's decode timings.
+    pub fn llama3_8b() -> Self {
+        let layers = 32;
+        Self {
+            family: Family::Llama,
+            vocab_size: 128_256,
+            hidden: 4096,
+            layers,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            intermediate: 14_336,
+            rms_eps: 1e-5,
+            rope_theta: 500_000.0,
+            rope_local_theta: 500_000.0,
+            rope_scale: 1.0,
+            context_length: 8192,
+            sliding_window: None,
+            layer_attention: vec![LayerAttention::Full; layers],
+            query_pre_attn_scalar: None,
+            tied_embeddings: false,
+        }
+    }
+
     pub fn from_gguf(file: &GgufFile) -> Result<Self> {
         let arch = file.require_str("general.architecture")?;
         let family = Family::parse(arch).ok_or_else(|| ModelError::Metadata {

@@ -10,6 +10,7 @@ pub mod qwen3_5;
 
 use crate::config::{Family, ModelConfig};
 use crate::error::{ModelError, Result};
+use crate::quant::GgmlType;
 use crate::weights::{ir_dtype, WeightSource};
 use ir::{DType, Graph, NodeId, Op};
 use serde::{Deserialize, Serialize};
@@ -64,7 +65,22 @@ pub struct LowerOptions {
 
 /// Lower the model to the graph of one step.
 pub fn lower(config: &ModelConfig, weights: &WeightSource, options: LowerOptions) -> Result<Graph> {
-    let naming = Naming::detect(weights);
+    build(config, Catalog::Source(weights), options)
+}
+
+/// Lower a model that has no weights: each has the shape `config` implies, an HF name, and
+/// bf16 storage under `ComputeDtype::Native` (there is no file to keep the storage of). For
+/// shape-only graphs whose weights are made where they run (the GPU check's Llama-8B-shaped
+/// decode fills them on the device).
+pub fn lower_without_weights(config: &ModelConfig, options: LowerOptions) -> Result<Graph> {
+    build(config, Catalog::Implied, options)
+}
+
+fn build(config: &ModelConfig, weights: Catalog<'_>, options: LowerOptions) -> Result<Graph> {
+    let naming = match weights {
+        Catalog::Source(source) => Naming::detect(source),
+        Catalog::Implied => Naming::Hf,
+    };
     let mut b = Builder {
         graph: Graph::new(config.family.name()),
         weights,
@@ -168,10 +184,38 @@ impl Naming {
     }
 }
 
+/// Where lowering learns each weight's shape and storage type.
+#[derive(Clone, Copy)]
+enum Catalog<'w> {
+    /// A file's or directory's tensors, named as it names them.
+    Source(&'w WeightSource),
+    /// No weights: see [`lower_without_weights`].
+    Implied,
+}
+
+impl Catalog<'_> {
+    /// `name`'s storage type, after checking that it exists with `shape`.
+    fn storage(&self, name: &str, shape: &[usize]) -> Result<GgmlType> {
+        match self {
+            Self::Source(weights) => {
+                let view = weights.require(name)?;
+                if view.shape != shape {
+                    return Err(ModelError::TensorShape {
+                        name: name.into(),
+                        what: format!("has shape {:?}, the config implies {shape:?}", view.shape),
+                    });
+                }
+                Ok(view.dtype)
+            }
+            Self::Implied => Ok(GgmlType::BF16),
+        }
+    }
+}
+
 /// Graph under construction plus what lowering needs to add weight nodes.
 pub(crate) struct Builder<'w> {
     pub graph: Graph,
-    weights: &'w WeightSource,
+    weights: Catalog<'w>,
     pub naming: Naming,
     pub options: LowerOptions,
 }
@@ -179,30 +223,18 @@ pub(crate) struct Builder<'w> {
 impl Builder<'_> {
     /// A matrix weight `[rows, cols]`, typed as the compute dtype asks.
     pub fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<NodeId> {
-        let view = self.weights.require(name)?;
-        if view.shape != [rows, cols] {
-            return Err(ModelError::TensorShape {
-                name: name.into(),
-                what: format!("has shape {:?}, the config implies [{rows}, {cols}]", view.shape),
-            });
-        }
+        let storage = self.weights.storage(name, &[rows, cols])?;
         let dtype = match self.options.compute {
             ComputeDtype::F32 => DType::F32,
             ComputeDtype::Bf16 => DType::BF16,
-            ComputeDtype::Native => ir_dtype(view.dtype),
+            ComputeDtype::Native => ir_dtype(storage),
         };
         Ok(self.graph.weight(name, &[rows, cols], dtype))
     }
 
     /// A vector weight (norms), always computed in f32.
     pub fn vector(&mut self, name: &str, len: usize) -> Result<NodeId> {
-        let view = self.weights.require(name)?;
-        if view.shape != [len] {
-            return Err(ModelError::TensorShape {
-                name: name.into(),
-                what: format!("has shape {:?}, the config implies [{len}]", view.shape),
-            });
-        }
+        self.weights.storage(name, &[len])?;
         Ok(self.graph.weight(name, &[len], DType::F32))
     }
 
@@ -239,7 +271,11 @@ impl Builder<'_> {
         }
         let name = self.naming.output_norm();
         let x = self.rms_norm(x, name, config.hidden, config.rms_eps, norm_offset)?;
-        let head = if config.tied_embeddings || !self.weights.contains(self.naming.lm_head()) {
+        let untied = match self.weights {
+            Catalog::Source(weights) => weights.contains(self.naming.lm_head()),
+            Catalog::Implied => true,
+        };
+        let head = if config.tied_embeddings || !untied {
             self.naming.embedding()
         } else {
             self.naming.lm_head()
