@@ -88,6 +88,28 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
                     }
                 }
             }
+            // Each weight is on the device once: read by a launch, and no part of a stack
+            // (joined Q/K/V, gate/up) uploaded by itself as well.
+            let read: HashSet<usize> = plan
+                .launches
+                .iter()
+                .flat_map(|l| &l.args)
+                .filter_map(|a| match a {
+                    LaunchArg::Weight { node } => Some(*node),
+                    _ => None,
+                })
+                .collect();
+            let mut parts = HashSet::new();
+            for w in &plan.weights {
+                assert!(
+                    read.contains(&w.node),
+                    "{name}: weight %{} is read by no launch",
+                    w.node
+                );
+                for part in &w.parts {
+                    assert!(parts.insert(part), "{name}: `{part}` is on the device twice");
+                }
+            }
             // Every op of the graph that computes something has a launch (`last_token` is a view).
             let launched: HashSet<usize> = plan.launches.iter().map(|l| l.node).collect();
             let views = graph.nodes().iter().filter(|n| n.op == ir::Op::LastToken).count();

@@ -282,6 +282,21 @@ fn build_program(
         });
     }
     let memory = plan_memory(graph, &launches, &selected.views, max_tokens, &per_sequence);
+    // A weight stacked into a joined one (Q/K/V, gate/up) is read through the stack alone:
+    // keeping it as well would put it on the device twice.
+    let read: BTreeSet<usize> = launches
+        .iter()
+        .flat_map(|l| &l.args)
+        .filter_map(|a| match a {
+            LaunchArg::Weight { node } => Some(*node),
+            _ => None,
+        })
+        .collect();
+    let weights = selected
+        .weights
+        .into_iter()
+        .filter(|w| read.contains(&w.node))
+        .collect();
     let programs: Vec<Kernel> = kernels.iter().map(|(k, _)| k.clone()).collect();
     let kernels = kernels
         .into_iter()
@@ -322,7 +337,7 @@ fn build_program(
             .iter()
             .map(|(n, id)| (n.clone(), selected.views[&id.0].base))
             .collect(),
-        weights: selected.weights,
+        weights,
         kv_cache: selected.kv_cache,
         constants: selected.constants,
         batched,
