@@ -187,6 +187,21 @@ impl PlanDevice for CudaDevice {
         Ok(())
     }
 
+    /// Events on the stream around the launch; waits for the second.
+    fn launch_timed(
+        &mut self,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        args: &[DeviceArg<'_, Self::Buffer>],
+    ) -> Result<Option<f64>> {
+        let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.stream.record_event(timed).map_err(driver)?;
+        self.launch(kernel, grid, block, args)?;
+        let end = self.stream.record_event(timed).map_err(driver)?;
+        Ok(Some(start.elapsed_ms(&end).map_err(driver)? as f64 / 1e3))
+    }
+
     fn records_graphs(&self) -> bool {
         true
     }

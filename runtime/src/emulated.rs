@@ -157,6 +157,22 @@ impl PlanDevice for EmulatedDevice {
         }
     }
 
+    /// The emulator's own wall time (a launch cannot be timed while a graph is recorded).
+    fn launch_timed(
+        &mut self,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        args: &[DeviceArg<'_, usize>],
+    ) -> Result<Option<f64>> {
+        if self.recording.is_some() {
+            return Err(fault("a launch cannot be timed during a capture"));
+        }
+        let started = std::time::Instant::now();
+        self.launch(kernel, grid, block, args)?;
+        Ok(Some(started.elapsed().as_secs_f64()))
+    }
+
     fn records_graphs(&self) -> bool {
         true
     }

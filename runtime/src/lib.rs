@@ -7,6 +7,7 @@ pub mod cuda;
 pub mod emulated;
 pub mod error;
 pub mod generate;
+pub mod generated;
 pub mod kv;
 pub mod plan_exec;
 pub mod sampling;

@@ -41,6 +41,20 @@ pub trait PlanDevice {
     /// Launch `kernel` as `grid` blocks of `block` threads.
     fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[DeviceArg<'_, Self::Buffer>]) -> Result<()>;
 
+    /// Launch as [`launch`](Self::launch) does and return how long the launch ran on the
+    /// device, in seconds, where the device can measure it (the emulator measures its own wall
+    /// time); a device that cannot keeps this default.
+    fn launch_timed(
+        &mut self,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        args: &[DeviceArg<'_, Self::Buffer>],
+    ) -> Result<Option<f64>> {
+        self.launch(kernel, grid, block, args)?;
+        Ok(None)
+    }
+
     /// Whether the device keeps replayable launch sequences (CUDA graphs): launches between
     /// `begin_capture` and `end_capture(key)` are recorded instead of run, and `replay(key)`
     /// runs them again. Devices without them keep these defaults and launch one by one.
@@ -67,6 +81,29 @@ pub enum DeviceArg<'a, B> {
     I32(i32),
     F32(f32),
 }
+
+/// Where a plan's weights come from.
+#[derive(Clone, Copy)]
+pub enum PlanWeights<'a> {
+    /// The model's tensors, converted on the host to the plan's dtypes and uploaded.
+    Host(&'a WeightSource),
+    /// Made on the device by the fill kernels (see [`crate::generated`]) from this seed: for
+    /// models lowered without weights.
+    Generated { seed: u32 },
+}
+
+/// One launch of a profiled step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LaunchProfile {
+    pub kernel: String,
+    /// Device time, where the device measures it.
+    pub seconds: Option<f64>,
+    /// Bytes of weights (and derived INT8 rows) the launch was given.
+    pub weight_bytes: usize,
+}
+
+/// Elements one fill launch makes: keeps its grid and indices far inside `i32`.
+const FILL_CHUNK: usize = 1 << 24;
 
 /// Everything the plan's launches point into.
 struct Buffers<B> {
@@ -112,23 +149,64 @@ pub struct PlanSequence {
 impl<D: PlanDevice> PlanExecutor<D> {
     /// Put `plan`'s weights, INT8 rows, constants, KV cache and arena on `device`.
     pub fn new(
-        mut device: D,
+        device: D,
         plan: GpuPlan,
         graph: Graph,
         weights: &WeightSource,
         int8: &[(String, Int8Rows)],
         context_length: usize,
     ) -> Result<Self> {
+        Self::load(device, plan, graph, PlanWeights::Host(weights), int8, context_length)
+    }
+
+    /// Like [`new`](Self::new) for a graph lowered without weights: each weight is made on
+    /// the device from `seed` (the device must have loaded [`crate::generated::fill_kernels`]).
+    pub fn with_generated_weights(
+        device: D,
+        plan: GpuPlan,
+        graph: Graph,
+        seed: u32,
+        context_length: usize,
+    ) -> Result<Self> {
+        Self::load(
+            device,
+            plan,
+            graph,
+            PlanWeights::Generated { seed },
+            &[],
+            context_length,
+        )
+    }
+
+    fn load(
+        mut device: D,
+        plan: GpuPlan,
+        graph: Graph,
+        weights: PlanWeights<'_>,
+        int8: &[(String, Int8Rows)],
+        context_length: usize,
+    ) -> Result<Self> {
         let mut sizes = HashMap::new();
+        let mut device_weights = HashMap::new();
+        for w in &plan.weights {
+            let buffer = match weights {
+                PlanWeights::Host(source) => {
+                    let bytes = weight_bytes(w.dtype, &w.parts, source)?;
+                    sizes.insert(BufferKey::Weight(w.node), bytes.len());
+                    device.upload(&bytes)?
+                }
+                PlanWeights::Generated { seed } => {
+                    let (buffer, bytes) = generate_weight(&mut device, &graph, w, seed)?;
+                    sizes.insert(BufferKey::Weight(w.node), bytes);
+                    buffer
+                }
+            };
+            device_weights.insert(w.node, buffer);
+        }
         let mut upload = |device: &mut D, key: BufferKey, bytes: &[u8]| {
             sizes.insert(key, bytes.len());
             device.upload(bytes)
         };
-        let mut device_weights = HashMap::new();
-        for w in &plan.weights {
-            let bytes = weight_bytes(w.dtype, &w.parts, weights)?;
-            device_weights.insert(w.node, upload(&mut device, BufferKey::Weight(w.node), &bytes)?);
-        }
         let mut derived = HashMap::new();
         for (name, rows) in int8 {
             for (tensor, bytes) in int8_tensors(rows) {
@@ -245,7 +323,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             ("tokens", Value::Int(tokens as i64)),
             ("first", Value::Int(seq.len as i64)),
         ]);
-        self.launch_all(device, buffers, &vars)?;
+        self.launch_all(device, buffers, &vars, None)?;
         seq.len += tokens;
         self.read_outputs(device, buffers, tokens, seq.len)
     }
@@ -263,7 +341,59 @@ impl<D: PlanDevice> PlanExecutor<D> {
         self.step_batch_reading(batch, Rows::LastOfEachSegment)
     }
 
+    /// Run `batch` as [`step_batch`](Self::step_batch) does but kernel by kernel (no graph),
+    /// each launch timed where the device can; the step's launches in order. Reads nothing
+    /// back.
+    pub fn profile_step_batch(&self, batch: &[Segment]) -> Result<Vec<LaunchProfile>> {
+        let mut state = self.lock()?;
+        let (device, buffers) = &mut *state;
+        let (_, vars) = self.write_batch(device, buffers, batch)?;
+        let mut profile = Vec::with_capacity(self.plan.launches.len());
+        self.launch_all(device, buffers, &vars, Some(&mut profile))?;
+        Ok(profile)
+    }
+
     fn step_batch_reading(&self, batch: &[Segment], rows: Rows) -> Result<Vec<HashMap<String, Tensor>>> {
+        let mut state = self.lock()?;
+        let (device, buffers) = &mut *state;
+        let (segment_rows, vars) = self.write_batch(device, buffers, batch)?;
+        let tokens = segment_rows.last().map_or(0, |r| r.end);
+        self.launch_batched(device, buffers, &vars, tokens, batch.len())?;
+        // The rows read back: each segment's, or its last.
+        let wanted: Vec<Range<usize>> = match rows {
+            Rows::All => segment_rows,
+            Rows::LastOfEachSegment => segment_rows.iter().map(|r| r.end - 1..r.end).collect(),
+        };
+        // Per-sequence outputs (from `last_token` on) have row i for segment i.
+        let one_each: Vec<Range<usize>> = (0..batch.len()).map(|i| i..i + 1).collect();
+        let mut per_segment = vec![HashMap::new(); batch.len()];
+        for (name, node) in &self.plan.outputs {
+            let wanted = match self.per_sequence.contains(node) {
+                true => &one_each,
+                false => &wanted,
+            };
+            let width = self.graph.nodes()[*node]
+                .shape
+                .resolve(tokens, 0)
+                .last()
+                .copied()
+                .unwrap_or(1);
+            let data = self.read_rows(device, buffers, *node, width, wanted)?;
+            for ((range, out), data) in wanted.iter().zip(per_segment.iter_mut()).zip(data) {
+                out.insert(name.clone(), Tensor::new(vec![range.len(), width], data));
+            }
+        }
+        Ok(per_segment)
+    }
+
+    /// Check a batched step and write its inputs (ids, positions, block tables, rows); each
+    /// segment's rows of the step, and the launches' scalars.
+    fn write_batch(
+        &self,
+        device: &mut D,
+        buffers: &Buffers<D::Buffer>,
+        batch: &[Segment],
+    ) -> Result<(Vec<Range<usize>>, HashMap<&'static str, Value>)> {
         let cache = self
             .plan
             .batched
@@ -299,8 +429,6 @@ impl<D: PlanDevice> PlanExecutor<D> {
             row_table.extend(std::iter::repeat_n(tables.len() as i32, seg.ids.len()));
             tables.extend(seg.table[..blocks].iter().map(|b| b.0 as i32));
         }
-        let mut state = self.lock()?;
-        let (device, buffers) = &mut *state;
         self.write_inputs(device, buffers, &ids, &positions)?;
         let row_pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
         // Each segment's last row, where per-sequence values (`last_token` on) gather from.
@@ -324,32 +452,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             ("first", Value::Int(0)),
             ("block_size", Value::Int(cache.block_size as i64)),
         ]);
-        self.launch_batched(device, buffers, &vars, tokens, batch.len())?;
-        // The rows read back: each segment's, or its last.
-        let wanted: Vec<Range<usize>> = match rows {
-            Rows::All => segment_rows,
-            Rows::LastOfEachSegment => segment_rows.iter().map(|r| r.end - 1..r.end).collect(),
-        };
-        // Per-sequence outputs (from `last_token` on) have row i for segment i.
-        let one_each: Vec<Range<usize>> = (0..batch.len()).map(|i| i..i + 1).collect();
-        let mut per_segment = vec![HashMap::new(); batch.len()];
-        for (name, node) in &self.plan.outputs {
-            let wanted = match self.per_sequence.contains(node) {
-                true => &one_each,
-                false => &wanted,
-            };
-            let width = self.graph.nodes()[*node]
-                .shape
-                .resolve(tokens, 0)
-                .last()
-                .copied()
-                .unwrap_or(1);
-            let data = self.read_rows(device, buffers, *node, width, wanted)?;
-            for ((range, out), data) in wanted.iter().zip(per_segment.iter_mut()).zip(data) {
-                out.insert(name.clone(), Tensor::new(vec![range.len(), width], data));
-            }
-        }
-        Ok(per_segment)
+        Ok((segment_rows, vars))
     }
 
     /// Rows `wanted` (ascending, disjoint) of `node`'s `width`-wide value, each range's values;
@@ -440,7 +543,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         // Decode steps only (a row per sequence): the shapes that repeat step after step.
         // Mixed steps with prompt chunks come in too many shapes to be worth a graph each.
         if tokens > self.graph_rows || seqs != tokens || !device.records_graphs() {
-            return self.launch_all(device, buffers, vars);
+            return self.launch_all(device, buffers, vars, None);
         }
         // The launches depend on the row count and the sequence count (per-sequence rows).
         let key = tokens * (self.plan.max_tokens + 1) + seqs;
@@ -449,7 +552,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         }
         device.begin_capture()?;
         // The capture ends even when a launch fails, so the device is usable after the error.
-        let launched = self.launch_all(device, buffers, vars);
+        let launched = self.launch_all(device, buffers, vars, None);
         let captured = device.end_capture(key);
         launched?;
         captured?;
@@ -462,7 +565,14 @@ impl<D: PlanDevice> PlanExecutor<D> {
     }
 
     /// The plan's launches in order, arguments resolved against `vars`.
-    fn launch_all(&self, device: &mut D, buffers: &Buffers<D::Buffer>, vars: &HashMap<&str, Value>) -> Result<()> {
+    /// With `profile`, each launch is timed and recorded there.
+    fn launch_all(
+        &self,
+        device: &mut D,
+        buffers: &Buffers<D::Buffer>,
+        vars: &HashMap<&str, Value>,
+        mut profile: Option<&mut Vec<LaunchProfile>>,
+    ) -> Result<()> {
         let step_tokens = vars.get("tokens").map_or(0, |v| v.as_i64());
         for launch in &self.plan.launches {
             // The prefill variant pays for launches of many rows: the launch's own row count
@@ -505,11 +615,52 @@ impl<D: PlanDevice> PlanExecutor<D> {
             let grid = expr::eval(&kernel.grid, &scalars)
                 .map_err(|e| RuntimeError::Artifact(e.to_string()))?
                 .as_i64();
-            if grid > 0 {
-                device.launch(name, grid as u32, kernel.block, &args)?;
+            if grid <= 0 {
+                continue;
+            }
+            match profile.as_deref_mut() {
+                None => device.launch(name, grid as u32, kernel.block, &args)?,
+                Some(profile) => {
+                    let seconds = device.launch_timed(name, grid as u32, kernel.block, &args)?;
+                    let weight_bytes = self.weight_bytes_read(launch, &args, rows.max(0) as usize);
+                    profile.push(LaunchProfile {
+                        kernel: name.clone(),
+                        seconds,
+                        weight_bytes,
+                    });
+                }
             }
         }
         Ok(())
+    }
+
+    /// Bytes of weights `launch` reads over `rows` rows: all it is given, except that an
+    /// embedding gathers one table row per row.
+    fn weight_bytes_read(
+        &self,
+        launch: &codegen::gpu::Launch,
+        args: &[DeviceArg<'_, D::Buffer>],
+        rows: usize,
+    ) -> usize {
+        let node = &self.graph.nodes()[launch.node];
+        let given = launch
+            .args
+            .iter()
+            .zip(args)
+            .map(|(arg, device_arg)| match (arg, device_arg) {
+                (LaunchArg::Weight { node }, DeviceArg::Buffer(_, r)) => (*node, r.len()),
+                (LaunchArg::Derived { .. }, DeviceArg::Buffer(_, r)) => (usize::MAX, r.len()),
+                _ => (usize::MAX, 0),
+            });
+        given
+            .map(|(weight, bytes)| match (&node.op, self.graph.nodes().get(weight)) {
+                (ir::Op::Embedding, Some(table)) => {
+                    let table_rows = table.shape.resolve(0, 0).first().copied().unwrap_or(1).max(1);
+                    bytes / table_rows * rows.min(table_rows)
+                }
+                _ => bytes,
+            })
+            .sum()
     }
 
     /// The graph's outputs after a step of `tokens` rows (`cached` positions in the cache).
@@ -615,6 +766,72 @@ fn int8_tensors(rows: &Int8Rows) -> [(&'static str, Vec<u8>); 5] {
         ("quant_norm", f32s(&rows.quant_norm)),
         ("norm", f32s(&rows.norm)),
     ]
+}
+
+/// A weight made on the device: each part (stacked by rows) filled by its own seed; the
+/// buffer and its size in bytes.
+fn generate_weight<D: PlanDevice>(
+    device: &mut D,
+    graph: &Graph,
+    w: &codegen::gpu::WeightUse,
+    seed: u32,
+) -> Result<(D::Buffer, usize)> {
+    let (ty, width) = match w.dtype {
+        DType::F32 => (kernels_gen::dsl::Ty::F32, 4),
+        DType::BF16 => (kernels_gen::dsl::Ty::Bf16, 2),
+        other => {
+            return Err(RuntimeError::Weight(format!(
+                "weights made on the device are f32 or bf16, the plan wants {other}"
+            )))
+        }
+    };
+    let elements: usize = w.shape.iter().product();
+    let buffer = device.alloc(elements * width)?;
+    let mut at = 0;
+    for name in &w.parts {
+        let shape = graph
+            .nodes()
+            .iter()
+            .find_map(|n| match &n.op {
+                ir::Op::Weight { name: m } if m == name => Some(n.shape.resolve(0, 0)),
+                _ => None,
+            })
+            .ok_or_else(|| RuntimeError::Weight(format!("`{name}` is not a weight of the graph")))?;
+        let len: usize = shape.iter().product();
+        if at + len > elements || len > i32::MAX as usize {
+            return Err(RuntimeError::Weight(format!(
+                "`{name}` ({len} elements) does not fit its plan buffer"
+            )));
+        }
+        let fill = crate::generated::Fill::of(seed, name, &shape);
+        for first in (0..len).step_by(FILL_CHUNK) {
+            let n = FILL_CHUNK.min(len - first);
+            let bytes = (at + first) * width..(at + first + n) * width;
+            let args = [
+                DeviceArg::Buffer(&buffer, bytes),
+                DeviceArg::I32(n as i32),
+                DeviceArg::I32(first as i32),
+                DeviceArg::I32(fill.seed as i32),
+                DeviceArg::F32(fill.offset),
+                DeviceArg::F32(fill.scale),
+            ];
+            let block = kernels_gen::templates::BLOCK;
+            device.launch(
+                crate::generated::fill_kernel(ty),
+                n.div_ceil(block as usize) as u32,
+                block,
+                &args,
+            )?;
+        }
+        at += len;
+    }
+    if at != elements {
+        return Err(RuntimeError::Weight(format!(
+            "the parts of weight %{} hold {at} of its {elements} elements",
+            w.node
+        )));
+    }
+    Ok((buffer, elements * width))
 }
 
 /// A weight as the kernels read it: the parts stacked by rows, converted to `dtype` (f32, bf16)
