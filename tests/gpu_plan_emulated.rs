@@ -553,3 +553,54 @@ fn weights_made_on_the_device_equal_their_host_values_uploaded() {
         "{read} bytes read, {expected} + {tied} expected"
     );
 }
+
+/// The decode timing the GPU check runs on its 8B-shaped model, here on the tiny Llama's
+/// shape with weights made on the emulated device: every batch size decodes (from a recorded
+/// graph, one per size), its profiled step times each launch, and a step reads its weights
+/// once whatever the batch, but for one embedding row per sequence.
+#[test]
+fn decode_timing_runs_every_batch_size_from_its_graph() {
+    use runtime::decode_timing::{time_decode, DecodeRun};
+    let config = open("llama", ComputeDtype::Bf16).config;
+    let options = models::LowerOptions {
+        logits: LogitsFor::LastToken,
+        compute: ComputeDtype::Bf16,
+    };
+    let graph = fused_for(&models::lower_without_weights(&config, options).unwrap(), Target::H200);
+    let run = DecodeRun {
+        prompt: PREFILL_TOKENS + 4,
+        batches: vec![1, 3],
+        steps: 2,
+    };
+    let block_size = 4;
+    let cache = gpu::BatchedCache {
+        blocks: run.sequences() * run.positions_per_sequence().div_ceil(block_size),
+        block_size,
+    };
+    let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
+    let device = EmulatedDevice::new(kernels.into_iter().chain(runtime::generated::fill_kernels()).collect());
+    let exec = PlanExecutor::with_generated_weights(device, plan, graph, 1, 64)
+        .unwrap()
+        .capture_graphs_up_to(3);
+    let timings = time_decode(&exec, &run).unwrap();
+    assert_eq!(timings.iter().map(|t| t.batch).collect::<Vec<_>>(), run.batches);
+    // Per batch size: one graph recorded, replayed for the untimed and the timed steps.
+    assert_eq!(
+        exec.with_device(|d| d.graph_counts()).unwrap(),
+        (2 * (run.steps + 1), 2)
+    );
+    for t in &timings {
+        assert!(t.wall_seconds > 0.0 && t.device_seconds().is_some_and(|s| s > 0.0));
+        let by_kernel = t.by_kernel();
+        assert_eq!(by_kernel.iter().map(|k| k.1).sum::<usize>(), t.launches.len());
+        assert_eq!(by_kernel.iter().map(|k| k.3).sum::<usize>(), t.weight_bytes());
+    }
+    assert_eq!(
+        timings[1].weight_bytes() - timings[0].weight_bytes(),
+        2 * config.hidden * 2,
+        "two more bf16 embedding rows"
+    );
+    // A run that does not fit the pool is refused before anything runs.
+    let too_long = DecodeRun { prompt: 60, ..run };
+    assert!(time_decode(&exec, &too_long).is_err());
+}

@@ -4,6 +4,7 @@
 pub mod compare;
 pub mod cpu;
 pub mod cuda;
+pub mod decode_timing;
 pub mod emulated;
 pub mod error;
 pub mod generate;

@@ -287,6 +287,11 @@ impl<D: PlanDevice> PlanExecutor<D> {
         self.context_length
     }
 
+    /// A batched plan's KV pool; `None` for a one-sequence plan.
+    pub fn batched_cache(&self) -> Option<codegen::gpu::BatchedCache> {
+        self.plan.batched
+    }
+
     /// Look at the device (e.g. what a comparing device recorded).
     pub fn with_device<R>(&self, f: impl FnOnce(&D) -> R) -> Result<R> {
         let state = self

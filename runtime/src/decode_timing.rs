@@ -1,0 +1,146 @@
+//! Timing a batched plan's decode steps, as `bbc serve` runs them: sequences are prefilled,
+//! then each batch size decodes a few steps (one row per sequence, replayed from a CUDA graph
+//! where the executor captures them; ids written, each sequence's logits read back), and one
+//! more step runs kernel by kernel with every launch timed. Any device: the GPU check runs it on
+//! a Llama-8B-shaped model on the GPU, the tests on a tiny model on the emulator.
+
+use crate::error::{Result, RuntimeError};
+use crate::kv::{BlockId, Segment};
+use crate::plan_exec::{LaunchProfile, PlanDevice, PlanExecutor};
+use crate::serving::PagedBackend;
+
+/// What to time.
+#[derive(Debug, Clone)]
+pub struct DecodeRun {
+    /// Prompt tokens prefilled into every sequence first (the context decode attends to).
+    pub prompt: usize,
+    /// Batch sizes (sequences decoding together), each timed in turn.
+    pub batches: Vec<usize>,
+    /// Timed steps per batch size, after one untimed step (which captures the graph).
+    pub steps: usize,
+}
+
+impl DecodeRun {
+    /// Positions each sequence needs: its prompt and every step it may take part in.
+    pub fn positions_per_sequence(&self) -> usize {
+        self.prompt + self.batches.len() * (self.steps + 2)
+    }
+
+    /// Sequences the largest batch holds.
+    pub fn sequences(&self) -> usize {
+        self.batches.iter().copied().max().unwrap_or(0)
+    }
+}
+
+/// One batch size's decode step.
+#[derive(Debug, Clone)]
+pub struct DecodeTiming {
+    pub batch: usize,
+    /// Wall time of a step as serving sees it (inputs written, launches, logits read back).
+    pub wall_seconds: f64,
+    /// Each launch of the profiled step.
+    pub launches: Vec<LaunchProfile>,
+}
+
+impl DecodeTiming {
+    /// Device time of the step's launches back to back, where the device measures it.
+    pub fn device_seconds(&self) -> Option<f64> {
+        self.launches.iter().map(|l| l.seconds).sum()
+    }
+
+    /// Bytes of weights one step reads.
+    pub fn weight_bytes(&self) -> usize {
+        self.launches.iter().map(|l| l.weight_bytes).sum()
+    }
+
+    /// Per kernel, in order of first launch: (kernel, launches, seconds, weight bytes).
+    pub fn by_kernel(&self) -> Vec<(String, usize, Option<f64>, usize)> {
+        let mut rows: Vec<(String, usize, Option<f64>, usize)> = Vec::new();
+        for l in &self.launches {
+            match rows.iter_mut().find(|r| r.0 == l.kernel) {
+                Some(row) => {
+                    row.1 += 1;
+                    row.2 = row.2.zip(l.seconds).map(|(a, b)| a + b);
+                    row.3 += l.weight_bytes;
+                }
+                None => rows.push((l.kernel.clone(), 1, l.seconds, l.weight_bytes)),
+            }
+        }
+        rows
+    }
+}
+
+/// Prefill `run.sequences()` sequences of `run.prompt` tokens into `executor`'s pool (each
+/// sequence its own run of blocks), then time each batch size of `run`.
+pub fn time_decode<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) -> Result<Vec<DecodeTiming>> {
+    let cache = executor
+        .batched_cache()
+        .ok_or_else(|| RuntimeError::Artifact("decode timing needs a batched plan".into()))?;
+    let max_rows = executor.max_step_tokens().unwrap_or(1).max(1);
+    let per_sequence = run.positions_per_sequence().div_ceil(cache.block_size);
+    let sequences = run.sequences();
+    if sequences * per_sequence > cache.blocks || run.positions_per_sequence() > executor.context_length() {
+        return Err(RuntimeError::Input(format!(
+            "{sequences} sequences of {} positions do not fit {} blocks of {} (context {})",
+            run.positions_per_sequence(),
+            cache.blocks,
+            cache.block_size,
+            executor.context_length()
+        )));
+    }
+    let tables: Vec<Vec<BlockId>> = (0..sequences)
+        .map(|s| {
+            (s * per_sequence..(s + 1) * per_sequence)
+                .map(|b| BlockId(b as u32))
+                .collect()
+        })
+        .collect();
+    // Token ids that vary with the sequence and the position, inside any vocabulary.
+    let id = |s: usize, p: usize| ((7 + 13 * s + 31 * p) % 251) as u32;
+    for (s, table) in tables.iter().enumerate() {
+        for start in (0..run.prompt).step_by(max_rows) {
+            let ids: Vec<u32> = (start..run.prompt.min(start + max_rows)).map(|p| id(s, p)).collect();
+            executor.step_batch_last_rows(&[Segment {
+                table,
+                start,
+                ids: &ids,
+            }])?;
+        }
+    }
+    let mut lengths = vec![run.prompt; sequences];
+    let mut timings = Vec::new();
+    for &batch in &run.batches {
+        let mut step = |profile: bool| -> Result<Vec<LaunchProfile>> {
+            let ids: Vec<[u32; 1]> = (0..batch).map(|s| [id(s, lengths[s])]).collect();
+            let segments: Vec<Segment> = (0..batch)
+                .map(|s| Segment {
+                    table: &tables[s],
+                    start: lengths[s],
+                    ids: &ids[s],
+                })
+                .collect();
+            let launches = match profile {
+                true => executor.profile_step_batch(&segments)?,
+                false => {
+                    executor.step_batch_last_rows(&segments)?;
+                    Vec::new()
+                }
+            };
+            lengths[..batch].iter_mut().for_each(|l| *l += 1);
+            Ok(launches)
+        };
+        step(false)?;
+        let started = std::time::Instant::now();
+        for _ in 0..run.steps {
+            step(false)?;
+        }
+        let wall_seconds = started.elapsed().as_secs_f64() / run.steps.max(1) as f64;
+        let launches = step(true)?;
+        timings.push(DecodeTiming {
+            batch,
+            wall_seconds,
+            launches,
+        });
+    }
+    Ok(timings)
+}
