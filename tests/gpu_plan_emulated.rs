@@ -592,8 +592,11 @@ fn decode_timing_runs_every_batch_size_from_its_graph() {
     for t in &timings {
         assert!(t.wall_seconds > 0.0 && t.device_seconds().is_some_and(|s| s > 0.0));
         let by_kernel = t.by_kernel();
-        assert_eq!(by_kernel.iter().map(|k| k.1).sum::<usize>(), t.launches.len());
-        assert_eq!(by_kernel.iter().map(|k| k.3).sum::<usize>(), t.weight_bytes());
+        assert_eq!(by_kernel.iter().map(|k| k.launches).sum::<usize>(), t.launches.len());
+        assert_eq!(
+            by_kernel.iter().map(|k| k.weight_bytes).sum::<usize>(),
+            t.weight_bytes()
+        );
     }
     assert_eq!(
         timings[1].weight_bytes() - timings[0].weight_bytes(),

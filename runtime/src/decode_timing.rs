@@ -53,21 +53,35 @@ impl DecodeTiming {
         self.launches.iter().map(|l| l.weight_bytes).sum()
     }
 
-    /// Per kernel, in order of first launch: (kernel, launches, seconds, weight bytes).
-    pub fn by_kernel(&self) -> Vec<(String, usize, Option<f64>, usize)> {
-        let mut rows: Vec<(String, usize, Option<f64>, usize)> = Vec::new();
+    /// The step's launches summed per kernel, in order of first launch.
+    pub fn by_kernel(&self) -> Vec<KernelTotal> {
+        let mut rows: Vec<KernelTotal> = Vec::new();
         for l in &self.launches {
-            match rows.iter_mut().find(|r| r.0 == l.kernel) {
+            match rows.iter_mut().find(|r| r.kernel == l.kernel) {
                 Some(row) => {
-                    row.1 += 1;
-                    row.2 = row.2.zip(l.seconds).map(|(a, b)| a + b);
-                    row.3 += l.weight_bytes;
+                    row.launches += 1;
+                    row.seconds = row.seconds.zip(l.seconds).map(|(a, b)| a + b);
+                    row.weight_bytes += l.weight_bytes;
                 }
-                None => rows.push((l.kernel.clone(), 1, l.seconds, l.weight_bytes)),
+                None => rows.push(KernelTotal {
+                    kernel: l.kernel.clone(),
+                    launches: 1,
+                    seconds: l.seconds,
+                    weight_bytes: l.weight_bytes,
+                }),
             }
         }
         rows
     }
+}
+
+/// One kernel's launches in a step, summed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KernelTotal {
+    pub kernel: String,
+    pub launches: usize,
+    pub seconds: Option<f64>,
+    pub weight_bytes: usize,
 }
 
 /// Prefill `run.sequences()` sequences of `run.prompt` tokens into `executor`'s pool (each

@@ -102,6 +102,9 @@ pub struct LaunchProfile {
     pub weight_bytes: usize,
 }
 
+/// A step's scalars (`tokens`, `seqs`, ...) by name: what launch arguments are computed from.
+type StepScalars = HashMap<&'static str, Value>;
+
 /// Elements one fill launch makes: keeps its grid and indices far inside `i32`.
 const FILL_CHUNK: usize = 1 << 24;
 
@@ -398,7 +401,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         device: &mut D,
         buffers: &Buffers<D::Buffer>,
         batch: &[Segment],
-    ) -> Result<(Vec<Range<usize>>, HashMap<&'static str, Value>)> {
+    ) -> Result<(Vec<Range<usize>>, StepScalars)> {
         let cache = self
             .plan
             .batched
