@@ -302,3 +302,35 @@ fn running_a_gpu_artifact_without_a_driver_says_so() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The GPU check's Llama-8B-shaped serving plan (no weights: they are made on the device)
+/// builds for every target, and holds Llama-3-8B's 8.03 B parameters once each, in bf16.
+#[test]
+fn the_8b_shaped_serving_plan_holds_each_weight_once() {
+    let options = models::LowerOptions {
+        logits: LogitsFor::LastToken,
+        compute: ComputeDtype::Bf16,
+    };
+    let graph = models::lower_without_weights(&models::ModelConfig::llama3_8b(), options).unwrap();
+    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+        let fused = passes::optimized(&graph, bbc::model_ref::cost_model(target)).unwrap();
+        let cache = gpu::BatchedCache {
+            blocks: 64,
+            block_size: 16,
+        };
+        let (plan, _) = gpu::build_batched(&fused, target, 512, cache).unwrap();
+        let bytes: usize = plan
+            .weights
+            .iter()
+            .map(|w| w.shape.iter().product::<usize>() * if w.dtype == ir::DType::BF16 { 2 } else { 4 })
+            .sum();
+        let norms = (2 * 32 + 1) * 4096 * 4;
+        assert_eq!(
+            bytes,
+            (8_030_261_248 - (2 * 32 + 1) * 4096) * 2 + norms,
+            "{}",
+            target.name()
+        );
+        assert!(plan.memory.conflict().is_none());
+    }
+}
