@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod commands;
 pub mod fetch;
+pub mod gpu_check;
 pub mod model_ref;
 pub mod serve;
 pub mod verify;

@@ -47,6 +47,9 @@ enum Command {
     /// Measure a running server as the InferenceX benchmark does (throughput, TTFT, TPOT, ITL,
     /// end-to-end latency).
     Bench(bbc::bench::BenchArgs),
+    /// Check and time the CUDA backend on this machine's GPU: kernels against the emulator,
+    /// SmolLM2 bf16 against the CPU backend, CUDA graphs, Llama-8B-shaped decode.
+    GpuCheck(bbc::gpu_check::GpuCheckArgs),
     /// Print the token ids of a text as JSON.
     Tokenize {
         model: String,
@@ -94,6 +97,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Run(args) => commands::run::run(&args),
         Command::Serve(args) => bbc::serve::serve(&args),
         Command::Bench(args) => bbc::bench::bench(&args),
+        Command::GpuCheck(args) => bbc::gpu_check::gpu_check(&args),
         Command::Tokenize {
             model,
             text,

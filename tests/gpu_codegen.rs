@@ -288,6 +288,7 @@ fn running_a_gpu_artifact_without_a_driver_says_so() {
     for command in [
         vec!["run", dir.to_str().unwrap(), "--prompt", "hi"],
         vec!["serve", dir.to_str().unwrap(), "--port", "0"],
+        vec!["gpu-check", "--target", "h200"],
     ] {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"))
             .args(&command)
@@ -300,6 +301,12 @@ fn running_a_gpu_artifact_without_a_driver_says_so() {
             "{command:?}: {stderr}"
         );
     }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"))
+        .args(["gpu-check", "--target", "cpu"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("not a GPU target"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -3,7 +3,7 @@
 //! reference) and then made equal again, copied from the reference, so each kernel's error is
 //! its own and not what earlier kernels handed it. Run a plan on a `CompareDevice` of the CUDA
 //! device and the emulated one, and it reports every kernel's error on the GPU
-//! (`benches/gpu_check.rs`).
+//! (`bbc gpu-check`, `src/gpu_check/kernels.rs`).
 
 use crate::error::{Result, RuntimeError};
 use crate::plan_exec::{DeviceArg, PlanDevice};

@@ -1,0 +1,233 @@
+//! A Llama-8B-shaped model (`ModelConfig::llama3_8b`) on the GPU, with random bf16 weights
+//! (no download): its matmuls timed alone at batch 1, 16 and 64, then whole decode steps as
+//! `bbc serve` runs them. Issue [4]'s target: batch-1 decode at 70% or more of the copy
+//! bandwidth (weight bytes per step over time per step).
+
+use anyhow::{anyhow, Result};
+use codegen::gpu::{self, expr};
+use codegen::Target;
+use kernels_gen::dsl::{Kernel, Ty};
+use kernels_gen::templates::gemv::{gemv, GemvSpec};
+use kernels_gen::templates::prefill_gemm;
+use kernels_gen::templates::quant::WeightFormat;
+use models::{ComputeDtype, LogitsFor};
+use rayon::prelude::*;
+use runtime::cuda::CudaDevice;
+use runtime::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
+
+/// Whole decode steps of a Llama-8B-shaped model with bf16 weights made on the device: the
+/// serving plan `bbc compile` writes for `target`, run as `bbc serve` runs it.
+pub fn decode(target: Target, arch: &str, bandwidth: f64) -> Result<()> {
+    use runtime::decode_timing::{time_decode, DecodeRun};
+    let config = models::ModelConfig::llama3_8b();
+    let options = models::LowerOptions {
+        logits: LogitsFor::LastToken,
+        compute: ComputeDtype::Bf16,
+    };
+    let graph = models::lower_without_weights(&config, options)?;
+    let graph = passes::optimized(&graph, crate::model_ref::cost_model(target))?;
+    let run = DecodeRun {
+        prompt: 512,
+        batches: vec![1, 16, 64],
+        steps: 10,
+    };
+    let block_size = 16;
+    let cache = gpu::BatchedCache {
+        blocks: run.sequences() * run.positions_per_sequence().div_ceil(block_size),
+        block_size,
+    };
+    let started = std::time::Instant::now();
+    let (plan, kernels) = gpu::build_batched(&graph, target, 512, cache)?;
+    let kernels: Vec<Kernel> = kernels.into_iter().chain(runtime::generated::fill_kernels()).collect();
+    let device = CudaDevice::compile(&kernels, arch)?;
+    let exec = PlanExecutor::with_generated_weights(device, plan, graph, 8, 1024)?.capture_graphs_up_to(64);
+    println!(
+        "\nLlama-8B-shaped model: compiled, weights made on the device, KV pool of {} blocks in {:.1} s",
+        cache.blocks,
+        started.elapsed().as_secs_f64()
+    );
+    let timings = time_decode(&exec, &run)?;
+    println!(
+        "\n| Llama-8B-shaped decode, {}-token prompts | wall ms/step | tok/s | device ms/step | weight GB/step | weight GB/s (device) | % of copy bandwidth (device / wall) |",
+        run.prompt
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for t in &timings {
+        let device = t.device_seconds().ok_or_else(|| anyhow!("CUDA times every launch"))?;
+        let bytes = t.weight_bytes() as f64;
+        println!(
+            "| batch {} | {:.3} | {:.0} | {:.3} | {:.2} | {:.0} | {:.0}% / {:.0}% |",
+            t.batch,
+            t.wall_seconds * 1e3,
+            t.batch as f64 / t.wall_seconds,
+            device * 1e3,
+            bytes / 1e9,
+            bytes / device / 1e9,
+            100.0 * bytes / device / bandwidth,
+            100.0 * bytes / t.wall_seconds / bandwidth,
+        );
+    }
+    for t in &timings {
+        let step: f64 = t.device_seconds().unwrap_or(0.0);
+        println!(
+            "\n| kernel (batch {}) | launches | µs | % of step | weight GB/s | % of copy bandwidth |\n|---|---|---|---|---|---|",
+            t.batch
+        );
+        for k in t.by_kernel() {
+            let seconds = k.seconds.unwrap_or(0.0);
+            let (rate, share) = match k.weight_bytes {
+                0 => ("–".to_string(), "–".to_string()),
+                bytes => {
+                    let rate = bytes as f64 / seconds;
+                    (
+                        format!("{:.0}", rate / 1e9),
+                        format!("{:.0}%", 100.0 * rate / bandwidth),
+                    )
+                }
+            };
+            println!(
+                "| {} | {} | {:.1} | {:.1}% | {rate} | {share} |",
+                k.kernel,
+                k.launches,
+                seconds * 1e6,
+                100.0 * seconds / step
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Llama-3-8B's matmuls: (name, output rows, input width, count per decode step).
+const SHAPES: [(&str, usize, usize, usize); 5] = [
+    ("qkv", 6144, 4096, 32),
+    ("o", 4096, 4096, 32),
+    ("gate_up", 28672, 4096, 32),
+    ("down", 4096, 14336, 32),
+    ("lm_head", 128256, 4096, 1),
+];
+
+/// Time every shape's matmul alone at batch 1 (the decode GEMV), 16 and 64 (the tensor-core
+/// GEMM, and the 4-tokens-per-pass GEMV for comparison); the table as markdown, with the step
+/// the matmuls alone would add up to (the whole step is `llama_8b_decode`'s).
+pub fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
+    let decode = |k: usize| gemv("gemv", "gpu-check", GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k));
+    let mut table = String::from(
+        "| matmul | batch | kernel | µs | weight GB/s | % of copy bandwidth |\n|---|---|---|---|---|---|\n",
+    );
+    let mut step = [0f64; 3];
+    for (name, n, k, count) in SHAPES {
+        let kernels: Vec<Kernel> = vec![
+            decode(k),
+            Kernel {
+                name: "gemv_prefill".into(),
+                ..gemv(
+                    "gemv",
+                    "gpu-check",
+                    GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k).prefill(),
+                )
+            },
+            // The target's tensor-core GEMM: wgmma on sm_90a, mma.sync elsewhere.
+            prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), k, "gemm", "gpu-check")
+                .ok_or_else(|| anyhow!("a bf16 GEMM"))?,
+        ];
+        let mut device = CudaDevice::compile(&kernels, arch)?;
+        let w = device.upload(&random_bf16(n * k, n as u64))?;
+        let x = device.upload(&random_f32(64 * k, k as u64))?;
+        let out = device.alloc(64 * n * 4)?;
+        for (batch, kernel) in [
+            (1, "gemv"),
+            (16, "gemm"),
+            (16, "gemv_prefill"),
+            (64, "gemm"),
+            (64, "gemv_prefill"),
+        ] {
+            let program = kernels
+                .iter()
+                .find(|kk| kk.name == kernel)
+                .ok_or_else(|| anyhow!("a timed kernel"))?;
+            let grid = grid_of(program, batch, n, k)?;
+            let args = [
+                DeviceArg::Buffer(&x, 0..64 * k * 4),
+                DeviceArg::Buffer(&w, 0..n * k * 2),
+                DeviceArg::Buffer(&out, 0..64 * n * 4),
+                DeviceArg::I32(batch as i32),
+                DeviceArg::I32(n as i32),
+                DeviceArg::I32(k as i32),
+                DeviceArg::I32(k as i32),
+            ];
+            let seconds = device.time(20, |d| d.launch(kernel, grid, program.block_dim, &args))?;
+            let rate = (n * k * 2) as f64 / seconds;
+            table += &format!(
+                "| {name} {n}×{k} | {batch} | {kernel} | {:.1} | {:.0} | {:.0}% |\n",
+                seconds * 1e6,
+                rate / 1e9,
+                100.0 * rate / bandwidth
+            );
+            // The decode step: the GEMV at batch 1, the GEMM at 16 and 64.
+            match (batch, kernel) {
+                (1, _) => step[0] += seconds * count as f64,
+                (16, "gemm") => step[1] += seconds * count as f64,
+                (64, "gemm") => step[2] += seconds * count as f64,
+                _ => {}
+            }
+        }
+    }
+    let weight_bytes: usize = SHAPES.iter().map(|&(_, n, k, count)| n * k * 2 * count).sum();
+    for (batch, seconds) in [1, 16, 64].into_iter().zip(step) {
+        table += &format!(
+            "\nLlama-8B-shaped matmuls alone, batch {batch}: {:.2} ms per step, {:.0} tok/s, {:.0}% of copy bandwidth",
+            seconds * 1e3,
+            batch as f64 / seconds,
+            100.0 * weight_bytes as f64 / seconds / bandwidth
+        );
+    }
+    Ok(table)
+}
+
+/// Blocks for `kernel` over `batch` tokens, `n` rows and width `k`: its grid expression.
+fn grid_of(kernel: &Kernel, batch: usize, n: usize, k: usize) -> Result<u32> {
+    let scalars = [("tokens", batch), ("n", n), ("k", k), ("x_stride", k)]
+        .into_iter()
+        .map(|(name, v)| (name, expr::Value::Int(v as i64)))
+        .collect();
+    match expr::eval(&kernels_gen::cuda::grid_expr(kernel), &scalars)? {
+        expr::Value::Int(blocks) => Ok(blocks as u32),
+        other => Err(anyhow!("grid of {}: {other:?}", kernel.name)),
+    }
+}
+
+fn random_bits(len: usize, seed: u64, f: impl Fn(u64) -> [u8; 4] + Sync, width: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len * width];
+    out.par_chunks_mut(1 << 20).enumerate().for_each(|(c, chunk)| {
+        let mut s = seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        for v in chunk.chunks_exact_mut(width) {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            v.copy_from_slice(&f(s)[..width]);
+        }
+    });
+    out
+}
+
+/// Uniform values in [-1, 1) as bf16.
+fn random_bf16(len: usize, seed: u64) -> Vec<u8> {
+    random_bits(
+        len,
+        seed | 1,
+        |s| {
+            let v = half::bf16::from_f32((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0).to_le_bytes();
+            [v[0], v[1], 0, 0]
+        },
+        2,
+    )
+}
+
+fn random_f32(len: usize, seed: u64) -> Vec<u8> {
+    random_bits(
+        len,
+        seed | 1,
+        |s| ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0).to_le_bytes(),
+        4,
+    )
+}

@@ -1,0 +1,100 @@
+//! `bbc gpu-check`: the CUDA backend checked and timed on this machine's GPU (issue [4]; run by
+//! `scripts/gpu-check.sh`, its tables kept in `docs/gpu-results.md`). It is part of the `bbc`
+//! binary because a lent GPU machine has neither a Rust toolchain nor a network: the binary is
+//! built elsewhere and carried there with the model. Sections, in order:
+//! 1. device copy bandwidth;
+//! 2. every kernel of the tiny Llama and Gemma 3 plans (f32 and bf16) in lockstep with the
+//!    emulator, each kernel's max relative error (`kernels`);
+//! 3. SmolLM2 bf16 greedy tokens on the GPU (logits and greedy plans) against the CPU backend's,
+//!    and both timed (`smollm2`);
+//! 4. batched decode steps replayed from CUDA graphs against kernel-by-kernel launches;
+//! 5. a Llama-8B-shaped model with random bf16 weights: its matmuls alone, then whole decode
+//!    steps at batch 1, 16 and 64 with each kernel's share, printed last (`llama_8b`).
+//!
+//! Every section runs even when an earlier one fails (a GPU run is rare: it should say all it
+//! can); the command fails if any did.
+
+pub mod kernels;
+pub mod llama_8b;
+pub mod smollm2;
+
+use anyhow::{anyhow, bail, Result};
+use codegen::Target;
+use runtime::cuda::CudaDevice;
+use std::path::{Path, PathBuf};
+
+#[derive(clap::Args, Debug)]
+pub struct GpuCheckArgs {
+    /// The GPU's target: h200, b200 or rtx-pro-6000.
+    #[arg(long, default_value = "h200")]
+    pub target: String,
+    /// SmolLM2's GGUF file (or a known model name, fetched on first use).
+    #[arg(long, default_value = "smollm2")]
+    pub model: String,
+    /// The tiny HF models the per-kernel check runs (the repository's test fixtures).
+    #[arg(long, default_value = "tests/fixtures/hf-tiny")]
+    pub fixtures: PathBuf,
+    /// The sections to run (the copy bandwidth is always measured): a lent GPU machine takes
+    /// what it is given in pieces, so a run may do some sections now and the rest later.
+    #[arg(long, value_delimiter = ',', default_value = "kernels,smollm2,graphs,matmuls,decode")]
+    pub sections: Vec<Section>,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Section {
+    Kernels,
+    Smollm2,
+    Graphs,
+    Matmuls,
+    Decode,
+}
+
+pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
+    let target = Target::parse(&args.target).ok_or_else(|| anyhow!("unknown target `{}`", args.target))?;
+    let arch = target
+        .cuda_arch()
+        .ok_or_else(|| anyhow!("`{}` is not a GPU target", args.target))?;
+    if !runtime::cuda::driver_present() {
+        return Err(runtime::RuntimeError::NoCudaDriver.into());
+    }
+    let (major, minor) = codegen::nvrtc::ensure_loaded().map_err(|e| anyhow!("NVRTC: {e}"))?;
+    println!("NVRTC {major}.{minor}, target {} ({arch})", target.name());
+    let bandwidth = CudaDevice::compile(&[], arch)?.copy_bandwidth(1 << 30)?;
+    println!(
+        "device copy bandwidth: {:.0} GB/s (bytes read + written)",
+        bandwidth / 1e9
+    );
+    let mut failures = Vec::new();
+    for &section in &args.sections {
+        let result = match section {
+            Section::Kernels => {
+                kernels::kernel_errors(target, arch, &args.fixtures).and_then(|worst| match worst > 2e-2 {
+                    true => Err(anyhow!("a kernel's error ({worst:.2e}) is over 2e-2")),
+                    false => Ok(()),
+                })
+            }
+            Section::Smollm2 => smollm2_weights(&args.model).and_then(|model| smollm2::check(&model, target)),
+            Section::Graphs => kernels::graph_check(target, arch, &args.fixtures),
+            Section::Matmuls => llama_8b::matmul_timings(arch, bandwidth).map(|table| println!("\n{table}")),
+            Section::Decode => llama_8b::decode(target, arch, bandwidth),
+        };
+        if let Err(e) = result {
+            println!("\n{section:?} FAILED: {e:#}");
+            failures.push(format!("{section:?}"));
+        }
+    }
+    if !failures.is_empty() {
+        bail!("failed: {}", failures.join(", "));
+    }
+    Ok(())
+}
+
+/// SmolLM2's GGUF file: `arg` as a path, or the cached (or fetched) `smollm2`.
+fn smollm2_weights(arg: &str) -> Result<PathBuf> {
+    use crate::model_ref::ModelRef;
+    match ModelRef::parse(arg)? {
+        ModelRef::Weights(path) if Path::new(&path).is_file() => Ok(path),
+        ModelRef::Known(known) if known.name == "smollm2" => crate::fetch::ensure(known, false),
+        _ => bail!("--model takes SmolLM2's GGUF file or `smollm2`"),
+    }
+}

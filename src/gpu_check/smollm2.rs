@@ -1,0 +1,127 @@
+//! SmolLM2 with bf16 weights on the GPU: compiled for the target as `bbc compile` compiles it,
+//! run by the CUDA backend through the logits plan and through the greedy plan (the INT8-bound
+//! head). Its greedy tokens must equal the CPU backend's from the same bf16 weights; then both
+//! generate 128 tokens, timed.
+
+use anyhow::{bail, Context, Result};
+use codegen::Target;
+use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
+use runtime::cuda::CudaBackend;
+use runtime::{generate, Backend, CpuBackend, Engine, GenerateOptions};
+use std::path::Path;
+use std::time::Instant;
+
+/// The prompts compared: a short chat-like one and a 40-token one.
+fn prompts() -> [Vec<u32>; 2] {
+    [vec![504, 3575, 282, 4649, 314], (0..40).map(|i| 100 + 7 * i).collect()]
+}
+
+/// Compare SmolLM2's greedy tokens on the GPU with the CPU's, then time both; `model` is the
+/// GGUF file. Prints a line per comparison and the timing table.
+pub fn check(model: &Path, target: Target) -> Result<()> {
+    let (gpu, cpu) = engines(model, target)?;
+    let options = GenerateOptions {
+        max_tokens: 32,
+        ..Default::default()
+    };
+    let mut mismatches = 0;
+    for prompt in prompts() {
+        let want = generate(&cpu, &prompt, &options, |_| Ok(true))?;
+        // The logits plan (the greedy plan left out), then the greedy plan.
+        let logits_only = GenerateOptions {
+            need_logits: true,
+            ..options.clone()
+        };
+        for (plan, options) in [("logits plan", &logits_only), ("greedy plan", &options)] {
+            let got = generate(&gpu, &prompt, options, |_| Ok(true))?;
+            match got.iter().zip(&want).position(|(g, w)| g != w) {
+                None if got.len() == want.len() => {
+                    println!(
+                        "SmolLM2 bf16, {plan}, {}-token prompt: {} tokens equal to the CPU's",
+                        prompt.len(),
+                        got.len()
+                    )
+                }
+                at => {
+                    mismatches += 1;
+                    let at = at.unwrap_or(got.len().min(want.len()));
+                    println!(
+                        "SmolLM2 bf16, {plan}, {}-token prompt: differs from the CPU at token {at}\n  gpu {got:?}\n  cpu {want:?}",
+                        prompt.len()
+                    );
+                }
+            }
+        }
+    }
+    print_timings(&gpu, &cpu)?;
+    if mismatches > 0 {
+        bail!("{mismatches} GPU generations differ from the CPU's");
+    }
+    Ok(())
+}
+
+/// The CUDA engine (logits and greedy plans of an artifact compiled into a temporary
+/// directory) and the CPU engine, both on SmolLM2's weights as bf16.
+fn engines(model: &Path, target: Target) -> Result<(Engine<CudaBackend>, Engine)> {
+    let mut spec = ModelSpec::for_weights(model);
+    spec.dtype = ComputeDtype::Bf16;
+    let model = Model::open(spec)?;
+    let cost = crate::model_ref::cost_model(target);
+    let graph = model.lower(LogitsFor::LastToken)?;
+    let gpu_graph = passes::optimized(&graph, cost)?;
+    let greedy_graph = passes::optimized(&model.lower(LogitsFor::GreedyToken)?, cost)?;
+    let dir = std::env::temp_dir().join(format!("bbc-gpu-check-{}", std::process::id()));
+    let graphs = codegen::CompiledGraphs {
+        logits: &gpu_graph,
+        greedy: Some(&greedy_graph),
+        serving: None,
+    };
+    let manifest = codegen::compile(&model, graphs, target, &dir)?;
+    let int8 = codegen::read_int8_heads(&dir, &manifest.int8_heads)?;
+    let context = model.config.context_length;
+    let greedy_plan = manifest
+        .greedy_plan
+        .as_deref()
+        .context("the artifact has a greedy plan")?;
+    let greedy = CudaBackend::new(&dir, greedy_plan, greedy_graph, &model.weights, &int8, context)?;
+    let logits = CudaBackend::new(&dir, "plan.json", gpu_graph, &model.weights, &[], context)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    let cpu_graph = passes::optimized(&graph, passes::CostModel::CPU)?;
+    let cpu = Engine::from(CpuBackend::new(cpu_graph, &model.weights, context)?);
+    let gpu = Engine {
+        logits: Some(logits),
+        greedy: Some(greedy),
+    };
+    Ok((gpu, cpu))
+}
+
+/// 128 greedy tokens after the 40-token prompt on each engine: prompt and decode rates.
+fn print_timings(gpu: &Engine<CudaBackend>, cpu: &Engine) -> Result<()> {
+    let prompt = &prompts()[1];
+    println!("\n| SmolLM2 bf16, greedy | prompt tok/s | decode tok/s |\n|---|---|---|");
+    for (name, (prefill, decode)) in [("cuda", rates(gpu, prompt, 128)?), ("cpu", rates(cpu, prompt, 128)?)] {
+        println!("| {name} | {prefill:.0} | {decode:.0} |");
+    }
+    Ok(())
+}
+
+/// Prompt tokens per second (until the first token) and decode tokens per second (after it)
+/// of `tokens` greedy tokens after `prompt`.
+fn rates<B: Backend>(engine: &Engine<B>, prompt: &[u32], tokens: usize) -> Result<(f64, f64)> {
+    let options = GenerateOptions {
+        max_tokens: tokens,
+        ..Default::default()
+    };
+    let started = Instant::now();
+    let mut first = None;
+    generate(engine, prompt, &options, |_| {
+        first.get_or_insert_with(Instant::now);
+        Ok(true)
+    })?;
+    let first = first.context("a generated token")?;
+    let prefill = first.duration_since(started).as_secs_f64();
+    Ok((
+        prompt.len() as f64 / prefill,
+        (tokens - 1) as f64 / first.elapsed().as_secs_f64(),
+    ))
+}
