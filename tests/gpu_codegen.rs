@@ -151,7 +151,7 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
 }
 
 #[test]
-fn gpu_artifacts_carry_kernels_ptx_and_plan() {
+fn gpu_artifacts_carry_kernels_ptx_cubins_and_plan() {
     if !nvrtc_present() {
         return;
     }
@@ -168,6 +168,10 @@ fn gpu_artifacts_carry_kernels_ptx_and_plan() {
             let ptx = std::fs::read_to_string(dir.join(k.ptx.as_ref().unwrap())).unwrap();
             assert!(ptx.contains(&format!(".entry {}", k.name)));
             assert!(k.registers.unwrap() > 0);
+            // The cubin: an ELF image of the target's machine code, naming the kernel.
+            let cubin = std::fs::read(dir.join(k.cubin.as_ref().unwrap())).unwrap();
+            assert_eq!(&cubin[..4], b"\x7fELF", "{}", k.name);
+            assert!(cubin.windows(k.name.len()).any(|w| w == k.name.as_bytes()), "{}", k.name);
         }
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -185,7 +185,8 @@ pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path
 /// Rows the GPU activation buffers are sized for: the prefill chunk of the runtime.
 pub const GPU_MAX_TOKENS: usize = 512;
 
-/// `kernels/*.cu`, `kernels/*.ptx` (NVRTC, checked for spills on the real architecture) and
+/// `kernels/*.cu`, `kernels/*.ptx` and `kernels/*.cubin` (NVRTC; no spills allowed on the real
+/// architecture) and
 /// the plan (`plan_file`); returns the plan's file name. Each plan's kernels go to their own
 /// directory: names are unique within a plan, not across plans.
 fn write_gpu_program(
@@ -208,7 +209,7 @@ fn write_gpu_program(
         write(&kernels, &format!("{}.cu", k.name), k.source.as_bytes())?;
         let ptx = crate::nvrtc::compile_ptx(&k.name, &k.source, &plan.arch)
             .map_err(|source| ArtifactError::Nvrtc { target: name, source })?;
-        let resources = crate::nvrtc::check_resources(&k.name, &k.source, &plan.arch)
+        let (cubin, resources) = crate::nvrtc::compile_cubin(&k.name, &k.source, &plan.arch)
             .map_err(|source| ArtifactError::Nvrtc { target: name, source })?;
         if resources.spill_stores + resources.spill_loads > 0 {
             return Err(ArtifactError::Invalid {
@@ -217,7 +218,9 @@ fn write_gpu_program(
             });
         }
         write(&kernels, &format!("{}.ptx", k.name), ptx.as_bytes())?;
+        write(&kernels, &format!("{}.cubin", k.name), &cubin)?;
         k.ptx = Some(format!("{kernel_dir}/{}.ptx", k.name));
+        k.cubin = Some(format!("{kernel_dir}/{}.cubin", k.name));
         k.registers = Some(resources.registers);
     }
     write(

@@ -1,6 +1,7 @@
 //! Compiling generated CUDA C with NVRTC (through cudarc, loaded at run time): PTX for the
-//! artifact (`compute_XXa`), and a cubin build (`sm_XXa`, where ptxas runs, so invalid
-//! instructions fail and register use and spills are reported). Results are cached on disk,
+//! artifact (`compute_XXa`), and a cubin (`sm_XXa`, where ptxas runs, so invalid instructions
+//! fail and register use and spills are reported; the artifact keeps it too, and the CUDA
+//! backend loads it before the PTX). Results are cached on disk,
 //! keyed by source + options + architecture + NVRTC version.
 //!
 //! NVRTC comes from PyPI (`nvidia-cuda-nvrtc`); bbc looks for `libnvrtc.so.13` on the loader
@@ -146,14 +147,34 @@ pub fn compile_ptx(kernel: &str, source: &str, arch: &str) -> Result<String, Nvr
 
 /// Build `source` for the real architecture `arch` with ptxas's resource report.
 pub fn check_resources(kernel: &str, source: &str, arch: &str) -> Result<Resources, NvrtcError> {
+    compile_cubin(kernel, source, arch).map(|(_, resources)| resources)
+}
+
+/// Machine code of `source` for the real architecture `arch` (a cubin), and what ptxas
+/// reported. A cubin loads without the driver compiling anything, so it also loads on a
+/// driver older than this NVRTC (within the CUDA major version), which refuses its PTX.
+pub fn compile_cubin(kernel: &str, source: &str, arch: &str) -> Result<(Vec<u8>, Resources), NvrtcError> {
     ensure_loaded()?;
     let options = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".to_string(),
         "-Xptxas=-v".to_string(),
     ];
-    let (_, log) = compile(kernel, source, &options)?;
-    parse_resources(arch, &log).ok_or_else(|| NvrtcError::Api(format!("no resource report in the ptxas log:\n{log}")))
+    let (prog, log) = compile(kernel, source, &options)?;
+    let resources = parse_resources(arch, &log)
+        .ok_or_else(|| NvrtcError::Api(format!("no resource report in the ptxas log:\n{log}")))?;
+    let mut size = 0usize;
+    // SAFETY: the program compiled for a real architecture, so it holds a cubin; `size` is
+    // valid for the call.
+    unsafe { sys::nvrtcGetCUBINSize(prog.0, &mut size) }
+        .result()
+        .map_err(|e| NvrtcError::Api(format!("{e:?}")))?;
+    let mut cubin = vec![0u8; size];
+    // SAFETY: `cubin` holds the `size` bytes NVRTC said it needs.
+    unsafe { sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr().cast()) }
+        .result()
+        .map_err(|e| NvrtcError::Api(format!("{e:?}")))?;
+    Ok((cubin, resources))
 }
 
 /// From lines like `ptxas info : Used 16 registers, …` and `0 bytes spill stores, 0 bytes spill loads`.

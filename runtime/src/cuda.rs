@@ -1,6 +1,7 @@
 //! The CUDA backend: a GPU artifact's plan (see [`crate::plan_exec`]) on an NVIDIA GPU through
 //! cudarc (the driver is loaded at run time, so this builds and links everywhere): every
-//! kernel's PTX loaded as a module, buffers as device allocations, launches on one stream.
+//! kernel's cubin (or PTX) loaded as a module, buffers as device allocations, launches on one
+//! stream.
 //!
 //! Decode steps of `bbc serve` (a row per sequence) up to a chosen batch size run as CUDA
 //! graphs, one per size, captured on first use (see `PlanExecutor::capture_graphs_up_to`).
@@ -16,6 +17,7 @@ use codegen::gpu::GpuPlan;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
+use cudarc::nvrtc::Ptx;
 use ir::{Graph, Tensor};
 use models::WeightSource;
 use passes::weight_transforms::Int8Rows;
@@ -51,33 +53,38 @@ struct OwnedGraph(CudaGraph);
 unsafe impl Send for OwnedGraph {}
 
 impl CudaDevice {
-    /// Load every kernel of `plan` from its PTX file under `dir`.
+    /// Load every kernel of `plan` from its files under `dir`: the cubin where the artifact has
+    /// one (nothing for the driver to compile, and no PTX version it could refuse), else PTX.
     pub fn new(dir: &Path, plan: &GpuPlan) -> Result<Self> {
-        let ptx = plan.kernels.iter().map(|k| {
-            let path = k
-                .ptx
-                .as_ref()
-                .ok_or_else(|| RuntimeError::Artifact(format!("kernel {} has no PTX", k.name)))?;
-            let text =
-                std::fs::read_to_string(dir.join(path)).map_err(|e| RuntimeError::Artifact(format!("{path}: {e}")))?;
-            Ok((k.name.clone(), text))
+        let modules = plan.kernels.iter().map(|k| {
+            let read = |path: &String| {
+                std::fs::read(dir.join(path)).map_err(|e| RuntimeError::Artifact(format!("{path}: {e}")))
+            };
+            let module = match (&k.cubin, &k.ptx) {
+                (Some(cubin), _) => Ptx::from_binary(read(cubin)?),
+                (None, Some(ptx)) => Ptx::from_src(
+                    String::from_utf8(read(ptx)?).map_err(|e| RuntimeError::Artifact(format!("{ptx}: {e}")))?,
+                ),
+                (None, None) => return Err(RuntimeError::Artifact(format!("kernel {} has no PTX", k.name))),
+            };
+            Ok((k.name.clone(), module))
         });
-        Self::load(ptx.collect::<Result<Vec<_>>>()?)
+        Self::load(modules.collect::<Result<Vec<_>>>()?)
     }
 
-    /// Compile DSL `kernels` with NVRTC for `arch` (e.g. `sm_90a`) and load them.
+    /// Compile DSL `kernels` with NVRTC into cubins for `arch` (e.g. `sm_90a`) and load them.
     pub fn compile(kernels: &[kernels_gen::dsl::Kernel], arch: &str) -> Result<Self> {
-        let ptx = kernels.iter().map(|k| {
+        let modules = kernels.iter().map(|k| {
             let source = kernels_gen::cuda::emit(k);
-            codegen::nvrtc::compile_ptx(&k.name, &source, arch)
-                .map(|ptx| (k.name.clone(), ptx))
+            codegen::nvrtc::compile_cubin(&k.name, &source, arch)
+                .map(|(cubin, _)| (k.name.clone(), Ptx::from_binary(cubin)))
                 .map_err(|e| RuntimeError::Artifact(e.to_string()))
         });
-        Self::load(ptx.collect::<Result<Vec<_>>>()?)
+        Self::load(modules.collect::<Result<Vec<_>>>()?)
     }
 
-    /// Load kernels given as (name, PTX).
-    fn load(ptx: Vec<(String, String)>) -> Result<Self> {
+    /// Load kernels given as (name, module image).
+    fn load(modules: Vec<(String, Ptx)>) -> Result<Self> {
         if !driver_present() {
             return Err(RuntimeError::NoCudaDriver);
         }
@@ -89,8 +96,8 @@ impl CudaDevice {
         // Graphs are captured from a stream of our own: the legacy default stream cannot be.
         let stream = ctx.new_stream().map_err(driver)?;
         let mut functions = HashMap::new();
-        for (name, text) in ptx {
-            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_src(text)).map_err(driver)?;
+        for (name, image) in modules {
+            let module = ctx.load_module(image).map_err(driver)?;
             functions.insert(name.clone(), module.load_function(&name).map_err(driver)?);
         }
         Ok(Self {

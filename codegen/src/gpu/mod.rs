@@ -105,6 +105,10 @@ pub struct KernelEntry {
     pub grid: String,
     pub source: String,
     pub ptx: Option<String>,
+    /// The cubin for the target's architecture, once compiled (loaded before the PTX: it needs
+    /// no compiling by the driver, which refuses PTX from a newer NVRTC than itself).
+    #[serde(default)]
+    pub cubin: Option<String>,
     /// Registers per thread on the target (ptxas), once compiled.
     pub registers: Option<u32>,
     /// The parameters in order: what each launch argument binds to.
@@ -306,6 +310,7 @@ fn build_program(
             grid: kernels_gen::cuda::grid_expr(&k),
             source: kernels_gen::cuda::emit(&k),
             ptx: None,
+            cubin: None,
             registers: None,
             params: k
                 .params
