@@ -5,8 +5,8 @@
 # Where cargo is present it builds bbc itself. A lent GPU machine has no Rust toolchain and no
 # network: there it runs the binary and the SmolLM2 file that `scripts/gpu-kit.sh` prepared
 # and that were carried over (BBC_BIN, BBC_MODEL; docs/gpu-results.md says how).
-#   1. picks the NVRTC that matches the driver (the system CUDA toolkit's before the PyPI
-#      wheel's: the driver refuses PTX from a newer NVRTC than itself);
+#   1. finds NVRTC: the system CUDA toolkit's first, then the PyPI wheel's (kernels load as
+#      cubins, which a driver older than the NVRTC accepts where it would refuse its PTX);
 #   2. `bbc compile --emit kernel-report`: SmolLM2 (bf16) compiled for the GPU's architecture,
 #      each kernel's registers and spills as ptxas reports them;
 #   3. `bbc gpu-check` (its sections: see `src/gpu_check/mod.rs`; extra arguments go to it,
