@@ -171,7 +171,11 @@ fn gpu_artifacts_carry_kernels_ptx_cubins_and_plan() {
             // The cubin: an ELF image of the target's machine code, naming the kernel.
             let cubin = std::fs::read(dir.join(k.cubin.as_ref().unwrap())).unwrap();
             assert_eq!(&cubin[..4], b"\x7fELF", "{}", k.name);
-            assert!(cubin.windows(k.name.len()).any(|w| w == k.name.as_bytes()), "{}", k.name);
+            assert!(
+                cubin.windows(k.name.len()).any(|w| w == k.name.as_bytes()),
+                "{}",
+                k.name
+            );
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
