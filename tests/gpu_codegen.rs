@@ -348,4 +348,14 @@ fn the_8b_shaped_serving_plan_holds_each_weight_once() {
         );
         assert!(plan.memory.conflict().is_none());
     }
+    // An embedding table and head past 2^31 elements would be indexed at wrapped 32-bit
+    // offsets: refused.
+    let huge = models::ModelConfig {
+        vocab_size: 600_000,
+        ..models::ModelConfig::llama3_8b()
+    };
+    let graph = models::lower_without_weights(&huge, options).unwrap();
+    let fused = passes::optimized(&graph, passes::CostModel::H200).unwrap();
+    let err = gpu::build(&fused, Target::H200, 512).unwrap_err().to_string();
+    assert!(err.contains("2457600000") && err.contains("32-bit"), "{err}");
 }

@@ -607,3 +607,21 @@ fn decode_timing_runs_every_batch_size_from_its_graph() {
     let too_long = DecodeRun { prompt: 60, ..run };
     assert!(time_decode(&exec, &too_long).is_err());
 }
+
+/// A KV pool past the kernels' 32-bit indices (`bbc serve --kv-blocks` too many) is refused
+/// before anything is uploaded, naming the problem.
+#[test]
+fn a_kv_pool_past_32_bit_indices_is_refused() {
+    let model = open("llama", ComputeDtype::F32);
+    let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
+    let cache = gpu::BatchedCache {
+        blocks: 1 << 24,
+        block_size: 16,
+    };
+    let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
+    let err = EmulatedBackend::emulated(plan, kernels, graph, &model.weights, &[], 64)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("32-bit indices"), "{err}");
+}

@@ -189,6 +189,19 @@ impl<D: PlanDevice> PlanExecutor<D> {
         int8: &[(String, Int8Rows)],
         context_length: usize,
     ) -> Result<Self> {
+        // A batched plan's cache is the block pool; a one-sequence plan's, its context.
+        let cache_rows = plan.batched.map_or(context_length, |c| c.blocks * c.block_size);
+        // Kernels index the cache with 32-bit integers (f32 elements): refuse before uploading.
+        if let Some(layout) = plan
+            .kv_cache
+            .iter()
+            .find(|l| cache_rows.saturating_mul(l.kv_dim) > i32::MAX as usize)
+        {
+            return Err(RuntimeError::Input(format!(
+                "a KV cache of {cache_rows} positions × {} values is past the kernels' 32-bit indices: ask for fewer blocks",
+                layout.kv_dim
+            )));
+        }
         let mut sizes = HashMap::new();
         let mut device_weights = HashMap::new();
         for w in &plan.weights {
@@ -225,8 +238,6 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 upload(&mut device, BufferKey::Constant(name.clone()), &bytes)?,
             );
         }
-        // A batched plan's cache is the block pool; a one-sequence plan's, its context.
-        let cache_rows = plan.batched.map_or(context_length, |c| c.blocks * c.block_size);
         let mut kv = HashMap::new();
         for layout in &plan.kv_cache {
             for value in [false, true] {

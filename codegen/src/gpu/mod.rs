@@ -296,11 +296,12 @@ fn build_program(
             _ => None,
         })
         .collect();
-    let weights = selected
+    let weights: Vec<WeightUse> = selected
         .weights
         .into_iter()
         .filter(|w| read.contains(&w.node))
         .collect();
+    check_index_range(&weights, &memory)?;
     let programs: Vec<Kernel> = kernels.iter().map(|(k, _)| k.clone()).collect();
     let kernels = kernels
         .into_iter()
@@ -348,6 +349,37 @@ fn build_program(
         batched,
     };
     Ok((plan, programs))
+}
+
+/// Kernels index with 32-bit integers: elements of dense weights and activations, bytes of
+/// block-quantized weights. A buffer past `i32::MAX` of them would be read at wrapped
+/// indices, so the plan is refused instead.
+fn check_index_range(weights: &[WeightUse], memory: &MemoryPlan) -> Result<(), GpuCodegenError> {
+    for w in weights {
+        let elements: usize = w.shape.iter().product();
+        let units = match kernels_gen::templates::quant::block_layout(w.dtype) {
+            Some((per_block, block_bytes)) => elements / per_block as usize * block_bytes as usize,
+            None => elements,
+        };
+        if units > i32::MAX as usize {
+            return Err(GpuCodegenError::Unsupported {
+                node: w.node,
+                op: "weight",
+                what: format!(
+                    "{} ({units} indexable units) is past the 32-bit indices kernels use",
+                    w.parts.join(" + ")
+                ),
+            });
+        }
+    }
+    if memory.arena_bytes / 4 > i32::MAX as usize {
+        return Err(GpuCodegenError::Unsupported {
+            node: 0,
+            op: "arena",
+            what: format!("{} bytes of activations is past 32-bit indices", memory.arena_bytes),
+        });
+    }
+    Ok(())
 }
 
 /// Every base activation node: its size at `max_tokens` rows and the launches that touch it.
