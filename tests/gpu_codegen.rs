@@ -90,15 +90,7 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
             }
             // Each weight is on the device once: read by a launch, and no part of a stack
             // (joined Q/K/V, gate/up) uploaded by itself as well.
-            let read: HashSet<usize> = plan
-                .launches
-                .iter()
-                .flat_map(|l| &l.args)
-                .filter_map(|a| match a {
-                    LaunchArg::Weight { node } => Some(*node),
-                    _ => None,
-                })
-                .collect();
+            let read = gpu::weights_read(&plan.launches);
             let mut parts = HashSet::new();
             for w in &plan.weights {
                 assert!(

@@ -288,14 +288,7 @@ fn build_program(
     let memory = plan_memory(graph, &launches, &selected.views, max_tokens, &per_sequence);
     // A weight stacked into a joined one (Q/K/V, gate/up) is read through the stack alone:
     // keeping it as well would put it on the device twice.
-    let read: BTreeSet<usize> = launches
-        .iter()
-        .flat_map(|l| &l.args)
-        .filter_map(|a| match a {
-            LaunchArg::Weight { node } => Some(*node),
-            _ => None,
-        })
-        .collect();
+    let read = weights_read(&launches);
     let weights: Vec<WeightUse> = selected
         .weights
         .into_iter()
@@ -349,6 +342,18 @@ fn build_program(
         batched,
     };
     Ok((plan, programs))
+}
+
+/// The weight nodes `launches` read.
+pub fn weights_read(launches: &[Launch]) -> BTreeSet<usize> {
+    launches
+        .iter()
+        .flat_map(|l| &l.args)
+        .filter_map(|a| match a {
+            LaunchArg::Weight { node } => Some(*node),
+            _ => None,
+        })
+        .collect()
 }
 
 /// Kernels index with 32-bit integers: elements of dense weights and activations, bytes of
