@@ -1,7 +1,8 @@
-//! One serving step of the CPU backend at several batch sizes (SmolLM2, native Q4_1): decode
-//! steps of 1, 4, 16 and 64 sequences over a paged KV cache holding 64 positions each, and one
-//! 128-token prefill chunk. Prints time per step and tokens per second, and each batch's
-//! speed-up over batch 1 measured in the same run. `cargo bench --bench batched_step`.
+//! One serving step of the CPU backend at several batch sizes (SmolLM2 native Q4_1, or the
+//! model `BBC_BENCH_MODEL` names, e.g. `gemma3-270m`): decode steps of 1, 4, 16 and 64
+//! sequences over a paged KV cache holding 64 positions each, and one 128-token prefill chunk.
+//! Prints time per step and tokens per second, and each batch's speed-up over batch 1 measured
+//! in the same run. `cargo bench --bench batched_step`.
 
 use models::{LogitsFor, Model, ModelSpec};
 use runtime::kv::{BlockId, Segment};
@@ -12,8 +13,10 @@ const CONTEXT: usize = 64;
 const BLOCK: usize = 16;
 
 fn main() {
-    let path = bbc::fetch::ensure(bbc::fetch::known("smollm2").expect("known"), true).expect("fetching smollm2");
-    let model = Model::open(ModelSpec::for_weights(&path)).expect("opening smollm2");
+    let name = std::env::var("BBC_BENCH_MODEL").unwrap_or_else(|_| "smollm2".into());
+    let known = bbc::fetch::known(&name).unwrap_or_else(|| panic!("`{name}` is not a model bbc fetches"));
+    let path = bbc::fetch::ensure(known, true).expect("fetching the model");
+    let model = Model::open(ModelSpec::for_weights(&path)).expect("opening the model");
     let graph = passes::optimized(&model.lower(LogitsFor::LastToken).unwrap(), passes::CostModel::CPU).unwrap();
     let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
     let blocks_per_seq = (CONTEXT + 1).div_ceil(BLOCK);
