@@ -7,8 +7,14 @@
 //! Values: matrices uniform in ±1/√cols (activations keep their scale through a matmul), vectors
 //! (norm gains) uniform in 1 ± 0.1.
 
+use crate::error::{Result, RuntimeError};
+use crate::plan_exec::{DeviceArg, PlanDevice};
+use ir::{DType, Graph};
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::fill;
+
+/// Elements one fill launch makes: keeps its grid and indices far inside `i32`.
+const FILL_CHUNK: usize = 1 << 24;
 
 /// The fill kernels a device must have loaded for `PlanExecutor::with_generated_weights`.
 pub fn fill_kernels() -> Vec<Kernel> {
@@ -56,6 +62,67 @@ pub fn host_values(seed: u32, name: &str, shape: &[usize]) -> Vec<f32> {
     (0..elements as u32)
         .map(|i| fill::uniform(fill.seed, i, fill.offset, fill.scale))
         .collect()
+}
+
+/// A weight made on the device: each part (stacked by rows) filled by its own seed; the
+/// buffer and its size in bytes.
+pub(crate) fn make_weight<D: PlanDevice>(
+    device: &mut D,
+    graph: &Graph,
+    w: &codegen::gpu::WeightUse,
+    seed: u32,
+) -> Result<(D::Buffer, usize)> {
+    let (ty, width) = match w.dtype {
+        DType::F32 => (Ty::F32, 4),
+        DType::BF16 => (Ty::Bf16, 2),
+        other => {
+            return Err(RuntimeError::Weight(format!(
+                "weights made on the device are f32 or bf16, the plan wants {other}"
+            )))
+        }
+    };
+    let elements: usize = w.shape.iter().product();
+    let buffer = device.alloc(elements * width)?;
+    let mut at = 0;
+    for name in &w.parts {
+        let shape = graph
+            .nodes()
+            .iter()
+            .find_map(|n| match &n.op {
+                ir::Op::Weight { name: m } if m == name => Some(n.shape.resolve(0, 0)),
+                _ => None,
+            })
+            .ok_or_else(|| RuntimeError::Weight(format!("`{name}` is not a weight of the graph")))?;
+        let len: usize = shape.iter().product();
+        if at + len > elements || len > i32::MAX as usize {
+            return Err(RuntimeError::Weight(format!(
+                "`{name}` ({len} elements) does not fit its plan buffer"
+            )));
+        }
+        let fill = Fill::of(seed, name, &shape);
+        for first in (0..len).step_by(FILL_CHUNK) {
+            let n = FILL_CHUNK.min(len - first);
+            let bytes = (at + first) * width..(at + first + n) * width;
+            let args = [
+                DeviceArg::Buffer(&buffer, bytes),
+                DeviceArg::I32(n as i32),
+                DeviceArg::I32(first as i32),
+                DeviceArg::I32(fill.seed as i32),
+                DeviceArg::F32(fill.offset),
+                DeviceArg::F32(fill.scale),
+            ];
+            let block = kernels_gen::templates::BLOCK;
+            device.launch(fill_kernel(ty), n.div_ceil(block as usize) as u32, block, &args)?;
+        }
+        at += len;
+    }
+    if at != elements {
+        return Err(RuntimeError::Weight(format!(
+            "the parts of weight %{} hold {at} of its {elements} elements",
+            w.node
+        )));
+    }
+    Ok((buffer, elements * width))
 }
 
 /// FNV-1a: a name's seed, stable across runs and machines.

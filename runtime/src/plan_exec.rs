@@ -98,15 +98,13 @@ pub struct LaunchProfile {
     pub kernel: String,
     /// Device time, where the device measures it.
     pub seconds: Option<f64>,
-    /// Bytes of weights (and derived INT8 rows) the launch was given.
+    /// Bytes of weights (and derived INT8 rows) the launch reads: all it is given, but only
+    /// the gathered rows of an embedding table.
     pub weight_bytes: usize,
 }
 
 /// A step's scalars (`tokens`, `seqs`, ...) by name: what launch arguments are computed from.
 type StepScalars = HashMap<&'static str, Value>;
-
-/// Elements one fill launch makes: keeps its grid and indices far inside `i32`.
-const FILL_CHUNK: usize = 1 << 24;
 
 /// Everything the plan's launches point into.
 struct Buffers<B> {
@@ -212,7 +210,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
                     device.upload(&bytes)?
                 }
                 PlanWeights::Generated { seed } => {
-                    let (buffer, bytes) = generate_weight(&mut device, &graph, w, seed)?;
+                    let (buffer, bytes) = crate::generated::make_weight(&mut device, &graph, w, seed)?;
                     sizes.insert(BufferKey::Weight(w.node), bytes);
                     buffer
                 }
@@ -785,72 +783,6 @@ fn int8_tensors(rows: &Int8Rows) -> [(&'static str, Vec<u8>); 5] {
         ("quant_norm", f32s(&rows.quant_norm)),
         ("norm", f32s(&rows.norm)),
     ]
-}
-
-/// A weight made on the device: each part (stacked by rows) filled by its own seed; the
-/// buffer and its size in bytes.
-fn generate_weight<D: PlanDevice>(
-    device: &mut D,
-    graph: &Graph,
-    w: &codegen::gpu::WeightUse,
-    seed: u32,
-) -> Result<(D::Buffer, usize)> {
-    let (ty, width) = match w.dtype {
-        DType::F32 => (kernels_gen::dsl::Ty::F32, 4),
-        DType::BF16 => (kernels_gen::dsl::Ty::Bf16, 2),
-        other => {
-            return Err(RuntimeError::Weight(format!(
-                "weights made on the device are f32 or bf16, the plan wants {other}"
-            )))
-        }
-    };
-    let elements: usize = w.shape.iter().product();
-    let buffer = device.alloc(elements * width)?;
-    let mut at = 0;
-    for name in &w.parts {
-        let shape = graph
-            .nodes()
-            .iter()
-            .find_map(|n| match &n.op {
-                ir::Op::Weight { name: m } if m == name => Some(n.shape.resolve(0, 0)),
-                _ => None,
-            })
-            .ok_or_else(|| RuntimeError::Weight(format!("`{name}` is not a weight of the graph")))?;
-        let len: usize = shape.iter().product();
-        if at + len > elements || len > i32::MAX as usize {
-            return Err(RuntimeError::Weight(format!(
-                "`{name}` ({len} elements) does not fit its plan buffer"
-            )));
-        }
-        let fill = crate::generated::Fill::of(seed, name, &shape);
-        for first in (0..len).step_by(FILL_CHUNK) {
-            let n = FILL_CHUNK.min(len - first);
-            let bytes = (at + first) * width..(at + first + n) * width;
-            let args = [
-                DeviceArg::Buffer(&buffer, bytes),
-                DeviceArg::I32(n as i32),
-                DeviceArg::I32(first as i32),
-                DeviceArg::I32(fill.seed as i32),
-                DeviceArg::F32(fill.offset),
-                DeviceArg::F32(fill.scale),
-            ];
-            let block = kernels_gen::templates::BLOCK;
-            device.launch(
-                crate::generated::fill_kernel(ty),
-                n.div_ceil(block as usize) as u32,
-                block,
-                &args,
-            )?;
-        }
-        at += len;
-    }
-    if at != elements {
-        return Err(RuntimeError::Weight(format!(
-            "the parts of weight %{} hold {at} of its {elements} elements",
-            w.node
-        )));
-    }
-    Ok((buffer, elements * width))
 }
 
 /// A weight as the kernels read it: the parts stacked by rows, converted to `dtype` (f32, bf16)
