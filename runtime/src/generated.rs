@@ -94,26 +94,12 @@ pub(crate) fn make_weight<D: PlanDevice>(
             })
             .ok_or_else(|| RuntimeError::Weight(format!("`{name}` is not a weight of the graph")))?;
         let len: usize = shape.iter().product();
-        if at + len > elements || len > i32::MAX as usize {
+        if at + len > elements {
             return Err(RuntimeError::Weight(format!(
                 "`{name}` ({len} elements) does not fit its plan buffer"
             )));
         }
-        let fill = Fill::of(seed, name, &shape);
-        for first in (0..len).step_by(FILL_CHUNK) {
-            let n = FILL_CHUNK.min(len - first);
-            let bytes = (at + first) * width..(at + first + n) * width;
-            let args = [
-                DeviceArg::Buffer(&buffer, bytes),
-                DeviceArg::I32(n as i32),
-                DeviceArg::I32(first as i32),
-                DeviceArg::I32(fill.seed as i32),
-                DeviceArg::F32(fill.offset),
-                DeviceArg::F32(fill.scale),
-            ];
-            let block = kernels_gen::templates::BLOCK;
-            device.launch(fill_kernel(ty), n.div_ceil(block as usize) as u32, block, &args)?;
-        }
+        fill_on_device(device, &buffer, at * width, len, ty, Fill::of(seed, name, &shape))?;
         at += len;
     }
     if at != elements {
@@ -123,6 +109,39 @@ pub(crate) fn make_weight<D: PlanDevice>(
         )));
     }
     Ok((buffer, elements * width))
+}
+
+/// Fill `elements` elements of type `ty` (f32 or bf16) of `buffer` from byte `at` as `fill`
+/// says (element `i` is [`uniform`](fill::uniform)'s value at index `i`), in launches of at
+/// most [`FILL_CHUNK`] elements. The device must have loaded [`fill_kernels`].
+pub fn fill_on_device<D: PlanDevice>(
+    device: &mut D,
+    buffer: &D::Buffer,
+    at: usize,
+    elements: usize,
+    ty: Ty,
+    fill: Fill,
+) -> Result<()> {
+    if elements > i32::MAX as usize {
+        return Err(RuntimeError::Weight(format!(
+            "{elements} elements are past the fill kernel's 32-bit indices"
+        )));
+    }
+    let width = if ty == Ty::Bf16 { 2 } else { 4 };
+    let block = kernels_gen::templates::BLOCK;
+    for first in (0..elements).step_by(FILL_CHUNK) {
+        let n = FILL_CHUNK.min(elements - first);
+        let args = [
+            DeviceArg::Buffer(buffer, at + first * width..at + (first + n) * width),
+            DeviceArg::I32(n as i32),
+            DeviceArg::I32(first as i32),
+            DeviceArg::I32(fill.seed as i32),
+            DeviceArg::F32(fill.offset),
+            DeviceArg::F32(fill.scale),
+        ];
+        device.launch(fill_kernel(ty), n.div_ceil(block as usize) as u32, block, &args)?;
+    }
+    Ok(())
 }
 
 /// FNV-1a: a name's seed, stable across runs and machines.

@@ -60,7 +60,10 @@ pub fn graph_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
     let mut spec = ModelSpec::for_weights(&fixtures.join("llama"));
     spec.dtype = ComputeDtype::Bf16;
     let model = Model::open(spec)?;
-    let graph = passes::optimized(&model.lower(LogitsFor::LastToken)?, passes::CostModel::H200)?;
+    let graph = passes::optimized(
+        &model.lower(LogitsFor::LastToken)?,
+        crate::model_ref::cost_model(target),
+    )?;
     let (sequences, steps) = (8usize, 32usize);
     let cache = gpu::BatchedCache {
         blocks: sequences * (steps + 4).div_ceil(4),

@@ -1,5 +1,5 @@
 //! A Llama-8B-shaped model (`ModelConfig::llama3_8b`) on the GPU, with random bf16 weights
-//! (no download): its matmuls timed alone at batch 1, 16 and 64, then whole decode steps as
+//! made on the device (no download): its matmuls timed alone at batch 1, 16 and 64, then whole decode steps as
 //! `bbc serve` runs them. Issue [4]'s target: batch-1 decode at 70% or more of the copy
 //! bandwidth (weight bytes per step over time per step).
 
@@ -11,8 +11,8 @@ use kernels_gen::templates::gemv::{gemv, GemvSpec};
 use kernels_gen::templates::prefill_gemm;
 use kernels_gen::templates::quant::WeightFormat;
 use models::{ComputeDtype, LogitsFor};
-use rayon::prelude::*;
 use runtime::cuda::CudaDevice;
+use runtime::generated::{fill_kernels, fill_on_device, Fill};
 use runtime::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
 
 /// Whole decode steps of a Llama-8B-shaped model with bf16 weights made on the device: the
@@ -108,7 +108,7 @@ const SHAPES: [(&str, usize, usize, usize); 5] = [
 
 /// Time every shape's matmul alone at batch 1 (the decode GEMV), 16 and 64 (the tensor-core
 /// GEMM, and the 4-tokens-per-pass GEMV for comparison); the table as markdown, with the step
-/// the matmuls alone would add up to (the whole step is `llama_8b_decode`'s).
+/// the matmuls alone would add up to (the whole step is [`decode`]'s).
 pub fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
     let decode = |k: usize| gemv("gemv", "gpu-check", GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k));
     let mut table = String::from(
@@ -130,9 +130,12 @@ pub fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
             prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), k, "gemm", "gpu-check")
                 .ok_or_else(|| anyhow!("a bf16 GEMM"))?,
         ];
-        let mut device = CudaDevice::compile(&kernels, arch)?;
-        let w = device.upload(&random_bf16(n * k, n as u64))?;
-        let x = device.upload(&random_f32(64 * k, k as u64))?;
+        let mut device = CudaDevice::compile(&[kernels.clone(), fill_kernels()].concat(), arch)?;
+        // Random weights and activations (never zeros: they can run faster than real data).
+        let w = device.alloc(n * k * 2)?;
+        fill_on_device(&mut device, &w, 0, n * k, Ty::Bf16, Fill::of(1, name, &[n, k]))?;
+        let x = device.alloc(64 * k * 4)?;
+        fill_on_device(&mut device, &x, 0, 64 * k, Ty::F32, Fill::of(2, name, &[64, k]))?;
         let out = device.alloc(64 * n * 4)?;
         for (batch, kernel) in [
             (1, "gemv"),
@@ -194,40 +197,4 @@ fn grid_of(kernel: &Kernel, batch: usize, n: usize, k: usize) -> Result<u32> {
         expr::Value::Int(blocks) => Ok(blocks as u32),
         other => Err(anyhow!("grid of {}: {other:?}", kernel.name)),
     }
-}
-
-fn random_bits(len: usize, seed: u64, f: impl Fn(u64) -> [u8; 4] + Sync, width: usize) -> Vec<u8> {
-    let mut out = vec![0u8; len * width];
-    out.par_chunks_mut(1 << 20).enumerate().for_each(|(c, chunk)| {
-        let mut s = seed ^ (c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        for v in chunk.chunks_exact_mut(width) {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            v.copy_from_slice(&f(s)[..width]);
-        }
-    });
-    out
-}
-
-/// Uniform values in [-1, 1) as bf16.
-fn random_bf16(len: usize, seed: u64) -> Vec<u8> {
-    random_bits(
-        len,
-        seed | 1,
-        |s| {
-            let v = half::bf16::from_f32((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0).to_le_bytes();
-            [v[0], v[1], 0, 0]
-        },
-        2,
-    )
-}
-
-fn random_f32(len: usize, seed: u64) -> Vec<u8> {
-    random_bits(
-        len,
-        seed | 1,
-        |s| ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0).to_le_bytes(),
-        4,
-    )
 }
