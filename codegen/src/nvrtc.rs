@@ -1,8 +1,8 @@
 //! Compiling generated CUDA C with NVRTC (through cudarc, loaded at run time): PTX for the
 //! artifact (`compute_XXa`), and a cubin (`sm_XXa`, where ptxas runs, so invalid instructions
 //! fail and register use and spills are reported; the artifact keeps it too, and the CUDA
-//! backend loads it before the PTX). Results are cached on disk,
-//! keyed by source + options + architecture + NVRTC version.
+//! backend loads it before the PTX). PTX is cached on disk, keyed by source + options +
+//! architecture + NVRTC version.
 //!
 //! NVRTC comes from PyPI (`nvidia-cuda-nvrtc`); bbc looks for `libnvrtc.so.13` on the loader
 //! path, then under `$BBC_NVRTC_DIR`, then `$BBC_HOME/cuda/nvidia/cu13/lib`.

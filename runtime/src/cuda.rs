@@ -65,7 +65,7 @@ impl CudaDevice {
                 (None, Some(ptx)) => Ptx::from_src(
                     String::from_utf8(read(ptx)?).map_err(|e| RuntimeError::Artifact(format!("{ptx}: {e}")))?,
                 ),
-                (None, None) => return Err(RuntimeError::Artifact(format!("kernel {} has no PTX", k.name))),
+                (None, None) => return Err(RuntimeError::Artifact(format!("kernel {} has no cubin or PTX", k.name))),
             };
             Ok((k.name.clone(), module))
         });

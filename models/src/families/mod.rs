@@ -271,11 +271,13 @@ impl Builder<'_> {
         }
         let name = self.naming.output_norm();
         let x = self.rms_norm(x, name, config.hidden, config.rms_eps, norm_offset)?;
-        let untied = match self.weights {
+        // A file may leave the head out and mean the embedding; implied weights have every
+        // tensor the config names.
+        let has_head = match self.weights {
             Catalog::Source(weights) => weights.contains(self.naming.lm_head()),
             Catalog::Implied => true,
         };
-        let head = if config.tied_embeddings || !untied {
+        let head = if config.tied_embeddings || !has_head {
             self.naming.embedding()
         } else {
             self.naming.lm_head()
