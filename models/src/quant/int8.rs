@@ -35,13 +35,22 @@ impl Q8Row {
         self.d.clear();
         self.sum16.clear();
         self.dsum.clear();
+        #[cfg(target_arch = "x86_64")]
+        let avx2 = std::is_x86_feature_detected!("avx2");
+        #[cfg(not(target_arch = "x86_64"))]
+        let avx2 = false;
         for (xb, qb) in x.chunks_exact(ACT_BLOCK).zip(self.q.chunks_exact_mut(ACT_BLOCK)) {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-            for (q, &v) in qb.iter_mut().zip(xb) {
-                *q = (v * inv).round() as i8;
-            }
+            let xb: &[f32; ACT_BLOCK] = xb.try_into().expect("whole blocks");
+            let qb: &mut [i8; ACT_BLOCK] = qb.try_into().expect("whole blocks");
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the CPU has AVX2 where `avx2` is set.
+            let done = avx2 && unsafe { quantize_block_avx2(xb, qb) };
+            #[cfg(not(target_arch = "x86_64"))]
+            let done = avx2;
+            let d = match done {
+                true => block_scale(xb),
+                false => quantize_block(xb, qb),
+            };
             self.d.push(d);
             for half in qb.chunks_exact(16) {
                 self.sum16.push(half.iter().map(|&q| q as i32).sum());
@@ -50,6 +59,61 @@ impl Q8Row {
             self.dsum.push(d * (self.sum16[n - 2] + self.sum16[n - 1]) as f32);
         }
     }
+}
+
+/// A block's scale: `max|x| / 127` (NaNs ignored).
+fn block_scale(xb: &[f32; ACT_BLOCK]) -> f32 {
+    xb.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0
+}
+
+/// `q = round(x / d)`, halves away from zero; the scale `d`.
+fn quantize_block(xb: &[f32; ACT_BLOCK], qb: &mut [i8; ACT_BLOCK]) -> f32 {
+    let d = block_scale(xb);
+    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+    for (q, &v) in qb.iter_mut().zip(xb) {
+        *q = (v * inv).round() as i8;
+    }
+    d
+}
+
+/// [`quantize_block`] eight lanes at a time, bit for bit (halves rounded away from zero as
+/// `f32::round` does, not to even as the vector unit would); `false`, writing nothing, for a
+/// block holding a NaN or an infinity, which the scalar code handles.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_block_avx2(xb: &[f32; ACT_BLOCK], qb: &mut [i8; ACT_BLOCK]) -> bool {
+    use std::arch::x86_64::*;
+    // SAFETY: the block holds 32 f32 and `qb` 32 bytes; AVX2 is enabled for this function.
+    unsafe {
+        let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(xb.as_ptr().add(8 * i)));
+        let sign = _mm256_set1_ps(-0.0);
+        // An infinity or NaN anywhere: x − x is NaN exactly there.
+        let mut bad = _mm256_setzero_ps();
+        for x in v {
+            let zero_if_finite = _mm256_sub_ps(x, x);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(zero_if_finite, zero_if_finite, _CMP_UNORD_Q));
+        }
+        if _mm256_movemask_ps(bad) != 0 {
+            return false;
+        }
+        let d = block_scale(xb);
+        let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+        let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+        let q: [__m256i; 4] = std::array::from_fn(|i| {
+            let y = _mm256_mul_ps(v[i], inv);
+            let t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            // |y − trunc(y)| ≥ ½: one more step away from zero (the difference is exact).
+            let away = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(y, t)), half, _CMP_GE_OQ);
+            let step = _mm256_or_ps(_mm256_and_ps(y, sign), one);
+            _mm256_cvtps_epi32(_mm256_add_ps(t, _mm256_and_ps(away, step)))
+        });
+        // i32 → i16 → i8 saturating packs work within 128-bit lanes; put the lanes back in
+        // element order.
+        let packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        let ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256(qb.as_mut_ptr() as *mut __m256i, ordered);
+    }
+    true
 }
 
 /// A weight group and its activation group, with the weight group's scale and min.
@@ -265,6 +329,48 @@ impl UnpackedRow {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The vector quantizer gives the scalar one's bytes for random rows, rows whose scaled
+    /// values sit exactly on halves (where rounding to even would differ), zeros, and blocks
+    /// with NaNs and infinities.
+    #[test]
+    fn vector_quantization_equals_the_scalar_rounding() {
+        let mut rows: Vec<Vec<f32>> = (0..50)
+            .map(|r| {
+                (0..128)
+                    .map(|i| (((i * 7919 + r * 104729) % 2001) as f32 - 1000.0) * 0.0137 * (1 + r % 5) as f32)
+                    .collect()
+            })
+            .collect();
+        // max |x| = 127, so d = 1 and x / d = x: every value a tie.
+        let mut ties: Vec<f32> = (0..32).map(|i| i as f32 - 15.5).collect();
+        ties[31] = 127.0;
+        ties[30] = -126.5;
+        rows.push(ties.repeat(2));
+        rows.push(vec![0.0; 64]);
+        let mut odd = rows[0].clone();
+        odd[3] = f32::NAN;
+        odd[40] = f32::INFINITY;
+        odd[70] = f32::NEG_INFINITY;
+        rows.push(odd);
+        for x in &rows {
+            let got = Q8Row::quantize(x);
+            let mut want = Q8Row::default();
+            want.q = vec![0; x.len()];
+            for (xb, qb) in x.chunks_exact(ACT_BLOCK).zip(want.q.chunks_exact_mut(ACT_BLOCK)) {
+                want.d
+                    .push(quantize_block(xb.try_into().unwrap(), qb.try_into().unwrap()));
+            }
+            assert_eq!(got.q, want.q);
+            assert_eq!(
+                got.d.iter().map(|d| d.to_bits()).collect::<Vec<_>>(),
+                want.d.iter().map(|d| d.to_bits()).collect::<Vec<_>>()
+            );
+        }
+        // The ties went away from zero: -15.5 → -16, 0.5 → 1, -126.5 → -127.
+        let tied = Q8Row::quantize(&rows[50]);
+        assert_eq!((tied.q[0], tied.q[16], tied.q[30]), (-16, 1, -127));
+    }
 
     /// Random-looking but valid blocks: scales are small finite f16s.
     fn blocks(dtype: GgmlType, count: usize) -> Vec<u8> {
