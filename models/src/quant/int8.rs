@@ -355,8 +355,10 @@ mod tests {
         rows.push(odd);
         for x in &rows {
             let got = Q8Row::quantize(x);
-            let mut want = Q8Row::default();
-            want.q = vec![0; x.len()];
+            let mut want = Q8Row {
+                q: vec![0; x.len()],
+                ..Default::default()
+            };
             for (xb, qb) in x.chunks_exact(ACT_BLOCK).zip(want.q.chunks_exact_mut(ACT_BLOCK)) {
                 want.d
                     .push(quantize_block(xb.try_into().unwrap(), qb.try_into().unwrap()));
