@@ -9,12 +9,17 @@
 #      cubins, which a driver older than the NVRTC accepts where it would refuse its PTX);
 #   2. `bbc compile --emit kernel-report`: SmolLM2 (bf16) compiled for the GPU's architecture,
 #      each kernel's registers and spills as ptxas reports them;
-#   3. `bbc gpu-check` (its sections: see `src/gpu_check/mod.rs`; extra arguments go to it,
-#      e.g. `--sections kernels,graphs`): copy bandwidth, every kernel of the tiny models
+#   3. `bbc gpu-check`, one process per section (`--sections a,b` picks them; see
+#      `src/gpu_check/mod.rs`), so that a kernel fault, which spoils its process's CUDA
+#      context, costs only its own section: copy bandwidth, every kernel of the tiny models
 #      against the emulator, SmolLM2 bf16 greedy tokens against the CPU backend and both timed,
-#      CUDA graphs against kernel-by-kernel launches, and last the Llama-8B-shaped decode table.
+#      CUDA graphs against kernel-by-kernel launches, the 8B-shaped matmuls, and last the
+#      Llama-8B-shaped decode table (run again with its prompts through the GEMV if it fails,
+#      in case the tensor-core GEMM is what failed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+sections="kernels,smollm2,graphs,matmuls,decode"
+if [ "${1:-}" = "--sections" ]; then sections="$2"; fi
 export BBC_HOME="${BBC_HOME:-$HOME/.cache/bbc}"
 target="${BBC_GPU_TARGET:-h200}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || { echo "no NVIDIA GPU here" >&2; exit 1; }
@@ -49,4 +54,15 @@ if [ -f "$model" ]; then
   printf '[model]\nweights = "%s"\ndtype = "bf16"\n' "$model" > "$work/model.toml"
   "$bbc" compile "$work/model.toml" --target "$target" -o "$work/gpu" --emit kernel-report
 fi
-"$bbc" gpu-check --target "$target" --model "$model" "$@"
+failed=""
+for section in ${sections//,/ }; do
+  echo; echo "== $section"
+  if "$bbc" gpu-check --target "$target" --model "$model" --sections "$section"; then continue; fi
+  failed="$failed $section"
+  if [ "$section" = decode ]; then
+    echo; echo "== decode again, prompts through the GEMV (15 rows a step)"
+    "$bbc" gpu-check --target "$target" --model "$model" --sections decode --decode-prefill-chunk 15 \
+      || failed="$failed decode-with-gemv-prefill"
+  fi
+done
+if [ -n "$failed" ]; then echo; echo "FAILED:$failed"; exit 1; fi

@@ -571,6 +571,7 @@ fn decode_timing_runs_every_batch_size_from_its_graph() {
         prompt: PREFILL_TOKENS + 4,
         batches: vec![1, 3],
         steps: 2,
+        prefill_chunk: 8,
     };
     let block_size = 4;
     let cache = gpu::BatchedCache {

@@ -18,6 +18,9 @@ pub struct DecodeRun {
     pub batches: Vec<usize>,
     /// Timed steps per batch size, after one untimed step (which captures the graph).
     pub steps: usize,
+    /// Prompt rows per prefill step, at most the plan's: below `PREFILL_TOKENS` the prompts
+    /// go through the GEMV, not the tensor-core GEMM (a fallback where that GEMM fails).
+    pub prefill_chunk: usize,
 }
 
 impl DecodeRun {
@@ -90,7 +93,7 @@ pub fn time_decode<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) -
     let cache = executor
         .batched_cache()
         .ok_or_else(|| RuntimeError::Artifact("decode timing needs a batched plan".into()))?;
-    let max_rows = executor.max_step_tokens().unwrap_or(1).max(1);
+    let max_rows = executor.max_step_tokens().unwrap_or(1).min(run.prefill_chunk).max(1);
     let per_sequence = run.positions_per_sequence().div_ceil(cache.block_size);
     let sequences = run.sequences();
     if sequences * per_sequence > cache.blocks || run.positions_per_sequence() > executor.context_length() {

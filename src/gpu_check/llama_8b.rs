@@ -17,7 +17,7 @@ use runtime::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
 
 /// Whole decode steps of a Llama-8B-shaped model with bf16 weights made on the device: the
 /// serving plan `bbc compile` writes for `target`, run as `bbc serve` runs it.
-pub fn decode(target: Target, arch: &str, bandwidth: f64) -> Result<()> {
+pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) -> Result<()> {
     use runtime::decode_timing::{time_decode, DecodeRun};
     let config = models::ModelConfig::llama3_8b();
     let options = models::LowerOptions {
@@ -30,6 +30,7 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64) -> Result<()> {
         prompt: 512,
         batches: vec![1, 16, 64],
         steps: 10,
+        prefill_chunk,
     };
     let block_size = 16;
     let cache = gpu::BatchedCache {
@@ -47,6 +48,9 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64) -> Result<()> {
         started.elapsed().as_secs_f64()
     );
     let timings = time_decode(&exec, &run)?;
+    if prefill_chunk < gpu::PREFILL_TOKENS {
+        println!("(prompts prefilled {prefill_chunk} rows a step: through the GEMV, not the tensor-core GEMM)");
+    }
     println!(
         "\n| Llama-8B-shaped decode, {}-token prompts | wall ms/step | tok/s | device ms/step | weight GB/step | weight GB/s (device) | % of copy bandwidth (device / wall) |",
         run.prompt

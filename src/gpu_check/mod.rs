@@ -38,6 +38,10 @@ pub struct GpuCheckArgs {
     /// what it is given in pieces, so a run may do some sections now and the rest later.
     #[arg(long, value_delimiter = ',', default_value = "kernels,smollm2,graphs,matmuls,decode")]
     pub sections: Vec<Section>,
+    /// Prompt rows per prefill step of the 8B-shaped decode (at most 512); under 16 the
+    /// prompts avoid the tensor-core GEMM, for a rerun where it failed.
+    #[arg(long, default_value_t = 512)]
+    pub decode_prefill_chunk: usize,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,7 +80,7 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
             Section::Smollm2 => smollm2_weights(&args.model).and_then(|model| smollm2::check(&model, target)),
             Section::Graphs => kernels::graph_check(target, arch, &args.fixtures),
             Section::Matmuls => llama_8b::matmul_timings(arch, bandwidth).map(|table| println!("\n{table}")),
-            Section::Decode => llama_8b::decode(target, arch, bandwidth),
+            Section::Decode => llama_8b::decode(target, arch, bandwidth, args.decode_prefill_chunk),
         };
         if let Err(e) = result {
             println!("\n{section:?} FAILED: {e:#}");
