@@ -182,7 +182,8 @@ fn gpu_artifacts_carry_the_batched_serving_plan() {
         return;
     }
     let (model, graph) = fused("smollm2", Target::H200, ComputeDtype::Native);
-    let serving = graph.clone();
+    // As `bbc compile` makes it: the logits graph with each sequence's argmax beside.
+    let serving = models::with_greedy_token(&graph).unwrap();
     let dir = std::env::temp_dir().join(format!("bbc-gpu-serving-{}", std::process::id()));
     let all = codegen::CompiledGraphs {
         logits: &graph,
@@ -209,6 +210,11 @@ fn gpu_artifacts_carry_the_batched_serving_plan() {
     assert!(plan.launches.iter().any(|l| l.args.iter().any(gather)));
     let per_sequence = gpu::per_sequence_nodes(&serving);
     assert!(!per_sequence.is_empty());
+    let next_token = plan.outputs.iter().find(|(name, _)| name == "next_token");
+    assert!(
+        next_token.is_some_and(|(_, node)| per_sequence.contains(node)),
+        "a per-sequence argmax"
+    );
     for l in plan.launches.iter().filter(|l| per_sequence.contains(&l.node)) {
         let rows = l.args.iter().find_map(|a| match a {
             LaunchArg::Scalar { name, value } if name == "tokens" || name == "rows" => Some(value.as_str()),
@@ -276,7 +282,7 @@ fn running_a_gpu_artifact_without_a_driver_says_so() {
     }
     let (model, graph) = fused("smollm2", Target::H200, ComputeDtype::Native);
     // The serving plan is built from the logits graph, as `bbc compile` builds it.
-    let serving = graph.clone();
+    let serving = models::with_greedy_token(&graph).unwrap();
     let dir = std::env::temp_dir().join(format!("bbc-gpu-nodriver-{}", std::process::id()));
     let all = codegen::CompiledGraphs {
         logits: &graph,

@@ -319,14 +319,19 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
 
 /// The serving engine (scheduler, block tables, prefix cache, sampling) on a batched GPU plan
 /// run by the emulator generates, for concurrent greedy requests sharing a prefix, exactly the
-/// tokens it generates on the CPU backend: `bbc serve` on a GPU artifact, without the GPU.
+/// tokens it generates on the CPU backend: `bbc serve` on a GPU artifact, without the GPU. With
+/// the serving plan `bbc compile` writes (`next_token` beside the logits), steps whose requests
+/// are all plain greedy read back only token ids; requests that want log-probabilities read the
+/// logits, with the same tokens.
 #[test]
 fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu() {
     use runtime::serving::{SchedulerConfig, ServingEngine};
     let model = open("llama", ComputeDtype::F32);
     let graph = model.lower(LogitsFor::AllTokens).unwrap();
-    // The serving plan `bbc compile` writes: each sequence's last row gathered before the head.
+    // The serving plan `bbc compile` writes: each sequence's last row gathered before the head,
+    // and its argmax as `next_token`.
     let gpu_graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
+    let gpu_graph = models::with_greedy_token(&gpu_graph).unwrap();
     // A token budget above the 32 rows the plan is built for: the engine lowers it to 32 for
     // the GPU backend (else its first step, four prompts at once, would be refused).
     let config = SchedulerConfig {
@@ -342,11 +347,6 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
         block_size: config.block_size,
     };
     let (plan, kernels) = gpu::build_batched(&gpu_graph, Target::H200, 32, cache).unwrap();
-    // Decode batches run as graphs, as `bbc serve` runs them on a GPU.
-    let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
-        .unwrap()
-        .capture_graphs_up_to(config.max_running);
-    let cpu = CpuBackend::new(graph, &model.weights, 64).unwrap();
     let prompts: Vec<Vec<u32>> = (0..5u32)
         .map(|i| {
             [9, 8, 7, 6, 5, 4, 3, 2]
@@ -355,20 +355,92 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
                 .collect()
         })
         .collect();
-    let mut on_gpu = ServingEngine::new(gpu, config);
+    let plain = runtime::SamplingParams::default();
+    let with_logprobs = runtime::SamplingParams {
+        logprobs: Some(2),
+        ..plain
+    };
+    let cpu = CpuBackend::new(graph, &model.weights, 64).unwrap();
     let mut on_cpu = ServingEngine::new(cpu, config);
-    let (gpu_tokens, cpu_tokens) = (serve_all(&mut on_gpu, &prompts), serve_all(&mut on_cpu, &prompts));
-    assert_eq!(gpu_tokens, cpu_tokens);
-    assert!(
-        on_gpu.scheduler().prefix_cache_stats().hit > 0,
-        "the shared prefix was reused"
-    );
-    assert_eq!(on_gpu.scheduler().used_blocks(), 0);
+    let want = serve_all(&mut on_cpu, &prompts, plain);
+    for (params, greedy_steps) in [(plain, true), (with_logprobs, false)] {
+        // Decode batches run as graphs, as `bbc serve` runs them on a GPU.
+        let gpu = EmulatedBackend::emulated(
+            plan.clone(),
+            kernels.clone(),
+            gpu_graph.clone(),
+            &model.weights,
+            &[],
+            64,
+        )
+        .unwrap()
+        .capture_graphs_up_to(config.max_running);
+        let mut on_gpu = ServingEngine::new(Counted::new(gpu), config);
+        assert_eq!(serve_all(&mut on_gpu, &prompts, params), want, "{params:?}");
+        let (greedy, full) = on_gpu.backend().counts();
+        match greedy_steps {
+            true => assert!(greedy > 0 && full == 0, "{greedy} greedy steps, {full} with logits"),
+            false => assert!(greedy == 0 && full > 0, "{greedy} greedy steps, {full} with logits"),
+        }
+        assert!(
+            on_gpu.scheduler().prefix_cache_stats().hit > 0,
+            "the shared prefix was reused"
+        );
+        assert_eq!(on_gpu.scheduler().used_blocks(), 0);
+    }
 }
 
-/// Batched steps replayed from graphs (captured once per row count) give bit for bit what the
-/// same steps give launched kernel by kernel, though every replay has new ids, positions and
-/// block tables; steps above the graph limit launch one by one.
+/// A backend that counts the steps the engine ran with device-side greedy tokens and with
+/// logits.
+struct Counted<B> {
+    inner: B,
+    greedy: std::cell::Cell<usize>,
+    full: std::cell::Cell<usize>,
+}
+
+impl<B> Counted<B> {
+    fn new(inner: B) -> Self {
+        Self {
+            inner,
+            greedy: Default::default(),
+            full: Default::default(),
+        }
+    }
+
+    fn counts(&self) -> (usize, usize) {
+        (self.greedy.get(), self.full.get())
+    }
+}
+
+impl<B: runtime::serving::PagedBackend> runtime::serving::PagedBackend for Counted<B> {
+    type Pages = B::Pages;
+    fn new_pages(&self, block_size: usize) -> B::Pages {
+        self.inner.new_pages(block_size)
+    }
+    fn max_step_tokens(&self) -> Option<usize> {
+        self.inner.max_step_tokens()
+    }
+    fn step_batch(
+        &self,
+        pages: &mut B::Pages,
+        batch: &[runtime::kv::Segment],
+    ) -> runtime::Result<Vec<std::collections::HashMap<String, ir::Tensor>>> {
+        self.full.set(self.full.get() + 1);
+        self.inner.step_batch(pages, batch)
+    }
+    fn step_batch_greedy(
+        &self,
+        pages: &mut B::Pages,
+        batch: &[runtime::kv::Segment],
+    ) -> Option<runtime::Result<Vec<u32>>> {
+        let tokens = self.inner.step_batch_greedy(pages, batch);
+        if tokens.is_some() {
+            self.greedy.set(self.greedy.get() + 1);
+        }
+        tokens
+    }
+}
+
 #[test]
 fn batched_steps_replayed_as_graphs_match_launching_kernel_by_kernel() {
     use runtime::kv::BlockId;
@@ -410,8 +482,8 @@ fn batched_steps_replayed_as_graphs_match_launching_kernel_by_kernel() {
 fn serve_all<B: runtime::serving::PagedBackend>(
     engine: &mut runtime::serving::ServingEngine<B>,
     prompts: &[Vec<u32>],
+    params: runtime::SamplingParams,
 ) -> Vec<Vec<u32>> {
-    let params = runtime::SamplingParams::default();
     let ids: Vec<_> = prompts
         .iter()
         .map(|p| engine.add(p.clone(), 6, vec![], params).unwrap())
@@ -567,6 +639,7 @@ fn decode_timing_runs_every_batch_size_from_its_graph() {
         compute: ComputeDtype::Bf16,
     };
     let graph = fused_for(&models::lower_without_weights(&config, options).unwrap(), Target::H200);
+    let graph = models::with_greedy_token(&graph).unwrap();
     let run = DecodeRun {
         prompt: PREFILL_TOKENS + 4,
         batches: vec![1, 3],
@@ -585,13 +658,15 @@ fn decode_timing_runs_every_batch_size_from_its_graph() {
         .capture_graphs_up_to(3);
     let timings = time_decode(&exec, &run).unwrap();
     assert_eq!(timings.iter().map(|t| t.batch).collect::<Vec<_>>(), run.batches);
-    // Per batch size: one graph recorded, replayed for the untimed and the timed steps.
+    // Per batch size: one graph recorded, replayed for the untimed and the timed steps, those
+    // reading logits and those reading tokens.
     assert_eq!(
         exec.with_device(|d| d.graph_counts()).unwrap(),
-        (2 * (run.steps + 1), 2)
+        (2 * 2 * (run.steps + 1), 2)
     );
     for t in &timings {
         assert!(t.wall_seconds > 0.0 && t.device_seconds().is_some_and(|s| s > 0.0));
+        assert!(t.greedy_wall_seconds.is_some_and(|s| s > 0.0));
         let by_kernel = t.by_kernel();
         assert_eq!(by_kernel.iter().map(|k| k.launches).sum::<usize>(), t.launches.len());
         assert_eq!(

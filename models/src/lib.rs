@@ -13,7 +13,7 @@ pub mod weights;
 
 pub use config::{Family, ModelConfig};
 pub use error::{ModelError, Result};
-pub use families::{lower, lower_without_weights, ComputeDtype, LogitsFor, LowerOptions};
+pub use families::{lower, lower_without_weights, with_greedy_token, ComputeDtype, LogitsFor, LowerOptions};
 pub use model_toml::ModelSpec;
 pub use tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 pub use weights::{TensorView, WeightSource};

@@ -339,4 +339,7 @@ impl crate::serving::PagedBackend for CudaBackend {
     fn step_batch(&self, pages: &mut usize, batch: &[crate::kv::Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
         crate::serving::PagedBackend::step_batch(&self.0, pages, batch)
     }
+    fn step_batch_greedy(&self, pages: &mut usize, batch: &[crate::kv::Segment]) -> Option<Result<Vec<u32>>> {
+        crate::serving::PagedBackend::step_batch_greedy(&self.0, pages, batch)
+    }
 }

@@ -1,7 +1,8 @@
 //! Timing a batched plan's decode steps, as `bbc serve` runs them: sequences are prefilled,
 //! then each batch size decodes a few steps (one row per sequence, replayed from a CUDA graph
-//! where the executor captures them; ids written, each sequence's logits read back), and one
-//! more step runs kernel by kernel with every launch timed. Any device: the GPU check runs it on
+//! where the executor captures them; ids written, each sequence's logits read back), as many
+//! again reading back only token ids where the plan has `next_token` (what serving does when
+//! every request is greedy), and one more step runs kernel by kernel with every launch timed. Any device: the GPU check runs it on
 //! a Llama-8B-shaped model on the GPU, the tests on a tiny model on the emulator.
 
 use crate::error::{Result, RuntimeError};
@@ -24,9 +25,11 @@ pub struct DecodeRun {
 }
 
 impl DecodeRun {
-    /// Positions each sequence needs: its prompt and every step it may take part in.
+    /// Positions each sequence needs: its prompt and every step it may take part in (per
+    /// batch size, an untimed and `steps` timed steps reading logits, as many reading ids, and
+    /// the profiled one).
     pub fn positions_per_sequence(&self) -> usize {
-        self.prompt + self.batches.len() * (self.steps + 2)
+        self.prompt + self.batches.len() * (2 * (self.steps + 1) + 1)
     }
 
     /// Sequences the largest batch holds.
@@ -41,6 +44,8 @@ pub struct DecodeTiming {
     pub batch: usize,
     /// Wall time of a step as serving sees it (inputs written, launches, logits read back).
     pub wall_seconds: f64,
+    /// The same, reading back only each sequence's greedy token; where the plan has one.
+    pub greedy_wall_seconds: Option<f64>,
     /// Each launch of the profiled step.
     pub launches: Vec<LaunchProfile>,
 }
@@ -124,10 +129,11 @@ pub fn time_decode<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) -
             }])?;
         }
     }
+    let greedy = executor.has_greedy_tokens();
     let mut lengths = vec![run.prompt; sequences];
     let mut timings = Vec::new();
     for &batch in &run.batches {
-        let mut step = |profile: bool| -> Result<Vec<LaunchProfile>> {
+        let mut step = |read: Read| -> Result<Vec<LaunchProfile>> {
             let ids: Vec<[u32; 1]> = (0..batch).map(|s| [id(s, lengths[s])]).collect();
             let segments: Vec<Segment> = (0..batch)
                 .map(|s| Segment {
@@ -136,28 +142,45 @@ pub fn time_decode<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) -
                     ids: &ids[s],
                 })
                 .collect();
-            let launches = match profile {
-                true => executor.profile_step_batch(&segments)?,
-                false => {
-                    executor.step_batch_last_rows(&segments)?;
-                    Vec::new()
-                }
+            let launches = match read {
+                Read::Profile => executor.profile_step_batch(&segments)?,
+                Read::Logits => executor.step_batch_last_rows(&segments).map(|_| Vec::new())?,
+                Read::Tokens => match executor.step_batch_greedy_tokens(&segments) {
+                    Some(tokens) => tokens.map(|_| Vec::new())?,
+                    None => return Err(RuntimeError::Artifact("the plan has no `next_token`".into())),
+                },
             };
             lengths[..batch].iter_mut().for_each(|l| *l += 1);
             Ok(launches)
         };
-        step(false)?;
-        let started = std::time::Instant::now();
-        for _ in 0..run.steps {
-            step(false)?;
-        }
-        let wall_seconds = started.elapsed().as_secs_f64() / run.steps.max(1) as f64;
-        let launches = step(true)?;
+        let mut time = |read: Read| -> Result<f64> {
+            step(read)?;
+            let started = std::time::Instant::now();
+            for _ in 0..run.steps {
+                step(read)?;
+            }
+            Ok(started.elapsed().as_secs_f64() / run.steps.max(1) as f64)
+        };
+        let wall_seconds = time(Read::Logits)?;
+        let greedy_wall_seconds = match greedy {
+            true => Some(time(Read::Tokens)?),
+            false => None,
+        };
+        let launches = step(Read::Profile)?;
         timings.push(DecodeTiming {
             batch,
             wall_seconds,
+            greedy_wall_seconds,
             launches,
         });
     }
     Ok(timings)
+}
+
+/// What a timed step reads back.
+#[derive(Debug, Clone, Copy)]
+enum Read {
+    Logits,
+    Tokens,
+    Profile,
 }

@@ -348,14 +348,38 @@ impl<D: PlanDevice> PlanExecutor<D> {
     /// Process every segment's tokens in one batched step over the paged KV cache (a plan from
     /// `codegen::gpu::build_batched`); each segment's outputs (its rows), in order.
     pub fn step_batch(&self, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
-        self.step_batch_reading(batch, Rows::All)
+        self.step_batch_reading(batch, Rows::All, None)
     }
 
     /// Like `step_batch`, reading back only each segment's last row: what serving samples
     /// from, and a prefill chunk's logits are otherwise most of the bytes a step copies to
     /// the host.
     pub fn step_batch_last_rows(&self, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
-        self.step_batch_reading(batch, Rows::LastOfEachSegment)
+        self.step_batch_reading(batch, Rows::LastOfEachSegment, None)
+    }
+
+    /// Whether batched steps can read back each sequence's `next_token` alone.
+    pub fn has_greedy_tokens(&self) -> bool {
+        self.plan
+            .outputs
+            .iter()
+            .any(|(name, node)| name == "next_token" && self.per_sequence.contains(node))
+    }
+
+    /// Each segment's `next_token` (the argmax of its last logits row, on the device), the only
+    /// output read back: a serving plan from `models::with_greedy_token`. `None` for a plan
+    /// without a per-sequence `next_token`.
+    pub fn step_batch_greedy_tokens(&self, batch: &[Segment]) -> Option<Result<Vec<u32>>> {
+        if !self.has_greedy_tokens() {
+            return None;
+        }
+        let read = self.step_batch_reading(batch, Rows::LastOfEachSegment, Some("next_token"));
+        Some(read.map(|outputs| {
+            outputs
+                .iter()
+                .map(|o| o["next_token"].data.first().map_or(0, |&id| id as u32))
+                .collect()
+        }))
     }
 
     /// Run `batch` as [`step_batch`](Self::step_batch) does but kernel by kernel (no graph),
@@ -370,7 +394,13 @@ impl<D: PlanDevice> PlanExecutor<D> {
         Ok(profile)
     }
 
-    fn step_batch_reading(&self, batch: &[Segment], rows: Rows) -> Result<Vec<HashMap<String, Tensor>>> {
+    /// A batched step, reading back `rows` of every output, or of `only` that one.
+    fn step_batch_reading(
+        &self,
+        batch: &[Segment],
+        rows: Rows,
+        only: Option<&str>,
+    ) -> Result<Vec<HashMap<String, Tensor>>> {
         let mut state = self.lock()?;
         let (device, buffers) = &mut *state;
         let (segment_rows, vars) = self.write_batch(device, buffers, batch)?;
@@ -385,6 +415,9 @@ impl<D: PlanDevice> PlanExecutor<D> {
         let one_each: Vec<Range<usize>> = (0..batch.len()).map(|i| i..i + 1).collect();
         let mut per_segment = vec![HashMap::new(); batch.len()];
         for (name, node) in &self.plan.outputs {
+            if only.is_some_and(|o| o != name) {
+                continue;
+            }
             let wanted = match self.per_sequence.contains(node) {
                 true => &one_each,
                 false => &wanted,
@@ -823,12 +856,27 @@ impl<D: PlanDevice> crate::serving::PagedBackend for PlanExecutor<D> {
     }
 
     fn step_batch(&self, pages: &mut usize, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
+        // Serving samples from each segment's last row only.
+        self.check_block_size(*pages)?;
+        self.step_batch_last_rows(batch)
+    }
+
+    fn step_batch_greedy(&self, pages: &mut usize, batch: &[Segment]) -> Option<Result<Vec<u32>>> {
+        if let Err(e) = self.check_block_size(*pages) {
+            return Some(Err(e));
+        }
+        self.step_batch_greedy_tokens(batch)
+    }
+}
+
+impl<D: PlanDevice> PlanExecutor<D> {
+    /// The scheduler's blocks are the plan's.
+    fn check_block_size(&self, block_size: usize) -> Result<()> {
         match self.plan.batched {
-            // Serving samples from each segment's last row only.
-            Some(cache) if cache.block_size == *pages => self.step_batch_last_rows(batch),
+            Some(cache) if cache.block_size == block_size => Ok(()),
             Some(cache) => Err(RuntimeError::Artifact(format!(
-                "the plan's KV blocks hold {} positions, the scheduler's {}",
-                cache.block_size, pages
+                "the plan's KV blocks hold {} positions, the scheduler's {block_size}",
+                cache.block_size
             ))),
             None => Err(RuntimeError::Artifact(
                 "this plan runs one sequence; it has no batched steps".into(),

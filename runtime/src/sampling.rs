@@ -33,6 +33,12 @@ impl SamplingParams {
     fn penalises(&self) -> bool {
         self.presence_penalty != 0.0 || self.frequency_penalty != 0.0 || self.repetition_penalty != 1.0
     }
+
+    /// The token is the argmax of the logits as they are, and nothing else of them is wanted:
+    /// greedy, no penalties, no log-probabilities.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.temperature <= 0.0 && !self.penalises() && self.logprobs.is_none()
+    }
 }
 
 impl Default for SamplingParams {
@@ -130,13 +136,15 @@ impl TokenLogprobs {
 
 /// Index of the largest value; the lowest index among equals. NaN never wins.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
+    // The IR's `top_k` rule, which the GPU's top-k kernel follows too: NaN counts as −∞, ties
+    // go to the lowest index (so a row of NaNs and −∞ gives 0).
+    let mut best = (0, f32::NEG_INFINITY);
     for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] || logits[best].is_nan() {
-            best = i;
+        if v > best.1 {
+            best = (i, v);
         }
     }
-    best as u32
+    best.0 as u32
 }
 
 impl Sampler {

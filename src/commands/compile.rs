@@ -75,14 +75,16 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     }
     // GPU targets also get the batched serving plan, over the same logits graph: in a batched
     // step its `last_token` gathers each sequence's last row before the final norm and head.
+    // It also outputs each sequence's argmax, read back instead of the logits when every
+    // request of a step decodes greedily.
     let serving = match target {
         Target::Cpu => None,
-        _ => Some(fused),
+        _ => Some(models::with_greedy_token(fused)?),
     };
     let graphs = codegen::CompiledGraphs {
         logits: fused,
         greedy: greedy.as_ref(),
-        serving,
+        serving: serving.as_ref(),
     };
     let manifest = codegen::compile(&loaded.model, graphs, target, args.output)?;
     if args.emit == Some("kernel-report") {

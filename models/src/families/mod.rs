@@ -95,6 +95,21 @@ fn build(config: &ModelConfig, weights: Catalog<'_>, options: LowerOptions) -> R
     Ok(b.graph)
 }
 
+/// `graph` (with a `logits` output) that also outputs `next_token`, the argmax of each logits
+/// row: what serving on a GPU reads back when every request of a step decodes greedily, ids
+/// instead of vocabulary-wide rows.
+pub fn with_greedy_token(graph: &Graph) -> Result<Graph> {
+    let mut g = graph.clone();
+    let logits = g.output("logits").ok_or_else(|| ModelError::TensorShape {
+        name: "graph".into(),
+        what: "has no `logits` output".into(),
+    })?;
+    let next = g.add(Op::TopK { k: 1 }, &[logits]).map_err(graph_error)?;
+    g.set_output("next_token", next);
+    g.validate().map_err(graph_error)?;
+    Ok(g)
+}
+
 fn graph_error(e: ir::GraphError) -> ModelError {
     ModelError::TensorShape {
         name: "graph".into(),

@@ -24,6 +24,14 @@ pub trait PagedBackend {
     /// Process every segment's tokens in one pass; each segment's outputs by name, in order:
     /// per-token outputs with at least the segment's last row (the one sampled from).
     fn step_batch(&self, pages: &mut Self::Pages, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>>;
+    /// Like `step_batch`, but only each segment's greedy token (the argmax of its last row, by
+    /// [`crate::sampling::argmax`]'s rule) comes back, where the backend computes it itself (a
+    /// GPU serving plan with a `next_token` output: ids cross to the host rather than
+    /// vocabulary-wide rows, and no host thread scans them); `None`, running nothing, where it
+    /// does not.
+    fn step_batch_greedy(&self, _pages: &mut Self::Pages, _batch: &[Segment]) -> Option<Result<Vec<u32>>> {
+        None
+    }
 }
 
 impl PagedBackend for crate::CpuBackend {
@@ -72,6 +80,10 @@ impl<B: PagedBackend> ServingEngine<B> {
             scheduler: Scheduler::new(config),
             samplers: HashMap::new(),
         }
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
     }
 
     pub fn pages(&self) -> &B::Pages {
@@ -131,11 +143,30 @@ impl<B: PagedBackend> ServingEngine<B> {
                 ids: &w.tokens,
             })
             .collect();
-        let outputs = self.backend.step_batch(&mut self.pages, &batch)?;
-        for (work, outputs) in schedule.work.iter().zip(&outputs) {
-            let sampled = match work.samples {
-                true => Some(self.sample(work.seq, outputs)?),
-                false => None,
+        // Requests that take the argmax and want nothing else of the logits can have it
+        // computed by the backend.
+        let greedy = schedule
+            .work
+            .iter()
+            .filter(|w| w.samples)
+            .all(|w| self.samplers.get(&w.seq).is_some_and(|s| s.params().is_plain_greedy()));
+        let greedy_tokens = match greedy {
+            true => self.backend.step_batch_greedy(&mut self.pages, &batch).transpose()?,
+            false => None,
+        };
+        let outputs = match greedy_tokens {
+            Some(_) => Vec::new(),
+            None => self.backend.step_batch(&mut self.pages, &batch)?,
+        };
+        for (i, work) in schedule.work.iter().enumerate() {
+            let sampled = match (work.samples, &greedy_tokens) {
+                (false, _) => None,
+                (true, Some(tokens)) => Some(Sampled {
+                    seq: work.seq,
+                    token: tokens[i],
+                    logprobs: None,
+                }),
+                (true, None) => Some(self.sample(work.seq, &outputs[i])?),
             };
             let token = sampled.as_ref().map(|s| s.token);
             out.tokens.extend(sampled);
