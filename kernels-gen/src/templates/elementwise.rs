@@ -1,7 +1,7 @@
 //! Fused elementwise ops: the IR's expression tree becomes one expression of one kernel, a
 //! thread per element (memory-bound; one pass over the inputs and the output).
 
-use super::{blocks_for, BLOCK};
+use super::{blocks_for, per_element, BLOCK};
 use crate::dsl::*;
 use ir::Expr as IrExpr;
 
@@ -47,16 +47,13 @@ pub fn elementwise(name: &str, origin: &str, expr: &IrExpr) -> Kernel {
         shared: vec![],
         block_dim: BLOCK,
         grid: blocks_for(var("n"), BLOCK as i64),
-        body: vec![
-            let_("i", Ty::I32, bid() * bdim() + tid()),
-            if_(
-                bin(BinOp::Lt, var("i"), var("n")),
-                vec![
-                    let_("t", Ty::I32, var("i") / var("width")),
-                    let_("j", Ty::I32, bin(BinOp::Rem, var("i"), var("width"))),
-                    store("out", var("i"), lower(expr)),
-                ],
-            ),
-        ],
+        body: per_element(
+            var("n"),
+            vec![
+                let_("t", Ty::I32, var("i") / var("width")),
+                let_("j", Ty::I32, bin(BinOp::Rem, var("i"), var("width"))),
+                store("out", var("i"), lower(expr)),
+            ],
+        ),
     }
 }

@@ -4,7 +4,7 @@
 //! otherwise be made on the host and copied); [`uniform`] is the same function on the host, so
 //! a test can hold the very weights the device made. A thread per element.
 
-use super::{blocks_for, BLOCK};
+use super::{blocks_for, per_element, BLOCK};
 use crate::dsl::*;
 
 /// The golden-ratio multiplier that spreads consecutive seeds over the hash's input.
@@ -36,40 +36,36 @@ pub fn fill_uniform(name: &str, origin: &str, ty: Ty) -> Kernel {
         shared: vec![],
         block_dim: BLOCK,
         grid: blocks_for(var("n"), BLOCK as i64),
-        body: vec![
-            let_("i", Ty::I32, bid() * bdim() + tid()),
-            if_(
-                lt(var("i"), var("n")),
-                vec![
-                    let_(
-                        "h",
-                        Ty::U32,
-                        bin(
-                            BinOp::BitXor,
-                            cast(Ty::U32, var("base") + var("i")),
-                            cast(Ty::U32, var("seed")) * u32_of(SEED_SPREAD),
-                        ),
+        body: per_element(
+            var("n"),
+            vec![
+                let_(
+                    "h",
+                    Ty::U32,
+                    bin(
+                        BinOp::BitXor,
+                        cast(Ty::U32, var("base") + var("i")),
+                        cast(Ty::U32, var("seed")) * u32_of(SEED_SPREAD),
                     ),
-                    xor_shift(16),
-                    assign("h", h() * u32_of(MIX[0])),
-                    xor_shift(15),
-                    assign("h", h() * u32_of(MIX[1])),
-                    xor_shift(16),
-                    // The top 24 bits: exact in f32.
-                    let_(
-                        "u",
-                        Ty::F32,
-                        cast(Ty::F32, cast(Ty::I32, bin(BinOp::Shr, h(), cast(Ty::U32, int(8)))))
-                            * f(1.0 / 16_777_216.0),
-                    ),
-                    store(
-                        "out",
-                        var("i"),
-                        var("offset") + var("scale") * (var("u") * f(2.0) - f(1.0)),
-                    ),
-                ],
-            ),
-        ],
+                ),
+                xor_shift(16),
+                assign("h", h() * u32_of(MIX[0])),
+                xor_shift(15),
+                assign("h", h() * u32_of(MIX[1])),
+                xor_shift(16),
+                // The top 24 bits: exact in f32.
+                let_(
+                    "u",
+                    Ty::F32,
+                    cast(Ty::F32, cast(Ty::I32, bin(BinOp::Shr, h(), cast(Ty::U32, int(8))))) * f(1.0 / 16_777_216.0),
+                ),
+                store(
+                    "out",
+                    var("i"),
+                    var("offset") + var("scale") * (var("u") * f(2.0) - f(1.0)),
+                ),
+            ],
+        ),
     }
 }
 

@@ -3,7 +3,7 @@
 //! `last_token`, one row per sequence) so that the final norm and the LM head run on those rows
 //! only. A thread per element (memory-bound; the rows are few).
 
-use super::{blocks_for, BLOCK};
+use super::{blocks_for, per_element, BLOCK};
 use crate::dsl::*;
 
 pub fn gather_rows(name: &str, origin: &str) -> Kernel {
@@ -21,20 +21,17 @@ pub fn gather_rows(name: &str, origin: &str) -> Kernel {
         shared: vec![],
         block_dim: BLOCK,
         grid: blocks_for(var("rows") * var("width"), BLOCK as i64),
-        body: vec![
-            let_("i", Ty::I32, bid() * bdim() + tid()),
-            if_(
-                lt(var("i"), var("rows") * var("width")),
-                vec![
-                    let_("t", Ty::I32, var("i") / var("width")),
-                    let_("j", Ty::I32, rem(var("i"), var("width"))),
-                    store(
-                        "out",
-                        var("i"),
-                        load("src", load("index", var("t")) * var("src_stride") + var("j")),
-                    ),
-                ],
-            ),
-        ],
+        body: per_element(
+            var("rows") * var("width"),
+            vec![
+                let_("t", Ty::I32, var("i") / var("width")),
+                let_("j", Ty::I32, rem(var("i"), var("width"))),
+                store(
+                    "out",
+                    var("i"),
+                    load("src", load("index", var("t")) * var("src_stride") + var("j")),
+                ),
+            ],
+        ),
     }
 }

@@ -2,7 +2,7 @@
 //! a thread per output element.
 
 use super::elementwise::{gelu_tanh, silu};
-use super::{blocks_for, BLOCK};
+use super::{blocks_for, per_element, BLOCK};
 use crate::dsl::*;
 use ir::GluAct;
 
@@ -26,16 +26,13 @@ pub fn glu(name: &str, origin: &str, act: GluAct) -> Kernel {
         shared: vec![],
         block_dim: BLOCK,
         grid: blocks_for(var("tokens") * var("n"), BLOCK as i64),
-        body: vec![
-            let_("i", Ty::I32, bid() * bdim() + tid()),
-            if_(
-                bin(BinOp::Lt, var("i"), var("tokens") * var("n")),
-                vec![
-                    let_("t", Ty::I32, var("i") / var("n")),
-                    let_("j", Ty::I32, bin(BinOp::Rem, var("i"), var("n"))),
-                    store("out", var("i"), activated * up),
-                ],
-            ),
-        ],
+        body: per_element(
+            var("tokens") * var("n"),
+            vec![
+                let_("t", Ty::I32, var("i") / var("n")),
+                let_("j", Ty::I32, bin(BinOp::Rem, var("i"), var("n"))),
+                store("out", var("i"), activated * up),
+            ],
+        ),
     }
 }

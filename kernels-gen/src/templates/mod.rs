@@ -99,6 +99,15 @@ pub fn blocks_for(n: Expr, per_block: i64) -> Expr {
     (n + int(per_block - 1)) / int(per_block)
 }
 
+/// A thread per element: `i` is the thread's index in the grid, and `body` runs where
+/// `i < count` (the grid is `blocks_for(count, BLOCK)`).
+pub fn per_element(count: Expr, body: Vec<Stmt>) -> Vec<Stmt> {
+    vec![
+        let_("i", Ty::I32, bid() * bdim() + tid()),
+        if_(lt(var("i"), count), body),
+    ]
+}
+
 /// Sum `value` (an f32 local) across a warp with butterfly shuffles; every lane ends with it.
 pub fn warp_sum(value: &str) -> Vec<Stmt> {
     [16, 8, 4, 2, 1]
