@@ -1,8 +1,8 @@
 //! Compiling generated CUDA C with NVRTC (through cudarc, loaded at run time): PTX for the
 //! artifact (`compute_XXa`), and a cubin (`sm_XXa`, where ptxas runs, so invalid instructions
 //! fail and register use and spills are reported; the artifact keeps it too, and the CUDA
-//! backend loads it before the PTX). PTX is cached on disk, keyed by source + options +
-//! architecture + NVRTC version.
+//! backend loads it before the PTX). Both are cached on disk (the cubin with ptxas's log),
+//! keyed by source + options + architecture + NVRTC version.
 //!
 //! NVRTC comes from PyPI (`nvidia-cuda-nvrtc`); bbc looks for `libnvrtc.so.13` on the loader
 //! path, then under `$BBC_NVRTC_DIR`, then `$BBC_HOME/cuda/nvidia/cu13/lib`.
@@ -154,12 +154,22 @@ pub fn check_resources(kernel: &str, source: &str, arch: &str) -> Result<Resourc
 /// reported. A cubin loads without the driver compiling anything, so it also loads on a
 /// driver older than this NVRTC (within the CUDA major version), which refuses its PTX.
 pub fn compile_cubin(kernel: &str, source: &str, arch: &str) -> Result<(Vec<u8>, Resources), NvrtcError> {
-    ensure_loaded()?;
+    let version = ensure_loaded()?;
     let options = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".to_string(),
         "-Xptxas=-v".to_string(),
     ];
+    // Cached with ptxas's log, which the resources are read from.
+    let key = cache_key(source, &options, version);
+    let cached = cache_dir().and_then(|d| {
+        let cubin = std::fs::read(d.join(format!("{key}.cubin"))).ok()?;
+        let log = std::fs::read_to_string(d.join(format!("{key}.ptxas"))).ok()?;
+        Some((cubin, parse_resources(arch, &log)?))
+    });
+    if let Some(hit) = cached {
+        return Ok(hit);
+    }
     let (prog, log) = compile(kernel, source, &options)?;
     let resources = parse_resources(arch, &log)
         .ok_or_else(|| NvrtcError::Api(format!("no resource report in the ptxas log:\n{log}")))?;
@@ -174,6 +184,12 @@ pub fn compile_cubin(kernel: &str, source: &str, arch: &str) -> Result<(Vec<u8>,
     unsafe { sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr().cast()) }
         .result()
         .map_err(|e| NvrtcError::Api(format!("{e:?}")))?;
+    if let Some(dir) = cache_dir() {
+        // The log last: an entry counts only when both files are there.
+        let _ = std::fs::create_dir_all(&dir)
+            .and_then(|_| std::fs::write(dir.join(format!("{key}.cubin")), &cubin))
+            .and_then(|_| std::fs::write(dir.join(format!("{key}.ptxas")), &log));
+    }
     Ok((cubin, resources))
 }
 
