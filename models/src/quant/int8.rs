@@ -477,16 +477,22 @@ impl PackedDot {
 
     /// `out[t] = row · acts[t]` for a row of the length given to `new`.
     pub fn run(&self, row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
+        self.run_with(row, acts, out, &mut Vec::new())
+    }
+
+    /// As [`run`](Self::run); `scratch` holds the row's decoded blocks when enough activations
+    /// share it (reuse it across rows to spare the allocation).
+    pub fn run_with(&self, row: &[u8], acts: &[Q8Row], out: &mut [f32], scratch: &mut Vec<u8>) {
         #[cfg(target_arch = "x86_64")]
         match self.dtype {
-            GgmlType::Q4_0 => packed_avx2::run::<packed_avx2::Q4_0>(row, acts, out),
-            GgmlType::Q4_1 => packed_avx2::run::<packed_avx2::Q4_1>(row, acts, out),
-            GgmlType::Q5_0 => packed_avx2::run::<packed_avx2::Q5_0>(row, acts, out),
-            GgmlType::Q5_1 => packed_avx2::run::<packed_avx2::Q5_1>(row, acts, out),
-            _ => packed_avx2::run::<packed_avx2::Q8_0>(row, acts, out),
+            GgmlType::Q4_0 => packed_avx2::run::<packed_avx2::Q4_0>(row, acts, out, scratch),
+            GgmlType::Q4_1 => packed_avx2::run::<packed_avx2::Q4_1>(row, acts, out, scratch),
+            GgmlType::Q5_0 => packed_avx2::run::<packed_avx2::Q5_0>(row, acts, out, scratch),
+            GgmlType::Q5_1 => packed_avx2::run::<packed_avx2::Q5_1>(row, acts, out, scratch),
+            _ => packed_avx2::run::<packed_avx2::Q8_0>(row, acts, out, scratch),
         }
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = (row, acts, out);
+        let _ = (row, acts, out, scratch);
     }
 }
 
@@ -505,6 +511,11 @@ mod packed_avx2 {
     /// A 32-element block format: `y = d·w + offset` per element.
     pub trait Format {
         const BYTES: usize;
+        /// The block's scale `d` (an f16 in its first two bytes).
+        #[inline(always)]
+        unsafe fn scale(block: *const u8) -> f32 {
+            unsafe { f16_at(block, 0) }
+        }
         /// The 32 weights in element order: unsigned nibbles for Q4, signed bytes for Q8_0.
         unsafe fn weights(block: *const u8) -> __m256i;
         /// Pairwise `w·qx` sums as i16 (`pmaddubsw` wants its first operand unsigned, as the
@@ -630,7 +641,20 @@ mod packed_avx2 {
         }
     }
 
-    pub fn run<F: Format>(row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
+    /// From this many activations, a row's blocks are decoded once (into `scratch`) rather
+    /// than once per tile.
+    const DECODE_ONCE_FROM: usize = 2 * TILE;
+
+    pub fn run<F: Format>(row: &[u8], acts: &[Q8Row], out: &mut [f32], scratch: &mut Vec<u8>) {
+        if acts.len() < DECODE_ONCE_FROM {
+            return tiles::<F>(row, acts, out);
+        }
+        // SAFETY: as for `tile`: `PackedDot::new` checked the CPU's features.
+        unsafe { decode_row::<F>(row, scratch) };
+        tiles::<Decoded<F>>(scratch, acts, out);
+    }
+
+    fn tiles<F: Format>(row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
         for (acts, out) in acts.chunks(TILE).zip(out.chunks_mut(TILE)) {
             // SAFETY: `PackedDot::new` checked AVX2/FMA/F16C and that every activation covers
             // the row's blocks; the tile width is a constant so the accumulators stay in registers.
@@ -641,6 +665,51 @@ mod packed_avx2 {
                     3 => tile::<F, 3>(row, acts, out),
                     _ => tile::<F, TILE>(row, acts, out),
                 }
+            }
+        }
+    }
+
+    /// A block of format `F` decoded: its 32 weights as `F::weights` gives them, then its
+    /// scale and its offset coefficient as f32. The tile reads exactly the values it would
+    /// compute from the packed block, so results are bit for bit the same.
+    pub struct Decoded<F>(std::marker::PhantomData<F>);
+
+    const DECODED_BYTES: usize = 32 + 4 + 4;
+
+    impl<F: Format> Format for Decoded<F> {
+        const BYTES: usize = DECODED_BYTES;
+        #[inline(always)]
+        unsafe fn scale(block: *const u8) -> f32 {
+            unsafe { std::ptr::read_unaligned(block.add(32) as *const f32) }
+        }
+        #[inline(always)]
+        unsafe fn weights(block: *const u8) -> __m256i {
+            unsafe { _mm256_loadu_si256(block as *const __m256i) }
+        }
+        #[inline(always)]
+        unsafe fn products(w: __m256i, qx: __m256i) -> __m256i {
+            unsafe { F::products(w, qx) }
+        }
+        #[inline(always)]
+        unsafe fn offset(block: *const u8, _: f32) -> f32 {
+            unsafe { std::ptr::read_unaligned(block.add(36) as *const f32) }
+        }
+    }
+
+    /// Decode every block of `row` into `out` (`Decoded<F>`'s layout).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn decode_row<F: Format>(row: &[u8], out: &mut Vec<u8>) {
+        let blocks = row.len() / F::BYTES;
+        out.resize(blocks * DECODED_BYTES, 0);
+        for b in 0..blocks {
+            // SAFETY: block `b` lies within `row` and its decoded place within `out`.
+            unsafe {
+                let block = row.as_ptr().add(b * F::BYTES);
+                let at = out.as_mut_ptr().add(b * DECODED_BYTES);
+                let scale = F::scale(block);
+                _mm256_storeu_si256(at as *mut __m256i, F::weights(block));
+                std::ptr::write_unaligned(at.add(32) as *mut f32, scale);
+                std::ptr::write_unaligned(at.add(36) as *mut f32, F::offset(block, scale));
             }
         }
     }
@@ -666,7 +735,7 @@ mod packed_avx2 {
             // block `b` (32 quants, its scale and its d·Σq).
             unsafe {
                 let block = row.as_ptr().add(b * F::BYTES);
-                let scale = f16_at(block, 0);
+                let scale = F::scale(block);
                 let coef = F::offset(block, scale);
                 let w = F::weights(block);
                 for t in 0..N {
@@ -737,6 +806,8 @@ mod packed_tests {
 mod packed_many_tests {
     use super::*;
 
+    /// Up to 7 activations tile straight off the packed blocks, from 8 on the row is decoded
+    /// once first: both give each activation exactly its one-at-a-time result.
     #[test]
     fn many_rows_at_once_give_each_rows_single_result_exactly() {
         for dtype in super::packed_tests::PACKED {
@@ -748,7 +819,7 @@ mod packed_many_tests {
                     b[2..4].copy_from_slice(&half::f16::from_f32(0.05).to_le_bytes());
                 }
             }
-            let acts: Vec<Q8Row> = (0..6)
+            let acts: Vec<Q8Row> = (0..13)
                 .map(|s| {
                     Q8Row::quantize(
                         &(0..7 * elements)
@@ -764,10 +835,12 @@ mod packed_many_tests {
                 assert!(!std::is_x86_feature_detected!("avx2"), "{dtype:?} has no packed kernel");
                 continue;
             };
-            let mut many = vec![0f32; acts.len()];
-            kernel.run(&data, &acts, &mut many);
-            for (a, m) in acts.iter().zip(&many) {
-                assert_eq!(m.to_bits(), dot_packed(dtype, &data, a).unwrap().to_bits(), "{dtype:?}");
+            for count in [6, 13] {
+                let mut many = vec![0f32; count];
+                kernel.run(&data, &acts[..count], &mut many);
+                for (a, m) in acts.iter().zip(&many) {
+                    assert_eq!(m.to_bits(), dot_packed(dtype, &data, a).unwrap().to_bits(), "{dtype:?}");
+                }
             }
         }
     }

@@ -86,14 +86,14 @@ impl Matrix {
                     n,
                     tokens,
                     rows_per_task,
-                    |unpacked: &mut UnpackedRow, r, dst| {
+                    |(unpacked, decoded): &mut (UnpackedRow, Vec<u8>), r, dst| {
                         let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
                         // Dot the packed blocks directly where a kernel exists, else unpack the row
                         // once for every token. Either way a (row, token) product is computed the
                         // same whatever the step's token count: chunked prefill, decode and
                         // recomputation after preemption give bit-identical logits.
                         if let Some(packed) = packed {
-                            return packed.run(row, &acts, dst);
+                            return packed.run_with(row, &acts, dst, decoded);
                         }
                         unpacked.unpack(*dtype, row).expect("quantized storage");
                         unpacked.dot_many(&acts, dst);
