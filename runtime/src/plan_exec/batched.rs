@@ -1,0 +1,297 @@
+//! Batched steps of a plan from `codegen::gpu::build_batched`: rows of many sequences over one
+//! paged KV pool addressed by the scheduler's block tables; decode steps replayed as graphs;
+//! what serving reads back (each segment's last row, or only its greedy token).
+
+use super::{Buffers, LaunchProfile, PlanDevice, PlanExecutor, StepScalars};
+use crate::error::{Result, RuntimeError};
+use crate::kv::Segment;
+use codegen::gpu::expr::Value;
+use ir::{DType, Tensor};
+use std::collections::HashMap;
+use std::ops::Range;
+
+/// Which rows of a batched step's per-token outputs come back to the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rows {
+    All,
+    LastOfEachSegment,
+}
+
+impl<D: PlanDevice> PlanExecutor<D> {
+    /// Process every segment's tokens in one batched step over the paged KV cache (a plan from
+    /// `codegen::gpu::build_batched`); each segment's outputs (its rows), in order.
+    pub fn step_batch(&self, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
+        self.step_batch_reading(batch, Rows::All, None)
+    }
+
+    /// Like `step_batch`, reading back only each segment's last row: what serving samples
+    /// from, and a prefill chunk's logits are otherwise most of the bytes a step copies to
+    /// the host.
+    pub fn step_batch_last_rows(&self, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
+        self.step_batch_reading(batch, Rows::LastOfEachSegment, None)
+    }
+
+    /// Whether batched steps can read back each sequence's `next_token` alone.
+    pub fn has_greedy_tokens(&self) -> bool {
+        self.plan
+            .outputs
+            .iter()
+            .any(|(name, node)| name == "next_token" && self.per_sequence.contains(node))
+    }
+
+    /// Each segment's `next_token` (the argmax of its last logits row, on the device), the only
+    /// output read back: a serving plan from `models::with_greedy_token`. `None` for a plan
+    /// without a per-sequence `next_token`.
+    pub fn step_batch_greedy_tokens(&self, batch: &[Segment]) -> Option<Result<Vec<u32>>> {
+        if !self.has_greedy_tokens() {
+            return None;
+        }
+        let read = self.step_batch_reading(batch, Rows::LastOfEachSegment, Some("next_token"));
+        Some(read.map(|outputs| {
+            outputs
+                .iter()
+                .map(|o| o["next_token"].data.first().map_or(0, |&id| id as u32))
+                .collect()
+        }))
+    }
+
+    /// Run `batch` as [`step_batch`](Self::step_batch) does but kernel by kernel (no graph),
+    /// each launch timed where the device can; the step's launches in order. Reads nothing
+    /// back.
+    pub fn profile_step_batch(&self, batch: &[Segment]) -> Result<Vec<LaunchProfile>> {
+        let mut state = self.lock()?;
+        let (device, buffers) = &mut *state;
+        let (_, vars) = self.write_batch(device, buffers, batch)?;
+        let mut profile = Vec::with_capacity(self.plan.launches.len());
+        self.launch_all(device, buffers, &vars, Some(&mut profile))?;
+        Ok(profile)
+    }
+
+    /// A batched step, reading back `rows` of every output, or of `only` that one.
+    fn step_batch_reading(
+        &self,
+        batch: &[Segment],
+        rows: Rows,
+        only: Option<&str>,
+    ) -> Result<Vec<HashMap<String, Tensor>>> {
+        let mut state = self.lock()?;
+        let (device, buffers) = &mut *state;
+        let (segment_rows, vars) = self.write_batch(device, buffers, batch)?;
+        let tokens = segment_rows.last().map_or(0, |r| r.end);
+        self.launch_batched(device, buffers, &vars, tokens, batch.len())?;
+        // The rows read back: each segment's, or its last.
+        let wanted: Vec<Range<usize>> = match rows {
+            Rows::All => segment_rows,
+            Rows::LastOfEachSegment => segment_rows.iter().map(|r| r.end - 1..r.end).collect(),
+        };
+        // Per-sequence outputs (from `last_token` on) have row i for segment i.
+        let one_each: Vec<Range<usize>> = (0..batch.len()).map(|i| i..i + 1).collect();
+        let mut per_segment = vec![HashMap::new(); batch.len()];
+        for (name, node) in &self.plan.outputs {
+            if only.is_some_and(|o| o != name) {
+                continue;
+            }
+            let wanted = match self.per_sequence.contains(node) {
+                true => &one_each,
+                false => &wanted,
+            };
+            let width = self.graph.nodes()[*node]
+                .shape
+                .resolve(tokens, 0)
+                .last()
+                .copied()
+                .unwrap_or(1);
+            let data = self.read_rows(device, buffers, *node, width, wanted)?;
+            for ((range, out), data) in wanted.iter().zip(per_segment.iter_mut()).zip(data) {
+                out.insert(name.clone(), Tensor::new(vec![range.len(), width], data));
+            }
+        }
+        Ok(per_segment)
+    }
+
+    /// Check a batched step and write its inputs (ids, positions, block tables, rows); each
+    /// segment's rows of the step, and the launches' scalars.
+    fn write_batch(
+        &self,
+        device: &mut D,
+        buffers: &Buffers<D::Buffer>,
+        batch: &[Segment],
+    ) -> Result<(Vec<Range<usize>>, StepScalars)> {
+        let cache = self
+            .plan
+            .batched
+            .ok_or_else(|| RuntimeError::Artifact("this plan runs one sequence; it has no batched steps".into()))?;
+        let tokens: usize = batch.iter().map(|s| s.ids.len()).sum();
+        self.check_rows(tokens)?;
+        let (mut ids, mut positions) = (Vec::new(), Vec::new());
+        let (mut tables, mut row_table) = (Vec::new(), Vec::new());
+        // Each segment's rows of the step.
+        let mut segment_rows: Vec<Range<usize>> = Vec::with_capacity(batch.len());
+        for seg in batch {
+            let first = segment_rows.last().map_or(0, |r| r.end);
+            segment_rows.push(first..first + seg.ids.len());
+            if seg.ids.is_empty() || seg.end() > self.context_length {
+                return Err(RuntimeError::Input(format!(
+                    "a segment of {} tokens at {} does not fit a context of {}",
+                    seg.ids.len(),
+                    seg.start,
+                    self.context_length
+                )));
+            }
+            let blocks = seg.end().div_ceil(cache.block_size);
+            if seg.table.len() < blocks || seg.table[..blocks].iter().any(|b| b.0 as usize >= cache.blocks) {
+                return Err(RuntimeError::Input(format!(
+                    "a block table of {} blocks cannot hold {} positions in a pool of {}",
+                    seg.table.len(),
+                    seg.end(),
+                    cache.blocks
+                )));
+            }
+            ids.extend_from_slice(seg.ids);
+            positions.extend(seg.start..seg.end());
+            row_table.extend(std::iter::repeat_n(tables.len() as i32, seg.ids.len()));
+            tables.extend(seg.table[..blocks].iter().map(|b| b.0 as i32));
+        }
+        self.write_inputs(device, buffers, &ids, &positions)?;
+        let row_pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        // Each segment's last row, where per-sequence values (`last_token` on) gather from.
+        let last_rows: Vec<i32> = segment_rows.iter().map(|r| r.end as i32 - 1).collect();
+        for (name, values) in [
+            ("block_tables", &tables),
+            ("row_table", &row_table),
+            ("row_pos", &row_pos),
+            ("last_rows", &last_rows),
+        ] {
+            let buffer = buffers
+                .step_inputs
+                .get(name)
+                .ok_or_else(|| RuntimeError::Artifact(format!("no step input `{name}`")))?;
+            let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            device.write(buffer, 0, &bytes)?;
+        }
+        let vars = HashMap::from([
+            ("tokens", Value::Int(tokens as i64)),
+            ("seqs", Value::Int(batch.len() as i64)),
+            ("first", Value::Int(0)),
+            ("block_size", Value::Int(cache.block_size as i64)),
+        ]);
+        Ok((segment_rows, vars))
+    }
+
+    /// Rows `wanted` (ascending, disjoint) of `node`'s `width`-wide value, each range's values;
+    /// adjacent ranges are read in one copy.
+    fn read_rows(
+        &self,
+        device: &mut D,
+        buffers: &Buffers<D::Buffer>,
+        node: usize,
+        width: usize,
+        wanted: &[Range<usize>],
+    ) -> Result<Vec<Vec<f32>>> {
+        let at = self.buffer(node, None)?.start;
+        let integer = self.graph.nodes()[node].dtype == DType::I32;
+        let mut out = Vec::with_capacity(wanted.len());
+        let mut i = 0;
+        while i < wanted.len() {
+            // The run of ranges that touch each other.
+            let mut j = i + 1;
+            while j < wanted.len() && wanted[j].start == wanted[j - 1].end {
+                j += 1;
+            }
+            let rows = wanted[i].start..wanted[j - 1].end;
+            let bytes = device.read(&buffers.arena, at + 4 * width * rows.start..at + 4 * width * rows.end)?;
+            let values: Vec<f32> = bytes
+                .chunks_exact(4)
+                .map(|c| [c[0], c[1], c[2], c[3]])
+                .map(|w| match integer {
+                    true => i32::from_le_bytes(w) as f32,
+                    false => f32::from_le_bytes(w),
+                })
+                .collect();
+            for range in &wanted[i..j] {
+                let from = (range.start - rows.start) * width;
+                out.push(values[from..from + range.len() * width].to_vec());
+            }
+            i = j;
+        }
+        Ok(out)
+    }
+
+    /// A batched step's launches: replayed from the graph of its row and sequence counts,
+    /// captured first if there is none yet (see `capture_graphs_up_to`), or launched one by one.
+    fn launch_batched(
+        &self,
+        device: &mut D,
+        buffers: &Buffers<D::Buffer>,
+        vars: &HashMap<&str, Value>,
+        tokens: usize,
+        seqs: usize,
+    ) -> Result<()> {
+        // Decode steps only (a row per sequence): the shapes that repeat step after step.
+        // Mixed steps with prompt chunks come in too many shapes to be worth a graph each.
+        if tokens > self.graph_rows || seqs != tokens || !device.records_graphs() {
+            return self.launch_all(device, buffers, vars, None);
+        }
+        // The launches depend on the row count and the sequence count (per-sequence rows).
+        let key = tokens * (self.plan.max_tokens + 1) + seqs;
+        if device.replay(key)? {
+            return Ok(());
+        }
+        device.begin_capture()?;
+        // The capture ends even when a launch fails, so the device is usable after the error.
+        let launched = self.launch_all(device, buffers, vars, None);
+        let captured = device.end_capture(key);
+        launched?;
+        captured?;
+        match device.replay(key)? {
+            true => Ok(()),
+            false => Err(RuntimeError::Cuda(format!(
+                "the graph of a {tokens}-row, {seqs}-sequence step was not kept"
+            ))),
+        }
+    }
+}
+
+/// A batched plan serves like the CPU backend: the KV pool lives on the device, addressed by
+/// the scheduler's block tables.
+impl<D: PlanDevice> crate::serving::PagedBackend for PlanExecutor<D> {
+    /// The pool is the executor's own; this records the block size it was built for.
+    type Pages = usize;
+
+    fn new_pages(&self, block_size: usize) -> usize {
+        block_size
+    }
+
+    fn max_step_tokens(&self) -> Option<usize> {
+        Some(self.plan.max_tokens)
+    }
+
+    fn step_batch(&self, pages: &mut usize, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
+        // Serving samples from each segment's last row only.
+        self.check_block_size(*pages)?;
+        self.step_batch_last_rows(batch)
+    }
+
+    fn step_batch_greedy(&self, pages: &mut usize, batch: &[Segment]) -> Option<Result<Vec<u32>>> {
+        if let Err(e) = self.check_block_size(*pages) {
+            return Some(Err(e));
+        }
+        self.step_batch_greedy_tokens(batch)
+    }
+}
+
+impl<D: PlanDevice> PlanExecutor<D> {
+    /// The scheduler's blocks are the plan's.
+    fn check_block_size(&self, block_size: usize) -> Result<()> {
+        match self.plan.batched {
+            Some(cache) if cache.block_size == block_size => Ok(()),
+            Some(cache) => Err(RuntimeError::Artifact(format!(
+                "the plan's KV blocks hold {} positions, the scheduler's {block_size}",
+                cache.block_size
+            ))),
+            None => Err(RuntimeError::Artifact(
+                "this plan runs one sequence; it has no batched steps".into(),
+            )),
+        }
+    }
+}

@@ -1,0 +1,452 @@
+//! Running a GPU plan (`plan.json`), the device-independent half of the GPU backend: upload the
+//! weights in the layout the kernels expect (row-stacked, bf16 or GGUF blocks as the plan says;
+//! the INT8 heads from the artifact), allocate the activation arena and the KV cache, and run
+//! a step as the plan's launches in order, each argument resolved from the plan (arena offsets,
+//! views, scalars that are expressions of `tokens` and `first`), then read the outputs back. A
+//! one-sequence plan steps one sequence over a contiguous cache (`step`); a batched plan steps
+//! rows of many sequences over a paged pool, with the scheduler's block tables (`step_batch`).
+//!
+//! The device ([`PlanDevice`]) owns memory and launches kernels: CUDA through cudarc
+//! (`crate::cuda`), or the kernels-gen emulator (`crate::emulated`), which runs the very same
+//! plan on the CPU, so everything above the kernels is tested without a GPU.
+//!
+//! This file: the device interface, loading a plan, one-sequence steps. `batched`: batched
+//! steps over the paged pool (and graphs of them), serving. `launch`: a step's launches with
+//! their arguments resolved.
+
+mod batched;
+mod launch;
+
+use crate::error::{Result, RuntimeError};
+use codegen::gpu::expr::Value;
+use codegen::gpu::GpuPlan;
+use half::bf16;
+use ir::{DType, Graph, Tensor};
+use models::WeightSource;
+use passes::weight_transforms::Int8Rows;
+use std::collections::{BTreeSet, HashMap};
+use std::ops::Range;
+use std::sync::Mutex;
+
+/// Memory and launches on one device.
+pub trait PlanDevice {
+    type Buffer;
+    /// A zeroed buffer of `bytes`.
+    fn alloc(&mut self, bytes: usize) -> Result<Self::Buffer>;
+    fn upload(&mut self, bytes: &[u8]) -> Result<Self::Buffer>;
+    /// Copy `bytes` into `buffer` at byte `at`, after every launch already issued.
+    fn write(&mut self, buffer: &Self::Buffer, at: usize, bytes: &[u8]) -> Result<()>;
+    fn read(&mut self, buffer: &Self::Buffer, range: Range<usize>) -> Result<Vec<u8>>;
+    /// Launch `kernel` as `grid` blocks of `block` threads.
+    fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[DeviceArg<'_, Self::Buffer>]) -> Result<()>;
+
+    /// Launch as [`launch`](Self::launch) does and return how long the launch ran on the
+    /// device, in seconds, where the device can measure it (the emulator measures its own wall
+    /// time); a device that cannot keeps this default.
+    fn launch_timed(
+        &mut self,
+        kernel: &str,
+        grid: u32,
+        block: u32,
+        args: &[DeviceArg<'_, Self::Buffer>],
+    ) -> Result<Option<f64>> {
+        self.launch(kernel, grid, block, args)?;
+        Ok(None)
+    }
+
+    /// Whether the device keeps replayable launch sequences (CUDA graphs): launches between
+    /// `begin_capture` and `end_capture(key)` are recorded instead of run, and `replay(key)`
+    /// runs them again. Devices without them keep these defaults and launch one by one.
+    fn records_graphs(&self) -> bool {
+        false
+    }
+    fn begin_capture(&mut self) -> Result<()> {
+        Err(RuntimeError::Cuda("this device records no graphs".into()))
+    }
+    fn end_capture(&mut self, _key: usize) -> Result<()> {
+        Err(RuntimeError::Cuda("this device records no graphs".into()))
+    }
+    /// Run the launches recorded under `key`; `false` when there are none.
+    fn replay(&mut self, _key: usize) -> Result<bool> {
+        Ok(false)
+    }
+}
+
+/// A launch argument as the device takes it.
+pub enum DeviceArg<'a, B> {
+    /// The bytes `range` of a buffer: the kernel gets a pointer to its start and may touch
+    /// nothing outside it.
+    Buffer(&'a B, Range<usize>),
+    I32(i32),
+    F32(f32),
+}
+
+/// Where a plan's weights come from.
+#[derive(Clone, Copy)]
+pub enum PlanWeights<'a> {
+    /// The model's tensors, converted on the host to the plan's dtypes and uploaded.
+    Host(&'a WeightSource),
+    /// Made on the device by the fill kernels (see [`crate::generated`]) from this seed: for
+    /// models lowered without weights.
+    Generated { seed: u32 },
+}
+
+/// One launch of a profiled step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LaunchProfile {
+    pub kernel: String,
+    /// Device time, where the device measures it.
+    pub seconds: Option<f64>,
+    /// Bytes of weights (and derived INT8 rows) the launch reads: all it is given, but only
+    /// the gathered rows of an embedding table.
+    pub weight_bytes: usize,
+}
+
+/// A step's scalars (`tokens`, `seqs`, ...) by name: what launch arguments are computed from.
+type StepScalars = HashMap<&'static str, Value>;
+
+/// Everything the plan's launches point into.
+struct Buffers<B> {
+    arena: B,
+    weights: HashMap<usize, B>,
+    derived: HashMap<(String, String), B>,
+    constants: HashMap<String, B>,
+    kv: HashMap<(usize, bool), B>,
+    /// A batched plan's per-step inputs, by name.
+    step_inputs: HashMap<String, B>,
+    /// Byte sizes, for the ranges handed to launches.
+    sizes: HashMap<BufferKey, usize>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum BufferKey {
+    Weight(usize),
+    Derived(String, String),
+    Constant(String),
+    Kv(usize, bool),
+    StepInput(String),
+}
+
+/// A GPU plan loaded on a device, with its KV cache: one sequence's, or a batched plan's pool.
+pub struct PlanExecutor<D: PlanDevice> {
+    plan: GpuPlan,
+    graph: Graph,
+    context_length: usize,
+    /// Batched steps of up to this many rows run as recorded graphs (0: never).
+    graph_rows: usize,
+    /// In a batched plan, the nodes with one row per sequence (see
+    /// `codegen::gpu::per_sequence_nodes`).
+    per_sequence: BTreeSet<usize>,
+    state: Mutex<(D, Buffers<D::Buffer>)>,
+}
+
+/// A sequence's state on the device is the executor's KV cache; this is its length.
+#[derive(Debug, Default, Clone)]
+pub struct PlanSequence {
+    pub len: usize,
+}
+
+impl<D: PlanDevice> PlanExecutor<D> {
+    /// Put `plan`'s weights, INT8 rows, constants, KV cache and arena on `device`.
+    pub fn new(
+        device: D,
+        plan: GpuPlan,
+        graph: Graph,
+        weights: &WeightSource,
+        int8: &[(String, Int8Rows)],
+        context_length: usize,
+    ) -> Result<Self> {
+        Self::load(device, plan, graph, PlanWeights::Host(weights), int8, context_length)
+    }
+
+    /// Like [`new`](Self::new) for a graph lowered without weights: each weight is made on
+    /// the device from `seed` (the device must have loaded [`crate::generated::fill_kernels`]).
+    pub fn with_generated_weights(
+        device: D,
+        plan: GpuPlan,
+        graph: Graph,
+        seed: u32,
+        context_length: usize,
+    ) -> Result<Self> {
+        Self::load(
+            device,
+            plan,
+            graph,
+            PlanWeights::Generated { seed },
+            &[],
+            context_length,
+        )
+    }
+
+    fn load(
+        mut device: D,
+        plan: GpuPlan,
+        graph: Graph,
+        weights: PlanWeights<'_>,
+        int8: &[(String, Int8Rows)],
+        context_length: usize,
+    ) -> Result<Self> {
+        // A batched plan's cache is the block pool; a one-sequence plan's, its context.
+        let cache_rows = plan.batched.map_or(context_length, |c| c.blocks * c.block_size);
+        // Kernels index the cache with 32-bit integers (f32 elements): refuse before uploading.
+        if let Some(layout) = plan
+            .kv_cache
+            .iter()
+            .find(|l| cache_rows.saturating_mul(l.kv_dim) > i32::MAX as usize)
+        {
+            return Err(RuntimeError::Input(format!(
+                "a KV cache of {cache_rows} positions × {} values is past the kernels' 32-bit indices: ask for fewer blocks",
+                layout.kv_dim
+            )));
+        }
+        let mut sizes = HashMap::new();
+        let mut device_weights = HashMap::new();
+        for w in &plan.weights {
+            let buffer = match weights {
+                PlanWeights::Host(source) => {
+                    let bytes = weight_bytes(w.dtype, &w.parts, source)?;
+                    sizes.insert(BufferKey::Weight(w.node), bytes.len());
+                    device.upload(&bytes)?
+                }
+                PlanWeights::Generated { seed } => {
+                    let (buffer, bytes) = crate::generated::make_weight(&mut device, &graph, w, seed)?;
+                    sizes.insert(BufferKey::Weight(w.node), bytes);
+                    buffer
+                }
+            };
+            device_weights.insert(w.node, buffer);
+        }
+        let mut upload = |device: &mut D, key: BufferKey, bytes: &[u8]| {
+            sizes.insert(key, bytes.len());
+            device.upload(bytes)
+        };
+        let mut derived = HashMap::new();
+        for (name, rows) in int8 {
+            for (tensor, bytes) in int8_tensors(rows) {
+                let key = BufferKey::Derived(name.clone(), tensor.to_string());
+                derived.insert((name.clone(), tensor.to_string()), upload(&mut device, key, &bytes)?);
+            }
+        }
+        let mut constants = HashMap::new();
+        for (name, values) in &plan.constants {
+            let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            constants.insert(
+                name.clone(),
+                upload(&mut device, BufferKey::Constant(name.clone()), &bytes)?,
+            );
+        }
+        let mut kv = HashMap::new();
+        for layout in &plan.kv_cache {
+            for value in [false, true] {
+                let bytes = cache_rows * layout.bytes_per_token;
+                sizes.insert(BufferKey::Kv(layout.slot, value), bytes);
+                kv.insert((layout.slot, value), device.alloc(bytes)?);
+            }
+        }
+        let mut step_inputs = HashMap::new();
+        if let Some(cache) = plan.batched {
+            // Every row a sequence of its own, each with a table for the whole context.
+            let rows = plan.max_tokens;
+            let table_entries = rows * context_length.div_ceil(cache.block_size);
+            let inputs = [
+                ("block_tables", table_entries),
+                ("row_table", rows),
+                ("row_pos", rows),
+                ("last_rows", rows),
+            ];
+            for (name, entries) in inputs {
+                sizes.insert(BufferKey::StepInput(name.into()), 4 * entries);
+                step_inputs.insert(name.to_string(), device.alloc(4 * entries)?);
+            }
+        }
+        let arena = device.alloc(plan.memory.arena_bytes.max(1))?;
+        let buffers = Buffers {
+            arena,
+            weights: device_weights,
+            derived,
+            constants,
+            kv,
+            step_inputs,
+            sizes,
+        };
+        let per_sequence = match plan.batched {
+            Some(_) => codegen::gpu::per_sequence_nodes(&graph),
+            None => BTreeSet::new(),
+        };
+        Ok(Self {
+            plan,
+            graph,
+            context_length,
+            graph_rows: 0,
+            per_sequence,
+            state: Mutex::new((device, buffers)),
+        })
+    }
+
+    /// Run decode steps (one row per sequence) of up to `rows` sequences as graphs, where the
+    /// device records them: each size is captured the first time it comes and replayed after,
+    /// so a decode step is one launch for the host instead of one per kernel. Sound because a
+    /// batched step's launches depend on its row and sequence counts alone: everything else
+    /// the kernels read (ids, positions, block tables, last rows) sits in device buffers that
+    /// never move.
+    pub fn capture_graphs_up_to(mut self, rows: usize) -> Self {
+        self.graph_rows = rows;
+        self
+    }
+
+    pub fn context_length(&self) -> usize {
+        self.context_length
+    }
+
+    /// A batched plan's KV pool; `None` for a one-sequence plan.
+    pub fn batched_cache(&self) -> Option<codegen::gpu::BatchedCache> {
+        self.plan.batched
+    }
+
+    /// Look at the device (e.g. what a comparing device recorded).
+    pub fn with_device<R>(&self, f: impl FnOnce(&D) -> R) -> Result<R> {
+        let state = self
+            .state
+            .lock()
+            .map_err(|_| RuntimeError::Cuda("device state poisoned".into()))?;
+        Ok(f(&state.0))
+    }
+
+    pub fn new_sequence(&self) -> PlanSequence {
+        PlanSequence::default()
+    }
+
+    /// Process `ids` as the next tokens of `seq` (the one sequence the KV cache holds).
+    pub fn step(&self, seq: &mut PlanSequence, ids: &[u32]) -> Result<HashMap<String, Tensor>> {
+        if self.plan.batched.is_some() {
+            return Err(RuntimeError::Artifact(
+                "this plan runs batched steps (step_batch), not one sequence".into(),
+            ));
+        }
+        let tokens = ids.len();
+        self.check_rows(tokens)?;
+        if seq.len + tokens > self.context_length {
+            return Err(RuntimeError::ContextOverflow {
+                needed: seq.len + tokens,
+                limit: self.context_length,
+            });
+        }
+        let mut state = self.lock()?;
+        let (device, buffers) = &mut *state;
+        let positions: Vec<usize> = (seq.len..seq.len + tokens).collect();
+        self.write_inputs(device, buffers, ids, &positions)?;
+        let vars = HashMap::from([
+            ("tokens", Value::Int(tokens as i64)),
+            ("first", Value::Int(seq.len as i64)),
+        ]);
+        self.launch_all(device, buffers, &vars, None)?;
+        seq.len += tokens;
+        self.read_outputs(device, buffers, tokens, seq.len)
+    }
+
+    fn check_rows(&self, tokens: usize) -> Result<()> {
+        if tokens == 0 || tokens > self.plan.max_tokens {
+            return Err(RuntimeError::Input(format!(
+                "a GPU step takes 1 to {} tokens, got {tokens}",
+                self.plan.max_tokens
+            )));
+        }
+        Ok(())
+    }
+
+    fn lock(&self) -> Result<std::sync::MutexGuard<'_, (D, Buffers<D::Buffer>)>> {
+        self.state
+            .lock()
+            .map_err(|_| RuntimeError::Cuda("device state poisoned".into()))
+    }
+
+    /// Token ids and positions as i32 at their planned offsets.
+    fn write_inputs(
+        &self,
+        device: &mut D,
+        buffers: &Buffers<D::Buffer>,
+        ids: &[u32],
+        positions: &[usize],
+    ) -> Result<()> {
+        let ids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+        let positions: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        for (node, values) in [(self.plan.token_ids, &ids), (self.plan.positions, &positions)] {
+            if let Some(node) = node {
+                let at = self.buffer(node, None)?.start;
+                let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                device.write(&buffers.arena, at, &bytes)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The graph's outputs after a step of `tokens` rows (`cached` positions in the cache).
+    fn read_outputs(
+        &self,
+        device: &mut D,
+        buffers: &Buffers<D::Buffer>,
+        tokens: usize,
+        cached: usize,
+    ) -> Result<HashMap<String, Tensor>> {
+        let mut outputs = HashMap::new();
+        for (name, node) in &self.plan.outputs {
+            let shape = self.graph.nodes()[*node].shape.resolve(tokens, cached);
+            let at = self.buffer(*node, None)?.start;
+            let len = shape.iter().product::<usize>();
+            let bytes = device.read(&buffers.arena, at..at + 4 * len)?;
+            let words = bytes.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]);
+            let data: Vec<f32> = match self.graph.nodes()[*node].dtype {
+                DType::I32 => words.map(|w| i32::from_le_bytes(w) as f32).collect(),
+                _ => words.map(f32::from_le_bytes).collect(),
+            };
+            outputs.insert(name.clone(), Tensor::new(shape, data));
+        }
+        Ok(outputs)
+    }
+
+    /// The arena bytes of `node`'s value, or of one of its launches' scratch buffers.
+    fn buffer(&self, node: usize, scratch: Option<&str>) -> Result<Range<usize>> {
+        self.plan
+            .memory
+            .buffers
+            .iter()
+            .find(|b| b.node == node && b.scratch.as_deref() == scratch)
+            .map(|b| b.offset..b.offset + b.bytes)
+            .ok_or_else(|| RuntimeError::Artifact(format!("no planned buffer for %{node} {scratch:?}")))
+    }
+}
+
+/// The tensors of an INT8 head as the kernels read them.
+fn int8_tensors(rows: &Int8Rows) -> [(&'static str, Vec<u8>); 5] {
+    let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    [
+        ("q", rows.q.iter().map(|&q| q as u8).collect()),
+        ("scale", f32s(&rows.scale)),
+        ("err_norm", f32s(&rows.err_norm)),
+        ("quant_norm", f32s(&rows.quant_norm)),
+        ("norm", f32s(&rows.norm)),
+    ]
+}
+
+/// A weight as the kernels read it: the parts stacked by rows, converted to `dtype` (f32, bf16)
+/// or kept as GGUF blocks.
+fn weight_bytes(dtype: DType, parts: &[String], source: &WeightSource) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    for name in parts {
+        let view = source
+            .get(name)
+            .ok_or_else(|| RuntimeError::Weight(format!("`{name}` is not in the weights")))?;
+        match dtype {
+            DType::F32 => out.extend(view.to_f32().data.iter().flat_map(|v| v.to_le_bytes())),
+            DType::BF16 => out.extend(view.to_f32().data.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes())),
+            quant if models::weights::ir_dtype(view.dtype) == quant => out.extend_from_slice(view.bytes),
+            other => {
+                return Err(RuntimeError::Weight(format!(
+                    "`{name}` is {} but the plan wants {other}",
+                    view.dtype.name()
+                )))
+            }
+        }
+    }
+    Ok(out)
+}
