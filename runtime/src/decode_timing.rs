@@ -117,18 +117,7 @@ pub fn time_decode<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) -
                 .collect()
         })
         .collect();
-    // Token ids that vary with the sequence and the position, inside any vocabulary.
-    let id = |s: usize, p: usize| ((7 + 13 * s + 31 * p) % 251) as u32;
-    for (s, table) in tables.iter().enumerate() {
-        for start in (0..run.prompt).step_by(max_rows) {
-            let ids: Vec<u32> = (start..run.prompt.min(start + max_rows)).map(|p| id(s, p)).collect();
-            executor.step_batch_last_rows(&[Segment {
-                table,
-                start,
-                ids: &ids,
-            }])?;
-        }
-    }
+    prefill(executor, &tables, run.prompt, max_rows)?;
     let greedy = executor.has_greedy_tokens();
     let mut lengths = vec![run.prompt; sequences];
     let mut timings = Vec::new();
@@ -175,6 +164,31 @@ pub fn time_decode<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) -
         });
     }
     Ok(timings)
+}
+
+/// Token `p` of sequence `s`: ids that vary with both, inside any vocabulary.
+fn id(s: usize, p: usize) -> u32 {
+    ((7 + 13 * s + 31 * p) % 251) as u32
+}
+
+/// `prompt` tokens into each sequence (one per table), `chunk` rows a step.
+fn prefill<D: PlanDevice>(
+    executor: &PlanExecutor<D>,
+    tables: &[Vec<BlockId>],
+    prompt: usize,
+    chunk: usize,
+) -> Result<()> {
+    for (s, table) in tables.iter().enumerate() {
+        for start in (0..prompt).step_by(chunk) {
+            let ids: Vec<u32> = (start..prompt.min(start + chunk)).map(|p| id(s, p)).collect();
+            executor.step_batch_last_rows(&[Segment {
+                table,
+                start,
+                ids: &ids,
+            }])?;
+        }
+    }
+    Ok(())
 }
 
 /// What a timed step reads back.
