@@ -102,6 +102,16 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
                     assert!(parts.insert(part), "{name}: `{part}` is on the device twice");
                 }
             }
+            // Every matmul's GEMV reads its activation 16 bytes at a time (the views of these
+            // models all start 16-byte aligned); scalar loads would bound a GPU decode.
+            for launch in plan.launches.iter().filter(|l| l.kernel.contains("gemv")) {
+                let source = &plan.kernels.iter().find(|k| k.name == launch.kernel).unwrap().source;
+                assert!(
+                    source.contains("*reinterpret_cast<const float4*>(x + "),
+                    "{name}: {} reads x with scalar loads",
+                    launch.kernel
+                );
+            }
             // Every op of the graph that computes something has a launch (`last_token` is a view).
             let launched: HashSet<usize> = plan.launches.iter().map(|l| l.node).collect();
             let views = graph.nodes().iter().filter(|n| n.op == ir::Op::LastToken).count();

@@ -127,7 +127,8 @@ fn gemv_matches_reference_for_f32_and_bf16_weights() {
                 _ => Array::f32(&w),
             };
             let decode = GemvSpec::decode(quant::WeightFormat::Dense(weight), k);
-            for spec in [decode, decode.prefill()] {
+            let x_vectors = decode.with_x_vectors();
+            for spec in [decode, decode.prefill(), x_vectors, x_vectors.prefill()] {
                 let out = run_gemv(&gemv::gemv("gemv", "test", spec), &x, wbuf.clone(), (tokens, n, k, k));
                 close(&out.to_f32().unwrap(), &want, 1e-5, &format!("gemv {spec:?}"));
             }
@@ -384,9 +385,32 @@ fn strided_inputs_read_slices_in_place() {
     ops::matmul(&x, &w, k, &mut want);
     // The slice starts `extra` columns in: the launch passes the buffer at that offset.
     let shifted: Vec<f32> = wide[extra..].to_vec();
-    let kernel = gemv::gemv("gemv", "test", GemvSpec::decode(quant::WeightFormat::Dense(Ty::F32), k));
-    let out = run_gemv(&kernel, &shifted, Array::f32(&w), (tokens, n, k, stride));
-    close(&out.to_f32().unwrap(), &want, 1e-5, "strided gemv");
+    let decode = GemvSpec::decode(quant::WeightFormat::Dense(Ty::F32), k);
+    for spec in [decode, decode.with_x_vectors()] {
+        let out = run_gemv(
+            &gemv::gemv("gemv", "test", spec),
+            &shifted,
+            Array::f32(&w),
+            (tokens, n, k, stride),
+        );
+        close(&out.to_f32().unwrap(), &want, 1e-5, &format!("strided gemv {spec:?}"));
+    }
+    // A view two columns into an aligned buffer is not 16-byte aligned: vector loads of it are
+    // refused (codegen reads such views with scalar loads).
+    let kernel = gemv::gemv("gemv", "test", decode.with_x_vectors());
+    let mut bufs = HashMap::from([
+        ("x".to_string(), Array::f32(&wide[2..]).placed_at(2)),
+        ("w".to_string(), Array::f32(&w)),
+        ("out".to_string(), Array::poisoned(Ty::F32, tokens * n)),
+    ]);
+    let scalars = ints(&[
+        ("tokens", tokens as i64),
+        ("n", n as i64),
+        ("k", k as i64),
+        ("x_stride", stride as i64),
+    ]);
+    let fault = run(&kernel, &mut bufs, &scalars).unwrap_err().to_string();
+    assert!(fault.contains("misaligned"), "{fault}");
 
     let (groups_per_row, group) = (4, 10);
     let width = groups_per_row * group;
@@ -502,7 +526,7 @@ fn rms_norm_prologue_gemv_matches_norm_then_matmul() {
         let mut want = vec![0f32; tokens * n];
         ops::matmul(&normed, &w, k, &mut want);
         let decode = GemvSpec::decode(quant::WeightFormat::Dense(Ty::F32), k).with_norm(1e-6, 1.0);
-        for spec in [decode, decode.prefill()] {
+        for spec in [decode, decode.prefill(), decode.with_x_vectors().prefill()] {
             let kernel = gemv::gemv("norm_gemv", "test", spec);
             let out = run_norm_gemv(&kernel, &x, Some(&g), Array::f32(&w), (tokens, n, k, k));
             close(&out.to_f32().unwrap(), &want, 1e-5, &format!("rms_norm_gemv {spec:?}"));

@@ -51,7 +51,7 @@ fn quantized_gemv_matches_dequantize_then_matmul() {
         let mut want = vec![0f32; tokens * n];
         ir::reference::ops::matmul(&x, &w, k, &mut want);
         let decode = GemvSpec::decode(WeightFormat::Blocks(format), k);
-        for spec in [decode, decode.prefill()] {
+        for spec in [decode, decode.prefill(), decode.with_x_vectors()] {
             let out = run_gemv(&gemv("gemv_q", "test", spec), &x, Array::u8(&data), (tokens, n, k, k));
             close(&out.to_f32().unwrap(), &want, 1e-4, &format!("{format}"));
         }
@@ -60,7 +60,12 @@ fn quantized_gemv_matches_dequantize_then_matmul() {
         let mut normed = vec![0f32; x.len()];
         ir::reference::ops::rms_norm(&x, &g, 1e-6, 1.0, &mut normed);
         ir::reference::ops::matmul(&normed, &w, k, &mut want);
-        for spec in [decode.with_norm(1e-6, 1.0), decode.with_norm(1e-6, 1.0).prefill()] {
+        let normed_spec = decode.with_norm(1e-6, 1.0);
+        for spec in [
+            normed_spec,
+            normed_spec.prefill(),
+            normed_spec.with_x_vectors().prefill(),
+        ] {
             let kernel = gemv("norm_gemv_q", "test", spec);
             let out = run_norm_gemv(&kernel, &x, Some(&g), Array::u8(&data), (tokens, n, k, k));
             close(&out.to_f32().unwrap(), &want, 1e-4, &format!("{format} with norm"));

@@ -118,7 +118,13 @@ const SHAPES: [(&str, usize, usize, usize); 5] = [
 /// GEMM, and the 4-tokens-per-pass GEMV for comparison); the table as markdown, with the step
 /// the matmuls alone would add up to (the whole step is [`decode`]'s).
 pub fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
-    let decode = |k: usize| gemv("gemv", "gpu-check", GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k));
+    let decode = |k: usize| {
+        gemv(
+            "gemv",
+            "gpu-check",
+            GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k).with_x_vectors(),
+        )
+    };
     let mut table = String::from(
         "| matmul | batch | kernel | µs | weight GB/s | % of copy bandwidth |\n|---|---|---|---|---|---|\n",
     );
@@ -131,7 +137,9 @@ pub fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
                 ..gemv(
                     "gemv",
                     "gpu-check",
-                    GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k).prefill(),
+                    GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k)
+                        .with_x_vectors()
+                        .prefill(),
                 )
             },
             // The target's tensor-core GEMM: wgmma on sm_90a, mma.sync elsewhere.

@@ -198,7 +198,7 @@ pub(crate) fn select(
                             scalar("k", k),
                             scalar("x_stride", stride),
                         ];
-                        let spec = gemv::GemvSpec::decode(w, k);
+                        let spec = x_vectors(gemv::GemvSpec::decode(w, k), &s.views[&input(0)]);
                         gemv_prefill = Some(gemv::gemv("gemv", &graph.name, spec.prefill()));
                         (gemv::gemv("gemv", &graph.name, spec), args)
                     }
@@ -217,6 +217,7 @@ pub(crate) fn select(
                             scalar("x_stride", stride),
                         ];
                         let spec = gemv::GemvSpec::decode(w, k).with_norm(*eps as f32, *weight_offset);
+                        let spec = x_vectors(spec, &s.views[&input(0)]);
                         gemv_prefill = Some(gemv::gemv("rms_norm_gemv", &graph.name, spec.prefill()));
                         (gemv::gemv("rms_norm_gemv", &graph.name, spec), args)
                     }
@@ -492,4 +493,14 @@ pub(crate) fn select(
         }
     }
     Ok(s)
+}
+
+/// `spec` reading its activation with 16-byte loads where every row of the view starts 16-byte
+/// aligned: the arena is aligned (`plan::ALIGN`), so the view's column and row stride must be
+/// multiples of 4 floats.
+fn x_vectors(spec: gemv::GemvSpec, view: &View) -> gemv::GemvSpec {
+    match view.col % 4 == 0 && view.stride % 4 == 0 {
+        true => spec.with_x_vectors(),
+        false => spec,
+    }
 }

@@ -39,6 +39,9 @@ pub struct Array {
     pub ty: Ty,
     values: Vec<f64>,
     init: Vec<bool>,
+    /// Elements the array starts past a 256-byte-aligned address (a launch may be handed a
+    /// buffer from an offset): vector loads must be aligned in the address, not the index.
+    start: usize,
 }
 
 impl Array {
@@ -47,6 +50,7 @@ impl Array {
             ty: Ty::F32,
             values: data.iter().map(|&v| v as f64).collect(),
             init: vec![true; data.len()],
+            start: 0,
         }
     }
     pub fn bf16(data: &[bf16]) -> Self {
@@ -54,6 +58,7 @@ impl Array {
             ty: Ty::Bf16,
             values: data.iter().map(|v| v.to_f32() as f64).collect(),
             init: vec![true; data.len()],
+            start: 0,
         }
     }
     pub fn ints(ty: Ty, data: &[i64]) -> Self {
@@ -61,6 +66,7 @@ impl Array {
             ty,
             values: data.iter().map(|&v| v as f64).collect(),
             init: vec![true; data.len()],
+            start: 0,
         }
     }
     pub fn u8(data: &[u8]) -> Self {
@@ -72,6 +78,7 @@ impl Array {
             ty,
             values: vec![f64::NAN; len],
             init: vec![false; len],
+            start: 0,
         }
     }
     pub fn len(&self) -> usize {
@@ -118,6 +125,15 @@ impl Array {
             ty,
             init: vec![true; values.len()],
             values,
+            start: 0,
+        }
+    }
+
+    /// The same array, `elements` past an aligned address.
+    pub fn placed_at(self, elements: usize) -> Self {
+        Self {
+            start: elements,
+            ..self
         }
     }
 
@@ -388,10 +404,15 @@ impl<'k> Block<'k> {
             Stmt::LoadVec { buf, index, names } => {
                 let width = names.len() as i64;
                 let idx = self.eval(index, mask, global)?;
-                if let Some(t) = (0..mask.len()).find(|&t| mask[t] && idx[t].i() % width != 0) {
+                let start = global.get(buf).map_or(0, |a| a.start as i64);
+                if let Some(t) = (0..mask.len()).find(|&t| mask[t] && (start + idx[t].i()) % width != 0) {
+                    let place = match start {
+                        0 => String::new(),
+                        s => format!(" (the array starts {s} elements past an aligned address)"),
+                    };
                     return Err((
                         t,
-                        format!("vector load of {width} from {buf}[{}] is misaligned", idx[t].i()),
+                        format!("vector load of {width} from {buf}[{}] is misaligned{place}", idx[t].i()),
                     ));
                 }
                 // Element by element through `Load`, which checks bounds, initialisation and

@@ -35,6 +35,8 @@ pub struct GemvSpec {
     /// Elements per weight load: 1, a 16-byte vector of dense weights (needs `k` to be a
     /// multiple of it, so every row starts aligned), or 32: a whole GGUF block per lane.
     pub vector: usize,
+    /// `x` read four floats per load rather than one (see [`with_x_vectors`](Self::with_x_vectors)).
+    pub x_vector: bool,
 }
 
 impl GemvSpec {
@@ -56,6 +58,19 @@ impl GemvSpec {
             norm: None,
             tokens_per_pass: 1,
             vector: if k.is_multiple_of(vector) { vector } else { 1 },
+            x_vector: false,
+        }
+    }
+
+    /// Read `x` with 16-byte loads, where the caller knows every row of it starts 16-byte
+    /// aligned (`x_stride` and the view's first column multiples of 4). A lane's elements are
+    /// consecutive, so scalar loads of `x` have a warp touch eight cache lines per load
+    /// instruction (32 for GGUF blocks) for 32 floats: at batch 1 that, not the weights, would
+    /// bound the GEMV. Only where a weight load covers a multiple of 4 elements.
+    pub fn with_x_vectors(self) -> Self {
+        Self {
+            x_vector: self.vector.is_multiple_of(4),
+            ..self
         }
     }
 
@@ -213,17 +228,22 @@ fn k_step(spec: &GemvSpec, t: &[String], acc: &[String], sq: &[String]) -> Vec<S
         }
     };
     for (j, t_j) in t.iter().enumerate() {
-        for (e, u_e) in u.iter().enumerate() {
-            let x = format!("x{j}_{e}");
-            out.push(let_(
-                &x,
-                Ty::F32,
-                load("x", var(t_j) * var("x_stride") + var("i") + int(e as i64)),
-            ));
-            if spec.norm.is_some() {
-                out.push(assign(&sq[j], var(&sq[j]) + var(&x) * var(&x)));
+        let xs = names(&format!("x{j}_"), v);
+        let at = |e: usize| var(t_j) * var("x_stride") + var("i") + int(e as i64);
+        if spec.x_vector {
+            for chunk in (0..v).step_by(4) {
+                out.push(load_vec("x", at(chunk), &xs[chunk..chunk + 4]));
             }
-            out.push(assign(&acc[j], var(&acc[j]) + var(&x) * var(u_e)));
+        }
+        for (e, u_e) in u.iter().enumerate() {
+            let x = &xs[e];
+            if !spec.x_vector {
+                out.push(let_(x, Ty::F32, load("x", at(e))));
+            }
+            if spec.norm.is_some() {
+                out.push(assign(&sq[j], var(&sq[j]) + var(x) * var(x)));
+            }
+            out.push(assign(&acc[j], var(&acc[j]) + var(x) * var(u_e)));
         }
     }
     out

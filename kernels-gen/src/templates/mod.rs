@@ -177,6 +177,22 @@ pub fn catalog() -> Vec<Kernel> {
             GemvSpec::decode(Dense(Ty::Bf16), 4096).prefill(),
         ),
         gemv::gemv("gemv_bf16_ragged", "catalog", GemvSpec::decode(Dense(Ty::Bf16), 4095)),
+        // What plans use where the activation's rows are 16-byte aligned (nearly always).
+        gemv::gemv(
+            "gemv_bf16_x_vectors",
+            "catalog",
+            GemvSpec::decode(Dense(Ty::Bf16), 4096).with_x_vectors(),
+        ),
+        gemv::gemv(
+            "gemv_bf16_x_vectors_prefill",
+            "catalog",
+            GemvSpec::decode(Dense(Ty::Bf16), 4096).with_x_vectors().prefill(),
+        ),
+        gemv::gemv(
+            "gemv_q4_k_x_vectors",
+            "catalog",
+            GemvSpec::decode(Blocks(ir::DType::Q4K), 4096).with_x_vectors(),
+        ),
         glu::glu("swiglu", "catalog", GluAct::Silu),
         glu::glu("geglu", "catalog", GluAct::GeluTanh),
         rope::rope("rope_rotate_half", "catalog", RopeLayout::RotateHalf, 1.0),
