@@ -499,7 +499,7 @@ pub(crate) fn select(
 /// aligned: the arena is aligned (`plan::ALIGN`), so the view's column and row stride must be
 /// multiples of 4 floats.
 fn x_vectors(spec: gemv::GemvSpec, view: &View) -> gemv::GemvSpec {
-    match view.col % 4 == 0 && view.stride % 4 == 0 {
+    match view.col.is_multiple_of(4) && view.stride.is_multiple_of(4) {
         true => spec.with_x_vectors(),
         false => spec,
     }
