@@ -79,6 +79,9 @@ impl GemvSpec {
     pub fn prefill(self) -> Self {
         Self {
             tokens_per_pass: 4,
+            // A GGUF block's 32 values for 4 tokens through vector loads push ptxas into
+            // spills (sm_100a): that variant keeps scalar loads.
+            x_vector: self.x_vector && self.vector <= 8,
             ..self
         }
     }
@@ -230,15 +233,22 @@ fn k_step(spec: &GemvSpec, t: &[String], acc: &[String], sq: &[String]) -> Vec<S
     for (j, t_j) in t.iter().enumerate() {
         let xs = names(&format!("x{j}_"), v);
         let at = |e: usize| var(t_j) * var("x_stride") + var("i") + int(e as i64);
-        if spec.x_vector {
+        // A dense vector's x loads all come first (two at most: ptxas schedules that best);
+        // a GGUF block's 32 values for 4 tokens would not fit the registers that way, so there
+        // each load comes just before its values are used.
+        let hoisted = spec.x_vector && v <= 8;
+        if hoisted {
             for chunk in (0..v).step_by(4) {
                 out.push(load_vec("x", at(chunk), &xs[chunk..chunk + 4]));
             }
         }
         for (e, u_e) in u.iter().enumerate() {
             let x = &xs[e];
-            if !spec.x_vector {
-                out.push(let_(x, Ty::F32, load("x", at(e))));
+            match (spec.x_vector, hoisted) {
+                (true, true) => {}
+                (true, false) if e % 4 == 0 => out.push(load_vec("x", at(e), &xs[e..e + 4])),
+                (true, false) => {}
+                (false, _) => out.push(let_(x, Ty::F32, load("x", at(e)))),
             }
             if spec.norm.is_some() {
                 out.push(assign(&sq[j], var(&sq[j]) + var(x) * var(x)));

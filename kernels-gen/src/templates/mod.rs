@@ -238,12 +238,35 @@ pub fn catalog() -> Vec<Kernel> {
             GemvSpec::decode(Dense(Ty::Bf16), 4096).with_norm(1e-6, 0.0).prefill(),
         ),
         // The heaviest K-quant GEMV: Q5_K sub-blocks (scales, mins and high bits), the norm
-        // prologue, 4 tokens a pass.
+        // prologue, 4 tokens a pass; then, as plans build them, GEMVs with vector activation
+        // loads (the GGUF ones in decode: their prefill variants keep scalar loads).
         gemv::gemv(
             "rms_norm_gemv_q5_k_prefill",
             "catalog",
             GemvSpec::decode(Blocks(ir::DType::Q5K), 4096)
                 .with_norm(1e-6, 1.0)
+                .prefill(),
+        ),
+        gemv::gemv(
+            "rms_norm_gemv_q5_k_x_vectors",
+            "catalog",
+            GemvSpec::decode(Blocks(ir::DType::Q5K), 4096)
+                .with_norm(1e-6, 1.0)
+                .with_x_vectors(),
+        ),
+        gemv::gemv(
+            "rms_norm_gemv_q4_1_x_vectors",
+            "catalog",
+            GemvSpec::decode(Blocks(ir::DType::Q4_1), 4096)
+                .with_norm(1e-6, 1.0)
+                .with_x_vectors(),
+        ),
+        gemv::gemv(
+            "rms_norm_gemv_bf16_x_vectors_prefill",
+            "catalog",
+            GemvSpec::decode(Dense(Ty::Bf16), 4096)
+                .with_norm(1e-6, 0.0)
+                .with_x_vectors()
                 .prefill(),
         ),
         // The heaviest block-per-lane GEMV: five-bit values, the norm prologue, 4 tokens a pass.
