@@ -61,11 +61,7 @@ fn quantized_gemv_matches_dequantize_then_matmul() {
         ir::reference::ops::rms_norm(&x, &g, 1e-6, 1.0, &mut normed);
         ir::reference::ops::matmul(&normed, &w, k, &mut want);
         let normed_spec = decode.with_norm(1e-6, 1.0);
-        for spec in [
-            normed_spec,
-            normed_spec.prefill(),
-            normed_spec.with_x_vectors().prefill(),
-        ] {
+        for spec in [normed_spec, normed_spec.prefill(), normed_spec.with_x_vectors()] {
             let kernel = gemv("norm_gemv_q", "test", spec);
             let out = run_norm_gemv(&kernel, &x, Some(&g), Array::u8(&data), (tokens, n, k, k));
             close(&out.to_f32().unwrap(), &want, 1e-4, &format!("{format} with norm"));
