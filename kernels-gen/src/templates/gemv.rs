@@ -233,9 +233,9 @@ fn k_step(spec: &GemvSpec, t: &[String], acc: &[String], sq: &[String]) -> Vec<S
     for (j, t_j) in t.iter().enumerate() {
         let xs = names(&format!("x{j}_"), v);
         let at = |e: usize| var(t_j) * var("x_stride") + var("i") + int(e as i64);
-        // A dense vector's x loads all come first (two at most: ptxas schedules that best);
-        // a GGUF block's 32 values for 4 tokens would not fit the registers that way, so there
-        // each load comes just before its values are used.
+        // A dense vector's x loads all come first (two at most: ptxas schedules that best); for
+        // a GGUF block's 32 values each load comes just before its values are used, so fewer
+        // are live at once.
         let hoisted = spec.x_vector && v <= 8;
         if hoisted {
             for chunk in (0..v).step_by(4) {
