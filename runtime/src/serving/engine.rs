@@ -158,15 +158,16 @@ impl<B: PagedBackend> ServingEngine<B> {
             Some(_) => Vec::new(),
             None => self.backend.step_batch(&mut self.pages, &batch)?,
         };
+        let missing = || RuntimeError::Graph("the backend returned fewer results than the step had segments".into());
         for (i, work) in schedule.work.iter().enumerate() {
             let sampled = match (work.samples, &greedy_tokens) {
                 (false, _) => None,
                 (true, Some(tokens)) => Some(Sampled {
                     seq: work.seq,
-                    token: tokens[i],
+                    token: *tokens.get(i).ok_or_else(missing)?,
                     logprobs: None,
                 }),
-                (true, None) => Some(self.sample(work.seq, &outputs[i])?),
+                (true, None) => Some(self.sample(work.seq, outputs.get(i).ok_or_else(missing)?)?),
             };
             let token = sampled.as_ref().map(|s| s.token);
             out.tokens.extend(sampled);
