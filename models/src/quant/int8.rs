@@ -267,49 +267,51 @@ impl UnpackedRow {
     }
 
     /// The dot of `N` activation rows (one for decode, four a pass for prefill): each weight
-    /// vector is loaded and widened once, and every row runs the same operations in the same
-    /// order whatever `N`, so a row's result does not depend on how many share the pass.
+    /// vector is loaded once, and every row runs the same operations in the same order
+    /// whatever `N`, so a row's result does not depend on how many share the pass. 32 weights
+    /// at a time (one group of 32, or two of 16 in the low and high halves): `pmaddubsw` on
+    /// |w| and x carrying w's sign (no product pair reaches i16's range: |w| ≤ 32, |x| ≤ 127),
+    /// `pmaddwd` to eight i32 sums, one FMA with each half's `scale·dx`.
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     unsafe fn dot_n_avx2_groups<const G: usize, const N: usize>(&self, acts: [&Q8Row; N]) -> [f32; N] {
         use std::arch::x86_64::*;
         let groups = self.scale.len();
+        let chunks = groups * G / 32;
         // Every unchecked read below stays inside these bounds.
-        assert!(self.min.len() == groups && self.w.len() >= groups * G);
+        assert!(self.min.len() == groups && self.w.len() >= groups * G && (groups * G).is_multiple_of(32));
         for act in acts {
-            assert!(act.q.len() >= groups * G && act.d.len() * ACT_BLOCK >= groups * G);
+            assert!(act.q.len() >= groups * G && act.d.len() >= chunks);
             assert!(act.sum16.len() * 16 >= groups * G);
         }
-        let w = self.w.as_ptr();
+        let (w, scale, min) = (self.w.as_ptr(), self.scale.as_ptr(), self.min.as_ptr());
         let q = acts.map(|a| a.q.as_ptr());
+        let ones = _mm256_set1_epi16(1);
         let mut acc = [_mm256_setzero_ps(); N];
         let mut offset = [0f32; N];
-        for i in 0..groups {
-            // SAFETY: i < groups, so group i's G bytes, each act block and its sums are in bounds.
+        for c in 0..chunks {
+            // SAFETY: c < chunks, so 32 weights and quants at 32·c, activation block c, and
+            // the groups and per-16 sums of these 32 elements are in bounds.
             unsafe {
-                let mut isum = [_mm256_setzero_si256(); N];
-                for c in 0..G / 16 {
-                    let at = i * G + 16 * c;
-                    let wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(w.add(at) as *const __m128i));
-                    for t in 0..N {
-                        let qv = _mm256_cvtepi8_epi16(_mm_loadu_si128(q[t].add(at) as *const __m128i));
-                        isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(wv, qv));
-                    }
-                }
+                let wv = _mm256_loadu_si256(w.add(32 * c) as *const __m256i);
+                let magnitude = _mm256_sign_epi8(wv, wv);
                 for t in 0..N {
                     let act = acts[t];
-                    let dx = *act.d.get_unchecked(i * G / ACT_BLOCK);
-                    acc[t] = _mm256_fmadd_ps(
-                        _mm256_cvtepi32_ps(isum[t]),
-                        _mm256_set1_ps(*self.scale.get_unchecked(i) * dx),
-                        acc[t],
-                    );
-                    let qsum = if G == 16 {
-                        *act.sum16.get_unchecked(i)
+                    let dx = *act.d.get_unchecked(c);
+                    let qv = _mm256_loadu_si256(q[t].add(32 * c) as *const __m256i);
+                    let pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(qv, wv));
+                    let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                    let sums = act.sum16.as_ptr().add(2 * c);
+                    let scaled = if G == 16 {
+                        let (lo, hi) = (2 * c, 2 * c + 1);
+                        offset[t] += *min.add(lo) * dx * *sums as f32;
+                        offset[t] += *min.add(hi) * dx * *sums.add(1) as f32;
+                        _mm256_set_m128(_mm_set1_ps(*scale.add(hi) * dx), _mm_set1_ps(*scale.add(lo) * dx))
                     } else {
-                        *act.sum16.get_unchecked(2 * i) + *act.sum16.get_unchecked(2 * i + 1)
+                        offset[t] += *min.add(c) * dx * (*sums + *sums.add(1)) as f32;
+                        _mm256_set1_ps(*scale.add(c) * dx)
                     };
-                    offset[t] += *self.min.get_unchecked(i) * dx * qsum as f32;
+                    acc[t] = _mm256_fmadd_ps(isum, scaled, acc[t]);
                 }
             }
         }
