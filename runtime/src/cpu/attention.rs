@@ -26,9 +26,9 @@ pub fn attention(spec: &AttentionSpec, q: &[f32], rows: &[QueryRow], kv: &LayerP
     let q_dim = spec.heads * hd;
     let scale = spec.scale as f32;
     let block_size = kv.block_size();
-    out.par_chunks_mut(hd)
-        .enumerate()
-        .for_each_init(Vec::<f32>::new, |scores, (task, o)| {
+    out.par_chunks_mut(hd).enumerate().for_each_init(
+        || (Vec::<f32>::new(), Vec::<&[f32]>::new()),
+        |(scores, cache_rows), (task, o)| {
             let (t, h) = (task / spec.heads, task % spec.heads);
             let QueryRow { pos, table } = rows[t];
             let kv_cols = (h / group) * hd..(h / group + 1) * hd;
@@ -36,19 +36,27 @@ pub fn attention(spec: &AttentionSpec, q: &[f32], rows: &[QueryRow], kv: &LayerP
             let lo = spec.window.map_or(0, |w| (pos + 1).saturating_sub(w));
             debug_assert!((lo..=pos).all(|j| attends(pos, j, spec.window)));
             let row = |j: usize| cache_row(table, block_size, j);
+            // Scores and the weighted sum a batch of cache rows at a time (`simd::dots`,
+            // `simd::axpys`): bit for bit the one-row forms.
+            cache_rows.clear();
+            cache_rows.extend((lo..=pos).map(|j| kv.key(row(j), kv_cols.clone())));
             scores.clear();
-            scores.extend((lo..=pos).map(|j| simd::dot(qh, kv.key(row(j), kv_cols.clone())) * scale));
+            scores.resize(cache_rows.len(), 0.0);
+            simd::dots(qh, cache_rows, scores);
+            scores.iter_mut().for_each(|s| *s *= scale);
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut total = 0f32;
             for s in scores.iter_mut() {
                 *s = (*s - max).exp();
                 total += *s;
             }
+            scores.iter_mut().for_each(|p| *p /= total);
+            cache_rows.clear();
+            cache_rows.extend((lo..=pos).map(|j| kv.value(row(j), kv_cols.clone())));
             o.fill(0.0);
-            for (j, &p) in (lo..=pos).zip(scores.iter()) {
-                simd::axpy(p / total, kv.value(row(j), kv_cols.clone()), o);
-            }
-        });
+            simd::axpys(scores, cache_rows, o);
+        },
+    );
 }
 
 #[cfg(test)]

@@ -36,6 +36,46 @@ fn dot_body<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[inline(always)]
+fn dots_body<const FMA: bool>(a: &[f32], rows: &[&[f32]], out: &mut [f32]) {
+    for (o, row) in out.iter_mut().zip(rows) {
+        *o = dot_body::<FMA>(a, row);
+    }
+}
+
+/// Elements of `y` held in registers while every row adds into them.
+const AXPY_CHUNK: usize = 32;
+
+/// [`axpy_body`] for each row in order, `y` kept in registers a chunk at a time across the
+/// rows: every element sees the same operations in the same order as row-by-row `axpy`.
+#[inline(always)]
+fn axpys_body<const FMA: bool>(alphas: &[f32], rows: &[&[f32]], y: &mut [f32]) {
+    if rows.iter().any(|row| row.len() < y.len()) {
+        rows.iter()
+            .zip(alphas)
+            .for_each(|(row, &alpha)| axpy_body::<FMA>(alpha, row, y));
+        return;
+    }
+    for (c, out) in y.chunks_mut(AXPY_CHUNK).enumerate() {
+        let at = c * AXPY_CHUNK;
+        match out.len() {
+            AXPY_CHUNK => {
+                let mut acc = [0f32; AXPY_CHUNK];
+                acc.copy_from_slice(out);
+                for (row, &alpha) in rows.iter().zip(alphas) {
+                    axpy_body::<FMA>(alpha, &row[at..at + AXPY_CHUNK], &mut acc);
+                }
+                out.copy_from_slice(&acc);
+            }
+            len => {
+                for (row, &alpha) in rows.iter().zip(alphas) {
+                    axpy_body::<FMA>(alpha, &row[at..at + len], out);
+                }
+            }
+        }
+    }
+}
+
+#[inline(always)]
 fn axpy_body<const FMA: bool>(alpha: f32, x: &[f32], y: &mut [f32]) {
     for (yi, &xi) in y.iter_mut().zip(x) {
         *yi = if FMA { xi.mul_add(alpha, *yi) } else { *yi + xi * alpha };
@@ -52,6 +92,18 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
 #[target_feature(enable = "avx2,fma")]
 unsafe fn axpy_avx2(alpha: f32, x: &[f32], y: &mut [f32]) {
     axpy_body::<true>(alpha, x, y)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots_avx2(a: &[f32], rows: &[&[f32]], out: &mut [f32]) {
+    dots_body::<true>(a, rows, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpys_avx2(alphas: &[f32], rows: &[&[f32]], y: &mut [f32]) {
+    axpys_body::<true>(alphas, rows, y)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -81,6 +133,28 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
         return unsafe { axpy_avx2(alpha, x, y) };
     }
     axpy_body::<false>(alpha, x, y)
+}
+
+/// `out[r] = dot(a, rows[r])`, bit for bit, in one call (one feature check for all rows).
+#[inline]
+pub fn dots(a: &[f32], rows: &[&[f32]], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: as in `dot`.
+        return unsafe { dots_avx2(a, rows, out) };
+    }
+    dots_body::<false>(a, rows, out)
+}
+
+/// `axpy(alphas[r], rows[r], y)` for each row in order, bit for bit, `y` held in registers.
+#[inline]
+pub fn axpys(alphas: &[f32], rows: &[&[f32]], y: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: as in `dot`.
+        return unsafe { axpys_avx2(alphas, rows, y) };
+    }
+    axpys_body::<false>(alphas, rows, y)
 }
 
 /// `Σ a[i]·b[i]` of int8 vectors in i32 (exact for lengths below 2¹⁷).
@@ -153,6 +227,34 @@ mod tests {
             let want: i32 = a.iter().zip(&b).map(|(&x, &y)| x as i32 * y as i32).sum();
             assert_eq!(idot_i8(&a, &b), want, "n = {n}");
         }
+    }
+
+    /// The batched forms give exactly what the one-row forms give, at ragged lengths and row
+    /// counts (a partial group of four, a partial register chunk).
+    #[test]
+    fn dots_and_axpys_equal_their_one_row_forms_bit_for_bit() {
+        for (n, count) in [(64, 9), (256, 4), (17, 3), (100, 6), (1, 1)] {
+            let a: Vec<f32> = (0..n).map(|i| ((i * 37 % 11) as f32 - 5.0) * 0.137).collect();
+            let rows: Vec<Vec<f32>> = (0..count)
+                .map(|r| (0..n).map(|i| ((i * 13 + r * 7) % 23) as f32 * 0.071 - 0.8).collect())
+                .collect();
+            let refs: Vec<&[f32]> = rows.iter().map(Vec::as_slice).collect();
+            let mut got = vec![0f32; count];
+            dots(&a, &refs, &mut got);
+            let want: Vec<f32> = refs.iter().map(|r| dot(&a, r)).collect();
+            assert_eq!(bits(&got), bits(&want), "dots, n = {n}");
+            let alphas: Vec<f32> = (0..count).map(|r| 0.3 + r as f32 * 0.11).collect();
+            let (mut got, mut want) = (a.clone(), a.clone());
+            axpys(&alphas, &refs, &mut got);
+            refs.iter()
+                .zip(&alphas)
+                .for_each(|(r, &alpha)| axpy(alpha, r, &mut want));
+            assert_eq!(bits(&got), bits(&want), "axpys, n = {n}");
+        }
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
     }
 
     #[test]
