@@ -2,7 +2,7 @@
 //! paged KV pool addressed by the scheduler's block tables; decode steps replayed as graphs;
 //! what serving reads back (each segment's last row, or only its greedy token).
 
-use super::{Buffers, LaunchProfile, PlanDevice, PlanExecutor, StepScalars};
+use super::{BufferKey, Buffers, LaunchProfile, PlanDevice, PlanExecutor, StepScalars};
 use crate::error::{Result, RuntimeError};
 use crate::kv::Segment;
 use codegen::gpu::expr::Value;
@@ -162,9 +162,8 @@ impl<D: PlanDevice> PlanExecutor<D> {
             ("row_pos", &row_pos),
             ("last_rows", &last_rows),
         ] {
-            let buffer = buffers
-                .step_inputs
-                .get(name)
+            let (buffer, _) = buffers
+                .whole(&BufferKey::StepInput(name.into()))
                 .ok_or_else(|| RuntimeError::Artifact(format!("no step input `{name}`")))?;
             let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
             device.write(buffer, 0, &bytes)?;

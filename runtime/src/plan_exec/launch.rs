@@ -114,8 +114,13 @@ impl<D: PlanDevice> PlanExecutor<D> {
         buffers: &'b Buffers<D::Buffer>,
         vars: &HashMap<&str, Value>,
     ) -> Result<DeviceArg<'b, D::Buffer>> {
-        let missing = |what: String| RuntimeError::Artifact(format!("{what} missing"));
-        let whole = |key: BufferKey| 0..buffers.sizes.get(&key).copied().unwrap_or(0);
+        // A buffer the plan placed outside the arena, whole, or what is missing.
+        let held = |key: BufferKey, what: String| {
+            let (buffer, range) = buffers
+                .whole(&key)
+                .ok_or_else(|| RuntimeError::Artifact(format!("{what} missing")))?;
+            Ok::<_, RuntimeError>(DeviceArg::Buffer(buffer, range))
+        };
         Ok(match arg {
             LaunchArg::Activation { node, offset } => {
                 let elems = expr::eval(offset, vars)
@@ -125,41 +130,17 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 DeviceArg::Buffer(&buffers.arena, (range.start + 4 * elems).min(range.end)..range.end)
             }
             LaunchArg::Scratch { node, name, .. } => DeviceArg::Buffer(&buffers.arena, self.buffer(*node, Some(name))?),
-            LaunchArg::Weight { node } => DeviceArg::Buffer(
-                buffers
-                    .weights
-                    .get(node)
-                    .ok_or_else(|| missing(format!("weight %{node}")))?,
-                whole(BufferKey::Weight(*node)),
-            ),
-            LaunchArg::KvCache { slot, value } => DeviceArg::Buffer(
-                buffers
-                    .kv
-                    .get(&(*slot, *value))
-                    .ok_or_else(|| missing(format!("KV cache {slot}")))?,
-                whole(BufferKey::Kv(*slot, *value)),
-            ),
-            LaunchArg::Constant { name } => DeviceArg::Buffer(
-                buffers
-                    .constants
-                    .get(name)
-                    .ok_or_else(|| missing(format!("constant `{name}`")))?,
-                whole(BufferKey::Constant(name.clone())),
-            ),
-            LaunchArg::Derived { weight, tensor } => DeviceArg::Buffer(
-                buffers
-                    .derived
-                    .get(&(weight.clone(), tensor.clone()))
-                    .ok_or_else(|| missing(format!("INT8 rows of `{weight}` (from the artifact)")))?,
-                whole(BufferKey::Derived(weight.clone(), tensor.clone())),
-            ),
-            LaunchArg::StepInput { name } => DeviceArg::Buffer(
-                buffers
-                    .step_inputs
-                    .get(name)
-                    .ok_or_else(|| missing(format!("step input `{name}` (the plan is not batched)")))?,
-                whole(BufferKey::StepInput(name.clone())),
-            ),
+            LaunchArg::Weight { node } => held(BufferKey::Weight(*node), format!("weight %{node}"))?,
+            LaunchArg::KvCache { slot, value } => held(BufferKey::Kv(*slot, *value), format!("KV cache {slot}"))?,
+            LaunchArg::Constant { name } => held(BufferKey::Constant(name.clone()), format!("constant `{name}`"))?,
+            LaunchArg::Derived { weight, tensor } => held(
+                BufferKey::Derived(weight.clone(), tensor.clone()),
+                format!("INT8 rows of `{weight}` (from the artifact)"),
+            )?,
+            LaunchArg::StepInput { name } => held(
+                BufferKey::StepInput(name.clone()),
+                format!("step input `{name}` (the plan is not batched)"),
+            )?,
             LaunchArg::Scalar { .. } => unreachable!("scalars are resolved by the caller"),
         })
     }

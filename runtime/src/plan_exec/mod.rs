@@ -105,17 +105,18 @@ pub struct LaunchProfile {
 /// A step's scalars (`tokens`, `seqs`, ...) by name: what launch arguments are computed from.
 type StepScalars = HashMap<&'static str, Value>;
 
-/// Everything the plan's launches point into.
+/// Everything the plan's launches point into: the activation arena, and every other buffer
+/// by what it holds, with its size in bytes (the range a launch is handed).
 struct Buffers<B> {
     arena: B,
-    weights: HashMap<usize, B>,
-    derived: HashMap<(String, String), B>,
-    constants: HashMap<String, B>,
-    kv: HashMap<(usize, bool), B>,
-    /// A batched plan's per-step inputs, by name.
-    step_inputs: HashMap<String, B>,
-    /// Byte sizes, for the ranges handed to launches.
-    sizes: HashMap<BufferKey, usize>,
+    held: HashMap<BufferKey, (B, usize)>,
+}
+
+impl<B> Buffers<B> {
+    /// The buffer holding `key` and its whole byte range.
+    fn whole(&self, key: &BufferKey) -> Option<(&B, Range<usize>)> {
+        self.held.get(key).map(|(buffer, bytes)| (buffer, 0..*bytes))
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -124,6 +125,7 @@ enum BufferKey {
     Derived(String, String),
     Constant(String),
     Kv(usize, bool),
+    /// A batched plan's per-step inputs, by name.
     StepInput(String),
 }
 
@@ -199,51 +201,40 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 layout.kv_dim
             )));
         }
-        let mut sizes = HashMap::new();
-        let mut device_weights = HashMap::new();
+        let mut held = HashMap::new();
         for w in &plan.weights {
-            let buffer = match weights {
+            let weight = match weights {
                 PlanWeights::Host(source) => {
                     let bytes = weight_bytes(w.dtype, &w.parts, source)?;
-                    sizes.insert(BufferKey::Weight(w.node), bytes.len());
-                    device.upload(&bytes)?
+                    (device.upload(&bytes)?, bytes.len())
                 }
-                PlanWeights::Generated { seed } => {
-                    let (buffer, bytes) = crate::generated::make_weight(&mut device, &graph, w, seed)?;
-                    sizes.insert(BufferKey::Weight(w.node), bytes);
-                    buffer
-                }
+                PlanWeights::Generated { seed } => crate::generated::make_weight(&mut device, &graph, w, seed)?,
             };
-            device_weights.insert(w.node, buffer);
+            held.insert(BufferKey::Weight(w.node), weight);
         }
-        let mut upload = |device: &mut D, key: BufferKey, bytes: &[u8]| {
-            sizes.insert(key, bytes.len());
-            device.upload(bytes)
+        let mut upload = |device: &mut D, key: BufferKey, bytes: &[u8]| -> Result<()> {
+            held.insert(key, (device.upload(bytes)?, bytes.len()));
+            Ok(())
         };
-        let mut derived = HashMap::new();
         for (name, rows) in int8 {
             for (tensor, bytes) in int8_tensors(rows) {
-                let key = BufferKey::Derived(name.clone(), tensor.to_string());
-                derived.insert((name.clone(), tensor.to_string()), upload(&mut device, key, &bytes)?);
+                upload(
+                    &mut device,
+                    BufferKey::Derived(name.clone(), tensor.to_string()),
+                    &bytes,
+                )?;
             }
         }
-        let mut constants = HashMap::new();
         for (name, values) in &plan.constants {
             let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            constants.insert(
-                name.clone(),
-                upload(&mut device, BufferKey::Constant(name.clone()), &bytes)?,
-            );
+            upload(&mut device, BufferKey::Constant(name.clone()), &bytes)?;
         }
-        let mut kv = HashMap::new();
         for layout in &plan.kv_cache {
             for value in [false, true] {
                 let bytes = cache_rows * layout.bytes_per_token;
-                sizes.insert(BufferKey::Kv(layout.slot, value), bytes);
-                kv.insert((layout.slot, value), device.alloc(bytes)?);
+                held.insert(BufferKey::Kv(layout.slot, value), (device.alloc(bytes)?, bytes));
             }
         }
-        let mut step_inputs = HashMap::new();
         if let Some(cache) = plan.batched {
             // Every row a sequence of its own, each with a table for the whole context.
             let rows = plan.max_tokens;
@@ -255,20 +246,14 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 ("last_rows", rows),
             ];
             for (name, entries) in inputs {
-                sizes.insert(BufferKey::StepInput(name.into()), 4 * entries);
-                step_inputs.insert(name.to_string(), device.alloc(4 * entries)?);
+                held.insert(
+                    BufferKey::StepInput(name.into()),
+                    (device.alloc(4 * entries)?, 4 * entries),
+                );
             }
         }
         let arena = device.alloc(plan.memory.arena_bytes.max(1))?;
-        let buffers = Buffers {
-            arena,
-            weights: device_weights,
-            derived,
-            constants,
-            kv,
-            step_inputs,
-            sizes,
-        };
+        let buffers = Buffers { arena, held };
         let per_sequence = match plan.batched {
             Some(_) => codegen::gpu::per_sequence_nodes(&graph),
             None => BTreeSet::new(),
