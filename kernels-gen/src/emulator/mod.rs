@@ -765,6 +765,9 @@ fn binop(op: BinOp, x: Val, y: Val, ty: Ty) -> Result<Val, String> {
     }
     if ty == Ty::F32 {
         let (a, b) = (x.f(), y.f());
+        if let Some(c) = compare(op, a, b) {
+            return Ok(Val::B(c));
+        }
         return Ok(match op {
             BinOp::Add => Val::F(a + b),
             BinOp::Sub => Val::F(a - b),
@@ -772,16 +775,13 @@ fn binop(op: BinOp, x: Val, y: Val, ty: Ty) -> Result<Val, String> {
             BinOp::Div => Val::F(a / b),
             BinOp::Min => Val::F(a.min(b)),
             BinOp::Max => Val::F(a.max(b)),
-            BinOp::Lt => Val::B(a < b),
-            BinOp::Le => Val::B(a <= b),
-            BinOp::Gt => Val::B(a > b),
-            BinOp::Ge => Val::B(a >= b),
-            BinOp::Eq => Val::B(a == b),
-            BinOp::Ne => Val::B(a != b),
             _ => return Err(format!("{op:?} of floats")),
         });
     }
     let (a, b) = (x.i(), y.i());
+    if let Some(c) = compare(op, a, b) {
+        return Ok(Val::B(c));
+    }
     let v = match op {
         BinOp::Add => Val::I(a.wrapping_add(b)),
         BinOp::Sub => Val::I(a.wrapping_sub(b)),
@@ -791,12 +791,6 @@ fn binop(op: BinOp, x: Val, y: Val, ty: Ty) -> Result<Val, String> {
         BinOp::Rem => Val::I(a % b),
         BinOp::Min => Val::I(a.min(b)),
         BinOp::Max => Val::I(a.max(b)),
-        BinOp::Lt => Val::B(a < b),
-        BinOp::Le => Val::B(a <= b),
-        BinOp::Gt => Val::B(a > b),
-        BinOp::Ge => Val::B(a >= b),
-        BinOp::Eq => Val::B(a == b),
-        BinOp::Ne => Val::B(a != b),
         BinOp::Shl | BinOp::Shr if !(0..32).contains(&b) => return Err(format!("a shift by {b} bits")),
         // A left shift keeps the low 32 bits in both types (C++20 defines it for signed too).
         BinOp::Shl if ty == Ty::U32 => Val::I(((a as u32) << b) as i64),
@@ -805,7 +799,7 @@ fn binop(op: BinOp, x: Val, y: Val, ty: Ty) -> Result<Val, String> {
         BinOp::Shr => Val::I(((a as i32) >> b) as i64),
         BinOp::BitAnd => Val::I(a & b),
         BinOp::BitXor => Val::I(a ^ b),
-        BinOp::And | BinOp::Or => return Err(format!("{op:?} of integers")),
+        _ => return Err(format!("{op:?} of integers")),
     };
     match (ty, v) {
         (Ty::U32, Val::I(r)) => Ok(Val::I(r as u32 as i64)),
@@ -814,6 +808,19 @@ fn binop(op: BinOp, x: Val, y: Val, ty: Ty) -> Result<Val, String> {
         }
         _ => Ok(v),
     }
+}
+
+/// `a op b` for the comparison operators (floats and integers alike); `None` for the others.
+fn compare<T: PartialOrd>(op: BinOp, a: T, b: T) -> Option<bool> {
+    Some(match op {
+        BinOp::Lt => a < b,
+        BinOp::Le => a <= b,
+        BinOp::Gt => a > b,
+        BinOp::Ge => a >= b,
+        BinOp::Eq => a == b,
+        BinOp::Ne => a != b,
+        _ => return None,
+    })
 }
 
 fn unop_f32(op: UnOp, v: f32) -> f32 {
