@@ -6,19 +6,19 @@
 //! Decode steps of `bbc serve` (a row per sequence) up to a chosen batch size run as CUDA
 //! graphs, one per size, captured on first use (see `PlanExecutor::capture_graphs_up_to`).
 //!
-//! Without an NVIDIA driver, [`CudaBackend::new`] returns [`RuntimeError::NoCudaDriver`]: never
+//! Without an NVIDIA driver, [`CudaBackend::from_artifact`] returns [`RuntimeError::NoCudaDriver`]: never
 //! a panic. The plan executor above it (one sequence, and batched steps with their graphs)
 //! runs on the emulator in CI (`tests/gpu_plan_emulated.rs`), but this device has not run on a
 //! GPU yet: `scripts/gpu-check.sh` is the check to run where one is lent.
 
 use crate::error::{Result, RuntimeError};
-use crate::plan_exec::{DeviceArg, PlanDevice, PlanExecutor, PlanSequence};
+use crate::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
 use codegen::gpu::GpuPlan;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
-use ir::{Graph, Tensor};
+use ir::Graph;
 use models::WeightSource;
 use passes::weight_transforms::Int8Rows;
 use std::collections::HashMap;
@@ -248,15 +248,13 @@ fn read_plan(dir: &Path, plan_file: &str) -> Result<GpuPlan> {
     serde_json::from_str(&text).map_err(|e| RuntimeError::Artifact(format!("{plan_file}: {e}")))
 }
 
-/// A GPU artifact on GPU 0.
-pub struct CudaBackend(PlanExecutor<CudaDevice>);
-
-/// A sequence's state on the device is the backend's KV cache; this is its length.
-pub type CudaSequence = PlanSequence;
+/// A GPU artifact on GPU 0: its plan executed on the CUDA device (generation and serving go
+/// through the executor's `Backend` and `PagedBackend` implementations).
+pub type CudaBackend = PlanExecutor<CudaDevice>;
 
 impl CudaBackend {
     /// Load `plan_file` of the artifact in `dir` for `graph`, with the model's weights.
-    pub fn new(
+    pub fn from_artifact(
         dir: &Path,
         plan_file: &str,
         graph: Graph,
@@ -265,7 +263,7 @@ impl CudaBackend {
         context_length: usize,
     ) -> Result<Self> {
         let plan = read_plan(dir, plan_file)?;
-        Self::load(dir, plan, graph, weights, int8, context_length)
+        PlanExecutor::new(CudaDevice::new(dir, &plan)?, plan, graph, weights, int8, context_length)
     }
 
     /// The batched serving plan `plan_file` of the artifact in `dir`, its KV pool `cache`: for
@@ -285,61 +283,6 @@ impl CudaBackend {
         }
         // The pool is sized at run time; the kernels take the block size as a scalar.
         plan.batched = Some(cache);
-        Self::load(dir, plan, graph, weights, int8, context_length)
-    }
-
-    /// Run decode steps (one row per running sequence) of up to `rows` sequences as CUDA
-    /// graphs.
-    pub fn capture_graphs_up_to(self, rows: usize) -> Self {
-        Self(self.0.capture_graphs_up_to(rows))
-    }
-
-    fn load(
-        dir: &Path,
-        plan: GpuPlan,
-        graph: Graph,
-        weights: &WeightSource,
-        int8: &[(String, Int8Rows)],
-        context_length: usize,
-    ) -> Result<Self> {
-        let device = CudaDevice::new(dir, &plan)?;
-        Ok(Self(PlanExecutor::new(
-            device,
-            plan,
-            graph,
-            weights,
-            int8,
-            context_length,
-        )?))
-    }
-
-    pub fn context_length(&self) -> usize {
-        self.0.context_length()
-    }
-
-    pub fn new_sequence(&self) -> CudaSequence {
-        self.0.new_sequence()
-    }
-
-    /// Process `ids` as the next tokens of `seq` (the one sequence the KV cache holds).
-    pub fn step(&self, seq: &mut CudaSequence, ids: &[u32]) -> Result<HashMap<String, Tensor>> {
-        self.0.step(seq, ids)
-    }
-}
-
-/// Continuous batching on the GPU: a backend made by [`CudaBackend::batched`].
-impl crate::serving::PagedBackend for CudaBackend {
-    type Pages = usize;
-    fn new_pages(&self, block_size: usize) -> usize {
-        crate::serving::PagedBackend::new_pages(&self.0, block_size)
-    }
-    fn max_step_tokens(&self) -> Option<usize> {
-        crate::serving::PagedBackend::max_step_tokens(&self.0)
-    }
-    fn step_batch(&self, pages: &mut usize, batch: &[crate::kv::Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
-        crate::serving::PagedBackend::step_batch(&self.0, pages, batch)
-    }
-    fn step_batch_greedy(&self, pages: &mut usize, batch: &[crate::kv::Segment]) -> Option<Result<Vec<u32>>> {
-        crate::serving::PagedBackend::step_batch_greedy(&self.0, pages, batch)
+        PlanExecutor::new(CudaDevice::new(dir, &plan)?, plan, graph, weights, int8, context_length)
     }
 }

@@ -2,6 +2,7 @@
 
 use crate::cpu::{CpuBackend, WeightCache};
 use crate::error::{Result, RuntimeError};
+use crate::plan_exec::{PlanDevice, PlanExecutor};
 use crate::sampling::{Sampler, SamplingParams};
 use ir::Graph;
 use models::WeightSource;
@@ -60,16 +61,17 @@ impl Backend for CpuBackend {
     }
 }
 
-impl Backend for crate::cuda::CudaBackend {
-    type Sequence = crate::cuda::CudaSequence;
+/// A GPU plan on any device (the CUDA backend, the emulator).
+impl<D: PlanDevice> Backend for PlanExecutor<D> {
+    type Sequence = crate::plan_exec::PlanSequence;
     fn new_sequence(&self) -> Self::Sequence {
-        crate::cuda::CudaBackend::new_sequence(self)
+        PlanExecutor::new_sequence(self)
     }
     fn step(&self, seq: &mut Self::Sequence, ids: &[u32]) -> Result<std::collections::HashMap<String, ir::Tensor>> {
-        crate::cuda::CudaBackend::step(self, seq, ids)
+        PlanExecutor::step(self, seq, ids)
     }
     fn context_length(&self) -> usize {
-        crate::cuda::CudaBackend::context_length(self)
+        PlanExecutor::context_length(self)
     }
 }
 

@@ -89,8 +89,8 @@ fn engines(model: &Path, target: Target) -> Result<(Engine<CudaBackend>, Engine)
         .greedy_plan
         .as_deref()
         .context("the artifact has a greedy plan")?;
-    let greedy = CudaBackend::new(&dir, greedy_plan, greedy_graph, &model.weights, &int8, context)?;
-    let logits = CudaBackend::new(&dir, "plan.json", gpu_graph, &model.weights, &[], context)?;
+    let greedy = CudaBackend::from_artifact(&dir, greedy_plan, greedy_graph, &model.weights, &int8, context)?;
+    let logits = CudaBackend::from_artifact(&dir, "plan.json", gpu_graph, &model.weights, &[], context)?;
     let _ = std::fs::remove_dir_all(&dir);
     let cpu_graph = passes::optimized(&graph, passes::CostModel::CPU)?;
     let cpu = Engine::from(CpuBackend::new(cpu_graph, &model.weights, context)?);
