@@ -111,14 +111,17 @@ impl CudaDevice {
     /// after one call to warm up).
     pub fn time(&mut self, iterations: usize, mut work: impl FnMut(&mut Self) -> Result<()>) -> Result<f64> {
         work(self)?;
+        let seconds = self.elapsed(|device| (0..iterations).try_for_each(|_| work(device)))?;
+        Ok(seconds / iterations.max(1) as f64)
+    }
+
+    /// Device seconds `work` takes: between two events recorded on the stream around it.
+    fn elapsed(&mut self, work: impl FnOnce(&mut Self) -> Result<()>) -> Result<f64> {
         let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let start = self.stream.record_event(timed).map_err(driver)?;
-        for _ in 0..iterations {
-            work(self)?;
-        }
+        work(self)?;
         let end = self.stream.record_event(timed).map_err(driver)?;
-        let ms = start.elapsed_ms(&end).map_err(driver)?;
-        Ok(ms as f64 / 1e3 / iterations.max(1) as f64)
+        Ok(start.elapsed_ms(&end).map_err(driver)? as f64 / 1e3)
     }
 
     /// Device-to-device copy bandwidth in bytes per second (bytes read plus bytes written),
@@ -194,7 +197,7 @@ impl PlanDevice for CudaDevice {
         Ok(())
     }
 
-    /// Events on the stream around the launch; waits for the second.
+    /// Events on the stream around the launch (`elapsed`).
     fn launch_timed(
         &mut self,
         kernel: &str,
@@ -202,11 +205,8 @@ impl PlanDevice for CudaDevice {
         block: u32,
         args: &[DeviceArg<'_, Self::Buffer>],
     ) -> Result<Option<f64>> {
-        let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let start = self.stream.record_event(timed).map_err(driver)?;
-        self.launch(kernel, grid, block, args)?;
-        let end = self.stream.record_event(timed).map_err(driver)?;
-        Ok(Some(start.elapsed_ms(&end).map_err(driver)? as f64 / 1e3))
+        self.elapsed(|device| device.launch(kernel, grid, block, args))
+            .map(Some)
     }
 
     fn records_graphs(&self) -> bool {
