@@ -17,6 +17,15 @@ pub enum Ty {
 }
 
 impl Ty {
+    /// Bytes an element of this type takes in memory.
+    pub fn bytes(self) -> usize {
+        match self {
+            Ty::F32 | Ty::I32 | Ty::U32 => 4,
+            Ty::Bf16 => 2,
+            Ty::I8 | Ty::U8 | Ty::Bool => 1,
+        }
+    }
+
     /// The type a loaded element computes in (bf16 widens to f32, small ints to i32).
     pub fn compute(self) -> Ty {
         match self {

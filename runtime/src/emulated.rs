@@ -11,7 +11,7 @@ use crate::error::{Result, RuntimeError};
 use crate::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
 use codegen::gpu::GpuPlan;
 use ir::Graph;
-use kernels_gen::dsl::{Kernel, Param, Ty};
+use kernels_gen::dsl::{Kernel, Param};
 use kernels_gen::emulator::{self, Array, Scalar};
 use models::WeightSource;
 use passes::weight_transforms::Int8Rows;
@@ -77,14 +77,10 @@ impl EmulatedDevice {
             match (param, arg) {
                 (Param::Buffer { name, ty, writable }, DeviceArg::Buffer(&buffer, range)) => {
                     // Buffers start aligned, as device allocations do; the range may not.
-                    let element = match ty {
-                        Ty::F32 | Ty::I32 | Ty::U32 => 4,
-                        Ty::Bf16 => 2,
-                        Ty::I8 | Ty::U8 | Ty::Bool => 1,
-                    };
                     arrays.insert(
                         name.clone(),
-                        Array::from_le_bytes(*ty, &self.memory[buffer][range.clone()]).placed_at(range.start / element),
+                        Array::from_le_bytes(*ty, &self.memory[buffer][range.clone()])
+                            .placed_at(range.start / ty.bytes()),
                     );
                     if *writable {
                         written.push((name.clone(), buffer, range.clone()));

@@ -72,16 +72,16 @@ pub(crate) fn make_weight<D: PlanDevice>(
     w: &codegen::gpu::WeightUse,
     seed: u32,
 ) -> Result<(D::Buffer, usize)> {
-    let (ty, width) = match w.dtype {
-        DType::F32 => (Ty::F32, 4),
-        DType::BF16 => (Ty::Bf16, 2),
+    let ty = match w.dtype {
+        DType::F32 => Ty::F32,
+        DType::BF16 => Ty::Bf16,
         other => {
             return Err(RuntimeError::Weight(format!(
                 "weights made on the device are f32 or bf16, the plan wants {other}"
             )))
         }
     };
-    let elements: usize = w.shape.iter().product();
+    let (elements, width) = (w.shape.iter().product::<usize>(), ty.bytes());
     let buffer = device.alloc(elements * width)?;
     let mut at = 0;
     for name in &w.parts {
@@ -127,7 +127,7 @@ pub fn fill_on_device<D: PlanDevice>(
             "{elements} elements are past the fill kernel's 32-bit indices"
         )));
     }
-    let width = if ty == Ty::Bf16 { 2 } else { 4 };
+    let width = ty.bytes();
     let block = kernels_gen::templates::BLOCK;
     for first in (0..elements).step_by(FILL_CHUNK) {
         let n = FILL_CHUNK.min(elements - first);
