@@ -37,20 +37,20 @@ impl Q8Row {
         self.dsum.clear();
         #[cfg(target_arch = "x86_64")]
         let avx2 = std::is_x86_feature_detected!("avx2");
-        #[cfg(not(target_arch = "x86_64"))]
-        let avx2 = false;
         for (xb, qb) in x.chunks_exact(ACT_BLOCK).zip(self.q.chunks_exact_mut(ACT_BLOCK)) {
             let xb: &[f32; ACT_BLOCK] = xb.try_into().expect("whole blocks");
             let qb: &mut [i8; ACT_BLOCK] = qb.try_into().expect("whole blocks");
+            // The vector path's scale, where it took the block.
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the CPU has AVX2 where `avx2` is set.
-            let done = avx2 && unsafe { quantize_block_avx2(xb, qb) };
-            #[cfg(not(target_arch = "x86_64"))]
-            let done = avx2;
-            let d = match done {
-                true => block_scale(xb),
-                false => quantize_block(xb, qb),
+            let vector = if avx2 {
+                unsafe { quantize_block_avx2(xb, qb) }
+            } else {
+                None
             };
+            #[cfg(not(target_arch = "x86_64"))]
+            let vector: Option<f32> = None;
+            let d = vector.unwrap_or_else(|| quantize_block(xb, qb));
             self.d.push(d);
             for half in qb.chunks_exact(16) {
                 self.sum16.push(half.iter().map(|&q| q as i32).sum());
@@ -77,11 +77,11 @@ fn quantize_block(xb: &[f32; ACT_BLOCK], qb: &mut [i8; ACT_BLOCK]) -> f32 {
 }
 
 /// [`quantize_block`] eight lanes at a time, bit for bit (halves rounded away from zero as
-/// `f32::round` does, not to even as the vector unit would); `false`, writing nothing, for a
-/// block holding a NaN or an infinity, which the scalar code handles.
+/// `f32::round` does, not to even as the vector unit would); the scale, or `None`, writing
+/// nothing, for a block holding a NaN or an infinity, which the scalar code handles.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn quantize_block_avx2(xb: &[f32; ACT_BLOCK], qb: &mut [i8; ACT_BLOCK]) -> bool {
+unsafe fn quantize_block_avx2(xb: &[f32; ACT_BLOCK], qb: &mut [i8; ACT_BLOCK]) -> Option<f32> {
     use std::arch::x86_64::*;
     // SAFETY: the block holds 32 f32 and `qb` 32 bytes; AVX2 is enabled for this function.
     unsafe {
@@ -94,7 +94,7 @@ unsafe fn quantize_block_avx2(xb: &[f32; ACT_BLOCK], qb: &mut [i8; ACT_BLOCK]) -
             bad = _mm256_or_ps(bad, _mm256_cmp_ps(zero_if_finite, zero_if_finite, _CMP_UNORD_Q));
         }
         if _mm256_movemask_ps(bad) != 0 {
-            return false;
+            return None;
         }
         let d = block_scale(xb);
         let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
@@ -112,8 +112,8 @@ unsafe fn quantize_block_avx2(xb: &[f32; ACT_BLOCK], qb: &mut [i8; ACT_BLOCK]) -
         let packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
         let ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(qb.as_mut_ptr() as *mut __m256i, ordered);
+        Some(d)
     }
-    true
 }
 
 /// A weight group and its activation group, with the weight group's scale and min.
