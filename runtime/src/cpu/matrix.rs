@@ -67,7 +67,6 @@ impl Matrix {
         debug_assert_eq!(out.len(), tokens * n);
         // Each task computes a run of W's rows for every token ([rows, tokens]) and writes its
         // columns of `out` itself (see `for_row_runs`).
-        let target = out;
         let rows_per_task = rows_per_task(n);
         match &self.storage {
             Storage::Quant {
@@ -82,7 +81,7 @@ impl Matrix {
                 };
                 let packed = int8::PackedDot::new(*dtype, *row_bytes, &acts);
                 for_row_runs(
-                    target,
+                    out,
                     n,
                     tokens,
                     rows_per_task,
@@ -100,7 +99,7 @@ impl Matrix {
                     },
                 );
             }
-            _ => for_row_runs(target, n, tokens, rows_per_task, |row_buf: &mut Vec<f32>, r, dst| {
+            _ => for_row_runs(out, n, tokens, rows_per_task, |row_buf: &mut Vec<f32>, r, dst| {
                 row_buf.resize(k, 0.0);
                 let w = self.row_f32(r, row_buf);
                 for (d, xt) in dst.iter_mut().zip(x.chunks_exact(k)) {
