@@ -12,7 +12,7 @@ use kernels_gen::templates::*;
 use std::collections::HashMap;
 
 mod common;
-use common::{close, ints, run_gemv, run_norm_gemv, Rng};
+use common::{close, ints, run_gemv, run_norm_gemv, try_run_matmul, Rng};
 
 #[test]
 fn elementwise_matches_expression_semantics() {
@@ -398,18 +398,10 @@ fn strided_inputs_read_slices_in_place() {
     // A view two columns into an aligned buffer is not 16-byte aligned: vector loads of it are
     // refused (codegen reads such views with scalar loads).
     let kernel = gemv::gemv("gemv", "test", decode.with_x_vectors());
-    let mut bufs = HashMap::from([
-        ("x".to_string(), Array::f32(&wide[2..]).placed_at(2)),
-        ("w".to_string(), Array::f32(&w)),
-        ("out".to_string(), Array::poisoned(Ty::F32, tokens * n)),
-    ]);
-    let scalars = ints(&[
-        ("tokens", tokens as i64),
-        ("n", n as i64),
-        ("k", k as i64),
-        ("x_stride", stride as i64),
-    ]);
-    let fault = run(&kernel, &mut bufs, &scalars).unwrap_err().to_string();
+    let x = Array::f32(&wide[2..]).placed_at(2);
+    let fault = try_run_matmul(&kernel, x, None, Array::f32(&w), (tokens, n, k, stride))
+        .unwrap_err()
+        .to_string();
     assert!(fault.contains("misaligned"), "{fault}");
 
     let (groups_per_row, group) = (4, 10);
@@ -545,27 +537,11 @@ fn gemm_matches_reference(kernel: &Kernel, shapes: &[(usize, usize, usize)], pad
         let dense_x: Vec<f32> = x.chunks(x_stride).flat_map(|row| round(&row[..k])).collect();
         let mut want = vec![0f32; tokens * n];
         ops::matmul(&dense_x, &round(&w), k, &mut want);
-        let mut bufs = HashMap::from([
-            ("x".into(), Array::f32(&x)),
-            (
-                "w".into(),
-                Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()),
-            ),
-            ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
-        ]);
-        run(
-            kernel,
-            &mut bufs,
-            &ints(&[
-                ("tokens", tokens as i64),
-                ("n", n as i64),
-                ("k", k as i64),
-                ("x_stride", x_stride as i64),
-            ]),
-        )
-        .unwrap_or_else(|e| panic!("{tokens}×{n}×{k}: {e}"));
+        let w = Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
+        let out = try_run_matmul(kernel, Array::f32(&x), None, w, (tokens, n, k, x_stride))
+            .unwrap_or_else(|e| panic!("{tokens}×{n}×{k}: {e}"));
         close(
-            &bufs["out"].to_f32().unwrap(),
+            &out.to_f32().unwrap(),
             &want,
             1e-5,
             &format!("{} {tokens}×{n}×{k}", kernel.name),

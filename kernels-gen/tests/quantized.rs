@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 mod common;
-use common::{close, ints, run_gemv, run_norm_gemv};
+use common::{close, ints, run_gemv, run_norm_gemv, try_run_matmul};
 
 fn ggml(format: DType) -> GgmlType {
     match format {
@@ -86,20 +86,9 @@ fn quantized_tensor_core_gemm_matches_dequantize_then_matmul() {
             let x: Vec<f32> = (0..tokens * k).map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0).collect();
             let mut want = vec![0f32; tokens * n];
             ir::reference::ops::matmul(&round(&x), &round(&w), k, &mut want);
-            let mut bufs = HashMap::from([
-                ("x".into(), Array::f32(&x)),
-                ("w".into(), Array::u8(&data)),
-                ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
-            ]);
-            let scalars = ints(&[
-                ("tokens", tokens as i64),
-                ("n", n as i64),
-                ("k", k as i64),
-                ("x_stride", k as i64),
-            ]);
-            run(&kernel, &mut bufs, &scalars).unwrap();
+            let out = try_run_matmul(&kernel, Array::f32(&x), None, Array::u8(&data), (tokens, n, k, k)).unwrap();
             close(
-                &bufs["out"].to_f32().unwrap(),
+                &out.to_f32().unwrap(),
                 &want,
                 1e-5,
                 &format!("{format} × {tokens} tokens"),

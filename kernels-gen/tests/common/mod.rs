@@ -1,9 +1,9 @@
 //! Shared by the emulator tests: deterministic data, scalar arguments, comparison with a
-//! tolerance, and the GEMV launch several tests make.
+//! tolerance, and the matmul launch (GEMV or GEMM) several tests make.
 #![allow(dead_code)]
 
 use kernels_gen::dsl::{Kernel, Ty};
-use kernels_gen::emulator::{run, Array, Scalar};
+use kernels_gen::emulator::{run, Array, EmuError, Scalar};
 use std::collections::HashMap;
 
 /// A small LCG: the same values on every run and machine, in [-1, 1).
@@ -48,10 +48,24 @@ pub fn run_norm_gemv(
     x: &[f32],
     g: Option<&[f32]>,
     w: Array,
-    (tokens, n, k, x_stride): (usize, usize, usize, usize),
+    dims: (usize, usize, usize, usize),
 ) -> Array {
+    try_run_matmul(kernel, Array::f32(x), g, w, dims).expect("the GEMV runs cleanly")
+}
+
+/// Run a matmul kernel (a GEMV or a prefill GEMM: buffers `x`, `g` where it has the norm
+/// prologue, `w` and `out`; scalars `tokens`, `n`, `k`, `x_stride`) on `x` [tokens, x_stride]
+/// and weights `w` of `n` rows by `k`: its `out` buffer, poisoned before the launch, or what
+/// the emulator reported.
+pub fn try_run_matmul(
+    kernel: &Kernel,
+    x: Array,
+    g: Option<&[f32]>,
+    w: Array,
+    (tokens, n, k, x_stride): (usize, usize, usize, usize),
+) -> Result<Array, EmuError> {
     let mut bufs = HashMap::from([
-        ("x".into(), Array::f32(x)),
+        ("x".into(), x),
         ("w".into(), w),
         ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
     ]);
@@ -64,6 +78,6 @@ pub fn run_norm_gemv(
         ("k", k as i64),
         ("x_stride", x_stride as i64),
     ]);
-    run(kernel, &mut bufs, &scalars).expect("the GEMV runs cleanly");
-    bufs.remove("out").expect("an out buffer")
+    run(kernel, &mut bufs, &scalars)?;
+    Ok(bufs.remove("out").expect("an out buffer"))
 }
