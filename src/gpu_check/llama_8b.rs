@@ -118,31 +118,16 @@ const SHAPES: [(&str, usize, usize, usize); 5] = [
 /// GEMM, and the 4-tokens-per-pass GEMV for comparison); the table as markdown, with the step
 /// the matmuls alone would add up to (the whole step is [`decode`]'s).
 pub fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
-    let decode = |k: usize| {
-        gemv(
-            "gemv",
-            "gpu-check",
-            GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k).with_x_vectors(),
-        )
-    };
+    let spec = |k: usize| GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k).with_x_vectors();
     let mut table = String::from(
         "| matmul | batch | kernel | µs | weight GB/s | % of copy bandwidth |\n|---|---|---|---|---|---|\n",
     );
     let mut step = [0f64; 3];
     for (name, n, k, count) in SHAPES {
         let kernels: Vec<Kernel> = vec![
-            decode(k),
-            Kernel {
-                name: "gemv_prefill".into(),
-                ..gemv(
-                    "gemv",
-                    "gpu-check",
-                    GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k)
-                        .with_x_vectors()
-                        .prefill(),
-                )
-            },
-            // The target's tensor-core GEMM: wgmma on sm_90a, mma.sync elsewhere.
+            gemv("gemv", "gpu-check", spec(k)),
+            gemv("gemv_prefill", "gpu-check", spec(k).prefill()),
+            // The target's tensor-core GEMM: wgmma on sm_90a, tcgen05 on sm_100a, mma.sync on sm_120a.
             prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), k, "gemm", "gpu-check")
                 .ok_or_else(|| anyhow!("a bf16 GEMM"))?,
         ];
