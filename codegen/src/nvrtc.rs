@@ -127,7 +127,7 @@ pub fn compile_ptx(kernel: &str, source: &str, arch: &str) -> Result<String, Nvr
     let virtual_arch = arch.replace("sm_", "compute_");
     let options = vec![format!("--gpu-architecture={virtual_arch}"), "--std=c++17".to_string()];
     let key = cache_key(source, &options, version);
-    if let Some(ptx) = cache_dir().and_then(|d| std::fs::read_to_string(d.join(format!("{key}.ptx"))).ok()) {
+    if let Some(ptx) = cached(&key, "ptx").and_then(|bytes| String::from_utf8(bytes).ok()) {
         return Ok(ptx);
     }
     let (prog, _) = compile(kernel, source, &options)?;
@@ -139,9 +139,7 @@ pub fn compile_ptx(kernel: &str, source: &str, arch: &str) -> Result<String, Nvr
         .collect::<String>()
         .trim_end_matches('\0')
         .to_string();
-    if let Some(dir) = cache_dir() {
-        let _ = std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(dir.join(format!("{key}.ptx")), &ptx));
-    }
+    store(&key, &[("ptx", ptx.as_bytes())]);
     Ok(ptx)
 }
 
@@ -162,12 +160,13 @@ pub fn compile_cubin(kernel: &str, source: &str, arch: &str) -> Result<(Vec<u8>,
     ];
     // Cached with ptxas's log, which the resources are read from.
     let key = cache_key(source, &options, version);
-    let cached = cache_dir().and_then(|d| {
-        let cubin = std::fs::read(d.join(format!("{key}.cubin"))).ok()?;
-        let log = std::fs::read_to_string(d.join(format!("{key}.ptxas"))).ok()?;
-        Some((cubin, parse_resources(arch, &log)?))
-    });
-    if let Some(hit) = cached {
+    let hit = cached(&key, "cubin")
+        .zip(cached(&key, "ptxas"))
+        .and_then(|(cubin, log)| {
+            let resources = parse_resources(arch, std::str::from_utf8(&log).ok()?)?;
+            Some((cubin, resources))
+        });
+    if let Some(hit) = hit {
         return Ok(hit);
     }
     let (prog, log) = compile(kernel, source, &options)?;
@@ -184,12 +183,8 @@ pub fn compile_cubin(kernel: &str, source: &str, arch: &str) -> Result<(Vec<u8>,
     unsafe { sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr().cast()) }
         .result()
         .map_err(|e| NvrtcError::Api(format!("{e:?}")))?;
-    if let Some(dir) = cache_dir() {
-        // The log last: an entry counts only when both files are there.
-        let _ = std::fs::create_dir_all(&dir)
-            .and_then(|_| std::fs::write(dir.join(format!("{key}.cubin")), &cubin))
-            .and_then(|_| std::fs::write(dir.join(format!("{key}.ptxas")), &log));
-    }
+    // The log last: an entry counts only when both files are there.
+    store(&key, &[("cubin", &cubin), ("ptxas", log.as_bytes())]);
     Ok((cubin, resources))
 }
 
@@ -223,6 +218,23 @@ fn cache_key(source: &str, options: &[String], version: (i32, i32)) -> String {
     }
     h.update(format!("nvrtc {}.{}", version.0, version.1).as_bytes());
     h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The cached file `{key}.{ext}`, if there is one.
+fn cached(key: &str, ext: &str) -> Option<Vec<u8>> {
+    std::fs::read(cache_dir()?.join(format!("{key}.{ext}"))).ok()
+}
+
+/// Cache `files` (extension, bytes) under `key`, in order; best effort (a failed write only
+/// costs a recompile later).
+fn store(key: &str, files: &[(&str, &[u8])]) {
+    if let Some(dir) = cache_dir() {
+        let _ = std::fs::create_dir_all(&dir).and_then(|_| {
+            files
+                .iter()
+                .try_for_each(|(ext, bytes)| std::fs::write(dir.join(format!("{key}.{ext}")), bytes))
+        });
+    }
 }
 
 fn cache_dir() -> Option<PathBuf> {
