@@ -210,6 +210,11 @@ fn write_gpu_program(
             .map_err(|source| ArtifactError::Nvrtc { target: name, source })?;
         let (cubin, resources) = crate::nvrtc::compile_cubin(&k.name, &k.source, &plan.arch)
             .map_err(|source| ArtifactError::Nvrtc { target: name, source })?;
+        // The spill check rests on ptxas's report: an artifact is not built without one.
+        let resources = resources.ok_or_else(|| ArtifactError::Invalid {
+            path: kernels.join(format!("{}.cu", k.name)),
+            what: format!("ptxas gave no resource report on {}", plan.arch),
+        })?;
         if resources.spill_stores + resources.spill_loads > 0 {
             return Err(ArtifactError::Invalid {
                 path: kernels.join(format!("{}.cu", k.name)),

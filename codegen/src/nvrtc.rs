@@ -145,20 +145,25 @@ pub fn compile_ptx(kernel: &str, source: &str, arch: &str) -> Result<String, Nvr
 
 /// Build `source` for the real architecture `arch` with ptxas's resource report.
 pub fn check_resources(kernel: &str, source: &str, arch: &str) -> Result<Resources, NvrtcError> {
-    compile_cubin(kernel, source, arch).map(|(_, resources)| resources)
+    let (_, resources) = compile_cubin(kernel, source, arch)?;
+    resources.ok_or_else(|| NvrtcError::Api(format!("ptxas gave no resource report for `{kernel}` on {arch}")))
 }
 
 /// Machine code of `source` for the real architecture `arch` (a cubin), and what ptxas
 /// reported. A cubin loads without the driver compiling anything, so it also loads on a
 /// driver older than this NVRTC (within the CUDA major version), which refuses its PTX.
-pub fn compile_cubin(kernel: &str, source: &str, arch: &str) -> Result<(Vec<u8>, Resources), NvrtcError> {
+///
+/// The report is `None` where ptxas's log held none even on a second try: the H200 run of
+/// 2026-11-30 saw NVRTC 13.0 return an empty log once for a kernel that builds with a report
+/// elsewhere. The cubin is still good; only callers that check resources need the report.
+pub fn compile_cubin(kernel: &str, source: &str, arch: &str) -> Result<(Vec<u8>, Option<Resources>), NvrtcError> {
     let version = ensure_loaded()?;
     let options = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".to_string(),
         "-Xptxas=-v".to_string(),
     ];
-    // Cached with ptxas's log, which the resources are read from.
+    // Cached with ptxas's log, which the resources are read from; only with a report.
     let key = cache_key(source, &options, version);
     let hit = cached(&key, "cubin")
         .zip(cached(&key, "ptxas"))
@@ -166,12 +171,25 @@ pub fn compile_cubin(kernel: &str, source: &str, arch: &str) -> Result<(Vec<u8>,
             let resources = parse_resources(arch, std::str::from_utf8(&log).ok()?)?;
             Some((cubin, resources))
         });
-    if let Some(hit) = hit {
-        return Ok(hit);
+    if let Some((cubin, resources)) = hit {
+        return Ok((cubin, Some(resources)));
     }
-    let (prog, log) = compile(kernel, source, &options)?;
-    let resources = parse_resources(arch, &log)
-        .ok_or_else(|| NvrtcError::Api(format!("no resource report in the ptxas log:\n{log}")))?;
+    let mut built = build_cubin(kernel, source, &options)?;
+    if parse_resources(arch, &built.1).is_none() {
+        built = build_cubin(kernel, source, &options)?;
+    }
+    let (cubin, log) = built;
+    let resources = parse_resources(arch, &log);
+    if resources.is_some() {
+        // The log last: an entry counts only when both files are there.
+        store(&key, &[("cubin", &cubin), ("ptxas", log.as_bytes())]);
+    }
+    Ok((cubin, resources))
+}
+
+/// One NVRTC compile to a cubin: the image and ptxas's log.
+fn build_cubin(kernel: &str, source: &str, options: &[String]) -> Result<(Vec<u8>, String), NvrtcError> {
+    let (prog, log) = compile(kernel, source, options)?;
     let mut size = 0usize;
     // SAFETY: the program compiled for a real architecture, so it holds a cubin; `size` is
     // valid for the call.
@@ -183,9 +201,7 @@ pub fn compile_cubin(kernel: &str, source: &str, arch: &str) -> Result<(Vec<u8>,
     unsafe { sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr().cast()) }
         .result()
         .map_err(|e| NvrtcError::Api(format!("{e:?}")))?;
-    // The log last: an entry counts only when both files are there.
-    store(&key, &[("cubin", &cubin), ("ptxas", log.as_bytes())]);
-    Ok((cubin, resources))
+    Ok((cubin, log))
 }
 
 /// From lines like `ptxas info : Used 16 registers, …` and `0 bytes spill stores, 0 bytes spill loads`.
