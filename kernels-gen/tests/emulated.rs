@@ -321,6 +321,10 @@ fn attention_matches_reference_with_windows_groups_and_long_caches() {
         (1, 300, 4, 2, 16, 0),
         (3, 5, 2, 2, 8, 4),
         (2, 520, 2, 1, 32, 300),
+        // A head_dim past one warp's width that is not a multiple of it (the last lane dims
+        // guarded), and Gemma 3's 256.
+        (2, 40, 2, 1, 80, 0),
+        (1, 70, 2, 2, 256, 0),
     ] {
         let len = first + tokens;
         let (q, k, v) = (
@@ -348,25 +352,50 @@ fn attention_matches_reference_with_windows_groups_and_long_caches() {
             &slot,
             &positions,
         );
-        let kernel = attention::attention("attention", "test");
-        let mut bufs = HashMap::from([
-            ("q".into(), Array::f32(&q)),
-            ("k".into(), Array::f32(&k)),
-            ("v".into(), Array::f32(&v)),
-            ("out".into(), Array::poisoned(Ty::F32, q.len())),
-        ]);
         let mut scalars = ints(&[
             ("tokens", tokens as i64),
             ("first", first as i64),
             ("heads", heads as i64),
             ("kv_heads", kv_heads as i64),
-            ("head_dim", head_dim as i64),
             ("window", window as i64),
         ]);
         scalars.insert("scale".into(), Scalar::F32(0.3));
-        run(&kernel, &mut bufs, &scalars).unwrap();
-        close(&bufs["out"].to_f32().unwrap(), &want.data, 1e-5, "attention");
+        // One split, the plans' count, and more splits than some rows have keys.
+        for splits in [1, attention::splits_for(tokens), 7] {
+            let mut bufs = HashMap::from([
+                ("q".into(), Array::f32(&q)),
+                ("k".into(), Array::f32(&k)),
+                ("v".into(), Array::f32(&v)),
+            ]);
+            let kernel = attention::attention("attention", "test", head_dim);
+            let out = run_attention(&kernel, &mut bufs, &scalars, (tokens, heads, head_dim), splits);
+            close(&out, &want.data, 1e-5, &format!("attention, {splits} splits"));
+        }
     }
+}
+
+/// Run attention's split pass (`split`, over `bufs` and `scalars`, which lack the partials and
+/// the split count) and its combine pass; the output. The partials start poisoned: every one
+/// the combine reads must have been written, empty splits' too.
+fn run_attention(
+    split: &Kernel,
+    bufs: &mut HashMap<String, Array>,
+    scalars: &HashMap<String, Scalar>,
+    (tokens, heads, head_dim): (usize, usize, usize),
+    splits: usize,
+) -> Vec<f32> {
+    let mut scalars = scalars.clone();
+    scalars.insert("splits".into(), Scalar::Int(splits as i64));
+    let partials = tokens * heads * splits * (head_dim + 2);
+    bufs.insert("partial".into(), Array::poisoned(Ty::F32, partials));
+    run(split, bufs, &scalars).unwrap();
+    let mut merged = HashMap::from([
+        ("partial".into(), bufs.remove("partial").unwrap()),
+        ("out".into(), Array::poisoned(Ty::F32, tokens * heads * head_dim)),
+    ]);
+    let combine = attention::attention_combine("combine", "test", head_dim);
+    run(&combine, &mut merged, &scalars).unwrap();
+    merged["out"].to_f32().unwrap()
 }
 
 /// Column slices of fused outputs are read in place: inputs whose rows lie further apart than
@@ -634,7 +663,6 @@ fn attention_scalars(
         ("first", first as i64),
         ("heads", spec.heads as i64),
         ("kv_heads", spec.kv_heads as i64),
-        ("head_dim", spec.head_dim as i64),
         ("window", spec.window.map_or(0, |w| w as i64)),
         ("block_size", block_size as i64),
     ]);
@@ -688,14 +716,14 @@ fn paged_attention_and_append_match_the_contiguous_cache() {
         bufs.insert(name.into(), b.remove("cache").unwrap());
     }
     bufs.insert("q".into(), Array::f32(&q));
-    bufs.insert("out".into(), Array::poisoned(Ty::F32, q.len()));
     let spec = cache_test_spec(heads, kv_heads, head_dim);
-    run(
-        &attention::attention_with("paged", "test", CacheLayout::Paged),
+    let out = run_attention(
+        &attention::attention_split("paged", "test", CacheLayout::Paged, head_dim),
         &mut bufs,
         &attention_scalars(&spec, tokens, first, block_size),
-    )
-    .unwrap();
+        (tokens, heads, head_dim),
+        3,
+    );
     let slot = ir::reference::KvSlot {
         positions: (0..len).collect(),
         k,
@@ -708,7 +736,7 @@ fn paged_attention_and_append_match_the_contiguous_cache() {
         &slot,
         &positions,
     );
-    close(&bufs["out"].to_f32().unwrap(), &want.data, 1e-5, "paged attention");
+    close(&out, &want.data, 1e-5, "paged attention");
 }
 
 /// A batched step: rows of two sequences (one decoding after 9 cached positions, one starting
@@ -772,14 +800,14 @@ fn batched_attention_and_append_keep_sequences_apart() {
     }
     step(&mut bufs);
     bufs.insert("q".into(), Array::f32(&q));
-    bufs.insert("out".into(), Array::poisoned(Ty::F32, q.len()));
     let spec = cache_test_spec(heads, kv_heads, head_dim);
-    run(
-        &attention::attention_with("batched", "test", CacheLayout::Batched),
+    let out = run_attention(
+        &attention::attention_split("batched", "test", CacheLayout::Batched, head_dim),
         &mut bufs,
         &attention_scalars(&spec, tokens, 0, block_size),
-    )
-    .unwrap();
+        (tokens, heads, head_dim),
+        attention::splits_for(tokens),
+    );
     let mut want = Vec::new();
     for (k, v, qs, first, len) in per_seq {
         let slot = ir::reference::KvSlot {
@@ -791,7 +819,7 @@ fn batched_attention_and_append_keep_sequences_apart() {
         let q = ir::Tensor::new(vec![len - first, heads * head_dim], qs);
         want.extend(ir::reference::attention_over_slot(&spec, &q, &slot, &positions).data);
     }
-    close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "batched attention");
+    close(&out, &want, 1e-5, "batched attention");
 }
 
 /// The sampler picks the token whose cumulative probability interval holds `u` (computed here

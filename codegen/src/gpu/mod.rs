@@ -251,7 +251,13 @@ fn build_program(
         Some(_) => per_sequence_nodes(graph),
         None => BTreeSet::new(),
     };
-    let selected = select::select(graph, layout, target.cuda_arch().unwrap_or_default(), &per_sequence)?;
+    let selected = select::select(
+        graph,
+        layout,
+        target.cuda_arch().unwrap_or_default(),
+        &per_sequence,
+        max_tokens,
+    )?;
     // One file per distinct kernel source, named in order of first use.
     let mut kernels: Vec<(Kernel, String)> = Vec::new();
     let mut launches = Vec::new();

@@ -53,12 +53,13 @@ fn as_expr(op: &Op) -> Option<IrExpr> {
 /// Kernels and arguments for every node, attention and KV appends in cache `layout`.
 ///
 /// `per_sequence` (batched plans): the nodes with one row per sequence (`last_token` and what
-/// follows it), whose row count is the step's `seqs`.
+/// follows it), whose row count is the step's `seqs`. Scratch is sized for `max_tokens` rows.
 pub(crate) fn select(
     graph: &Graph,
     layout: CacheLayout,
     arch: &str,
     per_sequence: &BTreeSet<usize>,
+    max_tokens: usize,
 ) -> Result<Selected, GpuCodegenError> {
     let mut s = Selected {
         launches: Vec::new(),
@@ -323,7 +324,15 @@ pub(crate) fn select(
                             let kernel = kv_append::kv_append_with("kv_append", &graph.name, layout);
                             s.launches.push((i, kernel, None, args));
                         }
+                        // The keys split across blocks, then the splits merged (see
+                        // `templates::attention`); the partials are scratch of this node.
                         let (q, _) = act(&s, 0);
+                        let splits = attention::splits_expr(&rows);
+                        let partial = LaunchArg::Scratch {
+                            node: i,
+                            name: "partial".into(),
+                            bytes: attention::partial_len(max_tokens, spec.heads, spec.head_dim) * 4,
+                        };
                         let args = vec![
                             q,
                             LaunchArg::KvCache {
@@ -334,17 +343,29 @@ pub(crate) fn select(
                                 slot: spec.cache_slot,
                                 value: true,
                             },
-                            out,
+                            partial.clone(),
                             scalar("tokens", &rows),
                             scalar("first", "first"),
                             scalar("heads", spec.heads),
                             scalar("kv_heads", spec.kv_heads),
-                            scalar("head_dim", spec.head_dim),
                             scalar("window", spec.window.unwrap_or(0)),
                             scalar("scale", spec.scale as f32),
+                            scalar("splits", &splits),
                         ];
                         let args = [args, layout_args].concat();
-                        (attention::attention_with("attention", &graph.name, layout), args)
+                        let split = attention::attention_split("attention", &graph.name, layout, spec.head_dim);
+                        s.launches.push((i, split, None, args));
+                        let args = vec![
+                            partial,
+                            out,
+                            scalar("tokens", &rows),
+                            scalar("heads", spec.heads),
+                            scalar("splits", splits),
+                        ];
+                        (
+                            attention::attention_combine("attention_combine", &graph.name, spec.head_dim),
+                            args,
+                        )
                     }
                     Op::Glu { act: a } => {
                         let (x, stride) = act(&s, 0);
