@@ -48,3 +48,28 @@ fn smollm2_fused_equals_unfused() {
 fn gemma3_fused_equals_unfused() {
     check("gemma3-270m", "real/gemma3.json");
 }
+
+/// Every layer of a deep model fuses alike, on every target's cost model: 32 layers of
+/// Llama-3-8B's shape (no weights needed) end with one joined QKV and one joined gate/up
+/// matmul, one rope for Q and K, and the residual adds folded into norms, in each layer. Under
+/// tree costs (every read of a value counting its whole cost) this failed: costs doubled with
+/// each residual connection and some deep layers kept their two ropes, decided by rounding.
+#[test]
+fn every_layer_of_a_deep_model_fuses_alike() {
+    let options = models::LowerOptions {
+        logits: LogitsFor::LastToken,
+        compute: models::ComputeDtype::Bf16,
+    };
+    let graph = models::lower_without_weights(&models::ModelConfig::llama3_8b(), options).unwrap();
+    for model in [passes::CostModel::CPU, passes::CostModel::H200, passes::CostModel::B200] {
+        let fused = passes::optimized(&graph, model).unwrap();
+        let count = |name: &str| fused.nodes().iter().filter(|n| n.op.name() == name).count();
+        let layers = 32;
+        assert_eq!(count("rope"), layers, "{model:?}\n{}", fused.to_text());
+        assert_eq!(count("concat_rows"), 2 * layers, "{model:?}");
+        assert_eq!(count("attention"), layers, "{model:?}");
+        // Each layer's two residual adds feed the next norm, except the last, which reaches
+        // the final norm through `last_token`: 2 × 32 − 1 fused.
+        assert_eq!(count("add_rms_norm"), 2 * layers - 1, "{model:?}");
+    }
+}

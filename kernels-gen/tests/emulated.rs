@@ -354,16 +354,22 @@ fn attention_matches_reference_with_windows_groups_and_long_caches() {
         );
         let mut scalars = ints(&[
             ("tokens", tokens as i64),
+            ("q_stride", (heads * head_dim + 5) as i64),
             ("first", first as i64),
             ("heads", heads as i64),
             ("kv_heads", kv_heads as i64),
             ("window", window as i64),
         ]);
         scalars.insert("scale".into(), Scalar::F32(0.3));
+        // The query rows inside wider rows (Q as a slice of the joined ropes' output).
+        let q_rows: Vec<f32> = q
+            .chunks(heads * head_dim)
+            .flat_map(|row| row.iter().copied().chain([9.0; 5]))
+            .collect();
         // One split, the plans' count, and more splits than some rows have keys.
         for splits in [1, attention::splits_for(tokens), 7] {
             let mut bufs = HashMap::from([
-                ("q".into(), Array::f32(&q)),
+                ("q".into(), Array::f32(&q_rows)),
                 ("k".into(), Array::f32(&k)),
                 ("v".into(), Array::f32(&v)),
             ]);
@@ -660,6 +666,7 @@ fn attention_scalars(
 ) -> HashMap<String, Scalar> {
     let mut scalars = ints(&[
         ("tokens", tokens as i64),
+        ("q_stride", (spec.heads * spec.head_dim) as i64),
         ("first", first as i64),
         ("heads", spec.heads as i64),
         ("kv_heads", spec.kv_heads as i64),

@@ -1,14 +1,23 @@
 //! The per-target cost model that extraction minimises: estimated microseconds of one decode
 //! step (`tokens` = 1, `kv_len` = 512) as launches + bytes moved / bandwidth + flops / rate.
 //!
-//! A slice is a view: it costs its share of the op it reads (`len / width`), so the parts of a
-//! joined projection together cost the joined op once, and each part alone is cheaper than its
-//! own matmul by the launches the join saves.
+//! A value's cost is the cost of the sub-graph it needs, each op counted once however many
+//! paths reach it (a DAG cost, not a tree cost). A slice is a view: it needs its share of the
+//! op it reads (`len / width`), so the parts of a joined projection or of `add_rms_norm`'s
+//! `[sum | norm]` together need the joined op once, and each part alone is cheaper than its own
+//! op by the launches the join saves.
+//!
+//! Why not a tree cost (each input's cost summed into every reader): values read twice (every
+//! residual connection) then count twice, costs double with each layer (2^30 and more by a
+//! 30-layer model's head), and the differences that decide a fusion (a launch, a few µs) vanish
+//! in the rounding of those sums: extraction then kept a fusion in some layers and not others.
 
 use crate::analysis::{op_of, type_of, BbcGraph};
 use crate::lang::{split, Node};
-use egg::{CostFunction, Id, Language};
+use egg::{CostFunction, Id};
 use ir::{DType, Dim, Op, Shape, Sym};
+use std::collections::HashMap;
+use std::rc::Rc;
 
 /// Where the graph will run, as far as costs go.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -86,12 +95,125 @@ pub fn elements(shape: &Shape) -> f64 {
         .product()
 }
 
+/// The cost function extraction minimises (see the module's comment).
 pub struct TargetCost<'a> {
-    pub egraph: &'a BbcGraph,
-    pub model: CostModel,
+    egraph: &'a BbcGraph,
+    model: CostModel,
+    /// The class of every e-node, which `CostFunction::cost` is not told.
+    class_of: HashMap<Node, Id>,
 }
 
-impl TargetCost<'_> {
+/// The cost of a value: the ops its sub-graph needs, by e-class (sorted by class), each with
+/// its own cost and the fraction of that op the value needs (1, or a slice's share), and their
+/// weighted sum.
+#[derive(Debug, Clone)]
+pub struct DagCost {
+    pub total: f64,
+    parts: Rc<Vec<(Id, Part)>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Part {
+    own: f64,
+    fraction: f64,
+}
+
+impl DagCost {
+    fn free() -> Self {
+        Self {
+            total: 0.0,
+            parts: Rc::default(),
+        }
+    }
+
+    fn impossible() -> Self {
+        Self {
+            total: f64::INFINITY,
+            parts: Rc::default(),
+        }
+    }
+
+    /// `own` for `class`, plus `inputs` (each with the fraction of it needed): an op reached
+    /// by several paths counts once, its fractions added up to the whole of it.
+    fn of(class: Id, own: f64, inputs: &[(&DagCost, f64)]) -> Self {
+        let mut parts: Vec<(Id, Part)> = match own != 0.0 {
+            true => vec![(class, Part { own, fraction: 1.0 })],
+            false => Vec::new(),
+        };
+        for (input, scale) in inputs {
+            parts = merge(&parts, &input.parts, *scale);
+        }
+        let total = parts.iter().map(|(_, p)| p.own * p.fraction).sum();
+        Self {
+            total,
+            parts: Rc::new(parts),
+        }
+    }
+}
+
+/// `a` and `b` (its fractions times `scale`) merged by class; fractions of a class in both
+/// add up, to at most 1.
+fn merge(a: &[(Id, Part)], b: &[(Id, Part)], scale: f64) -> Vec<(Id, Part)> {
+    let scaled = |(id, p): (Id, Part)| {
+        (
+            id,
+            Part {
+                own: p.own,
+                fraction: p.fraction * scale,
+            },
+        )
+    };
+    let mut out = Vec::with_capacity(a.len() + b.len());
+    let (mut i, mut j) = (0, 0);
+    while i < a.len() && j < b.len() {
+        match a[i].0.cmp(&b[j].0) {
+            std::cmp::Ordering::Less => {
+                out.push(a[i]);
+                i += 1;
+            }
+            std::cmp::Ordering::Greater => {
+                out.push(scaled(b[j]));
+                j += 1;
+            }
+            std::cmp::Ordering::Equal => {
+                let (id, p) = a[i];
+                let fraction = (p.fraction + b[j].1.fraction * scale).min(1.0);
+                out.push((id, Part { own: p.own, fraction }));
+                i += 1;
+                j += 1;
+            }
+        }
+    }
+    out.extend_from_slice(&a[i..]);
+    out.extend(b[j..].iter().copied().map(scaled));
+    out
+}
+
+impl PartialEq for DagCost {
+    fn eq(&self, other: &Self) -> bool {
+        self.total == other.total
+    }
+}
+
+impl PartialOrd for DagCost {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        self.total.partial_cmp(&other.total)
+    }
+}
+
+impl<'a> TargetCost<'a> {
+    pub fn new(egraph: &'a BbcGraph, model: CostModel) -> Self {
+        let class_of = egraph
+            .classes()
+            .flat_map(|class| class.nodes.iter().map(move |n| (n.clone(), class.id)))
+            .collect();
+        Self {
+            egraph,
+            model,
+            class_of,
+        }
+    }
+
     /// The op's own cost, from its inputs' types and its output's.
     fn own(&self, op: &Op, inputs: &[Id]) -> f64 {
         let m = self.model;
@@ -136,28 +258,45 @@ impl TargetCost<'_> {
 }
 
 impl CostFunction<Node> for TargetCost<'_> {
-    type Cost = f64;
+    type Cost = DagCost;
 
-    fn cost<C>(&mut self, enode: &Node, mut costs: C) -> f64
+    fn cost<C>(&mut self, enode: &Node, mut costs: C) -> DagCost
     where
-        C: FnMut(Id) -> f64,
+        C: FnMut(Id) -> DagCost,
     {
-        let Some((_, inputs)) = split(enode) else { return 0.0 };
-        let Some(op) = op_of(self.egraph, enode) else {
-            return f64::INFINITY;
+        let Some((_, inputs)) = split(enode) else {
+            return DagCost::free();
         };
-        match op {
-            Op::Input(_) | Op::Weight { .. } => 0.0,
-            // Weight transforms happen at compile time.
-            Op::ConcatRows => inputs.iter().map(|&i| costs(i)).sum(),
+        let Some(op) = op_of(self.egraph, enode) else {
+            return DagCost::impossible();
+        };
+        let Some(&class) = self.class_of.get(enode) else {
+            return DagCost::impossible();
+        };
+        // A node reading its own class (a slice spanning all of its input, united with it)
+        // would make the value need itself.
+        if inputs.iter().any(|&i| self.egraph.find(i) == class) {
+            return DagCost::impossible();
+        }
+        let inputs: Vec<(DagCost, f64)> = match op {
             Op::Slice { len, .. } => {
                 let width = type_of(self.egraph, inputs[0])
                     .and_then(|t| t.shape.last())
                     .and_then(Dim::as_const)
                     .unwrap_or(len);
-                costs(inputs[0]) * len as f64 / width.max(1) as f64 + 1e-6
+                vec![(costs(inputs[0]), len as f64 / width.max(1) as f64)]
             }
-            _ => self.own(&op, inputs) + enode.children().iter().skip(1).map(|&c| costs(c)).sum::<f64>(),
-        }
+            _ => inputs.iter().map(|&i| (costs(i), 1.0)).collect(),
+        };
+        let own = match op {
+            Op::Input(_) | Op::Weight { .. } => 0.0,
+            // Weight transforms happen at compile time.
+            Op::ConcatRows => 0.0,
+            // A view: nearly free, but not quite, so that a value is not needlessly a view.
+            Op::Slice { .. } => 1e-6,
+            _ => self.own(&op, split(enode).map_or(&[][..], |(_, i)| i)),
+        };
+        let refs: Vec<(&DagCost, f64)> = inputs.iter().map(|(c, s)| (c, *s)).collect();
+        DagCost::of(class, own, &refs)
     }
 }

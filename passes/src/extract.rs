@@ -7,10 +7,10 @@ use crate::cost::{CostModel, TargetCost};
 use crate::lang::{add_to_graph, split};
 use egg::{Extractor, Id};
 use ir::{Graph, GraphError, NodeId};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 pub fn extract(egraph: &BbcGraph, roots: &[(String, Id)], name: &str, model: CostModel) -> Result<Graph, GraphError> {
-    let extractor = Extractor::new(egraph, TargetCost { egraph, model });
+    let extractor = Extractor::new(egraph, TargetCost::new(egraph, model));
     let mut graph = Graph::new(name);
     let mut built: HashMap<Id, NodeId> = HashMap::new();
     for (output, root) in roots {
@@ -29,6 +29,9 @@ fn build(
     root: Id,
 ) -> Result<NodeId, GraphError> {
     let mut stack = vec![(root, false)];
+    // Classes whose inputs are being built: meeting one again among its own inputs is a loop
+    // in the chosen nodes, which would otherwise grow the stack without end.
+    let mut open: HashSet<Id> = HashSet::new();
     while let Some((class, children_done)) = stack.pop() {
         if built.contains_key(&class) {
             continue;
@@ -37,6 +40,14 @@ fn build(
         let (attr, inputs) = split(node).expect("value classes hold op nodes");
         let inputs: Vec<Id> = inputs.iter().map(|&i| egraph.find(i)).collect();
         if !children_done {
+            if let Some(&looped) = inputs.iter().find(|i| open.contains(i)) {
+                return Err(GraphError::Order {
+                    graph: format!("{} (extracting: the cheapest nodes form a loop)", graph.name),
+                    node: usize::from(class),
+                    input: usize::from(looped),
+                });
+            }
+            open.insert(class);
             stack.push((class, true));
             stack.extend(
                 inputs
@@ -53,6 +64,7 @@ fn build(
         let args: Vec<NodeId> = inputs.iter().map(|i| built[i]).collect();
         let id = add_to_graph(graph, op, leaf, &args)?;
         built.insert(class, id);
+        open.remove(&class);
     }
     Ok(built[&root])
 }

@@ -41,6 +41,7 @@ pub const PIPELINE: &[Pass] = &[
             vec![
                 rules::joined_projections::join_projections(),
                 rules::joined_projections::compose_slices(),
+                rules::joined_ropes::join_ropes(),
             ]
         },
     },

@@ -114,6 +114,45 @@ proptest! {
     }
 
     #[test]
+    fn join_ropes_preserves_both_ropes(
+        heads in (1usize..4, 1usize..4),
+        half in 1usize..4,
+        rotate_all in prop::bool::ANY,
+        adjacent_pairs in prop::bool::ANY,
+        extra in 0usize..5,
+        seed in any::<u64>(),
+    ) {
+        // Q and K slices of one projection (V after them), each roped.
+        let head_dim = 4 * half;
+        let spec = |heads| ir::RopeSpec {
+            heads,
+            head_dim,
+            rotary_dim: if rotate_all { head_dim } else { head_dim / 2 },
+            theta: 10000.0,
+            position_scale: 1.0,
+            layout: if adjacent_pairs { ir::RopeLayout::AdjacentPairs } else { ir::RopeLayout::RotateHalf },
+        };
+        let (q_len, k_len) = (heads.0 * head_dim, heads.1 * head_dim);
+        let mut g = Graph::new("ropes");
+        let mut w = Weights { seed, ..Default::default() };
+        let x = activation(&mut g, &mut w, 6);
+        let wqkv = w.add(&mut g, "qkv", &[q_len + k_len + extra, 6]);
+        let qkv = g.add(Op::MatMul, &[x, wqkv]).unwrap();
+        let positions = g.input(InputKind::Positions);
+        let q = g.add(Op::Slice { start: 0, len: q_len }, &[qkv]).unwrap();
+        let k = g.add(Op::Slice { start: q_len, len: k_len }, &[qkv]).unwrap();
+        let rq = g.add(Op::Rope(spec(heads.0)), &[q, positions]).unwrap();
+        let rk = g.add(Op::Rope(spec(heads.1)), &[k, positions]).unwrap();
+        g.set_output("q", rq);
+        g.set_output("k", rk);
+        let rules = || vec![joined_ropes::join_ropes(), joined_projections::compose_slices()];
+        check(&g, &w, rules(), "join-ropes", "rope", CostModel::CPU);
+        let (after, _) = passes::run_rules(&g, "under-test", &rules(), CostModel::H200).unwrap();
+        let ropes = after.nodes().iter().filter(|n| n.op.name() == "rope").count();
+        prop_assert_eq!(ropes, 1, "{}", after.to_text());
+    }
+
+    #[test]
     fn compose_slices_preserves_values(n in 2usize..30, a in 0usize..10, b in 0usize..10, seed in any::<u64>()) {
         let (outer_start, inner_start) = (a % n, b % n);
         let inner_len = n - inner_start;

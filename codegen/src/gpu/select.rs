@@ -326,7 +326,7 @@ pub(crate) fn select(
                         }
                         // The keys split across blocks, then the splits merged (see
                         // `templates::attention`); the partials are scratch of this node.
-                        let (q, _) = act(&s, 0);
+                        let (q, q_stride) = act(&s, 0);
                         let splits = attention::splits_expr(&rows);
                         let partial = LaunchArg::Scratch {
                             node: i,
@@ -345,6 +345,7 @@ pub(crate) fn select(
                             },
                             partial.clone(),
                             scalar("tokens", &rows),
+                            scalar("q_stride", q_stride),
                             scalar("first", "first"),
                             scalar("heads", spec.heads),
                             scalar("kv_heads", spec.kv_heads),

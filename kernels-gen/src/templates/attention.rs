@@ -68,7 +68,8 @@ pub fn attention(name: &str, origin: &str, head_dim: usize) -> Kernel {
     attention_split(name, origin, CacheLayout::Contiguous, head_dim)
 }
 
-/// The split pass over a cache in `layout` (contiguous, or paged through block tables): writes
+/// The split pass over a cache in `layout` (contiguous, or paged through block tables), the
+/// query rows `q_stride` apart (Q is a slice of the joined ropes' output): writes
 /// `partial[((row·heads + head)·splits + split)·(head_dim + 2) + …]` = accumulator, max, sum.
 /// `window` ≤ 0 means none. The cache holds the new keys already.
 pub fn attention_split(name: &str, origin: &str, layout: CacheLayout, head_dim: usize) -> Kernel {
@@ -113,7 +114,7 @@ pub fn attention_split(name: &str, origin: &str, layout: CacheLayout, head_dim: 
             i,
             vec![assign(
                 &qv(i),
-                load("q", var("pair") * hd.clone() + lane_dim(i)) * var("scale"),
+                load("q", var("t") * var("q_stride") + var("h") * hd.clone() + lane_dim(i)) * var("scale"),
             )],
         ));
         body.push(let_(&acc(i), Ty::F32, f(0.0)));
@@ -168,6 +169,7 @@ pub fn attention_split(name: &str, origin: &str, layout: CacheLayout, head_dim: 
                 buffer("v", Ty::F32, false),
                 buffer("partial", Ty::F32, true),
                 scalar("tokens", Ty::I32),
+                scalar("q_stride", Ty::I32),
                 scalar("first", Ty::I32),
                 scalar("heads", Ty::I32),
                 scalar("kv_heads", Ty::I32),

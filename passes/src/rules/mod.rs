@@ -5,6 +5,7 @@
 pub mod elementwise;
 pub mod gated_mlp;
 pub mod joined_projections;
+pub mod joined_ropes;
 pub mod lm_head;
 pub mod norm_matmul;
 pub mod residual_norm;
