@@ -506,41 +506,42 @@ fn strided_inputs_read_slices_in_place() {
 #[test]
 fn kv_append_writes_rows_after_the_cached_ones() {
     let mut rng = Rng(10);
-    let (tokens, kv_dim, first, stride) = (2, 6, 3, 9);
-    let src = rng.vec(tokens * stride);
-    let old = rng.vec(first * kv_dim);
-    let mut cache = Array::poisoned(Ty::F32, (first + tokens) * kv_dim);
-    // The old rows are already there.
-    let mut prefilled = HashMap::from([("src".into(), Array::f32(&old)), ("cache".into(), cache.clone())]);
-    run(
-        &kv_append::kv_append("kv", "test"),
-        &mut prefilled,
-        &ints(&[
-            ("tokens", first as i64),
-            ("kv_dim", kv_dim as i64),
-            ("first", 0),
-            ("src_stride", kv_dim as i64),
-        ]),
-    )
-    .unwrap();
-    cache = prefilled.remove("cache").unwrap();
-    let mut bufs = HashMap::from([("src".into(), Array::f32(&src)), ("cache".into(), cache)]);
-    run(
-        &kv_append::kv_append("kv", "test"),
-        &mut bufs,
-        &ints(&[
+    // K and V rows inside wider rows of different widths (slices of fused outputs).
+    let (tokens, kv_dim, first, k_stride, v_stride) = (2, 6, 3, 9, 14);
+    let (k_src, v_src) = (rng.vec(tokens * k_stride), rng.vec(tokens * v_stride));
+    let (k_old, v_old) = (rng.vec(first * kv_dim), rng.vec(first * kv_dim));
+    let append = |bufs: &mut HashMap<String, Array>, tokens: usize, first: usize, strides: (usize, usize)| {
+        let scalars = ints(&[
             ("tokens", tokens as i64),
             ("kv_dim", kv_dim as i64),
             ("first", first as i64),
-            ("src_stride", stride as i64),
-        ]),
-    )
-    .unwrap();
-    let mut want = old.clone();
-    for t in 0..tokens {
-        want.extend_from_slice(&src[t * stride..t * stride + kv_dim]);
+            ("k_stride", strides.0 as i64),
+            ("v_stride", strides.1 as i64),
+        ]);
+        run(&kv_append::kv_append("kv", "test"), bufs, &scalars).unwrap();
+    };
+    let cache = Array::poisoned(Ty::F32, (first + tokens) * kv_dim);
+    // The old rows are already there.
+    let mut bufs = HashMap::from([
+        ("k_src".into(), Array::f32(&k_old)),
+        ("v_src".into(), Array::f32(&v_old)),
+        ("k_cache".into(), cache.clone()),
+        ("v_cache".into(), cache),
+    ]);
+    append(&mut bufs, first, 0, (kv_dim, kv_dim));
+    bufs.insert("k_src".into(), Array::f32(&k_src));
+    bufs.insert("v_src".into(), Array::f32(&v_src));
+    append(&mut bufs, tokens, first, (k_stride, v_stride));
+    for (name, old, src, stride) in [
+        ("k_cache", &k_old, &k_src, k_stride),
+        ("v_cache", &v_old, &v_src, v_stride),
+    ] {
+        let mut want = old.clone();
+        for t in 0..tokens {
+            want.extend_from_slice(&src[t * stride..t * stride + kv_dim]);
+        }
+        close(&bufs[name].to_f32().unwrap(), &want, 0.0, name);
     }
-    close(&bufs["cache"].to_f32().unwrap(), &want, 0.0, "kv_append");
 }
 
 #[test]
@@ -700,28 +701,31 @@ fn paged_attention_and_append_match_the_contiguous_cache() {
         kpool[physical(p) * kv_dim..(physical(p) + 1) * kv_dim].copy_from_slice(&k[p * kv_dim..(p + 1) * kv_dim]);
         vpool[physical(p) * kv_dim..(physical(p) + 1) * kv_dim].copy_from_slice(&v[p * kv_dim..(p + 1) * kv_dim]);
     }
-    let mut bufs = HashMap::from([("block_table".into(), Array::ints(Ty::I32, &table))]);
-    for (pool, all, name) in [(kpool, &k, "k"), (vpool, &v, "v")] {
-        let mut b = HashMap::from([
-            ("src".into(), Array::f32(&all[first * kv_dim..])),
-            ("cache".into(), Array::f32(&pool)),
-            ("block_table".into(), Array::ints(Ty::I32, &table)),
-        ]);
-        let scalars = ints(&[
-            ("tokens", tokens as i64),
-            ("kv_dim", kv_dim as i64),
-            ("first", first as i64),
-            ("src_stride", kv_dim as i64),
-            ("block_size", block_size as i64),
-        ]);
-        run(
-            &kv_append::kv_append_with("append", "test", CacheLayout::Paged),
-            &mut b,
-            &scalars,
-        )
-        .unwrap();
-        bufs.insert(name.into(), b.remove("cache").unwrap());
-    }
+    let mut bufs = HashMap::from([
+        ("k_src".into(), Array::f32(&k[first * kv_dim..])),
+        ("v_src".into(), Array::f32(&v[first * kv_dim..])),
+        ("k_cache".into(), Array::f32(&kpool)),
+        ("v_cache".into(), Array::f32(&vpool)),
+        ("block_table".into(), Array::ints(Ty::I32, &table)),
+    ]);
+    let scalars = ints(&[
+        ("tokens", tokens as i64),
+        ("kv_dim", kv_dim as i64),
+        ("first", first as i64),
+        ("k_stride", kv_dim as i64),
+        ("v_stride", kv_dim as i64),
+        ("block_size", block_size as i64),
+    ]);
+    run(
+        &kv_append::kv_append_with("append", "test", CacheLayout::Paged),
+        &mut bufs,
+        &scalars,
+    )
+    .unwrap();
+    let k_pool = bufs.remove("k_cache").unwrap();
+    bufs.insert("k".into(), k_pool);
+    let v_pool = bufs.remove("v_cache").unwrap();
+    bufs.insert("v".into(), v_pool);
     bufs.insert("q".into(), Array::f32(&q));
     let spec = cache_test_spec(heads, kv_heads, head_dim);
     let out = run_attention(
@@ -790,21 +794,27 @@ fn batched_attention_and_append_keep_sequences_apart() {
         b.insert("row_table".into(), Array::ints(Ty::I32, &row_table));
         b.insert("row_pos".into(), Array::ints(Ty::I32, &row_pos));
     };
-    let mut bufs = HashMap::new();
-    for (pool, new, name) in [(kpool, &new_k, "k"), (vpool, &new_v, "v")] {
-        let mut b = HashMap::from([("src".into(), Array::f32(new)), ("cache".into(), Array::f32(&pool))]);
-        step(&mut b);
-        let scalars = ints(&[
-            ("tokens", tokens as i64),
-            ("kv_dim", kv_dim as i64),
-            ("first", 0),
-            ("src_stride", kv_dim as i64),
-            ("block_size", block_size as i64),
-        ]);
-        let append = kv_append::kv_append_with("append", "test", CacheLayout::Batched);
-        run(&append, &mut b, &scalars).unwrap();
-        bufs.insert(name.into(), b.remove("cache").unwrap());
-    }
+    let mut bufs = HashMap::from([
+        ("k_src".into(), Array::f32(&new_k)),
+        ("v_src".into(), Array::f32(&new_v)),
+        ("k_cache".into(), Array::f32(&kpool)),
+        ("v_cache".into(), Array::f32(&vpool)),
+    ]);
+    step(&mut bufs);
+    let scalars = ints(&[
+        ("tokens", tokens as i64),
+        ("kv_dim", kv_dim as i64),
+        ("first", 0),
+        ("k_stride", kv_dim as i64),
+        ("v_stride", kv_dim as i64),
+        ("block_size", block_size as i64),
+    ]);
+    let append = kv_append::kv_append_with("append", "test", CacheLayout::Batched);
+    run(&append, &mut bufs, &scalars).unwrap();
+    let k_pool = bufs.remove("k_cache").unwrap();
+    bufs.insert("k".into(), k_pool);
+    let v_pool = bufs.remove("v_cache").unwrap();
+    bufs.insert("v".into(), v_pool);
     step(&mut bufs);
     bufs.insert("q".into(), Array::f32(&q));
     let spec = cache_test_spec(heads, kv_heads, head_dim);

@@ -307,23 +307,25 @@ pub(crate) fn select(
                             }
                         };
                         // Append this step's keys and values, then attend over the cache.
-                        for (k, value) in [(1, false), (2, true)] {
-                            let (src, stride) = act(&s, k);
-                            let mut args = vec![
-                                src,
-                                LaunchArg::KvCache {
-                                    slot: spec.cache_slot,
-                                    value,
-                                },
-                                scalar("tokens", &rows),
-                                scalar("kv_dim", kv_dim),
-                                scalar("first", "first"),
-                                scalar("src_stride", stride),
-                            ];
-                            args.extend(layout_args.iter().cloned());
-                            let kernel = kv_append::kv_append_with("kv_append", &graph.name, layout);
-                            s.launches.push((i, kernel, None, args));
-                        }
+                        let ((k, k_stride), (v, v_stride)) = (act(&s, 1), act(&s, 2));
+                        let cache = |value| LaunchArg::KvCache {
+                            slot: spec.cache_slot,
+                            value,
+                        };
+                        let args = vec![
+                            k,
+                            v,
+                            cache(false),
+                            cache(true),
+                            scalar("tokens", &rows),
+                            scalar("kv_dim", kv_dim),
+                            scalar("first", "first"),
+                            scalar("k_stride", k_stride),
+                            scalar("v_stride", v_stride),
+                        ];
+                        let args = [args, layout_args.clone()].concat();
+                        let kernel = kv_append::kv_append_with("kv_append", &graph.name, layout);
+                        s.launches.push((i, kernel, None, args));
                         // The keys split across blocks, then the splits merged (see
                         // `templates::attention`); the partials are scratch of this node.
                         let (q, q_stride) = act(&s, 0);

@@ -1,6 +1,7 @@
-//! Appending a step's keys or values to a layer's cache: row `t` of `src` (rows `src_stride`
-//! apart: V is a slice of the joined QKV output) becomes the cache row of its position
-//! (`first + t`, or the row's own in a batched step).
+//! Appending a step's keys and values to a layer's caches, both in one launch: row `t` of
+//! `k_src` and of `v_src` (rows `k_stride` and `v_stride` apart: K is a slice of the joined
+//! ropes' output, V of the joined QKV output) become the cache rows of its position (`first +
+//! t`, or the row's own in a batched step).
 
 use super::cache_layout::CacheLayout;
 use super::{blocks_for, BLOCK};
@@ -10,19 +11,25 @@ pub fn kv_append(name: &str, origin: &str) -> Kernel {
     kv_append_with(name, origin, CacheLayout::Contiguous)
 }
 
-/// Append into a cache in `layout` (contiguous, or paged through a block table).
+/// Append into caches in `layout` (contiguous, or paged through a block table).
 pub fn kv_append_with(name: &str, origin: &str, layout: CacheLayout) -> Kernel {
     Kernel {
         name: name.into(),
-        origin: format!("{origin}: append to the KV cache, {}", layout.describe()),
+        origin: format!(
+            "{origin}: append keys and values to the KV cache, {}",
+            layout.describe()
+        ),
         params: [
             vec![
-                buffer("src", Ty::F32, false),
-                buffer("cache", Ty::F32, true),
+                buffer("k_src", Ty::F32, false),
+                buffer("v_src", Ty::F32, false),
+                buffer("k_cache", Ty::F32, true),
+                buffer("v_cache", Ty::F32, true),
                 scalar("tokens", Ty::I32),
                 scalar("kv_dim", Ty::I32),
                 scalar("first", Ty::I32),
-                scalar("src_stride", Ty::I32),
+                scalar("k_stride", Ty::I32),
+                scalar("v_stride", Ty::I32),
             ],
             layout.params(),
         ]
@@ -40,11 +47,23 @@ pub fn kv_append_with(name: &str, origin: &str, layout: CacheLayout) -> Kernel {
                         let_("c", Ty::I32, bin(BinOp::Rem, var("e"), var("kv_dim"))),
                     ],
                     layout.prologue(var("t")),
-                    vec![store(
-                        "cache",
-                        layout.row(layout.position(var("t"))) * var("kv_dim") + var("c"),
-                        load("src", var("t") * var("src_stride") + var("c")),
-                    )],
+                    vec![
+                        let_(
+                            "at",
+                            Ty::I32,
+                            layout.row(layout.position(var("t"))) * var("kv_dim") + var("c"),
+                        ),
+                        store(
+                            "k_cache",
+                            var("at"),
+                            load("k_src", var("t") * var("k_stride") + var("c")),
+                        ),
+                        store(
+                            "v_cache",
+                            var("at"),
+                            load("v_src", var("t") * var("v_stride") + var("c")),
+                        ),
+                    ],
                 ]
                 .concat(),
             ),
