@@ -27,6 +27,16 @@ impl Target {
         Self::ALL.into_iter().find(|t| t.name() == s)
     }
 
+    /// Streaming multiprocessors of the GPU (0 for the CPU): how many blocks fill it.
+    pub fn multiprocessors(self) -> usize {
+        match self {
+            Self::Cpu => 0,
+            Self::H200 => 132,
+            Self::B200 => 148,
+            Self::RtxPro6000 => 188,
+        }
+    }
+
     /// The CUDA architecture a GPU target compiles for.
     pub fn cuda_arch(self) -> Option<&'static str> {
         match self {

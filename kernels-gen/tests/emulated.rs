@@ -12,7 +12,7 @@ use kernels_gen::templates::*;
 use std::collections::HashMap;
 
 mod common;
-use common::{close, ints, run_gemv, run_norm_gemv, try_run_matmul, Rng};
+use common::{close, ints, run_gemv, run_norm_gemv, try_run_matmul, try_run_split_matmul, Rng};
 
 #[test]
 fn elementwise_matches_expression_semantics() {
@@ -627,6 +627,32 @@ fn hopper_wgmma_gemm_matches_reference_on_bf16_inputs() {
     ];
     gemm_matches_reference(&gemm_wgmma::gemm_wgmma_bf16("gemm", "test"), &shapes, 0, 15);
     gemm_matches_reference(&gemm_wgmma::gemm_wgmma_bf16("gemm", "test"), &shapes[1..3], 5, 16);
+}
+
+/// The Hopper GEMM with K split into pieces summed by the reduction: the same result for any
+/// number of splits, splits past the end of K included (they contribute zeros), and ragged K.
+#[test]
+fn split_k_gemm_matches_reference() {
+    let mut rng = Rng(21);
+    let gemm = gemm_wgmma::gemm_wgmma_bf16("gemm", "test");
+    let reduce = split_k::reduce("reduce", "test", 16);
+    for (tokens, n, k) in [(16, 130, 520), (20, 64, 256), (17, 8, 136)] {
+        let (x, w) = (rng.vec(tokens * k), rng.vec(n * k));
+        let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+        let mut want = vec![0f32; tokens * n];
+        ops::matmul(&round(&x), &round(&w), k, &mut want);
+        let w = Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
+        for splits in [2, 3, 5, 8] {
+            let out = try_run_split_matmul(&gemm, &reduce, Array::f32(&x), w.clone(), (tokens, n, k, k), splits)
+                .unwrap_or_else(|e| panic!("{tokens}×{n}×{k}, {splits} splits: {e}"));
+            close(
+                &out.to_f32().unwrap(),
+                &want,
+                1e-5,
+                &format!("{tokens}×{n}×{k}, {splits} splits"),
+            );
+        }
+    }
 }
 
 #[test]

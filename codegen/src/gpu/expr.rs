@@ -1,6 +1,7 @@
 //! The expressions `plan.json` carries — scalar arguments such as `(tokens)*9` or `tokens-1`, and
-//! kernel grids such as `(((tokens * n) + 7) / 8)` — evaluated at launch time. Integers with C's
-//! truncating division unless a float appears (`0.125`), then floats throughout.
+//! kernel grids such as `(((tokens * n) + 7) / 8)` or `min(8, 264 / tokens)` — evaluated at
+//! launch time. Integers with C's truncating division unless a float appears (`0.125`), then
+//! floats throughout; `min` and `max` of two.
 
 use std::collections::HashMap;
 
@@ -92,7 +93,7 @@ fn lex(text: &str) -> Result<Vec<Token>, String> {
                 i += 1;
             }
             out.push(Token::Name(chars[start..i].iter().collect()));
-        } else if "+-*/%()".contains(c) {
+        } else if "+-*/%(),".contains(c) {
             out.push(Token::Op(c));
             i += 1;
         } else {
@@ -139,6 +140,14 @@ impl Parser<'_> {
         }
     }
 
+    fn expect(&mut self, op: char) -> Result<(), String> {
+        if self.peek_op() != Some(op) {
+            return Err(format!("missing `{op}`"));
+        }
+        self.at += 1;
+        Ok(())
+    }
+
     fn sum(&mut self) -> Result<Value, String> {
         let mut v = self.product()?;
         while let Some(op @ ('+' | '-')) = self.peek_op() {
@@ -162,14 +171,23 @@ impl Parser<'_> {
         self.at += 1;
         match token {
             Token::Num(v) => Ok(v),
+            Token::Name(f) if (f == "min" || f == "max") && self.peek_op() == Some('(') => {
+                self.at += 1;
+                let a = self.sum()?;
+                self.expect(',')?;
+                let b = self.sum()?;
+                self.expect(')')?;
+                let pick_first = match (a, b) {
+                    (Value::Int(x), Value::Int(y)) => (x < y) == (f == "min"),
+                    (a, b) => (a.as_f64() < b.as_f64()) == (f == "min"),
+                };
+                Ok(if pick_first { a } else { b })
+            }
             Token::Name(n) => self.vars.get(n.as_str()).copied().ok_or(format!("unknown name `{n}`")),
             Token::Op('-') => Ok(arith('-', Value::Int(0), self.atom()?)?),
             Token::Op('(') => {
                 let v = self.sum()?;
-                if self.peek_op() != Some(')') {
-                    return Err("missing `)`".into());
-                }
-                self.at += 1;
+                self.expect(')')?;
                 Ok(v)
             }
             Token::Op(c) => Err(format!("unexpected `{c}`")),
@@ -196,5 +214,14 @@ mod tests {
         assert!(eval("tokens / 0", &vars).is_err());
         assert!(eval("tokens +", &vars).is_err());
         assert!(eval("nope", &vars).is_err());
+        assert_eq!(eval("min(8, 40 / tokens)", &vars).unwrap(), Value::Int(8));
+        assert_eq!(
+            eval("max(1, min(8, 264 / (tokens * n)))", &vars).unwrap(),
+            Value::Int(5)
+        );
+        assert_eq!(eval("max(2, 0.5)", &vars).unwrap(), Value::Int(2));
+        assert_eq!(eval("min(tokens, first) * 2", &vars).unwrap(), Value::Int(6));
+        assert!(eval("min(1)", &vars).is_err());
+        assert!(eval("min(1, 2", &vars).is_err());
     }
 }

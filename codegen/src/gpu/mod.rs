@@ -89,7 +89,8 @@ pub struct BatchedCache {
 pub struct Launch {
     pub kernel: String,
     /// A kernel with the same arguments for steps of at least [`PREFILL_TOKENS`] tokens (the
-    /// tensor-core GEMM in place of a GEMV).
+    /// tensor-core GEMM in place of a GEMV). Each kernel binds the first of `args`, in order:
+    /// a GEMM that splits K takes two more than the GEMV (its partials and split count).
     pub prefill_kernel: Option<String>,
     pub node: usize,
     pub args: Vec<LaunchArg>,
@@ -251,13 +252,7 @@ fn build_program(
         Some(_) => per_sequence_nodes(graph),
         None => BTreeSet::new(),
     };
-    let selected = select::select(
-        graph,
-        layout,
-        target.cuda_arch().unwrap_or_default(),
-        &per_sequence,
-        max_tokens,
-    )?;
+    let selected = select::select(graph, layout, target, &per_sequence, max_tokens)?;
     // One file per distinct kernel source, named in order of first use.
     let mut kernels: Vec<(Kernel, String)> = Vec::new();
     let mut launches = Vec::new();

@@ -57,10 +57,11 @@ fn as_expr(op: &Op) -> Option<IrExpr> {
 pub(crate) fn select(
     graph: &Graph,
     layout: CacheLayout,
-    arch: &str,
+    target: crate::Target,
     per_sequence: &BTreeSet<usize>,
     max_tokens: usize,
 ) -> Result<Selected, GpuCodegenError> {
+    let arch = target.cuda_arch().unwrap_or_default();
     let mut s = Selected {
         launches: Vec::new(),
         views: BTreeMap::new(),
@@ -512,7 +513,35 @@ pub(crate) fn select(
                     }
                     _ => gemv_prefill,
                 };
+                // A GEMM that splits K (the Hopper one: its tiles below) takes the partials
+                // and the split count after the GEMV's arguments (which the GEMV does not
+                // read), and a reduction follows.
+                let split_k = prefill.as_ref().is_some_and(|k| k.param("splits").is_some());
+                if !split_k {
+                    s.launches.push((i, kernel, prefill, args));
+                    continue;
+                }
+                let (n, k) = (width(graph, i), width(graph, input(0)));
+                let partial = LaunchArg::Scratch {
+                    node: i,
+                    name: "partial".into(),
+                    bytes: split_k::partial_len(n, gemm_wgmma::TILES.0) * 4,
+                };
+                let splits = split_k::splits_expr(&rows, n, k, gemm_wgmma::TILES, target.multiprocessors());
+                let args = [args, vec![partial.clone(), scalar("splits", &splits)]].concat();
                 s.launches.push((i, kernel, prefill, args));
+                let reduce_args = vec![
+                    partial,
+                    LaunchArg::Activation {
+                        node: i,
+                        offset: "0".into(),
+                    },
+                    scalar("tokens", &rows),
+                    scalar("n", n),
+                    scalar("splits", splits),
+                ];
+                let reduce = split_k::reduce("split_k_reduce", &graph.name, super::PREFILL_TOKENS);
+                s.launches.push((i, reduce, None, reduce_args));
             }
         }
     }
@@ -526,5 +555,44 @@ fn x_vectors(spec: gemv::GemvSpec, view: &View) -> gemv::GemvSpec {
     match view.col.is_multiple_of(4) && view.stride.is_multiple_of(4) {
         true => spec.with_x_vectors(),
         false => spec,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::expr::{eval, Value};
+    use kernels_gen::templates::split_k::{splits_expr, MAX_SPLITS};
+    use std::collections::HashMap;
+
+    fn splits(expr: &str, tokens: i64) -> i64 {
+        eval(expr, &HashMap::from([("tokens", Value::Int(tokens))]))
+            .unwrap()
+            .as_i64()
+    }
+
+    /// The split count: many at few rows over few weight tiles, one at many rows, never more
+    /// than K has steps, and always within the partials.
+    #[test]
+    fn split_k_fills_the_gpu_within_the_partials() {
+        let tiles = kernels_gen::templates::gemm_wgmma::TILES;
+        // 8B QKV (48 weight tiles) on 132 SMs: 264 / 48 = 5 splits at one row tile.
+        let qkv = splits_expr("tokens", 6144, 4096, tiles, 132);
+        assert_eq!(splits(&qkv, 16), 5);
+        assert_eq!(splits(&qkv, 64), 5);
+        assert_eq!(splits(&qkv, 65), 2);
+        assert_eq!(splits(&qkv, 512), 1);
+        // A wide head fills the GPU alone.
+        assert_eq!(splits(&splits_expr("tokens", 128256, 4096, tiles, 132), 16), 1);
+        // K of three steps: three splits at most.
+        assert_eq!(splits(&splits_expr("tokens", 64, 160, tiles, 132), 16), 3);
+        let narrow = splits_expr("tokens", 300, 8192, tiles, 132);
+        for tokens in 1..=600 {
+            let s = splits(&narrow, tokens);
+            assert!((1..=MAX_SPLITS as i64).contains(&s));
+            assert!(
+                s == 1 || s * tokens <= (MAX_SPLITS * tiles.0) as i64,
+                "{tokens} rows, {s} splits"
+            );
+        }
     }
 }

@@ -226,7 +226,7 @@ pub fn gemm_mma(name_: &str, origin: &str, staging: WeightStaging) -> Kernel {
         WeightStaging::CpAsync => (
             [copy_weights(int(0), int(0)), vec![Stmt::CpAsyncCommit]].concat(),
             [
-                super::pipeline_step_head(TILE_K, copy_weights),
+                super::pipeline_step_head(TILE_K, var("k"), copy_weights),
                 stage("xs", "m0", "tokens", element_of("x", var("x_stride"))),
                 vec![Stmt::CpAsyncWait(1), Stmt::SyncThreads],
                 multiply(var("s") * int(STAGE)),

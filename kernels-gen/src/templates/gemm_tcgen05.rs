@@ -174,7 +174,7 @@ pub fn gemm_tcgen05_bf16(name: &str, origin: &str) -> Kernel {
     let tiles_m = (var("tokens") + int(TILE_TOKENS - 1)) / int(TILE_TOKENS);
     let tiles_n = (var("n") + int(TILE_ROWS - 1)) / int(TILE_ROWS);
     let step = [
-        super::pipeline_step_head(TILE_K, copy_weights),
+        super::pipeline_step_head(TILE_K, var("k"), copy_weights),
         stage_activations(),
         vec![
             Stmt::CpAsyncWait(1),

@@ -24,6 +24,7 @@
 //! memory (two stages) leaves room for several blocks per SM; a prefill chunk of 512 tokens
 //! over a 4096-row weight gives 8×32 = 256 tiles for 132 SMs.
 
+use super::split_k;
 use crate::dsl::*;
 
 const THREADS: i64 = 128;
@@ -124,7 +125,8 @@ fn multiply_stage() -> Vec<Stmt> {
     out
 }
 
-/// Store the accumulators where they fall inside `out` (layout in `WgmmaOp`).
+/// Store the accumulators where they fall inside the result (layout in `WgmmaOp`): `out`, or
+/// with several K splits this split's partial tile.
 fn store_accumulators() -> Vec<Stmt> {
     (0..TILE_N as usize / 2)
         .map(|i| {
@@ -132,11 +134,14 @@ fn store_accumulators() -> Vec<Stmt> {
             let col = var("n0") + int(8 * (i / 4) as i64 + (i % 2) as i64) + var("t2");
             if_(
                 and(lt(row.clone(), var("tokens")), lt(col.clone(), var("n"))),
-                vec![store("out", row * var("n") + col, var(&d_name(i)))],
+                vec![split_k::store_result(row, col, var(&d_name(i)))],
             )
         })
         .collect()
 }
+
+/// The tile sizes, for the split-K expression: (tokens, weight rows, K step).
+pub const TILES: (usize, usize, usize) = (TILE_M as usize, TILE_N as usize, TILE_K as usize);
 
 pub fn gemm_wgmma_bf16(name: &str, origin: &str) -> Kernel {
     let tiles_m = (var("tokens") + int(TILE_M - 1)) / int(TILE_M);
@@ -146,7 +151,7 @@ pub fn gemm_wgmma_bf16(name: &str, origin: &str) -> Kernel {
         .chain((0..K_SLICES).flat_map(|s| (0..8).map(move |i| a_name(s, i))))
         .map(|n| let_(&n, Ty::F32, f(0.0)));
     let step = [
-        super::pipeline_step_head(TILE_K, copy_stage),
+        super::pipeline_step_head(TILE_K, var("k_end"), copy_stage),
         load_a(),
         vec![Stmt::CpAsyncWait(1), Stmt::FenceProxyAsync, Stmt::SyncThreads],
         multiply_stage(),
@@ -156,16 +161,24 @@ pub fn gemm_wgmma_bf16(name: &str, origin: &str) -> Kernel {
     .concat();
     let body = [
         vec![
-            // Token tiles vary fastest: neighbouring blocks share a weight tile.
+            // Token tiles vary fastest: neighbouring blocks share a weight slice. Then the K
+            // splits of one weight tile, then the weight tiles.
             let_("m0", Ty::I32, rem(bid(), tiles_m.clone()) * int(TILE_M)),
-            let_("n0", Ty::I32, bid() / tiles_m.clone() * int(TILE_N)),
+            let_("split", Ty::I32, rem(bid() / tiles_m.clone(), var("splits"))),
+            let_("n0", Ty::I32, bid() / tiles_m.clone() / var("splits") * int(TILE_N)),
             let_("wrow", Ty::I32, warp() * int(16)),
             let_("g", Ty::I32, lane() / int(4)),
             let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
         ],
+        split_k::k_span(var("split"), TILE_K),
         locals.collect(),
-        copy_stage(int(0), int(0)),
-        vec![Stmt::CpAsyncCommit, for_("k0", int(0), var("k"), int(TILE_K), step)],
+        copy_stage(rem(var("k_begin") / int(TILE_K), int(2)), var("k_begin")),
+        vec![
+            Stmt::CpAsyncCommit,
+            for_("k0", var("k_begin"), var("k_end"), int(TILE_K), step),
+            // A split past the end of K ran no step: its first copies (all zero-fill) land here.
+            Stmt::CpAsyncWait(0),
+        ],
         store_accumulators(),
     ]
     .concat();
@@ -173,16 +186,16 @@ pub fn gemm_wgmma_bf16(name: &str, origin: &str) -> Kernel {
         name: name.into(),
         origin: format!(
             "{origin}: matmul x·Wᵀ on Hopper tensor cores (wgmma m64n{TILE_N}k16 bf16, A from registers, \
-             B through a 2-stage cp.async pipeline of {TILE_N}×{TILE_K} slices)"
+             B through a 2-stage cp.async pipeline of {TILE_N}×{TILE_K} slices, K split in `splits`)"
         ),
-        params: super::gemm_params(Ty::Bf16),
+        params: [super::gemm_params(Ty::Bf16), split_k::params()].concat(),
         shared: vec![SharedArray {
             name: "ws".into(),
             ty: Ty::Bf16,
             len: (2 * STAGE) as usize,
         }],
         block_dim: THREADS as u32,
-        grid: tiles_m * tiles_n,
+        grid: tiles_m * tiles_n * var("splits"),
         body,
     }
 }

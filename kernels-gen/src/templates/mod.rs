@@ -18,6 +18,7 @@ pub mod quant;
 pub mod rms_norm;
 pub mod rope;
 pub mod sample;
+pub mod split_k;
 pub mod top_k;
 
 use crate::dsl::*;
@@ -77,14 +78,15 @@ pub fn gemm_params(weights: Ty) -> Vec<Param> {
 }
 
 /// The head of one step of a two-buffer `cp.async` pipeline over K (steps `tile_k` wide at
-/// `k0`): `s`, the buffer this step reads, and the next step's copies (`copy(buffer, k0)`)
-/// issued into the other buffer and committed as one group — an empty group past the end, so
-/// that waiting for all groups but the newest always means waiting for this step's copies.
-pub fn pipeline_step_head(tile_k: i64, copy: impl Fn(Expr, Expr) -> Vec<Stmt>) -> Vec<Stmt> {
+/// `k0`, up to `end`): `s`, the buffer this step reads, and the next step's copies
+/// (`copy(buffer, k0)`) issued into the other buffer and committed as one group — an empty
+/// group past the end, so that waiting for all groups but the newest always means waiting for
+/// this step's copies.
+pub fn pipeline_step_head(tile_k: i64, end: Expr, copy: impl Fn(Expr, Expr) -> Vec<Stmt>) -> Vec<Stmt> {
     vec![
         let_("s", Ty::I32, rem(var("k0") / int(tile_k), int(2))),
         if_(
-            lt(var("k0") + int(tile_k), var("k")),
+            lt(var("k0") + int(tile_k), end),
             copy(int(1) - var("s"), var("k0") + int(tile_k)),
         ),
         Stmt::CpAsyncCommit,
@@ -213,6 +215,7 @@ pub fn catalog() -> Vec<Kernel> {
         kv_append::kv_append_with("kv_append_paged", "catalog", cache_layout::CacheLayout::Paged),
         attention::attention_split("attention_batched", "catalog", cache_layout::CacheLayout::Batched, 80),
         kv_append::kv_append_with("kv_append_batched", "catalog", cache_layout::CacheLayout::Batched),
+        split_k::reduce("split_k_reduce", "catalog", 16),
         gemm_mma::gemm_mma("gemm_mma_bf16", "catalog", gemm_mma::WeightStaging::Registers),
         gemm_mma::gemm_mma("gemm_mma_bf16_pipelined", "catalog", gemm_mma::WeightStaging::CpAsync),
         // The heaviest decode: Q6_K's split 6-bit values and per-16 scales.

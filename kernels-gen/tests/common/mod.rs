@@ -72,12 +72,44 @@ pub fn try_run_matmul(
     if let Some(g) = g {
         bufs.insert("g".into(), Array::f32(g));
     }
-    let scalars = ints(&[
+    let mut scalars = ints(&[
         ("tokens", tokens as i64),
         ("n", n as i64),
         ("k", k as i64),
         ("x_stride", x_stride as i64),
     ]);
+    // A GEMM that can split K, in one piece: it writes `out` and leaves the partials alone.
+    if kernel.param("splits").is_some() {
+        scalars.insert("splits".into(), Scalar::Int(1));
+        bufs.insert("partial".into(), Array::poisoned(Ty::F32, 1));
+    }
     run(kernel, &mut bufs, &scalars)?;
+    Ok(bufs.remove("out").expect("an out buffer"))
+}
+
+/// A split-K GEMM in `splits` pieces and the reduction after it (`reduce`): the output.
+pub fn try_run_split_matmul(
+    kernel: &Kernel,
+    reduce: &Kernel,
+    x: Array,
+    w: Array,
+    (tokens, n, k, x_stride): (usize, usize, usize, usize),
+    splits: usize,
+) -> Result<Array, EmuError> {
+    let mut bufs = HashMap::from([
+        ("x".into(), x),
+        ("w".into(), w),
+        ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
+        ("partial".into(), Array::poisoned(Ty::F32, splits * tokens * n)),
+    ]);
+    let scalars = ints(&[
+        ("tokens", tokens as i64),
+        ("n", n as i64),
+        ("k", k as i64),
+        ("x_stride", x_stride as i64),
+        ("splits", splits as i64),
+    ]);
+    run(kernel, &mut bufs, &scalars)?;
+    run(reduce, &mut bufs, &scalars)?;
     Ok(bufs.remove("out").expect("an out buffer"))
 }

@@ -1,0 +1,105 @@
+//! Split-K for the prefill GEMM at few rows. A batched decode step of 16 to 64 rows is one
+//! 64-row tile per 128 weight rows: 48 blocks for an 8B model's QKV on a 132-SM H200, each
+//! streaming its weights through a two-stage pipeline, so a fraction of the chip's loads are in
+//! flight (the H200 run of 2026-11-30 measured 5–28% of copy bandwidth at batch 16). Cutting K
+//! into `splits` spans multiplies the blocks; each writes its partial tile to scratch and a
+//! second launch sums the partials in split order (deterministic, unlike atomics). With one
+//! split the GEMM writes `out` itself and the reduction's grid is empty.
+
+use super::{blocks_for, per_element, BLOCK};
+use crate::dsl::*;
+
+/// The most splits (the partials grow with them).
+pub const MAX_SPLITS: usize = 8;
+
+/// The `splits` scalar of a GEMM over `rows` rows (an expression of the plan's variables) with
+/// `n` output columns and `k` inputs, tiles of `tile_m`×`tile_n` and `tile_k` steps: enough
+/// blocks for two per multiprocessor, at most one split per K step, and `splits × tiles_m` at
+/// most [`MAX_SPLITS`] (what bounds the partials, see [`partial_len`]): one split from
+/// `MAX_SPLITS` row tiles on.
+pub fn splits_expr(rows: &str, n: usize, k: usize, tiles: (usize, usize, usize), multiprocessors: usize) -> String {
+    let (tile_m, tile_n, tile_k) = tiles;
+    let most = MAX_SPLITS.min(k.div_ceil(tile_k)).max(1);
+    let tiles_m = format!("((({rows}) + {}) / {tile_m})", tile_m - 1);
+    format!(
+        "max(1, min({most}, min({MAX_SPLITS} / {tiles_m}, {} / ({tiles_m} * {}))))",
+        2 * multiprocessors,
+        n.div_ceil(tile_n)
+    )
+}
+
+/// f32 elements of the partials: `splits × rows` ≤ `splits × tiles_m × tile_m` ≤
+/// `MAX_SPLITS × tile_m` rows of `n`.
+pub fn partial_len(n: usize, tile_m: usize) -> usize {
+    MAX_SPLITS * tile_m * n
+}
+
+/// `out[e] = Σ_s partial[s·tokens·n + e]`, in split order; no blocks with one split, or for
+/// steps under `min_tokens` rows (those run the GEMV, which writes `out` itself).
+pub fn reduce(name: &str, origin: &str, min_tokens: usize) -> Kernel {
+    let count = var("tokens") * var("n");
+    let runs = bin(BinOp::Min, int(1), var("tokens") / int(min_tokens as i64))
+        * bin(BinOp::Min, int(1), var("splits") - int(1));
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: the split-K GEMM's partial tiles summed in split order"),
+        params: vec![
+            buffer("partial", Ty::F32, false),
+            buffer("out", Ty::F32, true),
+            scalar("tokens", Ty::I32),
+            scalar("n", Ty::I32),
+            scalar("splits", Ty::I32),
+        ],
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(count.clone(), BLOCK as i64) * runs,
+        body: per_element(
+            count.clone(),
+            vec![
+                let_("sum", Ty::F32, f(0.0)),
+                for_(
+                    "s",
+                    int(0),
+                    var("splits"),
+                    int(1),
+                    vec![assign("sum", var("sum") + load("partial", var("s") * count + var("i")))],
+                ),
+                store("out", var("i"), var("sum")),
+            ],
+        ),
+    }
+}
+
+/// The GEMM's split-K parameters, after [`super::gemm_params`]'s.
+pub fn params() -> Vec<Param> {
+    vec![buffer("partial", Ty::F32, true), scalar("splits", Ty::I32)]
+}
+
+/// Statements declaring this block's K span (`k_begin..k_end`, whole `tile_k` steps; empty
+/// past the end of K) for split `split`.
+pub fn k_span(split: Expr, tile_k: i64) -> Vec<Stmt> {
+    let steps = (var("k") + int(tile_k - 1)) / int(tile_k);
+    vec![
+        let_("k_steps", Ty::I32, (steps + var("splits") - int(1)) / var("splits")),
+        let_("k_begin", Ty::I32, split * var("k_steps") * int(tile_k)),
+        let_(
+            "k_end",
+            Ty::I32,
+            bin(BinOp::Min, var("k"), var("k_begin") + var("k_steps") * int(tile_k)),
+        ),
+    ]
+}
+
+/// Store `value` at (`row`, `col`) of the result: `out` with one split, else this split's
+/// partial tile.
+pub fn store_result(row: Expr, col: Expr, value: Expr) -> Stmt {
+    if_else(
+        eq(var("splits"), int(1)),
+        vec![store("out", row.clone() * var("n") + col.clone(), value.clone())],
+        vec![store(
+            "partial",
+            (var("split") * var("tokens") + row) * var("n") + col,
+            value,
+        )],
+    )
+}
