@@ -134,7 +134,8 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
                     .count()
             );
             // Plain matmuls get a tensor-core GEMM for prefill steps (bf16 weights, or GGUF
-            // blocks decoded into its tiles); every matmul has a prefill variant.
+            // blocks decoded into its tiles), norm-fused ones too on Hopper with bf16 weights;
+            // every matmul has a prefill variant.
             let prefill = |prefix: &str| {
                 plan.launches
                     .iter()
@@ -143,13 +144,16 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
             };
             let gemms = prefill("gemm");
             assert!(gemms > 0, "{name} {dtype:?}: no prefill GEMM");
+            if target == Target::H200 && dtype == ComputeDtype::Bf16 {
+                assert!(prefill("rms_norm_gemm") > 0, "{name}: no norm GEMM on Hopper");
+            }
             let matmuls = graph
                 .nodes()
                 .iter()
                 .filter(|n| matches!(n.op, ir::Op::MatMul | ir::Op::RmsNormMatMul { .. }))
                 .count();
             assert_eq!(
-                gemms + prefill("gemv") + prefill("rms_norm_gemv"),
+                gemms + prefill("gemv") + prefill("rms_norm_gemv") + prefill("rms_norm_gemm"),
                 matmuls,
                 "{name} {dtype:?}"
             );

@@ -629,6 +629,58 @@ fn hopper_wgmma_gemm_matches_reference_on_bf16_inputs() {
     gemm_matches_reference(&gemm_wgmma::gemm_wgmma_bf16("gemm", "test"), &shapes[1..3], 5, 16);
 }
 
+/// The Hopper GEMM with an RMSNorm prologue (`rms_norm_matmul` at many rows): each x meets its
+/// norm weight before the bf16 rounding, the row's 1/rms scales the result; in one piece and
+/// with K split, over a strided x and rows past the 16 a warp owns.
+#[test]
+fn norm_gemm_matches_reference() {
+    let mut rng = Rng(23);
+    let (eps, offset) = (1e-5f32, 1.0f32);
+    let norm = gemv::NormPrologue { eps, offset };
+    let gemm = gemm_wgmma::gemm_wgmma_bf16_with("gemm", "test", Some(norm));
+    let reduce = split_k::reduce("reduce", "test", 16);
+    for (tokens, n, k, pad) in [(20, 70, 136, 3), (33, 9, 256, 0)] {
+        let x_stride = k + pad;
+        let (x, g, w) = (rng.vec(tokens * x_stride), rng.vec(k), rng.vec(n * k));
+        let round = |v: f32| bf16::from_f32(v).to_f32();
+        let mut want = vec![0f32; tokens * n];
+        for t in 0..tokens {
+            let row = &x[t * x_stride..t * x_stride + k];
+            let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / k as f32 + eps).sqrt();
+            let a: Vec<f32> = row.iter().zip(&g).map(|(v, gi)| round(v * (gi + offset))).collect();
+            for r in 0..n {
+                let dot: f32 = a.iter().zip(&w[r * k..(r + 1) * k]).map(|(a, wv)| a * round(*wv)).sum();
+                want[t * n + r] = dot * inv;
+            }
+        }
+        let w = Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
+        for splits in [1, 3] {
+            let mut bufs = HashMap::from([
+                ("x".into(), Array::f32(&x)),
+                ("g".into(), Array::f32(&g)),
+                ("w".into(), w.clone()),
+                ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
+                ("partial".into(), Array::poisoned(Ty::F32, splits * tokens * n)),
+            ]);
+            let scalars = ints(&[
+                ("tokens", tokens as i64),
+                ("n", n as i64),
+                ("k", k as i64),
+                ("x_stride", x_stride as i64),
+                ("splits", splits as i64),
+            ]);
+            run(&gemm, &mut bufs, &scalars).unwrap();
+            run(&reduce, &mut bufs, &scalars).unwrap();
+            close(
+                &bufs["out"].to_f32().unwrap(),
+                &want,
+                1e-5,
+                &format!("norm gemm {tokens}×{n}×{k}, {splits} splits"),
+            );
+        }
+    }
+}
+
 /// The Hopper GEMM with K split into pieces summed by the reduction: the same result for any
 /// number of splits, splits past the end of K included (they contribute zeros), and ragged K.
 #[test]

@@ -8,8 +8,8 @@ use codegen::gpu::{self, expr};
 use codegen::Target;
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::gemv::{gemv, GemvSpec};
-use kernels_gen::templates::prefill_gemm;
 use kernels_gen::templates::quant::WeightFormat;
+use kernels_gen::templates::{gemm_wgmma, prefill_gemm, split_k};
 use models::{ComputeDtype, LogitsFor};
 use runtime::cuda::CudaDevice;
 use runtime::generated::{fill_kernels, fill_on_device, Fill};
@@ -115,9 +115,10 @@ const SHAPES: [(&str, usize, usize, usize); 5] = [
 ];
 
 /// Time every shape's matmul alone at batch 1 (the decode GEMV), 16 and 64 (the tensor-core
-/// GEMM, and the 4-tokens-per-pass GEMV for comparison); the table as markdown, with the step
-/// the matmuls alone would add up to (the whole step is [`decode`]'s).
-pub fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
+/// GEMM, K split as the plans split it, the reduction included; and the 4-tokens-per-pass GEMV
+/// for comparison); the table as markdown, with the step the matmuls alone would add up to
+/// (the whole step is [`decode`]'s).
+pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<String> {
     let spec = |k: usize| GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k).with_x_vectors();
     let mut table = String::from(
         "| matmul | batch | kernel | µs | weight GB/s | % of copy bandwidth |\n|---|---|---|---|---|---|\n",
@@ -128,8 +129,9 @@ pub fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
             gemv("gemv", "gpu-check", spec(k)),
             gemv("gemv_prefill", "gpu-check", spec(k).prefill()),
             // The target's tensor-core GEMM: wgmma on sm_90a, tcgen05 on sm_100a, mma.sync on sm_120a.
-            prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), k, "gemm", "gpu-check")
+            prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), k, None, "gemm", "gpu-check")
                 .ok_or_else(|| anyhow!("a bf16 GEMM"))?,
+            split_k::reduce("split_k_reduce", "gpu-check", gpu::PREFILL_TOKENS),
         ];
         let mut device = CudaDevice::compile(&[kernels.clone(), fill_kernels()].concat(), arch)?;
         // Random weights and activations (never zeros: they can run faster than real data).
@@ -138,6 +140,8 @@ pub fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
         let x = device.alloc(64 * k * 4)?;
         fill_on_device(&mut device, &x, 0, 64 * k, Ty::F32, Fill::of(2, name, &[64, k]))?;
         let out = device.alloc(64 * n * 4)?;
+        let partial_bytes = split_k::partial_len(n, gemm_wgmma::TILES.0) * 4;
+        let partial = device.alloc(partial_bytes)?;
         for (batch, kernel) in [
             (1, "gemv"),
             (16, "gemm"),
@@ -149,8 +153,17 @@ pub fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
                 .iter()
                 .find(|kk| kk.name == kernel)
                 .ok_or_else(|| anyhow!("a timed kernel"))?;
-            let grid = grid_of(program, batch, n, k)?;
-            let args = [
+            let split_k = program.param("splits").is_some();
+            let splits = match split_k {
+                true => {
+                    let expr = split_k::splits_expr("tokens", n, k, gemm_wgmma::TILES, target.multiprocessors());
+                    let vars = [("tokens", expr::Value::Int(batch as i64))].into_iter().collect();
+                    expr::eval(&expr, &vars)?.as_i64() as usize
+                }
+                false => 1,
+            };
+            let grid = grid_of(program, batch, n, k, splits)?;
+            let mut args = vec![
                 DeviceArg::Buffer(&x, 0..64 * k * 4),
                 DeviceArg::Buffer(&w, 0..n * k * 2),
                 DeviceArg::Buffer(&out, 0..64 * n * 4),
@@ -159,10 +172,39 @@ pub fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
                 DeviceArg::I32(k as i32),
                 DeviceArg::I32(k as i32),
             ];
-            let seconds = device.time(20, |d| d.launch(kernel, grid, program.block_dim, &args))?;
+            if split_k {
+                args.extend([
+                    DeviceArg::Buffer(&partial, 0..partial_bytes),
+                    DeviceArg::I32(splits as i32),
+                ]);
+            }
+            let reduce_args = [
+                DeviceArg::Buffer(&partial, 0..partial_bytes),
+                DeviceArg::Buffer(&out, 0..64 * n * 4),
+                DeviceArg::I32(batch as i32),
+                DeviceArg::I32(n as i32),
+                DeviceArg::I32(splits as i32),
+            ];
+            let reduce_grid = (batch * n).div_ceil(kernels_gen::templates::BLOCK as usize) as u32;
+            let seconds = device.time(20, |d| {
+                d.launch(kernel, grid, program.block_dim, &args)?;
+                match splits > 1 {
+                    true => d.launch(
+                        "split_k_reduce",
+                        reduce_grid,
+                        kernels_gen::templates::BLOCK,
+                        &reduce_args,
+                    ),
+                    false => Ok(()),
+                }
+            })?;
             let rate = (n * k * 2) as f64 / seconds;
+            let label = match splits {
+                1 => kernel.to_string(),
+                _ => format!("{kernel}, {splits} K splits + reduction"),
+            };
             table += &format!(
-                "| {name} {n}×{k} | {batch} | {kernel} | {:.1} | {:.0} | {:.0}% |\n",
+                "| {name} {n}×{k} | {batch} | {label} | {:.1} | {:.0} | {:.0}% |\n",
                 seconds * 1e6,
                 rate / 1e9,
                 100.0 * rate / bandwidth
@@ -188,12 +230,19 @@ pub fn matmul_timings(arch: &str, bandwidth: f64) -> Result<String> {
     Ok(table)
 }
 
-/// Blocks for `kernel` over `batch` tokens, `n` rows and width `k`: its grid expression.
-fn grid_of(kernel: &Kernel, batch: usize, n: usize, k: usize) -> Result<u32> {
-    let scalars = [("tokens", batch), ("n", n), ("k", k), ("x_stride", k)]
-        .into_iter()
-        .map(|(name, v)| (name, expr::Value::Int(v as i64)))
-        .collect();
+/// Blocks for `kernel` over `batch` tokens, `n` rows, width `k` and `splits` K splits: its
+/// grid expression.
+fn grid_of(kernel: &Kernel, batch: usize, n: usize, k: usize, splits: usize) -> Result<u32> {
+    let scalars = [
+        ("tokens", batch),
+        ("n", n),
+        ("k", k),
+        ("x_stride", k),
+        ("splits", splits),
+    ]
+    .into_iter()
+    .map(|(name, v)| (name, expr::Value::Int(v as i64)))
+    .collect();
     match expr::eval(&kernels_gen::cuda::grid_expr(kernel), &scalars)? {
         expr::Value::Int(blocks) => Ok(blocks as u32),
         other => Err(anyhow!("grid of {}: {other:?}", kernel.name)),

@@ -79,7 +79,7 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
             }
             Section::Smollm2 => smollm2_weights(&args.model).and_then(|model| smollm2::check(&model, target)),
             Section::Graphs => kernels::graph_check(target, arch, &args.fixtures),
-            Section::Matmuls => llama_8b::matmul_timings(arch, bandwidth).map(|table| println!("\n{table}")),
+            Section::Matmuls => llama_8b::matmul_timings(target, arch, bandwidth).map(|table| println!("\n{table}")),
             Section::Decode => llama_8b::decode(target, arch, bandwidth, args.decode_prefill_chunk),
         };
         if let Err(e) = result {

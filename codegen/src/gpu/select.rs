@@ -508,7 +508,16 @@ pub(crate) fn select(
                     WeightFormat::of(graph.node(node.inputs.last().copied().unwrap_or(ir::NodeId(i))).dtype),
                 ) {
                     (Op::MatMul, Some(format)) => {
-                        templates::prefill_gemm(arch, format, width(graph, input(0)), "gemm", &graph.name)
+                        templates::prefill_gemm(arch, format, width(graph, input(0)), None, "gemm", &graph.name)
+                            .or(gemv_prefill)
+                    }
+                    (Op::RmsNormMatMul { eps, weight_offset }, Some(format)) => {
+                        let norm = gemv::NormPrologue {
+                            eps: *eps as f32,
+                            offset: *weight_offset,
+                        };
+                        let k = width(graph, input(0));
+                        templates::prefill_gemm(arch, format, k, Some(norm), "rms_norm_gemm", &graph.name)
                             .or(gemv_prefill)
                     }
                     _ => gemv_prefill,

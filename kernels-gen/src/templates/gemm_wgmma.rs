@@ -24,8 +24,19 @@
 //! memory (two stages) leaves room for several blocks per SM; a prefill chunk of 512 tokens
 //! over a 4096-row weight gives 8×32 = 256 tiles for 132 SMs.
 
+use super::gemv::NormPrologue;
 use super::split_k;
 use crate::dsl::*;
+
+/// The GEMM's parameters: [`super::gemm_params`]'s, with the norm's weight `g` after `x` under
+/// a norm prologue (the order of `rms_norm_matmul`'s GEMV).
+fn gemm_params(norm: Option<NormPrologue>) -> Vec<Param> {
+    let mut params = super::gemm_params(Ty::Bf16);
+    if norm.is_some() {
+        params.insert(1, buffer("g", Ty::F32, false));
+    }
+    params
+}
 
 const THREADS: i64 = 128;
 /// Tokens per block tile: wgmma's M.
@@ -82,12 +93,18 @@ fn copy_stage(stage: Expr, k0: Expr) -> Vec<Stmt> {
 }
 
 /// Load this thread's A fragments of the stage at `k0` (zero past `tokens` and `k`): per k
-/// slice, rows g and g + 8 of the warp's 16, columns 2t, 2t + 1 and those + 8.
-fn load_a() -> Vec<Stmt> {
+/// slice, rows g and g + 8 of the warp's 16, columns 2t, 2t + 1 and those + 8. Under a norm
+/// prologue each x meets its norm weight `g + offset` here (the row's `1/rms` is applied to
+/// the result).
+fn load_a(norm: Option<NormPrologue>) -> Vec<Stmt> {
+    let scaled = |col: Expr, x: Expr| match norm {
+        Some(n) => x * (load("g", col) + f(n.offset)),
+        None => x,
+    };
     let mut out = Vec::new();
     for slice in 0..K_SLICES {
         for (row_half, col_half) in [(0, 0), (1, 0), (0, 1), (1, 1)] {
-            let row = var("m0") + var("wrow") + var("g") + int(8 * row_half);
+            let row = var("m0") + var("wrow") + var("gr") + int(8 * row_half);
             let col = var("k0") + int(16 * slice as i64 + 8 * col_half) + var("t2");
             let first = 2 * row_half as usize + 4 * col_half as usize;
             let names = [a_name(slice, first), a_name(slice, first + 1)];
@@ -96,8 +113,14 @@ fn load_a() -> Vec<Stmt> {
             out.push(if_(
                 and(lt(row.clone(), var("tokens")), lt(col.clone(), var("k"))),
                 vec![
-                    assign(&names[0], load("x", row.clone() * var("x_stride") + col.clone())),
-                    assign(&names[1], load("x", row * var("x_stride") + col + int(1))),
+                    assign(
+                        &names[0],
+                        scaled(col.clone(), load("x", row.clone() * var("x_stride") + col.clone())),
+                    ),
+                    assign(
+                        &names[1],
+                        scaled(col.clone() + int(1), load("x", row * var("x_stride") + col + int(1))),
+                    ),
                 ],
             ));
         }
@@ -127,23 +150,68 @@ fn multiply_stage() -> Vec<Stmt> {
 
 /// Store the accumulators where they fall inside the result (layout in `WgmmaOp`): `out`, or
 /// with several K splits this split's partial tile.
-fn store_accumulators() -> Vec<Stmt> {
+fn store_accumulators(norm: Option<NormPrologue>) -> Vec<Stmt> {
     (0..TILE_N as usize / 2)
         .map(|i| {
-            let row = var("m0") + var("wrow") + var("g") + int(if i % 4 >= 2 { 8 } else { 0 });
+            let upper = i % 4 >= 2;
+            let row = var("m0") + var("wrow") + var("gr") + int(if upper { 8 } else { 0 });
             let col = var("n0") + int(8 * (i / 4) as i64 + (i % 2) as i64) + var("t2");
+            let value = match norm {
+                Some(_) => var(&d_name(i)) * var(if upper { "inv_rms_hi" } else { "inv_rms_lo" }),
+                None => var(&d_name(i)),
+            };
             if_(
                 and(lt(row.clone(), var("tokens")), lt(col.clone(), var("n"))),
-                vec![split_k::store_result(row, col, var(&d_name(i)))],
+                vec![split_k::store_result(row, col, value)],
             )
         })
         .collect()
+}
+
+/// Under a norm prologue: `inv_rms_lo` and `inv_rms_hi`, `1/rms` of this lane's two rows (g and
+/// g + 8 of its warp's 16). The warp walks its 16 rows, lanes striding along each; every row's
+/// sum of squares ends in every lane, which keeps its own two.
+fn row_norms(norm: NormPrologue) -> Vec<Stmt> {
+    let inv = un(UnOp::Rsqrt, var("sq") / cast(Ty::F32, var("k")) + f(norm.eps));
+    let mut per_row = vec![
+        let_("row", Ty::I32, var("m0") + var("wrow") + var("r")),
+        let_("sq", Ty::F32, f(0.0)),
+        if_(
+            lt(var("row"), var("tokens")),
+            vec![for_(
+                "c",
+                lane(),
+                var("k"),
+                int(32),
+                vec![
+                    let_("xv", Ty::F32, load("x", var("row") * var("x_stride") + var("c"))),
+                    assign("sq", var("sq") + var("xv") * var("xv")),
+                ],
+            )],
+        ),
+    ];
+    per_row.extend(super::warp_sum("sq"));
+    per_row.extend([
+        if_(eq(var("r"), var("gr")), vec![assign("inv_rms_lo", inv.clone())]),
+        if_(eq(var("r"), var("gr") + int(8)), vec![assign("inv_rms_hi", inv)]),
+    ]);
+    vec![
+        let_("inv_rms_lo", Ty::F32, f(0.0)),
+        let_("inv_rms_hi", Ty::F32, f(0.0)),
+        for_("r", int(0), int(16), int(1), per_row),
+    ]
 }
 
 /// The tile sizes, for the split-K expression: (tokens, weight rows, K step).
 pub const TILES: (usize, usize, usize) = (TILE_M as usize, TILE_N as usize, TILE_K as usize);
 
 pub fn gemm_wgmma_bf16(name: &str, origin: &str) -> Kernel {
+    gemm_wgmma_bf16_with(name, origin, None)
+}
+
+/// The GEMM with an RMSNorm of `x` before it (`g` its weight): what `rms_norm_matmul` runs for
+/// steps of many rows (an LM head over a batch, a first layer's QKV).
+pub fn gemm_wgmma_bf16_with(name: &str, origin: &str, norm: Option<NormPrologue>) -> Kernel {
     let tiles_m = (var("tokens") + int(TILE_M - 1)) / int(TILE_M);
     let tiles_n = (var("n") + int(TILE_N - 1)) / int(TILE_N);
     let locals = (0..TILE_N as usize / 2)
@@ -152,7 +220,7 @@ pub fn gemm_wgmma_bf16(name: &str, origin: &str) -> Kernel {
         .map(|n| let_(&n, Ty::F32, f(0.0)));
     let step = [
         super::pipeline_step_head(TILE_K, var("k_end"), copy_stage),
-        load_a(),
+        load_a(norm),
         vec![Stmt::CpAsyncWait(1), Stmt::FenceProxyAsync, Stmt::SyncThreads],
         multiply_stage(),
         // Nobody refills this buffer (next step) before every thread is past the wait.
@@ -167,10 +235,11 @@ pub fn gemm_wgmma_bf16(name: &str, origin: &str) -> Kernel {
             let_("split", Ty::I32, rem(bid() / tiles_m.clone(), var("splits"))),
             let_("n0", Ty::I32, bid() / tiles_m.clone() / var("splits") * int(TILE_N)),
             let_("wrow", Ty::I32, warp() * int(16)),
-            let_("g", Ty::I32, lane() / int(4)),
+            let_("gr", Ty::I32, lane() / int(4)),
             let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
         ],
         split_k::k_span(var("split"), TILE_K),
+        norm.map(row_norms).unwrap_or_default(),
         locals.collect(),
         copy_stage(rem(var("k_begin") / int(TILE_K), int(2)), var("k_begin")),
         vec![
@@ -179,16 +248,17 @@ pub fn gemm_wgmma_bf16(name: &str, origin: &str) -> Kernel {
             // A split past the end of K ran no step: its first copies (all zero-fill) land here.
             Stmt::CpAsyncWait(0),
         ],
-        store_accumulators(),
+        store_accumulators(norm),
     ]
     .concat();
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: matmul x·Wᵀ on Hopper tensor cores (wgmma m64n{TILE_N}k16 bf16, A from registers, \
-             B through a 2-stage cp.async pipeline of {TILE_N}×{TILE_K} slices, K split in `splits`)"
+            "{origin}: {}matmul x·Wᵀ on Hopper tensor cores (wgmma m64n{TILE_N}k16 bf16, A from registers, \
+             B through a 2-stage cp.async pipeline of {TILE_N}×{TILE_K} slices, K split in `splits`)",
+            if norm.is_some() { "rms_norm prologue + " } else { "" }
         ),
-        params: [super::gemm_params(Ty::Bf16), split_k::params()].concat(),
+        params: [gemm_params(norm), split_k::params()].concat(),
         shared: vec![SharedArray {
             name: "ws".into(),
             ty: Ty::Bf16,

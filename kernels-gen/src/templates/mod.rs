@@ -45,9 +45,27 @@ use crate::dsl::*;
 /// (`WeightStaging::Dequantize`); each weight is decoded once per 64 tokens instead of once
 /// per 4 as in the prefill GEMV. The wgmma/tcgen05 kernels take their weights by `cp.async`,
 /// which copies bytes and cannot decode.
-pub fn prefill_gemm(arch: &str, weights: quant::WeightFormat, k: usize, name: &str, origin: &str) -> Option<Kernel> {
+///
+/// Under an RMSNorm prologue (`rms_norm_matmul`) only Hopper's GEMM has the variant; the others
+/// keep the prefill GEMV.
+pub fn prefill_gemm(
+    arch: &str,
+    weights: quant::WeightFormat,
+    k: usize,
+    norm: Option<gemv::NormPrologue>,
+    name: &str,
+    origin: &str,
+) -> Option<Kernel> {
     use gemm_mma::WeightStaging;
     use quant::WeightFormat;
+    if let Some(norm) = norm {
+        return match (weights, arch) {
+            (WeightFormat::Dense(Ty::Bf16), "sm_90a") if k.is_multiple_of(8) => {
+                Some(gemm_wgmma::gemm_wgmma_bf16_with(name, origin, Some(norm)))
+            }
+            _ => None,
+        };
+    }
     Some(match (weights, arch) {
         (WeightFormat::Dense(Ty::Bf16), "sm_90a") if k.is_multiple_of(8) => gemm_wgmma::gemm_wgmma_bf16(name, origin),
         (WeightFormat::Dense(Ty::Bf16), "sm_100a") if k.is_multiple_of(8) => {
