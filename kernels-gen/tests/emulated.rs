@@ -316,9 +316,11 @@ fn fill_uniform_makes_the_hosts_values_from_any_base() {
 #[test]
 fn attention_matches_reference_with_windows_groups_and_long_caches() {
     let mut rng = Rng(8);
+    use kernels_gen::templates::cache_layout::CacheLayout;
     for (tokens, first, heads, kv_heads, head_dim, window) in [
         (1, 0, 2, 1, 8, 0),
         (1, 300, 4, 2, 16, 0),
+        (2, 33, 8, 2, 32, 0),
         (3, 5, 2, 2, 8, 4),
         (2, 520, 2, 1, 32, 300),
         // A head_dim past one warp's width that is not a multiple of it (the last lane dims
@@ -366,16 +368,26 @@ fn attention_matches_reference_with_windows_groups_and_long_caches() {
             .chunks(heads * head_dim)
             .flat_map(|row| row.iter().copied().chain([9.0; 5]))
             .collect();
-        // One split, the plans' count, and more splits than some rows have keys.
-        for splits in [1, attention::splits_for(tokens), 7] {
+        // One split, the plans' count, and more splits than some rows have keys; a head per
+        // block, and the KV head's whole group (what the plans take, registers allowing).
+        let groups = [1, attention::heads_per_block(heads, kv_heads, head_dim)];
+        for (splits, group) in [1, attention::splits_for(tokens), 7]
+            .into_iter()
+            .flat_map(|s| groups.map(|g| (s, g)))
+        {
             let mut bufs = HashMap::from([
                 ("q".into(), Array::f32(&q_rows)),
                 ("k".into(), Array::f32(&k)),
                 ("v".into(), Array::f32(&v)),
             ]);
-            let kernel = attention::attention("attention", "test", head_dim);
+            let kernel = attention::attention_split("attention", "test", CacheLayout::Contiguous, head_dim, group);
             let out = run_attention(&kernel, &mut bufs, &scalars, (tokens, heads, head_dim), splits);
-            close(&out, &want.data, 1e-5, &format!("attention, {splits} splits"));
+            close(
+                &out,
+                &want.data,
+                1e-5,
+                &format!("attention, {splits} splits, {group} heads a block"),
+            );
         }
     }
 }
@@ -807,7 +819,7 @@ fn paged_attention_and_append_match_the_contiguous_cache() {
     bufs.insert("q".into(), Array::f32(&q));
     let spec = cache_test_spec(heads, kv_heads, head_dim);
     let out = run_attention(
-        &attention::attention_split("paged", "test", CacheLayout::Paged, head_dim),
+        &attention::attention_split("paged", "test", CacheLayout::Paged, head_dim, 2),
         &mut bufs,
         &attention_scalars(&spec, tokens, first, block_size),
         (tokens, heads, head_dim),
@@ -897,7 +909,7 @@ fn batched_attention_and_append_keep_sequences_apart() {
     bufs.insert("q".into(), Array::f32(&q));
     let spec = cache_test_spec(heads, kv_heads, head_dim);
     let out = run_attention(
-        &attention::attention_split("batched", "test", CacheLayout::Batched, head_dim),
+        &attention::attention_split("batched", "test", CacheLayout::Batched, head_dim, 2),
         &mut bufs,
         &attention_scalars(&spec, tokens, 0, block_size),
         (tokens, heads, head_dim),

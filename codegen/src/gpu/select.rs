@@ -357,7 +357,8 @@ pub(crate) fn select(
                             scalar("splits", &splits),
                         ];
                         let args = [args, layout_args].concat();
-                        let split = attention::attention_split("attention", &graph.name, layout, spec.head_dim);
+                        let group = attention::heads_per_block(spec.heads, spec.kv_heads, spec.head_dim);
+                        let split = attention::attention_split("attention", &graph.name, layout, spec.head_dim, group);
                         s.launches.push((i, split, None, args));
                         let args = vec![
                             partial,

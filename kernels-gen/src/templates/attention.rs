@@ -1,7 +1,7 @@
 //! Causal attention over a KV cache (decode: one query per sequence; prefill: many), optionally
 //! windowed, grouped KV heads, in two launches (FlashDecoding's split of the keys):
 //!
-//! 1. `attention_split`: a block per (row, head, split). The row's keys (`lo..=pos`) are cut
+//! 1. `attention_split`: a block per (row, head group, split). The row's keys (`lo..=pos`) are cut
 //!    into `splits` equal spans and each block takes one. Each of its 8 warps walks every 8th key
 //!    of the span: lane `l` holds dims `l, l + 32, …` of the query (so a warp reads a key or
 //!    value row as whole 128-byte lines), the score is a warp sum, and the warp keeps its own
@@ -23,7 +23,7 @@ use crate::dsl::*;
 const WARPS: u32 = BLOCK / 32;
 
 /// The most splits a step uses (at one row).
-pub const MAX_SPLITS: usize = 16;
+pub const MAX_SPLITS: usize = 32;
 
 /// The `splits` scalar of a step of `rows` rows (an expression over the plan's variables).
 pub fn splits_expr(rows: &str) -> String {
@@ -63,30 +63,48 @@ fn guarded(head_dim: usize, i: usize, body: Vec<Stmt>) -> Vec<Stmt> {
     }
 }
 
-/// The split pass over a contiguous cache.
-pub fn attention(name: &str, origin: &str, head_dim: usize) -> Kernel {
-    attention_split(name, origin, CacheLayout::Contiguous, head_dim)
+/// Query heads one block takes: those of one KV head share each key and value row a warp
+/// loads, so a block takes as many of them as registers allow (`heads_per_block × dims per
+/// lane` ≤ 32 of each of queries and accumulators).
+pub fn heads_per_block(heads: usize, kv_heads: usize, head_dim: usize) -> usize {
+    let group = heads / kv_heads.max(1);
+    let per_lane = dims_per_lane(head_dim);
+    (1..=group)
+        .rev()
+        .find(|g| group.is_multiple_of(*g) && g * per_lane <= 32)
+        .unwrap_or(1)
 }
 
 /// The split pass over a cache in `layout` (contiguous, or paged through block tables), the
-/// query rows `q_stride` apart (Q is a slice of the joined ropes' output): writes
+/// query rows `q_stride` apart (Q is a slice of the joined ropes' output), `group` query heads
+/// of one KV head per block (see [`heads_per_block`]; it divides `heads / kv_heads`): writes
 /// `partial[((row·heads + head)·splits + split)·(head_dim + 2) + …]` = accumulator, max, sum.
 /// `window` ≤ 0 means none. The cache holds the new keys already.
-pub fn attention_split(name: &str, origin: &str, layout: CacheLayout, head_dim: usize) -> Kernel {
+pub fn attention_split(name: &str, origin: &str, layout: CacheLayout, head_dim: usize, group: usize) -> Kernel {
     let per_lane = dims_per_lane(head_dim);
+    assert!(group >= 1, "a block takes at least one head");
     let hd = int(head_dim as i64);
-    let acc = |i: usize| format!("acc{i}");
-    let qv = |i: usize| format!("q{i}");
-    let cache_at = |buf: &str, i: usize| load(buf, var("base") + lane_dim(i));
+    let acc = |g: usize, i: usize| format!("acc{g}_{i}");
+    let qv = |g: usize, i: usize| format!("q{g}_{i}");
+    let (m, l, sc) = (
+        |g: usize| format!("m{g}"),
+        |g: usize| format!("l{g}"),
+        |g: usize| format!("s{g}"),
+    );
     let mut body = vec![
         let_("pair", Ty::I32, bid() / var("splits")),
         let_("split", Ty::I32, bin(BinOp::Rem, bid(), var("splits"))),
-        let_("t", Ty::I32, var("pair") / var("heads")),
+        let_("blocks_per_row", Ty::I32, var("heads") / int(group as i64)),
+        let_("t", Ty::I32, var("pair") / var("blocks_per_row")),
     ];
     body.extend(layout.prologue(var("t")));
     body.extend([
-        let_("h", Ty::I32, bin(BinOp::Rem, var("pair"), var("heads"))),
-        let_("kvh", Ty::I32, var("h") / (var("heads") / var("kv_heads"))),
+        let_(
+            "h0",
+            Ty::I32,
+            bin(BinOp::Rem, var("pair"), var("blocks_per_row")) * int(group as i64),
+        ),
+        let_("kvh", Ty::I32, var("h0") / (var("heads") / var("kv_heads"))),
         let_("pos", Ty::I32, layout.position(var("t"))),
         let_("hi", Ty::I32, var("pos") + int(1)),
         let_(
@@ -106,60 +124,77 @@ pub fn attention_split(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         let_("start", Ty::I32, var("lo") + var("split") * var("span")),
         let_("end", Ty::I32, bin(BinOp::Min, var("hi"), var("start") + var("span"))),
     ]);
-    // The query, pre-scaled, in registers.
-    for i in 0..per_lane {
-        body.push(let_(&qv(i), Ty::F32, f(0.0)));
-        body.extend(guarded(
-            head_dim,
-            i,
-            vec![assign(
-                &qv(i),
-                load("q", var("t") * var("q_stride") + var("h") * hd.clone() + lane_dim(i)) * var("scale"),
-            )],
-        ));
-        body.push(let_(&acc(i), Ty::F32, f(0.0)));
+    // The queries, pre-scaled, in registers.
+    for g in 0..group {
+        for i in 0..per_lane {
+            let at = var("t") * var("q_stride") + (var("h0") + int(g as i64)) * hd.clone() + lane_dim(i);
+            body.push(let_(&qv(g, i), Ty::F32, f(0.0)));
+            body.extend(guarded(
+                head_dim,
+                i,
+                vec![assign(&qv(g, i), load("q", at) * var("scale"))],
+            ));
+            body.push(let_(&acc(g, i), Ty::F32, f(0.0)));
+        }
+        body.extend([let_(&m(g), Ty::F32, f(f32::NEG_INFINITY)), let_(&l(g), Ty::F32, f(0.0))]);
     }
-    body.extend([let_("m", Ty::F32, f(f32::NEG_INFINITY)), let_("l", Ty::F32, f(0.0))]);
-    // One key per warp per iteration; the loop bounds are the same for the whole warp.
-    let mut key = vec![
-        let_(
-            "base",
-            Ty::I32,
-            (layout.row(var("j")) * var("kv_heads") + var("kvh")) * hd.clone(),
-        ),
-        let_("s", Ty::F32, f(0.0)),
-    ];
+    // One key per warp per iteration; the loop bounds are the same for the whole warp. The
+    // key and value rows are read once for the group.
+    let mut key = vec![let_(
+        "base",
+        Ty::I32,
+        (layout.row(var("j")) * var("kv_heads") + var("kvh")) * hd.clone(),
+    )];
     for i in 0..per_lane {
+        key.push(let_(&format!("k{i}"), Ty::F32, f(0.0)));
+        key.push(let_(&format!("v{i}"), Ty::F32, f(0.0)));
         key.extend(guarded(
             head_dim,
             i,
-            vec![assign("s", var("s") + var(&qv(i)) * cache_at("k", i))],
+            vec![
+                assign(&format!("k{i}"), load("k", var("base") + lane_dim(i))),
+                assign(&format!("v{i}"), load("v", var("base") + lane_dim(i))),
+            ],
         ));
     }
-    key.extend(warp_sum("s"));
-    key.extend([
-        let_("m_new", Ty::F32, bin(BinOp::Max, var("m"), var("s"))),
-        let_("correction", Ty::F32, un(UnOp::Exp, var("m") - var("m_new"))),
-        let_("p", Ty::F32, un(UnOp::Exp, var("s") - var("m_new"))),
-        assign("l", var("l") * var("correction") + var("p")),
-    ]);
-    for i in 0..per_lane {
-        key.extend(guarded(
-            head_dim,
-            i,
-            vec![assign(
-                &acc(i),
-                var(&acc(i)) * var("correction") + var("p") * cache_at("v", i),
-            )],
-        ));
+    for g in 0..group {
+        let dot = (0..per_lane)
+            .map(|i| var(&qv(g, i)) * var(&format!("k{i}")))
+            .reduce(|a, b| a + b)
+            .expect("a dim per lane");
+        key.push(let_(&sc(g), Ty::F32, dot));
+        key.extend(warp_sum(&sc(g)));
     }
-    key.push(assign("m", var("m_new")));
+    for g in 0..group {
+        let (mg, lg, sg) = (m(g), l(g), sc(g));
+        key.extend([
+            let_(&format!("m_new{g}"), Ty::F32, bin(BinOp::Max, var(&mg), var(&sg))),
+            let_(
+                &format!("c{g}"),
+                Ty::F32,
+                un(UnOp::Exp, var(&mg) - var(&format!("m_new{g}"))),
+            ),
+            let_(
+                &format!("p{g}"),
+                Ty::F32,
+                un(UnOp::Exp, var(&sg) - var(&format!("m_new{g}"))),
+            ),
+            assign(&lg, var(&lg) * var(&format!("c{g}")) + var(&format!("p{g}"))),
+        ]);
+        for i in 0..per_lane {
+            key.push(assign(
+                &acc(g, i),
+                var(&acc(g, i)) * var(&format!("c{g}")) + var(&format!("p{g}")) * var(&format!("v{i}")),
+            ));
+        }
+        key.push(assign(&mg, var(&format!("m_new{g}"))));
+    }
     body.push(for_("j", var("start") + warp(), var("end"), int(WARPS as i64), key));
-    body.extend(merge_warps(head_dim));
+    body.extend(merge_warps(head_dim, group));
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: causal attention, split keys, online softmax, head_dim {head_dim}, {}",
+            "{origin}: causal attention, split keys, online softmax, head_dim {head_dim}, {group} heads a block, {}",
             layout.describe()
         ),
         params: [
@@ -181,12 +216,12 @@ pub fn attention_split(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         ]
         .concat(),
         shared: vec![
-            shared_f32("warp_m", WARPS as usize),
-            shared_f32("warp_l", WARPS as usize),
-            shared_f32("warp_acc", WARPS as usize * head_dim),
+            shared_f32("warp_m", WARPS as usize * group),
+            shared_f32("warp_l", WARPS as usize * group),
+            shared_f32("warp_acc", WARPS as usize * group * head_dim),
         ],
         block_dim: BLOCK,
-        grid: var("tokens") * var("heads") * var("splits"),
+        grid: var("tokens") * (var("heads") / int(group as i64)) * var("splits"),
         body,
     }
 }
@@ -210,36 +245,52 @@ fn weight_of(m: Expr, top: Expr) -> Expr {
     )
 }
 
-/// The warps' (max, sum, accumulator) merged into the block's partial.
-fn merge_warps(head_dim: usize) -> Vec<Stmt> {
+/// The warps' (max, sum, accumulator) of each of the block's `group` heads merged into the
+/// heads' partials; a thread per (head, dim) pair, the block striding over them.
+fn merge_warps(head_dim: usize, group: usize) -> Vec<Stmt> {
     let hd = int(head_dim as i64);
-    let mut s = vec![if_(
-        eq(lane(), int(0)),
-        vec![store("warp_m", warp(), var("m")), store("warp_l", warp(), var("l"))],
-    )];
-    for i in 0..dims_per_lane(head_dim) {
-        s.extend(guarded(
-            head_dim,
-            i,
-            vec![store(
-                "warp_acc",
-                warp() * hd.clone() + lane_dim(i),
-                var(&format!("acc{i}")),
-            )],
+    let slot = |g: usize| warp() * int(group as i64) + int(g as i64);
+    let mut s = Vec::new();
+    for g in 0..group {
+        s.push(if_(
+            eq(lane(), int(0)),
+            vec![
+                store("warp_m", slot(g), var(&format!("m{g}"))),
+                store("warp_l", slot(g), var(&format!("l{g}"))),
+            ],
         ));
+        for i in 0..dims_per_lane(head_dim) {
+            s.extend(guarded(
+                head_dim,
+                i,
+                vec![store(
+                    "warp_acc",
+                    slot(g) * hd.clone() + lane_dim(i),
+                    var(&format!("acc{g}_{i}")),
+                )],
+            ));
+        }
     }
     s.push(Stmt::SyncThreads);
-    let at = (var("pair") * var("splits") + var("split")) * int(head_dim as i64 + 2);
-    s.push(if_(
-        lt(tid(), hd.clone()),
+    let at_w = |w: Expr| w * int(group as i64) + var("g");
+    s.push(for_(
+        "e",
+        tid(),
+        int((group * head_dim) as i64),
+        int(BLOCK as i64),
         vec![
+            let_("g", Ty::I32, var("e") / hd.clone()),
+            let_("d", Ty::I32, rem(var("e"), hd.clone())),
             let_("top", Ty::F32, f(f32::NEG_INFINITY)),
             for_(
                 "w",
                 int(0),
                 int(WARPS as i64),
                 int(1),
-                vec![assign("top", bin(BinOp::Max, var("top"), load("warp_m", var("w"))))],
+                vec![assign(
+                    "top",
+                    bin(BinOp::Max, var("top"), load("warp_m", at_w(var("w")))),
+                )],
             ),
             let_("sum", Ty::F32, f(0.0)),
             let_("out", Ty::F32, f(0.0)),
@@ -249,18 +300,23 @@ fn merge_warps(head_dim: usize) -> Vec<Stmt> {
                 int(WARPS as i64),
                 int(1),
                 vec![
-                    let_("wt", Ty::F32, weight_of(load("warp_m", var("w")), var("top"))),
-                    assign("sum", var("sum") + load("warp_l", var("w")) * var("wt")),
+                    let_("wt", Ty::F32, weight_of(load("warp_m", at_w(var("w"))), var("top"))),
+                    assign("sum", var("sum") + load("warp_l", at_w(var("w"))) * var("wt")),
                     assign(
                         "out",
-                        var("out") + load("warp_acc", var("w") * hd.clone() + tid()) * var("wt"),
+                        var("out") + load("warp_acc", at_w(var("w")) * hd.clone() + var("d")) * var("wt"),
                     ),
                 ],
             ),
-            let_("at", Ty::I32, at),
-            store("partial", var("at") + tid(), var("out")),
+            let_(
+                "at",
+                Ty::I32,
+                ((var("t") * var("heads") + var("h0") + var("g")) * var("splits") + var("split"))
+                    * int(head_dim as i64 + 2),
+            ),
+            store("partial", var("at") + var("d"), var("out")),
             if_(
-                eq(tid(), int(0)),
+                eq(var("d"), int(0)),
                 vec![
                     store("partial", var("at") + hd.clone(), var("top")),
                     store("partial", var("at") + hd + int(1), var("sum")),
