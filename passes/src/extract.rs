@@ -1,29 +1,114 @@
 //! From a saturated e-graph back to an IR graph: the cheapest e-node of each e-class under the
-//! target's cost model (egg's extractor; ties broken by e-node order, which the deterministic
-//! egg build keeps stable), assembled as a DAG in post-order so shared classes stay shared.
+//! target's cost model (ties broken by e-node order, which the deterministic egg build keeps
+//! stable), assembled as a DAG in post-order so shared classes stay shared.
+//!
+//! The cheapest nodes are found with a worklist: a class is (re)costed when one of its inputs
+//! gets a cheaper cost, so each is costed a few times. egg's `Extractor` recosts every class
+//! until a whole sweep changes nothing, and classes a rule adds (a joined matmul) sit after the
+//! classes reading them, so a sweep moves costs one such step: dozens of sweeps over a 64-layer
+//! graph, each merging every node's DAG cost.
 
 use crate::analysis::{BbcGraph, ClassData};
-use crate::cost::{CostModel, TargetCost};
-use crate::lang::{add_to_graph, split};
-use egg::{Extractor, Id};
+use crate::cost::{CostModel, DagCost, TargetCost};
+use crate::lang::{add_to_graph, split, Node};
+use egg::{CostFunction, Id, Language};
 use ir::{Graph, GraphError, NodeId};
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 pub fn extract(egraph: &BbcGraph, roots: &[(String, Id)], name: &str, model: CostModel) -> Result<Graph, GraphError> {
-    let extractor = Extractor::new(egraph, TargetCost::new(egraph, model));
+    let best = cheapest_nodes(egraph, TargetCost::new(egraph, model));
     let mut graph = Graph::new(name);
     let mut built: HashMap<Id, NodeId> = HashMap::new();
     for (output, root) in roots {
-        let id = build(egraph, &extractor, &mut graph, &mut built, egraph.find(*root))?;
+        let id = build(egraph, &best, &mut graph, &mut built, egraph.find(*root))?;
         graph.set_output(output.clone(), id);
     }
     Ok(graph)
 }
 
+/// Each class's cheapest node (where one of its nodes can be costed) and its cost.
+fn cheapest_nodes(egraph: &BbcGraph, mut cost: TargetCost) -> HashMap<Id, (DagCost, Node)> {
+    // Which classes read each class.
+    let mut readers: HashMap<Id, Vec<Id>> = HashMap::new();
+    for class in egraph.classes() {
+        for node in &class.nodes {
+            for &child in node.children() {
+                readers.entry(egraph.find(child)).or_default().push(class.id);
+            }
+        }
+    }
+    let mut best: HashMap<Id, (DagCost, Node)> = HashMap::new();
+    let mut queue: VecDeque<Id> = inputs_first(egraph, &readers).into();
+    let mut queued: HashSet<Id> = queue.iter().copied().collect();
+    while let Some(class) = queue.pop_front() {
+        queued.remove(&class);
+        let mut cheapest: Option<(DagCost, &Node)> = None;
+        for node in &egraph[class].nodes {
+            if !node.children().iter().all(|c| best.contains_key(&egraph.find(*c))) {
+                continue;
+            }
+            let c = cost.cost(node, |child| best[&egraph.find(child)].0.clone());
+            if cheapest.as_ref().is_none_or(|(b, _)| c.total < b.total) {
+                cheapest = Some((c, node));
+            }
+        }
+        let Some((c, node)) = cheapest else { continue };
+        let improved = best.get(&class).is_none_or(|(old, _)| c.total < old.total);
+        if !improved {
+            continue;
+        }
+        best.insert(class, (c, node.clone()));
+        for &reader in readers.get(&class).into_iter().flatten() {
+            if queued.insert(reader) {
+                queue.push_back(reader);
+            }
+        }
+    }
+    best
+}
+
+/// Every class, each after the classes its nodes read (Kahn's order), then any on a loop.
+/// Costed in this order, a class's inputs have their final costs when it is costed.
+fn inputs_first(egraph: &BbcGraph, readers: &HashMap<Id, Vec<Id>>) -> Vec<Id> {
+    let mut waiting: HashMap<Id, usize> = egraph
+        .classes()
+        .map(|class| {
+            let inputs: HashSet<Id> = class
+                .nodes
+                .iter()
+                .flat_map(|n| n.children().iter().map(|&c| egraph.find(c)))
+                .filter(|&c| c != class.id)
+                .collect();
+            (class.id, inputs.len())
+        })
+        .collect();
+    let mut ids: Vec<Id> = egraph.classes().map(|c| c.id).collect();
+    ids.sort();
+    let mut order: Vec<Id> = ids.iter().copied().filter(|id| waiting[id] == 0).collect();
+    let mut at = 0;
+    while at < order.len() {
+        let class = order[at];
+        at += 1;
+        let mut unique: Vec<Id> = readers.get(&class).cloned().unwrap_or_default();
+        unique.sort();
+        unique.dedup();
+        for reader in unique.into_iter().filter(|&r| r != class) {
+            let w = waiting.get_mut(&reader).expect("a class");
+            *w -= 1;
+            if *w == 0 {
+                order.push(reader);
+            }
+        }
+    }
+    let placed: HashSet<Id> = order.iter().copied().collect();
+    order.extend(ids.into_iter().filter(|id| !placed.contains(id)));
+    order
+}
+
 /// Build `root` and everything it needs, children first (an explicit stack: graphs are deep).
 fn build(
     egraph: &BbcGraph,
-    extractor: &Extractor<TargetCost, crate::lang::Node, crate::analysis::TypeAnalysis>,
+    best: &HashMap<Id, (DagCost, Node)>,
     graph: &mut Graph,
     built: &mut HashMap<Id, NodeId>,
     root: Id,
@@ -36,7 +121,13 @@ fn build(
         if built.contains_key(&class) {
             continue;
         }
-        let node = extractor.find_best_node(class);
+        let Some((_, node)) = best.get(&class) else {
+            return Err(GraphError::Order {
+                graph: format!("{} (extracting: no node of class {class} can be costed)", graph.name),
+                node: usize::from(class),
+                input: usize::from(class),
+            });
+        };
         let (attr, inputs) = split(node).expect("value classes hold op nodes");
         let inputs: Vec<Id> = inputs.iter().map(|&i| egraph.find(i)).collect();
         if !children_done {
