@@ -72,7 +72,8 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
                 // takes the first of them, and one of the two takes all (a GEMM that splits K
                 // takes two more than the GEMV).
                 let mut widest = 0;
-                for kernel in std::iter::once(&launch.kernel).chain(&launch.prefill_kernel) {
+                let variants = [&launch.prefill_kernel, &launch.few_rows_kernel];
+                for kernel in std::iter::once(&launch.kernel).chain(variants.into_iter().flatten()) {
                     assert!(kernels.contains(kernel.as_str()), "{kernel}");
                     let params = &plan.kernels.iter().find(|k| &k.name == kernel).unwrap().params;
                     assert!(launch.args.len() >= params.len(), "{kernel}");
@@ -157,6 +158,9 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
                 matmuls,
                 "{name} {dtype:?}"
             );
+            // And a GEMV carrying several rows per pass for small batches.
+            let few_rows = plan.launches.iter().filter(|l| l.few_rows_kernel.is_some()).count();
+            assert_eq!(few_rows, matmuls, "{name} {dtype:?}");
         }
     }
 }

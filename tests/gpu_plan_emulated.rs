@@ -217,10 +217,16 @@ fn the_lockstep_comparison_names_exactly_the_wrong_kernel() {
         gpu.step(&mut seq, &ids).unwrap();
     }
     let errors = gpu.with_device(|d| d.errors().clone()).unwrap();
-    let launched: std::collections::BTreeSet<&String> = plan.launches.iter().map(|l| &l.kernel).collect();
+    // The 5-row step takes the matmuls' few-rows GEMVs, the 1-row step their decode GEMVs.
+    let launched: std::collections::BTreeSet<&String> = plan
+        .launches
+        .iter()
+        .flat_map(|l| std::iter::once(&l.kernel).chain(&l.few_rows_kernel))
+        .collect();
     assert_eq!(errors.keys().collect::<std::collections::BTreeSet<_>>(), launched);
     for (kernel, error) in &errors {
-        assert!(error.launches >= 2, "{kernel}: {error:?}");
+        // Each kernel ran in both steps, or in the one of its row count (the few-rows GEMVs).
+        assert!(error.launches >= 1, "{kernel}: {error:?}");
         match kernel == &wrong {
             true => assert!(error.relative > 1e-3, "{kernel}: {error:?}"),
             false => assert_eq!(error.relative, 0.0, "{kernel} inherited the wrong kernel's error"),

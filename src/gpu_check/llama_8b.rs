@@ -114,9 +114,9 @@ const SHAPES: [(&str, usize, usize, usize); 5] = [
     ("lm_head", 128256, 4096, 1),
 ];
 
-/// Time every shape's matmul alone at batch 1 (the decode GEMV), 16 and 64 (the tensor-core
-/// GEMM, K split as the plans split it, the reduction included; and the 4-tokens-per-pass GEMV
-/// for comparison); the table as markdown, with the step the matmuls alone would add up to
+/// Time every shape's matmul alone at batch 1 (the decode GEMV), 4 (the 4-tokens-per-pass
+/// GEMV small batches take), 16 and 64 (the tensor-core GEMM, K split as the plans split it,
+/// the reduction included; and the 4-tokens-per-pass GEMV for comparison); the table as markdown, with the step the matmuls alone would add up to
 /// (the whole step is [`decode`]'s).
 pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<String> {
     let spec = |k: usize| GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k).with_x_vectors();
@@ -144,6 +144,8 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
         let partial = device.alloc(partial_bytes)?;
         for (batch, kernel) in [
             (1, "gemv"),
+            // What a small decode batch runs (the plans' few-rows kernel).
+            (4, "gemv_prefill"),
             (16, "gemm"),
             (16, "gemv_prefill"),
             (64, "gemm"),

@@ -92,12 +92,19 @@ pub struct Launch {
     /// tensor-core GEMM in place of a GEMV). Each kernel binds the first of `args`, in order:
     /// a GEMM that splits K takes two more than the GEMV (its partials and split count).
     pub prefill_kernel: Option<String>,
+    /// A kernel with the same arguments for steps of [`FEW_ROWS`] to [`PREFILL_TOKENS`] − 1
+    /// rows (the GEMV carrying 4 rows per pass over the weights); `kernel` where absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub few_rows_kernel: Option<String>,
     pub node: usize,
     pub args: Vec<LaunchArg>,
 }
 
 /// From this many tokens a step's matmuls take the tensor-core GEMM: a 16-row tile is full.
 pub const PREFILL_TOKENS: usize = 16;
+
+/// From this many rows a step's matmuls take their few-rows kernel, if any.
+pub const FEW_ROWS: usize = 2;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KernelEntry {
@@ -276,12 +283,14 @@ fn build_program(
             }
         }
     };
-    for (node, kernel, prefill, args) in selected.launches {
+    for (node, kernel, alternatives, args) in selected.launches {
         let kernel = intern(kernel);
-        let prefill_kernel = prefill.map(&mut intern);
+        let prefill_kernel = alternatives.prefill.map(&mut intern);
+        let few_rows_kernel = alternatives.few_rows.map(&mut intern);
         launches.push(Launch {
             kernel,
             prefill_kernel,
+            few_rows_kernel,
             node,
             args,
         });

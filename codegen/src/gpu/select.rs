@@ -10,14 +10,21 @@ use kernels_gen::templates::{self, *};
 use std::collections::{BTreeMap, BTreeSet};
 
 pub(crate) struct Selected {
-    /// (node, kernel, prefill alternative, arguments).
-    pub launches: Vec<(usize, Kernel, Option<Kernel>, Vec<LaunchArg>)>,
+    /// (node, kernel, its alternatives for steps of several rows, arguments).
+    pub launches: Vec<(usize, Kernel, Alternatives, Vec<LaunchArg>)>,
     pub views: BTreeMap<usize, View>,
     pub weights: Vec<WeightUse>,
     pub kv_cache: Vec<KvLayout>,
     pub constants: BTreeMap<String, Vec<f32>>,
     pub token_ids: Option<usize>,
     pub positions: Option<usize>,
+}
+
+/// A launch's kernels for steps of several rows (see [`super::Launch`]).
+#[derive(Default)]
+pub(crate) struct Alternatives {
+    pub few_rows: Option<Kernel>,
+    pub prefill: Option<Kernel>,
 }
 
 fn scalar(name: &str, value: impl ToString) -> LaunchArg {
@@ -326,7 +333,7 @@ pub(crate) fn select(
                         ];
                         let args = [args, layout_args.clone()].concat();
                         let kernel = kv_append::kv_append_with("kv_append", &graph.name, layout);
-                        s.launches.push((i, kernel, None, args));
+                        s.launches.push((i, kernel, Alternatives::default(), args));
                         // The keys split across blocks, then the splits merged (see
                         // `templates::attention`); the partials are scratch of this node.
                         let (q, q_stride) = act(&s, 0);
@@ -359,7 +366,7 @@ pub(crate) fn select(
                         let args = [args, layout_args].concat();
                         let group = attention::heads_per_block(spec.heads, spec.kv_heads, spec.head_dim);
                         let split = attention::attention_split("attention", &graph.name, layout, spec.head_dim, group);
-                        s.launches.push((i, split, None, args));
+                        s.launches.push((i, split, Alternatives::default(), args));
                         let args = vec![
                             partial,
                             out,
@@ -467,7 +474,7 @@ pub(crate) fn select(
                             ),
                         ];
                         for (kernel, args) in steps {
-                            s.launches.push((i, kernel, None, args));
+                            s.launches.push((i, kernel, Alternatives::default(), args));
                         }
                         let args = vec![
                             scratch("rescored", vocab * 4),
@@ -510,7 +517,7 @@ pub(crate) fn select(
                 ) {
                     (Op::MatMul, Some(format)) => {
                         templates::prefill_gemm(arch, format, width(graph, input(0)), None, "gemm", &graph.name)
-                            .or(gemv_prefill)
+                            .or(gemv_prefill.clone())
                     }
                     (Op::RmsNormMatMul { eps, weight_offset }, Some(format)) => {
                         let norm = gemv::NormPrologue {
@@ -519,16 +526,23 @@ pub(crate) fn select(
                         };
                         let k = width(graph, input(0));
                         templates::prefill_gemm(arch, format, k, Some(norm), "rms_norm_gemm", &graph.name)
-                            .or(gemv_prefill)
+                            .or(gemv_prefill.clone())
                     }
-                    _ => gemv_prefill,
+                    _ => gemv_prefill.clone(),
                 };
                 // A GEMM that splits K (the Hopper one: its tiles below) takes the partials
                 // and the split count after the GEMV's arguments (which the GEMV does not
                 // read), and a reduction follows.
                 let split_k = prefill.as_ref().is_some_and(|k| k.param("splits").is_some());
+                // Steps of a few rows (a small decode batch) carry 4 rows per pass over the
+                // weights instead of one: a quarter of the weight reads.
+                let few_rows = match op {
+                    Op::MatMul | Op::RmsNormMatMul { .. } => gemv_prefill.clone(),
+                    _ => None,
+                };
+                let alternatives = Alternatives { few_rows, prefill };
                 if !split_k {
-                    s.launches.push((i, kernel, prefill, args));
+                    s.launches.push((i, kernel, alternatives, args));
                     continue;
                 }
                 let (n, k) = (width(graph, i), width(graph, input(0)));
@@ -539,7 +553,7 @@ pub(crate) fn select(
                 };
                 let splits = split_k::splits_expr(&rows, n, k, gemm_wgmma::TILES, target.multiprocessors());
                 let args = [args, vec![partial.clone(), scalar("splits", &splits)]].concat();
-                s.launches.push((i, kernel, prefill, args));
+                s.launches.push((i, kernel, alternatives, args));
                 let reduce_args = vec![
                     partial,
                     LaunchArg::Activation {
@@ -551,7 +565,7 @@ pub(crate) fn select(
                     scalar("splits", splits),
                 ];
                 let reduce = split_k::reduce("split_k_reduce", &graph.name, super::PREFILL_TOKENS);
-                s.launches.push((i, reduce, None, reduce_args));
+                s.launches.push((i, reduce, Alternatives::default(), reduce_args));
             }
         }
     }

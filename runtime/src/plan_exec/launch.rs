@@ -4,7 +4,7 @@
 use super::{BufferKey, Buffers, DeviceArg, LaunchProfile, PlanDevice, PlanExecutor};
 use crate::error::{Result, RuntimeError};
 use codegen::gpu::expr::{self, Value};
-use codegen::gpu::{LaunchArg, PREFILL_TOKENS};
+use codegen::gpu::{LaunchArg, FEW_ROWS, PREFILL_TOKENS};
 use std::collections::HashMap;
 
 impl<D: PlanDevice> PlanExecutor<D> {
@@ -19,7 +19,8 @@ impl<D: PlanDevice> PlanExecutor<D> {
     ) -> Result<()> {
         let step_tokens = vars.get("tokens").map_or(0, |v| v.as_i64());
         for launch in &self.plan.launches {
-            // The prefill variant pays for launches of many rows: the launch's own row count
+            // The prefill variant pays for launches of many rows, the few-rows one for a small
+            // batch: by the launch's own row count
             // (its `tokens` argument; a per-sequence launch has one row per sequence), else
             // the step's.
             let rows = match launch.args.iter().find_map(|a| match a {
@@ -31,8 +32,9 @@ impl<D: PlanDevice> PlanExecutor<D> {
                     .as_i64(),
                 None => step_tokens,
             };
-            let name = match &launch.prefill_kernel {
-                Some(p) if rows >= PREFILL_TOKENS as i64 => p,
+            let name = match (&launch.prefill_kernel, &launch.few_rows_kernel) {
+                (Some(p), _) if rows >= PREFILL_TOKENS as i64 => p,
+                (_, Some(f)) if rows >= FEW_ROWS as i64 => f,
                 _ => &launch.kernel,
             };
             let kernel = self
