@@ -140,7 +140,7 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
         let x = device.alloc(64 * k * 4)?;
         fill_on_device(&mut device, &x, 0, 64 * k, Ty::F32, Fill::of(2, name, &[64, k]))?;
         let out = device.alloc(64 * n * 4)?;
-        let partial_bytes = split_k::partial_len(n, gemm_wgmma::TILES.0) * 4;
+        let partial_bytes = split_k::partial_len(n, k, gemm_wgmma::TILES, target.multiprocessors()) * 4;
         let partial = device.alloc(partial_bytes)?;
         for (batch, kernel) in [
             (1, "gemv"),

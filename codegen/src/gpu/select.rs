@@ -545,15 +545,18 @@ pub(crate) fn select(
                     s.launches.push((i, kernel, alternatives, args));
                     continue;
                 }
-                let (n, k) = (width(graph, i), width(graph, input(0)));
+                let (n, k, sms) = (width(graph, i), width(graph, input(0)), target.multiprocessors());
                 let partial = LaunchArg::Scratch {
                     node: i,
                     name: "partial".into(),
-                    bytes: split_k::partial_len(n, gemm_wgmma::TILES.0) * 4,
+                    bytes: split_k::partial_len(n, k, gemm_wgmma::TILES, sms) * 4,
                 };
-                let splits = split_k::splits_expr(&rows, n, k, gemm_wgmma::TILES, target.multiprocessors());
+                let splits = split_k::splits_expr(&rows, n, k, gemm_wgmma::TILES, sms);
                 let args = [args, vec![partial.clone(), scalar("splits", &splits)]].concat();
                 s.launches.push((i, kernel, alternatives, args));
+                if split_k::most_splits(n, k, gemm_wgmma::TILES, sms) == 1 {
+                    continue;
+                }
                 let reduce_args = vec![
                     partial,
                     LaunchArg::Activation {
@@ -585,7 +588,7 @@ fn x_vectors(spec: gemv::GemvSpec, view: &View) -> gemv::GemvSpec {
 #[cfg(test)]
 mod tests {
     use super::super::expr::{eval, Value};
-    use kernels_gen::templates::split_k::{splits_expr, MAX_SPLITS};
+    use kernels_gen::templates::split_k::{partial_len, splits_expr, MAX_SPLITS};
     use std::collections::HashMap;
 
     fn splits(expr: &str, tokens: i64) -> i64 {
@@ -605,18 +608,22 @@ mod tests {
         assert_eq!(splits(&qkv, 64), 5);
         assert_eq!(splits(&qkv, 65), 2);
         assert_eq!(splits(&qkv, 512), 1);
-        // A wide head fills the GPU alone.
+        // A wide head fills the GPU alone: never split, and no partials.
         assert_eq!(splits(&splits_expr("tokens", 128256, 4096, tiles, 132), 16), 1);
+        assert_eq!(partial_len(128256, 4096, tiles, 132), 1);
         // K of three steps: three splits at most.
         assert_eq!(splits(&splits_expr("tokens", 64, 160, tiles, 132), 16), 3);
-        let narrow = splits_expr("tokens", 300, 8192, tiles, 132);
-        for tokens in 1..=600 {
-            let s = splits(&narrow, tokens);
-            assert!((1..=MAX_SPLITS as i64).contains(&s));
-            assert!(
-                s == 1 || s * tokens <= (MAX_SPLITS * tiles.0) as i64,
-                "{tokens} rows, {s} splits"
-            );
+        for (n, k) in [(300, 8192), (64, 160), (6144, 4096), (4096, 14336)] {
+            let expr = splits_expr("tokens", n, k, tiles, 132);
+            let room = partial_len(n, k, tiles, 132) as i64;
+            for tokens in 1..=600 {
+                let s = splits(&expr, tokens);
+                assert!((1..=MAX_SPLITS as i64).contains(&s));
+                assert!(
+                    s == 1 || s * tokens * n as i64 <= room,
+                    "{n}×{k}: {tokens} rows, {s} splits"
+                );
+            }
         }
     }
 }

@@ -12,26 +12,39 @@ use crate::dsl::*;
 /// The most splits (the partials grow with them).
 pub const MAX_SPLITS: usize = 8;
 
-/// The `splits` scalar of a GEMM over `rows` rows (an expression of the plan's variables) with
-/// `n` output columns and `k` inputs, tiles of `tile_m`×`tile_n` and `tile_k` steps: enough
-/// blocks for two per multiprocessor, at most one split per K step, and `splits × tiles_m` at
-/// most [`MAX_SPLITS`] (what bounds the partials, see [`partial_len`]): one split from
-/// `MAX_SPLITS` row tiles on.
+/// The most K splits a GEMM with `n` output columns and `k` inputs (tiles of
+/// `tile_m`×`tile_n`, `tile_k` steps) takes, at one row tile: enough blocks for two per
+/// multiprocessor, at most one split per K step and [`MAX_SPLITS`]. 1 where the weight tiles
+/// alone fill the GPU (an LM head): no split, no partials, no reduction.
+pub fn most_splits(n: usize, k: usize, tiles: (usize, usize, usize), multiprocessors: usize) -> usize {
+    let (_, tile_n, tile_k) = tiles;
+    MAX_SPLITS
+        .min(k.div_ceil(tile_k))
+        .min(2 * multiprocessors / n.div_ceil(tile_n))
+        .max(1)
+}
+
+/// The `splits` scalar of a GEMM over `rows` rows (an expression of the plan's variables):
+/// enough blocks for two per multiprocessor, and `splits × row tiles` at most
+/// [`most_splits`], which bounds the partials (see [`partial_len`]).
 pub fn splits_expr(rows: &str, n: usize, k: usize, tiles: (usize, usize, usize), multiprocessors: usize) -> String {
-    let (tile_m, tile_n, tile_k) = tiles;
-    let most = MAX_SPLITS.min(k.div_ceil(tile_k)).max(1);
+    let (tile_m, tile_n, _) = tiles;
+    let most = most_splits(n, k, tiles, multiprocessors);
     let tiles_m = format!("((({rows}) + {}) / {tile_m})", tile_m - 1);
     format!(
-        "max(1, min({most}, min({MAX_SPLITS} / {tiles_m}, {} / ({tiles_m} * {}))))",
+        "max(1, min({most} / {tiles_m}, {} / ({tiles_m} * {})))",
         2 * multiprocessors,
         n.div_ceil(tile_n)
     )
 }
 
-/// f32 elements of the partials: `splits × rows` ≤ `splits × tiles_m × tile_m` ≤
-/// `MAX_SPLITS × tile_m` rows of `n`.
-pub fn partial_len(n: usize, tile_m: usize) -> usize {
-    MAX_SPLITS * tile_m * n
+/// f32 elements of the partials: `splits × rows` ≤ `splits × row tiles × tile_m` ≤
+/// `most_splits × tile_m` rows of `n`; one element where the GEMM never splits.
+pub fn partial_len(n: usize, k: usize, tiles: (usize, usize, usize), multiprocessors: usize) -> usize {
+    match most_splits(n, k, tiles, multiprocessors) {
+        1 => 1,
+        most => most * tiles.0 * n,
+    }
 }
 
 /// `out[e] = Σ_s partial[s·tokens·n + e]`, in split order; no blocks with one split, or for
