@@ -667,24 +667,11 @@ fn norm_gemm_matches_reference() {
         }
         let w = Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
         for splits in [1, 3] {
-            let mut bufs = HashMap::from([
-                ("x".into(), Array::f32(&x)),
-                ("g".into(), Array::f32(&g)),
-                ("w".into(), w.clone()),
-                ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
-                ("partial".into(), Array::poisoned(Ty::F32, splits * tokens * n)),
-            ]);
-            let scalars = ints(&[
-                ("tokens", tokens as i64),
-                ("n", n as i64),
-                ("k", k as i64),
-                ("x_stride", x_stride as i64),
-                ("splits", splits as i64),
-            ]);
-            run(&gemm, &mut bufs, &scalars).unwrap();
-            run(&reduce, &mut bufs, &scalars).unwrap();
+            let dims = (tokens, n, k, x_stride);
+            let out =
+                try_run_split_matmul((&gemm, &reduce), Array::f32(&x), Some(&g), w.clone(), dims, splits).unwrap();
             close(
-                &bufs["out"].to_f32().unwrap(),
+                &out.to_f32().unwrap(),
                 &want,
                 1e-5,
                 &format!("norm gemm {tokens}×{n}×{k}, {splits} splits"),
@@ -707,8 +694,15 @@ fn split_k_gemm_matches_reference() {
         ops::matmul(&round(&x), &round(&w), k, &mut want);
         let w = Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
         for splits in [2, 3, 5, 8] {
-            let out = try_run_split_matmul(&gemm, &reduce, Array::f32(&x), w.clone(), (tokens, n, k, k), splits)
-                .unwrap_or_else(|e| panic!("{tokens}×{n}×{k}, {splits} splits: {e}"));
+            let out = try_run_split_matmul(
+                (&gemm, &reduce),
+                Array::f32(&x),
+                None,
+                w.clone(),
+                (tokens, n, k, k),
+                splits,
+            )
+            .unwrap_or_else(|e| panic!("{tokens}×{n}×{k}, {splits} splits: {e}"));
             close(
                 &out.to_f32().unwrap(),
                 &want,

@@ -87,11 +87,12 @@ pub fn try_run_matmul(
     Ok(bufs.remove("out").expect("an out buffer"))
 }
 
-/// A split-K GEMM in `splits` pieces and the reduction after it (`reduce`): the output.
+/// A split-K GEMM in `splits` pieces and the reduction after it (`reduce`): the output. `g`:
+/// the norm weight of a GEMM with a norm prologue.
 pub fn try_run_split_matmul(
-    kernel: &Kernel,
-    reduce: &Kernel,
+    (kernel, reduce): (&Kernel, &Kernel),
     x: Array,
+    g: Option<&[f32]>,
     w: Array,
     (tokens, n, k, x_stride): (usize, usize, usize, usize),
     splits: usize,
@@ -102,6 +103,9 @@ pub fn try_run_split_matmul(
         ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
         ("partial".into(), Array::poisoned(Ty::F32, splits * tokens * n)),
     ]);
+    if let Some(g) = g {
+        bufs.insert("g".into(), Array::f32(g));
+    }
     let scalars = ints(&[
         ("tokens", tokens as i64),
         ("n", n as i64),
