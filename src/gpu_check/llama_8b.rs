@@ -1,5 +1,5 @@
 //! A Llama-8B-shaped model (`ModelConfig::llama3_8b`) on the GPU, with random bf16 weights
-//! made on the device (no download): its matmuls timed alone at batch 1, 16 and 64, then whole decode steps as
+//! made on the device (no download): its matmuls timed alone at batch 1, 4, 16 and 64, then whole decode steps as
 //! `bbc serve` runs them. Issue [4]'s target: batch-1 decode at 70% or more of the copy
 //! bandwidth (weight bytes per step over time per step).
 
@@ -30,7 +30,8 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
     let graph = models::with_greedy_token(&graph)?;
     let run = DecodeRun {
         prompt: 512,
-        batches: vec![1, 16, 64],
+        // 4: a small batch, through the few-rows GEMV; 16 and 64 through the GEMM.
+        batches: vec![1, 4, 16, 64],
         steps: 10,
         prefill_chunk,
     };

@@ -9,7 +9,7 @@
 //!    and both timed (`smollm2`);
 //! 4. batched decode steps replayed from CUDA graphs against kernel-by-kernel launches;
 //! 5. a Llama-8B-shaped model with random bf16 weights: its matmuls alone, then whole decode
-//!    steps at batch 1, 16 and 64 with each kernel's share, printed last (`llama_8b`).
+//!    steps at batch 1, 4, 16 and 64 with each kernel's share, printed last (`llama_8b`).
 //!
 //! Every section runs even when an earlier one fails (a GPU run is rare: it should say all it
 //! can); the command fails if any did.
