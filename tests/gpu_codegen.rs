@@ -379,4 +379,13 @@ fn the_8b_shaped_serving_plan_holds_each_weight_once() {
     let fused = passes::optimized(&graph, passes::CostModel::H200).unwrap();
     let err = gpu::build(&fused, Target::H200, 512).unwrap_err().to_string();
     assert!(err.contains("2457600000") && err.contains("32-bit"), "{err}");
+    // Heads wider than the attention templates take are refused by name, not a panic.
+    let wide_heads = models::ModelConfig {
+        head_dim: 512,
+        ..models::ModelConfig::llama3_8b()
+    };
+    let graph = models::lower_without_weights(&wide_heads, options).unwrap();
+    let fused = passes::optimized(&graph, passes::CostModel::H200).unwrap();
+    let err = gpu::build(&fused, Target::H200, 512).unwrap_err().to_string();
+    assert!(err.contains("head_dim 512"), "{err}");
 }

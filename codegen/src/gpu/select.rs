@@ -291,6 +291,13 @@ pub(crate) fn select(
                         )
                     }
                     Op::Attention(spec) => {
+                        if spec.head_dim > attention::MAX_HEAD_DIM {
+                            return Err(unsupported(format!(
+                                "head_dim {} is past the attention templates' {}",
+                                spec.head_dim,
+                                attention::MAX_HEAD_DIM
+                            )));
+                        }
                         let kv_dim = spec.kv_heads * spec.head_dim;
                         s.kv_cache.push(KvLayout {
                             slot: spec.cache_slot,

@@ -13,8 +13,13 @@
 //! Why split: a batch-1 decode step has one row, so a block per (row, head) alone gives 32
 //! blocks to a 132-SM GPU, each walking the whole cache serially (the H200 run of 2026-11-30
 //! measured 330 µs per layer at 512 positions, 60% of the 8B-shaped step). Splits are many
-//! when rows are few: `splits = 1 + 15 / rows` (16 at one row, 1 from 16 rows on), so the
-//! partial buffer never exceeds `rows + 15` rows of partials. Softmax in f32.
+//! when rows are few: `splits = 1 + 31 / rows` (32 at one row, 1 from 32 rows on), so the
+//! partial buffer never exceeds `rows + 31` rows of partials. Softmax in f32.
+//!
+//! Why groups: the query heads of one KV head read the same key and value rows, so a block
+//! takes them together (as many as registers allow) and reads each row once for all. A block
+//! per head read Llama 3 8B's cache 4 times, from DRAM once a batch's cache outgrows the L2
+//! (64 sequences of 512 positions: 268 MB a layer in f32).
 
 use super::cache_layout::CacheLayout;
 use super::{warp_sum, BLOCK};
@@ -41,7 +46,10 @@ pub fn partial_len(max_rows: usize, heads: usize, head_dim: usize) -> usize {
     (max_rows + MAX_SPLITS - 1) * heads * (head_dim + 2)
 }
 
-/// Query dims per lane.
+/// The largest head the templates take: a dim per thread of the combine pass's block.
+pub const MAX_HEAD_DIM: usize = BLOCK as usize;
+
+/// Query dims per lane (callers check `head_dim` against [`MAX_HEAD_DIM`] first).
 fn dims_per_lane(head_dim: usize) -> usize {
     assert!(
         (1..=BLOCK as usize).contains(&head_dim),
@@ -50,12 +58,13 @@ fn dims_per_lane(head_dim: usize) -> usize {
     head_dim.div_ceil(32)
 }
 
-/// Lane's `i`-th dim, and whether it exists (only the last can fall past a head_dim that is
-/// not a multiple of 32).
+/// This lane's `i`-th dim of a head.
 fn lane_dim(i: usize) -> Expr {
     lane() + int(32 * i as i64)
 }
 
+/// `body` for the lane's `i`-th dim, under a bounds check where that dim can fall past
+/// `head_dim` (only the last, when `head_dim` is not a multiple of 32).
 fn guarded(head_dim: usize, i: usize, body: Vec<Stmt>) -> Vec<Stmt> {
     match (i + 1) * 32 <= head_dim {
         true => body,
