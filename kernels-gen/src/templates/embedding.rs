@@ -3,7 +3,7 @@
 //! element dequantized as the GEMV does). Ids are checked against the vocabulary by the runtime.
 
 use super::quant::WeightFormat;
-use super::{blocks_for, BLOCK};
+use super::{blocks_for, per_element, BLOCK};
 use crate::dsl::*;
 
 pub fn embedding(name: &str, origin: &str, table: WeightFormat) -> Kernel {
@@ -21,20 +21,17 @@ pub fn embedding(name: &str, origin: &str, table: WeightFormat) -> Kernel {
         shared: vec![],
         block_dim: BLOCK,
         grid: blocks_for(var("tokens") * var("d"), BLOCK as i64),
-        body: vec![
-            let_("e", Ty::I32, bid() * bdim() + tid()),
-            if_(
-                bin(BinOp::Lt, var("e"), var("tokens") * var("d")),
-                [
-                    vec![
-                        let_("t", Ty::I32, var("e") / var("d")),
-                        let_("id", Ty::I32, load("ids", var("t"))),
-                    ],
-                    table.element("v", var("id"), var("d"), bin(BinOp::Rem, var("e"), var("d"))),
-                    vec![store("out", var("e"), var("v") * var("scale"))],
-                ]
-                .concat(),
-            ),
-        ],
+        body: per_element(
+            var("tokens") * var("d"),
+            [
+                vec![
+                    let_("t", Ty::I32, var("i") / var("d")),
+                    let_("id", Ty::I32, load("ids", var("t"))),
+                ],
+                table.element("v", var("id"), var("d"), bin(BinOp::Rem, var("i"), var("d"))),
+                vec![store("out", var("i"), var("v") * var("scale"))],
+            ]
+            .concat(),
+        ),
     }
 }

@@ -4,7 +4,7 @@
 //! t`, or the row's own in a batched step).
 
 use super::cache_layout::CacheLayout;
-use super::{blocks_for, BLOCK};
+use super::{blocks_for, per_element, BLOCK};
 use crate::dsl::*;
 
 pub fn kv_append(name: &str, origin: &str) -> Kernel {
@@ -37,36 +37,33 @@ pub fn kv_append_with(name: &str, origin: &str, layout: CacheLayout) -> Kernel {
         shared: vec![],
         block_dim: BLOCK,
         grid: blocks_for(var("tokens") * var("kv_dim"), BLOCK as i64),
-        body: vec![
-            let_("e", Ty::I32, bid() * bdim() + tid()),
-            if_(
-                bin(BinOp::Lt, var("e"), var("tokens") * var("kv_dim")),
-                [
-                    vec![
-                        let_("t", Ty::I32, var("e") / var("kv_dim")),
-                        let_("c", Ty::I32, bin(BinOp::Rem, var("e"), var("kv_dim"))),
-                    ],
-                    layout.prologue(var("t")),
-                    vec![
-                        let_(
-                            "at",
-                            Ty::I32,
-                            layout.row(layout.position(var("t"))) * var("kv_dim") + var("c"),
-                        ),
-                        store(
-                            "k_cache",
-                            var("at"),
-                            load("k_src", var("t") * var("k_stride") + var("c")),
-                        ),
-                        store(
-                            "v_cache",
-                            var("at"),
-                            load("v_src", var("t") * var("v_stride") + var("c")),
-                        ),
-                    ],
-                ]
-                .concat(),
-            ),
-        ],
+        body: per_element(
+            var("tokens") * var("kv_dim"),
+            [
+                vec![
+                    let_("t", Ty::I32, var("i") / var("kv_dim")),
+                    let_("c", Ty::I32, bin(BinOp::Rem, var("i"), var("kv_dim"))),
+                ],
+                layout.prologue(var("t")),
+                vec![
+                    let_(
+                        "at",
+                        Ty::I32,
+                        layout.row(layout.position(var("t"))) * var("kv_dim") + var("c"),
+                    ),
+                    store(
+                        "k_cache",
+                        var("at"),
+                        load("k_src", var("t") * var("k_stride") + var("c")),
+                    ),
+                    store(
+                        "v_cache",
+                        var("at"),
+                        load("v_src", var("t") * var("v_stride") + var("c")),
+                    ),
+                ],
+            ]
+            .concat(),
+        ),
     }
 }

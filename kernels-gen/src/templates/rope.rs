@@ -3,7 +3,7 @@
 //! does (HF's f32 values), rotated pairs per the layout (rotate-half or adjacent pairs),
 //! dims past `rotary_dim` copied.
 
-use super::{blocks_for, BLOCK};
+use super::{blocks_for, per_element, BLOCK};
 use crate::dsl::*;
 use ir::RopeLayout;
 
@@ -46,44 +46,41 @@ pub fn rope(name: &str, origin: &str, layout: RopeLayout, position_scale: f32) -
         shared: vec![],
         block_dim: BLOCK,
         grid: blocks_for(var("tokens") * var("width"), BLOCK as i64),
-        body: vec![
-            let_("e", Ty::I32, bid() * bdim() + tid()),
-            if_(
-                bin(BinOp::Lt, var("e"), var("tokens") * var("width")),
-                vec![
-                    let_("t", Ty::I32, var("e") / var("width")),
-                    let_("c", Ty::I32, bin(BinOp::Rem, var("e"), var("width"))),
-                    // The head's first element in `x`, whose rows are `x_stride` apart (a column
-                    // slice of a fused projection is read in place).
-                    let_(
-                        "row",
-                        Ty::I32,
-                        var("t") * var("x_stride") + var("c") - bin(BinOp::Rem, var("c"), var("head_dim")),
-                    ),
-                    let_("j", Ty::I32, bin(BinOp::Rem, var("c"), var("head_dim"))),
-                    let_("half", Ty::I32, var("rotary_dim") / int(2)),
-                    if_else(
-                        bin(BinOp::Lt, var("j"), var("rotary_dim")),
-                        vec![
-                            let_(
-                                "pos",
-                                Ty::F32,
-                                cast(Ty::F32, load("positions", var("t"))) / f(position_scale),
-                            ),
-                            let_("angle", Ty::F32, var("pos") * load("inv_freq", pair_index)),
-                            let_("cos", Ty::F32, un(UnOp::Cos, var("angle"))),
-                            let_("sin", Ty::F32, un(UnOp::Sin, var("angle"))),
-                            let_("sign", Ty::F32, select(first_of_pair, f(-1.0), f(1.0))),
-                            store(
-                                "out",
-                                var("e"),
-                                x(var("j")) * var("cos") + var("sign") * x(partner) * var("sin"),
-                            ),
-                        ],
-                        vec![store("out", var("e"), x(var("j")))],
-                    ),
-                ],
-            ),
-        ],
+        body: per_element(
+            var("tokens") * var("width"),
+            vec![
+                let_("t", Ty::I32, var("i") / var("width")),
+                let_("c", Ty::I32, bin(BinOp::Rem, var("i"), var("width"))),
+                // The head's first element in `x`, whose rows are `x_stride` apart (a column
+                // slice of a fused projection is read in place).
+                let_(
+                    "row",
+                    Ty::I32,
+                    var("t") * var("x_stride") + var("c") - bin(BinOp::Rem, var("c"), var("head_dim")),
+                ),
+                let_("j", Ty::I32, bin(BinOp::Rem, var("c"), var("head_dim"))),
+                let_("half", Ty::I32, var("rotary_dim") / int(2)),
+                if_else(
+                    bin(BinOp::Lt, var("j"), var("rotary_dim")),
+                    vec![
+                        let_(
+                            "pos",
+                            Ty::F32,
+                            cast(Ty::F32, load("positions", var("t"))) / f(position_scale),
+                        ),
+                        let_("angle", Ty::F32, var("pos") * load("inv_freq", pair_index)),
+                        let_("cos", Ty::F32, un(UnOp::Cos, var("angle"))),
+                        let_("sin", Ty::F32, un(UnOp::Sin, var("angle"))),
+                        let_("sign", Ty::F32, select(first_of_pair, f(-1.0), f(1.0))),
+                        store(
+                            "out",
+                            var("i"),
+                            x(var("j")) * var("cos") + var("sign") * x(partner) * var("sin"),
+                        ),
+                    ],
+                    vec![store("out", var("i"), x(var("j")))],
+                ),
+            ],
+        ),
     }
 }
