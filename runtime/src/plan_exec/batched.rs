@@ -6,7 +6,7 @@ use super::{BufferKey, Buffers, LaunchProfile, PlanDevice, PlanExecutor, StepSca
 use crate::error::{Result, RuntimeError};
 use crate::kv::Segment;
 use codegen::gpu::expr::Value;
-use ir::{DType, Tensor};
+use ir::Tensor;
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -188,7 +188,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         wanted: &[Range<usize>],
     ) -> Result<Vec<Vec<f32>>> {
         let at = self.buffer(node, None)?.start;
-        let integer = self.graph.nodes()[node].dtype == DType::I32;
+        let dtype = self.graph.nodes()[node].dtype;
         let mut out = Vec::with_capacity(wanted.len());
         let mut i = 0;
         while i < wanted.len() {
@@ -199,14 +199,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             }
             let rows = wanted[i].start..wanted[j - 1].end;
             let bytes = device.read(&buffers.arena, at + 4 * width * rows.start..at + 4 * width * rows.end)?;
-            let values: Vec<f32> = bytes
-                .chunks_exact(4)
-                .map(|c| [c[0], c[1], c[2], c[3]])
-                .map(|w| match integer {
-                    true => i32::from_le_bytes(w) as f32,
-                    false => f32::from_le_bytes(w),
-                })
-                .collect();
+            let values = super::output_values(&bytes, dtype);
             for range in &wanted[i..j] {
                 let from = (range.start - rows.start) * width;
                 out.push(values[from..from + range.len() * width].to_vec());

@@ -290,11 +290,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
 
     /// Look at the device (e.g. what a comparing device recorded).
     pub fn with_device<R>(&self, f: impl FnOnce(&D) -> R) -> Result<R> {
-        let state = self
-            .state
-            .lock()
-            .map_err(|_| RuntimeError::Cuda("device state poisoned".into()))?;
-        Ok(f(&state.0))
+        Ok(f(&self.lock()?.0))
     }
 
     pub fn new_sequence(&self) -> PlanSequence {
@@ -379,11 +375,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             let at = self.buffer(*node, None)?.start;
             let len = shape.iter().product::<usize>();
             let bytes = device.read(&buffers.arena, at..at + 4 * len)?;
-            let words = bytes.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]);
-            let data: Vec<f32> = match self.graph.nodes()[*node].dtype {
-                DType::I32 => words.map(|w| i32::from_le_bytes(w) as f32).collect(),
-                _ => words.map(f32::from_le_bytes).collect(),
-            };
+            let data = output_values(&bytes, self.graph.nodes()[*node].dtype);
             outputs.insert(name.clone(), Tensor::new(shape, data));
         }
         Ok(outputs)
@@ -398,6 +390,15 @@ impl<D: PlanDevice> PlanExecutor<D> {
             .find(|b| b.node == node && b.scratch.as_deref() == scratch)
             .map(|b| b.offset..b.offset + b.bytes)
             .ok_or_else(|| RuntimeError::Artifact(format!("no planned buffer for %{node} {scratch:?}")))
+    }
+}
+
+/// An output's values as read back (4-byte words): f32, or i32 ids (`next_token`) as f32.
+fn output_values(bytes: &[u8], dtype: DType) -> Vec<f32> {
+    let words = bytes.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]);
+    match dtype {
+        DType::I32 => words.map(|w| i32::from_le_bytes(w) as f32).collect(),
+        _ => words.map(f32::from_le_bytes).collect(),
     }
 }
 
