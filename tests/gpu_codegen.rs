@@ -135,8 +135,9 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
                     .count()
             );
             // Plain matmuls get a tensor-core GEMM for prefill steps (bf16 weights, or GGUF
-            // blocks decoded into its tiles), norm-fused ones too on Hopper with bf16 weights;
-            // every matmul has a prefill variant.
+            // blocks decoded into its tiles), norm-fused ones too on Hopper with bf16 weights
+            // (where a layer's residual add and pre-norm are the prologue of its QKV and
+            // gate/up projections); every matmul has a prefill variant.
             let prefill = |prefix: &str| {
                 plan.launches
                     .iter()
@@ -147,14 +148,29 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
             assert!(gemms > 0, "{name} {dtype:?}: no prefill GEMM");
             if target == Target::H200 && dtype == ComputeDtype::Bf16 {
                 assert!(prefill("rms_norm_gemm") > 0, "{name}: no norm GEMM on Hopper");
+                assert!(
+                    prefill("add_rms_norm_gemm") > 0,
+                    "{name}: no residual norm GEMM on Hopper"
+                );
             }
             let matmuls = graph
                 .nodes()
                 .iter()
-                .filter(|n| matches!(n.op, ir::Op::MatMul | ir::Op::RmsNormMatMul { .. }))
+                .filter(|n| {
+                    matches!(
+                        n.op,
+                        ir::Op::MatMul | ir::Op::RmsNormMatMul { .. } | ir::Op::AddRmsNormMatMul { .. }
+                    )
+                })
                 .count();
+            let prologue_kernels = [
+                "rms_norm_gemv",
+                "rms_norm_gemm",
+                "add_rms_norm_gemv",
+                "add_rms_norm_gemm",
+            ];
             assert_eq!(
-                gemms + prefill("gemv") + prefill("rms_norm_gemv") + prefill("rms_norm_gemm"),
+                gemms + prefill("gemv") + prologue_kernels.iter().map(|k| prefill(k)).sum::<usize>(),
                 matmuls,
                 "{name} {dtype:?}"
             );

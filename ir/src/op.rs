@@ -110,6 +110,12 @@ pub enum Op {
         eps: f64,
         weight_offset: f32,
     },
+    /// `(a [t, d], b [t, d], w [d], W [n, d]) -> [t, d + n]`: `[a + b | rms_norm(a + b) · Wᵀ]`,
+    /// the residual add and the norm as the matmul's prologue, the sum written once beside it.
+    AddRmsNormMatMul {
+        eps: f64,
+        weight_offset: f32,
+    },
     /// `x [t, 2n] -> [t, n]`: `act(x[:, :n]) · x[:, n:]` (SwiGLU, GeGLU on joined gate/up).
     Glu {
         act: GluAct,
@@ -157,6 +163,7 @@ impl Op {
             Self::ConcatRows => "concat_rows",
             Self::AddRmsNorm { .. } => "add_rms_norm",
             Self::RmsNormMatMul { .. } => "rms_norm_matmul",
+            Self::AddRmsNormMatMul { .. } => "add_rms_norm_matmul",
             Self::Glu { act: GluAct::Silu } => "swiglu",
             Self::Glu { act: GluAct::GeluTanh } => "geglu",
             Self::Elementwise { .. } => "elementwise",
@@ -182,6 +189,7 @@ impl Op {
             Self::Embedding | Self::MatMul | Self::RmsNorm { .. } | Self::Rope(_) | Self::Add | Self::Mul => 2,
             Self::Int8BoundTopK { .. } => 2,
             Self::Attention(_) | Self::AddRmsNorm { .. } | Self::RmsNormMatMul { .. } => 3,
+            Self::AddRmsNormMatMul { .. } => 4,
             Self::ConcatRows | Self::Elementwise { .. } => return None,
         })
     }
@@ -319,6 +327,18 @@ impl Op {
                 }
                 Ok((Shape::new([t, n]), DType::F32))
             }
+            Self::AddRmsNormMatMul { .. } => {
+                let (t, d) = f32_rows(inputs[0].0)?;
+                let (n, k) = f32_rows(inputs[3].0)?;
+                let fits = inputs[1].0 == inputs[0].0 && inputs[2].0 .0.as_slice() == [d] && k == d;
+                match (fits, d.as_const().zip(n.as_const())) {
+                    (true, Some((d, n))) => Ok((Shape::new([t, Dim::Const(d + n)]), DType::F32)),
+                    _ => Err(format!(
+                        "add_rms_norm_matmul: {} + {} with weight {} and W {}",
+                        inputs[0].0, inputs[1].0, inputs[2].0, inputs[3].0
+                    )),
+                }
+            }
             Self::Glu { .. } => {
                 let (t, n) = f32_rows(inputs[0].0)?;
                 match n.as_const() {
@@ -387,7 +407,9 @@ impl Op {
             ),
             Self::Scale { factor } => format!("factor={factor}"),
             Self::Slice { start, len } => format!("start={start}, len={len}"),
-            Self::AddRmsNorm { eps, weight_offset } | Self::RmsNormMatMul { eps, weight_offset } => {
+            Self::AddRmsNorm { eps, weight_offset }
+            | Self::RmsNormMatMul { eps, weight_offset }
+            | Self::AddRmsNormMatMul { eps, weight_offset } => {
                 format!("eps={eps:e}, weight_offset={weight_offset}")
             }
             Self::Elementwise { expr } => format!("{expr}"),

@@ -12,7 +12,9 @@ use kernels_gen::templates::*;
 use std::collections::HashMap;
 
 mod common;
-use common::{close, ints, run_gemv, run_norm_gemv, try_run_matmul, try_run_split_matmul, Rng};
+use common::{
+    close, ints, run_gemv, run_norm_gemv, try_run_matmul, try_run_residual_matmul, try_run_split_matmul, Residual, Rng,
+};
 
 #[test]
 fn elementwise_matches_expression_semantics() {
@@ -565,11 +567,115 @@ fn rms_norm_prologue_gemv_matches_norm_then_matmul() {
         ops::rms_norm(&x, &g, 1e-6, 1.0, &mut normed);
         let mut want = vec![0f32; tokens * n];
         ops::matmul(&normed, &w, k, &mut want);
-        let decode = GemvSpec::decode(quant::WeightFormat::Dense(Ty::F32), k).with_norm(1e-6, 1.0);
+        let decode =
+            GemvSpec::decode(quant::WeightFormat::Dense(Ty::F32), k).with_norm(gemv::NormPrologue::new(1e-6, 1.0));
         for spec in [decode, decode.prefill(), decode.with_x_vectors().prefill()] {
             let kernel = gemv::gemv("norm_gemv", "test", spec);
             let out = run_norm_gemv(&kernel, &x, Some(&g), Array::f32(&w), (tokens, n, k, k));
             close(&out.to_f32().unwrap(), &want, 1e-5, &format!("rms_norm_gemv {spec:?}"));
+        }
+    }
+}
+
+/// `[a + b | rms_norm(a + b)·Wᵀ]` rows (`add_rms_norm_matmul`'s result) from the IR reference,
+/// with the prologue's rounding: `round` applied to each summed element times its norm weight
+/// and to the weights (identity for f32 kernels, bf16 for the tensor cores).
+fn residual_reference(
+    inputs: &Residual,
+    w: &[f32],
+    (tokens, n, k): (usize, usize, usize),
+    round: fn(f32) -> f32,
+    offset: f32,
+    eps: f32,
+) -> Vec<f32> {
+    let mut want = Vec::with_capacity(tokens * (k + n));
+    for t in 0..tokens {
+        let a = &inputs.x[t * inputs.strides.0..][..k];
+        let b = &inputs.b[t * inputs.strides.1..][..k];
+        let sum: Vec<f32> = a.iter().zip(b).map(|(a, b)| a + b).collect();
+        let inv = 1.0 / (sum.iter().map(|v| v * v).sum::<f32>() / k as f32 + eps).sqrt();
+        let scaled: Vec<f32> = sum.iter().zip(inputs.g).map(|(v, g)| round(v * (g + offset))).collect();
+        want.extend(&sum);
+        for r in 0..n {
+            let dot: f32 = scaled
+                .iter()
+                .zip(&w[r * k..(r + 1) * k])
+                .map(|(a, wv)| a * round(*wv))
+                .sum();
+            want.push(dot * inv);
+        }
+    }
+    want
+}
+
+/// The residual prologue (`add_rms_norm_matmul`) on the GEMV, in every variant a plan builds
+/// (one token a pass, four, vector loads of both inputs) over strided inputs, and on Hopper's
+/// GEMM in one piece and with K split: the sum lands beside the product, each written once.
+#[test]
+fn residual_prologue_matmuls_write_the_sum_and_the_product() {
+    let mut rng = Rng(29);
+    let (eps, offset) = (1e-6f32, 1.0f32);
+    let norm = gemv::NormPrologue::new(eps, offset).with_residual();
+    for (tokens, n, k, pads) in [(1, 9, 64, (0, 4)), (6, 5, 96, (8, 0)), (3, 70, 32, (4, 4))] {
+        let strides = (k + pads.0, k + pads.1);
+        let (x, b, g, w) = (
+            rng.vec(tokens * strides.0),
+            rng.vec(tokens * strides.1),
+            rng.vec(k),
+            rng.vec(n * k),
+        );
+        let inputs = Residual {
+            x: &x,
+            b: &b,
+            g: &g,
+            strides,
+        };
+        let want = residual_reference(&inputs, &w, (tokens, n, k), |v| v, offset, eps);
+        let decode = GemvSpec::decode(quant::WeightFormat::Dense(Ty::F32), k).with_norm(norm);
+        for spec in [
+            decode,
+            decode.prefill(),
+            decode.with_x_vectors(),
+            decode.with_x_vectors().prefill(),
+        ] {
+            let kernel = gemv::gemv("add_norm_gemv", "test", spec);
+            let out = try_run_residual_matmul((&kernel, None), &inputs, Array::f32(&w), (tokens, n, k), 1).unwrap();
+            close(
+                &out.to_f32().unwrap(),
+                &want,
+                1e-5,
+                &format!("{tokens}×{n}×{k} {spec:?}"),
+            );
+        }
+    }
+    let gemm = gemm_wgmma::gemm_wgmma_bf16_with("gemm", "test", Some(norm));
+    let reduce = split_k::reduce("reduce", "test", 16);
+    for (tokens, n, k, pads) in [(20, 70, 136, (3, 0)), (33, 130, 256, (0, 5))] {
+        let strides = (k + pads.0, k + pads.1);
+        let (x, b, g, w) = (
+            rng.vec(tokens * strides.0),
+            rng.vec(tokens * strides.1),
+            rng.vec(k),
+            rng.vec(n * k),
+        );
+        let inputs = Residual {
+            x: &x,
+            b: &b,
+            g: &g,
+            strides,
+        };
+        let round = |v: f32| bf16::from_f32(v).to_f32();
+        let want = residual_reference(&inputs, &w, (tokens, n, k), round, offset, eps);
+        let w = Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
+        for splits in [1, 3] {
+            let out =
+                try_run_residual_matmul((&gemm, Some(&reduce)), &inputs, w.clone(), (tokens, n, k), splits).unwrap();
+            close(
+                &out.to_f32().unwrap(),
+                &want,
+                1e-5,
+                &format!("residual gemm {tokens}×{n}×{k}, {splits} splits"),
+            );
         }
     }
 }
@@ -648,7 +754,7 @@ fn hopper_wgmma_gemm_matches_reference_on_bf16_inputs() {
 fn norm_gemm_matches_reference() {
     let mut rng = Rng(23);
     let (eps, offset) = (1e-5f32, 1.0f32);
-    let norm = gemv::NormPrologue { eps, offset };
+    let norm = gemv::NormPrologue::new(eps, offset);
     let gemm = gemm_wgmma::gemm_wgmma_bf16_with("gemm", "test", Some(norm));
     let reduce = split_k::reduce("reduce", "test", 16);
     for (tokens, n, k, pad) in [(20, 70, 136, 3), (33, 9, 256, 0)] {

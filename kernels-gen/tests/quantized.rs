@@ -5,7 +5,7 @@ use ir::DType;
 use kernels_gen::dsl::Ty;
 use kernels_gen::emulator::{run, Array, Scalar};
 use kernels_gen::templates::embedding::embedding;
-use kernels_gen::templates::gemv::{gemv, GemvSpec};
+use kernels_gen::templates::gemv::{gemv, GemvSpec, NormPrologue};
 use kernels_gen::templates::quant::{block_layout, WeightFormat};
 use kernels_gen::templates::QUANT_FORMATS;
 use models::quant::GgmlType;
@@ -60,7 +60,7 @@ fn quantized_gemv_matches_dequantize_then_matmul() {
         let mut normed = vec![0f32; x.len()];
         ir::reference::ops::rms_norm(&x, &g, 1e-6, 1.0, &mut normed);
         ir::reference::ops::matmul(&normed, &w, k, &mut want);
-        let normed_spec = decode.with_norm(1e-6, 1.0);
+        let normed_spec = decode.with_norm(NormPrologue::new(1e-6, 1.0));
         for spec in [normed_spec, normed_spec.prefill(), normed_spec.with_x_vectors()] {
             let kernel = gemv("norm_gemv_q", "test", spec);
             let out = run_norm_gemv(&kernel, &x, Some(&g), Array::u8(&data), (tokens, n, k, k));

@@ -28,9 +28,14 @@ pub struct CostModel {
     pub bytes_per_us: f64,
     /// Arithmetic throughput, flops per µs.
     pub flops_per_us: f64,
-    /// Whether a norm can be a matmul's prologue at no extra pass (a GPU loading tiles can; our
-    /// CPU matmul reads the activation row once per weight row anyway, so it gains nothing).
-    pub prologue_fusion: bool,
+    /// Weight storage types whose matmuls take a norm (and a residual add) as their prologue.
+    /// A GPU loading tiles does it at no extra pass, but a fused matmul must not lose the
+    /// tensor cores for prefill: only types whose prefill GEMM on the target has the prologue
+    /// too (`kernels_gen::templates::prefill_gemm`), or that have no tensor-core GEMM at all
+    /// (f32), qualify; over the others a fused matmul would prefill, and decode large batches,
+    /// on the GEMV. None on the CPU: its matmul reads the activation row once per weight row
+    /// anyway, so it gains nothing.
+    pub prologue_weights: &'static [DType],
 }
 
 impl CostModel {
@@ -39,28 +44,29 @@ impl CostModel {
         launch_us: 5.0,
         bytes_per_us: 20e3,
         flops_per_us: 100e3,
-        prologue_fusion: false,
+        prologue_weights: &[],
     };
     /// H200: ~3 µs launches (graphs hide most), 4.8 TB/s HBM3e, ~900 TFLOP/s bf16 dense.
     pub const H200: Self = Self {
         launch_us: 3.0,
         bytes_per_us: 4.8e6,
         flops_per_us: 900e6,
-        prologue_fusion: true,
+        // The wgmma GEMM's norm prologue.
+        prologue_weights: &[DType::BF16, DType::F32],
     };
     /// B200: 8 TB/s HBM3e, ~2.2 PFLOP/s bf16 dense.
     pub const B200: Self = Self {
         launch_us: 3.0,
         bytes_per_us: 8e6,
         flops_per_us: 2200e6,
-        prologue_fusion: true,
+        prologue_weights: &[DType::F32],
     };
     /// RTX PRO 6000 Blackwell: 1.8 TB/s GDDR7, ~500 TFLOP/s bf16 dense.
     pub const RTX_PRO_6000: Self = Self {
         launch_us: 3.0,
         bytes_per_us: 1.8e6,
         flops_per_us: 500e6,
-        prologue_fusion: true,
+        prologue_weights: &[DType::F32],
     };
 }
 
@@ -228,7 +234,7 @@ impl<'a> TargetCost<'a> {
             .map(|t| elements(&t.shape) * bytes_per_element(t.dtype))
             .sum();
         let flops = match op {
-            Op::MatMul | Op::RmsNormMatMul { .. } => {
+            Op::MatMul | Op::RmsNormMatMul { .. } | Op::AddRmsNormMatMul { .. } => {
                 2.0 * elements(&out_shape)
                     * types
                         .last()
@@ -248,12 +254,32 @@ impl<'a> TargetCost<'a> {
             Op::Attention(s) => 2.0 * (DECODE_KV_LEN * s.kv_heads * s.head_dim) as f64 * 2.0,
             _ => 0.0,
         };
-        let mut cost = m.launch_us + (in_bytes + out_bytes + kv_bytes) / m.bytes_per_us + flops / m.flops_per_us;
-        if matches!(op, Op::RmsNormMatMul { .. }) && !m.prologue_fusion {
-            // Without prologue fusion the norm is its own pass: no launch saved, extra work.
-            cost += m.launch_us + 2.0 * in_bytes / m.bytes_per_us;
+        let prologue = matches!(op, Op::RmsNormMatMul { .. } | Op::AddRmsNormMatMul { .. });
+        if prologue && !types.last().is_some_and(|w| m.prologue_weights.contains(&w.dtype)) {
+            return f64::INFINITY;
         }
-        cost
+        m.launch_us + (in_bytes + out_bytes + kv_bytes) / m.bytes_per_us + flops / m.flops_per_us
+    }
+}
+
+impl TargetCost<'_> {
+    /// An e-node's own cost, its op alone: nothing for leaves and compile-time weight
+    /// transforms, next to nothing for views; infinite where it cannot be costed.
+    pub(crate) fn node_own(&self, enode: &Node) -> f64 {
+        let (Some((_, inputs)), Some(op)) = (split(enode), op_of(self.egraph, enode)) else {
+            return match enode {
+                Node::Attr(_) => 0.0,
+                _ => f64::INFINITY,
+            };
+        };
+        match op {
+            Op::Input(_) | Op::Weight { .. } => 0.0,
+            // Weight transforms happen at compile time.
+            Op::ConcatRows => 0.0,
+            // A view: nearly free, but not quite, so that a value is not needlessly a view.
+            Op::Slice { .. } => 1e-6,
+            _ => self.own(&op, inputs),
+        }
     }
 }
 
@@ -288,14 +314,7 @@ impl CostFunction<Node> for TargetCost<'_> {
             }
             _ => inputs.iter().map(|&i| (costs(i), 1.0)).collect(),
         };
-        let own = match op {
-            Op::Input(_) | Op::Weight { .. } => 0.0,
-            // Weight transforms happen at compile time.
-            Op::ConcatRows => 0.0,
-            // A view: nearly free, but not quite, so that a value is not needlessly a view.
-            Op::Slice { .. } => 1e-6,
-            _ => self.own(&op, split(enode).map_or(&[][..], |(_, i)| i)),
-        };
+        let own = self.node_own(enode);
         let refs: Vec<(&DagCost, f64)> = inputs.iter().map(|(c, s)| (c, *s)).collect();
         DagCost::of(class, own, &refs)
     }

@@ -27,6 +27,7 @@ define_language! {
         "concat_rows" = ConcatRows(Box<[Id]>),
         "add_rms_norm" = AddRmsNorm([Id; 4]),
         "rms_norm_matmul" = RmsNormMatMul([Id; 4]),
+        "add_rms_norm_matmul" = AddRmsNormMatMul([Id; 5]),
         "glu" = Glu([Id; 2]),
         "elementwise" = Elementwise(Box<[Id]>),
         "top_k" = TopK([Id; 2]),
@@ -75,6 +76,7 @@ pub fn make_node(op: &Op, attr: Id, children: &[Id]) -> Node {
     let arr2 = |v: Vec<Id>| -> [Id; 2] { [v[0], v[1]] };
     let arr3 = |v: Vec<Id>| -> [Id; 3] { [v[0], v[1], v[2]] };
     let arr4 = |v: Vec<Id>| -> [Id; 4] { [v[0], v[1], v[2], v[3]] };
+    let arr5 = |v: Vec<Id>| -> [Id; 5] { [v[0], v[1], v[2], v[3], v[4]] };
     match op {
         Op::Input(_) => Node::Input([attr]),
         Op::Weight { .. } => Node::Weight([attr]),
@@ -93,6 +95,7 @@ pub fn make_node(op: &Op, attr: Id, children: &[Id]) -> Node {
         Op::ConcatRows => Node::ConcatRows(with(children.len()).into_boxed_slice()),
         Op::AddRmsNorm { .. } => Node::AddRmsNorm(arr4(with(3))),
         Op::RmsNormMatMul { .. } => Node::RmsNormMatMul(arr4(with(3))),
+        Op::AddRmsNormMatMul { .. } => Node::AddRmsNormMatMul(arr5(with(4))),
         Op::Glu { .. } => Node::Glu(arr2(with(1))),
         Op::Elementwise { .. } => Node::Elementwise(with(children.len()).into_boxed_slice()),
         Op::TopK { .. } => Node::TopK(arr2(with(1))),

@@ -59,7 +59,12 @@ pub const PIPELINE: &[Pass] = &[
     },
     Pass {
         name: "fuse_norm_matmul",
-        rules: || vec![rules::norm_matmul::norm_matmul()],
+        rules: || {
+            vec![
+                rules::norm_matmul::norm_matmul(),
+                rules::residual_norm_matmul::residual_norm_matmul(),
+            ]
+        },
     },
     Pass {
         name: "fuse_elementwise",

@@ -184,6 +184,30 @@ proptest! {
     }
 
     #[test]
+    fn residual_norm_matmul_preserves_sum_and_product(d in 1usize..32, n in 1usize..40, offset in prop::bool::ANY, seed in any::<u64>()) {
+        let mut g = Graph::new("residual_matmul");
+        let mut w = Weights { seed, ..Default::default() };
+        let x = activation(&mut g, &mut w, d);
+        let wm = w.add(&mut g, "proj", &[d, d]);
+        let y = g.add(Op::MatMul, &[x, wm]).unwrap();
+        let s = g.add(Op::Add, &[x, y]).unwrap();
+        let nw = w.add(&mut g, "norm", &[d]);
+        let h = g.add(Op::RmsNorm { eps: 1e-6, weight_offset: if offset { 1.0 } else { 0.0 }, group: d }, &[s, nw]).unwrap();
+        let wo = w.add(&mut g, "out", &[n, d]);
+        let o = g.add(Op::MatMul, &[h, wo]).unwrap();
+        g.set_output("residual", s);
+        g.set_output("out", o);
+        if n == d {
+            // The sum read again, as the next residual add reads it.
+            let next = g.add(Op::Add, &[s, o]).unwrap();
+            g.set_output("next", next);
+        }
+        // The rule reads what `residual-rms-norm` made, on a GPU target whose cost model takes it.
+        let rules = vec![residual_norm::residual_rms_norm(), residual_norm_matmul::residual_norm_matmul()];
+        check(&g, &w, rules, "residual-norm-matmul-prologue", "add_rms_norm_matmul", CostModel::H200);
+    }
+
+    #[test]
     fn gated_mlp_preserves_values(d in 1usize..24, n in 1usize..24, gelu in prop::bool::ANY, seed in any::<u64>()) {
         let mut g = Graph::new("glu");
         let mut w = Weights { seed, ..Default::default() };

@@ -207,7 +207,7 @@ pub(crate) fn select(
                             scalar("k", k),
                             scalar("x_stride", stride),
                         ];
-                        let spec = x_vectors(gemv::GemvSpec::decode(w, k), &s.views[&input(0)]);
+                        let spec = x_vectors(gemv::GemvSpec::decode(w, k), &[&s.views[&input(0)]]);
                         gemv_prefill = Some(gemv::gemv("gemv", &graph.name, spec.prefill()));
                         (gemv::gemv("gemv", &graph.name, spec), args)
                     }
@@ -225,10 +225,35 @@ pub(crate) fn select(
                             scalar("k", k),
                             scalar("x_stride", stride),
                         ];
-                        let spec = gemv::GemvSpec::decode(w, k).with_norm(*eps as f32, *weight_offset);
-                        let spec = x_vectors(spec, &s.views[&input(0)]);
+                        let norm = gemv::NormPrologue::new(*eps as f32, *weight_offset);
+                        let spec = gemv::GemvSpec::decode(w, k).with_norm(norm);
+                        let spec = x_vectors(spec, &[&s.views[&input(0)]]);
                         gemv_prefill = Some(gemv::gemv("rms_norm_gemv", &graph.name, spec.prefill()));
                         (gemv::gemv("rms_norm_gemv", &graph.name, spec), args)
+                    }
+                    // `[a + b | y]`: the kernels write the sum into the first `k` columns of
+                    // each row and the product after it (`gemv::out_index`).
+                    Op::AddRmsNormMatMul { eps, weight_offset } => {
+                        let w = weight_format(graph.node(node.inputs[3]).dtype, i, op.name())?;
+                        let ((a, a_stride), (b, b_stride)) = (act(&s, 0), act(&s, 1));
+                        let k = width(graph, input(0));
+                        let args = vec![
+                            a,
+                            b,
+                            weight(2),
+                            weight(3),
+                            out,
+                            scalar("tokens", &rows),
+                            scalar("n", width(graph, i) - k),
+                            scalar("k", k),
+                            scalar("x_stride", a_stride),
+                            scalar("b_stride", b_stride),
+                        ];
+                        let norm = gemv::NormPrologue::new(*eps as f32, *weight_offset).with_residual();
+                        let spec = gemv::GemvSpec::decode(w, k).with_norm(norm);
+                        let spec = x_vectors(spec, &[&s.views[&input(0)], &s.views[&input(1)]]);
+                        gemv_prefill = Some(gemv::gemv("add_rms_norm_gemv", &graph.name, spec.prefill()));
+                        (gemv::gemv("add_rms_norm_gemv", &graph.name, spec), args)
                     }
                     Op::RmsNorm {
                         eps,
@@ -527,12 +552,15 @@ pub(crate) fn select(
                             .or(gemv_prefill.clone())
                     }
                     (Op::RmsNormMatMul { eps, weight_offset }, Some(format)) => {
-                        let norm = gemv::NormPrologue {
-                            eps: *eps as f32,
-                            offset: *weight_offset,
-                        };
+                        let norm = gemv::NormPrologue::new(*eps as f32, *weight_offset);
                         let k = width(graph, input(0));
                         templates::prefill_gemm(arch, format, k, Some(norm), "rms_norm_gemm", &graph.name)
+                            .or(gemv_prefill.clone())
+                    }
+                    (Op::AddRmsNormMatMul { eps, weight_offset }, Some(format)) => {
+                        let norm = gemv::NormPrologue::new(*eps as f32, *weight_offset).with_residual();
+                        let k = width(graph, input(0));
+                        templates::prefill_gemm(arch, format, k, Some(norm), "add_rms_norm_gemm", &graph.name)
                             .or(gemv_prefill.clone())
                     }
                     _ => gemv_prefill.clone(),
@@ -544,7 +572,7 @@ pub(crate) fn select(
                 // Steps of a few rows (a small decode batch) carry 4 rows per pass over the
                 // weights instead of one: a quarter of the weight reads.
                 let few_rows = match op {
-                    Op::MatMul | Op::RmsNormMatMul { .. } => gemv_prefill.clone(),
+                    Op::MatMul | Op::RmsNormMatMul { .. } | Op::AddRmsNormMatMul { .. } => gemv_prefill.clone(),
                     _ => None,
                 };
                 let alternatives = Alternatives { few_rows, prefill };
@@ -552,7 +580,13 @@ pub(crate) fn select(
                     s.launches.push((i, kernel, alternatives, args));
                     continue;
                 }
-                let (n, k, sms) = (width(graph, i), width(graph, input(0)), target.multiprocessors());
+                let k = width(graph, input(0));
+                // The product's columns, and where they sit in the output's rows.
+                let (n, out_col) = match op {
+                    Op::AddRmsNormMatMul { .. } => (width(graph, i) - k, k),
+                    _ => (width(graph, i), 0),
+                };
+                let sms = target.multiprocessors();
                 let partial = LaunchArg::Scratch {
                     node: i,
                     name: "partial".into(),
@@ -573,6 +607,8 @@ pub(crate) fn select(
                     scalar("tokens", &rows),
                     scalar("n", n),
                     scalar("splits", splits),
+                    scalar("out_stride", width(graph, i)),
+                    scalar("out_col", out_col),
                 ];
                 let reduce = split_k::reduce("split_k_reduce", &graph.name, super::PREFILL_TOKENS);
                 s.launches.push((i, reduce, Alternatives::default(), reduce_args));
@@ -582,11 +618,14 @@ pub(crate) fn select(
     Ok(s)
 }
 
-/// `spec` reading its activation with 16-byte loads where every row of the view starts 16-byte
-/// aligned: the arena is aligned (`plan::ALIGN`), so the view's column and row stride must be
-/// multiples of 4 floats.
-fn x_vectors(spec: gemv::GemvSpec, view: &View) -> gemv::GemvSpec {
-    match view.col.is_multiple_of(4) && view.stride.is_multiple_of(4) {
+/// `spec` reading its activations with 16-byte loads where every row of every view starts
+/// 16-byte aligned: the arena is aligned (`plan::ALIGN`), so each view's column and row stride
+/// must be multiples of 4 floats.
+fn x_vectors(spec: gemv::GemvSpec, views: &[&View]) -> gemv::GemvSpec {
+    match views
+        .iter()
+        .all(|v| v.col.is_multiple_of(4) && v.stride.is_multiple_of(4))
+    {
         true => spec.with_x_vectors(),
         false => spec,
     }

@@ -92,6 +92,19 @@ pub fn slice_columns(x: &[f32], row_len: usize, start: usize, len: usize) -> Vec
         .collect()
 }
 
+/// `[a | b]` per row, rows of `a` `a_len` and of `b` `b_len` elements wide.
+pub fn concat_columns(a: &[f32], a_len: usize, b: &[f32], b_len: usize) -> Vec<f32> {
+    let rows = a.len() / a_len.max(1);
+    (0..rows)
+        .flat_map(|r| {
+            a[r * a_len..(r + 1) * a_len]
+                .iter()
+                .chain(&b[r * b_len..(r + 1) * b_len])
+        })
+        .copied()
+        .collect()
+}
+
 /// `[a + b | rms_norm(a + b)]` per row of `d` elements.
 pub fn add_rms_norm(a: &[f32], b: &[f32], w: &[f32], eps: f64, weight_offset: f32) -> Vec<f32> {
     let d = w.len();

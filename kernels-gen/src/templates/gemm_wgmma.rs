@@ -24,18 +24,28 @@
 //! memory (two stages) leaves room for several blocks per SM; a prefill chunk of 512 tokens
 //! over a 4096-row weight gives 8×32 = 256 tiles for 132 SMs.
 
-use super::gemv::NormPrologue;
+use super::gemv::{self, NormPrologue};
 use super::split_k;
 use crate::dsl::*;
 
-/// The GEMM's parameters: [`super::gemm_params`]'s, with the norm's weight `g` after `x` under
-/// a norm prologue (the order of `rms_norm_matmul`'s GEMV).
+/// The GEMM's parameters: [`super::gemm_params`]'s, with the prologue's `b` and `g` after `x`
+/// and `b_stride` last (the order of the prologue GEMV's, whose arguments the GEMM takes over).
 fn gemm_params(norm: Option<NormPrologue>) -> Vec<Param> {
     let mut params = super::gemm_params(Ty::Bf16);
-    if norm.is_some() {
-        params.insert(1, buffer("g", Ty::F32, false));
+    params.splice(0..1, gemv::prologue_params(norm));
+    if gemv::residual(norm) {
+        params.push(scalar("b_stride", Ty::I32));
     }
     params
+}
+
+/// Element (`row`, `col`) of the row being multiplied: `x`, or `x + b` under a residual prologue.
+fn x_at(norm: Option<NormPrologue>, row: Expr, col: Expr) -> Expr {
+    let x = load("x", row.clone() * var("x_stride") + col.clone());
+    match gemv::residual(norm) {
+        true => x + load("b", row * var("b_stride") + col),
+        false => x,
+    }
 }
 
 const THREADS: i64 = 128;
@@ -95,7 +105,8 @@ fn copy_stage(stage: Expr, k0: Expr) -> Vec<Stmt> {
 /// Load this thread's A fragments of the stage at `k0` (zero past `tokens` and `k`): per k
 /// slice, rows g and g + 8 of the warp's 16, columns 2t, 2t + 1 and those + 8. Under a norm
 /// prologue each x meets its norm weight `g + offset` here (the row's `1/rms` is applied to
-/// the result).
+/// the result). Under a residual prologue the blocks of the first weight tile also write the
+/// sums they loaded: each (row, column) is one thread's of one such block.
 fn load_a(norm: Option<NormPrologue>) -> Vec<Stmt> {
     let scaled = |col: Expr, x: Expr| match norm {
         Some(n) => x * (load("g", col) + f(n.offset)),
@@ -108,20 +119,27 @@ fn load_a(norm: Option<NormPrologue>) -> Vec<Stmt> {
             let col = var("k0") + int(16 * slice as i64 + 8 * col_half) + var("t2");
             let first = 2 * row_half as usize + 4 * col_half as usize;
             let names = [a_name(slice, first), a_name(slice, first + 1)];
+            let mut loaded = vec![
+                let_("xv0", Ty::F32, x_at(norm, row.clone(), col.clone())),
+                let_("xv1", Ty::F32, x_at(norm, row.clone(), col.clone() + int(1))),
+                assign(&names[0], scaled(col.clone(), var("xv0"))),
+                assign(&names[1], scaled(col.clone() + int(1), var("xv1"))),
+            ];
+            if gemv::residual(norm) {
+                let sum_at = |c: Expr| row.clone() * (var("k") + var("n")) + c;
+                loaded.push(if_(
+                    eq(var("n0"), int(0)),
+                    vec![
+                        store("out", sum_at(col.clone()), var("xv0")),
+                        store("out", sum_at(col.clone() + int(1)), var("xv1")),
+                    ],
+                ));
+            }
             out.push(assign(&names[0], f(0.0)));
             out.push(assign(&names[1], f(0.0)));
             out.push(if_(
                 and(lt(row.clone(), var("tokens")), lt(col.clone(), var("k"))),
-                vec![
-                    assign(
-                        &names[0],
-                        scaled(col.clone(), load("x", row.clone() * var("x_stride") + col.clone())),
-                    ),
-                    assign(
-                        &names[1],
-                        scaled(col.clone() + int(1), load("x", row * var("x_stride") + col + int(1))),
-                    ),
-                ],
+                loaded,
             ));
         }
     }
@@ -162,7 +180,12 @@ fn store_accumulators(norm: Option<NormPrologue>) -> Vec<Stmt> {
             };
             if_(
                 and(lt(row.clone(), var("tokens")), lt(col.clone(), var("n"))),
-                vec![split_k::store_result(row, col, value)],
+                vec![split_k::store_result(
+                    row.clone(),
+                    col.clone(),
+                    value,
+                    gemv::out_index(norm, row, col),
+                )],
             )
         })
         .collect()
@@ -184,7 +207,7 @@ fn row_norms(norm: NormPrologue) -> Vec<Stmt> {
                 var("k"),
                 int(32),
                 vec![
-                    let_("xv", Ty::F32, load("x", var("row") * var("x_stride") + var("c"))),
+                    let_("xv", Ty::F32, x_at(Some(norm), var("row"), var("c"))),
                     assign("sq", var("sq") + var("xv") * var("xv")),
                 ],
             )],
@@ -256,7 +279,7 @@ pub fn gemm_wgmma_bf16_with(name: &str, origin: &str, norm: Option<NormPrologue>
         origin: format!(
             "{origin}: {}matmul x·Wᵀ on Hopper tensor cores (wgmma m64n{TILE_N}k16 bf16, A from registers, \
              B through a 2-stage cp.async pipeline of {TILE_N}×{TILE_K} slices, K split in `splits`)",
-            if norm.is_some() { "rms_norm prologue + " } else { "" }
+            gemv::describe(norm)
         ),
         params: [gemm_params(norm), split_k::params()].concat(),
         shared: vec![SharedArray {

@@ -23,6 +23,51 @@ use crate::dsl::*;
 pub struct NormPrologue {
     pub eps: f32,
     pub offset: f32,
+    /// The row normalised is `x + b` (a residual add, `add_rms_norm_matmul`): `out`'s rows are
+    /// then `[x + b | product]`, `k + n` wide, the sum written by the blocks of the first
+    /// weight rows.
+    pub residual: bool,
+}
+
+impl NormPrologue {
+    pub fn new(eps: f32, offset: f32) -> Self {
+        Self {
+            eps,
+            offset,
+            residual: false,
+        }
+    }
+
+    pub fn with_residual(self) -> Self {
+        Self { residual: true, ..self }
+    }
+}
+
+/// Whether `norm` adds a residual in the prologue.
+pub fn residual(norm: Option<NormPrologue>) -> bool {
+    norm.is_some_and(|n| n.residual)
+}
+
+/// The parameters `x` and, under a residual prologue, `b` then the norm's `g`: what a GEMV or
+/// GEMM with the prologue reads before its weights.
+pub fn prologue_params(norm: Option<NormPrologue>) -> Vec<Param> {
+    let mut params = vec![buffer("x", Ty::F32, false)];
+    if residual(norm) {
+        params.push(buffer("b", Ty::F32, false));
+    }
+    if norm.is_some() {
+        params.push(buffer("g", Ty::F32, false));
+    }
+    params
+}
+
+/// The element of `out` for result (`row`, `col`): rows `n` wide, or under a residual
+/// prologue `[sum | product]` rows `k + n` wide.
+pub fn out_index(norm: Option<NormPrologue>, row: Expr, col: Expr) -> Expr {
+    match residual(norm) {
+        true => row * (var("k") + var("n")) + var("k") + col,
+        false => row * var("n") + col,
+    }
 }
 
 /// What to generate.
@@ -86,9 +131,9 @@ impl GemvSpec {
         }
     }
 
-    pub fn with_norm(self, eps: f32, offset: f32) -> Self {
+    pub fn with_norm(self, norm: NormPrologue) -> Self {
         Self {
-            norm: Some(NormPrologue { eps, offset }),
+            norm: Some(norm),
             ..self
         }
     }
@@ -100,10 +145,7 @@ fn names(prefix: &str, n: usize) -> Vec<String> {
 
 pub fn gemv(name: &str, origin: &str, spec: GemvSpec) -> Kernel {
     let warps = (BLOCK / 32) as i64;
-    let mut params = vec![buffer("x", Ty::F32, false)];
-    if spec.norm.is_some() {
-        params.push(buffer("g", Ty::F32, false));
-    }
+    let mut params = prologue_params(spec.norm);
     params.extend([
         buffer("w", spec.weight.buffer_ty(), false),
         buffer("out", Ty::F32, true),
@@ -112,10 +154,10 @@ pub fn gemv(name: &str, origin: &str, spec: GemvSpec) -> Kernel {
         scalar("k", Ty::I32),
         scalar("x_stride", Ty::I32),
     ]);
-    let prologue = match spec.norm {
-        Some(_) => "rms_norm prologue + ",
-        None => "",
-    };
+    if residual(spec.norm) {
+        params.push(scalar("b_stride", Ty::I32));
+    }
+    let prologue = describe(spec.norm);
     Kernel {
         name: name.into(),
         origin: format!(
@@ -141,6 +183,15 @@ pub fn gemv(name: &str, origin: &str, spec: GemvSpec) -> Kernel {
                 )],
             ),
         ],
+    }
+}
+
+/// The prologue's words in a kernel's origin line.
+pub fn describe(norm: Option<NormPrologue>) -> &'static str {
+    match norm {
+        Some(n) if n.residual => "residual add + rms_norm prologue + ",
+        Some(_) => "rms_norm prologue + ",
+        None => "",
     }
 }
 
@@ -177,7 +228,7 @@ fn pass(spec: &GemvSpec) -> Vec<Stmt> {
             };
             if_(
                 bin(BinOp::Lt, row.clone(), var("tokens")),
-                vec![store("out", row * var("n") + var("r"), value)],
+                vec![store("out", out_index(spec.norm, row, var("r")), value)],
             )
         })
         .collect();
@@ -232,23 +283,23 @@ fn k_step(spec: &GemvSpec, t: &[String], acc: &[String], sq: &[String]) -> Vec<S
     };
     for (j, t_j) in t.iter().enumerate() {
         let xs = names(&format!("x{j}_"), v);
-        let at = |e: usize| var(t_j) * var("x_stride") + var("i") + int(e as i64);
+        let load_x = |first: usize, count: usize| load_row(spec, t_j, &xs, first, count);
         // A dense vector's x loads all come first (two at most: ptxas schedules that best); for
         // a GGUF block's 32 values each load comes just before its values are used, so fewer
         // are live at once.
         let hoisted = spec.x_vector && v <= 8;
         if hoisted {
             for chunk in (0..v).step_by(4) {
-                out.push(load_vec("x", at(chunk), &xs[chunk..chunk + 4]));
+                out.extend(load_x(chunk, 4));
             }
         }
         for (e, u_e) in u.iter().enumerate() {
             let x = &xs[e];
             match (spec.x_vector, hoisted) {
                 (true, true) => {}
-                (true, false) if e % 4 == 0 => out.push(load_vec("x", at(e), &xs[e..e + 4])),
+                (true, false) if e % 4 == 0 => out.extend(load_x(e, 4)),
                 (true, false) => {}
-                (false, _) => out.push(let_(x, Ty::F32, load("x", at(e)))),
+                (false, _) => out.extend(load_x(e, 1)),
             }
             if spec.norm.is_some() {
                 out.push(assign(&sq[j], var(&sq[j]) + var(x) * var(x)));
@@ -256,5 +307,39 @@ fn k_step(spec: &GemvSpec, t: &[String], acc: &[String], sq: &[String]) -> Vec<S
             out.push(assign(&acc[j], var(&acc[j]) + var(x) * var(u_e)));
         }
     }
+    out
+}
+
+/// Declare `xs[first..first + count]`: elements `i + first..` of token row `t`, one 16-byte
+/// load when `count` is 4. Under a residual prologue they are `x + b`, and the warp of weight
+/// row 0 writes them to the sum's half of `out` (each sum once; a clamped row's again, alike).
+fn load_row(spec: &GemvSpec, t: &str, xs: &[String], first: usize, count: usize) -> Vec<Stmt> {
+    let at = |stride: &str, e: usize| var(t) * var(stride) + var("i") + int(e as i64);
+    let names = &xs[first..first + count];
+    if !residual(spec.norm) {
+        return match count {
+            1 => vec![let_(&names[0], Ty::F32, load("x", at("x_stride", first)))],
+            _ => vec![load_vec("x", at("x_stride", first), names)],
+        };
+    }
+    let (a, b): (Vec<String>, Vec<String>) = names.iter().map(|x| (format!("{x}a"), format!("{x}b"))).unzip();
+    let mut out = match count {
+        1 => vec![
+            let_(&a[0], Ty::F32, load("x", at("x_stride", first))),
+            let_(&b[0], Ty::F32, load("b", at("b_stride", first))),
+        ],
+        _ => vec![
+            load_vec("x", at("x_stride", first), &a),
+            load_vec("b", at("b_stride", first), &b),
+        ],
+    };
+    out.extend((0..count).map(|e| let_(&names[e], Ty::F32, var(&a[e]) + var(&b[e]))));
+    let sums = (0..count)
+        .map(|e| {
+            let col = var("i") + int((first + e) as i64);
+            store("out", var(t) * (var("k") + var("n")) + col, var(&names[e]))
+        })
+        .collect();
+    out.push(if_(bin(BinOp::Eq, var("r"), int(0)), sums));
     out
 }

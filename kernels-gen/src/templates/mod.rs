@@ -259,12 +259,14 @@ pub fn catalog() -> Vec<Kernel> {
         gemv::gemv(
             "rms_norm_gemv_bf16",
             "catalog",
-            GemvSpec::decode(Dense(Ty::Bf16), 4096).with_norm(1e-6, 0.0),
+            GemvSpec::decode(Dense(Ty::Bf16), 4096).with_norm(gemv::NormPrologue::new(1e-6, 0.0)),
         ),
         gemv::gemv(
             "rms_norm_gemv_bf16_prefill",
             "catalog",
-            GemvSpec::decode(Dense(Ty::Bf16), 4096).with_norm(1e-6, 0.0).prefill(),
+            GemvSpec::decode(Dense(Ty::Bf16), 4096)
+                .with_norm(gemv::NormPrologue::new(1e-6, 0.0))
+                .prefill(),
         ),
         // The heaviest K-quant GEMV: Q5_K sub-blocks (scales, mins and high bits), the norm
         // prologue, 4 tokens a pass; then, as plans build them, GEMVs with vector activation
@@ -273,37 +275,59 @@ pub fn catalog() -> Vec<Kernel> {
             "rms_norm_gemv_q5_k_prefill",
             "catalog",
             GemvSpec::decode(Blocks(ir::DType::Q5K), 4096)
-                .with_norm(1e-6, 1.0)
+                .with_norm(gemv::NormPrologue::new(1e-6, 1.0))
                 .prefill(),
         ),
         gemv::gemv(
             "rms_norm_gemv_q5_k_x_vectors",
             "catalog",
             GemvSpec::decode(Blocks(ir::DType::Q5K), 4096)
-                .with_norm(1e-6, 1.0)
+                .with_norm(gemv::NormPrologue::new(1e-6, 1.0))
                 .with_x_vectors(),
         ),
         gemv::gemv(
             "rms_norm_gemv_q4_1_x_vectors",
             "catalog",
             GemvSpec::decode(Blocks(ir::DType::Q4_1), 4096)
-                .with_norm(1e-6, 1.0)
+                .with_norm(gemv::NormPrologue::new(1e-6, 1.0))
                 .with_x_vectors(),
         ),
         gemv::gemv(
             "rms_norm_gemv_bf16_x_vectors_prefill",
             "catalog",
             GemvSpec::decode(Dense(Ty::Bf16), 4096)
-                .with_norm(1e-6, 0.0)
+                .with_norm(gemv::NormPrologue::new(1e-6, 0.0))
                 .with_x_vectors()
                 .prefill(),
+        ),
+        // A layer's residual add and pre-norm before its projection (`add_rms_norm_matmul`):
+        // decode, a few rows, and Hopper's GEMM for many.
+        gemv::gemv(
+            "add_rms_norm_gemv_bf16_x_vectors",
+            "catalog",
+            GemvSpec::decode(Dense(Ty::Bf16), 4096)
+                .with_norm(gemv::NormPrologue::new(1e-6, 0.0).with_residual())
+                .with_x_vectors(),
+        ),
+        gemv::gemv(
+            "add_rms_norm_gemv_bf16_x_vectors_prefill",
+            "catalog",
+            GemvSpec::decode(Dense(Ty::Bf16), 4096)
+                .with_norm(gemv::NormPrologue::new(1e-6, 1.0).with_residual())
+                .with_x_vectors()
+                .prefill(),
+        ),
+        gemm_wgmma::gemm_wgmma_bf16_with(
+            "add_rms_norm_gemm_wgmma_bf16",
+            "catalog",
+            Some(gemv::NormPrologue::new(1e-6, 0.0).with_residual()),
         ),
         // The heaviest block-per-lane GEMV: five-bit values, the norm prologue, 4 tokens a pass.
         gemv::gemv(
             "rms_norm_gemv_q5_0_prefill",
             "catalog",
             GemvSpec::decode(Blocks(ir::DType::Q5_0), 4096)
-                .with_norm(1e-6, 1.0)
+                .with_norm(gemv::NormPrologue::new(1e-6, 1.0))
                 .prefill(),
         ),
     ]

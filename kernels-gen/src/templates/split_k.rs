@@ -47,8 +47,10 @@ pub fn partial_len(n: usize, k: usize, tiles: (usize, usize, usize), multiproces
     }
 }
 
-/// `out[e] = Σ_s partial[s·tokens·n + e]`, in split order; no blocks with one split, or for
-/// steps under `min_tokens` rows (those run the GEMV, which writes `out` itself).
+/// `out[e] = Σ_s partial[s·tokens·n + e]`, in split order, into columns `out_col..+n` of
+/// `out`'s rows `out_stride` apart (`[sum | product]` rows under a residual prologue); no
+/// blocks with one split, or for steps under `min_tokens` rows (those run the GEMV, which
+/// writes `out` itself).
 pub fn reduce(name: &str, origin: &str, min_tokens: usize) -> Kernel {
     let count = var("tokens") * var("n");
     let runs = bin(BinOp::Min, int(1), var("tokens") / int(min_tokens as i64))
@@ -62,6 +64,8 @@ pub fn reduce(name: &str, origin: &str, min_tokens: usize) -> Kernel {
             scalar("tokens", Ty::I32),
             scalar("n", Ty::I32),
             scalar("splits", Ty::I32),
+            scalar("out_stride", Ty::I32),
+            scalar("out_col", Ty::I32),
         ],
         shared: vec![],
         block_dim: BLOCK,
@@ -77,7 +81,11 @@ pub fn reduce(name: &str, origin: &str, min_tokens: usize) -> Kernel {
                     int(1),
                     vec![assign("sum", var("sum") + load("partial", var("s") * count + var("i")))],
                 ),
-                store("out", var("i"), var("sum")),
+                store(
+                    "out",
+                    var("i") / var("n") * var("out_stride") + var("out_col") + rem(var("i"), var("n")),
+                    var("sum"),
+                ),
             ],
         ),
     }
@@ -103,12 +111,12 @@ pub fn k_span(split: Expr, tile_k: i64) -> Vec<Stmt> {
     ]
 }
 
-/// Store `value` at (`row`, `col`) of the result: `out` with one split, else this split's
-/// partial tile.
-pub fn store_result(row: Expr, col: Expr, value: Expr) -> Stmt {
+/// Store `value` at (`row`, `col`) of the result: `out[out_index]` with one split, else this
+/// split's partial tile.
+pub fn store_result(row: Expr, col: Expr, value: Expr, out_index: Expr) -> Stmt {
     if_else(
         eq(var("splits"), int(1)),
-        vec![store("out", row.clone() * var("n") + col.clone(), value.clone())],
+        vec![store("out", out_index, value.clone())],
         vec![store(
             "partial",
             (var("split") * var("tokens") + row) * var("n") + col,

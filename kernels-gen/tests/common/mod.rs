@@ -112,8 +112,53 @@ pub fn try_run_split_matmul(
         ("k", k as i64),
         ("x_stride", x_stride as i64),
         ("splits", splits as i64),
+        ("out_stride", n as i64),
+        ("out_col", 0),
     ]);
     run(kernel, &mut bufs, &scalars)?;
     run(reduce, &mut bufs, &scalars)?;
+    Ok(bufs.remove("out").expect("an out buffer"))
+}
+
+/// A matmul with a residual prologue (`add_rms_norm_matmul`): `x` and `b` (rows `x_stride` and
+/// `b_stride` apart) summed, normalised with `g` and multiplied by `w` of `n` rows by `k`, in
+/// `splits` pieces summed by `reduce` where given; `out` (`[sum | product]` rows, `k + n`
+/// wide), poisoned before the launch.
+pub struct Residual<'a> {
+    pub x: &'a [f32],
+    pub b: &'a [f32],
+    pub g: &'a [f32],
+    pub strides: (usize, usize),
+}
+
+pub fn try_run_residual_matmul(
+    (kernel, reduce): (&Kernel, Option<&Kernel>),
+    inputs: &Residual,
+    w: Array,
+    (tokens, n, k): (usize, usize, usize),
+    splits: usize,
+) -> Result<Array, EmuError> {
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(inputs.x)),
+        ("b".into(), Array::f32(inputs.b)),
+        ("g".into(), Array::f32(inputs.g)),
+        ("w".into(), w),
+        ("out".into(), Array::poisoned(Ty::F32, tokens * (k + n))),
+        ("partial".into(), Array::poisoned(Ty::F32, splits * tokens * n)),
+    ]);
+    let scalars = ints(&[
+        ("tokens", tokens as i64),
+        ("n", n as i64),
+        ("k", k as i64),
+        ("x_stride", inputs.strides.0 as i64),
+        ("b_stride", inputs.strides.1 as i64),
+        ("splits", splits as i64),
+        ("out_stride", (k + n) as i64),
+        ("out_col", k as i64),
+    ]);
+    run(kernel, &mut bufs, &scalars)?;
+    if let Some(reduce) = reduce {
+        run(reduce, &mut bufs, &scalars)?;
+    }
     Ok(bufs.remove("out").expect("an out buffer"))
 }

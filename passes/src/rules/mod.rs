@@ -9,6 +9,7 @@ pub mod joined_ropes;
 pub mod lm_head;
 pub mod norm_matmul;
 pub mod residual_norm;
+pub mod residual_norm_matmul;
 
 use crate::analysis::{op_of, type_of, BbcGraph, ClassData, Type};
 use crate::lang::{attr_symbol, make_node, Node};

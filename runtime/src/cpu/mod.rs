@@ -408,6 +408,19 @@ impl CpuBackend {
                 w.matmul(&normed, x.rows(), &mut out.data);
                 out
             }
+            Op::AddRmsNormMatMul { eps, weight_offset } => {
+                let (a, b) = (args[0].value().tensor(), args[1].value().tensor());
+                let d = a.row_len();
+                let summed = ops::add_rms_norm(&a.data, &b.data, args[2].vector(), *eps, *weight_offset);
+                let w = args[3].matrix();
+                let mut product = vec![0f32; a.rows() * w.rows];
+                w.matmul(&ops::slice_columns(&summed, 2 * d, d, d), a.rows(), &mut product);
+                let sum = ops::slice_columns(&summed, 2 * d, 0, d);
+                Tensor::new(
+                    vec![a.rows(), d + w.rows],
+                    ops::concat_columns(&sum, d, &product, w.rows),
+                )
+            }
             Op::Glu { act } => {
                 let x = args[0].value().tensor();
                 Tensor::new(

@@ -1,0 +1,55 @@
+//! Residual + norm → matmul prologue: the matmul reading the norm half of an
+//! `add_rms_norm(a, b, w)` (what `residual-rms-norm` made of a layer's residual add and the
+//! next pre-norm) becomes one `add_rms_norm_matmul(a, b, w, W)` producing `[a + b | y]`: the
+//! kernel adds and normalises the row while loading it for the matmul and writes the sum once
+//! beside the product, so neither the sum nor the normalised row makes a round trip and the
+//! `add_rms_norm` launch is gone (TensorRT-LLM's norm-GEMM fusion, with the residual). The
+//! sum stays a value of its own for the next residual add. Worth it on a GPU decode step
+//! (about 2 of a Llama layer's launches); the target's cost model decides.
+
+use super::{add_op, attr_op, unite, var, width};
+use crate::analysis::{BbcGraph, TypeAnalysis};
+use crate::lang::Node;
+use egg::{Applier, Id, MultiPattern, PatternAst, Rewrite, Subst, Symbol};
+use ir::Op;
+
+pub fn residual_norm_matmul() -> Rewrite<Node, TypeAnalysis> {
+    let searcher: MultiPattern<Node> = "?f = (add_rms_norm ?r ?a ?b ?w), ?y = (matmul ?m (slice ?sl ?f) ?W)"
+        .parse()
+        .expect("valid pattern");
+    Rewrite::new("residual-norm-matmul-prologue", searcher, ResidualNormMatMul).expect("valid rule")
+}
+
+struct ResidualNormMatMul;
+
+impl Applier<Node, TypeAnalysis> for ResidualNormMatMul {
+    fn apply_one(
+        &self,
+        egraph: &mut BbcGraph,
+        _: Id,
+        subst: &Subst,
+        _: Option<&PatternAst<Node>>,
+        _: Symbol,
+    ) -> Vec<Id> {
+        let (f, y, a) = (var(subst, "?f"), var(subst, "?y"), var(subst, "?a"));
+        let (Some(d), Some(n)) = (width(egraph, a), width(egraph, y)) else {
+            return vec![];
+        };
+        // Only the matmul of the normalised half: the sum's half is a plain residual.
+        if attr_op(egraph, subst, "?sl") != (Op::Slice { start: d, len: d }) {
+            return vec![];
+        }
+        let Op::AddRmsNorm { eps, weight_offset } = attr_op(egraph, subst, "?r") else {
+            return vec![];
+        };
+        let fused = add_op(
+            egraph,
+            &Op::AddRmsNormMatMul { eps, weight_offset },
+            &[a, var(subst, "?b"), var(subst, "?w"), var(subst, "?W")],
+        );
+        let sum = add_op(egraph, &Op::Slice { start: 0, len: d }, &[f]);
+        let fused_sum = add_op(egraph, &Op::Slice { start: 0, len: d }, &[fused]);
+        let product = add_op(egraph, &Op::Slice { start: d, len: n }, &[fused]);
+        unite(egraph, &[(sum, fused_sum), (y, product)])
+    }
+}
