@@ -709,3 +709,39 @@ fn a_kv_pool_past_32_bit_indices_is_refused() {
         .to_string();
     assert!(err.contains("32-bit indices"), "{err}");
 }
+
+/// A plan whose launches do not resolve (a kernel it does not carry, an expression that does
+/// not parse, a buffer it did not plan) is refused when it is loaded, naming what is wrong,
+/// not at its first step.
+#[test]
+fn a_plan_whose_launches_do_not_resolve_is_refused_at_load() {
+    let model = open("llama", ComputeDtype::F32);
+    let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
+    let (plan, kernels) = gpu::build_with_kernels(&graph, Target::H200, 32).unwrap();
+    let refused = |mutate: &dyn Fn(&mut gpu::GpuPlan)| {
+        let mut plan = plan.clone();
+        mutate(&mut plan);
+        EmulatedBackend::emulated(plan, kernels.clone(), graph.clone(), &model.weights, &[], 64)
+            .err()
+            .expect("refused")
+            .to_string()
+    };
+    let err = refused(&|p| p.launches[3].kernel = "no_such_kernel".into());
+    assert!(err.contains("no kernel no_such_kernel"), "{err}");
+    let err = refused(&|p| {
+        let scalar = p.launches[0]
+            .args
+            .iter_mut()
+            .find_map(|a| match a {
+                gpu::LaunchArg::Scalar { value, .. } => Some(value),
+                _ => None,
+            })
+            .unwrap();
+        *scalar = "(tokens *".into();
+    });
+    assert!(err.contains("expression `(tokens *`"), "{err}");
+    let err = refused(&|p| p.memory.buffers.retain(|b| b.node != p.launches[0].node));
+    assert!(err.contains("no planned buffer"), "{err}");
+    // The plan as built loads.
+    assert!(EmulatedBackend::emulated(plan, kernels, graph, &model.weights, &[], 64).is_ok());
+}

@@ -35,21 +35,73 @@ pub struct ExprError {
 
 /// Evaluate `text` with the given variables.
 pub fn eval(text: &str, vars: &HashMap<&str, Value>) -> Result<Value, ExprError> {
-    let err = |what: String| ExprError {
-        text: text.into(),
-        what,
-    };
-    let tokens = lex(text).map_err(err)?;
-    let mut p = Parser {
-        tokens: &tokens,
-        at: 0,
-        vars,
-    };
-    let v = p.sum().map_err(err)?;
-    if p.at != tokens.len() {
-        return Err(err(format!("unexpected `{:?}`", tokens[p.at])));
+    Compiled::parse(text)?.eval(&|name| vars.get(name).copied())
+}
+
+/// An expression parsed once, to evaluate at every launch (the runtime prepares a plan's
+/// expressions when it loads the plan, not at each step).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Compiled {
+    text: String,
+    root: Node,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Node {
+    Num(Value),
+    Name(String),
+    Arith(char, Box<Node>, Box<Node>),
+    /// `min` (true) or `max` (false) of two.
+    Pick(bool, Box<Node>, Box<Node>),
+}
+
+impl Compiled {
+    pub fn parse(text: &str) -> Result<Self, ExprError> {
+        let err = |what: String| ExprError {
+            text: text.into(),
+            what,
+        };
+        let tokens = lex(text).map_err(err)?;
+        let mut p = Parser { tokens: &tokens, at: 0 };
+        let root = p.sum().map_err(err)?;
+        if p.at != tokens.len() {
+            return Err(err(format!("unexpected `{:?}`", tokens[p.at])));
+        }
+        Ok(Self {
+            text: text.into(),
+            root,
+        })
     }
-    Ok(v)
+
+    /// The value, each name looked up in `vars`.
+    pub fn eval(&self, vars: &dyn Fn(&str) -> Option<Value>) -> Result<Value, ExprError> {
+        self.root.eval(vars).map_err(|what| ExprError {
+            text: self.text.clone(),
+            what,
+        })
+    }
+}
+
+impl Node {
+    fn eval(&self, vars: &dyn Fn(&str) -> Option<Value>) -> Result<Value, String> {
+        Ok(match self {
+            Node::Num(v) => *v,
+            Node::Name(n) => vars(n).ok_or_else(|| format!("unknown name `{n}`"))?,
+            Node::Arith(op, a, b) => arith(*op, a.eval(vars)?, b.eval(vars)?)?,
+            Node::Pick(min, a, b) => {
+                let (a, b) = (a.eval(vars)?, b.eval(vars)?);
+                let pick_first = match (a, b) {
+                    (Value::Int(x), Value::Int(y)) => (x < y) == *min,
+                    (a, b) => (a.as_f64() < b.as_f64()) == *min,
+                };
+                if pick_first {
+                    a
+                } else {
+                    b
+                }
+            }
+        })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -106,7 +158,6 @@ fn lex(text: &str) -> Result<Vec<Token>, String> {
 struct Parser<'a> {
     tokens: &'a [Token],
     at: usize,
-    vars: &'a HashMap<&'a str, Value>,
 }
 
 fn arith(op: char, a: Value, b: Value) -> Result<Value, String> {
@@ -148,43 +199,43 @@ impl Parser<'_> {
         Ok(())
     }
 
-    fn sum(&mut self) -> Result<Value, String> {
+    fn sum(&mut self) -> Result<Node, String> {
         let mut v = self.product()?;
         while let Some(op @ ('+' | '-')) = self.peek_op() {
             self.at += 1;
-            v = arith(op, v, self.product()?)?;
+            v = Node::Arith(op, Box::new(v), Box::new(self.product()?));
         }
         Ok(v)
     }
 
-    fn product(&mut self) -> Result<Value, String> {
+    fn product(&mut self) -> Result<Node, String> {
         let mut v = self.atom()?;
         while let Some(op @ ('*' | '/' | '%')) = self.peek_op() {
             self.at += 1;
-            v = arith(op, v, self.atom()?)?;
+            v = Node::Arith(op, Box::new(v), Box::new(self.atom()?));
         }
         Ok(v)
     }
 
-    fn atom(&mut self) -> Result<Value, String> {
+    fn atom(&mut self) -> Result<Node, String> {
         let token = self.tokens.get(self.at).cloned().ok_or("unexpected end")?;
         self.at += 1;
         match token {
-            Token::Num(v) => Ok(v),
+            Token::Num(v) => Ok(Node::Num(v)),
             Token::Name(f) if (f == "min" || f == "max") && self.peek_op() == Some('(') => {
                 self.at += 1;
                 let a = self.sum()?;
                 self.expect(',')?;
                 let b = self.sum()?;
                 self.expect(')')?;
-                let pick_first = match (a, b) {
-                    (Value::Int(x), Value::Int(y)) => (x < y) == (f == "min"),
-                    (a, b) => (a.as_f64() < b.as_f64()) == (f == "min"),
-                };
-                Ok(if pick_first { a } else { b })
+                Ok(Node::Pick(f == "min", Box::new(a), Box::new(b)))
             }
-            Token::Name(n) => self.vars.get(n.as_str()).copied().ok_or(format!("unknown name `{n}`")),
-            Token::Op('-') => Ok(arith('-', Value::Int(0), self.atom()?)?),
+            Token::Name(n) => Ok(Node::Name(n)),
+            Token::Op('-') => Ok(Node::Arith(
+                '-',
+                Box::new(Node::Num(Value::Int(0))),
+                Box::new(self.atom()?),
+            )),
             Token::Op('(') => {
                 let v = self.sum()?;
                 self.expect(')')?;
@@ -223,5 +274,28 @@ mod tests {
         assert_eq!(eval("min(tokens, first) * 2", &vars).unwrap(), Value::Int(6));
         assert!(eval("min(1)", &vars).is_err());
         assert!(eval("min(1, 2", &vars).is_err());
+    }
+
+    /// Parsed once, evaluated with other values each time; errors found only with values (a
+    /// name not given, a division by zero) come from `eval` and name the expression.
+    #[test]
+    fn compiled_expressions_evaluate_again_with_new_values() {
+        let grid = Compiled::parse("max(1, (tokens * n + 7) / 8)").unwrap();
+        for (tokens, want) in [(0, 1), (1, 2), (5, 6)] {
+            let vars = |name: &str| match name {
+                "tokens" => Some(Value::Int(tokens)),
+                "n" => Some(Value::Int(9)),
+                _ => None,
+            };
+            assert_eq!(grid.eval(&vars).unwrap(), Value::Int(want));
+        }
+        let err = Compiled::parse("tokens / first")
+            .unwrap()
+            .eval(&|_| Some(Value::Int(0)))
+            .unwrap_err();
+        assert_eq!(err.text, "tokens / first");
+        assert!(err.what.contains("division by zero"));
+        assert!(Compiled::parse("seqs").unwrap().eval(&|_| None).is_err());
+        assert!(Compiled::parse("(1").is_err());
     }
 }

@@ -1,11 +1,112 @@
 //! A step's launches: each kernel chosen (the prefill variant for launches of many rows), its
 //! arguments resolved from the plan against the step's scalars, and launched (or timed).
+//!
+//! What does not change from step to step is resolved once, when the plan is loaded
+//! (`prepare`): each launch's kernels, its expressions parsed, and the arena range of each
+//! activation it reads or writes. Resolving them per launch cost the host 1.5 µs a launch
+//! (`cargo bench --bench plan_host`: a linear search of the planned buffers per argument and a
+//! parse per expression), paid by every step not replayed from a CUDA graph: a prefill step's
+//! few hundred launches.
 
 use super::{BufferKey, Buffers, DeviceArg, LaunchProfile, PlanDevice, PlanExecutor};
 use crate::error::{Result, RuntimeError};
-use codegen::gpu::expr::{self, Value};
-use codegen::gpu::{LaunchArg, FEW_ROWS, PREFILL_TOKENS};
+use codegen::gpu::expr::{Compiled, ExprError, Value};
+use codegen::gpu::{GpuPlan, LaunchArg, FEW_ROWS, PREFILL_TOKENS};
 use std::collections::HashMap;
+use std::ops::Range;
+
+/// One launch of the plan, resolved.
+pub(super) struct PreparedLaunch {
+    /// Its place in the plan's launches.
+    index: usize,
+    /// Its own row count (its `tokens` argument; a per-sequence launch has one row per
+    /// sequence), where it has one; else the step's.
+    rows: Option<Compiled>,
+    kernel: Variant,
+    few_rows: Option<Variant>,
+    prefill: Option<Variant>,
+    args: Vec<Arg>,
+}
+
+/// A kernel a launch may run: each binds the first of the launch's arguments, in order.
+struct Variant {
+    name: String,
+    block: u32,
+    grid: Compiled,
+    /// Parameter names, and whether each is a float scalar.
+    params: Vec<(String, bool)>,
+}
+
+enum Arg {
+    Scalar(Compiled),
+    /// From `offset` elements (an expression) into the arena range of an activation.
+    Activation {
+        range: Range<usize>,
+        offset: Compiled,
+    },
+    Scratch(Range<usize>),
+    Held(BufferKey),
+}
+
+fn artifact(e: ExprError) -> RuntimeError {
+    RuntimeError::Artifact(e.to_string())
+}
+
+/// Resolve `plan`'s launches (errors name what the artifact lacks: a kernel, a planned buffer,
+/// an expression that does not parse).
+pub(super) fn prepare(plan: &GpuPlan) -> Result<Vec<PreparedLaunch>> {
+    let variant = |name: &str| -> Result<Variant> {
+        let kernel = plan
+            .kernels
+            .iter()
+            .find(|k| k.name == name)
+            .ok_or_else(|| RuntimeError::Artifact(format!("no kernel {name}")))?;
+        Ok(Variant {
+            name: name.into(),
+            block: kernel.block,
+            grid: Compiled::parse(&kernel.grid).map_err(artifact)?,
+            params: kernel
+                .params
+                .iter()
+                .map(|p| (p.name.clone(), p.kind == "float"))
+                .collect(),
+        })
+    };
+    let buffer = |node: usize, scratch: Option<&str>| super::planned_buffer(plan, node, scratch);
+    let arg = |arg: &LaunchArg| -> Result<Arg> {
+        Ok(match arg {
+            LaunchArg::Scalar { value, .. } => Arg::Scalar(Compiled::parse(value).map_err(artifact)?),
+            LaunchArg::Activation { node, offset } => Arg::Activation {
+                range: buffer(*node, None)?,
+                offset: Compiled::parse(offset).map_err(artifact)?,
+            },
+            LaunchArg::Scratch { node, name, .. } => Arg::Scratch(buffer(*node, Some(name))?),
+            LaunchArg::Weight { node } => Arg::Held(BufferKey::Weight(*node)),
+            LaunchArg::KvCache { slot, value } => Arg::Held(BufferKey::Kv(*slot, *value)),
+            LaunchArg::Constant { name } => Arg::Held(BufferKey::Constant(name.clone())),
+            LaunchArg::Derived { weight, tensor } => Arg::Held(BufferKey::Derived(weight.clone(), tensor.clone())),
+            LaunchArg::StepInput { name } => Arg::Held(BufferKey::StepInput(name.clone())),
+        })
+    };
+    plan.launches
+        .iter()
+        .enumerate()
+        .map(|(index, launch)| {
+            let rows = launch.args.iter().find_map(|a| match a {
+                LaunchArg::Scalar { name, value } if name == "tokens" => Some(value),
+                _ => None,
+            });
+            Ok(PreparedLaunch {
+                index,
+                rows: rows.map(|r| Compiled::parse(r).map_err(artifact)).transpose()?,
+                kernel: variant(&launch.kernel)?,
+                few_rows: launch.few_rows_kernel.as_deref().map(variant).transpose()?,
+                prefill: launch.prefill_kernel.as_deref().map(variant).transpose()?,
+                args: launch.args.iter().map(arg).collect::<Result<_>>()?,
+            })
+        })
+        .collect()
+}
 
 impl<D: PlanDevice> PlanExecutor<D> {
     /// The plan's launches in order, arguments resolved against `vars`.
@@ -18,59 +119,59 @@ impl<D: PlanDevice> PlanExecutor<D> {
         mut profile: Option<&mut Vec<LaunchProfile>>,
     ) -> Result<()> {
         let step_tokens = vars.get("tokens").map_or(0, |v| v.as_i64());
-        for launch in &self.plan.launches {
-            // The prefill variant pays for launches of many rows, the few-rows one for a small
-            // batch: by the launch's own row count
-            // (its `tokens` argument; a per-sequence launch has one row per sequence), else
-            // the step's.
-            let rows = match launch.args.iter().find_map(|a| match a {
-                LaunchArg::Scalar { name, value } if name == "tokens" => Some(value),
-                _ => None,
-            }) {
-                Some(value) => expr::eval(value, vars)
-                    .map_err(|e| RuntimeError::Artifact(e.to_string()))?
-                    .as_i64(),
+        let lookup = |name: &str| vars.get(name).copied();
+        for launch in &self.launches {
+            let rows = match &launch.rows {
+                Some(rows) => rows.eval(&lookup).map_err(artifact)?.as_i64(),
                 None => step_tokens,
             };
-            let name = match (&launch.prefill_kernel, &launch.few_rows_kernel) {
+            // The prefill variant pays for launches of many rows, the few-rows one for a
+            // small batch.
+            let kernel = match (&launch.prefill, &launch.few_rows) {
                 (Some(p), _) if rows >= PREFILL_TOKENS as i64 => p,
                 (_, Some(f)) if rows >= FEW_ROWS as i64 => f,
                 _ => &launch.kernel,
             };
-            let kernel = self
-                .plan
-                .kernels
-                .iter()
-                .find(|k| &k.name == name)
-                .ok_or_else(|| RuntimeError::Artifact(format!("no kernel {name}")))?;
-            let mut args = Vec::with_capacity(launch.args.len());
-            let mut scalars: HashMap<&str, Value> = vars.clone();
-            for (arg, param) in launch.args.iter().zip(&kernel.params) {
+            let mut args = Vec::with_capacity(kernel.params.len());
+            // The kernel's scalars by parameter name: what its grid is an expression of.
+            let mut scalars: Vec<(&str, Value)> = Vec::with_capacity(kernel.params.len());
+            for (arg, (param, float)) in launch.args.iter().zip(&kernel.params) {
                 args.push(match arg {
-                    LaunchArg::Scalar { value, .. } => {
-                        let v = expr::eval(value, vars).map_err(|e| RuntimeError::Artifact(e.to_string()))?;
-                        scalars.insert(param.name.as_str(), v);
-                        match param.kind.as_str() {
-                            "float" => DeviceArg::F32(v.as_f64() as f32),
-                            _ => DeviceArg::I32(v.as_i64() as i32),
+                    Arg::Scalar(value) => {
+                        let v = value.eval(&lookup).map_err(artifact)?;
+                        scalars.push((param, v));
+                        match float {
+                            true => DeviceArg::F32(v.as_f64() as f32),
+                            false => DeviceArg::I32(v.as_i64() as i32),
                         }
                     }
-                    other => self.resolve(other, buffers, vars)?,
+                    Arg::Activation { range, offset } => {
+                        let elems = offset.eval(&lookup).map_err(artifact)?.as_i64() as usize;
+                        DeviceArg::Buffer(&buffers.arena, (range.start + 4 * elems).min(range.end)..range.end)
+                    }
+                    Arg::Scratch(range) => DeviceArg::Buffer(&buffers.arena, range.clone()),
+                    Arg::Held(key) => held(buffers, key)?,
                 });
             }
-            let grid = expr::eval(&kernel.grid, &scalars)
-                .map_err(|e| RuntimeError::Artifact(e.to_string()))?
-                .as_i64();
+            let in_scope = |name: &str| {
+                scalars
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, v)| *v)
+                    .or_else(|| lookup(name))
+            };
+            let grid = kernel.grid.eval(&in_scope).map_err(artifact)?.as_i64();
             if grid <= 0 {
                 continue;
             }
             match profile.as_deref_mut() {
-                None => device.launch(name, grid as u32, kernel.block, &args)?,
+                None => device.launch(&kernel.name, grid as u32, kernel.block, &args)?,
                 Some(profile) => {
-                    let seconds = device.launch_timed(name, grid as u32, kernel.block, &args)?;
-                    let weight_bytes = self.weight_bytes_read(launch, &args, rows.max(0) as usize);
+                    let seconds = device.launch_timed(&kernel.name, grid as u32, kernel.block, &args)?;
+                    let plan_launch = &self.plan.launches[launch.index];
+                    let weight_bytes = self.weight_bytes_read(plan_launch, &args, rows.max(0) as usize);
                     profile.push(LaunchProfile {
-                        kernel: name.clone(),
+                        kernel: kernel.name.clone(),
                         seconds,
                         weight_bytes,
                     });
@@ -108,42 +209,18 @@ impl<D: PlanDevice> PlanExecutor<D> {
             })
             .sum()
     }
+}
 
-    /// A buffer argument: which buffer, and the bytes of it the launch may touch.
-    fn resolve<'b>(
-        &self,
-        arg: &LaunchArg,
-        buffers: &'b Buffers<D::Buffer>,
-        vars: &HashMap<&str, Value>,
-    ) -> Result<DeviceArg<'b, D::Buffer>> {
-        // A buffer the plan placed outside the arena, whole, or what is missing.
-        let held = |key: BufferKey, what: String| {
-            let (buffer, range) = buffers
-                .whole(&key)
-                .ok_or_else(|| RuntimeError::Artifact(format!("{what} missing")))?;
-            Ok::<_, RuntimeError>(DeviceArg::Buffer(buffer, range))
-        };
-        Ok(match arg {
-            LaunchArg::Activation { node, offset } => {
-                let elems = expr::eval(offset, vars)
-                    .map_err(|e| RuntimeError::Artifact(e.to_string()))?
-                    .as_i64() as usize;
-                let range = self.buffer(*node, None)?;
-                DeviceArg::Buffer(&buffers.arena, (range.start + 4 * elems).min(range.end)..range.end)
-            }
-            LaunchArg::Scratch { node, name, .. } => DeviceArg::Buffer(&buffers.arena, self.buffer(*node, Some(name))?),
-            LaunchArg::Weight { node } => held(BufferKey::Weight(*node), format!("weight %{node}"))?,
-            LaunchArg::KvCache { slot, value } => held(BufferKey::Kv(*slot, *value), format!("KV cache {slot}"))?,
-            LaunchArg::Constant { name } => held(BufferKey::Constant(name.clone()), format!("constant `{name}`"))?,
-            LaunchArg::Derived { weight, tensor } => held(
-                BufferKey::Derived(weight.clone(), tensor.clone()),
-                format!("INT8 rows of `{weight}` (from the artifact)"),
-            )?,
-            LaunchArg::StepInput { name } => held(
-                BufferKey::StepInput(name.clone()),
-                format!("step input `{name}` (the plan is not batched)"),
-            )?,
-            LaunchArg::Scalar { .. } => unreachable!("scalars are resolved by the caller"),
+/// A buffer the plan placed outside the arena, whole, or what is missing.
+fn held<'b, B>(buffers: &'b Buffers<B>, key: &BufferKey) -> Result<DeviceArg<'b, B>> {
+    let (buffer, range) = buffers.whole(key).ok_or_else(|| {
+        RuntimeError::Artifact(match key {
+            BufferKey::Weight(node) => format!("weight %{node} missing"),
+            BufferKey::Kv(slot, _) => format!("KV cache {slot} missing"),
+            BufferKey::Constant(name) => format!("constant `{name}` missing"),
+            BufferKey::Derived(weight, _) => format!("INT8 rows of `{weight}` (from the artifact) missing"),
+            BufferKey::StepInput(name) => format!("step input `{name}` (the plan is not batched) missing"),
         })
-    }
+    })?;
+    Ok(DeviceArg::Buffer(buffer, range))
 }

@@ -139,6 +139,8 @@ pub struct PlanExecutor<D: PlanDevice> {
     /// In a batched plan, the nodes with one row per sequence (see
     /// `codegen::gpu::per_sequence_nodes`).
     per_sequence: BTreeSet<usize>,
+    /// The plan's launches resolved once (see `launch`).
+    launches: Vec<launch::PreparedLaunch>,
     state: Mutex<(D, Buffers<D::Buffer>)>,
 }
 
@@ -188,6 +190,8 @@ impl<D: PlanDevice> PlanExecutor<D> {
         int8: &[(String, Int8Rows)],
         context_length: usize,
     ) -> Result<Self> {
+        // Before anything is uploaded: an artifact whose launches do not resolve is refused.
+        let launches = launch::prepare(&plan)?;
         // A batched plan's cache is the block pool; a one-sequence plan's, its context.
         let cache_rows = plan.batched.map_or(context_length, |c| c.blocks * c.block_size);
         // Kernels index the cache with 32-bit integers (f32 elements): refuse before uploading.
@@ -259,6 +263,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             None => BTreeSet::new(),
         };
         Ok(Self {
+            launches,
             plan,
             graph,
             context_length,
@@ -383,14 +388,18 @@ impl<D: PlanDevice> PlanExecutor<D> {
 
     /// The arena bytes of `node`'s value, or of one of its launches' scratch buffers.
     fn buffer(&self, node: usize, scratch: Option<&str>) -> Result<Range<usize>> {
-        self.plan
-            .memory
-            .buffers
-            .iter()
-            .find(|b| b.node == node && b.scratch.as_deref() == scratch)
-            .map(|b| b.offset..b.offset + b.bytes)
-            .ok_or_else(|| RuntimeError::Artifact(format!("no planned buffer for %{node} {scratch:?}")))
+        planned_buffer(&self.plan, node, scratch)
     }
+}
+
+/// The arena bytes the plan gives `node`'s value (or its scratch of that name).
+fn planned_buffer(plan: &GpuPlan, node: usize, scratch: Option<&str>) -> Result<Range<usize>> {
+    plan.memory
+        .buffers
+        .iter()
+        .find(|b| b.node == node && b.scratch.as_deref() == scratch)
+        .map(|b| b.offset..b.offset + b.bytes)
+        .ok_or_else(|| RuntimeError::Artifact(format!("no planned buffer for %{node} {scratch:?}")))
 }
 
 /// An output's values as read back (4-byte words): f32, or i32 ids (`next_token`) as f32.
