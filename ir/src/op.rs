@@ -52,6 +52,15 @@ pub struct AttentionSpec {
     pub window: Option<usize>,
     /// Which KV cache this attention appends to and reads (one per layer).
     pub cache_slot: usize,
+    /// What the cache stores keys and values as: f32, or bf16 (a bf16 model's, as transformers
+    /// and vLLM keep it: half the bytes a decode step reads and the cache holds). Keys and
+    /// values are rounded to it when appended, on every backend alike.
+    #[serde(default = "f32_cache")]
+    pub cache_dtype: DType,
+}
+
+fn f32_cache() -> DType {
+    DType::F32
 }
 
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -397,13 +406,17 @@ impl Op {
                 }
             ),
             Self::Attention(s) => format!(
-                "heads={}, kv_heads={}, head_dim={}, scale={}, window={}, cache={}",
+                "heads={}, kv_heads={}, head_dim={}, scale={}, window={}, cache={}{}",
                 s.heads,
                 s.kv_heads,
                 s.head_dim,
                 s.scale,
                 s.window.map_or("none".to_string(), |w| w.to_string()),
-                s.cache_slot
+                s.cache_slot,
+                match s.cache_dtype {
+                    DType::F32 => String::new(),
+                    other => format!(", cache_dtype={other}"),
+                }
             ),
             Self::Scale { factor } => format!("factor={factor}"),
             Self::Slice { start, len } => format!("start={start}, len={len}"),

@@ -343,6 +343,7 @@ fn attention_matches_reference_with_windows_groups_and_long_caches() {
             scale: 0.3,
             window: (window > 0).then_some(window),
             cache_slot: 0,
+            cache_dtype: ir::DType::F32,
         };
         let slot = ir::reference::KvSlot {
             positions: (0..len).collect(),
@@ -382,7 +383,8 @@ fn attention_matches_reference_with_windows_groups_and_long_caches() {
                 ("k".into(), Array::f32(&k)),
                 ("v".into(), Array::f32(&v)),
             ]);
-            let kernel = attention::attention_split("attention", "test", CacheLayout::Contiguous, head_dim, group);
+            let kernel =
+                attention::attention_split("attention", "test", CacheLayout::Contiguous, head_dim, group, Ty::F32);
             let out = run_attention(&kernel, &mut bufs, &scalars, (tokens, heads, head_dim), splits);
             close(
                 &out,
@@ -844,6 +846,7 @@ fn cache_test_spec(heads: usize, kv_heads: usize, head_dim: usize) -> ir::Attent
         scale: 0.35,
         window: None,
         cache_slot: 0,
+        cache_dtype: ir::DType::F32,
     }
 }
 
@@ -907,7 +910,7 @@ fn paged_attention_and_append_match_the_contiguous_cache() {
         ("block_size", block_size as i64),
     ]);
     run(
-        &kv_append::kv_append_with("append", "test", CacheLayout::Paged),
+        &kv_append::kv_append_with("append", "test", CacheLayout::Paged, Ty::F32),
         &mut bufs,
         &scalars,
     )
@@ -919,7 +922,7 @@ fn paged_attention_and_append_match_the_contiguous_cache() {
     bufs.insert("q".into(), Array::f32(&q));
     let spec = cache_test_spec(heads, kv_heads, head_dim);
     let out = run_attention(
-        &attention::attention_split("paged", "test", CacheLayout::Paged, head_dim, 2),
+        &attention::attention_split("paged", "test", CacheLayout::Paged, head_dim, 2, Ty::F32),
         &mut bufs,
         &attention_scalars(&spec, tokens, first, block_size),
         (tokens, heads, head_dim),
@@ -944,9 +947,25 @@ fn paged_attention_and_append_match_the_contiguous_cache() {
 /// a 3-token prompt) in one launch, their blocks interleaved in one pool, each row with its own
 /// position and block table: every row attends to its own sequence only, and every appended
 /// key lands in its sequence's block.
+/// In an f32 cache and in a bf16 one (what a bf16 model's plan keeps: keys and values rounded
+/// as appended, widened as read).
 #[test]
 fn batched_attention_and_append_keep_sequences_apart() {
+    for cache in [Ty::F32, Ty::Bf16] {
+        batched_step_matches_reference(cache);
+    }
+}
+
+fn batched_step_matches_reference(cache: Ty) {
     use kernels_gen::templates::cache_layout::CacheLayout;
+    let dtype = match cache {
+        Ty::Bf16 => ir::DType::BF16,
+        _ => ir::DType::F32,
+    };
+    let pool = |values: &[f32]| match cache {
+        Ty::Bf16 => Array::bf16(&values.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()),
+        _ => Array::f32(values),
+    };
     let mut rng = Rng(15);
     let (heads, kv_heads, head_dim, block_size) = (4, 2, 8, 4);
     let kv_dim = kv_heads * head_dim;
@@ -987,8 +1006,8 @@ fn batched_attention_and_append_keep_sequences_apart() {
     let mut bufs = HashMap::from([
         ("k_src".into(), Array::f32(&new_k)),
         ("v_src".into(), Array::f32(&new_v)),
-        ("k_cache".into(), Array::f32(&kpool)),
-        ("v_cache".into(), Array::f32(&vpool)),
+        ("k_cache".into(), pool(&kpool)),
+        ("v_cache".into(), pool(&vpool)),
     ]);
     step(&mut bufs);
     let scalars = ints(&[
@@ -999,7 +1018,7 @@ fn batched_attention_and_append_keep_sequences_apart() {
         ("v_stride", kv_dim as i64),
         ("block_size", block_size as i64),
     ]);
-    let append = kv_append::kv_append_with("append", "test", CacheLayout::Batched);
+    let append = kv_append::kv_append_with("append", "test", CacheLayout::Batched, cache);
     run(&append, &mut bufs, &scalars).unwrap();
     let k_pool = bufs.remove("k_cache").unwrap();
     bufs.insert("k".into(), k_pool);
@@ -1007,26 +1026,30 @@ fn batched_attention_and_append_keep_sequences_apart() {
     bufs.insert("v".into(), v_pool);
     step(&mut bufs);
     bufs.insert("q".into(), Array::f32(&q));
-    let spec = cache_test_spec(heads, kv_heads, head_dim);
+    let spec = ir::AttentionSpec {
+        cache_dtype: dtype,
+        ..cache_test_spec(heads, kv_heads, head_dim)
+    };
     let out = run_attention(
-        &attention::attention_split("batched", "test", CacheLayout::Batched, head_dim, 2),
+        &attention::attention_split("batched", "test", CacheLayout::Batched, head_dim, 2, cache),
         &mut bufs,
         &attention_scalars(&spec, tokens, 0, block_size),
         (tokens, heads, head_dim),
         attention::splits_for(tokens),
     );
     let mut want = Vec::new();
+    let stored = |x: Vec<f32>| x.into_iter().map(|e| ops::stored_as(e, dtype)).collect();
     for (k, v, qs, first, len) in per_seq {
         let slot = ir::reference::KvSlot {
             positions: (0..len).collect(),
-            k,
-            v,
+            k: stored(k),
+            v: stored(v),
         };
         let positions: Vec<usize> = (first..len).collect();
         let q = ir::Tensor::new(vec![len - first, heads * head_dim], qs);
         want.extend(ir::reference::attention_over_slot(&spec, &q, &slot, &positions).data);
     }
-    close(&out, &want, 1e-5, "batched attention");
+    close(&out, &want, 1e-5, &format!("batched attention, {cache:?} cache"));
 }
 
 /// The sampler picks the token whose cumulative probability interval holds `u` (computed here

@@ -3,7 +3,7 @@
 use super::{rows, width, GpuCodegenError, KvLayout, LaunchArg, View, WeightUse};
 use ir::reference::ops::rope_inv_freq;
 use ir::{DType, Expr as IrExpr, Graph, InputKind, Op};
-use kernels_gen::dsl::Kernel;
+use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::{self, *};
@@ -324,10 +324,15 @@ pub(crate) fn select(
                             )));
                         }
                         let kv_dim = spec.kv_heads * spec.head_dim;
+                        let cache_ty = match spec.cache_dtype {
+                            DType::F32 => Ty::F32,
+                            DType::BF16 => Ty::Bf16,
+                            other => return Err(unsupported(format!("a {other} KV cache"))),
+                        };
                         s.kv_cache.push(KvLayout {
                             slot: spec.cache_slot,
                             kv_dim,
-                            bytes_per_token: kv_dim * 4,
+                            bytes_per_token: kv_dim * cache_ty.bytes(),
                         });
                         // What the layout adds to both kernels' arguments.
                         let layout_args = match layout {
@@ -364,7 +369,7 @@ pub(crate) fn select(
                             scalar("v_stride", v_stride),
                         ];
                         let args = [args, layout_args.clone()].concat();
-                        let kernel = kv_append::kv_append_with("kv_append", &graph.name, layout);
+                        let kernel = kv_append::kv_append_with("kv_append", &graph.name, layout, cache_ty);
                         s.launches.push((i, kernel, Alternatives::default(), args));
                         // The keys split across blocks, then the splits merged (see
                         // `templates::attention`); the partials are scratch of this node.
@@ -397,7 +402,14 @@ pub(crate) fn select(
                         ];
                         let args = [args, layout_args].concat();
                         let group = attention::heads_per_block(spec.heads, spec.kv_heads, spec.head_dim);
-                        let split = attention::attention_split("attention", &graph.name, layout, spec.head_dim, group);
+                        let split = attention::attention_split(
+                            "attention",
+                            &graph.name,
+                            layout,
+                            spec.head_dim,
+                            group,
+                            cache_ty,
+                        );
                         s.launches.push((i, split, Alternatives::default(), args));
                         let args = vec![
                             partial,

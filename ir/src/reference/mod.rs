@@ -146,8 +146,9 @@ impl<'w> Interpreter<'w> {
             }
             Op::Attention(spec) => {
                 let slot = self.caches.entry(spec.cache_slot).or_default();
-                slot.k.extend_from_slice(&args[1].tensor().data);
-                slot.v.extend_from_slice(&args[2].tensor().data);
+                let stored = |x: &f32| ops::stored_as(*x, spec.cache_dtype);
+                slot.k.extend(args[1].tensor().data.iter().map(stored));
+                slot.v.extend(args[2].tensor().data.iter().map(stored));
                 slot.positions.extend_from_slice(positions);
                 attention_over_slot(spec, args[0].tensor(), slot, positions)
             }

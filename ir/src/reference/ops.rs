@@ -92,6 +92,15 @@ pub fn slice_columns(x: &[f32], row_len: usize, start: usize, len: usize) -> Vec
         .collect()
 }
 
+/// `x` as a buffer of `dtype` stores it and reads it back: rounded to nearest even for bf16
+/// (a KV cache of a bf16 model), unchanged for f32.
+pub fn stored_as(x: f32, dtype: crate::DType) -> f32 {
+    match dtype {
+        crate::DType::BF16 => half::bf16::from_f32(x).to_f32(),
+        _ => x,
+    }
+}
+
 /// `[a | b]` per row, rows of `a` `a_len` and of `b` `b_len` elements wide.
 pub fn concat_columns(a: &[f32], a_len: usize, b: &[f32], b_len: usize) -> Vec<f32> {
     let rows = a.len() / a_len.max(1);

@@ -1,30 +1,33 @@
 //! Appending a step's keys and values to a layer's caches, both in one launch: row `t` of
 //! `k_src` and of `v_src` (rows `k_stride` and `v_stride` apart: K is a slice of the joined
 //! ropes' output, V of the joined QKV output) become the cache rows of its position (`first +
-//! t`, or the row's own in a batched step).
+//! t`, or the row's own in a batched step), stored as the cache's type (f32, or bf16 rounded to
+//! nearest even).
 
 use super::cache_layout::CacheLayout;
 use super::{blocks_for, per_element, BLOCK};
 use crate::dsl::*;
 
 pub fn kv_append(name: &str, origin: &str) -> Kernel {
-    kv_append_with(name, origin, CacheLayout::Contiguous)
+    kv_append_with(name, origin, CacheLayout::Contiguous, Ty::F32)
 }
 
-/// Append into caches in `layout` (contiguous, or paged through a block table).
-pub fn kv_append_with(name: &str, origin: &str, layout: CacheLayout) -> Kernel {
+/// Append into caches in `layout` (contiguous, or paged through a block table) holding `cache`
+/// elements (f32 or bf16).
+pub fn kv_append_with(name: &str, origin: &str, layout: CacheLayout, cache: Ty) -> Kernel {
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: append keys and values to the KV cache, {}",
+            "{origin}: append keys and values to the {} KV cache, {}",
+            format!("{cache:?}").to_lowercase(),
             layout.describe()
         ),
         params: [
             vec![
                 buffer("k_src", Ty::F32, false),
                 buffer("v_src", Ty::F32, false),
-                buffer("k_cache", Ty::F32, true),
-                buffer("v_cache", Ty::F32, true),
+                buffer("k_cache", cache, true),
+                buffer("v_cache", cache, true),
                 scalar("tokens", Ty::I32),
                 scalar("kv_dim", Ty::I32),
                 scalar("first", Ty::I32),

@@ -57,6 +57,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
             scale: 1.0 / c.query_pre_attn_scalar.unwrap_or(c.head_dim as f64).sqrt(),
             window: if sliding { c.sliding_window } else { None },
             cache_slot: i,
+            cache_dtype: b.cache_dtype(),
         };
         let a = b.op(Op::Attention(spec), &[q, k, v])?;
         let wo = b.matrix(&n(LayerTensor::O), c.hidden, q_dim)?;

@@ -60,6 +60,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
             scale: 1.0 / (c.head_dim as f64).sqrt(),
             window: None,
             cache_slot: i,
+            cache_dtype: b.cache_dtype(),
         };
         let a = b.op(Op::Attention(spec), &[q, k, v])?;
         let wo = b.matrix(&n_o, c.hidden, q_dim)?;

@@ -247,6 +247,15 @@ impl Builder<'_> {
         Ok(self.graph.weight(name, &[rows, cols], dtype))
     }
 
+    /// What the KV caches store: bf16 for a bf16 model (as transformers and vLLM keep it),
+    /// f32 otherwise.
+    pub fn cache_dtype(&self) -> DType {
+        match self.options.compute {
+            ComputeDtype::Bf16 => DType::BF16,
+            ComputeDtype::F32 | ComputeDtype::Native => DType::F32,
+        }
+    }
+
     /// A vector weight (norms), always computed in f32.
     pub fn vector(&mut self, name: &str, len: usize) -> Result<NodeId> {
         self.weights.storage(name, &[len])?;

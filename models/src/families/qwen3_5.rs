@@ -132,6 +132,8 @@ pub fn projection_skeleton(s: &Qwen35Shape) -> Result<Graph, GraphError> {
                 scale: 1.0 / (s.head_dim as f64).sqrt(),
                 window: None,
                 cache_slot: i,
+                // A bf16 model's cache, as its weights.
+                cache_dtype: DType::BF16,
             };
             let a = k.graph.add(Op::Attention(spec), &[q, kk, v])?;
             let a = k.graph.add(Op::Mul, &[a, gate])?;

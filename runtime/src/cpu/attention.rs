@@ -75,6 +75,7 @@ mod tests {
                 scale: 0.3,
                 window,
                 cache_slot: 0,
+                cache_dtype: ir::DType::F32,
             };
             let (len, tokens) = (9, 4);
             let kv_dim = 16;

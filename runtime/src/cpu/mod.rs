@@ -369,9 +369,15 @@ impl CpuBackend {
                 );
                 let layer = pages.layer_mut(spec.cache_slot);
                 let dim = layer.dim();
+                // The pages hold f32; a bf16 cache's values are rounded as the GPU's store them.
+                let stored =
+                    |x: &[f32]| -> Vec<f32> { x.iter().map(|&e| ops::stored_as(e, spec.cache_dtype)).collect() };
                 for (seg, r) in rows.segments.iter().zip(&rows.ranges) {
                     let (k, v) = (&k.data[r.start * dim..r.end * dim], &v.data[r.start * dim..r.end * dim]);
-                    layer.write(seg.table, seg.start, k, v);
+                    match spec.cache_dtype {
+                        DType::F32 => layer.write(seg.table, seg.start, k, v),
+                        _ => layer.write(seg.table, seg.start, &stored(k), &stored(v)),
+                    }
                 }
                 let mut out = Tensor::zeros(q.shape.clone());
                 attention::attention(spec, &q.data, &rows.query, pages.layer(spec.cache_slot), &mut out.data);
