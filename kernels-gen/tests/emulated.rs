@@ -610,6 +610,17 @@ fn residual_reference(
     want
 }
 
+/// Random `x` and `b` rows (`strides` apart), norm weight `g` and weights `w` for a residual
+/// matmul of `(tokens, n, k)`.
+fn random_residual(rng: &mut Rng, (tokens, n, k): (usize, usize, usize), strides: (usize, usize)) -> [Vec<f32>; 4] {
+    [
+        rng.vec(tokens * strides.0),
+        rng.vec(tokens * strides.1),
+        rng.vec(k),
+        rng.vec(n * k),
+    ]
+}
+
 /// The residual prologue (`add_rms_norm_matmul`) on the GEMV, in every variant a plan builds
 /// (one token a pass, four, vector loads of both inputs) over strided inputs, and on Hopper's
 /// GEMM in one piece and with K split: the sum lands beside the product, each written once.
@@ -620,12 +631,7 @@ fn residual_prologue_matmuls_write_the_sum_and_the_product() {
     let norm = gemv::NormPrologue::new(eps, offset).with_residual();
     for (tokens, n, k, pads) in [(1, 9, 64, (0, 4)), (6, 5, 96, (8, 0)), (3, 70, 32, (4, 4))] {
         let strides = (k + pads.0, k + pads.1);
-        let (x, b, g, w) = (
-            rng.vec(tokens * strides.0),
-            rng.vec(tokens * strides.1),
-            rng.vec(k),
-            rng.vec(n * k),
-        );
+        let [x, b, g, w] = random_residual(&mut rng, (tokens, n, k), strides);
         let inputs = Residual {
             x: &x,
             b: &b,
@@ -654,12 +660,7 @@ fn residual_prologue_matmuls_write_the_sum_and_the_product() {
     let reduce = split_k::reduce("reduce", "test", 16);
     for (tokens, n, k, pads) in [(20, 70, 136, (3, 0)), (33, 130, 256, (0, 5))] {
         let strides = (k + pads.0, k + pads.1);
-        let (x, b, g, w) = (
-            rng.vec(tokens * strides.0),
-            rng.vec(tokens * strides.1),
-            rng.vec(k),
-            rng.vec(n * k),
-        );
+        let [x, b, g, w] = random_residual(&mut rng, (tokens, n, k), strides);
         let inputs = Residual {
             x: &x,
             b: &b,

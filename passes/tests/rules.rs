@@ -63,6 +63,28 @@ fn outputs(graph: &Graph, weights: &Weights) -> Vec<(String, Vec<f32>)> {
     all
 }
 
+/// A residual add `s = x + x·P` (the sum live, an output) normalised into an `n`-wide matmul
+/// `o`: the graph, and `(s, o)`.
+fn residual_then_matmul(w: &mut Weights, d: usize, n: usize, offset: bool) -> (Graph, (NodeId, NodeId)) {
+    let mut g = Graph::new("residual");
+    let x = activation(&mut g, w, d);
+    let wm = w.add(&mut g, "proj", &[d, d]);
+    let y = g.add(Op::MatMul, &[x, wm]).unwrap();
+    let s = g.add(Op::Add, &[x, y]).unwrap();
+    let nw = w.add(&mut g, "norm", &[d]);
+    let norm = Op::RmsNorm {
+        eps: 1e-6,
+        weight_offset: if offset { 1.0 } else { 0.0 },
+        group: d,
+    };
+    let h = g.add(norm, &[s, nw]).unwrap();
+    let wo = w.add(&mut g, "out", &[n, d]);
+    let o = g.add(Op::MatMul, &[h, wo]).unwrap();
+    g.set_output("residual", s);
+    g.set_output("out", o);
+    (g, (s, o))
+}
+
 /// Run `rules`; check the named rule fired, the result holds `fused_op`, and outputs agree.
 fn check(
     graph: &Graph,
@@ -168,35 +190,15 @@ proptest! {
 
     #[test]
     fn residual_rms_norm_preserves_sum_and_norm(d in 1usize..32, offset in prop::bool::ANY, seed in any::<u64>()) {
-        let mut g = Graph::new("residual");
         let mut w = Weights { seed, ..Default::default() };
-        let x = activation(&mut g, &mut w, d);
-        let wm = w.add(&mut g, "proj", &[d, d]);
-        let y = g.add(Op::MatMul, &[x, wm]).unwrap();
-        let s = g.add(Op::Add, &[x, y]).unwrap();
-        let nw = w.add(&mut g, "norm", &[d]);
-        let n = g.add(Op::RmsNorm { eps: 1e-6, weight_offset: if offset { 1.0 } else { 0.0 }, group: d }, &[s, nw]).unwrap();
-        let wo = w.add(&mut g, "out", &[3, d]);
-        let o = g.add(Op::MatMul, &[n, wo]).unwrap();
-        g.set_output("residual", s);
-        g.set_output("out", o);
+        let (g, _) = residual_then_matmul(&mut w, d, 3, offset);
         check(&g, &w, vec![residual_norm::residual_rms_norm()], "residual-rms-norm", "add_rms_norm", CostModel::CPU);
     }
 
     #[test]
     fn residual_norm_matmul_preserves_sum_and_product(d in 1usize..32, n in 1usize..40, offset in prop::bool::ANY, seed in any::<u64>()) {
-        let mut g = Graph::new("residual_matmul");
         let mut w = Weights { seed, ..Default::default() };
-        let x = activation(&mut g, &mut w, d);
-        let wm = w.add(&mut g, "proj", &[d, d]);
-        let y = g.add(Op::MatMul, &[x, wm]).unwrap();
-        let s = g.add(Op::Add, &[x, y]).unwrap();
-        let nw = w.add(&mut g, "norm", &[d]);
-        let h = g.add(Op::RmsNorm { eps: 1e-6, weight_offset: if offset { 1.0 } else { 0.0 }, group: d }, &[s, nw]).unwrap();
-        let wo = w.add(&mut g, "out", &[n, d]);
-        let o = g.add(Op::MatMul, &[h, wo]).unwrap();
-        g.set_output("residual", s);
-        g.set_output("out", o);
+        let (mut g, (s, o)) = residual_then_matmul(&mut w, d, n, offset);
         if n == d {
             // The sum read again, as the next residual add reads it.
             let next = g.add(Op::Add, &[s, o]).unwrap();
