@@ -7,6 +7,10 @@
 //! until a whole sweep changes nothing, and classes a rule adds (a joined matmul) sit after the
 //! classes reading them, so a sweep moves costs one such step: dozens of sweeps over a 64-layer
 //! graph, each merging every node's DAG cost.
+//!
+//! Then the picks are made to agree (`agree`): where two values one fused op makes came out
+//! cheapest in different ways (and both ways would be built), all the classes that can be
+//! slices of that op try taking them together, kept where that lowers the whole graph's cost.
 
 use crate::analysis::{BbcGraph, ClassData};
 use crate::cost::{CostModel, DagCost, TargetCost};
