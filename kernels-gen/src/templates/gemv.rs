@@ -2,7 +2,8 @@
 //! column slice of a fused output is read in place) or, with the RMSNorm prologue,
 //! `rsqrt(mean(x[t]²) + eps)·x[t]·(g + o)`: the norm's sum of squares and the scaled dot are
 //! taken in the same pass over the row, so the normalised row is never written (what
-//! `fuse_norm_matmul` buys on a GPU).
+//! `fuse_norm_matmul` buys on a GPU). Under a residual prologue (`add_rms_norm_matmul`) the row
+//! is `x + b`, added as it is loaded, and `out`'s rows are `[x + b | product]`.
 //!
 //! One warp per weight row; the warp carries `tokens_per_pass` token rows through each pass
 //! over its weight row, so a step of T tokens reads the weights ⌈T / tokens_per_pass⌉ times
