@@ -45,11 +45,12 @@ fn check(family: &str, dtype: ComputeDtype, target: Target) {
     let (plan, kernels) = gpu::build_with_kernels(&gpu_graph, target, 64).unwrap();
     if dtype == ComputeDtype::Bf16 {
         // bf16 prefill runs the target's own tensor-core GEMM: wgmma on Hopper (plain, with
-        // the norm prologue, and with the residual add before the norm), tcgen05 on B200 (each
-        // only there), mma.sync with cp.async weights on the RTX PRO 6000.
+        // the norm prologue, with the residual add before the norm, and that with the gated
+        // MLP's GLU after), tcgen05 on B200 (each only there), mma.sync with cp.async weights
+        // on the RTX PRO 6000.
         let special: Vec<_> = kernels.iter().filter_map(kernels_gen::cuda::required_arch).collect();
         let expected = match target {
-            Target::H200 => vec!["sm_90a"; 3],
+            Target::H200 => vec!["sm_90a"; 4],
             Target::B200 => vec!["sm_100a"],
             _ => vec![],
         };
@@ -742,6 +743,10 @@ fn a_plan_whose_launches_do_not_resolve_is_refused_at_load() {
     assert!(err.contains("expression `(tokens *`"), "{err}");
     let err = refused(&|p| p.memory.buffers.retain(|b| b.node != p.launches[0].node));
     assert!(err.contains("no planned buffer"), "{err}");
+    let err = refused(&|p| {
+        p.launches[1].args.pop();
+    });
+    assert!(err.contains("arguments for its"), "{err}");
     // The plan as built loads.
     assert!(EmulatedBackend::emulated(plan, kernels, graph, &model.weights, &[], 64).is_ok());
 }

@@ -121,9 +121,13 @@ pub enum Op {
     },
     /// `(a [t, d], b [t, d], w [d], W [n, d]) -> [t, d + n]`: `[a + b | rms_norm(a + b) · Wᵀ]`,
     /// the residual add and the norm as the matmul's prologue, the sum written once beside it.
+    /// With `glu` (W a joined gate/up, n even) the product's halves meet in its epilogue:
+    /// `[t, d + n/2]`, `[a + b | act(y[:, :n/2]) · y[:, n/2:]]`.
     AddRmsNormMatMul {
         eps: f64,
         weight_offset: f32,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        glu: Option<GluAct>,
     },
     /// `x [t, 2n] -> [t, n]`: `act(x[:, :n]) · x[:, n:]` (SwiGLU, GeGLU on joined gate/up).
     Glu {
@@ -336,11 +340,17 @@ impl Op {
                 }
                 Ok((Shape::new([t, n]), DType::F32))
             }
-            Self::AddRmsNormMatMul { .. } => {
+            Self::AddRmsNormMatMul { glu, .. } => {
                 let (t, d) = f32_rows(inputs[0].0)?;
                 let (n, k) = f32_rows(inputs[3].0)?;
                 let fits = inputs[1].0 == inputs[0].0 && inputs[2].0 .0.as_slice() == [d] && k == d;
-                match (fits, d.as_const().zip(n.as_const())) {
+                let product = |n: usize| match glu {
+                    Some(_) if n.is_multiple_of(2) => Some(n / 2),
+                    Some(_) => None,
+                    None => Some(n),
+                };
+                let widths = d.as_const().zip(n.as_const().and_then(product));
+                match (fits, widths) {
                     (true, Some((d, n))) => Ok((Shape::new([t, Dim::Const(d + n)]), DType::F32)),
                     _ => Err(format!(
                         "add_rms_norm_matmul: {} + {} with weight {} and W {}",
@@ -422,9 +432,18 @@ impl Op {
             Self::Slice { start, len } => format!("start={start}, len={len}"),
             Self::AddRmsNorm { eps, weight_offset }
             | Self::RmsNormMatMul { eps, weight_offset }
-            | Self::AddRmsNormMatMul { eps, weight_offset } => {
+            | Self::AddRmsNormMatMul {
+                eps,
+                weight_offset,
+                glu: None,
+            } => {
                 format!("eps={eps:e}, weight_offset={weight_offset}")
             }
+            Self::AddRmsNormMatMul {
+                eps,
+                weight_offset,
+                glu: Some(act),
+            } => format!("eps={eps:e}, weight_offset={weight_offset}, glu={act:?}"),
             Self::Elementwise { expr } => format!("{expr}"),
             Self::TopK { k } | Self::Int8BoundTopK { k } => format!("k={k}"),
             _ => String::new(),

@@ -610,6 +610,79 @@ fn residual_reference(
     want
 }
 
+/// `residual_reference` with the GLU of the product's halves: rows `[sum | act(g)·u]`.
+fn residual_glu_reference(want: &[f32], (tokens, n, k): (usize, usize, usize), act: GluAct) -> Vec<f32> {
+    (0..tokens)
+        .flat_map(|t| {
+            let row = &want[t * (k + n)..(t + 1) * (k + n)];
+            let gated = ops::glu(&row[k..], n, act);
+            row[..k].iter().copied().chain(gated).collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// The GLU epilogue on the residual matmul: each warp's gate row and up row meet in the GEMV
+/// (one token a pass and four, vector loads or not); on Hopper's GEMM every product goes
+/// through the partials, in one piece and with K split, and the reduction applies the GLU.
+#[test]
+fn glu_epilogue_gates_the_product() {
+    let mut rng = Rng(31);
+    let norm = gemv::NormPrologue::new(1e-6, 1.0).with_residual();
+    for (tokens, n, k, act) in [(1, 18, 64, GluAct::Silu), (6, 10, 96, GluAct::GeluTanh)] {
+        let strides = (k + 4, k);
+        let [x, b, g, w] = random_residual(&mut rng, (tokens, n, k), strides);
+        let inputs = Residual {
+            x: &x,
+            b: &b,
+            g: &g,
+            strides,
+        };
+        let plain = residual_reference(&inputs, &w, (tokens, n, k), |v| v, 1.0, 1e-6);
+        let want = residual_glu_reference(&plain, (tokens, n, k), act);
+        let decode = GemvSpec::decode(quant::WeightFormat::Dense(Ty::F32), k)
+            .with_norm(norm)
+            .with_glu(act);
+        for spec in [decode, decode.prefill(), decode.with_x_vectors().prefill()] {
+            let kernel = gemv::gemv("glu_gemv", "test", spec);
+            let dims = (tokens, n, k, n / 2);
+            let out = try_run_residual_matmul((&kernel, None), &inputs, Array::f32(&w), dims, 1).unwrap();
+            close(
+                &out.to_f32().unwrap(),
+                &want,
+                1e-5,
+                &format!("{tokens}×{n}×{k} {spec:?}"),
+            );
+        }
+    }
+    let act = GluAct::Silu;
+    let gemm = gemm_wgmma::gemm_wgmma_bf16_with("gemm", "test", Some(norm), Some(act));
+    let reduce = split_k::reduce("reduce", "test", 16, Some(act));
+    for (tokens, n, k) in [(20, 260, 136), (17, 64, 256)] {
+        let strides = (k, k + 8);
+        let [x, b, g, w] = random_residual(&mut rng, (tokens, n, k), strides);
+        let inputs = Residual {
+            x: &x,
+            b: &b,
+            g: &g,
+            strides,
+        };
+        let round = |v: f32| bf16::from_f32(v).to_f32();
+        let plain = residual_reference(&inputs, &w, (tokens, n, k), round, 1.0, 1e-6);
+        let want = residual_glu_reference(&plain, (tokens, n, k), act);
+        let w = Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
+        for splits in [1, 2] {
+            let dims = (tokens, n, k, n / 2);
+            let out = try_run_residual_matmul((&gemm, Some(&reduce)), &inputs, w.clone(), dims, splits).unwrap();
+            close(
+                &out.to_f32().unwrap(),
+                &want,
+                1e-5,
+                &format!("glu gemm {tokens}×{n}×{k}, {splits} splits"),
+            );
+        }
+    }
+}
+
 /// Random `x` and `b` rows (`strides` apart), norm weight `g` and weights `w` for a residual
 /// matmul of `(tokens, n, k)`.
 fn random_residual(rng: &mut Rng, (tokens, n, k): (usize, usize, usize), strides: (usize, usize)) -> [Vec<f32>; 4] {
@@ -647,7 +720,7 @@ fn residual_prologue_matmuls_write_the_sum_and_the_product() {
             decode.with_x_vectors().prefill(),
         ] {
             let kernel = gemv::gemv("add_norm_gemv", "test", spec);
-            let out = try_run_residual_matmul((&kernel, None), &inputs, Array::f32(&w), (tokens, n, k), 1).unwrap();
+            let out = try_run_residual_matmul((&kernel, None), &inputs, Array::f32(&w), (tokens, n, k, n), 1).unwrap();
             close(
                 &out.to_f32().unwrap(),
                 &want,
@@ -656,8 +729,8 @@ fn residual_prologue_matmuls_write_the_sum_and_the_product() {
             );
         }
     }
-    let gemm = gemm_wgmma::gemm_wgmma_bf16_with("gemm", "test", Some(norm));
-    let reduce = split_k::reduce("reduce", "test", 16);
+    let gemm = gemm_wgmma::gemm_wgmma_bf16_with("gemm", "test", Some(norm), None);
+    let reduce = split_k::reduce("reduce", "test", 16, None);
     for (tokens, n, k, pads) in [(20, 70, 136, (3, 0)), (33, 130, 256, (0, 5))] {
         let strides = (k + pads.0, k + pads.1);
         let [x, b, g, w] = random_residual(&mut rng, (tokens, n, k), strides);
@@ -672,7 +745,7 @@ fn residual_prologue_matmuls_write_the_sum_and_the_product() {
         let w = Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
         for splits in [1, 3] {
             let out =
-                try_run_residual_matmul((&gemm, Some(&reduce)), &inputs, w.clone(), (tokens, n, k), splits).unwrap();
+                try_run_residual_matmul((&gemm, Some(&reduce)), &inputs, w.clone(), (tokens, n, k, n), splits).unwrap();
             close(
                 &out.to_f32().unwrap(),
                 &want,
@@ -758,8 +831,8 @@ fn norm_gemm_matches_reference() {
     let mut rng = Rng(23);
     let (eps, offset) = (1e-5f32, 1.0f32);
     let norm = gemv::NormPrologue::new(eps, offset);
-    let gemm = gemm_wgmma::gemm_wgmma_bf16_with("gemm", "test", Some(norm));
-    let reduce = split_k::reduce("reduce", "test", 16);
+    let gemm = gemm_wgmma::gemm_wgmma_bf16_with("gemm", "test", Some(norm), None);
+    let reduce = split_k::reduce("reduce", "test", 16, None);
     for (tokens, n, k, pad) in [(20, 70, 136, 3), (33, 9, 256, 0)] {
         let x_stride = k + pad;
         let (x, g, w) = (rng.vec(tokens * x_stride), rng.vec(k), rng.vec(n * k));
@@ -795,7 +868,7 @@ fn norm_gemm_matches_reference() {
 fn split_k_gemm_matches_reference() {
     let mut rng = Rng(21);
     let gemm = gemm_wgmma::gemm_wgmma_bf16("gemm", "test");
-    let reduce = split_k::reduce("reduce", "test", 16);
+    let reduce = split_k::reduce("reduce", "test", 16, None);
     for (tokens, n, k) in [(16, 130, 520), (20, 64, 256), (17, 8, 136)] {
         let (x, w) = (rng.vec(tokens * k), rng.vec(n * k));
         let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();

@@ -63,6 +63,7 @@ pub const PIPELINE: &[Pass] = &[
             vec![
                 rules::norm_matmul::norm_matmul(),
                 rules::residual_norm_matmul::residual_norm_matmul(),
+                rules::residual_norm_matmul::residual_norm_matmul_glu(),
             ]
         },
     },

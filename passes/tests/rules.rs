@@ -210,6 +210,29 @@ proptest! {
     }
 
     #[test]
+    fn residual_norm_matmul_glu_preserves_sum_and_gated_product(d in 1usize..24, n in 1usize..20, gelu in prop::bool::ANY, seed in any::<u64>()) {
+        let mut w = Weights { seed, ..Default::default() };
+        let (mut g, (_, product)) = residual_then_matmul(&mut w, d, 2 * n, false);
+        let gate = g.add(Op::Slice { start: 0, len: n }, &[product]).unwrap();
+        let up = g.add(Op::Slice { start: n, len: n }, &[product]).unwrap();
+        let act = g.add(if gelu { Op::GeluTanh } else { Op::Silu }, &[gate]).unwrap();
+        let y = g.add(Op::Mul, &[act, up]).unwrap();
+        g.set_output("out", y);
+        let rules = || vec![
+            residual_norm::residual_rms_norm(),
+            gated_mlp::swiglu(),
+            gated_mlp::geglu(),
+            residual_norm_matmul::residual_norm_matmul(),
+            residual_norm_matmul::residual_norm_matmul_glu(),
+        ];
+        check(&g, &w, rules(), "residual-norm-matmul-glu", "add_rms_norm_matmul", CostModel::H200);
+        // The glu went into the epilogue: none is left, nor the unfused residual.
+        let (after, _) = passes::run_rules(&g, "under-test", &rules(), CostModel::H200).unwrap();
+        let names: Vec<&str> = after.nodes().iter().map(|n| n.op.name()).collect();
+        prop_assert!(!names.iter().any(|n| matches!(*n, "swiglu" | "geglu" | "add_rms_norm")), "{}", after.to_text());
+    }
+
+    #[test]
     fn gated_mlp_preserves_values(d in 1usize..24, n in 1usize..24, gelu in prop::bool::ANY, seed in any::<u64>()) {
         let mut g = Graph::new("glu");
         let mut w = Weights { seed, ..Default::default() };

@@ -39,7 +39,9 @@ fn driver(e: cudarc::driver::DriverError) -> RuntimeError {
 /// GPU 0: its stream and the plan's kernels, loaded from the artifact's PTX.
 pub struct CudaDevice {
     stream: Arc<CudaStream>,
-    functions: HashMap<String, CudaFunction>,
+    /// Each kernel, with how many parameters it takes (a launch must give exactly those: the
+    /// driver would read whatever lies past the arguments given).
+    functions: HashMap<String, (CudaFunction, usize)>,
     /// Instantiated graphs by key (a batched step's row count).
     graphs: HashMap<usize, OwnedGraph>,
 }
@@ -67,7 +69,7 @@ impl CudaDevice {
                 ),
                 (None, None) => return Err(RuntimeError::Artifact(format!("kernel {} has no cubin or PTX", k.name))),
             };
-            Ok((k.name.clone(), module))
+            Ok((k.name.clone(), module, k.params.len()))
         });
         Self::load(modules.collect::<Result<Vec<_>>>()?)
     }
@@ -77,14 +79,14 @@ impl CudaDevice {
         let modules = kernels.iter().map(|k| {
             let source = kernels_gen::cuda::emit(k);
             codegen::nvrtc::compile_cubin(&k.name, &source, arch)
-                .map(|(cubin, _)| (k.name.clone(), Ptx::from_binary(cubin)))
+                .map(|(cubin, _)| (k.name.clone(), Ptx::from_binary(cubin), k.params.len()))
                 .map_err(|e| RuntimeError::Artifact(e.to_string()))
         });
         Self::load(modules.collect::<Result<Vec<_>>>()?)
     }
 
-    /// Load kernels given as (name, module image).
-    fn load(modules: Vec<(String, Ptx)>) -> Result<Self> {
+    /// Load kernels given as (name, module image, parameter count).
+    fn load(modules: Vec<(String, Ptx, usize)>) -> Result<Self> {
         if !driver_present() {
             return Err(RuntimeError::NoCudaDriver);
         }
@@ -96,9 +98,9 @@ impl CudaDevice {
         // Graphs are captured from a stream of our own: the legacy default stream cannot be.
         let stream = ctx.new_stream().map_err(driver)?;
         let mut functions = HashMap::new();
-        for (name, image) in modules {
+        for (name, image, params) in modules {
             let module = ctx.load_module(image).map_err(driver)?;
-            functions.insert(name.clone(), module.load_function(&name).map_err(driver)?);
+            functions.insert(name.clone(), (module.load_function(&name).map_err(driver)?, params));
         }
         Ok(Self {
             stream,
@@ -167,10 +169,16 @@ impl PlanDevice for CudaDevice {
     }
 
     fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[DeviceArg<'_, Self::Buffer>]) -> Result<()> {
-        let function = self
+        let (function, params) = self
             .functions
             .get(kernel)
             .ok_or_else(|| RuntimeError::Artifact(format!("no kernel {kernel}")))?;
+        if args.len() != *params {
+            return Err(RuntimeError::Artifact(format!(
+                "kernel {kernel} takes {params} arguments, given {}",
+                args.len()
+            )));
+        }
         let pointers: Vec<u64> = args
             .iter()
             .map(|a| match a {

@@ -130,9 +130,9 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
             gemv("gemv", "gpu-check", spec(k)),
             gemv("gemv_prefill", "gpu-check", spec(k).prefill()),
             // The target's tensor-core GEMM: wgmma on sm_90a, tcgen05 on sm_100a, mma.sync on sm_120a.
-            prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), k, None, "gemm", "gpu-check")
+            prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), k, None, None, "gemm", "gpu-check")
                 .ok_or_else(|| anyhow!("a bf16 GEMM"))?,
-            split_k::reduce("split_k_reduce", "gpu-check", gpu::PREFILL_TOKENS),
+            split_k::reduce("split_k_reduce", "gpu-check", gpu::PREFILL_TOKENS, None),
         ];
         let mut device = CudaDevice::compile(&[kernels.clone(), fill_kernels()].concat(), arch)?;
         // Random weights and activations (never zeros: they can run faster than real data).
@@ -187,6 +187,9 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
                 DeviceArg::I32(batch as i32),
                 DeviceArg::I32(n as i32),
                 DeviceArg::I32(splits as i32),
+                // Into `out`'s rows, n wide, from column 0.
+                DeviceArg::I32(n as i32),
+                DeviceArg::I32(0),
             ];
             let reduce_grid = (batch * n).div_ceil(kernels_gen::templates::BLOCK as usize) as u32;
             let seconds = device.time(20, |d| {

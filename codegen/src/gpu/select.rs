@@ -232,11 +232,17 @@ pub(crate) fn select(
                         (gemv::gemv("rms_norm_gemv", &graph.name, spec), args)
                     }
                     // `[a + b | y]`: the kernels write the sum into the first `k` columns of
-                    // each row and the product after it (`gemv::out_index`).
-                    Op::AddRmsNormMatMul { eps, weight_offset } => {
+                    // each row and the product after it (`gemv::out_index`); `n` is the weight
+                    // rows (a joined gate/up's under a GLU epilogue: twice the product's).
+                    Op::AddRmsNormMatMul {
+                        eps,
+                        weight_offset,
+                        glu,
+                    } => {
                         let w = weight_format(graph.node(node.inputs[3]).dtype, i, op.name())?;
                         let ((a, a_stride), (b, b_stride)) = (act(&s, 0), act(&s, 1));
                         let k = width(graph, input(0));
+                        let n = graph.node(node.inputs[3]).shape.resolve(0, 0)[0];
                         let args = vec![
                             a,
                             b,
@@ -244,16 +250,24 @@ pub(crate) fn select(
                             weight(3),
                             out,
                             scalar("tokens", &rows),
-                            scalar("n", width(graph, i) - k),
+                            scalar("n", n),
                             scalar("k", k),
                             scalar("x_stride", a_stride),
                             scalar("b_stride", b_stride),
                         ];
                         let norm = gemv::NormPrologue::new(*eps as f32, *weight_offset).with_residual();
-                        let spec = gemv::GemvSpec::decode(w, k).with_norm(norm);
+                        let mut spec = gemv::GemvSpec::decode(w, k).with_norm(norm);
+                        let mut name = "add_rms_norm_gemv".to_string();
+                        if let Some(act) = glu {
+                            if !matches!(w, WeightFormat::Dense(_)) {
+                                return Err(unsupported(format!("a GLU epilogue over {w:?} weights")));
+                            }
+                            spec = spec.with_glu(*act);
+                            name = format!("add_rms_norm_{}_gemv", ir::Op::Glu { act: *act }.name());
+                        }
                         let spec = x_vectors(spec, &[&s.views[&input(0)], &s.views[&input(1)]]);
-                        gemv_prefill = Some(gemv::gemv("add_rms_norm_gemv", &graph.name, spec.prefill()));
-                        (gemv::gemv("add_rms_norm_gemv", &graph.name, spec), args)
+                        gemv_prefill = Some(gemv::gemv(&name, &graph.name, spec.prefill()));
+                        (gemv::gemv(&name, &graph.name, spec), args)
                     }
                     Op::RmsNorm {
                         eps,
@@ -560,19 +574,30 @@ pub(crate) fn select(
                     WeightFormat::of(graph.node(node.inputs.last().copied().unwrap_or(ir::NodeId(i))).dtype),
                 ) {
                     (Op::MatMul, Some(format)) => {
-                        templates::prefill_gemm(arch, format, width(graph, input(0)), None, "gemm", &graph.name)
+                        templates::prefill_gemm(arch, format, width(graph, input(0)), None, None, "gemm", &graph.name)
                             .or(gemv_prefill.clone())
                     }
                     (Op::RmsNormMatMul { eps, weight_offset }, Some(format)) => {
                         let norm = gemv::NormPrologue::new(*eps as f32, *weight_offset);
                         let k = width(graph, input(0));
-                        templates::prefill_gemm(arch, format, k, Some(norm), "rms_norm_gemm", &graph.name)
+                        templates::prefill_gemm(arch, format, k, Some(norm), None, "rms_norm_gemm", &graph.name)
                             .or(gemv_prefill.clone())
                     }
-                    (Op::AddRmsNormMatMul { eps, weight_offset }, Some(format)) => {
+                    (
+                        Op::AddRmsNormMatMul {
+                            eps,
+                            weight_offset,
+                            glu,
+                        },
+                        Some(format),
+                    ) => {
                         let norm = gemv::NormPrologue::new(*eps as f32, *weight_offset).with_residual();
                         let k = width(graph, input(0));
-                        templates::prefill_gemm(arch, format, k, Some(norm), "add_rms_norm_gemm", &graph.name)
+                        let name = match glu {
+                            Some(act) => format!("add_rms_norm_{}_gemm", ir::Op::Glu { act: *act }.name()),
+                            None => "add_rms_norm_gemm".into(),
+                        };
+                        templates::prefill_gemm(arch, format, k, Some(norm), *glu, &name, &graph.name)
                             .or(gemv_prefill.clone())
                     }
                     _ => gemv_prefill.clone(),
@@ -593,21 +618,27 @@ pub(crate) fn select(
                     continue;
                 }
                 let k = width(graph, input(0));
-                // The product's columns, and where they sit in the output's rows.
-                let (n, out_col) = match op {
-                    Op::AddRmsNormMatMul { .. } => (width(graph, i) - k, k),
-                    _ => (width(graph, i), 0),
+                // The GEMM's columns (the weight rows), where the product sits in the output's
+                // rows, and the epilogue the reduction applies.
+                let (n, out_col, glu) = match op {
+                    Op::AddRmsNormMatMul { glu, .. } => (graph.node(node.inputs[3]).shape.resolve(0, 0)[0], k, *glu),
+                    _ => (width(graph, i), 0, None),
                 };
                 let sms = target.multiprocessors();
+                let mut partial_len = split_k::partial_len(n, k, gemm_wgmma::TILES, sms);
+                if glu.is_some() {
+                    // Every product goes through the partials, in one split too: room for every row.
+                    partial_len = partial_len.max(max_tokens * n);
+                }
                 let partial = LaunchArg::Scratch {
                     node: i,
                     name: "partial".into(),
-                    bytes: split_k::partial_len(n, k, gemm_wgmma::TILES, sms) * 4,
+                    bytes: partial_len * 4,
                 };
                 let splits = split_k::splits_expr(&rows, n, k, gemm_wgmma::TILES, sms);
                 let args = [args, vec![partial.clone(), scalar("splits", &splits)]].concat();
                 s.launches.push((i, kernel, alternatives, args));
-                if split_k::most_splits(n, k, gemm_wgmma::TILES, sms) == 1 {
+                if split_k::most_splits(n, k, gemm_wgmma::TILES, sms) == 1 && glu.is_none() {
                     continue;
                 }
                 let reduce_args = vec![
@@ -622,7 +653,7 @@ pub(crate) fn select(
                     scalar("out_stride", width(graph, i)),
                     scalar("out_col", out_col),
                 ];
-                let reduce = split_k::reduce("split_k_reduce", &graph.name, super::PREFILL_TOKENS);
+                let reduce = split_k::reduce("split_k_reduce", &graph.name, super::PREFILL_TOKENS, glu);
                 s.launches.push((i, reduce, Alternatives::default(), reduce_args));
             }
         }

@@ -188,12 +188,20 @@ impl<'w> Interpreter<'w> {
                 ops::matmul(&normed, &m.data, x.row_len(), &mut out.data);
                 out
             }
-            Op::AddRmsNormMatMul { eps, weight_offset } => {
+            Op::AddRmsNormMatMul {
+                eps,
+                weight_offset,
+                glu,
+            } => {
                 let (a, b, w, m) = (args[0].tensor(), args[1].tensor(), args[2].tensor(), args[3].tensor());
                 let (d, n) = (a.row_len(), m.rows());
                 let summed = ops::add_rms_norm(&a.data, &b.data, &w.data, *eps, *weight_offset);
                 let mut product = vec![0f32; a.rows() * n];
                 ops::matmul(&ops::slice_columns(&summed, 2 * d, d, d), &m.data, d, &mut product);
+                let (product, n) = match glu {
+                    Some(act) => (ops::glu(&product, n, *act), n / 2),
+                    None => (product, n),
+                };
                 let sum = ops::slice_columns(&summed, 2 * d, 0, d);
                 Tensor::new(vec![a.rows(), d + n], ops::concat_columns(&sum, d, &product, n))
             }

@@ -27,6 +27,7 @@
 use super::gemv::{self, NormPrologue};
 use super::split_k;
 use crate::dsl::*;
+use ir::GluAct;
 
 /// The GEMM's parameters: [`super::gemm_params`]'s, with the prologue's `b` and `g` after `x`
 /// and `b_stride` last (the order of the prologue GEMV's, whose arguments the GEMM takes over).
@@ -107,7 +108,7 @@ fn copy_stage(stage: Expr, k0: Expr) -> Vec<Stmt> {
 /// prologue each x meets its norm weight `g + offset` here (the row's `1/rms` is applied to
 /// the result). Under a residual prologue the blocks of the first weight tile also write the
 /// sums they loaded: each (row, column) is one thread's of one such block.
-fn load_a(norm: Option<NormPrologue>) -> Vec<Stmt> {
+fn load_a(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
     let scaled = |col: Expr, x: Expr| match norm {
         Some(n) => x * (load("g", col) + f(n.offset)),
         None => x,
@@ -126,7 +127,7 @@ fn load_a(norm: Option<NormPrologue>) -> Vec<Stmt> {
                 assign(&names[1], scaled(col.clone() + int(1), var("xv1"))),
             ];
             if gemv::residual(norm) {
-                let sum_at = |c: Expr| row.clone() * (var("k") + var("n")) + c;
+                let sum_at = |c: Expr| row.clone() * gemv::out_row_len(norm, glu) + c;
                 loaded.push(if_(
                     eq(var("n0"), int(0)),
                     vec![
@@ -167,8 +168,9 @@ fn multiply_stage() -> Vec<Stmt> {
 }
 
 /// Store the accumulators where they fall inside the result (layout in `WgmmaOp`): `out`, or
-/// with several K splits this split's partial tile.
-fn store_accumulators(norm: Option<NormPrologue>) -> Vec<Stmt> {
+/// with several K splits (or a GLU epilogue, which the reduction applies) this split's partial
+/// tile.
+fn store_accumulators(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
     (0..TILE_N as usize / 2)
         .map(|i| {
             let upper = i % 4 >= 2;
@@ -184,7 +186,7 @@ fn store_accumulators(norm: Option<NormPrologue>) -> Vec<Stmt> {
                     row.clone(),
                     col.clone(),
                     value,
-                    gemv::out_index(norm, row, col),
+                    glu.is_none().then(|| gemv::out_index(norm, glu, row, col)),
                 )],
             )
         })
@@ -229,12 +231,16 @@ fn row_norms(norm: NormPrologue) -> Vec<Stmt> {
 pub const TILES: (usize, usize, usize) = (TILE_M as usize, TILE_N as usize, TILE_K as usize);
 
 pub fn gemm_wgmma_bf16(name: &str, origin: &str) -> Kernel {
-    gemm_wgmma_bf16_with(name, origin, None)
+    gemm_wgmma_bf16_with(name, origin, None, None)
 }
 
 /// The GEMM with an RMSNorm of `x` before it (`g` its weight): what `rms_norm_matmul` runs for
 /// steps of many rows (an LM head over a batch, a first layer's QKV).
-pub fn gemm_wgmma_bf16_with(name: &str, origin: &str, norm: Option<NormPrologue>) -> Kernel {
+///
+/// With `glu` (the weights a joined gate/up) every product goes to the partials, even in one
+/// piece, and the reduction (`split_k::reduce` with the same `glu`) applies `act(gate)·up`: a
+/// gate column and its up column lie in different weight tiles.
+pub fn gemm_wgmma_bf16_with(name: &str, origin: &str, norm: Option<NormPrologue>, glu: Option<GluAct>) -> Kernel {
     let tiles_m = (var("tokens") + int(TILE_M - 1)) / int(TILE_M);
     let tiles_n = (var("n") + int(TILE_N - 1)) / int(TILE_N);
     let locals = (0..TILE_N as usize / 2)
@@ -243,7 +249,7 @@ pub fn gemm_wgmma_bf16_with(name: &str, origin: &str, norm: Option<NormPrologue>
         .map(|n| let_(&n, Ty::F32, f(0.0)));
     let step = [
         super::pipeline_step_head(TILE_K, var("k_end"), copy_stage),
-        load_a(norm),
+        load_a(norm, glu),
         vec![Stmt::CpAsyncWait(1), Stmt::FenceProxyAsync, Stmt::SyncThreads],
         multiply_stage(),
         // Nobody refills this buffer (next step) before every thread is past the wait.
@@ -271,7 +277,7 @@ pub fn gemm_wgmma_bf16_with(name: &str, origin: &str, norm: Option<NormPrologue>
             // A split past the end of K ran no step: its first copies (all zero-fill) land here.
             Stmt::CpAsyncWait(0),
         ],
-        store_accumulators(norm),
+        store_accumulators(norm, glu),
     ]
     .concat();
     Kernel {

@@ -18,6 +18,7 @@
 use super::quant::WeightFormat;
 use super::{warp_sum, BLOCK};
 use crate::dsl::*;
+use ir::GluAct;
 
 /// An RMSNorm applied to `x` inside the GEMV (`g` is its weight, `offset` added to it).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -62,13 +63,40 @@ pub fn prologue_params(norm: Option<NormPrologue>) -> Vec<Param> {
     params
 }
 
-/// The element of `out` for result (`row`, `col`): rows `n` wide, or under a residual
-/// prologue `[sum | product]` rows `k + n` wide.
-pub fn out_index(norm: Option<NormPrologue>, row: Expr, col: Expr) -> Expr {
-    match residual(norm) {
-        true => row * (var("k") + var("n")) + var("k") + col,
-        false => row * var("n") + col,
+/// The product's columns: `n` (the weight rows), or half of them under a GLU epilogue (a
+/// gate row and its up row make one column).
+pub fn product_cols(glu: Option<GluAct>) -> Expr {
+    match glu {
+        Some(_) => var("n") / int(2),
+        None => var("n"),
     }
+}
+
+/// Elements in a row of `out`: the product's, or under a residual prologue `k` more (the sum
+/// before it).
+pub fn out_row_len(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Expr {
+    match residual(norm) {
+        true => var("k") + product_cols(glu),
+        false => product_cols(glu),
+    }
+}
+
+/// The element of `out` for product (`row`, `col`): after the sum under a residual prologue.
+pub fn out_index(norm: Option<NormPrologue>, glu: Option<GluAct>, row: Expr, col: Expr) -> Expr {
+    let at = row * out_row_len(norm, glu) + col;
+    match residual(norm) {
+        true => at + var("k"),
+        false => at,
+    }
+}
+
+/// `act(gate)·up`, the GLU epilogue's value.
+pub fn gated(act: GluAct, gate: Expr, up: Expr) -> Expr {
+    let activated = match act {
+        GluAct::Silu => super::elementwise::silu(gate),
+        GluAct::GeluTanh => super::elementwise::gelu_tanh(gate),
+    };
+    activated * up
 }
 
 /// What to generate.
@@ -83,6 +111,9 @@ pub struct GemvSpec {
     pub vector: usize,
     /// `x` read four floats per load rather than one (see [`with_x_vectors`](Self::with_x_vectors)).
     pub x_vector: bool,
+    /// A GLU epilogue: the weights are a joined gate/up (`n` rows, gates first), each warp
+    /// computes gate row `r` and up row `r + n/2` and writes `act(gate)·up`.
+    pub glu: Option<GluAct>,
 }
 
 impl GemvSpec {
@@ -105,6 +136,7 @@ impl GemvSpec {
             tokens_per_pass: 1,
             vector: if k.is_multiple_of(vector) { vector } else { 1 },
             x_vector: false,
+            glu: None,
         }
     }
 
@@ -130,6 +162,16 @@ impl GemvSpec {
             x_vector: self.x_vector && self.vector <= 8,
             ..self
         }
+    }
+
+    /// The GLU epilogue (dense weights only: a block format's decoding declares its helpers
+    /// once per step).
+    pub fn with_glu(self, act: GluAct) -> Self {
+        assert!(
+            matches!(self.weight, WeightFormat::Dense(_)),
+            "the GLU epilogue takes dense weights"
+        );
+        Self { glu: Some(act), ..self }
     }
 
     pub fn with_norm(self, norm: NormPrologue) -> Self {
@@ -159,22 +201,26 @@ pub fn gemv(name: &str, origin: &str, spec: GemvSpec) -> Kernel {
         params.push(scalar("b_stride", Ty::I32));
     }
     let prologue = describe(spec.norm);
+    let epilogue = match spec.glu {
+        Some(act) => format!(" + {act:?} GLU epilogue"),
+        None => String::new(),
+    };
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: {prologue}matmul x·Wᵀ, {} weights, {} token(s) per pass",
+            "{origin}: {prologue}matmul x·Wᵀ{epilogue}, {} weights, {} token(s) per pass",
             spec.weight.describe(),
             spec.tokens_per_pass
         ),
         params,
         shared: vec![],
         block_dim: BLOCK,
-        grid: super::blocks_for(var("n"), warps),
+        grid: super::blocks_for(product_cols(spec.glu), warps),
         body: vec![
             let_("r", Ty::I32, bid() * int(warps) + warp()),
             // Whole warps leave together, so the shuffles below always see 32 lanes.
             if_(
-                bin(BinOp::Lt, var("r"), var("n")),
+                bin(BinOp::Lt, var("r"), product_cols(spec.glu)),
                 vec![for_(
                     "first",
                     int(0),
@@ -200,6 +246,8 @@ pub fn describe(norm: Option<NormPrologue>) -> &'static str {
 fn pass(spec: &GemvSpec) -> Vec<Stmt> {
     let tokens = spec.tokens_per_pass;
     let (t, acc, sq) = (names("row", tokens), names("acc", tokens), names("sq", tokens));
+    // Under a GLU epilogue `acc` sums the gate row, `up` the up row.
+    let up = names("up", tokens);
     let mut out = Vec::new();
     for (j, t_j) in t.iter().enumerate() {
         let row = var("first") + int(j as i64);
@@ -208,14 +256,25 @@ fn pass(spec: &GemvSpec) -> Vec<Stmt> {
     }
     for j in 0..tokens {
         out.push(let_(&acc[j], Ty::F32, f(0.0)));
+        if spec.glu.is_some() {
+            out.push(let_(&up[j], Ty::F32, f(0.0)));
+        }
         if spec.norm.is_some() {
             out.push(let_(&sq[j], Ty::F32, f(0.0)));
         }
     }
     let (start, step) = (lane() * int(spec.vector as i64), int(32 * spec.vector as i64));
-    out.push(for_("i", start, var("k"), step, k_step(spec, &t, &acc, &sq)));
+    let sums = Sums {
+        acc: &acc,
+        up: &up,
+        sq: &sq,
+    };
+    out.push(for_("i", start, var("k"), step, k_step(spec, &t, &sums)));
     for j in 0..tokens {
         out.extend(warp_sum(&acc[j]));
+        if spec.glu.is_some() {
+            out.extend(warp_sum(&up[j]));
+        }
         if spec.norm.is_some() {
             out.extend(warp_sum(&sq[j]));
         }
@@ -223,13 +282,17 @@ fn pass(spec: &GemvSpec) -> Vec<Stmt> {
     let stores = (0..tokens)
         .map(|j| {
             let row = var("first") + int(j as i64);
-            let value = match spec.norm {
-                Some(norm) => var(&acc[j]) * un(UnOp::Rsqrt, var(&sq[j]) / cast(Ty::F32, var("k")) + f(norm.eps)),
-                None => var(&acc[j]),
+            let scaled = |sum: &str| match spec.norm {
+                Some(norm) => var(sum) * un(UnOp::Rsqrt, var(&sq[j]) / cast(Ty::F32, var("k")) + f(norm.eps)),
+                None => var(sum),
+            };
+            let value = match spec.glu {
+                Some(act) => gated(act, scaled(&acc[j]), scaled(&up[j])),
+                None => scaled(&acc[j]),
             };
             if_(
                 bin(BinOp::Lt, row.clone(), var("tokens")),
-                vec![store("out", out_index(spec.norm, row, var("r")), value)],
+                vec![store("out", out_index(spec.norm, spec.glu, row, var("r")), value)],
             )
         })
         .collect();
@@ -237,12 +300,30 @@ fn pass(spec: &GemvSpec) -> Vec<Stmt> {
     out
 }
 
+/// A pass's running sums per token row: the product (the gate's under a GLU epilogue), the up
+/// row's, and the sum of squares under a norm.
+struct Sums<'a> {
+    acc: &'a [String],
+    up: &'a [String],
+    sq: &'a [String],
+}
+
 /// Elements `i..i + vector` of the row: the weights (scaled by the norm's `g + o`), then each
 /// token's products.
-fn k_step(spec: &GemvSpec, t: &[String], acc: &[String], sq: &[String]) -> Vec<Stmt> {
+fn k_step(spec: &GemvSpec, t: &[String], sums: &Sums) -> Vec<Stmt> {
+    let (acc, sq) = (sums.acc, sums.sq);
     let v = spec.vector;
     let mut out = Vec::new();
     let w = names("w", v);
+    // The up row's weights, under a GLU epilogue (dense: checked by `with_glu`).
+    let w_up = names("wu", v);
+    if spec.glu.is_some() {
+        let row = var("r") + var("n") / int(2);
+        match v {
+            1 => out.extend(spec.weight.element(&w_up[0], row, var("k"), var("i"))),
+            _ => out.push(load_vec("w", row * var("k") + var("i"), &w_up)),
+        }
+    }
     match spec.weight {
         WeightFormat::Blocks(format) if v == 32 => {
             // The block (or K-quant sub-block) holding elements i..i + 32 of row r: rows are
@@ -263,8 +344,8 @@ fn k_step(spec: &GemvSpec, t: &[String], acc: &[String], sq: &[String]) -> Vec<S
         _ => out.extend(spec.weight.element(&w[0], var("r"), var("k"), var("i"))),
     }
     // The weight each x element meets: W, or W·(g + o) under the norm.
-    let u: Vec<String> = match spec.norm {
-        None => w,
+    let (u, u_up): (Vec<String>, Vec<String>) = match spec.norm {
+        None => (w, w_up),
         Some(norm) => {
             let g = names("g", v);
             for chunk in (0..v).step_by(4) {
@@ -275,11 +356,14 @@ fn k_step(spec: &GemvSpec, t: &[String], acc: &[String], sq: &[String]) -> Vec<S
                     _ => out.push(load_vec("g", index, &g[chunk..chunk + width])),
                 }
             }
-            let u = names("u", v);
+            let (u, u_up) = (names("u", v), names("uu", v));
             for e in 0..v {
                 out.push(let_(&u[e], Ty::F32, var(&w[e]) * (var(&g[e]) + f(norm.offset))));
+                if spec.glu.is_some() {
+                    out.push(let_(&u_up[e], Ty::F32, var(&w_up[e]) * (var(&g[e]) + f(norm.offset))));
+                }
             }
-            u
+            (u, u_up)
         }
     };
     for (j, t_j) in t.iter().enumerate() {
@@ -306,6 +390,9 @@ fn k_step(spec: &GemvSpec, t: &[String], acc: &[String], sq: &[String]) -> Vec<S
                 out.push(assign(&sq[j], var(&sq[j]) + var(x) * var(x)));
             }
             out.push(assign(&acc[j], var(&acc[j]) + var(x) * var(u_e)));
+            if spec.glu.is_some() {
+                out.push(assign(&sums.up[j], var(&sums.up[j]) + var(x) * var(&u_up[e])));
+            }
         }
     }
     out
@@ -338,7 +425,7 @@ fn load_row(spec: &GemvSpec, t: &str, xs: &[String], first: usize, count: usize)
     let sums = (0..count)
         .map(|e| {
             let col = var("i") + int((first + e) as i64);
-            store("out", var(t) * (var("k") + var("n")) + col, var(&names[e]))
+            store("out", var(t) * out_row_len(spec.norm, spec.glu) + col, var(&names[e]))
         })
         .collect();
     out.push(if_(bin(BinOp::Eq, var("r"), int(0)), sums));

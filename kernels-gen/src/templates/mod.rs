@@ -46,22 +46,23 @@ use crate::dsl::*;
 /// per 4 as in the prefill GEMV. The wgmma/tcgen05 kernels take their weights by `cp.async`,
 /// which copies bytes and cannot decode.
 ///
-/// Under an RMSNorm prologue (`rms_norm_matmul`) only Hopper's GEMM has the variant; the others
-/// keep the prefill GEMV.
+/// Under an RMSNorm prologue (`rms_norm_matmul`, `add_rms_norm_matmul`, the latter perhaps with
+/// a GLU epilogue) only Hopper's GEMM has the variant; the others keep the prefill GEMV.
 pub fn prefill_gemm(
     arch: &str,
     weights: quant::WeightFormat,
     k: usize,
     norm: Option<gemv::NormPrologue>,
+    glu: Option<ir::GluAct>,
     name: &str,
     origin: &str,
 ) -> Option<Kernel> {
     use gemm_mma::WeightStaging;
     use quant::WeightFormat;
-    if let Some(norm) = norm {
+    if norm.is_some() || glu.is_some() {
         return match (weights, arch) {
             (WeightFormat::Dense(Ty::Bf16), "sm_90a") if k.is_multiple_of(8) => {
-                Some(gemm_wgmma::gemm_wgmma_bf16_with(name, origin, Some(norm)))
+                Some(gemm_wgmma::gemm_wgmma_bf16_with(name, origin, norm, glu))
             }
             _ => None,
         };
@@ -261,7 +262,8 @@ pub fn catalog() -> Vec<Kernel> {
             cache_layout::CacheLayout::Batched,
             Ty::Bf16,
         ),
-        split_k::reduce("split_k_reduce", "catalog", 16),
+        split_k::reduce("split_k_reduce", "catalog", 16, None),
+        split_k::reduce("split_k_reduce_swiglu", "catalog", 16, Some(GluAct::Silu)),
         gemm_mma::gemm_mma("gemm_mma_bf16", "catalog", gemm_mma::WeightStaging::Registers),
         gemm_mma::gemm_mma("gemm_mma_bf16_pipelined", "catalog", gemm_mma::WeightStaging::CpAsync),
         // The heaviest decode: Q6_K's split 6-bit values and per-16 scales.
@@ -342,6 +344,31 @@ pub fn catalog() -> Vec<Kernel> {
             "add_rms_norm_gemm_wgmma_bf16",
             "catalog",
             Some(gemv::NormPrologue::new(1e-6, 0.0).with_residual()),
+            None,
+        ),
+        // And the gate/up projection with the gated MLP's GLU as its epilogue.
+        gemv::gemv(
+            "add_rms_norm_geglu_gemv_bf16_x_vectors",
+            "catalog",
+            GemvSpec::decode(Dense(Ty::Bf16), 4096)
+                .with_norm(gemv::NormPrologue::new(1e-6, 1.0).with_residual())
+                .with_glu(GluAct::GeluTanh)
+                .with_x_vectors(),
+        ),
+        gemv::gemv(
+            "add_rms_norm_swiglu_gemv_bf16_x_vectors_prefill",
+            "catalog",
+            GemvSpec::decode(Dense(Ty::Bf16), 4096)
+                .with_norm(gemv::NormPrologue::new(1e-6, 0.0).with_residual())
+                .with_glu(GluAct::Silu)
+                .with_x_vectors()
+                .prefill(),
+        ),
+        gemm_wgmma::gemm_wgmma_bf16_with(
+            "add_rms_norm_swiglu_gemm_wgmma_bf16",
+            "catalog",
+            Some(gemv::NormPrologue::new(1e-6, 0.0).with_residual()),
+            Some(GluAct::Silu),
         ),
         // The heaviest block-per-lane GEMV: five-bit values, the norm prologue, 4 tokens a pass.
         gemv::gemv(

@@ -8,6 +8,7 @@
 
 use super::{blocks_for, per_element, BLOCK};
 use crate::dsl::*;
+use ir::GluAct;
 
 /// The most splits (the partials grow with them).
 pub const MAX_SPLITS: usize = 8;
@@ -50,14 +51,54 @@ pub fn partial_len(n: usize, k: usize, tiles: (usize, usize, usize), multiproces
 /// `out[e] = Σ_s partial[s·tokens·n + e]`, in split order, into columns `out_col..+n` of
 /// `out`'s rows `out_stride` apart (`[sum | product]` rows under a residual prologue); no
 /// blocks with one split, or for steps under `min_tokens` rows (those run the GEMV, which
-/// writes `out` itself).
-pub fn reduce(name: &str, origin: &str, min_tokens: usize) -> Kernel {
-    let count = var("tokens") * var("n");
-    let runs = bin(BinOp::Min, int(1), var("tokens") / int(min_tokens as i64))
-        * bin(BinOp::Min, int(1), var("splits") - int(1));
+/// writes `out` itself). With `glu`, the GEMM's columns are a joined gate/up, always in the
+/// partials: `out[t, c] = act(Σ gate)·(Σ up)` for the `n/2` columns.
+pub fn reduce(name: &str, origin: &str, min_tokens: usize, glu: Option<GluAct>) -> Kernel {
+    let cols = super::gemv::product_cols(glu);
+    let count = var("tokens") * cols.clone();
+    let ran = bin(BinOp::Min, int(1), var("tokens") / int(min_tokens as i64));
+    let runs = match glu {
+        Some(_) => ran,
+        None => ran * bin(BinOp::Min, int(1), var("splits") - int(1)),
+    };
+    let summed = |name: &str, col: Expr| {
+        for_(
+            "s",
+            int(0),
+            var("splits"),
+            int(1),
+            vec![assign(
+                name,
+                var(name) + load("partial", (var("s") * var("tokens") + var("t")) * var("n") + col),
+            )],
+        )
+    };
+    let mut body = vec![
+        let_("t", Ty::I32, var("i") / cols.clone()),
+        let_("c", Ty::I32, rem(var("i"), cols.clone())),
+        let_("sum", Ty::F32, f(0.0)),
+        summed("sum", var("c")),
+    ];
+    let value = match glu {
+        Some(act) => {
+            body.push(let_("up", Ty::F32, f(0.0)));
+            body.push(summed("up", var("c") + cols));
+            super::gemv::gated(act, var("sum"), var("up"))
+        }
+        None => var("sum"),
+    };
+    body.push(store(
+        "out",
+        var("t") * var("out_stride") + var("out_col") + var("c"),
+        value,
+    ));
+    let epilogue = match glu {
+        Some(act) => format!(", then the {act:?} GLU"),
+        None => String::new(),
+    };
     Kernel {
         name: name.into(),
-        origin: format!("{origin}: the split-K GEMM's partial tiles summed in split order"),
+        origin: format!("{origin}: the split-K GEMM's partial tiles summed in split order{epilogue}"),
         params: vec![
             buffer("partial", Ty::F32, false),
             buffer("out", Ty::F32, true),
@@ -70,24 +111,7 @@ pub fn reduce(name: &str, origin: &str, min_tokens: usize) -> Kernel {
         shared: vec![],
         block_dim: BLOCK,
         grid: blocks_for(count.clone(), BLOCK as i64) * runs,
-        body: per_element(
-            count.clone(),
-            vec![
-                let_("sum", Ty::F32, f(0.0)),
-                for_(
-                    "s",
-                    int(0),
-                    var("splits"),
-                    int(1),
-                    vec![assign("sum", var("sum") + load("partial", var("s") * count + var("i")))],
-                ),
-                store(
-                    "out",
-                    var("i") / var("n") * var("out_stride") + var("out_col") + rem(var("i"), var("n")),
-                    var("sum"),
-                ),
-            ],
-        ),
+        body: per_element(count, body),
     }
 }
 
@@ -111,16 +135,16 @@ pub fn k_span(split: Expr, tile_k: i64) -> Vec<Stmt> {
     ]
 }
 
-/// Store `value` at (`row`, `col`) of the result: `out[out_index]` with one split, else this
-/// split's partial tile.
-pub fn store_result(row: Expr, col: Expr, value: Expr, out_index: Expr) -> Stmt {
-    if_else(
-        eq(var("splits"), int(1)),
-        vec![store("out", out_index, value.clone())],
-        vec![store(
-            "partial",
-            (var("split") * var("tokens") + row) * var("n") + col,
-            value,
-        )],
-    )
+/// Store `value` at (`row`, `col`) of the result: `out[out_index]` with one split, else (or
+/// always, with no `out_index`: an epilogue the reduction applies) this split's partial tile.
+pub fn store_result(row: Expr, col: Expr, value: Expr, out_index: Option<Expr>) -> Stmt {
+    let partial = store(
+        "partial",
+        (var("split") * var("tokens") + row) * var("n") + col,
+        value.clone(),
+    );
+    match out_index {
+        Some(at) => if_else(eq(var("splits"), int(1)), vec![store("out", at, value)], vec![partial]),
+        None => partial,
+    }
 }

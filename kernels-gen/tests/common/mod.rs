@@ -131,11 +131,13 @@ pub struct Residual<'a> {
     pub strides: (usize, usize),
 }
 
+///
+/// `cols`: the product's columns (`n`, or `n / 2` under a GLU epilogue).
 pub fn try_run_residual_matmul(
     (kernel, reduce): (&Kernel, Option<&Kernel>),
     inputs: &Residual,
     w: Array,
-    (tokens, n, k): (usize, usize, usize),
+    (tokens, n, k, cols): (usize, usize, usize, usize),
     splits: usize,
 ) -> Result<Array, EmuError> {
     let mut bufs = HashMap::from([
@@ -143,7 +145,7 @@ pub fn try_run_residual_matmul(
         ("b".into(), Array::f32(inputs.b)),
         ("g".into(), Array::f32(inputs.g)),
         ("w".into(), w),
-        ("out".into(), Array::poisoned(Ty::F32, tokens * (k + n))),
+        ("out".into(), Array::poisoned(Ty::F32, tokens * (k + cols))),
         ("partial".into(), Array::poisoned(Ty::F32, splits * tokens * n)),
     ]);
     let scalars = ints(&[
@@ -153,7 +155,7 @@ pub fn try_run_residual_matmul(
         ("x_stride", inputs.strides.0 as i64),
         ("b_stride", inputs.strides.1 as i64),
         ("splits", splits as i64),
-        ("out_stride", (k + n) as i64),
+        ("out_stride", (k + cols) as i64),
         ("out_col", k as i64),
     ]);
     run(kernel, &mut bufs, &scalars)?;

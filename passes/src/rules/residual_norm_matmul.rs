@@ -6,8 +6,12 @@
 //! `add_rms_norm` launch is gone (TensorRT-LLM's norm-GEMM fusion, with the residual). The
 //! sum stays a value of its own for the next residual add. Worth it on a GPU decode step
 //! (about 2 of a Llama layer's launches); the target's cost model decides.
+//!
+//! `residual-norm-matmul-glu` then takes a gated MLP's `glu` of the whole product (the joined
+//! gate/up) into the same op as its epilogue: the kernel computes a gate row and its up row
+//! together and writes `act(g)·u`, and the `glu` launch is gone too.
 
-use super::{add_op, attr_op, unite, var, width};
+use super::{add_op, attr_op, ty, unite, var, width};
 use crate::analysis::{BbcGraph, TypeAnalysis};
 use crate::lang::Node;
 use egg::{Applier, Id, MultiPattern, PatternAst, Rewrite, Subst, Symbol};
@@ -44,12 +48,76 @@ impl Applier<Node, TypeAnalysis> for ResidualNormMatMul {
         };
         let fused = add_op(
             egraph,
-            &Op::AddRmsNormMatMul { eps, weight_offset },
+            &Op::AddRmsNormMatMul {
+                eps,
+                weight_offset,
+                glu: None,
+            },
             &[a, var(subst, "?b"), var(subst, "?w"), var(subst, "?W")],
         );
         let sum = add_op(egraph, &Op::Slice { start: 0, len: d }, &[f]);
         let fused_sum = add_op(egraph, &Op::Slice { start: 0, len: d }, &[fused]);
         let product = add_op(egraph, &Op::Slice { start: d, len: n }, &[fused]);
         unite(egraph, &[(sum, fused_sum), (y, product)])
+    }
+}
+
+pub fn residual_norm_matmul_glu() -> Rewrite<Node, TypeAnalysis> {
+    let searcher: MultiPattern<Node> = "?f = (add_rms_norm_matmul ?r ?a ?b ?w ?W), ?y = (glu ?g (slice ?sl ?f))"
+        .parse()
+        .expect("valid pattern");
+    Rewrite::new("residual-norm-matmul-glu", searcher, GluEpilogue).expect("valid rule")
+}
+
+struct GluEpilogue;
+
+impl Applier<Node, TypeAnalysis> for GluEpilogue {
+    fn apply_one(
+        &self,
+        egraph: &mut BbcGraph,
+        _: Id,
+        subst: &Subst,
+        _: Option<&PatternAst<Node>>,
+        _: Symbol,
+    ) -> Vec<Id> {
+        let (f, y, a, w) = (var(subst, "?f"), var(subst, "?y"), var(subst, "?a"), var(subst, "?W"));
+        let Op::AddRmsNormMatMul {
+            eps,
+            weight_offset,
+            glu: None,
+        } = attr_op(egraph, subst, "?r")
+        else {
+            return vec![];
+        };
+        let Op::Glu { act } = attr_op(egraph, subst, "?g") else {
+            return vec![];
+        };
+        let (Some(d), Some(half)) = (width(egraph, a), width(egraph, y)) else {
+            return vec![];
+        };
+        // The glu of the whole product only (rows of W: 2·half).
+        let rows = ty(egraph, w).shape.0.first().and_then(|r| r.as_const());
+        if attr_op(egraph, subst, "?sl")
+            != (Op::Slice {
+                start: d,
+                len: 2 * half,
+            })
+            || rows != Some(2 * half)
+        {
+            return vec![];
+        }
+        let fused = add_op(
+            egraph,
+            &Op::AddRmsNormMatMul {
+                eps,
+                weight_offset,
+                glu: Some(act),
+            },
+            &[a, var(subst, "?b"), var(subst, "?w"), w],
+        );
+        let sum = add_op(egraph, &Op::Slice { start: 0, len: d }, &[f]);
+        let fused_sum = add_op(egraph, &Op::Slice { start: 0, len: d }, &[fused]);
+        let gated = add_op(egraph, &Op::Slice { start: d, len: half }, &[fused]);
+        unite(egraph, &[(sum, fused_sum), (y, gated)])
     }
 }

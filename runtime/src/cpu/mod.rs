@@ -414,18 +414,23 @@ impl CpuBackend {
                 w.matmul(&normed, x.rows(), &mut out.data);
                 out
             }
-            Op::AddRmsNormMatMul { eps, weight_offset } => {
+            Op::AddRmsNormMatMul {
+                eps,
+                weight_offset,
+                glu,
+            } => {
                 let (a, b) = (args[0].value().tensor(), args[1].value().tensor());
                 let d = a.row_len();
                 let summed = ops::add_rms_norm(&a.data, &b.data, args[2].vector(), *eps, *weight_offset);
                 let w = args[3].matrix();
                 let mut product = vec![0f32; a.rows() * w.rows];
                 w.matmul(&ops::slice_columns(&summed, 2 * d, d, d), a.rows(), &mut product);
+                let (product, n) = match glu {
+                    Some(act) => (activation::glu(&product, w.rows, *act), w.rows / 2),
+                    None => (product, w.rows),
+                };
                 let sum = ops::slice_columns(&summed, 2 * d, 0, d);
-                Tensor::new(
-                    vec![a.rows(), d + w.rows],
-                    ops::concat_columns(&sum, d, &product, w.rows),
-                )
+                Tensor::new(vec![a.rows(), d + n], ops::concat_columns(&sum, d, &product, n))
             }
             Op::Glu { act } => {
                 let x = args[0].value().tensor();

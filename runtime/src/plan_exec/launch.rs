@@ -96,14 +96,33 @@ pub(super) fn prepare(plan: &GpuPlan) -> Result<Vec<PreparedLaunch>> {
                 LaunchArg::Scalar { name, value } if name == "tokens" => Some(value),
                 _ => None,
             });
-            Ok(PreparedLaunch {
+            let prepared = PreparedLaunch {
                 index,
                 rows: rows.map(|r| Compiled::parse(r).map_err(artifact)).transpose()?,
                 kernel: variant(&launch.kernel)?,
                 few_rows: launch.few_rows_kernel.as_deref().map(variant).transpose()?,
                 prefill: launch.prefill_kernel.as_deref().map(variant).transpose()?,
                 args: launch.args.iter().map(arg).collect::<Result<_>>()?,
-            })
+            };
+            // Each kernel binds the first of the arguments: there must be one per parameter.
+            let kernels = [
+                Some(&prepared.kernel),
+                prepared.few_rows.as_ref(),
+                prepared.prefill.as_ref(),
+            ];
+            if let Some(short) = kernels
+                .into_iter()
+                .flatten()
+                .find(|k| k.params.len() > prepared.args.len())
+            {
+                return Err(RuntimeError::Artifact(format!(
+                    "a launch of {} gives {} arguments for its {} parameters",
+                    short.name,
+                    prepared.args.len(),
+                    short.params.len()
+                )));
+            }
+            Ok(prepared)
         })
         .collect()
 }
