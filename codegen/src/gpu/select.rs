@@ -2,7 +2,7 @@
 
 use super::{rows, width, GpuCodegenError, KvLayout, LaunchArg, View, WeightUse};
 use ir::reference::ops::rope_inv_freq;
-use ir::{DType, Expr as IrExpr, Graph, InputKind, Op};
+use ir::{DType, Expr as IrExpr, GluAct, Graph, InputKind, Op};
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::quant::WeightFormat;
@@ -68,7 +68,11 @@ pub(crate) fn select(
     per_sequence: &BTreeSet<usize>,
     max_tokens: usize,
 ) -> Result<Selected, GpuCodegenError> {
-    let arch = target.cuda_arch().unwrap_or_default();
+    let plan = PlanTarget {
+        target,
+        max_tokens,
+        origin: &graph.name,
+    };
     let mut s = Selected {
         launches: Vec::new(),
         views: BTreeMap::new(),
@@ -164,8 +168,6 @@ pub(crate) fn select(
                     true => "seqs".to_string(),
                     false => rows(graph, i),
                 };
-                // A GEMV's variant for prefill steps, where the arm below chooses one.
-                let mut gemv_prefill = None;
                 let (kernel, args) = match op {
                     Op::LastToken => {
                         let (x, stride) = act(&s, 0);
@@ -195,54 +197,49 @@ pub(crate) fn select(
                         (embedding::embedding("embedding", &graph.name, table), args)
                     }
                     Op::MatMul => {
-                        let w = weight_format(graph.node(node.inputs[1]).dtype, i, op.name())?;
                         let (x, stride) = act(&s, 0);
-                        let k = width(graph, input(0));
+                        let m = MatMul::new(graph, i, None, None)?;
                         let args = vec![
                             x,
                             weight(1),
                             out,
                             scalar("tokens", &rows),
-                            scalar("n", width(graph, i)),
-                            scalar("k", k),
+                            scalar("n", m.n),
+                            scalar("k", m.k),
                             scalar("x_stride", stride),
                         ];
-                        let spec = x_vectors(gemv::GemvSpec::decode(w, k), &[&s.views[&input(0)]]);
-                        gemv_prefill = Some(gemv::gemv("gemv", &graph.name, spec.prefill()));
-                        (gemv::gemv("gemv", &graph.name, spec), args)
+                        let aligned = aligned(&[&s.views[&input(0)]]);
+                        m.push(&mut s, args, aligned, &rows, &plan);
+                        continue;
                     }
                     Op::RmsNormMatMul { eps, weight_offset } => {
-                        let w = weight_format(graph.node(node.inputs[2]).dtype, i, op.name())?;
                         let (x, stride) = act(&s, 0);
-                        let k = width(graph, input(0));
+                        let norm = gemv::NormPrologue::new(*eps as f32, *weight_offset);
+                        let m = MatMul::new(graph, i, Some(norm), None)?;
                         let args = vec![
                             x,
                             weight(1),
                             weight(2),
                             out,
                             scalar("tokens", &rows),
-                            scalar("n", width(graph, i)),
-                            scalar("k", k),
+                            scalar("n", m.n),
+                            scalar("k", m.k),
                             scalar("x_stride", stride),
                         ];
-                        let norm = gemv::NormPrologue::new(*eps as f32, *weight_offset);
-                        let spec = gemv::GemvSpec::decode(w, k).with_norm(norm);
-                        let spec = x_vectors(spec, &[&s.views[&input(0)]]);
-                        gemv_prefill = Some(gemv::gemv("rms_norm_gemv", &graph.name, spec.prefill()));
-                        (gemv::gemv("rms_norm_gemv", &graph.name, spec), args)
+                        let aligned = aligned(&[&s.views[&input(0)]]);
+                        m.push(&mut s, args, aligned, &rows, &plan);
+                        continue;
                     }
                     // `[a + b | y]`: the kernels write the sum into the first `k` columns of
-                    // each row and the product after it (`gemv::out_index`); `n` is the weight
-                    // rows (a joined gate/up's under a GLU epilogue: twice the product's).
+                    // each row and the product after it (`gemv::out_index`).
                     Op::AddRmsNormMatMul {
                         eps,
                         weight_offset,
                         glu,
                     } => {
-                        let w = weight_format(graph.node(node.inputs[3]).dtype, i, op.name())?;
                         let ((a, a_stride), (b, b_stride)) = (act(&s, 0), act(&s, 1));
-                        let k = width(graph, input(0));
-                        let n = graph.node(node.inputs[3]).shape.resolve(0, 0)[0];
+                        let norm = gemv::NormPrologue::new(*eps as f32, *weight_offset).with_residual();
+                        let m = MatMul::new(graph, i, Some(norm), *glu)?;
                         let args = vec![
                             a,
                             b,
@@ -250,24 +247,14 @@ pub(crate) fn select(
                             weight(3),
                             out,
                             scalar("tokens", &rows),
-                            scalar("n", n),
-                            scalar("k", k),
+                            scalar("n", m.n),
+                            scalar("k", m.k),
                             scalar("x_stride", a_stride),
                             scalar("b_stride", b_stride),
                         ];
-                        let norm = gemv::NormPrologue::new(*eps as f32, *weight_offset).with_residual();
-                        let mut spec = gemv::GemvSpec::decode(w, k).with_norm(norm);
-                        let mut name = "add_rms_norm_gemv".to_string();
-                        if let Some(act) = glu {
-                            if !matches!(w, WeightFormat::Dense(_)) {
-                                return Err(unsupported(format!("a GLU epilogue over {w:?} weights")));
-                            }
-                            spec = spec.with_glu(*act);
-                            name = format!("add_rms_norm_{}_gemv", ir::Op::Glu { act: *act }.name());
-                        }
-                        let spec = x_vectors(spec, &[&s.views[&input(0)], &s.views[&input(1)]]);
-                        gemv_prefill = Some(gemv::gemv(&name, &graph.name, spec.prefill()));
-                        (gemv::gemv(&name, &graph.name, spec), args)
+                        let aligned = aligned(&[&s.views[&input(0)], &s.views[&input(1)]]);
+                        m.push(&mut s, args, aligned, &rows, &plan);
+                        continue;
                     }
                     Op::RmsNorm {
                         eps,
@@ -567,111 +554,170 @@ pub(crate) fn select(
                         None => return Err(unsupported("no GPU template yet".into())),
                     },
                 };
-                // Matmuls with bf16 or GGUF-block weights have a tensor-core GEMM for prefill
-                // steps (chosen per target); the others carry several tokens per GEMV pass.
-                let prefill = match (
-                    op,
-                    WeightFormat::of(graph.node(node.inputs.last().copied().unwrap_or(ir::NodeId(i))).dtype),
-                ) {
-                    (Op::MatMul, Some(format)) => {
-                        templates::prefill_gemm(arch, format, width(graph, input(0)), None, None, "gemm", &graph.name)
-                            .or(gemv_prefill.clone())
-                    }
-                    (Op::RmsNormMatMul { eps, weight_offset }, Some(format)) => {
-                        let norm = gemv::NormPrologue::new(*eps as f32, *weight_offset);
-                        let k = width(graph, input(0));
-                        templates::prefill_gemm(arch, format, k, Some(norm), None, "rms_norm_gemm", &graph.name)
-                            .or(gemv_prefill.clone())
-                    }
-                    (
-                        Op::AddRmsNormMatMul {
-                            eps,
-                            weight_offset,
-                            glu,
-                        },
-                        Some(format),
-                    ) => {
-                        let norm = gemv::NormPrologue::new(*eps as f32, *weight_offset).with_residual();
-                        let k = width(graph, input(0));
-                        let name = match glu {
-                            Some(act) => format!("add_rms_norm_{}_gemm", ir::Op::Glu { act: *act }.name()),
-                            None => "add_rms_norm_gemm".into(),
-                        };
-                        templates::prefill_gemm(arch, format, k, Some(norm), *glu, &name, &graph.name)
-                            .or(gemv_prefill.clone())
-                    }
-                    _ => gemv_prefill.clone(),
-                };
-                // A GEMM that splits K (the Hopper one: its tiles below) takes the partials
-                // and the split count after the GEMV's arguments (which the GEMV does not
-                // read), and a reduction follows.
-                let split_k = prefill.as_ref().is_some_and(|k| k.param("splits").is_some());
-                // Steps of a few rows (a small decode batch) carry 4 rows per pass over the
-                // weights instead of one: a quarter of the weight reads.
-                let few_rows = match op {
-                    Op::MatMul | Op::RmsNormMatMul { .. } | Op::AddRmsNormMatMul { .. } => gemv_prefill.clone(),
-                    _ => None,
-                };
-                let alternatives = Alternatives { few_rows, prefill };
-                if !split_k {
-                    s.launches.push((i, kernel, alternatives, args));
-                    continue;
-                }
-                let k = width(graph, input(0));
-                // The GEMM's columns (the weight rows), where the product sits in the output's
-                // rows, and the epilogue the reduction applies.
-                let (n, out_col, glu) = match op {
-                    Op::AddRmsNormMatMul { glu, .. } => (graph.node(node.inputs[3]).shape.resolve(0, 0)[0], k, *glu),
-                    _ => (width(graph, i), 0, None),
-                };
-                let sms = target.multiprocessors();
-                let mut partial_len = split_k::partial_len(n, k, gemm_wgmma::TILES, sms);
-                if glu.is_some() {
-                    // Every product goes through the partials, in one split too: room for every row.
-                    partial_len = partial_len.max(max_tokens * n);
-                }
-                let partial = LaunchArg::Scratch {
-                    node: i,
-                    name: "partial".into(),
-                    bytes: partial_len * 4,
-                };
-                let splits = split_k::splits_expr(&rows, n, k, gemm_wgmma::TILES, sms);
-                let args = [args, vec![partial.clone(), scalar("splits", &splits)]].concat();
-                s.launches.push((i, kernel, alternatives, args));
-                if split_k::most_splits(n, k, gemm_wgmma::TILES, sms) == 1 && glu.is_none() {
-                    continue;
-                }
-                let reduce_args = vec![
-                    partial,
-                    LaunchArg::Activation {
-                        node: i,
-                        offset: "0".into(),
-                    },
-                    scalar("tokens", &rows),
-                    scalar("n", n),
-                    scalar("splits", splits),
-                    scalar("out_stride", width(graph, i)),
-                    scalar("out_col", out_col),
-                ];
-                let reduce = split_k::reduce("split_k_reduce", &graph.name, super::PREFILL_TOKENS, glu);
-                s.launches.push((i, reduce, Alternatives::default(), reduce_args));
+                s.launches.push((i, kernel, Alternatives::default(), args));
             }
         }
     }
     Ok(s)
 }
 
-/// `spec` reading its activations with 16-byte loads where every row of every view starts
-/// 16-byte aligned: the arena is aligned (`plan::ALIGN`), so each view's column and row stride
-/// must be multiples of 4 floats.
-fn x_vectors(spec: gemv::GemvSpec, views: &[&View]) -> gemv::GemvSpec {
-    match views
+/// What the launches of one plan share.
+struct PlanTarget<'a> {
+    target: crate::Target,
+    /// Rows scratch is sized for.
+    max_tokens: usize,
+    /// The graph's name, for the kernels' origin lines.
+    origin: &'a str,
+}
+
+/// A matmul node as its kernels see it: the weights, the prologue (a norm, perhaps after a
+/// residual add) and epilogue (a GLU), K, and the weight rows `n` (a joined gate/up's under a
+/// GLU epilogue: twice the product's columns).
+struct MatMul {
+    node: usize,
+    weights: WeightFormat,
+    norm: Option<gemv::NormPrologue>,
+    glu: Option<GluAct>,
+    k: usize,
+    n: usize,
+}
+
+impl MatMul {
+    /// Node `node`, whose last input is its weights and first its activation.
+    fn new(
+        graph: &Graph,
+        node: usize,
+        norm: Option<gemv::NormPrologue>,
+        glu: Option<GluAct>,
+    ) -> Result<Self, GpuCodegenError> {
+        let op = &graph.node(ir::NodeId(node)).op;
+        let inputs = &graph.node(ir::NodeId(node)).inputs;
+        let w = graph.node(*inputs.last().expect("a matmul has weights"));
+        let weights = weight_format(w.dtype, node, op.name())?;
+        if glu.is_some() && !matches!(weights, WeightFormat::Dense(_)) {
+            return Err(GpuCodegenError::Unsupported {
+                node,
+                op: op.name(),
+                what: format!("a GLU epilogue over {weights:?} weights"),
+            });
+        }
+        Ok(Self {
+            node,
+            weights,
+            norm,
+            glu,
+            k: width(graph, inputs[0].0),
+            n: w.shape.resolve(0, 0)[0],
+        })
+    }
+
+    /// The stem its kernels' names share: `rms_norm_gemv`, `add_rms_norm_swiglu_gemm`, ….
+    fn stem(&self) -> String {
+        let prologue = match self.norm {
+            Some(norm) if norm.residual => "add_rms_norm_",
+            Some(_) => "rms_norm_",
+            None => "",
+        };
+        match self.glu {
+            Some(act) => format!("{prologue}{}_", Op::Glu { act }.name()),
+            None => prologue.into(),
+        }
+    }
+
+    /// The decode GEMV (16-byte activation loads where every activation row is `aligned`),
+    /// the GEMV carrying 4 rows a pass, and for prefill the target's tensor-core GEMM where it
+    /// has one for these weights (and this prologue), else that GEMV.
+    fn kernels(&self, arch: &str, aligned: bool, origin: &str) -> (Kernel, Kernel, Kernel) {
+        let mut spec = gemv::GemvSpec::decode(self.weights, self.k);
+        if let Some(norm) = self.norm {
+            spec = spec.with_norm(norm);
+        }
+        if let Some(act) = self.glu {
+            spec = spec.with_glu(act);
+        }
+        if aligned {
+            spec = spec.with_x_vectors();
+        }
+        let gemv_name = format!("{}gemv", self.stem());
+        let few_rows = gemv::gemv(&gemv_name, origin, spec.prefill());
+        let gemm_name = format!("{}gemm", self.stem());
+        let prefill = templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin)
+            .unwrap_or_else(|| few_rows.clone());
+        (gemv::gemv(&gemv_name, origin, spec), few_rows, prefill)
+    }
+
+    /// Its launches: the GEMV with its alternatives for steps of a few and of many rows, and
+    /// after a GEMM that splits K (the Hopper one) the reduction of its partials. The GEMM
+    /// takes the partials and the split count after the GEMV's arguments (which the GEMV does
+    /// not read).
+    fn push(self, s: &mut Selected, args: Vec<LaunchArg>, aligned: bool, rows: &str, plan: &PlanTarget) {
+        let i = self.node;
+        let arch = plan.target.cuda_arch().unwrap_or_default();
+        let (kernel, few_rows, prefill) = self.kernels(arch, aligned, plan.origin);
+        let split_k = prefill.param("splits").is_some();
+        let alternatives = Alternatives {
+            few_rows: Some(few_rows),
+            prefill: Some(prefill),
+        };
+        if !split_k {
+            s.launches.push((i, kernel, alternatives, args));
+            return;
+        }
+        let (n, k, sms) = (self.n, self.k, plan.target.multiprocessors());
+        let mut partial_len = split_k::partial_len(n, k, gemm_wgmma::TILES, sms);
+        if self.glu.is_some() {
+            // Every product goes through the partials, in one split too: room for every row.
+            partial_len = partial_len.max(plan.max_tokens * n);
+        }
+        let partial = LaunchArg::Scratch {
+            node: i,
+            name: "partial".into(),
+            bytes: partial_len * 4,
+        };
+        let splits = split_k::splits_expr(rows, n, k, gemm_wgmma::TILES, sms);
+        let args = [args, vec![partial.clone(), scalar("splits", &splits)]].concat();
+        s.launches.push((i, kernel, alternatives, args));
+        if split_k::most_splits(n, k, gemm_wgmma::TILES, sms) == 1 && self.glu.is_none() {
+            return;
+        }
+        // Into the product's columns of the output's rows: after the sum under a residual
+        // prologue.
+        let (out_col, cols) = match self.norm {
+            Some(norm) if norm.residual => (k, k + self.product_cols()),
+            _ => (0, self.product_cols()),
+        };
+        let reduce_args = vec![
+            partial,
+            LaunchArg::Activation {
+                node: i,
+                offset: "0".into(),
+            },
+            scalar("tokens", rows),
+            scalar("n", n),
+            scalar("splits", splits),
+            scalar("out_stride", cols),
+            scalar("out_col", out_col),
+        ];
+        let reduce = split_k::reduce("split_k_reduce", plan.origin, super::PREFILL_TOKENS, self.glu);
+        s.launches.push((i, reduce, Alternatives::default(), reduce_args));
+    }
+
+    /// The product's columns.
+    fn product_cols(&self) -> usize {
+        match self.glu {
+            Some(_) => self.n / 2,
+            None => self.n,
+        }
+    }
+}
+
+/// Whether every row of every view starts 16-byte aligned (the GEMVs then read activations
+/// with 16-byte loads): the arena is aligned (`plan::ALIGN`), so each view's column and row
+/// stride must be multiples of 4 floats.
+fn aligned(views: &[&View]) -> bool {
+    views
         .iter()
         .all(|v| v.col.is_multiple_of(4) && v.stride.is_multiple_of(4))
-    {
-        true => spec.with_x_vectors(),
-        false => spec,
-    }
 }
 
 #[cfg(test)]
