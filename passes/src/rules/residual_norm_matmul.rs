@@ -46,20 +46,25 @@ impl Applier<Node, TypeAnalysis> for ResidualNormMatMul {
         let Op::AddRmsNorm { eps, weight_offset } = attr_op(egraph, subst, "?r") else {
             return vec![];
         };
-        let fused = add_op(
-            egraph,
-            &Op::AddRmsNormMatMul {
-                eps,
-                weight_offset,
-                glu: None,
-            },
-            &[a, var(subst, "?b"), var(subst, "?w"), var(subst, "?W")],
-        );
-        let sum = add_op(egraph, &Op::Slice { start: 0, len: d }, &[f]);
-        let fused_sum = add_op(egraph, &Op::Slice { start: 0, len: d }, &[fused]);
-        let product = add_op(egraph, &Op::Slice { start: d, len: n }, &[fused]);
-        unite(egraph, &[(sum, fused_sum), (y, product)])
+        let op = Op::AddRmsNormMatMul {
+            eps,
+            weight_offset,
+            glu: None,
+        };
+        replace(egraph, subst, op, (f, d), (y, n))
     }
+}
+
+/// `op` (an `add_rms_norm_matmul`) over the match's `?a ?b ?w ?W` in place of the values it
+/// makes: the sum, `f`'s first `d` columns (the op it was read from stays), and `y`, its
+/// `product` columns after the sum.
+fn replace(egraph: &mut BbcGraph, subst: &Subst, op: Op, (f, d): (Id, usize), (y, product): (Id, usize)) -> Vec<Id> {
+    let inputs = ["?a", "?b", "?w", "?W"].map(|v| var(subst, v));
+    let fused = add_op(egraph, &op, &inputs);
+    let sum = add_op(egraph, &Op::Slice { start: 0, len: d }, &[f]);
+    let fused_sum = add_op(egraph, &Op::Slice { start: 0, len: d }, &[fused]);
+    let fused_product = add_op(egraph, &Op::Slice { start: d, len: product }, &[fused]);
+    unite(egraph, &[(sum, fused_sum), (y, fused_product)])
 }
 
 pub fn residual_norm_matmul_glu() -> Rewrite<Node, TypeAnalysis> {
@@ -106,18 +111,11 @@ impl Applier<Node, TypeAnalysis> for GluEpilogue {
         {
             return vec![];
         }
-        let fused = add_op(
-            egraph,
-            &Op::AddRmsNormMatMul {
-                eps,
-                weight_offset,
-                glu: Some(act),
-            },
-            &[a, var(subst, "?b"), var(subst, "?w"), w],
-        );
-        let sum = add_op(egraph, &Op::Slice { start: 0, len: d }, &[f]);
-        let fused_sum = add_op(egraph, &Op::Slice { start: 0, len: d }, &[fused]);
-        let gated = add_op(egraph, &Op::Slice { start: d, len: half }, &[fused]);
-        unite(egraph, &[(sum, fused_sum), (y, gated)])
+        let op = Op::AddRmsNormMatMul {
+            eps,
+            weight_offset,
+            glu: Some(act),
+        };
+        replace(egraph, subst, op, (f, d), (y, half))
     }
 }
