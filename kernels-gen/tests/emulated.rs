@@ -13,7 +13,8 @@ use std::collections::HashMap;
 
 mod common;
 use common::{
-    close, ints, run_gemv, run_norm_gemv, try_run_matmul, try_run_residual_matmul, try_run_split_matmul, Residual, Rng,
+    bf16_array, close, ints, run_gemv, run_norm_gemv, try_run_matmul, try_run_residual_matmul, try_run_split_matmul,
+    Residual, Rng,
 };
 
 #[test]
@@ -125,7 +126,7 @@ fn gemv_matches_reference_for_f32_and_bf16_weights() {
             };
             ops::matmul(&x, &w_used, k, &mut want);
             let wbuf = match weight {
-                Ty::Bf16 => Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()),
+                Ty::Bf16 => bf16_array(&w),
                 _ => Array::f32(&w),
             };
             let decode = GemvSpec::decode(quant::WeightFormat::Dense(weight), k);
@@ -584,7 +585,6 @@ fn rms_norm_prologue_gemv_matches_norm_then_matmul() {
 /// and to the weights (identity for f32 kernels, bf16 for the tensor cores).
 fn residual_reference(
     inputs: &Residual,
-    w: &[f32],
     (tokens, n, k): (usize, usize, usize),
     round: fn(f32) -> f32,
     offset: f32,
@@ -596,12 +596,16 @@ fn residual_reference(
         let b = &inputs.b[t * inputs.strides.1..][..k];
         let sum: Vec<f32> = a.iter().zip(b).map(|(a, b)| a + b).collect();
         let inv = 1.0 / (sum.iter().map(|v| v * v).sum::<f32>() / k as f32 + eps).sqrt();
-        let scaled: Vec<f32> = sum.iter().zip(inputs.g).map(|(v, g)| round(v * (g + offset))).collect();
+        let scaled: Vec<f32> = sum
+            .iter()
+            .zip(&inputs.g)
+            .map(|(v, g)| round(v * (g + offset)))
+            .collect();
         want.extend(&sum);
         for r in 0..n {
             let dot: f32 = scaled
                 .iter()
-                .zip(&w[r * k..(r + 1) * k])
+                .zip(&inputs.w[r * k..(r + 1) * k])
                 .map(|(a, wv)| a * round(*wv))
                 .sum();
             want.push(dot * inv);
@@ -630,14 +634,9 @@ fn glu_epilogue_gates_the_product() {
     let norm = gemv::NormPrologue::new(1e-6, 1.0).with_residual();
     for (tokens, n, k, act) in [(1, 18, 64, GluAct::Silu), (6, 10, 96, GluAct::GeluTanh)] {
         let strides = (k + 4, k);
-        let [x, b, g, w] = random_residual(&mut rng, (tokens, n, k), strides);
-        let inputs = Residual {
-            x: &x,
-            b: &b,
-            g: &g,
-            strides,
-        };
-        let plain = residual_reference(&inputs, &w, (tokens, n, k), |v| v, 1.0, 1e-6);
+        let inputs = Residual::random(&mut rng, (tokens, n, k), strides);
+        let w = &inputs.w;
+        let plain = residual_reference(&inputs, (tokens, n, k), |v| v, 1.0, 1e-6);
         let want = residual_glu_reference(&plain, (tokens, n, k), act);
         let decode = GemvSpec::decode(quant::WeightFormat::Dense(Ty::F32), k)
             .with_norm(norm)
@@ -645,7 +644,7 @@ fn glu_epilogue_gates_the_product() {
         for spec in [decode, decode.prefill(), decode.with_x_vectors().prefill()] {
             let kernel = gemv::gemv("glu_gemv", "test", spec);
             let dims = (tokens, n, k, n / 2);
-            let out = try_run_residual_matmul((&kernel, None), &inputs, Array::f32(&w), dims, 1).unwrap();
+            let out = try_run_residual_matmul((&kernel, None), &inputs, Array::f32(w), dims, 1).unwrap();
             close(
                 &out.to_f32().unwrap(),
                 &want,
@@ -659,17 +658,12 @@ fn glu_epilogue_gates_the_product() {
     let reduce = split_k::reduce("reduce", "test", 16, Some(act));
     for (tokens, n, k) in [(20, 260, 136), (17, 64, 256)] {
         let strides = (k, k + 8);
-        let [x, b, g, w] = random_residual(&mut rng, (tokens, n, k), strides);
-        let inputs = Residual {
-            x: &x,
-            b: &b,
-            g: &g,
-            strides,
-        };
+        let inputs = Residual::random(&mut rng, (tokens, n, k), strides);
+        let w = &inputs.w;
         let round = |v: f32| bf16::from_f32(v).to_f32();
-        let plain = residual_reference(&inputs, &w, (tokens, n, k), round, 1.0, 1e-6);
+        let plain = residual_reference(&inputs, (tokens, n, k), round, 1.0, 1e-6);
         let want = residual_glu_reference(&plain, (tokens, n, k), act);
-        let w = Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
+        let w = bf16_array(w);
         for splits in [1, 2] {
             let dims = (tokens, n, k, n / 2);
             let out = try_run_residual_matmul((&gemm, Some(&reduce)), &inputs, w.clone(), dims, splits).unwrap();
@@ -683,17 +677,6 @@ fn glu_epilogue_gates_the_product() {
     }
 }
 
-/// Random `x` and `b` rows (`strides` apart), norm weight `g` and weights `w` for a residual
-/// matmul of `(tokens, n, k)`.
-fn random_residual(rng: &mut Rng, (tokens, n, k): (usize, usize, usize), strides: (usize, usize)) -> [Vec<f32>; 4] {
-    [
-        rng.vec(tokens * strides.0),
-        rng.vec(tokens * strides.1),
-        rng.vec(k),
-        rng.vec(n * k),
-    ]
-}
-
 /// The residual prologue (`add_rms_norm_matmul`) on the GEMV, in every variant a plan builds
 /// (one token a pass, four, vector loads of both inputs) over strided inputs, and on Hopper's
 /// GEMM in one piece and with K split: the sum lands beside the product, each written once.
@@ -704,14 +687,9 @@ fn residual_prologue_matmuls_write_the_sum_and_the_product() {
     let norm = gemv::NormPrologue::new(eps, offset).with_residual();
     for (tokens, n, k, pads) in [(1, 9, 64, (0, 4)), (6, 5, 96, (8, 0)), (3, 70, 32, (4, 4))] {
         let strides = (k + pads.0, k + pads.1);
-        let [x, b, g, w] = random_residual(&mut rng, (tokens, n, k), strides);
-        let inputs = Residual {
-            x: &x,
-            b: &b,
-            g: &g,
-            strides,
-        };
-        let want = residual_reference(&inputs, &w, (tokens, n, k), |v| v, offset, eps);
+        let inputs = Residual::random(&mut rng, (tokens, n, k), strides);
+        let w = &inputs.w;
+        let want = residual_reference(&inputs, (tokens, n, k), |v| v, offset, eps);
         let decode = GemvSpec::decode(quant::WeightFormat::Dense(Ty::F32), k).with_norm(norm);
         for spec in [
             decode,
@@ -720,7 +698,7 @@ fn residual_prologue_matmuls_write_the_sum_and_the_product() {
             decode.with_x_vectors().prefill(),
         ] {
             let kernel = gemv::gemv("add_norm_gemv", "test", spec);
-            let out = try_run_residual_matmul((&kernel, None), &inputs, Array::f32(&w), (tokens, n, k, n), 1).unwrap();
+            let out = try_run_residual_matmul((&kernel, None), &inputs, Array::f32(w), (tokens, n, k, n), 1).unwrap();
             close(
                 &out.to_f32().unwrap(),
                 &want,
@@ -733,16 +711,11 @@ fn residual_prologue_matmuls_write_the_sum_and_the_product() {
     let reduce = split_k::reduce("reduce", "test", 16, None);
     for (tokens, n, k, pads) in [(20, 70, 136, (3, 0)), (33, 130, 256, (0, 5))] {
         let strides = (k + pads.0, k + pads.1);
-        let [x, b, g, w] = random_residual(&mut rng, (tokens, n, k), strides);
-        let inputs = Residual {
-            x: &x,
-            b: &b,
-            g: &g,
-            strides,
-        };
+        let inputs = Residual::random(&mut rng, (tokens, n, k), strides);
+        let w = &inputs.w;
         let round = |v: f32| bf16::from_f32(v).to_f32();
-        let want = residual_reference(&inputs, &w, (tokens, n, k), round, offset, eps);
-        let w = Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
+        let want = residual_reference(&inputs, (tokens, n, k), round, offset, eps);
+        let w = bf16_array(w);
         for splits in [1, 3] {
             let out =
                 try_run_residual_matmul((&gemm, Some(&reduce)), &inputs, w.clone(), (tokens, n, k, n), splits).unwrap();
@@ -767,7 +740,7 @@ fn gemm_matches_reference(kernel: &Kernel, shapes: &[(usize, usize, usize)], pad
         let dense_x: Vec<f32> = x.chunks(x_stride).flat_map(|row| round(&row[..k])).collect();
         let mut want = vec![0f32; tokens * n];
         ops::matmul(&dense_x, &round(&w), k, &mut want);
-        let w = Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
+        let w = bf16_array(&w);
         let out = try_run_matmul(kernel, Array::f32(&x), None, w, (tokens, n, k, x_stride))
             .unwrap_or_else(|e| panic!("{tokens}×{n}×{k}: {e}"));
         close(
@@ -847,7 +820,7 @@ fn norm_gemm_matches_reference() {
                 want[t * n + r] = dot * inv;
             }
         }
-        let w = Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
+        let w = bf16_array(&w);
         for splits in [1, 3] {
             let dims = (tokens, n, k, x_stride);
             let out =
@@ -874,7 +847,7 @@ fn split_k_gemm_matches_reference() {
         let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
         let mut want = vec![0f32; tokens * n];
         ops::matmul(&round(&x), &round(&w), k, &mut want);
-        let w = Array::bf16(&w.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>());
+        let w = bf16_array(&w);
         for splits in [2, 3, 5, 8] {
             let out = try_run_split_matmul(
                 (&gemm, &reduce),
@@ -1037,7 +1010,7 @@ fn batched_step_matches_reference(cache: Ty) {
         _ => ir::DType::F32,
     };
     let pool = |values: &[f32]| match cache {
-        Ty::Bf16 => Array::bf16(&values.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>()),
+        Ty::Bf16 => bf16_array(values),
         _ => Array::f32(values),
     };
     let mut rng = Rng(15);

@@ -2,6 +2,7 @@
 //! tolerance, and the matmul launch (GEMV or GEMM) several tests make.
 #![allow(dead_code)]
 
+use half::bf16;
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::emulator::{run, Array, EmuError, Scalar};
 use std::collections::HashMap;
@@ -120,19 +121,38 @@ pub fn try_run_split_matmul(
     Ok(bufs.remove("out").expect("an out buffer"))
 }
 
-/// A matmul with a residual prologue (`add_rms_norm_matmul`): `x` and `b` (rows `x_stride` and
-/// `b_stride` apart) summed, normalised with `g` and multiplied by `w` of `n` rows by `k`, in
-/// `splits` pieces summed by `reduce` where given; `out` (`[sum | product]` rows, `k + n`
-/// wide), poisoned before the launch.
-pub struct Residual<'a> {
-    pub x: &'a [f32],
-    pub b: &'a [f32],
-    pub g: &'a [f32],
+/// Weights as the tensor cores take them: bf16, rounded to nearest even.
+pub fn bf16_array(values: &[f32]) -> Array {
+    Array::bf16(&values.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>())
+}
+
+/// The inputs of a matmul with a residual prologue (`add_rms_norm_matmul`), random: `x` and
+/// `b` (rows `strides` apart, summed by the kernel), the norm weight `g` and the weights `w`.
+pub struct Residual {
+    pub x: Vec<f32>,
+    pub b: Vec<f32>,
+    pub g: Vec<f32>,
+    pub w: Vec<f32>,
     pub strides: (usize, usize),
 }
 
-///
-/// `cols`: the product's columns (`n`, or `n / 2` under a GLU epilogue).
+impl Residual {
+    /// For a matmul of `(tokens, n, k)`.
+    pub fn random(rng: &mut Rng, (tokens, n, k): (usize, usize, usize), strides: (usize, usize)) -> Self {
+        Self {
+            x: rng.vec(tokens * strides.0),
+            b: rng.vec(tokens * strides.1),
+            g: rng.vec(k),
+            w: rng.vec(n * k),
+            strides,
+        }
+    }
+}
+
+/// Run a matmul with a residual prologue on `inputs` (its weights given as `w`: f32 or bf16),
+/// `n` weight rows by `k`, in `splits` pieces summed by `reduce` where given: `out`
+/// (`[sum | product]` rows, `k + cols` wide; `cols` is `n`, or `n / 2` under a GLU
+/// epilogue), poisoned before the launch.
 pub fn try_run_residual_matmul(
     (kernel, reduce): (&Kernel, Option<&Kernel>),
     inputs: &Residual,
@@ -141,9 +161,9 @@ pub fn try_run_residual_matmul(
     splits: usize,
 ) -> Result<Array, EmuError> {
     let mut bufs = HashMap::from([
-        ("x".into(), Array::f32(inputs.x)),
-        ("b".into(), Array::f32(inputs.b)),
-        ("g".into(), Array::f32(inputs.g)),
+        ("x".into(), Array::f32(&inputs.x)),
+        ("b".into(), Array::f32(&inputs.b)),
+        ("g".into(), Array::f32(&inputs.g)),
         ("w".into(), w),
         ("out".into(), Array::poisoned(Ty::F32, tokens * (k + cols))),
         ("partial".into(), Array::poisoned(Ty::F32, splits * tokens * n)),
