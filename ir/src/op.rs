@@ -86,6 +86,14 @@ pub enum Op {
     /// `(q [t, heads·hd], k [t, kv_heads·hd], v [t, kv_heads·hd]) -> [t, heads·hd]`: appends
     /// k, v to the cache slot, then causal softmax attention over everything cached.
     Attention(AttentionSpec),
+    /// `(q [t, heads·hd], k [t, kv_heads·hd], v [t, kv_heads·hd], positions i32[t]) ->
+    /// [t, heads·hd]`: `Attention(rope(q), rope(k), v)`, q and k rotated as the step's
+    /// keys are appended (one pass over the new rows where there were two). `rope` is the
+    /// rotation of every head of `[q | k]`: its `heads` is `heads + kv_heads`.
+    RopeAttention {
+        rope: RopeSpec,
+        attention: AttentionSpec,
+    },
     Add,
     Mul,
     /// Multiply by a constant.
@@ -166,6 +174,7 @@ impl Op {
             Self::RmsNorm { .. } => "rms_norm",
             Self::Rope(_) => "rope",
             Self::Attention(_) => "attention",
+            Self::RopeAttention { .. } => "rope_attention",
             Self::Add => "add",
             Self::Mul => "mul",
             Self::Scale { .. } => "scale",
@@ -182,6 +191,14 @@ impl Op {
             Self::Elementwise { .. } => "elementwise",
             Self::TopK { .. } => "top_k",
             Self::Int8BoundTopK { .. } => "int8_bound_top_k",
+        }
+    }
+
+    /// The attention this op runs (and the KV cache it appends to), fused or not.
+    pub fn attention(&self) -> Option<&AttentionSpec> {
+        match self {
+            Self::Attention(spec) | Self::RopeAttention { attention: spec, .. } => Some(spec),
+            _ => None,
         }
     }
 
@@ -202,7 +219,7 @@ impl Op {
             Self::Embedding | Self::MatMul | Self::RmsNorm { .. } | Self::Rope(_) | Self::Add | Self::Mul => 2,
             Self::Int8BoundTopK { .. } => 2,
             Self::Attention(_) | Self::AddRmsNorm { .. } | Self::RmsNormMatMul { .. } => 3,
-            Self::AddRmsNormMatMul { .. } => 4,
+            Self::AddRmsNormMatMul { .. } | Self::RopeAttention { .. } => 4,
             Self::ConcatRows | Self::Elementwise { .. } => return None,
         })
     }
@@ -262,24 +279,17 @@ impl Op {
                 }
                 Ok((Shape::new([t, d]), DType::F32))
             }
-            Self::Attention(spec) => {
-                let (t, dq) = f32_rows(inputs[0].0)?;
-                let (tk, dk) = f32_rows(inputs[1].0)?;
-                let (tv, dv) = f32_rows(inputs[2].0)?;
-                let fits = dq == Dim::Const(spec.heads * spec.head_dim)
-                    && dk == Dim::Const(spec.kv_heads * spec.head_dim)
-                    && dv == dk
-                    && t == tk
-                    && t == tv
-                    && spec.kv_heads > 0
-                    && spec.heads % spec.kv_heads == 0;
+            Self::Attention(spec) => attention_shape(spec, inputs),
+            Self::RopeAttention { rope, attention } => {
+                tokens_vec(inputs[3].0, inputs[3].1, "positions")?;
+                let fits = rope.heads == attention.heads + attention.kv_heads
+                    && rope.head_dim == attention.head_dim
+                    && rope.rotary_dim <= rope.head_dim
+                    && rope.rotary_dim % 2 == 0;
                 if !fits {
-                    return Err(format!(
-                        "attention: q {} k {} v {} do not fit {spec:?}",
-                        inputs[0].0, inputs[1].0, inputs[2].0
-                    ));
+                    return Err(format!("rope_attention: {rope:?} does not rotate {attention:?}"));
                 }
-                Ok((Shape::new([t, dq]), DType::F32))
+                attention_shape(attention, &inputs[..3])
             }
             Self::Add | Self::Mul => {
                 if inputs[0].0 != inputs[1].0 {
@@ -403,30 +413,16 @@ impl Op {
                 weight_offset,
                 group,
             } => format!("eps={eps:e}, weight_offset={weight_offset}, group={group}"),
-            Self::Rope(s) => format!(
-                "heads={}, head_dim={}, rotary_dim={}, theta={}, position_scale={}, layout={}",
-                s.heads,
-                s.head_dim,
-                s.rotary_dim,
-                s.theta,
-                s.position_scale,
-                match s.layout {
-                    RopeLayout::RotateHalf => "rotate_half",
-                    RopeLayout::AdjacentPairs => "adjacent_pairs",
-                }
-            ),
-            Self::Attention(s) => format!(
-                "heads={}, kv_heads={}, head_dim={}, scale={}, window={}, cache={}{}",
-                s.heads,
-                s.kv_heads,
-                s.head_dim,
-                s.scale,
-                s.window.map_or("none".to_string(), |w| w.to_string()),
-                s.cache_slot,
-                match s.cache_dtype {
-                    DType::F32 => String::new(),
-                    other => format!(", cache_dtype={other}"),
-                }
+            Self::Rope(s) => rope_attributes(s),
+            Self::Attention(s) => attention_attributes(s),
+            // The head counts and head_dim are the attention's; the rotation's own fields follow.
+            Self::RopeAttention { rope, attention } => format!(
+                "{}, rotary_dim={}, theta={}, position_scale={}, layout={}",
+                attention_attributes(attention),
+                rope.rotary_dim,
+                rope.theta,
+                rope.position_scale,
+                layout_name(rope.layout)
             ),
             Self::Scale { factor } => format!("factor={factor}"),
             Self::Slice { start, len } => format!("start={start}, len={len}"),
@@ -449,6 +445,68 @@ impl Op {
             _ => String::new(),
         }
     }
+}
+
+fn layout_name(layout: RopeLayout) -> &'static str {
+    match layout {
+        RopeLayout::RotateHalf => "rotate_half",
+        RopeLayout::AdjacentPairs => "adjacent_pairs",
+    }
+}
+
+fn rope_attributes(s: &RopeSpec) -> String {
+    format!(
+        "heads={}, head_dim={}, rotary_dim={}, theta={}, position_scale={}, layout={}",
+        s.heads,
+        s.head_dim,
+        s.rotary_dim,
+        s.theta,
+        s.position_scale,
+        layout_name(s.layout)
+    )
+}
+
+fn attention_attributes(s: &AttentionSpec) -> String {
+    format!(
+        "heads={}, kv_heads={}, head_dim={}, scale={}, window={}, cache={}{}",
+        s.heads,
+        s.kv_heads,
+        s.head_dim,
+        s.scale,
+        s.window.map_or("none".to_string(), |w| w.to_string()),
+        s.cache_slot,
+        match s.cache_dtype {
+            DType::F32 => String::new(),
+            other => format!(", cache_dtype={other}"),
+        }
+    )
+}
+
+/// `attention(q, k, v)`'s output shape, or why the inputs do not fit `spec`.
+fn attention_shape(spec: &AttentionSpec, inputs: &[(&Shape, DType)]) -> Result<(Shape, DType), String> {
+    let rows = |s: &Shape| -> Result<(Dim, Dim), String> {
+        match s.0.as_slice() {
+            [r, c] => Ok((*r, *c)),
+            _ => Err(format!("attention expects matrices, got {s}")),
+        }
+    };
+    let (t, dq) = rows(inputs[0].0)?;
+    let (tk, dk) = rows(inputs[1].0)?;
+    let (tv, dv) = rows(inputs[2].0)?;
+    let fits = dq == Dim::Const(spec.heads * spec.head_dim)
+        && dk == Dim::Const(spec.kv_heads * spec.head_dim)
+        && dv == dk
+        && t == tk
+        && t == tv
+        && spec.kv_heads > 0
+        && spec.heads.is_multiple_of(spec.kv_heads);
+    if !fits {
+        return Err(format!(
+            "attention: q {} k {} v {} do not fit {spec:?}",
+            inputs[0].0, inputs[1].0, inputs[2].0
+        ));
+    }
+    Ok((Shape::new([t, dq]), DType::F32))
 }
 
 /// `Dim` for the step's token count, for builders.

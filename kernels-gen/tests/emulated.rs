@@ -520,6 +520,99 @@ fn strided_inputs_read_slices_in_place() {
     close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "strided rope");
 }
 
+/// `rope_kv_append` against the reference: queries rotated into `q_out`, keys rotated and
+/// values copied into a paged cache (the new rows straddle a block edge; the cached rows stay
+/// as they were), both rope layouts, whole and partial rotation, f32 and bf16 caches, each
+/// source read in place from rows of its own width.
+#[test]
+fn rope_kv_append_rotates_queries_and_keys_and_appends_keys_and_values() {
+    let mut rng = Rng(21);
+    let (heads, kv_heads, head_dim, tokens, first, block_size) = (4, 2, 8, 3, 3, 4);
+    let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);
+    let strides = [q_dim + 3, kv_dim + 5, kv_dim + 1];
+    let table = [2i64, 0];
+    let physical = |p: usize| table[p / block_size] as usize * block_size + p % block_size;
+    let positions: Vec<usize> = (first..first + tokens).collect();
+    for (layout, rotary_dim, cache) in [
+        (RopeLayout::RotateHalf, head_dim, Ty::F32),
+        (RopeLayout::AdjacentPairs, head_dim / 2, Ty::F32),
+        (RopeLayout::RotateHalf, head_dim / 2, Ty::Bf16),
+    ] {
+        let dtype = match cache {
+            Ty::Bf16 => ir::DType::BF16,
+            _ => ir::DType::F32,
+        };
+        let spec = |heads| RopeSpec {
+            heads,
+            head_dim,
+            rotary_dim,
+            theta: 10_000.0,
+            position_scale: 1.0,
+            layout,
+        };
+        let sources = strides.map(|stride| rng.vec(tokens * stride));
+        let rows = |at: usize, len: usize| -> Vec<f32> {
+            (0..tokens)
+                .flat_map(|t| sources[at][t * strides[at]..][..len].to_vec())
+                .collect()
+        };
+        let (mut q, mut k, v) = (rows(0, q_dim), rows(1, kv_dim), rows(2, kv_dim));
+        ops::rope(&spec(heads), &mut q, &positions);
+        ops::rope(&spec(kv_heads), &mut k, &positions);
+        let old = (rng.vec(3 * block_size * kv_dim), rng.vec(3 * block_size * kv_dim));
+        let pool = |values: &[f32]| -> Vec<f32> { values.iter().map(|&e| ops::stored_as(e, dtype)).collect() };
+        let array = |values: &[f32]| match cache {
+            Ty::Bf16 => bf16_array(values),
+            _ => Array::f32(values),
+        };
+        let mut bufs = HashMap::from([
+            ("q_src".into(), Array::f32(&sources[0])),
+            ("k_src".into(), Array::f32(&sources[1])),
+            ("v_src".into(), Array::f32(&sources[2])),
+            (
+                "positions".into(),
+                Array::ints(Ty::I32, &positions.iter().map(|&p| p as i64).collect::<Vec<_>>()),
+            ),
+            ("inv_freq".into(), Array::f32(&ops::rope_inv_freq(&spec(heads)))),
+            ("q_out".into(), Array::poisoned(Ty::F32, tokens * q_dim)),
+            ("k_cache".into(), array(&old.0)),
+            ("v_cache".into(), array(&old.1)),
+            ("block_table".into(), Array::ints(Ty::I32, &table)),
+        ]);
+        let scalars = ints(&[
+            ("tokens", tokens as i64),
+            ("q_dim", q_dim as i64),
+            ("kv_dim", kv_dim as i64),
+            ("head_dim", head_dim as i64),
+            ("rotary_dim", rotary_dim as i64),
+            ("first", first as i64),
+            ("q_stride", strides[0] as i64),
+            ("k_stride", strides[1] as i64),
+            ("v_stride", strides[2] as i64),
+            ("block_size", block_size as i64),
+        ]);
+        let kernel = kv_append::rope_kv_append(
+            "rope_append",
+            "test",
+            cache_layout::CacheLayout::Paged,
+            cache,
+            layout,
+            1.0,
+        );
+        run(&kernel, &mut bufs, &scalars).unwrap();
+        let what = format!("{layout:?}, rotary_dim {rotary_dim}, {cache:?} cache");
+        close(&bufs["q_out"].to_f32().unwrap(), &q, 1e-5, &format!("queries, {what}"));
+        let tol = if cache == Ty::Bf16 { 8e-3 } else { 1e-5 };
+        for (name, old, new) in [("k_cache", &old.0, &k), ("v_cache", &old.1, &v)] {
+            let mut want = pool(old);
+            for (t, &p) in positions.iter().enumerate() {
+                want[physical(p) * kv_dim..][..kv_dim].copy_from_slice(&pool(&new[t * kv_dim..][..kv_dim]));
+            }
+            close(&bufs[name].to_f32().unwrap(), &want, tol, &format!("{name}, {what}"));
+        }
+    }
+}
+
 #[test]
 fn kv_append_writes_rows_after_the_cached_ones() {
     let mut rng = Rng(10);

@@ -240,7 +240,7 @@ impl<'a> TargetCost<'a> {
                         .last()
                         .map_or(0.0, |w| w.shape.last().and_then(Dim::as_const).unwrap_or(0) as f64)
             }
-            Op::Attention(_) => 4.0 * elements(&out_shape) * DECODE_KV_LEN as f64,
+            _ if op.attention().is_some() => 4.0 * elements(&out_shape) * DECODE_KV_LEN as f64,
             Op::Elementwise { expr } => elements(&out_shape) * expr.ops() as f64,
             // The int8 pass reads a quarter of the f32 head (a full-precision head is f32 or
             // bf16); rescoring touches a handful of rows.
@@ -250,9 +250,9 @@ impl<'a> TargetCost<'a> {
             }
             _ => 0.0,
         };
-        let kv_bytes = match op {
-            Op::Attention(s) => 2.0 * (DECODE_KV_LEN * s.kv_heads * s.head_dim) as f64 * 2.0,
-            _ => 0.0,
+        let kv_bytes = match op.attention() {
+            Some(s) => 2.0 * (DECODE_KV_LEN * s.kv_heads * s.head_dim) as f64 * 2.0,
+            None => 0.0,
         };
         let prologue = matches!(op, Op::RmsNormMatMul { .. } | Op::AddRmsNormMatMul { .. });
         if prologue && !types.last().is_some_and(|w| m.prologue_weights.contains(&w.dtype)) {

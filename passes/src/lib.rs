@@ -36,12 +36,15 @@ pub struct Pass {
 /// The pipeline, in order.
 pub const PIPELINE: &[Pass] = &[
     Pass {
+        name: "fuse_rope_attention",
+        rules: || vec![rules::rope_attention::rope_into_attention()],
+    },
+    Pass {
         name: "fuse_joined_projections",
         rules: || {
             vec![
                 rules::joined_projections::join_projections(),
                 rules::joined_projections::compose_slices(),
-                rules::joined_ropes::join_ropes(),
             ]
         },
     },

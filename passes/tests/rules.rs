@@ -136,17 +136,20 @@ proptest! {
     }
 
     #[test]
-    fn join_ropes_preserves_both_ropes(
-        heads in (1usize..4, 1usize..4),
+    fn rope_into_attention_preserves_attention(
+        kv_heads in 1usize..3,
+        group in 1usize..3,
         half in 1usize..4,
         rotate_all in prop::bool::ANY,
         adjacent_pairs in prop::bool::ANY,
-        extra in 0usize..5,
+        bf16_cache in prop::bool::ANY,
+        joined in prop::bool::ANY,
         seed in any::<u64>(),
     ) {
-        // Q and K slices of one projection (V after them), each roped.
-        let head_dim = 4 * half;
-        let spec = |heads| ir::RopeSpec {
+        // Q, K and V projections (slices of one joined projection, or three), Q and K roped,
+        // over two steps so that the second attends to keys the first cached.
+        let (heads, head_dim) = (kv_heads * group, 4 * half);
+        let rope = |heads| ir::RopeSpec {
             heads,
             head_dim,
             rotary_dim: if rotate_all { head_dim } else { head_dim / 2 },
@@ -154,24 +157,73 @@ proptest! {
             position_scale: 1.0,
             layout: if adjacent_pairs { ir::RopeLayout::AdjacentPairs } else { ir::RopeLayout::RotateHalf },
         };
-        let (q_len, k_len) = (heads.0 * head_dim, heads.1 * head_dim);
-        let mut g = Graph::new("ropes");
+        let attention = ir::AttentionSpec {
+            heads,
+            kv_heads,
+            head_dim,
+            scale: 0.5,
+            window: None,
+            cache_slot: 0,
+            cache_dtype: if bf16_cache { DType::BF16 } else { DType::F32 },
+        };
+        let (q_len, kv_len) = (heads * head_dim, kv_heads * head_dim);
+        let mut g = Graph::new("attention");
         let mut w = Weights { seed, ..Default::default() };
         let x = activation(&mut g, &mut w, 6);
-        let wqkv = w.add(&mut g, "qkv", &[q_len + k_len + extra, 6]);
-        let qkv = g.add(Op::MatMul, &[x, wqkv]).unwrap();
+        let [q, k, v] = match joined {
+            true => {
+                let wqkv = w.add(&mut g, "qkv", &[q_len + 2 * kv_len, 6]);
+                let qkv = g.add(Op::MatMul, &[x, wqkv]).unwrap();
+                [(0, q_len), (q_len, kv_len), (q_len + kv_len, kv_len)]
+                    .map(|(start, len)| g.add(Op::Slice { start, len }, &[qkv]).unwrap())
+            }
+            false => [("q", q_len), ("k", kv_len), ("v", kv_len)].map(|(name, n)| {
+                let wp = w.add(&mut g, name, &[n, 6]);
+                g.add(Op::MatMul, &[x, wp]).unwrap()
+            }),
+        };
         let positions = g.input(InputKind::Positions);
-        let q = g.add(Op::Slice { start: 0, len: q_len }, &[qkv]).unwrap();
-        let k = g.add(Op::Slice { start: q_len, len: k_len }, &[qkv]).unwrap();
-        let rq = g.add(Op::Rope(spec(heads.0)), &[q, positions]).unwrap();
-        let rk = g.add(Op::Rope(spec(heads.1)), &[k, positions]).unwrap();
-        g.set_output("q", rq);
-        g.set_output("k", rk);
-        let rules = || vec![joined_ropes::join_ropes(), joined_projections::compose_slices()];
-        check(&g, &w, rules(), "join-ropes", "rope", CostModel::CPU);
-        let (after, _) = passes::run_rules(&g, "under-test", &rules(), CostModel::H200).unwrap();
-        let ropes = after.nodes().iter().filter(|n| n.op.name() == "rope").count();
-        prop_assert_eq!(ropes, 1, "{}", after.to_text());
+        let rq = g.add(Op::Rope(rope(heads)), &[q, positions]).unwrap();
+        let rk = g.add(Op::Rope(rope(kv_heads)), &[k, positions]).unwrap();
+        let a = g.add(Op::Attention(attention), &[rq, rk, v]).unwrap();
+        g.set_output("attention", a);
+        let rules = vec![rope_attention::rope_into_attention()];
+        check(&g, &w, rules, "rope-into-attention", "rope_attention", CostModel::CPU);
+    }
+
+    #[test]
+    fn ropes_that_rotate_differently_stay_apart(theta_k in 1000.0f64..5000.0) {
+        let spec = |heads, theta| ir::RopeSpec {
+            heads,
+            head_dim: 4,
+            rotary_dim: 4,
+            theta,
+            position_scale: 1.0,
+            layout: ir::RopeLayout::RotateHalf,
+        };
+        let attention = ir::AttentionSpec {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 4,
+            scale: 0.5,
+            window: None,
+            cache_slot: 0,
+            cache_dtype: DType::F32,
+        };
+        let mut g = Graph::new("attention");
+        let mut w = Weights::default();
+        let x = activation(&mut g, &mut w, 4);
+        let positions = g.input(InputKind::Positions);
+        let [q, k, v] = [("q", 8), ("k", 4), ("v", 4)].map(|(name, n)| {
+            let wp = w.add(&mut g, name, &[n, 4]);
+            g.add(Op::MatMul, &[x, wp]).unwrap()
+        });
+        let rq = g.add(Op::Rope(spec(2, 10000.0)), &[q, positions]).unwrap();
+        let rk = g.add(Op::Rope(spec(1, theta_k)), &[k, positions]).unwrap();
+        let a = g.add(Op::Attention(attention), &[rq, rk, v]).unwrap();
+        g.set_output("attention", a);
+        let (after, _) = passes::run_rules(&g, "under-test", &[rope_attention::rope_into_attention()], CostModel::H200).unwrap();
+        prop_assert!(after.nodes().iter().all(|n| n.op.name() != "rope_attention"), "{}", after.to_text());
     }
 
     #[test]

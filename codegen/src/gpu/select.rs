@@ -316,7 +316,7 @@ pub(crate) fn select(
                             args,
                         )
                     }
-                    Op::Attention(spec) => {
+                    Op::Attention(spec) | Op::RopeAttention { attention: spec, .. } => {
                         if spec.head_dim > attention::MAX_HEAD_DIM {
                             return Err(unsupported(format!(
                                 "head_dim {} is past the attention templates' {}",
@@ -352,29 +352,75 @@ pub(crate) fn select(
                                 return Err(unsupported("a one-sequence paged plan is not built".into()))
                             }
                         };
-                        // Append this step's keys and values, then attend over the cache.
+                        // Append this step's keys and values (rotating q and k on the way
+                        // for `rope_attention`), then attend over the cache.
                         let ((k, k_stride), (v, v_stride)) = (act(&s, 1), act(&s, 2));
                         let cache = |value| LaunchArg::KvCache {
                             slot: spec.cache_slot,
                             value,
                         };
-                        let args = vec![
-                            k,
-                            v,
-                            cache(false),
-                            cache(true),
-                            scalar("tokens", &rows),
-                            scalar("kv_dim", kv_dim),
-                            scalar("first", "first"),
-                            scalar("k_stride", k_stride),
-                            scalar("v_stride", v_stride),
-                        ];
+                        let (kernel, args, (q, q_stride)) = match op {
+                            Op::RopeAttention { rope, .. } => {
+                                let inv_freq = format!("rope_inv_freq_theta{}_dim{}", rope.theta, rope.rotary_dim);
+                                s.constants
+                                    .entry(inv_freq.clone())
+                                    .or_insert_with(|| rope_inv_freq(rope));
+                                let ((q, q_stride), (positions, _)) = (act(&s, 0), act(&s, 3));
+                                let q_dim = spec.heads * spec.head_dim;
+                                let rotated = LaunchArg::Scratch {
+                                    node: i,
+                                    name: "q".into(),
+                                    bytes: max_tokens * q_dim * 4,
+                                };
+                                let args = vec![
+                                    q,
+                                    k,
+                                    v,
+                                    positions,
+                                    LaunchArg::Constant { name: inv_freq },
+                                    rotated.clone(),
+                                    cache(false),
+                                    cache(true),
+                                    scalar("tokens", &rows),
+                                    scalar("q_dim", q_dim),
+                                    scalar("kv_dim", kv_dim),
+                                    scalar("head_dim", spec.head_dim),
+                                    scalar("rotary_dim", rope.rotary_dim),
+                                    scalar("first", "first"),
+                                    scalar("q_stride", q_stride),
+                                    scalar("k_stride", k_stride),
+                                    scalar("v_stride", v_stride),
+                                ];
+                                let kernel = kv_append::rope_kv_append(
+                                    "rope_kv_append",
+                                    &graph.name,
+                                    layout,
+                                    cache_ty,
+                                    rope.layout,
+                                    rope.position_scale as f32,
+                                );
+                                (kernel, args, (rotated, q_dim))
+                            }
+                            _ => {
+                                let args = vec![
+                                    k,
+                                    v,
+                                    cache(false),
+                                    cache(true),
+                                    scalar("tokens", &rows),
+                                    scalar("kv_dim", kv_dim),
+                                    scalar("first", "first"),
+                                    scalar("k_stride", k_stride),
+                                    scalar("v_stride", v_stride),
+                                ];
+                                let kernel = kv_append::kv_append_with("kv_append", &graph.name, layout, cache_ty);
+                                (kernel, args, act(&s, 0))
+                            }
+                        };
                         let args = [args, layout_args.clone()].concat();
-                        let kernel = kv_append::kv_append_with("kv_append", &graph.name, layout, cache_ty);
                         s.launches.push((i, kernel, Alternatives::default(), args));
                         // The keys split across blocks, then the splits merged (see
                         // `templates::attention`); the partials are scratch of this node.
-                        let (q, q_stride) = act(&s, 0);
                         let splits = attention::splits_expr(&rows);
                         let partial = LaunchArg::Scratch {
                             node: i,

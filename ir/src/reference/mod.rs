@@ -3,7 +3,7 @@
 
 pub mod ops;
 
-use crate::op::{AttentionSpec, InputKind, Op};
+use crate::op::{AttentionSpec, InputKind, Op, RopeSpec};
 use crate::{Graph, Tensor};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -123,6 +123,16 @@ impl<'w> Interpreter<'w> {
             .collect())
     }
 
+    /// Append `k` and `v` to the spec's cache slot, then attend over it with `q`.
+    fn attend(&mut self, spec: &AttentionSpec, q: &Tensor, k: &Tensor, v: &Tensor, positions: &[usize]) -> Tensor {
+        let slot = self.caches.entry(spec.cache_slot).or_default();
+        let stored = |x: &f32| ops::stored_as(*x, spec.cache_dtype);
+        slot.k.extend(k.data.iter().map(stored));
+        slot.v.extend(v.data.iter().map(stored));
+        slot.positions.extend_from_slice(positions);
+        attention_over_slot(spec, q, slot, positions)
+    }
+
     fn eval(&mut self, op: &Op, args: &[&Value], positions: &[usize]) -> Result<Tensor, InterpError> {
         Ok(match op {
             Op::Embedding => embedding(args[0].tensor(), args[1].ids())?,
@@ -144,13 +154,27 @@ impl<'w> Interpreter<'w> {
                 ops::rope(spec, &mut x.data, args[1].ids());
                 x
             }
-            Op::Attention(spec) => {
-                let slot = self.caches.entry(spec.cache_slot).or_default();
-                let stored = |x: &f32| ops::stored_as(*x, spec.cache_dtype);
-                slot.k.extend(args[1].tensor().data.iter().map(stored));
-                slot.v.extend(args[2].tensor().data.iter().map(stored));
-                slot.positions.extend_from_slice(positions);
-                attention_over_slot(spec, args[0].tensor(), slot, positions)
+            Op::Attention(spec) => self.attend(spec, args[0].tensor(), args[1].tensor(), args[2].tensor(), positions),
+            Op::RopeAttention { rope, attention } => {
+                let (mut q, mut k) = (args[0].tensor().clone(), args[1].tensor().clone());
+                let at = args[3].ids();
+                ops::rope(
+                    &RopeSpec {
+                        heads: attention.heads,
+                        ..*rope
+                    },
+                    &mut q.data,
+                    at,
+                );
+                ops::rope(
+                    &RopeSpec {
+                        heads: attention.kv_heads,
+                        ..*rope
+                    },
+                    &mut k.data,
+                    at,
+                );
+                self.attend(attention, &q, &k, args[2].tensor(), positions)
             }
             Op::Add => zip_map(args[0].tensor(), args[1].tensor(), |a, b| a + b),
             Op::Mul => zip_map(args[0].tensor(), args[1].tensor(), |a, b| a * b),

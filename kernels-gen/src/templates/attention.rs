@@ -86,8 +86,9 @@ pub fn heads_per_block(heads: usize, kv_heads: usize, head_dim: usize) -> usize 
 }
 
 /// The split pass over a cache in `layout` (contiguous, or paged through block tables), the
-/// query rows `q_stride` apart (Q is a slice of the joined ropes' output), `group` query heads
-/// of one KV head per block (see [`heads_per_block`]; it divides `heads / kv_heads`): writes
+/// query rows `q_stride` apart (the rotated rows `rope_kv_append` wrote, or Q read in place
+/// from a wider output), `group` query heads of one KV head per block (see
+/// [`heads_per_block`]; it divides `heads / kv_heads`): writes
 /// `partial[((row·heads + head)·splits + split)·(head_dim + 2) + …]` = accumulator, max, sum.
 /// `window` ≤ 0 means none. The cache holds the new keys already, as `cache` elements (f32, or
 /// bf16 widened as loaded).

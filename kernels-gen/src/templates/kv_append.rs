@@ -70,3 +70,98 @@ pub fn kv_append_with(name: &str, origin: &str, layout: CacheLayout, cache: Ty) 
         ),
     }
 }
+
+/// The append with the rope before it (`rope_attention`): a thread per element of a step row's
+/// `[q | k | v]`. Query elements are rotated into `q_out` (rows `q_dim` wide, what attention
+/// reads next), key elements rotated into the cache, value elements copied into it. Each source
+/// is read in place from its own rows (`*_stride` apart: slices of the joined QKV output).
+pub fn rope_kv_append(
+    name: &str,
+    origin: &str,
+    layout: CacheLayout,
+    cache: Ty,
+    rope: ir::RopeLayout,
+    position_scale: f32,
+) -> Kernel {
+    let rotated = |src: &'static str, stride: &str, col: Expr, put: &dyn Fn(Expr) -> Stmt| {
+        super::rope::rotated(
+            rope,
+            position_scale,
+            super::rope::Rotated {
+                src,
+                row: var("t") * var(stride),
+                col,
+            },
+            put,
+        )
+    };
+    let cache_at = |col: &str| var("at") + var(col);
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: rotate queries and keys ({rope:?}), append keys and values to the {} KV cache, {}",
+            format!("{cache:?}").to_lowercase(),
+            layout.describe()
+        ),
+        params: [
+            vec![
+                buffer("q_src", Ty::F32, false),
+                buffer("k_src", Ty::F32, false),
+                buffer("v_src", Ty::F32, false),
+                buffer("positions", Ty::I32, false),
+                buffer("inv_freq", Ty::F32, false),
+                buffer("q_out", Ty::F32, true),
+                buffer("k_cache", cache, true),
+                buffer("v_cache", cache, true),
+                scalar("tokens", Ty::I32),
+                scalar("q_dim", Ty::I32),
+                scalar("kv_dim", Ty::I32),
+                scalar("head_dim", Ty::I32),
+                scalar("rotary_dim", Ty::I32),
+                scalar("first", Ty::I32),
+                scalar("q_stride", Ty::I32),
+                scalar("k_stride", Ty::I32),
+                scalar("v_stride", Ty::I32),
+            ],
+            layout.params(),
+        ]
+        .concat(),
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(var("tokens") * (var("q_dim") + int(2) * var("kv_dim")), BLOCK as i64),
+        body: per_element(
+            var("tokens") * (var("q_dim") + int(2) * var("kv_dim")),
+            vec![
+                let_("width", Ty::I32, var("q_dim") + int(2) * var("kv_dim")),
+                let_("t", Ty::I32, var("i") / var("width")),
+                let_("c", Ty::I32, bin(BinOp::Rem, var("i"), var("width"))),
+                if_else(
+                    bin(BinOp::Lt, var("c"), var("q_dim")),
+                    rotated("q_src", "q_stride", var("c"), &|value| {
+                        store("q_out", var("t") * var("q_dim") + var("c"), value)
+                    }),
+                    [
+                        layout.prologue(var("t")),
+                        vec![
+                            let_("at", Ty::I32, layout.row(layout.position(var("t"))) * var("kv_dim")),
+                            let_("kc", Ty::I32, var("c") - var("q_dim")),
+                            let_("vc", Ty::I32, var("kc") - var("kv_dim")),
+                            if_else(
+                                bin(BinOp::Lt, var("kc"), var("kv_dim")),
+                                rotated("k_src", "k_stride", var("kc"), &|value| {
+                                    store("k_cache", cache_at("kc"), value)
+                                }),
+                                vec![store(
+                                    "v_cache",
+                                    cache_at("vc"),
+                                    load("v_src", var("t") * var("v_stride") + var("vc")),
+                                )],
+                            ),
+                        ],
+                    ]
+                    .concat(),
+                ),
+            ],
+        ),
+    }
+}

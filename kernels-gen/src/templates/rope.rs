@@ -8,7 +8,64 @@ use crate::dsl::*;
 use ir::RopeLayout;
 
 pub fn rope(name: &str, origin: &str, layout: RopeLayout, position_scale: f32) -> Kernel {
-    let x = |j: Expr| load("x", var("row") + j);
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: rope ({layout:?})"),
+        params: vec![
+            buffer("x", Ty::F32, false),
+            buffer("positions", Ty::I32, false),
+            buffer("inv_freq", Ty::F32, false),
+            buffer("out", Ty::F32, true),
+            scalar("tokens", Ty::I32),
+            scalar("width", Ty::I32),
+            scalar("head_dim", Ty::I32),
+            scalar("rotary_dim", Ty::I32),
+            scalar("x_stride", Ty::I32),
+        ],
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(var("tokens") * var("width"), BLOCK as i64),
+        body: per_element(
+            var("tokens") * var("width"),
+            [
+                vec![
+                    let_("t", Ty::I32, var("i") / var("width")),
+                    let_("c", Ty::I32, bin(BinOp::Rem, var("i"), var("width"))),
+                ],
+                // `x`'s rows are `x_stride` apart (a column slice of a fused projection is read
+                // in place).
+                rotated(
+                    layout,
+                    position_scale,
+                    Rotated {
+                        src: "x",
+                        row: var("t") * var("x_stride"),
+                        col: var("c"),
+                    },
+                    |value| store("out", var("i"), value),
+                ),
+            ]
+            .concat(),
+        ),
+    }
+}
+
+/// Column `col` of one activation row starting at `row` in buffer `src`: the element a
+/// thread rotates.
+pub(crate) struct Rotated {
+    pub src: &'static str,
+    pub row: Expr,
+    pub col: Expr,
+}
+
+/// Statements that rotate `element` (at the position of step row `t`, a variable) and hand
+/// the value to `put`. Reads `positions`, `inv_freq`, `head_dim` and `rotary_dim`.
+pub(crate) fn rotated(
+    layout: RopeLayout,
+    position_scale: f32,
+    element: Rotated,
+    put: impl Fn(Expr) -> Stmt,
+) -> Vec<Stmt> {
     let (pair_index, partner, first_of_pair) = match layout {
         RopeLayout::RotateHalf => (
             bin(BinOp::Rem, var("j"), var("half")),
@@ -29,58 +86,31 @@ pub fn rope(name: &str, origin: &str, layout: RopeLayout, position_scale: f32) -
             bin(BinOp::Eq, bin(BinOp::BitAnd, var("j"), int(1)), int(0)),
         ),
     };
-    Kernel {
-        name: name.into(),
-        origin: format!("{origin}: rope ({layout:?})"),
-        params: vec![
-            buffer("x", Ty::F32, false),
-            buffer("positions", Ty::I32, false),
-            buffer("inv_freq", Ty::F32, false),
-            buffer("out", Ty::F32, true),
-            scalar("tokens", Ty::I32),
-            scalar("width", Ty::I32),
-            scalar("head_dim", Ty::I32),
-            scalar("rotary_dim", Ty::I32),
-            scalar("x_stride", Ty::I32),
-        ],
-        shared: vec![],
-        block_dim: BLOCK,
-        grid: blocks_for(var("tokens") * var("width"), BLOCK as i64),
-        body: per_element(
-            var("tokens") * var("width"),
-            vec![
-                let_("t", Ty::I32, var("i") / var("width")),
-                let_("c", Ty::I32, bin(BinOp::Rem, var("i"), var("width"))),
-                // The head's first element in `x`, whose rows are `x_stride` apart (a column
-                // slice of a fused projection is read in place).
-                let_(
-                    "row",
-                    Ty::I32,
-                    var("t") * var("x_stride") + var("c") - bin(BinOp::Rem, var("c"), var("head_dim")),
-                ),
-                let_("j", Ty::I32, bin(BinOp::Rem, var("c"), var("head_dim"))),
-                let_("half", Ty::I32, var("rotary_dim") / int(2)),
-                if_else(
-                    bin(BinOp::Lt, var("j"), var("rotary_dim")),
-                    vec![
-                        let_(
-                            "pos",
-                            Ty::F32,
-                            cast(Ty::F32, load("positions", var("t"))) / f(position_scale),
-                        ),
-                        let_("angle", Ty::F32, var("pos") * load("inv_freq", pair_index)),
-                        let_("cos", Ty::F32, un(UnOp::Cos, var("angle"))),
-                        let_("sin", Ty::F32, un(UnOp::Sin, var("angle"))),
-                        let_("sign", Ty::F32, select(first_of_pair, f(-1.0), f(1.0))),
-                        store(
-                            "out",
-                            var("i"),
-                            x(var("j")) * var("cos") + var("sign") * x(partner) * var("sin"),
-                        ),
-                    ],
-                    vec![store("out", var("i"), x(var("j")))],
-                ),
-            ],
+    let x = |j: Expr| load(element.src, var("head") + j);
+    vec![
+        // The head's first element, and this element's place in it.
+        let_(
+            "head",
+            Ty::I32,
+            element.row + element.col.clone() - bin(BinOp::Rem, element.col.clone(), var("head_dim")),
         ),
-    }
+        let_("j", Ty::I32, bin(BinOp::Rem, element.col, var("head_dim"))),
+        let_("half", Ty::I32, var("rotary_dim") / int(2)),
+        if_else(
+            bin(BinOp::Lt, var("j"), var("rotary_dim")),
+            vec![
+                let_(
+                    "pos",
+                    Ty::F32,
+                    cast(Ty::F32, load("positions", var("t"))) / f(position_scale),
+                ),
+                let_("angle", Ty::F32, var("pos") * load("inv_freq", pair_index)),
+                let_("cos", Ty::F32, un(UnOp::Cos, var("angle"))),
+                let_("sin", Ty::F32, un(UnOp::Sin, var("angle"))),
+                let_("sign", Ty::F32, select(first_of_pair, f(-1.0), f(1.0))),
+                put(x(var("j")) * var("cos") + var("sign") * x(partner) * var("sin")),
+            ],
+            vec![put(x(var("j")))],
+        ),
+    ]
 }

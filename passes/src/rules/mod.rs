@@ -5,11 +5,11 @@
 pub mod elementwise;
 pub mod gated_mlp;
 pub mod joined_projections;
-pub mod joined_ropes;
 pub mod lm_head;
 pub mod norm_matmul;
 pub mod residual_norm;
 pub mod residual_norm_matmul;
+pub mod rope_attention;
 
 use crate::analysis::{op_of, type_of, BbcGraph, ClassData, Type};
 use crate::lang::{attr_symbol, make_node, Node};

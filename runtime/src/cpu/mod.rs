@@ -22,7 +22,7 @@ use crate::kv::{BlockId, Segment};
 use attention::QueryRow;
 use half::bf16;
 use ir::reference::ops;
-use ir::{DType, Graph, InputKind, Op, Tensor};
+use ir::{DType, Graph, InputKind, Op, RopeSpec, Tensor};
 use models::WeightSource;
 use rayon::prelude::*;
 use std::collections::HashMap;
@@ -160,15 +160,14 @@ impl CpuBackend {
             for input in &node.inputs {
                 last_use[input.0] = i;
             }
-            match &node.op {
-                Op::Attention(spec) => {
-                    if kv_dims.len() <= spec.cache_slot {
-                        kv_dims.resize(spec.cache_slot + 1, 0);
-                    }
-                    kv_dims[spec.cache_slot] = spec.kv_heads * spec.head_dim;
+            if let Some(spec) = node.op.attention() {
+                if kv_dims.len() <= spec.cache_slot {
+                    kv_dims.resize(spec.cache_slot + 1, 0);
                 }
-                Op::Embedding => vocab = graph.node(node.inputs[0]).shape.resolve(0, 0)[0],
-                _ => {}
+                kv_dims[spec.cache_slot] = spec.kv_heads * spec.head_dim;
+            }
+            if node.op == Op::Embedding {
+                vocab = graph.node(node.inputs[0]).shape.resolve(0, 0)[0];
             }
         }
         for (_, out) in graph.outputs() {
@@ -367,21 +366,28 @@ impl CpuBackend {
                     args[1].value().tensor(),
                     args[2].value().tensor(),
                 );
-                let layer = pages.layer_mut(spec.cache_slot);
-                let dim = layer.dim();
-                // The pages hold f32; a bf16 cache's values are rounded as the GPU's store them.
-                let stored =
-                    |x: &[f32]| -> Vec<f32> { x.iter().map(|&e| ops::stored_as(e, spec.cache_dtype)).collect() };
-                for (seg, r) in rows.segments.iter().zip(&rows.ranges) {
-                    let (k, v) = (&k.data[r.start * dim..r.end * dim], &v.data[r.start * dim..r.end * dim]);
-                    match spec.cache_dtype {
-                        DType::F32 => layer.write(seg.table, seg.start, k, v),
-                        _ => layer.write(seg.table, seg.start, &stored(k), &stored(v)),
-                    }
-                }
-                let mut out = Tensor::zeros(q.shape.clone());
-                attention::attention(spec, &q.data, &rows.query, pages.layer(spec.cache_slot), &mut out.data);
-                out
+                append_and_attend(spec, q, k, v, pages, rows)
+            }
+            Op::RopeAttention { rope, attention } => {
+                let (mut q, mut k) = (args[0].value().tensor().clone(), args[1].value().tensor().clone());
+                let at = args[3].value().ids();
+                ops::rope(
+                    &RopeSpec {
+                        heads: attention.heads,
+                        ..*rope
+                    },
+                    &mut q.data,
+                    at,
+                );
+                ops::rope(
+                    &RopeSpec {
+                        heads: attention.kv_heads,
+                        ..*rope
+                    },
+                    &mut k.data,
+                    at,
+                );
+                append_and_attend(attention, &q, &k, args[2].value().tensor(), pages, rows)
             }
             Op::Add => zip_map(args[0].value().tensor(), args[1].value().tensor(), |a, b| a + b),
             Op::Mul => zip_map(args[0].value().tensor(), args[1].value().tensor(), |a, b| a * b),
@@ -503,6 +509,32 @@ impl Arg<'_> {
 }
 
 /// Elementwise maps run on one thread: at decode sizes a parallel region costs more than it saves.
+/// Append the step's keys and values to `spec`'s cache layer (each row at its sequence's
+/// position), then attend over it with `q`.
+fn append_and_attend(
+    spec: &ir::AttentionSpec,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    pages: &mut KvPages,
+    rows: &StepRows,
+) -> Tensor {
+    let layer = pages.layer_mut(spec.cache_slot);
+    let dim = layer.dim();
+    // The pages hold f32; a bf16 cache's values are rounded as the GPU's store them.
+    let stored = |x: &[f32]| -> Vec<f32> { x.iter().map(|&e| ops::stored_as(e, spec.cache_dtype)).collect() };
+    for (seg, r) in rows.segments.iter().zip(&rows.ranges) {
+        let (k, v) = (&k.data[r.start * dim..r.end * dim], &v.data[r.start * dim..r.end * dim]);
+        match spec.cache_dtype {
+            DType::F32 => layer.write(seg.table, seg.start, k, v),
+            _ => layer.write(seg.table, seg.start, &stored(k), &stored(v)),
+        }
+    }
+    let mut out = Tensor::zeros(q.shape.clone());
+    attention::attention(spec, &q.data, &rows.query, pages.layer(spec.cache_slot), &mut out.data);
+    out
+}
+
 fn map(x: &Tensor, f: impl Fn(f32) -> f32) -> Tensor {
     Tensor::new(x.shape.clone(), x.data.iter().map(|&v| f(v)).collect())
 }
