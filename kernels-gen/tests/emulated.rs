@@ -725,7 +725,12 @@ fn residual_glu_reference(want: &[f32], (tokens, n, k): (usize, usize, usize), a
 fn glu_epilogue_gates_the_product() {
     let mut rng = Rng(31);
     let norm = gemv::NormPrologue::new(1e-6, 1.0).with_residual();
-    for (tokens, n, k, act) in [(1, 18, 64, GluAct::Silu), (6, 10, 96, GluAct::GeluTanh)] {
+    // 1056: many passes over a row per lane, the last vectors' prefetch clamped to the row.
+    for (tokens, n, k, act) in [
+        (1, 18, 64, GluAct::Silu),
+        (6, 10, 96, GluAct::GeluTanh),
+        (2, 8, 1056, GluAct::Silu),
+    ] {
         let strides = (k + 4, k);
         let inputs = Residual::random(&mut rng, (tokens, n, k), strides);
         let w = &inputs.w;
@@ -778,7 +783,12 @@ fn residual_prologue_matmuls_write_the_sum_and_the_product() {
     let mut rng = Rng(29);
     let (eps, offset) = (1e-6f32, 1.0f32);
     let norm = gemv::NormPrologue::new(eps, offset).with_residual();
-    for (tokens, n, k, pads) in [(1, 9, 64, (0, 4)), (6, 5, 96, (8, 0)), (3, 70, 32, (4, 4))] {
+    for (tokens, n, k, pads) in [
+        (1, 9, 64, (0, 4)),
+        (6, 5, 96, (8, 0)),
+        (3, 70, 32, (4, 4)),
+        (2, 6, 1056, (0, 4)),
+    ] {
         let strides = (k + pads.0, k + pads.1);
         let inputs = Residual::random(&mut rng, (tokens, n, k), strides);
         let w = &inputs.w;
