@@ -154,6 +154,19 @@ pub fn emit(kernel: &Kernel) -> String {
         let _ = writeln!(out, "    __shared__ {align}{} {}[{}];", a.ty, a.name, a.len);
     }
     let mut scope = Scope::of(kernel);
+    // NVRTC reads a `const __restrict__` buffer through the read-only data path by itself,
+    // but not once the pointer is also handed to inline assembly (a prefetch): those buffers'
+    // vector loads name the path (`__ldg`).
+    for p in &kernel.params {
+        if let Param::Buffer { name, .. } = p {
+            if any_stmt(
+                &kernel.body,
+                &|s| matches!(s, Stmt::PrefetchL2 { buf, .. } if buf == name),
+            ) {
+                scope.ldg.insert(name.clone());
+            }
+        }
+    }
     block(&mut out, &kernel.body, &mut scope, 1);
     out.push_str("}\n");
     out
@@ -292,6 +305,13 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
                     c.dst,
                     expr(&c.dst_index, scope),
                     expr(&c.src_index, scope),
+                );
+            }
+            Stmt::PrefetchL2 { buf, index } => {
+                let _ = writeln!(
+                    out,
+                    "asm volatile(\"prefetch.global.L2 [%0];\\n\" :: \"l\"({buf} + ({})));",
+                    expr(index, scope)
                 );
             }
             Stmt::CpAsyncCommit => out.push_str("asm volatile(\"cp.async.commit_group;\\n\" ::: \"memory\");\n"),
@@ -456,10 +476,11 @@ fn vector_load(out: &mut String, buf: &str, index: &str, names: &[String], scope
         _ => ("float4", &[".x", ".y", ".z", ".w"]),
     };
     let v = format!("{}_vec", names[0]);
-    let _ = writeln!(
-        out,
-        "const {vector} {v} = *reinterpret_cast<const {vector}*>({buf} + ({index}));"
-    );
+    let address = format!("reinterpret_cast<const {vector}*>({buf} + ({index}))");
+    let _ = match scope.ldg.contains(buf) {
+        true => writeln!(out, "const {vector} {v} = __ldg({address});"),
+        false => writeln!(out, "const {vector} {v} = *{address};"),
+    };
     for (j, name) in names.iter().enumerate() {
         indent(out, depth);
         let value = match ty {

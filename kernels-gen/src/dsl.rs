@@ -155,6 +155,15 @@ pub enum Stmt {
         index: Expr,
         names: Vec<String>,
     },
+    /// `prefetch.global.L2`: start bringing the line holding `buf[index]` (a global buffer)
+    /// into L2 and go on. Nothing waits for it and nothing reads it: a later load of the line
+    /// finds it nearer. What gives a warp more loads in flight than the registers it loads
+    /// into allow (the compiler schedules those, and waits for each where it is used). Changes
+    /// no value; `index` must be inside the buffer.
+    PrefetchL2 {
+        buf: String,
+        index: Expr,
+    },
     /// `cp.async.cg.shared.global` (sm_80 and later): copy 16 bytes (8 bf16) from the global
     /// `src[src_index..+8]` to the shared `dst[dst_index..+8]` without passing through
     /// registers, or 16 zero bytes when `valid` is false. The copy lands at a later
@@ -439,6 +448,11 @@ pub fn load_vec(buf: &str, index: Expr, names: &[String]) -> Stmt {
         index,
         names: names.to_vec(),
     }
+}
+
+/// Bring the line of global `buf[index]` into L2 (see `Stmt::PrefetchL2`).
+pub fn prefetch_l2(buf: &str, index: Expr) -> Stmt {
+    Stmt::PrefetchL2 { buf: buf.into(), index }
 }
 
 pub fn store(buf: &str, index: Expr, value: Expr) -> Stmt {

@@ -18,6 +18,9 @@ pub struct Scope {
     pub arrays: HashMap<String, (Ty, bool)>,
     /// The shared-memory arrays and their lengths (the other arrays are global buffers).
     pub shared: HashMap<String, usize>,
+    /// Buffers the CUDA emitter reads through `__ldg` (those the kernel also prefetches:
+    /// see `cuda::emit`).
+    pub ldg: std::collections::HashSet<String>,
 }
 
 impl Scope {
@@ -215,6 +218,12 @@ fn check_block_declaring<'a>(
                 check_block(otherwise, &mut scope.clone())?;
             }
             Stmt::MmaBf16(m) => scope.f32_locals("mma fragment", m.a.iter().chain(&m.b).chain(&m.c))?,
+            Stmt::PrefetchL2 { buf, index } => {
+                if !scope.arrays.contains_key(buf) || scope.shared.contains_key(buf) {
+                    return Err(format!("a prefetch into L2 from `{buf}`, which is not a global buffer"));
+                }
+                scope.int(index)?;
+            }
             Stmt::CpAsync(c) => {
                 scope.bf16_array(&c.dst, true)?;
                 scope.bf16_array(&c.src, false)?;

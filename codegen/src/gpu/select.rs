@@ -42,6 +42,18 @@ fn weight_format(dtype: DType, node: usize, op: &'static str) -> Result<WeightFo
     })
 }
 
+/// Steps ahead the decode GEMVs with a norm prologue prefetch their weights: the
+/// `BBC_GEMV_PREFETCH_STEPS` environment variable (0 to 16; 0 turns it off), else the
+/// template's default. A tuning knob for the GPU check: a lent GPU machine has no compiler to
+/// rebuild `bbc` with, so the same binary compares both ways (`docs/gpu-results.md`).
+fn gemv_prefetch_steps() -> usize {
+    std::env::var("BBC_GEMV_PREFETCH_STEPS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|&steps| steps <= 16)
+        .unwrap_or(gemv::PREFETCH_STEPS)
+}
+
 /// The single-op expression of an elementwise op.
 fn as_expr(op: &Op) -> Option<IrExpr> {
     let x = || Box::new(IrExpr::Input(0));
@@ -674,7 +686,7 @@ impl MatMul {
     /// the GEMV carrying 4 rows a pass, and for prefill the target's tensor-core GEMM where it
     /// has one for these weights (and this prologue), else that GEMV.
     fn kernels(&self, arch: &str, aligned: bool, origin: &str) -> (Kernel, Kernel, Kernel) {
-        let mut spec = gemv::GemvSpec::decode(self.weights, self.k);
+        let mut spec = gemv::GemvSpec::decode(self.weights, self.k).with_prefetch_steps(gemv_prefetch_steps());
         if let Some(norm) = self.norm {
             spec = spec.with_norm(norm);
         }

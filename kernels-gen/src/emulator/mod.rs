@@ -485,6 +485,17 @@ impl<'k> Block<'k> {
             Stmt::MmaBf16(m) => self.mma_bf16(&m.a, &m.b, &m.c, mask)?,
             Stmt::CpAsync(copy) => self.cp_async(copy, mask, global)?,
             Stmt::CpAsyncCommit => self.cp_async_commit(mask),
+            // No effect but where it points: a prefetch outside its buffer is a mistake.
+            Stmt::PrefetchL2 { buf, index } => {
+                let idx = self.eval(index, mask, global)?;
+                let len = global.get(buf).expect("type-checked").len();
+                if let Some(t) = (0..mask.len()).find(|&t| mask[t] && !(0..len as i64).contains(&idx[t].i())) {
+                    return Err((
+                        t,
+                        format!("prefetch of {buf}[{}] out of bounds (length {len})", idx[t].i()),
+                    ));
+                }
+            }
             Stmt::CpAsyncWait(n) => self.cp_async_wait(*n, mask)?,
             Stmt::FenceProxyAsync => self.fence_proxy_async(mask),
             Stmt::WgmmaFence => self.wgmma_fence(mask)?,
