@@ -536,3 +536,24 @@ fn tcgen05_races_and_leaks_are_reported() {
     });
     assert!(run_tcgen05(crossed).unwrap_err().contains("it may read only"));
 }
+
+/// A prefetch changes nothing but must point inside its buffer; one from shared memory, which
+/// `prefetch.global` cannot take, does not type-check.
+#[test]
+fn prefetches_stay_inside_global_buffers() {
+    let inside = kernel(
+        vec![prefetch_l2("x", tid()), store("out", tid(), load("x", tid()))],
+        vec![],
+    );
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&[2.0; 64])),
+        ("out".into(), Array::poisoned(Ty::F32, 64)),
+    ]);
+    run(&inside, &mut bufs, &HashMap::new()).unwrap();
+    assert_eq!(bufs["out"].to_f32().unwrap(), vec![2.0; 64]);
+    let past = kernel(vec![prefetch_l2("x", tid() + int(1))], vec![]);
+    assert!(fault(&past, 64).contains("prefetch of x[64] out of bounds"));
+    let shared = kernel(vec![prefetch_l2("s", tid())], scratch());
+    let err = kernels_gen::types::check(&shared).unwrap_err().to_string();
+    assert!(err.contains("not a global buffer"), "{err}");
+}

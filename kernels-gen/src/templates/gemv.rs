@@ -335,7 +335,10 @@ fn pass(spec: &GemvSpec) -> Vec<Stmt> {
 /// wait on. The plain GEMV, measured at 85–99%, is left as it is.
 fn prefetched(spec: &GemvSpec) -> bool {
     spec.prefetch_steps > 0
-        && spec.norm.is_some() && spec.tokens_per_pass == 1 && spec.vector > 1 && matches!(spec.weight, WeightFormat::Dense(_))
+        && spec.norm.is_some()
+        && spec.tokens_per_pass == 1
+        && spec.vector > 1
+        && matches!(spec.weight, WeightFormat::Dense(_))
 }
 
 /// How many steps (a warp's 512 bytes of each weight row) ahead the decode GEMV prefetches,
