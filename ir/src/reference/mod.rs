@@ -3,7 +3,7 @@
 
 pub mod ops;
 
-use crate::op::{AttentionSpec, InputKind, Op, RopeSpec};
+use crate::op::{AttentionSpec, InputKind, Op};
 use crate::{Graph, Tensor};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -157,23 +157,8 @@ impl<'w> Interpreter<'w> {
             Op::Attention(spec) => self.attend(spec, args[0].tensor(), args[1].tensor(), args[2].tensor(), positions),
             Op::RopeAttention { rope, attention } => {
                 let (mut q, mut k) = (args[0].tensor().clone(), args[1].tensor().clone());
-                let at = args[3].ids();
-                ops::rope(
-                    &RopeSpec {
-                        heads: attention.heads,
-                        ..*rope
-                    },
-                    &mut q.data,
-                    at,
-                );
-                ops::rope(
-                    &RopeSpec {
-                        heads: attention.kv_heads,
-                        ..*rope
-                    },
-                    &mut k.data,
-                    at,
-                );
+                let (heads, kv_heads) = (attention.heads, attention.kv_heads);
+                ops::rope_q_k(rope, heads, kv_heads, &mut q.data, &mut k.data, args[3].ids());
                 self.attend(attention, &q, &k, args[2].tensor(), positions)
             }
             Op::Add => zip_map(args[0].tensor(), args[1].tensor(), |a, b| a + b),

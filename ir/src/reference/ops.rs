@@ -59,6 +59,20 @@ pub fn rope(spec: &RopeSpec, x: &mut [f32], positions: &[usize]) {
     }
 }
 
+/// `rope_attention`'s rotation of `q` (`heads` heads) and `k` (`kv_heads` heads) in place:
+/// `spec` is the rotation of every head of `[q | k]`.
+pub fn rope_q_k(spec: &RopeSpec, heads: usize, kv_heads: usize, q: &mut [f32], k: &mut [f32], positions: &[usize]) {
+    rope(&RopeSpec { heads, ..*spec }, q, positions);
+    rope(
+        &RopeSpec {
+            heads: kv_heads,
+            ..*spec
+        },
+        k,
+        positions,
+    );
+}
+
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }

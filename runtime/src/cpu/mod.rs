@@ -22,7 +22,7 @@ use crate::kv::{BlockId, Segment};
 use attention::QueryRow;
 use half::bf16;
 use ir::reference::ops;
-use ir::{DType, Graph, InputKind, Op, RopeSpec, Tensor};
+use ir::{DType, Graph, InputKind, Op, Tensor};
 use models::WeightSource;
 use rayon::prelude::*;
 use std::collections::HashMap;
@@ -370,23 +370,8 @@ impl CpuBackend {
             }
             Op::RopeAttention { rope, attention } => {
                 let (mut q, mut k) = (args[0].value().tensor().clone(), args[1].value().tensor().clone());
-                let at = args[3].value().ids();
-                ops::rope(
-                    &RopeSpec {
-                        heads: attention.heads,
-                        ..*rope
-                    },
-                    &mut q.data,
-                    at,
-                );
-                ops::rope(
-                    &RopeSpec {
-                        heads: attention.kv_heads,
-                        ..*rope
-                    },
-                    &mut k.data,
-                    at,
-                );
+                let (heads, kv_heads) = (attention.heads, attention.kv_heads);
+                ops::rope_q_k(rope, heads, kv_heads, &mut q.data, &mut k.data, args[3].value().ids());
                 append_and_attend(attention, &q, &k, args[2].value().tensor(), pages, rows)
             }
             Op::Add => zip_map(args[0].value().tensor(), args[1].value().tensor(), |a, b| a + b),
