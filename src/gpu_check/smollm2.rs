@@ -8,7 +8,7 @@ use codegen::Target;
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use runtime::cuda::CudaBackend;
 use runtime::{generate, Backend, CpuBackend, Engine, GenerateOptions};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The prompts compared: a short chat-like one and a 40-token one.
@@ -76,22 +76,23 @@ fn engines(model: &Path, target: Target) -> Result<(Engine<CudaBackend>, Engine)
     let graph = model.lower(LogitsFor::LastToken)?;
     let gpu_graph = passes::optimized(&graph, cost)?;
     let greedy_graph = passes::optimized(&model.lower(LogitsFor::GreedyToken)?, cost)?;
-    let dir = std::env::temp_dir().join(format!("bbc-gpu-check-{}", std::process::id()));
+    let scratch = RemovedOnDrop(std::env::temp_dir().join(format!("bbc-gpu-check-{}", std::process::id())));
+    let dir = &scratch.0;
     let graphs = codegen::CompiledGraphs {
         logits: &gpu_graph,
         greedy: Some(&greedy_graph),
         serving: None,
     };
-    let manifest = codegen::compile(&model, graphs, target, &dir)?;
-    let int8 = codegen::read_int8_heads(&dir, &manifest.int8_heads)?;
+    let manifest = codegen::compile(&model, graphs, target, dir)?;
+    let int8 = codegen::read_int8_heads(dir, &manifest.int8_heads)?;
     let context = model.config.context_length;
     let greedy_plan = manifest
         .greedy_plan
         .as_deref()
         .context("the artifact has a greedy plan")?;
-    let greedy = CudaBackend::from_artifact(&dir, greedy_plan, greedy_graph, &model.weights, &int8, context)?;
-    let logits = CudaBackend::from_artifact(&dir, "plan.json", gpu_graph, &model.weights, &[], context)?;
-    let _ = std::fs::remove_dir_all(&dir);
+    let greedy = CudaBackend::from_artifact(dir, greedy_plan, greedy_graph, &model.weights, &int8, context)?;
+    let logits = CudaBackend::from_artifact(dir, "plan.json", gpu_graph, &model.weights, &[], context)?;
+    drop(scratch);
     let cpu_graph = passes::optimized(&graph, passes::CostModel::CPU)?;
     let cpu = Engine::from(CpuBackend::new(cpu_graph, &model.weights, context)?);
     let gpu = Engine {
@@ -99,6 +100,15 @@ fn engines(model: &Path, target: Target) -> Result<(Engine<CudaBackend>, Engine)
         greedy: Some(greedy),
     };
     Ok((gpu, cpu))
+}
+
+/// A directory removed when dropped: on every way out of [`engines`], errors included.
+struct RemovedOnDrop(PathBuf);
+
+impl Drop for RemovedOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
 
 /// 128 greedy tokens after the 40-token prompt on each engine: prompt and decode rates.
