@@ -493,7 +493,6 @@ impl Arg<'_> {
     }
 }
 
-/// Elementwise maps run on one thread: at decode sizes a parallel region costs more than it saves.
 /// Append the step's keys and values to `spec`'s cache layer (each row at its sequence's
 /// position), then attend over it with `q`.
 fn append_and_attend(
@@ -520,6 +519,7 @@ fn append_and_attend(
     out
 }
 
+/// Elementwise maps run on one thread: at decode sizes a parallel region costs more than it saves.
 fn map(x: &Tensor, f: impl Fn(f32) -> f32) -> Tensor {
     Tensor::new(x.shape.clone(), x.data.iter().map(|&v| f(v)).collect())
 }
