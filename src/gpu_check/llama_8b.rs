@@ -7,7 +7,7 @@ use anyhow::{anyhow, Result};
 use codegen::gpu::{self, expr};
 use codegen::Target;
 use kernels_gen::dsl::{Kernel, Ty};
-use kernels_gen::templates::gemv::{gemv, GemvSpec};
+use kernels_gen::templates::gemv::{gemv, GemvSpec, NormPrologue};
 use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::{gemm_wgmma, prefill_gemm, split_k};
 use models::{ComputeDtype, LogitsFor};
@@ -115,10 +115,84 @@ const SHAPES: [(&str, usize, usize, usize); 5] = [
     ("lm_head", 128256, 4096, 1),
 ];
 
-/// Time every shape's matmul alone at batch 1 (the decode GEMV), 4 (the 4-tokens-per-pass
-/// GEMV small batches take), 16 and 64 (the tensor-core GEMM, K split as the plans split it,
-/// the reduction included; and the 4-tokens-per-pass GEMV for comparison); the table as markdown, with the step the matmuls alone would add up to
-/// (the whole step is [`decode`]'s).
+/// The decode GEMV a shape takes in the serving plan at batch 1 where it is not the plain
+/// one: QKV and gate/up behind the residual add and norm (`add_rms_norm_matmul`), gate/up with
+/// the SwiGLU after it. Each with and without its L2 prefetch (see `templates::gemv`), so that
+/// one run says which reads the weights faster.
+fn fused_decode_gemvs(name: &str, k: usize) -> Vec<Kernel> {
+    let spec = GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k)
+        .with_x_vectors()
+        .with_norm(NormPrologue::new(1e-5, 0.0).with_residual());
+    let (kernel, spec) = match name {
+        "qkv" => ("add_rms_norm_gemv", spec),
+        "gate_up" => ("add_rms_norm_swiglu_gemv", spec.with_glu(ir::GluAct::Silu)),
+        _ => return vec![],
+    };
+    vec![
+        gemv(kernel, "gpu-check", spec),
+        gemv(
+            &format!("{kernel}_no_prefetch"),
+            "gpu-check",
+            spec.with_prefetch_steps(0),
+        ),
+    ]
+}
+
+/// One timed case of the 8B matmul table: its buffers (each with its length in bytes) and
+/// sizes.
+struct MatmulCase<'a, B> {
+    x: (&'a B, usize),
+    b: (&'a B, usize),
+    g: (&'a B, usize),
+    w: (&'a B, usize),
+    out: (&'a B, usize),
+    partial: (&'a B, usize),
+    batch: usize,
+    n: usize,
+    k: usize,
+    splits: usize,
+}
+
+impl<'a, B> MatmulCase<'a, B> {
+    /// The argument for the parameter named `param` of any kernel the table times.
+    fn value(&self, param: &str) -> Option<DeviceArg<'a, B>> {
+        let buffer = |(b, len): (&'a B, usize)| DeviceArg::Buffer(b, 0..len);
+        let int = |v: usize| DeviceArg::I32(v as i32);
+        Some(match param {
+            "x" => buffer(self.x),
+            "b" => buffer(self.b),
+            "g" => buffer(self.g),
+            "w" => buffer(self.w),
+            "out" => buffer(self.out),
+            "partial" => buffer(self.partial),
+            "tokens" => int(self.batch),
+            "n" => int(self.n),
+            "k" | "x_stride" | "b_stride" => int(self.k),
+            "splits" => int(self.splits),
+            // The reduction writes `out`'s rows, n wide, from column 0.
+            "out_stride" => int(self.n),
+            "out_col" => int(0),
+            _ => return None,
+        })
+    }
+}
+
+/// `kernel`'s arguments in its parameters' order, each from `value` by parameter name: a
+/// parameter `value` has nothing for is an error, not a misplaced argument.
+fn bind<'a, B>(kernel: &Kernel, value: impl Fn(&str) -> Option<DeviceArg<'a, B>>) -> Result<Vec<DeviceArg<'a, B>>> {
+    kernel
+        .params
+        .iter()
+        .map(|p| value(p.name()).ok_or_else(|| anyhow!("{}: nothing for parameter `{}`", kernel.name, p.name())))
+        .collect()
+}
+
+/// Time every shape's matmul alone at batch 1 (the decode GEMV, and for QKV and gate/up the
+/// fused GEMV the serving plan takes, with and without its prefetch), 4 (the
+/// 4-tokens-per-pass GEMV small batches take), 16 and 64 (the tensor-core GEMM, K split as the
+/// plans split it, the reduction included; and the 4-tokens-per-pass GEMV for comparison);
+/// the table as markdown, with the step the matmuls alone would add up to (the whole step is
+/// [`decode`]'s).
 pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<String> {
     let spec = |k: usize| GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k).with_x_vectors();
     let mut table = String::from(
@@ -126,24 +200,36 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
     );
     let mut step = [0f64; 3];
     for (name, n, k, count) in SHAPES {
-        let kernels: Vec<Kernel> = vec![
-            gemv("gemv", "gpu-check", spec(k)),
-            gemv("gemv_prefill", "gpu-check", spec(k).prefill()),
-            // The target's tensor-core GEMM: wgmma on sm_90a, tcgen05 on sm_100a, mma.sync on sm_120a.
-            prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), k, None, None, "gemm", "gpu-check")
-                .ok_or_else(|| anyhow!("a bf16 GEMM"))?,
-            split_k::reduce("split_k_reduce", "gpu-check", gpu::PREFILL_TOKENS, None),
-        ];
+        let fused = fused_decode_gemvs(name, k);
+        let kernels: Vec<Kernel> = [
+            vec![
+                gemv("gemv", "gpu-check", spec(k)),
+                gemv("gemv_prefill", "gpu-check", spec(k).prefill()),
+                // The target's tensor-core GEMM: wgmma on sm_90a, tcgen05 on sm_100a, mma.sync on sm_120a.
+                prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), k, None, None, "gemm", "gpu-check")
+                    .ok_or_else(|| anyhow!("a bf16 GEMM"))?,
+                split_k::reduce("split_k_reduce", "gpu-check", gpu::PREFILL_TOKENS, None),
+            ],
+            fused.clone(),
+        ]
+        .concat();
         let mut device = CudaDevice::compile(&[kernels.clone(), fill_kernels()].concat(), arch)?;
         // Random weights and activations (never zeros: they can run faster than real data).
         let w = device.alloc(n * k * 2)?;
         fill_on_device(&mut device, &w, 0, n * k, Ty::Bf16, Fill::of(1, name, &[n, k]))?;
         let x = device.alloc(64 * k * 4)?;
         fill_on_device(&mut device, &x, 0, 64 * k, Ty::F32, Fill::of(2, name, &[64, k]))?;
-        let out = device.alloc(64 * n * 4)?;
+        // The residual and the norm weight of the fused GEMVs.
+        let b = device.alloc(64 * k * 4)?;
+        fill_on_device(&mut device, &b, 0, 64 * k, Ty::F32, Fill::of(3, name, &[64, k]))?;
+        let g = device.alloc(k * 4)?;
+        fill_on_device(&mut device, &g, 0, k, Ty::F32, Fill::of(4, name, &[k]))?;
+        // Wide enough for the fused GEMVs' `[x + b | product]` rows.
+        let out_bytes = 64 * (k + n) * 4;
+        let out = device.alloc(out_bytes)?;
         let partial_bytes = split_k::partial_len(n, k, gemm_wgmma::TILES, target.multiprocessors()) * 4;
         let partial = device.alloc(partial_bytes)?;
-        for (batch, kernel) in [
+        let mut cases = vec![
             (1, "gemv"),
             // What a small decode batch runs (the plans' few-rows kernel).
             (4, "gemv_prefill"),
@@ -151,13 +237,18 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
             (16, "gemv_prefill"),
             (64, "gemm"),
             (64, "gemv_prefill"),
-        ] {
+        ];
+        cases.extend(fused.iter().map(|f| (1, f.name.as_str())));
+        let reduce = kernels
+            .iter()
+            .find(|kk| kk.name == "split_k_reduce")
+            .ok_or_else(|| anyhow!("the split-K reduction"))?;
+        for (batch, kernel) in cases {
             let program = kernels
                 .iter()
                 .find(|kk| kk.name == kernel)
                 .ok_or_else(|| anyhow!("a timed kernel"))?;
-            let split_k = program.param("splits").is_some();
-            let splits = match split_k {
+            let splits = match program.param("splits").is_some() {
                 true => {
                     let expr = split_k::splits_expr("tokens", n, k, gemm_wgmma::TILES, target.multiprocessors());
                     let vars = [("tokens", expr::Value::Int(batch as i64))].into_iter().collect();
@@ -166,31 +257,21 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
                 false => 1,
             };
             let grid = grid_of(program, batch, n, k, splits)?;
-            let mut args = vec![
-                DeviceArg::Buffer(&x, 0..64 * k * 4),
-                DeviceArg::Buffer(&w, 0..n * k * 2),
-                DeviceArg::Buffer(&out, 0..64 * n * 4),
-                DeviceArg::I32(batch as i32),
-                DeviceArg::I32(n as i32),
-                DeviceArg::I32(k as i32),
-                DeviceArg::I32(k as i32),
-            ];
-            if split_k {
-                args.extend([
-                    DeviceArg::Buffer(&partial, 0..partial_bytes),
-                    DeviceArg::I32(splits as i32),
-                ]);
-            }
-            let reduce_args = [
-                DeviceArg::Buffer(&partial, 0..partial_bytes),
-                DeviceArg::Buffer(&out, 0..64 * n * 4),
-                DeviceArg::I32(batch as i32),
-                DeviceArg::I32(n as i32),
-                DeviceArg::I32(splits as i32),
-                // Into `out`'s rows, n wide, from column 0.
-                DeviceArg::I32(n as i32),
-                DeviceArg::I32(0),
-            ];
+            let case = MatmulCase {
+                x: (&x, 64 * k * 4),
+                b: (&b, 64 * k * 4),
+                g: (&g, k * 4),
+                w: (&w, n * k * 2),
+                out: (&out, out_bytes),
+                partial: (&partial, partial_bytes),
+                batch,
+                n,
+                k,
+                splits,
+            };
+            let value = |param: &str| case.value(param);
+            let args = bind(program, value)?;
+            let reduce_args = bind(reduce, value)?;
             let reduce_grid = (batch * n).div_ceil(kernels_gen::templates::BLOCK as usize) as u32;
             let seconds = device.time(20, |d| {
                 d.launch(kernel, grid, program.block_dim, &args)?;
@@ -217,7 +298,7 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
             );
             // The decode step: the GEMV at batch 1, the GEMM at 16 and 64.
             match (batch, kernel) {
-                (1, _) => step[0] += seconds * count as f64,
+                (1, "gemv") => step[0] += seconds * count as f64,
                 (16, "gemm") => step[1] += seconds * count as f64,
                 (64, "gemm") => step[2] += seconds * count as f64,
                 _ => {}
@@ -227,7 +308,7 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
     let weight_bytes: usize = SHAPES.iter().map(|&(_, n, k, count)| n * k * 2 * count).sum();
     for (batch, seconds) in [1, 16, 64].into_iter().zip(step) {
         table += &format!(
-            "\nLlama-8B-shaped matmuls alone, batch {batch}: {:.2} ms per step, {:.0} tok/s, {:.0}% of copy bandwidth",
+            "\nLlama-8B-shaped matmuls alone (plain GEMV at batch 1), batch {batch}: {:.2} ms per step, {:.0} tok/s, {:.0}% of copy bandwidth",
             seconds * 1e3,
             batch as f64 / seconds,
             100.0 * weight_bytes as f64 / seconds / bandwidth
@@ -252,5 +333,86 @@ fn grid_of(kernel: &Kernel, batch: usize, n: usize, k: usize, splits: usize) -> 
     match expr::eval(&kernels_gen::cuda::grid_expr(kernel), &scalars)? {
         expr::Value::Int(blocks) => Ok(blocks as u32),
         other => Err(anyhow!("grid of {}: {other:?}", kernel.name)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Arguments follow the kernel's parameters whatever order the values come in, and a
+    /// parameter without a value is an error naming it.
+    #[test]
+    fn arguments_are_bound_by_parameter_name() {
+        let reduce = split_k::reduce("reduce", "test", 16, None);
+        let buffer = 7usize;
+        let value = |param: &str| -> Option<DeviceArg<'_, usize>> {
+            Some(match param {
+                "partial" | "out" => DeviceArg::Buffer(&buffer, 0..8),
+                "tokens" => DeviceArg::I32(1),
+                "n" => DeviceArg::I32(2),
+                "splits" => DeviceArg::I32(3),
+                "out_stride" => DeviceArg::I32(4),
+                "out_col" => DeviceArg::I32(5),
+                _ => return None,
+            })
+        };
+        let Ok(args) = bind(&reduce, value) else {
+            panic!("every parameter has a value")
+        };
+        let scalars: Vec<i32> = args
+            .iter()
+            .filter_map(|a| match a {
+                DeviceArg::I32(v) => Some(*v),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(scalars, [1, 2, 3, 4, 5]);
+        let missing = |param: &str| match param {
+            "out_col" => None,
+            other => value(other),
+        };
+        let Err(err) = bind(&reduce, missing) else {
+            panic!("`out_col` has no value")
+        };
+        assert!(err.to_string().contains("`out_col`"), "{err}");
+    }
+
+    /// Every kernel the 8B matmul table times (on every GPU target) finds all its arguments.
+    #[test]
+    fn the_matmul_table_binds_every_kernel() {
+        let buffer = 0usize;
+        let case = MatmulCase {
+            x: (&buffer, 4),
+            b: (&buffer, 4),
+            g: (&buffer, 4),
+            w: (&buffer, 4),
+            out: (&buffer, 4),
+            partial: (&buffer, 4),
+            batch: 1,
+            n: 6144,
+            k: 4096,
+            splits: 1,
+        };
+        let spec = GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), 4096).with_x_vectors();
+        for arch in ["sm_90a", "sm_100a", "sm_120a"] {
+            let gemm = prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), 4096, None, None, "gemm", "test").unwrap();
+            let kernels = [
+                vec![
+                    gemv("gemv", "test", spec),
+                    gemv("gemv_prefill", "test", spec.prefill()),
+                    gemm,
+                    split_k::reduce("split_k_reduce", "test", gpu::PREFILL_TOKENS, None),
+                ],
+                fused_decode_gemvs("qkv", 4096),
+                fused_decode_gemvs("gate_up", 4096),
+            ]
+            .concat();
+            for kernel in &kernels {
+                if let Err(e) = bind(kernel, |p| case.value(p)) {
+                    panic!("{arch}: {e}");
+                }
+            }
+        }
     }
 }

@@ -8,8 +8,10 @@
 //! 3. SmolLM2 bf16 greedy tokens on the GPU (logits and greedy plans) against the CPU backend's,
 //!    and both timed (`smollm2`);
 //! 4. batched decode steps replayed from CUDA graphs against kernel-by-kernel launches;
-//! 5. a Llama-8B-shaped model with random bf16 weights: its matmuls alone, then whole decode
-//!    steps at batch 1, 4, 16 and 64 with each kernel's share, printed last (`llama_8b`).
+//! 5. a Llama-8B-shaped model with random bf16 weights: its matmuls alone (the QKV and gate/up
+//!    decode GEMVs also as the serving plan fuses them, with and without their L2 prefetch),
+//!    then whole decode steps at batch 1, 4, 16 and 64 with each kernel's share, printed last
+//!    (`llama_8b`).
 //!
 //! Every section runs even when an earlier one fails (a GPU run is rare: it should say all it
 //! can); the command fails if any did.
