@@ -131,7 +131,9 @@ fn gemv_matches_reference_for_f32_and_bf16_weights() {
             };
             let decode = GemvSpec::decode(quant::WeightFormat::Dense(weight), k);
             let x_vectors = decode.with_x_vectors();
-            for spec in [decode, decode.prefill(), x_vectors, x_vectors.prefill()] {
+            // The plain GEMV prefetching its weights as the norm-prologue ones do.
+            let prefetching = x_vectors.with_prefetch_steps(gemv::PREFETCH_STEPS);
+            for spec in [decode, decode.prefill(), x_vectors, x_vectors.prefill(), prefetching] {
                 let out = run_gemv(&gemv::gemv("gemv", "test", spec), &x, wbuf.clone(), (tokens, n, k, k));
                 close(&out.to_f32().unwrap(), &want, 1e-5, &format!("gemv {spec:?}"));
             }

@@ -7,7 +7,7 @@ use anyhow::{anyhow, Result};
 use codegen::gpu::{self, expr};
 use codegen::Target;
 use kernels_gen::dsl::{Kernel, Ty};
-use kernels_gen::templates::gemv::{gemv, GemvSpec, NormPrologue};
+use kernels_gen::templates::gemv::{self, gemv, GemvSpec, NormPrologue};
 use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::{gemm_wgmma, prefill_gemm, split_k};
 use models::{ComputeDtype, LogitsFor};
@@ -204,6 +204,12 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
         let kernels: Vec<Kernel> = [
             vec![
                 gemv("gemv", "gpu-check", spec(k)),
+                // The plain GEMV as the norm-prologue ones read their weights: prefetched.
+                gemv(
+                    "gemv_l2_prefetch",
+                    "gpu-check",
+                    spec(k).with_prefetch_steps(gemv::PREFETCH_STEPS),
+                ),
                 gemv("gemv_prefill", "gpu-check", spec(k).prefill()),
                 // The target's tensor-core GEMM: wgmma on sm_90a, tcgen05 on sm_100a, mma.sync on sm_120a.
                 prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), k, None, None, "gemm", "gpu-check")
@@ -231,6 +237,7 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
         let partial = device.alloc(partial_bytes)?;
         let mut cases = vec![
             (1, "gemv"),
+            (1, "gemv_l2_prefetch"),
             // What a small decode batch runs (the plans' few-rows kernel).
             (4, "gemv_prefill"),
             (16, "gemm"),
@@ -400,6 +407,7 @@ mod tests {
             let kernels = [
                 vec![
                     gemv("gemv", "test", spec),
+                    gemv("gemv_l2_prefetch", "test", spec.with_prefetch_steps(4)),
                     gemv("gemv_prefill", "test", spec.prefill()),
                     gemm,
                     split_k::reduce("split_k_reduce", "test", gpu::PREFILL_TOKENS, None),

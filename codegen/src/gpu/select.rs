@@ -686,9 +686,9 @@ impl MatMul {
     /// the GEMV carrying 4 rows a pass, and for prefill the target's tensor-core GEMM where it
     /// has one for these weights (and this prologue), else that GEMV.
     fn kernels(&self, arch: &str, aligned: bool, origin: &str) -> (Kernel, Kernel, Kernel) {
-        let mut spec = gemv::GemvSpec::decode(self.weights, self.k).with_prefetch_steps(gemv_prefetch_steps());
+        let mut spec = gemv::GemvSpec::decode(self.weights, self.k);
         if let Some(norm) = self.norm {
-            spec = spec.with_norm(norm);
+            spec = spec.with_norm(norm).with_prefetch_steps(gemv_prefetch_steps());
         }
         if let Some(act) = self.glu {
             spec = spec.with_glu(act);

@@ -114,8 +114,9 @@ pub struct GemvSpec {
     /// A GLU epilogue: the weights are a joined gate/up (`n` rows, gates first), each warp
     /// computes gate row `r` and up row `r + n/2` and writes `act(gate)·up`.
     pub glu: Option<GluAct>,
-    /// How many steps ahead the decode GEMV with a norm prologue prefetches its weights into
-    /// L2 (see `prefetched`); 0 for none.
+    /// How many steps ahead the decode GEMV prefetches its weights into L2 (see
+    /// `prefetched`); 0 for none, the plain GEMV's default; a norm prologue's is
+    /// [`PREFETCH_STEPS`].
     pub prefetch_steps: usize,
 }
 
@@ -140,7 +141,7 @@ impl GemvSpec {
             vector: if k.is_multiple_of(vector) { vector } else { 1 },
             x_vector: false,
             glu: None,
-            prefetch_steps: PREFETCH_STEPS,
+            prefetch_steps: 0,
         }
     }
 
@@ -186,9 +187,15 @@ impl GemvSpec {
         Self { glu: Some(act), ..self }
     }
 
+    /// The RMSNorm prologue, and with it the L2 prefetch unless one is set (see
+    /// `prefetched`: the loop this prologue makes keeps one weight load in flight without).
     pub fn with_norm(self, norm: NormPrologue) -> Self {
         Self {
             norm: Some(norm),
+            prefetch_steps: match self.prefetch_steps {
+                0 => PREFETCH_STEPS,
+                steps => steps,
+            },
             ..self
         }
     }
@@ -323,7 +330,8 @@ fn pass(spec: &GemvSpec) -> Vec<Stmt> {
 }
 
 /// Whether the decode GEMV asks L2 for its weights `prefetch_steps` steps ahead: the one
-/// token a pass, dense vector variants with a norm prologue. At batch 1 loads in flight, not
+/// token a pass, dense vector variants (by default those with a norm prologue, see
+/// [`GemvSpec::with_norm`]). At batch 1 loads in flight, not
 /// warps, are what the bandwidth needs (Little's law: 132 SMs × 48 warps × 512 B is about
 /// 3 MB, under the ≈ 3.8 MB that 4.8 TB/s × 0.8 µs asks). NVRTC unrolls the plain GEMV's loop
 /// and ptxas then issues two loads together; the norm-prologue bodies are larger, stay rolled,
@@ -332,10 +340,10 @@ fn pass(spec: &GemvSpec) -> Vec<Stmt> {
 /// cannot be pushed further ahead from the source (read in the SASS: a second step's load in
 /// the same iteration is sunk to its use; a step's load made in the step before is carried
 /// round the loop in a register whose copy waits for it), but a prefetch has no register to
-/// wait on. The plain GEMV, measured at 85–99%, is left as it is.
+/// wait on. The plain GEMV, measured at 85–99%, does not prefetch unless asked (the GPU
+/// check times it both ways).
 fn prefetched(spec: &GemvSpec) -> bool {
     spec.prefetch_steps > 0
-        && spec.norm.is_some()
         && spec.tokens_per_pass == 1
         && spec.vector > 1
         && matches!(spec.weight, WeightFormat::Dense(_))
