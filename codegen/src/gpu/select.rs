@@ -47,8 +47,13 @@ fn weight_format(dtype: DType, node: usize, op: &'static str) -> Result<WeightFo
 /// template's default. A tuning knob for the GPU check: a lent GPU machine has no compiler to
 /// rebuild `bbc` with, so the same binary compares both ways (`docs/gpu-results.md`).
 fn gemv_prefetch_steps() -> usize {
-    std::env::var("BBC_GEMV_PREFETCH_STEPS")
-        .ok()
+    prefetch_steps_from(std::env::var("BBC_GEMV_PREFETCH_STEPS").ok().as_deref())
+}
+
+/// The prefetch distance a `BBC_GEMV_PREFETCH_STEPS` value asks for: 0 to 16, else (unset,
+/// not a number, too far) the default.
+fn prefetch_steps_from(value: Option<&str>) -> usize {
+    value
         .and_then(|v| v.trim().parse::<usize>().ok())
         .filter(|&steps| steps <= 16)
         .unwrap_or(gemv::PREFETCH_STEPS)
@@ -817,6 +822,24 @@ mod tests {
                     "{n}×{k}: {tokens} rows, {s} splits"
                 );
             }
+        }
+    }
+
+    /// The prefetch knob takes 0 (off) to 16; anything else leaves the default.
+    #[test]
+    fn the_prefetch_knob_takes_small_distances_only() {
+        use super::{gemv, prefetch_steps_from};
+        let default = gemv::PREFETCH_STEPS;
+        for (value, steps) in [
+            (None, default),
+            (Some("0"), 0),
+            (Some(" 2 "), 2),
+            (Some("16"), 16),
+            (Some("17"), default),
+            (Some("-1"), default),
+            (Some("off"), default),
+        ] {
+            assert_eq!(prefetch_steps_from(value), steps, "{value:?}");
         }
     }
 }
