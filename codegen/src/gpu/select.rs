@@ -213,63 +213,43 @@ pub(crate) fn select(
                         ];
                         (embedding::embedding("embedding", &graph.name, table), args)
                     }
-                    Op::MatMul => {
-                        let (x, stride) = act(&s, 0);
-                        let m = MatMul::new(graph, i, None, None)?;
-                        let args = vec![
-                            x,
-                            weight(1),
+                    // Plain, with the norm as its prologue, or with the residual add too
+                    // (`[a + b | y]`: the kernels write the sum into the first `k` columns of
+                    // each row and the product after it, `gemv::out_index`). The kernels take
+                    // the activations (x, and b under a residual), then the weights (the
+                    // norm's, then the matrix), as the op's inputs come.
+                    Op::MatMul | Op::RmsNormMatMul { .. } | Op::AddRmsNormMatMul { .. } => {
+                        let (norm, glu) = match op {
+                            Op::RmsNormMatMul { eps, weight_offset } => {
+                                (Some(gemv::NormPrologue::new(*eps as f32, *weight_offset)), None)
+                            }
+                            Op::AddRmsNormMatMul {
+                                eps,
+                                weight_offset,
+                                glu,
+                            } => (
+                                Some(gemv::NormPrologue::new(*eps as f32, *weight_offset).with_residual()),
+                                *glu,
+                            ),
+                            _ => (None, None),
+                        };
+                        let m = MatMul::new(graph, i, norm, glu)?;
+                        let activations = 1 + usize::from(gemv::residual(norm));
+                        let (mut args, strides): (Vec<LaunchArg>, Vec<usize>) =
+                            (0..activations).map(|k| act(&s, k)).unzip();
+                        args.extend((activations..node.inputs.len()).map(weight));
+                        args.extend([
                             out,
                             scalar("tokens", &rows),
                             scalar("n", m.n),
                             scalar("k", m.k),
-                            scalar("x_stride", stride),
-                        ];
-                        let aligned = aligned(&[&s.views[&input(0)]]);
-                        m.push(&mut s, args, aligned, &rows, &plan);
-                        continue;
-                    }
-                    Op::RmsNormMatMul { eps, weight_offset } => {
-                        let (x, stride) = act(&s, 0);
-                        let norm = gemv::NormPrologue::new(*eps as f32, *weight_offset);
-                        let m = MatMul::new(graph, i, Some(norm), None)?;
-                        let args = vec![
-                            x,
-                            weight(1),
-                            weight(2),
-                            out,
-                            scalar("tokens", &rows),
-                            scalar("n", m.n),
-                            scalar("k", m.k),
-                            scalar("x_stride", stride),
-                        ];
-                        let aligned = aligned(&[&s.views[&input(0)]]);
-                        m.push(&mut s, args, aligned, &rows, &plan);
-                        continue;
-                    }
-                    // `[a + b | y]`: the kernels write the sum into the first `k` columns of
-                    // each row and the product after it (`gemv::out_index`).
-                    Op::AddRmsNormMatMul {
-                        eps,
-                        weight_offset,
-                        glu,
-                    } => {
-                        let ((a, a_stride), (b, b_stride)) = (act(&s, 0), act(&s, 1));
-                        let norm = gemv::NormPrologue::new(*eps as f32, *weight_offset).with_residual();
-                        let m = MatMul::new(graph, i, Some(norm), *glu)?;
-                        let args = vec![
-                            a,
-                            b,
-                            weight(2),
-                            weight(3),
-                            out,
-                            scalar("tokens", &rows),
-                            scalar("n", m.n),
-                            scalar("k", m.k),
-                            scalar("x_stride", a_stride),
-                            scalar("b_stride", b_stride),
-                        ];
-                        let aligned = aligned(&[&s.views[&input(0)], &s.views[&input(1)]]);
+                            scalar("x_stride", strides[0]),
+                        ]);
+                        if let Some(b_stride) = strides.get(1) {
+                            args.push(scalar("b_stride", b_stride));
+                        }
+                        let views: Vec<&View> = (0..activations).map(|k| &s.views[&input(k)]).collect();
+                        let aligned = aligned(&views);
                         m.push(&mut s, args, aligned, &rows, &plan);
                         continue;
                     }
