@@ -204,6 +204,50 @@ fn gpu_artifacts_carry_kernels_ptx_cubins_and_plan() {
     }
 }
 
+/// `bbc compile` of the tiny Llama and Gemma 3 (HF safetensors) in f32 and bf16 builds every
+/// plan for every GPU target: each kernel through ptxas without spills (an f32 decode GEMV
+/// spilled on sm_100a under ptxas's own register choice, so `bbc compile --target b200` failed
+/// for every f32 model).
+#[test]
+fn tiny_models_compile_for_every_gpu_target_in_f32_and_bf16() {
+    if !nvrtc_present() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("bbc-gpu-tiny-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for family in ["llama", "gemma3"] {
+        for dtype in ["f32", "bf16"] {
+            let weights = common::fixture(&format!("hf-tiny/{family}"));
+            let toml = dir.join(format!("{family}-{dtype}.toml"));
+            std::fs::write(&toml, format!("[model]\nweights = {weights:?}\ndtype = \"{dtype}\"\n")).unwrap();
+            for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+                let output = dir.join(format!("{family}-{dtype}-{}", target.name()));
+                let args = bbc::commands::compile::CompileArgs {
+                    model: toml.to_str().unwrap(),
+                    target: target.name(),
+                    output: &output,
+                    emit: None,
+                    emit_after: None,
+                    verify: false,
+                };
+                bbc::commands::compile::compile(&args)
+                    .unwrap_or_else(|e| panic!("{family} {dtype} on {}: {e:#}", target.name()));
+                let manifest = codegen::read_manifest(&output).unwrap();
+                assert!(manifest.plan.is_some() && manifest.serving_plan.is_some());
+                for file in [manifest.plan, manifest.greedy_plan, manifest.serving_plan]
+                    .iter()
+                    .flatten()
+                {
+                    let plan: gpu::GpuPlan =
+                        serde_json::from_str(&std::fs::read_to_string(output.join(file)).unwrap()).unwrap();
+                    assert!(plan.kernels.iter().all(|k| k.cubin.is_some() && k.registers.is_some()));
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A GPU artifact carries the batched serving plan `bbc serve` runs, with its graph (the logits
 /// graph: each sequence's last row gathered before the head) and its own compiled kernels, and
 /// the graph reads back under the manifest's hash.

@@ -186,7 +186,7 @@ pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path
 pub const GPU_MAX_TOKENS: usize = 512;
 
 /// `kernels/*.cu`, `kernels/*.ptx` and `kernels/*.cubin` (NVRTC; no spills allowed on the real
-/// architecture) and the plan (`plan_file`); returns the plan's file name. Each plan's kernels
+/// architecture: see [`crate::spill_free`]) and the plan (`plan_file`); returns the plan's file name. Each plan's kernels
 /// go to their own directory: names are unique within a plan, not across plans.
 fn write_gpu_program(
     graph: &Graph,
@@ -205,27 +205,38 @@ fn write_gpu_program(
     let kernels = dir.join(kernel_dir);
     std::fs::create_dir_all(&kernels).map_err(io(&kernels))?;
     for k in &mut plan.kernels {
-        write(&kernels, &format!("{}.cu", k.name), k.source.as_bytes())?;
-        let ptx = crate::nvrtc::compile_ptx(&k.name, &k.source, &plan.arch)
-            .map_err(|source| ArtifactError::Nvrtc { target: name, source })?;
-        let (cubin, resources) = crate::nvrtc::compile_cubin(&k.name, &k.source, &plan.arch)
+        // Written first, so that a kernel NVRTC refuses can be read where the error points.
+        let cu = format!("{}.cu", k.name);
+        write(&kernels, &cu, k.source.as_bytes())?;
+        let invalid = |what: String| ArtifactError::Invalid {
+            path: kernels.join(&cu),
+            what,
+        };
+        let built = crate::spill_free::build(&k.name, &k.source, k.block, &plan.arch)
             .map_err(|source| ArtifactError::Nvrtc { target: name, source })?;
         // The spill check rests on ptxas's report: an artifact is not built without one.
-        let resources = resources.ok_or_else(|| ArtifactError::Invalid {
-            path: kernels.join(format!("{}.cu", k.name)),
-            what: format!("ptxas gave no resource report on {}", plan.arch),
-        })?;
-        if resources.spill_stores + resources.spill_loads > 0 {
-            return Err(ArtifactError::Invalid {
-                path: kernels.join(format!("{}.cu", k.name)),
-                what: format!("spills registers on {}: {resources:?}", plan.arch),
-            });
+        let Some(resources) = &built.resources else {
+            return Err(invalid(format!("ptxas gave no resource report on {}", plan.arch)));
+        };
+        if built.spills() {
+            return Err(invalid(format!(
+                "spills registers on {} at every occupancy ptxas was asked for: {resources:?}",
+                plan.arch
+            )));
         }
+        let registers = resources.registers;
+        if built.source != k.source {
+            // Built asking ptxas for an occupancy: the artifact keeps the source it built.
+            k.source = built.source;
+            write(&kernels, &cu, k.source.as_bytes())?;
+        }
+        let ptx = crate::nvrtc::compile_ptx(&k.name, &k.source, &plan.arch)
+            .map_err(|source| ArtifactError::Nvrtc { target: name, source })?;
         write(&kernels, &format!("{}.ptx", k.name), ptx.as_bytes())?;
-        write(&kernels, &format!("{}.cubin", k.name), &cubin)?;
+        write(&kernels, &format!("{}.cubin", k.name), &built.cubin)?;
         k.ptx = Some(format!("{kernel_dir}/{}.ptx", k.name));
         k.cubin = Some(format!("{kernel_dir}/{}.cubin", k.name));
-        k.registers = Some(resources.registers);
+        k.registers = Some(registers);
     }
     write(
         dir,

@@ -8,6 +8,7 @@ mod artifact;
 mod derived;
 pub mod gpu;
 pub mod nvrtc;
+pub mod spill_free;
 mod target;
 
 pub use artifact::{

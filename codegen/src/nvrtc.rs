@@ -143,12 +143,6 @@ pub fn compile_ptx(kernel: &str, source: &str, arch: &str) -> Result<String, Nvr
     Ok(ptx)
 }
 
-/// Build `source` for the real architecture `arch` with ptxas's resource report.
-pub fn check_resources(kernel: &str, source: &str, arch: &str) -> Result<Resources, NvrtcError> {
-    let (_, resources) = compile_cubin(kernel, source, arch)?;
-    resources.ok_or_else(|| NvrtcError::Api(format!("ptxas gave no resource report for `{kernel}` on {arch}")))
-}
-
 /// Machine code of `source` for the real architecture `arch` (a cubin), and what ptxas
 /// reported. A cubin loads without the driver compiling anything, so it also loads on a
 /// driver older than this NVRTC (within the CUDA major version), which refuses its PTX.

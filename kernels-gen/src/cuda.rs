@@ -139,8 +139,8 @@ pub fn emit(kernel: &Kernel) -> String {
         .collect();
     let _ = writeln!(
         out,
-        "extern \"C\" __global__ void __launch_bounds__({}) {}(\n    {}\n) {{",
-        kernel.block_dim,
+        "extern \"C\" __global__ void {} {}(\n    {}\n) {{",
+        launch_bounds(kernel.block_dim, None),
         kernel.name,
         params.join(",\n    ")
     );
@@ -173,6 +173,24 @@ pub fn emit(kernel: &Kernel) -> String {
 }
 
 /// The launch grid (blocks) as C, in terms of the kernel's scalar parameters.
+/// The kernel's `__launch_bounds__`: its block size, and optionally the blocks ptxas must fit
+/// on one multiprocessor (which bounds the registers it may give a thread).
+pub fn launch_bounds(block: u32, min_blocks_per_sm: Option<u32>) -> String {
+    match min_blocks_per_sm {
+        None => format!("__launch_bounds__({block})"),
+        Some(n) => format!("__launch_bounds__({block}, {n})"),
+    }
+}
+
+/// `source` as [`emit`] wrote it for blocks of `block` threads, asking ptxas to fit
+/// `min_blocks_per_sm` blocks on a multiprocessor; `None` where the source does not carry
+/// [`emit`]'s launch bounds exactly once.
+pub fn with_min_blocks_per_sm(source: &str, block: u32, min_blocks_per_sm: u32) -> Option<String> {
+    let plain = launch_bounds(block, None);
+    (source.matches(&plain).count() == 1)
+        .then(|| source.replacen(&plain, &launch_bounds(block, Some(min_blocks_per_sm)), 1))
+}
+
 pub fn grid_expr(kernel: &Kernel) -> String {
     expr(&kernel.grid, &Scope::of(kernel))
 }
@@ -581,5 +599,24 @@ fn expr(e: &Expr, scope: &Scope) -> String {
         Expr::Cast(ty, a) => format!("(({})({}))", ty.compute(), expr(a, scope)),
         Expr::Select(c, a, b) => format!("({} ? {} : {})", expr(c, scope), expr(a, scope), expr(b, scope)),
         Expr::ShflXor(a, m) => format!("__shfl_xor_sync(0xffffffffu, {}, {m})", expr(a, scope)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_minimum_of_blocks_goes_into_the_emitted_launch_bounds() {
+        let kernel = crate::templates::glu::glu("swiglu", "test", ir::GluAct::Silu);
+        let (source, block) = (emit(&kernel), kernel.block_dim);
+        assert_eq!(block, 256);
+        assert!(source.contains("void __launch_bounds__(256) swiglu("), "{source}");
+        let hinted = with_min_blocks_per_sm(&source, block, 6).unwrap();
+        assert!(hinted.contains("void __launch_bounds__(256, 6) swiglu("), "{hinted}");
+        assert_eq!(hinted.replace("(256, 6)", "(256)"), source);
+        // Not the emitter's launch bounds (another block size, or already hinted): no guess.
+        assert_eq!(with_min_blocks_per_sm(&source, 128, 6), None);
+        assert_eq!(with_min_blocks_per_sm(&hinted, block, 4), None);
     }
 }

@@ -74,12 +74,13 @@ impl CudaDevice {
         Self::load(modules.collect::<Result<Vec<_>>>()?)
     }
 
-    /// Compile DSL `kernels` with NVRTC into cubins for `arch` (e.g. `sm_90a`) and load them.
+    /// Compile DSL `kernels` with NVRTC into cubins for `arch` (e.g. `sm_90a`) as artifacts
+    /// build them (avoiding spills where ptxas can), and load them.
     pub fn compile(kernels: &[kernels_gen::dsl::Kernel], arch: &str) -> Result<Self> {
         let modules = kernels.iter().map(|k| {
             let source = kernels_gen::cuda::emit(k);
-            codegen::nvrtc::compile_cubin(&k.name, &source, arch)
-                .map(|(cubin, _)| (k.name.clone(), Ptx::from_binary(cubin), k.params.len()))
+            codegen::spill_free::build(&k.name, &source, k.block_dim, arch)
+                .map(|built| (k.name.clone(), Ptx::from_binary(built.cubin), k.params.len()))
                 .map_err(|e| RuntimeError::Artifact(e.to_string()))
         });
         Self::load(modules.collect::<Result<Vec<_>>>()?)

@@ -204,6 +204,12 @@ pub fn catalog() -> Vec<Kernel> {
             "catalog",
             GemvSpec::decode(Dense(Ty::Bf16), 4096).with_x_vectors(),
         ),
+        // An f32 model's decode GEMV: ptxas spills it on sm_100a unless asked for an occupancy.
+        gemv::gemv(
+            "gemv_f32_x_vectors",
+            "catalog",
+            GemvSpec::decode(Dense(Ty::F32), 4096).with_x_vectors(),
+        ),
         gemv::gemv(
             "gemv_bf16_x_vectors_prefill",
             "catalog",
