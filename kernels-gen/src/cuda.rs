@@ -88,6 +88,25 @@ pub fn tcgen05_instruction_descriptor(n: u32) -> u32 {
     (F32 << 4) | (BF16 << 7) | (BF16 << 10) | ((n >> 3) << 17) | ((128 >> 4) << 24)
 }
 
+/// The first statements of every kernel, for programmatic dependent launch (sm_90 and newer;
+/// every GPU target is): the runtime may launch a kernel while the one before it in the stream
+/// still runs, so that its launch and the fill of the SMs overlap that kernel's tail. Before
+/// touching memory each thread waits for the kernels before it to finish and their writes to
+/// show (`griddepcontrol.wait`, which returns at once for a kernel launched the ordinary
+/// way). Then it lets the next kernel launch: every kernel waiting first, the GPU holds at most
+/// one kernel waiting behind the one running, and a kernel that finished has all before it
+/// finished too.
+const AWAIT_PRIOR_KERNEL: &str = r#"    // Launched behind the kernel before it: wait for that one to finish, then let the next launch.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+"#;
+
+/// Whether `source` (a kernel as [`emit`] writes it) waits for the kernel before it, so that
+/// the runtime may launch it before that one has finished.
+pub fn awaits_prior_kernel(source: &str) -> bool {
+    source.contains(AWAIT_PRIOR_KERNEL)
+}
+
 pub fn emit(kernel: &Kernel) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "// bbc kernel `{}`", kernel.name);
@@ -153,6 +172,7 @@ pub fn emit(kernel: &Kernel) -> String {
     for a in &kernel.shared {
         let _ = writeln!(out, "    __shared__ {align}{} {}[{}];", a.ty, a.name, a.len);
     }
+    out.push_str(AWAIT_PRIOR_KERNEL);
     let mut scope = Scope::of(kernel);
     // NVRTC reads a `const __restrict__` buffer through the read-only data path by itself,
     // but not once the pointer is also handed to inline assembly (a prefetch): those buffers'
@@ -172,7 +192,6 @@ pub fn emit(kernel: &Kernel) -> String {
     out
 }
 
-/// The launch grid (blocks) as C, in terms of the kernel's scalar parameters.
 /// The kernel's `__launch_bounds__`: its block size, and optionally the blocks ptxas must fit
 /// on one multiprocessor (which bounds the registers it may give a thread).
 pub fn launch_bounds(block: u32, min_blocks_per_sm: Option<u32>) -> String {
@@ -191,6 +210,7 @@ pub fn with_min_blocks_per_sm(source: &str, block: u32, min_blocks_per_sm: u32) 
         .then(|| source.replacen(&plain, &launch_bounds(block, Some(min_blocks_per_sm)), 1))
 }
 
+/// The launch grid (blocks) as C, in terms of the kernel's scalar parameters.
 pub fn grid_expr(kernel: &Kernel) -> String {
     expr(&kernel.grid, &Scope::of(kernel))
 }
@@ -605,6 +625,25 @@ fn expr(e: &Expr, scope: &Scope) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The runtime launches a kernel before the one it follows has finished only where it
+    /// waits for it: every kernel does, before any statement of its own.
+    #[test]
+    fn every_kernel_waits_for_the_prior_kernel_before_its_first_statement() {
+        for kernel in crate::templates::catalog() {
+            let source = emit(&kernel);
+            assert!(awaits_prior_kernel(&source), "{}", kernel.name);
+            let kernel_at = source.find("__global__").unwrap();
+            let body = &source[kernel_at + source[kernel_at..].find(") {\n").unwrap() + 4..];
+            let before_wait = &body[..body.find(AWAIT_PRIOR_KERNEL).unwrap()];
+            assert!(
+                before_wait.lines().all(|l| l.trim_start().starts_with("__shared__")),
+                "{}: {before_wait}",
+                kernel.name
+            );
+        }
+        assert!(!awaits_prior_kernel("extern \"C\" __global__ void k() {}"));
+    }
 
     #[test]
     fn a_minimum_of_blocks_goes_into_the_emitted_launch_bounds() {

@@ -51,6 +51,19 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
         started.elapsed().as_secs_f64()
     );
     let timings = time_decode(&exec, &run)?;
+    // Batch 1 again with every kernel launched the ordinary way (after the kernel before it has
+    // finished): what programmatic dependent launch gains, side by side in one run.
+    let ordinary = match exec.with_device(|d| d.programmatic_launch())? {
+        true => {
+            exec.with_device_mut(|d| d.set_programmatic_launch(false))?;
+            let batch_1 = DecodeRun {
+                batches: vec![1],
+                ..run.clone()
+            };
+            time_decode(&exec, &batch_1)?.into_iter().next()
+        }
+        false => None,
+    };
     if prefill_chunk < gpu::PREFILL_TOKENS {
         println!("(prompts prefilled {prefill_chunk} rows a step: through the GEMV, not the tensor-core GEMM)");
     }
@@ -75,6 +88,21 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
             100.0 * bytes / device / bandwidth,
             100.0 * bytes / greedy / bandwidth,
         );
+    }
+    match (ordinary, timings.first()) {
+        (Some(ordinary), Some(programmatic)) => {
+            let wall = |t: &runtime::decode_timing::DecodeTiming| t.greedy_wall_seconds.unwrap_or(t.wall_seconds);
+            println!("\n| batch 1, ids read back | wall ms/step | % of copy bandwidth |\n|---|---|---|");
+            for (how, t) in [
+                ("programmatic dependent launch", programmatic),
+                ("ordinary launches", &ordinary),
+            ] {
+                let percent = 100.0 * t.weight_bytes() as f64 / wall(t) / bandwidth;
+                println!("| {how} | {:.3} | {percent:.0}% |", wall(t) * 1e3);
+            }
+            println!("(ordinary / programmatic: {:.3})", wall(&ordinary) / wall(programmatic));
+        }
+        _ => println!("\n(kernels launched the ordinary way only: BBC_PDL=0, or a GPU before Hopper)"),
     }
     for t in &timings {
         let step: f64 = t.device_seconds().unwrap_or(0.0);

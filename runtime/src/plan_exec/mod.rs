@@ -298,6 +298,11 @@ impl<D: PlanDevice> PlanExecutor<D> {
         Ok(f(&self.lock()?.0))
     }
 
+    /// Change how the device works between steps (e.g. how it launches kernels).
+    pub fn with_device_mut<R>(&self, f: impl FnOnce(&mut D) -> R) -> Result<R> {
+        Ok(f(&mut self.lock()?.0))
+    }
+
     pub fn new_sequence(&self) -> PlanSequence {
         PlanSequence::default()
     }

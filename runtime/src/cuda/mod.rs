@@ -11,12 +11,12 @@
 //! runs on the emulator in CI (`tests/gpu_plan_emulated.rs`); this device ran on an H200 on
 //! 2026-11-30 (`scripts/gpu-check.sh`, results in `docs/gpu-results.md`).
 
+mod launch;
+
 use crate::error::{Result, RuntimeError};
 use crate::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
 use codegen::gpu::GpuPlan;
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nvrtc::Ptx;
 use ir::Graph;
 use models::WeightSource;
@@ -39,11 +39,32 @@ fn driver(e: cudarc::driver::DriverError) -> RuntimeError {
 /// GPU 0: its stream and the plan's kernels, loaded from the artifact's PTX.
 pub struct CudaDevice {
     stream: Arc<CudaStream>,
-    /// Each kernel, with how many parameters it takes (a launch must give exactly those: the
-    /// driver would read whatever lies past the arguments given).
-    functions: HashMap<String, (CudaFunction, usize)>,
+    functions: HashMap<String, LoadedKernel>,
+    /// Whether kernels that wait for the prior kernel are launched before it finishes
+    /// (programmatic dependent launch, `launch`): on Hopper and newer, unless `BBC_PDL=0`.
+    programmatic_launch: bool,
+    hopper_or_newer: bool,
     /// Instantiated graphs by key (a batched step's row count).
     graphs: HashMap<usize, OwnedGraph>,
+}
+
+/// A kernel loaded from its module.
+struct LoadedKernel {
+    function: CudaFunction,
+    /// How many parameters it takes: a launch must give exactly those (the driver would read
+    /// whatever lies past the arguments given).
+    params: usize,
+    /// Whether it waits for the kernel before it (`kernels_gen::cuda::awaits_prior_kernel`).
+    awaits_prior_kernel: bool,
+}
+
+/// A kernel to load: its name, module image, parameter count and whether it waits for the
+/// kernel before it.
+type KernelImage = (String, Ptx, usize, bool);
+
+/// Programmatic dependent launch unless `BBC_PDL=0` (to compare, or to rule it out).
+fn programmatic_launch_wanted() -> bool {
+    std::env::var("BBC_PDL").map_or(true, |v| v.trim() != "0")
 }
 
 /// A CUDA graph that may move between threads.
@@ -69,7 +90,8 @@ impl CudaDevice {
                 ),
                 (None, None) => return Err(RuntimeError::Artifact(format!("kernel {} has no cubin or PTX", k.name))),
             };
-            Ok((k.name.clone(), module, k.params.len()))
+            let awaits = kernels_gen::cuda::awaits_prior_kernel(&k.source);
+            Ok((k.name.clone(), module, k.params.len(), awaits))
         });
         Self::load(modules.collect::<Result<Vec<_>>>()?)
     }
@@ -79,15 +101,15 @@ impl CudaDevice {
     pub fn compile(kernels: &[kernels_gen::dsl::Kernel], arch: &str) -> Result<Self> {
         let modules = kernels.iter().map(|k| {
             let source = kernels_gen::cuda::emit(k);
+            let awaits = kernels_gen::cuda::awaits_prior_kernel(&source);
             codegen::spill_free::build(&k.name, &source, k.block_dim, arch)
-                .map(|built| (k.name.clone(), Ptx::from_binary(built.cubin), k.params.len()))
+                .map(|built| (k.name.clone(), Ptx::from_binary(built.cubin), k.params.len(), awaits))
                 .map_err(|e| RuntimeError::Artifact(e.to_string()))
         });
         Self::load(modules.collect::<Result<Vec<_>>>()?)
     }
 
-    /// Load kernels given as (name, module image, parameter count).
-    fn load(modules: Vec<(String, Ptx, usize)>) -> Result<Self> {
+    fn load(modules: Vec<KernelImage>) -> Result<Self> {
         if !driver_present() {
             return Err(RuntimeError::NoCudaDriver);
         }
@@ -99,15 +121,36 @@ impl CudaDevice {
         // Graphs are captured from a stream of our own: the legacy default stream cannot be.
         let stream = ctx.new_stream().map_err(driver)?;
         let mut functions = HashMap::new();
-        for (name, image, params) in modules {
+        for (name, image, params, awaits_prior_kernel) in modules {
             let module = ctx.load_module(image).map_err(driver)?;
-            functions.insert(name.clone(), (module.load_function(&name).map_err(driver)?, params));
+            let function = module.load_function(&name).map_err(driver)?;
+            let kernel = LoadedKernel {
+                function,
+                params,
+                awaits_prior_kernel,
+            };
+            functions.insert(name, kernel);
         }
+        let hopper_or_newer = ctx.compute_capability().map_err(driver)?.0 >= 9;
         Ok(Self {
             stream,
             functions,
+            programmatic_launch: hopper_or_newer && programmatic_launch_wanted(),
+            hopper_or_newer,
             graphs: HashMap::new(),
         })
+    }
+
+    /// Whether kernels are launched before the kernel they wait for has finished.
+    pub fn programmatic_launch(&self) -> bool {
+        self.programmatic_launch
+    }
+
+    /// Launch kernels programmatically (where the GPU can) or the ordinary way from now on.
+    /// Graphs captured so far are dropped: they hold the launches as they were made.
+    pub fn set_programmatic_launch(&mut self, on: bool) {
+        self.programmatic_launch = on && self.hopper_or_newer;
+        self.graphs.clear();
     }
 
     /// Seconds per call of `work` (device time between two events around `iterations` calls,
@@ -170,40 +213,34 @@ impl PlanDevice for CudaDevice {
     }
 
     fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[DeviceArg<'_, Self::Buffer>]) -> Result<()> {
-        let (function, params) = self
+        let loaded = self
             .functions
             .get(kernel)
             .ok_or_else(|| RuntimeError::Artifact(format!("no kernel {kernel}")))?;
-        if args.len() != *params {
+        if args.len() != loaded.params {
             return Err(RuntimeError::Artifact(format!(
-                "kernel {kernel} takes {params} arguments, given {}",
+                "kernel {kernel} takes {} arguments, given {}",
+                loaded.params,
                 args.len()
             )));
         }
-        let pointers: Vec<u64> = args
+        // Each argument's value in 8 bytes of room: the driver copies as many bytes as the
+        // parameter has from the start, so a 32-bit value takes the first 4.
+        let mut values: Vec<u64> = args
             .iter()
             .map(|a| match a {
                 DeviceArg::Buffer(b, range) => b.device_ptr(&self.stream).0 + range.start as u64,
-                _ => 0,
+                DeviceArg::I32(v) => low_half(v.to_ne_bytes()),
+                DeviceArg::F32(v) => low_half(v.to_ne_bytes()),
             })
             .collect();
-        let mut builder = self.stream.launch_builder(function);
-        for (a, p) in args.iter().zip(&pointers) {
-            match a {
-                DeviceArg::Buffer(..) => builder.arg(p),
-                DeviceArg::I32(v) => builder.arg(v),
-                DeviceArg::F32(v) => builder.arg(v),
-            };
-        }
-        let config = LaunchConfig {
-            grid_dim: (grid, 1, 1),
-            block_dim: (block, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the arguments bind one for one to the kernel's parameters (the plan is
-        // checked for it), pointers lie inside buffers sized by the plan.
-        unsafe { builder.launch(config) }.map_err(driver)?;
-        Ok(())
+        let mut params: Vec<*mut std::ffi::c_void> = values.iter_mut().map(|v| (v as *mut u64).cast()).collect();
+        let programmatic = self.programmatic_launch && loaded.awaits_prior_kernel;
+        // SAFETY: one pointer per parameter (counted above) to a value of its size that lives
+        // through the call; buffer pointers lie inside buffers sized by the plan; a kernel
+        // launched programmatically waits for the kernel before it first.
+        unsafe { launch::launch(&self.stream, &loaded.function, grid, block, &mut params, programmatic) }
+            .map_err(driver)
     }
 
     /// Events on the stream around the launch (`elapsed`).
@@ -245,6 +282,13 @@ impl PlanDevice for CudaDevice {
             None => Ok(false),
         }
     }
+}
+
+/// 4 bytes at the start of 8, as a kernel parameter's value is read.
+fn low_half(bytes: [u8; 4]) -> u64 {
+    let mut all = [0u8; 8];
+    all[..4].copy_from_slice(&bytes);
+    u64::from_ne_bytes(all)
 }
 
 /// The plan file `plan_file` of the artifact in `dir`; first, whether a driver is there at all.
@@ -293,5 +337,19 @@ impl CudaBackend {
         // The pool is sized at run time; the kernels take the block size as a scalar.
         plan.batched = Some(cache);
         PlanExecutor::new(CudaDevice::new(dir, &plan)?, plan, graph, weights, int8, context_length)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_32_bit_argument_takes_the_first_4_bytes_of_its_room() {
+        let room = low_half((-7i32).to_ne_bytes()).to_ne_bytes();
+        assert_eq!(i32::from_ne_bytes(room[..4].try_into().unwrap()), -7);
+        let room = low_half(1.5f32.to_ne_bytes()).to_ne_bytes();
+        assert_eq!(f32::from_ne_bytes(room[..4].try_into().unwrap()), 1.5);
+        assert_eq!(&room[4..], &[0; 4]);
     }
 }
