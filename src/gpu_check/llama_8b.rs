@@ -102,7 +102,7 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
             }
             println!("(ordinary / programmatic: {:.3})", wall(&ordinary) / wall(programmatic));
         }
-        _ => println!("\n(kernels launched the ordinary way only: BBC_PDL=0, or a GPU before Hopper)"),
+        _ => println!("\n(kernels launched the ordinary way only: BBC_PDL=0, a GPU before Hopper, or a driver that refused the probe)"),
     }
     for t in &timings {
         let step: f64 = t.device_seconds().unwrap_or(0.0);

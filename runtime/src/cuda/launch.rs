@@ -6,8 +6,39 @@
 //! kernel before touching memory (`kernels_gen::cuda::awaits_prior_kernel`), on GPUs from
 //! compute capability 9.0 (Hopper).
 
-use cudarc::driver::{sys, CudaFunction, CudaStream, DriverError};
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, DriverError};
+use cudarc::nvrtc::Ptx;
 use std::ffi::c_void;
+use std::sync::Arc;
+
+/// A kernel that does nothing but what every generated kernel does first (PTX the driver
+/// compiles itself: serving needs no NVRTC).
+const PROBE_PTX: &str = r#".version 7.8
+.target sm_90
+.address_size 64
+.visible .entry bbc_programmatic_launch_probe()
+{
+    griddepcontrol.wait;
+    griddepcontrol.launch_dependents;
+    ret;
+}
+"#;
+
+/// Whether this GPU and driver take programmatic dependent launches: two launches of a probe
+/// kernel, the second programmatic, run to the end. A driver that refuses them costs the
+/// speed-up, never a step.
+pub fn programmatic_launch_works(ctx: &Arc<CudaContext>, stream: &CudaStream) -> bool {
+    let probe = || -> Result<(), DriverError> {
+        let module = ctx.load_module(Ptx::from_src(PROBE_PTX))?;
+        let function = module.load_function("bbc_programmatic_launch_probe")?;
+        for programmatic in [false, true] {
+            // SAFETY: the probe takes no parameters and waits for the prior kernel first.
+            unsafe { launch(stream, &function, 1, 32, &mut [], programmatic)? };
+        }
+        stream.synchronize()
+    };
+    probe().is_ok()
+}
 
 /// Launch `function` on `stream` with `grid` blocks of `block` threads.
 ///

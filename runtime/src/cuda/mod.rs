@@ -43,7 +43,8 @@ pub struct CudaDevice {
     /// Whether kernels that wait for the prior kernel are launched before it finishes
     /// (programmatic dependent launch, `launch`): on Hopper and newer, unless `BBC_PDL=0`.
     programmatic_launch: bool,
-    hopper_or_newer: bool,
+    /// Whether the GPU and driver take programmatic launches (Hopper and newer, probed).
+    programmatic_launch_works: bool,
     /// Instantiated graphs by key (a batched step's row count).
     graphs: HashMap<usize, OwnedGraph>,
 }
@@ -131,12 +132,13 @@ impl CudaDevice {
             };
             functions.insert(name, kernel);
         }
-        let hopper_or_newer = ctx.compute_capability().map_err(driver)?.0 >= 9;
+        let programmatic_launch_works =
+            ctx.compute_capability().map_err(driver)?.0 >= 9 && launch::programmatic_launch_works(&ctx, &stream);
         Ok(Self {
             stream,
             functions,
-            programmatic_launch: hopper_or_newer && programmatic_launch_wanted(),
-            hopper_or_newer,
+            programmatic_launch: programmatic_launch_works && programmatic_launch_wanted(),
+            programmatic_launch_works,
             graphs: HashMap::new(),
         })
     }
@@ -149,7 +151,7 @@ impl CudaDevice {
     /// Launch kernels programmatically (where the GPU can) or the ordinary way from now on.
     /// Graphs captured so far are dropped: they hold the launches as they were made.
     pub fn set_programmatic_launch(&mut self, on: bool) {
-        self.programmatic_launch = on && self.hopper_or_newer;
+        self.programmatic_launch = on && self.programmatic_launch_works;
         self.graphs.clear();
     }
 
