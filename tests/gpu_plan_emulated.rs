@@ -44,14 +44,14 @@ fn check(family: &str, dtype: ComputeDtype, target: Target) {
     let gpu_graph = fused_for(&graph, target);
     let (plan, kernels) = gpu::build_with_kernels(&gpu_graph, target, 64).unwrap();
     if dtype == ComputeDtype::Bf16 {
-        // bf16 prefill runs the target's own tensor-core GEMM: wgmma on Hopper (plain, with
-        // the norm prologue, with the residual add before the norm, and that with the gated
-        // MLP's GLU after), tcgen05 on B200 (each only there), mma.sync with cp.async weights
+        // bf16 prefill runs the target's own tensor-core GEMM: wgmma on Hopper and tcgen05 on
+        // B200 (each only there; plain, with the norm prologue, with the residual add before
+        // the norm, and that with the gated MLP's GLU after), mma.sync with cp.async weights
         // on the RTX PRO 6000.
         let special: Vec<_> = kernels.iter().filter_map(kernels_gen::cuda::required_arch).collect();
         let expected = match target {
             Target::H200 => vec!["sm_90a"; 4],
-            Target::B200 => vec!["sm_100a"],
+            Target::B200 => vec!["sm_100a"; 4],
             _ => vec![],
         };
         assert_eq!(special, expected, "{family} on {}", target.name());

@@ -721,8 +721,9 @@ fn residual_glu_reference(want: &[f32], (tokens, n, k): (usize, usize, usize), a
 }
 
 /// The GLU epilogue on the residual matmul: each warp's gate row and up row meet in the GEMV
-/// (one token a pass and four, vector loads or not); on Hopper's GEMM every product goes
-/// through the partials, in one piece and with K split, and the reduction applies the GLU.
+/// (one token a pass and four, vector loads or not); on Hopper's and Blackwell's GEMMs every
+/// product goes through the partials, in one piece and with K split, and the reduction
+/// applies the GLU.
 #[test]
 fn glu_epilogue_gates_the_product() {
     let mut rng = Rng(31);
@@ -754,32 +755,34 @@ fn glu_epilogue_gates_the_product() {
         }
     }
     let act = GluAct::Silu;
-    let gemm = gemm_wgmma::gemm_wgmma_bf16_with("gemm", "test", Some(norm), Some(act));
     let reduce = split_k::reduce("reduce", "test", 16, Some(act));
-    for (tokens, n, k) in [(20, 260, 136), (17, 64, 256)] {
-        let strides = (k, k + 8);
-        let inputs = Residual::random(&mut rng, (tokens, n, k), strides);
-        let w = &inputs.w;
-        let round = |v: f32| bf16::from_f32(v).to_f32();
-        let plain = residual_reference(&inputs, (tokens, n, k), round, 1.0, 1e-6);
-        let want = residual_glu_reference(&plain, (tokens, n, k), act);
-        let w = bf16_array(w);
-        for splits in [1, 2] {
-            let dims = (tokens, n, k, n / 2);
-            let out = try_run_residual_matmul((&gemm, Some(&reduce)), &inputs, w.clone(), dims, splits).unwrap();
-            close(
-                &out.to_f32().unwrap(),
-                &want,
-                1e-5,
-                &format!("glu gemm {tokens}×{n}×{k}, {splits} splits"),
-            );
+    for gemm in prologue_gemms(Some(norm), Some(act)) {
+        for (tokens, n, k) in [(20, 260, 136), (17, 64, 256), (70, 130, 72)] {
+            let strides = (k, k + 8);
+            let inputs = Residual::random(&mut rng, (tokens, n, k), strides);
+            let w = &inputs.w;
+            let round = |v: f32| bf16::from_f32(v).to_f32();
+            let plain = residual_reference(&inputs, (tokens, n, k), round, 1.0, 1e-6);
+            let want = residual_glu_reference(&plain, (tokens, n, k), act);
+            let w = bf16_array(w);
+            for splits in [1, 2] {
+                let dims = (tokens, n, k, n / 2);
+                let out = try_run_residual_matmul((&gemm, Some(&reduce)), &inputs, w.clone(), dims, splits).unwrap();
+                close(
+                    &out.to_f32().unwrap(),
+                    &want,
+                    1e-5,
+                    &format!("glu gemm {tokens}×{n}×{k}, {splits} splits\n{}", gemm.origin),
+                );
+            }
         }
     }
 }
 
 /// The residual prologue (`add_rms_norm_matmul`) on the GEMV, in every variant a plan builds
 /// (one token a pass, four, vector loads of both inputs) over strided inputs, and on Hopper's
-/// GEMM in one piece and with K split: the sum lands beside the product, each written once.
+/// and Blackwell's GEMMs in one piece and with K split: the sum lands beside the product, each
+/// written once.
 #[test]
 fn residual_prologue_matmuls_write_the_sum_and_the_product() {
     let mut rng = Rng(29);
@@ -812,26 +815,37 @@ fn residual_prologue_matmuls_write_the_sum_and_the_product() {
             );
         }
     }
-    let gemm = gemm_wgmma::gemm_wgmma_bf16_with("gemm", "test", Some(norm), None);
     let reduce = split_k::reduce("reduce", "test", 16, None);
-    for (tokens, n, k, pads) in [(20, 70, 136, (3, 0)), (33, 130, 256, (0, 5))] {
-        let strides = (k + pads.0, k + pads.1);
-        let inputs = Residual::random(&mut rng, (tokens, n, k), strides);
-        let w = &inputs.w;
-        let round = |v: f32| bf16::from_f32(v).to_f32();
-        let want = residual_reference(&inputs, (tokens, n, k), round, offset, eps);
-        let w = bf16_array(w);
-        for splits in [1, 3] {
-            let out =
-                try_run_residual_matmul((&gemm, Some(&reduce)), &inputs, w.clone(), (tokens, n, k, n), splits).unwrap();
-            close(
-                &out.to_f32().unwrap(),
-                &want,
-                1e-5,
-                &format!("residual gemm {tokens}×{n}×{k}, {splits} splits"),
-            );
+    for gemm in prologue_gemms(Some(norm), None) {
+        for (tokens, n, k, pads) in [(20, 70, 136, (3, 0)), (33, 130, 256, (0, 5)), (70, 40, 64, (0, 0))] {
+            let strides = (k + pads.0, k + pads.1);
+            let inputs = Residual::random(&mut rng, (tokens, n, k), strides);
+            let w = &inputs.w;
+            let round = |v: f32| bf16::from_f32(v).to_f32();
+            let want = residual_reference(&inputs, (tokens, n, k), round, offset, eps);
+            let w = bf16_array(w);
+            for splits in [1, 3] {
+                let out =
+                    try_run_residual_matmul((&gemm, Some(&reduce)), &inputs, w.clone(), (tokens, n, k, n), splits)
+                        .unwrap();
+                close(
+                    &out.to_f32().unwrap(),
+                    &want,
+                    1e-5,
+                    &format!("residual gemm {tokens}×{n}×{k}, {splits} splits\n{}", gemm.origin),
+                );
+            }
         }
     }
+}
+
+/// The tensor-core GEMMs that take a norm prologue, a GLU epilogue and split K: Hopper's
+/// (`wgmma`) and Blackwell's (`tcgen05`), the same parameters and results.
+fn prologue_gemms(norm: Option<gemv::NormPrologue>, glu: Option<GluAct>) -> [Kernel; 2] {
+    [
+        gemm_wgmma::gemm_wgmma_bf16_with("gemm", "test", norm, glu),
+        gemm_tcgen05::gemm_tcgen05_bf16_with("gemm", "test", norm, glu),
+    ]
 }
 
 /// Run a prefill GEMM kernel on `(tokens, n, k)` shapes with activations `pad` columns wider
@@ -901,74 +915,78 @@ fn hopper_wgmma_gemm_matches_reference_on_bf16_inputs() {
     gemm_matches_reference(&gemm_wgmma::gemm_wgmma_bf16("gemm", "test"), &shapes[1..3], 5, 16);
 }
 
-/// The Hopper GEMM with an RMSNorm prologue (`rms_norm_matmul` at many rows): each x meets its
-/// norm weight before the bf16 rounding, the row's 1/rms scales the result; in one piece and
-/// with K split, over a strided x and rows past the 16 a warp owns.
+/// The Hopper and Blackwell GEMMs with an RMSNorm prologue (`rms_norm_matmul` at many rows):
+/// each x meets its norm weight before the bf16 rounding, the row's 1/rms scales the result;
+/// in one piece and with K split, over a strided x, rows past the 16 a warp owns and more
+/// than one token tile.
 #[test]
 fn norm_gemm_matches_reference() {
     let mut rng = Rng(23);
     let (eps, offset) = (1e-5f32, 1.0f32);
     let norm = gemv::NormPrologue::new(eps, offset);
-    let gemm = gemm_wgmma::gemm_wgmma_bf16_with("gemm", "test", Some(norm), None);
     let reduce = split_k::reduce("reduce", "test", 16, None);
-    for (tokens, n, k, pad) in [(20, 70, 136, 3), (33, 9, 256, 0)] {
-        let x_stride = k + pad;
-        let (x, g, w) = (rng.vec(tokens * x_stride), rng.vec(k), rng.vec(n * k));
-        let round = |v: f32| bf16::from_f32(v).to_f32();
-        let mut want = vec![0f32; tokens * n];
-        for t in 0..tokens {
-            let row = &x[t * x_stride..t * x_stride + k];
-            let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / k as f32 + eps).sqrt();
-            let a: Vec<f32> = row.iter().zip(&g).map(|(v, gi)| round(v * (gi + offset))).collect();
-            for r in 0..n {
-                let dot: f32 = a.iter().zip(&w[r * k..(r + 1) * k]).map(|(a, wv)| a * round(*wv)).sum();
-                want[t * n + r] = dot * inv;
+    for gemm in prologue_gemms(Some(norm), None) {
+        for (tokens, n, k, pad) in [(20, 70, 136, 3), (33, 9, 256, 0), (70, 130, 40, 0)] {
+            let x_stride = k + pad;
+            let (x, g, w) = (rng.vec(tokens * x_stride), rng.vec(k), rng.vec(n * k));
+            let round = |v: f32| bf16::from_f32(v).to_f32();
+            let mut want = vec![0f32; tokens * n];
+            for t in 0..tokens {
+                let row = &x[t * x_stride..t * x_stride + k];
+                let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / k as f32 + eps).sqrt();
+                let a: Vec<f32> = row.iter().zip(&g).map(|(v, gi)| round(v * (gi + offset))).collect();
+                for r in 0..n {
+                    let dot: f32 = a.iter().zip(&w[r * k..(r + 1) * k]).map(|(a, wv)| a * round(*wv)).sum();
+                    want[t * n + r] = dot * inv;
+                }
             }
-        }
-        let w = bf16_array(&w);
-        for splits in [1, 3] {
-            let dims = (tokens, n, k, x_stride);
-            let out =
-                try_run_split_matmul((&gemm, &reduce), Array::f32(&x), Some(&g), w.clone(), dims, splits).unwrap();
-            close(
-                &out.to_f32().unwrap(),
-                &want,
-                1e-5,
-                &format!("norm gemm {tokens}×{n}×{k}, {splits} splits"),
-            );
+            let w = bf16_array(&w);
+            for splits in [1, 3] {
+                let dims = (tokens, n, k, x_stride);
+                let out =
+                    try_run_split_matmul((&gemm, &reduce), Array::f32(&x), Some(&g), w.clone(), dims, splits).unwrap();
+                close(
+                    &out.to_f32().unwrap(),
+                    &want,
+                    1e-5,
+                    &format!("norm gemm {tokens}×{n}×{k}, {splits} splits\n{}", gemm.origin),
+                );
+            }
         }
     }
 }
 
-/// The Hopper GEMM with K split into pieces summed by the reduction: the same result for any
-/// number of splits, splits past the end of K included (they contribute zeros), and ragged K.
+/// The Hopper and Blackwell GEMMs with K split into pieces summed by the reduction: the same
+/// result for any number of splits, splits past the end of K included (they contribute
+/// zeros), and ragged K.
 #[test]
 fn split_k_gemm_matches_reference() {
     let mut rng = Rng(21);
-    let gemm = gemm_wgmma::gemm_wgmma_bf16("gemm", "test");
     let reduce = split_k::reduce("reduce", "test", 16, None);
-    for (tokens, n, k) in [(16, 130, 520), (20, 64, 256), (17, 8, 136)] {
-        let (x, w) = (rng.vec(tokens * k), rng.vec(n * k));
-        let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
-        let mut want = vec![0f32; tokens * n];
-        ops::matmul(&round(&x), &round(&w), k, &mut want);
-        let w = bf16_array(&w);
-        for splits in [2, 3, 5, 8] {
-            let out = try_run_split_matmul(
-                (&gemm, &reduce),
-                Array::f32(&x),
-                None,
-                w.clone(),
-                (tokens, n, k, k),
-                splits,
-            )
-            .unwrap_or_else(|e| panic!("{tokens}×{n}×{k}, {splits} splits: {e}"));
-            close(
-                &out.to_f32().unwrap(),
-                &want,
-                1e-5,
-                &format!("{tokens}×{n}×{k}, {splits} splits"),
-            );
+    for gemm in prologue_gemms(None, None) {
+        for (tokens, n, k) in [(16, 130, 520), (20, 64, 256), (17, 8, 136)] {
+            let (x, w) = (rng.vec(tokens * k), rng.vec(n * k));
+            let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+            let mut want = vec![0f32; tokens * n];
+            ops::matmul(&round(&x), &round(&w), k, &mut want);
+            let w = bf16_array(&w);
+            for splits in [2, 3, 5, 8] {
+                let out = try_run_split_matmul(
+                    (&gemm, &reduce),
+                    Array::f32(&x),
+                    None,
+                    w.clone(),
+                    (tokens, n, k, k),
+                    splits,
+                )
+                .unwrap_or_else(|e| panic!("{tokens}×{n}×{k}, {splits} splits: {e}"));
+                close(
+                    &out.to_f32().unwrap(),
+                    &want,
+                    1e-5,
+                    &format!("{tokens}×{n}×{k}, {splits} splits\n{}", gemm.origin),
+                );
+            }
         }
     }
 }

@@ -59,7 +59,8 @@ impl CostModel {
         launch_us: 3.0,
         bytes_per_us: 8e6,
         flops_per_us: 2200e6,
-        prologue_weights: &[DType::F32],
+        // The tcgen05 GEMM's norm prologue.
+        prologue_weights: &[DType::BF16, DType::F32],
     };
     /// RTX PRO 6000 Blackwell: 1.8 TB/s GDDR7, ~500 TFLOP/s bf16 dense.
     pub const RTX_PRO_6000: Self = Self {

@@ -9,7 +9,7 @@ use codegen::Target;
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::gemv::{self, gemv, GemvSpec, NormPrologue};
 use kernels_gen::templates::quant::WeightFormat;
-use kernels_gen::templates::{gemm_wgmma, prefill_gemm, split_k};
+use kernels_gen::templates::{prefill_gemm, split_k, split_k_tiles};
 use models::{ComputeDtype, LogitsFor};
 use runtime::cuda::CudaDevice;
 use runtime::generated::{fill_kernels, fill_on_device, Fill};
@@ -261,7 +261,7 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
         // Wide enough for the fused GEMVs' `[x + b | product]` rows.
         let out_bytes = 64 * (k + n) * 4;
         let out = device.alloc(out_bytes)?;
-        let partial_bytes = split_k::partial_len(n, k, gemm_wgmma::TILES, target.multiprocessors()) * 4;
+        let partial_bytes = split_k::partial_len(n, k, split_k_tiles(arch), target.multiprocessors()) * 4;
         let partial = device.alloc(partial_bytes)?;
         let mut cases = vec![
             (1, "gemv"),
@@ -285,7 +285,7 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
                 .ok_or_else(|| anyhow!("a timed kernel"))?;
             let splits = match program.param("splits").is_some() {
                 true => {
-                    let expr = split_k::splits_expr("tokens", n, k, gemm_wgmma::TILES, target.multiprocessors());
+                    let expr = split_k::splits_expr("tokens", n, k, split_k_tiles(arch), target.multiprocessors());
                     let vars = [("tokens", expr::Value::Int(batch as i64))].into_iter().collect();
                     expr::eval(&expr, &vars)?.as_i64() as usize
                 }

@@ -707,7 +707,8 @@ impl MatMul {
             return;
         }
         let (n, k, sms) = (self.n, self.k, plan.target.multiprocessors());
-        let mut partial_len = split_k::partial_len(n, k, gemm_wgmma::TILES, sms);
+        let tiles = templates::split_k_tiles(arch);
+        let mut partial_len = split_k::partial_len(n, k, tiles, sms);
         if self.glu.is_some() {
             // Every product goes through the partials, in one split too: room for every row.
             partial_len = partial_len.max(plan.max_tokens * n);
@@ -717,10 +718,10 @@ impl MatMul {
             name: "partial".into(),
             bytes: partial_len * 4,
         };
-        let splits = split_k::splits_expr(rows, n, k, gemm_wgmma::TILES, sms);
+        let splits = split_k::splits_expr(rows, n, k, tiles, sms);
         let args = [args, vec![partial.clone(), scalar("splits", &splits)]].concat();
         s.launches.push((i, kernel, alternatives, args));
-        if split_k::most_splits(n, k, gemm_wgmma::TILES, sms) == 1 && self.glu.is_none() {
+        if split_k::most_splits(n, k, tiles, sms) == 1 && self.glu.is_none() {
             return;
         }
         // Into the product's columns of the output's rows: after the sum under a residual
@@ -791,9 +792,14 @@ mod tests {
         assert_eq!(partial_len(128256, 4096, tiles, 132), 1);
         // K of three steps: three splits at most.
         assert_eq!(splits(&splits_expr("tokens", 64, 160, tiles, 132), 16), 3);
-        for (n, k) in [(300, 8192), (64, 160), (6144, 4096), (4096, 14336)] {
-            let expr = splits_expr("tokens", n, k, tiles, 132);
-            let room = partial_len(n, k, tiles, 132) as i64;
+        // Hopper's and Blackwell's tiles, on an H200's and a B200's SMs.
+        let gemms = [(tiles, 132), (kernels_gen::templates::gemm_tcgen05::TILES, 148)];
+        for ((n, k), (tiles, sms)) in [(300, 8192), (64, 160), (6144, 4096), (4096, 14336)]
+            .into_iter()
+            .flat_map(|shape| gemms.map(|gemm| (shape, gemm)))
+        {
+            let expr = splits_expr("tokens", n, k, tiles, sms);
+            let room = partial_len(n, k, tiles, sms) as i64;
             for tokens in 1..=600 {
                 let s = splits(&expr, tokens);
                 assert!((1..=MAX_SPLITS as i64).contains(&s));

@@ -24,7 +24,10 @@
 //! prefill steps from wasting more than 4×, and 24 KiB of static shared memory with 64 TMEM
 //! columns leaves room for several blocks per SM.
 
+use super::gemv::{self, NormPrologue};
+use super::{prologue_gemm_params, prologue_x, split_k};
 use crate::dsl::*;
+use ir::GluAct;
 
 const THREADS: i64 = 128;
 /// Weight rows per tile: the MMA's M.
@@ -75,9 +78,20 @@ fn copy_weights(stage: Expr, k0: Expr) -> Vec<Stmt> {
 
 /// Round the activation slice at `k0` to bf16 into stage buffer `stage` (zero past `tokens`
 /// and `k`): element `e = tid + 128·i` is token `e / 32`, k `e % 32`, so a warp reads 128
-/// contiguous bytes of one token.
-fn stage_activations() -> Vec<Stmt> {
+/// contiguous bytes of one token. Under a norm prologue each x meets its norm weight here
+/// (the token's `1/rms` scales the result); under a residual prologue the blocks of the first
+/// weight tile also write the sums they load, each (token, k) once.
+fn stage_activations(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
     let e = var("e");
+    let (token, col) = (var("m0") + var("token"), var("k0") + var("kk"));
+    let mut loaded = vec![assign("value", prologue_x(norm, token.clone(), col.clone()))];
+    if gemv::residual(norm) {
+        let sum_at = token * gemv::out_row_len(norm, glu) + col.clone();
+        loaded.push(if_(eq(var("n0"), int(0)), vec![store("out", sum_at, var("value"))]));
+    }
+    if let Some(n) = norm {
+        loaded.push(assign("value", var("value") * (load("g", col) + f(n.offset))));
+    }
     vec![for_(
         "i",
         int(0),
@@ -93,13 +107,7 @@ fn stage_activations() -> Vec<Stmt> {
                     lt(var("m0") + var("token"), var("tokens")),
                     lt(var("k0") + var("kk"), var("k")),
                 ),
-                vec![assign(
-                    "value",
-                    load(
-                        "x",
-                        (var("m0") + var("token")) * var("x_stride") + var("k0") + var("kk"),
-                    ),
-                )],
+                loaded,
             ),
             store(
                 "xs",
@@ -129,9 +137,9 @@ fn multiply_stage() -> Stmt {
                     sbo: STRIDE_BYTES,
                 },
                 n: TILE_TOKENS as u32,
-                // The first MMA of the first step starts the sum.
+                // The first MMA of the split's first step starts the sum.
                 accumulate: match slice {
-                    0 => bin(BinOp::Gt, var("k0"), int(0)),
+                    0 => bin(BinOp::Gt, var("k0"), var("k_begin")),
                     _ => Expr::Bool(true),
                 },
             })))
@@ -142,40 +150,115 @@ fn multiply_stage() -> Stmt {
 }
 
 /// Each warp reads its 32 lanes (weight rows; this thread's is `row`) 8 tokens at a time and
-/// stores them.
-fn epilogue() -> Vec<Stmt> {
+/// stores them where they fall in the result (`out`, or with several K splits, or a GLU
+/// epilogue, this split's partial tile), scaled by each token's `1/rms` under a norm prologue.
+/// A split past the end of K ran no MMA and its tensor memory holds nothing: it stores zeros.
+fn epilogue(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
     let names: Vec<String> = (0..8).map(|j| format!("acc{j}")).collect();
     let row = var("row");
-    let mut body = vec![
-        Stmt::Tcgen05(Box::new(Tcgen05::Load {
-            address: var("tmem") + bin(BinOp::Shl, warp() * int(32), int(16)) + var("c") * int(8),
-            names: names.clone(),
-        })),
-        Stmt::Tcgen05(Box::new(Tcgen05::WaitLd)),
-    ];
-    for (j, name) in names.iter().enumerate() {
-        let token = var("m0") + var("c") * int(8) + int(j as i64);
-        body.push(if_(
-            and(lt(row.clone(), var("n")), lt(token.clone(), var("tokens"))),
-            vec![store("out", token * var("n") + row.clone(), var(name))],
-        ));
-    }
+    let stores = |values: Vec<Expr>| -> Vec<Stmt> {
+        values
+            .into_iter()
+            .enumerate()
+            .map(|(j, summed)| {
+                let in_tile = var("c") * int(8) + int(j as i64);
+                let token = var("m0") + in_tile.clone();
+                let value = match norm {
+                    Some(_) => summed * load("inv_rms", in_tile),
+                    None => summed,
+                };
+                if_(
+                    and(lt(row.clone(), var("n")), lt(token.clone(), var("tokens"))),
+                    vec![split_k::store_result(
+                        token.clone(),
+                        row.clone(),
+                        value,
+                        glu.is_none().then(|| gemv::out_index(norm, glu, token, row.clone())),
+                    )],
+                )
+            })
+            .collect()
+    };
+    let loaded = [
+        vec![
+            Stmt::Tcgen05(Box::new(Tcgen05::Load {
+                address: var("tmem") + bin(BinOp::Shl, warp() * int(32), int(16)) + var("c") * int(8),
+                names: names.clone(),
+            })),
+            Stmt::Tcgen05(Box::new(Tcgen05::WaitLd)),
+        ],
+        stores(names.iter().map(|n| var(n)).collect()),
+    ]
+    .concat();
+    let zeros = stores(vec![f(0.0); names.len()]);
     vec![
         let_("row", Ty::I32, var("n0") + warp() * int(32) + lane()),
-        for_("c", int(0), int(TILE_TOKENS / 8), int(1), body),
+        for_(
+            "c",
+            int(0),
+            int(TILE_TOKENS / 8),
+            int(1),
+            // The same branch for the whole block: `tcgen05.ld` is warp-wide.
+            vec![if_else(lt(var("k_begin"), var("k_end")), loaded, zeros)],
+        ),
     ]
 }
+
+/// Under a norm prologue: `inv_rms[j]`, `1/rms` of the tile's token j, in shared memory. Warp
+/// w takes tokens 16w..16w + 16, lanes striding along each token's whole row (every split
+/// needs the whole row's norm).
+fn token_norms(norm: NormPrologue) -> Vec<Stmt> {
+    let inv = un(UnOp::Rsqrt, var("sq") / cast(Ty::F32, var("k")) + f(norm.eps));
+    let mut per_token = vec![
+        let_("token", Ty::I32, warp() * int(TILE_TOKENS / 4) + var("j")),
+        let_("sq", Ty::F32, f(0.0)),
+        if_(
+            lt(var("m0") + var("token"), var("tokens")),
+            vec![for_(
+                "c",
+                lane(),
+                var("k"),
+                int(32),
+                vec![
+                    let_(
+                        "xv",
+                        Ty::F32,
+                        prologue_x(Some(norm), var("m0") + var("token"), var("c")),
+                    ),
+                    assign("sq", var("sq") + var("xv") * var("xv")),
+                ],
+            )],
+        ),
+    ];
+    per_token.extend(super::warp_sum("sq"));
+    per_token.push(if_(eq(lane(), int(0)), vec![store("inv_rms", var("token"), inv)]));
+    vec![
+        for_("j", int(0), int(TILE_TOKENS / 4), int(1), per_token),
+        // Read by every warp's epilogue.
+        Stmt::SyncThreads,
+    ]
+}
+
+/// The tile sizes, for the split-K expression: (tokens, weight rows, K step).
+pub const TILES: (usize, usize, usize) = (TILE_TOKENS as usize, TILE_ROWS as usize, TILE_K as usize);
 
 fn tc(op: Tcgen05) -> Stmt {
     Stmt::Tcgen05(Box::new(op))
 }
 
 pub fn gemm_tcgen05_bf16(name: &str, origin: &str) -> Kernel {
+    gemm_tcgen05_bf16_with(name, origin, None, None)
+}
+
+/// The GEMM with an RMSNorm of `x` (perhaps after a residual add) before it and perhaps a GLU
+/// after it, as `gemm_wgmma::gemm_wgmma_bf16_with` on Hopper: same parameters, same results.
+/// K splits into `splits` spans (`split_k`), the partials summed by a second launch.
+pub fn gemm_tcgen05_bf16_with(name: &str, origin: &str, norm: Option<NormPrologue>, glu: Option<GluAct>) -> Kernel {
     let tiles_m = (var("tokens") + int(TILE_TOKENS - 1)) / int(TILE_TOKENS);
     let tiles_n = (var("n") + int(TILE_ROWS - 1)) / int(TILE_ROWS);
     let step = [
-        super::pipeline_step_head(TILE_K, var("k"), copy_weights),
-        stage_activations(),
+        super::pipeline_step_head(TILE_K, var("k_end"), copy_weights),
+        stage_activations(norm, glu),
         vec![
             Stmt::CpAsyncWait(1),
             Stmt::FenceProxyAsync,
@@ -194,9 +277,11 @@ pub fn gemm_tcgen05_bf16(name: &str, origin: &str) -> Kernel {
     .concat();
     let body = [
         vec![
-            // Token tiles vary fastest: neighbouring blocks share a weight tile.
+            // Token tiles vary fastest: neighbouring blocks share a weight tile. Then the K
+            // splits of one weight tile, then the weight tiles.
             let_("m0", Ty::I32, rem(bid(), tiles_m.clone()) * int(TILE_TOKENS)),
-            let_("n0", Ty::I32, bid() / tiles_m.clone() * int(TILE_ROWS)),
+            let_("split", Ty::I32, rem(bid() / tiles_m.clone(), var("splits"))),
+            let_("n0", Ty::I32, bid() / tiles_m.clone() / var("splits") * int(TILE_ROWS)),
             if_(
                 eq(warp(), int(0)),
                 vec![tc(Tcgen05::Alloc {
@@ -217,9 +302,17 @@ pub fn gemm_tcgen05_bf16(name: &str, origin: &str) -> Kernel {
             let_("tmem", Ty::I32, load("tmem_slot", int(0))),
             let_("phase", Ty::I32, int(0)),
         ],
-        copy_weights(int(0), int(0)),
-        vec![Stmt::CpAsyncCommit, for_("k0", int(0), var("k"), int(TILE_K), step)],
-        epilogue(),
+        split_k::k_span(var("split"), TILE_K),
+        copy_weights(rem(var("k_begin") / int(TILE_K), int(2)), var("k_begin")),
+        vec![Stmt::CpAsyncCommit],
+        // While the first weights travel.
+        norm.map(token_norms).unwrap_or_default(),
+        vec![
+            for_("k0", var("k_begin"), var("k_end"), int(TILE_K), step),
+            // A split past the end of K ran no step: its first copies (all zero-fill) land here.
+            Stmt::CpAsyncWait(0),
+        ],
+        epilogue(norm, glu),
         vec![
             // Every warp has read its lanes before warp 0 frees the columns.
             tc(Tcgen05::FenceBeforeSync),
@@ -239,21 +332,27 @@ pub fn gemm_tcgen05_bf16(name: &str, origin: &str) -> Kernel {
         ty,
         len: len as usize,
     };
+    let mut arrays = vec![
+        shared("ws", Ty::Bf16, 2 * W_STAGE),
+        shared("xs", Ty::Bf16, 2 * X_STAGE),
+        shared("bar", Ty::U32, 2),
+        shared("tmem_slot", Ty::I32, 1),
+    ];
+    if norm.is_some() {
+        arrays.push(shared("inv_rms", Ty::F32, TILE_TOKENS));
+    }
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: matmul x·Wᵀ on Blackwell tensor cores (tcgen05.mma M=128 N={TILE_TOKENS} bf16 into tensor \
-             memory, weights through a 2-stage cp.async pipeline of {TILE_ROWS}×{TILE_K} slices)"
+            "{origin}: {}matmul x·Wᵀ on Blackwell tensor cores (tcgen05.mma M=128 N={TILE_TOKENS} bf16 into \
+             tensor memory, weights through a 2-stage cp.async pipeline of {TILE_ROWS}×{TILE_K} slices, K split in \
+             `splits`)",
+            gemv::describe(norm)
         ),
-        params: super::gemm_params(Ty::Bf16),
-        shared: vec![
-            shared("ws", Ty::Bf16, 2 * W_STAGE),
-            shared("xs", Ty::Bf16, 2 * X_STAGE),
-            shared("bar", Ty::U32, 2),
-            shared("tmem_slot", Ty::I32, 1),
-        ],
+        params: [prologue_gemm_params(norm), split_k::params()].concat(),
+        shared: arrays,
         block_dim: THREADS as u32,
-        grid: tiles_m * tiles_n,
+        grid: tiles_m * tiles_n * var("splits"),
         body,
     }
 }

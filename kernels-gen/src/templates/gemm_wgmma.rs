@@ -26,28 +26,9 @@
 
 use super::gemv::{self, NormPrologue};
 use super::split_k;
+use super::{prologue_gemm_params, prologue_x};
 use crate::dsl::*;
 use ir::GluAct;
-
-/// The GEMM's parameters: [`super::gemm_params`]'s, with the prologue's `b` and `g` after `x`
-/// and `b_stride` last (the order of the prologue GEMV's, whose arguments the GEMM takes over).
-fn gemm_params(norm: Option<NormPrologue>) -> Vec<Param> {
-    let mut params = super::gemm_params(Ty::Bf16);
-    params.splice(0..1, gemv::prologue_params(norm));
-    if gemv::residual(norm) {
-        params.push(scalar("b_stride", Ty::I32));
-    }
-    params
-}
-
-/// Element (`row`, `col`) of the row being multiplied: `x`, or `x + b` under a residual prologue.
-fn x_at(norm: Option<NormPrologue>, row: Expr, col: Expr) -> Expr {
-    let x = load("x", row.clone() * var("x_stride") + col.clone());
-    match gemv::residual(norm) {
-        true => x + load("b", row * var("b_stride") + col),
-        false => x,
-    }
-}
 
 const THREADS: i64 = 128;
 /// Tokens per block tile: wgmma's M.
@@ -121,8 +102,8 @@ fn load_a(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
             let first = 2 * row_half as usize + 4 * col_half as usize;
             let names = [a_name(slice, first), a_name(slice, first + 1)];
             let mut loaded = vec![
-                let_("xv0", Ty::F32, x_at(norm, row.clone(), col.clone())),
-                let_("xv1", Ty::F32, x_at(norm, row.clone(), col.clone() + int(1))),
+                let_("xv0", Ty::F32, prologue_x(norm, row.clone(), col.clone())),
+                let_("xv1", Ty::F32, prologue_x(norm, row.clone(), col.clone() + int(1))),
                 assign(&names[0], scaled(col.clone(), var("xv0"))),
                 assign(&names[1], scaled(col.clone() + int(1), var("xv1"))),
             ];
@@ -209,7 +190,7 @@ fn row_norms(norm: NormPrologue) -> Vec<Stmt> {
                 var("k"),
                 int(32),
                 vec![
-                    let_("xv", Ty::F32, x_at(Some(norm), var("row"), var("c"))),
+                    let_("xv", Ty::F32, prologue_x(Some(norm), var("row"), var("c"))),
                     assign("sq", var("sq") + var("xv") * var("xv")),
                 ],
             )],
@@ -287,7 +268,7 @@ pub fn gemm_wgmma_bf16_with(name: &str, origin: &str, norm: Option<NormPrologue>
              B through a 2-stage cp.async pipeline of {TILE_N}×{TILE_K} slices, K split in `splits`)",
             gemv::describe(norm)
         ),
-        params: [gemm_params(norm), split_k::params()].concat(),
+        params: [prologue_gemm_params(norm), split_k::params()].concat(),
         shared: vec![SharedArray {
             name: "ws".into(),
             ty: Ty::Bf16,

@@ -47,7 +47,8 @@ use crate::dsl::*;
 /// which copies bytes and cannot decode.
 ///
 /// Under an RMSNorm prologue (`rms_norm_matmul`, `add_rms_norm_matmul`, the latter perhaps with
-/// a GLU epilogue) only Hopper's GEMM has the variant; the others keep the prefill GEMV.
+/// a GLU epilogue) Hopper's and Blackwell's GEMMs have the variant; the others (`mma.sync`)
+/// keep the prefill GEMV. Those two also split K at few rows ([`split_k_tiles`]).
 pub fn prefill_gemm(
     arch: &str,
     weights: quant::WeightFormat,
@@ -63,6 +64,9 @@ pub fn prefill_gemm(
         return match (weights, arch) {
             (WeightFormat::Dense(Ty::Bf16), "sm_90a") if k.is_multiple_of(8) => {
                 Some(gemm_wgmma::gemm_wgmma_bf16_with(name, origin, norm, glu))
+            }
+            (WeightFormat::Dense(Ty::Bf16), "sm_100a") if k.is_multiple_of(8) => {
+                Some(gemm_tcgen05::gemm_tcgen05_bf16_with(name, origin, norm, glu))
             }
             _ => None,
         };
@@ -81,6 +85,16 @@ pub fn prefill_gemm(
     })
 }
 
+/// The tiles (tokens, weight rows, K step) of the prefill GEMM that splits K on `arch`
+/// (`split_k`): Blackwell's on sm_100a, Hopper's elsewhere (only a GEMM with a `splits`
+/// parameter splits, and only those two have one).
+pub fn split_k_tiles(arch: &str) -> (usize, usize, usize) {
+    match arch {
+        "sm_100a" => gemm_tcgen05::TILES,
+        _ => gemm_wgmma::TILES,
+    }
+}
+
 /// The parameters of every prefill GEMM, in the order of the plain GEMV's (whose launch
 /// arguments a GEMM takes over for prefill steps): activations `x` (rows `x_stride` apart),
 /// weights `w` stored as `weights`, the f32 output, and the shape.
@@ -94,6 +108,28 @@ pub fn gemm_params(weights: Ty) -> Vec<Param> {
         scalar("k", Ty::I32),
         scalar("x_stride", Ty::I32),
     ]
+}
+
+/// A prefill GEMM's parameters under a norm prologue (`norm`; none: [`gemm_params`]'s):
+/// [`gemm_params`]'s with the prologue's `b` and `g` after `x` and `b_stride` last (the order
+/// of the prologue GEMV's, whose arguments the GEMM takes over).
+pub fn prologue_gemm_params(norm: Option<gemv::NormPrologue>) -> Vec<Param> {
+    let mut params = gemm_params(Ty::Bf16);
+    params.splice(0..1, gemv::prologue_params(norm));
+    if gemv::residual(norm) {
+        params.push(scalar("b_stride", Ty::I32));
+    }
+    params
+}
+
+/// Element (`row`, `col`) of the row a prologue GEMM multiplies: `x`, or `x + b` under a
+/// residual prologue (before the norm's scaling).
+pub fn prologue_x(norm: Option<gemv::NormPrologue>, row: Expr, col: Expr) -> Expr {
+    let x = load("x", row.clone() * var("x_stride") + col.clone());
+    match gemv::residual(norm) {
+        true => x + load("b", row * var("b_stride") + col),
+        false => x,
+    }
 }
 
 /// The head of one step of a two-buffer `cp.async` pipeline over K (steps `tile_k` wide at
@@ -380,6 +416,19 @@ pub fn catalog() -> Vec<Kernel> {
         ),
         gemm_wgmma::gemm_wgmma_bf16_with(
             "add_rms_norm_swiglu_gemm_wgmma_bf16",
+            "catalog",
+            Some(gemv::NormPrologue::new(1e-6, 0.0).with_residual()),
+            Some(GluAct::Silu),
+        ),
+        // Blackwell's, with the same prologues and epilogue.
+        gemm_tcgen05::gemm_tcgen05_bf16_with(
+            "rms_norm_gemm_tcgen05_bf16",
+            "catalog",
+            Some(gemv::NormPrologue::new(1e-6, 1.0)),
+            None,
+        ),
+        gemm_tcgen05::gemm_tcgen05_bf16_with(
+            "add_rms_norm_swiglu_gemm_tcgen05_bf16",
             "catalog",
             Some(gemv::NormPrologue::new(1e-6, 0.0).with_residual()),
             Some(GluAct::Silu),
