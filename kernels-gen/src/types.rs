@@ -173,6 +173,7 @@ fn check_block_declaring<'a>(
                 if !declared.insert(name) {
                     return Err(format!("`{name}` is declared twice in one block"));
                 }
+                not_an_array(name, scope)?;
                 scope.vars.insert(name.clone(), *ty);
             }
             Stmt::Assign { name, value } => {
@@ -206,6 +207,7 @@ fn check_block_declaring<'a>(
                 for e in [start, end, step] {
                     scope.int(e)?;
                 }
+                not_an_array(var, scope)?;
                 let mut inner = scope.clone();
                 inner.vars.insert(var.clone(), Ty::I32);
                 check_block_declaring(body, &mut inner, std::collections::HashSet::from([var]))?;
@@ -351,6 +353,15 @@ fn check_tcgen05<'a>(
         Tcgen05::WaitLd | Tcgen05::FenceBeforeSync | Tcgen05::FenceAfterSync => {}
     }
     Ok(())
+}
+
+/// A local named like a buffer or shared array would hide it in C, where the DSL still means
+/// the array (as a GEMM's lane group `g` would hide a norm weight `g`).
+fn not_an_array(name: &str, scope: &Scope) -> Result<(), String> {
+    match scope.arrays.contains_key(name) {
+        true => Err(format!("`{name}` names an array and a local")),
+        false => Ok(()),
+    }
 }
 
 fn tmem_columns(columns: u32) -> Result<(), String> {

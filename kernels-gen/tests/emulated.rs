@@ -13,8 +13,8 @@ use std::collections::HashMap;
 
 mod common;
 use common::{
-    bf16_array, close, ints, run_gemv, run_norm_gemv, try_run_matmul, try_run_residual_matmul, try_run_split_matmul,
-    Residual, Rng,
+    bf16_array, close, ints, residual_reference, run_gemv, run_norm_gemv, try_run_matmul, try_run_residual_matmul,
+    try_run_split_matmul, Residual, Rng,
 };
 
 #[test]
@@ -675,40 +675,6 @@ fn rms_norm_prologue_gemv_matches_norm_then_matmul() {
     }
 }
 
-/// `[a + b | rms_norm(a + b)·Wᵀ]` rows (`add_rms_norm_matmul`'s result) from the IR reference,
-/// with the prologue's rounding: `round` applied to each summed element times its norm weight
-/// and to the weights (identity for f32 kernels, bf16 for the tensor cores).
-fn residual_reference(
-    inputs: &Residual,
-    (tokens, n, k): (usize, usize, usize),
-    round: fn(f32) -> f32,
-    offset: f32,
-    eps: f32,
-) -> Vec<f32> {
-    let mut want = Vec::with_capacity(tokens * (k + n));
-    for t in 0..tokens {
-        let a = &inputs.x[t * inputs.strides.0..][..k];
-        let b = &inputs.b[t * inputs.strides.1..][..k];
-        let sum: Vec<f32> = a.iter().zip(b).map(|(a, b)| a + b).collect();
-        let inv = 1.0 / (sum.iter().map(|v| v * v).sum::<f32>() / k as f32 + eps).sqrt();
-        let scaled: Vec<f32> = sum
-            .iter()
-            .zip(&inputs.g)
-            .map(|(v, g)| round(v * (g + offset)))
-            .collect();
-        want.extend(&sum);
-        for r in 0..n {
-            let dot: f32 = scaled
-                .iter()
-                .zip(&inputs.w[r * k..(r + 1) * k])
-                .map(|(a, wv)| a * round(*wv))
-                .sum();
-            want.push(dot * inv);
-        }
-    }
-    want
-}
-
 /// `residual_reference` with the GLU of the product's halves: rows `[sum | act(g)·u]`.
 fn residual_glu_reference(want: &[f32], (tokens, n, k): (usize, usize, usize), act: GluAct) -> Vec<f32> {
     (0..tokens)
@@ -839,12 +805,16 @@ fn residual_prologue_matmuls_write_the_sum_and_the_product() {
     }
 }
 
-/// The tensor-core GEMMs that take a norm prologue, a GLU epilogue and split K: Hopper's
-/// (`wgmma`) and Blackwell's (`tcgen05`), the same parameters and results.
-fn prologue_gemms(norm: Option<gemv::NormPrologue>, glu: Option<GluAct>) -> [Kernel; 2] {
+/// Every tensor-core GEMM over bf16 weights, each with a norm prologue, a GLU epilogue and K
+/// splits, the same parameters and results: Hopper's (`wgmma`), Blackwell's (`tcgen05`) and
+/// `mma.sync` (weights by `cp.async` and through registers).
+fn prologue_gemms(norm: Option<gemv::NormPrologue>, glu: Option<GluAct>) -> [Kernel; 4] {
+    use gemm_mma::WeightStaging;
     [
         gemm_wgmma::gemm_wgmma_bf16_with("gemm", "test", norm, glu),
         gemm_tcgen05::gemm_tcgen05_bf16_with("gemm", "test", norm, glu),
+        gemm_mma::gemm_mma_with("gemm", "test", WeightStaging::CpAsync, norm, glu),
+        gemm_mma::gemm_mma_with("gemm", "test", WeightStaging::Registers, norm, glu),
     ]
 }
 

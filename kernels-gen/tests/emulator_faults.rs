@@ -197,13 +197,21 @@ fn type_errors_are_caught_before_running() {
 /// What NVRTC would reject is rejected before any kernel runs: a name declared twice in one
 /// block, or a loop's variable declared again in its body (an inner block may shadow a name).
 #[test]
-fn a_name_declared_twice_in_one_block_is_a_type_error() {
+fn a_name_declared_twice_in_one_block_or_hiding_a_buffer_is_a_type_error() {
     let twice = vec![let_("v", Ty::F32, f(1.0)), let_("v", Ty::F32, f(2.0))];
     let shadowed = vec![
         let_("v", Ty::F32, f(1.0)),
         if_(Expr::Bool(true), vec![let_("v", Ty::F32, f(2.0))]),
     ];
-    for (body, ok) in [(twice, false), (shadowed, true)] {
+    // A local named like a buffer hides it in C (at any depth), though the DSL means the array.
+    let hides_a_buffer = vec![if_(Expr::Bool(true), vec![let_("x", Ty::I32, int(1))])];
+    let loop_hides_a_buffer = vec![for_("x", int(0), int(1), int(1), vec![])];
+    for (body, ok) in [
+        (twice, false),
+        (shadowed, true),
+        (hides_a_buffer, false),
+        (loop_hides_a_buffer, false),
+    ] {
         let mut body = body;
         body.push(store("out", tid(), f(0.0)));
         let mut bufs = HashMap::from([

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 mod common;
-use common::{close, ints, run_gemv, run_norm_gemv, try_run_matmul};
+use common::{close, ints, residual_reference, run_gemv, run_norm_gemv, try_run_matmul, try_run_residual_matmul};
 
 fn ggml(format: DType) -> GgmlType {
     match format {
@@ -92,6 +92,46 @@ fn quantized_tensor_core_gemm_matches_dequantize_then_matmul() {
                 &want,
                 1e-5,
                 &format!("{format} × {tokens} tokens"),
+            );
+        }
+    }
+}
+
+/// The decoding GEMM with the residual add and norm before it (`add_rms_norm_matmul` over GGUF
+/// weights at many rows): `[x + b | product]` rows, in one piece and with K split.
+#[test]
+fn quantized_tensor_core_gemm_takes_the_residual_norm_prologue() {
+    use kernels_gen::templates::gemm_mma::{gemm_mma_with, WeightStaging};
+    use kernels_gen::templates::split_k::reduce;
+    let round = |v: f32| half::bf16::from_f32(v).to_f32();
+    let norm = NormPrologue::new(1e-6, 1.0).with_residual();
+    let mut rng = common::Rng(41);
+    for format in QUANT_FORMATS {
+        let data = blocks(format);
+        let (be, bb) = block_layout(format).unwrap();
+        let k = 2 * be as usize;
+        let n = data.len() / bb as usize / 2;
+        let kernel = gemm_mma_with("gemm_q", "test", WeightStaging::Dequantize(format), Some(norm), None);
+        let reduce = reduce("reduce", "test", 16, None);
+        let tokens = 20;
+        let mut inputs = common::Residual::random(&mut rng, (tokens, n, k), (k + 4, k));
+        // The reference multiplies the dequantized weights.
+        ggml(format).dequantize(&data, &mut inputs.w);
+        let want = residual_reference(&inputs, (tokens, n, k), round, 1.0, 1e-6);
+        for splits in [1, 2] {
+            let out = try_run_residual_matmul(
+                (&kernel, Some(&reduce)),
+                &inputs,
+                Array::u8(&data),
+                (tokens, n, k, n),
+                splits,
+            )
+            .unwrap();
+            close(
+                &out.to_f32().unwrap(),
+                &want,
+                1e-5,
+                &format!("{format}, {splits} splits"),
             );
         }
     }

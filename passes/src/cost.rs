@@ -33,8 +33,9 @@ pub struct CostModel {
     /// tensor cores for prefill: only types whose prefill GEMM on the target has the prologue
     /// too (`kernels_gen::templates::prefill_gemm`), or that have no tensor-core GEMM at all
     /// (f32), qualify; over the others a fused matmul would prefill, and decode large batches,
-    /// on the GEMV. None on the CPU: its matmul reads the activation row once per weight row
-    /// anyway, so it gains nothing.
+    /// on the GEMV. On every GPU target that is every type with a GPU template. None on the
+    /// CPU: its matmul reads the activation row once per weight row anyway, so it gains
+    /// nothing. (A GLU epilogue needs dense weights besides: [`GLU_EPILOGUE_WEIGHTS`].)
     pub prologue_weights: &'static [DType],
 }
 
@@ -51,25 +52,43 @@ impl CostModel {
         launch_us: 3.0,
         bytes_per_us: 4.8e6,
         flops_per_us: 900e6,
-        // The wgmma GEMM's norm prologue.
-        prologue_weights: &[DType::BF16, DType::F32],
+        prologue_weights: GPU_PROLOGUE_WEIGHTS,
     };
     /// B200: 8 TB/s HBM3e, ~2.2 PFLOP/s bf16 dense.
     pub const B200: Self = Self {
         launch_us: 3.0,
         bytes_per_us: 8e6,
         flops_per_us: 2200e6,
-        // The tcgen05 GEMM's norm prologue.
-        prologue_weights: &[DType::BF16, DType::F32],
+        prologue_weights: GPU_PROLOGUE_WEIGHTS,
     };
     /// RTX PRO 6000 Blackwell: 1.8 TB/s GDDR7, ~500 TFLOP/s bf16 dense.
     pub const RTX_PRO_6000: Self = Self {
         launch_us: 3.0,
         bytes_per_us: 1.8e6,
         flops_per_us: 500e6,
-        prologue_weights: &[DType::F32],
+        prologue_weights: GPU_PROLOGUE_WEIGHTS,
     };
 }
+
+/// Every weight type with GPU templates: each prefill GEMM (`wgmma`, `tcgen05`, `mma.sync`
+/// with bf16 or decoded GGUF weights) has the norm prologue, and f32 weights prefill on the
+/// GEMV, which has it too.
+const GPU_PROLOGUE_WEIGHTS: &[DType] = &[
+    DType::BF16,
+    DType::F32,
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q8_0,
+    DType::Q4K,
+    DType::Q5K,
+    DType::Q6K,
+];
+
+/// Weight types a matmul can take a GLU epilogue over: the decode GEMV pairs a gate row with
+/// its up row of dense weights; there is no such kernel over GGUF blocks.
+pub const GLU_EPILOGUE_WEIGHTS: &[DType] = &[DType::BF16, DType::F32];
 
 const DECODE_TOKENS: usize = 1;
 const DECODE_KV_LEN: usize = 512;
@@ -256,7 +275,12 @@ impl<'a> TargetCost<'a> {
             None => 0.0,
         };
         let prologue = matches!(op, Op::RmsNormMatMul { .. } | Op::AddRmsNormMatMul { .. });
-        if prologue && !types.last().is_some_and(|w| m.prologue_weights.contains(&w.dtype)) {
+        let weights = types.last().map(|w| w.dtype);
+        if prologue && !weights.is_some_and(|w| m.prologue_weights.contains(&w)) {
+            return f64::INFINITY;
+        }
+        let glu = matches!(op, Op::AddRmsNormMatMul { glu: Some(_), .. });
+        if glu && !weights.is_some_and(|w| GLU_EPILOGUE_WEIGHTS.contains(&w)) {
             return f64::INFINITY;
         }
         m.launch_us + (in_bytes + out_bytes + kv_bytes) / m.bytes_per_us + flops / m.flops_per_us

@@ -9,7 +9,7 @@ use codegen::Target;
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::gemv::{self, gemv, GemvSpec, NormPrologue};
 use kernels_gen::templates::quant::WeightFormat;
-use kernels_gen::templates::{prefill_gemm, split_k, split_k_tiles};
+use kernels_gen::templates::{prefill_gemm, split_k};
 use models::{ComputeDtype, LogitsFor};
 use runtime::cuda::CudaDevice;
 use runtime::generated::{fill_kernels, fill_on_device, Fill};
@@ -229,6 +229,8 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
     let mut step = [0f64; 3];
     for (name, n, k, count) in SHAPES {
         let fused = fused_decode_gemvs(name, k);
+        let gemm = prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), k, None, None, "gemm", "gpu-check")
+            .ok_or_else(|| anyhow!("a bf16 GEMM"))?;
         let kernels: Vec<Kernel> = [
             vec![
                 gemv("gemv", "gpu-check", spec(k)),
@@ -240,8 +242,7 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
                 ),
                 gemv("gemv_prefill", "gpu-check", spec(k).prefill()),
                 // The target's tensor-core GEMM: wgmma on sm_90a, tcgen05 on sm_100a, mma.sync on sm_120a.
-                prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), k, None, None, "gemm", "gpu-check")
-                    .ok_or_else(|| anyhow!("a bf16 GEMM"))?,
+                gemm.kernel.clone(),
                 split_k::reduce("split_k_reduce", "gpu-check", gpu::PREFILL_TOKENS, None),
             ],
             fused.clone(),
@@ -261,7 +262,7 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
         // Wide enough for the fused GEMVs' `[x + b | product]` rows.
         let out_bytes = 64 * (k + n) * 4;
         let out = device.alloc(out_bytes)?;
-        let partial_bytes = split_k::partial_len(n, k, split_k_tiles(arch), target.multiprocessors()) * 4;
+        let partial_bytes = split_k::partial_len(n, k, gemm.tiles, target.multiprocessors()) * 4;
         let partial = device.alloc(partial_bytes)?;
         let mut cases = vec![
             (1, "gemv"),
@@ -285,7 +286,7 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
                 .ok_or_else(|| anyhow!("a timed kernel"))?;
             let splits = match program.param("splits").is_some() {
                 true => {
-                    let expr = split_k::splits_expr("tokens", n, k, split_k_tiles(arch), target.multiprocessors());
+                    let expr = split_k::splits_expr("tokens", n, k, gemm.tiles, target.multiprocessors());
                     let vars = [("tokens", expr::Value::Int(batch as i64))].into_iter().collect();
                     expr::eval(&expr, &vars)?.as_i64() as usize
                 }
@@ -431,7 +432,9 @@ mod tests {
         };
         let spec = GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), 4096).with_x_vectors();
         for arch in ["sm_90a", "sm_100a", "sm_120a"] {
-            let gemm = prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), 4096, None, None, "gemm", "test").unwrap();
+            let gemm = prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), 4096, None, None, "gemm", "test")
+                .unwrap()
+                .kernel;
             let kernels = [
                 vec![
                     gemv("gemv", "test", spec),

@@ -9,6 +9,9 @@ use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::{self, *};
 use std::collections::{BTreeMap, BTreeSet};
 
+/// A GEMM's tiles: (tokens, weight rows, K step).
+type Tiles = (usize, usize, usize);
+
 pub(crate) struct Selected {
     /// (node, kernel, its alternatives for steps of several rows, arguments).
     pub launches: Vec<(usize, Kernel, Alternatives, Vec<LaunchArg>)>,
@@ -668,9 +671,10 @@ impl MatMul {
     }
 
     /// The decode GEMV (16-byte activation loads where every activation row is `aligned`),
-    /// the GEMV carrying 4 rows a pass, and for prefill the target's tensor-core GEMM where it
-    /// has one for these weights (and this prologue), else that GEMV.
-    fn kernels(&self, arch: &str, aligned: bool, origin: &str) -> (Kernel, Kernel, Kernel) {
+    /// the GEMV carrying 4 rows a pass, and for prefill the target's tensor-core GEMM (with
+    /// the tiles its K splits count in) where it has one for these weights (and this prologue
+    /// and epilogue), else that GEMV.
+    fn kernels(&self, arch: &str, aligned: bool, origin: &str) -> (Kernel, Kernel, Kernel, Option<Tiles>) {
         let mut spec = gemv::GemvSpec::decode(self.weights, self.k);
         if let Some(norm) = self.norm {
             spec = spec.with_norm(norm).with_prefetch_steps(gemv_prefetch_steps());
@@ -684,30 +688,31 @@ impl MatMul {
         let gemv_name = format!("{}gemv", self.stem());
         let few_rows = gemv::gemv(&gemv_name, origin, spec.prefill());
         let gemm_name = format!("{}gemm", self.stem());
-        let prefill = templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin)
-            .unwrap_or_else(|| few_rows.clone());
-        (gemv::gemv(&gemv_name, origin, spec), few_rows, prefill)
+        let (prefill, tiles) =
+            match templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin) {
+                Some(gemm) => (gemm.kernel, Some(gemm.tiles)),
+                None => (few_rows.clone(), None),
+            };
+        (gemv::gemv(&gemv_name, origin, spec), few_rows, prefill, tiles)
     }
 
     /// Its launches: the GEMV with its alternatives for steps of a few and of many rows, and
-    /// after a GEMM that splits K (the Hopper one) the reduction of its partials. The GEMM
+    /// after a GEMM that splits K the reduction of its partials. The GEMM
     /// takes the partials and the split count after the GEMV's arguments (which the GEMV does
     /// not read).
     fn push(self, s: &mut Selected, args: Vec<LaunchArg>, aligned: bool, rows: &str, plan: &PlanTarget) {
         let i = self.node;
         let arch = plan.target.cuda_arch().unwrap_or_default();
-        let (kernel, few_rows, prefill) = self.kernels(arch, aligned, plan.origin);
-        let split_k = prefill.param("splits").is_some();
+        let (kernel, few_rows, prefill, tiles) = self.kernels(arch, aligned, plan.origin);
         let alternatives = Alternatives {
             few_rows: Some(few_rows),
             prefill: Some(prefill),
         };
-        if !split_k {
+        let Some(tiles) = tiles else {
             s.launches.push((i, kernel, alternatives, args));
             return;
-        }
+        };
         let (n, k, sms) = (self.n, self.k, plan.target.multiprocessors());
-        let tiles = templates::split_k_tiles(arch);
         let mut partial_len = split_k::partial_len(n, k, tiles, sms);
         if self.glu.is_some() {
             // Every product goes through the partials, in one split too: room for every row.

@@ -24,8 +24,10 @@
 //! 99 KiB a block, B200 227 KiB), and prefill chunks of up to 512 tokens over 576..4096-row
 //! weights give enough tiles to fill 132-170 SMs.
 
-use super::quant;
+use super::gemv::{self, NormPrologue};
+use super::{quant, split_k};
 use crate::dsl::*;
+use ir::GluAct;
 
 const WARPS: i64 = 4;
 /// Tokens per block tile.
@@ -143,14 +145,14 @@ fn warp_k_slice(kk: i64, weights: &Expr) -> Vec<Stmt> {
     let mut out = Vec::new();
     for mi in 0..WARP_M_TILES {
         for i in 0..8 {
-            let row = var("wm") + int(16 * mi as i64) + var("g") + int(if i % 4 >= 2 { 8 } else { 0 });
+            let row = var("wm") + int(16 * mi as i64) + var("gr") + int(if i % 4 >= 2 { 8 } else { 0 });
             let col = var("t2") + int(kk + (i % 2) as i64 + if i >= 4 { 8 } else { 0 });
             out.push(assign(&name("a", mi, i), load("xs", row * int(STAGE_STRIDE) + col)));
         }
     }
     for ni in 0..WARP_N_TILES {
         for i in 0..4 {
-            let row = var("wn") + int(8 * ni as i64) + var("g");
+            let row = var("wn") + int(8 * ni as i64) + var("gr");
             let col = var("t2") + int(kk + (i % 2) as i64 + if i >= 2 { 8 } else { 0 });
             out.push(assign(
                 &name("b", ni, i),
@@ -171,20 +173,29 @@ fn warp_k_slice(kk: i64, weights: &Expr) -> Vec<Stmt> {
     out
 }
 
-/// Store the warp's accumulators where they fall inside `out`.
-fn store_accumulators() -> Vec<Stmt> {
+/// Store the warp's accumulators where they fall in the result (`out`, or with several K
+/// splits, or a GLU epilogue, which the reduction applies, this split's partial tile), scaled
+/// by each token's `1/rms` under a norm prologue. A split past the end of K stores zeros.
+fn store_accumulators(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
     let mut out = Vec::new();
     for mi in 0..WARP_M_TILES {
         for ni in 0..WARP_N_TILES {
             for i in 0..4 {
-                let row = var("m0") + var("wm") + int(16 * mi as i64) + var("g") + int(if i >= 2 { 8 } else { 0 });
+                let in_tile = var("wm") + int(16 * mi as i64) + var("gr") + int(if i >= 2 { 8 } else { 0 });
+                let row = var("m0") + in_tile.clone();
                 let col = var("n0") + var("wn") + int(8 * ni as i64) + var("t2") + int((i % 2) as i64);
+                let summed = var(&name("c", mi * WARP_N_TILES + ni, i));
+                let value = match norm {
+                    Some(_) => summed * load("inv_rms", in_tile),
+                    None => summed,
+                };
                 out.push(if_(
                     and(lt(row.clone(), var("tokens")), lt(col.clone(), var("n"))),
-                    vec![store(
-                        "out",
-                        row * var("n") + col,
-                        var(&name("c", mi * WARP_N_TILES + ni, i)),
+                    vec![split_k::store_result(
+                        row.clone(),
+                        col.clone(),
+                        value,
+                        glu.is_none().then(|| gemv::out_index(norm, glu, row, col)),
                     )],
                 ));
             }
@@ -193,7 +204,26 @@ fn store_accumulators() -> Vec<Stmt> {
     out
 }
 
+/// The tile sizes, for the split-K expression: (tokens, weight rows, K step).
+pub const TILES: (usize, usize, usize) = (TILE_M as usize, TILE_N as usize, TILE_K as usize);
+
 pub fn gemm_mma(name_: &str, origin: &str, staging: WeightStaging) -> Kernel {
+    gemm_mma_with(name_, origin, staging, None, None)
+}
+
+/// The GEMM with an RMSNorm of `x` (perhaps after a residual add) before it and perhaps a GLU
+/// after it, as `gemm_wgmma::gemm_wgmma_bf16_with` on Hopper: the same parameters and
+/// results. K splits into `splits` spans (`split_k`), the partials summed by a second launch.
+pub fn gemm_mma_with(
+    name_: &str,
+    origin: &str,
+    staging: WeightStaging,
+    norm: Option<NormPrologue>,
+    glu: Option<GluAct>,
+) -> Kernel {
+    let activations = stage("xs", "m0", "tokens", move |row, col, value| {
+        super::prologue_element(norm, glu, row, col, value)
+    });
     let tiles_m = (var("tokens") + int(TILE_M - 1)) / int(TILE_M);
     let tiles_n = (var("n") + int(TILE_N - 1)) / int(TILE_N);
     let accumulators = (0..WARP_M_TILES * WARP_N_TILES)
@@ -212,7 +242,7 @@ pub fn gemm_mma(name_: &str, origin: &str, staging: WeightStaging) -> Kernel {
         WeightStaging::Registers | WeightStaging::Dequantize(_) => (
             vec![],
             [
-                stage("xs", "m0", "tokens", element_of("x", var("x_stride"))),
+                activations.clone(),
                 match staging {
                     WeightStaging::Dequantize(format) => stage_blocks(format),
                     _ => stage("ws", "n0", "n", element_of("w", var("k"))),
@@ -224,10 +254,14 @@ pub fn gemm_mma(name_: &str, origin: &str, staging: WeightStaging) -> Kernel {
             1,
         ),
         WeightStaging::CpAsync => (
-            [copy_weights(int(0), int(0)), vec![Stmt::CpAsyncCommit]].concat(),
             [
-                super::pipeline_step_head(TILE_K, var("k"), copy_weights),
-                stage("xs", "m0", "tokens", element_of("x", var("x_stride"))),
+                copy_weights(rem(var("k_begin") / int(TILE_K), int(2)), var("k_begin")),
+                vec![Stmt::CpAsyncCommit],
+            ]
+            .concat(),
+            [
+                super::pipeline_step_head(TILE_K, var("k_end"), copy_weights),
+                activations,
                 vec![Stmt::CpAsyncWait(1), Stmt::SyncThreads],
                 multiply(var("s") * int(STAGE)),
             ]
@@ -237,19 +271,29 @@ pub fn gemm_mma(name_: &str, origin: &str, staging: WeightStaging) -> Kernel {
     };
     let body = [
         vec![
-            // Token tiles vary fastest: neighbouring blocks share a weight tile.
+            // Token tiles vary fastest: neighbouring blocks share a weight tile. Then the K
+            // splits of one weight tile, then the weight tiles.
             let_("m0", Ty::I32, rem(bid(), tiles_m.clone()) * int(TILE_M)),
-            let_("n0", Ty::I32, bid() / tiles_m.clone() * int(TILE_N)),
+            let_("split", Ty::I32, rem(bid() / tiles_m.clone(), var("splits"))),
+            let_("n0", Ty::I32, bid() / tiles_m.clone() / var("splits") * int(TILE_N)),
             let_("wm", Ty::I32, (warp() / int(2)) * int(16 * WARP_M_TILES as i64)),
             let_("wn", Ty::I32, rem(warp(), int(2)) * int(8 * WARP_N_TILES as i64)),
-            let_("g", Ty::I32, lane() / int(4)),
+            let_("gr", Ty::I32, lane() / int(4)),
             let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
         ],
+        split_k::k_span(var("split"), TILE_K),
         accumulators,
         fragments(),
         prologue,
-        vec![for_("k0", int(0), var("k"), int(TILE_K), k_step)],
-        store_accumulators(),
+        // While the first weights travel (with `cp.async`).
+        norm.map(|n| super::tile_norms(n, TILE_M, WARPS)).unwrap_or_default(),
+        vec![for_("k0", var("k_begin"), var("k_end"), int(TILE_K), k_step)],
+        match staging {
+            // A split past the end of K ran no step: its first copies (all zero-fill) land here.
+            WeightStaging::CpAsync => vec![Stmt::CpAsyncWait(0)],
+            _ => vec![],
+        },
+        store_accumulators(norm, glu),
     ]
     .concat();
     let staged = |name: &str, buffers: i64| SharedArray {
@@ -262,16 +306,21 @@ pub fn gemm_mma(name_: &str, origin: &str, staging: WeightStaging) -> Kernel {
         WeightStaging::CpAsync => (", weights through a 2-stage cp.async pipeline".into(), Ty::Bf16),
         WeightStaging::Dequantize(format) => (format!(", {format} weights decoded into the tile"), Ty::U8),
     };
+    let mut shared = vec![staged("xs", 1), staged("ws", buffers)];
+    if norm.is_some() {
+        shared.push(super::tile_norms_array(TILE_M));
+    }
     Kernel {
         name: name_.into(),
         origin: format!(
-            "{origin}: matmul x·Wᵀ on tensor cores (mma.sync m16n8k16 bf16, {TILE_M}×{TILE_N}×{TILE_K} \
-             shared-memory tiles{weights})"
+            "{origin}: {}matmul x·Wᵀ on tensor cores (mma.sync m16n8k16 bf16, {TILE_M}×{TILE_N}×{TILE_K} \
+             shared-memory tiles{weights}, K split in `splits`)",
+            gemv::describe(norm)
         ),
-        params: super::gemm_params(weight_ty),
-        shared: vec![staged("xs", 1), staged("ws", buffers)],
+        params: [super::prologue_gemm_params(norm, weight_ty), split_k::params()].concat(),
+        shared,
         block_dim: (32 * WARPS) as u32,
-        grid: tiles_m * tiles_n,
+        grid: tiles_m * tiles_n * var("splits"),
         body,
     }
 }

@@ -25,7 +25,7 @@
 //! columns leaves room for several blocks per SM.
 
 use super::gemv::{self, NormPrologue};
-use super::{prologue_gemm_params, prologue_x, split_k};
+use super::{prologue_gemm_params, split_k};
 use crate::dsl::*;
 use ir::GluAct;
 
@@ -83,15 +83,7 @@ fn copy_weights(stage: Expr, k0: Expr) -> Vec<Stmt> {
 /// weight tile also write the sums they load, each (token, k) once.
 fn stage_activations(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
     let e = var("e");
-    let (token, col) = (var("m0") + var("token"), var("k0") + var("kk"));
-    let mut loaded = vec![assign("value", prologue_x(norm, token.clone(), col.clone()))];
-    if gemv::residual(norm) {
-        let sum_at = token * gemv::out_row_len(norm, glu) + col.clone();
-        loaded.push(if_(eq(var("n0"), int(0)), vec![store("out", sum_at, var("value"))]));
-    }
-    if let Some(n) = norm {
-        loaded.push(assign("value", var("value") * (load("g", col) + f(n.offset))));
-    }
+    let loaded = super::prologue_element(norm, glu, var("m0") + var("token"), var("k0") + var("kk"), "value");
     vec![for_(
         "i",
         int(0),
@@ -204,41 +196,6 @@ fn epilogue(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
     ]
 }
 
-/// Under a norm prologue: `inv_rms[j]`, `1/rms` of the tile's token j, in shared memory. Warp
-/// w takes tokens 16w..16w + 16, lanes striding along each token's whole row (every split
-/// needs the whole row's norm).
-fn token_norms(norm: NormPrologue) -> Vec<Stmt> {
-    let inv = un(UnOp::Rsqrt, var("sq") / cast(Ty::F32, var("k")) + f(norm.eps));
-    let mut per_token = vec![
-        let_("token", Ty::I32, warp() * int(TILE_TOKENS / 4) + var("j")),
-        let_("sq", Ty::F32, f(0.0)),
-        if_(
-            lt(var("m0") + var("token"), var("tokens")),
-            vec![for_(
-                "c",
-                lane(),
-                var("k"),
-                int(32),
-                vec![
-                    let_(
-                        "xv",
-                        Ty::F32,
-                        prologue_x(Some(norm), var("m0") + var("token"), var("c")),
-                    ),
-                    assign("sq", var("sq") + var("xv") * var("xv")),
-                ],
-            )],
-        ),
-    ];
-    per_token.extend(super::warp_sum("sq"));
-    per_token.push(if_(eq(lane(), int(0)), vec![store("inv_rms", var("token"), inv)]));
-    vec![
-        for_("j", int(0), int(TILE_TOKENS / 4), int(1), per_token),
-        // Read by every warp's epilogue.
-        Stmt::SyncThreads,
-    ]
-}
-
 /// The tile sizes, for the split-K expression: (tokens, weight rows, K step).
 pub const TILES: (usize, usize, usize) = (TILE_TOKENS as usize, TILE_ROWS as usize, TILE_K as usize);
 
@@ -306,7 +263,8 @@ pub fn gemm_tcgen05_bf16_with(name: &str, origin: &str, norm: Option<NormPrologu
         copy_weights(rem(var("k_begin") / int(TILE_K), int(2)), var("k_begin")),
         vec![Stmt::CpAsyncCommit],
         // While the first weights travel.
-        norm.map(token_norms).unwrap_or_default(),
+        norm.map(|n| super::tile_norms(n, TILE_TOKENS, THREADS / 32))
+            .unwrap_or_default(),
         vec![
             for_("k0", var("k_begin"), var("k_end"), int(TILE_K), step),
             // A split past the end of K ran no step: its first copies (all zero-fill) land here.
@@ -339,7 +297,7 @@ pub fn gemm_tcgen05_bf16_with(name: &str, origin: &str, norm: Option<NormPrologu
         shared("tmem_slot", Ty::I32, 1),
     ];
     if norm.is_some() {
-        arrays.push(shared("inv_rms", Ty::F32, TILE_TOKENS));
+        arrays.push(super::tile_norms_array(TILE_TOKENS));
     }
     Kernel {
         name: name.into(),
@@ -349,7 +307,7 @@ pub fn gemm_tcgen05_bf16_with(name: &str, origin: &str, norm: Option<NormPrologu
              `splits`)",
             gemv::describe(norm)
         ),
-        params: [prologue_gemm_params(norm), split_k::params()].concat(),
+        params: [prologue_gemm_params(norm, Ty::Bf16), split_k::params()].concat(),
         shared: arrays,
         block_dim: THREADS as u32,
         grid: tiles_m * tiles_n * var("splits"),

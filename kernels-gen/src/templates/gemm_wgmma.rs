@@ -268,7 +268,7 @@ pub fn gemm_wgmma_bf16_with(name: &str, origin: &str, norm: Option<NormPrologue>
              B through a 2-stage cp.async pipeline of {TILE_N}×{TILE_K} slices, K split in `splits`)",
             gemv::describe(norm)
         ),
-        params: [prologue_gemm_params(norm), split_k::params()].concat(),
+        params: [prologue_gemm_params(norm, Ty::Bf16), split_k::params()].concat(),
         shared: vec![SharedArray {
             name: "ws".into(),
             ty: Ty::Bf16,

@@ -46,9 +46,10 @@ use crate::dsl::*;
 /// per 4 as in the prefill GEMV. The wgmma/tcgen05 kernels take their weights by `cp.async`,
 /// which copies bytes and cannot decode.
 ///
-/// Under an RMSNorm prologue (`rms_norm_matmul`, `add_rms_norm_matmul`, the latter perhaps with
-/// a GLU epilogue) Hopper's and Blackwell's GEMMs have the variant; the others (`mma.sync`)
-/// keep the prefill GEMV. Those two also split K at few rows ([`split_k_tiles`]).
+/// Every one of them takes an RMSNorm prologue (`rms_norm_matmul`, `add_rms_norm_matmul`) and
+/// a GLU epilogue over dense weights, and splits K at few rows (`split_k`). A GLU epilogue over
+/// GGUF blocks has no kernel (the decode GEMV's pairs a gate row and an up row of dense
+/// weights): `None`.
 pub fn prefill_gemm(
     arch: &str,
     weights: quant::WeightFormat,
@@ -57,42 +58,38 @@ pub fn prefill_gemm(
     glu: Option<ir::GluAct>,
     name: &str,
     origin: &str,
-) -> Option<Kernel> {
+) -> Option<PrefillGemm> {
     use gemm_mma::WeightStaging;
     use quant::WeightFormat;
-    if norm.is_some() || glu.is_some() {
-        return match (weights, arch) {
-            (WeightFormat::Dense(Ty::Bf16), "sm_90a") if k.is_multiple_of(8) => {
-                Some(gemm_wgmma::gemm_wgmma_bf16_with(name, origin, norm, glu))
-            }
-            (WeightFormat::Dense(Ty::Bf16), "sm_100a") if k.is_multiple_of(8) => {
-                Some(gemm_tcgen05::gemm_tcgen05_bf16_with(name, origin, norm, glu))
-            }
-            _ => None,
-        };
-    }
-    Some(match (weights, arch) {
-        (WeightFormat::Dense(Ty::Bf16), "sm_90a") if k.is_multiple_of(8) => gemm_wgmma::gemm_wgmma_bf16(name, origin),
-        (WeightFormat::Dense(Ty::Bf16), "sm_100a") if k.is_multiple_of(8) => {
-            gemm_tcgen05::gemm_tcgen05_bf16(name, origin)
-        }
-        (WeightFormat::Dense(Ty::Bf16), _) if k.is_multiple_of(8) => {
-            gemm_mma::gemm_mma(name, origin, WeightStaging::CpAsync)
-        }
-        (WeightFormat::Dense(Ty::Bf16), _) => gemm_mma::gemm_mma(name, origin, WeightStaging::Registers),
-        (WeightFormat::Blocks(format), _) => gemm_mma::gemm_mma(name, origin, WeightStaging::Dequantize(format)),
-        (WeightFormat::Dense(_), _) => return None,
-    })
+    let mma = |staging| {
+        (
+            gemm_mma::gemm_mma_with(name, origin, staging, norm, glu),
+            gemm_mma::TILES,
+        )
+    };
+    let (kernel, tiles) = match (weights, arch) {
+        (WeightFormat::Dense(Ty::Bf16), "sm_90a") if k.is_multiple_of(8) => (
+            gemm_wgmma::gemm_wgmma_bf16_with(name, origin, norm, glu),
+            gemm_wgmma::TILES,
+        ),
+        (WeightFormat::Dense(Ty::Bf16), "sm_100a") if k.is_multiple_of(8) => (
+            gemm_tcgen05::gemm_tcgen05_bf16_with(name, origin, norm, glu),
+            gemm_tcgen05::TILES,
+        ),
+        (WeightFormat::Dense(Ty::Bf16), _) if k.is_multiple_of(8) => mma(WeightStaging::CpAsync),
+        (WeightFormat::Dense(Ty::Bf16), _) => mma(WeightStaging::Registers),
+        (WeightFormat::Blocks(format), _) if glu.is_none() => mma(WeightStaging::Dequantize(format)),
+        _ => return None,
+    };
+    Some(PrefillGemm { kernel, tiles })
 }
 
-/// The tiles (tokens, weight rows, K step) of the prefill GEMM that splits K on `arch`
-/// (`split_k`): Blackwell's on sm_100a, Hopper's elsewhere (only a GEMM with a `splits`
-/// parameter splits, and only those two have one).
-pub fn split_k_tiles(arch: &str) -> (usize, usize, usize) {
-    match arch {
-        "sm_100a" => gemm_tcgen05::TILES,
-        _ => gemm_wgmma::TILES,
-    }
+/// A prefill GEMM and its tiles (tokens, weight rows, K step), which its K splits are
+/// counted in (`split_k::splits_expr`).
+#[derive(Debug, Clone)]
+pub struct PrefillGemm {
+    pub kernel: Kernel,
+    pub tiles: (usize, usize, usize),
 }
 
 /// The parameters of every prefill GEMM, in the order of the plain GEMV's (whose launch
@@ -113,8 +110,8 @@ pub fn gemm_params(weights: Ty) -> Vec<Param> {
 /// A prefill GEMM's parameters under a norm prologue (`norm`; none: [`gemm_params`]'s):
 /// [`gemm_params`]'s with the prologue's `b` and `g` after `x` and `b_stride` last (the order
 /// of the prologue GEMV's, whose arguments the GEMM takes over).
-pub fn prologue_gemm_params(norm: Option<gemv::NormPrologue>) -> Vec<Param> {
-    let mut params = gemm_params(Ty::Bf16);
+pub fn prologue_gemm_params(norm: Option<gemv::NormPrologue>, weights: Ty) -> Vec<Param> {
+    let mut params = gemm_params(weights);
     params.splice(0..1, gemv::prologue_params(norm));
     if gemv::residual(norm) {
         params.push(scalar("b_stride", Ty::I32));
@@ -130,6 +127,74 @@ pub fn prologue_x(norm: Option<gemv::NormPrologue>, row: Expr, col: Expr) -> Exp
         true => x + load("b", row * var("b_stride") + col),
         false => x,
     }
+}
+
+/// Statements setting the f32 local `value` to element (`row`, `col`) of a prologue GEMM's
+/// multiplicand before its bf16 rounding: `x`, or under a norm prologue `x` (+ `b`) times the
+/// norm weight (the row's `1/rms` is applied to the result); under a residual prologue the
+/// blocks of the first weight tile also write the sum to `out` (`[sum | product]` rows), each
+/// element once.
+pub fn prologue_element(
+    norm: Option<gemv::NormPrologue>,
+    glu: Option<ir::GluAct>,
+    row: Expr,
+    col: Expr,
+    value: &str,
+) -> Vec<Stmt> {
+    let mut out = vec![assign(value, prologue_x(norm, row.clone(), col.clone()))];
+    if gemv::residual(norm) {
+        let sum_at = row * gemv::out_row_len(norm, glu) + col.clone();
+        out.push(if_(eq(var("n0"), int(0)), vec![store("out", sum_at, var(value))]));
+    }
+    if let Some(n) = norm {
+        out.push(assign(value, var(value) * (load("g", col) + f(n.offset))));
+    }
+    out
+}
+
+/// The shared array [`tile_norms`] fills: one `1/rms` per token of a tile.
+pub fn tile_norms_array(tile_tokens: i64) -> SharedArray {
+    SharedArray {
+        name: "inv_rms".into(),
+        ty: Ty::F32,
+        len: tile_tokens as usize,
+    }
+}
+
+/// Under a norm prologue: `inv_rms[j]`, `1/rms` of token `m0 + j` of a `tile_tokens` tile, in
+/// shared memory, then a barrier. Each of the block's `warps` takes as many tokens in turn,
+/// lanes striding along the token's whole row (every K split needs the whole row's norm).
+pub fn tile_norms(norm: gemv::NormPrologue, tile_tokens: i64, warps: i64) -> Vec<Stmt> {
+    let inv = un(UnOp::Rsqrt, var("sq") / cast(Ty::F32, var("k")) + f(norm.eps));
+    let per_warp = tile_tokens / warps;
+    let mut per_token = vec![
+        let_("token", Ty::I32, warp() * int(per_warp) + var("j")),
+        let_("sq", Ty::F32, f(0.0)),
+        if_(
+            lt(var("m0") + var("token"), var("tokens")),
+            vec![for_(
+                "c",
+                lane(),
+                var("k"),
+                int(32),
+                vec![
+                    let_(
+                        "xv",
+                        Ty::F32,
+                        prologue_x(Some(norm), var("m0") + var("token"), var("c")),
+                    ),
+                    assign("sq", var("sq") + var("xv") * var("xv")),
+                ],
+            )],
+        ),
+    ];
+    per_token.extend(warp_sum("sq"));
+    per_token.push(if_(eq(lane(), int(0)), vec![store("inv_rms", var("token"), inv)]));
+    vec![
+        for_("j", int(0), int(per_warp), int(1), per_token),
+        // Read by every warp's epilogue.
+        Stmt::SyncThreads,
+    ]
 }
 
 /// The head of one step of a two-buffer `cp.async` pipeline over K (steps `tile_k` wide at
@@ -184,11 +249,11 @@ pub fn block_sum(value: &str, scratch: &str, warps: u32) -> Vec<Stmt> {
     s.push(Stmt::SyncThreads);
     s.push(assign(value, f(0.0)));
     s.push(for_(
-        "w",
+        "other",
         int(0),
         int(warps as i64),
         int(1),
-        vec![assign(value, var(value) + load(scratch, var("w")))],
+        vec![assign(value, var(value) + load(scratch, var("other")))],
     ));
     s.push(Stmt::SyncThreads);
     s
@@ -419,6 +484,21 @@ pub fn catalog() -> Vec<Kernel> {
             "catalog",
             Some(gemv::NormPrologue::new(1e-6, 0.0).with_residual()),
             Some(GluAct::Silu),
+        ),
+        // mma.sync's (the RTX PRO 6000's, and GGUF weights' everywhere), likewise.
+        gemm_mma::gemm_mma_with(
+            "add_rms_norm_swiglu_gemm_mma_bf16",
+            "catalog",
+            gemm_mma::WeightStaging::CpAsync,
+            Some(gemv::NormPrologue::new(1e-6, 0.0).with_residual()),
+            Some(GluAct::Silu),
+        ),
+        gemm_mma::gemm_mma_with(
+            "add_rms_norm_gemm_mma_q6_k",
+            "catalog",
+            gemm_mma::WeightStaging::Dequantize(ir::DType::Q6K),
+            Some(gemv::NormPrologue::new(1e-6, 1.0).with_residual()),
+            None,
         ),
         // Blackwell's, with the same prologues and epilogue.
         gemm_tcgen05::gemm_tcgen05_bf16_with(

@@ -184,3 +184,37 @@ pub fn try_run_residual_matmul(
     }
     Ok(bufs.remove("out").expect("an out buffer"))
 }
+
+/// `[a + b | rms_norm(a + b)·Wᵀ]` rows (`add_rms_norm_matmul`'s result) from the IR reference,
+/// with the prologue's rounding: `round` applied to each summed element times its norm weight
+/// and to the weights (identity for f32 kernels, bf16 for the tensor cores).
+pub fn residual_reference(
+    inputs: &Residual,
+    (tokens, n, k): (usize, usize, usize),
+    round: fn(f32) -> f32,
+    offset: f32,
+    eps: f32,
+) -> Vec<f32> {
+    let mut want = Vec::with_capacity(tokens * (k + n));
+    for t in 0..tokens {
+        let a = &inputs.x[t * inputs.strides.0..][..k];
+        let b = &inputs.b[t * inputs.strides.1..][..k];
+        let sum: Vec<f32> = a.iter().zip(b).map(|(a, b)| a + b).collect();
+        let inv = 1.0 / (sum.iter().map(|v| v * v).sum::<f32>() / k as f32 + eps).sqrt();
+        let scaled: Vec<f32> = sum
+            .iter()
+            .zip(&inputs.g)
+            .map(|(v, g)| round(v * (g + offset)))
+            .collect();
+        want.extend(&sum);
+        for r in 0..n {
+            let dot: f32 = scaled
+                .iter()
+                .zip(&inputs.w[r * k..(r + 1) * k])
+                .map(|(a, wv)| a * round(*wv))
+                .sum();
+            want.push(dot * inv);
+        }
+    }
+    want
+}
