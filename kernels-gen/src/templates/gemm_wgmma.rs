@@ -179,24 +179,8 @@ fn store_accumulators(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<St
 /// sum of squares ends in every lane, which keeps its own two.
 fn row_norms(norm: NormPrologue) -> Vec<Stmt> {
     let inv = un(UnOp::Rsqrt, var("sq") / cast(Ty::F32, var("k")) + f(norm.eps));
-    let mut per_row = vec![
-        let_("row", Ty::I32, var("m0") + var("wrow") + var("r")),
-        let_("sq", Ty::F32, f(0.0)),
-        if_(
-            lt(var("row"), var("tokens")),
-            vec![for_(
-                "c",
-                lane(),
-                var("k"),
-                int(32),
-                vec![
-                    let_("xv", Ty::F32, prologue_x(Some(norm), var("row"), var("c"))),
-                    assign("sq", var("sq") + var("xv") * var("xv")),
-                ],
-            )],
-        ),
-    ];
-    per_row.extend(super::warp_sum("sq"));
+    let mut per_row = vec![let_("row", Ty::I32, var("m0") + var("wrow") + var("r"))];
+    per_row.extend(super::warp_sum_of_squares(norm, var("row")));
     per_row.extend([
         if_(eq(var("r"), var("gr")), vec![assign("inv_rms_lo", inv.clone())]),
         if_(eq(var("r"), var("gr") + int(8)), vec![assign("inv_rms_hi", inv)]),

@@ -161,34 +161,37 @@ pub fn tile_norms_array(tile_tokens: i64) -> SharedArray {
     }
 }
 
-/// Under a norm prologue: `inv_rms[j]`, `1/rms` of token `m0 + j` of a `tile_tokens` tile, in
-/// shared memory, then a barrier. Each of the block's `warps` takes as many tokens in turn,
-/// lanes striding along the token's whole row (every K split needs the whole row's norm).
-pub fn tile_norms(norm: gemv::NormPrologue, tile_tokens: i64, warps: i64) -> Vec<Stmt> {
-    let inv = un(UnOp::Rsqrt, var("sq") / cast(Ty::F32, var("k")) + f(norm.eps));
-    let per_warp = tile_tokens / warps;
-    let mut per_token = vec![
-        let_("token", Ty::I32, warp() * int(per_warp) + var("j")),
+/// `sq`, in every lane of the warp: the sum of squares of the row `row` a prologue GEMM
+/// normalises (`x`, or `x + b`), lanes striding along it; zero past `tokens`.
+pub fn warp_sum_of_squares(norm: gemv::NormPrologue, row: Expr) -> Vec<Stmt> {
+    let mut out = vec![
         let_("sq", Ty::F32, f(0.0)),
         if_(
-            lt(var("m0") + var("token"), var("tokens")),
+            lt(row.clone(), var("tokens")),
             vec![for_(
                 "c",
                 lane(),
                 var("k"),
                 int(32),
                 vec![
-                    let_(
-                        "xv",
-                        Ty::F32,
-                        prologue_x(Some(norm), var("m0") + var("token"), var("c")),
-                    ),
+                    let_("xv", Ty::F32, prologue_x(Some(norm), row, var("c"))),
                     assign("sq", var("sq") + var("xv") * var("xv")),
                 ],
             )],
         ),
     ];
-    per_token.extend(warp_sum("sq"));
+    out.extend(warp_sum("sq"));
+    out
+}
+
+/// Under a norm prologue: `inv_rms[j]`, `1/rms` of token `m0 + j` of a `tile_tokens` tile, in
+/// shared memory, then a barrier. Each of the block's `warps` takes as many tokens in turn,
+/// lanes striding along the token's whole row (every K split needs the whole row's norm).
+pub fn tile_norms(norm: gemv::NormPrologue, tile_tokens: i64, warps: i64) -> Vec<Stmt> {
+    let inv = un(UnOp::Rsqrt, var("sq") / cast(Ty::F32, var("k")) + f(norm.eps));
+    let per_warp = tile_tokens / warps;
+    let mut per_token = vec![let_("token", Ty::I32, warp() * int(per_warp) + var("j"))];
+    per_token.extend(warp_sum_of_squares(norm, var("m0") + var("token")));
     per_token.push(if_(eq(lane(), int(0)), vec![store("inv_rms", var("token"), inv)]));
     vec![
         for_("j", int(0), int(per_warp), int(1), per_token),
