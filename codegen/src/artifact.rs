@@ -186,8 +186,9 @@ pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path
 pub const GPU_MAX_TOKENS: usize = 512;
 
 /// `kernels/*.cu`, `kernels/*.ptx` and `kernels/*.cubin` (NVRTC; no spills allowed on the real
-/// architecture: see [`crate::spill_free`]) and the plan (`plan_file`); returns the plan's file name. Each plan's kernels
-/// go to their own directory: names are unique within a plan, not across plans.
+/// architecture: see [`crate::spill_free`]) and the plan (`plan_file`); returns the plan's
+/// file name. Each plan's kernels go to their own directory: names are unique within a plan,
+/// not across plans.
 fn write_gpu_program(
     graph: &Graph,
     target: Target,

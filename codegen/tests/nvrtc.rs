@@ -1,7 +1,7 @@
 //! Every generated kernel compiles with NVRTC for sm_90a, sm_100a and sm_120a with zero spill
 //! bytes, as artifacts build it (`spill_free`: asking ptxas for an occupancy where its own
-//! choice spills). Skipped (with a message) where NVRTC is not installed, unless BBC_REQUIRE_NVRTC is
-//! set, as CI sets it after installing the PyPI wheel.
+//! choice spills). Skipped (with a message) where NVRTC is not installed, unless
+//! BBC_REQUIRE_NVRTC is set, as CI sets it after installing the PyPI wheel.
 
 use codegen::{nvrtc, spill_free};
 use kernels_gen::{cuda, templates};

@@ -23,6 +23,12 @@
 //! 10 KiB of shared memory and 128 threads fit several blocks per SM on each (sm_120a allows
 //! 99 KiB a block, B200 227 KiB), and prefill chunks of up to 512 tokens over 576..4096-row
 //! weights give enough tiles to fill 132-170 SMs.
+//!
+//! Like the Hopper and Blackwell GEMMs it splits K into `splits` spans at few rows (`split_k`)
+//! and takes an RMSNorm prologue (each x times its norm weight as it is staged, after the
+//! residual add under `add_rms_norm_matmul`, whose sums the first weight tile's blocks write;
+//! each token's `1/rms` computed while the first weights travel and applied to the result)
+//! and, over bf16 weights, a GLU epilogue (products through the partials; the reduction gates).
 
 use super::gemv::{self, NormPrologue};
 use super::{quant, split_k};

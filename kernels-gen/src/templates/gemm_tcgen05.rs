@@ -23,6 +23,9 @@
 //! Why this shape: M = 128 is the single-CTA MMA's full height, N = 64 tokens keeps 16-token
 //! prefill steps from wasting more than 4×, and 24 KiB of static shared memory with 64 TMEM
 //! columns leaves room for several blocks per SM.
+//!
+//! Like the Hopper GEMM it splits K into `splits` spans at few rows (`split_k`), and takes an
+//! RMSNorm prologue (perhaps after a residual add) and a GLU epilogue (`gemm_tcgen05_bf16_with`).
 
 use super::gemv::{self, NormPrologue};
 use super::{prologue_gemm_params, split_k};
