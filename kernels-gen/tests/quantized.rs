@@ -97,6 +97,31 @@ fn quantized_tensor_core_gemm_matches_dequantize_then_matmul() {
     }
 }
 
+/// The GEMVs with the residual add and norm before them (`add_rms_norm_matmul` over GGUF
+/// weights at one and a few rows, as plans now fuse GGUF models too): `[x + b | product]` rows.
+#[test]
+fn quantized_gemv_takes_the_residual_norm_prologue() {
+    let norm = NormPrologue::new(1e-6, 1.0).with_residual();
+    let mut rng = common::Rng(43);
+    for format in QUANT_FORMATS {
+        let data = blocks(format);
+        let (be, bb) = block_layout(format).unwrap();
+        let k = 2 * be as usize;
+        let n = data.len() / bb as usize / 2;
+        let tokens = 3;
+        let mut inputs = common::Residual::random(&mut rng, (tokens, n, k), (k, k + 4));
+        ggml(format).dequantize(&data, &mut inputs.w);
+        let want = residual_reference(&inputs, (tokens, n, k), |v| v, 1.0, 1e-6);
+        let decode = GemvSpec::decode(WeightFormat::Blocks(format), k).with_norm(norm);
+        for spec in [decode, decode.prefill(), decode.with_x_vectors().prefill()] {
+            let kernel = gemv("add_norm_gemv_q", "test", spec);
+            let out =
+                try_run_residual_matmul((&kernel, None), &inputs, Array::u8(&data), (tokens, n, k, n), 1).unwrap();
+            close(&out.to_f32().unwrap(), &want, 1e-4, &format!("{format} {spec:?}"));
+        }
+    }
+}
+
 /// The decoding GEMM with the residual add and norm before it (`add_rms_norm_matmul` over GGUF
 /// weights at many rows): `[x + b | product]` rows, in one piece and with K split.
 #[test]
