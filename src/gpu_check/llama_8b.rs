@@ -249,6 +249,9 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
         ]
         .concat();
         let mut device = CudaDevice::compile(&[kernels.clone(), fill_kernels()].concat(), arch)?;
+        // Each kernel's own time, as the first run measured it: with programmatic launches the
+        // repeated launches would overlap (what they gain is the decode section's to show).
+        device.set_programmatic_launch(false);
         // Random weights and activations (never zeros: they can run faster than real data).
         let w = device.alloc(n * k * 2)?;
         fill_on_device(&mut device, &w, 0, n * k, Ty::Bf16, Fill::of(1, name, &[n, k]))?;
