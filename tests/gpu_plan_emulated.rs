@@ -1,5 +1,5 @@
-//! The GPU plan, run without a GPU: the tiny random Llama and Gemma 3 models compiled for each
-//! GPU target, their plans executed by the same executor the CUDA backend uses, on the
+//! The GPU plan, run without a GPU: the tiny random Llama and Gemma 3 models (and a tiny Llama
+//! with GGUF-block weights) compiled for each GPU target, their plans executed by the same executor the CUDA backend uses, on the
 //! kernels-gen emulator, agree with the CPU backend step by step: a prefill long enough for the
 //! prefill kernels (the tensor-core GEMM for bf16 weights), one short enough for the decode
 //! kernels, then decode steps over the KV cache. Every buffer offset, view, scalar and launch
@@ -39,6 +39,16 @@ fn relative_error(got: &[f32], want: &[f32]) -> f32 {
 
 fn check(family: &str, dtype: ComputeDtype, target: Target) {
     let model = open(family, dtype);
+    // The tensor-core GEMM rounds activations to bf16; every other kernel computes in f32.
+    let prefill_tolerance: f32 = if dtype == ComputeDtype::Bf16 { 2e-2 } else { 1e-4 };
+    check_against(family, &model, &model, target, prefill_tolerance);
+}
+
+/// `model`'s plan for `target` on the emulator against the CPU backend running `reference`
+/// (the same model, or its weights dequantized), step by step; logits within
+/// `prefill_tolerance` after a prefill through the tensor-core GEMM, within 1e-4 otherwise.
+fn check_against(family: &str, model: &Model, reference: &Model, target: Target, prefill_tolerance: f32) {
+    let dtype = model.spec.dtype;
     let graph = model.lower(LogitsFor::LastToken).unwrap();
     let context = model.config.context_length.min(256);
     let gpu_graph = fused_for(&graph, target);
@@ -57,10 +67,9 @@ fn check(family: &str, dtype: ComputeDtype, target: Target) {
         assert_eq!(special, expected, "{family} on {}", target.name());
     }
     let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], context).unwrap();
-    let cpu_graph = passes::optimized(&graph, passes::CostModel::CPU).unwrap();
-    let cpu = CpuBackend::new(cpu_graph, &model.weights, context).unwrap();
-    // The tensor-core GEMM rounds activations to bf16; every other kernel computes in f32.
-    let prefill_tolerance: f32 = if dtype == ComputeDtype::Bf16 { 2e-2 } else { 1e-4 };
+    let reference_graph = reference.lower(LogitsFor::LastToken).unwrap();
+    let cpu_graph = passes::optimized(&reference_graph, passes::CostModel::CPU).unwrap();
+    let cpu = CpuBackend::new(cpu_graph, &reference.weights, context).unwrap();
     for prompt_len in [PREFILL_TOKENS + 3, 5] {
         let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| (7 + 13 * i) % 300).collect();
         let (mut g, mut c) = (gpu.new_sequence(), cpu.new_sequence());
@@ -108,6 +117,117 @@ fn tiny_gemma3_plans_agree_with_the_cpu_backend() {
         check("gemma3", ComputeDtype::F32, target);
     }
     check("gemma3", ComputeDtype::Bf16, Target::H200);
+}
+
+/// A tiny Llama as a GGUF file with GGUF-block weights (Q8_0 attention and embedding, Q4_0
+/// MLP; random blocks, deterministic), norms in f32, no tokenizer: what a GGUF model's GPU
+/// plans run (the quantized GEMVs and embedding, the decoding `mma.sync` GEMM, with norm and
+/// residual prologues fused into them). Returns the file's path.
+fn tiny_quantized_llama() -> PathBuf {
+    use models::gguf::writer::GgufWriter;
+    use models::gguf::MetaValue;
+    let (hidden, ffn, layers, vocab) = (64u64, 160u64, 3, 320u64);
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    // Blocks of 32 weights: an f16 scale of about 0.004 (Q8_0) or 0.03 (Q4_0), random values.
+    let mut q8_0 = |rows: u64, cols: u64| -> Vec<u8> {
+        let scale = half::f16::from_f32(0.004).to_le_bytes();
+        (0..rows * cols / 32)
+            .flat_map(|_| {
+                scale
+                    .into_iter()
+                    .chain((0..32).map(|_| next() as u8))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let mut seed4 = 0x9e37_79b9_7f4a_7c15u64;
+    let mut q4_0 = |rows: u64, cols: u64| -> Vec<u8> {
+        let scale = half::f16::from_f32(0.03).to_le_bytes();
+        (0..rows * cols / 32)
+            .flat_map(|_| {
+                seed4 = seed4
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let bytes = seed4.to_le_bytes();
+                scale
+                    .into_iter()
+                    .chain(bytes.into_iter().cycle().take(16).enumerate().map(|(i, b)| b ^ i as u8))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let norm = |len: u64| -> Vec<u8> {
+        (0..len)
+            .flat_map(|i| (1.0f32 + 0.01 * (i % 7) as f32).to_le_bytes())
+            .collect()
+    };
+    let (f32_id, q4_0_id, q8_0_id) = (0, 2, 8);
+    let meta = |k: &str| format!("llama.{k}");
+    let mut file = GgufWriter::new()
+        .meta("general.architecture", MetaValue::String("llama".into()))
+        .meta(&meta("embedding_length"), MetaValue::U32(hidden as u32))
+        .meta(&meta("feed_forward_length"), MetaValue::U32(ffn as u32))
+        .meta(&meta("block_count"), MetaValue::U32(layers))
+        .meta(&meta("attention.head_count"), MetaValue::U32(4))
+        .meta(&meta("attention.head_count_kv"), MetaValue::U32(2))
+        .meta(&meta("attention.layer_norm_rms_epsilon"), MetaValue::F32(1e-5))
+        .meta(&meta("context_length"), MetaValue::U32(256))
+        .meta(&meta("vocab_size"), MetaValue::U32(vocab as u32))
+        .meta(&meta("rope.freq_base"), MetaValue::F32(10_000.0))
+        .tensor("token_embd.weight", &[hidden, vocab], q8_0_id, q8_0(vocab, hidden))
+        .tensor("output_norm.weight", &[hidden], f32_id, norm(hidden));
+    for l in 0..layers {
+        let t = |name: &str| format!("blk.{l}.{name}.weight");
+        file = file
+            .tensor(&t("attn_norm"), &[hidden], f32_id, norm(hidden))
+            .tensor(&t("attn_q"), &[hidden, hidden], q8_0_id, q8_0(hidden, hidden))
+            .tensor(&t("attn_k"), &[hidden, 32], q8_0_id, q8_0(32, hidden))
+            .tensor(&t("attn_v"), &[hidden, 32], q8_0_id, q8_0(32, hidden))
+            .tensor(&t("attn_output"), &[hidden, hidden], q8_0_id, q8_0(hidden, hidden))
+            .tensor(&t("ffn_norm"), &[hidden], f32_id, norm(hidden))
+            .tensor(&t("ffn_gate"), &[hidden, ffn], q4_0_id, q4_0(ffn, hidden))
+            .tensor(&t("ffn_up"), &[hidden, ffn], q4_0_id, q4_0(ffn, hidden))
+            .tensor(&t("ffn_down"), &[ffn, hidden], q4_0_id, q4_0(hidden, ffn));
+    }
+    let path = std::env::temp_dir().join(format!("bbc-tiny-quantized-llama-{}.gguf", std::process::id()));
+    std::fs::write(&path, file.to_bytes()).unwrap();
+    path
+}
+
+/// A GGUF model's plans (weights kept in their blocks; norms and residual adds fused into the
+/// matmuls on every GPU target) against the CPU backend on the same file dequantized to f32:
+/// the GEMVs decode blocks exactly (1e-4); a prefill through the decoding tensor-core GEMM
+/// rounds weights and activations to bf16 (2e-2).
+#[test]
+fn tiny_quantized_llama_plans_agree_with_the_cpu_backend() {
+    let path = tiny_quantized_llama();
+    let open = |dtype| {
+        let mut spec = ModelSpec::for_weights(&path);
+        spec.dtype = dtype;
+        Model::open(spec).unwrap()
+    };
+    let (native, dequantized) = (open(ComputeDtype::Native), open(ComputeDtype::F32));
+    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+        let fused = fused_for(&native.lower(LogitsFor::LastToken).unwrap(), target);
+        let fused_norms = fused
+            .nodes()
+            .iter()
+            .filter(|n| matches!(n.op, ir::Op::AddRmsNormMatMul { .. } | ir::Op::RmsNormMatMul { .. }))
+            .count();
+        assert!(
+            fused_norms >= 2 * 3,
+            "{}: {fused_norms} norm-fused matmuls",
+            target.name()
+        );
+        check_against("quantized llama", &native, &dequantized, target, 2e-2);
+    }
+    let _ = std::fs::remove_file(&path);
 }
 
 /// The greedy plan's `next_token` at every step equals the argmax of the CPU logits.
