@@ -6,5 +6,6 @@ pub mod commands;
 pub mod fetch;
 pub mod gpu_check;
 pub mod model_ref;
+pub mod report;
 pub mod serve;
 pub mod verify;

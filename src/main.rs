@@ -63,7 +63,7 @@ enum Command {
 
 fn main() {
     if let Err(e) = run(Cli::parse()) {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", bbc::report::error_report(&e));
         std::process::exit(1);
     }
 }

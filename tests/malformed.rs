@@ -135,6 +135,20 @@ fn bad_cli_input_is_an_error() {
     }
 }
 
+/// An artifact directory that cannot be made (its parent is a file): the OS's reason, said
+/// once after the path.
+#[test]
+fn an_output_that_cannot_be_written_is_named_once() {
+    let file = temp("not-a-directory", b"x");
+    let out = file.join("artifact");
+    let model = real_model("smollm2");
+    let (ok, stderr) = bbc(&["compile", model.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert!(!ok);
+    let reason = "Not a directory";
+    assert!(stderr.contains(out.to_str().unwrap()), "{stderr}");
+    assert_eq!(stderr.matches(reason).count(), 1, "{stderr}");
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(300))]
 

@@ -85,7 +85,7 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
             Section::Decode => llama_8b::decode(target, arch, bandwidth, args.decode_prefill_chunk),
         };
         if let Err(e) = result {
-            println!("\n{section:?} FAILED: {e:#}");
+            println!("\n{section:?} FAILED: {}", crate::report::error_report(&e));
             failures.push(format!("{section:?}"));
         }
     }

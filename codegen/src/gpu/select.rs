@@ -41,7 +41,10 @@ fn weight_format(dtype: DType, node: usize, op: &'static str) -> Result<WeightFo
     WeightFormat::of(dtype).ok_or_else(|| GpuCodegenError::Unsupported {
         node,
         op,
-        what: format!("{dtype} weights have no GPU template"),
+        what: format!(
+            "{dtype} weights have no GPU template; compile them converted: `dtype = \"bf16\"` (or \"f32\") \
+             under [model] in a model.toml"
+        ),
     })
 }
 
