@@ -116,7 +116,9 @@ fn tiny_gemma3_plans_agree_with_the_cpu_backend() {
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
         check("gemma3", ComputeDtype::F32, target);
     }
-    check("gemma3", ComputeDtype::Bf16, Target::H200);
+    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+        check("gemma3", ComputeDtype::Bf16, target);
+    }
 }
 
 /// A tiny Llama as a GGUF file with GGUF-block weights (Q8_0 attention and embedding, Q4_0
