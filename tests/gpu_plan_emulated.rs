@@ -121,56 +121,73 @@ fn tiny_gemma3_plans_agree_with_the_cpu_backend() {
     }
 }
 
-/// A tiny Llama as a GGUF file with GGUF-block weights (Q8_0 attention and embedding, Q4_0
-/// MLP; random blocks, deterministic), norms in f32, no tokenizer: what a GGUF model's GPU
-/// plans run (the quantized GEMVs and embedding, the decoding `mma.sync` GEMM, with norm and
-/// residual prologues fused into them). Returns the file's path.
-fn tiny_quantized_llama() -> PathBuf {
+/// Random bytes, deterministic (xorshift).
+struct Bytes(u64);
+
+impl Bytes {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// Makes a matrix of `rows` × `cols` weights as a GGUF tensor: its GGML type id and bytes.
+type MakeMatrix = dyn FnMut(&mut Bytes, u64, u64) -> (u32, Vec<u8>);
+type Matrix<'a> = &'a mut MakeMatrix;
+
+/// Q8_0 blocks: an f16 scale of 0.001 and 32 random values.
+fn q8_0(bytes: &mut Bytes, rows: u64, cols: u64) -> (u32, Vec<u8>) {
+    let scale = half::f16::from_f32(0.001).to_le_bytes();
+    let data = (0..rows * cols / 32)
+        .flat_map(|_| {
+            scale
+                .into_iter()
+                .chain((0..32).map(|_| bytes.next() as u8))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    (8, data)
+}
+
+/// Q4_0 blocks: an f16 scale of 0.01 and 32 random nibbles.
+fn q4_0(bytes: &mut Bytes, rows: u64, cols: u64) -> (u32, Vec<u8>) {
+    let scale = half::f16::from_f32(0.01).to_le_bytes();
+    let data = (0..rows * cols / 32)
+        .flat_map(|_| {
+            scale
+                .into_iter()
+                .chain((0..16).map(|_| bytes.next() as u8))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    (2, data)
+}
+
+/// IEEE half values within ±0.25.
+fn f16_values(bytes: &mut Bytes, rows: u64, cols: u64) -> (u32, Vec<u8>) {
+    let data = (0..rows * cols)
+        .flat_map(|_| half::f16::from_f32((bytes.next() % 1001) as f32 / 2000.0 - 0.25).to_le_bytes())
+        .collect();
+    (1, data)
+}
+
+/// A tiny Llama (3 layers, hidden 64, MLP 160, 320 tokens) as a GGUF file, no tokenizer, norms
+/// in f32: attention matrices and the embedding made by `attention`, the MLP's by `mlp`. Returns
+/// the file's path (`name` in it).
+fn tiny_gguf_llama(name: &str, attention: Matrix, mlp: Matrix) -> PathBuf {
     use models::gguf::writer::GgufWriter;
     use models::gguf::MetaValue;
     let (hidden, ffn, layers, vocab) = (64u64, 160u64, 3, 320u64);
-    let mut seed = 0x2545_f491_4f6c_dd1du64;
-    let mut next = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
-    // Blocks of 32 weights: an f16 scale of about 0.004 (Q8_0) or 0.03 (Q4_0), random values.
-    let mut q8_0 = |rows: u64, cols: u64| -> Vec<u8> {
-        let scale = half::f16::from_f32(0.004).to_le_bytes();
-        (0..rows * cols / 32)
-            .flat_map(|_| {
-                scale
-                    .into_iter()
-                    .chain((0..32).map(|_| next() as u8))
-                    .collect::<Vec<_>>()
-            })
-            .collect()
-    };
-    let mut seed4 = 0x9e37_79b9_7f4a_7c15u64;
-    let mut q4_0 = |rows: u64, cols: u64| -> Vec<u8> {
-        let scale = half::f16::from_f32(0.03).to_le_bytes();
-        (0..rows * cols / 32)
-            .flat_map(|_| {
-                seed4 = seed4
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                let bytes = seed4.to_le_bytes();
-                scale
-                    .into_iter()
-                    .chain(bytes.into_iter().cycle().take(16).enumerate().map(|(i, b)| b ^ i as u8))
-                    .collect::<Vec<_>>()
-            })
-            .collect()
-    };
+    let mut bytes = Bytes(0x2545_f491_4f6c_dd1d);
     let norm = |len: u64| -> Vec<u8> {
         (0..len)
             .flat_map(|i| (1.0f32 + 0.01 * (i % 7) as f32).to_le_bytes())
             .collect()
     };
-    let (f32_id, q4_0_id, q8_0_id) = (0, 2, 8);
     let meta = |k: &str| format!("llama.{k}");
+    let (embedding_type, embedding) = attention(&mut bytes, vocab, hidden);
     let mut file = GgufWriter::new()
         .meta("general.architecture", MetaValue::String("llama".into()))
         .meta(&meta("embedding_length"), MetaValue::U32(hidden as u32))
@@ -182,35 +199,39 @@ fn tiny_quantized_llama() -> PathBuf {
         .meta(&meta("context_length"), MetaValue::U32(256))
         .meta(&meta("vocab_size"), MetaValue::U32(vocab as u32))
         .meta(&meta("rope.freq_base"), MetaValue::F32(10_000.0))
-        .tensor("token_embd.weight", &[hidden, vocab], q8_0_id, q8_0(vocab, hidden))
-        .tensor("output_norm.weight", &[hidden], f32_id, norm(hidden));
+        .tensor("token_embd.weight", &[hidden, vocab], embedding_type, embedding)
+        .tensor("output_norm.weight", &[hidden], 0, norm(hidden));
     for l in 0..layers {
         let t = |name: &str| format!("blk.{l}.{name}.weight");
-        file = file
-            .tensor(&t("attn_norm"), &[hidden], f32_id, norm(hidden))
-            .tensor(&t("attn_q"), &[hidden, hidden], q8_0_id, q8_0(hidden, hidden))
-            .tensor(&t("attn_k"), &[hidden, 32], q8_0_id, q8_0(32, hidden))
-            .tensor(&t("attn_v"), &[hidden, 32], q8_0_id, q8_0(32, hidden))
-            .tensor(&t("attn_output"), &[hidden, hidden], q8_0_id, q8_0(hidden, hidden))
-            .tensor(&t("ffn_norm"), &[hidden], f32_id, norm(hidden))
-            .tensor(&t("ffn_gate"), &[hidden, ffn], q4_0_id, q4_0(ffn, hidden))
-            .tensor(&t("ffn_up"), &[hidden, ffn], q4_0_id, q4_0(ffn, hidden))
-            .tensor(&t("ffn_down"), &[ffn, hidden], q4_0_id, q4_0(hidden, ffn));
+        // (name, rows, cols, from the attention's maker or the MLP's)
+        let matrices = [
+            ("attn_q", hidden, hidden, true),
+            ("attn_k", 32, hidden, true),
+            ("attn_v", 32, hidden, true),
+            ("attn_output", hidden, hidden, true),
+            ("ffn_gate", ffn, hidden, false),
+            ("ffn_up", ffn, hidden, false),
+            ("ffn_down", hidden, ffn, false),
+        ];
+        file =
+            file.tensor(&t("attn_norm"), &[hidden], 0, norm(hidden))
+                .tensor(&t("ffn_norm"), &[hidden], 0, norm(hidden));
+        for (name, rows, cols, is_attention) in matrices {
+            let make: &mut MakeMatrix = if is_attention { &mut *attention } else { &mut *mlp };
+            let (type_id, data) = make(&mut bytes, rows, cols);
+            file = file.tensor(&t(name), &[cols, rows], type_id, data);
+        }
     }
-    let path = std::env::temp_dir().join(format!("bbc-tiny-quantized-llama-{}.gguf", std::process::id()));
+    let path = std::env::temp_dir().join(format!("bbc-{name}-{}.gguf", std::process::id()));
     std::fs::write(&path, file.to_bytes()).unwrap();
     path
 }
 
-/// A GGUF model's plans (weights kept in their blocks; norms and residual adds fused into the
-/// matmuls on every GPU target) against the CPU backend on the same file dequantized to f32:
-/// the GEMVs decode blocks exactly (1e-4); a prefill through the decoding tensor-core GEMM
-/// rounds weights and activations to bf16 (2e-2).
-#[test]
-fn tiny_quantized_llama_plans_agree_with_the_cpu_backend() {
-    let path = tiny_quantized_llama();
+/// The plans of the GGUF model at `path` against the CPU backend on the same file dequantized
+/// to f32, on every GPU target, norms fused into the matmuls there.
+fn check_gguf(name: &str, path: &std::path::Path) {
     let open = |dtype| {
-        let mut spec = ModelSpec::for_weights(&path);
+        let mut spec = ModelSpec::for_weights(path);
         spec.dtype = dtype;
         Model::open(spec).unwrap()
     };
@@ -224,11 +245,30 @@ fn tiny_quantized_llama_plans_agree_with_the_cpu_backend() {
             .count();
         assert!(
             fused_norms >= 2 * 3,
-            "{}: {fused_norms} norm-fused matmuls",
+            "{name} on {}: {fused_norms} norm-fused matmuls",
             target.name()
         );
-        check_against("quantized llama", &native, &dequantized, target, 2e-2);
+        check_against(name, &native, &dequantized, target, 2e-2);
     }
+}
+
+/// A GGUF model's plans (weights kept in their blocks, Q8_0 attention and embedding, Q4_0
+/// MLP; norms and residual adds fused into the matmuls on every GPU target) against the CPU
+/// backend on the same file dequantized to f32: the GEMVs decode blocks exactly (1e-4); a
+/// prefill through the decoding tensor-core GEMM rounds weights and activations to bf16 (2e-2).
+#[test]
+fn tiny_quantized_llama_plans_agree_with_the_cpu_backend() {
+    let path = tiny_gguf_llama("tiny-quantized-llama", &mut q8_0, &mut q4_0);
+    check_gguf("quantized llama", &path);
+    let _ = std::fs::remove_file(&path);
+}
+
+/// An f16 model's plans (IEEE half weights: read exactly by the GEMVs, rounded to bf16 in the
+/// `mma.sync` GEMM's tile) against the CPU backend on the same file in f32.
+#[test]
+fn tiny_f16_llama_plans_agree_with_the_cpu_backend() {
+    let path = tiny_gguf_llama("tiny-f16-llama", &mut f16_values, &mut f16_values);
+    check_gguf("f16 llama", &path);
     let _ = std::fs::remove_file(&path);
 }
 

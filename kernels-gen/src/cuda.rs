@@ -21,12 +21,12 @@ static __device__ __forceinline__ unsigned int bbc_pack_bf16x2(float lo, float h
 }
 "#;
 
-const F16_HELPER: &str = r#"// IEEE half (as 16 bits) -> f32, subnormals, infinities and NaN included.
+const F16_HELPER: &str = r#"// IEEE half (the low 16 bits) -> f32: one exact conversion instruction, subnormals, infinities
+// and NaN included (half weights convert 8 to a 16-byte load inside the GEMV's loop).
 static __device__ __forceinline__ float bbc_f16_to_f32(unsigned int h) {
-    unsigned int sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
-    if (exp == 0) { float v = (float)mant * 5.9604644775390625e-8f; return sign ? -v : v; }
-    if (exp == 31) return __uint_as_float(sign | 0x7f800000u | (mant << 13));
-    return __uint_as_float(sign | ((exp + 112u) << 23) | (mant << 13));
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((unsigned short)h));
+    return f;
 }
 "#;
 
@@ -124,7 +124,7 @@ pub fn emit(kernel: &Kernel) -> String {
     if uses_bf16(kernel) {
         let _ = writeln!(out, "{BF16_HELPERS}");
     }
-    if uses_op(&kernel.body, UnOp::HalfToFloat) {
+    if uses_op(&kernel.body, UnOp::HalfToFloat) || has_buffer_of(kernel, Ty::F16) {
         let _ = writeln!(out, "{F16_HELPER}");
     }
     let copies_async = any_stmt(&kernel.body, &|s| matches!(s, Stmt::CpAsync(_)));
@@ -248,11 +248,15 @@ fn any_stmt(body: &[Stmt], pred: &dyn Fn(&Stmt) -> bool) -> bool {
     })
 }
 
-fn uses_bf16(kernel: &Kernel) -> bool {
+fn has_buffer_of(kernel: &Kernel, element: Ty) -> bool {
     kernel
         .params
         .iter()
-        .any(|p| matches!(p, Param::Buffer { ty: Ty::Bf16, .. }))
+        .any(|p| matches!(p, Param::Buffer { ty, .. } if *ty == element))
+}
+
+fn uses_bf16(kernel: &Kernel) -> bool {
+    has_buffer_of(kernel, Ty::Bf16)
         || kernel.shared.iter().any(|a| a.ty == Ty::Bf16)
         || any_stmt(&kernel.body, &|s| matches!(s, Stmt::MmaBf16(_) | Stmt::Wgmma(_)))
 }
@@ -503,13 +507,14 @@ fn tcgen05(out: &mut String, op: &Tcgen05, scope: &mut Scope, depth: usize) {
 }
 
 /// One aligned 4/8/16-byte load into a CUDA vector, then its lanes as f32 locals (a bf16 is
-/// the top half of an f32: the low element shifted up, the high one masked).
+/// the top half of an f32: the low element shifted up, the high one masked; an IEEE half
+/// goes through `bbc_f16_to_f32`).
 fn vector_load(out: &mut String, buf: &str, index: &str, names: &[String], scope: &mut Scope, depth: usize) {
     let ty = scope.arrays[buf].0;
     let (vector, parts): (&str, &[&str]) = match (ty, names.len()) {
-        (Ty::Bf16, 2) => ("unsigned int", &[""]),
-        (Ty::Bf16, 4) => ("uint2", &[".x", ".y"]),
-        (Ty::Bf16, _) => ("uint4", &[".x", ".y", ".z", ".w"]),
+        (Ty::Bf16 | Ty::F16, 2) => ("unsigned int", &[""]),
+        (Ty::Bf16 | Ty::F16, 4) => ("uint2", &[".x", ".y"]),
+        (Ty::Bf16 | Ty::F16, _) => ("uint4", &[".x", ".y", ".z", ".w"]),
         (_, 2) => ("float2", &[".x", ".y"]),
         _ => ("float4", &[".x", ".y", ".z", ".w"]),
     };
@@ -524,6 +529,8 @@ fn vector_load(out: &mut String, buf: &str, index: &str, names: &[String], scope
         let value = match ty {
             Ty::Bf16 if j % 2 == 0 => format!("__uint_as_float({v}{} << 16)", parts[j / 2]),
             Ty::Bf16 => format!("__uint_as_float({v}{} & 0xffff0000u)", parts[j / 2]),
+            Ty::F16 if j % 2 == 0 => format!("bbc_f16_to_f32({v}{} & 0xffffu)", parts[j / 2]),
+            Ty::F16 => format!("bbc_f16_to_f32({v}{} >> 16)", parts[j / 2]),
             _ => format!("{v}{}", parts[j]),
         };
         let _ = writeln!(out, "float {name} = {value};");
@@ -563,6 +570,7 @@ fn expr(e: &Expr, scope: &Scope) -> String {
             let i = expr(index, scope);
             match scope.arrays.get(buf).map(|a| a.0) {
                 Some(Ty::Bf16) => format!("bbc_bf16_to_f32({buf}[{i}])"),
+                Some(Ty::F16) => format!("bbc_f16_to_f32({buf}[{i}])"),
                 Some(Ty::I8 | Ty::U8) => format!("(int){buf}[{i}]"),
                 _ => format!("{buf}[{i}]"),
             }

@@ -4,11 +4,14 @@
 
 use std::fmt;
 
-/// Element and value types. `Bf16` values are stored as 16-bit patterns and computed in f32.
+/// Element and value types. `Bf16` and `F16` (IEEE half) values are stored as 16-bit patterns
+/// and computed in f32; `F16` is for weights only (read, never written: the type check refuses
+/// stores).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Ty {
     F32,
     Bf16,
+    F16,
     I32,
     U32,
     I8,
@@ -21,15 +24,15 @@ impl Ty {
     pub fn bytes(self) -> usize {
         match self {
             Ty::F32 | Ty::I32 | Ty::U32 => 4,
-            Ty::Bf16 => 2,
+            Ty::Bf16 | Ty::F16 => 2,
             Ty::I8 | Ty::U8 | Ty::Bool => 1,
         }
     }
 
-    /// The type a loaded element computes in (bf16 widens to f32, small ints to i32).
+    /// The type a loaded element computes in (16-bit floats widen to f32, small ints to i32).
     pub fn compute(self) -> Ty {
         match self {
-            Ty::Bf16 => Ty::F32,
+            Ty::Bf16 | Ty::F16 => Ty::F32,
             Ty::I8 | Ty::U8 => Ty::I32,
             t => t,
         }
@@ -496,7 +499,7 @@ impl fmt::Display for Ty {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Ty::F32 => "float",
-            Ty::Bf16 => "unsigned short",
+            Ty::Bf16 | Ty::F16 => "unsigned short",
             Ty::I32 => "int",
             Ty::U32 => "unsigned int",
             Ty::I8 => "signed char",

@@ -191,6 +191,10 @@ fn check_block_declaring<'a>(
                 if !writable {
                     return Err(format!("`{buf}` is read-only"));
                 }
+                if ty == Ty::F16 {
+                    // Weights only: the emitter has no f32 -> half rounding.
+                    return Err(format!("a store into f16 `{buf}`"));
+                }
                 scope.int(index)?;
                 let got = scope.type_of(value)?;
                 if got != ty.compute() {
@@ -264,7 +268,7 @@ fn check_block_declaring<'a>(
                     .get(buf)
                     .ok_or_else(|| format!("`{buf}` is not an array"))?;
                 let widths: &[usize] = match ty {
-                    Ty::Bf16 => &[2, 4, 8],
+                    Ty::Bf16 | Ty::F16 => &[2, 4, 8],
                     Ty::F32 => &[2, 4],
                     _ => &[],
                 };

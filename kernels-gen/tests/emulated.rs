@@ -818,6 +818,77 @@ fn prologue_gemms(norm: Option<gemv::NormPrologue>, glu: Option<GluAct>) -> [Ker
     ]
 }
 
+/// IEEE half weights (f16 models): the decode GEMVs (one token a pass, four, vector loads of
+/// activations; with the residual norm prologue and the GLU epilogue) read them exactly; the
+/// `mma.sync` GEMM rounds them to bf16 in its tile, like its activations, in one piece and
+/// with K split.
+#[test]
+fn half_weights_match_the_reference() {
+    let mut rng = Rng(47);
+    let half = |v: &[f32]| v.iter().map(|&x| half::f16::from_f32(x)).collect::<Vec<_>>();
+    let exact = |v: &[f32]| half(v).iter().map(|h| h.to_f32()).collect::<Vec<_>>();
+    let norm = gemv::NormPrologue::new(1e-6, 1.0).with_residual();
+    for (tokens, n, k) in [(1, 20, 64), (5, 16, 136)] {
+        let mut inputs = Residual::random(&mut rng, (tokens, n, k), (k, k + 4));
+        inputs.w = exact(&inputs.w);
+        let w = Array::f16(&half(&inputs.w));
+        // Plain GEMV against the dot of the half values.
+        let mut plain = vec![0f32; tokens * n];
+        ops::matmul(&inputs.x, &inputs.w, k, &mut plain);
+        let decode = GemvSpec::decode(quant::WeightFormat::Dense(Ty::F16), k);
+        for spec in [decode, decode.prefill(), decode.with_x_vectors()] {
+            let out = run_gemv(
+                &gemv::gemv("gemv_f16", "test", spec),
+                &inputs.x,
+                w.clone(),
+                (tokens, n, k, k),
+            );
+            close(
+                &out.to_f32().unwrap(),
+                &plain,
+                1e-5,
+                &format!("{tokens}×{n}×{k} {spec:?}"),
+            );
+        }
+        // The residual norm prologue, and the GLU epilogue after it.
+        let want = residual_reference(&inputs, (tokens, n, k), |v| v, 1.0, 1e-6);
+        let act = GluAct::Silu;
+        let gated = residual_glu_reference(&want, (tokens, n, k), act);
+        for spec in [decode.with_norm(norm), decode.with_norm(norm).prefill()] {
+            let kernel = gemv::gemv("norm_gemv_f16", "test", spec);
+            let out = try_run_residual_matmul((&kernel, None), &inputs, w.clone(), (tokens, n, k, n), 1).unwrap();
+            close(&out.to_f32().unwrap(), &want, 1e-5, &format!("{spec:?}"));
+            let kernel = gemv::gemv("glu_gemv_f16", "test", spec.with_glu(act));
+            let out = try_run_residual_matmul((&kernel, None), &inputs, w.clone(), (tokens, n, k, n / 2), 1).unwrap();
+            close(&out.to_f32().unwrap(), &gated, 1e-5, &format!("{spec:?} with the GLU"));
+        }
+    }
+    // The GEMM: weights and activations rounded to bf16 in the tile.
+    let gemm = gemm_mma::gemm_mma_with(
+        "gemm_f16",
+        "test",
+        gemm_mma::WeightStaging::HalfWeights,
+        Some(norm),
+        None,
+    );
+    let reduce = split_k::reduce("reduce", "test", 16, None);
+    let (tokens, n, k) = (20, 70, 136);
+    let mut inputs = Residual::random(&mut rng, (tokens, n, k), (k + 3, k));
+    inputs.w = exact(&inputs.w);
+    let round = |v: f32| bf16::from_f32(v).to_f32();
+    let want = residual_reference(&inputs, (tokens, n, k), round, 1.0, 1e-6);
+    for splits in [1, 3] {
+        let w = Array::f16(&half(&inputs.w));
+        let out = try_run_residual_matmul((&gemm, Some(&reduce)), &inputs, w, (tokens, n, k, n), splits).unwrap();
+        close(
+            &out.to_f32().unwrap(),
+            &want,
+            1e-5,
+            &format!("f16 gemm, {splits} splits"),
+        );
+    }
+}
+
 /// Run a prefill GEMM kernel on `(tokens, n, k)` shapes with activations `pad` columns wider
 /// than `k` and compare with the reference on bf16-rounded inputs.
 fn gemm_matches_reference(kernel: &Kernel, shapes: &[(usize, usize, usize)], pad: usize, seed: u64) {

@@ -71,10 +71,11 @@ impl CostModel {
 }
 
 /// Every weight type with GPU templates: each prefill GEMM (`wgmma`, `tcgen05`, `mma.sync`
-/// with bf16 or decoded GGUF weights) has the norm prologue, and f32 weights prefill on the
-/// GEMV, which has it too.
+/// with bf16, half or decoded GGUF weights) has the norm prologue, and f32 weights prefill on
+/// the GEMV, which has it too.
 const GPU_PROLOGUE_WEIGHTS: &[DType] = &[
     DType::BF16,
+    DType::F16,
     DType::F32,
     DType::Q4_0,
     DType::Q4_1,
@@ -88,7 +89,7 @@ const GPU_PROLOGUE_WEIGHTS: &[DType] = &[
 
 /// Weight types a matmul can take a GLU epilogue over: the decode GEMV pairs a gate row with
 /// its up row of dense weights; there is no such kernel over GGUF blocks.
-pub const GLU_EPILOGUE_WEIGHTS: &[DType] = &[DType::BF16, DType::F32];
+pub const GLU_EPILOGUE_WEIGHTS: &[DType] = &[DType::BF16, DType::F16, DType::F32];
 
 const DECODE_TOKENS: usize = 1;
 const DECODE_KV_LEN: usize = 512;

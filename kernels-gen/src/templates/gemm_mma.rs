@@ -85,6 +85,9 @@ fn element_of(src: &'static str, row_stride: Expr) -> impl Fn(Expr, Expr, &str) 
 pub enum WeightStaging {
     /// bf16 weights loaded and stored by each thread, one buffer: any `k`.
     Registers,
+    /// IEEE half weights, as `Registers`, rounded to bf16 on their way into the tile (as
+    /// decoded GGUF blocks are).
+    HalfWeights,
     /// bf16 weights by `cp.async` into two buffers, the next step's copy overlapping this
     /// step's MMAs: `k` a multiple of 8 (each 16-byte copy wholly inside one aligned row).
     CpAsync,
@@ -245,7 +248,7 @@ pub fn gemm_mma_with(
         .concat()
     };
     let (prologue, k_step, buffers) = match staging {
-        WeightStaging::Registers | WeightStaging::Dequantize(_) => (
+        WeightStaging::Registers | WeightStaging::HalfWeights | WeightStaging::Dequantize(_) => (
             vec![],
             [
                 activations.clone(),
@@ -309,6 +312,7 @@ pub fn gemm_mma_with(
     };
     let (weights, weight_ty) = match staging {
         WeightStaging::Registers => (String::new(), Ty::Bf16),
+        WeightStaging::HalfWeights => (", f16 weights rounded to bf16 into the tile".into(), Ty::F16),
         WeightStaging::CpAsync => (", weights through a 2-stage cp.async pipeline".into(), Ty::Bf16),
         WeightStaging::Dequantize(format) => (format!(", {format} weights decoded into the tile"), Ty::U8),
     };

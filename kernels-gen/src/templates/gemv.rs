@@ -125,7 +125,7 @@ impl GemvSpec {
     /// the rows allow them.
     pub fn decode(weight: WeightFormat, k: usize) -> Self {
         let vector = match weight {
-            WeightFormat::Dense(Ty::Bf16) => 8,
+            WeightFormat::Dense(Ty::Bf16 | Ty::F16) => 8,
             WeightFormat::Dense(Ty::F32) => 4,
             WeightFormat::Blocks(format)
                 if super::quant::decodes_whole_blocks(format) || super::quant::decodes_sub_blocks(format) =>

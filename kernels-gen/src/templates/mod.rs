@@ -25,6 +25,7 @@ use crate::dsl::*;
 
 /// The prefill GEMM for CUDA architecture `arch`, weights stored as `weights`, reduction
 /// width `k`; `None` for f32 weights, which keep the f32 GEMV (tensor cores would round them).
+/// IEEE half weights take `mma.sync` through registers, rounded to bf16 in the tile.
 ///
 /// bf16 weights, what each target gets, and why:
 /// - **sm_90a (H100/H200)**: `wgmma` fed by a `cp.async` pipeline (`gemm_wgmma`). `mma.sync`
@@ -78,6 +79,8 @@ pub fn prefill_gemm(
         ),
         (WeightFormat::Dense(Ty::Bf16), _) if k.is_multiple_of(8) => mma(WeightStaging::CpAsync),
         (WeightFormat::Dense(Ty::Bf16), _) => mma(WeightStaging::Registers),
+        // `cp.async` copies bytes: it cannot convert half weights.
+        (WeightFormat::Dense(Ty::F16), _) => mma(WeightStaging::HalfWeights),
         (WeightFormat::Blocks(format), _) if glu.is_none() => mma(WeightStaging::Dequantize(format)),
         _ => return None,
     };
@@ -500,6 +503,20 @@ pub fn catalog() -> Vec<Kernel> {
             "add_rms_norm_gemm_mma_q6_k",
             "catalog",
             gemm_mma::WeightStaging::Dequantize(ir::DType::Q6K),
+            Some(gemv::NormPrologue::new(1e-6, 1.0).with_residual()),
+            None,
+        ),
+        // IEEE half weights (f16 GGUF and safetensors models): the decode GEMV, and the GEMM
+        // converting them to bf16 in its tile.
+        gemv::gemv(
+            "gemv_f16_x_vectors",
+            "catalog",
+            GemvSpec::decode(Dense(Ty::F16), 4096).with_x_vectors(),
+        ),
+        gemm_mma::gemm_mma_with(
+            "add_rms_norm_gemm_mma_f16",
+            "catalog",
+            gemm_mma::WeightStaging::HalfWeights,
             Some(gemv::NormPrologue::new(1e-6, 1.0).with_residual()),
             None,
         ),

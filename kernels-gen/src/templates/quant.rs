@@ -323,6 +323,7 @@ impl WeightFormat {
         match dtype {
             DType::F32 => Some(Self::Dense(Ty::F32)),
             DType::BF16 => Some(Self::Dense(Ty::Bf16)),
+            DType::F16 => Some(Self::Dense(Ty::F16)),
             d if block_layout(d).is_some() => Some(Self::Blocks(d)),
             _ => None,
         }
