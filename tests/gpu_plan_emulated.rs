@@ -7,6 +7,7 @@
 //! greedy graph's plan (the INT8-bound LM head with its compile-time INT8 rows) picks exactly
 //! the argmax of the CPU backend's full-precision logits.
 
+use bbc::gpu_check::tiny_gguf;
 use codegen::gpu::{self, PREFILL_TOKENS};
 use codegen::Target;
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
@@ -121,112 +122,6 @@ fn tiny_gemma3_plans_agree_with_the_cpu_backend() {
     }
 }
 
-/// Random bytes, deterministic (xorshift).
-struct Bytes(u64);
-
-impl Bytes {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
-/// Makes a matrix of `rows` × `cols` weights as a GGUF tensor: its GGML type id and bytes.
-type MakeMatrix = dyn FnMut(&mut Bytes, u64, u64) -> (u32, Vec<u8>);
-type Matrix<'a> = &'a mut MakeMatrix;
-
-/// Q8_0 blocks: an f16 scale of 0.001 and 32 random values.
-fn q8_0(bytes: &mut Bytes, rows: u64, cols: u64) -> (u32, Vec<u8>) {
-    let scale = half::f16::from_f32(0.001).to_le_bytes();
-    let data = (0..rows * cols / 32)
-        .flat_map(|_| {
-            scale
-                .into_iter()
-                .chain((0..32).map(|_| bytes.next() as u8))
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    (8, data)
-}
-
-/// Q4_0 blocks: an f16 scale of 0.01 and 32 random nibbles.
-fn q4_0(bytes: &mut Bytes, rows: u64, cols: u64) -> (u32, Vec<u8>) {
-    let scale = half::f16::from_f32(0.01).to_le_bytes();
-    let data = (0..rows * cols / 32)
-        .flat_map(|_| {
-            scale
-                .into_iter()
-                .chain((0..16).map(|_| bytes.next() as u8))
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    (2, data)
-}
-
-/// IEEE half values within ±0.25.
-fn f16_values(bytes: &mut Bytes, rows: u64, cols: u64) -> (u32, Vec<u8>) {
-    let data = (0..rows * cols)
-        .flat_map(|_| half::f16::from_f32((bytes.next() % 1001) as f32 / 2000.0 - 0.25).to_le_bytes())
-        .collect();
-    (1, data)
-}
-
-/// A tiny Llama (3 layers, hidden 64, MLP 160, 320 tokens) as a GGUF file, no tokenizer, norms
-/// in f32: attention matrices and the embedding made by `attention`, the MLP's by `mlp`. Returns
-/// the file's path (`name` in it).
-fn tiny_gguf_llama(name: &str, attention: Matrix, mlp: Matrix) -> PathBuf {
-    use models::gguf::writer::GgufWriter;
-    use models::gguf::MetaValue;
-    let (hidden, ffn, layers, vocab) = (64u64, 160u64, 3, 320u64);
-    let mut bytes = Bytes(0x2545_f491_4f6c_dd1d);
-    let norm = |len: u64| -> Vec<u8> {
-        (0..len)
-            .flat_map(|i| (1.0f32 + 0.01 * (i % 7) as f32).to_le_bytes())
-            .collect()
-    };
-    let meta = |k: &str| format!("llama.{k}");
-    let (embedding_type, embedding) = attention(&mut bytes, vocab, hidden);
-    let mut file = GgufWriter::new()
-        .meta("general.architecture", MetaValue::String("llama".into()))
-        .meta(&meta("embedding_length"), MetaValue::U32(hidden as u32))
-        .meta(&meta("feed_forward_length"), MetaValue::U32(ffn as u32))
-        .meta(&meta("block_count"), MetaValue::U32(layers))
-        .meta(&meta("attention.head_count"), MetaValue::U32(4))
-        .meta(&meta("attention.head_count_kv"), MetaValue::U32(2))
-        .meta(&meta("attention.layer_norm_rms_epsilon"), MetaValue::F32(1e-5))
-        .meta(&meta("context_length"), MetaValue::U32(256))
-        .meta(&meta("vocab_size"), MetaValue::U32(vocab as u32))
-        .meta(&meta("rope.freq_base"), MetaValue::F32(10_000.0))
-        .tensor("token_embd.weight", &[hidden, vocab], embedding_type, embedding)
-        .tensor("output_norm.weight", &[hidden], 0, norm(hidden));
-    for l in 0..layers {
-        let t = |name: &str| format!("blk.{l}.{name}.weight");
-        // (name, rows, cols, from the attention's maker or the MLP's)
-        let matrices = [
-            ("attn_q", hidden, hidden, true),
-            ("attn_k", 32, hidden, true),
-            ("attn_v", 32, hidden, true),
-            ("attn_output", hidden, hidden, true),
-            ("ffn_gate", ffn, hidden, false),
-            ("ffn_up", ffn, hidden, false),
-            ("ffn_down", hidden, ffn, false),
-        ];
-        file =
-            file.tensor(&t("attn_norm"), &[hidden], 0, norm(hidden))
-                .tensor(&t("ffn_norm"), &[hidden], 0, norm(hidden));
-        for (name, rows, cols, is_attention) in matrices {
-            let make: &mut MakeMatrix = if is_attention { &mut *attention } else { &mut *mlp };
-            let (type_id, data) = make(&mut bytes, rows, cols);
-            file = file.tensor(&t(name), &[cols, rows], type_id, data);
-        }
-    }
-    let path = std::env::temp_dir().join(format!("bbc-{name}-{}.gguf", std::process::id()));
-    std::fs::write(&path, file.to_bytes()).unwrap();
-    path
-}
-
 /// The plans of the GGUF model at `path` against the CPU backend on the same file dequantized
 /// to f32, on every GPU target, norms fused into the matmuls there.
 fn check_gguf(name: &str, path: &std::path::Path) {
@@ -258,18 +153,22 @@ fn check_gguf(name: &str, path: &std::path::Path) {
 /// prefill through the decoding tensor-core GEMM rounds weights and activations to bf16 (2e-2).
 #[test]
 fn tiny_quantized_llama_plans_agree_with_the_cpu_backend() {
-    let path = tiny_gguf_llama("tiny-quantized-llama", &mut q8_0, &mut q4_0);
+    let dir = std::env::temp_dir().join(format!("bbc-tiny-quantized-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = tiny_gguf::quantized_llama(&dir).unwrap();
     check_gguf("quantized llama", &path);
-    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// An f16 model's plans (IEEE half weights: read exactly by the GEMVs, rounded to bf16 in the
 /// `mma.sync` GEMM's tile) against the CPU backend on the same file in f32.
 #[test]
 fn tiny_f16_llama_plans_agree_with_the_cpu_backend() {
-    let path = tiny_gguf_llama("tiny-f16-llama", &mut f16_values, &mut f16_values);
+    let dir = std::env::temp_dir().join(format!("bbc-tiny-f16-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = tiny_gguf::f16_llama(&dir).unwrap();
     check_gguf("f16 llama", &path);
-    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The greedy plan's `next_token` at every step equals the argmax of the CPU logits.

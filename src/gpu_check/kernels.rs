@@ -12,7 +12,8 @@ use runtime::emulated::EmulatedDevice;
 use runtime::plan_exec::PlanExecutor;
 use std::path::Path;
 
-/// Run the tiny models' plans in lockstep on the GPU and the emulator; print each kernel's max
+/// Run the tiny models' plans in lockstep on the GPU and the emulator (the HF fixtures in f32
+/// and bf16, tiny Llama GGUF files with GGUF-block and f16 weights); print each kernel's max
 /// relative error; the worst.
 pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64> {
     let mut worst = 0f64;
@@ -22,31 +23,53 @@ pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64>
         for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
             let mut spec = ModelSpec::for_weights(&fixtures.join(family));
             spec.dtype = dtype;
-            let model = Model::open(spec)?;
-            let graph = model.lower(LogitsFor::LastToken)?;
-            let graph = passes::optimized(&graph, crate::model_ref::cost_model(target))?;
-            let (plan, kernels) = gpu::build_with_kernels(&graph, target, 64)?;
-            let device = CompareDevice::new(
-                CudaDevice::compile(&kernels, arch)?,
-                EmulatedDevice::new(kernels.clone()),
-                &kernels,
-            );
-            let exec = PlanExecutor::new(device, plan, graph, &model.weights, &[], 256)?;
-            let mut seq = exec.new_sequence();
-            let prompt: Vec<u32> = (0..gpu::PREFILL_TOKENS as u32 + 3)
-                .map(|i| (7 + 13 * i) % 300)
-                .collect();
-            for ids in [prompt, vec![5], vec![77], vec![123]] {
-                exec.step(&mut seq, &ids)?;
-            }
-            for (kernel, error) in exec.with_device(|d| d.errors().clone())? {
-                println!(
-                    "| {family} {dtype:?} | {kernel} | {} | {:.2e} |",
-                    error.launches, error.relative
-                );
-                worst = worst.max(error.relative);
-            }
+            worst = worst.max(lockstep(
+                &format!("{family} {dtype:?}"),
+                &Model::open(spec)?,
+                target,
+                arch,
+            )?);
         }
+    }
+    let scratch = super::RemovedOnDrop(std::env::temp_dir().join(format!("bbc-gpu-check-gguf-{}", std::process::id())));
+    std::fs::create_dir_all(&scratch.0)?;
+    for (name, path) in [
+        ("llama Q8_0/Q4_0", super::tiny_gguf::quantized_llama(&scratch.0)?),
+        ("llama f16", super::tiny_gguf::f16_llama(&scratch.0)?),
+    ] {
+        worst = worst.max(lockstep(
+            name,
+            &Model::open(ModelSpec::for_weights(&path))?,
+            target,
+            arch,
+        )?);
+    }
+    Ok(worst)
+}
+
+/// `model`'s plan for `target` on the GPU and the emulator in lockstep over a prefill long
+/// enough for the prefill GEMM and three decode steps; prints and returns the worst error.
+fn lockstep(name: &str, model: &Model, target: Target, arch: &str) -> Result<f64> {
+    let graph = model.lower(LogitsFor::LastToken)?;
+    let graph = passes::optimized(&graph, crate::model_ref::cost_model(target))?;
+    let (plan, kernels) = gpu::build_with_kernels(&graph, target, 64)?;
+    let device = CompareDevice::new(
+        CudaDevice::compile(&kernels, arch)?,
+        EmulatedDevice::new(kernels.clone()),
+        &kernels,
+    );
+    let exec = PlanExecutor::new(device, plan, graph, &model.weights, &[], 256)?;
+    let mut seq = exec.new_sequence();
+    let prompt: Vec<u32> = (0..gpu::PREFILL_TOKENS as u32 + 3)
+        .map(|i| (7 + 13 * i) % 300)
+        .collect();
+    for ids in [prompt, vec![5], vec![77], vec![123]] {
+        exec.step(&mut seq, &ids)?;
+    }
+    let mut worst = 0f64;
+    for (kernel, error) in exec.with_device(|d| d.errors().clone())? {
+        println!("| {name} | {kernel} | {} | {:.2e} |", error.launches, error.relative);
+        worst = worst.max(error.relative);
     }
     Ok(worst)
 }

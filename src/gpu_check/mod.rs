@@ -3,8 +3,9 @@
 //! binary because a lent GPU machine has neither a Rust toolchain nor a network: the binary is
 //! built elsewhere and carried there with the model. Sections, in order:
 //! 1. device copy bandwidth;
-//! 2. every kernel of the tiny Llama and Gemma 3 plans (f32 and bf16) in lockstep with the
-//!    emulator, each kernel's max relative error (`kernels`);
+//! 2. every kernel of the tiny Llama and Gemma 3 plans (f32 and bf16), and of tiny Llama GGUF
+//!    files' (GGUF blocks, f16), in lockstep with the emulator, each kernel's max relative
+//!    error (`kernels`);
 //! 3. SmolLM2 bf16 greedy tokens on the GPU (logits and greedy plans) against the CPU backend's,
 //!    and both timed (`smollm2`);
 //! 4. batched decode steps replayed from CUDA graphs against kernel-by-kernel launches;
@@ -19,11 +20,21 @@
 pub mod kernels;
 pub mod llama_8b;
 pub mod smollm2;
+pub mod tiny_gguf;
 
 use anyhow::{anyhow, bail, Result};
 use codegen::Target;
 use runtime::cuda::CudaDevice;
 use std::path::{Path, PathBuf};
+
+/// A scratch directory, removed with everything in it when dropped.
+struct RemovedOnDrop(PathBuf);
+
+impl Drop for RemovedOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
 
 #[derive(clap::Args, Debug)]
 pub struct GpuCheckArgs {

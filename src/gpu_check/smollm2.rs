@@ -8,7 +8,7 @@ use codegen::Target;
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use runtime::cuda::CudaBackend;
 use runtime::{generate, Backend, CpuBackend, Engine, GenerateOptions};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 /// The prompts compared: a short chat-like one and a 40-token one.
@@ -76,7 +76,7 @@ fn engines(model: &Path, target: Target) -> Result<(Engine<CudaBackend>, Engine)
     let graph = model.lower(LogitsFor::LastToken)?;
     let gpu_graph = passes::optimized(&graph, cost)?;
     let greedy_graph = passes::optimized(&model.lower(LogitsFor::GreedyToken)?, cost)?;
-    let scratch = RemovedOnDrop(std::env::temp_dir().join(format!("bbc-gpu-check-{}", std::process::id())));
+    let scratch = super::RemovedOnDrop(std::env::temp_dir().join(format!("bbc-gpu-check-{}", std::process::id())));
     let dir = &scratch.0;
     let graphs = codegen::CompiledGraphs {
         logits: &gpu_graph,
@@ -103,14 +103,6 @@ fn engines(model: &Path, target: Target) -> Result<(Engine<CudaBackend>, Engine)
 }
 
 /// A directory removed when dropped: on every way out of [`engines`], errors included.
-struct RemovedOnDrop(PathBuf);
-
-impl Drop for RemovedOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// 128 greedy tokens after the 40-token prompt on each engine: prompt and decode rates.
 fn print_timings(gpu: &Engine<CudaBackend>, cpu: &Engine) -> Result<()> {
     let prompt = &prompts()[1];

@@ -1,0 +1,123 @@
+//! Tiny Llama GGUF files made on the spot, with GGUF-block or f16 weights (random, deterministic;
+//! no tokenizer): what a GGUF model's GPU plans run, small enough for the emulator. The GPU
+//! check runs their plans in lockstep with the emulator, the tests against the CPU backend.
+
+use models::gguf::writer::GgufWriter;
+use models::gguf::MetaValue;
+use std::path::{Path, PathBuf};
+
+/// Random bytes, deterministic (xorshift).
+pub struct Bytes(u64);
+
+impl Bytes {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// Makes a matrix of `rows` × `cols` weights as a GGUF tensor: its GGML type id and bytes.
+pub type MakeMatrix = dyn FnMut(&mut Bytes, u64, u64) -> (u32, Vec<u8>);
+pub type Matrix<'a> = &'a mut MakeMatrix;
+
+/// Q8_0 blocks: an f16 scale of 0.001 and 32 random values.
+pub fn q8_0(bytes: &mut Bytes, rows: u64, cols: u64) -> (u32, Vec<u8>) {
+    let scale = half::f16::from_f32(0.001).to_le_bytes();
+    let data = (0..rows * cols / 32)
+        .flat_map(|_| {
+            scale
+                .into_iter()
+                .chain((0..32).map(|_| bytes.next_u64() as u8))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    (8, data)
+}
+
+/// Q4_0 blocks: an f16 scale of 0.01 and 32 random nibbles.
+pub fn q4_0(bytes: &mut Bytes, rows: u64, cols: u64) -> (u32, Vec<u8>) {
+    let scale = half::f16::from_f32(0.01).to_le_bytes();
+    let data = (0..rows * cols / 32)
+        .flat_map(|_| {
+            scale
+                .into_iter()
+                .chain((0..16).map(|_| bytes.next_u64() as u8))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    (2, data)
+}
+
+/// IEEE half values within ±0.25.
+pub fn f16_values(bytes: &mut Bytes, rows: u64, cols: u64) -> (u32, Vec<u8>) {
+    let data = (0..rows * cols)
+        .flat_map(|_| half::f16::from_f32((bytes.next_u64() % 1001) as f32 / 2000.0 - 0.25).to_le_bytes())
+        .collect();
+    (1, data)
+}
+
+/// A tiny Llama (3 layers, hidden 64, MLP 160, 320 tokens) as a GGUF file at `path`, no
+/// tokenizer, norms in f32: attention matrices and the embedding made by `attention`, the
+/// MLP's by `mlp`.
+pub fn tiny_gguf_llama(path: &Path, attention: Matrix, mlp: Matrix) -> std::io::Result<()> {
+    let (hidden, ffn, layers, vocab) = (64u64, 160u64, 3, 320u64);
+    let mut bytes = Bytes(0x2545_f491_4f6c_dd1d);
+    let norm = |len: u64| -> Vec<u8> {
+        (0..len)
+            .flat_map(|i| (1.0f32 + 0.01 * (i % 7) as f32).to_le_bytes())
+            .collect()
+    };
+    let meta = |k: &str| format!("llama.{k}");
+    let (embedding_type, embedding) = attention(&mut bytes, vocab, hidden);
+    let mut file = GgufWriter::new()
+        .meta("general.architecture", MetaValue::String("llama".into()))
+        .meta(&meta("embedding_length"), MetaValue::U32(hidden as u32))
+        .meta(&meta("feed_forward_length"), MetaValue::U32(ffn as u32))
+        .meta(&meta("block_count"), MetaValue::U32(layers))
+        .meta(&meta("attention.head_count"), MetaValue::U32(4))
+        .meta(&meta("attention.head_count_kv"), MetaValue::U32(2))
+        .meta(&meta("attention.layer_norm_rms_epsilon"), MetaValue::F32(1e-5))
+        .meta(&meta("context_length"), MetaValue::U32(256))
+        .meta(&meta("vocab_size"), MetaValue::U32(vocab as u32))
+        .meta(&meta("rope.freq_base"), MetaValue::F32(10_000.0))
+        .tensor("token_embd.weight", &[hidden, vocab], embedding_type, embedding)
+        .tensor("output_norm.weight", &[hidden], 0, norm(hidden));
+    for l in 0..layers {
+        let t = |name: &str| format!("blk.{l}.{name}.weight");
+        // (name, rows, cols, from the attention's maker or the MLP's)
+        let matrices = [
+            ("attn_q", hidden, hidden, true),
+            ("attn_k", 32, hidden, true),
+            ("attn_v", 32, hidden, true),
+            ("attn_output", hidden, hidden, true),
+            ("ffn_gate", ffn, hidden, false),
+            ("ffn_up", ffn, hidden, false),
+            ("ffn_down", hidden, ffn, false),
+        ];
+        file =
+            file.tensor(&t("attn_norm"), &[hidden], 0, norm(hidden))
+                .tensor(&t("ffn_norm"), &[hidden], 0, norm(hidden));
+        for (name, rows, cols, is_attention) in matrices {
+            let make: &mut MakeMatrix = if is_attention { &mut *attention } else { &mut *mlp };
+            let (type_id, data) = make(&mut bytes, rows, cols);
+            file = file.tensor(&t(name), &[cols, rows], type_id, data);
+        }
+    }
+    std::fs::write(path, file.to_bytes())
+}
+
+/// `dir/tiny-quantized-llama.gguf`: Q8_0 attention and embedding, Q4_0 MLP.
+pub fn quantized_llama(dir: &Path) -> std::io::Result<PathBuf> {
+    let path = dir.join("tiny-quantized-llama.gguf");
+    tiny_gguf_llama(&path, &mut q8_0, &mut q4_0)?;
+    Ok(path)
+}
+
+/// `dir/tiny-f16-llama.gguf`: every matrix in IEEE half.
+pub fn f16_llama(dir: &Path) -> std::io::Result<PathBuf> {
+    let path = dir.join("tiny-f16-llama.gguf");
+    tiny_gguf_llama(&path, &mut f16_values, &mut f16_values)?;
+    Ok(path)
+}
