@@ -28,7 +28,8 @@
 //! and takes an RMSNorm prologue (each x times its norm weight as it is staged, after the
 //! residual add under `add_rms_norm_matmul`, whose sums the first weight tile's blocks write;
 //! each token's `1/rms` computed while the first weights travel and applied to the result)
-//! and, over bf16 weights, a GLU epilogue (products through the partials; the reduction gates).
+//! and, over bf16 or f16 weights, a GLU epilogue (products through the partials; the reduction
+//! gates).
 
 use super::gemv::{self, NormPrologue};
 use super::{quant, split_k};
