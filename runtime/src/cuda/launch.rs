@@ -25,15 +25,29 @@ const PROBE_PTX: &str = r#".version 7.8
 "#;
 
 /// Whether this GPU and driver take programmatic dependent launches: two launches of a probe
-/// kernel, the second programmatic, run to the end. A driver that refuses them costs the
+/// kernel, the second programmatic, run on the stream, then captured into a CUDA graph that is
+/// instantiated and run (decode steps replay graphs). A driver that refuses either costs the
 /// speed-up, never a step.
-pub fn programmatic_launch_works(ctx: &Arc<CudaContext>, stream: &CudaStream) -> bool {
+pub fn programmatic_launch_works(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>) -> bool {
     let probe = || -> Result<(), DriverError> {
         let module = ctx.load_module(Ptx::from_src(PROBE_PTX))?;
         let function = module.load_function("bbc_programmatic_launch_probe")?;
-        for programmatic in [false, true] {
-            // SAFETY: the probe takes no parameters and waits for the prior kernel first.
-            unsafe { launch(stream, &function, 1, 32, &mut [], programmatic)? };
+        let pair = || -> Result<(), DriverError> {
+            for programmatic in [false, true] {
+                // SAFETY: the probe takes no parameters and waits for the prior kernel first.
+                unsafe { launch(stream, &function, 1, 32, &mut [], programmatic)? };
+            }
+            Ok(())
+        };
+        pair()?;
+        stream.synchronize()?;
+        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        // The capture ends whatever the launches said, so the stream is usable after a refusal.
+        let launched = pair();
+        let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        launched?;
+        if let Some(graph) = graph? {
+            graph.launch()?;
         }
         stream.synchronize()
     };

@@ -45,6 +45,10 @@ pub struct CudaDevice {
     programmatic_launch: bool,
     /// Whether the GPU and driver take programmatic launches (Hopper and newer, probed).
     programmatic_launch_works: bool,
+    /// Whether the last thing put on the stream was a kernel launch: only then is the next one
+    /// launched programmatically (behind a copy, an event, a graph or a capture's start there
+    /// is no kernel to overlap, and no reason to ask the driver for it).
+    after_launch: bool,
     /// Instantiated graphs by key (a batched step's row count).
     graphs: HashMap<usize, OwnedGraph>,
 }
@@ -139,6 +143,7 @@ impl CudaDevice {
             functions,
             programmatic_launch: programmatic_launch_works && programmatic_launch_wanted(),
             programmatic_launch_works,
+            after_launch: false,
             graphs: HashMap::new(),
         })
     }
@@ -167,8 +172,10 @@ impl CudaDevice {
     fn elapsed(&mut self, work: impl FnOnce(&mut Self) -> Result<()>) -> Result<f64> {
         let timed = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
         let start = self.stream.record_event(timed).map_err(driver)?;
+        self.after_launch = false;
         work(self)?;
         let end = self.stream.record_event(timed).map_err(driver)?;
+        self.after_launch = false;
         Ok(start.elapsed_ms(&end).map_err(driver)? as f64 / 1e3)
     }
 
@@ -187,10 +194,12 @@ impl PlanDevice for CudaDevice {
     type Buffer = CudaSlice<u8>;
 
     fn alloc(&mut self, bytes: usize) -> Result<Self::Buffer> {
+        self.after_launch = false;
         self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(driver)
     }
 
     fn upload(&mut self, bytes: &[u8]) -> Result<Self::Buffer> {
+        self.after_launch = false;
         self.stream.clone_htod(bytes).map_err(driver)
     }
 
@@ -204,6 +213,7 @@ impl PlanDevice for CudaDevice {
         }
         // Launches already issued may read or write these bytes: let them finish first.
         self.stream.synchronize().map_err(driver)?;
+        self.after_launch = false;
         let (ptr, _synced) = buffer.device_ptr(&self.stream);
         // SAFETY: the range lies inside the allocation (checked above) and no launch is in
         // flight on the stream.
@@ -211,6 +221,7 @@ impl PlanDevice for CudaDevice {
     }
 
     fn read(&mut self, buffer: &Self::Buffer, range: Range<usize>) -> Result<Vec<u8>> {
+        self.after_launch = false;
         self.stream.clone_dtoh(&buffer.slice(range)).map_err(driver)
     }
 
@@ -237,12 +248,14 @@ impl PlanDevice for CudaDevice {
             })
             .collect();
         let mut params: Vec<*mut std::ffi::c_void> = values.iter_mut().map(|v| (v as *mut u64).cast()).collect();
-        let programmatic = self.programmatic_launch && loaded.awaits_prior_kernel;
+        let programmatic = self.programmatic_launch && loaded.awaits_prior_kernel && self.after_launch;
         // SAFETY: one pointer per parameter (counted above) to a value of its size that lives
         // through the call; buffer pointers lie inside buffers sized by the plan; a kernel
         // launched programmatically waits for the kernel before it first.
         unsafe { launch::launch(&self.stream, &loaded.function, grid, block, &mut params, programmatic) }
-            .map_err(driver)
+            .map_err(driver)?;
+        self.after_launch = true;
+        Ok(())
     }
 
     /// Events on the stream around the launch (`elapsed`).
@@ -262,11 +275,13 @@ impl PlanDevice for CudaDevice {
     }
 
     fn begin_capture(&mut self) -> Result<()> {
+        self.after_launch = false;
         let mode = cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         self.stream.begin_capture(mode).map_err(driver)
     }
 
     fn end_capture(&mut self, key: usize) -> Result<()> {
+        self.after_launch = false;
         let flags = cudarc::driver::sys::CUgraphInstantiate_flags(0);
         let graph = self
             .stream
@@ -279,6 +294,7 @@ impl PlanDevice for CudaDevice {
     }
 
     fn replay(&mut self, key: usize) -> Result<bool> {
+        self.after_launch = false;
         match self.graphs.get(&key) {
             Some(graph) => graph.0.launch().map_err(driver).map(|()| true),
             None => Ok(false),
