@@ -248,6 +248,78 @@ fn tiny_models_compile_for_every_gpu_target_in_f32_and_bf16() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// In the 8B-shaped serving plan every attention split pass prefetches the weights of the
+/// launch after attention's combine pass (the output projection): 24 MiB of its 32 at up to 4
+/// rows, nothing at more rows or with the runtime's `prefetch` off; and the prefetch is not
+/// counted as a read of those weights.
+#[test]
+fn attention_prefetches_the_output_projection_at_few_rows() {
+    use codegen::gpu::expr::{eval, Value};
+    let options = models::LowerOptions {
+        logits: LogitsFor::LastToken,
+        compute: ComputeDtype::Bf16,
+    };
+    let graph = models::lower_without_weights(&models::ModelConfig::llama3_8b(), options).unwrap();
+    let fused = passes::optimized(&graph, bbc::model_ref::cost_model(Target::H200)).unwrap();
+    let cache = gpu::BatchedCache {
+        blocks: 64,
+        block_size: 16,
+    };
+    let (plan, _) = gpu::build_batched(&fused, Target::H200, 512, cache).unwrap();
+    let attention: Vec<usize> = (0..plan.launches.len())
+        .filter(|&i| plan.launches[i].kernel.starts_with("attention_") && !plan.launches[i].kernel.contains("combine"))
+        .collect();
+    assert_eq!(attention.len(), 32);
+    for i in attention {
+        let args = &plan.launches[i].args;
+        let prefetched = args.iter().find_map(|a| match a {
+            LaunchArg::WeightPrefetch { node } => Some(*node),
+            _ => None,
+        });
+        // The o projection: two launches on (after the combine pass), reading those weights.
+        let o_weights = plan.launches[i + 2].args.iter().find_map(|a| match a {
+            LaunchArg::Weight { node } => Some(*node),
+            _ => None,
+        });
+        assert!(prefetched.is_some() && prefetched == o_weights, "launch {i}");
+        let bytes = args
+            .iter()
+            .find_map(|a| match a {
+                LaunchArg::Scalar { name, value } if name == "prefetch_bytes" => Some(value.clone()),
+                _ => None,
+            })
+            .unwrap();
+        let at = |rows: i64, prefetch: i64| {
+            let vars = [
+                ("tokens", Value::Int(rows)),
+                ("seqs", Value::Int(rows)),
+                ("prefetch", Value::Int(prefetch)),
+            ];
+            eval(&bytes, &vars.into_iter().collect()).unwrap().as_i64()
+        };
+        assert_eq!(
+            (at(1, 1), at(4, 1), at(5, 1), at(1, 0)),
+            (24 << 20, 24 << 20, 0, 0),
+            "{bytes}"
+        );
+    }
+    // Only the projections read the weights.
+    let reads = plan
+        .launches
+        .iter()
+        .flat_map(|l| &l.args)
+        .filter(|a| matches!(a, LaunchArg::Weight { .. }))
+        .count();
+    let prefetches = plan
+        .launches
+        .iter()
+        .flat_map(|l| &l.args)
+        .filter(|a| matches!(a, LaunchArg::WeightPrefetch { .. }))
+        .count();
+    assert_eq!(prefetches, 32);
+    assert!(reads > prefetches);
+}
+
 /// A GPU artifact carries the batched serving plan `bbc serve` runs, with its graph (the logits
 /// graph: each sequence's last row gathered before the head) and its own compiled kernels, and
 /// the graph reads back under the manifest's hash.

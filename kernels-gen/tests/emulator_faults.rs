@@ -1,7 +1,7 @@
 //! The emulator reports what a GPU would silently get wrong.
 
 use kernels_gen::dsl::*;
-use kernels_gen::emulator::{run, Array, EmuError};
+use kernels_gen::emulator::{run, Array, EmuError, Scalar};
 use std::collections::HashMap;
 
 fn kernel(body: Vec<Stmt>, shared: Vec<SharedArray>) -> Kernel {
@@ -564,4 +564,43 @@ fn prefetches_stay_inside_global_buffers() {
     let shared = kernel(vec![prefetch_l2("s", tid())], scratch());
     let err = kernels_gen::types::check(&shared).unwrap_err().to_string();
     assert!(err.contains("not a global buffer"), "{err}");
+}
+
+/// A kernel made to prefetch the next matmul's weights computes what it did, prefetching the
+/// lines of the first `prefetch_bytes` across its grid; asked for lines past the buffer, it
+/// faults.
+#[test]
+fn prefetching_the_next_weights_changes_nothing_and_stays_in_bounds() {
+    use kernels_gen::templates::{glu, weight_prefetch};
+    let plain = glu::glu("glu", "test", ir::GluAct::Silu);
+    let prefetching = weight_prefetch::prefetching_next_weights(plain.clone());
+    let (tokens, n) = (3i64, 40i64);
+    let x: Vec<f32> = (0..tokens * 2 * n).map(|i| (i % 11) as f32 / 7.0 - 0.5).collect();
+    let scalars = |prefetch_bytes: i64| {
+        HashMap::from([
+            ("tokens".to_string(), Scalar::Int(tokens)),
+            ("n".to_string(), Scalar::Int(n)),
+            ("x_stride".to_string(), Scalar::Int(2 * n)),
+            ("prefetch_bytes".to_string(), Scalar::Int(prefetch_bytes)),
+        ])
+    };
+    let run_with = |kernel: &Kernel, prefetch_bytes: i64| {
+        let mut bufs = HashMap::from([
+            ("x".into(), Array::f32(&x)),
+            ("out".into(), Array::poisoned(Ty::F32, (tokens * n) as usize)),
+            ("next_w".into(), Array::u8(&[7u8; 1000])),
+        ]);
+        run(kernel, &mut bufs, &scalars(prefetch_bytes)).map(|_| bufs.remove("out").unwrap())
+    };
+    let want = run_with(&plain, 0).unwrap().to_f32().unwrap();
+    for bytes in [0, 1, 1000] {
+        assert_eq!(
+            run_with(&prefetching, bytes).unwrap().to_f32().unwrap(),
+            want,
+            "{bytes}"
+        );
+    }
+    // The line at 1024 lies past the buffer (lines start every 128 bytes below the count).
+    let err = run_with(&prefetching, 1025).unwrap_err().to_string();
+    assert!(err.contains("prefetch of next_w[1024] out of bounds"), "{err}");
 }

@@ -93,6 +93,11 @@ fn side<'a, A, B, X>(args: &[DeviceArg<'a, (A, B)>], pick: impl Fn(&'a (A, B)) -
 impl<T: PlanDevice, R: PlanDevice> PlanDevice for CompareDevice<T, R> {
     type Buffer = (T::Buffer, R::Buffer);
 
+    /// As the device under test does (both sides run the same launches).
+    fn prefetches_weights(&self) -> bool {
+        self.test.prefetches_weights()
+    }
+
     fn alloc(&mut self, bytes: usize) -> Result<Self::Buffer> {
         Ok((self.test.alloc(bytes)?, self.reference.alloc(bytes)?))
     }

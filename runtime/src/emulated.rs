@@ -118,6 +118,11 @@ impl PlanDevice for EmulatedDevice {
     /// An index into the device's memory.
     type Buffer = usize;
 
+    /// Always: the emulator checks every prefetch's bounds.
+    fn prefetches_weights(&self) -> bool {
+        true
+    }
+
     fn alloc(&mut self, bytes: usize) -> Result<usize> {
         self.memory.push(vec![0; bytes]);
         Ok(self.memory.len() - 1)

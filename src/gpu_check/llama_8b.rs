@@ -51,19 +51,33 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
         started.elapsed().as_secs_f64()
     );
     let timings = time_decode(&exec, &run)?;
-    // Batch 1 again with every kernel launched the ordinary way (after the kernel before it has
-    // finished): what programmatic dependent launch gains, side by side in one run.
-    let ordinary = match exec.with_device(|d| d.programmatic_launch())? {
-        true => {
-            exec.with_device_mut(|d| d.set_programmatic_launch(false))?;
-            let batch_1 = DecodeRun {
-                batches: vec![1],
-                ..run.clone()
-            };
-            time_decode(&exec, &batch_1)?.into_iter().next()
-        }
-        false => None,
+    // Batch 1 again without each of the two ways a step overlaps its kernels, side by side in
+    // one run: without the weight prefetch during attention (`templates::weight_prefetch`),
+    // then without programmatic dependent launch (each kernel launched once the one before
+    // has finished).
+    let batch_1 = DecodeRun {
+        batches: vec![1],
+        ..run.clone()
     };
+    let (prefetching, programmatic) = exec.with_device(|d| (d.weight_prefetch(), d.programmatic_launch()))?;
+    let mut variants = Vec::new();
+    if prefetching {
+        exec.with_device_mut(|d| d.set_weight_prefetch(false))?;
+        variants.extend(
+            time_decode(&exec, &batch_1)?
+                .into_iter()
+                .map(|t| ("no weight prefetch", t)),
+        );
+        exec.with_device_mut(|d| d.set_weight_prefetch(true))?;
+    }
+    if programmatic {
+        exec.with_device_mut(|d| d.set_programmatic_launch(false))?;
+        variants.extend(
+            time_decode(&exec, &batch_1)?
+                .into_iter()
+                .map(|t| ("ordinary launches", t)),
+        );
+    }
     if prefill_chunk < gpu::PREFILL_TOKENS {
         println!("(prompts prefilled {prefill_chunk} rows a step: through the GEMV, not the tensor-core GEMM)");
     }
@@ -89,20 +103,36 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
             100.0 * bytes / greedy / bandwidth,
         );
     }
-    match (ordinary, timings.first()) {
-        (Some(ordinary), Some(programmatic)) => {
-            let wall = |t: &runtime::decode_timing::DecodeTiming| t.greedy_wall_seconds.unwrap_or(t.wall_seconds);
-            println!("\n| batch 1, ids read back | wall ms/step | % of copy bandwidth |\n|---|---|---|");
-            for (how, t) in [
-                ("programmatic dependent launch", programmatic),
-                ("ordinary launches", &ordinary),
-            ] {
-                let percent = 100.0 * t.weight_bytes() as f64 / wall(t) / bandwidth;
-                println!("| {how} | {:.3} | {percent:.0}% |", wall(t) * 1e3);
+    if let Some(both) = timings.first() {
+        let wall = |t: &runtime::decode_timing::DecodeTiming| t.greedy_wall_seconds.unwrap_or(t.wall_seconds);
+        println!(
+            "\n| batch 1, ids read back | wall ms/step | % of copy bandwidth | wall / first row's |\n|---|---|---|---|"
+        );
+        let served = format!(
+            "as served ({}, {})",
+            if prefetching {
+                "weight prefetch"
+            } else {
+                "no weight prefetch"
+            },
+            if programmatic {
+                "programmatic launches"
+            } else {
+                "ordinary launches"
             }
-            println!("(ordinary / programmatic: {:.3})", wall(&ordinary) / wall(programmatic));
+        );
+        let first = [(served.as_str(), both)];
+        for (how, t) in first.into_iter().chain(variants.iter().map(|(how, t)| (*how, t))) {
+            let percent = 100.0 * t.weight_bytes() as f64 / wall(t) / bandwidth;
+            println!(
+                "| {how} | {:.3} | {percent:.0}% | {:.3} |",
+                wall(t) * 1e3,
+                wall(t) / wall(both)
+            );
         }
-        _ => println!("\n(kernels launched the ordinary way only: BBC_PDL=0, a GPU before Hopper, or a driver that refused the probe)"),
+        println!(
+            "(switched off before the run: BBC_WEIGHT_PREFETCH=0, BBC_PDL=0; programmatic launches need Hopper or newer and a driver that passed the probe)"
+        );
     }
     for t in &timings {
         let step: f64 = t.device_seconds().unwrap_or(0.0);

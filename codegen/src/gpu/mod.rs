@@ -44,6 +44,11 @@ pub enum LaunchArg {
     Weight {
         node: usize,
     },
+    /// A weight a kernel only prefetches into L2 for a later launch that reads it
+    /// (`templates::weight_prefetch`): not read here, so not counted as read.
+    WeightPrefetch {
+        node: usize,
+    },
     /// Layer `slot`'s key or value cache.
     KvCache {
         slot: usize,

@@ -450,9 +450,9 @@ pub(crate) fn select(
                             scalar("scale", spec.scale as f32),
                             scalar("splits", &splits),
                         ];
-                        let args = [args, layout_args].concat();
+                        let mut args = [args, layout_args].concat();
                         let group = attention::heads_per_block(spec.heads, spec.kv_heads, spec.head_dim);
-                        let split = attention::attention_split(
+                        let mut split = attention::attention_split(
                             "attention",
                             &graph.name,
                             layout,
@@ -460,6 +460,13 @@ pub(crate) fn select(
                             group,
                             cache_ty,
                         );
+                        if let Some((weights, bytes)) = next_matmul_weights(graph, i) {
+                            split = weight_prefetch::prefetching_next_weights(split);
+                            args.extend([
+                                LaunchArg::WeightPrefetch { node: weights },
+                                scalar("prefetch_bytes", prefetch_bytes(&rows, bytes)),
+                            ]);
+                        }
                         s.launches.push((i, split, Alternatives::default(), args));
                         let args = vec![
                             partial,
@@ -761,6 +768,44 @@ impl MatMul {
             None => self.n,
         }
     }
+}
+
+/// The most weight bytes attention prefetches for the projection after it: room in every
+/// target's L2 (50 MB on H200) beside the cache rows a few-row step reads.
+const PREFETCH_BUDGET: usize = 24 << 20;
+
+/// Rows at most for which attention prefetches: beyond, the steps' cache reads fill L2.
+const PREFETCH_ROWS: usize = 4;
+
+/// The weights (node) of the matmul reading attention node `i`'s output, the output
+/// projection, and their bytes: what attention's split pass prefetches into L2
+/// (`templates::weight_prefetch`).
+fn next_matmul_weights(graph: &Graph, i: usize) -> Option<(usize, usize)> {
+    let matmul = graph
+        .nodes()
+        .iter()
+        .find(|n| matches!(n.op, Op::MatMul) && n.inputs.first().is_some_and(|x| x.0 == i))?;
+    let w = *matmul.inputs.last()?;
+    let node = graph.node(w);
+    let elements: usize = node.shape.resolve(0, 0).iter().product();
+    let bytes = match WeightFormat::of(node.dtype)? {
+        WeightFormat::Dense(ty) => elements * ty.bytes(),
+        WeightFormat::Blocks(format) => {
+            let (block_elements, block_bytes) = quant::block_layout(format)?;
+            elements / block_elements as usize * block_bytes as usize
+        }
+    };
+    Some((w.0, bytes))
+}
+
+/// The `prefetch_bytes` scalar of a step of `rows` rows: up to [`PREFETCH_BUDGET`] of the
+/// `bytes` at [`PREFETCH_ROWS`] rows or fewer, none beyond, and none where the runtime's
+/// `prefetch` is 0 (switched off).
+fn prefetch_bytes(rows: &str, bytes: usize) -> String {
+    format!(
+        "prefetch*min(1,{PREFETCH_ROWS}/({rows}))*{}",
+        bytes.min(PREFETCH_BUDGET)
+    )
 }
 
 /// Whether every row of every view starts 16-byte aligned (the GEMVs then read activations

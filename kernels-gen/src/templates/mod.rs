@@ -20,6 +20,7 @@ pub mod rope;
 pub mod sample;
 pub mod split_k;
 pub mod top_k;
+pub mod weight_prefetch;
 
 use crate::dsl::*;
 
@@ -369,6 +370,16 @@ pub fn catalog() -> Vec<Kernel> {
             2,
             Ty::Bf16,
         ),
+        // As a serving plan's few-row steps run it: prefetching the output projection's
+        // weights into L2.
+        weight_prefetch::prefetching_next_weights(attention::attention_split(
+            "attention_batched_prefetching",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            128,
+            4,
+            Ty::Bf16,
+        )),
         kv_append::kv_append_with(
             "kv_append_batched",
             "catalog",

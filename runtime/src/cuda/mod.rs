@@ -49,6 +49,9 @@ pub struct CudaDevice {
     /// launched programmatically (behind a copy, an event, a graph or a capture's start there
     /// is no kernel to overlap, and no reason to ask the driver for it).
     after_launch: bool,
+    /// Whether kernels prefetch the next matmul's weights into L2 where the plan has them (the
+    /// `prefetch` variable of its steps): unless `BBC_WEIGHT_PREFETCH=0`.
+    weight_prefetch: bool,
     /// Instantiated graphs by key (a batched step's row count).
     graphs: HashMap<usize, OwnedGraph>,
 }
@@ -69,7 +72,12 @@ type KernelImage = (String, Ptx, usize, bool);
 
 /// Programmatic dependent launch unless `BBC_PDL=0` (to compare, or to rule it out).
 fn programmatic_launch_wanted() -> bool {
-    std::env::var("BBC_PDL").map_or(true, |v| v.trim() != "0")
+    switched_on("BBC_PDL")
+}
+
+/// An on/off environment switch, on unless set to `0`.
+fn switched_on(variable: &str) -> bool {
+    std::env::var(variable).map_or(true, |v| v.trim() != "0")
 }
 
 /// A CUDA graph that may move between threads.
@@ -144,6 +152,7 @@ impl CudaDevice {
             programmatic_launch: programmatic_launch_works && programmatic_launch_wanted(),
             programmatic_launch_works,
             after_launch: false,
+            weight_prefetch: switched_on("BBC_WEIGHT_PREFETCH"),
             graphs: HashMap::new(),
         })
     }
@@ -157,6 +166,19 @@ impl CudaDevice {
     /// Graphs captured so far are dropped: they hold the launches as they were made.
     pub fn set_programmatic_launch(&mut self, on: bool) {
         self.programmatic_launch = on && self.programmatic_launch_works;
+        self.graphs.clear();
+    }
+
+    /// Whether kernels prefetch the next matmul's weights where the plan has them.
+    pub fn weight_prefetch(&self) -> bool {
+        self.weight_prefetch
+    }
+
+    /// Prefetch the next matmul's weights (where the plan has kernels do it) or not, from the
+    /// next step on. Graphs captured so far are dropped: they hold the prefetch sizes as they
+    /// were.
+    pub fn set_weight_prefetch(&mut self, on: bool) {
+        self.weight_prefetch = on;
         self.graphs.clear();
     }
 
@@ -192,6 +214,10 @@ impl CudaDevice {
 
 impl PlanDevice for CudaDevice {
     type Buffer = CudaSlice<u8>;
+
+    fn prefetches_weights(&self) -> bool {
+        self.weight_prefetch
+    }
 
     fn alloc(&mut self, bytes: usize) -> Result<Self::Buffer> {
         self.after_launch = false;

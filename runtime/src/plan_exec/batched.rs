@@ -173,6 +173,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             ("seqs", Value::Int(batch.len() as i64)),
             ("first", Value::Int(0)),
             ("block_size", Value::Int(cache.block_size as i64)),
+            ("prefetch", Value::Int(device.prefetches_weights() as i64)),
         ]);
         Ok((segment_rows, vars))
     }

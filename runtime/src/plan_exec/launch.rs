@@ -81,7 +81,7 @@ pub(super) fn prepare(plan: &GpuPlan) -> Result<Vec<PreparedLaunch>> {
                 offset: Compiled::parse(offset).map_err(artifact)?,
             },
             LaunchArg::Scratch { node, name, .. } => Arg::Scratch(buffer(*node, Some(name))?),
-            LaunchArg::Weight { node } => Arg::Held(BufferKey::Weight(*node)),
+            LaunchArg::Weight { node } | LaunchArg::WeightPrefetch { node } => Arg::Held(BufferKey::Weight(*node)),
             LaunchArg::KvCache { slot, value } => Arg::Held(BufferKey::Kv(*slot, *value)),
             LaunchArg::Constant { name } => Arg::Held(BufferKey::Constant(name.clone())),
             LaunchArg::Derived { weight, tensor } => Arg::Held(BufferKey::Derived(weight.clone(), tensor.clone())),

@@ -70,6 +70,13 @@ pub trait PlanDevice {
     fn replay(&mut self, _key: usize) -> Result<bool> {
         Ok(false)
     }
+
+    /// Whether kernels prefetch the next matmul's weights into L2 where the plan has them do
+    /// it (the step's `prefetch` variable; `templates::weight_prefetch`). Only a cache makes
+    /// that worth anything; the emulator does it to check the prefetches' bounds.
+    fn prefetches_weights(&self) -> bool {
+        false
+    }
 }
 
 /// A launch argument as the device takes it.
@@ -329,6 +336,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         let vars = HashMap::from([
             ("tokens", Value::Int(tokens as i64)),
             ("first", Value::Int(seq.len as i64)),
+            ("prefetch", Value::Int(device.prefetches_weights() as i64)),
         ]);
         self.launch_all(device, buffers, &vars, None)?;
         seq.len += tokens;
