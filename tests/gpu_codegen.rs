@@ -248,6 +248,43 @@ fn tiny_models_compile_for_every_gpu_target_in_f32_and_bf16() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Every kernel of the 8B-shaped serving plan (what `bbc gpu-check` times, and what a served
+/// Llama 3 8B runs) builds for each GPU target without register spills, as artifacts build
+/// kernels (`codegen::spill_free`): ptxas's own register choice spilled its attention kernel
+/// on every target.
+#[test]
+fn the_8b_shaped_plans_kernels_build_without_spills() {
+    if !nvrtc_present() {
+        return;
+    }
+    let options = models::LowerOptions {
+        logits: LogitsFor::LastToken,
+        compute: ComputeDtype::Bf16,
+    };
+    let graph = models::lower_without_weights(&models::ModelConfig::llama3_8b(), options).unwrap();
+    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+        let fused = passes::optimized(&graph, bbc::model_ref::cost_model(target)).unwrap();
+        let serving = models::with_greedy_token(&fused).unwrap();
+        let cache = gpu::BatchedCache {
+            blocks: 64,
+            block_size: 16,
+        };
+        let (plan, kernels) = gpu::build_batched(&serving, target, 512, cache).unwrap();
+        for k in &kernels {
+            let source = kernels_gen::cuda::emit(k);
+            let built = codegen::spill_free::build(&k.name, &source, k.block_dim, &plan.arch).unwrap();
+            let resources = built.resources.as_ref().expect("a ptxas report");
+            assert!(!built.spills(), "{} on {}: {resources:?}", k.name, plan.arch);
+            if let Some(blocks) = built.min_blocks_per_sm {
+                println!(
+                    "{} on {}: {} registers, {blocks} blocks an SM asked for",
+                    k.name, plan.arch, resources.registers
+                );
+            }
+        }
+    }
+}
+
 /// In the 8B-shaped serving plan every attention split pass prefetches the weights of the
 /// launch after attention's combine pass (the output projection): 24 MiB of its 32 at up to 4
 /// rows, nothing at more rows or with the runtime's `prefetch` off; and the prefetch is not
