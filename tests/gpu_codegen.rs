@@ -43,6 +43,32 @@ fn fused(name: &str, target: Target, dtype: ComputeDtype) -> (Model, ir::Graph) 
     (model, fused)
 }
 
+/// `config`'s graph in bf16, lowered without weights.
+fn bf16_graph(config: &models::ModelConfig) -> ir::Graph {
+    let options = models::LowerOptions {
+        logits: LogitsFor::LastToken,
+        compute: ComputeDtype::Bf16,
+    };
+    models::lower_without_weights(config, options).unwrap()
+}
+
+/// The Llama-3-8B-shaped graph in bf16, lowered without weights.
+fn llama_8b_graph() -> ir::Graph {
+    bf16_graph(&models::ModelConfig::llama3_8b())
+}
+
+/// `graph`'s serving plan for `target` as `bbc compile` writes it (each sequence's argmax
+/// beside its logits; a pool of 64 blocks of 16 positions), with its kernels.
+fn serving_plan(graph: &ir::Graph, target: Target) -> (gpu::GpuPlan, Vec<kernels_gen::dsl::Kernel>) {
+    let fused = passes::optimized(graph, bbc::model_ref::cost_model(target)).unwrap();
+    let serving = models::with_greedy_token(&fused).unwrap();
+    let cache = gpu::BatchedCache {
+        blocks: 64,
+        block_size: 16,
+    };
+    gpu::build_batched(&serving, target, 512, cache).unwrap()
+}
+
 #[test]
 fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
     for (name, dtype) in [
@@ -257,19 +283,9 @@ fn the_8b_shaped_plans_kernels_build_without_spills() {
     if !nvrtc_present() {
         return;
     }
-    let options = models::LowerOptions {
-        logits: LogitsFor::LastToken,
-        compute: ComputeDtype::Bf16,
-    };
-    let graph = models::lower_without_weights(&models::ModelConfig::llama3_8b(), options).unwrap();
+    let graph = llama_8b_graph();
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-        let fused = passes::optimized(&graph, bbc::model_ref::cost_model(target)).unwrap();
-        let serving = models::with_greedy_token(&fused).unwrap();
-        let cache = gpu::BatchedCache {
-            blocks: 64,
-            block_size: 16,
-        };
-        let (plan, kernels) = gpu::build_batched(&serving, target, 512, cache).unwrap();
+        let (plan, kernels) = serving_plan(&graph, target);
         for k in &kernels {
             let source = kernels_gen::cuda::emit(k);
             let built = codegen::spill_free::build(&k.name, &source, k.block_dim, &plan.arch).unwrap();
@@ -292,17 +308,7 @@ fn the_8b_shaped_plans_kernels_build_without_spills() {
 #[test]
 fn attention_prefetches_the_output_projection_at_few_rows() {
     use codegen::gpu::expr::{eval, Value};
-    let options = models::LowerOptions {
-        logits: LogitsFor::LastToken,
-        compute: ComputeDtype::Bf16,
-    };
-    let graph = models::lower_without_weights(&models::ModelConfig::llama3_8b(), options).unwrap();
-    let fused = passes::optimized(&graph, bbc::model_ref::cost_model(Target::H200)).unwrap();
-    let cache = gpu::BatchedCache {
-        blocks: 64,
-        block_size: 16,
-    };
-    let (plan, _) = gpu::build_batched(&fused, Target::H200, 512, cache).unwrap();
+    let (plan, _) = serving_plan(&llama_8b_graph(), Target::H200);
     let attention: Vec<usize> = (0..plan.launches.len())
         .filter(|&i| plan.launches[i].kernel.starts_with("attention_") && !plan.launches[i].kernel.contains("combine"))
         .collect();
@@ -504,18 +510,9 @@ fn running_a_gpu_artifact_without_a_driver_says_so() {
 /// builds for every target, and holds Llama-3-8B's 8.03 B parameters once each, in bf16.
 #[test]
 fn the_8b_shaped_serving_plan_holds_each_weight_once() {
-    let options = models::LowerOptions {
-        logits: LogitsFor::LastToken,
-        compute: ComputeDtype::Bf16,
-    };
-    let graph = models::lower_without_weights(&models::ModelConfig::llama3_8b(), options).unwrap();
+    let graph = llama_8b_graph();
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-        let fused = passes::optimized(&graph, bbc::model_ref::cost_model(target)).unwrap();
-        let cache = gpu::BatchedCache {
-            blocks: 64,
-            block_size: 16,
-        };
-        let (plan, _) = gpu::build_batched(&fused, target, 512, cache).unwrap();
+        let (plan, _) = serving_plan(&graph, target);
         let bytes: usize = plan
             .weights
             .iter()
@@ -537,13 +534,7 @@ fn the_8b_shaped_serving_plan_holds_each_weight_once() {
     // that norm as its prologue, the argmax). The split-K reductions after the GEMMs have no
     // blocks below 16 rows, and are not counted.
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-        let fused = passes::optimized(&graph, bbc::model_ref::cost_model(target)).unwrap();
-        let serving = models::with_greedy_token(&fused).unwrap();
-        let cache = gpu::BatchedCache {
-            blocks: 64,
-            block_size: 16,
-        };
-        let (plan, _) = gpu::build_batched(&serving, target, 512, cache).unwrap();
+        let (plan, _) = serving_plan(&graph, target);
         let one_row: Vec<&str> = plan
             .launches
             .iter()
@@ -558,7 +549,7 @@ fn the_8b_shaped_serving_plan_holds_each_weight_once() {
         vocab_size: 600_000,
         ..models::ModelConfig::llama3_8b()
     };
-    let graph = models::lower_without_weights(&huge, options).unwrap();
+    let graph = bf16_graph(&huge);
     let fused = passes::optimized(&graph, passes::CostModel::H200).unwrap();
     let err = gpu::build(&fused, Target::H200, 512).unwrap_err().to_string();
     assert!(err.contains("2457600000") && err.contains("32-bit"), "{err}");
@@ -567,7 +558,7 @@ fn the_8b_shaped_serving_plan_holds_each_weight_once() {
         head_dim: 512,
         ..models::ModelConfig::llama3_8b()
     };
-    let graph = models::lower_without_weights(&wide_heads, options).unwrap();
+    let graph = bf16_graph(&wide_heads);
     let fused = passes::optimized(&graph, passes::CostModel::H200).unwrap();
     let err = gpu::build(&fused, Target::H200, 512).unwrap_err().to_string();
     assert!(err.contains("head_dim 512"), "{err}");

@@ -22,32 +22,28 @@ impl Bytes {
 pub type MakeMatrix = dyn FnMut(&mut Bytes, u64, u64) -> (u32, Vec<u8>);
 pub type Matrix<'a> = &'a mut MakeMatrix;
 
-/// Q8_0 blocks: an f16 scale of 0.001 and 32 random values.
-pub fn q8_0(bytes: &mut Bytes, rows: u64, cols: u64) -> (u32, Vec<u8>) {
-    let scale = half::f16::from_f32(0.001).to_le_bytes();
-    let data = (0..rows * cols / 32)
+/// Blocks of 32 weights laid out as Q8_0 and Q4_0 are: an f16 `scale`, then `payload` random
+/// bytes (32 values, or 32 nibbles in 16 bytes).
+fn scaled_blocks(bytes: &mut Bytes, rows: u64, cols: u64, scale: f32, payload: usize) -> Vec<u8> {
+    let scale = half::f16::from_f32(scale).to_le_bytes();
+    (0..rows * cols / 32)
         .flat_map(|_| {
             scale
                 .into_iter()
-                .chain((0..32).map(|_| bytes.next_u64() as u8))
+                .chain((0..payload).map(|_| bytes.next_u64() as u8))
                 .collect::<Vec<_>>()
         })
-        .collect();
-    (8, data)
+        .collect()
+}
+
+/// Q8_0 blocks: an f16 scale of 0.001 and 32 random values.
+pub fn q8_0(bytes: &mut Bytes, rows: u64, cols: u64) -> (u32, Vec<u8>) {
+    (8, scaled_blocks(bytes, rows, cols, 0.001, 32))
 }
 
 /// Q4_0 blocks: an f16 scale of 0.01 and 32 random nibbles.
 pub fn q4_0(bytes: &mut Bytes, rows: u64, cols: u64) -> (u32, Vec<u8>) {
-    let scale = half::f16::from_f32(0.01).to_le_bytes();
-    let data = (0..rows * cols / 32)
-        .flat_map(|_| {
-            scale
-                .into_iter()
-                .chain((0..16).map(|_| bytes.next_u64() as u8))
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    (2, data)
+    (2, scaled_blocks(bytes, rows, cols, 0.01, 16))
 }
 
 /// IEEE half values within ±0.25.
