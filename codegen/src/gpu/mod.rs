@@ -16,6 +16,7 @@ mod select;
 use crate::target::Target;
 use ir::{Dim, Graph, Sym};
 use kernels_gen::dsl::Kernel;
+use kernels_gen::templates::quant::WeightFormat;
 use plan::MemoryPlan;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -377,10 +378,7 @@ pub fn weights_read(launches: &[Launch]) -> BTreeSet<usize> {
 fn check_index_range(weights: &[WeightUse], memory: &MemoryPlan) -> Result<(), GpuCodegenError> {
     for w in weights {
         let elements: usize = w.shape.iter().product();
-        let units = match kernels_gen::templates::quant::block_layout(w.dtype) {
-            Some((per_block, block_bytes)) => elements / per_block as usize * block_bytes as usize,
-            None => elements,
-        };
+        let units = WeightFormat::of(w.dtype).map_or(elements, |format| format.buffer_len(elements));
         if units > i32::MAX as usize {
             return Err(GpuCodegenError::Unsupported {
                 node: w.node,

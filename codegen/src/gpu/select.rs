@@ -23,6 +23,18 @@ pub(crate) struct Selected {
     pub positions: Option<usize>,
 }
 
+impl Selected {
+    /// The rotation's inverse frequencies as a plan constant (one per theta and rotary width,
+    /// shared by every launch that rotates so), and the argument naming it.
+    fn rope_inv_freq(&mut self, spec: &ir::RopeSpec) -> LaunchArg {
+        let name = format!("rope_inv_freq_theta{}_dim{}", spec.theta, spec.rotary_dim);
+        self.constants
+            .entry(name.clone())
+            .or_insert_with(|| rope_inv_freq(spec));
+        LaunchArg::Constant { name }
+    }
+}
+
 /// A launch's kernels for steps of several rows (see [`super::Launch`]).
 #[derive(Default)]
 pub(crate) struct Alternatives {
@@ -300,13 +312,12 @@ pub(crate) fn select(
                         )
                     }
                     Op::Rope(spec) => {
-                        let name = format!("rope_inv_freq_theta{}_dim{}", spec.theta, spec.rotary_dim);
-                        s.constants.entry(name.clone()).or_insert_with(|| rope_inv_freq(spec));
+                        let inv_freq = s.rope_inv_freq(spec);
                         let ((x, stride), (pos, _)) = (act(&s, 0), act(&s, 1));
                         let args = vec![
                             x,
                             pos,
-                            LaunchArg::Constant { name },
+                            inv_freq,
                             out,
                             scalar("tokens", &rows),
                             scalar("width", width(graph, i)),
@@ -364,10 +375,7 @@ pub(crate) fn select(
                         };
                         let (kernel, args, (q, q_stride)) = match op {
                             Op::RopeAttention { rope, .. } => {
-                                let inv_freq = format!("rope_inv_freq_theta{}_dim{}", rope.theta, rope.rotary_dim);
-                                s.constants
-                                    .entry(inv_freq.clone())
-                                    .or_insert_with(|| rope_inv_freq(rope));
+                                let inv_freq = s.rope_inv_freq(rope);
                                 let ((q, q_stride), (positions, _)) = (act(&s, 0), act(&s, 3));
                                 let q_dim = spec.heads * spec.head_dim;
                                 let rotated = LaunchArg::Scratch {
@@ -380,7 +388,7 @@ pub(crate) fn select(
                                     k,
                                     v,
                                     positions,
-                                    LaunchArg::Constant { name: inv_freq },
+                                    inv_freq,
                                     rotated.clone(),
                                     cache(false),
                                     cache(true),
@@ -787,15 +795,9 @@ fn next_matmul_weights(graph: &Graph, i: usize) -> Option<(usize, usize)> {
         .find(|n| matches!(n.op, Op::MatMul) && n.inputs.first().is_some_and(|x| x.0 == i))?;
     let w = *matmul.inputs.last()?;
     let node = graph.node(w);
+    let format = WeightFormat::of(node.dtype)?;
     let elements: usize = node.shape.resolve(0, 0).iter().product();
-    let bytes = match WeightFormat::of(node.dtype)? {
-        WeightFormat::Dense(ty) => elements * ty.bytes(),
-        WeightFormat::Blocks(format) => {
-            let (block_elements, block_bytes) = quant::block_layout(format)?;
-            elements / block_elements as usize * block_bytes as usize
-        }
-    };
-    Some((w.0, bytes))
+    Some((w.0, format.buffer_len(elements) * format.buffer_ty().bytes()))
 }
 
 /// The `prefetch_bytes` scalar of a step of `rows` rows: up to [`PREFETCH_BUDGET`] of the

@@ -329,6 +329,18 @@ impl WeightFormat {
         }
     }
 
+    /// Elements of the `w` buffer (of [`Self::buffer_ty`]) that `elements` weights take: the
+    /// weights themselves, or the bytes of their blocks.
+    pub fn buffer_len(self, elements: usize) -> usize {
+        match self {
+            Self::Dense(_) => elements,
+            Self::Blocks(format) => {
+                let (block_elements, block_bytes) = block_layout(format).expect("a block format");
+                elements / block_elements as usize * block_bytes as usize
+            }
+        }
+    }
+
     /// The element type of the `w` buffer.
     pub fn buffer_ty(self) -> Ty {
         match self {
