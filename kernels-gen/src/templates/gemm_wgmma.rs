@@ -25,8 +25,8 @@
 //! over a 4096-row weight gives 8×32 = 256 tiles for 132 SMs.
 
 use super::gemv::{self, NormPrologue};
+use super::prologue_gemm_params;
 use super::split_k;
-use super::{prologue_gemm_params, prologue_x};
 use crate::dsl::*;
 use ir::GluAct;
 
@@ -90,10 +90,6 @@ fn copy_stage(stage: Expr, k0: Expr) -> Vec<Stmt> {
 /// the result). Under a residual prologue the blocks of the first weight tile also write the
 /// sums they loaded: each (row, column) is one thread's of one such block.
 fn load_a(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
-    let scaled = |col: Expr, x: Expr| match norm {
-        Some(n) => x * (load("g", col) + f(n.offset)),
-        None => x,
-    };
     let mut out = Vec::new();
     for slice in 0..K_SLICES {
         for (row_half, col_half) in [(0, 0), (1, 0), (0, 1), (1, 1)] {
@@ -101,22 +97,11 @@ fn load_a(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
             let col = var("k0") + int(16 * slice as i64 + 8 * col_half) + var("t2");
             let first = 2 * row_half as usize + 4 * col_half as usize;
             let names = [a_name(slice, first), a_name(slice, first + 1)];
-            let mut loaded = vec![
-                let_("xv0", Ty::F32, prologue_x(norm, row.clone(), col.clone())),
-                let_("xv1", Ty::F32, prologue_x(norm, row.clone(), col.clone() + int(1))),
-                assign(&names[0], scaled(col.clone(), var("xv0"))),
-                assign(&names[1], scaled(col.clone() + int(1), var("xv1"))),
-            ];
-            if gemv::residual(norm) {
-                let sum_at = |c: Expr| row.clone() * gemv::out_row_len(norm, glu) + c;
-                loaded.push(if_(
-                    eq(var("n0"), int(0)),
-                    vec![
-                        store("out", sum_at(col.clone()), var("xv0")),
-                        store("out", sum_at(col.clone() + int(1)), var("xv1")),
-                    ],
-                ));
-            }
+            let loaded = [
+                super::prologue_element(norm, glu, row.clone(), col.clone(), &names[0]),
+                super::prologue_element(norm, glu, row.clone(), col.clone() + int(1), &names[1]),
+            ]
+            .concat();
             out.push(assign(&names[0], f(0.0)));
             out.push(assign(&names[1], f(0.0)));
             out.push(if_(
