@@ -96,6 +96,8 @@ pub fn rope_kv_append(
         )
     };
     let cache_at = |col: &str| var("at") + var(col);
+    // A step row's `[q | k | v]`: a thread per element.
+    let width = var("q_dim") + int(2) * var("kv_dim");
     Kernel {
         name: name.into(),
         origin: format!(
@@ -128,11 +130,11 @@ pub fn rope_kv_append(
         .concat(),
         shared: vec![],
         block_dim: BLOCK,
-        grid: blocks_for(var("tokens") * (var("q_dim") + int(2) * var("kv_dim")), BLOCK as i64),
+        grid: blocks_for(var("tokens") * width.clone(), BLOCK as i64),
         body: per_element(
-            var("tokens") * (var("q_dim") + int(2) * var("kv_dim")),
+            var("tokens") * width.clone(),
             vec![
-                let_("width", Ty::I32, var("q_dim") + int(2) * var("kv_dim")),
+                let_("width", Ty::I32, width),
                 let_("t", Ty::I32, var("i") / var("width")),
                 let_("c", Ty::I32, bin(BinOp::Rem, var("i"), var("width"))),
                 if_else(
