@@ -35,15 +35,19 @@ fn blocks(format: DType) -> Vec<u8> {
     std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
+/// The fixture's blocks of `format` as a matrix of rows of two blocks (ragged for the
+/// 32-element formats: k = 64): the bytes, `k` and the rows `n`.
+fn two_block_rows(format: DType) -> (Vec<u8>, usize, usize) {
+    let data = blocks(format);
+    let (be, bb) = block_layout(format).unwrap();
+    let n = data.len() / bb as usize / 2;
+    (data, 2 * be as usize, n)
+}
+
 #[test]
 fn quantized_gemv_matches_dequantize_then_matmul() {
     for format in QUANT_FORMATS {
-        let data = blocks(format);
-        let (be, bb) = block_layout(format).unwrap();
-        let n_blocks = data.len() / bb as usize;
-        // Rows of two blocks (ragged for the 32-element formats: k = 64).
-        let k = 2 * be as usize;
-        let n = n_blocks / 2;
+        let (data, k, n) = two_block_rows(format);
         let mut w = vec![0f32; n * k];
         ggml(format).dequantize(&data, &mut w);
         let tokens = 2;
@@ -74,10 +78,7 @@ fn quantized_tensor_core_gemm_matches_dequantize_then_matmul() {
     use kernels_gen::templates::gemm_mma::{gemm_mma, WeightStaging};
     let round = |v: &[f32]| v.iter().map(|&a| half::bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
     for format in QUANT_FORMATS {
-        let data = blocks(format);
-        let (be, bb) = block_layout(format).unwrap();
-        let k = 2 * be as usize;
-        let n = data.len() / bb as usize / 2;
+        let (data, k, n) = two_block_rows(format);
         let mut w = vec![0f32; n * k];
         ggml(format).dequantize(&data, &mut w);
         let kernel = gemm_mma("gemm_q", "test", WeightStaging::Dequantize(format));
@@ -104,10 +105,7 @@ fn quantized_gemv_takes_the_residual_norm_prologue() {
     let norm = NormPrologue::new(1e-6, 1.0).with_residual();
     let mut rng = common::Rng(43);
     for format in QUANT_FORMATS {
-        let data = blocks(format);
-        let (be, bb) = block_layout(format).unwrap();
-        let k = 2 * be as usize;
-        let n = data.len() / bb as usize / 2;
+        let (data, k, n) = two_block_rows(format);
         let tokens = 3;
         let mut inputs = common::Residual::random(&mut rng, (tokens, n, k), (k, k + 4));
         ggml(format).dequantize(&data, &mut inputs.w);
@@ -132,10 +130,7 @@ fn quantized_tensor_core_gemm_takes_the_residual_norm_prologue() {
     let norm = NormPrologue::new(1e-6, 1.0).with_residual();
     let mut rng = common::Rng(41);
     for format in QUANT_FORMATS {
-        let data = blocks(format);
-        let (be, bb) = block_layout(format).unwrap();
-        let k = 2 * be as usize;
-        let n = data.len() / bb as usize / 2;
+        let (data, k, n) = two_block_rows(format);
         let kernel = gemm_mma_with("gemm_q", "test", WeightStaging::Dequantize(format), Some(norm), None);
         let reduce = reduce("reduce", "test", 16, None);
         let tokens = 20;
