@@ -70,12 +70,8 @@ struct LoadedKernel {
 /// kernel before it.
 type KernelImage = (String, Ptx, usize, bool);
 
-/// Programmatic dependent launch unless `BBC_PDL=0` (to compare, or to rule it out).
-fn programmatic_launch_wanted() -> bool {
-    switched_on("BBC_PDL")
-}
-
-/// An on/off environment switch, on unless set to `0`.
+/// An on/off environment switch, on unless set to `0` (`BBC_PDL`, `BBC_WEIGHT_PREFETCH`: to
+/// compare, or to rule one out).
 fn switched_on(variable: &str) -> bool {
     std::env::var(variable).map_or(true, |v| v.trim() != "0")
 }
@@ -149,7 +145,7 @@ impl CudaDevice {
         Ok(Self {
             stream,
             functions,
-            programmatic_launch: programmatic_launch_works && programmatic_launch_wanted(),
+            programmatic_launch: programmatic_launch_works && switched_on("BBC_PDL"),
             programmatic_launch_works,
             after_launch: false,
             weight_prefetch: switched_on("BBC_WEIGHT_PREFETCH"),
