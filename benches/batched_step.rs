@@ -1,8 +1,9 @@
 //! One serving step of the CPU backend at several batch sizes (SmolLM2 native Q4_1, or the
 //! model `BBC_BENCH_MODEL` names, e.g. `gemma3-270m`): decode steps of 1, 4, 16 and 64
 //! sequences over a paged KV cache holding 64 positions each, and one 128-token prefill chunk.
-//! Prints time per step and tokens per second, and each batch's speed-up over batch 1 measured
-//! in the same run. `cargo bench --bench batched_step`.
+//! Prints time per step and tokens per second, and each batch's speed-up over the first measured
+//! in the same run. `cargo bench --bench batched_step`; `BBC_BENCH_BATCHES=1,16` picks the decode
+//! batches (empty: the prefill chunk alone, e.g. to profile it).
 
 use models::{LogitsFor, Model, ModelSpec};
 use runtime::kv::{BlockId, Segment};
@@ -23,9 +24,9 @@ fn main() {
     let mut base = None;
     println!(
         "{:>10} {:>12} {:>12} {:>10}",
-        "batch", "ms/step", "tokens/s", "vs batch 1"
+        "batch", "ms/step", "tokens/s", "vs first"
     );
-    for batch in [1usize, 4, 16, 64] {
+    for batch in decode_batches() {
         let tables: Vec<Vec<BlockId>> = (0..batch)
             .map(|s| {
                 (0..blocks_per_seq)
@@ -75,6 +76,21 @@ fn main() {
         backend.step_batch(&mut pages, &[prefill]).unwrap();
     });
     println!("prefill 128 {:>11.2} {:>12.1}", seconds * 1e3, 128.0 / seconds);
+}
+
+/// The decode batch sizes to time: `BBC_BENCH_BATCHES` (comma-separated), else 1, 4, 16, 64.
+fn decode_batches() -> Vec<usize> {
+    let Ok(list) = std::env::var("BBC_BENCH_BATCHES") else {
+        return vec![1, 4, 16, 64];
+    };
+    list.split(',')
+        .filter(|b| !b.trim().is_empty())
+        .map(|b| {
+            b.trim()
+                .parse()
+                .unwrap_or_else(|_| panic!("BBC_BENCH_BATCHES: `{b}` is not a batch size"))
+        })
+        .collect()
 }
 
 /// Median seconds of `f` over enough runs to take about two seconds (at least five).

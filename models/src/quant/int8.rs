@@ -449,6 +449,25 @@ pub fn dot_packed(dtype: GgmlType, row: &[u8], act: &Q8Row) -> Option<f32> {
     Some(out[0])
 }
 
+/// Whether the packed dot runs its AVX-512 kernel (`vpdpbusd` on 512-bit registers, two
+/// blocks an instruction): where the CPU has AVX-512 F/BW/VL/VNNI, unless `BBC_AVX512=0`. Its
+/// results are bit for bit the AVX2 kernel's, so the switch only changes the speed.
+pub fn wide_int8() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *WIDE.get_or_init(|| {
+            std::env::var("BBC_AVX512").map_or(true, |v| v != "0")
+                && std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// The packed dot for one matmul, its preconditions (format, CPU features, activation
 /// lengths) checked once rather than per row. Each result is bit for bit what [`dot_packed`]
 /// gives for that activation alone, however many are computed together (one kernel computes
@@ -456,6 +475,8 @@ pub fn dot_packed(dtype: GgmlType, row: &[u8], act: &Q8Row) -> Option<f32> {
 #[derive(Debug, Clone, Copy)]
 pub struct PackedDot {
     dtype: GgmlType,
+    /// Run the AVX-512 kernel ([`wide_int8`]).
+    wide: bool,
 }
 
 impl PackedDot {
@@ -471,10 +492,19 @@ impl PackedDot {
         {
             let blocks = row_bytes / dtype.block_layout().1;
             let fits = |a: &Q8Row| a.q.len() >= blocks * ACT_BLOCK && a.d.len() >= blocks && a.dsum.len() >= blocks;
-            return acts.iter().all(fits).then_some(Self { dtype });
+            return acts.iter().all(fits).then_some(Self {
+                dtype,
+                wide: wide_int8(),
+            });
         }
         let _ = (dtype, row_bytes, acts);
         None
+    }
+
+    /// The same dot on the AVX2 kernel, whatever the CPU has (to check the wide one against).
+    #[cfg(test)]
+    fn narrow(self) -> Self {
+        Self { wide: false, ..self }
     }
 
     /// `out[t] = row · acts[t]` for a row of the length given to `new`.
@@ -486,12 +516,16 @@ impl PackedDot {
     /// share it (reuse it across rows to spare the allocation).
     pub fn run_with(&self, row: &[u8], acts: &[Q8Row], out: &mut [f32], scratch: &mut Vec<u8>) {
         #[cfg(target_arch = "x86_64")]
-        match self.dtype {
-            GgmlType::Q4_0 => packed_avx2::run::<packed_avx2::Q4_0>(row, acts, out, scratch),
-            GgmlType::Q4_1 => packed_avx2::run::<packed_avx2::Q4_1>(row, acts, out, scratch),
-            GgmlType::Q5_0 => packed_avx2::run::<packed_avx2::Q5_0>(row, acts, out, scratch),
-            GgmlType::Q5_1 => packed_avx2::run::<packed_avx2::Q5_1>(row, acts, out, scratch),
-            _ => packed_avx2::run::<packed_avx2::Q8_0>(row, acts, out, scratch),
+        {
+            use packed_x86::{run, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
+            let wide = self.wide;
+            match self.dtype {
+                GgmlType::Q4_0 => run::<Q4_0>(row, acts, out, scratch, wide),
+                GgmlType::Q4_1 => run::<Q4_1>(row, acts, out, scratch, wide),
+                GgmlType::Q5_0 => run::<Q5_0>(row, acts, out, scratch, wide),
+                GgmlType::Q5_1 => run::<Q5_1>(row, acts, out, scratch, wide),
+                _ => run::<Q8_0>(row, acts, out, scratch, wide),
+            }
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = (row, acts, out, scratch);
@@ -502,7 +536,7 @@ impl PackedDot {
 /// multiplied into up to [`TILE`] activation rows whose accumulators stay in registers. The
 /// format is a type parameter, so each instance's inner loop has no branch on it.
 #[cfg(target_arch = "x86_64")]
-mod packed_avx2 {
+mod packed_x86 {
     use super::{Q8Row, ACT_BLOCK};
     use std::arch::x86_64::*;
 
@@ -528,6 +562,13 @@ mod packed_avx2 {
         }
         /// What multiplies `dx·Σqx` in the block's contribution, given its scale `d`.
         unsafe fn offset(block: *const u8, d: f32) -> f32;
+        /// The wide kernel's products: two blocks' weights against their 64 activations, each
+        /// i32 lane the sum of four neighbouring products (`vpdpbusd`, weights unsigned), the
+        /// same integers `pmaddubsw` then `pmaddwd` give.
+        #[inline(always)]
+        unsafe fn dots_wide(w: __m512i, qx: __m512i) -> __m512i {
+            _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, qx)
+        }
     }
 
     pub struct Q4_0;
@@ -641,31 +682,45 @@ mod packed_avx2 {
         unsafe fn offset(_: *const u8, _: f32) -> f32 {
             0.0
         }
+        /// |w| against qx negated where w is negative (AVX-512 has no `vpsignb`; where w is 0
+        /// the product is 0 either way). |−128| stays 0x80, read unsigned as 128, as before.
+        #[inline(always)]
+        unsafe fn dots_wide(w: __m512i, qx: __m512i) -> __m512i {
+            let zero = _mm512_setzero_si512();
+            let signed = _mm512_mask_sub_epi8(qx, _mm512_movepi8_mask(w), zero, qx);
+            _mm512_dpbusd_epi32(zero, _mm512_abs_epi8(w), signed)
+        }
     }
 
     /// From this many activations, a row's blocks are decoded once (into `scratch`) rather
     /// than once per tile.
     const DECODE_ONCE_FROM: usize = 2 * TILE;
 
-    pub fn run<F: Format>(row: &[u8], acts: &[Q8Row], out: &mut [f32], scratch: &mut Vec<u8>) {
+    /// `wide`: the AVX-512 kernel, which the caller has checked the CPU runs.
+    pub fn run<F: Format>(row: &[u8], acts: &[Q8Row], out: &mut [f32], scratch: &mut Vec<u8>, wide: bool) {
         if acts.len() < DECODE_ONCE_FROM {
-            return tiles::<F>(row, acts, out);
+            return tiles::<F>(row, acts, out, wide);
         }
         // SAFETY: as for `tile`: `PackedDot::new` checked the CPU's features.
         unsafe { decode_row::<F>(row, scratch) };
-        tiles::<Decoded<F>>(scratch, acts, out);
+        tiles::<Decoded<F>>(scratch, acts, out, wide);
     }
 
-    fn tiles<F: Format>(row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
+    fn tiles<F: Format>(row: &[u8], acts: &[Q8Row], out: &mut [f32], wide: bool) {
         for (acts, out) in acts.chunks(TILE).zip(out.chunks_mut(TILE)) {
             // SAFETY: `PackedDot::new` checked AVX2/FMA/F16C and that every activation covers
-            // the row's blocks; the tile width is a constant so the accumulators stay in registers.
+            // the row's blocks, `wide_int8` the AVX-512 features where `wide`; the tile width is a constant
+            // so the accumulators stay in registers.
             unsafe {
-                match acts.len() {
-                    1 => tile::<F, 1>(row, acts, out),
-                    2 => tile::<F, 2>(row, acts, out),
-                    3 => tile::<F, 3>(row, acts, out),
-                    _ => tile::<F, TILE>(row, acts, out),
+                match (wide, acts.len()) {
+                    (true, 1) => tile_wide::<F, 1>(row, acts, out),
+                    (true, 2) => tile_wide::<F, 2>(row, acts, out),
+                    (true, 3) => tile_wide::<F, 3>(row, acts, out),
+                    (true, _) => tile_wide::<F, TILE>(row, acts, out),
+                    (false, 1) => tile::<F, 1>(row, acts, out),
+                    (false, 2) => tile::<F, 2>(row, acts, out),
+                    (false, 3) => tile::<F, 3>(row, acts, out),
+                    (false, _) => tile::<F, TILE>(row, acts, out),
                 }
             }
         }
@@ -695,6 +750,10 @@ mod packed_avx2 {
         #[inline(always)]
         unsafe fn offset(block: *const u8, _: f32) -> f32 {
             unsafe { std::ptr::read_unaligned(block.add(36) as *const f32) }
+        }
+        #[inline(always)]
+        unsafe fn dots_wide(w: __m512i, qx: __m512i) -> __m512i {
+            unsafe { F::dots_wide(w, qx) }
         }
     }
 
@@ -750,12 +809,75 @@ mod packed_avx2 {
             }
         }
         for t in 0..N {
-            let mut lanes = [0f32; 8];
-            // SAFETY: `lanes` holds eight f32.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(acc[0][t], acc[1][t])) };
-            let total =
-                ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-            out[t] = total + (offset[0][t] + offset[1][t]);
+            out[t] = finish(_mm256_add_ps(acc[0][t], acc[1][t]), offset[0][t] + offset[1][t]);
+        }
+    }
+
+    /// A row's result from its eight lane sums (even and odd blocks added) and its offset
+    /// terms, in the one order both kernels use.
+    #[inline(always)]
+    fn finish(sums: __m256, offset: f32) -> f32 {
+        let mut lanes = [0f32; 8];
+        // SAFETY: `lanes` holds eight f32; the callers enable AVX.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sums) };
+        let total = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+        total + offset
+    }
+
+    /// [`tile`] with AVX-512, bit for bit: an even block and the odd one after it share one
+    /// 512-bit register, so the accumulator's low half is `tile`'s even-block accumulator and
+    /// its high half the odd one, each lane's products, scales and FMAs the same values in
+    /// the same order (`vpdpbusd` sums the four products `pmaddubsw` + `pmaddwd` do, exactly).
+    /// Half the vector instructions a block, and the same tokens on every x86 CPU.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn tile_wide<F: Format, const N: usize>(row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
+        let q: [*const i8; N] = std::array::from_fn(|t| acts[t].q.as_ptr());
+        let d: [*const f32; N] = std::array::from_fn(|t| acts[t].d.as_ptr());
+        let dsum: [*const f32; N] = std::array::from_fn(|t| acts[t].dsum.as_ptr());
+        let mut acc = [_mm512_setzero_ps(); N];
+        let mut offset = [[0f32; N]; 2];
+        // Lane i of a block pair's scales goes to accumulator lanes 8i..8i+8.
+        let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        let blocks = row.len() / F::BYTES;
+        for b in (0..blocks).step_by(2) {
+            // SAFETY: block `b` lies within `row` and so does `b + 1` where it is read; the
+            // caller checked every activation holds every block (32 quants, its scale and its
+            // d·Σq) and the CPU's features.
+            unsafe {
+                let even = row.as_ptr().add(b * F::BYTES);
+                let pair = b + 1 < blocks;
+                let odd = even.add(F::BYTES);
+                let (even_scale, even_coef) = (F::scale(even), F::offset(even, F::scale(even)));
+                let w_even = _mm512_castsi256_si512(F::weights(even));
+                if !pair {
+                    // The last, even block alone: the accumulator's high half (odd blocks)
+                    // must keep its value, so the FMA is masked to the low half.
+                    for t in 0..N {
+                        let qx = _mm512_maskz_loadu_epi8(u32::MAX as u64, q[t].add(b * ACT_BLOCK));
+                        let sums = _mm512_cvtepi32_ps(F::dots_wide(w_even, qx));
+                        let scale = _mm512_set1_ps(even_scale * *d[t].add(b));
+                        acc[t] = _mm512_mask3_fmadd_ps(sums, scale, acc[t], 0x00FF);
+                        offset[0][t] += even_coef * *dsum[t].add(b);
+                    }
+                    break;
+                }
+                let (odd_scale, odd_coef) = (F::scale(odd), F::offset(odd, F::scale(odd)));
+                let w = _mm512_inserti64x4(w_even, F::weights(odd), 1);
+                let scales = _mm_setr_ps(even_scale, odd_scale, 0.0, 0.0);
+                for t in 0..N {
+                    let qx = _mm512_loadu_si512(q[t].add(b * ACT_BLOCK) as *const _);
+                    let sums = _mm512_cvtepi32_ps(F::dots_wide(w, qx));
+                    let dx = _mm_castpd_ps(_mm_load_sd(d[t].add(b) as *const f64));
+                    let scale = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_mul_ps(scales, dx)));
+                    acc[t] = _mm512_fmadd_ps(sums, scale, acc[t]);
+                    offset[0][t] += even_coef * *dsum[t].add(b);
+                    offset[1][t] += odd_coef * *dsum[t].add(b + 1);
+                }
+            }
+        }
+        for t in 0..N {
+            let sums = _mm256_add_ps(_mm512_castps512_ps256(acc[t]), _mm512_extractf32x8_ps(acc[t], 1));
+            out[t] = finish(sums, offset[0][t] + offset[1][t]);
         }
     }
 }
@@ -842,6 +964,59 @@ mod packed_many_tests {
                 kernel.run(&data, &acts[..count], &mut many);
                 for (a, m) in acts.iter().zip(&many) {
                     assert_eq!(m.to_bits(), dot_packed(dtype, &data, a).unwrap().to_bits(), "{dtype:?}");
+                }
+            }
+        }
+    }
+
+    /// The AVX-512 kernel gives the AVX2 kernel's bits: every format, rows of an odd and an
+    /// even number of blocks (the odd one's last block alone), every tile width, packed and
+    /// decoded rows, and activations with extreme values (|q| = 127 against Q8_0's −128).
+    #[test]
+    fn the_wide_kernel_gives_the_avx2_kernels_bits() {
+        if !wide_int8() {
+            #[cfg(target_arch = "x86_64")]
+            assert!(
+                !std::is_x86_feature_detected!("avx512vnni") || std::env::var("BBC_AVX512").is_ok_and(|v| v == "0"),
+                "the CPU has AVX-512 VNNI but the wide kernel is off"
+            );
+            return;
+        }
+        for dtype in super::packed_tests::PACKED {
+            let (elements, bytes) = dtype.block_layout();
+            for blocks in [1, 6, 7] {
+                let mut data: Vec<u8> = (0..blocks * bytes)
+                    .map(|i| ((i * 2654435761usize) >> 13) as u8)
+                    .collect();
+                for (k, b) in data.chunks_exact_mut(bytes).enumerate() {
+                    b[0..2].copy_from_slice(&half::f16::from_f32(0.01 + 0.003 * k as f32).to_le_bytes());
+                    if matches!(dtype, GgmlType::Q4_1 | GgmlType::Q5_1) {
+                        b[2..4].copy_from_slice(&half::f16::from_f32(-0.04).to_le_bytes());
+                    }
+                }
+                if dtype == GgmlType::Q8_0 {
+                    data[2] = 0x80;
+                    data[3] = 0x7f;
+                }
+                let acts: Vec<Q8Row> = (0..11)
+                    .map(|s| {
+                        let mut x: Vec<f32> = (0..blocks * elements)
+                            .map(|i| (((i * (s + 5)) % 31) as f32 - 15.0) * (1.0 + s as f32) / 9.0)
+                            .collect();
+                        x[0] = -40.0;
+                        Q8Row::quantize(&x)
+                    })
+                    .collect();
+                let kernel = PackedDot::new(dtype, data.len(), &acts).expect("a packed kernel");
+                for count in 1..=acts.len() {
+                    let (mut wide, mut narrow) = (vec![0f32; count], vec![0f32; count]);
+                    kernel.run(&data, &acts[..count], &mut wide);
+                    kernel.narrow().run(&data, &acts[..count], &mut narrow);
+                    assert_eq!(
+                        wide.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        narrow.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "{dtype:?}, {blocks} blocks, {count} rows"
+                    );
                 }
             }
         }

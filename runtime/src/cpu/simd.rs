@@ -196,7 +196,11 @@ unsafe fn idot_i8_avx2(a: &[i8], b: &[i8]) -> i32 {
 pub fn isa() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
-        return "avx2+fma";
+        return if models::quant::int8::wide_int8() {
+            "avx2+fma, avx512-vnni int8 dots"
+        } else {
+            "avx2+fma"
+        };
     }
     "portable"
 }
