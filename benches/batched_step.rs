@@ -1,6 +1,7 @@
 //! One serving step of the CPU backend at several batch sizes (SmolLM2 native Q4_1, or the
 //! model `BBC_BENCH_MODEL` names, e.g. `gemma3-270m`): decode steps of 1, 4, 16 and 64
-//! sequences over a paged KV cache holding 64 positions each, and one 128-token prefill chunk.
+//! sequences over a paged KV cache holding 64 positions each, and one prefill chunk of 128 tokens
+//! (`BBC_BENCH_PREFILL` tokens).
 //! Prints time per step and tokens per second, and each batch's speed-up over the first measured
 //! in the same run. `cargo bench --bench batched_step`; `BBC_BENCH_BATCHES=1,16` picks the decode
 //! batches (empty: the prefill chunk alone, e.g. to profile it).
@@ -64,8 +65,12 @@ fn main() {
             seconds * 1e3
         );
     }
-    let table: Vec<BlockId> = (0..128 / BLOCK as u32).map(BlockId).collect();
-    let chunk: Vec<u32> = (0..128u32).map(|i| 300 + 3 * i).collect();
+    let prefill: usize = std::env::var("BBC_BENCH_PREFILL").map_or(128, |n| {
+        n.parse()
+            .unwrap_or_else(|_| panic!("BBC_BENCH_PREFILL: `{n}` is not a token count"))
+    });
+    let table: Vec<BlockId> = (0..prefill.div_ceil(BLOCK) as u32).map(BlockId).collect();
+    let chunk: Vec<u32> = (0..prefill as u32).map(|i| 300 + 3 * i).collect();
     let mut pages = backend.new_pages(BLOCK);
     let seconds = time(|| {
         let prefill = Segment {
@@ -75,7 +80,12 @@ fn main() {
         };
         backend.step_batch(&mut pages, &[prefill]).unwrap();
     });
-    println!("prefill 128 {:>11.2} {:>12.1}", seconds * 1e3, 128.0 / seconds);
+    println!(
+        "{:>10} {:>12.2} {:>12.1}",
+        format!("prefill {prefill}"),
+        seconds * 1e3,
+        prefill as f64 / seconds
+    );
 }
 
 /// The decode batch sizes to time: `BBC_BENCH_BATCHES` (comma-separated), else 1, 4, 16, 64.
