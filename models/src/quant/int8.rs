@@ -701,6 +701,55 @@ mod packed_x86 {
         }
     }
 
+    /// What the AVX-512 tile reads: a row as pairs of blocks (an even block and the odd one
+    /// after it), and where the count is odd, its last block alone.
+    pub trait PairFormat {
+        /// Bytes from one pair to the next.
+        const PAIR_BYTES: usize;
+        /// The bytes a row of `blocks` blocks takes.
+        fn row_bytes(blocks: usize) -> usize;
+        /// The pair at `at`: both blocks' weights (the even block's in the low half), and
+        /// `[even, odd, 0, 0]` of their scales and of their offset coefficients.
+        unsafe fn pair(at: *const u8) -> (__m512i, __m128, __m128);
+        /// The lone last block at `at`: its weights in the low half (the high half anything),
+        /// its scale and its offset coefficient.
+        unsafe fn lone(at: *const u8) -> (__m512i, f32, f32);
+        /// As [`Format::dots_wide`].
+        unsafe fn dots_wide(w: __m512i, qx: __m512i) -> __m512i;
+    }
+
+    /// Straight off the packed blocks.
+    impl<F: Format> PairFormat for F {
+        const PAIR_BYTES: usize = 2 * F::BYTES;
+        fn row_bytes(blocks: usize) -> usize {
+            blocks * F::BYTES
+        }
+        #[inline(always)]
+        unsafe fn pair(at: *const u8) -> (__m512i, __m128, __m128) {
+            unsafe {
+                let (w, even_scale, even_coef) = Self::lone(at);
+                let odd = at.add(F::BYTES);
+                let odd_scale = F::scale(odd);
+                (
+                    _mm512_inserti64x4(w, F::weights(odd), 1),
+                    _mm_setr_ps(even_scale, odd_scale, 0.0, 0.0),
+                    _mm_setr_ps(even_coef, F::offset(odd, odd_scale), 0.0, 0.0),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn lone(at: *const u8) -> (__m512i, f32, f32) {
+            unsafe {
+                let scale = F::scale(at);
+                (_mm512_castsi256_si512(F::weights(at)), scale, F::offset(at, scale))
+            }
+        }
+        #[inline(always)]
+        unsafe fn dots_wide(w: __m512i, qx: __m512i) -> __m512i {
+            unsafe { F::dots_wide(w, qx) }
+        }
+    }
+
     pub struct Q4_0;
     pub struct Q4_1;
     pub struct Q5_0;
@@ -828,29 +877,50 @@ mod packed_x86 {
 
     /// `wide`: the AVX-512 kernel, which the caller has checked the CPU runs.
     pub fn run<F: Format>(row: &[u8], acts: &[Q8Row], out: &mut [f32], scratch: &mut Vec<u8>, wide: bool) {
-        if acts.len() < DECODE_ONCE_FROM {
-            return tiles::<F>(row, acts, out, wide);
+        let blocks = row.len() / F::BYTES;
+        let decode_once = acts.len() >= DECODE_ONCE_FROM;
+        // SAFETY (decoding): as for `tile`: `PackedDot::new` checked the CPU's features.
+        match (wide, decode_once) {
+            (false, false) => tiles::<F>(row, acts, out),
+            (false, true) => {
+                unsafe { decode_row::<F>(row, scratch) };
+                tiles::<Decoded<F>>(scratch, acts, out)
+            }
+            (true, false) => tiles_wide::<F>(row, blocks, acts, out),
+            (true, true) => {
+                unsafe { decode_pairs::<F>(row, scratch) };
+                tiles_wide::<DecodedPairs<F>>(scratch, blocks, acts, out)
+            }
         }
-        // SAFETY: as for `tile`: `PackedDot::new` checked the CPU's features.
-        unsafe { decode_row::<F>(row, scratch) };
-        tiles::<Decoded<F>>(scratch, acts, out, wide);
     }
 
-    fn tiles<F: Format>(row: &[u8], acts: &[Q8Row], out: &mut [f32], wide: bool) {
+    fn tiles<F: Format>(row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
         for (acts, out) in acts.chunks(TILE).zip(out.chunks_mut(TILE)) {
             // SAFETY: `PackedDot::new` checked AVX2/FMA/F16C and that every activation covers
-            // the row's blocks, `wide_int8` the AVX-512 features where `wide`; the tile width is a constant
-            // so the accumulators stay in registers.
+            // the row's blocks; the tile width is a constant so the accumulators stay in
+            // registers.
             unsafe {
-                match (wide, acts.len()) {
-                    (true, 1) => tile_wide::<F, 1>(row, acts, out),
-                    (true, 2) => tile_wide::<F, 2>(row, acts, out),
-                    (true, 3) => tile_wide::<F, 3>(row, acts, out),
-                    (true, _) => tile_wide::<F, TILE>(row, acts, out),
-                    (false, 1) => tile::<F, 1>(row, acts, out),
-                    (false, 2) => tile::<F, 2>(row, acts, out),
-                    (false, 3) => tile::<F, 3>(row, acts, out),
-                    (false, _) => tile::<F, TILE>(row, acts, out),
+                match acts.len() {
+                    1 => tile::<F, 1>(row, acts, out),
+                    2 => tile::<F, 2>(row, acts, out),
+                    3 => tile::<F, 3>(row, acts, out),
+                    _ => tile::<F, TILE>(row, acts, out),
+                }
+            }
+        }
+    }
+
+    fn tiles_wide<P: PairFormat>(row: &[u8], blocks: usize, acts: &[Q8Row], out: &mut [f32]) {
+        // Every unchecked read of `tile_wide` stays inside this.
+        assert!(row.len() >= P::row_bytes(blocks));
+        for (acts, out) in acts.chunks(TILE).zip(out.chunks_mut(TILE)) {
+            // SAFETY: as in `tiles`, and `wide_int8` checked the AVX-512 features.
+            unsafe {
+                match acts.len() {
+                    1 => tile_wide::<P, 1>(row, blocks, acts, out),
+                    2 => tile_wide::<P, 2>(row, blocks, acts, out),
+                    3 => tile_wide::<P, 3>(row, blocks, acts, out),
+                    _ => tile_wide::<P, TILE>(row, blocks, acts, out),
                 }
             }
         }
@@ -884,6 +954,59 @@ mod packed_x86 {
         #[inline(always)]
         unsafe fn dots_wide(w: __m512i, qx: __m512i) -> __m512i {
             unsafe { F::dots_wide(w, qx) }
+        }
+    }
+
+    /// A pair of blocks of format `F` decoded for the AVX-512 tile: both blocks' 64 weights
+    /// (one load), then `[even scale, odd scale, even coefficient, odd coefficient]` as f32
+    /// (one more); a lone last block has zeros for its odd half.
+    pub struct DecodedPairs<F>(std::marker::PhantomData<F>);
+
+    const DECODED_PAIR_BYTES: usize = 64 + 4 * 4;
+
+    impl<F: Format> PairFormat for DecodedPairs<F> {
+        const PAIR_BYTES: usize = DECODED_PAIR_BYTES;
+        fn row_bytes(blocks: usize) -> usize {
+            blocks.div_ceil(2) * DECODED_PAIR_BYTES
+        }
+        #[inline(always)]
+        unsafe fn pair(at: *const u8) -> (__m512i, __m128, __m128) {
+            unsafe {
+                let factors = _mm_loadu_ps(at.add(64) as *const f32);
+                let coefs = _mm_movehl_ps(_mm_setzero_ps(), factors);
+                let scales = _mm_movelh_ps(factors, _mm_setzero_ps());
+                (_mm512_loadu_si512(at as *const _), scales, coefs)
+            }
+        }
+        #[inline(always)]
+        unsafe fn lone(at: *const u8) -> (__m512i, f32, f32) {
+            unsafe {
+                let read = |i: usize| std::ptr::read_unaligned(at.add(64 + 4 * i) as *const f32);
+                (_mm512_loadu_si512(at as *const _), read(0), read(2))
+            }
+        }
+        #[inline(always)]
+        unsafe fn dots_wide(w: __m512i, qx: __m512i) -> __m512i {
+            unsafe { F::dots_wide(w, qx) }
+        }
+    }
+
+    /// Decode every pair of blocks of `row` into `out` (`DecodedPairs<F>`'s layout).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn decode_pairs<F: Format>(row: &[u8], out: &mut Vec<u8>) {
+        let blocks = row.len() / F::BYTES;
+        out.clear();
+        out.resize(blocks.div_ceil(2) * DECODED_PAIR_BYTES, 0);
+        for b in 0..blocks {
+            // SAFETY: block `b` lies within `row` and its decoded place within `out`.
+            unsafe {
+                let block = row.as_ptr().add(b * F::BYTES);
+                let at = out.as_mut_ptr().add(b / 2 * DECODED_PAIR_BYTES);
+                let (half, scale) = (b % 2, F::scale(block));
+                _mm256_storeu_si256(at.add(32 * half) as *mut __m256i, F::weights(block));
+                std::ptr::write_unaligned(at.add(64 + 4 * half) as *mut f32, scale);
+                std::ptr::write_unaligned(at.add(72 + 4 * half) as *mut f32, F::offset(block, scale));
+            }
         }
     }
 
@@ -967,54 +1090,52 @@ mod packed_x86 {
     /// the same order (`vpdpbusd` sums the four products `pmaddubsw` + `pmaddwd` do, exactly).
     /// Half the vector instructions a block, and the same tokens on every x86 CPU.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn tile_wide<F: Format, const N: usize>(row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
+    unsafe fn tile_wide<P: PairFormat, const N: usize>(row: &[u8], blocks: usize, acts: &[Q8Row], out: &mut [f32]) {
         let q: [*const i8; N] = std::array::from_fn(|t| acts[t].q.as_ptr());
         let d: [*const f32; N] = std::array::from_fn(|t| acts[t].d.as_ptr());
         let dsum: [*const f32; N] = std::array::from_fn(|t| acts[t].dsum.as_ptr());
         let mut acc = [_mm512_setzero_ps(); N];
-        let mut offset = [[0f32; N]; 2];
+        // Lanes 0 and 1: `tile`'s even- and odd-block offsets (each lane a multiply, then an
+        // add, as the scalar code rounds).
+        let mut offset = [_mm_setzero_ps(); N];
         // Lane i of a block pair's scales goes to accumulator lanes 8i..8i+8.
         let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        let blocks = row.len() / F::BYTES;
         for b in (0..blocks).step_by(2) {
-            // SAFETY: block `b` lies within `row` and so does `b + 1` where it is read; the
+            // SAFETY: pair b / 2 lies within `row` (`tiles_wide` checked its length); the
             // caller checked every activation holds every block (32 quants, its scale and its
             // d·Σq) and the CPU's features.
             unsafe {
-                let even = row.as_ptr().add(b * F::BYTES);
-                let pair = b + 1 < blocks;
-                let odd = even.add(F::BYTES);
-                let (even_scale, even_coef) = (F::scale(even), F::offset(even, F::scale(even)));
-                let w_even = _mm512_castsi256_si512(F::weights(even));
-                if !pair {
+                let at = row.as_ptr().add(b / 2 * P::PAIR_BYTES);
+                if b + 1 == blocks {
                     // The last, even block alone: the accumulator's high half (odd blocks)
                     // must keep its value, so the FMA is masked to the low half.
+                    let (w, scale, coef) = P::lone(at);
                     for t in 0..N {
                         let qx = _mm512_maskz_loadu_epi8(u32::MAX as u64, q[t].add(b * ACT_BLOCK));
-                        let sums = _mm512_cvtepi32_ps(F::dots_wide(w_even, qx));
-                        let scale = _mm512_set1_ps(even_scale * *d[t].add(b));
-                        acc[t] = _mm512_mask3_fmadd_ps(sums, scale, acc[t], 0x00FF);
-                        offset[0][t] += even_coef * *dsum[t].add(b);
+                        let sums = _mm512_cvtepi32_ps(P::dots_wide(w, qx));
+                        let scaled = _mm512_set1_ps(scale * *d[t].add(b));
+                        acc[t] = _mm512_mask3_fmadd_ps(sums, scaled, acc[t], 0x00FF);
+                        let term = _mm_mul_ss(_mm_set_ss(coef), _mm_load_ss(dsum[t].add(b)));
+                        offset[t] = _mm_add_ss(offset[t], term);
                     }
                     break;
                 }
-                let (odd_scale, odd_coef) = (F::scale(odd), F::offset(odd, F::scale(odd)));
-                let w = _mm512_inserti64x4(w_even, F::weights(odd), 1);
-                let scales = _mm_setr_ps(even_scale, odd_scale, 0.0, 0.0);
+                let (w, scales, coefs) = P::pair(at);
                 for t in 0..N {
                     let qx = _mm512_loadu_si512(q[t].add(b * ACT_BLOCK) as *const _);
-                    let sums = _mm512_cvtepi32_ps(F::dots_wide(w, qx));
+                    let sums = _mm512_cvtepi32_ps(P::dots_wide(w, qx));
                     let dx = _mm_castpd_ps(_mm_load_sd(d[t].add(b) as *const f64));
-                    let scale = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_mul_ps(scales, dx)));
-                    acc[t] = _mm512_fmadd_ps(sums, scale, acc[t]);
-                    offset[0][t] += even_coef * *dsum[t].add(b);
-                    offset[1][t] += odd_coef * *dsum[t].add(b + 1);
+                    let scaled = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_mul_ps(scales, dx)));
+                    acc[t] = _mm512_fmadd_ps(sums, scaled, acc[t]);
+                    let dsums = _mm_castpd_ps(_mm_load_sd(dsum[t].add(b) as *const f64));
+                    offset[t] = _mm_add_ps(offset[t], _mm_mul_ps(coefs, dsums));
                 }
             }
         }
         for t in 0..N {
             let sums = _mm256_add_ps(_mm512_castps512_ps256(acc[t]), high_half(acc[t]));
-            out[t] = finish(sums, offset[0][t] + offset[1][t]);
+            let [even, odd, _, _] = std::mem::transmute::<__m128, [f32; 4]>(offset[t]);
+            out[t] = finish(sums, even + odd);
         }
     }
 }
