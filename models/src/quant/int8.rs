@@ -61,17 +61,50 @@ impl Q8Row {
     }
 }
 
-/// A block's scale: `max|x| / 127` (NaNs ignored).
-fn block_scale(xb: &[f32; ACT_BLOCK]) -> f32 {
-    xb.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0
+/// A span's scale: `max|x| / 127` (NaNs ignored).
+fn span_scale(x: &[f32]) -> f32 {
+    x.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0
+}
+
+/// What multiplies `x` to give its integer: `1 / d`, or 0 for an all-zero span.
+fn inverse(d: f32) -> f32 {
+    if d > 0.0 {
+        1.0 / d
+    } else {
+        0.0
+    }
 }
 
 /// `q = round(x / d)`, halves away from zero; the scale `d`.
 fn quantize_block(xb: &[f32; ACT_BLOCK], qb: &mut [i8; ACT_BLOCK]) -> f32 {
-    let d = block_scale(xb);
-    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-    for (q, &v) in qb.iter_mut().zip(xb) {
+    let d = span_scale(xb);
+    round_scalar(xb, inverse(d), qb);
+    d
+}
+
+fn round_scalar(x: &[f32], inv: f32, q: &mut [i8]) {
+    for (q, &v) in q.iter_mut().zip(x) {
         *q = (v * inv).round() as i8;
+    }
+}
+
+/// [`quantize_block`] over a span of whole 32-element blocks with one scale for all of it
+/// (the K-quant dots' 256-element activation blocks); the scale.
+pub(crate) fn quantize_span(x: &[f32], q: &mut [i8]) -> f32 {
+    let d = span_scale(x);
+    let inv = inverse(d);
+    #[cfg(target_arch = "x86_64")]
+    let avx2 = std::is_x86_feature_detected!("avx2");
+    for (xb, qb) in x.chunks_exact(ACT_BLOCK).zip(q.chunks_exact_mut(ACT_BLOCK)) {
+        let xb: &[f32; ACT_BLOCK] = xb.try_into().expect("whole blocks");
+        let qb: &mut [i8; ACT_BLOCK] = qb.try_into().expect("whole blocks");
+        // SAFETY: the CPU has AVX2 where `avx2` is set.
+        #[cfg(target_arch = "x86_64")]
+        if avx2 && unsafe { all_finite_avx2(xb) } {
+            unsafe { round_block_avx2(xb, inv, qb) };
+            continue;
+        }
+        round_scalar(xb, inv, qb);
     }
     d
 }
@@ -82,22 +115,45 @@ fn quantize_block(xb: &[f32; ACT_BLOCK], qb: &mut [i8; ACT_BLOCK]) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn quantize_block_avx2(xb: &[f32; ACT_BLOCK], qb: &mut [i8; ACT_BLOCK]) -> Option<f32> {
+    // SAFETY: AVX2 is enabled for this function.
+    unsafe {
+        if !all_finite_avx2(xb) {
+            return None;
+        }
+        let d = span_scale(xb);
+        round_block_avx2(xb, inverse(d), qb);
+        Some(d)
+    }
+}
+
+/// Whether a block holds neither an infinity nor a NaN.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn all_finite_avx2(xb: &[f32; ACT_BLOCK]) -> bool {
+    use std::arch::x86_64::*;
+    // SAFETY: the block holds 32 f32; AVX2 is enabled for this function.
+    unsafe {
+        // An infinity or NaN anywhere: x − x is NaN exactly there.
+        let mut bad = _mm256_setzero_ps();
+        for i in 0..4 {
+            let x = _mm256_loadu_ps(xb.as_ptr().add(8 * i));
+            let zero_if_finite = _mm256_sub_ps(x, x);
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(zero_if_finite, zero_if_finite, _CMP_UNORD_Q));
+        }
+        _mm256_movemask_ps(bad) == 0
+    }
+}
+
+/// [`round_scalar`] eight lanes at a time, bit for bit, for a block of finite values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn round_block_avx2(xb: &[f32; ACT_BLOCK], inv: f32, qb: &mut [i8; ACT_BLOCK]) {
     use std::arch::x86_64::*;
     // SAFETY: the block holds 32 f32 and `qb` 32 bytes; AVX2 is enabled for this function.
     unsafe {
         let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(xb.as_ptr().add(8 * i)));
         let sign = _mm256_set1_ps(-0.0);
-        // An infinity or NaN anywhere: x − x is NaN exactly there.
-        let mut bad = _mm256_setzero_ps();
-        for x in v {
-            let zero_if_finite = _mm256_sub_ps(x, x);
-            bad = _mm256_or_ps(bad, _mm256_cmp_ps(zero_if_finite, zero_if_finite, _CMP_UNORD_Q));
-        }
-        if _mm256_movemask_ps(bad) != 0 {
-            return None;
-        }
-        let d = block_scale(xb);
-        let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+        let inv = _mm256_set1_ps(inv);
         let (half, one) = (_mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
         let q: [__m256i; 4] = std::array::from_fn(|i| {
             let y = _mm256_mul_ps(v[i], inv);
@@ -112,7 +168,6 @@ unsafe fn quantize_block_avx2(xb: &[f32; ACT_BLOCK], qb: &mut [i8; ACT_BLOCK]) -
         let packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
         let ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(qb.as_mut_ptr() as *mut __m256i, ordered);
-        Some(d)
     }
 }
 
@@ -1100,27 +1155,14 @@ mod packed_x86 {
         let mut offset = [_mm_setzero_ps(); N];
         // Lane i of a block pair's scales goes to accumulator lanes 8i..8i+8.
         let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        for b in (0..blocks).step_by(2) {
-            // SAFETY: pair b / 2 lies within `row` (`tiles_wide` checked its length); the
-            // caller checked every activation holds every block (32 quants, its scale and its
-            // d·Σq) and the CPU's features.
+        let pairs = blocks / 2;
+        for p in 0..pairs {
+            let b = 2 * p;
+            // SAFETY: pair p lies within `row` (`tiles_wide` checked its length); the caller
+            // checked every activation holds every block (32 quants, its scale and its d·Σq)
+            // and the CPU's features.
             unsafe {
-                let at = row.as_ptr().add(b / 2 * P::PAIR_BYTES);
-                if b + 1 == blocks {
-                    // The last, even block alone: the accumulator's high half (odd blocks)
-                    // must keep its value, so the FMA is masked to the low half.
-                    let (w, scale, coef) = P::lone(at);
-                    for t in 0..N {
-                        let qx = _mm512_maskz_loadu_epi8(u32::MAX as u64, q[t].add(b * ACT_BLOCK));
-                        let sums = _mm512_cvtepi32_ps(P::dots_wide(w, qx));
-                        let scaled = _mm512_set1_ps(scale * *d[t].add(b));
-                        acc[t] = _mm512_mask3_fmadd_ps(sums, scaled, acc[t], 0x00FF);
-                        let term = _mm_mul_ss(_mm_set_ss(coef), _mm_load_ss(dsum[t].add(b)));
-                        offset[t] = _mm_add_ss(offset[t], term);
-                    }
-                    break;
-                }
-                let (w, scales, coefs) = P::pair(at);
+                let (w, scales, coefs) = P::pair(row.as_ptr().add(p * P::PAIR_BYTES));
                 for t in 0..N {
                     let qx = _mm512_loadu_si512(q[t].add(b * ACT_BLOCK) as *const _);
                     let sums = _mm512_cvtepi32_ps(P::dots_wide(w, qx));
@@ -1129,6 +1171,23 @@ mod packed_x86 {
                     acc[t] = _mm512_fmadd_ps(sums, scaled, acc[t]);
                     let dsums = _mm_castpd_ps(_mm_load_sd(dsum[t].add(b) as *const f64));
                     offset[t] = _mm_add_ps(offset[t], _mm_mul_ps(coefs, dsums));
+                }
+            }
+        }
+        if blocks % 2 == 1 {
+            // The last, even block alone: the accumulator's high half (odd blocks) must keep
+            // its value, so the FMA is masked to the low half.
+            let b = blocks - 1;
+            // SAFETY: as above, for the lone block after the pairs.
+            unsafe {
+                let (w, scale, coef) = P::lone(row.as_ptr().add(pairs * P::PAIR_BYTES));
+                for t in 0..N {
+                    let qx = _mm512_maskz_loadu_epi8(u32::MAX as u64, q[t].add(b * ACT_BLOCK));
+                    let sums = _mm512_cvtepi32_ps(P::dots_wide(w, qx));
+                    let scaled = _mm512_set1_ps(scale * *d[t].add(b));
+                    acc[t] = _mm512_mask3_fmadd_ps(sums, scaled, acc[t], 0x00FF);
+                    let term = _mm_mul_ss(_mm_set_ss(coef), _mm_load_ss(dsum[t].add(b)));
+                    offset[t] = _mm_add_ss(offset[t], term);
                 }
             }
         }

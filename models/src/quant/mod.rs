@@ -5,6 +5,7 @@
 //! [`GgmlType`] is the run-time tag read from a GGUF tensor info and dispatches to the formats.
 
 pub mod int8;
+pub mod int8_superblock;
 mod q4_0;
 mod q4_1;
 mod q4_k;

@@ -10,6 +10,7 @@
 use super::simd;
 use half::bf16;
 use models::quant::int8::{self, Q8Row, UnpackedRow, ACT_BLOCK};
+use models::quant::int8_superblock::{DecodedSuper, Q8KRow, SuperblockDot, SUPER};
 use models::quant::GgmlType;
 use rayon::prelude::*;
 
@@ -73,12 +74,27 @@ impl Matrix {
                 dtype,
                 bytes,
                 row_bytes,
+            } if k % SUPER == 0 && SuperblockDot::new(*dtype, *row_bytes, &[]).is_some() => {
+                // K-quant rows: activations with one scale per super-block, whose dot is one
+                // integer sum per super-block (`int8_superblock`).
+                let acts = quantize_rows(x, k, Q8KRow::quantize);
+                let kernel = SuperblockDot::new(*dtype, *row_bytes, &acts).expect("activations cover the rows");
+                for_row_runs(
+                    out,
+                    n,
+                    tokens,
+                    rows_per_task,
+                    |decoded: &mut Vec<DecodedSuper>, r, dst| {
+                        kernel.run_with(&bytes[r * row_bytes..(r + 1) * row_bytes], &acts, dst, decoded);
+                    },
+                );
+            }
+            Storage::Quant {
+                dtype,
+                bytes,
+                row_bytes,
             } if k % ACT_BLOCK == 0 => {
-                // Quantizing many rows is worth spreading over the pool; one row (decode) is not.
-                let acts: Vec<Q8Row> = match tokens {
-                    1..=7 => x.chunks_exact(k).map(Q8Row::quantize).collect(),
-                    _ => x.par_chunks_exact(k).map(Q8Row::quantize).collect(),
-                };
+                let acts = quantize_rows(x, k, Q8Row::quantize);
                 let packed = int8::PackedDot::new(*dtype, *row_bytes, &acts);
                 for_row_runs(
                     out,
@@ -179,6 +195,16 @@ fn collect<'a, T: Clone + 'a>(
         out.extend_from_slice(pick(&p.storage).ok_or("matrices of different storage types")?);
     }
     Ok(out)
+}
+
+/// Each of `x`'s rows of `k` quantized by `quantize`: many rows are worth spreading over the
+/// pool, a few (decode) are not.
+fn quantize_rows<R: Send>(x: &[f32], k: usize, quantize: impl Fn(&[f32]) -> R + Sync + Send) -> Vec<R> {
+    if x.len() / k < 8 {
+        x.chunks_exact(k).map(quantize).collect()
+    } else {
+        x.par_chunks_exact(k).map(quantize).collect()
+    }
 }
 
 /// Rows per parallel task: a few tasks per thread (for balance) of at least 16 rows (so the
