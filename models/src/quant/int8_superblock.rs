@@ -7,7 +7,8 @@
 //!
 //! Results are defined by [`dot_portable`]: eight integer lanes per super-block (lane `l` sums
 //! products `4l..4l+4` of each 32 weights, times their 16-weight group's scale), each widened
-//! and FMA'd with `d·dx` into eight float lanes, summed in a fixed order at the end. The AVX2
+//! and FMA'd with `d·dx` into eight float lanes; eight more for the minimums (lane `l` the
+//! groups `2l` and `2l+1`, FMA'd with `dmin·dx`); both summed in a fixed order at the end. The AVX2
 //! and AVX-512 kernels compute exactly these integers and float operations, so a row's result
 //! is the same bits on every CPU and whatever the number of activations sharing the pass.
 
@@ -242,7 +243,7 @@ fn decode_row<F: SuperFormat>(row: &[u8], out: &mut Vec<DecodedSuper>) {
 /// The definition every kernel computes bit for bit (see the module's documentation).
 pub fn dot_portable(row: &[DecodedSuper], act: &Q8KRow) -> f32 {
     let mut acc = [0f32; 8];
-    let mut offset = 0f32;
+    let mut min_acc = [0f32; 8];
     for (s, sb) in row.iter().enumerate() {
         let q = &act.q[s * SUPER..(s + 1) * SUPER];
         let mut lanes = [0i32; 8];
@@ -257,54 +258,62 @@ pub fn dot_portable(row: &[DecodedSuper], act: &Q8KRow) -> f32 {
         for (a, &lane) in acc.iter_mut().zip(&lanes) {
             *a = (lane as f32).mul_add(sb.d * dx, *a);
         }
-        offset += sb.dmin * dx * min_sum(sb, &act.sums16[16 * s..16 * s + 16]) as f32;
+        // Exact: |min| ≤ 4096 and |Σqx| ≤ 2032 per group.
+        let sums = &act.sums16[16 * s..16 * s + 16];
+        for (l, a) in min_acc.iter_mut().enumerate() {
+            let lane: i32 = (2 * l..2 * l + 2).map(|g| sb.mins[g] as i32 * sums[g] as i32).sum();
+            *a = (lane as f32).mul_add(sb.dmin * dx, *a);
+        }
     }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) - offset
+    lane_sum(acc) - lane_sum(min_acc)
 }
 
-/// `Σ min·Σqx` over a super-block's 16-weight groups (exact: |min| ≤ 4096, |Σqx| ≤ 2032).
-fn min_sum(sb: &DecodedSuper, sums16: &[i16]) -> i32 {
-    sb.mins.iter().zip(sums16).map(|(&m, &s)| m as i32 * s as i32).sum()
+/// Eight lanes added in the one order every kernel uses.
+fn lane_sum(l: [f32; 8]) -> f32 {
+    ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7]))
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{min_sum, DecodedSuper, Q8KRow, SUPER};
+    use super::{lane_sum, DecodedSuper, Q8KRow, SUPER};
     use std::arch::x86_64::*;
 
+    /// A row's two accumulators: the weights' eight float lanes and the minimums'.
+    type Accumulators = (__m256, __m256);
+
     /// The float part of a super-block, shared by both kernels: its eight integer lanes
-    /// widened and FMA'd with `d·dx`, and its minimum term.
+    /// widened and FMA'd with `d·dx`, and its minimum lanes (`pmaddwd` of the group minimums
+    /// and the activation's group sums) with `dmin·dx`.
     #[inline(always)]
-    unsafe fn accumulate(
-        sb: &DecodedSuper,
-        s: usize,
-        lanes: __m256i,
-        act: &Q8KRow,
-        acc: &mut __m256,
-        offset: &mut f32,
-    ) {
-        // SAFETY (caller): `s` is one of the activation's super-blocks; FMA is enabled.
+    unsafe fn accumulate(sb: &DecodedSuper, s: usize, lanes: __m256i, act: &Q8KRow, acc: &mut Accumulators) {
+        // SAFETY (caller): `s` is one of the activation's super-blocks; AVX2 and FMA are
+        // enabled.
         unsafe {
             let dx = *act.d.get_unchecked(s);
-            *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(sb.d * dx), *acc);
-            *offset += sb.dmin * dx * min_sum(sb, act.sums16.get_unchecked(16 * s..16 * s + 16)) as f32;
+            acc.0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), _mm256_set1_ps(sb.d * dx), acc.0);
+            let mins = _mm256_loadu_si256(sb.mins.as_ptr() as *const __m256i);
+            let sums = _mm256_loadu_si256(act.sums16.as_ptr().add(16 * s) as *const __m256i);
+            let min_lanes = _mm256_cvtepi32_ps(_mm256_madd_epi16(mins, sums));
+            acc.1 = _mm256_fmadd_ps(min_lanes, _mm256_set1_ps(sb.dmin * dx), acc.1);
         }
     }
 
     #[inline(always)]
-    fn finish(acc: __m256, offset: f32) -> f32 {
-        let mut lanes = [0f32; 8];
-        // SAFETY: `lanes` holds eight f32; the callers enable AVX.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-        ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])) - offset
+    fn finish(acc: Accumulators) -> f32 {
+        let (mut lanes, mut min_lanes) = ([0f32; 8], [0f32; 8]);
+        // SAFETY: each array holds eight f32; the callers enable AVX.
+        unsafe {
+            _mm256_storeu_ps(lanes.as_mut_ptr(), acc.0);
+            _mm256_storeu_ps(min_lanes.as_mut_ptr(), acc.1);
+        }
+        lane_sum(lanes) - lane_sum(min_lanes)
     }
 
     /// Per 32 weights: `pmaddubsw` (unsigned weights ≤ 63 against int8: pairs ≤ 16 002, no
     /// saturation), `pmaddwd` with the chunk's group scales, added to the lanes.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn tile_avx2<const N: usize>(row: &[DecodedSuper], acts: [&Q8KRow; N]) -> [f32; N] {
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut offset = [0f32; N];
+        let mut acc = [(_mm256_setzero_ps(), _mm256_setzero_ps()); N];
         for (s, sb) in row.iter().enumerate() {
             let mut lanes = [_mm256_setzero_si256(); N];
             for j in 0..8 {
@@ -322,18 +331,17 @@ mod x86 {
             }
             for t in 0..N {
                 // SAFETY: as above.
-                unsafe { accumulate(sb, s, lanes[t], acts[t], &mut acc[t], &mut offset[t]) };
+                unsafe { accumulate(sb, s, lanes[t], acts[t], &mut acc[t]) };
             }
         }
-        std::array::from_fn(|t| finish(acc[t], offset[t]))
+        std::array::from_fn(|t| finish(acc[t]))
     }
 
     /// [`tile_avx2`] 64 weights an instruction: the lanes of even and odd chunks apart in the
     /// two halves, added at the end of the super-block (integers: the same sums exactly).
     #[target_feature(enable = "avx512f,avx512bw,avx2,fma")]
     pub unsafe fn tile_wide<const N: usize>(row: &[DecodedSuper], acts: [&Q8KRow; N]) -> [f32; N] {
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut offset = [0f32; N];
+        let mut acc = [(_mm256_setzero_ps(), _mm256_setzero_ps()); N];
         for (s, sb) in row.iter().enumerate() {
             let mut lanes = [_mm512_setzero_si512(); N];
             for j in (0..8).step_by(2) {
@@ -353,10 +361,10 @@ mod x86 {
                 let low = _mm512_castsi512_si256(lanes[t]);
                 let high = _mm512_extracti64x4_epi64(lanes[t], 1);
                 // SAFETY: as above.
-                unsafe { accumulate(sb, s, _mm256_add_epi32(low, high), acts[t], &mut acc[t], &mut offset[t]) };
+                unsafe { accumulate(sb, s, _mm256_add_epi32(low, high), acts[t], &mut acc[t]) };
             }
         }
-        std::array::from_fn(|t| finish(acc[t], offset[t]))
+        std::array::from_fn(|t| finish(acc[t]))
     }
 }
 
