@@ -175,6 +175,8 @@ unsafe fn round_block_avx2(xb: &[f32; ACT_BLOCK], inv: f32, qb: &mut [i8; ACT_BL
 type GroupPair<'a> = ((&'a [i8], &'a [i8]), (&'a f32, &'a f32));
 
 /// A weight row unpacked once (for many activation rows): integers, and per group scale/min.
+/// The portable path, for CPUs the packed kernel ([`PackedDot`]) does not run on; K-quant
+/// matmuls take [`super::int8_superblock`] instead.
 #[derive(Debug, Clone, Default)]
 pub struct UnpackedRow {
     pub group: usize,
@@ -186,23 +188,6 @@ pub struct UnpackedRow {
 impl UnpackedRow {
     /// Unpack a row of `dtype` blocks; `None` for plain float types.
     pub fn unpack(&mut self, dtype: GgmlType, row: &[u8]) -> Option<()> {
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2 (checked above).
-            return unsafe { self.unpack_avx2(dtype, row) };
-        }
-        self.unpack_body(dtype, row)
-    }
-
-    /// The same body compiled with AVX2 enabled, so the nibble shuffling vectorises.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    unsafe fn unpack_avx2(&mut self, dtype: GgmlType, row: &[u8]) -> Option<()> {
-        self.unpack_body(dtype, row)
-    }
-
-    #[inline(always)]
-    fn unpack_body(&mut self, dtype: GgmlType, row: &[u8]) -> Option<()> {
         match dtype {
             GgmlType::Q4_0 => self.unpack_with::<Q4_0>(row),
             GgmlType::Q4_1 => self.unpack_with::<Q4_1>(row),
@@ -235,38 +220,9 @@ impl UnpackedRow {
         }
     }
 
-    /// `Σ y·x` with the activation quantized as `act`.
+    /// `Σ y·x` with the activation quantized as `act`: per group, the exact integer sum,
+    /// then scaled.
     pub fn dot(&self, act: &Q8Row) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU has AVX2 and FMA (checked above).
-            return unsafe { self.dot_avx2(act) };
-        }
-        self.dot_portable(act)
-    }
-
-    /// `out[t] = self.dot(&acts[t])` for every activation row, bit for bit: with AVX2, four
-    /// rows a pass share each loaded and widened weight vector (prefill's many tokens per
-    /// weight row), each row's arithmetic in the same order as `dot`.
-    pub fn dot_many(&self, acts: &[Q8Row], out: &mut [f32]) {
-        debug_assert_eq!(acts.len(), out.len());
-        let mut done = 0;
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-            for (four, dst) in acts.chunks_exact(4).zip(out.chunks_exact_mut(4)) {
-                let four: &[Q8Row; 4] = four.try_into().expect("chunks of four");
-                // SAFETY: the CPU has AVX2 and FMA (checked above).
-                dst.copy_from_slice(&unsafe { self.dot4_avx2(four) });
-                done += 4;
-            }
-        }
-        for (act, d) in acts[done..].iter().zip(&mut out[done..]) {
-            *d = self.dot(act);
-        }
-    }
-
-    /// The definition: per group, exact integer sum, then scaled.
-    fn dot_portable(&self, act: &Q8Row) -> f32 {
         let g = self.group;
         let mut acc = 0f32;
         for (i, ((w, q), (&scale, &min))) in self.groups(act).enumerate() {
@@ -275,6 +231,14 @@ impl UnpackedRow {
             acc += dx * (scale * isum as f32 - min * self.qsum(act, i) as f32);
         }
         acc
+    }
+
+    /// `out[t] = self.dot(&acts[t])` for every activation row.
+    pub fn dot_many(&self, acts: &[Q8Row], out: &mut [f32]) {
+        debug_assert_eq!(acts.len(), out.len());
+        for (act, d) in acts.iter().zip(out) {
+            *d = self.dot(act);
+        }
     }
 
     fn groups<'a>(&'a self, act: &'a Q8Row) -> impl Iterator<Item = GroupPair<'a>> {
@@ -291,167 +255,6 @@ impl UnpackedRow {
         } else {
             act.sum16[2 * group] + act.sum16[2 * group + 1]
         }
-    }
-
-    /// AVX2: 16 int8 pairs → `pmaddwd` → 8 i32 partial sums → f32, FMA'd with `scale·dx`
-    /// into eight float lanes summed once at the end (no horizontal sum per group).
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn dot_avx2(&self, act: &Q8Row) -> f32 {
-        // SAFETY: the caller checked AVX2/FMA.
-        let [one] = unsafe { self.dot_n_avx2([act]) };
-        one
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn dot4_avx2(&self, acts: &[Q8Row; 4]) -> [f32; 4] {
-        // SAFETY: the caller checked AVX2/FMA.
-        unsafe { self.dot_n_avx2(acts.each_ref()) }
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn dot_n_avx2<const N: usize>(&self, acts: [&Q8Row; N]) -> [f32; N] {
-        // SAFETY (all four calls): the caller checked AVX2/FMA, `wide_int8` the AVX-512
-        // features; lengths are checked inside.
-        match (self.group == 16, wide_int8()) {
-            (true, true) => unsafe { self.dot_n_wide::<16, N>(acts) },
-            (true, false) => unsafe { self.dot_n_avx2_groups::<16, N>(acts) },
-            (false, true) => unsafe { self.dot_n_wide::<32, N>(acts) },
-            (false, false) => unsafe { self.dot_n_avx2_groups::<32, N>(acts) },
-        }
-    }
-
-    /// The bounds every unchecked read of the vector kernels stays inside; the number of
-    /// 32-weight chunks.
-    fn checked_chunks<const G: usize>(&self, acts: &[&Q8Row]) -> usize {
-        let groups = self.scale.len();
-        let chunks = groups * G / 32;
-        assert!(self.min.len() == groups && self.w.len() >= groups * G && (groups * G).is_multiple_of(32));
-        for act in acts {
-            assert!(act.q.len() >= groups * G && act.d.len() >= chunks);
-            assert!(act.sum16.len() * 16 >= groups * G);
-        }
-        chunks
-    }
-
-    /// The dot of `N` activation rows (one for decode, four a pass for prefill): each weight
-    /// vector is loaded once, and every row runs the same operations in the same order
-    /// whatever `N`, so a row's result does not depend on how many share the pass. 32 weights
-    /// at a time (one group of 32, or two of 16 in the low and high halves): `pmaddubsw` on
-    /// |w| and x carrying w's sign (no product pair reaches i16's range: |w| ≤ 32, |x| ≤ 127),
-    /// `pmaddwd` to eight i32 sums, one FMA with each half's `scale·dx`.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn dot_n_avx2_groups<const G: usize, const N: usize>(&self, acts: [&Q8Row; N]) -> [f32; N] {
-        use std::arch::x86_64::*;
-        let chunks = self.checked_chunks::<G>(&acts);
-        let w = self.w.as_ptr();
-        let q = acts.map(|a| a.q.as_ptr());
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut offset = [0f32; N];
-        for c in 0..chunks {
-            // SAFETY: c < chunks, so 32 weights and quants at 32·c are in bounds.
-            unsafe {
-                let wv = _mm256_loadu_si256(w.add(32 * c) as *const __m256i);
-                let magnitude = _mm256_sign_epi8(wv, wv);
-                for t in 0..N {
-                    let qv = _mm256_loadu_si256(q[t].add(32 * c) as *const __m256i);
-                    let pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(qv, wv));
-                    let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                    self.accumulate_chunk::<G>(c, isum, acts[t], &mut acc[t], &mut offset[t]);
-                }
-            }
-        }
-        std::array::from_fn(|t| Self::finish(acc[t], offset[t]))
-    }
-
-    /// [`dot_n_avx2_groups`](Self::dot_n_avx2_groups) with AVX-512, bit for bit: two chunks'
-    /// integer sums in one `vpdpbusd` (the four products `pmaddubsw` + `pmaddwd` sum, exactly;
-    /// AVX-512 has no `vpsignb`, so x is negated under w's sign mask instead), then each
-    /// chunk's FMA in turn into the same eight lanes, as before.
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
-    unsafe fn dot_n_wide<const G: usize, const N: usize>(&self, acts: [&Q8Row; N]) -> [f32; N] {
-        use std::arch::x86_64::*;
-        let chunks = self.checked_chunks::<G>(&acts);
-        let w = self.w.as_ptr();
-        let q = acts.map(|a| a.q.as_ptr());
-        let ones = _mm256_set1_epi16(1);
-        let zero = _mm512_setzero_si512();
-        let mut acc = [_mm256_setzero_ps(); N];
-        let mut offset = [0f32; N];
-        for c in (0..chunks).step_by(2) {
-            // SAFETY: c < chunks, so 32 weights and quants at 32·c are in bounds, and 64 where
-            // c + 1 < chunks.
-            unsafe {
-                if c + 1 == chunks {
-                    // The last chunk alone: the AVX2 kernel's step.
-                    let wv = _mm256_loadu_si256(w.add(32 * c) as *const __m256i);
-                    for t in 0..N {
-                        let qv = _mm256_loadu_si256(q[t].add(32 * c) as *const __m256i);
-                        let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(qv, wv));
-                        let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-                        self.accumulate_chunk::<G>(c, isum, acts[t], &mut acc[t], &mut offset[t]);
-                    }
-                    break;
-                }
-                let wv = _mm512_loadu_si512(w.add(32 * c) as *const _);
-                let (magnitude, negative) = (_mm512_abs_epi8(wv), _mm512_movepi8_mask(wv));
-                for t in 0..N {
-                    let qv = _mm512_loadu_si512(q[t].add(32 * c) as *const _);
-                    let signed = _mm512_mask_sub_epi8(qv, negative, zero, qv);
-                    let isums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, magnitude, signed));
-                    let (first, second) = (_mm512_castps512_ps256(isums), packed_x86::high_half(isums));
-                    self.accumulate_chunk::<G>(c, first, acts[t], &mut acc[t], &mut offset[t]);
-                    self.accumulate_chunk::<G>(c + 1, second, acts[t], &mut acc[t], &mut offset[t]);
-                }
-            }
-        }
-        std::array::from_fn(|t| Self::finish(acc[t], offset[t]))
-    }
-
-    /// One 32-weight chunk's contribution to a row's lanes and offset: its integer sums
-    /// `isum` times each group's `scale·dx` (one group of 32, or two of 16 in the low and
-    /// high halves), and `min·dx·Σqx` per group.
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn accumulate_chunk<const G: usize>(
-        &self,
-        c: usize,
-        isum: std::arch::x86_64::__m256,
-        act: &Q8Row,
-        acc: &mut std::arch::x86_64::__m256,
-        offset: &mut f32,
-    ) {
-        use std::arch::x86_64::*;
-        // SAFETY (caller): `checked_chunks` covered chunk c's groups, activation block and
-        // per-16 sums; the caller enables AVX2 and FMA.
-        unsafe {
-            let (scale, min) = (self.scale.as_ptr(), self.min.as_ptr());
-            let dx = *act.d.get_unchecked(c);
-            let sums = act.sum16.as_ptr().add(2 * c);
-            let scaled = if G == 16 {
-                let (lo, hi) = (2 * c, 2 * c + 1);
-                *offset += *min.add(lo) * dx * *sums as f32;
-                *offset += *min.add(hi) * dx * *sums.add(1) as f32;
-                _mm256_set_m128(_mm_set1_ps(*scale.add(hi) * dx), _mm_set1_ps(*scale.add(lo) * dx))
-            } else {
-                *offset += *min.add(c) * dx * (*sums + *sums.add(1)) as f32;
-                _mm256_set1_ps(*scale.add(c) * dx)
-            };
-            *acc = _mm256_fmadd_ps(isum, scaled, *acc);
-        }
-    }
-
-    /// A row's result from its eight lanes and its offset (subtracted: `a − b` is `a + (−b)`
-    /// exactly).
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    fn finish(acc: std::arch::x86_64::__m256, offset: f32) -> f32 {
-        packed_x86::finish(acc, -offset)
     }
 }
 
@@ -521,64 +324,6 @@ mod tests {
         data
     }
 
-    /// The unpacked dot's AVX-512 kernel gives the AVX2 kernel's bits for every format
-    /// (groups of 16 and 32), an odd and an even number of chunks, one row and four.
-    #[cfg(target_arch = "x86_64")]
-    #[test]
-    fn the_wide_unpacked_dot_gives_the_avx2_dots_bits() {
-        use GgmlType::*;
-        if !wide_int8() {
-            assert!(
-                !std::is_x86_feature_detected!("avx512vnni") || std::env::var("BBC_AVX512").is_ok_and(|v| v == "0"),
-                "the CPU has AVX-512 VNNI but the wide kernel is off"
-            );
-            return;
-        }
-        for dtype in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4K, Q5K, Q6K] {
-            let per_block = dtype.block_layout().0;
-            for n in [per_block, 3 * per_block, 8 * per_block] {
-                let data = blocks(dtype, n / per_block);
-                let mut row = UnpackedRow::default();
-                row.unpack(dtype, &data).unwrap();
-                let acts: [Q8Row; 4] = std::array::from_fn(|t| {
-                    Q8Row::quantize(
-                        &(0..n)
-                            .map(|i| (((i * (t + 3)) % 41) as f32 - 20.0) * 0.3)
-                            .collect::<Vec<_>>(),
-                    )
-                });
-                let bits = |v: [f32; 4]| v.map(f32::to_bits);
-                // SAFETY: `wide_int8` says the CPU has every feature both kernels use.
-                unsafe {
-                    let (wide, narrow) = if row.group == 16 {
-                        (
-                            row.dot_n_wide::<16, 4>(acts.each_ref()),
-                            row.dot_n_avx2_groups::<16, 4>(acts.each_ref()),
-                        )
-                    } else {
-                        (
-                            row.dot_n_wide::<32, 4>(acts.each_ref()),
-                            row.dot_n_avx2_groups::<32, 4>(acts.each_ref()),
-                        )
-                    };
-                    assert_eq!(bits(wide), bits(narrow), "{dtype:?}, {n} weights");
-                    let one = |act: &Q8Row| {
-                        if row.group == 16 {
-                            (row.dot_n_wide::<16, 1>([act]), row.dot_n_avx2_groups::<16, 1>([act]))
-                        } else {
-                            (row.dot_n_wide::<32, 1>([act]), row.dot_n_avx2_groups::<32, 1>([act]))
-                        }
-                    };
-                    let ([wide_one], [narrow_one]) = one(&acts[3]);
-                    assert_eq!(
-                        (wide_one.to_bits(), narrow_one.to_bits()),
-                        (wide[3].to_bits(), wide[3].to_bits())
-                    );
-                }
-            }
-        }
-    }
-
     #[test]
     fn int8_dot_approximates_the_float_dot_for_every_format() {
         use GgmlType::*;
@@ -601,24 +346,6 @@ mod tests {
             let act = Q8Row::quantize(&x);
             let got = row.dot(&act) as f64;
             assert!((got - exact).abs() <= 0.01 * magnitude, "{dtype:?}: {got} vs {exact}");
-            // The SIMD path computes the same integer sums as the definition.
-            let portable = row.dot_portable(&act) as f64;
-            assert!(
-                (got - portable).abs() <= 1e-5 * magnitude,
-                "{dtype:?}: {got} vs portable {portable}"
-            );
-            // Many rows at once (four a pass, then the rest) give each row's `dot` exactly.
-            let acts: Vec<Q8Row> = (0..7)
-                .map(|t| Q8Row::quantize(&x.iter().map(|v| v * (t as f32 - 3.0) / 2.0).collect::<Vec<_>>()))
-                .collect();
-            let mut many = vec![0f32; acts.len()];
-            row.dot_many(&acts, &mut many);
-            let one_by_one: Vec<f32> = acts.iter().map(|a| row.dot(a)).collect();
-            assert_eq!(
-                many.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                one_by_one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                "{dtype:?}"
-            );
         }
     }
 }
@@ -1124,7 +851,7 @@ mod packed_x86 {
     /// A row's result from its eight lane sums (even and odd blocks added) and its offset
     /// terms, in the one order both kernels use.
     #[inline(always)]
-    pub(super) fn finish(sums: __m256, offset: f32) -> f32 {
+    fn finish(sums: __m256, offset: f32) -> f32 {
         let mut lanes = [0f32; 8];
         // SAFETY: `lanes` holds eight f32; the callers enable AVX.
         unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), sums) };
@@ -1134,7 +861,7 @@ mod packed_x86 {
 
     /// Lanes 8..16 (with AVX-512F alone: `vextractf32x8` wants DQ).
     #[inline(always)]
-    pub(super) fn high_half(v: __m512) -> __m256 {
+    fn high_half(v: __m512) -> __m256 {
         // SAFETY: the callers enable AVX-512F.
         unsafe { _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)) }
     }

@@ -5,6 +5,7 @@
 
 use ir::reference::ops::silu;
 use ir::GluAct;
+use rayon::prelude::*;
 
 /// PyTorch's `gelu(x, approximate="tanh")`, as `x / (1 + e^{-2y})`, `y = √(2/π)(x + 0.044715x³)`.
 pub fn gelu_tanh(x: f32) -> f32 {
@@ -13,17 +14,31 @@ pub fn gelu_tanh(x: f32) -> f32 {
     x / (1.0 + (-2.0 * y).exp())
 }
 
-/// `act(x[:, :n]) · x[:, n:]` for rows of `row_len = 2n`.
+/// `act(x[:, :n]) · x[:, n:]` for rows of `row_len = 2n`; a prefill chunk's rows spread over
+/// the pool (each element is computed the same either way).
 pub fn glu(x: &[f32], row_len: usize, act: GluAct) -> Vec<f32> {
     let n = row_len / 2;
     let f = match act {
         GluAct::Silu => silu,
         GluAct::GeluTanh => gelu_tanh,
     };
-    x.chunks_exact(row_len)
-        .flat_map(|r| r[..n].iter().zip(&r[n..]).map(move |(&g, &u)| f(g) * u))
-        .collect()
+    let rows = x.len() / row_len;
+    let mut out = vec![0f32; rows * n];
+    let glu_row = |(o, r): (&mut [f32], &[f32])| {
+        for ((o, &g), &u) in o.iter_mut().zip(&r[..n]).zip(&r[n..]) {
+            *o = f(g) * u;
+        }
+    };
+    if rows >= PARALLEL_FROM_ROWS {
+        out.par_chunks_mut(n).zip(x.par_chunks_exact(row_len)).for_each(glu_row);
+    } else {
+        out.chunks_mut(n).zip(x.chunks_exact(row_len)).for_each(glu_row);
+    }
+    out
 }
+
+/// Rows from which an activation is worth splitting over the pool's threads.
+const PARALLEL_FROM_ROWS: usize = 8;
 
 #[cfg(test)]
 mod tests {
@@ -45,5 +60,9 @@ mod tests {
         assert_eq!(gelu_tanh(100.0), 100.0);
         let x = [0.5f32, -1.0, 2.0, 3.0];
         assert_eq!(glu(&x, 4, GluAct::Silu), ops::glu(&x, 4, GluAct::Silu));
+        // Many rows (split over the pool) give each row's one-row result.
+        let rows: Vec<f32> = (0..40 * 6).map(|i| (i % 13) as f32 * 0.7 - 4.0).collect();
+        let one_by_one: Vec<f32> = rows.chunks_exact(6).flat_map(|r| glu(r, 6, GluAct::GeluTanh)).collect();
+        assert_eq!(glu(&rows, 6, GluAct::GeluTanh), one_by_one);
     }
 }

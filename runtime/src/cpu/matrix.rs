@@ -4,8 +4,10 @@
 //! The product walks W's rows in parallel chunks; each row is widened to f32 once (a
 //! dequantized row of a few KiB stays in L1) and dotted with every token's activation, so
 //! prefill reads the weights once per step and decode is a pass over the weights. Quantized
-//! weights take the integer path instead: activations quantized to int8 once per step, each
-//! weight row unpacked to its integer groups and dotted in integers (ggml's scheme).
+//! weights take the integer path instead: activations quantized to int8 once per step (per 32
+//! elements, or per 256-element super-block for K-quant rows), each weight row dotted with them
+//! in integers (ggml's scheme): straight off its packed blocks, decoded once per row for many
+//! tokens, or unpacked on CPUs without the vector kernels.
 
 use super::simd;
 use half::bf16;
