@@ -11,6 +11,7 @@ mod attention;
 pub mod int8_head;
 mod kv_pages;
 mod matrix;
+mod rows;
 pub mod simd;
 
 pub use int8_head::Int8Head;
@@ -350,14 +351,16 @@ impl CpuBackend {
             }
             Op::RmsNorm { eps, weight_offset, .. } => {
                 let x = args[0].value().tensor();
-                let w = args[1].vector();
                 let mut out = Tensor::zeros(x.shape.clone());
-                ops::rms_norm(&x.data, w, *eps, *weight_offset, &mut out.data);
+                rms_norm(&x.data, args[1].vector(), *eps, *weight_offset, &mut out.data);
                 out
             }
             Op::Rope(spec) => {
                 let mut x = args[0].value().tensor().clone();
-                ops::rope(spec, &mut x.data, args[1].value().ids());
+                let (positions, width) = (args[1].value().ids(), spec.heads * spec.head_dim);
+                rows::for_row_runs(&mut x.data, width, |first, run| {
+                    ops::rope(spec, run, &positions[first..first + run.len() / width]);
+                });
                 x
             }
             Op::Attention(spec) => {
@@ -371,7 +374,14 @@ impl CpuBackend {
             Op::RopeAttention { rope, attention } => {
                 let (mut q, mut k) = (args[0].value().tensor().clone(), args[1].value().tensor().clone());
                 let (heads, kv_heads) = (attention.heads, attention.kv_heads);
-                ops::rope_q_k(rope, heads, kv_heads, &mut q.data, &mut k.data, args[3].value().ids());
+                let positions = args[3].value().ids();
+                for (x, heads) in [(&mut q.data, heads), (&mut k.data, kv_heads)] {
+                    let spec = ir::RopeSpec { heads, ..*rope };
+                    rows::for_row_runs(x, heads * spec.head_dim, |first, run| {
+                        let rows = run.len() / (heads * spec.head_dim);
+                        ops::rope(&spec, run, &positions[first..first + rows]);
+                    });
+                }
                 append_and_attend(attention, &q, &k, args[2].value().tensor(), pages, rows)
             }
             Op::Add => zip_map(args[0].value().tensor(), args[1].value().tensor(), |a, b| a + b),
@@ -393,13 +403,14 @@ impl CpuBackend {
             }
             Op::AddRmsNorm { eps, weight_offset } => {
                 let (a, b) = (args[0].value().tensor(), args[1].value().tensor());
-                let out = ops::add_rms_norm(&a.data, &b.data, args[2].vector(), *eps, *weight_offset);
-                Tensor::new(vec![a.rows(), 2 * a.row_len()], out)
+                let (sum, normed) = add_rms_norm(&a.data, &b.data, args[2].vector(), *eps, *weight_offset);
+                let d = a.row_len();
+                Tensor::new(vec![a.rows(), 2 * d], rows::concat_columns(&sum, d, &normed, d))
             }
             Op::RmsNormMatMul { eps, weight_offset } => {
                 let x = args[0].value().tensor();
                 let mut normed = vec![0f32; x.data.len()];
-                ops::rms_norm(&x.data, args[1].vector(), *eps, *weight_offset, &mut normed);
+                rms_norm(&x.data, args[1].vector(), *eps, *weight_offset, &mut normed);
                 let w = args[2].matrix();
                 let mut out = Tensor::zeros(vec![x.rows(), w.rows]);
                 w.matmul(&normed, x.rows(), &mut out.data);
@@ -412,16 +423,15 @@ impl CpuBackend {
             } => {
                 let (a, b) = (args[0].value().tensor(), args[1].value().tensor());
                 let d = a.row_len();
-                let summed = ops::add_rms_norm(&a.data, &b.data, args[2].vector(), *eps, *weight_offset);
+                let (sum, normed) = add_rms_norm(&a.data, &b.data, args[2].vector(), *eps, *weight_offset);
                 let w = args[3].matrix();
                 let mut product = vec![0f32; a.rows() * w.rows];
-                w.matmul(&ops::slice_columns(&summed, 2 * d, d, d), a.rows(), &mut product);
+                w.matmul(&normed, a.rows(), &mut product);
                 let (product, n) = match glu {
                     Some(act) => (activation::glu(&product, w.rows, *act), w.rows / 2),
                     None => (product, w.rows),
                 };
-                let sum = ops::slice_columns(&summed, 2 * d, 0, d);
-                Tensor::new(vec![a.rows(), d + n], ops::concat_columns(&sum, d, &product, n))
+                Tensor::new(vec![a.rows(), d + n], rows::concat_columns(&sum, d, &product, n))
             }
             Op::Glu { act } => {
                 let x = args[0].value().tensor();
@@ -517,6 +527,23 @@ fn append_and_attend(
     let mut out = Tensor::zeros(q.shape.clone());
     attention::attention(spec, &q.data, &rows.query, pages.layer(spec.cache_slot), &mut out.data);
     out
+}
+
+/// The reference's RMSNorm over groups of `w.len()`, spread over rows.
+fn rms_norm(x: &[f32], w: &[f32], eps: f64, weight_offset: f32, out: &mut [f32]) {
+    rows::for_row_runs(out, w.len(), |first, run| {
+        let at = first * w.len();
+        ops::rms_norm(&x[at..at + run.len()], w, eps, weight_offset, run);
+    });
+}
+
+/// `a + b` and its RMSNorm, apart (the reference's `[a + b | rms_norm(a + b)]` rows, without
+/// interleaving what the next op takes apart again).
+fn add_rms_norm(a: &[f32], b: &[f32], w: &[f32], eps: f64, weight_offset: f32) -> (Vec<f32>, Vec<f32>) {
+    let sum: Vec<f32> = a.iter().zip(b).map(|(x, y)| x + y).collect();
+    let mut normed = vec![0f32; sum.len()];
+    rms_norm(&sum, w, eps, weight_offset, &mut normed);
+    (sum, normed)
 }
 
 /// Elementwise maps run on one thread: at decode sizes a parallel region costs more than it saves.
