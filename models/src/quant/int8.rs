@@ -387,6 +387,8 @@ pub fn wide_int8() -> bool {
 #[derive(Debug, Clone, Copy)]
 pub struct PackedDot {
     dtype: GgmlType,
+    /// Bytes a row holds, whose blocks every activation covers.
+    row_bytes: usize,
     /// Run the AVX-512 kernel ([`wide_int8`]).
     wide: bool,
 }
@@ -406,6 +408,7 @@ impl PackedDot {
             let fits = |a: &Q8Row| a.q.len() >= blocks * ACT_BLOCK && a.d.len() >= blocks && a.dsum.len() >= blocks;
             return acts.iter().all(fits).then_some(Self {
                 dtype,
+                row_bytes,
                 wide: wide_int8(),
             });
         }
@@ -427,6 +430,8 @@ impl PackedDot {
     /// As [`run`](Self::run); `scratch` holds the row's decoded blocks when enough activations
     /// share it (reuse it across rows to spare the allocation).
     pub fn run_with(&self, row: &[u8], acts: &[Q8Row], out: &mut [f32], scratch: &mut Vec<u8>) {
+        // The kernels read each activation unchecked up to the row's length.
+        assert!(row.len() <= self.row_bytes, "a row longer than `new` was told");
         #[cfg(target_arch = "x86_64")]
         {
             use packed_x86::{run, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
@@ -741,7 +746,8 @@ mod packed_x86 {
 
     /// A pair of blocks of format `F` decoded for the AVX-512 tile: both blocks' 64 weights
     /// (one load), then `[even scale, odd scale, even coefficient, odd coefficient]` as f32
-    /// (one more); a lone last block has zeros for its odd half.
+    /// (one more). A lone last block's odd half is left as it was: `lone` reads only the even
+    /// half's factors, and its weights' high half meets zeroed activations.
     pub struct DecodedPairs<F>(std::marker::PhantomData<F>);
 
     const DECODED_PAIR_BYTES: usize = 64 + 4 * 4;
@@ -777,7 +783,6 @@ mod packed_x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn decode_pairs<F: Format>(row: &[u8], out: &mut Vec<u8>) {
         let blocks = row.len() / F::BYTES;
-        out.clear();
         out.resize(blocks.div_ceil(2) * DECODED_PAIR_BYTES, 0);
         for b in 0..blocks {
             // SAFETY: block `b` lies within `row` and its decoded place within `out`.

@@ -145,6 +145,8 @@ fn decode_super<F: SuperFormat>(block: &[u8], out: &mut DecodedSuper) {
 #[derive(Debug, Clone, Copy)]
 pub struct SuperblockDot {
     dtype: GgmlType,
+    /// Super-blocks a row holds, which every activation covers.
+    supers: usize,
     kernel: Kernel,
 }
 
@@ -173,12 +175,19 @@ impl SuperblockDot {
         }
         Some(Self {
             dtype,
+            supers,
             kernel: best_kernel(),
         })
     }
 
-    /// `out[t] = row · acts[t]`; `scratch` holds the decoded row (reuse it across rows).
+    /// `out[t] = row · acts[t]` for `acts` of those given to `new`; `scratch` holds the decoded
+    /// row (reuse it across rows).
     pub fn run_with(&self, row: &[u8], acts: &[Q8KRow], out: &mut [f32], scratch: &mut Vec<DecodedSuper>) {
+        // The kernels read each activation unchecked up to the row's length.
+        assert!(
+            row.len() / self.dtype.block_layout().1 <= self.supers,
+            "a row longer than `new` was told"
+        );
         match self.dtype {
             GgmlType::Q4K => decode_row::<Q4K>(row, scratch),
             GgmlType::Q5K => decode_row::<Q5K>(row, scratch),

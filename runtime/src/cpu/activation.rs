@@ -3,9 +3,9 @@
 //! here `0.5·x·(1 + tanh(y)) = x·σ(2y)` gives the same value within f32 rounding at a fraction
 //! of the cost (GeGLU was a tenth of Gemma 3's prefill), with no cancellation for negative x.
 
+use super::rows;
 use ir::reference::ops::silu;
 use ir::GluAct;
-use rayon::prelude::*;
 
 /// PyTorch's `gelu(x, approximate="tanh")`, as `x / (1 + e^{-2y})`, `y = √(2/π)(x + 0.044715x³)`.
 pub fn gelu_tanh(x: f32) -> f32 {
@@ -22,23 +22,17 @@ pub fn glu(x: &[f32], row_len: usize, act: GluAct) -> Vec<f32> {
         GluAct::Silu => silu,
         GluAct::GeluTanh => gelu_tanh,
     };
-    let rows = x.len() / row_len;
-    let mut out = vec![0f32; rows * n];
-    let glu_row = |(o, r): (&mut [f32], &[f32])| {
-        for ((o, &g), &u) in o.iter_mut().zip(&r[..n]).zip(&r[n..]) {
-            *o = f(g) * u;
+    let mut out = vec![0f32; x.len() / 2];
+    rows::for_row_runs(&mut out, n, |first, run| {
+        let inputs = x[first * row_len..].chunks_exact(row_len);
+        for (o, r) in run.chunks_exact_mut(n).zip(inputs) {
+            for ((o, &g), &u) in o.iter_mut().zip(&r[..n]).zip(&r[n..]) {
+                *o = f(g) * u;
+            }
         }
-    };
-    if rows >= PARALLEL_FROM_ROWS {
-        out.par_chunks_mut(n).zip(x.par_chunks_exact(row_len)).for_each(glu_row);
-    } else {
-        out.chunks_mut(n).zip(x.chunks_exact(row_len)).for_each(glu_row);
-    }
+    });
     out
 }
-
-/// Rows from which an activation is worth splitting over the pool's threads.
-const PARALLEL_FROM_ROWS: usize = 8;
 
 #[cfg(test)]
 mod tests {

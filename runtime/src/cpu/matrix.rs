@@ -202,7 +202,7 @@ fn collect<'a, T: Clone + 'a>(
 /// Each of `x`'s rows of `k` quantized by `quantize`: many rows are worth spreading over the
 /// pool, a few (decode) are not.
 fn quantize_rows<R: Send>(x: &[f32], k: usize, quantize: impl Fn(&[f32]) -> R + Sync + Send) -> Vec<R> {
-    if x.len() / k < 8 {
+    if x.len() / k < super::rows::PARALLEL_FROM_ROWS {
         x.chunks_exact(k).map(quantize).collect()
     } else {
         x.par_chunks_exact(k).map(quantize).collect()
