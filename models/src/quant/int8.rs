@@ -19,6 +19,10 @@ pub struct Q8Row {
     /// Per 32-element block: `d · Σ qx`, what a block's offset term (its min, or the zero
     /// point of a signed format) multiplies in the packed dot.
     pub dsum: Vec<f32>,
+    /// Per pair of blocks (an even one and the odd one after it, zeros past the end):
+    /// `[d_even, d_odd, dsum_even, dsum_odd]`, what the AVX-512 tile multiplies a weight
+    /// pair's `[scale_even, scale_odd, coef_even, coef_odd]` by, in one instruction.
+    pub pair_factors: Vec<f32>,
 }
 
 impl Q8Row {
@@ -57,6 +61,12 @@ impl Q8Row {
             }
             let n = self.sum16.len();
             self.dsum.push(d * (self.sum16[n - 2] + self.sum16[n - 1]) as f32);
+        }
+        self.pair_factors.clear();
+        for b in (0..self.d.len()).step_by(2) {
+            let odd = |v: &[f32]| v.get(b + 1).copied().unwrap_or(0.0);
+            self.pair_factors
+                .extend([self.d[b], odd(&self.d), self.dsum[b], odd(&self.dsum)]);
         }
     }
 }
@@ -405,7 +415,12 @@ impl PackedDot {
             && std::is_x86_feature_detected!("f16c")
         {
             let blocks = row_bytes / dtype.block_layout().1;
-            let fits = |a: &Q8Row| a.q.len() >= blocks * ACT_BLOCK && a.d.len() >= blocks && a.dsum.len() >= blocks;
+            let fits = |a: &Q8Row| {
+                a.q.len() >= blocks * ACT_BLOCK
+                    && a.d.len() >= blocks
+                    && a.dsum.len() >= blocks
+                    && a.pair_factors.len() >= 4 * blocks.div_ceil(2)
+            };
             return acts.iter().all(fits).then_some(Self {
                 dtype,
                 row_bytes,
@@ -496,8 +511,9 @@ mod packed_x86 {
         /// The bytes a row of `blocks` blocks takes.
         fn row_bytes(blocks: usize) -> usize;
         /// The pair at `at`: both blocks' weights (the even block's in the low half), and
-        /// `[even, odd, 0, 0]` of their scales and of their offset coefficients.
-        unsafe fn pair(at: *const u8) -> (__m512i, __m128, __m128);
+        /// `[scale_even, scale_odd, coef_even, coef_odd]` (their scales and offset
+        /// coefficients).
+        unsafe fn pair(at: *const u8) -> (__m512i, __m128);
         /// The lone last block at `at`: its weights in the low half (the high half anything),
         /// its scale and its offset coefficient.
         unsafe fn lone(at: *const u8) -> (__m512i, f32, f32);
@@ -512,15 +528,15 @@ mod packed_x86 {
             blocks * F::BYTES
         }
         #[inline(always)]
-        unsafe fn pair(at: *const u8) -> (__m512i, __m128, __m128) {
+        unsafe fn pair(at: *const u8) -> (__m512i, __m128) {
             unsafe {
                 let (w, even_scale, even_coef) = Self::lone(at);
                 let odd = at.add(F::BYTES);
                 let odd_scale = F::scale(odd);
+                let odd_coef = F::offset(odd, odd_scale);
                 (
                     _mm512_inserti64x4(w, F::weights(odd), 1),
-                    _mm_setr_ps(even_scale, odd_scale, 0.0, 0.0),
-                    _mm_setr_ps(even_coef, F::offset(odd, odd_scale), 0.0, 0.0),
+                    _mm_setr_ps(even_scale, odd_scale, even_coef, odd_coef),
                 )
             }
         }
@@ -758,12 +774,12 @@ mod packed_x86 {
             blocks.div_ceil(2) * DECODED_PAIR_BYTES
         }
         #[inline(always)]
-        unsafe fn pair(at: *const u8) -> (__m512i, __m128, __m128) {
+        unsafe fn pair(at: *const u8) -> (__m512i, __m128) {
             unsafe {
-                let factors = _mm_loadu_ps(at.add(64) as *const f32);
-                let coefs = _mm_movehl_ps(_mm_setzero_ps(), factors);
-                let scales = _mm_movelh_ps(factors, _mm_setzero_ps());
-                (_mm512_loadu_si512(at as *const _), scales, coefs)
+                (
+                    _mm512_loadu_si512(at as *const _),
+                    _mm_loadu_ps(at.add(64) as *const f32),
+                )
             }
         }
         #[inline(always)]
@@ -881,9 +897,10 @@ mod packed_x86 {
         let q: [*const i8; N] = std::array::from_fn(|t| acts[t].q.as_ptr());
         let d: [*const f32; N] = std::array::from_fn(|t| acts[t].d.as_ptr());
         let dsum: [*const f32; N] = std::array::from_fn(|t| acts[t].dsum.as_ptr());
+        let pair_factors: [*const f32; N] = std::array::from_fn(|t| acts[t].pair_factors.as_ptr());
         let mut acc = [_mm512_setzero_ps(); N];
-        // Lanes 0 and 1: `tile`'s even- and odd-block offsets (each lane a multiply, then an
-        // add, as the scalar code rounds).
+        // Lanes 2 and 3: `tile`'s even- and odd-block offsets (each lane a multiply, then an
+        // add, as the scalar code rounds); lanes 0 and 1 add up scale products nobody reads.
         let mut offset = [_mm_setzero_ps(); N];
         // Lane i of a block pair's scales goes to accumulator lanes 8i..8i+8.
         let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
@@ -894,15 +911,15 @@ mod packed_x86 {
             // checked every activation holds every block (32 quants, its scale and its d·Σq)
             // and the CPU's features.
             unsafe {
-                let (w, scales, coefs) = P::pair(row.as_ptr().add(p * P::PAIR_BYTES));
+                let (w, factors) = P::pair(row.as_ptr().add(p * P::PAIR_BYTES));
                 for t in 0..N {
                     let qx = _mm512_loadu_si512(q[t].add(b * ACT_BLOCK) as *const _);
                     let sums = _mm512_cvtepi32_ps(P::dots_wide(w, qx));
-                    let dx = _mm_castpd_ps(_mm_load_sd(d[t].add(b) as *const f64));
-                    let scaled = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_mul_ps(scales, dx)));
+                    // [scale·dx, scale·dx, coef·dsum, coef·dsum] for the even and odd block.
+                    let products = _mm_mul_ps(factors, _mm_loadu_ps(pair_factors[t].add(4 * p)));
+                    let scaled = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(products));
                     acc[t] = _mm512_fmadd_ps(sums, scaled, acc[t]);
-                    let dsums = _mm_castpd_ps(_mm_load_sd(dsum[t].add(b) as *const f64));
-                    offset[t] = _mm_add_ps(offset[t], _mm_mul_ps(coefs, dsums));
+                    offset[t] = _mm_add_ps(offset[t], products);
                 }
             }
         }
@@ -918,14 +935,15 @@ mod packed_x86 {
                     let sums = _mm512_cvtepi32_ps(P::dots_wide(w, qx));
                     let scaled = _mm512_set1_ps(scale * *d[t].add(b));
                     acc[t] = _mm512_mask3_fmadd_ps(sums, scaled, acc[t], 0x00FF);
-                    let term = _mm_mul_ss(_mm_set_ss(coef), _mm_load_ss(dsum[t].add(b)));
-                    offset[t] = _mm_add_ss(offset[t], term);
+                    // Lane 2 alone: adding 0 elsewhere could turn a −0 odd offset into +0.
+                    let term = _mm_set1_ps(coef * *dsum[t].add(b));
+                    offset[t] = _mm_mask_add_ps(offset[t], 0b0100, offset[t], term);
                 }
             }
         }
         for t in 0..N {
             let sums = _mm256_add_ps(_mm512_castps512_ps256(acc[t]), high_half(acc[t]));
-            let [even, odd, _, _] = std::mem::transmute::<__m128, [f32; 4]>(offset[t]);
+            let [_, _, even, odd] = std::mem::transmute::<__m128, [f32; 4]>(offset[t]);
             out[t] = finish(sums, even + odd);
         }
     }
