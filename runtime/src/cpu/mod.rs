@@ -387,7 +387,7 @@ impl CpuBackend {
             Op::Add => zip_map(args[0].value().tensor(), args[1].value().tensor(), |a, b| a + b),
             Op::Mul => zip_map(args[0].value().tensor(), args[1].value().tensor(), |a, b| a * b),
             Op::Scale { factor } => map(args[0].value().tensor(), |a| a * factor),
-            Op::Silu => map(args[0].value().tensor(), ops::silu),
+            Op::Silu => map(args[0].value().tensor(), activation::silu),
             Op::GeluTanh => map(args[0].value().tensor(), activation::gelu_tanh),
             Op::LastToken => {
                 let x = args[0].value().tensor();
