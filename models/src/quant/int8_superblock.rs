@@ -76,16 +76,19 @@ impl Default for DecodedSuper {
     }
 }
 
-/// What a K-quant format adds to [`BlockFormat`] for the integer dot: its scales as integers.
+/// What a K-quant format adds to [`BlockFormat`] for the integer dot: its weights unsigned
+/// and its scales as integers. The bit layouts are `unpack_groups`' (see each format's file);
+/// here they are plain byte loops over fixed-size arrays, which the compiler vectorises.
 trait SuperFormat: BlockFormat {
-    /// Added to `unpack_groups`' integers to make them unsigned (Q6_K stores `q − 32`).
-    const BIAS: i8;
+    /// The 256 weights as unsigned integers (Q6_K's without its −32).
+    fn weights(block: &[u8], w: &mut [u8; SUPER]);
     /// `(d, dmin)`, and per 16-weight group the integer scale and minimum coefficient, so
     /// that an element is `d·scale·w − dmin·min` with `w` unsigned.
     fn integer_scales(block: &[u8], scales: &mut [i16; 16], mins: &mut [i16; 16]) -> (f32, f32);
 }
 
 /// Q4_K and Q5_K: eight 32-weight sub-blocks, 6-bit scales and minimums.
+#[inline(always)]
 fn six_bit_scales(block: &[u8], scales: &mut [i16; 16], mins: &mut [i16; 16]) -> (f32, f32) {
     for j in 0..8 {
         let (sc, m) = scale_min_k4(j, &block[4..16]);
@@ -95,15 +98,37 @@ fn six_bit_scales(block: &[u8], scales: &mut [i16; 16], mins: &mut [i16; 16]) ->
     (f16_at(block, 0), f16_at(block, 2))
 }
 
+/// Q4_K/Q5_K's nibbles: each 64 weights take 32 bytes, low nibbles first; `high` gives each
+/// weight's fifth bit (Q5_K) as 0 or 16.
+#[inline(always)]
+fn nibble_chunks(qs: &[u8], w: &mut [u8; SUPER], high: impl Fn(usize, usize) -> u8) {
+    for (c, (q, w)) in qs.chunks_exact(32).zip(w.chunks_exact_mut(64)).enumerate() {
+        let (low_w, high_w) = w.split_at_mut(32);
+        for l in 0..32 {
+            low_w[l] = (q[l] & 0x0F) | high(2 * c, l);
+            high_w[l] = (q[l] >> 4) | high(2 * c + 1, l);
+        }
+    }
+}
+
 impl SuperFormat for Q4K {
-    const BIAS: i8 = 0;
+    #[inline(always)]
+    fn weights(block: &[u8], w: &mut [u8; SUPER]) {
+        nibble_chunks(&block[16..144], w, |_, _| 0);
+    }
+    #[inline(always)]
     fn integer_scales(block: &[u8], scales: &mut [i16; 16], mins: &mut [i16; 16]) -> (f32, f32) {
         six_bit_scales(block, scales, mins)
     }
 }
 
 impl SuperFormat for Q5K {
-    const BIAS: i8 = 0;
+    #[inline(always)]
+    fn weights(block: &[u8], w: &mut [u8; SUPER]) {
+        let qh: &[u8; 32] = block[16..48].try_into().expect("a Q5_K block");
+        nibble_chunks(&block[48..176], w, |bit, l| ((qh[l] >> bit) & 1) << 4);
+    }
+    #[inline(always)]
     fn integer_scales(block: &[u8], scales: &mut [i16; 16], mins: &mut [i16; 16]) -> (f32, f32) {
         six_bit_scales(block, scales, mins)
     }
@@ -111,7 +136,20 @@ impl SuperFormat for Q5K {
 
 /// Q6_K: `d·sc·(q − 32)` is `d·sc·q − d·(32·sc)`: a minimum of `32·sc` with `dmin = d`.
 impl SuperFormat for Q6K {
-    const BIAS: i8 = 32;
+    #[inline(always)]
+    fn weights(block: &[u8], w: &mut [u8; SUPER]) {
+        for (half, w) in w.chunks_exact_mut(128).enumerate() {
+            let ql = &block[64 * half..64 * half + 64];
+            let qh = &block[128 + 32 * half..128 + 32 * half + 32];
+            for l in 0..32 {
+                w[l] = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
+                w[l + 32] = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
+                w[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                w[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+            }
+        }
+    }
+    #[inline(always)]
     fn integer_scales(block: &[u8], scales: &mut [i16; 16], mins: &mut [i16; 16]) -> (f32, f32) {
         for g in 0..16 {
             let sc = block[192 + g] as i8 as i16;
@@ -123,15 +161,9 @@ impl SuperFormat for Q6K {
     }
 }
 
+#[inline(always)]
 fn decode_super<F: SuperFormat>(block: &[u8], out: &mut DecodedSuper) {
-    let mut w = [0i8; SUPER];
-    // The float scales `unpack_groups` also writes are not used: the integers are.
-    let (mut scale, mut min) = ([0f32; 16], [0f32; 16]);
-    let groups = SUPER / F::GROUP;
-    F::unpack_groups(block, &mut w, &mut scale[..groups], &mut min[..groups]);
-    for (o, v) in out.w.iter_mut().zip(w) {
-        *o = v.wrapping_add(F::BIAS) as u8;
-    }
+    F::weights(block, &mut out.w);
     let mut scales = [0i16; 16];
     (out.d, out.dmin) = F::integer_scales(block, &mut scales, &mut out.mins);
     for (j, chunk) in out.scales.iter_mut().enumerate() {
@@ -241,7 +273,25 @@ fn best_kernel() -> Kernel {
     Kernel::Portable
 }
 
+/// Decode every super-block of `row` into `out`: with AVX2 where the CPU has it, so the byte
+/// loops run 32 lanes wide.
 fn decode_row<F: SuperFormat>(row: &[u8], out: &mut Vec<DecodedSuper>) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked above).
+        return unsafe { decode_row_avx2::<F>(row, out) };
+    }
+    decode_row_body::<F>(row, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn decode_row_avx2<F: SuperFormat>(row: &[u8], out: &mut Vec<DecodedSuper>) {
+    decode_row_body::<F>(row, out)
+}
+
+#[inline(always)]
+fn decode_row_body<F: SuperFormat>(row: &[u8], out: &mut Vec<DecodedSuper>) {
     let supers = row.len() / F::BLOCK_BYTES;
     out.resize(supers, DecodedSuper::default());
     for (block, decoded) in row.chunks_exact(F::BLOCK_BYTES).zip(out.iter_mut()) {
