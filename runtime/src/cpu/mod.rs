@@ -11,6 +11,7 @@ mod attention;
 pub mod int8_head;
 mod kv_pages;
 mod matrix;
+mod rope;
 mod rows;
 pub mod simd;
 
@@ -77,6 +78,8 @@ struct StepRows<'a> {
     ranges: Vec<std::ops::Range<usize>>,
     /// Per row, its position and its sequence's block table.
     query: Vec<QueryRow<'a>>,
+    /// Per row, its position (the graph's `Positions` input), and the rope tables for them.
+    rope: rope::StepRope,
 }
 
 impl<'a> StepRows<'a> {
@@ -87,10 +90,12 @@ impl<'a> StepRows<'a> {
             ranges.push(query.len()..query.len() + seg.ids.len());
             query.extend((seg.start..seg.end()).map(|pos| QueryRow { pos, table: seg.table }));
         }
+        let rope = rope::StepRope::new(query.iter().map(|q| q.pos).collect());
         Self {
             segments,
             ranges,
             query,
+            rope,
         }
     }
 
@@ -267,7 +272,7 @@ impl CpuBackend {
         for (i, node) in self.graph.nodes().iter().enumerate() {
             let value = match &node.op {
                 Op::Input(InputKind::TokenIds) => Some(Value::Ids(ids.clone())),
-                Op::Input(InputKind::Positions) => Some(Value::Ids(rows.query.iter().map(|q| q.pos).collect())),
+                Op::Input(InputKind::Positions) => Some(Value::Ids(rows.rope.positions().to_vec())),
                 Op::Weight { .. } | Op::ConcatRows => None,
                 op => {
                     let args: Vec<Arg> = node
@@ -357,10 +362,7 @@ impl CpuBackend {
             }
             Op::Rope(spec) => {
                 let mut x = args[0].value().tensor().clone();
-                let (positions, width) = (args[1].value().ids(), spec.heads * spec.head_dim);
-                rows::for_row_runs(&mut x.data, width, |first, run| {
-                    ops::rope(spec, run, &positions[first..first + run.len() / width]);
-                });
+                rows.rope.apply(spec, &mut x.data, args[1].value().ids());
                 x
             }
             Op::Attention(spec) => {
@@ -376,11 +378,7 @@ impl CpuBackend {
                 let (heads, kv_heads) = (attention.heads, attention.kv_heads);
                 let positions = args[3].value().ids();
                 for (x, heads) in [(&mut q.data, heads), (&mut k.data, kv_heads)] {
-                    let spec = ir::RopeSpec { heads, ..*rope };
-                    rows::for_row_runs(x, heads * spec.head_dim, |first, run| {
-                        let rows = run.len() / (heads * spec.head_dim);
-                        ops::rope(&spec, run, &positions[first..first + rows]);
-                    });
+                    rows.rope.apply(&ir::RopeSpec { heads, ..*rope }, x, positions);
                 }
                 append_and_attend(attention, &q, &k, args[2].value().tensor(), pages, rows)
             }
