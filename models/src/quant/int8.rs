@@ -833,6 +833,13 @@ mod packed_x86 {
 
     /// `out[t] = row · acts[t]` for `N` activations. Every lane runs the same operations in the
     /// same order, so a lane's result does not depend on `N` or on its neighbours.
+    ///
+    /// Two accumulators per row, for even and odd blocks: two independent FMA chains, so a
+    /// one-row tile (decode) is not bound by the FMA latency; every tile width keeps the same
+    /// two, so a row's result never depends on the width. Blocks go in pairs: one multiply of
+    /// the pair's `[scale, scale, coef, coef]` by the activation's `pair_factors` gives both
+    /// blocks' `scale·dx` and both offset terms (lanes 2 and 3 of `offset`, each a multiply
+    /// then an add, as a scalar would round them).
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile<F: Format, const N: usize>(row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
         let ones = _mm256_set1_epi16(1);
@@ -840,32 +847,63 @@ mod packed_x86 {
         let q: [*const i8; N] = std::array::from_fn(|t| acts[t].q.as_ptr());
         let d: [*const f32; N] = std::array::from_fn(|t| acts[t].d.as_ptr());
         let dsum: [*const f32; N] = std::array::from_fn(|t| acts[t].dsum.as_ptr());
-        // Two accumulators per row, for even and odd blocks: two independent FMA chains, so a
-        // one-row tile (decode) is not bound by the FMA latency. Every tile width keeps the
-        // same two, so a row's result never depends on the width.
+        let pair_factors: [*const f32; N] = std::array::from_fn(|t| acts[t].pair_factors.as_ptr());
         let mut acc = [[_mm256_setzero_ps(); N]; 2];
-        let mut offset = [[0f32; N]; 2];
+        let mut offset = [_mm_setzero_ps(); N];
         let blocks = row.len() / F::BYTES;
-        for b in 0..blocks {
-            let parity = b & 1;
-            // SAFETY: block `b` lies within `row`; the caller checked every activation holds
-            // block `b` (32 quants, its scale and its d·Σq).
+        let pairs = blocks / 2;
+        for p in 0..pairs {
+            // SAFETY: blocks 2p and 2p + 1 lie within `row`; the caller checked every
+            // activation holds them (their quants and pair factors).
+            unsafe {
+                let even = row.as_ptr().add(2 * p * F::BYTES);
+                let odd = even.add(F::BYTES);
+                let (even_scale, odd_scale) = (F::scale(even), F::scale(odd));
+                let factors = _mm_setr_ps(
+                    even_scale,
+                    odd_scale,
+                    F::offset(even, even_scale),
+                    F::offset(odd, odd_scale),
+                );
+                let w = [F::weights(even), F::weights(odd)];
+                for t in 0..N {
+                    let products = _mm_mul_ps(factors, _mm_loadu_ps(pair_factors[t].add(4 * p)));
+                    let scaled = [
+                        _mm256_broadcastss_ps(products),
+                        _mm256_broadcastss_ps(_mm_movehdup_ps(products)),
+                    ];
+                    for parity in 0..2 {
+                        let at = q[t].add((2 * p + parity) * ACT_BLOCK);
+                        let qx = _mm256_loadu_si256(at as *const __m256i);
+                        let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(F::products(w[parity], qx), ones));
+                        acc[parity][t] = _mm256_fmadd_ps(sums, scaled[parity], acc[parity][t]);
+                    }
+                    offset[t] = _mm_add_ps(offset[t], products);
+                }
+            }
+        }
+        if blocks % 2 == 1 {
+            let b = blocks - 1;
+            // SAFETY: as above, for the lone last block.
             unsafe {
                 let block = row.as_ptr().add(b * F::BYTES);
                 let scale = F::scale(block);
                 let coef = F::offset(block, scale);
                 let w = F::weights(block);
                 for t in 0..N {
-                    let dx = *d[t].add(b);
                     let qx = _mm256_loadu_si256(q[t].add(b * ACT_BLOCK) as *const __m256i);
                     let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(F::products(w, qx), ones));
-                    acc[parity][t] = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * dx), acc[parity][t]);
-                    offset[parity][t] += coef * *dsum[t].add(b);
+                    acc[0][t] = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * *d[t].add(b)), acc[0][t]);
+                    // Lane 2 alone: adding 0 elsewhere could turn a −0 odd offset into +0.
+                    let added = _mm_add_ps(offset[t], _mm_set1_ps(coef * *dsum[t].add(b)));
+                    offset[t] = _mm_blend_ps(offset[t], added, 0b0100);
                 }
             }
         }
         for t in 0..N {
-            out[t] = finish(_mm256_add_ps(acc[0][t], acc[1][t]), offset[0][t] + offset[1][t]);
+            // SAFETY: `__m128` is four f32.
+            let [_, _, even, odd] = unsafe { std::mem::transmute::<__m128, [f32; 4]>(offset[t]) };
+            out[t] = finish(_mm256_add_ps(acc[0][t], acc[1][t]), even + odd);
         }
     }
 
