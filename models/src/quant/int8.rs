@@ -16,12 +16,11 @@ pub struct Q8Row {
     pub q: Vec<i8>,
     pub d: Vec<f32>,
     pub sum16: Vec<i32>,
-    /// Per 32-element block: `d · Σ qx`, what a block's offset term (its min, or the zero
-    /// point of a signed format) multiplies in the packed dot.
-    pub dsum: Vec<f32>,
     /// Per pair of blocks (an even one and the odd one after it, zeros past the end):
-    /// `[d_even, d_odd, dsum_even, dsum_odd]`, what the AVX-512 tile multiplies a weight
-    /// pair's `[scale_even, scale_odd, coef_even, coef_odd]` by, in one instruction.
+    /// `[d_even, d_odd, dsum_even, dsum_odd]`, what the packed tiles multiply a weight pair's
+    /// `[scale_even, scale_odd, coef_even, coef_odd]` by, in one instruction. `dsum` is a
+    /// block's `d · Σ qx`, what its offset term (its min, or the zero point of a signed
+    /// format) multiplies ([`Q8Row::dsum`]).
     pub pair_factors: Vec<f32>,
 }
 
@@ -38,7 +37,6 @@ impl Q8Row {
         self.q.resize(x.len(), 0);
         self.d.clear();
         self.sum16.clear();
-        self.dsum.clear();
         #[cfg(target_arch = "x86_64")]
         let avx2 = std::is_x86_feature_detected!("avx2");
         for (xb, qb) in x.chunks_exact(ACT_BLOCK).zip(self.q.chunks_exact_mut(ACT_BLOCK)) {
@@ -59,15 +57,22 @@ impl Q8Row {
             for half in qb.chunks_exact(16) {
                 self.sum16.push(half.iter().map(|&q| q as i32).sum());
             }
-            let n = self.sum16.len();
-            self.dsum.push(d * (self.sum16[n - 2] + self.sum16[n - 1]) as f32);
         }
         self.pair_factors.clear();
-        for b in (0..self.d.len()).step_by(2) {
-            let odd = |v: &[f32]| v.get(b + 1).copied().unwrap_or(0.0);
-            self.pair_factors
-                .extend([self.d[b], odd(&self.d), self.dsum[b], odd(&self.dsum)]);
+        let blocks = self.d.len();
+        let dsum = |b: usize| self.d[b] * (self.sum16[2 * b] + self.sum16[2 * b + 1]) as f32;
+        for b in (0..blocks).step_by(2) {
+            let (d_odd, dsum_odd) = match b + 1 < blocks {
+                true => (self.d[b + 1], dsum(b + 1)),
+                false => (0.0, 0.0),
+            };
+            self.pair_factors.extend([self.d[b], d_odd, dsum(b), dsum_odd]);
         }
+    }
+
+    /// Block `block`'s `d · Σ qx` (kept in [`Q8Row::pair_factors`]).
+    pub fn dsum(&self, block: usize) -> f32 {
+        self.pair_factors[4 * (block / 2) + 2 + block % 2]
     }
 }
 
@@ -416,10 +421,7 @@ impl PackedDot {
         {
             let blocks = row_bytes / dtype.block_layout().1;
             let fits = |a: &Q8Row| {
-                a.q.len() >= blocks * ACT_BLOCK
-                    && a.d.len() >= blocks
-                    && a.dsum.len() >= blocks
-                    && a.pair_factors.len() >= 4 * blocks.div_ceil(2)
+                a.q.len() >= blocks * ACT_BLOCK && a.d.len() >= blocks && a.pair_factors.len() >= 4 * blocks.div_ceil(2)
             };
             return acts.iter().all(fits).then_some(Self {
                 dtype,
@@ -847,7 +849,6 @@ mod packed_x86 {
         // Loop-invariant pointers into each activation, hoisted out of the block loop.
         let q: [*const i8; N] = std::array::from_fn(|t| acts[t].q.as_ptr());
         let d: [*const f32; N] = std::array::from_fn(|t| acts[t].d.as_ptr());
-        let dsum: [*const f32; N] = std::array::from_fn(|t| acts[t].dsum.as_ptr());
         let pair_factors: [*const f32; N] = std::array::from_fn(|t| acts[t].pair_factors.as_ptr());
         let mut acc = [[_mm256_setzero_ps(); N]; 2];
         let mut offset = [_mm_setzero_ps(); N];
@@ -896,7 +897,7 @@ mod packed_x86 {
                     let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(F::products(w, qx), ones));
                     acc[0][t] = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * *d[t].add(b)), acc[0][t]);
                     // Lane 2 alone: adding 0 elsewhere could turn a −0 odd offset into +0.
-                    let added = _mm_add_ps(offset[t], _mm_set1_ps(coef * *dsum[t].add(b)));
+                    let added = _mm_add_ps(offset[t], _mm_set1_ps(coef * acts[t].dsum(b)));
                     offset[t] = _mm_blend_ps(offset[t], added, 0b0100);
                 }
             }
@@ -935,7 +936,6 @@ mod packed_x86 {
     unsafe fn tile_wide<P: PairFormat, const N: usize>(row: &[u8], blocks: usize, acts: &[Q8Row], out: &mut [f32]) {
         let q: [*const i8; N] = std::array::from_fn(|t| acts[t].q.as_ptr());
         let d: [*const f32; N] = std::array::from_fn(|t| acts[t].d.as_ptr());
-        let dsum: [*const f32; N] = std::array::from_fn(|t| acts[t].dsum.as_ptr());
         let pair_factors: [*const f32; N] = std::array::from_fn(|t| acts[t].pair_factors.as_ptr());
         let mut acc = [_mm512_setzero_ps(); N];
         // Lanes 2 and 3: `tile`'s even- and odd-block offsets (each lane a multiply, then an
@@ -975,7 +975,7 @@ mod packed_x86 {
                     let scaled = _mm512_set1_ps(scale * *d[t].add(b));
                     acc[t] = _mm512_mask3_fmadd_ps(sums, scaled, acc[t], 0x00FF);
                     // Lane 2 alone: adding 0 elsewhere could turn a −0 odd offset into +0.
-                    let term = _mm_set1_ps(coef * *dsum[t].add(b));
+                    let term = _mm_set1_ps(coef * acts[t].dsum(b));
                     offset[t] = _mm_mask_add_ps(offset[t], 0b0100, offset[t], term);
                 }
             }
