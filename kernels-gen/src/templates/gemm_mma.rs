@@ -199,15 +199,7 @@ fn store_accumulators(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<St
                     Some(_) => summed * load("inv_rms", in_tile),
                     None => summed,
                 };
-                out.push(if_(
-                    and(lt(row.clone(), var("tokens")), lt(col.clone(), var("n"))),
-                    vec![split_k::store_result(
-                        row.clone(),
-                        col.clone(),
-                        value,
-                        glu.is_none().then(|| gemv::out_index(norm, glu, row, col)),
-                    )],
-                ));
+                out.push(super::store_gemm_result(norm, glu, row, col, value));
             }
         }
     }

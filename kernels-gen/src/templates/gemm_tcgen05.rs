@@ -162,15 +162,7 @@ fn epilogue(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
                     Some(_) => summed * load("inv_rms", in_tile),
                     None => summed,
                 };
-                if_(
-                    and(lt(row.clone(), var("n")), lt(token.clone(), var("tokens"))),
-                    vec![split_k::store_result(
-                        token.clone(),
-                        row.clone(),
-                        value,
-                        glu.is_none().then(|| gemv::out_index(norm, glu, token, row.clone())),
-                    )],
-                )
+                super::store_gemm_result(norm, glu, token, row.clone(), value)
             })
             .collect()
     };

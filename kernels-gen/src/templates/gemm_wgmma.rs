@@ -146,15 +146,7 @@ fn store_accumulators(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<St
                 Some(_) => var(&d_name(i)) * var(if upper { "inv_rms_hi" } else { "inv_rms_lo" }),
                 None => var(&d_name(i)),
             };
-            if_(
-                and(lt(row.clone(), var("tokens")), lt(col.clone(), var("n"))),
-                vec![split_k::store_result(
-                    row.clone(),
-                    col.clone(),
-                    value,
-                    glu.is_none().then(|| gemv::out_index(norm, glu, row, col)),
-                )],
-            )
+            super::store_gemm_result(norm, glu, row, col, value)
         })
         .collect()
 }

@@ -156,6 +156,28 @@ pub fn prologue_element(
     out
 }
 
+/// A prefill GEMM's result element (`token`, weight row `row`) where it lies inside the result
+/// (`token < tokens`, `row < n`): into `out` (after the sum under a residual prologue), or with
+/// several K splits, or a GLU epilogue (which the reduction applies), into this split's partial
+/// tile (`split_k::store_result`).
+pub fn store_gemm_result(
+    norm: Option<gemv::NormPrologue>,
+    glu: Option<ir::GluAct>,
+    token: Expr,
+    row: Expr,
+    value: Expr,
+) -> Stmt {
+    if_(
+        and(lt(token.clone(), var("tokens")), lt(row.clone(), var("n"))),
+        vec![split_k::store_result(
+            token.clone(),
+            row.clone(),
+            value,
+            glu.is_none().then(|| gemv::out_index(norm, glu, token, row)),
+        )],
+    )
+}
+
 /// The shared array [`tile_norms`] fills: one `1/rms` per token of a tile.
 pub fn tile_norms_array(tile_tokens: i64) -> SharedArray {
     SharedArray {
