@@ -347,18 +347,9 @@ fn attention_prefetches_the_output_projection_at_few_rows() {
         );
     }
     // Only the projections read the weights.
-    let reads = plan
-        .launches
-        .iter()
-        .flat_map(|l| &l.args)
-        .filter(|a| matches!(a, LaunchArg::Weight { .. }))
-        .count();
-    let prefetches = plan
-        .launches
-        .iter()
-        .flat_map(|l| &l.args)
-        .filter(|a| matches!(a, LaunchArg::WeightPrefetch { .. }))
-        .count();
+    let count = |kind: fn(&LaunchArg) -> bool| plan.launches.iter().flat_map(|l| &l.args).filter(|a| kind(a)).count();
+    let reads = count(|a| matches!(a, LaunchArg::Weight { .. }));
+    let prefetches = count(|a| matches!(a, LaunchArg::WeightPrefetch { .. }));
     assert_eq!(prefetches, 32);
     assert!(reads > prefetches);
 }

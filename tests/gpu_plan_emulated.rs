@@ -122,11 +122,15 @@ fn tiny_gemma3_plans_agree_with_the_cpu_backend() {
     }
 }
 
-/// The plans of the GGUF model at `path` against the CPU backend on the same file dequantized
-/// to f32, on every GPU target, norms fused into the matmuls there.
-fn check_gguf(name: &str, path: &std::path::Path) {
+/// The plans of the GGUF model `make` writes into a scratch directory against the CPU backend
+/// on the same file dequantized to f32, on every GPU target, norms fused into the matmuls
+/// there.
+fn check_gguf(name: &str, make: fn(&std::path::Path) -> std::io::Result<std::path::PathBuf>) {
+    let dir = std::env::temp_dir().join(format!("bbc-tiny-{}-{}", name.replace(' ', "-"), std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = make(&dir).unwrap();
     let open = |dtype| {
-        let mut spec = ModelSpec::for_weights(path);
+        let mut spec = ModelSpec::for_weights(&path);
         spec.dtype = dtype;
         Model::open(spec).unwrap()
     };
@@ -145,6 +149,7 @@ fn check_gguf(name: &str, path: &std::path::Path) {
         );
         check_against(name, &native, &dequantized, target, 2e-2);
     }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A GGUF model's plans (weights kept in their blocks, Q8_0 attention and embedding, Q4_0
@@ -153,22 +158,14 @@ fn check_gguf(name: &str, path: &std::path::Path) {
 /// prefill through the decoding tensor-core GEMM rounds weights and activations to bf16 (2e-2).
 #[test]
 fn tiny_quantized_llama_plans_agree_with_the_cpu_backend() {
-    let dir = std::env::temp_dir().join(format!("bbc-tiny-quantized-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = tiny_gguf::quantized_llama(&dir).unwrap();
-    check_gguf("quantized llama", &path);
-    let _ = std::fs::remove_dir_all(&dir);
+    check_gguf("quantized llama", tiny_gguf::quantized_llama);
 }
 
 /// An f16 model's plans (IEEE half weights: read exactly by the GEMVs, rounded to bf16 in the
 /// `mma.sync` GEMM's tile) against the CPU backend on the same file in f32.
 #[test]
 fn tiny_f16_llama_plans_agree_with_the_cpu_backend() {
-    let dir = std::env::temp_dir().join(format!("bbc-tiny-f16-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = tiny_gguf::f16_llama(&dir).unwrap();
-    check_gguf("f16 llama", &path);
-    let _ = std::fs::remove_dir_all(&dir);
+    check_gguf("f16 llama", tiny_gguf::f16_llama);
 }
 
 /// The greedy plan's `next_token` at every step equals the argmax of the CPU logits.

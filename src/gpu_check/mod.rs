@@ -27,7 +27,8 @@ use codegen::Target;
 use runtime::cuda::CudaDevice;
 use std::path::{Path, PathBuf};
 
-/// A scratch directory, removed with everything in it when dropped.
+/// A scratch directory, removed with everything in it when dropped: on every way out of the
+/// section that made it, errors included.
 struct RemovedOnDrop(PathBuf);
 
 impl Drop for RemovedOnDrop {

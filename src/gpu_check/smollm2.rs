@@ -102,7 +102,6 @@ fn engines(model: &Path, target: Target) -> Result<(Engine<CudaBackend>, Engine)
     Ok((gpu, cpu))
 }
 
-/// A directory removed when dropped: on every way out of [`engines`], errors included.
 /// 128 greedy tokens after the 40-token prompt on each engine: prompt and decode rates.
 fn print_timings(gpu: &Engine<CudaBackend>, cpu: &Engine) -> Result<()> {
     let prompt = &prompts()[1];
