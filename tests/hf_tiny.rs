@@ -65,17 +65,25 @@ fn argmax(row: &[f32]) -> u32 {
     runtime::sampling::argmax(row)
 }
 
+/// The CPU backend against HF, on the graph as lowered and on the graph the CPU's passes fuse.
 fn check_cpu_backend(family: &str) {
     let model = open(family);
+    let lowered = model.lower(LogitsFor::AllTokens).unwrap();
+    let fused = passes::optimized(&lowered, passes::CostModel::CPU).unwrap();
+    assert!(fused.op_count() < lowered.op_count(), "{family}: nothing fused");
     let reference = load_reference(family);
-    let graph = model.lower(LogitsFor::AllTokens).unwrap();
+    check_cpu_graph(&model, lowered, &reference, family);
+    check_cpu_graph(&model, fused, &reference, &format!("{family} fused"));
+}
+
+fn check_cpu_graph(model: &Model, graph: ir::Graph, reference: &Reference, label: &str) {
     let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
     let mut seq = backend.new_sequence();
     let out = backend.step(&mut seq, &reference.input_ids).unwrap();
     assert_close(
         &out["logits"].data,
         &reference.logits,
-        &format!("{family} prompt logits"),
+        &format!("{label} prompt logits"),
     );
     let v = reference.vocab;
     let mut last = out["logits"].row(reference.input_ids.len() - 1).to_vec();
@@ -83,10 +91,10 @@ fn check_cpu_backend(family: &str) {
         assert_close(
             &last,
             &reference.step_logits[step * v..(step + 1) * v],
-            &format!("{family} step {step}"),
+            &format!("{label} step {step}"),
         );
         let id = argmax(&last);
-        assert_eq!(id, want_id, "{family}: greedy id at step {step}");
+        assert_eq!(id, want_id, "{label}: greedy id at step {step}");
         last = backend.step(&mut seq, &[id]).unwrap()["logits"].data.clone();
     }
 }
@@ -128,6 +136,16 @@ fn llama_cpu_backend_matches_hf() {
 #[test]
 fn gemma3_cpu_backend_matches_hf() {
     check_cpu_backend("gemma3");
+}
+
+#[test]
+fn glm4_moe_cpu_backend_matches_hf() {
+    check_cpu_backend("glm4_moe");
+}
+
+#[test]
+fn glm4_moe_reference_interpreter_matches_hf() {
+    check_reference_interpreter("glm4_moe");
 }
 
 #[test]

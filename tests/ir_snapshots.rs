@@ -22,6 +22,21 @@ fn gemma3_graph() {
 }
 
 #[test]
+fn glm4_moe_graph() {
+    insta::assert_snapshot!(graph_text("glm4_moe", LogitsFor::LastToken));
+}
+
+/// The CPU's fusion of GLM-4.5: Q/K/V joined ahead of their biases, the router joined with the
+/// shared experts' gate/up (one activation read for all three), the routed experts one `moe`.
+#[test]
+fn glm4_moe_fused_graph() {
+    let mut spec = ModelSpec::for_weights(&common::fixture("hf-tiny/glm4_moe"));
+    spec.dtype = ComputeDtype::F32;
+    let graph = Model::open(spec).unwrap().lower(LogitsFor::LastToken).unwrap();
+    insta::assert_snapshot!(fused_text(&graph, passes::CostModel::CPU));
+}
+
+#[test]
 fn lowering_is_deterministic() {
     assert_eq!(
         graph_text("gemma3", LogitsFor::AllTokens),

@@ -94,6 +94,59 @@ fn safetensors_header_lying_about_sizes_is_named() {
     }
 }
 
+/// A GLM-4.5 MoE `config.json` whose routing cannot work, or whose experts are missing from
+/// the weights, is refused naming the setting or the tensor that disagrees.
+#[test]
+fn bad_moe_configs_are_named() {
+    let src = common::fixture("hf-tiny/glm4_moe");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let cases: &[(&str, serde_json::Value, &str)] = &[
+        ("n_group", 3.into(), "n_group 3"),
+        ("topk_group", 3.into(), "topk_group 3"),
+        ("num_experts_per_tok", 5.into(), "num_experts_per_tok 5"),
+        ("n_routed_experts", serde_json::Value::Null, "n_routed_experts"),
+        ("use_qk_norm", "yes".into(), "use_qk_norm"),
+        ("n_routed_experts", 10.into(), "the config implies [10, 64]"),
+    ];
+    for (i, (key, value, needle)) in cases.iter().enumerate() {
+        let dir = std::env::temp_dir().join(format!("bbc-bad-moe-{}-{i}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
+        let mut bad = config.clone();
+        bad[*key] = value.clone();
+        std::fs::write(dir.join("config.json"), bad.to_string()).unwrap();
+        let message = match Model::open(ModelSpec::for_weights(&dir)).and_then(|m| {
+            m.lower(models::LogitsFor::LastToken)?;
+            Ok(())
+        }) {
+            Ok(()) => panic!("{key} = {value} should be refused"),
+            Err(e) => e.to_string(),
+        };
+        assert!(message.contains(needle), "{key} = {value}: {message}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// GPU targets have no kernels for MoE layers or attention biases yet: compiling GLM-4.5 for
+/// one is an error naming the op, not a panic or a broken artifact.
+#[test]
+fn moe_models_are_refused_for_gpu_targets() {
+    let model = common::fixture("hf-tiny/glm4_moe");
+    let out = std::env::temp_dir().join(format!("bbc-glm-h200-{}", std::process::id()));
+    let (ok, stderr) = bbc(&[
+        "compile",
+        model.to_str().unwrap(),
+        "--target",
+        "h200",
+        "-o",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    assert!(stderr.contains("no GPU template"), "{stderr}");
+    assert!(!out.join("manifest.json").exists());
+}
+
 fn bbc(args: &[&str]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_bbc")).args(args).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();

@@ -63,6 +63,29 @@ fn f32_cache() -> DType {
     DType::F32
 }
 
+/// A mixture-of-experts feed-forward layer with DeepSeek-V3's router (GLM-4.5's too): sigmoid
+/// scores, a per-expert bias that steers the choice but not the weights, experts chosen within
+/// the best groups, gated-linear experts.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct MoeSpec {
+    /// Routed experts (`n_routed_experts`).
+    pub experts: usize,
+    /// Experts each token goes to (`num_experts_per_tok`).
+    pub experts_per_token: usize,
+    /// Experts fall in `groups` consecutive groups (`n_group`); a group scores the sum of its
+    /// two best biased scores, and a token picks its experts inside the `top_groups` best
+    /// groups (`topk_group`).
+    pub groups: usize,
+    pub top_groups: usize,
+    /// Divide the chosen experts' scores by their sum (`norm_topk_prob`).
+    pub normalize: bool,
+    /// Multiplies the (normalized) weights (`routed_scaling_factor`).
+    pub scaling: f32,
+    /// Each expert's hidden width (`moe_intermediate_size`).
+    pub intermediate: usize,
+    pub act: GluAct,
+}
+
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Op {
     Input(InputKind),
@@ -106,6 +129,13 @@ pub enum Op {
     GeluTanh,
     /// `[t, d] -> [1, d]`: the last row (logits are only needed for the last token).
     LastToken,
+    /// `(x [t, n], b [n]) -> [t, n]`: a linear layer's bias, added to every row.
+    AddBias,
+    /// `(x [t, d], router_logits [t, experts], score_bias [experts], gate_up [experts·2i, d],
+    /// down [experts·d, i]) -> [t, d]`: the routed experts' weighted sum. Expert `e`'s gate
+    /// and up rows are rows `e·2i..(e+1)·2i` of `gate_up` (gate first), its down projection
+    /// rows `e·d..(e+1)·d` of `down`; shared experts are ordinary MLPs beside it.
+    Moe(MoeSpec),
 
     // Ops that rewrites produce (see the `passes` crate).
     /// `[t, n] -> [t, len]`: columns `start..start+len` (a view of a fused op's output).
@@ -181,6 +211,8 @@ impl Op {
             Self::Silu => "silu",
             Self::GeluTanh => "gelu_tanh",
             Self::LastToken => "last_token",
+            Self::AddBias => "add_bias",
+            Self::Moe(_) => "moe",
             Self::Slice { .. } => "slice",
             Self::ConcatRows => "concat_rows",
             Self::AddRmsNorm { .. } => "add_rms_norm",
@@ -217,6 +249,8 @@ impl Op {
             Self::Scale { .. } | Self::Silu | Self::GeluTanh | Self::LastToken => 1,
             Self::Slice { .. } | Self::Glu { .. } | Self::TopK { .. } => 1,
             Self::Embedding | Self::MatMul | Self::RmsNorm { .. } | Self::Rope(_) | Self::Add | Self::Mul => 2,
+            Self::AddBias => 2,
+            Self::Moe(_) => 5,
             Self::Int8BoundTopK { .. } => 2,
             Self::Attention(_) | Self::AddRmsNorm { .. } | Self::RmsNormMatMul { .. } => 3,
             Self::AddRmsNormMatMul { .. } | Self::RopeAttention { .. } => 4,
@@ -307,6 +341,14 @@ impl Op {
                 let (_, d) = f32_rows(inputs[0].0)?;
                 Ok((Shape::new([Dim::Const(1), d]), DType::F32))
             }
+            Self::AddBias => {
+                let (t, n) = f32_rows(inputs[0].0)?;
+                if inputs[1].0 .0.as_slice() != [n] {
+                    return Err(format!("add_bias: x {} with bias {}", inputs[0].0, inputs[1].0));
+                }
+                Ok((Shape::new([t, n]), DType::F32))
+            }
+            Self::Moe(spec) => moe_shape(spec, inputs),
             Self::Slice { start, len } => {
                 let (t, n) = f32_rows(inputs[0].0)?;
                 if *len == 0 || n.as_const().is_none_or(|n| start + len > n) {
@@ -442,6 +484,10 @@ impl Op {
             } => format!("eps={eps:e}, weight_offset={weight_offset}, glu={act:?}"),
             Self::Elementwise { expr } => format!("{expr}"),
             Self::TopK { k } | Self::Int8BoundTopK { k } => format!("k={k}"),
+            Self::Moe(m) => format!(
+                "experts={}, per_token={}, groups={}, top_groups={}, normalize={}, scaling={}, intermediate={}, act={:?}",
+                m.experts, m.experts_per_token, m.groups, m.top_groups, m.normalize, m.scaling, m.intermediate, m.act
+            ),
             _ => String::new(),
         }
     }
@@ -507,6 +553,38 @@ fn attention_shape(spec: &AttentionSpec, inputs: &[(&Shape, DType)]) -> Result<(
         ));
     }
     Ok((Shape::new([t, dq]), DType::F32))
+}
+
+/// `moe(x, logits, bias, gate_up, down)`'s output shape, or why the inputs do not fit `spec`.
+fn moe_shape(spec: &MoeSpec, inputs: &[(&Shape, DType)]) -> Result<(Shape, DType), String> {
+    let c = Dim::Const;
+    let (e, i) = (spec.experts, spec.intermediate);
+    let matrix = |s: &Shape| -> Option<(Dim, Dim)> {
+        match s.0.as_slice() {
+            [r, c] => Some((*r, *c)),
+            _ => None,
+        }
+    };
+    let fits = (|| {
+        let (t, d) = matrix(inputs[0].0)?;
+        let hidden = d.as_const()?;
+        let routing_ok = spec.groups > 0
+            && e.is_multiple_of(spec.groups)
+            && e / spec.groups >= 2
+            && (1..=spec.groups).contains(&spec.top_groups)
+            && (1..=spec.top_groups * (e / spec.groups)).contains(&spec.experts_per_token);
+        let ok = routing_ok
+            && inputs[0].1 == DType::F32
+            && matrix(inputs[1].0)? == (t, c(e))
+            && inputs[2].0 .0.as_slice() == [c(e)]
+            && matrix(inputs[3].0)? == (c(e * 2 * i), c(hidden))
+            && matrix(inputs[4].0)? == (c(e * hidden), c(i));
+        ok.then_some(Shape::new([t, d]))
+    })();
+    fits.map(|shape| (shape, DType::F32)).ok_or_else(|| {
+        let shapes: Vec<String> = inputs.iter().map(|(s, d)| format!("{d}{s}")).collect();
+        format!("moe: inputs {} do not fit {spec:?}", shapes.join(", "))
+    })
 }
 
 /// `Dim` for the step's token count, for builders.

@@ -10,6 +10,8 @@ use std::path::Path;
 pub enum Family {
     Llama,
     Gemma3,
+    /// GLM-4.5 / 4.6 / 4.7 (`Glm4MoeForCausalLM`).
+    Glm4Moe,
 }
 
 impl Family {
@@ -17,6 +19,7 @@ impl Family {
         match self {
             Self::Llama => "llama",
             Self::Gemma3 => "gemma3",
+            Self::Glm4Moe => "glm4_moe",
         }
     }
 
@@ -24,6 +27,7 @@ impl Family {
         match s {
             "llama" => Some(Self::Llama),
             "gemma3" | "gemma3_text" => Some(Self::Gemma3),
+            "glm4_moe" => Some(Self::Glm4Moe),
             _ => None,
         }
     }
@@ -59,6 +63,29 @@ pub struct ModelConfig {
     /// Gemma: attention scale is `query_pre_attn_scalar^-0.5`.
     pub query_pre_attn_scalar: Option<f64>,
     pub tied_embeddings: bool,
+    /// The leading dims of each head that RoPE rotates (`partial_rotary_factor · head_dim`).
+    pub rotary_dim: usize,
+    /// Q, K and V projections have biases (Qwen2, GLM-4.5).
+    pub attention_bias: bool,
+    /// Per-head RMSNorm of queries and keys before RoPE (Gemma 3, Qwen3, GLM-4.5).
+    pub qk_norm: bool,
+    /// Mixture-of-experts layers, where the family has them.
+    pub moe: Option<MoeConfig>,
+}
+
+/// The MoE layers of a GLM-4.5-style model (HF `config.json` names in the comments).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct MoeConfig {
+    /// Layers before this one keep a dense MLP (`first_k_dense_replace`).
+    pub first_sparse_layer: usize,
+    pub experts: usize,             // n_routed_experts
+    pub experts_per_token: usize,   // num_experts_per_tok
+    pub expert_intermediate: usize, // moe_intermediate_size
+    pub shared_experts: usize,      // n_shared_experts
+    pub groups: usize,              // n_group
+    pub top_groups: usize,          // topk_group
+    pub normalize: bool,            // norm_topk_prob
+    pub scaling: f32,               // routed_scaling_factor
 }
 
 /// Gemma 3's layer pattern: every sixth layer is global.
@@ -98,6 +125,10 @@ impl ModelConfig {
             layer_attention: vec![LayerAttention::Full; layers],
             query_pre_attn_scalar: None,
             tied_embeddings: false,
+            rotary_dim: 128,
+            attention_bias: false,
+            qk_norm: false,
+            moe: None,
         }
     }
 
@@ -106,8 +137,15 @@ impl ModelConfig {
         let family = Family::parse(arch).ok_or_else(|| ModelError::Metadata {
             path: file.path.clone(),
             key: "general.architecture".into(),
-            problem: format!("is `{arch}`; bbc runs llama and gemma3"),
+            problem: format!("is `{arch}`; bbc runs llama and gemma3 from GGUF"),
         })?;
+        if family == Family::Glm4Moe {
+            return Err(ModelError::Metadata {
+                path: file.path.clone(),
+                key: "general.architecture".into(),
+                problem: "is GLM-4.5 MoE, which bbc runs from HF safetensors only so far".into(),
+            });
+        }
         let key = |k: &str| format!("{arch}.{k}");
         let u = |k: &str| file.require_u64(&key(k)).map(|v| v as usize);
         let hidden = u("embedding_length")?;
@@ -128,6 +166,7 @@ impl ModelConfig {
             // llama.cpp's gemma3: sliding layers use θ = 10 000; the scale is 1/√head_dim
             // (gemma-3 sets query_pre_attn_scalar = head_dim).
             Family::Gemma3 => (gemma3_pattern(layers, 6), 10_000.0, Some(head_dim as f64)),
+            Family::Glm4Moe => unreachable!("refused above"),
         };
         let rope_scale = match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
             Some("linear") => file.optional_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0),
@@ -153,6 +192,10 @@ impl ModelConfig {
             layer_attention,
             query_pre_attn_scalar,
             tied_embeddings: file.tensor("output.weight").is_none(),
+            rotary_dim: head_dim,
+            attention_bias: false,
+            qk_norm: family == Family::Gemma3,
+            moe: None,
         };
         config.check(&file.path)
     }
@@ -167,7 +210,7 @@ impl ModelConfig {
         let model_type = cfg.str("model_type")?;
         let family = Family::parse(model_type).ok_or_else(|| {
             cfg.error(&format!(
-                "model_type `{model_type}` is not one bbc runs (llama, gemma3)"
+                "model_type `{model_type}` is not one bbc runs (llama, gemma3, glm4_moe)"
             ))
         })?;
         let hidden = cfg.usize("hidden_size")?;
@@ -185,7 +228,7 @@ impl ModelConfig {
             .or_else(|| json.get("rope_local_base_freq").and_then(|v| v.as_f64()))
             .unwrap_or(match family {
                 Family::Gemma3 => 10_000.0,
-                Family::Llama => rope_theta,
+                Family::Llama | Family::Glm4Moe => rope_theta,
             });
         let layer_attention = match json.get("layer_types").and_then(|v| v.as_array()) {
             Some(types) => types
@@ -199,7 +242,7 @@ impl ModelConfig {
                 })
                 .collect::<Result<Vec<_>>>()?,
             None => match family {
-                Family::Llama => vec![LayerAttention::Full; layers],
+                Family::Llama | Family::Glm4Moe => vec![LayerAttention::Full; layers],
                 Family::Gemma3 => gemma3_pattern(layers, cfg.opt_usize("_sliding_window_pattern")?.unwrap_or(6)),
             },
         };
@@ -224,6 +267,17 @@ impl ModelConfig {
                 .get("tie_word_embeddings")
                 .and_then(|v| v.as_bool())
                 .unwrap_or(true),
+            rotary_dim: cfg.rotary_dim(head_dim)?,
+            attention_bias: cfg.opt_bool("attention_bias")?.unwrap_or(false),
+            qk_norm: match family {
+                Family::Gemma3 => true,
+                Family::Llama => false,
+                Family::Glm4Moe => cfg.opt_bool("use_qk_norm")?.unwrap_or(false),
+            },
+            moe: match family {
+                Family::Glm4Moe => Some(cfg.glm4_moe()?),
+                Family::Llama | Family::Gemma3 => None,
+            },
         };
         config.check(path)
     }
@@ -264,10 +318,49 @@ impl ModelConfig {
         if self.layer_attention.contains(&LayerAttention::Sliding) && self.sliding_window.is_none_or(|w| w == 0) {
             return Err(bad("sliding-window layers need a positive sliding_window".into()));
         }
+        if self.rotary_dim == 0 || self.rotary_dim > self.head_dim || !self.rotary_dim.is_multiple_of(2) {
+            return Err(bad(format!(
+                "RoPE would rotate {} of head_dim {}: it must be even and at most head_dim",
+                self.rotary_dim, self.head_dim
+            )));
+        }
+        if let Some(moe) = &self.moe {
+            moe.check().map_err(bad)?;
+        }
         if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
             return Err(bad(format!("rms eps {} is not a non-negative number", self.rms_eps)));
         }
         Ok(self)
+    }
+}
+
+impl MoeConfig {
+    fn check(&self) -> std::result::Result<(), String> {
+        let per_group = match self.groups {
+            0 => 0,
+            g if self.experts.is_multiple_of(g) => self.experts / g,
+            _ => 0,
+        };
+        if per_group < 2 {
+            return Err(format!(
+                "{} experts do not split into n_group {} groups of at least two",
+                self.experts, self.groups
+            ));
+        }
+        if !(1..=self.groups).contains(&self.top_groups) {
+            return Err(format!("topk_group {} is not in 1..={}", self.top_groups, self.groups));
+        }
+        if !(1..=self.top_groups * per_group).contains(&self.experts_per_token) {
+            return Err(format!(
+                "num_experts_per_tok {} is not in 1..={} (the experts of topk_group groups)",
+                self.experts_per_token,
+                self.top_groups * per_group
+            ));
+        }
+        if self.expert_intermediate == 0 || !self.scaling.is_finite() {
+            return Err("moe_intermediate_size must be positive and routed_scaling_factor a number".into());
+        }
+        Ok(())
     }
 }
 
@@ -302,6 +395,57 @@ impl HfConfig<'_> {
                 .ok_or_else(|| self.error(&format!("`{key}` should be a non-negative integer, found {v}"))),
         }
     }
+    fn opt_bool(&self, key: &str) -> Result<Option<bool>> {
+        match self.json.get(key) {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| self.error(&format!("`{key}` should be true or false, found {v}"))),
+        }
+    }
+
+    /// `partial_rotary_factor · head_dim` (in `rope_parameters`, or at the top level as older
+    /// configs have it); all of it when absent.
+    fn rotary_dim(&self, head_dim: usize) -> Result<usize> {
+        let factor = self
+            .json
+            .get("rope_parameters")
+            .and_then(|p| p.get("partial_rotary_factor"))
+            .or_else(|| self.json.get("partial_rotary_factor"));
+        match factor {
+            None | Some(serde_json::Value::Null) => Ok(head_dim),
+            Some(v) => match v.as_f64() {
+                Some(f) if f > 0.0 && f <= 1.0 => Ok((head_dim as f64 * f) as usize),
+                _ => Err(self.error(&format!("`partial_rotary_factor` should be in (0, 1], found {v}"))),
+            },
+        }
+    }
+
+    fn glm4_moe(&self) -> Result<MoeConfig> {
+        Ok(MoeConfig {
+            first_sparse_layer: self.opt_usize("first_k_dense_replace")?.unwrap_or(0),
+            experts: self.usize("n_routed_experts")?,
+            experts_per_token: self.usize("num_experts_per_tok")?,
+            expert_intermediate: self.usize("moe_intermediate_size")?,
+            shared_experts: self.opt_usize("n_shared_experts")?.unwrap_or(0),
+            groups: self.opt_usize("n_group")?.unwrap_or(1),
+            top_groups: self.opt_usize("topk_group")?.unwrap_or(1),
+            normalize: self.opt_bool("norm_topk_prob")?.unwrap_or(true),
+            scaling: self.opt_f64("routed_scaling_factor")?.unwrap_or(1.0) as f32,
+        })
+    }
+
+    fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+        match self.json.get(key) {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.error(&format!("`{key}` should be a number, found {v}"))),
+        }
+    }
+
     fn f64(&self, key: &str) -> Result<f64> {
         self.json
             .get(key)

@@ -62,7 +62,11 @@ impl ModelSpec {
         let architecture = m
             .architecture
             .map(|a| {
-                Family::parse(&a).ok_or_else(|| bad(format!("model.architecture `{a}` is not one of: llama, gemma3")))
+                Family::parse(&a).ok_or_else(|| {
+                    bad(format!(
+                        "model.architecture `{a}` is not one of: llama, gemma3, glm4_moe"
+                    ))
+                })
             })
             .transpose()?;
         let dtype = match m.dtype.as_deref() {

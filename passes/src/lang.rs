@@ -24,6 +24,8 @@ define_language! {
         "silu" = Silu([Id; 2]),
         "gelu_tanh" = GeluTanh([Id; 2]),
         "last_token" = LastToken([Id; 2]),
+        "add_bias" = AddBias([Id; 3]),
+        "moe" = Moe([Id; 6]),
         "slice" = Slice([Id; 2]),
         "concat_rows" = ConcatRows(Box<[Id]>),
         "add_rms_norm" = AddRmsNorm([Id; 4]),
@@ -93,6 +95,11 @@ pub fn make_node(op: &Op, attr: Id, children: &[Id]) -> Node {
         Op::Silu => Node::Silu(arr2(with(1))),
         Op::GeluTanh => Node::GeluTanh(arr2(with(1))),
         Op::LastToken => Node::LastToken(arr2(with(1))),
+        Op::AddBias => Node::AddBias(arr3(with(2))),
+        Op::Moe(_) => {
+            let v = with(5);
+            Node::Moe([v[0], v[1], v[2], v[3], v[4], v[5]])
+        }
         Op::Slice { .. } => Node::Slice(arr2(with(1))),
         Op::ConcatRows => Node::ConcatRows(with(children.len()).into_boxed_slice()),
         Op::AddRmsNorm { .. } => Node::AddRmsNorm(arr4(with(3))),

@@ -170,6 +170,15 @@ impl<'w> Interpreter<'w> {
                 let x = args[0].tensor();
                 Tensor::new(vec![1, x.row_len()], x.row(x.rows() - 1).to_vec())
             }
+            Op::AddBias => {
+                let x = args[0].tensor();
+                Tensor::new(x.shape.clone(), ops::add_bias(&x.data, &args[1].tensor().data))
+            }
+            Op::Moe(spec) => {
+                let x = args[0].tensor();
+                let [logits, bias, gate_up, down] = [1, 2, 3, 4].map(|i| &args[i].tensor().data);
+                Tensor::new(x.shape.clone(), ops::moe(&x.data, logits, bias, gate_up, down, spec))
+            }
             Op::Slice { start, len } => {
                 let x = args[0].tensor();
                 Tensor::new(

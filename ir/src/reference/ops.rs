@@ -154,6 +154,77 @@ pub fn glu(x: &[f32], row_len: usize, act: crate::GluAct) -> Vec<f32> {
         .collect()
 }
 
+/// `x + b` for every row of `b.len()` elements.
+pub fn add_bias(x: &[f32], b: &[f32]) -> Vec<f32> {
+    x.chunks_exact(b.len())
+        .flat_map(|r| r.iter().zip(b).map(|(x, b)| x + b))
+        .collect()
+}
+
+/// The experts one token goes to and their weights, ascending by expert: DeepSeek-V3's router
+/// as HF writes it. Scores are `sigmoid(logit)`; the choice ranks `score + bias`, first the
+/// groups by the sum of their two best, then the experts of the `top_groups` best groups (the
+/// others count as 0, as HF masks them); the weights are the chosen unbiased scores, divided by
+/// their sum when `normalize`, times `scaling`.
+pub fn moe_route(logits: &[f32], bias: &[f32], spec: &crate::MoeSpec) -> Vec<(usize, f32)> {
+    let scores: Vec<f32> = logits.iter().map(|&l| sigmoid(l)).collect();
+    let choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+    let per_group = spec.experts / spec.groups;
+    let group_scores: Vec<f32> = choice
+        .chunks_exact(per_group)
+        .map(|g| top_k(g, 2).iter().map(|&i| g[i]).sum())
+        .collect();
+    let groups = top_k(&group_scores, spec.top_groups);
+    let masked: Vec<f32> = choice
+        .iter()
+        .enumerate()
+        .map(|(e, &c)| if groups.contains(&(e / per_group)) { c } else { 0.0 })
+        .collect();
+    let mut chosen = top_k(&masked, spec.experts_per_token);
+    chosen.sort_unstable();
+    let total: f32 = chosen.iter().map(|&e| scores[e]).sum();
+    chosen
+        .into_iter()
+        .map(|e| {
+            let w = if spec.normalize {
+                scores[e] / (total + 1e-20)
+            } else {
+                scores[e]
+            };
+            (e, w * spec.scaling)
+        })
+        .collect()
+}
+
+fn sigmoid(x: f32) -> f32 {
+    (1.0 / (1.0 + (-(x as f64)).exp())) as f32
+}
+
+/// The routed experts' weighted sum for every row of `x` (`Op::Moe`); f64 accumulation in
+/// each expert's products, experts added in ascending order as HF adds them.
+pub fn moe(x: &[f32], logits: &[f32], bias: &[f32], gate_up: &[f32], down: &[f32], spec: &crate::MoeSpec) -> Vec<f32> {
+    let d = gate_up.len() / (spec.experts * 2 * spec.intermediate);
+    let i = spec.intermediate;
+    let mut out = vec![0f32; x.len()];
+    for ((xr, lr), or) in x
+        .chunks_exact(d)
+        .zip(logits.chunks_exact(spec.experts))
+        .zip(out.chunks_exact_mut(d))
+    {
+        for (e, w) in moe_route(lr, bias, spec) {
+            let mut h = vec![0f32; 2 * i];
+            matmul(xr, &gate_up[e * 2 * i * d..(e + 1) * 2 * i * d], d, &mut h);
+            let m = glu(&h, 2 * i, spec.act);
+            let mut y = vec![0f32; d];
+            matmul(&m, &down[e * d * i..(e + 1) * d * i], i, &mut y);
+            for (o, y) in or.iter_mut().zip(&y) {
+                *o += y * w;
+            }
+        }
+    }
+    out
+}
+
 /// Indices of the `k` largest values of a row, largest first; equal values keep the lower
 /// index first (the tie rule every argmax in bbc follows). NaN sorts below everything.
 pub fn top_k(row: &[f32], k: usize) -> Vec<usize> {
@@ -181,6 +252,69 @@ pub fn top_k(row: &[f32], k: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn router(per_token: usize, top_groups: usize, normalize: bool) -> crate::MoeSpec {
+        crate::MoeSpec {
+            experts: 8,
+            experts_per_token: per_token,
+            groups: 2,
+            top_groups,
+            normalize,
+            scaling: 2.5,
+            intermediate: 4,
+            act: crate::GluAct::Silu,
+        }
+    }
+
+    fn logit(p: f32) -> f32 {
+        (p / (1.0 - p)).ln()
+    }
+
+    #[test]
+    fn moe_route_chooses_inside_the_group_with_the_best_two() {
+        // Expert 5 (group 1) scores best alone, but group 0's two best sum higher (0.9 + 0.85
+        // against 0.95 + 0.1).
+        let p = [0.9, 0.85, 0.1, 0.1, 0.1, 0.95, 0.1, 0.1];
+        let logits: Vec<f32> = p.iter().map(|&p| logit(p)).collect();
+        let route = moe_route(&logits, &[0.0; 8], &router(2, 1, true));
+        let experts: Vec<usize> = route.iter().map(|r| r.0).collect();
+        assert_eq!(experts, vec![0, 1]);
+        let total: f32 = route.iter().map(|r| r.1).sum();
+        assert!(
+            (total - 2.5).abs() < 1e-5,
+            "normalized weights sum to the scaling: {total}"
+        );
+        assert!((route[0].1 - 2.5 * 0.9 / 1.75).abs() < 1e-5);
+        // With both groups open the best single expert is chosen.
+        let both: Vec<usize> = moe_route(&logits, &[0.0; 8], &router(2, 2, true))
+            .iter()
+            .map(|r| r.0)
+            .collect();
+        assert_eq!(both, vec![0, 5]);
+    }
+
+    #[test]
+    fn moe_route_bias_steers_the_choice_but_not_the_weights() {
+        let p = [0.5, 0.6, 0.7, 0.8, 0.1, 0.1, 0.1, 0.1];
+        let logits: Vec<f32> = p.iter().map(|&p| logit(p)).collect();
+        let mut bias = [0.0f32; 8];
+        bias[0] = 1.0;
+        let route = moe_route(&logits, &bias, &router(2, 1, false));
+        assert_eq!(route.iter().map(|r| r.0).collect::<Vec<_>>(), vec![0, 3]);
+        // Unnormalized: the chosen experts' own scores times the scaling, bias left out.
+        assert!((route[0].1 - 0.5 * 2.5).abs() < 1e-5 && (route[1].1 - 0.8 * 2.5).abs() < 1e-5);
+    }
+
+    #[test]
+    fn moe_route_masks_other_groups_with_zero_as_hf_does() {
+        // Negative biases push every choice in the chosen group below 0: HF fills the other
+        // groups' choices with 0.0, not −∞, so their experts win the top-k there.
+        let p = [0.5; 8];
+        let logits: Vec<f32> = p.iter().map(|&p| logit(p)).collect();
+        let bias = [-0.6, -0.7, -0.8, -0.9, -2.0, -2.0, -2.0, -2.0];
+        let route = moe_route(&logits, &bias, &router(2, 1, true));
+        assert_eq!(route.iter().map(|r| r.0).collect::<Vec<_>>(), vec![4, 5]);
+    }
 
     #[test]
     fn top_k_orders_by_value_then_index_and_skips_nan() {

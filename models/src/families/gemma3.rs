@@ -8,7 +8,7 @@
 use super::{Builder, ComputeDtype, LayerTensor, Naming};
 use crate::config::{LayerAttention, ModelConfig};
 use crate::error::Result;
-use ir::{AttentionSpec, InputKind, Op, RopeLayout, RopeSpec};
+use ir::{AttentionSpec, GluAct, InputKind, Op, RopeLayout, RopeSpec};
 
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     let offset = match b.naming {
@@ -66,15 +66,8 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         x = b.add(x, o)?;
 
         let h = b.rms_norm(x, &n(LayerTensor::PreFfnNorm), c.hidden, eps, offset)?;
-        let (wg, wu) = (
-            b.matrix(&n(LayerTensor::Gate), c.intermediate, c.hidden)?,
-            b.matrix(&n(LayerTensor::Up), c.intermediate, c.hidden)?,
-        );
-        let (g, u) = (b.matmul(h, wg)?, b.matmul(h, wu)?);
-        let g = b.op(Op::GeluTanh, &[g])?;
-        let m = b.op(Op::Mul, &[g, u])?;
-        let wd = b.matrix(&n(LayerTensor::Down), c.hidden, c.intermediate)?;
-        let d = b.matmul(m, wd)?;
+        let mlp = [LayerTensor::Gate, LayerTensor::Up, LayerTensor::Down].map(n);
+        let d = b.gated_mlp(h, &mlp, c.hidden, c.intermediate, GluAct::GeluTanh)?;
         let d = b.rms_norm(d, &n(LayerTensor::PostFfnNorm), c.hidden, eps, offset)?;
         x = b.add(x, d)?;
     }

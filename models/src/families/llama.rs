@@ -8,7 +8,7 @@
 use super::{Builder, LayerTensor, Naming};
 use crate::config::ModelConfig;
 use crate::error::Result;
-use ir::{AttentionSpec, InputKind, Op, RopeLayout, RopeSpec};
+use ir::{AttentionSpec, GluAct, InputKind, Op, RopeLayout, RopeSpec};
 
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     let ids = b.graph.input(InputKind::TokenIds);
@@ -68,15 +68,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         x = b.add(x, o)?;
 
         let h = b.rms_norm(x, &n_ffn, c.hidden, c.rms_eps, 0.0)?;
-        let (wg, wu) = (
-            b.matrix(&n_gate, c.intermediate, c.hidden)?,
-            b.matrix(&n_up, c.intermediate, c.hidden)?,
-        );
-        let (g, u) = (b.matmul(h, wg)?, b.matmul(h, wu)?);
-        let g = b.op(Op::Silu, &[g])?;
-        let m = b.op(Op::Mul, &[g, u])?;
-        let wd = b.matrix(&n_down, c.hidden, c.intermediate)?;
-        let d = b.matmul(m, wd)?;
+        let d = b.gated_mlp(h, &[n_gate, n_up, n_down], c.hidden, c.intermediate, GluAct::Silu)?;
         x = b.add(x, d)?;
     }
     b.lm_head(c, x, 0.0)

@@ -5,6 +5,7 @@
 //! or HF), so the graph can be run straight from the file.
 
 mod gemma3;
+mod glm4_moe;
 mod llama;
 pub mod qwen3_5;
 
@@ -90,6 +91,7 @@ fn build(config: &ModelConfig, weights: Catalog<'_>, options: LowerOptions) -> R
     match config.family {
         Family::Llama => llama::lower(config, &mut b)?,
         Family::Gemma3 => gemma3::lower(config, &mut b)?,
+        Family::Glm4Moe => glm4_moe::lower(config, &mut b)?,
     }
     b.graph.validate().map_err(graph_error)?;
     Ok(b.graph)
@@ -142,6 +144,19 @@ pub(crate) enum LayerTensor {
     Up,
     Down,
     PostFfnNorm,
+    /// An MoE layer's router (`[experts, hidden]`).
+    Router,
+    SharedGate,
+    SharedUp,
+    SharedDown,
+}
+
+/// The projections of one routed expert.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum ExpertTensor {
+    Gate,
+    Up,
+    Down,
 }
 
 impl Naming {
@@ -191,10 +206,42 @@ impl Naming {
             Up => ("ffn_up", "mlp.up_proj"),
             Down => ("ffn_down", "mlp.down_proj"),
             PostFfnNorm => ("post_ffw_norm", "post_feedforward_layernorm"),
+            Router => ("ffn_gate_inp", "mlp.gate"),
+            SharedGate => ("ffn_gate_shexp", "mlp.shared_experts.gate_proj"),
+            SharedUp => ("ffn_up_shexp", "mlp.shared_experts.up_proj"),
+            SharedDown => ("ffn_down_shexp", "mlp.shared_experts.down_proj"),
         };
         match self {
             Self::Gguf => format!("blk.{i}.{gguf}.weight"),
             Self::Hf => format!("model.layers.{i}.{hf}.weight"),
+        }
+    }
+
+    /// The bias of a linear layer `t` (its weight's name with `bias` for `weight`).
+    pub(crate) fn layer_bias(self, i: usize, t: LayerTensor) -> String {
+        let weight = self.layer(i, t);
+        format!("{}bias", weight.strip_suffix("weight").unwrap_or(&weight))
+    }
+
+    /// The per-expert bias an MoE router adds to its scores when it chooses experts.
+    pub(crate) fn router_score_bias(self, i: usize) -> String {
+        match self {
+            Self::Gguf => format!("blk.{i}.exp_probs_b.bias"),
+            Self::Hf => format!("model.layers.{i}.mlp.gate.e_score_correction_bias"),
+        }
+    }
+
+    /// Expert `e`'s projection `t` in layer `i`, where experts are stored one by one (HF;
+    /// GGUF stacks them into one tensor per projection, which bbc does not read yet).
+    pub(crate) fn expert(self, i: usize, e: usize, t: ExpertTensor) -> String {
+        let name = match t {
+            ExpertTensor::Gate => "gate_proj",
+            ExpertTensor::Up => "up_proj",
+            ExpertTensor::Down => "down_proj",
+        };
+        match self {
+            Self::Gguf => format!("blk.{i}.ffn_{name}_exps.{e}.weight"),
+            Self::Hf => format!("model.layers.{i}.mlp.experts.{e}.{name}.weight"),
         }
     }
 }
@@ -284,6 +331,27 @@ impl Builder<'_> {
             },
             &[x, w],
         )
+    }
+
+    /// `down(act(gate(h)) · up(h))`, the weights named `[gate, up, down]`.
+    pub fn gated_mlp(
+        &mut self,
+        h: NodeId,
+        names: &[String; 3],
+        hidden: usize,
+        intermediate: usize,
+        act: ir::GluAct,
+    ) -> Result<NodeId> {
+        let wg = self.matrix(&names[0], intermediate, hidden)?;
+        let wu = self.matrix(&names[1], intermediate, hidden)?;
+        let (g, u) = (self.matmul(h, wg)?, self.matmul(h, wu)?);
+        let g = match act {
+            ir::GluAct::Silu => self.op(Op::Silu, &[g])?,
+            ir::GluAct::GeluTanh => self.op(Op::GeluTanh, &[g])?,
+        };
+        let m = self.op(Op::Mul, &[g, u])?;
+        let wd = self.matrix(&names[2], hidden, intermediate)?;
+        self.matmul(m, wd)
     }
 
     /// Final norm, optional last-token selection, and the (possibly tied) LM head. Outputs

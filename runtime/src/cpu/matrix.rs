@@ -65,7 +65,16 @@ impl Matrix {
 
     /// `out[t, n] = Σ_k x[t, k]·W[n, k]` for `x` of `tokens` rows.
     pub fn matmul(&self, x: &[f32], tokens: usize, out: &mut [f32]) {
-        let (n, k) = (self.rows, self.cols);
+        self.matmul_rows(0..self.rows, x, tokens, out);
+    }
+
+    /// `matmul` with the rows `rows` of W only (one expert's share of stacked expert weights):
+    /// `out[t, n − rows.start]` for `n` in `rows`. A (row, token) product is the same number
+    /// as in a product with every row.
+    pub fn matmul_rows(&self, rows: std::ops::Range<usize>, x: &[f32], tokens: usize, out: &mut [f32]) {
+        let (n, k) = (rows.len(), self.cols);
+        let base = rows.start;
+        debug_assert!(rows.end <= self.rows);
         debug_assert_eq!(x.len(), tokens * k);
         debug_assert_eq!(out.len(), tokens * n);
         // Each task computes a run of W's rows for every token ([rows, tokens]) and writes its
@@ -87,6 +96,7 @@ impl Matrix {
                     tokens,
                     rows_per_task,
                     |decoded: &mut Vec<DecodedSuper>, r, dst| {
+                        let r = base + r;
                         kernel.run_with(&bytes[r * row_bytes..(r + 1) * row_bytes], &acts, dst, decoded);
                     },
                 );
@@ -104,6 +114,7 @@ impl Matrix {
                     tokens,
                     rows_per_task,
                     |(unpacked, decoded): &mut (UnpackedRow, Vec<u8>), r, dst| {
+                        let r = base + r;
                         let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
                         // Dot the packed blocks directly where a kernel exists, else unpack the row
                         // once for every token. Either way a (row, token) product is computed the
@@ -119,7 +130,7 @@ impl Matrix {
             }
             _ => for_row_runs(out, n, tokens, rows_per_task, |row_buf: &mut Vec<f32>, r, dst| {
                 row_buf.resize(k, 0.0);
-                let w = self.row_f32(r, row_buf);
+                let w = self.row_f32(base + r, row_buf);
                 for (d, xt) in dst.iter_mut().zip(x.chunks_exact(k)) {
                     *d = simd::dot(w, xt);
                 }

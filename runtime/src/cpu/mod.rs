@@ -11,6 +11,7 @@ mod attention;
 pub mod int8_head;
 mod kv_pages;
 mod matrix;
+mod moe;
 mod rope;
 mod rows;
 pub mod simd;
@@ -392,6 +393,18 @@ impl CpuBackend {
                 let data = rows.ranges.iter().flat_map(|r| x.row(r.end - 1)).copied().collect();
                 Tensor::new(vec![rows.ranges.len(), x.row_len()], data)
             }
+            Op::AddBias => {
+                let x = args[0].value().tensor();
+                Tensor::new(x.shape.clone(), ops::add_bias(&x.data, args[1].vector()))
+            }
+            Op::Moe(spec) => moe::moe(
+                spec,
+                args[0].value().tensor(),
+                args[1].value().tensor(),
+                args[2].vector(),
+                args[3].matrix(),
+                args[4].matrix(),
+            ),
             Op::Slice { start, len } => {
                 let x = args[0].value().tensor();
                 Tensor::new(

@@ -1,0 +1,118 @@
+//! GLM-4.5 (`Glm4MoeForCausalLM`, also GLM-4.6/4.7): Llama's pre-norm decoder with biased
+//! Q/K/V projections, optional per-head q/k RMSNorm before a partial RoPE (the first
+//! `rotary_dim` dims of each head, rotate-half), dense SwiGLU MLPs in the first
+//! `first_k_dense_replace` layers and mixture-of-experts layers after them: DeepSeek-V3's
+//! sigmoid router with grouped choice and a score-correction bias, routed SwiGLU experts
+//! (`Op::Moe`) plus always-on shared experts. HF safetensors only (GGUF stacks its experts,
+//! which bbc does not read yet).
+
+use super::{Builder, ExpertTensor, LayerTensor};
+use crate::config::{ModelConfig, MoeConfig};
+use crate::error::{ModelError, Result};
+use ir::{AttentionSpec, GluAct, InputKind, MoeSpec, NodeId, Op, RopeLayout, RopeSpec};
+
+pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
+    let moe = c.moe.ok_or_else(|| ModelError::TensorShape {
+        name: "config".into(),
+        what: "a glm4_moe model needs its MoE settings".into(),
+    })?;
+    let ids = b.graph.input(InputKind::TokenIds);
+    let positions = b.graph.input(InputKind::Positions);
+    let table = b.matrix(b.naming.embedding(), c.vocab_size, c.hidden)?;
+    let mut x = b.op(Op::Embedding, &[table, ids])?;
+    for i in 0..c.layers {
+        let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::AttnNorm), c.hidden, c.rms_eps, 0.0)?;
+        let a = attention(c, b, i, h, positions)?;
+        x = b.add(x, a)?;
+        let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::FfnNorm), c.hidden, c.rms_eps, 0.0)?;
+        let m = if i < moe.first_sparse_layer {
+            let names = [LayerTensor::Gate, LayerTensor::Up, LayerTensor::Down].map(|t| b.naming.layer(i, t));
+            b.gated_mlp(h, &names, c.hidden, c.intermediate, GluAct::Silu)?
+        } else {
+            moe_layer(c, &moe, b, i, h)?
+        };
+        x = b.add(x, m)?;
+    }
+    b.lm_head(c, x, 0.0)
+}
+
+/// Self-attention of layer `i` over the normed `h`, through the output projection.
+fn attention(c: &ModelConfig, b: &mut Builder, i: usize, h: NodeId, positions: NodeId) -> Result<NodeId> {
+    let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+    let mut qkv = Vec::with_capacity(3);
+    for (t, rows) in [
+        (LayerTensor::Q, q_dim),
+        (LayerTensor::K, kv_dim),
+        (LayerTensor::V, kv_dim),
+    ] {
+        let w = b.matrix(&b.naming.layer(i, t), rows, c.hidden)?;
+        let mut y = b.matmul(h, w)?;
+        if c.attention_bias {
+            let bias = b.vector(&b.naming.layer_bias(i, t), rows)?;
+            y = b.op(Op::AddBias, &[y, bias])?;
+        }
+        qkv.push(y);
+    }
+    let (mut q, mut k, v) = (qkv[0], qkv[1], qkv[2]);
+    if c.qk_norm {
+        q = b.rms_norm(q, &b.naming.layer(i, LayerTensor::QNorm), c.head_dim, c.rms_eps, 0.0)?;
+        k = b.rms_norm(k, &b.naming.layer(i, LayerTensor::KNorm), c.head_dim, c.rms_eps, 0.0)?;
+    }
+    let rope = |heads| RopeSpec {
+        heads,
+        head_dim: c.head_dim,
+        rotary_dim: c.rotary_dim,
+        theta: c.rope_theta,
+        position_scale: c.rope_scale,
+        layout: RopeLayout::RotateHalf,
+    };
+    let q = b.op(Op::Rope(rope(c.heads)), &[q, positions])?;
+    let k = b.op(Op::Rope(rope(c.kv_heads)), &[k, positions])?;
+    let spec = AttentionSpec {
+        heads: c.heads,
+        kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
+        scale: 1.0 / (c.head_dim as f64).sqrt(),
+        window: None,
+        cache_slot: i,
+        cache_dtype: b.cache_dtype(),
+    };
+    let a = b.op(Op::Attention(spec), &[q, k, v])?;
+    let wo = b.matrix(&b.naming.layer(i, LayerTensor::O), c.hidden, q_dim)?;
+    b.matmul(a, wo)
+}
+
+/// The MoE feed-forward of layer `i`: routed experts (one `Op::Moe` over every expert's
+/// weights, stacked) plus the shared experts' MLP.
+fn moe_layer(c: &ModelConfig, moe: &MoeConfig, b: &mut Builder, i: usize, h: NodeId) -> Result<NodeId> {
+    let (d, n) = (c.hidden, moe.expert_intermediate);
+    let router = b.matrix(&b.naming.layer(i, LayerTensor::Router), moe.experts, d)?;
+    let logits = b.matmul(h, router)?;
+    let score_bias = b.vector(&b.naming.router_score_bias(i), moe.experts)?;
+    let mut gate_up = Vec::with_capacity(2 * moe.experts);
+    let mut down = Vec::with_capacity(moe.experts);
+    for e in 0..moe.experts {
+        gate_up.push(b.matrix(&b.naming.expert(i, e, ExpertTensor::Gate), n, d)?);
+        gate_up.push(b.matrix(&b.naming.expert(i, e, ExpertTensor::Up), n, d)?);
+        down.push(b.matrix(&b.naming.expert(i, e, ExpertTensor::Down), d, n)?);
+    }
+    let gate_up = b.op(Op::ConcatRows, &gate_up)?;
+    let down = b.op(Op::ConcatRows, &down)?;
+    let spec = MoeSpec {
+        experts: moe.experts,
+        experts_per_token: moe.experts_per_token,
+        groups: moe.groups,
+        top_groups: moe.top_groups,
+        normalize: moe.normalize,
+        scaling: moe.scaling,
+        intermediate: n,
+        act: GluAct::Silu,
+    };
+    let routed = b.op(Op::Moe(spec), &[h, logits, score_bias, gate_up, down])?;
+    if moe.shared_experts == 0 {
+        return Ok(routed);
+    }
+    let names = [LayerTensor::SharedGate, LayerTensor::SharedUp, LayerTensor::SharedDown].map(|t| b.naming.layer(i, t));
+    let shared = b.gated_mlp(h, &names, d, n * moe.shared_experts, GluAct::Silu)?;
+    b.add(routed, shared)
+}
