@@ -38,21 +38,24 @@ fn main() {
         let mut pages = backend.new_pages(BLOCK);
         // Fill every sequence's cache with CONTEXT positions, then time decode steps after it.
         let prompt: Vec<u32> = (0..CONTEXT as u32).map(|i| 100 + 7 * i).collect();
-        for table in &tables {
+        for (i, table) in tables.iter().enumerate() {
             let fill = Segment {
                 table,
                 start: 0,
                 ids: &prompt,
+                state_slot: i,
             };
             backend.step_batch(&mut pages, &[fill]).unwrap();
         }
         let next = [42u32];
         let segments: Vec<Segment> = tables
             .iter()
-            .map(|table| Segment {
+            .enumerate()
+            .map(|(i, table)| Segment {
                 table,
                 start: CONTEXT,
                 ids: &next,
+                state_slot: i,
             })
             .collect();
         let seconds = time(|| {
@@ -77,6 +80,7 @@ fn main() {
             table: &table,
             start: 0,
             ids: &chunk,
+            state_slot: 0,
         };
         backend.step_batch(&mut pages, &[prefill]).unwrap();
     });

@@ -1,13 +1,17 @@
 //! Compile time of the pass pipeline on a 64-layer graph with a 27B-class Qwen3.5's shapes
-//! (no weights): lowering skeleton → e-graph fusion → extraction, for the CPU and H200 cost
-//! models. The target is well under 5 s; see the README for the figure measured.
+//! (no weights): lowering → e-graph fusion → extraction, for the CPU and H200 cost models. The
+//! target is well under 5 s; see the README for the figure measured.
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use models::families::qwen3_5::{projection_skeleton, Qwen35Shape};
+use models::{ComputeDtype, LogitsFor, LowerOptions, ModelConfig};
 use passes::CostModel;
 
 fn fuse_qwen35_27b(c: &mut Criterion) {
-    let graph = projection_skeleton(&Qwen35Shape::LARGE_27B).expect("the skeleton type-checks");
+    let options = LowerOptions {
+        logits: LogitsFor::LastToken,
+        compute: ComputeDtype::Bf16,
+    };
+    let graph = models::lower_without_weights(&ModelConfig::qwen3_5_27b(), options).expect("the shapes lower");
     let mut group = c.benchmark_group("fuse_qwen3_5_27b_64_layers");
     group.sample_size(10);
     for (name, model) in [("cpu", CostModel::CPU), ("h200", CostModel::H200)] {

@@ -301,10 +301,12 @@ fn batch_of<'a>(
     segments
         .iter()
         .zip(tables)
-        .map(|((start, ids), table)| runtime::kv::Segment {
+        .enumerate()
+        .map(|(i, ((start, ids), table))| runtime::kv::Segment {
             table,
             start: *start,
             ids,
+            state_slot: i,
         })
         .collect()
 }
@@ -371,6 +373,7 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
             table: &short,
             start: 0,
             ids: &ids,
+            state_slot: 0,
         };
         assert!(gpu.step_batch(&[too_long]).is_err());
         let outside = [BlockId(99)];
@@ -378,7 +381,8 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
             .step_batch(&[Segment {
                 table: &outside,
                 start: 0,
-                ids: &ids[..1]
+                ids: &ids[..1],
+                state_slot: 0,
             }])
             .is_err());
     }
@@ -408,6 +412,7 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
         kv_blocks: 24,
         block_size: 4,
         context_length: 64,
+        prefix_caching: true,
     };
     let cache = gpu::BatchedCache {
         blocks: config.kv_blocks,

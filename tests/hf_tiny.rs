@@ -149,6 +149,16 @@ fn glm4_moe_reference_interpreter_matches_hf() {
 }
 
 #[test]
+fn qwen3_5_cpu_backend_matches_hf() {
+    check_cpu_backend("qwen3_5");
+}
+
+#[test]
+fn qwen3_5_reference_interpreter_matches_hf() {
+    check_reference_interpreter("qwen3_5");
+}
+
+#[test]
 fn llama_reference_interpreter_matches_hf() {
     check_reference_interpreter("llama");
 }

@@ -66,14 +66,22 @@ fn gemma3_fused_graph() {
 }
 
 #[test]
-fn qwen3_5_projections_fused_graph() {
-    use models::families::qwen3_5::{projection_skeleton, Qwen35Shape};
-    let graph = projection_skeleton(&Qwen35Shape::TINY).unwrap();
+fn qwen3_5_graph() {
+    insta::assert_snapshot!(graph_text("qwen3_5", LogitsFor::LastToken));
+}
+
+/// Hopper's fusion of the tiny Qwen3.5 in bf16: each DeltaNet layer's four input projections
+/// (`in_proj_qkv`, `_z`, `_b`, `_a`) join into one matmul, and so do the gated attention's
+/// `q_proj` (with its gate), `k_proj` and `v_proj`.
+#[test]
+fn qwen3_5_fused_graph() {
+    let mut spec = ModelSpec::for_weights(&common::fixture("hf-tiny/qwen3_5"));
+    spec.dtype = ComputeDtype::Bf16;
+    let graph = Model::open(spec).unwrap().lower(LogitsFor::LastToken).unwrap();
     let fused = fused_text(&graph, passes::CostModel::H200);
-    // The four DeltaNet input projections became one GEMM.
-    assert!(
-        fused.contains("concat_rows(%") && fused.contains(": bf16[200, 64]"),
-        "{fused}"
-    );
+    // 2·2·16 + 4·16 (q, k, v) + 64 (z) + 4 (b) + 4 (a) rows of 64.
+    assert_eq!(fused.matches(": bf16[200, 64]").count(), 3, "{fused}");
+    // 2·4·32 (q and gate) + 2·64 (k, v).
+    assert_eq!(fused.matches(": bf16[384, 64]").count(), 1, "{fused}");
     insta::assert_snapshot!(fused);
 }

@@ -94,23 +94,46 @@ fn safetensors_header_lying_about_sizes_is_named() {
     }
 }
 
-/// A GLM-4.5 MoE `config.json` whose routing cannot work, or whose experts are missing from
-/// the weights, is refused naming the setting or the tensor that disagrees.
+/// A GLM-4.5 MoE `config.json` whose routing cannot work, or whose experts do not match the
+/// weights, is refused naming the setting or the tensor that disagrees.
 #[test]
 fn bad_moe_configs_are_named() {
-    let src = common::fixture("hf-tiny/glm4_moe");
+    check_bad_configs(
+        "glm4_moe",
+        &[
+            ("n_group", 3.into(), "n_group 3"),
+            ("topk_group", 3.into(), "topk_group 3"),
+            ("num_experts_per_tok", 5.into(), "num_experts_per_tok 5"),
+            ("n_routed_experts", serde_json::Value::Null, "n_routed_experts"),
+            ("use_qk_norm", "yes".into(), "use_qk_norm"),
+            ("n_routed_experts", 10.into(), "the config implies [10, 64]"),
+        ],
+    );
+}
+
+/// The same for Qwen3.5's Gated DeltaNet settings.
+#[test]
+fn bad_hybrid_configs_are_named() {
+    check_bad_configs(
+        "qwen3_5",
+        &[
+            ("linear_num_value_heads", 3.into(), "3 linear value heads"),
+            ("linear_key_head_dim", serde_json::Value::Null, "linear_key_head_dim"),
+            ("linear_conv_kernel_dim", 0.into(), "conv kernel must be positive"),
+            ("linear_conv_kernel_dim", 3.into(), "conv1d.weight"),
+            ("layer_types", serde_json::json!(["linear_attention", "mamba"]), "mamba"),
+        ],
+    );
+}
+
+/// Each case sets one key of the family's tiny `config.json`; opening and lowering the model
+/// must fail with a message containing the case's text.
+fn check_bad_configs(family: &str, cases: &[(&str, serde_json::Value, &str)]) {
+    let src = common::fixture(&format!("hf-tiny/{family}"));
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-    let cases: &[(&str, serde_json::Value, &str)] = &[
-        ("n_group", 3.into(), "n_group 3"),
-        ("topk_group", 3.into(), "topk_group 3"),
-        ("num_experts_per_tok", 5.into(), "num_experts_per_tok 5"),
-        ("n_routed_experts", serde_json::Value::Null, "n_routed_experts"),
-        ("use_qk_norm", "yes".into(), "use_qk_norm"),
-        ("n_routed_experts", 10.into(), "the config implies [10, 64]"),
-    ];
     for (i, (key, value, needle)) in cases.iter().enumerate() {
-        let dir = std::env::temp_dir().join(format!("bbc-bad-moe-{}-{i}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("bbc-bad-{family}-{}-{i}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
         let mut bad = config.clone();
@@ -120,31 +143,34 @@ fn bad_moe_configs_are_named() {
             m.lower(models::LogitsFor::LastToken)?;
             Ok(())
         }) {
-            Ok(()) => panic!("{key} = {value} should be refused"),
+            Ok(()) => panic!("{family}: {key} = {value} should be refused"),
             Err(e) => e.to_string(),
         };
-        assert!(message.contains(needle), "{key} = {value}: {message}");
+        assert!(message.contains(needle), "{family}: {key} = {value}: {message}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
 
-/// GPU targets have no kernels for MoE layers or attention biases yet: compiling GLM-4.5 for
-/// one is an error naming the op, not a panic or a broken artifact.
+/// GPU targets have no kernels for MoE layers, attention biases or Gated DeltaNet layers yet:
+/// compiling GLM-4.5 or Qwen3.5 for one is an error naming the op, not a panic or a broken
+/// artifact.
 #[test]
-fn moe_models_are_refused_for_gpu_targets() {
-    let model = common::fixture("hf-tiny/glm4_moe");
-    let out = std::env::temp_dir().join(format!("bbc-glm-h200-{}", std::process::id()));
-    let (ok, stderr) = bbc(&[
-        "compile",
-        model.to_str().unwrap(),
-        "--target",
-        "h200",
-        "-o",
-        out.to_str().unwrap(),
-    ]);
-    assert!(!ok);
-    assert!(stderr.contains("no GPU template"), "{stderr}");
-    assert!(!out.join("manifest.json").exists());
+fn moe_and_hybrid_models_are_refused_for_gpu_targets() {
+    for (family, op) in [("glm4_moe", "add_bias"), ("qwen3_5", "gated_delta_net")] {
+        let model = common::fixture(&format!("hf-tiny/{family}"));
+        let out = std::env::temp_dir().join(format!("bbc-{family}-h200-{}", std::process::id()));
+        let (ok, stderr) = bbc(&[
+            "compile",
+            model.to_str().unwrap(),
+            "--target",
+            "h200",
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        assert!(!ok);
+        assert!(stderr.contains(&format!("({op}): no GPU template")), "{stderr}");
+        assert!(!out.join("manifest.json").exists());
+    }
 }
 
 fn bbc(args: &[&str]) -> (bool, String) {

@@ -29,6 +29,64 @@ fn concurrent_moe_requests_generate_what_they_generate_alone() {
     concurrent_requests_match_alone(&model);
 }
 
+/// The same for a hybrid model with a recurrent state per sequence (the tiny Qwen3.5): each
+/// running sequence keeps its Gated DeltaNet state in a slot of its own, and a preempted one
+/// recomputes it from the start.
+#[test]
+fn concurrent_hybrid_requests_generate_what_they_generate_alone() {
+    let model = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/qwen3_5"))).unwrap();
+    concurrent_requests_match_alone(&model);
+}
+
+/// A hybrid model's recurrent state sums up a whole prefix, which cached blocks do not hold:
+/// requests sharing a prompt prefix each compute it (no prefix-cache hit) and generate what
+/// they generate alone.
+#[test]
+fn hybrid_requests_sharing_a_prefix_compute_it_themselves() {
+    let model = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/qwen3_5"))).unwrap();
+    let shared: Vec<u32> = (0..20u32).map(|j| (31 + 7 * j) % 320).collect();
+    let prompts: Vec<Vec<u32>> = (0..5u32)
+        .map(|i| {
+            shared
+                .iter()
+                .copied()
+                .chain((0..2 + i).map(|j| 250 + 5 * i + j))
+                .collect()
+        })
+        .collect();
+    let want = alone(&model, &prompts, 8);
+    let config = SchedulerConfig {
+        max_waiting: 16,
+        max_running: 3,
+        token_budget: 32,
+        kv_blocks: 64,
+        block_size: 4,
+        context_length: 256,
+        prefix_caching: true,
+    };
+    let mut engine = ServingEngine::new(backend(&model), config);
+    let ids: Vec<_> = prompts
+        .iter()
+        .map(|p| engine.add(p.clone(), 8, vec![], SamplingParams::default()).unwrap())
+        .collect();
+    let mut got: HashMap<_, Vec<u32>> = HashMap::new();
+    while !engine.scheduler().is_idle() {
+        got.extend(
+            engine
+                .step()
+                .unwrap()
+                .finished
+                .into_iter()
+                .map(|d| (d.seq, d.generated)),
+        );
+        assert_eq!(engine.scheduler().check(), Ok(()));
+    }
+    for (id, want) in ids.iter().zip(&want) {
+        assert_eq!(&got[id], want, "{id:?}");
+    }
+    assert_eq!(engine.scheduler().prefix_cache_stats().hit, 0);
+}
+
 /// 12 greedy requests in flight together, in batched steps over a KV cache too small for all
 /// of them (preemption and recomputation), each generate what they generate alone.
 fn concurrent_requests_match_alone(model: &Model) {
@@ -47,6 +105,7 @@ fn concurrent_requests_match_alone(model: &Model) {
         kv_blocks: 12,
         block_size: 8,
         context_length: 2048,
+        prefix_caching: true,
     };
     let mut engine = ServingEngine::new(backend(model), config);
     let ids: Vec<_> = prompts
@@ -113,6 +172,7 @@ fn requests_sharing_a_prefix_reuse_its_blocks_and_generate_what_they_generate_al
         kv_blocks: 64,
         block_size: 8,
         context_length: 2048,
+        prefix_caching: true,
     };
     let mut engine = ServingEngine::new(backend(&model), config);
     let mut got: HashMap<_, Vec<u32>> = HashMap::new();
@@ -165,6 +225,7 @@ fn aborting_frees_blocks_at_once() {
         kv_blocks: 64,
         block_size: 16,
         context_length: 2048,
+        prefix_caching: true,
     };
     let mut engine = ServingEngine::new(backend(&model), config);
     let a = engine

@@ -86,6 +86,34 @@ pub struct MoeSpec {
     pub act: GluAct,
 }
 
+/// A Gated DeltaNet token mixer (Qwen3.5 / Qwen3-Next linear-attention layers): a causal
+/// depthwise convolution over the joined q/k/v projection, then the gated delta rule, a
+/// recurrence over an f32 state of `[key_dim, value_dim]` per value head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct DeltaNetSpec {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+    /// The convolution's width (`linear_conv_kernel_dim`).
+    pub conv_kernel: usize,
+    /// Which recurrent state this layer keeps (one per layer, like an attention's cache slot).
+    pub state_slot: usize,
+}
+
+impl DeltaNetSpec {
+    /// Channels of the joined projection and of the convolution: `[q | k | v]`.
+    pub fn conv_channels(&self) -> usize {
+        2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+    }
+
+    /// f32 values of one sequence's state: the convolution's last `conv_kernel − 1` inputs per
+    /// channel, then the delta rule's `[value_heads, key_dim, value_dim]`.
+    pub fn state_len(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_channels() + self.value_heads * self.key_dim * self.value_dim
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Op {
     Input(InputKind),
@@ -131,6 +159,23 @@ pub enum Op {
     LastToken,
     /// `(x [t, n], b [n]) -> [t, n]`: a linear layer's bias, added to every row.
     AddBias,
+    /// `1 / (1 + e^−x)` per element.
+    Sigmoid,
+    /// `[t, g·group] -> [t, g·len]`: columns `start..start+len` of every group of `group`
+    /// columns (one part of per-head interleaved projections, such as Qwen3.5's `[q | gate]`).
+    GroupSlice {
+        group: usize,
+        start: usize,
+        len: usize,
+    },
+    /// `(mixed [t, c], b [t, vh], a [t, vh], conv [c, kernel], a_log [vh], dt_bias [vh]) ->
+    /// [t, vh·dv]` with `c = 2·kh·dk + vh·dv`: `mixed` through the causal convolution (whose
+    /// window reaches into the sequence's earlier tokens) and SiLU, split into q, k (`kh`
+    /// heads of `dk`) and v (`vh` heads of `dv`); q and k L2-normalised, q scaled by `dk^−½`;
+    /// each value head `h` (reading key head `h / (vh / kh)`) decays its state by
+    /// `exp(−e^{a_log} · softplus(a + dt_bias))`, writes `sigmoid(b)·(v − Sᵀk)` along `k`, and
+    /// reads `Sᵀq`. Tokens are taken in order; the state persists across steps.
+    GatedDeltaNet(DeltaNetSpec),
     /// `(x [t, d], router_logits [t, experts], score_bias [experts], gate_up [experts·2i, d],
     /// down [experts·d, i]) -> [t, d]`: the routed experts' weighted sum. Expert `e`'s gate
     /// and up rows are rows `e·2i..(e+1)·2i` of `gate_up` (gate first), its down projection
@@ -212,6 +257,9 @@ impl Op {
             Self::GeluTanh => "gelu_tanh",
             Self::LastToken => "last_token",
             Self::AddBias => "add_bias",
+            Self::Sigmoid => "sigmoid",
+            Self::GroupSlice { .. } => "group_slice",
+            Self::GatedDeltaNet(_) => "gated_delta_net",
             Self::Moe(_) => "moe",
             Self::Slice { .. } => "slice",
             Self::ConcatRows => "concat_rows",
@@ -247,6 +295,8 @@ impl Op {
         Some(match self {
             Self::Input(_) | Self::Weight { .. } => 0,
             Self::Scale { .. } | Self::Silu | Self::GeluTanh | Self::LastToken => 1,
+            Self::Sigmoid | Self::GroupSlice { .. } => 1,
+            Self::GatedDeltaNet(_) => 6,
             Self::Slice { .. } | Self::Glu { .. } | Self::TopK { .. } => 1,
             Self::Embedding | Self::MatMul | Self::RmsNorm { .. } | Self::Rope(_) | Self::Add | Self::Mul => 2,
             Self::AddBias => 2,
@@ -349,6 +399,25 @@ impl Op {
                 Ok((Shape::new([t, n]), DType::F32))
             }
             Self::Moe(spec) => moe_shape(spec, inputs),
+            Self::Sigmoid => {
+                f32_rows(inputs[0].0)?;
+                Ok((inputs[0].0.clone(), DType::F32))
+            }
+            Self::GroupSlice { group, start, len } => {
+                let (t, n) = f32_rows(inputs[0].0)?;
+                let groups = n.as_const().filter(|n| *group > 0 && n % group == 0).map(|n| n / group);
+                match groups {
+                    Some(g) if *len > 0 && start + len <= *group => {
+                        Ok((Shape::new([t, Dim::Const(g * len)]), DType::F32))
+                    }
+                    _ => Err(format!(
+                        "group_slice {start}..{} of groups of {group} in {}",
+                        start + len,
+                        inputs[0].0
+                    )),
+                }
+            }
+            Self::GatedDeltaNet(spec) => delta_net_shape(spec, inputs),
             Self::Slice { start, len } => {
                 let (t, n) = f32_rows(inputs[0].0)?;
                 if *len == 0 || n.as_const().is_none_or(|n| start + len > n) {
@@ -484,6 +553,11 @@ impl Op {
             } => format!("eps={eps:e}, weight_offset={weight_offset}, glu={act:?}"),
             Self::Elementwise { expr } => format!("{expr}"),
             Self::TopK { k } | Self::Int8BoundTopK { k } => format!("k={k}"),
+            Self::GroupSlice { group, start, len } => format!("group={group}, start={start}, len={len}"),
+            Self::GatedDeltaNet(d) => format!(
+                "key_heads={}, value_heads={}, key_dim={}, value_dim={}, conv_kernel={}, state={}",
+                d.key_heads, d.value_heads, d.key_dim, d.value_dim, d.conv_kernel, d.state_slot
+            ),
             Self::Moe(m) => format!(
                 "experts={}, per_token={}, groups={}, top_groups={}, normalize={}, scaling={}, intermediate={}, act={:?}",
                 m.experts, m.experts_per_token, m.groups, m.top_groups, m.normalize, m.scaling, m.intermediate, m.act
@@ -553,6 +627,35 @@ fn attention_shape(spec: &AttentionSpec, inputs: &[(&Shape, DType)]) -> Result<(
         ));
     }
     Ok((Shape::new([t, dq]), DType::F32))
+}
+
+/// `gated_delta_net(mixed, b, a, conv, a_log, dt_bias)`'s output shape, or why the inputs do
+/// not fit `spec`.
+fn delta_net_shape(spec: &DeltaNetSpec, inputs: &[(&Shape, DType)]) -> Result<(Shape, DType), String> {
+    let c = Dim::Const;
+    let fits = (|| {
+        let [t, channels] = inputs[0].0 .0.as_slice() else {
+            return None;
+        };
+        let heads_ok = spec.key_heads > 0
+            && spec.value_heads.is_multiple_of(spec.key_heads)
+            && spec.key_dim > 0
+            && spec.value_dim > 0
+            && spec.conv_kernel > 0;
+        let vh = c(spec.value_heads);
+        let ok = heads_ok
+            && *channels == c(spec.conv_channels())
+            && inputs[1].0 .0.as_slice() == [*t, vh]
+            && inputs[2].0 .0.as_slice() == [*t, vh]
+            && inputs[3].0 .0.as_slice() == [c(spec.conv_channels()), c(spec.conv_kernel)]
+            && inputs[4].0 .0.as_slice() == [vh]
+            && inputs[5].0 .0.as_slice() == [vh];
+        ok.then(|| Shape::new([*t, c(spec.value_heads * spec.value_dim)]))
+    })();
+    fits.map(|shape| (shape, DType::F32)).ok_or_else(|| {
+        let shapes: Vec<String> = inputs.iter().map(|(s, d)| format!("{d}{s}")).collect();
+        format!("gated_delta_net: inputs {} do not fit {spec:?}", shapes.join(", "))
+    })
 }
 
 /// `moe(x, logits, bias, gate_up, down)`'s output shape, or why the inputs do not fit `spec`.

@@ -12,6 +12,9 @@ pub enum Family {
     Gemma3,
     /// GLM-4.5 / 4.6 / 4.7 (`Glm4MoeForCausalLM`).
     Glm4Moe,
+    /// Qwen3.5's dense text model (`Qwen3_5ForCausalLM`): Gated DeltaNet and gated attention.
+    #[serde(rename = "qwen3_5")]
+    Qwen35,
 }
 
 impl Family {
@@ -20,6 +23,7 @@ impl Family {
             Self::Llama => "llama",
             Self::Gemma3 => "gemma3",
             Self::Glm4Moe => "glm4_moe",
+            Self::Qwen35 => "qwen3_5",
         }
     }
 
@@ -28,6 +32,7 @@ impl Family {
             "llama" => Some(Self::Llama),
             "gemma3" | "gemma3_text" => Some(Self::Gemma3),
             "glm4_moe" => Some(Self::Glm4Moe),
+            "qwen3_5" | "qwen3_5_text" => Some(Self::Qwen35),
             _ => None,
         }
     }
@@ -38,6 +43,8 @@ impl Family {
 pub enum LayerAttention {
     Full,
     Sliding,
+    /// A Gated DeltaNet layer (linear attention with a recurrent state).
+    Linear,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -71,6 +78,18 @@ pub struct ModelConfig {
     pub qk_norm: bool,
     /// Mixture-of-experts layers, where the family has them.
     pub moe: Option<MoeConfig>,
+    /// The Gated DeltaNet layers' shapes, where the family has them.
+    pub linear_attention: Option<LinearAttentionConfig>,
+}
+
+/// The Gated DeltaNet layers of a Qwen3.5 / Qwen3-Next model (HF `config.json` names).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct LinearAttentionConfig {
+    pub key_heads: usize,   // linear_num_key_heads
+    pub value_heads: usize, // linear_num_value_heads
+    pub key_dim: usize,     // linear_key_head_dim
+    pub value_dim: usize,   // linear_value_head_dim
+    pub conv_kernel: usize, // linear_conv_kernel_dim
 }
 
 /// The MoE layers of a GLM-4.5-style model (HF `config.json` names in the comments).
@@ -129,6 +148,49 @@ impl ModelConfig {
             attention_bias: false,
             qk_norm: false,
             moe: None,
+            linear_attention: None,
+        }
+    }
+
+    /// A 27B-class Qwen3.5's shape (hidden 5120, 64 layers with every fourth full attention,
+    /// 24 query / 4 KV heads of 256, DeltaNet 16 key / 48 value heads of 128, MLP 17 408,
+    /// vocabulary 248 320), without weights: for benchmarks of the compiler.
+    pub fn qwen3_5_27b() -> Self {
+        let layers = 64;
+        Self {
+            family: Family::Qwen35,
+            vocab_size: 248_320,
+            hidden: 5120,
+            layers,
+            heads: 24,
+            kv_heads: 4,
+            head_dim: 256,
+            intermediate: 17_408,
+            rms_eps: 1e-6,
+            rope_theta: 10_000_000.0,
+            rope_local_theta: 10_000_000.0,
+            rope_scale: 1.0,
+            context_length: 262_144,
+            sliding_window: None,
+            layer_attention: (0..layers)
+                .map(|i| match (i + 1) % 4 {
+                    0 => LayerAttention::Full,
+                    _ => LayerAttention::Linear,
+                })
+                .collect(),
+            query_pre_attn_scalar: None,
+            tied_embeddings: false,
+            rotary_dim: 64,
+            attention_bias: false,
+            qk_norm: true,
+            moe: None,
+            linear_attention: Some(LinearAttentionConfig {
+                key_heads: 16,
+                value_heads: 48,
+                key_dim: 128,
+                value_dim: 128,
+                conv_kernel: 4,
+            }),
         }
     }
 
@@ -139,11 +201,11 @@ impl ModelConfig {
             key: "general.architecture".into(),
             problem: format!("is `{arch}`; bbc runs llama and gemma3 from GGUF"),
         })?;
-        if family == Family::Glm4Moe {
+        if matches!(family, Family::Glm4Moe | Family::Qwen35) {
             return Err(ModelError::Metadata {
                 path: file.path.clone(),
                 key: "general.architecture".into(),
-                problem: "is GLM-4.5 MoE, which bbc runs from HF safetensors only so far".into(),
+                problem: format!("is {}, which bbc runs from HF safetensors only so far", family.name()),
             });
         }
         let key = |k: &str| format!("{arch}.{k}");
@@ -166,7 +228,7 @@ impl ModelConfig {
             // llama.cpp's gemma3: sliding layers use θ = 10 000; the scale is 1/√head_dim
             // (gemma-3 sets query_pre_attn_scalar = head_dim).
             Family::Gemma3 => (gemma3_pattern(layers, 6), 10_000.0, Some(head_dim as f64)),
-            Family::Glm4Moe => unreachable!("refused above"),
+            Family::Glm4Moe | Family::Qwen35 => unreachable!("refused above"),
         };
         let rope_scale = match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
             Some("linear") => file.optional_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0),
@@ -196,6 +258,7 @@ impl ModelConfig {
             attention_bias: false,
             qk_norm: family == Family::Gemma3,
             moe: None,
+            linear_attention: None,
         };
         config.check(&file.path)
     }
@@ -210,7 +273,7 @@ impl ModelConfig {
         let model_type = cfg.str("model_type")?;
         let family = Family::parse(model_type).ok_or_else(|| {
             cfg.error(&format!(
-                "model_type `{model_type}` is not one bbc runs (llama, gemma3, glm4_moe)"
+                "model_type `{model_type}` is not one bbc runs (llama, gemma3, glm4_moe, qwen3_5)"
             ))
         })?;
         let hidden = cfg.usize("hidden_size")?;
@@ -228,7 +291,7 @@ impl ModelConfig {
             .or_else(|| json.get("rope_local_base_freq").and_then(|v| v.as_f64()))
             .unwrap_or(match family {
                 Family::Gemma3 => 10_000.0,
-                Family::Llama | Family::Glm4Moe => rope_theta,
+                Family::Llama | Family::Glm4Moe | Family::Qwen35 => rope_theta,
             });
         let layer_attention = match json.get("layer_types").and_then(|v| v.as_array()) {
             Some(types) => types
@@ -236,13 +299,14 @@ impl ModelConfig {
                 .map(|t| match t.as_str() {
                     Some("full_attention") => Ok(LayerAttention::Full),
                     Some("sliding_attention") => Ok(LayerAttention::Sliding),
+                    Some("linear_attention") if family == Family::Qwen35 => Ok(LayerAttention::Linear),
                     _ => Err(cfg.error(&format!(
-                        "layer_types holds {t}, expected full_attention or sliding_attention"
+                        "layer_types holds {t}, expected full_attention or sliding_attention (or linear_attention for qwen3_5)"
                     ))),
                 })
                 .collect::<Result<Vec<_>>>()?,
             None => match family {
-                Family::Llama | Family::Glm4Moe => vec![LayerAttention::Full; layers],
+                Family::Llama | Family::Glm4Moe | Family::Qwen35 => vec![LayerAttention::Full; layers],
                 Family::Gemma3 => gemma3_pattern(layers, cfg.opt_usize("_sliding_window_pattern")?.unwrap_or(6)),
             },
         };
@@ -270,13 +334,17 @@ impl ModelConfig {
             rotary_dim: cfg.rotary_dim(head_dim)?,
             attention_bias: cfg.opt_bool("attention_bias")?.unwrap_or(false),
             qk_norm: match family {
-                Family::Gemma3 => true,
+                Family::Gemma3 | Family::Qwen35 => true,
                 Family::Llama => false,
                 Family::Glm4Moe => cfg.opt_bool("use_qk_norm")?.unwrap_or(false),
             },
             moe: match family {
                 Family::Glm4Moe => Some(cfg.glm4_moe()?),
-                Family::Llama | Family::Gemma3 => None,
+                Family::Llama | Family::Gemma3 | Family::Qwen35 => None,
+            },
+            linear_attention: match family {
+                Family::Qwen35 => Some(cfg.linear_attention()?),
+                Family::Llama | Family::Gemma3 | Family::Glm4Moe => None,
             },
         };
         config.check(path)
@@ -326,6 +394,22 @@ impl ModelConfig {
         }
         if let Some(moe) = &self.moe {
             moe.check().map_err(bad)?;
+        }
+        let linear_layers = self.layer_attention.contains(&LayerAttention::Linear);
+        match &self.linear_attention {
+            Some(l) if l.key_heads == 0 || l.key_dim == 0 || l.value_dim == 0 || l.conv_kernel == 0 => {
+                return Err(bad(
+                    "linear attention heads, head dims and conv kernel must be positive".into(),
+                ))
+            }
+            Some(l) if !l.value_heads.is_multiple_of(l.key_heads) => {
+                return Err(bad(format!(
+                    "{} linear value heads is not a multiple of {} key heads",
+                    l.value_heads, l.key_heads
+                )))
+            }
+            None if linear_layers => return Err(bad("linear_attention layers need their linear_* shapes".into())),
+            _ => {}
         }
         if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
             return Err(bad(format!("rms eps {} is not a non-negative number", self.rms_eps)));
@@ -420,6 +504,16 @@ impl HfConfig<'_> {
                 _ => Err(self.error(&format!("`partial_rotary_factor` should be in (0, 1], found {v}"))),
             },
         }
+    }
+
+    fn linear_attention(&self) -> Result<LinearAttentionConfig> {
+        Ok(LinearAttentionConfig {
+            key_heads: self.usize("linear_num_key_heads")?,
+            value_heads: self.usize("linear_num_value_heads")?,
+            key_dim: self.usize("linear_key_head_dim")?,
+            value_dim: self.usize("linear_value_head_dim")?,
+            conv_kernel: self.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
+        })
     }
 
     fn glm4_moe(&self) -> Result<MoeConfig> {

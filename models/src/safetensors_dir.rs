@@ -93,6 +93,19 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     })
 }
 
+/// A tensor of more than two dims with dims of 1 (a depthwise convolution's `[channels, 1,
+/// kernel]`) without them, down to a matrix: bbc addresses every weight as a vector or a
+/// matrix, and the bytes are the same.
+fn matrix_shape(mut shape: Vec<usize>) -> Vec<usize> {
+    while shape.len() > 2 {
+        match shape.iter().position(|&d| d == 1) {
+            Some(unit) => shape.remove(unit),
+            None => break,
+        };
+    }
+    shape
+}
+
 /// Parse and check the header: `u64 n`, then `n` bytes of JSON `{name: {dtype, shape,
 /// data_offsets: [begin, end]}}`; offsets are relative to the end of the header and must
 /// match shape × dtype size and lie inside the file. Each tensor is checked here first so an
@@ -180,7 +193,7 @@ fn header_entry(
     Ok(SafetensorsEntry {
         shard,
         dtype,
-        shape,
+        shape: matrix_shape(shape),
         start: data_start + begin,
         end: data_start + end,
     })

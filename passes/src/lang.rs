@@ -25,6 +25,9 @@ define_language! {
         "gelu_tanh" = GeluTanh([Id; 2]),
         "last_token" = LastToken([Id; 2]),
         "add_bias" = AddBias([Id; 3]),
+        "sigmoid" = Sigmoid([Id; 2]),
+        "group_slice" = GroupSlice([Id; 2]),
+        "gated_delta_net" = GatedDeltaNet([Id; 7]),
         "moe" = Moe([Id; 6]),
         "slice" = Slice([Id; 2]),
         "concat_rows" = ConcatRows(Box<[Id]>),
@@ -96,6 +99,12 @@ pub fn make_node(op: &Op, attr: Id, children: &[Id]) -> Node {
         Op::GeluTanh => Node::GeluTanh(arr2(with(1))),
         Op::LastToken => Node::LastToken(arr2(with(1))),
         Op::AddBias => Node::AddBias(arr3(with(2))),
+        Op::Sigmoid => Node::Sigmoid(arr2(with(1))),
+        Op::GroupSlice { .. } => Node::GroupSlice(arr2(with(1))),
+        Op::GatedDeltaNet(_) => {
+            let v = with(6);
+            Node::GatedDeltaNet([v[0], v[1], v[2], v[3], v[4], v[5], v[6]])
+        }
         Op::Moe(_) => {
             let v = with(5);
             Node::Moe([v[0], v[1], v[2], v[3], v[4], v[5]])

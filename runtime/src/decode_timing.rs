@@ -129,6 +129,7 @@ pub fn time_decode<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) -
                     table: &tables[s],
                     start: lengths[s],
                     ids: &ids[s],
+                    state_slot: s,
                 })
                 .collect();
             let launches = match read {
@@ -185,6 +186,7 @@ fn prefill<D: PlanDevice>(
                 table,
                 start,
                 ids: &ids,
+                state_slot: s,
             }])?;
         }
     }

@@ -12,6 +12,10 @@ pub struct Segment<'a> {
     pub table: &'a [BlockId],
     pub start: usize,
     pub ids: &'a [u32],
+    /// Where the sequence keeps the recurrent state of its Gated DeltaNet layers (models
+    /// without them ignore it): sequences in one step have different slots, and a segment that
+    /// starts at position 0 starts its slot's state afresh.
+    pub state_slot: usize,
 }
 
 impl Segment<'_> {

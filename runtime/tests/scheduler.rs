@@ -3,7 +3,9 @@
 //! prefix cache is hit): the invariants hold after every operation; a simulated KV cache shows
 //! that every position a sequence reads holds exactly what that sequence's own tokens put
 //! there, whoever computed it; every scheduled work computes at least one token; and once
-//! everything is done or aborted no block is in use.
+//! everything is done or aborted no block is in use. Without the prefix cache (models with a
+//! recurrent state), a simulated recurrent state shows that every work continues the state of
+//! its own sequence's prefix, in a slot nobody else's work touches meanwhile.
 
 use proptest::prelude::*;
 use runtime::kv::cache_row;
@@ -58,6 +60,8 @@ struct SimulatedKv {
     rows: HashMap<usize, Vec<u32>>,
     /// Every sequence's tokens so far (prompt and sampled).
     tokens: HashMap<SeqId, Vec<u32>>,
+    /// Per state slot, the prefix its recurrent state has consumed (checked when `Some`).
+    states: Option<HashMap<usize, Vec<u32>>>,
 }
 
 impl SimulatedKv {
@@ -77,6 +81,21 @@ impl SimulatedKv {
         for pos in w.start..w.end {
             self.rows
                 .insert(cache_row(&w.table, block_size, pos), tokens[..=pos].to_vec());
+        }
+        if let Some(states) = &mut self.states {
+            // A backend starts the slot afresh at position 0, else continues it.
+            let state = states.entry(w.state_slot).or_default();
+            if w.start == 0 {
+                state.clear();
+            }
+            assert_eq!(
+                state.as_slice(),
+                &tokens[..w.start],
+                "{:?} continues state slot {} from another prefix",
+                w.seq,
+                w.state_slot
+            );
+            state.extend_from_slice(&w.tokens);
         }
     }
 }
@@ -126,11 +145,23 @@ proptest! {
         blocks in 4usize..16,
         block_size in 2usize..8,
         budget in 1usize..24,
+        prefix_caching in any::<bool>(),
         actions in proptest::collection::vec(action(), 1..120),
     ) {
-        let config = SchedulerConfig { max_waiting: 8, max_running: 4, token_budget: budget, kv_blocks: blocks, block_size, context_length: 64 };
+        let config = SchedulerConfig {
+            max_waiting: 8,
+            max_running: 4,
+            token_budget: budget,
+            kv_blocks: blocks,
+            block_size,
+            context_length: 64,
+            prefix_caching,
+        };
         let mut s = Scheduler::new(config);
-        let mut kv = SimulatedKv::default();
+        let mut kv = SimulatedKv {
+            states: (!prefix_caching).then(HashMap::new),
+            ..Default::default()
+        };
         let mut ids: Vec<SeqId> = Vec::new();
         for (salt, a) in actions.into_iter().enumerate() {
             match a {
@@ -174,6 +205,7 @@ fn a_full_queue_refuses_and_oversized_requests_are_named() {
         kv_blocks: 4,
         block_size: 4,
         context_length: 32,
+        prefix_caching: true,
     };
     let mut s = Scheduler::new(config);
     s.add(vec![1, 2], 4, vec![]).unwrap();
@@ -206,6 +238,7 @@ fn preemption_recomputes_and_still_finishes_everyone() {
         kv_blocks: 2,
         block_size: 4,
         context_length: 16,
+        prefix_caching: true,
     };
     let mut s = Scheduler::new(config);
     let a = s.add(vec![1, 2, 3], 4, vec![]).unwrap();
@@ -240,6 +273,7 @@ fn a_cached_prefix_is_reused_but_the_last_prompt_token_is_always_computed() {
         kv_blocks: 16,
         block_size: 4,
         context_length: 64,
+        prefix_caching: true,
     };
     let mut s = Scheduler::new(config);
     let mut kv = SimulatedKv::default();

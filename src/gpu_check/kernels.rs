@@ -125,6 +125,7 @@ pub fn graph_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
                     table: &tables[s],
                     start: step,
                     ids: &ids[s],
+                    state_slot: s,
                 })
                 .collect();
             for out in exec.step_batch(&batch)? {

@@ -90,6 +90,8 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         kv_blocks: args.kv_blocks,
         block_size: args.block_size,
         context_length,
+        // The engine turns it off for models with recurrent state.
+        prefix_caching: true,
     };
     let metrics = Arc::new(metrics::Metrics::default());
     metrics.kv_blocks_total.store(args.kv_blocks as u64, Relaxed);

@@ -58,6 +58,8 @@ impl Value {
 pub struct Interpreter<'w> {
     weights: &'w dyn WeightProvider,
     caches: HashMap<usize, KvSlot>,
+    /// Per recurrent state slot (Gated DeltaNet layers): the sequence's state so far.
+    states: HashMap<usize, Vec<f32>>,
 }
 
 impl<'w> Interpreter<'w> {
@@ -65,6 +67,7 @@ impl<'w> Interpreter<'w> {
         Self {
             weights,
             caches: HashMap::new(),
+            states: HashMap::new(),
         }
     }
 
@@ -178,6 +181,21 @@ impl<'w> Interpreter<'w> {
                 let x = args[0].tensor();
                 let [logits, bias, gate_up, down] = [1, 2, 3, 4].map(|i| &args[i].tensor().data);
                 Tensor::new(x.shape.clone(), ops::moe(&x.data, logits, bias, gate_up, down, spec))
+            }
+            Op::Sigmoid => map(args[0].tensor(), |x| (1.0 / (1.0 + (-(x as f64)).exp())) as f32),
+            Op::GroupSlice { group, start, len } => {
+                let x = args[0].tensor();
+                let data = ops::group_slice(&x.data, *group, *start, *len);
+                Tensor::new(vec![x.rows(), data.len() / x.rows()], data)
+            }
+            Op::GatedDeltaNet(spec) => {
+                let state = self
+                    .states
+                    .entry(spec.state_slot)
+                    .or_insert_with(|| vec![0.0; spec.state_len()]);
+                let [mixed, b, a, conv, a_log, dt_bias] = [0, 1, 2, 3, 4, 5].map(|i| &args[i].tensor().data);
+                let out = ops::gated_delta_net(spec, mixed, b, a, conv, a_log, dt_bias, state);
+                Tensor::new(vec![args[0].tensor().rows(), spec.value_heads * spec.value_dim], out)
             }
             Op::Slice { start, len } => {
                 let x = args[0].tensor();

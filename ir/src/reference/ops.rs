@@ -225,6 +225,105 @@ pub fn moe(x: &[f32], logits: &[f32], bias: &[f32], gate_up: &[f32], down: &[f32
     out
 }
 
+/// Columns `start..start+len` of every group of `group` columns, row by row.
+pub fn group_slice(x: &[f32], group: usize, start: usize, len: usize) -> Vec<f32> {
+    x.chunks_exact(group)
+        .flat_map(|g| &g[start..start + len])
+        .copied()
+        .collect()
+}
+
+/// PyTorch's `softplus` (β = 1, threshold 20: linear above it).
+pub fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        (x as f64).exp().ln_1p() as f32
+    }
+}
+
+/// `x / √(Σx² + 1e-6)`, as FLA and HF normalise DeltaNet queries and keys.
+fn l2_normalize(x: &mut [f32]) {
+    let sum: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
+    let inv = (1.0 / (sum + 1e-6).sqrt()) as f32;
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// `Op::GatedDeltaNet` over one sequence's rows, in order, continuing from `state` (see
+/// [`crate::DeltaNetSpec::state_len`]; all zeros at the sequence's start) and leaving it after
+/// the last row. Returns `[rows, value_heads·value_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_delta_net(
+    spec: &crate::DeltaNetSpec,
+    mixed: &[f32],
+    b: &[f32],
+    a: &[f32],
+    conv: &[f32],
+    a_log: &[f32],
+    dt_bias: &[f32],
+    state: &mut [f32],
+) -> Vec<f32> {
+    let (channels, kernel) = (spec.conv_channels(), spec.conv_kernel);
+    let (kh, vh, dk, dv) = (spec.key_heads, spec.value_heads, spec.key_dim, spec.value_dim);
+    let (window, recurrent) = state.split_at_mut((kernel - 1) * channels);
+    let mut out = Vec::with_capacity(mixed.len() / channels * vh * dv);
+    let mut x = vec![0f32; channels];
+    for ((row, b), a) in mixed
+        .chunks_exact(channels)
+        .zip(b.chunks_exact(vh))
+        .zip(a.chunks_exact(vh))
+    {
+        causal_conv_step(conv, kernel, window, row, &mut x);
+        x.iter_mut().for_each(|v| *v = silu(*v));
+        let (q, rest) = x.split_at_mut(kh * dk);
+        let (k, v) = rest.split_at_mut(kh * dk);
+        for head in q.chunks_exact_mut(dk).chain(k.chunks_exact_mut(dk)) {
+            l2_normalize(head);
+        }
+        let q_scale = 1.0 / (dk as f32).sqrt();
+        for h in 0..vh {
+            let key_head = h / (vh / kh);
+            let qh: Vec<f32> = q[key_head * dk..(key_head + 1) * dk]
+                .iter()
+                .map(|v| v * q_scale)
+                .collect();
+            let kh_ = &k[key_head * dk..(key_head + 1) * dk];
+            let vh_ = &v[h * dv..(h + 1) * dv];
+            let decay = (-(a_log[h] as f64).exp() as f32 * softplus(a[h] + dt_bias[h])).exp();
+            let beta = sigmoid(b[h]);
+            let s = &mut recurrent[h * dk * dv..(h + 1) * dk * dv];
+            s.iter_mut().for_each(|v| *v *= decay);
+            let read = |s: &[f32], along: &[f32], j: usize| -> f32 {
+                (0..dk).map(|i| s[i * dv + j] as f64 * along[i] as f64).sum::<f64>() as f32
+            };
+            let delta: Vec<f32> = (0..dv).map(|j| (vh_[j] - read(s, kh_, j)) * beta).collect();
+            for (i, &ki) in kh_.iter().enumerate() {
+                for (sij, dj) in s[i * dv..(i + 1) * dv].iter_mut().zip(&delta) {
+                    *sij += ki * dj;
+                }
+            }
+            out.extend((0..dv).map(|j| read(s, &qh, j)));
+        }
+    }
+    out
+}
+
+/// One token through the depthwise causal convolution: `out[c] = Σ_j w[c, j]·x[t − K + 1 + j, c]`
+/// over the `window` of the previous `K − 1` inputs (`[K − 1, channels]`, oldest first) and
+/// `row`; then `row` joins the window and its oldest input leaves.
+pub fn causal_conv_step(conv: &[f32], kernel: usize, window: &mut [f32], row: &[f32], out: &mut [f32]) {
+    let channels = row.len();
+    for (c, o) in out.iter_mut().enumerate() {
+        let w = &conv[c * kernel..(c + 1) * kernel];
+        let past: f32 = (0..kernel - 1).map(|j| w[j] * window[j * channels + c]).sum();
+        *o = past + w[kernel - 1] * row[c];
+    }
+    if kernel > 1 {
+        window.copy_within(channels.., 0);
+        window[(kernel - 2) * channels..].copy_from_slice(row);
+    }
+}
+
 /// Indices of the `k` largest values of a row, largest first; equal values keep the lower
 /// index first (the tie rule every argmax in bbc follows). NaN sorts below everything.
 pub fn top_k(row: &[f32], k: usize) -> Vec<usize> {

@@ -7,7 +7,7 @@
 mod gemma3;
 mod glm4_moe;
 mod llama;
-pub mod qwen3_5;
+mod qwen3_5;
 
 use crate::config::{Family, ModelConfig};
 use crate::error::{ModelError, Result};
@@ -92,6 +92,7 @@ fn build(config: &ModelConfig, weights: Catalog<'_>, options: LowerOptions) -> R
         Family::Llama => llama::lower(config, &mut b)?,
         Family::Gemma3 => gemma3::lower(config, &mut b)?,
         Family::Glm4Moe => glm4_moe::lower(config, &mut b)?,
+        Family::Qwen35 => qwen3_5::lower(config, &mut b)?,
     }
     b.graph.validate().map_err(graph_error)?;
     Ok(b.graph)

@@ -5,13 +5,22 @@
 //! The pool grows on first use of a block rather than at creation: a server configured for
 //! thousands of blocks holds memory only for the blocks it has used (block ids are handed out
 //! lowest first, so the pool's size follows the peak working set).
+//!
+//! Beside the pages, the recurrent states of Gated DeltaNet layers: one f32 vector per (layer
+//! state slot, sequence state slot), made on first use; the scheduler hands a running sequence
+//! its slot, so their number follows the running sequences, not the blocks.
 
 use crate::kv::{cache_row, BlockId};
+use std::collections::HashMap;
 
 #[derive(Debug, Clone)]
 pub struct KvPages {
     block_size: usize,
     layers: Vec<LayerPages>,
+    /// Per layer state slot: a sequence's state length (0 for slots no layer uses).
+    state_lens: Vec<usize>,
+    /// By (layer state slot, sequence state slot).
+    states: HashMap<(usize, usize), Vec<f32>>,
 }
 
 /// Keys and values of one attention slot: row `r` of the pool is `k[r·dim..(r+1)·dim]`.
@@ -24,11 +33,14 @@ pub struct LayerPages {
 }
 
 impl KvPages {
-    /// An empty pool for attention slots of the given KV row widths.
-    pub fn new(kv_dims: &[usize], block_size: usize) -> Self {
+    /// An empty pool for attention slots of the given KV row widths, and recurrent layers of
+    /// the given state lengths.
+    pub fn new(kv_dims: &[usize], state_lens: &[usize], block_size: usize) -> Self {
         assert!(block_size > 0, "blocks hold at least one position");
         Self {
             block_size,
+            state_lens: state_lens.to_vec(),
+            states: HashMap::new(),
             layers: kv_dims
                 .iter()
                 .map(|&dim| LayerPages {
@@ -55,7 +67,24 @@ impl KvPages {
 
     /// Bytes held by the pool now.
     pub fn bytes(&self) -> usize {
-        self.layers.iter().map(|l| (l.k.len() + l.v.len()) * 4).sum()
+        let pages: usize = self.layers.iter().map(|l| (l.k.len() + l.v.len()) * 4).sum();
+        pages + self.states.values().map(|s| s.len() * 4).sum::<usize>()
+    }
+
+    /// The recurrent state of layer slot `layer` for the sequence in state slot `sequence`;
+    /// all zeros when `fresh` (the sequence starts at position 0) or first used.
+    pub fn recurrent_state(&mut self, layer: usize, sequence: usize, fresh: bool) -> &mut [f32] {
+        let len = self.state_lens.get(layer).copied().unwrap_or(0);
+        let state = self.states.entry((layer, sequence)).or_insert_with(|| vec![0.0; len]);
+        if fresh {
+            state.fill(0.0);
+        }
+        state
+    }
+
+    /// Whether any layer keeps a recurrent state.
+    pub fn has_recurrent_state(&self) -> bool {
+        self.state_lens.iter().any(|&l| l > 0)
     }
 }
 
@@ -101,7 +130,7 @@ mod tests {
 
     #[test]
     fn rows_land_in_their_blocks_and_the_pool_grows_to_the_highest_block() {
-        let mut pages = KvPages::new(&[2], 2);
+        let mut pages = KvPages::new(&[2], &[], 2);
         let layer = pages.layer_mut(0);
         // Positions 0..3 of a sequence whose table is [block 3, block 1].
         let table = [BlockId(3), BlockId(1)];
@@ -116,5 +145,16 @@ mod tests {
             2 * 8 * 2 * 4,
             "blocks 0..=3 of 2 rows of 2 floats, k and v"
         );
+    }
+
+    #[test]
+    fn recurrent_states_start_at_zero_persist_and_restart_when_fresh() {
+        let mut pages = KvPages::new(&[], &[0, 3], 4);
+        assert!(pages.has_recurrent_state());
+        pages.recurrent_state(1, 7, true).copy_from_slice(&[1.0, 2.0, 3.0]);
+        assert_eq!(pages.recurrent_state(1, 7, false), &[1.0, 2.0, 3.0]);
+        assert_eq!(pages.recurrent_state(1, 8, false), &[0.0; 3], "another sequence's own");
+        assert_eq!(pages.recurrent_state(1, 7, true), &[0.0; 3]);
+        assert_eq!(pages.bytes(), 2 * 3 * 4);
     }
 }

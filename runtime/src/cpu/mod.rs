@@ -46,6 +46,8 @@ pub struct CpuBackend {
     last_use: Vec<usize>,
     /// Per attention cache slot: the KV row width.
     kv_dims: Vec<usize>,
+    /// Per recurrent state slot (Gated DeltaNet layers): one sequence's state length.
+    state_lens: Vec<usize>,
     vocab: usize,
     context_length: usize,
 }
@@ -162,6 +164,7 @@ impl CpuBackend {
         let int8_heads = prepare_int8_heads(&graph, &weights, cache)?;
         let mut last_use = vec![0; graph.nodes().len()];
         let mut kv_dims = Vec::new();
+        let mut state_lens = Vec::new();
         let mut vocab = 0;
         for (i, node) in graph.nodes().iter().enumerate() {
             for input in &node.inputs {
@@ -172,6 +175,12 @@ impl CpuBackend {
                     kv_dims.resize(spec.cache_slot + 1, 0);
                 }
                 kv_dims[spec.cache_slot] = spec.kv_heads * spec.head_dim;
+            }
+            if let Op::GatedDeltaNet(spec) = &node.op {
+                if state_lens.len() <= spec.state_slot {
+                    state_lens.resize(spec.state_slot + 1, 0);
+                }
+                state_lens[spec.state_slot] = spec.state_len();
             }
             if node.op == Op::Embedding {
                 vocab = graph.node(node.inputs[0]).shape.resolve(0, 0)[0];
@@ -186,6 +195,7 @@ impl CpuBackend {
             int8_heads,
             last_use,
             kv_dims,
+            state_lens,
             vocab,
             context_length,
         })
@@ -217,6 +227,11 @@ impl CpuBackend {
             .sum()
     }
 
+    /// Whether the graph keeps a recurrent state per sequence (Gated DeltaNet layers).
+    pub fn has_recurrent_state(&self) -> bool {
+        self.state_lens.iter().any(|&l| l > 0)
+    }
+
     /// Bytes of keys and values one cached position takes, over every attention slot.
     pub fn kv_bytes_per_position(&self) -> usize {
         self.kv_dims.iter().sum::<usize>() * 2 * std::mem::size_of::<f32>()
@@ -232,7 +247,7 @@ impl CpuBackend {
 
     /// An empty KV pool for this graph's attention slots, in blocks of `block_size` positions.
     pub fn new_pages(&self, block_size: usize) -> KvPages {
-        KvPages::new(&self.kv_dims, block_size)
+        KvPages::new(&self.kv_dims, &self.state_lens, block_size)
     }
 
     /// Process `ids` as the next tokens of `seq`; returns the graph's outputs by name.
@@ -251,6 +266,7 @@ impl CpuBackend {
             table: &seq.table,
             start: seq.len,
             ids,
+            state_slot: 0,
         };
         let out = self.step_batch(&mut seq.pages, &[segment])?.pop();
         seq.len = end;
@@ -305,10 +321,20 @@ impl CpuBackend {
     }
 
     /// A batch the graph can run: tokens in every segment, positions within the context and
-    /// within the segment's blocks, ids within the vocabulary.
+    /// within the segment's blocks, ids within the vocabulary, and (for recurrent models) a
+    /// state slot of its own for each sequence.
     fn check_batch(&self, pages: &KvPages, batch: &[Segment]) -> Result<()> {
         if batch.is_empty() {
             return Err(RuntimeError::Input("a step needs at least one sequence".into()));
+        }
+        if self.has_recurrent_state() {
+            let mut slots: Vec<usize> = batch.iter().map(|s| s.state_slot).collect();
+            slots.sort_unstable();
+            if slots.windows(2).any(|w| w[0] == w[1]) {
+                return Err(RuntimeError::Input(
+                    "two sequences of one step share a recurrent state slot".into(),
+                ));
+            }
         }
         for seg in batch {
             if seg.ids.is_empty() {
@@ -397,6 +423,13 @@ impl CpuBackend {
                 let x = args[0].value().tensor();
                 Tensor::new(x.shape.clone(), ops::add_bias(&x.data, args[1].vector()))
             }
+            Op::Sigmoid => map(args[0].value().tensor(), |x| 1.0 / (1.0 + (-x).exp())),
+            Op::GroupSlice { group, start, len } => {
+                let x = args[0].value().tensor();
+                let data = ops::group_slice(&x.data, *group, *start, *len);
+                Tensor::new(vec![x.rows(), data.len() / x.rows().max(1)], data)
+            }
+            Op::GatedDeltaNet(spec) => gated_delta_net(spec, args, pages, rows),
             Op::Moe(spec) => moe::moe(
                 spec,
                 args[0].value().tensor(),
@@ -538,6 +571,41 @@ fn append_and_attend(
     let mut out = Tensor::zeros(q.shape.clone());
     attention::attention(spec, &q.data, &rows.query, pages.layer(spec.cache_slot), &mut out.data);
     out
+}
+
+/// Each segment's rows through the Gated DeltaNet in order, from its sequence's recurrent state
+/// (fresh at position 0) to the state after its last row: the reference's arithmetic.
+fn gated_delta_net(spec: &ir::DeltaNetSpec, args: &[Arg], pages: &mut KvPages, rows: &StepRows) -> Tensor {
+    let (mixed, b, a) = (
+        args[0].value().tensor(),
+        args[1].value().tensor(),
+        args[2].value().tensor(),
+    );
+    let conv = match args[3] {
+        Arg::Weight(CpuWeight::Matrix(m)) => m,
+        _ => unreachable!("the convolution is a matrix weight"),
+    };
+    let mut conv_row = vec![0f32; conv.cols];
+    let conv: Vec<f32> = (0..conv.rows)
+        .flat_map(|r| conv.row_f32(r, &mut conv_row).to_vec())
+        .collect();
+    let (a_log, dt_bias) = (args[4].vector(), args[5].vector());
+    let (c, vh) = (spec.conv_channels(), spec.value_heads);
+    let mut out = Vec::with_capacity(mixed.rows() * vh * spec.value_dim);
+    for (seg, r) in rows.segments.iter().zip(&rows.ranges) {
+        let state = pages.recurrent_state(spec.state_slot, seg.state_slot, seg.start == 0);
+        out.extend(ops::gated_delta_net(
+            spec,
+            &mixed.data[r.start * c..r.end * c],
+            &b.data[r.start * vh..r.end * vh],
+            &a.data[r.start * vh..r.end * vh],
+            &conv,
+            a_log,
+            dt_bias,
+            state,
+        ));
+    }
+    Tensor::new(vec![mixed.rows(), vh * spec.value_dim], out)
 }
 
 /// The reference's RMSNorm over groups of `w.len()`, spread over rows.

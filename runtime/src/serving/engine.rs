@@ -21,6 +21,11 @@ pub trait PagedBackend {
     fn max_step_tokens(&self) -> Option<usize> {
         None
     }
+    /// Whether the model keeps a recurrent state per sequence (Gated DeltaNet layers), which
+    /// the prefix cache cannot hold.
+    fn has_recurrent_state(&self) -> bool {
+        false
+    }
     /// Process every segment's tokens in one pass; each segment's outputs by name, in order:
     /// per-token outputs with at least the segment's last row (the one sampled from).
     fn step_batch(&self, pages: &mut Self::Pages, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>>;
@@ -41,6 +46,9 @@ impl PagedBackend for crate::CpuBackend {
     }
     fn step_batch(&self, pages: &mut Self::Pages, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
         crate::CpuBackend::step_batch(self, pages, batch)
+    }
+    fn has_recurrent_state(&self) -> bool {
+        crate::CpuBackend::has_recurrent_state(self)
     }
 }
 
@@ -69,11 +77,13 @@ pub struct ServingEngine<B: PagedBackend> {
 
 impl<B: PagedBackend> ServingEngine<B> {
     /// An engine over `backend`; a token budget above what the backend takes in one step is
-    /// lowered to it (prompts are then chunked smaller), so no step is refused for its size.
+    /// lowered to it (prompts are then chunked smaller), so no step is refused for its size,
+    /// and a model with recurrent state runs without the prefix cache.
     pub fn new(backend: B, mut config: SchedulerConfig) -> Self {
         if let Some(limit) = backend.max_step_tokens() {
             config.token_budget = config.token_budget.min(limit);
         }
+        config.prefix_caching &= !backend.has_recurrent_state();
         Self {
             pages: backend.new_pages(config.block_size),
             backend,
@@ -141,6 +151,7 @@ impl<B: PagedBackend> ServingEngine<B> {
                 table: &w.table,
                 start: w.start,
                 ids: &w.tokens,
+                state_slot: w.state_slot,
             })
             .collect();
         // Requests that take the argmax and want nothing else of the logits can have it

@@ -14,11 +14,18 @@
 //! registered as it completes, prompt and generated tokens alike, so a preempted sequence
 //! readmitted soon after finds most of its work still cached.
 //!
+//! Models with recurrent layers (Gated DeltaNet) keep a state per sequence beside the KV cache:
+//! each running sequence holds one of `max_running` state slots, given on admission and taken
+//! back on preemption or removal. Such a state sums up the whole prefix, which the prefix cache
+//! does not keep, so those models run with `prefix_caching` off: a sequence then always starts
+//! from position 0, where the backend starts its slot afresh.
+//!
 //! Invariants (checked by [`Scheduler::check`], property-tested): the block manager's (no block
 //! free and owned, none owned twice, none leaked); a running sequence's table covers exactly
 //! the positions it has cached, and every block it will write (from its first uncached
 //! position on) is its alone; its registered chain covers exactly its full cached blocks;
-//! waiting sequences hold no blocks; every sequence is in exactly one place.
+//! waiting sequences hold no blocks; every sequence is in exactly one place; running sequences
+//! hold distinct state slots, waiting ones none.
 
 use super::block_manager::{BlockId, BlockManager, Serial};
 use std::collections::{BTreeMap, VecDeque};
@@ -38,6 +45,9 @@ pub struct SchedulerConfig {
     pub block_size: usize,
     /// Positions a sequence may reach (prompt + generated).
     pub context_length: usize,
+    /// Whether an admitted sequence may start from cached blocks of another's prefix (off for
+    /// models whose recurrent state the cache cannot hold).
+    pub prefix_caching: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -68,6 +78,8 @@ struct Seq {
     chain: Vec<Serial>,
     max_tokens: usize,
     stop_tokens: Vec<u32>,
+    /// The recurrent-state slot it holds while running.
+    state_slot: Option<usize>,
 }
 
 impl Seq {
@@ -87,6 +99,8 @@ pub struct Work {
     pub tokens: Vec<u32>,
     pub table: Vec<BlockId>,
     pub samples: bool,
+    /// The sequence's recurrent-state slot (see the module's notes).
+    pub state_slot: usize,
 }
 
 /// Prefix-cache effect so far, in tokens (vLLM's `prefix_cache_queries` and `_hits`).
@@ -126,6 +140,8 @@ pub struct Scheduler {
     seqs: BTreeMap<SeqId, Seq>,
     next_id: u64,
     prefix_cache: PrefixCacheStats,
+    /// State slots no running sequence holds (lowest last, handed out first).
+    free_state_slots: Vec<usize>,
 }
 
 impl Scheduler {
@@ -138,6 +154,7 @@ impl Scheduler {
             seqs: BTreeMap::new(),
             next_id: 0,
             prefix_cache: PrefixCacheStats::default(),
+            free_state_slots: (0..config.max_running).rev().collect(),
         }
     }
 
@@ -204,6 +221,7 @@ impl Scheduler {
                 chain: Vec::new(),
                 max_tokens,
                 stop_tokens,
+                state_slot: None,
             },
         );
         self.waiting.push_back(id);
@@ -251,12 +269,18 @@ impl Scheduler {
     /// false when the cache cannot hold that chunk (the sequence stays waiting and the shared
     /// blocks go back to the cache).
     fn admit(&mut self, id: SeqId, budget: &mut usize, out: &mut Schedule) -> bool {
+        let Some(&slot) = self.free_state_slots.last() else {
+            return false;
+        };
         let seq = self.seqs.get_mut(&id).expect("waiting");
         let mut table = Vec::new();
         // All but the last token may come from the cache: the last one's output is the point.
-        let chain = self
-            .blocks
-            .share_prefix(&mut table, &seq.tokens[..seq.tokens.len() - 1]);
+        let chain = match self.config.prefix_caching {
+            true => self
+                .blocks
+                .share_prefix(&mut table, &seq.tokens[..seq.tokens.len() - 1]),
+            false => Vec::new(),
+        };
         let cached = chain.len() * self.blocks.block_size();
         let n = (seq.tokens.len() - cached).min(*budget);
         if self.blocks.grow(&mut table, cached + n).is_err() {
@@ -268,6 +292,8 @@ impl Scheduler {
         seq.table = table;
         seq.chain = chain;
         seq.cached = cached;
+        seq.state_slot = self.free_state_slots.pop();
+        debug_assert_eq!(seq.state_slot, Some(slot));
         self.waiting.pop_front();
         self.running.push(id);
         out.work.push(self.work(id, cached + n));
@@ -284,6 +310,7 @@ impl Scheduler {
             tokens: seq.tokens[seq.cached..end].to_vec(),
             table: seq.table.clone(),
             samples: end == seq.tokens.len(),
+            state_slot: seq.state_slot.expect("running sequences hold a state slot"),
         }
     }
 
@@ -292,6 +319,7 @@ impl Scheduler {
         self.blocks.release(&mut seq.table);
         seq.chain.clear();
         seq.cached = 0;
+        self.free_state_slots.extend(seq.state_slot.take());
         self.running.retain(|&r| r != id);
         self.waiting.push_front(id);
     }
@@ -351,6 +379,7 @@ impl Scheduler {
     fn remove(&mut self, id: SeqId) {
         if let Some(mut seq) = self.seqs.remove(&id) {
             self.blocks.release(&mut seq.table);
+            self.free_state_slots.extend(seq.state_slot);
         }
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&w| w != id);
@@ -390,6 +419,24 @@ impl Scheduler {
         }
         if self.running.len() + self.waiting.len() != self.seqs.len() {
             return Err("a queue holds an unknown sequence".into());
+        }
+        self.check_state_slots()
+    }
+
+    /// Running sequences hold distinct state slots, waiting ones none, and every slot is
+    /// either held or free.
+    fn check_state_slots(&self) -> Result<(), String> {
+        let mut held: Vec<usize> = self.free_state_slots.clone();
+        for (id, seq) in &self.seqs {
+            match (self.running.contains(id), seq.state_slot) {
+                (true, Some(slot)) => held.push(slot),
+                (false, None) => {}
+                (running, slot) => return Err(format!("{id:?} (running: {running}) holds state slot {slot:?}")),
+            }
+        }
+        held.sort_unstable();
+        if held != (0..self.config.max_running).collect::<Vec<_>>() {
+            return Err(format!("state slots held or free: {held:?}"));
         }
         Ok(())
     }
