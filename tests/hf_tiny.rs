@@ -159,6 +159,16 @@ fn qwen3_5_reference_interpreter_matches_hf() {
 }
 
 #[test]
+fn qwen3_next_cpu_backend_matches_hf() {
+    check_cpu_backend("qwen3_next");
+}
+
+#[test]
+fn qwen3_next_reference_interpreter_matches_hf() {
+    check_reference_interpreter("qwen3_next");
+}
+
+#[test]
 fn llama_reference_interpreter_matches_hf() {
     check_reference_interpreter("llama");
 }

@@ -70,6 +70,13 @@ fn qwen3_5_graph() {
     insta::assert_snapshot!(graph_text("qwen3_5", LogitsFor::LastToken));
 }
 
+/// Qwen3-Next's interleaved DeltaNet projections regrouped by `row_group_slice`, and its MoE
+/// MLPs with the gated shared expert.
+#[test]
+fn qwen3_next_graph() {
+    insta::assert_snapshot!(graph_text("qwen3_next", LogitsFor::LastToken));
+}
+
 /// Hopper's fusion of the tiny Qwen3.5 in bf16: each DeltaNet layer's four input projections
 /// (`in_proj_qkv`, `_z`, `_b`, `_a`) join into one matmul, and so do the gated attention's
 /// `q_proj` (with its gate), `k_proj` and `v_proj`.

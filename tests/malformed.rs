@@ -152,11 +152,15 @@ fn check_bad_configs(family: &str, cases: &[(&str, serde_json::Value, &str)]) {
 }
 
 /// GPU targets have no kernels for MoE layers, attention biases or Gated DeltaNet layers yet:
-/// compiling GLM-4.5 or Qwen3.5 for one is an error naming the op, not a panic or a broken
-/// artifact.
+/// compiling GLM-4.5, Qwen3.5 or Qwen3-Next for one is an error naming the op, not a panic or
+/// a broken artifact.
 #[test]
 fn moe_and_hybrid_models_are_refused_for_gpu_targets() {
-    for (family, op) in [("glm4_moe", "add_bias"), ("qwen3_5", "gated_delta_net")] {
+    for (family, op) in [
+        ("glm4_moe", "add_bias"),
+        ("qwen3_5", "gated_delta_net"),
+        ("qwen3_next", "row_group_slice"),
+    ] {
         let model = common::fixture(&format!("hf-tiny/{family}"));
         let out = std::env::temp_dir().join(format!("bbc-{family}-h200-{}", std::process::id()));
         let (ok, stderr) = bbc(&[

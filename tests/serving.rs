@@ -38,6 +38,13 @@ fn concurrent_hybrid_requests_generate_what_they_generate_alone() {
     concurrent_requests_match_alone(&model);
 }
 
+/// Both at once (the tiny Qwen3-Next: DeltaNet layers and MoE MLPs).
+#[test]
+fn concurrent_hybrid_moe_requests_generate_what_they_generate_alone() {
+    let model = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/qwen3_next"))).unwrap();
+    concurrent_requests_match_alone(&model);
+}
+
 /// A hybrid model's recurrent state sums up a whole prefix, which cached blocks do not hold:
 /// requests sharing a prompt prefix each compute it (no prefix-cache hit) and generate what
 /// they generate alone.

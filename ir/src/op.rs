@@ -63,27 +63,44 @@ fn f32_cache() -> DType {
     DType::F32
 }
 
-/// A mixture-of-experts feed-forward layer with DeepSeek-V3's router (GLM-4.5's too): sigmoid
-/// scores, a per-expert bias that steers the choice but not the weights, experts chosen within
-/// the best groups, gated-linear experts.
+/// A mixture-of-experts feed-forward layer: a router chooses `experts_per_token` of `experts`
+/// gated-linear experts for each token and weighs their outputs.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct MoeSpec {
-    /// Routed experts (`n_routed_experts`).
+    /// Routed experts (`n_routed_experts`, `num_experts`).
     pub experts: usize,
     /// Experts each token goes to (`num_experts_per_tok`).
     pub experts_per_token: usize,
-    /// Experts fall in `groups` consecutive groups (`n_group`); a group scores the sum of its
-    /// two best biased scores, and a token picks its experts inside the `top_groups` best
-    /// groups (`topk_group`).
-    pub groups: usize,
-    pub top_groups: usize,
-    /// Divide the chosen experts' scores by their sum (`norm_topk_prob`).
+    /// Divide the chosen experts' weights by their sum (`norm_topk_prob`).
     pub normalize: bool,
-    /// Multiplies the (normalized) weights (`routed_scaling_factor`).
-    pub scaling: f32,
     /// Each expert's hidden width (`moe_intermediate_size`).
     pub intermediate: usize,
     pub act: GluAct,
+    pub router: MoeRouter,
+}
+
+/// How a token's experts and their weights are chosen from the router's logits.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum MoeRouter {
+    /// Qwen2-MoE / Qwen3-Next: a softmax over every expert, the `experts_per_token` largest.
+    Softmax,
+    /// DeepSeek-V3 / GLM-4.5: sigmoid scores and a per-expert score bias (an input of the op)
+    /// that steers the choice but not the weights; experts fall in `groups` consecutive
+    /// groups, a group scores the sum of its two best biased scores, and a token picks its
+    /// experts inside the `top_groups` best groups (`n_group`, `topk_group`); the weights are
+    /// multiplied by `scaling` (`routed_scaling_factor`).
+    GroupedSigmoid {
+        groups: usize,
+        top_groups: usize,
+        scaling: f32,
+    },
+}
+
+impl MoeSpec {
+    /// Whether the op takes the router's score bias as an input.
+    pub fn has_score_bias(&self) -> bool {
+        matches!(self.router, MoeRouter::GroupedSigmoid { .. })
+    }
 }
 
 /// A Gated DeltaNet token mixer (Qwen3.5 / Qwen3-Next linear-attention layers): a causal
@@ -161,6 +178,9 @@ pub enum Op {
     AddBias,
     /// `1 / (1 + e^−x)` per element.
     Sigmoid,
+    /// `(x [t, n], s [t, 1]) -> [t, n]`: each row times its own scalar (Qwen3-Next's gated
+    /// shared expert).
+    ScaleRows,
     /// `[t, g·group] -> [t, g·len]`: columns `start..start+len` of every group of `group`
     /// columns (one part of per-head interleaved projections, such as Qwen3.5's `[q | gate]`).
     GroupSlice {
@@ -176,10 +196,11 @@ pub enum Op {
     /// `exp(−e^{a_log} · softplus(a + dt_bias))`, writes `sigmoid(b)·(v − Sᵀk)` along `k`, and
     /// reads `Sᵀq`. Tokens are taken in order; the state persists across steps.
     GatedDeltaNet(DeltaNetSpec),
-    /// `(x [t, d], router_logits [t, experts], score_bias [experts], gate_up [experts·2i, d],
-    /// down [experts·d, i]) -> [t, d]`: the routed experts' weighted sum. Expert `e`'s gate
-    /// and up rows are rows `e·2i..(e+1)·2i` of `gate_up` (gate first), its down projection
-    /// rows `e·d..(e+1)·d` of `down`; shared experts are ordinary MLPs beside it.
+    /// `(x [t, d], router_logits [t, experts], [score_bias [experts],] gate_up
+    /// [experts·2i, d], down [experts·d, i]) -> [t, d]`: the routed experts' weighted sum (the
+    /// score bias only for routers that have one). Expert `e`'s gate and up rows are rows
+    /// `e·2i..(e+1)·2i` of `gate_up` (gate first), its down projection rows `e·d..(e+1)·d` of
+    /// `down`; shared experts are ordinary MLPs beside it.
     Moe(MoeSpec),
 
     // Ops that rewrites produce (see the `passes` crate).
@@ -191,6 +212,14 @@ pub enum Op {
     /// Weights `[n_i, k]` of one storage dtype stacked to `[Σn_i, k]`: a compile-time weight
     /// transform, so one matmul computes several projections of the same activation.
     ConcatRows,
+    /// A weight `[g·group, k] -> [g·len, k]`: rows `start..start+len` of every group of `group`
+    /// rows, a compile-time weight transform (Qwen3-Next stores its DeltaNet projections
+    /// interleaved per key head; this regroups them as q, k, v, z).
+    RowGroupSlice {
+        group: usize,
+        start: usize,
+        len: usize,
+    },
     /// `(a [t, d], b [t, d], w [d]) -> [t, 2d]`: `[a + b | rms_norm(a + b)]` in one pass.
     AddRmsNorm {
         eps: f64,
@@ -258,11 +287,13 @@ impl Op {
             Self::LastToken => "last_token",
             Self::AddBias => "add_bias",
             Self::Sigmoid => "sigmoid",
+            Self::ScaleRows => "scale_rows",
             Self::GroupSlice { .. } => "group_slice",
             Self::GatedDeltaNet(_) => "gated_delta_net",
             Self::Moe(_) => "moe",
             Self::Slice { .. } => "slice",
             Self::ConcatRows => "concat_rows",
+            Self::RowGroupSlice { .. } => "row_group_slice",
             Self::AddRmsNorm { .. } => "add_rms_norm",
             Self::RmsNormMatMul { .. } => "rms_norm_matmul",
             Self::AddRmsNormMatMul { .. } => "add_rms_norm_matmul",
@@ -282,6 +313,12 @@ impl Op {
         }
     }
 
+    /// Ops that reshape weights at compile time (`concat_rows`, `row_group_slice`): their
+    /// results are weights, made once where weights are laid out.
+    pub fn is_weight_transform(&self) -> bool {
+        matches!(self, Self::ConcatRows | Self::RowGroupSlice { .. })
+    }
+
     /// Ops that combine values element by element (fusable into one `Elementwise`).
     pub fn is_elementwise(&self) -> bool {
         matches!(
@@ -295,12 +332,13 @@ impl Op {
         Some(match self {
             Self::Input(_) | Self::Weight { .. } => 0,
             Self::Scale { .. } | Self::Silu | Self::GeluTanh | Self::LastToken => 1,
-            Self::Sigmoid | Self::GroupSlice { .. } => 1,
+            Self::Sigmoid | Self::GroupSlice { .. } | Self::RowGroupSlice { .. } => 1,
             Self::GatedDeltaNet(_) => 6,
             Self::Slice { .. } | Self::Glu { .. } | Self::TopK { .. } => 1,
             Self::Embedding | Self::MatMul | Self::RmsNorm { .. } | Self::Rope(_) | Self::Add | Self::Mul => 2,
-            Self::AddBias => 2,
-            Self::Moe(_) => 5,
+            Self::AddBias | Self::ScaleRows => 2,
+            Self::Moe(spec) if spec.has_score_bias() => 5,
+            Self::Moe(_) => 4,
             Self::Int8BoundTopK { .. } => 2,
             Self::Attention(_) | Self::AddRmsNorm { .. } | Self::RmsNormMatMul { .. } => 3,
             Self::AddRmsNormMatMul { .. } | Self::RopeAttention { .. } => 4,
@@ -403,6 +441,13 @@ impl Op {
                 f32_rows(inputs[0].0)?;
                 Ok((inputs[0].0.clone(), DType::F32))
             }
+            Self::ScaleRows => {
+                let (t, _) = f32_rows(inputs[0].0)?;
+                if inputs[1].0 .0.as_slice() != [t, Dim::Const(1)] {
+                    return Err(format!("scale_rows: x {} with scalars {}", inputs[0].0, inputs[1].0));
+                }
+                Ok((inputs[0].0.clone(), DType::F32))
+            }
             Self::GroupSlice { group, start, len } => {
                 let (t, n) = f32_rows(inputs[0].0)?;
                 let groups = n.as_const().filter(|n| *group > 0 && n % group == 0).map(|n| n / group);
@@ -418,6 +463,20 @@ impl Op {
                 }
             }
             Self::GatedDeltaNet(spec) => delta_net_shape(spec, inputs),
+            Self::RowGroupSlice { group, start, len } => {
+                let (n, k) = f32_rows(inputs[0].0)?;
+                let groups = n.as_const().filter(|n| *group > 0 && n % group == 0).map(|n| n / group);
+                match groups {
+                    Some(g) if *len > 0 && start + len <= *group => {
+                        Ok((Shape::new([Dim::Const(g * len), k]), inputs[0].1))
+                    }
+                    _ => Err(format!(
+                        "row_group_slice {start}..{} of groups of {group} in {}",
+                        start + len,
+                        inputs[0].0
+                    )),
+                }
+            }
             Self::Slice { start, len } => {
                 let (t, n) = f32_rows(inputs[0].0)?;
                 if *len == 0 || n.as_const().is_none_or(|n| start + len > n) {
@@ -553,15 +612,27 @@ impl Op {
             } => format!("eps={eps:e}, weight_offset={weight_offset}, glu={act:?}"),
             Self::Elementwise { expr } => format!("{expr}"),
             Self::TopK { k } | Self::Int8BoundTopK { k } => format!("k={k}"),
-            Self::GroupSlice { group, start, len } => format!("group={group}, start={start}, len={len}"),
+            Self::GroupSlice { group, start, len } | Self::RowGroupSlice { group, start, len } => {
+                format!("group={group}, start={start}, len={len}")
+            }
             Self::GatedDeltaNet(d) => format!(
                 "key_heads={}, value_heads={}, key_dim={}, value_dim={}, conv_kernel={}, state={}",
                 d.key_heads, d.value_heads, d.key_dim, d.value_dim, d.conv_kernel, d.state_slot
             ),
-            Self::Moe(m) => format!(
-                "experts={}, per_token={}, groups={}, top_groups={}, normalize={}, scaling={}, intermediate={}, act={:?}",
-                m.experts, m.experts_per_token, m.groups, m.top_groups, m.normalize, m.scaling, m.intermediate, m.act
-            ),
+            Self::Moe(m) => {
+                let router = match m.router {
+                    MoeRouter::Softmax => "softmax".to_string(),
+                    MoeRouter::GroupedSigmoid {
+                        groups,
+                        top_groups,
+                        scaling,
+                    } => format!("grouped_sigmoid(groups={groups}, top_groups={top_groups}, scaling={scaling})"),
+                };
+                format!(
+                    "experts={}, per_token={}, router={router}, normalize={}, intermediate={}, act={:?}",
+                    m.experts, m.experts_per_token, m.normalize, m.intermediate, m.act
+                )
+            }
             _ => String::new(),
         }
     }
@@ -668,20 +739,34 @@ fn moe_shape(spec: &MoeSpec, inputs: &[(&Shape, DType)]) -> Result<(Shape, DType
             _ => None,
         }
     };
+    // The experts a token may choose from.
+    let eligible = match spec.router {
+        MoeRouter::Softmax => e,
+        MoeRouter::GroupedSigmoid { groups, top_groups, .. } => {
+            let per_group = match groups {
+                0 => 0,
+                g if e.is_multiple_of(g) => e / g,
+                _ => 0,
+            };
+            match per_group >= 2 && (1..=groups).contains(&top_groups) {
+                true => top_groups * per_group,
+                false => 0,
+            }
+        }
+    };
+    let (weights, bias) = match spec.has_score_bias() {
+        true => (&inputs[3..], Some(inputs[2].0)),
+        false => (&inputs[2..], None),
+    };
     let fits = (|| {
         let (t, d) = matrix(inputs[0].0)?;
         let hidden = d.as_const()?;
-        let routing_ok = spec.groups > 0
-            && e.is_multiple_of(spec.groups)
-            && e / spec.groups >= 2
-            && (1..=spec.groups).contains(&spec.top_groups)
-            && (1..=spec.top_groups * (e / spec.groups)).contains(&spec.experts_per_token);
-        let ok = routing_ok
+        let ok = (1..=eligible).contains(&spec.experts_per_token)
             && inputs[0].1 == DType::F32
             && matrix(inputs[1].0)? == (t, c(e))
-            && inputs[2].0 .0.as_slice() == [c(e)]
-            && matrix(inputs[3].0)? == (c(e * 2 * i), c(hidden))
-            && matrix(inputs[4].0)? == (c(e * hidden), c(i));
+            && bias.is_none_or(|b| b.0.as_slice() == [c(e)])
+            && matrix(weights[0].0)? == (c(e * 2 * i), c(hidden))
+            && matrix(weights[1].0)? == (c(e * hidden), c(i));
         ok.then_some(Shape::new([t, d]))
     })();
     fits.map(|shape| (shape, DType::F32)).ok_or_else(|| {

@@ -15,6 +15,9 @@ pub enum Family {
     /// Qwen3.5's dense text model (`Qwen3_5ForCausalLM`): Gated DeltaNet and gated attention.
     #[serde(rename = "qwen3_5")]
     Qwen35,
+    /// Qwen3-Next (`Qwen3NextForCausalLM`): Qwen3.5's layers with MoE MLPs.
+    #[serde(rename = "qwen3_next")]
+    Qwen3Next,
 }
 
 impl Family {
@@ -24,7 +27,13 @@ impl Family {
             Self::Gemma3 => "gemma3",
             Self::Glm4Moe => "glm4_moe",
             Self::Qwen35 => "qwen3_5",
+            Self::Qwen3Next => "qwen3_next",
         }
+    }
+
+    /// Whether the family has Gated DeltaNet layers.
+    pub fn has_linear_attention(self) -> bool {
+        matches!(self, Self::Qwen35 | Self::Qwen3Next)
     }
 
     pub fn parse(s: &str) -> Option<Self> {
@@ -33,6 +42,7 @@ impl Family {
             "gemma3" | "gemma3_text" => Some(Self::Gemma3),
             "glm4_moe" => Some(Self::Glm4Moe),
             "qwen3_5" | "qwen3_5_text" => Some(Self::Qwen35),
+            "qwen3_next" => Some(Self::Qwen3Next),
             _ => None,
         }
     }
@@ -76,7 +86,7 @@ pub struct ModelConfig {
     pub attention_bias: bool,
     /// Per-head RMSNorm of queries and keys before RoPE (Gemma 3, Qwen3, GLM-4.5).
     pub qk_norm: bool,
-    /// Mixture-of-experts layers, where the family has them.
+    /// Mixture-of-experts MLPs, where the family has them.
     pub moe: Option<MoeConfig>,
     /// The Gated DeltaNet layers' shapes, where the family has them.
     pub linear_attention: Option<LinearAttentionConfig>,
@@ -92,19 +102,23 @@ pub struct LinearAttentionConfig {
     pub conv_kernel: usize, // linear_conv_kernel_dim
 }
 
-/// The MoE layers of a GLM-4.5-style model (HF `config.json` names in the comments).
-#[derive(Debug, Clone, Copy, Serialize)]
+/// The mixture-of-experts MLPs of a model (GLM-4.5, Qwen3-Next).
+#[derive(Debug, Clone, Serialize)]
 pub struct MoeConfig {
-    /// Layers before this one keep a dense MLP (`first_k_dense_replace`).
-    pub first_sparse_layer: usize,
-    pub experts: usize,             // n_routed_experts
+    /// Per layer: whether its MLP is the MoE one (others keep a dense MLP): GLM's first
+    /// `first_k_dense_replace` layers are dense; Qwen's `mlp_only_layers` and
+    /// `decoder_sparse_step` say which.
+    pub sparse_layers: Vec<bool>,
+    pub experts: usize,             // n_routed_experts / num_experts
     pub experts_per_token: usize,   // num_experts_per_tok
     pub expert_intermediate: usize, // moe_intermediate_size
-    pub shared_experts: usize,      // n_shared_experts
-    pub groups: usize,              // n_group
-    pub top_groups: usize,          // topk_group
-    pub normalize: bool,            // norm_topk_prob
-    pub scaling: f32,               // routed_scaling_factor
+    /// The shared experts' MLP width, 0 for none: GLM's `moe_intermediate_size ·
+    /// n_shared_experts`, Qwen3-Next's `shared_expert_intermediate_size`.
+    pub shared_intermediate: usize,
+    /// Qwen3-Next: the shared expert's output is multiplied by `sigmoid(x · shared_expert_gate)`.
+    pub shared_gate: bool,
+    pub normalize: bool, // norm_topk_prob
+    pub router: ir::MoeRouter,
 }
 
 /// Gemma 3's layer pattern: every sixth layer is global.
@@ -201,7 +215,7 @@ impl ModelConfig {
             key: "general.architecture".into(),
             problem: format!("is `{arch}`; bbc runs llama and gemma3 from GGUF"),
         })?;
-        if matches!(family, Family::Glm4Moe | Family::Qwen35) {
+        if matches!(family, Family::Glm4Moe | Family::Qwen35 | Family::Qwen3Next) {
             return Err(ModelError::Metadata {
                 path: file.path.clone(),
                 key: "general.architecture".into(),
@@ -228,7 +242,7 @@ impl ModelConfig {
             // llama.cpp's gemma3: sliding layers use θ = 10 000; the scale is 1/√head_dim
             // (gemma-3 sets query_pre_attn_scalar = head_dim).
             Family::Gemma3 => (gemma3_pattern(layers, 6), 10_000.0, Some(head_dim as f64)),
-            Family::Glm4Moe | Family::Qwen35 => unreachable!("refused above"),
+            Family::Glm4Moe | Family::Qwen35 | Family::Qwen3Next => unreachable!("refused above"),
         };
         let rope_scale = match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
             Some("linear") => file.optional_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0),
@@ -273,7 +287,7 @@ impl ModelConfig {
         let model_type = cfg.str("model_type")?;
         let family = Family::parse(model_type).ok_or_else(|| {
             cfg.error(&format!(
-                "model_type `{model_type}` is not one bbc runs (llama, gemma3, glm4_moe, qwen3_5)"
+                "model_type `{model_type}` is not one bbc runs (llama, gemma3, glm4_moe, qwen3_5, qwen3_next)"
             ))
         })?;
         let hidden = cfg.usize("hidden_size")?;
@@ -291,7 +305,7 @@ impl ModelConfig {
             .or_else(|| json.get("rope_local_base_freq").and_then(|v| v.as_f64()))
             .unwrap_or(match family {
                 Family::Gemma3 => 10_000.0,
-                Family::Llama | Family::Glm4Moe | Family::Qwen35 => rope_theta,
+                Family::Llama | Family::Glm4Moe | Family::Qwen35 | Family::Qwen3Next => rope_theta,
             });
         let layer_attention = match json.get("layer_types").and_then(|v| v.as_array()) {
             Some(types) => types
@@ -299,14 +313,16 @@ impl ModelConfig {
                 .map(|t| match t.as_str() {
                     Some("full_attention") => Ok(LayerAttention::Full),
                     Some("sliding_attention") => Ok(LayerAttention::Sliding),
-                    Some("linear_attention") if family == Family::Qwen35 => Ok(LayerAttention::Linear),
+                    Some("linear_attention") if family.has_linear_attention() => Ok(LayerAttention::Linear),
                     _ => Err(cfg.error(&format!(
-                        "layer_types holds {t}, expected full_attention or sliding_attention (or linear_attention for qwen3_5)"
+                        "layer_types holds {t}, expected full_attention or sliding_attention (or linear_attention for qwen3_5 and qwen3_next)"
                     ))),
                 })
                 .collect::<Result<Vec<_>>>()?,
             None => match family {
-                Family::Llama | Family::Glm4Moe | Family::Qwen35 => vec![LayerAttention::Full; layers],
+                Family::Llama | Family::Glm4Moe | Family::Qwen35 | Family::Qwen3Next => {
+                    vec![LayerAttention::Full; layers]
+                }
                 Family::Gemma3 => gemma3_pattern(layers, cfg.opt_usize("_sliding_window_pattern")?.unwrap_or(6)),
             },
         };
@@ -334,17 +350,18 @@ impl ModelConfig {
             rotary_dim: cfg.rotary_dim(head_dim)?,
             attention_bias: cfg.opt_bool("attention_bias")?.unwrap_or(false),
             qk_norm: match family {
-                Family::Gemma3 | Family::Qwen35 => true,
+                Family::Gemma3 | Family::Qwen35 | Family::Qwen3Next => true,
                 Family::Llama => false,
                 Family::Glm4Moe => cfg.opt_bool("use_qk_norm")?.unwrap_or(false),
             },
             moe: match family {
-                Family::Glm4Moe => Some(cfg.glm4_moe()?),
+                Family::Glm4Moe => Some(cfg.glm4_moe(layers)?),
+                Family::Qwen3Next => Some(cfg.qwen3_next_moe(layers)?),
                 Family::Llama | Family::Gemma3 | Family::Qwen35 => None,
             },
-            linear_attention: match family {
-                Family::Qwen35 => Some(cfg.linear_attention()?),
-                Family::Llama | Family::Gemma3 | Family::Glm4Moe => None,
+            linear_attention: match family.has_linear_attention() {
+                true => Some(cfg.linear_attention()?),
+                false => None,
             },
         };
         config.check(path)
@@ -393,7 +410,7 @@ impl ModelConfig {
             )));
         }
         if let Some(moe) = &self.moe {
-            moe.check().map_err(bad)?;
+            moe.check(self.layers).map_err(bad)?;
         }
         let linear_layers = self.layer_attention.contains(&LayerAttention::Linear);
         match &self.linear_attention {
@@ -419,30 +436,48 @@ impl ModelConfig {
 }
 
 impl MoeConfig {
-    fn check(&self) -> std::result::Result<(), String> {
-        let per_group = match self.groups {
-            0 => 0,
-            g if self.experts.is_multiple_of(g) => self.experts / g,
-            _ => 0,
+    fn check(&self, layers: usize) -> std::result::Result<(), String> {
+        if self.sparse_layers.len() != layers {
+            return Err(format!(
+                "{} MoE layer flags for {layers} layers",
+                self.sparse_layers.len()
+            ));
+        }
+        let eligible = match self.router {
+            ir::MoeRouter::Softmax => self.experts,
+            ir::MoeRouter::GroupedSigmoid {
+                groups,
+                top_groups,
+                scaling,
+            } => {
+                let per_group = match groups {
+                    0 => 0,
+                    g if self.experts.is_multiple_of(g) => self.experts / g,
+                    _ => 0,
+                };
+                if per_group < 2 {
+                    return Err(format!(
+                        "{} experts do not split into n_group {groups} groups of at least two",
+                        self.experts
+                    ));
+                }
+                if !(1..=groups).contains(&top_groups) {
+                    return Err(format!("topk_group {top_groups} is not in 1..={groups}"));
+                }
+                if !scaling.is_finite() {
+                    return Err("routed_scaling_factor must be a number".into());
+                }
+                top_groups * per_group
+            }
         };
-        if per_group < 2 {
+        if !(1..=eligible).contains(&self.experts_per_token) {
             return Err(format!(
-                "{} experts do not split into n_group {} groups of at least two",
-                self.experts, self.groups
+                "num_experts_per_tok {} is not in 1..={eligible} (the experts a token may choose from)",
+                self.experts_per_token
             ));
         }
-        if !(1..=self.groups).contains(&self.top_groups) {
-            return Err(format!("topk_group {} is not in 1..={}", self.top_groups, self.groups));
-        }
-        if !(1..=self.top_groups * per_group).contains(&self.experts_per_token) {
-            return Err(format!(
-                "num_experts_per_tok {} is not in 1..={} (the experts of topk_group groups)",
-                self.experts_per_token,
-                self.top_groups * per_group
-            ));
-        }
-        if self.expert_intermediate == 0 || !self.scaling.is_finite() {
-            return Err("moe_intermediate_size must be positive and routed_scaling_factor a number".into());
+        if self.expert_intermediate == 0 {
+            return Err("moe_intermediate_size must be positive".into());
         }
         Ok(())
     }
@@ -516,17 +551,50 @@ impl HfConfig<'_> {
         })
     }
 
-    fn glm4_moe(&self) -> Result<MoeConfig> {
+    fn glm4_moe(&self, layers: usize) -> Result<MoeConfig> {
+        let first_sparse = self.opt_usize("first_k_dense_replace")?.unwrap_or(0);
+        let expert_intermediate = self.usize("moe_intermediate_size")?;
         Ok(MoeConfig {
-            first_sparse_layer: self.opt_usize("first_k_dense_replace")?.unwrap_or(0),
+            sparse_layers: (0..layers).map(|i| i >= first_sparse).collect(),
             experts: self.usize("n_routed_experts")?,
             experts_per_token: self.usize("num_experts_per_tok")?,
-            expert_intermediate: self.usize("moe_intermediate_size")?,
-            shared_experts: self.opt_usize("n_shared_experts")?.unwrap_or(0),
-            groups: self.opt_usize("n_group")?.unwrap_or(1),
-            top_groups: self.opt_usize("topk_group")?.unwrap_or(1),
+            expert_intermediate,
+            shared_intermediate: expert_intermediate * self.opt_usize("n_shared_experts")?.unwrap_or(0),
+            shared_gate: false,
             normalize: self.opt_bool("norm_topk_prob")?.unwrap_or(true),
-            scaling: self.opt_f64("routed_scaling_factor")?.unwrap_or(1.0) as f32,
+            router: ir::MoeRouter::GroupedSigmoid {
+                groups: self.opt_usize("n_group")?.unwrap_or(1),
+                top_groups: self.opt_usize("topk_group")?.unwrap_or(1),
+                scaling: self.opt_f64("routed_scaling_factor")?.unwrap_or(1.0) as f32,
+            },
+        })
+    }
+
+    fn qwen3_next_moe(&self, layers: usize) -> Result<MoeConfig> {
+        let experts = self.usize("num_experts")?;
+        let step = self.opt_usize("decoder_sparse_step")?.unwrap_or(1).max(1);
+        let dense: Vec<usize> = match self.json.get("mlp_only_layers") {
+            None | Some(serde_json::Value::Null) => Vec::new(),
+            Some(v) => v
+                .as_array()
+                .and_then(|a| a.iter().map(|i| i.as_u64().map(|i| i as usize)).collect())
+                .ok_or_else(|| {
+                    self.error(&format!(
+                        "`mlp_only_layers` should be a list of layer indices, found {v}"
+                    ))
+                })?,
+        };
+        Ok(MoeConfig {
+            sparse_layers: (0..layers)
+                .map(|i| !dense.contains(&i) && experts > 0 && (i + 1) % step == 0)
+                .collect(),
+            experts,
+            experts_per_token: self.usize("num_experts_per_tok")?,
+            expert_intermediate: self.usize("moe_intermediate_size")?,
+            shared_intermediate: self.opt_usize("shared_expert_intermediate_size")?.unwrap_or(0),
+            shared_gate: true,
+            normalize: self.opt_bool("norm_topk_prob")?.unwrap_or(false),
+            router: ir::MoeRouter::Softmax,
         })
     }
 

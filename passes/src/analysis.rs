@@ -82,7 +82,7 @@ impl Analysis<Node> for TypeAnalysis {
         ClassData::Value(Type {
             shape,
             dtype,
-            constant: op == Op::ConcatRows && types.iter().all(|t| t.constant),
+            constant: op.is_weight_transform() && types.iter().all(|t| t.constant),
         })
     }
 

@@ -301,7 +301,7 @@ impl TargetCost<'_> {
         match op {
             Op::Input(_) | Op::Weight { .. } => 0.0,
             // Weight transforms happen at compile time.
-            Op::ConcatRows => 0.0,
+            _ if op.is_weight_transform() => 0.0,
             // A view: nearly free, but not quite, so that a value is not needlessly a view.
             Op::Slice { .. } => 1e-6,
             _ => self.own(&op, inputs),

@@ -26,11 +26,13 @@ define_language! {
         "last_token" = LastToken([Id; 2]),
         "add_bias" = AddBias([Id; 3]),
         "sigmoid" = Sigmoid([Id; 2]),
+        "scale_rows" = ScaleRows([Id; 3]),
         "group_slice" = GroupSlice([Id; 2]),
         "gated_delta_net" = GatedDeltaNet([Id; 7]),
-        "moe" = Moe([Id; 6]),
+        "moe" = Moe(Box<[Id]>),
         "slice" = Slice([Id; 2]),
         "concat_rows" = ConcatRows(Box<[Id]>),
+        "row_group_slice" = RowGroupSlice([Id; 2]),
         "add_rms_norm" = AddRmsNorm([Id; 4]),
         "rms_norm_matmul" = RmsNormMatMul([Id; 4]),
         "add_rms_norm_matmul" = AddRmsNormMatMul([Id; 5]),
@@ -100,17 +102,16 @@ pub fn make_node(op: &Op, attr: Id, children: &[Id]) -> Node {
         Op::LastToken => Node::LastToken(arr2(with(1))),
         Op::AddBias => Node::AddBias(arr3(with(2))),
         Op::Sigmoid => Node::Sigmoid(arr2(with(1))),
+        Op::ScaleRows => Node::ScaleRows(arr3(with(2))),
         Op::GroupSlice { .. } => Node::GroupSlice(arr2(with(1))),
         Op::GatedDeltaNet(_) => {
             let v = with(6);
             Node::GatedDeltaNet([v[0], v[1], v[2], v[3], v[4], v[5], v[6]])
         }
-        Op::Moe(_) => {
-            let v = with(5);
-            Node::Moe([v[0], v[1], v[2], v[3], v[4], v[5]])
-        }
+        Op::Moe(_) => Node::Moe(with(children.len()).into_boxed_slice()),
         Op::Slice { .. } => Node::Slice(arr2(with(1))),
         Op::ConcatRows => Node::ConcatRows(with(children.len()).into_boxed_slice()),
+        Op::RowGroupSlice { .. } => Node::RowGroupSlice(arr2(with(1))),
         Op::AddRmsNorm { .. } => Node::AddRmsNorm(arr4(with(3))),
         Op::RmsNormMatMul { .. } => Node::RmsNormMatMul(arr4(with(3))),
         Op::AddRmsNormMatMul { .. } => Node::AddRmsNormMatMul(arr5(with(4))),

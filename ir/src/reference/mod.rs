@@ -179,10 +179,24 @@ impl<'w> Interpreter<'w> {
             }
             Op::Moe(spec) => {
                 let x = args[0].tensor();
-                let [logits, bias, gate_up, down] = [1, 2, 3, 4].map(|i| &args[i].tensor().data);
-                Tensor::new(x.shape.clone(), ops::moe(&x.data, logits, bias, gate_up, down, spec))
+                let data = |i: usize| args[i].tensor().data.as_slice();
+                let (bias, weights) = match spec.has_score_bias() {
+                    true => (data(2), 3),
+                    false => (&[][..], 2),
+                };
+                let out = ops::moe(&x.data, data(1), bias, data(weights), data(weights + 1), spec);
+                Tensor::new(x.shape.clone(), out)
+            }
+            Op::RowGroupSlice { group, start, len } => {
+                let w = args[0].tensor();
+                let data = ops::row_group_slice(&w.data, w.row_len(), *group, *start, *len);
+                Tensor::new(vec![data.len() / w.row_len(), w.row_len()], data)
             }
             Op::Sigmoid => map(args[0].tensor(), |x| (1.0 / (1.0 + (-(x as f64)).exp())) as f32),
+            Op::ScaleRows => {
+                let (x, scalars) = (args[0].tensor(), args[1].tensor());
+                Tensor::new(x.shape.clone(), ops::scale_rows(&x.data, &scalars.data))
+            }
             Op::GroupSlice { group, start, len } => {
                 let x = args[0].tensor();
                 let data = ops::group_slice(&x.data, *group, *start, *len);

@@ -161,26 +161,25 @@ pub fn add_bias(x: &[f32], b: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-/// The experts one token goes to and their weights, ascending by expert: DeepSeek-V3's router
-/// as HF writes it. Scores are `sigmoid(logit)`; the choice ranks `score + bias`, first the
-/// groups by the sum of their two best, then the experts of the `top_groups` best groups (the
-/// others count as 0, as HF masks them); the weights are the chosen unbiased scores, divided by
-/// their sum when `normalize`, times `scaling`.
+/// The experts one token goes to and their weights, ascending by expert, as HF routes them
+/// (see [`crate::MoeRouter`]). `bias` is the grouped router's score bias (empty for softmax).
 pub fn moe_route(logits: &[f32], bias: &[f32], spec: &crate::MoeSpec) -> Vec<(usize, f32)> {
-    let scores: Vec<f32> = logits.iter().map(|&l| sigmoid(l)).collect();
-    let choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
-    let per_group = spec.experts / spec.groups;
-    let group_scores: Vec<f32> = choice
-        .chunks_exact(per_group)
-        .map(|g| top_k(g, 2).iter().map(|&i| g[i]).sum())
-        .collect();
-    let groups = top_k(&group_scores, spec.top_groups);
-    let masked: Vec<f32> = choice
-        .iter()
-        .enumerate()
-        .map(|(e, &c)| if groups.contains(&(e / per_group)) { c } else { 0.0 })
-        .collect();
-    let mut chosen = top_k(&masked, spec.experts_per_token);
+    let (scores, mut chosen, scaling) = match spec.router {
+        crate::MoeRouter::Softmax => {
+            let scores = softmax(logits);
+            let chosen = top_k(&scores, spec.experts_per_token);
+            (scores, chosen, 1.0)
+        }
+        crate::MoeRouter::GroupedSigmoid {
+            groups,
+            top_groups,
+            scaling,
+        } => {
+            let scores: Vec<f32> = logits.iter().map(|&l| sigmoid(l)).collect();
+            let chosen = grouped_choice(&scores, bias, groups, top_groups, spec.experts_per_token);
+            (scores, chosen, scaling)
+        }
+    };
     chosen.sort_unstable();
     let total: f32 = chosen.iter().map(|&e| scores[e]).sum();
     chosen
@@ -191,17 +190,44 @@ pub fn moe_route(logits: &[f32], bias: &[f32], spec: &crate::MoeSpec) -> Vec<(us
             } else {
                 scores[e]
             };
-            (e, w * spec.scaling)
+            (e, w * scaling)
         })
         .collect()
+}
+
+/// DeepSeek-V3's choice: rank `score + bias`, first the groups by the sum of their two best,
+/// then the experts of the `top_groups` best groups (the others count as 0, as HF masks them).
+fn grouped_choice(scores: &[f32], bias: &[f32], groups: usize, top_groups: usize, k: usize) -> Vec<usize> {
+    let choice: Vec<f32> = scores.iter().zip(bias).map(|(s, b)| s + b).collect();
+    let per_group = scores.len() / groups;
+    let group_scores: Vec<f32> = choice
+        .chunks_exact(per_group)
+        .map(|g| top_k(g, 2).iter().map(|&i| g[i]).sum())
+        .collect();
+    let best = top_k(&group_scores, top_groups);
+    let masked: Vec<f32> = choice
+        .iter()
+        .enumerate()
+        .map(|(e, &c)| if best.contains(&(e / per_group)) { c } else { 0.0 })
+        .collect();
+    top_k(&masked, k)
+}
+
+/// A softmax in f64, rounded to f32 (PyTorch's float softmax, to within rounding).
+fn softmax(x: &[f32]) -> Vec<f32> {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+    let exps: Vec<f64> = x.iter().map(|&v| (v as f64 - max).exp()).collect();
+    let total: f64 = exps.iter().sum();
+    exps.iter().map(|e| (e / total) as f32).collect()
 }
 
 fn sigmoid(x: f32) -> f32 {
     (1.0 / (1.0 + (-(x as f64)).exp())) as f32
 }
 
-/// The routed experts' weighted sum for every row of `x` (`Op::Moe`); f64 accumulation in
-/// each expert's products, experts added in ascending order as HF adds them.
+/// The routed experts' weighted sum for every row of `x` (`Op::Moe`; `bias` empty for routers
+/// without one); f64 accumulation in each expert's products, experts added in ascending order
+/// as HF adds them.
 pub fn moe(x: &[f32], logits: &[f32], bias: &[f32], gate_up: &[f32], down: &[f32], spec: &crate::MoeSpec) -> Vec<f32> {
     let d = gate_up.len() / (spec.experts * 2 * spec.intermediate);
     let i = spec.intermediate;
@@ -230,6 +256,15 @@ pub fn group_slice(x: &[f32], group: usize, start: usize, len: usize) -> Vec<f32
     x.chunks_exact(group)
         .flat_map(|g| &g[start..start + len])
         .copied()
+        .collect()
+}
+
+/// Each row of `x` (there are `scalars.len()`) times its scalar.
+pub fn scale_rows(x: &[f32], scalars: &[f32]) -> Vec<f32> {
+    let n = x.len() / scalars.len().max(1);
+    x.chunks_exact(n.max(1))
+        .zip(scalars)
+        .flat_map(|(r, &s)| r.iter().map(move |v| v * s))
         .collect()
 }
 
@@ -324,6 +359,14 @@ pub fn causal_conv_step(conv: &[f32], kernel: usize, window: &mut [f32], row: &[
     }
 }
 
+/// Rows `start..start+len` of every group of `group` rows of `w` (rows of `k`).
+pub fn row_group_slice(w: &[f32], k: usize, group: usize, start: usize, len: usize) -> Vec<f32> {
+    w.chunks_exact(group * k)
+        .flat_map(|g| &g[start * k..(start + len) * k])
+        .copied()
+        .collect()
+}
+
 /// Indices of the `k` largest values of a row, largest first; equal values keep the lower
 /// index first (the tie rule every argmax in bbc follows). NaN sorts below everything.
 pub fn top_k(row: &[f32], k: usize) -> Vec<usize> {
@@ -356,13 +399,41 @@ mod tests {
         crate::MoeSpec {
             experts: 8,
             experts_per_token: per_token,
-            groups: 2,
-            top_groups,
             normalize,
-            scaling: 2.5,
             intermediate: 4,
             act: crate::GluAct::Silu,
+            router: crate::MoeRouter::GroupedSigmoid {
+                groups: 2,
+                top_groups,
+                scaling: 2.5,
+            },
         }
+    }
+
+    #[test]
+    fn moe_route_softmax_takes_the_most_likely_and_renormalizes() {
+        let logits = [0.0f32, 2.0, 1.0, -1.0];
+        let spec = crate::MoeSpec {
+            experts: 4,
+            experts_per_token: 2,
+            normalize: false,
+            intermediate: 4,
+            act: crate::GluAct::Silu,
+            router: crate::MoeRouter::Softmax,
+        };
+        let p = softmax(&logits);
+        let route = moe_route(&logits, &[], &spec);
+        assert_eq!(route, vec![(1, p[1]), (2, p[2])]);
+        let normalized = moe_route(
+            &logits,
+            &[],
+            &crate::MoeSpec {
+                normalize: true,
+                ..spec
+            },
+        );
+        let sum = p[1] + p[2];
+        assert!((normalized[0].1 - p[1] / sum).abs() < 1e-6 && (normalized[1].1 - p[2] / sum).abs() < 1e-6);
     }
 
     fn logit(p: f32) -> f32 {

@@ -6,13 +6,14 @@
 //! (`Op::Moe`) plus always-on shared experts. HF safetensors only (GGUF stacks its experts,
 //! which bbc does not read yet).
 
-use super::{Builder, ExpertTensor, LayerTensor};
-use crate::config::{ModelConfig, MoeConfig};
+use super::moe::{moe_mlp, SharedNames};
+use super::{Builder, LayerTensor};
+use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use ir::{AttentionSpec, GluAct, InputKind, MoeSpec, NodeId, Op, RopeLayout, RopeSpec};
+use ir::{AttentionSpec, GluAct, InputKind, NodeId, Op, RopeLayout, RopeSpec};
 
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
-    let moe = c.moe.ok_or_else(|| ModelError::TensorShape {
+    let moe = c.moe.clone().ok_or_else(|| ModelError::TensorShape {
         name: "config".into(),
         what: "a glm4_moe model needs its MoE settings".into(),
     })?;
@@ -25,11 +26,11 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         let a = attention(c, b, i, h, positions)?;
         x = b.add(x, a)?;
         let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::FfnNorm), c.hidden, c.rms_eps, 0.0)?;
-        let m = if i < moe.first_sparse_layer {
+        let m = if moe.sparse_layers[i] {
+            moe_mlp(c, &moe, b, i, h, SharedNames::Experts)?
+        } else {
             let names = [LayerTensor::Gate, LayerTensor::Up, LayerTensor::Down].map(|t| b.naming.layer(i, t));
             b.gated_mlp(h, &names, c.hidden, c.intermediate, GluAct::Silu)?
-        } else {
-            moe_layer(c, &moe, b, i, h)?
         };
         x = b.add(x, m)?;
     }
@@ -80,39 +81,4 @@ fn attention(c: &ModelConfig, b: &mut Builder, i: usize, h: NodeId, positions: N
     let a = b.op(Op::Attention(spec), &[q, k, v])?;
     let wo = b.matrix(&b.naming.layer(i, LayerTensor::O), c.hidden, q_dim)?;
     b.matmul(a, wo)
-}
-
-/// The MoE feed-forward of layer `i`: routed experts (one `Op::Moe` over every expert's
-/// weights, stacked) plus the shared experts' MLP.
-fn moe_layer(c: &ModelConfig, moe: &MoeConfig, b: &mut Builder, i: usize, h: NodeId) -> Result<NodeId> {
-    let (d, n) = (c.hidden, moe.expert_intermediate);
-    let router = b.matrix(&b.naming.layer(i, LayerTensor::Router), moe.experts, d)?;
-    let logits = b.matmul(h, router)?;
-    let score_bias = b.vector(&b.naming.router_score_bias(i), moe.experts)?;
-    let mut gate_up = Vec::with_capacity(2 * moe.experts);
-    let mut down = Vec::with_capacity(moe.experts);
-    for e in 0..moe.experts {
-        gate_up.push(b.matrix(&b.naming.expert(i, e, ExpertTensor::Gate), n, d)?);
-        gate_up.push(b.matrix(&b.naming.expert(i, e, ExpertTensor::Up), n, d)?);
-        down.push(b.matrix(&b.naming.expert(i, e, ExpertTensor::Down), d, n)?);
-    }
-    let gate_up = b.op(Op::ConcatRows, &gate_up)?;
-    let down = b.op(Op::ConcatRows, &down)?;
-    let spec = MoeSpec {
-        experts: moe.experts,
-        experts_per_token: moe.experts_per_token,
-        groups: moe.groups,
-        top_groups: moe.top_groups,
-        normalize: moe.normalize,
-        scaling: moe.scaling,
-        intermediate: n,
-        act: GluAct::Silu,
-    };
-    let routed = b.op(Op::Moe(spec), &[h, logits, score_bias, gate_up, down])?;
-    if moe.shared_experts == 0 {
-        return Ok(routed);
-    }
-    let names = [LayerTensor::SharedGate, LayerTensor::SharedUp, LayerTensor::SharedDown].map(|t| b.naming.layer(i, t));
-    let shared = b.gated_mlp(h, &names, d, n * moe.shared_experts, GluAct::Silu)?;
-    b.add(routed, shared)
 }

@@ -7,6 +7,7 @@
 mod gemma3;
 mod glm4_moe;
 mod llama;
+mod moe;
 mod qwen3_5;
 
 use crate::config::{Family, ModelConfig};
@@ -92,7 +93,7 @@ fn build(config: &ModelConfig, weights: Catalog<'_>, options: LowerOptions) -> R
         Family::Llama => llama::lower(config, &mut b)?,
         Family::Gemma3 => gemma3::lower(config, &mut b)?,
         Family::Glm4Moe => glm4_moe::lower(config, &mut b)?,
-        Family::Qwen35 => qwen3_5::lower(config, &mut b)?,
+        Family::Qwen35 | Family::Qwen3Next => qwen3_5::lower(config, &mut b)?,
     }
     b.graph.validate().map_err(graph_error)?;
     Ok(b.graph)
@@ -147,9 +148,6 @@ pub(crate) enum LayerTensor {
     PostFfnNorm,
     /// An MoE layer's router (`[experts, hidden]`).
     Router,
-    SharedGate,
-    SharedUp,
-    SharedDown,
 }
 
 /// The projections of one routed expert.
@@ -208,9 +206,6 @@ impl Naming {
             Down => ("ffn_down", "mlp.down_proj"),
             PostFfnNorm => ("post_ffw_norm", "post_feedforward_layernorm"),
             Router => ("ffn_gate_inp", "mlp.gate"),
-            SharedGate => ("ffn_gate_shexp", "mlp.shared_experts.gate_proj"),
-            SharedUp => ("ffn_up_shexp", "mlp.shared_experts.up_proj"),
-            SharedDown => ("ffn_down_shexp", "mlp.shared_experts.down_proj"),
         };
         match self {
             Self::Gguf => format!("blk.{i}.{gguf}.weight"),

@@ -11,10 +11,17 @@
 //!   a partial RoPE (`partial_rotary_factor`), and the attention output is multiplied by
 //!   `sigmoid(gate)` before `o_proj`.
 //!
+//! Qwen3-Next (`Qwen3NextForCausalLM`) is the same model with two differences: its DeltaNet
+//! projections come joined and interleaved per key head (`in_proj_qkvz`: per key head its q,
+//! k, then its value heads' v and z; `in_proj_ba` likewise), which compile-time weight
+//! transforms (`row_group_slice`) regroup into Qwen3.5's four; and its MLPs are mixtures of
+//! experts (softmax router, a shared expert gated by `sigmoid(x · shared_expert_gate)`).
+//!
 //! HF safetensors only; the multi-token-prediction weights (`mtp.*`) are not used.
 
+use super::moe::{moe_mlp, SharedNames};
 use super::{Builder, LayerTensor};
-use crate::config::{LayerAttention, LinearAttentionConfig, ModelConfig};
+use crate::config::{Family, LayerAttention, LinearAttentionConfig, ModelConfig};
 use crate::error::{ModelError, Result};
 use ir::{AttentionSpec, DeltaNetSpec, GluAct, InputKind, NodeId, Op, RopeLayout, RopeSpec};
 
@@ -42,8 +49,13 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         x = b.add(x, mixed)?;
         let norm = b.naming.layer(i, LayerTensor::FfnNorm);
         let h = b.rms_norm(x, &norm, c.hidden, c.rms_eps, NORM_OFFSET)?;
-        let mlp = [LayerTensor::Gate, LayerTensor::Up, LayerTensor::Down].map(|t| b.naming.layer(i, t));
-        let m = b.gated_mlp(h, &mlp, c.hidden, c.intermediate, GluAct::Silu)?;
+        let m = match &c.moe {
+            Some(moe) if moe.sparse_layers[i] => moe_mlp(c, moe, b, i, h, SharedNames::Expert)?,
+            _ => {
+                let mlp = [LayerTensor::Gate, LayerTensor::Up, LayerTensor::Down].map(|t| b.naming.layer(i, t));
+                b.gated_mlp(h, &mlp, c.hidden, c.intermediate, GluAct::Silu)?
+            }
+        };
         x = b.add(x, m)?;
     }
     b.lm_head(c, x, NORM_OFFSET)
@@ -65,14 +77,23 @@ fn delta_net(c: &ModelConfig, l: &LinearAttentionConfig, b: &mut Builder, i: usi
         state_slot: i,
     };
     let (channels, values) = (spec.conv_channels(), l.value_heads * l.value_dim);
-    let project = |b: &mut Builder, t: &str, rows: usize| -> Result<NodeId> {
-        let w = b.matrix(&linear(i, &format!("{t}.weight")), rows, c.hidden)?;
-        b.matmul(h, w)
+    let weights = match c.family {
+        Family::Qwen3Next => interleaved_projections(c, l, b, i)?,
+        _ => {
+            let mut weight = |t: &str, rows: usize| b.matrix(&linear(i, &format!("{t}.weight")), rows, c.hidden);
+            [
+                weight("in_proj_qkv", channels)?,
+                weight("in_proj_z", values)?,
+                weight("in_proj_b", l.value_heads)?,
+                weight("in_proj_a", l.value_heads)?,
+            ]
+        }
     };
-    let mixed = project(b, "in_proj_qkv", channels)?;
-    let z = project(b, "in_proj_z", values)?;
-    let beta = project(b, "in_proj_b", l.value_heads)?;
-    let decay = project(b, "in_proj_a", l.value_heads)?;
+    let mut projected = [h; 4];
+    for (p, w) in projected.iter_mut().zip(weights) {
+        *p = b.matmul(h, w)?;
+    }
+    let [mixed, z, beta, decay] = projected;
     let conv = b.matrix(&linear(i, "conv1d.weight"), channels, l.conv_kernel)?;
     let a_log = b.vector(&linear(i, "A_log"), l.value_heads)?;
     let dt_bias = b.vector(&linear(i, "dt_bias"), l.value_heads)?;
@@ -82,6 +103,38 @@ fn delta_net(c: &ModelConfig, l: &LinearAttentionConfig, b: &mut Builder, i: usi
     let o = b.op(Op::Mul, &[o, gate])?;
     let w = b.matrix(&linear(i, "out_proj.weight"), c.hidden, values)?;
     b.matmul(o, w)
+}
+
+/// Qwen3-Next's DeltaNet weights regrouped as Qwen3.5's `[in_proj_qkv, in_proj_z, in_proj_b,
+/// in_proj_a]`: per key head, `in_proj_qkvz` holds its q (`dk` rows), k (`dk`), then the v
+/// and the z of its `r = value_heads / key_heads` value heads (`r·dv` each); `in_proj_ba`
+/// holds per key head the b and then the a of those value heads (`r` each).
+fn interleaved_projections(
+    c: &ModelConfig,
+    l: &LinearAttentionConfig,
+    b: &mut Builder,
+    i: usize,
+) -> Result<[NodeId; 4]> {
+    let (dk, r) = (l.key_dim, l.value_heads / l.key_heads);
+    let rv = r * l.value_dim;
+    let qkvz = b.matrix(
+        &linear(i, "in_proj_qkvz.weight"),
+        l.key_heads * (2 * dk + 2 * rv),
+        c.hidden,
+    )?;
+    let ba = b.matrix(&linear(i, "in_proj_ba.weight"), l.key_heads * 2 * r, c.hidden)?;
+    let rows = |b: &mut Builder, w: NodeId, group: usize, start: usize, len: usize| {
+        b.op(Op::RowGroupSlice { group, start, len }, &[w])
+    };
+    let group = 2 * dk + 2 * rv;
+    let q = rows(b, qkvz, group, 0, dk)?;
+    let k = rows(b, qkvz, group, dk, dk)?;
+    let v = rows(b, qkvz, group, 2 * dk, rv)?;
+    let qkv = b.op(Op::ConcatRows, &[q, k, v])?;
+    let z = rows(b, qkvz, group, 2 * dk + rv, rv)?;
+    let beta = rows(b, ba, 2 * r, 0, r)?;
+    let decay = rows(b, ba, 2 * r, r, r)?;
+    Ok([qkv, z, beta, decay])
 }
 
 /// Gated self-attention of layer `i` over the normed `h`, through `o_proj`.

@@ -188,6 +188,39 @@ impl Matrix {
         Ok(Matrix { rows, cols, storage })
     }
 
+    /// Rows `start..start+len` of every group of `group` rows (`RowGroupSlice`), in any
+    /// storage: rows are whole in every storage, so this is a copy of row bytes.
+    pub fn row_group_slice(&self, group: usize, start: usize, len: usize) -> Result<Matrix, String> {
+        if group == 0 || !self.rows.is_multiple_of(group) || len == 0 || start + len > group {
+            return Err(format!(
+                "rows {start}..{} of groups of {group} in {} rows",
+                start + len,
+                self.rows
+            ));
+        }
+        let picked: Vec<usize> = (0..self.rows / group)
+            .flat_map(|g| g * group + start..g * group + start + len)
+            .collect();
+        let storage = match &self.storage {
+            Storage::F32(v) => Storage::F32(gather_rows(v, self.cols, &picked)),
+            Storage::Bf16(v) => Storage::Bf16(gather_rows(v, self.cols, &picked)),
+            Storage::Quant {
+                dtype,
+                bytes,
+                row_bytes,
+            } => Storage::Quant {
+                dtype: *dtype,
+                bytes: gather_rows(bytes, *row_bytes, &picked),
+                row_bytes: *row_bytes,
+            },
+        };
+        Ok(Matrix {
+            rows: self.rows / group * len,
+            cols: self.cols,
+            storage,
+        })
+    }
+
     /// Copy row `r` as f32 into `out` (embedding gather).
     pub fn gather_row(&self, r: usize, out: &mut [f32]) {
         if let Storage::F32(v) = &self.storage {
@@ -196,6 +229,15 @@ impl Matrix {
             self.row_f32(r, out);
         }
     }
+}
+
+/// Rows `picked` (each `row_len` elements) of `v`, in that order.
+fn gather_rows<T: Copy>(v: &[T], row_len: usize, picked: &[usize]) -> Vec<T> {
+    picked
+        .iter()
+        .flat_map(|&r| &v[r * row_len..(r + 1) * row_len])
+        .copied()
+        .collect()
 }
 
 /// The concatenation of each part's storage, which `pick` must recognise as the same kind.

@@ -290,7 +290,8 @@ impl CpuBackend {
             let value = match &node.op {
                 Op::Input(InputKind::TokenIds) => Some(Value::Ids(ids.clone())),
                 Op::Input(InputKind::Positions) => Some(Value::Ids(rows.rope.positions().to_vec())),
-                Op::Weight { .. } | Op::ConcatRows => None,
+                Op::Weight { .. } => None,
+                op if op.is_weight_transform() => None,
                 op => {
                     let args: Vec<Arg> = node
                         .inputs
@@ -424,20 +425,31 @@ impl CpuBackend {
                 Tensor::new(x.shape.clone(), ops::add_bias(&x.data, args[1].vector()))
             }
             Op::Sigmoid => map(args[0].value().tensor(), |x| 1.0 / (1.0 + (-x).exp())),
+            Op::ScaleRows => {
+                let (x, scalars) = (args[0].value().tensor(), args[1].value().tensor());
+                Tensor::new(x.shape.clone(), ops::scale_rows(&x.data, &scalars.data))
+            }
             Op::GroupSlice { group, start, len } => {
                 let x = args[0].value().tensor();
                 let data = ops::group_slice(&x.data, *group, *start, *len);
                 Tensor::new(vec![x.rows(), data.len() / x.rows().max(1)], data)
             }
             Op::GatedDeltaNet(spec) => gated_delta_net(spec, args, pages, rows),
-            Op::Moe(spec) => moe::moe(
-                spec,
-                args[0].value().tensor(),
-                args[1].value().tensor(),
-                args[2].vector(),
-                args[3].matrix(),
-                args[4].matrix(),
-            ),
+            Op::Moe(spec) => {
+                let (bias, weights) = match spec.has_score_bias() {
+                    true => (args[2].vector(), 3),
+                    false => (&[][..], 2),
+                };
+                let (x, logits) = (args[0].value().tensor(), args[1].value().tensor());
+                moe::moe(
+                    spec,
+                    x,
+                    logits,
+                    bias,
+                    args[weights].matrix(),
+                    args[weights + 1].matrix(),
+                )
+            }
             Op::Slice { start, len } => {
                 let x = args[0].value().tensor();
                 Tensor::new(
@@ -515,7 +527,7 @@ impl CpuBackend {
                     .collect();
                 Tensor::new(vec![h.rows(), *k], data)
             }
-            Op::ConcatRows => unreachable!("weight concatenation is folded at load time"),
+            Op::ConcatRows | Op::RowGroupSlice { .. } => unreachable!("weight transforms are folded at load time"),
             Op::Input(_) | Op::Weight { .. } => unreachable!("handled by step"),
         })
     }
@@ -642,7 +654,11 @@ fn zip_map(a: &Tensor, b: &Tensor, f: impl Fn(f32, f32) -> f32) -> Tensor {
 #[derive(Default)]
 pub struct WeightCache {
     loaded: HashMap<(String, DType), Arc<CpuWeight>>,
+    /// Stacked weights by their parts' addresses (parts the cache keeps alive, so an address
+    /// names one weight for as long as the cache lives).
     stacked: HashMap<Vec<usize>, Arc<CpuWeight>>,
+    /// Picked rows by (the weight's address, group, start, len).
+    picked: HashMap<(usize, usize, usize, usize), Arc<CpuWeight>>,
     /// INT8 heads by weight name: quantized at compile time (from the artifact) or at load.
     int8: HashMap<String, Arc<passes::weight_transforms::Int8Rows>>,
 }
@@ -654,14 +670,36 @@ impl WeightCache {
     }
 }
 
-/// Fold `ConcatRows` of loaded weights into one matrix (rows are independent in every
-/// storage, so stacking rows is stacking bytes).
+/// Fold the weight transforms of loaded weights into matrices: `RowGroupSlice` picks rows,
+/// `ConcatRows` stacks them (rows are independent in every storage, so both move row bytes).
 fn fold_weight_transforms(
     graph: &Graph,
     weights: &mut [Option<Arc<CpuWeight>>],
     cache: &mut WeightCache,
 ) -> Result<()> {
     for (i, node) in graph.nodes().iter().enumerate() {
+        if let Op::RowGroupSlice { group, start, len } = node.op {
+            let source = weights[node.inputs[0].0].clone();
+            let key = (
+                source.as_ref().map_or(0, |w| Arc::as_ptr(w) as usize),
+                group,
+                start,
+                len,
+            );
+            if let Some(done) = cache.picked.get(&key) {
+                weights[i] = Some(done.clone());
+                continue;
+            }
+            let picked = match source.as_deref() {
+                Some(CpuWeight::Matrix(m)) => m.row_group_slice(group, start, len),
+                _ => Err("it takes rows of something that is not a weight matrix".into()),
+            };
+            let picked = picked.map_err(|e| RuntimeError::Graph(format!("row_group_slice %{i}: {e}")))?;
+            let picked = Arc::new(CpuWeight::Matrix(picked));
+            cache.picked.insert(key, picked.clone());
+            weights[i] = Some(picked);
+            continue;
+        }
         if node.op != Op::ConcatRows {
             continue;
         }

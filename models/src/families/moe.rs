@@ -1,0 +1,74 @@
+//! The mixture-of-experts MLP, shared by the families that have one (GLM-4.5, Qwen3-Next):
+//! the router's logits, one `Op::Moe` over every expert's weights stacked (`concat_rows`; an
+//! expert reads its own rows), and the shared experts' MLP beside it, gated by
+//! `sigmoid(x · shared_expert_gate)` where the model has that gate. HF names.
+
+use super::{Builder, ExpertTensor, LayerTensor};
+use crate::config::{ModelConfig, MoeConfig};
+use crate::error::Result;
+use ir::{GluAct, MoeSpec, NodeId, Op};
+
+/// How a family names its shared experts: GLM's `mlp.shared_experts`, Qwen's
+/// `mlp.shared_expert` (one, with `mlp.shared_expert_gate`).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum SharedNames {
+    Experts,
+    Expert,
+}
+
+impl SharedNames {
+    fn name(self, i: usize, t: &str) -> String {
+        match self {
+            Self::Experts => format!("model.layers.{i}.mlp.shared_experts.{t}.weight"),
+            Self::Expert => format!("model.layers.{i}.mlp.shared_expert.{t}.weight"),
+        }
+    }
+}
+
+/// The MoE MLP of layer `i` over the normed `h`.
+pub(super) fn moe_mlp(
+    c: &ModelConfig,
+    moe: &MoeConfig,
+    b: &mut Builder,
+    i: usize,
+    h: NodeId,
+    shared: SharedNames,
+) -> Result<NodeId> {
+    let (d, n) = (c.hidden, moe.expert_intermediate);
+    let router = b.matrix(&b.naming.layer(i, LayerTensor::Router), moe.experts, d)?;
+    let logits = b.matmul(h, router)?;
+    let spec = MoeSpec {
+        experts: moe.experts,
+        experts_per_token: moe.experts_per_token,
+        normalize: moe.normalize,
+        intermediate: n,
+        act: GluAct::Silu,
+        router: moe.router,
+    };
+    let mut inputs = vec![h, logits];
+    if spec.has_score_bias() {
+        inputs.push(b.vector(&b.naming.router_score_bias(i), moe.experts)?);
+    }
+    let mut gate_up = Vec::with_capacity(2 * moe.experts);
+    let mut down = Vec::with_capacity(moe.experts);
+    for e in 0..moe.experts {
+        gate_up.push(b.matrix(&b.naming.expert(i, e, ExpertTensor::Gate), n, d)?);
+        gate_up.push(b.matrix(&b.naming.expert(i, e, ExpertTensor::Up), n, d)?);
+        down.push(b.matrix(&b.naming.expert(i, e, ExpertTensor::Down), d, n)?);
+    }
+    inputs.push(b.op(Op::ConcatRows, &gate_up)?);
+    inputs.push(b.op(Op::ConcatRows, &down)?);
+    let routed = b.op(Op::Moe(spec), &inputs)?;
+    if moe.shared_intermediate == 0 {
+        return Ok(routed);
+    }
+    let names = ["gate_proj", "up_proj", "down_proj"].map(|t| shared.name(i, t));
+    let mut shared_out = b.gated_mlp(h, &names, d, moe.shared_intermediate, GluAct::Silu)?;
+    if moe.shared_gate {
+        let w = b.matrix(&format!("model.layers.{i}.mlp.shared_expert_gate.weight"), 1, d)?;
+        let gate = b.matmul(h, w)?;
+        let gate = b.op(Op::Sigmoid, &[gate])?;
+        shared_out = b.op(Op::ScaleRows, &[shared_out, gate])?;
+    }
+    b.add(routed, shared_out)
+}
