@@ -169,6 +169,16 @@ fn qwen3_next_reference_interpreter_matches_hf() {
 }
 
 #[test]
+fn gemma4_cpu_backend_matches_hf() {
+    check_cpu_backend("gemma4");
+}
+
+#[test]
+fn gemma4_reference_interpreter_matches_hf() {
+    check_reference_interpreter("gemma4");
+}
+
+#[test]
 fn llama_reference_interpreter_matches_hf() {
     check_reference_interpreter("llama");
 }
@@ -218,10 +228,10 @@ fn sharded_safetensors_load_like_one_file() {
 }
 
 /// A model lowered from its config alone (no weights; what the GPU check's 8B-shaped decode
-/// uses) is the graph its weights give, for both families.
+/// and the compile-time benchmark use) is the graph its weights give, for every family.
 #[test]
 fn lowering_without_weights_gives_the_graph_the_weights_give() {
-    for family in ["llama", "gemma3"] {
+    for family in ["llama", "gemma3", "gemma4", "glm4_moe", "qwen3_5", "qwen3_next"] {
         let mut spec = ModelSpec::for_weights(&fixture(&format!("hf-tiny/{family}")));
         spec.dtype = ComputeDtype::Bf16;
         let model = Model::open(spec).unwrap();

@@ -36,6 +36,13 @@ fn glm4_moe_fused_graph() {
     insta::assert_snapshot!(fused_text(&graph, passes::CostModel::CPU));
 }
 
+/// Gemma 4: per-layer inputs, weightless value norms, the full-attention layer's 512-wide
+/// heads and proportional RoPE, layer scalars.
+#[test]
+fn gemma4_graph() {
+    insta::assert_snapshot!(graph_text("gemma4", LogitsFor::LastToken));
+}
+
 #[test]
 fn lowering_is_deterministic() {
     assert_eq!(

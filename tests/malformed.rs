@@ -126,6 +126,31 @@ fn bad_hybrid_configs_are_named() {
     );
 }
 
+/// Gemma 4 features bbc does not run yet are refused by name, as are head overrides for
+/// layers the model does not have.
+#[test]
+fn unsupported_gemma4_configs_are_named() {
+    check_bad_configs(
+        "gemma4",
+        &[
+            ("num_kv_shared_layers", 2.into(), "num_kv_shared_layers"),
+            ("attention_k_eq_v", true.into(), "attention_k_eq_v"),
+            ("enable_moe_block", true.into(), "enable_moe_block"),
+            ("final_logit_softcapping", 30.0.into(), "final_logit_softcapping"),
+            (
+                "per_layer_config",
+                serde_json::json!({"9": {"head_dim": 64}}),
+                "layer \"9\"",
+            ),
+            (
+                "per_layer_config",
+                serde_json::json!({"5": {"head_dim": 64}}),
+                "self_attn.q_proj",
+            ),
+        ],
+    );
+}
+
 /// Each case sets one key of the family's tiny `config.json`; opening and lowering the model
 /// must fail with a message containing the case's text.
 fn check_bad_configs(family: &str, cases: &[(&str, serde_json::Value, &str)]) {
@@ -151,15 +176,17 @@ fn check_bad_configs(family: &str, cases: &[(&str, serde_json::Value, &str)]) {
     }
 }
 
-/// GPU targets have no kernels for MoE layers, attention biases or Gated DeltaNet layers yet:
-/// compiling GLM-4.5, Qwen3.5 or Qwen3-Next for one is an error naming the op, not a panic or
-/// a broken artifact.
+/// GPU targets have no kernels for MoE layers, attention biases, Gated DeltaNet layers or
+/// Gemma 4's value norms yet:
+/// compiling GLM-4.5, Qwen3.5, Qwen3-Next or Gemma 4 for one is an error naming the op, not a
+/// panic or a broken artifact.
 #[test]
 fn moe_and_hybrid_models_are_refused_for_gpu_targets() {
     for (family, op) in [
         ("glm4_moe", "add_bias"),
         ("qwen3_5", "gated_delta_net"),
         ("qwen3_next", "row_group_slice"),
+        ("gemma4", "unit_rms_norm"),
     ] {
         let model = common::fixture(&format!("hf-tiny/{family}"));
         let out = std::env::temp_dir().join(format!("bbc-{family}-h200-{}", std::process::id()));

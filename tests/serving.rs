@@ -45,6 +45,13 @@ fn concurrent_hybrid_moe_requests_generate_what_they_generate_alone() {
     concurrent_requests_match_alone(&model);
 }
 
+/// Gemma 4: layers of different head shapes and sliding windows in one paged cache.
+#[test]
+fn concurrent_gemma4_requests_generate_what_they_generate_alone() {
+    let model = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/gemma4"))).unwrap();
+    concurrent_requests_match_alone(&model);
+}
+
 /// A hybrid model's recurrent state sums up a whole prefix, which cached blocks do not hold:
 /// requests sharing a prompt prefix each compute it (no prefix-cache hit) and generate what
 /// they generate alone.

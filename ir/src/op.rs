@@ -27,6 +27,10 @@ pub enum RopeLayout {
     RotateHalf,
     /// GPT-J / llama.cpp's permuted GGUF Llama weights: element 2i pairs with 2i+1.
     AdjacentPairs,
+    /// HF's proportional RoPE (Gemma 4's full-attention layers): element i pairs with
+    /// i + head_dim/2 as in `RotateHalf`, but only the first `rotary_dim / 2` pairs turn, at
+    /// frequencies `θ^(−2i/head_dim)` spaced over the whole head; the others stay.
+    Proportional,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -178,9 +182,15 @@ pub enum Op {
     AddBias,
     /// `1 / (1 + e^−x)` per element.
     Sigmoid,
-    /// `(x [t, n], s [t, 1]) -> [t, n]`: each row times its own scalar (Qwen3-Next's gated
-    /// shared expert).
+    /// `(x [t, n], s) -> [t, n]`: each row times a scalar, its own (`s [t, 1]`: Qwen3-Next's
+    /// gated shared expert) or one for all (`s [1]`, a weight: Gemma 4's `layer_scalar`).
     ScaleRows,
+    /// RMSNorm over consecutive groups of `group` elements without a weight:
+    /// `x · rsqrt(mean(x²) + eps)` (Gemma 4's values).
+    UnitRmsNorm {
+        eps: f64,
+        group: usize,
+    },
     /// `[t, g·group] -> [t, g·len]`: columns `start..start+len` of every group of `group`
     /// columns (one part of per-head interleaved projections, such as Qwen3.5's `[q | gate]`).
     GroupSlice {
@@ -288,6 +298,7 @@ impl Op {
             Self::AddBias => "add_bias",
             Self::Sigmoid => "sigmoid",
             Self::ScaleRows => "scale_rows",
+            Self::UnitRmsNorm { .. } => "unit_rms_norm",
             Self::GroupSlice { .. } => "group_slice",
             Self::GatedDeltaNet(_) => "gated_delta_net",
             Self::Moe(_) => "moe",
@@ -332,7 +343,7 @@ impl Op {
         Some(match self {
             Self::Input(_) | Self::Weight { .. } => 0,
             Self::Scale { .. } | Self::Silu | Self::GeluTanh | Self::LastToken => 1,
-            Self::Sigmoid | Self::GroupSlice { .. } | Self::RowGroupSlice { .. } => 1,
+            Self::Sigmoid | Self::GroupSlice { .. } | Self::RowGroupSlice { .. } | Self::UnitRmsNorm { .. } => 1,
             Self::GatedDeltaNet(_) => 6,
             Self::Slice { .. } | Self::Glu { .. } | Self::TopK { .. } => 1,
             Self::Embedding | Self::MatMul | Self::RmsNorm { .. } | Self::Rope(_) | Self::Add | Self::Mul => 2,
@@ -441,9 +452,17 @@ impl Op {
                 f32_rows(inputs[0].0)?;
                 Ok((inputs[0].0.clone(), DType::F32))
             }
+            Self::UnitRmsNorm { group, .. } => {
+                let (t, d) = f32_rows(inputs[0].0)?;
+                if *group == 0 || d.as_const().is_none_or(|d| d % group != 0) {
+                    return Err(format!("unit_rms_norm: x {} with group {group}", inputs[0].0));
+                }
+                Ok((Shape::new([t, d]), DType::F32))
+            }
             Self::ScaleRows => {
                 let (t, _) = f32_rows(inputs[0].0)?;
-                if inputs[1].0 .0.as_slice() != [t, Dim::Const(1)] {
+                let s = inputs[1].0 .0.as_slice();
+                if s != [t, Dim::Const(1)] && s != [Dim::Const(1)] {
                     return Err(format!("scale_rows: x {} with scalars {}", inputs[0].0, inputs[1].0));
                 }
                 Ok((inputs[0].0.clone(), DType::F32))
@@ -612,6 +631,7 @@ impl Op {
             } => format!("eps={eps:e}, weight_offset={weight_offset}, glu={act:?}"),
             Self::Elementwise { expr } => format!("{expr}"),
             Self::TopK { k } | Self::Int8BoundTopK { k } => format!("k={k}"),
+            Self::UnitRmsNorm { eps, group } => format!("eps={eps:e}, group={group}"),
             Self::GroupSlice { group, start, len } | Self::RowGroupSlice { group, start, len } => {
                 format!("group={group}, start={start}, len={len}")
             }
@@ -642,6 +662,7 @@ fn layout_name(layout: RopeLayout) -> &'static str {
     match layout {
         RopeLayout::RotateHalf => "rotate_half",
         RopeLayout::AdjacentPairs => "adjacent_pairs",
+        RopeLayout::Proportional => "proportional",
     }
 }
 

@@ -164,9 +164,13 @@ fn glu_matches_reference() {
 }
 
 #[test]
-fn rope_matches_reference_for_both_layouts_and_partial_rotation() {
+fn rope_matches_reference_for_every_layout_and_partial_rotation() {
     let mut rng = Rng(5);
-    for layout in [RopeLayout::RotateHalf, RopeLayout::AdjacentPairs] {
+    for layout in [
+        RopeLayout::RotateHalf,
+        RopeLayout::AdjacentPairs,
+        RopeLayout::Proportional,
+    ] {
         for (heads, head_dim, rotary_dim) in [(2, 8, 8), (3, 16, 4), (1, 64, 64)] {
             let spec = RopeSpec {
                 heads,

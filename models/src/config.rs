@@ -18,6 +18,8 @@ pub enum Family {
     /// Qwen3-Next (`Qwen3NextForCausalLM`): Qwen3.5's layers with MoE MLPs.
     #[serde(rename = "qwen3_next")]
     Qwen3Next,
+    /// Gemma 4's text model (`Gemma4ForCausalLM`).
+    Gemma4,
 }
 
 impl Family {
@@ -28,6 +30,7 @@ impl Family {
             Self::Glm4Moe => "glm4_moe",
             Self::Qwen35 => "qwen3_5",
             Self::Qwen3Next => "qwen3_next",
+            Self::Gemma4 => "gemma4",
         }
     }
 
@@ -43,6 +46,7 @@ impl Family {
             "glm4_moe" => Some(Self::Glm4Moe),
             "qwen3_5" | "qwen3_5_text" => Some(Self::Qwen35),
             "qwen3_next" => Some(Self::Qwen3Next),
+            "gemma4" | "gemma4_text" => Some(Self::Gemma4),
             _ => None,
         }
     }
@@ -90,6 +94,29 @@ pub struct ModelConfig {
     pub moe: Option<MoeConfig>,
     /// The Gated DeltaNet layers' shapes, where the family has them.
     pub linear_attention: Option<LinearAttentionConfig>,
+    /// Gemma 4's per-layer settings.
+    pub gemma4: Option<Gemma4Config>,
+}
+
+/// What Gemma 4 adds to a Gemma-style config (HF `config.json` names in the comments).
+#[derive(Debug, Clone, Serialize)]
+pub struct Gemma4Config {
+    /// Values per layer and token of the per-layer inputs (`hidden_size_per_layer_input`; 0
+    /// for none).
+    pub per_layer_input: usize,
+    /// Per layer: its heads, after `per_layer_config` (or the older `global_head_dim` and
+    /// `num_global_key_value_heads`) gave the full-attention layers their own.
+    pub layer_heads: Vec<LayerHeads>,
+    /// Full-attention layers' RoPE is proportional, turning this share of each head
+    /// (`rope_parameters.full_attention`: `rope_type` "proportional", `partial_rotary_factor`).
+    pub global_rope_fraction: Option<f64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct LayerHeads {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
 }
 
 /// The Gated DeltaNet layers of a Qwen3.5 / Qwen3-Next model (HF `config.json` names).
@@ -163,6 +190,7 @@ impl ModelConfig {
             qk_norm: false,
             moe: None,
             linear_attention: None,
+            gemma4: None,
         }
     }
 
@@ -205,6 +233,7 @@ impl ModelConfig {
                 value_dim: 128,
                 conv_kernel: 4,
             }),
+            gemma4: None,
         }
     }
 
@@ -215,7 +244,10 @@ impl ModelConfig {
             key: "general.architecture".into(),
             problem: format!("is `{arch}`; bbc runs llama and gemma3 from GGUF"),
         })?;
-        if matches!(family, Family::Glm4Moe | Family::Qwen35 | Family::Qwen3Next) {
+        if matches!(
+            family,
+            Family::Glm4Moe | Family::Qwen35 | Family::Qwen3Next | Family::Gemma4
+        ) {
             return Err(ModelError::Metadata {
                 path: file.path.clone(),
                 key: "general.architecture".into(),
@@ -242,7 +274,7 @@ impl ModelConfig {
             // llama.cpp's gemma3: sliding layers use θ = 10 000; the scale is 1/√head_dim
             // (gemma-3 sets query_pre_attn_scalar = head_dim).
             Family::Gemma3 => (gemma3_pattern(layers, 6), 10_000.0, Some(head_dim as f64)),
-            Family::Glm4Moe | Family::Qwen35 | Family::Qwen3Next => unreachable!("refused above"),
+            Family::Glm4Moe | Family::Qwen35 | Family::Qwen3Next | Family::Gemma4 => unreachable!("refused above"),
         };
         let rope_scale = match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
             Some("linear") => file.optional_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0),
@@ -273,6 +305,7 @@ impl ModelConfig {
             qk_norm: family == Family::Gemma3,
             moe: None,
             linear_attention: None,
+            gemma4: None,
         };
         config.check(&file.path)
     }
@@ -287,7 +320,7 @@ impl ModelConfig {
         let model_type = cfg.str("model_type")?;
         let family = Family::parse(model_type).ok_or_else(|| {
             cfg.error(&format!(
-                "model_type `{model_type}` is not one bbc runs (llama, gemma3, glm4_moe, qwen3_5, qwen3_next)"
+                "model_type `{model_type}` is not one bbc runs (llama, gemma3, gemma4, glm4_moe, qwen3_5, qwen3_next)"
             ))
         })?;
         let hidden = cfg.usize("hidden_size")?;
@@ -304,7 +337,7 @@ impl ModelConfig {
         let rope_local_theta = rope_theta_of("sliding_attention")
             .or_else(|| json.get("rope_local_base_freq").and_then(|v| v.as_f64()))
             .unwrap_or(match family {
-                Family::Gemma3 => 10_000.0,
+                Family::Gemma3 | Family::Gemma4 => 10_000.0,
                 Family::Llama | Family::Glm4Moe | Family::Qwen35 | Family::Qwen3Next => rope_theta,
             });
         let layer_attention = match json.get("layer_types").and_then(|v| v.as_array()) {
@@ -323,8 +356,14 @@ impl ModelConfig {
                 Family::Llama | Family::Glm4Moe | Family::Qwen35 | Family::Qwen3Next => {
                     vec![LayerAttention::Full; layers]
                 }
-                Family::Gemma3 => gemma3_pattern(layers, cfg.opt_usize("_sliding_window_pattern")?.unwrap_or(6)),
+                Family::Gemma3 | Family::Gemma4 => {
+                    gemma3_pattern(layers, cfg.opt_usize("_sliding_window_pattern")?.unwrap_or(6))
+                }
             },
+        };
+        let gemma4 = match family {
+            Family::Gemma4 => Some(cfg.gemma4(&layer_attention, heads, head_dim)?),
+            _ => None,
         };
         let config = Self {
             family,
@@ -350,19 +389,20 @@ impl ModelConfig {
             rotary_dim: cfg.rotary_dim(head_dim)?,
             attention_bias: cfg.opt_bool("attention_bias")?.unwrap_or(false),
             qk_norm: match family {
-                Family::Gemma3 | Family::Qwen35 | Family::Qwen3Next => true,
+                Family::Gemma3 | Family::Gemma4 | Family::Qwen35 | Family::Qwen3Next => true,
                 Family::Llama => false,
                 Family::Glm4Moe => cfg.opt_bool("use_qk_norm")?.unwrap_or(false),
             },
             moe: match family {
                 Family::Glm4Moe => Some(cfg.glm4_moe(layers)?),
                 Family::Qwen3Next => Some(cfg.qwen3_next_moe(layers)?),
-                Family::Llama | Family::Gemma3 | Family::Qwen35 => None,
+                Family::Llama | Family::Gemma3 | Family::Gemma4 | Family::Qwen35 => None,
             },
             linear_attention: match family.has_linear_attention() {
                 true => Some(cfg.linear_attention()?),
                 false => None,
             },
+            gemma4,
         };
         config.check(path)
     }
@@ -408,6 +448,27 @@ impl ModelConfig {
                 "RoPE would rotate {} of head_dim {}: it must be even and at most head_dim",
                 self.rotary_dim, self.head_dim
             )));
+        }
+        if let Some(g) = &self.gemma4 {
+            if g.layer_heads.len() != self.layers {
+                return Err(bad(format!(
+                    "{} layer head shapes for {} layers",
+                    g.layer_heads.len(),
+                    self.layers
+                )));
+            }
+            for (i, h) in g.layer_heads.iter().enumerate() {
+                if h.heads == 0
+                    || h.kv_heads == 0
+                    || !h.heads.is_multiple_of(h.kv_heads)
+                    || !h.head_dim.is_multiple_of(2)
+                {
+                    return Err(bad(format!("layer {i}: {h:?} is not a valid attention shape")));
+                }
+            }
+            if g.global_rope_fraction.is_some_and(|f| !(f > 0.0 && f <= 1.0)) {
+                return Err(bad("the full-attention partial_rotary_factor must be in (0, 1]".into()));
+            }
         }
         if let Some(moe) = &self.moe {
             moe.check(self.layers).map_err(bad)?;
@@ -539,6 +600,71 @@ impl HfConfig<'_> {
                 _ => Err(self.error(&format!("`partial_rotary_factor` should be in (0, 1], found {v}"))),
             },
         }
+    }
+
+    /// Gemma 4's settings, refusing the features bbc does not run yet.
+    fn gemma4(&self, layer_attention: &[LayerAttention], heads: usize, head_dim: usize) -> Result<Gemma4Config> {
+        let unsupported = |what: &str| Err(self.error(&format!("{what}: bbc does not run that Gemma 4 feature yet")));
+        if self.opt_usize("num_kv_shared_layers")?.unwrap_or(0) > 0 {
+            return unsupported("num_kv_shared_layers > 0 (layers sharing another's keys and values)");
+        }
+        if self.opt_bool("attention_k_eq_v")?.unwrap_or(false) {
+            return unsupported("attention_k_eq_v (keys used as values)");
+        }
+        if self.opt_bool("enable_moe_block")?.unwrap_or(false) {
+            return unsupported("enable_moe_block");
+        }
+        if self.opt_f64("final_logit_softcapping")?.is_some() {
+            return unsupported("final_logit_softcapping");
+        }
+        let kv_heads = self.opt_usize("num_key_value_heads")?.unwrap_or(heads);
+        let mut layer_heads: Vec<LayerHeads> = layer_attention
+            .iter()
+            .map(|kind| {
+                let full = *kind == LayerAttention::Full;
+                Ok(LayerHeads {
+                    heads,
+                    kv_heads: match full {
+                        true => self.opt_usize("num_global_key_value_heads")?.unwrap_or(kv_heads),
+                        false => kv_heads,
+                    },
+                    head_dim: match full {
+                        true => self.opt_usize("global_head_dim")?.unwrap_or(head_dim),
+                        false => head_dim,
+                    },
+                })
+            })
+            .collect::<Result<_>>()?;
+        if let Some(per_layer) = self.json.get("per_layer_config").and_then(|v| v.as_object()) {
+            for (layer, overrides) in per_layer {
+                let i: usize = layer.parse().ok().filter(|&i| i < layer_heads.len()).ok_or_else(|| {
+                    self.error(&format!(
+                        "per_layer_config names layer {layer:?}, which the model does not have"
+                    ))
+                })?;
+                let get = |key: &str| overrides.get(key).and_then(|v| v.as_u64()).map(|v| v as usize);
+                let h = &mut layer_heads[i];
+                h.head_dim = get("head_dim").unwrap_or(h.head_dim);
+                h.heads = get("num_attention_heads").unwrap_or(h.heads);
+                h.kv_heads = get("num_key_value_heads").unwrap_or(h.kv_heads);
+            }
+        }
+        let full_rope = self.json.get("rope_parameters").and_then(|p| p.get("full_attention"));
+        let global_rope_fraction = match full_rope.and_then(|r| r.get("rope_type")).and_then(|t| t.as_str()) {
+            Some("proportional") => Some(
+                full_rope
+                    .and_then(|r| r.get("partial_rotary_factor"))
+                    .and_then(|f| f.as_f64())
+                    .unwrap_or(1.0),
+            ),
+            None | Some("default") => None,
+            Some(other) => return unsupported(&format!("full-attention rope_type {other:?}")),
+        };
+        Ok(Gemma4Config {
+            per_layer_input: self.opt_usize("hidden_size_per_layer_input")?.unwrap_or(0),
+            layer_heads,
+            global_rope_fraction,
+        })
     }
 
     fn linear_attention(&self) -> Result<LinearAttentionConfig> {

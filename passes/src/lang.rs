@@ -27,6 +27,7 @@ define_language! {
         "add_bias" = AddBias([Id; 3]),
         "sigmoid" = Sigmoid([Id; 2]),
         "scale_rows" = ScaleRows([Id; 3]),
+        "unit_rms_norm" = UnitRmsNorm([Id; 2]),
         "group_slice" = GroupSlice([Id; 2]),
         "gated_delta_net" = GatedDeltaNet([Id; 7]),
         "moe" = Moe(Box<[Id]>),
@@ -103,6 +104,7 @@ pub fn make_node(op: &Op, attr: Id, children: &[Id]) -> Node {
         Op::AddBias => Node::AddBias(arr3(with(2))),
         Op::Sigmoid => Node::Sigmoid(arr2(with(1))),
         Op::ScaleRows => Node::ScaleRows(arr3(with(2))),
+        Op::UnitRmsNorm { .. } => Node::UnitRmsNorm(arr2(with(1))),
         Op::GroupSlice { .. } => Node::GroupSlice(arr2(with(1))),
         Op::GatedDeltaNet(_) => {
             let v = with(6);

@@ -195,7 +195,11 @@ impl<'w> Interpreter<'w> {
             Op::Sigmoid => map(args[0].tensor(), |x| (1.0 / (1.0 + (-(x as f64)).exp())) as f32),
             Op::ScaleRows => {
                 let (x, scalars) = (args[0].tensor(), args[1].tensor());
-                Tensor::new(x.shape.clone(), ops::scale_rows(&x.data, &scalars.data))
+                Tensor::new(x.shape.clone(), ops::scale_rows(&x.data, x.row_len(), &scalars.data))
+            }
+            Op::UnitRmsNorm { eps, group } => {
+                let x = args[0].tensor();
+                Tensor::new(x.shape.clone(), ops::unit_rms_norm(&x.data, *group, *eps))
             }
             Op::GroupSlice { group, start, len } => {
                 let x = args[0].tensor();

@@ -16,10 +16,15 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f64, weight_offset: f32, out: &mut [f
     }
 }
 
-/// HF's `inv_freq = 1 / θ^(2i/d)` for the rotary dims, rounded to f32 as HF computes it.
+/// HF's `inv_freq = 1 / θ^(2i/d)` for the rotary pairs, rounded to f32 as HF computes it: `d`
+/// is the rotary width, or the whole head for proportional RoPE.
 pub fn rope_inv_freq(spec: &RopeSpec) -> Vec<f32> {
+    let d = match spec.layout {
+        RopeLayout::Proportional => spec.head_dim,
+        RopeLayout::RotateHalf | RopeLayout::AdjacentPairs => spec.rotary_dim,
+    };
     (0..spec.rotary_dim / 2)
-        .map(|i| (1.0 / spec.theta.powf(2.0 * i as f64 / spec.rotary_dim as f64)) as f32)
+        .map(|i| (1.0 / spec.theta.powf(2.0 * i as f64 / d as f64)) as f32)
         .collect()
 }
 
@@ -42,6 +47,7 @@ pub fn rope_row(spec: &RopeSpec, row: &mut [f32], cos: &[f32], sin: &[f32]) {
             let (a, b) = match spec.layout {
                 RopeLayout::RotateHalf => (i, i + half),
                 RopeLayout::AdjacentPairs => (2 * i, 2 * i + 1),
+                RopeLayout::Proportional => (i, i + spec.head_dim / 2),
             };
             let (x0, x1) = (head[a], head[b]);
             head[a] = x0 * cos[i] - x1 * sin[i];
@@ -259,13 +265,23 @@ pub fn group_slice(x: &[f32], group: usize, start: usize, len: usize) -> Vec<f32
         .collect()
 }
 
-/// Each row of `x` (there are `scalars.len()`) times its scalar.
-pub fn scale_rows(x: &[f32], scalars: &[f32]) -> Vec<f32> {
-    let n = x.len() / scalars.len().max(1);
-    x.chunks_exact(n.max(1))
-        .zip(scalars)
-        .flat_map(|(r, &s)| r.iter().map(move |v| v * s))
+/// Each row of `x` (rows of `row_len`) times its scalar, or all times `scalars[0]` when there
+/// is one scalar for all.
+pub fn scale_rows(x: &[f32], row_len: usize, scalars: &[f32]) -> Vec<f32> {
+    x.chunks_exact(row_len.max(1))
+        .enumerate()
+        .flat_map(|(r, row)| {
+            let s = scalars[if scalars.len() == 1 { 0 } else { r }];
+            row.iter().map(move |v| v * s)
+        })
         .collect()
+}
+
+/// RMSNorm over groups of `group` without a weight.
+pub fn unit_rms_norm(x: &[f32], group: usize, eps: f64) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    rms_norm(x, &vec![1.0; group], eps, 0.0, &mut out);
+    out
 }
 
 /// PyTorch's `softplus` (β = 1, threshold 20: linear above it).

@@ -67,7 +67,7 @@ pub(crate) fn rotated(
     put: impl Fn(Expr) -> Stmt,
 ) -> Vec<Stmt> {
     let (pair_index, partner, first_of_pair) = match layout {
-        RopeLayout::RotateHalf => (
+        RopeLayout::RotateHalf | RopeLayout::Proportional => (
             bin(BinOp::Rem, var("j"), var("half")),
             select(
                 bin(BinOp::Lt, var("j"), var("half")),
@@ -86,6 +86,20 @@ pub(crate) fn rotated(
             bin(BinOp::Eq, bin(BinOp::BitAnd, var("j"), int(1)), int(0)),
         ),
     };
+    // Proportional RoPE pairs across the whole head and turns only its first pairs.
+    let (half, rotates) = match layout {
+        RopeLayout::Proportional => (
+            var("head_dim") / int(2),
+            bin(
+                BinOp::Lt,
+                bin(BinOp::Rem, var("j"), var("half")),
+                var("rotary_dim") / int(2),
+            ),
+        ),
+        RopeLayout::RotateHalf | RopeLayout::AdjacentPairs => {
+            (var("rotary_dim") / int(2), bin(BinOp::Lt, var("j"), var("rotary_dim")))
+        }
+    };
     let x = |j: Expr| load(element.src, var("head") + j);
     vec![
         // The head's first element, and this element's place in it.
@@ -95,9 +109,9 @@ pub(crate) fn rotated(
             element.row + element.col.clone() - bin(BinOp::Rem, element.col.clone(), var("head_dim")),
         ),
         let_("j", Ty::I32, bin(BinOp::Rem, element.col, var("head_dim"))),
-        let_("half", Ty::I32, var("rotary_dim") / int(2)),
+        let_("half", Ty::I32, half),
         if_else(
-            bin(BinOp::Lt, var("j"), var("rotary_dim")),
+            rotates,
             vec![
                 let_(
                     "pos",

@@ -5,6 +5,7 @@
 //! or HF), so the graph can be run straight from the file.
 
 mod gemma3;
+mod gemma4;
 mod glm4_moe;
 mod llama;
 mod moe;
@@ -94,6 +95,7 @@ fn build(config: &ModelConfig, weights: Catalog<'_>, options: LowerOptions) -> R
         Family::Gemma3 => gemma3::lower(config, &mut b)?,
         Family::Glm4Moe => glm4_moe::lower(config, &mut b)?,
         Family::Qwen35 | Family::Qwen3Next => qwen3_5::lower(config, &mut b)?,
+        Family::Gemma4 => gemma4::lower(config, &mut b)?,
     }
     b.graph.validate().map_err(graph_error)?;
     Ok(b.graph)

@@ -426,8 +426,16 @@ impl CpuBackend {
             }
             Op::Sigmoid => map(args[0].value().tensor(), |x| 1.0 / (1.0 + (-x).exp())),
             Op::ScaleRows => {
-                let (x, scalars) = (args[0].value().tensor(), args[1].value().tensor());
-                Tensor::new(x.shape.clone(), ops::scale_rows(&x.data, &scalars.data))
+                let x = args[0].value().tensor();
+                let scalars = match &args[1] {
+                    Arg::Weight(_) => args[1].vector(),
+                    Arg::Value(v) => &v.tensor().data,
+                };
+                Tensor::new(x.shape.clone(), ops::scale_rows(&x.data, x.row_len(), scalars))
+            }
+            Op::UnitRmsNorm { eps, group } => {
+                let x = args[0].value().tensor();
+                Tensor::new(x.shape.clone(), ops::unit_rms_norm(&x.data, *group, *eps))
             }
             Op::GroupSlice { group, start, len } => {
                 let x = args[0].value().tensor();

@@ -17,8 +17,9 @@ struct Table {
     sin: Vec<f32>,
 }
 
-/// What the tables depend on besides the positions: theta, the rotary width, the scaling.
-type Key = (u64, usize, u64);
+/// What the tables depend on besides the positions: theta, the rotary width, the scaling, and
+/// the head width for proportional RoPE (whose frequencies are spaced over the head).
+type Key = (u64, usize, u64, Option<usize>);
 
 /// A step's rope tables, built on first use; every rope op of the step rotates rows at the
 /// step's positions.
@@ -57,7 +58,13 @@ impl StepRope {
     }
 
     fn table(&self, spec: &RopeSpec) -> Arc<Table> {
-        let key = (spec.theta.to_bits(), spec.rotary_dim, spec.position_scale.to_bits());
+        let proportional = (spec.layout == ir::RopeLayout::Proportional).then_some(spec.head_dim);
+        let key = (
+            spec.theta.to_bits(),
+            spec.rotary_dim,
+            spec.position_scale.to_bits(),
+            proportional,
+        );
         let mut tables = self.tables.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         tables
             .entry(key)

@@ -1,0 +1,190 @@
+//! Gemma 4's text model (`Gemma4ForCausalLM`): Gemma 3's sandwich-normed decoder (norms before
+//! and after attention and MLP, sliding-window layers with their own RoPE) with these
+//! differences, HF semantics:
+//! - RMSNorms multiply by `w` (not `1 + w`); values get a weightless RMSNorm before the cache,
+//!   and the attention scale is 1 (q and k are normed);
+//! - full-attention layers may have their own head shape (`per_layer_config`, 512-wide heads
+//!   in Gemma 4) and *proportional* RoPE: the first `partial_rotary_factor` of each head's
+//!   rotate-half pairs turn, at frequencies spaced over the whole head (`RopeLayout::Proportional`);
+//! - per-layer inputs: a second embedding (`embed_tokens_per_layer`, `hidden_size_per_layer_input`
+//!   values per layer and token) plus a normed projection of the main embedding, which each
+//!   layer gates (`gelu(x · per_layer_input_gate) · input`), projects back and adds to the
+//!   residual after its MLP;
+//! - each layer's output is multiplied by its `layer_scalar`.
+//!
+//! KV sharing across layers, keys used as values (`attention_k_eq_v`), the MoE block and
+//! final-logit soft-capping are refused when a config asks for them.
+
+use super::{Builder, ComputeDtype, LayerTensor};
+use crate::config::{Gemma4Config, LayerAttention, ModelConfig};
+use crate::error::{ModelError, Result};
+use ir::{AttentionSpec, GluAct, InputKind, NodeId, Op, RopeLayout, RopeSpec};
+
+pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
+    let g = c.gemma4.as_ref().ok_or_else(|| ModelError::TensorShape {
+        name: "config".into(),
+        what: "a gemma4 model needs its per-layer settings".into(),
+    })?;
+    let ids = b.graph.input(InputKind::TokenIds);
+    let positions = b.graph.input(InputKind::Positions);
+    let table = b.matrix(b.naming.embedding(), c.vocab_size, c.hidden)?;
+    let x = b.op(Op::Embedding, &[table, ids])?;
+    let scale = rounded((c.hidden as f32).sqrt(), b.options.compute);
+    let mut x = b.op(Op::Scale { factor: scale }, &[x])?;
+    let per_layer = match g.per_layer_input {
+        0 => None,
+        _ => Some(per_layer_inputs(c, g, b, ids, x)?),
+    };
+    for i in 0..c.layers {
+        let n = |t| b.naming.layer(i, t);
+        let (attn_norm, post_attn, pre_ffn, post_ffn) = (
+            n(LayerTensor::AttnNorm),
+            n(LayerTensor::PostAttnNorm),
+            n(LayerTensor::PreFfnNorm),
+            n(LayerTensor::PostFfnNorm),
+        );
+        let h = b.rms_norm(x, &attn_norm, c.hidden, c.rms_eps, 0.0)?;
+        let a = attention(c, g, b, i, h, positions)?;
+        let a = b.rms_norm(a, &post_attn, c.hidden, c.rms_eps, 0.0)?;
+        x = b.add(x, a)?;
+        let h = b.rms_norm(x, &pre_ffn, c.hidden, c.rms_eps, 0.0)?;
+        let mlp = [LayerTensor::Gate, LayerTensor::Up, LayerTensor::Down].map(|t| b.naming.layer(i, t));
+        let m = b.gated_mlp(h, &mlp, c.hidden, c.intermediate, GluAct::GeluTanh)?;
+        let m = b.rms_norm(m, &post_ffn, c.hidden, c.rms_eps, 0.0)?;
+        x = b.add(x, m)?;
+        if let Some(inputs) = per_layer {
+            x = add_per_layer_input(c, g, b, i, x, inputs)?;
+        }
+        let scalar = b.vector(&format!("model.layers.{i}.layer_scalar"), 1)?;
+        x = b.op(Op::ScaleRows, &[x, scalar])?;
+    }
+    b.lm_head(c, x, 0.0)
+}
+
+/// `x` as HF holds it in the model's dtype (bf16 for a bf16 model: √640 becomes 25.25).
+fn rounded(x: f32, compute: ComputeDtype) -> f32 {
+    match compute {
+        ComputeDtype::Bf16 => half::bf16::from_f32(x).to_f32(),
+        ComputeDtype::F32 | ComputeDtype::Native => x,
+    }
+}
+
+/// Every layer's input, `[t, layers · per_layer_input]`: `(rms_norm(x · Pᵀ / √hidden) +
+/// E_pl[ids] · √per_layer_input) / √2`, normed per layer's share.
+fn per_layer_inputs(c: &ModelConfig, g: &Gemma4Config, b: &mut Builder, ids: NodeId, x: NodeId) -> Result<NodeId> {
+    let p = g.per_layer_input;
+    let width = c.layers * p;
+    let table = b.matrix("model.embed_tokens_per_layer.weight", c.vocab_size, width)?;
+    let tokens = b.op(Op::Embedding, &[table, ids])?;
+    let scale = rounded((p as f32).sqrt(), b.options.compute);
+    let tokens = b.op(Op::Scale { factor: scale }, &[tokens])?;
+    let w = b.matrix("model.per_layer_model_projection.weight", width, c.hidden)?;
+    let projected = b.matmul(x, w)?;
+    let projected = b.op(
+        Op::Scale {
+            factor: (c.hidden as f32).powf(-0.5),
+        },
+        &[projected],
+    )?;
+    let projected = b.rms_norm(projected, "model.per_layer_projection_norm.weight", p, c.rms_eps, 0.0)?;
+    let sum = b.add(projected, tokens)?;
+    b.op(
+        Op::Scale {
+            factor: 2f32.powf(-0.5),
+        },
+        &[sum],
+    )
+}
+
+/// `x + rms_norm(((gelu(x · G) · input_i) · Pᵀ))`: layer `i`'s share of the per-layer inputs.
+fn add_per_layer_input(
+    c: &ModelConfig,
+    g: &Gemma4Config,
+    b: &mut Builder,
+    i: usize,
+    x: NodeId,
+    inputs: NodeId,
+) -> Result<NodeId> {
+    let p = g.per_layer_input;
+    let name = |t: &str| format!("model.layers.{i}.{t}.weight");
+    let input = b.op(Op::Slice { start: i * p, len: p }, &[inputs])?;
+    let w = b.matrix(&name("per_layer_input_gate"), p, c.hidden)?;
+    let gate = b.matmul(x, w)?;
+    let gate = b.op(Op::GeluTanh, &[gate])?;
+    let gated = b.op(Op::Mul, &[gate, input])?;
+    let w = b.matrix(&name("per_layer_projection"), c.hidden, p)?;
+    let projected = b.matmul(gated, w)?;
+    let projected = b.rms_norm(projected, &name("post_per_layer_input_norm"), c.hidden, c.rms_eps, 0.0)?;
+    b.add(x, projected)
+}
+
+/// Self-attention of layer `i` over the normed `h`, through `o_proj`.
+fn attention(
+    c: &ModelConfig,
+    g: &Gemma4Config,
+    b: &mut Builder,
+    i: usize,
+    h: NodeId,
+    positions: NodeId,
+) -> Result<NodeId> {
+    let shape = g.layer_heads[i];
+    let (heads, kv_heads, hd) = (shape.heads, shape.kv_heads, shape.head_dim);
+    let sliding = c.layer_attention[i] == LayerAttention::Sliding;
+    let n = |t| b.naming.layer(i, t);
+    let (nq, nk, nv, no, nqn, nkn) = (
+        n(LayerTensor::Q),
+        n(LayerTensor::K),
+        n(LayerTensor::V),
+        n(LayerTensor::O),
+        n(LayerTensor::QNorm),
+        n(LayerTensor::KNorm),
+    );
+    let (wq, wk, wv) = (
+        b.matrix(&nq, heads * hd, c.hidden)?,
+        b.matrix(&nk, kv_heads * hd, c.hidden)?,
+        b.matrix(&nv, kv_heads * hd, c.hidden)?,
+    );
+    let (q, k, v) = (b.matmul(h, wq)?, b.matmul(h, wk)?, b.matmul(h, wv)?);
+    let q = b.rms_norm(q, &nqn, hd, c.rms_eps, 0.0)?;
+    let k = b.rms_norm(k, &nkn, hd, c.rms_eps, 0.0)?;
+    let v = b.op(
+        Op::UnitRmsNorm {
+            eps: c.rms_eps,
+            group: hd,
+        },
+        &[v],
+    )?;
+    let rope = |heads| match (sliding, g.global_rope_fraction) {
+        (false, Some(fraction)) => RopeSpec {
+            heads,
+            head_dim: hd,
+            // HF: `int(fraction · head_dim // 2)` rotated pairs.
+            rotary_dim: 2 * ((fraction * hd as f64) as usize / 2),
+            theta: c.rope_theta,
+            position_scale: 1.0,
+            layout: RopeLayout::Proportional,
+        },
+        _ => RopeSpec {
+            heads,
+            head_dim: hd,
+            rotary_dim: hd,
+            theta: if sliding { c.rope_local_theta } else { c.rope_theta },
+            position_scale: 1.0,
+            layout: RopeLayout::RotateHalf,
+        },
+    };
+    let q = b.op(Op::Rope(rope(heads)), &[q, positions])?;
+    let k = b.op(Op::Rope(rope(kv_heads)), &[k, positions])?;
+    let spec = AttentionSpec {
+        heads,
+        kv_heads,
+        head_dim: hd,
+        scale: 1.0,
+        window: if sliding { c.sliding_window } else { None },
+        cache_slot: i,
+        cache_dtype: b.cache_dtype(),
+    };
+    let a = b.op(Op::Attention(spec), &[q, k, v])?;
+    let wo = b.matrix(&no, c.hidden, heads * hd)?;
+    b.matmul(a, wo)
+}
