@@ -178,6 +178,57 @@ fn gemma4_reference_interpreter_matches_hf() {
     check_reference_interpreter("gemma4");
 }
 
+/// GLM-5 (latent attention, sparse indexer) against HF on the prompt rows whose indexer choices
+/// are unambiguous. The indexer scores keys by ReLU'd dot products, so with the tiny model's
+/// two index heads many scores are exactly 0; where the top-8 cut falls inside such a tie
+/// (rows 9–13, 15 and 22, in some layer), PyTorch keeps whichever zeros its `nth_element` left
+/// in front and bbc the earliest positions, so those rows, and the later ones that read their
+/// keys, legitimately differ. Rows 0–7 attend to every earlier position; rows 8 and 14 choose
+/// 8 of 9 and 8 of 15 in every layer. Everywhere (all rows, 12 cached steps) the CPU backend,
+/// lowered and fused, computes what the reference interpreter computes.
+#[test]
+fn glm_moe_dsa_matches_hf_where_the_indexer_choice_is_unambiguous() {
+    let family = "glm_moe_dsa";
+    let model = open(family);
+    let reference = load_reference(family);
+    let (v, n) = (reference.vocab, reference.input_ids.len());
+    let graph = model.lower(LogitsFor::AllTokens).unwrap();
+    let weights = models::weights::DequantizedWeights::new(&model.weights);
+    let mut interp = ir::reference::Interpreter::new(&weights);
+    let positions: Vec<usize> = (0..n).collect();
+    let want = interp.step(&graph, &reference.input_ids, &positions).unwrap()["logits"].clone();
+    let unambiguous: Vec<usize> = (0..=8).chain([14]).collect();
+    let rows = |data: &[f32]| -> Vec<f32> {
+        unambiguous
+            .iter()
+            .flat_map(|&r| data[r * v..(r + 1) * v].iter().copied())
+            .collect()
+    };
+    assert_close(
+        &rows(&want.data),
+        &rows(&reference.logits),
+        "glm_moe_dsa interpreter prompt logits",
+    );
+    // Greedy continuation from the interpreter's own logits, as the reference for the backend.
+    let mut steps = vec![want.row(n - 1).to_vec()];
+    for step in 0..reference.greedy_ids.len() {
+        let id = argmax(&steps[step]);
+        steps.push(interp.step(&graph, &[id], &[n + step]).unwrap()["logits"].data.clone());
+    }
+    let fused = passes::optimized(&graph, passes::CostModel::CPU).unwrap();
+    for (graph, label) in [(graph.clone(), "lowered"), (fused, "fused")] {
+        let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
+        let mut seq = backend.new_sequence();
+        let got = backend.step(&mut seq, &reference.input_ids).unwrap()["logits"].clone();
+        assert_close(&got.data, &want.data, &format!("glm_moe_dsa {label}: prompt logits"));
+        let mut last = got.row(n - 1).to_vec();
+        for (step, want_step) in steps.iter().enumerate().skip(1) {
+            last = backend.step(&mut seq, &[argmax(&last)]).unwrap()["logits"].data.clone();
+            assert_close(&last, want_step, &format!("glm_moe_dsa {label}: step {step}"));
+        }
+    }
+}
+
 #[test]
 fn llama_reference_interpreter_matches_hf() {
     check_reference_interpreter("llama");
@@ -231,7 +282,15 @@ fn sharded_safetensors_load_like_one_file() {
 /// and the compile-time benchmark use) is the graph its weights give, for every family.
 #[test]
 fn lowering_without_weights_gives_the_graph_the_weights_give() {
-    for family in ["llama", "gemma3", "gemma4", "glm4_moe", "qwen3_5", "qwen3_next"] {
+    for family in [
+        "llama",
+        "gemma3",
+        "gemma4",
+        "glm4_moe",
+        "glm_moe_dsa",
+        "qwen3_5",
+        "qwen3_next",
+    ] {
         let mut spec = ModelSpec::for_weights(&fixture(&format!("hf-tiny/{family}")));
         spec.dtype = ComputeDtype::Bf16;
         let model = Model::open(spec).unwrap();

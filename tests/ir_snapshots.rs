@@ -43,6 +43,12 @@ fn gemma4_graph() {
     insta::assert_snapshot!(graph_text("gemma4", LogitsFor::LastToken));
 }
 
+/// GLM-5: latent attention and its sparse indexer.
+#[test]
+fn glm_moe_dsa_graph() {
+    insta::assert_snapshot!(graph_text("glm_moe_dsa", LogitsFor::LastToken));
+}
+
 #[test]
 fn lowering_is_deterministic() {
     assert_eq!(

@@ -151,6 +151,19 @@ fn unsupported_gemma4_configs_are_named() {
     );
 }
 
+/// GLM-5 layers that reuse another layer's indexer choices are refused, as are bad sizes.
+#[test]
+fn unsupported_glm5_configs_are_named() {
+    check_bad_configs(
+        "glm_moe_dsa",
+        &[
+            ("indexer_types", serde_json::json!(["full", "shared", "full"]), "shared"),
+            ("index_topk", 0.into(), "latent attention"),
+            ("mlp_layer_types", serde_json::json!(["dense", "moe", "sparse"]), "moe"),
+        ],
+    );
+}
+
 /// Each case sets one key of the family's tiny `config.json`; opening and lowering the model
 /// must fail with a message containing the case's text.
 fn check_bad_configs(family: &str, cases: &[(&str, serde_json::Value, &str)]) {
@@ -176,10 +189,9 @@ fn check_bad_configs(family: &str, cases: &[(&str, serde_json::Value, &str)]) {
     }
 }
 
-/// GPU targets have no kernels for MoE layers, attention biases, Gated DeltaNet layers or
-/// Gemma 4's value norms yet:
-/// compiling GLM-4.5, Qwen3.5, Qwen3-Next or Gemma 4 for one is an error naming the op, not a
-/// panic or a broken artifact.
+/// GPU targets have no kernels for MoE layers, attention biases, Gated DeltaNet layers, Gemma
+/// 4's value norms or latent attention yet: compiling GLM-4.5, Qwen3.5, Qwen3-Next, Gemma 4 or
+/// GLM-5 for one is an error naming the op, not a panic or a broken artifact.
 #[test]
 fn moe_and_hybrid_models_are_refused_for_gpu_targets() {
     for (family, op) in [
@@ -187,6 +199,7 @@ fn moe_and_hybrid_models_are_refused_for_gpu_targets() {
         ("qwen3_5", "gated_delta_net"),
         ("qwen3_next", "row_group_slice"),
         ("gemma4", "unit_rms_norm"),
+        ("glm_moe_dsa", "group_slice"),
     ] {
         let model = common::fixture(&format!("hf-tiny/{family}"));
         let out = std::env::temp_dir().join(format!("bbc-{family}-h200-{}", std::process::id()));

@@ -52,6 +52,14 @@ fn concurrent_gemma4_requests_generate_what_they_generate_alone() {
     concurrent_requests_match_alone(&model);
 }
 
+/// GLM-5: latent attention's keys and values of different widths, and index keys, in the
+/// paged cache; each query's sparse choice is its own whatever shares the step.
+#[test]
+fn concurrent_sparse_mla_requests_generate_what_they_generate_alone() {
+    let model = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/glm_moe_dsa"))).unwrap();
+    concurrent_requests_match_alone(&model);
+}
+
 /// A hybrid model's recurrent state sums up a whole prefix, which cached blocks do not hold:
 /// requests sharing a prompt prefix each compute it (no prefix-cache hit) and generate what
 /// they generate alone.

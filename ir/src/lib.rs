@@ -18,6 +18,8 @@ mod text;
 pub use dtype::DType;
 pub use expr::Expr;
 pub use graph::{Graph, GraphError, Node, NodeId};
-pub use op::{AttentionSpec, DeltaNetSpec, GluAct, InputKind, MoeRouter, MoeSpec, Op, RopeLayout, RopeSpec, TOKENS};
+pub use op::{
+    AttentionSpec, DeltaNetSpec, GluAct, InputKind, MoeRouter, MoeSpec, Op, RopeLayout, RopeSpec, SparseMlaSpec, TOKENS,
+};
 pub use shape::{Dim, Shape, Sym};
 pub use tensor::Tensor;

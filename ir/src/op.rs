@@ -135,6 +135,40 @@ impl DeltaNetSpec {
     }
 }
 
+/// Multi-head latent attention with DeepSeek's sparse indexer (GLM-5, DeepSeek-V3.2): each
+/// head scores a key by `q_nope·k_nope + q_pe·k_pe` (the rotary part `k_pe` shared by every
+/// head), but only over the `index_topk` earlier positions a light indexer ranks highest.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SparseMlaSpec {
+    pub heads: usize,
+    /// Per head: the query/key dims without RoPE (`qk_nope_head_dim`), with RoPE
+    /// (`qk_rope_head_dim`), and the value dims (`v_head_dim`).
+    pub nope_dim: usize,
+    pub rope_dim: usize,
+    pub value_dim: usize,
+    /// Multiplies the query-key score before the softmax (`(nope + rope)^−½`).
+    pub scale: f64,
+    /// The indexer: its heads (`index_n_heads`), their width (`index_head_dim`, also its one
+    /// key's), and how many positions a query keeps (`index_topk`).
+    pub index_heads: usize,
+    pub index_dim: usize,
+    pub index_topk: usize,
+    /// Which cache this attention appends to and reads (one per layer).
+    pub cache_slot: usize,
+}
+
+impl SparseMlaSpec {
+    /// A cached position's key row: `[k_nope (heads·nope) | k_pe (rope) | index key (index_dim)]`.
+    pub fn key_width(&self) -> usize {
+        self.heads * self.nope_dim + self.rope_dim + self.index_dim
+    }
+
+    /// A cached position's value row.
+    pub fn value_width(&self) -> usize {
+        self.heads * self.value_dim
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Op {
     Input(InputKind),
@@ -185,6 +219,18 @@ pub enum Op {
     /// `(x [t, n], s) -> [t, n]`: each row times a scalar, its own (`s [t, 1]`: Qwen3-Next's
     /// gated shared expert) or one for all (`s [1]`, a weight: Gemma 4's `layer_scalar`).
     ScaleRows,
+    /// `(x [t, n], w [n], b [n]) -> [t, n]`: LayerNorm of every row, `(x − mean) · rsqrt(var +
+    /// eps) · w + b` (GLM-5's indexer keys).
+    LayerNorm {
+        eps: f64,
+    },
+    /// `(q_nope [t, h·n], q_pe [t, h·r], k_nope [t, h·n], k_pe [t, r], v [t, h·v], index_q
+    /// [t, ih·id], index_k [t, id], index_weights [t, ih]) -> [t, h·v]`: appends the step's
+    /// keys, values and index keys to the cache slot, then for each query at position p ranks
+    /// the cached positions ≤ p by `Σ_i index_weights[i] · ih^−½ · id^−½ · relu(index_q_i ·
+    /// index_k)`, keeps the `index_topk` best (all of them while there are no more; among
+    /// equal scores the earlier position), and attends over those (q and k rotated already).
+    SparseMla(SparseMlaSpec),
     /// RMSNorm over consecutive groups of `group` elements without a weight:
     /// `x · rsqrt(mean(x²) + eps)` (Gemma 4's values).
     UnitRmsNorm {
@@ -299,6 +345,8 @@ impl Op {
             Self::Sigmoid => "sigmoid",
             Self::ScaleRows => "scale_rows",
             Self::UnitRmsNorm { .. } => "unit_rms_norm",
+            Self::LayerNorm { .. } => "layer_norm",
+            Self::SparseMla(_) => "sparse_mla",
             Self::GroupSlice { .. } => "group_slice",
             Self::GatedDeltaNet(_) => "gated_delta_net",
             Self::Moe(_) => "moe",
@@ -348,6 +396,8 @@ impl Op {
             Self::Slice { .. } | Self::Glu { .. } | Self::TopK { .. } => 1,
             Self::Embedding | Self::MatMul | Self::RmsNorm { .. } | Self::Rope(_) | Self::Add | Self::Mul => 2,
             Self::AddBias | Self::ScaleRows => 2,
+            Self::LayerNorm { .. } => 3,
+            Self::SparseMla(_) => 8,
             Self::Moe(spec) if spec.has_score_bias() => 5,
             Self::Moe(_) => 4,
             Self::Int8BoundTopK { .. } => 2,
@@ -452,6 +502,17 @@ impl Op {
                 f32_rows(inputs[0].0)?;
                 Ok((inputs[0].0.clone(), DType::F32))
             }
+            Self::LayerNorm { .. } => {
+                let (t, n) = f32_rows(inputs[0].0)?;
+                if inputs[1].0 .0.as_slice() != [n] || inputs[2].0 .0.as_slice() != [n] {
+                    return Err(format!(
+                        "layer_norm: x {} with weight {} and bias {}",
+                        inputs[0].0, inputs[1].0, inputs[2].0
+                    ));
+                }
+                Ok((Shape::new([t, n]), DType::F32))
+            }
+            Self::SparseMla(spec) => sparse_mla_shape(spec, inputs),
             Self::UnitRmsNorm { group, .. } => {
                 let (t, d) = f32_rows(inputs[0].0)?;
                 if *group == 0 || d.as_const().is_none_or(|d| d % group != 0) {
@@ -632,6 +693,11 @@ impl Op {
             Self::Elementwise { expr } => format!("{expr}"),
             Self::TopK { k } | Self::Int8BoundTopK { k } => format!("k={k}"),
             Self::UnitRmsNorm { eps, group } => format!("eps={eps:e}, group={group}"),
+            Self::LayerNorm { eps } => format!("eps={eps:e}"),
+            Self::SparseMla(s) => format!(
+                "heads={}, nope_dim={}, rope_dim={}, value_dim={}, scale={}, index_heads={}, index_dim={}, index_topk={}, cache={}",
+                s.heads, s.nope_dim, s.rope_dim, s.value_dim, s.scale, s.index_heads, s.index_dim, s.index_topk, s.cache_slot
+            ),
             Self::GroupSlice { group, start, len } | Self::RowGroupSlice { group, start, len } => {
                 format!("group={group}, start={start}, len={len}")
             }
@@ -719,6 +785,37 @@ fn attention_shape(spec: &AttentionSpec, inputs: &[(&Shape, DType)]) -> Result<(
         ));
     }
     Ok((Shape::new([t, dq]), DType::F32))
+}
+
+/// `sparse_mla(...)`'s output shape, or why the inputs do not fit `spec`.
+fn sparse_mla_shape(spec: &SparseMlaSpec, inputs: &[(&Shape, DType)]) -> Result<(Shape, DType), String> {
+    let c = Dim::Const;
+    let s = spec;
+    let widths = [
+        s.heads * s.nope_dim,
+        s.heads * s.rope_dim,
+        s.heads * s.nope_dim,
+        s.rope_dim,
+        s.heads * s.value_dim,
+        s.index_heads * s.index_dim,
+        s.index_dim,
+        s.index_heads,
+    ];
+    let t = inputs[0].0 .0.first().copied();
+    let fits = s.heads > 0
+        && s.index_heads > 0
+        && s.index_topk > 0
+        && inputs
+            .iter()
+            .zip(widths)
+            .all(|((shape, dtype), w)| *dtype == DType::F32 && t.is_some_and(|t| shape.0.as_slice() == [t, c(w)]));
+    match (fits, t) {
+        (true, Some(t)) => Ok((Shape::new([t, c(s.heads * s.value_dim)]), DType::F32)),
+        _ => {
+            let shapes: Vec<String> = inputs.iter().map(|(s, d)| format!("{d}{s}")).collect();
+            Err(format!("sparse_mla: inputs {} do not fit {spec:?}", shapes.join(", ")))
+        }
+    }
 }
 
 /// `gated_delta_net(mixed, b, a, conv, a_log, dt_bias)`'s output shape, or why the inputs do

@@ -20,6 +20,9 @@ pub enum Family {
     Qwen3Next,
     /// Gemma 4's text model (`Gemma4ForCausalLM`).
     Gemma4,
+    /// GLM-5 (`GlmMoeDsaForCausalLM`): latent attention with a sparse indexer, GLM-4.5's MoE.
+    #[serde(rename = "glm_moe_dsa")]
+    GlmMoeDsa,
 }
 
 impl Family {
@@ -31,6 +34,7 @@ impl Family {
             Self::Qwen35 => "qwen3_5",
             Self::Qwen3Next => "qwen3_next",
             Self::Gemma4 => "gemma4",
+            Self::GlmMoeDsa => "glm_moe_dsa",
         }
     }
 
@@ -47,6 +51,7 @@ impl Family {
             "qwen3_5" | "qwen3_5_text" => Some(Self::Qwen35),
             "qwen3_next" => Some(Self::Qwen3Next),
             "gemma4" | "gemma4_text" => Some(Self::Gemma4),
+            "glm_moe_dsa" => Some(Self::GlmMoeDsa),
             _ => None,
         }
     }
@@ -96,6 +101,21 @@ pub struct ModelConfig {
     pub linear_attention: Option<LinearAttentionConfig>,
     /// Gemma 4's per-layer settings.
     pub gemma4: Option<Gemma4Config>,
+    /// Latent attention's shapes, where the family has it.
+    pub mla: Option<MlaConfig>,
+}
+
+/// Multi-head latent attention with DeepSeek's sparse indexer (GLM-5; HF names).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct MlaConfig {
+    pub q_rank: usize,      // q_lora_rank
+    pub kv_rank: usize,     // kv_lora_rank
+    pub nope_dim: usize,    // qk_nope_head_dim
+    pub rope_dim: usize,    // qk_rope_head_dim
+    pub value_dim: usize,   // v_head_dim
+    pub index_heads: usize, // index_n_heads
+    pub index_dim: usize,   // index_head_dim
+    pub index_topk: usize,  // index_topk
 }
 
 /// What Gemma 4 adds to a Gemma-style config (HF `config.json` names in the comments).
@@ -191,6 +211,7 @@ impl ModelConfig {
             moe: None,
             linear_attention: None,
             gemma4: None,
+            mla: None,
         }
     }
 
@@ -234,6 +255,7 @@ impl ModelConfig {
                 conv_kernel: 4,
             }),
             gemma4: None,
+            mla: None,
         }
     }
 
@@ -244,16 +266,11 @@ impl ModelConfig {
             key: "general.architecture".into(),
             problem: format!("is `{arch}`; bbc runs llama and gemma3 from GGUF"),
         })?;
-        if matches!(
-            family,
-            Family::Glm4Moe | Family::Qwen35 | Family::Qwen3Next | Family::Gemma4
-        ) {
-            return Err(ModelError::Metadata {
-                path: file.path.clone(),
-                key: "general.architecture".into(),
-                problem: format!("is {}, which bbc runs from HF safetensors only so far", family.name()),
-            });
-        }
+        let hf_only = || ModelError::Metadata {
+            path: file.path.clone(),
+            key: "general.architecture".into(),
+            problem: format!("is {}, which bbc runs from HF safetensors only so far", family.name()),
+        };
         let key = |k: &str| format!("{arch}.{k}");
         let u = |k: &str| file.require_u64(&key(k)).map(|v| v as usize);
         let hidden = u("embedding_length")?;
@@ -274,7 +291,9 @@ impl ModelConfig {
             // llama.cpp's gemma3: sliding layers use θ = 10 000; the scale is 1/√head_dim
             // (gemma-3 sets query_pre_attn_scalar = head_dim).
             Family::Gemma3 => (gemma3_pattern(layers, 6), 10_000.0, Some(head_dim as f64)),
-            Family::Glm4Moe | Family::Qwen35 | Family::Qwen3Next | Family::Gemma4 => unreachable!("refused above"),
+            Family::Gemma4 | Family::Glm4Moe | Family::GlmMoeDsa | Family::Qwen35 | Family::Qwen3Next => {
+                return Err(hf_only())
+            }
         };
         let rope_scale = match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
             Some("linear") => file.optional_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0),
@@ -306,6 +325,7 @@ impl ModelConfig {
             moe: None,
             linear_attention: None,
             gemma4: None,
+            mla: None,
         };
         config.check(&file.path)
     }
@@ -320,7 +340,7 @@ impl ModelConfig {
         let model_type = cfg.str("model_type")?;
         let family = Family::parse(model_type).ok_or_else(|| {
             cfg.error(&format!(
-                "model_type `{model_type}` is not one bbc runs (llama, gemma3, gemma4, glm4_moe, qwen3_5, qwen3_next)"
+                "model_type `{model_type}` is not one bbc runs (llama, gemma3, gemma4, glm4_moe, glm_moe_dsa, qwen3_5, qwen3_next)"
             ))
         })?;
         let hidden = cfg.usize("hidden_size")?;
@@ -338,7 +358,7 @@ impl ModelConfig {
             .or_else(|| json.get("rope_local_base_freq").and_then(|v| v.as_f64()))
             .unwrap_or(match family {
                 Family::Gemma3 | Family::Gemma4 => 10_000.0,
-                Family::Llama | Family::Glm4Moe | Family::Qwen35 | Family::Qwen3Next => rope_theta,
+                Family::Llama | Family::Glm4Moe | Family::GlmMoeDsa | Family::Qwen35 | Family::Qwen3Next => rope_theta,
             });
         let layer_attention = match json.get("layer_types").and_then(|v| v.as_array()) {
             Some(types) => types
@@ -347,13 +367,14 @@ impl ModelConfig {
                     Some("full_attention") => Ok(LayerAttention::Full),
                     Some("sliding_attention") => Ok(LayerAttention::Sliding),
                     Some("linear_attention") if family.has_linear_attention() => Ok(LayerAttention::Linear),
+                    Some("indexed_attention") if family == Family::GlmMoeDsa => Ok(LayerAttention::Full),
                     _ => Err(cfg.error(&format!(
                         "layer_types holds {t}, expected full_attention or sliding_attention (or linear_attention for qwen3_5 and qwen3_next)"
                     ))),
                 })
                 .collect::<Result<Vec<_>>>()?,
             None => match family {
-                Family::Llama | Family::Glm4Moe | Family::Qwen35 | Family::Qwen3Next => {
+                Family::Llama | Family::Glm4Moe | Family::GlmMoeDsa | Family::Qwen35 | Family::Qwen3Next => {
                     vec![LayerAttention::Full; layers]
                 }
                 Family::Gemma3 | Family::Gemma4 => {
@@ -390,11 +411,11 @@ impl ModelConfig {
             attention_bias: cfg.opt_bool("attention_bias")?.unwrap_or(false),
             qk_norm: match family {
                 Family::Gemma3 | Family::Gemma4 | Family::Qwen35 | Family::Qwen3Next => true,
-                Family::Llama => false,
+                Family::Llama | Family::GlmMoeDsa => false,
                 Family::Glm4Moe => cfg.opt_bool("use_qk_norm")?.unwrap_or(false),
             },
             moe: match family {
-                Family::Glm4Moe => Some(cfg.glm4_moe(layers)?),
+                Family::Glm4Moe | Family::GlmMoeDsa => Some(cfg.glm4_moe(layers)?),
                 Family::Qwen3Next => Some(cfg.qwen3_next_moe(layers)?),
                 Family::Llama | Family::Gemma3 | Family::Gemma4 | Family::Qwen35 => None,
             },
@@ -403,6 +424,10 @@ impl ModelConfig {
                 false => None,
             },
             gemma4,
+            mla: match family {
+                Family::GlmMoeDsa => Some(cfg.mla()?),
+                _ => None,
+            },
         };
         config.check(path)
     }
@@ -448,6 +473,23 @@ impl ModelConfig {
                 "RoPE would rotate {} of head_dim {}: it must be even and at most head_dim",
                 self.rotary_dim, self.head_dim
             )));
+        }
+        if let Some(m) = &self.mla {
+            let dims = [
+                m.q_rank,
+                m.kv_rank,
+                m.nope_dim,
+                m.rope_dim,
+                m.value_dim,
+                m.index_heads,
+                m.index_dim,
+                m.index_topk,
+            ];
+            if dims.contains(&0) || !m.rope_dim.is_multiple_of(2) || m.rope_dim > m.index_dim {
+                return Err(bad(format!(
+                    "latent attention {m:?}: every size must be positive, the rope width even and within the index head"
+                )));
+            }
         }
         if let Some(g) = &self.gemma4 {
             if g.layer_heads.len() != self.layers {
@@ -667,6 +709,27 @@ impl HfConfig<'_> {
         })
     }
 
+    fn mla(&self) -> Result<MlaConfig> {
+        // A "shared" layer reuses the previous layer's choices, which bbc does not do yet.
+        if let Some(types) = self.json.get("indexer_types").and_then(|v| v.as_array()) {
+            if let Some(other) = types.iter().find(|t| t.as_str() != Some("full")) {
+                return Err(self.error(&format!(
+                    "indexer_types holds {other}: bbc runs only layers with their own indexer (\"full\")"
+                )));
+            }
+        }
+        Ok(MlaConfig {
+            q_rank: self.usize("q_lora_rank")?,
+            kv_rank: self.usize("kv_lora_rank")?,
+            nope_dim: self.usize("qk_nope_head_dim")?,
+            rope_dim: self.usize("qk_rope_head_dim")?,
+            value_dim: self.usize("v_head_dim")?,
+            index_heads: self.usize("index_n_heads")?,
+            index_dim: self.usize("index_head_dim")?,
+            index_topk: self.usize("index_topk")?,
+        })
+    }
+
     fn linear_attention(&self) -> Result<LinearAttentionConfig> {
         Ok(LinearAttentionConfig {
             key_heads: self.usize("linear_num_key_heads")?,
@@ -680,8 +743,20 @@ impl HfConfig<'_> {
     fn glm4_moe(&self, layers: usize) -> Result<MoeConfig> {
         let first_sparse = self.opt_usize("first_k_dense_replace")?.unwrap_or(0);
         let expert_intermediate = self.usize("moe_intermediate_size")?;
+        // GLM-5 names each layer's MLP; GLM-4.5 counts its dense layers.
+        let sparse_layers = match self.json.get("mlp_layer_types").and_then(|v| v.as_array()) {
+            Some(types) => types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("dense") => Ok(false),
+                    Some("sparse") => Ok(true),
+                    _ => Err(self.error(&format!("mlp_layer_types holds {t}, expected dense or sparse"))),
+                })
+                .collect::<Result<_>>()?,
+            None => (0..layers).map(|i| i >= first_sparse).collect(),
+        };
         Ok(MoeConfig {
-            sparse_layers: (0..layers).map(|i| i >= first_sparse).collect(),
+            sparse_layers,
             experts: self.usize("n_routed_experts")?,
             experts_per_token: self.usize("num_experts_per_tok")?,
             expert_intermediate,

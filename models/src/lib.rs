@@ -11,7 +11,9 @@ pub mod safetensors_dir;
 pub mod tokenizer;
 pub mod weights;
 
-pub use config::{Family, Gemma4Config, LayerAttention, LayerHeads, LinearAttentionConfig, ModelConfig, MoeConfig};
+pub use config::{
+    Family, Gemma4Config, LayerAttention, LayerHeads, LinearAttentionConfig, MlaConfig, ModelConfig, MoeConfig,
+};
 pub use error::{ModelError, Result};
 pub use families::{lower, lower_without_weights, with_greedy_token, ComputeDtype, LogitsFor, LowerOptions};
 pub use model_toml::ModelSpec;

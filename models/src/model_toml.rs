@@ -64,7 +64,7 @@ impl ModelSpec {
             .map(|a| {
                 Family::parse(&a).ok_or_else(|| {
                     bad(format!(
-                        "model.architecture `{a}` is not one of: llama, gemma3, gemma4, glm4_moe, qwen3_5, qwen3_next"
+                        "model.architecture `{a}` is not one of: llama, gemma3, gemma4, glm4_moe, glm_moe_dsa, qwen3_5, qwen3_next"
                     ))
                 })
             })

@@ -28,6 +28,8 @@ define_language! {
         "sigmoid" = Sigmoid([Id; 2]),
         "scale_rows" = ScaleRows([Id; 3]),
         "unit_rms_norm" = UnitRmsNorm([Id; 2]),
+        "layer_norm" = LayerNorm([Id; 4]),
+        "sparse_mla" = SparseMla(Box<[Id]>),
         "group_slice" = GroupSlice([Id; 2]),
         "gated_delta_net" = GatedDeltaNet([Id; 7]),
         "moe" = Moe(Box<[Id]>),
@@ -105,6 +107,8 @@ pub fn make_node(op: &Op, attr: Id, children: &[Id]) -> Node {
         Op::Sigmoid => Node::Sigmoid(arr2(with(1))),
         Op::ScaleRows => Node::ScaleRows(arr3(with(2))),
         Op::UnitRmsNorm { .. } => Node::UnitRmsNorm(arr2(with(1))),
+        Op::LayerNorm { .. } => Node::LayerNorm(arr4(with(3))),
+        Op::SparseMla(_) => Node::SparseMla(with(children.len()).into_boxed_slice()),
         Op::GroupSlice { .. } => Node::GroupSlice(arr2(with(1))),
         Op::GatedDeltaNet(_) => {
             let v = with(6);

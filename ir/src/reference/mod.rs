@@ -136,6 +136,30 @@ impl<'w> Interpreter<'w> {
         attention_over_slot(spec, q, slot, positions)
     }
 
+    /// Append the step's keys (`[k_nope | k_pe | index key]` rows) and values to the spec's
+    /// cache slot, then run every query over the positions it may see.
+    fn sparse_mla(&mut self, spec: &crate::SparseMlaSpec, x: &[&Tensor], positions: &[usize]) -> Tensor {
+        let slot = self.caches.entry(spec.cache_slot).or_default();
+        for t in 0..x[0].rows() {
+            slot.k.extend_from_slice(x[2].row(t));
+            slot.k.extend_from_slice(x[3].row(t));
+            slot.k.extend_from_slice(x[6].row(t));
+            slot.v.extend_from_slice(x[4].row(t));
+        }
+        slot.positions.extend_from_slice(positions);
+        let (kw, vw) = (spec.key_width(), spec.value_width());
+        let mut out = Vec::with_capacity(x[0].rows() * vw);
+        for (t, &p) in positions.iter().enumerate() {
+            let candidates: Vec<(&[f32], &[f32])> = (0..slot.positions.len())
+                .filter(|&j| slot.positions[j] <= p)
+                .map(|j| (&slot.k[j * kw..(j + 1) * kw], &slot.v[j * vw..(j + 1) * vw]))
+                .collect();
+            let q = [x[0].row(t), x[1].row(t), x[5].row(t), x[7].row(t)];
+            out.extend(ops::sparse_mla_query(spec, q, &candidates));
+        }
+        Tensor::new(vec![x[0].rows(), vw], out)
+    }
+
     fn eval(&mut self, op: &Op, args: &[&Value], positions: &[usize]) -> Result<Tensor, InterpError> {
         Ok(match op {
             Op::Embedding => embedding(args[0].tensor(), args[1].ids())?,
@@ -196,6 +220,15 @@ impl<'w> Interpreter<'w> {
             Op::ScaleRows => {
                 let (x, scalars) = (args[0].tensor(), args[1].tensor());
                 Tensor::new(x.shape.clone(), ops::scale_rows(&x.data, x.row_len(), &scalars.data))
+            }
+            Op::LayerNorm { eps } => {
+                let x = args[0].tensor();
+                let (w, b) = (&args[1].tensor().data, &args[2].tensor().data);
+                Tensor::new(x.shape.clone(), ops::layer_norm(&x.data, w, b, *eps))
+            }
+            Op::SparseMla(spec) => {
+                let inputs: Vec<&Tensor> = args.iter().map(|a| a.tensor()).collect();
+                self.sparse_mla(spec, &inputs, positions)
             }
             Op::UnitRmsNorm { eps, group } => {
                 let x = args[0].tensor();

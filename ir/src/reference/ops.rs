@@ -383,6 +383,72 @@ pub fn row_group_slice(w: &[f32], k: usize, group: usize, start: usize, len: usi
         .collect()
 }
 
+/// LayerNorm of every row of `w.len()`: `(x − mean) · rsqrt(var + eps) · w + b`, moments in f64.
+pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f64) -> Vec<f32> {
+    let n = w.len();
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks_exact(n) {
+        let mean = row.iter().map(|&v| v as f64).sum::<f64>() / n as f64;
+        let var = row.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / n as f64;
+        let inv = 1.0 / (var + eps).sqrt();
+        out.extend(
+            row.iter()
+                .zip(w)
+                .zip(b)
+                .map(|((&v, &w), &b)| ((v as f64 - mean) * inv) as f32 * w + b),
+        );
+    }
+    out
+}
+
+/// One query of `Op::SparseMla` over `candidates`, the cached positions it may see (ascending;
+/// each a key row `[k_nope | k_pe | index key]` and a value row): the indexer keeps the
+/// `index_topk` best, and every head attends over those. `q` is the query's row of each input:
+/// `[q_nope, q_pe, index_q, index_weights]`. f64 accumulation.
+pub fn sparse_mla_query(spec: &crate::SparseMlaSpec, q: [&[f32]; 4], candidates: &[(&[f32], &[f32])]) -> Vec<f32> {
+    let [q_nope, q_pe, index_q, index_weights] = q;
+    let (h, n, r, v) = (spec.heads, spec.nope_dim, spec.rope_dim, spec.value_dim);
+    let (ih, id) = (spec.index_heads, spec.index_dim);
+    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum::<f64>();
+    // The indexer's ranking: Σ_i w_i · ih^−½ · id^−½ · relu(q_i · k). Equal scores (the ReLU
+    // makes exact zeros common) keep the earlier position, whatever else shares the step.
+    let weight_scale = (ih as f64).powf(-0.5) * (id as f64).powf(-0.5);
+    let index_scores: Vec<f32> = candidates
+        .iter()
+        .map(|(key, _)| {
+            let k = &key[h * n + r..];
+            (0..ih)
+                .map(|i| index_weights[i] as f64 * weight_scale * dot(&index_q[i * id..(i + 1) * id], k).max(0.0))
+                .sum::<f64>() as f32
+        })
+        .collect();
+    let mut kept = top_k(&index_scores, spec.index_topk.min(candidates.len()));
+    kept.sort_unstable();
+    let mut out = vec![0f32; h * v];
+    for head in 0..h {
+        let (qn, qp) = (&q_nope[head * n..(head + 1) * n], &q_pe[head * r..(head + 1) * r]);
+        let scores: Vec<f64> = kept
+            .iter()
+            .map(|&j| {
+                let key = candidates[j].0;
+                (dot(qn, &key[head * n..(head + 1) * n]) + dot(qp, &key[h * n..h * n + r])) * spec.scale
+            })
+            .collect();
+        let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let total: f64 = exps.iter().sum();
+        for (d, o) in out[head * v..(head + 1) * v].iter_mut().enumerate() {
+            let acc: f64 = kept
+                .iter()
+                .zip(&exps)
+                .map(|(&j, &e)| e * candidates[j].1[head * v + d] as f64)
+                .sum();
+            *o = (acc / total) as f32;
+        }
+    }
+    out
+}
+
 /// Indices of the `k` largest values of a row, largest first; equal values keep the lower
 /// index first (the tie rule every argmax in bbc follows). NaN sorts below everything.
 pub fn top_k(row: &[f32], k: usize) -> Vec<usize> {

@@ -7,6 +7,7 @@
 mod gemma3;
 mod gemma4;
 mod glm4_moe;
+mod glm_moe_dsa;
 mod llama;
 mod moe;
 mod qwen3_5;
@@ -96,6 +97,7 @@ fn build(config: &ModelConfig, weights: Catalog<'_>, options: LowerOptions) -> R
         Family::Glm4Moe => glm4_moe::lower(config, &mut b)?,
         Family::Qwen35 | Family::Qwen3Next => qwen3_5::lower(config, &mut b)?,
         Family::Gemma4 => gemma4::lower(config, &mut b)?,
+        Family::GlmMoeDsa => glm_moe_dsa::lower(config, &mut b)?,
     }
     b.graph.validate().map_err(graph_error)?;
     Ok(b.graph)

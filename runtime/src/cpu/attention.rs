@@ -84,7 +84,7 @@ mod tests {
             let v: Vec<f32> = (0..len * kv_dim).map(|i| val(i, 5)).collect();
             // Blocks of 2 positions, scattered: the table is not in block order.
             let table = [4, 0, 3, 1, 2].map(BlockId);
-            let mut pages = super::super::KvPages::new(&[kv_dim], &[], 2);
+            let mut pages = super::super::KvPages::new(&[(kv_dim, kv_dim)], &[], 2);
             pages.layer_mut(0).write(&table, 0, &k, &v);
             let q: Vec<f32> = (0..tokens * 32).map(|i| val(i, 3)).collect();
             let first = len - tokens;

@@ -23,19 +23,21 @@ pub struct KvPages {
     states: HashMap<(usize, usize), Vec<f32>>,
 }
 
-/// Keys and values of one attention slot: row `r` of the pool is `k[r·dim..(r+1)·dim]`.
+/// Keys and values of one attention slot: row `r` of the pool is `k[r·dim..(r+1)·dim]` and
+/// `v[r·v_dim..(r+1)·v_dim]` (the two widths differ for latent attention).
 #[derive(Debug, Clone)]
 pub struct LayerPages {
     dim: usize,
+    v_dim: usize,
     block_size: usize,
     k: Vec<f32>,
     v: Vec<f32>,
 }
 
 impl KvPages {
-    /// An empty pool for attention slots of the given KV row widths, and recurrent layers of
-    /// the given state lengths.
-    pub fn new(kv_dims: &[usize], state_lens: &[usize], block_size: usize) -> Self {
+    /// An empty pool for attention slots of the given (key, value) row widths, and recurrent
+    /// layers of the given state lengths.
+    pub fn new(kv_dims: &[(usize, usize)], state_lens: &[usize], block_size: usize) -> Self {
         assert!(block_size > 0, "blocks hold at least one position");
         Self {
             block_size,
@@ -43,8 +45,9 @@ impl KvPages {
             states: HashMap::new(),
             layers: kv_dims
                 .iter()
-                .map(|&dim| LayerPages {
+                .map(|&(dim, v_dim)| LayerPages {
                     dim,
+                    v_dim,
                     block_size,
                     k: Vec::new(),
                     v: Vec::new(),
@@ -97,20 +100,20 @@ impl LayerPages {
         self.block_size
     }
 
-    /// Store the keys and values of positions `start..start + rows` (`k` and `v` are
-    /// `[rows, dim]`) in the blocks of `table`.
+    /// Store the keys and values of positions `start..start + rows` (`k` is `[rows, dim]`, `v`
+    /// `[rows, v_dim]`) in the blocks of `table`.
     pub fn write(&mut self, table: &[BlockId], start: usize, k: &[f32], v: &[f32]) {
-        debug_assert_eq!(k.len(), v.len());
-        let dim = self.dim;
-        for (i, (k, v)) in k.chunks_exact(dim).zip(v.chunks_exact(dim)).enumerate() {
+        let (dim, v_dim) = (self.dim, self.v_dim);
+        debug_assert_eq!(k.len() / dim.max(1), v.len() / v_dim.max(1));
+        for (i, (k, v)) in k.chunks_exact(dim).zip(v.chunks_exact(v_dim)).enumerate() {
             let row = cache_row(table, self.block_size, start + i);
             if (row + 1) * dim > self.k.len() {
                 let blocks = row / self.block_size + 1;
                 self.k.resize(blocks * self.block_size * dim, 0.0);
-                self.v.resize(blocks * self.block_size * dim, 0.0);
+                self.v.resize(blocks * self.block_size * v_dim, 0.0);
             }
             self.k[row * dim..(row + 1) * dim].copy_from_slice(k);
-            self.v[row * dim..(row + 1) * dim].copy_from_slice(v);
+            self.v[row * v_dim..(row + 1) * v_dim].copy_from_slice(v);
         }
     }
 
@@ -120,7 +123,7 @@ impl LayerPages {
     }
 
     pub fn value(&self, row: usize, cols: std::ops::Range<usize>) -> &[f32] {
-        &self.v[row * self.dim + cols.start..row * self.dim + cols.end]
+        &self.v[row * self.v_dim + cols.start..row * self.v_dim + cols.end]
     }
 }
 
@@ -130,7 +133,7 @@ mod tests {
 
     #[test]
     fn rows_land_in_their_blocks_and_the_pool_grows_to_the_highest_block() {
-        let mut pages = KvPages::new(&[2], &[], 2);
+        let mut pages = KvPages::new(&[(2, 2)], &[], 2);
         let layer = pages.layer_mut(0);
         // Positions 0..3 of a sequence whose table is [block 3, block 1].
         let table = [BlockId(3), BlockId(1)];

@@ -44,8 +44,8 @@ pub struct CpuBackend {
     int8_heads: HashMap<usize, Int8Head>,
     /// Per node: the index of the last node reading it (values are freed after).
     last_use: Vec<usize>,
-    /// Per attention cache slot: the KV row width.
-    kv_dims: Vec<usize>,
+    /// Per attention cache slot: the key and value row widths.
+    kv_dims: Vec<(usize, usize)>,
     /// Per recurrent state slot (Gated DeltaNet layers): one sequence's state length.
     state_lens: Vec<usize>,
     vocab: usize,
@@ -170,11 +170,19 @@ impl CpuBackend {
             for input in &node.inputs {
                 last_use[input.0] = i;
             }
-            if let Some(spec) = node.op.attention() {
-                if kv_dims.len() <= spec.cache_slot {
-                    kv_dims.resize(spec.cache_slot + 1, 0);
+            let cache = match &node.op {
+                op if op.attention().is_some() => op.attention().map(|s| {
+                    let dim = s.kv_heads * s.head_dim;
+                    (s.cache_slot, (dim, dim))
+                }),
+                Op::SparseMla(s) => Some((s.cache_slot, (s.key_width(), s.value_width()))),
+                _ => None,
+            };
+            if let Some((slot, dims)) = cache {
+                if kv_dims.len() <= slot {
+                    kv_dims.resize(slot + 1, (0, 0));
                 }
-                kv_dims[spec.cache_slot] = spec.kv_heads * spec.head_dim;
+                kv_dims[slot] = dims;
             }
             if let Op::GatedDeltaNet(spec) = &node.op {
                 if state_lens.len() <= spec.state_slot {
@@ -234,7 +242,7 @@ impl CpuBackend {
 
     /// Bytes of keys and values one cached position takes, over every attention slot.
     pub fn kv_bytes_per_position(&self) -> usize {
-        self.kv_dims.iter().sum::<usize>() * 2 * std::mem::size_of::<f32>()
+        self.kv_dims.iter().map(|(k, v)| k + v).sum::<usize>() * std::mem::size_of::<f32>()
     }
 
     pub fn new_sequence(&self) -> CpuSequence {
@@ -433,6 +441,17 @@ impl CpuBackend {
                 };
                 Tensor::new(x.shape.clone(), ops::scale_rows(&x.data, x.row_len(), scalars))
             }
+            Op::LayerNorm { eps } => {
+                let x = args[0].value().tensor();
+                Tensor::new(
+                    x.shape.clone(),
+                    ops::layer_norm(&x.data, args[1].vector(), args[2].vector(), *eps),
+                )
+            }
+            Op::SparseMla(spec) => {
+                let inputs: Vec<&Tensor> = args.iter().map(|a| a.value().tensor()).collect();
+                sparse_mla(spec, &inputs, pages, rows)
+            }
             Op::UnitRmsNorm { eps, group } => {
                 let x = args[0].value().tensor();
                 Tensor::new(x.shape.clone(), ops::unit_rms_norm(&x.data, *group, *eps))
@@ -626,6 +645,40 @@ fn gated_delta_net(spec: &ir::DeltaNetSpec, args: &[Arg], pages: &mut KvPages, r
         ));
     }
     Tensor::new(vec![mixed.rows(), vh * spec.value_dim], out)
+}
+
+/// Append the step's MLA keys (`[k_nope | k_pe | index key]`) and values to the spec's cache
+/// layer, then run each query row over the positions its sequence has cached up to it (the
+/// reference's arithmetic), rows spread over the pool.
+fn sparse_mla(spec: &ir::SparseMlaSpec, x: &[&Tensor], pages: &mut KvPages, rows: &StepRows) -> Tensor {
+    let layer = pages.layer_mut(spec.cache_slot);
+    for (seg, r) in rows.segments.iter().zip(&rows.ranges) {
+        let keys: Vec<f32> = r
+            .clone()
+            .flat_map(|t| [x[2].row(t), x[3].row(t), x[6].row(t)].concat())
+            .collect();
+        let values: Vec<f32> = r.clone().flat_map(|t| x[4].row(t).to_vec()).collect();
+        layer.write(seg.table, seg.start, &keys, &values);
+    }
+    let layer = pages.layer(spec.cache_slot);
+    let (kw, vw) = (spec.key_width(), spec.value_width());
+    let block_size = layer.block_size();
+    let mut out = vec![0f32; x[0].rows() * vw];
+    rows::for_row_runs(&mut out, vw, |first, run| {
+        for (i, o) in run.chunks_exact_mut(vw).enumerate() {
+            let t = first + i;
+            let query = &rows.query[t];
+            let candidates: Vec<(&[f32], &[f32])> = (0..=query.pos)
+                .map(|p| {
+                    let row = crate::kv::cache_row(query.table, block_size, p);
+                    (layer.key(row, 0..kw), layer.value(row, 0..vw))
+                })
+                .collect();
+            let q = [x[0].row(t), x[1].row(t), x[5].row(t), x[7].row(t)];
+            o.copy_from_slice(&ops::sparse_mla_query(spec, q, &candidates));
+        }
+    });
+    Tensor::new(vec![x[0].rows(), vw], out)
 }
 
 /// The reference's RMSNorm over groups of `w.len()`, spread over rows.

@@ -1,0 +1,171 @@
+//! GLM-5 (`GlmMoeDsaForCausalLM`): GLM-4.5's decoder and MoE MLPs with DeepSeek-V3.2's
+//! attention, HF semantics:
+//! - multi-head latent attention: queries from a normed low-rank latent (`q_a_proj`,
+//!   `q_a_layernorm`, `q_b_proj`), keys and values from another (`kv_a_proj_with_mqa`,
+//!   `kv_a_layernorm`, `kv_b_proj`); each head's query and key have a part without RoPE and a
+//!   rotated part, the key's rotated part shared by all heads; values are narrower than keys;
+//! - the sparse indexer (DSA): light queries from the query latent (`indexer.wq_b`), one key
+//!   per position (`indexer.wk`, LayerNorm, RoPE on its first `qk_rope_head_dim`), per-head
+//!   weights (`indexer.weights_proj`); each query attends only to the `index_topk` earlier
+//!   positions they rank highest (`Op::SparseMla`).
+//!
+//! RoPE pairs adjacent elements (interleaved), in the attention and the indexer; the indexer
+//! scores `relu(q·k)` per head. The latent norms use HF's default eps (1e-6), not
+//! `rms_norm_eps`. HF safetensors only; `mtp` layers are not used.
+
+use super::moe::{moe_mlp, SharedNames};
+use super::{Builder, LayerTensor};
+use crate::config::{MlaConfig, ModelConfig};
+use crate::error::{ModelError, Result};
+use ir::{GluAct, InputKind, NodeId, Op, RopeLayout, RopeSpec, SparseMlaSpec};
+
+/// The eps of `q_a_layernorm`, `kv_a_layernorm` (HF's RMSNorm default) and the indexer's
+/// LayerNorm.
+const LATENT_NORM_EPS: f64 = 1e-6;
+
+pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
+    let missing = |what: &str| ModelError::TensorShape {
+        name: "config".into(),
+        what: format!("a glm_moe_dsa model needs its {what} settings"),
+    };
+    let mla = c.mla.ok_or_else(|| missing("latent attention"))?;
+    let moe = c.moe.clone().ok_or_else(|| missing("MoE"))?;
+    let ids = b.graph.input(InputKind::TokenIds);
+    let positions = b.graph.input(InputKind::Positions);
+    let table = b.matrix(b.naming.embedding(), c.vocab_size, c.hidden)?;
+    let mut x = b.op(Op::Embedding, &[table, ids])?;
+    for i in 0..c.layers {
+        let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::AttnNorm), c.hidden, c.rms_eps, 0.0)?;
+        let a = attention(c, &mla, b, i, h, positions)?;
+        x = b.add(x, a)?;
+        let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::FfnNorm), c.hidden, c.rms_eps, 0.0)?;
+        let m = if moe.sparse_layers[i] {
+            moe_mlp(c, &moe, b, i, h, SharedNames::Experts)?
+        } else {
+            let names = [LayerTensor::Gate, LayerTensor::Up, LayerTensor::Down].map(|t| b.naming.layer(i, t));
+            b.gated_mlp(h, &names, c.hidden, c.intermediate, GluAct::Silu)?
+        };
+        x = b.add(x, m)?;
+    }
+    b.lm_head(c, x, 0.0)
+}
+
+/// Latent attention of layer `i` over the normed `h`, through `o_proj`.
+fn attention(
+    c: &ModelConfig,
+    m: &MlaConfig,
+    b: &mut Builder,
+    i: usize,
+    h: NodeId,
+    positions: NodeId,
+) -> Result<NodeId> {
+    let name = |t: &str| format!("model.layers.{i}.self_attn.{t}");
+    let heads = c.heads;
+    let (n, r, v) = (m.nope_dim, m.rope_dim, m.value_dim);
+    let rope = |heads: usize, head_dim: usize, layout: RopeLayout| {
+        Op::Rope(RopeSpec {
+            heads,
+            head_dim,
+            rotary_dim: r,
+            theta: c.rope_theta,
+            position_scale: c.rope_scale,
+            layout,
+        })
+    };
+    // Interleaved RoPE (`rope_interleave`, `indexer_rope_interleave`: element 2i pairs with
+    // 2i + 1) for the attention and the indexer alike, as HF transformers 5.24 computes them
+    // (checked against its logits; split-half fails from position 1 on).
+    let (main_layout, index_layout) = (RopeLayout::AdjacentPairs, RopeLayout::AdjacentPairs);
+    let linear = |b: &mut Builder, x: NodeId, t: &str, rows: usize, cols: usize| -> Result<NodeId> {
+        let w = b.matrix(&name(&format!("{t}.weight")), rows, cols)?;
+        b.matmul(x, w)
+    };
+    // Queries: the normed latent, then per head [nope | rotated].
+    let q_latent = linear(b, h, "q_a_proj", m.q_rank, c.hidden)?;
+    let q_latent = b.rms_norm(q_latent, &name("q_a_layernorm.weight"), m.q_rank, LATENT_NORM_EPS, 0.0)?;
+    let q = linear(b, q_latent, "q_b_proj", heads * (n + r), m.q_rank)?;
+    let q_nope = b.op(
+        Op::GroupSlice {
+            group: n + r,
+            start: 0,
+            len: n,
+        },
+        &[q],
+    )?;
+    let q_pe = b.op(
+        Op::GroupSlice {
+            group: n + r,
+            start: n,
+            len: r,
+        },
+        &[q],
+    )?;
+    let q_pe = b.op(rope(heads, r, main_layout), &[q_pe, positions])?;
+    // Keys and values: the normed latent expanded per head, and one shared rotated key part.
+    let kv_latent = linear(b, h, "kv_a_proj_with_mqa", m.kv_rank + r, c.hidden)?;
+    let k_pe = b.op(
+        Op::Slice {
+            start: m.kv_rank,
+            len: r,
+        },
+        &[kv_latent],
+    )?;
+    let k_pe = b.op(rope(1, r, main_layout), &[k_pe, positions])?;
+    let kv_latent = b.op(
+        Op::Slice {
+            start: 0,
+            len: m.kv_rank,
+        },
+        &[kv_latent],
+    )?;
+    let kv_latent = b.rms_norm(
+        kv_latent,
+        &name("kv_a_layernorm.weight"),
+        m.kv_rank,
+        LATENT_NORM_EPS,
+        0.0,
+    )?;
+    let kv = linear(b, kv_latent, "kv_b_proj", heads * (n + v), m.kv_rank)?;
+    let k_nope = b.op(
+        Op::GroupSlice {
+            group: n + v,
+            start: 0,
+            len: n,
+        },
+        &[kv],
+    )?;
+    let values = b.op(
+        Op::GroupSlice {
+            group: n + v,
+            start: n,
+            len: v,
+        },
+        &[kv],
+    )?;
+    // The indexer.
+    let (ih, id) = (m.index_heads, m.index_dim);
+    let index_q = linear(b, q_latent, "indexer.wq_b", ih * id, m.q_rank)?;
+    let index_q = b.op(rope(ih, id, index_layout), &[index_q, positions])?;
+    let index_k = linear(b, h, "indexer.wk", id, c.hidden)?;
+    let (norm_w, norm_b) = (
+        b.vector(&name("indexer.k_norm.weight"), id)?,
+        b.vector(&name("indexer.k_norm.bias"), id)?,
+    );
+    let index_k = b.op(Op::LayerNorm { eps: LATENT_NORM_EPS }, &[index_k, norm_w, norm_b])?;
+    let index_k = b.op(rope(1, id, index_layout), &[index_k, positions])?;
+    let index_weights = linear(b, h, "indexer.weights_proj", ih, c.hidden)?;
+    let spec = SparseMlaSpec {
+        heads,
+        nope_dim: n,
+        rope_dim: r,
+        value_dim: v,
+        scale: 1.0 / ((n + r) as f64).sqrt(),
+        index_heads: ih,
+        index_dim: id,
+        index_topk: m.index_topk,
+        cache_slot: i,
+    };
+    let inputs = [q_nope, q_pe, k_nope, k_pe, values, index_q, index_k, index_weights];
+    let a = b.op(Op::SparseMla(spec), &inputs)?;
+    linear(b, a, "o_proj", c.hidden, heads * v)
+}
