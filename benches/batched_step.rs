@@ -44,6 +44,7 @@ fn main() {
                 start: 0,
                 ids: &prompt,
                 state_slot: i,
+                sampled_rows: 1,
             };
             backend.step_batch(&mut pages, &[fill]).unwrap();
         }
@@ -56,6 +57,7 @@ fn main() {
                 start: CONTEXT,
                 ids: &next,
                 state_slot: i,
+                sampled_rows: 1,
             })
             .collect();
         let seconds = time(|| {
@@ -81,6 +83,7 @@ fn main() {
             start: 0,
             ids: &chunk,
             state_slot: 0,
+            sampled_rows: 1,
         };
         backend.step_batch(&mut pages, &[prefill]).unwrap();
     });

@@ -58,6 +58,8 @@ pub struct Loaded {
     pub int8_heads: Vec<(String, passes::weight_transforms::Int8Rows)>,
     /// For an artifact compiled for a GPU: its directory and plan files.
     pub gpu_plan: Option<GpuPlanFiles>,
+    /// A model.toml's `[speculative]` section.
+    pub speculative: Option<models::NgramSpec>,
 }
 
 /// Where a GPU artifact's plans are.
@@ -128,6 +130,7 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
             if let Some(d) = options.dtype {
                 spec.dtype = d;
             }
+            let speculative = spec.speculative;
             let model = Model::open(spec)?;
             let fuse = |graph: Graph| -> Result<Graph> {
                 if !options.fuse {
@@ -147,6 +150,7 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
                 greedy,
                 int8_heads: Vec::new(),
                 gpu_plan: None,
+                speculative,
             })
         }
         None => {
@@ -169,6 +173,7 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
         dtype: manifest.dtype,
         context_length: Some(manifest.context_length),
         tokenizer: manifest.tokenizer.clone(),
+        speculative: None,
     };
     let model = Model::open(spec).with_context(|| format!("opening the weights {} names", dir.display()))?;
     let graphs = codegen::read_graphs(dir, &manifest)?;
@@ -187,5 +192,6 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
                 greedy: manifest.greedy_plan.clone(),
                 serving: manifest.serving_plan.clone().zip(graphs.serving),
             }),
+        speculative: None,
     })
 }

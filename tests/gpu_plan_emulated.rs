@@ -307,6 +307,7 @@ fn batch_of<'a>(
             start: *start,
             ids,
             state_slot: i,
+            sampled_rows: 1,
         })
         .collect()
 }
@@ -374,6 +375,7 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
             start: 0,
             ids: &ids,
             state_slot: 0,
+            sampled_rows: 1,
         };
         assert!(gpu.step_batch(&[too_long]).is_err());
         let outside = [BlockId(99)];
@@ -383,6 +385,7 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
                 start: 0,
                 ids: &ids[..1],
                 state_slot: 0,
+                sampled_rows: 1,
             }])
             .is_err());
     }
@@ -413,6 +416,7 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
         block_size: 4,
         context_length: 64,
         prefix_caching: true,
+        speculation: runtime::serving::NgramConfig::OFF,
     };
     let cache = gpu::BatchedCache {
         blocks: config.kv_blocks,

@@ -250,6 +250,19 @@ fn bad_cli_input_is_an_error() {
         (&["run", model], "give a prompt"),
         (&["run", "no-such-model", "--prompt", "hi"], "no-such-model"),
         (&["compile", model, "--target", "tpu", "-o", "/tmp/x"], "unknown target"),
+        (
+            &[
+                "serve",
+                model,
+                "--speculative-ngram",
+                "4",
+                "--prompt-lookup-min",
+                "3",
+                "--prompt-lookup-max",
+                "2",
+            ],
+            "prompt_lookup_min",
+        ),
     ];
     for (args, needle) in cases {
         let (ok, stderr) = bbc(args);

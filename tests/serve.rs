@@ -651,3 +651,34 @@ fn n_choices_are_separate_sequences() {
     assert_eq!(joined, texts);
     assert_eq!(finished, 3);
 }
+
+/// `--speculative-ngram`: a request that copies its prompt generates the same text with and
+/// without drafting, streamed or whole, and the metrics count the accepted drafts.
+#[test]
+fn speculative_decoding_keeps_the_text_and_counts_accepted_drafts() {
+    let body = json!({
+        "messages": [{"role": "user", "content": "Copy this list exactly: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon."}],
+        "max_tokens": 48,
+        "temperature": 0,
+    });
+    let plain = Server::start(&[]);
+    let (status, want) = plain.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{want}");
+    drop(plain);
+    let server = Server::start(&["--speculative-ngram", "4"]);
+    let (status, got) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(got["choices"][0]["message"], want["choices"][0]["message"]);
+    assert_eq!(got["usage"], want["usage"]);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (_, chunks) = server.stream("/v1/chat/completions", &streamed);
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, want["choices"][0]["message"]["content"].as_str().unwrap());
+    let accepted = server.metric("bbc_spec_decode_accepted_tokens_total");
+    assert!(accepted > 0.0 && accepted <= server.metric("bbc_spec_decode_draft_tokens_total"));
+    server.wait_for_free_blocks();
+}

@@ -85,6 +85,7 @@ fn hybrid_requests_sharing_a_prefix_compute_it_themselves() {
         block_size: 4,
         context_length: 256,
         prefix_caching: true,
+        speculation: runtime::serving::NgramConfig::OFF,
     };
     let mut engine = ServingEngine::new(backend(&model), config);
     let ids: Vec<_> = prompts
@@ -128,6 +129,7 @@ fn concurrent_requests_match_alone(model: &Model) {
         block_size: 8,
         context_length: 2048,
         prefix_caching: true,
+        speculation: runtime::serving::NgramConfig::OFF,
     };
     let mut engine = ServingEngine::new(backend(model), config);
     let ids: Vec<_> = prompts
@@ -195,6 +197,7 @@ fn requests_sharing_a_prefix_reuse_its_blocks_and_generate_what_they_generate_al
         block_size: 8,
         context_length: 2048,
         prefix_caching: true,
+        speculation: runtime::serving::NgramConfig::OFF,
     };
     let mut engine = ServingEngine::new(backend(&model), config);
     let mut got: HashMap<_, Vec<u32>> = HashMap::new();
@@ -248,6 +251,7 @@ fn aborting_frees_blocks_at_once() {
         block_size: 16,
         context_length: 2048,
         prefix_caching: true,
+        speculation: runtime::serving::NgramConfig::OFF,
     };
     let mut engine = ServingEngine::new(backend(&model), config);
     let a = engine
@@ -270,4 +274,63 @@ fn aborting_frees_blocks_at_once() {
     assert!(!engine.abort(b));
     assert_eq!(engine.scheduler().used_blocks(), 0);
     assert!(engine.scheduler().is_idle());
+}
+
+/// Speculative decoding by prompt lookup changes no token: on a repetitive prompt (where drafts
+/// are accepted), greedy requests and seeded sampled ones with penalties generate exactly what
+/// they generate one token a step, alone or four at a time.
+#[test]
+fn speculation_keeps_every_token_and_accepts_drafts() {
+    let model = Model::open(ModelSpec::for_weights(&common::real_model("smollm2"))).unwrap();
+    let pattern: Vec<u32> = (0..48u32).map(|j| 300 + 17 * (j % 8)).collect();
+    let sampled = SamplingParams {
+        temperature: 0.8,
+        seed: 11,
+        top_p: 0.9,
+        repetition_penalty: 1.1,
+        ..SamplingParams::default()
+    };
+    let requests = [
+        (pattern.clone(), SamplingParams::default()),
+        (pattern[5..].to_vec(), SamplingParams::default()),
+        (pattern.clone(), sampled),
+        ((0..20u32).map(|j| 1000 + 31 * j).collect(), SamplingParams::default()),
+    ];
+    let run = |speculation: runtime::serving::NgramConfig| {
+        let config = SchedulerConfig {
+            max_waiting: 16,
+            max_running: 4,
+            token_budget: 64,
+            kv_blocks: 64,
+            block_size: 8,
+            context_length: 2048,
+            prefix_caching: true,
+            speculation,
+        };
+        let mut engine = ServingEngine::new(backend(&model), config);
+        let ids: Vec<_> = requests
+            .iter()
+            .map(|(p, s)| engine.add(p.clone(), 24, vec![], *s).unwrap())
+            .collect();
+        let (mut got, mut accepted) = (HashMap::new(), 0);
+        while !engine.scheduler().is_idle() {
+            let out = engine.step().unwrap();
+            accepted += out.accepted;
+            got.extend(out.finished.into_iter().map(|d| (d.seq, d.generated)));
+            assert_eq!(engine.scheduler().check(), Ok(()));
+        }
+        (ids.iter().map(|id| got[id].clone()).collect::<Vec<_>>(), accepted)
+    };
+    let (plain, none) = run(runtime::serving::NgramConfig::OFF);
+    assert_eq!(none, 0);
+    let (speculative, accepted) = run(runtime::serving::NgramConfig {
+        tokens: 4,
+        min: 1,
+        max: 3,
+    });
+    assert_eq!(speculative, plain);
+    assert!(
+        accepted >= 24,
+        "the repeated pattern should accept drafts, accepted {accepted}"
+    );
 }

@@ -16,7 +16,7 @@ pub use config::{
 };
 pub use error::{ModelError, Result};
 pub use families::{lower, lower_without_weights, with_greedy_token, ComputeDtype, LogitsFor, LowerOptions};
-pub use model_toml::ModelSpec;
+pub use model_toml::{ModelSpec, NgramSpec};
 pub use tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
 pub use weights::{TensorView, WeightSource};
 

@@ -8,10 +8,15 @@
 //! dtype = "native"                             # optional: f32 | bf16 | native (default native)
 //! context_length = 4096                        # optional: at most the model's own
 //! tokenizer = "tokenizer.json"                 # optional: overrides the weights' tokenizer
+//!
+//! [speculative]                                # optional: speculative decoding in `bbc serve`
+//! method = "ngram"                             # prompt lookup (the only method so far)
+//! num_speculative_tokens = 4                   # drafted tokens a step at most
+//! prompt_lookup_min = 1                        # optional: shortest match tried (default 1)
+//! prompt_lookup_max = 3                        # optional: longest match tried (default 3)
 //! ```
 //!
-//! Later sections (speculative decoding, serving limits) are added with the features that read
-//! them; until then an unknown section or key is an error, so a typo never passes silently.
+//! An unknown section or key is an error, so a typo never passes silently.
 
 use crate::config::Family;
 use crate::error::{io_error, ModelError, Result};
@@ -23,6 +28,36 @@ use std::path::{Path, PathBuf};
 #[serde(deny_unknown_fields)]
 pub struct ModelToml {
     pub model: ModelSection,
+    pub speculative: Option<SpeculativeSection>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SpeculativeSection {
+    pub method: String,
+    pub num_speculative_tokens: usize,
+    pub prompt_lookup_min: Option<usize>,
+    pub prompt_lookup_max: Option<usize>,
+}
+
+/// Prompt-lookup drafting, as `[speculative]` asks for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NgramSpec {
+    pub tokens: usize,
+    pub min: usize,
+    pub max: usize,
+}
+
+impl NgramSpec {
+    /// Checked: a match length of at least 1, `min ≤ max`.
+    pub fn new(tokens: usize, min: usize, max: usize) -> std::result::Result<Self, String> {
+        if min == 0 || min > max {
+            return Err(format!(
+                "prompt lookup needs 1 ≤ prompt_lookup_min ≤ prompt_lookup_max, got {min} and {max}"
+            ));
+        }
+        Ok(Self { tokens, min, max })
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -43,6 +78,8 @@ pub struct ModelSpec {
     pub dtype: ComputeDtype,
     pub context_length: Option<usize>,
     pub tokenizer: Option<PathBuf>,
+    /// `[speculative]`, where the file has it.
+    pub speculative: Option<NgramSpec>,
 }
 
 impl ModelSpec {
@@ -77,12 +114,27 @@ impl ModelSpec {
         if m.context_length == Some(0) {
             return Err(bad("model.context_length must be at least 1".into()));
         }
+        let speculative = match parsed.speculative {
+            None => None,
+            Some(s) if s.method != "ngram" => {
+                return Err(bad(format!("speculative.method `{}` is not one of: ngram", s.method)))
+            }
+            Some(s) => Some(
+                NgramSpec::new(
+                    s.num_speculative_tokens,
+                    s.prompt_lookup_min.unwrap_or(1),
+                    s.prompt_lookup_max.unwrap_or(3),
+                )
+                .map_err(|e| bad(format!("speculative: {e}")))?,
+            ),
+        };
         Ok(Self {
             weights: base.join(m.weights),
             architecture,
             dtype,
             context_length: m.context_length,
             tokenizer: m.tokenizer.map(|t| base.join(t)),
+            speculative,
         })
     }
 
@@ -94,6 +146,7 @@ impl ModelSpec {
             dtype: ComputeDtype::Native,
             context_length: None,
             tokenizer: None,
+            speculative: None,
         }
     }
 }
@@ -112,6 +165,40 @@ mod tests {
         assert_eq!(spec.weights, Path::new("/m/w.gguf"));
         assert_eq!(spec.dtype, ComputeDtype::F32);
         assert_eq!(spec.architecture, None);
+    }
+
+    #[test]
+    fn the_speculative_section_is_read_and_checked() {
+        let base = "[model]\nweights = \"w.gguf\"\n[speculative]\nmethod = \"ngram\"\nnum_speculative_tokens = 4\n";
+        assert_eq!(
+            parse(base).unwrap().speculative,
+            Some(NgramSpec {
+                tokens: 4,
+                min: 1,
+                max: 3
+            })
+        );
+        let ranged = format!("{base}prompt_lookup_min = 2\nprompt_lookup_max = 5\n");
+        assert_eq!(
+            parse(&ranged).unwrap().speculative,
+            Some(NgramSpec {
+                tokens: 4,
+                min: 2,
+                max: 5
+            })
+        );
+        for (text, needle) in [
+            (base.replace("ngram", "eagle"), "eagle"),
+            (
+                format!("{base}prompt_lookup_min = 4\nprompt_lookup_max = 2\n"),
+                "prompt_lookup_min",
+            ),
+            (format!("{base}lookahead = 2\n"), "lookahead"),
+        ] {
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err}");
+        }
+        assert_eq!(parse("[model]\nweights = \"w.gguf\"\n").unwrap().speculative, None);
     }
 
     #[test]

@@ -130,6 +130,7 @@ pub fn time_decode<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) -
                     start: lengths[s],
                     ids: &ids[s],
                     state_slot: s,
+                    sampled_rows: 1,
                 })
                 .collect();
             let launches = match read {
@@ -187,6 +188,7 @@ fn prefill<D: PlanDevice>(
                 start,
                 ids: &ids,
                 state_slot: s,
+                sampled_rows: 1,
             }])?;
         }
     }

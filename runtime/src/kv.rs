@@ -16,6 +16,9 @@ pub struct Segment<'a> {
     /// without them ignore it): sequences in one step have different slots, and a segment that
     /// starts at position 0 starts its slot's state afresh.
     pub state_slot: usize,
+    /// How many of the segment's last rows the step's per-sequence outputs (after
+    /// `last_token`) hold: 1, or 1 + the drafted tokens the engine verifies in one pass.
+    pub sampled_rows: usize,
 }
 
 impl Segment<'_> {

@@ -5,11 +5,13 @@
 //! there, whoever computed it; every scheduled work computes at least one token; and once
 //! everything is done or aborted no block is in use. Without the prefix cache (models with a
 //! recurrent state), a simulated recurrent state shows that every work continues the state of
-//! its own sequence's prefix, in a slot nobody else's work touches meanwhile.
+//! its own sequence's prefix, in a slot nobody else's work touches meanwhile. With speculation,
+//! works carry drafted tokens of which a random number is accepted: the same checks hold, and
+//! no draft takes a sequence past its `max_tokens` or a step past its budget.
 
 use proptest::prelude::*;
 use runtime::kv::cache_row;
-use runtime::serving::{Scheduler, SchedulerConfig, SeqId, Work};
+use runtime::serving::{NgramConfig, Scheduler, SchedulerConfig, SeqId, Work};
 use std::collections::HashMap;
 
 #[derive(Debug, Clone)]
@@ -23,6 +25,8 @@ enum Action {
     },
     Step {
         stop: bool,
+        /// How many of a work's drafted tokens the "model" agrees with.
+        accept: usize,
     },
     Abort(usize),
 }
@@ -35,7 +39,7 @@ fn action() -> impl Strategy<Value = Action> {
             tail,
             max_tokens
         }),
-        any::<bool>().prop_map(|stop| Action::Step { stop }),
+        (any::<bool>(), 0usize..4).prop_map(|(stop, accept)| Action::Step { stop, accept }),
         (0usize..64).prop_map(Action::Abort),
     ]
 }
@@ -65,10 +69,16 @@ struct SimulatedKv {
 }
 
 impl SimulatedKv {
-    /// Check what `w` reads, then write what it computes.
+    /// Check what `w` reads, then write what it computes (its drafted tokens included).
     fn run(&mut self, w: &Work, block_size: usize) {
-        let tokens = &self.tokens[&w.seq];
-        assert_eq!(&tokens[w.start..w.end], w.tokens.as_slice());
+        let known = &self.tokens[&w.seq];
+        let own = w.end - w.drafts;
+        assert_eq!(&known[w.start..own], &w.tokens[..own - w.start]);
+        if w.drafts > 0 {
+            assert_eq!(own, known.len(), "drafts follow the sequence's last token: {w:?}");
+        }
+        let tokens: Vec<u32> = known[..w.start].iter().chain(&w.tokens).copied().collect();
+        let tokens = &tokens;
         for pos in 0..w.start {
             let row = cache_row(&w.table, block_size, pos);
             assert_eq!(
@@ -100,7 +110,7 @@ impl SimulatedKv {
     }
 }
 
-fn run_step(s: &mut Scheduler, kv: &mut SimulatedKv, stop: bool, config: &SchedulerConfig) -> usize {
+fn run_step(s: &mut Scheduler, kv: &mut SimulatedKv, stop: bool, accept: usize, config: &SchedulerConfig) -> usize {
     let schedule = s.schedule();
     let scheduled: usize = schedule.work.iter().map(|w| w.end - w.start).sum();
     assert!(
@@ -113,25 +123,35 @@ fn run_step(s: &mut Scheduler, kv: &mut SimulatedKv, stop: bool, config: &Schedu
         // Computes at least one token, even when the whole prompt was cached.
         assert!(w.start < w.end && w.tokens.len() == w.end - w.start, "{w:?}");
         kv.run(w, config.block_size);
-        // Token 7 is the stop token; `stop` decides whether this step emits it.
-        if complete(s, kv, w, if stop { 7 } else { 3 }) {
+        assert!(w.drafts == 0 || (config.speculation.is_on() && w.samples && w.end - w.drafts - w.start == 1));
+        // Token 7 is the stop token; `stop` decides whether this step emits it after the
+        // drafts it accepts.
+        if complete(s, kv, w, accept, if stop { 7 } else { 3 }) {
             finished += 1;
         }
     }
     finished
 }
 
-/// Record that `w` ran and sampled `token` where it samples; whether its sequence finished.
-fn complete(s: &mut Scheduler, kv: &mut SimulatedKv, w: &Work, token: u32) -> bool {
-    match s.complete(w, w.samples.then_some(token)) {
+/// Record that `w` ran and, where it samples, accepted `accept` of its drafts and then chose
+/// `token`; whether its sequence finished.
+fn complete(s: &mut Scheduler, kv: &mut SimulatedKv, w: &Work, accept: usize, token: u32) -> bool {
+    let mut sampled: Vec<u32> = w.tokens[w.tokens.len() - w.drafts..]
+        .iter()
+        .take(accept)
+        .copied()
+        .collect();
+    sampled.push(token);
+    let sampled = if w.samples { sampled } else { Vec::new() };
+    let (taken, done) = s.complete(w, &sampled);
+    match done {
         Some(_) => {
             kv.tokens.remove(&w.seq);
             true
         }
         None => {
-            if w.samples {
-                kv.tokens.get_mut(&w.seq).expect("running").push(token);
-            }
+            let tokens = kv.tokens.get_mut(&w.seq).expect("running");
+            tokens.extend_from_slice(&sampled[..taken]);
             false
         }
     }
@@ -146,8 +166,10 @@ proptest! {
         block_size in 2usize..8,
         budget in 1usize..24,
         prefix_caching in any::<bool>(),
+        drafts in 0usize..4,
         actions in proptest::collection::vec(action(), 1..120),
     ) {
+        let speculation = NgramConfig { tokens: drafts, min: 1, max: 3 };
         let config = SchedulerConfig {
             max_waiting: 8,
             max_running: 4,
@@ -156,10 +178,13 @@ proptest! {
             block_size,
             context_length: 64,
             prefix_caching,
+            speculation,
         };
         let mut s = Scheduler::new(config);
         let mut kv = SimulatedKv {
-            states: (!prefix_caching).then(HashMap::new),
+            // Recurrent models run without the prefix cache and without speculation (drafts
+            // would advance a state past what is kept).
+            states: (!prefix_caching && !speculation.is_on()).then(HashMap::new),
             ..Default::default()
         };
         let mut ids: Vec<SeqId> = Vec::new();
@@ -172,8 +197,8 @@ proptest! {
                         ids.push(id);
                     }
                 }
-                Action::Step { stop } => {
-                    run_step(&mut s, &mut kv, stop, &config);
+                Action::Step { stop, accept } => {
+                    run_step(&mut s, &mut kv, stop, accept, &config);
                 }
                 Action::Abort(i) => {
                     if let Some(&id) = ids.get(i % ids.len().max(1)) {
@@ -187,7 +212,7 @@ proptest! {
         // Everything still queued completes: no livelock, and every block comes back.
         let mut steps = 0;
         while !s.is_idle() {
-            run_step(&mut s, &mut kv, false, &config);
+            run_step(&mut s, &mut kv, false, 1, &config);
             prop_assert_eq!(s.check(), Ok(()));
             steps += 1;
             prop_assert!(steps < 10_000, "the scheduler stopped making progress");
@@ -206,6 +231,7 @@ fn a_full_queue_refuses_and_oversized_requests_are_named() {
         block_size: 4,
         context_length: 32,
         prefix_caching: true,
+        speculation: runtime::serving::NgramConfig::OFF,
     };
     let mut s = Scheduler::new(config);
     s.add(vec![1, 2], 4, vec![]).unwrap();
@@ -239,6 +265,7 @@ fn preemption_recomputes_and_still_finishes_everyone() {
         block_size: 4,
         context_length: 16,
         prefix_caching: true,
+        speculation: runtime::serving::NgramConfig::OFF,
     };
     let mut s = Scheduler::new(config);
     let a = s.add(vec![1, 2, 3], 4, vec![]).unwrap();
@@ -249,7 +276,8 @@ fn preemption_recomputes_and_still_finishes_everyone() {
         let schedule = s.schedule();
         preempted += schedule.preempted.len();
         for w in &schedule.work {
-            if let Some(done) = s.complete(w, w.samples.then_some(9)) {
+            let sampled = if w.samples { vec![9] } else { Vec::new() };
+            if let (_, Some(done)) = s.complete(w, &sampled) {
                 finished.push(done.seq);
             }
         }
@@ -274,6 +302,7 @@ fn a_cached_prefix_is_reused_but_the_last_prompt_token_is_always_computed() {
         block_size: 4,
         context_length: 64,
         prefix_caching: true,
+        speculation: runtime::serving::NgramConfig::OFF,
     };
     let mut s = Scheduler::new(config);
     let mut kv = SimulatedKv::default();
@@ -284,9 +313,9 @@ fn a_cached_prefix_is_reused_but_the_last_prompt_token_is_always_computed() {
         let work = s.schedule().work.into_iter().find(|w| w.seq == id).unwrap();
         let span = (work.start, work.end);
         kv.run(&work, config.block_size);
-        complete(s, kv, &work, 3);
+        complete(s, kv, &work, 0, 3);
         while !s.is_idle() {
-            run_step(s, kv, false, &config);
+            run_step(s, kv, false, 0, &config);
         }
         span
     };

@@ -126,6 +126,7 @@ pub fn graph_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
                     start: step,
                     ids: &ids[s],
                     state_slot: s,
+                    sampled_rows: 1,
                 })
                 .collect();
             for out in exec.step_batch(&batch)? {

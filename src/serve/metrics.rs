@@ -50,6 +50,8 @@ pub struct Metrics {
     pub kv_blocks_total: AtomicU64,
     pub prefix_cache_queries: AtomicU64,
     pub prefix_cache_hits: AtomicU64,
+    pub draft_tokens: AtomicU64,
+    pub accepted_draft_tokens: AtomicU64,
     pub ttft: Histogram,
     pub tpot: Histogram,
     pub e2e: Histogram,
@@ -89,6 +91,16 @@ impl Metrics {
                 "bbc_prefix_cache_hits_total",
                 "Tokens found in the prefix cache (not computed).",
                 &self.prefix_cache_hits,
+            ),
+            (
+                "bbc_spec_decode_draft_tokens_total",
+                "Tokens drafted by prompt lookup and verified.",
+                &self.draft_tokens,
+            ),
+            (
+                "bbc_spec_decode_accepted_tokens_total",
+                "Drafted tokens accepted (each one a step saved).",
+                &self.accepted_draft_tokens,
             ),
         ];
         for (name, help, value) in counters {

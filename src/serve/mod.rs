@@ -53,6 +53,30 @@ pub struct ServeArgs {
     /// Compute dtype for matrices: f32, bf16 or native (the file's quantization).
     #[arg(long, value_parser = crate::commands::run::parse_dtype)]
     pub dtype: Option<ComputeDtype>,
+    /// Speculative decoding by prompt lookup: draft up to N tokens a step from earlier text
+    /// of the request and verify them in the same pass (0: off; overrides a model.toml's
+    /// `[speculative]`). Tokens are unchanged; CPU backend, models without recurrent state.
+    #[arg(long)]
+    pub speculative_ngram: Option<usize>,
+    /// Shortest match prompt lookup tries (default 1, or model.toml's).
+    #[arg(long)]
+    pub prompt_lookup_min: Option<usize>,
+    /// Longest match prompt lookup tries (default 3, or model.toml's).
+    #[arg(long)]
+    pub prompt_lookup_max: Option<usize>,
+}
+
+/// The drafting the flags and the model.toml ask for (flags first).
+fn speculation(args: &ServeArgs, toml: Option<models::NgramSpec>) -> Result<runtime::serving::NgramConfig> {
+    let tokens = args.speculative_ngram.or(toml.map(|t| t.tokens)).unwrap_or(0);
+    let min = args.prompt_lookup_min.or(toml.map(|t| t.min)).unwrap_or(1);
+    let max = args.prompt_lookup_max.or(toml.map(|t| t.max)).unwrap_or(3);
+    let spec = models::NgramSpec::new(tokens, min, max).map_err(|e| anyhow::anyhow!("--prompt-lookup-min/max: {e}"))?;
+    Ok(runtime::serving::NgramConfig {
+        tokens: spec.tokens,
+        min: spec.min,
+        max: spec.max,
+    })
 }
 
 pub fn serve(args: &ServeArgs) -> Result<()> {
@@ -92,7 +116,15 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         context_length,
         // The engine turns it off for models with recurrent state.
         prefix_caching: true,
+        // And this where the backend cannot verify drafts.
+        speculation: speculation(args, loaded.speculative)?,
     };
+    if config.speculation.is_on() {
+        eprintln!(
+            "speculative decoding: prompt lookup, up to {} drafted tokens a step (matches of {}..={} tokens)",
+            config.speculation.tokens, config.speculation.min, config.speculation.max
+        );
+    }
     let metrics = Arc::new(metrics::Metrics::default());
     metrics.kv_blocks_total.store(args.kv_blocks as u64, Relaxed);
     let (requests, inbox) = tokio::sync::mpsc::unbounded_channel();

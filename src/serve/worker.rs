@@ -94,6 +94,8 @@ fn step<B: PagedBackend>(
     match engine.step_while(wanted) {
         Ok(out) => {
             metrics.generation_tokens.fetch_add(out.tokens.len() as u64, Relaxed);
+            metrics.draft_tokens.fetch_add(out.drafted as u64, Relaxed);
+            metrics.accepted_draft_tokens.fetch_add(out.accepted as u64, Relaxed);
             for sampled in out.tokens {
                 let id = sampled.seq;
                 let event = Event::Token(sampled.token, sampled.logprobs);

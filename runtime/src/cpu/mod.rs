@@ -79,6 +79,8 @@ struct StepRows<'a> {
     segments: &'a [Segment<'a>],
     /// Per segment, its rows of the stacked activations.
     ranges: Vec<std::ops::Range<usize>>,
+    /// Per segment, its rows of the per-sequence outputs (after `LastToken`).
+    sampled: Vec<std::ops::Range<usize>>,
     /// Per row, its position and its sequence's block table.
     query: Vec<QueryRow<'a>>,
     /// Per row, its position (the graph's `Positions` input), and the rope tables for them.
@@ -88,8 +90,11 @@ struct StepRows<'a> {
 impl<'a> StepRows<'a> {
     fn of(segments: &'a [Segment<'a>]) -> Self {
         let mut ranges = Vec::with_capacity(segments.len());
+        let mut sampled: Vec<std::ops::Range<usize>> = Vec::with_capacity(segments.len());
         let mut query = Vec::new();
         for seg in segments {
+            let first = sampled.last().map_or(0, |r| r.end);
+            sampled.push(first..first + seg.sampled_rows);
             ranges.push(query.len()..query.len() + seg.ids.len());
             query.extend((seg.start..seg.end()).map(|pos| QueryRow { pos, table: seg.table }));
         }
@@ -97,13 +102,14 @@ impl<'a> StepRows<'a> {
         Self {
             segments,
             ranges,
+            sampled,
             query,
             rope,
         }
     }
 
     /// Split a graph output into one tensor per segment: its rows when the output has a row per
-    /// token, its row when it has one per sequence (after `LastToken`).
+    /// token, its sampled rows when it has those (after `LastToken`).
     fn split(&self, t: &Tensor) -> Result<Vec<Tensor>> {
         let width = t.row_len();
         let rows = |r: std::ops::Range<usize>| {
@@ -111,8 +117,8 @@ impl<'a> StepRows<'a> {
         };
         if t.rows() == self.query.len() {
             Ok(self.ranges.iter().map(|r| rows(r.clone())).collect())
-        } else if t.rows() == self.segments.len() {
-            Ok((0..self.segments.len()).map(|i| rows(i..i + 1)).collect())
+        } else if t.rows() == self.sampled.last().map_or(0, |r| r.end) {
+            Ok(self.sampled.iter().map(|r| rows(r.clone())).collect())
         } else {
             Err(RuntimeError::Graph(format!(
                 "an output has {} rows for a step of {} tokens in {} sequences",
@@ -275,6 +281,7 @@ impl CpuBackend {
             start: seq.len,
             ids,
             state_slot: 0,
+            sampled_rows: 1,
         };
         let out = self.step_batch(&mut seq.pages, &[segment])?.pop();
         seq.len = end;
@@ -348,6 +355,13 @@ impl CpuBackend {
         for seg in batch {
             if seg.ids.is_empty() {
                 return Err(RuntimeError::Input("a step needs at least one token".into()));
+            }
+            if !(1..=seg.ids.len()).contains(&seg.sampled_rows) {
+                return Err(RuntimeError::Input(format!(
+                    "a segment of {} tokens cannot sample {} rows",
+                    seg.ids.len(),
+                    seg.sampled_rows
+                )));
             }
             if seg.end() > self.context_length {
                 return Err(RuntimeError::ContextOverflow {
@@ -425,8 +439,13 @@ impl CpuBackend {
             Op::GeluTanh => map(args[0].value().tensor(), activation::gelu_tanh),
             Op::LastToken => {
                 let x = args[0].value().tensor();
-                let data = rows.ranges.iter().flat_map(|r| x.row(r.end - 1)).copied().collect();
-                Tensor::new(vec![rows.ranges.len(), x.row_len()], data)
+                let picked = rows
+                    .segments
+                    .iter()
+                    .zip(&rows.ranges)
+                    .flat_map(|(seg, r)| r.end - seg.sampled_rows..r.end);
+                let data: Vec<f32> = picked.flat_map(|r| x.row(r)).copied().collect();
+                Tensor::new(vec![data.len() / x.row_len().max(1), x.row_len()], data)
             }
             Op::AddBias => {
                 let x = args[0].value().tensor();

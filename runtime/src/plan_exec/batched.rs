@@ -128,6 +128,11 @@ impl<D: PlanDevice> PlanExecutor<D> {
         // Each segment's rows of the step.
         let mut segment_rows: Vec<Range<usize>> = Vec::with_capacity(batch.len());
         for seg in batch {
+            if seg.sampled_rows != 1 {
+                return Err(RuntimeError::Input(
+                    "GPU plans sample one row per sequence; drafted tokens are verified on the CPU backend only".into(),
+                ));
+            }
             let first = segment_rows.last().map_or(0, |r| r.end);
             segment_rows.push(first..first + seg.ids.len());
             if seg.ids.is_empty() || seg.end() > self.context_length {

@@ -4,7 +4,7 @@
 //! Preempted sequences lose their blocks and recompute what the prefix cache no longer holds
 //! when readmitted.
 
-use super::scheduler::{AddError, Finished, Scheduler, SchedulerConfig, SeqId};
+use super::scheduler::{AddError, Finished, Scheduler, SchedulerConfig, SeqId, Work};
 use crate::error::{Result, RuntimeError};
 use crate::kv::Segment;
 use crate::sampling::{Sampler, SamplingParams, TokenLogprobs};
@@ -24,6 +24,11 @@ pub trait PagedBackend {
     /// Whether the model keeps a recurrent state per sequence (Gated DeltaNet layers), which
     /// the prefix cache cannot hold.
     fn has_recurrent_state(&self) -> bool {
+        false
+    }
+    /// Whether a step can sample several rows of one sequence (`Segment::sampled_rows`), and
+    /// so verify drafted tokens: a state that drafts would advance past what is kept cannot.
+    fn verifies_drafts(&self) -> bool {
         false
     }
     /// Process every segment's tokens in one pass; each segment's outputs by name, in order:
@@ -50,6 +55,9 @@ impl PagedBackend for crate::CpuBackend {
     fn has_recurrent_state(&self) -> bool {
         crate::CpuBackend::has_recurrent_state(self)
     }
+    fn verifies_drafts(&self) -> bool {
+        !self.has_recurrent_state()
+    }
 }
 
 /// A token chosen this step.
@@ -64,8 +72,12 @@ pub struct Sampled {
 /// What one step produced.
 #[derive(Debug, Default)]
 pub struct StepOutput {
+    /// In order; a sequence that accepted drafted tokens has several.
     pub tokens: Vec<Sampled>,
     pub finished: Vec<Finished>,
+    /// Tokens drafted for this step's sequences, and of those the ones accepted.
+    pub drafted: usize,
+    pub accepted: usize,
 }
 
 pub struct ServingEngine<B: PagedBackend> {
@@ -77,13 +89,17 @@ pub struct ServingEngine<B: PagedBackend> {
 
 impl<B: PagedBackend> ServingEngine<B> {
     /// An engine over `backend`; a token budget above what the backend takes in one step is
-    /// lowered to it (prompts are then chunked smaller), so no step is refused for its size,
-    /// and a model with recurrent state runs without the prefix cache.
+    /// lowered to it (prompts are then chunked smaller), so no step is refused for its size;
+    /// a model with recurrent state runs without the prefix cache, and a backend that cannot
+    /// verify drafted tokens without speculation.
     pub fn new(backend: B, mut config: SchedulerConfig) -> Self {
         if let Some(limit) = backend.max_step_tokens() {
             config.token_budget = config.token_budget.min(limit);
         }
         config.prefix_caching &= !backend.has_recurrent_state();
+        if !backend.verifies_drafts() {
+            config.speculation = super::ngram::NgramConfig::OFF;
+        }
         Self {
             pages: backend.new_pages(config.block_size),
             backend,
@@ -152,6 +168,7 @@ impl<B: PagedBackend> ServingEngine<B> {
                 start: w.start,
                 ids: &w.tokens,
                 state_slot: w.state_slot,
+                sampled_rows: if w.samples { w.drafts + 1 } else { 1 },
             })
             .collect();
         // Requests that take the argmax and want nothing else of the logits can have it
@@ -172,17 +189,20 @@ impl<B: PagedBackend> ServingEngine<B> {
         let missing = || RuntimeError::Graph("the backend returned fewer results than the step had segments".into());
         for (i, work) in schedule.work.iter().enumerate() {
             let sampled = match (work.samples, &greedy_tokens) {
-                (false, _) => None,
-                (true, Some(tokens)) => Some(Sampled {
+                (false, _) => Vec::new(),
+                (true, Some(tokens)) => vec![Sampled {
                     seq: work.seq,
                     token: *tokens.get(i).ok_or_else(missing)?,
                     logprobs: None,
-                }),
-                (true, None) => Some(self.sample(work.seq, outputs.get(i).ok_or_else(missing)?)?),
+                }],
+                (true, None) => self.sample(work, outputs.get(i).ok_or_else(missing)?)?,
             };
-            let token = sampled.as_ref().map(|s| s.token);
-            out.tokens.extend(sampled);
-            if let Some(done) = self.scheduler.complete(work, token) {
+            let tokens: Vec<u32> = sampled.iter().map(|s| s.token).collect();
+            let (taken, done) = self.scheduler.complete(work, &tokens);
+            out.drafted += work.drafts;
+            out.accepted += taken.saturating_sub(1).min(work.drafts);
+            out.tokens.extend(sampled.into_iter().take(taken));
+            if let Some(done) = done {
                 self.samplers.remove(&done.seq);
                 out.finished.push(done);
             }
@@ -190,15 +210,38 @@ impl<B: PagedBackend> ServingEngine<B> {
         Ok(out)
     }
 
-    /// Choose `seq`'s next token from the last row of the step's logits.
-    fn sample(&mut self, seq: SeqId, outputs: &HashMap<String, Tensor>) -> Result<Sampled> {
+    /// Choose `work`'s next tokens from the step's logits: at its last row, or, where it carries
+    /// drafted tokens, at each of its last `drafts + 1` rows in turn while the token chosen is
+    /// the one drafted there. Each row is sampled as if alone (the sampler's penalties and
+    /// random stream see exactly the tokens taken before it), so the tokens are those that
+    /// decoding one at a time would have chosen.
+    fn sample(&mut self, work: &Work, outputs: &HashMap<String, Tensor>) -> Result<Vec<Sampled>> {
         let logits = outputs
             .get("logits")
             .ok_or_else(|| RuntimeError::Graph("the graph has no `logits` output".into()))?;
-        let row = logits.row(logits.rows() - 1);
-        let sampler = self.samplers.get_mut(&seq).expect("every sequence has a sampler");
-        let token = sampler.sample(row);
-        let logprobs = sampler.params().logprobs.map(|top| TokenLogprobs::of(row, token, top));
-        Ok(Sampled { seq, token, logprobs })
+        let rows = logits.rows();
+        if rows < work.drafts + 1 {
+            return Err(RuntimeError::Graph(format!(
+                "{rows} logits rows for a step verifying {} drafted tokens",
+                work.drafts
+            )));
+        }
+        let drafted = &work.tokens[work.tokens.len() - work.drafts..];
+        let sampler = self.samplers.get_mut(&work.seq).expect("every sequence has a sampler");
+        let mut out = Vec::with_capacity(work.drafts + 1);
+        for j in 0..=work.drafts {
+            let row = logits.row(rows - 1 - work.drafts + j);
+            let token = sampler.sample(row);
+            let logprobs = sampler.params().logprobs.map(|top| TokenLogprobs::of(row, token, top));
+            out.push(Sampled {
+                seq: work.seq,
+                token,
+                logprobs,
+            });
+            if drafted.get(j) != Some(&token) {
+                break;
+            }
+        }
+        Ok(out)
     }
 }

@@ -3,10 +3,12 @@
 
 pub mod block_manager;
 pub mod engine;
+pub mod ngram;
 pub mod scheduler;
 
 pub use block_manager::{BlockId, BlockManager, OutOfBlocks};
 pub use engine::{PagedBackend, Sampled, ServingEngine, StepOutput};
+pub use ngram::NgramConfig;
 pub use scheduler::{
     AddError, FinishReason, Finished, PrefixCacheStats, Schedule, Scheduler, SchedulerConfig, SeqId, Work,
 };

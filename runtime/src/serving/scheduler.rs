@@ -20,6 +20,12 @@
 //! does not keep, so those models run with `prefix_caching` off: a sequence then always starts
 //! from position 0, where the backend starts its slot afresh.
 //!
+//! Speculative decoding: with `speculation` on, a decoding sequence's work carries, after its
+//! last token, tokens drafted by prompt lookup ([`NgramConfig`]), within the token budget and
+//! its `max_tokens`; the engine verifies them in the same pass and [`Scheduler::complete`]
+//! keeps the accepted ones: the cache then holds positions up to the last accepted draft, and
+//! what the rejected ones wrote is overwritten later (those blocks are the sequence's own).
+//!
 //! Invariants (checked by [`Scheduler::check`], property-tested): the block manager's (no block
 //! free and owned, none owned twice, none leaked); a running sequence's table covers exactly
 //! the positions it has cached, and every block it will write (from its first uncached
@@ -28,6 +34,7 @@
 //! hold distinct state slots, waiting ones none.
 
 use super::block_manager::{BlockId, BlockManager, Serial};
+use super::ngram::NgramConfig;
 use std::collections::{BTreeMap, VecDeque};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -48,6 +55,8 @@ pub struct SchedulerConfig {
     /// Whether an admitted sequence may start from cached blocks of another's prefix (off for
     /// models whose recurrent state the cache cannot hold).
     pub prefix_caching: bool,
+    /// Drafting for speculative decoding (`NgramConfig::OFF` for none).
+    pub speculation: NgramConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -101,6 +110,9 @@ pub struct Work {
     pub samples: bool,
     /// The sequence's recurrent-state slot (see the module's notes).
     pub state_slot: usize,
+    /// How many of `tokens` (the last ones) are drafted, not yet the sequence's: the engine
+    /// samples at each of the last `drafts + 1` positions and keeps drafts while they agree.
+    pub drafts: usize,
 }
 
 /// Prefix-cache effect so far, in tokens (vLLM's `prefix_cache_queries` and `_hits`).
@@ -238,12 +250,17 @@ impl Scheduler {
             let seq = &self.seqs[&id];
             let n = (seq.tokens.len() - seq.cached).min(budget);
             let end = seq.cached + n;
+            let mut drafts = self.drafts(seq, budget);
             let mut table = std::mem::take(&mut self.seqs.get_mut(&id).expect("running").table);
+            // Drafts only where blocks are free for them: never preempt for a guess.
+            if !drafts.is_empty() && self.blocks.grow(&mut table, end + drafts.len()).is_err() {
+                drafts.clear();
+            }
             match self.blocks.grow(&mut table, end) {
                 Ok(()) => {
                     self.seqs.get_mut(&id).expect("running").table = table;
-                    out.work.push(self.work(id, end));
-                    budget -= n;
+                    budget -= n + drafts.len();
+                    out.work.push(self.work(id, end, drafts));
                     i += 1;
                 }
                 Err(_) => {
@@ -296,21 +313,38 @@ impl Scheduler {
         debug_assert_eq!(seq.state_slot, Some(slot));
         self.waiting.pop_front();
         self.running.push(id);
-        out.work.push(self.work(id, cached + n));
+        out.work.push(self.work(id, cached + n, Vec::new()));
         *budget -= n;
         true
     }
 
-    fn work(&self, id: SeqId, end: usize) -> Work {
+    /// Tokens to draft after `seq`'s last one, where it decodes and speculation is on: within
+    /// the step's `budget` (its own token first) and so that every draft accepted plus the
+    /// token sampled after them stays within its `max_tokens`.
+    fn drafts(&self, seq: &Seq, budget: usize) -> Vec<u32> {
+        let decoding = seq.tokens.len() - seq.cached == 1;
+        if !decoding || !self.config.speculation.is_on() {
+            return Vec::new();
+        }
+        let room = seq.max_tokens.saturating_sub(seq.generated() + 1);
+        self.config.speculation.propose(&seq.tokens, room.min(budget - 1))
+    }
+
+    /// The work computing `seq`'s positions from its first uncached one to `end`, then `drafts`.
+    fn work(&self, id: SeqId, end: usize, drafts: Vec<u32>) -> Work {
         let seq = &self.seqs[&id];
+        let mut tokens = seq.tokens[seq.cached..end].to_vec();
+        let count = drafts.len();
+        tokens.extend(drafts);
         Work {
             seq: id,
             start: seq.cached,
-            end,
-            tokens: seq.tokens[seq.cached..end].to_vec(),
+            end: end + count,
+            tokens,
             table: seq.table.clone(),
             samples: end == seq.tokens.len(),
             state_slot: seq.state_slot.expect("running sequences hold a state slot"),
+            drafts: count,
         }
     }
 
@@ -324,32 +358,50 @@ impl Scheduler {
         self.waiting.push_front(id);
     }
 
-    /// Record that `work` ran; `sampled` is the token chosen when it sampled.
-    pub fn complete(&mut self, work: &Work, sampled: Option<u32>) -> Option<Finished> {
-        let seq = self.seqs.get_mut(&work.seq)?;
+    /// Record that `work` ran; `sampled` are the tokens chosen where it samples: the drafts it
+    /// accepted, then the token after them (empty where it does not sample). Tokens after one
+    /// that finishes the sequence are dropped. Returns how many of `sampled` the sequence took,
+    /// and how it finished if it did.
+    pub fn complete(&mut self, work: &Work, sampled: &[u32]) -> (usize, Option<Finished>) {
+        let Some(seq) = self.seqs.get_mut(&work.seq) else {
+            return (0, None);
+        };
         if seq.cached != work.start {
             // Preempted or replaced since it was scheduled: the result is stale.
-            return None;
+            return (0, None);
         }
-        seq.cached = work.end;
+        let mut reason = None;
+        let mut taken: usize = 0;
+        if work.samples {
+            for &token in sampled.iter().take(work.drafts + 1) {
+                seq.tokens.push(token);
+                taken += 1;
+                if seq.stop_tokens.contains(&token) {
+                    reason = Some(FinishReason::Stop);
+                } else if seq.generated() >= seq.max_tokens {
+                    reason = Some(FinishReason::Length);
+                }
+                if reason.is_some() {
+                    break;
+                }
+            }
+        }
+        // The positions computed and kept: the work's own tokens and the accepted drafts (all
+        // tokens taken but the last, which is computed next).
+        seq.cached = work.end - work.drafts + taken.saturating_sub(1).min(work.drafts);
         self.register_full_blocks(work.seq);
-        let seq = self.seqs.get_mut(&work.seq).expect("checked above");
-        let token = sampled.filter(|_| work.samples)?;
-        seq.tokens.push(token);
-        let reason = if seq.stop_tokens.contains(&token) {
-            FinishReason::Stop
-        } else if seq.generated() >= seq.max_tokens {
-            FinishReason::Length
-        } else {
-            return None;
+        let Some(reason) = reason else {
+            return (taken, None);
         };
+        let seq = &self.seqs[&work.seq];
         let generated = seq.tokens[seq.prompt_len..].to_vec();
         self.remove(work.seq);
-        Some(Finished {
+        let done = Finished {
             seq: work.seq,
             generated,
             reason,
-        })
+        };
+        (taken, Some(done))
     }
 
     /// Register every block of `id` that its cached positions now fill, so that later
