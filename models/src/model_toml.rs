@@ -12,8 +12,8 @@
 //! [speculative]                                # optional: speculative decoding in `bbc serve`
 //! method = "ngram"                             # prompt lookup (the only method so far)
 //! num_speculative_tokens = 4                   # drafted tokens a step at most
-//! prompt_lookup_min = 1                        # optional: shortest match tried (default 1)
-//! prompt_lookup_max = 3                        # optional: longest match tried (default 3)
+//! prompt_lookup_min = 2                        # optional: shortest match tried (default 2)
+//! prompt_lookup_max = 4                        # optional: longest match tried (default 4)
 //! ```
 //!
 //! An unknown section or key is an error, so a typo never passes silently.
@@ -39,6 +39,12 @@ pub struct SpeculativeSection {
     pub prompt_lookup_min: Option<usize>,
     pub prompt_lookup_max: Option<usize>,
 }
+
+/// Match lengths prompt lookup tries by default: single-token matches draft too often on free
+/// text (SmolLM2 writing a story, 4 drafts a step at most: 30% of drafts accepted with
+/// matches from 1 token, 57% from 2).
+pub const DEFAULT_LOOKUP_MIN: usize = 2;
+pub const DEFAULT_LOOKUP_MAX: usize = 4;
 
 /// Prompt-lookup drafting, as `[speculative]` asks for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,8 +128,8 @@ impl ModelSpec {
             Some(s) => Some(
                 NgramSpec::new(
                     s.num_speculative_tokens,
-                    s.prompt_lookup_min.unwrap_or(1),
-                    s.prompt_lookup_max.unwrap_or(3),
+                    s.prompt_lookup_min.unwrap_or(DEFAULT_LOOKUP_MIN),
+                    s.prompt_lookup_max.unwrap_or(DEFAULT_LOOKUP_MAX),
                 )
                 .map_err(|e| bad(format!("speculative: {e}")))?,
             ),
@@ -174,8 +180,8 @@ mod tests {
             parse(base).unwrap().speculative,
             Some(NgramSpec {
                 tokens: 4,
-                min: 1,
-                max: 3
+                min: 2,
+                max: 4
             })
         );
         let ranged = format!("{base}prompt_lookup_min = 2\nprompt_lookup_max = 5\n");

@@ -58,10 +58,10 @@ pub struct ServeArgs {
     /// `[speculative]`). Tokens are unchanged; CPU backend, models without recurrent state.
     #[arg(long)]
     pub speculative_ngram: Option<usize>,
-    /// Shortest match prompt lookup tries (default 1, or model.toml's).
+    /// Shortest match prompt lookup tries (default 2, or model.toml's).
     #[arg(long)]
     pub prompt_lookup_min: Option<usize>,
-    /// Longest match prompt lookup tries (default 3, or model.toml's).
+    /// Longest match prompt lookup tries (default 4, or model.toml's).
     #[arg(long)]
     pub prompt_lookup_max: Option<usize>,
 }
@@ -69,8 +69,14 @@ pub struct ServeArgs {
 /// The drafting the flags and the model.toml ask for (flags first).
 fn speculation(args: &ServeArgs, toml: Option<models::NgramSpec>) -> Result<runtime::serving::NgramConfig> {
     let tokens = args.speculative_ngram.or(toml.map(|t| t.tokens)).unwrap_or(0);
-    let min = args.prompt_lookup_min.or(toml.map(|t| t.min)).unwrap_or(1);
-    let max = args.prompt_lookup_max.or(toml.map(|t| t.max)).unwrap_or(3);
+    let min = args
+        .prompt_lookup_min
+        .or(toml.map(|t| t.min))
+        .unwrap_or(models::model_toml::DEFAULT_LOOKUP_MIN);
+    let max = args
+        .prompt_lookup_max
+        .or(toml.map(|t| t.max))
+        .unwrap_or(models::model_toml::DEFAULT_LOOKUP_MAX);
     let spec = models::NgramSpec::new(tokens, min, max).map_err(|e| anyhow::anyhow!("--prompt-lookup-min/max: {e}"))?;
     Ok(runtime::serving::NgramConfig {
         tokens: spec.tokens,

@@ -25,6 +25,9 @@
 //! its `max_tokens`; the engine verifies them in the same pass and [`Scheduler::complete`]
 //! keeps the accepted ones: the cache then holds positions up to the last accepted draft, and
 //! what the rejected ones wrote is overwritten later (those blocks are the sequence's own).
+//! Verifying a draft is not free (on a CPU it costs about a prompt token), so each sequence
+//! drafts adaptively: one more token after a step that accepted all its drafts, as many as it
+//! accepted after one that did not, and none for a few steps after one that accepted none.
 //!
 //! Invariants (checked by [`Scheduler::check`], property-tested): the block manager's (no block
 //! free and owned, none owned twice, none leaked); a running sequence's table covers exactly
@@ -89,6 +92,10 @@ struct Seq {
     stop_tokens: Vec<u32>,
     /// The recurrent-state slot it holds while running.
     state_slot: Option<usize>,
+    /// Speculation: how many tokens it may draft next, and for how many more decode steps it
+    /// drafts none (after a step whose drafts were all rejected).
+    draft_len: usize,
+    draft_pause: usize,
 }
 
 impl Seq {
@@ -143,6 +150,9 @@ pub struct Finished {
     pub generated: Vec<u32>,
     pub reason: FinishReason,
 }
+
+/// Decode steps a sequence drafts nothing after its drafts were all rejected.
+const DRAFT_PAUSE: usize = 4;
 
 pub struct Scheduler {
     config: SchedulerConfig,
@@ -234,6 +244,8 @@ impl Scheduler {
                 max_tokens,
                 stop_tokens,
                 state_slot: None,
+                draft_len: self.config.speculation.tokens,
+                draft_pause: 0,
             },
         );
         self.waiting.push_back(id);
@@ -323,11 +335,13 @@ impl Scheduler {
     /// token sampled after them stays within its `max_tokens`.
     fn drafts(&self, seq: &Seq, budget: usize) -> Vec<u32> {
         let decoding = seq.tokens.len() - seq.cached == 1;
-        if !decoding || !self.config.speculation.is_on() {
+        if !decoding || !self.config.speculation.is_on() || seq.draft_pause > 0 {
             return Vec::new();
         }
         let room = seq.max_tokens.saturating_sub(seq.generated() + 1);
-        self.config.speculation.propose(&seq.tokens, room.min(budget - 1))
+        self.config
+            .speculation
+            .propose(&seq.tokens, room.min(budget - 1).min(seq.draft_len))
     }
 
     /// The work computing `seq`'s positions from its first uncached one to `end`, then `drafts`.
@@ -388,7 +402,18 @@ impl Scheduler {
         }
         // The positions computed and kept: the work's own tokens and the accepted drafts (all
         // tokens taken but the last, which is computed next).
-        seq.cached = work.end - work.drafts + taken.saturating_sub(1).min(work.drafts);
+        let accepted = taken.saturating_sub(1).min(work.drafts);
+        seq.cached = work.end - work.drafts + accepted;
+        if work.samples && work.drafts == 0 {
+            seq.draft_pause = seq.draft_pause.saturating_sub(1);
+        } else if work.drafts > 0 {
+            let most = self.config.speculation.tokens;
+            (seq.draft_len, seq.draft_pause) = match accepted {
+                0 => (1, DRAFT_PAUSE),
+                a if a == work.drafts => ((a + 1).min(most), 0),
+                a => (a, 0),
+            };
+        }
         self.register_full_blocks(work.seq);
         let Some(reason) = reason else {
             return (taken, None);
