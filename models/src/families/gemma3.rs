@@ -40,16 +40,14 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         let (q, k, v) = (b.matmul(h, wq)?, b.matmul(h, wk)?, b.matmul(h, wv)?);
         let q = b.rms_norm(q, &n(LayerTensor::QNorm), c.head_dim, eps, offset)?;
         let k = b.rms_norm(k, &n(LayerTensor::KNorm), c.head_dim, eps, offset)?;
-        let rope = |heads| RopeSpec {
-            heads,
+        let rope = RopeSpec {
+            heads: c.heads,
             head_dim: c.head_dim,
             rotary_dim: c.head_dim,
             theta: if sliding { c.rope_local_theta } else { c.rope_theta },
             position_scale: if sliding { 1.0 } else { c.rope_scale },
             layout: RopeLayout::RotateHalf,
         };
-        let q = b.op(Op::Rope(rope(c.heads)), &[q, positions])?;
-        let k = b.op(Op::Rope(rope(c.kv_heads)), &[k, positions])?;
         let spec = AttentionSpec {
             heads: c.heads,
             kv_heads: c.kv_heads,
@@ -59,7 +57,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
             cache_slot: i,
             cache_dtype: b.cache_dtype(),
         };
-        let a = b.op(Op::Attention(spec), &[q, k, v])?;
+        let a = b.rotary_attention([q, k, v], positions, rope, spec)?;
         let wo = b.matrix(&n(LayerTensor::O), c.hidden, q_dim)?;
         let o = b.matmul(a, wo)?;
         let o = b.rms_norm(o, &n(LayerTensor::PostAttnNorm), c.hidden, eps, offset)?;

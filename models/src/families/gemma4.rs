@@ -154,7 +154,7 @@ fn attention(
         },
         &[v],
     )?;
-    let rope = |heads| match (sliding, g.global_rope_fraction) {
+    let rope = match (sliding, g.global_rope_fraction) {
         (false, Some(fraction)) => RopeSpec {
             heads,
             head_dim: hd,
@@ -173,8 +173,6 @@ fn attention(
             layout: RopeLayout::RotateHalf,
         },
     };
-    let q = b.op(Op::Rope(rope(heads)), &[q, positions])?;
-    let k = b.op(Op::Rope(rope(kv_heads)), &[k, positions])?;
     let spec = AttentionSpec {
         heads,
         kv_heads,
@@ -184,7 +182,7 @@ fn attention(
         cache_slot: i,
         cache_dtype: b.cache_dtype(),
     };
-    let a = b.op(Op::Attention(spec), &[q, k, v])?;
+    let a = b.rotary_attention([q, k, v], positions, rope, spec)?;
     let wo = b.matrix(&no, c.hidden, heads * hd)?;
     b.matmul(a, wo)
 }

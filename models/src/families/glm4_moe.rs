@@ -6,14 +6,14 @@
 //! (`Op::Moe`) plus always-on shared experts. HF safetensors only (GGUF stacks its experts,
 //! which bbc does not read yet).
 
-use super::moe::{moe_mlp, SharedNames};
+use super::moe::{mlp, SharedNames};
 use super::{Builder, LayerTensor};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use ir::{AttentionSpec, GluAct, InputKind, NodeId, Op, RopeLayout, RopeSpec};
+use ir::{AttentionSpec, InputKind, NodeId, Op, RopeLayout, RopeSpec};
 
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
-    let moe = c.moe.clone().ok_or_else(|| ModelError::TensorShape {
+    c.moe.as_ref().ok_or_else(|| ModelError::TensorShape {
         name: "config".into(),
         what: "a glm4_moe model needs its MoE settings".into(),
     })?;
@@ -26,12 +26,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         let a = attention(c, b, i, h, positions)?;
         x = b.add(x, a)?;
         let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::FfnNorm), c.hidden, c.rms_eps, 0.0)?;
-        let m = if moe.sparse_layers[i] {
-            moe_mlp(c, &moe, b, i, h, SharedNames::Experts)?
-        } else {
-            let names = [LayerTensor::Gate, LayerTensor::Up, LayerTensor::Down].map(|t| b.naming.layer(i, t));
-            b.gated_mlp(h, &names, c.hidden, c.intermediate, GluAct::Silu)?
-        };
+        let m = mlp(c, b, i, h, SharedNames::Experts)?;
         x = b.add(x, m)?;
     }
     b.lm_head(c, x, 0.0)
@@ -59,16 +54,14 @@ fn attention(c: &ModelConfig, b: &mut Builder, i: usize, h: NodeId, positions: N
         q = b.rms_norm(q, &b.naming.layer(i, LayerTensor::QNorm), c.head_dim, c.rms_eps, 0.0)?;
         k = b.rms_norm(k, &b.naming.layer(i, LayerTensor::KNorm), c.head_dim, c.rms_eps, 0.0)?;
     }
-    let rope = |heads| RopeSpec {
-        heads,
+    let rope = RopeSpec {
+        heads: c.heads,
         head_dim: c.head_dim,
         rotary_dim: c.rotary_dim,
         theta: c.rope_theta,
         position_scale: c.rope_scale,
         layout: RopeLayout::RotateHalf,
     };
-    let q = b.op(Op::Rope(rope(c.heads)), &[q, positions])?;
-    let k = b.op(Op::Rope(rope(c.kv_heads)), &[k, positions])?;
     let spec = AttentionSpec {
         heads: c.heads,
         kv_heads: c.kv_heads,
@@ -78,7 +71,7 @@ fn attention(c: &ModelConfig, b: &mut Builder, i: usize, h: NodeId, positions: N
         cache_slot: i,
         cache_dtype: b.cache_dtype(),
     };
-    let a = b.op(Op::Attention(spec), &[q, k, v])?;
+    let a = b.rotary_attention([q, k, v], positions, rope, spec)?;
     let wo = b.matrix(&b.naming.layer(i, LayerTensor::O), c.hidden, q_dim)?;
     b.matmul(a, wo)
 }

@@ -13,11 +13,11 @@
 //! scores `relu(q·k)` per head. The latent norms use HF's default eps (1e-6), not
 //! `rms_norm_eps`. HF safetensors only; `mtp` layers are not used.
 
-use super::moe::{moe_mlp, SharedNames};
+use super::moe::{mlp, SharedNames};
 use super::{Builder, LayerTensor};
 use crate::config::{MlaConfig, ModelConfig};
 use crate::error::{ModelError, Result};
-use ir::{GluAct, InputKind, NodeId, Op, RopeLayout, RopeSpec, SparseMlaSpec};
+use ir::{InputKind, NodeId, Op, RopeLayout, RopeSpec, SparseMlaSpec};
 
 /// The eps of `q_a_layernorm`, `kv_a_layernorm` (HF's RMSNorm default) and the indexer's
 /// LayerNorm.
@@ -29,7 +29,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         what: format!("a glm_moe_dsa model needs its {what} settings"),
     };
     let mla = c.mla.ok_or_else(|| missing("latent attention"))?;
-    let moe = c.moe.clone().ok_or_else(|| missing("MoE"))?;
+    c.moe.as_ref().ok_or_else(|| missing("MoE"))?;
     let ids = b.graph.input(InputKind::TokenIds);
     let positions = b.graph.input(InputKind::Positions);
     let table = b.matrix(b.naming.embedding(), c.vocab_size, c.hidden)?;
@@ -39,12 +39,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         let a = attention(c, &mla, b, i, h, positions)?;
         x = b.add(x, a)?;
         let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::FfnNorm), c.hidden, c.rms_eps, 0.0)?;
-        let m = if moe.sparse_layers[i] {
-            moe_mlp(c, &moe, b, i, h, SharedNames::Experts)?
-        } else {
-            let names = [LayerTensor::Gate, LayerTensor::Up, LayerTensor::Down].map(|t| b.naming.layer(i, t));
-            b.gated_mlp(h, &names, c.hidden, c.intermediate, GluAct::Silu)?
-        };
+        let m = mlp(c, b, i, h, SharedNames::Experts)?;
         x = b.add(x, m)?;
     }
     b.lm_head(c, x, 0.0)

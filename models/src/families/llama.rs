@@ -43,16 +43,14 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
             b.matrix(&n_v, kv_dim, c.hidden)?,
         );
         let (q, k, v) = (b.matmul(h, wq)?, b.matmul(h, wk)?, b.matmul(h, wv)?);
-        let rope = |heads| RopeSpec {
-            heads,
+        let rope = RopeSpec {
+            heads: c.heads,
             head_dim: c.head_dim,
             rotary_dim: c.head_dim,
             theta: c.rope_theta,
             position_scale: c.rope_scale,
             layout,
         };
-        let q = b.op(Op::Rope(rope(c.heads)), &[q, positions])?;
-        let k = b.op(Op::Rope(rope(c.kv_heads)), &[k, positions])?;
         let spec = AttentionSpec {
             heads: c.heads,
             kv_heads: c.kv_heads,
@@ -62,7 +60,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
             cache_slot: i,
             cache_dtype: b.cache_dtype(),
         };
-        let a = b.op(Op::Attention(spec), &[q, k, v])?;
+        let a = b.rotary_attention([q, k, v], positions, rope, spec)?;
         let wo = b.matrix(&n_o, c.hidden, q_dim)?;
         let o = b.matmul(a, wo)?;
         x = b.add(x, o)?;

@@ -333,6 +333,32 @@ impl Builder<'_> {
         )
     }
 
+    /// `attention(rope(q), rope(k), v)` in `spec`'s cache: `rope` (whose own `heads` is not
+    /// read) rotates every query head and every key head.
+    pub fn rotary_attention(
+        &mut self,
+        [q, k, v]: [NodeId; 3],
+        positions: NodeId,
+        rope: ir::RopeSpec,
+        spec: ir::AttentionSpec,
+    ) -> Result<NodeId> {
+        let q = self.op(
+            Op::Rope(ir::RopeSpec {
+                heads: spec.heads,
+                ..rope
+            }),
+            &[q, positions],
+        )?;
+        let k = self.op(
+            Op::Rope(ir::RopeSpec {
+                heads: spec.kv_heads,
+                ..rope
+            }),
+            &[k, positions],
+        )?;
+        self.op(Op::Attention(spec), &[q, k, v])
+    }
+
     /// `down(act(gate(h)) · up(h))`, the weights named `[gate, up, down]`.
     pub fn gated_mlp(
         &mut self,

@@ -25,6 +25,18 @@ impl SharedNames {
     }
 }
 
+/// Layer `i`'s MLP over the normed `h`: the MoE one where the model has one in that layer,
+/// else the dense SwiGLU.
+pub(super) fn mlp(c: &ModelConfig, b: &mut Builder, i: usize, h: NodeId, shared: SharedNames) -> Result<NodeId> {
+    match &c.moe {
+        Some(moe) if moe.sparse_layers[i] => moe_mlp(c, moe, b, i, h, shared),
+        _ => {
+            let names = [LayerTensor::Gate, LayerTensor::Up, LayerTensor::Down].map(|t| b.naming.layer(i, t));
+            b.gated_mlp(h, &names, c.hidden, c.intermediate, GluAct::Silu)
+        }
+    }
+}
+
 /// The MoE MLP of layer `i` over the normed `h`.
 pub(super) fn moe_mlp(
     c: &ModelConfig,

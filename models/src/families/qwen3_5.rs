@@ -19,11 +19,11 @@
 //!
 //! HF safetensors only; the multi-token-prediction weights (`mtp.*`) are not used.
 
-use super::moe::{moe_mlp, SharedNames};
+use super::moe::{mlp, SharedNames};
 use super::{Builder, LayerTensor};
 use crate::config::{Family, LayerAttention, LinearAttentionConfig, ModelConfig};
 use crate::error::{ModelError, Result};
-use ir::{AttentionSpec, DeltaNetSpec, GluAct, InputKind, NodeId, Op, RopeLayout, RopeSpec};
+use ir::{AttentionSpec, DeltaNetSpec, InputKind, NodeId, Op, RopeLayout, RopeSpec};
 
 /// Qwen3.5's RMSNorm multiplies by `1 + w`.
 const NORM_OFFSET: f32 = 1.0;
@@ -49,13 +49,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         x = b.add(x, mixed)?;
         let norm = b.naming.layer(i, LayerTensor::FfnNorm);
         let h = b.rms_norm(x, &norm, c.hidden, c.rms_eps, NORM_OFFSET)?;
-        let m = match &c.moe {
-            Some(moe) if moe.sparse_layers[i] => moe_mlp(c, moe, b, i, h, SharedNames::Expert)?,
-            _ => {
-                let mlp = [LayerTensor::Gate, LayerTensor::Up, LayerTensor::Down].map(|t| b.naming.layer(i, t));
-                b.gated_mlp(h, &mlp, c.hidden, c.intermediate, GluAct::Silu)?
-            }
-        };
+        let m = mlp(c, b, i, h, SharedNames::Expert)?;
         x = b.add(x, m)?;
     }
     b.lm_head(c, x, NORM_OFFSET)
@@ -162,16 +156,14 @@ fn gated_attention(c: &ModelConfig, b: &mut Builder, i: usize, h: NodeId, positi
     let v = projection(c, b, i, LayerTensor::V, h, kv_dim, c.hidden)?;
     let q = b.rms_norm(q, &b.naming.layer(i, LayerTensor::QNorm), hd, c.rms_eps, NORM_OFFSET)?;
     let k = b.rms_norm(k, &b.naming.layer(i, LayerTensor::KNorm), hd, c.rms_eps, NORM_OFFSET)?;
-    let rope = |heads| RopeSpec {
-        heads,
+    let rope = RopeSpec {
+        heads: c.heads,
         head_dim: hd,
         rotary_dim: c.rotary_dim,
         theta: c.rope_theta,
         position_scale: c.rope_scale,
         layout: RopeLayout::RotateHalf,
     };
-    let q = b.op(Op::Rope(rope(c.heads)), &[q, positions])?;
-    let k = b.op(Op::Rope(rope(c.kv_heads)), &[k, positions])?;
     let spec = AttentionSpec {
         heads: c.heads,
         kv_heads: c.kv_heads,
@@ -181,7 +173,7 @@ fn gated_attention(c: &ModelConfig, b: &mut Builder, i: usize, h: NodeId, positi
         cache_slot: i,
         cache_dtype: b.cache_dtype(),
     };
-    let a = b.op(Op::Attention(spec), &[q, k, v])?;
+    let a = b.rotary_attention([q, k, v], positions, rope, spec)?;
     let gate = b.op(Op::Sigmoid, &[gate])?;
     let a = b.op(Op::Mul, &[a, gate])?;
     projection(c, b, i, LayerTensor::O, a, c.hidden, q_dim)
