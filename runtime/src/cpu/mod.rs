@@ -480,7 +480,7 @@ impl CpuBackend {
                 let data = ops::group_slice(&x.data, *group, *start, *len);
                 Tensor::new(vec![x.rows(), data.len() / x.rows().max(1)], data)
             }
-            Op::GatedDeltaNet(spec) => gated_delta_net(spec, args, pages, rows),
+            Op::GatedDeltaNet(spec) => gated_delta_net(spec, args, pages, rows)?,
             Op::Moe(spec) => {
                 let (bias, weights) = match spec.has_score_bias() {
                     true => (args[2].vector(), 3),
@@ -633,7 +633,7 @@ fn append_and_attend(
 
 /// Each segment's rows through the Gated DeltaNet in order, from its sequence's recurrent state
 /// (fresh at position 0) to the state after its last row: the reference's arithmetic.
-fn gated_delta_net(spec: &ir::DeltaNetSpec, args: &[Arg], pages: &mut KvPages, rows: &StepRows) -> Tensor {
+fn gated_delta_net(spec: &ir::DeltaNetSpec, args: &[Arg], pages: &mut KvPages, rows: &StepRows) -> Result<Tensor> {
     let (mixed, b, a) = (
         args[0].value().tensor(),
         args[1].value().tensor(),
@@ -641,7 +641,12 @@ fn gated_delta_net(spec: &ir::DeltaNetSpec, args: &[Arg], pages: &mut KvPages, r
     );
     let conv = match args[3] {
         Arg::Weight(CpuWeight::Matrix(m)) => m,
-        _ => unreachable!("the convolution is a matrix weight"),
+        // A graph from elsewhere (an edited artifact) may wire it to anything.
+        _ => {
+            return Err(RuntimeError::Graph(
+                "gated_delta_net: the convolution must be a weight matrix".into(),
+            ))
+        }
     };
     let mut conv_row = vec![0f32; conv.cols];
     let conv: Vec<f32> = (0..conv.rows)
@@ -663,7 +668,7 @@ fn gated_delta_net(spec: &ir::DeltaNetSpec, args: &[Arg], pages: &mut KvPages, r
             state,
         ));
     }
-    Tensor::new(vec![mixed.rows(), vh * spec.value_dim], out)
+    Ok(Tensor::new(vec![mixed.rows(), vh * spec.value_dim], out))
 }
 
 /// Append the step's MLA keys (`[k_nope | k_pe | index key]`) and values to the spec's cache
