@@ -125,12 +125,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         // And this where the backend cannot verify drafts.
         speculation: speculation(args, loaded.speculative)?,
     };
-    if config.speculation.is_on() {
-        eprintln!(
-            "speculative decoding: prompt lookup, up to {} drafted tokens a step (matches of {}..={} tokens)",
-            config.speculation.tokens, config.speculation.min, config.speculation.max
-        );
-    }
+
     let metrics = Arc::new(metrics::Metrics::default());
     metrics.kv_blocks_total.store(args.kv_blocks as u64, Relaxed);
     let (requests, inbox) = tokio::sync::mpsc::unbounded_channel();
@@ -155,7 +150,12 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 "KV cache on the GPU: {} blocks of {} positions ({positions} positions)",
                 args.kv_blocks, args.block_size
             );
-            start_engine(ServingEngine::new(backend, config), inbox, metrics.clone())?;
+            start_engine(
+                ServingEngine::new(backend, config),
+                inbox,
+                metrics.clone(),
+                config.speculation,
+            )?;
         }
         None => {
             let mut cache = loaded.weight_cache();
@@ -167,7 +167,12 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 args.block_size,
                 (positions * backend.kv_bytes_per_position()) >> 20
             );
-            start_engine(ServingEngine::new(backend, config), inbox, metrics.clone())?;
+            start_engine(
+                ServingEngine::new(backend, config),
+                inbox,
+                metrics.clone(),
+                config.speculation,
+            )?;
         }
     }
     let state = Arc::new(http::AppState {
@@ -190,16 +195,29 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     runtime.block_on(listen(args, state))
 }
 
-/// Run `engine` on its own thread, taking requests from `inbox`.
+/// Run `engine` on its own thread, taking requests from `inbox`; say whether it drafts
+/// (`asked`: the speculation the flags asked for, which the engine may have turned off).
 fn start_engine<B>(
     engine: ServingEngine<B>,
     inbox: tokio::sync::mpsc::UnboundedReceiver<worker::NewRequest>,
     metrics: Arc<metrics::Metrics>,
+    asked: runtime::serving::NgramConfig,
 ) -> Result<()>
 where
     B: runtime::serving::PagedBackend + Send + 'static,
     B::Pages: Send,
 {
+    let on = engine.scheduler().config().speculation;
+    match (asked.is_on(), on.is_on()) {
+        (_, true) => eprintln!(
+            "speculative decoding: prompt lookup, up to {} drafted tokens a step (matches of {}..={} tokens)",
+            on.tokens, on.min, on.max
+        ),
+        (true, false) => eprintln!(
+            "speculative decoding is off: this model or backend cannot verify drafted tokens (a recurrent state, or a GPU plan)"
+        ),
+        (false, false) => {}
+    }
     std::thread::Builder::new()
         .name("bbc-engine".into())
         .spawn(move || worker::run(engine, inbox, metrics))

@@ -180,6 +180,11 @@ impl Scheduler {
         }
     }
 
+    /// The configuration in force (the engine may have narrowed the one it was given).
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
     pub fn used_blocks(&self) -> usize {
         self.blocks.used_blocks()
     }

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Side by side on this machine: `bbc serve` without and with speculative decoding (prompt
+# lookup), on a task that repeats its context (copying a list) and one that does not (a
+# story). Greedy chat requests, 10 in turn after a warm-up, per server; two rounds alternated.
+#   benches/speculation.sh [model-name] [drafted-tokens]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+model=${1:-smollm2}
+drafts=${2:-4}
+port=18799
+cargo build --release --bin bbc >/dev/null
+copy='{"model":"'"$model"'","messages":[{"role":"user","content":"Copy this list exactly, one per line: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon, mango, nectarine, orange, papaya, quince, raspberry, strawberry, tangerine."}],"max_tokens":96,"temperature":0}'
+story='{"model":"'"$model"'","messages":[{"role":"user","content":"Write a short story about a robot who learns to paint."}],"max_tokens":96,"temperature":0}'
+server=
+trap '[ -n "$server" ] && kill "$server" 2>/dev/null' EXIT
+metric() { curl -s "localhost:$port/metrics" | awk -v m="$1" '$1 == m {print $2}'; }
+for round in 1 2; do
+  for n in 0 "$drafts"; do
+    ./target/release/bbc serve "$model" --port "$port" --speculative-ngram "$n" >/tmp/bbc-speculation-bench.log 2>&1 &
+    server=$!
+    until curl -s "localhost:$port/health" >/dev/null; do
+      kill -0 "$server" 2>/dev/null || { cat /tmp/bbc-speculation-bench.log; exit 1; }
+      sleep 0.5
+    done
+    for task in copy story; do
+      body=${!task}
+      curl -s "localhost:$port/v1/chat/completions" -H 'content-type: application/json' -d "$body" >/dev/null
+      start=$(date +%s.%N)
+      for _ in $(seq 10); do
+        out=$(curl -s "localhost:$port/v1/chat/completions" -H 'content-type: application/json' -d "$body")
+      done
+      end=$(date +%s.%N)
+      tokens=$(python3 -c "import json,sys; print(json.loads(sys.argv[1])['usage']['completion_tokens'])" "$out")
+      printf 'round %s  drafts %-2s %-6s %3s tokens  %6.3f s  accepted %s of %s drafted\n' "$round" "$n" "$task" "$tokens" \
+        "$(echo "$end - $start" | bc)" "$(metric bbc_spec_decode_accepted_tokens_total)" "$(metric bbc_spec_decode_draft_tokens_total)"
+    done
+    kill "$server"; wait "$server" 2>/dev/null || true; server=
+  done
+done
