@@ -317,3 +317,86 @@ fn lowering_without_weights_gives_the_graph_the_weights_give() {
         .sum();
     assert_eq!(weights, 8_030_261_248, "Llama-3-8B's parameter count");
 }
+
+/// The language model of a multimodal checkpoint (`…ForConditionalGeneration`: settings in
+/// `text_config`, tensors under `model.language_model.` or, before transformers 4.52,
+/// `language_model.model.` with `language_model.lm_head`, beside a vision tower bbc does not
+/// read) runs exactly as the same weights saved as a text model.
+#[test]
+fn multimodal_checkpoints_run_their_language_model() {
+    for family in ["gemma3", "gemma4", "qwen3_5"] {
+        let want = prompt_logits(&fixture(&format!("hf-tiny/{family}")));
+        for (model, head) in [
+            ("model.language_model.", "lm_head.weight"),
+            ("language_model.model.", "language_model.lm_head.weight"),
+        ] {
+            let dir = multimodal_copy(family, model, head);
+            assert_eq!(prompt_logits(&dir), want, "{family} under {model}");
+            std::fs::remove_dir_all(&dir).unwrap();
+        }
+    }
+}
+
+/// The CPU backend's logits at every position of the family's reference prompt.
+fn prompt_logits(dir: &std::path::Path) -> Vec<f32> {
+    let family = dir
+        .file_name()
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .split('-')
+        .next()
+        .unwrap()
+        .to_string();
+    let mut spec = ModelSpec::for_weights(dir);
+    spec.dtype = ComputeDtype::F32;
+    let model = Model::open(spec).unwrap();
+    let reference = load_reference(&family);
+    let graph = model.lower(LogitsFor::AllTokens).unwrap();
+    let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
+    let mut seq = backend.new_sequence();
+    backend.step(&mut seq, &reference.input_ids).unwrap()["logits"]
+        .data
+        .clone()
+}
+
+/// The tiny `family` model rewritten as a multimodal checkpoint: config nested in
+/// `text_config`, every `model.` tensor moved under `model_prefix`, the head named `head`, and
+/// a vision tensor beside them.
+fn multimodal_copy(family: &str, model_prefix: &str, head: &str) -> std::path::PathBuf {
+    let src = fixture(&format!("hf-tiny/{family}"));
+    let tag = model_prefix.replace('.', "_");
+    let dir = std::env::temp_dir().join(format!("{family}-multimodal-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let text: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let config = serde_json::json!({
+        "architectures": ["ForConditionalGeneration"],
+        "model_type": family,
+        "text_config": text,
+        "vision_config": {"hidden_size": 8},
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let vision = [0u8; 16];
+    let mut views: Vec<(String, safetensors::tensor::TensorView)> = st
+        .names()
+        .into_iter()
+        .map(|name| {
+            let renamed = match name.strip_prefix("model.") {
+                Some(rest) => format!("{model_prefix}{rest}"),
+                None if name == "lm_head.weight" => head.to_string(),
+                None => name.to_string(),
+            };
+            (renamed, st.tensor(name).unwrap())
+        })
+        .collect();
+    let dtype = safetensors::Dtype::F32;
+    views.push((
+        "model.vision_tower.patch_embedding.weight".into(),
+        safetensors::tensor::TensorView::new(dtype, vec![2, 2], &vision).unwrap(),
+    ));
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    dir
+}

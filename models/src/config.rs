@@ -336,6 +336,7 @@ impl ModelConfig {
             path: path.to_path_buf(),
             what: format!("invalid JSON: {e}"),
         })?;
+        let json = language_model_config(json);
         let cfg = HfConfig { json: &json, path };
         let model_type = cfg.str("model_type")?;
         let family = Family::parse(model_type).ok_or_else(|| {
@@ -584,6 +585,24 @@ impl MoeConfig {
         }
         Ok(())
     }
+}
+
+/// The language model's settings: a multimodal checkpoint (`…ForConditionalGeneration`)
+/// nests them in `text_config`; its own top-level keys (`tie_word_embeddings`, token ids) fill
+/// in what `text_config` leaves out.
+fn language_model_config(json: serde_json::Value) -> serde_json::Value {
+    let serde_json::Value::Object(mut top) = json else {
+        return json;
+    };
+    let Some(serde_json::Value::Object(mut text)) = top.remove("text_config") else {
+        return serde_json::Value::Object(top);
+    };
+    for (key, value) in top {
+        if !key.ends_with("_config") {
+            text.entry(key).or_insert(value);
+        }
+    }
+    serde_json::Value::Object(text)
 }
 
 struct HfConfig<'a> {

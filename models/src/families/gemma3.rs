@@ -13,11 +13,11 @@ use ir::{AttentionSpec, GluAct, InputKind, Op, RopeLayout, RopeSpec};
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     let offset = match b.naming {
         Naming::Gguf => 0.0,
-        Naming::Hf => 1.0,
+        Naming::Hf(_) => 1.0,
     };
     let ids = b.graph.input(InputKind::TokenIds);
     let positions = b.graph.input(InputKind::Positions);
-    let table = b.matrix(b.naming.embedding(), c.vocab_size, c.hidden)?;
+    let table = b.matrix(&b.naming.embedding(), c.vocab_size, c.hidden)?;
     let x = b.op(Op::Embedding, &[table, ids])?;
     let mut x = b.op(
         Op::Scale {

@@ -27,7 +27,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     })?;
     let ids = b.graph.input(InputKind::TokenIds);
     let positions = b.graph.input(InputKind::Positions);
-    let table = b.matrix(b.naming.embedding(), c.vocab_size, c.hidden)?;
+    let table = b.matrix(&b.naming.embedding(), c.vocab_size, c.hidden)?;
     let x = b.op(Op::Embedding, &[table, ids])?;
     let scale = rounded((c.hidden as f32).sqrt(), b.options.compute);
     let mut x = b.op(Op::Scale { factor: scale }, &[x])?;
@@ -55,7 +55,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         if let Some(inputs) = per_layer {
             x = add_per_layer_input(c, g, b, i, x, inputs)?;
         }
-        let scalar = b.vector(&format!("model.layers.{i}.layer_scalar"), 1)?;
+        let scalar = b.vector(&b.naming.hf_layer(i, "layer_scalar"), 1)?;
         x = b.op(Op::ScaleRows, &[x, scalar])?;
     }
     b.lm_head(c, x, 0.0)
@@ -74,11 +74,11 @@ fn rounded(x: f32, compute: ComputeDtype) -> f32 {
 fn per_layer_inputs(c: &ModelConfig, g: &Gemma4Config, b: &mut Builder, ids: NodeId, x: NodeId) -> Result<NodeId> {
     let p = g.per_layer_input;
     let width = c.layers * p;
-    let table = b.matrix("model.embed_tokens_per_layer.weight", c.vocab_size, width)?;
+    let table = b.matrix(&b.naming.hf_model("embed_tokens_per_layer.weight"), c.vocab_size, width)?;
     let tokens = b.op(Op::Embedding, &[table, ids])?;
     let scale = rounded((p as f32).sqrt(), b.options.compute);
     let tokens = b.op(Op::Scale { factor: scale }, &[tokens])?;
-    let w = b.matrix("model.per_layer_model_projection.weight", width, c.hidden)?;
+    let w = b.matrix(&b.naming.hf_model("per_layer_model_projection.weight"), width, c.hidden)?;
     let projected = b.matmul(x, w)?;
     let projected = b.op(
         Op::Scale {
@@ -86,7 +86,8 @@ fn per_layer_inputs(c: &ModelConfig, g: &Gemma4Config, b: &mut Builder, ids: Nod
         },
         &[projected],
     )?;
-    let projected = b.rms_norm(projected, "model.per_layer_projection_norm.weight", p, c.rms_eps, 0.0)?;
+    let norm = b.naming.hf_model("per_layer_projection_norm.weight");
+    let projected = b.rms_norm(projected, &norm, p, c.rms_eps, 0.0)?;
     let sum = b.add(projected, tokens)?;
     b.op(
         Op::Scale {
@@ -106,7 +107,8 @@ fn add_per_layer_input(
     inputs: NodeId,
 ) -> Result<NodeId> {
     let p = g.per_layer_input;
-    let name = |t: &str| format!("model.layers.{i}.{t}.weight");
+    let naming = b.naming;
+    let name = |t: &str| naming.hf_layer(i, &format!("{t}.weight"));
     let input = b.op(Op::Slice { start: i * p, len: p }, &[inputs])?;
     let w = b.matrix(&name("per_layer_input_gate"), p, c.hidden)?;
     let gate = b.matmul(x, w)?;

@@ -19,7 +19,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     })?;
     let ids = b.graph.input(InputKind::TokenIds);
     let positions = b.graph.input(InputKind::Positions);
-    let table = b.matrix(b.naming.embedding(), c.vocab_size, c.hidden)?;
+    let table = b.matrix(&b.naming.embedding(), c.vocab_size, c.hidden)?;
     let mut x = b.op(Op::Embedding, &[table, ids])?;
     for i in 0..c.layers {
         let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::AttnNorm), c.hidden, c.rms_eps, 0.0)?;

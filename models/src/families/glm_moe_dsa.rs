@@ -32,7 +32,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     c.moe.as_ref().ok_or_else(|| missing("MoE"))?;
     let ids = b.graph.input(InputKind::TokenIds);
     let positions = b.graph.input(InputKind::Positions);
-    let table = b.matrix(b.naming.embedding(), c.vocab_size, c.hidden)?;
+    let table = b.matrix(&b.naming.embedding(), c.vocab_size, c.hidden)?;
     let mut x = b.op(Op::Embedding, &[table, ids])?;
     for i in 0..c.layers {
         let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::AttnNorm), c.hidden, c.rms_eps, 0.0)?;
@@ -54,7 +54,8 @@ fn attention(
     h: NodeId,
     positions: NodeId,
 ) -> Result<NodeId> {
-    let name = |t: &str| format!("model.layers.{i}.self_attn.{t}");
+    let naming = b.naming;
+    let name = |t: &str| naming.hf_layer(i, &format!("self_attn.{t}"));
     let heads = c.heads;
     let (n, r, v) = (m.nope_dim, m.rope_dim, m.value_dim);
     let rope = |heads: usize, head_dim: usize, layout: RopeLayout| {

@@ -13,11 +13,11 @@ use ir::{AttentionSpec, GluAct, InputKind, Op, RopeLayout, RopeSpec};
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     let ids = b.graph.input(InputKind::TokenIds);
     let positions = b.graph.input(InputKind::Positions);
-    let table = b.matrix(b.naming.embedding(), c.vocab_size, c.hidden)?;
+    let table = b.matrix(&b.naming.embedding(), c.vocab_size, c.hidden)?;
     let mut x = b.op(Op::Embedding, &[table, ids])?;
     let layout = match b.naming {
         Naming::Gguf => RopeLayout::AdjacentPairs,
-        Naming::Hf => RopeLayout::RotateHalf,
+        Naming::Hf(_) => RopeLayout::RotateHalf,
     };
     let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
     for i in 0..c.layers {

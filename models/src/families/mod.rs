@@ -83,7 +83,7 @@ pub fn lower_without_weights(config: &ModelConfig, options: LowerOptions) -> Res
 fn build(config: &ModelConfig, weights: Catalog<'_>, options: LowerOptions) -> Result<Graph> {
     let naming = match weights {
         Catalog::Source(source) => Naming::detect(source),
-        Catalog::Implied => Naming::Hf,
+        Catalog::Implied => Naming::Hf(HfPrefix::Text),
     };
     let mut b = Builder {
         graph: Graph::new(config.family.name()),
@@ -129,7 +129,34 @@ fn graph_error(e: ir::GraphError) -> ModelError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Naming {
     Gguf,
-    Hf,
+    Hf(HfPrefix),
+}
+
+/// Where an HF checkpoint keeps its language model: at `model.` (a text model), or inside a
+/// multimodal one (`…ForConditionalGeneration`: `model.language_model.` since transformers
+/// 4.52, `language_model.model.` before), whose other towers bbc leaves unread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HfPrefix {
+    Text,
+    LanguageModel,
+    LegacyLanguageModel,
+}
+
+impl HfPrefix {
+    fn model(self) -> &'static str {
+        match self {
+            Self::Text => "model.",
+            Self::LanguageModel => "model.language_model.",
+            Self::LegacyLanguageModel => "language_model.model.",
+        }
+    }
+
+    fn head(self) -> &'static str {
+        match self {
+            Self::Text | Self::LanguageModel => "lm_head.weight",
+            Self::LegacyLanguageModel => "language_model.lm_head.weight",
+        }
+    }
 }
 
 /// Tensors of a decoder layer, named once here for both schemes.
@@ -165,30 +192,49 @@ pub(crate) enum ExpertTensor {
 impl Naming {
     fn detect(weights: &WeightSource) -> Self {
         if weights.contains("token_embd.weight") {
-            Self::Gguf
-        } else {
-            Self::Hf
+            return Self::Gguf;
+        }
+        let prefix = [HfPrefix::LanguageModel, HfPrefix::LegacyLanguageModel]
+            .into_iter()
+            .find(|p| weights.contains(&format!("{}embed_tokens.weight", p.model())))
+            .unwrap_or(HfPrefix::Text);
+        Self::Hf(prefix)
+    }
+
+    pub(crate) fn embedding(self) -> String {
+        self.model_tensor("embed_tokens.weight", "token_embd.weight")
+    }
+
+    pub(crate) fn output_norm(self) -> String {
+        self.model_tensor("norm.weight", "output_norm.weight")
+    }
+
+    pub(crate) fn lm_head(self) -> String {
+        match self {
+            Self::Gguf => "output.weight".into(),
+            Self::Hf(p) => p.head().into(),
         }
     }
 
-    pub(crate) fn embedding(self) -> &'static str {
+    /// A model-level tensor: `rest` under the HF model prefix, or the GGUF name.
+    fn model_tensor(self, rest: &str, gguf: &str) -> String {
         match self {
-            Self::Gguf => "token_embd.weight",
-            Self::Hf => "model.embed_tokens.weight",
+            Self::Gguf => gguf.into(),
+            Self::Hf(p) => format!("{}{rest}", p.model()),
         }
     }
 
-    pub(crate) fn output_norm(self) -> &'static str {
-        match self {
-            Self::Gguf => "output_norm.weight",
-            Self::Hf => "model.norm.weight",
-        }
+    /// An HF-only model-level tensor (`rest` under the model prefix; for GGUF weights a name no
+    /// file has, so a lowering that needs it reports it missing).
+    pub(crate) fn hf_model(self, rest: &str) -> String {
+        self.model_tensor(rest, rest)
     }
 
-    pub(crate) fn lm_head(self) -> &'static str {
+    /// An HF-only tensor of layer `i` (`{prefix}layers.{i}.{rest}`).
+    pub(crate) fn hf_layer(self, i: usize, rest: &str) -> String {
         match self {
-            Self::Gguf => "output.weight",
-            Self::Hf => "lm_head.weight",
+            Self::Gguf => format!("blk.{i}.{rest}"),
+            Self::Hf(p) => format!("{}layers.{i}.{rest}", p.model()),
         }
     }
 
@@ -213,7 +259,7 @@ impl Naming {
         };
         match self {
             Self::Gguf => format!("blk.{i}.{gguf}.weight"),
-            Self::Hf => format!("model.layers.{i}.{hf}.weight"),
+            Self::Hf(_) => self.hf_layer(i, &format!("{hf}.weight")),
         }
     }
 
@@ -227,7 +273,7 @@ impl Naming {
     pub(crate) fn router_score_bias(self, i: usize) -> String {
         match self {
             Self::Gguf => format!("blk.{i}.exp_probs_b.bias"),
-            Self::Hf => format!("model.layers.{i}.mlp.gate.e_score_correction_bias"),
+            Self::Hf(_) => self.hf_layer(i, "mlp.gate.e_score_correction_bias"),
         }
     }
 
@@ -241,7 +287,7 @@ impl Naming {
         };
         match self {
             Self::Gguf => format!("blk.{i}.ffn_{name}_exps.{e}.weight"),
-            Self::Hf => format!("model.layers.{i}.mlp.experts.{e}.{name}.weight"),
+            Self::Hf(_) => self.hf_layer(i, &format!("mlp.experts.{e}.{name}.weight")),
         }
     }
 }
@@ -388,11 +434,11 @@ impl Builder<'_> {
             x = self.op(Op::LastToken, &[x])?;
         }
         let name = self.naming.output_norm();
-        let x = self.rms_norm(x, name, config.hidden, config.rms_eps, norm_offset)?;
+        let x = self.rms_norm(x, &name, config.hidden, config.rms_eps, norm_offset)?;
         // A file may leave the head out and mean the embedding; implied weights have every
         // tensor the config names.
         let has_head = match self.weights {
-            Catalog::Source(weights) => weights.contains(self.naming.lm_head()),
+            Catalog::Source(weights) => weights.contains(&self.naming.lm_head()),
             Catalog::Implied => true,
         };
         let head = if config.tied_embeddings || !has_head {
@@ -400,7 +446,7 @@ impl Builder<'_> {
         } else {
             self.naming.lm_head()
         };
-        let w = self.matrix(head, config.vocab_size, config.hidden)?;
+        let w = self.matrix(&head, config.vocab_size, config.hidden)?;
         self.graph.set_output("hidden", x);
         let logits = self.matmul(x, w)?;
         match self.options.logits {

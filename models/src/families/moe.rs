@@ -3,7 +3,7 @@
 //! expert reads its own rows), and the shared experts' MLP beside it, gated by
 //! `sigmoid(x · shared_expert_gate)` where the model has that gate. HF names.
 
-use super::{Builder, ExpertTensor, LayerTensor};
+use super::{Builder, ExpertTensor, LayerTensor, Naming};
 use crate::config::{ModelConfig, MoeConfig};
 use crate::error::Result;
 use ir::{GluAct, MoeSpec, NodeId, Op};
@@ -17,10 +17,10 @@ pub(super) enum SharedNames {
 }
 
 impl SharedNames {
-    fn name(self, i: usize, t: &str) -> String {
+    fn name(self, naming: Naming, i: usize, t: &str) -> String {
         match self {
-            Self::Experts => format!("model.layers.{i}.mlp.shared_experts.{t}.weight"),
-            Self::Expert => format!("model.layers.{i}.mlp.shared_expert.{t}.weight"),
+            Self::Experts => naming.hf_layer(i, &format!("mlp.shared_experts.{t}.weight")),
+            Self::Expert => naming.hf_layer(i, &format!("mlp.shared_expert.{t}.weight")),
         }
     }
 }
@@ -74,10 +74,10 @@ pub(super) fn moe_mlp(
     if moe.shared_intermediate == 0 {
         return Ok(routed);
     }
-    let names = ["gate_proj", "up_proj", "down_proj"].map(|t| shared.name(i, t));
+    let names = ["gate_proj", "up_proj", "down_proj"].map(|t| shared.name(b.naming, i, t));
     let mut shared_out = b.gated_mlp(h, &names, d, moe.shared_intermediate, GluAct::Silu)?;
     if moe.shared_gate {
-        let w = b.matrix(&format!("model.layers.{i}.mlp.shared_expert_gate.weight"), 1, d)?;
+        let w = b.matrix(&b.naming.hf_layer(i, "mlp.shared_expert_gate.weight"), 1, d)?;
         let gate = b.matmul(h, w)?;
         let gate = b.op(Op::Sigmoid, &[gate])?;
         shared_out = b.op(Op::ScaleRows, &[shared_out, gate])?;

@@ -20,7 +20,7 @@
 //! HF safetensors only; the multi-token-prediction weights (`mtp.*`) are not used.
 
 use super::moe::{mlp, SharedNames};
-use super::{Builder, LayerTensor};
+use super::{Builder, LayerTensor, Naming};
 use crate::config::{Family, LayerAttention, LinearAttentionConfig, ModelConfig};
 use crate::error::{ModelError, Result};
 use ir::{AttentionSpec, DeltaNetSpec, InputKind, NodeId, Op, RopeLayout, RopeSpec};
@@ -31,7 +31,7 @@ const NORM_OFFSET: f32 = 1.0;
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     let ids = b.graph.input(InputKind::TokenIds);
     let positions = b.graph.input(InputKind::Positions);
-    let table = b.matrix(b.naming.embedding(), c.vocab_size, c.hidden)?;
+    let table = b.matrix(&b.naming.embedding(), c.vocab_size, c.hidden)?;
     let mut x = b.op(Op::Embedding, &[table, ids])?;
     for i in 0..c.layers {
         let norm = b.naming.layer(i, LayerTensor::AttnNorm);
@@ -55,9 +55,9 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     b.lm_head(c, x, NORM_OFFSET)
 }
 
-/// `model.layers.{i}.linear_attn.{t}`.
-fn linear(i: usize, t: &str) -> String {
-    format!("model.layers.{i}.linear_attn.{t}")
+/// `…layers.{i}.linear_attn.{t}`.
+fn linear(naming: Naming, i: usize, t: &str) -> String {
+    naming.hf_layer(i, &format!("linear_attn.{t}"))
 }
 
 /// The Gated DeltaNet token mixer of layer `i` over the normed `h`, through `out_proj`.
@@ -74,7 +74,8 @@ fn delta_net(c: &ModelConfig, l: &LinearAttentionConfig, b: &mut Builder, i: usi
     let weights = match c.family {
         Family::Qwen3Next => interleaved_projections(c, l, b, i)?,
         _ => {
-            let mut weight = |t: &str, rows: usize| b.matrix(&linear(i, &format!("{t}.weight")), rows, c.hidden);
+            let mut weight =
+                |t: &str, rows: usize| b.matrix(&linear(b.naming, i, &format!("{t}.weight")), rows, c.hidden);
             [
                 weight("in_proj_qkv", channels)?,
                 weight("in_proj_z", values)?,
@@ -88,14 +89,14 @@ fn delta_net(c: &ModelConfig, l: &LinearAttentionConfig, b: &mut Builder, i: usi
         *p = b.matmul(h, w)?;
     }
     let [mixed, z, beta, decay] = projected;
-    let conv = b.matrix(&linear(i, "conv1d.weight"), channels, l.conv_kernel)?;
-    let a_log = b.vector(&linear(i, "A_log"), l.value_heads)?;
-    let dt_bias = b.vector(&linear(i, "dt_bias"), l.value_heads)?;
+    let conv = b.matrix(&linear(b.naming, i, "conv1d.weight"), channels, l.conv_kernel)?;
+    let a_log = b.vector(&linear(b.naming, i, "A_log"), l.value_heads)?;
+    let dt_bias = b.vector(&linear(b.naming, i, "dt_bias"), l.value_heads)?;
     let o = b.op(Op::GatedDeltaNet(spec), &[mixed, beta, decay, conv, a_log, dt_bias])?;
-    let o = b.rms_norm(o, &linear(i, "norm.weight"), l.value_dim, c.rms_eps, 0.0)?;
+    let o = b.rms_norm(o, &linear(b.naming, i, "norm.weight"), l.value_dim, c.rms_eps, 0.0)?;
     let gate = b.op(Op::Silu, &[z])?;
     let o = b.op(Op::Mul, &[o, gate])?;
-    let w = b.matrix(&linear(i, "out_proj.weight"), c.hidden, values)?;
+    let w = b.matrix(&linear(b.naming, i, "out_proj.weight"), c.hidden, values)?;
     b.matmul(o, w)
 }
 
@@ -112,11 +113,11 @@ fn interleaved_projections(
     let (dk, r) = (l.key_dim, l.value_heads / l.key_heads);
     let rv = r * l.value_dim;
     let qkvz = b.matrix(
-        &linear(i, "in_proj_qkvz.weight"),
+        &linear(b.naming, i, "in_proj_qkvz.weight"),
         l.key_heads * (2 * dk + 2 * rv),
         c.hidden,
     )?;
-    let ba = b.matrix(&linear(i, "in_proj_ba.weight"), l.key_heads * 2 * r, c.hidden)?;
+    let ba = b.matrix(&linear(b.naming, i, "in_proj_ba.weight"), l.key_heads * 2 * r, c.hidden)?;
     let rows = |b: &mut Builder, w: NodeId, group: usize, start: usize, len: usize| {
         b.op(Op::RowGroupSlice { group, start, len }, &[w])
     };
