@@ -58,20 +58,23 @@ fn attention(
     let name = |t: &str| naming.hf_layer(i, &format!("self_attn.{t}"));
     let heads = c.heads;
     let (n, r, v) = (m.nope_dim, m.rope_dim, m.value_dim);
-    let rope = |heads: usize, head_dim: usize, layout: RopeLayout| {
+    // Interleaved RoPE (`rope_interleave`, `indexer_rope_interleave`: element 2i pairs with
+    // 2i + 1) for the attention and the indexer alike, as HF transformers 5.24 computes them
+    // (checked against its logits; split-half fails from position 1 on).
+    let rope = |heads: usize, head_dim: usize| {
         Op::Rope(RopeSpec {
             heads,
             head_dim,
             rotary_dim: r,
             theta: c.rope_theta,
             position_scale: c.rope_scale,
-            layout,
+            layout: RopeLayout::AdjacentPairs,
         })
     };
-    // Interleaved RoPE (`rope_interleave`, `indexer_rope_interleave`: element 2i pairs with
-    // 2i + 1) for the attention and the indexer alike, as HF transformers 5.24 computes them
-    // (checked against its logits; split-half fails from position 1 on).
-    let (main_layout, index_layout) = (RopeLayout::AdjacentPairs, RopeLayout::AdjacentPairs);
+    // Columns `start..start + len` of each head's `group`.
+    let per_head = |b: &mut Builder, x: NodeId, group: usize, start: usize, len: usize| {
+        b.op(Op::GroupSlice { group, start, len }, &[x])
+    };
     let linear = |b: &mut Builder, x: NodeId, t: &str, rows: usize, cols: usize| -> Result<NodeId> {
         let w = b.matrix(&name(&format!("{t}.weight")), rows, cols)?;
         b.matmul(x, w)
@@ -80,23 +83,9 @@ fn attention(
     let q_latent = linear(b, h, "q_a_proj", m.q_rank, c.hidden)?;
     let q_latent = b.rms_norm(q_latent, &name("q_a_layernorm.weight"), m.q_rank, LATENT_NORM_EPS, 0.0)?;
     let q = linear(b, q_latent, "q_b_proj", heads * (n + r), m.q_rank)?;
-    let q_nope = b.op(
-        Op::GroupSlice {
-            group: n + r,
-            start: 0,
-            len: n,
-        },
-        &[q],
-    )?;
-    let q_pe = b.op(
-        Op::GroupSlice {
-            group: n + r,
-            start: n,
-            len: r,
-        },
-        &[q],
-    )?;
-    let q_pe = b.op(rope(heads, r, main_layout), &[q_pe, positions])?;
+    let q_nope = per_head(b, q, n + r, 0, n)?;
+    let q_pe = per_head(b, q, n + r, n, r)?;
+    let q_pe = b.op(rope(heads, r), &[q_pe, positions])?;
     // Keys and values: the normed latent expanded per head, and one shared rotated key part.
     let kv_latent = linear(b, h, "kv_a_proj_with_mqa", m.kv_rank + r, c.hidden)?;
     let k_pe = b.op(
@@ -106,7 +95,7 @@ fn attention(
         },
         &[kv_latent],
     )?;
-    let k_pe = b.op(rope(1, r, main_layout), &[k_pe, positions])?;
+    let k_pe = b.op(rope(1, r), &[k_pe, positions])?;
     let kv_latent = b.op(
         Op::Slice {
             start: 0,
@@ -122,33 +111,19 @@ fn attention(
         0.0,
     )?;
     let kv = linear(b, kv_latent, "kv_b_proj", heads * (n + v), m.kv_rank)?;
-    let k_nope = b.op(
-        Op::GroupSlice {
-            group: n + v,
-            start: 0,
-            len: n,
-        },
-        &[kv],
-    )?;
-    let values = b.op(
-        Op::GroupSlice {
-            group: n + v,
-            start: n,
-            len: v,
-        },
-        &[kv],
-    )?;
+    let k_nope = per_head(b, kv, n + v, 0, n)?;
+    let values = per_head(b, kv, n + v, n, v)?;
     // The indexer.
     let (ih, id) = (m.index_heads, m.index_dim);
     let index_q = linear(b, q_latent, "indexer.wq_b", ih * id, m.q_rank)?;
-    let index_q = b.op(rope(ih, id, index_layout), &[index_q, positions])?;
+    let index_q = b.op(rope(ih, id), &[index_q, positions])?;
     let index_k = linear(b, h, "indexer.wk", id, c.hidden)?;
     let (norm_w, norm_b) = (
         b.vector(&name("indexer.k_norm.weight"), id)?,
         b.vector(&name("indexer.k_norm.bias"), id)?,
     );
     let index_k = b.op(Op::LayerNorm { eps: LATENT_NORM_EPS }, &[index_k, norm_w, norm_b])?;
-    let index_k = b.op(rope(1, id, index_layout), &[index_k, positions])?;
+    let index_k = b.op(rope(1, id), &[index_k, positions])?;
     let index_weights = linear(b, h, "indexer.weights_proj", ih, c.hidden)?;
     let spec = SparseMlaSpec {
         heads,
