@@ -8,17 +8,14 @@
 use super::{Builder, ComputeDtype, LayerTensor, Naming};
 use crate::config::{LayerAttention, ModelConfig};
 use crate::error::Result;
-use ir::{AttentionSpec, GluAct, InputKind, Op, RopeLayout, RopeSpec};
+use ir::{AttentionSpec, GluAct, Op, RopeLayout, RopeSpec};
 
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     let offset = match b.naming {
         Naming::Gguf => 0.0,
         Naming::Hf(_) => 1.0,
     };
-    let ids = b.graph.input(InputKind::TokenIds);
-    let positions = b.graph.input(InputKind::Positions);
-    let table = b.matrix(&b.naming.embedding(), c.vocab_size, c.hidden)?;
-    let x = b.op(Op::Embedding, &[table, ids])?;
+    let (_, positions, x) = b.token_embeddings(c)?;
     let mut x = b.op(
         Op::Scale {
             factor: embedding_scale(c.hidden, b.options.compute),

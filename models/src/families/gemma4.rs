@@ -18,17 +18,14 @@
 use super::{Builder, ComputeDtype, LayerTensor};
 use crate::config::{Gemma4Config, LayerAttention, ModelConfig};
 use crate::error::{ModelError, Result};
-use ir::{AttentionSpec, GluAct, InputKind, NodeId, Op, RopeLayout, RopeSpec};
+use ir::{AttentionSpec, GluAct, NodeId, Op, RopeLayout, RopeSpec};
 
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     let g = c.gemma4.as_ref().ok_or_else(|| ModelError::TensorShape {
         name: "config".into(),
         what: "a gemma4 model needs its per-layer settings".into(),
     })?;
-    let ids = b.graph.input(InputKind::TokenIds);
-    let positions = b.graph.input(InputKind::Positions);
-    let table = b.matrix(&b.naming.embedding(), c.vocab_size, c.hidden)?;
-    let x = b.op(Op::Embedding, &[table, ids])?;
+    let (ids, positions, x) = b.token_embeddings(c)?;
     let scale = rounded((c.hidden as f32).sqrt(), b.options.compute);
     let mut x = b.op(Op::Scale { factor: scale }, &[x])?;
     let per_layer = match g.per_layer_input {

@@ -10,17 +10,14 @@ use super::moe::{mlp, SharedNames};
 use super::{Builder, LayerTensor};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use ir::{AttentionSpec, InputKind, NodeId, Op, RopeLayout, RopeSpec};
+use ir::{AttentionSpec, NodeId, Op, RopeLayout, RopeSpec};
 
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     c.moe.as_ref().ok_or_else(|| ModelError::TensorShape {
         name: "config".into(),
         what: "a glm4_moe model needs its MoE settings".into(),
     })?;
-    let ids = b.graph.input(InputKind::TokenIds);
-    let positions = b.graph.input(InputKind::Positions);
-    let table = b.matrix(&b.naming.embedding(), c.vocab_size, c.hidden)?;
-    let mut x = b.op(Op::Embedding, &[table, ids])?;
+    let (_, positions, mut x) = b.token_embeddings(c)?;
     for i in 0..c.layers {
         let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::AttnNorm), c.hidden, c.rms_eps, 0.0)?;
         let a = attention(c, b, i, h, positions)?;

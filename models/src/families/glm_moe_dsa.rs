@@ -17,7 +17,7 @@ use super::moe::{mlp, SharedNames};
 use super::{Builder, LayerTensor};
 use crate::config::{MlaConfig, ModelConfig};
 use crate::error::{ModelError, Result};
-use ir::{InputKind, NodeId, Op, RopeLayout, RopeSpec, SparseMlaSpec};
+use ir::{NodeId, Op, RopeLayout, RopeSpec, SparseMlaSpec};
 
 /// The eps of `q_a_layernorm`, `kv_a_layernorm` (HF's RMSNorm default) and the indexer's
 /// LayerNorm.
@@ -30,10 +30,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     };
     let mla = c.mla.ok_or_else(|| missing("latent attention"))?;
     c.moe.as_ref().ok_or_else(|| missing("MoE"))?;
-    let ids = b.graph.input(InputKind::TokenIds);
-    let positions = b.graph.input(InputKind::Positions);
-    let table = b.matrix(&b.naming.embedding(), c.vocab_size, c.hidden)?;
-    let mut x = b.op(Op::Embedding, &[table, ids])?;
+    let (_, positions, mut x) = b.token_embeddings(c)?;
     for i in 0..c.layers {
         let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::AttnNorm), c.hidden, c.rms_eps, 0.0)?;
         let a = attention(c, &mla, b, i, h, positions)?;

@@ -8,13 +8,10 @@
 use super::{Builder, LayerTensor, Naming};
 use crate::config::ModelConfig;
 use crate::error::Result;
-use ir::{AttentionSpec, GluAct, InputKind, Op, RopeLayout, RopeSpec};
+use ir::{AttentionSpec, GluAct, RopeLayout, RopeSpec};
 
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
-    let ids = b.graph.input(InputKind::TokenIds);
-    let positions = b.graph.input(InputKind::Positions);
-    let table = b.matrix(&b.naming.embedding(), c.vocab_size, c.hidden)?;
-    let mut x = b.op(Op::Embedding, &[table, ids])?;
+    let (_, positions, mut x) = b.token_embeddings(c)?;
     let layout = match b.naming {
         Naming::Gguf => RopeLayout::AdjacentPairs,
         Naming::Hf(_) => RopeLayout::RotateHalf,

@@ -379,6 +379,16 @@ impl Builder<'_> {
         )
     }
 
+    /// The step's inputs (token ids, positions) and the ids' rows of the embedding table: how
+    /// every family's graph begins.
+    pub fn token_embeddings(&mut self, config: &ModelConfig) -> Result<(NodeId, NodeId, NodeId)> {
+        let ids = self.graph.input(ir::InputKind::TokenIds);
+        let positions = self.graph.input(ir::InputKind::Positions);
+        let table = self.matrix(&self.naming.embedding(), config.vocab_size, config.hidden)?;
+        let x = self.op(Op::Embedding, &[table, ids])?;
+        Ok((ids, positions, x))
+    }
+
     /// `attention(rope(q), rope(k), v)` in `spec`'s cache: `rope` (whose own `heads` is not
     /// read) rotates every query head and every key head.
     pub fn rotary_attention(

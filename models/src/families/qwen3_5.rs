@@ -23,16 +23,13 @@ use super::moe::{mlp, SharedNames};
 use super::{Builder, LayerTensor, Naming};
 use crate::config::{Family, LayerAttention, LinearAttentionConfig, ModelConfig};
 use crate::error::{ModelError, Result};
-use ir::{AttentionSpec, DeltaNetSpec, InputKind, NodeId, Op, RopeLayout, RopeSpec};
+use ir::{AttentionSpec, DeltaNetSpec, NodeId, Op, RopeLayout, RopeSpec};
 
 /// Qwen3.5's RMSNorm multiplies by `1 + w`.
 const NORM_OFFSET: f32 = 1.0;
 
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
-    let ids = b.graph.input(InputKind::TokenIds);
-    let positions = b.graph.input(InputKind::Positions);
-    let table = b.matrix(&b.naming.embedding(), c.vocab_size, c.hidden)?;
-    let mut x = b.op(Op::Embedding, &[table, ids])?;
+    let (_, positions, mut x) = b.token_embeddings(c)?;
     for i in 0..c.layers {
         let norm = b.naming.layer(i, LayerTensor::AttnNorm);
         let h = b.rms_norm(x, &norm, c.hidden, c.rms_eps, NORM_OFFSET)?;
