@@ -10,7 +10,7 @@ use super::moe::{mlp, SharedNames};
 use super::{Builder, LayerTensor};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use ir::{AttentionSpec, NodeId, Op, RopeLayout, RopeSpec};
+use ir::{NodeId, RopeLayout, RopeSpec};
 
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     c.moe.as_ref().ok_or_else(|| ModelError::TensorShape {
@@ -32,21 +32,9 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
 /// Self-attention of layer `i` over the normed `h`, through the output projection.
 fn attention(c: &ModelConfig, b: &mut Builder, i: usize, h: NodeId, positions: NodeId) -> Result<NodeId> {
     let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
-    let mut qkv = Vec::with_capacity(3);
-    for (t, rows) in [
-        (LayerTensor::Q, q_dim),
-        (LayerTensor::K, kv_dim),
-        (LayerTensor::V, kv_dim),
-    ] {
-        let w = b.matrix(&b.naming.layer(i, t), rows, c.hidden)?;
-        let mut y = b.matmul(h, w)?;
-        if c.attention_bias {
-            let bias = b.vector(&b.naming.layer_bias(i, t), rows)?;
-            y = b.op(Op::AddBias, &[y, bias])?;
-        }
-        qkv.push(y);
-    }
-    let (mut q, mut k, v) = (qkv[0], qkv[1], qkv[2]);
+    let mut q = b.attention_projection(c, i, LayerTensor::Q, h, q_dim, c.hidden)?;
+    let mut k = b.attention_projection(c, i, LayerTensor::K, h, kv_dim, c.hidden)?;
+    let v = b.attention_projection(c, i, LayerTensor::V, h, kv_dim, c.hidden)?;
     if c.qk_norm {
         q = b.rms_norm(q, &b.naming.layer(i, LayerTensor::QNorm), c.head_dim, c.rms_eps, 0.0)?;
         k = b.rms_norm(k, &b.naming.layer(i, LayerTensor::KNorm), c.head_dim, c.rms_eps, 0.0)?;
@@ -59,15 +47,7 @@ fn attention(c: &ModelConfig, b: &mut Builder, i: usize, h: NodeId, positions: N
         position_scale: c.rope_scale,
         layout: RopeLayout::RotateHalf,
     };
-    let spec = AttentionSpec {
-        heads: c.heads,
-        kv_heads: c.kv_heads,
-        head_dim: c.head_dim,
-        scale: 1.0 / (c.head_dim as f64).sqrt(),
-        window: None,
-        cache_slot: i,
-        cache_dtype: b.cache_dtype(),
-    };
+    let spec = b.causal_attention(c.heads, c.kv_heads, c.head_dim, i);
     let a = b.rotary_attention([q, k, v], positions, rope, spec)?;
     let wo = b.matrix(&b.naming.layer(i, LayerTensor::O), c.hidden, q_dim)?;
     b.matmul(a, wo)

@@ -8,7 +8,7 @@
 use super::{Builder, LayerTensor, Naming};
 use crate::config::ModelConfig;
 use crate::error::Result;
-use ir::{AttentionSpec, GluAct, RopeLayout, RopeSpec};
+use ir::{GluAct, RopeLayout, RopeSpec};
 
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     let (_, positions, mut x) = b.token_embeddings(c)?;
@@ -48,15 +48,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
             position_scale: c.rope_scale,
             layout,
         };
-        let spec = AttentionSpec {
-            heads: c.heads,
-            kv_heads: c.kv_heads,
-            head_dim: c.head_dim,
-            scale: 1.0 / (c.head_dim as f64).sqrt(),
-            window: None,
-            cache_slot: i,
-            cache_dtype: b.cache_dtype(),
-        };
+        let spec = b.causal_attention(c.heads, c.kv_heads, c.head_dim, i);
         let a = b.rotary_attention([q, k, v], positions, rope, spec)?;
         let wo = b.matrix(&n_o, c.hidden, q_dim)?;
         let o = b.matmul(a, wo)?;

@@ -389,6 +389,46 @@ impl Builder<'_> {
         Ok((ids, positions, x))
     }
 
+    /// `x · Wᵀ` for attention projection `t` of layer `i` (`[rows, cols]`), plus its bias
+    /// where the model has attention biases.
+    pub fn attention_projection(
+        &mut self,
+        config: &ModelConfig,
+        i: usize,
+        t: LayerTensor,
+        x: NodeId,
+        rows: usize,
+        cols: usize,
+    ) -> Result<NodeId> {
+        let w = self.matrix(&self.naming.layer(i, t), rows, cols)?;
+        let y = self.matmul(x, w)?;
+        if !config.attention_bias {
+            return Ok(y);
+        }
+        let bias = self.vector(&self.naming.layer_bias(i, t), rows)?;
+        self.op(Op::AddBias, &[y, bias])
+    }
+
+    /// Causal attention over everything cached, scaled by `head_dim^−½`, in layer
+    /// `cache_slot`'s cache (of the model's cache dtype).
+    pub fn causal_attention(
+        &self,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        cache_slot: usize,
+    ) -> ir::AttentionSpec {
+        ir::AttentionSpec {
+            heads,
+            kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f64).sqrt(),
+            window: None,
+            cache_slot,
+            cache_dtype: self.cache_dtype(),
+        }
+    }
+
     /// `attention(rope(q), rope(k), v)` in `spec`'s cache: `rope` (whose own `heads` is not
     /// read) rotates every query head and every key head.
     pub fn rotary_attention(

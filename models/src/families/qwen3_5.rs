@@ -23,7 +23,7 @@ use super::moe::{mlp, SharedNames};
 use super::{Builder, LayerTensor, Naming};
 use crate::config::{Family, LayerAttention, LinearAttentionConfig, ModelConfig};
 use crate::error::{ModelError, Result};
-use ir::{AttentionSpec, DeltaNetSpec, NodeId, Op, RopeLayout, RopeSpec};
+use ir::{DeltaNetSpec, NodeId, Op, RopeLayout, RopeSpec};
 
 /// Qwen3.5's RMSNorm multiplies by `1 + w`.
 const NORM_OFFSET: f32 = 1.0;
@@ -133,7 +133,7 @@ fn interleaved_projections(
 fn gated_attention(c: &ModelConfig, b: &mut Builder, i: usize, h: NodeId, positions: NodeId) -> Result<NodeId> {
     let hd = c.head_dim;
     let (q_dim, kv_dim) = (c.heads * hd, c.kv_heads * hd);
-    let q_gate = projection(c, b, i, LayerTensor::Q, h, 2 * q_dim, c.hidden)?;
+    let q_gate = b.attention_projection(c, i, LayerTensor::Q, h, 2 * q_dim, c.hidden)?;
     let q = b.op(
         Op::GroupSlice {
             group: 2 * hd,
@@ -150,8 +150,8 @@ fn gated_attention(c: &ModelConfig, b: &mut Builder, i: usize, h: NodeId, positi
         },
         &[q_gate],
     )?;
-    let k = projection(c, b, i, LayerTensor::K, h, kv_dim, c.hidden)?;
-    let v = projection(c, b, i, LayerTensor::V, h, kv_dim, c.hidden)?;
+    let k = b.attention_projection(c, i, LayerTensor::K, h, kv_dim, c.hidden)?;
+    let v = b.attention_projection(c, i, LayerTensor::V, h, kv_dim, c.hidden)?;
     let q = b.rms_norm(q, &b.naming.layer(i, LayerTensor::QNorm), hd, c.rms_eps, NORM_OFFSET)?;
     let k = b.rms_norm(k, &b.naming.layer(i, LayerTensor::KNorm), hd, c.rms_eps, NORM_OFFSET)?;
     let rope = RopeSpec {
@@ -162,37 +162,9 @@ fn gated_attention(c: &ModelConfig, b: &mut Builder, i: usize, h: NodeId, positi
         position_scale: c.rope_scale,
         layout: RopeLayout::RotateHalf,
     };
-    let spec = AttentionSpec {
-        heads: c.heads,
-        kv_heads: c.kv_heads,
-        head_dim: hd,
-        scale: 1.0 / (hd as f64).sqrt(),
-        window: None,
-        cache_slot: i,
-        cache_dtype: b.cache_dtype(),
-    };
+    let spec = b.causal_attention(c.heads, c.kv_heads, hd, i);
     let a = b.rotary_attention([q, k, v], positions, rope, spec)?;
     let gate = b.op(Op::Sigmoid, &[gate])?;
     let a = b.op(Op::Mul, &[a, gate])?;
-    projection(c, b, i, LayerTensor::O, a, c.hidden, q_dim)
-}
-
-/// `x · Wᵀ` for projection `t` of layer `i` (`[rows, cols]`), plus its bias where the model
-/// has attention biases.
-fn projection(
-    c: &ModelConfig,
-    b: &mut Builder,
-    i: usize,
-    t: LayerTensor,
-    x: NodeId,
-    rows: usize,
-    cols: usize,
-) -> Result<NodeId> {
-    let w = b.matrix(&b.naming.layer(i, t), rows, cols)?;
-    let y = b.matmul(x, w)?;
-    if !c.attention_bias {
-        return Ok(y);
-    }
-    let bias = b.vector(&b.naming.layer_bias(i, t), rows)?;
-    b.op(Op::AddBias, &[y, bias])
+    b.attention_projection(c, i, LayerTensor::O, a, c.hidden, q_dim)
 }
