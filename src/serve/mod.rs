@@ -150,12 +150,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 "KV cache on the GPU: {} blocks of {} positions ({positions} positions)",
                 args.kv_blocks, args.block_size
             );
-            start_engine(
-                ServingEngine::new(backend, config),
-                inbox,
-                metrics.clone(),
-                config.speculation,
-            )?;
+            start_engine(backend, config, inbox, metrics.clone())?;
         }
         None => {
             let mut cache = loaded.weight_cache();
@@ -167,12 +162,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 args.block_size,
                 (positions * backend.kv_bytes_per_position()) >> 20
             );
-            start_engine(
-                ServingEngine::new(backend, config),
-                inbox,
-                metrics.clone(),
-                config.speculation,
-            )?;
+            start_engine(backend, config, inbox, metrics.clone())?;
         }
     }
     let state = Arc::new(http::AppState {
@@ -195,20 +185,21 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     runtime.block_on(listen(args, state))
 }
 
-/// Run `engine` on its own thread, taking requests from `inbox`; say whether it drafts
-/// (`asked`: the speculation the flags asked for, which the engine may have turned off).
+/// Run an engine over `backend` on its own thread, taking requests from `inbox`; say whether
+/// it drafts (the engine turns off speculation its backend cannot verify).
 fn start_engine<B>(
-    engine: ServingEngine<B>,
+    backend: B,
+    config: SchedulerConfig,
     inbox: tokio::sync::mpsc::UnboundedReceiver<worker::NewRequest>,
     metrics: Arc<metrics::Metrics>,
-    asked: runtime::serving::NgramConfig,
 ) -> Result<()>
 where
     B: runtime::serving::PagedBackend + Send + 'static,
     B::Pages: Send,
 {
+    let engine = ServingEngine::new(backend, config);
     let on = engine.scheduler().config().speculation;
-    match (asked.is_on(), on.is_on()) {
+    match (config.speculation.is_on(), on.is_on()) {
         (_, true) => eprintln!(
             "speculative decoding: prompt lookup, up to {} drafted tokens a step (matches of {}..={} tokens)",
             on.tokens, on.min, on.max
