@@ -13,6 +13,7 @@ pub enum Expr {
     Scale(Box<Expr>, f32),
     Silu(Box<Expr>),
     GeluTanh(Box<Expr>),
+    Sigmoid(Box<Expr>),
 }
 
 impl Expr {
@@ -24,6 +25,7 @@ impl Expr {
             Expr::Scale(a, f) => a.eval(inputs) * f,
             Expr::Silu(a) => crate::reference::ops::silu(a.eval(inputs)),
             Expr::GeluTanh(a) => crate::reference::ops::gelu_tanh(a.eval(inputs)),
+            Expr::Sigmoid(a) => crate::reference::ops::sigmoid(a.eval(inputs)),
         }
     }
 
@@ -32,7 +34,7 @@ impl Expr {
         match self {
             Expr::Input(i) => i + 1,
             Expr::Add(a, b) | Expr::Mul(a, b) => a.arity().max(b.arity()),
-            Expr::Scale(a, _) | Expr::Silu(a) | Expr::GeluTanh(a) => a.arity(),
+            Expr::Scale(a, _) | Expr::Silu(a) | Expr::GeluTanh(a) | Expr::Sigmoid(a) => a.arity(),
         }
     }
 
@@ -45,6 +47,7 @@ impl Expr {
             Expr::Scale(a, s) => Expr::Scale(Box::new(a.substitute(f)), *s),
             Expr::Silu(a) => Expr::Silu(Box::new(a.substitute(f))),
             Expr::GeluTanh(a) => Expr::GeluTanh(Box::new(a.substitute(f))),
+            Expr::Sigmoid(a) => Expr::Sigmoid(Box::new(a.substitute(f))),
         }
     }
 
@@ -54,7 +57,7 @@ impl Expr {
             Expr::Input(_) => 0,
             Expr::Add(a, b) | Expr::Mul(a, b) => 1 + a.ops() + b.ops(),
             Expr::Scale(a, _) => 1 + a.ops(),
-            Expr::Silu(a) | Expr::GeluTanh(a) => 8 + a.ops(),
+            Expr::Silu(a) | Expr::GeluTanh(a) | Expr::Sigmoid(a) => 8 + a.ops(),
         }
     }
 }
@@ -68,6 +71,7 @@ impl fmt::Display for Expr {
             Expr::Scale(a, s) => write!(f, "scale({a}, {s})"),
             Expr::Silu(a) => write!(f, "silu({a})"),
             Expr::GeluTanh(a) => write!(f, "gelu_tanh({a})"),
+            Expr::Sigmoid(a) => write!(f, "sigmoid({a})"),
         }
     }
 }

@@ -614,6 +614,7 @@ fn expr(e: &Expr, scope: &Scope) -> String {
                 UnOp::Neg => format!("(-{x})"),
                 UnOp::Not => format!("(!{x})"),
                 UnOp::Exp => format!("expf({x})"),
+                UnOp::Log1p => format!("log1pf({x})"),
                 UnOp::Tanh => format!("tanhf({x})"),
                 UnOp::Sqrt => format!("sqrtf({x})"),
                 UnOp::Rsqrt => format!("rsqrtf({x})"),

@@ -79,6 +79,8 @@ pub enum UnOp {
     Neg,
     Not,
     Exp,
+    /// ln(1 + x), accurate near 0 (softplus).
+    Log1p,
     Tanh,
     Sqrt,
     Rsqrt,

@@ -24,10 +24,13 @@ fn elementwise_matches_expression_semantics() {
             Box::new(ir::Expr::Input(0)),
             Box::new(ir::Expr::Input(1)),
         )))),
-        Box::new(ir::Expr::GeluTanh(Box::new(ir::Expr::Scale(
-            Box::new(ir::Expr::Input(1)),
-            0.5,
-        )))),
+        Box::new(ir::Expr::Add(
+            Box::new(ir::Expr::GeluTanh(Box::new(ir::Expr::Scale(
+                Box::new(ir::Expr::Input(1)),
+                0.5,
+            )))),
+            Box::new(ir::Expr::Sigmoid(Box::new(ir::Expr::Input(0)))),
+        )),
     );
     let k = elementwise::elementwise("ew", "test", &expr);
     let mut rng = Rng(1);
@@ -297,6 +300,34 @@ fn gather_rows_picks_the_indexed_rows_of_a_strided_source() {
 
 /// The device fill equals the host's `uniform` element for element (bf16: rounded once), from
 /// any base index, and its values spread over [offset - scale, offset + scale).
+/// Columns of every group side by side, from a strided source (a slice of a wider row): the
+/// reference's `group_slice` of each row's slice.
+#[test]
+fn gather_column_groups_matches_group_slice() {
+    let mut rng = Rng(22);
+    for (rows, groups, group, start, len, offset, stride) in [(3, 4, 64, 0, 32, 0, 256), (5, 3, 10, 7, 3, 5, 41)] {
+        let src = rng.vec(rows * stride);
+        let width = groups * len;
+        let mut bufs = HashMap::from([
+            ("src".into(), Array::f32(&src[offset..])),
+            ("out".into(), Array::poisoned(Ty::F32, rows * width)),
+        ]);
+        let scalars = ints(&[
+            ("rows", rows as i64),
+            ("width", width as i64),
+            ("src_stride", stride as i64),
+            ("group", group as i64),
+            ("start", start as i64),
+            ("len", len as i64),
+        ]);
+        run(&gather::gather_column_groups("groups", "test"), &mut bufs, &scalars).unwrap();
+        let want: Vec<f32> = (0..rows)
+            .flat_map(|r| ops::group_slice(&src[offset + r * stride..][..groups * group], group, start, len))
+            .collect();
+        assert_eq!(bufs["out"].to_f32().unwrap(), want);
+    }
+}
+
 #[test]
 fn fill_uniform_makes_the_hosts_values_from_any_base() {
     let (n, base, seed, offset, scale) = (1000usize, 7_000_000i64, 42i64, 0.5f32, 0.25f32);

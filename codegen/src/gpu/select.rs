@@ -87,6 +87,7 @@ fn as_expr(op: &Op) -> Option<IrExpr> {
         Op::Scale { factor } => IrExpr::Scale(x(), *factor),
         Op::Silu => IrExpr::Silu(x()),
         Op::GeluTanh => IrExpr::GeluTanh(x()),
+        Op::Sigmoid => IrExpr::Sigmoid(x()),
         Op::Elementwise { expr } => expr.clone(),
         _ => return None,
     })

@@ -227,7 +227,8 @@ fn softmax(x: &[f32]) -> Vec<f32> {
     exps.iter().map(|e| (e / total) as f32).collect()
 }
 
-fn sigmoid(x: f32) -> f32 {
+/// `1 / (1 + e^−x)`, in f64.
+pub fn sigmoid(x: f32) -> f32 {
     (1.0 / (1.0 + (-(x as f64)).exp())) as f32
 }
 

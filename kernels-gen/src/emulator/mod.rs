@@ -853,6 +853,7 @@ fn unop_f32(op: UnOp, v: f32) -> f32 {
     match op {
         UnOp::Neg => -v,
         UnOp::Exp => v.exp(),
+        UnOp::Log1p => v.ln_1p(),
         UnOp::Tanh => v.tanh(),
         UnOp::Sqrt => v.sqrt(),
         UnOp::Rsqrt => 1.0 / v.sqrt(),

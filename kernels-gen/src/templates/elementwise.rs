@@ -12,11 +12,9 @@ fn lower(e: &IrExpr) -> Expr {
         IrExpr::Mul(a, b) => lower(a) * lower(b),
         IrExpr::Scale(a, s) => lower(a) * f(*s),
         // silu(x) = x / (1 + e^-x)
-        IrExpr::Silu(a) => {
-            let x = lower(a);
-            x.clone() / (f(1.0) + un(UnOp::Exp, un(UnOp::Neg, x)))
-        }
+        IrExpr::Silu(a) => silu(lower(a)),
         IrExpr::GeluTanh(a) => gelu_tanh(lower(a)),
+        IrExpr::Sigmoid(a) => sigmoid(lower(a)),
     }
 }
 
@@ -26,8 +24,14 @@ pub fn gelu_tanh(x: Expr) -> Expr {
     f(0.5) * x * (f(1.0) + un(UnOp::Tanh, inner))
 }
 
+/// silu(x) = x / (1 + e^-x)
 pub fn silu(x: Expr) -> Expr {
     x.clone() / (f(1.0) + un(UnOp::Exp, un(UnOp::Neg, x)))
+}
+
+/// sigmoid(x) = 1 / (1 + e^-x)
+pub fn sigmoid(x: Expr) -> Expr {
+    f(1.0) / (f(1.0) + un(UnOp::Exp, un(UnOp::Neg, x)))
 }
 
 /// `out[i] = expr(in0[i], in1[i], …)` for `i < n`, rows of `width`; input k's rows lie

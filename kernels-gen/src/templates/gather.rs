@@ -1,7 +1,10 @@
-//! Row gather: `out[t, j] = src[index[t], j]` for `rows` rows of `width`, `src`'s rows
-//! `src_stride` apart. In a batched step it picks each sequence's last row (the IR's
-//! `last_token`, one row per sequence) so that the final norm and the LM head run on those rows
-//! only. A thread per element (memory-bound; the rows are few).
+//! Gathers, a thread per element (memory-bound; the rows are few or the widths small).
+//! - Rows: `out[t, j] = src[index[t], j]` for `rows` rows of `width`, `src`'s rows `src_stride`
+//!   apart. In a batched step it picks each sequence's last row (the IR's `last_token`, one row
+//!   per sequence) so that the final norm and the LM head run on those rows only.
+//! - Column groups (the IR's `group_slice`): columns `start..start + len` of every group of
+//!   `group` columns, side by side; Qwen3.5's query projection interleaves each head's query
+//!   and output gate, and this splits them.
 
 use super::{blocks_for, per_element, BLOCK};
 use crate::dsl::*;
@@ -31,6 +34,41 @@ pub fn gather_rows(name: &str, origin: &str) -> Kernel {
                     var("i"),
                     load("src", load("index", var("t")) * var("src_stride") + var("j")),
                 ),
+            ],
+        ),
+    }
+}
+
+/// `out[t, g·len + j] = src[t·src_stride + g·group + start + j]` for `rows` rows of `width`
+/// (`groups · len`) columns.
+pub fn gather_column_groups(name: &str, origin: &str) -> Kernel {
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: gather column groups"),
+        params: vec![
+            buffer("src", Ty::F32, false),
+            buffer("out", Ty::F32, true),
+            scalar("rows", Ty::I32),
+            scalar("width", Ty::I32),
+            scalar("src_stride", Ty::I32),
+            scalar("group", Ty::I32),
+            scalar("start", Ty::I32),
+            scalar("len", Ty::I32),
+        ],
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(var("rows") * var("width"), BLOCK as i64),
+        body: per_element(
+            var("rows") * var("width"),
+            vec![
+                let_("t", Ty::I32, var("i") / var("width")),
+                let_("j", Ty::I32, rem(var("i"), var("width"))),
+                let_(
+                    "col",
+                    Ty::I32,
+                    var("j") / var("len") * var("group") + var("start") + rem(var("j"), var("len")),
+                ),
+                store("out", var("i"), load("src", var("t") * var("src_stride") + var("col"))),
             ],
         ),
     }

@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod cache_layout;
+pub mod delta_net;
 pub mod elementwise;
 pub mod embedding;
 pub mod fill;
@@ -309,6 +310,16 @@ pub const QUANT_FORMATS: [ir::DType; 8] = [
     ir::DType::Q6K,
 ];
 
+/// Qwen3.5-27B's Gated DeltaNet layers (16 key heads, 48 value heads, heads of 128).
+const QWEN3_5_DELTA_NET: ir::DeltaNetSpec = ir::DeltaNetSpec {
+    key_heads: 16,
+    value_heads: 48,
+    key_dim: 128,
+    value_dim: 128,
+    conv_kernel: 4,
+    state_slot: 0,
+};
+
 /// One instance of every template, as the code generator would emit them: what snapshot tests,
 /// NVRTC checks and the kernel report cover.
 pub fn catalog() -> Vec<Kernel> {
@@ -415,6 +426,27 @@ pub fn catalog() -> Vec<Kernel> {
             Ty::Bf16,
             RopeLayout::RotateHalf,
             1.0,
+        ),
+        gather::gather_column_groups("gather_column_groups", "catalog"),
+        // Qwen3.5-27B's linear-attention layers in a bf16 serving plan.
+        delta_net::conv(
+            "delta_net_conv_batched",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            &QWEN3_5_DELTA_NET,
+            Dense(Ty::Bf16),
+        ),
+        delta_net::conv_window(
+            "delta_net_window_batched",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            &QWEN3_5_DELTA_NET,
+        ),
+        delta_net::delta_rule(
+            "delta_rule_batched",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            &QWEN3_5_DELTA_NET,
         ),
         split_k::reduce("split_k_reduce", "catalog", 16, None),
         split_k::reduce("split_k_reduce_swiglu", "catalog", 16, Some(GluAct::Silu)),

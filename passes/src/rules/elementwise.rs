@@ -18,6 +18,7 @@ pub fn lift_rules() -> Vec<Rewrite<Node, TypeAnalysis>> {
     [
         ("lift-silu", "(silu ?a ?x)"),
         ("lift-gelu-tanh", "(gelu_tanh ?a ?x)"),
+        ("lift-sigmoid", "(sigmoid ?a ?x)"),
         ("lift-scale", "(scale ?a ?x)"),
         ("lift-add", "(add ?a ?x ?y)"),
         ("lift-mul", "(mul ?a ?x ?y)"),
@@ -41,6 +42,7 @@ fn single_op_expr(op: &Op) -> Option<Expr> {
     Some(match op {
         Op::Silu => Expr::Silu(x()),
         Op::GeluTanh => Expr::GeluTanh(x()),
+        Op::Sigmoid => Expr::Sigmoid(x()),
         Op::Scale { factor } => Expr::Scale(x(), *factor),
         Op::Add => Expr::Add(x(), y()),
         Op::Mul => Expr::Mul(x(), y()),

@@ -1,0 +1,430 @@
+//! Gated DeltaNet layers (Qwen3.5, Qwen3-Next): the IR's `gated_delta_net` as three launches
+//! over each sequence's f32 state (`ir::DeltaNetSpec::state_len`: the convolution's window of
+//! the last `K − 1` inputs per channel, then the delta rule's `[value_heads, key_dim,
+//! value_dim]` matrix), one state per slot in a buffer of `[slots, state_len]`:
+//!
+//! 1. [`conv`]: the depthwise causal convolution and its SiLU, a thread per (row, channel):
+//!    each tap reads an earlier row of the step where the sequence has one, else the window.
+//! 2. [`conv_window`]: a thread per (sequence, channel) shifts the window past the step's rows.
+//!    A launch of its own because (1) reads the window that this overwrites.
+//! 3. [`delta_rule`]: the recurrence, a block per (sequence, value head, tile of value
+//!    columns) walking the sequence's rows in order. Each thread holds `key_dim / R` entries
+//!    of one column of the state in registers (rows `rg, rg + R, …` for its row group `rg`),
+//!    the `R` row groups of a column being neighbouring lanes, so every sum over the key
+//!    dimension (the query and key norms, `kᵀS`, `qᵀS`) is a few shuffles and no barrier.
+//!
+//! The delta rule's matrix is kept transposed on the device (`[value_heads, value_dim,
+//! key_dim]`: a column's entries side by side, which the lanes sharing it read together); the
+//! window is as the reference keeps it.
+//!
+//! A step's rows of one sequence are consecutive. Where they are depends on the plan: one
+//! sequence (`Contiguous`: rows `0..tokens` at positions `first…`, state slot 0), or a batched
+//! step (`Batched`: sequence `s` holds rows `last_rows[s − 1] + 1 ..= last_rows[s]`, its state
+//! in slot `state_slots[s]`, row `r` belongs to sequence `row_seq[r]`). A sequence whose first
+//! row is position 0 starts from a zero state, whatever its slot held before.
+//!
+//! Prefill walks a chunk's rows one after another in (3): the chunked (WY) form that turns the
+//! recurrence into matmuls is what long prompts would want, and is not built.
+
+use super::cache_layout::CacheLayout;
+use super::elementwise::silu;
+use super::quant::WeightFormat;
+use super::{blocks_for, per_element, BLOCK};
+use crate::dsl::*;
+use ir::DeltaNetSpec;
+
+/// Value columns a block of [`delta_rule`] takes (fewer where the heads are narrower).
+const COLUMNS: usize = 32;
+
+/// The layout's parameters: what locates a sequence's rows and state.
+fn sequence_params(layout: CacheLayout) -> Vec<Param> {
+    match layout {
+        CacheLayout::Batched => vec![
+            buffer("last_rows", Ty::I32, false),
+            buffer("row_pos", Ty::I32, false),
+            buffer("row_seq", Ty::I32, false),
+            buffer("state_slots", Ty::I32, false),
+        ],
+        _ => vec![scalar("first", Ty::I32)],
+    }
+}
+
+/// Statements declaring, for sequence `s` of the step: `first_row`, `last_row` (its rows),
+/// `fresh` (whether its first row is position 0) and `slot` (its state's).
+fn locate_sequence(layout: CacheLayout, s: Expr) -> Vec<Stmt> {
+    match layout {
+        CacheLayout::Batched => vec![
+            let_("first_row", Ty::I32, int(0)),
+            // Not a select: the emulator (rightly) reads both arms, and `last_rows[-1]` is
+            // outside the buffer.
+            if_(
+                bin(BinOp::Gt, s.clone(), int(0)),
+                vec![assign("first_row", load("last_rows", s.clone() - int(1)) + int(1))],
+            ),
+            let_("last_row", Ty::I32, load("last_rows", s.clone())),
+            let_("fresh", Ty::Bool, eq(load("row_pos", var("first_row")), int(0))),
+            let_("slot", Ty::I32, load("state_slots", s)),
+        ],
+        _ => vec![
+            let_("first_row", Ty::I32, int(0)),
+            let_("last_row", Ty::I32, var("tokens") - int(1)),
+            let_("fresh", Ty::Bool, eq(var("first"), int(0))),
+            let_("slot", Ty::I32, int(0)),
+        ],
+    }
+}
+
+/// The sequence of step row `r`.
+fn sequence_of_row(layout: CacheLayout, r: Expr) -> Expr {
+    match layout {
+        CacheLayout::Batched => load("row_seq", r),
+        _ => int(0),
+    }
+}
+
+fn spec_text(spec: &DeltaNetSpec) -> String {
+    format!(
+        "{} key heads × {}, {} value heads × {}, convolution of {}",
+        spec.key_heads, spec.key_dim, spec.value_heads, spec.value_dim, spec.conv_kernel
+    )
+}
+
+/// `out[r, c] = silu(Σ_j w[c, j]·in(r − K + 1 + j, c))` for the step's `tokens` rows of the
+/// joined projection `x` (rows `x_stride` apart) and its `channels`, `in` reaching back past
+/// the sequence's first row of the step into the window of its state (zeros for a fresh
+/// sequence). `w` is `[channels, K]` in `weights`' format.
+pub fn conv(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNetSpec, weights: WeightFormat) -> Kernel {
+    let (channels, taps) = (spec.conv_channels() as i64, spec.conv_kernel as i64);
+    let mut body = vec![
+        let_("r", Ty::I32, var("i") / int(channels)),
+        let_("c", Ty::I32, rem(var("i"), int(channels))),
+    ];
+    body.extend(locate_sequence(layout, sequence_of_row(layout, var("r"))));
+    body.extend([
+        // The row's index among its sequence's rows of the step.
+        let_("rel", Ty::I32, var("r") - var("first_row")),
+        let_("window", Ty::I32, var("slot") * int(spec.state_len() as i64)),
+        let_("acc", Ty::F32, f(0.0)),
+    ]);
+    for j in 0..taps {
+        let back = taps - 1 - j;
+        let (tap, w) = (format!("in{j}"), format!("w{j}"));
+        body.push(let_(&tap, Ty::F32, f(0.0)));
+        body.push(if_else(
+            bin(BinOp::Ge, var("rel"), int(back)),
+            vec![assign(
+                &tap,
+                load("x", (var("r") - int(back)) * var("x_stride") + var("c")),
+            )],
+            // Window row K − 1 + (rel − back) holds that input.
+            vec![if_(
+                un(UnOp::Not, var("fresh")),
+                vec![assign(
+                    &tap,
+                    load(
+                        "state",
+                        var("window") + (int(taps - 1 - back) + var("rel")) * int(channels) + var("c"),
+                    ),
+                )],
+            )],
+        ));
+        body.extend(weights.element(&w, var("c"), int(taps), int(j)));
+        body.push(assign("acc", var("acc") + var(&w) * var(&tap)));
+    }
+    body.push(store("out", var("i"), silu(var("acc"))));
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: gated DeltaNet convolution and SiLU ({}), {} weights, {}",
+            spec_text(spec),
+            weights.describe(),
+            layout.describe()
+        ),
+        params: [
+            vec![
+                buffer("x", Ty::F32, false),
+                buffer("w", weights.buffer_ty(), false),
+                buffer("state", Ty::F32, false),
+                buffer("out", Ty::F32, true),
+                scalar("tokens", Ty::I32),
+                scalar("x_stride", Ty::I32),
+            ],
+            sequence_params(layout),
+        ]
+        .concat(),
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(var("tokens") * int(channels), BLOCK as i64),
+        body: per_element(var("tokens") * int(channels), body),
+    }
+}
+
+/// Each sequence's window after the step: its last `K − 1` inputs per channel, from the step's
+/// rows where it has that many, else shifted along from the window (zeros for a fresh
+/// sequence). A thread per (sequence, channel), which writes window rows in ascending order,
+/// each from a later row than itself, so nothing is overwritten before it is read.
+pub fn conv_window(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNetSpec) -> Kernel {
+    let (channels, kept) = (spec.conv_channels() as i64, spec.conv_kernel as i64 - 1);
+    let mut body = vec![
+        let_("s", Ty::I32, var("i") / int(channels)),
+        let_("c", Ty::I32, rem(var("i"), int(channels))),
+    ];
+    body.extend(locate_sequence(layout, var("s")));
+    body.extend([
+        let_("rows", Ty::I32, var("last_row") - var("first_row") + int(1)),
+        let_("window", Ty::I32, var("slot") * int(spec.state_len() as i64)),
+    ]);
+    for w in 0..kept {
+        let value = format!("v{w}");
+        // The input that becomes window row w, counted from the sequence's first row here.
+        let src = format!("src{w}");
+        body.extend([
+            let_(&src, Ty::I32, var("rows") - int(kept) + int(w)),
+            let_(&value, Ty::F32, f(0.0)),
+            if_else(
+                bin(BinOp::Ge, var(&src), int(0)),
+                vec![assign(
+                    &value,
+                    load("x", (var("first_row") + var(&src)) * var("x_stride") + var("c")),
+                )],
+                vec![if_(
+                    un(UnOp::Not, var("fresh")),
+                    vec![assign(
+                        &value,
+                        load(
+                            "state",
+                            var("window") + (int(kept) + var(&src)) * int(channels) + var("c"),
+                        ),
+                    )],
+                )],
+            ),
+            store("state", var("window") + int(w) * int(channels) + var("c"), var(&value)),
+        ]);
+    }
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: gated DeltaNet convolution window ({}), {}",
+            spec_text(spec),
+            layout.describe()
+        ),
+        params: [
+            vec![
+                buffer("x", Ty::F32, false),
+                buffer("state", Ty::F32, true),
+                scalar("seqs", Ty::I32),
+                scalar("tokens", Ty::I32),
+                scalar("x_stride", Ty::I32),
+            ],
+            sequence_params(layout),
+        ]
+        .concat(),
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(var("seqs") * int(channels), BLOCK as i64),
+        body: per_element(var("seqs") * int(channels), body),
+    }
+}
+
+/// How [`delta_rule`] splits a head: `(row groups R, value columns per block)`. R lanes share a
+/// column; the more of them, the fewer state registers a thread holds (`key_dim / R`).
+pub fn delta_rule_shape(spec: &DeltaNetSpec) -> (usize, usize) {
+    let groups = [8, 4, 2, 1]
+        .into_iter()
+        .find(|&g| spec.key_dim.is_multiple_of(g) && spec.key_dim / g >= 8)
+        .unwrap_or(1);
+    // Whole warps: at least 32 / R columns, idle past the head's.
+    let columns = COLUMNS.min(spec.value_dim.next_power_of_two()).max(32 / groups);
+    (groups, columns)
+}
+
+/// Blocks of [`delta_rule`] per sequence.
+pub fn delta_rule_blocks_per_sequence(spec: &DeltaNetSpec) -> usize {
+    spec.value_heads * spec.value_dim.div_ceil(delta_rule_shape(spec).1)
+}
+
+/// The gated delta rule over the convolved `[q | k | v]` rows of `conv` (`channels` wide):
+/// per row and value head, `S ← g·S`, `S ← S + k·β(v − kᵀS)ᵀ`, `out = qᵀS`, with q and k
+/// L2-normalised (q also scaled by `key_dim^−½`), `g = exp(−exp(A_log)·softplus(a + dt_bias))`
+/// and `β = sigmoid(b)`; `b` and `a` rows are `b_stride` and `a_stride` apart. Grid: `seqs`
+/// × [`delta_rule_blocks_per_sequence`].
+pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNetSpec) -> Kernel {
+    let (groups, columns) = delta_rule_shape(spec);
+    let per_thread = (spec.key_dim / groups) as i64;
+    let (groups_i, columns_i) = (groups as i64, columns as i64);
+    let (dk, dv) = (spec.key_dim as i64, spec.value_dim as i64);
+    let (vh, key_width) = (spec.value_heads as i64, (spec.key_heads * spec.key_dim) as i64);
+    let tiles = spec.value_dim.div_ceil(columns) as i64;
+    let channels = spec.conv_channels() as i64;
+    let names = |prefix: &'static str| (0..per_thread).map(move |m| format!("{prefix}{m}"));
+    // The key-dimension index of a thread's m-th state entry.
+    let key_index = |m: i64| var("rg") + int(groups_i * m);
+    // Sum `value` over the R lanes of a column.
+    let column_sum = |value: &str| -> Vec<Stmt> {
+        (0..groups.trailing_zeros())
+            .rev()
+            .map(|b| assign(value, var(value) + shfl_xor(var(value), 1 << b)))
+            .collect()
+    };
+    let mut body = vec![
+        let_("s", Ty::I32, bid() / int(vh * tiles)),
+        let_("h", Ty::I32, rem(bid() / int(tiles), int(vh))),
+        let_(
+            "j",
+            Ty::I32,
+            rem(bid(), int(tiles)) * int(columns_i) + tid() / int(groups_i),
+        ),
+        let_("rg", Ty::I32, rem(tid(), int(groups_i))),
+        let_("active", Ty::Bool, lt(var("j"), int(dv))),
+    ];
+    body.extend(locate_sequence(layout, var("s")));
+    body.extend([
+        let_("key_head", Ty::I32, var("h") / int(vh / spec.key_heads as i64)),
+        let_(
+            "matrix",
+            Ty::I32,
+            var("slot") * int(spec.state_len() as i64)
+                + int((spec.conv_kernel as i64 - 1) * channels)
+                + var("h") * int(dk * dv),
+        ),
+    ]);
+    // The state's column j, rows rg + R·m: zero for a fresh sequence. Stored by columns
+    // (`[value_heads, value_dim, key_dim]`), so a warp's lanes read whole sectors.
+    for (m, s) in names("s").enumerate() {
+        body.push(let_(&s, Ty::F32, f(0.0)));
+        body.push(if_(
+            and(var("active"), un(UnOp::Not, var("fresh"))),
+            vec![assign(
+                &s,
+                load("state", var("matrix") + var("j") * int(dk) + key_index(m as i64)),
+            )],
+        ));
+    }
+    body.extend([
+        let_("neg_a", Ty::F32, un(UnOp::Neg, un(UnOp::Exp, load("a_log", var("h"))))),
+        let_("bias", Ty::F32, load("dt_bias", var("h"))),
+    ]);
+    let mut step = vec![
+        let_("row", Ty::I32, var("r") * int(channels)),
+        let_("qq", Ty::F32, f(0.0)),
+        let_("kk", Ty::F32, f(0.0)),
+    ];
+    for (m, (q, k)) in names("q").zip(names("k")).enumerate() {
+        let at = |offset: Expr| var("row") + offset + var("key_head") * int(dk) + key_index(m as i64);
+        step.extend([
+            let_(&q, Ty::F32, load("conv", at(int(0)))),
+            let_(&k, Ty::F32, load("conv", at(int(key_width)))),
+            assign("qq", var("qq") + var(&q) * var(&q)),
+            assign("kk", var("kk") + var(&k) * var(&k)),
+        ]);
+    }
+    step.extend(column_sum("qq"));
+    step.extend(column_sum("kk"));
+    step.extend([
+        // As FLA and HF: x / √(Σx² + 1e-6), the query also by key_dim^−½.
+        let_(
+            "q_scale",
+            Ty::F32,
+            un(UnOp::Rsqrt, var("qq") + f(1e-6)) * f(1.0 / (spec.key_dim as f32).sqrt()),
+        ),
+        let_("k_scale", Ty::F32, un(UnOp::Rsqrt, var("kk") + f(1e-6))),
+        // softplus as PyTorch's: linear past 20.
+        let_(
+            "x",
+            Ty::F32,
+            load("a", var("r") * var("a_stride") + var("h")) + var("bias"),
+        ),
+        let_(
+            "softplus",
+            Ty::F32,
+            select(
+                bin(BinOp::Gt, var("x"), f(20.0)),
+                var("x"),
+                un(UnOp::Log1p, un(UnOp::Exp, var("x"))),
+            ),
+        ),
+        let_("decay", Ty::F32, un(UnOp::Exp, var("neg_a") * var("softplus"))),
+        let_(
+            "beta",
+            Ty::F32,
+            super::elementwise::sigmoid(load("b", var("r") * var("b_stride") + var("h"))),
+        ),
+        let_("ks", Ty::F32, f(0.0)),
+    ]);
+    for (s, k) in names("s").zip(names("k")) {
+        step.push(assign(&s, var(&s) * var("decay")));
+        step.push(assign("ks", var("ks") + var(&s) * var(&k)));
+    }
+    step.extend(column_sum("ks"));
+    step.extend([
+        let_("v", Ty::F32, f(0.0)),
+        if_(
+            var("active"),
+            vec![assign(
+                "v",
+                load("conv", var("row") + int(2 * key_width) + var("h") * int(dv) + var("j")),
+            )],
+        ),
+        // k is normalised: kᵀS = k_scale · Σ k·S, and the update adds k_scale·k·δ.
+        let_(
+            "delta",
+            Ty::F32,
+            (var("v") - var("ks") * var("k_scale")) * var("beta") * var("k_scale"),
+        ),
+        let_("o", Ty::F32, f(0.0)),
+    ]);
+    for ((s, k), q) in names("s").zip(names("k")).zip(names("q")) {
+        step.push(assign(&s, var(&s) + var(&k) * var("delta")));
+        step.push(assign("o", var("o") + var(&s) * var(&q)));
+    }
+    step.extend(column_sum("o"));
+    step.push(if_(
+        and(var("active"), eq(var("rg"), int(0))),
+        vec![store(
+            "out",
+            var("r") * int(vh * dv) + var("h") * int(dv) + var("j"),
+            var("o") * var("q_scale"),
+        )],
+    ));
+    body.push(for_("r", var("first_row"), var("last_row") + int(1), int(1), step));
+    let keep: Vec<Stmt> = names("s")
+        .enumerate()
+        .map(|(m, s)| {
+            store(
+                "state",
+                var("matrix") + var("j") * int(dk) + key_index(m as i64),
+                var(&s),
+            )
+        })
+        .collect();
+    body.push(if_(var("active"), keep));
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: gated delta rule ({}), {groups} lanes a column, {columns} columns a block, {}",
+            spec_text(spec),
+            layout.describe()
+        ),
+        params: [
+            vec![
+                buffer("conv", Ty::F32, false),
+                buffer("b", Ty::F32, false),
+                buffer("a", Ty::F32, false),
+                buffer("a_log", Ty::F32, false),
+                buffer("dt_bias", Ty::F32, false),
+                buffer("state", Ty::F32, true),
+                buffer("out", Ty::F32, true),
+                scalar("seqs", Ty::I32),
+                scalar("tokens", Ty::I32),
+                scalar("b_stride", Ty::I32),
+                scalar("a_stride", Ty::I32),
+            ],
+            sequence_params(layout),
+        ]
+        .concat(),
+        shared: vec![],
+        block_dim: (groups * columns) as u32,
+        grid: var("seqs") * int(delta_rule_blocks_per_sequence(spec) as i64),
+        body,
+    }
+}

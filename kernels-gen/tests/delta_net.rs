@@ -1,0 +1,264 @@
+//! The Gated DeltaNet kernels (convolution, window, delta rule) on the emulator against the IR
+//! reference, step after step over each sequence's state: one sequence, and batched steps whose
+//! sequences start, continue with fewer rows than the window, and sit in any state slot.
+
+use ir::reference::ops;
+use ir::DeltaNetSpec;
+use kernels_gen::dsl::{Kernel, Ty};
+use kernels_gen::emulator::{run, Array, Scalar};
+use kernels_gen::templates::cache_layout::CacheLayout;
+use kernels_gen::templates::delta_net;
+use kernels_gen::templates::quant::WeightFormat;
+use std::collections::HashMap;
+
+mod common;
+use common::{bf16_array, close, ints, Rng};
+
+/// One sequence's inputs for some rows: the joined projection (`x_pad` spare columns after
+/// each row, as a slice of a wider output is read), b and a.
+struct Rows {
+    x: Vec<f32>,
+    b: Vec<f32>,
+    a: Vec<f32>,
+}
+
+struct Layer {
+    spec: DeltaNetSpec,
+    conv: Vec<f32>,
+    a_log: Vec<f32>,
+    dt_bias: Vec<f32>,
+    weights: WeightFormat,
+}
+
+impl Layer {
+    fn random(rng: &mut Rng, spec: DeltaNetSpec, weights: WeightFormat) -> Self {
+        let mut conv = rng.vec(spec.conv_channels() * spec.conv_kernel);
+        if weights == WeightFormat::Dense(Ty::Bf16) {
+            conv = conv.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        }
+        Self {
+            conv,
+            a_log: rng.vec(spec.value_heads),
+            // Some past softplus's threshold of 20.
+            dt_bias: (0..spec.value_heads)
+                .map(|h| if h == 0 { 25.0 } else { rng.next() })
+                .collect(),
+            spec,
+            weights,
+        }
+    }
+
+    fn rows(&self, rng: &mut Rng, n: usize) -> Rows {
+        let vh = self.spec.value_heads;
+        Rows {
+            x: rng.vec(n * self.spec.conv_channels()),
+            b: rng.vec(n * vh),
+            a: rng.vec(n * vh),
+        }
+    }
+
+    /// The reference over `rows`, continuing `state`.
+    fn reference(&self, rows: &Rows, state: &mut [f32]) -> Vec<f32> {
+        ops::gated_delta_net(
+            &self.spec,
+            &rows.x,
+            &rows.b,
+            &rows.a,
+            &self.conv,
+            &self.a_log,
+            &self.dt_bias,
+            state,
+        )
+    }
+
+    fn kernels(&self, layout: CacheLayout) -> [Kernel; 3] {
+        [
+            delta_net::conv("conv", "test", layout, &self.spec, self.weights),
+            delta_net::conv_window("window", "test", layout, &self.spec),
+            delta_net::delta_rule("rule", "test", layout, &self.spec),
+        ]
+    }
+
+    /// The three launches over a step of `segments` (each a sequence's rows) with `state`
+    /// (`[slots, state_len]`) and the layout's step inputs; the step's output rows.
+    fn step(
+        &self,
+        layout: CacheLayout,
+        segments: &[&Rows],
+        state: &mut Vec<f32>,
+        step: HashMap<String, Array>,
+        first: i64,
+    ) -> Vec<f32> {
+        const PAD: usize = 3;
+        let (c, vh) = (self.spec.conv_channels(), self.spec.value_heads);
+        let stride = c + PAD;
+        let mut x = Vec::new();
+        let (mut b, mut a) = (Vec::new(), Vec::new());
+        for rows in segments {
+            for row in rows.x.chunks_exact(c) {
+                x.extend_from_slice(row);
+                x.extend_from_slice(&[7.0; PAD]);
+            }
+            // b and a with rows 2·vh apart, side by side as slices of one output.
+            for (rb, ra) in rows.b.chunks_exact(vh).zip(rows.a.chunks_exact(vh)) {
+                b.extend_from_slice(rb);
+                b.extend_from_slice(ra);
+                a.extend_from_slice(ra);
+                a.extend_from_slice(rb);
+            }
+        }
+        let tokens = x.len() / stride;
+        let weights = match self.weights {
+            WeightFormat::Dense(Ty::Bf16) => bf16_array(&self.conv),
+            _ => Array::f32(&self.conv),
+        };
+        let mut bufs: HashMap<String, Array> = HashMap::from([
+            ("x".into(), Array::f32(&x)),
+            ("w".into(), weights),
+            ("state".into(), Array::f32(state)),
+            ("out".into(), Array::poisoned(Ty::F32, tokens * c)),
+            ("b".into(), Array::f32(&b)),
+            ("a".into(), Array::f32(&a)),
+            ("a_log".into(), Array::f32(&self.a_log)),
+            ("dt_bias".into(), Array::f32(&self.dt_bias)),
+        ]);
+        bufs.extend(step);
+        let mut scalars = ints(&[
+            ("tokens", tokens as i64),
+            ("seqs", segments.len() as i64),
+            ("x_stride", stride as i64),
+            ("b_stride", 2 * vh as i64),
+            ("a_stride", 2 * vh as i64),
+            ("first", first),
+        ]);
+        scalars.insert("unused".into(), Scalar::Int(0));
+        let [conv, window, rule] = self.kernels(layout);
+        run(&conv, &mut bufs, &scalars).unwrap();
+        run(&window, &mut bufs, &scalars).unwrap();
+        let convolved = bufs.remove("out").unwrap();
+        bufs.insert("conv".into(), convolved);
+        let width = vh * self.spec.value_dim;
+        bufs.insert("out".into(), Array::poisoned(Ty::F32, tokens * width));
+        run(&rule, &mut bufs, &scalars).unwrap();
+        *state = bufs["state"].to_f32().unwrap();
+        bufs["out"].to_f32().unwrap()
+    }
+
+    /// A state as the reference keeps it, its matrices transposed as the device keeps them
+    /// (and back: the transpose is its own inverse up to swapping the dims).
+    fn device_state(&self, state: &[f32], to_device: bool) -> Vec<f32> {
+        let spec = &self.spec;
+        let (dk, dv) = (spec.key_dim, spec.value_dim);
+        let (rows, cols) = if to_device { (dk, dv) } else { (dv, dk) };
+        let window = (spec.conv_kernel - 1) * spec.conv_channels();
+        let mut out = state[..window].to_vec();
+        for m in state[window..].chunks_exact(dk * dv) {
+            out.extend((0..cols).flat_map(|c| (0..rows).map(move |r| m[r * cols + c])));
+        }
+        out
+    }
+}
+
+fn specs() -> [DeltaNetSpec; 2] {
+    [
+        // The tiny fixture's shape: 2 value heads per key head, narrow heads.
+        DeltaNetSpec {
+            key_heads: 2,
+            value_heads: 4,
+            key_dim: 16,
+            value_dim: 16,
+            conv_kernel: 4,
+            state_slot: 0,
+        },
+        // Qwen3.5's head widths (128): 8 lanes a column, 4 tiles of columns; one key head.
+        DeltaNetSpec {
+            key_heads: 1,
+            value_heads: 2,
+            key_dim: 128,
+            value_dim: 128,
+            conv_kernel: 4,
+            state_slot: 0,
+        },
+    ]
+}
+
+/// One sequence over steps of 5, 1 and 2 rows (fewer than the window's 3), the state kept
+/// between steps: outputs and the state after each step equal the reference's.
+#[test]
+fn one_sequence_continues_its_state_across_steps() {
+    let mut rng = Rng(41);
+    for spec in specs() {
+        for weights in [WeightFormat::Dense(Ty::F32), WeightFormat::Dense(Ty::Bf16)] {
+            let layer = Layer::random(&mut rng, spec, weights);
+            let mut state = vec![0f32; spec.state_len()];
+            let mut want_state = state.clone();
+            let mut first = 0;
+            for n in [5, 1, 2] {
+                let rows = layer.rows(&mut rng, n);
+                let want = layer.reference(&rows, &mut want_state);
+                let got = layer.step(CacheLayout::Contiguous, &[&rows], &mut state, HashMap::new(), first);
+                let what = format!("{spec:?} {weights:?}, {n} rows at {first}");
+                close(&got, &want, 1e-4, &what);
+                close(
+                    &layer.device_state(&state, false),
+                    &want_state,
+                    1e-4,
+                    &format!("{what}: state"),
+                );
+                first += n as i64;
+            }
+        }
+    }
+}
+
+/// A batched step: a sequence starting (its slot holding an earlier sequence's state, which it
+/// must not read), one continuing with one row and one with two, each in its own slot.
+#[test]
+fn batched_sequences_keep_their_own_states() {
+    let mut rng = Rng(42);
+    for spec in specs() {
+        let layer = Layer::random(&mut rng, spec, WeightFormat::Dense(Ty::F32));
+        let len = spec.state_len();
+        // Slots 0..3; earlier steps of the continuing sequences made their states.
+        let mut state = rng.vec(3 * len);
+        let mut want_states: Vec<Vec<f32>> = Vec::new();
+        for (slot, before) in [(2usize, 6usize), (0, 4)] {
+            let mut s = vec![0f32; len];
+            layer.reference(&layer.rows(&mut rng, before), &mut s);
+            state[slot * len..(slot + 1) * len].copy_from_slice(&layer.device_state(&s, true));
+            want_states.push(s);
+        }
+        // (slot, rows, position of its first row)
+        let seqs = [(1usize, 3usize, 0usize), (2, 1, 6), (0, 2, 4)];
+        let rows: Vec<Rows> = seqs.iter().map(|&(_, n, _)| layer.rows(&mut rng, n)).collect();
+        let mut want = Vec::new();
+        let mut fresh = vec![0f32; len];
+        want.extend(layer.reference(&rows[0], &mut fresh));
+        want.extend(layer.reference(&rows[1], &mut want_states[0]));
+        want.extend(layer.reference(&rows[2], &mut want_states[1]));
+        let (mut last_rows, mut row_pos, mut row_seq) = (Vec::new(), Vec::new(), Vec::new());
+        let mut at = 0i64;
+        for (s, &(_, n, pos)) in seqs.iter().enumerate() {
+            at += n as i64;
+            last_rows.push(at - 1);
+            row_pos.extend((pos..pos + n).map(|p| p as i64));
+            row_seq.extend(std::iter::repeat_n(s as i64, n));
+        }
+        let step = HashMap::from([
+            ("last_rows".to_string(), Array::ints(Ty::I32, &last_rows)),
+            ("row_pos".to_string(), Array::ints(Ty::I32, &row_pos)),
+            ("row_seq".to_string(), Array::ints(Ty::I32, &row_seq)),
+            (
+                "state_slots".to_string(),
+                Array::ints(Ty::I32, &seqs.map(|s| s.0 as i64)),
+            ),
+        ]);
+        let segments: Vec<&Rows> = rows.iter().collect();
+        let got = layer.step(CacheLayout::Batched, &segments, &mut state, step, 0);
+        close(&got, &want, 1e-4, &format!("{spec:?}: batched outputs"));
+        for (slot, s) in [(1, &fresh), (2, &want_states[0]), (0, &want_states[1])] {
+            let got = layer.device_state(&state[slot * len..(slot + 1) * len], false);
+            close(&got, s, 1e-4, &format!("{spec:?}: slot {slot}"));
+        }
+    }
+}
