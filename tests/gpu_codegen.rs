@@ -65,6 +65,7 @@ fn serving_plan(graph: &ir::Graph, target: Target) -> (gpu::GpuPlan, Vec<kernels
     let cache = gpu::BatchedCache {
         blocks: 64,
         block_size: 16,
+        sequences: 64,
     };
     gpu::build_batched(&serving, target, 512, cache).unwrap()
 }
@@ -241,7 +242,7 @@ fn tiny_models_compile_for_every_gpu_target_in_f32_and_bf16() {
     }
     let dir = std::env::temp_dir().join(format!("bbc-gpu-tiny-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for family in ["llama", "gemma3"] {
+    for family in ["llama", "gemma3", "qwen3_5"] {
         for dtype in ["f32", "bf16"] {
             let weights = common::fixture(&format!("hf-tiny/{family}"));
             let toml = dir.join(format!("{family}-{dtype}.toml"));
@@ -275,17 +276,21 @@ fn tiny_models_compile_for_every_gpu_target_in_f32_and_bf16() {
 }
 
 /// Every kernel of the 8B-shaped serving plan (what `bbc gpu-check` times, and what a served
-/// Llama 3 8B runs) builds for each GPU target without register spills, as artifacts build
-/// kernels (`codegen::spill_free`): ptxas's own register choice spilled its attention kernel
-/// on every target.
+/// Llama 3 8B runs) and of the Qwen3.5-27B-shaped one (its DeltaNet layers' heads of 128,
+/// gated attention with heads of 256) builds for each GPU target without register spills, as
+/// artifacts build kernels (`codegen::spill_free`): ptxas's own register choice spilled the 8B
+/// attention kernel on every target.
 #[test]
-fn the_8b_shaped_plans_kernels_build_without_spills() {
+fn the_8b_and_qwen3_5_27b_shaped_plans_kernels_build_without_spills() {
     if !nvrtc_present() {
         return;
     }
-    let graph = llama_8b_graph();
-    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-        let (plan, kernels) = serving_plan(&graph, target);
+    let graphs = [llama_8b_graph(), bf16_graph(&models::ModelConfig::qwen3_5_27b())];
+    for (graph, target) in graphs
+        .iter()
+        .flat_map(|g| [Target::H200, Target::B200, Target::RtxPro6000].map(|t| (g, t)))
+    {
+        let (plan, kernels) = serving_plan(graph, target);
         for k in &kernels {
             let source = kernels_gen::cuda::emit(k);
             let built = codegen::spill_free::build(&k.name, &source, k.block_dim, &plan.arch).unwrap();

@@ -122,6 +122,17 @@ fn tiny_gemma3_plans_agree_with_the_cpu_backend() {
     }
 }
 
+/// Qwen3.5's hybrid (Gated DeltaNet layers, each sequence's f32 state carried from step to
+/// step; gated attention with partial RoPE and q/k norms) on every GPU target.
+#[test]
+fn tiny_qwen3_5_plans_agree_with_the_cpu_backend() {
+    for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
+        for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+            check("qwen3_5", dtype, target);
+        }
+    }
+}
+
 /// The plans of the GGUF model `make` writes into a scratch directory against the CPU backend
 /// on the same file dequantized to f32, on every GPU target, norms fused into the matmuls
 /// there.
@@ -325,6 +336,7 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
         let cache = gpu::BatchedCache {
             blocks: 8,
             block_size: 4,
+            sequences: 8,
         };
         let (plan, kernels) = gpu::build_batched(&gpu_graph, Target::H200, 32, cache).unwrap();
         let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64).unwrap();
@@ -421,6 +433,7 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
     let cache = gpu::BatchedCache {
         blocks: config.kv_blocks,
         block_size: config.block_size,
+        sequences: config.max_running,
     };
     let (plan, kernels) = gpu::build_batched(&gpu_graph, Target::H200, 32, cache).unwrap();
     let prompts: Vec<Vec<u32>> = (0..5u32)
@@ -466,12 +479,63 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
     }
 }
 
+/// The serving engine on a batched plan of Qwen3.5 (its DeltaNet layers' states in slots on
+/// the device) generates what it generates on the CPU backend, for more requests than run at
+/// once (finished sequences' slots start new ones afresh) and a KV pool small enough that
+/// sequences are preempted and recomputed from position 0. The plan keeps states for 3
+/// sequences: the engine runs no more at once than that.
+#[test]
+fn the_serving_engine_keeps_recurrent_states_apart_on_a_batched_plan() {
+    use runtime::serving::{SchedulerConfig, ServingEngine};
+    let model = open("qwen3_5", ComputeDtype::F32);
+    let graph = model.lower(LogitsFor::AllTokens).unwrap();
+    let gpu_graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
+    let gpu_graph = models::with_greedy_token(&gpu_graph).unwrap();
+    let config = SchedulerConfig {
+        max_waiting: 16,
+        max_running: 4,
+        token_budget: 24,
+        kv_blocks: 9,
+        block_size: 4,
+        context_length: 64,
+        prefix_caching: true,
+        speculation: runtime::serving::NgramConfig::OFF,
+    };
+    let cache = gpu::BatchedCache {
+        blocks: config.kv_blocks,
+        block_size: config.block_size,
+        sequences: 3,
+    };
+    let (plan, kernels) = gpu::build_batched(&gpu_graph, Target::H200, 32, cache).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..6u32)
+        .map(|i| (0..5 + 2 * i).map(|j| (11 + 29 * i + 7 * j) % 300).collect())
+        .collect();
+    let plain = runtime::SamplingParams::default();
+    let cpu = CpuBackend::new(graph, &model.weights, 64).unwrap();
+    let want = serve_all(&mut ServingEngine::new(cpu, config), &prompts, plain);
+    let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+        .unwrap()
+        .capture_graphs_up_to(config.max_running);
+    let mut on_gpu = ServingEngine::new(Counted::new(gpu), config);
+    assert_eq!(on_gpu.scheduler().config().max_running, 3);
+    assert!(!on_gpu.scheduler().config().prefix_caching);
+    assert_eq!(serve_all(&mut on_gpu, &prompts, plain), want);
+    let starts = on_gpu.backend().starts.get();
+    assert!(
+        starts > prompts.len(),
+        "{starts} starts: the pool was small enough to preempt"
+    );
+    assert_eq!(on_gpu.scheduler().used_blocks(), 0);
+}
+
 /// A backend that counts the steps the engine ran with device-side greedy tokens and with
 /// logits.
 struct Counted<B> {
     inner: B,
     greedy: std::cell::Cell<usize>,
     full: std::cell::Cell<usize>,
+    /// Segments run from position 0: each admission, and each recomputation after preemption.
+    starts: std::cell::Cell<usize>,
 }
 
 impl<B> Counted<B> {
@@ -480,11 +544,17 @@ impl<B> Counted<B> {
             inner,
             greedy: Default::default(),
             full: Default::default(),
+            starts: Default::default(),
         }
     }
 
     fn counts(&self) -> (usize, usize) {
         (self.greedy.get(), self.full.get())
+    }
+
+    fn count_starts(&self, batch: &[runtime::kv::Segment]) {
+        let starts = batch.iter().filter(|s| s.start == 0).count();
+        self.starts.set(self.starts.get() + starts);
     }
 }
 
@@ -496,12 +566,22 @@ impl<B: runtime::serving::PagedBackend> runtime::serving::PagedBackend for Count
     fn max_step_tokens(&self) -> Option<usize> {
         self.inner.max_step_tokens()
     }
+    fn max_sequences(&self) -> Option<usize> {
+        self.inner.max_sequences()
+    }
+    fn has_recurrent_state(&self) -> bool {
+        self.inner.has_recurrent_state()
+    }
+    fn verifies_drafts(&self) -> bool {
+        self.inner.verifies_drafts()
+    }
     fn step_batch(
         &self,
         pages: &mut B::Pages,
         batch: &[runtime::kv::Segment],
     ) -> runtime::Result<Vec<std::collections::HashMap<String, ir::Tensor>>> {
         self.full.set(self.full.get() + 1);
+        self.count_starts(batch);
         self.inner.step_batch(pages, batch)
     }
     fn step_batch_greedy(
@@ -512,6 +592,7 @@ impl<B: runtime::serving::PagedBackend> runtime::serving::PagedBackend for Count
         let tokens = self.inner.step_batch_greedy(pages, batch);
         if tokens.is_some() {
             self.greedy.set(self.greedy.get() + 1);
+            self.count_starts(batch);
         }
         tokens
     }
@@ -525,6 +606,7 @@ fn batched_steps_replayed_as_graphs_match_launching_kernel_by_kernel() {
     let cache = gpu::BatchedCache {
         blocks: 8,
         block_size: 4,
+        sequences: 8,
     };
     let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
     let build = || EmulatedBackend::emulated(plan.clone(), kernels.clone(), graph.clone(), &model.weights, &[], 64);
@@ -633,6 +715,7 @@ fn weights_made_on_the_device_equal_their_host_values_uploaded() {
     let cache = gpu::BatchedCache {
         blocks: 8,
         block_size: 8,
+        sequences: 8,
     };
     let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
     let device = EmulatedDevice::new(kernels.iter().cloned().chain(fill_kernels()).collect());
@@ -726,6 +809,7 @@ fn decode_timing_runs_every_batch_size_from_its_graph() {
     let cache = gpu::BatchedCache {
         blocks: run.sequences() * run.positions_per_sequence().div_ceil(block_size),
         block_size,
+        sequences: run.sequences(),
     };
     let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
     let device = EmulatedDevice::new(kernels.into_iter().chain(runtime::generated::fill_kernels()).collect());
@@ -769,6 +853,7 @@ fn a_kv_pool_past_32_bit_indices_is_refused() {
     let cache = gpu::BatchedCache {
         blocks: 1 << 24,
         block_size: 16,
+        sequences: 1,
     };
     let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
     let err = EmulatedBackend::emulated(plan, kernels, graph, &model.weights, &[], 64)

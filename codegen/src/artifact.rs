@@ -23,6 +23,7 @@ const SERVING_GRAPH_JSON: &str = "serving.json";
 const DEFAULT_SERVING_CACHE: crate::gpu::BatchedCache = crate::gpu::BatchedCache {
     blocks: 1024,
     block_size: 16,
+    sequences: 64,
 };
 const FORMAT_VERSION: u32 = 1;
 

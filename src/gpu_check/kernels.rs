@@ -1,5 +1,5 @@
-//! The generated kernels on the GPU: every kernel of the tiny Llama and Gemma 3 plans in
-//! lockstep with the emulator, and batched decode steps replayed from CUDA graphs against the
+//! The generated kernels on the GPU: every kernel of the tiny Llama, Gemma 3 and Qwen3.5
+//! plans in lockstep with the emulator, and batched decode steps replayed from CUDA graphs against the
 //! same steps launched one kernel at a time.
 
 use anyhow::{bail, Result};
@@ -19,7 +19,7 @@ pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64>
     let mut worst = 0f64;
     println!("| model | kernel | launches | max relative error |");
     println!("|-------|--------|----------|--------------------|");
-    for family in ["llama", "gemma3"] {
+    for family in ["llama", "gemma3", "qwen3_5"] {
         for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
             let mut spec = ModelSpec::for_weights(&fixtures.join(family));
             spec.dtype = dtype;
@@ -92,6 +92,7 @@ pub fn graph_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
     let cache = gpu::BatchedCache {
         blocks: sequences * (steps + 4).div_ceil(4),
         block_size: 4,
+        sequences,
     };
     let (plan, kernels) = gpu::build_batched(&graph, target, 64, cache)?;
     let executor = |graph_rows: usize, programmatic: bool| -> Result<PlanExecutor<CudaDevice>> {

@@ -39,6 +39,7 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
     let cache = gpu::BatchedCache {
         blocks: run.sequences() * run.positions_per_sequence().div_ceil(block_size),
         block_size,
+        sequences: run.sequences(),
     };
     let started = std::time::Instant::now();
     let (plan, kernels) = gpu::build_batched(&graph, target, 512, cache)?;

@@ -139,6 +139,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             let cache = codegen::gpu::BatchedCache {
                 blocks: args.kv_blocks,
                 block_size: args.block_size,
+                sequences: args.max_num_seqs,
             };
             let weights = &loaded.model.weights;
             let int8 = &loaded.int8_heads;

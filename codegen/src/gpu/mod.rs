@@ -55,6 +55,10 @@ pub enum LaunchArg {
         slot: usize,
         value: bool,
     },
+    /// Recurrent state `slot`'s buffer (see [`StateLayout`]).
+    RecurrentState {
+        slot: usize,
+    },
     Constant {
         name: String,
     },
@@ -76,8 +80,9 @@ pub enum LaunchArg {
         value: String,
     },
     /// A batched plan's per-step input (`block_tables`, `row_table`, `row_pos`: see
-    /// `kernels_gen::templates::cache_layout`; `last_rows`: each sequence's last row), written
-    /// by the runtime before each step.
+    /// `kernels_gen::templates::cache_layout`; `last_rows`: each sequence's last row;
+    /// `row_seq`: each row's sequence; `state_slots`: each sequence's recurrent state slot),
+    /// written by the runtime before each step.
     StepInput {
         name: String,
     },
@@ -89,6 +94,19 @@ pub enum LaunchArg {
 pub struct BatchedCache {
     pub blocks: usize,
     pub block_size: usize,
+    /// The most sequences running at once (the scheduler's `max_running`): of a model with
+    /// recurrent layers, each holds one state slot of every such layer for as long as it runs.
+    #[serde(default)]
+    pub sequences: usize,
+}
+
+/// A recurrent layer's state (Gated DeltaNet): `len` f32 values per sequence, in a buffer of a
+/// slot per sequence (one for a one-sequence plan, [`BatchedCache::sequences`] for a batched
+/// one), zeroed when the plan is loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StateLayout {
+    pub slot: usize,
+    pub len: usize,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -168,6 +186,8 @@ pub struct GpuPlan {
     pub outputs: Vec<(String, usize)>,
     pub weights: Vec<WeightUse>,
     pub kv_cache: Vec<KvLayout>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub recurrent_states: Vec<StateLayout>,
     pub constants: BTreeMap<String, Vec<f32>>,
     /// Set for a plan whose steps hold rows of many sequences (continuous batching); absent,
     /// a step is rows `first..first + tokens` of one sequence in a contiguous cache.
@@ -354,6 +374,7 @@ fn build_program(
             .collect(),
         weights,
         kv_cache: selected.kv_cache,
+        recurrent_states: selected.recurrent_states,
         constants: selected.constants,
         batched,
     };

@@ -1,6 +1,6 @@
 //! Choosing a kernel (a template instance) for every node of a fused graph, and its arguments.
 
-use super::{rows, width, GpuCodegenError, KvLayout, LaunchArg, View, WeightUse};
+use super::{rows, width, GpuCodegenError, KvLayout, LaunchArg, StateLayout, View, WeightUse};
 use ir::reference::ops::rope_inv_freq;
 use ir::{DType, Expr as IrExpr, GluAct, Graph, InputKind, Op};
 use kernels_gen::dsl::{Kernel, Ty};
@@ -18,6 +18,7 @@ pub(crate) struct Selected {
     pub views: BTreeMap<usize, View>,
     pub weights: Vec<WeightUse>,
     pub kv_cache: Vec<KvLayout>,
+    pub recurrent_states: Vec<StateLayout>,
     pub constants: BTreeMap<String, Vec<f32>>,
     pub token_ids: Option<usize>,
     pub positions: Option<usize>,
@@ -114,6 +115,7 @@ pub(crate) fn select(
         views: BTreeMap::new(),
         weights: Vec::new(),
         kv_cache: Vec::new(),
+        recurrent_states: Vec::new(),
         constants: BTreeMap::new(),
         token_ids: None,
         positions: None,
@@ -487,6 +489,88 @@ pub(crate) fn select(
                         (
                             attention::attention_combine("attention_combine", &graph.name, spec.head_dim),
                             args,
+                        )
+                    }
+                    Op::GroupSlice { group, start, len } => {
+                        let (x, stride) = act(&s, 0);
+                        let args = vec![
+                            x,
+                            out,
+                            scalar("rows", &rows),
+                            scalar("width", width(graph, i)),
+                            scalar("src_stride", stride),
+                            scalar("group", group),
+                            scalar("start", start),
+                            scalar("len", len),
+                        ];
+                        (gather::gather_column_groups("group_slice", &graph.name), args)
+                    }
+                    Op::GatedDeltaNet(spec) => {
+                        let conv_weights = weight_format(graph.node(node.inputs[3]).dtype, i, op.name())?;
+                        let [(x, x_stride), (b, b_stride), (a, a_stride)] = [0, 1, 2].map(|k| act(&s, k));
+                        s.recurrent_states.push(StateLayout {
+                            slot: spec.state_slot,
+                            len: spec.state_len(),
+                        });
+                        let state = LaunchArg::RecurrentState { slot: spec.state_slot };
+                        let convolved = LaunchArg::Scratch {
+                            node: i,
+                            name: "conv".into(),
+                            bytes: max_tokens * spec.conv_channels() * 4,
+                        };
+                        // Where each sequence's rows and state are (`templates::delta_net`).
+                        let (seqs, sequences) = match layout {
+                            CacheLayout::Batched => (
+                                "seqs",
+                                ["last_rows", "row_pos", "row_seq", "state_slots"]
+                                    .map(|name| LaunchArg::StepInput { name: name.into() })
+                                    .to_vec(),
+                            ),
+                            _ => ("1", vec![scalar("first", "first")]),
+                        };
+                        let conv_args = vec![
+                            x.clone(),
+                            weight(3),
+                            state.clone(),
+                            convolved.clone(),
+                            scalar("tokens", &rows),
+                            scalar("x_stride", x_stride),
+                        ];
+                        s.launches.push((
+                            i,
+                            delta_net::conv("delta_net_conv", &graph.name, layout, spec, conv_weights),
+                            Alternatives::default(),
+                            [conv_args, sequences.clone()].concat(),
+                        ));
+                        let window_args = vec![
+                            x,
+                            state.clone(),
+                            scalar("seqs", seqs),
+                            scalar("tokens", &rows),
+                            scalar("x_stride", x_stride),
+                        ];
+                        s.launches.push((
+                            i,
+                            delta_net::conv_window("delta_net_window", &graph.name, layout, spec),
+                            Alternatives::default(),
+                            [window_args, sequences.clone()].concat(),
+                        ));
+                        let rule_args = vec![
+                            convolved,
+                            b,
+                            a,
+                            weight(4),
+                            weight(5),
+                            state,
+                            out,
+                            scalar("seqs", seqs),
+                            scalar("tokens", &rows),
+                            scalar("b_stride", b_stride),
+                            scalar("a_stride", a_stride),
+                        ];
+                        (
+                            delta_net::delta_rule("delta_rule", &graph.name, layout, spec),
+                            [rule_args, sequences].concat(),
                         )
                     }
                     Op::Glu { act: a } => {

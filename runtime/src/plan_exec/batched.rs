@@ -125,6 +125,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         self.check_rows(tokens)?;
         let (mut ids, mut positions) = (Vec::new(), Vec::new());
         let (mut tables, mut row_table) = (Vec::new(), Vec::new());
+        let (mut row_seq, mut state_slots) = (Vec::new(), Vec::new());
         // Each segment's rows of the step.
         let mut segment_rows: Vec<Range<usize>> = Vec::with_capacity(batch.len());
         for seg in batch {
@@ -154,9 +155,12 @@ impl<D: PlanDevice> PlanExecutor<D> {
             }
             ids.extend_from_slice(seg.ids);
             positions.extend(seg.start..seg.end());
+            row_seq.extend(std::iter::repeat_n(state_slots.len() as i32, seg.ids.len()));
+            state_slots.push(seg.state_slot as i32);
             row_table.extend(std::iter::repeat_n(tables.len() as i32, seg.ids.len()));
             tables.extend(seg.table[..blocks].iter().map(|b| b.0 as i32));
         }
+        self.check_state_slots(batch, cache.sequences)?;
         self.write_inputs(device, buffers, &ids, &positions)?;
         let row_pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
         // Each segment's last row, where per-sequence values (`last_token` on) gather from.
@@ -166,6 +170,8 @@ impl<D: PlanDevice> PlanExecutor<D> {
             ("row_table", &row_table),
             ("row_pos", &row_pos),
             ("last_rows", &last_rows),
+            ("row_seq", &row_seq),
+            ("state_slots", &state_slots),
         ] {
             let (buffer, _) = buffers
                 .whole(&BufferKey::StepInput(name.into()))
@@ -181,6 +187,33 @@ impl<D: PlanDevice> PlanExecutor<D> {
             ("prefetch", Value::Int(device.prefetches_weights() as i64)),
         ]);
         Ok((segment_rows, vars))
+    }
+
+    /// Of a model with recurrent layers: each segment's state slot is one of the `slots` the
+    /// plan keeps, and no two segments of a step share one (their kernels would race).
+    fn check_state_slots(&self, batch: &[Segment], slots: usize) -> Result<()> {
+        if self.plan.recurrent_states.is_empty() {
+            return Ok(());
+        }
+        let mut used = vec![false; slots];
+        for seg in batch {
+            match used.get_mut(seg.state_slot) {
+                Some(taken) if !*taken => *taken = true,
+                Some(_) => {
+                    return Err(RuntimeError::Input(format!(
+                        "two sequences of one step share recurrent state slot {}",
+                        seg.state_slot
+                    )))
+                }
+                None => {
+                    return Err(RuntimeError::Input(format!(
+                        "recurrent state slot {} is past the plan's {slots} (its most sequences at once)",
+                        seg.state_slot
+                    )))
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Rows `wanted` (ascending, disjoint) of `node`'s `width`-wide value, each range's values;
@@ -262,6 +295,17 @@ impl<D: PlanDevice> crate::serving::PagedBackend for PlanExecutor<D> {
 
     fn max_step_tokens(&self) -> Option<usize> {
         Some(self.plan.max_tokens)
+    }
+
+    fn max_sequences(&self) -> Option<usize> {
+        match self.has_recurrent_state() {
+            true => self.plan.batched.map(|c| c.sequences),
+            false => None,
+        }
+    }
+
+    fn has_recurrent_state(&self) -> bool {
+        !self.plan.recurrent_states.is_empty()
     }
 
     fn step_batch(&self, pages: &mut usize, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {

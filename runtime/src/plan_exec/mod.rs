@@ -132,6 +132,8 @@ enum BufferKey {
     Derived(String, String),
     Constant(String),
     Kv(usize, bool),
+    /// A recurrent layer's states, a slot per sequence.
+    State(usize),
     /// A batched plan's per-step inputs, by name.
     StepInput(String),
 }
@@ -246,6 +248,18 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 held.insert(BufferKey::Kv(layout.slot, value), (device.alloc(bytes)?, bytes));
             }
         }
+        // Zero: a slot's first step starts it afresh anyway (`templates::delta_net`).
+        let state_slots = plan.batched.map_or(1, |c| c.sequences);
+        for layout in &plan.recurrent_states {
+            let bytes = state_slots * layout.len * 4;
+            if state_slots * layout.len > i32::MAX as usize {
+                return Err(RuntimeError::Input(format!(
+                    "{state_slots} recurrent states of {} values are past the kernels' 32-bit indices: run fewer sequences at once",
+                    layout.len
+                )));
+            }
+            held.insert(BufferKey::State(layout.slot), (device.alloc(bytes.max(4))?, bytes));
+        }
         if let Some(cache) = plan.batched {
             // Every row a sequence of its own, each with a table for the whole context.
             let rows = plan.max_tokens;
@@ -255,6 +269,8 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 ("row_table", rows),
                 ("row_pos", rows),
                 ("last_rows", rows),
+                ("row_seq", rows),
+                ("state_slots", rows),
             ];
             for (name, entries) in inputs {
                 held.insert(

@@ -21,6 +21,11 @@ pub trait PagedBackend {
     fn max_step_tokens(&self) -> Option<usize> {
         None
     }
+    /// The most sequences that may run at once, where the backend keeps something per
+    /// running sequence in a fixed number of places (a GPU plan's recurrent state slots).
+    fn max_sequences(&self) -> Option<usize> {
+        None
+    }
     /// Whether the model keeps a recurrent state per sequence (Gated DeltaNet layers), which
     /// the prefix cache cannot hold.
     fn has_recurrent_state(&self) -> bool {
@@ -89,12 +94,16 @@ pub struct ServingEngine<B: PagedBackend> {
 
 impl<B: PagedBackend> ServingEngine<B> {
     /// An engine over `backend`; a token budget above what the backend takes in one step is
-    /// lowered to it (prompts are then chunked smaller), so no step is refused for its size;
+    /// lowered to it (prompts are then chunked smaller), so no step is refused for its size,
+    /// and so are running sequences past the ones it keeps state for;
     /// a model with recurrent state runs without the prefix cache, and a backend that cannot
     /// verify drafted tokens without speculation.
     pub fn new(backend: B, mut config: SchedulerConfig) -> Self {
         if let Some(limit) = backend.max_step_tokens() {
             config.token_budget = config.token_budget.min(limit);
+        }
+        if let Some(limit) = backend.max_sequences() {
+            config.max_running = config.max_running.min(limit);
         }
         config.prefix_caching &= !backend.has_recurrent_state();
         if !backend.verifies_drafts() {
