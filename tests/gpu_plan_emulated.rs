@@ -133,6 +133,17 @@ fn tiny_qwen3_5_plans_agree_with_the_cpu_backend() {
     }
 }
 
+/// GLM-4.5's MoE layers (DeepSeek-V3's grouped sigmoid router, experts run per row, a shared
+/// expert beside them) and attention with Q/K/V biases, on every GPU target.
+#[test]
+fn tiny_glm4_moe_plans_agree_with_the_cpu_backend() {
+    for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
+        for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+            check("glm4_moe", dtype, target);
+        }
+    }
+}
+
 /// The plans of the GGUF model `make` writes into a scratch directory against the CPU backend
 /// on the same file dequantized to f32, on every GPU target, norms fused into the matmuls
 /// there.
@@ -479,53 +490,58 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
     }
 }
 
-/// The serving engine on a batched plan of Qwen3.5 (its DeltaNet layers' states in slots on
-/// the device) generates what it generates on the CPU backend, for more requests than run at
-/// once (finished sequences' slots start new ones afresh) and a KV pool small enough that
-/// sequences are preempted and recomputed from position 0. The plan keeps states for 3
-/// sequences: the engine runs no more at once than that.
+/// The serving engine on batched plans of Qwen3.5 (its DeltaNet layers' states in slots on
+/// the device) and GLM-4.5 (MoE layers: each row routed on its own) generates what it
+/// generates on the CPU backend, for more requests than run at once (finished sequences'
+/// slots start new ones afresh) and a KV pool small enough that sequences are preempted and
+/// recomputed from position 0. The plans keep states for 3 sequences: the engine runs no more
+/// at once than that where the model has recurrent layers, and drops the prefix cache.
 #[test]
-fn the_serving_engine_keeps_recurrent_states_apart_on_a_batched_plan() {
+fn the_serving_engine_runs_hybrid_and_moe_plans_like_the_cpu_backend() {
     use runtime::serving::{SchedulerConfig, ServingEngine};
-    let model = open("qwen3_5", ComputeDtype::F32);
-    let graph = model.lower(LogitsFor::AllTokens).unwrap();
-    let gpu_graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
-    let gpu_graph = models::with_greedy_token(&gpu_graph).unwrap();
-    let config = SchedulerConfig {
-        max_waiting: 16,
-        max_running: 4,
-        token_budget: 24,
-        kv_blocks: 9,
-        block_size: 4,
-        context_length: 64,
-        prefix_caching: true,
-        speculation: runtime::serving::NgramConfig::OFF,
-    };
-    let cache = gpu::BatchedCache {
-        blocks: config.kv_blocks,
-        block_size: config.block_size,
-        sequences: 3,
-    };
-    let (plan, kernels) = gpu::build_batched(&gpu_graph, Target::H200, 32, cache).unwrap();
-    let prompts: Vec<Vec<u32>> = (0..6u32)
-        .map(|i| (0..5 + 2 * i).map(|j| (11 + 29 * i + 7 * j) % 300).collect())
-        .collect();
-    let plain = runtime::SamplingParams::default();
-    let cpu = CpuBackend::new(graph, &model.weights, 64).unwrap();
-    let want = serve_all(&mut ServingEngine::new(cpu, config), &prompts, plain);
-    let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
-        .unwrap()
-        .capture_graphs_up_to(config.max_running);
-    let mut on_gpu = ServingEngine::new(Counted::new(gpu), config);
-    assert_eq!(on_gpu.scheduler().config().max_running, 3);
-    assert!(!on_gpu.scheduler().config().prefix_caching);
-    assert_eq!(serve_all(&mut on_gpu, &prompts, plain), want);
-    let starts = on_gpu.backend().starts.get();
-    assert!(
-        starts > prompts.len(),
-        "{starts} starts: the pool was small enough to preempt"
-    );
-    assert_eq!(on_gpu.scheduler().used_blocks(), 0);
+    for (family, recurrent) in [("qwen3_5", true), ("glm4_moe", false)] {
+        let model = open(family, ComputeDtype::F32);
+        let graph = model.lower(LogitsFor::AllTokens).unwrap();
+        let gpu_graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
+        let gpu_graph = models::with_greedy_token(&gpu_graph).unwrap();
+        let config = SchedulerConfig {
+            max_waiting: 16,
+            max_running: 4,
+            token_budget: 24,
+            kv_blocks: 9,
+            block_size: 4,
+            context_length: 64,
+            prefix_caching: true,
+            speculation: runtime::serving::NgramConfig::OFF,
+        };
+        let cache = gpu::BatchedCache {
+            blocks: config.kv_blocks,
+            block_size: config.block_size,
+            sequences: 3,
+        };
+        let (plan, kernels) = gpu::build_batched(&gpu_graph, Target::H200, 32, cache).unwrap();
+        let prompts: Vec<Vec<u32>> = (0..6u32)
+            .map(|i| (0..5 + 2 * i).map(|j| (11 + 29 * i + 7 * j) % 300).collect())
+            .collect();
+        let plain = runtime::SamplingParams::default();
+        let cpu = CpuBackend::new(graph, &model.weights, 64).unwrap();
+        let want = serve_all(&mut ServingEngine::new(cpu, config), &prompts, plain);
+        let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+            .unwrap()
+            .capture_graphs_up_to(config.max_running);
+        let mut on_gpu = ServingEngine::new(Counted::new(gpu), config);
+        let engine_config = on_gpu.scheduler().config();
+        let running = if recurrent { 3 } else { 4 };
+        assert_eq!(engine_config.max_running, running, "{family}");
+        assert_eq!(engine_config.prefix_caching, !recurrent, "{family}");
+        assert_eq!(serve_all(&mut on_gpu, &prompts, plain), want, "{family}");
+        let starts = on_gpu.backend().starts.get();
+        assert!(
+            starts > prompts.len(),
+            "{family}: {starts} starts: the pool was small enough to preempt"
+        );
+        assert_eq!(on_gpu.scheduler().used_blocks(), 0);
+    }
 }
 
 /// A backend that counts the steps the engine ran with device-side greedy tokens and with

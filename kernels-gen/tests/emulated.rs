@@ -57,6 +57,29 @@ fn elementwise_matches_expression_semantics() {
     }
 }
 
+/// A bias added to every row of a strided source (a slice of a joined projection).
+#[test]
+fn add_bias_adds_the_vector_to_every_row() {
+    let mut rng = Rng(23);
+    let (rows, width, stride) = (3, 37, 50);
+    let (x, bias) = (rng.vec(rows * stride), rng.vec(width));
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&x)),
+        ("bias".into(), Array::f32(&bias)),
+        ("out".into(), Array::poisoned(Ty::F32, rows * width)),
+    ]);
+    let scalars = ints(&[
+        ("n", (rows * width) as i64),
+        ("width", width as i64),
+        ("x_stride", stride as i64),
+    ]);
+    run(&elementwise::add_bias("bias", "test"), &mut bufs, &scalars).unwrap();
+    let want: Vec<f32> = (0..rows)
+        .flat_map(|r| ops::add_bias(&x[r * stride..r * stride + width], &bias))
+        .collect();
+    assert_eq!(bufs["out"].to_f32().unwrap(), want);
+}
+
 #[test]
 fn rms_norm_and_residual_form_match_reference() {
     let mut rng = Rng(2);

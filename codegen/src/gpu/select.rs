@@ -491,6 +491,81 @@ pub(crate) fn select(
                             args,
                         )
                     }
+                    Op::AddBias => {
+                        let (x, stride) = act(&s, 0);
+                        let w = width(graph, i);
+                        let args = vec![
+                            x,
+                            weight(1),
+                            out,
+                            scalar("n", format!("({rows})*{w}")),
+                            scalar("width", w),
+                            scalar("x_stride", stride),
+                        ];
+                        (elementwise::add_bias("add_bias", &graph.name), args)
+                    }
+                    Op::Moe(spec) => {
+                        // Inputs: x, the router's logits, the score bias (grouped routers), then
+                        // the stacked gate/up and down weights.
+                        let bias = usize::from(spec.has_score_bias());
+                        let (gate_up, down) = (2 + bias, 3 + bias);
+                        let format = |k: usize| weight_format(graph.node(node.inputs[k]).dtype, i, op.name());
+                        let (gate_up_format, down_format) = (format(gate_up)?, format(down)?);
+                        let ((x, x_stride), (logits, logits_stride)) = (act(&s, 0), act(&s, 1));
+                        let k = spec.experts_per_token;
+                        let scratch = |name: &str, per_row: usize| LaunchArg::Scratch {
+                            node: i,
+                            name: name.into(),
+                            bytes: max_tokens * per_row * 4,
+                        };
+                        let routes = scratch("routes", k);
+                        let route_weights = scratch("route_weights", k);
+                        let hidden = scratch("hidden", k * spec.intermediate);
+                        // Softmax routers have no bias: the logits stand in (never read).
+                        let score_bias = match bias {
+                            1 => weight(2),
+                            _ => logits.clone(),
+                        };
+                        let d = width(graph, i);
+                        let launches = [
+                            (
+                                moe::route("moe_route", &graph.name, spec),
+                                vec![
+                                    logits,
+                                    score_bias,
+                                    routes.clone(),
+                                    route_weights.clone(),
+                                    scalar("tokens", &rows),
+                                    scalar("logits_stride", logits_stride),
+                                ],
+                            ),
+                            (
+                                moe::gate_up("moe_gate_up", &graph.name, spec, gate_up_format),
+                                vec![
+                                    x,
+                                    routes.clone(),
+                                    weight(gate_up),
+                                    hidden.clone(),
+                                    scalar("tokens", &rows),
+                                    scalar("d", d),
+                                    scalar("x_stride", x_stride),
+                                ],
+                            ),
+                        ];
+                        for (kernel, args) in launches {
+                            s.launches.push((i, kernel, Alternatives::default(), args));
+                        }
+                        let args = vec![
+                            hidden,
+                            routes,
+                            route_weights,
+                            weight(down),
+                            out,
+                            scalar("tokens", &rows),
+                            scalar("d", d),
+                        ];
+                        (moe::down("moe_down", &graph.name, spec, down_format), args)
+                    }
                     Op::GroupSlice { group, start, len } => {
                         let (x, stride) = act(&s, 0);
                         let args = vec![

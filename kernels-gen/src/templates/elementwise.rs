@@ -1,5 +1,6 @@
 //! Fused elementwise ops: the IR's expression tree becomes one expression of one kernel, a
-//! thread per element (memory-bound; one pass over the inputs and the output).
+//! thread per element (memory-bound; one pass over the inputs and the output). Also the
+//! broadcast add of a bias vector to every row (`add_bias`).
 
 use super::{blocks_for, per_element, BLOCK};
 use crate::dsl::*;
@@ -57,6 +58,37 @@ pub fn elementwise(name: &str, origin: &str, expr: &IrExpr) -> Kernel {
                 let_("t", Ty::I32, var("i") / var("width")),
                 let_("j", Ty::I32, bin(BinOp::Rem, var("i"), var("width"))),
                 store("out", var("i"), lower(expr)),
+            ],
+        ),
+    }
+}
+
+/// `out[t, j] = x[t·x_stride + j] + bias[j]` for `n` elements in rows of `width`.
+pub fn add_bias(name: &str, origin: &str) -> Kernel {
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: add a bias to every row"),
+        params: vec![
+            buffer("x", Ty::F32, false),
+            buffer("bias", Ty::F32, false),
+            buffer("out", Ty::F32, true),
+            scalar("n", Ty::I32),
+            scalar("width", Ty::I32),
+            scalar("x_stride", Ty::I32),
+        ],
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(var("n"), BLOCK as i64),
+        body: per_element(
+            var("n"),
+            vec![
+                let_("t", Ty::I32, var("i") / var("width")),
+                let_("j", Ty::I32, bin(BinOp::Rem, var("i"), var("width"))),
+                store(
+                    "out",
+                    var("i"),
+                    load("x", var("t") * var("x_stride") + var("j")) + load("bias", var("j")),
+                ),
             ],
         ),
     }

@@ -15,6 +15,7 @@ pub mod gemv;
 pub mod glu;
 pub mod int8_head;
 pub mod kv_append;
+pub mod moe;
 pub mod quant;
 pub mod rms_norm;
 pub mod rope;
@@ -320,6 +321,20 @@ const QWEN3_5_DELTA_NET: ir::DeltaNetSpec = ir::DeltaNetSpec {
     state_slot: 0,
 };
 
+/// GLM-4.5-Air's MoE layers.
+const GLM_4_5_AIR_MOE: ir::MoeSpec = ir::MoeSpec {
+    experts: 128,
+    experts_per_token: 8,
+    normalize: true,
+    intermediate: 1408,
+    act: ir::GluAct::Silu,
+    router: ir::MoeRouter::GroupedSigmoid {
+        groups: 1,
+        top_groups: 1,
+        scaling: 1.0,
+    },
+};
+
 /// One instance of every template, as the code generator would emit them: what snapshot tests,
 /// NVRTC checks and the kernel report cover.
 pub fn catalog() -> Vec<Kernel> {
@@ -448,6 +463,19 @@ pub fn catalog() -> Vec<Kernel> {
             cache_layout::CacheLayout::Batched,
             &QWEN3_5_DELTA_NET,
         ),
+        elementwise::add_bias("add_bias", "catalog"),
+        // GLM-4.5-Air's MoE layers (128 experts, 8 a token, 1408 hidden units) in bf16.
+        moe::route("moe_route_grouped_sigmoid", "catalog", &GLM_4_5_AIR_MOE),
+        moe::route(
+            "moe_route_softmax",
+            "catalog",
+            &ir::MoeSpec {
+                router: ir::MoeRouter::Softmax,
+                ..GLM_4_5_AIR_MOE
+            },
+        ),
+        moe::gate_up("moe_gate_up_bf16", "catalog", &GLM_4_5_AIR_MOE, Dense(Ty::Bf16)),
+        moe::down("moe_down_bf16", "catalog", &GLM_4_5_AIR_MOE, Dense(Ty::Bf16)),
         split_k::reduce("split_k_reduce", "catalog", 16, None),
         split_k::reduce("split_k_reduce_swiglu", "catalog", 16, Some(GluAct::Silu)),
         gemm_mma::gemm_mma("gemm_mma_bf16", "catalog", gemm_mma::WeightStaging::Registers),

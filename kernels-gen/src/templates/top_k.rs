@@ -10,7 +10,7 @@ use crate::dsl::*;
 
 /// Whether candidate (v, i) ranks before (bv, bi): larger, or equal and earlier; any
 /// candidate ranks before an empty best (bi < 0), and an empty candidate (i < 0) before none.
-fn ranks_before(v: Expr, i: Expr, bv: Expr, bi: Expr) -> Expr {
+pub(crate) fn ranks_before(v: Expr, i: Expr, bv: Expr, bi: Expr) -> Expr {
     let larger = bin(BinOp::Gt, v.clone(), bv.clone());
     let tie_earlier = and(bin(BinOp::Eq, v, bv), bin(BinOp::Lt, i.clone(), bi.clone()));
     let best_empty = bin(BinOp::Lt, bi, int(0));

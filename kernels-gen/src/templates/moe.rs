@@ -1,0 +1,469 @@
+//! Mixture-of-experts layers (the IR's `moe`) as three launches:
+//!
+//! 1. [`route`]: a warp per row picks the row's experts from the router's logits and weighs
+//!    them, exactly as `ir::reference::ops::moe_route` (softmax router, or DeepSeek-V3's
+//!    grouped sigmoid with its score bias and its choice inside the best groups), writing
+//!    `routes` (expert ids, ascending) and `route_weights`, `experts_per_token` of each a row.
+//!    Every choice is `experts_per_token` rounds of a warp-wide argmax under bbc's order
+//!    (larger first, equal values to the lower index, NaN as −∞; `top_k`), each round among the
+//!    candidates ranked after the previous round's winner.
+//! 2. [`gate_up`]: a warp per (row, chosen expert, hidden unit) dots the row with that unit's
+//!    gate and up rows of the expert's stacked weights and writes `act(gate)·up`.
+//! 3. [`down`]: a warp per (row, output column) sums each chosen expert's down row against its
+//!    hidden units, weighted, in ascending expert order as the reference adds them.
+//!
+//! Each row's arithmetic depends on its own routes only, so a row computes the same whatever
+//! shares its step. Experts' weights are read once per row that chose them: what decode wants
+//! (a few rows, each expert's weights streamed once); a long prefill re-reads an expert's
+//! weights for every row that chose it, where a grouped GEMM (rows gathered by expert) would
+//! read them once: not built.
+
+use super::gemv::gated;
+use super::quant::WeightFormat;
+use super::top_k::ranks_before;
+use super::{warp_sum, BLOCK};
+use crate::dsl::*;
+use ir::{MoeRouter, MoeSpec};
+
+/// Warps a block of [`gate_up`] and [`down`] holds: one output each.
+const WARPS: i64 = BLOCK as i64 / 32;
+
+/// The NaN-safe key of `x` (NaN ranks as −∞).
+fn key(x: Expr) -> Expr {
+    select(eq(x.clone(), x.clone()), x, f(f32::NEG_INFINITY))
+}
+
+/// The locals every round of [`warp_round`] assigns, declared once: its best so far, a
+/// neighbour lane's, and the previous round's winner (before the first, above everything).
+fn round_locals() -> Vec<Stmt> {
+    vec![
+        let_("best", Ty::F32, f(f32::NEG_INFINITY)),
+        let_("best_i", Ty::I32, int(-1)),
+        let_("other", Ty::F32, f(0.0)),
+        let_("other_i", Ty::I32, int(0)),
+        let_("prev", Ty::F32, f(f32::INFINITY)),
+        let_("prev_i", Ty::I32, int(-1)),
+    ]
+}
+
+/// A round of warp-wide argmax: each lane's best (`best`, `best_i`) among candidates `e` in
+/// `from..to` (lanes striding) whose key `value(e)` ranks after (`prev`, `prev_i`), then the
+/// warp's best in every lane (butterfly shuffles: the order is total, so every lane agrees);
+/// then the winner becomes `prev`.
+fn warp_round(from: Expr, to: Expr, value: &dyn Fn(Expr) -> Expr) -> Vec<Stmt> {
+    let mut round = vec![
+        assign("best", f(f32::NEG_INFINITY)),
+        assign("best_i", int(-1)),
+        for_(
+            "e",
+            from + lane(),
+            to,
+            int(32),
+            vec![
+                let_("raw", Ty::F32, value(var("e"))),
+                let_("v", Ty::F32, key(var("raw"))),
+                if_(
+                    and(
+                        or(
+                            bin(BinOp::Lt, var("v"), var("prev")),
+                            and(eq(var("v"), var("prev")), bin(BinOp::Gt, var("e"), var("prev_i"))),
+                        ),
+                        ranks_before(var("v"), var("e"), var("best"), var("best_i")),
+                    ),
+                    vec![assign("best", var("v")), assign("best_i", var("e"))],
+                ),
+            ],
+        ),
+    ];
+    for m in [16, 8, 4, 2, 1] {
+        round.extend([
+            assign("other", shfl_xor(var("best"), m)),
+            assign("other_i", shfl_xor(var("best_i"), m)),
+            if_(
+                ranks_before(var("other"), var("other_i"), var("best"), var("best_i")),
+                vec![assign("best", var("other")), assign("best_i", var("other_i"))],
+            ),
+        ]);
+    }
+    round.extend([assign("prev", var("best")), assign("prev_i", var("best_i"))]);
+    round
+}
+
+/// The router's logit of expert `e` of this block's row.
+fn logit(e: Expr) -> Expr {
+    load("logits", var("row") * var("logits_stride") + e)
+}
+
+/// An expression of an expert's index.
+type PerExpert = Box<dyn Fn(Expr) -> Expr>;
+
+/// Threads of a `route` block: one warp, routing one row.
+pub const ROUTE_BLOCK: u32 = 32;
+
+/// Route every row: grid = `tokens` blocks of one warp.
+pub fn route(name: &str, origin: &str, spec: &MoeSpec) -> Kernel {
+    let (experts, k) = (spec.experts as i64, spec.experts_per_token);
+    let mut body = vec![let_("row", Ty::I32, bid())];
+    body.extend(round_locals());
+    // The key experts are chosen by, and the score their weight comes from.
+    let (choice, score): (PerExpert, PerExpert) = match spec.router {
+        MoeRouter::Softmax => {
+            // Softmax is monotonic: choose on the logits; weights from exp(l − max) / Σ. A NaN
+            // logit makes every score NaN (the sum is NaN), and all rank alike, as there.
+            body.extend(softmax_normaliser(experts));
+            (
+                Box::new(|e| select(eq(var("sum"), var("sum")), logit(e), f(f32::NEG_INFINITY))),
+                Box::new(|e| un(UnOp::Exp, logit(e) - var("max")) / var("sum")),
+            )
+        }
+        MoeRouter::GroupedSigmoid { groups, top_groups, .. } => {
+            body.extend(chosen_groups(experts, groups as i64, top_groups as i64));
+            let per_group = experts / groups as i64;
+            (
+                Box::new(move |e: Expr| {
+                    select(
+                        eq(load("group_chosen", e.clone() / int(per_group)), int(1)),
+                        biased_score(e),
+                        f(0.0),
+                    )
+                }),
+                Box::new(|e| super::elementwise::sigmoid(logit(e))),
+            )
+        }
+    };
+    body.extend([assign("prev", f(f32::INFINITY)), assign("prev_i", int(-1))]);
+    body.extend(declare_choices(k));
+    for p in 0..k {
+        body.push(Stmt::Comment(format!("choice {p}")));
+        body.extend(warp_round(int(0), int(experts), &*choice));
+        body.extend(chosen(p, &*score));
+    }
+    body.extend(weigh_and_sort(spec));
+    let mut shared = vec![];
+    if let MoeRouter::GroupedSigmoid { groups, .. } = spec.router {
+        shared.push(SharedArray {
+            name: "group_chosen".into(),
+            ty: Ty::I32,
+            len: groups,
+        });
+        shared.push(SharedArray {
+            name: "group_score".into(),
+            ty: Ty::F32,
+            len: groups,
+        });
+    }
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: MoE routing, {}", describe(spec)),
+        params: vec![
+            buffer("logits", Ty::F32, false),
+            buffer("score_bias", Ty::F32, false),
+            buffer("routes", Ty::I32, true),
+            buffer("route_weights", Ty::F32, true),
+            scalar("tokens", Ty::I32),
+            scalar("logits_stride", Ty::I32),
+        ],
+        shared,
+        block_dim: ROUTE_BLOCK,
+        grid: var("tokens"),
+        body,
+    }
+}
+
+/// Where the rounds keep their winners: `c{p}` (the expert) and `w{p}` (its weight).
+fn declare_choices(k: usize) -> Vec<Stmt> {
+    (0..k)
+        .flat_map(|p| {
+            [
+                let_(&format!("c{p}"), Ty::I32, int(0)),
+                let_(&format!("w{p}"), Ty::F32, f(0.0)),
+            ]
+        })
+        .collect()
+}
+
+/// Round `p`'s winner, kept by every lane: an expert is chosen each round (there are at least
+/// `experts_per_token` candidates).
+fn chosen(p: usize, score: &dyn Fn(Expr) -> Expr) -> Vec<Stmt> {
+    vec![
+        assign(&format!("c{p}"), var("prev_i")),
+        assign(&format!("w{p}"), score(var("prev_i"))),
+    ]
+}
+
+/// `max` and `sum` (of `exp(l − max)`) over the row's logits, in every lane.
+fn softmax_normaliser(experts: i64) -> Vec<Stmt> {
+    let mut out = vec![
+        let_("max", Ty::F32, f(f32::NEG_INFINITY)),
+        for_(
+            "e",
+            lane(),
+            int(experts),
+            int(32),
+            vec![assign("max", bin(BinOp::Max, var("max"), logit(var("e"))))],
+        ),
+    ];
+    for m in [16, 8, 4, 2, 1] {
+        out.push(assign("max", bin(BinOp::Max, var("max"), shfl_xor(var("max"), m))));
+    }
+    out.extend([
+        let_("sum", Ty::F32, f(0.0)),
+        for_(
+            "e",
+            lane(),
+            int(experts),
+            int(32),
+            vec![assign("sum", var("sum") + un(UnOp::Exp, logit(var("e")) - var("max")))],
+        ),
+    ]);
+    out.extend(warp_sum("sum"));
+    out
+}
+
+/// `sigmoid(logit) + bias`: what DeepSeek-V3's router ranks experts by.
+fn biased_score(e: Expr) -> Expr {
+    super::elementwise::sigmoid(logit(e.clone())) + load("score_bias", e)
+}
+
+/// DeepSeek-V3's groups: each scores the sum of its two best biased scores; the `top_groups`
+/// best are chosen (`group_chosen[g]` = 1), the rest mask their experts to 0.
+fn chosen_groups(experts: i64, groups: i64, top_groups: i64) -> Vec<Stmt> {
+    let per_group = experts / groups;
+    let mut group = vec![
+        assign("prev", f(f32::INFINITY)),
+        assign("prev_i", int(-1)),
+        let_("two_best", Ty::F32, f(0.0)),
+    ];
+    for _ in 0..2 {
+        let (from, to) = (var("g") * int(per_group), (var("g") + int(1)) * int(per_group));
+        group.extend(warp_round(from, to, &biased_score));
+        group.push(assign("two_best", var("two_best") + var("best")));
+    }
+    group.push(if_(
+        eq(lane(), int(0)),
+        vec![store("group_score", var("g"), var("two_best"))],
+    ));
+    vec![
+        for_("g", int(0), int(groups), int(1), group),
+        Stmt::SyncThreads,
+        // A group is chosen when fewer than `top_groups` rank before it.
+        for_(
+            "g",
+            lane(),
+            int(groups),
+            int(32),
+            vec![
+                let_("mine", Ty::F32, key(load("group_score", var("g")))),
+                let_("ahead", Ty::I32, int(0)),
+                for_(
+                    "o",
+                    int(0),
+                    int(groups),
+                    int(1),
+                    vec![
+                        let_("theirs", Ty::F32, key(load("group_score", var("o")))),
+                        if_(
+                            ranks_before(var("theirs"), var("o"), var("mine"), var("g")),
+                            vec![assign("ahead", var("ahead") + int(1))],
+                        ),
+                    ],
+                ),
+                store(
+                    "group_chosen",
+                    var("g"),
+                    select(bin(BinOp::Lt, var("ahead"), int(top_groups)), int(1), int(0)),
+                ),
+            ],
+        ),
+        Stmt::SyncThreads,
+    ]
+}
+
+/// The chosen experts' weights (normalised by their sum where the spec says, then scaled),
+/// the pairs sorted by expert (a bubble sort over the named registers: `k` is small), written
+/// by lane 0.
+fn weigh_and_sort(spec: &MoeSpec) -> Vec<Stmt> {
+    let k = spec.experts_per_token;
+    let scaling = match spec.router {
+        MoeRouter::Softmax => 1.0,
+        MoeRouter::GroupedSigmoid { scaling, .. } => scaling,
+    };
+    let (c, w) = (|p: usize| format!("c{p}"), |p: usize| format!("w{p}"));
+    let mut out = vec![let_("total", Ty::F32, f(0.0))];
+    for p in 0..k {
+        out.push(assign("total", var("total") + var(&w(p))));
+    }
+    for p in 0..k {
+        let weight = match spec.normalize {
+            true => var(&w(p)) / (var("total") + f(1e-20)),
+            false => var(&w(p)),
+        };
+        out.push(assign(&w(p), weight * f(scaling)));
+    }
+    out.extend([let_("swap_c", Ty::I32, int(0)), let_("swap_w", Ty::F32, f(0.0))]);
+    for pass in 0..k {
+        for p in 0..k.saturating_sub(pass + 1) {
+            out.push(if_(
+                bin(BinOp::Gt, var(&c(p)), var(&c(p + 1))),
+                vec![
+                    assign("swap_c", var(&c(p))),
+                    assign(&c(p), var(&c(p + 1))),
+                    assign(&c(p + 1), var("swap_c")),
+                    assign("swap_w", var(&w(p))),
+                    assign(&w(p), var(&w(p + 1))),
+                    assign(&w(p + 1), var("swap_w")),
+                ],
+            ));
+        }
+    }
+    let writes = (0..k)
+        .flat_map(|p| {
+            let at = var("row") * int(k as i64) + int(p as i64);
+            [
+                store("routes", at.clone(), var(&c(p))),
+                store("route_weights", at, var(&w(p))),
+            ]
+        })
+        .collect();
+    out.push(if_(eq(lane(), int(0)), writes));
+    out
+}
+
+fn describe(spec: &MoeSpec) -> String {
+    let router = match spec.router {
+        MoeRouter::Softmax => "softmax router".to_string(),
+        MoeRouter::GroupedSigmoid {
+            groups,
+            top_groups,
+            scaling,
+        } => format!("grouped sigmoid router ({top_groups} of {groups} groups, ×{scaling})"),
+    };
+    format!(
+        "{} of {} experts of {} hidden units, {router}",
+        spec.experts_per_token, spec.experts, spec.intermediate
+    )
+}
+
+/// `hidden[(t·k + p)·I + i] = act(gate)·up` for expert `routes[t·k + p]`'s hidden unit `i`, its
+/// gate row `e·2I + i` and up row `e·2I + I + i` of the stacked `[experts·2I, d]` weights, over
+/// row `t` of `x` (`x_stride` apart). Grid: `tokens · k · ⌈I / 8⌉` blocks of 8 warps.
+pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, weights: WeightFormat) -> Kernel {
+    let (k, i) = (spec.experts_per_token as i64, spec.intermediate as i64);
+    let tiles = (i + WARPS - 1) / WARPS;
+    let mut dot = vec![let_("xc", Ty::F32, load("x", var("t") * var("x_stride") + var("c")))];
+    dot.extend(weights.element("g", var("e") * int(2 * i) + var("unit"), var("d"), var("c")));
+    dot.extend(weights.element("u", var("e") * int(2 * i) + int(i) + var("unit"), var("d"), var("c")));
+    dot.extend([
+        assign("gate", var("gate") + var("xc") * var("g")),
+        assign("up", var("up") + var("xc") * var("u")),
+    ]);
+    let mut per_unit = vec![
+        let_("e", Ty::I32, load("routes", var("pair"))),
+        let_("gate", Ty::F32, f(0.0)),
+        let_("up", Ty::F32, f(0.0)),
+        for_("c", lane(), var("d"), int(32), dot),
+    ];
+    per_unit.extend(warp_sum("gate"));
+    per_unit.extend(warp_sum("up"));
+    per_unit.push(if_(
+        eq(lane(), int(0)),
+        vec![store(
+            "hidden",
+            var("pair") * int(i) + var("unit"),
+            gated(spec.act, var("gate"), var("up")),
+        )],
+    ));
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: MoE experts' gate/up and {:?}, {} weights, {}",
+            spec.act,
+            weights.describe(),
+            describe(spec)
+        ),
+        params: vec![
+            buffer("x", Ty::F32, false),
+            buffer("routes", Ty::I32, false),
+            buffer("w", weights.buffer_ty(), false),
+            buffer("hidden", Ty::F32, true),
+            scalar("tokens", Ty::I32),
+            scalar("d", Ty::I32),
+            scalar("x_stride", Ty::I32),
+        ],
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: var("tokens") * int(k * tiles),
+        body: vec![
+            let_("pair", Ty::I32, bid() / int(tiles)),
+            let_("t", Ty::I32, var("pair") / int(k)),
+            let_("unit", Ty::I32, rem(bid(), int(tiles)) * int(WARPS) + warp()),
+            // Uniform across the warp: every lane shuffles or none.
+            if_(lt(var("unit"), int(i)), per_unit),
+        ],
+    }
+}
+
+/// `out[t, n] = Σ_p route_weights[t·k + p] · (down row e·d + n of expert e = routes[t·k + p]) ·
+/// hidden[t·k + p]`, over p in order (experts ascending). Grid: `tokens · ⌈d / 8⌉` blocks of
+/// 8 warps.
+pub fn down(name: &str, origin: &str, spec: &MoeSpec, weights: WeightFormat) -> Kernel {
+    let (k, i) = (spec.experts_per_token as i64, spec.intermediate as i64);
+    let mut dot = vec![let_(
+        "h",
+        Ty::F32,
+        load("hidden", (var("t") * int(k) + var("p")) * int(i) + var("c")),
+    )];
+    dot.extend(weights.element("wd", var("e") * var("d") + var("n"), int(i), var("c")));
+    dot.push(assign("y", var("y") + var("h") * var("wd")));
+    let mut per_choice = vec![
+        let_("e", Ty::I32, load("routes", var("t") * int(k) + var("p"))),
+        let_("y", Ty::F32, f(0.0)),
+        for_("c", lane(), int(i), int(32), dot),
+    ];
+    per_choice.extend(warp_sum("y"));
+    per_choice.push(assign(
+        "acc",
+        var("acc") + var("y") * load("route_weights", var("t") * int(k) + var("p")),
+    ));
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: MoE experts' down projections, weighted, {} weights, {}",
+            weights.describe(),
+            describe(spec)
+        ),
+        params: vec![
+            buffer("hidden", Ty::F32, false),
+            buffer("routes", Ty::I32, false),
+            buffer("route_weights", Ty::F32, false),
+            buffer("w", weights.buffer_ty(), false),
+            buffer("out", Ty::F32, true),
+            scalar("tokens", Ty::I32),
+            scalar("d", Ty::I32),
+        ],
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: var("tokens") * blocks_of_warps(var("d")),
+        body: vec![
+            let_("tiles", Ty::I32, blocks_of_warps(var("d"))),
+            let_("t", Ty::I32, bid() / var("tiles")),
+            let_("n", Ty::I32, rem(bid(), var("tiles")) * int(WARPS) + warp()),
+            if_(
+                lt(var("n"), var("d")),
+                vec![
+                    let_("acc", Ty::F32, f(0.0)),
+                    for_("p", int(0), int(k), int(1), per_choice),
+                    if_(
+                        eq(lane(), int(0)),
+                        vec![store("out", var("t") * var("d") + var("n"), var("acc"))],
+                    ),
+                ],
+            ),
+        ],
+    }
+}
+
+/// Blocks of [`WARPS`] warps covering `n` outputs.
+fn blocks_of_warps(n: Expr) -> Expr {
+    (n + int(WARPS - 1)) / int(WARPS)
+}

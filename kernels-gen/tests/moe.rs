@@ -1,0 +1,173 @@
+//! The MoE kernels (routing, experts' gate/up, weighted down projections) on the emulator
+//! against the IR reference: routes exactly (ties, NaN logits, DeepSeek-V3's groups and their
+//! masking quirk), outputs within f32 rounding, f32 and bf16 weights.
+
+use ir::reference::ops;
+use ir::{GluAct, MoeRouter, MoeSpec};
+use kernels_gen::dsl::Ty;
+use kernels_gen::emulator::{run, Array};
+use kernels_gen::templates::moe;
+use kernels_gen::templates::quant::WeightFormat;
+use std::collections::HashMap;
+
+mod common;
+use common::{bf16_array, close, ints, Rng};
+
+fn spec(experts: usize, experts_per_token: usize, normalize: bool, router: MoeRouter) -> MoeSpec {
+    MoeSpec {
+        experts,
+        experts_per_token,
+        normalize,
+        intermediate: 40,
+        act: GluAct::Silu,
+        router,
+    }
+}
+
+fn specs() -> Vec<MoeSpec> {
+    vec![
+        // Qwen3-Next's router (softmax over every expert, normalised).
+        spec(16, 4, true, MoeRouter::Softmax),
+        // Qwen2-MoE's: not normalised.
+        spec(40, 6, false, MoeRouter::Softmax),
+        // DeepSeek-V3's shape in small: 2 of 4 groups.
+        spec(
+            16,
+            4,
+            true,
+            MoeRouter::GroupedSigmoid {
+                groups: 4,
+                top_groups: 2,
+                scaling: 2.5,
+            },
+        ),
+        // GLM-4.5's: one group, more experts than a warp has lanes.
+        spec(
+            80,
+            8,
+            true,
+            MoeRouter::GroupedSigmoid {
+                groups: 1,
+                top_groups: 1,
+                scaling: 1.8,
+            },
+        ),
+    ]
+}
+
+/// Logits with ties (a few levels only) and a NaN, from `rng`.
+fn logits(rng: &mut Rng, rows: usize, experts: usize, stride: usize) -> Vec<f32> {
+    let mut out = vec![9.0; rows * stride];
+    for r in 0..rows {
+        for e in 0..experts {
+            out[r * stride + e] = (rng.next() * 3.0).round() / 2.0 + if r % 2 == 0 { 0.0 } else { rng.next() };
+        }
+    }
+    out[stride + 1] = f32::NAN;
+    out
+}
+
+/// Routing picks the reference's experts (ascending) with its weights, for every router.
+#[test]
+fn routing_matches_the_reference_with_ties_and_nan() {
+    let mut rng = Rng(51);
+    for spec in specs() {
+        let (rows, e, k) = (6, spec.experts, spec.experts_per_token);
+        let stride = e + 5;
+        let logits = logits(&mut rng, rows, e, stride);
+        // A bias large enough to reorder scores, and to push most below the 0 that experts of
+        // the groups not chosen count as (so some of those are chosen, as in HF).
+        let bias: Vec<f32> = (0..e).map(|_| rng.next() * 1.5 - 1.2).collect();
+        let mut bufs = HashMap::from([
+            ("logits".into(), Array::f32(&logits)),
+            ("score_bias".into(), Array::f32(&bias)),
+            ("routes".into(), Array::poisoned(Ty::I32, rows * k)),
+            ("route_weights".into(), Array::poisoned(Ty::F32, rows * k)),
+        ]);
+        let scalars = ints(&[("tokens", rows as i64), ("logits_stride", stride as i64)]);
+        run(&moe::route("route", "test", &spec), &mut bufs, &scalars).unwrap();
+        let routes = bufs["routes"].to_i64().unwrap();
+        let weights = bufs["route_weights"].to_f32().unwrap();
+        for r in 0..rows {
+            let bias = if spec.has_score_bias() { &bias[..] } else { &[] };
+            let want = ops::moe_route(&logits[r * stride..r * stride + e], bias, &spec);
+            let got: Vec<usize> = routes[r * k..(r + 1) * k].iter().map(|&e| e as usize).collect();
+            let want_experts: Vec<usize> = want.iter().map(|&(e, _)| e).collect();
+            assert_eq!(got, want_experts, "{spec:?}: row {r}");
+            if r != 1 {
+                let want_weights: Vec<f32> = want.iter().map(|&(_, w)| w).collect();
+                close(
+                    &weights[r * k..(r + 1) * k],
+                    &want_weights,
+                    1e-5,
+                    &format!("{spec:?}: row {r}"),
+                );
+            }
+        }
+    }
+}
+
+/// The three launches compute the reference's layer, over rows of a strided activation.
+#[test]
+fn experts_match_the_reference_layer() {
+    let mut rng = Rng(52);
+    for spec in specs() {
+        for format in [WeightFormat::Dense(Ty::F32), WeightFormat::Dense(Ty::Bf16)] {
+            let (rows, d, e, k, i) = (5, 48, spec.experts, spec.experts_per_token, spec.intermediate);
+            let (x_stride, l_stride) = (d + 3, e + 2);
+            let x = rng.vec(rows * x_stride);
+            let logits: Vec<f32> = rng.vec(rows * l_stride);
+            let bias = rng.vec(e);
+            let round = |w: Vec<f32>| match format {
+                WeightFormat::Dense(Ty::Bf16) => w.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect(),
+                _ => w,
+            };
+            let gate_up = round(rng.vec(e * 2 * i * d));
+            let down = round(rng.vec(e * d * i));
+            let array = |w: &[f32]| match format {
+                WeightFormat::Dense(Ty::Bf16) => bf16_array(w),
+                _ => Array::f32(w),
+            };
+            let mut bufs = HashMap::from([
+                ("logits".into(), Array::f32(&logits)),
+                ("score_bias".into(), Array::f32(&bias)),
+                ("routes".into(), Array::poisoned(Ty::I32, rows * k)),
+                ("route_weights".into(), Array::poisoned(Ty::F32, rows * k)),
+                ("x".into(), Array::f32(&x)),
+                ("hidden".into(), Array::poisoned(Ty::F32, rows * k * i)),
+                ("out".into(), Array::poisoned(Ty::F32, rows * d)),
+            ]);
+            let scalars = ints(&[
+                ("tokens", rows as i64),
+                ("logits_stride", l_stride as i64),
+                ("x_stride", x_stride as i64),
+                ("d", d as i64),
+            ]);
+            run(&moe::route("route", "test", &spec), &mut bufs, &scalars).unwrap();
+            bufs.insert("w".into(), array(&gate_up));
+            run(&moe::gate_up("gate_up", "test", &spec, format), &mut bufs, &scalars).unwrap();
+            bufs.insert("w".into(), array(&down));
+            run(&moe::down("down", "test", &spec, format), &mut bufs, &scalars).unwrap();
+            let rows_of = |v: &[f32], width: usize, stride: usize| -> Vec<f32> {
+                (0..rows)
+                    .flat_map(|r| v[r * stride..r * stride + width].to_vec())
+                    .collect()
+            };
+            let bias = if spec.has_score_bias() { &bias[..] } else { &[] };
+            let want = ops::moe(
+                &rows_of(&x, d, x_stride),
+                &rows_of(&logits, e, l_stride),
+                bias,
+                &gate_up,
+                &down,
+                &spec,
+            );
+            close(
+                &bufs["out"].to_f32().unwrap(),
+                &want,
+                1e-5,
+                &format!("{spec:?} {format:?}"),
+            );
+        }
+    }
+}
