@@ -242,7 +242,7 @@ fn tiny_models_compile_for_every_gpu_target_in_f32_and_bf16() {
     }
     let dir = std::env::temp_dir().join(format!("bbc-gpu-tiny-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for family in ["llama", "gemma3", "qwen3_5", "glm4_moe"] {
+    for family in ["llama", "gemma3", "qwen3_5", "glm4_moe", "qwen3_next"] {
         for dtype in ["f32", "bf16"] {
             let weights = common::fixture(&format!("hf-tiny/{family}"));
             let toml = dir.join(format!("{family}-{dtype}.toml"));

@@ -41,7 +41,14 @@ fn relative_error(got: &[f32], want: &[f32]) -> f32 {
 fn check(family: &str, dtype: ComputeDtype, target: Target) {
     let model = open(family, dtype);
     // The tensor-core GEMM rounds activations to bf16; every other kernel computes in f32.
-    let prefill_tolerance: f32 = if dtype == ComputeDtype::Bf16 { 2e-2 } else { 1e-4 };
+    // Behind a router (Qwen3-Next's four experts, two a token) that rounding can change which
+    // expert a prompt token takes where two score alike, and the prompt's last row then
+    // differs by more (6.6e-2 on H200); a prompt short enough for the GEMV still agrees to 1e-4.
+    let prefill_tolerance: f32 = match dtype {
+        ComputeDtype::Bf16 if family == "qwen3_next" => 1e-1,
+        ComputeDtype::Bf16 => 2e-2,
+        _ => 1e-4,
+    };
     check_against(family, &model, &model, target, prefill_tolerance);
 }
 
@@ -59,10 +66,12 @@ fn check_against(family: &str, model: &Model, reference: &Model, target: Target,
         // B200 (each only there; plain, with the norm prologue, with the residual add before
         // the norm, and that with the gated MLP's GLU after), mma.sync with cp.async weights
         // on the RTX PRO 6000.
+        // (Qwen3-Next's MLPs are MoE layers: its plans have no GLU epilogue GEMM.)
         let special: Vec<_> = kernels.iter().filter_map(kernels_gen::cuda::required_arch).collect();
+        let variants = if family == "qwen3_next" { 3 } else { 4 };
         let expected = match target {
-            Target::H200 => vec!["sm_90a"; 4],
-            Target::B200 => vec!["sm_100a"; 4],
+            Target::H200 => vec!["sm_90a"; variants],
+            Target::B200 => vec!["sm_100a"; variants],
             _ => vec![],
         };
         assert_eq!(special, expected, "{family} on {}", target.name());
@@ -140,6 +149,18 @@ fn tiny_glm4_moe_plans_agree_with_the_cpu_backend() {
     for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
         for target in [Target::H200, Target::B200, Target::RtxPro6000] {
             check("glm4_moe", dtype, target);
+        }
+    }
+}
+
+/// Qwen3-Next: Qwen3.5's hybrid with MoE layers under a softmax router, a shared expert gated
+/// by a sigmoid (`scale_rows`), and DeltaNet projections regrouped from their per-key-head
+/// interleaving as the plan uploads them (`WeightPart::RowGroups`), on every GPU target.
+#[test]
+fn tiny_qwen3_next_plans_agree_with_the_cpu_backend() {
+    for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
+        for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+            check("qwen3_next", dtype, target);
         }
     }
 }
@@ -491,7 +512,8 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
 }
 
 /// The serving engine on batched plans of Qwen3.5 (its DeltaNet layers' states in slots on
-/// the device) and GLM-4.5 (MoE layers: each row routed on its own) generates what it
+/// the device), GLM-4.5 (MoE layers: each row routed on its own) and Qwen3-Next (both)
+/// generates what it
 /// generates on the CPU backend, for more requests than run at once (finished sequences'
 /// slots start new ones afresh) and a KV pool small enough that sequences are preempted and
 /// recomputed from position 0. The plans keep states for 3 sequences: the engine runs no more
@@ -499,7 +521,7 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
 #[test]
 fn the_serving_engine_runs_hybrid_and_moe_plans_like_the_cpu_backend() {
     use runtime::serving::{SchedulerConfig, ServingEngine};
-    for (family, recurrent) in [("qwen3_5", true), ("glm4_moe", false)] {
+    for (family, recurrent) in [("qwen3_5", true), ("glm4_moe", false), ("qwen3_next", true)] {
         let model = open(family, ComputeDtype::F32);
         let graph = model.lower(LogitsFor::AllTokens).unwrap();
         let gpu_graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);

@@ -80,6 +80,39 @@ fn add_bias_adds_the_vector_to_every_row() {
     assert_eq!(bufs["out"].to_f32().unwrap(), want);
 }
 
+/// Rows scaled by a column of scalars (rows of a wider output) or all by one.
+#[test]
+fn scale_rows_scales_by_a_column_or_one_scalar() {
+    let mut rng = Rng(24);
+    let (rows, width, stride) = (4, 21, 30);
+    let (x, column) = (rng.vec(rows * stride), rng.vec(rows * 3));
+    for (s_stride, scalars) in [(3usize, column.clone()), (0, vec![column[0]])] {
+        let mut bufs = HashMap::from([
+            ("x".into(), Array::f32(&x)),
+            ("s".into(), Array::f32(&scalars)),
+            ("out".into(), Array::poisoned(Ty::F32, rows * width)),
+        ]);
+        let scalars_of_rows: Vec<f32> = (0..rows).map(|r| scalars[r * s_stride]).collect();
+        let scalars_given = if s_stride == 0 {
+            &scalars[..]
+        } else {
+            &scalars_of_rows[..]
+        };
+        let scalars = ints(&[
+            ("n", (rows * width) as i64),
+            ("width", width as i64),
+            ("x_stride", stride as i64),
+            ("s_stride", s_stride as i64),
+        ]);
+        run(&elementwise::scale_rows("scale", "test"), &mut bufs, &scalars).unwrap();
+        let rows_of_x: Vec<f32> = (0..rows)
+            .flat_map(|r| x[r * stride..r * stride + width].to_vec())
+            .collect();
+        let want = ops::scale_rows(&rows_of_x, width, scalars_given);
+        assert_eq!(bufs["out"].to_f32().unwrap(), want, "s_stride {s_stride}");
+    }
+}
+
 #[test]
 fn rms_norm_and_residual_form_match_reference() {
     let mut rng = Rng(2);

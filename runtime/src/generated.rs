@@ -84,7 +84,12 @@ pub(crate) fn make_weight<D: PlanDevice>(
     let (elements, width) = (w.shape.iter().product::<usize>(), ty.bytes());
     let buffer = device.alloc(elements * width)?;
     let mut at = 0;
-    for name in &w.parts {
+    for part in &w.parts {
+        let codegen::gpu::WeightPart::Whole(name) = part else {
+            return Err(RuntimeError::Weight(format!(
+                "{part}: weights made on the device are whole tensors, not regrouped rows"
+            )));
+        };
         let shape = graph
             .nodes()
             .iter()

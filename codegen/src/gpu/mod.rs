@@ -159,9 +159,59 @@ pub struct KernelParam {
 pub struct WeightUse {
     pub node: usize,
     /// The source weights stacked by rows (one for a plain weight).
-    pub parts: Vec<String>,
+    pub parts: Vec<WeightPart>,
     pub dtype: ir::DType,
     pub shape: Vec<usize>,
+}
+
+/// One source weight of a [`WeightUse`]: whole (a plan file names it by its name alone), or
+/// rows `start..start + len` of every group of `group` rows (the IR's `row_group_slice`:
+/// Qwen3-Next's DeltaNet projections, regrouped at compile time).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum WeightPart {
+    Whole(String),
+    RowGroups {
+        name: String,
+        group: usize,
+        start: usize,
+        len: usize,
+    },
+}
+
+impl WeightPart {
+    /// The source weight's name.
+    pub fn name(&self) -> &str {
+        match self {
+            Self::Whole(name) | Self::RowGroups { name, .. } => name,
+        }
+    }
+
+    /// The source rows it takes, of a weight of `rows` rows, in order.
+    pub fn rows(&self, rows: usize) -> Vec<std::ops::Range<usize>> {
+        match *self {
+            Self::Whole(_) => std::iter::once(0..rows).collect(),
+            Self::RowGroups { group, start, len, .. } => (0..rows / group.max(1))
+                .map(|g| g * group + start..g * group + start + len)
+                .collect(),
+        }
+    }
+}
+
+impl std::fmt::Display for WeightPart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Whole(name) => write!(f, "{name}"),
+            Self::RowGroups {
+                name,
+                group,
+                start,
+                len,
+            } => {
+                write!(f, "{name} (rows {start}..{} of every {group})", start + len)
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -406,7 +456,7 @@ fn check_index_range(weights: &[WeightUse], memory: &MemoryPlan) -> Result<(), G
                 op: "weight",
                 what: format!(
                     "{} ({units} indexable units) is past the 32-bit indices kernels use",
-                    w.parts.join(" + ")
+                    w.parts.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(" + ")
                 ),
             });
         }
@@ -481,4 +531,33 @@ fn plan_memory(
         .collect();
     requests.sort_by(|a, b| (a.first, a.node, &a.scratch).cmp(&(b.first, b.node, &b.scratch)));
     plan::place(&requests)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::WeightPart;
+
+    /// A plan written before parts could regroup rows names its parts as strings: it still
+    /// reads, and regrouped parts round-trip.
+    #[test]
+    fn weight_parts_read_plain_names_and_round_trip_row_groups() {
+        let parts: Vec<WeightPart> = serde_json::from_str(r#"["a.weight", "b.weight"]"#).unwrap();
+        assert_eq!(
+            parts,
+            [
+                WeightPart::Whole("a.weight".into()),
+                WeightPart::Whole("b.weight".into())
+            ]
+        );
+        let regrouped = WeightPart::RowGroups {
+            name: "qkvz".into(),
+            group: 6,
+            start: 2,
+            len: 3,
+        };
+        let json = serde_json::to_string(&regrouped).unwrap();
+        assert_eq!(serde_json::from_str::<WeightPart>(&json).unwrap(), regrouped);
+        assert_eq!(regrouped.rows(12), [2..5, 8..11]);
+        assert_eq!(parts[0].rows(4), [0..4]);
+    }
 }

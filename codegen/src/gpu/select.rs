@@ -156,9 +156,10 @@ pub(crate) fn select(
                 }
                 s.views.insert(i, own);
             }
-            Op::Weight { name } => s.weights.push(WeightUse {
+            Op::Weight { .. } | Op::RowGroupSlice { .. } => s.weights.push(WeightUse {
                 node: i,
-                parts: vec![name.clone()],
+                parts: vec![weight_part(graph, ir::NodeId(i))
+                    .ok_or_else(|| unsupported("regroups rows of something that is not a weight".into()))?],
                 dtype: node.dtype,
                 shape: node.shape.resolve(0, 0),
             }),
@@ -166,9 +167,9 @@ pub(crate) fn select(
                 let parts = node
                     .inputs
                     .iter()
-                    .map(|p| match &graph.node(*p).op {
-                        Op::Weight { name } => Ok(name.clone()),
-                        _ => Err(unsupported("stacks something that is not a weight".into())),
+                    .map(|p| {
+                        weight_part(graph, *p)
+                            .ok_or_else(|| unsupported("stacks something that is not a weight".into()))
                     })
                     .collect::<Result<_, _>>()?;
                 s.weights.push(WeightUse {
@@ -504,6 +505,25 @@ pub(crate) fn select(
                         ];
                         (elementwise::add_bias("add_bias", &graph.name), args)
                     }
+                    Op::ScaleRows => {
+                        let (x, x_stride) = act(&s, 0);
+                        // A weight (Gemma 4's layer scalar) scales every row alike.
+                        let (scalars, s_stride) = match graph.node(node.inputs[1]).op {
+                            Op::Weight { .. } => (weight(1), 0),
+                            _ => act(&s, 1),
+                        };
+                        let w = width(graph, i);
+                        let args = vec![
+                            x,
+                            scalars,
+                            out,
+                            scalar("n", format!("({rows})*{w}")),
+                            scalar("width", w),
+                            scalar("x_stride", x_stride),
+                            scalar("s_stride", s_stride),
+                        ];
+                        (elementwise::scale_rows("scale_rows", &graph.name), args)
+                    }
                     Op::Moe(spec) => {
                         // Inputs: x, the router's logits, the score bias (grouped routers), then
                         // the stacked gate/up and down weights.
@@ -783,6 +803,23 @@ pub(crate) fn select(
         }
     }
     Ok(s)
+}
+
+/// Node `id` as a part of a weight the plan uploads: a weight, or a row regrouping of one.
+fn weight_part(graph: &Graph, id: ir::NodeId) -> Option<super::WeightPart> {
+    match &graph.node(id).op {
+        Op::Weight { name } => Some(super::WeightPart::Whole(name.clone())),
+        &Op::RowGroupSlice { group, start, len } => match &graph.node(graph.node(id).inputs[0]).op {
+            Op::Weight { name } => Some(super::WeightPart::RowGroups {
+                name: name.clone(),
+                group,
+                start,
+                len,
+            }),
+            _ => None,
+        },
+        _ => None,
+    }
 }
 
 /// What the launches of one plan share.

@@ -1,6 +1,7 @@
 //! Fused elementwise ops: the IR's expression tree becomes one expression of one kernel, a
 //! thread per element (memory-bound; one pass over the inputs and the output). Also the
-//! broadcast add of a bias vector to every row (`add_bias`).
+//! broadcasts: a bias vector added to every row (`add_bias`), every row scaled by its own
+//! scalar or all by one (`scale_rows`).
 
 use super::{blocks_for, per_element, BLOCK};
 use crate::dsl::*;
@@ -88,6 +89,40 @@ pub fn add_bias(name: &str, origin: &str) -> Kernel {
                     "out",
                     var("i"),
                     load("x", var("t") * var("x_stride") + var("j")) + load("bias", var("j")),
+                ),
+            ],
+        ),
+    }
+}
+
+/// `out[t, j] = x[t·x_stride + j] · s[t·s_stride]` for `n` elements in rows of `width`: each
+/// row by its scalar (a `[tokens, 1]` column, rows `s_stride` apart), or all by `s[0]`
+/// (`s_stride` 0).
+pub fn scale_rows(name: &str, origin: &str) -> Kernel {
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: scale every row by a scalar"),
+        params: vec![
+            buffer("x", Ty::F32, false),
+            buffer("s", Ty::F32, false),
+            buffer("out", Ty::F32, true),
+            scalar("n", Ty::I32),
+            scalar("width", Ty::I32),
+            scalar("x_stride", Ty::I32),
+            scalar("s_stride", Ty::I32),
+        ],
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(var("n"), BLOCK as i64),
+        body: per_element(
+            var("n"),
+            vec![
+                let_("t", Ty::I32, var("i") / var("width")),
+                let_("j", Ty::I32, bin(BinOp::Rem, var("i"), var("width"))),
+                store(
+                    "out",
+                    var("i"),
+                    load("x", var("t") * var("x_stride") + var("j")) * load("s", var("t") * var("s_stride")),
                 ),
             ],
         ),

@@ -464,6 +464,7 @@ pub fn catalog() -> Vec<Kernel> {
             &QWEN3_5_DELTA_NET,
         ),
         elementwise::add_bias("add_bias", "catalog"),
+        elementwise::scale_rows("scale_rows", "catalog"),
         // GLM-4.5-Air's MoE layers (128 experts, 8 a token, 1408 hidden units) in bf16.
         moe::route("moe_route_grouped_sigmoid", "catalog", &GLM_4_5_AIR_MOE),
         moe::route(

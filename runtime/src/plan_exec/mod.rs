@@ -19,7 +19,7 @@ mod launch;
 
 use crate::error::{Result, RuntimeError};
 use codegen::gpu::expr::Value;
-use codegen::gpu::GpuPlan;
+use codegen::gpu::{GpuPlan, WeightPart};
 use half::bf16;
 use ir::{DType, Graph, Tensor};
 use models::WeightSource;
@@ -452,18 +452,34 @@ fn int8_tensors(rows: &Int8Rows) -> [(&'static str, Vec<u8>); 5] {
     ]
 }
 
-/// A weight as the kernels read it: the parts stacked by rows, converted to `dtype` (f32, bf16)
-/// or kept as GGUF blocks.
-fn weight_bytes(dtype: DType, parts: &[String], source: &WeightSource) -> Result<Vec<u8>> {
+/// A weight as the kernels read it: the parts (their rows) stacked by rows, converted to
+/// `dtype` (f32, bf16) or kept as GGUF blocks.
+fn weight_bytes(dtype: DType, parts: &[WeightPart], source: &WeightSource) -> Result<Vec<u8>> {
     let mut out = Vec::new();
-    for name in parts {
+    for part in parts {
+        let name = part.name();
         let view = source
             .get(name)
             .ok_or_else(|| RuntimeError::Weight(format!("`{name}` is not in the weights")))?;
+        let rows = view.shape.first().copied().unwrap_or(1).max(1);
+        let selected = part.rows(rows);
+        if selected.last().is_some_and(|r| r.end > rows) {
+            return Err(RuntimeError::Weight(format!("{part}: `{name}` has {rows} rows")));
+        }
+        // Each selected row's units (f32 values, or bytes of blocks) of `units` per row.
+        let pick = |units: usize| selected.iter().flat_map(move |r| r.start * units..r.end * units);
         match dtype {
-            DType::F32 => out.extend(view.to_f32().data.iter().flat_map(|v| v.to_le_bytes())),
-            DType::BF16 => out.extend(view.to_f32().data.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes())),
-            quant if models::weights::ir_dtype(view.dtype) == quant => out.extend_from_slice(view.bytes),
+            DType::F32 | DType::BF16 => {
+                let values = view.to_f32().data;
+                let values = pick(values.len() / rows).map(|i| values[i]);
+                match dtype {
+                    DType::F32 => out.extend(values.flat_map(f32::to_le_bytes)),
+                    _ => out.extend(values.flat_map(|v| bf16::from_f32(v).to_le_bytes())),
+                }
+            }
+            quant if models::weights::ir_dtype(view.dtype) == quant => {
+                out.extend(pick(view.bytes.len() / rows).map(|i| view.bytes[i]))
+            }
             other => {
                 return Err(RuntimeError::Weight(format!(
                     "`{name}` is {} but the plan wants {other}",
