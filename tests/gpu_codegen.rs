@@ -242,7 +242,7 @@ fn tiny_models_compile_for_every_gpu_target_in_f32_and_bf16() {
     }
     let dir = std::env::temp_dir().join(format!("bbc-gpu-tiny-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for family in ["llama", "gemma3", "qwen3_5", "glm4_moe", "qwen3_next"] {
+    for family in ["llama", "gemma3", "gemma4", "qwen3_5", "glm4_moe", "qwen3_next"] {
         for dtype in ["f32", "bf16"] {
             let weights = common::fixture(&format!("hf-tiny/{family}"));
             let toml = dir.join(format!("{family}-{dtype}.toml"));
@@ -551,11 +551,11 @@ fn the_8b_shaped_serving_plan_holds_each_weight_once() {
     assert!(err.contains("2457600000") && err.contains("32-bit"), "{err}");
     // Heads wider than the attention templates take are refused by name, not a panic.
     let wide_heads = models::ModelConfig {
-        head_dim: 512,
+        head_dim: 1024,
         ..models::ModelConfig::llama3_8b()
     };
     let graph = bf16_graph(&wide_heads);
     let fused = passes::optimized(&graph, passes::CostModel::H200).unwrap();
     let err = gpu::build(&fused, Target::H200, 512).unwrap_err().to_string();
-    assert!(err.contains("head_dim 512"), "{err}");
+    assert!(err.contains("head_dim 1024"), "{err}");
 }

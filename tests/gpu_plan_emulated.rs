@@ -66,9 +66,13 @@ fn check_against(family: &str, model: &Model, reference: &Model, target: Target,
         // B200 (each only there; plain, with the norm prologue, with the residual add before
         // the norm, and that with the gated MLP's GLU after), mma.sync with cp.async weights
         // on the RTX PRO 6000.
-        // (Qwen3-Next's MLPs are MoE layers: its plans have no GLU epilogue GEMM.)
+        // Qwen3-Next's MLPs are MoE layers (no GLU epilogue GEMM); no Gemma 4 layer adds the
+        // residual before a norm without a GLU after it (no plain residual-prologue GEMM).
         let special: Vec<_> = kernels.iter().filter_map(kernels_gen::cuda::required_arch).collect();
-        let variants = if family == "qwen3_next" { 3 } else { 4 };
+        let variants = match family {
+            "qwen3_next" | "gemma4" => 3,
+            _ => 4,
+        };
         let expected = match target {
             Target::H200 => vec!["sm_90a"; variants],
             Target::B200 => vec!["sm_100a"; variants],
@@ -149,6 +153,18 @@ fn tiny_glm4_moe_plans_agree_with_the_cpu_backend() {
     for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
         for target in [Target::H200, Target::B200, Target::RtxPro6000] {
             check("glm4_moe", dtype, target);
+        }
+    }
+}
+
+/// Gemma 4: per-layer inputs, value norms without a weight (`unit_rms_norm`), global layers
+/// with heads of 512 and proportional RoPE, layer scalars (`scale_rows` by a weight), on
+/// every GPU target.
+#[test]
+fn tiny_gemma4_plans_agree_with_the_cpu_backend() {
+    for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
+        for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+            check("gemma4", dtype, target);
         }
     }
 }

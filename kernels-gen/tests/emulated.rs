@@ -139,6 +139,20 @@ fn rms_norm_and_residual_form_match_reference() {
         ops::rms_norm(&x, &w, 1e-6, 1.0, &mut want);
         close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "rms_norm");
 
+        let mut bufs = HashMap::from([
+            ("x".into(), Array::f32(&x)),
+            ("out".into(), Array::poisoned(Ty::F32, x.len())),
+        ]);
+        let scalars = ints(&[
+            ("groups", groups as i64),
+            ("group", group as i64),
+            ("width", group as i64),
+            ("x_stride", group as i64),
+        ]);
+        run(&rms_norm::unit_rms_norm("unit", "test", 1e-6), &mut bufs, &scalars).unwrap();
+        let want = ops::unit_rms_norm(&x, group, 1e-6);
+        close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, "unit_rms_norm");
+
         let b = rng.vec(x.len());
         let k = rms_norm::add_rms_norm("add_norm", "test", 1e-6, 0.0);
         let mut bufs = HashMap::from([
@@ -420,9 +434,10 @@ fn attention_matches_reference_with_windows_groups_and_long_caches() {
         (3, 5, 2, 2, 8, 4),
         (2, 520, 2, 1, 32, 300),
         // A head_dim past one warp's width that is not a multiple of it (the last lane dims
-        // guarded), and Gemma 3's 256.
+        // guarded), Gemma 3's 256 and Gemma 4's global 512 (heads of 2 query heads each).
         (2, 40, 2, 1, 80, 0),
         (1, 70, 2, 2, 256, 0),
+        (2, 45, 4, 2, 512, 0),
     ] {
         let len = first + tokens;
         let (q, k, v) = (

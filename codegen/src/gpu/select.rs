@@ -297,6 +297,19 @@ pub(crate) fn select(
                             args,
                         )
                     }
+                    Op::UnitRmsNorm { eps, group } => {
+                        let (x, stride) = act(&s, 0);
+                        let w = width(graph, i);
+                        let args = vec![
+                            x,
+                            out,
+                            scalar("groups", format!("({rows})*{}", w / group)),
+                            scalar("group", group),
+                            scalar("width", w),
+                            scalar("x_stride", stride),
+                        ];
+                        (rms_norm::unit_rms_norm("unit_rms_norm", &graph.name, *eps as f32), args)
+                    }
                     Op::AddRmsNorm { eps, weight_offset } => {
                         let ((a, sa), (b, sb)) = (act(&s, 0), act(&s, 1));
                         let d = width(graph, input(0));

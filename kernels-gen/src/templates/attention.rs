@@ -47,14 +47,16 @@ pub fn partial_len(max_rows: usize, heads: usize, head_dim: usize) -> usize {
     (max_rows + MAX_SPLITS - 1) * heads * (head_dim + 2)
 }
 
-/// The largest head the templates take: a dim per thread of the combine pass's block.
-pub const MAX_HEAD_DIM: usize = BLOCK as usize;
+/// The largest head the templates take (Gemma 4's global layers' 512): a dim per thread of
+/// the combine pass's block, and `head_dim / 32` of each of query, accumulator, key and value
+/// per lane of the split pass (16 at 512, a block of one head).
+pub const MAX_HEAD_DIM: usize = 512;
 
 /// Query dims per lane (callers check `head_dim` against [`MAX_HEAD_DIM`] first).
 fn dims_per_lane(head_dim: usize) -> usize {
     assert!(
-        (1..=BLOCK as usize).contains(&head_dim),
-        "head_dim {head_dim} outside 1..={BLOCK}"
+        (1..=MAX_HEAD_DIM).contains(&head_dim),
+        "head_dim {head_dim} outside 1..={MAX_HEAD_DIM}"
     );
     head_dim.div_ceil(32)
 }

@@ -399,6 +399,17 @@ pub fn catalog() -> Vec<Kernel> {
             Ty::F32,
         ),
         attention::attention_combine("attention_combine", "catalog", 128),
+        // Gemma 4's global layers: heads of 512, one a block.
+        attention::attention_split(
+            "attention_batched_512",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            512,
+            1,
+            Ty::Bf16,
+        ),
+        attention::attention_combine("attention_combine_512", "catalog", 512),
+        rms_norm::unit_rms_norm("unit_rms_norm", "catalog", 1e-6),
         kv_append::kv_append("kv_append", "catalog"),
         attention::attention_split(
             "attention_paged",

@@ -10,19 +10,45 @@ const WARPS: u32 = BLOCK / 32;
 
 /// `out = x·rsqrt(mean(x²) + eps)·(w + offset)` per group; grid = number of groups.
 pub fn rms_norm(name: &str, origin: &str, eps: f32, weight_offset: f32) -> Kernel {
+    rms_norm_with(name, origin, eps, Some(weight_offset))
+}
+
+/// `out = x·rsqrt(mean(x²) + eps)` per group, no weight (the IR's `unit_rms_norm`: Gemma 4's
+/// value norm); grid = number of groups.
+pub fn unit_rms_norm(name: &str, origin: &str, eps: f32) -> Kernel {
+    rms_norm_with(name, origin, eps, None)
+}
+
+/// The norm, times `w + offset` where it has a weight.
+fn rms_norm_with(name: &str, origin: &str, eps: f32, weight_offset: Option<f32>) -> Kernel {
     let x = |i: Expr| load("x", var("base") + i);
+    let scaled = |i: Expr| match weight_offset {
+        Some(offset) => x(i.clone()) * var("inv") * (load("w", i) + f(offset)),
+        None => x(i) * var("inv"),
+    };
+    let mut params = vec![
+        buffer("x", Ty::F32, false),
+        buffer("w", Ty::F32, false),
+        buffer("out", Ty::F32, true),
+        scalar("groups", Ty::I32),
+        scalar("group", Ty::I32),
+        scalar("width", Ty::I32),
+        scalar("x_stride", Ty::I32),
+    ];
+    if weight_offset.is_none() {
+        params.remove(1);
+    }
     Kernel {
         name: name.into(),
-        origin: format!("{origin}: rms_norm"),
-        params: vec![
-            buffer("x", Ty::F32, false),
-            buffer("w", Ty::F32, false),
-            buffer("out", Ty::F32, true),
-            scalar("groups", Ty::I32),
-            scalar("group", Ty::I32),
-            scalar("width", Ty::I32),
-            scalar("x_stride", Ty::I32),
-        ],
+        origin: format!(
+            "{origin}: {}",
+            if weight_offset.is_some() {
+                "rms_norm"
+            } else {
+                "unit_rms_norm"
+            }
+        ),
+        params,
         shared: vec![warp_scratch("partial", WARPS)],
         block_dim: BLOCK,
         grid: var("groups"),
@@ -57,11 +83,7 @@ pub fn rms_norm(name: &str, origin: &str, eps: f32, weight_offset: f32) -> Kerne
                     tid(),
                     var("group"),
                     bdim(),
-                    vec![store(
-                        "out",
-                        var("start") + var("i"),
-                        x(var("i")) * var("inv") * (load("w", var("i")) + f(weight_offset)),
-                    )],
+                    vec![store("out", var("start") + var("i"), scaled(var("i")))],
                 ),
             ],
         ]
