@@ -558,6 +558,7 @@ mod tests {
         let json = serde_json::to_string(&regrouped).unwrap();
         assert_eq!(serde_json::from_str::<WeightPart>(&json).unwrap(), regrouped);
         assert_eq!(regrouped.rows(12), [2..5, 8..11]);
-        assert_eq!(parts[0].rows(4), [0..4]);
+        let every_row = 0..4;
+        assert_eq!(parts[0].rows(4), vec![every_row]);
     }
 }
