@@ -582,6 +582,88 @@ fn the_serving_engine_runs_hybrid_and_moe_plans_like_the_cpu_backend() {
     }
 }
 
+/// Speculative decoding on a batched GPU plan: the engine drafts by prompt lookup and the plan
+/// verifies each sequence's drafts in one step (the rows it samples gathered before the head,
+/// their argmax read back as ids, steps of every row sampled replayed as graphs), and every
+/// request generates exactly the tokens it generates on the CPU backend without speculation;
+/// some drafts are accepted.
+#[test]
+fn speculative_decoding_on_a_batched_plan_keeps_every_token() {
+    use runtime::serving::{NgramConfig, SchedulerConfig, ServingEngine};
+    let model = open("llama", ComputeDtype::F32);
+    let graph = model.lower(LogitsFor::AllTokens).unwrap();
+    let gpu_graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
+    let gpu_graph = models::with_greedy_token(&gpu_graph).unwrap();
+    let plain = SchedulerConfig {
+        max_waiting: 16,
+        max_running: 4,
+        token_budget: 32,
+        kv_blocks: 64,
+        block_size: 4,
+        context_length: 64,
+        prefix_caching: true,
+        speculation: NgramConfig::OFF,
+    };
+    let speculative = SchedulerConfig {
+        speculation: NgramConfig {
+            tokens: 3,
+            min: 1,
+            max: 3,
+        },
+        ..plain
+    };
+    let cache = gpu::BatchedCache {
+        blocks: plain.kv_blocks,
+        block_size: plain.block_size,
+        sequences: plain.max_running,
+    };
+    let (plan, kernels) = gpu::build_batched(&gpu_graph, Target::H200, 32, cache).unwrap();
+    // Prompts that repeat themselves, so lookups find drafts.
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| (0..12).map(|j| 40 + 7 * i + (j % (3 + i))).collect())
+        .collect();
+    let cpu = CpuBackend::new(graph, &model.weights, 64).unwrap();
+    let params = runtime::SamplingParams::default();
+    let want = serve_all_counting(&mut ServingEngine::new(cpu, plain), &prompts, params).0;
+    let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+        .unwrap()
+        .capture_graphs_up_to(32);
+    let mut on_gpu = ServingEngine::new(Counted::new(gpu), speculative);
+    assert_eq!(
+        on_gpu.scheduler().config().speculation.tokens,
+        3,
+        "the plan verifies drafts"
+    );
+    let (got, drafted, accepted) = serve_all_counting(&mut on_gpu, &prompts, params);
+    assert_eq!(got, want);
+    assert!(
+        accepted > 0 && drafted > accepted,
+        "{accepted} of {drafted} drafted tokens accepted"
+    );
+    let (greedy, full) = on_gpu.backend().counts();
+    assert!(greedy > 0 && full == 0, "{greedy} greedy steps, {full} with logits");
+}
+
+/// Like [`serve_all`], also counting the drafted tokens and those accepted.
+fn serve_all_counting<B: runtime::serving::PagedBackend>(
+    engine: &mut runtime::serving::ServingEngine<B>,
+    prompts: &[Vec<u32>],
+    params: runtime::SamplingParams,
+) -> (Vec<Vec<u32>>, usize, usize) {
+    let ids: Vec<_> = prompts
+        .iter()
+        .map(|p| engine.add(p.clone(), 12, vec![], params).unwrap())
+        .collect();
+    let (mut done, mut drafted, mut accepted) = (std::collections::HashMap::new(), 0, 0);
+    while !engine.scheduler().is_idle() {
+        let out = engine.step().unwrap();
+        drafted += out.drafted;
+        accepted += out.accepted;
+        done.extend(out.finished.into_iter().map(|f| (f.seq, f.generated)));
+    }
+    (ids.iter().map(|id| done[id].clone()).collect(), drafted, accepted)
+}
+
 /// A backend that counts the steps the engine ran with device-side greedy tokens and with
 /// logits.
 struct Counted<B> {
@@ -642,7 +724,7 @@ impl<B: runtime::serving::PagedBackend> runtime::serving::PagedBackend for Count
         &self,
         pages: &mut B::Pages,
         batch: &[runtime::kv::Segment],
-    ) -> Option<runtime::Result<Vec<u32>>> {
+    ) -> Option<runtime::Result<Vec<Vec<u32>>>> {
         let tokens = self.inner.step_batch_greedy(pages, batch);
         if tokens.is_some() {
             self.greedy.set(self.greedy.get() + 1);

@@ -55,7 +55,7 @@ pub struct ServeArgs {
     pub dtype: Option<ComputeDtype>,
     /// Speculative decoding by prompt lookup: draft up to N tokens a step from earlier text
     /// of the request and verify them in the same pass (0: off; overrides a model.toml's
-    /// `[speculative]`). Tokens are unchanged; CPU backend, models without recurrent state.
+    /// `[speculative]`). Tokens are unchanged; models without recurrent state.
     #[arg(long)]
     pub speculative_ngram: Option<usize>,
     /// Shortest match prompt lookup tries (default 2, or model.toml's).
@@ -206,7 +206,7 @@ where
             on.tokens, on.min, on.max
         ),
         (true, false) => eprintln!(
-            "speculative decoding is off: this model or backend cannot verify drafted tokens (a recurrent state, or a GPU plan)"
+            "speculative decoding is off: this model or plan cannot verify drafted tokens (a recurrent state, or a GPU plan compiled before plans sampled several rows: compile it again)"
         ),
         (false, false) => {}
     }

@@ -81,8 +81,9 @@ pub enum LaunchArg {
     },
     /// A batched plan's per-step input (`block_tables`, `row_table`, `row_pos`: see
     /// `kernels_gen::templates::cache_layout`; `last_rows`: each sequence's last row;
-    /// `row_seq`: each row's sequence; `state_slots`: each sequence's recurrent state slot),
-    /// written by the runtime before each step.
+    /// `sampled_rows`: the rows sampled from, each sequence's last `drafts + 1`; `row_seq`:
+    /// each row's sequence; `state_slots`: each sequence's recurrent state slot), written by
+    /// the runtime before each step.
     StepInput {
         name: String,
     },
@@ -268,9 +269,10 @@ pub(crate) fn width(graph: &Graph, node: usize) -> usize {
     graph.nodes()[node].shape.last().and_then(Dim::as_const).unwrap_or(1)
 }
 
-/// The nodes of a batched step with one row per sequence: `last_token` (each sequence's last
-/// row) and every value computed from it that keeps its single row in the IR (the final norm,
-/// the LM head): their row count is the step's `seqs`, not the IR's 1.
+/// The nodes of a batched step with a row per sampled row: `last_token` (each sequence's last
+/// row, or its last `drafts + 1` where it verifies drafted tokens) and every value computed
+/// from it that keeps its single row in the IR (the final norm, the LM head): their row count
+/// is the step's `sampled`, not the IR's 1.
 pub fn per_sequence_nodes(graph: &Graph) -> BTreeSet<usize> {
     let mut per_sequence = BTreeSet::new();
     for (i, node) in graph.nodes().iter().enumerate() {
@@ -309,9 +311,9 @@ pub fn build_with_kernels(
 
 /// The plan of a batched step (continuous batching: rows of many sequences over one paged KV
 /// cache), and its kernels. With `LogitsFor::LastToken` (what `bbc compile` writes), the
-/// graph's `last_token` gathers each sequence's last row (step input `last_rows`) and what
-/// follows runs on one row per sequence (`seqs`, see [`per_sequence_nodes`]); with
-/// `LogitsFor::AllTokens` every row gets logits.
+/// graph's `last_token` gathers the rows sampled from (step input `sampled_rows`: each
+/// sequence's last, or its last `drafts + 1`) and what follows runs on those (`sampled`, see
+/// [`per_sequence_nodes`]); with `LogitsFor::AllTokens` every row gets logits.
 pub fn build_batched(
     graph: &Graph,
     target: Target,

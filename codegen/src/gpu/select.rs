@@ -94,10 +94,15 @@ fn as_expr(op: &Op) -> Option<IrExpr> {
     })
 }
 
+/// A batched step's rows sampled from (its scalar): each sequence's last, or its last
+/// `drafts + 1` where it verifies drafted tokens.
+const SAMPLED: &str = "sampled";
+
 /// Kernels and arguments for every node, attention and KV appends in cache `layout`.
 ///
-/// `per_sequence` (batched plans): the nodes with one row per sequence (`last_token` and what
-/// follows it), whose row count is the step's `seqs`. Scratch is sized for `max_tokens` rows.
+/// `per_sequence` (batched plans): the nodes with a row per sampled row (`last_token`, which
+/// gathers the step input `sampled_rows`, and what follows it), whose row count is the step's
+/// `sampled`. Scratch is sized for `max_tokens` rows.
 pub(crate) fn select(
     graph: &Graph,
     layout: CacheLayout,
@@ -204,7 +209,7 @@ pub(crate) fn select(
             op => {
                 s.views.insert(i, own);
                 let rows = match per_sequence.contains(&i) {
-                    true => "seqs".to_string(),
+                    true => SAMPLED.to_string(),
                     false => rows(graph, i),
                 };
                 let (kernel, args) = match op {
@@ -213,10 +218,10 @@ pub(crate) fn select(
                         let args = vec![
                             x,
                             LaunchArg::StepInput {
-                                name: "last_rows".into(),
+                                name: "sampled_rows".into(),
                             },
                             out,
-                            scalar("rows", "seqs"),
+                            scalar("rows", SAMPLED),
                             scalar("width", width(graph, i)),
                             scalar("src_stride", stride),
                         ];

@@ -6,6 +6,7 @@ use super::{BufferKey, Buffers, LaunchProfile, PlanDevice, PlanExecutor, StepSca
 use crate::error::{Result, RuntimeError};
 use crate::kv::Segment;
 use codegen::gpu::expr::Value;
+use codegen::gpu::LaunchArg;
 use ir::Tensor;
 use std::collections::HashMap;
 use std::ops::Range;
@@ -39,10 +40,11 @@ impl<D: PlanDevice> PlanExecutor<D> {
             .any(|(name, node)| name == "next_token" && self.per_sequence.contains(node))
     }
 
-    /// Each segment's `next_token` (the argmax of its last logits row, on the device), the only
-    /// output read back: a serving plan from `models::with_greedy_token`. `None` for a plan
-    /// without a per-sequence `next_token`.
-    pub fn step_batch_greedy_tokens(&self, batch: &[Segment]) -> Option<Result<Vec<u32>>> {
+    /// Each segment's `next_token` at each row it samples (the argmax of the logits there, on
+    /// the device: one, or `drafts + 1` where it verifies drafted tokens), the only output read
+    /// back: a serving plan from `models::with_greedy_token`. `None` for a plan without a
+    /// per-sequence `next_token`.
+    pub fn step_batch_greedy_tokens(&self, batch: &[Segment]) -> Option<Result<Vec<Vec<u32>>>> {
         if !self.has_greedy_tokens() {
             return None;
         }
@@ -50,9 +52,23 @@ impl<D: PlanDevice> PlanExecutor<D> {
         Some(read.map(|outputs| {
             outputs
                 .iter()
-                .map(|o| o["next_token"].data.first().map_or(0, |&id| id as u32))
+                .map(|o| o["next_token"].data.iter().map(|&id| id as u32).collect())
                 .collect()
         }))
+    }
+
+    /// Whether a segment may sample several rows (`Segment::sampled_rows`, to verify drafted
+    /// tokens): every row has logits, or the plan gathers the rows sampled from by the step
+    /// input `sampled_rows` (an older plan gathered each sequence's last row alone); and no
+    /// recurrent state, which would advance past the drafts not kept.
+    pub fn samples_several_rows(&self) -> bool {
+        let gathers_sampled = self
+            .plan
+            .launches
+            .iter()
+            .flat_map(|l| &l.args)
+            .any(|a| matches!(a, LaunchArg::StepInput { name } if name == "sampled_rows"));
+        (self.per_sequence.is_empty() || gathers_sampled) && self.plan.recurrent_states.is_empty()
     }
 
     /// Run `batch` as [`step_batch`](Self::step_batch) does but kernel by kernel (no graph),
@@ -78,14 +94,25 @@ impl<D: PlanDevice> PlanExecutor<D> {
         let (device, buffers) = &mut *state;
         let (segment_rows, vars) = self.write_batch(device, buffers, batch)?;
         let tokens = segment_rows.last().map_or(0, |r| r.end);
-        self.launch_batched(device, buffers, &vars, tokens, batch.len())?;
-        // The rows read back: each segment's, or its last.
+        // Each segment's rows sampled from, as the per-sequence outputs (from `last_token` on)
+        // hold them: consecutive, segment after segment.
+        let mut sampled = Vec::with_capacity(batch.len());
+        for seg in batch {
+            let first = sampled.last().map_or(0, |r: &Range<usize>| r.end);
+            sampled.push(first..first + seg.sampled_rows);
+        }
+        let sampled_total = sampled.last().map_or(0, |r| r.end);
+        self.launch_batched(device, buffers, &vars, (tokens, batch.len(), sampled_total))?;
+        // The rows read back: each segment's, or those it samples from.
         let wanted: Vec<Range<usize>> = match rows {
             Rows::All => segment_rows,
-            Rows::LastOfEachSegment => segment_rows.iter().map(|r| r.end - 1..r.end).collect(),
+            Rows::LastOfEachSegment => segment_rows
+                .iter()
+                .zip(batch)
+                .map(|(r, seg)| r.end - seg.sampled_rows..r.end)
+                .collect(),
         };
-        // Per-sequence outputs (from `last_token` on) have row i for segment i.
-        let one_each: Vec<Range<usize>> = (0..batch.len()).map(|i| i..i + 1).collect();
+        let one_each = sampled;
         let mut per_segment = vec![HashMap::new(); batch.len()];
         for (name, node) in &self.plan.outputs {
             if only.is_some_and(|o| o != name) {
@@ -129,9 +156,16 @@ impl<D: PlanDevice> PlanExecutor<D> {
         // Each segment's rows of the step.
         let mut segment_rows: Vec<Range<usize>> = Vec::with_capacity(batch.len());
         for seg in batch {
-            if seg.sampled_rows != 1 {
+            if seg.sampled_rows == 0 || seg.sampled_rows > seg.ids.len() {
+                return Err(RuntimeError::Input(format!(
+                    "a segment of {} tokens cannot sample {} rows",
+                    seg.ids.len(),
+                    seg.sampled_rows
+                )));
+            }
+            if seg.sampled_rows > 1 && !self.samples_several_rows() {
                 return Err(RuntimeError::Input(
-                    "GPU plans sample one row per sequence; drafted tokens are verified on the CPU backend only".into(),
+                    "this plan samples one row per sequence (compile it again to verify drafted tokens)".into(),
                 ));
             }
             let first = segment_rows.last().map_or(0, |r| r.end);
@@ -163,13 +197,20 @@ impl<D: PlanDevice> PlanExecutor<D> {
         self.check_state_slots(batch, cache.sequences)?;
         self.write_inputs(device, buffers, &ids, &positions)?;
         let row_pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-        // Each segment's last row, where per-sequence values (`last_token` on) gather from.
+        // Each segment's last row, and the rows per-sequence values (`last_token` on) gather
+        // from: its last `sampled_rows`.
         let last_rows: Vec<i32> = segment_rows.iter().map(|r| r.end as i32 - 1).collect();
+        let sampled_rows: Vec<i32> = segment_rows
+            .iter()
+            .zip(batch)
+            .flat_map(|(r, seg)| (r.end - seg.sampled_rows..r.end).map(|row| row as i32))
+            .collect();
         for (name, values) in [
             ("block_tables", &tables),
             ("row_table", &row_table),
             ("row_pos", &row_pos),
             ("last_rows", &last_rows),
+            ("sampled_rows", &sampled_rows),
             ("row_seq", &row_seq),
             ("state_slots", &state_slots),
         ] {
@@ -182,6 +223,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         let vars = HashMap::from([
             ("tokens", Value::Int(tokens as i64)),
             ("seqs", Value::Int(batch.len() as i64)),
+            ("sampled", Value::Int(sampled_rows.len() as i64)),
             ("first", Value::Int(0)),
             ("block_size", Value::Int(cache.block_size as i64)),
             ("prefetch", Value::Int(device.prefetches_weights() as i64)),
@@ -248,23 +290,25 @@ impl<D: PlanDevice> PlanExecutor<D> {
         Ok(out)
     }
 
-    /// A batched step's launches: replayed from the graph of its row and sequence counts,
-    /// captured first if there is none yet (see `capture_graphs_up_to`), or launched one by one.
+    /// A batched step's launches: replayed from the graph of its row, sequence and sampled
+    /// row counts, captured first if there is none yet (see `capture_graphs_up_to`), or
+    /// launched one by one.
     fn launch_batched(
         &self,
         device: &mut D,
         buffers: &Buffers<D::Buffer>,
         vars: &HashMap<&str, Value>,
-        tokens: usize,
-        seqs: usize,
+        (tokens, seqs, sampled): (usize, usize, usize),
     ) -> Result<()> {
-        // Decode steps only (a row per sequence): the shapes that repeat step after step.
-        // Mixed steps with prompt chunks come in too many shapes to be worth a graph each.
-        if tokens > self.graph_rows || seqs != tokens || !device.records_graphs() {
+        // Steps that sample every row only (decoding, and verifying drafted tokens): the shapes
+        // that repeat step after step. Mixed steps with prompt chunks come in too many shapes
+        // to be worth a graph each.
+        if tokens > self.graph_rows || sampled != tokens || !device.records_graphs() {
             return self.launch_all(device, buffers, vars, None);
         }
-        // The launches depend on the row count and the sequence count (per-sequence rows).
-        let key = tokens * (self.plan.max_tokens + 1) + seqs;
+        // The launches depend on these counts alone.
+        let counts = self.plan.max_tokens + 1;
+        let key = (tokens * counts + seqs) * counts + sampled;
         if device.replay(key)? {
             return Ok(());
         }
@@ -314,7 +358,11 @@ impl<D: PlanDevice> crate::serving::PagedBackend for PlanExecutor<D> {
         self.step_batch_last_rows(batch)
     }
 
-    fn step_batch_greedy(&self, pages: &mut usize, batch: &[Segment]) -> Option<Result<Vec<u32>>> {
+    fn verifies_drafts(&self) -> bool {
+        self.samples_several_rows()
+    }
+
+    fn step_batch_greedy(&self, pages: &mut usize, batch: &[Segment]) -> Option<Result<Vec<Vec<u32>>>> {
         if let Err(e) = self.check_block_size(*pages) {
             return Some(Err(e));
         }

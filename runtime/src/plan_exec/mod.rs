@@ -269,6 +269,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 ("row_table", rows),
                 ("row_pos", rows),
                 ("last_rows", rows),
+                ("sampled_rows", rows),
                 ("row_seq", rows),
                 ("state_slots", rows),
             ];

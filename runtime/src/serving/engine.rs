@@ -39,12 +39,12 @@ pub trait PagedBackend {
     /// Process every segment's tokens in one pass; each segment's outputs by name, in order:
     /// per-token outputs with at least the segment's last row (the one sampled from).
     fn step_batch(&self, pages: &mut Self::Pages, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>>;
-    /// Like `step_batch`, but only each segment's greedy token (the argmax of its last row, by
-    /// [`crate::sampling::argmax`]'s rule) comes back, where the backend computes it itself (a
-    /// GPU serving plan with a `next_token` output: ids cross to the host rather than
-    /// vocabulary-wide rows, and no host thread scans them); `None`, running nothing, where it
-    /// does not.
-    fn step_batch_greedy(&self, _pages: &mut Self::Pages, _batch: &[Segment]) -> Option<Result<Vec<u32>>> {
+    /// Like `step_batch`, but only each segment's greedy tokens (the argmax of each row it
+    /// samples, by [`crate::sampling::argmax`]'s rule) come back, where the backend computes
+    /// them itself (a GPU serving plan with a `next_token` output: ids cross to the host rather
+    /// than vocabulary-wide rows, and no host thread scans them); `None`, running nothing,
+    /// where it does not.
+    fn step_batch_greedy(&self, _pages: &mut Self::Pages, _batch: &[Segment]) -> Option<Result<Vec<Vec<u32>>>> {
         None
     }
 }
@@ -199,11 +199,17 @@ impl<B: PagedBackend> ServingEngine<B> {
         for (i, work) in schedule.work.iter().enumerate() {
             let sampled = match (work.samples, &greedy_tokens) {
                 (false, _) => Vec::new(),
-                (true, Some(tokens)) => vec![Sampled {
-                    seq: work.seq,
-                    token: *tokens.get(i).ok_or_else(missing)?,
-                    logprobs: None,
-                }],
+                (true, Some(tokens)) => {
+                    let drafted = &work.tokens[work.tokens.len() - work.drafts..];
+                    accept_greedy(drafted, tokens.get(i).ok_or_else(missing)?)?
+                        .into_iter()
+                        .map(|token| Sampled {
+                            seq: work.seq,
+                            token,
+                            logprobs: None,
+                        })
+                        .collect()
+                }
                 (true, None) => self.sample(work, outputs.get(i).ok_or_else(missing)?)?,
             };
             let tokens: Vec<u32> = sampled.iter().map(|s| s.token).collect();
@@ -252,5 +258,36 @@ impl<B: PagedBackend> ServingEngine<B> {
             }
         }
         Ok(out)
+    }
+}
+
+/// The tokens a greedy sequence takes from the argmax `ids` of its sampled rows (one per
+/// drafted token, then one after them): each drafted token while the argmax before it chose
+/// it, then the argmax after the last one accepted, as decoding one token at a time would.
+fn accept_greedy(drafted: &[u32], ids: &[u32]) -> Result<Vec<u32>> {
+    if ids.len() < drafted.len() + 1 {
+        return Err(RuntimeError::Graph(format!(
+            "{} greedy tokens for a step verifying {} drafted tokens",
+            ids.len(),
+            drafted.len()
+        )));
+    }
+    let accepted = drafted.iter().zip(ids).take_while(|(d, id)| d == id).count();
+    Ok(ids[..=accepted].to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::accept_greedy;
+
+    /// Drafts are kept while the argmax before each chose it; the argmax after the last kept
+    /// one follows (the next token, or the bonus token after all of them).
+    #[test]
+    fn greedy_verification_keeps_the_agreeing_drafts_and_the_token_after() {
+        assert_eq!(accept_greedy(&[], &[7]).unwrap(), [7]);
+        assert_eq!(accept_greedy(&[5, 6, 7], &[5, 6, 7, 8]).unwrap(), [5, 6, 7, 8]);
+        assert_eq!(accept_greedy(&[5, 6, 7], &[5, 9, 7, 8]).unwrap(), [5, 9]);
+        assert_eq!(accept_greedy(&[5, 6], &[4, 6, 1]).unwrap(), [4]);
+        assert!(accept_greedy(&[5, 6], &[5, 6]).is_err(), "one id short");
     }
 }
