@@ -143,10 +143,12 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             };
             let weights = &loaded.model.weights;
             let int8 = &loaded.int8_heads;
+            // A decode step has a row per running sequence, and one per drafted token beside
+            // it: those row counts run as graphs.
+            let graph_rows = args.max_num_seqs * (1 + config.speculation.tokens);
             let backend =
                 runtime::cuda::CudaBackend::batched(&plans.dir, &plan, graph, weights, int8, context_length, cache)?
-                    // A decode step has one row per running sequence: those row counts run as graphs.
-                    .capture_graphs_up_to(args.max_num_seqs);
+                    .capture_graphs_up_to(graph_rows);
             eprintln!(
                 "KV cache on the GPU: {} blocks of {} positions ({positions} positions)",
                 args.kv_blocks, args.block_size
