@@ -758,17 +758,23 @@ fn batched_steps_replayed_as_graphs_match_launching_kernel_by_kernel() {
     steps.push(vec![(9, vec![3])]);
     // Two rows of one sequence: few enough rows, but not a decode step.
     steps.push(vec![(10, vec![5, 6])]);
+    // Then those two rows again, both sampled (verifying a drafted token): every row sampled.
+    steps.push(vec![(10, vec![5, 6])]);
     for (n, segments) in steps.iter().enumerate() {
-        let batch = batch_of(segments, &tables);
+        let mut batch = batch_of(segments, &tables);
+        if n == steps.len() - 1 {
+            batch[0].sampled_rows = 2;
+        }
         let (want, got) = (eager.step_batch(&batch).unwrap(), graphs.step_batch(&batch).unwrap());
         for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g["logits"].rows(), batch[0].sampled_rows, "step {n}");
             assert_eq!(g["logits"].data, w["logits"].data, "step {n}");
         }
     }
-    // Graphs for 2 and 1 rows, run by all five decode steps (the first of each row count
-    // captured its graph, then ran it); the prompt step and the two-row chunk of one sequence
-    // launched kernel by kernel.
-    assert_eq!(graphs.with_device(|d| d.graph_counts()).unwrap(), (5, 2));
+    // Graphs for 2 and 1 rows of as many sequences, and for 2 rows of one sequence both
+    // sampled, run by the five decode steps and the verifying one (the first of each captured
+    // its graph, then ran it); the prompt step and the two-row chunk launched kernel by kernel.
+    assert_eq!(graphs.with_device(|d| d.graph_counts()).unwrap(), (6, 3));
     assert_eq!(eager.with_device(|d| d.graph_counts()).unwrap(), (0, 0));
 }
 

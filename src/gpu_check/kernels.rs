@@ -74,11 +74,12 @@ fn lockstep(name: &str, model: &Model, target: Target, arch: &str) -> Result<f64
     Ok(worst)
 }
 
-/// Eight sequences of the tiny Llama (bf16) decoding together on the serving plan (each
-/// sequence's last row gathered before the head), with every kernel launched by itself and
-/// replayed from CUDA graphs, each with kernels launched the ordinary way and programmatically
-/// (before the kernel they wait for has finished): the logits must agree bit for bit; prints
-/// the wall time per step of each (logits read back included).
+/// Eight sequences of the tiny Llama (bf16) decoding together on the serving plan (the rows
+/// sampled from gathered before the head), every other step verifying two drafted tokens (3
+/// rows a sequence, all sampled), with every kernel launched by itself and replayed from CUDA
+/// graphs, each with kernels launched the ordinary way and programmatically (before the kernel
+/// they wait for has finished): the logits must agree bit for bit; prints the wall time per
+/// step of each (logits read back included).
 pub fn graph_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
     use runtime::kv::{BlockId, Segment};
     let mut spec = ModelSpec::for_weights(&fixtures.join("llama"));
@@ -89,8 +90,11 @@ pub fn graph_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
         crate::model_ref::cost_model(target),
     )?;
     let (sequences, steps) = (8usize, 32usize);
+    // Rows a sequence feeds at `step`: one, or a token and two drafted after it.
+    let rows_at = |step: usize| if step % 2 == 0 { 1 } else { 3 };
+    let positions: usize = (0..steps).map(rows_at).sum();
     let cache = gpu::BatchedCache {
-        blocks: sequences * (steps + 4).div_ceil(4),
+        blocks: sequences * (positions + 4).div_ceil(4),
         block_size: 4,
         sequences,
     };
@@ -111,32 +115,37 @@ pub fn graph_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
     let runs = [
         ("kernel by kernel", 0, false),
         ("kernel by kernel, programmatic", 0, true),
-        ("CUDA graph", sequences, false),
-        ("CUDA graph, programmatic", sequences, true),
+        ("CUDA graph", 3 * sequences, false),
+        ("CUDA graph, programmatic", 3 * sequences, true),
     ];
     let mut results = Vec::new();
     for (_, graph_rows, programmatic) in runs {
         let exec = executor(graph_rows, programmatic)?;
         let mut logits = Vec::new();
         let started = std::time::Instant::now();
+        let mut start = 0;
         for step in 0..steps {
-            let ids: Vec<[u32; 1]> = (0..sequences).map(|s| [((7 * s + 13 * step) % 300) as u32]).collect();
+            let rows = rows_at(step);
+            let ids: Vec<Vec<u32>> = (0..sequences)
+                .map(|s| (0..rows).map(|r| ((7 * s + 13 * step + r) % 300) as u32).collect())
+                .collect();
             let batch: Vec<Segment> = (0..sequences)
                 .map(|s| Segment {
                     table: &tables[s],
-                    start: step,
+                    start,
                     ids: &ids[s],
                     state_slot: s,
-                    sampled_rows: 1,
+                    sampled_rows: rows,
                 })
                 .collect();
+            start += rows;
             for out in exec.step_batch(&batch)? {
                 logits.extend_from_slice(&out["logits"].data);
             }
         }
         results.push((started.elapsed().as_secs_f64() / steps as f64, logits));
     }
-    println!("\n| {sequences}-sequence decode step (tiny Llama, bf16) | wall ms per step |\n|---|---|");
+    println!("\n| {sequences}-sequence step, decoding or verifying 2 drafts (tiny Llama, bf16) | wall ms per step |\n|---|---|");
     for ((how, ..), (seconds, _)) in runs.iter().zip(&results) {
         println!("| {how} | {:.3} |", seconds * 1e3);
     }
