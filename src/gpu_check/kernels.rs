@@ -91,7 +91,7 @@ pub fn graph_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
     )?;
     let (sequences, steps) = (8usize, 32usize);
     // Rows a sequence feeds at `step`: one, or a token and two drafted after it.
-    let rows_at = |step: usize| if step % 2 == 0 { 1 } else { 3 };
+    let rows_at = |step: usize| if step.is_multiple_of(2) { 1 } else { 3 };
     let positions: usize = (0..steps).map(rows_at).sum();
     let cache = gpu::BatchedCache {
         blocks: sequences * (positions + 4).div_ceil(4),
