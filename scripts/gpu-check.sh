@@ -13,12 +13,12 @@
 #      `src/gpu_check/mod.rs`), so that a kernel fault, which spoils its process's CUDA
 #      context, costs only its own section: copy bandwidth, every kernel of the tiny models
 #      against the emulator, SmolLM2 bf16 greedy tokens against the CPU backend and both timed,
-#      CUDA graphs against kernel-by-kernel launches, the 8B-shaped matmuls, and last the
+#      CUDA graphs against kernel-by-kernel launches, the 8B-shaped matmuls, the
 #      Llama-8B-shaped decode table (run again with its prompts through the GEMV if it fails,
-#      in case the tensor-core GEMM is what failed).
+#      in case the tensor-core GEMM is what failed), and last the Qwen3.5-27B-shaped hybrid's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-sections="kernels,smollm2,graphs,matmuls,decode"
+sections="kernels,smollm2,graphs,matmuls,decode,hybrid"
 if [ "${1:-}" = "--sections" ]; then sections="$2"; fi
 export BBC_HOME="${BBC_HOME:-$HOME/.cache/bbc}"
 target="${BBC_GPU_TARGET:-h200}"

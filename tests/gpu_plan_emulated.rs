@@ -927,14 +927,21 @@ fn weights_made_on_the_device_equal_their_host_values_uploaded() {
     );
 }
 
-/// The decode timing the GPU check runs on its 8B-shaped model, here on the tiny Llama's
-/// shape with weights made on the emulated device: every batch size decodes (from a recorded
-/// graph, one per size), its profiled step times each launch, and a step reads its weights
-/// once whatever the batch, but for one embedding row per sequence.
+/// The decode timing the GPU check runs on its 8B-shaped model and its Qwen3.5-27B-shaped one,
+/// here on the tiny Llama's and Qwen3.5's shapes with weights made on the emulated device:
+/// every batch size decodes (from a recorded graph, one per size), its profiled step times
+/// each launch, and a step reads its weights once whatever the batch, but for one embedding
+/// row per sequence.
 #[test]
 fn decode_timing_runs_every_batch_size_from_its_graph() {
+    for family in ["llama", "qwen3_5"] {
+        decode_timing_runs(family);
+    }
+}
+
+fn decode_timing_runs(family: &str) {
     use runtime::decode_timing::{time_decode, DecodeRun};
-    let config = open("llama", ComputeDtype::Bf16).config;
+    let config = open(family, ComputeDtype::Bf16).config;
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,
         compute: ComputeDtype::Bf16,
@@ -979,7 +986,7 @@ fn decode_timing_runs_every_batch_size_from_its_graph() {
     assert_eq!(
         timings[1].weight_bytes() - timings[0].weight_bytes(),
         2 * config.hidden * 2,
-        "two more bf16 embedding rows"
+        "{family}: two more bf16 embedding rows"
     );
     // A run that does not fit the pool is refused before anything runs.
     let too_long = DecodeRun { prompt: 60, ..run };

@@ -10,24 +10,17 @@ use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::gemv::{self, gemv, GemvSpec, NormPrologue};
 use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::{prefill_gemm, split_k};
-use models::{ComputeDtype, LogitsFor};
 use runtime::cuda::CudaDevice;
 use runtime::generated::{fill_kernels, fill_on_device, Fill};
-use runtime::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
+use runtime::plan_exec::{DeviceArg, PlanDevice};
 
 /// Whole decode steps of a Llama-8B-shaped model with bf16 weights made on the device: the
-/// serving plan `bbc compile` writes for `target`, run as `bbc serve` runs it.
+/// serving plan `bbc compile` writes for `target`, run as `bbc serve` runs it; batch 1 also
+/// without each of the two ways a step overlaps its kernels.
 pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) -> Result<()> {
+    use super::decode::{print_profiles, print_steps, serving_executor};
     use runtime::decode_timing::{time_decode, DecodeRun};
-    let config = models::ModelConfig::llama3_8b();
-    let options = models::LowerOptions {
-        logits: LogitsFor::LastToken,
-        compute: ComputeDtype::Bf16,
-    };
-    let graph = models::lower_without_weights(&config, options)?;
-    let graph = passes::optimized(&graph, crate::model_ref::cost_model(target))?;
-    // The serving graph `bbc compile` writes: each sequence's argmax beside its logits.
-    let graph = models::with_greedy_token(&graph)?;
+    let name = "Llama-8B-shaped";
     let run = DecodeRun {
         prompt: 512,
         // 4: a small batch, through the few-rows GEMV; 16 and 64 through the GEMM.
@@ -35,22 +28,7 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
         steps: 10,
         prefill_chunk,
     };
-    let block_size = 16;
-    let cache = gpu::BatchedCache {
-        blocks: run.sequences() * run.positions_per_sequence().div_ceil(block_size),
-        block_size,
-        sequences: run.sequences(),
-    };
-    let started = std::time::Instant::now();
-    let (plan, kernels) = gpu::build_batched(&graph, target, 512, cache)?;
-    let kernels: Vec<Kernel> = kernels.into_iter().chain(runtime::generated::fill_kernels()).collect();
-    let device = CudaDevice::compile(&kernels, arch)?;
-    let exec = PlanExecutor::with_generated_weights(device, plan, graph, 8, 1024)?.capture_graphs_up_to(64);
-    println!(
-        "\nLlama-8B-shaped model: compiled, weights made on the device, KV pool of {} blocks in {:.1} s",
-        cache.blocks,
-        started.elapsed().as_secs_f64()
-    );
+    let exec = serving_executor(name, &models::ModelConfig::llama3_8b(), target, arch, &run)?;
     let timings = time_decode(&exec, &run)?;
     // Batch 1 again without each of the two ways a step overlaps its kernels, side by side in
     // one run: without the weight prefetch during attention (`templates::weight_prefetch`),
@@ -79,31 +57,7 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
                 .map(|t| ("ordinary launches", t)),
         );
     }
-    if prefill_chunk < gpu::PREFILL_TOKENS {
-        println!("(prompts prefilled {prefill_chunk} rows a step: through the GEMV, not the tensor-core GEMM)");
-    }
-    println!(
-        "\n| Llama-8B-shaped decode, {}-token prompts | wall ms/step, logits / ids read back | tok/s (ids) | device ms/step | weight GB/step | weight GB/s (device) | % of copy bandwidth (device / wall, ids) |",
-        run.prompt
-    );
-    println!("|---|---|---|---|---|---|---|");
-    for t in &timings {
-        let device = t.device_seconds().ok_or_else(|| anyhow!("CUDA times every launch"))?;
-        let greedy = t.greedy_wall_seconds.unwrap_or(t.wall_seconds);
-        let bytes = t.weight_bytes() as f64;
-        println!(
-            "| batch {} | {:.3} / {:.3} | {:.0} | {:.3} | {:.2} | {:.0} | {:.0}% / {:.0}% |",
-            t.batch,
-            t.wall_seconds * 1e3,
-            greedy * 1e3,
-            t.batch as f64 / greedy,
-            device * 1e3,
-            bytes / 1e9,
-            bytes / device / 1e9,
-            100.0 * bytes / device / bandwidth,
-            100.0 * bytes / greedy / bandwidth,
-        );
-    }
+    print_steps(name, &run, &timings, bandwidth)?;
     if let Some(both) = timings.first() {
         let wall = |t: &runtime::decode_timing::DecodeTiming| t.greedy_wall_seconds.unwrap_or(t.wall_seconds);
         println!(
@@ -135,33 +89,7 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
             "(switched off before the run: BBC_WEIGHT_PREFETCH=0, BBC_PDL=0; programmatic launches need Hopper or newer and a driver that passed the probe)"
         );
     }
-    for t in &timings {
-        let step: f64 = t.device_seconds().unwrap_or(0.0);
-        println!(
-            "\n| kernel (batch {}) | launches | µs | % of step | weight GB/s | % of copy bandwidth |\n|---|---|---|---|---|---|",
-            t.batch
-        );
-        for k in t.by_kernel() {
-            let seconds = k.seconds.unwrap_or(0.0);
-            let (rate, share) = match k.weight_bytes {
-                0 => ("–".to_string(), "–".to_string()),
-                bytes => {
-                    let rate = bytes as f64 / seconds;
-                    (
-                        format!("{:.0}", rate / 1e9),
-                        format!("{:.0}%", 100.0 * rate / bandwidth),
-                    )
-                }
-            };
-            println!(
-                "| {} | {} | {:.1} | {:.1}% | {rate} | {share} |",
-                k.kernel,
-                k.launches,
-                seconds * 1e6,
-                100.0 * seconds / step
-            );
-        }
-    }
+    print_profiles(&timings, bandwidth);
     Ok(())
 }
 

@@ -3,7 +3,7 @@
 //! binary because a lent GPU machine has neither a Rust toolchain nor a network: the binary is
 //! built elsewhere and carried there with the model. Sections, in order:
 //! 1. device copy bandwidth;
-//! 2. every kernel of the tiny Llama and Gemma 3 plans (f32 and bf16), and of tiny Llama GGUF
+//! 2. every kernel of the tiny models' plans (f32 and bf16: every family but GLM-5), and of tiny Llama GGUF
 //!    files' (GGUF blocks, f16), in lockstep with the emulator, each kernel's max relative
 //!    error (`kernels`);
 //! 3. SmolLM2 bf16 greedy tokens on the GPU (logits and greedy plans) against the CPU backend's,
@@ -11,12 +11,14 @@
 //! 4. batched decode steps replayed from CUDA graphs against kernel-by-kernel launches;
 //! 5. a Llama-8B-shaped model with random bf16 weights: its matmuls alone (the QKV and gate/up
 //!    decode GEMVs also as the serving plan fuses them, with and without their L2 prefetch),
-//!    then whole decode steps at batch 1, 4, 16 and 64 with each kernel's share, printed last
-//!    (`llama_8b`).
+//!    then whole decode steps at batch 1, 4, 16 and 64 with each kernel's share (`llama_8b`);
+//! 6. a Qwen3.5-27B-shaped hybrid the same way at batch 1 and 16 (`hybrid`; the second device
+//!    call of `docs/gpu-results.md` runs it).
 //!
 //! Every section runs even when an earlier one fails (a GPU run is rare: it should say all it
 //! can); the command fails if any did.
 
+pub mod decode;
 pub mod kernels;
 pub mod llama_8b;
 pub mod smollm2;
@@ -50,9 +52,13 @@ pub struct GpuCheckArgs {
     pub fixtures: PathBuf,
     /// The sections to run (the copy bandwidth is always measured): a lent GPU machine takes
     /// what it is given in pieces, so a run may do some sections now and the rest later.
-    #[arg(long, value_delimiter = ',', default_value = "kernels,smollm2,graphs,matmuls,decode")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "kernels,smollm2,graphs,matmuls,decode,hybrid"
+    )]
     pub sections: Vec<Section>,
-    /// Prompt rows per prefill step of the 8B-shaped decode (at most 512); under 16 the
+    /// Prompt rows per prefill step of the decode sections (at most 512); under 16 the
     /// prompts avoid the tensor-core GEMM, for a rerun where it failed.
     #[arg(long, default_value_t = 512)]
     pub decode_prefill_chunk: usize,
@@ -65,6 +71,7 @@ pub enum Section {
     Graphs,
     Matmuls,
     Decode,
+    Hybrid,
 }
 
 pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
@@ -95,6 +102,7 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
             Section::Graphs => kernels::graph_check(target, arch, &args.fixtures),
             Section::Matmuls => llama_8b::matmul_timings(target, arch, bandwidth).map(|table| println!("\n{table}")),
             Section::Decode => llama_8b::decode(target, arch, bandwidth, args.decode_prefill_chunk),
+            Section::Hybrid => decode::hybrid(target, arch, bandwidth, args.decode_prefill_chunk),
         };
         if let Err(e) = result {
             println!("\n{section:?} FAILED: {}", crate::report::error_report(&e));

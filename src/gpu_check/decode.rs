@@ -1,0 +1,133 @@
+//! Whole decode steps of a model shape with random bf16 weights made on the device (no
+//! download), timed as `bbc serve` runs them (`runtime::decode_timing`), and their tables:
+//! the Llama-8B-shaped model of issue [4]'s target (`llama_8b::decode`) and the
+//! Qwen3.5-27B-shaped hybrid (`hybrid`: three Gated DeltaNet layers to one of gated attention).
+
+use anyhow::{anyhow, Result};
+use codegen::gpu;
+use codegen::Target;
+use kernels_gen::dsl::Kernel;
+use models::{ComputeDtype, LogitsFor};
+use runtime::cuda::CudaDevice;
+use runtime::decode_timing::{time_decode, DecodeRun, DecodeTiming};
+use runtime::plan_exec::PlanExecutor;
+
+/// `config`'s serving plan for `target` (as `bbc compile` writes it: each sequence's argmax
+/// beside its logits), on this GPU with bf16 weights made there and a KV pool (and recurrent
+/// state slots) for `run`, decode steps of up to 64 rows replayed as graphs.
+pub(super) fn serving_executor(
+    name: &str,
+    config: &models::ModelConfig,
+    target: Target,
+    arch: &str,
+    run: &DecodeRun,
+) -> Result<PlanExecutor<CudaDevice>> {
+    let options = models::LowerOptions {
+        logits: LogitsFor::LastToken,
+        compute: ComputeDtype::Bf16,
+    };
+    let graph = models::lower_without_weights(config, options)?;
+    let graph = passes::optimized(&graph, crate::model_ref::cost_model(target))?;
+    let graph = models::with_greedy_token(&graph)?;
+    let block_size = 16;
+    let cache = gpu::BatchedCache {
+        blocks: run.sequences() * run.positions_per_sequence().div_ceil(block_size),
+        block_size,
+        sequences: run.sequences(),
+    };
+    let started = std::time::Instant::now();
+    let (plan, kernels) = gpu::build_batched(&graph, target, 512, cache)?;
+    let kernels: Vec<Kernel> = kernels.into_iter().chain(runtime::generated::fill_kernels()).collect();
+    let device = CudaDevice::compile(&kernels, arch)?;
+    let exec = PlanExecutor::with_generated_weights(device, plan, graph, 8, 1024)?.capture_graphs_up_to(64);
+    println!(
+        "\n{name} model: compiled, weights made on the device, KV pool of {} blocks in {:.1} s",
+        cache.blocks,
+        started.elapsed().as_secs_f64()
+    );
+    if run.prefill_chunk < gpu::PREFILL_TOKENS {
+        println!(
+            "(prompts prefilled {} rows a step: through the GEMV, not the tensor-core GEMM)",
+            run.prefill_chunk
+        );
+    }
+    Ok(exec)
+}
+
+/// Each batch size's step: wall times (logits or ids read back), device time, weight bytes
+/// and their rate against the copy bandwidth.
+pub(super) fn print_steps(name: &str, run: &DecodeRun, timings: &[DecodeTiming], bandwidth: f64) -> Result<()> {
+    println!(
+        "\n| {name} decode, {}-token prompts | wall ms/step, logits / ids read back | tok/s (ids) | device ms/step | weight GB/step | weight GB/s (device) | % of copy bandwidth (device / wall, ids) |",
+        run.prompt
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for t in timings {
+        let device = t.device_seconds().ok_or_else(|| anyhow!("CUDA times every launch"))?;
+        let greedy = t.greedy_wall_seconds.unwrap_or(t.wall_seconds);
+        let bytes = t.weight_bytes() as f64;
+        println!(
+            "| batch {} | {:.3} / {:.3} | {:.0} | {:.3} | {:.2} | {:.0} | {:.0}% / {:.0}% |",
+            t.batch,
+            t.wall_seconds * 1e3,
+            greedy * 1e3,
+            t.batch as f64 / greedy,
+            device * 1e3,
+            bytes / 1e9,
+            bytes / device / 1e9,
+            100.0 * bytes / device / bandwidth,
+            100.0 * bytes / greedy / bandwidth,
+        );
+    }
+    Ok(())
+}
+
+/// Each batch size's profiled step, by kernel: launches, time, share, weight rate.
+pub(super) fn print_profiles(timings: &[DecodeTiming], bandwidth: f64) {
+    for t in timings {
+        let step: f64 = t.device_seconds().unwrap_or(0.0);
+        println!(
+            "\n| kernel (batch {}) | launches | µs | % of step | weight GB/s | % of copy bandwidth |\n|---|---|---|---|---|---|",
+            t.batch
+        );
+        for k in t.by_kernel() {
+            let seconds = k.seconds.unwrap_or(0.0);
+            let (rate, share) = match k.weight_bytes {
+                0 => ("–".to_string(), "–".to_string()),
+                bytes => {
+                    let rate = bytes as f64 / seconds;
+                    (
+                        format!("{:.0}", rate / 1e9),
+                        format!("{:.0}%", 100.0 * rate / bandwidth),
+                    )
+                }
+            };
+            println!(
+                "| {} | {} | {:.1} | {:.1}% | {rate} | {share} |",
+                k.kernel,
+                k.launches,
+                seconds * 1e6,
+                100.0 * seconds / step
+            );
+        }
+    }
+}
+
+/// A Qwen3.5-27B-shaped hybrid (`ModelConfig::qwen3_5_27b`: 48 Gated DeltaNet layers, 16 of
+/// gated attention, 54 GB of bf16 weights) decoding at batch 1 and 16 after 512-token prompts,
+/// each kernel's share: what the DeltaNet kernels (convolution, window, delta rule over each
+/// sequence's f32 state) cost beside the matmuls.
+pub fn hybrid(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) -> Result<()> {
+    let name = "Qwen3.5-27B-shaped";
+    let run = DecodeRun {
+        prompt: 512,
+        batches: vec![1, 16],
+        steps: 10,
+        prefill_chunk,
+    };
+    let exec = serving_executor(name, &models::ModelConfig::qwen3_5_27b(), target, arch, &run)?;
+    let timings = time_decode(&exec, &run)?;
+    print_steps(name, &run, &timings, bandwidth)?;
+    print_profiles(&timings, bandwidth);
+    Ok(())
+}
