@@ -111,63 +111,82 @@ fn routing_matches_the_reference_with_ties_and_nan() {
 #[test]
 fn experts_match_the_reference_layer() {
     let mut rng = Rng(52);
+    // Rows of 48 (and hidden units of 40): weights read 16 bytes a lane; of 44 and 36 (bf16)
+    // or 42 and 38 (f32): one at a time.
+    let mut cases = Vec::new();
     for spec in specs() {
         for format in [WeightFormat::Dense(Ty::F32), WeightFormat::Dense(Ty::Bf16)] {
-            let (rows, d, e, k, i) = (5, 48, spec.experts, spec.experts_per_token, spec.intermediate);
-            let (x_stride, l_stride) = (d + 3, e + 2);
-            let x = rng.vec(rows * x_stride);
-            let logits: Vec<f32> = rng.vec(rows * l_stride);
-            let bias = rng.vec(e);
-            let round = |w: Vec<f32>| match format {
-                WeightFormat::Dense(Ty::Bf16) => w.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect(),
-                _ => w,
+            let ragged = match format {
+                WeightFormat::Dense(Ty::Bf16) => (44, 36),
+                _ => (42, 38),
             };
-            let gate_up = round(rng.vec(e * 2 * i * d));
-            let down = round(rng.vec(e * d * i));
-            let array = |w: &[f32]| match format {
-                WeightFormat::Dense(Ty::Bf16) => bf16_array(w),
-                _ => Array::f32(w),
-            };
-            let mut bufs = HashMap::from([
-                ("logits".into(), Array::f32(&logits)),
-                ("score_bias".into(), Array::f32(&bias)),
-                ("routes".into(), Array::poisoned(Ty::I32, rows * k)),
-                ("route_weights".into(), Array::poisoned(Ty::F32, rows * k)),
-                ("x".into(), Array::f32(&x)),
-                ("hidden".into(), Array::poisoned(Ty::F32, rows * k * i)),
-                ("out".into(), Array::poisoned(Ty::F32, rows * d)),
-            ]);
-            let scalars = ints(&[
-                ("tokens", rows as i64),
-                ("logits_stride", l_stride as i64),
-                ("x_stride", x_stride as i64),
-                ("d", d as i64),
-            ]);
-            run(&moe::route("route", "test", &spec), &mut bufs, &scalars).unwrap();
-            bufs.insert("w".into(), array(&gate_up));
-            run(&moe::gate_up("gate_up", "test", &spec, format), &mut bufs, &scalars).unwrap();
-            bufs.insert("w".into(), array(&down));
-            run(&moe::down("down", "test", &spec, format), &mut bufs, &scalars).unwrap();
-            let rows_of = |v: &[f32], width: usize, stride: usize| -> Vec<f32> {
-                (0..rows)
-                    .flat_map(|r| v[r * stride..r * stride + width].to_vec())
-                    .collect()
-            };
-            let bias = if spec.has_score_bias() { &bias[..] } else { &[] };
-            let want = ops::moe(
-                &rows_of(&x, d, x_stride),
-                &rows_of(&logits, e, l_stride),
-                bias,
-                &gate_up,
-                &down,
-                &spec,
-            );
-            close(
-                &bufs["out"].to_f32().unwrap(),
-                &want,
-                1e-5,
-                &format!("{spec:?} {format:?}"),
-            );
+            for (d, i) in [(48, 40), ragged] {
+                cases.push((
+                    MoeSpec {
+                        intermediate: i,
+                        ..spec
+                    },
+                    format,
+                    d,
+                ));
+            }
         }
+    }
+    for (spec, format, d) in cases {
+        let (rows, e, k, i) = (5, spec.experts, spec.experts_per_token, spec.intermediate);
+        let (x_stride, l_stride) = (d + 3, e + 2);
+        let x = rng.vec(rows * x_stride);
+        let logits: Vec<f32> = rng.vec(rows * l_stride);
+        let bias = rng.vec(e);
+        let round = |w: Vec<f32>| match format {
+            WeightFormat::Dense(Ty::Bf16) => w.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect(),
+            _ => w,
+        };
+        let gate_up = round(rng.vec(e * 2 * i * d));
+        let down = round(rng.vec(e * d * i));
+        let array = |w: &[f32]| match format {
+            WeightFormat::Dense(Ty::Bf16) => bf16_array(w),
+            _ => Array::f32(w),
+        };
+        let mut bufs = HashMap::from([
+            ("logits".into(), Array::f32(&logits)),
+            ("score_bias".into(), Array::f32(&bias)),
+            ("routes".into(), Array::poisoned(Ty::I32, rows * k)),
+            ("route_weights".into(), Array::poisoned(Ty::F32, rows * k)),
+            ("x".into(), Array::f32(&x)),
+            ("hidden".into(), Array::poisoned(Ty::F32, rows * k * i)),
+            ("out".into(), Array::poisoned(Ty::F32, rows * d)),
+        ]);
+        let scalars = ints(&[
+            ("tokens", rows as i64),
+            ("logits_stride", l_stride as i64),
+            ("x_stride", x_stride as i64),
+            ("d", d as i64),
+        ]);
+        run(&moe::route("route", "test", &spec), &mut bufs, &scalars).unwrap();
+        bufs.insert("w".into(), array(&gate_up));
+        run(&moe::gate_up("gate_up", "test", &spec, d, format), &mut bufs, &scalars).unwrap();
+        bufs.insert("w".into(), array(&down));
+        run(&moe::down("down", "test", &spec, d, format), &mut bufs, &scalars).unwrap();
+        let rows_of = |v: &[f32], width: usize, stride: usize| -> Vec<f32> {
+            (0..rows)
+                .flat_map(|r| v[r * stride..r * stride + width].to_vec())
+                .collect()
+        };
+        let bias = if spec.has_score_bias() { &bias[..] } else { &[] };
+        let want = ops::moe(
+            &rows_of(&x, d, x_stride),
+            &rows_of(&logits, e, l_stride),
+            bias,
+            &gate_up,
+            &down,
+            &spec,
+        );
+        close(
+            &bufs["out"].to_f32().unwrap(),
+            &want,
+            1e-5,
+            &format!("{spec:?} {format:?} d={d}"),
+        );
     }
 }

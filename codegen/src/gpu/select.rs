@@ -578,14 +578,13 @@ pub(crate) fn select(
                                 ],
                             ),
                             (
-                                moe::gate_up("moe_gate_up", &graph.name, spec, gate_up_format),
+                                moe::gate_up("moe_gate_up", &graph.name, spec, d, gate_up_format),
                                 vec![
                                     x,
                                     routes.clone(),
                                     weight(gate_up),
                                     hidden.clone(),
                                     scalar("tokens", &rows),
-                                    scalar("d", d),
                                     scalar("x_stride", x_stride),
                                 ],
                             ),
@@ -600,9 +599,8 @@ pub(crate) fn select(
                             weight(down),
                             out,
                             scalar("tokens", &rows),
-                            scalar("d", d),
                         ];
-                        (moe::down("moe_down", &graph.name, spec, down_format), args)
+                        (moe::down("moe_down", &graph.name, spec, d, down_format), args)
                     }
                     Op::GroupSlice { group, start, len } => {
                         let (x, stride) = act(&s, 0);

@@ -486,8 +486,8 @@ pub fn catalog() -> Vec<Kernel> {
                 ..GLM_4_5_AIR_MOE
             },
         ),
-        moe::gate_up("moe_gate_up_bf16", "catalog", &GLM_4_5_AIR_MOE, Dense(Ty::Bf16)),
-        moe::down("moe_down_bf16", "catalog", &GLM_4_5_AIR_MOE, Dense(Ty::Bf16)),
+        moe::gate_up("moe_gate_up_bf16", "catalog", &GLM_4_5_AIR_MOE, 4096, Dense(Ty::Bf16)),
+        moe::down("moe_down_bf16", "catalog", &GLM_4_5_AIR_MOE, 4096, Dense(Ty::Bf16)),
         split_k::reduce("split_k_reduce", "catalog", 16, None),
         split_k::reduce("split_k_reduce_swiglu", "catalog", 16, Some(GluAct::Silu)),
         gemm_mma::gemm_mma("gemm_mma_bf16", "catalog", gemm_mma::WeightStaging::Registers),

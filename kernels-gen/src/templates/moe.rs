@@ -8,7 +8,8 @@
 //!    (larger first, equal values to the lower index, NaN as −∞; `top_k`), each round among the
 //!    candidates ranked after the previous round's winner.
 //! 2. [`gate_up`]: a warp per (row, chosen expert, hidden unit) dots the row with that unit's
-//!    gate and up rows of the expert's stacked weights and writes `act(gate)·up`.
+//!    gate and up rows of the expert's stacked weights and writes `act(gate)·up`; dense weights
+//!    are read 16 bytes a lane at a time (8 bf16), as the decode GEMV reads them.
 //! 3. [`down`]: a warp per (row, output column) sums each chosen expert's down row against its
 //!    hidden units, weighted, in ascending expert order as the reference adds them.
 //!
@@ -344,24 +345,56 @@ fn describe(spec: &MoeSpec) -> String {
     )
 }
 
+/// Weights a lane reads at once along a row of `k`: 16 bytes of dense weights where every row
+/// starts 16-byte aligned (`k` a multiple of the vector), else one (GGUF blocks dequantized
+/// element by element, or ragged rows).
+fn vector(weights: WeightFormat, k: usize) -> usize {
+    match weights {
+        WeightFormat::Dense(ty) if k.is_multiple_of(16 / ty.bytes()) => 16 / ty.bytes(),
+        _ => 1,
+    }
+}
+
+/// A warp's dot products of `x(c)` with each of `rows` (weight rows of `k`, in buffer `w`) into
+/// the named sums, lanes striding along the rows `vector` elements at a time, each weight
+/// vector one load.
+fn dot_rows(weights: WeightFormat, k: usize, rows: &[(Expr, &str)], x: &dyn Fn(Expr) -> Expr) -> Stmt {
+    let v = vector(weights, k);
+    let mut body = Vec::new();
+    let xs: Vec<String> = (0..v).map(|j| format!("x{j}")).collect();
+    for (j, name) in xs.iter().enumerate() {
+        body.push(let_(name, Ty::F32, x(var("c") + int(j as i64))));
+    }
+    for (r, (row, sum)) in rows.iter().enumerate() {
+        let w: Vec<String> = (0..v).map(|j| format!("w{r}_{j}")).collect();
+        match v {
+            1 => body.extend(weights.element(&w[0], row.clone(), int(k as i64), var("c"))),
+            _ => body.push(load_vec("w", row.clone() * int(k as i64) + var("c"), &w)),
+        }
+        for (wj, xj) in w.iter().zip(&xs) {
+            body.push(assign(sum, var(sum) + var(xj) * var(wj)));
+        }
+    }
+    let v = v as i64;
+    for_("c", lane() * int(v), int(k as i64), int(32 * v), body)
+}
+
 /// `hidden[(t·k + p)·I + i] = act(gate)·up` for expert `routes[t·k + p]`'s hidden unit `i`, its
 /// gate row `e·2I + i` and up row `e·2I + I + i` of the stacked `[experts·2I, d]` weights, over
-/// row `t` of `x` (`x_stride` apart). Grid: `tokens · k · ⌈I / 8⌉` blocks of 8 warps.
-pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, weights: WeightFormat) -> Kernel {
+/// row `t` of `x` (`x_stride` apart, `d` = `hidden` wide). Grid: `tokens · k · ⌈I / 8⌉` blocks
+/// of 8 warps.
+pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, weights: WeightFormat) -> Kernel {
     let (k, i) = (spec.experts_per_token as i64, spec.intermediate as i64);
     let tiles = (i + WARPS - 1) / WARPS;
-    let mut dot = vec![let_("xc", Ty::F32, load("x", var("t") * var("x_stride") + var("c")))];
-    dot.extend(weights.element("g", var("e") * int(2 * i) + var("unit"), var("d"), var("c")));
-    dot.extend(weights.element("u", var("e") * int(2 * i) + int(i) + var("unit"), var("d"), var("c")));
-    dot.extend([
-        assign("gate", var("gate") + var("xc") * var("g")),
-        assign("up", var("up") + var("xc") * var("u")),
-    ]);
+    let rows = [
+        (var("e") * int(2 * i) + var("unit"), "gate"),
+        (var("e") * int(2 * i) + int(i) + var("unit"), "up"),
+    ];
     let mut per_unit = vec![
         let_("e", Ty::I32, load("routes", var("pair"))),
         let_("gate", Ty::F32, f(0.0)),
         let_("up", Ty::F32, f(0.0)),
-        for_("c", lane(), var("d"), int(32), dot),
+        dot_rows(weights, hidden, &rows, &|c| load("x", var("t") * var("x_stride") + c)),
     ];
     per_unit.extend(warp_sum("gate"));
     per_unit.extend(warp_sum("up"));
@@ -376,9 +409,10 @@ pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, weights: WeightFormat) 
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: MoE experts' gate/up and {:?}, {} weights, {}",
+            "{origin}: MoE experts' gate/up and {:?} over rows of {hidden}, {} weights {} a load, {}",
             spec.act,
             weights.describe(),
+            vector(weights, hidden),
             describe(spec)
         ),
         params: vec![
@@ -387,7 +421,6 @@ pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, weights: WeightFormat) 
             buffer("w", weights.buffer_ty(), false),
             buffer("hidden", Ty::F32, true),
             scalar("tokens", Ty::I32),
-            scalar("d", Ty::I32),
             scalar("x_stride", Ty::I32),
         ],
         shared: vec![],
@@ -404,21 +437,18 @@ pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, weights: WeightFormat) 
 }
 
 /// `out[t, n] = Σ_p route_weights[t·k + p] · (down row e·d + n of expert e = routes[t·k + p]) ·
-/// hidden[t·k + p]`, over p in order (experts ascending). Grid: `tokens · ⌈d / 8⌉` blocks of
-/// 8 warps.
-pub fn down(name: &str, origin: &str, spec: &MoeSpec, weights: WeightFormat) -> Kernel {
-    let (k, i) = (spec.experts_per_token as i64, spec.intermediate as i64);
-    let mut dot = vec![let_(
-        "h",
-        Ty::F32,
-        load("hidden", (var("t") * int(k) + var("p")) * int(i) + var("c")),
-    )];
-    dot.extend(weights.element("wd", var("e") * var("d") + var("n"), int(i), var("c")));
-    dot.push(assign("y", var("y") + var("h") * var("wd")));
+/// hidden[t·k + p]`, over p in order (experts ascending), `d` = `hidden` wide. Grid:
+/// `tokens · ⌈d / 8⌉` blocks of 8 warps.
+pub fn down(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, weights: WeightFormat) -> Kernel {
+    let (k, i, d) = (spec.experts_per_token as i64, spec.intermediate, hidden as i64);
+    let tiles = (d + WARPS - 1) / WARPS;
+    let at = (var("t") * int(k) + var("p")) * int(i as i64);
     let mut per_choice = vec![
         let_("e", Ty::I32, load("routes", var("t") * int(k) + var("p"))),
         let_("y", Ty::F32, f(0.0)),
-        for_("c", lane(), int(i), int(32), dot),
+        dot_rows(weights, i, &[(var("e") * int(d) + var("n"), "y")], &|c| {
+            load("hidden", at.clone() + c)
+        }),
     ];
     per_choice.extend(warp_sum("y"));
     per_choice.push(assign(
@@ -428,8 +458,9 @@ pub fn down(name: &str, origin: &str, spec: &MoeSpec, weights: WeightFormat) -> 
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: MoE experts' down projections, weighted, {} weights, {}",
+            "{origin}: MoE experts' down projections to rows of {hidden}, weighted, {} weights {} a load, {}",
             weights.describe(),
+            vector(weights, i),
             describe(spec)
         ),
         params: vec![
@@ -439,31 +470,24 @@ pub fn down(name: &str, origin: &str, spec: &MoeSpec, weights: WeightFormat) -> 
             buffer("w", weights.buffer_ty(), false),
             buffer("out", Ty::F32, true),
             scalar("tokens", Ty::I32),
-            scalar("d", Ty::I32),
         ],
         shared: vec![],
         block_dim: BLOCK,
-        grid: var("tokens") * blocks_of_warps(var("d")),
+        grid: var("tokens") * int(tiles),
         body: vec![
-            let_("tiles", Ty::I32, blocks_of_warps(var("d"))),
-            let_("t", Ty::I32, bid() / var("tiles")),
-            let_("n", Ty::I32, rem(bid(), var("tiles")) * int(WARPS) + warp()),
+            let_("t", Ty::I32, bid() / int(tiles)),
+            let_("n", Ty::I32, rem(bid(), int(tiles)) * int(WARPS) + warp()),
             if_(
-                lt(var("n"), var("d")),
+                lt(var("n"), int(d)),
                 vec![
                     let_("acc", Ty::F32, f(0.0)),
                     for_("p", int(0), int(k), int(1), per_choice),
                     if_(
                         eq(lane(), int(0)),
-                        vec![store("out", var("t") * var("d") + var("n"), var("acc"))],
+                        vec![store("out", var("t") * int(d) + var("n"), var("acc"))],
                     ),
                 ],
             ),
         ],
     }
-}
-
-/// Blocks of [`WARPS`] warps covering `n` outputs.
-fn blocks_of_warps(n: Expr) -> Expr {
-    (n + int(WARPS - 1)) / int(WARPS)
 }
