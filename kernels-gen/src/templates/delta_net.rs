@@ -23,8 +23,10 @@
 //! in slot `state_slots[s]`, row `r` belongs to sequence `row_seq[r]`). A sequence whose first
 //! row is position 0 starts from a zero state, whatever its slot held before.
 //!
-//! Prefill walks a chunk's rows one after another in (3): the chunked (WY) form that turns the
-//! recurrence into matmuls is what long prompts would want, and is not built.
+//! Prefill walks a chunk's rows one after another in (3), each row's inputs loaded during the
+//! row before (they do not depend on the state), so the walk waits on the recurrence's
+//! arithmetic rather than on memory (untimed: no GPU has run it). The chunked (WY) form that
+//! turns the recurrence into matmuls is what long prompts would want, and is not built.
 
 use super::cache_layout::CacheLayout;
 use super::elementwise::silu;
@@ -304,16 +306,54 @@ pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNet
         let_("neg_a", Ty::F32, un(UnOp::Neg, un(UnOp::Exp, load("a_log", var("h"))))),
         let_("bias", Ty::F32, load("dt_bias", var("h"))),
     ]);
-    let mut step = vec![
-        let_("row", Ty::I32, var("r") * int(channels)),
-        let_("qq", Ty::F32, f(0.0)),
-        let_("kk", Ty::F32, f(0.0)),
-    ];
-    for (m, (q, k)) in names("q").zip(names("k")).enumerate() {
-        let at = |offset: Expr| var("row") + offset + var("key_head") * int(dk) + key_index(m as i64);
+    // Row `r + 1`'s inputs are loaded while row `r` is computed (`next_*`): none of them
+    // depends on the state, so the loop waits for memory once, not once a row.
+    let next = |name: &str| format!("next_{name}");
+    let load_row = |row: Expr| -> Vec<Stmt> {
+        let at = row.clone() * int(channels);
+        let mut loads: Vec<Stmt> = names("q")
+            .zip(names("k"))
+            .enumerate()
+            .flat_map(|(m, (q, k))| {
+                let key = at.clone() + var("key_head") * int(dk) + key_index(m as i64);
+                [
+                    assign(&next(&q), load("conv", key.clone())),
+                    assign(&next(&k), load("conv", key + int(key_width))),
+                ]
+            })
+            .collect();
+        loads.extend([
+            assign(&next("a_in"), load("a", row.clone() * var("a_stride") + var("h"))),
+            assign(&next("b_in"), load("b", row * var("b_stride") + var("h"))),
+            if_(
+                var("active"),
+                vec![assign(
+                    &next("v"),
+                    load("conv", at + int(2 * key_width) + var("h") * int(dv) + var("j")),
+                )],
+            ),
+        ]);
+        loads
+    };
+    for name in names("q")
+        .chain(names("k"))
+        .chain(["a_in", "b_in", "v"].map(String::from))
+    {
+        body.push(let_(&next(&name), Ty::F32, f(0.0)));
+    }
+    body.extend(load_row(var("first_row")));
+    let mut step: Vec<Stmt> = names("q")
+        .chain(names("k"))
+        .chain(["a_in", "b_in", "v"].map(String::from))
+        .map(|name| let_(&name, Ty::F32, var(&next(&name))))
+        .collect();
+    step.push(if_(
+        bin(BinOp::Le, var("r") + int(1), var("last_row")),
+        load_row(var("r") + int(1)),
+    ));
+    step.extend([let_("qq", Ty::F32, f(0.0)), let_("kk", Ty::F32, f(0.0))]);
+    for (q, k) in names("q").zip(names("k")) {
         step.extend([
-            let_(&q, Ty::F32, load("conv", at(int(0)))),
-            let_(&k, Ty::F32, load("conv", at(int(key_width)))),
             assign("qq", var("qq") + var(&q) * var(&q)),
             assign("kk", var("kk") + var(&k) * var(&k)),
         ]);
@@ -329,11 +369,7 @@ pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNet
         ),
         let_("k_scale", Ty::F32, un(UnOp::Rsqrt, var("kk") + f(1e-6))),
         // softplus as PyTorch's: linear past 20.
-        let_(
-            "x",
-            Ty::F32,
-            load("a", var("r") * var("a_stride") + var("h")) + var("bias"),
-        ),
+        let_("x", Ty::F32, var("a_in") + var("bias")),
         let_(
             "softplus",
             Ty::F32,
@@ -344,11 +380,7 @@ pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNet
             ),
         ),
         let_("decay", Ty::F32, un(UnOp::Exp, var("neg_a") * var("softplus"))),
-        let_(
-            "beta",
-            Ty::F32,
-            super::elementwise::sigmoid(load("b", var("r") * var("b_stride") + var("h"))),
-        ),
+        let_("beta", Ty::F32, super::elementwise::sigmoid(var("b_in"))),
         let_("ks", Ty::F32, f(0.0)),
     ]);
     for (s, k) in names("s").zip(names("k")) {
@@ -357,14 +389,6 @@ pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNet
     }
     step.extend(column_sum("ks"));
     step.extend([
-        let_("v", Ty::F32, f(0.0)),
-        if_(
-            var("active"),
-            vec![assign(
-                "v",
-                load("conv", var("row") + int(2 * key_width) + var("h") * int(dv) + var("j")),
-            )],
-        ),
         // k is normalised: kᵀS = k_scale · Σ k·S, and the update adds k_scale·k·δ.
         let_(
             "delta",
