@@ -3,7 +3,7 @@
 //! broadcasts: a bias vector added to every row (`add_bias`), every row scaled by its own
 //! scalar or all by one (`scale_rows`).
 
-use super::{blocks_for, per_element, BLOCK};
+use super::{blocks_for, per_row_element, BLOCK};
 use crate::dsl::*;
 use ir::Expr as IrExpr;
 
@@ -53,14 +53,7 @@ pub fn elementwise(name: &str, origin: &str, expr: &IrExpr) -> Kernel {
         shared: vec![],
         block_dim: BLOCK,
         grid: blocks_for(var("n"), BLOCK as i64),
-        body: per_element(
-            var("n"),
-            vec![
-                let_("t", Ty::I32, var("i") / var("width")),
-                let_("j", Ty::I32, bin(BinOp::Rem, var("i"), var("width"))),
-                store("out", var("i"), lower(expr)),
-            ],
-        ),
+        body: per_row_element(var("n"), vec![store("out", var("i"), lower(expr))]),
     }
 }
 
@@ -80,17 +73,13 @@ pub fn add_bias(name: &str, origin: &str) -> Kernel {
         shared: vec![],
         block_dim: BLOCK,
         grid: blocks_for(var("n"), BLOCK as i64),
-        body: per_element(
+        body: per_row_element(
             var("n"),
-            vec![
-                let_("t", Ty::I32, var("i") / var("width")),
-                let_("j", Ty::I32, bin(BinOp::Rem, var("i"), var("width"))),
-                store(
-                    "out",
-                    var("i"),
-                    load("x", var("t") * var("x_stride") + var("j")) + load("bias", var("j")),
-                ),
-            ],
+            vec![store(
+                "out",
+                var("i"),
+                load("x", var("t") * var("x_stride") + var("j")) + load("bias", var("j")),
+            )],
         ),
     }
 }
@@ -114,17 +103,13 @@ pub fn scale_rows(name: &str, origin: &str) -> Kernel {
         shared: vec![],
         block_dim: BLOCK,
         grid: blocks_for(var("n"), BLOCK as i64),
-        body: per_element(
+        body: per_row_element(
             var("n"),
-            vec![
-                let_("t", Ty::I32, var("i") / var("width")),
-                let_("j", Ty::I32, bin(BinOp::Rem, var("i"), var("width"))),
-                store(
-                    "out",
-                    var("i"),
-                    load("x", var("t") * var("x_stride") + var("j")) * load("s", var("t") * var("s_stride")),
-                ),
-            ],
+            vec![store(
+                "out",
+                var("i"),
+                load("x", var("t") * var("x_stride") + var("j")) * load("s", var("t") * var("s_stride")),
+            )],
         ),
     }
 }

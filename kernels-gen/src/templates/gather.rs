@@ -6,7 +6,7 @@
 //!   `group` columns, side by side; Qwen3.5's query projection interleaves each head's query
 //!   and output gate, and this splits them.
 
-use super::{blocks_for, per_element, BLOCK};
+use super::{blocks_for, per_row_element, BLOCK};
 use crate::dsl::*;
 
 pub fn gather_rows(name: &str, origin: &str) -> Kernel {
@@ -24,17 +24,13 @@ pub fn gather_rows(name: &str, origin: &str) -> Kernel {
         shared: vec![],
         block_dim: BLOCK,
         grid: blocks_for(var("rows") * var("width"), BLOCK as i64),
-        body: per_element(
+        body: per_row_element(
             var("rows") * var("width"),
-            vec![
-                let_("t", Ty::I32, var("i") / var("width")),
-                let_("j", Ty::I32, rem(var("i"), var("width"))),
-                store(
-                    "out",
-                    var("i"),
-                    load("src", load("index", var("t")) * var("src_stride") + var("j")),
-                ),
-            ],
+            vec![store(
+                "out",
+                var("i"),
+                load("src", load("index", var("t")) * var("src_stride") + var("j")),
+            )],
         ),
     }
 }
@@ -58,11 +54,9 @@ pub fn gather_column_groups(name: &str, origin: &str) -> Kernel {
         shared: vec![],
         block_dim: BLOCK,
         grid: blocks_for(var("rows") * var("width"), BLOCK as i64),
-        body: per_element(
+        body: per_row_element(
             var("rows") * var("width"),
             vec![
-                let_("t", Ty::I32, var("i") / var("width")),
-                let_("j", Ty::I32, rem(var("i"), var("width"))),
                 let_(
                     "col",
                     Ty::I32,

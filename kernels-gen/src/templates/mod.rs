@@ -261,6 +261,17 @@ pub fn per_element(count: Expr, body: Vec<Stmt>) -> Vec<Stmt> {
     ]
 }
 
+/// A thread per element of `count` in rows of the scalar parameter `width`: `i` is the
+/// element, `t` its row and `j` its column (see [`per_element`]).
+pub fn per_row_element(count: Expr, body: Vec<Stmt>) -> Vec<Stmt> {
+    let mut located = vec![
+        let_("t", Ty::I32, var("i") / var("width")),
+        let_("j", Ty::I32, rem(var("i"), var("width"))),
+    ];
+    located.extend(body);
+    per_element(count, located)
+}
+
 /// Sum `value` (an f32 local) across a warp with butterfly shuffles; every lane ends with it.
 pub fn warp_sum(value: &str) -> Vec<Stmt> {
     [16, 8, 4, 2, 1]
