@@ -84,6 +84,29 @@ fn sequence_of_row(layout: CacheLayout, r: Expr) -> Expr {
     }
 }
 
+/// Statements declaring the f32 local `value`: channel `c`'s input at `src`, counted from the
+/// sequence's first row of the step: that row of `x` from 0 on, before it window row
+/// `kept + src` of the sequence's state, or zero for a fresh sequence.
+fn input_at(value: &str, src: Expr, kept: i64, channels: i64) -> Vec<Stmt> {
+    vec![
+        let_(value, Ty::F32, f(0.0)),
+        if_else(
+            bin(BinOp::Ge, src.clone(), int(0)),
+            vec![assign(
+                value,
+                load("x", (var("first_row") + src.clone()) * var("x_stride") + var("c")),
+            )],
+            vec![if_(
+                un(UnOp::Not, var("fresh")),
+                vec![assign(
+                    value,
+                    load("state", var("window") + (int(kept) + src) * int(channels) + var("c")),
+                )],
+            )],
+        ),
+    ]
+}
+
 fn spec_text(spec: &DeltaNetSpec) -> String {
     format!(
         "{} key heads × {}, {} value heads × {}, convolution of {}",
@@ -109,27 +132,8 @@ pub fn conv(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNetSpec, 
         let_("acc", Ty::F32, f(0.0)),
     ]);
     for j in 0..taps {
-        let back = taps - 1 - j;
         let (tap, w) = (format!("in{j}"), format!("w{j}"));
-        body.push(let_(&tap, Ty::F32, f(0.0)));
-        body.push(if_else(
-            bin(BinOp::Ge, var("rel"), int(back)),
-            vec![assign(
-                &tap,
-                load("x", (var("r") - int(back)) * var("x_stride") + var("c")),
-            )],
-            // Window row K − 1 + (rel − back) holds that input.
-            vec![if_(
-                un(UnOp::Not, var("fresh")),
-                vec![assign(
-                    &tap,
-                    load(
-                        "state",
-                        var("window") + (int(taps - 1 - back) + var("rel")) * int(channels) + var("c"),
-                    ),
-                )],
-            )],
-        ));
+        body.extend(input_at(&tap, var("rel") - int(taps - 1 - j), taps - 1, channels));
         body.extend(weights.element(&w, var("c"), int(taps), int(j)));
         body.push(assign("acc", var("acc") + var(&w) * var(&tap)));
     }
@@ -178,30 +182,13 @@ pub fn conv_window(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNe
     ]);
     for w in 0..kept {
         let value = format!("v{w}");
-        // The input that becomes window row w, counted from the sequence's first row here.
-        let src = format!("src{w}");
-        body.extend([
-            let_(&src, Ty::I32, var("rows") - int(kept) + int(w)),
-            let_(&value, Ty::F32, f(0.0)),
-            if_else(
-                bin(BinOp::Ge, var(&src), int(0)),
-                vec![assign(
-                    &value,
-                    load("x", (var("first_row") + var(&src)) * var("x_stride") + var("c")),
-                )],
-                vec![if_(
-                    un(UnOp::Not, var("fresh")),
-                    vec![assign(
-                        &value,
-                        load(
-                            "state",
-                            var("window") + (int(kept) + var(&src)) * int(channels) + var("c"),
-                        ),
-                    )],
-                )],
-            ),
-            store("state", var("window") + int(w) * int(channels) + var("c"), var(&value)),
-        ]);
+        // The input that becomes window row w.
+        body.extend(input_at(&value, var("rows") - int(kept) + int(w), kept, channels));
+        body.push(store(
+            "state",
+            var("window") + int(w) * int(channels) + var("c"),
+            var(&value),
+        ));
     }
     Kernel {
         name: name.into(),
