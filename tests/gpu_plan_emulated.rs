@@ -38,6 +38,15 @@ fn relative_error(got: &[f32], want: &[f32]) -> f32 {
     got.iter().zip(want).map(|(g, w)| (g - w).abs()).fold(0f32, f32::max) / scale
 }
 
+/// `family`'s plans in f32 and bf16 on every GPU target (see [`check`]).
+fn check_everywhere(family: &str) {
+    for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
+        for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+            check(family, dtype, target);
+        }
+    }
+}
+
 fn check(family: &str, dtype: ComputeDtype, target: Target) {
     let model = open(family, dtype);
     // The tensor-core GEMM rounds activations to bf16; every other kernel computes in f32.
@@ -117,44 +126,26 @@ fn check_against(family: &str, model: &Model, reference: &Model, target: Target,
 
 #[test]
 fn tiny_llama_plans_agree_with_the_cpu_backend() {
-    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-        check("llama", ComputeDtype::F32, target);
-    }
-    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-        check("llama", ComputeDtype::Bf16, target);
-    }
+    check_everywhere("llama");
 }
 
 #[test]
 fn tiny_gemma3_plans_agree_with_the_cpu_backend() {
-    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-        check("gemma3", ComputeDtype::F32, target);
-    }
-    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-        check("gemma3", ComputeDtype::Bf16, target);
-    }
+    check_everywhere("gemma3");
 }
 
 /// Qwen3.5's hybrid (Gated DeltaNet layers, each sequence's f32 state carried from step to
 /// step; gated attention with partial RoPE and q/k norms) on every GPU target.
 #[test]
 fn tiny_qwen3_5_plans_agree_with_the_cpu_backend() {
-    for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
-        for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-            check("qwen3_5", dtype, target);
-        }
-    }
+    check_everywhere("qwen3_5");
 }
 
 /// GLM-4.5's MoE layers (DeepSeek-V3's grouped sigmoid router, experts run per row, a shared
 /// expert beside them) and attention with Q/K/V biases, on every GPU target.
 #[test]
 fn tiny_glm4_moe_plans_agree_with_the_cpu_backend() {
-    for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
-        for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-            check("glm4_moe", dtype, target);
-        }
-    }
+    check_everywhere("glm4_moe");
 }
 
 /// Gemma 4: per-layer inputs, value norms without a weight (`unit_rms_norm`), global layers
@@ -162,11 +153,7 @@ fn tiny_glm4_moe_plans_agree_with_the_cpu_backend() {
 /// every GPU target.
 #[test]
 fn tiny_gemma4_plans_agree_with_the_cpu_backend() {
-    for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
-        for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-            check("gemma4", dtype, target);
-        }
-    }
+    check_everywhere("gemma4");
 }
 
 /// Qwen3-Next: Qwen3.5's hybrid with MoE layers under a softmax router, a shared expert gated
@@ -174,11 +161,7 @@ fn tiny_gemma4_plans_agree_with_the_cpu_backend() {
 /// interleaving as the plan uploads them (`WeightPart::RowGroups`), on every GPU target.
 #[test]
 fn tiny_qwen3_next_plans_agree_with_the_cpu_backend() {
-    for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
-        for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-            check("qwen3_next", dtype, target);
-        }
-    }
+    check_everywhere("qwen3_next");
 }
 
 /// The plans of the GGUF model `make` writes into a scratch directory against the CPU backend
