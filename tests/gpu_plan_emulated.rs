@@ -14,6 +14,7 @@ use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use runtime::compare::CompareDevice;
 use runtime::emulated::{EmulatedBackend, EmulatedDevice};
 use runtime::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
+use runtime::serving::SchedulerConfig;
 use runtime::CpuBackend;
 use std::path::PathBuf;
 
@@ -442,31 +443,13 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
 /// logits, with the same tokens.
 #[test]
 fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu() {
-    use runtime::serving::{SchedulerConfig, ServingEngine};
+    use runtime::serving::ServingEngine;
     let model = open("llama", ComputeDtype::F32);
     let graph = model.lower(LogitsFor::AllTokens).unwrap();
-    // The serving plan `bbc compile` writes: each sequence's last row gathered before the head,
-    // and its argmax as `next_token`.
-    let gpu_graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
-    let gpu_graph = models::with_greedy_token(&gpu_graph).unwrap();
     // A token budget above the 32 rows the plan is built for: the engine lowers it to 32 for
     // the GPU backend (else its first step, four prompts at once, would be refused).
-    let config = SchedulerConfig {
-        max_waiting: 16,
-        max_running: 4,
-        token_budget: 100,
-        kv_blocks: 24,
-        block_size: 4,
-        context_length: 64,
-        prefix_caching: true,
-        speculation: runtime::serving::NgramConfig::OFF,
-    };
-    let cache = gpu::BatchedCache {
-        blocks: config.kv_blocks,
-        block_size: config.block_size,
-        sequences: config.max_running,
-    };
-    let (plan, kernels) = gpu::build_batched(&gpu_graph, Target::H200, 32, cache).unwrap();
+    let config = serving_config(100, 24);
+    let (gpu_graph, plan, kernels) = serving_plan(&model, &config, config.max_running);
     let prompts: Vec<Vec<u32>> = (0..5u32)
         .map(|i| {
             [9, 8, 7, 6, 5, 4, 3, 2]
@@ -519,28 +502,12 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
 /// at once than that where the model has recurrent layers, and drops the prefix cache.
 #[test]
 fn the_serving_engine_runs_hybrid_and_moe_plans_like_the_cpu_backend() {
-    use runtime::serving::{SchedulerConfig, ServingEngine};
+    use runtime::serving::ServingEngine;
     for (family, recurrent) in [("qwen3_5", true), ("glm4_moe", false), ("qwen3_next", true)] {
         let model = open(family, ComputeDtype::F32);
         let graph = model.lower(LogitsFor::AllTokens).unwrap();
-        let gpu_graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
-        let gpu_graph = models::with_greedy_token(&gpu_graph).unwrap();
-        let config = SchedulerConfig {
-            max_waiting: 16,
-            max_running: 4,
-            token_budget: 24,
-            kv_blocks: 9,
-            block_size: 4,
-            context_length: 64,
-            prefix_caching: true,
-            speculation: runtime::serving::NgramConfig::OFF,
-        };
-        let cache = gpu::BatchedCache {
-            blocks: config.kv_blocks,
-            block_size: config.block_size,
-            sequences: 3,
-        };
-        let (plan, kernels) = gpu::build_batched(&gpu_graph, Target::H200, 32, cache).unwrap();
+        let config = serving_config(24, 9);
+        let (gpu_graph, plan, kernels) = serving_plan(&model, &config, 3);
         let prompts: Vec<Vec<u32>> = (0..6u32)
             .map(|i| (0..5 + 2 * i).map(|j| (11 + 29 * i + 7 * j) % 300).collect())
             .collect();
@@ -572,21 +539,10 @@ fn the_serving_engine_runs_hybrid_and_moe_plans_like_the_cpu_backend() {
 /// some drafts are accepted.
 #[test]
 fn speculative_decoding_on_a_batched_plan_keeps_every_token() {
-    use runtime::serving::{NgramConfig, SchedulerConfig, ServingEngine};
+    use runtime::serving::{NgramConfig, ServingEngine};
     let model = open("llama", ComputeDtype::F32);
     let graph = model.lower(LogitsFor::AllTokens).unwrap();
-    let gpu_graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
-    let gpu_graph = models::with_greedy_token(&gpu_graph).unwrap();
-    let plain = SchedulerConfig {
-        max_waiting: 16,
-        max_running: 4,
-        token_budget: 32,
-        kv_blocks: 64,
-        block_size: 4,
-        context_length: 64,
-        prefix_caching: true,
-        speculation: NgramConfig::OFF,
-    };
+    let plain = serving_config(32, 64);
     let speculative = SchedulerConfig {
         speculation: NgramConfig {
             tokens: 3,
@@ -595,12 +551,7 @@ fn speculative_decoding_on_a_batched_plan_keeps_every_token() {
         },
         ..plain
     };
-    let cache = gpu::BatchedCache {
-        blocks: plain.kv_blocks,
-        block_size: plain.block_size,
-        sequences: plain.max_running,
-    };
-    let (plan, kernels) = gpu::build_batched(&gpu_graph, Target::H200, 32, cache).unwrap();
+    let (gpu_graph, plan, kernels) = serving_plan(&model, &plain, plain.max_running);
     // Prompts that repeat themselves, so lookups find drafts.
     let prompts: Vec<Vec<u32>> = (0..4u32)
         .map(|i| (0..12).map(|j| 40 + 7 * i + (j % (3 + i))).collect())
@@ -645,6 +596,40 @@ fn serve_all_counting<B: runtime::serving::PagedBackend>(
         done.extend(out.finished.into_iter().map(|f| (f.seq, f.generated)));
     }
     (ids.iter().map(|id| done[id].clone()).collect(), drafted, accepted)
+}
+
+/// Serving limits for the engine tests: 4 running sequences of up to 64 positions, blocks of
+/// 4, the token budget and pool size given, prefix caching on, no speculation.
+fn serving_config(token_budget: usize, kv_blocks: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        max_waiting: 16,
+        max_running: 4,
+        token_budget,
+        kv_blocks,
+        block_size: 4,
+        context_length: 64,
+        prefix_caching: true,
+        speculation: runtime::serving::NgramConfig::OFF,
+    }
+}
+
+/// The serving plan `bbc compile` writes for `model` (each sequence's sampled rows gathered
+/// before the head, their argmax as `next_token`) on H200, 32 rows a step, its KV pool as
+/// `config` says and recurrent states for `sequences`: the graph, the plan, its kernels.
+fn serving_plan(
+    model: &Model,
+    config: &SchedulerConfig,
+    sequences: usize,
+) -> (ir::Graph, gpu::GpuPlan, Vec<kernels_gen::dsl::Kernel>) {
+    let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
+    let graph = models::with_greedy_token(&graph).unwrap();
+    let cache = gpu::BatchedCache {
+        blocks: config.kv_blocks,
+        block_size: config.block_size,
+        sequences,
+    };
+    let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
+    (graph, plan, kernels)
 }
 
 /// A backend that counts the steps the engine ran with device-side greedy tokens and with
