@@ -390,9 +390,9 @@ fn gpu_artifacts_carry_the_batched_serving_plan() {
     }
     let read = codegen::read_graphs(&dir, &manifest).unwrap();
     assert_eq!(read.serving.map(|g| g.op_count()), Some(serving.op_count()));
-    // Each sequence's last row is gathered (a step input names the rows), and the head runs
-    // on one row per sequence.
-    let gather = |a: &LaunchArg| matches!(a, LaunchArg::StepInput { name } if name == "last_rows");
+    // The rows sampled from are gathered (a step input names them: each sequence's last, or
+    // its last `drafts + 1`), and the head runs on those alone.
+    let gather = |a: &LaunchArg| matches!(a, LaunchArg::StepInput { name } if name == "sampled_rows");
     assert!(plan.launches.iter().any(|l| l.args.iter().any(gather)));
     let per_sequence = gpu::per_sequence_nodes(&serving);
     assert!(!per_sequence.is_empty());

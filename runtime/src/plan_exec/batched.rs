@@ -58,17 +58,9 @@ impl<D: PlanDevice> PlanExecutor<D> {
     }
 
     /// Whether a segment may sample several rows (`Segment::sampled_rows`, to verify drafted
-    /// tokens): every row has logits, or the plan gathers the rows sampled from by the step
-    /// input `sampled_rows` (an older plan gathered each sequence's last row alone); and no
-    /// recurrent state, which would advance past the drafts not kept.
+    /// tokens): see [`samples_several_rows`].
     pub fn samples_several_rows(&self) -> bool {
-        let gathers_sampled = self
-            .plan
-            .launches
-            .iter()
-            .flat_map(|l| &l.args)
-            .any(|a| matches!(a, LaunchArg::StepInput { name } if name == "sampled_rows"));
-        (self.per_sequence.is_empty() || gathers_sampled) && self.plan.recurrent_states.is_empty()
+        self.several_rows
     }
 
     /// Run `batch` as [`step_batch`](Self::step_batch) does but kernel by kernel (no graph),
@@ -325,6 +317,22 @@ impl<D: PlanDevice> PlanExecutor<D> {
             ))),
         }
     }
+}
+
+/// Whether a segment of `plan` may sample several rows: every row has logits (no
+/// `per_sequence` nodes), or the plan gathers the rows sampled from by the step input
+/// `sampled_rows` (an older plan gathered each sequence's last row alone); and no recurrent
+/// state, which would advance past the drafts not kept.
+pub(super) fn samples_several_rows(
+    plan: &codegen::gpu::GpuPlan,
+    per_sequence: &std::collections::BTreeSet<usize>,
+) -> bool {
+    let gathers_sampled = plan
+        .launches
+        .iter()
+        .flat_map(|l| &l.args)
+        .any(|a| matches!(a, LaunchArg::StepInput { name } if name == "sampled_rows"));
+    (per_sequence.is_empty() || gathers_sampled) && plan.recurrent_states.is_empty()
 }
 
 /// A batched plan serves like the CPU backend: the KV pool lives on the device, addressed by

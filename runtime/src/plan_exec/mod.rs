@@ -148,6 +148,8 @@ pub struct PlanExecutor<D: PlanDevice> {
     /// In a batched plan, the nodes with one row per sequence (see
     /// `codegen::gpu::per_sequence_nodes`).
     per_sequence: BTreeSet<usize>,
+    /// Whether a segment may sample several rows (see `samples_several_rows`).
+    several_rows: bool,
     /// The plan's launches resolved once (see `launch`).
     launches: Vec<launch::PreparedLaunch>,
     state: Mutex<(D, Buffers<D::Buffer>)>,
@@ -286,6 +288,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             Some(_) => codegen::gpu::per_sequence_nodes(&graph),
             None => BTreeSet::new(),
         };
+        let several_rows = batched::samples_several_rows(&plan, &per_sequence);
         Ok(Self {
             launches,
             plan,
@@ -293,6 +296,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             context_length,
             graph_rows: 0,
             per_sequence,
+            several_rows,
             state: Mutex::new((device, buffers)),
         })
     }
