@@ -406,7 +406,7 @@ fn gpu_artifacts_carry_the_batched_serving_plan() {
             LaunchArg::Scalar { name, value } if name == "tokens" || name == "rows" => Some(value.as_str()),
             _ => None,
         });
-        assert!(rows.is_none_or(|r| r == "seqs"), "{}: {rows:?} rows", l.kernel);
+        assert!(rows.is_none_or(|r| r == "sampled"), "{}: {rows:?} rows", l.kernel);
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
