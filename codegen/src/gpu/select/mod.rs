@@ -1,4 +1,9 @@
 //! Choosing a kernel (a template instance) for every node of a fused graph, and its arguments.
+//! The ops that take several launches of their own templates (Gated DeltaNet layers, MoE
+//! layers) are chosen in files of their own.
+
+mod delta_net;
+mod moe;
 
 use super::{rows, width, GpuCodegenError, KvLayout, LaunchArg, StateLayout, View, WeightUse};
 use ir::reference::ops::rope_inv_freq;
@@ -543,64 +548,8 @@ pub(crate) fn select(
                         (elementwise::scale_rows("scale_rows", &graph.name), args)
                     }
                     Op::Moe(spec) => {
-                        // Inputs: x, the router's logits, the score bias (grouped routers), then
-                        // the stacked gate/up and down weights.
-                        let bias = usize::from(spec.has_score_bias());
-                        let (gate_up, down) = (2 + bias, 3 + bias);
-                        let format = |k: usize| weight_format(graph.node(node.inputs[k]).dtype, i, op.name());
-                        let (gate_up_format, down_format) = (format(gate_up)?, format(down)?);
-                        let ((x, x_stride), (logits, logits_stride)) = (act(&s, 0), act(&s, 1));
-                        let k = spec.experts_per_token;
-                        let scratch = |name: &str, per_row: usize| LaunchArg::Scratch {
-                            node: i,
-                            name: name.into(),
-                            bytes: max_tokens * per_row * 4,
-                        };
-                        let routes = scratch("routes", k);
-                        let route_weights = scratch("route_weights", k);
-                        let hidden = scratch("hidden", k * spec.intermediate);
-                        // Softmax routers have no bias: the logits stand in (never read).
-                        let score_bias = match bias {
-                            1 => weight(2),
-                            _ => logits.clone(),
-                        };
-                        let d = width(graph, i);
-                        let launches = [
-                            (
-                                moe::route("moe_route", &graph.name, spec),
-                                vec![
-                                    logits,
-                                    score_bias,
-                                    routes.clone(),
-                                    route_weights.clone(),
-                                    scalar("tokens", &rows),
-                                    scalar("logits_stride", logits_stride),
-                                ],
-                            ),
-                            (
-                                moe::gate_up("moe_gate_up", &graph.name, spec, d, gate_up_format),
-                                vec![
-                                    x,
-                                    routes.clone(),
-                                    weight(gate_up),
-                                    hidden.clone(),
-                                    scalar("tokens", &rows),
-                                    scalar("x_stride", x_stride),
-                                ],
-                            ),
-                        ];
-                        for (kernel, args) in launches {
-                            s.launches.push((i, kernel, Alternatives::default(), args));
-                        }
-                        let args = vec![
-                            hidden,
-                            routes,
-                            route_weights,
-                            weight(down),
-                            out,
-                            scalar("tokens", &rows),
-                        ];
-                        (moe::down("moe_down", &graph.name, spec, d, down_format), args)
+                        let operands = Operands { graph, node: i };
+                        moe::launches(&mut s, &operands, spec, &rows, max_tokens)?
                     }
                     Op::GroupSlice { group, start, len } => {
                         let (x, stride) = act(&s, 0);
@@ -617,72 +566,8 @@ pub(crate) fn select(
                         (gather::gather_column_groups("group_slice", &graph.name), args)
                     }
                     Op::GatedDeltaNet(spec) => {
-                        let conv_weights = weight_format(graph.node(node.inputs[3]).dtype, i, op.name())?;
-                        let [(x, x_stride), (b, b_stride), (a, a_stride)] = [0, 1, 2].map(|k| act(&s, k));
-                        s.recurrent_states.push(StateLayout {
-                            slot: spec.state_slot,
-                            len: spec.state_len(),
-                        });
-                        let state = LaunchArg::RecurrentState { slot: spec.state_slot };
-                        let convolved = LaunchArg::Scratch {
-                            node: i,
-                            name: "conv".into(),
-                            bytes: max_tokens * spec.conv_channels() * 4,
-                        };
-                        // Where each sequence's rows and state are (`templates::delta_net`).
-                        let (seqs, sequences) = match layout {
-                            CacheLayout::Batched => (
-                                "seqs",
-                                ["last_rows", "row_pos", "row_seq", "state_slots"]
-                                    .map(|name| LaunchArg::StepInput { name: name.into() })
-                                    .to_vec(),
-                            ),
-                            _ => ("1", vec![scalar("first", "first")]),
-                        };
-                        let conv_args = vec![
-                            x.clone(),
-                            weight(3),
-                            state.clone(),
-                            convolved.clone(),
-                            scalar("tokens", &rows),
-                            scalar("x_stride", x_stride),
-                        ];
-                        s.launches.push((
-                            i,
-                            delta_net::conv("delta_net_conv", &graph.name, layout, spec, conv_weights),
-                            Alternatives::default(),
-                            [conv_args, sequences.clone()].concat(),
-                        ));
-                        let window_args = vec![
-                            x,
-                            state.clone(),
-                            scalar("seqs", seqs),
-                            scalar("tokens", &rows),
-                            scalar("x_stride", x_stride),
-                        ];
-                        s.launches.push((
-                            i,
-                            delta_net::conv_window("delta_net_window", &graph.name, layout, spec),
-                            Alternatives::default(),
-                            [window_args, sequences.clone()].concat(),
-                        ));
-                        let rule_args = vec![
-                            convolved,
-                            b,
-                            a,
-                            weight(4),
-                            weight(5),
-                            state,
-                            out,
-                            scalar("seqs", seqs),
-                            scalar("tokens", &rows),
-                            scalar("b_stride", b_stride),
-                            scalar("a_stride", a_stride),
-                        ];
-                        (
-                            delta_net::delta_rule("delta_rule", &graph.name, layout, spec),
-                            [rule_args, sequences].concat(),
-                        )
+                        let operands = Operands { graph, node: i };
+                        delta_net::launches(&mut s, &operands, spec, layout, &rows, max_tokens)?
                     }
                     Op::Glu { act: a } => {
                         let (x, stride) = act(&s, 0);
@@ -835,6 +720,62 @@ fn weight_part(graph: &Graph, id: ir::NodeId) -> Option<super::WeightPart> {
             _ => None,
         },
         _ => None,
+    }
+}
+
+/// A node's operands as launch arguments (for the ops whose selection has a file of its own).
+struct Operands<'g> {
+    graph: &'g Graph,
+    node: usize,
+}
+
+impl Operands<'_> {
+    fn input(&self, k: usize) -> usize {
+        self.graph.nodes()[self.node].inputs[k].0
+    }
+
+    /// Input `k`, an activation, where its view lies, and its row stride.
+    fn activation(&self, s: &Selected, k: usize) -> (LaunchArg, usize) {
+        let v = &s.views[&self.input(k)];
+        (
+            LaunchArg::Activation {
+                node: v.base,
+                offset: v.offset(),
+            },
+            v.stride,
+        )
+    }
+
+    /// Input `k`, a weight.
+    fn weight(&self, k: usize) -> LaunchArg {
+        LaunchArg::Weight { node: self.input(k) }
+    }
+
+    /// Input `k`'s storage as the kernels read it (or why they cannot).
+    fn weight_format(&self, k: usize) -> Result<WeightFormat, GpuCodegenError> {
+        let op = &self.graph.nodes()[self.node].op;
+        weight_format(self.graph.nodes()[self.input(k)].dtype, self.node, op.name())
+    }
+
+    /// The node's own value.
+    fn out(&self) -> LaunchArg {
+        LaunchArg::Activation {
+            node: self.node,
+            offset: "0".into(),
+        }
+    }
+
+    /// Scratch of the node's launches: `per_row` f32 values for each of `max_tokens` rows.
+    fn scratch(&self, name: &str, per_row: usize, max_tokens: usize) -> LaunchArg {
+        LaunchArg::Scratch {
+            node: self.node,
+            name: name.into(),
+            bytes: max_tokens * per_row * 4,
+        }
+    }
+
+    fn origin(&self) -> &str {
+        &self.graph.name
     }
 }
 

@@ -1,0 +1,68 @@
+//! A MoE layer's launches (`templates::moe`): routing, the experts' gate/up with their GLU,
+//! and the weighted down projections into the node's value.
+
+use super::{scalar, Alternatives, Operands, Selected};
+use crate::gpu::{width, GpuCodegenError, LaunchArg};
+use kernels_gen::dsl::Kernel;
+use kernels_gen::templates::moe;
+
+/// Pushes the routing and gate/up launches; returns the last (the down projections) for the
+/// caller to push as the node's own.
+pub(super) fn launches(
+    s: &mut Selected,
+    operands: &Operands,
+    spec: &ir::MoeSpec,
+    rows: &str,
+    max_tokens: usize,
+) -> Result<(Kernel, Vec<LaunchArg>), GpuCodegenError> {
+    // Inputs: x, the router's logits, the score bias (grouped routers), then the stacked
+    // gate/up and down weights.
+    let bias = usize::from(spec.has_score_bias());
+    let (gate_up, down) = (2 + bias, 3 + bias);
+    let (gate_up_format, down_format) = (operands.weight_format(gate_up)?, operands.weight_format(down)?);
+    let ((x, x_stride), (logits, logits_stride)) = (operands.activation(s, 0), operands.activation(s, 1));
+    let k = spec.experts_per_token;
+    let routes = operands.scratch("routes", k, max_tokens);
+    let route_weights = operands.scratch("route_weights", k, max_tokens);
+    let hidden = operands.scratch("hidden", k * spec.intermediate, max_tokens);
+    // Softmax routers have no bias: the logits stand in (never read).
+    let score_bias = match bias {
+        1 => operands.weight(2),
+        _ => logits.clone(),
+    };
+    let (d, origin) = (width(operands.graph, operands.node), operands.origin());
+    let route = vec![
+        logits,
+        score_bias,
+        routes.clone(),
+        route_weights.clone(),
+        scalar("tokens", rows),
+        scalar("logits_stride", logits_stride),
+    ];
+    let gate_up_args = vec![
+        x,
+        routes.clone(),
+        operands.weight(gate_up),
+        hidden.clone(),
+        scalar("tokens", rows),
+        scalar("x_stride", x_stride),
+    ];
+    for (kernel, args) in [
+        (moe::route("moe_route", origin, spec), route),
+        (
+            moe::gate_up("moe_gate_up", origin, spec, d, gate_up_format),
+            gate_up_args,
+        ),
+    ] {
+        s.launches.push((operands.node, kernel, Alternatives::default(), args));
+    }
+    let args = vec![
+        hidden,
+        routes,
+        route_weights,
+        operands.weight(down),
+        operands.out(),
+        scalar("tokens", rows),
+    ];
+    Ok((moe::down("moe_down", origin, spec, d, down_format), args))
+}
