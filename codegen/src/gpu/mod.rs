@@ -6,8 +6,10 @@
 //! Covered: the ops of the fused Llama and Gemma 3 graphs with f32/bf16 weights or GGUF blocks
 //! (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, kept quantized), decode and prefill alike
 //! (`tokens` is a launch-time scalar), with the INT8-bound head and a tensor-core GEMM for
-//! prefill. A plan runs one sequence over a contiguous cache, or (`build_batched`) rows of many
-//! sequences over one paged KV pool.
+//! prefill; and those of Gemma 4, Qwen3.5, Qwen3-Next and GLM-4.5 (Gated DeltaNet layers with
+//! a recurrent state per sequence, MoE layers, biases, weightless norms, regrouped weight
+//! rows). GLM-5's latent attention is refused by name. A plan runs one sequence over a
+//! contiguous cache, or (`build_batched`) rows of many sequences over one paged KV pool.
 
 pub mod expr;
 pub mod plan;
