@@ -177,6 +177,33 @@ fn rms_norm_and_residual_form_match_reference() {
     }
 }
 
+/// LayerNorm of rows read from a wider, strided source, with an offset that the mean must
+/// remove (values far from 0).
+#[test]
+fn layer_norm_matches_reference() {
+    let mut rng = Rng(25);
+    for (rows, d, stride) in [(1, 1, 1), (3, 16, 20), (2, 577, 600)] {
+        let x: Vec<f32> = rng.vec(rows * stride).iter().map(|v| v + 3.0).collect();
+        let (w, bias) = (rng.vec(d), rng.vec(d));
+        let mut bufs = HashMap::from([
+            ("x".into(), Array::f32(&x)),
+            ("w".into(), Array::f32(&w)),
+            ("bias".into(), Array::f32(&bias)),
+            ("out".into(), Array::poisoned(Ty::F32, rows * d)),
+        ]);
+        let scalars = ints(&[("rows", rows as i64), ("d", d as i64), ("x_stride", stride as i64)]);
+        run(&rms_norm::layer_norm("ln", "test", 1e-6), &mut bufs, &scalars).unwrap();
+        let rows_of_x: Vec<f32> = (0..rows).flat_map(|r| x[r * stride..r * stride + d].to_vec()).collect();
+        let want = ops::layer_norm(&rows_of_x, &w, &bias, 1e-6);
+        close(
+            &bufs["out"].to_f32().unwrap(),
+            &want,
+            1e-4,
+            &format!("layer_norm {rows}x{d}"),
+        );
+    }
+}
+
 /// Every GEMV variant: scalar and vector loads (k a multiple of the vector, or not), one token
 /// per pass (decode) or eight (prefill, with token counts that leave a partial last pass).
 #[test]

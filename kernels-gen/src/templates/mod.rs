@@ -421,6 +421,7 @@ pub fn catalog() -> Vec<Kernel> {
         ),
         attention::attention_combine("attention_combine_512", "catalog", 512),
         rms_norm::unit_rms_norm("unit_rms_norm", "catalog", 1e-6),
+        rms_norm::layer_norm("layer_norm", "catalog", 1e-6),
         kv_append::kv_append("kv_append", "catalog"),
         attention::attention_split(
             "attention_paged",

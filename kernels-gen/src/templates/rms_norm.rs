@@ -1,5 +1,5 @@
 //! RMSNorm over groups of `group` elements (a whole row, or one head for q/k norms), and the
-//! fused residual form `[a + b | rms_norm(a + b)]`. One block per group: threads stride the
+//! fused residual form `[a + b | rms_norm(a + b)]`; LayerNorm of rows (GLM-5's indexer keys). One block per group: threads stride the
 //! group accumulating Σx², a block reduction, then every thread scales its elements. The
 //! reduction is in f32 (the IR reference accumulates in f64; tests compare within f32 error).
 
@@ -144,6 +144,59 @@ pub fn add_rms_norm(name: &str, origin: &str, eps: f32, weight_offset: f32) -> K
                         sum_at(var("i")) * var("inv") * (load("w", var("i")) + f(weight_offset)),
                     )],
                 ),
+            ],
+        ]
+        .concat(),
+    }
+}
+
+/// `out[r] = (x − mean)·rsqrt(var + eps)·w + bias` per row of `d` (rows of `x` `x_stride`
+/// apart), the mean first, then the variance as the mean of squared deviations (the
+/// reference's two passes); grid = rows.
+pub fn layer_norm(name: &str, origin: &str, eps: f32) -> Kernel {
+    let x = |i: Expr| load("x", bid() * var("x_stride") + i);
+    let over_row = |body: Vec<Stmt>| for_("i", tid(), var("d"), bdim(), body);
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: layer_norm"),
+        params: vec![
+            buffer("x", Ty::F32, false),
+            buffer("w", Ty::F32, false),
+            buffer("bias", Ty::F32, false),
+            buffer("out", Ty::F32, true),
+            scalar("rows", Ty::I32),
+            scalar("d", Ty::I32),
+            scalar("x_stride", Ty::I32),
+        ],
+        shared: vec![warp_scratch("partial", WARPS)],
+        block_dim: BLOCK,
+        grid: var("rows"),
+        body: [
+            vec![
+                let_("sum", Ty::F32, f(0.0)),
+                over_row(vec![assign("sum", var("sum") + x(var("i")))]),
+            ],
+            block_sum("sum", "partial", WARPS),
+            vec![
+                let_("mean", Ty::F32, var("sum") / cast(Ty::F32, var("d"))),
+                let_("dev", Ty::F32, f(0.0)),
+                over_row(vec![
+                    let_("centred", Ty::F32, x(var("i")) - var("mean")),
+                    assign("dev", var("dev") + var("centred") * var("centred")),
+                ]),
+            ],
+            block_sum("dev", "partial", WARPS),
+            vec![
+                let_(
+                    "inv",
+                    Ty::F32,
+                    un(UnOp::Rsqrt, var("dev") / cast(Ty::F32, var("d")) + f(eps)),
+                ),
+                over_row(vec![store(
+                    "out",
+                    bid() * var("d") + var("i"),
+                    (x(var("i")) - var("mean")) * var("inv") * load("w", var("i")) + load("bias", var("i")),
+                )]),
             ],
         ]
         .concat(),

@@ -320,6 +320,26 @@ pub(crate) fn select(
                         ];
                         (rms_norm::unit_rms_norm("unit_rms_norm", &graph.name, *eps as f32), args)
                     }
+                    Op::SparseMla(_) => {
+                        return Err(unsupported(
+                            "no GPU template yet: latent attention with its sparse indexer (GLM-5) runs on the CPU backend; \
+                             compile with --target cpu"
+                                .into(),
+                        ))
+                    }
+                    Op::LayerNorm { eps } => {
+                        let (x, stride) = act(&s, 0);
+                        let args = vec![
+                            x,
+                            weight(1),
+                            weight(2),
+                            out,
+                            scalar("rows", &rows),
+                            scalar("d", width(graph, i)),
+                            scalar("x_stride", stride),
+                        ];
+                        (rms_norm::layer_norm("layer_norm", &graph.name, *eps as f32), args)
+                    }
                     Op::AddRmsNorm { eps, weight_offset } => {
                         let ((a, sa), (b, sb)) = (act(&s, 0), act(&s, 1));
                         let d = width(graph, input(0));
