@@ -107,6 +107,24 @@ fn input_at(value: &str, src: Expr, kept: i64, channels: i64) -> Vec<Stmt> {
     ]
 }
 
+/// `terms` summed pairwise (a balanced tree): the recurrence waits on the sums over a
+/// thread's state entries once a row, and a tree is `log2` additions deep where a running sum
+/// is one per entry (floating-point addition is not reassociated by the compiler).
+fn tree_sum(mut terms: Vec<Expr>) -> Expr {
+    while terms.len() > 1 {
+        let mut pairs = Vec::with_capacity(terms.len().div_ceil(2));
+        let mut rest = terms.into_iter();
+        while let Some(a) = rest.next() {
+            pairs.push(match rest.next() {
+                Some(b) => a + b,
+                None => a,
+            });
+        }
+        terms = pairs;
+    }
+    terms.pop().unwrap_or_else(|| f(0.0))
+}
+
 fn spec_text(spec: &DeltaNetSpec) -> String {
     format!(
         "{} key heads × {}, {} value heads × {}, convolution of {}",
@@ -338,13 +356,9 @@ pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNet
         bin(BinOp::Le, var("r") + int(1), var("last_row")),
         load_row(var("r") + int(1)),
     ));
-    step.extend([let_("qq", Ty::F32, f(0.0)), let_("kk", Ty::F32, f(0.0))]);
-    for (q, k) in names("q").zip(names("k")) {
-        step.extend([
-            assign("qq", var("qq") + var(&q) * var(&q)),
-            assign("kk", var("kk") + var(&k) * var(&k)),
-        ]);
-    }
+    let dot =
+        |a: &'static str, b: &'static str| tree_sum(names(a).zip(names(b)).map(|(x, y)| var(&x) * var(&y)).collect());
+    step.extend([let_("qq", Ty::F32, dot("q", "q")), let_("kk", Ty::F32, dot("k", "k"))]);
     step.extend(column_sum("qq"));
     step.extend(column_sum("kk"));
     step.extend([
@@ -368,12 +382,11 @@ pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNet
         ),
         let_("decay", Ty::F32, un(UnOp::Exp, var("neg_a") * var("softplus"))),
         let_("beta", Ty::F32, super::elementwise::sigmoid(var("b_in"))),
-        let_("ks", Ty::F32, f(0.0)),
     ]);
-    for (s, k) in names("s").zip(names("k")) {
+    for s in names("s") {
         step.push(assign(&s, var(&s) * var("decay")));
-        step.push(assign("ks", var("ks") + var(&s) * var(&k)));
     }
+    step.push(let_("ks", Ty::F32, dot("s", "k")));
     step.extend(column_sum("ks"));
     step.extend([
         // k is normalised: kᵀS = k_scale · Σ k·S, and the update adds k_scale·k·δ.
@@ -382,12 +395,11 @@ pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNet
             Ty::F32,
             (var("v") - var("ks") * var("k_scale")) * var("beta") * var("k_scale"),
         ),
-        let_("o", Ty::F32, f(0.0)),
     ]);
-    for ((s, k), q) in names("s").zip(names("k")).zip(names("q")) {
+    for (s, k) in names("s").zip(names("k")) {
         step.push(assign(&s, var(&s) + var(&k) * var("delta")));
-        step.push(assign("o", var("o") + var(&s) * var(&q)));
     }
+    step.push(let_("o", Ty::F32, dot("s", "q")));
     step.extend(column_sum("o"));
     step.push(if_(
         and(var("active"), eq(var("rg"), int(0))),
