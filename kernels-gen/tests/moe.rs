@@ -190,3 +190,46 @@ fn experts_match_the_reference_layer() {
         );
     }
 }
+
+/// The expert-by-expert gate/up (what prefill runs) writes exactly the row-by-row kernel's
+/// values, over more pairs than one block-wide chunk of routes holds.
+#[test]
+fn gate_up_by_expert_equals_gate_up_row_by_row() {
+    let mut rng = Rng(53);
+    for spec in specs() {
+        for format in [WeightFormat::Dense(Ty::F32), WeightFormat::Dense(Ty::Bf16)] {
+            let (rows, d, e, k, i) = (40, 48, spec.experts, spec.experts_per_token, spec.intermediate);
+            let x = rng.vec(rows * d);
+            let logits = rng.vec(rows * e);
+            let gate_up = rng.vec(e * 2 * i * d);
+            let weights = match format {
+                WeightFormat::Dense(Ty::Bf16) => bf16_array(&gate_up),
+                _ => Array::f32(&gate_up),
+            };
+            let mut bufs = HashMap::from([
+                ("logits".into(), Array::f32(&logits)),
+                ("score_bias".into(), Array::f32(&rng.vec(e))),
+                ("routes".into(), Array::poisoned(Ty::I32, rows * k)),
+                ("route_weights".into(), Array::poisoned(Ty::F32, rows * k)),
+                ("x".into(), Array::f32(&x)),
+                ("w".into(), weights),
+            ]);
+            let scalars = ints(&[
+                ("tokens", rows as i64),
+                ("logits_stride", e as i64),
+                ("x_stride", d as i64),
+            ]);
+            run(&moe::route("route", "test", &spec), &mut bufs, &scalars).unwrap();
+            let mut hidden = Vec::new();
+            for kernel in [
+                moe::gate_up("rows", "test", &spec, d, format),
+                moe::gate_up_by_expert("experts", "test", &spec, d, format),
+            ] {
+                bufs.insert("hidden".into(), Array::poisoned(Ty::F32, rows * k * i));
+                run(&kernel, &mut bufs, &scalars).unwrap();
+                hidden.push(bufs["hidden"].to_f32().unwrap());
+            }
+            assert_eq!(hidden[0], hidden[1], "{spec:?} {format:?}");
+        }
+    }
+}

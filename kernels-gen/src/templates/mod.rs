@@ -499,6 +499,13 @@ pub fn catalog() -> Vec<Kernel> {
             },
         ),
         moe::gate_up("moe_gate_up_bf16", "catalog", &GLM_4_5_AIR_MOE, 4096, Dense(Ty::Bf16)),
+        moe::gate_up_by_expert(
+            "moe_gate_up_by_expert_bf16",
+            "catalog",
+            &GLM_4_5_AIR_MOE,
+            4096,
+            Dense(Ty::Bf16),
+        ),
         moe::down("moe_down_bf16", "catalog", &GLM_4_5_AIR_MOE, 4096, Dense(Ty::Bf16)),
         split_k::reduce("split_k_reduce", "catalog", 16, None),
         split_k::reduce("split_k_reduce_swiglu", "catalog", 16, Some(GluAct::Silu)),

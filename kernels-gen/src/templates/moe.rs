@@ -9,15 +9,16 @@
 //!    candidates ranked after the previous round's winner.
 //! 2. [`gate_up`]: a warp per (row, chosen expert, hidden unit) dots the row with that unit's
 //!    gate and up rows of the expert's stacked weights and writes `act(gate)·up`; dense weights
-//!    are read 16 bytes a lane at a time (8 bf16), as the decode GEMV reads them.
+//!    are read 16 bytes a lane at a time (8 bf16), as the decode GEMV reads them. Prefill steps
+//!    run [`gate_up_by_expert`] instead: the same values, computed expert by expert.
 //! 3. [`down`]: a warp per (row, output column) sums each chosen expert's down row against its
 //!    hidden units, weighted, in ascending expert order as the reference adds them.
 //!
 //! Each row's arithmetic depends on its own routes only, so a row computes the same whatever
-//! shares its step. Experts' weights are read once per row that chose them: what decode wants
-//! (a few rows, each expert's weights streamed once); a long prefill re-reads an expert's
-//! weights for every row that chose it, where a grouped GEMM (rows gathered by expert) would
-//! read them once: not built.
+//! shares its step. In decode steps experts' weights are read once per row that chose them (a
+//! few rows, each chosen expert's weights streamed once); prefill steps read the gate/up
+//! weights once an expert, but the down projections still once per row that chose the expert
+//! (their sum over a row's experts in order is what keeps that kernel one launch).
 
 use super::gemv::gated;
 use super::quant::WeightFormat;
@@ -379,26 +380,23 @@ fn dot_rows(weights: WeightFormat, k: usize, rows: &[(Expr, &str)], x: &dyn Fn(E
     for_("c", lane() * int(v), int(k as i64), int(32 * v), body)
 }
 
-/// `hidden[(t·k + p)·I + i] = act(gate)·up` for expert `routes[t·k + p]`'s hidden unit `i`, its
-/// gate row `e·2I + i` and up row `e·2I + I + i` of the stacked `[experts·2I, d]` weights, over
-/// row `t` of `x` (`x_stride` apart, `d` = `hidden` wide). Grid: `tokens · k · ⌈I / 8⌉` blocks
-/// of 8 warps.
-pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, weights: WeightFormat) -> Kernel {
-    let (k, i) = (spec.experts_per_token as i64, spec.intermediate as i64);
-    let tiles = (i + WARPS - 1) / WARPS;
+/// One warp's hidden unit `unit` of pair `pair` (row `t`, expert `e`): the dots of row `t` of
+/// `x` with the unit's gate row `e·2I + unit` and up row `e·2I + I + unit`, and `act(gate)·up`
+/// into `hidden`. The same arithmetic whichever kernel (row-major or expert-major) runs it.
+fn gate_up_unit(spec: &MoeSpec, hidden: usize, weights: WeightFormat) -> Vec<Stmt> {
+    let i = spec.intermediate as i64;
     let rows = [
         (var("e") * int(2 * i) + var("unit"), "gate"),
         (var("e") * int(2 * i) + int(i) + var("unit"), "up"),
     ];
-    let mut per_unit = vec![
-        let_("e", Ty::I32, load("routes", var("pair"))),
+    let mut unit = vec![
         let_("gate", Ty::F32, f(0.0)),
         let_("up", Ty::F32, f(0.0)),
         dot_rows(weights, hidden, &rows, &|c| load("x", var("t") * var("x_stride") + c)),
     ];
-    per_unit.extend(warp_sum("gate"));
-    per_unit.extend(warp_sum("up"));
-    per_unit.push(if_(
+    unit.extend(warp_sum("gate"));
+    unit.extend(warp_sum("up"));
+    unit.push(if_(
         eq(lane(), int(0)),
         vec![store(
             "hidden",
@@ -406,34 +404,147 @@ pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, weights:
             gated(spec.act, var("gate"), var("up")),
         )],
     ));
+    // Uniform across the warp: every lane shuffles or none.
+    vec![if_(lt(var("unit"), int(i)), unit)]
+}
+
+/// The parameters both gate/up kernels take, in the launch's order.
+fn gate_up_params(weights: WeightFormat) -> Vec<Param> {
+    vec![
+        buffer("x", Ty::F32, false),
+        buffer("routes", Ty::I32, false),
+        buffer("w", weights.buffer_ty(), false),
+        buffer("hidden", Ty::F32, true),
+        scalar("tokens", Ty::I32),
+        scalar("x_stride", Ty::I32),
+    ]
+}
+
+/// `hidden[(t·k + p)·I + i] = act(gate)·up` for expert `routes[t·k + p]`'s hidden unit `i` (see
+/// [`gate_up_unit`]), over row `t` of `x` (`x_stride` apart, `hidden` wide), row by row: a warp
+/// per (row, chosen expert, unit). What decode runs: each chosen expert's weights streamed
+/// once. Grid: `tokens · k · ⌈I / 8⌉` blocks of 8 warps.
+pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, weights: WeightFormat) -> Kernel {
+    let (k, i) = (spec.experts_per_token as i64, spec.intermediate as i64);
+    let tiles = (i + WARPS - 1) / WARPS;
+    let mut body = vec![
+        let_("pair", Ty::I32, bid() / int(tiles)),
+        let_("t", Ty::I32, var("pair") / int(k)),
+        let_("unit", Ty::I32, rem(bid(), int(tiles)) * int(WARPS) + warp()),
+        let_("e", Ty::I32, load("routes", var("pair"))),
+    ];
+    body.extend(gate_up_unit(spec, hidden, weights));
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: MoE experts' gate/up and {:?} over rows of {hidden}, {} weights {} a load, {}",
+            "{origin}: MoE experts' gate/up and {:?} over rows of {hidden}, row by row, {} weights {} a load, {}",
             spec.act,
             weights.describe(),
             vector(weights, hidden),
             describe(spec)
         ),
-        params: vec![
-            buffer("x", Ty::F32, false),
-            buffer("routes", Ty::I32, false),
-            buffer("w", weights.buffer_ty(), false),
-            buffer("hidden", Ty::F32, true),
-            scalar("tokens", Ty::I32),
-            scalar("x_stride", Ty::I32),
-        ],
+        params: gate_up_params(weights),
         shared: vec![],
         block_dim: BLOCK,
         grid: var("tokens") * int(k * tiles),
+        body,
+    }
+}
+
+/// Hidden units a block of [`gate_up_by_expert`] takes: 8 a warp.
+const UNITS_PER_EXPERT_BLOCK: i64 = 8 * WARPS;
+
+/// [`gate_up`]'s values, expert by expert: a block per (expert, 64 hidden units) finds the
+/// pairs that chose its expert (the routes scanned a block-wide chunk at a time, the hits
+/// compacted in order by a prefix sum) and computes its units for each, so an expert's
+/// weights are read from memory once a step and from cache for its other rows, where the
+/// row-by-row kernel reads them once per row that chose it. What prefill runs (the same
+/// arguments; the same arithmetic per unit, so the same values).
+pub fn gate_up_by_expert(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, weights: WeightFormat) -> Kernel {
+    let (k, i) = (spec.experts_per_token as i64, spec.intermediate as i64);
+    let tiles = (i + UNITS_PER_EXPERT_BLOCK - 1) / UNITS_PER_EXPERT_BLOCK;
+    let mut per_pair = vec![
+        let_("pair", Ty::I32, load("found", var("f"))),
+        let_("t", Ty::I32, var("pair") / int(k)),
+    ];
+    let mut per_unit = vec![let_(
+        "unit",
+        Ty::I32,
+        var("tile") * int(UNITS_PER_EXPERT_BLOCK) + var("u") * int(WARPS) + warp(),
+    )];
+    per_unit.extend(gate_up_unit(spec, hidden, weights));
+    per_pair.push(for_("u", int(0), int(UNITS_PER_EXPERT_BLOCK / WARPS), int(1), per_unit));
+    let mut chunk = vec![
+        let_("at", Ty::I32, var("chunk") + tid()),
+        let_("hit", Ty::I32, int(0)),
+        if_(
+            lt(var("at"), var("pairs")),
+            vec![if_(
+                eq(load("routes", var("at")), var("e")),
+                vec![assign("hit", int(1))],
+            )],
+        ),
+    ];
+    chunk.extend(block_prefix_sum("hit", "scan"));
+    chunk.extend([
+        if_(
+            eq(var("hit"), int(1)),
+            vec![store("found", load("scan", tid()) - int(1), var("at"))],
+        ),
+        Stmt::SyncThreads,
+        let_("count", Ty::I32, load("scan", int(BLOCK as i64 - 1))),
+        for_("f", int(0), var("count"), int(1), per_pair),
+        // Everyone is done with this chunk's list before the next overwrites it.
+        Stmt::SyncThreads,
+    ]);
+    let shared = |name: &str| SharedArray {
+        name: name.into(),
+        ty: Ty::I32,
+        len: BLOCK as usize,
+    };
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: MoE experts' gate/up and {:?} over rows of {hidden}, expert by expert, {} weights {} a load, {}",
+            spec.act,
+            weights.describe(),
+            vector(weights, hidden),
+            describe(spec)
+        ),
+        params: gate_up_params(weights),
+        shared: vec![shared("scan"), shared("found")],
+        block_dim: BLOCK,
+        grid: int(spec.experts as i64 * tiles),
         body: vec![
-            let_("pair", Ty::I32, bid() / int(tiles)),
-            let_("t", Ty::I32, var("pair") / int(k)),
-            let_("unit", Ty::I32, rem(bid(), int(tiles)) * int(WARPS) + warp()),
-            // Uniform across the warp: every lane shuffles or none.
-            if_(lt(var("unit"), int(i)), per_unit),
+            let_("e", Ty::I32, bid() / int(tiles)),
+            let_("tile", Ty::I32, rem(bid(), int(tiles))),
+            let_("pairs", Ty::I32, var("tokens") * int(k)),
+            for_("chunk", int(0), var("pairs"), int(BLOCK as i64), chunk),
         ],
     }
+}
+
+/// `scan[tid]` = the sum of `value` (an i32 local) over threads `0..=tid` (Hillis and Steele's
+/// doubling, a barrier around each step), every thread's written before the last barrier.
+fn block_prefix_sum(value: &str, scan: &str) -> Vec<Stmt> {
+    let mut out = vec![store(scan, tid(), var(value))];
+    let mut offset = 1;
+    while offset < BLOCK as i64 {
+        let from = format!("from{offset}");
+        out.extend([
+            Stmt::SyncThreads,
+            let_(&from, Ty::I32, int(0)),
+            if_(
+                bin(BinOp::Ge, tid(), int(offset)),
+                vec![assign(&from, load(scan, tid() - int(offset)))],
+            ),
+            Stmt::SyncThreads,
+            store(scan, tid(), load(scan, tid()) + var(&from)),
+        ]);
+        offset *= 2;
+    }
+    out.push(Stmt::SyncThreads);
+    out
 }
 
 /// `out[t, n] = Σ_p route_weights[t·k + p] · (down row e·d + n of expert e = routes[t·k + p]) ·

@@ -1,5 +1,6 @@
-//! A MoE layer's launches (`templates::moe`): routing, the experts' gate/up with their GLU,
-//! and the weighted down projections into the node's value.
+//! A MoE layer's launches (`templates::moe`): routing, the experts' gate/up with their GLU
+//! (row by row; expert by expert in prefill steps), and the weighted down projections into
+//! the node's value.
 
 use super::{scalar, Alternatives, Operands, Selected};
 use crate::gpu::{width, GpuCodegenError, LaunchArg};
@@ -47,15 +48,23 @@ pub(super) fn launches(
         scalar("tokens", rows),
         scalar("x_stride", x_stride),
     ];
-    for (kernel, args) in [
-        (moe::route("moe_route", origin, spec), route),
-        (
-            moe::gate_up("moe_gate_up", origin, spec, d, gate_up_format),
-            gate_up_args,
-        ),
-    ] {
-        s.launches.push((operands.node, kernel, Alternatives::default(), args));
-    }
+    s.launches.push((
+        operands.node,
+        moe::route("moe_route", origin, spec),
+        Alternatives::default(),
+        route,
+    ));
+    // Prefill steps take the experts one by one: each expert's weights read once a step.
+    let by_expert = Alternatives {
+        few_rows: None,
+        prefill: Some(moe::gate_up_by_expert("moe_gate_up", origin, spec, d, gate_up_format)),
+    };
+    s.launches.push((
+        operands.node,
+        moe::gate_up("moe_gate_up", origin, spec, d, gate_up_format),
+        by_expert,
+        gate_up_args,
+    ));
     let args = vec![
         hidden,
         routes,
