@@ -191,10 +191,11 @@ fn experts_match_the_reference_layer() {
     }
 }
 
-/// The expert-by-expert gate/up (what prefill runs) writes exactly the row-by-row kernel's
-/// values, over more pairs than one block-wide chunk of routes holds.
+/// The expert-by-expert gate/up and down (what prefill runs; the down's products then summed
+/// by `combine`) write exactly the row-by-row kernels' values, over more pairs than one
+/// block-wide chunk of routes holds.
 #[test]
-fn gate_up_by_expert_equals_gate_up_row_by_row() {
+fn experts_one_by_one_equal_rows_one_by_one() {
     let mut rng = Rng(53);
     for spec in specs() {
         for format in [WeightFormat::Dense(Ty::F32), WeightFormat::Dense(Ty::Bf16)] {
@@ -230,6 +231,29 @@ fn gate_up_by_expert_equals_gate_up_row_by_row() {
                 hidden.push(bufs["hidden"].to_f32().unwrap());
             }
             assert_eq!(hidden[0], hidden[1], "{spec:?} {format:?}");
+            let down = rng.vec(e * d * i);
+            bufs.insert(
+                "w".into(),
+                match format {
+                    WeightFormat::Dense(Ty::Bf16) => bf16_array(&down),
+                    _ => Array::f32(&down),
+                },
+            );
+            bufs.insert("out".into(), Array::poisoned(Ty::F32, rows * d));
+            let mut scalars = scalars.clone();
+            scalars.insert("active".into(), kernels_gen::emulator::Scalar::Int(1));
+            run(&moe::down("rows", "test", &spec, d, format), &mut bufs, &scalars).unwrap();
+            let row_by_row = bufs["out"].to_f32().unwrap();
+            bufs.insert("out".into(), Array::poisoned(Ty::F32, rows * d));
+            bufs.insert("ys".into(), Array::poisoned(Ty::F32, rows * k * d));
+            run(
+                &moe::down_by_expert("experts", "test", &spec, d, format),
+                &mut bufs,
+                &scalars,
+            )
+            .unwrap();
+            run(&moe::combine("combine", "test", &spec, d), &mut bufs, &scalars).unwrap();
+            assert_eq!(bufs["out"].to_f32().unwrap(), row_by_row, "{spec:?} {format:?}: down");
         }
     }
 }

@@ -1,4 +1,4 @@
-//! Mixture-of-experts layers (the IR's `moe`) as three launches:
+//! Mixture-of-experts layers (the IR's `moe`) as three launches in decode steps:
 //!
 //! 1. [`route`]: a warp per row picks the row's experts from the router's logits and weighs
 //!    them, exactly as `ir::reference::ops::moe_route` (softmax router, or DeepSeek-V3's
@@ -9,16 +9,17 @@
 //!    candidates ranked after the previous round's winner.
 //! 2. [`gate_up`]: a warp per (row, chosen expert, hidden unit) dots the row with that unit's
 //!    gate and up rows of the expert's stacked weights and writes `act(gate)·up`; dense weights
-//!    are read 16 bytes a lane at a time (8 bf16), as the decode GEMV reads them. Prefill steps
-//!    run [`gate_up_by_expert`] instead: the same values, computed expert by expert.
+//!    are read 16 bytes a lane at a time (8 bf16), as the decode GEMV reads them.
 //! 3. [`down`]: a warp per (row, output column) sums each chosen expert's down row against its
 //!    hidden units, weighted, in ascending expert order as the reference adds them.
 //!
-//! Each row's arithmetic depends on its own routes only, so a row computes the same whatever
-//! shares its step. In decode steps experts' weights are read once per row that chose them (a
-//! few rows, each chosen expert's weights streamed once); prefill steps read the gate/up
-//! weights once an expert, but the down projections still once per row that chose the expert
-//! (their sum over a row's experts in order is what keeps that kernel one launch).
+//! Prefill steps run (2) and (3) expert by expert instead ([`gate_up_by_expert`],
+//! [`down_by_expert`] then [`combine`], whose grid is empty in other steps): a block per expert
+//! finds the rows that chose it, so its weights are read once a step rather than once per row.
+//!
+//! Each row's arithmetic depends on its own routes only, and is the same in either order (the
+//! same dots, the same sum over a row's experts), so a row computes the same whatever shares
+//! its step.
 
 use super::gemv::gated;
 use super::quant::WeightFormat;
@@ -451,29 +452,28 @@ pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, weights:
     }
 }
 
-/// Hidden units a block of [`gate_up_by_expert`] takes: 8 a warp.
-const UNITS_PER_EXPERT_BLOCK: i64 = 8 * WARPS;
+/// Outputs (hidden units, or output columns) a block of the expert-by-expert kernels takes: 8
+/// a warp.
+const OUTPUTS_PER_EXPERT_BLOCK: i64 = 8 * WARPS;
 
-/// [`gate_up`]'s values, expert by expert: a block per (expert, 64 hidden units) finds the
-/// pairs that chose its expert (the routes scanned a block-wide chunk at a time, the hits
-/// compacted in order by a prefix sum) and computes its units for each, so an expert's
-/// weights are read from memory once a step and from cache for its other rows, where the
-/// row-by-row kernel reads them once per row that chose it. What prefill runs (the same
-/// arguments; the same arithmetic per unit, so the same values).
-pub fn gate_up_by_expert(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, weights: WeightFormat) -> Kernel {
-    let (k, i) = (spec.experts_per_token as i64, spec.intermediate as i64);
-    let tiles = (i + UNITS_PER_EXPERT_BLOCK - 1) / UNITS_PER_EXPERT_BLOCK;
-    let mut per_pair = vec![
+/// The body of an expert-by-expert kernel over `outputs` outputs an expert (a block per expert
+/// `e` and [`OUTPUTS_PER_EXPERT_BLOCK`] of them, `tile`): the routes are scanned a block-wide
+/// chunk at a time, the pairs that chose `e` compacted in order by a prefix sum, and for each
+/// (`pair`, its row `t`) every warp runs `per_output` for its outputs (`output`). Its grid is
+/// [`expert_grid`].
+fn for_each_pair_of_expert(spec: &MoeSpec, outputs: i64, per_output: Vec<Stmt>) -> Vec<Stmt> {
+    let (k, tiles) = (spec.experts_per_token as i64, expert_tiles(outputs));
+    let mut per_out = vec![let_(
+        "output",
+        Ty::I32,
+        var("tile") * int(OUTPUTS_PER_EXPERT_BLOCK) + var("u") * int(WARPS) + warp(),
+    )];
+    per_out.extend(per_output);
+    let per_pair = vec![
         let_("pair", Ty::I32, load("found", var("f"))),
         let_("t", Ty::I32, var("pair") / int(k)),
+        for_("u", int(0), int(OUTPUTS_PER_EXPERT_BLOCK / WARPS), int(1), per_out),
     ];
-    let mut per_unit = vec![let_(
-        "unit",
-        Ty::I32,
-        var("tile") * int(UNITS_PER_EXPERT_BLOCK) + var("u") * int(WARPS) + warp(),
-    )];
-    per_unit.extend(gate_up_unit(spec, hidden, weights));
-    per_pair.push(for_("u", int(0), int(UNITS_PER_EXPERT_BLOCK / WARPS), int(1), per_unit));
     let mut chunk = vec![
         let_("at", Ty::I32, var("chunk") + tid()),
         let_("hit", Ty::I32, int(0)),
@@ -497,11 +497,42 @@ pub fn gate_up_by_expert(name: &str, origin: &str, spec: &MoeSpec, hidden: usize
         // Everyone is done with this chunk's list before the next overwrites it.
         Stmt::SyncThreads,
     ]);
-    let shared = |name: &str| SharedArray {
-        name: name.into(),
-        ty: Ty::I32,
-        len: BLOCK as usize,
-    };
+    vec![
+        let_("e", Ty::I32, bid() / int(tiles)),
+        let_("tile", Ty::I32, rem(bid(), int(tiles))),
+        let_("pairs", Ty::I32, var("tokens") * int(k)),
+        for_("chunk", int(0), var("pairs"), int(BLOCK as i64), chunk),
+    ]
+}
+
+fn expert_tiles(outputs: i64) -> i64 {
+    (outputs + OUTPUTS_PER_EXPERT_BLOCK - 1) / OUTPUTS_PER_EXPERT_BLOCK
+}
+
+/// An expert-by-expert kernel's blocks: every expert's tiles.
+fn expert_grid(spec: &MoeSpec, outputs: i64) -> Expr {
+    int(spec.experts as i64 * expert_tiles(outputs))
+}
+
+/// The shared arrays of an expert-by-expert kernel: the prefix sum and the pairs found.
+fn expert_shared() -> Vec<SharedArray> {
+    ["scan", "found"]
+        .map(|name| SharedArray {
+            name: name.into(),
+            ty: Ty::I32,
+            len: BLOCK as usize,
+        })
+        .to_vec()
+}
+
+/// [`gate_up`]'s values, expert by expert (see [`for_each_pair_of_expert`]): each expert's
+/// gate/up weights are read from memory once a step and from cache for its other rows, where
+/// the row-by-row kernel reads them once per row that chose it. What prefill runs (the same
+/// arguments; the same arithmetic per unit, so the same values).
+pub fn gate_up_by_expert(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, weights: WeightFormat) -> Kernel {
+    let i = spec.intermediate as i64;
+    let mut per_unit = vec![let_("unit", Ty::I32, var("output"))];
+    per_unit.extend(gate_up_unit(spec, hidden, weights));
     Kernel {
         name: name.into(),
         origin: format!(
@@ -512,15 +543,10 @@ pub fn gate_up_by_expert(name: &str, origin: &str, spec: &MoeSpec, hidden: usize
             describe(spec)
         ),
         params: gate_up_params(weights),
-        shared: vec![shared("scan"), shared("found")],
+        shared: expert_shared(),
         block_dim: BLOCK,
-        grid: int(spec.experts as i64 * tiles),
-        body: vec![
-            let_("e", Ty::I32, bid() / int(tiles)),
-            let_("tile", Ty::I32, rem(bid(), int(tiles))),
-            let_("pairs", Ty::I32, var("tokens") * int(k)),
-            for_("chunk", int(0), var("pairs"), int(BLOCK as i64), chunk),
-        ],
+        grid: expert_grid(spec, i),
+        body: for_each_pair_of_expert(spec, i, per_unit),
     }
 }
 
@@ -547,41 +573,53 @@ fn block_prefix_sum(value: &str, scan: &str) -> Vec<Stmt> {
     out
 }
 
-/// `out[t, n] = Σ_p route_weights[t·k + p] · (down row e·d + n of expert e = routes[t·k + p]) ·
-/// hidden[t·k + p]`, over p in order (experts ascending), `d` = `hidden` wide. Grid:
-/// `tokens · ⌈d / 8⌉` blocks of 8 warps.
-pub fn down(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, weights: WeightFormat) -> Kernel {
-    let (k, i, d) = (spec.experts_per_token as i64, spec.intermediate, hidden as i64);
-    let tiles = (d + WARPS - 1) / WARPS;
-    let at = (var("t") * int(k) + var("p")) * int(i as i64);
-    let mut per_choice = vec![
-        let_("e", Ty::I32, load("routes", var("t") * int(k) + var("p"))),
+/// `y`, in every lane: the dot of pair `pair`'s hidden units with down row `e·d + n` of expert
+/// `e`. The same arithmetic whichever kernel runs it.
+fn down_dot(spec: &MoeSpec, hidden: usize, weights: WeightFormat, pair: Expr) -> Vec<Stmt> {
+    let (i, d) = (spec.intermediate, hidden as i64);
+    let at = pair * int(i as i64);
+    let mut out = vec![
         let_("y", Ty::F32, f(0.0)),
         dot_rows(weights, i, &[(var("e") * int(d) + var("n"), "y")], &|c| {
             load("hidden", at.clone() + c)
         }),
     ];
-    per_choice.extend(warp_sum("y"));
-    per_choice.push(assign(
-        "acc",
-        var("acc") + var("y") * load("route_weights", var("t") * int(k) + var("p")),
-    ));
+    out.extend(warp_sum("y"));
+    out
+}
+
+/// The parameters both down kernels take, in the launch's order (the expert-by-expert one
+/// takes `ys` after them).
+fn down_params(weights: WeightFormat) -> Vec<Param> {
+    vec![
+        buffer("hidden", Ty::F32, false),
+        buffer("routes", Ty::I32, false),
+        buffer("route_weights", Ty::F32, false),
+        buffer("w", weights.buffer_ty(), false),
+        buffer("out", Ty::F32, true),
+        scalar("tokens", Ty::I32),
+    ]
+}
+
+/// `out[t, n] = Σ_p route_weights[t·k + p] · (down row e·d + n of expert e = routes[t·k + p]) ·
+/// hidden[t·k + p]`, over p in order (experts ascending), `d` = `hidden` wide: a warp per (row,
+/// output column). What decode runs. Grid: `tokens · ⌈d / 8⌉` blocks of 8 warps.
+pub fn down(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, weights: WeightFormat) -> Kernel {
+    let (k, d) = (spec.experts_per_token as i64, hidden as i64);
+    let tiles = (d + WARPS - 1) / WARPS;
+    let choice = var("t") * int(k) + var("p");
+    let mut per_choice = vec![let_("e", Ty::I32, load("routes", choice.clone()))];
+    per_choice.extend(down_dot(spec, hidden, weights, choice.clone()));
+    per_choice.push(assign("acc", var("acc") + var("y") * load("route_weights", choice)));
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: MoE experts' down projections to rows of {hidden}, weighted, {} weights {} a load, {}",
+            "{origin}: MoE experts' down projections to rows of {hidden}, weighted, row by row, {} weights {} a load, {}",
             weights.describe(),
-            vector(weights, i),
+            vector(weights, spec.intermediate),
             describe(spec)
         ),
-        params: vec![
-            buffer("hidden", Ty::F32, false),
-            buffer("routes", Ty::I32, false),
-            buffer("route_weights", Ty::F32, false),
-            buffer("w", weights.buffer_ty(), false),
-            buffer("out", Ty::F32, true),
-            scalar("tokens", Ty::I32),
-        ],
+        params: down_params(weights),
         shared: vec![],
         block_dim: BLOCK,
         grid: var("tokens") * int(tiles),
@@ -600,5 +638,77 @@ pub fn down(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, weights: We
                 ],
             ),
         ],
+    }
+}
+
+/// Each pair's down projection unweighted, `ys[pair·d + n]`, expert by expert (see
+/// [`for_each_pair_of_expert`]): each expert's down weights read once a step. What prefill
+/// runs, [`combine`] after it; `out` is not written (the parameters are [`down`]'s, then `ys`).
+pub fn down_by_expert(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, weights: WeightFormat) -> Kernel {
+    let d = hidden as i64;
+    let mut per_column = vec![let_("n", Ty::I32, var("output"))];
+    let mut column = down_dot(spec, hidden, weights, var("pair"));
+    column.push(if_(
+        eq(lane(), int(0)),
+        vec![store("ys", var("pair") * int(d) + var("n"), var("y"))],
+    ));
+    // Uniform across the warp: every lane shuffles or none.
+    per_column.push(if_(lt(var("n"), int(d)), column));
+    let mut params = down_params(weights);
+    params.push(buffer("ys", Ty::F32, true));
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: MoE experts' down projections to rows of {hidden}, expert by expert, {} weights {} a load, {}",
+            weights.describe(),
+            vector(weights, spec.intermediate),
+            describe(spec)
+        ),
+        params,
+        shared: expert_shared(),
+        block_dim: BLOCK,
+        grid: expert_grid(spec, d),
+        body: for_each_pair_of_expert(spec, d, per_column),
+    }
+}
+
+/// `out[t, n] = Σ_p route_weights[t·k + p] · ys[(t·k + p)·d + n]` over p in order: [`down`]'s
+/// sum of [`down_by_expert`]'s products, a thread per element; none where `active` is 0 (its
+/// grid is then empty: steps that ran [`down`]).
+pub fn combine(name: &str, origin: &str, spec: &MoeSpec, hidden: usize) -> Kernel {
+    let (k, d) = (spec.experts_per_token as i64, hidden as i64);
+    let choice = var("t") * int(k) + var("p");
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: MoE experts' outputs summed, weighted, {}", describe(spec)),
+        params: vec![
+            buffer("ys", Ty::F32, false),
+            buffer("route_weights", Ty::F32, false),
+            buffer("out", Ty::F32, true),
+            scalar("tokens", Ty::I32),
+            scalar("active", Ty::I32),
+        ],
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: super::blocks_for(var("tokens") * int(d), BLOCK as i64) * var("active"),
+        body: super::per_element(
+            var("tokens") * int(d),
+            vec![
+                let_("t", Ty::I32, var("i") / int(d)),
+                let_("n", Ty::I32, rem(var("i"), int(d))),
+                let_("acc", Ty::F32, f(0.0)),
+                for_(
+                    "p",
+                    int(0),
+                    int(k),
+                    int(1),
+                    vec![assign(
+                        "acc",
+                        var("acc") + load("ys", choice.clone() * int(d) + var("n")) * load("route_weights", choice),
+                    )],
+                ),
+                store("out", var("i"), var("acc")),
+            ],
+        ),
     }
 }

@@ -1,6 +1,6 @@
-//! A MoE layer's launches (`templates::moe`): routing, the experts' gate/up with their GLU
-//! (row by row; expert by expert in prefill steps), and the weighted down projections into
-//! the node's value.
+//! A MoE layer's launches (`templates::moe`): routing, the experts' gate/up with their GLU and
+//! the weighted down projections into the node's value, row by row; prefill steps run both
+//! expert by expert, and a last launch (empty in other steps) sums the down products.
 
 use super::{scalar, Alternatives, Operands, Selected};
 use crate::gpu::{width, GpuCodegenError, LaunchArg};
@@ -54,24 +54,42 @@ pub(super) fn launches(
         Alternatives::default(),
         route,
     ));
-    // Prefill steps take the experts one by one: each expert's weights read once a step.
-    let by_expert = Alternatives {
+    // Prefill steps take the experts one by one: each expert's weights read once a step. Their
+    // down projections leave each pair's product in `ys`, which a last launch (empty in other
+    // steps) sums into the value as the row-by-row kernel does.
+    let prefill_only = |kernel| Alternatives {
         few_rows: None,
-        prefill: Some(moe::gate_up_by_expert("moe_gate_up", origin, spec, d, gate_up_format)),
+        prefill: Some(kernel),
     };
     s.launches.push((
         operands.node,
         moe::gate_up("moe_gate_up", origin, spec, d, gate_up_format),
-        by_expert,
+        prefill_only(moe::gate_up_by_expert("moe_gate_up", origin, spec, d, gate_up_format)),
         gate_up_args,
     ));
-    let args = vec![
+    let ys = operands.scratch("ys", k * d, max_tokens);
+    let down_args = vec![
         hidden,
         routes,
-        route_weights,
+        route_weights.clone(),
         operands.weight(down),
         operands.out(),
         scalar("tokens", rows),
+        ys.clone(),
     ];
-    Ok((moe::down("moe_down", origin, spec, d, down_format), args))
+    s.launches.push((
+        operands.node,
+        moe::down("moe_down", origin, spec, d, down_format),
+        prefill_only(moe::down_by_expert("moe_down", origin, spec, d, down_format)),
+        down_args,
+    ));
+    let combine = vec![
+        ys,
+        route_weights,
+        operands.out(),
+        scalar("tokens", rows),
+        // 1 in the steps that run the prefill kernels, else 0 (an empty grid).
+        scalar("active", format!("min(1,({rows})/{})", crate::gpu::PREFILL_TOKENS)),
+    ];
+    Ok((moe::combine("moe_combine", origin, spec, d), combine))
 }
