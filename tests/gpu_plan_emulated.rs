@@ -532,6 +532,39 @@ fn the_serving_engine_runs_hybrid_and_moe_plans_like_the_cpu_backend() {
     }
 }
 
+/// A recurrent model's batched plan refuses, before running anything, a step whose sequences
+/// share a state slot or name one past the plan's, and a segment sampling several rows (its
+/// state cannot take back rejected drafts): errors, not corrupted states.
+#[test]
+fn recurrent_state_slots_are_checked_per_step() {
+    use runtime::kv::BlockId;
+    let model = open("qwen3_5", ComputeDtype::F32);
+    let config = serving_config(32, 8);
+    let (gpu_graph, plan, kernels) = serving_plan(&model, &config, 2);
+    let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64).unwrap();
+    assert!(!gpu.samples_several_rows());
+    let tables = [
+        [BlockId(0), BlockId(1), BlockId(2)],
+        [BlockId(3), BlockId(4), BlockId(5)],
+    ];
+    let segments = [(0, vec![5, 6]), (0, vec![7])];
+    let mut batch = batch_of(&segments, &tables);
+    assert!(gpu.step_batch(&batch).is_ok());
+    batch[1].state_slot = 0;
+    let shared = gpu.step_batch(&batch).unwrap_err().to_string();
+    assert!(shared.contains("share recurrent state slot 0"), "{shared}");
+    batch[1].state_slot = 2;
+    let past = gpu.step_batch(&batch).unwrap_err().to_string();
+    assert!(past.contains("slot 2 is past the plan's 2"), "{past}");
+    batch[1].state_slot = 1;
+    batch[0].sampled_rows = 2;
+    let drafts = gpu.step_batch(&batch).unwrap_err().to_string();
+    assert!(
+        drafts.contains("recurrent state samples one row per sequence"),
+        "{drafts}"
+    );
+}
+
 /// Speculative decoding on a batched GPU plan: the engine drafts by prompt lookup and the plan
 /// verifies each sequence's drafts in one step (the rows it samples gathered before the head,
 /// their argmax read back as ids, steps of every row sampled replayed as graphs), and every

@@ -156,9 +156,10 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 )));
             }
             if seg.sampled_rows > 1 && !self.samples_several_rows() {
-                return Err(RuntimeError::Input(
-                    "this plan samples one row per sequence (compile it again to verify drafted tokens)".into(),
-                ));
+                return Err(RuntimeError::Input(match self.plan.recurrent_states.is_empty() {
+                    true => "this plan samples one row per sequence (compile it again to verify drafted tokens)".into(),
+                    false => "a model with recurrent state samples one row per sequence (its state cannot take back drafted tokens)".into(),
+                }));
             }
             let first = segment_rows.last().map_or(0, |r| r.end);
             segment_rows.push(first..first + seg.ids.len());
