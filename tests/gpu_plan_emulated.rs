@@ -966,6 +966,7 @@ fn decode_timing_runs(family: &str) {
     let exec = PlanExecutor::with_generated_weights(device, plan, graph, 1, 64)
         .unwrap()
         .capture_graphs_up_to(3);
+    assert!(runtime::decode_timing::time_prefill(&exec, &run).unwrap() > 0.0);
     let timings = time_decode(&exec, &run).unwrap();
     assert_eq!(timings.iter().map(|t| t.batch).collect::<Vec<_>>(), run.batches);
     // Per batch size: one graph recorded, replayed for the untimed and the timed steps, those

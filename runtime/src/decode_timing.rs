@@ -174,6 +174,27 @@ fn id(s: usize, p: usize) -> u32 {
 }
 
 /// `prompt` tokens into each sequence (one per table), `chunk` rows a step.
+/// Wall seconds to prefill one sequence's `run.prompt` tokens, `run.prefill_chunk` rows a
+/// step, results read back (into the first sequence's blocks and state slot, which
+/// [`time_decode`] prefills again).
+pub fn time_prefill<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) -> Result<f64> {
+    let cache = executor
+        .batched_cache()
+        .ok_or_else(|| RuntimeError::Artifact("prefill timing needs a batched plan".into()))?;
+    let blocks = run.prompt.div_ceil(cache.block_size);
+    if blocks > cache.blocks || run.prompt > executor.context_length() {
+        return Err(RuntimeError::Input(format!(
+            "a prompt of {} positions does not fit {} blocks of {}",
+            run.prompt, cache.blocks, cache.block_size
+        )));
+    }
+    let table: Vec<BlockId> = (0..blocks).map(|b| BlockId(b as u32)).collect();
+    let max_rows = executor.max_step_tokens().unwrap_or(1).min(run.prefill_chunk).max(1);
+    let started = std::time::Instant::now();
+    prefill(executor, &[table], run.prompt, max_rows)?;
+    Ok(started.elapsed().as_secs_f64())
+}
+
 fn prefill<D: PlanDevice>(
     executor: &PlanExecutor<D>,
     tables: &[Vec<BlockId>],

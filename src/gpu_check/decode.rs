@@ -9,7 +9,7 @@ use codegen::Target;
 use kernels_gen::dsl::Kernel;
 use models::{ComputeDtype, LogitsFor};
 use runtime::cuda::CudaDevice;
-use runtime::decode_timing::{time_decode, DecodeRun, DecodeTiming};
+use runtime::decode_timing::{time_decode, time_prefill, DecodeRun, DecodeTiming};
 use runtime::plan_exec::PlanExecutor;
 
 /// `config`'s serving plan for `target` (as `bbc compile` writes it: each sequence's argmax
@@ -52,6 +52,21 @@ pub(super) fn serving_executor(
         );
     }
     Ok(exec)
+}
+
+/// One sequence's prompt prefilled (after a first, untimed one: kernels load lazily), wall
+/// time and tokens a second.
+pub(super) fn print_prefill(name: &str, exec: &PlanExecutor<CudaDevice>, run: &DecodeRun) -> Result<()> {
+    time_prefill(exec, run)?;
+    let seconds = time_prefill(exec, run)?;
+    println!(
+        "\n{name} prefill of a {}-token prompt, {} rows a step: {:.2} ms ({:.0} tok/s)",
+        run.prompt,
+        run.prefill_chunk.min(512),
+        seconds * 1e3,
+        run.prompt as f64 / seconds
+    );
+    Ok(())
 }
 
 /// Each batch size's step: wall times (logits or ids read back), device time, weight bytes
@@ -126,6 +141,7 @@ pub fn hybrid(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
         prefill_chunk,
     };
     let exec = serving_executor(name, &models::ModelConfig::qwen3_5_27b(), target, arch, &run)?;
+    print_prefill(name, &exec, &run)?;
     let timings = time_decode(&exec, &run)?;
     print_steps(name, &run, &timings, bandwidth)?;
     print_profiles(&timings, bandwidth);

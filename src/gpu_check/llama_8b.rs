@@ -18,7 +18,7 @@ use runtime::plan_exec::{DeviceArg, PlanDevice};
 /// serving plan `bbc compile` writes for `target`, run as `bbc serve` runs it; batch 1 also
 /// without each of the two ways a step overlaps its kernels.
 pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) -> Result<()> {
-    use super::decode::{print_profiles, print_steps, serving_executor};
+    use super::decode::{print_prefill, print_profiles, print_steps, serving_executor};
     use runtime::decode_timing::{time_decode, DecodeRun};
     let name = "Llama-8B-shaped";
     let run = DecodeRun {
@@ -29,6 +29,7 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
         prefill_chunk,
     };
     let exec = serving_executor(name, &models::ModelConfig::llama3_8b(), target, arch, &run)?;
+    print_prefill(name, &exec, &run)?;
     let timings = time_decode(&exec, &run)?;
     // Batch 1 again without each of the two ways a step overlaps its kernels, side by side in
     // one run: without the weight prefetch during attention (`templates::weight_prefetch`),
