@@ -199,23 +199,20 @@ impl<B: PagedBackend> ServingEngine<B> {
         for (i, work) in schedule.work.iter().enumerate() {
             let sampled = match (work.samples, &greedy_tokens) {
                 (false, _) => Vec::new(),
-                (true, Some(tokens)) => {
-                    let drafted = &work.tokens[work.tokens.len() - work.drafts..];
-                    accept_greedy(drafted, tokens.get(i).ok_or_else(missing)?)?
-                        .into_iter()
-                        .map(|token| Sampled {
-                            seq: work.seq,
-                            token,
-                            logprobs: None,
-                        })
-                        .collect()
-                }
+                (true, Some(tokens)) => accept_greedy(work.drafted(), tokens.get(i).ok_or_else(missing)?)?
+                    .into_iter()
+                    .map(|token| Sampled {
+                        seq: work.seq,
+                        token,
+                        logprobs: None,
+                    })
+                    .collect(),
                 (true, None) => self.sample(work, outputs.get(i).ok_or_else(missing)?)?,
             };
             let tokens: Vec<u32> = sampled.iter().map(|s| s.token).collect();
             let (taken, done) = self.scheduler.complete(work, &tokens);
             out.drafted += work.drafts;
-            out.accepted += taken.saturating_sub(1).min(work.drafts);
+            out.accepted += work.accepted(taken);
             out.tokens.extend(sampled.into_iter().take(taken));
             if let Some(done) = done {
                 self.samplers.remove(&done.seq);
@@ -241,7 +238,7 @@ impl<B: PagedBackend> ServingEngine<B> {
                 work.drafts
             )));
         }
-        let drafted = &work.tokens[work.tokens.len() - work.drafts..];
+        let drafted = work.drafted();
         let sampler = self.samplers.get_mut(&work.seq).expect("every sequence has a sampler");
         let mut out = Vec::with_capacity(work.drafts + 1);
         for j in 0..=work.drafts {

@@ -122,6 +122,19 @@ pub struct Work {
     pub drafts: usize,
 }
 
+impl Work {
+    /// The drafted tokens it carries (its last `drafts`).
+    pub fn drafted(&self) -> &[u32] {
+        &self.tokens[self.tokens.len() - self.drafts..]
+    }
+
+    /// Of `taken` tokens the sequence took from this work, the drafts accepted: all but the
+    /// last (the token after them, computed next), at most the drafts it carried.
+    pub fn accepted(&self, taken: usize) -> usize {
+        taken.saturating_sub(1).min(self.drafts)
+    }
+}
+
 /// Prefix-cache effect so far, in tokens (vLLM's `prefix_cache_queries` and `_hits`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PrefixCacheStats {
@@ -405,9 +418,8 @@ impl Scheduler {
                 }
             }
         }
-        // The positions computed and kept: the work's own tokens and the accepted drafts (all
-        // tokens taken but the last, which is computed next).
-        let accepted = taken.saturating_sub(1).min(work.drafts);
+        // The positions computed and kept: the work's own tokens and the accepted drafts.
+        let accepted = work.accepted(taken);
         seq.cached = work.end - work.drafts + accepted;
         if work.samples && work.drafts == 0 {
             seq.draft_pause = seq.draft_pause.saturating_sub(1);
