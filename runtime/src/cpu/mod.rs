@@ -90,11 +90,8 @@ struct StepRows<'a> {
 impl<'a> StepRows<'a> {
     fn of(segments: &'a [Segment<'a>]) -> Self {
         let mut ranges = Vec::with_capacity(segments.len());
-        let mut sampled: Vec<std::ops::Range<usize>> = Vec::with_capacity(segments.len());
         let mut query = Vec::new();
         for seg in segments {
-            let first = sampled.last().map_or(0, |r| r.end);
-            sampled.push(first..first + seg.sampled_rows);
             ranges.push(query.len()..query.len() + seg.ids.len());
             query.extend((seg.start..seg.end()).map(|pos| QueryRow { pos, table: seg.table }));
         }
@@ -102,7 +99,7 @@ impl<'a> StepRows<'a> {
         Self {
             segments,
             ranges,
-            sampled,
+            sampled: crate::kv::sampled_ranges(segments),
             query,
             rope,
         }
@@ -344,25 +341,14 @@ impl CpuBackend {
             return Err(RuntimeError::Input("a step needs at least one sequence".into()));
         }
         if self.has_recurrent_state() {
-            let mut slots: Vec<usize> = batch.iter().map(|s| s.state_slot).collect();
-            slots.sort_unstable();
-            if slots.windows(2).any(|w| w[0] == w[1]) {
-                return Err(RuntimeError::Input(
-                    "two sequences of one step share a recurrent state slot".into(),
-                ));
-            }
+            // The pool keeps a state for any slot it is given.
+            crate::kv::check_state_slots(batch, None)?;
         }
         for seg in batch {
             if seg.ids.is_empty() {
                 return Err(RuntimeError::Input("a step needs at least one token".into()));
             }
-            if !(1..=seg.ids.len()).contains(&seg.sampled_rows) {
-                return Err(RuntimeError::Input(format!(
-                    "a segment of {} tokens cannot sample {} rows",
-                    seg.ids.len(),
-                    seg.sampled_rows
-                )));
-            }
+            seg.check_sampled_rows()?;
             if seg.end() > self.context_length {
                 return Err(RuntimeError::ContextOverflow {
                     needed: seg.end(),

@@ -86,13 +86,8 @@ impl<D: PlanDevice> PlanExecutor<D> {
         let (device, buffers) = &mut *state;
         let (segment_rows, vars) = self.write_batch(device, buffers, batch)?;
         let tokens = segment_rows.last().map_or(0, |r| r.end);
-        // Each segment's rows sampled from, as the per-sequence outputs (from `last_token` on)
-        // hold them: consecutive, segment after segment.
-        let mut sampled = Vec::with_capacity(batch.len());
-        for seg in batch {
-            let first = sampled.last().map_or(0, |r: &Range<usize>| r.end);
-            sampled.push(first..first + seg.sampled_rows);
-        }
+        // Each segment's rows sampled from, as the per-sequence outputs hold them.
+        let sampled = crate::kv::sampled_ranges(batch);
         let sampled_total = sampled.last().map_or(0, |r| r.end);
         self.launch_batched(device, buffers, &vars, (tokens, batch.len(), sampled_total))?;
         // The rows read back: each segment's, or those it samples from.
@@ -148,13 +143,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         // Each segment's rows of the step.
         let mut segment_rows: Vec<Range<usize>> = Vec::with_capacity(batch.len());
         for seg in batch {
-            if seg.sampled_rows == 0 || seg.sampled_rows > seg.ids.len() {
-                return Err(RuntimeError::Input(format!(
-                    "a segment of {} tokens cannot sample {} rows",
-                    seg.ids.len(),
-                    seg.sampled_rows
-                )));
-            }
+            seg.check_sampled_rows()?;
             if seg.sampled_rows > 1 && !self.samples_several_rows() {
                 return Err(RuntimeError::Input(match self.plan.recurrent_states.is_empty() {
                     true => "this plan samples one row per sequence (compile it again to verify drafted tokens)".into(),
@@ -187,7 +176,9 @@ impl<D: PlanDevice> PlanExecutor<D> {
             row_table.extend(std::iter::repeat_n(tables.len() as i32, seg.ids.len()));
             tables.extend(seg.table[..blocks].iter().map(|b| b.0 as i32));
         }
-        self.check_state_slots(batch, cache.sequences)?;
+        if !self.plan.recurrent_states.is_empty() {
+            crate::kv::check_state_slots(batch, Some(cache.sequences))?;
+        }
         self.write_inputs(device, buffers, &ids, &positions)?;
         let row_pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
         // Each segment's last row, and the rows per-sequence values (`last_token` on) gather
@@ -222,33 +213,6 @@ impl<D: PlanDevice> PlanExecutor<D> {
             ("prefetch", Value::Int(device.prefetches_weights() as i64)),
         ]);
         Ok((segment_rows, vars))
-    }
-
-    /// Of a model with recurrent layers: each segment's state slot is one of the `slots` the
-    /// plan keeps, and no two segments of a step share one (their kernels would race).
-    fn check_state_slots(&self, batch: &[Segment], slots: usize) -> Result<()> {
-        if self.plan.recurrent_states.is_empty() {
-            return Ok(());
-        }
-        let mut used = vec![false; slots];
-        for seg in batch {
-            match used.get_mut(seg.state_slot) {
-                Some(taken) if !*taken => *taken = true,
-                Some(_) => {
-                    return Err(RuntimeError::Input(format!(
-                        "two sequences of one step share recurrent state slot {}",
-                        seg.state_slot
-                    )))
-                }
-                None => {
-                    return Err(RuntimeError::Input(format!(
-                        "recurrent state slot {} is past the plan's {slots} (its most sequences at once)",
-                        seg.state_slot
-                    )))
-                }
-            }
-        }
-        Ok(())
     }
 
     /// Rows `wanted` (ascending, disjoint) of `node`'s `width`-wide value, each range's values;
