@@ -216,7 +216,7 @@ impl<'w> Interpreter<'w> {
                 let data = ops::row_group_slice(&w.data, w.row_len(), *group, *start, *len);
                 Tensor::new(vec![data.len() / w.row_len(), w.row_len()], data)
             }
-            Op::Sigmoid => map(args[0].tensor(), |x| (1.0 / (1.0 + (-(x as f64)).exp())) as f32),
+            Op::Sigmoid => map(args[0].tensor(), ops::sigmoid),
             Op::ScaleRows => {
                 let (x, scalars) = (args[0].tensor(), args[1].tensor());
                 Tensor::new(x.shape.clone(), ops::scale_rows(&x.data, x.row_len(), &scalars.data))

@@ -437,7 +437,8 @@ impl CpuBackend {
                 let x = args[0].value().tensor();
                 Tensor::new(x.shape.clone(), ops::add_bias(&x.data, args[1].vector()))
             }
-            Op::Sigmoid => map(args[0].value().tensor(), |x| 1.0 / (1.0 + (-x).exp())),
+            // As the reference computes it (and fused expressions do, `Expr::Sigmoid`).
+            Op::Sigmoid => map(args[0].value().tensor(), ops::sigmoid),
             Op::ScaleRows => {
                 let x = args[0].value().tensor();
                 let scalars = match &args[1] {
