@@ -59,57 +59,47 @@ pub fn elementwise(name: &str, origin: &str, expr: &IrExpr) -> Kernel {
 
 /// `out[t, j] = x[t·x_stride + j] + bias[j]` for `n` elements in rows of `width`.
 pub fn add_bias(name: &str, origin: &str) -> Kernel {
-    Kernel {
-        name: name.into(),
-        origin: format!("{origin}: add a bias to every row"),
-        params: vec![
-            buffer("x", Ty::F32, false),
-            buffer("bias", Ty::F32, false),
-            buffer("out", Ty::F32, true),
-            scalar("n", Ty::I32),
-            scalar("width", Ty::I32),
-            scalar("x_stride", Ty::I32),
-        ],
-        shared: vec![],
-        block_dim: BLOCK,
-        grid: blocks_for(var("n"), BLOCK as i64),
-        body: per_row_element(
-            var("n"),
-            vec![store(
-                "out",
-                var("i"),
-                load("x", var("t") * var("x_stride") + var("j")) + load("bias", var("j")),
-            )],
-        ),
-    }
+    let bias = load("bias", var("j"));
+    row_broadcast(name, format!("{origin}: add a bias to every row"), "bias", None, |x| {
+        x + bias
+    })
 }
 
 /// `out[t, j] = x[t·x_stride + j] · s[t·s_stride]` for `n` elements in rows of `width`: each
 /// row by its scalar (a `[tokens, 1]` column, rows `s_stride` apart), or all by `s[0]`
 /// (`s_stride` 0).
 pub fn scale_rows(name: &str, origin: &str) -> Kernel {
+    let scalar_of_row = load("s", var("t") * var("s_stride"));
+    let origin = format!("{origin}: scale every row by a scalar");
+    row_broadcast(name, origin, "s", Some("s_stride"), |x| x * scalar_of_row)
+}
+
+/// A thread per element of `n` in rows of `width`: `out[t, j] = combine(x[t·x_stride + j])`,
+/// where `combine` reads the buffer `operand` (and the scalar `operand_stride`, if any).
+fn row_broadcast(
+    name: &str,
+    origin: String,
+    operand: &str,
+    operand_stride: Option<&str>,
+    combine: impl FnOnce(Expr) -> Expr,
+) -> Kernel {
+    let mut params = vec![
+        buffer("x", Ty::F32, false),
+        buffer(operand, Ty::F32, false),
+        buffer("out", Ty::F32, true),
+        scalar("n", Ty::I32),
+        scalar("width", Ty::I32),
+        scalar("x_stride", Ty::I32),
+    ];
+    params.extend(operand_stride.map(|stride| scalar(stride, Ty::I32)));
+    let x = load("x", var("t") * var("x_stride") + var("j"));
     Kernel {
         name: name.into(),
-        origin: format!("{origin}: scale every row by a scalar"),
-        params: vec![
-            buffer("x", Ty::F32, false),
-            buffer("s", Ty::F32, false),
-            buffer("out", Ty::F32, true),
-            scalar("n", Ty::I32),
-            scalar("width", Ty::I32),
-            scalar("x_stride", Ty::I32),
-            scalar("s_stride", Ty::I32),
-        ],
+        origin,
+        params,
         shared: vec![],
         block_dim: BLOCK,
         grid: blocks_for(var("n"), BLOCK as i64),
-        body: per_row_element(
-            var("n"),
-            vec![store(
-                "out",
-                var("i"),
-                load("x", var("t") * var("x_stride") + var("j")) * load("s", var("t") * var("s_stride")),
-            )],
-        ),
+        body: per_row_element(var("n"), vec![store("out", var("i"), combine(x))]),
     }
 }
