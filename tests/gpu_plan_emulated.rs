@@ -591,7 +591,7 @@ fn speculative_decoding_on_a_batched_plan_keeps_every_token() {
         .collect();
     let cpu = CpuBackend::new(graph, &model.weights, 64).unwrap();
     let params = runtime::SamplingParams::default();
-    let want = serve_all_counting(&mut ServingEngine::new(cpu, plain), &prompts, params).0;
+    let want = serve_counting(&mut ServingEngine::new(cpu, plain), &prompts, params, 12).0;
     let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
         .unwrap()
         .capture_graphs_up_to(32);
@@ -601,7 +601,7 @@ fn speculative_decoding_on_a_batched_plan_keeps_every_token() {
         3,
         "the plan verifies drafts"
     );
-    let (got, drafted, accepted) = serve_all_counting(&mut on_gpu, &prompts, params);
+    let (got, drafted, accepted) = serve_counting(&mut on_gpu, &prompts, params, 12);
     assert_eq!(got, want);
     assert!(
         accepted > 0 && drafted > accepted,
@@ -611,15 +611,17 @@ fn speculative_decoding_on_a_batched_plan_keeps_every_token() {
     assert!(greedy > 0 && full == 0, "{greedy} greedy steps, {full} with logits");
 }
 
-/// Like [`serve_all`], also counting the drafted tokens and those accepted.
-fn serve_all_counting<B: runtime::serving::PagedBackend>(
+/// Add every prompt (`max_tokens` greedy tokens each) and step until all are done; each one's
+/// tokens, and the tokens drafted and accepted on the way.
+fn serve_counting<B: runtime::serving::PagedBackend>(
     engine: &mut runtime::serving::ServingEngine<B>,
     prompts: &[Vec<u32>],
     params: runtime::SamplingParams,
+    max_tokens: usize,
 ) -> (Vec<Vec<u32>>, usize, usize) {
     let ids: Vec<_> = prompts
         .iter()
-        .map(|p| engine.add(p.clone(), 12, vec![], params).unwrap())
+        .map(|p| engine.add(p.clone(), max_tokens, vec![], params).unwrap())
         .collect();
     let (mut done, mut drafted, mut accepted) = (std::collections::HashMap::new(), 0, 0);
     while !engine.scheduler().is_idle() {
@@ -785,22 +787,7 @@ fn serve_all<B: runtime::serving::PagedBackend>(
     prompts: &[Vec<u32>],
     params: runtime::SamplingParams,
 ) -> Vec<Vec<u32>> {
-    let ids: Vec<_> = prompts
-        .iter()
-        .map(|p| engine.add(p.clone(), 6, vec![], params).unwrap())
-        .collect();
-    let mut done = std::collections::HashMap::new();
-    while !engine.scheduler().is_idle() {
-        done.extend(
-            engine
-                .step()
-                .unwrap()
-                .finished
-                .into_iter()
-                .map(|f| (f.seq, f.generated)),
-        );
-    }
-    ids.iter().map(|id| done[id].clone()).collect()
+    serve_counting(engine, prompts, params, 6).0
 }
 
 /// Weights made on the device (`PlanExecutor::with_generated_weights`, for models lowered

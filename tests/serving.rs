@@ -6,7 +6,7 @@
 mod common;
 
 use models::{LogitsFor, Model, ModelSpec};
-use runtime::serving::{SchedulerConfig, ServingEngine};
+use runtime::serving::{Scheduler, SchedulerConfig, SeqId, ServingEngine, StepOutput};
 use runtime::{generate, CpuBackend, Engine, GenerateOptions, SamplingParams};
 use std::collections::HashMap;
 
@@ -92,18 +92,7 @@ fn hybrid_requests_sharing_a_prefix_compute_it_themselves() {
         .iter()
         .map(|p| engine.add(p.clone(), 8, vec![], SamplingParams::default()).unwrap())
         .collect();
-    let mut got: HashMap<_, Vec<u32>> = HashMap::new();
-    while !engine.scheduler().is_idle() {
-        got.extend(
-            engine
-                .step()
-                .unwrap()
-                .finished
-                .into_iter()
-                .map(|d| (d.seq, d.generated)),
-        );
-        assert_eq!(engine.scheduler().check(), Ok(()));
-    }
+    let got = run_to_idle(&mut engine, |_, _| {});
     for (id, want) in ids.iter().zip(&want) {
         assert_eq!(&got[id], want, "{id:?}");
     }
@@ -140,21 +129,31 @@ fn concurrent_requests_match_alone(model: &Model) {
                 .unwrap()
         })
         .collect();
-    let mut got: HashMap<_, Vec<u32>> = HashMap::new();
     let mut preempted_any = false;
-    while !engine.scheduler().is_idle() {
-        let out = engine.step().unwrap();
-        for done in out.finished {
-            got.insert(done.seq, done.generated);
-        }
-        assert!(engine.scheduler().check().is_ok());
-        preempted_any |= engine.scheduler().used_blocks() == 12;
-    }
+    let got = run_to_idle(&mut engine, |_, scheduler| {
+        preempted_any |= scheduler.used_blocks() == 12;
+    });
     assert!(preempted_any, "the KV budget was meant to be exhausted");
     for (id, want) in ids.iter().zip(&want) {
         assert_eq!(&got[id], want, "{id:?}");
     }
     assert_eq!(engine.scheduler().used_blocks(), 0);
+}
+
+/// Step `engine` until it is idle, checking the scheduler's invariants after every step and
+/// showing each step's output and scheduler to `each_step`; every finished sequence's tokens.
+fn run_to_idle(
+    engine: &mut ServingEngine<CpuBackend>,
+    mut each_step: impl FnMut(&StepOutput, &Scheduler),
+) -> HashMap<SeqId, Vec<u32>> {
+    let mut got = HashMap::new();
+    while !engine.scheduler().is_idle() {
+        let out = engine.step().unwrap();
+        each_step(&out, engine.scheduler());
+        assert_eq!(engine.scheduler().check(), Ok(()));
+        got.extend(out.finished.into_iter().map(|d| (d.seq, d.generated)));
+    }
+    got
 }
 
 /// Generate each prompt alone, the reference for batched serving.
@@ -209,28 +208,11 @@ fn requests_sharing_a_prefix_reuse_its_blocks_and_generate_what_they_generate_al
                 .add(p.clone(), max_tokens, vec![], SamplingParams::default())
                 .unwrap(),
         );
-        while i == 0 && !engine.scheduler().is_idle() {
-            got.extend(
-                engine
-                    .step()
-                    .unwrap()
-                    .finished
-                    .into_iter()
-                    .map(|d| (d.seq, d.generated)),
-            );
+        if i == 0 {
+            got.extend(run_to_idle(&mut engine, |_, _| {}));
         }
     }
-    while !engine.scheduler().is_idle() {
-        got.extend(
-            engine
-                .step()
-                .unwrap()
-                .finished
-                .into_iter()
-                .map(|d| (d.seq, d.generated)),
-        );
-        assert!(engine.scheduler().check().is_ok());
-    }
+    got.extend(run_to_idle(&mut engine, |_, _| {}));
     for (id, want) in ids.iter().zip(&want) {
         assert_eq!(&got[id], want, "{id:?}");
     }
@@ -312,13 +294,8 @@ fn speculation_keeps_every_token_and_accepts_drafts() {
             .iter()
             .map(|(p, s)| engine.add(p.clone(), 24, vec![], *s).unwrap())
             .collect();
-        let (mut got, mut accepted) = (HashMap::new(), 0);
-        while !engine.scheduler().is_idle() {
-            let out = engine.step().unwrap();
-            accepted += out.accepted;
-            got.extend(out.finished.into_iter().map(|d| (d.seq, d.generated)));
-            assert_eq!(engine.scheduler().check(), Ok(()));
-        }
+        let mut accepted = 0;
+        let got = run_to_idle(&mut engine, |out, _| accepted += out.accepted);
         (ids.iter().map(|id| got[id].clone()).collect::<Vec<_>>(), accepted)
     };
     let (plain, none) = run(runtime::serving::NgramConfig::OFF);
