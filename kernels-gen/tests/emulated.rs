@@ -13,8 +13,8 @@ use std::collections::HashMap;
 
 mod common;
 use common::{
-    bf16_array, close, ints, residual_reference, run_gemv, run_norm_gemv, try_run_matmul, try_run_residual_matmul,
-    try_run_split_matmul, Residual, Rng,
+    bf16_array, close, ints, residual_reference, rows_of, run_gemv, run_norm_gemv, try_run_matmul,
+    try_run_residual_matmul, try_run_split_matmul, Residual, Rng,
 };
 
 #[test]
@@ -74,9 +74,7 @@ fn add_bias_adds_the_vector_to_every_row() {
         ("x_stride", stride as i64),
     ]);
     run(&elementwise::add_bias("bias", "test"), &mut bufs, &scalars).unwrap();
-    let want: Vec<f32> = (0..rows)
-        .flat_map(|r| ops::add_bias(&x[r * stride..r * stride + width], &bias))
-        .collect();
+    let want = ops::add_bias(&rows_of(&x, rows, width, stride), &bias);
     assert_eq!(bufs["out"].to_f32().unwrap(), want);
 }
 
@@ -105,10 +103,7 @@ fn scale_rows_scales_by_a_column_or_one_scalar() {
             ("s_stride", s_stride as i64),
         ]);
         run(&elementwise::scale_rows("scale", "test"), &mut bufs, &scalars).unwrap();
-        let rows_of_x: Vec<f32> = (0..rows)
-            .flat_map(|r| x[r * stride..r * stride + width].to_vec())
-            .collect();
-        let want = ops::scale_rows(&rows_of_x, width, scalars_given);
+        let want = ops::scale_rows(&rows_of(&x, rows, width, stride), width, scalars_given);
         assert_eq!(bufs["out"].to_f32().unwrap(), want, "s_stride {s_stride}");
     }
 }
@@ -193,8 +188,7 @@ fn layer_norm_matches_reference() {
         ]);
         let scalars = ints(&[("rows", rows as i64), ("d", d as i64), ("x_stride", stride as i64)]);
         run(&rms_norm::layer_norm("ln", "test", 1e-6), &mut bufs, &scalars).unwrap();
-        let rows_of_x: Vec<f32> = (0..rows).flat_map(|r| x[r * stride..r * stride + d].to_vec()).collect();
-        let want = ops::layer_norm(&rows_of_x, &w, &bias, 1e-6);
+        let want = ops::layer_norm(&rows_of(&x, rows, d, stride), &w, &bias, 1e-6);
         close(
             &bufs["out"].to_f32().unwrap(),
             &want,

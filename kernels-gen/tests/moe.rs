@@ -11,7 +11,7 @@ use kernels_gen::templates::quant::WeightFormat;
 use std::collections::HashMap;
 
 mod common;
-use common::{bf16_array, close, ints, Rng};
+use common::{bf16_array, close, ints, rows_of, Rng};
 
 fn spec(experts: usize, experts_per_token: usize, normalize: bool, router: MoeRouter) -> MoeSpec {
     MoeSpec {
@@ -168,15 +168,10 @@ fn experts_match_the_reference_layer() {
         run(&moe::gate_up("gate_up", "test", &spec, d, format), &mut bufs, &scalars).unwrap();
         bufs.insert("w".into(), array(&down));
         run(&moe::down("down", "test", &spec, d, format), &mut bufs, &scalars).unwrap();
-        let rows_of = |v: &[f32], width: usize, stride: usize| -> Vec<f32> {
-            (0..rows)
-                .flat_map(|r| v[r * stride..r * stride + width].to_vec())
-                .collect()
-        };
         let bias = if spec.has_score_bias() { &bias[..] } else { &[] };
         let want = ops::moe(
-            &rows_of(&x, d, x_stride),
-            &rows_of(&logits, e, l_stride),
+            &rows_of(&x, rows, d, x_stride),
+            &rows_of(&logits, rows, e, l_stride),
             bias,
             &gate_up,
             &down,

@@ -28,6 +28,14 @@ pub fn ints(pairs: &[(&str, i64)]) -> HashMap<String, Scalar> {
     pairs.iter().map(|(k, v)| (k.to_string(), Scalar::Int(*v))).collect()
 }
 
+/// The first `width` values of each of `rows` rows lying `stride` apart in `v` (a kernel's
+/// strided input), packed: what the reference takes.
+pub fn rows_of(v: &[f32], rows: usize, width: usize, stride: usize) -> Vec<f32> {
+    (0..rows)
+        .flat_map(|r| v[r * stride..r * stride + width].to_vec())
+        .collect()
+}
+
 /// Every element within `tol` of the reference, relative to its largest magnitude.
 pub fn close(got: &[f32], want: &[f32], tol: f32, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}");
