@@ -164,6 +164,7 @@ impl CpuBackend {
         graph.validate().map_err(|e| RuntimeError::Graph(e.to_string()))?;
         let mut weights = load_weights(&graph, source, cache)?;
         fold_weight_transforms(&graph, &mut weights, cache)?;
+        widen_conv_weights(&graph, &mut weights)?;
         let int8_heads = prepare_int8_heads(&graph, &weights, cache)?;
         let mut last_use = vec![0; graph.nodes().len()];
         let mut kv_dims = Vec::new();
@@ -626,19 +627,8 @@ fn gated_delta_net(spec: &ir::DeltaNetSpec, args: &[Arg], pages: &mut KvPages, r
         args[1].value().tensor(),
         args[2].value().tensor(),
     );
-    let conv = match args[3] {
-        Arg::Weight(CpuWeight::Matrix(m)) => m,
-        // A graph from elsewhere (an edited artifact) may wire it to anything.
-        _ => {
-            return Err(RuntimeError::Graph(
-                "gated_delta_net: the convolution must be a weight matrix".into(),
-            ))
-        }
-    };
-    let mut conv_row = vec![0f32; conv.cols];
-    let conv: Vec<f32> = (0..conv.rows)
-        .flat_map(|r| conv.row_f32(r, &mut conv_row).to_vec())
-        .collect();
+    // Widened at load time (`widen_conv_weights`).
+    let conv = args[3].vector();
     let (a_log, dt_bias) = (args[4].vector(), args[5].vector());
     let (c, vh) = (spec.conv_channels(), spec.value_heads);
     let mut out = Vec::with_capacity(mixed.rows() * vh * spec.value_dim);
@@ -649,7 +639,7 @@ fn gated_delta_net(spec: &ir::DeltaNetSpec, args: &[Arg], pages: &mut KvPages, r
             &mixed.data[r.start * c..r.end * c],
             &b.data[r.start * vh..r.end * vh],
             &a.data[r.start * vh..r.end * vh],
-            &conv,
+            conv,
             a_log,
             dt_bias,
             state,
@@ -740,6 +730,32 @@ impl WeightCache {
     pub fn insert_int8(&mut self, name: String, rows: Arc<passes::weight_transforms::Int8Rows>) {
         self.int8.insert(name, rows);
     }
+}
+
+/// Give each Gated DeltaNet layer its convolution weights as f32 values, once at load time (its
+/// kernel reads them all every step, in whatever storage they came).
+fn widen_conv_weights(graph: &Graph, weights: &mut [Option<Arc<CpuWeight>>]) -> Result<()> {
+    for (i, node) in graph.nodes().iter().enumerate() {
+        if !matches!(node.op, Op::GatedDeltaNet(_)) {
+            continue;
+        }
+        let conv = node.inputs[3].0;
+        let widened = match weights[conv].as_deref() {
+            Some(CpuWeight::Matrix(m)) => {
+                let mut row = vec![0f32; m.cols];
+                (0..m.rows).flat_map(|r| m.row_f32(r, &mut row).to_vec()).collect()
+            }
+            Some(CpuWeight::Vector(_)) => continue,
+            // A graph from elsewhere (an edited artifact) may wire it to anything.
+            None => {
+                return Err(RuntimeError::Graph(format!(
+                    "gated_delta_net %{i}: the convolution must be a weight matrix"
+                )))
+            }
+        };
+        weights[conv] = Some(Arc::new(CpuWeight::Vector(widened)));
+    }
+    Ok(())
 }
 
 /// Fold the weight transforms of loaded weights into matrices: `RowGroupSlice` picks rows,
