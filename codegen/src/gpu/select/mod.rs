@@ -136,28 +136,17 @@ pub(crate) fn select(
             op: node.op.name(),
             what,
         };
-        let input = |k: usize| node.inputs[k].0;
+        let operands = Operands { graph, node: i };
+        let input = |k: usize| operands.input(k);
         let own = View {
             base: i,
             col: 0,
             stride: width(graph, i),
             row: None,
         };
-        let act = |s: &Selected, k: usize| -> (LaunchArg, usize) {
-            let v = &s.views[&input(k)];
-            (
-                LaunchArg::Activation {
-                    node: v.base,
-                    offset: v.offset(),
-                },
-                v.stride,
-            )
-        };
-        let out = LaunchArg::Activation {
-            node: i,
-            offset: "0".into(),
-        };
-        let weight = |k: usize| LaunchArg::Weight { node: input(k) };
+        let act = |s: &Selected, k: usize| operands.activation(s, k);
+        let out = operands.out();
+        let weight = |k: usize| operands.weight(k);
         match &node.op {
             Op::Input(kind) => {
                 match kind {
@@ -568,8 +557,7 @@ pub(crate) fn select(
                         (elementwise::scale_rows("scale_rows", &graph.name), args)
                     }
                     Op::Moe(spec) => {
-                        let operands = Operands { graph, node: i };
-                        moe::launches(&mut s, &operands, spec, &rows, max_tokens)?
+moe::launches(&mut s, &operands, spec, &rows, max_tokens)?
                     }
                     Op::GroupSlice { group, start, len } => {
                         let (x, stride) = act(&s, 0);
@@ -586,8 +574,7 @@ pub(crate) fn select(
                         (gather::gather_column_groups("group_slice", &graph.name), args)
                     }
                     Op::GatedDeltaNet(spec) => {
-                        let operands = Operands { graph, node: i };
-                        delta_net::launches(&mut s, &operands, spec, layout, &rows, max_tokens)?
+delta_net::launches(&mut s, &operands, spec, layout, &rows, max_tokens)?
                     }
                     Op::Glu { act: a } => {
                         let (x, stride) = act(&s, 0);
@@ -743,7 +730,7 @@ fn weight_part(graph: &Graph, id: ir::NodeId) -> Option<super::WeightPart> {
     }
 }
 
-/// A node's operands as launch arguments (for the ops whose selection has a file of its own).
+/// A node's operands as launch arguments.
 struct Operands<'g> {
     graph: &'g Graph,
     node: usize,
