@@ -26,10 +26,13 @@ fn bench(server: &Server, extra: &[&str]) -> (bool, Value, String) {
     (out.status.success(), report, text)
 }
 
-fn tempfile_path() -> std::path::PathBuf {
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    std::env::temp_dir().join(format!("bbc-bench-{}-{n}.json", std::process::id()))
+fn tempfile_path() -> tempfile::TempPath {
+    tempfile::Builder::new()
+        .prefix("bbc-bench-")
+        .suffix(".json")
+        .tempfile()
+        .unwrap()
+        .into_temp_path()
 }
 
 #[test]

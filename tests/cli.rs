@@ -90,7 +90,8 @@ fn chat_renders_the_template() {
 #[test]
 fn dump_logits_writes_one_row_per_generated_token() {
     let model = smollm2();
-    let path = std::env::temp_dir().join(format!("bbc-logits-{}.safetensors", std::process::id()));
+    let scratch = common::scratch_dir("bbc-logits-");
+    let path = scratch.path().join("logits.safetensors");
     let out = json(&[
         "run",
         &model,
@@ -119,7 +120,8 @@ fn dump_logits_writes_one_row_per_generated_token() {
 #[test]
 fn a_compiled_artifact_runs_like_the_model() {
     let model = smollm2();
-    let dir = std::env::temp_dir().join(format!("bbc-artifact-{}", std::process::id()));
+    let scratch = common::scratch_dir("bbc-artifact-");
+    let dir = scratch.path().join("artifact");
     let ir = bbc(&[
         "compile",
         &model,
@@ -171,8 +173,8 @@ fn tokenize_prints_ids() {
 /// and running the artifact gives the model's own greedy tokens.
 #[test]
 fn an_f32_artifact_carries_its_int8_head() {
-    let dir = std::env::temp_dir().join(format!("bbc-artifact-f32-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = common::scratch_dir("bbc-artifact-f32-");
+    let dir = scratch.path();
     let toml = dir.join("model.toml");
     std::fs::write(&toml, format!("[model]\nweights = {:?}\ndtype = \"f32\"\n", smollm2())).unwrap();
     let out = dir.join("artifact");

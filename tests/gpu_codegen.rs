@@ -207,8 +207,9 @@ fn gpu_artifacts_carry_kernels_ptx_cubins_and_plan() {
     }
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
         let (model, graph) = fused("smollm2", target, ComputeDtype::Native);
-        let dir = std::env::temp_dir().join(format!("bbc-gpu-{}-{}", target.name(), std::process::id()));
-        let manifest = codegen::compile(&model, graphs(&graph), target, &dir).unwrap();
+        let scratch = common::scratch_dir(&format!("bbc-gpu-{}-", target.name()));
+        let dir = scratch.path();
+        let manifest = codegen::compile(&model, graphs(&graph), target, dir).unwrap();
         assert_eq!(manifest.greedy_plan, None);
         assert_eq!(manifest.plan.as_deref(), Some("plan.json"));
         let plan: gpu::GpuPlan =
@@ -227,7 +228,6 @@ fn gpu_artifacts_carry_kernels_ptx_cubins_and_plan() {
                 k.name
             );
         }
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }
 
@@ -240,8 +240,8 @@ fn tiny_models_compile_for_every_gpu_target_in_f32_and_bf16() {
     if !nvrtc_present() {
         return;
     }
-    let dir = std::env::temp_dir().join(format!("bbc-gpu-tiny-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = common::scratch_dir("bbc-gpu-tiny-");
+    let dir = scratch.path();
     for family in ["llama", "gemma3", "gemma4", "qwen3_5", "glm4_moe", "qwen3_next"] {
         for dtype in ["f32", "bf16"] {
             let weights = common::fixture(&format!("hf-tiny/{family}"));
@@ -272,7 +272,6 @@ fn tiny_models_compile_for_every_gpu_target_in_f32_and_bf16() {
             }
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Every kernel of the 8B-shaped serving plan (what `bbc gpu-check` times, and what a served
@@ -370,13 +369,14 @@ fn gpu_artifacts_carry_the_batched_serving_plan() {
     let (model, graph) = fused("smollm2", Target::H200, ComputeDtype::Native);
     // As `bbc compile` makes it: the logits graph with each sequence's argmax beside.
     let serving = models::with_greedy_token(&graph).unwrap();
-    let dir = std::env::temp_dir().join(format!("bbc-gpu-serving-{}", std::process::id()));
+    let scratch = common::scratch_dir("bbc-gpu-serving-");
+    let dir = scratch.path();
     let all = codegen::CompiledGraphs {
         logits: &graph,
         greedy: None,
         serving: Some(&serving),
     };
-    let manifest = codegen::compile(&model, all, Target::H200, &dir).unwrap();
+    let manifest = codegen::compile(&model, all, Target::H200, dir).unwrap();
     assert_eq!(manifest.serving_plan.as_deref(), Some("serving_plan.json"));
     let plan: gpu::GpuPlan =
         serde_json::from_str(&std::fs::read_to_string(dir.join("serving_plan.json")).unwrap()).unwrap();
@@ -388,7 +388,7 @@ fn gpu_artifacts_carry_the_batched_serving_plan() {
     for k in &plan.kernels {
         assert!(dir.join(k.ptx.as_ref().unwrap()).is_file(), "{}", k.name);
     }
-    let read = codegen::read_graphs(&dir, &manifest).unwrap();
+    let read = codegen::read_graphs(dir, &manifest).unwrap();
     assert_eq!(read.serving.map(|g| g.op_count()), Some(serving.op_count()));
     // The rows sampled from are gathered (a step input names them: each sequence's last, or
     // its last `drafts + 1`), and the head runs on those alone.
@@ -408,7 +408,6 @@ fn gpu_artifacts_carry_the_batched_serving_plan() {
         });
         assert!(rows.is_none_or(|r| r == "sampled"), "{}: {rows:?} rows", l.kernel);
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// With a full-precision head, the greedy graph's GPU plan runs the INT8-bound head: its
@@ -469,13 +468,14 @@ fn running_a_gpu_artifact_without_a_driver_says_so() {
     let (model, graph) = fused("smollm2", Target::H200, ComputeDtype::Native);
     // The serving plan is built from the logits graph, as `bbc compile` builds it.
     let serving = models::with_greedy_token(&graph).unwrap();
-    let dir = std::env::temp_dir().join(format!("bbc-gpu-nodriver-{}", std::process::id()));
+    let scratch = common::scratch_dir("bbc-gpu-nodriver-");
+    let dir = scratch.path();
     let all = codegen::CompiledGraphs {
         logits: &graph,
         greedy: None,
         serving: Some(&serving),
     };
-    codegen::compile(&model, all, Target::H200, &dir).unwrap();
+    codegen::compile(&model, all, Target::H200, dir).unwrap();
     // `bbc run` and `bbc serve` both say what is missing, and neither panics.
     for command in [
         vec!["run", dir.to_str().unwrap(), "--prompt", "hi"],
@@ -499,7 +499,6 @@ fn running_a_gpu_artifact_without_a_driver_says_so() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("not a GPU target"), "{stderr}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// The GPU check's Llama-8B-shaped serving plan (no weights: they are made on the device)

@@ -169,9 +169,11 @@ fn tiny_qwen3_next_plans_agree_with_the_cpu_backend() {
 /// on the same file dequantized to f32, on every GPU target, norms fused into the matmuls
 /// there.
 fn check_gguf(name: &str, make: fn(&std::path::Path) -> std::io::Result<std::path::PathBuf>) {
-    let dir = std::env::temp_dir().join(format!("bbc-tiny-{}-{}", name.replace(' ', "-"), std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = make(&dir).unwrap();
+    let scratch = tempfile::Builder::new()
+        .prefix(&format!("bbc-tiny-{}-", name.replace(' ', "-")))
+        .tempdir()
+        .unwrap();
+    let path = make(scratch.path()).unwrap();
     let open = |dtype| {
         let mut spec = ModelSpec::for_weights(&path);
         spec.dtype = dtype;
@@ -192,7 +194,6 @@ fn check_gguf(name: &str, make: fn(&std::path::Path) -> std::io::Result<std::pat
         );
         check_against(name, &native, &dequantized, target, 2e-2);
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A GGUF model's plans (weights kept in their blocks, Q8_0 attention and embedding, Q4_0
@@ -808,8 +809,8 @@ fn weights_made_on_the_device_equal_their_host_values_uploaded() {
     let graph = fused_for(&models::lower_without_weights(&config, options).unwrap(), Target::H200);
     let seed = 7;
     // The same values as a model directory: matrices stored bf16, norm gains f32.
-    let dir = std::env::temp_dir().join(format!("bbc-generated-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::Builder::new().prefix("bbc-generated-").tempdir().unwrap();
+    let dir = scratch.path();
     std::fs::copy(fixture.join("config.json"), dir.join("config.json")).unwrap();
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for node in graph.nodes() {
@@ -837,10 +838,10 @@ fn weights_made_on_the_device_equal_their_host_values_uploaded() {
         )
     });
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
-    let mut spec = ModelSpec::for_weights(&dir);
+    let mut spec = ModelSpec::for_weights(dir);
     spec.dtype = ComputeDtype::Bf16;
     let written = Model::open(spec).unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(scratch);
 
     let cache = gpu::BatchedCache {
         blocks: 8,

@@ -243,8 +243,8 @@ fn gemma3_reference_interpreter_matches_hf() {
 #[test]
 fn sharded_safetensors_load_like_one_file() {
     let src = fixture("hf-tiny/llama");
-    let dir = std::env::temp_dir().join(format!("bbc-sharded-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = common::scratch_dir("bbc-sharded-");
+    let dir = scratch.path();
     std::fs::copy(src.join("config.json"), dir.join("config.json")).unwrap();
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -266,7 +266,7 @@ fn sharded_safetensors_load_like_one_file() {
     let index = serde_json::json!({ "metadata": {}, "weight_map": weight_map });
     std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
 
-    let sharded = models::WeightSource::open_safetensors(&dir).unwrap();
+    let sharded = models::WeightSource::open_safetensors(dir).unwrap();
     let whole = models::WeightSource::open_safetensors(&src).unwrap();
     assert_eq!(sharded.names().len(), whole.names().len());
     for name in whole.names() {
@@ -325,33 +325,23 @@ fn lowering_without_weights_gives_the_graph_the_weights_give() {
 #[test]
 fn multimodal_checkpoints_run_their_language_model() {
     for family in ["gemma3", "gemma4", "qwen3_5"] {
-        let want = prompt_logits(&fixture(&format!("hf-tiny/{family}")));
+        let want = prompt_logits(family, &fixture(&format!("hf-tiny/{family}")));
         for (model, head) in [
             ("model.language_model.", "lm_head.weight"),
             ("language_model.model.", "language_model.lm_head.weight"),
         ] {
             let dir = multimodal_copy(family, model, head);
-            assert_eq!(prompt_logits(&dir), want, "{family} under {model}");
-            std::fs::remove_dir_all(&dir).unwrap();
+            assert_eq!(prompt_logits(family, dir.path()), want, "{family} under {model}");
         }
     }
 }
 
 /// The CPU backend's logits at every position of the family's reference prompt.
-fn prompt_logits(dir: &std::path::Path) -> Vec<f32> {
-    let family = dir
-        .file_name()
-        .unwrap()
-        .to_str()
-        .unwrap()
-        .split('-')
-        .next()
-        .unwrap()
-        .to_string();
+fn prompt_logits(family: &str, dir: &std::path::Path) -> Vec<f32> {
     let mut spec = ModelSpec::for_weights(dir);
     spec.dtype = ComputeDtype::F32;
     let model = Model::open(spec).unwrap();
-    let reference = load_reference(&family);
+    let reference = load_reference(family);
     let graph = model.lower(LogitsFor::AllTokens).unwrap();
     let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
     let mut seq = backend.new_sequence();
@@ -363,11 +353,11 @@ fn prompt_logits(dir: &std::path::Path) -> Vec<f32> {
 /// The tiny `family` model rewritten as a multimodal checkpoint: config nested in
 /// `text_config`, every `model.` tensor moved under `model_prefix`, the head named `head`, and
 /// a vision tensor beside them.
-fn multimodal_copy(family: &str, model_prefix: &str, head: &str) -> std::path::PathBuf {
+fn multimodal_copy(family: &str, model_prefix: &str, head: &str) -> tempfile::TempDir {
     let src = fixture(&format!("hf-tiny/{family}"));
     let tag = model_prefix.replace('.', "_");
-    let dir = std::env::temp_dir().join(format!("{family}-multimodal-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = common::scratch_dir(&format!("bbc-multimodal-{family}-{tag}-"));
+    let dir = scratch.path();
     let text: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     let config = serde_json::json!({
@@ -398,5 +388,5 @@ fn multimodal_copy(family: &str, model_prefix: &str, head: &str) -> std::path::P
         safetensors::tensor::TensorView::new(dtype, vec![2, 2], &vision).unwrap(),
     ));
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
-    dir
+    scratch
 }

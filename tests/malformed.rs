@@ -7,15 +7,18 @@ use models::gguf::writer::GgufWriter;
 use models::gguf::{GgufFile, MetaValue};
 use models::{Model, ModelSpec};
 use proptest::prelude::*;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
-fn temp(name: &str, bytes: &[u8]) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("bbc-malformed-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
-    std::fs::write(&path, bytes).unwrap();
-    path
+/// A file holding `bytes`, its name ending in `name` (extensions matter), removed when dropped.
+fn temp(name: &str, bytes: &[u8]) -> tempfile::TempPath {
+    let file = tempfile::Builder::new()
+        .prefix("bbc-malformed-")
+        .suffix(&format!("-{name}"))
+        .tempfile()
+        .unwrap();
+    std::fs::write(file.path(), bytes).unwrap();
+    file.into_temp_path()
 }
 
 fn open_error(path: &Path) -> String {
@@ -77,8 +80,8 @@ fn safetensors_bytes(header: &str, data_len: usize) -> Vec<u8> {
 
 #[test]
 fn safetensors_header_lying_about_sizes_is_named() {
-    let dir = std::env::temp_dir().join(format!("bbc-malformed-st-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = common::scratch_dir("bbc-malformed-st-");
+    let dir = scratch.path();
     std::fs::copy(common::fixture("hf-tiny/llama/config.json"), dir.join("config.json")).unwrap();
     let cases = [
         // Claims 64 bytes, the file holds 16.
@@ -89,7 +92,7 @@ fn safetensors_header_lying_about_sizes_is_named() {
     ];
     for (header, data_len, needle) in cases {
         std::fs::write(dir.join("model.safetensors"), safetensors_bytes(header, data_len)).unwrap();
-        let err = open_error(&dir);
+        let err = open_error(dir);
         assert!(err.contains("safetensors") && err.contains(needle), "{header}: {err}");
     }
 }
@@ -171,13 +174,13 @@ fn check_bad_configs(family: &str, cases: &[(&str, serde_json::Value, &str)]) {
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     for (i, (key, value, needle)) in cases.iter().enumerate() {
-        let dir = std::env::temp_dir().join(format!("bbc-bad-{family}-{}-{i}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = common::scratch_dir(&format!("bbc-bad-{family}-{i}-"));
+        let dir = scratch.path();
         std::fs::copy(src.join("model.safetensors"), dir.join("model.safetensors")).unwrap();
         let mut bad = config.clone();
         bad[*key] = value.clone();
         std::fs::write(dir.join("config.json"), bad.to_string()).unwrap();
-        let message = match Model::open(ModelSpec::for_weights(&dir)).and_then(|m| {
+        let message = match Model::open(ModelSpec::for_weights(dir)).and_then(|m| {
             m.lower(models::LogitsFor::LastToken)?;
             Ok(())
         }) {
@@ -185,7 +188,6 @@ fn check_bad_configs(family: &str, cases: &[(&str, serde_json::Value, &str)]) {
             Err(e) => e.to_string(),
         };
         assert!(message.contains(needle), "{family}: {key} = {value}: {message}");
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
 
@@ -194,7 +196,8 @@ fn check_bad_configs(family: &str, cases: &[(&str, serde_json::Value, &str)]) {
 #[test]
 fn glm5_is_refused_for_gpu_targets_naming_the_op() {
     let model = common::fixture("hf-tiny/glm_moe_dsa");
-    let out = std::env::temp_dir().join(format!("bbc-glm_moe_dsa-h200-{}", std::process::id()));
+    let scratch = common::scratch_dir("bbc-glm_moe_dsa-h200-");
+    let out = scratch.path().join("artifact");
     let (ok, stderr) = bbc(&[
         "compile",
         model.to_str().unwrap(),

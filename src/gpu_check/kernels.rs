@@ -31,11 +31,10 @@ pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64>
             )?);
         }
     }
-    let scratch = super::RemovedOnDrop(std::env::temp_dir().join(format!("bbc-gpu-check-gguf-{}", std::process::id())));
-    std::fs::create_dir_all(&scratch.0)?;
+    let scratch = super::scratch_dir("bbc-gpu-check-gguf-")?;
     for (name, path) in [
-        ("llama Q8_0/Q4_0", super::tiny_gguf::quantized_llama(&scratch.0)?),
-        ("llama f16", super::tiny_gguf::f16_llama(&scratch.0)?),
+        ("llama Q8_0/Q4_0", super::tiny_gguf::quantized_llama(scratch.path())?),
+        ("llama f16", super::tiny_gguf::f16_llama(scratch.path())?),
     ] {
         worst = worst.max(lockstep(
             name,

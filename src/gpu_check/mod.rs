@@ -31,12 +31,8 @@ use std::path::{Path, PathBuf};
 
 /// A scratch directory, removed with everything in it when dropped: on every way out of the
 /// section that made it, errors included.
-struct RemovedOnDrop(PathBuf);
-
-impl Drop for RemovedOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+fn scratch_dir(prefix: &str) -> Result<tempfile::TempDir> {
+    Ok(tempfile::Builder::new().prefix(prefix).tempdir()?)
 }
 
 #[derive(clap::Args, Debug)]

@@ -76,8 +76,8 @@ fn engines(model: &Path, target: Target) -> Result<(Engine<CudaBackend>, Engine)
     let graph = model.lower(LogitsFor::LastToken)?;
     let gpu_graph = passes::optimized(&graph, cost)?;
     let greedy_graph = passes::optimized(&model.lower(LogitsFor::GreedyToken)?, cost)?;
-    let scratch = super::RemovedOnDrop(std::env::temp_dir().join(format!("bbc-gpu-check-{}", std::process::id())));
-    let dir = &scratch.0;
+    let scratch = super::scratch_dir("bbc-gpu-check-")?;
+    let dir = scratch.path();
     let graphs = codegen::CompiledGraphs {
         logits: &gpu_graph,
         greedy: Some(&greedy_graph),

@@ -11,6 +11,12 @@ pub fn fixture(rel: &str) -> PathBuf {
         .join(rel)
 }
 
+/// A scratch directory named `<prefix><random>`, removed with its contents when dropped (on a
+/// failed assertion too), so test runs leave nothing behind in the system's temp directory.
+pub fn scratch_dir(prefix: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(prefix).tempdir().unwrap()
+}
+
 pub fn read_json(rel: &str) -> serde_json::Value {
     let path = fixture(rel);
     serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))

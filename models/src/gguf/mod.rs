@@ -393,10 +393,14 @@ mod tests {
     use super::writer::GgufWriter;
     use super::*;
 
-    fn write_temp(bytes: &[u8], name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("bbc-gguf-{}-{name}", std::process::id()));
-        std::fs::write(&dir, bytes).unwrap();
-        dir
+    /// A file holding `bytes`, removed when dropped.
+    fn write_temp(bytes: &[u8], name: &str) -> tempfile::TempPath {
+        let file = tempfile::Builder::new()
+            .prefix(&format!("bbc-gguf-{name}-"))
+            .tempfile()
+            .unwrap();
+        std::fs::write(file.path(), bytes).unwrap();
+        file.into_temp_path()
     }
 
     fn sample() -> GgufWriter {
