@@ -278,36 +278,121 @@ fn speculation_keeps_every_token_and_accepts_drafts() {
         (pattern.clone(), sampled),
         ((0..20u32).map(|j| 1000 + 31 * j).collect(), SamplingParams::default()),
     ];
-    let run = |speculation: runtime::serving::NgramConfig| {
-        let config = SchedulerConfig {
-            max_waiting: 16,
-            max_running: 4,
-            token_budget: 64,
-            kv_blocks: 64,
-            block_size: 8,
-            context_length: 2048,
-            prefix_caching: true,
-            speculation,
-        };
-        let mut engine = ServingEngine::new(backend(&model), config);
-        let ids: Vec<_> = requests
-            .iter()
-            .map(|(p, s)| engine.add(p.clone(), 24, vec![], *s).unwrap())
-            .collect();
-        let mut accepted = 0;
-        let got = run_to_idle(&mut engine, |out, _| accepted += out.accepted);
-        (ids.iter().map(|id| got[id].clone()).collect::<Vec<_>>(), accepted)
-    };
-    let (plain, none) = run(runtime::serving::NgramConfig::OFF);
+    let run = |speculation| serve_speculating(&model, &requests, 24, speculation);
+    let (plain, _, none) = run(runtime::serving::NgramConfig::OFF);
     assert_eq!(none, 0);
-    let (speculative, accepted) = run(runtime::serving::NgramConfig {
-        tokens: 4,
-        min: 1,
-        max: 3,
-    });
+    let (speculative, _, accepted) = run(DRAFT_FOUR);
     assert_eq!(speculative, plain);
     assert!(
         accepted >= 24,
         "the repeated pattern should accept drafts, accepted {accepted}"
     );
+}
+
+/// Prompt lookup drafting up to four tokens.
+const DRAFT_FOUR: runtime::serving::NgramConfig = runtime::serving::NgramConfig {
+    tokens: 4,
+    min: 1,
+    max: 3,
+};
+
+/// On hybrid models (the tiny Qwen3.5 and Qwen3-Next), drafts run through each sequence's
+/// recurrent state, and refused ones are taken back out of it: with speculation, greedy
+/// requests generate exactly what they generate without, some drafts accepted and some
+/// refused (a state left past the refused drafts changes the tokens after them).
+#[test]
+fn speculation_on_hybrid_models_takes_refused_drafts_back_out_of_the_state() {
+    for family in ["qwen3_5", "qwen3_next"] {
+        let model = Model::open(ModelSpec::for_weights(&common::fixture(&format!("hf-tiny/{family}")))).unwrap();
+        // Repeating prompts (a period of 6, of 5, one token), where the tiny random models'
+        // greedy tokens sometimes follow what prompt lookup drafts.
+        let repeating = |base: u32, period: u32| (0..40u32).map(|j| base + 17 * (j % period)).collect();
+        let requests: Vec<(Vec<u32>, SamplingParams)> = [repeating(30, 6), repeating(30, 5), repeating(100, 1)]
+            .into_iter()
+            .map(|p| (p, SamplingParams::default()))
+            .collect();
+        let (plain, _, _) = serve_speculating(&model, &requests, 32, runtime::serving::NgramConfig::OFF);
+        let (speculative, drafted, accepted) = serve_speculating(&model, &requests, 32, DRAFT_FOUR);
+        assert_eq!(speculative, plain, "{family}");
+        assert!(
+            accepted > 0 && drafted > accepted,
+            "{family}: {accepted} of {drafted} drafts accepted; both kinds were meant to happen"
+        );
+    }
+}
+
+/// The mechanism beneath: after a step verifying three drafts, rewinding a hybrid model's
+/// state to keep `kept` of its four sampled rows leaves the sequence exactly where one that
+/// ran only those rows is: the next step's logits are bit for bit the same, for every `kept`.
+#[test]
+fn a_rewound_state_continues_like_one_that_never_saw_the_refused_drafts() {
+    use runtime::kv::{BlockId, Segment};
+    use runtime::serving::PagedBackend;
+    for family in ["qwen3_5", "qwen3_next"] {
+        let model = Model::open(ModelSpec::for_weights(&common::fixture(&format!("hf-tiny/{family}")))).unwrap();
+        let backend = backend(&model);
+        let (prompt, drafts, next) = ([5u32, 40, 77, 120, 3, 9, 250, 31, 64, 200], [17u32, 93, 141], 58u32);
+        let table: Vec<BlockId> = (0..4).map(BlockId).collect();
+        let all = [&prompt[..], &drafts[..]].concat();
+        let step = |pages: &mut runtime::KvPages, start: usize, ids: &[u32], sampled_rows: usize| {
+            let segment = Segment {
+                table: &table,
+                start,
+                ids,
+                state_slot: 0,
+                sampled_rows,
+            };
+            backend
+                .step_batch(pages, &[segment])
+                .unwrap()
+                .remove(0)
+                .remove("logits")
+                .unwrap()
+                .data
+        };
+        for kept in 1..=4 {
+            let mut verified = PagedBackend::new_pages(&backend, 8);
+            step(&mut verified, 0, &all, 4);
+            backend.rewind_state(&mut verified, 0, 4, kept).unwrap();
+            let mut plain = PagedBackend::new_pages(&backend, 8);
+            let end = prompt.len() + kept - 1;
+            step(&mut plain, 0, &all[..end], 1);
+            assert_eq!(
+                step(&mut verified, end, &[next], 1),
+                step(&mut plain, end, &[next], 1),
+                "{family}: {kept} of 4 sampled rows kept"
+            );
+        }
+    }
+}
+
+/// `requests` (prompt, sampling) served together, `max_tokens` each, four at a time with
+/// `speculation`: each one's tokens, and the drafts drafted and accepted over the run.
+fn serve_speculating(
+    model: &Model,
+    requests: &[(Vec<u32>, SamplingParams)],
+    max_tokens: usize,
+    speculation: runtime::serving::NgramConfig,
+) -> (Vec<Vec<u32>>, usize, usize) {
+    let config = SchedulerConfig {
+        max_waiting: 16,
+        max_running: 4,
+        token_budget: 64,
+        kv_blocks: 64,
+        block_size: 8,
+        context_length: 2048,
+        prefix_caching: true,
+        speculation,
+    };
+    let mut engine = ServingEngine::new(backend(model), config);
+    let ids: Vec<_> = requests
+        .iter()
+        .map(|(p, s)| engine.add(p.clone(), max_tokens, vec![], *s).unwrap())
+        .collect();
+    let (mut drafted, mut accepted) = (0, 0);
+    let got = run_to_idle(&mut engine, |out, _| {
+        drafted += out.drafted;
+        accepted += out.accepted;
+    });
+    (ids.iter().map(|id| got[id].clone()).collect(), drafted, accepted)
 }

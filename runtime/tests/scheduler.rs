@@ -108,6 +108,14 @@ impl SimulatedKv {
             state.extend_from_slice(&w.tokens);
         }
     }
+
+    /// As a backend's `rewind_state`: the slot's state without the last `sampled_rows − kept`
+    /// rows it consumed.
+    fn rewind_state(&mut self, slot: usize, sampled_rows: usize, kept: usize) {
+        if let Some(state) = self.states.as_mut().and_then(|states| states.get_mut(&slot)) {
+            state.truncate(state.len() - (sampled_rows - kept));
+        }
+    }
 }
 
 fn run_step(s: &mut Scheduler, kv: &mut SimulatedKv, stop: bool, accept: usize, config: &SchedulerConfig) -> usize {
@@ -152,6 +160,11 @@ fn complete(s: &mut Scheduler, kv: &mut SimulatedKv, w: &Work, accept: usize, to
         None => {
             let tokens = kv.tokens.get_mut(&w.seq).expect("running");
             tokens.extend_from_slice(&sampled[..taken]);
+            // As the engine does: refused drafts are taken back out of the state.
+            let accepted = w.accepted(taken);
+            if taken > 0 && accepted < w.drafts {
+                kv.rewind_state(w.state_slot, w.drafts + 1, accepted + 1);
+            }
             false
         }
     }
@@ -182,9 +195,9 @@ proptest! {
         };
         let mut s = Scheduler::new(config);
         let mut kv = SimulatedKv {
-            // Recurrent models run without the prefix cache and without speculation (drafts
-            // would advance a state past what is kept).
-            states: (!prefix_caching && !speculation.is_on()).then(HashMap::new),
+            // Recurrent models run without the prefix cache (a cached block holds keys and
+            // values, not the state after them).
+            states: (!prefix_caching).then(HashMap::new),
             ..Default::default()
         };
         let mut ids: Vec<SeqId> = Vec::new();

@@ -55,7 +55,8 @@ pub struct ServeArgs {
     pub dtype: Option<ComputeDtype>,
     /// Speculative decoding by prompt lookup: draft up to N tokens a step from earlier text
     /// of the request and verify them in the same pass (0: off; overrides a model.toml's
-    /// `[speculative]`). Tokens are unchanged; models without recurrent state.
+    /// `[speculative]`). Tokens are unchanged. Hybrid models (recurrent state) on the CPU
+    /// backend only.
     #[arg(long)]
     pub speculative_ngram: Option<usize>,
     /// Shortest match prompt lookup tries (default 2, or model.toml's).
@@ -208,7 +209,7 @@ where
             on.tokens, on.min, on.max
         ),
         (true, false) => eprintln!(
-            "speculative decoding is off: this model or plan cannot verify drafted tokens (a recurrent state, or a GPU plan compiled before plans sampled several rows: compile it again)"
+            "speculative decoding is off: this plan cannot verify drafted tokens (GPU plans of models with recurrent state do not yet, and plans compiled before plans sampled several rows cannot: compile it again)"
         ),
         (false, false) => {}
     }

@@ -8,8 +8,11 @@
 //!
 //! Beside the pages, the recurrent states of Gated DeltaNet layers: one f32 vector per (layer
 //! state slot, sequence state slot), made on first use; the scheduler hands a running sequence
-//! its slot, so their number follows the running sequences, not the blocks.
+//! its slot, so their number follows the running sequences, not the blocks. A step that
+//! verifies drafted tokens also keeps each state as it stood after every sampled row but the
+//! last, so that refused drafts can be taken back out of it ([`KvPages::rewind_state`]).
 
+use crate::error::{Result, RuntimeError};
 use crate::kv::{cache_row, BlockId};
 use std::collections::HashMap;
 
@@ -21,6 +24,9 @@ pub struct KvPages {
     state_lens: Vec<usize>,
     /// By (layer state slot, sequence state slot).
     states: HashMap<(usize, usize), Vec<f32>>,
+    /// By (layer state slot, sequence state slot): the state after each sampled row but the
+    /// last of the sequence's latest step (none unless it verified drafts).
+    checkpoints: HashMap<(usize, usize), Vec<Vec<f32>>>,
 }
 
 /// Keys and values of one attention slot: row `r` of the pool is `k[r·dim..(r+1)·dim]` and
@@ -43,6 +49,7 @@ impl KvPages {
             block_size,
             state_lens: state_lens.to_vec(),
             states: HashMap::new(),
+            checkpoints: HashMap::new(),
             layers: kv_dims
                 .iter()
                 .map(|&(dim, v_dim)| LayerPages {
@@ -71,7 +78,8 @@ impl KvPages {
     /// Bytes held by the pool now.
     pub fn bytes(&self) -> usize {
         let pages: usize = self.layers.iter().map(|l| (l.k.len() + l.v.len()) * 4).sum();
-        pages + self.states.values().map(|s| s.len() * 4).sum::<usize>()
+        let checkpoints: usize = self.checkpoints.values().flatten().map(Vec::len).sum();
+        pages + (self.states.values().map(Vec::len).sum::<usize>() + checkpoints) * 4
     }
 
     /// The recurrent state of layer slot `layer` for the sequence in state slot `sequence`;
@@ -83,6 +91,51 @@ impl KvPages {
             state.fill(0.0);
         }
         state
+    }
+
+    /// As [`recurrent_state`](Self::recurrent_state), with the sequence's checkpoints of that
+    /// layer emptied for this step to fill (`Vec::push` a copy of the state after each sampled
+    /// row but the last).
+    pub fn recurrent_state_and_checkpoints(
+        &mut self,
+        layer: usize,
+        sequence: usize,
+        fresh: bool,
+    ) -> (&mut [f32], &mut Vec<Vec<f32>>) {
+        let checkpoints = self.checkpoints.entry((layer, sequence)).or_default();
+        checkpoints.clear();
+        let len = self.state_lens.get(layer).copied().unwrap_or(0);
+        let state = self.states.entry((layer, sequence)).or_insert_with(|| vec![0.0; len]);
+        if fresh {
+            state.fill(0.0);
+        }
+        (state, checkpoints)
+    }
+
+    /// After a step that sampled `sampled_rows` rows of the sequence in state slot `sequence`
+    /// kept only the first `kept` of them (drafts after them refused): every layer's state back
+    /// to what it was after the last row kept, as if the refused rows had never run. Then the
+    /// checkpoints are let go.
+    pub fn rewind_state(&mut self, sequence: usize, sampled_rows: usize, kept: usize) -> Result<()> {
+        if !(1..=sampled_rows).contains(&kept) {
+            return Err(RuntimeError::Input(format!(
+                "cannot keep {kept} of {sampled_rows} sampled rows"
+            )));
+        }
+        for layer in (0..self.state_lens.len()).filter(|&l| self.state_lens[l] > 0) {
+            let checkpoints = self.checkpoints.remove(&(layer, sequence)).unwrap_or_default();
+            if kept == sampled_rows {
+                continue;
+            }
+            let (Some(state), Some(saved)) = (self.states.get_mut(&(layer, sequence)), checkpoints.get(kept - 1))
+            else {
+                return Err(RuntimeError::Input(format!(
+                    "state slot {sequence} has no state saved after row {kept} of its last step's {sampled_rows} sampled"
+                )));
+            };
+            state.copy_from_slice(saved);
+        }
+        Ok(())
     }
 
     /// Whether any layer keeps a recurrent state.
@@ -159,5 +212,32 @@ mod tests {
         assert_eq!(pages.recurrent_state(1, 8, false), &[0.0; 3], "another sequence's own");
         assert_eq!(pages.recurrent_state(1, 7, true), &[0.0; 3]);
         assert_eq!(pages.bytes(), 2 * 3 * 4);
+    }
+
+    /// A verifying step's checkpoints put the state back to the last row kept, in every
+    /// layer; keeping every row changes nothing; checkpoints do not outlive the rewind.
+    #[test]
+    fn rewinding_restores_each_layers_state_after_the_last_row_kept() {
+        let mut pages = KvPages::new(&[], &[2, 0, 1], 4);
+        // Three sampled rows: the state after row r holds 10·layer + r; after rows 0 and 1
+        // saved, after row 2 current.
+        for (layer, width) in [(0, 2), (2, 1)] {
+            let (state, saved) = pages.recurrent_state_and_checkpoints(layer, 3, true);
+            for row in 0..2 {
+                saved.push(vec![(10 * layer + row) as f32; width]);
+            }
+            state.fill((10 * layer + 2) as f32);
+        }
+        // Rows 0 and 1 kept: the state after row 1.
+        pages.rewind_state(3, 3, 2).unwrap();
+        assert_eq!(pages.recurrent_state(0, 3, false), &[1.0, 1.0]);
+        assert_eq!(pages.recurrent_state(2, 3, false), &[21.0]);
+        assert!(
+            pages.rewind_state(3, 3, 1).is_err(),
+            "checkpoints are gone after a rewind"
+        );
+        pages.rewind_state(3, 3, 3).unwrap();
+        assert_eq!(pages.recurrent_state(0, 3, false), &[1.0, 1.0], "all kept: unchanged");
+        assert!(pages.rewind_state(3, 3, 0).is_err() && pages.rewind_state(3, 3, 4).is_err());
     }
 }

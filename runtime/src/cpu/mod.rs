@@ -633,17 +633,28 @@ fn gated_delta_net(spec: &ir::DeltaNetSpec, args: &[Arg], pages: &mut KvPages, r
     let (c, vh) = (spec.conv_channels(), spec.value_heads);
     let mut out = Vec::with_capacity(mixed.rows() * vh * spec.value_dim);
     for (seg, r) in rows.segments.iter().zip(&rows.ranges) {
-        let state = pages.recurrent_state(spec.state_slot, seg.state_slot, seg.start == 0);
-        out.extend(ops::gated_delta_net(
-            spec,
-            &mixed.data[r.start * c..r.end * c],
-            &b.data[r.start * vh..r.end * vh],
-            &a.data[r.start * vh..r.end * vh],
-            conv,
-            a_log,
-            dt_bias,
-            state,
-        ));
+        let (state, checkpoints) =
+            pages.recurrent_state_and_checkpoints(spec.state_slot, seg.state_slot, seg.start == 0);
+        // Up to the first sampled row in one run, then a row at a time, the state saved after
+        // each sampled row but the last (the recurrence is row by row, so the values are the
+        // same however the rows are split).
+        let first_sampled = r.end - seg.sampled_rows;
+        let runs = std::iter::once(r.start..first_sampled + 1).chain((first_sampled + 1..r.end).map(|t| t..t + 1));
+        for (i, run) in runs.enumerate() {
+            if i > 0 {
+                checkpoints.push(state.to_vec());
+            }
+            out.extend(ops::gated_delta_net(
+                spec,
+                &mixed.data[run.start * c..run.end * c],
+                &b.data[run.start * vh..run.end * vh],
+                &a.data[run.start * vh..run.end * vh],
+                conv,
+                a_log,
+                dt_bias,
+                state,
+            ));
+        }
     }
     Ok(Tensor::new(vec![mixed.rows(), vh * spec.value_dim], out))
 }

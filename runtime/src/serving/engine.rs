@@ -32,9 +32,23 @@ pub trait PagedBackend {
         false
     }
     /// Whether a step can sample several rows of one sequence (`Segment::sampled_rows`), and
-    /// so verify drafted tokens: a state that drafts would advance past what is kept cannot.
+    /// so verify drafted tokens: a recurrent state that drafts advance must be put back where
+    /// they are refused ([`rewind_state`](Self::rewind_state)).
     fn verifies_drafts(&self) -> bool {
         false
+    }
+    /// After a step that sampled `sampled_rows` rows of the sequence in `state_slot` kept only
+    /// the first `kept` (its later drafts refused): its recurrent state as the last row kept
+    /// left it. Nothing to do for a model without recurrent state (refused rows' keys and
+    /// values lie past the sequence's end and are overwritten).
+    fn rewind_state(
+        &self,
+        _pages: &mut Self::Pages,
+        _state_slot: usize,
+        _sampled_rows: usize,
+        _kept: usize,
+    ) -> Result<()> {
+        Ok(())
     }
     /// Process every segment's tokens in one pass; each segment's outputs by name, in order:
     /// per-token outputs with at least the segment's last row (the one sampled from).
@@ -61,7 +75,13 @@ impl PagedBackend for crate::CpuBackend {
         crate::CpuBackend::has_recurrent_state(self)
     }
     fn verifies_drafts(&self) -> bool {
-        !self.has_recurrent_state()
+        true
+    }
+    fn rewind_state(&self, pages: &mut Self::Pages, state_slot: usize, sampled_rows: usize, kept: usize) -> Result<()> {
+        match self.has_recurrent_state() {
+            true => pages.rewind_state(state_slot, sampled_rows, kept),
+            false => Ok(()),
+        }
     }
 }
 
@@ -211,8 +231,14 @@ impl<B: PagedBackend> ServingEngine<B> {
             };
             let tokens: Vec<u32> = sampled.iter().map(|s| s.token).collect();
             let (taken, done) = self.scheduler.complete(work, &tokens);
+            let accepted = work.accepted(taken);
+            if taken > 0 && done.is_none() && accepted < work.drafts {
+                // Still running, with drafts refused: they ran through its recurrent state.
+                self.backend
+                    .rewind_state(&mut self.pages, work.state_slot, work.drafts + 1, accepted + 1)?;
+            }
             out.drafted += work.drafts;
-            out.accepted += work.accepted(taken);
+            out.accepted += accepted;
             out.tokens.extend(sampled.into_iter().take(taken));
             if let Some(done) = done {
                 self.samplers.remove(&done.seq);
