@@ -142,6 +142,20 @@ fn tiny_qwen3_5_plans_agree_with_the_cpu_backend() {
     check_everywhere("qwen3_5");
 }
 
+/// The same model as llama.cpp's converter writes it to GGUF (value heads tiled over the key
+/// heads, `A` stored instead of `A_log`): the DeltaNet kernels read each value head's key head
+/// and decay rate as its spec says, on every GPU target.
+#[test]
+fn tiny_qwen3_5_gguf_plans_agree_with_the_cpu_backend() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf-tiny/qwen3_5.gguf");
+    let mut spec = ModelSpec::for_weights(&path);
+    spec.dtype = ComputeDtype::F32;
+    let model = Model::open(spec).unwrap();
+    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+        check_against("qwen3_5", &model, &model, target, 1e-4);
+    }
+}
+
 /// GLM-4.5's MoE layers (DeepSeek-V3's grouped sigmoid router, experts run per row, a shared
 /// expert beside them) and attention with Q/K/V biases, on every GPU target.
 #[test]

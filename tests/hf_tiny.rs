@@ -67,13 +67,17 @@ fn argmax(row: &[f32]) -> u32 {
 
 /// The CPU backend against HF, on the graph as lowered and on the graph the CPU's passes fuse.
 fn check_cpu_backend(family: &str) {
-    let model = open(family);
+    check_cpu_backend_of(&open(family), family, family);
+}
+
+/// As [`check_cpu_backend`], for `model` holding `family`'s weights in another form.
+fn check_cpu_backend_of(model: &Model, family: &str, label: &str) {
     let lowered = model.lower(LogitsFor::AllTokens).unwrap();
     let fused = passes::optimized(&lowered, passes::CostModel::CPU).unwrap();
-    assert!(fused.op_count() < lowered.op_count(), "{family}: nothing fused");
+    assert!(fused.op_count() < lowered.op_count(), "{label}: nothing fused");
     let reference = load_reference(family);
-    check_cpu_graph(&model, lowered, &reference, family);
-    check_cpu_graph(&model, fused, &reference, &format!("{family} fused"));
+    check_cpu_graph(model, lowered, &reference, label);
+    check_cpu_graph(model, fused, &reference, &format!("{label} fused"));
 }
 
 fn check_cpu_graph(model: &Model, graph: ir::Graph, reference: &Reference, label: &str) {
@@ -100,7 +104,10 @@ fn check_cpu_graph(model: &Model, graph: ir::Graph, reference: &Reference, label
 }
 
 fn check_reference_interpreter(family: &str) {
-    let model = open(family);
+    check_reference_interpreter_of(&open(family), family, family);
+}
+
+fn check_reference_interpreter_of(model: &Model, family: &str, label: &str) {
     let reference = load_reference(family);
     let graph = model.lower(LogitsFor::AllTokens).unwrap();
     let weights = models::weights::DequantizedWeights::new(&model.weights);
@@ -111,7 +118,7 @@ fn check_reference_interpreter(family: &str) {
     assert_close(
         &out["logits"].data,
         &reference.logits,
-        &format!("{family} interpreter prompt logits"),
+        &format!("{label} interpreter prompt logits"),
     );
     let v = reference.vocab;
     let mut last = out["logits"].row(n - 1).to_vec();
@@ -119,7 +126,7 @@ fn check_reference_interpreter(family: &str) {
         assert_close(
             &last,
             &reference.step_logits[step * v..(step + 1) * v],
-            &format!("{family} interpreter step {step}"),
+            &format!("{label} interpreter step {step}"),
         );
         assert_eq!(argmax(&last), want_id);
         last = interp.step(&graph, &[want_id], &[n + step]).unwrap()["logits"]
@@ -156,6 +163,18 @@ fn qwen3_5_cpu_backend_matches_hf() {
 #[test]
 fn qwen3_5_reference_interpreter_matches_hf() {
     check_reference_interpreter("qwen3_5");
+}
+
+/// The same model as llama.cpp's converter writes it to GGUF (`tests/fixtures/gguf-tiny`:
+/// norms stored `+ 1`, `A` instead of `A_log`, value heads tiled over the key heads; llama.cpp
+/// itself gives HF's greedy ids on that file): HF's logits, through the interpreter and the
+/// CPU backend.
+#[test]
+fn qwen3_5_from_llama_cpp_gguf_matches_hf() {
+    let model = Model::open(ModelSpec::for_weights(&fixture("gguf-tiny/qwen3_5.gguf"))).unwrap();
+    assert_eq!(model.config.family, models::Family::Qwen35);
+    check_reference_interpreter_of(&model, "qwen3_5", "qwen3_5 gguf");
+    check_cpu_backend_of(&model, "qwen3_5", "qwen3_5 gguf");
 }
 
 #[test]

@@ -120,9 +120,46 @@ pub struct DeltaNetSpec {
     pub conv_kernel: usize,
     /// Which recurrent state this layer keeps (one per layer, like an attention's cache slot).
     pub state_slot: usize,
+    /// Which key head each value head reads (the weights' order of value heads).
+    #[serde(default)]
+    pub value_head_order: ValueHeadOrder,
+    /// What the per-value-head decay-rate input holds.
+    #[serde(default)]
+    pub decay_rate: DecayRate,
+}
+
+/// How the value heads of a Gated DeltaNet share its key heads, `r = value_heads / key_heads`
+/// value heads each: the order the value rows of the projections (and the columns of the
+/// output projection) are stored in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+pub enum ValueHeadOrder {
+    /// HF's: a key head's `r` value heads together, value head `h` reading key head `h / r`.
+    #[default]
+    Grouped,
+    /// llama.cpp's GGUF files (its converter reorders them so ggml can broadcast): value head
+    /// `h` reads key head `h % key_heads`.
+    Tiled,
+}
+
+/// How a Gated DeltaNet's decay rate `A < 0` (one per value head) is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+pub enum DecayRate {
+    /// HF's `A_log`: `A = −exp(A_log)`.
+    #[default]
+    Log,
+    /// `A` itself (llama.cpp's GGUF `ssm_a`, which its converter writes as `−exp(A_log)`).
+    Value,
 }
 
 impl DeltaNetSpec {
+    /// The key head value head `h` reads.
+    pub fn key_head(&self, h: usize) -> usize {
+        match self.value_head_order {
+            ValueHeadOrder::Grouped => h / (self.value_heads / self.key_heads),
+            ValueHeadOrder::Tiled => h % self.key_heads,
+        }
+    }
+
     /// Channels of the joined projection and of the convolution: `[q | k | v]`.
     pub fn conv_channels(&self) -> usize {
         2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
@@ -701,10 +738,20 @@ impl Op {
             Self::GroupSlice { group, start, len } | Self::RowGroupSlice { group, start, len } => {
                 format!("group={group}, start={start}, len={len}")
             }
-            Self::GatedDeltaNet(d) => format!(
-                "key_heads={}, value_heads={}, key_dim={}, value_dim={}, conv_kernel={}, state={}",
-                d.key_heads, d.value_heads, d.key_dim, d.value_dim, d.conv_kernel, d.state_slot
-            ),
+            Self::GatedDeltaNet(d) => {
+                let mut text = format!(
+                    "key_heads={}, value_heads={}, key_dim={}, value_dim={}, conv_kernel={}, state={}",
+                    d.key_heads, d.value_heads, d.key_dim, d.value_dim, d.conv_kernel, d.state_slot
+                );
+                // HF's layout is the default and goes unsaid.
+                if d.value_head_order == ValueHeadOrder::Tiled {
+                    text.push_str(", value_heads_tiled");
+                }
+                if d.decay_rate == DecayRate::Value {
+                    text.push_str(", decay_rate=value");
+                }
+                text
+            }
             Self::Moe(m) => {
                 let router = match m.router {
                     MoeRouter::Softmax => "softmax".to_string(),

@@ -3,7 +3,7 @@
 //! sequences start, continue with fewer rows than the window, and sit in any state slot.
 
 use ir::reference::ops;
-use ir::DeltaNetSpec;
+use ir::{DecayRate, DeltaNetSpec, ValueHeadOrder};
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::emulator::{run, Array, Scalar};
 use kernels_gen::templates::cache_layout::CacheLayout;
@@ -38,7 +38,11 @@ impl Layer {
         }
         Self {
             conv,
-            a_log: rng.vec(spec.value_heads),
+            // `A` itself is negative.
+            a_log: match spec.decay_rate {
+                DecayRate::Log => rng.vec(spec.value_heads),
+                DecayRate::Value => rng.vec(spec.value_heads).iter().map(|v| -v.exp()).collect(),
+            },
             // Some past softplus's threshold of 20.
             dt_bias: (0..spec.value_heads)
                 .map(|h| if h == 0 { 25.0 } else { rng.next() })
@@ -159,7 +163,7 @@ impl Layer {
     }
 }
 
-fn specs() -> [DeltaNetSpec; 2] {
+fn specs() -> [DeltaNetSpec; 3] {
     [
         // The tiny fixture's shape: 2 value heads per key head, narrow heads.
         DeltaNetSpec {
@@ -169,6 +173,8 @@ fn specs() -> [DeltaNetSpec; 2] {
             value_dim: 16,
             conv_kernel: 4,
             state_slot: 0,
+            value_head_order: ValueHeadOrder::Grouped,
+            decay_rate: DecayRate::Log,
         },
         // Qwen3.5's head widths (128): 8 lanes a column, 4 tiles of columns; one key head.
         DeltaNetSpec {
@@ -178,6 +184,20 @@ fn specs() -> [DeltaNetSpec; 2] {
             value_dim: 128,
             conv_kernel: 4,
             state_slot: 0,
+            value_head_order: ValueHeadOrder::Grouped,
+            decay_rate: DecayRate::Log,
+        },
+        // As llama.cpp's GGUF files store the tiny fixture: value heads tiled over the key
+        // heads, the decay rate stored as `A`.
+        DeltaNetSpec {
+            key_heads: 2,
+            value_heads: 4,
+            key_dim: 16,
+            value_dim: 16,
+            conv_kernel: 4,
+            state_slot: 0,
+            value_head_order: ValueHeadOrder::Tiled,
+            decay_rate: DecayRate::Value,
         },
     ]
 }

@@ -48,7 +48,8 @@ impl Family {
             "llama" => Some(Self::Llama),
             "gemma3" | "gemma3_text" => Some(Self::Gemma3),
             "glm4_moe" => Some(Self::Glm4Moe),
-            "qwen3_5" | "qwen3_5_text" => Some(Self::Qwen35),
+            // `qwen35`: llama.cpp's name (GGUF `general.architecture`).
+            "qwen3_5" | "qwen3_5_text" | "qwen35" => Some(Self::Qwen35),
             "qwen3_next" => Some(Self::Qwen3Next),
             "gemma4" | "gemma4_text" => Some(Self::Gemma4),
             "glm_moe_dsa" => Some(Self::GlmMoeDsa),
@@ -168,6 +169,61 @@ pub struct MoeConfig {
     pub router: ir::MoeRouter,
 }
 
+/// Which layers of a GGUF hybrid (llama.cpp's `qwen35`) are Gated DeltaNet layers: its
+/// `attention.recurrent_layers` flags, or else all but every `full_attention_interval`-th
+/// (default 4), as llama.cpp reads them.
+fn gguf_recurrent_layers(file: &GgufFile, arch: &str, layers: usize) -> Result<Vec<LayerAttention>> {
+    let kind = |recurrent: bool| match recurrent {
+        true => LayerAttention::Linear,
+        false => LayerAttention::Full,
+    };
+    let flags_key = format!("{arch}.attention.recurrent_layers");
+    if let Some(flags) = file.get(&flags_key) {
+        let bad = |problem: &str| ModelError::Metadata {
+            path: file.path.clone(),
+            key: flags_key.clone(),
+            problem: problem.into(),
+        };
+        let flags = flags.as_array().ok_or_else(|| bad("should be an array of booleans"))?;
+        // MTP layers, where a file has them, come after the model's own and are not recurrent.
+        if flags.len() < layers {
+            return Err(bad(&format!("has {} flags for {layers} layers", flags.len())));
+        }
+        return flags[..layers]
+            .iter()
+            .map(|f| f.as_bool().map(kind).ok_or_else(|| bad("should hold booleans")))
+            .collect();
+    }
+    let every = file
+        .optional_u64(&format!("{arch}.full_attention_interval"))?
+        .unwrap_or(4)
+        .max(1) as usize;
+    Ok((0..layers).map(|i| kind(!(i + 1).is_multiple_of(every))).collect())
+}
+
+/// The Gated DeltaNet shapes of a GGUF hybrid, from llama.cpp's `ssm.*` keys: key heads
+/// (`group_count`), value heads (`time_step_rank`), the key head width (`state_size`), the
+/// value heads' total width (`inner_size`) and the convolution's (`conv_kernel`).
+fn gguf_linear_attention(file: &GgufFile, arch: &str) -> Result<LinearAttentionConfig> {
+    let u = |k: &str| file.require_u64(&format!("{arch}.ssm.{k}")).map(|v| v as usize);
+    let value_heads = u("time_step_rank")?;
+    let inner = u("inner_size")?;
+    if value_heads == 0 || !inner.is_multiple_of(value_heads) {
+        return Err(ModelError::Metadata {
+            path: file.path.clone(),
+            key: format!("{arch}.ssm.inner_size"),
+            problem: format!("{inner} is not a whole number of widths for {value_heads} value heads"),
+        });
+    }
+    Ok(LinearAttentionConfig {
+        key_heads: u("group_count")?,
+        value_heads,
+        key_dim: u("state_size")?,
+        value_dim: inner / value_heads,
+        conv_kernel: u("conv_kernel")?,
+    })
+}
+
 /// Gemma 3's layer pattern: every sixth layer is global.
 fn gemma3_pattern(layers: usize, every: usize) -> Vec<LayerAttention> {
     (0..layers)
@@ -264,7 +320,7 @@ impl ModelConfig {
         let family = Family::parse(arch).ok_or_else(|| ModelError::Metadata {
             path: file.path.clone(),
             key: "general.architecture".into(),
-            problem: format!("is `{arch}`; bbc runs llama and gemma3 from GGUF"),
+            problem: format!("is `{arch}`; bbc runs llama, gemma3 and qwen35 from GGUF"),
         })?;
         let hf_only = || ModelError::Metadata {
             path: file.path.clone(),
@@ -291,9 +347,12 @@ impl ModelConfig {
             // llama.cpp's gemma3: sliding layers use θ = 10 000; the scale is 1/√head_dim
             // (gemma-3 sets query_pre_attn_scalar = head_dim).
             Family::Gemma3 => (gemma3_pattern(layers, 6), 10_000.0, Some(head_dim as f64)),
-            Family::Gemma4 | Family::Glm4Moe | Family::GlmMoeDsa | Family::Qwen35 | Family::Qwen3Next => {
-                return Err(hf_only())
-            }
+            Family::Qwen35 => (gguf_recurrent_layers(file, arch, layers)?, rope_theta, None),
+            Family::Gemma4 | Family::Glm4Moe | Family::GlmMoeDsa | Family::Qwen3Next => return Err(hf_only()),
+        };
+        let linear_attention = match family {
+            Family::Qwen35 => Some(gguf_linear_attention(file, arch)?),
+            _ => None,
         };
         let rope_scale = match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
             Some("linear") => file.optional_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0),
@@ -319,11 +378,14 @@ impl ModelConfig {
             layer_attention,
             query_pre_attn_scalar,
             tied_embeddings: file.tensor("output.weight").is_none(),
-            rotary_dim: head_dim,
+            rotary_dim: match file.optional_u64(&key("rope.dimension_count"))? {
+                Some(d) => d as usize,
+                None => head_dim,
+            },
             attention_bias: false,
-            qk_norm: family == Family::Gemma3,
+            qk_norm: matches!(family, Family::Gemma3 | Family::Qwen35),
             moe: None,
-            linear_attention: None,
+            linear_attention,
             gemma4: None,
             mla: None,
         };

@@ -334,14 +334,18 @@ pub fn gated_delta_net(
         }
         let q_scale = 1.0 / (dk as f32).sqrt();
         for h in 0..vh {
-            let key_head = h / (vh / kh);
+            let key_head = spec.key_head(h);
             let qh: Vec<f32> = q[key_head * dk..(key_head + 1) * dk]
                 .iter()
                 .map(|v| v * q_scale)
                 .collect();
             let kh_ = &k[key_head * dk..(key_head + 1) * dk];
             let vh_ = &v[h * dv..(h + 1) * dv];
-            let decay = (-(a_log[h] as f64).exp() as f32 * softplus(a[h] + dt_bias[h])).exp();
+            let rate = match spec.decay_rate {
+                crate::DecayRate::Log => -(a_log[h] as f64).exp() as f32,
+                crate::DecayRate::Value => a_log[h],
+            };
+            let decay = (rate * softplus(a[h] + dt_bias[h])).exp();
             let beta = sigmoid(b[h]);
             let s = &mut recurrent[h * dk * dv..(h + 1) * dk * dv];
             s.iter_mut().for_each(|v| *v *= decay);

@@ -33,7 +33,7 @@ use super::elementwise::silu;
 use super::quant::WeightFormat;
 use super::{blocks_for, per_element, BLOCK};
 use crate::dsl::*;
-use ir::DeltaNetSpec;
+use ir::{DecayRate, DeltaNetSpec, ValueHeadOrder};
 
 /// Value columns a block of [`delta_rule`] takes (fewer where the heads are narrower).
 const COLUMNS: usize = 32;
@@ -123,6 +123,22 @@ fn tree_sum(mut terms: Vec<Expr>) -> Expr {
         terms = pairs;
     }
     terms.pop().unwrap_or_else(|| f(0.0))
+}
+
+/// The key head value head `h` reads ([`DeltaNetSpec::key_head`]).
+fn key_head(spec: &DeltaNetSpec, h: Expr) -> Expr {
+    match spec.value_head_order {
+        ValueHeadOrder::Grouped => h / int((spec.value_heads / spec.key_heads) as i64),
+        ValueHeadOrder::Tiled => rem(h, int(spec.key_heads as i64)),
+    }
+}
+
+/// The decay rate `A < 0` from what the spec's decay input holds.
+fn decay_rate(spec: &DeltaNetSpec, stored: Expr) -> Expr {
+    match spec.decay_rate {
+        DecayRate::Log => un(UnOp::Neg, un(UnOp::Exp, stored)),
+        DecayRate::Value => stored,
+    }
 }
 
 fn spec_text(spec: &DeltaNetSpec) -> String {
@@ -252,8 +268,10 @@ pub fn delta_rule_blocks_per_sequence(spec: &DeltaNetSpec) -> usize {
 
 /// The gated delta rule over the convolved `[q | k | v]` rows of `conv` (`channels` wide):
 /// per row and value head, `S ← g·S`, `S ← S + k·β(v − kᵀS)ᵀ`, `out = qᵀS`, with q and k
-/// L2-normalised (q also scaled by `key_dim^−½`), `g = exp(−exp(A_log)·softplus(a + dt_bias))`
-/// and `β = sigmoid(b)`; `b` and `a` rows are `b_stride` and `a_stride` apart. Grid: `seqs`
+/// L2-normalised (q also scaled by `key_dim^−½`), `g = exp(A·softplus(a + dt_bias))` (`A`
+/// from the `a_log` input as the spec's `decay_rate` says: `−exp(A_log)` or itself) and
+/// `β = sigmoid(b)`; value head `h` reads the key head the spec's `value_head_order` gives it;
+/// `b` and `a` rows are `b_stride` and `a_stride` apart. Grid: `seqs`
 /// × [`delta_rule_blocks_per_sequence`].
 pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNetSpec) -> Kernel {
     let (groups, columns) = delta_rule_shape(spec);
@@ -286,7 +304,7 @@ pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNet
     ];
     body.extend(locate_sequence(layout, var("s")));
     body.extend([
-        let_("key_head", Ty::I32, var("h") / int(vh / spec.key_heads as i64)),
+        let_("key_head", Ty::I32, key_head(spec, var("h"))),
         let_(
             "matrix",
             Ty::I32,
@@ -308,7 +326,7 @@ pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNet
         ));
     }
     body.extend([
-        let_("neg_a", Ty::F32, un(UnOp::Neg, un(UnOp::Exp, load("a_log", var("h"))))),
+        let_("neg_a", Ty::F32, decay_rate(spec, load("a_log", var("h")))),
         let_("bias", Ty::F32, load("dt_bias", var("h"))),
     ]);
     // Row `r + 1`'s inputs are loaded while row `r` is computed (`next_*`): none of them

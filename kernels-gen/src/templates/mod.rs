@@ -330,6 +330,8 @@ const QWEN3_5_DELTA_NET: ir::DeltaNetSpec = ir::DeltaNetSpec {
     value_dim: 128,
     conv_kernel: 4,
     state_slot: 0,
+    value_head_order: ir::ValueHeadOrder::Grouped,
+    decay_rate: ir::DecayRate::Log,
 };
 
 /// GLM-4.5-Air's MoE layers.

@@ -17,22 +17,34 @@
 //! transforms (`row_group_slice`) regroup into Qwen3.5's four; and its MLPs are mixtures of
 //! experts (softmax router, a shared expert gated by `sigmoid(x · shared_expert_gate)`).
 //!
-//! HF safetensors only; the multi-token-prediction weights (`mtp.*`) are not used.
+//! From GGUF (llama.cpp's `qwen35`, dense Qwen3.5 only), as llama.cpp's converter writes it:
+//! every norm weight but the DeltaNet's output norm stored already `+ 1`, the decay rate as
+//! `A = −exp(A_log)` (`ssm_a`), and where value heads outnumber key heads, value heads tiled
+//! over the key heads rather than grouped by them (`ir::ValueHeadOrder::Tiled`: the value rows
+//! of the projections, the convolution's value channels, `A`, `dt_bias` and the output
+//! projection's columns all reordered alike). The multi-token-prediction weights (`mtp.*`,
+//! or layers past `block_count`) are not used.
 
 use super::moe::{mlp, SharedNames};
 use super::{Builder, LayerTensor, Naming};
 use crate::config::{Family, LayerAttention, LinearAttentionConfig, ModelConfig};
 use crate::error::{ModelError, Result};
-use ir::{DeltaNetSpec, NodeId, Op, RopeLayout, RopeSpec};
+use ir::{DecayRate, DeltaNetSpec, NodeId, Op, RopeLayout, RopeSpec, ValueHeadOrder};
 
-/// Qwen3.5's RMSNorm multiplies by `1 + w`.
-const NORM_OFFSET: f32 = 1.0;
+/// Qwen3.5's RMSNorm multiplies by `1 + w`: HF files store `w`, GGUF files `1 + w`.
+fn norm_offset(naming: Naming) -> f32 {
+    match naming {
+        Naming::Gguf => 0.0,
+        Naming::Hf(_) => 1.0,
+    }
+}
 
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
+    let offset = norm_offset(b.naming);
     let (_, positions, mut x) = b.token_embeddings(c)?;
     for i in 0..c.layers {
         let norm = b.naming.layer(i, LayerTensor::AttnNorm);
-        let h = b.rms_norm(x, &norm, c.hidden, c.rms_eps, NORM_OFFSET)?;
+        let h = b.rms_norm(x, &norm, c.hidden, c.rms_eps, offset)?;
         let mixed = match c.layer_attention[i] {
             LayerAttention::Linear => {
                 let shapes = c.linear_attention.ok_or_else(|| ModelError::TensorShape {
@@ -44,17 +56,47 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
             LayerAttention::Full | LayerAttention::Sliding => gated_attention(c, b, i, h, positions)?,
         };
         x = b.add(x, mixed)?;
-        let norm = b.naming.layer(i, LayerTensor::FfnNorm);
-        let h = b.rms_norm(x, &norm, c.hidden, c.rms_eps, NORM_OFFSET)?;
+        // HF's `post_attention_layernorm`: the norm before the MLP.
+        let norm = b.naming.layer(i, LayerTensor::PostAttnNorm);
+        let h = b.rms_norm(x, &norm, c.hidden, c.rms_eps, offset)?;
         let m = mlp(c, b, i, h, SharedNames::Expert)?;
         x = b.add(x, m)?;
     }
-    b.lm_head(c, x, NORM_OFFSET)
+    b.lm_head(c, x, offset)
 }
 
-/// `…layers.{i}.linear_attn.{t}`.
-fn linear(naming: Naming, i: usize, t: &str) -> String {
-    naming.hf_layer(i, &format!("linear_attn.{t}"))
+/// The tensors of a DeltaNet layer.
+#[derive(Debug, Clone, Copy)]
+enum Linear {
+    Qkv,
+    Z,
+    B,
+    A,
+    Conv,
+    ALog,
+    DtBias,
+    Norm,
+    Out,
+}
+
+/// Layer `i`'s tensor `t`: `…layers.{i}.linear_attn.*` (HF) or `blk.{i}.*` (llama.cpp).
+fn linear(naming: Naming, i: usize, t: Linear) -> String {
+    let (hf, gguf) = match t {
+        Linear::Qkv => ("in_proj_qkv.weight", "attn_qkv.weight"),
+        Linear::Z => ("in_proj_z.weight", "attn_gate.weight"),
+        Linear::B => ("in_proj_b.weight", "ssm_beta.weight"),
+        Linear::A => ("in_proj_a.weight", "ssm_alpha.weight"),
+        Linear::Conv => ("conv1d.weight", "ssm_conv1d.weight"),
+        // GGUF holds `A` itself here (`DecayRate::Value`).
+        Linear::ALog => ("A_log", "ssm_a"),
+        Linear::DtBias => ("dt_bias", "ssm_dt.bias"),
+        Linear::Norm => ("norm.weight", "ssm_norm.weight"),
+        Linear::Out => ("out_proj.weight", "ssm_out.weight"),
+    };
+    match naming {
+        Naming::Gguf => format!("blk.{i}.{gguf}"),
+        Naming::Hf(_) => naming.hf_layer(i, &format!("linear_attn.{hf}")),
+    }
 }
 
 /// The Gated DeltaNet token mixer of layer `i` over the normed `h`, through `out_proj`.
@@ -66,18 +108,26 @@ fn delta_net(c: &ModelConfig, l: &LinearAttentionConfig, b: &mut Builder, i: usi
         value_dim: l.value_dim,
         conv_kernel: l.conv_kernel,
         state_slot: i,
+        // llama.cpp's converter tiles the value heads and stores `A` (see the module's notes).
+        value_head_order: match b.naming {
+            Naming::Gguf => ValueHeadOrder::Tiled,
+            Naming::Hf(_) => ValueHeadOrder::Grouped,
+        },
+        decay_rate: match b.naming {
+            Naming::Gguf => DecayRate::Value,
+            Naming::Hf(_) => DecayRate::Log,
+        },
     };
     let (channels, values) = (spec.conv_channels(), l.value_heads * l.value_dim);
     let weights = match c.family {
         Family::Qwen3Next => interleaved_projections(c, l, b, i)?,
         _ => {
-            let mut weight =
-                |t: &str, rows: usize| b.matrix(&linear(b.naming, i, &format!("{t}.weight")), rows, c.hidden);
+            let mut weight = |t: Linear, rows: usize| b.matrix(&linear(b.naming, i, t), rows, c.hidden);
             [
-                weight("in_proj_qkv", channels)?,
-                weight("in_proj_z", values)?,
-                weight("in_proj_b", l.value_heads)?,
-                weight("in_proj_a", l.value_heads)?,
+                weight(Linear::Qkv, channels)?,
+                weight(Linear::Z, values)?,
+                weight(Linear::B, l.value_heads)?,
+                weight(Linear::A, l.value_heads)?,
             ]
         }
     };
@@ -86,14 +136,14 @@ fn delta_net(c: &ModelConfig, l: &LinearAttentionConfig, b: &mut Builder, i: usi
         *p = b.matmul(h, w)?;
     }
     let [mixed, z, beta, decay] = projected;
-    let conv = b.matrix(&linear(b.naming, i, "conv1d.weight"), channels, l.conv_kernel)?;
-    let a_log = b.vector(&linear(b.naming, i, "A_log"), l.value_heads)?;
-    let dt_bias = b.vector(&linear(b.naming, i, "dt_bias"), l.value_heads)?;
+    let conv = b.matrix(&linear(b.naming, i, Linear::Conv), channels, l.conv_kernel)?;
+    let a_log = b.vector(&linear(b.naming, i, Linear::ALog), l.value_heads)?;
+    let dt_bias = b.vector(&linear(b.naming, i, Linear::DtBias), l.value_heads)?;
     let o = b.op(Op::GatedDeltaNet(spec), &[mixed, beta, decay, conv, a_log, dt_bias])?;
-    let o = b.rms_norm(o, &linear(b.naming, i, "norm.weight"), l.value_dim, c.rms_eps, 0.0)?;
+    let o = b.rms_norm(o, &linear(b.naming, i, Linear::Norm), l.value_dim, c.rms_eps, 0.0)?;
     let gate = b.op(Op::Silu, &[z])?;
     let o = b.op(Op::Mul, &[o, gate])?;
-    let w = b.matrix(&linear(b.naming, i, "out_proj.weight"), c.hidden, values)?;
+    let w = b.matrix(&linear(b.naming, i, Linear::Out), c.hidden, values)?;
     b.matmul(o, w)
 }
 
@@ -110,11 +160,15 @@ fn interleaved_projections(
     let (dk, r) = (l.key_dim, l.value_heads / l.key_heads);
     let rv = r * l.value_dim;
     let qkvz = b.matrix(
-        &linear(b.naming, i, "in_proj_qkvz.weight"),
+        &b.naming.hf_layer(i, "linear_attn.in_proj_qkvz.weight"),
         l.key_heads * (2 * dk + 2 * rv),
         c.hidden,
     )?;
-    let ba = b.matrix(&linear(b.naming, i, "in_proj_ba.weight"), l.key_heads * 2 * r, c.hidden)?;
+    let ba = b.matrix(
+        &b.naming.hf_layer(i, "linear_attn.in_proj_ba.weight"),
+        l.key_heads * 2 * r,
+        c.hidden,
+    )?;
     let rows = |b: &mut Builder, w: NodeId, group: usize, start: usize, len: usize| {
         b.op(Op::RowGroupSlice { group, start, len }, &[w])
     };
@@ -152,8 +206,20 @@ fn gated_attention(c: &ModelConfig, b: &mut Builder, i: usize, h: NodeId, positi
     )?;
     let k = b.attention_projection(c, i, LayerTensor::K, h, kv_dim, c.hidden)?;
     let v = b.attention_projection(c, i, LayerTensor::V, h, kv_dim, c.hidden)?;
-    let q = b.rms_norm(q, &b.naming.layer(i, LayerTensor::QNorm), hd, c.rms_eps, NORM_OFFSET)?;
-    let k = b.rms_norm(k, &b.naming.layer(i, LayerTensor::KNorm), hd, c.rms_eps, NORM_OFFSET)?;
+    let q = b.rms_norm(
+        q,
+        &b.naming.layer(i, LayerTensor::QNorm),
+        hd,
+        c.rms_eps,
+        norm_offset(b.naming),
+    )?;
+    let k = b.rms_norm(
+        k,
+        &b.naming.layer(i, LayerTensor::KNorm),
+        hd,
+        c.rms_eps,
+        norm_offset(b.naming),
+    )?;
     let rope = RopeSpec {
         heads: c.heads,
         head_dim: hd,
