@@ -1,7 +1,11 @@
 //! Building a tokenizer from GGUF metadata (`tokenizer.ggml.*`).
 //!
 //! - `gpt2`: byte-level BPE from `tokens` + `merges`. The `pre` key names the pre-tokenizer the
-//!   merges were learned with; `smollm` splits digits one by one before GPT-2's regex.
+//!   merges were learned with, by llama.cpp's names: GPT-2's regex (`default`, `gpt2`, or no
+//!   key); `smollm` splits digits one by one before it; `llama-bpe` (Llama 3), `qwen2` and
+//!   `qwen35` split by their tokenizer.json's own regex (digits in threes, one by one, and
+//!   letters with their combining marks). Another name is refused: merges applied to chunks
+//!   split some other way give other ids.
 //! - `llama`: SentencePiece BPE from `tokens` + `scores`. GGUF keeps no merges, so they are
 //!   derived: every split of a token into two vocabulary pieces is a merge, ranked by the
 //!   merged token's score (for Gemma the vocabulary order: its scores are ranks). Spaces are
@@ -23,7 +27,8 @@ use tokenizers::normalizers::replace::Replace;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
-use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper};
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::{AddedToken, DecoderWrapper, NormalizerWrapper, PreTokenizerWrapper, SplitDelimiterBehavior};
 
 const CONTROL: i64 = 3;
 const USER_DEFINED: i64 = 4;
@@ -145,14 +150,43 @@ fn byte_level_bpe(file: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokeni
         .build()
         .map_err(tokenizer_error)?;
     let mut tk = tokenizers::Tokenizer::new(bpe);
-    let byte_level = ByteLevel::new(false, true, true);
-    let pre: PreTokenizerWrapper = match file.get("tokenizer.ggml.pre").and_then(|v| v.as_str()) {
-        Some("smollm") => PreSequence::new(vec![Digits::new(true).into(), byte_level.into()]).into(),
-        _ => byte_level.into(),
-    };
-    tk.with_pre_tokenizer(Some(pre));
+    tk.with_pre_tokenizer(Some(byte_level_pre_tokenizer(file)?));
     tk.with_decoder(Some(DecoderWrapper::from(ByteLevelDecoder::default())));
     Ok(tk)
+}
+
+/// The split regexes of tokenizer.json files that llama.cpp names by `tokenizer.ggml.pre` (the
+/// originals, as HF's tokenizers run them; llama.cpp spells the case-insensitive group out).
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN35_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// The pre-tokenizer a `gpt2` vocabulary's merges were learned with (see the module's notes).
+fn byte_level_pre_tokenizer(file: &GgufFile) -> Result<PreTokenizerWrapper> {
+    let gpt2 = ByteLevel::new(false, true, true);
+    // After a split of its own, bytes become characters without GPT-2's regex.
+    let split_then_bytes = |pattern: &str| -> Result<PreTokenizerWrapper> {
+        let split = Split::new(
+            SplitPattern::Regex(pattern.into()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(tokenizer_error)?;
+        Ok(PreSequence::new(vec![split.into(), ByteLevel::new(false, true, false).into()]).into())
+    };
+    match file.get("tokenizer.ggml.pre").and_then(|v| v.as_str()) {
+        None | Some("default" | "gpt2") => Ok(gpt2.into()),
+        Some("smollm") => Ok(PreSequence::new(vec![Digits::new(true).into(), gpt2.into()]).into()),
+        Some("llama-bpe") => split_then_bytes(LLAMA3_SPLIT),
+        Some("qwen2" | "deepseek-r1-qwen") => split_then_bytes(QWEN2_SPLIT),
+        Some("qwen35") => split_then_bytes(QWEN35_SPLIT),
+        Some(other) => Err(meta_error(
+            file,
+            "tokenizer.ggml.pre",
+            &format!("is `{other}`, a pre-tokenizer bbc does not know (it knows default, gpt2, smollm, llama-bpe, qwen2 and qwen35)"),
+        )),
+    }
 }
 
 /// A token that is a run of spaces is written as `▁`s: the normalizer turns every space into
@@ -237,4 +271,75 @@ fn derive_merges(pieces: &[String], vocab: &Vocab, scores: &[f64]) -> Vec<(Strin
         .into_iter()
         .map(|(_, l, r)| (pieces[l as usize].clone(), pieces[r as usize].clone()))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::gguf::writer::GgufWriter;
+    use crate::gguf::{GgufFile, MetaValue};
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+
+    /// A byte-level vocabulary (every byte's character, then a few merged tokens) under
+    /// `pre`, or an error where bbc refuses it.
+    fn tokenizer(pre: &str) -> crate::Result<super::Tokenizer> {
+        let mut tokens: Vec<String> = ByteLevel::alphabet().into_iter().map(String::from).collect();
+        tokens.sort();
+        let merges = ["( a", "1 2", "12 3", "4 5", "e Ì"];
+        tokens.extend(merges.iter().map(|m| m.replace(' ', "")));
+        let strings = |v: Vec<String>| MetaValue::Array(v.into_iter().map(MetaValue::String).collect());
+        let bytes = GgufWriter::new()
+            .meta("general.alignment", MetaValue::U32(32))
+            .meta("tokenizer.ggml.model", MetaValue::String("gpt2".into()))
+            .meta("tokenizer.ggml.pre", MetaValue::String(pre.into()))
+            .meta("tokenizer.ggml.tokens", strings(tokens))
+            .meta("tokenizer.ggml.merges", strings(merges.map(String::from).to_vec()))
+            .to_bytes();
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), bytes).unwrap();
+        super::build(&GgufFile::open(file.path())?)
+    }
+
+    /// The tokens `text` becomes under `pre`.
+    fn pieces(pre: &str, text: &str) -> Vec<String> {
+        let tk = tokenizer(pre).unwrap();
+        let ids = tk.encode(text, false).unwrap();
+        ids.iter().map(|&id| tk.inner.id_to_token(id).unwrap()).collect()
+    }
+
+    /// Merges apply within the chunks each model's regex splits text into: Llama 3 keeps
+    /// digits in threes and a leading bracket with the word after it, Qwen splits digits one
+    /// by one, and Qwen3.5 keeps a combining mark with its letter where Qwen2 does not.
+    #[test]
+    fn each_pre_tokenizer_splits_as_its_model_does() {
+        let text = "(ab 12345 e\u{301}";
+        let mark = "\u{123}"; // byte 0x81 as a byte-level character
+        let want = |v: &[&str]| v.iter().map(|s| s.replace('*', mark)).collect::<Vec<_>>();
+        assert_eq!(
+            pieces("gpt2", text),
+            want(&["(", "a", "b", "Ġ", "123", "45", "Ġ", "e", "Ì", "*"])
+        );
+        assert_eq!(pieces("default", text), pieces("gpt2", text));
+        assert_eq!(
+            pieces("smollm", text),
+            want(&["(", "a", "b", "Ġ", "1", "2", "3", "4", "5", "Ġ", "e", "Ì", "*"])
+        );
+        assert_eq!(
+            pieces("llama-bpe", text),
+            want(&["(a", "b", "Ġ", "123", "45", "Ġ", "e", "Ì", "*"])
+        );
+        assert_eq!(
+            pieces("qwen2", text),
+            want(&["(a", "b", "Ġ", "1", "2", "3", "4", "5", "Ġ", "e", "Ì", "*"])
+        );
+        assert_eq!(
+            pieces("qwen35", text),
+            want(&["(a", "b", "Ġ", "1", "2", "3", "4", "5", "Ġ", "eÌ", "*"])
+        );
+    }
+
+    #[test]
+    fn an_unknown_pre_tokenizer_is_refused_by_name() {
+        let err = tokenizer("tekken").err().expect("refused").to_string();
+        assert!(err.contains("tokenizer.ggml.pre") && err.contains("`tekken`"), "{err}");
+    }
 }
