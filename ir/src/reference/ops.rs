@@ -295,7 +295,7 @@ pub fn softplus(x: f32) -> f32 {
 }
 
 /// `x / √(Σx² + 1e-6)`, as FLA and HF normalise DeltaNet queries and keys.
-fn l2_normalize(x: &mut [f32]) {
+pub fn l2_normalize(x: &mut [f32]) {
     let sum: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
     let inv = (1.0 / (sum + 1e-6).sqrt()) as f32;
     x.iter_mut().for_each(|v| *v *= inv);

@@ -8,6 +8,7 @@
 
 mod activation;
 mod attention;
+pub mod delta_net;
 pub mod int8_head;
 mod kv_pages;
 mod matrix;
@@ -620,41 +621,38 @@ fn append_and_attend(
 }
 
 /// Each segment's rows through the Gated DeltaNet in order, from its sequence's recurrent state
-/// (fresh at position 0) to the state after its last row: the reference's arithmetic.
+/// (fresh at position 0) to the state after its last row, keeping the states a verifying
+/// step may have to go back to (see [`delta_net`]).
 fn gated_delta_net(spec: &ir::DeltaNetSpec, args: &[Arg], pages: &mut KvPages, rows: &StepRows) -> Result<Tensor> {
     let (mixed, b, a) = (
         args[0].value().tensor(),
         args[1].value().tensor(),
         args[2].value().tensor(),
     );
-    // Widened at load time (`widen_conv_weights`).
-    let conv = args[3].vector();
-    let (a_log, dt_bias) = (args[4].vector(), args[5].vector());
+    let weights = || delta_net::Weights {
+        // Widened at load time (`widen_conv_weights`).
+        conv: args[3].vector(),
+        a_log: args[4].vector(),
+        dt_bias: args[5].vector(),
+    };
     let (c, vh) = (spec.conv_channels(), spec.value_heads);
     let mut out = Vec::with_capacity(mixed.rows() * vh * spec.value_dim);
     for (seg, r) in rows.segments.iter().zip(&rows.ranges) {
         let (state, checkpoints) =
             pages.recurrent_state_and_checkpoints(spec.state_slot, seg.state_slot, seg.start == 0);
-        // Up to the first sampled row in one run, then a row at a time, the state saved after
-        // each sampled row but the last (the recurrence is row by row, so the values are the
-        // same however the rows are split).
-        let first_sampled = r.end - seg.sampled_rows;
-        let runs = std::iter::once(r.start..first_sampled + 1).chain((first_sampled + 1..r.end).map(|t| t..t + 1));
-        for (i, run) in runs.enumerate() {
-            if i > 0 {
-                checkpoints.push(state.to_vec());
-            }
-            out.extend(ops::gated_delta_net(
-                spec,
-                &mixed.data[run.start * c..run.end * c],
-                &b.data[run.start * vh..run.end * vh],
-                &a.data[run.start * vh..run.end * vh],
-                conv,
-                a_log,
-                dt_bias,
-                state,
-            ));
-        }
+        let seg_rows = delta_net::Rows {
+            mixed: &mixed.data[r.start * c..r.end * c],
+            b: &b.data[r.start * vh..r.end * vh],
+            a: &a.data[r.start * vh..r.end * vh],
+        };
+        out.extend(delta_net::gated_delta_net(
+            spec,
+            seg_rows,
+            weights(),
+            state,
+            seg.sampled_rows,
+            checkpoints,
+        ));
     }
     Ok(Tensor::new(vec![mixed.rows(), vh * spec.value_dim], out))
 }
