@@ -444,3 +444,22 @@ fn multimodal_copy(family: &str, model_prefix: &str, head: &str) -> tempfile::Te
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
     scratch
 }
+
+/// The CPU backend holds each weight's bytes once: an MoE layer's experts, stacked for the
+/// step, and the projections the fusion passes join are not kept beside their parts (the
+/// tiny models are f32 files computed in f32, so the bytes held equal the file's tensors').
+#[test]
+fn the_cpu_backend_holds_each_weight_once() {
+    for family in ["glm4_moe", "qwen3_next", "llama"] {
+        let model = open(family);
+        let graph = passes::optimized(&model.lower(LogitsFor::LastToken).unwrap(), passes::CostModel::CPU).unwrap();
+        let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
+        let file: usize = model
+            .weights
+            .names()
+            .iter()
+            .map(|name| model.weights.require(name).unwrap().bytes.len())
+            .sum();
+        assert_eq!(backend.weight_bytes(), file, "{family}");
+    }
+}

@@ -167,6 +167,7 @@ impl CpuBackend {
         fold_weight_transforms(&graph, &mut weights, cache)?;
         widen_conv_weights(&graph, &mut weights)?;
         let int8_heads = prepare_int8_heads(&graph, &weights, cache)?;
+        release_folded_sources(&graph, &mut weights);
         let mut last_use = vec![0; graph.nodes().len()];
         let mut kv_dims = Vec::new();
         let mut state_lens = Vec::new();
@@ -765,6 +766,26 @@ fn widen_conv_weights(graph: &Graph, weights: &mut [Option<Arc<CpuWeight>>]) -> 
         weights[conv] = Some(Arc::new(CpuWeight::Vector(widened)));
     }
     Ok(())
+}
+
+/// Let go of the weights only weight transforms read (an MoE layer's experts one by one, once
+/// stacked; the rows a `row_group_slice` picked from): steps read the transforms' results, so
+/// the backend holds each weight's bytes once rather than its parts beside them.
+fn release_folded_sources(graph: &Graph, weights: &mut [Option<Arc<CpuWeight>>]) {
+    let mut read_by_steps = vec![false; weights.len()];
+    for node in graph.nodes().iter().filter(|n| !n.op.is_weight_transform()) {
+        for input in &node.inputs {
+            read_by_steps[input.0] = true;
+        }
+    }
+    for (_, out) in graph.outputs() {
+        read_by_steps[out.0] = true;
+    }
+    for (weight, read) in weights.iter_mut().zip(read_by_steps) {
+        if !read {
+            *weight = None;
+        }
+    }
 }
 
 /// Fold the weight transforms of loaded weights into matrices: `RowGroupSlice` picks rows,
