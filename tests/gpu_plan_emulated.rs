@@ -142,17 +142,20 @@ fn tiny_qwen3_5_plans_agree_with_the_cpu_backend() {
     check_everywhere("qwen3_5");
 }
 
-/// The same model as llama.cpp's converter writes it to GGUF (value heads tiled over the key
-/// heads, `A` stored instead of `A_log`): the DeltaNet kernels read each value head's key head
-/// and decay rate as its spec says, on every GPU target.
+/// Qwen3.5 and Qwen3-Next as llama.cpp's converter writes them to GGUF: the DeltaNet kernels
+/// read each value head's key head and decay rate as its spec says (Qwen3.5's value heads
+/// tiled over the key heads, `A` stored instead of `A_log`), and Qwen3-Next's experts are
+/// picked from their stacked tensors as the plan uploads them, on every GPU target.
 #[test]
-fn tiny_qwen3_5_gguf_plans_agree_with_the_cpu_backend() {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf-tiny/qwen3_5.gguf");
-    let mut spec = ModelSpec::for_weights(&path);
-    spec.dtype = ComputeDtype::F32;
-    let model = Model::open(spec).unwrap();
-    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-        check_against("qwen3_5", &model, &model, target, 1e-4);
+fn tiny_qwen_gguf_plans_agree_with_the_cpu_backend() {
+    for family in ["qwen3_5", "qwen3_next"] {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/gguf-tiny/{family}.gguf"));
+        let mut spec = ModelSpec::for_weights(&path);
+        spec.dtype = ComputeDtype::F32;
+        let model = Model::open(spec).unwrap();
+        for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+            check_against(family, &model, &model, target, 1e-4);
+        }
     }
 }
 

@@ -212,6 +212,18 @@ fn qwen3_5_from_a_q8_0_gguf_follows_hf_to_its_first_near_tie() {
     }
 }
 
+/// Qwen3-Next as llama.cpp's converter writes it (`in_proj_qkvz` split into `attn_qkv` and
+/// `attn_gate`, `ssm_ba` as it was, each projection's experts stacked into one tensor, the
+/// shared expert's `*_shexp`; value heads left grouped): HF's logits, through the interpreter
+/// and the CPU backend (llama.cpp itself gives HF's greedy ids on this file).
+#[test]
+fn qwen3_next_from_llama_cpp_gguf_matches_hf() {
+    let model = Model::open(ModelSpec::for_weights(&fixture("gguf-tiny/qwen3_next.gguf"))).unwrap();
+    assert_eq!(model.config.family, models::Family::Qwen3Next);
+    check_reference_interpreter_of(&model, "qwen3_next", "qwen3_next gguf");
+    check_cpu_backend_of(&model, "qwen3_next", "qwen3_next gguf");
+}
+
 #[test]
 fn qwen3_next_cpu_backend_matches_hf() {
     check_cpu_backend("qwen3_next");
@@ -446,12 +458,18 @@ fn multimodal_copy(family: &str, model_prefix: &str, head: &str) -> tempfile::Te
 }
 
 /// The CPU backend holds each weight's bytes once: an MoE layer's experts, stacked for the
-/// step, and the projections the fusion passes join are not kept beside their parts (the
-/// tiny models are f32 files computed in f32, so the bytes held equal the file's tensors').
+/// step (or picked from a GGUF's stacks and stacked again), and the projections the fusion
+/// passes join are not kept beside their parts (the tiny models are f32 files computed in f32,
+/// so the bytes held equal the file's tensors').
 #[test]
 fn the_cpu_backend_holds_each_weight_once() {
-    for family in ["glm4_moe", "qwen3_next", "llama"] {
-        let model = open(family);
+    let gguf = |name: &str| Model::open(ModelSpec::for_weights(&fixture(&format!("gguf-tiny/{name}.gguf")))).unwrap();
+    for (family, model) in [
+        ("glm4_moe", open("glm4_moe")),
+        ("qwen3_next", open("qwen3_next")),
+        ("llama", open("llama")),
+        ("qwen3_next gguf (experts picked from stacks)", gguf("qwen3_next")),
+    ] {
         let graph = passes::optimized(&model.lower(LogitsFor::LastToken).unwrap(), passes::CostModel::CPU).unwrap();
         let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
         let file: usize = model

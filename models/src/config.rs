@@ -50,7 +50,7 @@ impl Family {
             "glm4_moe" => Some(Self::Glm4Moe),
             // `qwen35`: llama.cpp's name (GGUF `general.architecture`).
             "qwen3_5" | "qwen3_5_text" | "qwen35" => Some(Self::Qwen35),
-            "qwen3_next" => Some(Self::Qwen3Next),
+            "qwen3_next" | "qwen3next" => Some(Self::Qwen3Next),
             "gemma4" | "gemma4_text" => Some(Self::Gemma4),
             "glm_moe_dsa" => Some(Self::GlmMoeDsa),
             _ => None,
@@ -224,6 +224,25 @@ fn gguf_linear_attention(file: &GgufFile, arch: &str) -> Result<LinearAttentionC
     })
 }
 
+/// A GGUF Qwen3-Next's experts (llama.cpp's `expert_*` keys): every layer MoE, a softmax
+/// router whose chosen weights are normalised (llama.cpp's `qwen3next` always normalises, as
+/// the model's `norm_topk_prob` says), one shared expert gated by `sigmoid(x · gate)`.
+fn gguf_qwen3_next_moe(file: &GgufFile, arch: &str, layers: usize) -> Result<MoeConfig> {
+    let u = |k: &str| file.require_u64(&format!("{arch}.{k}")).map(|v| v as usize);
+    Ok(MoeConfig {
+        sparse_layers: vec![true; layers],
+        experts: u("expert_count")?,
+        experts_per_token: u("expert_used_count")?,
+        expert_intermediate: u("expert_feed_forward_length")?,
+        shared_intermediate: file
+            .optional_u64(&format!("{arch}.expert_shared_feed_forward_length"))?
+            .unwrap_or(0) as usize,
+        shared_gate: true,
+        normalize: true,
+        router: ir::MoeRouter::Softmax,
+    })
+}
+
 /// Gemma 3's layer pattern: every sixth layer is global.
 fn gemma3_pattern(layers: usize, every: usize) -> Vec<LayerAttention> {
     (0..layers)
@@ -320,7 +339,7 @@ impl ModelConfig {
         let family = Family::parse(arch).ok_or_else(|| ModelError::Metadata {
             path: file.path.clone(),
             key: "general.architecture".into(),
-            problem: format!("is `{arch}`; bbc runs llama, gemma3 and qwen35 from GGUF"),
+            problem: format!("is `{arch}`; bbc runs llama, gemma3, qwen35 and qwen3next from GGUF"),
         })?;
         let hf_only = || ModelError::Metadata {
             path: file.path.clone(),
@@ -347,11 +366,15 @@ impl ModelConfig {
             // llama.cpp's gemma3: sliding layers use θ = 10 000; the scale is 1/√head_dim
             // (gemma-3 sets query_pre_attn_scalar = head_dim).
             Family::Gemma3 => (gemma3_pattern(layers, 6), 10_000.0, Some(head_dim as f64)),
-            Family::Qwen35 => (gguf_recurrent_layers(file, arch, layers)?, rope_theta, None),
-            Family::Gemma4 | Family::Glm4Moe | Family::GlmMoeDsa | Family::Qwen3Next => return Err(hf_only()),
+            Family::Qwen35 | Family::Qwen3Next => (gguf_recurrent_layers(file, arch, layers)?, rope_theta, None),
+            Family::Gemma4 | Family::Glm4Moe | Family::GlmMoeDsa => return Err(hf_only()),
         };
         let linear_attention = match family {
-            Family::Qwen35 => Some(gguf_linear_attention(file, arch)?),
+            Family::Qwen35 | Family::Qwen3Next => Some(gguf_linear_attention(file, arch)?),
+            _ => None,
+        };
+        let moe = match family {
+            Family::Qwen3Next => Some(gguf_qwen3_next_moe(file, arch, layers)?),
             _ => None,
         };
         let rope_scale = match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
@@ -368,7 +391,13 @@ impl ModelConfig {
                 .optional_u64(&key("attention.head_count_kv"))?
                 .map_or(heads, |v| v as usize),
             head_dim,
-            intermediate: u("feed_forward_length")?,
+            intermediate: match &moe {
+                // Every layer of a Qwen3-Next is MoE: a dense width may go unsaid.
+                Some(m) => file
+                    .optional_u64(&key("feed_forward_length"))?
+                    .map_or(m.expert_intermediate, |v| v as usize),
+                None => u("feed_forward_length")?,
+            },
             rms_eps: file.require_f64(&key("attention.layer_norm_rms_epsilon"))?,
             rope_theta,
             rope_local_theta,
@@ -383,8 +412,8 @@ impl ModelConfig {
                 None => head_dim,
             },
             attention_bias: false,
-            qk_norm: matches!(family, Family::Gemma3 | Family::Qwen35),
-            moe: None,
+            qk_norm: matches!(family, Family::Gemma3 | Family::Qwen35 | Family::Qwen3Next),
+            moe,
             linear_attention,
             gemma4: None,
             mla: None,

@@ -43,8 +43,17 @@ pub enum WeightSource {
 }
 
 impl WeightSource {
+    /// A GGUF file's tensors, each seen as bbc lowers it: a tensor of more than two dims (an
+    /// MoE layer's experts stacked, `[experts, rows, cols]`) as the matrix of all their rows.
     pub fn from_gguf(file: GgufFile) -> Self {
-        let shapes = file.tensors.iter().map(|t| t.shape()).collect();
+        let shapes = file
+            .tensors
+            .iter()
+            .map(|t| match t.shape()[..] {
+                [ref outer @ .., rows, cols] if !outer.is_empty() => vec![outer.iter().product::<usize>() * rows, cols],
+                ref shape => shape.to_vec(),
+            })
+            .collect();
         Self::Gguf(file, shapes)
     }
 

@@ -277,18 +277,15 @@ impl Naming {
         }
     }
 
-    /// Expert `e`'s projection `t` in layer `i`, where experts are stored one by one (HF;
-    /// GGUF stacks them into one tensor per projection, which bbc does not read yet).
+    /// Expert `e`'s projection `t` in layer `i`, where experts are stored one by one (HF; GGUF
+    /// stacks each projection's experts into one tensor: `moe::experts_stacked`).
     pub(crate) fn expert(self, i: usize, e: usize, t: ExpertTensor) -> String {
         let name = match t {
             ExpertTensor::Gate => "gate_proj",
             ExpertTensor::Up => "up_proj",
             ExpertTensor::Down => "down_proj",
         };
-        match self {
-            Self::Gguf => format!("blk.{i}.ffn_{name}_exps.{e}.weight"),
-            Self::Hf(_) => self.hf_layer(i, &format!("mlp.experts.{e}.{name}.weight")),
-        }
+        self.hf_layer(i, &format!("mlp.experts.{e}.{name}.weight"))
     }
 }
 

@@ -1,7 +1,9 @@
 //! The mixture-of-experts MLP, shared by the families that have one (GLM-4.5, Qwen3-Next):
 //! the router's logits, one `Op::Moe` over every expert's weights stacked (`concat_rows`; an
 //! expert reads its own rows), and the shared experts' MLP beside it, gated by
-//! `sigmoid(x · shared_expert_gate)` where the model has that gate. HF names.
+//! `sigmoid(x · shared_expert_gate)` where the model has that gate. HF names, or llama.cpp's for
+//! a GGUF Qwen3-Next (each projection's experts in one `[experts, rows, cols]` tensor, read as
+//! the matrix of all their rows; the shared expert's `*_shexp`).
 
 use super::{Builder, ExpertTensor, LayerTensor, Naming};
 use crate::config::{ModelConfig, MoeConfig};
@@ -17,10 +19,20 @@ pub(super) enum SharedNames {
 }
 
 impl SharedNames {
+    /// The shared experts' projection `t` (`gate`, `up` or `down`).
     fn name(self, naming: Naming, i: usize, t: &str) -> String {
-        match self {
-            Self::Experts => naming.hf_layer(i, &format!("mlp.shared_experts.{t}.weight")),
-            Self::Expert => naming.hf_layer(i, &format!("mlp.shared_expert.{t}.weight")),
+        match (naming, self) {
+            (Naming::Gguf, _) => format!("blk.{i}.ffn_{t}_shexp.weight"),
+            (Naming::Hf(_), Self::Experts) => naming.hf_layer(i, &format!("mlp.shared_experts.{t}_proj.weight")),
+            (Naming::Hf(_), Self::Expert) => naming.hf_layer(i, &format!("mlp.shared_expert.{t}_proj.weight")),
+        }
+    }
+
+    /// Qwen's gate on its shared expert's output (`[1, hidden]`).
+    fn gate(naming: Naming, i: usize) -> String {
+        match naming {
+            Naming::Gguf => format!("blk.{i}.ffn_gate_inp_shexp.weight"),
+            Naming::Hf(_) => naming.hf_layer(i, "mlp.shared_expert_gate.weight"),
         }
     }
 }
@@ -61,6 +73,29 @@ pub(super) fn moe_mlp(
     if spec.has_score_bias() {
         inputs.push(b.vector(&b.naming.router_score_bias(i), moe.experts)?);
     }
+    let (gate_up, down) = match b.naming {
+        Naming::Hf(_) => experts_one_by_one(moe, b, i, n, d)?,
+        Naming::Gguf => experts_stacked(moe, b, i, n, d)?,
+    };
+    inputs.extend([gate_up, down]);
+    let routed = b.op(Op::Moe(spec), &inputs)?;
+    if moe.shared_intermediate == 0 {
+        return Ok(routed);
+    }
+    let names = ["gate", "up", "down"].map(|t| shared.name(b.naming, i, t));
+    let mut shared_out = b.gated_mlp(h, &names, d, moe.shared_intermediate, GluAct::Silu)?;
+    if moe.shared_gate {
+        let w = b.matrix(&SharedNames::gate(b.naming, i), 1, d)?;
+        let gate = b.matmul(h, w)?;
+        let gate = b.op(Op::Sigmoid, &[gate])?;
+        shared_out = b.op(Op::ScaleRows, &[shared_out, gate])?;
+    }
+    b.add(routed, shared_out)
+}
+
+/// The `Op::Moe` weights from experts stored one by one (HF): each expert's gate and up rows
+/// stacked after the previous expert's, and the down projections likewise.
+fn experts_one_by_one(moe: &MoeConfig, b: &mut Builder, i: usize, n: usize, d: usize) -> Result<(NodeId, NodeId)> {
     let mut gate_up = Vec::with_capacity(2 * moe.experts);
     let mut down = Vec::with_capacity(moe.experts);
     for e in 0..moe.experts {
@@ -68,19 +103,27 @@ pub(super) fn moe_mlp(
         gate_up.push(b.matrix(&b.naming.expert(i, e, ExpertTensor::Up), n, d)?);
         down.push(b.matrix(&b.naming.expert(i, e, ExpertTensor::Down), d, n)?);
     }
-    inputs.push(b.op(Op::ConcatRows, &gate_up)?);
-    inputs.push(b.op(Op::ConcatRows, &down)?);
-    let routed = b.op(Op::Moe(spec), &inputs)?;
-    if moe.shared_intermediate == 0 {
-        return Ok(routed);
+    Ok((b.op(Op::ConcatRows, &gate_up)?, b.op(Op::ConcatRows, &down)?))
+}
+
+/// The same from llama.cpp's stacked tensors: the down projections are already in order; each
+/// expert's gate and up rows are picked from `ffn_gate_exps` and `ffn_up_exps` (a
+/// `row_group_slice` of one group) and stacked in the op's order.
+fn experts_stacked(moe: &MoeConfig, b: &mut Builder, i: usize, n: usize, d: usize) -> Result<(NodeId, NodeId)> {
+    let rows = moe.experts * n;
+    let gate = b.matrix(&format!("blk.{i}.ffn_gate_exps.weight"), rows, d)?;
+    let up = b.matrix(&format!("blk.{i}.ffn_up_exps.weight"), rows, d)?;
+    let down = b.matrix(&format!("blk.{i}.ffn_down_exps.weight"), moe.experts * d, n)?;
+    let mut gate_up = Vec::with_capacity(2 * moe.experts);
+    for e in 0..moe.experts {
+        for w in [gate, up] {
+            let pick = Op::RowGroupSlice {
+                group: rows,
+                start: e * n,
+                len: n,
+            };
+            gate_up.push(b.op(pick, &[w])?);
+        }
     }
-    let names = ["gate_proj", "up_proj", "down_proj"].map(|t| shared.name(b.naming, i, t));
-    let mut shared_out = b.gated_mlp(h, &names, d, moe.shared_intermediate, GluAct::Silu)?;
-    if moe.shared_gate {
-        let w = b.matrix(&b.naming.hf_layer(i, "mlp.shared_expert_gate.weight"), 1, d)?;
-        let gate = b.matmul(h, w)?;
-        let gate = b.op(Op::Sigmoid, &[gate])?;
-        shared_out = b.op(Op::ScaleRows, &[shared_out, gate])?;
-    }
-    b.add(routed, shared_out)
+    Ok((b.op(Op::ConcatRows, &gate_up)?, down))
 }

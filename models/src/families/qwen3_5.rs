@@ -17,13 +17,16 @@
 //! transforms (`row_group_slice`) regroup into Qwen3.5's four; and its MLPs are mixtures of
 //! experts (softmax router, a shared expert gated by `sigmoid(x · shared_expert_gate)`).
 //!
-//! From GGUF (llama.cpp's `qwen35`, dense Qwen3.5 only), as llama.cpp's converter writes it:
-//! every norm weight but the DeltaNet's output norm stored already `+ 1`, the decay rate as
-//! `A = −exp(A_log)` (`ssm_a`), and where value heads outnumber key heads, value heads tiled
-//! over the key heads rather than grouped by them (`ir::ValueHeadOrder::Tiled`: the value rows
-//! of the projections, the convolution's value channels, `A`, `dt_bias` and the output
-//! projection's columns all reordered alike). The multi-token-prediction weights (`mtp.*`,
-//! or layers past `block_count`) are not used.
+//! From GGUF (llama.cpp's `qwen35`, dense Qwen3.5, and `qwen3next`), as llama.cpp's converter
+//! writes them: every norm weight but the DeltaNet's output norm stored already `+ 1`, the
+//! decay rate as `A = −exp(A_log)` (`ssm_a`); for Qwen3.5, where value heads outnumber key
+//! heads, value heads tiled over the key heads rather than grouped by them
+//! (`ir::ValueHeadOrder::Tiled`: the value rows of the projections, the convolution's value
+//! channels, `A`, `dt_bias` and the output projection's columns all reordered alike); for
+//! Qwen3-Next, `in_proj_qkvz` split into Qwen3.5's `attn_qkv` and `attn_gate` (value heads left
+//! grouped), `in_proj_ba` kept as `ssm_ba`, and each projection's experts stacked into one
+//! tensor (`moe::experts_stacked`). The multi-token-prediction weights (`mtp.*`, or layers
+//! past `block_count`) are not used.
 
 use super::moe::{mlp, SharedNames};
 use super::{Builder, LayerTensor, Naming};
@@ -108,10 +111,11 @@ fn delta_net(c: &ModelConfig, l: &LinearAttentionConfig, b: &mut Builder, i: usi
         value_dim: l.value_dim,
         conv_kernel: l.conv_kernel,
         state_slot: i,
-        // llama.cpp's converter tiles the value heads and stores `A` (see the module's notes).
-        value_head_order: match b.naming {
-            Naming::Gguf => ValueHeadOrder::Tiled,
-            Naming::Hf(_) => ValueHeadOrder::Grouped,
+        // llama.cpp's converter tiles Qwen3.5's value heads and stores `A` (see the module's
+        // notes).
+        value_head_order: match (b.naming, c.family) {
+            (Naming::Gguf, Family::Qwen35) => ValueHeadOrder::Tiled,
+            _ => ValueHeadOrder::Grouped,
         },
         decay_rate: match b.naming {
             Naming::Gguf => DecayRate::Value,
@@ -119,8 +123,15 @@ fn delta_net(c: &ModelConfig, l: &LinearAttentionConfig, b: &mut Builder, i: usi
         },
     };
     let (channels, values) = (spec.conv_channels(), l.value_heads * l.value_dim);
-    let weights = match c.family {
-        Family::Qwen3Next => interleaved_projections(c, l, b, i)?,
+    let weights = match (c.family, b.naming) {
+        (Family::Qwen3Next, Naming::Hf(_)) => interleaved_projections(c, l, b, i)?,
+        (Family::Qwen3Next, Naming::Gguf) => {
+            let mut weight = |t: Linear, rows: usize| b.matrix(&linear(b.naming, i, t), rows, c.hidden);
+            let (qkv, z) = (weight(Linear::Qkv, channels)?, weight(Linear::Z, values)?);
+            let ba = b.matrix(&format!("blk.{i}.ssm_ba.weight"), 2 * l.value_heads, c.hidden)?;
+            let [beta, decay] = beta_and_decay(l, b, ba)?;
+            [qkv, z, beta, decay]
+        }
         _ => {
             let mut weight = |t: Linear, rows: usize| b.matrix(&linear(b.naming, i, t), rows, c.hidden);
             [
@@ -172,15 +183,37 @@ fn interleaved_projections(
     let rows = |b: &mut Builder, w: NodeId, group: usize, start: usize, len: usize| {
         b.op(Op::RowGroupSlice { group, start, len }, &[w])
     };
+    let [beta, decay] = beta_and_decay(l, b, ba)?;
     let group = 2 * dk + 2 * rv;
     let q = rows(b, qkvz, group, 0, dk)?;
     let k = rows(b, qkvz, group, dk, dk)?;
     let v = rows(b, qkvz, group, 2 * dk, rv)?;
     let qkv = b.op(Op::ConcatRows, &[q, k, v])?;
     let z = rows(b, qkvz, group, 2 * dk + rv, rv)?;
-    let beta = rows(b, ba, 2 * r, 0, r)?;
-    let decay = rows(b, ba, 2 * r, r, r)?;
     Ok([qkv, z, beta, decay])
+}
+
+/// Qwen3-Next's `in_proj_ba` (llama.cpp's `ssm_ba`, unchanged): per key head the b and then the
+/// a of its `r` value heads; the b rows and the a rows apart.
+fn beta_and_decay(l: &LinearAttentionConfig, b: &mut Builder, ba: NodeId) -> Result<[NodeId; 2]> {
+    let r = l.value_heads / l.key_heads;
+    let beta = b.op(
+        Op::RowGroupSlice {
+            group: 2 * r,
+            start: 0,
+            len: r,
+        },
+        &[ba],
+    )?;
+    let decay = b.op(
+        Op::RowGroupSlice {
+            group: 2 * r,
+            start: r,
+            len: r,
+        },
+        &[ba],
+    )?;
+    Ok([beta, decay])
 }
 
 /// Gated self-attention of layer `i` over the normed `h`, through `o_proj`.
