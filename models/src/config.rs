@@ -48,8 +48,9 @@ impl Family {
             "llama" => Some(Self::Llama),
             "gemma3" | "gemma3_text" => Some(Self::Gemma3),
             "glm4_moe" => Some(Self::Glm4Moe),
-            // `qwen35`: llama.cpp's name (GGUF `general.architecture`).
-            "qwen3_5" | "qwen3_5_text" | "qwen35" => Some(Self::Qwen35),
+            // `qwen35`, `qwen35moe`: llama.cpp's names (GGUF `general.architecture`); the MoE
+            // variant is Qwen3.5 with Qwen3-Next's MoE MLPs (read from GGUF only).
+            "qwen3_5" | "qwen3_5_text" | "qwen35" | "qwen35moe" => Some(Self::Qwen35),
             "qwen3_next" | "qwen3next" => Some(Self::Qwen3Next),
             "gemma4" | "gemma4_text" => Some(Self::Gemma4),
             "glm_moe_dsa" => Some(Self::GlmMoeDsa),
@@ -224,10 +225,11 @@ fn gguf_linear_attention(file: &GgufFile, arch: &str) -> Result<LinearAttentionC
     })
 }
 
-/// A GGUF Qwen3-Next's experts (llama.cpp's `expert_*` keys): every layer MoE, a softmax
-/// router whose chosen weights are normalised (llama.cpp's `qwen3next` always normalises, as
-/// the model's `norm_topk_prob` says), one shared expert gated by `sigmoid(x · gate)`.
-fn gguf_qwen3_next_moe(file: &GgufFile, arch: &str, layers: usize) -> Result<MoeConfig> {
+/// A GGUF Qwen3-Next's or Qwen3.5-MoE's experts (llama.cpp's `expert_*` keys): every layer
+/// MoE, a softmax router whose chosen weights are normalised (llama.cpp's `qwen3next` and
+/// `qwen35moe` always normalise, as the models' `norm_topk_prob` says), one shared expert
+/// gated by `sigmoid(x · gate)`.
+fn gguf_qwen_moe(file: &GgufFile, arch: &str, layers: usize) -> Result<MoeConfig> {
     let u = |k: &str| file.require_u64(&format!("{arch}.{k}")).map(|v| v as usize);
     Ok(MoeConfig {
         sparse_layers: vec![true; layers],
@@ -339,7 +341,7 @@ impl ModelConfig {
         let family = Family::parse(arch).ok_or_else(|| ModelError::Metadata {
             path: file.path.clone(),
             key: "general.architecture".into(),
-            problem: format!("is `{arch}`; bbc runs llama, gemma3, qwen35 and qwen3next from GGUF"),
+            problem: format!("is `{arch}`; bbc runs llama, gemma3, qwen35, qwen35moe and qwen3next from GGUF"),
         })?;
         let hf_only = || ModelError::Metadata {
             path: file.path.clone(),
@@ -374,7 +376,8 @@ impl ModelConfig {
             _ => None,
         };
         let moe = match family {
-            Family::Qwen3Next => Some(gguf_qwen3_next_moe(file, arch, layers)?),
+            Family::Qwen3Next => Some(gguf_qwen_moe(file, arch, layers)?),
+            Family::Qwen35 if file.get(&key("expert_count")).is_some() => Some(gguf_qwen_moe(file, arch, layers)?),
             _ => None,
         };
         let rope_scale = match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
@@ -392,7 +395,7 @@ impl ModelConfig {
                 .map_or(heads, |v| v as usize),
             head_dim,
             intermediate: match &moe {
-                // Every layer of a Qwen3-Next is MoE: a dense width may go unsaid.
+                // Every layer of a Qwen MoE is MoE: a dense width may go unsaid.
                 Some(m) => file
                     .optional_u64(&key("feed_forward_length"))?
                     .map_or(m.expert_intermediate, |v| v as usize),

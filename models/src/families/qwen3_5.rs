@@ -17,16 +17,16 @@
 //! transforms (`row_group_slice`) regroup into Qwen3.5's four; and its MLPs are mixtures of
 //! experts (softmax router, a shared expert gated by `sigmoid(x · shared_expert_gate)`).
 //!
-//! From GGUF (llama.cpp's `qwen35`, dense Qwen3.5, and `qwen3next`), as llama.cpp's converter
-//! writes them: every norm weight but the DeltaNet's output norm stored already `+ 1`, the
-//! decay rate as `A = −exp(A_log)` (`ssm_a`); for Qwen3.5, where value heads outnumber key
-//! heads, value heads tiled over the key heads rather than grouped by them
-//! (`ir::ValueHeadOrder::Tiled`: the value rows of the projections, the convolution's value
-//! channels, `A`, `dt_bias` and the output projection's columns all reordered alike); for
-//! Qwen3-Next, `in_proj_qkvz` split into Qwen3.5's `attn_qkv` and `attn_gate` (value heads left
-//! grouped), `in_proj_ba` kept as `ssm_ba`, and each projection's experts stacked into one
-//! tensor (`moe::experts_stacked`). The multi-token-prediction weights (`mtp.*`, or layers
-//! past `block_count`) are not used.
+//! From GGUF (llama.cpp's `qwen35`, `qwen35moe`, which is Qwen3.5 with Qwen3-Next's MoE MLPs,
+//! and `qwen3next`), as llama.cpp's converter writes them: every norm weight but the
+//! DeltaNet's output norm stored already `+ 1`, the decay rate as `A = −exp(A_log)` (`ssm_a`),
+//! each projection's experts stacked into one tensor (`moe::experts_stacked`); for Qwen3.5
+//! (and its MoE), where value heads outnumber key heads, value heads tiled over the key heads
+//! rather than grouped by them (`ir::ValueHeadOrder::Tiled`: the value rows of the
+//! projections, the convolution's value channels, `A`, `dt_bias` and the output projection's
+//! columns all reordered alike); for Qwen3-Next, `in_proj_qkvz` split into Qwen3.5's
+//! `attn_qkv` and `attn_gate` (value heads left grouped) and `in_proj_ba` kept as `ssm_ba`.
+//! The multi-token-prediction weights (`mtp.*`, or layers past `block_count`) are not used.
 
 use super::moe::{mlp, SharedNames};
 use super::{Builder, LayerTensor, Naming};
