@@ -514,3 +514,34 @@ fn the_cpu_backend_holds_each_weight_once() {
         assert_eq!(backend.weight_bytes(), file, "{family}");
     }
 }
+
+/// A GGUF whose checkpoint kept its multi-token-prediction layer (`nextn_predict_layers = 1`,
+/// one more block and recurrent-layer flag, as llama.cpp's converter writes Qwen3.5 with its
+/// `mtp.*` weights) runs the model's own layers: the same logits as without it.
+#[test]
+fn gguf_prediction_layers_past_the_model_are_left_alone() {
+    use models::gguf::{writer::GgufWriter, GgufFile, MetaValue};
+    let path = fixture("gguf-tiny/qwen3_5.gguf");
+    let file = GgufFile::open(&path).unwrap();
+    let mut writer = GgufWriter::new();
+    for (key, value) in &file.metadata {
+        let value = match key.as_str() {
+            "qwen35.block_count" => MetaValue::U32(5),
+            "qwen35.attention.recurrent_layers" => {
+                let mut flags = value.as_array().unwrap().to_vec();
+                flags.push(MetaValue::Bool(false));
+                MetaValue::Array(flags)
+            }
+            _ => value.clone(),
+        };
+        writer = writer.meta(key, value);
+    }
+    writer = writer.meta("qwen35.nextn_predict_layers", MetaValue::U32(1));
+    for t in &file.tensors {
+        writer = writer.tensor(&t.name, &t.dims, t.dtype as u32, file.tensor_data(t).to_vec());
+    }
+    let scratch = common::scratch_dir("bbc-mtp-");
+    let with_mtp = scratch.path().join("qwen3_5-mtp.gguf");
+    std::fs::write(&with_mtp, writer.to_bytes()).unwrap();
+    assert_eq!(prompt_logits("qwen3_5", &with_mtp), prompt_logits("qwen3_5", &path));
+}

@@ -352,7 +352,18 @@ impl ModelConfig {
         let u = |k: &str| file.require_u64(&key(k)).map(|v| v as usize);
         let hidden = u("embedding_length")?;
         let heads = u("attention.head_count")?;
-        let layers = u("block_count")?;
+        // Multi-token-prediction layers (llama.cpp's converter keeps a checkpoint's MTP layers
+        // as blocks after the model's own) are counted in `block_count`; bbc does not run them.
+        let blocks = u("block_count")?;
+        let mtp = file.optional_u64(&key("nextn_predict_layers"))?.unwrap_or(0) as usize;
+        let layers = blocks
+            .checked_sub(mtp)
+            .filter(|&l| l > 0)
+            .ok_or_else(|| ModelError::Metadata {
+                path: file.path.clone(),
+                key: key("nextn_predict_layers"),
+                problem: format!("{mtp} prediction layers leave none of {blocks} blocks"),
+            })?;
         let head_dim = match file.optional_u64(&key("attention.key_length"))? {
             Some(d) => d as usize,
             None => hidden / heads.max(1),

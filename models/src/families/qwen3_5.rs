@@ -183,13 +183,13 @@ fn interleaved_projections(
     let rows = |b: &mut Builder, w: NodeId, group: usize, start: usize, len: usize| {
         b.op(Op::RowGroupSlice { group, start, len }, &[w])
     };
-    let [beta, decay] = beta_and_decay(l, b, ba)?;
     let group = 2 * dk + 2 * rv;
     let q = rows(b, qkvz, group, 0, dk)?;
     let k = rows(b, qkvz, group, dk, dk)?;
     let v = rows(b, qkvz, group, 2 * dk, rv)?;
     let qkv = b.op(Op::ConcatRows, &[q, k, v])?;
     let z = rows(b, qkvz, group, 2 * dk + rv, rv)?;
+    let [beta, decay] = beta_and_decay(l, b, ba)?;
     Ok([qkv, z, beta, decay])
 }
 
