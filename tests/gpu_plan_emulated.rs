@@ -142,13 +142,13 @@ fn tiny_qwen3_5_plans_agree_with_the_cpu_backend() {
     check_everywhere("qwen3_5");
 }
 
-/// Qwen3.5, Qwen3-Next and Qwen3.5-MoE as llama.cpp's converter writes them to GGUF: the
+/// Qwen3.5, Qwen3-Next, Qwen3.5-MoE and GLM-4.5 as llama.cpp's converter writes them to GGUF: the
 /// DeltaNet kernels read each value head's key head and decay rate as its spec says (Qwen3.5's
 /// value heads tiled over the key heads, `A` stored instead of `A_log`), and the experts are
 /// picked from their stacked tensors as the plan uploads them, on every GPU target.
 #[test]
-fn tiny_qwen_gguf_plans_agree_with_the_cpu_backend() {
-    for family in ["qwen3_5", "qwen3_next", "qwen3_5_moe"] {
+fn tiny_gguf_hybrid_and_moe_plans_agree_with_the_cpu_backend() {
+    for family in ["qwen3_5", "qwen3_next", "qwen3_5_moe", "glm4_moe"] {
         let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/gguf-tiny/{family}.gguf"));
         let mut spec = ModelSpec::for_weights(&path);
         spec.dtype = ComputeDtype::F32;

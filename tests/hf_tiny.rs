@@ -257,6 +257,18 @@ fn qwen3_5_moe_from_llama_cpp_gguf_matches_llama_cpp() {
     check_cpu_graph_within(&model, fused, &reference, 5e-4, "qwen3_5_moe gguf fused");
 }
 
+/// GLM-4.5 as llama.cpp's converter writes it (`glm4moe`: experts stacked, the router's score
+/// bias as `exp_probs_b.bias`, shared experts `*_shexp`, the first layer dense, the
+/// checkpoint's prediction layer counted in `block_count`): HF's logits through the
+/// interpreter and the CPU backend (llama.cpp itself gives HF's greedy ids on this file).
+#[test]
+fn glm4_moe_from_llama_cpp_gguf_matches_hf() {
+    let model = Model::open(ModelSpec::for_weights(&fixture("gguf-tiny/glm4_moe.gguf"))).unwrap();
+    assert_eq!(model.config.family, models::Family::Glm4Moe);
+    check_reference_interpreter_of(&model, "glm4_moe", "glm4_moe gguf");
+    check_cpu_backend_of(&model, "glm4_moe", "glm4_moe gguf");
+}
+
 #[test]
 fn qwen3_next_cpu_backend_matches_hf() {
     check_cpu_backend("qwen3_next");

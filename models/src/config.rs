@@ -47,7 +47,8 @@ impl Family {
         match s {
             "llama" => Some(Self::Llama),
             "gemma3" | "gemma3_text" => Some(Self::Gemma3),
-            "glm4_moe" => Some(Self::Glm4Moe),
+            // `glm4moe`: llama.cpp's name.
+            "glm4_moe" | "glm4moe" => Some(Self::Glm4Moe),
             // `qwen35`, `qwen35moe`: llama.cpp's names (GGUF `general.architecture`); the MoE
             // variant is Qwen3.5 with Qwen3-Next's MoE MLPs (read from GGUF only).
             "qwen3_5" | "qwen3_5_text" | "qwen35" | "qwen35moe" => Some(Self::Qwen35),
@@ -245,6 +246,43 @@ fn gguf_qwen_moe(file: &GgufFile, arch: &str, layers: usize) -> Result<MoeConfig
     })
 }
 
+/// A GGUF GLM-4.5's experts (llama.cpp's `glm4moe` keys): the first
+/// `leading_dense_block_count` layers dense, DeepSeek-V3's grouped sigmoid router (groups from
+/// `expert_group_count`/`_used_count`, scaled by `expert_weights_scale`, normalised as
+/// `expert_weights_norm` says), `expert_shared_count` shared experts.
+fn gguf_glm_moe(file: &GgufFile, arch: &str, layers: usize) -> Result<MoeConfig> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let u = |k: &str| file.require_u64(&key(k)).map(|v| v as usize);
+    let opt = |k: &str, default: usize| file.optional_u64(&key(k)).map(|v| v.map_or(default, |v| v as usize));
+    // llama.cpp's gating function ids: 1 softmax, 2 sigmoid (GLM's; its default here).
+    if let Some(gating) = file.optional_u64(&key("expert_gating_func"))?.filter(|&g| g != 2) {
+        return Err(ModelError::Metadata {
+            path: file.path.clone(),
+            key: key("expert_gating_func"),
+            problem: format!("is {gating}; GLM-4.5's router is the sigmoid one (2)"),
+        });
+    }
+    let expert_intermediate = u("expert_feed_forward_length")?;
+    let dense = opt("leading_dense_block_count", 0)?;
+    Ok(MoeConfig {
+        sparse_layers: (0..layers).map(|i| i >= dense).collect(),
+        experts: u("expert_count")?,
+        experts_per_token: u("expert_used_count")?,
+        expert_intermediate,
+        shared_intermediate: expert_intermediate * opt("expert_shared_count", 0)?,
+        shared_gate: false,
+        normalize: file
+            .get(&key("expert_weights_norm"))
+            .and_then(|v| v.as_bool())
+            .unwrap_or(true),
+        router: ir::MoeRouter::GroupedSigmoid {
+            groups: opt("expert_group_count", 1)?,
+            top_groups: opt("expert_group_used_count", 1)?,
+            scaling: file.optional_f64(&key("expert_weights_scale"))?.unwrap_or(1.0) as f32,
+        },
+    })
+}
+
 /// Gemma 3's layer pattern: every sixth layer is global.
 fn gemma3_pattern(layers: usize, every: usize) -> Vec<LayerAttention> {
     (0..layers)
@@ -341,7 +379,7 @@ impl ModelConfig {
         let family = Family::parse(arch).ok_or_else(|| ModelError::Metadata {
             path: file.path.clone(),
             key: "general.architecture".into(),
-            problem: format!("is `{arch}`; bbc runs llama, gemma3, qwen35, qwen35moe and qwen3next from GGUF"),
+            problem: format!("is `{arch}`; bbc runs llama, gemma3, glm4moe, qwen35, qwen35moe and qwen3next from GGUF"),
         })?;
         let hf_only = || ModelError::Metadata {
             path: file.path.clone(),
@@ -380,7 +418,8 @@ impl ModelConfig {
             // (gemma-3 sets query_pre_attn_scalar = head_dim).
             Family::Gemma3 => (gemma3_pattern(layers, 6), 10_000.0, Some(head_dim as f64)),
             Family::Qwen35 | Family::Qwen3Next => (gguf_recurrent_layers(file, arch, layers)?, rope_theta, None),
-            Family::Gemma4 | Family::Glm4Moe | Family::GlmMoeDsa => return Err(hf_only()),
+            Family::Glm4Moe => (vec![LayerAttention::Full; layers], rope_theta, None),
+            Family::Gemma4 | Family::GlmMoeDsa => return Err(hf_only()),
         };
         let linear_attention = match family {
             Family::Qwen35 | Family::Qwen3Next => Some(gguf_linear_attention(file, arch)?),
@@ -389,6 +428,7 @@ impl ModelConfig {
         let moe = match family {
             Family::Qwen3Next => Some(gguf_qwen_moe(file, arch, layers)?),
             Family::Qwen35 if file.get(&key("expert_count")).is_some() => Some(gguf_qwen_moe(file, arch, layers)?),
+            Family::Glm4Moe => Some(gguf_glm_moe(file, arch, layers)?),
             _ => None,
         };
         let rope_scale = match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
@@ -406,7 +446,7 @@ impl ModelConfig {
                 .map_or(heads, |v| v as usize),
             head_dim,
             intermediate: match &moe {
-                // Every layer of a Qwen MoE is MoE: a dense width may go unsaid.
+                // A model whose every layer is MoE may leave the dense width unsaid.
                 Some(m) => file
                     .optional_u64(&key("feed_forward_length"))?
                     .map_or(m.expert_intermediate, |v| v as usize),
@@ -425,8 +465,13 @@ impl ModelConfig {
                 Some(d) => d as usize,
                 None => head_dim,
             },
-            attention_bias: false,
-            qk_norm: matches!(family, Family::Gemma3 | Family::Qwen35 | Family::Qwen3Next),
+            // GLM-4.5 has Q/K/V biases and, in some checkpoints, q/k norms: as its tensors say.
+            attention_bias: family == Family::Glm4Moe && file.tensor("blk.0.attn_q.bias").is_some(),
+            qk_norm: match family {
+                Family::Gemma3 | Family::Qwen35 | Family::Qwen3Next => true,
+                Family::Glm4Moe => file.tensor("blk.0.attn_q_norm.weight").is_some(),
+                _ => false,
+            },
             moe,
             linear_attention,
             gemma4: None,

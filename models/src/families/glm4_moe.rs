@@ -22,7 +22,14 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::AttnNorm), c.hidden, c.rms_eps, 0.0)?;
         let a = attention(c, b, i, h, positions)?;
         x = b.add(x, a)?;
-        let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::FfnNorm), c.hidden, c.rms_eps, 0.0)?;
+        // HF's `post_attention_layernorm`: the norm before the MLP.
+        let h = b.rms_norm(
+            x,
+            &b.naming.layer(i, LayerTensor::PostAttnNorm),
+            c.hidden,
+            c.rms_eps,
+            0.0,
+        )?;
         let m = mlp(c, b, i, h, SharedNames::Experts)?;
         x = b.add(x, m)?;
     }
