@@ -188,10 +188,17 @@ fn qwen3_5_reference_interpreter_matches_hf() {
 /// CPU backend.
 #[test]
 fn qwen3_5_from_llama_cpp_gguf_matches_hf() {
-    let model = Model::open(ModelSpec::for_weights(&fixture("gguf-tiny/qwen3_5.gguf"))).unwrap();
-    assert_eq!(model.config.family, models::Family::Qwen35);
-    check_reference_interpreter_of(&model, "qwen3_5", "qwen3_5 gguf");
-    check_cpu_backend_of(&model, "qwen3_5", "qwen3_5 gguf");
+    check_gguf_against_hf("qwen3_5", models::Family::Qwen35);
+}
+
+/// `gguf-tiny/{family}.gguf` opens as `want` and gives HF's logits for `hf-tiny/{family}`,
+/// through the interpreter and the CPU backend.
+fn check_gguf_against_hf(family: &str, want: models::Family) {
+    let model = Model::open(ModelSpec::for_weights(&fixture(&format!("gguf-tiny/{family}.gguf")))).unwrap();
+    assert_eq!(model.config.family, want);
+    let label = format!("{family} gguf");
+    check_reference_interpreter_of(&model, family, &label);
+    check_cpu_backend_of(&model, family, &label);
 }
 
 /// The same GGUF with its matrices in Q8_0 (as the converter's `--outtype q8_0` writes it),
@@ -235,10 +242,7 @@ fn qwen3_5_from_a_q8_0_gguf_follows_hf_to_its_first_near_tie() {
 /// and the CPU backend (llama.cpp itself gives HF's greedy ids on this file).
 #[test]
 fn qwen3_next_from_llama_cpp_gguf_matches_hf() {
-    let model = Model::open(ModelSpec::for_weights(&fixture("gguf-tiny/qwen3_next.gguf"))).unwrap();
-    assert_eq!(model.config.family, models::Family::Qwen3Next);
-    check_reference_interpreter_of(&model, "qwen3_next", "qwen3_next gguf");
-    check_cpu_backend_of(&model, "qwen3_next", "qwen3_next gguf");
+    check_gguf_against_hf("qwen3_next", models::Family::Qwen3Next);
 }
 
 /// Qwen3.5-MoE (llama.cpp's `qwen35moe`: Qwen3.5's layers with Qwen3-Next's MoE MLPs), from a
@@ -263,10 +267,7 @@ fn qwen3_5_moe_from_llama_cpp_gguf_matches_llama_cpp() {
 /// interpreter and the CPU backend (llama.cpp itself gives HF's greedy ids on this file).
 #[test]
 fn glm4_moe_from_llama_cpp_gguf_matches_hf() {
-    let model = Model::open(ModelSpec::for_weights(&fixture("gguf-tiny/glm4_moe.gguf"))).unwrap();
-    assert_eq!(model.config.family, models::Family::Glm4Moe);
-    check_reference_interpreter_of(&model, "glm4_moe", "glm4_moe gguf");
-    check_cpu_backend_of(&model, "glm4_moe", "glm4_moe gguf");
+    check_gguf_against_hf("glm4_moe", models::Family::Glm4Moe);
 }
 
 #[test]
