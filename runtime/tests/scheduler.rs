@@ -152,6 +152,10 @@ fn complete(s: &mut Scheduler, kv: &mut SimulatedKv, w: &Work, accept: usize, to
     sampled.push(token);
     let sampled = if w.samples { sampled } else { Vec::new() };
     let (taken, done) = s.complete(w, &sampled);
+    // As the engine does: refused drafts are taken back out of the state.
+    if taken > 0 && w.drafts > 0 {
+        kv.rewind_state(w.state_slot, w.drafts + 1, w.accepted(taken) + 1);
+    }
     match done {
         Some(_) => {
             kv.tokens.remove(&w.seq);
@@ -160,11 +164,6 @@ fn complete(s: &mut Scheduler, kv: &mut SimulatedKv, w: &Work, accept: usize, to
         None => {
             let tokens = kv.tokens.get_mut(&w.seq).expect("running");
             tokens.extend_from_slice(&sampled[..taken]);
-            // As the engine does: refused drafts are taken back out of the state.
-            let accepted = w.accepted(taken);
-            if taken > 0 && accepted < w.drafts {
-                kv.rewind_state(w.state_slot, w.drafts + 1, accepted + 1);
-            }
             false
         }
     }

@@ -55,8 +55,8 @@ pub struct ServeArgs {
     pub dtype: Option<ComputeDtype>,
     /// Speculative decoding by prompt lookup: draft up to N tokens a step from earlier text
     /// of the request and verify them in the same pass (0: off; overrides a model.toml's
-    /// `[speculative]`). Tokens are unchanged. Hybrid models (recurrent state) on the CPU
-    /// backend only.
+    /// `[speculative]`). Tokens are unchanged. Hybrid models (recurrent state) speculate on
+    /// the CPU backend only.
     #[arg(long)]
     pub speculative_ngram: Option<usize>,
     /// Shortest match prompt lookup tries (default 2, or model.toml's).

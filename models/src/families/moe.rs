@@ -1,9 +1,9 @@
-//! The mixture-of-experts MLP, shared by the families that have one (GLM-4.5, Qwen3-Next):
-//! the router's logits, one `Op::Moe` over every expert's weights stacked (`concat_rows`; an
-//! expert reads its own rows), and the shared experts' MLP beside it, gated by
-//! `sigmoid(x · shared_expert_gate)` where the model has that gate. HF names, or llama.cpp's for
-//! a GGUF Qwen3-Next (each projection's experts in one `[experts, rows, cols]` tensor, read as
-//! the matrix of all their rows; the shared expert's `*_shexp`).
+//! The mixture-of-experts MLP, shared by the families that have one (GLM-4.5, Qwen3-Next,
+//! Qwen3.5-MoE): the router's logits, one `Op::Moe` over every expert's weights stacked
+//! (`concat_rows`; an expert reads its own rows), and the shared experts' MLP beside it, gated
+//! by `sigmoid(x · shared_expert_gate)` where the model has that gate. HF names, or llama.cpp's
+//! for GGUF files (each projection's experts in one `[experts, rows, cols]` tensor, read as the
+//! matrix of all their rows; the shared experts' `*_shexp`).
 
 use super::{Builder, ExpertTensor, LayerTensor, Naming};
 use crate::config::{ModelConfig, MoeConfig};

@@ -232,8 +232,9 @@ impl<B: PagedBackend> ServingEngine<B> {
             let tokens: Vec<u32> = sampled.iter().map(|s| s.token).collect();
             let (taken, done) = self.scheduler.complete(work, &tokens);
             let accepted = work.accepted(taken);
-            if taken > 0 && done.is_none() && accepted < work.drafts {
-                // Still running, with drafts refused: they ran through its recurrent state.
+            if taken > 0 && work.drafts > 0 {
+                // Refused drafts ran through its recurrent state: take them back out (and let
+                // go of the states the step kept for that, all drafts accepted or not).
                 self.backend
                     .rewind_state(&mut self.pages, work.state_slot, work.drafts + 1, accepted + 1)?;
             }
