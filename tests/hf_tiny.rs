@@ -528,33 +528,93 @@ fn the_cpu_backend_holds_each_weight_once() {
     }
 }
 
+/// A tensor as a GGUF writer takes it: name, dims innermost-first, GGML type id, bytes.
+type GgufTensor = (String, Vec<u64>, u32, Vec<u8>);
+
+/// `gguf-tiny/{name}.gguf` written again into `dir` after `edit` has changed its metadata and
+/// tensors.
+fn rewrite_gguf(
+    name: &str,
+    dir: &std::path::Path,
+    edit: impl FnOnce(&mut Vec<(String, models::gguf::MetaValue)>, &mut Vec<GgufTensor>),
+) -> std::path::PathBuf {
+    let file = models::gguf::GgufFile::open(&fixture(&format!("gguf-tiny/{name}.gguf"))).unwrap();
+    let mut metadata: Vec<_> = file.metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    let mut tensors: Vec<GgufTensor> = file
+        .tensors
+        .iter()
+        .map(|t| {
+            (
+                t.name.clone(),
+                t.dims.clone(),
+                t.dtype as u32,
+                file.tensor_data(t).to_vec(),
+            )
+        })
+        .collect();
+    edit(&mut metadata, &mut tensors);
+    let mut writer = models::gguf::writer::GgufWriter::new();
+    for (key, value) in metadata {
+        writer = writer.meta(&key, value);
+    }
+    for (name, dims, dtype, data) in tensors {
+        writer = writer.tensor(&name, &dims, dtype, data);
+    }
+    let path = dir.join(format!("{name}.gguf"));
+    std::fs::write(&path, writer.to_bytes()).unwrap();
+    path
+}
+
 /// A GGUF whose checkpoint kept its multi-token-prediction layer (`nextn_predict_layers = 1`,
 /// one more block and recurrent-layer flag, as llama.cpp's converter writes Qwen3.5 with its
 /// `mtp.*` weights) runs the model's own layers: the same logits as without it.
 #[test]
 fn gguf_prediction_layers_past_the_model_are_left_alone() {
-    use models::gguf::{writer::GgufWriter, GgufFile, MetaValue};
-    let path = fixture("gguf-tiny/qwen3_5.gguf");
-    let file = GgufFile::open(&path).unwrap();
-    let mut writer = GgufWriter::new();
-    for (key, value) in &file.metadata {
-        let value = match key.as_str() {
-            "qwen35.block_count" => MetaValue::U32(5),
-            "qwen35.attention.recurrent_layers" => {
-                let mut flags = value.as_array().unwrap().to_vec();
-                flags.push(MetaValue::Bool(false));
-                MetaValue::Array(flags)
-            }
-            _ => value.clone(),
-        };
-        writer = writer.meta(key, value);
-    }
-    writer = writer.meta("qwen35.nextn_predict_layers", MetaValue::U32(1));
-    for t in &file.tensors {
-        writer = writer.tensor(&t.name, &t.dims, t.dtype as u32, file.tensor_data(t).to_vec());
-    }
+    use models::gguf::MetaValue;
     let scratch = common::scratch_dir("bbc-mtp-");
-    let with_mtp = scratch.path().join("qwen3_5-mtp.gguf");
-    std::fs::write(&with_mtp, writer.to_bytes()).unwrap();
-    assert_eq!(prompt_logits("qwen3_5", &with_mtp), prompt_logits("qwen3_5", &path));
+    let with_mtp = rewrite_gguf("qwen3_5", scratch.path(), |metadata, _| {
+        for (key, value) in metadata.iter_mut() {
+            match key.as_str() {
+                "qwen35.block_count" => *value = MetaValue::U32(5),
+                "qwen35.attention.recurrent_layers" => {
+                    let mut flags = value.as_array().unwrap().to_vec();
+                    flags.push(MetaValue::Bool(false));
+                    *value = MetaValue::Array(flags);
+                }
+                _ => {}
+            }
+        }
+        metadata.push(("qwen35.nextn_predict_layers".into(), MetaValue::U32(1)));
+    });
+    let plain = fixture("gguf-tiny/qwen3_5.gguf");
+    assert_eq!(prompt_logits("qwen3_5", &with_mtp), prompt_logits("qwen3_5", &plain));
+}
+
+/// Experts whose gate and up projections a file holds fused (`ffn_gate_up_exps`, llama.cpp's
+/// `--fuse-gate-up-exps`: per expert its gate rows, then its up rows) give what the two
+/// stacked tensors give.
+#[test]
+fn gguf_fused_gate_up_experts_read_like_separate_ones() {
+    let scratch = common::scratch_dir("bbc-fused-");
+    let fused = rewrite_gguf("qwen3_next", scratch.path(), |_, tensors| {
+        let take = |tensors: &mut Vec<GgufTensor>, name: &str| {
+            let at = tensors.iter().position(|t| t.0 == name).unwrap();
+            tensors.remove(at)
+        };
+        for i in 0..4 {
+            let gate = take(tensors, &format!("blk.{i}.ffn_gate_exps.weight"));
+            let up = take(tensors, &format!("blk.{i}.ffn_up_exps.weight"));
+            let experts = gate.1[2] as usize;
+            let per_expert = gate.3.len() / experts;
+            let data = (0..experts)
+                .flat_map(|e| [&gate.3, &up.3].map(|t| &t[e * per_expert..(e + 1) * per_expert]))
+                .flatten()
+                .copied()
+                .collect();
+            let dims = vec![gate.1[0], 2 * gate.1[1], gate.1[2]];
+            tensors.push((format!("blk.{i}.ffn_gate_up_exps.weight"), dims, gate.2, data));
+        }
+    });
+    let plain = fixture("gguf-tiny/qwen3_next.gguf");
+    assert_eq!(prompt_logits("qwen3_next", &fused), prompt_logits("qwen3_next", &plain));
 }

@@ -337,6 +337,14 @@ impl Builder<'_> {
         Ok(self.graph.weight(name, &[rows, cols], dtype))
     }
 
+    /// Whether the weights hold a tensor `name` (never, lowering without weights).
+    pub fn has_weight(&self, name: &str) -> bool {
+        match self.weights {
+            Catalog::Source(weights) => weights.contains(name),
+            Catalog::Implied => false,
+        }
+    }
+
     /// What the KV caches store: bf16 for a bf16 model (as transformers and vLLM keep it),
     /// f32 otherwise.
     pub fn cache_dtype(&self) -> DType {

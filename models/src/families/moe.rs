@@ -108,12 +108,18 @@ fn experts_one_by_one(moe: &MoeConfig, b: &mut Builder, i: usize, n: usize, d: u
 
 /// The same from llama.cpp's stacked tensors: the down projections are already in order; each
 /// expert's gate and up rows are picked from `ffn_gate_exps` and `ffn_up_exps` (a
-/// `row_group_slice` of one group) and stacked in the op's order.
+/// `row_group_slice` of one group) and stacked in the op's order, unless the file holds them
+/// fused (`ffn_gate_up_exps`, the converter's `--fuse-gate-up-exps`: per expert its gate rows
+/// then its up rows, the op's order already).
 fn experts_stacked(moe: &MoeConfig, b: &mut Builder, i: usize, n: usize, d: usize) -> Result<(NodeId, NodeId)> {
     let rows = moe.experts * n;
+    let down = b.matrix(&format!("blk.{i}.ffn_down_exps.weight"), moe.experts * d, n)?;
+    let fused = format!("blk.{i}.ffn_gate_up_exps.weight");
+    if b.has_weight(&fused) {
+        return Ok((b.matrix(&fused, 2 * rows, d)?, down));
+    }
     let gate = b.matrix(&format!("blk.{i}.ffn_gate_exps.weight"), rows, d)?;
     let up = b.matrix(&format!("blk.{i}.ffn_up_exps.weight"), rows, d)?;
-    let down = b.matrix(&format!("blk.{i}.ffn_down_exps.weight"), moe.experts * d, n)?;
     let mut gate_up = Vec::with_capacity(2 * moe.experts);
     for e in 0..moe.experts {
         for w in [gate, up] {
