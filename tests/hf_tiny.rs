@@ -270,6 +270,51 @@ fn glm4_moe_from_llama_cpp_gguf_matches_hf() {
     check_gguf_against_hf("glm4_moe", models::Family::Glm4Moe);
 }
 
+/// Qwen3.5-MoE from an HF directory (`qwen3_5_moe_text`: the tiny Qwen3.5's layers with the
+/// tiny Qwen3-Next's MLPs, as `gguf-tiny/make_qwen3_5_moe.py` makes it): llama.cpp's logits on
+/// the same model converted to GGUF, within 5e-4, and its 12 greedy ids.
+#[test]
+fn qwen3_5_moe_from_hf_matches_llama_cpp() {
+    let scratch = common::scratch_dir("bbc-qwen3_5_moe-");
+    let dir = scratch.path();
+    let read = |family: &str| std::fs::read(fixture(&format!("hf-tiny/{family}/model.safetensors"))).unwrap();
+    let (dense_bytes, moe_bytes) = (read("qwen3_5"), read("qwen3_next"));
+    let dense = safetensors::SafeTensors::deserialize(&dense_bytes).unwrap();
+    let moe = safetensors::SafeTensors::deserialize(&moe_bytes).unwrap();
+    let mut views: Vec<(String, safetensors::tensor::TensorView)> = Vec::new();
+    for (source, mlp) in [(&dense, false), (&moe, true)] {
+        for name in source.names() {
+            if name.contains(".mlp.") == mlp {
+                views.push((name.to_string(), source.tensor(name).unwrap()));
+            }
+        }
+    }
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    let config = |family: &str| -> serde_json::Value {
+        let text = std::fs::read_to_string(fixture(&format!("hf-tiny/{family}/config.json"))).unwrap();
+        serde_json::from_str(&text).unwrap()
+    };
+    let (mut merged, moe_config) = (config("qwen3_5"), config("qwen3_next"));
+    for key in [
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+        "norm_topk_prob",
+    ] {
+        merged[key] = moe_config[key].clone();
+    }
+    merged["model_type"] = "qwen3_5_moe_text".into();
+    std::fs::write(dir.join("config.json"), merged.to_string()).unwrap();
+    let mut spec = ModelSpec::for_weights(dir);
+    spec.dtype = ComputeDtype::F32;
+    let model = Model::open(spec).unwrap();
+    assert!(model.config.family == models::Family::Qwen35 && model.config.moe.is_some());
+    let reference = load_reference_from("gguf-tiny/qwen3_5_moe-llamacpp.safetensors");
+    let graph = passes::optimized(&model.lower(LogitsFor::AllTokens).unwrap(), passes::CostModel::CPU).unwrap();
+    check_cpu_graph_within(&model, graph, &reference, 5e-4, "qwen3_5_moe hf");
+}
+
 #[test]
 fn qwen3_next_cpu_backend_matches_hf() {
     check_cpu_backend("qwen3_next");

@@ -49,9 +49,11 @@ impl Family {
             "gemma3" | "gemma3_text" => Some(Self::Gemma3),
             // `glm4moe`: llama.cpp's name.
             "glm4_moe" | "glm4moe" => Some(Self::Glm4Moe),
-            // `qwen35`, `qwen35moe`: llama.cpp's names (GGUF `general.architecture`); the MoE
-            // variant is Qwen3.5 with Qwen3-Next's MoE MLPs (read from GGUF only).
-            "qwen3_5" | "qwen3_5_text" | "qwen35" | "qwen35moe" => Some(Self::Qwen35),
+            // Qwen3.5's MoE variant is Qwen3.5 with Qwen3-Next's MoE MLPs. `qwen35`, `qwen35moe`:
+            // llama.cpp's names (GGUF `general.architecture`).
+            "qwen3_5" | "qwen3_5_text" | "qwen3_5_moe" | "qwen3_5_moe_text" | "qwen35" | "qwen35moe" => {
+                Some(Self::Qwen35)
+            }
             "qwen3_next" | "qwen3next" => Some(Self::Qwen3Next),
             "gemma4" | "gemma4_text" => Some(Self::Gemma4),
             "glm_moe_dsa" => Some(Self::GlmMoeDsa),
@@ -491,7 +493,7 @@ impl ModelConfig {
         let model_type = cfg.str("model_type")?;
         let family = Family::parse(model_type).ok_or_else(|| {
             cfg.error(&format!(
-                "model_type `{model_type}` is not one bbc runs (llama, gemma3, gemma4, glm4_moe, glm_moe_dsa, qwen3_5, qwen3_next)"
+                "model_type `{model_type}` is not one bbc runs (llama, gemma3, gemma4, glm4_moe, glm_moe_dsa, qwen3_5, qwen3_5_moe, qwen3_next)"
             ))
         })?;
         let hidden = cfg.usize("hidden_size")?;
@@ -568,6 +570,7 @@ impl ModelConfig {
             moe: match family {
                 Family::Glm4Moe | Family::GlmMoeDsa => Some(cfg.glm4_moe(layers)?),
                 Family::Qwen3Next => Some(cfg.qwen3_next_moe(layers)?),
+                Family::Qwen35 if json.get("num_experts").is_some() => Some(cfg.qwen3_next_moe(layers)?),
                 Family::Llama | Family::Gemma3 | Family::Gemma4 | Family::Qwen35 => None,
             },
             linear_attention: match family.has_linear_attention() {
