@@ -231,6 +231,30 @@ fn gpu_artifacts_carry_kernels_ptx_cubins_and_plan() {
     }
 }
 
+/// `bbc compile` of a GGUF MoE model in its own blocks (the tiny Qwen3-Next, Q8_0) builds for
+/// every GPU target: the experts' gate/up kernel decodes two rows' blocks in one loop (each
+/// decode's temporaries had the same names, which NVRTC refused as declared twice).
+#[test]
+fn a_quantized_moe_gguf_compiles_for_every_gpu_target() {
+    if !nvrtc_present() {
+        return;
+    }
+    let scratch = common::scratch_dir("bbc-gpu-moe-q8-");
+    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+        let output = scratch.path().join(target.name());
+        let weights = common::fixture("gguf-tiny/qwen3_next.q8_0.gguf");
+        let args = bbc::commands::compile::CompileArgs {
+            model: weights.to_str().unwrap(),
+            target: target.name(),
+            output: &output,
+            emit: None,
+            emit_after: None,
+            verify: false,
+        };
+        bbc::commands::compile::compile(&args).unwrap_or_else(|e| panic!("{}: {e:#}", target.name()));
+    }
+}
+
 /// `bbc compile` of the tiny Llama and Gemma 3 (HF safetensors) in f32 and bf16 builds every
 /// plan for every GPU target: each kernel through ptxas without spills (an f32 decode GEMV
 /// spilled on sm_100a under ptxas's own register choice, so `bbc compile --target b200` failed

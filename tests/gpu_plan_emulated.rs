@@ -142,6 +142,25 @@ fn tiny_qwen3_5_plans_agree_with_the_cpu_backend() {
     check_everywhere("qwen3_5");
 }
 
+/// Qwen3-Next with its matrices in Q8_0 (stacked experts kept in their blocks: picked per
+/// expert as the plan uploads them, dotted from blocks by the MoE kernels) against the CPU
+/// backend on the same file dequantized to f32, on every GPU target: within 1e-4 but after a
+/// prefill through the tensor-core GEMM, whose bf16-rounded activations switch an expert of
+/// the tiny 4-expert router as in `check` (there 1e-1).
+#[test]
+fn quantized_stacked_experts_agree_with_the_dequantized_cpu_backend() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf-tiny/qwen3_next.q8_0.gguf");
+    let open = |dtype| {
+        let mut spec = ModelSpec::for_weights(&path);
+        spec.dtype = dtype;
+        Model::open(spec).unwrap()
+    };
+    let (native, dequantized) = (open(ComputeDtype::Native), open(ComputeDtype::F32));
+    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+        check_against("qwen3_next", &native, &dequantized, target, 1e-1);
+    }
+}
+
 /// Qwen3.5, Qwen3-Next, Qwen3.5-MoE and GLM-4.5 as llama.cpp's converter writes them to GGUF: the
 /// DeltaNet kernels read each value head's key head and decay rate as its spec says (Qwen3.5's
 /// value heads tiled over the key heads, `A` stored instead of `A_log`), and the experts are

@@ -57,14 +57,17 @@ fn f32_of(i: Expr) -> Expr {
 }
 
 /// Statements setting `out` (an f32 local) to element `e` of the row starting at byte `row`.
+/// Its temporaries are named after `out` (`{out}_blk`, …), so several elements can be decoded
+/// in one scope.
 pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
     let (be, bb) = block_layout(format).expect("a block format");
+    let t = |name: &str| format!("{out}_{name}");
     let mut s = vec![
-        let_("q_blk", Ty::I32, row + (e.clone() / int(be)) * int(bb)),
-        let_("q_j", Ty::I32, bin(BinOp::Rem, e, int(be))),
+        let_(&t("blk"), Ty::I32, row + (e.clone() / int(be)) * int(bb)),
+        let_(&t("j"), Ty::I32, bin(BinOp::Rem, e, int(be))),
     ];
-    let base = || var("q_blk");
-    let j = || var("q_j");
+    let base = || var(&t("blk"));
+    let j = || var(&t("j"));
     // The 4-bit value of element j of a 32-element block whose nibbles start at `at`:
     // low nibbles are elements 0..16, high nibbles 16..32.
     let nibble = |at: Expr| {
@@ -99,45 +102,40 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
         }
         DType::Q4K | DType::Q5K => {
             // Chunk c of 64 holds sub-blocks 2c (low nibbles) and 2c+1 (high nibbles).
-            s.push(let_("q_c", Ty::I32, j() / int(64)));
-            s.push(let_("q_l", Ty::I32, bin(BinOp::Rem, j(), int(64))));
+            s.push(let_(&t("c"), Ty::I32, j() / int(64)));
+            s.push(let_(&t("l"), Ty::I32, bin(BinOp::Rem, j(), int(64))));
             s.push(let_(
-                "q_sub",
+                &t("sub"),
                 Ty::I32,
-                var("q_c") * int(2) + select(lt(var("q_l"), int(32)), int(0), int(1)),
+                var(&t("c")) * int(2) + select(lt(var(&t("l")), int(32)), int(0), int(1)),
             ));
-            s.extend(scale_min_k4(base() + int(4)));
+            s.extend(scale_min_k4(out, base() + int(4)));
             let qs = if format == DType::Q4K { 16 } else { 48 };
-            let v = byte(base() + int(qs) + var("q_c") * int(32) + bin(BinOp::Rem, var("q_l"), int(32)));
-            let mut q = select(lt(var("q_l"), int(32)), mask_bits(v.clone(), 15), shr(v, int(4)));
+            let v = byte(base() + int(qs) + var(&t("c")) * int(32) + bin(BinOp::Rem, var(&t("l")), int(32)));
+            let mut q = select(lt(var(&t("l")), int(32)), mask_bits(v.clone(), 15), shr(v, int(4)));
             if format == DType::Q5K {
                 let high = mask_bits(
                     shr(
-                        byte(base() + int(16) + bin(BinOp::Rem, var("q_l"), int(32))),
-                        var("q_sub"),
+                        byte(base() + int(16) + bin(BinOp::Rem, var(&t("l")), int(32))),
+                        var(&t("sub")),
                     ),
                     1,
                 );
                 q = q + bin(BinOp::Shl, high, int(4));
             }
-            half(base()) * f32_of(var("q_sc")) * f32_of(q) - half(base() + int(2)) * f32_of(var("q_m"))
+            half(base()) * f32_of(var(&t("sc"))) * f32_of(q) - half(base() + int(2)) * f32_of(var(&t("m")))
         }
         DType::Q6K => {
             // Half h (128 elements): quarter g of 32 takes low/high nibbles of ql and bit pair g of qh.
-            s.push(let_("q_h", Ty::I32, j() / int(128)));
-            s.push(let_("q_g", Ty::I32, bin(BinOp::Rem, j(), int(128)) / int(32)));
-            s.push(let_("q_l", Ty::I32, bin(BinOp::Rem, j(), int(32))));
-            let ql = byte(base() + var("q_h") * int(64) + var("q_l") + mask_bits(var("q_g"), 1) * int(32));
-            let nib = select(lt(var("q_g"), int(2)), mask_bits(ql.clone(), 15), shr(ql, int(4)));
-            let qh = mask_bits(
-                shr(
-                    byte(base() + int(128) + var("q_h") * int(32) + var("q_l")),
-                    var("q_g") * int(2),
-                ),
-                3,
-            );
+            s.push(let_(&t("h"), Ty::I32, j() / int(128)));
+            s.push(let_(&t("g"), Ty::I32, bin(BinOp::Rem, j(), int(128)) / int(32)));
+            s.push(let_(&t("l"), Ty::I32, bin(BinOp::Rem, j(), int(32))));
+            let (h, g, l) = (|| var(&t("h")), || var(&t("g")), || var(&t("l")));
+            let ql = byte(base() + h() * int(64) + l() + mask_bits(g(), 1) * int(32));
+            let nib = select(lt(g(), int(2)), mask_bits(ql.clone(), 15), shr(ql, int(4)));
+            let qh = mask_bits(shr(byte(base() + int(128) + h() * int(32) + l()), g() * int(2)), 3);
             let q = nib + bin(BinOp::Shl, qh, int(4)) - int(32);
-            let sc = s8(base() + int(192) + var("q_h") * int(8) + var("q_l") / int(16) + var("q_g") * int(2));
+            let sc = s8(base() + int(192) + h() * int(8) + l() / int(16) + g() * int(2));
             half(base() + int(208)) * f32_of(sc) * f32_of(q)
         }
         other => panic!("{other} is not a block format"),
@@ -231,7 +229,7 @@ pub fn k_sub_block_weights(format: DType, prefix: &str, base: Expr, sub: Expr) -
     match format {
         DType::Q4K | DType::Q5K => {
             // Sub-block s: chunk s / 2 of 32 bytes, low nibbles when s is even, high when odd.
-            s.extend(scale_min_k4(at(int(4))));
+            s.extend(scale_min_k4("q", at(int(4))));
             s.push(let_("blk_ds", Ty::F32, half(at(int(0))) * f32_of(var("q_sc"))));
             s.push(let_("blk_dm", Ty::F32, half(at(int(2))) * f32_of(var("q_m"))));
             s.push(let_("blk_shift", Ty::I32, mask_bits(var("q_sub"), 1) * int(4)));
@@ -283,14 +281,15 @@ pub fn decodes_sub_blocks(format: DType) -> bool {
     matches!(format, DType::Q4K | DType::Q5K | DType::Q6K)
 }
 
-/// ggml's `get_scale_min_k4` for sub-block `q_sub`: sets `q_sc` and `q_m` (6-bit each).
-fn scale_min_k4(scales: Expr) -> Vec<Stmt> {
+/// ggml's `get_scale_min_k4` for sub-block `{p}_sub`: sets `{p}_sc` and `{p}_m` (6-bit each).
+fn scale_min_k4(p: &str, scales: Expr) -> Vec<Stmt> {
     let q = |i: Expr| byte(scales.clone() + i);
-    let j = || var("q_sub");
+    let sub = format!("{p}_sub");
+    let j = || var(&sub);
     let low = lt(j(), int(4));
     vec![
         let_(
-            "q_sc",
+            &format!("{p}_sc"),
             Ty::I32,
             select(
                 low.clone(),
@@ -299,7 +298,7 @@ fn scale_min_k4(scales: Expr) -> Vec<Stmt> {
             ),
         ),
         let_(
-            "q_m",
+            &format!("{p}_m"),
             Ty::I32,
             select(
                 low,
