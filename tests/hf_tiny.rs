@@ -271,25 +271,33 @@ fn glm4_moe_from_llama_cpp_gguf_matches_hf() {
 }
 
 /// Qwen3.5-MoE from an HF directory (`qwen3_5_moe_text`: the tiny Qwen3.5's layers with the
-/// tiny Qwen3-Next's MLPs, as `gguf-tiny/make_qwen3_5_moe.py` makes it): llama.cpp's logits on
-/// the same model converted to GGUF, within 5e-4, and its 12 greedy ids.
+/// tiny Qwen3-Next's MLPs, as `gguf-tiny/make_qwen3_5_moe.py` makes it), its experts stored one
+/// by one or fused as transformers 5 keeps them (`mlp.experts.gate_up_proj`, `down_proj`):
+/// llama.cpp's logits on the same model converted to GGUF, within 5e-4, and its 12 greedy ids.
 #[test]
 fn qwen3_5_moe_from_hf_matches_llama_cpp() {
-    let scratch = common::scratch_dir("bbc-qwen3_5_moe-");
-    let dir = scratch.path();
+    let reference = load_reference_from("gguf-tiny/qwen3_5_moe-llamacpp.safetensors");
+    for fused in [false, true] {
+        let scratch = common::scratch_dir("bbc-qwen3_5_moe-");
+        write_qwen3_5_moe(scratch.path(), fused);
+        let mut spec = ModelSpec::for_weights(scratch.path());
+        spec.dtype = ComputeDtype::F32;
+        let model = Model::open(spec).unwrap();
+        assert!(model.config.family == models::Family::Qwen35 && model.config.moe.is_some());
+        let graph = passes::optimized(&model.lower(LogitsFor::AllTokens).unwrap(), passes::CostModel::CPU).unwrap();
+        let label = format!("qwen3_5_moe hf, experts fused: {fused}");
+        check_cpu_graph_within(&model, graph, &reference, 5e-4, &label);
+    }
+}
+
+/// The tiny Qwen3.5-MoE's HF directory in `dir`: the tiny Qwen3.5's tensors but its MLPs, the
+/// tiny Qwen3-Next's MLPs (experts one by one, or each layer's fused into `[experts, 2·I,
+/// hidden]` gate/up and `[experts, hidden, I]` down tensors), Qwen3.5's config with the MoE keys.
+fn write_qwen3_5_moe(dir: &std::path::Path, fused: bool) {
     let read = |family: &str| std::fs::read(fixture(&format!("hf-tiny/{family}/model.safetensors"))).unwrap();
     let (dense_bytes, moe_bytes) = (read("qwen3_5"), read("qwen3_next"));
     let dense = safetensors::SafeTensors::deserialize(&dense_bytes).unwrap();
     let moe = safetensors::SafeTensors::deserialize(&moe_bytes).unwrap();
-    let mut views: Vec<(String, safetensors::tensor::TensorView)> = Vec::new();
-    for (source, mlp) in [(&dense, false), (&moe, true)] {
-        for name in source.names() {
-            if name.contains(".mlp.") == mlp {
-                views.push((name.to_string(), source.tensor(name).unwrap()));
-            }
-        }
-    }
-    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
     let config = |family: &str| -> serde_json::Value {
         let text = std::fs::read_to_string(fixture(&format!("hf-tiny/{family}/config.json"))).unwrap();
         serde_json::from_str(&text).unwrap()
@@ -306,13 +314,52 @@ fn qwen3_5_moe_from_hf_matches_llama_cpp() {
     }
     merged["model_type"] = "qwen3_5_moe_text".into();
     std::fs::write(dir.join("config.json"), merged.to_string()).unwrap();
-    let mut spec = ModelSpec::for_weights(dir);
-    spec.dtype = ComputeDtype::F32;
-    let model = Model::open(spec).unwrap();
-    assert!(model.config.family == models::Family::Qwen35 && model.config.moe.is_some());
-    let reference = load_reference_from("gguf-tiny/qwen3_5_moe-llamacpp.safetensors");
-    let graph = passes::optimized(&model.lower(LogitsFor::AllTokens).unwrap(), passes::CostModel::CPU).unwrap();
-    check_cpu_graph_within(&model, graph, &reference, 5e-4, "qwen3_5_moe hf");
+    let (experts, layers) = (
+        merged["num_experts"].as_u64().unwrap() as usize,
+        merged["num_hidden_layers"].as_u64().unwrap() as usize,
+    );
+    // (name, shape, bytes) of each layer's fused experts.
+    let mut fused_tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    if fused {
+        for i in 0..layers {
+            let expert = |e: usize, proj: &str| {
+                moe.tensor(&format!("model.layers.{i}.mlp.experts.{e}.{proj}.weight"))
+                    .unwrap()
+            };
+            let (gate, down) = (expert(0, "gate_proj"), expert(0, "down_proj"));
+            let gate_up: Vec<u8> = (0..experts)
+                .flat_map(|e| [expert(e, "gate_proj").data(), expert(e, "up_proj").data()].concat())
+                .collect();
+            let downs: Vec<u8> = (0..experts)
+                .flat_map(|e| expert(e, "down_proj").data().to_vec())
+                .collect();
+            let prefix = format!("model.layers.{i}.mlp.experts");
+            fused_tensors.push((
+                format!("{prefix}.gate_up_proj"),
+                vec![experts, 2 * gate.shape()[0], gate.shape()[1]],
+                gate_up,
+            ));
+            fused_tensors.push((
+                format!("{prefix}.down_proj"),
+                [vec![experts], down.shape().to_vec()].concat(),
+                downs,
+            ));
+        }
+    }
+    let mut views: Vec<(String, safetensors::tensor::TensorView)> = Vec::new();
+    for name in dense.names().into_iter().filter(|n| !n.contains(".mlp.")) {
+        views.push((name.to_string(), dense.tensor(name).unwrap()));
+    }
+    for name in moe.names().into_iter().filter(|n| n.contains(".mlp.")) {
+        if !(fused && name.contains(".mlp.experts.")) {
+            views.push((name.to_string(), moe.tensor(name).unwrap()));
+        }
+    }
+    for (name, shape, bytes) in &fused_tensors {
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes).unwrap();
+        views.push((name.clone(), view));
+    }
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
 }
 
 #[test]

@@ -93,9 +93,10 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     })
 }
 
-/// A tensor of more than two dims with dims of 1 (a depthwise convolution's `[channels, 1,
-/// kernel]`) without them, down to a matrix: bbc addresses every weight as a vector or a
-/// matrix, and the bytes are the same.
+/// A tensor of more than two dims as a matrix, the bytes the same (bbc addresses every weight
+/// as a vector or a matrix): without its dims of 1 (a depthwise convolution's `[channels, 1,
+/// kernel]`), then with its leading dims as rows (an MoE layer's experts stacked, `[experts,
+/// rows, cols]`).
 fn matrix_shape(mut shape: Vec<usize>) -> Vec<usize> {
     while shape.len() > 2 {
         match shape.iter().position(|&d| d == 1) {
@@ -103,7 +104,10 @@ fn matrix_shape(mut shape: Vec<usize>) -> Vec<usize> {
             None => break,
         };
     }
-    shape
+    match shape[..] {
+        [ref outer @ .., rows, cols] if !outer.is_empty() => vec![outer.iter().product::<usize>() * rows, cols],
+        _ => shape,
+    }
 }
 
 /// Parse and check the header: `u64 n`, then `n` bytes of JSON `{name: {dtype, shape,

@@ -74,7 +74,7 @@ pub(super) fn moe_mlp(
         inputs.push(b.vector(&b.naming.router_score_bias(i), moe.experts)?);
     }
     let (gate_up, down) = match b.naming {
-        Naming::Hf(_) => experts_one_by_one(moe, b, i, n, d)?,
+        Naming::Hf(_) => experts_from_hf(moe, b, i, n, d)?,
         Naming::Gguf => experts_stacked(moe, b, i, n, d)?,
     };
     inputs.extend([gate_up, down]);
@@ -93,9 +93,22 @@ pub(super) fn moe_mlp(
     b.add(routed, shared_out)
 }
 
-/// The `Op::Moe` weights from experts stored one by one (HF): each expert's gate and up rows
-/// stacked after the previous expert's, and the down projections likewise.
-fn experts_one_by_one(moe: &MoeConfig, b: &mut Builder, i: usize, n: usize, d: usize) -> Result<(NodeId, NodeId)> {
+/// The `Op::Moe` weights from an HF checkpoint: its experts' fused tensors where it has them
+/// (transformers 5's `mlp.experts.gate_up_proj`, `[experts, 2·I, hidden]` with each expert's
+/// gate rows before its up rows, and `down_proj`, `[experts, hidden, I]`: the op's own
+/// layout), else each expert's gate and up rows stacked after the previous expert's, and the
+/// down projections likewise.
+fn experts_from_hf(moe: &MoeConfig, b: &mut Builder, i: usize, n: usize, d: usize) -> Result<(NodeId, NodeId)> {
+    for suffix in ["", ".weight"] {
+        let fused = b.naming.hf_layer(i, &format!("mlp.experts.gate_up_proj{suffix}"));
+        if b.has_weight(&fused) {
+            let down = b.naming.hf_layer(i, &format!("mlp.experts.down_proj{suffix}"));
+            return Ok((
+                b.matrix(&fused, 2 * moe.experts * n, d)?,
+                b.matrix(&down, moe.experts * d, n)?,
+            ));
+        }
+    }
     let mut gate_up = Vec::with_capacity(2 * moe.experts);
     let mut down = Vec::with_capacity(moe.experts);
     for e in 0..moe.experts {
