@@ -7,20 +7,13 @@
 
 use ir::reference::ops;
 use ir::{DecayRate, DeltaNetSpec, ValueHeadOrder};
+use kernels_gen::templates::fill;
 use runtime::cpu::delta_net::{self, Rows, Weights};
 use std::time::Instant;
 
-/// Deterministic values in [−1, 1).
-fn values(seed: u64, n: usize) -> Vec<f32> {
-    let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        })
-        .collect()
+/// Deterministic values in [−1, 1) (the device fill's generator).
+fn values(seed: u32, n: usize) -> Vec<f32> {
+    (0..n as u32).map(|i| fill::uniform(seed, i, 0.0, 1.0)).collect()
 }
 
 fn median(mut t: Vec<f64>) -> f64 {

@@ -166,15 +166,10 @@ mod tests {
     use super::*;
     use ir::{DecayRate, ValueHeadOrder};
 
-    fn values(seed: u64, n: usize) -> Vec<f32> {
-        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-            })
+    /// Deterministic values in [−1, 1) (the device fill's generator).
+    fn values(seed: u32, n: usize) -> Vec<f32> {
+        (0..n as u32)
+            .map(|i| kernels_gen::templates::fill::uniform(seed, i, 0.0, 1.0))
             .collect()
     }
 
