@@ -294,6 +294,16 @@ pub fn softplus(x: f32) -> f32 {
     }
 }
 
+/// A value head's decay for one row, `g = exp(A·softplus(a + dt_bias))`, `A` from its stored
+/// form (`A_log` or `A` itself, as the spec's `decay_rate` says).
+pub fn delta_net_decay(spec: &crate::DeltaNetSpec, stored_rate: f32, a: f32, dt_bias: f32) -> f32 {
+    let rate = match spec.decay_rate {
+        crate::DecayRate::Log => -(stored_rate as f64).exp() as f32,
+        crate::DecayRate::Value => stored_rate,
+    };
+    (rate * softplus(a + dt_bias)).exp()
+}
+
 /// `x / √(Σx² + 1e-6)`, as FLA and HF normalise DeltaNet queries and keys.
 pub fn l2_normalize(x: &mut [f32]) {
     let sum: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
@@ -341,11 +351,7 @@ pub fn gated_delta_net(
                 .collect();
             let kh_ = &k[key_head * dk..(key_head + 1) * dk];
             let vh_ = &v[h * dv..(h + 1) * dv];
-            let rate = match spec.decay_rate {
-                crate::DecayRate::Log => -(a_log[h] as f64).exp() as f32,
-                crate::DecayRate::Value => a_log[h],
-            };
-            let decay = (rate * softplus(a[h] + dt_bias[h])).exp();
+            let decay = delta_net_decay(spec, a_log[h], a[h], dt_bias[h]);
             let beta = sigmoid(b[h]);
             let s = &mut recurrent[h * dk * dv..(h + 1) * dk * dv];
             s.iter_mut().for_each(|v| *v *= decay);

@@ -50,11 +50,7 @@ pub fn gated_delta_net(
     let gates: Vec<(f32, f32)> = (0..n * vh)
         .map(|i| {
             let h = i % vh;
-            let rate = match spec.decay_rate {
-                ir::DecayRate::Log => -(weights.a_log[h] as f64).exp() as f32,
-                ir::DecayRate::Value => weights.a_log[h],
-            };
-            let decay = (rate * ops::softplus(rows.a[i] + weights.dt_bias[h])).exp();
+            let decay = ops::delta_net_decay(spec, weights.a_log[h], rows.a[i], weights.dt_bias[h]);
             (decay, ops::sigmoid(rows.b[i]))
         })
         .collect();
