@@ -86,11 +86,7 @@ impl KvPages {
     /// all zeros when `fresh` (the sequence starts at position 0) or first used.
     pub fn recurrent_state(&mut self, layer: usize, sequence: usize, fresh: bool) -> &mut [f32] {
         let len = self.state_lens.get(layer).copied().unwrap_or(0);
-        let state = self.states.entry((layer, sequence)).or_insert_with(|| vec![0.0; len]);
-        if fresh {
-            state.fill(0.0);
-        }
-        state
+        slot_state(&mut self.states, len, (layer, sequence), fresh)
     }
 
     /// As [`recurrent_state`](Self::recurrent_state), with the sequence's checkpoints of that
@@ -105,11 +101,7 @@ impl KvPages {
         let checkpoints = self.checkpoints.entry((layer, sequence)).or_default();
         checkpoints.clear();
         let len = self.state_lens.get(layer).copied().unwrap_or(0);
-        let state = self.states.entry((layer, sequence)).or_insert_with(|| vec![0.0; len]);
-        if fresh {
-            state.fill(0.0);
-        }
-        (state, checkpoints)
+        (slot_state(&mut self.states, len, (layer, sequence), fresh), checkpoints)
     }
 
     /// After a step that sampled `sampled_rows` rows of the sequence in state slot `sequence`
@@ -142,6 +134,20 @@ impl KvPages {
     pub fn has_recurrent_state(&self) -> bool {
         self.state_lens.iter().any(|&l| l > 0)
     }
+}
+
+/// The state of `len` values kept under `key`: made (zeros) on first use, zeroed when `fresh`.
+fn slot_state(
+    states: &mut HashMap<(usize, usize), Vec<f32>>,
+    len: usize,
+    key: (usize, usize),
+    fresh: bool,
+) -> &mut [f32] {
+    let state = states.entry(key).or_insert_with(|| vec![0.0; len]);
+    if fresh {
+        state.fill(0.0);
+    }
+    state
 }
 
 impl LayerPages {
