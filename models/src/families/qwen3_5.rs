@@ -75,6 +75,8 @@ enum Linear {
     Z,
     B,
     A,
+    /// Qwen3-Next's `b` and `a` rows interleaved per key head (see [`beta_and_decay`]).
+    Ba,
     Conv,
     ALog,
     DtBias,
@@ -89,6 +91,7 @@ fn linear(naming: Naming, i: usize, t: Linear) -> String {
         Linear::Z => ("in_proj_z.weight", "attn_gate.weight"),
         Linear::B => ("in_proj_b.weight", "ssm_beta.weight"),
         Linear::A => ("in_proj_a.weight", "ssm_alpha.weight"),
+        Linear::Ba => ("in_proj_ba.weight", "ssm_ba.weight"),
         Linear::Conv => ("conv1d.weight", "ssm_conv1d.weight"),
         // GGUF holds `A` itself here (`DecayRate::Value`).
         Linear::ALog => ("A_log", "ssm_a"),
@@ -125,21 +128,21 @@ fn delta_net(c: &ModelConfig, l: &LinearAttentionConfig, b: &mut Builder, i: usi
     let (channels, values) = (spec.conv_channels(), l.value_heads * l.value_dim);
     let weights = match (c.family, b.naming) {
         (Family::Qwen3Next, Naming::Hf(_)) => interleaved_projections(c, l, b, i)?,
-        (Family::Qwen3Next, Naming::Gguf) => {
-            let mut weight = |t: Linear, rows: usize| b.matrix(&linear(b.naming, i, t), rows, c.hidden);
-            let (qkv, z) = (weight(Linear::Qkv, channels)?, weight(Linear::Z, values)?);
-            let ba = b.matrix(&format!("blk.{i}.ssm_ba.weight"), 2 * l.value_heads, c.hidden)?;
-            let [beta, decay] = beta_and_decay(l, b, ba)?;
-            [qkv, z, beta, decay]
-        }
         _ => {
-            let mut weight = |t: Linear, rows: usize| b.matrix(&linear(b.naming, i, t), rows, c.hidden);
-            [
-                weight(Linear::Qkv, channels)?,
-                weight(Linear::Z, values)?,
-                weight(Linear::B, l.value_heads)?,
-                weight(Linear::A, l.value_heads)?,
-            ]
+            let weight = |b: &mut Builder, t: Linear, rows: usize| b.matrix(&linear(b.naming, i, t), rows, c.hidden);
+            let (qkv, z) = (weight(b, Linear::Qkv, channels)?, weight(b, Linear::Z, values)?);
+            let [beta, decay] = match c.family {
+                // llama.cpp keeps Qwen3-Next's `in_proj_ba` as it is.
+                Family::Qwen3Next => {
+                    let ba = weight(b, Linear::Ba, 2 * l.value_heads)?;
+                    beta_and_decay(l, b, ba)?
+                }
+                _ => [
+                    weight(b, Linear::B, l.value_heads)?,
+                    weight(b, Linear::A, l.value_heads)?,
+                ],
+            };
+            [qkv, z, beta, decay]
         }
     };
     let mut projected = [h; 4];
@@ -175,11 +178,7 @@ fn interleaved_projections(
         l.key_heads * (2 * dk + 2 * rv),
         c.hidden,
     )?;
-    let ba = b.matrix(
-        &b.naming.hf_layer(i, "linear_attn.in_proj_ba.weight"),
-        l.key_heads * 2 * r,
-        c.hidden,
-    )?;
+    let ba = b.matrix(&linear(b.naming, i, Linear::Ba), l.key_heads * 2 * r, c.hidden)?;
     let rows = |b: &mut Builder, w: NodeId, group: usize, start: usize, len: usize| {
         b.op(Op::RowGroupSlice { group, start, len }, &[w])
     };
@@ -239,20 +238,9 @@ fn gated_attention(c: &ModelConfig, b: &mut Builder, i: usize, h: NodeId, positi
     )?;
     let k = b.attention_projection(c, i, LayerTensor::K, h, kv_dim, c.hidden)?;
     let v = b.attention_projection(c, i, LayerTensor::V, h, kv_dim, c.hidden)?;
-    let q = b.rms_norm(
-        q,
-        &b.naming.layer(i, LayerTensor::QNorm),
-        hd,
-        c.rms_eps,
-        norm_offset(b.naming),
-    )?;
-    let k = b.rms_norm(
-        k,
-        &b.naming.layer(i, LayerTensor::KNorm),
-        hd,
-        c.rms_eps,
-        norm_offset(b.naming),
-    )?;
+    let offset = norm_offset(b.naming);
+    let q = b.rms_norm(q, &b.naming.layer(i, LayerTensor::QNorm), hd, c.rms_eps, offset)?;
+    let k = b.rms_norm(k, &b.naming.layer(i, LayerTensor::KNorm), hd, c.rms_eps, offset)?;
     let rope = RopeSpec {
         heads: c.heads,
         head_dim: hd,
