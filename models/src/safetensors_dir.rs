@@ -3,6 +3,7 @@
 
 use crate::error::{io_error, ModelError, Result};
 use crate::quant::GgmlType;
+use crate::weights::matrix_shape;
 use memmap2::Mmap;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -91,23 +92,6 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
         path: dir.to_path_buf(),
         what: "no model.safetensors or model.safetensors.index.json in this directory".into(),
     })
-}
-
-/// A tensor of more than two dims as a matrix, the bytes the same (bbc addresses every weight
-/// as a vector or a matrix): without its dims of 1 (a depthwise convolution's `[channels, 1,
-/// kernel]`), then with its leading dims as rows (an MoE layer's experts stacked, `[experts,
-/// rows, cols]`).
-fn matrix_shape(mut shape: Vec<usize>) -> Vec<usize> {
-    while shape.len() > 2 {
-        match shape.iter().position(|&d| d == 1) {
-            Some(unit) => shape.remove(unit),
-            None => break,
-        };
-    }
-    match shape[..] {
-        [ref outer @ .., rows, cols] if !outer.is_empty() => vec![outer.iter().product::<usize>() * rows, cols],
-        _ => shape,
-    }
 }
 
 /// Parse and check the header: `u64 n`, then `n` bytes of JSON `{name: {dtype, shape,

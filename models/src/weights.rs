@@ -43,17 +43,9 @@ pub enum WeightSource {
 }
 
 impl WeightSource {
-    /// A GGUF file's tensors, each seen as bbc lowers it: a tensor of more than two dims (an
-    /// MoE layer's experts stacked, `[experts, rows, cols]`) as the matrix of all their rows.
+    /// A GGUF file's tensors, each seen as bbc lowers it ([`matrix_shape`]).
     pub fn from_gguf(file: GgufFile) -> Self {
-        let shapes = file
-            .tensors
-            .iter()
-            .map(|t| match t.shape()[..] {
-                [ref outer @ .., rows, cols] if !outer.is_empty() => vec![outer.iter().product::<usize>() * rows, cols],
-                ref shape => shape.to_vec(),
-            })
-            .collect();
+        let shapes = file.tensors.iter().map(|t| matrix_shape(t.shape())).collect();
         Self::Gguf(file, shapes)
     }
 
@@ -94,6 +86,23 @@ impl WeightSource {
             Self::Gguf(file, _) => file.tensors.iter().map(|t| t.name.as_str()).collect(),
             Self::Safetensors(dir) => dir.tensors.keys().map(String::as_str).collect(),
         }
+    }
+}
+
+/// A tensor of more than two dims as a matrix, the bytes the same (bbc addresses every weight
+/// as a vector or a matrix): without its dims of 1 (a depthwise convolution's `[channels, 1,
+/// kernel]`), then with its leading dims as rows (an MoE layer's experts stacked, `[experts,
+/// rows, cols]`).
+pub(crate) fn matrix_shape(mut shape: Vec<usize>) -> Vec<usize> {
+    while shape.len() > 2 {
+        match shape.iter().position(|&d| d == 1) {
+            Some(unit) => shape.remove(unit),
+            None => break,
+        };
+    }
+    match shape[..] {
+        [ref outer @ .., rows, cols] if !outer.is_empty() => vec![outer.iter().product::<usize>() * rows, cols],
+        _ => shape,
     }
 }
 
