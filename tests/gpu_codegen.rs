@@ -240,18 +240,33 @@ fn a_quantized_moe_gguf_compiles_for_every_gpu_target() {
         return;
     }
     let scratch = common::scratch_dir("bbc-gpu-moe-q8-");
+    let weights = common::fixture("gguf-tiny/qwen3_next.q8_0.gguf");
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-        let output = scratch.path().join(target.name());
-        let weights = common::fixture("gguf-tiny/qwen3_next.q8_0.gguf");
-        let args = bbc::commands::compile::CompileArgs {
-            model: weights.to_str().unwrap(),
-            target: target.name(),
-            output: &output,
-            emit: None,
-            emit_after: None,
-            verify: false,
-        };
-        bbc::commands::compile::compile(&args).unwrap_or_else(|e| panic!("{}: {e:#}", target.name()));
+        compile_every_plan(&weights, target, &scratch.path().join(target.name()));
+    }
+}
+
+/// `bbc compile` of `model` (weights or a model.toml) for `target` into `output`: every plan
+/// there, each kernel with its cubin and register count (ptxas built it without spills).
+fn compile_every_plan(model: &std::path::Path, target: Target, output: &std::path::Path) {
+    let args = bbc::commands::compile::CompileArgs {
+        model: model.to_str().unwrap(),
+        target: target.name(),
+        output,
+        emit: None,
+        emit_after: None,
+        verify: false,
+    };
+    bbc::commands::compile::compile(&args)
+        .unwrap_or_else(|e| panic!("{} on {}: {e:#}", model.display(), target.name()));
+    let manifest = codegen::read_manifest(output).unwrap();
+    assert!(manifest.plan.is_some() && manifest.serving_plan.is_some());
+    for file in [manifest.plan, manifest.greedy_plan, manifest.serving_plan]
+        .iter()
+        .flatten()
+    {
+        let plan: gpu::GpuPlan = serde_json::from_str(&std::fs::read_to_string(output.join(file)).unwrap()).unwrap();
+        assert!(plan.kernels.iter().all(|k| k.cubin.is_some() && k.registers.is_some()));
     }
 }
 
@@ -273,26 +288,7 @@ fn tiny_models_compile_for_every_gpu_target_in_f32_and_bf16() {
             std::fs::write(&toml, format!("[model]\nweights = {weights:?}\ndtype = \"{dtype}\"\n")).unwrap();
             for target in [Target::H200, Target::B200, Target::RtxPro6000] {
                 let output = dir.join(format!("{family}-{dtype}-{}", target.name()));
-                let args = bbc::commands::compile::CompileArgs {
-                    model: toml.to_str().unwrap(),
-                    target: target.name(),
-                    output: &output,
-                    emit: None,
-                    emit_after: None,
-                    verify: false,
-                };
-                bbc::commands::compile::compile(&args)
-                    .unwrap_or_else(|e| panic!("{family} {dtype} on {}: {e:#}", target.name()));
-                let manifest = codegen::read_manifest(&output).unwrap();
-                assert!(manifest.plan.is_some() && manifest.serving_plan.is_some());
-                for file in [manifest.plan, manifest.greedy_plan, manifest.serving_plan]
-                    .iter()
-                    .flatten()
-                {
-                    let plan: gpu::GpuPlan =
-                        serde_json::from_str(&std::fs::read_to_string(output.join(file)).unwrap()).unwrap();
-                    assert!(plan.kernels.iter().all(|k| k.cubin.is_some() && k.registers.is_some()));
-                }
+                compile_every_plan(&toml, target, &output);
             }
         }
     }

@@ -10,19 +10,23 @@
 use bbc::gpu_check::tiny_gguf;
 use codegen::gpu::{self, PREFILL_TOKENS};
 use codegen::Target;
+use common::fixture;
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use runtime::compare::CompareDevice;
 use runtime::emulated::{EmulatedBackend, EmulatedDevice};
 use runtime::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
 use runtime::serving::SchedulerConfig;
 use runtime::CpuBackend;
-use std::path::PathBuf;
+
+mod common;
 
 fn open(family: &str, dtype: ComputeDtype) -> Model {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/hf-tiny")
-        .join(family);
-    let mut spec = ModelSpec::for_weights(&dir);
+    open_at(&fixture(&format!("hf-tiny/{family}")), dtype)
+}
+
+/// The model at `weights` (a GGUF file or an HF directory), computed in `dtype`.
+fn open_at(weights: &std::path::Path, dtype: ComputeDtype) -> Model {
+    let mut spec = ModelSpec::for_weights(weights);
     spec.dtype = dtype;
     Model::open(spec).unwrap()
 }
@@ -149,13 +153,8 @@ fn tiny_qwen3_5_plans_agree_with_the_cpu_backend() {
 /// the tiny 4-expert router as in `check` (there 1e-1).
 #[test]
 fn quantized_stacked_experts_agree_with_the_dequantized_cpu_backend() {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf-tiny/qwen3_next.q8_0.gguf");
-    let open = |dtype| {
-        let mut spec = ModelSpec::for_weights(&path);
-        spec.dtype = dtype;
-        Model::open(spec).unwrap()
-    };
-    let (native, dequantized) = (open(ComputeDtype::Native), open(ComputeDtype::F32));
+    let path = fixture("gguf-tiny/qwen3_next.q8_0.gguf");
+    let (native, dequantized) = (open_at(&path, ComputeDtype::Native), open_at(&path, ComputeDtype::F32));
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
         check_against("qwen3_next", &native, &dequantized, target, 1e-1);
     }
@@ -168,10 +167,7 @@ fn quantized_stacked_experts_agree_with_the_dequantized_cpu_backend() {
 #[test]
 fn tiny_gguf_hybrid_and_moe_plans_agree_with_the_cpu_backend() {
     for family in ["qwen3_5", "qwen3_next", "qwen3_5_moe", "glm4_moe"] {
-        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("tests/fixtures/gguf-tiny/{family}.gguf"));
-        let mut spec = ModelSpec::for_weights(&path);
-        spec.dtype = ComputeDtype::F32;
-        let model = Model::open(spec).unwrap();
+        let model = open_at(&fixture(&format!("gguf-tiny/{family}.gguf")), ComputeDtype::F32);
         for target in [Target::H200, Target::B200, Target::RtxPro6000] {
             check_against(family, &model, &model, target, 1e-4);
         }
@@ -210,12 +206,7 @@ fn check_gguf(name: &str, make: fn(&std::path::Path) -> std::io::Result<std::pat
         .tempdir()
         .unwrap();
     let path = make(scratch.path()).unwrap();
-    let open = |dtype| {
-        let mut spec = ModelSpec::for_weights(&path);
-        spec.dtype = dtype;
-        Model::open(spec).unwrap()
-    };
-    let (native, dequantized) = (open(ComputeDtype::Native), open(ComputeDtype::F32));
+    let (native, dequantized) = (open_at(&path, ComputeDtype::Native), open_at(&path, ComputeDtype::F32));
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
         let fused = fused_for(&native.lower(LogitsFor::LastToken).unwrap(), target);
         let fused_norms = fused
@@ -836,7 +827,7 @@ fn serve_all<B: runtime::serving::PagedBackend>(
 fn weights_made_on_the_device_equal_their_host_values_uploaded() {
     use runtime::generated::{fill_kernels, host_values};
     use runtime::kv::BlockId;
-    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/hf-tiny/llama");
+    let llama = fixture("hf-tiny/llama");
     let config = open("llama", ComputeDtype::Bf16).config;
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,
@@ -847,7 +838,7 @@ fn weights_made_on_the_device_equal_their_host_values_uploaded() {
     // The same values as a model directory: matrices stored bf16, norm gains f32.
     let scratch = tempfile::Builder::new().prefix("bbc-generated-").tempdir().unwrap();
     let dir = scratch.path();
-    std::fs::copy(fixture.join("config.json"), dir.join("config.json")).unwrap();
+    std::fs::copy(llama.join("config.json"), dir.join("config.json")).unwrap();
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     for node in graph.nodes() {
         if let ir::Op::Weight { name } = &node.op {
@@ -874,9 +865,7 @@ fn weights_made_on_the_device_equal_their_host_values_uploaded() {
         )
     });
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
-    let mut spec = ModelSpec::for_weights(dir);
-    spec.dtype = ComputeDtype::Bf16;
-    let written = Model::open(spec).unwrap();
+    let written = open_at(dir, ComputeDtype::Bf16);
     drop(scratch);
 
     let cache = gpu::BatchedCache {
