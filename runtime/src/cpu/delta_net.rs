@@ -11,6 +11,7 @@
 use ir::reference::ops;
 use ir::DeltaNetSpec;
 use rayon::prelude::*;
+use std::ops::Range;
 
 /// The per-row inputs of one sequence's rows (`rows` of them), as the op takes them.
 pub struct Rows<'a> {
@@ -44,7 +45,7 @@ pub fn gated_delta_net(
     let (channels, vh, dk, dv) = (spec.conv_channels(), spec.value_heads, spec.key_dim, spec.value_dim);
     let n = rows.mixed.len() / channels;
     // Rows after which the state is kept: the sampled ones but the last.
-    let kept: Vec<usize> = (n.saturating_sub(sampled_rows)..n.saturating_sub(1)).collect();
+    let kept = n.saturating_sub(sampled_rows)..n.saturating_sub(1);
     let (window, matrices) = state.split_at_mut((spec.conv_kernel - 1) * channels);
     let (x, windows) = convolve(spec, rows.mixed, weights.conv, window, &kept);
     let gates: Vec<(f32, f32)> = (0..n * vh)
@@ -83,7 +84,7 @@ fn convolve(
     mixed: &[f32],
     conv: &[f32],
     window: &mut [f32],
-    kept: &[usize],
+    kept: &Range<usize>,
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
     let (channels, keys, dk) = (spec.conv_channels(), spec.key_heads * spec.key_dim, spec.key_dim);
     let q_scale = 1.0 / (dk as f32).sqrt();
@@ -116,7 +117,7 @@ fn head(
     x: &[f32],
     gates: &[(f32, f32)],
     s: &mut [f32],
-    kept: &[usize],
+    kept: &Range<usize>,
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
     let (channels, keys, vh) = (spec.conv_channels(), spec.key_heads * spec.key_dim, spec.value_heads);
     let (dk, dv) = (spec.key_dim, spec.value_dim);
