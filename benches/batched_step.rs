@@ -7,7 +7,7 @@
 //! batches (empty: the prefill chunk alone, e.g. to profile it).
 
 use models::{LogitsFor, Model, ModelSpec};
-use runtime::kv::{BlockId, Segment};
+use runtime::kv::{BlockId, Segment, StateSnapshots};
 use runtime::CpuBackend;
 use std::time::Instant;
 
@@ -45,6 +45,7 @@ fn main() {
                 ids: &prompt,
                 state_slot: i,
                 sampled_rows: 1,
+                snapshots: StateSnapshots::NONE,
             };
             backend.step_batch(&mut pages, &[fill]).unwrap();
         }
@@ -58,6 +59,7 @@ fn main() {
                 ids: &next,
                 state_slot: i,
                 sampled_rows: 1,
+                snapshots: StateSnapshots::NONE,
             })
             .collect();
         let seconds = time(|| {
@@ -84,6 +86,7 @@ fn main() {
             ids: &chunk,
             state_slot: 0,
             sampled_rows: 1,
+            snapshots: StateSnapshots::NONE,
         };
         backend.step_batch(&mut pages, &[prefill]).unwrap();
     });

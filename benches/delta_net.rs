@@ -70,14 +70,7 @@ fn main() {
                         a_log: &a_log,
                         dt_bias: &dt_bias,
                     };
-                    std::hint::black_box(delta_net::gated_delta_net(
-                        &spec,
-                        rows,
-                        weights,
-                        &mut s,
-                        1,
-                        &mut Vec::new(),
-                    ));
+                    std::hint::black_box(delta_net::gated_delta_net(&spec, rows, weights, &mut s, &[]));
                 }
                 cpu.push(start.elapsed().as_secs_f64() * 1e3 / reps as f64);
             }

@@ -197,3 +197,21 @@ fn an_f32_artifact_carries_its_int8_head() {
     };
     assert_eq!(run(out.to_str().unwrap()), run(toml.to_str().unwrap()));
 }
+
+/// `bbc serve` refuses zero-sized serving settings before loading anything, naming the flag.
+#[test]
+fn serve_refuses_zero_sized_settings_by_name() {
+    let model = smollm2();
+    for flag in ["--kv-blocks", "--token-budget", "--state-snapshot-interval"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
+            .args(["serve", &model, "--port", "0", flag, "0"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag} 0 was accepted");
+        assert!(
+            stderr.contains(&format!("{flag} must be at least 1")),
+            "{flag}: {stderr}"
+        );
+    }
+}

@@ -379,6 +379,7 @@ fn batch_of<'a>(
             ids,
             state_slot: i,
             sampled_rows: 1,
+            snapshots: runtime::kv::StateSnapshots::NONE,
         })
         .collect()
 }
@@ -448,6 +449,7 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
             ids: &ids,
             state_slot: 0,
             sampled_rows: 1,
+            snapshots: runtime::kv::StateSnapshots::NONE,
         };
         assert!(gpu.step_batch(&[too_long]).is_err());
         let outside = [BlockId(99)];
@@ -458,8 +460,28 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
                 ids: &ids[..1],
                 state_slot: 0,
                 sampled_rows: 1,
+                snapshots: runtime::kv::StateSnapshots::NONE,
             }])
             .is_err());
+        // So are state snapshots, which a GPU plan does not keep.
+        let table = [BlockId(0)];
+        let saves = [runtime::kv::StateSave {
+            positions: 1,
+            snapshot: 0,
+        }];
+        let snapshotting = Segment {
+            table: &table,
+            start: 0,
+            ids: &ids[..1],
+            state_slot: 0,
+            sampled_rows: 1,
+            snapshots: runtime::kv::StateSnapshots {
+                restore: None,
+                save: &saves,
+            },
+        };
+        let refused = gpu.step_batch(&[snapshotting]).unwrap_err().to_string();
+        assert!(refused.contains("no snapshots"), "{refused}");
     }
 }
 
@@ -673,6 +695,8 @@ fn serving_config(token_budget: usize, kv_blocks: usize) -> SchedulerConfig {
         context_length: 64,
         prefix_caching: true,
         speculation: runtime::serving::NgramConfig::OFF,
+        recurrent_state: false,
+        state_cache: runtime::serving::StateCacheConfig::OFF,
     }
 }
 

@@ -60,43 +60,80 @@ fn concurrent_sparse_mla_requests_generate_what_they_generate_alone() {
     concurrent_requests_match_alone(&model);
 }
 
-/// A hybrid model's recurrent state sums up a whole prefix, which cached blocks do not hold:
-/// requests sharing a prompt prefix each compute it (no prefix-cache hit) and generate what
-/// they generate alone.
+/// A hybrid model's recurrent state sums up a whole prefix, which cached blocks do not hold.
+/// With snapshots of states kept, requests sharing a prompt prefix, and a second turn that
+/// extends a first conversation, start from the deepest snapshot along what they share and
+/// generate exactly what they generate alone (drafting or not); without snapshots each
+/// computes its prefix itself.
 #[test]
-fn hybrid_requests_sharing_a_prefix_compute_it_themselves() {
-    let model = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/qwen3_5"))).unwrap();
-    let shared: Vec<u32> = (0..20u32).map(|j| (31 + 7 * j) % 320).collect();
-    let prompts: Vec<Vec<u32>> = (0..5u32)
-        .map(|i| {
-            shared
-                .iter()
-                .copied()
-                .chain((0..2 + i).map(|j| 250 + 5 * i + j))
-                .collect()
-        })
-        .collect();
-    let want = alone(&model, &prompts, 8);
-    let config = SchedulerConfig {
-        max_waiting: 16,
-        max_running: 3,
-        token_budget: 32,
-        kv_blocks: 64,
-        block_size: 4,
-        context_length: 256,
-        prefix_caching: true,
-        speculation: runtime::serving::NgramConfig::OFF,
+fn hybrid_requests_sharing_a_prefix_start_from_state_snapshots() {
+    use runtime::serving::{NgramConfig, StateCacheConfig};
+    // Room for every snapshot the run saves (which ones go first is the cache's own test).
+    let snapshots = StateCacheConfig {
+        capacity: 16,
+        interval: 8,
     };
-    let mut engine = ServingEngine::new(backend(&model), config);
-    let ids: Vec<_> = prompts
-        .iter()
-        .map(|p| engine.add(p.clone(), 8, vec![], SamplingParams::default()).unwrap())
-        .collect();
-    let got = run_to_idle(&mut engine, |_, _| {});
-    for (id, want) in ids.iter().zip(&want) {
-        assert_eq!(&got[id], want, "{id:?}");
+    let drafting = NgramConfig {
+        tokens: 3,
+        min: 1,
+        max: 3,
+    };
+    for fixture in ["hf-tiny/qwen3_5", "hf-tiny/qwen3_next"] {
+        let model = Model::open(ModelSpec::for_weights(&common::fixture(fixture))).unwrap();
+        let shared: Vec<u32> = (0..20u32).map(|j| (31 + 7 * j) % 320).collect();
+        let mut prompts: Vec<Vec<u32>> = (0..5u32)
+            .map(|i| {
+                shared
+                    .iter()
+                    .copied()
+                    .chain((0..2 + i).map(|j| 250 + 5 * i + j))
+                    .collect()
+            })
+            .collect();
+        let first_turn = alone(&model, &prompts[..1], 8).remove(0);
+        let second_turn = prompts[0].iter().chain(&first_turn).copied().chain([7, 8, 9]).collect();
+        prompts.push(second_turn);
+        let want = alone(&model, &prompts, 8);
+        for (state_cache, speculation) in [
+            (StateCacheConfig::OFF, NgramConfig::OFF),
+            (snapshots, NgramConfig::OFF),
+            (snapshots, drafting),
+        ] {
+            let config = SchedulerConfig {
+                max_waiting: 16,
+                max_running: 3,
+                token_budget: 32,
+                kv_blocks: 64,
+                block_size: 4,
+                context_length: 256,
+                prefix_caching: true,
+                speculation,
+                recurrent_state: false,
+                state_cache,
+            };
+            let mut engine = ServingEngine::new(backend(&model), config);
+            let mut got = HashMap::new();
+            let mut ids = Vec::new();
+            // The first request alone fills the cache, then the others sharing its prompt,
+            // then the second turn.
+            for (i, p) in prompts.iter().enumerate() {
+                ids.push(engine.add(p.clone(), 8, vec![], SamplingParams::default()).unwrap());
+                if i == 0 || i + 2 == prompts.len() {
+                    got.extend(run_to_idle(&mut engine, |_, _| {}));
+                }
+            }
+            got.extend(run_to_idle(&mut engine, |_, _| {}));
+            for (id, want) in ids.iter().zip(&want) {
+                assert_eq!(&got[id], want, "{fixture} {state_cache:?} {speculation:?} {id:?}");
+            }
+            let hit = engine.scheduler().prefix_cache_stats().hit;
+            match state_cache.capacity {
+                0 => assert_eq!(hit, 0, "{fixture}"),
+                // The four later prompts from the snapshot at 16, the second turn from 24.
+                _ => assert!(hit >= 4 * 16 + 24, "{fixture} {speculation:?}: {hit} positions hit"),
+            }
+        }
     }
-    assert_eq!(engine.scheduler().prefix_cache_stats().hit, 0);
 }
 
 /// 12 greedy requests in flight together, in batched steps over a KV cache too small for all
@@ -119,6 +156,8 @@ fn concurrent_requests_match_alone(model: &Model) {
         context_length: 2048,
         prefix_caching: true,
         speculation: runtime::serving::NgramConfig::OFF,
+        recurrent_state: false,
+        state_cache: runtime::serving::StateCacheConfig::OFF,
     };
     let mut engine = ServingEngine::new(backend(model), config);
     let ids: Vec<_> = prompts
@@ -197,6 +236,8 @@ fn requests_sharing_a_prefix_reuse_its_blocks_and_generate_what_they_generate_al
         context_length: 2048,
         prefix_caching: true,
         speculation: runtime::serving::NgramConfig::OFF,
+        recurrent_state: false,
+        state_cache: runtime::serving::StateCacheConfig::OFF,
     };
     let mut engine = ServingEngine::new(backend(&model), config);
     let mut got: HashMap<_, Vec<u32>> = HashMap::new();
@@ -234,6 +275,8 @@ fn aborting_frees_blocks_at_once() {
         context_length: 2048,
         prefix_caching: true,
         speculation: runtime::serving::NgramConfig::OFF,
+        recurrent_state: false,
+        state_cache: runtime::serving::StateCacheConfig::OFF,
     };
     let mut engine = ServingEngine::new(backend(&model), config);
     let a = engine
@@ -341,6 +384,7 @@ fn a_rewound_state_continues_like_one_that_never_saw_the_refused_drafts() {
                 ids,
                 state_slot: 0,
                 sampled_rows,
+                snapshots: runtime::kv::StateSnapshots::NONE,
             };
             backend
                 .step_batch(pages, &[segment])
@@ -383,6 +427,8 @@ fn serve_speculating(
         context_length: 2048,
         prefix_caching: true,
         speculation,
+        recurrent_state: false,
+        state_cache: runtime::serving::StateCacheConfig::OFF,
     };
     let mut engine = ServingEngine::new(backend(model), config);
     let ids: Vec<_> = requests

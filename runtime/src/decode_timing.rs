@@ -6,7 +6,7 @@
 //! a Llama-8B-shaped model on the GPU, the tests on a tiny model on the emulator.
 
 use crate::error::{Result, RuntimeError};
-use crate::kv::{BlockId, Segment};
+use crate::kv::{BlockId, Segment, StateSnapshots};
 use crate::plan_exec::{LaunchProfile, PlanDevice, PlanExecutor};
 use crate::serving::PagedBackend;
 
@@ -131,6 +131,7 @@ pub fn time_decode<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) -
                     ids: &ids[s],
                     state_slot: s,
                     sampled_rows: 1,
+                    snapshots: StateSnapshots::NONE,
                 })
                 .collect();
             let launches = match read {
@@ -210,6 +211,7 @@ fn prefill<D: PlanDevice>(
                 ids: &ids,
                 state_slot: s,
                 sampled_rows: 1,
+                snapshots: StateSnapshots::NONE,
             }])?;
         }
     }

@@ -22,6 +22,41 @@ pub struct Segment<'a> {
     /// How many of the segment's last rows the step's per-sequence outputs (after
     /// `last_token`) hold: 1, or 1 + the drafted tokens the engine verifies in one pass.
     pub sampled_rows: usize,
+    /// Where its recurrent state starts from and where copies of it are kept (the prefix
+    /// cache of models with recurrent state); [`StateSnapshots::NONE`] elsewhere.
+    pub snapshots: StateSnapshots<'a>,
+}
+
+/// A segment's use of recurrent-state snapshots: copies of a sequence's state after a number
+/// of positions, kept in numbered places beside the state slots, so that another sequence
+/// with the same prefix can start from one instead of computing the prefix.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StateSnapshots<'a> {
+    /// Start the segment's state from this snapshot (the state after its first `start`
+    /// positions) instead of continuing its slot's.
+    pub restore: Option<usize>,
+    /// Copies of the state to keep as it stands after some of the segment's positions, in
+    /// ascending order.
+    pub save: &'a [StateSave],
+}
+
+impl StateSnapshots<'_> {
+    pub const NONE: StateSnapshots<'static> = StateSnapshots {
+        restore: None,
+        save: &[],
+    };
+
+    pub fn is_none(&self) -> bool {
+        self.restore.is_none() && self.save.is_empty()
+    }
+}
+
+/// Keep the state as it stands after the first `positions` positions of the sequence in
+/// snapshot `snapshot`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateSave {
+    pub positions: usize,
+    pub snapshot: usize,
 }
 
 impl Segment<'_> {
@@ -40,6 +75,32 @@ impl Segment<'_> {
                 self.sampled_rows
             ))),
         }
+    }
+
+    /// Its snapshots fit it: a restore where it starts past position 0, saves after positions
+    /// it computes, ascending, and none inside the drafted rows it verifies (their state may
+    /// be taken back).
+    pub fn check_snapshots(&self) -> Result<()> {
+        if self.snapshots.restore.is_some() && self.start == 0 {
+            return Err(RuntimeError::Input(
+                "a segment starting at position 0 starts its state afresh, not from a snapshot".into(),
+            ));
+        }
+        let own_end = self.end() + 1 - self.sampled_rows;
+        let mut after = self.start;
+        for save in self.snapshots.save {
+            if save.positions <= after || save.positions > own_end {
+                return Err(RuntimeError::Input(format!(
+                    "a segment computing positions {}..{} (the last {} verifying drafts) cannot keep its state after {} positions",
+                    self.start,
+                    self.end(),
+                    self.sampled_rows - 1,
+                    save.positions
+                )));
+            }
+            after = save.positions;
+        }
+        Ok(())
     }
 }
 
@@ -79,4 +140,50 @@ pub fn check_state_slots(batch: &[Segment], slots: Option<usize>) -> Result<()> 
 /// The cache row holding position `pos` of the sequence with block table `table`.
 pub fn cache_row(table: &[BlockId], block_size: usize, pos: usize) -> usize {
     table[pos / block_size].0 as usize * block_size + pos % block_size
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Positions 8..12 of a sequence, the last two rows verifying one drafted token.
+    fn segment<'a>(restore: Option<usize>, save: &'a [StateSave], start: usize) -> Segment<'a> {
+        Segment {
+            table: &[],
+            start,
+            ids: &[1, 2, 3, 4],
+            state_slot: 0,
+            sampled_rows: 2,
+            snapshots: StateSnapshots { restore, save },
+        }
+    }
+
+    fn save(positions: usize) -> StateSave {
+        StateSave { positions, snapshot: 0 }
+    }
+
+    /// Snapshots are saved after positions the segment computes, ascending, before its
+    /// drafts; a restore needs a start past position 0.
+    #[test]
+    fn snapshots_must_fit_their_segment() {
+        assert!(segment(Some(1), &[save(9), save(11)], 8).check_snapshots().is_ok());
+        assert!(segment(None, &[], 0).check_snapshots().is_ok());
+        assert!(segment(Some(1), &[], 0).check_snapshots().is_err(), "restored at 0");
+        assert!(
+            segment(None, &[save(8)], 8).check_snapshots().is_err(),
+            "before the segment"
+        );
+        assert!(
+            segment(None, &[save(12)], 8).check_snapshots().is_err(),
+            "after the draft"
+        );
+        assert!(
+            segment(None, &[save(10), save(9)], 8).check_snapshots().is_err(),
+            "descending"
+        );
+        assert!(
+            segment(None, &[save(10), save(10)], 8).check_snapshots().is_err(),
+            "twice"
+        );
+    }
 }

@@ -3,15 +3,17 @@
 //! prefix cache is hit): the invariants hold after every operation; a simulated KV cache shows
 //! that every position a sequence reads holds exactly what that sequence's own tokens put
 //! there, whoever computed it; every scheduled work computes at least one token; and once
-//! everything is done or aborted no block is in use. Without the prefix cache (models with a
-//! recurrent state), a simulated recurrent state shows that every work continues the state of
-//! its own sequence's prefix, in a slot nobody else's work touches meanwhile. With speculation,
+//! everything is done or aborted no block is in use. For models with a recurrent state, a
+//! simulated state shows that every work continues the state of its own sequence's prefix, in
+//! a slot nobody else's work touches meanwhile, or starts from a snapshot that holds exactly
+//! that prefix's state (prefix caching with snapshots), and that no step saves a snapshot
+//! into a place another of its works restores from. With speculation,
 //! works carry drafted tokens of which a random number is accepted: the same checks hold, and
 //! no draft takes a sequence past its `max_tokens` or a step past its budget.
 
 use proptest::prelude::*;
 use runtime::kv::cache_row;
-use runtime::serving::{NgramConfig, Scheduler, SchedulerConfig, SeqId, Work};
+use runtime::serving::{NgramConfig, Scheduler, SchedulerConfig, SeqId, StateCacheConfig, Work};
 use std::collections::HashMap;
 
 #[derive(Debug, Clone)]
@@ -66,6 +68,8 @@ struct SimulatedKv {
     tokens: HashMap<SeqId, Vec<u32>>,
     /// Per state slot, the prefix its recurrent state has consumed (checked when `Some`).
     states: Option<HashMap<usize, Vec<u32>>>,
+    /// Per snapshot place, the prefix its state had consumed when saved.
+    snapshots: HashMap<usize, Vec<u32>>,
 }
 
 impl SimulatedKv {
@@ -93,10 +97,13 @@ impl SimulatedKv {
                 .insert(cache_row(&w.table, block_size, pos), tokens[..=pos].to_vec());
         }
         if let Some(states) = &mut self.states {
-            // A backend starts the slot afresh at position 0, else continues it.
+            // A backend starts the slot afresh at position 0, from the snapshot it restores,
+            // else continues it.
             let state = states.entry(w.state_slot).or_default();
-            if w.start == 0 {
-                state.clear();
+            match w.restore {
+                Some(place) => state.clone_from(&self.snapshots[&place]),
+                None if w.start == 0 => state.clear(),
+                None => {}
             }
             assert_eq!(
                 state.as_slice(),
@@ -106,6 +113,12 @@ impl SimulatedKv {
                 w.state_slot
             );
             state.extend_from_slice(&w.tokens);
+            for save in &w.saves {
+                assert!(w.start < save.positions && save.positions <= own, "{w:?}");
+                self.snapshots.insert(save.snapshot, tokens[..save.positions].to_vec());
+            }
+        } else {
+            assert!(w.restore.is_none() && w.saves.is_empty(), "no recurrent state: {w:?}");
         }
     }
 
@@ -126,6 +139,18 @@ fn run_step(s: &mut Scheduler, kv: &mut SimulatedKv, stop: bool, accept: usize, 
         "{scheduled} tokens scheduled over a budget of {}",
         config.token_budget
     );
+    // Every restore reads what the snapshot held before the step.
+    let saved: Vec<usize> = schedule
+        .work
+        .iter()
+        .flat_map(|w| w.saves.iter().map(|s| s.snapshot))
+        .collect();
+    for w in &schedule.work {
+        assert!(
+            w.restore.is_none_or(|place| !saved.contains(&place)),
+            "{w:?} restores a place saved into"
+        );
+    }
     let mut finished = 0;
     for w in &schedule.work {
         // Computes at least one token, even when the whole prompt was cached.
@@ -179,6 +204,9 @@ proptest! {
         budget in 1usize..24,
         prefix_caching in any::<bool>(),
         drafts in 0usize..4,
+        recurrent_state in any::<bool>(),
+        snapshots in 0usize..4,
+        interval in 1usize..12,
         actions in proptest::collection::vec(action(), 1..120),
     ) {
         let speculation = NgramConfig { tokens: drafts, min: 1, max: 3 };
@@ -191,12 +219,12 @@ proptest! {
             context_length: 64,
             prefix_caching,
             speculation,
+            recurrent_state,
+            state_cache: StateCacheConfig { capacity: snapshots, interval },
         };
         let mut s = Scheduler::new(config);
         let mut kv = SimulatedKv {
-            // Recurrent models run without the prefix cache (a cached block holds keys and
-            // values, not the state after them).
-            states: (!prefix_caching).then(HashMap::new),
+            states: recurrent_state.then(HashMap::new),
             ..Default::default()
         };
         let mut ids: Vec<SeqId> = Vec::new();
@@ -244,6 +272,8 @@ fn a_full_queue_refuses_and_oversized_requests_are_named() {
         context_length: 32,
         prefix_caching: true,
         speculation: runtime::serving::NgramConfig::OFF,
+        recurrent_state: false,
+        state_cache: runtime::serving::StateCacheConfig::OFF,
     };
     let mut s = Scheduler::new(config);
     s.add(vec![1, 2], 4, vec![]).unwrap();
@@ -278,6 +308,8 @@ fn preemption_recomputes_and_still_finishes_everyone() {
         context_length: 16,
         prefix_caching: true,
         speculation: runtime::serving::NgramConfig::OFF,
+        recurrent_state: false,
+        state_cache: runtime::serving::StateCacheConfig::OFF,
     };
     let mut s = Scheduler::new(config);
     let a = s.add(vec![1, 2, 3], 4, vec![]).unwrap();
@@ -315,6 +347,8 @@ fn a_cached_prefix_is_reused_but_the_last_prompt_token_is_always_computed() {
         context_length: 64,
         prefix_caching: true,
         speculation: runtime::serving::NgramConfig::OFF,
+        recurrent_state: false,
+        state_cache: runtime::serving::StateCacheConfig::OFF,
     };
     let mut s = Scheduler::new(config);
     let mut kv = SimulatedKv::default();
@@ -350,4 +384,67 @@ fn a_cached_prefix_is_reused_but_the_last_prompt_token_is_always_computed() {
     assert_eq!(s.used_blocks(), 0);
     assert!(s.cached_blocks() > 0);
     s.check().unwrap();
+}
+
+/// A model with recurrent state: a sequence saves a snapshot at every multiple of the interval
+/// it computes, and a later one sharing its prefix starts from the deepest snapshot within
+/// what it shares (restoring it), not from every cached block; without snapshots it starts
+/// from position 0.
+#[test]
+fn a_recurrent_model_starts_from_the_deepest_snapshot_of_its_cached_prefix() {
+    let config = |capacity| SchedulerConfig {
+        max_waiting: 8,
+        max_running: 2,
+        token_budget: 64,
+        kv_blocks: 32,
+        block_size: 4,
+        context_length: 64,
+        prefix_caching: true,
+        speculation: runtime::serving::NgramConfig::OFF,
+        recurrent_state: true,
+        state_cache: StateCacheConfig { capacity, interval: 8 },
+    };
+    // The first work of `prompt` run to completion: its span, what it restores, the positions
+    // it saves after.
+    let first_work = |s: &mut Scheduler, kv: &mut SimulatedKv, prompt: Vec<u32>| {
+        let id = s.add(prompt.clone(), 1, vec![]).unwrap();
+        kv.tokens.insert(id, prompt);
+        let work = s.schedule().work.into_iter().find(|w| w.seq == id).unwrap();
+        kv.run(&work, 4);
+        complete(s, kv, &work, 0, 3);
+        s.check().unwrap();
+        let saves: Vec<usize> = work.saves.iter().map(|save| save.positions).collect();
+        ((work.start, work.end), work.restore.is_some(), saves)
+    };
+    let prompt: Vec<u32> = (1..=21).collect();
+    let mut s = Scheduler::new(config(4));
+    let mut kv = SimulatedKv {
+        states: Some(HashMap::new()),
+        ..Default::default()
+    };
+    assert_eq!(
+        first_work(&mut s, &mut kv, prompt.clone()),
+        ((0, 21), false, vec![8, 16])
+    );
+    assert_eq!(s.state_snapshots(), 2);
+    // 20 tokens shared: five cached blocks, but the state only as far as 16.
+    let mut again = prompt.clone();
+    again[20] = 99;
+    assert_eq!(first_work(&mut s, &mut kv, again), ((16, 21), true, vec![]));
+    // 13 shared: from the snapshot at 8; it saves its own at 16 (another prefix).
+    let diverging: Vec<u32> = (1..=13).chain(50..60).collect();
+    assert_eq!(first_work(&mut s, &mut kv, diverging), ((8, 23), true, vec![16]));
+    assert_eq!(s.state_snapshots(), 3);
+    let stats = s.prefix_cache_stats();
+    assert_eq!(stats.hit, 16 + 8);
+
+    // No snapshots kept: nothing is shared.
+    let mut s = Scheduler::new(config(0));
+    let mut kv = SimulatedKv {
+        states: Some(HashMap::new()),
+        ..Default::default()
+    };
+    assert_eq!(first_work(&mut s, &mut kv, prompt.clone()), ((0, 21), false, vec![]));
+    assert_eq!(first_work(&mut s, &mut kv, prompt), ((0, 21), false, vec![]));
+    assert_eq!(s.prefix_cache_stats().hit, 0);
 }

@@ -135,6 +135,7 @@ pub fn graph_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
                     ids: &ids[s],
                     state_slot: s,
                     sampled_rows: rows,
+                    snapshots: runtime::kv::StateSnapshots::NONE,
                 })
                 .collect();
             start += rows;

@@ -48,6 +48,7 @@ pub struct Metrics {
     pub kv_blocks_used: AtomicU64,
     pub kv_blocks_cached: AtomicU64,
     pub kv_blocks_total: AtomicU64,
+    pub state_snapshots: AtomicU64,
     pub prefix_cache_queries: AtomicU64,
     pub prefix_cache_hits: AtomicU64,
     pub draft_tokens: AtomicU64,
@@ -124,6 +125,11 @@ impl Metrics {
                 &self.kv_blocks_cached,
             ),
             ("bbc_kv_blocks_total", "KV-cache blocks in all.", &self.kv_blocks_total),
+            (
+                "bbc_state_snapshots",
+                "Snapshots of recurrent states the prefix cache holds (models with recurrent layers).",
+                &self.state_snapshots,
+            ),
         ];
         for (name, help, value) in gauges {
             let _ = writeln!(

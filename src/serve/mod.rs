@@ -43,6 +43,15 @@ pub struct ServeArgs {
     /// Positions per KV-cache block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
+    /// Models with recurrent layers (Gated DeltaNet): snapshots of sequences' states the
+    /// prefix cache keeps, so that a request sharing a prefix starts from one instead of
+    /// computing it (0: such models share no cached prefix). The CPU backend only.
+    #[arg(long, default_value_t = 16)]
+    pub state_snapshots: usize,
+    /// Positions between a sequence's state snapshots (rounded up to whole blocks): a request
+    /// sharing a prefix recomputes up to this many of its positions.
+    #[arg(long, default_value_t = 128)]
+    pub state_snapshot_interval: usize,
     /// Tokens computed per step across all sequences (a step's length bounds every
     /// running request's time per output token).
     #[arg(long, default_value_t = 128)]
@@ -93,6 +102,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         ("--kv-blocks", args.kv_blocks),
         ("--block-size", args.block_size),
         ("--token-budget", args.token_budget),
+        ("--state-snapshot-interval", args.state_snapshot_interval),
     ] {
         if value == 0 {
             bail!("{name} must be at least 1");
@@ -125,6 +135,12 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         prefix_caching: true,
         // And this where the backend cannot verify drafts.
         speculation: speculation(args, loaded.speculative)?,
+        // Set by the engine from the backend, which may also turn the snapshots off.
+        recurrent_state: false,
+        state_cache: runtime::serving::StateCacheConfig {
+            capacity: args.state_snapshots,
+            interval: args.state_snapshot_interval,
+        },
     };
 
     let metrics = Arc::new(metrics::Metrics::default());
@@ -166,6 +182,15 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 args.block_size,
                 (positions * backend.kv_bytes_per_position()) >> 20
             );
+            if backend.has_recurrent_state() && args.state_snapshots > 0 {
+                let state = backend.state_bytes_per_sequence();
+                eprintln!(
+                    "recurrent states: {} MiB a sequence; the prefix cache keeps up to {} snapshots of them ({} MiB as it fills)",
+                    state >> 20,
+                    args.state_snapshots,
+                    (args.state_snapshots * state) >> 20
+                );
+            }
             start_engine(backend, config, inbox, metrics.clone())?;
         }
     }
@@ -212,6 +237,12 @@ where
             "speculative decoding is off: this plan cannot verify drafted tokens (GPU plans of models with recurrent state do not yet, and plans compiled before plans sampled several rows cannot: compile it again)"
         ),
         (false, false) => {}
+    }
+    let used = engine.scheduler().config();
+    if used.recurrent_state && used.state_cache.capacity == 0 {
+        eprintln!(
+            "prefix cache: off, this model's recurrent state is not snapshotted (GPU plans keep no snapshots; on the CPU, --state-snapshots 0 asked for none)"
+        );
     }
     std::thread::Builder::new()
         .name("bbc-engine".into())

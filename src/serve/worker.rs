@@ -128,6 +128,7 @@ fn publish<B: PagedBackend>(engine: &ServingEngine<B>, metrics: &Metrics) {
     metrics.running.store(s.running() as u64, Relaxed);
     metrics.kv_blocks_used.store(s.used_blocks() as u64, Relaxed);
     metrics.kv_blocks_cached.store(s.cached_blocks() as u64, Relaxed);
+    metrics.state_snapshots.store(s.state_snapshots() as u64, Relaxed);
     let prefix = s.prefix_cache_stats();
     metrics.prefix_cache_queries.store(prefix.queried, Relaxed);
     metrics.prefix_cache_hits.store(prefix.hit, Relaxed);

@@ -11,7 +11,6 @@
 use ir::reference::ops;
 use ir::DeltaNetSpec;
 use rayon::prelude::*;
-use std::ops::Range;
 
 /// The per-row inputs of one sequence's rows (`rows` of them), as the op takes them.
 pub struct Rows<'a> {
@@ -31,23 +30,20 @@ pub struct Weights<'a> {
 }
 
 /// One sequence's rows through the layer from `state` (its window, then its heads' matrices),
-/// leaving the state after the last row; `[rows, value_heads·value_dim]`. Where
-/// `sampled_rows > 1` the state as it stood after each of the last `sampled_rows` rows but the
-/// last is pushed to `checkpoints`, in order.
+/// leaving the state after the last row: the outputs `[rows, value_heads·value_dim]`, and the
+/// state as it stood after each row of `save_after` (ascending row indices), in order.
 pub fn gated_delta_net(
     spec: &DeltaNetSpec,
     rows: Rows,
     weights: Weights,
     state: &mut [f32],
-    sampled_rows: usize,
-    checkpoints: &mut Vec<Vec<f32>>,
-) -> Vec<f32> {
+    save_after: &[usize],
+) -> (Vec<f32>, Vec<Vec<f32>>) {
+    debug_assert!(save_after.windows(2).all(|w| w[0] < w[1]), "ascending rows");
     let (channels, vh, dk, dv) = (spec.conv_channels(), spec.value_heads, spec.key_dim, spec.value_dim);
     let n = rows.mixed.len() / channels;
-    // Rows after which the state is kept: the sampled ones but the last.
-    let kept = n.saturating_sub(sampled_rows)..n.saturating_sub(1);
     let (window, matrices) = state.split_at_mut((spec.conv_kernel - 1) * channels);
-    let (x, windows) = convolve(spec, rows.mixed, weights.conv, window, &kept);
+    let (x, windows) = convolve(spec, rows.mixed, weights.conv, window, save_after);
     let gates: Vec<(f32, f32)> = (0..n * vh)
         .map(|i| {
             let h = i % vh;
@@ -58,7 +54,7 @@ pub fn gated_delta_net(
     let heads: Vec<(Vec<f32>, Vec<Vec<f32>>)> = matrices
         .par_chunks_mut(dk * dv)
         .enumerate()
-        .map(|(h, s)| head(spec, h, &x, &gates, s, &kept))
+        .map(|(h, s)| head(spec, h, &x, &gates, s, save_after))
         .collect();
     let mut out = vec![0f32; n * vh * dv];
     for (h, (o, _)) in heads.iter().enumerate() {
@@ -66,30 +62,54 @@ pub fn gated_delta_net(
             out[(r * vh + h) * dv..(r * vh + h + 1) * dv].copy_from_slice(row);
         }
     }
-    for (c, window) in windows.into_iter().enumerate() {
-        let mut saved = window;
-        for (_, saved_heads) in &heads {
-            saved.extend_from_slice(&saved_heads[c]);
-        }
-        checkpoints.push(saved);
+    let saved = windows
+        .into_iter()
+        .enumerate()
+        .map(|(c, mut saved)| {
+            for (_, saved_heads) in &heads {
+                saved.extend_from_slice(&saved_heads[c]);
+            }
+            saved
+        })
+        .collect();
+    (out, saved)
+}
+
+/// Tells, row after row, whether the state is saved after it: a cursor over ascending rows,
+/// so asking costs the same however many rows are saved.
+struct SavePoints<'a> {
+    rows: &'a [usize],
+    next: usize,
+}
+
+impl<'a> SavePoints<'a> {
+    fn new(rows: &'a [usize]) -> Self {
+        Self { rows, next: 0 }
     }
-    out
+
+    /// Whether the state after row `r` is saved; rows are asked in ascending order.
+    fn after(&mut self, r: usize) -> bool {
+        let hit = self.rows.get(self.next) == Some(&r);
+        self.next += hit as usize;
+        hit
+    }
 }
 
 /// Every row through the causal convolution and SiLU, q and k L2-normed per head and q scaled
 /// by `key_dim^−½` (the reference's arithmetic, row after row through `window`): the rows
-/// `[q | k | v]`, and the window as it stood after each row of `kept`.
+/// `[q | k | v]`, and the window as it stood after each row of `save_after`.
 fn convolve(
     spec: &DeltaNetSpec,
     mixed: &[f32],
     conv: &[f32],
     window: &mut [f32],
-    kept: &Range<usize>,
+    save_after: &[usize],
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
     let (channels, keys, dk) = (spec.conv_channels(), spec.key_heads * spec.key_dim, spec.key_dim);
     let q_scale = 1.0 / (dk as f32).sqrt();
     let mut x = vec![0f32; mixed.len()];
-    let mut windows = Vec::with_capacity(kept.len());
+    let mut windows = Vec::with_capacity(save_after.len());
+    let mut saves = SavePoints::new(save_after);
     for (r, (row, out)) in mixed
         .chunks_exact(channels)
         .zip(x.chunks_exact_mut(channels))
@@ -101,7 +121,7 @@ fn convolve(
             ops::l2_normalize(head);
         }
         out[..keys].iter_mut().for_each(|v| *v *= q_scale);
-        if kept.contains(&r) {
+        if saves.after(r) {
             windows.push(window.to_vec());
         }
     }
@@ -110,21 +130,22 @@ fn convolve(
 
 /// Value head `h` over every row of the convolved `x`, from its state matrix `s` (`[key_dim,
 /// value_dim]`, left after the last row): its outputs `[rows, value_dim]` and its matrix after
-/// each row of `kept`.
+/// each row of `save_after`.
 fn head(
     spec: &DeltaNetSpec,
     h: usize,
     x: &[f32],
     gates: &[(f32, f32)],
     s: &mut [f32],
-    kept: &Range<usize>,
+    save_after: &[usize],
 ) -> (Vec<f32>, Vec<Vec<f32>>) {
     let (channels, keys, vh) = (spec.conv_channels(), spec.key_heads * spec.key_dim, spec.value_heads);
     let (dk, dv) = (spec.key_dim, spec.value_dim);
     let kh = spec.key_head(h);
     let rows = x.len() / channels;
     let mut out = vec![0f32; rows * dv];
-    let mut saved = Vec::with_capacity(kept.len());
+    let mut saved = Vec::with_capacity(save_after.len());
+    let mut saves = SavePoints::new(save_after);
     let mut read = vec![0f32; dv];
     for (r, o) in out.chunks_exact_mut(dv).enumerate() {
         let row = &x[r * channels..(r + 1) * channels];
@@ -151,7 +172,7 @@ fn head(
                 *o_j += q_i * *s_ij;
             }
         }
-        if kept.contains(&r) {
+        if saves.after(r) {
             saved.push(s.to_vec());
         }
     }
@@ -208,10 +229,14 @@ mod tests {
             }
         }
 
-        /// Rows `range` through the CPU kernel, sampling `sampled` rows.
-        fn run(&self, range: std::ops::Range<usize>, state: &mut [f32], sampled: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
+        /// Rows `range` through the CPU kernel, saving the state after rows `save_after`.
+        fn run(
+            &self,
+            range: std::ops::Range<usize>,
+            state: &mut [f32],
+            save_after: &[usize],
+        ) -> (Vec<f32>, Vec<Vec<f32>>) {
             let (c, vh) = (self.spec.conv_channels(), self.spec.value_heads);
-            let mut checkpoints = Vec::new();
             let rows = Rows {
                 mixed: &self.mixed[range.start * c..range.end * c],
                 b: &self.b[range.start * vh..range.end * vh],
@@ -222,8 +247,7 @@ mod tests {
                 a_log: &self.a_log,
                 dt_bias: &self.dt_bias,
             };
-            let out = gated_delta_net(&self.spec, rows, weights, state, sampled, &mut checkpoints);
-            (out, checkpoints)
+            gated_delta_net(&self.spec, rows, weights, state, save_after)
         }
 
         /// Rows `range` through the reference.
@@ -262,7 +286,7 @@ mod tests {
             let layer = Layer::new(order, rate, 9);
             let mut state = values(8, layer.spec.state_len());
             let mut want_state = state.clone();
-            let (out, _) = layer.run(0..9, &mut state, 1);
+            let (out, _) = layer.run(0..9, &mut state, &[]);
             let want = layer.reference(0..9, &mut want_state);
             assert_close(&out, &want, &format!("{order:?} {rate:?} outputs"));
             assert_close(&state, &want_state, &format!("{order:?} {rate:?} state"));
@@ -270,23 +294,24 @@ mod tests {
     }
 
     /// Rows split over steps give bit for bit what one step gives (a request's tokens do not
-    /// depend on how its prompt is chunked), and a verifying step's checkpoints are the states
-    /// after each sampled row but the last.
+    /// depend on how its prompt is chunked), and the states saved are those after the rows
+    /// asked for, wherever they lie.
     #[test]
-    fn steps_compose_and_checkpoints_hold_the_states_after_sampled_rows() {
+    fn steps_compose_and_saved_states_are_those_after_their_rows() {
         let layer = Layer::new(ValueHeadOrder::Grouped, DecayRate::Log, 10);
         let mut whole = vec![0f32; layer.spec.state_len()];
-        let (all, checkpoints) = layer.run(0..10, &mut whole, 4);
+        let rows = [0, 3, 6, 7, 8];
+        let (all, saved) = layer.run(0..10, &mut whole, &rows);
         let mut split = vec![0f32; layer.spec.state_len()];
-        let (mut parts, _) = layer.run(0..3, &mut split, 1);
-        parts.extend(layer.run(3..10, &mut split, 1).0);
+        let (mut parts, _) = layer.run(0..3, &mut split, &[]);
+        parts.extend(layer.run(3..10, &mut split, &[]).0);
         assert_eq!(parts, all);
         assert_eq!(split, whole);
-        assert_eq!(checkpoints.len(), 3);
-        for (i, saved) in checkpoints.iter().enumerate() {
+        assert_eq!(saved.len(), rows.len());
+        for (&row, saved) in rows.iter().zip(&saved) {
             let mut state = vec![0f32; layer.spec.state_len()];
-            layer.run(0..7 + i, &mut state, 1);
-            assert_eq!(saved, &state, "after row {}", 6 + i);
+            layer.run(0..row + 1, &mut state, &[]);
+            assert_eq!(saved, &state, "after row {row}");
         }
     }
 }

@@ -11,6 +11,8 @@
 //! its slot, so their number follows the running sequences, not the blocks. A step that
 //! verifies drafted tokens also keeps each state as it stood after every sampled row but the
 //! last, so that refused drafts can be taken back out of it ([`KvPages::rewind_state`]).
+//! And the states' snapshots (see [`crate::kv::StateSnapshots`]): copies by (layer state
+//! slot, snapshot), made when a step saves one and kept until a later save overwrites it.
 
 use crate::error::{Result, RuntimeError};
 use crate::kv::{cache_row, BlockId};
@@ -27,6 +29,8 @@ pub struct KvPages {
     /// By (layer state slot, sequence state slot): the state after each sampled row but the
     /// last of the sequence's latest step (none unless it verified drafts).
     checkpoints: HashMap<(usize, usize), Vec<Vec<f32>>>,
+    /// By (layer state slot, snapshot).
+    snapshots: HashMap<(usize, usize), Vec<f32>>,
 }
 
 /// Keys and values of one attention slot: row `r` of the pool is `k[r·dim..(r+1)·dim]` and
@@ -50,6 +54,7 @@ impl KvPages {
             state_lens: state_lens.to_vec(),
             states: HashMap::new(),
             checkpoints: HashMap::new(),
+            snapshots: HashMap::new(),
             layers: kv_dims
                 .iter()
                 .map(|&(dim, v_dim)| LayerPages {
@@ -79,7 +84,8 @@ impl KvPages {
     pub fn bytes(&self) -> usize {
         let pages: usize = self.layers.iter().map(|l| (l.k.len() + l.v.len()) * 4).sum();
         let checkpoints: usize = self.checkpoints.values().flatten().map(Vec::len).sum();
-        pages + (self.states.values().map(Vec::len).sum::<usize>() + checkpoints) * 4
+        let states: usize = self.states.values().chain(self.snapshots.values()).map(Vec::len).sum();
+        pages + (states + checkpoints) * 4
     }
 
     /// The recurrent state of layer slot `layer` for the sequence in state slot `sequence`;
@@ -102,6 +108,23 @@ impl KvPages {
         checkpoints.clear();
         let len = self.state_lens.get(layer).copied().unwrap_or(0);
         (slot_state(&mut self.states, len, (layer, sequence), fresh), checkpoints)
+    }
+
+    /// Layer slot `layer`'s state for the sequence in state slot `sequence` set to its copy in
+    /// snapshot `snapshot`.
+    pub fn restore_state(&mut self, layer: usize, sequence: usize, snapshot: usize) -> Result<()> {
+        let saved = self
+            .snapshots
+            .get(&(layer, snapshot))
+            .ok_or_else(|| RuntimeError::Input(format!("recurrent-state snapshot {snapshot} was never saved")))?;
+        let len = self.state_lens.get(layer).copied().unwrap_or(0);
+        slot_state(&mut self.states, len, (layer, sequence), false).copy_from_slice(saved);
+        Ok(())
+    }
+
+    /// Keep `state` (of layer slot `layer`) as snapshot `snapshot`, in place of what it held.
+    pub fn save_state(&mut self, layer: usize, snapshot: usize, state: Vec<f32>) {
+        self.snapshots.insert((layer, snapshot), state);
     }
 
     /// After a step that sampled `sampled_rows` rows of the sequence in state slot `sequence`
@@ -218,6 +241,28 @@ mod tests {
         assert_eq!(pages.recurrent_state(1, 8, false), &[0.0; 3], "another sequence's own");
         assert_eq!(pages.recurrent_state(1, 7, true), &[0.0; 3]);
         assert_eq!(pages.bytes(), 2 * 3 * 4);
+    }
+
+    /// A snapshot restores into any sequence's slot what was saved, layer by layer; a save
+    /// replaces the snapshot; a snapshot never saved is an error.
+    #[test]
+    fn snapshots_restore_what_was_saved_into_any_slot() {
+        let mut pages = KvPages::new(&[], &[2, 0, 1], 4);
+        pages.save_state(0, 5, vec![1.0, 2.0]);
+        pages.save_state(2, 5, vec![3.0]);
+        pages.recurrent_state(0, 1, true).fill(9.0);
+        for layer in [0, 2] {
+            pages.restore_state(layer, 1, 5).unwrap();
+        }
+        assert_eq!(pages.recurrent_state(0, 1, false), &[1.0, 2.0]);
+        assert_eq!(pages.recurrent_state(2, 1, false), &[3.0]);
+        pages.save_state(0, 5, vec![4.0, 4.0]);
+        pages.restore_state(0, 2, 5).unwrap();
+        assert_eq!(pages.recurrent_state(0, 2, false), &[4.0, 4.0]);
+        assert_eq!(pages.recurrent_state(0, 1, false), &[1.0, 2.0], "a copy, not shared");
+        assert!(pages.restore_state(0, 1, 6).is_err());
+        // Slot 1's states (2 + 1 values), slot 2's (2), the snapshot's (2 + 1).
+        assert_eq!(pages.bytes(), (3 + 2 + 3) * 4);
     }
 
     /// A verifying step's checkpoints put the state back to the last row kept, in every

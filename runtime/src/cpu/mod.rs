@@ -246,6 +246,11 @@ impl CpuBackend {
         self.state_lens.iter().any(|&l| l > 0)
     }
 
+    /// Bytes of recurrent state one sequence keeps (one snapshot of it as much).
+    pub fn state_bytes_per_sequence(&self) -> usize {
+        self.state_lens.iter().sum::<usize>() * std::mem::size_of::<f32>()
+    }
+
     /// Bytes of keys and values one cached position takes, over every attention slot.
     pub fn kv_bytes_per_position(&self) -> usize {
         self.kv_dims.iter().map(|(k, v)| k + v).sum::<usize>() * std::mem::size_of::<f32>()
@@ -282,6 +287,7 @@ impl CpuBackend {
             ids,
             state_slot: 0,
             sampled_rows: 1,
+            snapshots: crate::kv::StateSnapshots::NONE,
         };
         let out = self.step_batch(&mut seq.pages, &[segment])?.pop();
         seq.len = end;
@@ -352,6 +358,7 @@ impl CpuBackend {
                 return Err(RuntimeError::Input("a step needs at least one token".into()));
             }
             seg.check_sampled_rows()?;
+            seg.check_snapshots()?;
             if seg.end() > self.context_length {
                 return Err(RuntimeError::ContextOverflow {
                     needed: seg.end(),
@@ -622,8 +629,9 @@ fn append_and_attend(
 }
 
 /// Each segment's rows through the Gated DeltaNet in order, from its sequence's recurrent state
-/// (fresh at position 0) to the state after its last row, keeping the states a verifying
-/// step may have to go back to (see [`delta_net`]).
+/// (fresh at position 0, or a snapshot's where it restores one) to the state after its last
+/// row, keeping the states a verifying step may have to go back to (see [`delta_net`]) and
+/// the snapshots it saves.
 fn gated_delta_net(spec: &ir::DeltaNetSpec, args: &[Arg], pages: &mut KvPages, rows: &StepRows) -> Result<Tensor> {
     let (mixed, b, a) = (
         args[0].value().tensor(),
@@ -636,24 +644,44 @@ fn gated_delta_net(spec: &ir::DeltaNetSpec, args: &[Arg], pages: &mut KvPages, r
         a_log: args[4].vector(),
         dt_bias: args[5].vector(),
     };
-    let (c, vh) = (spec.conv_channels(), spec.value_heads);
+    let (c, vh, layer) = (spec.conv_channels(), spec.value_heads, spec.state_slot);
     let mut out = Vec::with_capacity(mixed.rows() * vh * spec.value_dim);
     for (seg, r) in rows.segments.iter().zip(&rows.ranges) {
-        let (state, checkpoints) =
-            pages.recurrent_state_and_checkpoints(spec.state_slot, seg.state_slot, seg.start == 0);
+        if let Some(snapshot) = seg.snapshots.restore {
+            pages.restore_state(layer, seg.state_slot, snapshot)?;
+        }
+        let n = r.len();
+        // After each sampled row but the last: where a verifying step may rewind to.
+        let checkpoint_rows = n - seg.sampled_rows..n - 1;
+        let mut save_after: Vec<usize> = checkpoint_rows
+            .clone()
+            .chain(seg.snapshots.save.iter().map(|save| save.positions - seg.start - 1))
+            .collect();
+        save_after.sort_unstable();
+        save_after.dedup();
+        let (state, checkpoints) = pages.recurrent_state_and_checkpoints(layer, seg.state_slot, seg.start == 0);
         let seg_rows = delta_net::Rows {
             mixed: &mixed.data[r.start * c..r.end * c],
             b: &b.data[r.start * vh..r.end * vh],
             a: &a.data[r.start * vh..r.end * vh],
         };
-        out.extend(delta_net::gated_delta_net(
-            spec,
-            seg_rows,
-            weights(),
-            state,
-            seg.sampled_rows,
-            checkpoints,
-        ));
+        let (seg_out, saved) = delta_net::gated_delta_net(spec, seg_rows, weights(), state, &save_after);
+        out.extend(seg_out);
+        let mut snapshots = Vec::with_capacity(seg.snapshots.save.len());
+        for (row, state) in save_after.into_iter().zip(saved) {
+            let saves = seg
+                .snapshots
+                .save
+                .iter()
+                .filter(|save| save.positions - seg.start - 1 == row);
+            snapshots.extend(saves.map(|save| (save.snapshot, state.clone())));
+            if checkpoint_rows.contains(&row) {
+                checkpoints.push(state);
+            }
+        }
+        for (snapshot, state) in snapshots {
+            pages.save_state(layer, snapshot, state);
+        }
     }
     Ok(Tensor::new(vec![mixed.rows(), vh * spec.value_dim], out))
 }

@@ -144,6 +144,11 @@ impl<D: PlanDevice> PlanExecutor<D> {
         let mut segment_rows: Vec<Range<usize>> = Vec::with_capacity(batch.len());
         for seg in batch {
             seg.check_sampled_rows()?;
+            if !seg.snapshots.is_none() {
+                return Err(RuntimeError::Input(
+                    "a GPU plan keeps no snapshots of recurrent states (the prefix cache of a model with recurrent state runs on the CPU backend)".into(),
+                ));
+            }
             if seg.sampled_rows > 1 && !self.samples_several_rows() {
                 return Err(RuntimeError::Input(match self.plan.recurrent_states.is_empty() {
                     true => "this plan samples one row per sequence (compile it again to verify drafted tokens)".into(),

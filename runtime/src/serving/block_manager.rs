@@ -40,6 +40,13 @@ struct PrefixKey {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Serial(u64);
 
+#[cfg(test)]
+impl Serial {
+    pub(crate) fn new(serial: u64) -> Self {
+        Self(serial)
+    }
+}
+
 #[derive(Debug, Clone)]
 struct Registration {
     key: PrefixKey,

@@ -27,8 +27,13 @@ pub trait PagedBackend {
         None
     }
     /// Whether the model keeps a recurrent state per sequence (Gated DeltaNet layers), which
-    /// the prefix cache cannot hold.
+    /// cached blocks do not hold.
     fn has_recurrent_state(&self) -> bool {
+        false
+    }
+    /// Whether a step restores and saves snapshots of recurrent states
+    /// (`Segment::snapshots`), so that the prefix cache can serve models that keep them.
+    fn snapshots_states(&self) -> bool {
         false
     }
     /// Whether a step can sample several rows of one sequence (`Segment::sampled_rows`), and
@@ -77,6 +82,9 @@ impl PagedBackend for crate::CpuBackend {
     fn verifies_drafts(&self) -> bool {
         true
     }
+    fn snapshots_states(&self) -> bool {
+        true
+    }
     fn rewind_state(&self, pages: &mut Self::Pages, state_slot: usize, sampled_rows: usize, kept: usize) -> Result<()> {
         match self.has_recurrent_state() {
             true => pages.rewind_state(state_slot, sampled_rows, kept),
@@ -116,8 +124,8 @@ impl<B: PagedBackend> ServingEngine<B> {
     /// An engine over `backend`; a token budget above what the backend takes in one step is
     /// lowered to it (prompts are then chunked smaller), so no step is refused for its size,
     /// and so are running sequences past the ones it keeps state for;
-    /// a model with recurrent state runs without the prefix cache, and a backend that cannot
-    /// verify drafted tokens without speculation.
+    /// a model with recurrent state runs without the prefix cache where the backend keeps no
+    /// snapshots of it, and a backend that cannot verify drafted tokens without speculation.
     pub fn new(backend: B, mut config: SchedulerConfig) -> Self {
         if let Some(limit) = backend.max_step_tokens() {
             config.token_budget = config.token_budget.min(limit);
@@ -125,7 +133,10 @@ impl<B: PagedBackend> ServingEngine<B> {
         if let Some(limit) = backend.max_sequences() {
             config.max_running = config.max_running.min(limit);
         }
-        config.prefix_caching &= !backend.has_recurrent_state();
+        config.recurrent_state = backend.has_recurrent_state();
+        if !backend.snapshots_states() {
+            config.state_cache = super::StateCacheConfig::OFF;
+        }
         if !backend.verifies_drafts() {
             config.speculation = super::ngram::NgramConfig::OFF;
         }
@@ -198,6 +209,10 @@ impl<B: PagedBackend> ServingEngine<B> {
                 ids: &w.tokens,
                 state_slot: w.state_slot,
                 sampled_rows: if w.samples { w.drafts + 1 } else { 1 },
+                snapshots: crate::kv::StateSnapshots {
+                    restore: w.restore,
+                    save: &w.saves,
+                },
             })
             .collect();
         // Requests that take the argmax and want nothing else of the logits can have it

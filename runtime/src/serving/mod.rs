@@ -5,6 +5,7 @@ pub mod block_manager;
 pub mod engine;
 pub mod ngram;
 pub mod scheduler;
+pub mod state_cache;
 
 pub use block_manager::{BlockId, BlockManager, OutOfBlocks};
 pub use engine::{PagedBackend, Sampled, ServingEngine, StepOutput};
@@ -12,3 +13,4 @@ pub use ngram::NgramConfig;
 pub use scheduler::{
     AddError, FinishReason, Finished, PrefixCacheStats, Schedule, Scheduler, SchedulerConfig, SeqId, Work,
 };
+pub use state_cache::StateCacheConfig;

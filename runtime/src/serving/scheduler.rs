@@ -16,8 +16,12 @@
 //!
 //! Models with recurrent layers (Gated DeltaNet) keep a state per sequence beside the KV cache:
 //! each running sequence holds one of `max_running` state slots, given on admission and taken
-//! back on preemption or removal. Such a state sums up the whole prefix, which the prefix cache
-//! does not keep, so those models run with `prefix_caching` off: a sequence then always starts
+//! back on preemption or removal. Such a state sums up the whole prefix, which cached blocks
+//! do not hold, so for those models the prefix cache also keeps snapshots of states
+//! ([`StateCache`]): a work that computes past a multiple of the snapshot interval saves the
+//! state there, filed under that block's registration when the work completes, and a
+//! sequence being admitted starts from cached blocks only as far as the deepest snapshot
+//! along them, its work restoring that snapshot into its slot. Without a snapshot it starts
 //! from position 0, where the backend starts its slot afresh.
 //!
 //! Speculative decoding: with `speculation` on, a decoding sequence's work carries, after its
@@ -34,10 +38,13 @@
 //! the positions it has cached, and every block it will write (from its first uncached
 //! position on) is its alone; its registered chain covers exactly its full cached blocks;
 //! waiting sequences hold no blocks; every sequence is in exactly one place; running sequences
-//! hold distinct state slots, waiting ones none.
+//! hold distinct state slots, waiting ones none; every snapshot place is free, filed, or
+//! pending in the work of exactly one running sequence.
 
 use super::block_manager::{BlockId, BlockManager, Serial};
 use super::ngram::NgramConfig;
+use super::state_cache::{StateCache, StateCacheConfig};
+use crate::kv::StateSave;
 use std::collections::{BTreeMap, VecDeque};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -55,11 +62,16 @@ pub struct SchedulerConfig {
     pub block_size: usize,
     /// Positions a sequence may reach (prompt + generated).
     pub context_length: usize,
-    /// Whether an admitted sequence may start from cached blocks of another's prefix (off for
-    /// models whose recurrent state the cache cannot hold).
+    /// Whether an admitted sequence may start from cached blocks of another's prefix.
     pub prefix_caching: bool,
     /// Drafting for speculative decoding (`NgramConfig::OFF` for none).
     pub speculation: NgramConfig,
+    /// Whether the model keeps a recurrent state per sequence (the engine sets it from its
+    /// backend): cached blocks are then shared only as far as a snapshot of the state.
+    pub recurrent_state: bool,
+    /// The snapshots of recurrent states the prefix cache keeps (`StateCacheConfig::OFF`:
+    /// none, so a model with recurrent state shares no cached blocks).
+    pub state_cache: StateCacheConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -92,6 +104,10 @@ struct Seq {
     stop_tokens: Vec<u32>,
     /// The recurrent-state slot it holds while running.
     state_slot: Option<usize>,
+    /// The snapshots its scheduled work saves, filed when that work completes.
+    pending_saves: Vec<StateSave>,
+    /// The prefix of the last snapshot it filed (demoted when it files the next).
+    last_snapshot: Option<super::block_manager::Serial>,
     /// Speculation: how many tokens it may draft next, and for how many more decode steps it
     /// drafts none (after a step whose drafts were all rejected).
     draft_len: usize,
@@ -120,6 +136,11 @@ pub struct Work {
     /// How many of `tokens` (the last ones) are drafted, not yet the sequence's: the engine
     /// samples at each of the last `drafts + 1` positions and keeps drafts while they agree.
     pub drafts: usize,
+    /// The recurrent-state snapshot its state starts from (a sequence admitted onto cached
+    /// blocks of a model with recurrent state).
+    pub restore: Option<usize>,
+    /// The snapshots of its recurrent state it saves, ascending.
+    pub saves: Vec<StateSave>,
 }
 
 impl Work {
@@ -177,6 +198,8 @@ pub struct Scheduler {
     prefix_cache: PrefixCacheStats,
     /// State slots no running sequence holds (lowest last, handed out first).
     free_state_slots: Vec<usize>,
+    /// Snapshots of recurrent states for the prefix cache.
+    states: StateCache,
 }
 
 impl Scheduler {
@@ -190,6 +213,7 @@ impl Scheduler {
             next_id: 0,
             prefix_cache: PrefixCacheStats::default(),
             free_state_slots: (0..config.max_running).rev().collect(),
+            states: StateCache::new(config.state_cache, config.block_size),
         }
     }
 
@@ -209,6 +233,22 @@ impl Scheduler {
 
     pub fn prefix_cache_stats(&self) -> PrefixCacheStats {
         self.prefix_cache
+    }
+
+    /// Recurrent-state snapshots the prefix cache holds now.
+    pub fn state_snapshots(&self) -> usize {
+        self.states.filed()
+    }
+
+    /// Whether an admitted sequence may start from cached blocks: with the prefix cache on,
+    /// and for a model with recurrent state where snapshots of it are kept.
+    fn shares_prefixes(&self) -> bool {
+        self.config.prefix_caching && (!self.config.recurrent_state || self.states.is_on())
+    }
+
+    /// Whether works save snapshots of their recurrent states.
+    fn saves_states(&self) -> bool {
+        self.config.prefix_caching && self.config.recurrent_state && self.states.is_on()
     }
 
     pub fn waiting(&self) -> usize {
@@ -262,6 +302,8 @@ impl Scheduler {
                 max_tokens,
                 stop_tokens,
                 state_slot: None,
+                pending_saves: Vec::new(),
+                last_snapshot: None,
                 draft_len: self.config.speculation.tokens,
                 draft_pause: 0,
             },
@@ -274,6 +316,7 @@ impl Scheduler {
     pub fn schedule(&mut self) -> Schedule {
         let mut out = Schedule::default();
         let mut budget = self.config.token_budget;
+        self.states.begin_step();
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
@@ -290,7 +333,8 @@ impl Scheduler {
                 Ok(()) => {
                     self.seqs.get_mut(&id).expect("running").table = table;
                     budget -= n + drafts.len();
-                    out.work.push(self.work(id, end, drafts));
+                    let work = self.work(id, end, drafts, None);
+                    out.work.push(work);
                     i += 1;
                 }
                 Err(_) => {
@@ -319,21 +363,36 @@ impl Scheduler {
         let Some(&slot) = self.free_state_slots.last() else {
             return false;
         };
-        let seq = self.seqs.get_mut(&id).expect("waiting");
+        let seq = &self.seqs[&id];
         let mut table = Vec::new();
         // All but the last token may come from the cache: the last one's output is the point.
-        let chain = match self.config.prefix_caching {
+        let mut chain = match self.shares_prefixes() {
             true => self
                 .blocks
                 .share_prefix(&mut table, &seq.tokens[..seq.tokens.len() - 1]),
             false => Vec::new(),
         };
+        // A recurrent state goes only as far as the deepest snapshot of it.
+        let restore = self.states.deepest(&chain);
+        if self.config.recurrent_state {
+            let depth = restore.map_or(0, |(blocks, _)| blocks);
+            self.blocks.release(&mut table.split_off(depth));
+            chain.truncate(depth);
+        }
         let cached = chain.len() * self.blocks.block_size();
         let n = (seq.tokens.len() - cached).min(*budget);
         if self.blocks.grow(&mut table, cached + n).is_err() {
             self.blocks.release(&mut table);
             return false;
         }
+        let restore = match (self.config.recurrent_state, restore) {
+            (true, Some((_, place))) => {
+                self.states.restore(*chain.last().expect("a snapshot covers a block"));
+                Some(place)
+            }
+            _ => None,
+        };
+        let seq = self.seqs.get_mut(&id).expect("waiting");
         self.prefix_cache.queried += seq.tokens.len() as u64;
         self.prefix_cache.hit += cached as u64;
         seq.table = table;
@@ -343,7 +402,8 @@ impl Scheduler {
         debug_assert_eq!(seq.state_slot, Some(slot));
         self.waiting.pop_front();
         self.running.push(id);
-        out.work.push(self.work(id, cached + n, Vec::new()));
+        let work = self.work(id, cached + n, Vec::new(), restore);
+        out.work.push(work);
         *budget -= n;
         true
     }
@@ -362,8 +422,19 @@ impl Scheduler {
             .propose(&seq.tokens, room.min(budget - 1).min(seq.draft_len))
     }
 
-    /// The work computing `seq`'s positions from its first uncached one to `end`, then `drafts`.
-    fn work(&self, id: SeqId, end: usize, drafts: Vec<u32>) -> Work {
+    /// The work computing `seq`'s positions from its first uncached one to `end`, then `drafts`,
+    /// its recurrent state starting from snapshot `restore` where given; it saves a snapshot
+    /// at each multiple of the interval it computes, where a place is to be had.
+    fn work(&mut self, id: SeqId, end: usize, drafts: Vec<u32>, restore: Option<usize>) -> Work {
+        let start = self.seqs[&id].cached;
+        let saves = match self.saves_states() {
+            true => self.take_save_places(start, end),
+            false => Vec::new(),
+        };
+        let seq = self.seqs.get_mut(&id).expect("scheduled");
+        for save in std::mem::replace(&mut seq.pending_saves, saves.clone()) {
+            self.states.discard(save.snapshot);
+        }
         let seq = &self.seqs[&id];
         let mut tokens = seq.tokens[seq.cached..end].to_vec();
         let count = drafts.len();
@@ -377,6 +448,37 @@ impl Scheduler {
             samples: end == seq.tokens.len(),
             state_slot: seq.state_slot.expect("running sequences hold a state slot"),
             drafts: count,
+            restore,
+            saves,
+        }
+    }
+
+    /// Places for the snapshots after every multiple of the interval in `start + 1..=end`,
+    /// while places are to be had.
+    fn take_save_places(&mut self, start: usize, end: usize) -> Vec<StateSave> {
+        let interval = self.states.interval();
+        let boundaries = (start / interval + 1..).map(|k| k * interval).take_while(|&p| p <= end);
+        boundaries
+            .map_while(|positions| self.states.take().map(|snapshot| StateSave { positions, snapshot }))
+            .collect()
+    }
+
+    /// File the snapshots `id`'s completed work saved, each under the registration of the
+    /// last block it covers.
+    fn file_saves(&mut self, id: SeqId) {
+        let seq = self.seqs.get_mut(&id).expect("running");
+        let size = self.blocks.block_size();
+        for save in std::mem::take(&mut seq.pending_saves) {
+            let serial = seq.chain[save.positions / size - 1];
+            self.states.file(serial, save.snapshot, seq.last_snapshot);
+            seq.last_snapshot = Some(serial);
+        }
+    }
+
+    /// Free the snapshot places `seq`'s scheduled work would have saved into.
+    fn discard_saves(states: &mut StateCache, seq: &mut Seq) {
+        for save in seq.pending_saves.drain(..) {
+            states.discard(save.snapshot);
         }
     }
 
@@ -385,6 +487,7 @@ impl Scheduler {
         self.blocks.release(&mut seq.table);
         seq.chain.clear();
         seq.cached = 0;
+        Self::discard_saves(&mut self.states, seq);
         self.free_state_slots.extend(seq.state_slot.take());
         self.running.retain(|&r| r != id);
         self.waiting.push_front(id);
@@ -432,6 +535,7 @@ impl Scheduler {
             };
         }
         self.register_full_blocks(work.seq);
+        self.file_saves(work.seq);
         let Some(reason) = reason else {
             return (taken, None);
         };
@@ -472,6 +576,7 @@ impl Scheduler {
 
     fn remove(&mut self, id: SeqId) {
         if let Some(mut seq) = self.seqs.remove(&id) {
+            Self::discard_saves(&mut self.states, &mut seq);
             self.blocks.release(&mut seq.table);
             self.free_state_slots.extend(seq.state_slot);
         }
@@ -490,6 +595,9 @@ impl Scheduler {
             }
             if self.waiting.contains(id) && !(seq.table.is_empty() && seq.chain.is_empty()) {
                 return Err(format!("waiting {id:?} holds blocks"));
+            }
+            if self.waiting.contains(id) && !seq.pending_saves.is_empty() {
+                return Err(format!("waiting {id:?} holds snapshot places"));
             }
             let size = self.blocks.block_size();
             if self.running.contains(id) && seq.chain.len() != seq.cached / size {
@@ -514,6 +622,11 @@ impl Scheduler {
         if self.running.len() + self.waiting.len() != self.seqs.len() {
             return Err("a queue holds an unknown sequence".into());
         }
+        let pending = self
+            .seqs
+            .values()
+            .flat_map(|s| s.pending_saves.iter().map(|save| save.snapshot));
+        self.states.check(pending)?;
         self.check_state_slots()
     }
 
