@@ -556,7 +556,15 @@ fn the_serving_engine_runs_hybrid_and_moe_plans_like_the_cpu_backend() {
     for (family, recurrent) in [("qwen3_5", true), ("glm4_moe", false), ("qwen3_next", true)] {
         let model = open(family, ComputeDtype::F32);
         let graph = model.lower(LogitsFor::AllTokens).unwrap();
-        let config = serving_config(24, 9);
+        // Snapshots of recurrent states asked for: the CPU backend keeps them, a GPU plan does
+        // not (the engine turns them off, and with them the prefix cache of hybrid models).
+        let config = SchedulerConfig {
+            state_cache: runtime::serving::StateCacheConfig {
+                capacity: 4,
+                interval: 4,
+            },
+            ..serving_config(24, 9)
+        };
         let (gpu_graph, plan, kernels) = serving_plan(&model, &config, 3);
         let prompts: Vec<Vec<u32>> = (0..6u32)
             .map(|i| (0..5 + 2 * i).map(|j| (11 + 29 * i + 7 * j) % 300).collect())
@@ -571,7 +579,8 @@ fn the_serving_engine_runs_hybrid_and_moe_plans_like_the_cpu_backend() {
         let engine_config = on_gpu.scheduler().config();
         let running = if recurrent { 3 } else { 4 };
         assert_eq!(engine_config.max_running, running, "{family}");
-        assert_eq!(engine_config.prefix_caching, !recurrent, "{family}");
+        assert_eq!(engine_config.recurrent_state, recurrent, "{family}");
+        assert_eq!(engine_config.state_cache.capacity, 0, "{family}");
         assert_eq!(serve_all(&mut on_gpu, &prompts, plain), want, "{family}");
         let starts = on_gpu.backend().starts.get();
         assert!(

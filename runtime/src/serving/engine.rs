@@ -152,6 +152,12 @@ impl<B: PagedBackend> ServingEngine<B> {
         &self.backend
     }
 
+    /// The backend back, the engine's cache and requests dropped (to serve again from a cold
+    /// cache without loading the model again).
+    pub fn into_backend(self) -> B {
+        self.backend
+    }
+
     pub fn pages(&self) -> &B::Pages {
         &self.pages
     }
