@@ -65,6 +65,9 @@ pub struct BlockManager {
     registry: HashMap<PrefixKey, BlockId>,
     next_serial: u64,
     tick: u64,
+    /// Serials of the registrations evicted since [`take_evicted`](Self::take_evicted) last
+    /// asked.
+    evicted: Vec<Serial>,
 }
 
 impl BlockManager {
@@ -81,6 +84,7 @@ impl BlockManager {
             registry: HashMap::new(),
             next_serial: 0,
             tick: 0,
+            evicted: Vec::new(),
         }
     }
 
@@ -149,7 +153,14 @@ impl BlockManager {
             .take()
             .expect("evictable blocks are registered");
         self.registry.remove(&registration.key);
+        self.evicted.push(registration.serial);
         Some(block)
+    }
+
+    /// The serials whose registrations were evicted since the last call: no prefix through
+    /// them can be found any more.
+    pub fn take_evicted(&mut self) -> Vec<Serial> {
+        std::mem::take(&mut self.evicted)
     }
 
     /// Drop `table`'s hold on its blocks (leaving it empty). The last block is parked first, so
@@ -213,6 +224,11 @@ impl BlockManager {
         self.registry.insert(key.clone(), block);
         self.registrations[i] = Some(Registration { key, serial });
         serial
+    }
+
+    /// Whether a block is registered as `serial` now (its prefix can be found).
+    pub fn is_registered(&self, serial: Serial) -> bool {
+        self.registrations.iter().flatten().any(|r| r.serial == serial)
     }
 
     /// Check the invariants against the live tables; the first violation, if any.

@@ -39,7 +39,8 @@
 //! position on) is its alone; its registered chain covers exactly its full cached blocks;
 //! waiting sequences hold no blocks; every sequence is in exactly one place; running sequences
 //! hold distinct state slots, waiting ones none; every snapshot place is free, filed, or
-//! pending in the work of exactly one running sequence.
+//! pending in the work of exactly one running sequence, and every filed snapshot's block is
+//! still registered.
 
 use super::block_manager::{BlockId, BlockManager, Serial};
 use super::ngram::NgramConfig;
@@ -107,7 +108,7 @@ struct Seq {
     /// The snapshots its scheduled work saves, filed when that work completes.
     pending_saves: Vec<StateSave>,
     /// The prefix of the last snapshot it filed (demoted when it files the next).
-    last_snapshot: Option<super::block_manager::Serial>,
+    last_snapshot: Option<Serial>,
     /// Speculation: how many tokens it may draft next, and for how many more decode steps it
     /// drafts none (after a step whose drafts were all rejected).
     draft_len: usize,
@@ -326,10 +327,10 @@ impl Scheduler {
             let mut drafts = self.drafts(seq, budget);
             let mut table = std::mem::take(&mut self.seqs.get_mut(&id).expect("running").table);
             // Drafts only where blocks are free for them: never preempt for a guess.
-            if !drafts.is_empty() && self.blocks.grow(&mut table, end + drafts.len()).is_err() {
+            if !drafts.is_empty() && self.grow(&mut table, end + drafts.len()).is_err() {
                 drafts.clear();
             }
-            match self.blocks.grow(&mut table, end) {
+            match self.grow(&mut table, end) {
                 Ok(()) => {
                     self.seqs.get_mut(&id).expect("running").table = table;
                     budget -= n + drafts.len();
@@ -373,25 +374,23 @@ impl Scheduler {
             false => Vec::new(),
         };
         // A recurrent state goes only as far as the deepest snapshot of it.
-        let restore = self.states.deepest(&chain);
+        let mut restore = None;
         if self.config.recurrent_state {
-            let depth = restore.map_or(0, |(blocks, _)| blocks);
+            let deepest = self.states.deepest(&chain);
+            let depth = deepest.map_or(0, |(blocks, _)| blocks);
             self.blocks.release(&mut table.split_off(depth));
             chain.truncate(depth);
+            restore = deepest.map(|(_, place)| place);
         }
         let cached = chain.len() * self.blocks.block_size();
         let n = (seq.tokens.len() - cached).min(*budget);
-        if self.blocks.grow(&mut table, cached + n).is_err() {
+        if self.grow(&mut table, cached + n).is_err() {
             self.blocks.release(&mut table);
             return false;
         }
-        let restore = match (self.config.recurrent_state, restore) {
-            (true, Some((_, place))) => {
-                self.states.restore(*chain.last().expect("a snapshot covers a block"));
-                Some(place)
-            }
-            _ => None,
-        };
+        if restore.is_some() {
+            self.states.restore(*chain.last().expect("a snapshot covers a block"));
+        }
         let seq = self.seqs.get_mut(&id).expect("waiting");
         self.prefix_cache.queried += seq.tokens.len() as u64;
         self.prefix_cache.hit += cached as u64;
@@ -406,6 +405,16 @@ impl Scheduler {
         out.work.push(work);
         *budget -= n;
         true
+    }
+
+    /// Grow `table` to hold `tokens` positions (see [`BlockManager::grow`]); snapshots filed
+    /// under blocks evicted for it are let go, since nothing can reach them now.
+    fn grow(&mut self, table: &mut Vec<BlockId>, tokens: usize) -> Result<(), super::OutOfBlocks> {
+        let grown = self.blocks.grow(table, tokens);
+        for serial in self.blocks.take_evicted() {
+            self.states.forget(serial);
+        }
+        grown
     }
 
     /// Tokens to draft after `seq`'s last one, where it decodes and speculation is on: within
@@ -432,6 +441,7 @@ impl Scheduler {
             false => Vec::new(),
         };
         let seq = self.seqs.get_mut(&id).expect("scheduled");
+        // Saves of an earlier work whose result never came back (a failed step) are void.
         for save in std::mem::replace(&mut seq.pending_saves, saves.clone()) {
             self.states.discard(save.snapshot);
         }
@@ -627,6 +637,9 @@ impl Scheduler {
             .values()
             .flat_map(|s| s.pending_saves.iter().map(|save| save.snapshot));
         self.states.check(pending)?;
+        if let Some(serial) = self.states.filed_serials().find(|&s| !self.blocks.is_registered(s)) {
+            return Err(format!("a snapshot is filed under {serial:?}, whose block was evicted"));
+        }
         self.check_state_slots()
     }
 

@@ -14,8 +14,8 @@
 //! must then share exactly the shorter prefix to want it. Places a step restores from are
 //! pinned for that step, so no save of the same step overwrites them.
 //!
-//! A filed snapshot whose blocks were evicted can no longer be reached (the chain of keys
-//! through its serial is gone); it stays until it is the least recently useful.
+//! A filed snapshot whose last block is evicted can no longer be reached (the chain of keys
+//! through its serial is gone): its place is freed ([`StateCache::forget`]).
 
 use super::block_manager::Serial;
 use std::collections::{BTreeMap, HashMap};
@@ -84,6 +84,11 @@ impl StateCache {
         self.filed.len()
     }
 
+    /// The prefixes that have a snapshot filed.
+    pub fn filed_serials(&self) -> impl Iterator<Item = Serial> + '_ {
+        self.filed.keys().copied()
+    }
+
     /// A new step is being scheduled: last step's pins are let go.
     pub fn begin_step(&mut self) {
         self.pinned.clear();
@@ -140,6 +145,15 @@ impl StateCache {
         self.refreshed += 1;
         self.order.insert(self.refreshed, serial);
         self.filed.insert(serial, (place, self.refreshed));
+    }
+
+    /// The block registered as `serial` was evicted: its snapshot, if any, can no longer be
+    /// reached, and its place is free.
+    pub fn forget(&mut self, serial: Serial) {
+        if let Some((place, key)) = self.filed.remove(&serial) {
+            self.order.remove(&key);
+            self.free.push(place);
+        }
     }
 
     /// A pending place whose step's result was dropped: free again.
@@ -208,6 +222,12 @@ mod tests {
         assert_eq!(c.deepest(&chain), Some((2, b)), "the first one stays");
         assert_eq!(c.check([]), Ok(()));
         assert_eq!(c.filed(), 2);
+        // Its block evicted, the deeper one is gone and its place free.
+        c.forget(chain[1]);
+        c.forget(chain[2]);
+        assert_eq!(c.deepest(&chain), Some((1, a)));
+        assert_eq!(c.check([]), Ok(()));
+        assert_eq!(c.take(), Some(b));
     }
 
     /// With no place free, the demoted snapshot goes first, then the least recently used;
