@@ -183,12 +183,11 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 (positions * backend.kv_bytes_per_position()) >> 20
             );
             if backend.has_recurrent_state() && args.state_snapshots > 0 {
-                let state = backend.state_bytes_per_sequence();
+                let mib = backend.state_bytes_per_sequence() as f64 / f64::from(1 << 20);
                 eprintln!(
-                    "recurrent states: {} MiB a sequence; the prefix cache keeps up to {} snapshots of them ({} MiB as it fills)",
-                    state >> 20,
+                    "recurrent states: {mib:.1} MiB a sequence; the prefix cache keeps up to {} snapshots of them ({:.1} MiB as it fills)",
                     args.state_snapshots,
-                    (args.state_snapshots * state) >> 20
+                    args.state_snapshots as f64 * mib
                 );
             }
             start_engine(backend, config, inbox, metrics.clone())?;
