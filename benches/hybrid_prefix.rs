@@ -81,10 +81,7 @@ fn engine(backend: CpuBackend, snapshots: usize) -> ServingEngine<CpuBackend> {
         prefix_caching: true,
         speculation: NgramConfig::OFF,
         recurrent_state: true,
-        state_cache: StateCacheConfig {
-            capacity: snapshots,
-            interval: 128,
-        },
+        state_cache: StateCacheConfig::every(128, snapshots),
     };
     ServingEngine::new(backend, config)
 }

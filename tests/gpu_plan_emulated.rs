@@ -305,6 +305,9 @@ impl PlanDevice for OneWrongKernel {
     fn read(&mut self, buffer: &usize, range: std::ops::Range<usize>) -> runtime::Result<Vec<u8>> {
         self.device.read(buffer, range)
     }
+    fn copy(&mut self, from: &usize, from_at: usize, to: &usize, to_at: usize, bytes: usize) -> runtime::Result<()> {
+        self.device.copy(from, from_at, to, to_at, bytes)
+    }
     fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[DeviceArg<'_, usize>]) -> runtime::Result<()> {
         self.device.launch(kernel, grid, block, args)?;
         if kernel == self.kernel {
@@ -463,7 +466,7 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
                 snapshots: runtime::kv::StateSnapshots::NONE,
             }])
             .is_err());
-        // So are state snapshots, which a GPU plan does not keep.
+        // So are state snapshots where the plan keeps no places for them.
         let table = [BlockId(0)];
         let saves = [runtime::kv::StateSave {
             positions: 1,
@@ -481,7 +484,7 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
             },
         };
         let refused = gpu.step_batch(&[snapshotting]).unwrap_err().to_string();
-        assert!(refused.contains("no snapshots"), "{refused}");
+        assert!(refused.contains("past the 0 this plan keeps"), "{refused}");
     }
 }
 
@@ -559,10 +562,7 @@ fn the_serving_engine_runs_hybrid_and_moe_plans_like_the_cpu_backend() {
         // Snapshots of recurrent states asked for: the CPU backend keeps them, a GPU plan does
         // not (the engine turns them off, and with them the prefix cache of hybrid models).
         let config = SchedulerConfig {
-            state_cache: runtime::serving::StateCacheConfig {
-                capacity: 4,
-                interval: 4,
-            },
+            state_cache: runtime::serving::StateCacheConfig::every(4, 4),
             ..serving_config(24, 9)
         };
         let (gpu_graph, plan, kernels) = serving_plan(&model, &config, 3);
@@ -589,6 +589,67 @@ fn the_serving_engine_runs_hybrid_and_moe_plans_like_the_cpu_backend() {
         );
         assert_eq!(on_gpu.scheduler().used_blocks(), 0);
     }
+}
+
+/// Hybrid models on a batched plan that keeps snapshots of recurrent states
+/// (`keep_state_snapshots`): requests sharing a prompt prefix start from a snapshot, restored
+/// into their slot on the device (saved at the end of a step's rows: prompt chunks end at
+/// multiples of the interval), and generate what they generate on the CPU backend, which
+/// saves snapshots after any row.
+#[test]
+fn hybrid_plans_start_shared_prefixes_from_state_snapshots_like_the_cpu_backend() {
+    use runtime::serving::{PagedBackend, ServingEngine, StateCacheConfig, StateSnapshotting};
+    for family in ["qwen3_5", "qwen3_next"] {
+        let model = open(family, ComputeDtype::F32);
+        let graph = model.lower(LogitsFor::AllTokens).unwrap();
+        let config = SchedulerConfig {
+            state_cache: StateCacheConfig::every(8, 6),
+            ..serving_config(24, 48)
+        };
+        let (gpu_graph, plan, kernels) = serving_plan(&model, &config, 3);
+        let shared: Vec<u32> = (0..21u32).map(|j| (31 + 7 * j) % 300).collect();
+        let prompts: Vec<Vec<u32>> = (0..4u32)
+            .map(|i| {
+                shared
+                    .iter()
+                    .copied()
+                    .chain((0..2 + i).map(|j| 250 + 5 * i + j))
+                    .collect()
+            })
+            .collect();
+        let cpu = CpuBackend::new(graph, &model.weights, 64).unwrap();
+        let mut on_cpu = ServingEngine::new(cpu, config);
+        let want = serve_first_then_rest(&mut on_cpu, &prompts);
+        let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+            .unwrap()
+            .capture_graphs_up_to(config.max_running)
+            .keep_state_snapshots(6)
+            .unwrap();
+        assert_eq!(gpu.snapshots_states(), StateSnapshotting::AtSegmentEnds { places: 6 });
+        let mut on_gpu = ServingEngine::new(gpu, config);
+        assert!(on_gpu.scheduler().config().state_cache.at_segment_ends, "{family}");
+        assert_eq!(serve_first_then_rest(&mut on_gpu, &prompts), want, "{family}");
+        // The three later prompts from the snapshot at 16, on both.
+        for hit in [
+            on_cpu.scheduler().prefix_cache_stats().hit,
+            on_gpu.scheduler().prefix_cache_stats().hit,
+        ] {
+            assert!(hit >= 3 * 16, "{family}: {hit} positions hit");
+        }
+        assert_eq!(on_gpu.scheduler().used_blocks(), 0);
+    }
+}
+
+/// The first prompt served alone (filling the cache), then the rest together; each one's
+/// greedy tokens.
+fn serve_first_then_rest<B: runtime::serving::PagedBackend>(
+    engine: &mut runtime::serving::ServingEngine<B>,
+    prompts: &[Vec<u32>],
+) -> Vec<Vec<u32>> {
+    let plain = runtime::SamplingParams::default();
+    let mut tokens = serve_all(engine, &prompts[..1], plain);
+    tokens.extend(serve_all(engine, &prompts[1..], plain));
+    tokens
 }
 
 /// A recurrent model's batched plan refuses, before running anything, a step whose sequences
@@ -622,6 +683,23 @@ fn recurrent_state_slots_are_checked_per_step() {
         drafts.contains("recurrent state samples one row per sequence"),
         "{drafts}"
     );
+    // Snapshots: saved only at a segment's end, into places the plan keeps.
+    batch[0].sampled_rows = 1;
+    let gpu = gpu.keep_state_snapshots(2).unwrap();
+    let mid = [runtime::kv::StateSave {
+        positions: 1,
+        snapshot: 0,
+    }];
+    batch[0].snapshots.save = &mid;
+    let inside = gpu.step_batch(&batch).unwrap_err().to_string();
+    assert!(inside.contains("only at the end of a segment"), "{inside}");
+    let past = [runtime::kv::StateSave {
+        positions: 2,
+        snapshot: 2,
+    }];
+    batch[0].snapshots.save = &past;
+    let place = gpu.step_batch(&batch).unwrap_err().to_string();
+    assert!(place.contains("snapshot 2 is past the 2 this plan keeps"), "{place}");
 }
 
 /// Speculative decoding on a batched GPU plan: the engine drafts by prompt lookup and the plan
@@ -774,6 +852,9 @@ impl<B: runtime::serving::PagedBackend> runtime::serving::PagedBackend for Count
     }
     fn verifies_drafts(&self) -> bool {
         self.inner.verifies_drafts()
+    }
+    fn snapshots_states(&self) -> runtime::serving::StateSnapshotting {
+        self.inner.snapshots_states()
     }
     fn step_batch(
         &self,

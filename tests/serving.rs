@@ -69,10 +69,7 @@ fn concurrent_sparse_mla_requests_generate_what_they_generate_alone() {
 fn hybrid_requests_sharing_a_prefix_start_from_state_snapshots() {
     use runtime::serving::{NgramConfig, StateCacheConfig};
     // Room for every snapshot the run saves (which ones go first is the cache's own test).
-    let snapshots = StateCacheConfig {
-        capacity: 16,
-        interval: 8,
-    };
+    let snapshots = StateCacheConfig::every(8, 16);
     let drafting = NgramConfig {
         tokens: 3,
         min: 1,

@@ -116,6 +116,18 @@ impl<T: PlanDevice, R: PlanDevice> PlanDevice for CompareDevice<T, R> {
         self.test.read(&buffer.0, range)
     }
 
+    fn copy(
+        &mut self,
+        from: &Self::Buffer,
+        from_at: usize,
+        to: &Self::Buffer,
+        to_at: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        self.test.copy(&from.0, from_at, &to.0, to_at, bytes)?;
+        self.reference.copy(&from.1, from_at, &to.1, to_at, bytes)
+    }
+
     fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[DeviceArg<'_, Self::Buffer>]) -> Result<()> {
         self.test.launch(kernel, grid, block, &side(args, |b| &b.0))?;
         self.reference.launch(kernel, grid, block, &side(args, |b| &b.1))?;

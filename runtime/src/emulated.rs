@@ -142,6 +142,18 @@ impl PlanDevice for EmulatedDevice {
         Ok(self.memory[*buffer][range].to_vec())
     }
 
+    fn copy(&mut self, from: &usize, from_at: usize, to: &usize, to_at: usize, bytes: usize) -> Result<()> {
+        let source = self.memory[*from]
+            .get(from_at..from_at + bytes)
+            .ok_or_else(|| fault("a copy reads past its buffer"))?
+            .to_vec();
+        self.memory[*to]
+            .get_mut(to_at..to_at + bytes)
+            .ok_or_else(|| fault("a copy writes past its buffer"))?
+            .copy_from_slice(&source);
+        Ok(())
+    }
+
     fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[DeviceArg<'_, usize>]) -> Result<()> {
         let _ = grid; // the emulator evaluates the kernel's own grid expression from the scalars
         match &mut self.recording {

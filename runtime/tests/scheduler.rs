@@ -7,7 +7,8 @@
 //! simulated state shows that every work continues the state of its own sequence's prefix, in
 //! a slot nobody else's work touches meanwhile, or starts from a snapshot that holds exactly
 //! that prefix's state (prefix caching with snapshots), and that no step saves a snapshot
-//! into a place another of its works restores from. With speculation,
+//! into a place another of its works restores from (nor, for a backend that saves only at a
+//! work's end, anywhere else). With speculation,
 //! works carry drafted tokens of which a random number is accepted: the same checks hold, and
 //! no draft takes a sequence past its `max_tokens` or a step past its budget.
 
@@ -70,6 +71,8 @@ struct SimulatedKv {
     states: Option<HashMap<usize, Vec<u32>>>,
     /// Per snapshot place, the prefix its state had consumed when saved.
     snapshots: HashMap<usize, Vec<u32>>,
+    /// Whether the backend saves a state only at the end of a work (a GPU plan).
+    saves_at_ends: bool,
 }
 
 impl SimulatedKv {
@@ -115,6 +118,10 @@ impl SimulatedKv {
             state.extend_from_slice(&w.tokens);
             for save in &w.saves {
                 assert!(w.start < save.positions && save.positions <= own, "{w:?}");
+                assert!(
+                    !self.saves_at_ends || (save.positions == w.end && w.drafts == 0),
+                    "{w:?}"
+                );
                 self.snapshots.insert(save.snapshot, tokens[..save.positions].to_vec());
             }
         } else {
@@ -207,6 +214,7 @@ proptest! {
         recurrent_state in any::<bool>(),
         snapshots in 0usize..4,
         interval in 1usize..12,
+        at_segment_ends in any::<bool>(),
         actions in proptest::collection::vec(action(), 1..120),
     ) {
         let speculation = NgramConfig { tokens: drafts, min: 1, max: 3 };
@@ -220,11 +228,12 @@ proptest! {
             prefix_caching,
             speculation,
             recurrent_state,
-            state_cache: StateCacheConfig { capacity: snapshots, interval },
+            state_cache: StateCacheConfig { capacity: snapshots, interval, at_segment_ends },
         };
         let mut s = Scheduler::new(config);
         let mut kv = SimulatedKv {
             states: recurrent_state.then(HashMap::new),
+            saves_at_ends: at_segment_ends,
             ..Default::default()
         };
         let mut ids: Vec<SeqId> = Vec::new();
@@ -402,7 +411,7 @@ fn a_recurrent_model_starts_from_the_deepest_snapshot_of_its_cached_prefix() {
         prefix_caching: true,
         speculation: runtime::serving::NgramConfig::OFF,
         recurrent_state: true,
-        state_cache: StateCacheConfig { capacity, interval: 8 },
+        state_cache: StateCacheConfig::every(8, capacity),
     };
     // The first work of `prompt` run to completion: its span, what it restores, the positions
     // it saves after.

@@ -45,7 +45,8 @@ pub struct ServeArgs {
     pub block_size: usize,
     /// Models with recurrent layers (Gated DeltaNet): snapshots of sequences' states the
     /// prefix cache keeps, so that a request sharing a prefix starts from one instead of
-    /// computing it (0: such models share no cached prefix). The CPU backend only.
+    /// computing it (0: such models share no cached prefix). On a GPU they take device memory
+    /// from the start.
     #[arg(long, default_value_t = 16)]
     pub state_snapshots: usize,
     /// Positions between a sequence's state snapshots (rounded up to whole blocks): a request
@@ -137,10 +138,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         speculation: speculation(args, loaded.speculative)?,
         // Set by the engine from the backend, which may also turn the snapshots off.
         recurrent_state: false,
-        state_cache: runtime::serving::StateCacheConfig {
-            capacity: args.state_snapshots,
-            interval: args.state_snapshot_interval,
-        },
+        state_cache: runtime::serving::StateCacheConfig::every(args.state_snapshot_interval, args.state_snapshots),
     };
 
     let metrics = Arc::new(metrics::Metrics::default());
@@ -165,10 +163,16 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             let graph_rows = args.max_num_seqs * (1 + config.speculation.tokens);
             let backend =
                 runtime::cuda::CudaBackend::batched(&plans.dir, &plan, graph, weights, int8, context_length, cache)?
-                    .capture_graphs_up_to(graph_rows);
+                    .capture_graphs_up_to(graph_rows)
+                    .keep_state_snapshots(args.state_snapshots)?;
             eprintln!(
                 "KV cache on the GPU: {} blocks of {} positions ({positions} positions)",
                 args.kv_blocks, args.block_size
+            );
+            announce_snapshots(
+                backend.state_bytes_per_sequence(),
+                backend.snapshot_places(),
+                "on the GPU",
             );
             start_engine(backend, config, inbox, metrics.clone())?;
         }
@@ -182,13 +186,8 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 args.block_size,
                 (positions * backend.kv_bytes_per_position()) >> 20
             );
-            if backend.has_recurrent_state() && args.state_snapshots > 0 {
-                let mib = backend.state_bytes_per_sequence() as f64 / f64::from(1 << 20);
-                eprintln!(
-                    "recurrent states: {mib:.1} MiB a sequence; the prefix cache keeps up to {} snapshots of them ({:.1} MiB as it fills)",
-                    args.state_snapshots,
-                    args.state_snapshots as f64 * mib
-                );
+            if backend.has_recurrent_state() {
+                announce_snapshots(backend.state_bytes_per_sequence(), args.state_snapshots, "as it fills");
             }
             start_engine(backend, config, inbox, metrics.clone())?;
         }
@@ -211,6 +210,18 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(listen(args, state))
+}
+
+/// Say what the prefix cache keeps of a model's recurrent states: `places` snapshots of
+/// `state_bytes` each (`held`: where, or when, that memory is taken).
+fn announce_snapshots(state_bytes: usize, places: usize, held: &str) {
+    if places > 0 {
+        let mib = state_bytes as f64 / f64::from(1 << 20);
+        eprintln!(
+            "recurrent states: {mib:.1} MiB a sequence; the prefix cache keeps up to {places} snapshots of them ({:.1} MiB {held})",
+            places as f64 * mib
+        );
+    }
 }
 
 /// Run an engine over `backend` on its own thread, taking requests from `inbox`; say whether
@@ -239,9 +250,7 @@ where
     }
     let used = engine.scheduler().config();
     if used.recurrent_state && used.state_cache.capacity == 0 {
-        eprintln!(
-            "prefix cache: off, this model's recurrent state is not snapshotted (GPU plans keep no snapshots; on the CPU, --state-snapshots 0 asked for none)"
-        );
+        eprintln!("prefix cache: off, this model's recurrent state is not snapshotted (--state-snapshots 0)");
     }
     std::thread::Builder::new()
         .name("bbc-engine".into())

@@ -242,6 +242,39 @@ impl PlanDevice for CudaDevice {
         unsafe { cudarc::driver::result::memcpy_htod_sync(ptr + at as u64, bytes) }.map_err(driver)
     }
 
+    fn copy(
+        &mut self,
+        from: &Self::Buffer,
+        from_at: usize,
+        to: &Self::Buffer,
+        to_at: usize,
+        bytes: usize,
+    ) -> Result<()> {
+        if from_at + bytes > from.len() || to_at + bytes > to.len() {
+            return Err(RuntimeError::Cuda(format!(
+                "a copy of {bytes} bytes from {from_at} of {} to {to_at} of {} overruns a buffer",
+                from.len(),
+                to.len()
+            )));
+        }
+        // In stream order, so after the launches already issued and before later ones; the
+        // next launch must not overlap it (no programmatic dependent launch across a copy).
+        self.after_launch = false;
+        let (source, _read) = from.device_ptr(&self.stream);
+        let (target, _written) = to.device_ptr(&self.stream);
+        // SAFETY: both ranges lie inside their allocations (checked above), which are distinct
+        // buffers, and the copy is ordered on the stream every launch uses.
+        unsafe {
+            cudarc::driver::result::memcpy_dtod_async(
+                target + to_at as u64,
+                source + from_at as u64,
+                bytes,
+                self.stream.cu_stream(),
+            )
+        }
+        .map_err(driver)
+    }
+
     fn read(&mut self, buffer: &Self::Buffer, range: Range<usize>) -> Result<Vec<u8>> {
         self.after_launch = false;
         self.stream.clone_dtoh(&buffer.slice(range)).map_err(driver)

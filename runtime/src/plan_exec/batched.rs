@@ -11,6 +11,13 @@ use ir::Tensor;
 use std::collections::HashMap;
 use std::ops::Range;
 
+/// Which way a state crosses between a sequence's slot and a snapshot.
+#[derive(Debug, Clone, Copy)]
+enum Direction {
+    Restore,
+    Save,
+}
+
 /// Which rows of a batched step's per-token outputs come back to the host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Rows {
@@ -72,7 +79,74 @@ impl<D: PlanDevice> PlanExecutor<D> {
         let (_, vars) = self.write_batch(device, buffers, batch)?;
         let mut profile = Vec::with_capacity(self.plan.launches.len());
         self.launch_all(device, buffers, &vars, Some(&mut profile))?;
+        self.save_snapshots(device, buffers, batch)?;
         Ok(profile)
+    }
+
+    /// A segment's snapshots as a batched plan takes them (see [`keep_state_snapshots`]):
+    /// places it keeps, and a save only at the segment's end, since the kernels leave a state
+    /// only after a sequence's last row of the step.
+    ///
+    /// [`keep_state_snapshots`]: PlanExecutor::keep_state_snapshots
+    fn check_snapshots(&self, seg: &Segment) -> Result<()> {
+        seg.check_snapshots()?;
+        let places = self.snapshot_places;
+        let used = seg
+            .snapshots
+            .restore
+            .into_iter()
+            .chain(seg.snapshots.save.iter().map(|s| s.snapshot));
+        if let Some(place) = used.into_iter().find(|&p| p >= places) {
+            return Err(RuntimeError::Input(format!(
+                "recurrent-state snapshot {place} is past the {places} this plan keeps"
+            )));
+        }
+        match seg.snapshots.save {
+            [] => Ok(()),
+            [save] if save.positions == seg.end() && seg.sampled_rows == 1 => Ok(()),
+            _ => Err(RuntimeError::Input(
+                "a GPU plan saves a recurrent state only at the end of a segment".into(),
+            )),
+        }
+    }
+
+    /// After a step's launches: each segment's state saved where it asks.
+    fn save_snapshots(&self, device: &mut D, buffers: &Buffers<D::Buffer>, batch: &[Segment]) -> Result<()> {
+        for seg in batch {
+            for save in seg.snapshots.save {
+                self.copy_states(device, buffers, seg.state_slot, save.snapshot, Direction::Save)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Every recurrent layer's state of sequence slot `slot` copied from snapshot `place`
+    /// (restore) or into it (save), on the device.
+    fn copy_states(
+        &self,
+        device: &mut D,
+        buffers: &Buffers<D::Buffer>,
+        slot: usize,
+        place: usize,
+        direction: Direction,
+    ) -> Result<()> {
+        for layout in &self.plan.recurrent_states {
+            let bytes = layout.len * 4;
+            let buffer = |key: BufferKey| {
+                buffers
+                    .whole(&key)
+                    .map(|(b, _)| b)
+                    .ok_or_else(|| RuntimeError::Artifact(format!("no buffer for {key:?}")))
+            };
+            let state = (buffer(BufferKey::State(layout.slot))?, slot * bytes);
+            let snapshot = (buffer(BufferKey::Snapshots(layout.slot))?, place * bytes);
+            let (from, to) = match direction {
+                Direction::Restore => (snapshot, state),
+                Direction::Save => (state, snapshot),
+            };
+            device.copy(from.0, from.1, to.0, to.1, bytes)?;
+        }
+        Ok(())
     }
 
     /// A batched step, reading back `rows` of every output, or of `only` that one.
@@ -90,6 +164,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         let sampled = crate::kv::sampled_ranges(batch);
         let sampled_total = sampled.last().map_or(0, |r| r.end);
         self.launch_batched(device, buffers, &vars, (tokens, batch.len(), sampled_total))?;
+        self.save_snapshots(device, buffers, batch)?;
         // The rows read back: each segment's, or those it samples from.
         let wanted: Vec<Range<usize>> = match rows {
             Rows::All => segment_rows,
@@ -144,11 +219,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         let mut segment_rows: Vec<Range<usize>> = Vec::with_capacity(batch.len());
         for seg in batch {
             seg.check_sampled_rows()?;
-            if !seg.snapshots.is_none() {
-                return Err(RuntimeError::Input(
-                    "a GPU plan keeps no snapshots of recurrent states (the prefix cache of a model with recurrent state runs on the CPU backend)".into(),
-                ));
-            }
+            self.check_snapshots(seg)?;
             if seg.sampled_rows > 1 && !self.samples_several_rows() {
                 return Err(RuntimeError::Input(match self.plan.recurrent_states.is_empty() {
                     true => "this plan samples one row per sequence (compile it again to verify drafted tokens)".into(),
@@ -183,6 +254,11 @@ impl<D: PlanDevice> PlanExecutor<D> {
         }
         if !self.plan.recurrent_states.is_empty() {
             crate::kv::check_state_slots(batch, Some(cache.sequences))?;
+        }
+        for seg in batch {
+            if let Some(place) = seg.snapshots.restore {
+                self.copy_states(device, buffers, seg.state_slot, place, Direction::Restore)?;
+            }
         }
         self.write_inputs(device, buffers, &ids, &positions)?;
         let row_pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
@@ -338,6 +414,13 @@ impl<D: PlanDevice> crate::serving::PagedBackend for PlanExecutor<D> {
 
     fn verifies_drafts(&self) -> bool {
         self.samples_several_rows()
+    }
+
+    fn snapshots_states(&self) -> crate::serving::StateSnapshotting {
+        match self.snapshot_places {
+            0 => crate::serving::StateSnapshotting::None,
+            places => crate::serving::StateSnapshotting::AtSegmentEnds { places },
+        }
     }
 
     fn step_batch_greedy(&self, pages: &mut usize, batch: &[Segment]) -> Option<Result<Vec<Vec<u32>>>> {

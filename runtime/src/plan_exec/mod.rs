@@ -37,6 +37,16 @@ pub trait PlanDevice {
     /// Copy `bytes` into `buffer` at byte `at`, after every launch already issued.
     fn write(&mut self, buffer: &Self::Buffer, at: usize, bytes: &[u8]) -> Result<()>;
     fn read(&mut self, buffer: &Self::Buffer, range: Range<usize>) -> Result<Vec<u8>>;
+    /// Copy `bytes` from `from` at byte `from_at` to `to` at byte `to_at`, on the device and
+    /// after every launch already issued (the buffers differ).
+    fn copy(
+        &mut self,
+        from: &Self::Buffer,
+        from_at: usize,
+        to: &Self::Buffer,
+        to_at: usize,
+        bytes: usize,
+    ) -> Result<()>;
     /// Launch `kernel` as `grid` blocks of `block` threads.
     fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[DeviceArg<'_, Self::Buffer>]) -> Result<()>;
 
@@ -134,6 +144,9 @@ enum BufferKey {
     Kv(usize, bool),
     /// A recurrent layer's states, a slot per sequence.
     State(usize),
+    /// Snapshots of a recurrent layer's states, a place per snapshot (see
+    /// [`PlanExecutor::keep_state_snapshots`]).
+    Snapshots(usize),
     /// A batched plan's per-step inputs, by name.
     StepInput(String),
 }
@@ -150,6 +163,8 @@ pub struct PlanExecutor<D: PlanDevice> {
     per_sequence: BTreeSet<usize>,
     /// Whether a segment may sample several rows (see `samples_several_rows`).
     several_rows: bool,
+    /// Places for snapshots of recurrent states (0: none kept).
+    snapshot_places: usize,
     /// The plan's launches resolved once (see `launch`).
     launches: Vec<launch::PreparedLaunch>,
     state: Mutex<(D, Buffers<D::Buffer>)>,
@@ -297,8 +312,43 @@ impl<D: PlanDevice> PlanExecutor<D> {
             graph_rows: 0,
             per_sequence,
             several_rows,
+            snapshot_places: 0,
             state: Mutex::new((device, buffers)),
         })
+    }
+
+    /// Keep `places` snapshots of every recurrent layer's state on the device, for the prefix
+    /// cache of a model with recurrent state: a segment may start its state from one
+    /// (`StateSnapshots::restore`) and save its state at its end into one; a copy on the
+    /// device each way. Nothing for a plan without recurrent state.
+    pub fn keep_state_snapshots(mut self, places: usize) -> Result<Self> {
+        if self.plan.recurrent_states.is_empty() || places == 0 {
+            return Ok(self);
+        }
+        {
+            let (device, buffers) = self
+                .state
+                .get_mut()
+                .map_err(|_| RuntimeError::Cuda("device state poisoned".into()))?;
+            for layout in &self.plan.recurrent_states {
+                let bytes = places * layout.len * 4;
+                buffers
+                    .held
+                    .insert(BufferKey::Snapshots(layout.slot), (device.alloc(bytes)?, bytes));
+            }
+        }
+        self.snapshot_places = places;
+        Ok(self)
+    }
+
+    /// Bytes of recurrent state one sequence keeps on the device (one snapshot of it as much).
+    pub fn state_bytes_per_sequence(&self) -> usize {
+        self.plan.recurrent_states.iter().map(|l| l.len * 4).sum()
+    }
+
+    /// Places kept for snapshots of recurrent states (see [`keep_state_snapshots`](Self::keep_state_snapshots)).
+    pub fn snapshot_places(&self) -> usize {
+        self.snapshot_places
     }
 
     /// Run decode steps (one row per sequence) of up to `rows` sequences as graphs, where the

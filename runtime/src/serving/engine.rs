@@ -31,10 +31,10 @@ pub trait PagedBackend {
     fn has_recurrent_state(&self) -> bool {
         false
     }
-    /// Whether a step restores and saves snapshots of recurrent states
-    /// (`Segment::snapshots`), so that the prefix cache can serve models that keep them.
-    fn snapshots_states(&self) -> bool {
-        false
+    /// How a step restores and saves snapshots of recurrent states (`Segment::snapshots`),
+    /// so that the prefix cache can serve models that keep them.
+    fn snapshots_states(&self) -> StateSnapshotting {
+        StateSnapshotting::None
     }
     /// Whether a step can sample several rows of one sequence (`Segment::sampled_rows`), and
     /// so verify drafted tokens: a recurrent state that drafts advance must be put back where
@@ -82,8 +82,8 @@ impl PagedBackend for crate::CpuBackend {
     fn verifies_drafts(&self) -> bool {
         true
     }
-    fn snapshots_states(&self) -> bool {
-        true
+    fn snapshots_states(&self) -> StateSnapshotting {
+        StateSnapshotting::AfterAnyRow
     }
     fn rewind_state(&self, pages: &mut Self::Pages, state_slot: usize, sampled_rows: usize, kept: usize) -> Result<()> {
         match self.has_recurrent_state() {
@@ -91,6 +91,18 @@ impl PagedBackend for crate::CpuBackend {
             false => Ok(()),
         }
     }
+}
+
+/// How a backend keeps snapshots of recurrent states for the prefix cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StateSnapshotting {
+    /// Not at all: a model with recurrent state runs without the prefix cache.
+    None,
+    /// After any row of a step, in as many places as asked (the CPU backend).
+    AfterAnyRow,
+    /// At the end of a sequence's rows of a step only, in `places` places (a GPU plan's
+    /// kernels leave a state only there).
+    AtSegmentEnds { places: usize },
 }
 
 /// A token chosen this step.
@@ -134,8 +146,13 @@ impl<B: PagedBackend> ServingEngine<B> {
             config.max_running = config.max_running.min(limit);
         }
         config.recurrent_state = backend.has_recurrent_state();
-        if !backend.snapshots_states() {
-            config.state_cache = super::StateCacheConfig::OFF;
+        match backend.snapshots_states() {
+            StateSnapshotting::None => config.state_cache = super::StateCacheConfig::OFF,
+            StateSnapshotting::AfterAnyRow => config.state_cache.at_segment_ends = false,
+            StateSnapshotting::AtSegmentEnds { places } => {
+                config.state_cache.capacity = config.state_cache.capacity.min(places);
+                config.state_cache.at_segment_ends = true;
+            }
         }
         if !backend.verifies_drafts() {
             config.speculation = super::ngram::NgramConfig::OFF;

@@ -8,7 +8,7 @@ pub mod scheduler;
 pub mod state_cache;
 
 pub use block_manager::{BlockId, BlockManager, OutOfBlocks};
-pub use engine::{PagedBackend, Sampled, ServingEngine, StepOutput};
+pub use engine::{PagedBackend, Sampled, ServingEngine, StateSnapshotting, StepOutput};
 pub use ngram::NgramConfig;
 pub use scheduler::{
     AddError, FinishReason, Finished, PrefixCacheStats, Schedule, Scheduler, SchedulerConfig, SeqId, Work,

@@ -322,8 +322,8 @@ impl Scheduler {
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
             let seq = &self.seqs[&id];
-            let n = (seq.tokens.len() - seq.cached).min(budget);
-            let end = seq.cached + n;
+            let end = self.chunk_end(seq.cached, seq.cached + (seq.tokens.len() - seq.cached).min(budget));
+            let n = end - seq.cached;
             let mut drafts = self.drafts(seq, budget);
             let mut table = std::mem::take(&mut self.seqs.get_mut(&id).expect("running").table);
             // Drafts only where blocks are free for them: never preempt for a guess.
@@ -383,7 +383,7 @@ impl Scheduler {
             restore = deepest.map(|(_, place)| place);
         }
         let cached = chain.len() * self.blocks.block_size();
-        let n = (seq.tokens.len() - cached).min(*budget);
+        let n = self.chunk_end(cached, cached + (seq.tokens.len() - cached).min(*budget)) - cached;
         if self.grow(&mut table, cached + n).is_err() {
             self.blocks.release(&mut table);
             return false;
@@ -437,6 +437,11 @@ impl Scheduler {
     fn work(&mut self, id: SeqId, end: usize, drafts: Vec<u32>, restore: Option<usize>) -> Work {
         let start = self.seqs[&id].cached;
         let saves = match self.saves_states() {
+            // Where states are saved only at a work's end, none before drafts.
+            true if self.config.state_cache.at_segment_ends => match drafts.is_empty() {
+                true => self.take_save_places(end - 1, end),
+                false => Vec::new(),
+            },
             true => self.take_save_places(start, end),
             false => Vec::new(),
         };
@@ -460,6 +465,21 @@ impl Scheduler {
             drafts: count,
             restore,
             saves,
+        }
+    }
+
+    /// Where a chunk of a sequence's positions from `start` to at most `end` ends: at `end`,
+    /// but where states are saved only at a work's end and `end` is no multiple of the
+    /// snapshot interval, at the last one before it (when there is one past `start`), so the
+    /// chunk's state is saved there.
+    fn chunk_end(&self, start: usize, end: usize) -> usize {
+        let interval = self.states.interval();
+        if !(self.saves_states() && self.config.state_cache.at_segment_ends) || end % interval == 0 {
+            return end;
+        }
+        match end / interval * interval {
+            boundary if boundary > start => boundary,
+            _ => end,
         }
     }
 

@@ -28,13 +28,27 @@ pub struct StateCacheConfig {
     /// Positions between a sequence's snapshots: it saves one whenever it has computed a
     /// multiple of this many (rounded up to whole blocks).
     pub interval: usize,
+    /// Whether a state can be saved only where a sequence's work ends (a GPU plan's kernels
+    /// leave it only after a sequence's last row of a step): the scheduler then ends prompt
+    /// chunks at multiples of the interval. The engine sets it from its backend.
+    pub at_segment_ends: bool,
 }
 
 impl StateCacheConfig {
     pub const OFF: StateCacheConfig = StateCacheConfig {
         capacity: 0,
         interval: 1,
+        at_segment_ends: false,
     };
+
+    /// `capacity` snapshots, one every `interval` positions, saved after any row.
+    pub fn every(interval: usize, capacity: usize) -> Self {
+        Self {
+            capacity,
+            interval,
+            at_segment_ends: false,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -186,23 +200,13 @@ mod tests {
     use super::*;
 
     fn cache(capacity: usize) -> StateCache {
-        StateCache::new(StateCacheConfig { capacity, interval: 5 }, 4)
+        StateCache::new(StateCacheConfig::every(5, capacity), 4)
     }
 
     #[test]
     fn the_interval_covers_whole_blocks() {
         assert_eq!(cache(1).interval(), 8);
-        assert_eq!(
-            StateCache::new(
-                StateCacheConfig {
-                    capacity: 1,
-                    interval: 0
-                },
-                4
-            )
-            .interval(),
-            4
-        );
+        assert_eq!(StateCache::new(StateCacheConfig::every(0, 1), 4).interval(), 4);
     }
 
     /// The deepest snapshot along a chain is found; a prefix saved twice keeps one place.
