@@ -37,6 +37,10 @@ impl PlanDevice for NullDevice {
         Ok(vec![0; range.len()])
     }
 
+    fn copy(&mut self, _: &usize, _: usize, _: &usize, _: usize, _: usize) -> Result<()> {
+        Ok(())
+    }
+
     fn launch(&mut self, _: &str, _: u32, _: u32, args: &[DeviceArg<'_, usize>]) -> Result<()> {
         std::hint::black_box(args);
         self.launches += 1;

@@ -474,7 +474,7 @@ impl Scheduler {
     /// chunk's state is saved there.
     fn chunk_end(&self, start: usize, end: usize) -> usize {
         let interval = self.states.interval();
-        if !(self.saves_states() && self.config.state_cache.at_segment_ends) || end % interval == 0 {
+        if !(self.saves_states() && self.config.state_cache.at_segment_ends) || end.is_multiple_of(interval) {
             return end;
         }
         match end / interval * interval {
