@@ -1,6 +1,7 @@
 //! The generated kernels on the GPU: every kernel of the tiny Llama, Gemma 3, Gemma 4,
-//! Qwen3.5, GLM-4.5 and Qwen3-Next plans in lockstep with the emulator, and batched decode steps replayed from CUDA graphs against the
-//! same steps launched one kernel at a time.
+//! Qwen3.5, GLM-4.5 and Qwen3-Next plans in lockstep with the emulator, batched decode steps replayed from CUDA graphs against the
+//! same steps launched one kernel at a time, and requests served from snapshots of recurrent
+//! states kept on the device against the CPU backend.
 
 use anyhow::{bail, Result};
 use codegen::gpu;
@@ -155,4 +156,80 @@ pub fn graph_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The tiny Qwen3.5 (f32) served on its batched plan with snapshots of recurrent states kept
+/// in device memory (`keep_state_snapshots`): requests sharing a prompt prefix start from a
+/// snapshot (device copies into their state slots before a step, out of them after one) and
+/// must generate the CPU backend's greedy tokens; prints both engines' prefix-cache hits.
+pub fn snapshot_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
+    use runtime::serving::{NgramConfig, SchedulerConfig, ServingEngine, StateCacheConfig};
+    let model = Model::open(ModelSpec::for_weights(&fixtures.join("qwen3_5")))?;
+    let config = SchedulerConfig {
+        max_waiting: 16,
+        max_running: 3,
+        token_budget: 24,
+        kv_blocks: 48,
+        block_size: 4,
+        context_length: 64,
+        prefix_caching: true,
+        speculation: NgramConfig::OFF,
+        recurrent_state: false,
+        state_cache: StateCacheConfig::every(8, 6),
+    };
+    let lowered = model.lower(LogitsFor::LastToken)?;
+    let graph = models::with_greedy_token(&passes::optimized(&lowered, crate::model_ref::cost_model(target))?)?;
+    let cache = gpu::BatchedCache {
+        blocks: config.kv_blocks,
+        block_size: config.block_size,
+        sequences: config.max_running,
+    };
+    let (plan, kernels) = gpu::build_batched(&graph, target, 32, cache)?;
+    let device = CudaDevice::compile(&kernels, arch)?;
+    let gpu = PlanExecutor::new(device, plan, graph, &model.weights, &[], config.context_length)?
+        .capture_graphs_up_to(config.max_running)
+        .keep_state_snapshots(6)?;
+    let cpu_graph = passes::optimized(&lowered, passes::CostModel::CPU)?;
+    let cpu = runtime::CpuBackend::new(cpu_graph, &model.weights, config.context_length)?;
+    let shared: Vec<u32> = (0..21u32).map(|j| (31 + 7 * j) % 300).collect();
+    let prompts: Vec<Vec<u32>> = (0..4u32)
+        .map(|i| {
+            shared
+                .iter()
+                .copied()
+                .chain((0..2 + i).map(|j| 250 + 5 * i + j))
+                .collect()
+        })
+        .collect();
+    let (want, cpu_hits) = serve_sharing(ServingEngine::new(cpu, config), &prompts)?;
+    let (got, gpu_hits) = serve_sharing(ServingEngine::new(gpu, config), &prompts)?;
+    println!("\n| tiny Qwen3.5, 4 requests sharing 21 tokens | positions restored from snapshots |\n|---|---|");
+    println!("| CPU backend | {cpu_hits} |\n| GPU plan | {gpu_hits} |");
+    if got != want {
+        bail!("requests started from state snapshots on the GPU generate {got:?}, the CPU backend {want:?}");
+    }
+    if gpu_hits == 0 {
+        bail!("no request started from a state snapshot on the GPU");
+    }
+    Ok(())
+}
+
+/// The first prompt served alone (filling the cache), then the rest together, 6 greedy tokens
+/// each: their tokens, and the positions the prefix cache spared.
+fn serve_sharing<B: runtime::serving::PagedBackend>(
+    mut engine: runtime::serving::ServingEngine<B>,
+    prompts: &[Vec<u32>],
+) -> Result<(Vec<Vec<u32>>, u64)> {
+    let mut generated = std::collections::HashMap::new();
+    let mut ids = Vec::with_capacity(prompts.len());
+    for (i, prompt) in prompts.iter().enumerate() {
+        ids.push(engine.add(prompt.clone(), 6, vec![], runtime::SamplingParams::default())?);
+        if i == 0 || i + 1 == prompts.len() {
+            while !engine.scheduler().is_idle() {
+                generated.extend(engine.step()?.finished.into_iter().map(|d| (d.seq, d.generated)));
+            }
+        }
+    }
+    let tokens = ids.iter().map(|id| generated.remove(id).unwrap_or_default()).collect();
+    Ok((tokens, engine.scheduler().prefix_cache_stats().hit))
 }

@@ -8,7 +8,9 @@
 //!    error (`kernels`);
 //! 3. SmolLM2 bf16 greedy tokens on the GPU (logits and greedy plans) against the CPU backend's,
 //!    and both timed (`smollm2`);
-//! 4. batched decode steps replayed from CUDA graphs against kernel-by-kernel launches;
+//! 4. batched decode steps replayed from CUDA graphs against kernel-by-kernel launches, and
+//!    the tiny Qwen3.5 served from snapshots of recurrent states in device memory against the
+//!    CPU backend (`graphs`);
 //! 5. a Llama-8B-shaped model with random bf16 weights: its matmuls alone (the QKV and gate/up
 //!    decode GEMVs also as the serving plan fuses them, with and without their L2 prefetch),
 //!    then whole decode steps at batch 1, 4, 16 and 64 with each kernel's share (`llama_8b`);
@@ -95,7 +97,15 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
                 })
             }
             Section::Smollm2 => smollm2_weights(&args.model).and_then(|model| smollm2::check(&model, target)),
-            Section::Graphs => kernels::graph_check(target, arch, &args.fixtures),
+            Section::Graphs => {
+                // Both run; the first failure is the section's, a second is printed.
+                let graphs = kernels::graph_check(target, arch, &args.fixtures);
+                let snapshots = kernels::snapshot_check(target, arch, &args.fixtures);
+                if let (Err(_), Err(e)) = (&graphs, &snapshots) {
+                    println!("\nstate snapshots FAILED too: {}", crate::report::error_report(e));
+                }
+                graphs.and(snapshots)
+            }
             Section::Matmuls => llama_8b::matmul_timings(target, arch, bandwidth).map(|table| println!("\n{table}")),
             Section::Decode => llama_8b::decode(target, arch, bandwidth, args.decode_prefill_chunk),
             Section::Hybrid => decode::hybrid(target, arch, bandwidth, args.decode_prefill_chunk),
