@@ -661,7 +661,15 @@ fn recurrent_state_slots_are_checked_per_step() {
     let model = open("qwen3_5", ComputeDtype::F32);
     let config = serving_config(32, 8);
     let (gpu_graph, plan, kernels) = serving_plan(&model, &config, 2);
-    let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64).unwrap();
+    let gpu = EmulatedBackend::emulated(
+        plan.clone(),
+        kernels.clone(),
+        gpu_graph.clone(),
+        &model.weights,
+        &[],
+        64,
+    )
+    .unwrap();
     assert!(!gpu.samples_several_rows());
     let tables = [
         [BlockId(0), BlockId(1), BlockId(2)],
@@ -683,7 +691,18 @@ fn recurrent_state_slots_are_checked_per_step() {
         drafts.contains("recurrent state samples one row per sequence"),
         "{drafts}"
     );
-    // Snapshots: saved only at a segment's end, into places the plan keeps.
+    // Snapshots: saved only at a segment's end, into places the plan keeps, as many as fit.
+    let too_many = EmulatedBackend::emulated(
+        plan.clone(),
+        kernels.clone(),
+        gpu_graph.clone(),
+        &model.weights,
+        &[],
+        64,
+    )
+    .unwrap()
+    .keep_state_snapshots(usize::MAX);
+    assert!(too_many.is_err());
     batch[0].sampled_rows = 1;
     let gpu = gpu.keep_state_snapshots(2).unwrap();
     let mid = [runtime::kv::StateSave {

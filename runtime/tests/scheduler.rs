@@ -454,6 +454,19 @@ fn a_recurrent_model_starts_from_the_deepest_snapshot_of_its_cached_prefix() {
         ..Default::default()
     };
     assert_eq!(first_work(&mut s, &mut kv, prompt.clone()), ((0, 21), false, vec![]));
-    assert_eq!(first_work(&mut s, &mut kv, prompt), ((0, 21), false, vec![]));
+    assert_eq!(first_work(&mut s, &mut kv, prompt.clone()), ((0, 21), false, vec![]));
     assert_eq!(s.prefix_cache_stats().hit, 0);
+
+    // Asked for more snapshots than there are blocks: as many as blocks, nothing allocated
+    // for the rest.
+    let mut s = Scheduler::new(config(usize::MAX));
+    let mut kv = SimulatedKv {
+        states: Some(HashMap::new()),
+        ..Default::default()
+    };
+    assert_eq!(
+        first_work(&mut s, &mut kv, prompt.clone()),
+        ((0, 21), false, vec![8, 16])
+    );
+    assert_eq!(first_work(&mut s, &mut kv, prompt), ((16, 21), true, vec![]));
 }

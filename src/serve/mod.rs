@@ -164,7 +164,8 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             let backend =
                 runtime::cuda::CudaBackend::batched(&plans.dir, &plan, graph, weights, int8, context_length, cache)?
                     .capture_graphs_up_to(graph_rows)
-                    .keep_state_snapshots(args.state_snapshots)?;
+                    // No more than the scheduler can file (one a block).
+                    .keep_state_snapshots(args.state_snapshots.min(args.kv_blocks))?;
             eprintln!(
                 "KV cache on the GPU: {} blocks of {} positions ({positions} positions)",
                 args.kv_blocks, args.block_size
@@ -187,7 +188,8 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 (positions * backend.kv_bytes_per_position()) >> 20
             );
             if backend.has_recurrent_state() {
-                announce_snapshots(backend.state_bytes_per_sequence(), args.state_snapshots, "as it fills");
+                let places = args.state_snapshots.min(args.kv_blocks);
+                announce_snapshots(backend.state_bytes_per_sequence(), places, "as it fills");
             }
             start_engine(backend, config, inbox, metrics.clone())?;
         }

@@ -331,7 +331,9 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 .get_mut()
                 .map_err(|_| RuntimeError::Cuda("device state poisoned".into()))?;
             for layout in &self.plan.recurrent_states {
-                let bytes = places * layout.len * 4;
+                let bytes = places.checked_mul(layout.len * 4).ok_or_else(|| {
+                    RuntimeError::Input(format!("{places} snapshots of recurrent states do not fit in memory"))
+                })?;
                 buffers
                     .held
                     .insert(BufferKey::Snapshots(layout.slot), (device.alloc(bytes)?, bytes));

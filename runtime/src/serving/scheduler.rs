@@ -214,7 +214,14 @@ impl Scheduler {
             next_id: 0,
             prefix_cache: PrefixCacheStats::default(),
             free_state_slots: (0..config.max_running).rev().collect(),
-            states: StateCache::new(config.state_cache, config.block_size),
+            // No more snapshots than blocks to file them under.
+            states: StateCache::new(
+                StateCacheConfig {
+                    capacity: config.state_cache.capacity.min(config.kv_blocks),
+                    ..config.state_cache
+                },
+                config.block_size,
+            ),
         }
     }
 
