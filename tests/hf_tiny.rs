@@ -682,6 +682,27 @@ fn gguf_prediction_layers_past_the_model_are_left_alone() {
     assert_eq!(prompt_logits("qwen3_5", &with_mtp), prompt_logits("qwen3_5", &plain));
 }
 
+/// A shared-expert gate stored as a vector (`[hidden]`, as llama.cpp declares it) reads like
+/// the `[1, hidden]` row the converter writes.
+#[test]
+fn gguf_shared_expert_gates_stored_as_vectors_read_like_rows() {
+    let scratch = common::scratch_dir("bbc-shexp-");
+    let vectors = rewrite_gguf("qwen3_next", scratch.path(), |_, tensors| {
+        let gates = tensors
+            .iter_mut()
+            .filter(|t| t.0.ends_with("ffn_gate_inp_shexp.weight"));
+        for (name, dims, ..) in gates {
+            assert_eq!(dims.len(), 2, "{name}: the fixture stores a row");
+            dims.truncate(1);
+        }
+    });
+    let plain = fixture("gguf-tiny/qwen3_next.gguf");
+    assert_eq!(
+        prompt_logits("qwen3_next", &vectors),
+        prompt_logits("qwen3_next", &plain)
+    );
+}
+
 /// Experts whose gate and up projections a file holds fused (`ffn_gate_up_exps`, llama.cpp's
 /// `--fuse-gate-up-exps`: per expert its gate rows, then its up rows) give what the two
 /// stacked tensors give.

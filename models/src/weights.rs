@@ -43,9 +43,13 @@ pub enum WeightSource {
 }
 
 impl WeightSource {
-    /// A GGUF file's tensors, each seen as bbc lowers it ([`matrix_shape`]).
+    /// A GGUF file's tensors, each seen as bbc lowers it ([`gguf_matrix_shape`]).
     pub fn from_gguf(file: GgufFile) -> Self {
-        let shapes = file.tensors.iter().map(|t| matrix_shape(t.shape())).collect();
+        let shapes = file
+            .tensors
+            .iter()
+            .map(|t| gguf_matrix_shape(&t.name, t.shape()))
+            .collect();
         Self::Gguf(file, shapes)
     }
 
@@ -103,6 +107,17 @@ pub(crate) fn matrix_shape(mut shape: Vec<usize>) -> Vec<usize> {
     match shape[..] {
         [ref outer @ .., rows, cols] if !outer.is_empty() => vec![outer.iter().product::<usize>() * rows, cols],
         _ => shape,
+    }
+}
+
+/// A GGUF tensor's shape as bbc lowers it: [`matrix_shape`], and a shared-expert gate
+/// (`ffn_gate_inp_shexp`, one row of `hidden` weights) as that row even where the file stores
+/// it as a vector: llama.cpp declares it `{n_embd}` and multiplies it as a matrix, so files
+/// hold it either way (its converter writes `[1, hidden]`).
+fn gguf_matrix_shape(name: &str, shape: Vec<usize>) -> Vec<usize> {
+    match shape[..] {
+        [len] if name.ends_with("ffn_gate_inp_shexp.weight") => vec![1, len],
+        _ => matrix_shape(shape),
     }
 }
 
