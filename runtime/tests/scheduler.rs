@@ -76,6 +76,14 @@ struct SimulatedKv {
 }
 
 impl SimulatedKv {
+    /// For a model with recurrent state: states checked from the start.
+    fn recurrent() -> Self {
+        Self {
+            states: Some(HashMap::new()),
+            ..Default::default()
+        }
+    }
+
     /// Check what `w` reads, then write what it computes (its drafted tokens included).
     fn run(&mut self, w: &Work, block_size: usize) {
         let known = &self.tokens[&w.seq];
@@ -427,10 +435,7 @@ fn a_recurrent_model_starts_from_the_deepest_snapshot_of_its_cached_prefix() {
     };
     let prompt: Vec<u32> = (1..=21).collect();
     let mut s = Scheduler::new(config(4));
-    let mut kv = SimulatedKv {
-        states: Some(HashMap::new()),
-        ..Default::default()
-    };
+    let mut kv = SimulatedKv::recurrent();
     assert_eq!(
         first_work(&mut s, &mut kv, prompt.clone()),
         ((0, 21), false, vec![8, 16])
@@ -449,10 +454,7 @@ fn a_recurrent_model_starts_from_the_deepest_snapshot_of_its_cached_prefix() {
 
     // No snapshots kept: nothing is shared.
     let mut s = Scheduler::new(config(0));
-    let mut kv = SimulatedKv {
-        states: Some(HashMap::new()),
-        ..Default::default()
-    };
+    let mut kv = SimulatedKv::recurrent();
     assert_eq!(first_work(&mut s, &mut kv, prompt.clone()), ((0, 21), false, vec![]));
     assert_eq!(first_work(&mut s, &mut kv, prompt.clone()), ((0, 21), false, vec![]));
     assert_eq!(s.prefix_cache_stats().hit, 0);
@@ -460,10 +462,7 @@ fn a_recurrent_model_starts_from_the_deepest_snapshot_of_its_cached_prefix() {
     // Asked for more snapshots than there are blocks: as many as blocks, nothing allocated
     // for the rest.
     let mut s = Scheduler::new(config(usize::MAX));
-    let mut kv = SimulatedKv {
-        states: Some(HashMap::new()),
-        ..Default::default()
-    };
+    let mut kv = SimulatedKv::recurrent();
     assert_eq!(
         first_work(&mut s, &mut kv, prompt.clone()),
         ((0, 21), false, vec![8, 16])
