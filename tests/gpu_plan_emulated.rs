@@ -7,6 +7,7 @@
 //! greedy graph's plan (the INT8-bound LM head with its compile-time INT8 rows) picks exactly
 //! the argmax of the CPU backend's full-precision logits.
 
+use bbc::gpu_check::kernels::serve_first_then_rest;
 use bbc::gpu_check::tiny_gguf;
 use codegen::gpu::{self, PREFILL_TOKENS};
 use codegen::Target;
@@ -607,19 +608,10 @@ fn hybrid_plans_start_shared_prefixes_from_state_snapshots_like_the_cpu_backend(
             ..serving_config(24, 48)
         };
         let (gpu_graph, plan, kernels) = serving_plan(&model, &config, 3);
-        let shared: Vec<u32> = (0..21u32).map(|j| (31 + 7 * j) % 300).collect();
-        let prompts: Vec<Vec<u32>> = (0..4u32)
-            .map(|i| {
-                shared
-                    .iter()
-                    .copied()
-                    .chain((0..2 + i).map(|j| 250 + 5 * i + j))
-                    .collect()
-            })
-            .collect();
+        let prompts = bbc::gpu_check::kernels::prompts_sharing_a_prefix(21, 4);
         let cpu = CpuBackend::new(graph, &model.weights, 64).unwrap();
         let mut on_cpu = ServingEngine::new(cpu, config);
-        let want = serve_first_then_rest(&mut on_cpu, &prompts);
+        let (want, _) = serve_first_then_rest(&mut on_cpu, &prompts).unwrap();
         let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
             .unwrap()
             .capture_graphs_up_to(config.max_running)
@@ -628,7 +620,8 @@ fn hybrid_plans_start_shared_prefixes_from_state_snapshots_like_the_cpu_backend(
         assert_eq!(gpu.snapshots_states(), StateSnapshotting::AtSegmentEnds { places: 6 });
         let mut on_gpu = ServingEngine::new(gpu, config);
         assert!(on_gpu.scheduler().config().state_cache.at_segment_ends, "{family}");
-        assert_eq!(serve_first_then_rest(&mut on_gpu, &prompts), want, "{family}");
+        let (got, _) = serve_first_then_rest(&mut on_gpu, &prompts).unwrap();
+        assert_eq!(got, want, "{family}");
         // The three later prompts from the snapshot at 16, on both.
         for hit in [
             on_cpu.scheduler().prefix_cache_stats().hit,
@@ -638,18 +631,6 @@ fn hybrid_plans_start_shared_prefixes_from_state_snapshots_like_the_cpu_backend(
         }
         assert_eq!(on_gpu.scheduler().used_blocks(), 0);
     }
-}
-
-/// The first prompt served alone (filling the cache), then the rest together; each one's
-/// greedy tokens.
-fn serve_first_then_rest<B: runtime::serving::PagedBackend>(
-    engine: &mut runtime::serving::ServingEngine<B>,
-    prompts: &[Vec<u32>],
-) -> Vec<Vec<u32>> {
-    let plain = runtime::SamplingParams::default();
-    let mut tokens = serve_all(engine, &prompts[..1], plain);
-    tokens.extend(serve_all(engine, &prompts[1..], plain));
-    tokens
 }
 
 /// A recurrent model's batched plan refuses, before running anything, a step whose sequences

@@ -77,16 +77,7 @@ fn hybrid_requests_sharing_a_prefix_start_from_state_snapshots() {
     };
     for fixture in ["hf-tiny/qwen3_5", "hf-tiny/qwen3_next"] {
         let model = Model::open(ModelSpec::for_weights(&common::fixture(fixture))).unwrap();
-        let shared: Vec<u32> = (0..20u32).map(|j| (31 + 7 * j) % 320).collect();
-        let mut prompts: Vec<Vec<u32>> = (0..5u32)
-            .map(|i| {
-                shared
-                    .iter()
-                    .copied()
-                    .chain((0..2 + i).map(|j| 250 + 5 * i + j))
-                    .collect()
-            })
-            .collect();
+        let mut prompts = bbc::gpu_check::kernels::prompts_sharing_a_prefix(20, 5);
         let first_turn = alone(&model, &prompts[..1], 8).remove(0);
         let second_turn = prompts[0].iter().chain(&first_turn).copied().chain([7, 8, 9]).collect();
         prompts.push(second_turn);

@@ -191,18 +191,9 @@ pub fn snapshot_check(target: Target, arch: &str, fixtures: &Path) -> Result<()>
         .keep_state_snapshots(6)?;
     let cpu_graph = passes::optimized(&lowered, passes::CostModel::CPU)?;
     let cpu = runtime::CpuBackend::new(cpu_graph, &model.weights, config.context_length)?;
-    let shared: Vec<u32> = (0..21u32).map(|j| (31 + 7 * j) % 300).collect();
-    let prompts: Vec<Vec<u32>> = (0..4u32)
-        .map(|i| {
-            shared
-                .iter()
-                .copied()
-                .chain((0..2 + i).map(|j| 250 + 5 * i + j))
-                .collect()
-        })
-        .collect();
-    let (want, cpu_hits) = serve_sharing(ServingEngine::new(cpu, config), &prompts)?;
-    let (got, gpu_hits) = serve_sharing(ServingEngine::new(gpu, config), &prompts)?;
+    let prompts = prompts_sharing_a_prefix(21, 4);
+    let (want, cpu_hits) = serve_first_then_rest(&mut ServingEngine::new(cpu, config), &prompts)?;
+    let (got, gpu_hits) = serve_first_then_rest(&mut ServingEngine::new(gpu, config), &prompts)?;
     println!("\n| tiny Qwen3.5, 4 requests sharing 21 tokens | positions restored from snapshots |\n|---|---|");
     println!("| CPU backend | {cpu_hits} |\n| GPU plan | {gpu_hits} |");
     if got != want {
@@ -214,10 +205,25 @@ pub fn snapshot_check(target: Target, arch: &str, fixtures: &Path) -> Result<()>
     Ok(())
 }
 
+/// `count` prompts of the tiny models' vocabulary (ids under 300) that share their first
+/// `shared` tokens, then differ (the i-th has 2 + i tokens of its own).
+pub fn prompts_sharing_a_prefix(shared: usize, count: u32) -> Vec<Vec<u32>> {
+    let prefix: Vec<u32> = (0..shared as u32).map(|j| (31 + 7 * j) % 300).collect();
+    (0..count)
+        .map(|i| {
+            prefix
+                .iter()
+                .copied()
+                .chain((0..2 + i).map(|j| 250 + 5 * i + j))
+                .collect()
+        })
+        .collect()
+}
+
 /// The first prompt served alone (filling the cache), then the rest together, 6 greedy tokens
-/// each: their tokens, and the positions the prefix cache spared.
-fn serve_sharing<B: runtime::serving::PagedBackend>(
-    mut engine: runtime::serving::ServingEngine<B>,
+/// each: their tokens, and the positions the prefix cache spared so far.
+pub fn serve_first_then_rest<B: runtime::serving::PagedBackend>(
+    engine: &mut runtime::serving::ServingEngine<B>,
     prompts: &[Vec<u32>],
 ) -> Result<(Vec<Vec<u32>>, u64)> {
     let mut generated = std::collections::HashMap::new();
