@@ -119,11 +119,9 @@ impl StateCache {
     /// A sequence starts from the snapshot filed under `serial` this step: refreshed, and
     /// pinned until the next step is scheduled.
     pub fn restore(&mut self, serial: Serial) {
-        let (place, key) = self.filed[&serial];
-        self.order.remove(&key);
+        let (place, _) = self.filed[&serial];
         self.refreshed += 1;
-        self.order.insert(self.refreshed, serial);
-        self.filed.insert(serial, (place, self.refreshed));
+        self.file_at(serial, place, self.refreshed);
         self.pinned.push(place);
     }
 
@@ -134,40 +132,50 @@ impl StateCache {
         if let Some(place) = self.free.pop() {
             return Some(place);
         }
-        let (&key, &serial) = self
+        let serial = *self
             .order
-            .iter()
-            .find(|(_, serial)| !self.pinned.contains(&self.filed[serial].0))?;
-        self.order.remove(&key);
-        self.filed.remove(&serial).map(|(place, _)| place)
+            .values()
+            .find(|serial| !self.pinned.contains(&self.filed[serial].0))?;
+        self.unfile(serial)
     }
 
     /// A step wrote the state after the block registered as `serial` into pending `place`:
     /// file it (refreshed), unless that prefix already has a snapshot (then the place is
     /// free again). `passed`, the sequence's previous snapshot, is demoted.
     pub fn file(&mut self, serial: Serial, place: usize, passed: Option<Serial>) {
-        if let Some(&(_, key)) = passed.and_then(|p| self.filed.get(&p)) {
-            let passed = self.order.remove(&key).expect("filed snapshots are ordered");
+        if let Some((passed, &(passed_place, _))) = passed.and_then(|p| self.filed.get(&p).map(|filed| (p, filed))) {
             self.demoted -= 1;
-            self.order.insert(self.demoted, passed);
-            self.filed.get_mut(&passed).expect("filed").1 = self.demoted;
+            self.file_at(passed, passed_place, self.demoted);
         }
         if self.filed.contains_key(&serial) {
             self.free.push(place);
             return;
         }
         self.refreshed += 1;
-        self.order.insert(self.refreshed, serial);
-        self.filed.insert(serial, (place, self.refreshed));
+        self.file_at(serial, place, self.refreshed);
+    }
+
+    /// File `serial`'s snapshot in `place` under usefulness `key`, in place of the key it had.
+    fn file_at(&mut self, serial: Serial, place: usize, key: i64) {
+        if let Some((_, old)) = self.filed.insert(serial, (place, key)) {
+            self.order.remove(&old);
+        }
+        self.order.insert(key, serial);
     }
 
     /// The block registered as `serial` was evicted: its snapshot, if any, can no longer be
     /// reached, and its place is free.
     pub fn forget(&mut self, serial: Serial) {
-        if let Some((place, key)) = self.filed.remove(&serial) {
-            self.order.remove(&key);
+        if let Some(place) = self.unfile(serial) {
             self.free.push(place);
         }
+    }
+
+    /// `serial`'s snapshot no longer filed: the place it was in.
+    fn unfile(&mut self, serial: Serial) -> Option<usize> {
+        let (place, key) = self.filed.remove(&serial)?;
+        self.order.remove(&key);
+        Some(place)
     }
 
     /// A pending place whose step's result was dropped: free again.
