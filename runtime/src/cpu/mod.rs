@@ -653,9 +653,16 @@ fn gated_delta_net(spec: &ir::DeltaNetSpec, args: &[Arg], pages: &mut KvPages, r
         let n = r.len();
         // After each sampled row but the last: where a verifying step may rewind to.
         let checkpoint_rows = n - seg.sampled_rows..n - 1;
+        // The segment's row after which each snapshot is saved.
+        let snapshot_rows: Vec<(usize, usize)> = seg
+            .snapshots
+            .save
+            .iter()
+            .map(|save| (save.positions - seg.start - 1, save.snapshot))
+            .collect();
         let mut save_after: Vec<usize> = checkpoint_rows
             .clone()
-            .chain(seg.snapshots.save.iter().map(|save| save.positions - seg.start - 1))
+            .chain(snapshot_rows.iter().map(|&(row, _)| row))
             .collect();
         save_after.sort_unstable();
         save_after.dedup();
@@ -667,14 +674,10 @@ fn gated_delta_net(spec: &ir::DeltaNetSpec, args: &[Arg], pages: &mut KvPages, r
         };
         let (seg_out, saved) = delta_net::gated_delta_net(spec, seg_rows, weights(), state, &save_after);
         out.extend(seg_out);
-        let mut snapshots = Vec::with_capacity(seg.snapshots.save.len());
+        let mut snapshots = Vec::with_capacity(snapshot_rows.len());
         for (row, state) in save_after.into_iter().zip(saved) {
-            let saves = seg
-                .snapshots
-                .save
-                .iter()
-                .filter(|save| save.positions - seg.start - 1 == row);
-            snapshots.extend(saves.map(|save| (save.snapshot, state.clone())));
+            let saves = snapshot_rows.iter().filter(|&&(at, _)| at == row);
+            snapshots.extend(saves.map(|&(_, snapshot)| (snapshot, state.clone())));
             if checkpoint_rows.contains(&row) {
                 checkpoints.push(state);
             }
