@@ -36,34 +36,31 @@ fn config() -> ModelConfig {
     config
 }
 
-/// Every weight the graph declares, random bf16 in ±0.05 (a fixed generator), written as one
-/// safetensors file in `dir`.
+/// Every weight the graph declares, with the values a GPU plan would make on the device for
+/// it (`runtime::generated::host_values`, seed 7), written as one safetensors file in `dir`:
+/// matrices bf16, vectors (norm gains) f32, as a bf16 checkpoint stores them.
 fn write_random_weights(graph: &ir::Graph, dir: &std::path::Path) {
-    let mut seed = 0x9e37_79b9u32;
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut tensors: Vec<(String, Vec<usize>, safetensors::Dtype, Vec<u8>)> = Vec::new();
     for node in graph.nodes() {
         let ir::Op::Weight { name } = &node.op else { continue };
-        let shape: Vec<usize> = node
-            .shape
-            .0
-            .iter()
-            .map(|d| d.as_const().expect("weights have fixed shapes"))
-            .collect();
-        let bytes = (0..shape.iter().product::<usize>())
-            .flat_map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 17;
-                seed ^= seed << 5;
-                let x = (seed as f32 / u32::MAX as f32 - 0.5) * 0.1;
-                bf16::from_f32(x).to_le_bytes()
-            })
-            .collect();
-        tensors.push((name.clone(), shape, bytes));
+        let shape = node.shape.resolve(0, 0);
+        let values = runtime::generated::host_values(7, name, &shape);
+        let (dtype, bytes) = match shape.len() {
+            2 => (
+                safetensors::Dtype::BF16,
+                values.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect(),
+            ),
+            _ => (
+                safetensors::Dtype::F32,
+                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ),
+        };
+        tensors.push((name.clone(), shape, dtype, bytes));
     }
     let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
         .iter()
-        .map(|(name, shape, bytes)| {
-            let view = safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, shape.clone(), bytes).unwrap();
+        .map(|(name, shape, dtype, bytes)| {
+            let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes).unwrap();
             (name.clone(), view)
         })
         .collect();
