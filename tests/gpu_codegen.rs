@@ -155,7 +155,11 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
             );
             assert_eq!(
                 plan.kv_cache.len(),
-                graph.nodes().iter().filter(|n| n.op.attention().is_some()).count()
+                graph
+                    .nodes()
+                    .iter()
+                    .filter(|n| n.op.appended_attention().is_some())
+                    .count()
             );
             // Plain matmuls get a tensor-core GEMM for prefill steps (bf16 weights, or GGUF
             // blocks decoded into its tiles), norm-fused ones too on Hopper with bf16 weights
@@ -281,7 +285,15 @@ fn tiny_models_compile_for_every_gpu_target_in_f32_and_bf16() {
     }
     let scratch = common::scratch_dir("bbc-gpu-tiny-");
     let dir = scratch.path();
-    for family in ["llama", "gemma3", "gemma4", "qwen3_5", "glm4_moe", "qwen3_next"] {
+    for family in [
+        "llama",
+        "gemma3",
+        "gemma4",
+        "gemma4_kv_shared",
+        "qwen3_5",
+        "glm4_moe",
+        "qwen3_next",
+    ] {
         for dtype in ["f32", "bf16"] {
             let weights = common::fixture(&format!("hf-tiny/{family}"));
             let toml = dir.join(format!("{family}-{dtype}.toml"));

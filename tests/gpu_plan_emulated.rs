@@ -85,7 +85,7 @@ fn check_against(family: &str, model: &Model, reference: &Model, target: Target,
         // residual before a norm without a GLU after it (no plain residual-prologue GEMM).
         let special: Vec<_> = kernels.iter().filter_map(kernels_gen::cuda::required_arch).collect();
         let variants = match family {
-            "qwen3_next" | "gemma4" => 3,
+            "qwen3_next" | "gemma4" | "gemma4_kv_shared" => 3,
             _ => 4,
         };
         let expected = match target {
@@ -188,6 +188,14 @@ fn tiny_glm4_moe_plans_agree_with_the_cpu_backend() {
 #[test]
 fn tiny_gemma4_plans_agree_with_the_cpu_backend() {
     check_everywhere("gemma4");
+}
+
+/// Gemma 4 E2B/E4B's shape: KV-shared layers attending over an earlier layer's cache slot
+/// (no append of their own), double-wide MLPs, soft-capped logits (an `elementwise` launch),
+/// on every GPU target.
+#[test]
+fn tiny_gemma4_kv_shared_plans_agree_with_the_cpu_backend() {
+    check_everywhere("gemma4_kv_shared");
 }
 
 /// Qwen3-Next: Qwen3.5's hybrid with MoE layers under a softmax router, a shared expert gated

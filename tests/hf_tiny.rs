@@ -382,6 +382,19 @@ fn gemma4_reference_interpreter_matches_hf() {
     check_reference_interpreter("gemma4");
 }
 
+/// Gemma 4 E2B/E4B's shape: KV-shared layers (reading the last earlier layer of their kind),
+/// their double-wide MLPs, soft-capped logits, per-layer inputs; the config as released
+/// (`global_head_dim`, no `per_layer_config`).
+#[test]
+fn gemma4_kv_shared_cpu_backend_matches_hf() {
+    check_cpu_backend("gemma4_kv_shared");
+}
+
+#[test]
+fn gemma4_kv_shared_reference_interpreter_matches_hf() {
+    check_reference_interpreter("gemma4_kv_shared");
+}
+
 /// GLM-5 (latent attention, sparse indexer) against HF on the prompt rows whose indexer choices
 /// are unambiguous. The indexer scores keys by ReLU'd dot products, so with the tiny model's
 /// two index heads many scores are exactly 0; where the top-8 cut falls inside such a tie
@@ -490,6 +503,7 @@ fn lowering_without_weights_gives_the_graph_the_weights_give() {
         "llama",
         "gemma3",
         "gemma4",
+        "gemma4_kv_shared",
         "glm4_moe",
         "glm_moe_dsa",
         "qwen3_5",

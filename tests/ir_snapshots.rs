@@ -43,6 +43,13 @@ fn gemma4_graph() {
     insta::assert_snapshot!(graph_text("gemma4", LogitsFor::LastToken));
 }
 
+/// KV-shared layers (`shared_kv_attention` on an earlier layer's slot), double-wide MLPs and
+/// soft-capped logits, here under a greedy head (`top_k` over the capped logits).
+#[test]
+fn gemma4_kv_shared_graph() {
+    insta::assert_snapshot!(graph_text("gemma4_kv_shared", LogitsFor::GreedyToken));
+}
+
 /// GLM-5: latent attention and its sparse indexer.
 #[test]
 fn glm_moe_dsa_graph() {

@@ -130,16 +130,18 @@ fn bad_hybrid_configs_are_named() {
 }
 
 /// Gemma 4 features bbc does not run yet are refused by name, as are head overrides for
-/// layers the model does not have.
+/// layers the model does not have, KV sharing no earlier layer can serve and caps that are
+/// not positive.
 #[test]
 fn unsupported_gemma4_configs_are_named() {
     check_bad_configs(
         "gemma4",
         &[
-            ("num_kv_shared_layers", 2.into(), "num_kv_shared_layers"),
-            ("attention_k_eq_v", true.into(), "attention_k_eq_v"),
             ("enable_moe_block", true.into(), "enable_moe_block"),
-            ("final_logit_softcapping", 30.0.into(), "final_logit_softcapping"),
+            ("num_kv_shared_layers", 7.into(), "more than the model's 6 layers"),
+            // The last layer is the only full-attention one: no earlier one to read.
+            ("num_kv_shared_layers", 1.into(), "none of the first 5"),
+            ("final_logit_softcapping", (-30.0).into(), "positive"),
             (
                 "per_layer_config",
                 serde_json::json!({"9": {"head_dim": 64}}),

@@ -14,6 +14,8 @@ pub enum Expr {
     Silu(Box<Expr>),
     GeluTanh(Box<Expr>),
     Sigmoid(Box<Expr>),
+    /// `cap · tanh(x / cap)`.
+    SoftCap(Box<Expr>, f32),
 }
 
 impl Expr {
@@ -26,6 +28,7 @@ impl Expr {
             Expr::Silu(a) => crate::reference::ops::silu(a.eval(inputs)),
             Expr::GeluTanh(a) => crate::reference::ops::gelu_tanh(a.eval(inputs)),
             Expr::Sigmoid(a) => crate::reference::ops::sigmoid(a.eval(inputs)),
+            Expr::SoftCap(a, cap) => crate::reference::ops::soft_cap(a.eval(inputs), *cap),
         }
     }
 
@@ -34,7 +37,7 @@ impl Expr {
         match self {
             Expr::Input(i) => i + 1,
             Expr::Add(a, b) | Expr::Mul(a, b) => a.arity().max(b.arity()),
-            Expr::Scale(a, _) | Expr::Silu(a) | Expr::GeluTanh(a) | Expr::Sigmoid(a) => a.arity(),
+            Expr::Scale(a, _) | Expr::Silu(a) | Expr::GeluTanh(a) | Expr::Sigmoid(a) | Expr::SoftCap(a, _) => a.arity(),
         }
     }
 
@@ -48,6 +51,7 @@ impl Expr {
             Expr::Silu(a) => Expr::Silu(Box::new(a.substitute(f))),
             Expr::GeluTanh(a) => Expr::GeluTanh(Box::new(a.substitute(f))),
             Expr::Sigmoid(a) => Expr::Sigmoid(Box::new(a.substitute(f))),
+            Expr::SoftCap(a, cap) => Expr::SoftCap(Box::new(a.substitute(f)), *cap),
         }
     }
 
@@ -57,7 +61,7 @@ impl Expr {
             Expr::Input(_) => 0,
             Expr::Add(a, b) | Expr::Mul(a, b) => 1 + a.ops() + b.ops(),
             Expr::Scale(a, _) => 1 + a.ops(),
-            Expr::Silu(a) | Expr::GeluTanh(a) | Expr::Sigmoid(a) => 8 + a.ops(),
+            Expr::Silu(a) | Expr::GeluTanh(a) | Expr::Sigmoid(a) | Expr::SoftCap(a, _) => 8 + a.ops(),
         }
     }
 }
@@ -72,6 +76,7 @@ impl fmt::Display for Expr {
             Expr::Silu(a) => write!(f, "silu({a})"),
             Expr::GeluTanh(a) => write!(f, "gelu_tanh({a})"),
             Expr::Sigmoid(a) => write!(f, "sigmoid({a})"),
+            Expr::SoftCap(a, cap) => write!(f, "soft_cap({a}, {cap})"),
         }
     }
 }

@@ -1,7 +1,8 @@
 //! The graph: nodes in topological order (every input precedes its user), named outputs.
 //!
 //! Invariants, checked by [`Graph::validate`]: inputs refer to earlier nodes; each node's
-//! shape and dtype are what its op infers from its inputs; outputs exist.
+//! shape and dtype are what its op infers from its inputs; a `shared_kv_attention` reads a
+//! cache slot an earlier attention appends to, of the same layout; outputs exist.
 
 use crate::op::Op;
 use crate::{DType, Dim, InputKind, Shape};
@@ -132,12 +133,43 @@ impl Graph {
                 });
             }
         }
+        self.validate_shared_kv()?;
         for (name, id) in &self.outputs {
             if id.0 >= self.nodes.len() {
                 return Err(GraphError::Output {
                     graph: self.name.clone(),
                     name: name.clone(),
                     node: id.0,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Every `shared_kv_attention` reads a slot an earlier node appends to, laid out as it
+    /// reads it (its heads of keys and values, their size and storage).
+    fn validate_shared_kv(&self) -> Result<(), GraphError> {
+        let mut appended: Vec<&crate::AttentionSpec> = Vec::new();
+        for (at, node) in self.nodes.iter().enumerate() {
+            if let Some(spec) = node.op.appended_attention() {
+                appended.push(spec);
+            }
+            let Op::SharedKvAttention(spec) = &node.op else {
+                continue;
+            };
+            let writer = appended.iter().rev().find(|w| w.cache_slot == spec.cache_slot);
+            let fits = writer.is_some_and(|w| {
+                (w.kv_heads, w.head_dim, w.cache_dtype) == (spec.kv_heads, spec.head_dim, spec.cache_dtype)
+            });
+            if !fits {
+                return Err(GraphError::Shape {
+                    graph: self.name.clone(),
+                    node: at,
+                    op: node.op.name(),
+                    message: match writer {
+                        None => format!("no earlier attention appends to cache slot {}", spec.cache_slot),
+                        Some(w) => format!("cache slot {} holds {w:?}, read as {spec:?}", spec.cache_slot),
+                    },
                 });
             }
         }

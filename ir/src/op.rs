@@ -237,6 +237,10 @@ pub enum Op {
         rope: RopeSpec,
         attention: AttentionSpec,
     },
+    /// `q [t, heads·hd] -> [t, heads·hd]`: causal softmax attention over the cache slot as
+    /// an earlier `attention` of the same step left it, appending nothing: Gemma 4's KV-shared
+    /// layers attend over the keys and values of the last earlier layer of their kind.
+    SharedKvAttention(AttentionSpec),
     Add,
     Mul,
     /// Multiply by a constant.
@@ -253,6 +257,10 @@ pub enum Op {
     AddBias,
     /// `1 / (1 + e^−x)` per element.
     Sigmoid,
+    /// `cap · tanh(x / cap)` per element: Gemma's soft-capping of the final logits.
+    SoftCap {
+        cap: f32,
+    },
     /// `(x [t, n], s) -> [t, n]`: each row times a scalar, its own (`s [t, 1]`: Qwen3-Next's
     /// gated shared expert) or one for all (`s [1]`, a weight: Gemma 4's `layer_scalar`).
     ScaleRows,
@@ -372,6 +380,7 @@ impl Op {
             Self::Rope(_) => "rope",
             Self::Attention(_) => "attention",
             Self::RopeAttention { .. } => "rope_attention",
+            Self::SharedKvAttention(_) => "shared_kv_attention",
             Self::Add => "add",
             Self::Mul => "mul",
             Self::Scale { .. } => "scale",
@@ -380,6 +389,7 @@ impl Op {
             Self::LastToken => "last_token",
             Self::AddBias => "add_bias",
             Self::Sigmoid => "sigmoid",
+            Self::SoftCap { .. } => "soft_cap",
             Self::ScaleRows => "scale_rows",
             Self::UnitRmsNorm { .. } => "unit_rms_norm",
             Self::LayerNorm { .. } => "layer_norm",
@@ -401,11 +411,23 @@ impl Op {
         }
     }
 
-    /// The attention this op runs (and the KV cache it appends to), fused or not.
+    /// The attention this op runs over its KV cache slot, fused or not, appending the step's
+    /// keys and values first or (`shared_kv_attention`) reading another layer's.
     pub fn attention(&self) -> Option<&AttentionSpec> {
         match self {
-            Self::Attention(spec) | Self::RopeAttention { attention: spec, .. } => Some(spec),
+            Self::Attention(spec) | Self::RopeAttention { attention: spec, .. } | Self::SharedKvAttention(spec) => {
+                Some(spec)
+            }
             _ => None,
+        }
+    }
+
+    /// The attention whose KV cache slot this op appends to: a slot of its own, which the
+    /// layers sharing it (`shared_kv_attention`) only read.
+    pub fn appended_attention(&self) -> Option<&AttentionSpec> {
+        match self {
+            Self::SharedKvAttention(_) => None,
+            op => op.attention(),
         }
     }
 
@@ -419,7 +441,13 @@ impl Op {
     pub fn is_elementwise(&self) -> bool {
         matches!(
             self,
-            Self::Add | Self::Mul | Self::Scale { .. } | Self::Silu | Self::GeluTanh | Self::Elementwise { .. }
+            Self::Add
+                | Self::Mul
+                | Self::Scale { .. }
+                | Self::Silu
+                | Self::GeluTanh
+                | Self::SoftCap { .. }
+                | Self::Elementwise { .. }
         )
     }
 
@@ -429,6 +457,7 @@ impl Op {
             Self::Input(_) | Self::Weight { .. } => 0,
             Self::Scale { .. } | Self::Silu | Self::GeluTanh | Self::LastToken => 1,
             Self::Sigmoid | Self::GroupSlice { .. } | Self::RowGroupSlice { .. } | Self::UnitRmsNorm { .. } => 1,
+            Self::SoftCap { .. } | Self::SharedKvAttention(_) => 1,
             Self::GatedDeltaNet(_) => 6,
             Self::Slice { .. } | Self::Glu { .. } | Self::TopK { .. } => 1,
             Self::Embedding | Self::MatMul | Self::RmsNorm { .. } | Self::Rope(_) | Self::Add | Self::Mul => 2,
@@ -500,6 +529,12 @@ impl Op {
                 Ok((Shape::new([t, d]), DType::F32))
             }
             Self::Attention(spec) => attention_shape(spec, inputs),
+            // The keys and values are the cache's: the query stands in for their row count.
+            Self::SharedKvAttention(spec) => {
+                let (t, _) = f32_rows(inputs[0].0)?;
+                let kv = Shape::new([t, Dim::Const(spec.kv_heads * spec.head_dim)]);
+                attention_shape(spec, &[inputs[0], (&kv, DType::F32), (&kv, DType::F32)])
+            }
             Self::RopeAttention { rope, attention } => {
                 tokens_vec(inputs[3].0, inputs[3].1, "positions")?;
                 let fits = rope.heads == attention.heads + attention.kv_heads
@@ -535,7 +570,7 @@ impl Op {
                 Ok((Shape::new([t, n]), DType::F32))
             }
             Self::Moe(spec) => moe_shape(spec, inputs),
-            Self::Sigmoid => {
+            Self::Sigmoid | Self::SoftCap { .. } => {
                 f32_rows(inputs[0].0)?;
                 Ok((inputs[0].0.clone(), DType::F32))
             }
@@ -701,7 +736,7 @@ impl Op {
                 group,
             } => format!("eps={eps:e}, weight_offset={weight_offset}, group={group}"),
             Self::Rope(s) => rope_attributes(s),
-            Self::Attention(s) => attention_attributes(s),
+            Self::Attention(s) | Self::SharedKvAttention(s) => attention_attributes(s),
             // The head counts and head_dim are the attention's; the rotation's own fields follow.
             Self::RopeAttention { rope, attention } => format!(
                 "{}, rotary_dim={}, theta={}, position_scale={}, layout={}",
@@ -712,6 +747,7 @@ impl Op {
                 layout_name(rope.layout)
             ),
             Self::Scale { factor } => format!("factor={factor}"),
+            Self::SoftCap { cap } => format!("cap={cap}"),
             Self::Slice { start, len } => format!("start={start}, len={len}"),
             Self::AddRmsNorm { eps, weight_offset }
             | Self::RmsNormMatMul { eps, weight_offset }

@@ -29,7 +29,10 @@ fn elementwise_matches_expression_semantics() {
                 Box::new(ir::Expr::Input(1)),
                 0.5,
             )))),
-            Box::new(ir::Expr::Sigmoid(Box::new(ir::Expr::Input(0)))),
+            Box::new(ir::Expr::Sigmoid(Box::new(ir::Expr::SoftCap(
+                Box::new(ir::Expr::Scale(Box::new(ir::Expr::Input(0)), 4.0)),
+                1.5,
+            )))),
         )),
     );
     let k = elementwise::elementwise("ew", "test", &expr);

@@ -108,6 +108,8 @@ pub struct ModelConfig {
     pub gemma4: Option<Gemma4Config>,
     /// Latent attention's shapes, where the family has it.
     pub mla: Option<MlaConfig>,
+    /// Logits are soft-capped, `cap · tanh(logits / cap)` (`final_logit_softcapping`).
+    pub final_logit_softcap: Option<f32>,
 }
 
 /// Multi-head latent attention with DeepSeek's sparse indexer (GLM-5; HF names).
@@ -135,6 +137,25 @@ pub struct Gemma4Config {
     /// Full-attention layers' RoPE is proportional, turning this share of each head
     /// (`rope_parameters.full_attention`: `rope_type` "proportional", `partial_rotary_factor`).
     pub global_rope_fraction: Option<f64>,
+    /// Per layer: the earlier layer whose keys and values it attends over instead of its own
+    /// (the last `num_kv_shared_layers` layers each read the last layer of their kind before
+    /// them), or `None` for a layer with its own.
+    pub kv_shared_from: Vec<Option<usize>>,
+    /// The KV-shared layers' MLPs are twice `intermediate_size` wide (`use_double_wide_mlp`).
+    pub double_wide_mlp: bool,
+    /// Full-attention layers have no value projection: their keys, before the key norm and
+    /// RoPE, are their values (`attention_k_eq_v`).
+    pub keys_as_values: bool,
+}
+
+impl Gemma4Config {
+    /// Layer `i`'s MLP width.
+    pub fn intermediate(&self, i: usize, intermediate: usize) -> usize {
+        match self.double_wide_mlp && self.kv_shared_from[i].is_some() {
+            true => 2 * intermediate,
+            false => intermediate,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -329,6 +350,7 @@ impl ModelConfig {
             linear_attention: None,
             gemma4: None,
             mla: None,
+            final_logit_softcap: None,
         }
     }
 
@@ -373,6 +395,7 @@ impl ModelConfig {
             }),
             gemma4: None,
             mla: None,
+            final_logit_softcap: None,
         }
     }
 
@@ -478,6 +501,10 @@ impl ModelConfig {
             linear_attention,
             gemma4: None,
             mla: None,
+            // llama.cpp's key for Gemma 2's cap (its Gemma 3 files have none).
+            final_logit_softcap: file
+                .optional_f64(&key("final_logit_softcapping"))?
+                .map(|cap| cap as f32),
         };
         config.check(&file.path)
     }
@@ -582,6 +609,7 @@ impl ModelConfig {
                 Family::GlmMoeDsa => Some(cfg.mla()?),
                 _ => None,
             },
+            final_logit_softcap: cfg.opt_f64("final_logit_softcapping")?.map(|cap| cap as f32),
         };
         config.check(path)
     }
@@ -618,6 +646,12 @@ impl ModelConfig {
                 self.layer_attention.len(),
                 self.layers
             )));
+        }
+        if self
+            .final_logit_softcap
+            .is_some_and(|cap| !(cap.is_finite() && cap > 0.0))
+        {
+            return Err(bad("final_logit_softcapping must be a positive number".into()));
         }
         if self.layer_attention.contains(&LayerAttention::Sliding) && self.sliding_window.is_none_or(|w| w == 0) {
             return Err(bad("sliding-window layers need a positive sliding_window".into()));
@@ -819,36 +853,39 @@ impl HfConfig<'_> {
     /// Gemma 4's settings, refusing the features bbc does not run yet.
     fn gemma4(&self, layer_attention: &[LayerAttention], heads: usize, head_dim: usize) -> Result<Gemma4Config> {
         let unsupported = |what: &str| Err(self.error(&format!("{what}: bbc does not run that Gemma 4 feature yet")));
-        if self.opt_usize("num_kv_shared_layers")?.unwrap_or(0) > 0 {
-            return unsupported("num_kv_shared_layers > 0 (layers sharing another's keys and values)");
-        }
-        if self.opt_bool("attention_k_eq_v")?.unwrap_or(false) {
-            return unsupported("attention_k_eq_v (keys used as values)");
-        }
         if self.opt_bool("enable_moe_block")?.unwrap_or(false) {
             return unsupported("enable_moe_block");
         }
-        if self.opt_f64("final_logit_softcapping")?.is_some() {
-            return unsupported("final_logit_softcapping");
-        }
+        let keys_as_values = self.opt_bool("attention_k_eq_v")?.unwrap_or(false);
         let kv_heads = self.opt_usize("num_key_value_heads")?.unwrap_or(heads);
+        // Without `per_layer_config`, HF gives full-attention layers heads of
+        // `global_head_dim` (512 unless said), and `num_global_key_value_heads` of them only
+        // where keys are values.
+        let (global_head_dim, global_kv_heads) = match self.json.get("per_layer_config") {
+            Some(_) => (head_dim, kv_heads),
+            None => (
+                self.opt_usize("global_head_dim")?.unwrap_or(512),
+                match keys_as_values {
+                    true => self.opt_usize("num_global_key_value_heads")?.unwrap_or(kv_heads),
+                    false => kv_heads,
+                },
+            ),
+        };
         let mut layer_heads: Vec<LayerHeads> = layer_attention
             .iter()
-            .map(|kind| {
-                let full = *kind == LayerAttention::Full;
-                Ok(LayerHeads {
+            .map(|kind| match kind {
+                LayerAttention::Full => LayerHeads {
                     heads,
-                    kv_heads: match full {
-                        true => self.opt_usize("num_global_key_value_heads")?.unwrap_or(kv_heads),
-                        false => kv_heads,
-                    },
-                    head_dim: match full {
-                        true => self.opt_usize("global_head_dim")?.unwrap_or(head_dim),
-                        false => head_dim,
-                    },
-                })
+                    kv_heads: global_kv_heads,
+                    head_dim: global_head_dim,
+                },
+                _ => LayerHeads {
+                    heads,
+                    kv_heads,
+                    head_dim,
+                },
             })
-            .collect::<Result<_>>()?;
+            .collect();
         if let Some(per_layer) = self.json.get("per_layer_config").and_then(|v| v.as_object()) {
             for (layer, overrides) in per_layer {
                 let i: usize = layer.parse().ok().filter(|&i| i < layer_heads.len()).ok_or_else(|| {
@@ -878,7 +915,36 @@ impl HfConfig<'_> {
             per_layer_input: self.opt_usize("hidden_size_per_layer_input")?.unwrap_or(0),
             layer_heads,
             global_rope_fraction,
+            kv_shared_from: self.kv_shared_from(layer_attention)?,
+            double_wide_mlp: self.opt_bool("use_double_wide_mlp")?.unwrap_or(false),
+            keys_as_values,
         })
+    }
+
+    /// HF's `kv_sharing_modes`: from layer `layers − num_kv_shared_layers` on, each layer reads
+    /// the keys and values of the last earlier layer of its kind that has its own.
+    fn kv_shared_from(&self, layer_attention: &[LayerAttention]) -> Result<Vec<Option<usize>>> {
+        let shared = self.opt_usize("num_kv_shared_layers")?.unwrap_or(0);
+        let first_shared = layer_attention.len().checked_sub(shared).ok_or_else(|| {
+            self.error(&format!(
+                "num_kv_shared_layers {shared} is more than the model's {} layers",
+                layer_attention.len()
+            ))
+        })?;
+        (0..layer_attention.len())
+            .map(|i| match i < first_shared {
+                true => Ok(None),
+                false => {
+                    let kind = layer_attention[i];
+                    let producer = (0..first_shared).rev().find(|&p| layer_attention[p] == kind);
+                    producer.map(Some).ok_or_else(|| {
+                        self.error(&format!(
+                            "layer {i} shares keys and values with an earlier {kind:?} layer, but none of the first {first_shared} is one"
+                        ))
+                    })
+                }
+            })
+            .collect()
     }
 
     fn mla(&self) -> Result<MlaConfig> {

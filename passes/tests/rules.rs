@@ -315,7 +315,7 @@ proptest! {
     }
 
     #[test]
-    fn elementwise_chains_collapse(d in 1usize..16, ops in proptest::collection::vec(0u8..6, 2..6), seed in any::<u64>()) {
+    fn elementwise_chains_collapse(d in 1usize..16, ops in proptest::collection::vec(0u8..7, 2..6), seed in any::<u64>()) {
         let mut g = Graph::new("chain");
         let mut w = Weights { seed, ..Default::default() };
         let x = activation(&mut g, &mut w, d);
@@ -329,6 +329,7 @@ proptest! {
                 2 => g.add(Op::Scale { factor: 0.5 }, &[v]),
                 3 => g.add(Op::Add, &[v, y]),
                 4 => g.add(Op::Sigmoid, &[v]),
+                5 => g.add(Op::SoftCap { cap: 1.5 }, &[v]),
                 _ => g.add(Op::Mul, &[v, y]),
             }.unwrap();
         }

@@ -136,6 +136,12 @@ impl<'w> Interpreter<'w> {
         attention_over_slot(spec, q, slot, positions)
     }
 
+    /// Attend with `q` over the spec's cache slot as an earlier attention of this step left it.
+    fn attend_shared(&mut self, spec: &AttentionSpec, q: &Tensor, positions: &[usize]) -> Tensor {
+        let slot = self.caches.entry(spec.cache_slot).or_default();
+        attention_over_slot(spec, q, slot, positions)
+    }
+
     /// Append the step's keys (`[k_nope | k_pe | index key]` rows) and values to the spec's
     /// cache slot, then run every query over the positions it may see.
     fn sparse_mla(&mut self, spec: &crate::SparseMlaSpec, x: &[&Tensor], positions: &[usize]) -> Tensor {
@@ -217,6 +223,8 @@ impl<'w> Interpreter<'w> {
                 Tensor::new(vec![data.len() / w.row_len(), w.row_len()], data)
             }
             Op::Sigmoid => map(args[0].tensor(), ops::sigmoid),
+            Op::SoftCap { cap } => map(args[0].tensor(), |x| ops::soft_cap(x, *cap)),
+            Op::SharedKvAttention(spec) => self.attend_shared(spec, args[0].tensor(), positions),
             Op::ScaleRows => {
                 let (x, scalars) = (args[0].tensor(), args[1].tensor());
                 Tensor::new(x.shape.clone(), ops::scale_rows(&x.data, x.row_len(), &scalars.data))

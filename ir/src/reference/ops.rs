@@ -227,6 +227,11 @@ fn softmax(x: &[f32]) -> Vec<f32> {
     exps.iter().map(|e| (e / total) as f32).collect()
 }
 
+/// `cap · tanh(x / cap)`: the division in f32 as PyTorch divides, the tanh in f64.
+pub fn soft_cap(x: f32, cap: f32) -> f32 {
+    ((x / cap) as f64).tanh() as f32 * cap
+}
+
 /// `1 / (1 + e^−x)`, in f64.
 pub fn sigmoid(x: f32) -> f32 {
     (1.0 / (1.0 + (-(x as f64)).exp())) as f32

@@ -17,6 +17,7 @@ fn lower(e: &IrExpr) -> Expr {
         IrExpr::Silu(a) => silu(lower(a)),
         IrExpr::GeluTanh(a) => gelu_tanh(lower(a)),
         IrExpr::Sigmoid(a) => sigmoid(lower(a)),
+        IrExpr::SoftCap(a, cap) => f(*cap) * un(UnOp::Tanh, lower(a) / f(*cap)),
     }
 }
 

@@ -10,10 +10,15 @@
 //!   values per layer and token) plus a normed projection of the main embedding, which each
 //!   layer gates (`gelu(x · per_layer_input_gate) · input`), projects back and adds to the
 //!   residual after its MLP;
-//! - each layer's output is multiplied by its `layer_scalar`.
+//! - each layer's output is multiplied by its `layer_scalar`;
+//! - the last `num_kv_shared_layers` layers project queries only and attend over the keys and
+//!   values of the last earlier layer of their kind (`shared_kv_attention` on its cache slot,
+//!   so they keep no cache of their own), with MLPs twice as wide where `use_double_wide_mlp`;
+//! - with `attention_k_eq_v`, full-attention layers take their values from the key
+//!   projection (before its norm and RoPE);
+//! - logits may be soft-capped (`final_logit_softcapping`, in [`Builder::lm_head`]).
 //!
-//! KV sharing across layers, keys used as values (`attention_k_eq_v`), the MoE block and
-//! final-logit soft-capping are refused when a config asks for them.
+//! The MoE block is refused when a config asks for it.
 
 use super::{Builder, ComputeDtype, LayerTensor};
 use crate::config::{Gemma4Config, LayerAttention, ModelConfig};
@@ -46,7 +51,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         x = b.add(x, a)?;
         let h = b.rms_norm(x, &pre_ffn, c.hidden, c.rms_eps, 0.0)?;
         let mlp = [LayerTensor::Gate, LayerTensor::Up, LayerTensor::Down].map(|t| b.naming.layer(i, t));
-        let m = b.gated_mlp(h, &mlp, c.hidden, c.intermediate, GluAct::GeluTanh)?;
+        let m = b.gated_mlp(h, &mlp, c.hidden, g.intermediate(i, c.intermediate), GluAct::GeluTanh)?;
         let m = b.rms_norm(m, &post_ffn, c.hidden, c.rms_eps, 0.0)?;
         x = b.add(x, m)?;
         if let Some(inputs) = per_layer {
@@ -138,21 +143,9 @@ fn attention(
         n(LayerTensor::QNorm),
         n(LayerTensor::KNorm),
     );
-    let (wq, wk, wv) = (
-        b.matrix(&nq, heads * hd, c.hidden)?,
-        b.matrix(&nk, kv_heads * hd, c.hidden)?,
-        b.matrix(&nv, kv_heads * hd, c.hidden)?,
-    );
-    let (q, k, v) = (b.matmul(h, wq)?, b.matmul(h, wk)?, b.matmul(h, wv)?);
+    let wq = b.matrix(&nq, heads * hd, c.hidden)?;
+    let q = b.matmul(h, wq)?;
     let q = b.rms_norm(q, &nqn, hd, c.rms_eps, 0.0)?;
-    let k = b.rms_norm(k, &nkn, hd, c.rms_eps, 0.0)?;
-    let v = b.op(
-        Op::UnitRmsNorm {
-            eps: c.rms_eps,
-            group: hd,
-        },
-        &[v],
-    )?;
     let rope = match (sliding, g.global_rope_fraction) {
         (false, Some(fraction)) => RopeSpec {
             heads,
@@ -178,10 +171,35 @@ fn attention(
         head_dim: hd,
         scale: 1.0,
         window: if sliding { c.sliding_window } else { None },
-        cache_slot: i,
+        cache_slot: g.kv_shared_from[i].unwrap_or(i),
         cache_dtype: b.cache_dtype(),
     };
-    let a = b.rotary_attention([q, k, v], positions, rope, spec)?;
+    let a = match g.kv_shared_from[i] {
+        Some(_) => {
+            let q = b.op(Op::Rope(rope), &[q, positions])?;
+            b.op(Op::SharedKvAttention(spec), &[q])?
+        }
+        None => {
+            let wk = b.matrix(&nk, kv_heads * hd, c.hidden)?;
+            let k = b.matmul(h, wk)?;
+            let v = match g.keys_as_values && !sliding {
+                true => k,
+                false => {
+                    let wv = b.matrix(&nv, kv_heads * hd, c.hidden)?;
+                    b.matmul(h, wv)?
+                }
+            };
+            let k = b.rms_norm(k, &nkn, hd, c.rms_eps, 0.0)?;
+            let v = b.op(
+                Op::UnitRmsNorm {
+                    eps: c.rms_eps,
+                    group: hd,
+                },
+                &[v],
+            )?;
+            b.rotary_attention([q, k, v], positions, rope, spec)?
+        }
+    };
     let wo = b.matrix(&no, c.hidden, heads * hd)?;
     b.matmul(a, wo)
 }

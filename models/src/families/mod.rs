@@ -503,7 +503,10 @@ impl Builder<'_> {
         };
         let w = self.matrix(&head, config.vocab_size, config.hidden)?;
         self.graph.set_output("hidden", x);
-        let logits = self.matmul(x, w)?;
+        let mut logits = self.matmul(x, w)?;
+        if let Some(cap) = config.final_logit_softcap {
+            logits = self.op(Op::SoftCap { cap }, &[logits])?;
+        }
         match self.options.logits {
             LogitsFor::GreedyToken => {
                 let next = self.op(Op::TopK { k: 1 }, &[logits])?;

@@ -177,7 +177,7 @@ impl CpuBackend {
                 last_use[input.0] = i;
             }
             let cache = match &node.op {
-                op if op.attention().is_some() => op.attention().map(|s| {
+                op if op.appended_attention().is_some() => op.appended_attention().map(|s| {
                     let dim = s.kv_heads * s.head_dim;
                     (s.cache_slot, (dim, dim))
                 }),
@@ -449,6 +449,13 @@ impl CpuBackend {
             }
             // As the reference computes it (and fused expressions do, `Expr::Sigmoid`).
             Op::Sigmoid => map(args[0].value().tensor(), ops::sigmoid),
+            Op::SoftCap { cap } => map(args[0].value().tensor(), |x| ops::soft_cap(x, *cap)),
+            Op::SharedKvAttention(spec) => {
+                let q = args[0].value().tensor();
+                let mut out = Tensor::zeros(q.shape.clone());
+                attention::attention(spec, &q.data, &rows.query, pages.layer(spec.cache_slot), &mut out.data);
+                out
+            }
             Op::ScaleRows => {
                 let x = args[0].value().tensor();
                 let scalars = match &args[1] {

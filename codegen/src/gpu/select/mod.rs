@@ -3,12 +3,13 @@
 //! layers) are chosen in files of their own.
 
 mod delta_net;
+mod kv_attention;
 mod moe;
 
 use super::{rows, width, GpuCodegenError, KvLayout, LaunchArg, StateLayout, View, WeightUse};
 use ir::reference::ops::rope_inv_freq;
 use ir::{DType, Expr as IrExpr, GluAct, Graph, InputKind, Op};
-use kernels_gen::dsl::{Kernel, Ty};
+use kernels_gen::dsl::Kernel;
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::{self, *};
@@ -94,6 +95,7 @@ fn as_expr(op: &Op) -> Option<IrExpr> {
         Op::Silu => IrExpr::Silu(x()),
         Op::GeluTanh => IrExpr::GeluTanh(x()),
         Op::Sigmoid => IrExpr::Sigmoid(x()),
+        Op::SoftCap { cap } => IrExpr::SoftCap(x(), *cap),
         Op::Elementwise { expr } => expr.clone(),
         _ => return None,
     })
@@ -366,163 +368,8 @@ pub(crate) fn select(
                             args,
                         )
                     }
-                    Op::Attention(spec) | Op::RopeAttention { attention: spec, .. } => {
-                        if spec.head_dim > attention::MAX_HEAD_DIM {
-                            return Err(unsupported(format!(
-                                "head_dim {} is past the attention templates' {}",
-                                spec.head_dim,
-                                attention::MAX_HEAD_DIM
-                            )));
-                        }
-                        let kv_dim = spec.kv_heads * spec.head_dim;
-                        let cache_ty = match spec.cache_dtype {
-                            DType::F32 => Ty::F32,
-                            DType::BF16 => Ty::Bf16,
-                            other => return Err(unsupported(format!("a {other} KV cache"))),
-                        };
-                        s.kv_cache.push(KvLayout {
-                            slot: spec.cache_slot,
-                            kv_dim,
-                            bytes_per_token: kv_dim * cache_ty.bytes(),
-                        });
-                        // What the layout adds to both kernels' arguments.
-                        let layout_args = match layout {
-                            CacheLayout::Batched => vec![
-                                LaunchArg::StepInput {
-                                    name: "block_tables".into(),
-                                },
-                                LaunchArg::StepInput {
-                                    name: "row_table".into(),
-                                },
-                                LaunchArg::StepInput { name: "row_pos".into() },
-                                scalar("block_size", "block_size"),
-                            ],
-                            CacheLayout::Contiguous => vec![],
-                            CacheLayout::Paged => {
-                                return Err(unsupported("a one-sequence paged plan is not built".into()))
-                            }
-                        };
-                        // Append this step's keys and values (rotating q and k on the way
-                        // for `rope_attention`), then attend over the cache.
-                        let ((k, k_stride), (v, v_stride)) = (act(&s, 1), act(&s, 2));
-                        let cache = |value| LaunchArg::KvCache {
-                            slot: spec.cache_slot,
-                            value,
-                        };
-                        let (kernel, args, (q, q_stride)) = match op {
-                            Op::RopeAttention { rope, .. } => {
-                                let inv_freq = s.rope_inv_freq(rope);
-                                let ((q, q_stride), (positions, _)) = (act(&s, 0), act(&s, 3));
-                                let q_dim = spec.heads * spec.head_dim;
-                                let rotated = LaunchArg::Scratch {
-                                    node: i,
-                                    name: "q".into(),
-                                    bytes: max_tokens * q_dim * 4,
-                                };
-                                let args = vec![
-                                    q,
-                                    k,
-                                    v,
-                                    positions,
-                                    inv_freq,
-                                    rotated.clone(),
-                                    cache(false),
-                                    cache(true),
-                                    scalar("tokens", &rows),
-                                    scalar("q_dim", q_dim),
-                                    scalar("kv_dim", kv_dim),
-                                    scalar("head_dim", spec.head_dim),
-                                    scalar("rotary_dim", rope.rotary_dim),
-                                    scalar("first", "first"),
-                                    scalar("q_stride", q_stride),
-                                    scalar("k_stride", k_stride),
-                                    scalar("v_stride", v_stride),
-                                ];
-                                let kernel = kv_append::rope_kv_append(
-                                    "rope_kv_append",
-                                    &graph.name,
-                                    layout,
-                                    cache_ty,
-                                    rope.layout,
-                                    rope.position_scale as f32,
-                                );
-                                (kernel, args, (rotated, q_dim))
-                            }
-                            _ => {
-                                let args = vec![
-                                    k,
-                                    v,
-                                    cache(false),
-                                    cache(true),
-                                    scalar("tokens", &rows),
-                                    scalar("kv_dim", kv_dim),
-                                    scalar("first", "first"),
-                                    scalar("k_stride", k_stride),
-                                    scalar("v_stride", v_stride),
-                                ];
-                                let kernel = kv_append::kv_append_with("kv_append", &graph.name, layout, cache_ty);
-                                (kernel, args, act(&s, 0))
-                            }
-                        };
-                        let args = [args, layout_args.clone()].concat();
-                        s.launches.push((i, kernel, Alternatives::default(), args));
-                        // The keys split across blocks, then the splits merged (see
-                        // `templates::attention`); the partials are scratch of this node.
-                        let splits = attention::splits_expr(&rows);
-                        let partial = LaunchArg::Scratch {
-                            node: i,
-                            name: "partial".into(),
-                            bytes: attention::partial_len(max_tokens, spec.heads, spec.head_dim) * 4,
-                        };
-                        let args = vec![
-                            q,
-                            LaunchArg::KvCache {
-                                slot: spec.cache_slot,
-                                value: false,
-                            },
-                            LaunchArg::KvCache {
-                                slot: spec.cache_slot,
-                                value: true,
-                            },
-                            partial.clone(),
-                            scalar("tokens", &rows),
-                            scalar("q_stride", q_stride),
-                            scalar("first", "first"),
-                            scalar("heads", spec.heads),
-                            scalar("kv_heads", spec.kv_heads),
-                            scalar("window", spec.window.unwrap_or(0)),
-                            scalar("scale", spec.scale as f32),
-                            scalar("splits", &splits),
-                        ];
-                        let mut args = [args, layout_args].concat();
-                        let group = attention::heads_per_block(spec.heads, spec.kv_heads, spec.head_dim);
-                        let mut split = attention::attention_split(
-                            "attention",
-                            &graph.name,
-                            layout,
-                            spec.head_dim,
-                            group,
-                            cache_ty,
-                        );
-                        if let Some((weights, bytes)) = next_matmul_weights(graph, i) {
-                            split = weight_prefetch::prefetching_next_weights(split);
-                            args.extend([
-                                LaunchArg::WeightPrefetch { node: weights },
-                                scalar("prefetch_bytes", prefetch_bytes(&rows, bytes)),
-                            ]);
-                        }
-                        s.launches.push((i, split, Alternatives::default(), args));
-                        let args = vec![
-                            partial,
-                            out,
-                            scalar("tokens", &rows),
-                            scalar("heads", spec.heads),
-                            scalar("splits", splits),
-                        ];
-                        (
-                            attention::attention_combine("attention_combine", &graph.name, spec.head_dim),
-                            args,
-                        )
+                    Op::Attention(_) | Op::RopeAttention { .. } | Op::SharedKvAttention(_) => {
+                        kv_attention::launches(&mut s, &operands, layout, &rows, max_tokens)?
                     }
                     Op::AddBias => {
                         let (x, stride) = act(&s, 0);

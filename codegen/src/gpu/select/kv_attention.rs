@@ -1,0 +1,206 @@
+//! An attention node's launches (`templates::kv_append`, `templates::attention`): the step's
+//! keys and values appended to the node's cache slot (rotating q and k on the way for
+//! `rope_attention`), then the attention over the cache, split across blocks and merged. A
+//! `shared_kv_attention` appends nothing: it attends over the slot an earlier layer filled.
+
+use super::{next_matmul_weights, prefetch_bytes, scalar, Alternatives, Operands, Selected};
+use crate::gpu::{GpuCodegenError, KvLayout, LaunchArg};
+use ir::{AttentionSpec, DType, Op};
+use kernels_gen::dsl::{Kernel, Ty};
+use kernels_gen::templates::cache_layout::CacheLayout;
+use kernels_gen::templates::{attention, kv_append, weight_prefetch};
+
+/// Pushes the append (where the op appends) and the split attention; returns the merge of the
+/// splits for the caller to push as the node's own launch.
+pub(super) fn launches(
+    s: &mut Selected,
+    operands: &Operands,
+    layout: CacheLayout,
+    rows: &str,
+    max_tokens: usize,
+) -> Result<(Kernel, Vec<LaunchArg>), GpuCodegenError> {
+    let op = &operands.graph.nodes()[operands.node].op;
+    let spec = op.attention().expect("called for attention ops");
+    let unsupported = |what: String| GpuCodegenError::Unsupported {
+        node: operands.node,
+        op: op.name(),
+        what,
+    };
+    if spec.head_dim > attention::MAX_HEAD_DIM {
+        return Err(unsupported(format!(
+            "head_dim {} is past the attention templates' {}",
+            spec.head_dim,
+            attention::MAX_HEAD_DIM
+        )));
+    }
+    let cache_ty = match spec.cache_dtype {
+        DType::F32 => Ty::F32,
+        DType::BF16 => Ty::Bf16,
+        other => return Err(unsupported(format!("a {other} KV cache"))),
+    };
+    let layout_args = match layout {
+        CacheLayout::Batched => vec![
+            LaunchArg::StepInput {
+                name: "block_tables".into(),
+            },
+            LaunchArg::StepInput {
+                name: "row_table".into(),
+            },
+            LaunchArg::StepInput { name: "row_pos".into() },
+            scalar("block_size", "block_size"),
+        ],
+        CacheLayout::Contiguous => vec![],
+        CacheLayout::Paged => return Err(unsupported("a one-sequence paged plan is not built".into())),
+    };
+    let cache = Cache {
+        spec,
+        ty: cache_ty,
+        layout,
+        layout_args,
+    };
+    let q = match op {
+        Op::SharedKvAttention(_) => operands.activation(s, 0),
+        _ => append(s, operands, &cache, rows, max_tokens),
+    };
+    Ok(attend(s, operands, &cache, q, rows, max_tokens))
+}
+
+/// The KV cache slot an attention reads, and what its layout adds to the kernels' arguments.
+struct Cache<'a> {
+    spec: &'a AttentionSpec,
+    ty: Ty,
+    layout: CacheLayout,
+    layout_args: Vec<LaunchArg>,
+}
+
+impl Cache<'_> {
+    fn slot(&self, value: bool) -> LaunchArg {
+        LaunchArg::KvCache {
+            slot: self.spec.cache_slot,
+            value,
+        }
+    }
+}
+
+/// Claims the node's cache slot and pushes the append of the step's keys and values (for
+/// `rope_attention`, rotating q and k on the way); returns the queries the attention reads.
+fn append(s: &mut Selected, operands: &Operands, cache: &Cache, rows: &str, max_tokens: usize) -> (LaunchArg, usize) {
+    let (spec, graph) = (cache.spec, operands.graph);
+    let kv_dim = spec.kv_heads * spec.head_dim;
+    s.kv_cache.push(KvLayout {
+        slot: spec.cache_slot,
+        kv_dim,
+        bytes_per_token: kv_dim * cache.ty.bytes(),
+    });
+    let ((k, k_stride), (v, v_stride)) = (operands.activation(s, 1), operands.activation(s, 2));
+    let (kernel, args, q) = match &graph.nodes()[operands.node].op {
+        Op::RopeAttention { rope, .. } => {
+            let inv_freq = s.rope_inv_freq(rope);
+            let ((q, q_stride), (positions, _)) = (operands.activation(s, 0), operands.activation(s, 3));
+            let q_dim = spec.heads * spec.head_dim;
+            let rotated = operands.scratch("q", q_dim, max_tokens);
+            let args = vec![
+                q,
+                k,
+                v,
+                positions,
+                inv_freq,
+                rotated.clone(),
+                cache.slot(false),
+                cache.slot(true),
+                scalar("tokens", rows),
+                scalar("q_dim", q_dim),
+                scalar("kv_dim", kv_dim),
+                scalar("head_dim", spec.head_dim),
+                scalar("rotary_dim", rope.rotary_dim),
+                scalar("first", "first"),
+                scalar("q_stride", q_stride),
+                scalar("k_stride", k_stride),
+                scalar("v_stride", v_stride),
+            ];
+            let kernel = kv_append::rope_kv_append(
+                "rope_kv_append",
+                &graph.name,
+                cache.layout,
+                cache.ty,
+                rope.layout,
+                rope.position_scale as f32,
+            );
+            (kernel, args, (rotated, q_dim))
+        }
+        _ => {
+            let args = vec![
+                k,
+                v,
+                cache.slot(false),
+                cache.slot(true),
+                scalar("tokens", rows),
+                scalar("kv_dim", kv_dim),
+                scalar("first", "first"),
+                scalar("k_stride", k_stride),
+                scalar("v_stride", v_stride),
+            ];
+            let kernel = kv_append::kv_append_with("kv_append", &graph.name, cache.layout, cache.ty);
+            (kernel, args, operands.activation(s, 0))
+        }
+    };
+    let args = [args, cache.layout_args.clone()].concat();
+    s.launches.push((operands.node, kernel, Alternatives::default(), args));
+    q
+}
+
+/// Pushes the attention's first pass, the keys split across blocks into partials that are
+/// scratch of the node (see `templates::attention`), prefetching the output projection's
+/// weights into L2 where it can; returns the merge of the splits.
+fn attend(
+    s: &mut Selected,
+    operands: &Operands,
+    cache: &Cache,
+    (q, q_stride): (LaunchArg, usize),
+    rows: &str,
+    max_tokens: usize,
+) -> (Kernel, Vec<LaunchArg>) {
+    let (spec, graph, i) = (cache.spec, operands.graph, operands.node);
+    let splits = attention::splits_expr(rows);
+    let partial = LaunchArg::Scratch {
+        node: i,
+        name: "partial".into(),
+        bytes: attention::partial_len(max_tokens, spec.heads, spec.head_dim) * 4,
+    };
+    let args = vec![
+        q,
+        cache.slot(false),
+        cache.slot(true),
+        partial.clone(),
+        scalar("tokens", rows),
+        scalar("q_stride", q_stride),
+        scalar("first", "first"),
+        scalar("heads", spec.heads),
+        scalar("kv_heads", spec.kv_heads),
+        scalar("window", spec.window.unwrap_or(0)),
+        scalar("scale", spec.scale as f32),
+        scalar("splits", &splits),
+    ];
+    let mut args = [args, cache.layout_args.clone()].concat();
+    let group = attention::heads_per_block(spec.heads, spec.kv_heads, spec.head_dim);
+    let mut split = attention::attention_split("attention", &graph.name, cache.layout, spec.head_dim, group, cache.ty);
+    if let Some((weights, bytes)) = next_matmul_weights(graph, i) {
+        split = weight_prefetch::prefetching_next_weights(split);
+        args.extend([
+            LaunchArg::WeightPrefetch { node: weights },
+            scalar("prefetch_bytes", prefetch_bytes(rows, bytes)),
+        ]);
+    }
+    s.launches.push((i, split, Alternatives::default(), args));
+    let args = vec![
+        partial,
+        operands.out(),
+        scalar("tokens", rows),
+        scalar("heads", spec.heads),
+        scalar("splits", splits),
+    ];
+    (
+        attention::attention_combine("attention_combine", &graph.name, spec.head_dim),
+        args,
+    )
+}
