@@ -290,6 +290,7 @@ fn tiny_models_compile_for_every_gpu_target_in_f32_and_bf16() {
         "gemma3",
         "gemma4",
         "gemma4_kv_shared",
+        "gemma4_moe",
         "qwen3_5",
         "glm4_moe",
         "qwen3_next",
@@ -454,7 +455,7 @@ fn greedy_plans_run_the_int8_head() {
     assert!(greedy
         .nodes()
         .iter()
-        .any(|n| matches!(n.op, ir::Op::Int8BoundTopK { k: 1 })));
+        .any(|n| matches!(n.op, ir::Op::Int8BoundTopK { k: 1, .. })));
     let plan = gpu::build(&greedy, Target::H200, 512).unwrap();
     assert!(plan.memory.conflict().is_none());
     let order: Vec<&str> = plan

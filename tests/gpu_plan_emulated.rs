@@ -85,7 +85,7 @@ fn check_against(family: &str, model: &Model, reference: &Model, target: Target,
         // residual before a norm without a GLU after it (no plain residual-prologue GEMM).
         let special: Vec<_> = kernels.iter().filter_map(kernels_gen::cuda::required_arch).collect();
         let variants = match family {
-            "qwen3_next" | "gemma4" | "gemma4_kv_shared" => 3,
+            "qwen3_next" | "gemma4" | "gemma4_kv_shared" | "gemma4_moe" => 3,
             _ => 4,
         };
         let expected = match target {
@@ -198,6 +198,13 @@ fn tiny_gemma4_kv_shared_plans_agree_with_the_cpu_backend() {
     check_everywhere("gemma4_kv_shared");
 }
 
+/// Gemma 4 26B-A4B's shape: MoE blocks beside the MLPs (softmax routing scaled per expert,
+/// GELU experts), values from the key projection, on every GPU target.
+#[test]
+fn tiny_gemma4_moe_plans_agree_with_the_cpu_backend() {
+    check_everywhere("gemma4_moe");
+}
+
 /// Qwen3-Next: Qwen3.5's hybrid with MoE layers under a softmax router, a shared expert gated
 /// by a sigmoid (`scale_rows`), and DeltaNet projections regrouped from their per-key-head
 /// interleaving as the plan uploads them (`WeightPart::RowGroups`), on every GPU target.
@@ -287,7 +294,8 @@ fn check_greedy(family: &str, target: Target) {
 
 #[test]
 fn greedy_plans_with_the_int8_head_pick_the_exact_argmax() {
-    for family in ["llama", "gemma3"] {
+    // gemma4_kv_shared's logits are soft-capped: the head ranks the capped values.
+    for family in ["llama", "gemma3", "gemma4_kv_shared"] {
         check_greedy(family, Target::H200);
     }
     check_greedy("llama", Target::RtxPro6000);

@@ -395,6 +395,19 @@ fn gemma4_kv_shared_reference_interpreter_matches_hf() {
     check_reference_interpreter("gemma4_kv_shared");
 }
 
+/// Gemma 4 26B-A4B's shape: a mixture of experts beside every MLP (its router's scales,
+/// GELU experts), full-attention layers taking their values from the key projection with
+/// their own count of KV heads, soft-capped logits, no per-layer inputs.
+#[test]
+fn gemma4_moe_cpu_backend_matches_hf() {
+    check_cpu_backend("gemma4_moe");
+}
+
+#[test]
+fn gemma4_moe_reference_interpreter_matches_hf() {
+    check_reference_interpreter("gemma4_moe");
+}
+
 /// GLM-5 (latent attention, sparse indexer) against HF on the prompt rows whose indexer choices
 /// are unambiguous. The indexer scores keys by ReLU'd dot products, so with the tiny model's
 /// two index heads many scores are exactly 0; where the top-8 cut falls inside such a tie
@@ -504,6 +517,7 @@ fn lowering_without_weights_gives_the_graph_the_weights_give() {
         "gemma3",
         "gemma4",
         "gemma4_kv_shared",
+        "gemma4_moe",
         "glm4_moe",
         "glm_moe_dsa",
         "qwen3_5",

@@ -58,7 +58,7 @@ fn random_hidden_states_with_ties_and_near_ties() {
             1 => data[9 * d..10 * d].iter().map(|v| v + 1e-3 * rng.next()).collect(),
             _ => (0..d).map(|_| rng.next()).collect(),
         };
-        let got = head.top_k(&h, 5, &w);
+        let got = head.top_k(&h, 5, None, &w);
         let want = full_top_k(&w, &h, 5);
         assert_eq!(got.ids, want, "query {q}");
         rescored += got.rescored;
@@ -103,7 +103,7 @@ fn check_real(name: &str, fixture: &str) {
         let mut out = backend.step(&mut seq, &ids(&case["prompt_ids"])).unwrap();
         for &next in &ids(&case["greedy_ids"]) {
             let h = &out["hidden"].data;
-            let got = head.top_k(h, 5, &w);
+            let got = head.top_k(h, 5, None, &w);
             assert_eq!(got.ids, full_top_k(&w, h, 5), "{name}: hidden state {queries}");
             rescored += got.rescored;
             queries += 1;
@@ -141,7 +141,7 @@ fn greedy_graph_with_int8_head_generates_like_the_logits_graph() {
         greedy
             .nodes()
             .iter()
-            .any(|n| matches!(n.op, ir::Op::Int8BoundTopK { k: 1 })),
+            .any(|n| matches!(n.op, ir::Op::Int8BoundTopK { k: 1, .. })),
         "{}",
         greedy.to_text()
     );

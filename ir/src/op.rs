@@ -98,12 +98,19 @@ pub enum MoeRouter {
         top_groups: usize,
         scaling: f32,
     },
+    /// Gemma 4: `Softmax`'s choice and weights, each weight then multiplied by its expert's
+    /// scale (`per_expert_scale`, an input of the op).
+    SoftmaxExpertScale,
 }
 
 impl MoeSpec {
-    /// Whether the op takes the router's score bias as an input.
-    pub fn has_score_bias(&self) -> bool {
-        matches!(self.router, MoeRouter::GroupedSigmoid { .. })
+    /// Whether the op takes a vector of one value per expert as its third input: the grouped
+    /// router's score bias, or the experts' scales.
+    pub fn has_expert_vector(&self) -> bool {
+        matches!(
+            self.router,
+            MoeRouter::GroupedSigmoid { .. } | MoeRouter::SoftmaxExpertScale
+        )
     }
 }
 
@@ -355,10 +362,13 @@ pub enum Op {
     TopK {
         k: usize,
     },
-    /// `(h [t, d], W [v, d]) -> i32[t, k]`: exactly `TopK(h · Wᵀ)`, computed by an INT8 pass
-    /// with per-row error bounds and a full-precision rescoring of the candidates only.
+    /// `(h [t, d], W [v, d]) -> i32[t, k]`: exactly `TopK(h · Wᵀ)` (of `SoftCap(h · Wᵀ)`
+    /// where the logits are soft-capped), computed by an INT8 pass with per-row error bounds
+    /// and a full-precision rescoring of the candidates only.
     Int8BoundTopK {
         k: usize,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        soft_cap: Option<f32>,
     },
 }
 
@@ -464,7 +474,7 @@ impl Op {
             Self::AddBias | Self::ScaleRows => 2,
             Self::LayerNorm { .. } => 3,
             Self::SparseMla(_) => 8,
-            Self::Moe(spec) if spec.has_score_bias() => 5,
+            Self::Moe(spec) if spec.has_expert_vector() => 5,
             Self::Moe(_) => 4,
             Self::Int8BoundTopK { .. } => 2,
             Self::Attention(_) | Self::AddRmsNorm { .. } | Self::RmsNormMatMul { .. } => 3,
@@ -714,7 +724,7 @@ impl Op {
                 }
                 Ok((Shape::new([t, Dim::Const(*k)]), DType::I32))
             }
-            Self::Int8BoundTopK { k } => {
+            Self::Int8BoundTopK { k, .. } => {
                 let (t, d) = f32_rows(inputs[0].0)?;
                 let (v, wd) = f32_rows(inputs[1].0)?;
                 if wd != d || *k == 0 || v.as_const().is_none_or(|v| *k > v) {
@@ -764,7 +774,8 @@ impl Op {
                 glu: Some(act),
             } => format!("eps={eps:e}, weight_offset={weight_offset}, glu={act:?}"),
             Self::Elementwise { expr } => format!("{expr}"),
-            Self::TopK { k } | Self::Int8BoundTopK { k } => format!("k={k}"),
+            Self::TopK { k } | Self::Int8BoundTopK { k, soft_cap: None } => format!("k={k}"),
+            Self::Int8BoundTopK { k, soft_cap: Some(cap) } => format!("k={k}, soft_cap={cap}"),
             Self::UnitRmsNorm { eps, group } => format!("eps={eps:e}, group={group}"),
             Self::LayerNorm { eps } => format!("eps={eps:e}"),
             Self::SparseMla(s) => format!(
@@ -791,6 +802,7 @@ impl Op {
             Self::Moe(m) => {
                 let router = match m.router {
                     MoeRouter::Softmax => "softmax".to_string(),
+                    MoeRouter::SoftmaxExpertScale => "softmax_expert_scale".to_string(),
                     MoeRouter::GroupedSigmoid {
                         groups,
                         top_groups,
@@ -942,7 +954,7 @@ fn moe_shape(spec: &MoeSpec, inputs: &[(&Shape, DType)]) -> Result<(Shape, DType
     };
     // The experts a token may choose from.
     let eligible = match spec.router {
-        MoeRouter::Softmax => e,
+        MoeRouter::Softmax | MoeRouter::SoftmaxExpertScale => e,
         MoeRouter::GroupedSigmoid { groups, top_groups, .. } => {
             let per_group = match groups {
                 0 => 0,
@@ -955,7 +967,7 @@ fn moe_shape(spec: &MoeSpec, inputs: &[(&Shape, DType)]) -> Result<(Shape, DType
             }
         }
     };
-    let (weights, bias) = match spec.has_score_bias() {
+    let (weights, bias) = match spec.has_expert_vector() {
         true => (&inputs[3..], Some(inputs[2].0)),
         false => (&inputs[2..], None),
     };

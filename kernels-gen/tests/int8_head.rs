@@ -1,12 +1,14 @@
 //! The INT8-bound head's GPU kernels, chained on the emulator: the argmax they produce equals
 //! the argmax of the plain bf16 GEMV head (ties to the lowest id), on random hidden states with
 //! exact ties and near-ties; rows quantized by `passes::weight_transforms` as at compile time.
+//! Also over soft-capped logits, against the GEMV followed by the fused `soft_cap` kernel: at a
+//! cap small enough to saturate, most rows tie at the top and the lowest of them must win.
 
 use half::bf16;
 use kernels_gen::dsl::Ty;
 use kernels_gen::emulator::{run, Array};
 use kernels_gen::templates::quant::WeightFormat;
-use kernels_gen::templates::{gemv, int8_head, top_k};
+use kernels_gen::templates::{elementwise, gemv, int8_head, top_k};
 use passes::weight_transforms::Int8Rows;
 use std::collections::HashMap;
 
@@ -25,8 +27,28 @@ fn argmax_of(bufs: &mut HashMap<String, Array>, rows: usize) -> i64 {
     b["out"].to_i64().unwrap()[0]
 }
 
+/// `scores` through the fused `soft_cap` kernel.
+fn soft_capped(scores: Array, rows: usize, cap: f32) -> Array {
+    let expr = ir::Expr::SoftCap(Box::new(ir::Expr::Input(0)), cap);
+    let mut b = HashMap::from([("in0".into(), scores), ("out".into(), Array::poisoned(Ty::F32, rows))]);
+    let n = rows as i64;
+    run(
+        &elementwise::elementwise("cap", "t", &expr),
+        &mut b,
+        &ints(&[("n", n), ("width", n), ("in0_stride", n)]),
+    )
+    .unwrap();
+    b.remove("out").unwrap()
+}
+
 #[test]
 fn gpu_int8_head_gives_the_plain_heads_argmax() {
+    for soft_cap in [None, Some(3.0), Some(0.05)] {
+        check_int8_head(soft_cap);
+    }
+}
+
+fn check_int8_head(soft_cap: Option<f32>) {
     let (rows, d) = (300, 70);
     let mut rng = Rng(77);
     let mut w: Vec<f32> = (0..rows * d).map(|_| bf16::from_f32(rng.next()).to_f32()).collect();
@@ -50,6 +72,10 @@ fn gpu_int8_head_gives_the_plain_heads_argmax() {
             Array::bf16(&w_bf16),
             (1, rows, d, d),
         );
+        let scores = match soft_cap {
+            Some(cap) => soft_capped(scores, rows, cap),
+            None => scores,
+        };
         let mut plain = HashMap::from([("scores".into(), scores)]);
         let want = argmax_of(&mut plain, rows);
 
@@ -106,17 +132,18 @@ fn gpu_int8_head_gives_the_plain_heads_argmax() {
             ("out".into(), Array::poisoned(Ty::F32, rows)),
         ]);
         run(
-            &int8_head::rescore("r", "t", WeightFormat::Dense(Ty::Bf16)),
+            &int8_head::rescore("r", "t", WeightFormat::Dense(Ty::Bf16), soft_cap),
             &mut r,
             &ints(&[("rows", rows as i64), ("k", d as i64)]),
         )
         .unwrap();
         let rescored = r["out"].to_f32().unwrap().iter().filter(|v| v.is_finite()).count();
+        // A saturating cap ties most rows at the top: they are all candidates.
         assert!(
-            rescored < rows / 2,
+            soft_cap == Some(0.05) || rescored < rows / 2,
             "query {query}: {rescored} rows rescored, the bound is too loose"
         );
         let mut got = HashMap::from([("scores".into(), r.remove("out").unwrap())]);
-        assert_eq!(argmax_of(&mut got, rows), want, "query {query}");
+        assert_eq!(argmax_of(&mut got, rows), want, "query {query}, cap {soft_cap:?}");
     }
 }

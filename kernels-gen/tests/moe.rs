@@ -28,6 +28,11 @@ fn specs() -> Vec<MoeSpec> {
     vec![
         // Qwen3-Next's router (softmax over every expert, normalised).
         spec(16, 4, true, MoeRouter::Softmax),
+        // Gemma 4's: normalised, then each expert's scale; GELU experts.
+        MoeSpec {
+            act: GluAct::GeluTanh,
+            ..spec(24, 3, true, MoeRouter::SoftmaxExpertScale)
+        },
         // Qwen2-MoE's: not normalised.
         spec(40, 6, false, MoeRouter::Softmax),
         // DeepSeek-V3's shape in small: 2 of 4 groups.
@@ -81,6 +86,7 @@ fn routing_matches_the_reference_with_ties_and_nan() {
         let mut bufs = HashMap::from([
             ("logits".into(), Array::f32(&logits)),
             ("score_bias".into(), Array::f32(&bias)),
+            ("expert_scale".into(), Array::f32(&bias)),
             ("routes".into(), Array::poisoned(Ty::I32, rows * k)),
             ("route_weights".into(), Array::poisoned(Ty::F32, rows * k)),
         ]);
@@ -89,7 +95,7 @@ fn routing_matches_the_reference_with_ties_and_nan() {
         let routes = bufs["routes"].to_i64().unwrap();
         let weights = bufs["route_weights"].to_f32().unwrap();
         for r in 0..rows {
-            let bias = if spec.has_score_bias() { &bias[..] } else { &[] };
+            let bias = if spec.has_expert_vector() { &bias[..] } else { &[] };
             let want = ops::moe_route(&logits[r * stride..r * stride + e], bias, &spec);
             let got: Vec<usize> = routes[r * k..(r + 1) * k].iter().map(|&e| e as usize).collect();
             let want_experts: Vec<usize> = want.iter().map(|&(e, _)| e).collect();
@@ -151,6 +157,7 @@ fn experts_match_the_reference_layer() {
         let mut bufs = HashMap::from([
             ("logits".into(), Array::f32(&logits)),
             ("score_bias".into(), Array::f32(&bias)),
+            ("expert_scale".into(), Array::f32(&bias)),
             ("routes".into(), Array::poisoned(Ty::I32, rows * k)),
             ("route_weights".into(), Array::poisoned(Ty::F32, rows * k)),
             ("x".into(), Array::f32(&x)),
@@ -168,7 +175,7 @@ fn experts_match_the_reference_layer() {
         run(&moe::gate_up("gate_up", "test", &spec, d, format), &mut bufs, &scalars).unwrap();
         bufs.insert("w".into(), array(&down));
         run(&moe::down("down", "test", &spec, d, format), &mut bufs, &scalars).unwrap();
-        let bias = if spec.has_score_bias() { &bias[..] } else { &[] };
+        let bias = if spec.has_expert_vector() { &bias[..] } else { &[] };
         let want = ops::moe(
             &rows_of(&x, rows, d, x_stride),
             &rows_of(&logits, rows, e, l_stride),
@@ -202,9 +209,11 @@ fn experts_one_by_one_equal_rows_one_by_one() {
                 WeightFormat::Dense(Ty::Bf16) => bf16_array(&gate_up),
                 _ => Array::f32(&gate_up),
             };
+            let vector = rng.vec(e);
             let mut bufs = HashMap::from([
                 ("logits".into(), Array::f32(&logits)),
-                ("score_bias".into(), Array::f32(&rng.vec(e))),
+                ("score_bias".into(), Array::f32(&vector)),
+                ("expert_scale".into(), Array::f32(&vector)),
                 ("routes".into(), Array::poisoned(Ty::I32, rows * k)),
                 ("route_weights".into(), Array::poisoned(Ty::F32, rows * k)),
                 ("x".into(), Array::f32(&x)),

@@ -598,6 +598,7 @@ impl ModelConfig {
                 Family::Glm4Moe | Family::GlmMoeDsa => Some(cfg.glm4_moe(layers)?),
                 Family::Qwen3Next => Some(cfg.qwen3_next_moe(layers)?),
                 Family::Qwen35 if json.get("num_experts").is_some() => Some(cfg.qwen3_next_moe(layers)?),
+                Family::Gemma4 if cfg.opt_bool("enable_moe_block")?.unwrap_or(false) => Some(cfg.gemma4_moe(layers)?),
                 Family::Llama | Family::Gemma3 | Family::Gemma4 | Family::Qwen35 => None,
             },
             linear_attention: match family.has_linear_attention() {
@@ -735,7 +736,7 @@ impl MoeConfig {
             ));
         }
         let eligible = match self.router {
-            ir::MoeRouter::Softmax => self.experts,
+            ir::MoeRouter::Softmax | ir::MoeRouter::SoftmaxExpertScale => self.experts,
             ir::MoeRouter::GroupedSigmoid {
                 groups,
                 top_groups,
@@ -853,9 +854,6 @@ impl HfConfig<'_> {
     /// Gemma 4's settings, refusing the features bbc does not run yet.
     fn gemma4(&self, layer_attention: &[LayerAttention], heads: usize, head_dim: usize) -> Result<Gemma4Config> {
         let unsupported = |what: &str| Err(self.error(&format!("{what}: bbc does not run that Gemma 4 feature yet")));
-        if self.opt_bool("enable_moe_block")?.unwrap_or(false) {
-            return unsupported("enable_moe_block");
-        }
         let keys_as_values = self.opt_bool("attention_k_eq_v")?.unwrap_or(false);
         let kv_heads = self.opt_usize("num_key_value_heads")?.unwrap_or(heads);
         // Without `per_layer_config`, HF gives full-attention layers heads of
@@ -1006,6 +1004,20 @@ impl HfConfig<'_> {
                 top_groups: self.opt_usize("topk_group")?.unwrap_or(1),
                 scaling: self.opt_f64("routed_scaling_factor")?.unwrap_or(1.0) as f32,
             },
+        })
+    }
+
+    /// Gemma 4's MoE block (`enable_moe_block`), beside every layer's dense MLP.
+    fn gemma4_moe(&self, layers: usize) -> Result<MoeConfig> {
+        Ok(MoeConfig {
+            sparse_layers: vec![true; layers],
+            experts: self.usize("num_experts")?,
+            experts_per_token: self.usize("top_k_experts")?,
+            expert_intermediate: self.usize("moe_intermediate_size")?,
+            shared_intermediate: 0,
+            shared_gate: false,
+            normalize: true,
+            router: ir::MoeRouter::SoftmaxExpertScale,
         })
     }
 

@@ -58,7 +58,12 @@ pub const PIPELINE: &[Pass] = &[
     },
     Pass {
         name: "int8_bound_lm_head",
-        rules: || vec![rules::lm_head::int8_bound_top_k()],
+        rules: || {
+            vec![
+                rules::lm_head::int8_bound_top_k(),
+                rules::lm_head::int8_bound_top_k_soft_capped(),
+            ]
+        },
     },
     Pass {
         name: "fuse_norm_matmul",

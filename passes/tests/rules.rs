@@ -351,6 +351,21 @@ proptest! {
         g.set_output("top", top);
         check(&g, &w, vec![lm_head::int8_bound_top_k()], "int8-bound-top-k", "int8_bound_top_k", CostModel::CPU);
     }
+
+    #[test]
+    fn int8_bound_lm_head_keeps_the_top_k_of_soft_capped_logits(d in 1usize..24, vocab in 2usize..60, k in 1usize..5, cap in 0.05f32..40.0, seed in any::<u64>()) {
+        let k = k.min(vocab);
+        let mut g = Graph::new("capped_head");
+        let mut w = Weights { seed, ..Default::default() };
+        let x = activation(&mut g, &mut w, d);
+        let head = w.add(&mut g, "head", &[vocab, d]);
+        let logits = g.add(Op::MatMul, &[x, head]).unwrap();
+        let capped = g.add(Op::SoftCap { cap }, &[logits]).unwrap();
+        let top = g.add(Op::TopK { k }, &[capped]).unwrap();
+        g.set_output("top", top);
+        let rules = vec![lm_head::int8_bound_top_k_soft_capped()];
+        check(&g, &w, rules, "int8-bound-top-k-soft-capped", "int8_bound_top_k", CostModel::CPU);
+    }
 }
 
 #[test]

@@ -210,7 +210,7 @@ impl<'w> Interpreter<'w> {
             Op::Moe(spec) => {
                 let x = args[0].tensor();
                 let data = |i: usize| args[i].tensor().data.as_slice();
-                let (bias, weights) = match spec.has_score_bias() {
+                let (bias, weights) = match spec.has_expert_vector() {
                     true => (data(2), 3),
                     false => (&[][..], 2),
                 };
@@ -320,10 +320,13 @@ impl<'w> Interpreter<'w> {
             Op::TopK { k } => top_k_rows(args[0].tensor(), *k),
             // The meaning of the INT8-bound head is the exact top-k of the full product; how it
             // gets there (bounds, rescoring) is the backend's business.
-            Op::Int8BoundTopK { k } => {
+            Op::Int8BoundTopK { k, soft_cap } => {
                 let (h, w) = (args[0].tensor(), args[1].tensor());
                 let mut logits = Tensor::zeros(vec![h.rows(), w.rows()]);
                 ops::matmul(&h.data, &w.data, h.row_len(), &mut logits.data);
+                if let Some(cap) = soft_cap {
+                    logits = map(&logits, |x| ops::soft_cap(x, *cap));
+                }
                 top_k_rows(&logits, *k)
             }
             Op::Input(_) | Op::Weight { .. } => unreachable!("handled by step"),

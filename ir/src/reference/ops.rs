@@ -168,10 +168,11 @@ pub fn add_bias(x: &[f32], b: &[f32]) -> Vec<f32> {
 }
 
 /// The experts one token goes to and their weights, ascending by expert, as HF routes them
-/// (see [`crate::MoeRouter`]). `bias` is the grouped router's score bias (empty for softmax).
-pub fn moe_route(logits: &[f32], bias: &[f32], spec: &crate::MoeSpec) -> Vec<(usize, f32)> {
+/// (see [`crate::MoeRouter`]). `per_expert` is the router's vector (the grouped router's
+/// score bias, the experts' scales; empty for plain softmax).
+pub fn moe_route(logits: &[f32], per_expert: &[f32], spec: &crate::MoeSpec) -> Vec<(usize, f32)> {
     let (scores, mut chosen, scaling) = match spec.router {
-        crate::MoeRouter::Softmax => {
+        crate::MoeRouter::Softmax | crate::MoeRouter::SoftmaxExpertScale => {
             let scores = softmax(logits);
             let chosen = top_k(&scores, spec.experts_per_token);
             (scores, chosen, 1.0)
@@ -182,7 +183,7 @@ pub fn moe_route(logits: &[f32], bias: &[f32], spec: &crate::MoeSpec) -> Vec<(us
             scaling,
         } => {
             let scores: Vec<f32> = logits.iter().map(|&l| sigmoid(l)).collect();
-            let chosen = grouped_choice(&scores, bias, groups, top_groups, spec.experts_per_token);
+            let chosen = grouped_choice(&scores, per_expert, groups, top_groups, spec.experts_per_token);
             (scores, chosen, scaling)
         }
     };
@@ -196,7 +197,10 @@ pub fn moe_route(logits: &[f32], bias: &[f32], spec: &crate::MoeSpec) -> Vec<(us
             } else {
                 scores[e]
             };
-            (e, w * scaling)
+            match spec.router {
+                crate::MoeRouter::SoftmaxExpertScale => (e, w * per_expert[e]),
+                _ => (e, w * scaling),
+            }
         })
         .collect()
 }

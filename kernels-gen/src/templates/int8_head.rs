@@ -11,7 +11,8 @@
 //! 4. `int8_rescore`: a warp per row: rows whose upper bound reaches τ get the full head's
 //!    exact value (the same warp-strided dot and butterfly as the GEMV, so bit for bit the
 //!    plain head's logit); the rest −∞. `argmax` of that row is the exact argmax, ties to the
-//!    lowest id.
+//!    lowest id. Over soft-capped logits both sides of the test are capped, and so is the
+//!    logit written (as the runtime's CPU head does it, there argued exact).
 
 use super::quant::WeightFormat;
 use super::{blocks_for, warp_sum, BLOCK};
@@ -245,14 +246,21 @@ pub fn max_reduce(name: &str, origin: &str) -> Kernel {
     }
 }
 
-/// (4): the full head's logit for rows whose upper bound reaches τ (`tau[0]`), −∞ elsewhere.
-pub fn rescore(name: &str, origin: &str, weight: WeightFormat) -> Kernel {
+/// (4): the full head's logit for rows whose upper bound reaches τ (`tau[0]`), −∞ elsewhere;
+/// with `soft_cap`, capped, as are both sides of the test (`cap · tanh(x / cap)`, the fused
+/// `soft_cap` expression's arithmetic).
+pub fn rescore(name: &str, origin: &str, weight: WeightFormat, soft_cap: Option<f32>) -> Kernel {
     let warps = (BLOCK / 32) as i64;
+    let capped = |x: Expr| match soft_cap {
+        Some(cap) => f(cap) * un(UnOp::Tanh, x / f(cap)),
+        None => x,
+    };
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: int8 head, rescore candidates with the full head ({})",
-            weight.describe()
+            "{origin}: int8 head, rescore candidates with the full head ({}{})",
+            weight.describe(),
+            soft_cap.map_or(String::new(), |cap| format!(", logits soft-capped at {cap}"))
         ),
         params: vec![
             buffer("h", Ty::F32, false),
@@ -271,7 +279,7 @@ pub fn rescore(name: &str, origin: &str, weight: WeightFormat) -> Kernel {
             if_(
                 lt(var("r"), var("rows")),
                 vec![if_else(
-                    bin(BinOp::Ge, load("upper", var("r")), load("tau", int(0))),
+                    bin(BinOp::Ge, capped(load("upper", var("r"))), capped(load("tau", int(0)))),
                     // Exactly the GEMV's arithmetic for this row.
                     [
                         vec![let_("acc", Ty::F32, f(0.0))],
@@ -289,7 +297,7 @@ pub fn rescore(name: &str, origin: &str, weight: WeightFormat) -> Kernel {
                         warp_sum("acc"),
                         vec![if_(
                             bin(BinOp::Eq, lane(), int(0)),
-                            vec![store("out", var("r"), var("acc"))],
+                            vec![store("out", var("r"), capped(var("acc")))],
                         )],
                     ]
                     .concat(),

@@ -401,7 +401,19 @@ pub fn catalog() -> Vec<Kernel> {
         int8_head::quantize_h("int8_quantize_h", "catalog"),
         int8_head::score("int8_score", "catalog"),
         int8_head::max_reduce("max_reduce", "catalog"),
-        int8_head::rescore("int8_rescore_bf16", "catalog", quant::WeightFormat::Dense(Ty::Bf16)),
+        int8_head::rescore(
+            "int8_rescore_bf16",
+            "catalog",
+            quant::WeightFormat::Dense(Ty::Bf16),
+            None,
+        ),
+        // Gemma's: the logits soft-capped at 30.
+        int8_head::rescore(
+            "int8_rescore_bf16_soft_capped",
+            "catalog",
+            quant::WeightFormat::Dense(Ty::Bf16),
+            Some(30.0),
+        ),
         // Gemma 3's shape: the most registers a block of grouped heads takes (4 × 8 per lane).
         attention::attention_split(
             "attention",

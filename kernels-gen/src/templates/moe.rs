@@ -1,8 +1,9 @@
 //! Mixture-of-experts layers (the IR's `moe`) as three launches in decode steps:
 //!
 //! 1. [`route`]: a warp per row picks the row's experts from the router's logits and weighs
-//!    them, exactly as `ir::reference::ops::moe_route` (softmax router, or DeepSeek-V3's
-//!    grouped sigmoid with its score bias and its choice inside the best groups), writing
+//!    them, exactly as `ir::reference::ops::moe_route` (softmax router, Gemma 4's with its
+//!    experts' scales, or DeepSeek-V3's grouped sigmoid with its score bias and its choice
+//!    inside the best groups), writing
 //!    `routes` (expert ids, ascending) and `route_weights`, `experts_per_token` of each a row.
 //!    Every choice is `experts_per_token` rounds of a warp-wide argmax under bbc's order
 //!    (larger first, equal values to the lower index, NaN as −∞; `top_k`), each round among the
@@ -110,7 +111,7 @@ pub fn route(name: &str, origin: &str, spec: &MoeSpec) -> Kernel {
     body.extend(round_locals());
     // The key experts are chosen by, and the score their weight comes from.
     let (choice, score): (PerExpert, PerExpert) = match spec.router {
-        MoeRouter::Softmax => {
+        MoeRouter::Softmax | MoeRouter::SoftmaxExpertScale => {
             // Softmax is monotonic: choose on the logits; weights from exp(l − max) / Σ. A NaN
             // logit makes every score NaN (the sum is NaN), and all rank alike, as there.
             body.extend(softmax_normaliser(experts));
@@ -160,7 +161,7 @@ pub fn route(name: &str, origin: &str, spec: &MoeSpec) -> Kernel {
         origin: format!("{origin}: MoE routing, {}", describe(spec)),
         params: vec![
             buffer("logits", Ty::F32, false),
-            buffer("score_bias", Ty::F32, false),
+            buffer(expert_vector(spec.router), Ty::F32, false),
             buffer("routes", Ty::I32, true),
             buffer("route_weights", Ty::F32, true),
             scalar("tokens", Ty::I32),
@@ -223,6 +224,14 @@ fn softmax_normaliser(experts: i64) -> Vec<Stmt> {
     out
 }
 
+/// The name of the router's per-expert vector (read only by the routers that have one).
+fn expert_vector(router: MoeRouter) -> &'static str {
+    match router {
+        MoeRouter::SoftmaxExpertScale => "expert_scale",
+        MoeRouter::Softmax | MoeRouter::GroupedSigmoid { .. } => "score_bias",
+    }
+}
+
 /// `sigmoid(logit) + bias`: what DeepSeek-V3's router ranks experts by.
 fn biased_score(e: Expr) -> Expr {
     super::elementwise::sigmoid(logit(e.clone())) + load("score_bias", e)
@@ -282,16 +291,17 @@ fn chosen_groups(experts: i64, groups: i64, top_groups: i64) -> Vec<Stmt> {
     ]
 }
 
-/// The chosen experts' weights (normalised by their sum where the spec says, then scaled),
-/// the pairs sorted by expert (a bubble sort over the named registers: `k` is small), written
-/// by lane 0.
+/// The chosen experts' weights (normalised by their sum where the spec says, then scaled: by
+/// the router's constant, or by each expert's own scale), the pairs sorted by expert (a bubble
+/// sort over the named registers: `k` is small), written by lane 0.
 fn weigh_and_sort(spec: &MoeSpec) -> Vec<Stmt> {
     let k = spec.experts_per_token;
-    let scaling = match spec.router {
-        MoeRouter::Softmax => 1.0,
-        MoeRouter::GroupedSigmoid { scaling, .. } => scaling,
-    };
     let (c, w) = (|p: usize| format!("c{p}"), |p: usize| format!("w{p}"));
+    let scaling = |p: usize| match spec.router {
+        MoeRouter::Softmax => f(1.0),
+        MoeRouter::GroupedSigmoid { scaling, .. } => f(scaling),
+        MoeRouter::SoftmaxExpertScale => load("expert_scale", var(&c(p))),
+    };
     let mut out = vec![let_("total", Ty::F32, f(0.0))];
     for p in 0..k {
         out.push(assign("total", var("total") + var(&w(p))));
@@ -301,7 +311,7 @@ fn weigh_and_sort(spec: &MoeSpec) -> Vec<Stmt> {
             true => var(&w(p)) / (var("total") + f(1e-20)),
             false => var(&w(p)),
         };
-        out.push(assign(&w(p), weight * f(scaling)));
+        out.push(assign(&w(p), weight * scaling(p)));
     }
     out.extend([let_("swap_c", Ty::I32, int(0)), let_("swap_w", Ty::F32, f(0.0))]);
     for pass in 0..k {
@@ -335,6 +345,7 @@ fn weigh_and_sort(spec: &MoeSpec) -> Vec<Stmt> {
 fn describe(spec: &MoeSpec) -> String {
     let router = match spec.router {
         MoeRouter::Softmax => "softmax router".to_string(),
+        MoeRouter::SoftmaxExpertScale => "softmax router with experts' scales".to_string(),
         MoeRouter::GroupedSigmoid {
             groups,
             top_groups,

@@ -16,14 +16,14 @@
 //!   so they keep no cache of their own), with MLPs twice as wide where `use_double_wide_mlp`;
 //! - with `attention_k_eq_v`, full-attention layers take their values from the key
 //!   projection (before its norm and RoPE);
-//! - logits may be soft-capped (`final_logit_softcapping`, in [`Builder::lm_head`]).
-//!
-//! The MoE block is refused when a config asks for it.
+//! - logits may be soft-capped (`final_logit_softcapping`, in [`Builder::lm_head`]);
+//! - with `enable_moe_block`, a mixture of experts runs beside each layer's MLP, on the
+//!   residual stream before it (see [`moe_block`]).
 
 use super::{Builder, ComputeDtype, LayerTensor};
-use crate::config::{Gemma4Config, LayerAttention, ModelConfig};
+use crate::config::{Gemma4Config, LayerAttention, ModelConfig, MoeConfig};
 use crate::error::{ModelError, Result};
-use ir::{AttentionSpec, GluAct, NodeId, Op, RopeLayout, RopeSpec};
+use ir::{AttentionSpec, GluAct, MoeSpec, NodeId, Op, RopeLayout, RopeSpec};
 
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     let g = c.gemma4.as_ref().ok_or_else(|| ModelError::TensorShape {
@@ -51,7 +51,18 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         x = b.add(x, a)?;
         let h = b.rms_norm(x, &pre_ffn, c.hidden, c.rms_eps, 0.0)?;
         let mlp = [LayerTensor::Gate, LayerTensor::Up, LayerTensor::Down].map(|t| b.naming.layer(i, t));
-        let m = b.gated_mlp(h, &mlp, c.hidden, g.intermediate(i, c.intermediate), GluAct::GeluTanh)?;
+        let mut m = b.gated_mlp(h, &mlp, c.hidden, g.intermediate(i, c.intermediate), GluAct::GeluTanh)?;
+        if let Some(moe) = c.moe.as_ref().filter(|moe| moe.sparse_layers[i]) {
+            let dense = b.rms_norm(
+                m,
+                &b.naming.hf_layer(i, "post_feedforward_layernorm_1.weight"),
+                c.hidden,
+                c.rms_eps,
+                0.0,
+            )?;
+            let experts = moe_block(c, moe, b, i, x)?;
+            m = b.add(dense, experts)?;
+        }
         let m = b.rms_norm(m, &post_ffn, c.hidden, c.rms_eps, 0.0)?;
         x = b.add(x, m)?;
         if let Some(inputs) = per_layer {
@@ -61,6 +72,41 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         x = b.op(Op::ScaleRows, &[x, scalar])?;
     }
     b.lm_head(c, x, 0.0)
+}
+
+/// Layer `i`'s experts over the residual stream `x` (as it enters the MLP), normed after:
+/// the router scores `unit_rms_norm(x) · scale / √hidden` (`router.proj`), a softmax whose top
+/// `top_k_experts` are renormalised and each multiplied by its expert's `per_expert_scale`; the
+/// experts (GELU-gated, `experts.gate_up_proj` and `experts.down_proj` stacked as `Op::Moe`
+/// reads them) take `x` through `pre_feedforward_layernorm_2`, and their sum goes through
+/// `post_feedforward_layernorm_2`.
+fn moe_block(c: &ModelConfig, moe: &MoeConfig, b: &mut Builder, i: usize, x: NodeId) -> Result<NodeId> {
+    let (d, n, e) = (c.hidden, moe.expert_intermediate, moe.experts);
+    let naming = b.naming;
+    let name = |t: &str| naming.hf_layer(i, t);
+    let routed = b.rms_norm(x, &name("router.scale"), d, c.rms_eps, 0.0)?;
+    let routed = b.op(
+        Op::Scale {
+            factor: (d as f32).powf(-0.5),
+        },
+        &[routed],
+    )?;
+    let router = b.matrix(&name("router.proj.weight"), e, d)?;
+    let logits = b.matmul(routed, router)?;
+    let scales = b.vector(&name("router.per_expert_scale"), e)?;
+    let h = b.rms_norm(x, &name("pre_feedforward_layernorm_2.weight"), d, c.rms_eps, 0.0)?;
+    let gate_up = b.matrix(&name("experts.gate_up_proj"), e * 2 * n, d)?;
+    let down = b.matrix(&name("experts.down_proj"), e * d, n)?;
+    let spec = MoeSpec {
+        experts: e,
+        experts_per_token: moe.experts_per_token,
+        normalize: moe.normalize,
+        intermediate: n,
+        act: GluAct::GeluTanh,
+        router: moe.router,
+    };
+    let out = b.op(Op::Moe(spec), &[h, logits, scales, gate_up, down])?;
+    b.rms_norm(out, &name("post_feedforward_layernorm_2.weight"), d, c.rms_eps, 0.0)
 }
 
 /// `x` as HF holds it in the model's dtype (bf16 for a bf16 model: √640 becomes 25.25).

@@ -70,7 +70,7 @@ pub(super) fn moe_mlp(
         router: moe.router,
     };
     let mut inputs = vec![h, logits];
-    if spec.has_score_bias() {
+    if spec.has_expert_vector() {
         inputs.push(b.vector(&b.naming.router_score_bias(i), moe.experts)?);
     }
     let (gate_up, down) = match b.naming {

@@ -15,6 +15,15 @@ pub fn int8_bound_top_k() -> Rewrite<Node, TypeAnalysis> {
     Rewrite::new("int8-bound-top-k", searcher, Int8BoundTopK).expect("valid rule")
 }
 
+/// The same over soft-capped logits (Gemma's `final_logit_softcapping`): the op ranks the
+/// capped values.
+pub fn int8_bound_top_k_soft_capped() -> Rewrite<Node, TypeAnalysis> {
+    let searcher: Pattern<Node> = "(top_k ?k (soft_cap ?c (matmul ?m ?h ?W)))"
+        .parse()
+        .expect("valid pattern");
+    Rewrite::new("int8-bound-top-k-soft-capped", searcher, Int8BoundTopK).expect("valid rule")
+}
+
 struct Int8BoundTopK;
 
 impl Applier<Node, TypeAnalysis> for Int8BoundTopK {
@@ -34,7 +43,16 @@ impl Applier<Node, TypeAnalysis> for Int8BoundTopK {
         if !head.constant || !matches!(head.dtype, DType::F32 | DType::BF16) {
             return vec![];
         }
-        let fused = add_op(egraph, &Op::Int8BoundTopK { k }, &[var(subst, "?h"), w]);
+        // `?c` is bound by the soft-capping pattern only.
+        let capped = "?c".parse::<egg::Var>().ok().and_then(|c| subst.get(c)).is_some();
+        let soft_cap = match capped {
+            false => None,
+            true => match attr_op(egraph, subst, "?c") {
+                Op::SoftCap { cap } => Some(cap),
+                _ => return vec![],
+            },
+        };
+        let fused = add_op(egraph, &Op::Int8BoundTopK { k, soft_cap }, &[var(subst, "?h"), w]);
         unite(egraph, &[(eclass, fused)])
     }
 }

@@ -15,6 +15,12 @@
 //! Let τ be the k-th largest lower bound `A_v − B_v`. A row whose upper bound `A_v + B_v` is
 //! below τ has at least k rows certainly above it, so only rows reaching τ are rescored with
 //! the plain head's own dot product; their exact top-k (ties to the lowest id) is the answer.
+//!
+//! Soft-capped logits (`c(x) = cap · tanh(x / cap)`) keep the order but may join values that
+//! were apart, so a row outside the candidates could tie a capped winner and, with a lower
+//! id, win. The comparison is made after capping instead: a row with `c(A_v + B_v) < c(τ)`
+//! has at least k rows whose capped logits are above its own (`c` is monotone), so the
+//! candidates are the rows with `c(A_v + B_v) ≥ c(τ)`, and their capped logits are ranked.
 
 use super::simd;
 use super::Matrix;
@@ -55,8 +61,10 @@ impl Int8Head {
         self.rows.clone()
     }
 
-    /// The exact top-k of `h · Wᵀ` as `full` (the same weights, full precision) computes it.
-    pub fn top_k(&self, h: &[f32], k: usize, full: &Matrix) -> TopK {
+    /// The exact top-k of `h · Wᵀ` (soft-capped by `soft_cap` where given) as `full` (the
+    /// same weights, full precision) computes it.
+    pub fn top_k(&self, h: &[f32], k: usize, soft_cap: Option<f32>, full: &Matrix) -> TopK {
+        let capped = |x: f32| soft_cap.map_or(x, |cap| ir::reference::ops::soft_cap(x, cap));
         let w = &*self.rows;
         let d = w.cols;
         let blocks = w.blocks_per_row();
@@ -93,11 +101,14 @@ impl Int8Head {
         let k = k.min(w.rows);
         let mut lower: Vec<f32> = approx.iter().zip(&bound).map(|(a, b)| a - b).collect();
         let (_, tau, _) = lower.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
-        let tau = *tau;
-        let candidates: Vec<usize> = (0..w.rows).filter(|&v| approx[v] + bound[v] >= tau).collect();
+        let tau = capped(*tau);
+        let candidates: Vec<usize> = (0..w.rows).filter(|&v| capped(approx[v] + bound[v]) >= tau).collect();
         let mut scored: Vec<(usize, f32)> = candidates
             .par_iter()
-            .map_init(|| vec![0f32; d], |row, &v| (v, simd::dot(full.row_f32(v, row), h)))
+            .map_init(
+                || vec![0f32; d],
+                |row, &v| (v, capped(simd::dot(full.row_f32(v, row), h))),
+            )
             .collect();
         let rescored = scored.len();
         scored.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
@@ -113,9 +124,12 @@ mod tests {
     use super::super::Storage;
     use super::*;
 
-    fn plain_top_k(w: &Matrix, h: &[f32], k: usize) -> Vec<usize> {
+    fn plain_top_k(w: &Matrix, h: &[f32], k: usize, soft_cap: Option<f32>) -> Vec<usize> {
         let mut buf = vec![0f32; w.cols];
-        let scores: Vec<f32> = (0..w.rows).map(|v| simd::dot(w.row_f32(v, &mut buf), h)).collect();
+        let scores: Vec<f32> = (0..w.rows)
+            .map(|v| simd::dot(w.row_f32(v, &mut buf), h))
+            .map(|x| soft_cap.map_or(x, |cap| ir::reference::ops::soft_cap(x, cap)))
+            .collect();
         ir::reference::ops::top_k(&scores, k)
     }
 
@@ -140,8 +154,33 @@ mod tests {
         };
         let head = Int8Head::prepare(&w);
         let h: Vec<f32> = w.row_f32(3, &mut vec![0.0; cols]).to_vec();
-        let got = head.top_k(&h, 5, &w);
-        assert_eq!(got.ids, plain_top_k(&w, &h, 5));
+        let got = head.top_k(&h, 5, None, &w);
+        assert_eq!(got.ids, plain_top_k(&w, &h, 5, None));
         assert_eq!(&got.ids[..4], &[3, 7, 150, 299], "ties go to the lowest index first");
+    }
+
+    /// Over soft-capped logits the top-k is the capped values' own: a cap small enough to
+    /// saturate ties every large logit, and the lowest ids among them win, wherever the
+    /// uncapped maximum lies.
+    #[test]
+    fn matches_the_plain_head_over_soft_capped_logits() {
+        let (rows, cols) = (400, 48);
+        let data: Vec<f32> = (0..rows * cols)
+            .map(|i| (((i * 2654435761) >> 7) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let w = Matrix {
+            rows,
+            cols,
+            storage: Storage::F32(data),
+        };
+        let head = Int8Head::prepare(&w);
+        for (query, cap) in [(11, 0.01), (11, 2.0), (200, 0.01), (200, 30.0)] {
+            let h: Vec<f32> = w.row_f32(query, &mut vec![0.0; cols]).to_vec();
+            let want = plain_top_k(&w, &h, 4, Some(cap));
+            assert_eq!(head.top_k(&h, 4, Some(cap), &w).ids, want, "row {query}, cap {cap}");
+            if cap == 0.01 {
+                assert_ne!(want, plain_top_k(&w, &h, 4, None), "the cap should reorder ties here");
+            }
+        }
     }
 }

@@ -486,7 +486,7 @@ impl CpuBackend {
             }
             Op::GatedDeltaNet(spec) => gated_delta_net(spec, args, pages, rows)?,
             Op::Moe(spec) => {
-                let (bias, weights) = match spec.has_score_bias() {
+                let (bias, weights) = match spec.has_expert_vector() {
                     true => (args[2].vector(), 3),
                     false => (&[][..], 2),
                 };
@@ -567,12 +567,12 @@ impl CpuBackend {
                     .collect();
                 Tensor::new(vec![x.rows(), *k], data)
             }
-            Op::Int8BoundTopK { k } => {
+            Op::Int8BoundTopK { k, soft_cap } => {
                 let h = args[0].value().tensor();
                 let head = &self.int8_heads[&node];
                 let full = args[1].matrix();
                 let data = (0..h.rows())
-                    .flat_map(|r| head.top_k(h.row(r), *k, full).ids)
+                    .flat_map(|r| head.top_k(h.row(r), *k, *soft_cap, full).ids)
                     .map(|i| i as f32)
                     .collect();
                 Tensor::new(vec![h.rows(), *k], data)

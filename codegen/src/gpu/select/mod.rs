@@ -434,7 +434,7 @@ delta_net::launches(&mut s, &operands, spec, layout, &rows, max_tokens)?
                         ];
                         (glu::glu("glu", &graph.name, *a), args)
                     }
-                    Op::Int8BoundTopK { k: 1 } => {
+                    Op::Int8BoundTopK { k: 1, soft_cap } => {
                         let head_name = match &graph.nodes()[input(1)].op {
                             Op::Weight { name } => name.clone(),
                             _ => {
@@ -505,7 +505,7 @@ delta_net::launches(&mut s, &operands, spec, layout, &rows, max_tokens)?
                                 ],
                             ),
                             (
-                                int8_head::rescore("int8_rescore", &graph.name, w),
+                                int8_head::rescore("int8_rescore", &graph.name, w, *soft_cap),
                                 vec![
                                     h,
                                     weight(1),

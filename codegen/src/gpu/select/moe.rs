@@ -16,25 +16,25 @@ pub(super) fn launches(
     rows: &str,
     max_tokens: usize,
 ) -> Result<(Kernel, Vec<LaunchArg>), GpuCodegenError> {
-    // Inputs: x, the router's logits, the score bias (grouped routers), then the stacked
-    // gate/up and down weights.
-    let bias = usize::from(spec.has_score_bias());
-    let (gate_up, down) = (2 + bias, 3 + bias);
+    // Inputs: x, the router's logits, its per-expert vector (grouped routers' score bias,
+    // Gemma 4's experts' scales), then the stacked gate/up and down weights.
+    let vector = usize::from(spec.has_expert_vector());
+    let (gate_up, down) = (2 + vector, 3 + vector);
     let (gate_up_format, down_format) = (operands.weight_format(gate_up)?, operands.weight_format(down)?);
     let ((x, x_stride), (logits, logits_stride)) = (operands.activation(s, 0), operands.activation(s, 1));
     let k = spec.experts_per_token;
     let routes = operands.scratch("routes", k, max_tokens);
     let route_weights = operands.scratch("route_weights", k, max_tokens);
     let hidden = operands.scratch("hidden", k * spec.intermediate, max_tokens);
-    // Softmax routers have no bias: the logits stand in (never read).
-    let score_bias = match bias {
+    // Plain softmax routers have no vector: the logits stand in (never read).
+    let expert_vector = match vector {
         1 => operands.weight(2),
         _ => logits.clone(),
     };
     let (d, origin) = (width(operands.graph, operands.node), operands.origin());
     let route = vec![
         logits,
-        score_bias,
+        expert_vector,
         routes.clone(),
         route_weights.clone(),
         scalar("tokens", rows),
