@@ -564,16 +564,22 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
 }
 
 /// The serving engine on batched plans of Qwen3.5 (its DeltaNet layers' states in slots on
-/// the device), GLM-4.5 (MoE layers: each row routed on its own) and Qwen3-Next (both)
-/// generates what it
-/// generates on the CPU backend, for more requests than run at once (finished sequences'
+/// the device), GLM-4.5 (MoE layers: each row routed on its own), Qwen3-Next (both) and
+/// Gemma 4 with KV-shared layers (attending for each sequence's last row alone) generates what
+/// it generates on the CPU backend, for more requests than run at once (finished sequences'
 /// slots start new ones afresh) and a KV pool small enough that sequences are preempted and
 /// recomputed from position 0. The plans keep states for 3 sequences: the engine runs no more
 /// at once than that where the model has recurrent layers, and drops the prefix cache.
 #[test]
 fn the_serving_engine_runs_hybrid_and_moe_plans_like_the_cpu_backend() {
     use runtime::serving::ServingEngine;
-    for (family, recurrent) in [("qwen3_5", true), ("glm4_moe", false), ("qwen3_next", true)] {
+    for (family, recurrent) in [
+        ("qwen3_5", true),
+        ("glm4_moe", false),
+        ("qwen3_next", true),
+        // KV-shared layers attending for each sequence's last row alone.
+        ("gemma4_kv_shared", false),
+    ] {
         let model = open(family, ComputeDtype::F32);
         let graph = model.lower(LogitsFor::AllTokens).unwrap();
         // Snapshots of recurrent states asked for: the CPU backend keeps them, a GPU plan does
@@ -722,11 +728,18 @@ fn recurrent_state_slots_are_checked_per_step() {
 /// verifies each sequence's drafts in one step (the rows it samples gathered before the head,
 /// their argmax read back as ids, steps of every row sampled replayed as graphs), and every
 /// request generates exactly the tokens it generates on the CPU backend without speculation;
-/// some drafts are accepted.
+/// some drafts are accepted (and, for Llama, some refused). Gemma 4's KV-shared layers attend
+/// for the sampled rows, each with its own position and table.
 #[test]
 fn speculative_decoding_on_a_batched_plan_keeps_every_token() {
+    for family in ["llama", "gemma4_kv_shared"] {
+        speculative_decoding_keeps_every_token(family);
+    }
+}
+
+fn speculative_decoding_keeps_every_token(family: &str) {
     use runtime::serving::{NgramConfig, ServingEngine};
-    let model = open("llama", ComputeDtype::F32);
+    let model = open(family, ComputeDtype::F32);
     let graph = model.lower(LogitsFor::AllTokens).unwrap();
     let plain = serving_config(32, 64);
     let speculative = SchedulerConfig {
@@ -755,10 +768,10 @@ fn speculative_decoding_on_a_batched_plan_keeps_every_token() {
         "the plan verifies drafts"
     );
     let (got, drafted, accepted) = serve_counting(&mut on_gpu, &prompts, params, 12);
-    assert_eq!(got, want);
+    assert_eq!(got, want, "{family}");
     assert!(
-        accepted > 0 && drafted > accepted,
-        "{accepted} of {drafted} drafted tokens accepted"
+        accepted > 0 && (drafted > accepted || family != "llama"),
+        "{family}: {accepted} of {drafted} drafted tokens accepted"
     );
     let (greedy, full) = on_gpu.backend().counts();
     assert!(greedy > 0 && full == 0, "{greedy} greedy steps, {full} with logits");

@@ -395,6 +395,68 @@ fn gemma4_kv_shared_reference_interpreter_matches_hf() {
     check_reference_interpreter("gemma4_kv_shared");
 }
 
+/// Where only the last rows' logits are wanted, the KV-shared layers run on those rows alone
+/// (they write no cache): the prompt's last logits and every cached step still match HF, with
+/// the prompt in one step or in two chunks (the shared layers of the first chunk's last row
+/// computing what nothing reads), on the CPU backend (lowered and fused) and the reference.
+#[test]
+fn gemma4_kv_shared_layers_run_on_the_last_rows_only_and_match_hf() {
+    let family = "gemma4_kv_shared";
+    let model = open(family);
+    let reference = load_reference(family);
+    let n = reference.input_ids.len();
+    let graph = model.lower(LogitsFor::LastToken).unwrap();
+    let shared: Vec<_> = graph
+        .nodes()
+        .iter()
+        .filter(|node| matches!(node.op, ir::Op::SharedKvAttention(_)))
+        .collect();
+    assert_eq!(shared.len(), 3);
+    assert!(shared.iter().all(|node| node.shape.0[0] == ir::Dim::Const(1)));
+    let fused = passes::optimized(&graph, passes::CostModel::CPU).unwrap();
+    for (graph, label) in [(graph.clone(), "lowered"), (fused, "fused")] {
+        for split in [n, 10] {
+            let backend = CpuBackend::new(graph.clone(), &model.weights, model.config.context_length).unwrap();
+            let mut seq = backend.new_sequence();
+            let ids = &reference.input_ids;
+            let mut out = backend.step(&mut seq, &ids[..split]).unwrap();
+            if split < n {
+                out = backend.step(&mut seq, &ids[split..]).unwrap();
+            }
+            let first = out["logits"].data.clone();
+            let next = |id: u32, _| backend.step(&mut seq, &[id]).unwrap()["logits"].data.clone();
+            follow_greedy_steps(&reference, first, next, &format!("{label}, prompt split at {split}"));
+        }
+    }
+    let weights = models::weights::DequantizedWeights::new(&model.weights);
+    let mut interp = ir::reference::Interpreter::new(&weights);
+    let positions: Vec<usize> = (0..n).collect();
+    let first = interp.step(&graph, &reference.input_ids, &positions).unwrap()["logits"]
+        .data
+        .clone();
+    let next = |id: u32, at: usize| interp.step(&graph, &[id], &[at]).unwrap()["logits"].data.clone();
+    follow_greedy_steps(&reference, first, next, "interpreter");
+}
+
+/// `first` (the prompt's last logits) and the logits `next(id, position)` gives for each
+/// greedy id after it against `reference`'s, and its greedy ids.
+fn follow_greedy_steps(
+    reference: &Reference,
+    first: Vec<f32>,
+    mut next: impl FnMut(u32, usize) -> Vec<f32>,
+    label: &str,
+) {
+    let (v, n) = (reference.vocab, reference.input_ids.len());
+    assert_close(&first, &reference.logits[(n - 1) * v..], &format!("{label} prompt"));
+    let mut last = first;
+    for (step, &want_id) in reference.greedy_ids.iter().enumerate() {
+        let want = &reference.step_logits[step * v..(step + 1) * v];
+        assert_close(&last, want, &format!("{label} step {step}"));
+        assert_eq!(argmax(&last), want_id, "{label} step {step}");
+        last = next(want_id, n + step);
+    }
+}
+
 /// Gemma 4 26B-A4B's shape: a mixture of experts beside every MLP (its router's scales,
 /// GELU experts), full-attention layers taking their values from the key projection with
 /// their own count of KV heads, soft-capped logits, no per-layer inputs.

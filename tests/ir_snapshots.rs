@@ -44,7 +44,9 @@ fn gemma4_graph() {
 }
 
 /// KV-shared layers (`shared_kv_attention` on an earlier layer's slot), double-wide MLPs and
-/// soft-capped logits, here under a greedy head (`top_k` over the capped logits).
+/// soft-capped logits, here under a greedy head (`top_k` over the capped logits); the
+/// shared layers run on the last row (`last_token` of the residual stream, the positions and
+/// the per-layer inputs before them).
 #[test]
 fn gemma4_kv_shared_graph() {
     insta::assert_snapshot!(graph_text("gemma4_kv_shared", LogitsFor::GreedyToken));

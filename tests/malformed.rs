@@ -129,15 +129,15 @@ fn bad_hybrid_configs_are_named() {
     );
 }
 
-/// Gemma 4 features bbc does not run yet are refused by name, as are head overrides for
-/// layers the model does not have, KV sharing no earlier layer can serve and caps that are
-/// not positive.
+/// Bad Gemma 4 configs are refused by name: head overrides for layers the model does not
+/// have, KV sharing no earlier layer can serve, caps that are not positive, a MoE block without
+/// its experts.
 #[test]
 fn unsupported_gemma4_configs_are_named() {
     check_bad_configs(
         "gemma4",
         &[
-            ("enable_moe_block", true.into(), "enable_moe_block"),
+            ("enable_moe_block", true.into(), "`num_experts` is missing"),
             ("num_kv_shared_layers", 7.into(), "more than the model's 6 layers"),
             // The last layer is the only full-attention one: no earlier one to read.
             ("num_kv_shared_layers", 1.into(), "none of the first 5"),

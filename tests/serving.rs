@@ -52,6 +52,30 @@ fn concurrent_gemma4_requests_generate_what_they_generate_alone() {
     concurrent_requests_match_alone(&model);
 }
 
+/// Gemma 4 with KV-shared layers, which read an earlier layer's cache slot and run on each
+/// sequence's last row only.
+#[test]
+fn concurrent_gemma4_kv_shared_requests_generate_what_they_generate_alone() {
+    let model = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/gemma4_kv_shared"))).unwrap();
+    concurrent_requests_match_alone(&model);
+}
+
+/// Verifying drafts samples several rows of a sequence: Gemma 4's KV-shared layers then run on
+/// those rows (not only the last), and speculation keeps every token.
+#[test]
+fn speculation_through_gemma4_kv_shared_layers_keeps_every_token() {
+    let model = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/gemma4_kv_shared"))).unwrap();
+    let repeating = |base: u32, period: u32| (0..40u32).map(|j| base + 17 * (j % period)).collect();
+    let requests: Vec<(Vec<u32>, SamplingParams)> = [repeating(30, 6), repeating(30, 5), repeating(100, 1)]
+        .into_iter()
+        .map(|p| (p, SamplingParams::default()))
+        .collect();
+    let (plain, _, _) = serve_speculating(&model, &requests, 32, runtime::serving::NgramConfig::OFF);
+    let (speculative, drafted, accepted) = serve_speculating(&model, &requests, 32, DRAFT_FOUR);
+    assert_eq!(speculative, plain);
+    assert!(accepted > 0, "{accepted} of {drafted} drafts accepted");
+}
+
 /// GLM-5: latent attention's keys and values of different widths, and index keys, in the
 /// paged cache; each query's sparse choice is its own whatever shares the step.
 #[test]

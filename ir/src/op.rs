@@ -568,6 +568,11 @@ impl Op {
                 Ok((inputs[0].0.clone(), DType::F32))
             }
             Self::Scale { .. } | Self::Silu | Self::GeluTanh => Ok((inputs[0].0.clone(), DType::F32)),
+            // The step's positions too, for what runs on the last rows only.
+            Self::LastToken if inputs[0].1 == DType::I32 => {
+                tokens_vec(inputs[0].0, inputs[0].1, "positions")?;
+                Ok((Shape::new([Dim::Const(1)]), DType::I32))
+            }
             Self::LastToken => {
                 let (_, d) = f32_rows(inputs[0].0)?;
                 Ok((Shape::new([Dim::Const(1), d]), DType::F32))

@@ -278,7 +278,8 @@ pub(crate) fn width(graph: &Graph, node: usize) -> usize {
 pub fn per_sequence_nodes(graph: &Graph) -> BTreeSet<usize> {
     let mut per_sequence = BTreeSet::new();
     for (i, node) in graph.nodes().iter().enumerate() {
-        let one_row = node.shape.rank() == 2 && node.shape.0.first() == Some(&Dim::Const(1));
+        // A row per sequence, or a position per sequence (`last_token` of the positions).
+        let one_row = node.shape.rank() <= 2 && node.shape.0.first() == Some(&Dim::Const(1));
         let from_last = node.op == ir::Op::LastToken || node.inputs.iter().any(|p| per_sequence.contains(&p.0));
         if one_row && from_last {
             per_sequence.insert(i);

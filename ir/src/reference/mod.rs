@@ -115,6 +115,9 @@ impl<'w> Interpreter<'w> {
                     }
                     Value::Weight(t)
                 }
+                Op::LastToken if matches!(args[0], Value::Ids(_)) => {
+                    Value::Ids(args[0].ids().last().copied().into_iter().collect())
+                }
                 op => Value::F32(self.eval(op, &args, positions)?),
             };
             values.push(Some(value));
@@ -136,10 +139,12 @@ impl<'w> Interpreter<'w> {
         attention_over_slot(spec, q, slot, positions)
     }
 
-    /// Attend with `q` over the spec's cache slot as an earlier attention of this step left it.
+    /// Attend with `q` over the spec's cache slot as an earlier attention of this step left it;
+    /// `q` holds the step's rows, or its last ones (after `last_token`).
     fn attend_shared(&mut self, spec: &AttentionSpec, q: &Tensor, positions: &[usize]) -> Tensor {
         let slot = self.caches.entry(spec.cache_slot).or_default();
-        attention_over_slot(spec, q, slot, positions)
+        let rows = q.rows().min(positions.len());
+        attention_over_slot(spec, q, slot, &positions[positions.len() - rows..])
     }
 
     /// Append the step's keys (`[k_nope | k_pe | index key]` rows) and values to the spec's

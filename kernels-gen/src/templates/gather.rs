@@ -1,7 +1,8 @@
 //! Gathers, a thread per element (memory-bound; the rows are few or the widths small).
 //! - Rows: `out[t, j] = src[index[t], j]` for `rows` rows of `width`, `src`'s rows `src_stride`
 //!   apart. In a batched step it picks each sequence's last row (the IR's `last_token`, one row
-//!   per sequence) so that the final norm and the LM head run on those rows only.
+//!   per sequence) so that the final norm and the LM head run on those rows only (and, of
+//!   i32 positions, where layers run on those rows alone: Gemma 4's KV-shared ones).
 //! - Column groups (the IR's `group_slice`): columns `start..start + len` of every group of
 //!   `group` columns, side by side; Qwen3.5's query projection interleaves each head's query
 //!   and output gate, and this splits them.
@@ -10,13 +11,18 @@ use super::{blocks_for, per_row_element, BLOCK};
 use crate::dsl::*;
 
 pub fn gather_rows(name: &str, origin: &str) -> Kernel {
+    gather_rows_of(name, origin, Ty::F32)
+}
+
+/// [`gather_rows`] of elements of type `ty`.
+pub fn gather_rows_of(name: &str, origin: &str, ty: Ty) -> Kernel {
     Kernel {
         name: name.into(),
         origin: format!("{origin}: gather rows by index"),
         params: vec![
-            buffer("src", Ty::F32, false),
+            buffer("src", ty, false),
             buffer("index", Ty::I32, false),
-            buffer("out", Ty::F32, true),
+            buffer("out", ty, true),
             scalar("rows", Ty::I32),
             scalar("width", Ty::I32),
             scalar("src_stride", Ty::I32),

@@ -13,14 +13,17 @@
 //! - each layer's output is multiplied by its `layer_scalar`;
 //! - the last `num_kv_shared_layers` layers project queries only and attend over the keys and
 //!   values of the last earlier layer of their kind (`shared_kv_attention` on its cache slot,
-//!   so they keep no cache of their own), with MLPs twice as wide where `use_double_wide_mlp`;
+//!   so they keep no cache of their own), with MLPs twice as wide where `use_double_wide_mlp`.
+//!   Writing no cache, they only matter at the rows whose logits are wanted: unless every
+//!   row's are, they run on those rows alone (`last_token` before them, of the residual
+//!   stream, the positions and the per-layer inputs), as HF's generate does;
 //! - with `attention_k_eq_v`, full-attention layers take their values from the key
 //!   projection (before its norm and RoPE);
 //! - logits may be soft-capped (`final_logit_softcapping`, in [`Builder::lm_head`]);
 //! - with `enable_moe_block`, a mixture of experts runs beside each layer's MLP, on the
 //!   residual stream before it (see [`moe_block`]).
 
-use super::{Builder, ComputeDtype, LayerTensor};
+use super::{Builder, ComputeDtype, LayerTensor, LogitsFor};
 use crate::config::{Gemma4Config, LayerAttention, ModelConfig, MoeConfig};
 use crate::error::{ModelError, Result};
 use ir::{AttentionSpec, GluAct, MoeSpec, NodeId, Op, RopeLayout, RopeSpec};
@@ -30,14 +33,20 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         name: "config".into(),
         what: "a gemma4 model needs its per-layer settings".into(),
     })?;
-    let (ids, positions, x) = b.token_embeddings(c)?;
+    let (ids, mut positions, x) = b.token_embeddings(c)?;
     let scale = rounded((c.hidden as f32).sqrt(), b.options.compute);
     let mut x = b.op(Op::Scale { factor: scale }, &[x])?;
-    let per_layer = match g.per_layer_input {
+    let mut per_layer = match g.per_layer_input {
         0 => None,
         _ => Some(per_layer_inputs(c, g, b, ids, x)?),
     };
+    let first_shared = g.kv_shared_from.iter().position(Option::is_some);
     for i in 0..c.layers {
+        if Some(i) == first_shared && b.options.logits != LogitsFor::AllTokens {
+            x = b.op(Op::LastToken, &[x])?;
+            positions = b.op(Op::LastToken, &[positions])?;
+            per_layer = per_layer.map(|p| b.op(Op::LastToken, &[p])).transpose()?;
+        }
         let n = |t| b.naming.layer(i, t);
         let (attn_norm, post_attn, pre_ffn, post_ffn) = (
             n(LayerTensor::AttnNorm),

@@ -360,6 +360,12 @@ impl Builder<'_> {
         Ok(self.graph.weight(name, &[len], DType::F32))
     }
 
+    /// Whether `x` holds the sampled rows only (a family may take them before the head: Gemma
+    /// 4's KV-shared layers run on those rows alone).
+    pub fn is_last_rows(&self, x: NodeId) -> bool {
+        self.graph.node(x).shape.0.first() == Some(&ir::Dim::Const(1))
+    }
+
     pub fn op(&mut self, op: Op, inputs: &[NodeId]) -> Result<NodeId> {
         self.graph.add(op, inputs).map_err(graph_error)
     }
@@ -485,7 +491,7 @@ impl Builder<'_> {
     /// `hidden` (the normed state the head reads) and `logits`, or `next_token` for greedy.
     pub fn lm_head(&mut self, config: &ModelConfig, x: NodeId, norm_offset: f32) -> Result<()> {
         let mut x = x;
-        if self.options.logits != LogitsFor::AllTokens {
+        if self.options.logits != LogitsFor::AllTokens && !self.is_last_rows(x) {
             x = self.op(Op::LastToken, &[x])?;
         }
         let name = self.naming.output_norm();

@@ -25,7 +25,10 @@ impl Tokenizer {
     }
 
     /// An HF directory's `tokenizer.json`, with BOS/EOS and chat template from
-    /// `tokenizer_config.json` (and `generation_config.json`'s EOS ids) when present.
+    /// `tokenizer_config.json` (and `generation_config.json`'s EOS ids) when present. As
+    /// transformers reads such a directory: a `chat_template.jinja` beside them is the chat
+    /// template (what `save_pretrained` has written since 4.43), and without `add_bos_token`
+    /// the prompt starts with BOS where `tokenizer.json`'s post-processor puts it there.
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("tokenizer.json");
         let inner = tokenizers::Tokenizer::from_file(&path)
@@ -49,16 +52,16 @@ impl Tokenizer {
         }
         eos.sort_unstable();
         eos.dedup();
-        let add_bos = config
+        let add_bos = match config
             .as_ref()
             .and_then(|c| c.get("add_bos_token"))
             .and_then(|v| v.as_bool())
-            .unwrap_or(false);
-        let chat_template = config
-            .as_ref()
-            .and_then(|c| c.get("chat_template"))
-            .and_then(|v| v.as_str())
-            .map(|t| ChatTemplate::new(t, &inner, bos, eos.first().copied()));
+        {
+            Some(add) => add,
+            None => post_processor_adds(&inner, bos)?,
+        };
+        let chat_template = chat_template_source(dir, config.as_ref())?
+            .map(|t| ChatTemplate::new(&t, &inner, bos, eos.first().copied()));
         Ok(Self {
             inner,
             bos,
@@ -97,6 +100,39 @@ impl Tokenizer {
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
+}
+
+/// Whether `tokenizer.json`'s post-processor starts an encoding with `bos`.
+fn post_processor_adds(inner: &tokenizers::Tokenizer, bos: Option<u32>) -> Result<bool> {
+    let Some(bos) = bos else {
+        return Ok(false);
+    };
+    let enc = inner
+        .encode("a", true)
+        .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+    Ok(enc.get_ids().first() == Some(&bos))
+}
+
+/// The chat template's source: `chat_template.jinja` where the directory has one, else
+/// `tokenizer_config.json`'s `chat_template` (a string, or a list of named templates, of which
+/// the one named `default`).
+fn chat_template_source(dir: &Path, config: Option<&serde_json::Value>) -> Result<Option<String>> {
+    let file = dir.join("chat_template.jinja");
+    if file.exists() {
+        return std::fs::read_to_string(&file).map(Some).map_err(|e| io_error(&file, e));
+    }
+    let Some(template) = config.and_then(|c| c.get("chat_template")) else {
+        return Ok(None);
+    };
+    Ok(match template {
+        serde_json::Value::String(source) => Some(source.clone()),
+        serde_json::Value::Array(named) => named
+            .iter()
+            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .and_then(|t| t.get("template")?.as_str())
+            .map(str::to_string),
+        _ => None,
+    })
 }
 
 fn read_json_if_present(path: &Path) -> Result<Option<serde_json::Value>> {
@@ -150,5 +186,70 @@ impl StreamDecoder {
 impl Default for StreamDecoder {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A word-level `tokenizer.json` whose post-processor puts `<bos>` first, as Gemma's does.
+    const TOKENIZER_JSON: &str = r#"{
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [
+            {"id": 1, "content": "<bos>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+            {"id": 2, "content": "<eos>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
+        ],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<bos>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<bos>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<bos>": {"id": "<bos>", "ids": [1], "tokens": ["<bos>"]}}
+        },
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": {"<unk>": 0, "<bos>": 1, "<eos>": 2, "hi": 3, "there": 4, "a": 5}, "unk_token": "<unk>"}
+    }"#;
+
+    fn dir_with(config: serde_json::Value, jinja: Option<&str>) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("tokenizer.json"), TOKENIZER_JSON).unwrap();
+        std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+        if let Some(source) = jinja {
+            std::fs::write(dir.path().join("chat_template.jinja"), source).unwrap();
+        }
+        dir
+    }
+
+    #[test]
+    fn bos_follows_the_post_processor_unless_the_config_says() {
+        let config = serde_json::json!({"bos_token": "<bos>", "eos_token": "<eos>"});
+        let t = Tokenizer::from_hf_dir(dir_with(config.clone(), None).path()).unwrap();
+        assert!(t.add_bos);
+        assert_eq!(t.encode("hi there", true).unwrap(), [1, 3, 4]);
+        assert_eq!(t.encode("hi there", false).unwrap(), [3, 4]);
+        let mut said = config;
+        said["add_bos_token"] = false.into();
+        let t = Tokenizer::from_hf_dir(dir_with(said, None).path()).unwrap();
+        assert!(!t.add_bos);
+        assert_eq!(t.encode("hi there", true).unwrap(), [3, 4]);
+    }
+
+    #[test]
+    fn the_chat_template_comes_from_its_file_first_then_the_config() {
+        let source = |config: serde_json::Value, jinja| {
+            let t = Tokenizer::from_hf_dir(dir_with(config, jinja).path()).unwrap();
+            t.chat_template.map(|c| c.source().to_string())
+        };
+        let config = serde_json::json!({"chat_template": "from config"});
+        assert_eq!(source(config.clone(), Some("from file")).as_deref(), Some("from file"));
+        assert_eq!(source(config, None).as_deref(), Some("from config"));
+        let named = serde_json::json!({"chat_template": [
+            {"name": "tool_use", "template": "tools"},
+            {"name": "default", "template": "plain"}
+        ]});
+        assert_eq!(source(named, None).as_deref(), Some("plain"));
+        assert_eq!(source(serde_json::json!({}), None), None);
     }
 }

@@ -106,6 +106,31 @@ impl<'a> StepRows<'a> {
         }
     }
 
+    /// The rows `LastToken` keeps, in order: each segment's last `sampled_rows`.
+    fn sampled_rows(&self) -> impl Iterator<Item = usize> + '_ {
+        self.segments
+            .iter()
+            .zip(&self.ranges)
+            .flat_map(|(seg, r)| r.end - seg.sampled_rows..r.end)
+    }
+
+    /// The query rows of a value with `count` rows: the step's, or its sampled ones (after
+    /// `LastToken`; where every row is sampled the two are the same rows).
+    fn query_rows_of(&self, count: usize) -> Result<std::borrow::Cow<'_, [QueryRow<'a>]>> {
+        if count == self.query.len() {
+            return Ok(std::borrow::Cow::Borrowed(&self.query));
+        }
+        let sampled: Vec<QueryRow<'a>> = self.sampled_rows().map(|r| self.query[r]).collect();
+        match sampled.len() == count {
+            true => Ok(std::borrow::Cow::Owned(sampled)),
+            false => Err(RuntimeError::Graph(format!(
+                "a query of {count} rows in a step of {} rows, {} of them sampled",
+                self.query.len(),
+                sampled.len()
+            ))),
+        }
+    }
+
     /// Split a graph output into one tensor per segment: its rows when the output has a row per
     /// token, its sampled rows when it has those (after `LastToken`).
     fn split(&self, t: &Tensor) -> Result<Vec<Tensor>> {
@@ -313,6 +338,13 @@ impl CpuBackend {
                 Op::Input(InputKind::Positions) => Some(Value::Ids(rows.rope.positions().to_vec())),
                 Op::Weight { .. } => None,
                 op if op.is_weight_transform() => None,
+                // The positions of the sampled rows, for what runs on those rows only.
+                Op::LastToken if self.graph.node(node.inputs[0]).dtype == ir::DType::I32 => {
+                    let Some(Value::Ids(positions)) = &values[node.inputs[0].0] else {
+                        return Err(RuntimeError::Graph("last_token of positions that are not ids".into()));
+                    };
+                    Some(Value::Ids(rows.sampled_rows().map(|r| positions[r]).collect()))
+                }
                 op => {
                     let args: Vec<Arg> = node
                         .inputs
@@ -435,12 +467,7 @@ impl CpuBackend {
             Op::GeluTanh => map(args[0].value().tensor(), activation::gelu_tanh),
             Op::LastToken => {
                 let x = args[0].value().tensor();
-                let picked = rows
-                    .segments
-                    .iter()
-                    .zip(&rows.ranges)
-                    .flat_map(|(seg, r)| r.end - seg.sampled_rows..r.end);
-                let data: Vec<f32> = picked.flat_map(|r| x.row(r)).copied().collect();
+                let data: Vec<f32> = rows.sampled_rows().flat_map(|r| x.row(r)).copied().collect();
                 Tensor::new(vec![data.len() / x.row_len().max(1), x.row_len()], data)
             }
             Op::AddBias => {
@@ -453,7 +480,8 @@ impl CpuBackend {
             Op::SharedKvAttention(spec) => {
                 let q = args[0].value().tensor();
                 let mut out = Tensor::zeros(q.shape.clone());
-                attention::attention(spec, &q.data, &rows.query, pages.layer(spec.cache_slot), &mut out.data);
+                let query = rows.query_rows_of(q.rows())?;
+                attention::attention(spec, &q.data, &query, pages.layer(spec.cache_slot), &mut out.data);
                 out
             }
             Op::ScaleRows => {

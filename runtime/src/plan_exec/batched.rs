@@ -270,12 +270,18 @@ impl<D: PlanDevice> PlanExecutor<D> {
             .zip(batch)
             .flat_map(|(r, seg)| (r.end - seg.sampled_rows..r.end).map(|row| row as i32))
             .collect();
+        // What attends for the sampled rows alone (Gemma 4's KV-shared layers) reads their
+        // tables and positions.
+        let of_sampled = |per_row: &[i32]| -> Vec<i32> { sampled_rows.iter().map(|&r| per_row[r as usize]).collect() };
+        let (sampled_row_table, sampled_row_pos) = (of_sampled(&row_table), of_sampled(&row_pos));
         for (name, values) in [
             ("block_tables", &tables),
             ("row_table", &row_table),
             ("row_pos", &row_pos),
             ("last_rows", &last_rows),
             ("sampled_rows", &sampled_rows),
+            ("sampled_row_table", &sampled_row_table),
+            ("sampled_row_pos", &sampled_row_pos),
             ("row_seq", &row_seq),
             ("state_slots", &state_slots),
         ] {

@@ -287,6 +287,8 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 ("row_pos", rows),
                 ("last_rows", rows),
                 ("sampled_rows", rows),
+                ("sampled_row_table", rows),
+                ("sampled_row_pos", rows),
                 ("row_seq", rows),
                 ("state_slots", rows),
             ];

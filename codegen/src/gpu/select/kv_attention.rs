@@ -1,7 +1,10 @@
 //! An attention node's launches (`templates::kv_append`, `templates::attention`): the step's
 //! keys and values appended to the node's cache slot (rotating q and k on the way for
 //! `rope_attention`), then the attention over the cache, split across blocks and merged. A
-//! `shared_kv_attention` appends nothing: it attends over the slot an earlier layer filled.
+//! `shared_kv_attention` appends nothing: it attends over the slot an earlier layer filled, and
+//! may do so for the sampled rows only (each sequence's last, after `last_token`): their
+//! tables and positions are then the step's `sampled_row_table` and `sampled_row_pos` (a
+//! batched step), or the step's last position (one sequence's).
 
 use super::{next_matmul_weights, prefetch_bytes, scalar, Alternatives, Operands, Selected};
 use crate::gpu::{GpuCodegenError, KvLayout, LaunchArg};
@@ -11,12 +14,14 @@ use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::{attention, kv_append, weight_prefetch};
 
 /// Pushes the append (where the op appends) and the split attention; returns the merge of the
-/// splits for the caller to push as the node's own launch.
+/// splits for the caller to push as the node's own launch. `sampled`: the node's rows are the
+/// step's sampled ones, not all of them.
 pub(super) fn launches(
     s: &mut Selected,
     operands: &Operands,
     layout: CacheLayout,
     rows: &str,
+    sampled: bool,
     max_tokens: usize,
 ) -> Result<(Kernel, Vec<LaunchArg>), GpuCodegenError> {
     let op = &operands.graph.nodes()[operands.node].op;
@@ -38,15 +43,24 @@ pub(super) fn launches(
         DType::BF16 => Ty::Bf16,
         other => return Err(unsupported(format!("a {other} KV cache"))),
     };
+    if sampled && !matches!(op, Op::SharedKvAttention(_)) {
+        return Err(unsupported(
+            "only a layer appending nothing attends for the sampled rows alone".into(),
+        ));
+    }
+    let step_input = |name: &str| LaunchArg::StepInput {
+        name: match sampled {
+            true => format!("sampled_{name}"),
+            false => name.into(),
+        },
+    };
     let layout_args = match layout {
         CacheLayout::Batched => vec![
             LaunchArg::StepInput {
                 name: "block_tables".into(),
             },
-            LaunchArg::StepInput {
-                name: "row_table".into(),
-            },
-            LaunchArg::StepInput { name: "row_pos".into() },
+            step_input("row_table"),
+            step_input("row_pos"),
             scalar("block_size", "block_size"),
         ],
         CacheLayout::Contiguous => vec![],
@@ -57,6 +71,11 @@ pub(super) fn launches(
         ty: cache_ty,
         layout,
         layout_args,
+        // One sequence's sampled row is its last: position `first + tokens − 1`.
+        first: match sampled {
+            true => "first+tokens-1",
+            false => "first",
+        },
     };
     let q = match op {
         Op::SharedKvAttention(_) => operands.activation(s, 0),
@@ -71,6 +90,8 @@ struct Cache<'a> {
     ty: Ty,
     layout: CacheLayout,
     layout_args: Vec<LaunchArg>,
+    /// The position of the attention's first query row, past the rows of a batched step.
+    first: &'static str,
 }
 
 impl Cache<'_> {
@@ -174,7 +195,7 @@ fn attend(
         partial.clone(),
         scalar("tokens", rows),
         scalar("q_stride", q_stride),
-        scalar("first", "first"),
+        scalar("first", cache.first),
         scalar("heads", spec.heads),
         scalar("kv_heads", spec.kv_heads),
         scalar("window", spec.window.unwrap_or(0)),

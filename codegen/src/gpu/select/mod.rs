@@ -9,7 +9,7 @@ mod moe;
 use super::{rows, width, GpuCodegenError, KvLayout, LaunchArg, StateLayout, View, WeightUse};
 use ir::reference::ops::rope_inv_freq;
 use ir::{DType, Expr as IrExpr, GluAct, Graph, InputKind, Op};
-use kernels_gen::dsl::Kernel;
+use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::{self, *};
@@ -221,7 +221,11 @@ pub(crate) fn select(
                             scalar("width", width(graph, i)),
                             scalar("src_stride", stride),
                         ];
-                        (gather::gather_rows("gather_rows", &graph.name), args)
+                        let kernel = match node.dtype {
+                            DType::I32 => gather::gather_rows_of("gather_positions", &graph.name, Ty::I32),
+                            _ => gather::gather_rows("gather_rows", &graph.name),
+                        };
+                        (kernel, args)
                     }
                     Op::Embedding => {
                         let table = weight_format(graph.node(node.inputs[0]).dtype, i, op.name())?;
@@ -369,7 +373,8 @@ pub(crate) fn select(
                         )
                     }
                     Op::Attention(_) | Op::RopeAttention { .. } | Op::SharedKvAttention(_) => {
-                        kv_attention::launches(&mut s, &operands, layout, &rows, max_tokens)?
+                        let sampled = per_sequence.contains(&i) || rows == "1";
+                        kv_attention::launches(&mut s, &operands, layout, &rows, sampled, max_tokens)?
                     }
                     Op::AddBias => {
                         let (x, stride) = act(&s, 0);
