@@ -9,7 +9,6 @@
 //!
 //! Prints medians of alternated runs and the ratios. `cargo bench --bench hybrid_prefix`.
 
-use half::bf16;
 use models::{ComputeDtype, LogitsFor, LowerOptions, ModelConfig, WeightSource};
 use runtime::serving::{NgramConfig, SchedulerConfig, ServingEngine, StateCacheConfig};
 use runtime::{CpuBackend, SamplingParams};
@@ -34,37 +33,6 @@ fn config() -> ModelConfig {
     let linear = config.linear_attention.as_mut().expect("a hybrid");
     (linear.key_heads, linear.value_heads) = (4, 8);
     config
-}
-
-/// Every weight the graph declares, with the values a GPU plan would make on the device for
-/// it (`runtime::generated::host_values`, seed 7), written as one safetensors file in `dir`:
-/// matrices bf16, vectors (norm gains) f32, as a bf16 checkpoint stores them.
-fn write_random_weights(graph: &ir::Graph, dir: &std::path::Path) {
-    let mut tensors: Vec<(String, Vec<usize>, safetensors::Dtype, Vec<u8>)> = Vec::new();
-    for node in graph.nodes() {
-        let ir::Op::Weight { name } = &node.op else { continue };
-        let shape = node.shape.resolve(0, 0);
-        let values = runtime::generated::host_values(7, name, &shape);
-        let (dtype, bytes) = match shape.len() {
-            2 => (
-                safetensors::Dtype::BF16,
-                values.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect(),
-            ),
-            _ => (
-                safetensors::Dtype::F32,
-                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            ),
-        };
-        tensors.push((name.clone(), shape, dtype, bytes));
-    }
-    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
-        .iter()
-        .map(|(name, shape, dtype, bytes)| {
-            let view = safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes).unwrap();
-            (name.clone(), view)
-        })
-        .collect();
-    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
 }
 
 fn engine(backend: CpuBackend, snapshots: usize) -> ServingEngine<CpuBackend> {
@@ -132,7 +100,7 @@ fn main() {
     };
     let graph = models::lower_without_weights(&config, options).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    write_random_weights(&graph, dir.path());
+    runtime::generated::write_checkpoint(&graph, 7, &dir.path().join("model.safetensors")).unwrap();
     let weights = WeightSource::open_safetensors(dir.path()).unwrap();
     let graph = passes::optimized(&graph, passes::CostModel::CPU).unwrap();
     let mut backend = CpuBackend::new(graph, &weights, config.context_length).unwrap();

@@ -64,6 +64,46 @@ pub fn host_values(seed: u32, name: &str, shape: &[usize]) -> Vec<f32> {
         .collect()
 }
 
+/// Every weight `graph` declares, with its [`host_values`], written as one safetensors file
+/// at `path`: matrices bf16, vectors (norm gains) f32, as a bf16 checkpoint stores them. For
+/// benchmarks of model shapes no file has, on the CPU backend.
+pub fn write_checkpoint(graph: &Graph, seed: u32, path: &std::path::Path) -> Result<()> {
+    let mut tensors: Vec<(String, Vec<usize>, safetensors::Dtype, Vec<u8>)> = Vec::new();
+    let mut written = std::collections::HashSet::new();
+    for node in graph.nodes() {
+        // A weight read twice (a tied head and embedding) is one tensor.
+        let ir::Op::Weight { name } = &node.op else { continue };
+        if !written.insert(name) {
+            continue;
+        }
+        let shape = node.shape.resolve(0, 0);
+        let values = host_values(seed, name, &shape);
+        let (dtype, bytes) = match shape.len() {
+            2 => (
+                safetensors::Dtype::BF16,
+                values
+                    .iter()
+                    .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                    .collect(),
+            ),
+            _ => (
+                safetensors::Dtype::F32,
+                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ),
+        };
+        tensors.push((name.clone(), shape, dtype, bytes));
+    }
+    let views = tensors
+        .iter()
+        .map(|(name, shape, dtype, bytes)| {
+            safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes).map(|view| (name.clone(), view))
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| RuntimeError::Weight(e.to_string()))?;
+    safetensors::serialize_to_file(views, None, path)
+        .map_err(|e| RuntimeError::Weight(format!("{}: {e}", path.display())))
+}
+
 /// A weight made on the device: each part (stacked by rows) filled by its own seed; the
 /// buffer and its size in bytes.
 pub(crate) fn make_weight<D: PlanDevice>(
