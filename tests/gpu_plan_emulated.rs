@@ -968,7 +968,7 @@ fn serve_all<B: runtime::serving::PagedBackend>(
 /// counts the weights each reads: every matrix once per step, one table row per token.
 #[test]
 fn weights_made_on_the_device_equal_their_host_values_uploaded() {
-    use runtime::generated::{fill_kernels, host_values};
+    use runtime::generated::fill_kernels;
     use runtime::kv::BlockId;
     let llama = fixture("hf-tiny/llama");
     let config = open("llama", ComputeDtype::Bf16).config;
@@ -982,32 +982,7 @@ fn weights_made_on_the_device_equal_their_host_values_uploaded() {
     let scratch = tempfile::Builder::new().prefix("bbc-generated-").tempdir().unwrap();
     let dir = scratch.path();
     std::fs::copy(llama.join("config.json"), dir.join("config.json")).unwrap();
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for node in graph.nodes() {
-        if let ir::Op::Weight { name } = &node.op {
-            let shape = node.shape.resolve(0, 0);
-            let values = host_values(seed, name, &shape);
-            let bytes = match shape.len() {
-                2 => values
-                    .iter()
-                    .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-                    .collect(),
-                _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            };
-            tensors.push((name.clone(), shape, bytes));
-        }
-    }
-    let views = tensors.iter().map(|(name, shape, bytes)| {
-        let dtype = match shape.len() {
-            2 => safetensors::Dtype::BF16,
-            _ => safetensors::Dtype::F32,
-        };
-        (
-            name.clone(),
-            safetensors::tensor::TensorView::new(dtype, shape.clone(), bytes).unwrap(),
-        )
-    });
-    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    runtime::generated::write_checkpoint(&graph, seed, &dir.join("model.safetensors")).unwrap();
     let written = open_at(dir, ComputeDtype::Bf16);
     drop(scratch);
 
