@@ -1,6 +1,8 @@
-//! Chat templates: the model's own Jinja template (GGUF `tokenizer.chat_template` or
-//! `tokenizer_config.json`'s `chat_template`), rendered with minijinja as HF renders it:
-//! `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, and `raise_exception`.
+//! Chat templates: the model's own Jinja template (GGUF `tokenizer.chat_template`, an HF
+//! directory's `chat_template.jinja` or `tokenizer_config.json`'s `chat_template`), rendered
+//! with minijinja as transformers renders it: blocks trimmed and left-stripped (its jinja2
+//! environment's `trim_blocks` and `lstrip_blocks`), `break` and `continue`; `messages`,
+//! `add_generation_prompt`, `bos_token`, `eos_token`, and `raise_exception`.
 
 use crate::error::{ModelError, Result};
 use serde::{Deserialize, Serialize};
@@ -45,6 +47,8 @@ impl ChatTemplate {
     /// `add_generation_prompt` is set.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         let mut env = minijinja::Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
             "raise_exception",
@@ -96,6 +100,35 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("no system role"), "{err}");
+    }
+
+    /// Block tags on lines of their own leave no whitespace behind, as in transformers' jinja2
+    /// environment; `continue` and `break` work. The expected text is jinja2's (transformers
+    /// 5.24's `_compile_jinja_template`) on the same template and messages.
+    #[test]
+    fn blocks_are_trimmed_as_transformers_trims_them() {
+        let t = template(concat!(
+            "{% for m in messages %}\n",
+            "  {% if m.role == 'system' %}\n",
+            "    {% continue %}\n",
+            "  {% endif %}\n",
+            "<{{ m.role }}>{{ m.content }}\n",
+            "  {% if loop.index > 3 %}{% break %}{% endif %}\n",
+            "{% endfor %}\n",
+            "{% if add_generation_prompt %}\n",
+            "<assistant>\n",
+            "{% endif %}\n",
+        ));
+        let messages = [
+            ("system", "s"),
+            ("user", "a"),
+            ("assistant", "b"),
+            ("user", "c"),
+            ("user", "d"),
+        ]
+        .map(|(role, content)| ChatMessage::new(role, content));
+        let out = t.render(&messages, true).unwrap();
+        assert_eq!(out, "<user>a\n<assistant>b\n<user>c\n<assistant>\n");
     }
 
     #[test]
