@@ -395,6 +395,43 @@ pub fn wide_int8() -> bool {
     false
 }
 
+/// Whether the AVX2 kernel sums its products with AVX-VNNI (`vpdpbusd` on 256-bit registers,
+/// one instruction where `pmaddubsw` then `pmaddwd` take two): where the CPU has it (Intel
+/// since Alder Lake, AMD since Zen 5), unless `BBC_AVX_VNNI=0`. The same integers, so the
+/// same bits; for CPUs without AVX-512, which runs the wide kernel instead.
+pub fn vnni_int8() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *VNNI.get_or_init(|| {
+            std::env::var("BBC_AVX_VNNI").map_or(true, |v| v != "0") && std::arch::is_x86_feature_detected!("avxvnni")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Which kernel a packed dot runs: all give the same bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Int8Kernel {
+    Avx2,
+    /// The AVX2 kernel with AVX-VNNI's dot ([`vnni_int8`]).
+    AvxVnni,
+    /// Two blocks a 512-bit register ([`wide_int8`]).
+    Avx512,
+}
+
+impl Int8Kernel {
+    /// The fastest this CPU runs (as the switches allow).
+    pub fn detected() -> Self {
+        match (wide_int8(), vnni_int8()) {
+            (true, _) => Self::Avx512,
+            (false, true) => Self::AvxVnni,
+            (false, false) => Self::Avx2,
+        }
+    }
+}
+
 /// The packed dot for one matmul, its preconditions (format, CPU features, activation
 /// lengths) checked once rather than per row. Each result is bit for bit what [`dot_packed`]
 /// gives for that activation alone, however many are computed together (one kernel computes
@@ -404,8 +441,7 @@ pub struct PackedDot {
     dtype: GgmlType,
     /// Bytes a row holds, whose blocks every activation covers.
     row_bytes: usize,
-    /// Run the AVX-512 kernel ([`wide_int8`]).
-    wide: bool,
+    kernel: Int8Kernel,
 }
 
 impl PackedDot {
@@ -426,17 +462,18 @@ impl PackedDot {
             return acts.iter().all(fits).then_some(Self {
                 dtype,
                 row_bytes,
-                wide: wide_int8(),
+                kernel: Int8Kernel::detected(),
             });
         }
         let _ = (dtype, row_bytes, acts);
         None
     }
 
-    /// The same dot on the AVX2 kernel, whatever the CPU has (to check the wide one against).
+    /// The same dot on `kernel`, which the caller has checked the CPU runs (to check one
+    /// against another).
     #[cfg(test)]
-    fn narrow(self) -> Self {
-        Self { wide: false, ..self }
+    fn on(self, kernel: Int8Kernel) -> Self {
+        Self { kernel, ..self }
     }
 
     /// `out[t] = row · acts[t]` for a row of the length given to `new`.
@@ -452,18 +489,18 @@ impl PackedDot {
         #[cfg(target_arch = "x86_64")]
         {
             use packed_x86::{run, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0};
-            let wide = self.wide;
+            let kernel = self.kernel;
             match self.dtype {
-                GgmlType::Q4_0 => run::<Q4_0>(row, acts, out, scratch, wide),
-                GgmlType::Q4_1 => run::<Q4_1>(row, acts, out, scratch, wide),
-                GgmlType::Q5_0 => run::<Q5_0>(row, acts, out, scratch, wide),
-                GgmlType::Q5_1 => run::<Q5_1>(row, acts, out, scratch, wide),
-                _ => run::<Q8_0>(row, acts, out, scratch, wide),
+                GgmlType::Q4_0 => run::<Q4_0>(row, acts, out, scratch, kernel),
+                GgmlType::Q4_1 => run::<Q4_1>(row, acts, out, scratch, kernel),
+                GgmlType::Q5_0 => run::<Q5_0>(row, acts, out, scratch, kernel),
+                GgmlType::Q5_1 => run::<Q5_1>(row, acts, out, scratch, kernel),
+                _ => run::<Q8_0>(row, acts, out, scratch, kernel),
             }
         }
         // Elsewhere `new` gives no kernel, so nothing gets here.
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = (self.dtype, self.wide, row, acts, out, scratch);
+        let _ = (self.dtype, self.kernel, row, acts, out, scratch);
     }
 }
 
@@ -472,7 +509,7 @@ impl PackedDot {
 /// format is a type parameter, so each instance's inner loop has no branch on it.
 #[cfg(target_arch = "x86_64")]
 mod packed_x86 {
-    use super::{Q8Row, ACT_BLOCK};
+    use super::{Int8Kernel, Q8Row, ACT_BLOCK};
     use std::arch::x86_64::*;
 
     /// Activation rows per pass over a weight row: 4 rows × 2 accumulators fill 8 of the 16
@@ -494,6 +531,12 @@ mod packed_x86 {
         #[inline(always)]
         unsafe fn products(w: __m256i, qx: __m256i) -> __m256i {
             _mm256_maddubs_epi16(w, qx)
+        }
+        /// The same sums as `pmaddwd(products, 1)`, by AVX-VNNI: each i32 lane the four
+        /// neighbouring products (weights unsigned), exactly.
+        #[inline(always)]
+        unsafe fn dots_vnni(w: __m256i, qx: __m256i) -> __m256i {
+            _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, qx)
         }
         /// What multiplies `dx·Σqx` in the block's contribution, given its scale `d`.
         unsafe fn offset(block: *const u8, d: f32) -> f32;
@@ -664,6 +707,10 @@ mod packed_x86 {
             _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(qx, w))
         }
         #[inline(always)]
+        unsafe fn dots_vnni(w: __m256i, qx: __m256i) -> __m256i {
+            _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(qx, w))
+        }
+        #[inline(always)]
         unsafe fn offset(_: *const u8, _: f32) -> f32 {
             0.0
         }
@@ -681,16 +728,17 @@ mod packed_x86 {
     /// than once per tile.
     const DECODE_ONCE_FROM: usize = 2 * TILE;
 
-    /// `wide`: the AVX-512 kernel, which the caller has checked the CPU runs.
-    pub fn run<F: Format>(row: &[u8], acts: &[Q8Row], out: &mut [f32], scratch: &mut Vec<u8>, wide: bool) {
+    /// `kernel`: one the caller has checked the CPU runs.
+    pub fn run<F: Format>(row: &[u8], acts: &[Q8Row], out: &mut [f32], scratch: &mut Vec<u8>, kernel: Int8Kernel) {
         let blocks = row.len() / F::BYTES;
         let decode_once = acts.len() >= DECODE_ONCE_FROM;
+        let vnni = kernel == Int8Kernel::AvxVnni;
         // SAFETY (decoding): as for `tile`: `PackedDot::new` checked the CPU's features.
-        match (wide, decode_once) {
-            (false, false) => tiles::<F>(row, acts, out),
+        match (kernel == Int8Kernel::Avx512, decode_once) {
+            (false, false) => tiles::<F>(row, acts, out, vnni),
             (false, true) => {
                 unsafe { decode_row::<F>(row, scratch) };
-                tiles::<Decoded<F>>(scratch, acts, out)
+                tiles::<Decoded<F>>(scratch, acts, out, vnni)
             }
             (true, false) => tiles_wide::<F>(row, blocks, acts, out),
             (true, true) => {
@@ -700,17 +748,22 @@ mod packed_x86 {
         }
     }
 
-    fn tiles<F: Format>(row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
+    /// `vnni`: sum the products with AVX-VNNI, which the caller has checked the CPU has.
+    fn tiles<F: Format>(row: &[u8], acts: &[Q8Row], out: &mut [f32], vnni: bool) {
         for (acts, out) in acts.chunks(TILE).zip(out.chunks_mut(TILE)) {
-            // SAFETY: `PackedDot::new` checked AVX2/FMA/F16C and that every activation covers
-            // the row's blocks; the tile width is a constant so the accumulators stay in
-            // registers.
+            // SAFETY: `PackedDot::new` checked AVX2/FMA/F16C (and `vnni_int8` AVX-VNNI) and
+            // that every activation covers the row's blocks; the tile width is a constant so
+            // the accumulators stay in registers.
             unsafe {
-                match acts.len() {
-                    1 => tile::<F, 1>(row, acts, out),
-                    2 => tile::<F, 2>(row, acts, out),
-                    3 => tile::<F, 3>(row, acts, out),
-                    _ => tile::<F, TILE>(row, acts, out),
+                match (vnni, acts.len()) {
+                    (false, 1) => tile::<F, 1>(row, acts, out),
+                    (false, 2) => tile::<F, 2>(row, acts, out),
+                    (false, 3) => tile::<F, 3>(row, acts, out),
+                    (false, _) => tile::<F, TILE>(row, acts, out),
+                    (true, 1) => tile_vnni::<F, 1>(row, acts, out),
+                    (true, 2) => tile_vnni::<F, 2>(row, acts, out),
+                    (true, 3) => tile_vnni::<F, 3>(row, acts, out),
+                    (true, _) => tile_vnni::<F, TILE>(row, acts, out),
                 }
             }
         }
@@ -752,6 +805,10 @@ mod packed_x86 {
         #[inline(always)]
         unsafe fn products(w: __m256i, qx: __m256i) -> __m256i {
             unsafe { F::products(w, qx) }
+        }
+        #[inline(always)]
+        unsafe fn dots_vnni(w: __m256i, qx: __m256i) -> __m256i {
+            unsafe { F::dots_vnni(w, qx) }
         }
         #[inline(always)]
         unsafe fn offset(block: *const u8, _: f32) -> f32 {
@@ -845,7 +902,25 @@ mod packed_x86 {
     /// then an add, as a scalar would round them).
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile<F: Format, const N: usize>(row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
+        unsafe { tile_with::<F, N, false>(row, acts, out) }
+    }
+
+    /// [`tile`] summing its products with AVX-VNNI: the same integers, so the same bits.
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    unsafe fn tile_vnni<F: Format, const N: usize>(row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
+        unsafe { tile_with::<F, N, true>(row, acts, out) }
+    }
+
+    /// The body of [`tile`] and [`tile_vnni`], inlined into each (whose target features it
+    /// then has).
+    #[inline(always)]
+    unsafe fn tile_with<F: Format, const N: usize, const VNNI: bool>(row: &[u8], acts: &[Q8Row], out: &mut [f32]) {
         let ones = _mm256_set1_epi16(1);
+        let dots = |w: __m256i, qx: __m256i| match VNNI {
+            // SAFETY: the callers enable AVX2, and AVX-VNNI where `VNNI`.
+            true => unsafe { F::dots_vnni(w, qx) },
+            false => unsafe { _mm256_madd_epi16(F::products(w, qx), ones) },
+        };
         // Loop-invariant pointers into each activation, hoisted out of the block loop.
         let q: [*const i8; N] = std::array::from_fn(|t| acts[t].q.as_ptr());
         let d: [*const f32; N] = std::array::from_fn(|t| acts[t].d.as_ptr());
@@ -877,7 +952,7 @@ mod packed_x86 {
                     for parity in 0..2 {
                         let at = q[t].add((2 * p + parity) * ACT_BLOCK);
                         let qx = _mm256_loadu_si256(at as *const __m256i);
-                        let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(F::products(w[parity], qx), ones));
+                        let sums = _mm256_cvtepi32_ps(dots(w[parity], qx));
                         acc[parity][t] = _mm256_fmadd_ps(sums, scaled[parity], acc[parity][t]);
                     }
                     offset[t] = _mm_add_ps(offset[t], products);
@@ -894,7 +969,7 @@ mod packed_x86 {
                 let w = F::weights(block);
                 for t in 0..N {
                     let qx = _mm256_loadu_si256(q[t].add(b * ACT_BLOCK) as *const __m256i);
-                    let sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(F::products(w, qx), ones));
+                    let sums = _mm256_cvtepi32_ps(dots(w, qx));
                     acc[0][t] = _mm256_fmadd_ps(sums, _mm256_set1_ps(scale * *d[t].add(b)), acc[0][t]);
                     // Lane 2 alone: adding 0 elsewhere could turn a −0 odd offset into +0.
                     let added = _mm_add_ps(offset[t], _mm_set1_ps(coef * acts[t].dsum(b)));
@@ -1075,19 +1150,26 @@ mod packed_many_tests {
         }
     }
 
-    /// The AVX-512 kernel gives the AVX2 kernel's bits: every format, rows of an odd and an
-    /// even number of blocks (the odd one's last block alone), every tile width, packed and
-    /// decoded rows, and activations with extreme values (|q| = 127 against Q8_0's −128).
+    /// The AVX-512 kernel and the AVX-VNNI one give the AVX2 kernel's bits: every format, rows
+    /// of an odd and an even number of blocks (the odd one's last block alone), every tile
+    /// width, packed and decoded rows, and activations with extreme values (|q| = 127 against
+    /// Q8_0's −128). Each where the CPU has it (and its switch is not off).
     #[test]
-    fn the_wide_kernel_gives_the_avx2_kernels_bits() {
-        if !wide_int8() {
-            #[cfg(target_arch = "x86_64")]
-            assert!(
-                !std::is_x86_feature_detected!("avx512vnni") || std::env::var("BBC_AVX512").is_ok_and(|v| v == "0"),
-                "the CPU has AVX-512 VNNI but the wide kernel is off"
-            );
-            return;
+    fn the_wide_and_vnni_kernels_give_the_avx2_kernels_bits() {
+        #[cfg(target_arch = "x86_64")]
+        assert!(
+            wide_int8()
+                || !std::is_x86_feature_detected!("avx512vnni")
+                || std::env::var("BBC_AVX512").is_ok_and(|v| v == "0"),
+            "the CPU has AVX-512 VNNI but the wide kernel is off"
+        );
+        let kernels = [(wide_int8(), Int8Kernel::Avx512), (vnni_int8(), Int8Kernel::AvxVnni)];
+        for kernel in kernels.into_iter().filter(|(runs, _)| *runs).map(|(_, k)| k) {
+            gives_the_avx2_kernels_bits(kernel);
         }
+    }
+
+    fn gives_the_avx2_kernels_bits(kernel: Int8Kernel) {
         for dtype in super::packed_tests::PACKED {
             let (elements, bytes) = dtype.block_layout();
             for blocks in [1, 6, 7] {
@@ -1113,15 +1195,15 @@ mod packed_many_tests {
                         Q8Row::quantize(&x)
                     })
                     .collect();
-                let kernel = PackedDot::new(dtype, data.len(), &acts).expect("a packed kernel");
+                let dot = PackedDot::new(dtype, data.len(), &acts).expect("a packed kernel");
                 for count in 1..=acts.len() {
-                    let (mut wide, mut narrow) = (vec![0f32; count], vec![0f32; count]);
-                    kernel.run(&data, &acts[..count], &mut wide);
-                    kernel.narrow().run(&data, &acts[..count], &mut narrow);
+                    let (mut got, mut avx2) = (vec![0f32; count], vec![0f32; count]);
+                    dot.on(kernel).run(&data, &acts[..count], &mut got);
+                    dot.on(Int8Kernel::Avx2).run(&data, &acts[..count], &mut avx2);
                     assert_eq!(
-                        wide.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                        narrow.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                        "{dtype:?}, {blocks} blocks, {count} rows"
+                        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        avx2.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "{kernel:?}: {dtype:?}, {blocks} blocks, {count} rows"
                     );
                 }
             }
