@@ -307,17 +307,71 @@ fn tiny_models_compile_for_every_gpu_target_in_f32_and_bf16() {
     }
 }
 
+/// A config of Gemma 4's released shapes: E2B's (35 layers, the last 20 KV-shared with
+/// double-wide MLPs, heads of 256 and 512 over one KV head, per-layer inputs) or 26B-A4B's
+/// (30 layers, 128 experts of 704 beside each MLP, 8 a token; full-attention layers with keys
+/// as values over 2 KV heads of 512).
+fn gemma4_config(moe: bool) -> models::ModelConfig {
+    let (layers, every) = if moe { (30, 6) } else { (35, 5) };
+    let layer_types: Vec<&str> = (0..layers)
+        .map(|i| match (i + 1) % every {
+            0 => "full_attention",
+            _ => "sliding_attention",
+        })
+        .collect();
+    let mut config = serde_json::json!({
+        "model_type": "gemma4_text",
+        "layer_types": layer_types,
+        "num_hidden_layers": layers,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "vocab_size": 262144,
+        "vocab_size_per_layer_input": 262144,
+        "sliding_window": 512,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "final_logit_softcapping": 30.0,
+    });
+    let shape = match moe {
+        false => serde_json::json!({
+            "hidden_size": 1536, "intermediate_size": 6144, "num_attention_heads": 8,
+            "num_key_value_heads": 1, "num_kv_shared_layers": 20, "use_double_wide_mlp": true,
+            "hidden_size_per_layer_input": 256,
+        }),
+        true => serde_json::json!({
+            "hidden_size": 2816, "intermediate_size": 2112, "num_attention_heads": 16,
+            "num_key_value_heads": 8, "num_global_key_value_heads": 2, "attention_k_eq_v": true,
+            "hidden_size_per_layer_input": 0, "enable_moe_block": true, "num_experts": 128,
+            "top_k_experts": 8, "moe_intermediate_size": 704,
+        }),
+    };
+    for (key, value) in shape.as_object().unwrap() {
+        config[key] = value.clone();
+    }
+    let dir = common::scratch_dir("bbc-gemma4-shape-");
+    let path = dir.path().join("config.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    models::ModelConfig::from_hf_config(&path).unwrap()
+}
+
 /// Every kernel of the 8B-shaped serving plan (what `bbc gpu-check` times, and what a served
-/// Llama 3 8B runs) and of the Qwen3.5-27B-shaped one (its DeltaNet layers' heads of 128,
-/// gated attention with heads of 256) builds for each GPU target without register spills, as
-/// artifacts build kernels (`codegen::spill_free`): ptxas's own register choice spilled the 8B
-/// attention kernel on every target.
+/// Llama 3 8B runs), of the Qwen3.5-27B-shaped one (its DeltaNet layers' heads of 128, gated
+/// attention with heads of 256) and of Gemma 4 E2B's and 26B-A4B's shapes (attention over
+/// heads of 512, KV-shared layers on the sampled rows, MoE routing among 128 experts) builds
+/// for each GPU target without register spills, as artifacts build kernels
+/// (`codegen::spill_free`): ptxas's own register choice spilled the 8B attention kernel on
+/// every target.
 #[test]
-fn the_8b_and_qwen3_5_27b_shaped_plans_kernels_build_without_spills() {
+fn the_8b_qwen3_5_27b_and_gemma4_shaped_plans_kernels_build_without_spills() {
     if !nvrtc_present() {
         return;
     }
-    let graphs = [llama_8b_graph(), bf16_graph(&models::ModelConfig::qwen3_5_27b())];
+    let graphs = [
+        llama_8b_graph(),
+        bf16_graph(&models::ModelConfig::qwen3_5_27b()),
+        bf16_graph(&gemma4_config(false)),
+        bf16_graph(&gemma4_config(true)),
+    ];
     for (graph, target) in graphs
         .iter()
         .flat_map(|g| [Target::H200, Target::B200, Target::RtxPro6000].map(|t| (g, t)))
@@ -336,6 +390,20 @@ fn the_8b_and_qwen3_5_27b_shaped_plans_kernels_build_without_spills() {
             }
         }
     }
+}
+
+/// A dense table past 2³¹ elements that only embedding lookups read is planned (they index
+/// its rows in 64 bits: Gemma 4 E2B's per-layer embeddings), the same size read by a GEMV is
+/// refused by name: an 8B shape with a vocabulary of 600 000 (its untied head 2.46 G elements).
+#[test]
+fn only_embedding_lookups_read_tables_past_32_bit_indices() {
+    let e2b = bf16_graph(&gemma4_config(false));
+    gpu::build(&passes::optimized(&e2b, passes::CostModel::H200).unwrap(), Target::H200, 64).unwrap();
+    let mut wide = models::ModelConfig::llama3_8b();
+    wide.vocab_size = 600_000;
+    let graph = passes::optimized(&bf16_graph(&wide), passes::CostModel::H200).unwrap();
+    let err = gpu::build(&graph, Target::H200, 64).unwrap_err().to_string();
+    assert!(err.contains("lm_head.weight") && err.contains("32-bit indices"), "{err}");
 }
 
 /// In the 8B-shaped serving plan every attention split pass prefetches the weights of the

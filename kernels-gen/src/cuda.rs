@@ -221,6 +221,7 @@ fn uses_op(body: &[Stmt], op: UnOp) -> bool {
             Expr::Un(o, a) => *o == op || in_expr(a, op),
             Expr::Bin(_, a, b) => in_expr(a, op) || in_expr(b, op),
             Expr::Load { index, .. } => in_expr(index, op),
+            Expr::LoadRow { row, width, col, .. } => [row, width, col].iter().any(|e| in_expr(e, op)),
             Expr::Cast(_, a) | Expr::ShflXor(a, _) => in_expr(a, op),
             Expr::Select(c, a, b) => in_expr(c, op) || in_expr(a, op) || in_expr(b, op),
             _ => false,
@@ -555,6 +556,16 @@ fn float_literal(v: f32) -> String {
     format!("{s}f")
 }
 
+/// `buf[i]` widened to its compute type.
+fn load_expr(buf: &str, i: &str, scope: &Scope) -> String {
+    match scope.arrays.get(buf).map(|a| a.0) {
+        Some(Ty::Bf16) => format!("bbc_bf16_to_f32({buf}[{i}])"),
+        Some(Ty::F16) => format!("bbc_f16_to_f32({buf}[{i}])"),
+        Some(Ty::I8 | Ty::U8) => format!("(int){buf}[{i}]"),
+        _ => format!("{buf}[{i}]"),
+    }
+}
+
 fn expr(e: &Expr, scope: &Scope) -> String {
     match e {
         Expr::F32(v) => float_literal(*v),
@@ -566,14 +577,15 @@ fn expr(e: &Expr, scope: &Scope) -> String {
         Expr::Builtin(Builtin::Lane) => "((int)threadIdx.x & 31)".into(),
         Expr::Builtin(Builtin::Warp) => "((int)threadIdx.x >> 5)".into(),
         Expr::Var(n) => n.clone(),
-        Expr::Load { buf, index } => {
-            let i = expr(index, scope);
-            match scope.arrays.get(buf).map(|a| a.0) {
-                Some(Ty::Bf16) => format!("bbc_bf16_to_f32({buf}[{i}])"),
-                Some(Ty::F16) => format!("bbc_f16_to_f32({buf}[{i}])"),
-                Some(Ty::I8 | Ty::U8) => format!("(int){buf}[{i}]"),
-                _ => format!("{buf}[{i}]"),
-            }
+        Expr::Load { buf, index } => load_expr(buf, &expr(index, scope), scope),
+        Expr::LoadRow { buf, row, width, col } => {
+            let i = format!(
+                "(long long)({}) * ({}) + ({})",
+                expr(row, scope),
+                expr(width, scope),
+                expr(col, scope)
+            );
+            load_expr(buf, &i, scope)
         }
         Expr::Bin(op, a, b) => {
             let float = scope.type_of(a).map(|t| t == Ty::F32).unwrap_or(false);

@@ -104,6 +104,14 @@ pub enum Expr {
         buf: String,
         index: Box<Expr>,
     },
+    /// `buf[row·width + col]` with the index computed in 64 bits (`row`, `width` and `col`
+    /// are 32-bit): a row of a table past 2³¹ elements (Gemma 4's per-layer embeddings).
+    LoadRow {
+        buf: String,
+        row: Box<Expr>,
+        width: Box<Expr>,
+        col: Box<Expr>,
+    },
     Bin(BinOp, Box<Expr>, Box<Expr>),
     Un(UnOp, Box<Expr>),
     Cast(Ty, Box<Expr>),
@@ -373,6 +381,14 @@ pub fn load(buf: &str, index: Expr) -> Expr {
     Expr::Load {
         buf: buf.into(),
         index: Box::new(index),
+    }
+}
+pub fn load_row(buf: &str, row: Expr, width: Expr, col: Expr) -> Expr {
+    Expr::LoadRow {
+        buf: buf.into(),
+        row: Box::new(row),
+        width: Box::new(width),
+        col: Box::new(col),
     }
 }
 pub fn bin(op: BinOp, a: Expr, b: Expr) -> Expr {

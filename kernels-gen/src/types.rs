@@ -55,6 +55,13 @@ impl Scope {
                 self.int(index)?;
                 ty.compute()
             }
+            Expr::LoadRow { buf, row, width, col } => {
+                let (ty, _) = self.arrays.get(buf).ok_or_else(|| format!("`{buf}` is not an array"))?;
+                for part in [row, width, col] {
+                    self.int(part)?;
+                }
+                ty.compute()
+            }
             Expr::Bin(op, a, b) => {
                 let (ta, tb) = (self.type_of(a)?, self.type_of(b)?);
                 if ta != tb {

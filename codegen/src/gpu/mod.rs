@@ -385,7 +385,7 @@ fn build_program(
         .into_iter()
         .filter(|w| read.contains(&w.node))
         .collect();
-    check_index_range(&weights, &memory)?;
+    check_index_range(graph, &weights, &launches, &memory)?;
     let programs: Vec<Kernel> = kernels.iter().map(|(k, _)| k.clone()).collect();
     let kernels = kernels
         .into_iter()
@@ -450,12 +450,25 @@ pub fn weights_read(launches: &[Launch]) -> BTreeSet<usize> {
 
 /// Kernels index with 32-bit integers: elements of dense weights and activations, bytes of
 /// block-quantized weights. A buffer past `i32::MAX` of them would be read at wrapped
-/// indices, so the plan is refused instead.
-fn check_index_range(weights: &[WeightUse], memory: &MemoryPlan) -> Result<(), GpuCodegenError> {
+/// indices, so the plan is refused instead, but for a dense table only embedding lookups
+/// read: they index its rows in 64 bits (Gemma 4 E2B's per-layer embeddings hold 2.3 G).
+fn check_index_range(
+    graph: &Graph,
+    weights: &[WeightUse],
+    launches: &[Launch],
+    memory: &MemoryPlan,
+) -> Result<(), GpuCodegenError> {
+    let only_looked_up = |w: &WeightUse| {
+        matches!(WeightFormat::of(w.dtype), Some(WeightFormat::Dense(_)))
+            && launches
+                .iter()
+                .filter(|l| l.args.contains(&LaunchArg::Weight { node: w.node }))
+                .all(|l| graph.nodes()[l.node].op == ir::Op::Embedding)
+    };
     for w in weights {
         let elements: usize = w.shape.iter().product();
         let units = WeightFormat::of(w.dtype).map_or(elements, |format| format.buffer_len(elements));
-        if units > i32::MAX as usize {
+        if units > i32::MAX as usize && !only_looked_up(w) {
             return Err(GpuCodegenError::Unsupported {
                 node: w.node,
                 op: "weight",

@@ -653,6 +653,51 @@ impl<'k> Block<'k> {
         Ok(())
     }
 
+    /// `buf[idx[t]]` for every active thread, widened to its compute type: bounds,
+    /// initialisation and shared-memory ordering checked.
+    fn load_at(
+        &self,
+        buf: &str,
+        idx: &[Val],
+        mask: &[bool],
+        global: &HashMap<String, Array>,
+    ) -> Result<Vec<Val>, Fault> {
+        let n = mask.len();
+        let (array, writers) = match self.shared.get(buf) {
+            Some(a) => (a, self.shared_writer.get(buf)),
+            None => (global.get(buf).expect("type-checked"), None),
+        };
+        let mut out = vec![Val::Undef; n];
+        for t in (0..n).filter(|&t| mask[t]) {
+            let i = idx[t].i();
+            if i < 0 || i as usize >= array.len() {
+                return Err((t, format!("load of {buf}[{i}] out of bounds (length {})", array.len())));
+            }
+            let i = i as usize;
+            if writers.is_some() {
+                self.asynch.check_shared(buf, i, t)?;
+            }
+            if !array.init[i] {
+                return Err((t, format!("load of {buf}[{i}], which was never written")));
+            }
+            if let Some(Some(w)) = writers.map(|w| w[i]) {
+                if w != t {
+                    return Err((
+                        t,
+                        format!("reads {buf}[{i}] written by thread {w} without a __syncthreads() between"),
+                    ));
+                }
+            }
+            if writers.is_some() {
+                let mut readers = self.shared_readers.borrow_mut();
+                let r = &mut readers.get_mut(buf).expect("shared")[i];
+                *r = r.add(t);
+            }
+            out[t] = widen(array.ty, array.values[i]);
+        }
+        Ok(out)
+    }
+
     fn eval(&self, e: &Expr, mask: &[bool], global: &HashMap<String, Array>) -> Result<Vec<Val>, Fault> {
         let n = mask.len();
         Ok(match e {
@@ -680,39 +725,17 @@ impl<'k> Block<'k> {
             }
             Expr::Load { buf, index } => {
                 let idx = self.eval(index, mask, global)?;
-                let (array, writers) = match self.shared.get(buf) {
-                    Some(a) => (a, self.shared_writer.get(buf)),
-                    None => (global.get(buf).expect("type-checked"), None),
-                };
-                let mut out = vec![Val::Undef; n];
-                for t in (0..n).filter(|&t| mask[t]) {
-                    let i = idx[t].i();
-                    if i < 0 || i as usize >= array.len() {
-                        return Err((t, format!("load of {buf}[{i}] out of bounds (length {})", array.len())));
-                    }
-                    let i = i as usize;
-                    if writers.is_some() {
-                        self.asynch.check_shared(buf, i, t)?;
-                    }
-                    if !array.init[i] {
-                        return Err((t, format!("load of {buf}[{i}], which was never written")));
-                    }
-                    if let Some(Some(w)) = writers.map(|w| w[i]) {
-                        if w != t {
-                            return Err((
-                                t,
-                                format!("reads {buf}[{i}] written by thread {w} without a __syncthreads() between"),
-                            ));
-                        }
-                    }
-                    if writers.is_some() {
-                        let mut readers = self.shared_readers.borrow_mut();
-                        let r = &mut readers.get_mut(buf.as_str()).expect("shared")[i];
-                        *r = r.add(t);
-                    }
-                    out[t] = widen(array.ty, array.values[i]);
-                }
-                out
+                self.load_at(buf, &idx, mask, global)?
+            }
+            Expr::LoadRow { buf, row, width, col } => {
+                let (r, w, c) = (
+                    self.eval(row, mask, global)?,
+                    self.eval(width, mask, global)?,
+                    self.eval(col, mask, global)?,
+                );
+                // In 64 bits, as the emitted `(long long)` product is.
+                let idx: Vec<Val> = (0..n).map(|t| Val::I(r[t].i() * w[t].i() + c[t].i())).collect();
+                self.load_at(buf, &idx, mask, global)?
             }
             Expr::Bin(op, a, b) => {
                 let (x, y) = (self.eval(a, mask, global)?, self.eval(b, mask, global)?);

@@ -1,6 +1,8 @@
 //! Embedding gather: `out[t, i] = table[ids[t], i]·scale` (Gemma's √hidden folds in as
 //! `scale`), a thread per element, from a dense table or one in a GGUF block format (each
 //! element dequantized as the GEMV does). Ids are checked against the vocabulary by the runtime.
+//! A dense table's rows are indexed in 64 bits: a table may hold more than 2³¹ elements
+//! (Gemma 4's per-layer embeddings: 262 144 rows of 35 × 256).
 
 use super::quant::WeightFormat;
 use super::{blocks_for, per_element, BLOCK};
@@ -28,7 +30,14 @@ pub fn embedding(name: &str, origin: &str, table: WeightFormat) -> Kernel {
                     let_("t", Ty::I32, var("i") / var("d")),
                     let_("id", Ty::I32, load("ids", var("t"))),
                 ],
-                table.element("v", var("id"), var("d"), bin(BinOp::Rem, var("i"), var("d"))),
+                match table {
+                    WeightFormat::Dense(_) => vec![let_(
+                        "v",
+                        Ty::F32,
+                        load_row("w", var("id"), var("d"), bin(BinOp::Rem, var("i"), var("d"))),
+                    )],
+                    _ => table.element("v", var("id"), var("d"), bin(BinOp::Rem, var("i"), var("d"))),
+                },
                 vec![store("out", var("i"), var("v") * var("scale"))],
             ]
             .concat(),
