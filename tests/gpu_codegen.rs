@@ -398,12 +398,20 @@ fn the_8b_qwen3_5_27b_and_gemma4_shaped_plans_kernels_build_without_spills() {
 #[test]
 fn only_embedding_lookups_read_tables_past_32_bit_indices() {
     let e2b = bf16_graph(&gemma4_config(false));
-    gpu::build(&passes::optimized(&e2b, passes::CostModel::H200).unwrap(), Target::H200, 64).unwrap();
+    gpu::build(
+        &passes::optimized(&e2b, passes::CostModel::H200).unwrap(),
+        Target::H200,
+        64,
+    )
+    .unwrap();
     let mut wide = models::ModelConfig::llama3_8b();
     wide.vocab_size = 600_000;
     let graph = passes::optimized(&bf16_graph(&wide), passes::CostModel::H200).unwrap();
     let err = gpu::build(&graph, Target::H200, 64).unwrap_err().to_string();
-    assert!(err.contains("lm_head.weight") && err.contains("32-bit indices"), "{err}");
+    assert!(
+        err.contains("lm_head.weight") && err.contains("32-bit indices"),
+        "{err}"
+    );
 }
 
 /// In the 8B-shaped serving plan every attention split pass prefetches the weights of the
