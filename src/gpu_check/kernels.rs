@@ -1,5 +1,6 @@
-//! The generated kernels on the GPU: every kernel of the tiny Llama, Gemma 3, Gemma 4,
-//! Qwen3.5, GLM-4.5 and Qwen3-Next plans in lockstep with the emulator, batched decode steps replayed from CUDA graphs against the
+//! The generated kernels on the GPU: every kernel of the tiny Llama, Gemma 3, Gemma 4 (also
+//! with KV-shared layers and with its MoE block), Qwen3.5, GLM-4.5 and Qwen3-Next plans in
+//! lockstep with the emulator, batched decode steps replayed from CUDA graphs against the
 //! same steps launched one kernel at a time, and requests served from snapshots of recurrent
 //! states kept on the device against the CPU backend.
 
@@ -20,7 +21,17 @@ pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64>
     let mut worst = 0f64;
     println!("| model | kernel | launches | max relative error |");
     println!("|-------|--------|----------|--------------------|");
-    for family in ["llama", "gemma3", "gemma4", "qwen3_5", "glm4_moe", "qwen3_next"] {
+    let families = [
+        "llama",
+        "gemma3",
+        "gemma4",
+        "gemma4_kv_shared",
+        "gemma4_moe",
+        "qwen3_5",
+        "glm4_moe",
+        "qwen3_next",
+    ];
+    for family in families {
         for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
             let mut spec = ModelSpec::for_weights(&fixtures.join(family));
             spec.dtype = dtype;
