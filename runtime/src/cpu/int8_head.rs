@@ -21,6 +21,8 @@
 //! id, win. The comparison is made after capping instead: a row with `c(A_v + B_v) < c(τ)`
 //! has at least k rows whose capped logits are above its own (`c` is monotone), so the
 //! candidates are the rows with `c(A_v + B_v) ≥ c(τ)`, and their capped logits are ranked.
+//! That test is `A_v + B_v ≥ τ'` for the least `τ'` with `c(τ') ≥ c(τ)`, found once per query
+//! by bisection ([`least_reaching`]), so no row's bound is capped.
 
 use super::simd;
 use super::Matrix;
@@ -101,8 +103,11 @@ impl Int8Head {
         let k = k.min(w.rows);
         let mut lower: Vec<f32> = approx.iter().zip(&bound).map(|(a, b)| a - b).collect();
         let (_, tau, _) = lower.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
-        let tau = capped(*tau);
-        let candidates: Vec<usize> = (0..w.rows).filter(|&v| capped(approx[v] + bound[v]) >= tau).collect();
+        let tau = match soft_cap {
+            Some(_) => least_reaching(*tau, capped),
+            None => *tau,
+        };
+        let candidates: Vec<usize> = (0..w.rows).filter(|&v| approx[v] + bound[v] >= tau).collect();
         let mut scored: Vec<(usize, f32)> = candidates
             .par_iter()
             .map_init(
@@ -117,6 +122,37 @@ impl Int8Head {
             rescored,
         }
     }
+}
+
+/// The least `x` with `c(x) ≥ c(τ)`, for `c` monotone non-decreasing: `c(y) ≥ c(τ)` exactly
+/// where `y ≥ x`. A bisection over the floats from −∞ to `τ` in their order (32 steps); a NaN
+/// `τ` comes back as it is (no row reaches it either way).
+fn least_reaching(tau: f32, c: impl Fn(f32) -> f32) -> f32 {
+    if tau.is_nan() {
+        return tau;
+    }
+    // Floats as integers in the same order (`f32::total_cmp`'s key; it is its own inverse).
+    let key = |x: f32| {
+        let bits = x.to_bits() as i32;
+        (bits ^ (((bits >> 31) as u32) >> 1) as i32) as i64
+    };
+    let float = |k: i64| {
+        let bits = k as i32;
+        f32::from_bits((bits ^ (((bits >> 31) as u32) >> 1) as i32) as u32)
+    };
+    let target = c(tau);
+    let (mut below, mut reaching) = (key(f32::NEG_INFINITY), key(tau));
+    if c(f32::NEG_INFINITY) >= target {
+        return f32::NEG_INFINITY;
+    }
+    while reaching - below > 1 {
+        let mid = below + (reaching - below) / 2;
+        match c(float(mid)) >= target {
+            true => reaching = mid,
+            false => below = mid,
+        }
+    }
+    float(reaching)
 }
 
 #[cfg(test)]
@@ -157,6 +193,25 @@ mod tests {
         let got = head.top_k(&h, 5, None, &w);
         assert_eq!(got.ids, plain_top_k(&w, &h, 5, None));
         assert_eq!(&got.ids[..4], &[3, 7, 150, 299], "ties go to the lowest index first");
+    }
+
+    /// The bisection's threshold is where the capped values reach τ's: the float just below it
+    /// caps lower, it and τ alike, for caps that join many values (saturating) and few.
+    #[test]
+    fn the_threshold_is_the_least_float_capped_as_high_as_tau() {
+        for cap in [0.01f32, 2.0, 30.0] {
+            let c = |x: f32| ir::reference::ops::soft_cap(x, cap);
+            for tau in [-3.5f32, -1e-3, 0.0, 0.37, 1.0, 4.25, 29.9, 1e4] {
+                let t = least_reaching(tau, c);
+                assert!(t <= tau && c(t) >= c(tau), "cap {cap}, τ {tau}: {t}");
+                // At −∞ every float reaches τ's cap (a saturated negative τ).
+                assert!(
+                    t == f32::NEG_INFINITY || c(t.next_down()) < c(tau),
+                    "cap {cap}, τ {tau}: {t} is not the least"
+                );
+            }
+        }
+        assert!(least_reaching(f32::NAN, |x| x).is_nan());
     }
 
     /// Over soft-capped logits the top-k is the capped values' own: a cap small enough to
