@@ -14,17 +14,18 @@ use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::{attention, kv_append, weight_prefetch};
 
 /// Pushes the append (where the op appends) and the split attention; returns the merge of the
-/// splits for the caller to push as the node's own launch. `sampled`: the node's rows are the
-/// step's sampled ones, not all of them.
+/// splits for the caller to push as the node's own launch.
 pub(super) fn launches(
     s: &mut Selected,
     operands: &Operands,
     layout: CacheLayout,
     rows: &str,
-    sampled: bool,
     max_tokens: usize,
 ) -> Result<(Kernel, Vec<LaunchArg>), GpuCodegenError> {
-    let op = &operands.graph.nodes()[operands.node].op;
+    let node = &operands.graph.nodes()[operands.node];
+    let op = &node.op;
+    // After `last_token` the IR has one row (a batched step: one per sampled row).
+    let sampled = node.shape.0.first() == Some(&ir::Dim::Const(1));
     let spec = op.attention().expect("called for attention ops");
     let unsupported = |what: String| GpuCodegenError::Unsupported {
         node: operands.node,

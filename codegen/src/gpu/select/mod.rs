@@ -373,8 +373,7 @@ pub(crate) fn select(
                         )
                     }
                     Op::Attention(_) | Op::RopeAttention { .. } | Op::SharedKvAttention(_) => {
-                        let sampled = per_sequence.contains(&i) || rows == "1";
-                        kv_attention::launches(&mut s, &operands, layout, &rows, sampled, max_tokens)?
+                        kv_attention::launches(&mut s, &operands, layout, &rows, max_tokens)?
                     }
                     Op::AddBias => {
                         let (x, stride) = act(&s, 0);
