@@ -285,16 +285,7 @@ fn tiny_models_compile_for_every_gpu_target_in_f32_and_bf16() {
     }
     let scratch = common::scratch_dir("bbc-gpu-tiny-");
     let dir = scratch.path();
-    for family in [
-        "llama",
-        "gemma3",
-        "gemma4",
-        "gemma4_kv_shared",
-        "gemma4_moe",
-        "qwen3_5",
-        "glm4_moe",
-        "qwen3_next",
-    ] {
+    for family in bbc::gpu_check::kernels::GPU_FAMILIES {
         for dtype in ["f32", "bf16"] {
             let weights = common::fixture(&format!("hf-tiny/{family}"));
             let toml = dir.join(format!("{family}-{dtype}.toml"));

@@ -14,6 +14,19 @@ use runtime::emulated::EmulatedDevice;
 use runtime::plan_exec::PlanExecutor;
 use std::path::Path;
 
+/// The tiny HF fixtures (`tests/fixtures/hf-tiny/`) of the families compiled for the GPU
+/// targets: what the lockstep below runs, and what the tests compile for every target.
+pub const GPU_FAMILIES: [&str; 8] = [
+    "llama",
+    "gemma3",
+    "gemma4",
+    "gemma4_kv_shared",
+    "gemma4_moe",
+    "qwen3_5",
+    "glm4_moe",
+    "qwen3_next",
+];
+
 /// Run the tiny models' plans in lockstep on the GPU and the emulator (the HF fixtures in f32
 /// and bf16, tiny Llama GGUF files with GGUF-block and f16 weights); print each kernel's max
 /// relative error; the worst.
@@ -21,17 +34,7 @@ pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64>
     let mut worst = 0f64;
     println!("| model | kernel | launches | max relative error |");
     println!("|-------|--------|----------|--------------------|");
-    let families = [
-        "llama",
-        "gemma3",
-        "gemma4",
-        "gemma4_kv_shared",
-        "gemma4_moe",
-        "qwen3_5",
-        "glm4_moe",
-        "qwen3_next",
-    ];
-    for family in families {
+    for family in GPU_FAMILIES {
         for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
             let mut spec = ModelSpec::for_weights(&fixtures.join(family));
             spec.dtype = dtype;
