@@ -270,6 +270,22 @@ fn glm4_moe_from_llama_cpp_gguf_matches_hf() {
     check_gguf_against_hf("glm4_moe", models::Family::Glm4Moe);
 }
 
+/// Gemma 4 as llama.cpp's converter writes it (`gemma4`: the full layers' heads in
+/// `key_length` and the sliding ones' in `key_length_swa`, sliding layers flagged, the
+/// full layers' proportional RoPE as `rope_freqs` factors, per-layer inputs as
+/// `per_layer_token_embd`/`per_layer_model_proj`/`inp_gate`/`proj`): HF's logits through the
+/// interpreter and the CPU backend, on the shared tiny model and on the two in the released
+/// checkpoints' shapes: KV-shared layers with double-wide MLPs (a width per layer) and a
+/// soft cap; keys as values (no `attn_v` in full layers, KV heads per layer) and the MoE
+/// block (`ffn_gate_inp` with its `.scale`, experts' scales as `ffn_down_exps.scale`, the
+/// experts fused as `ffn_gate_up_exps`).
+#[test]
+fn gemma4_from_llama_cpp_gguf_matches_hf() {
+    for family in ["gemma4", "gemma4_kv_shared", "gemma4_moe"] {
+        check_gguf_against_hf(family, models::Family::Gemma4);
+    }
+}
+
 /// Qwen3.5-MoE from an HF directory (`qwen3_5_moe_text`: the tiny Qwen3.5's layers with the
 /// tiny Qwen3-Next's MLPs, as `gguf-tiny/make_qwen3_5_moe.py` makes it), its experts stored one
 /// by one or fused as transformers 5 keeps them (`mlp.experts.gate_up_proj`, `down_proj`):

@@ -156,6 +156,82 @@ fn unsupported_gemma4_configs_are_named() {
     );
 }
 
+/// `gguf-tiny/{name}.gguf` rewritten with `edits` (a key set, or removed where `None`) and
+/// each tensor's data through `data`.
+fn rewritten_gguf(name: &str, edits: &[(&str, Option<MetaValue>)], data: impl Fn(&str, &[u8]) -> Vec<u8>) -> Vec<u8> {
+    let file = GgufFile::open(&common::fixture(&format!("gguf-tiny/{name}.gguf"))).unwrap();
+    let mut metadata = file.metadata.clone();
+    for (key, value) in edits {
+        match value {
+            Some(v) => metadata.insert(key.to_string(), v.clone()),
+            None => metadata.remove(*key),
+        };
+    }
+    let mut writer = GgufWriter::new();
+    for (key, value) in metadata {
+        writer = writer.meta(&key, value);
+    }
+    for t in &file.tensors {
+        writer = writer.tensor(&t.name, &t.dims, t.dtype as u32, data(&t.name, file.tensor_data(t)));
+    }
+    writer.to_bytes()
+}
+
+/// A Gemma 4 GGUF whose keys do not describe a model bbc can run is refused, naming the key:
+/// flags not one per layer, MLP widths neither uniform nor doubled in the KV-shared layers,
+/// values narrower than keys, partial rotation outside `rope_freqs`, more shared layers than
+/// layers, a KV head count that is neither a number nor a list; and `rope_freqs` factors that
+/// are not proportional RoPE's.
+#[test]
+fn bad_gemma4_gguf_metadata_is_named() {
+    let list = |v: &[u64]| Some(MetaValue::Array(v.iter().map(|&x| MetaValue::U32(x as u32)).collect()));
+    let cases: [(&str, Option<MetaValue>, &str); 6] = [
+        (
+            "gemma4.attention.sliding_window_pattern",
+            Some(MetaValue::Array(vec![MetaValue::Bool(true); 2])),
+            "list of 6 flags",
+        ),
+        (
+            "gemma4.feed_forward_length",
+            list(&[96, 96, 96, 192, 96, 192]),
+            "neither",
+        ),
+        (
+            "gemma4.attention.value_length",
+            Some(MetaValue::U32(32)),
+            "as wide as its keys",
+        ),
+        (
+            "gemma4.rope.dimension_count_swa",
+            Some(MetaValue::U32(16)),
+            "whole head",
+        ),
+        (
+            "gemma4.attention.shared_kv_layers",
+            Some(MetaValue::U32(9)),
+            "more than the model's 6 layers",
+        ),
+        (
+            "gemma4.attention.head_count_kv",
+            Some(MetaValue::String("one".into())),
+            "one per layer",
+        ),
+    ];
+    let unchanged = |_: &str, d: &[u8]| d.to_vec();
+    for (key, value, want) in cases {
+        let bytes = rewritten_gguf("gemma4_kv_shared", &[(key, value)], unchanged);
+        let err = open_error(&temp("gemma4-meta.gguf", &bytes));
+        assert!(err.contains(key) && err.contains(want), "{key}: {err}");
+    }
+    let every_pair_doubled = |name: &str, d: &[u8]| match name {
+        "rope_freqs.weight" => d.chunks(4).flat_map(|_| 2f32.to_le_bytes()).collect(),
+        _ => d.to_vec(),
+    };
+    let bytes = rewritten_gguf("gemma4_kv_shared", &[], every_pair_doubled);
+    let err = open_error(&temp("gemma4-rope.gguf", &bytes));
+    assert!(err.contains("rope_freqs") && err.contains("proportional"), "{err}");
+}
+
 /// GLM-5 layers that reuse another layer's indexer choices are refused, as are bad sizes.
 #[test]
 fn unsupported_glm5_configs_are_named() {

@@ -23,10 +23,25 @@
 //! - with `enable_moe_block`, a mixture of experts runs beside each layer's MLP, on the
 //!   residual stream before it (see [`moe_block`]).
 
-use super::{Builder, ComputeDtype, LayerTensor, LogitsFor};
+use super::{moe, Builder, ComputeDtype, LayerTensor, LogitsFor, Naming, TensorNames};
 use crate::config::{Gemma4Config, LayerAttention, ModelConfig, MoeConfig};
 use crate::error::{ModelError, Result};
 use ir::{AttentionSpec, GluAct, MoeSpec, NodeId, Op, RopeLayout, RopeSpec};
+
+// Gemma 4's own tensors: HF's names and llama.cpp's (`Gemma4Model` in its converter).
+const LAYER_SCALAR: TensorNames = ("layer_scalar", "layer_output_scale.weight");
+const PER_LAYER_EMBEDDING: TensorNames = ("embed_tokens_per_layer.weight", "per_layer_token_embd.weight");
+const PER_LAYER_PROJECTION: TensorNames = ("per_layer_model_projection.weight", "per_layer_model_proj.weight");
+const PER_LAYER_PROJECTION_NORM: TensorNames = ("per_layer_projection_norm.weight", "per_layer_proj_norm.weight");
+const LAYER_INPUT_GATE: TensorNames = ("per_layer_input_gate.weight", "inp_gate.weight");
+const LAYER_INPUT_PROJECTION: TensorNames = ("per_layer_projection.weight", "proj.weight");
+const LAYER_INPUT_NORM: TensorNames = ("post_per_layer_input_norm.weight", "post_norm.weight");
+const DENSE_MLP_POST_NORM: TensorNames = ("post_feedforward_layernorm_1.weight", "post_ffw_norm_1.weight");
+const ROUTER: TensorNames = ("router.proj.weight", "ffn_gate_inp.weight");
+const ROUTER_SCALE: TensorNames = ("router.scale", "ffn_gate_inp.scale");
+const EXPERT_SCALES: TensorNames = ("router.per_expert_scale", "ffn_down_exps.scale");
+const EXPERTS_PRE_NORM: TensorNames = ("pre_feedforward_layernorm_2.weight", "pre_ffw_norm_2.weight");
+const EXPERTS_POST_NORM: TensorNames = ("post_feedforward_layernorm_2.weight", "post_ffw_norm_2.weight");
 
 pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     let g = c.gemma4.as_ref().ok_or_else(|| ModelError::TensorShape {
@@ -64,7 +79,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         if let Some(moe) = c.moe.as_ref().filter(|moe| moe.sparse_layers[i]) {
             let dense = b.rms_norm(
                 m,
-                &b.naming.hf_layer(i, "post_feedforward_layernorm_1.weight"),
+                &b.naming.layer_named(i, DENSE_MLP_POST_NORM),
                 c.hidden,
                 c.rms_eps,
                 0.0,
@@ -77,7 +92,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         if let Some(inputs) = per_layer {
             x = add_per_layer_input(c, g, b, i, x, inputs)?;
         }
-        let scalar = b.vector(&b.naming.hf_layer(i, "layer_scalar"), 1)?;
+        let scalar = b.vector(&b.naming.layer_named(i, LAYER_SCALAR), 1)?;
         x = b.op(Op::ScaleRows, &[x, scalar])?;
     }
     b.lm_head(c, x, 0.0)
@@ -92,20 +107,25 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
 fn moe_block(c: &ModelConfig, moe: &MoeConfig, b: &mut Builder, i: usize, x: NodeId) -> Result<NodeId> {
     let (d, n, e) = (c.hidden, moe.expert_intermediate, moe.experts);
     let naming = b.naming;
-    let name = |t: &str| naming.hf_layer(i, t);
-    let routed = b.rms_norm(x, &name("router.scale"), d, c.rms_eps, 0.0)?;
+    let name = |t: TensorNames| naming.layer_named(i, t);
+    let routed = b.rms_norm(x, &name(ROUTER_SCALE), d, c.rms_eps, 0.0)?;
     let routed = b.op(
         Op::Scale {
             factor: (d as f32).powf(-0.5),
         },
         &[routed],
     )?;
-    let router = b.matrix(&name("router.proj.weight"), e, d)?;
+    let router = b.matrix(&name(ROUTER), e, d)?;
     let logits = b.matmul(routed, router)?;
-    let scales = b.vector(&name("router.per_expert_scale"), e)?;
-    let h = b.rms_norm(x, &name("pre_feedforward_layernorm_2.weight"), d, c.rms_eps, 0.0)?;
-    let gate_up = b.matrix(&name("experts.gate_up_proj"), e * 2 * n, d)?;
-    let down = b.matrix(&name("experts.down_proj"), e * d, n)?;
+    let scales = b.vector(&name(EXPERT_SCALES), e)?;
+    let h = b.rms_norm(x, &name(EXPERTS_PRE_NORM), d, c.rms_eps, 0.0)?;
+    let (gate_up, down) = match naming {
+        Naming::Hf(_) => (
+            b.matrix(&naming.hf_layer(i, "experts.gate_up_proj"), e * 2 * n, d)?,
+            b.matrix(&naming.hf_layer(i, "experts.down_proj"), e * d, n)?,
+        ),
+        Naming::Gguf => moe::experts_stacked(moe, b, i, n, d)?,
+    };
     let spec = MoeSpec {
         experts: e,
         experts_per_token: moe.experts_per_token,
@@ -115,7 +135,7 @@ fn moe_block(c: &ModelConfig, moe: &MoeConfig, b: &mut Builder, i: usize, x: Nod
         router: moe.router,
     };
     let out = b.op(Op::Moe(spec), &[h, logits, scales, gate_up, down])?;
-    b.rms_norm(out, &name("post_feedforward_layernorm_2.weight"), d, c.rms_eps, 0.0)
+    b.rms_norm(out, &name(EXPERTS_POST_NORM), d, c.rms_eps, 0.0)
 }
 
 /// `x` as HF holds it in the model's dtype (bf16 for a bf16 model: √640 becomes 25.25).
@@ -131,11 +151,11 @@ fn rounded(x: f32, compute: ComputeDtype) -> f32 {
 fn per_layer_inputs(c: &ModelConfig, g: &Gemma4Config, b: &mut Builder, ids: NodeId, x: NodeId) -> Result<NodeId> {
     let p = g.per_layer_input;
     let width = c.layers * p;
-    let table = b.matrix(&b.naming.hf_model("embed_tokens_per_layer.weight"), c.vocab_size, width)?;
+    let table = b.matrix(&b.naming.model_named(PER_LAYER_EMBEDDING), c.vocab_size, width)?;
     let tokens = b.op(Op::Embedding, &[table, ids])?;
     let scale = rounded((p as f32).sqrt(), b.options.compute);
     let tokens = b.op(Op::Scale { factor: scale }, &[tokens])?;
-    let w = b.matrix(&b.naming.hf_model("per_layer_model_projection.weight"), width, c.hidden)?;
+    let w = b.matrix(&b.naming.model_named(PER_LAYER_PROJECTION), width, c.hidden)?;
     let projected = b.matmul(x, w)?;
     let projected = b.op(
         Op::Scale {
@@ -143,7 +163,7 @@ fn per_layer_inputs(c: &ModelConfig, g: &Gemma4Config, b: &mut Builder, ids: Nod
         },
         &[projected],
     )?;
-    let norm = b.naming.hf_model("per_layer_projection_norm.weight");
+    let norm = b.naming.model_named(PER_LAYER_PROJECTION_NORM);
     let projected = b.rms_norm(projected, &norm, p, c.rms_eps, 0.0)?;
     let sum = b.add(projected, tokens)?;
     b.op(
@@ -165,15 +185,15 @@ fn add_per_layer_input(
 ) -> Result<NodeId> {
     let p = g.per_layer_input;
     let naming = b.naming;
-    let name = |t: &str| naming.hf_layer(i, &format!("{t}.weight"));
+    let name = |t: TensorNames| naming.layer_named(i, t);
     let input = b.op(Op::Slice { start: i * p, len: p }, &[inputs])?;
-    let w = b.matrix(&name("per_layer_input_gate"), p, c.hidden)?;
+    let w = b.matrix(&name(LAYER_INPUT_GATE), p, c.hidden)?;
     let gate = b.matmul(x, w)?;
     let gate = b.op(Op::GeluTanh, &[gate])?;
     let gated = b.op(Op::Mul, &[gate, input])?;
-    let w = b.matrix(&name("per_layer_projection"), c.hidden, p)?;
+    let w = b.matrix(&name(LAYER_INPUT_PROJECTION), c.hidden, p)?;
     let projected = b.matmul(gated, w)?;
-    let projected = b.rms_norm(projected, &name("post_per_layer_input_norm"), c.hidden, c.rms_eps, 0.0)?;
+    let projected = b.rms_norm(projected, &name(LAYER_INPUT_NORM), c.hidden, c.rms_eps, 0.0)?;
     b.add(x, projected)
 }
 
@@ -205,8 +225,7 @@ fn attention(
         (false, Some(fraction)) => RopeSpec {
             heads,
             head_dim: hd,
-            // HF: `int(fraction · head_dim // 2)` rotated pairs.
-            rotary_dim: 2 * ((fraction * hd as f64) as usize / 2),
+            rotary_dim: Gemma4Config::global_rotary_dim(fraction, hd),
             theta: c.rope_theta,
             position_scale: 1.0,
             layout: RopeLayout::Proportional,

@@ -159,6 +159,9 @@ impl HfPrefix {
     }
 }
 
+/// A tensor's HF name and llama.cpp's, for the tensors of one family.
+pub(crate) type TensorNames = (&'static str, &'static str);
+
 /// Tensors of a decoder layer, named once here for both schemes.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum LayerTensor {
@@ -224,10 +227,19 @@ impl Naming {
         }
     }
 
-    /// An HF-only model-level tensor (`rest` under the model prefix; for GGUF weights a name no
-    /// file has, so a lowering that needs it reports it missing).
-    pub(crate) fn hf_model(self, rest: &str) -> String {
-        self.model_tensor(rest, rest)
+    /// A model-level tensor a family names its own way: `names` is its HF name (under the
+    /// model prefix) and llama.cpp's.
+    pub(crate) fn model_named(self, (hf, gguf): TensorNames) -> String {
+        self.model_tensor(hf, gguf)
+    }
+
+    /// Layer `i`'s tensor a family names its own way: `names` is its HF name (under the
+    /// layer's prefix) and llama.cpp's (under `blk.{i}.`).
+    pub(crate) fn layer_named(self, i: usize, (hf, gguf): TensorNames) -> String {
+        match self {
+            Self::Gguf => format!("blk.{i}.{gguf}"),
+            Self::Hf(_) => self.hf_layer(i, hf),
+        }
     }
 
     /// An HF-only tensor of layer `i` (`{prefix}layers.{i}.{rest}`).

@@ -124,7 +124,13 @@ fn experts_from_hf(moe: &MoeConfig, b: &mut Builder, i: usize, n: usize, d: usiz
 /// `row_group_slice` of one group) and stacked in the op's order, unless the file holds them
 /// fused (`ffn_gate_up_exps`, the converter's `--fuse-gate-up-exps`: per expert its gate rows
 /// then its up rows, the op's order already).
-fn experts_stacked(moe: &MoeConfig, b: &mut Builder, i: usize, n: usize, d: usize) -> Result<(NodeId, NodeId)> {
+pub(super) fn experts_stacked(
+    moe: &MoeConfig,
+    b: &mut Builder,
+    i: usize,
+    n: usize,
+    d: usize,
+) -> Result<(NodeId, NodeId)> {
     let rows = moe.experts * n;
     let down = b.matrix(&format!("blk.{i}.ffn_down_exps.weight"), moe.experts * d, n)?;
     let fused = format!("blk.{i}.ffn_gate_up_exps.weight");

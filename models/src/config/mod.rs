@@ -5,6 +5,8 @@ use crate::gguf::GgufFile;
 use serde::Serialize;
 use std::path::Path;
 
+mod gguf_gemma4;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Family {
@@ -149,6 +151,22 @@ pub struct Gemma4Config {
 }
 
 impl Gemma4Config {
+    /// The leading dims of a full-attention head of `head_dim` that proportional RoPE turns:
+    /// HF's `int(partial_rotary_factor · head_dim // 2)` pairs.
+    pub fn global_rotary_dim(fraction: f64, head_dim: usize) -> usize {
+        2 * ((fraction * head_dim as f64) as usize / 2)
+    }
+
+    /// The least fraction of a head of `head_dim` whose rotated pairs are `pairs` (a GGUF file
+    /// counts pairs; the config keeps HF's factor).
+    pub fn fraction_rotating(pairs: usize, head_dim: usize) -> f64 {
+        let fraction = (2 * pairs) as f64 / head_dim as f64;
+        match Self::global_rotary_dim(fraction, head_dim) == 2 * pairs {
+            true => fraction,
+            false => fraction.next_up(),
+        }
+    }
+
     /// Layer `i`'s MLP width.
     pub fn intermediate(&self, i: usize, intermediate: usize) -> usize {
         match self.double_wide_mlp && self.kv_shared_from[i].is_some() {
@@ -306,6 +324,35 @@ fn gguf_glm_moe(file: &GgufFile, arch: &str, layers: usize) -> Result<MoeConfig>
     })
 }
 
+/// HF's `kv_sharing_modes` (llama.cpp's reading alike): of `layer_attention`'s layers the last
+/// `shared` each read the keys and values of the last earlier layer of their kind that has its
+/// own; `None` for the layers with their own.
+fn kv_shared_layers(
+    shared: usize,
+    layer_attention: &[LayerAttention],
+) -> std::result::Result<Vec<Option<usize>>, String> {
+    let first_shared = layer_attention.len().checked_sub(shared).ok_or_else(|| {
+        format!(
+            "{shared} KV-shared layers is more than the model's {} layers",
+            layer_attention.len()
+        )
+    })?;
+    (0..layer_attention.len())
+        .map(|i| match i < first_shared {
+            true => Ok(None),
+            false => {
+                let kind = layer_attention[i];
+                let producer = (0..first_shared).rev().find(|&p| layer_attention[p] == kind);
+                producer.map(Some).ok_or_else(|| {
+                    format!(
+                        "layer {i} shares keys and values with an earlier {kind:?} layer, but none of the first {first_shared} is one"
+                    )
+                })
+            }
+        })
+        .collect()
+}
+
 /// Gemma 3's layer pattern: every sixth layer is global.
 fn gemma3_pattern(layers: usize, every: usize) -> Vec<LayerAttention> {
     (0..layers)
@@ -404,8 +451,14 @@ impl ModelConfig {
         let family = Family::parse(arch).ok_or_else(|| ModelError::Metadata {
             path: file.path.clone(),
             key: "general.architecture".into(),
-            problem: format!("is `{arch}`; bbc runs llama, gemma3, glm4moe, qwen35, qwen35moe and qwen3next from GGUF"),
+            problem: format!(
+                "is `{arch}`; bbc runs llama, gemma3, gemma4, glm4moe, qwen35, qwen35moe and qwen3next from GGUF"
+            ),
         })?;
+        // Gemma 4's heads and MLP widths differ by layer: keys of its own.
+        if family == Family::Gemma4 {
+            return gguf_gemma4::read(file);
+        }
         let hf_only = || ModelError::Metadata {
             path: file.path.clone(),
             key: "general.architecture".into(),
@@ -444,7 +497,8 @@ impl ModelConfig {
             Family::Gemma3 => (gemma3_pattern(layers, 6), 10_000.0, Some(head_dim as f64)),
             Family::Qwen35 | Family::Qwen3Next => (gguf_recurrent_layers(file, arch, layers)?, rope_theta, None),
             Family::Glm4Moe => (vec![LayerAttention::Full; layers], rope_theta, None),
-            Family::Gemma4 | Family::GlmMoeDsa => return Err(hf_only()),
+            Family::GlmMoeDsa => return Err(hf_only()),
+            Family::Gemma4 => unreachable!("read by gguf_gemma4"),
         };
         let linear_attention = match family {
             Family::Qwen35 | Family::Qwen3Next => Some(gguf_linear_attention(file, arch)?),
@@ -913,36 +967,11 @@ impl HfConfig<'_> {
             per_layer_input: self.opt_usize("hidden_size_per_layer_input")?.unwrap_or(0),
             layer_heads,
             global_rope_fraction,
-            kv_shared_from: self.kv_shared_from(layer_attention)?,
+            kv_shared_from: kv_shared_layers(self.opt_usize("num_kv_shared_layers")?.unwrap_or(0), layer_attention)
+                .map_err(|problem| self.error(&problem))?,
             double_wide_mlp: self.opt_bool("use_double_wide_mlp")?.unwrap_or(false),
             keys_as_values,
         })
-    }
-
-    /// HF's `kv_sharing_modes`: from layer `layers − num_kv_shared_layers` on, each layer reads
-    /// the keys and values of the last earlier layer of its kind that has its own.
-    fn kv_shared_from(&self, layer_attention: &[LayerAttention]) -> Result<Vec<Option<usize>>> {
-        let shared = self.opt_usize("num_kv_shared_layers")?.unwrap_or(0);
-        let first_shared = layer_attention.len().checked_sub(shared).ok_or_else(|| {
-            self.error(&format!(
-                "num_kv_shared_layers {shared} is more than the model's {} layers",
-                layer_attention.len()
-            ))
-        })?;
-        (0..layer_attention.len())
-            .map(|i| match i < first_shared {
-                true => Ok(None),
-                false => {
-                    let kind = layer_attention[i];
-                    let producer = (0..first_shared).rev().find(|&p| layer_attention[p] == kind);
-                    producer.map(Some).ok_or_else(|| {
-                        self.error(&format!(
-                            "layer {i} shares keys and values with an earlier {kind:?} layer, but none of the first {first_shared} is one"
-                        ))
-                    })
-                }
-            })
-            .collect()
     }
 
     fn mla(&self) -> Result<MlaConfig> {
