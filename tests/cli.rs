@@ -1,5 +1,5 @@
 //! The `bbc` binary end to end on the real SmolLM2: run (json, streaming, chat, dump-logits),
-//! compile then run the artifact, tokenize.
+//! compile then run the artifact, tokenize; and on a tiny Gemma 4 GGUF against llama.cpp.
 
 mod common;
 
@@ -171,6 +171,27 @@ fn tokenize_prints_ids() {
 
 /// With a full-precision head, the artifact carries the INT8 head quantized at compile time,
 /// and running the artifact gives the model's own greedy tokens.
+/// A Gemma 4 GGUF with its tokenizer (the tiny model with the made-up vocabulary of
+/// `gguf-tiny/tiny_gemma4_vocab.py`): `bbc run` on a text prompt gives llama.cpp's prompt ids
+/// and greedy ids.
+#[test]
+fn gemma4_gguf_runs_from_text_like_llama_cpp() {
+    let reference = &read_json("gguf-tiny/gemma4-tokenize-llamacpp.json")["generate"];
+    let model = common::fixture("gguf-tiny/gemma4_kv_shared.gguf");
+    let out = json(&[
+        "run",
+        model.to_str().unwrap(),
+        "--prompt",
+        reference["prompt"].as_str().unwrap(),
+        "--max-tokens",
+        "12",
+        "--ignore-eos",
+        "--json",
+    ]);
+    assert_eq!(ids(&out["prompt_ids"]), ids(&reference["prompt_ids"]));
+    assert_eq!(ids(&out["ids"]), ids(&reference["greedy_ids"]));
+}
+
 #[test]
 fn an_f32_artifact_carries_its_int8_head() {
     let scratch = common::scratch_dir("bbc-artifact-f32-");

@@ -161,13 +161,14 @@ fn quantized_stacked_experts_agree_with_the_dequantized_cpu_backend() {
     }
 }
 
-/// Qwen3.5, Qwen3-Next, Qwen3.5-MoE and GLM-4.5 as llama.cpp's converter writes them to GGUF: the
-/// DeltaNet kernels read each value head's key head and decay rate as its spec says (Qwen3.5's
-/// value heads tiled over the key heads, `A` stored instead of `A_log`), and the experts are
-/// picked from their stacked tensors as the plan uploads them, on every GPU target.
+/// Qwen3.5, Qwen3-Next, Qwen3.5-MoE, GLM-4.5 and Gemma 4 (26B-A4B's shape) as llama.cpp's
+/// converter writes them to GGUF: the DeltaNet kernels read each value head's key head and
+/// decay rate as its spec says (Qwen3.5's value heads tiled over the key heads, `A` stored
+/// instead of `A_log`), and the experts are picked from their stacked tensors as the plan
+/// uploads them (Gemma 4's gate and up rows fused in one), on every GPU target.
 #[test]
 fn tiny_gguf_hybrid_and_moe_plans_agree_with_the_cpu_backend() {
-    for family in ["qwen3_5", "qwen3_next", "qwen3_5_moe", "glm4_moe"] {
+    for family in ["qwen3_5", "qwen3_next", "qwen3_5_moe", "glm4_moe", "gemma4_moe"] {
         let model = open_at(&fixture(&format!("gguf-tiny/{family}.gguf")), ComputeDtype::F32);
         for target in [Target::H200, Target::B200, Target::RtxPro6000] {
             check_against(family, &model, &model, target, 1e-4);

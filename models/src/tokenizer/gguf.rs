@@ -6,6 +6,11 @@
 //!   `qwen35` split by their tokenizer.json's own regex (digits in threes, one by one, and
 //!   letters with their combining marks). Another name is refused: merges applied to chunks
 //!   split some other way give other ids.
+//! - `gemma4`: Gemma 4's BPE, SentencePiece-style (spaces written `▁`, raw UTF-8 rather than a
+//!   byte-level alphabet, `<0xXX>` byte fallback) from `tokens` + `merges`, as llama.cpp runs
+//!   it: text split only into runs of newlines and the rest, a piece that is a whole token
+//!   taken whole (llama.cpp does so for newline runs, which no merge reaches), BOS always
+//!   first.
 //! - `llama`: SentencePiece BPE from `tokens` + `scores`. GGUF keeps no merges, so they are
 //!   derived: every split of a token into two vocabulary pieces is a merge, ranked by the
 //!   merged token's score (for Gemma the vocabulary order: its scores are ranks). Spaces are
@@ -54,11 +59,12 @@ pub(super) fn build(file: &GgufFile) -> Result<Tokenizer> {
     let mut inner = match kind {
         "gpt2" => byte_level_bpe(file, &tokens)?,
         "llama" => sentencepiece_bpe(file, &tokens)?,
+        "gemma4" => metaspace_bpe(file, &tokens)?,
         other => {
             return Err(meta_error(
                 file,
                 "tokenizer.ggml.model",
-                &format!("is `{other}`; bbc builds `gpt2` and `llama` tokenizers"),
+                &format!("is `{other}`; bbc builds `gpt2`, `llama` and `gemma4` tokenizers"),
             ))
         }
     };
@@ -94,17 +100,19 @@ pub(super) fn build(file: &GgufFile) -> Result<Tokenizer> {
     let eos_id = id("tokenizer.ggml.eos_token_id")?;
     let mut eos: Vec<u32> = eos_id.into_iter().collect();
     // Chat models end a turn with their end-of-turn token, which GGUF does not always name.
-    for end_of_turn in ["<|im_end|>", "<end_of_turn>", "<|eot_id|>"] {
+    for end_of_turn in ["<|im_end|>", "<end_of_turn>", "<turn|>", "<|eot_id|>"] {
         if let Some(i) = tokens.iter().position(|t| *t == end_of_turn) {
             eos.push(i as u32);
         }
     }
     eos.sort_unstable();
     eos.dedup();
-    let add_bos = file
-        .get("tokenizer.ggml.add_bos_token")
-        .and_then(|v| v.as_bool())
-        .unwrap_or(kind == "llama");
+    // llama.cpp starts every Gemma 4 prompt with BOS, whatever the file says.
+    let add_bos = kind == "gemma4"
+        || file
+            .get("tokenizer.ggml.add_bos_token")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(kind == "llama");
     let chat_template = file
         .get("tokenizer.chat_template")
         .and_then(|v| v.as_str())
@@ -130,7 +138,9 @@ fn tokenizer_error(e: impl std::fmt::Display) -> ModelError {
     ModelError::Tokenizer(e.to_string())
 }
 
-fn byte_level_bpe(file: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
+/// The file's tokens as a BPE vocabulary, and its merges: each `left right`, split (as
+/// llama.cpp splits them) at the first space after the first character.
+fn vocab_and_merges(file: &GgufFile, tokens: &[&str]) -> Result<(Vocab, Vec<(String, String)>)> {
     let vocab: Vocab = tokens
         .iter()
         .enumerate()
@@ -140,11 +150,18 @@ fn byte_level_bpe(file: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokeni
         .string_array("tokenizer.ggml.merges")?
         .into_iter()
         .map(|m| {
-            m.split_once(' ')
-                .map(|(a, b)| (a.to_string(), b.to_string()))
+            let first = m.chars().next().map_or(0, char::len_utf8);
+            m[first..]
+                .find(' ')
+                .map(|at| (m[..first + at].to_string(), m[first + at + 1..].to_string()))
                 .ok_or_else(|| meta_error(file, "tokenizer.ggml.merges", &format!("holds `{m}`, not two tokens")))
         })
         .collect::<Result<Vec<_>>>()?;
+    Ok((vocab, merges))
+}
+
+fn byte_level_bpe(file: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
+    let (vocab, merges) = vocab_and_merges(file, tokens)?;
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .build()
@@ -187,6 +204,46 @@ fn byte_level_pre_tokenizer(file: &GgufFile) -> Result<PreTokenizerWrapper> {
             &format!("is `{other}`, a pre-tokenizer bbc does not know (it knows default, gpt2, smollm, llama-bpe, qwen2 and qwen35)"),
         )),
     }
+}
+
+/// Gemma 4's tokenizer (see the module's notes). llama.cpp merges each piece by the file's
+/// ranks except a run of newlines that is a token, which it takes whole; `ignore_merges` takes
+/// any piece that is a token whole, the same wherever the merges reach the token a piece
+/// spells (and for newline runs, which they do not reach).
+fn metaspace_bpe(file: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
+    let (vocab, merges) = vocab_and_merges(file, tokens)?;
+    let bpe = BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .byte_fallback(true)
+        .ignore_merges(true)
+        .build()
+        .map_err(tokenizer_error)?;
+    let mut tk = tokenizers::Tokenizer::new(bpe);
+    tk.with_normalizer(Some(Replace::new(" ", "▁").map_err(tokenizer_error)?));
+    let newline_runs = Split::new(
+        SplitPattern::Regex("\n+".into()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(tokenizer_error)?;
+    tk.with_pre_tokenizer(Some(newline_runs));
+    tk.with_decoder(Some(metaspace_decoder(false)?));
+    Ok(tk)
+}
+
+/// `▁` back to spaces, byte tokens back to their bytes; without the leading space a prepended
+/// `▁` put there.
+fn metaspace_decoder(strip_prefix: bool) -> Result<DecoderWrapper> {
+    // `Replace` doubles as a decoder in the tokenizers crate.
+    let mut decoders: Vec<DecoderWrapper> = vec![
+        Replace::new("▁", " ").map_err(tokenizer_error)?.into(),
+        ByteFallback::new().into(),
+        Fuse::new().into(),
+    ];
+    if strip_prefix {
+        decoders.push(tokenizers::decoders::strip::Strip::new(' ', 1, 0).into());
+    }
+    Ok(DecoderSequence::new(decoders).into())
 }
 
 /// A token that is a run of spaces is written as `▁`s: the normalizer turns every space into
@@ -232,16 +289,7 @@ fn sentencepiece_bpe(file: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tok
     }
     normalizers.push(Replace::new(" ", "▁").map_err(tokenizer_error)?.into());
     tk.with_normalizer(Some(tokenizers::normalizers::Sequence::new(normalizers)));
-    // `Replace` doubles as a decoder in the tokenizers crate.
-    let mut decoders: Vec<DecoderWrapper> = vec![
-        Replace::new("▁", " ").map_err(tokenizer_error)?.into(),
-        ByteFallback::new().into(),
-        Fuse::new().into(),
-    ];
-    if add_prefix {
-        decoders.push(tokenizers::decoders::strip::Strip::new(' ', 1, 0).into());
-    }
-    tk.with_decoder(Some(DecoderWrapper::from(DecoderSequence::new(decoders))));
+    tk.with_decoder(Some(metaspace_decoder(add_prefix)?));
     Ok(tk)
 }
 
