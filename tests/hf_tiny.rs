@@ -286,6 +286,43 @@ fn gemma4_from_llama_cpp_gguf_matches_hf() {
     }
 }
 
+/// The two Gemma 4 models in the released checkpoints' shapes with their matrices in Q8_0 (the
+/// converter's `--outtype q8_0`: the per-layer embedding and the fused experts in blocks, the
+/// experts' down projections, rows of 24, in F16, the router in f32), computed natively (int8
+/// activations) and dequantized to f32: HF's 12 greedy ids, and prompt logits within 5e-2 of
+/// HF's relative to the largest (llama.cpp on these files: 2.2e-2 and 2.8e-2).
+#[test]
+fn gemma4_from_q8_0_ggufs_follows_hf() {
+    for family in ["gemma4_kv_shared", "gemma4_moe"] {
+        let reference = load_reference(family);
+        for dtype in [ComputeDtype::Native, ComputeDtype::F32] {
+            let mut spec = ModelSpec::for_weights(&fixture(&format!("gguf-tiny/{family}.q8_0.gguf")));
+            spec.dtype = dtype;
+            let model = Model::open(spec).unwrap();
+            let graph = passes::optimized(&model.lower(LogitsFor::AllTokens).unwrap(), passes::CostModel::CPU).unwrap();
+            let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
+            let mut seq = backend.new_sequence();
+            let out = backend.step(&mut seq, &reference.input_ids).unwrap();
+            let scale = reference.logits.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = out["logits"]
+                .data
+                .iter()
+                .zip(&reference.logits)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(
+                worst <= 5e-2 * scale,
+                "{family} {dtype:?}: prompt logits off by {worst} of {scale}"
+            );
+            let mut last = out["logits"].row(reference.input_ids.len() - 1).to_vec();
+            for (step, &want) in reference.greedy_ids.iter().enumerate() {
+                let id = argmax(&last);
+                assert_eq!(id, want, "{family} {dtype:?}: greedy id at step {step}");
+                last = backend.step(&mut seq, &[id]).unwrap()["logits"].data.clone();
+            }
+        }
+    }
+}
+
 /// Qwen3.5-MoE from an HF directory (`qwen3_5_moe_text`: the tiny Qwen3.5's layers with the
 /// tiny Qwen3-Next's MLPs, as `gguf-tiny/make_qwen3_5_moe.py` makes it), its experts stored one
 /// by one or fused as transformers 5 keeps them (`mlp.experts.gate_up_proj`, `down_proj`):
