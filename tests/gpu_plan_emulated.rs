@@ -86,6 +86,8 @@ fn check_against(family: &str, model: &Model, reference: &Model, target: Target,
         let special: Vec<_> = kernels.iter().filter_map(kernels_gen::cuda::required_arch).collect();
         let variants = match family {
             "qwen3_next" | "gemma4" | "gemma4_kv_shared" | "gemma4_moe" => 3,
+            // GLM-5's latent projections add a norm-prologue GEMM of their own width class.
+            "glm_moe_dsa" => 5,
             _ => 4,
         };
         let expected = match target {
@@ -99,11 +101,21 @@ fn check_against(family: &str, model: &Model, reference: &Model, target: Target,
     let reference_graph = reference.lower(LogitsFor::LastToken).unwrap();
     let cpu_graph = passes::optimized(&reference_graph, passes::CostModel::CPU).unwrap();
     let cpu = CpuBackend::new(cpu_graph, &reference.weights, context).unwrap();
+    // GLM-5's indexer keeps 8 of the tiny model's positions by their scores against the cached
+    // index keys: after a bf16 prefill through the tensor cores those keys are rounded, the
+    // choice differs where scores were close, and so do the logits (0.27 on H200), while with
+    // every position kept (`index_topk` 64) the steps agree within 2e-2. So after that prefill
+    // only its own logits are compared; the short prompt's steps, which choose too, still are.
+    let choice_follows_rounding = family == "glm_moe_dsa" && dtype == ComputeDtype::Bf16;
     for prompt_len in [PREFILL_TOKENS + 3, 5] {
         let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| (7 + 13 * i) % 300).collect();
         let (mut g, mut c) = (gpu.new_sequence(), cpu.new_sequence());
         let mut ids = prompt;
-        for step in 0..4 {
+        let steps = match choice_follows_rounding && prompt_len >= PREFILL_TOKENS {
+            true => 1,
+            false => 4,
+        };
+        for step in 0..steps {
             let got = gpu.step(&mut g, &ids).unwrap();
             let want = cpu.step(&mut c, &ids).unwrap();
             let (got, want) = (&got["logits"], &want["logits"]);
@@ -181,6 +193,15 @@ fn tiny_gguf_hybrid_and_moe_plans_agree_with_the_cpu_backend() {
 #[test]
 fn tiny_glm4_moe_plans_agree_with_the_cpu_backend() {
     check_everywhere("glm4_moe");
+}
+
+/// GLM-5: latent attention with DeepSeek's sparse indexer (the tiny model keeps 8 of its
+/// positions: the long prompt's rows and steps choose, the short prompt keeps all until its
+/// last step), layer-normed index keys, interleaved RoPE, GLM-4.5's MoE layers, on every GPU
+/// target.
+#[test]
+fn tiny_glm5_plans_agree_with_the_cpu_backend() {
+    check_everywhere("glm_moe_dsa");
 }
 
 /// Gemma 4: per-layer inputs, value norms without a weight (`unit_rms_norm`), global layers
@@ -407,11 +428,12 @@ fn batch_of<'a>(
 
 /// A batched plan (continuous batching over one paged KV pool) on the emulator: two sequences
 /// with interleaved blocks, prefilled together, then decoding together into new blocks, give
-/// each row the logits the CPU backend gives in the same batched steps.
+/// each row the logits the CPU backend gives in the same batched steps. GLM-5's indexer
+/// chooses 8 of the first sequence's 10 and 11 positions, each row by its own position.
 #[test]
 fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
     use runtime::kv::{BlockId, Segment};
-    for family in ["llama", "gemma3"] {
+    for family in ["llama", "gemma3", "glm_moe_dsa"] {
         let model = open(family, ComputeDtype::F32);
         let graph = model.lower(LogitsFor::AllTokens).unwrap();
         let gpu_graph = fused_for(&graph, Target::H200);
@@ -432,12 +454,12 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
             [BlockId(5), BlockId(1), BlockId(2)],
         ];
         let prompts: [Vec<u32>; 2] = [
-            (0..7).map(|i| 5 + 11 * i).collect(),
+            (0..10).map(|i| 5 + 11 * i).collect(),
             (0..3).map(|i| 200 + 3 * i).collect(),
         ];
         let steps: [[(usize, Vec<u32>); 2]; 2] = [
             [(0, prompts[0].clone()), (0, prompts[1].clone())],
-            [(7, vec![42]), (3, vec![17])],
+            [(10, vec![42]), (3, vec![17])],
         ];
         for (step, segments) in steps.iter().enumerate() {
             let batch = batch_of(segments, &tables);

@@ -30,6 +30,14 @@ static __device__ __forceinline__ float bbc_f16_to_f32(unsigned int h) {
 }
 "#;
 
+const ORDERED_BITS_HELPER: &str = r#"// An f32 as a u32 that orders as bbc's rankings order floats (total order, NaN as -inf): the
+// sign bit set for positives, every bit flipped for negatives.
+static __device__ __forceinline__ unsigned int bbc_ordered_bits(float f) {
+    unsigned int u = f != f ? 0xff800000u : __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+"#;
+
 const ASYNC_HELPERS: &str = r#"// 16 bytes global -> shared without registers (cp.async.cg), or 16 zero bytes when !valid
 // (then nothing is read: the source may be past the end of its buffer).
 static __device__ __forceinline__ void bbc_cp_async_16(void* dst, const void* src, bool valid) {
@@ -126,6 +134,9 @@ pub fn emit(kernel: &Kernel) -> String {
     }
     if uses_op(&kernel.body, UnOp::HalfToFloat) || has_buffer_of(kernel, Ty::F16) {
         let _ = writeln!(out, "{F16_HELPER}");
+    }
+    if uses_op(&kernel.body, UnOp::OrderedBits) {
+        let _ = writeln!(out, "{ORDERED_BITS_HELPER}");
     }
     let copies_async = any_stmt(&kernel.body, &|s| matches!(s, Stmt::CpAsync(_)));
     if copies_async {
@@ -633,6 +644,7 @@ fn expr(e: &Expr, scope: &Scope) -> String {
                 UnOp::Cos => format!("cosf({x})"),
                 UnOp::Sin => format!("sinf({x})"),
                 UnOp::HalfToFloat => format!("bbc_f16_to_f32((unsigned int)({x}))"),
+                UnOp::OrderedBits => format!("bbc_ordered_bits({x})"),
                 UnOp::Abs if scope.type_of(a) == Ok(Ty::F32) => format!("fabsf({x})"),
                 UnOp::Abs => format!("abs({x})"),
             }

@@ -89,6 +89,10 @@ pub enum UnOp {
     Abs,
     /// The f32 value of an IEEE half given as its 16 bits (an integer): GGUF block scales.
     HalfToFloat,
+    /// An f32 as a `u32` that orders as bbc's rankings order floats (`ir::reference::ops::
+    /// top_k`: `total_cmp`, NaN as −∞): its bits, the sign flipped for positives and every
+    /// bit for negatives, so integer comparisons and bit-by-bit searches rank floats.
+    OrderedBits,
 }
 
 #[derive(Debug, Clone, PartialEq)]

@@ -84,6 +84,8 @@ impl Scope {
                 match op {
                     UnOp::HalfToFloat if matches!(t, Ty::I32 | Ty::U32) => Ty::F32,
                     UnOp::HalfToFloat => return Err(format!("half bits of type {t:?}")),
+                    UnOp::OrderedBits if t == Ty::F32 => Ty::U32,
+                    UnOp::OrderedBits => return Err(format!("ordered bits of {t:?}")),
                     UnOp::Not if t == Ty::Bool => Ty::Bool,
                     UnOp::Neg | UnOp::Abs => t,
                     _ if t == Ty::F32 => Ty::F32,

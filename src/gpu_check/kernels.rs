@@ -16,7 +16,7 @@ use std::path::Path;
 
 /// The tiny HF fixtures (`tests/fixtures/hf-tiny/`) of the families compiled for the GPU
 /// targets: what the lockstep below runs, and what the tests compile for every target.
-pub const GPU_FAMILIES: [&str; 8] = [
+pub const GPU_FAMILIES: [&str; 9] = [
     "llama",
     "gemma3",
     "gemma4",
@@ -25,6 +25,7 @@ pub const GPU_FAMILIES: [&str; 8] = [
     "qwen3_5",
     "glm4_moe",
     "qwen3_next",
+    "glm_moe_dsa",
 ];
 
 /// Run the tiny models' plans in lockstep on the GPU and the emulator (the HF fixtures in f32

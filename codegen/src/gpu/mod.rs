@@ -70,13 +70,17 @@ pub enum LaunchArg {
         name: String,
         bytes: usize,
     },
+    /// An f32 per (step row, cached position) that launches ranking positions share (the
+    /// sparse indexer's scores): `max_tokens` rows of `context` (a scalar: the context the
+    /// runtime holds), allocated at load.
+    PositionScores,
     /// A tensor derived from weight `weight` at compile time (`weights/<weight>.int8.safetensors`).
     Derived {
         weight: String,
         tensor: String,
     },
-    /// A scalar: an expression of `tokens` (rows this step), `first` (cached positions) and, in
-    /// a batched plan, `block_size`.
+    /// A scalar: an expression of `tokens` (rows this step), `first` (cached positions),
+    /// `context` (the positions a sequence may hold) and, in a batched plan, `block_size`.
     Scalar {
         name: String,
         value: String,
@@ -220,9 +224,31 @@ impl std::fmt::Display for WeightPart {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KvLayout {
     pub slot: usize,
+    /// Elements of a cached position's key row.
     pub kv_dim: usize,
-    /// f32 keys (and as many for values) per cached token.
+    /// Bytes of a cached position's key row, and of its value row unless
+    /// `value_bytes_per_token` says otherwise.
     pub bytes_per_token: usize,
+    /// Bytes of a cached position's value row where they differ from the key row's (latent
+    /// attention: every head's values, wider than the shared keys).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value_bytes_per_token: Option<usize>,
+}
+
+impl KvLayout {
+    /// Bytes of a cached position's key row (`false`) or value row (`true`).
+    pub fn row_bytes(&self, value: bool) -> usize {
+        match value {
+            true => self.value_bytes_per_token.unwrap_or(self.bytes_per_token),
+            false => self.bytes_per_token,
+        }
+    }
+
+    /// Elements of the wider of a position's key and value rows.
+    pub fn widest_row(&self) -> usize {
+        let element = self.bytes_per_token / self.kv_dim.max(1);
+        self.row_bytes(true).max(self.bytes_per_token) / element.max(1)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -242,6 +268,10 @@ pub struct GpuPlan {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub recurrent_states: Vec<StateLayout>,
     pub constants: BTreeMap<String, Vec<f32>>,
+    /// Whether launches rank cached positions through `LaunchArg::PositionScores`, allocated at
+    /// load for `max_tokens` rows of the context.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub position_scores: bool,
     /// Set for a plan whose steps hold rows of many sequences (continuous batching); absent,
     /// a step is rows `first..first + tokens` of one sequence in a contiguous cache.
     #[serde(default)]
@@ -431,6 +461,7 @@ fn build_program(
         kv_cache: selected.kv_cache,
         recurrent_states: selected.recurrent_states,
         constants: selected.constants,
+        position_scores: selected.position_scores,
         batched,
     };
     Ok((plan, programs))

@@ -431,7 +431,9 @@ pub fn sparse_mla_query(spec: &crate::SparseMlaSpec, q: [&[f32]; 4], candidates:
     let (ih, id) = (spec.index_heads, spec.index_dim);
     let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum::<f64>();
     // The indexer's ranking: Σ_i w_i · ih^−½ · id^−½ · relu(q_i · k). Equal scores (the ReLU
-    // makes exact zeros common) keep the earlier position, whatever else shares the step.
+    // makes exact zeros common) keep the earlier position, whatever else shares the step; a
+    // zero is one score whatever its sign (`+ 0.0` makes −0 +0, which `top_k`'s total order
+    // would rank below it).
     let weight_scale = (ih as f64).powf(-0.5) * (id as f64).powf(-0.5);
     let index_scores: Vec<f32> = candidates
         .iter()
@@ -440,6 +442,7 @@ pub fn sparse_mla_query(spec: &crate::SparseMlaSpec, q: [&[f32]; 4], candidates:
             (0..ih)
                 .map(|i| index_weights[i] as f64 * weight_scale * dot(&index_q[i * id..(i + 1) * id], k).max(0.0))
                 .sum::<f64>() as f32
+                + 0.0
         })
         .collect();
     let mut kept = top_k(&index_scores, spec.index_topk.min(candidates.len()));

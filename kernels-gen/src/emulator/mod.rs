@@ -103,8 +103,12 @@ impl Array {
             None => Ok(self.values.iter().map(|&v| v as f32).collect()),
         }
     }
+    /// The elements as integers, exactly (a `u32` past 2²⁴ does not survive an f32).
     pub fn to_i64(&self) -> Result<Vec<i64>, String> {
-        Ok(self.to_f32()?.iter().map(|&v| v as i64).collect())
+        match self.init.iter().position(|&i| !i) {
+            Some(i) => Err(format!("element {i} was never written")),
+            None => Ok(self.values.iter().map(|&v| v as i64).collect()),
+        }
     }
 
     /// Device memory as an array of `ty` (little-endian; a trailing partial element is left
@@ -755,6 +759,7 @@ impl<'k> Block<'k> {
                         (UnOp::Abs, Val::I(i)) => Val::I(i.abs()),
                         (UnOp::Not, v) => Val::B(!v.b()),
                         (UnOp::HalfToFloat, v) => Val::F(half::f16::from_bits(v.i() as u16).to_f32()),
+                        (UnOp::OrderedBits, v) => Val::I(ordered_bits(v.f()) as i64),
                         (op, v) => Val::F(unop_f32(*op, v.f())),
                     })
                     .collect()
@@ -872,6 +877,15 @@ fn compare<T: PartialOrd>(op: BinOp, a: T, b: T) -> Option<bool> {
     })
 }
 
+/// `UnOp::OrderedBits`: the `u32` whose order is `f32::total_cmp`'s, NaN taken as −∞.
+pub fn ordered_bits(v: f32) -> u32 {
+    let bits = if v.is_nan() { f32::NEG_INFINITY } else { v }.to_bits();
+    match bits >> 31 {
+        1 => !bits,
+        _ => bits | 0x8000_0000,
+    }
+}
+
 fn unop_f32(op: UnOp, v: f32) -> f32 {
     match op {
         UnOp::Neg => -v,
@@ -885,5 +899,6 @@ fn unop_f32(op: UnOp, v: f32) -> f32 {
         UnOp::Abs => v.abs(),
         UnOp::Not => (v == 0.0) as i32 as f32,
         UnOp::HalfToFloat => half::f16::from_bits(v as u16).to_f32(),
+        UnOp::OrderedBits => unreachable!("an integer result, evaluated apart"),
     }
 }

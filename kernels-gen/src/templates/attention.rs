@@ -26,7 +26,7 @@ use super::cache_layout::CacheLayout;
 use super::{warp_sum, BLOCK};
 use crate::dsl::*;
 
-const WARPS: u32 = BLOCK / 32;
+pub(crate) const WARPS: u32 = BLOCK / 32;
 
 /// The most splits a step uses (at one row).
 pub const MAX_SPLITS: usize = 32;
@@ -53,7 +53,7 @@ pub fn partial_len(max_rows: usize, heads: usize, head_dim: usize) -> usize {
 pub const MAX_HEAD_DIM: usize = 512;
 
 /// Query dims per lane (callers check `head_dim` against [`MAX_HEAD_DIM`] first).
-fn dims_per_lane(head_dim: usize) -> usize {
+pub(crate) fn dims_per_lane(head_dim: usize) -> usize {
     assert!(
         (1..=MAX_HEAD_DIM).contains(&head_dim),
         "head_dim {head_dim} outside 1..={MAX_HEAD_DIM}"
@@ -62,13 +62,13 @@ fn dims_per_lane(head_dim: usize) -> usize {
 }
 
 /// This lane's `i`-th dim of a head.
-fn lane_dim(i: usize) -> Expr {
+pub(crate) fn lane_dim(i: usize) -> Expr {
     lane() + int(32 * i as i64)
 }
 
 /// `body` for the lane's `i`-th dim, under a bounds check where that dim can fall past
 /// `head_dim` (only the last, when `head_dim` is not a multiple of 32).
-fn guarded(head_dim: usize, i: usize, body: Vec<Stmt>) -> Vec<Stmt> {
+pub(crate) fn guarded(head_dim: usize, i: usize, body: Vec<Stmt>) -> Vec<Stmt> {
     match (i + 1) * 32 <= head_dim {
         true => body,
         false => vec![if_(lt(lane_dim(i), int(head_dim as i64)), body)],
@@ -248,7 +248,7 @@ pub fn attention_split(
     }
 }
 
-fn shared_f32(name: &str, len: usize) -> SharedArray {
+pub(crate) fn shared_f32(name: &str, len: usize) -> SharedArray {
     SharedArray {
         name: name.into(),
         ty: Ty::F32,
@@ -269,7 +269,7 @@ fn weight_of(m: Expr, top: Expr) -> Expr {
 
 /// The warps' (max, sum, accumulator) of each of the block's `group` heads merged into the
 /// heads' partials; a thread per (head, dim) pair, the block striding over them.
-fn merge_warps(head_dim: usize, group: usize) -> Vec<Stmt> {
+pub(crate) fn merge_warps(head_dim: usize, group: usize) -> Vec<Stmt> {
     let hd = int(head_dim as i64);
     let slot = |g: usize| warp() * int(group as i64) + int(g as i64);
     let mut s = Vec::new();

@@ -20,6 +20,7 @@ pub mod quant;
 pub mod rms_norm;
 pub mod rope;
 pub mod sample;
+pub mod sparse_mla;
 pub mod split_k;
 pub mod top_k;
 pub mod weight_prefetch;
@@ -350,6 +351,20 @@ const GLM_4_5_AIR_MOE: ir::MoeSpec = ir::MoeSpec {
 
 /// One instance of every template, as the code generator would emit them: what snapshot tests,
 /// NVRTC checks and the kernel report cover.
+/// GLM-5's latent attention: 64 heads of 192 + 64 (values 256), an indexer of 32 heads of 128
+/// keeping 2048 positions.
+const GLM5_MLA: ir::SparseMlaSpec = ir::SparseMlaSpec {
+    heads: 64,
+    nope_dim: 192,
+    rope_dim: 64,
+    value_dim: 256,
+    scale: 0.0625,
+    index_heads: 32,
+    index_dim: 128,
+    index_topk: 2048,
+    cache_slot: 0,
+};
+
 pub fn catalog() -> Vec<Kernel> {
     use gemv::GemvSpec;
     use ir::{Expr as E, GluAct, RopeLayout};
@@ -434,6 +449,11 @@ pub fn catalog() -> Vec<Kernel> {
             Ty::Bf16,
         ),
         attention::attention_combine("attention_combine_512", "catalog", 512),
+        // GLM-5's latent attention and sparse indexer, as serving runs them.
+        sparse_mla::mla_append("mla_append", "catalog", cache_layout::CacheLayout::Batched, &GLM5_MLA),
+        sparse_mla::index_scores("index_scores", "catalog", cache_layout::CacheLayout::Batched, &GLM5_MLA),
+        sparse_mla::index_select("index_select", "catalog", cache_layout::CacheLayout::Batched, &GLM5_MLA),
+        sparse_mla::sparse_mla_split("sparse_mla", "catalog", cache_layout::CacheLayout::Batched, &GLM5_MLA),
         rms_norm::unit_rms_norm("unit_rms_norm", "catalog", 1e-6),
         rms_norm::layer_norm("layer_norm", "catalog", 1e-6),
         kv_append::kv_append("kv_append", "catalog"),

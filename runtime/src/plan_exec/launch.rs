@@ -87,6 +87,7 @@ pub(super) fn prepare(plan: &GpuPlan) -> Result<Vec<PreparedLaunch>> {
             LaunchArg::Constant { name } => Arg::Held(BufferKey::Constant(name.clone())),
             LaunchArg::Derived { weight, tensor } => Arg::Held(BufferKey::Derived(weight.clone(), tensor.clone())),
             LaunchArg::StepInput { name } => Arg::Held(BufferKey::StepInput(name.clone())),
+            LaunchArg::PositionScores => Arg::Held(BufferKey::PositionScores),
         })
     };
     plan.launches
@@ -242,6 +243,7 @@ fn held<'b, B>(buffers: &'b Buffers<B>, key: &BufferKey) -> Result<DeviceArg<'b,
             BufferKey::Constant(name) => format!("constant `{name}` missing"),
             BufferKey::Derived(weight, _) => format!("INT8 rows of `{weight}` (from the artifact) missing"),
             BufferKey::StepInput(name) => format!("step input `{name}` (the plan is not batched) missing"),
+            BufferKey::PositionScores => "position scores (the plan does not say it ranks positions) missing".into(),
         })
     })?;
     Ok(DeviceArg::Buffer(buffer, range))

@@ -149,6 +149,8 @@ enum BufferKey {
     Snapshots(usize),
     /// A batched plan's per-step inputs, by name.
     StepInput(String),
+    /// The plan's position scores (`LaunchArg::PositionScores`).
+    PositionScores,
 }
 
 /// A GPU plan loaded on a device, with its KV cache: one sequence's, or a batched plan's pool.
@@ -224,11 +226,19 @@ impl<D: PlanDevice> PlanExecutor<D> {
         if let Some(layout) = plan
             .kv_cache
             .iter()
-            .find(|l| cache_rows.saturating_mul(l.kv_dim) > i32::MAX as usize)
+            .find(|l| cache_rows.saturating_mul(l.widest_row()) > i32::MAX as usize)
         {
             return Err(RuntimeError::Input(format!(
                 "a KV cache of {cache_rows} positions × {} values is past the kernels' 32-bit indices: ask for fewer blocks",
-                layout.kv_dim
+                layout.widest_row()
+            )));
+        }
+        // The indexer's scores: a row per step row, a column per position of the context.
+        let position_scores = plan.max_tokens.saturating_mul(context_length);
+        if plan.position_scores && position_scores > i32::MAX as usize {
+            return Err(RuntimeError::Input(format!(
+                "position scores for {} rows × {context_length} positions are past the kernels' 32-bit indices: ask for a shorter context",
+                plan.max_tokens
             )));
         }
         let mut held = HashMap::new();
@@ -261,9 +271,13 @@ impl<D: PlanDevice> PlanExecutor<D> {
         }
         for layout in &plan.kv_cache {
             for value in [false, true] {
-                let bytes = cache_rows * layout.bytes_per_token;
+                let bytes = cache_rows * layout.row_bytes(value);
                 held.insert(BufferKey::Kv(layout.slot, value), (device.alloc(bytes)?, bytes));
             }
+        }
+        if plan.position_scores {
+            let bytes = position_scores * 4;
+            held.insert(BufferKey::PositionScores, (device.alloc(bytes)?, bytes));
         }
         // Zero: a slot's first step starts it afresh anyway (`templates::delta_net`).
         let state_slots = plan.batched.map_or(1, |c| c.sequences);
@@ -411,6 +425,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         let vars = HashMap::from([
             ("tokens", Value::Int(tokens as i64)),
             ("first", Value::Int(seq.len as i64)),
+            ("context", Value::Int(self.context_length as i64)),
             ("prefetch", Value::Int(device.prefetches_weights() as i64)),
         ]);
         self.launch_all(device, buffers, &vars, None)?;

@@ -113,6 +113,7 @@ fn append(s: &mut Selected, operands: &Operands, cache: &Cache, rows: &str, max_
         slot: spec.cache_slot,
         kv_dim,
         bytes_per_token: kv_dim * cache.ty.bytes(),
+        value_bytes_per_token: None,
     });
     let ((k, k_stride), (v, v_stride)) = (operands.activation(s, 1), operands.activation(s, 2));
     let (kernel, args, q) = match &graph.nodes()[operands.node].op {

@@ -5,6 +5,7 @@
 mod delta_net;
 mod kv_attention;
 mod moe;
+mod sparse_mla;
 
 use super::{rows, width, GpuCodegenError, KvLayout, LaunchArg, StateLayout, View, WeightUse};
 use ir::reference::ops::rope_inv_freq;
@@ -28,6 +29,8 @@ pub(crate) struct Selected {
     pub constants: BTreeMap<String, Vec<f32>>,
     pub token_ids: Option<usize>,
     pub positions: Option<usize>,
+    /// Whether a launch ranks cached positions through the plan's position scores.
+    pub position_scores: bool,
 }
 
 impl Selected {
@@ -131,6 +134,7 @@ pub(crate) fn select(
         constants: BTreeMap::new(),
         token_ids: None,
         positions: None,
+        position_scores: false,
     };
     for (i, node) in graph.nodes().iter().enumerate() {
         let unsupported = |what: String| GpuCodegenError::Unsupported {
@@ -315,13 +319,7 @@ pub(crate) fn select(
                         ];
                         (rms_norm::unit_rms_norm("unit_rms_norm", &graph.name, *eps as f32), args)
                     }
-                    Op::SparseMla(_) => {
-                        return Err(unsupported(
-                            "no GPU template yet: latent attention with its sparse indexer (GLM-5) runs on the CPU backend; \
-                             compile with --target cpu"
-                                .into(),
-                        ))
-                    }
+                    Op::SparseMla(spec) => sparse_mla::launches(&mut s, &operands, spec, layout, &rows, max_tokens)?,
                     Op::LayerNorm { eps } => {
                         let (x, stride) = act(&s, 0);
                         let args = vec![
@@ -407,9 +405,7 @@ pub(crate) fn select(
                         ];
                         (elementwise::scale_rows("scale_rows", &graph.name), args)
                     }
-                    Op::Moe(spec) => {
-moe::launches(&mut s, &operands, spec, &rows, max_tokens)?
-                    }
+                    Op::Moe(spec) => moe::launches(&mut s, &operands, spec, &rows, max_tokens)?,
                     Op::GroupSlice { group, start, len } => {
                         let (x, stride) = act(&s, 0);
                         let args = vec![
@@ -424,9 +420,7 @@ moe::launches(&mut s, &operands, spec, &rows, max_tokens)?
                         ];
                         (gather::gather_column_groups("group_slice", &graph.name), args)
                     }
-                    Op::GatedDeltaNet(spec) => {
-delta_net::launches(&mut s, &operands, spec, layout, &rows, max_tokens)?
-                    }
+                    Op::GatedDeltaNet(spec) => delta_net::launches(&mut s, &operands, spec, layout, &rows, max_tokens)?,
                     Op::Glu { act: a } => {
                         let (x, stride) = act(&s, 0);
                         let args = vec![

@@ -1,0 +1,482 @@
+//! Multi-head latent attention with DeepSeek's sparse indexer (`ir::Op::SparseMla`, GLM-5)
+//! over a KV cache whose rows are `[k_nope (heads·nope) | k_pe (rope) | index key]` and whose
+//! value rows are `heads·value` wide, in five launches:
+//!
+//! 1. `mla_append`: the step's keys (three sources) and values into the cache, a thread per
+//!    element.
+//! 2. `index_scores`: each query row's indexer score of every position it sees,
+//!    `Σ_i w_i · relu(q_i · k)` (the weights pre-scaled by `(ih·id)^−½`), into a buffer of a
+//!    row per step row and a column per context position. A block per (row, split of its
+//!    positions), the row's index queries in shared memory, a warp per position, a lane per
+//!    32nd dim of each index head.
+//! 3. `index_select`: per row, which positions it keeps: the `topk` best under bbc's order
+//!    (`ir::reference::ops::top_k`: larger first, equal scores to the earlier position, NaN
+//!    last), written as a cut: the k-th best score's ordered bits `T` (`UnOp::OrderedBits`),
+//!    found a bit at a time from the top by counting keys at or above each candidate, and
+//!    the last position `P` whose score equals `T` that is kept (the earliest ties fill the
+//!    places `T` leaves). Kept: `key > T`, or `key == T` and `p ≤ P`. A row that sees no more
+//!    positions than `topk` keeps them all (`T = P = 0`: every key is above 0).
+//! 4. `sparse_mla`: FlashDecoding's split pass (`templates::attention`) for one head a block,
+//!    over the kept positions only: the head's score is `q_nope · k_nope[head] + q_pe · k_pe`.
+//! 5. `attention_combine`: the splits merged (`templates::attention`'s).
+//!
+//! Scores and softmax in f32; the cache holds f32 keys and values.
+
+use super::attention::{dims_per_lane, guarded, lane_dim, merge_warps, shared_f32, WARPS};
+use super::cache_layout::CacheLayout;
+use super::{block_sum, blocks_for, per_element, warp_scratch, warp_sum, BLOCK};
+use crate::dsl::*;
+use ir::SparseMlaSpec;
+
+fn i(v: usize) -> Expr {
+    int(v as i64)
+}
+
+/// The statements that locate step row `t`'s block of a split pass: `split` and the row's
+/// positions `start..end` of `0..=pos` (`pair` is the block's index without its split).
+fn split_span(layout: CacheLayout) -> Vec<Stmt> {
+    let mut s = vec![
+        let_("split", Ty::I32, rem(bid(), var("splits"))),
+        let_("pair", Ty::I32, bid() / var("splits")),
+    ];
+    s.push(let_("t", Ty::I32, var("pair") / var("blocks_per_row")));
+    s.extend(layout.prologue(var("t")));
+    s.extend([
+        let_("pos", Ty::I32, layout.position(var("t"))),
+        let_("hi", Ty::I32, var("pos") + int(1)),
+        let_("span", Ty::I32, (var("hi") + var("splits") - int(1)) / var("splits")),
+        let_("start", Ty::I32, var("split") * var("span")),
+        let_("end", Ty::I32, bin(BinOp::Min, var("hi"), var("start") + var("span"))),
+    ]);
+    s
+}
+
+/// Launch 1: row `t` of each source into its position's cache rows.
+pub fn mla_append(name: &str, origin: &str, layout: CacheLayout, spec: &SparseMlaSpec) -> Kernel {
+    let (nope, rope) = (spec.heads * spec.nope_dim, spec.rope_dim);
+    let (kw, vw) = (spec.key_width(), spec.value_width());
+    let width = i(kw + vw);
+    let key = |src: &str, stride: &str, from: usize| {
+        store(
+            "k_cache",
+            var("row") * i(kw) + var("c"),
+            load(src, var("t") * var(stride) + var("c") - i(from)),
+        )
+    };
+    let body = [
+        vec![
+            let_("t", Ty::I32, var("i") / width.clone()),
+            let_("c", Ty::I32, rem(var("i"), width.clone())),
+        ],
+        layout.prologue(var("t")),
+        vec![
+            let_("row", Ty::I32, layout.row(layout.position(var("t")))),
+            if_else(
+                lt(var("c"), i(nope)),
+                vec![key("k_nope", "kn_stride", 0)],
+                vec![if_else(
+                    lt(var("c"), i(nope + rope)),
+                    vec![key("k_pe", "kp_stride", nope)],
+                    vec![if_else(
+                        lt(var("c"), i(kw)),
+                        vec![key("index_k", "ik_stride", nope + rope)],
+                        vec![store(
+                            "v_cache",
+                            var("row") * i(vw) + var("c") - i(kw),
+                            load("v_src", var("t") * var("v_stride") + var("c") - i(kw)),
+                        )],
+                    )],
+                )],
+            ),
+        ],
+    ]
+    .concat();
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: append latent attention's keys [k_nope | k_pe | index key] and values, {}",
+            layout.describe()
+        ),
+        params: [
+            vec![
+                buffer("k_nope", Ty::F32, false),
+                buffer("k_pe", Ty::F32, false),
+                buffer("index_k", Ty::F32, false),
+                buffer("v_src", Ty::F32, false),
+                buffer("k_cache", Ty::F32, true),
+                buffer("v_cache", Ty::F32, true),
+                scalar("tokens", Ty::I32),
+                scalar("first", Ty::I32),
+                scalar("kn_stride", Ty::I32),
+                scalar("kp_stride", Ty::I32),
+                scalar("ik_stride", Ty::I32),
+                scalar("v_stride", Ty::I32),
+            ],
+            layout.params(),
+        ]
+        .concat(),
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(var("tokens") * width.clone(), BLOCK as i64),
+        body: per_element(var("tokens") * width, body),
+    }
+}
+
+/// Launch 2: `scores[t·context + p]` for every position `p ≤ pos` of each row `t`, with zero
+/// signless (`+ 0`: a score of −0 and one of +0 tie, as the reference ranks them).
+pub fn index_scores(name: &str, origin: &str, layout: CacheLayout, spec: &SparseMlaSpec) -> Kernel {
+    let (ih, id) = (spec.index_heads, spec.index_dim);
+    let index_key = spec.heads * spec.nope_dim + spec.rope_dim;
+    let per_lane = dims_per_lane(id);
+    let mut body = vec![let_("blocks_per_row", Ty::I32, int(1))];
+    body.extend(split_span(layout));
+    // The row's index queries and pre-scaled weights, for every warp of the block.
+    let weight_scale = ((ih * id) as f64).powf(-0.5) as f32;
+    body.extend([
+        for_(
+            "e",
+            tid(),
+            i(ih * id),
+            int(BLOCK as i64),
+            vec![store(
+                "iq",
+                var("e"),
+                load("index_q", var("t") * var("iq_stride") + var("e")),
+            )],
+        ),
+        for_(
+            "e",
+            tid(),
+            i(ih),
+            int(BLOCK as i64),
+            vec![store(
+                "iw",
+                var("e"),
+                load("index_w", var("t") * var("iw_stride") + var("e")) * f(weight_scale),
+            )],
+        ),
+        Stmt::SyncThreads,
+    ]);
+    let mut position = vec![let_(
+        "base",
+        Ty::I32,
+        layout.row(var("j")) * i(spec.key_width()) + i(index_key),
+    )];
+    for d in 0..per_lane {
+        position.push(let_(&format!("k{d}"), Ty::F32, f(0.0)));
+        position.extend(guarded(
+            id,
+            d,
+            vec![assign(&format!("k{d}"), load("k_cache", var("base") + lane_dim(d)))],
+        ));
+    }
+    let mut head = vec![let_("dot", Ty::F32, f(0.0))];
+    for d in 0..per_lane {
+        head.extend(guarded(
+            id,
+            d,
+            vec![assign(
+                "dot",
+                var("dot") + load("iq", var("h") * i(id) + lane_dim(d)) * var(&format!("k{d}")),
+            )],
+        ));
+    }
+    head.extend(warp_sum("dot"));
+    head.push(assign(
+        "score",
+        var("score") + load("iw", var("h")) * bin(BinOp::Max, var("dot"), f(0.0)),
+    ));
+    position.extend([
+        let_("score", Ty::F32, f(0.0)),
+        for_("h", int(0), i(ih), int(1), head),
+        if_(
+            eq(lane(), int(0)),
+            vec![store(
+                "scores",
+                var("t") * var("context") + var("j"),
+                var("score") + f(0.0),
+            )],
+        ),
+    ]);
+    body.push(for_(
+        "j",
+        var("start") + warp(),
+        var("end"),
+        int(WARPS as i64),
+        position,
+    ));
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: sparse indexer scores, {ih} heads of {id}, {}",
+            layout.describe()
+        ),
+        params: [
+            vec![
+                buffer("index_q", Ty::F32, false),
+                buffer("index_w", Ty::F32, false),
+                buffer("k_cache", Ty::F32, false),
+                buffer("scores", Ty::F32, true),
+                scalar("tokens", Ty::I32),
+                scalar("first", Ty::I32),
+                scalar("iq_stride", Ty::I32),
+                scalar("iw_stride", Ty::I32),
+                scalar("context", Ty::I32),
+                scalar("splits", Ty::I32),
+            ],
+            layout.params(),
+        ]
+        .concat(),
+        shared: vec![shared_f32("iq", ih * id), shared_f32("iw", ih)],
+        block_dim: BLOCK,
+        grid: var("tokens") * var("splits"),
+        body,
+    }
+}
+
+/// `key` (position `p`'s ordered score bits) of row `t`.
+fn key_of(p: Expr) -> Expr {
+    un(UnOp::OrderedBits, load("scores", var("t") * var("context") + p))
+}
+
+/// Every thread's count, in `count` (declared before), of the row's positions `p < n` where
+/// `keep` holds.
+fn count_where(keep: impl Fn(Expr) -> Expr) -> Vec<Stmt> {
+    let mut s = vec![
+        assign("count", f(0.0)),
+        for_(
+            "p",
+            tid(),
+            var("n"),
+            int(BLOCK as i64),
+            vec![if_(keep(var("p")), vec![assign("count", var("count") + f(1.0))])],
+        ),
+    ];
+    s.extend(block_sum("count", "warp_count", WARPS));
+    s
+}
+
+/// Launch 3: each row's cut (`cut[2t]` = T, `cut[2t + 1]` = P; see the module's notes). Counts
+/// are exact in f32 (below 2²⁴ positions).
+pub fn index_select(name: &str, origin: &str, layout: CacheLayout, spec: &SparseMlaSpec) -> Kernel {
+    let u = |v: Expr| cast(Ty::U32, v);
+    let topk = spec.index_topk as f32;
+    // T: the largest value whose keys at or above it number at least topk, a bit at a time.
+    let mut search = vec![let_("prefix", Ty::U32, u(int(0))), let_("count", Ty::F32, f(0.0))];
+    let mut bit = vec![let_(
+        "candidate",
+        Ty::U32,
+        var("prefix") + bin(BinOp::Shl, u(int(1)), u(int(31) - var("b"))),
+    )];
+    bit.extend(count_where(|p| bin(BinOp::Ge, key_of(p), var("candidate"))));
+    bit.push(if_(
+        bin(BinOp::Ge, var("count"), f(topk)),
+        vec![assign("prefix", var("candidate"))],
+    ));
+    search.push(for_("b", int(0), int(32), int(1), bit));
+    // P: the earliest tie that fills the last place (ties all kept where they fit).
+    search.extend(count_where(|p| bin(BinOp::Gt, key_of(p), var("prefix"))));
+    search.push(let_("above", Ty::F32, var("count")));
+    search.extend(count_where(|p| eq(key_of(p), var("prefix"))));
+    search.extend([
+        let_("need", Ty::F32, f(topk) - var("above")),
+        let_("lo", Ty::I32, int(0)),
+        let_("last", Ty::I32, var("n") - int(1)),
+    ]);
+    let mut halve = vec![let_("mid", Ty::I32, (var("lo") + var("last")) / int(2))];
+    halve.extend(count_where(|p| {
+        and(eq(key_of(p.clone()), var("prefix")), bin(BinOp::Le, p, var("mid")))
+    }));
+    halve.push(if_else(
+        bin(BinOp::Ge, var("count"), var("need")),
+        vec![assign("last", var("mid"))],
+        vec![assign("lo", var("mid") + int(1))],
+    ));
+    // Only where more keys tie at T than places are left; else every tie is kept.
+    search.push(if_(
+        bin(BinOp::Gt, var("count"), var("need")),
+        vec![for_("it", int(0), int(32), int(1), halve)],
+    ));
+    search.push(if_(
+        eq(tid(), int(0)),
+        vec![
+            store("cut", var("t") * int(2), var("prefix")),
+            store("cut", var("t") * int(2) + int(1), u(var("last"))),
+        ],
+    ));
+    let keep_all = vec![if_(
+        eq(tid(), int(0)),
+        vec![
+            store("cut", var("t") * int(2), u(int(0))),
+            store("cut", var("t") * int(2) + int(1), u(int(0))),
+        ],
+    )];
+    let mut body = vec![let_("t", Ty::I32, bid())];
+    body.extend(layout.prologue(var("t")));
+    body.extend([
+        let_("n", Ty::I32, layout.position(var("t")) + int(1)),
+        // The same branch for the whole block: its counts synchronise it.
+        if_else(lt(i(spec.index_topk), var("n")), search, keep_all),
+    ]);
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: the sparse indexer's top {} positions per row, as a cut, {}",
+            spec.index_topk,
+            layout.describe()
+        ),
+        params: [
+            vec![
+                buffer("scores", Ty::F32, false),
+                buffer("cut", Ty::U32, true),
+                scalar("tokens", Ty::I32),
+                scalar("first", Ty::I32),
+                scalar("context", Ty::I32),
+            ],
+            layout.params(),
+        ]
+        .concat(),
+        shared: vec![warp_scratch("warp_count", WARPS)],
+        block_dim: BLOCK,
+        grid: var("tokens"),
+        body,
+    }
+}
+
+/// Launch 4: the split pass over the kept positions, a block per (row, head, split): writes
+/// `templates::attention`'s partials (`value_dim + 2` floats each).
+pub fn sparse_mla_split(name: &str, origin: &str, layout: CacheLayout, spec: &SparseMlaSpec) -> Kernel {
+    let (n, r, v) = (spec.nope_dim, spec.rope_dim, spec.value_dim);
+    let qk = n + r;
+    let (kw, vw) = (spec.key_width(), spec.value_width());
+    let mut body = vec![let_("blocks_per_row", Ty::I32, var("heads"))];
+    body.extend(split_span(layout));
+    body.extend([
+        let_("h0", Ty::I32, rem(var("pair"), var("heads"))),
+        let_("cut_key", Ty::U32, load("cut", var("t") * int(2))),
+        let_(
+            "cut_last",
+            Ty::I32,
+            cast(Ty::I32, load("cut", var("t") * int(2) + int(1))),
+        ),
+    ]);
+    // The head's query, `[q_nope | q_pe]` pre-scaled, a dim per lane and 32nd.
+    for d in 0..dims_per_lane(qk) {
+        let q = format!("q{d}");
+        body.push(let_(&q, Ty::F32, f(0.0)));
+        body.extend(guarded(
+            qk,
+            d,
+            vec![if_else(
+                lt(lane_dim(d), i(n)),
+                vec![assign(
+                    &q,
+                    load("q_nope", var("t") * var("qn_stride") + var("h0") * i(n) + lane_dim(d)) * var("scale"),
+                )],
+                vec![assign(
+                    &q,
+                    load(
+                        "q_pe",
+                        var("t") * var("qp_stride") + var("h0") * i(r) + lane_dim(d) - i(n),
+                    ) * var("scale"),
+                )],
+            )],
+        ));
+    }
+    for d in 0..dims_per_lane(v) {
+        body.push(let_(&format!("acc0_{d}"), Ty::F32, f(0.0)));
+    }
+    body.extend([let_("m0", Ty::F32, f(f32::NEG_INFINITY)), let_("l0", Ty::F32, f(0.0))]);
+    let mut kept = vec![let_("row", Ty::I32, layout.row(var("j"))), let_("s0", Ty::F32, f(0.0))];
+    for d in 0..dims_per_lane(qk) {
+        let key = |at: Expr| assign("s0", var("s0") + var(&format!("q{d}")) * load("k_cache", at));
+        kept.extend(guarded(
+            qk,
+            d,
+            vec![if_else(
+                lt(lane_dim(d), i(n)),
+                vec![key(var("row") * i(kw) + var("h0") * i(n) + lane_dim(d))],
+                vec![key(var("row") * i(kw) + i(spec.heads * n) + lane_dim(d) - i(n))],
+            )],
+        ));
+    }
+    kept.extend(warp_sum("s0"));
+    kept.extend([
+        let_("m_new", Ty::F32, bin(BinOp::Max, var("m0"), var("s0"))),
+        let_("c", Ty::F32, un(UnOp::Exp, var("m0") - var("m_new"))),
+        let_("p", Ty::F32, un(UnOp::Exp, var("s0") - var("m_new"))),
+        assign("l0", var("l0") * var("c") + var("p")),
+    ]);
+    for d in 0..dims_per_lane(v) {
+        let acc = format!("acc0_{d}");
+        kept.push(assign(&acc, var(&acc) * var("c")));
+        kept.extend(guarded(
+            v,
+            d,
+            vec![assign(
+                &acc,
+                var(&acc) + var("p") * load("v_cache", var("row") * i(vw) + var("h0") * i(v) + lane_dim(d)),
+            )],
+        ));
+    }
+    kept.push(assign("m0", var("m_new")));
+    // The key is the same for the whole warp, so is the branch (its shuffles need every lane).
+    let key = un(UnOp::OrderedBits, load("scores", var("t") * var("context") + var("j")));
+    let position = vec![
+        let_("key", Ty::U32, key),
+        if_(
+            or(
+                bin(BinOp::Gt, var("key"), var("cut_key")),
+                and(
+                    eq(var("key"), var("cut_key")),
+                    bin(BinOp::Le, var("j"), var("cut_last")),
+                ),
+            ),
+            kept,
+        ),
+    ];
+    body.push(for_(
+        "j",
+        var("start") + warp(),
+        var("end"),
+        int(WARPS as i64),
+        position,
+    ));
+    body.extend(merge_warps(v, 1));
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: latent attention over the indexer's positions, split keys, online softmax, heads of {n} + {r} (values {v}), {}",
+            layout.describe()
+        ),
+        params: [
+            vec![
+                buffer("q_nope", Ty::F32, false),
+                buffer("q_pe", Ty::F32, false),
+                buffer("scores", Ty::F32, false),
+                buffer("cut", Ty::U32, false),
+                buffer("k_cache", Ty::F32, false),
+                buffer("v_cache", Ty::F32, false),
+                buffer("partial", Ty::F32, true),
+                scalar("tokens", Ty::I32),
+                scalar("first", Ty::I32),
+                scalar("qn_stride", Ty::I32),
+                scalar("qp_stride", Ty::I32),
+                scalar("heads", Ty::I32),
+                scalar("scale", Ty::F32),
+                scalar("context", Ty::I32),
+                scalar("splits", Ty::I32),
+            ],
+            layout.params(),
+        ]
+        .concat(),
+        shared: vec![
+            shared_f32("warp_m", WARPS as usize),
+            shared_f32("warp_l", WARPS as usize),
+            shared_f32("warp_acc", WARPS as usize * v),
+        ],
+        block_dim: BLOCK,
+        grid: var("tokens") * var("heads") * var("splits"),
+        body,
+    }
+}
