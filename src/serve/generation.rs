@@ -1,8 +1,10 @@
 //! One admitted request's progress, from the engine's events to what its client sees: per
-//! choice (a request with `n` > 1 runs `n` sequences) the text pieces, the log-probabilities of
-//! the tokens behind them, and how each choice finished. Formatting is `response`'s job.
+//! choice (a request with `n` > 1 runs `n` sequences) the text pieces (a chat answer's split
+//! from its reasoning where the model marks it), the log-probabilities of the tokens behind
+//! them, and how each choice finished. Formatting is `response`'s job.
 
 use super::http::AppState;
+use super::reasoning::{Markers, ReasoningSplit, Split};
 use super::request::Endpoint;
 use super::text::TextOutput;
 use super::worker::Event;
@@ -16,11 +18,13 @@ use tokio::sync::mpsc;
 
 /// What a generation produces, in order.
 pub enum Output {
-    /// A piece of choice `index`'s text, with the log-probabilities of the tokens consumed since
-    /// its last piece (empty unless asked for).
+    /// A piece of choice `index`'s text (its answer where the request splits reasoning off),
+    /// the reasoning before it, and the log-probabilities of the tokens consumed since its
+    /// last piece (empty unless asked for).
     Text {
         index: usize,
         text: String,
+        reasoning: String,
         logprobs: Vec<(u32, TokenLogprobs)>,
     },
     Finish {
@@ -36,6 +40,8 @@ struct Choice {
     /// Dropping or closing this aborts the sequence (the engine sees the channel closed).
     events: mpsc::UnboundedReceiver<Event>,
     text: TextOutput,
+    /// Where the request splits reasoning from the answer.
+    split: Option<ReasoningSplit>,
     /// Log-probabilities of tokens not yet attached to a piece of text.
     logprobs: Vec<(u32, TokenLogprobs)>,
     done: bool,
@@ -53,6 +59,9 @@ pub struct RequestInfo {
     pub stop_strings: Vec<String>,
     pub stop_tokens: Vec<u32>,
     pub prompt_tokens: usize,
+    /// Chat answers: the markers their reasoning is split at, and whether the prompt left
+    /// the model inside its reasoning.
+    pub reasoning: Option<(Markers, bool)>,
     pub started: Instant,
 }
 
@@ -72,6 +81,9 @@ impl Generation {
             .map(|events| Choice {
                 events,
                 text: TextOutput::new(info.stop_strings.clone()),
+                split: info
+                    .reasoning
+                    .map(|(markers, inside)| ReasoningSplit::new(markers, inside)),
                 logprobs: Vec::new(),
                 done: false,
             })
@@ -132,6 +144,10 @@ impl Generation {
             Some(Event::Finished(reason)) => match self.choices[index].text.finish(&self.info.app.tokenizer) {
                 Ok(rest) => {
                     self.push_text(index, rest);
+                    if let Some(split) = &mut self.choices[index].split {
+                        let held = split.finish();
+                        self.push_split(index, held);
+                    }
                     let reason = match reason {
                         FinishReason::Stop => "stop",
                         FinishReason::Length => "length",
@@ -146,9 +162,25 @@ impl Generation {
     }
 
     fn push_text(&mut self, index: usize, text: String) {
-        if !text.is_empty() {
+        let split = match &mut self.choices[index].split {
+            Some(split) => split.push(&text),
+            None => Split {
+                reasoning: String::new(),
+                answer: text,
+            },
+        };
+        self.push_split(index, split);
+    }
+
+    fn push_split(&mut self, index: usize, split: Split) {
+        if !split.answer.is_empty() || !split.reasoning.is_empty() {
             let logprobs = std::mem::take(&mut self.choices[index].logprobs);
-            self.pending.push_back(Output::Text { index, text, logprobs });
+            self.pending.push_back(Output::Text {
+                index,
+                text: split.answer,
+                reasoning: split.reasoning,
+                logprobs,
+            });
         }
     }
 
@@ -160,6 +192,7 @@ impl Generation {
             self.pending.push_back(Output::Text {
                 index,
                 text: String::new(),
+                reasoning: String::new(),
                 logprobs,
             });
         }
@@ -201,5 +234,94 @@ impl Generation {
     /// Tokens generated over all choices (stop tokens included, as vLLM counts them).
     pub fn completion_tokens(&self) -> usize {
         self.completion_tokens
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serve::reasoning::ReasoningParser;
+    use models::{Family, Tokenizer};
+    use std::sync::atomic::AtomicU64;
+
+    /// The tiny Gemma 4 GGUF's tokenizer (`tests/fixtures/gguf-tiny/tiny_gemma4_vocab.py`:
+    /// `<|channel>` is a token of its own, the rest spelled from pieces and bytes).
+    fn tokenizer() -> Tokenizer {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf-tiny/gemma4_kv_shared.gguf");
+        Tokenizer::from_gguf(&models::gguf::GgufFile::open(&path).unwrap()).unwrap()
+    }
+
+    /// A chat request of one choice whose engine produces `text`'s tokens one by one, then
+    /// stops: its outputs.
+    fn outputs(parser: ReasoningParser, inside: bool, text: &str) -> Vec<Output> {
+        let tokenizer = Arc::new(tokenizer());
+        let ids = tokenizer.encode(text, false).unwrap();
+        let (requests, _inbox) = mpsc::unbounded_channel();
+        let app = Arc::new(AppState {
+            model_name: "tiny".into(),
+            tokenizer,
+            context_length: 256,
+            api_key: None,
+            reasoning: parser.markers(Family::Gemma4),
+            requests,
+            metrics: Default::default(),
+            next_id: AtomicU64::new(0),
+        });
+        let info = RequestInfo {
+            reasoning: app.reasoning.map(|m| (m, inside)),
+            app,
+            id: "chatcmpl-0".into(),
+            created: 0,
+            endpoint: Endpoint::Chat,
+            stream: true,
+            include_usage: false,
+            want_logprobs: false,
+            stop_strings: Vec::new(),
+            stop_tokens: Vec::new(),
+            prompt_tokens: 1,
+            started: Instant::now(),
+        };
+        let (events, receiver) = mpsc::unbounded_channel();
+        for id in ids {
+            events.send(Event::Token(id, None)).unwrap();
+        }
+        events.send(Event::Finished(FinishReason::Stop)).unwrap();
+        let mut generation = Generation::new(info, vec![receiver]);
+        let runtime = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        runtime.block_on(async {
+            let mut out = Vec::new();
+            while let Some(o) = generation.next().await {
+                out.push(o);
+            }
+            out
+        })
+    }
+
+    /// The reasoning and the answer the outputs carry, each whole.
+    fn texts(outputs: &[Output]) -> (String, String) {
+        let (mut reasoning, mut answer) = (String::new(), String::new());
+        for o in outputs {
+            if let Output::Text { text, reasoning: r, .. } = o {
+                reasoning += r;
+                answer += text;
+            }
+        }
+        (reasoning, answer)
+    }
+
+    /// Token by token, Gemma 4's thought channel becomes reasoning and what follows it the
+    /// answer, the markers in neither; without a parser, the text is the model's own.
+    #[test]
+    fn a_chat_answer_is_split_from_its_reasoning_token_by_token() {
+        let text = "<|channel>thought\nthe cat sat\n<channel|>hello there.";
+        let split = outputs(ReasoningParser::Auto, false, text);
+        assert_eq!(texts(&split), ("the cat sat\n".into(), "hello there.".into()));
+        assert!(split.len() > 3, "streamed in pieces");
+        let whole = outputs(ReasoningParser::None, false, text);
+        assert_eq!(texts(&whole), (String::new(), text.into()));
+        // A prompt that opened the channel: the output starts inside it.
+        let inside = outputs(ReasoningParser::Auto, true, "the mat<channel|>the end");
+        assert_eq!(texts(&inside), ("the mat".into(), "the end".into()));
     }
 }

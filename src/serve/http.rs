@@ -5,6 +5,7 @@
 use super::error::ApiError;
 use super::generation::{Generation, RequestInfo};
 use super::metrics::Metrics;
+use super::reasoning::Markers;
 use super::request::{self, Endpoint, GenerationRequest, PromptInput};
 use super::response::{self, json_response, unix_time};
 use super::worker::NewRequest;
@@ -28,6 +29,8 @@ pub struct AppState {
     pub tokenizer: Arc<Tokenizer>,
     pub context_length: usize,
     pub api_key: Option<String>,
+    /// Where chat responses split reasoning from the answer (`serve::reasoning`).
+    pub reasoning: Option<Markers>,
     pub requests: mpsc::UnboundedSender<NewRequest>,
     pub metrics: Arc<Metrics>,
     pub next_id: AtomicU64,
@@ -112,7 +115,14 @@ async fn start(
             ));
         }
     }
-    let prompt = tokenize(&app.tokenizer, &request.prompt)?;
+    let (prompt, rendered) = tokenize(&app.tokenizer, &request.prompt)?;
+    // Chat answers only: completions return the text as the model wrote it.
+    let reasoning = match endpoint {
+        Endpoint::Chat => app
+            .reasoning
+            .map(|m| (m, rendered.as_deref().is_some_and(|p| m.opened_by(p)))),
+        Endpoint::Completions => None,
+    };
     let max_tokens = check_length(app.context_length, prompt.len(), &request)?;
     let mut stop_tokens = request.stop_token_ids.clone();
     if !request.ignore_eos {
@@ -161,13 +171,16 @@ async fn start(
         stop_strings: request.stop,
         stop_tokens,
         prompt_tokens: prompt.len(),
+        reasoning,
         started,
     };
     Ok(Generation::new(info, events))
 }
 
-fn tokenize(tokenizer: &Tokenizer, prompt: &PromptInput) -> Result<Vec<u32>, ApiError> {
+/// The prompt's ids, and for chat messages the text the template rendered.
+fn tokenize(tokenizer: &Tokenizer, prompt: &PromptInput) -> Result<(Vec<u32>, Option<String>), ApiError> {
     let internal = |e: models::ModelError| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
+    let mut rendered = None;
     let ids = match prompt {
         PromptInput::Ids(ids) => {
             if let Some(bad) = ids.iter().find(|&&id| id as usize >= tokenizer.vocab_size()) {
@@ -185,17 +198,18 @@ fn tokenize(tokenizer: &Tokenizer, prompt: &PromptInput) -> Result<Vec<u32>, Api
                 .as_ref()
                 .ok_or_else(|| ApiError::bad_request("this model has no chat template; use /v1/completions"))?;
             let messages: Vec<ChatMessage> = messages.iter().map(|(r, c)| ChatMessage::new(r, c)).collect();
-            let rendered = template
+            let text = template
                 .render(&messages, true)
                 .map_err(|e| ApiError::invalid("messages", format!("the chat template refused the messages: {e}")))?;
+            let text = rendered.insert(text);
             // The template writes BOS itself when the model wants it.
-            tokenizer.encode(&rendered, false).map_err(internal)?
+            tokenizer.encode(text, false).map_err(internal)?
         }
     };
     if ids.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
-    Ok(ids)
+    Ok((ids, rendered))
 }
 
 /// The number of tokens to generate, or the context-length error vLLM gives.

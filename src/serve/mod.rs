@@ -7,6 +7,7 @@ mod error;
 mod generation;
 mod http;
 mod metrics;
+mod reasoning;
 mod request;
 mod response;
 mod text;
@@ -75,6 +76,12 @@ pub struct ServeArgs {
     /// Longest match prompt lookup tries (default 4, or model.toml's).
     #[arg(long)]
     pub prompt_lookup_max: Option<usize>,
+    /// Chat responses split the model's reasoning from its answer (`reasoning_content` beside
+    /// `content`) at the markers of: the model's family (`auto`: `<think>…</think>` for
+    /// Qwen3.5, Qwen3-Next, GLM-4.5 and GLM-5, `<|channel>thought\n…<channel|>` for Gemma 4),
+    /// none, or the named pair.
+    #[arg(long, value_enum, default_value_t = reasoning::ReasoningParser::Auto)]
+    pub reasoning_parser: reasoning::ReasoningParser,
 }
 
 /// The drafting the flags and the model.toml ask for (flags first).
@@ -125,6 +132,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             .context("this model has no tokenizer; bbc serve needs one to read prompts and write text")?,
     );
     let context_length = loaded.model.config.context_length;
+    let family = loaded.model.config.family;
     let config = SchedulerConfig {
         max_waiting: args.max_queued,
         max_running: args.max_num_seqs,
@@ -202,6 +210,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         tokenizer,
         context_length,
         api_key: args.api_key.clone(),
+        reasoning: args.reasoning_parser.markers(family),
         requests,
         metrics,
         next_id: AtomicU64::new(0),

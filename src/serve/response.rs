@@ -87,25 +87,39 @@ fn logprobs_json(g: &Generation, entries: &[(u32, TokenLogprobs)], text_offset: 
     }
 }
 
-/// One streamed choice carrying `text` and/or a finish reason.
+/// A streamed piece of text: the answer's, and the reasoning before it (chat only).
+struct Piece<'a> {
+    text: &'a str,
+    reasoning: &'a str,
+}
+
+/// One streamed choice carrying a piece and/or a finish reason. A chat delta names only
+/// what the piece holds (the first also the role): `reasoning_content`, `content`.
 fn stream_choice(
     endpoint: Endpoint,
     index: usize,
-    text: Option<&str>,
+    piece: Option<Piece>,
     finish: Option<&str>,
     first: bool,
     logprobs: Value,
 ) -> Value {
     match endpoint {
         Endpoint::Completions => json!([{
-            "index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish,
+            "index": index, "text": piece.map_or("", |p| p.text), "logprobs": logprobs, "finish_reason": finish,
         }]),
         Endpoint::Chat => {
-            let delta = match (text, first) {
-                (Some(t), true) => json!({ "role": "assistant", "content": t }),
-                (Some(t), false) => json!({ "content": t }),
-                (None, _) => json!({}),
-            };
+            let mut delta = serde_json::Map::new();
+            if let Some(p) = piece {
+                if first {
+                    delta.insert("role".into(), json!("assistant"));
+                }
+                if !p.reasoning.is_empty() {
+                    delta.insert("reasoning_content".into(), json!(p.reasoning));
+                }
+                if !p.text.is_empty() || p.reasoning.is_empty() {
+                    delta.insert("content".into(), json!(p.text));
+                }
+            }
             json!([{ "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish }])
         }
     }
@@ -147,10 +161,19 @@ impl StreamState {
     async fn advance(&mut self) {
         let g = &mut self.generation;
         match g.next().await {
-            Some(Output::Text { index, text, logprobs }) => {
+            Some(Output::Text {
+                index,
+                text,
+                reasoning,
+                logprobs,
+            }) => {
                 let logprobs = logprobs_json(g, &logprobs, &mut self.text_offsets[index]);
                 let first = !self.sent_text[index];
-                let choice = stream_choice(g.info.endpoint, index, Some(&text), None, first, logprobs);
+                let piece = Piece {
+                    text: &text,
+                    reasoning: &reasoning,
+                };
+                let choice = stream_choice(g.info.endpoint, index, Some(piece), None, first, logprobs);
                 self.ready.push_back(chunk(g, choice).to_string());
                 self.sent_text[index] = true;
             }
@@ -181,6 +204,7 @@ impl StreamState {
 pub async fn complete(mut g: Generation) -> Response {
     let n = g.choices();
     let mut texts = vec![String::new(); n];
+    let mut reasonings = vec![String::new(); n];
     let mut finishes = vec!["length"; n];
     let mut logprobs: Vec<Vec<(u32, TokenLogprobs)>> = vec![Vec::new(); n];
     while let Some(output) = g.next().await {
@@ -188,9 +212,11 @@ pub async fn complete(mut g: Generation) -> Response {
             Output::Text {
                 index,
                 text,
+                reasoning,
                 logprobs: lp,
             } => {
                 texts[index] += &text;
+                reasonings[index] += &reasoning;
                 logprobs[index].extend(lp);
             }
             Output::Finish { index, reason } => finishes[index] = reason,
@@ -204,10 +230,15 @@ pub async fn complete(mut g: Generation) -> Response {
                 Endpoint::Completions => json!({
                     "index": i, "text": texts[i], "logprobs": lp, "finish_reason": finishes[i],
                 }),
-                Endpoint::Chat => json!({
-                    "index": i, "message": { "role": "assistant", "content": texts[i] }, "logprobs": lp,
-                    "finish_reason": finishes[i],
-                }),
+                Endpoint::Chat => {
+                    let mut message = json!({ "role": "assistant", "content": texts[i] });
+                    // Where the request splits reasoning off, the field is there (null for none).
+                    if g.info.reasoning.is_some() {
+                        let reasoning = Some(&reasonings[i]).filter(|r| !r.is_empty());
+                        message["reasoning_content"] = json!(reasoning);
+                    }
+                    json!({ "index": i, "message": message, "logprobs": lp, "finish_reason": finishes[i] })
+                }
             }
         })
         .collect();
@@ -215,4 +246,31 @@ pub async fn complete(mut g: Generation) -> Response {
         "id": g.info.id, "object": object(g.info.endpoint, false), "created": g.info.created, "model": g.info.app.model_name,
         "choices": choices, "usage": usage(&g),
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn delta(reasoning: &str, text: &str, first: bool) -> Value {
+        let piece = Piece { text, reasoning };
+        stream_choice(Endpoint::Chat, 0, Some(piece), None, first, Value::Null)[0]["delta"].clone()
+    }
+
+    /// A chat chunk names what its piece holds: reasoning alone, the answer alone, or both
+    /// where the piece ends the reasoning; the first also the role.
+    #[test]
+    fn chat_deltas_carry_reasoning_and_answer_apart() {
+        assert_eq!(
+            delta("hmm", "", true),
+            json!({ "role": "assistant", "reasoning_content": "hmm" })
+        );
+        assert_eq!(delta("", "4", false), json!({ "content": "4" }));
+        assert_eq!(
+            delta("so", "4", false),
+            json!({ "reasoning_content": "so", "content": "4" })
+        );
+        // A piece of log-probabilities only (text held back) still carries an empty content.
+        assert_eq!(delta("", "", false), json!({ "content": "" }));
+    }
 }
