@@ -208,9 +208,16 @@ fn check_gguf_against_hf(family: &str, want: models::Family) {
 /// dequantized); prompt logits within 0.2.
 #[test]
 fn qwen3_5_from_a_q8_0_gguf_follows_hf_to_its_first_near_tie() {
-    let reference = load_reference("qwen3_5");
+    check_quantized_gguf_follows_hf("qwen3_5", 0.2, 9);
+}
+
+/// `gguf-tiny/{family}.q8_0.gguf` computed natively (int8 activations) and dequantized to f32
+/// through the CPU backend on `family`'s reference prompt: prompt logits within `tolerance` of
+/// HF's, relative to the largest, and HF's greedy ids for the first `steps` steps.
+fn check_quantized_gguf_follows_hf(family: &str, tolerance: f32, steps: usize) {
+    let reference = load_reference(family);
     for dtype in [ComputeDtype::Native, ComputeDtype::F32] {
-        let mut spec = ModelSpec::for_weights(&fixture("gguf-tiny/qwen3_5.q8_0.gguf"));
+        let mut spec = ModelSpec::for_weights(&fixture(&format!("gguf-tiny/{family}.q8_0.gguf")));
         spec.dtype = dtype;
         let model = Model::open(spec).unwrap();
         let graph = passes::optimized(&model.lower(LogitsFor::AllTokens).unwrap(), passes::CostModel::CPU).unwrap();
@@ -224,13 +231,13 @@ fn qwen3_5_from_a_q8_0_gguf_follows_hf_to_its_first_near_tie() {
             .zip(&reference.logits)
             .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         assert!(
-            worst <= 0.2 * scale,
-            "{dtype:?}: prompt logits off by {worst} of {scale}"
+            worst <= tolerance * scale,
+            "{family} {dtype:?}: prompt logits off by {worst} of {scale}"
         );
         let mut last = out["logits"].row(reference.input_ids.len() - 1).to_vec();
-        for (step, &want) in reference.greedy_ids.iter().take(9).enumerate() {
+        for (step, &want) in reference.greedy_ids.iter().take(steps).enumerate() {
             let id = argmax(&last);
-            assert_eq!(id, want, "{dtype:?}: greedy id at step {step}");
+            assert_eq!(id, want, "{family} {dtype:?}: greedy id at step {step}");
             last = backend.step(&mut seq, &[id]).unwrap()["logits"].data.clone();
         }
     }
@@ -294,32 +301,7 @@ fn gemma4_from_llama_cpp_gguf_matches_hf() {
 #[test]
 fn gemma4_from_q8_0_ggufs_follows_hf() {
     for family in ["gemma4_kv_shared", "gemma4_moe"] {
-        let reference = load_reference(family);
-        for dtype in [ComputeDtype::Native, ComputeDtype::F32] {
-            let mut spec = ModelSpec::for_weights(&fixture(&format!("gguf-tiny/{family}.q8_0.gguf")));
-            spec.dtype = dtype;
-            let model = Model::open(spec).unwrap();
-            let graph = passes::optimized(&model.lower(LogitsFor::AllTokens).unwrap(), passes::CostModel::CPU).unwrap();
-            let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
-            let mut seq = backend.new_sequence();
-            let out = backend.step(&mut seq, &reference.input_ids).unwrap();
-            let scale = reference.logits.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let worst = out["logits"]
-                .data
-                .iter()
-                .zip(&reference.logits)
-                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            assert!(
-                worst <= 5e-2 * scale,
-                "{family} {dtype:?}: prompt logits off by {worst} of {scale}"
-            );
-            let mut last = out["logits"].row(reference.input_ids.len() - 1).to_vec();
-            for (step, &want) in reference.greedy_ids.iter().enumerate() {
-                let id = argmax(&last);
-                assert_eq!(id, want, "{family} {dtype:?}: greedy id at step {step}");
-                last = backend.step(&mut seq, &[id]).unwrap()["logits"].data.clone();
-            }
-        }
+        check_quantized_gguf_follows_hf(family, 5e-2, 12);
     }
 }
 
