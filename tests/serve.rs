@@ -246,6 +246,17 @@ fn invalid_requests_get_400s_naming_the_parameter() {
     }
     let (status, answer) = server.post("/v1/chat/completions", &json!({"messages": "hi"}));
     assert_eq!((status, error_of(&answer).1), (400, Some("messages")));
+    let chat = |kwargs: Value| json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "chat_template_kwargs": kwargs});
+    let (status, answer) = server.post("/v1/chat/completions", &chat(json!({"bos_token": "x"})));
+    assert_eq!((status, error_of(&answer).1), (400, Some("chat_template_kwargs")));
+    // Variables the template does not read change nothing; and a Llama's answer has no
+    // `reasoning_content` (the parser is off for its family).
+    let (status, answer) = server.post("/v1/chat/completions", &chat(json!({"enable_thinking": false})));
+    assert_eq!(status, 200, "{answer}");
+    assert!(
+        answer["choices"][0]["message"].get("reasoning_content").is_none(),
+        "{answer}"
+    );
 
     // A prompt over the context length: vLLM's message.
     let long: Vec<u32> = (0..9000).map(|i| 100 + i % 1000).collect();

@@ -17,7 +17,7 @@ pub use config::{
 pub use error::{ModelError, Result};
 pub use families::{lower, lower_without_weights, with_greedy_token, ComputeDtype, LogitsFor, LowerOptions};
 pub use model_toml::{ModelSpec, NgramSpec};
-pub use tokenizer::{ChatMessage, StreamDecoder, Tokenizer};
+pub use tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
 pub use weights::{TensorView, WeightSource};
 
 use std::path::{Path, PathBuf};

@@ -115,7 +115,7 @@ async fn start(
             ));
         }
     }
-    let (prompt, rendered) = tokenize(&app.tokenizer, &request.prompt)?;
+    let (prompt, rendered) = tokenize(&app.tokenizer, &request)?;
     // Chat answers only: completions return the text as the model wrote it.
     let reasoning = match endpoint {
         Endpoint::Chat => app
@@ -178,10 +178,10 @@ async fn start(
 }
 
 /// The prompt's ids, and for chat messages the text the template rendered.
-fn tokenize(tokenizer: &Tokenizer, prompt: &PromptInput) -> Result<(Vec<u32>, Option<String>), ApiError> {
+fn tokenize(tokenizer: &Tokenizer, request: &GenerationRequest) -> Result<(Vec<u32>, Option<String>), ApiError> {
     let internal = |e: models::ModelError| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
     let mut rendered = None;
-    let ids = match prompt {
+    let ids = match &request.prompt {
         PromptInput::Ids(ids) => {
             if let Some(bad) = ids.iter().find(|&&id| id as usize >= tokenizer.vocab_size()) {
                 return Err(ApiError::invalid(
@@ -199,7 +199,7 @@ fn tokenize(tokenizer: &Tokenizer, prompt: &PromptInput) -> Result<(Vec<u32>, Op
                 .ok_or_else(|| ApiError::bad_request("this model has no chat template; use /v1/completions"))?;
             let messages: Vec<ChatMessage> = messages.iter().map(|(r, c)| ChatMessage::new(r, c)).collect();
             let text = template
-                .render(&messages, true)
+                .render_with(&messages, true, &request.chat_template_kwargs)
                 .map_err(|e| ApiError::invalid("messages", format!("the chat template refused the messages: {e}")))?;
             let text = rendered.insert(text);
             // The template writes BOS itself when the model wants it.

@@ -29,6 +29,9 @@ pub struct GenerationRequest {
     pub ignore_eos: bool,
     /// Choices to generate (each its own sequence).
     pub n: usize,
+    /// Chat: variables for the chat template beside its own (`chat_template_kwargs`, vLLM's
+    /// name: Qwen3.5's `enable_thinking`, say).
+    pub chat_template_kwargs: Map<String, Value>,
 }
 
 /// Which endpoint a body was sent to.
@@ -78,7 +81,30 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<GenerationRequest, ApiEr
         stop_token_ids: fields.ids("stop_token_ids")?.unwrap_or_default(),
         ignore_eos: fields.bool("ignore_eos")?.unwrap_or(false),
         n: choices(&fields)?,
+        chat_template_kwargs: template_kwargs(&fields, endpoint)?,
     })
+}
+
+/// `chat_template_kwargs`: an object, on chat requests only (a completion has no template).
+fn template_kwargs(fields: &Fields, endpoint: Endpoint) -> Result<Map<String, Value>, ApiError> {
+    let name = "chat_template_kwargs";
+    match (fields.get(name), endpoint) {
+        (None, _) => Ok(Map::new()),
+        (Some(_), Endpoint::Completions) => Err(ApiError::invalid(
+            name,
+            "`chat_template_kwargs` applies to /v1/chat/completions",
+        )),
+        (Some(Value::Object(kwargs)), Endpoint::Chat) => {
+            match models::ChatTemplate::RESERVED.iter().find(|n| kwargs.contains_key(**n)) {
+                Some(reserved) => Err(ApiError::invalid(
+                    name,
+                    format!("`{reserved}` is the chat template's own variable"),
+                )),
+                None => Ok(kwargs.clone()),
+            }
+        }
+        (Some(_), Endpoint::Chat) => Err(Fields::wrong_type(name, "an object")),
+    }
 }
 
 fn completion_prompt(fields: &Fields) -> Result<PromptInput, ApiError> {
@@ -368,6 +394,25 @@ mod tests {
             (Some(8), true, true, true)
         );
         assert_eq!(r.sampling.temperature, 0.0);
+    }
+
+    /// `chat_template_kwargs` reaches a chat request as given; anything else is a 400 naming it:
+    /// not an object, a template variable of its own, or on a completion.
+    #[test]
+    fn chat_template_kwargs_are_an_object_of_the_callers_variables() {
+        let chat = |body: &str| parse(body.as_bytes(), Endpoint::Chat);
+        let r =
+            chat(r#"{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"enable_thinking":false}}"#)
+                .unwrap();
+        assert_eq!(r.chat_template_kwargs.get("enable_thinking"), Some(&Value::Bool(false)));
+        for body in [
+            r#"{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":[1]}"#,
+            r#"{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"messages":[]}}"#,
+        ] {
+            assert_eq!(chat(body).unwrap_err().param.as_deref(), Some("chat_template_kwargs"));
+        }
+        let completion = completions(r#"{"prompt":"x","chat_template_kwargs":{}}"#);
+        assert_eq!(completion.unwrap_err().param.as_deref(), Some("chat_template_kwargs"));
     }
 
     #[test]

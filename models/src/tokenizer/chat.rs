@@ -2,7 +2,9 @@
 //! directory's `chat_template.jinja` or `tokenizer_config.json`'s `chat_template`), rendered
 //! with minijinja as transformers renders it: blocks trimmed and left-stripped (its jinja2
 //! environment's `trim_blocks` and `lstrip_blocks`), `break` and `continue`; `messages`,
-//! `add_generation_prompt`, `bos_token`, `eos_token`, and `raise_exception`.
+//! `add_generation_prompt`, `bos_token`, `eos_token`, and `raise_exception`, plus a caller's
+//! own variables (an OpenAI request's `chat_template_kwargs`, such as Qwen3.5's
+//! `enable_thinking`).
 
 use crate::error::{ModelError, Result};
 use serde::{Deserialize, Serialize};
@@ -43,9 +45,28 @@ impl ChatTemplate {
         &self.source
     }
 
+    /// The variables every render sets, which a caller's may not replace.
+    pub const RESERVED: [&'static str; 4] = ["messages", "add_generation_prompt", "bos_token", "eos_token"];
+
     /// The prompt text for `messages`, ending with the assistant's turn opened when
     /// `add_generation_prompt` is set.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with(messages, add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// [`render`](Self::render) with `extra` variables beside the template's own (a name of
+    /// [`RESERVED`](Self::RESERVED) there is refused).
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        if let Some(name) = Self::RESERVED.iter().find(|n| extra.contains_key(**n)) {
+            return Err(ModelError::ChatTemplate(format!(
+                "`{name}` is the template's own variable; it cannot be passed in"
+            )));
+        }
         let mut env = minijinja::Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -67,6 +88,7 @@ impl ChatTemplate {
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,
+                ..minijinja::Value::from_serialize(extra)
             })
             .map_err(|e| ModelError::ChatTemplate(format!("rendering failed: {e}")))
     }
@@ -89,6 +111,22 @@ mod tests {
         let t = template("{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content | trim }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}");
         let out = t.render(&[ChatMessage::new("user", " hi ")], true).unwrap();
         assert_eq!(out, "<s>[user]hi[assistant]");
+    }
+
+    /// A caller's variables reach the template (Qwen3.5's way of turning thinking off); the
+    /// template's own cannot be replaced.
+    #[test]
+    fn extra_variables_reach_the_template() {
+        let t = template("{% if add_generation_prompt %}<a>{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}");
+        let m = [ChatMessage::new("user", "x")];
+        let off: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(r#"{"enable_thinking": false}"#).unwrap();
+        assert_eq!(t.render_with(&m, true, &off).unwrap(), "<a><think></think>");
+        assert_eq!(t.render(&m, true).unwrap(), "<a>");
+        let reserved: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(r#"{"add_generation_prompt": false}"#).unwrap();
+        let err = t.render_with(&m, true, &reserved).unwrap_err().to_string();
+        assert!(err.contains("`add_generation_prompt`"), "{err}");
     }
 
     #[test]
