@@ -12,7 +12,7 @@
 //! 3. `index_select`: per row, which positions it keeps: the `topk` best under bbc's order
 //!    (`ir::reference::ops::top_k`: larger first, equal scores to the earlier position, NaN
 //!    last), written as a cut: the k-th best score's ordered bits `T` (`UnOp::OrderedBits`),
-//!    found a bit at a time from the top by counting keys at or above each candidate, and
+//!    found two bits a pass from the top by counting keys at or above each candidate, and
 //!    the last position `P` whose score equals `T` that is kept (the earliest ties fill the
 //!    places `T` leaves). Kept: `key > T`, or `key == T` and `p ≤ P`. A row that sees no more
 //!    positions than `topk` keeps them all (`T = P = 0`: every key is above 0).
@@ -239,20 +239,21 @@ fn key_of(p: Expr) -> Expr {
     un(UnOp::OrderedBits, load("scores", var("t") * var("context") + p))
 }
 
-/// Every thread's count, in `count` (declared before), of the row's positions `p < n` where
-/// `keep` holds.
-fn count_where(keep: impl Fn(Expr) -> Expr) -> Vec<Stmt> {
-    let mut s = vec![
-        assign("count", f(0.0)),
-        for_(
-            "p",
-            tid(),
-            var("n"),
-            int(BLOCK as i64),
-            vec![if_(keep(var("p")), vec![assign("count", var("count") + f(1.0))])],
-        ),
-    ];
-    s.extend(block_sum("count", "warp_count", WARPS));
+/// A count of the row's positions and the test of a position `p` (with key `key`) it counts.
+type Count<'a> = (&'a str, &'a dyn Fn(Expr, Expr) -> Expr);
+
+/// Each count (an f32 declared before) of the row's positions `p < n` that pass its test, in
+/// one pass over the scores; every thread ends with the block's totals.
+fn count_keys(counts: &[Count]) -> Vec<Stmt> {
+    let mut s: Vec<Stmt> = counts.iter().map(|(name, _)| assign(name, f(0.0))).collect();
+    let mut each = vec![let_("key", Ty::U32, key_of(var("p")))];
+    for (name, test) in counts {
+        each.push(if_(test(var("p"), var("key")), vec![assign(name, var(name) + f(1.0))]));
+    }
+    s.push(for_("p", tid(), var("n"), int(BLOCK as i64), each));
+    for (name, _) in counts {
+        s.extend(block_sum(name, "warp_count", WARPS));
+    }
     s
 }
 
@@ -260,33 +261,46 @@ fn count_where(keep: impl Fn(Expr) -> Expr) -> Vec<Stmt> {
 /// are exact in f32 (below 2²⁴ positions).
 pub fn index_select(name: &str, origin: &str, layout: CacheLayout, spec: &SparseMlaSpec) -> Kernel {
     let u = |v: Expr| cast(Ty::U32, v);
-    let topk = spec.index_topk as f32;
-    // T: the largest value whose keys at or above it number at least topk, a bit at a time.
-    let mut search = vec![let_("prefix", Ty::U32, u(int(0))), let_("count", Ty::F32, f(0.0))];
-    let mut bit = vec![let_(
-        "candidate",
-        Ty::U32,
-        var("prefix") + bin(BinOp::Shl, u(int(1)), u(int(31) - var("b"))),
-    )];
-    bit.extend(count_where(|p| bin(BinOp::Ge, key_of(p), var("candidate"))));
-    bit.push(if_(
-        bin(BinOp::Ge, var("count"), f(topk)),
-        vec![assign("prefix", var("candidate"))],
+    let topk = f(spec.index_topk as f32);
+    let mut search = vec![let_("prefix", Ty::U32, u(int(0)))];
+    for count in ["at_least_1", "at_least_2", "at_least_3", "above", "ties", "count"] {
+        search.push(let_(count, Ty::F32, f(0.0)));
+    }
+    // T: the largest value whose keys at or above it number at least topk, two bits a pass
+    // from the top (a pass counts the keys at or above each of the digit's three candidates;
+    // the prefix's lower bits are zero, so no candidate carries).
+    let candidate = |d: i64| var("prefix") + bin(BinOp::Shl, u(int(d)), var("shift"));
+    let mut digit = vec![let_("shift", Ty::U32, u(int(30) - var("b") * int(2)))];
+    let at_least = |d: i64| move |_: Expr, key: Expr| bin(BinOp::Ge, key, candidate(d));
+    let (one, two, three) = (at_least(1), at_least(2), at_least(3));
+    digit.extend(count_keys(&[
+        ("at_least_1", &one),
+        ("at_least_2", &two),
+        ("at_least_3", &three),
+    ]));
+    let enough = |count: &str| bin(BinOp::Ge, var(count), topk.clone());
+    digit.push(if_else(
+        enough("at_least_3"),
+        vec![assign("prefix", candidate(3))],
+        vec![if_else(
+            enough("at_least_2"),
+            vec![assign("prefix", candidate(2))],
+            vec![if_(enough("at_least_1"), vec![assign("prefix", candidate(1))])],
+        )],
     ));
-    search.push(for_("b", int(0), int(32), int(1), bit));
+    search.push(for_("b", int(0), int(16), int(1), digit));
     // P: the earliest tie that fills the last place (ties all kept where they fit).
-    search.extend(count_where(|p| bin(BinOp::Gt, key_of(p), var("prefix"))));
-    search.push(let_("above", Ty::F32, var("count")));
-    search.extend(count_where(|p| eq(key_of(p), var("prefix"))));
+    let above = |_: Expr, key: Expr| bin(BinOp::Gt, key, var("prefix"));
+    let tie = |_: Expr, key: Expr| eq(key, var("prefix"));
+    search.extend(count_keys(&[("above", &above), ("ties", &tie)]));
     search.extend([
-        let_("need", Ty::F32, f(topk) - var("above")),
+        let_("need", Ty::F32, topk.clone() - var("above")),
         let_("lo", Ty::I32, int(0)),
         let_("last", Ty::I32, var("n") - int(1)),
     ]);
     let mut halve = vec![let_("mid", Ty::I32, (var("lo") + var("last")) / int(2))];
-    halve.extend(count_where(|p| {
-        and(eq(key_of(p.clone()), var("prefix")), bin(BinOp::Le, p, var("mid")))
-    }));
+    let early_tie = |p: Expr, key: Expr| and(eq(key, var("prefix")), bin(BinOp::Le, p, var("mid")));
+    halve.extend(count_keys(&[("count", &early_tie)]));
     halve.push(if_else(
         bin(BinOp::Ge, var("count"), var("need")),
         vec![assign("last", var("mid"))],
@@ -294,7 +308,7 @@ pub fn index_select(name: &str, origin: &str, layout: CacheLayout, spec: &Sparse
     ));
     // Only where more keys tie at T than places are left; else every tie is kept.
     search.push(if_(
-        bin(BinOp::Gt, var("count"), var("need")),
+        bin(BinOp::Gt, var("ties"), var("need")),
         vec![for_("it", int(0), int(32), int(1), halve)],
     ));
     search.push(if_(
