@@ -144,10 +144,6 @@ impl Generation {
             Some(Event::Finished(reason)) => match self.choices[index].text.finish(&self.info.app.tokenizer) {
                 Ok(rest) => {
                     self.push_text(index, rest);
-                    if let Some(split) = &mut self.choices[index].split {
-                        let held = split.finish();
-                        self.push_split(index, held);
-                    }
                     let reason = match reason {
                         FinishReason::Stop => "stop",
                         FinishReason::Length => "length",
@@ -185,6 +181,11 @@ impl Generation {
     }
 
     fn finish(&mut self, index: usize, reason: &'static str) {
+        // What the split still holds ends the text, however the choice ended (a stop string
+        // may cut the output at a marker's beginning).
+        if let Some(held) = self.choices[index].split.as_mut().map(ReasoningSplit::finish) {
+            self.push_split(index, held);
+        }
         let choice = &mut self.choices[index];
         if !choice.logprobs.is_empty() {
             // Tokens whose text was held back (a stop string's start, a partial character).
@@ -255,6 +256,11 @@ mod tests {
     /// A chat request of one choice whose engine produces `text`'s tokens one by one, then
     /// stops: its outputs.
     fn outputs(parser: ReasoningParser, inside: bool, text: &str) -> Vec<Output> {
+        outputs_stopping_at(parser, inside, text, &[])
+    }
+
+    /// The same, with stop strings.
+    fn outputs_stopping_at(parser: ReasoningParser, inside: bool, text: &str, stops: &[&str]) -> Vec<Output> {
         let tokenizer = Arc::new(tokenizer());
         let ids = tokenizer.encode(text, false).unwrap();
         let (requests, _inbox) = mpsc::unbounded_channel();
@@ -277,7 +283,7 @@ mod tests {
             stream: true,
             include_usage: false,
             want_logprobs: false,
-            stop_strings: Vec::new(),
+            stop_strings: stops.iter().map(|s| s.to_string()).collect(),
             stop_tokens: Vec::new(),
             prompt_tokens: 1,
             started: Instant::now(),
@@ -323,5 +329,15 @@ mod tests {
         // A prompt that opened the channel: the output starts inside it.
         let inside = outputs(ReasoningParser::Auto, true, "the mat<channel|>the end");
         assert_eq!(texts(&inside), ("the mat".into(), "the end".into()));
+    }
+
+    /// A stop string right after the start of a marker ends the output there: what the split
+    /// held back is released, as the answer it turned out to be.
+    #[test]
+    fn a_stop_string_releases_what_the_split_held() {
+        let stopped = outputs_stopping_at(ReasoningParser::Auto, false, "<|channel>thdog", &["dog"]);
+        assert_eq!(texts(&stopped), (String::new(), "<|channel>th".into()));
+        let stopped = outputs_stopping_at(ReasoningParser::Auto, true, "a cat<chandog", &["dog"]);
+        assert_eq!(texts(&stopped), ("a cat<chan".into(), String::new()));
     }
 }
