@@ -187,28 +187,7 @@ pub fn attention_split(
         key.extend(warp_sum(&sc(g)));
     }
     for g in 0..group {
-        let (mg, lg, sg) = (m(g), l(g), sc(g));
-        key.extend([
-            let_(&format!("m_new{g}"), Ty::F32, bin(BinOp::Max, var(&mg), var(&sg))),
-            let_(
-                &format!("c{g}"),
-                Ty::F32,
-                un(UnOp::Exp, var(&mg) - var(&format!("m_new{g}"))),
-            ),
-            let_(
-                &format!("p{g}"),
-                Ty::F32,
-                un(UnOp::Exp, var(&sg) - var(&format!("m_new{g}"))),
-            ),
-            assign(&lg, var(&lg) * var(&format!("c{g}")) + var(&format!("p{g}"))),
-        ]);
-        for i in 0..per_lane {
-            key.push(assign(
-                &acc(g, i),
-                var(&acc(g, i)) * var(&format!("c{g}")) + var(&format!("p{g}")) * var(&format!("v{i}")),
-            ));
-        }
-        key.push(assign(&mg, var(&format!("m_new{g}"))));
+        key.extend(online_softmax_step(g, per_lane));
     }
     body.push(for_("j", var("start") + warp(), var("end"), int(WARPS as i64), key));
     body.extend(merge_warps(head_dim, group));
@@ -246,6 +225,27 @@ pub fn attention_split(
         grid: var("tokens") * (var("heads") / int(group as i64)) * var("splits"),
         body,
     }
+}
+
+/// Head `g`'s online softmax (FlashAttention's recurrence) over one more key, whose score is
+/// `s{g}` and whose value row this lane holds in `v0..v{value_dims}`: the running max `m{g}`
+/// and sum `l{g}` updated, the accumulators `acc{g}_i` rescaled and the value added with the
+/// key's weight.
+pub(crate) fn online_softmax_step(g: usize, value_dims: usize) -> Vec<Stmt> {
+    let (m, l, s) = (format!("m{g}"), format!("l{g}"), format!("s{g}"));
+    let (m_new, c, p) = (format!("m_new{g}"), format!("c{g}"), format!("p{g}"));
+    let mut step = vec![
+        let_(&m_new, Ty::F32, bin(BinOp::Max, var(&m), var(&s))),
+        let_(&c, Ty::F32, un(UnOp::Exp, var(&m) - var(&m_new))),
+        let_(&p, Ty::F32, un(UnOp::Exp, var(&s) - var(&m_new))),
+        assign(&l, var(&l) * var(&c) + var(&p)),
+    ];
+    for i in 0..value_dims {
+        let acc = format!("acc{g}_{i}");
+        step.push(assign(&acc, var(&acc) * var(&c) + var(&p) * var(&format!("v{i}"))));
+    }
+    step.push(assign(&m, var(&m_new)));
+    step
 }
 
 pub(crate) fn shared_f32(name: &str, len: usize) -> SharedArray {

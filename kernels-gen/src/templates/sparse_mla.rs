@@ -22,7 +22,7 @@
 //!
 //! Scores and softmax in f32; the cache holds f32 keys and values.
 
-use super::attention::{dims_per_lane, guarded, lane_dim, merge_warps, shared_f32, WARPS};
+use super::attention::{dims_per_lane, guarded, lane_dim, merge_warps, online_softmax_step, shared_f32, WARPS};
 use super::cache_layout::CacheLayout;
 use super::{block_sum, blocks_for, per_element, warp_scratch, warp_sum, BLOCK};
 use crate::dsl::*;
@@ -415,25 +415,18 @@ pub fn sparse_mla_split(name: &str, origin: &str, layout: CacheLayout, spec: &Sp
         ));
     }
     kept.extend(warp_sum("s0"));
-    kept.extend([
-        let_("m_new", Ty::F32, bin(BinOp::Max, var("m0"), var("s0"))),
-        let_("c", Ty::F32, un(UnOp::Exp, var("m0") - var("m_new"))),
-        let_("p", Ty::F32, un(UnOp::Exp, var("s0") - var("m_new"))),
-        assign("l0", var("l0") * var("c") + var("p")),
-    ]);
     for d in 0..dims_per_lane(v) {
-        let acc = format!("acc0_{d}");
-        kept.push(assign(&acc, var(&acc) * var("c")));
+        kept.push(let_(&format!("v{d}"), Ty::F32, f(0.0)));
         kept.extend(guarded(
             v,
             d,
             vec![assign(
-                &acc,
-                var(&acc) + var("p") * load("v_cache", var("row") * i(vw) + var("h0") * i(v) + lane_dim(d)),
+                &format!("v{d}"),
+                load("v_cache", var("row") * i(vw) + var("h0") * i(v) + lane_dim(d)),
             )],
         ));
     }
-    kept.push(assign("m0", var("m_new")));
+    kept.extend(online_softmax_step(0, dims_per_lane(v)));
     // The key is the same for the whole warp, so is the branch (its shuffles need every lane).
     let key = un(UnOp::OrderedBits, load("scores", var("t") * var("context") + var("j")));
     let position = vec![

@@ -49,24 +49,7 @@ pub(super) fn launches(
             "only a layer appending nothing attends for the sampled rows alone".into(),
         ));
     }
-    let step_input = |name: &str| LaunchArg::StepInput {
-        name: match sampled {
-            true => format!("sampled_{name}"),
-            false => name.into(),
-        },
-    };
-    let layout_args = match layout {
-        CacheLayout::Batched => vec![
-            LaunchArg::StepInput {
-                name: "block_tables".into(),
-            },
-            step_input("row_table"),
-            step_input("row_pos"),
-            scalar("block_size", "block_size"),
-        ],
-        CacheLayout::Contiguous => vec![],
-        CacheLayout::Paged => return Err(unsupported("a one-sequence paged plan is not built".into())),
-    };
+    let layout_args = cache_layout_args(layout, sampled).map_err(unsupported)?;
     let cache = Cache {
         spec,
         ty: cache_ty,
@@ -83,6 +66,62 @@ pub(super) fn launches(
         _ => append(s, operands, &cache, rows, max_tokens),
     };
     Ok(attend(s, operands, &cache, q, rows, max_tokens))
+}
+
+/// What a cache `layout` adds to the arguments of a kernel reading it (`CacheLayout::params`):
+/// a batched step's block tables and each row's table and position, those of the sampled rows
+/// where the kernel runs on them alone; or why the layout has no plan.
+pub(super) fn cache_layout_args(layout: CacheLayout, sampled: bool) -> Result<Vec<LaunchArg>, String> {
+    let step_input = |name: &str| LaunchArg::StepInput {
+        name: match sampled {
+            true => format!("sampled_{name}"),
+            false => name.into(),
+        },
+    };
+    match layout {
+        CacheLayout::Batched => Ok(vec![
+            LaunchArg::StepInput {
+                name: "block_tables".into(),
+            },
+            step_input("row_table"),
+            step_input("row_pos"),
+            scalar("block_size", "block_size"),
+        ]),
+        CacheLayout::Contiguous => Ok(vec![]),
+        CacheLayout::Paged => Err("a one-sequence paged plan is not built".into()),
+    }
+}
+
+/// The scratch a split attention pass writes its partials into (`templates::attention`):
+/// `heads` heads of `value_dim` for up to `max_tokens` rows.
+pub(super) fn split_partials(node: usize, heads: usize, value_dim: usize, max_tokens: usize) -> LaunchArg {
+    LaunchArg::Scratch {
+        node,
+        name: "partial".into(),
+        bytes: attention::partial_len(max_tokens, heads, value_dim) * 4,
+    }
+}
+
+/// The merge of a split pass's `partial`s into the node's value, `rows` rows of `heads` heads
+/// of `value_dim`.
+pub(super) fn merge_splits(
+    operands: &Operands,
+    partial: LaunchArg,
+    rows: &str,
+    heads: usize,
+    value_dim: usize,
+) -> (Kernel, Vec<LaunchArg>) {
+    let args = vec![
+        partial,
+        operands.out(),
+        scalar("tokens", rows),
+        scalar("heads", heads),
+        scalar("splits", attention::splits_expr(rows)),
+    ];
+    (
+        attention::attention_combine("attention_combine", operands.origin(), value_dim),
+        args,
+    )
 }
 
 /// The KV cache slot an attention reads, and what its layout adds to the kernels' arguments.
@@ -185,11 +224,7 @@ fn attend(
 ) -> (Kernel, Vec<LaunchArg>) {
     let (spec, graph, i) = (cache.spec, operands.graph, operands.node);
     let splits = attention::splits_expr(rows);
-    let partial = LaunchArg::Scratch {
-        node: i,
-        name: "partial".into(),
-        bytes: attention::partial_len(max_tokens, spec.heads, spec.head_dim) * 4,
-    };
+    let partial = split_partials(i, spec.heads, spec.head_dim, max_tokens);
     let args = vec![
         q,
         cache.slot(false),
@@ -215,15 +250,5 @@ fn attend(
         ]);
     }
     s.launches.push((i, split, Alternatives::default(), args));
-    let args = vec![
-        partial,
-        operands.out(),
-        scalar("tokens", rows),
-        scalar("heads", spec.heads),
-        scalar("splits", splits),
-    ];
-    (
-        attention::attention_combine("attention_combine", &graph.name, spec.head_dim),
-        args,
-    )
+    merge_splits(operands, partial, rows, spec.heads, spec.head_dim)
 }

@@ -5,6 +5,7 @@
 //! row's cut of the positions it keeps, the attention over those split across blocks, and
 //! the merge of the splits.
 
+use super::kv_attention::{cache_layout_args, merge_splits, split_partials};
 use super::{scalar, Alternatives, Operands, Selected};
 use crate::gpu::{GpuCodegenError, KvLayout, LaunchArg};
 use ir::SparseMlaSpec;
@@ -37,15 +38,7 @@ pub(super) fn launches(
             attention::MAX_HEAD_DIM
         )));
     }
-    let layout_args = match layout {
-        CacheLayout::Batched => ["block_tables", "row_table", "row_pos"]
-            .map(|name| LaunchArg::StepInput { name: name.into() })
-            .into_iter()
-            .chain([scalar("block_size", "block_size")])
-            .collect(),
-        CacheLayout::Contiguous => vec![],
-        CacheLayout::Paged => return Err(unsupported("a one-sequence paged plan is not built".into())),
-    };
+    let layout_args = cache_layout_args(layout, false).map_err(unsupported)?;
     let (kw, vw) = (spec.key_width(), spec.value_width());
     s.kv_cache.push(KvLayout {
         slot: spec.cache_slot,
@@ -67,11 +60,7 @@ pub(super) fn launches(
         name: "cut".into(),
         bytes: max_tokens * 2 * 4,
     };
-    let partial = LaunchArg::Scratch {
-        node,
-        name: "partial".into(),
-        bytes: attention::partial_len(max_tokens, spec.heads, spec.value_dim) * 4,
-    };
+    let partial = split_partials(node, spec.heads, spec.value_dim, max_tokens);
     let launches = [
         (
             sparse_mla::mla_append("mla_append", origin, layout, spec),
@@ -140,15 +129,5 @@ pub(super) fn launches(
         let args = [args, layout_args.clone()].concat();
         s.launches.push((node, kernel, Alternatives::default(), args));
     }
-    let combine_args = vec![
-        partial,
-        operands.out(),
-        scalar("tokens", rows),
-        scalar("heads", spec.heads),
-        scalar("splits", splits),
-    ];
-    Ok((
-        attention::attention_combine("attention_combine", origin, spec.value_dim),
-        combine_args,
-    ))
+    Ok(merge_splits(operands, partial, rows, spec.heads, spec.value_dim))
 }
