@@ -46,7 +46,7 @@ pub(super) fn read(file: &GgufFile) -> Result<ModelConfig> {
         .map_err(|problem| meta.error("attention.shared_kv_layers", problem))?;
     let widths = meta.per_layer("feed_forward_length", layers)?;
     let intermediate = widths[0];
-    let mut gemma4 = Gemma4Config {
+    let gemma4 = Gemma4Config {
         per_layer_input: meta
             .file
             .optional_u64(&meta.key("embedding_length_per_layer_input"))?
@@ -54,10 +54,10 @@ pub(super) fn read(file: &GgufFile) -> Result<ModelConfig> {
         layer_heads,
         global_rope_fraction: meta.proportional_rope(full_dim)?,
         kv_shared_from,
-        double_wide_mlp: false,
+        // Checked below: only the KV-shared layers may differ, each twice as wide.
+        double_wide_mlp: widths.iter().any(|&w| w != intermediate),
         keys_as_values: meta.keys_as_values(&sliding, shared)?,
     };
-    gemma4.double_wide_mlp = (0..layers).any(|i| widths[i] != intermediate);
     if let Some(i) = (0..layers).find(|&i| widths[i] != gemma4.intermediate(i, intermediate)) {
         return Err(meta.error(
             "feed_forward_length",
