@@ -7,6 +7,7 @@
 //! when thinking is on); anything else is all answer. Text that may be the start of a marker is
 //! held back until it is known, so a marker never reaches the client, not even in part.
 
+use super::text::partial_match_len;
 use models::Family;
 
 /// Which markers `bbc serve` splits output at: the model family's (`auto`), none, or a named
@@ -118,7 +119,7 @@ impl ReasoningSplit {
                     self.part = Part::Answer;
                 }
                 None => {
-                    let keep = partial_marker_len(&self.held, self.markers.end);
+                    let keep = partial_match_len(&self.held, self.markers.end);
                     out.reasoning = self.held.drain(..self.held.len() - keep).collect();
                     return out;
                 }
@@ -143,17 +144,6 @@ impl ReasoningSplit {
             },
         }
     }
-}
-
-/// Length of the longest end of `text` that begins `marker` (without being all of it).
-fn partial_marker_len(text: &str, marker: &str) -> usize {
-    marker
-        .char_indices()
-        .skip(1)
-        .map(|(len, _)| len)
-        .filter(|&len| text.ends_with(&marker[..len]))
-        .max()
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

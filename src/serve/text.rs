@@ -61,24 +61,28 @@ impl TextOutput {
             self.held.clear();
             return Piece { text, stopped: true };
         }
-        let keep = self.longest_stop_prefix_suffix();
+        let keep = self
+            .stops
+            .iter()
+            .map(|stop| partial_match_len(&self.held, stop))
+            .max()
+            .unwrap_or(0);
         let text = self.held[..self.held.len() - keep].to_string();
         self.held.drain(..self.held.len() - keep);
         Piece { text, stopped: false }
     }
+}
 
-    /// Length of the longest end of `held` that begins some stop string.
-    fn longest_stop_prefix_suffix(&self) -> usize {
-        let mut longest = 0;
-        for stop in &self.stops {
-            for (len, _) in stop.char_indices().skip(1) {
-                if len > longest && self.held.ends_with(&stop[..len]) {
-                    longest = len;
-                }
-            }
-        }
-        longest
-    }
+/// Length of the longest end of `text` that begins `pattern` without being all of it: what
+/// must be held back while `pattern` may still complete.
+pub fn partial_match_len(text: &str, pattern: &str) -> usize {
+    pattern
+        .char_indices()
+        .skip(1)
+        .map(|(len, _)| len)
+        .filter(|&len| text.ends_with(&pattern[..len]))
+        .max()
+        .unwrap_or(0)
 }
 
 #[cfg(test)]
