@@ -76,8 +76,8 @@ fn speculation_through_gemma4_kv_shared_layers_keeps_every_token() {
     assert!(accepted > 0, "{accepted} of {drafted} drafts accepted");
 }
 
-/// GLM-5: latent attention's keys and values of different widths, and index keys, in the
-/// paged cache; each query's sparse choice is its own whatever shares the step.
+/// GLM-5: latent attention's latent rows (with their rotated and index keys, and no value
+/// rows) in the paged cache; each query's sparse choice is its own whatever shares the step.
 #[test]
 fn concurrent_sparse_mla_requests_generate_what_they_generate_alone() {
     let model = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/glm_moe_dsa"))).unwrap();

@@ -182,6 +182,14 @@ impl DeltaNetSpec {
 /// Multi-head latent attention with DeepSeek's sparse indexer (GLM-5, DeepSeek-V3.2): each
 /// head scores a key by `q_nope·k_nope + q_pe·k_pe` (the rotary part `k_pe` shared by every
 /// head), but only over the `index_topk` earlier positions a light indexer ranks highest.
+///
+/// Inputs: `q_nope [t, heads·nope]`, `q_pe [t, heads·rope]`, the normed key/value latent
+/// `c [t, latent]`, `k_pe [t, rope]`, the up-projection `kv_b` (weight `[heads·(nope + value),
+/// latent]`: per head its `k_nope` rows, then its value rows), the indexer's queries
+/// `[t, index_heads·index_dim]`, key `[t, index_dim]` and weights `[t, index_heads]`. A
+/// position's keys and values are `kv_b · c`, but the cache keeps `c` itself (DeepSeek's
+/// latent cache): `[c | k_pe | index key]`, `latent + rope + index_dim` values a position
+/// where the expanded keys and values would take `heads·(nope + value) + rope`.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SparseMlaSpec {
     pub heads: usize,
@@ -190,6 +198,8 @@ pub struct SparseMlaSpec {
     pub nope_dim: usize,
     pub rope_dim: usize,
     pub value_dim: usize,
+    /// The key/value latent's width (`kv_lora_rank`).
+    pub latent_dim: usize,
     /// Multiplies the query-key score before the softmax (`(nope + rope)^−½`).
     pub scale: f64,
     /// The indexer: its heads (`index_n_heads`), their width (`index_head_dim`, also its one
@@ -202,13 +212,23 @@ pub struct SparseMlaSpec {
 }
 
 impl SparseMlaSpec {
-    /// A cached position's key row: `[k_nope (heads·nope) | k_pe (rope) | index key (index_dim)]`.
-    pub fn key_width(&self) -> usize {
-        self.heads * self.nope_dim + self.rope_dim + self.index_dim
+    /// A cached position's row: `[c (latent) | k_pe (rope) | index key (index_dim)]`.
+    pub fn cache_width(&self) -> usize {
+        self.latent_dim + self.rope_dim + self.index_dim
     }
 
-    /// A cached position's value row.
-    pub fn value_width(&self) -> usize {
+    /// Where a cached row's index key starts.
+    pub fn index_key_offset(&self) -> usize {
+        self.latent_dim + self.rope_dim
+    }
+
+    /// Rows of `kv_b` a head owns: its `k_nope` rows, then its value rows.
+    pub fn kv_b_rows_per_head(&self) -> usize {
+        self.nope_dim + self.value_dim
+    }
+
+    /// The output's width: every head's values.
+    pub fn out_width(&self) -> usize {
         self.heads * self.value_dim
     }
 }
@@ -276,9 +296,10 @@ pub enum Op {
     LayerNorm {
         eps: f64,
     },
-    /// `(q_nope [t, h·n], q_pe [t, h·r], k_nope [t, h·n], k_pe [t, r], v [t, h·v], index_q
+    /// `(q_nope [t, h·n], q_pe [t, h·r], c [t, l], k_pe [t, r], kv_b [h·(n + v), l], index_q
     /// [t, ih·id], index_k [t, id], index_weights [t, ih]) -> [t, h·v]`: appends the step's
-    /// keys, values and index keys to the cache slot, then for each query at position p ranks
+    /// latents, rotary keys and index keys to the cache slot (keys and values are `kv_b · c`
+    /// per head: `SparseMlaSpec`), then for each query at position p ranks
     /// the cached positions ≤ p by `Σ_i index_weights[i] · ih^−½ · id^−½ · relu(index_q_i ·
     /// index_k)`, keeps the `index_topk` best (all of them while there are no more; among
     /// equal scores the earlier position), and attends over those (q and k rotated already).
@@ -784,8 +805,8 @@ impl Op {
             Self::UnitRmsNorm { eps, group } => format!("eps={eps:e}, group={group}"),
             Self::LayerNorm { eps } => format!("eps={eps:e}"),
             Self::SparseMla(s) => format!(
-                "heads={}, nope_dim={}, rope_dim={}, value_dim={}, scale={}, index_heads={}, index_dim={}, index_topk={}, cache={}",
-                s.heads, s.nope_dim, s.rope_dim, s.value_dim, s.scale, s.index_heads, s.index_dim, s.index_topk, s.cache_slot
+                "heads={}, nope_dim={}, rope_dim={}, value_dim={}, latent_dim={}, scale={}, index_heads={}, index_dim={}, index_topk={}, cache={}",
+                s.heads, s.nope_dim, s.rope_dim, s.value_dim, s.latent_dim, s.scale, s.index_heads, s.index_dim, s.index_topk, s.cache_slot
             ),
             Self::GroupSlice { group, start, len } | Self::RowGroupSlice { group, start, len } => {
                 format!("group={group}, start={start}, len={len}")
@@ -891,26 +912,29 @@ fn attention_shape(spec: &AttentionSpec, inputs: &[(&Shape, DType)]) -> Result<(
 fn sparse_mla_shape(spec: &SparseMlaSpec, inputs: &[(&Shape, DType)]) -> Result<(Shape, DType), String> {
     let c = Dim::Const;
     let s = spec;
+    // Row widths of the activations, by input (`None`: input 4, the `kv_b` weight).
     let widths = [
-        s.heads * s.nope_dim,
-        s.heads * s.rope_dim,
-        s.heads * s.nope_dim,
-        s.rope_dim,
-        s.heads * s.value_dim,
-        s.index_heads * s.index_dim,
-        s.index_dim,
-        s.index_heads,
+        Some(s.heads * s.nope_dim),
+        Some(s.heads * s.rope_dim),
+        Some(s.latent_dim),
+        Some(s.rope_dim),
+        None,
+        Some(s.index_heads * s.index_dim),
+        Some(s.index_dim),
+        Some(s.index_heads),
     ];
     let t = inputs[0].0 .0.first().copied();
+    let kv_b = [c(s.heads * s.kv_b_rows_per_head()), c(s.latent_dim)];
     let fits = s.heads > 0
+        && s.latent_dim > 0
         && s.index_heads > 0
         && s.index_topk > 0
-        && inputs
-            .iter()
-            .zip(widths)
-            .all(|((shape, dtype), w)| *dtype == DType::F32 && t.is_some_and(|t| shape.0.as_slice() == [t, c(w)]));
+        && inputs.iter().zip(widths).all(|((shape, dtype), w)| match w {
+            Some(w) => *dtype == DType::F32 && t.is_some_and(|t| shape.0.as_slice() == [t, c(w)]),
+            None => shape.0.as_slice() == kv_b,
+        });
     match (fits, t) {
-        (true, Some(t)) => Ok((Shape::new([t, c(s.heads * s.value_dim)]), DType::F32)),
+        (true, Some(t)) => Ok((Shape::new([t, c(s.out_width())]), DType::F32)),
         _ => {
             let shapes: Vec<String> = inputs.iter().map(|(s, d)| format!("{d}{s}")).collect();
             Err(format!("sparse_mla: inputs {} do not fit {spec:?}", shapes.join(", ")))

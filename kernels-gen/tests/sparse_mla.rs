@@ -50,6 +50,7 @@ proptest! {
             nope_dim: 1,
             rope_dim: 2,
             value_dim: 1,
+            latent_dim: 2,
             scale: 1.0,
             index_heads: 1,
             index_dim: 2,

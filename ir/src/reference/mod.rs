@@ -147,28 +147,32 @@ impl<'w> Interpreter<'w> {
         attention_over_slot(spec, q, slot, &positions[positions.len() - rows..])
     }
 
-    /// Append the step's keys (`[k_nope | k_pe | index key]` rows) and values to the spec's
-    /// cache slot, then run every query over the positions it may see.
+    /// Append the step's latent rows (`[c | k_pe | index key]`) to the spec's cache slot,
+    /// then run every query over the positions it may see, their keys and values expanded from
+    /// the latents (`ops::mla_expand`).
     fn sparse_mla(&mut self, spec: &crate::SparseMlaSpec, x: &[&Tensor], positions: &[usize]) -> Tensor {
         let slot = self.caches.entry(spec.cache_slot).or_default();
         for t in 0..x[0].rows() {
             slot.k.extend_from_slice(x[2].row(t));
             slot.k.extend_from_slice(x[3].row(t));
             slot.k.extend_from_slice(x[6].row(t));
-            slot.v.extend_from_slice(x[4].row(t));
         }
         slot.positions.extend_from_slice(positions);
-        let (kw, vw) = (spec.key_width(), spec.value_width());
-        let mut out = Vec::with_capacity(x[0].rows() * vw);
+        let expanded: Vec<(Vec<f32>, Vec<f32>)> = slot
+            .k
+            .chunks_exact(spec.cache_width())
+            .map(|row| ops::mla_expand(spec, &x[4].data, row))
+            .collect();
+        let mut out = Vec::with_capacity(x[0].rows() * spec.out_width());
         for (t, &p) in positions.iter().enumerate() {
             let candidates: Vec<(&[f32], &[f32])> = (0..slot.positions.len())
                 .filter(|&j| slot.positions[j] <= p)
-                .map(|j| (&slot.k[j * kw..(j + 1) * kw], &slot.v[j * vw..(j + 1) * vw]))
+                .map(|j| (&expanded[j].0[..], &expanded[j].1[..]))
                 .collect();
             let q = [x[0].row(t), x[1].row(t), x[5].row(t), x[7].row(t)];
             out.extend(ops::sparse_mla_query(spec, q, &candidates));
         }
-        Tensor::new(vec![x[0].rows(), vw], out)
+        Tensor::new(vec![x[0].rows(), spec.out_width()], out)
     }
 
     fn eval(&mut self, op: &Op, args: &[&Value], positions: &[usize]) -> Result<Tensor, InterpError> {

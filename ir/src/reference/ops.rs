@@ -421,32 +421,69 @@ pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f64) -> Vec<f32> {
     out
 }
 
-/// One query of `Op::SparseMla` over `candidates`, the cached positions it may see (ascending;
-/// each a key row `[k_nope | k_pe | index key]` and a value row): the indexer keeps the
-/// `index_topk` best, and every head attends over those. `q` is the query's row of each input:
-/// `[q_nope, q_pe, index_q, index_weights]`. f64 accumulation.
-pub fn sparse_mla_query(spec: &crate::SparseMlaSpec, q: [&[f32]; 4], candidates: &[(&[f32], &[f32])]) -> Vec<f32> {
-    let [q_nope, q_pe, index_q, index_weights] = q;
-    let (h, n, r, v) = (spec.heads, spec.nope_dim, spec.rope_dim, spec.value_dim);
+/// A cached latent row `[c | k_pe | index key]` of `Op::SparseMla` expanded through `kv_b`
+/// (`[heads·(nope + value), latent]`): the key row `[k_nope (heads·nope) | k_pe | index key]`
+/// and the value row (`heads·value`) that [`sparse_mla_query`] reads. f64 sums, f32 results.
+pub fn mla_expand(spec: &crate::SparseMlaSpec, kv_b: &[f32], row: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (n, v, l) = (spec.nope_dim, spec.value_dim, spec.latent_dim);
+    let (latent, rest) = row.split_at(l);
+    let project = |r: usize| {
+        let w = &kv_b[r * l..(r + 1) * l];
+        w.iter().zip(latent).map(|(&w, &c)| w as f64 * c as f64).sum::<f64>() as f32
+    };
+    let per_head = spec.kv_b_rows_per_head();
+    let mut key: Vec<f32> = (0..spec.heads)
+        .flat_map(|h| (0..n).map(move |i| h * per_head + i))
+        .map(project)
+        .collect();
+    key.extend_from_slice(rest);
+    let values = (0..spec.heads)
+        .flat_map(|h| (0..v).map(move |d| h * per_head + n + d))
+        .map(project)
+        .collect();
+    (key, values)
+}
+
+/// Which of a query's candidate positions the sparse indexer keeps (ascending), given each
+/// candidate's index key: the `index_topk` best by `Σ_i w_i · ih^−½ · id^−½ · relu(q_i · k)`.
+/// Equal scores (the ReLU makes exact zeros common) keep the earlier position, whatever else
+/// shares the step; a zero is one score whatever its sign (`+ 0.0` makes −0 +0, which
+/// `top_k`'s total order would rank below it). f64 sums.
+pub fn sparse_index_kept(
+    spec: &crate::SparseMlaSpec,
+    index_q: &[f32],
+    index_weights: &[f32],
+    keys: &[&[f32]],
+) -> Vec<usize> {
     let (ih, id) = (spec.index_heads, spec.index_dim);
-    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum::<f64>();
-    // The indexer's ranking: Σ_i w_i · ih^−½ · id^−½ · relu(q_i · k). Equal scores (the ReLU
-    // makes exact zeros common) keep the earlier position, whatever else shares the step; a
-    // zero is one score whatever its sign (`+ 0.0` makes −0 +0, which `top_k`'s total order
-    // would rank below it).
     let weight_scale = (ih as f64).powf(-0.5) * (id as f64).powf(-0.5);
-    let index_scores: Vec<f32> = candidates
+    let scores: Vec<f32> = keys
         .iter()
-        .map(|(key, _)| {
-            let k = &key[h * n + r..];
+        .map(|k| {
             (0..ih)
                 .map(|i| index_weights[i] as f64 * weight_scale * dot(&index_q[i * id..(i + 1) * id], k).max(0.0))
                 .sum::<f64>() as f32
                 + 0.0
         })
         .collect();
-    let mut kept = top_k(&index_scores, spec.index_topk.min(candidates.len()));
+    let mut kept = top_k(&scores, spec.index_topk.min(keys.len()));
     kept.sort_unstable();
+    kept
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
+}
+
+/// One query of `Op::SparseMla` over `candidates`, the cached positions it may see (ascending;
+/// each a key row `[k_nope | k_pe | index key]` and a value row, expanded by [`mla_expand`]):
+/// the indexer keeps the `index_topk` best, and every head attends over those. `q` is the
+/// query's row of each input: `[q_nope, q_pe, index_q, index_weights]`. f64 accumulation.
+pub fn sparse_mla_query(spec: &crate::SparseMlaSpec, q: [&[f32]; 4], candidates: &[(&[f32], &[f32])]) -> Vec<f32> {
+    let [q_nope, q_pe, index_q, index_weights] = q;
+    let (h, n, r, v) = (spec.heads, spec.nope_dim, spec.rope_dim, spec.value_dim);
+    let index_keys: Vec<&[f32]> = candidates.iter().map(|(key, _)| &key[h * n + r..]).collect();
+    let kept = sparse_index_kept(spec, index_q, index_weights, &index_keys);
     let mut out = vec![0f32; h * v];
     for head in 0..h {
         let (qn, qp) = (&q_nope[head * n..(head + 1) * n], &q_pe[head * r..(head + 1) * r]);

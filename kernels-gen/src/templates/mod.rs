@@ -273,6 +273,40 @@ pub fn per_row_element(count: Expr, body: Vec<Stmt>) -> Vec<Stmt> {
     per_element(count, located)
 }
 
+/// Weights a lane reads at once along a row of `k`: 16 bytes of dense weights where every row
+/// starts 16-byte aligned (`k` a multiple of the vector), else one (GGUF blocks dequantized
+/// element by element, or ragged rows).
+pub fn weight_vector(weights: quant::WeightFormat, k: usize) -> usize {
+    match weights {
+        quant::WeightFormat::Dense(ty) if k.is_multiple_of(16 / ty.bytes()) => 16 / ty.bytes(),
+        _ => 1,
+    }
+}
+
+/// A warp's dot products of `x(c)` with each of `rows` (weight rows of `k`, in buffer `w`) into
+/// the named sums, lanes striding along the rows `vector` elements at a time, each weight
+/// vector one load.
+pub fn warp_dot_rows(weights: quant::WeightFormat, k: usize, rows: &[(Expr, &str)], x: &dyn Fn(Expr) -> Expr) -> Stmt {
+    let v = weight_vector(weights, k);
+    let mut body = Vec::new();
+    let xs: Vec<String> = (0..v).map(|j| format!("x{j}")).collect();
+    for (j, name) in xs.iter().enumerate() {
+        body.push(let_(name, Ty::F32, x(var("c") + int(j as i64))));
+    }
+    for (r, (row, sum)) in rows.iter().enumerate() {
+        let w: Vec<String> = (0..v).map(|j| format!("w{r}_{j}")).collect();
+        match v {
+            1 => body.extend(weights.element(&w[0], row.clone(), int(k as i64), var("c"))),
+            _ => body.push(load_vec("w", row.clone() * int(k as i64) + var("c"), &w)),
+        }
+        for (wj, xj) in w.iter().zip(&xs) {
+            body.push(assign(sum, var(sum) + var(xj) * var(wj)));
+        }
+    }
+    let v = v as i64;
+    for_("c", lane() * int(v), int(k as i64), int(32 * v), body)
+}
+
 /// Sum `value` (an f32 local) across a warp with butterfly shuffles; every lane ends with it.
 pub fn warp_sum(value: &str) -> Vec<Stmt> {
     [16, 8, 4, 2, 1]
@@ -349,15 +383,14 @@ const GLM_4_5_AIR_MOE: ir::MoeSpec = ir::MoeSpec {
     },
 };
 
-/// One instance of every template, as the code generator would emit them: what snapshot tests,
-/// NVRTC checks and the kernel report cover.
-/// GLM-5's latent attention: 64 heads of 192 + 64 (values 256), an indexer of 32 heads of 128
-/// keeping 2048 positions.
+/// GLM-5's latent attention: 64 heads of 192 + 64 (values 256) from latents of 512, an indexer
+/// of 32 heads of 128 keeping 2048 positions.
 const GLM5_MLA: ir::SparseMlaSpec = ir::SparseMlaSpec {
     heads: 64,
     nope_dim: 192,
     rope_dim: 64,
     value_dim: 256,
+    latent_dim: 512,
     scale: 0.0625,
     index_heads: 32,
     index_dim: 128,
@@ -365,6 +398,8 @@ const GLM5_MLA: ir::SparseMlaSpec = ir::SparseMlaSpec {
     cache_slot: 0,
 };
 
+/// One instance of every template, as the code generator would emit them: what snapshot tests,
+/// NVRTC checks and the kernel report cover.
 pub fn catalog() -> Vec<Kernel> {
     use gemv::GemvSpec;
     use ir::{Expr as E, GluAct, RopeLayout};
@@ -450,10 +485,12 @@ pub fn catalog() -> Vec<Kernel> {
         ),
         attention::attention_combine("attention_combine_512", "catalog", 512),
         // GLM-5's latent attention and sparse indexer, as serving runs them.
+        sparse_mla::mla_absorb("mla_absorb", "catalog", &GLM5_MLA, Dense(Ty::Bf16)),
         sparse_mla::mla_append("mla_append", "catalog", cache_layout::CacheLayout::Batched, &GLM5_MLA),
         sparse_mla::index_scores("index_scores", "catalog", cache_layout::CacheLayout::Batched, &GLM5_MLA),
         sparse_mla::index_select("index_select", "catalog", cache_layout::CacheLayout::Batched, &GLM5_MLA),
         sparse_mla::sparse_mla_split("sparse_mla", "catalog", cache_layout::CacheLayout::Batched, &GLM5_MLA),
+        sparse_mla::mla_expand("mla_expand", "catalog", &GLM5_MLA, Dense(Ty::Bf16)),
         rms_norm::unit_rms_norm("unit_rms_norm", "catalog", 1e-6),
         rms_norm::layer_norm("layer_norm", "catalog", 1e-6),
         kv_append::kv_append("kv_append", "catalog"),

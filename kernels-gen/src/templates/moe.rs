@@ -25,7 +25,7 @@
 use super::gemv::gated;
 use super::quant::WeightFormat;
 use super::top_k::ranks_before;
-use super::{warp_sum, BLOCK};
+use super::{warp_dot_rows, warp_sum, weight_vector, BLOCK};
 use crate::dsl::*;
 use ir::{MoeRouter, MoeSpec};
 
@@ -358,40 +358,6 @@ fn describe(spec: &MoeSpec) -> String {
     )
 }
 
-/// Weights a lane reads at once along a row of `k`: 16 bytes of dense weights where every row
-/// starts 16-byte aligned (`k` a multiple of the vector), else one (GGUF blocks dequantized
-/// element by element, or ragged rows).
-fn vector(weights: WeightFormat, k: usize) -> usize {
-    match weights {
-        WeightFormat::Dense(ty) if k.is_multiple_of(16 / ty.bytes()) => 16 / ty.bytes(),
-        _ => 1,
-    }
-}
-
-/// A warp's dot products of `x(c)` with each of `rows` (weight rows of `k`, in buffer `w`) into
-/// the named sums, lanes striding along the rows `vector` elements at a time, each weight
-/// vector one load.
-fn dot_rows(weights: WeightFormat, k: usize, rows: &[(Expr, &str)], x: &dyn Fn(Expr) -> Expr) -> Stmt {
-    let v = vector(weights, k);
-    let mut body = Vec::new();
-    let xs: Vec<String> = (0..v).map(|j| format!("x{j}")).collect();
-    for (j, name) in xs.iter().enumerate() {
-        body.push(let_(name, Ty::F32, x(var("c") + int(j as i64))));
-    }
-    for (r, (row, sum)) in rows.iter().enumerate() {
-        let w: Vec<String> = (0..v).map(|j| format!("w{r}_{j}")).collect();
-        match v {
-            1 => body.extend(weights.element(&w[0], row.clone(), int(k as i64), var("c"))),
-            _ => body.push(load_vec("w", row.clone() * int(k as i64) + var("c"), &w)),
-        }
-        for (wj, xj) in w.iter().zip(&xs) {
-            body.push(assign(sum, var(sum) + var(xj) * var(wj)));
-        }
-    }
-    let v = v as i64;
-    for_("c", lane() * int(v), int(k as i64), int(32 * v), body)
-}
-
 /// One warp's hidden unit `unit` of pair `pair` (row `t`, expert `e`): the dots of row `t` of
 /// `x` with the unit's gate row `e·2I + unit` and up row `e·2I + I + unit`, and `act(gate)·up`
 /// into `hidden`. The same arithmetic whichever kernel (row-major or expert-major) runs it.
@@ -404,7 +370,7 @@ fn gate_up_unit(spec: &MoeSpec, hidden: usize, weights: WeightFormat) -> Vec<Stm
     let mut unit = vec![
         let_("gate", Ty::F32, f(0.0)),
         let_("up", Ty::F32, f(0.0)),
-        dot_rows(weights, hidden, &rows, &|c| load("x", var("t") * var("x_stride") + c)),
+        warp_dot_rows(weights, hidden, &rows, &|c| load("x", var("t") * var("x_stride") + c)),
     ];
     unit.extend(warp_sum("gate"));
     unit.extend(warp_sum("up"));
@@ -452,7 +418,7 @@ pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, weights:
             "{origin}: MoE experts' gate/up and {:?} over rows of {hidden}, row by row, {} weights {} a load, {}",
             spec.act,
             weights.describe(),
-            vector(weights, hidden),
+            weight_vector(weights, hidden),
             describe(spec)
         ),
         params: gate_up_params(weights),
@@ -550,7 +516,7 @@ pub fn gate_up_by_expert(name: &str, origin: &str, spec: &MoeSpec, hidden: usize
             "{origin}: MoE experts' gate/up and {:?} over rows of {hidden}, expert by expert, {} weights {} a load, {}",
             spec.act,
             weights.describe(),
-            vector(weights, hidden),
+            weight_vector(weights, hidden),
             describe(spec)
         ),
         params: gate_up_params(weights),
@@ -591,7 +557,7 @@ fn down_dot(spec: &MoeSpec, hidden: usize, weights: WeightFormat, pair: Expr) ->
     let at = pair * int(i as i64);
     let mut out = vec![
         let_("y", Ty::F32, f(0.0)),
-        dot_rows(weights, i, &[(var("e") * int(d) + var("n"), "y")], &|c| {
+        warp_dot_rows(weights, i, &[(var("e") * int(d) + var("n"), "y")], &|c| {
             load("hidden", at.clone() + c)
         }),
     ];
@@ -627,7 +593,7 @@ pub fn down(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, weights: We
         origin: format!(
             "{origin}: MoE experts' down projections to rows of {hidden}, weighted, row by row, {} weights {} a load, {}",
             weights.describe(),
-            vector(weights, spec.intermediate),
+            weight_vector(weights, spec.intermediate),
             describe(spec)
         ),
         params: down_params(weights),
@@ -672,7 +638,7 @@ pub fn down_by_expert(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, w
         origin: format!(
             "{origin}: MoE experts' down projections to rows of {hidden}, expert by expert, {} weights {} a load, {}",
             weights.describe(),
-            vector(weights, spec.intermediate),
+            weight_vector(weights, spec.intermediate),
             describe(spec)
         ),
         params,

@@ -1,30 +1,39 @@
 //! Multi-head latent attention with DeepSeek's sparse indexer (`ir::Op::SparseMla`, GLM-5)
-//! over a KV cache whose rows are `[k_nope (heads·nope) | k_pe (rope) | index key]` and whose
-//! value rows are `heads·value` wide, in five launches:
+//! over a cache of latents, rows `[c (latent) | k_pe (rope) | index key]`, in seven launches.
+//! Keys and values (`kv_b · c` per head) are never formed: each head's query is carried into
+//! the latent's space (DeepSeek's absorbed form, `q_nope · W_UK c = (W_UKᵀ q_nope) · c`), the
+//! head attends over latents, and its value is `W_UV` times the latents' weighted sum.
 //!
-//! 1. `mla_append`: the step's keys (three sources) and values into the cache, a thread per
+//! 1. `mla_absorb`: `q̃ = W_UKᵀ q_nope` for each row and head, a thread per latent dim (the
+//!    warp reads 32 neighbouring weights of a `kv_b` row at a time).
+//! 2. `mla_append`: the step's latent, rotary key and index key into the cache, a thread per
 //!    element.
-//! 2. `index_scores`: each query row's indexer score of every position it sees,
+//! 3. `index_scores`: each query row's indexer score of every position it sees,
 //!    `Σ_i w_i · relu(q_i · k)` (the weights pre-scaled by `(ih·id)^−½`), into a buffer of a
 //!    row per step row and a column per context position. A block per (row, split of its
 //!    positions), the row's index queries in shared memory, a warp per position, a lane per
 //!    32nd dim of each index head.
-//! 3. `index_select`: per row, which positions it keeps: the `topk` best under bbc's order
+//! 4. `index_select`: per row, which positions it keeps: the `topk` best under bbc's order
 //!    (`ir::reference::ops::top_k`: larger first, equal scores to the earlier position, NaN
 //!    last), written as a cut: the k-th best score's ordered bits `T` (`UnOp::OrderedBits`),
 //!    found two bits a pass from the top by counting keys at or above each candidate, and
 //!    the last position `P` whose score equals `T` that is kept (the earliest ties fill the
 //!    places `T` leaves). Kept: `key > T`, or `key == T` and `p ≤ P`. A row that sees no more
 //!    positions than `topk` keeps them all (`T = P = 0`: every key is above 0).
-//! 4. `sparse_mla`: FlashDecoding's split pass (`templates::attention`) for one head a block,
-//!    over the kept positions only: the head's score is `q_nope · k_nope[head] + q_pe · k_pe`.
-//! 5. `attention_combine`: the splits merged (`templates::attention`'s).
+//! 5. `sparse_mla`: FlashDecoding's split pass (`templates::attention`) over the kept
+//!    positions only, a block per (row, group of heads, split): a head's score is
+//!    `q̃ · c + q_pe · k_pe`, its value the latent `c` itself, so a warp loads a position's
+//!    row once for the group and its latent serves as key and value.
+//! 6. `attention_combine`: the splits merged (`templates::attention`'s) into every head's
+//!    latent-space output.
+//! 7. `mla_expand`: each head's output through its value rows of `kv_b`, a warp per output.
 //!
-//! Scores and softmax in f32; the cache holds f32 keys and values.
+//! Scores and softmax in f32; the cache holds f32 rows.
 
 use super::attention::{dims_per_lane, guarded, lane_dim, merge_warps, online_softmax_step, shared_f32, WARPS};
 use super::cache_layout::CacheLayout;
-use super::{block_sum, blocks_for, per_element, warp_scratch, warp_sum, BLOCK};
+use super::quant::WeightFormat;
+use super::{block_sum, blocks_for, per_element, warp_dot_rows, warp_scratch, warp_sum, BLOCK};
 use crate::dsl::*;
 use ir::SparseMlaSpec;
 
@@ -51,17 +60,60 @@ fn split_span(layout: CacheLayout) -> Vec<Stmt> {
     s
 }
 
-/// Launch 1: row `t` of each source into its position's cache rows.
+/// Launch 1: `q̃[t, h·latent + j] = Σ_i q_nope[t, h·nope + i] · kv_b[h·(nope + value) + i, j]`,
+/// a thread per (row, head, latent dim), the sum in `i` order.
+pub fn mla_absorb(name: &str, origin: &str, spec: &SparseMlaSpec, weights: WeightFormat) -> Kernel {
+    let (n, l) = (spec.nope_dim, spec.latent_dim);
+    let per_row = i(spec.heads * l);
+    let mut term = weights.element(
+        "w_ij",
+        var("h") * i(spec.kv_b_rows_per_head()) + var("k"),
+        i(l),
+        var("j"),
+    );
+    term.push(assign(
+        "acc",
+        var("acc") + load("q_nope", var("t") * var("qn_stride") + var("h") * i(n) + var("k")) * var("w_ij"),
+    ));
+    let body = vec![
+        let_("t", Ty::I32, var("i") / per_row.clone()),
+        let_("h", Ty::I32, rem(var("i"), per_row.clone()) / i(l)),
+        let_("j", Ty::I32, rem(var("i"), i(l))),
+        let_("acc", Ty::F32, f(0.0)),
+        for_("k", int(0), i(n), int(1), term),
+        store("absorbed", var("i"), var("acc")),
+    ];
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: latent attention's queries into the latent ({} heads of {n} to {l}), {} weights",
+            spec.heads,
+            weights.describe()
+        ),
+        params: vec![
+            buffer("q_nope", Ty::F32, false),
+            buffer("w", weights.buffer_ty(), false),
+            buffer("absorbed", Ty::F32, true),
+            scalar("tokens", Ty::I32),
+            scalar("qn_stride", Ty::I32),
+        ],
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(var("tokens") * per_row.clone(), BLOCK as i64),
+        body: per_element(var("tokens") * per_row, body),
+    }
+}
+
+/// Launch 2: row `t` of each source into its position's cache row `[c | k_pe | index key]`.
 pub fn mla_append(name: &str, origin: &str, layout: CacheLayout, spec: &SparseMlaSpec) -> Kernel {
-    let (nope, rope) = (spec.heads * spec.nope_dim, spec.rope_dim);
-    let (kw, vw) = (spec.key_width(), spec.value_width());
-    let width = i(kw + vw);
-    let key = |src: &str, stride: &str, from: usize| {
-        store(
-            "k_cache",
-            var("row") * i(kw) + var("c"),
+    let (l, rope) = (spec.latent_dim, spec.rope_dim);
+    let width = i(spec.cache_width());
+    let column = |src: &str, stride: &str, from: usize| {
+        vec![store(
+            "cache",
+            var("row") * width.clone() + var("c"),
             load(src, var("t") * var(stride) + var("c") - i(from)),
-        )
+        )]
     };
     let body = [
         vec![
@@ -72,20 +124,12 @@ pub fn mla_append(name: &str, origin: &str, layout: CacheLayout, spec: &SparseMl
         vec![
             let_("row", Ty::I32, layout.row(layout.position(var("t")))),
             if_else(
-                lt(var("c"), i(nope)),
-                vec![key("k_nope", "kn_stride", 0)],
+                lt(var("c"), i(l)),
+                column("latent", "c_stride", 0),
                 vec![if_else(
-                    lt(var("c"), i(nope + rope)),
-                    vec![key("k_pe", "kp_stride", nope)],
-                    vec![if_else(
-                        lt(var("c"), i(kw)),
-                        vec![key("index_k", "ik_stride", nope + rope)],
-                        vec![store(
-                            "v_cache",
-                            var("row") * i(vw) + var("c") - i(kw),
-                            load("v_src", var("t") * var("v_stride") + var("c") - i(kw)),
-                        )],
-                    )],
+                    lt(var("c"), i(l + rope)),
+                    column("k_pe", "kp_stride", l),
+                    column("index_k", "ik_stride", l + rope),
                 )],
             ),
         ],
@@ -94,23 +138,20 @@ pub fn mla_append(name: &str, origin: &str, layout: CacheLayout, spec: &SparseMl
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: append latent attention's keys [k_nope | k_pe | index key] and values, {}",
+            "{origin}: append latent attention's rows [c | k_pe | index key], {}",
             layout.describe()
         ),
         params: [
             vec![
-                buffer("k_nope", Ty::F32, false),
+                buffer("latent", Ty::F32, false),
                 buffer("k_pe", Ty::F32, false),
                 buffer("index_k", Ty::F32, false),
-                buffer("v_src", Ty::F32, false),
-                buffer("k_cache", Ty::F32, true),
-                buffer("v_cache", Ty::F32, true),
+                buffer("cache", Ty::F32, true),
                 scalar("tokens", Ty::I32),
                 scalar("first", Ty::I32),
-                scalar("kn_stride", Ty::I32),
+                scalar("c_stride", Ty::I32),
                 scalar("kp_stride", Ty::I32),
                 scalar("ik_stride", Ty::I32),
-                scalar("v_stride", Ty::I32),
             ],
             layout.params(),
         ]
@@ -122,11 +163,11 @@ pub fn mla_append(name: &str, origin: &str, layout: CacheLayout, spec: &SparseMl
     }
 }
 
-/// Launch 2: `scores[t·context + p]` for every position `p ≤ pos` of each row `t`, with zero
+/// Launch 3: `scores[t·context + p]` for every position `p ≤ pos` of each row `t`, with zero
 /// signless (`+ 0`: a score of −0 and one of +0 tie, as the reference ranks them).
 pub fn index_scores(name: &str, origin: &str, layout: CacheLayout, spec: &SparseMlaSpec) -> Kernel {
     let (ih, id) = (spec.index_heads, spec.index_dim);
-    let index_key = spec.heads * spec.nope_dim + spec.rope_dim;
+    let index_key = spec.index_key_offset();
     let per_lane = dims_per_lane(id);
     let mut body = vec![let_("blocks_per_row", Ty::I32, int(1))];
     body.extend(split_span(layout));
@@ -160,14 +201,14 @@ pub fn index_scores(name: &str, origin: &str, layout: CacheLayout, spec: &Sparse
     let mut position = vec![let_(
         "base",
         Ty::I32,
-        layout.row(var("j")) * i(spec.key_width()) + i(index_key),
+        layout.row(var("j")) * i(spec.cache_width()) + i(index_key),
     )];
     for d in 0..per_lane {
         position.push(let_(&format!("k{d}"), Ty::F32, f(0.0)));
         position.extend(guarded(
             id,
             d,
-            vec![assign(&format!("k{d}"), load("k_cache", var("base") + lane_dim(d)))],
+            vec![assign(&format!("k{d}"), load("cache", var("base") + lane_dim(d)))],
         ));
     }
     let mut head = vec![let_("dot", Ty::F32, f(0.0))];
@@ -215,7 +256,7 @@ pub fn index_scores(name: &str, origin: &str, layout: CacheLayout, spec: &Sparse
             vec![
                 buffer("index_q", Ty::F32, false),
                 buffer("index_w", Ty::F32, false),
-                buffer("k_cache", Ty::F32, false),
+                buffer("cache", Ty::F32, false),
                 buffer("scores", Ty::F32, true),
                 scalar("tokens", Ty::I32),
                 scalar("first", Ty::I32),
@@ -257,7 +298,7 @@ fn count_keys(counts: &[Count]) -> Vec<Stmt> {
     s
 }
 
-/// Launch 3: each row's cut (`cut[2t]` = T, `cut[2t + 1]` = P; see the module's notes). Counts
+/// Launch 4: each row's cut (`cut[2t]` = T, `cut[2t + 1]` = P; see the module's notes). Counts
 /// are exact in f32 (below 2²⁴ positions).
 pub fn index_select(name: &str, origin: &str, layout: CacheLayout, spec: &SparseMlaSpec) -> Kernel {
     let u = |v: Expr| cast(Ty::U32, v);
@@ -357,16 +398,25 @@ pub fn index_select(name: &str, origin: &str, layout: CacheLayout, spec: &Sparse
     }
 }
 
-/// Launch 4: the split pass over the kept positions, a block per (row, head, split): writes
-/// `templates::attention`'s partials (`value_dim + 2` floats each).
+/// Heads one block of the split pass takes: every head reads the same latent rows, so as many
+/// as registers allow (`group × latent dims per lane` ≤ 32 of each of queries and
+/// accumulators, `templates::attention`'s rule).
+pub fn heads_per_block(spec: &SparseMlaSpec) -> usize {
+    super::attention::heads_per_block(spec.heads, 1, spec.latent_dim)
+}
+
+/// Launch 5: the split pass over the kept positions, a block per (row, group of
+/// [`heads_per_block`] heads, split): writes `templates::attention`'s partials (`latent + 2`
+/// floats each). Query `[q̃ | q_pe]` pre-scaled; a position's latent is each head's key part
+/// and value.
 pub fn sparse_mla_split(name: &str, origin: &str, layout: CacheLayout, spec: &SparseMlaSpec) -> Kernel {
-    let (n, r, v) = (spec.nope_dim, spec.rope_dim, spec.value_dim);
-    let qk = n + r;
-    let (kw, vw) = (spec.key_width(), spec.value_width());
-    let mut body = vec![let_("blocks_per_row", Ty::I32, var("heads"))];
+    let (r, l) = (spec.rope_dim, spec.latent_dim);
+    let group = heads_per_block(spec);
+    let (latent_dims, rope_dims) = (dims_per_lane(l), dims_per_lane(r));
+    let mut body = vec![let_("blocks_per_row", Ty::I32, var("heads") / i(group))];
     body.extend(split_span(layout));
     body.extend([
-        let_("h0", Ty::I32, rem(var("pair"), var("heads"))),
+        let_("h0", Ty::I32, rem(var("pair"), var("blocks_per_row")) * i(group)),
         let_("cut_key", Ty::U32, load("cut", var("t") * int(2))),
         let_(
             "cut_last",
@@ -374,59 +424,66 @@ pub fn sparse_mla_split(name: &str, origin: &str, layout: CacheLayout, spec: &Sp
             cast(Ty::I32, load("cut", var("t") * int(2) + int(1))),
         ),
     ]);
-    // The head's query, `[q_nope | q_pe]` pre-scaled, a dim per lane and 32nd.
-    for d in 0..dims_per_lane(qk) {
-        let q = format!("q{d}");
-        body.push(let_(&q, Ty::F32, f(0.0)));
-        body.extend(guarded(
-            qk,
-            d,
-            vec![if_else(
-                lt(lane_dim(d), i(n)),
-                vec![assign(
-                    &q,
-                    load("q_nope", var("t") * var("qn_stride") + var("h0") * i(n) + lane_dim(d)) * var("scale"),
-                )],
-                vec![assign(
-                    &q,
-                    load(
-                        "q_pe",
-                        var("t") * var("qp_stride") + var("h0") * i(r) + lane_dim(d) - i(n),
-                    ) * var("scale"),
-                )],
-            )],
-        ));
+    // Each head's query, a dim per lane and 32nd of each part.
+    let head = |g: usize| var("h0") + i(g);
+    for g in 0..group {
+        for d in 0..latent_dims {
+            let q = format!("q{g}_{d}");
+            body.push(let_(&q, Ty::F32, f(0.0)));
+            let at = var("t") * i(spec.heads * l) + head(g) * i(l) + lane_dim(d);
+            body.extend(guarded(l, d, vec![assign(&q, load("absorbed", at) * var("scale"))]));
+        }
+        for d in 0..rope_dims {
+            let q = format!("qp{g}_{d}");
+            body.push(let_(&q, Ty::F32, f(0.0)));
+            let at = var("t") * var("qp_stride") + head(g) * i(r) + lane_dim(d);
+            body.extend(guarded(r, d, vec![assign(&q, load("q_pe", at) * var("scale"))]));
+        }
+        for d in 0..latent_dims {
+            body.push(let_(&format!("acc{g}_{d}"), Ty::F32, f(0.0)));
+        }
+        body.extend([
+            let_(&format!("m{g}"), Ty::F32, f(f32::NEG_INFINITY)),
+            let_(&format!("l{g}"), Ty::F32, f(0.0)),
+        ]);
     }
-    for d in 0..dims_per_lane(v) {
-        body.push(let_(&format!("acc0_{d}"), Ty::F32, f(0.0)));
-    }
-    body.extend([let_("m0", Ty::F32, f(f32::NEG_INFINITY)), let_("l0", Ty::F32, f(0.0))]);
-    let mut kept = vec![let_("row", Ty::I32, layout.row(var("j"))), let_("s0", Ty::F32, f(0.0))];
-    for d in 0..dims_per_lane(qk) {
-        let key = |at: Expr| assign("s0", var("s0") + var(&format!("q{d}")) * load("k_cache", at));
-        kept.extend(guarded(
-            qk,
-            d,
-            vec![if_else(
-                lt(lane_dim(d), i(n)),
-                vec![key(var("row") * i(kw) + var("h0") * i(n) + lane_dim(d))],
-                vec![key(var("row") * i(kw) + i(spec.heads * n) + lane_dim(d) - i(n))],
-            )],
-        ));
-    }
-    kept.extend(warp_sum("s0"));
-    for d in 0..dims_per_lane(v) {
+    // The position's row, loaded once: `v{d}` its latent (key part and value), `kp{d}` its
+    // rotary key.
+    let mut kept = vec![let_("row", Ty::I32, layout.row(var("j")) * i(spec.cache_width()))];
+    for d in 0..latent_dims {
         kept.push(let_(&format!("v{d}"), Ty::F32, f(0.0)));
         kept.extend(guarded(
-            v,
+            l,
+            d,
+            vec![assign(&format!("v{d}"), load("cache", var("row") + lane_dim(d)))],
+        ));
+    }
+    for d in 0..rope_dims {
+        kept.push(let_(&format!("kp{d}"), Ty::F32, f(0.0)));
+        kept.extend(guarded(
+            r,
             d,
             vec![assign(
-                &format!("v{d}"),
-                load("v_cache", var("row") * i(vw) + var("h0") * i(v) + lane_dim(d)),
+                &format!("kp{d}"),
+                load("cache", var("row") + i(l) + lane_dim(d)),
             )],
         ));
     }
-    kept.extend(online_softmax_step(0, dims_per_lane(v)));
+    for g in 0..group {
+        let s = format!("s{g}");
+        kept.push(let_(&s, Ty::F32, f(0.0)));
+        for d in 0..latent_dims {
+            kept.push(assign(&s, var(&s) + var(&format!("q{g}_{d}")) * var(&format!("v{d}"))));
+        }
+        for d in 0..rope_dims {
+            kept.push(assign(
+                &s,
+                var(&s) + var(&format!("qp{g}_{d}")) * var(&format!("kp{d}")),
+            ));
+        }
+        kept.extend(warp_sum(&s));
+        kept.extend(online_softmax_step(g, latent_dims));
+    }
     // The key is the same for the whole warp, so is the branch (its shuffles need every lane).
     let key = un(UnOp::OrderedBits, load("scores", var("t") * var("context") + var("j")));
     let position = vec![
@@ -449,25 +506,23 @@ pub fn sparse_mla_split(name: &str, origin: &str, layout: CacheLayout, spec: &Sp
         int(WARPS as i64),
         position,
     ));
-    body.extend(merge_warps(v, 1));
+    body.extend(merge_warps(l, group));
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: latent attention over the indexer's positions, split keys, online softmax, heads of {n} + {r} (values {v}), {}",
+            "{origin}: latent attention over the indexer's positions, split keys, online softmax, latents of {l} + rope {r}, {group} heads a block, {}",
             layout.describe()
         ),
         params: [
             vec![
-                buffer("q_nope", Ty::F32, false),
+                buffer("absorbed", Ty::F32, false),
                 buffer("q_pe", Ty::F32, false),
                 buffer("scores", Ty::F32, false),
                 buffer("cut", Ty::U32, false),
-                buffer("k_cache", Ty::F32, false),
-                buffer("v_cache", Ty::F32, false),
+                buffer("cache", Ty::F32, false),
                 buffer("partial", Ty::F32, true),
                 scalar("tokens", Ty::I32),
                 scalar("first", Ty::I32),
-                scalar("qn_stride", Ty::I32),
                 scalar("qp_stride", Ty::I32),
                 scalar("heads", Ty::I32),
                 scalar("scale", Ty::F32),
@@ -478,12 +533,61 @@ pub fn sparse_mla_split(name: &str, origin: &str, layout: CacheLayout, spec: &Sp
         ]
         .concat(),
         shared: vec![
-            shared_f32("warp_m", WARPS as usize),
-            shared_f32("warp_l", WARPS as usize),
-            shared_f32("warp_acc", WARPS as usize * v),
+            shared_f32("warp_m", WARPS as usize * group),
+            shared_f32("warp_l", WARPS as usize * group),
+            shared_f32("warp_acc", WARPS as usize * group * l),
         ],
         block_dim: BLOCK,
-        grid: var("tokens") * var("heads") * var("splits"),
+        grid: var("tokens") * (var("heads") / i(group)) * var("splits"),
         body,
+    }
+}
+
+/// Launch 7: `out[t, h·value + d] = kv_b[h·(nope + value) + nope + d, :] · latent[t, h·l..]`,
+/// a warp per (row, head, value dim) dotting the weight row with the head's merged latent.
+pub fn mla_expand(name: &str, origin: &str, spec: &SparseMlaSpec, weights: WeightFormat) -> Kernel {
+    let (n, v, l) = (spec.nope_dim, spec.value_dim, spec.latent_dim);
+    let warps = BLOCK as i64 / 32;
+    let outputs = var("tokens") * i(spec.heads * v);
+    let row = var("h") * i(spec.kv_b_rows_per_head()) + i(n) + var("d");
+    let mut output = vec![
+        let_("t", Ty::I32, var("o") / i(spec.heads * v)),
+        let_("h", Ty::I32, rem(var("o"), i(spec.heads * v)) / i(v)),
+        let_("d", Ty::I32, rem(var("o"), i(v))),
+        let_("sum", Ty::F32, f(0.0)),
+        warp_dot_rows(weights, l, &[(row, "sum")], &|c| {
+            load("latent", var("t") * i(spec.heads * l) + var("h") * i(l) + c)
+        }),
+    ];
+    output.extend(warp_sum("sum"));
+    output.push(if_(
+        eq(lane(), int(0)),
+        vec![store(
+            "out",
+            var("t") * i(spec.heads * v) + var("h") * i(v) + var("d"),
+            var("sum"),
+        )],
+    ));
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: latent attention's values out of the latent ({} heads of {l} to {v}), {} weights",
+            spec.heads,
+            weights.describe()
+        ),
+        params: vec![
+            buffer("latent", Ty::F32, false),
+            buffer("w", weights.buffer_ty(), false),
+            buffer("out", Ty::F32, true),
+            scalar("tokens", Ty::I32),
+        ],
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(outputs.clone(), warps),
+        body: vec![
+            let_("o", Ty::I32, bid() * int(warps) + warp()),
+            // Uniform across the warp: every lane shuffles or none.
+            if_(lt(var("o"), outputs), output),
+        ],
     }
 }

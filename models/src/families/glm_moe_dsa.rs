@@ -83,7 +83,8 @@ fn attention(
     let q_nope = per_head(b, q, n + r, 0, n)?;
     let q_pe = per_head(b, q, n + r, n, r)?;
     let q_pe = b.op(rope(heads, r), &[q_pe, positions])?;
-    // Keys and values: the normed latent expanded per head, and one shared rotated key part.
+    // Keys and values: the normed latent (expanded per head by `kv_b_proj`), and one shared
+    // rotated key part.
     let kv_latent = linear(b, h, "kv_a_proj_with_mqa", m.kv_rank + r, c.hidden)?;
     let k_pe = b.op(
         Op::Slice {
@@ -107,9 +108,8 @@ fn attention(
         LATENT_NORM_EPS,
         0.0,
     )?;
-    let kv = linear(b, kv_latent, "kv_b_proj", heads * (n + v), m.kv_rank)?;
-    let k_nope = per_head(b, kv, n + v, 0, n)?;
-    let values = per_head(b, kv, n + v, n, v)?;
+    // Expanded per head by `kv_b_proj` inside the attention, which caches the latent.
+    let kv_b = b.matrix(&name("kv_b_proj.weight"), heads * (n + v), m.kv_rank)?;
     // The indexer.
     let (ih, id) = (m.index_heads, m.index_dim);
     let index_q = linear(b, q_latent, "indexer.wq_b", ih * id, m.q_rank)?;
@@ -127,13 +127,14 @@ fn attention(
         nope_dim: n,
         rope_dim: r,
         value_dim: v,
+        latent_dim: m.kv_rank,
         scale: 1.0 / ((n + r) as f64).sqrt(),
         index_heads: ih,
         index_dim: id,
         index_topk: m.index_topk,
         cache_slot: i,
     };
-    let inputs = [q_nope, q_pe, k_nope, k_pe, values, index_q, index_k, index_weights];
+    let inputs = [q_nope, q_pe, kv_latent, k_pe, kv_b, index_q, index_k, index_weights];
     let a = b.op(Op::SparseMla(spec), &inputs)?;
     linear(b, a, "o_proj", c.hidden, heads * v)
 }

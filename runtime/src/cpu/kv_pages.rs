@@ -183,11 +183,12 @@ impl LayerPages {
     }
 
     /// Store the keys and values of positions `start..start + rows` (`k` is `[rows, dim]`, `v`
-    /// `[rows, v_dim]`) in the blocks of `table`.
+    /// `[rows, v_dim]`; empty where the layer caches no values) in the blocks of `table`.
     pub fn write(&mut self, table: &[BlockId], start: usize, k: &[f32], v: &[f32]) {
         let (dim, v_dim) = (self.dim, self.v_dim);
-        debug_assert_eq!(k.len() / dim.max(1), v.len() / v_dim.max(1));
-        for (i, (k, v)) in k.chunks_exact(dim).zip(v.chunks_exact(v_dim)).enumerate() {
+        debug_assert_eq!(k.len() / dim.max(1) * v_dim, v.len());
+        for (i, k) in k.chunks_exact(dim).enumerate() {
+            let v = &v[i * v_dim..(i + 1) * v_dim];
             let row = cache_row(table, self.block_size, start + i);
             if (row + 1) * dim > self.k.len() {
                 let blocks = row / self.block_size + 1;

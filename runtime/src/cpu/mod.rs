@@ -11,6 +11,7 @@ mod attention;
 pub mod delta_net;
 pub mod int8_head;
 mod kv_pages;
+mod latent_attention;
 mod matrix;
 mod moe;
 mod rope;
@@ -206,7 +207,7 @@ impl CpuBackend {
                     let dim = s.kv_heads * s.head_dim;
                     (s.cache_slot, (dim, dim))
                 }),
-                Op::SparseMla(s) => Some((s.cache_slot, (s.key_width(), s.value_width()))),
+                Op::SparseMla(s) => Some((s.cache_slot, (s.cache_width(), 0))),
                 _ => None,
             };
             if let Some((slot, dims)) = cache {
@@ -500,8 +501,9 @@ impl CpuBackend {
                 )
             }
             Op::SparseMla(spec) => {
-                let inputs: Vec<&Tensor> = args.iter().map(|a| a.value().tensor()).collect();
-                sparse_mla(spec, &inputs, pages, rows)
+                // Input 4 is `kv_b`, a weight; its slot in `x` is never read.
+                let x = std::array::from_fn(|k| args[if k == 4 { 0 } else { k }].value().tensor());
+                latent_attention::sparse_mla(spec, x, args[4].matrix(), pages, rows)
             }
             Op::UnitRmsNorm { eps, group } => {
                 let x = args[0].value().tensor();
@@ -727,37 +729,6 @@ fn gated_delta_net(spec: &ir::DeltaNetSpec, args: &[Arg], pages: &mut KvPages, r
 /// Append the step's MLA keys (`[k_nope | k_pe | index key]`) and values to the spec's cache
 /// layer, then run each query row over the positions its sequence has cached up to it (the
 /// reference's arithmetic), rows spread over the pool.
-fn sparse_mla(spec: &ir::SparseMlaSpec, x: &[&Tensor], pages: &mut KvPages, rows: &StepRows) -> Tensor {
-    let layer = pages.layer_mut(spec.cache_slot);
-    for (seg, r) in rows.segments.iter().zip(&rows.ranges) {
-        let keys: Vec<f32> = r
-            .clone()
-            .flat_map(|t| [x[2].row(t), x[3].row(t), x[6].row(t)].concat())
-            .collect();
-        let values: Vec<f32> = r.clone().flat_map(|t| x[4].row(t).to_vec()).collect();
-        layer.write(seg.table, seg.start, &keys, &values);
-    }
-    let layer = pages.layer(spec.cache_slot);
-    let (kw, vw) = (spec.key_width(), spec.value_width());
-    let block_size = layer.block_size();
-    let mut out = vec![0f32; x[0].rows() * vw];
-    rows::for_row_runs(&mut out, vw, |first, run| {
-        for (i, o) in run.chunks_exact_mut(vw).enumerate() {
-            let t = first + i;
-            let query = &rows.query[t];
-            let candidates: Vec<(&[f32], &[f32])> = (0..=query.pos)
-                .map(|p| {
-                    let row = crate::kv::cache_row(query.table, block_size, p);
-                    (layer.key(row, 0..kw), layer.value(row, 0..vw))
-                })
-                .collect();
-            let q = [x[0].row(t), x[1].row(t), x[5].row(t), x[7].row(t)];
-            o.copy_from_slice(&ops::sparse_mla_query(spec, q, &candidates));
-        }
-    });
-    Tensor::new(vec![x[0].rows(), vw], out)
-}
-
 /// The reference's RMSNorm over groups of `w.len()`, spread over rows.
 fn rms_norm(x: &[f32], w: &[f32], eps: f64, weight_offset: f32, out: &mut [f32]) {
     rows::for_row_runs(out, w.len(), |first, run| {

@@ -102,18 +102,19 @@ pub(super) fn split_partials(node: usize, heads: usize, value_dim: usize, max_to
     }
 }
 
-/// The merge of a split pass's `partial`s into the node's value, `rows` rows of `heads` heads
-/// of `value_dim`.
+/// The merge of a split pass's `partial`s into `out`, `rows` rows of `heads` heads of
+/// `value_dim`.
 pub(super) fn merge_splits(
     operands: &Operands,
     partial: LaunchArg,
+    out: LaunchArg,
     rows: &str,
     heads: usize,
     value_dim: usize,
 ) -> (Kernel, Vec<LaunchArg>) {
     let args = vec![
         partial,
-        operands.out(),
+        out,
         scalar("tokens", rows),
         scalar("heads", heads),
         scalar("splits", attention::splits_expr(rows)),
@@ -250,5 +251,5 @@ fn attend(
         ]);
     }
     s.launches.push((i, split, Alternatives::default(), args));
-    merge_splits(operands, partial, rows, spec.heads, spec.head_dim)
+    merge_splits(operands, partial, operands.out(), rows, spec.heads, spec.head_dim)
 }

@@ -1,9 +1,9 @@
-//! A latent attention node's launches (`templates::sparse_mla`): the step's keys and values
-//! appended to its cache slot (key rows `[k_nope | k_pe | index key]`, value rows of every
-//! head's values: wider than the keys, as `KvLayout::value_bytes_per_token` says), the
-//! indexer's score of every position each row sees (into the plan's position scores), each
-//! row's cut of the positions it keeps, the attention over those split across blocks, and
-//! the merge of the splits.
+//! A latent attention node's launches (`templates::sparse_mla`): each head's query carried
+//! into the latent's space (into scratch), the step's latents appended to its cache slot
+//! (rows `[c | k_pe | index key]`; no value rows, as `KvLayout::value_bytes_per_token` says),
+//! the indexer's score of every position each row sees (into the plan's position scores),
+//! each row's cut of the positions it keeps, the attention over those split across blocks,
+//! the merge of the splits (into scratch), and each head's values out of its merged latent.
 
 use super::kv_attention::{cache_layout_args, merge_splits, split_partials};
 use super::{scalar, Alternatives, Operands, Selected};
@@ -13,8 +13,8 @@ use kernels_gen::dsl::Kernel;
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::{attention, sparse_mla};
 
-/// Pushes the append, scores, cut and split launches; returns the merge of the splits for the
-/// caller to push as the node's own launch.
+/// Pushes the absorb, append, scores, cut, split and merge launches; returns the expansion for
+/// the caller to push as the node's own launch.
 pub(super) fn launches(
     s: &mut Selected,
     operands: &Operands,
@@ -29,7 +29,7 @@ pub(super) fn launches(
         op: "sparse_mla",
         what,
     };
-    let too_wide = [spec.nope_dim + spec.rope_dim, spec.value_dim, spec.index_dim]
+    let too_wide = [spec.latent_dim, spec.rope_dim, spec.index_dim]
         .into_iter()
         .any(|d| d > attention::MAX_HEAD_DIM);
     if too_wide {
@@ -39,20 +39,23 @@ pub(super) fn launches(
         )));
     }
     let layout_args = cache_layout_args(layout, false).map_err(unsupported)?;
-    let (kw, vw) = (spec.key_width(), spec.value_width());
+    // The latent row is the only row a position caches: no value rows.
     s.kv_cache.push(KvLayout {
         slot: spec.cache_slot,
-        kv_dim: kw,
-        bytes_per_token: kw * 4,
-        value_bytes_per_token: Some(vw * 4),
+        kv_dim: spec.cache_width(),
+        bytes_per_token: spec.cache_width() * 4,
+        value_bytes_per_token: Some(0),
     });
     s.position_scores = true;
-    let cache = |value: bool| LaunchArg::KvCache {
+    let cache = LaunchArg::KvCache {
         slot: spec.cache_slot,
-        value,
+        value: false,
     };
-    let [(q_nope, qn_stride), (q_pe, qp_stride), (k_nope, kn_stride), (k_pe, kp_stride), (v, v_stride), (index_q, iq_stride), (index_k, ik_stride), (index_w, iw_stride)] =
-        [0, 1, 2, 3, 4, 5, 6, 7].map(|k| operands.activation(s, k));
+    let [(q_nope, qn_stride), (q_pe, qp_stride), (latent, c_stride), (k_pe, kp_stride)] =
+        [0, 1, 2, 3].map(|k| operands.activation(s, k));
+    let [(index_q, iq_stride), (index_k, ik_stride), (index_w, iw_stride)] =
+        [5, 6, 7].map(|k| operands.activation(s, k));
+    let (kv_b, kv_b_format) = (operands.weight(4), operands.weight_format(4)?);
     let origin = operands.origin();
     let splits = attention::splits_expr(rows);
     let cut = LaunchArg::Scratch {
@@ -60,31 +63,42 @@ pub(super) fn launches(
         name: "cut".into(),
         bytes: max_tokens * 2 * 4,
     };
-    let partial = split_partials(node, spec.heads, spec.value_dim, max_tokens);
+    let per_row = spec.heads * spec.latent_dim;
+    let absorbed = operands.scratch("absorbed", per_row, max_tokens);
+    let merged = operands.scratch("latent", per_row, max_tokens);
+    let partial = split_partials(node, spec.heads, spec.latent_dim, max_tokens);
+    let with_layout = |args: Vec<LaunchArg>| [args, layout_args.clone()].concat();
     let launches = [
         (
-            sparse_mla::mla_append("mla_append", origin, layout, spec),
+            sparse_mla::mla_absorb("mla_absorb", origin, spec, kv_b_format),
             vec![
-                k_nope,
-                k_pe,
-                index_k,
-                v,
-                cache(false),
-                cache(true),
+                q_nope,
+                kv_b.clone(),
+                absorbed.clone(),
                 scalar("tokens", rows),
-                scalar("first", "first"),
-                scalar("kn_stride", kn_stride),
-                scalar("kp_stride", kp_stride),
-                scalar("ik_stride", ik_stride),
-                scalar("v_stride", v_stride),
+                scalar("qn_stride", qn_stride),
             ],
         ),
         (
+            sparse_mla::mla_append("mla_append", origin, layout, spec),
+            with_layout(vec![
+                latent,
+                k_pe,
+                index_k,
+                cache.clone(),
+                scalar("tokens", rows),
+                scalar("first", "first"),
+                scalar("c_stride", c_stride),
+                scalar("kp_stride", kp_stride),
+                scalar("ik_stride", ik_stride),
+            ]),
+        ),
+        (
             sparse_mla::index_scores("index_scores", origin, layout, spec),
-            vec![
+            with_layout(vec![
                 index_q,
                 index_w,
-                cache(false),
+                cache.clone(),
                 LaunchArg::PositionScores,
                 scalar("tokens", rows),
                 scalar("first", "first"),
@@ -92,42 +106,41 @@ pub(super) fn launches(
                 scalar("iw_stride", iw_stride),
                 scalar("context", "context"),
                 scalar("splits", &splits),
-            ],
+            ]),
         ),
         (
             sparse_mla::index_select("index_select", origin, layout, spec),
-            vec![
+            with_layout(vec![
                 LaunchArg::PositionScores,
                 cut.clone(),
                 scalar("tokens", rows),
                 scalar("first", "first"),
                 scalar("context", "context"),
-            ],
+            ]),
         ),
         (
             sparse_mla::sparse_mla_split("sparse_mla", origin, layout, spec),
-            vec![
-                q_nope,
+            with_layout(vec![
+                absorbed,
                 q_pe,
                 LaunchArg::PositionScores,
                 cut,
-                cache(false),
-                cache(true),
+                cache,
                 partial.clone(),
                 scalar("tokens", rows),
                 scalar("first", "first"),
-                scalar("qn_stride", qn_stride),
                 scalar("qp_stride", qp_stride),
                 scalar("heads", spec.heads),
                 scalar("scale", spec.scale as f32),
                 scalar("context", "context"),
                 scalar("splits", &splits),
-            ],
+            ]),
         ),
+        merge_splits(operands, partial, merged.clone(), rows, spec.heads, spec.latent_dim),
     ];
     for (kernel, args) in launches {
-        let args = [args, layout_args.clone()].concat();
         s.launches.push((node, kernel, Alternatives::default(), args));
     }
-    Ok(merge_splits(operands, partial, rows, spec.heads, spec.value_dim))
+    let expand = sparse_mla::mla_expand("mla_expand", origin, spec, kv_b_format);
+    Ok((expand, vec![merged, kv_b, operands.out(), scalar("tokens", rows)]))
 }

@@ -1,0 +1,166 @@
+//! GLM-5's multi-head latent attention (`ir::Op::SparseMla`) over a cache of latents: a
+//! position's cache row is `[c | k_pe | index key]`, and its keys and values, `kv_b · c` per
+//! head, are never formed. Each head's query is carried into the latent's space instead
+//! (DeepSeek's absorbed form): `q̃ = W_UKᵀ · q_nope`, so `q_nope · k_nope = q̃ · c`; the head
+//! attends over the kept positions' latents, and its value is `W_UV · Σ p·c`. The same
+//! numbers as the expanded form up to rounding, at `latent + rope + index` cached values a
+//! position instead of `heads·(nope + value) + rope + index`.
+//!
+//! Every row is computed on its own, in a fixed order: a row's result does not depend on what
+//! shares its step.
+
+use super::kv_pages::KvPages;
+use super::matrix::Matrix;
+use super::{rows, StepRows, Tensor};
+use ir::reference::ops;
+use ir::SparseMlaSpec;
+
+/// The step's latent rows appended to the spec's cache slot, then every row's attention.
+/// `x` holds the op's activations by input index (`x[4]`, the weight, is `kv_b` instead).
+pub(super) fn sparse_mla(
+    spec: &SparseMlaSpec,
+    x: [&Tensor; 8],
+    kv_b: &Matrix,
+    pages: &mut KvPages,
+    rows: &StepRows,
+) -> Tensor {
+    let layer = pages.layer_mut(spec.cache_slot);
+    for (seg, r) in rows.segments.iter().zip(&rows.ranges) {
+        let latents: Vec<f32> = r
+            .clone()
+            .flat_map(|t| [x[2].row(t), x[3].row(t), x[6].row(t)].concat())
+            .collect();
+        layer.write(seg.table, seg.start, &latents, &[]);
+    }
+    let layer = pages.layer(spec.cache_slot);
+    let width = spec.out_width();
+    let mut out = vec![0f32; x[0].rows() * width];
+    rows::for_row_runs(&mut out, width, |first, run| {
+        for (i, o) in run.chunks_exact_mut(width).enumerate() {
+            let t = first + i;
+            let query = Query {
+                q_nope: x[0].row(t),
+                q_pe: x[1].row(t),
+                index_q: x[5].row(t),
+                index_weights: x[7].row(t),
+            };
+            let cached: Vec<&[f32]> = (0..=rows.query[t].pos)
+                .map(|p| {
+                    let row = crate::kv::cache_row(rows.query[t].table, layer.block_size(), p);
+                    layer.key(row, 0..spec.cache_width())
+                })
+                .collect();
+            attend(spec, &query, &cached, kv_b, o);
+        }
+    });
+    Tensor::new(vec![x[0].rows(), width], out)
+}
+
+/// One row's inputs.
+struct Query<'a> {
+    q_nope: &'a [f32],
+    q_pe: &'a [f32],
+    index_q: &'a [f32],
+    index_weights: &'a [f32],
+}
+
+/// Row `q` over the cached rows of the positions it may see (ascending), into `out` (every
+/// head's values).
+fn attend(spec: &SparseMlaSpec, q: &Query, cached: &[&[f32]], kv_b: &Matrix, out: &mut [f32]) {
+    let (n, r, v, l) = (spec.nope_dim, spec.rope_dim, spec.value_dim, spec.latent_dim);
+    let index_keys: Vec<&[f32]> = cached.iter().map(|row| &row[spec.index_key_offset()..]).collect();
+    let kept = ops::sparse_index_kept(spec, q.index_q, q.index_weights, &index_keys);
+    let mut w_row = vec![0f32; l];
+    let mut absorbed = vec![0f32; l];
+    let mut latent_sum = vec![0f32; l];
+    for head in 0..spec.heads {
+        let first_row = head * spec.kv_b_rows_per_head();
+        // q̃ = Σ_i q_nope[i] · W_UK[i, :], rows of kv_b in order.
+        absorbed.fill(0.0);
+        for (i, &qi) in q.q_nope[head * n..(head + 1) * n].iter().enumerate() {
+            let w = kv_b.row_f32(first_row + i, &mut w_row);
+            absorbed.iter_mut().zip(w).for_each(|(a, &w)| *a += qi * w);
+        }
+        let q_pe = &q.q_pe[head * r..(head + 1) * r];
+        let scores: Vec<f32> = kept
+            .iter()
+            .map(|&j| {
+                let (latent, k_pe) = cached[j][..l + r].split_at(l);
+                (dot(&absorbed, latent) + dot(q_pe, k_pe)) * spec.scale as f32
+            })
+            .collect();
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+        let total: f32 = exps.iter().sum();
+        latent_sum.fill(0.0);
+        for (&j, &e) in kept.iter().zip(&exps) {
+            let p = e / total;
+            latent_sum
+                .iter_mut()
+                .zip(&cached[j][..l])
+                .for_each(|(a, &c)| *a += p * c);
+        }
+        for (d, o) in out[head * v..(head + 1) * v].iter_mut().enumerate() {
+            *o = dot(kv_b.row_f32(first_row + n + d, &mut w_row), &latent_sum);
+        }
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::matrix::Storage;
+
+    /// The absorbed form gives the reference's expanded attention (`ops::mla_expand` then
+    /// `ops::sparse_mla_query`), with the indexer keeping fewer positions than it sees.
+    #[test]
+    fn absorbed_attention_matches_the_expanded_reference() {
+        let spec = SparseMlaSpec {
+            heads: 2,
+            nope_dim: 3,
+            rope_dim: 2,
+            value_dim: 4,
+            latent_dim: 5,
+            scale: 0.4,
+            index_heads: 2,
+            index_dim: 3,
+            index_topk: 3,
+            cache_slot: 0,
+        };
+        let mut seed = 7u64;
+        let mut next = move || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        };
+        let mut take = |len: usize| -> Vec<f32> { (0..len).map(|_| next()).collect() };
+        let kv_b_rows = spec.heads * spec.kv_b_rows_per_head();
+        let kv_b = take(kv_b_rows * spec.latent_dim);
+        let cached: Vec<Vec<f32>> = (0..6).map(|_| take(spec.cache_width())).collect();
+        let (q_nope, q_pe) = (take(spec.heads * 3), take(spec.heads * 2));
+        let (index_q, index_weights) = (take(6), take(2));
+        let matrix = Matrix {
+            rows: kv_b_rows,
+            cols: spec.latent_dim,
+            storage: Storage::F32(kv_b.clone()),
+        };
+        let query = Query {
+            q_nope: &q_nope,
+            q_pe: &q_pe,
+            index_q: &index_q,
+            index_weights: &index_weights,
+        };
+        let rows: Vec<&[f32]> = cached.iter().map(|r| &r[..]).collect();
+        let mut got = vec![0f32; spec.out_width()];
+        attend(&spec, &query, &rows, &matrix, &mut got);
+        let expanded: Vec<(Vec<f32>, Vec<f32>)> = cached.iter().map(|r| ops::mla_expand(&spec, &kv_b, r)).collect();
+        let candidates: Vec<(&[f32], &[f32])> = expanded.iter().map(|(k, v)| (&k[..], &v[..])).collect();
+        let want = ops::sparse_mla_query(&spec, [&q_nope, &q_pe, &index_q, &index_weights], &candidates);
+        for (g, w) in got.iter().zip(&want) {
+            assert!((g - w).abs() < 1e-5, "{got:?} against {want:?}");
+        }
+    }
+}
