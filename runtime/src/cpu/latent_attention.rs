@@ -11,38 +11,34 @@
 
 use super::kv_pages::KvPages;
 use super::matrix::Matrix;
-use super::{rows, StepRows, Tensor};
+use super::{rows, Arg, StepRows, Tensor};
 use ir::reference::ops;
 use ir::SparseMlaSpec;
 
 /// The step's latent rows appended to the spec's cache slot, then every row's attention.
-/// `x` holds the op's activations by input index (`x[4]`, the weight, is `kv_b` instead).
-pub(super) fn sparse_mla(
-    spec: &SparseMlaSpec,
-    x: [&Tensor; 8],
-    kv_b: &Matrix,
-    pages: &mut KvPages,
-    rows: &StepRows,
-) -> Tensor {
+/// `args` are the op's inputs (`ir::Op::SparseMla`): activations, and the weight `kv_b` fifth.
+pub(super) fn sparse_mla(spec: &SparseMlaSpec, args: &[Arg], pages: &mut KvPages, rows: &StepRows) -> Tensor {
+    let x = |k: usize| args[k].value().tensor();
+    let kv_b = args[4].matrix();
     let layer = pages.layer_mut(spec.cache_slot);
     for (seg, r) in rows.segments.iter().zip(&rows.ranges) {
         let latents: Vec<f32> = r
             .clone()
-            .flat_map(|t| [x[2].row(t), x[3].row(t), x[6].row(t)].concat())
+            .flat_map(|t| [x(2).row(t), x(3).row(t), x(6).row(t)].concat())
             .collect();
         layer.write(seg.table, seg.start, &latents, &[]);
     }
     let layer = pages.layer(spec.cache_slot);
     let width = spec.out_width();
-    let mut out = vec![0f32; x[0].rows() * width];
+    let mut out = vec![0f32; x(0).rows() * width];
     rows::for_row_runs(&mut out, width, |first, run| {
         for (i, o) in run.chunks_exact_mut(width).enumerate() {
             let t = first + i;
             let query = Query {
-                q_nope: x[0].row(t),
-                q_pe: x[1].row(t),
-                index_q: x[5].row(t),
-                index_weights: x[7].row(t),
+                q_nope: x(0).row(t),
+                q_pe: x(1).row(t),
+                index_q: x(5).row(t),
+                index_weights: x(7).row(t),
             };
             let cached: Vec<&[f32]> = (0..=rows.query[t].pos)
                 .map(|p| {
@@ -53,7 +49,7 @@ pub(super) fn sparse_mla(
             attend(spec, &query, &cached, kv_b, o);
         }
     });
-    Tensor::new(vec![x[0].rows(), width], out)
+    Tensor::new(vec![x(0).rows(), width], out)
 }
 
 /// One row's inputs.

@@ -500,11 +500,7 @@ impl CpuBackend {
                     ops::layer_norm(&x.data, args[1].vector(), args[2].vector(), *eps),
                 )
             }
-            Op::SparseMla(spec) => {
-                // Input 4 is `kv_b`, a weight; its slot in `x` is never read.
-                let x = std::array::from_fn(|k| args[if k == 4 { 0 } else { k }].value().tensor());
-                latent_attention::sparse_mla(spec, x, args[4].matrix(), pages, rows)
-            }
+            Op::SparseMla(spec) => latent_attention::sparse_mla(spec, args, pages, rows),
             Op::UnitRmsNorm { eps, group } => {
                 let x = args[0].value().tensor();
                 Tensor::new(x.shape.clone(), ops::unit_rms_norm(&x.data, *group, *eps))
