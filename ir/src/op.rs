@@ -184,12 +184,13 @@ impl DeltaNetSpec {
 /// head), but only over the `index_topk` earlier positions a light indexer ranks highest.
 ///
 /// Inputs: `q_nope [t, heads·nope]`, `q_pe [t, heads·rope]`, the normed key/value latent
-/// `c [t, latent]`, `k_pe [t, rope]`, the up-projection `kv_b` (weight `[heads·(nope + value),
-/// latent]`: per head its `k_nope` rows, then its value rows), the indexer's queries
-/// `[t, index_heads·index_dim]`, key `[t, index_dim]` and weights `[t, index_heads]`. A
-/// position's keys and values are `kv_b · c`, but the cache keeps `c` itself (DeepSeek's
-/// latent cache): `[c | k_pe | index key]`, `latent + rope + index_dim` values a position
-/// where the expanded keys and values would take `heads·(nope + value) + rope`.
+/// `c [t, latent]`, `k_pe [t, rope]`, the up-projections `k_b` (weight `[heads·latent, nope]`:
+/// each head's `W_UKᵀ`, as llama.cpp stores `attn_k_b`) and `v_b` (`[heads·value, latent]`:
+/// each head's `W_UV`), the indexer's queries `[t, index_heads·index_dim]`, key
+/// `[t, index_dim]` and weights `[t, index_heads]`. A head's key is `[W_UK·c | k_pe]` and its
+/// value `W_UV·c`, but the cache keeps `c` itself (DeepSeek's latent cache):
+/// `[c | k_pe | index key]`, `latent + rope + index_dim` values a position where the
+/// expanded keys and values would take `heads·(nope + value) + rope`.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SparseMlaSpec {
     pub heads: usize,
@@ -220,11 +221,6 @@ impl SparseMlaSpec {
     /// Where a cached row's index key starts.
     pub fn index_key_offset(&self) -> usize {
         self.latent_dim + self.rope_dim
-    }
-
-    /// Rows of `kv_b` a head owns: its `k_nope` rows, then its value rows.
-    pub fn kv_b_rows_per_head(&self) -> usize {
-        self.nope_dim + self.value_dim
     }
 
     /// The output's width: every head's values.
@@ -296,10 +292,11 @@ pub enum Op {
     LayerNorm {
         eps: f64,
     },
-    /// `(q_nope [t, h·n], q_pe [t, h·r], c [t, l], k_pe [t, r], kv_b [h·(n + v), l], index_q
-    /// [t, ih·id], index_k [t, id], index_weights [t, ih]) -> [t, h·v]`: appends the step's
-    /// latents, rotary keys and index keys to the cache slot (keys and values are `kv_b · c`
-    /// per head: `SparseMlaSpec`), then for each query at position p ranks
+    /// `(q_nope [t, h·n], q_pe [t, h·r], c [t, l], k_pe [t, r], k_b [h·l, n], v_b [h·v, l],
+    /// index_q [t, ih·id], index_k [t, id], index_weights [t, ih]) -> [t, h·v]`: appends the
+    /// step's latents, rotary keys and index keys to the cache slot (keys and values come from
+    /// the latents through `k_b` and `v_b`: `SparseMlaSpec`), then for each query at position p
+    /// ranks
     /// the cached positions ≤ p by `Σ_i index_weights[i] · ih^−½ · id^−½ · relu(index_q_i ·
     /// index_k)`, keeps the `index_topk` best (all of them while there are no more; among
     /// equal scores the earlier position), and attends over those (q and k rotated already).
@@ -345,6 +342,15 @@ pub enum Op {
     /// rows, a compile-time weight transform (Qwen3-Next stores its DeltaNet projections
     /// interleaved per key head; this regroups them as q, k, v, z).
     RowGroupSlice {
+        group: usize,
+        start: usize,
+        len: usize,
+    },
+    /// A weight `[g·group, k] -> [g·k, len]`: rows `start..start+len` of every group of `group`
+    /// rows, each group's `[len, k]` block transposed, a compile-time weight transform (GLM-5's
+    /// `kv_b_proj` holds each head's `W_UK` as `[nope, latent]`; latent attention reads it as
+    /// `[latent, nope]`, as llama.cpp's files store it).
+    TransposeRowGroups {
         group: usize,
         start: usize,
         len: usize,
@@ -431,6 +437,7 @@ impl Op {
             Self::Slice { .. } => "slice",
             Self::ConcatRows => "concat_rows",
             Self::RowGroupSlice { .. } => "row_group_slice",
+            Self::TransposeRowGroups { .. } => "transpose_row_groups",
             Self::AddRmsNorm { .. } => "add_rms_norm",
             Self::RmsNormMatMul { .. } => "rms_norm_matmul",
             Self::AddRmsNormMatMul { .. } => "add_rms_norm_matmul",
@@ -465,7 +472,10 @@ impl Op {
     /// Ops that reshape weights at compile time (`concat_rows`, `row_group_slice`): their
     /// results are weights, made once where weights are laid out.
     pub fn is_weight_transform(&self) -> bool {
-        matches!(self, Self::ConcatRows | Self::RowGroupSlice { .. })
+        matches!(
+            self,
+            Self::ConcatRows | Self::RowGroupSlice { .. } | Self::TransposeRowGroups { .. }
+        )
     }
 
     /// Ops that combine values element by element (fusable into one `Elementwise`).
@@ -488,13 +498,14 @@ impl Op {
             Self::Input(_) | Self::Weight { .. } => 0,
             Self::Scale { .. } | Self::Silu | Self::GeluTanh | Self::LastToken => 1,
             Self::Sigmoid | Self::GroupSlice { .. } | Self::RowGroupSlice { .. } | Self::UnitRmsNorm { .. } => 1,
+            Self::TransposeRowGroups { .. } => 1,
             Self::SoftCap { .. } | Self::SharedKvAttention(_) => 1,
             Self::GatedDeltaNet(_) => 6,
             Self::Slice { .. } | Self::Glu { .. } | Self::TopK { .. } => 1,
             Self::Embedding | Self::MatMul | Self::RmsNorm { .. } | Self::Rope(_) | Self::Add | Self::Mul => 2,
             Self::AddBias | Self::ScaleRows => 2,
             Self::LayerNorm { .. } => 3,
-            Self::SparseMla(_) => 8,
+            Self::SparseMla(_) => 9,
             Self::Moe(spec) if spec.has_expert_vector() => 5,
             Self::Moe(_) => 4,
             Self::Int8BoundTopK { .. } => 2,
@@ -651,6 +662,20 @@ impl Op {
                 }
             }
             Self::GatedDeltaNet(spec) => delta_net_shape(spec, inputs),
+            Self::TransposeRowGroups { group, start, len } => {
+                let (n, k) = f32_rows(inputs[0].0)?;
+                let groups = n.as_const().filter(|n| *group > 0 && n % group == 0).map(|n| n / group);
+                match (groups, k.as_const()) {
+                    (Some(g), Some(k)) if *len > 0 && start + len <= *group => {
+                        Ok((Shape::new([Dim::Const(g * k), Dim::Const(*len)]), inputs[0].1))
+                    }
+                    _ => Err(format!(
+                        "transpose_row_groups {start}..{} of groups of {group} in {}",
+                        start + len,
+                        inputs[0].0
+                    )),
+                }
+            }
             Self::RowGroupSlice { group, start, len } => {
                 let (n, k) = f32_rows(inputs[0].0)?;
                 let groups = n.as_const().filter(|n| *group > 0 && n % group == 0).map(|n| n / group);
@@ -808,7 +833,9 @@ impl Op {
                 "heads={}, nope_dim={}, rope_dim={}, value_dim={}, latent_dim={}, scale={}, index_heads={}, index_dim={}, index_topk={}, cache={}",
                 s.heads, s.nope_dim, s.rope_dim, s.value_dim, s.latent_dim, s.scale, s.index_heads, s.index_dim, s.index_topk, s.cache_slot
             ),
-            Self::GroupSlice { group, start, len } | Self::RowGroupSlice { group, start, len } => {
+            Self::GroupSlice { group, start, len }
+            | Self::RowGroupSlice { group, start, len }
+            | Self::TransposeRowGroups { group, start, len } => {
                 format!("group={group}, start={start}, len={len}")
             }
             Self::GatedDeltaNet(d) => {
@@ -912,26 +939,30 @@ fn attention_shape(spec: &AttentionSpec, inputs: &[(&Shape, DType)]) -> Result<(
 fn sparse_mla_shape(spec: &SparseMlaSpec, inputs: &[(&Shape, DType)]) -> Result<(Shape, DType), String> {
     let c = Dim::Const;
     let s = spec;
-    // Row widths of the activations, by input (`None`: input 4, the `kv_b` weight).
-    let widths = [
-        Some(s.heads * s.nope_dim),
-        Some(s.heads * s.rope_dim),
-        Some(s.latent_dim),
-        Some(s.rope_dim),
-        None,
-        Some(s.index_heads * s.index_dim),
-        Some(s.index_dim),
-        Some(s.index_heads),
+    // Each input: an activation's row width, or a weight's shape (`k_b`, `v_b`).
+    enum Fits {
+        Rows(usize),
+        Weight([usize; 2]),
+    }
+    let expected = [
+        Fits::Rows(s.heads * s.nope_dim),
+        Fits::Rows(s.heads * s.rope_dim),
+        Fits::Rows(s.latent_dim),
+        Fits::Rows(s.rope_dim),
+        Fits::Weight([s.heads * s.latent_dim, s.nope_dim]),
+        Fits::Weight([s.heads * s.value_dim, s.latent_dim]),
+        Fits::Rows(s.index_heads * s.index_dim),
+        Fits::Rows(s.index_dim),
+        Fits::Rows(s.index_heads),
     ];
     let t = inputs[0].0 .0.first().copied();
-    let kv_b = [c(s.heads * s.kv_b_rows_per_head()), c(s.latent_dim)];
     let fits = s.heads > 0
         && s.latent_dim > 0
         && s.index_heads > 0
         && s.index_topk > 0
-        && inputs.iter().zip(widths).all(|((shape, dtype), w)| match w {
-            Some(w) => *dtype == DType::F32 && t.is_some_and(|t| shape.0.as_slice() == [t, c(w)]),
-            None => shape.0.as_slice() == kv_b,
+        && inputs.iter().zip(expected).all(|((shape, dtype), want)| match want {
+            Fits::Rows(w) => *dtype == DType::F32 && t.is_some_and(|t| shape.0.as_slice() == [t, c(w)]),
+            Fits::Weight([rows, cols]) => shape.0.as_slice() == [c(rows), c(cols)],
         });
     match (fits, t) {
         (true, Some(t)) => Ok((Shape::new([t, c(s.out_width())]), DType::F32)),

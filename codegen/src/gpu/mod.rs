@@ -173,11 +173,21 @@ pub struct WeightUse {
 
 /// One source weight of a [`WeightUse`]: whole (a plan file names it by its name alone), or
 /// rows `start..start + len` of every group of `group` rows (the IR's `row_group_slice`:
-/// Qwen3-Next's DeltaNet projections, regrouped at compile time).
+/// Qwen3-Next's DeltaNet projections, regrouped at compile time), those rows with each group's
+/// block transposed (`transpose_row_groups`: GLM-5's `W_UK` as latent attention reads it).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum WeightPart {
     Whole(String),
+    // Before `RowGroups`: untagged variants are tried in order, and `RowGroups` would take
+    // this one's fields too, ignoring `transposed`.
+    TransposedRowGroups {
+        name: String,
+        group: usize,
+        start: usize,
+        len: usize,
+        transposed: Transposed,
+    },
     RowGroups {
         name: String,
         group: usize,
@@ -186,22 +196,44 @@ pub enum WeightPart {
     },
 }
 
+/// The marker that tells a [`WeightPart::TransposedRowGroups`] from a
+/// [`WeightPart::RowGroups`] in a plan file (`"transposed": true`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Transposed(bool);
+
+impl Transposed {
+    pub const YES: Transposed = Transposed(true);
+}
+
 impl WeightPart {
     /// The source weight's name.
     pub fn name(&self) -> &str {
         match self {
-            Self::Whole(name) | Self::RowGroups { name, .. } => name,
+            Self::Whole(name) | Self::RowGroups { name, .. } | Self::TransposedRowGroups { name, .. } => name,
         }
     }
 
-    /// The source rows it takes, of a weight of `rows` rows, in order.
+    /// The source rows it takes, of a weight of `rows` rows, in order (before a transposition).
     pub fn rows(&self, rows: usize) -> Vec<std::ops::Range<usize>> {
         match *self {
             Self::Whole(_) => std::iter::once(0..rows).collect(),
-            Self::RowGroups { group, start, len, .. } => (0..rows / group.max(1))
+            Self::RowGroups { group, start, len, .. } | Self::TransposedRowGroups { group, start, len, .. } => (0
+                ..rows / group.max(1))
                 .map(|g| g * group + start..g * group + start + len)
                 .collect(),
         }
+    }
+
+    /// The source elements of a weight of `rows` rows of `cols`, in the order the part holds
+    /// them; `None` where that is its rows' order ([`rows`](Self::rows) says which).
+    pub fn transposed_elements(&self, rows: usize, cols: usize) -> Option<Vec<usize>> {
+        let &Self::TransposedRowGroups { group, start, len, .. } = self else {
+            return None;
+        };
+        let groups = 0..rows / group.max(1);
+        let order = groups
+            .flat_map(|g| (0..cols).flat_map(move |c| (start..start + len).map(move |r| (g * group + r) * cols + c)));
+        Some(order.collect())
     }
 }
 
@@ -216,6 +248,15 @@ impl std::fmt::Display for WeightPart {
                 len,
             } => {
                 write!(f, "{name} (rows {start}..{} of every {group})", start + len)
+            }
+            Self::TransposedRowGroups {
+                name,
+                group,
+                start,
+                len,
+                ..
+            } => {
+                write!(f, "{name} (rows {start}..{} of every {group}, transposed)", start + len)
             }
         }
     }
@@ -584,12 +625,12 @@ fn plan_memory(
 
 #[cfg(test)]
 mod tests {
-    use super::WeightPart;
+    use super::{Transposed, WeightPart};
 
     /// A plan written before parts could regroup rows names its parts as strings: it still
-    /// reads, and regrouped parts round-trip.
+    /// reads, and regrouped parts (transposed or not) round-trip.
     #[test]
-    fn weight_parts_read_plain_names_and_round_trip_row_groups() {
+    fn weight_parts_read_plain_names_and_round_trip_row_groups_transposed_or_not() {
         let parts: Vec<WeightPart> = serde_json::from_str(r#"["a.weight", "b.weight"]"#).unwrap();
         assert_eq!(
             parts,
@@ -607,6 +648,21 @@ mod tests {
         let json = serde_json::to_string(&regrouped).unwrap();
         assert_eq!(serde_json::from_str::<WeightPart>(&json).unwrap(), regrouped);
         assert_eq!(regrouped.rows(12), [2..5, 8..11]);
+        assert_eq!(regrouped.transposed_elements(12, 2), None);
+        let transposed = WeightPart::TransposedRowGroups {
+            name: "kv_b".into(),
+            group: 3,
+            start: 1,
+            len: 2,
+            transposed: Transposed::YES,
+        };
+        let json = serde_json::to_string(&transposed).unwrap();
+        assert_eq!(serde_json::from_str::<WeightPart>(&json).unwrap(), transposed);
+        // Rows 1, 2 and 4, 5 of 6 rows of 2, each pair's [2, 2] block transposed.
+        assert_eq!(
+            transposed.transposed_elements(6, 2),
+            Some(vec![2, 4, 3, 5, 8, 10, 9, 11])
+        );
         let every_row = 0..4;
         assert_eq!(parts[0].rows(4), vec![every_row]);
     }

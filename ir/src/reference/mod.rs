@@ -155,13 +155,13 @@ impl<'w> Interpreter<'w> {
         for t in 0..x[0].rows() {
             slot.k.extend_from_slice(x[2].row(t));
             slot.k.extend_from_slice(x[3].row(t));
-            slot.k.extend_from_slice(x[6].row(t));
+            slot.k.extend_from_slice(x[7].row(t));
         }
         slot.positions.extend_from_slice(positions);
         let expanded: Vec<(Vec<f32>, Vec<f32>)> = slot
             .k
             .chunks_exact(spec.cache_width())
-            .map(|row| ops::mla_expand(spec, &x[4].data, row))
+            .map(|row| ops::mla_expand(spec, &x[4].data, &x[5].data, row))
             .collect();
         let mut out = Vec::with_capacity(x[0].rows() * spec.out_width());
         for (t, &p) in positions.iter().enumerate() {
@@ -169,7 +169,7 @@ impl<'w> Interpreter<'w> {
                 .filter(|&j| slot.positions[j] <= p)
                 .map(|j| (&expanded[j].0[..], &expanded[j].1[..]))
                 .collect();
-            let q = [x[0].row(t), x[1].row(t), x[5].row(t), x[7].row(t)];
+            let q = [x[0].row(t), x[1].row(t), x[6].row(t), x[8].row(t)];
             out.extend(ops::sparse_mla_query(spec, q, &candidates));
         }
         Tensor::new(vec![x[0].rows(), spec.out_width()], out)
@@ -230,6 +230,11 @@ impl<'w> Interpreter<'w> {
                 let w = args[0].tensor();
                 let data = ops::row_group_slice(&w.data, w.row_len(), *group, *start, *len);
                 Tensor::new(vec![data.len() / w.row_len(), w.row_len()], data)
+            }
+            Op::TransposeRowGroups { group, start, len } => {
+                let w = args[0].tensor();
+                let data = ops::transpose_row_groups(&w.data, w.row_len(), *group, *start, *len);
+                Tensor::new(vec![data.len() / len, *len], data)
             }
             Op::Sigmoid => map(args[0].tensor(), ops::sigmoid),
             Op::SoftCap { cap } => map(args[0].tensor(), |x| ops::soft_cap(x, *cap)),

@@ -421,27 +421,37 @@ pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f64) -> Vec<f32> {
     out
 }
 
-/// A cached latent row `[c | k_pe | index key]` of `Op::SparseMla` expanded through `kv_b`
-/// (`[heads·(nope + value), latent]`): the key row `[k_nope (heads·nope) | k_pe | index key]`
-/// and the value row (`heads·value`) that [`sparse_mla_query`] reads. f64 sums, f32 results.
-pub fn mla_expand(spec: &crate::SparseMlaSpec, kv_b: &[f32], row: &[f32]) -> (Vec<f32>, Vec<f32>) {
+/// A cached latent row `[c | k_pe | index key]` of `Op::SparseMla` expanded through `k_b`
+/// (`[heads·latent, nope]`, each head's `W_UKᵀ`) and `v_b` (`[heads·value, latent]`): the key
+/// row `[k_nope (heads·nope) | k_pe | index key]` and the value row (`heads·value`) that
+/// [`sparse_mla_query`] reads. f64 sums, f32 results.
+pub fn mla_expand(spec: &crate::SparseMlaSpec, k_b: &[f32], v_b: &[f32], row: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let (n, v, l) = (spec.nope_dim, spec.value_dim, spec.latent_dim);
     let (latent, rest) = row.split_at(l);
-    let project = |r: usize| {
-        let w = &kv_b[r * l..(r + 1) * l];
+    // k_nope[h, i] = Σ_j W_UK[h][i, j]·c[j], W_UK[h][i, j] = k_b[h·l + j, i].
+    let key_nope = |h: usize, i: usize| {
+        (0..l)
+            .map(|j| k_b[(h * l + j) * n + i] as f64 * latent[j] as f64)
+            .sum::<f64>() as f32
+    };
+    let value = |r: usize| {
+        let w = &v_b[r * l..(r + 1) * l];
         w.iter().zip(latent).map(|(&w, &c)| w as f64 * c as f64).sum::<f64>() as f32
     };
-    let per_head = spec.kv_b_rows_per_head();
     let mut key: Vec<f32> = (0..spec.heads)
-        .flat_map(|h| (0..n).map(move |i| h * per_head + i))
-        .map(project)
+        .flat_map(|h| (0..n).map(move |i| (h, i)))
+        .map(|(h, i)| key_nope(h, i))
         .collect();
     key.extend_from_slice(rest);
-    let values = (0..spec.heads)
-        .flat_map(|h| (0..v).map(move |d| h * per_head + n + d))
-        .map(project)
-        .collect();
-    (key, values)
+    (key, (0..spec.heads * v).map(value).collect())
+}
+
+/// Rows `start..start+len` of every group of `group` rows of `w` (rows of `k`), each group's
+/// `[len, k]` block transposed to `[k, len]`.
+pub fn transpose_row_groups(w: &[f32], k: usize, group: usize, start: usize, len: usize) -> Vec<f32> {
+    w.chunks_exact(group * k)
+        .flat_map(|g| (0..k).flat_map(move |c| (start..start + len).map(move |r| g[r * k + c])))
+        .collect()
 }
 
 /// Which of a query's candidate positions the sparse indexer keeps (ascending), given each
@@ -536,6 +546,16 @@ pub fn top_k(row: &[f32], k: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn transpose_row_groups_transposes_each_groups_picked_rows() {
+        // Two groups of 3 rows of 2; rows 1..3 of each, transposed to [2, 2].
+        let w = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0];
+        assert_eq!(
+            transpose_row_groups(&w, 2, 3, 1, 2),
+            [2.0, 4.0, 3.0, 5.0, 8.0, 10.0, 9.0, 11.0]
+        );
+    }
 
     fn router(per_token: usize, top_groups: usize, normalize: bool) -> crate::MoeSpec {
         crate::MoeSpec {

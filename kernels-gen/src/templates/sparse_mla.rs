@@ -4,8 +4,8 @@
 //! the latent's space (DeepSeek's absorbed form, `q_nope · W_UK c = (W_UKᵀ q_nope) · c`), the
 //! head attends over latents, and its value is `W_UV` times the latents' weighted sum.
 //!
-//! 1. `mla_absorb`: `q̃ = W_UKᵀ q_nope` for each row and head, a thread per latent dim (the
-//!    warp reads 32 neighbouring weights of a `kv_b` row at a time).
+//! 1. `mla_absorb` ([`per_head_gemv`]): `q̃ = W_UKᵀ q_nope` for each row and head, a warp
+//!    per latent dim dotting its row of `k_b` (`[heads·latent, nope]`).
 //! 2. `mla_append`: the step's latent, rotary key and index key into the cache, a thread per
 //!    element.
 //! 3. `index_scores`: each query row's indexer score of every position it sees,
@@ -26,7 +26,8 @@
 //!    row once for the group and its latent serves as key and value.
 //! 6. `attention_combine`: the splits merged (`templates::attention`'s) into every head's
 //!    latent-space output.
-//! 7. `mla_expand`: each head's output through its value rows of `kv_b`, a warp per output.
+//! 7. `mla_expand` ([`per_head_gemv`]): each head's merged latent through its rows of `v_b`,
+//!    a warp per output.
 //!
 //! Scores and softmax in f32; the cache holds f32 rows.
 
@@ -60,47 +61,50 @@ fn split_span(layout: CacheLayout) -> Vec<Stmt> {
     s
 }
 
-/// Launch 1: `q̃[t, h·latent + j] = Σ_i q_nope[t, h·nope + i] · kv_b[h·(nope + value) + i, j]`,
-/// a thread per (row, head, latent dim), the sum in `i` order.
-pub fn mla_absorb(name: &str, origin: &str, spec: &SparseMlaSpec, weights: WeightFormat) -> Kernel {
-    let (n, l) = (spec.nope_dim, spec.latent_dim);
-    let per_row = i(spec.heads * l);
-    let mut term = weights.element(
-        "w_ij",
-        var("h") * i(spec.kv_b_rows_per_head()) + var("k"),
-        i(l),
-        var("j"),
-    );
-    term.push(assign(
-        "acc",
-        var("acc") + load("q_nope", var("t") * var("qn_stride") + var("h") * i(n) + var("k")) * var("w_ij"),
-    ));
-    let body = vec![
-        let_("t", Ty::I32, var("i") / per_row.clone()),
-        let_("h", Ty::I32, rem(var("i"), per_row.clone()) / i(l)),
-        let_("j", Ty::I32, rem(var("i"), i(l))),
-        let_("acc", Ty::F32, f(0.0)),
-        for_("k", int(0), i(n), int(1), term),
-        store("absorbed", var("i"), var("acc")),
+/// Launches 1 and 7: `out[t, h·rows + r] = w[h·rows + r, :] · x[t, h·k..(h + 1)·k]` for each
+/// of `heads` heads (a head's rows of `w` dot that head's slice of the row), a warp per
+/// output. Each head's query into the latent's space (`w` = `k_b`, rows of `nope`: `q̃ =
+/// W_UKᵀ q_nope`), and each head's values out of its merged latent (`w` = `v_b`, rows of
+/// `latent`).
+pub fn per_head_gemv(name: &str, origin: &str, heads: usize, rows: usize, k: usize, weights: WeightFormat) -> Kernel {
+    let warps = BLOCK as i64 / 32;
+    let width = i(heads * rows);
+    let outputs = var("tokens") * width.clone();
+    let mut output = vec![
+        let_("t", Ty::I32, var("o") / width.clone()),
+        let_("hr", Ty::I32, rem(var("o"), width.clone())),
+        let_("h", Ty::I32, var("hr") / i(rows)),
+        let_("sum", Ty::F32, f(0.0)),
+        warp_dot_rows(weights, k, &[(var("hr"), "sum")], &|c| {
+            load("x", var("t") * var("x_stride") + var("h") * i(k) + c)
+        }),
     ];
+    output.extend(warp_sum("sum"));
+    output.push(if_(
+        eq(lane(), int(0)),
+        vec![store("out", var("t") * width + var("hr"), var("sum"))],
+    ));
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: latent attention's queries into the latent ({} heads of {n} to {l}), {} weights",
-            spec.heads,
+            "{origin}: {heads} heads' own {rows} rows of {k} against their slices of each row, {} weights",
             weights.describe()
         ),
         params: vec![
-            buffer("q_nope", Ty::F32, false),
+            buffer("x", Ty::F32, false),
             buffer("w", weights.buffer_ty(), false),
-            buffer("absorbed", Ty::F32, true),
+            buffer("out", Ty::F32, true),
             scalar("tokens", Ty::I32),
-            scalar("qn_stride", Ty::I32),
+            scalar("x_stride", Ty::I32),
         ],
         shared: vec![],
         block_dim: BLOCK,
-        grid: blocks_for(var("tokens") * per_row.clone(), BLOCK as i64),
-        body: per_element(var("tokens") * per_row, body),
+        grid: blocks_for(outputs.clone(), warps),
+        body: vec![
+            let_("o", Ty::I32, bid() * int(warps) + warp()),
+            // Uniform across the warp: every lane shuffles or none.
+            if_(lt(var("o"), outputs), output),
+        ],
     }
 }
 
@@ -540,54 +544,5 @@ pub fn sparse_mla_split(name: &str, origin: &str, layout: CacheLayout, spec: &Sp
         block_dim: BLOCK,
         grid: var("tokens") * (var("heads") / i(group)) * var("splits"),
         body,
-    }
-}
-
-/// Launch 7: `out[t, h·value + d] = kv_b[h·(nope + value) + nope + d, :] · latent[t, h·l..]`,
-/// a warp per (row, head, value dim) dotting the weight row with the head's merged latent.
-pub fn mla_expand(name: &str, origin: &str, spec: &SparseMlaSpec, weights: WeightFormat) -> Kernel {
-    let (n, v, l) = (spec.nope_dim, spec.value_dim, spec.latent_dim);
-    let warps = BLOCK as i64 / 32;
-    let outputs = var("tokens") * i(spec.heads * v);
-    let row = var("h") * i(spec.kv_b_rows_per_head()) + i(n) + var("d");
-    let mut output = vec![
-        let_("t", Ty::I32, var("o") / i(spec.heads * v)),
-        let_("h", Ty::I32, rem(var("o"), i(spec.heads * v)) / i(v)),
-        let_("d", Ty::I32, rem(var("o"), i(v))),
-        let_("sum", Ty::F32, f(0.0)),
-        warp_dot_rows(weights, l, &[(row, "sum")], &|c| {
-            load("latent", var("t") * i(spec.heads * l) + var("h") * i(l) + c)
-        }),
-    ];
-    output.extend(warp_sum("sum"));
-    output.push(if_(
-        eq(lane(), int(0)),
-        vec![store(
-            "out",
-            var("t") * i(spec.heads * v) + var("h") * i(v) + var("d"),
-            var("sum"),
-        )],
-    ));
-    Kernel {
-        name: name.into(),
-        origin: format!(
-            "{origin}: latent attention's values out of the latent ({} heads of {l} to {v}), {} weights",
-            spec.heads,
-            weights.describe()
-        ),
-        params: vec![
-            buffer("latent", Ty::F32, false),
-            buffer("w", weights.buffer_ty(), false),
-            buffer("out", Ty::F32, true),
-            scalar("tokens", Ty::I32),
-        ],
-        shared: vec![],
-        block_dim: BLOCK,
-        grid: blocks_for(outputs.clone(), warps),
-        body: vec![
-            let_("o", Ty::I32, bid() * int(warps) + warp()),
-            // Uniform across the warp: every lane shuffles or none.
-            if_(lt(var("o"), outputs), output),
-        ],
     }
 }

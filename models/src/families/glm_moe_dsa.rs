@@ -108,8 +108,25 @@ fn attention(
         LATENT_NORM_EPS,
         0.0,
     )?;
-    // Expanded per head by `kv_b_proj` inside the attention, which caches the latent.
+    // Expanded per head by `kv_b_proj` inside the attention, which caches the latent: each
+    // head's `W_UK` rows transposed (`k_b`, as llama.cpp stores it) and its `W_UV` rows (`v_b`).
     let kv_b = b.matrix(&name("kv_b_proj.weight"), heads * (n + v), m.kv_rank)?;
+    let k_b = b.op(
+        Op::TransposeRowGroups {
+            group: n + v,
+            start: 0,
+            len: n,
+        },
+        &[kv_b],
+    )?;
+    let v_b = b.op(
+        Op::RowGroupSlice {
+            group: n + v,
+            start: n,
+            len: v,
+        },
+        &[kv_b],
+    )?;
     // The indexer.
     let (ih, id) = (m.index_heads, m.index_dim);
     let index_q = linear(b, q_latent, "indexer.wq_b", ih * id, m.q_rank)?;
@@ -134,7 +151,7 @@ fn attention(
         index_topk: m.index_topk,
         cache_slot: i,
     };
-    let inputs = [q_nope, q_pe, kv_latent, k_pe, kv_b, index_q, index_k, index_weights];
+    let inputs = [q_nope, q_pe, kv_latent, k_pe, k_b, v_b, index_q, index_k, index_weights];
     let a = b.op(Op::SparseMla(spec), &inputs)?;
     linear(b, a, "o_proj", c.hidden, heads * v)
 }

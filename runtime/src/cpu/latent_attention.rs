@@ -16,15 +16,19 @@ use ir::reference::ops;
 use ir::SparseMlaSpec;
 
 /// The step's latent rows appended to the spec's cache slot, then every row's attention.
-/// `args` are the op's inputs (`ir::Op::SparseMla`): activations, and the weight `kv_b` fifth.
+/// `args` are the op's inputs (`ir::Op::SparseMla`): activations, and the weights `k_b` and
+/// `v_b` fifth and sixth.
 pub(super) fn sparse_mla(spec: &SparseMlaSpec, args: &[Arg], pages: &mut KvPages, rows: &StepRows) -> Tensor {
     let x = |k: usize| args[k].value().tensor();
-    let kv_b = args[4].matrix();
+    let up = UpProjections {
+        k_b: args[4].matrix(),
+        v_b: args[5].matrix(),
+    };
     let layer = pages.layer_mut(spec.cache_slot);
     for (seg, r) in rows.segments.iter().zip(&rows.ranges) {
         let latents: Vec<f32> = r
             .clone()
-            .flat_map(|t| [x(2).row(t), x(3).row(t), x(6).row(t)].concat())
+            .flat_map(|t| [x(2).row(t), x(3).row(t), x(7).row(t)].concat())
             .collect();
         layer.write(seg.table, seg.start, &latents, &[]);
     }
@@ -37,8 +41,8 @@ pub(super) fn sparse_mla(spec: &SparseMlaSpec, args: &[Arg], pages: &mut KvPages
             let query = Query {
                 q_nope: x(0).row(t),
                 q_pe: x(1).row(t),
-                index_q: x(5).row(t),
-                index_weights: x(7).row(t),
+                index_q: x(6).row(t),
+                index_weights: x(8).row(t),
             };
             let cached: Vec<&[f32]> = (0..=rows.query[t].pos)
                 .map(|p| {
@@ -46,7 +50,7 @@ pub(super) fn sparse_mla(spec: &SparseMlaSpec, args: &[Arg], pages: &mut KvPages
                     layer.key(row, 0..spec.cache_width())
                 })
                 .collect();
-            attend(spec, &query, &cached, kv_b, o);
+            attend(spec, &query, &cached, &up, o);
         }
     });
     Tensor::new(vec![x(0).rows(), width], out)
@@ -60,22 +64,27 @@ struct Query<'a> {
     index_weights: &'a [f32],
 }
 
+/// The latent's up-projections: `k_b` (`[heads·latent, nope]`, each head's `W_UKᵀ`) and `v_b`
+/// (`[heads·value, latent]`, each head's `W_UV`).
+struct UpProjections<'a> {
+    k_b: &'a Matrix,
+    v_b: &'a Matrix,
+}
+
 /// Row `q` over the cached rows of the positions it may see (ascending), into `out` (every
 /// head's values).
-fn attend(spec: &SparseMlaSpec, q: &Query, cached: &[&[f32]], kv_b: &Matrix, out: &mut [f32]) {
+fn attend(spec: &SparseMlaSpec, q: &Query, cached: &[&[f32]], up: &UpProjections, out: &mut [f32]) {
     let (n, r, v, l) = (spec.nope_dim, spec.rope_dim, spec.value_dim, spec.latent_dim);
     let index_keys: Vec<&[f32]> = cached.iter().map(|row| &row[spec.index_key_offset()..]).collect();
     let kept = ops::sparse_index_kept(spec, q.index_q, q.index_weights, &index_keys);
-    let mut w_row = vec![0f32; l];
+    let (mut k_row, mut v_row) = (vec![0f32; n], vec![0f32; l]);
     let mut absorbed = vec![0f32; l];
     let mut latent_sum = vec![0f32; l];
     for head in 0..spec.heads {
-        let first_row = head * spec.kv_b_rows_per_head();
-        // q̃ = Σ_i q_nope[i] · W_UK[i, :], rows of kv_b in order.
-        absorbed.fill(0.0);
-        for (i, &qi) in q.q_nope[head * n..(head + 1) * n].iter().enumerate() {
-            let w = kv_b.row_f32(first_row + i, &mut w_row);
-            absorbed.iter_mut().zip(w).for_each(|(a, &w)| *a += qi * w);
+        // q̃[j] = W_UKᵀ[j, :] · q_nope: one row of `k_b` a latent dim.
+        let q_nope = &q.q_nope[head * n..(head + 1) * n];
+        for (j, a) in absorbed.iter_mut().enumerate() {
+            *a = dot(up.k_b.row_f32(head * l + j, &mut k_row), q_nope);
         }
         let q_pe = &q.q_pe[head * r..(head + 1) * r];
         let scores: Vec<f32> = kept
@@ -97,7 +106,7 @@ fn attend(spec: &SparseMlaSpec, q: &Query, cached: &[&[f32]], kv_b: &Matrix, out
                 .for_each(|(a, &c)| *a += p * c);
         }
         for (d, o) in out[head * v..(head + 1) * v].iter_mut().enumerate() {
-            *o = dot(kv_b.row_f32(first_row + n + d, &mut w_row), &latent_sum);
+            *o = dot(up.v_b.row_f32(head * v + d, &mut v_row), &latent_sum);
         }
     }
 }
@@ -133,15 +142,20 @@ mod tests {
             ((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         };
         let mut take = |len: usize| -> Vec<f32> { (0..len).map(|_| next()).collect() };
-        let kv_b_rows = spec.heads * spec.kv_b_rows_per_head();
-        let kv_b = take(kv_b_rows * spec.latent_dim);
+        let k_b = take(spec.heads * spec.latent_dim * spec.nope_dim);
+        let v_b = take(spec.heads * spec.value_dim * spec.latent_dim);
         let cached: Vec<Vec<f32>> = (0..6).map(|_| take(spec.cache_width())).collect();
         let (q_nope, q_pe) = (take(spec.heads * 3), take(spec.heads * 2));
         let (index_q, index_weights) = (take(6), take(2));
-        let matrix = Matrix {
-            rows: kv_b_rows,
-            cols: spec.latent_dim,
-            storage: Storage::F32(kv_b.clone()),
+        let matrix = |data: &[f32], cols: usize| Matrix {
+            rows: data.len() / cols,
+            cols,
+            storage: Storage::F32(data.to_vec()),
+        };
+        let (k_matrix, v_matrix) = (matrix(&k_b, spec.nope_dim), matrix(&v_b, spec.latent_dim));
+        let up = UpProjections {
+            k_b: &k_matrix,
+            v_b: &v_matrix,
         };
         let query = Query {
             q_nope: &q_nope,
@@ -151,8 +165,9 @@ mod tests {
         };
         let rows: Vec<&[f32]> = cached.iter().map(|r| &r[..]).collect();
         let mut got = vec![0f32; spec.out_width()];
-        attend(&spec, &query, &rows, &matrix, &mut got);
-        let expanded: Vec<(Vec<f32>, Vec<f32>)> = cached.iter().map(|r| ops::mla_expand(&spec, &kv_b, r)).collect();
+        attend(&spec, &query, &rows, &up, &mut got);
+        let expanded: Vec<(Vec<f32>, Vec<f32>)> =
+            cached.iter().map(|r| ops::mla_expand(&spec, &k_b, &v_b, r)).collect();
         let candidates: Vec<(&[f32], &[f32])> = expanded.iter().map(|(k, v)| (&k[..], &v[..])).collect();
         let want = ops::sparse_mla_query(&spec, [&q_nope, &q_pe, &index_q, &index_weights], &candidates);
         for (g, w) in got.iter().zip(&want) {

@@ -221,6 +221,40 @@ impl Matrix {
         })
     }
 
+    /// Rows `start..start+len` of every group of `group` rows, each group's `[len, cols]` block
+    /// transposed (`TransposeRowGroups`): f32 and bf16 storage keep their values, GGUF blocks
+    /// (which cannot be cut across rows) are widened to f32.
+    pub fn transpose_row_groups(&self, group: usize, start: usize, len: usize) -> Result<Matrix, String> {
+        if group == 0 || !self.rows.is_multiple_of(group) || len == 0 || start + len > group {
+            return Err(format!(
+                "rows {start}..{} of groups of {group} in {} rows",
+                start + len,
+                self.rows
+            ));
+        }
+        let cols = self.cols;
+        // Source element of each output element, in order.
+        let order =
+            move |g: usize| (0..cols).flat_map(move |c| (start..start + len).map(move |r| (g * group + r) * cols + c));
+        let groups = 0..self.rows / group;
+        let storage = match &self.storage {
+            Storage::F32(v) => Storage::F32(groups.flat_map(order).map(|i| v[i]).collect()),
+            Storage::Bf16(v) => Storage::Bf16(groups.flat_map(order).map(|i| v[i]).collect()),
+            Storage::Quant { .. } => {
+                let mut row = vec![0f32; cols];
+                let widened: Vec<f32> = (0..self.rows)
+                    .flat_map(|r| self.row_f32(r, &mut row).to_vec())
+                    .collect();
+                Storage::F32(groups.flat_map(order).map(|i| widened[i]).collect())
+            }
+        };
+        Ok(Matrix {
+            rows: self.rows / group * cols,
+            cols: len,
+            storage,
+        })
+    }
+
     /// Copy row `r` as f32 into `out` (embedding gather).
     pub fn gather_row(&self, r: usize, out: &mut [f32]) {
         if let Storage::F32(v) = &self.storage {
@@ -361,5 +395,32 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Picked rows with each group's block transposed are the reference's, in f32 and bf16
+    /// storage alike (values move, nothing rounds).
+    #[test]
+    fn transposed_row_groups_match_the_reference() {
+        let (rows, cols) = (6, 4);
+        let w: Vec<f32> = (0..rows * cols).map(|i| i as f32 * 0.5).collect();
+        let want = ir::reference::ops::transpose_row_groups(&w, cols, 3, 1, 2);
+        let storages = [
+            Storage::F32(w.clone()),
+            Storage::Bf16(w.iter().map(|&v| bf16::from_f32(v)).collect()),
+        ];
+        for storage in storages {
+            let m = Matrix { rows, cols, storage };
+            let t = m.transpose_row_groups(3, 1, 2).unwrap();
+            assert_eq!((t.rows, t.cols), (2 * cols, 2));
+            let mut row = vec![0f32; 2];
+            let got: Vec<f32> = (0..t.rows).flat_map(|r| t.row_f32(r, &mut row).to_vec()).collect();
+            assert_eq!(got, want);
+        }
+        let m = Matrix {
+            rows,
+            cols,
+            storage: Storage::F32(w),
+        };
+        assert!(m.transpose_row_groups(4, 0, 2).is_err(), "6 rows are not groups of 4");
     }
 }

@@ -603,7 +603,9 @@ impl CpuBackend {
                     .collect();
                 Tensor::new(vec![h.rows(), *k], data)
             }
-            Op::ConcatRows | Op::RowGroupSlice { .. } => unreachable!("weight transforms are folded at load time"),
+            Op::ConcatRows | Op::RowGroupSlice { .. } | Op::TransposeRowGroups { .. } => {
+                unreachable!("weight transforms are folded at load time")
+            }
             Op::Input(_) | Op::Weight { .. } => unreachable!("handled by step"),
         })
     }
@@ -822,13 +824,23 @@ fn release_folded_sources(graph: &Graph, weights: &mut [Option<Arc<CpuWeight>>])
 }
 
 /// Fold the weight transforms of loaded weights into matrices: `RowGroupSlice` picks rows,
-/// `ConcatRows` stacks them (rows are independent in every storage, so both move row bytes).
+/// `ConcatRows` stacks them (rows are independent in every storage, so both move row bytes),
+/// `TransposeRowGroups` transposes picked rows (moving values).
 fn fold_weight_transforms(
     graph: &Graph,
     weights: &mut [Option<Arc<CpuWeight>>],
     cache: &mut WeightCache,
 ) -> Result<()> {
     for (i, node) in graph.nodes().iter().enumerate() {
+        if let Op::TransposeRowGroups { group, start, len } = node.op {
+            let transposed = match weights[node.inputs[0].0].as_deref() {
+                Some(CpuWeight::Matrix(m)) => m.transpose_row_groups(group, start, len),
+                _ => Err("it takes rows of something that is not a weight matrix".into()),
+            };
+            let transposed = transposed.map_err(|e| RuntimeError::Graph(format!("transpose_row_groups %{i}: {e}")))?;
+            weights[i] = Some(Arc::new(CpuWeight::Matrix(transposed)));
+            continue;
+        }
         if let Op::RowGroupSlice { group, start, len } = node.op {
             let source = weights[node.inputs[0].0].clone();
             let key = (

@@ -542,14 +542,30 @@ fn weight_bytes(dtype: DType, parts: &[WeightPart], source: &WeightSource) -> Re
         }
         // Each selected row's units (f32 values, or bytes of blocks) of `units` per row.
         let pick = |units: usize| selected.iter().flat_map(move |r| r.start * units..r.end * units);
+        let cols = view.shape.iter().skip(1).product::<usize>();
+        let transposed = part.transposed_elements(rows, cols);
         match dtype {
             DType::F32 | DType::BF16 => {
                 let values = view.to_f32().data;
-                let values = pick(values.len() / rows).map(|i| values[i]);
+                let order: Box<dyn Iterator<Item = usize>> = match transposed {
+                    Some(order) => Box::new(order.into_iter()),
+                    None => Box::new(pick(values.len() / rows)),
+                };
+                let values = order.map(|i| values[i]);
                 match dtype {
                     DType::F32 => out.extend(values.flat_map(f32::to_le_bytes)),
                     _ => out.extend(values.flat_map(|v| bf16::from_f32(v).to_le_bytes())),
                 }
+            }
+            DType::F16 if models::weights::ir_dtype(view.dtype) == DType::F16 && transposed.is_some() => {
+                let order = transposed.into_iter().flatten();
+                out.extend(order.flat_map(|i| [view.bytes[2 * i], view.bytes[2 * i + 1]]))
+            }
+            _ if transposed.is_some() => {
+                return Err(RuntimeError::Weight(format!(
+                    "{part}: GGUF blocks do not transpose (`{name}` is {})",
+                    view.dtype.name()
+                )))
             }
             quant if models::weights::ir_dtype(view.dtype) == quant => {
                 out.extend(pick(view.bytes.len() / rows).map(|i| view.bytes[i]))

@@ -161,7 +161,7 @@ pub(crate) fn select(
                 }
                 s.views.insert(i, own);
             }
-            Op::Weight { .. } | Op::RowGroupSlice { .. } => s.weights.push(WeightUse {
+            Op::Weight { .. } | Op::RowGroupSlice { .. } | Op::TransposeRowGroups { .. } => s.weights.push(WeightUse {
                 node: i,
                 parts: vec![weight_part(graph, ir::NodeId(i))
                     .ok_or_else(|| unsupported("regroups rows of something that is not a weight".into()))?],
@@ -558,7 +558,8 @@ pub(crate) fn select(
     Ok(s)
 }
 
-/// Node `id` as a part of a weight the plan uploads: a weight, or a row regrouping of one.
+/// Node `id` as a part of a weight the plan uploads: a weight, or a row regrouping of one
+/// (transposed or not).
 fn weight_part(graph: &Graph, id: ir::NodeId) -> Option<super::WeightPart> {
     match &graph.node(id).op {
         Op::Weight { name } => Some(super::WeightPart::Whole(name.clone())),
@@ -568,6 +569,16 @@ fn weight_part(graph: &Graph, id: ir::NodeId) -> Option<super::WeightPart> {
                 group,
                 start,
                 len,
+            }),
+            _ => None,
+        },
+        &Op::TransposeRowGroups { group, start, len } => match &graph.node(graph.node(id).inputs[0]).op {
+            Op::Weight { name } => Some(super::WeightPart::TransposedRowGroups {
+                name: name.clone(),
+                group,
+                start,
+                len,
+                transposed: super::Transposed::YES,
             }),
             _ => None,
         },

@@ -54,8 +54,9 @@ pub(super) fn launches(
     let [(q_nope, qn_stride), (q_pe, qp_stride), (latent, c_stride), (k_pe, kp_stride)] =
         [0, 1, 2, 3].map(|k| operands.activation(s, k));
     let [(index_q, iq_stride), (index_k, ik_stride), (index_w, iw_stride)] =
-        [5, 6, 7].map(|k| operands.activation(s, k));
-    let (kv_b, kv_b_format) = (operands.weight(4), operands.weight_format(4)?);
+        [6, 7, 8].map(|k| operands.activation(s, k));
+    let (k_b, v_b) = (operands.weight(4), operands.weight(5));
+    let (k_b_format, v_b_format) = (operands.weight_format(4)?, operands.weight_format(5)?);
     let origin = operands.origin();
     let splits = attention::splits_expr(rows);
     let cut = LaunchArg::Scratch {
@@ -63,20 +64,21 @@ pub(super) fn launches(
         name: "cut".into(),
         bytes: max_tokens * 2 * 4,
     };
-    let per_row = spec.heads * spec.latent_dim;
+    let l = spec.latent_dim;
+    let per_row = spec.heads * l;
     let absorbed = operands.scratch("absorbed", per_row, max_tokens);
     let merged = operands.scratch("latent", per_row, max_tokens);
     let partial = split_partials(node, spec.heads, spec.latent_dim, max_tokens);
     let with_layout = |args: Vec<LaunchArg>| [args, layout_args.clone()].concat();
     let launches = [
         (
-            sparse_mla::mla_absorb("mla_absorb", origin, spec, kv_b_format),
+            sparse_mla::per_head_gemv("mla_absorb", origin, spec.heads, l, spec.nope_dim, k_b_format),
             vec![
                 q_nope,
-                kv_b.clone(),
+                k_b,
                 absorbed.clone(),
                 scalar("tokens", rows),
-                scalar("qn_stride", qn_stride),
+                scalar("x_stride", qn_stride),
             ],
         ),
         (
@@ -141,6 +143,13 @@ pub(super) fn launches(
     for (kernel, args) in launches {
         s.launches.push((node, kernel, Alternatives::default(), args));
     }
-    let expand = sparse_mla::mla_expand("mla_expand", origin, spec, kv_b_format);
-    Ok((expand, vec![merged, kv_b, operands.out(), scalar("tokens", rows)]))
+    let expand = sparse_mla::per_head_gemv("mla_expand", origin, spec.heads, spec.value_dim, l, v_b_format);
+    let args = vec![
+        merged,
+        v_b,
+        operands.out(),
+        scalar("tokens", rows),
+        scalar("x_stride", per_row),
+    ];
+    Ok((expand, args))
 }
