@@ -515,8 +515,45 @@ fn gemma4_moe_reference_interpreter_matches_hf() {
 /// lowered and fused, computes what the reference interpreter computes.
 #[test]
 fn glm_moe_dsa_matches_hf_where_the_indexer_choice_is_unambiguous() {
+    check_glm_moe_dsa(&open("glm_moe_dsa"), "glm_moe_dsa");
+}
+
+/// GLM-5 as llama.cpp's converter writes it (`glm-dsa`: one KV head of the latent's width in
+/// `key_length`, the per-head sizes in `key_length_mla`/`value_length_mla`, `kv_b_proj` split
+/// into `attn_k_b`, each head's `W_UK` transposed, and `attn_v_b`, the indexer's sizes and
+/// types, experts stacked as for GLM-4.5): the checks of the HF directory, and the CPU
+/// backend's logits bit for bit those of the HF directory (the same weights, transposed by
+/// the converter instead of at load).
+#[test]
+fn glm_moe_dsa_from_llama_cpp_gguf_matches_hf() {
+    let gguf = Model::open(ModelSpec::for_weights(&fixture("gguf-tiny/glm_moe_dsa.gguf"))).unwrap();
+    assert_eq!(gguf.config.family, models::Family::GlmMoeDsa);
+    check_glm_moe_dsa(&gguf, "glm_moe_dsa gguf");
+    let hf = open("glm_moe_dsa");
+    let reference = load_reference("glm_moe_dsa");
+    let logits = |model: &Model| -> Vec<Vec<f32>> {
+        let graph = passes::optimized(&model.lower(LogitsFor::LastToken).unwrap(), passes::CostModel::CPU).unwrap();
+        let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
+        let mut seq = backend.new_sequence();
+        let mut steps = vec![backend.step(&mut seq, &reference.input_ids).unwrap()["logits"]
+            .data
+            .clone()];
+        for _ in 0..reference.greedy_ids.len() {
+            let id = argmax(steps.last().unwrap());
+            steps.push(backend.step(&mut seq, &[id]).unwrap()["logits"].data.clone());
+        }
+        steps
+    };
+    assert_eq!(
+        logits(&gguf),
+        logits(&hf),
+        "the GGUF file computes what the HF directory does"
+    );
+}
+
+/// [`glm_moe_dsa_matches_hf_where_the_indexer_choice_is_unambiguous`]'s checks on `model`.
+fn check_glm_moe_dsa(model: &Model, label: &str) {
     let family = "glm_moe_dsa";
-    let model = open(family);
     let reference = load_reference(family);
     let (v, n) = (reference.vocab, reference.input_ids.len());
     let graph = model.lower(LogitsFor::AllTokens).unwrap();
@@ -534,7 +571,7 @@ fn glm_moe_dsa_matches_hf_where_the_indexer_choice_is_unambiguous() {
     assert_close(
         &rows(&want.data),
         &rows(&reference.logits),
-        "glm_moe_dsa interpreter prompt logits",
+        &format!("{label} interpreter prompt logits"),
     );
     // Greedy continuation from the interpreter's own logits, as the reference for the backend.
     let mut steps = vec![want.row(n - 1).to_vec()];
@@ -543,15 +580,15 @@ fn glm_moe_dsa_matches_hf_where_the_indexer_choice_is_unambiguous() {
         steps.push(interp.step(&graph, &[id], &[n + step]).unwrap()["logits"].data.clone());
     }
     let fused = passes::optimized(&graph, passes::CostModel::CPU).unwrap();
-    for (graph, label) in [(graph.clone(), "lowered"), (fused, "fused")] {
+    for (graph, form) in [(graph.clone(), "lowered"), (fused, "fused")] {
         let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
         let mut seq = backend.new_sequence();
         let got = backend.step(&mut seq, &reference.input_ids).unwrap()["logits"].clone();
-        assert_close(&got.data, &want.data, &format!("glm_moe_dsa {label}: prompt logits"));
+        assert_close(&got.data, &want.data, &format!("{label} {form}: prompt logits"));
         let mut last = got.row(n - 1).to_vec();
         for (step, want_step) in steps.iter().enumerate().skip(1) {
             last = backend.step(&mut seq, &[argmax(&last)]).unwrap()["logits"].data.clone();
-            assert_close(&last, want_step, &format!("glm_moe_dsa {label}: step {step}"));
+            assert_close(&last, want_step, &format!("{label} {form}: step {step}"));
         }
     }
 }

@@ -232,6 +232,42 @@ fn bad_gemma4_gguf_metadata_is_named() {
     assert!(err.contains("rope_freqs") && err.contains("proportional"), "{err}");
 }
 
+/// A GLM-5 GGUF whose layers share an indexer (`indexer.types` with a false), or that leaves
+/// the types unsaid at a context where llama.cpp assumes GLM-5.2's shared indexers, or whose
+/// per-head key is narrower than its rotated part, is refused, naming the key.
+#[test]
+fn unsupported_glm5_gguf_metadata_is_named() {
+    let flags = |v: &[bool]| Some(MetaValue::Array(v.iter().map(|&b| MetaValue::Bool(b)).collect()));
+    // Each case: the edits, the key its error must name, and a word of the error.
+    type Case<'a> = (&'a [(&'a str, Option<MetaValue>)], &'a str, &'a str);
+    let cases: [Case; 3] = [
+        (
+            &[("glm-dsa.attention.indexer.types", flags(&[true, false, true]))],
+            "glm-dsa.attention.indexer.types",
+            "shared",
+        ),
+        (
+            &[
+                ("glm-dsa.attention.indexer.types", None),
+                ("glm-dsa.context_length", Some(MetaValue::U32(1 << 20))),
+            ],
+            "glm-dsa.attention.indexer.types",
+            "GLM-5.2",
+        ),
+        (
+            &[("glm-dsa.attention.key_length_mla", Some(MetaValue::U32(8)))],
+            "glm-dsa.attention.key_length_mla",
+            "less than the rotated",
+        ),
+    ];
+    let unchanged = |_: &str, d: &[u8]| d.to_vec();
+    for (edits, key, want) in cases {
+        let bytes = rewritten_gguf("glm_moe_dsa", edits, unchanged);
+        let err = open_error(&temp("glm5-meta.gguf", &bytes));
+        assert!(err.contains(key) && err.contains(want), "{key}: {err}");
+    }
+}
+
 /// GLM-5 layers that reuse another layer's indexer choices are refused, as are bad sizes.
 #[test]
 fn unsupported_glm5_configs_are_named() {

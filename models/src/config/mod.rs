@@ -58,7 +58,8 @@ impl Family {
             }
             "qwen3_next" | "qwen3next" => Some(Self::Qwen3Next),
             "gemma4" | "gemma4_text" => Some(Self::Gemma4),
-            "glm_moe_dsa" => Some(Self::GlmMoeDsa),
+            // `glm-dsa`: llama.cpp's name.
+            "glm_moe_dsa" | "glm-dsa" => Some(Self::GlmMoeDsa),
             _ => None,
         }
     }
@@ -324,6 +325,55 @@ fn gguf_glm_moe(file: &GgufFile, arch: &str, layers: usize) -> Result<MoeConfig>
     })
 }
 
+/// A GGUF GLM-5's latent attention (llama.cpp's `glm-dsa` keys, as its `DeepseekV2Model`
+/// converter writes them): the ranks, `key_length_mla` = nope + rope and `value_length_mla`
+/// per head, `rope.dimension_count` the rotated part, the indexer's heads, width and top-k.
+/// Layers whose indexer is shared (`indexer.types` false; GLM-5.2, which llama.cpp also
+/// assumes from a context of 1M positions on when the key is absent) are refused.
+fn gguf_mla(file: &GgufFile, arch: &str) -> Result<MlaConfig> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let u = |k: &str| file.require_u64(&key(k)).map(|v| v as usize);
+    let refuse = |k: &str, problem: String| ModelError::Metadata {
+        path: file.path.clone(),
+        key: key(k),
+        problem,
+    };
+    let types = key("attention.indexer.types");
+    match file.get(&types).and_then(|v| v.as_array()) {
+        Some(types) if types.iter().any(|t| t.as_bool() != Some(true)) => {
+            return Err(refuse(
+                "attention.indexer.types",
+                "marks layers whose indexer is shared with another's (GLM-5.2); bbc runs only layers with their own".into(),
+            ))
+        }
+        None if u("context_length")? >= 1 << 20 => {
+            return Err(refuse(
+                "attention.indexer.types",
+                "is absent at a context of 1M positions or more, where llama.cpp takes GLM-5.2's shared indexers; bbc runs only layers with their own".into(),
+            ))
+        }
+        _ => {}
+    }
+    let rope_dim = u("rope.dimension_count")?;
+    let key_dim = u("attention.key_length_mla")?;
+    let nope_dim = key_dim.checked_sub(rope_dim).ok_or_else(|| {
+        refuse(
+            "attention.key_length_mla",
+            format!("is {key_dim}, less than the rotated {rope_dim}"),
+        )
+    })?;
+    Ok(MlaConfig {
+        q_rank: u("attention.q_lora_rank")?,
+        kv_rank: u("attention.kv_lora_rank")?,
+        nope_dim,
+        rope_dim,
+        value_dim: u("attention.value_length_mla")?,
+        index_heads: u("attention.indexer.head_count")?,
+        index_dim: u("attention.indexer.key_length")?,
+        index_topk: u("attention.indexer.top_k")?,
+    })
+}
+
 /// HF's `kv_sharing_modes` (llama.cpp's reading alike): of `layer_attention`'s layers the last
 /// `shared` each read the keys and values of the last earlier layer of their kind that has its
 /// own; `None` for the layers with their own.
@@ -452,18 +502,13 @@ impl ModelConfig {
             path: file.path.clone(),
             key: "general.architecture".into(),
             problem: format!(
-                "is `{arch}`; bbc runs llama, gemma3, gemma4, glm4moe, qwen35, qwen35moe and qwen3next from GGUF"
+                "is `{arch}`; bbc runs llama, gemma3, gemma4, glm4moe, glm-dsa, qwen35, qwen35moe and qwen3next from GGUF"
             ),
         })?;
         // Gemma 4's heads and MLP widths differ by layer: keys of its own.
         if family == Family::Gemma4 {
             return gguf_gemma4::read(file);
         }
-        let hf_only = || ModelError::Metadata {
-            path: file.path.clone(),
-            key: "general.architecture".into(),
-            problem: format!("is {}, which bbc runs from HF safetensors only so far", family.name()),
-        };
         let key = |k: &str| format!("{arch}.{k}");
         let u = |k: &str| file.require_u64(&key(k)).map(|v| v as usize);
         let hidden = u("embedding_length")?;
@@ -480,9 +525,16 @@ impl ModelConfig {
                 key: key("nextn_predict_layers"),
                 problem: format!("{mtp} prediction layers leave none of {blocks} blocks"),
             })?;
-        let head_dim = match file.optional_u64(&key("attention.key_length"))? {
-            Some(d) => d as usize,
-            None => hidden / heads.max(1),
+        let mla = match family {
+            Family::GlmMoeDsa => Some(gguf_mla(file, arch)?),
+            _ => None,
+        };
+        let head_dim = match (file.optional_u64(&key("attention.key_length"))?, &mla) {
+            // Latent attention's `key_length` is the latent's (llama.cpp runs it as one KV head
+            // of latent + rope); the config's head is HF's, the rotated part.
+            (_, Some(m)) => m.rope_dim,
+            (Some(d), None) => d as usize,
+            (None, None) => hidden / heads.max(1),
         };
         let vocab_size = match file.get("tokenizer.ggml.tokens").and_then(|t| t.as_array()) {
             Some(tokens) => tokens.len(),
@@ -496,8 +548,7 @@ impl ModelConfig {
             // (gemma-3 sets query_pre_attn_scalar = head_dim).
             Family::Gemma3 => (gemma3_pattern(layers, 6), 10_000.0, Some(head_dim as f64)),
             Family::Qwen35 | Family::Qwen3Next => (gguf_recurrent_layers(file, arch, layers)?, rope_theta, None),
-            Family::Glm4Moe => (vec![LayerAttention::Full; layers], rope_theta, None),
-            Family::GlmMoeDsa => return Err(hf_only()),
+            Family::Glm4Moe | Family::GlmMoeDsa => (vec![LayerAttention::Full; layers], rope_theta, None),
             Family::Gemma4 => unreachable!("read by gguf_gemma4"),
         };
         let linear_attention = match family {
@@ -507,7 +558,7 @@ impl ModelConfig {
         let moe = match family {
             Family::Qwen3Next => Some(gguf_qwen_moe(file, arch, layers)?),
             Family::Qwen35 if file.get(&key("expert_count")).is_some() => Some(gguf_qwen_moe(file, arch, layers)?),
-            Family::Glm4Moe => Some(gguf_glm_moe(file, arch, layers)?),
+            Family::Glm4Moe | Family::GlmMoeDsa => Some(gguf_glm_moe(file, arch, layers)?),
             _ => None,
         };
         let rope_scale = match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
@@ -520,9 +571,14 @@ impl ModelConfig {
             hidden,
             layers,
             heads,
-            kv_heads: file
-                .optional_u64(&key("attention.head_count_kv"))?
-                .map_or(heads, |v| v as usize),
+            // Latent attention's one KV head is llama.cpp's way of running it; bbc's heads each
+            // have their key and value.
+            kv_heads: match family {
+                Family::GlmMoeDsa => heads,
+                _ => file
+                    .optional_u64(&key("attention.head_count_kv"))?
+                    .map_or(heads, |v| v as usize),
+            },
             head_dim,
             intermediate: match &moe {
                 // A model whose every layer is MoE may leave the dense width unsaid.
@@ -554,7 +610,7 @@ impl ModelConfig {
             moe,
             linear_attention,
             gemma4: None,
-            mla: None,
+            mla,
             // llama.cpp's key for Gemma 2's cap (its Gemma 3 files have none).
             final_logit_softcap: file
                 .optional_f64(&key("final_logit_softcapping"))?

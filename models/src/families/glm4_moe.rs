@@ -3,8 +3,8 @@
 //! `rotary_dim` dims of each head, rotate-half), dense SwiGLU MLPs in the first
 //! `first_k_dense_replace` layers and mixture-of-experts layers after them: DeepSeek-V3's
 //! sigmoid router with grouped choice and a score-correction bias, routed SwiGLU experts
-//! (`Op::Moe`) plus always-on shared experts. HF safetensors only (GGUF stacks its experts,
-//! which bbc does not read yet).
+//! (`Op::Moe`) plus always-on shared experts. From HF safetensors, and from llama.cpp's GGUF
+//! files (`glm4moe`: experts stacked, read by `moe::experts_stacked`).
 
 use super::moe::{mlp, SharedNames};
 use super::{Builder, LayerTensor};

@@ -11,13 +11,28 @@
 //!
 //! RoPE pairs adjacent elements (interleaved), in the attention and the indexer; the indexer
 //! scores `relu(q·k)` per head. The latent norms use HF's default eps (1e-6), not
-//! `rms_norm_eps`. HF safetensors only; `mtp` layers are not used.
+//! `rms_norm_eps`. From HF safetensors, and from llama.cpp's GGUF files (`glm-dsa`: the same
+//! tensors under its names, `kv_b_proj` split by its converter into `attn_k_b`, each head's
+//! `W_UK` transposed, and `attn_v_b`); `mtp` layers are not used.
 
 use super::moe::{mlp, SharedNames};
-use super::{Builder, LayerTensor};
+use super::{Builder, LayerTensor, Naming, TensorNames};
 use crate::config::{MlaConfig, ModelConfig};
 use crate::error::{ModelError, Result};
 use ir::{NodeId, Op, RopeLayout, RopeSpec, SparseMlaSpec};
+
+const Q_A: TensorNames = ("self_attn.q_a_proj.weight", "attn_q_a.weight");
+const Q_A_NORM: TensorNames = ("self_attn.q_a_layernorm.weight", "attn_q_a_norm.weight");
+const Q_B: TensorNames = ("self_attn.q_b_proj.weight", "attn_q_b.weight");
+const KV_A: TensorNames = ("self_attn.kv_a_proj_with_mqa.weight", "attn_kv_a_mqa.weight");
+const KV_A_NORM: TensorNames = ("self_attn.kv_a_layernorm.weight", "attn_kv_a_norm.weight");
+const KV_B: TensorNames = ("self_attn.kv_b_proj.weight", "attn_kv_b.weight");
+const O: TensorNames = ("self_attn.o_proj.weight", "attn_output.weight");
+const INDEX_Q: TensorNames = ("self_attn.indexer.wq_b.weight", "indexer.attn_q_b.weight");
+const INDEX_K: TensorNames = ("self_attn.indexer.wk.weight", "indexer.attn_k.weight");
+const INDEX_K_NORM: TensorNames = ("self_attn.indexer.k_norm.weight", "indexer.k_norm.weight");
+const INDEX_K_NORM_BIAS: TensorNames = ("self_attn.indexer.k_norm.bias", "indexer.k_norm.bias");
+const INDEX_WEIGHTS: TensorNames = ("self_attn.indexer.weights_proj.weight", "indexer.proj.weight");
 
 /// The eps of `q_a_layernorm`, `kv_a_layernorm` (HF's RMSNorm default) and the indexer's
 /// LayerNorm.
@@ -52,7 +67,7 @@ fn attention(
     positions: NodeId,
 ) -> Result<NodeId> {
     let naming = b.naming;
-    let name = |t: &str| naming.hf_layer(i, &format!("self_attn.{t}"));
+    let name = |t: TensorNames| naming.layer_named(i, t);
     let heads = c.heads;
     let (n, r, v) = (m.nope_dim, m.rope_dim, m.value_dim);
     // Interleaved RoPE (`rope_interleave`, `indexer_rope_interleave`: element 2i pairs with
@@ -72,20 +87,20 @@ fn attention(
     let per_head = |b: &mut Builder, x: NodeId, group: usize, start: usize, len: usize| {
         b.op(Op::GroupSlice { group, start, len }, &[x])
     };
-    let linear = |b: &mut Builder, x: NodeId, t: &str, rows: usize, cols: usize| -> Result<NodeId> {
-        let w = b.matrix(&name(&format!("{t}.weight")), rows, cols)?;
+    let linear = |b: &mut Builder, x: NodeId, t: TensorNames, rows: usize, cols: usize| -> Result<NodeId> {
+        let w = b.matrix(&name(t), rows, cols)?;
         b.matmul(x, w)
     };
     // Queries: the normed latent, then per head [nope | rotated].
-    let q_latent = linear(b, h, "q_a_proj", m.q_rank, c.hidden)?;
-    let q_latent = b.rms_norm(q_latent, &name("q_a_layernorm.weight"), m.q_rank, LATENT_NORM_EPS, 0.0)?;
-    let q = linear(b, q_latent, "q_b_proj", heads * (n + r), m.q_rank)?;
+    let q_latent = linear(b, h, Q_A, m.q_rank, c.hidden)?;
+    let q_latent = b.rms_norm(q_latent, &name(Q_A_NORM), m.q_rank, LATENT_NORM_EPS, 0.0)?;
+    let q = linear(b, q_latent, Q_B, heads * (n + r), m.q_rank)?;
     let q_nope = per_head(b, q, n + r, 0, n)?;
     let q_pe = per_head(b, q, n + r, n, r)?;
     let q_pe = b.op(rope(heads, r), &[q_pe, positions])?;
     // Keys and values: the normed latent (expanded per head by `kv_b_proj`), and one shared
     // rotated key part.
-    let kv_latent = linear(b, h, "kv_a_proj_with_mqa", m.kv_rank + r, c.hidden)?;
+    let kv_latent = linear(b, h, KV_A, m.kv_rank + r, c.hidden)?;
     let k_pe = b.op(
         Op::Slice {
             start: m.kv_rank,
@@ -101,16 +116,49 @@ fn attention(
         },
         &[kv_latent],
     )?;
-    let kv_latent = b.rms_norm(
-        kv_latent,
-        &name("kv_a_layernorm.weight"),
-        m.kv_rank,
-        LATENT_NORM_EPS,
-        0.0,
-    )?;
-    // Expanded per head by `kv_b_proj` inside the attention, which caches the latent: each
-    // head's `W_UK` rows transposed (`k_b`, as llama.cpp stores it) and its `W_UV` rows (`v_b`).
-    let kv_b = b.matrix(&name("kv_b_proj.weight"), heads * (n + v), m.kv_rank)?;
+    let kv_latent = b.rms_norm(kv_latent, &name(KV_A_NORM), m.kv_rank, LATENT_NORM_EPS, 0.0)?;
+    let (k_b, v_b) = up_projections(b, m, heads, i)?;
+    // The indexer.
+    let (ih, id) = (m.index_heads, m.index_dim);
+    let index_q = linear(b, q_latent, INDEX_Q, ih * id, m.q_rank)?;
+    let index_q = b.op(rope(ih, id), &[index_q, positions])?;
+    let index_k = linear(b, h, INDEX_K, id, c.hidden)?;
+    let (norm_w, norm_b) = (
+        b.vector(&name(INDEX_K_NORM), id)?,
+        b.vector(&name(INDEX_K_NORM_BIAS), id)?,
+    );
+    let index_k = b.op(Op::LayerNorm { eps: LATENT_NORM_EPS }, &[index_k, norm_w, norm_b])?;
+    let index_k = b.op(rope(1, id), &[index_k, positions])?;
+    let index_weights = linear(b, h, INDEX_WEIGHTS, ih, c.hidden)?;
+    let spec = SparseMlaSpec {
+        heads,
+        nope_dim: n,
+        rope_dim: r,
+        value_dim: v,
+        latent_dim: m.kv_rank,
+        scale: 1.0 / ((n + r) as f64).sqrt(),
+        index_heads: ih,
+        index_dim: id,
+        index_topk: m.index_topk,
+        cache_slot: i,
+    };
+    let inputs = [q_nope, q_pe, kv_latent, k_pe, k_b, v_b, index_q, index_k, index_weights];
+    let a = b.op(Op::SparseMla(spec), &inputs)?;
+    linear(b, a, O, c.hidden, heads * v)
+}
+
+/// Layer `i`'s up-projections of the KV latent as the attention reads them: `k_b` (`[heads·
+/// latent, nope]`, each head's `W_UK` transposed) and `v_b` (`[heads·value, latent]`). As
+/// llama.cpp's converter writes them (`attn_k_b`, `attn_v_b`), or picked from HF's joined
+/// `kv_b_proj` (per head its `W_UK` rows, then its `W_UV` rows; also older GGUF files'
+/// `attn_kv_b`).
+fn up_projections(b: &mut Builder, m: &MlaConfig, heads: usize, i: usize) -> Result<(NodeId, NodeId)> {
+    let (n, v, l) = (m.nope_dim, m.value_dim, m.kv_rank);
+    let split = (format!("blk.{i}.attn_k_b.weight"), format!("blk.{i}.attn_v_b.weight"));
+    if b.naming == Naming::Gguf && b.has_weight(&split.0) {
+        return Ok((b.matrix(&split.0, heads * l, n)?, b.matrix(&split.1, heads * v, l)?));
+    }
+    let kv_b = b.matrix(&b.naming.layer_named(i, KV_B), heads * (n + v), l)?;
     let k_b = b.op(
         Op::TransposeRowGroups {
             group: n + v,
@@ -127,31 +175,5 @@ fn attention(
         },
         &[kv_b],
     )?;
-    // The indexer.
-    let (ih, id) = (m.index_heads, m.index_dim);
-    let index_q = linear(b, q_latent, "indexer.wq_b", ih * id, m.q_rank)?;
-    let index_q = b.op(rope(ih, id), &[index_q, positions])?;
-    let index_k = linear(b, h, "indexer.wk", id, c.hidden)?;
-    let (norm_w, norm_b) = (
-        b.vector(&name("indexer.k_norm.weight"), id)?,
-        b.vector(&name("indexer.k_norm.bias"), id)?,
-    );
-    let index_k = b.op(Op::LayerNorm { eps: LATENT_NORM_EPS }, &[index_k, norm_w, norm_b])?;
-    let index_k = b.op(rope(1, id), &[index_k, positions])?;
-    let index_weights = linear(b, h, "indexer.weights_proj", ih, c.hidden)?;
-    let spec = SparseMlaSpec {
-        heads,
-        nope_dim: n,
-        rope_dim: r,
-        value_dim: v,
-        latent_dim: m.kv_rank,
-        scale: 1.0 / ((n + r) as f64).sqrt(),
-        index_heads: ih,
-        index_dim: id,
-        index_topk: m.index_topk,
-        cache_slot: i,
-    };
-    let inputs = [q_nope, q_pe, kv_latent, k_pe, k_b, v_b, index_q, index_k, index_weights];
-    let a = b.op(Op::SparseMla(spec), &inputs)?;
-    linear(b, a, "o_proj", c.hidden, heads * v)
+    Ok((k_b, v_b))
 }

@@ -2,10 +2,10 @@
 //!
 //! - `gpt2`: byte-level BPE from `tokens` + `merges`. The `pre` key names the pre-tokenizer the
 //!   merges were learned with, by llama.cpp's names: GPT-2's regex (`default`, `gpt2`, or no
-//!   key); `smollm` splits digits one by one before it; `llama-bpe` (Llama 3), `qwen2` and
-//!   `qwen35` split by their tokenizer.json's own regex (digits in threes, one by one, and
-//!   letters with their combining marks). Another name is refused: merges applied to chunks
-//!   split some other way give other ids.
+//!   key); `smollm` splits digits one by one before it; `llama-bpe` (Llama 3; also GLM's
+//!   `glm4`, `glm5`, `chatglm-bpe`), `qwen2` and `qwen35` split by their tokenizer.json's own
+//!   regex (digits in threes, one by one, and letters with their combining marks). Another
+//!   name is refused: merges applied to chunks split some other way give other ids.
 //! - `gemma4`: Gemma 4's BPE, SentencePiece-style (spaces written `▁`, raw UTF-8 rather than a
 //!   byte-level alphabet, `<0xXX>` byte fallback) from `tokens` + `merges`, as llama.cpp runs
 //!   it: text split only into runs of newlines and the rest, a piece that is a whole token
@@ -162,8 +162,15 @@ fn vocab_and_merges(file: &GgufFile, tokens: &[&str]) -> Result<(Vocab, Vec<(Str
 
 fn byte_level_bpe(file: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
     let (vocab, merges) = vocab_and_merges(file, tokens)?;
+    // llama.cpp takes a piece that is a whole token whole under these pre-tokenizers (as
+    // Llama 3's tokenizer.json says, `ignore_merges`).
+    let ignore_merges = matches!(
+        file.get("tokenizer.ggml.pre").and_then(|v| v.as_str()),
+        Some("llama-bpe" | "glm4" | "glm5")
+    );
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
+        .ignore_merges(ignore_merges)
         .build()
         .map_err(tokenizer_error)?;
     let mut tk = tokenizers::Tokenizer::new(bpe);
@@ -195,13 +202,14 @@ fn byte_level_pre_tokenizer(file: &GgufFile) -> Result<PreTokenizerWrapper> {
     match file.get("tokenizer.ggml.pre").and_then(|v| v.as_str()) {
         None | Some("default" | "gpt2") => Ok(gpt2.into()),
         Some("smollm") => Ok(PreSequence::new(vec![Digits::new(true).into(), gpt2.into()]).into()),
-        Some("llama-bpe") => split_then_bytes(LLAMA3_SPLIT),
+        // GLM-4.5's and GLM-5's (llama.cpp's CHATGLM4 regex is Llama 3's, spelled out).
+        Some("llama-bpe" | "glm4" | "glm5" | "chatglm-bpe") => split_then_bytes(LLAMA3_SPLIT),
         Some("qwen2" | "deepseek-r1-qwen") => split_then_bytes(QWEN2_SPLIT),
         Some("qwen35") => split_then_bytes(QWEN35_SPLIT),
         Some(other) => Err(meta_error(
             file,
             "tokenizer.ggml.pre",
-            &format!("is `{other}`, a pre-tokenizer bbc does not know (it knows default, gpt2, smollm, llama-bpe, qwen2 and qwen35)"),
+            &format!("is `{other}`, a pre-tokenizer bbc does not know (it knows default, gpt2, smollm, llama-bpe, glm4, glm5, chatglm-bpe, qwen2 and qwen35)"),
         )),
     }
 }
@@ -334,6 +342,8 @@ mod tests {
         tokens.sort();
         let merges = ["( a", "1 2", "12 3", "4 5", "e Ì"];
         tokens.extend(merges.iter().map(|m| m.replace(' ', "")));
+        // A token no merge reaches.
+        tokens.push("xy".into());
         let strings = |v: Vec<String>| MetaValue::Array(v.into_iter().map(MetaValue::String).collect());
         let bytes = GgufWriter::new()
             .meta("general.alignment", MetaValue::U32(32))
@@ -375,6 +385,8 @@ mod tests {
             pieces("llama-bpe", text),
             want(&["(a", "b", "Ġ", "123", "45", "Ġ", "e", "Ì", "*"])
         );
+        assert_eq!(pieces("glm4", text), pieces("llama-bpe", text));
+        assert_eq!(pieces("glm5", text), pieces("llama-bpe", text));
         assert_eq!(
             pieces("qwen2", text),
             want(&["(a", "b", "Ġ", "1", "2", "3", "4", "5", "Ġ", "e", "Ì", "*"])
@@ -383,6 +395,16 @@ mod tests {
             pieces("qwen35", text),
             want(&["(a", "b", "Ġ", "1", "2", "3", "4", "5", "Ġ", "eÌ", "*"])
         );
+    }
+
+    /// Where llama.cpp ignores merges (Llama 3's and GLM's pre-tokenizers), a chunk that is a
+    /// token is that token, reached by merges or not; elsewhere merges alone build tokens.
+    #[test]
+    fn llama3_and_glm_take_a_chunk_that_is_a_token_whole() {
+        for pre in ["llama-bpe", "glm4", "glm5"] {
+            assert_eq!(pieces(pre, "xy"), ["xy"], "{pre}");
+        }
+        assert_eq!(pieces("qwen2", "xy"), ["x", "y"]);
     }
 
     #[test]
