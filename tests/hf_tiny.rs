@@ -551,6 +551,73 @@ fn glm_moe_dsa_from_llama_cpp_gguf_matches_hf() {
     );
 }
 
+/// Older GLM-5 GGUF files keep `kv_b_proj` whole (`attn_kv_b`, which llama.cpp still loads):
+/// the same file with each layer's `attn_k_b` and `attn_v_b` joined back that way computes the
+/// same logits, the split made at compile time.
+#[test]
+fn glm_moe_dsa_gguf_with_an_unsplit_kv_b_computes_the_same() {
+    use models::gguf::writer::GgufWriter;
+    use models::gguf::GgufFile;
+    let path = fixture("gguf-tiny/glm_moe_dsa.gguf");
+    let file = GgufFile::open(&path).unwrap();
+    let floats = |name: &str| -> Vec<f32> {
+        let info = file.tensor(name).unwrap();
+        file.tensor_data(info)
+            .chunks(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect()
+    };
+    let mut writer = GgufWriter::new();
+    for (key, value) in &file.metadata {
+        writer = writer.meta(key, value.clone());
+    }
+    for t in file
+        .tensors
+        .iter()
+        .filter(|t| !t.name.contains("attn_k_b") && !t.name.contains("attn_v_b"))
+    {
+        writer = writer.tensor(&t.name, &t.dims, t.dtype as u32, file.tensor_data(t).to_vec());
+    }
+    for i in 0..3 {
+        // attn_k_b is [heads, latent, nope] (innermost last here), attn_v_b [heads, value, latent].
+        let k_dims = &file.tensor(&format!("blk.{i}.attn_k_b.weight")).unwrap().dims;
+        let (n, l, h) = (k_dims[0] as usize, k_dims[1] as usize, k_dims[2] as usize);
+        let v = file.tensor(&format!("blk.{i}.attn_v_b.weight")).unwrap().dims[1] as usize;
+        let (k_b, v_b) = (
+            floats(&format!("blk.{i}.attn_k_b.weight")),
+            floats(&format!("blk.{i}.attn_v_b.weight")),
+        );
+        let mut kv_b = Vec::with_capacity(h * (n + v) * l);
+        for head in 0..h {
+            for r in 0..n {
+                kv_b.extend((0..l).map(|j| k_b[(head * l + j) * n + r]));
+            }
+            kv_b.extend_from_slice(&v_b[head * v * l..(head + 1) * v * l]);
+        }
+        let bytes = kv_b.iter().flat_map(|x| x.to_le_bytes()).collect();
+        writer = writer.tensor(
+            &format!("blk.{i}.attn_kv_b.weight"),
+            &[l as u64, (h * (n + v)) as u64],
+            0,
+            bytes,
+        );
+    }
+    let joined = common::scratch_dir("bbc-glm5-kv-b-");
+    let joined_path = joined.path().join("glm_moe_dsa.gguf");
+    std::fs::write(&joined_path, writer.to_bytes()).unwrap();
+    let reference = load_reference("glm_moe_dsa");
+    let prompt_logits = |path: &std::path::Path| {
+        let model = Model::open(ModelSpec::for_weights(path)).unwrap();
+        let graph = model.lower(LogitsFor::AllTokens).unwrap();
+        let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
+        let mut seq = backend.new_sequence();
+        backend.step(&mut seq, &reference.input_ids).unwrap()["logits"]
+            .data
+            .clone()
+    };
+    assert_eq!(prompt_logits(&joined_path), prompt_logits(&path));
+}
+
 /// [`glm_moe_dsa_matches_hf_where_the_indexer_choice_is_unambiguous`]'s checks on `model`.
 fn check_glm_moe_dsa(model: &Model, label: &str) {
     let family = "glm_moe_dsa";
