@@ -529,8 +529,23 @@ fn glm_moe_dsa_from_llama_cpp_gguf_matches_hf() {
     let gguf = Model::open(ModelSpec::for_weights(&fixture("gguf-tiny/glm_moe_dsa.gguf"))).unwrap();
     assert_eq!(gguf.config.family, models::Family::GlmMoeDsa);
     check_glm_moe_dsa(&gguf, "glm_moe_dsa gguf");
-    let hf = open("glm_moe_dsa");
-    let reference = load_reference("glm_moe_dsa");
+    check_gguf_computes_as_hf("glm_moe_dsa", &gguf);
+}
+
+/// The same for GLM-5.2's shared indexers (`indexer.types` false where a layer has none).
+#[test]
+fn glm_moe_dsa_with_shared_indexers_from_gguf_matches_hf() {
+    let gguf = Model::open(ModelSpec::for_weights(&fixture("gguf-tiny/glm_moe_dsa_shared.gguf"))).unwrap();
+    let shared = gguf.config.mla.as_ref().map(|m| m.shared_indexer.clone());
+    assert_eq!(shared, Some(vec![false, true, false, true]));
+    check_gguf_computes_as_hf("glm_moe_dsa_shared", &gguf);
+}
+
+/// `gguf`'s logits through the CPU backend, over the prompt and 12 greedy steps of `family`'s
+/// reference, bit for bit those of the HF directory.
+fn check_gguf_computes_as_hf(family: &str, gguf: &Model) {
+    let hf = open(family);
+    let reference = load_reference(family);
     let logits = |model: &Model| -> Vec<Vec<f32>> {
         let graph = passes::optimized(&model.lower(LogitsFor::LastToken).unwrap(), passes::CostModel::CPU).unwrap();
         let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
@@ -545,7 +560,7 @@ fn glm_moe_dsa_from_llama_cpp_gguf_matches_hf() {
         steps
     };
     assert_eq!(
-        logits(&gguf),
+        logits(gguf),
         logits(&hf),
         "the GGUF file computes what the HF directory does"
     );
@@ -616,6 +631,16 @@ fn glm_moe_dsa_gguf_with_an_unsplit_kv_b_computes_the_same() {
             .clone()
     };
     assert_eq!(prompt_logits(&joined_path), prompt_logits(&path));
+}
+
+/// GLM-5.2's shared indexers (`indexer_types` [full, shared, full, shared]: layers 1 and 3 have
+/// no indexer and keep the positions layers 0 and 2 keep), on a tiny model whose 8 index heads
+/// leave no tie at the cut of 12: HF's logits at every prompt row and cached step, through the
+/// interpreter and the CPU backend.
+#[test]
+fn glm_moe_dsa_with_shared_indexers_matches_hf() {
+    check_reference_interpreter("glm_moe_dsa_shared");
+    check_cpu_backend("glm_moe_dsa_shared");
 }
 
 /// [`glm_moe_dsa_matches_hf_where_the_indexer_choice_is_unambiguous`]'s checks on `model`.

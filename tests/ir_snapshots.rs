@@ -58,6 +58,13 @@ fn glm_moe_dsa_graph() {
     insta::assert_snapshot!(graph_text("glm_moe_dsa", LogitsFor::LastToken));
 }
 
+/// GLM-5.2's shared indexers: layers 1 and 3 take layers 0's and 2's index queries and weights
+/// and rank by their caches' index keys (`index_cache`), with no indexer of their own.
+#[test]
+fn glm_moe_dsa_shared_graph() {
+    insta::assert_snapshot!(graph_text("glm_moe_dsa_shared", LogitsFor::LastToken));
+}
+
 #[test]
 fn lowering_is_deterministic() {
     assert_eq!(

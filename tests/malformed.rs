@@ -232,19 +232,20 @@ fn bad_gemma4_gguf_metadata_is_named() {
     assert!(err.contains("rope_freqs") && err.contains("proportional"), "{err}");
 }
 
-/// A GLM-5 GGUF whose layers share an indexer (`indexer.types` with a false), or that leaves
-/// the types unsaid at a context where llama.cpp assumes GLM-5.2's shared indexers, or whose
-/// per-head key is narrower than its rotated part, is refused, naming the key.
+/// A GLM-5 GGUF whose first layer shares an indexer (there is none before it to share), or
+/// that leaves the indexer types unsaid at a context where llama.cpp assumes GLM-5.2's
+/// pattern of them, or whose per-head key is narrower than its rotated part, is refused,
+/// naming what is wrong.
 #[test]
 fn unsupported_glm5_gguf_metadata_is_named() {
     let flags = |v: &[bool]| Some(MetaValue::Array(v.iter().map(|&b| MetaValue::Bool(b)).collect()));
-    // Each case: the edits, the key its error must name, and a word of the error.
+    // Each case: the edits, and two things its error must name.
     type Case<'a> = (&'a [(&'a str, Option<MetaValue>)], &'a str, &'a str);
     let cases: [Case; 3] = [
         (
-            &[("glm-dsa.attention.indexer.types", flags(&[true, false, true]))],
-            "glm-dsa.attention.indexer.types",
-            "shared",
+            &[("glm-dsa.attention.indexer.types", flags(&[false, true, true]))],
+            "indexer types",
+            "the first shared",
         ),
         (
             &[
@@ -268,13 +269,23 @@ fn unsupported_glm5_gguf_metadata_is_named() {
     }
 }
 
-/// GLM-5 layers that reuse another layer's indexer choices are refused, as are bad sizes.
+/// A GLM-5 config whose first layer shares an indexer, or with an indexer type bbc does not
+/// know, is refused, as are bad sizes.
 #[test]
 fn unsupported_glm5_configs_are_named() {
     check_bad_configs(
         "glm_moe_dsa",
         &[
-            ("indexer_types", serde_json::json!(["full", "shared", "full"]), "shared"),
+            (
+                "indexer_types",
+                serde_json::json!(["shared", "full", "full"]),
+                "the first shared",
+            ),
+            (
+                "indexer_types",
+                serde_json::json!(["full", "sliding", "full"]),
+                "sliding",
+            ),
             ("index_topk", 0.into(), "latent attention"),
             ("mlp_layer_types", serde_json::json!(["dense", "moe", "sparse"]), "moe"),
         ],

@@ -186,11 +186,15 @@ impl DeltaNetSpec {
 /// Inputs: `q_nope [t, heads·nope]`, `q_pe [t, heads·rope]`, the normed key/value latent
 /// `c [t, latent]`, `k_pe [t, rope]`, the up-projections `k_b` (weight `[heads·latent, nope]`:
 /// each head's `W_UKᵀ`, as llama.cpp stores `attn_k_b`) and `v_b` (`[heads·value, latent]`:
-/// each head's `W_UV`), the indexer's queries `[t, index_heads·index_dim]`, key
-/// `[t, index_dim]` and weights `[t, index_heads]`. A head's key is `[W_UK·c | k_pe]` and its
-/// value `W_UV·c`, but the cache keeps `c` itself (DeepSeek's latent cache):
-/// `[c | k_pe | index key]`, `latent + rope + index_dim` values a position where the
-/// expanded keys and values would take `heads·(nope + value) + rope`.
+/// each head's `W_UV`), the indexer's queries `[t, index_heads·index_dim]` and weights
+/// `[t, index_heads]`, and, where the layer has its own indexer, its key `[t, index_dim]`. A
+/// head's key is `[W_UK·c | k_pe]` and its value `W_UV·c`, but the cache keeps `c` itself
+/// (DeepSeek's latent cache): `[c | k_pe | index key]`, `latent + rope + index_dim` values a
+/// position where the expanded keys and values would take `heads·(nope + value) + rope`.
+///
+/// A layer without an indexer of its own (GLM-5.2's "shared" layers) keeps the positions the
+/// previous full layer keeps: its queries and weights are that layer's, and so are the index
+/// keys, read from that layer's cache (`index_slot`); its own rows are `[c | k_pe]`.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct SparseMlaSpec {
     pub heads: usize,
@@ -210,12 +214,27 @@ pub struct SparseMlaSpec {
     pub index_topk: usize,
     /// Which cache this attention appends to and reads (one per layer).
     pub cache_slot: usize,
+    /// Which cache holds the index keys it ranks positions by: `cache_slot` where the layer has
+    /// its own indexer, else the full layer's whose choice it shares.
+    pub index_slot: usize,
 }
 
 impl SparseMlaSpec {
-    /// A cached position's row: `[c (latent) | k_pe (rope) | index key (index_dim)]`.
+    /// Whether the layer ranks positions with an indexer of its own (and caches its keys).
+    pub fn has_own_indexer(&self) -> bool {
+        self.index_slot == self.cache_slot
+    }
+
+    /// A cached position's row: `[c (latent) | k_pe (rope) | index key (index_dim)]`, without
+    /// the index key where the layer shares another's indexer.
     pub fn cache_width(&self) -> usize {
-        self.latent_dim + self.rope_dim + self.index_dim
+        let index = if self.has_own_indexer() { self.index_dim } else { 0 };
+        self.latent_dim + self.rope_dim + index
+    }
+
+    /// Inputs: 8, and the index keys where the layer has its own indexer.
+    pub fn arity(&self) -> usize {
+        8 + usize::from(self.has_own_indexer())
     }
 
     /// Where a cached row's index key starts.
@@ -293,10 +312,10 @@ pub enum Op {
         eps: f64,
     },
     /// `(q_nope [t, h·n], q_pe [t, h·r], c [t, l], k_pe [t, r], k_b [h·l, n], v_b [h·v, l],
-    /// index_q [t, ih·id], index_k [t, id], index_weights [t, ih]) -> [t, h·v]`: appends the
-    /// step's latents, rotary keys and index keys to the cache slot (keys and values come from
-    /// the latents through `k_b` and `v_b`: `SparseMlaSpec`), then for each query at position p
-    /// ranks
+    /// index_q [t, ih·id], index_weights [t, ih], index_k [t, id] where the layer has its own
+    /// indexer) -> [t, h·v]`: appends the step's latents, rotary keys and index keys to the
+    /// cache slot (keys and values come from the latents through `k_b` and `v_b`:
+    /// `SparseMlaSpec`), then for each query at position p ranks
     /// the cached positions ≤ p by `Σ_i index_weights[i] · ih^−½ · id^−½ · relu(index_q_i ·
     /// index_k)`, keeps the `index_topk` best (all of them while there are no more; among
     /// equal scores the earlier position), and attends over those (q and k rotated already).
@@ -505,7 +524,7 @@ impl Op {
             Self::Embedding | Self::MatMul | Self::RmsNorm { .. } | Self::Rope(_) | Self::Add | Self::Mul => 2,
             Self::AddBias | Self::ScaleRows => 2,
             Self::LayerNorm { .. } => 3,
-            Self::SparseMla(_) => 9,
+            Self::SparseMla(spec) => spec.arity(),
             Self::Moe(spec) if spec.has_expert_vector() => 5,
             Self::Moe(_) => 4,
             Self::Int8BoundTopK { .. } => 2,
@@ -829,10 +848,16 @@ impl Op {
             Self::Int8BoundTopK { k, soft_cap: Some(cap) } => format!("k={k}, soft_cap={cap}"),
             Self::UnitRmsNorm { eps, group } => format!("eps={eps:e}, group={group}"),
             Self::LayerNorm { eps } => format!("eps={eps:e}"),
-            Self::SparseMla(s) => format!(
-                "heads={}, nope_dim={}, rope_dim={}, value_dim={}, latent_dim={}, scale={}, index_heads={}, index_dim={}, index_topk={}, cache={}",
-                s.heads, s.nope_dim, s.rope_dim, s.value_dim, s.latent_dim, s.scale, s.index_heads, s.index_dim, s.index_topk, s.cache_slot
-            ),
+            Self::SparseMla(s) => {
+                let mut text = format!(
+                    "heads={}, nope_dim={}, rope_dim={}, value_dim={}, latent_dim={}, scale={}, index_heads={}, index_dim={}, index_topk={}, cache={}",
+                    s.heads, s.nope_dim, s.rope_dim, s.value_dim, s.latent_dim, s.scale, s.index_heads, s.index_dim, s.index_topk, s.cache_slot
+                );
+                if !s.has_own_indexer() {
+                    text += &format!(", index_cache={}", s.index_slot);
+                }
+                text
+            }
             Self::GroupSlice { group, start, len }
             | Self::RowGroupSlice { group, start, len }
             | Self::TransposeRowGroups { group, start, len } => {
@@ -952,15 +977,17 @@ fn sparse_mla_shape(spec: &SparseMlaSpec, inputs: &[(&Shape, DType)]) -> Result<
         Fits::Weight([s.heads * s.latent_dim, s.nope_dim]),
         Fits::Weight([s.heads * s.value_dim, s.latent_dim]),
         Fits::Rows(s.index_heads * s.index_dim),
-        Fits::Rows(s.index_dim),
         Fits::Rows(s.index_heads),
+        Fits::Rows(s.index_dim),
     ];
+    let expected = &expected[..s.arity()];
     let t = inputs[0].0 .0.first().copied();
     let fits = s.heads > 0
         && s.latent_dim > 0
         && s.index_heads > 0
         && s.index_topk > 0
-        && inputs.iter().zip(expected).all(|((shape, dtype), want)| match want {
+        && inputs.len() == expected.len()
+        && inputs.iter().zip(expected).all(|((shape, dtype), want)| match *want {
             Fits::Rows(w) => *dtype == DType::F32 && t.is_some_and(|t| shape.0.as_slice() == [t, c(w)]),
             Fits::Weight([rows, cols]) => shape.0.as_slice() == [c(rows), c(cols)],
         });

@@ -56,6 +56,7 @@ proptest! {
             index_dim: 2,
             index_topk: topk,
             cache_slot: 0,
+            index_slot: 0,
         };
         let kernel = sparse_mla::index_select("index_select", "test", CacheLayout::Contiguous, &spec);
         let mut bufs = HashMap::from([

@@ -147,29 +147,42 @@ impl<'w> Interpreter<'w> {
         attention_over_slot(spec, q, slot, &positions[positions.len() - rows..])
     }
 
-    /// Append the step's latent rows (`[c | k_pe | index key]`) to the spec's cache slot,
-    /// then run every query over the positions it may see, their keys and values expanded from
-    /// the latents (`ops::mla_expand`).
+    /// Append the step's latent rows (`[c | k_pe | index key]`, without the key where the layer
+    /// shares another's indexer) to the spec's cache slot, then run every query over the
+    /// positions it may see, their keys and values expanded from the latents
+    /// (`ops::mla_expand`), ranked by the index keys in the spec's `index_slot`.
     fn sparse_mla(&mut self, spec: &crate::SparseMlaSpec, x: &[&Tensor], positions: &[usize]) -> Tensor {
         let slot = self.caches.entry(spec.cache_slot).or_default();
         for t in 0..x[0].rows() {
             slot.k.extend_from_slice(x[2].row(t));
             slot.k.extend_from_slice(x[3].row(t));
-            slot.k.extend_from_slice(x[7].row(t));
+            if spec.has_own_indexer() {
+                slot.k.extend_from_slice(x[8].row(t));
+            }
         }
         slot.positions.extend_from_slice(positions);
+        let slot = &self.caches[&spec.cache_slot];
         let expanded: Vec<(Vec<f32>, Vec<f32>)> = slot
             .k
             .chunks_exact(spec.cache_width())
             .map(|row| ops::mla_expand(spec, &x[4].data, &x[5].data, row))
             .collect();
+        // The index keys' slot caches the same positions, in the same order, with rows of the
+        // full layer's width.
+        let index = &self.caches[&spec.index_slot];
+        let index_width = spec.latent_dim + spec.rope_dim + spec.index_dim;
+        let index_key = |j: usize| &index.k[j * index_width + spec.index_key_offset()..(j + 1) * index_width];
         let mut out = Vec::with_capacity(x[0].rows() * spec.out_width());
         for (t, &p) in positions.iter().enumerate() {
-            let candidates: Vec<(&[f32], &[f32])> = (0..slot.positions.len())
+            let candidates: Vec<ops::MlaCandidate> = (0..slot.positions.len())
                 .filter(|&j| slot.positions[j] <= p)
-                .map(|j| (&expanded[j].0[..], &expanded[j].1[..]))
+                .map(|j| ops::MlaCandidate {
+                    key: &expanded[j].0,
+                    value: &expanded[j].1,
+                    index_key: index_key(j),
+                })
                 .collect();
-            let q = [x[0].row(t), x[1].row(t), x[6].row(t), x[8].row(t)];
+            let q = [x[0].row(t), x[1].row(t), x[6].row(t), x[7].row(t)];
             out.extend(ops::sparse_mla_query(spec, q, &candidates));
         }
         Tensor::new(vec![x[0].rows(), spec.out_width()], out)

@@ -421,13 +421,14 @@ pub fn layer_norm(x: &[f32], w: &[f32], b: &[f32], eps: f64) -> Vec<f32> {
     out
 }
 
-/// A cached latent row `[c | k_pe | index key]` of `Op::SparseMla` expanded through `k_b`
+/// A cached latent row `[c | k_pe | …]` of `Op::SparseMla` expanded through `k_b`
 /// (`[heads·latent, nope]`, each head's `W_UKᵀ`) and `v_b` (`[heads·value, latent]`): the key
-/// row `[k_nope (heads·nope) | k_pe | index key]` and the value row (`heads·value`) that
-/// [`sparse_mla_query`] reads. f64 sums, f32 results.
+/// row `[k_nope (heads·nope) | k_pe]` and the value row (`heads·value`) of an
+/// [`MlaCandidate`]. f64 sums, f32 results.
 pub fn mla_expand(spec: &crate::SparseMlaSpec, k_b: &[f32], v_b: &[f32], row: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let (n, v, l) = (spec.nope_dim, spec.value_dim, spec.latent_dim);
     let (latent, rest) = row.split_at(l);
+    let k_pe = &rest[..spec.rope_dim];
     // k_nope[h, i] = Σ_j W_UK[h][i, j]·c[j], W_UK[h][i, j] = k_b[h·l + j, i].
     let key_nope = |h: usize, i: usize| {
         (0..l)
@@ -442,7 +443,7 @@ pub fn mla_expand(spec: &crate::SparseMlaSpec, k_b: &[f32], v_b: &[f32], row: &[
         .flat_map(|h| (0..n).map(move |i| (h, i)))
         .map(|(h, i)| key_nope(h, i))
         .collect();
-    key.extend_from_slice(rest);
+    key.extend_from_slice(k_pe);
     (key, (0..spec.heads * v).map(value).collect())
 }
 
@@ -485,14 +486,23 @@ fn dot(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
 }
 
-/// One query of `Op::SparseMla` over `candidates`, the cached positions it may see (ascending;
-/// each a key row `[k_nope | k_pe | index key]` and a value row, expanded by [`mla_expand`]):
-/// the indexer keeps the `index_topk` best, and every head attends over those. `q` is the
-/// query's row of each input: `[q_nope, q_pe, index_q, index_weights]`. f64 accumulation.
-pub fn sparse_mla_query(spec: &crate::SparseMlaSpec, q: [&[f32]; 4], candidates: &[(&[f32], &[f32])]) -> Vec<f32> {
+/// A cached position as [`sparse_mla_query`] reads it: its expanded key row
+/// `[k_nope (heads·nope) | k_pe]` and value row ([`mla_expand`]), and the index key it is
+/// ranked by.
+pub struct MlaCandidate<'a> {
+    pub key: &'a [f32],
+    pub value: &'a [f32],
+    pub index_key: &'a [f32],
+}
+
+/// One query of `Op::SparseMla` over `candidates`, the cached positions it may see
+/// (ascending): the indexer keeps the `index_topk` best, and every head attends over those.
+/// `q` is the query's row of each input: `[q_nope, q_pe, index_q, index_weights]`. f64
+/// accumulation.
+pub fn sparse_mla_query(spec: &crate::SparseMlaSpec, q: [&[f32]; 4], candidates: &[MlaCandidate]) -> Vec<f32> {
     let [q_nope, q_pe, index_q, index_weights] = q;
     let (h, n, r, v) = (spec.heads, spec.nope_dim, spec.rope_dim, spec.value_dim);
-    let index_keys: Vec<&[f32]> = candidates.iter().map(|(key, _)| &key[h * n + r..]).collect();
+    let index_keys: Vec<&[f32]> = candidates.iter().map(|c| c.index_key).collect();
     let kept = sparse_index_kept(spec, index_q, index_weights, &index_keys);
     let mut out = vec![0f32; h * v];
     for head in 0..h {
@@ -500,7 +510,7 @@ pub fn sparse_mla_query(spec: &crate::SparseMlaSpec, q: [&[f32]; 4], candidates:
         let scores: Vec<f64> = kept
             .iter()
             .map(|&j| {
-                let key = candidates[j].0;
+                let key = candidates[j].key;
                 (dot(qn, &key[head * n..(head + 1) * n]) + dot(qp, &key[h * n..h * n + r])) * spec.scale
             })
             .collect();
@@ -511,7 +521,7 @@ pub fn sparse_mla_query(spec: &crate::SparseMlaSpec, q: [&[f32]; 4], candidates:
             let acc: f64 = kept
                 .iter()
                 .zip(&exps)
-                .map(|(&j, &e)| e * candidates[j].1[head * v + d] as f64)
+                .map(|(&j, &e)| e * candidates[j].value[head * v + d] as f64)
                 .sum();
             *o = (acc / total) as f32;
         }

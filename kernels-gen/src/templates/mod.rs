@@ -396,6 +396,7 @@ const GLM5_MLA: ir::SparseMlaSpec = ir::SparseMlaSpec {
     index_dim: 128,
     index_topk: 2048,
     cache_slot: 0,
+    index_slot: 0,
 };
 
 /// One instance of every template, as the code generator would emit them: what snapshot tests,

@@ -7,7 +7,8 @@
 //! 1. `mla_absorb` ([`per_head_gemv`]): `q̃ = W_UKᵀ q_nope` for each row and head, a warp
 //!    per latent dim dotting its row of `k_b` (`[heads·latent, nope]`).
 //! 2. `mla_append`: the step's latent, rotary key and index key into the cache, a thread per
-//!    element.
+//!    element. A layer sharing another's indexer (GLM-5.2) caches no index key and skips 3 and
+//!    4: it reads that layer's cut, and the position scores it left.
 //! 3. `index_scores`: each query row's indexer score of every position it sees,
 //!    `Σ_i w_i · relu(q_i · k)` (the weights pre-scaled by `(ih·id)^−½`), into a buffer of a
 //!    row per step row and a column per context position. A block per (row, split of its
@@ -108,7 +109,8 @@ pub fn per_head_gemv(name: &str, origin: &str, heads: usize, rows: usize, k: usi
     }
 }
 
-/// Launch 2: row `t` of each source into its position's cache row `[c | k_pe | index key]`.
+/// Launch 2: row `t` of each source into its position's cache row `[c | k_pe | index key]`
+/// (`[c | k_pe]` where the layer shares another's indexer).
 pub fn mla_append(name: &str, origin: &str, layout: CacheLayout, spec: &SparseMlaSpec) -> Kernel {
     let (l, rope) = (spec.latent_dim, spec.rope_dim);
     let width = i(spec.cache_width());
@@ -119,6 +121,14 @@ pub fn mla_append(name: &str, origin: &str, layout: CacheLayout, spec: &SparseMl
             load(src, var("t") * var(stride) + var("c") - i(from)),
         )]
     };
+    let rest = match spec.has_own_indexer() {
+        true => vec![if_else(
+            lt(var("c"), i(l + rope)),
+            column("k_pe", "kp_stride", l),
+            column("index_k", "ik_stride", l + rope),
+        )],
+        false => column("k_pe", "kp_stride", l),
+    };
     let body = [
         vec![
             let_("t", Ty::I32, var("i") / width.clone()),
@@ -127,39 +137,32 @@ pub fn mla_append(name: &str, origin: &str, layout: CacheLayout, spec: &SparseMl
         layout.prologue(var("t")),
         vec![
             let_("row", Ty::I32, layout.row(layout.position(var("t")))),
-            if_else(
-                lt(var("c"), i(l)),
-                column("latent", "c_stride", 0),
-                vec![if_else(
-                    lt(var("c"), i(l + rope)),
-                    column("k_pe", "kp_stride", l),
-                    column("index_k", "ik_stride", l + rope),
-                )],
-            ),
+            if_else(lt(var("c"), i(l)), column("latent", "c_stride", 0), rest),
         ],
     ]
     .concat();
+    let mut params = vec![buffer("latent", Ty::F32, false), buffer("k_pe", Ty::F32, false)];
+    if spec.has_own_indexer() {
+        params.push(buffer("index_k", Ty::F32, false));
+    }
+    params.extend([
+        buffer("cache", Ty::F32, true),
+        scalar("tokens", Ty::I32),
+        scalar("first", Ty::I32),
+        scalar("c_stride", Ty::I32),
+        scalar("kp_stride", Ty::I32),
+    ]);
+    if spec.has_own_indexer() {
+        params.push(scalar("ik_stride", Ty::I32));
+    }
+    let rows = match spec.has_own_indexer() {
+        true => "[c | k_pe | index key]",
+        false => "[c | k_pe]",
+    };
     Kernel {
         name: name.into(),
-        origin: format!(
-            "{origin}: append latent attention's rows [c | k_pe | index key], {}",
-            layout.describe()
-        ),
-        params: [
-            vec![
-                buffer("latent", Ty::F32, false),
-                buffer("k_pe", Ty::F32, false),
-                buffer("index_k", Ty::F32, false),
-                buffer("cache", Ty::F32, true),
-                scalar("tokens", Ty::I32),
-                scalar("first", Ty::I32),
-                scalar("c_stride", Ty::I32),
-                scalar("kp_stride", Ty::I32),
-                scalar("ik_stride", Ty::I32),
-            ],
-            layout.params(),
-        ]
-        .concat(),
+        origin: format!("{origin}: append latent attention's rows {rows}, {}", layout.describe()),
+        params: [params, layout.params()].concat(),
         shared: vec![],
         block_dim: BLOCK,
         grid: blocks_for(var("tokens") * width.clone(), BLOCK as i64),

@@ -116,7 +116,7 @@ pub struct ModelConfig {
 }
 
 /// Multi-head latent attention with DeepSeek's sparse indexer (GLM-5; HF names).
-#[derive(Debug, Clone, Copy, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct MlaConfig {
     pub q_rank: usize,      // q_lora_rank
     pub kv_rank: usize,     // kv_lora_rank
@@ -126,6 +126,9 @@ pub struct MlaConfig {
     pub index_heads: usize, // index_n_heads
     pub index_dim: usize,   // index_head_dim
     pub index_topk: usize,  // index_topk
+    /// Per layer: whether it keeps the previous full layer's choice of positions instead of
+    /// running an indexer of its own (`indexer_types` "shared", GLM-5.2).
+    pub shared_indexer: Vec<bool>,
 }
 
 /// What Gemma 4 adds to a Gemma-style config (HF `config.json` names in the comments).
@@ -328,9 +331,11 @@ fn gguf_glm_moe(file: &GgufFile, arch: &str, layers: usize) -> Result<MoeConfig>
 /// A GGUF GLM-5's latent attention (llama.cpp's `glm-dsa` keys, as its `DeepseekV2Model`
 /// converter writes them): the ranks, `key_length_mla` = nope + rope and `value_length_mla`
 /// per head, `rope.dimension_count` the rotated part, the indexer's heads, width and top-k.
-/// Layers whose indexer is shared (`indexer.types` false; GLM-5.2, which llama.cpp also
-/// assumes from a context of 1M positions on when the key is absent) are refused.
-fn gguf_mla(file: &GgufFile, arch: &str) -> Result<MlaConfig> {
+/// `indexer.types` marks the layers with an indexer of their own (true) and those sharing the
+/// previous full layer's (false; GLM-5.2). Where the key is absent llama.cpp takes every layer
+/// as full below a context of 1M positions and GLM-5.2's own pattern from there on; bbc takes
+/// the first and refuses the second, naming the key.
+fn gguf_mla(file: &GgufFile, arch: &str, layers: usize) -> Result<MlaConfig> {
     let key = |k: &str| format!("{arch}.{k}");
     let u = |k: &str| file.require_u64(&key(k)).map(|v| v as usize);
     let refuse = |k: &str, problem: String| ModelError::Metadata {
@@ -338,22 +343,22 @@ fn gguf_mla(file: &GgufFile, arch: &str) -> Result<MlaConfig> {
         key: key(k),
         problem,
     };
-    let types = key("attention.indexer.types");
-    match file.get(&types).and_then(|v| v.as_array()) {
-        Some(types) if types.iter().any(|t| t.as_bool() != Some(true)) => {
-            return Err(refuse(
-                "attention.indexer.types",
-                "marks layers whose indexer is shared with another's (GLM-5.2); bbc runs only layers with their own".into(),
-            ))
-        }
+    let shared_indexer = match file.get(&key("attention.indexer.types")).and_then(|v| v.as_array()) {
+        // The model's own layers (prediction layers, where counted, come after them).
+        Some(types) => types
+            .iter()
+            .take(layers)
+            .map(|t| t.as_bool().map(|full| !full))
+            .collect::<Option<Vec<bool>>>()
+            .ok_or_else(|| refuse("attention.indexer.types", "holds something other than true or false".into()))?,
         None if u("context_length")? >= 1 << 20 => {
             return Err(refuse(
                 "attention.indexer.types",
-                "is absent at a context of 1M positions or more, where llama.cpp takes GLM-5.2's shared indexers; bbc runs only layers with their own".into(),
+                "is absent at a context of 1M positions or more, where llama.cpp assumes GLM-5.2's pattern of shared indexers; write the types into the file".into(),
             ))
         }
-        _ => {}
-    }
+        None => vec![false; layers],
+    };
     let rope_dim = u("rope.dimension_count")?;
     let key_dim = u("attention.key_length_mla")?;
     let nope_dim = key_dim.checked_sub(rope_dim).ok_or_else(|| {
@@ -363,6 +368,7 @@ fn gguf_mla(file: &GgufFile, arch: &str) -> Result<MlaConfig> {
         )
     })?;
     Ok(MlaConfig {
+        shared_indexer,
         q_rank: u("attention.q_lora_rank")?,
         kv_rank: u("attention.kv_lora_rank")?,
         nope_dim,
@@ -526,7 +532,7 @@ impl ModelConfig {
                 problem: format!("{mtp} prediction layers leave none of {blocks} blocks"),
             })?;
         let mla = match family {
-            Family::GlmMoeDsa => Some(gguf_mla(file, arch)?),
+            Family::GlmMoeDsa => Some(gguf_mla(file, arch, layers)?),
             _ => None,
         };
         let head_dim = match (file.optional_u64(&key("attention.key_length"))?, &mla) {
@@ -717,7 +723,7 @@ impl ModelConfig {
             },
             gemma4,
             mla: match family {
-                Family::GlmMoeDsa => Some(cfg.mla()?),
+                Family::GlmMoeDsa => Some(cfg.mla(layers)?),
                 _ => None,
             },
             final_logit_softcap: cfg.opt_f64("final_logit_softcapping")?.map(|cap| cap as f32),
@@ -787,6 +793,14 @@ impl ModelConfig {
             if dims.contains(&0) || !m.rope_dim.is_multiple_of(2) || m.rope_dim > m.index_dim {
                 return Err(bad(format!(
                     "latent attention {m:?}: every size must be positive, the rope width even and within the index head"
+                )));
+            }
+            if m.shared_indexer.len() != self.layers || m.shared_indexer.first() == Some(&true) {
+                return Err(bad(format!(
+                    "{} indexer types for {} layers, the first {}: one a layer, and a layer can share only an earlier layer's indexer",
+                    m.shared_indexer.len(),
+                    self.layers,
+                    if m.shared_indexer.first() == Some(&true) { "shared" } else { "full" }
                 )));
             }
         }
@@ -1030,16 +1044,23 @@ impl HfConfig<'_> {
         })
     }
 
-    fn mla(&self) -> Result<MlaConfig> {
-        // A "shared" layer reuses the previous layer's choices, which bbc does not do yet.
-        if let Some(types) = self.json.get("indexer_types").and_then(|v| v.as_array()) {
-            if let Some(other) = types.iter().find(|t| t.as_str() != Some("full")) {
-                return Err(self.error(&format!(
-                    "indexer_types holds {other}: bbc runs only layers with their own indexer (\"full\")"
-                )));
-            }
-        }
+    fn mla(&self, layers: usize) -> Result<MlaConfig> {
+        // "full": the layer's own indexer; "shared": the previous full layer's choice.
+        let shared_indexer = match self.json.get("indexer_types").and_then(|v| v.as_array()) {
+            None => vec![false; layers],
+            Some(types) => types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("full") => Ok(false),
+                    Some("shared") => Ok(true),
+                    _ => Err(self.error(&format!(
+                        "indexer_types holds {t}: a layer's indexer is \"full\" or \"shared\""
+                    ))),
+                })
+                .collect::<Result<_>>()?,
+        };
         Ok(MlaConfig {
+            shared_indexer,
             q_rank: self.usize("q_lora_rank")?,
             kv_rank: self.usize("kv_lora_rank")?,
             nope_dim: self.usize("qk_nope_head_dim")?,

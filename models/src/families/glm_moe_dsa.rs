@@ -7,7 +7,8 @@
 //! - the sparse indexer (DSA): light queries from the query latent (`indexer.wq_b`), one key
 //!   per position (`indexer.wk`, LayerNorm, RoPE on its first `qk_rope_head_dim`), per-head
 //!   weights (`indexer.weights_proj`); each query attends only to the `index_topk` earlier
-//!   positions they rank highest (`Op::SparseMla`).
+//!   positions they rank highest (`Op::SparseMla`). GLM-5.2's "shared" layers have no indexer:
+//!   they keep the positions the previous full layer keeps.
 //!
 //! RoPE pairs adjacent elements (interleaved), in the attention and the indexer; the indexer
 //! scores `relu(q·k)` per head. The latent norms use HF's default eps (1e-6), not
@@ -43,12 +44,13 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         name: "config".into(),
         what: format!("a glm_moe_dsa model needs its {what} settings"),
     };
-    let mla = c.mla.ok_or_else(|| missing("latent attention"))?;
+    let mla = c.mla.as_ref().ok_or_else(|| missing("latent attention"))?;
     c.moe.as_ref().ok_or_else(|| missing("MoE"))?;
     let (_, positions, mut x) = b.token_embeddings(c)?;
+    let mut indexer = None;
     for i in 0..c.layers {
         let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::AttnNorm), c.hidden, c.rms_eps, 0.0)?;
-        let a = attention(c, &mla, b, i, h, positions)?;
+        let a = attention(c, mla, b, i, h, positions, &mut indexer)?;
         x = b.add(x, a)?;
         let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::FfnNorm), c.hidden, c.rms_eps, 0.0)?;
         let m = mlp(c, b, i, h, SharedNames::Experts)?;
@@ -57,7 +59,17 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     b.lm_head(c, x, 0.0)
 }
 
-/// Latent attention of layer `i` over the normed `h`, through `o_proj`.
+/// The last full layer's indexer, which the layers sharing it rank positions with: its cache
+/// slot (holding the index keys) and the step's index queries and weights.
+#[derive(Clone, Copy)]
+struct Indexer {
+    slot: usize,
+    queries: NodeId,
+    weights: NodeId,
+}
+
+/// Latent attention of layer `i` over the normed `h`, through `o_proj`. A layer with its own
+/// indexer makes it the one `indexer` holds; a layer sharing one ranks with that.
 fn attention(
     c: &ModelConfig,
     m: &MlaConfig,
@@ -65,6 +77,7 @@ fn attention(
     i: usize,
     h: NodeId,
     positions: NodeId,
+    indexer: &mut Option<Indexer>,
 ) -> Result<NodeId> {
     let naming = b.naming;
     let name = |t: TensorNames| naming.layer_named(i, t);
@@ -118,18 +131,40 @@ fn attention(
     )?;
     let kv_latent = b.rms_norm(kv_latent, &name(KV_A_NORM), m.kv_rank, LATENT_NORM_EPS, 0.0)?;
     let (k_b, v_b) = up_projections(b, m, heads, i)?;
-    // The indexer.
     let (ih, id) = (m.index_heads, m.index_dim);
-    let index_q = linear(b, q_latent, INDEX_Q, ih * id, m.q_rank)?;
-    let index_q = b.op(rope(ih, id), &[index_q, positions])?;
-    let index_k = linear(b, h, INDEX_K, id, c.hidden)?;
-    let (norm_w, norm_b) = (
-        b.vector(&name(INDEX_K_NORM), id)?,
-        b.vector(&name(INDEX_K_NORM_BIAS), id)?,
-    );
-    let index_k = b.op(Op::LayerNorm { eps: LATENT_NORM_EPS }, &[index_k, norm_w, norm_b])?;
-    let index_k = b.op(rope(1, id), &[index_k, positions])?;
-    let index_weights = linear(b, h, INDEX_WEIGHTS, ih, c.hidden)?;
+    let mut inputs = vec![q_nope, q_pe, kv_latent, k_pe, k_b, v_b];
+    let ranking = match (m.shared_indexer[i], *indexer) {
+        (true, Some(last_full)) => last_full,
+        (true, None) => {
+            return Err(ModelError::TensorShape {
+                name: "config".into(),
+                what: format!("layer {i} shares an indexer, but no earlier layer has one"),
+            })
+        }
+        (false, _) => {
+            // The layer's own indexer.
+            let index_q = linear(b, q_latent, INDEX_Q, ih * id, m.q_rank)?;
+            let index_q = b.op(rope(ih, id), &[index_q, positions])?;
+            let index_k = linear(b, h, INDEX_K, id, c.hidden)?;
+            let (norm_w, norm_b) = (
+                b.vector(&name(INDEX_K_NORM), id)?,
+                b.vector(&name(INDEX_K_NORM_BIAS), id)?,
+            );
+            let index_k = b.op(Op::LayerNorm { eps: LATENT_NORM_EPS }, &[index_k, norm_w, norm_b])?;
+            let index_k = b.op(rope(1, id), &[index_k, positions])?;
+            let own = Indexer {
+                slot: i,
+                queries: index_q,
+                weights: linear(b, h, INDEX_WEIGHTS, ih, c.hidden)?,
+            };
+            *indexer = Some(own);
+            inputs.extend([own.queries, own.weights, index_k]);
+            own
+        }
+    };
+    if ranking.slot != i {
+        inputs.extend([ranking.queries, ranking.weights]);
+    }
     let spec = SparseMlaSpec {
         heads,
         nope_dim: n,
@@ -141,8 +176,8 @@ fn attention(
         index_dim: id,
         index_topk: m.index_topk,
         cache_slot: i,
+        index_slot: ranking.slot,
     };
-    let inputs = [q_nope, q_pe, kv_latent, k_pe, k_b, v_b, index_q, index_k, index_weights];
     let a = b.op(Op::SparseMla(spec), &inputs)?;
     linear(b, a, O, c.hidden, heads * v)
 }

@@ -15,9 +15,10 @@ use super::{rows, Arg, StepRows, Tensor};
 use ir::reference::ops;
 use ir::SparseMlaSpec;
 
-/// The step's latent rows appended to the spec's cache slot, then every row's attention.
-/// `args` are the op's inputs (`ir::Op::SparseMla`): activations, and the weights `k_b` and
-/// `v_b` fifth and sixth.
+/// The step's latent rows appended to the spec's cache slot, then every row's attention,
+/// ranking positions by the index keys in the spec's `index_slot` (its own, or those of the
+/// full layer whose indexer it shares). `args` are the op's inputs (`ir::Op::SparseMla`):
+/// activations, and the weights `k_b` and `v_b` fifth and sixth.
 pub(super) fn sparse_mla(spec: &SparseMlaSpec, args: &[Arg], pages: &mut KvPages, rows: &StepRows) -> Tensor {
     let x = |k: usize| args[k].value().tensor();
     let up = UpProjections {
@@ -28,11 +29,15 @@ pub(super) fn sparse_mla(spec: &SparseMlaSpec, args: &[Arg], pages: &mut KvPages
     for (seg, r) in rows.segments.iter().zip(&rows.ranges) {
         let latents: Vec<f32> = r
             .clone()
-            .flat_map(|t| [x(2).row(t), x(3).row(t), x(7).row(t)].concat())
+            .flat_map(|t| {
+                let index_key = if spec.has_own_indexer() { x(8).row(t) } else { &[] };
+                [x(2).row(t), x(3).row(t), index_key].concat()
+            })
             .collect();
         layer.write(seg.table, seg.start, &latents, &[]);
     }
-    let layer = pages.layer(spec.cache_slot);
+    let (layer, index_layer) = (pages.layer(spec.cache_slot), pages.layer(spec.index_slot));
+    let index_keys = spec.index_key_offset()..spec.index_key_offset() + spec.index_dim;
     let width = spec.out_width();
     let mut out = vec![0f32; x(0).rows() * width];
     rows::for_row_runs(&mut out, width, |first, run| {
@@ -42,18 +47,27 @@ pub(super) fn sparse_mla(spec: &SparseMlaSpec, args: &[Arg], pages: &mut KvPages
                 q_nope: x(0).row(t),
                 q_pe: x(1).row(t),
                 index_q: x(6).row(t),
-                index_weights: x(8).row(t),
+                index_weights: x(7).row(t),
             };
-            let cached: Vec<&[f32]> = (0..=rows.query[t].pos)
+            let cached: Vec<Cached> = (0..=rows.query[t].pos)
                 .map(|p| {
                     let row = crate::kv::cache_row(rows.query[t].table, layer.block_size(), p);
-                    layer.key(row, 0..spec.cache_width())
+                    Cached {
+                        latent_and_rope: layer.key(row, 0..spec.index_key_offset()),
+                        index_key: index_layer.key(row, index_keys.clone()),
+                    }
                 })
                 .collect();
             attend(spec, &query, &cached, &up, o);
         }
     });
     Tensor::new(vec![x(0).rows(), width], out)
+}
+
+/// A cached position: its `[c | k_pe]`, and the index key it is ranked by.
+struct Cached<'a> {
+    latent_and_rope: &'a [f32],
+    index_key: &'a [f32],
 }
 
 /// One row's inputs.
@@ -73,9 +87,9 @@ struct UpProjections<'a> {
 
 /// Row `q` over the cached rows of the positions it may see (ascending), into `out` (every
 /// head's values).
-fn attend(spec: &SparseMlaSpec, q: &Query, cached: &[&[f32]], up: &UpProjections, out: &mut [f32]) {
+fn attend(spec: &SparseMlaSpec, q: &Query, cached: &[Cached], up: &UpProjections, out: &mut [f32]) {
     let (n, r, v, l) = (spec.nope_dim, spec.rope_dim, spec.value_dim, spec.latent_dim);
-    let index_keys: Vec<&[f32]> = cached.iter().map(|row| &row[spec.index_key_offset()..]).collect();
+    let index_keys: Vec<&[f32]> = cached.iter().map(|c| c.index_key).collect();
     let kept = ops::sparse_index_kept(spec, q.index_q, q.index_weights, &index_keys);
     let (mut k_row, mut v_row) = (vec![0f32; n], vec![0f32; l]);
     let mut absorbed = vec![0f32; l];
@@ -90,7 +104,7 @@ fn attend(spec: &SparseMlaSpec, q: &Query, cached: &[&[f32]], up: &UpProjections
         let scores: Vec<f32> = kept
             .iter()
             .map(|&j| {
-                let (latent, k_pe) = cached[j][..l + r].split_at(l);
+                let (latent, k_pe) = cached[j].latent_and_rope.split_at(l);
                 (dot(&absorbed, latent) + dot(q_pe, k_pe)) * spec.scale as f32
             })
             .collect();
@@ -102,7 +116,7 @@ fn attend(spec: &SparseMlaSpec, q: &Query, cached: &[&[f32]], up: &UpProjections
             let p = e / total;
             latent_sum
                 .iter_mut()
-                .zip(&cached[j][..l])
+                .zip(&cached[j].latent_and_rope[..l])
                 .for_each(|(a, &c)| *a += p * c);
         }
         for (d, o) in out[head * v..(head + 1) * v].iter_mut().enumerate() {
@@ -135,6 +149,7 @@ mod tests {
             index_dim: 3,
             index_topk: 3,
             cache_slot: 0,
+            index_slot: 0,
         };
         let mut seed = 7u64;
         let mut next = move || {
@@ -163,12 +178,27 @@ mod tests {
             index_q: &index_q,
             index_weights: &index_weights,
         };
-        let rows: Vec<&[f32]> = cached.iter().map(|r| &r[..]).collect();
+        let offset = spec.index_key_offset();
+        let rows: Vec<Cached> = cached
+            .iter()
+            .map(|r| Cached {
+                latent_and_rope: &r[..offset],
+                index_key: &r[offset..],
+            })
+            .collect();
         let mut got = vec![0f32; spec.out_width()];
         attend(&spec, &query, &rows, &up, &mut got);
         let expanded: Vec<(Vec<f32>, Vec<f32>)> =
             cached.iter().map(|r| ops::mla_expand(&spec, &k_b, &v_b, r)).collect();
-        let candidates: Vec<(&[f32], &[f32])> = expanded.iter().map(|(k, v)| (&k[..], &v[..])).collect();
+        let candidates: Vec<ops::MlaCandidate> = expanded
+            .iter()
+            .zip(&cached)
+            .map(|((key, value), r)| ops::MlaCandidate {
+                key,
+                value,
+                index_key: &r[offset..],
+            })
+            .collect();
         let want = ops::sparse_mla_query(&spec, [&q_nope, &q_pe, &index_q, &index_weights], &candidates);
         for (g, w) in got.iter().zip(&want) {
             assert!((g - w).abs() < 1e-5, "{got:?} against {want:?}");

@@ -8,13 +8,14 @@
 use super::kv_attention::{cache_layout_args, merge_splits, split_partials};
 use super::{scalar, Alternatives, Operands, Selected};
 use crate::gpu::{GpuCodegenError, KvLayout, LaunchArg};
-use ir::SparseMlaSpec;
+use ir::{Op, SparseMlaSpec};
 use kernels_gen::dsl::Kernel;
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::{attention, sparse_mla};
 
-/// Pushes the absorb, append, scores, cut, split and merge launches; returns the expansion for
-/// the caller to push as the node's own launch.
+/// Pushes the absorb, append, scores, cut (the last two only where the layer has its own
+/// indexer), split and merge launches; returns the expansion for the caller to push as the
+/// node's own launch.
 pub(super) fn launches(
     s: &mut Selected,
     operands: &Operands,
@@ -53,16 +54,26 @@ pub(super) fn launches(
     };
     let [(q_nope, qn_stride), (q_pe, qp_stride), (latent, c_stride), (k_pe, kp_stride)] =
         [0, 1, 2, 3].map(|k| operands.activation(s, k));
-    let [(index_q, iq_stride), (index_k, ik_stride), (index_w, iw_stride)] =
-        [6, 7, 8].map(|k| operands.activation(s, k));
     let (k_b, v_b) = (operands.weight(4), operands.weight(5));
     let (k_b_format, v_b_format) = (operands.weight_format(4)?, operands.weight_format(5)?);
     let origin = operands.origin();
     let splits = attention::splits_expr(rows);
-    let cut = LaunchArg::Scratch {
+    // Each row's cut: this node's where it has its own indexer, else the cut the full layer it
+    // shares computed earlier in the step (the position scores are still that layer's: no
+    // full layer comes between).
+    let cut_of = |node: usize| LaunchArg::Scratch {
         node,
         name: "cut".into(),
         bytes: max_tokens * 2 * 4,
+    };
+    let cut = match spec.has_own_indexer() {
+        true => cut_of(node),
+        false => cut_of(indexer_node(operands, spec).ok_or_else(|| {
+            unsupported(format!(
+                "it shares the indexer of cache slot {}, which no earlier latent attention has",
+                spec.index_slot
+            ))
+        })?),
     };
     let l = spec.latent_dim;
     let per_row = spec.heads * l;
@@ -70,32 +81,29 @@ pub(super) fn launches(
     let merged = operands.scratch("latent", per_row, max_tokens);
     let partial = split_partials(node, spec.heads, spec.latent_dim, max_tokens);
     let with_layout = |args: Vec<LaunchArg>| [args, layout_args.clone()].concat();
-    let launches = [
-        (
-            sparse_mla::per_head_gemv("mla_absorb", origin, spec.heads, l, spec.nope_dim, k_b_format),
-            vec![
-                q_nope,
-                k_b,
-                absorbed.clone(),
-                scalar("tokens", rows),
-                scalar("x_stride", qn_stride),
-            ],
-        ),
-        (
-            sparse_mla::mla_append("mla_append", origin, layout, spec),
-            with_layout(vec![
-                latent,
-                k_pe,
-                index_k,
-                cache.clone(),
-                scalar("tokens", rows),
-                scalar("first", "first"),
-                scalar("c_stride", c_stride),
-                scalar("kp_stride", kp_stride),
-                scalar("ik_stride", ik_stride),
-            ]),
-        ),
-        (
+    let mut launches = vec![(
+        sparse_mla::per_head_gemv("mla_absorb", origin, spec.heads, l, spec.nope_dim, k_b_format),
+        vec![
+            q_nope,
+            k_b,
+            absorbed.clone(),
+            scalar("tokens", rows),
+            scalar("x_stride", qn_stride),
+        ],
+    )];
+    let mut append = vec![latent, k_pe];
+    let mut append_scalars = vec![
+        scalar("tokens", rows),
+        scalar("first", "first"),
+        scalar("c_stride", c_stride),
+        scalar("kp_stride", kp_stride),
+    ];
+    if spec.has_own_indexer() {
+        let [(index_q, iq_stride), (index_w, iw_stride), (index_k, ik_stride)] =
+            [6, 7, 8].map(|k| operands.activation(s, k));
+        append.push(index_k);
+        append_scalars.push(scalar("ik_stride", ik_stride));
+        launches.push((
             sparse_mla::index_scores("index_scores", origin, layout, spec),
             with_layout(vec![
                 index_q,
@@ -109,8 +117,8 @@ pub(super) fn launches(
                 scalar("context", "context"),
                 scalar("splits", &splits),
             ]),
-        ),
-        (
+        ));
+        launches.push((
             sparse_mla::index_select("index_select", origin, layout, spec),
             with_layout(vec![
                 LaunchArg::PositionScores,
@@ -119,7 +127,18 @@ pub(super) fn launches(
                 scalar("first", "first"),
                 scalar("context", "context"),
             ]),
+        ));
+    }
+    // The append before the scores, which read the step's own index keys from the cache.
+    append.push(cache.clone());
+    launches.insert(
+        1,
+        (
+            sparse_mla::mla_append("mla_append", origin, layout, spec),
+            with_layout([append, append_scalars].concat()),
         ),
+    );
+    launches.extend([
         (
             sparse_mla::sparse_mla_split("sparse_mla", origin, layout, spec),
             with_layout(vec![
@@ -139,7 +158,7 @@ pub(super) fn launches(
             ]),
         ),
         merge_splits(operands, partial, merged.clone(), rows, spec.heads, spec.latent_dim),
-    ];
+    ]);
     for (kernel, args) in launches {
         s.launches.push((node, kernel, Alternatives::default(), args));
     }
@@ -152,4 +171,14 @@ pub(super) fn launches(
         scalar("x_stride", per_row),
     ];
     Ok((expand, args))
+}
+
+/// The latent attention node whose indexer `spec` shares: the one caching into its
+/// `index_slot`.
+fn indexer_node(operands: &Operands, spec: &SparseMlaSpec) -> Option<usize> {
+    operands
+        .graph
+        .nodes()
+        .iter()
+        .position(|n| matches!(&n.op, Op::SparseMla(s) if s.cache_slot == spec.index_slot && s.has_own_indexer()))
 }
