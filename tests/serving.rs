@@ -84,6 +84,14 @@ fn concurrent_sparse_mla_requests_generate_what_they_generate_alone() {
     concurrent_requests_match_alone(&model);
 }
 
+/// GLM-5.2: layers that share the previous full layer's indexer rank by that layer's cached
+/// index keys, whoever else shares the step.
+#[test]
+fn concurrent_shared_indexer_requests_generate_what_they_generate_alone() {
+    let model = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/glm_moe_dsa_shared"))).unwrap();
+    concurrent_requests_match_alone(&model);
+}
+
 /// A hybrid model's recurrent state sums up a whole prefix, which cached blocks do not hold.
 /// With snapshots of states kept, requests sharing a prompt prefix, and a second turn that
 /// extends a first conversation, start from the deepest snapshot along what they share and
