@@ -204,6 +204,15 @@ fn tiny_glm5_plans_agree_with_the_cpu_backend() {
     check_everywhere("glm_moe_dsa");
 }
 
+/// Llama 3.1's RoPE scaling: the rotations read the rescaled frequencies the plan carries as
+/// a constant, in f32 and bf16 on H200.
+#[test]
+fn tiny_llama_with_llama3_rope_plans_agree_with_the_cpu_backend() {
+    for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
+        check("llama_rope_llama3", dtype, Target::H200);
+    }
+}
+
 /// GLM-5.2's shared indexers: layers without an indexer read the cut the previous full layer
 /// made (and the position scores it left), in f32 and bf16 on H200 (the launches are the same
 /// on every target).

@@ -685,6 +685,24 @@ fn check_glm_moe_dsa(model: &Model, label: &str) {
     }
 }
 
+/// Llama 3.1's RoPE scaling (`rope_type` "llama3") on the tiny Llama, over an original
+/// context of 64 so its four rotary pairs fall in every regime (kept, blended, divided): HF's
+/// logits at every prompt row and cached step, through the interpreter and the CPU backend.
+/// (Unscaled, the same weights' logits are 3.9% of the largest away.)
+#[test]
+fn llama_with_llama3_rope_scaling_matches_hf() {
+    check_reference_interpreter("llama_rope_llama3");
+    check_cpu_backend("llama_rope_llama3");
+}
+
+/// Gemma 3's larger checkpoints' linear RoPE scaling (factor 8) on the full-attention layers
+/// only. (Unscaled, 7.8% of the largest away.)
+#[test]
+fn gemma3_with_linear_rope_scaling_matches_hf() {
+    check_reference_interpreter("gemma3_rope_linear");
+    check_cpu_backend("gemma3_rope_linear");
+}
+
 #[test]
 fn llama_reference_interpreter_matches_hf() {
     check_reference_interpreter("llama");

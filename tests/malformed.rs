@@ -2,6 +2,7 @@
 
 mod common;
 
+use bbc::gpu_check::tiny_gguf;
 use common::real_model;
 use models::gguf::writer::GgufWriter;
 use models::gguf::{GgufFile, MetaValue};
@@ -159,7 +160,16 @@ fn unsupported_gemma4_configs_are_named() {
 /// `gguf-tiny/{name}.gguf` rewritten with `edits` (a key set, or removed where `None`) and
 /// each tensor's data through `data`.
 fn rewritten_gguf(name: &str, edits: &[(&str, Option<MetaValue>)], data: impl Fn(&str, &[u8]) -> Vec<u8>) -> Vec<u8> {
-    let file = GgufFile::open(&common::fixture(&format!("gguf-tiny/{name}.gguf"))).unwrap();
+    rewritten(&common::fixture(&format!("gguf-tiny/{name}.gguf")), edits, data)
+}
+
+/// The GGUF file at `path` rewritten with `edits`, its tensors as they are.
+fn rewritten_gguf_at(path: &Path, edits: &[(&str, Option<MetaValue>)]) -> Vec<u8> {
+    rewritten(path, edits, |_, d| d.to_vec())
+}
+
+fn rewritten(path: &Path, edits: &[(&str, Option<MetaValue>)], data: impl Fn(&str, &[u8]) -> Vec<u8>) -> Vec<u8> {
+    let file = GgufFile::open(path).unwrap();
     let mut metadata = file.metadata.clone();
     for (key, value) in edits {
         match value {
@@ -267,6 +277,69 @@ fn unsupported_glm5_gguf_metadata_is_named() {
         let err = open_error(&temp("glm5-meta.gguf", &bytes));
         assert!(err.contains(key) && err.contains(want), "{key}: {err}");
     }
+}
+
+/// Llama 3.1's RoPE scaling from a GGUF file, whose only trace is `rope_freqs` (what each
+/// pair's frequency is divided by, as llama.cpp's converter computes it): read as
+/// `RopeScaling::Llama3` where Llama 3.1's rule over a context of 8192 gives the file's
+/// divisors (the tiny Llama's 8 pairs fall in every regime), refused naming the tensor where
+/// it does not; an unknown `rope.scaling.type` is refused naming the key.
+#[test]
+fn llama3_rope_scaling_from_gguf_is_read_or_refused() {
+    let dir = common::scratch_dir("bbc-rope-freqs-");
+    let plain = dir.path().join("llama.gguf");
+    bbc::gpu_check::tiny_gguf::tiny_gguf_llama(&plain, &mut tiny_gguf::f16_values, &mut tiny_gguf::f16_values).unwrap();
+    let file = GgufFile::open(&plain).unwrap();
+    // llama.cpp's `LlamaModel.generate_extra_tensors`, factor 8 (head_dim 16, θ 10 000).
+    let llama3_divisors: Vec<f32> = (0..8)
+        .map(|i| {
+            let freq = 1.0 / 10_000f32.powf(2.0 * i as f32 / 16.0);
+            let wavelength = 2.0 * std::f32::consts::PI / freq;
+            match wavelength {
+                w if w < 2048.0 => 1.0,
+                w if w > 8192.0 => 8.0,
+                w => {
+                    let smooth = (8192.0 / w - 1.0) / 3.0;
+                    1.0 / ((1.0 - smooth) / 8.0 + smooth)
+                }
+            }
+        })
+        .collect();
+    assert!(llama3_divisors.iter().any(|&d| d != 1.0 && d != 8.0), "a blended pair");
+    let with_divisors = |divisors: &[f32]| {
+        let mut writer = GgufWriter::new();
+        for (key, value) in &file.metadata {
+            writer = writer.meta(key, value.clone());
+        }
+        for t in &file.tensors {
+            writer = writer.tensor(&t.name, &t.dims, t.dtype as u32, file.tensor_data(t).to_vec());
+        }
+        let bytes = divisors.iter().flat_map(|d| d.to_le_bytes()).collect();
+        temp(
+            "rope-freqs.gguf",
+            &writer.tensor("rope_freqs.weight", &[8], 0, bytes).to_bytes(),
+        )
+    };
+    let model = Model::open(ModelSpec::for_weights(&with_divisors(&llama3_divisors))).unwrap();
+    assert_eq!(
+        model.config.rope_scaling,
+        ir::RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_context: 8192.0
+        }
+    );
+    let unscaled = Model::open(ModelSpec::for_weights(&plain)).unwrap();
+    assert_eq!(unscaled.config.rope_scaling, ir::RopeScaling::None);
+    let err = open_error(&with_divisors(&[1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 3.0, 4.0]));
+    assert!(err.contains("rope_freqs.weight") && err.contains("Llama 3.1"), "{err}");
+    let yarn = rewritten_gguf_at(
+        &plain,
+        &[("llama.rope.scaling.type", Some(MetaValue::String("yarn".into())))],
+    );
+    let err = open_error(&temp("yarn.gguf", &yarn));
+    assert!(err.contains("llama.rope.scaling.type") && err.contains("yarn"), "{err}");
 }
 
 /// A GLM-5 config whose first layer shares an indexer, or with an indexer type bbc does not

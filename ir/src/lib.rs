@@ -19,8 +19,8 @@ pub use dtype::DType;
 pub use expr::Expr;
 pub use graph::{Graph, GraphError, Node, NodeId};
 pub use op::{
-    AttentionSpec, DecayRate, DeltaNetSpec, GluAct, InputKind, MoeRouter, MoeSpec, Op, RopeLayout, RopeSpec,
-    SparseMlaSpec, ValueHeadOrder, TOKENS,
+    AttentionSpec, DecayRate, DeltaNetSpec, GluAct, InputKind, MoeRouter, MoeSpec, Op, RopeLayout, RopeScaling,
+    RopeSpec, SparseMlaSpec, ValueHeadOrder, TOKENS,
 };
 pub use shape::{Dim, Shape, Sym};
 pub use tensor::Tensor;

@@ -33,6 +33,63 @@ pub enum RopeLayout {
     Proportional,
 }
 
+/// How RoPE's frequencies are rescaled for contexts longer than the model was trained at (on
+/// top of `RopeSpec::position_scale`, linear scaling).
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+pub enum RopeScaling {
+    #[default]
+    None,
+    /// Llama 3.1's (`rope_type` "llama3"): a frequency whose wavelength is over
+    /// `original_context / low_freq_factor` is divided by `factor`, one under
+    /// `original_context / high_freq_factor` kept, and one between blended linearly in
+    /// `original_context / wavelength`.
+    Llama3 {
+        factor: f64,
+        low_freq_factor: f64,
+        high_freq_factor: f64,
+        original_context: f64,
+    },
+}
+
+impl RopeScaling {
+    /// What a frequency of `inv_freq` radians a position is divided by (1 for none).
+    pub fn divisor(&self, inv_freq: f64) -> f64 {
+        match *self {
+            Self::None => 1.0,
+            Self::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_context,
+            } => {
+                let wavelength = 2.0 * std::f64::consts::PI / inv_freq;
+                if wavelength < original_context / high_freq_factor {
+                    1.0
+                } else if wavelength > original_context / low_freq_factor {
+                    factor
+                } else {
+                    let smooth =
+                        (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                    1.0 / ((1.0 - smooth) / factor + smooth)
+                }
+            }
+        }
+    }
+
+    /// Its parameters' bits, for keys of caches built from it; `None` for none.
+    pub fn bits(&self) -> Option<[u64; 4]> {
+        match *self {
+            Self::None => None,
+            Self::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_context,
+            } => Some([factor, low_freq_factor, high_freq_factor, original_context].map(f64::to_bits)),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct RopeSpec {
     pub heads: usize,
@@ -43,6 +100,9 @@ pub struct RopeSpec {
     /// Linear position scaling (positions are divided by it); 1.0 for none.
     pub position_scale: f64,
     pub layout: RopeLayout,
+    /// Frequencies rescaled by frequency (Llama 3.1's).
+    #[serde(default)]
+    pub scaling: RopeScaling,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -906,7 +966,7 @@ fn layout_name(layout: RopeLayout) -> &'static str {
 }
 
 fn rope_attributes(s: &RopeSpec) -> String {
-    format!(
+    let mut text = format!(
         "heads={}, head_dim={}, rotary_dim={}, theta={}, position_scale={}, layout={}",
         s.heads,
         s.head_dim,
@@ -914,7 +974,17 @@ fn rope_attributes(s: &RopeSpec) -> String {
         s.theta,
         s.position_scale,
         layout_name(s.layout)
-    )
+    );
+    if let RopeScaling::Llama3 {
+        factor,
+        low_freq_factor,
+        high_freq_factor,
+        original_context,
+    } = s.scaling
+    {
+        text += &format!(", scaling=llama3(factor={factor}, low={low_freq_factor}, high={high_freq_factor}, context={original_context})");
+    }
+    text
 }
 
 fn attention_attributes(s: &AttentionSpec) -> String {

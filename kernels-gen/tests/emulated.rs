@@ -276,6 +276,7 @@ fn rope_matches_reference_for_every_layout_and_partial_rotation() {
                 theta: 10_000.0,
                 position_scale: 1.0,
                 layout,
+                scaling: ir::RopeScaling::None,
             };
             let tokens = 3;
             let x = rng.vec(tokens * heads * head_dim);
@@ -627,6 +628,7 @@ fn strided_inputs_read_slices_in_place() {
         theta: 10_000.0,
         position_scale: 1.0,
         layout: RopeLayout::RotateHalf,
+        scaling: ir::RopeScaling::None,
     };
     let positions = [3usize, 4, 5];
     ops::rope(&spec, &mut want, &positions);
@@ -681,6 +683,7 @@ fn rope_kv_append_rotates_queries_and_keys_and_appends_keys_and_values() {
             theta: 10_000.0,
             position_scale: 1.0,
             layout,
+            scaling: ir::RopeScaling::None,
         };
         let sources = strides.map(|stride| rng.vec(tokens * stride));
         let rows = |at: usize, len: usize| -> Vec<f32> {

@@ -156,6 +156,7 @@ proptest! {
             theta: 10000.0,
             position_scale: 1.0,
             layout: if adjacent_pairs { ir::RopeLayout::AdjacentPairs } else { ir::RopeLayout::RotateHalf },
+            scaling: ir::RopeScaling::None,
         };
         let attention = ir::AttentionSpec {
             heads,
@@ -200,6 +201,7 @@ proptest! {
             theta,
             position_scale: 1.0,
             layout: ir::RopeLayout::RotateHalf,
+            scaling: ir::RopeScaling::None,
         };
         let attention = ir::AttentionSpec {
             heads: 2,

@@ -16,15 +16,17 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f64, weight_offset: f32, out: &mut [f
     }
 }
 
-/// HF's `inv_freq = 1 / θ^(2i/d)` for the rotary pairs, rounded to f32 as HF computes it: `d`
-/// is the rotary width, or the whole head for proportional RoPE.
+/// HF's `inv_freq = 1 / θ^(2i/d)` for the rotary pairs, rounded to f32 as HF computes it (`d`
+/// is the rotary width, or the whole head for proportional RoPE), then divided as the spec's
+/// scaling says (Llama 3.1's, from the f32 frequency as HF rescales it).
 pub fn rope_inv_freq(spec: &RopeSpec) -> Vec<f32> {
     let d = match spec.layout {
         RopeLayout::Proportional => spec.head_dim,
         RopeLayout::RotateHalf | RopeLayout::AdjacentPairs => spec.rotary_dim,
     };
     (0..spec.rotary_dim / 2)
-        .map(|i| (1.0 / spec.theta.powf(2.0 * i as f64 / d as f64)) as f32)
+        .map(|i| (1.0 / spec.theta.powf(2.0 * i as f64 / d as f64)) as f32 as f64)
+        .map(|f| (f / spec.scaling.divisor(f)) as f32)
         .collect()
 }
 

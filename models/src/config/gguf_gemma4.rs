@@ -88,6 +88,7 @@ pub(super) fn read(file: &GgufFile) -> Result<ModelConfig> {
             .optional_f64(&meta.key("rope.freq_base_swa"))?
             .unwrap_or(rope_theta),
         rope_scale: 1.0,
+        rope_scaling: ir::RopeScaling::None,
         context_length: meta.usize("context_length")?,
         sliding_window: file
             .optional_u64(&meta.key("attention.sliding_window"))?

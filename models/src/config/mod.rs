@@ -91,6 +91,8 @@ pub struct ModelConfig {
     pub rope_local_theta: f64,
     /// Linear RoPE scaling of full-attention layers (1.0 for none).
     pub rope_scale: f64,
+    /// RoPE scaling by frequency (Llama 3.1's; Llama-family models only).
+    pub rope_scaling: ir::RopeScaling,
     pub context_length: usize,
     pub sliding_window: Option<usize>,
     pub layer_attention: Vec<LayerAttention>,
@@ -328,6 +330,48 @@ fn gguf_glm_moe(file: &GgufFile, arch: &str, layers: usize) -> Result<MoeConfig>
     })
 }
 
+/// Llama 3.1's RoPE scaling from a GGUF file: llama.cpp's converter writes no keys for it, only
+/// `rope_freqs`, what each pair's frequency is divided by. Every Llama 3.x checkpoint scales
+/// with low and high frequency factors 1 and 4 over an original context of 8192 (its factor,
+/// 8 or 32, is the largest divisor); bbc takes those and checks that they give the file's
+/// divisors, refusing the file, naming the tensor, where they do not.
+fn gguf_llama3_rope(file: &GgufFile, theta: f64, rotary_dim: usize) -> Result<ir::RopeScaling> {
+    let refuse = |problem: String| ModelError::TensorShape {
+        name: "rope_freqs.weight".into(),
+        what: problem,
+    };
+    let info = file.tensor("rope_freqs.weight").expect("the caller found it");
+    if info.dtype != crate::quant::GgmlType::F32 || info.elements() != rotary_dim / 2 {
+        return Err(refuse(format!(
+            "holds {} {} values; Llama 3.1's RoPE scaling has an f32 divisor for each of the {} rotary pairs",
+            info.elements(),
+            info.dtype.name(),
+            rotary_dim / 2
+        )));
+    }
+    let divisors: Vec<f64> = file
+        .tensor_data(info)
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64)
+        .collect();
+    let scaling = ir::RopeScaling::Llama3 {
+        factor: divisors.iter().copied().fold(1.0, f64::max),
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_context: 8192.0,
+    };
+    let fits = divisors.iter().enumerate().all(|(i, &d)| {
+        let inv_freq = (1.0 / theta.powf(2.0 * i as f64 / rotary_dim as f64)) as f32 as f64;
+        (scaling.divisor(inv_freq) - d).abs() <= 1e-5 * d
+    });
+    match fits {
+        true => Ok(scaling),
+        false => Err(refuse(
+            "divides the frequencies otherwise than Llama 3.1's scaling over a context of 8192 does".into(),
+        )),
+    }
+}
+
 /// A GGUF GLM-5's latent attention (llama.cpp's `glm-dsa` keys, as its `DeepseekV2Model`
 /// converter writes them): the ranks, `key_length_mla` = nope + rope and `value_length_mla`
 /// per head, `rope.dimension_count` the rotated part, the indexer's heads, width and top-k.
@@ -441,6 +485,7 @@ impl ModelConfig {
             rope_theta: 500_000.0,
             rope_local_theta: 500_000.0,
             rope_scale: 1.0,
+            rope_scaling: ir::RopeScaling::None,
             context_length: 8192,
             sliding_window: None,
             layer_attention: vec![LayerAttention::Full; layers],
@@ -475,6 +520,7 @@ impl ModelConfig {
             rope_theta: 10_000_000.0,
             rope_local_theta: 10_000_000.0,
             rope_scale: 1.0,
+            rope_scaling: ir::RopeScaling::None,
             context_length: 262_144,
             sliding_window: None,
             layer_attention: (0..layers)
@@ -569,7 +615,22 @@ impl ModelConfig {
         };
         let rope_scale = match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
             Some("linear") => file.optional_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0),
-            _ => 1.0,
+            None | Some("none") => 1.0,
+            Some(other) => {
+                return Err(ModelError::Metadata {
+                    path: file.path.clone(),
+                    key: key("rope.scaling.type"),
+                    problem: format!("is {other:?}; bbc computes RoPE unscaled, linear or as Llama 3.1 scales it"),
+                })
+            }
+        };
+        let rotary_dim = match file.optional_u64(&key("rope.dimension_count"))? {
+            Some(d) => d as usize,
+            None => head_dim,
+        };
+        let rope_scaling = match file.tensor("rope_freqs.weight") {
+            Some(_) if family == Family::Llama => gguf_llama3_rope(file, rope_theta, rotary_dim)?,
+            _ => ir::RopeScaling::None,
         };
         let config = Self {
             family,
@@ -597,15 +658,13 @@ impl ModelConfig {
             rope_theta,
             rope_local_theta,
             rope_scale,
+            rope_scaling,
             context_length: u("context_length")?,
             sliding_window,
             layer_attention,
             query_pre_attn_scalar,
             tied_embeddings: file.tensor("output.weight").is_none(),
-            rotary_dim: match file.optional_u64(&key("rope.dimension_count"))? {
-                Some(d) => d as usize,
-                None => head_dim,
-            },
+            rotary_dim,
             // GLM-4.5 has Q/K/V biases and, in some checkpoints, q/k norms: as its tensors say.
             attention_bias: family == Family::Glm4Moe && file.tensor("blk.0.attn_q.bias").is_some(),
             qk_norm: match family {
@@ -647,6 +706,7 @@ impl ModelConfig {
             let p = json.get("rope_parameters")?;
             p.get(kind).unwrap_or(p).get("rope_theta")?.as_f64()
         };
+        let (rope_scale, rope_scaling) = cfg.rope_scaling(family)?;
         let rope_theta = rope_theta_of("full_attention")
             .or_else(|| json.get("rope_theta").and_then(|v| v.as_f64()))
             .unwrap_or(10_000.0);
@@ -694,7 +754,8 @@ impl ModelConfig {
             rms_eps: cfg.f64("rms_norm_eps")?,
             rope_theta,
             rope_local_theta,
-            rope_scale: 1.0,
+            rope_scale,
+            rope_scaling,
             context_length: cfg.opt_usize("max_position_embeddings")?.unwrap_or(2048),
             sliding_window: cfg.opt_usize("sliding_window")?,
             layer_attention,
@@ -1042,6 +1103,51 @@ impl HfConfig<'_> {
             double_wide_mlp: self.opt_bool("use_double_wide_mlp")?.unwrap_or(false),
             keys_as_values,
         })
+    }
+
+    /// The full-attention layers' RoPE scaling, as `rope_parameters` says (its `full_attention`
+    /// entry where layer kinds differ; transformers 4's `rope_scaling` in older configs):
+    /// "linear" as a position scale, "llama3" (Llama-family models) as
+    /// `ir::RopeScaling::Llama3`. Another kind (yarn, dynamic, longrope) is refused by name
+    /// rather than computed unscaled; Gemma 4's "proportional" is read with its layers.
+    fn rope_scaling(&self, family: Family) -> Result<(f64, ir::RopeScaling)> {
+        let params = ["rope_parameters", "rope_scaling"]
+            .iter()
+            .find_map(|k| self.json.get(*k).filter(|p| p.is_object()));
+        let Some(params) = params else {
+            return Ok((1.0, ir::RopeScaling::None));
+        };
+        let p = params.get("full_attention").unwrap_or(params);
+        let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(|t| t.as_str());
+        let number = |key: &str, default: Option<f64>| -> Result<f64> {
+            match p.get(key) {
+                Some(v) => v
+                    .as_f64()
+                    .filter(|v| v.is_finite() && *v > 0.0)
+                    .ok_or_else(|| self.error(&format!("rope_parameters.{key} is {v}, not a positive number"))),
+                None => {
+                    default.ok_or_else(|| self.error(&format!("{kind:?} RoPE scaling needs rope_parameters.{key}")))
+                }
+            }
+        };
+        match kind {
+            None | Some("default") => Ok((1.0, ir::RopeScaling::None)),
+            Some("proportional") if family == Family::Gemma4 => Ok((1.0, ir::RopeScaling::None)),
+            Some("linear") => Ok((number("factor", None)?, ir::RopeScaling::None)),
+            Some("llama3") if family == Family::Llama => Ok((
+                1.0,
+                ir::RopeScaling::Llama3 {
+                    factor: number("factor", None)?,
+                    low_freq_factor: number("low_freq_factor", Some(1.0))?,
+                    high_freq_factor: number("high_freq_factor", Some(4.0))?,
+                    original_context: number("original_max_position_embeddings", Some(8192.0))?,
+                },
+            )),
+            Some(other) => Err(self.error(&format!(
+                "rope_type {other:?} for {}: bbc computes RoPE unscaled, linear, or (Llama) as Llama 3.1 scales it",
+                family.name()
+            ))),
+        }
     }
 
     fn mla(&self, layers: usize) -> Result<MlaConfig> {

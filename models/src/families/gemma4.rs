@@ -229,6 +229,7 @@ fn attention(
             theta: c.rope_theta,
             position_scale: 1.0,
             layout: RopeLayout::Proportional,
+            scaling: ir::RopeScaling::None,
         },
         _ => RopeSpec {
             heads,
@@ -237,6 +238,7 @@ fn attention(
             theta: if sliding { c.rope_local_theta } else { c.rope_theta },
             position_scale: 1.0,
             layout: RopeLayout::RotateHalf,
+            scaling: ir::RopeScaling::None,
         },
     };
     let spec = AttentionSpec {

@@ -94,6 +94,7 @@ fn attention(
             theta: c.rope_theta,
             position_scale: c.rope_scale,
             layout: RopeLayout::AdjacentPairs,
+            scaling: ir::RopeScaling::None,
         })
     };
     // Columns `start..start + len` of each head's `group`.

@@ -47,6 +47,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
             theta: c.rope_theta,
             position_scale: c.rope_scale,
             layout,
+            scaling: c.rope_scaling,
         };
         let spec = b.causal_attention(c.heads, c.kv_heads, c.head_dim, i);
         let a = b.rotary_attention([q, k, v], positions, rope, spec)?;

@@ -17,9 +17,10 @@ struct Table {
     sin: Vec<f32>,
 }
 
-/// What the tables depend on besides the positions: theta, the rotary width, the scaling, and
-/// the head width for proportional RoPE (whose frequencies are spaced over the head).
-type Key = (u64, usize, u64, Option<usize>);
+/// What the tables depend on besides the positions: theta, the rotary width, the linear
+/// scaling, the head width for proportional RoPE (whose frequencies are spaced over the head),
+/// and the scaling by frequency.
+type Key = (u64, usize, u64, Option<usize>, Option<[u64; 4]>);
 
 /// A step's rope tables, built on first use; every rope op of the step rotates rows at the
 /// step's positions.
@@ -64,6 +65,7 @@ impl StepRope {
             spec.rotary_dim,
             spec.position_scale.to_bits(),
             proportional,
+            spec.scaling.bits(),
         );
         let mut tables = self.tables.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         tables
@@ -110,6 +112,7 @@ mod tests {
                 theta,
                 position_scale: 2.0,
                 layout,
+                scaling: ir::RopeScaling::None,
             };
             let x: Vec<f32> = (0..20 * 48).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
             for positions in [&positions[..], &positions[..5]] {

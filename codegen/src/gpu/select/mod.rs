@@ -34,10 +34,23 @@ pub(crate) struct Selected {
 }
 
 impl Selected {
-    /// The rotation's inverse frequencies as a plan constant (one per theta and rotary width,
-    /// shared by every launch that rotates so), and the argument naming it.
+    /// The rotation's inverse frequencies as a plan constant (one per theta, rotary width,
+    /// spacing and scaling, shared by every launch that rotates so), and the argument naming
+    /// it.
     fn rope_inv_freq(&mut self, spec: &ir::RopeSpec) -> LaunchArg {
-        let name = format!("rope_inv_freq_theta{}_dim{}", spec.theta, spec.rotary_dim);
+        let mut name = format!("rope_inv_freq_theta{}_dim{}", spec.theta, spec.rotary_dim);
+        if spec.layout == ir::RopeLayout::Proportional {
+            name += &format!("_of{}", spec.head_dim);
+        }
+        if let ir::RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_context,
+        } = spec.scaling
+        {
+            name += &format!("_llama3_{factor}_{low_freq_factor}_{high_freq_factor}_{original_context}");
+        }
         self.constants
             .entry(name.clone())
             .or_insert_with(|| rope_inv_freq(spec));
