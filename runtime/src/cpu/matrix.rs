@@ -191,13 +191,7 @@ impl Matrix {
     /// Rows `start..start+len` of every group of `group` rows (`RowGroupSlice`), in any
     /// storage: rows are whole in every storage, so this is a copy of row bytes.
     pub fn row_group_slice(&self, group: usize, start: usize, len: usize) -> Result<Matrix, String> {
-        if group == 0 || !self.rows.is_multiple_of(group) || len == 0 || start + len > group {
-            return Err(format!(
-                "rows {start}..{} of groups of {group} in {} rows",
-                start + len,
-                self.rows
-            ));
-        }
+        self.check_row_groups(group, start, len)?;
         let picked: Vec<usize> = (0..self.rows / group)
             .flat_map(|g| g * group + start..g * group + start + len)
             .collect();
@@ -225,13 +219,7 @@ impl Matrix {
     /// transposed (`TransposeRowGroups`): f32 and bf16 storage keep their values, GGUF blocks
     /// (which cannot be cut across rows) are widened to f32.
     pub fn transpose_row_groups(&self, group: usize, start: usize, len: usize) -> Result<Matrix, String> {
-        if group == 0 || !self.rows.is_multiple_of(group) || len == 0 || start + len > group {
-            return Err(format!(
-                "rows {start}..{} of groups of {group} in {} rows",
-                start + len,
-                self.rows
-            ));
-        }
+        self.check_row_groups(group, start, len)?;
         let cols = self.cols;
         // Source element of each output element, in order.
         let order =
@@ -253,6 +241,18 @@ impl Matrix {
             cols: len,
             storage,
         })
+    }
+
+    /// Whether rows `start..start+len` of every group of `group` rows are rows of this matrix.
+    fn check_row_groups(&self, group: usize, start: usize, len: usize) -> Result<(), String> {
+        match group == 0 || !self.rows.is_multiple_of(group) || len == 0 || start + len > group {
+            true => Err(format!(
+                "rows {start}..{} of groups of {group} in {} rows",
+                start + len,
+                self.rows
+            )),
+            false => Ok(()),
+        }
     }
 
     /// Copy row `r` as f32 into `out` (embedding gather).
