@@ -91,6 +91,11 @@ pub(super) fn launches(
             scalar("x_stride", qn_stride),
         ],
     )];
+    // The layer's own indexer: its queries, weights and keys (the keys are appended first,
+    // and the scores read them from the cache).
+    let index = spec
+        .has_own_indexer()
+        .then(|| [6, 7, 8].map(|k| operands.activation(s, k)));
     let mut append = vec![latent, k_pe];
     let mut append_scalars = vec![
         scalar("tokens", rows),
@@ -98,46 +103,25 @@ pub(super) fn launches(
         scalar("c_stride", c_stride),
         scalar("kp_stride", kp_stride),
     ];
-    if spec.has_own_indexer() {
-        let [(index_q, iq_stride), (index_w, iw_stride), (index_k, ik_stride)] =
-            [6, 7, 8].map(|k| operands.activation(s, k));
-        append.push(index_k);
-        append_scalars.push(scalar("ik_stride", ik_stride));
-        launches.push((
-            sparse_mla::index_scores("index_scores", origin, layout, spec),
-            with_layout(vec![
-                index_q,
-                index_w,
-                cache.clone(),
-                LaunchArg::PositionScores,
-                scalar("tokens", rows),
-                scalar("first", "first"),
-                scalar("iq_stride", iq_stride),
-                scalar("iw_stride", iw_stride),
-                scalar("context", "context"),
-                scalar("splits", &splits),
-            ]),
-        ));
-        launches.push((
-            sparse_mla::index_select("index_select", origin, layout, spec),
-            with_layout(vec![
-                LaunchArg::PositionScores,
-                cut.clone(),
-                scalar("tokens", rows),
-                scalar("first", "first"),
-                scalar("context", "context"),
-            ]),
-        ));
+    if let Some([_, _, (index_k, ik_stride)]) = &index {
+        append.push(index_k.clone());
+        append_scalars.push(scalar("ik_stride", *ik_stride));
     }
-    // The append before the scores, which read the step's own index keys from the cache.
     append.push(cache.clone());
-    launches.insert(
-        1,
-        (
-            sparse_mla::mla_append("mla_append", origin, layout, spec),
-            with_layout([append, append_scalars].concat()),
-        ),
-    );
+    launches.push((
+        sparse_mla::mla_append("mla_append", origin, layout, spec),
+        with_layout([append, append_scalars].concat()),
+    ));
+    if let Some([query, weights, _]) = index {
+        let ranking = Ranking {
+            query,
+            weights,
+            cache: cache.clone(),
+            cut: cut.clone(),
+            splits: splits.clone(),
+        };
+        launches.extend(indexer_launches(ranking, spec, layout, rows, origin).map(|(k, a)| (k, with_layout(a))));
+    }
     launches.extend([
         (
             sparse_mla::sparse_mla_split("sparse_mla", origin, layout, spec),
@@ -171,6 +155,55 @@ pub(super) fn launches(
         scalar("x_stride", per_row),
     ];
     Ok((expand, args))
+}
+
+/// What a layer's own indexer ranks positions with: its query and weight activations (with
+/// their row strides), its cache slot (holding the index keys), the cut it writes, the splits.
+struct Ranking {
+    query: (LaunchArg, usize),
+    weights: (LaunchArg, usize),
+    cache: LaunchArg,
+    cut: LaunchArg,
+    splits: String,
+}
+
+/// The indexer's scores of every position each row sees (into the position scores) and each
+/// row's cut of those it keeps, without the cache layout's arguments.
+fn indexer_launches(
+    r: Ranking,
+    spec: &SparseMlaSpec,
+    layout: CacheLayout,
+    rows: &str,
+    origin: &str,
+) -> [(Kernel, Vec<LaunchArg>); 2] {
+    let ((index_q, iq_stride), (index_w, iw_stride)) = (r.query, r.weights);
+    [
+        (
+            sparse_mla::index_scores("index_scores", origin, layout, spec),
+            vec![
+                index_q,
+                index_w,
+                r.cache,
+                LaunchArg::PositionScores,
+                scalar("tokens", rows),
+                scalar("first", "first"),
+                scalar("iq_stride", iq_stride),
+                scalar("iw_stride", iw_stride),
+                scalar("context", "context"),
+                scalar("splits", &r.splits),
+            ],
+        ),
+        (
+            sparse_mla::index_select("index_select", origin, layout, spec),
+            vec![
+                LaunchArg::PositionScores,
+                r.cut,
+                scalar("tokens", rows),
+                scalar("first", "first"),
+                scalar("context", "context"),
+            ],
+        ),
+    ]
 }
 
 /// The latent attention node whose indexer `spec` shares: the one caching into its
