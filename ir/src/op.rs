@@ -548,8 +548,9 @@ impl Op {
         }
     }
 
-    /// Ops that reshape weights at compile time (`concat_rows`, `row_group_slice`): their
-    /// results are weights, made once where weights are laid out.
+    /// Ops that reshape weights at compile time (`concat_rows`, `row_group_slice`,
+    /// `transpose_row_groups`): their results are weights, made once where weights are laid
+    /// out.
     pub fn is_weight_transform(&self) -> bool {
         matches!(
             self,

@@ -230,10 +230,7 @@ impl WeightPart {
         let &Self::TransposedRowGroups { group, start, len, .. } = self else {
             return None;
         };
-        let groups = 0..rows / group.max(1);
-        let order = groups
-            .flat_map(|g| (0..cols).flat_map(move |c| (start..start + len).map(move |r| (g * group + r) * cols + c)));
-        Some(order.collect())
+        Some(ir::reference::ops::transposed_row_groups_order(rows, cols, group, start, len).collect())
     }
 }
 

@@ -452,9 +452,22 @@ pub fn mla_expand(spec: &crate::SparseMlaSpec, k_b: &[f32], v_b: &[f32], row: &[
 /// Rows `start..start+len` of every group of `group` rows of `w` (rows of `k`), each group's
 /// `[len, k]` block transposed to `[k, len]`.
 pub fn transpose_row_groups(w: &[f32], k: usize, group: usize, start: usize, len: usize) -> Vec<f32> {
-    w.chunks_exact(group * k)
-        .flat_map(|g| (0..k).flat_map(move |c| (start..start + len).map(move |r| g[r * k + c])))
+    transposed_row_groups_order(w.len() / k, k, group, start, len)
+        .map(|i| w[i])
         .collect()
+}
+
+/// The element of a `[rows, cols]` matrix that each element of its `transpose_row_groups`
+/// comes from, in order (every layout of the transform reads this order).
+pub fn transposed_row_groups_order(
+    rows: usize,
+    cols: usize,
+    group: usize,
+    start: usize,
+    len: usize,
+) -> impl Iterator<Item = usize> {
+    (0..rows / group.max(1))
+        .flat_map(move |g| (0..cols).flat_map(move |c| (start..start + len).map(move |r| (g * group + r) * cols + c)))
 }
 
 /// Which of a query's candidate positions the sparse indexer keeps (ascending), given each

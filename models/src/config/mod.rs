@@ -335,12 +335,16 @@ fn gguf_glm_moe(file: &GgufFile, arch: &str, layers: usize) -> Result<MoeConfig>
 /// with low and high frequency factors 1 and 4 over an original context of 8192 (its factor,
 /// 8 or 32, is the largest divisor); bbc takes those and checks that they give the file's
 /// divisors, refusing the file, naming the tensor, where they do not.
-fn gguf_llama3_rope(file: &GgufFile, theta: f64, rotary_dim: usize) -> Result<ir::RopeScaling> {
+fn gguf_llama3_rope(
+    file: &GgufFile,
+    info: &crate::gguf::GgufTensorInfo,
+    theta: f64,
+    rotary_dim: usize,
+) -> Result<ir::RopeScaling> {
     let refuse = |problem: String| ModelError::TensorShape {
-        name: "rope_freqs.weight".into(),
+        name: info.name.clone(),
         what: problem,
     };
-    let info = file.tensor("rope_freqs.weight").expect("the caller found it");
     if info.dtype != crate::quant::GgmlType::F32 || info.elements() != rotary_dim / 2 {
         return Err(refuse(format!(
             "holds {} {} values; Llama 3.1's RoPE scaling has an f32 divisor for each of the {} rotary pairs",
@@ -629,7 +633,7 @@ impl ModelConfig {
             None => head_dim,
         };
         let rope_scaling = match file.tensor("rope_freqs.weight") {
-            Some(_) if family == Family::Llama => gguf_llama3_rope(file, rope_theta, rotary_dim)?,
+            Some(info) if family == Family::Llama => gguf_llama3_rope(file, info, rope_theta, rotary_dim)?,
             _ => ir::RopeScaling::None,
         };
         let config = Self {

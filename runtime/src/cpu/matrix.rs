@@ -221,19 +221,16 @@ impl Matrix {
     pub fn transpose_row_groups(&self, group: usize, start: usize, len: usize) -> Result<Matrix, String> {
         self.check_row_groups(group, start, len)?;
         let cols = self.cols;
-        // Source element of each output element, in order.
-        let order =
-            move |g: usize| (0..cols).flat_map(move |c| (start..start + len).map(move |r| (g * group + r) * cols + c));
-        let groups = 0..self.rows / group;
+        let order = || ir::reference::ops::transposed_row_groups_order(self.rows, cols, group, start, len);
         let storage = match &self.storage {
-            Storage::F32(v) => Storage::F32(groups.flat_map(order).map(|i| v[i]).collect()),
-            Storage::Bf16(v) => Storage::Bf16(groups.flat_map(order).map(|i| v[i]).collect()),
+            Storage::F32(v) => Storage::F32(order().map(|i| v[i]).collect()),
+            Storage::Bf16(v) => Storage::Bf16(order().map(|i| v[i]).collect()),
             Storage::Quant { .. } => {
                 let mut row = vec![0f32; cols];
                 let widened: Vec<f32> = (0..self.rows)
                     .flat_map(|r| self.row_f32(r, &mut row).to_vec())
                     .collect();
-                Storage::F32(groups.flat_map(order).map(|i| widened[i]).collect())
+                Storage::F32(order().map(|i| widened[i]).collect())
             }
         };
         Ok(Matrix {
