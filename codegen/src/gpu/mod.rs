@@ -197,12 +197,22 @@ pub enum WeightPart {
 }
 
 /// The marker that tells a [`WeightPart::TransposedRowGroups`] from a
-/// [`WeightPart::RowGroups`] in a plan file (`"transposed": true`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// [`WeightPart::RowGroups`] in a plan file (`"transposed": true`; `false` is no such part,
+/// so it reads as plain row groups).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 pub struct Transposed(bool);
 
 impl Transposed {
     pub const YES: Transposed = Transposed(true);
+}
+
+impl<'de> Deserialize<'de> for Transposed {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match bool::deserialize(d)? {
+            true => Ok(Self::YES),
+            false => Err(serde::de::Error::custom("`transposed: false` marks no transposed part")),
+        }
+    }
 }
 
 impl WeightPart {
@@ -660,6 +670,9 @@ mod tests {
             transposed.transposed_elements(6, 2),
             Some(vec![2, 4, 3, 5, 8, 10, 9, 11])
         );
+        let not_transposed: WeightPart =
+            serde_json::from_str(r#"{"name": "kv_b", "group": 3, "start": 1, "len": 2, "transposed": false}"#).unwrap();
+        assert_eq!(not_transposed.transposed_elements(6, 2), None);
         let every_row = 0..4;
         assert_eq!(parts[0].rows(4), vec![every_row]);
     }
