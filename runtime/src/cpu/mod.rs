@@ -724,9 +724,6 @@ fn gated_delta_net(spec: &ir::DeltaNetSpec, args: &[Arg], pages: &mut KvPages, r
     Ok(Tensor::new(vec![mixed.rows(), vh * spec.value_dim], out))
 }
 
-/// Append the step's MLA keys (`[k_nope | k_pe | index key]`) and values to the spec's cache
-/// layer, then run each query row over the positions its sequence has cached up to it (the
-/// reference's arithmetic), rows spread over the pool.
 /// The reference's RMSNorm over groups of `w.len()`, spread over rows.
 fn rms_norm(x: &[f32], w: &[f32], eps: f64, weight_offset: f32, out: &mut [f32]) {
     rows::for_row_runs(out, w.len(), |first, run| {
