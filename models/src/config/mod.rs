@@ -364,10 +364,20 @@ fn gguf_llama3_rope(
         high_freq_factor: 4.0,
         original_context: 8192.0,
     };
-    let fits = divisors.iter().enumerate().all(|(i, &d)| {
-        let inv_freq = (1.0 / theta.powf(2.0 * i as f64 / rotary_dim as f64)) as f32 as f64;
-        (scaling.divisor(inv_freq) - d).abs() <= 1e-5 * d
+    // The unscaled frequencies, as the rotation makes them.
+    let unscaled = ir::reference::ops::rope_inv_freq(&ir::RopeSpec {
+        heads: 1,
+        head_dim: rotary_dim,
+        rotary_dim,
+        theta,
+        position_scale: 1.0,
+        layout: ir::RopeLayout::RotateHalf,
+        scaling: ir::RopeScaling::None,
     });
+    let fits = unscaled
+        .iter()
+        .zip(&divisors)
+        .all(|(&inv_freq, &d)| (scaling.divisor(inv_freq as f64) - d).abs() <= 1e-5 * d);
     match fits {
         true => Ok(scaling),
         false => Err(refuse(
