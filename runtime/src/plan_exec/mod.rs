@@ -557,19 +557,21 @@ fn weight_bytes(dtype: DType, parts: &[WeightPart], source: &WeightSource) -> Re
                     _ => out.extend(values.flat_map(|v| bf16::from_f32(v).to_le_bytes())),
                 }
             }
-            DType::F16 if models::weights::ir_dtype(view.dtype) == DType::F16 && transposed.is_some() => {
-                let order = transposed.into_iter().flatten();
-                out.extend(order.flat_map(|i| [view.bytes[2 * i], view.bytes[2 * i + 1]]))
-            }
-            _ if transposed.is_some() => {
-                return Err(RuntimeError::Weight(format!(
-                    "{part}: GGUF blocks do not transpose (`{name}` is {})",
-                    view.dtype.name()
-                )))
-            }
-            quant if models::weights::ir_dtype(view.dtype) == quant => {
-                out.extend(pick(view.bytes.len() / rows).map(|i| view.bytes[i]))
-            }
+            // Kept as stored: f16 values, or GGUF blocks (whose rows are cut whole only).
+            stored if models::weights::ir_dtype(view.dtype) == stored => match (transposed, stored) {
+                (None, _) => out.extend(pick(view.bytes.len() / rows).map(|i| view.bytes[i])),
+                (Some(order), DType::F16) => out.extend(
+                    order
+                        .into_iter()
+                        .flat_map(|i| [view.bytes[2 * i], view.bytes[2 * i + 1]]),
+                ),
+                (Some(_), _) => {
+                    return Err(RuntimeError::Weight(format!(
+                        "{part}: GGUF blocks do not transpose (`{name}` is {})",
+                        view.dtype.name()
+                    )))
+                }
+            },
             other => {
                 return Err(RuntimeError::Weight(format!(
                     "`{name}` is {} but the plan wants {other}",
