@@ -79,42 +79,23 @@ fn attention(
     positions: NodeId,
     indexer: &mut Option<Indexer>,
 ) -> Result<NodeId> {
-    let naming = b.naming;
-    let name = |t: TensorNames| naming.layer_named(i, t);
     let heads = c.heads;
     let (n, r, v) = (m.nope_dim, m.rope_dim, m.value_dim);
-    // Interleaved RoPE (`rope_interleave`, `indexer_rope_interleave`: element 2i pairs with
-    // 2i + 1) for the attention and the indexer alike, as HF transformers 5.24 computes them
-    // (checked against its logits; split-half fails from position 1 on).
-    let rope = |heads: usize, head_dim: usize| {
-        Op::Rope(RopeSpec {
-            heads,
-            head_dim,
-            rotary_dim: r,
-            theta: c.rope_theta,
-            position_scale: c.rope_scale,
-            layout: RopeLayout::AdjacentPairs,
-            scaling: ir::RopeScaling::None,
-        })
-    };
     // Columns `start..start + len` of each head's `group`.
     let per_head = |b: &mut Builder, x: NodeId, group: usize, start: usize, len: usize| {
         b.op(Op::GroupSlice { group, start, len }, &[x])
     };
-    let linear = |b: &mut Builder, x: NodeId, t: TensorNames, rows: usize, cols: usize| -> Result<NodeId> {
-        let w = b.matrix(&name(t), rows, cols)?;
-        b.matmul(x, w)
-    };
     // Queries: the normed latent, then per head [nope | rotated].
-    let q_latent = linear(b, h, Q_A, m.q_rank, c.hidden)?;
-    let q_latent = b.rms_norm(q_latent, &name(Q_A_NORM), m.q_rank, LATENT_NORM_EPS, 0.0)?;
-    let q = linear(b, q_latent, Q_B, heads * (n + r), m.q_rank)?;
+    let q_latent = linear(b, i, h, Q_A, m.q_rank, c.hidden)?;
+    let norm = b.naming.layer_named(i, Q_A_NORM);
+    let q_latent = b.rms_norm(q_latent, &norm, m.q_rank, LATENT_NORM_EPS, 0.0)?;
+    let q = linear(b, i, q_latent, Q_B, heads * (n + r), m.q_rank)?;
     let q_nope = per_head(b, q, n + r, 0, n)?;
     let q_pe = per_head(b, q, n + r, n, r)?;
-    let q_pe = b.op(rope(heads, r), &[q_pe, positions])?;
+    let q_pe = b.op(interleaved_rope(c, m, heads, r), &[q_pe, positions])?;
     // Keys and values: the normed latent (expanded per head by `kv_b_proj`), and one shared
     // rotated key part.
-    let kv_latent = linear(b, h, KV_A, m.kv_rank + r, c.hidden)?;
+    let kv_latent = linear(b, i, h, KV_A, m.kv_rank + r, c.hidden)?;
     let k_pe = b.op(
         Op::Slice {
             start: m.kv_rank,
@@ -122,7 +103,7 @@ fn attention(
         },
         &[kv_latent],
     )?;
-    let k_pe = b.op(rope(1, r), &[k_pe, positions])?;
+    let k_pe = b.op(interleaved_rope(c, m, 1, r), &[k_pe, positions])?;
     let kv_latent = b.op(
         Op::Slice {
             start: 0,
@@ -130,12 +111,11 @@ fn attention(
         },
         &[kv_latent],
     )?;
-    let kv_latent = b.rms_norm(kv_latent, &name(KV_A_NORM), m.kv_rank, LATENT_NORM_EPS, 0.0)?;
+    let norm = b.naming.layer_named(i, KV_A_NORM);
+    let kv_latent = b.rms_norm(kv_latent, &norm, m.kv_rank, LATENT_NORM_EPS, 0.0)?;
     let (k_b, v_b) = up_projections(b, m, heads, i)?;
-    let (ih, id) = (m.index_heads, m.index_dim);
-    let mut inputs = vec![q_nope, q_pe, kv_latent, k_pe, k_b, v_b];
-    let ranking = match (m.shared_indexer[i], *indexer) {
-        (true, Some(last_full)) => last_full,
+    let (ranking, own_index_key) = match (m.shared_indexer[i], *indexer) {
+        (true, Some(last_full)) => (last_full, None),
         (true, None) => {
             return Err(ModelError::TensorShape {
                 name: "config".into(),
@@ -143,29 +123,22 @@ fn attention(
             })
         }
         (false, _) => {
-            // The layer's own indexer.
-            let index_q = linear(b, q_latent, INDEX_Q, ih * id, m.q_rank)?;
-            let index_q = b.op(rope(ih, id), &[index_q, positions])?;
-            let index_k = linear(b, h, INDEX_K, id, c.hidden)?;
-            let (norm_w, norm_b) = (
-                b.vector(&name(INDEX_K_NORM), id)?,
-                b.vector(&name(INDEX_K_NORM_BIAS), id)?,
-            );
-            let index_k = b.op(Op::LayerNorm { eps: LATENT_NORM_EPS }, &[index_k, norm_w, norm_b])?;
-            let index_k = b.op(rope(1, id), &[index_k, positions])?;
-            let own = Indexer {
-                slot: i,
-                queries: index_q,
-                weights: linear(b, h, INDEX_WEIGHTS, ih, c.hidden)?,
-            };
+            let (own, index_key) = own_indexer(c, m, b, i, h, q_latent, positions)?;
             *indexer = Some(own);
-            inputs.extend([own.queries, own.weights, index_k]);
-            own
+            (own, Some(index_key))
         }
     };
-    if ranking.slot != i {
-        inputs.extend([ranking.queries, ranking.weights]);
-    }
+    let mut inputs = vec![
+        q_nope,
+        q_pe,
+        kv_latent,
+        k_pe,
+        k_b,
+        v_b,
+        ranking.queries,
+        ranking.weights,
+    ];
+    inputs.extend(own_index_key);
     let spec = SparseMlaSpec {
         heads,
         nope_dim: n,
@@ -173,14 +146,65 @@ fn attention(
         value_dim: v,
         latent_dim: m.kv_rank,
         scale: 1.0 / ((n + r) as f64).sqrt(),
-        index_heads: ih,
-        index_dim: id,
+        index_heads: m.index_heads,
+        index_dim: m.index_dim,
         index_topk: m.index_topk,
         cache_slot: i,
         index_slot: ranking.slot,
     };
     let a = b.op(Op::SparseMla(spec), &inputs)?;
-    linear(b, a, O, c.hidden, heads * v)
+    linear(b, i, a, O, c.hidden, heads * v)
+}
+
+/// Layer `i`'s own indexer over the normed `h` and the query latent: its queries and weights,
+/// and the step's index keys (layer-normed, rotated).
+fn own_indexer(
+    c: &ModelConfig,
+    m: &MlaConfig,
+    b: &mut Builder,
+    i: usize,
+    h: NodeId,
+    q_latent: NodeId,
+    positions: NodeId,
+) -> Result<(Indexer, NodeId)> {
+    let (ih, id) = (m.index_heads, m.index_dim);
+    let index_q = linear(b, i, q_latent, INDEX_Q, ih * id, m.q_rank)?;
+    let index_q = b.op(interleaved_rope(c, m, ih, id), &[index_q, positions])?;
+    let index_k = linear(b, i, h, INDEX_K, id, c.hidden)?;
+    let (norm_w, norm_b) = (
+        b.vector(&b.naming.layer_named(i, INDEX_K_NORM), id)?,
+        b.vector(&b.naming.layer_named(i, INDEX_K_NORM_BIAS), id)?,
+    );
+    let index_k = b.op(Op::LayerNorm { eps: LATENT_NORM_EPS }, &[index_k, norm_w, norm_b])?;
+    let index_k = b.op(interleaved_rope(c, m, 1, id), &[index_k, positions])?;
+    let own = Indexer {
+        slot: i,
+        queries: index_q,
+        weights: linear(b, i, h, INDEX_WEIGHTS, ih, c.hidden)?,
+    };
+    Ok((own, index_k))
+}
+
+/// `x · wᵀ` for layer `i`'s weight `t` (`[rows, cols]`).
+fn linear(b: &mut Builder, i: usize, x: NodeId, t: TensorNames, rows: usize, cols: usize) -> Result<NodeId> {
+    let w = b.matrix(&b.naming.layer_named(i, t), rows, cols)?;
+    b.matmul(x, w)
+}
+
+/// Interleaved RoPE of the first `qk_rope_head_dim` of each of `heads` heads of `head_dim`
+/// (`rope_interleave`, `indexer_rope_interleave`: element 2i pairs with 2i + 1), for the
+/// attention and the indexer alike, as HF transformers 5.24 computes them (checked against
+/// its logits; split-half fails from position 1 on).
+fn interleaved_rope(c: &ModelConfig, m: &MlaConfig, heads: usize, head_dim: usize) -> Op {
+    Op::Rope(RopeSpec {
+        heads,
+        head_dim,
+        rotary_dim: m.rope_dim,
+        theta: c.rope_theta,
+        position_scale: c.rope_scale,
+        layout: RopeLayout::AdjacentPairs,
+        scaling: ir::RopeScaling::None,
+    })
 }
 
 /// Layer `i`'s up-projections of the KV latent as the attention reads them: `k_b` (`[heads·
