@@ -698,8 +698,9 @@ fn hybrid_plans_start_shared_prefixes_from_state_snapshots_like_the_cpu_backend(
 }
 
 /// A recurrent model's batched plan refuses, before running anything, a step whose sequences
-/// share a state slot or name one past the plan's, and a segment sampling several rows (its
-/// state cannot take back rejected drafts): errors, not corrupted states.
+/// share a state slot or name one past the plan's, and a segment verifying more drafts than
+/// its states keep checkpoints for (none until asked: it could not take back refused drafts):
+/// errors, not corrupted states.
 #[test]
 fn recurrent_state_slots_are_checked_per_step() {
     use runtime::kv::BlockId;
@@ -715,7 +716,7 @@ fn recurrent_state_slots_are_checked_per_step() {
         64,
     )
     .unwrap();
-    assert!(!gpu.samples_several_rows());
+    assert!(gpu.samples_several_rows());
     let tables = [
         [BlockId(0), BlockId(1), BlockId(2)],
         [BlockId(3), BlockId(4), BlockId(5)],
@@ -732,10 +733,25 @@ fn recurrent_state_slots_are_checked_per_step() {
     batch[1].state_slot = 1;
     batch[0].sampled_rows = 2;
     let drafts = gpu.step_batch(&batch).unwrap_err().to_string();
-    assert!(
-        drafts.contains("recurrent state samples one row per sequence"),
-        "{drafts}"
-    );
+    assert!(drafts.contains("keep checkpoints for 0"), "{drafts}");
+    let gpu = gpu.verify_drafts_up_to(1).unwrap();
+    assert_eq!(gpu.draft_checkpoints(), 1);
+    assert!(gpu.step_batch(&batch).is_ok());
+    batch[0].sampled_rows = 3;
+    batch[0].ids = &[5, 6, 7];
+    let more = gpu.step_batch(&batch).unwrap_err().to_string();
+    assert!(more.contains("verifies 2 drafted tokens"), "{more}");
+    let indexed = EmulatedBackend::emulated(
+        plan.clone(),
+        kernels.clone(),
+        gpu_graph.clone(),
+        &model.weights,
+        &[],
+        64,
+    )
+    .unwrap()
+    .verify_drafts_up_to(usize::MAX / 2);
+    assert!(indexed.is_err());
     // Snapshots: saved only at a segment's end, into places the plan keeps, as many as fit.
     let too_many = EmulatedBackend::emulated(
         plan.clone(),
@@ -779,6 +795,113 @@ fn speculative_decoding_on_a_batched_plan_keeps_every_token() {
     }
 }
 
+/// Hybrid models on a batched plan verify drafts too: the DeltaNet kernels keep each
+/// sequence's state after its sampled rows but the last (`verify_drafts_up_to`), and where
+/// drafts are refused the engine has the plan copy the state after the last row kept back
+/// into the sequence's slot. Every request generates what it generates on the CPU backend
+/// without speculation, with drafts both accepted and refused (as `bbc gpu-check`'s graphs
+/// section checks on hardware, for the tiny Qwen3.5).
+#[test]
+fn speculative_decoding_on_hybrid_plans_rewinds_refused_drafts() {
+    use bbc::gpu_check::kernels::{self as check, DRAFTED_TOKENS};
+    use runtime::serving::{NgramConfig, ServingEngine};
+    for (family, patterns) in [
+        ("qwen3_5", check::QWEN3_5_DRAFTED),
+        ("qwen3_next", check::QWEN3_NEXT_DRAFTED),
+    ] {
+        let model = open(family, ComputeDtype::F32);
+        let config = check::hybrid_serving(NgramConfig {
+            tokens: 3,
+            min: 1,
+            max: 3,
+        });
+        let plain = SchedulerConfig {
+            speculation: NgramConfig::OFF,
+            ..config
+        };
+        let (prompts, greedy) = (check::periodic_prompts(&patterns), runtime::SamplingParams::default());
+        let cpu = CpuBackend::new(model.lower(LogitsFor::AllTokens).unwrap(), &model.weights, 64).unwrap();
+        let want = check::serve_all_counting(&mut ServingEngine::new(cpu, plain), &prompts, greedy, DRAFTED_TOKENS)
+            .unwrap()
+            .tokens;
+        let (gpu_graph, plan, kernels) = serving_plan(&model, &config, config.max_running);
+        let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+            .unwrap()
+            .capture_graphs_up_to(config.max_running * 4)
+            .verify_drafts_up_to(3)
+            .unwrap();
+        let mut on_gpu = ServingEngine::new(gpu, config);
+        assert_eq!(
+            on_gpu.scheduler().config().speculation.tokens,
+            3,
+            "{family}: the plan verifies drafts"
+        );
+        let check::Served {
+            tokens: got,
+            drafted,
+            accepted,
+        } = check::serve_all_counting(&mut on_gpu, &prompts, greedy, DRAFTED_TOKENS).unwrap();
+        assert_eq!(got, want, "{family}");
+        assert!(
+            accepted > 0 && drafted > accepted,
+            "{family}: {accepted} of {drafted} drafted tokens accepted; both kinds were meant to happen"
+        );
+    }
+}
+
+/// The mechanism beneath, on the device: after a step verifying three drafts, the plan's
+/// rewind leaves a sequence exactly where one that ran only the rows kept is (its next step's
+/// logits are bit for bit the same), for every `kept`: both the convolution's window (reaching
+/// back into the state before the step where fewer rows were kept than it is wide) and the
+/// delta rule's matrix come back from the checkpoints.
+#[test]
+fn a_rewound_state_on_the_device_continues_like_one_that_never_saw_the_refused_drafts() {
+    use runtime::kv::{BlockId, Segment};
+    use runtime::serving::PagedBackend;
+    for family in ["qwen3_5", "qwen3_next"] {
+        let model = open(family, ComputeDtype::F32);
+        let (gpu_graph, plan, kernels) = serving_plan(&model, &serving_config(32, 16), 2);
+        let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+            .unwrap()
+            .verify_drafts_up_to(3)
+            .unwrap();
+        let (prompt, verified, next) = ([5u32, 40, 77, 120, 3, 9, 250, 31, 64, 200], [44u32, 17, 93, 141], 58u32);
+        // Slot 0 verifies and rewinds, slot 1 runs only the rows kept; their own blocks.
+        let tables: [Vec<BlockId>; 2] = [(0..4).map(BlockId).collect(), (4..8).map(BlockId).collect()];
+        let step = |slot: usize, start: usize, ids: &[u32], sampled_rows: usize| {
+            let segment = Segment {
+                table: &tables[slot],
+                start,
+                ids,
+                state_slot: slot,
+                sampled_rows,
+                snapshots: runtime::kv::StateSnapshots::NONE,
+            };
+            let mut out = gpu.step_batch(&[segment]).unwrap();
+            out.remove(0).remove("logits").unwrap().data
+        };
+        let mut pages = PagedBackend::new_pages(&gpu, 4);
+        let end = prompt.len();
+        for kept in 1..=4 {
+            step(0, 0, &prompt, 1);
+            step(0, end, &verified, 4);
+            gpu.rewind_state(&mut pages, 0, 4, kept).unwrap();
+            step(1, 0, &prompt, 1);
+            step(1, end, &verified[..kept], 1);
+            assert_eq!(
+                step(0, end + kept, &[next], 1),
+                step(1, end + kept, &[next], 1),
+                "{family}: {kept} of 4 sampled rows kept"
+            );
+        }
+        assert!(gpu.rewind_state(&mut pages, 0, 4, 0).is_err() && gpu.rewind_state(&mut pages, 0, 4, 5).is_err());
+        assert!(
+            gpu.rewind_state(&mut pages, 0, 5, 2).is_err(),
+            "past the checkpoints kept"
+        );
+    }
+}
+
 fn speculative_decoding_keeps_every_token(family: &str) {
     use runtime::serving::{NgramConfig, ServingEngine};
     let model = open(family, ComputeDtype::F32);
@@ -798,8 +921,11 @@ fn speculative_decoding_keeps_every_token(family: &str) {
         .map(|i| (0..12).map(|j| 40 + 7 * i + (j % (3 + i))).collect())
         .collect();
     let cpu = CpuBackend::new(graph, &model.weights, 64).unwrap();
-    let params = runtime::SamplingParams::default();
-    let want = serve_counting(&mut ServingEngine::new(cpu, plain), &prompts, params, 12).0;
+    use bbc::gpu_check::kernels::{self as check, serve_all_counting as serve};
+    let greedy = runtime::SamplingParams::default();
+    let want = serve(&mut ServingEngine::new(cpu, plain), &prompts, greedy, 12)
+        .unwrap()
+        .tokens;
     let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
         .unwrap()
         .capture_graphs_up_to(32);
@@ -809,7 +935,11 @@ fn speculative_decoding_keeps_every_token(family: &str) {
         3,
         "the plan verifies drafts"
     );
-    let (got, drafted, accepted) = serve_counting(&mut on_gpu, &prompts, params, 12);
+    let check::Served {
+        tokens: got,
+        drafted,
+        accepted,
+    } = serve(&mut on_gpu, &prompts, greedy, 12).unwrap();
     assert_eq!(got, want, "{family}");
     assert!(
         accepted > 0 && (drafted > accepted || family != "llama"),
@@ -817,28 +947,6 @@ fn speculative_decoding_keeps_every_token(family: &str) {
     );
     let (greedy, full) = on_gpu.backend().counts();
     assert!(greedy > 0 && full == 0, "{greedy} greedy steps, {full} with logits");
-}
-
-/// Add every prompt (`max_tokens` greedy tokens each) and step until all are done; each one's
-/// tokens, and the tokens drafted and accepted on the way.
-fn serve_counting<B: runtime::serving::PagedBackend>(
-    engine: &mut runtime::serving::ServingEngine<B>,
-    prompts: &[Vec<u32>],
-    params: runtime::SamplingParams,
-    max_tokens: usize,
-) -> (Vec<Vec<u32>>, usize, usize) {
-    let ids: Vec<_> = prompts
-        .iter()
-        .map(|p| engine.add(p.clone(), max_tokens, vec![], params).unwrap())
-        .collect();
-    let (mut done, mut drafted, mut accepted) = (std::collections::HashMap::new(), 0, 0);
-    while !engine.scheduler().is_idle() {
-        let out = engine.step().unwrap();
-        drafted += out.drafted;
-        accepted += out.accepted;
-        done.extend(out.finished.into_iter().map(|f| (f.seq, f.generated)));
-    }
-    (ids.iter().map(|id| done[id].clone()).collect(), drafted, accepted)
 }
 
 /// Serving limits for the engine tests: 4 running sequences of up to 64 positions, blocks of
@@ -924,6 +1032,15 @@ impl<B: runtime::serving::PagedBackend> runtime::serving::PagedBackend for Count
     fn verifies_drafts(&self) -> bool {
         self.inner.verifies_drafts()
     }
+    fn rewind_state(
+        &self,
+        pages: &mut B::Pages,
+        state_slot: usize,
+        sampled_rows: usize,
+        kept: usize,
+    ) -> runtime::Result<()> {
+        self.inner.rewind_state(pages, state_slot, sampled_rows, kept)
+    }
     fn snapshots_states(&self) -> runtime::serving::StateSnapshotting {
         self.inner.snapshots_states()
     }
@@ -1000,7 +1117,9 @@ fn serve_all<B: runtime::serving::PagedBackend>(
     prompts: &[Vec<u32>],
     params: runtime::SamplingParams,
 ) -> Vec<Vec<u32>> {
-    serve_counting(engine, prompts, params, 6).0
+    bbc::gpu_check::kernels::serve_all_counting(engine, prompts, params, 6)
+        .unwrap()
+        .tokens
 }
 
 /// Weights made on the device (`PlanExecutor::with_generated_weights`, for models lowered

@@ -84,12 +84,14 @@ impl Layer {
     }
 
     /// The three launches over a step of `segments` (each a sequence's rows) with `state`
-    /// (`[slots, state_len]`) and the layout's step inputs; the step's output rows.
+    /// (`[slots, state_len]`), `checkpoints` (`[places, state_len]`, where the batched layout
+    /// keeps states after the rows `row_checkpoint` marks) and the layout's step inputs; the
+    /// step's output rows.
     fn step(
         &self,
         layout: CacheLayout,
         segments: &[&Rows],
-        state: &mut Vec<f32>,
+        (state, checkpoints): (&mut Vec<f32>, &mut Vec<f32>),
         step: HashMap<String, Array>,
         first: i64,
     ) -> Vec<f32> {
@@ -120,6 +122,7 @@ impl Layer {
             ("x".into(), Array::f32(&x)),
             ("w".into(), weights),
             ("state".into(), Array::f32(state)),
+            ("checkpoints".into(), Array::f32(checkpoints)),
             ("out".into(), Array::poisoned(Ty::F32, tokens * c)),
             ("b".into(), Array::f32(&b)),
             ("a".into(), Array::f32(&a)),
@@ -145,6 +148,7 @@ impl Layer {
         bufs.insert("out".into(), Array::poisoned(Ty::F32, tokens * width));
         run(&rule, &mut bufs, &scalars).unwrap();
         *state = bufs["state"].to_f32().unwrap();
+        *checkpoints = bufs["checkpoints"].to_f32().unwrap();
         bufs["out"].to_f32().unwrap()
     }
 
@@ -216,7 +220,13 @@ fn one_sequence_continues_its_state_across_steps() {
             for n in [5, 1, 2] {
                 let rows = layer.rows(&mut rng, n);
                 let want = layer.reference(&rows, &mut want_state);
-                let got = layer.step(CacheLayout::Contiguous, &[&rows], &mut state, HashMap::new(), first);
+                let got = layer.step(
+                    CacheLayout::Contiguous,
+                    &[&rows],
+                    (&mut state, &mut Vec::new()),
+                    HashMap::new(),
+                    first,
+                );
                 let what = format!("{spec:?} {weights:?}, {n} rows at {first}");
                 close(&got, &want, 1e-4, &what);
                 close(
@@ -232,7 +242,10 @@ fn one_sequence_continues_its_state_across_steps() {
 }
 
 /// A batched step: a sequence starting (its slot holding an earlier sequence's state, which it
-/// must not read), one continuing with one row and one with two, each in its own slot.
+/// must not read), one continuing with one row and one with two, each in its own slot. The
+/// states after rows other than a sequence's last are kept where `row_checkpoint` asks (the
+/// starting sequence's first two rows, the two-row sequence's first: its window reaching back
+/// into its state), each the reference's state after that row.
 #[test]
 fn batched_sequences_keep_their_own_states() {
     let mut rng = Rng(42);
@@ -251,6 +264,26 @@ fn batched_sequences_keep_their_own_states() {
         // (slot, rows, position of its first row)
         let seqs = [(1usize, 3usize, 0usize), (2, 1, 6), (0, 2, 4)];
         let rows: Vec<Rows> = seqs.iter().map(|&(_, n, _)| layer.rows(&mut rng, n)).collect();
+        // The states each checkpoint should hold: (sequence, its state before the step, rows).
+        let kept = [
+            (0usize, vec![0f32; len], 1usize),
+            (0, vec![0f32; len], 2),
+            (2, want_states[1].clone(), 1),
+        ];
+        let want_checkpoints: Vec<Vec<f32>> = kept
+            .into_iter()
+            .map(|(seq, mut before, n)| {
+                let r = &rows[seq];
+                let (c, vh) = (spec.conv_channels(), spec.value_heads);
+                let first = Rows {
+                    x: r.x[..n * c].to_vec(),
+                    b: r.b[..n * vh].to_vec(),
+                    a: r.a[..n * vh].to_vec(),
+                };
+                layer.reference(&first, &mut before);
+                before
+            })
+            .collect();
         let mut want = Vec::new();
         let mut fresh = vec![0f32; len];
         want.extend(layer.reference(&rows[0], &mut fresh));
@@ -272,10 +305,19 @@ fn batched_sequences_keep_their_own_states() {
                 "state_slots".to_string(),
                 Array::ints(Ty::I32, &seqs.map(|s| s.0 as i64)),
             ),
+            (
+                "row_checkpoint".to_string(),
+                Array::ints(Ty::I32, &[0, 1, -1, -1, 2, -1]),
+            ),
         ]);
         let segments: Vec<&Rows> = rows.iter().collect();
-        let got = layer.step(CacheLayout::Batched, &segments, &mut state, step, 0);
+        let mut checkpoints = vec![f32::NAN; 3 * len];
+        let got = layer.step(CacheLayout::Batched, &segments, (&mut state, &mut checkpoints), step, 0);
         close(&got, &want, 1e-4, &format!("{spec:?}: batched outputs"));
+        for (place, want) in want_checkpoints.iter().enumerate() {
+            let got = layer.device_state(&checkpoints[place * len..(place + 1) * len], false);
+            close(&got, want, 1e-4, &format!("{spec:?}: checkpoint {place}"));
+        }
         for (slot, s) in [(1, &fresh), (2, &want_states[0]), (0, &want_states[1])] {
             let got = layer.device_state(&state[slot * len..(slot + 1) * len], false);
             close(&got, s, 1e-4, &format!("{spec:?}: slot {slot}"));

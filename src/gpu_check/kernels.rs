@@ -2,7 +2,8 @@
 //! with KV-shared layers and with its MoE block), Qwen3.5, GLM-4.5 and Qwen3-Next plans in
 //! lockstep with the emulator, batched decode steps replayed from CUDA graphs against the
 //! same steps launched one kernel at a time, and requests served from snapshots of recurrent
-//! states kept on the device against the CPU backend.
+//! states kept on the device, or speculating with their states rewound past refused drafts,
+//! against the CPU backend.
 
 use anyhow::{bail, Result};
 use codegen::gpu;
@@ -12,6 +13,7 @@ use runtime::compare::CompareDevice;
 use runtime::cuda::CudaDevice;
 use runtime::emulated::EmulatedDevice;
 use runtime::plan_exec::PlanExecutor;
+use runtime::serving::SchedulerConfig;
 use std::path::Path;
 
 /// The tiny HF fixtures (`tests/fixtures/hf-tiny/`) of the families compiled for the GPU
@@ -178,34 +180,13 @@ pub fn graph_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
 /// snapshot (device copies into their state slots before a step, out of them after one) and
 /// must generate the CPU backend's greedy tokens; prints both engines' prefix-cache hits.
 pub fn snapshot_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
-    use runtime::serving::{NgramConfig, SchedulerConfig, ServingEngine, StateCacheConfig};
-    let model = Model::open(ModelSpec::for_weights(&fixtures.join("qwen3_5")))?;
+    use runtime::serving::{NgramConfig, ServingEngine, StateCacheConfig};
     let config = SchedulerConfig {
-        max_waiting: 16,
-        max_running: 3,
-        token_budget: 24,
-        kv_blocks: 48,
-        block_size: 4,
-        context_length: 64,
-        prefix_caching: true,
-        speculation: NgramConfig::OFF,
-        recurrent_state: false,
         state_cache: StateCacheConfig::every(8, 6),
+        ..hybrid_serving(NgramConfig::OFF)
     };
-    let lowered = model.lower(LogitsFor::LastToken)?;
-    let graph = models::with_greedy_token(&passes::optimized(&lowered, crate::model_ref::cost_model(target))?)?;
-    let cache = gpu::BatchedCache {
-        blocks: config.kv_blocks,
-        block_size: config.block_size,
-        sequences: config.max_running,
-    };
-    let (plan, kernels) = gpu::build_batched(&graph, target, 32, cache)?;
-    let device = CudaDevice::compile(&kernels, arch)?;
-    let gpu = PlanExecutor::new(device, plan, graph, &model.weights, &[], config.context_length)?
-        .capture_graphs_up_to(config.max_running)
-        .keep_state_snapshots(6)?;
-    let cpu_graph = passes::optimized(&lowered, passes::CostModel::CPU)?;
-    let cpu = runtime::CpuBackend::new(cpu_graph, &model.weights, config.context_length)?;
+    let (gpu, cpu) = hybrid_backends(target, arch, fixtures, &config)?;
+    let gpu = gpu.keep_state_snapshots(6)?;
     let prompts = prompts_sharing_a_prefix(21, 4);
     let (want, cpu_hits) = serve_first_then_rest(&mut ServingEngine::new(cpu, config), &prompts)?;
     let (got, gpu_hits) = serve_first_then_rest(&mut ServingEngine::new(gpu, config), &prompts)?;
@@ -218,6 +199,143 @@ pub fn snapshot_check(target: Target, arch: &str, fixtures: &Path) -> Result<()>
         bail!("no request started from a state snapshot on the GPU");
     }
     Ok(())
+}
+
+/// The tiny Qwen3.5 (f32) served on its batched plan with speculative decoding (prompt lookup,
+/// up to 3 drafts): the DeltaNet kernels keep each sequence's states after its sampled rows
+/// but the last, and refused drafts are rewound by copying one back (`verify_drafts_up_to`).
+/// Must generate the CPU backend's greedy tokens without speculation; prints the drafts.
+pub fn draft_rewind_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
+    use runtime::serving::{NgramConfig, ServingEngine};
+    let drafting = NgramConfig {
+        tokens: 3,
+        min: 1,
+        max: 3,
+    };
+    let config = hybrid_serving(drafting);
+    let (gpu, cpu) = hybrid_backends(target, arch, fixtures, &config)?;
+    let gpu = gpu.verify_drafts_up_to(drafting.tokens)?;
+    let prompts = periodic_prompts(&QWEN3_5_DRAFTED);
+    let plain = SchedulerConfig {
+        speculation: NgramConfig::OFF,
+        ..config
+    };
+    let greedy = runtime::SamplingParams::default();
+    let want = serve_all_counting(&mut ServingEngine::new(cpu, plain), &prompts, greedy, DRAFTED_TOKENS)?.tokens;
+    let mut on_gpu = ServingEngine::new(gpu, config);
+    let Served {
+        tokens: got,
+        drafted,
+        accepted,
+    } = serve_all_counting(&mut on_gpu, &prompts, greedy, DRAFTED_TOKENS)?;
+    println!("\n| tiny Qwen3.5 speculating on the GPU | drafted | accepted |\n|---|---|---|");
+    println!(
+        "| {} requests of {DRAFTED_TOKENS} tokens | {drafted} | {accepted} |",
+        prompts.len()
+    );
+    if got != want {
+        bail!("speculating on the GPU generates {got:?}, the CPU backend without speculation {want:?}");
+    }
+    if accepted == drafted {
+        bail!("no draft was refused on the GPU: rewinding went unchecked");
+    }
+    Ok(())
+}
+
+/// Serving limits for the tiny Qwen3.5's checks: 3 running sequences of up to 64 positions.
+pub fn hybrid_serving(speculation: runtime::serving::NgramConfig) -> SchedulerConfig {
+    SchedulerConfig {
+        max_waiting: 16,
+        max_running: 3,
+        token_budget: 24,
+        kv_blocks: 48,
+        block_size: 4,
+        context_length: 64,
+        prefix_caching: true,
+        speculation,
+        recurrent_state: false,
+        state_cache: runtime::serving::StateCacheConfig::OFF,
+    }
+}
+
+/// The tiny Qwen3.5 (f32) as `config` serves it: its greedy serving plan on the GPU (decode
+/// steps as graphs) and the CPU backend.
+fn hybrid_backends(
+    target: Target,
+    arch: &str,
+    fixtures: &Path,
+    config: &SchedulerConfig,
+) -> Result<(PlanExecutor<CudaDevice>, runtime::CpuBackend)> {
+    let model = Model::open(ModelSpec::for_weights(&fixtures.join("qwen3_5")))?;
+    let lowered = model.lower(LogitsFor::LastToken)?;
+    let graph = models::with_greedy_token(&passes::optimized(&lowered, crate::model_ref::cost_model(target))?)?;
+    let cache = gpu::BatchedCache {
+        blocks: config.kv_blocks,
+        block_size: config.block_size,
+        sequences: config.max_running,
+    };
+    let (plan, kernels) = gpu::build_batched(&graph, target, 32, cache)?;
+    let device = CudaDevice::compile(&kernels, arch)?;
+    let gpu = PlanExecutor::new(device, plan, graph, &model.weights, &[], config.context_length)?
+        .capture_graphs_up_to(config.max_running * (1 + config.speculation.tokens));
+    let cpu_graph = passes::optimized(&lowered, passes::CostModel::CPU)?;
+    let cpu = runtime::CpuBackend::new(cpu_graph, &model.weights, config.context_length)?;
+    Ok((gpu, cpu))
+}
+
+/// Greedy tokens each of the drafting checks' requests generates.
+pub const DRAFTED_TOKENS: usize = 28;
+
+/// Patterns (`base`, `period`) of [`periodic_prompts`] after which the tiny random Qwen3.5's
+/// greedy tokens sometimes follow what prompt lookup drafts (found by a search on the CPU
+/// backend: within [`DRAFTED_TOKENS`] tokens, drafts both accepted and refused).
+pub const QWEN3_5_DRAFTED: [(u32, u32); 2] = [(92, 8), (64, 2)];
+
+/// As [`QWEN3_5_DRAFTED`], for the tiny Qwen3-Next.
+pub const QWEN3_NEXT_DRAFTED: [(u32, u32); 2] = [(8, 3), (141, 1)];
+
+/// A prompt of 36 tokens per pattern (`base`, `period`): `period` ids from `base`, 17 apart,
+/// over and over, which prompt lookup drafts from.
+pub fn periodic_prompts(patterns: &[(u32, u32)]) -> Vec<Vec<u32>> {
+    patterns
+        .iter()
+        .map(|&(base, period)| (0..36u32).map(|j| base + 17 * (j % period)).collect())
+        .collect()
+}
+
+/// What [`serve_all_counting`] served.
+pub struct Served {
+    /// Each prompt's tokens, in order.
+    pub tokens: Vec<Vec<u32>>,
+    pub drafted: usize,
+    pub accepted: usize,
+}
+
+/// Every prompt added (`max_tokens` tokens each, sampled by `params`) and stepped until all
+/// are done: each one's tokens, and the tokens drafted and accepted on the way.
+pub fn serve_all_counting<B: runtime::serving::PagedBackend>(
+    engine: &mut runtime::serving::ServingEngine<B>,
+    prompts: &[Vec<u32>],
+    params: runtime::SamplingParams,
+    max_tokens: usize,
+) -> Result<Served> {
+    let ids: Vec<_> = prompts
+        .iter()
+        .map(|p| engine.add(p.clone(), max_tokens, vec![], params))
+        .collect::<std::result::Result<_, _>>()?;
+    let (mut done, mut drafted, mut accepted) = (std::collections::HashMap::new(), 0, 0);
+    while !engine.scheduler().is_idle() {
+        let out = engine.step()?;
+        drafted += out.drafted;
+        accepted += out.accepted;
+        done.extend(out.finished.into_iter().map(|f| (f.seq, f.generated)));
+    }
+    let tokens = ids.iter().map(|id| done.remove(id).unwrap_or_default()).collect();
+    Ok(Served {
+        tokens,
+        drafted,
+        accepted,
+    })
 }
 
 /// `count` prompts of the tiny models' vocabulary (ids under 300) that share their first

@@ -98,13 +98,25 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
             }
             Section::Smollm2 => smollm2_weights(&args.model).and_then(|model| smollm2::check(&model, target)),
             Section::Graphs => {
-                // Both run; the first failure is the section's, a second is printed.
-                let graphs = kernels::graph_check(target, arch, &args.fixtures);
-                let snapshots = kernels::snapshot_check(target, arch, &args.fixtures);
-                if let (Err(_), Err(e)) = (&graphs, &snapshots) {
-                    println!("\nstate snapshots FAILED too: {}", crate::report::error_report(e));
+                // All run; the first failure is the section's, later ones are printed.
+                let checks = [
+                    ("graphs", kernels::graph_check(target, arch, &args.fixtures)),
+                    ("state snapshots", kernels::snapshot_check(target, arch, &args.fixtures)),
+                    (
+                        "draft rewinds",
+                        kernels::draft_rewind_check(target, arch, &args.fixtures),
+                    ),
+                ];
+                let mut failed = checks.into_iter().filter_map(|(name, r)| r.err().map(|e| (name, e)));
+                match failed.next() {
+                    None => Ok(()),
+                    Some((_, first)) => {
+                        for (name, e) in failed {
+                            println!("\n{name} FAILED too: {}", crate::report::error_report(&e));
+                        }
+                        Err(first)
+                    }
                 }
-                graphs.and(snapshots)
             }
             Section::Matmuls => llama_8b::matmul_timings(target, arch, bandwidth).map(|table| println!("\n{table}")),
             Section::Decode => llama_8b::decode(target, arch, bandwidth, args.decode_prefill_chunk),

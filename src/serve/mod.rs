@@ -66,8 +66,8 @@ pub struct ServeArgs {
     pub dtype: Option<ComputeDtype>,
     /// Speculative decoding by prompt lookup: draft up to N tokens a step from earlier text
     /// of the request and verify them in the same pass (0: off; overrides a model.toml's
-    /// `[speculative]`). Tokens are unchanged. Hybrid models (recurrent state) speculate on
-    /// the CPU backend only.
+    /// `[speculative]`). Tokens are unchanged. On the GPU, a model with recurrent state
+    /// keeps N copies of each sequence's state to rewind refused drafts to.
     #[arg(long)]
     pub speculative_ngram: Option<usize>,
     /// Shortest match prompt lookup tries (default 2, or model.toml's).
@@ -173,7 +173,8 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 runtime::cuda::CudaBackend::batched(&plans.dir, &plan, graph, weights, int8, context_length, cache)?
                     .capture_graphs_up_to(graph_rows)
                     // No more than the scheduler can file (one a block).
-                    .keep_state_snapshots(args.state_snapshots.min(args.kv_blocks))?;
+                    .keep_state_snapshots(args.state_snapshots.min(args.kv_blocks))?
+                    .verify_drafts_up_to(config.speculation.tokens)?;
             eprintln!(
                 "KV cache on the GPU: {} blocks of {} positions ({positions} positions)",
                 args.kv_blocks, args.block_size
@@ -183,6 +184,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 backend.snapshot_places(),
                 "on the GPU",
             );
+            announce_checkpoints(&backend, args.max_num_seqs);
             start_engine(backend, config, inbox, metrics.clone())?;
         }
         None => {
@@ -235,6 +237,18 @@ fn announce_snapshots(state_bytes: usize, places: usize, held: &str) {
     }
 }
 
+/// Say what verifying drafts keeps of a GPU plan's recurrent states: a copy per draft and
+/// sequence.
+fn announce_checkpoints(backend: &runtime::cuda::CudaBackend, sequences: usize) {
+    let drafts = backend.draft_checkpoints();
+    if drafts > 0 {
+        let mib = (sequences * drafts * backend.state_bytes_per_sequence()) as f64 / f64::from(1 << 20);
+        eprintln!(
+            "recurrent states: {drafts} copies a sequence to rewind refused drafts to ({mib:.1} MiB on the GPU for {sequences} sequences)"
+        );
+    }
+}
+
 /// Run an engine over `backend` on its own thread, taking requests from `inbox`; say whether
 /// it drafts (the engine turns off speculation its backend cannot verify).
 fn start_engine<B>(
@@ -255,7 +269,7 @@ where
             on.tokens, on.min, on.max
         ),
         (true, false) => eprintln!(
-            "speculative decoding is off: this plan cannot verify drafted tokens (GPU plans of models with recurrent state do not yet, and plans compiled before plans sampled several rows cannot: compile it again)"
+            "speculative decoding is off: this plan cannot verify drafted tokens (it was compiled before its kernels sampled several rows, or, for a model with recurrent state, kept the states to rewind drafts to: compile it again)"
         ),
         (false, false) => {}
     }

@@ -61,6 +61,12 @@ pub enum LaunchArg {
     RecurrentState {
         slot: usize,
     },
+    /// Recurrent state `slot`'s checkpoints: places laid out as its slots, where a batched
+    /// step keeps the states after the rows `row_checkpoint` marks (those a verifying step
+    /// may rewind to), as many as the runtime allocates for the drafts it verifies.
+    StateCheckpoints {
+        slot: usize,
+    },
     Constant {
         name: String,
     },
@@ -88,8 +94,9 @@ pub enum LaunchArg {
     /// A batched plan's per-step input (`block_tables`, `row_table`, `row_pos`: see
     /// `kernels_gen::templates::cache_layout`; `last_rows`: each sequence's last row;
     /// `sampled_rows`: the rows sampled from, each sequence's last `drafts + 1`; `row_seq`:
-    /// each row's sequence; `state_slots`: each sequence's recurrent state slot), written by
-    /// the runtime before each step.
+    /// each row's sequence; `state_slots`: each sequence's recurrent state slot;
+    /// `row_checkpoint`: each row's place in the state checkpoints, or −1), written by the
+    /// runtime before each step.
     StepInput {
         name: String,
     },

@@ -23,6 +23,12 @@
 //! in slot `state_slots[s]`, row `r` belongs to sequence `row_seq[r]`). A sequence whose first
 //! row is position 0 starts from a zero state, whatever its slot held before.
 //!
+//! A batched step that verifies drafted tokens also keeps the state as it stood after rows
+//! other than a sequence's last: row `r`'s in place `row_checkpoint[r]` of the layer's
+//! `checkpoints` buffer (`[places, state_len]`, laid out as a slot; −1: not kept), the window
+//! by (1) (a row's window is the inputs of its last `K − 1` taps) and the matrix by (3). Where the drafts after a row are refused, the runtime copies
+//! that place back into the sequence's slot, as if the refused rows had never run.
+//!
 //! Prefill walks a chunk's rows one after another in (3), each row's inputs loaded during the
 //! row before (they do not depend on the state), so the walk waits on the recurrence's
 //! arithmetic rather than on memory (untimed: no GPU has run it). The chunked (WY) form that
@@ -49,6 +55,24 @@ fn sequence_params(layout: CacheLayout) -> Vec<Param> {
         ],
         _ => vec![scalar("first", Ty::I32)],
     }
+}
+
+/// The batched layout's checkpoint parameters (see the module's description): where states
+/// after rows other than a sequence's last are kept.
+fn checkpoint_params(layout: CacheLayout) -> Vec<Param> {
+    match layout {
+        CacheLayout::Batched => vec![
+            buffer("checkpoints", Ty::F32, true),
+            buffer("row_checkpoint", Ty::I32, false),
+        ],
+        _ => vec![],
+    }
+}
+
+/// `stores` (which write `checkpoints` at `place`) where `place` is one, and `also` holds.
+fn at_checkpoint(also: Option<Expr>, stores: Vec<Stmt>) -> Stmt {
+    let kept = bin(BinOp::Ge, var("place"), int(0));
+    if_(also.map_or(kept.clone(), |also| and(also, kept)), stores)
 }
 
 /// Statements declaring, for sequence `s` of the step: `first_row`, `last_row` (its rows),
@@ -172,6 +196,18 @@ pub fn conv(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNetSpec, 
         body.push(assign("acc", var("acc") + var(&w) * var(&tap)));
     }
     body.push(store("out", var("i"), silu(var("acc"))));
+    if layout == CacheLayout::Batched {
+        // The window after this row is its last K − 1 taps' inputs, read before (2) shifts
+        // the state's window.
+        let window = (1..taps).map(|j| {
+            let at = var("place") * int(spec.state_len() as i64) + int((j - 1) * channels) + var("c");
+            store("checkpoints", at, var(&format!("in{j}")))
+        });
+        body.extend([
+            let_("place", Ty::I32, load("row_checkpoint", var("r"))),
+            at_checkpoint(None, window.collect()),
+        ]);
+    }
     Kernel {
         name: name.into(),
         origin: format!(
@@ -190,6 +226,7 @@ pub fn conv(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNetSpec, 
                 scalar("x_stride", Ty::I32),
             ],
             sequence_params(layout),
+            checkpoint_params(layout),
         ]
         .concat(),
         shared: vec![],
@@ -281,6 +318,7 @@ pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNet
     let (vh, key_width) = (spec.value_heads as i64, (spec.key_heads * spec.key_dim) as i64);
     let tiles = spec.value_dim.div_ceil(columns) as i64;
     let channels = spec.conv_channels() as i64;
+    let batched = layout == CacheLayout::Batched;
     let names = |prefix: &'static str| (0..per_thread).map(move |m| format!("{prefix}{m}"));
     // The key-dimension index of a thread's m-th state entry.
     let key_index = |m: i64| var("rg") + int(groups_i * m);
@@ -305,12 +343,16 @@ pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNet
     body.extend(locate_sequence(layout, var("s")));
     body.extend([
         let_("key_head", Ty::I32, key_head(spec, var("h"))),
+        // The head's matrix within a state, and within the sequence's slot.
+        let_(
+            "head_matrix",
+            Ty::I32,
+            int((spec.conv_kernel as i64 - 1) * channels) + var("h") * int(dk * dv),
+        ),
         let_(
             "matrix",
             Ty::I32,
-            var("slot") * int(spec.state_len() as i64)
-                + int((spec.conv_kernel as i64 - 1) * channels)
-                + var("h") * int(dk * dv),
+            var("slot") * int(spec.state_len() as i64) + var("head_matrix"),
         ),
     ]);
     // The state's column j, rows rg + R·m: zero for a fresh sequence. Stored by columns
@@ -345,6 +387,9 @@ pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNet
                 ]
             })
             .collect();
+        if batched {
+            loads.push(assign(&next("place"), load("row_checkpoint", row.clone())));
+        }
         loads.extend([
             assign(&next("a_in"), load("a", row.clone() * var("a_stride") + var("h"))),
             assign(&next("b_in"), load("b", row * var("b_stride") + var("h"))),
@@ -364,12 +409,19 @@ pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNet
     {
         body.push(let_(&next(&name), Ty::F32, f(0.0)));
     }
+    if batched {
+        // Where the state after the row is kept (see the module's description).
+        body.push(let_(&next("place"), Ty::I32, int(-1)));
+    }
     body.extend(load_row(var("first_row")));
     let mut step: Vec<Stmt> = names("q")
         .chain(names("k"))
         .chain(["a_in", "b_in", "v"].map(String::from))
         .map(|name| let_(&name, Ty::F32, var(&next(&name))))
         .collect();
+    if batched {
+        step.push(let_("place", Ty::I32, var(&next("place"))));
+    }
     step.push(if_(
         bin(BinOp::Le, var("r") + int(1), var("last_row")),
         load_row(var("r") + int(1)),
@@ -417,6 +469,16 @@ pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNet
     for (s, k) in names("s").zip(names("k")) {
         step.push(assign(&s, var(&s) + var(&k) * var("delta")));
     }
+    let checkpoint = names("s")
+        .enumerate()
+        .map(|(m, s)| {
+            let at = var("place") * int(spec.state_len() as i64) + var("head_matrix");
+            store("checkpoints", at + var("j") * int(dk) + key_index(m as i64), var(&s))
+        })
+        .collect();
+    if batched {
+        step.push(at_checkpoint(Some(var("active")), checkpoint));
+    }
     step.push(let_("o", Ty::F32, dot("s", "q")));
     step.extend(column_sum("o"));
     step.push(if_(
@@ -461,6 +523,7 @@ pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNet
                 scalar("a_stride", Ty::I32),
             ],
             sequence_params(layout),
+            checkpoint_params(layout),
         ]
         .concat(),
         shared: vec![],

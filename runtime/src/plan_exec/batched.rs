@@ -11,11 +11,20 @@ use ir::Tensor;
 use std::collections::HashMap;
 use std::ops::Range;
 
-/// Which way a state crosses between a sequence's slot and a snapshot.
+/// Which way a state crosses between a sequence's slot and a [`Place`].
 #[derive(Debug, Clone, Copy)]
 enum Direction {
     Restore,
     Save,
+}
+
+/// Where a sequence's recurrent state is kept besides its slot.
+#[derive(Debug, Clone, Copy)]
+enum Place {
+    /// A snapshot for the prefix cache (see [`PlanExecutor::keep_state_snapshots`]).
+    Snapshot(usize),
+    /// A checkpoint the kernels left for a rewind (see [`PlanExecutor::verify_drafts_up_to`]).
+    Checkpoint(usize),
 }
 
 /// Which rows of a batched step's per-token outputs come back to the host.
@@ -110,24 +119,68 @@ impl<D: PlanDevice> PlanExecutor<D> {
         }
     }
 
+    /// A segment's drafts as this plan verifies them: several sampled rows only where it
+    /// gathers them, and, for a model with recurrent state, no more drafts than it keeps
+    /// checkpoints for.
+    fn check_drafts(&self, seg: &Segment) -> Result<()> {
+        let drafts = seg.sampled_rows.saturating_sub(1);
+        if drafts == 0 {
+            return Ok(());
+        }
+        if !self.samples_several_rows() {
+            return Err(RuntimeError::Input(match self.plan.recurrent_states.is_empty() {
+                true => "this plan samples one row per sequence (compile it again to verify drafted tokens)",
+                false => "this plan of a model with recurrent state keeps no states to rewind drafted tokens to (compile it again to verify them)",
+            }.into()));
+        }
+        if !self.plan.recurrent_states.is_empty() && drafts > self.draft_checkpoints {
+            return Err(RuntimeError::Input(format!(
+                "a segment verifies {drafts} drafted tokens where the recurrent states keep checkpoints for {} (see verify_drafts_up_to)",
+                self.draft_checkpoints
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checkpoint `i` of the sequence in state slot `slot`: the state after its `i + 1`-th
+    /// sampled row (see [`verify_drafts_up_to`](Self::verify_drafts_up_to)).
+    fn checkpoint_place(&self, slot: usize, i: usize) -> usize {
+        slot * self.draft_checkpoints + i
+    }
+
+    /// Each of a segment's rows' `row_checkpoint`: its sampled rows but the last keep the
+    /// state after them, in the sequence's checkpoints, where the model has a recurrent state;
+    /// −1 for the others (`templates::delta_net`).
+    fn row_checkpoints(&self, seg: &Segment) -> Vec<i32> {
+        let mut places = vec![-1; seg.ids.len()];
+        if !self.plan.recurrent_states.is_empty() {
+            let first_sampled = seg.ids.len() - seg.sampled_rows;
+            for i in 0..seg.sampled_rows - 1 {
+                places[first_sampled + i] = self.checkpoint_place(seg.state_slot, i) as i32;
+            }
+        }
+        places
+    }
+
     /// After a step's launches: each segment's state saved where it asks.
     fn save_snapshots(&self, device: &mut D, buffers: &Buffers<D::Buffer>, batch: &[Segment]) -> Result<()> {
         for seg in batch {
             for save in seg.snapshots.save {
-                self.copy_states(device, buffers, seg.state_slot, save.snapshot, Direction::Save)?;
+                let place = Place::Snapshot(save.snapshot);
+                self.copy_states(device, buffers, seg.state_slot, place, Direction::Save)?;
             }
         }
         Ok(())
     }
 
-    /// Every recurrent layer's state of sequence slot `slot` copied from snapshot `place`
-    /// (restore) or into it (save), on the device.
+    /// Every recurrent layer's state of sequence slot `slot` copied from `place` (restore) or
+    /// into it (save), on the device.
     fn copy_states(
         &self,
         device: &mut D,
         buffers: &Buffers<D::Buffer>,
         slot: usize,
-        place: usize,
+        place: Place,
         direction: Direction,
     ) -> Result<()> {
         for layout in &self.plan.recurrent_states {
@@ -139,10 +192,13 @@ impl<D: PlanDevice> PlanExecutor<D> {
                     .ok_or_else(|| RuntimeError::Artifact(format!("no buffer for {key:?}")))
             };
             let state = (buffer(BufferKey::State(layout.slot))?, slot * bytes);
-            let snapshot = (buffer(BufferKey::Snapshots(layout.slot))?, place * bytes);
+            let kept = match place {
+                Place::Snapshot(p) => (buffer(BufferKey::Snapshots(layout.slot))?, p * bytes),
+                Place::Checkpoint(p) => (buffer(BufferKey::Checkpoints(layout.slot))?, p * bytes),
+            };
             let (from, to) = match direction {
-                Direction::Restore => (snapshot, state),
-                Direction::Save => (state, snapshot),
+                Direction::Restore => (kept, state),
+                Direction::Save => (state, kept),
             };
             device.copy(from.0, from.1, to.0, to.1, bytes)?;
         }
@@ -214,18 +270,13 @@ impl<D: PlanDevice> PlanExecutor<D> {
         self.check_rows(tokens)?;
         let (mut ids, mut positions) = (Vec::new(), Vec::new());
         let (mut tables, mut row_table) = (Vec::new(), Vec::new());
-        let (mut row_seq, mut state_slots) = (Vec::new(), Vec::new());
+        let (mut row_seq, mut state_slots, mut row_checkpoint) = (Vec::new(), Vec::new(), Vec::new());
         // Each segment's rows of the step.
         let mut segment_rows: Vec<Range<usize>> = Vec::with_capacity(batch.len());
         for seg in batch {
             seg.check_sampled_rows()?;
             self.check_snapshots(seg)?;
-            if seg.sampled_rows > 1 && !self.samples_several_rows() {
-                return Err(RuntimeError::Input(match self.plan.recurrent_states.is_empty() {
-                    true => "this plan samples one row per sequence (compile it again to verify drafted tokens)".into(),
-                    false => "a model with recurrent state samples one row per sequence (its state cannot take back drafted tokens)".into(),
-                }));
-            }
+            self.check_drafts(seg)?;
             let first = segment_rows.last().map_or(0, |r| r.end);
             segment_rows.push(first..first + seg.ids.len());
             if seg.ids.is_empty() || seg.end() > self.context_length {
@@ -248,6 +299,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             ids.extend_from_slice(seg.ids);
             positions.extend(seg.start..seg.end());
             row_seq.extend(std::iter::repeat_n(state_slots.len() as i32, seg.ids.len()));
+            row_checkpoint.extend(self.row_checkpoints(seg));
             state_slots.push(seg.state_slot as i32);
             row_table.extend(std::iter::repeat_n(tables.len() as i32, seg.ids.len()));
             tables.extend(seg.table[..blocks].iter().map(|b| b.0 as i32));
@@ -257,6 +309,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         }
         for seg in batch {
             if let Some(place) = seg.snapshots.restore {
+                let place = Place::Snapshot(place);
                 self.copy_states(device, buffers, seg.state_slot, place, Direction::Restore)?;
             }
         }
@@ -284,6 +337,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             ("sampled_row_pos", &sampled_row_pos),
             ("row_seq", &row_seq),
             ("state_slots", &state_slots),
+            ("row_checkpoint", &row_checkpoint),
         ] {
             let (buffer, _) = buffers
                 .whole(&BufferKey::StepInput(name.into()))
@@ -374,18 +428,20 @@ impl<D: PlanDevice> PlanExecutor<D> {
 
 /// Whether a segment of `plan` may sample several rows: every row has logits (no
 /// `per_sequence` nodes), or the plan gathers the rows sampled from by the step input
-/// `sampled_rows` (an older plan gathered each sequence's last row alone); and no recurrent
-/// state, which would advance past the drafts not kept.
+/// `sampled_rows` (an older plan gathered each sequence's last row alone); and where the
+/// model keeps a recurrent state, which drafts advance, its kernels keep the states a refused
+/// draft is rewound to (the step input `row_checkpoint`; older plans' did not).
 pub(super) fn samples_several_rows(
     plan: &codegen::gpu::GpuPlan,
     per_sequence: &std::collections::BTreeSet<usize>,
 ) -> bool {
-    let gathers_sampled = plan
-        .launches
-        .iter()
-        .flat_map(|l| &l.args)
-        .any(|a| matches!(a, LaunchArg::StepInput { name } if name == "sampled_rows"));
-    (per_sequence.is_empty() || gathers_sampled) && plan.recurrent_states.is_empty()
+    let takes = |input: &str| {
+        plan.launches
+            .iter()
+            .flat_map(|l| &l.args)
+            .any(|a| matches!(a, LaunchArg::StepInput { name } if name == input))
+    };
+    (per_sequence.is_empty() || takes("sampled_rows")) && (plan.recurrent_states.is_empty() || takes("row_checkpoint"))
 }
 
 /// A batched plan serves like the CPU backend: the KV pool lives on the device, addressed by
@@ -420,7 +476,27 @@ impl<D: PlanDevice> crate::serving::PagedBackend for PlanExecutor<D> {
     }
 
     fn verifies_drafts(&self) -> bool {
-        self.samples_several_rows()
+        self.samples_several_rows() && (self.plan.recurrent_states.is_empty() || self.draft_checkpoints > 0)
+    }
+
+    fn rewind_state(&self, _pages: &mut usize, state_slot: usize, sampled_rows: usize, kept: usize) -> Result<()> {
+        if !(1..=sampled_rows).contains(&kept) {
+            return Err(RuntimeError::Input(format!(
+                "cannot keep {kept} of {sampled_rows} sampled rows"
+            )));
+        }
+        if kept == sampled_rows || self.plan.recurrent_states.is_empty() {
+            return Ok(());
+        }
+        if sampled_rows - 1 > self.draft_checkpoints {
+            return Err(RuntimeError::Input(format!(
+                "state slot {state_slot} keeps no state after row {kept} of {sampled_rows} sampled"
+            )));
+        }
+        let mut state = self.lock()?;
+        let (device, buffers) = &mut *state;
+        let place = Place::Checkpoint(self.checkpoint_place(state_slot, kept - 1));
+        self.copy_states(device, buffers, state_slot, place, Direction::Restore)
     }
 
     fn snapshots_states(&self) -> crate::serving::StateSnapshotting {

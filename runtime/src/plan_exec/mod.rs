@@ -147,6 +147,9 @@ enum BufferKey {
     /// Snapshots of a recurrent layer's states, a place per snapshot (see
     /// [`PlanExecutor::keep_state_snapshots`]).
     Snapshots(usize),
+    /// The states a recurrent layer's kernels keep after rows a verifying step may rewind to,
+    /// a place per (state slot, draft) (see [`PlanExecutor::verify_drafts_up_to`]).
+    Checkpoints(usize),
     /// A batched plan's per-step inputs, by name.
     StepInput(String),
     /// The plan's position scores (`LaunchArg::PositionScores`).
@@ -167,6 +170,8 @@ pub struct PlanExecutor<D: PlanDevice> {
     several_rows: bool,
     /// Places for snapshots of recurrent states (0: none kept).
     snapshot_places: usize,
+    /// Drafts a sequence's recurrent state can be rewound past: a checkpoint each (0: none).
+    draft_checkpoints: usize,
     /// The plan's launches resolved once (see `launch`).
     launches: Vec<launch::PreparedLaunch>,
     state: Mutex<(D, Buffers<D::Buffer>)>,
@@ -290,6 +295,9 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 )));
             }
             held.insert(BufferKey::State(layout.slot), (device.alloc(bytes.max(4))?, bytes));
+            // No checkpoints until drafts are verified (`verify_drafts_up_to`); the kernels
+            // take the buffer all the same.
+            held.insert(BufferKey::Checkpoints(layout.slot), (device.alloc(4)?, 0));
         }
         if let Some(cache) = plan.batched {
             // Every row a sequence of its own, each with a table for the whole context.
@@ -305,6 +313,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 ("sampled_row_pos", rows),
                 ("row_seq", rows),
                 ("state_slots", rows),
+                ("row_checkpoint", rows),
             ];
             for (name, entries) in inputs {
                 held.insert(
@@ -329,6 +338,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             per_sequence,
             several_rows,
             snapshot_places: 0,
+            draft_checkpoints: 0,
             state: Mutex::new((device, buffers)),
         })
     }
@@ -359,9 +369,52 @@ impl<D: PlanDevice> PlanExecutor<D> {
         Ok(self)
     }
 
+    /// Let a batched plan of a model with recurrent state verify up to `drafts` drafted tokens
+    /// a sequence: every recurrent layer keeps, per state slot, the states after each sampled
+    /// row but the last (`drafts` places of a state's size), which
+    /// [`rewind_state`](crate::serving::PagedBackend::rewind_state) copies back where drafts
+    /// are refused. Nothing for a plan without recurrent state (nothing to rewind), or one
+    /// whose kernels keep no checkpoints (compiled before they did: it verifies no drafts).
+    pub fn verify_drafts_up_to(mut self, drafts: usize) -> Result<Self> {
+        if self.plan.recurrent_states.is_empty() || !self.several_rows || drafts == 0 {
+            return Ok(self);
+        }
+        let slots = self.plan.batched.map_or(1, |c| c.sequences);
+        {
+            let (device, buffers) = self
+                .state
+                .get_mut()
+                .map_err(|_| RuntimeError::Cuda("device state poisoned".into()))?;
+            for layout in &self.plan.recurrent_states {
+                let values = slots
+                    .checked_mul(drafts)
+                    .and_then(|places| places.checked_mul(layout.len))
+                    .filter(|&v| v <= i32::MAX as usize)
+                    .ok_or_else(|| {
+                        RuntimeError::Input(format!(
+                            "{drafts} drafts for each of {slots} recurrent states of {} values are past the kernels' 32-bit indices: draft fewer tokens or run fewer sequences at once",
+                            layout.len
+                        ))
+                    })?;
+                let bytes = values * 4;
+                buffers
+                    .held
+                    .insert(BufferKey::Checkpoints(layout.slot), (device.alloc(bytes)?, bytes));
+            }
+        }
+        self.draft_checkpoints = drafts;
+        Ok(self)
+    }
+
     /// Bytes of recurrent state one sequence keeps on the device (one snapshot of it as much).
     pub fn state_bytes_per_sequence(&self) -> usize {
         self.plan.recurrent_states.iter().map(|l| l.len * 4).sum()
+    }
+
+    /// Drafts a sequence's recurrent state can be rewound past (see
+    /// [`verify_drafts_up_to`](Self::verify_drafts_up_to)); 0 where none are kept.
+    pub fn draft_checkpoints(&self) -> usize {
+        self.draft_checkpoints
     }
 
     /// Places kept for snapshots of recurrent states (see [`keep_state_snapshots`](Self::keep_state_snapshots)).

@@ -26,15 +26,21 @@ pub(super) fn launches(
     });
     let state = LaunchArg::RecurrentState { slot: spec.state_slot };
     let convolved = operands.scratch("conv", spec.conv_channels(), max_tokens);
-    // Where each sequence's rows and state are (`templates::delta_net`).
-    let (seqs, sequences) = match layout {
+    // Where each sequence's rows and state are, and where states after rows are kept
+    // (`templates::delta_net`).
+    let step_input = |name: &str| LaunchArg::StepInput { name: name.into() };
+    let (seqs, sequences, checkpoints) = match layout {
         CacheLayout::Batched => (
             "seqs",
             ["last_rows", "row_pos", "row_seq", "state_slots"]
-                .map(|name| LaunchArg::StepInput { name: name.into() })
+                .map(step_input)
                 .to_vec(),
+            vec![
+                LaunchArg::StateCheckpoints { slot: spec.state_slot },
+                step_input("row_checkpoint"),
+            ],
         ),
-        _ => ("1", vec![scalar("first", "first")]),
+        _ => ("1", vec![scalar("first", "first")], vec![]),
     };
     let origin = operands.origin();
     let conv_args = vec![
@@ -55,14 +61,13 @@ pub(super) fn launches(
     for (kernel, args) in [
         (
             delta_net::conv("delta_net_conv", origin, layout, spec, conv_weights),
-            conv_args,
+            [conv_args, sequences.clone(), checkpoints.clone()].concat(),
         ),
         (
             delta_net::conv_window("delta_net_window", origin, layout, spec),
-            window_args,
+            [window_args, sequences.clone()].concat(),
         ),
     ] {
-        let args = [args, sequences.clone()].concat();
         s.launches.push((operands.node, kernel, Alternatives::default(), args));
     }
     let rule_args = vec![
@@ -80,6 +85,6 @@ pub(super) fn launches(
     ];
     Ok((
         delta_net::delta_rule("delta_rule", origin, layout, spec),
-        [rule_args, sequences].concat(),
+        [rule_args, sequences, checkpoints].concat(),
     ))
 }
