@@ -213,6 +213,17 @@ fn tiny_llama_with_llama3_rope_plans_agree_with_the_cpu_backend() {
     }
 }
 
+/// YaRN: the rotations read the blended frequencies the plan carries as a constant and
+/// multiply cos and sin by the attention factor (the tiny Llama: whole heads rotate; Qwen3.5:
+/// a quarter of each; GLM-5: the latent attention's rotated part and the indexer's, its
+/// softmax scale changed instead), in f32 on H200 (the launches are the same on every target).
+#[test]
+fn tiny_yarn_plans_agree_with_the_cpu_backend() {
+    for name in ["llama_rope_yarn", "qwen3_5_rope_yarn", "glm_moe_dsa_rope_yarn"] {
+        check(name, ComputeDtype::F32, Target::H200);
+    }
+}
+
 /// GLM-5.2's shared indexers: layers without an indexer read the cut the previous full layer
 /// made (and the position scores it left), in f32 and bf16 on H200 (the launches are the same
 /// on every target).

@@ -696,6 +696,91 @@ fn gemma3_with_linear_rope_scaling_matches_hf() {
     check_cpu_backend("gemma3_rope_linear");
 }
 
+/// YaRN (`rope_type` "yarn", factor 4 over an original context of 64) on the tiny Llama (of
+/// its eight rotary pairs one extrapolated, one blended, six interpolated; cos and sin times
+/// the attention factor), the tiny Qwen3.5 (a quarter of each head rotates: the factor scales
+/// those dims alone) and the tiny GLM-5 (DeepSeek's `mscale`s: cos and sin unscaled, the
+/// softmax scale times `mscale(4, 1)²`, the indexer's keys and queries rotated the same way):
+/// HF's logits at every prompt row and cached step, through the interpreter and the CPU
+/// backend. (Unscaled, the prompt logits are 6.1%, 4.5% and 39% of the largest away; with
+/// cos and sin left unscaled, 5.6% and 3.9%; GLM-5 with its softmax scale left alone, 5.5%;
+/// the ramp one pair late, 12%, 15% and 42%.)
+#[test]
+fn yarn_rope_scaling_matches_hf() {
+    for name in ["llama_rope_yarn", "qwen3_5_rope_yarn", "glm_moe_dsa_rope_yarn"] {
+        check_reference_interpreter(name);
+        check_cpu_backend(name);
+    }
+}
+
+/// YaRN's parameters read as transformers 5 reads them: the factor, where absent, from
+/// `max_position_embeddings` over the original context; the config's own
+/// `original_max_position_embeddings` before the parameters'; betas 32 and 1 and truncation
+/// unless given; the attention factor `0.1·ln(factor) + 1`, or DeepSeek's ratio of `mscale`s,
+/// or as given.
+#[test]
+fn yarn_parameters_are_read_as_transformers_reads_them() {
+    let src = fixture("hf-tiny/llama");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let read = |top: serde_json::Value, rope: serde_json::Value| -> ir::RopeScaling {
+        let scratch = common::scratch_dir("bbc-yarn-");
+        let mut edited = config.clone();
+        for (key, value) in top.as_object().unwrap() {
+            edited[key] = value.clone();
+        }
+        edited["rope_parameters"] = rope;
+        std::fs::write(scratch.path().join("config.json"), edited.to_string()).unwrap();
+        models::ModelConfig::from_hf_config(&scratch.path().join("config.json"))
+            .unwrap()
+            .rope_scaling
+    };
+    let yarn = |factor: f64, original_context: f64, attention_factor: f64| ir::RopeScaling::Yarn {
+        factor,
+        original_context,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+        attention_factor,
+    };
+    let mscale = |factor: f64, m: f64| 0.1 * m * f64::ln(factor) + 1.0;
+    let base = serde_json::json!({"rope_theta": 100000.0, "rope_type": "yarn", "original_max_position_embeddings": 64});
+    // max_position_embeddings is 256: the factor is 4.
+    assert_eq!(
+        read(serde_json::json!({}), base.clone()),
+        yarn(4.0, 64.0, mscale(4.0, 1.0))
+    );
+    assert_eq!(
+        read(
+            serde_json::json!({"original_max_position_embeddings": 32}),
+            base.clone()
+        ),
+        yarn(8.0, 32.0, mscale(8.0, 1.0))
+    );
+    let mut deepseek = base.clone();
+    deepseek["mscale"] = 0.707.into();
+    deepseek["mscale_all_dim"] = 1.0.into();
+    assert_eq!(
+        read(serde_json::json!({}), deepseek),
+        yarn(4.0, 64.0, mscale(4.0, 0.707) / mscale(4.0, 1.0))
+    );
+    let mut given = base.clone();
+    given["attention_factor"] = 1.5.into();
+    given["beta_fast"] = 16.into();
+    given["truncate"] = false.into();
+    assert_eq!(
+        read(serde_json::json!({}), given),
+        ir::RopeScaling::Yarn {
+            factor: 4.0,
+            original_context: 64.0,
+            beta_fast: 16.0,
+            beta_slow: 1.0,
+            truncate: false,
+            attention_factor: 1.5,
+        }
+    );
+}
+
 #[test]
 fn llama_reference_interpreter_matches_hf() {
     check_reference_interpreter("llama");

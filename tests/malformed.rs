@@ -157,6 +157,53 @@ fn unsupported_gemma4_configs_are_named() {
     );
 }
 
+/// RoPE scalings bbc does not compute, and YaRN parameters no checkpoint can have, are
+/// refused by name: dynamic NTK, a negative factor, a `truncate` that is not a boolean, a beta
+/// that is not a number, YaRN on Gemma 4 (whose full-attention layers are proportional).
+#[test]
+fn bad_rope_scalings_are_named() {
+    let yarn = |key: &str, value: serde_json::Value| {
+        let mut p = serde_json::json!({
+            "rope_theta": 100000.0,
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        });
+        p[key] = value;
+        p
+    };
+    let dynamic = serde_json::json!({"rope_theta": 100000.0, "rope_type": "dynamic", "factor": 2.0});
+    check_bad_configs(
+        "llama",
+        &[
+            ("rope_parameters", dynamic, "rope_type \"dynamic\""),
+            (
+                "rope_parameters",
+                yarn("factor", (-1.0).into()),
+                "rope_parameters.factor",
+            ),
+            (
+                "rope_parameters",
+                yarn("truncate", "no".into()),
+                "rope_parameters.truncate",
+            ),
+            (
+                "rope_parameters",
+                yarn("beta_fast", "fast".into()),
+                "rope_parameters.beta_fast",
+            ),
+        ],
+    );
+    check_bad_configs(
+        "gemma4",
+        &[(
+            "rope_parameters",
+            yarn("factor", 4.0.into()),
+            "rope_type \"yarn\" for gemma4",
+        )],
+    );
+}
+
 /// `gguf-tiny/{name}.gguf` rewritten with `edits` (a key set, or removed where `None`) and
 /// each tensor's data through `data`.
 fn rewritten_gguf(name: &str, edits: &[(&str, Option<MetaValue>)], data: impl Fn(&str, &[u8]) -> Vec<u8>) -> Vec<u8> {

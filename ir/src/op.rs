@@ -49,21 +49,36 @@ pub enum RopeScaling {
         high_freq_factor: f64,
         original_context: f64,
     },
+    /// YaRN (`rope_type` "yarn", as transformers computes it): pair `i`'s frequency blended
+    /// between itself (extrapolated: the fast pairs) and itself divided by `factor`
+    /// (interpolated: the slow ones), linearly in `i` between the pairs that turn `beta_fast`
+    /// and `beta_slow` times over `original_context` positions (those bounds rounded outward
+    /// where `truncate`); cos and sin are multiplied by `attention_factor`.
+    Yarn {
+        factor: f64,
+        original_context: f64,
+        beta_fast: f64,
+        beta_slow: f64,
+        truncate: bool,
+        attention_factor: f64,
+    },
 }
 
 impl RopeScaling {
-    /// What a frequency of `inv_freq` radians a position is divided by (1 for none).
-    pub fn divisor(&self, inv_freq: f64) -> f64 {
+    /// Pair `pair`'s inverse frequency, `inv_freq` unscaled (`1 / θ^(2·pair/dims)`, in f32 as
+    /// HF computes it), rescaled.
+    pub fn rescale(&self, pair: usize, inv_freq: f32, dims: usize, theta: f64) -> f32 {
         match *self {
-            Self::None => 1.0,
+            Self::None => inv_freq,
             Self::Llama3 {
                 factor,
                 low_freq_factor,
                 high_freq_factor,
                 original_context,
             } => {
-                let wavelength = 2.0 * std::f64::consts::PI / inv_freq;
-                if wavelength < original_context / high_freq_factor {
+                let f = inv_freq as f64;
+                let wavelength = 2.0 * std::f64::consts::PI / f;
+                let divisor = if wavelength < original_context / high_freq_factor {
                     1.0
                 } else if wavelength > original_context / low_freq_factor {
                     factor
@@ -71,21 +86,95 @@ impl RopeScaling {
                     let smooth =
                         (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor);
                     1.0 / ((1.0 - smooth) / factor + smooth)
+                };
+                (f / divisor) as f32
+            }
+            Self::Yarn {
+                factor,
+                original_context,
+                beta_fast,
+                beta_slow,
+                truncate,
+                ..
+            } => {
+                // The pair index that turns `rotations` times over the original context.
+                let pair_turning = |rotations: f64| {
+                    dims as f64 * (original_context / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * theta.ln())
+                };
+                let (mut low, mut high) = (pair_turning(beta_fast), pair_turning(beta_slow));
+                if truncate {
+                    (low, high) = (low.floor(), high.ceil());
                 }
+                let (low, mut high) = (low.max(0.0), high.min(dims as f64 - 1.0));
+                if low == high {
+                    high += 0.001;
+                }
+                // In f32, as transformers: the ramp, and the two frequencies it blends.
+                let pos_freq = 1.0 / inv_freq;
+                let ramp = ((pair as f32 - low as f32) / (high - low) as f32).clamp(0.0, 1.0);
+                let extrapolated = 1.0 - ramp;
+                let interpolated = 1.0 / (factor as f32 * pos_freq);
+                interpolated * (1.0 - extrapolated) + inv_freq * extrapolated
             }
         }
     }
 
-    /// Its parameters' bits, for keys of caches built from it; `None` for none.
-    pub fn bits(&self) -> Option<[u64; 4]> {
+    /// What cos and sin are multiplied by (1 but for YaRN).
+    pub fn attention_factor(&self) -> f32 {
         match *self {
-            Self::None => None,
+            Self::Yarn { attention_factor, .. } => attention_factor as f32,
+            Self::None | Self::Llama3 { .. } => 1.0,
+        }
+    }
+
+    /// Its parameters' bits, for keys of caches built from it; empty for none.
+    pub fn bits(&self) -> Vec<u64> {
+        match *self {
+            Self::None => vec![],
             Self::Llama3 {
                 factor,
                 low_freq_factor,
                 high_freq_factor,
                 original_context,
-            } => Some([factor, low_freq_factor, high_freq_factor, original_context].map(f64::to_bits)),
+            } => [factor, low_freq_factor, high_freq_factor, original_context]
+                .map(f64::to_bits)
+                .to_vec(),
+            Self::Yarn {
+                factor,
+                original_context,
+                beta_fast,
+                beta_slow,
+                truncate,
+                attention_factor,
+            } => [factor, original_context, beta_fast, beta_slow, attention_factor]
+                .map(f64::to_bits)
+                .into_iter()
+                .chain([truncate as u64])
+                .collect(),
+        }
+    }
+
+    /// How the IR text and plan constants name it (empty for none).
+    pub fn describe(&self) -> String {
+        match *self {
+            Self::None => String::new(),
+            Self::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_context,
+            } => format!("llama3(factor={factor}, low={low_freq_factor}, high={high_freq_factor}, context={original_context})"),
+            Self::Yarn {
+                factor,
+                original_context,
+                beta_fast,
+                beta_slow,
+                truncate,
+                attention_factor,
+            } => format!(
+                "yarn(factor={factor}, context={original_context}, beta_fast={beta_fast}, beta_slow={beta_slow}, truncate={truncate}, attention_factor={attention_factor})"
+            ),
         }
     }
 }
@@ -976,14 +1065,8 @@ fn rope_attributes(s: &RopeSpec) -> String {
         s.position_scale,
         layout_name(s.layout)
     );
-    if let RopeScaling::Llama3 {
-        factor,
-        low_freq_factor,
-        high_freq_factor,
-        original_context,
-    } = s.scaling
-    {
-        text += &format!(", scaling=llama3(factor={factor}, low={low_freq_factor}, high={high_freq_factor}, context={original_context})");
+    if s.scaling != RopeScaling::None {
+        text += &format!(", scaling={}", s.scaling.describe());
     }
     text
 }

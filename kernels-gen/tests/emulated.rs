@@ -268,7 +268,21 @@ fn rope_matches_reference_for_every_layout_and_partial_rotation() {
         RopeLayout::AdjacentPairs,
         RopeLayout::Proportional,
     ] {
-        for (heads, head_dim, rotary_dim) in [(2, 8, 8), (3, 16, 4), (1, 64, 64)] {
+        // The last with YaRN: blended frequencies, cos and sin times its attention factor.
+        let yarn = ir::RopeScaling::Yarn {
+            factor: 4.0,
+            original_context: 64.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true,
+            attention_factor: 0.1 * 4f64.ln() + 1.0,
+        };
+        for (heads, head_dim, rotary_dim, scaling) in [
+            (2, 8, 8, ir::RopeScaling::None),
+            (3, 16, 4, ir::RopeScaling::None),
+            (1, 64, 64, ir::RopeScaling::None),
+            (2, 16, 16, yarn),
+        ] {
             let spec = RopeSpec {
                 heads,
                 head_dim,
@@ -276,12 +290,12 @@ fn rope_matches_reference_for_every_layout_and_partial_rotation() {
                 theta: 10_000.0,
                 position_scale: 1.0,
                 layout,
-                scaling: ir::RopeScaling::None,
+                scaling,
             };
             let tokens = 3;
             let x = rng.vec(tokens * heads * head_dim);
             let positions = [0usize, 7, 41];
-            let k = rope::rope("rope", "test", layout, 1.0);
+            let k = rope::rope("rope", "test", rope::Rotation::of(&spec));
             let mut bufs = HashMap::from([
                 ("x".into(), Array::f32(&x)),
                 ("positions".into(), Array::ints(Ty::I32, &positions.map(|p| p as i64))),
@@ -646,7 +660,7 @@ fn strided_inputs_read_slices_in_place() {
         ("x_stride", stride as i64),
     ]);
     run(
-        &rope::rope("rope", "test", RopeLayout::RotateHalf, 1.0),
+        &rope::rope("rope", "test", rope::Rotation::plain(RopeLayout::RotateHalf)),
         &mut bufs,
         &scalars,
     )
@@ -731,8 +745,7 @@ fn rope_kv_append_rotates_queries_and_keys_and_appends_keys_and_values() {
             "test",
             cache_layout::CacheLayout::Paged,
             cache,
-            layout,
-            1.0,
+            rope::Rotation::plain(layout),
         );
         run(&kernel, &mut bufs, &scalars).unwrap();
         let what = format!("{layout:?}, rotary_dim {rotary_dim}, {cache:?} cache");

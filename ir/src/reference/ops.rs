@@ -17,27 +17,29 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f64, weight_offset: f32, out: &mut [f
 }
 
 /// HF's `inv_freq = 1 / θ^(2i/d)` for the rotary pairs, rounded to f32 as HF computes it (`d`
-/// is the rotary width, or the whole head for proportional RoPE), then divided as the spec's
-/// scaling says (Llama 3.1's, from the f32 frequency as HF rescales it).
+/// is the rotary width, or the whole head for proportional RoPE), then rescaled as the spec's
+/// scaling says (Llama 3.1's or YaRN's, from the f32 frequency as HF rescales it).
 pub fn rope_inv_freq(spec: &RopeSpec) -> Vec<f32> {
     let d = match spec.layout {
         RopeLayout::Proportional => spec.head_dim,
         RopeLayout::RotateHalf | RopeLayout::AdjacentPairs => spec.rotary_dim,
     };
     (0..spec.rotary_dim / 2)
-        .map(|i| (1.0 / spec.theta.powf(2.0 * i as f64 / d as f64)) as f32 as f64)
-        .map(|f| (f / spec.scaling.divisor(f)) as f32)
+        .map(|i| (i, (1.0 / spec.theta.powf(2.0 * i as f64 / d as f64)) as f32))
+        .map(|(i, f)| spec.scaling.rescale(i, f, d, spec.theta))
         .collect()
 }
 
 /// (cos, sin) of every rotary frequency at one position: angle = (pos / scale) · inv_freq in
-/// f32 (as HF multiplies), then cos/sin of that angle.
+/// f32 (as HF multiplies), then cos/sin of that angle, times the scaling's attention factor
+/// (YaRN's; 1 otherwise, which changes no bit).
 pub fn rope_cos_sin(spec: &RopeSpec, inv_freq: &[f32], position: usize, cos: &mut [f32], sin: &mut [f32]) {
     let pos = (position as f64 / spec.position_scale) as f32;
+    let factor = spec.scaling.attention_factor();
     for ((c, s), &f) in cos.iter_mut().zip(sin.iter_mut()).zip(inv_freq) {
         let angle = (pos * f) as f64;
-        *c = angle.cos() as f32;
-        *s = angle.sin() as f32;
+        *c = angle.cos() as f32 * factor;
+        *s = angle.sin() as f32 * factor;
     }
 }
 

@@ -80,13 +80,11 @@ pub fn rope_kv_append(
     origin: &str,
     layout: CacheLayout,
     cache: Ty,
-    rope: ir::RopeLayout,
-    position_scale: f32,
+    rotation: super::rope::Rotation,
 ) -> Kernel {
     let rotated = |src: &'static str, stride: &str, col: Expr, put: &dyn Fn(Expr) -> Stmt| {
         super::rope::rotated(
-            rope,
-            position_scale,
+            rotation,
             super::rope::Rotated {
                 src,
                 row: var("t") * var(stride),
@@ -101,7 +99,8 @@ pub fn rope_kv_append(
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: rotate queries and keys ({rope:?}), append keys and values to the {} KV cache, {}",
+            "{origin}: rotate queries and keys ({}), append keys and values to the {} KV cache, {}",
+            rotation.describe(),
             format!("{cache:?}").to_lowercase(),
             layout.describe()
         ),

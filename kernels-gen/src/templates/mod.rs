@@ -442,8 +442,16 @@ pub fn catalog() -> Vec<Kernel> {
         ),
         glu::glu("swiglu", "catalog", GluAct::Silu),
         glu::glu("geglu", "catalog", GluAct::GeluTanh),
-        rope::rope("rope_rotate_half", "catalog", RopeLayout::RotateHalf, 1.0),
-        rope::rope("rope_adjacent_pairs", "catalog", RopeLayout::AdjacentPairs, 1.0),
+        rope::rope(
+            "rope_rotate_half",
+            "catalog",
+            rope::Rotation::plain(RopeLayout::RotateHalf),
+        ),
+        rope::rope(
+            "rope_adjacent_pairs",
+            "catalog",
+            rope::Rotation::plain(RopeLayout::AdjacentPairs),
+        ),
         embedding::embedding("embedding_bf16", "catalog", Dense(Ty::Bf16)),
         top_k::top_k("top_k", "catalog"),
         gather::gather_rows("gather_rows", "catalog"),
@@ -534,8 +542,7 @@ pub fn catalog() -> Vec<Kernel> {
             "catalog",
             cache_layout::CacheLayout::Batched,
             Ty::Bf16,
-            RopeLayout::RotateHalf,
-            1.0,
+            rope::Rotation::plain(RopeLayout::RotateHalf),
         ),
         gather::gather_column_groups("gather_column_groups", "catalog"),
         // Qwen3.5-27B's linear-attention layers in a bf16 serving plan.

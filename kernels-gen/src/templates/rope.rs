@@ -1,16 +1,52 @@
 //! Rotary position embedding: a thread per element of `[tokens, heads·head_dim]`; the angle is
 //! `position · inv_freq[i]` with `inv_freq` computed on the host exactly as the IR reference
 //! does (HF's f32 values), rotated pairs per the layout (rotate-half or adjacent pairs),
-//! dims past `rotary_dim` copied.
+//! dims past `rotary_dim` copied; cos and sin times YaRN's attention factor where it has one.
 
 use super::{blocks_for, per_element, BLOCK};
 use crate::dsl::*;
 use ir::RopeLayout;
 
-pub fn rope(name: &str, origin: &str, layout: RopeLayout, position_scale: f32) -> Kernel {
+/// What a launch's rotation is besides its frequencies (a plan constant, `inv_freq`): the
+/// pairing, the linear position scale, and the factor cos and sin are multiplied by (YaRN's
+/// attention factor; at 1 nothing is multiplied).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rotation {
+    pub layout: RopeLayout,
+    pub position_scale: f32,
+    pub attention_factor: f32,
+}
+
+impl Rotation {
+    pub fn of(spec: &ir::RopeSpec) -> Self {
+        Self {
+            layout: spec.layout,
+            position_scale: spec.position_scale as f32,
+            attention_factor: spec.scaling.attention_factor(),
+        }
+    }
+
+    /// Positions as they are, cos and sin as they are.
+    pub fn plain(layout: RopeLayout) -> Self {
+        Self {
+            layout,
+            position_scale: 1.0,
+            attention_factor: 1.0,
+        }
+    }
+
+    pub(crate) fn describe(&self) -> String {
+        match self.attention_factor {
+            1.0 => format!("{:?}", self.layout),
+            factor => format!("{:?}, cos and sin × {factor}", self.layout),
+        }
+    }
+}
+
+pub fn rope(name: &str, origin: &str, rotation: Rotation) -> Kernel {
     Kernel {
         name: name.into(),
-        origin: format!("{origin}: rope ({layout:?})"),
+        origin: format!("{origin}: rope ({})", rotation.describe()),
         params: vec![
             buffer("x", Ty::F32, false),
             buffer("positions", Ty::I32, false),
@@ -35,8 +71,7 @@ pub fn rope(name: &str, origin: &str, layout: RopeLayout, position_scale: f32) -
                 // `x`'s rows are `x_stride` apart (a column slice of a fused projection is read
                 // in place).
                 rotated(
-                    layout,
-                    position_scale,
+                    rotation,
                     Rotated {
                         src: "x",
                         row: var("t") * var("x_stride"),
@@ -60,12 +95,16 @@ pub(crate) struct Rotated {
 
 /// Statements that rotate `element` (at the position of step row `t`, a variable) and hand
 /// the value to `put`. Reads `positions`, `inv_freq`, `head_dim` and `rotary_dim`.
-pub(crate) fn rotated(
-    layout: RopeLayout,
-    position_scale: f32,
-    element: Rotated,
-    put: impl Fn(Expr) -> Stmt,
-) -> Vec<Stmt> {
+pub(crate) fn rotated(rotation: Rotation, element: Rotated, put: impl Fn(Expr) -> Stmt) -> Vec<Stmt> {
+    let Rotation {
+        layout,
+        position_scale,
+        attention_factor,
+    } = rotation;
+    let scaled = |value: Expr| match attention_factor {
+        1.0 => value,
+        factor => value * f(factor),
+    };
     let (pair_index, partner, first_of_pair) = match layout {
         RopeLayout::RotateHalf | RopeLayout::Proportional => (
             bin(BinOp::Rem, var("j"), var("half")),
@@ -119,8 +158,8 @@ pub(crate) fn rotated(
                     cast(Ty::F32, load("positions", var("t"))) / f(position_scale),
                 ),
                 let_("angle", Ty::F32, var("pos") * load("inv_freq", pair_index)),
-                let_("cos", Ty::F32, un(UnOp::Cos, var("angle"))),
-                let_("sin", Ty::F32, un(UnOp::Sin, var("angle"))),
+                let_("cos", Ty::F32, scaled(un(UnOp::Cos, var("angle")))),
+                let_("sin", Ty::F32, scaled(un(UnOp::Sin, var("angle")))),
                 let_("sign", Ty::F32, select(first_of_pair, f(-1.0), f(1.0))),
                 put(x(var("j")) * var("cos") + var("sign") * x(partner) * var("sin")),
             ],

@@ -131,6 +131,9 @@ pub struct MlaConfig {
     /// Per layer: whether it keeps the previous full layer's choice of positions instead of
     /// running an indexer of its own (`indexer_types` "shared", GLM-5.2).
     pub shared_indexer: Vec<bool>,
+    /// What the attention's softmax scale is multiplied by: YaRN's `mscale(factor,
+    /// mscale_all_dim)²` in a checkpoint that scales its RoPE so, else 1.
+    pub softmax_mscale: f64,
 }
 
 /// What Gemma 4 adds to a Gemma-style config (HF `config.json` names in the comments).
@@ -330,6 +333,25 @@ fn gguf_glm_moe(file: &GgufFile, arch: &str, layers: usize) -> Result<MoeConfig>
     })
 }
 
+/// The kind of RoPE scaling `rope_parameters` (or `rope_scaling`) names.
+fn rope_type(p: &serde_json::Value) -> Option<&str> {
+    p.get("rope_type").or_else(|| p.get("type")).and_then(|t| t.as_str())
+}
+
+/// YaRN's `mscale`: `0.1 · mscale · ln(factor) + 1`, 1 where the factor does not stretch.
+fn yarn_mscale(factor: f64, mscale: f64) -> f64 {
+    match factor <= 1.0 {
+        true => 1.0,
+        false => 0.1 * mscale * factor.ln() + 1.0,
+    }
+}
+
+/// DeepSeek's `(mscale, mscale_all_dim)` where both are given and non-zero.
+fn yarn_mscales(p: &serde_json::Value) -> Option<(f64, f64)> {
+    let get = |key: &str| p.get(key).and_then(|v| v.as_f64()).filter(|&m| m != 0.0);
+    Some((get("mscale")?, get("mscale_all_dim")?))
+}
+
 /// Llama 3.1's RoPE scaling from a GGUF file: llama.cpp's converter writes no keys for it, only
 /// `rope_freqs`, what each pair's frequency is divided by. Every Llama 3.x checkpoint scales
 /// with low and high frequency factors 1 and 4 over an original context of 8192 (its factor,
@@ -377,7 +399,11 @@ fn gguf_llama3_rope(
     let fits = unscaled
         .iter()
         .zip(&divisors)
-        .all(|(&inv_freq, &d)| (scaling.divisor(inv_freq as f64) - d).abs() <= 1e-5 * d);
+        .enumerate()
+        .all(|(pair, (&inv_freq, &d))| {
+            let divisor = inv_freq as f64 / scaling.rescale(pair, inv_freq, rotary_dim, theta) as f64;
+            (divisor - d).abs() <= 1e-5 * d
+        });
     match fits {
         true => Ok(scaling),
         false => Err(refuse(
@@ -435,6 +461,8 @@ fn gguf_mla(file: &GgufFile, arch: &str, layers: usize) -> Result<MlaConfig> {
         index_heads: u("attention.indexer.head_count")?,
         index_dim: u("attention.indexer.key_length")?,
         index_topk: u("attention.indexer.top_k")?,
+        // llama.cpp's YaRN keys are refused with its other scaling types.
+        softmax_mscale: 1.0,
     })
 }
 
@@ -798,7 +826,7 @@ impl ModelConfig {
             },
             gemma4,
             mla: match family {
-                Family::GlmMoeDsa => Some(cfg.mla(layers)?),
+                Family::GlmMoeDsa => Some(cfg.mla(layers, rope_scaling)?),
                 _ => None,
             },
             final_logit_softcap: cfg.opt_f64("final_logit_softcapping")?.map(|cap| cap as f32),
@@ -1119,32 +1147,38 @@ impl HfConfig<'_> {
         })
     }
 
-    /// The full-attention layers' RoPE scaling, as `rope_parameters` says (its `full_attention`
-    /// entry where layer kinds differ; transformers 4's `rope_scaling` in older configs):
-    /// "linear" as a position scale, "llama3" (Llama-family models) as
-    /// `ir::RopeScaling::Llama3`. Another kind (yarn, dynamic, longrope) is refused by name
-    /// rather than computed unscaled; Gemma 4's "proportional" is read with its layers.
-    fn rope_scaling(&self, family: Family) -> Result<(f64, ir::RopeScaling)> {
+    /// The full-attention layers' RoPE parameters: `rope_parameters` (its `full_attention`
+    /// entry where layer kinds differ), or transformers 4's `rope_scaling` in older configs.
+    fn rope_params(&self) -> Option<&serde_json::Value> {
         let params = ["rope_parameters", "rope_scaling"]
             .iter()
-            .find_map(|k| self.json.get(*k).filter(|p| p.is_object()));
-        let Some(params) = params else {
+            .find_map(|k| self.json.get(*k).filter(|p| p.is_object()))?;
+        Some(params.get("full_attention").unwrap_or(params))
+    }
+
+    /// `rope_parameters.{key}` as a positive number, or `default` where it is absent (or, as
+    /// transformers reads YaRN's betas, null).
+    fn rope_number(&self, p: &serde_json::Value, key: &str, default: Option<f64>) -> Result<f64> {
+        match p.get(key).filter(|v| !v.is_null()) {
+            Some(v) => v
+                .as_f64()
+                .filter(|v| v.is_finite() && *v > 0.0)
+                .ok_or_else(|| self.error(&format!("rope_parameters.{key} is {v}, not a positive number"))),
+            None => default.ok_or_else(|| self.error(&format!("this RoPE scaling needs rope_parameters.{key}"))),
+        }
+    }
+
+    /// The full-attention layers' RoPE scaling, as [`rope_params`](Self::rope_params) says:
+    /// "linear" as a position scale, "llama3" (Llama-family models) as
+    /// `ir::RopeScaling::Llama3`, "yarn" as `ir::RopeScaling::Yarn` (not for Gemma 4, whose
+    /// full-attention layers are proportional). Another kind (dynamic, longrope) is refused by
+    /// name rather than computed unscaled; Gemma 4's "proportional" is read with its layers.
+    fn rope_scaling(&self, family: Family) -> Result<(f64, ir::RopeScaling)> {
+        let Some(p) = self.rope_params() else {
             return Ok((1.0, ir::RopeScaling::None));
         };
-        let p = params.get("full_attention").unwrap_or(params);
-        let kind = p.get("rope_type").or_else(|| p.get("type")).and_then(|t| t.as_str());
-        let number = |key: &str, default: Option<f64>| -> Result<f64> {
-            match p.get(key) {
-                Some(v) => v
-                    .as_f64()
-                    .filter(|v| v.is_finite() && *v > 0.0)
-                    .ok_or_else(|| self.error(&format!("rope_parameters.{key} is {v}, not a positive number"))),
-                None => {
-                    default.ok_or_else(|| self.error(&format!("{kind:?} RoPE scaling needs rope_parameters.{key}")))
-                }
-            }
-        };
-        match kind {
+        let number = |key: &str, default: Option<f64>| self.rope_number(p, key, default);
+        match rope_type(p) {
             None | Some("default") => Ok((1.0, ir::RopeScaling::None)),
             Some("proportional") if family == Family::Gemma4 => Ok((1.0, ir::RopeScaling::None)),
             Some("linear") => Ok((number("factor", None)?, ir::RopeScaling::None)),
@@ -1157,14 +1191,69 @@ impl HfConfig<'_> {
                     original_context: number("original_max_position_embeddings", Some(8192.0))?,
                 },
             )),
+            Some("yarn") if family != Family::Gemma4 => Ok((1.0, self.yarn(p)?)),
             Some(other) => Err(self.error(&format!(
-                "rope_type {other:?} for {}: bbc computes RoPE unscaled, linear, or (Llama) as Llama 3.1 scales it",
+                "rope_type {other:?} for {}: bbc computes RoPE unscaled, linear, YaRN, or (Llama) as Llama 3.1 scales it",
                 family.name()
             ))),
         }
     }
 
-    fn mla(&self, layers: usize) -> Result<MlaConfig> {
+    /// YaRN's parameters as transformers 5 reads them (`_compute_yarn_parameters`): the
+    /// original context from the config's own `original_max_position_embeddings`, else the
+    /// parameters', else `max_position_embeddings`; the factor, else the ratio of those two;
+    /// the betas 32 and 1 unless given; truncation unless `truncate` is false; the attention
+    /// factor given, else `mscale(factor, mscale) / mscale(factor, mscale_all_dim)` where both
+    /// are given, else `mscale(factor)`.
+    fn yarn(&self, p: &serde_json::Value) -> Result<ir::RopeScaling> {
+        let longest = self.opt_f64("max_position_embeddings")?;
+        let original_context = match self.opt_f64("original_max_position_embeddings")? {
+            Some(context) => context,
+            None => self.rope_number(p, "original_max_position_embeddings", longest)?,
+        };
+        let factor = match longest {
+            Some(longest) => self.rope_number(p, "factor", Some(longest / original_context))?,
+            None => self.rope_number(p, "factor", None)?,
+        };
+        let attention_factor = match p.get("attention_factor").filter(|v| !v.is_null()) {
+            Some(_) => self.rope_number(p, "attention_factor", None)?,
+            None => match yarn_mscales(p) {
+                Some((mscale, all_dims)) => yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dims),
+                None => yarn_mscale(factor, 1.0),
+            },
+        };
+        let truncate = match self.json.get("rope_parameters").and_then(|r| r.get("truncate")) {
+            None => true,
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| self.error(&format!("rope_parameters.truncate is {v}, not true or false")))?,
+        };
+        Ok(ir::RopeScaling::Yarn {
+            factor,
+            original_context,
+            beta_fast: self.rope_number(p, "beta_fast", Some(32.0))?,
+            beta_slow: self.rope_number(p, "beta_slow", Some(1.0))?,
+            truncate,
+            attention_factor,
+        })
+    }
+
+    /// What YaRN multiplies latent attention's softmax scale by (transformers'
+    /// `yarn_apply_mscale`: `mscale(factor, mscale_all_dim)²` where the RoPE is scaled and
+    /// `mscale_all_dim` is given), 1 otherwise.
+    fn latent_softmax_mscale(&self, scaling: ir::RopeScaling) -> f64 {
+        let all_dims = self
+            .rope_params()
+            .and_then(|p| p.get("mscale_all_dim"))
+            .and_then(|v| v.as_f64())
+            .filter(|&m| m != 0.0);
+        match (scaling, all_dims) {
+            (ir::RopeScaling::Yarn { factor, .. }, Some(all_dims)) => yarn_mscale(factor, all_dims).powi(2),
+            _ => 1.0,
+        }
+    }
+
+    fn mla(&self, layers: usize, scaling: ir::RopeScaling) -> Result<MlaConfig> {
         // "full": the layer's own indexer; "shared": the previous full layer's choice.
         let shared_indexer = match self.json.get("indexer_types").and_then(|v| v.as_array()) {
             None => vec![false; layers],
@@ -1189,6 +1278,7 @@ impl HfConfig<'_> {
             index_heads: self.usize("index_n_heads")?,
             index_dim: self.usize("index_head_dim")?,
             index_topk: self.usize("index_topk")?,
+            softmax_mscale: self.latent_softmax_mscale(scaling),
         })
     }
 

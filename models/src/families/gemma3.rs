@@ -44,7 +44,7 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
             theta: if sliding { c.rope_local_theta } else { c.rope_theta },
             position_scale: if sliding { 1.0 } else { c.rope_scale },
             layout: RopeLayout::RotateHalf,
-            scaling: ir::RopeScaling::None,
+            scaling: if sliding { ir::RopeScaling::None } else { c.rope_scaling },
         };
         let spec = AttentionSpec {
             heads: c.heads,

@@ -53,7 +53,7 @@ fn attention(c: &ModelConfig, b: &mut Builder, i: usize, h: NodeId, positions: N
         theta: c.rope_theta,
         position_scale: c.rope_scale,
         layout: RopeLayout::RotateHalf,
-        scaling: ir::RopeScaling::None,
+        scaling: c.rope_scaling,
     };
     let spec = b.causal_attention(c.heads, c.kv_heads, c.head_dim, i);
     let a = b.rotary_attention([q, k, v], positions, rope, spec)?;

@@ -145,7 +145,7 @@ fn attention(
         rope_dim: r,
         value_dim: v,
         latent_dim: m.kv_rank,
-        scale: 1.0 / ((n + r) as f64).sqrt(),
+        scale: m.softmax_mscale / ((n + r) as f64).sqrt(),
         index_heads: m.index_heads,
         index_dim: m.index_dim,
         index_topk: m.index_topk,
@@ -203,7 +203,7 @@ fn interleaved_rope(c: &ModelConfig, m: &MlaConfig, heads: usize, head_dim: usiz
         theta: c.rope_theta,
         position_scale: c.rope_scale,
         layout: RopeLayout::AdjacentPairs,
-        scaling: ir::RopeScaling::None,
+        scaling: c.rope_scaling,
     })
 }
 

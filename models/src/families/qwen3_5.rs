@@ -248,7 +248,7 @@ fn gated_attention(c: &ModelConfig, b: &mut Builder, i: usize, h: NodeId, positi
         theta: c.rope_theta,
         position_scale: c.rope_scale,
         layout: RopeLayout::RotateHalf,
-        scaling: ir::RopeScaling::None,
+        scaling: c.rope_scaling,
     };
     let spec = b.causal_attention(c.heads, c.kv_heads, hd, i);
     let a = b.rotary_attention([q, k, v], positions, rope, spec)?;

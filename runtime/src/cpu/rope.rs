@@ -20,7 +20,7 @@ struct Table {
 /// What the tables depend on besides the positions: theta, the rotary width, the linear
 /// scaling, the head width for proportional RoPE (whose frequencies are spaced over the head),
 /// and the scaling by frequency.
-type Key = (u64, usize, u64, Option<usize>, Option<[u64; 4]>);
+type Key = (u64, usize, u64, Option<usize>, Vec<u64>);
 
 /// A step's rope tables, built on first use; every rope op of the step rotates rows at the
 /// step's positions.

@@ -11,7 +11,7 @@ use crate::gpu::{GpuCodegenError, KvLayout, LaunchArg};
 use ir::{AttentionSpec, DType, Op};
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::cache_layout::CacheLayout;
-use kernels_gen::templates::{attention, kv_append, weight_prefetch};
+use kernels_gen::templates::{attention, kv_append, rope, weight_prefetch};
 
 /// Pushes the append (where the op appends) and the split attention; returns the merge of the
 /// splits for the caller to push as the node's own launch.
@@ -186,8 +186,7 @@ fn append(s: &mut Selected, operands: &Operands, cache: &Cache, rows: &str, max_
                 &graph.name,
                 cache.layout,
                 cache.ty,
-                rope.layout,
-                rope.position_scale as f32,
+                rope::Rotation::of(rope),
             );
             (kernel, args, (rotated, q_dim))
         }

@@ -42,14 +42,16 @@ impl Selected {
         if spec.layout == ir::RopeLayout::Proportional {
             name += &format!("_of{}", spec.head_dim);
         }
-        if let ir::RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_context,
-        } = spec.scaling
-        {
-            name += &format!("_llama3_{factor}_{low_freq_factor}_{high_freq_factor}_{original_context}");
+        if spec.scaling != ir::RopeScaling::None {
+            // As the IR text names it, in a constant's characters.
+            let text = spec.scaling.describe();
+            name += "_";
+            name.extend(text.chars().filter(|c| !c.is_whitespace() && *c != ')').map(
+                |c| match c.is_ascii_alphanumeric() || c == '.' {
+                    true => c,
+                    false => '_',
+                },
+            ));
         }
         self.constants
             .entry(name.clone())
@@ -378,10 +380,7 @@ pub(crate) fn select(
                             scalar("rotary_dim", spec.rotary_dim),
                             scalar("x_stride", stride),
                         ];
-                        (
-                            rope::rope("rope", &graph.name, spec.layout, spec.position_scale as f32),
-                            args,
-                        )
+                        (rope::rope("rope", &graph.name, rope::Rotation::of(spec)), args)
                     }
                     Op::Attention(_) | Op::RopeAttention { .. } | Op::SharedKvAttention(_) => {
                         kv_attention::launches(&mut s, &operands, layout, &rows, max_tokens)?
