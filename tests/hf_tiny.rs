@@ -713,6 +713,39 @@ fn yarn_rope_scaling_matches_hf() {
     }
 }
 
+/// YaRN from a GGUF file (llama.cpp's `rope.scaling.*` keys: type "yarn", the factor, the
+/// original context; betas and attention factor llama.cpp's defaults): the tiny Qwen3.5's
+/// file with them gives HF's logits for the same model with YaRN, through the interpreter and
+/// the CPU backend; a file that changes what llama.cpp computes by default (an attention
+/// factor, latent attention's log multiplier, an extrapolation factor) is refused naming the
+/// key.
+#[test]
+fn yarn_from_gguf_matches_hf() {
+    use models::gguf::MetaValue;
+    let scratch = common::scratch_dir("bbc-gguf-yarn-");
+    let with_yarn = |extra: Option<(&str, f32)>| {
+        rewrite_gguf("qwen3_5", scratch.path(), |metadata, _| {
+            metadata.retain(|(key, _)| !key.starts_with("qwen35.rope.scaling."));
+            metadata.extend([
+                ("qwen35.rope.scaling.type".into(), MetaValue::String("yarn".into())),
+                ("qwen35.rope.scaling.factor".into(), MetaValue::F32(4.0)),
+                ("qwen35.rope.scaling.original_context_length".into(), MetaValue::U32(64)),
+            ]);
+            metadata.extend(extra.map(|(key, v)| (format!("qwen35.rope.scaling.{key}"), MetaValue::F32(v))));
+        })
+    };
+    let model = Model::open(ModelSpec::for_weights(&with_yarn(None))).unwrap();
+    check_reference_interpreter_of(&model, "qwen3_5_rope_yarn", "qwen3_5 gguf with YaRN");
+    check_cpu_backend_of(&model, "qwen3_5_rope_yarn", "qwen3_5 gguf with YaRN");
+    for key in ["yarn_attn_factor", "yarn_log_multiplier", "yarn_ext_factor"] {
+        let err = match Model::open(ModelSpec::for_weights(&with_yarn(Some((key, 0.5))))) {
+            Ok(_) => panic!("{key} = 0.5 should be refused"),
+            Err(e) => e.to_string(),
+        };
+        assert!(err.contains(&format!("qwen35.rope.scaling.{key}")), "{key}: {err}");
+    }
+}
+
 /// YaRN's parameters read as transformers 5 reads them: the factor, where absent, from
 /// `max_position_embeddings` over the original context; the config's own
 /// `original_max_position_embeddings` before the parameters'; betas 32 and 1 and truncation

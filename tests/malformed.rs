@@ -383,10 +383,13 @@ fn llama3_rope_scaling_from_gguf_is_read_or_refused() {
     assert!(err.contains("rope_freqs.weight") && err.contains("Llama 3.1"), "{err}");
     let yarn = rewritten_gguf_at(
         &plain,
-        &[("llama.rope.scaling.type", Some(MetaValue::String("yarn".into())))],
+        &[("llama.rope.scaling.type", Some(MetaValue::String("longrope".into())))],
     );
     let err = open_error(&temp("yarn.gguf", &yarn));
-    assert!(err.contains("llama.rope.scaling.type") && err.contains("yarn"), "{err}");
+    assert!(
+        err.contains("llama.rope.scaling.type") && err.contains("longrope"),
+        "{err}"
+    );
 }
 
 /// A GLM-5 config whose first layer shares an indexer, or with an indexer type bbc does not

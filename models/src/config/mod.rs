@@ -412,6 +412,65 @@ fn gguf_llama3_rope(
     }
 }
 
+/// A GGUF file's `rope.scaling.*` keys as llama.cpp reads them: the linear position scale, and
+/// YaRN where the type says so. llama.cpp's YaRN is transformers' with truncation (its
+/// correction dims floored and ceiled) and the attention factor `0.1·ln(factor) + 1`; a file
+/// that changes those (a `yarn_ext_factor` or `yarn_attn_factor` other than 1), or latent
+/// attention's `yarn_log_multiplier` (which llama.cpp's versions have read differently), is
+/// refused naming the key, as is YaRN on Gemma 4 and any other type.
+fn gguf_rope_scaling(file: &GgufFile, arch: &str, family: Family) -> Result<(f64, Option<ir::RopeScaling>)> {
+    let key = |name: &str| format!("{arch}.{name}");
+    let refuse = |name: &str, problem: String| ModelError::Metadata {
+        path: file.path.clone(),
+        key: key(name),
+        problem,
+    };
+    match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
+        None | Some("none") => Ok((1.0, None)),
+        Some("linear") => Ok((file.optional_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0), None)),
+        Some("yarn") if family != Family::Gemma4 => {
+            for (name, unchanged) in [
+                ("rope.scaling.yarn_ext_factor", 1.0),
+                ("rope.scaling.yarn_attn_factor", 1.0),
+                ("rope.scaling.yarn_log_multiplier", 0.0),
+            ] {
+                match file.optional_f64(&key(name))? {
+                    Some(v) if v != unchanged && !(name.ends_with("ext_factor") && v < 0.0) => {
+                        return Err(refuse(
+                            name,
+                            format!("is {v}; bbc computes YaRN as llama.cpp does by default (this key at {unchanged})"),
+                        ))
+                    }
+                    _ => {}
+                }
+            }
+            let positive = |name: &str, default: Option<f64>| -> Result<f64> {
+                match file.optional_f64(&key(name))?.or(default) {
+                    Some(v) if v.is_finite() && v > 0.0 => Ok(v),
+                    Some(v) => Err(refuse(name, format!("is {v}, not a positive number"))),
+                    None => Err(refuse(name, "is missing: YaRN needs it".into())),
+                }
+            };
+            let factor = positive("rope.scaling.factor", None)?;
+            Ok((
+                1.0,
+                Some(ir::RopeScaling::Yarn {
+                    factor,
+                    original_context: positive("rope.scaling.original_context_length", None)?,
+                    beta_fast: positive("rope.scaling.yarn_beta_fast", Some(32.0))?,
+                    beta_slow: positive("rope.scaling.yarn_beta_slow", Some(1.0))?,
+                    truncate: true,
+                    attention_factor: yarn_mscale(factor, 1.0),
+                }),
+            ))
+        }
+        Some(other) => Err(refuse(
+            "rope.scaling.type",
+            format!("is {other:?}; bbc computes RoPE unscaled, linear, YaRN or as Llama 3.1 scales it"),
+        )),
+    }
+}
+
 /// A GGUF GLM-5's latent attention (llama.cpp's `glm-dsa` keys, as its `DeepseekV2Model`
 /// converter writes them): the ranks, `key_length_mla` = nope + rope and `value_length_mla`
 /// per head, `rope.dimension_count` the rotated part, the indexer's heads, width and top-k.
@@ -655,23 +714,14 @@ impl ModelConfig {
             Family::Glm4Moe | Family::GlmMoeDsa => Some(gguf_glm_moe(file, arch, layers)?),
             _ => None,
         };
-        let rope_scale = match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
-            Some("linear") => file.optional_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0),
-            None | Some("none") => 1.0,
-            Some(other) => {
-                return Err(ModelError::Metadata {
-                    path: file.path.clone(),
-                    key: key("rope.scaling.type"),
-                    problem: format!("is {other:?}; bbc computes RoPE unscaled, linear or as Llama 3.1 scales it"),
-                })
-            }
-        };
+        let (rope_scale, yarn) = gguf_rope_scaling(file, arch, family)?;
         let rotary_dim = match file.optional_u64(&key("rope.dimension_count"))? {
             Some(d) => d as usize,
             None => head_dim,
         };
-        let rope_scaling = match file.tensor("rope_freqs.weight") {
-            Some(info) if family == Family::Llama => gguf_llama3_rope(file, info, rope_theta, rotary_dim)?,
+        let rope_scaling = match (yarn, file.tensor("rope_freqs.weight")) {
+            (Some(yarn), _) => yarn,
+            (None, Some(info)) if family == Family::Llama => gguf_llama3_rope(file, info, rope_theta, rotary_dim)?,
             _ => ir::RopeScaling::None,
         };
         let config = Self {
