@@ -94,6 +94,14 @@ fn gemma3_fused_graph() {
     insta::assert_snapshot!(fused_text(&real_graph("gemma3-270m"), passes::CostModel::CPU));
 }
 
+/// YaRN in the IR: each rotation names its scaling (factor, original context, betas,
+/// truncation, attention factor), and GLM-5's latent attention carries the softmax scale
+/// YaRN's `mscale` changed.
+#[test]
+fn glm_moe_dsa_rope_yarn_graph() {
+    insta::assert_snapshot!(graph_text("glm_moe_dsa_rope_yarn", LogitsFor::LastToken));
+}
+
 #[test]
 fn qwen3_5_graph() {
     insta::assert_snapshot!(graph_text("qwen3_5", LogitsFor::LastToken));
