@@ -354,15 +354,20 @@ fn greedy_plans_with_the_int8_head_pick_the_exact_argmax() {
 }
 
 /// The emulated device, except that after launches of `kernel` it adds 1 to the first element
-/// of its last buffer argument (the output): a stand-in for a GPU kernel that is wrong.
-struct OneWrongKernel {
+/// of its last buffer argument (the output): a stand-in for a GPU kernel that is wrong; and
+/// that it refuses allocations over `largest_alloc` bytes, as a device short of memory does.
+struct FaultyDevice {
     device: EmulatedDevice,
     kernel: String,
+    largest_alloc: usize,
 }
 
-impl PlanDevice for OneWrongKernel {
+impl PlanDevice for FaultyDevice {
     type Buffer = usize;
     fn alloc(&mut self, bytes: usize) -> runtime::Result<usize> {
+        if bytes > self.largest_alloc {
+            return Err(runtime::RuntimeError::Cuda(format!("out of memory for {bytes} bytes")));
+        }
         self.device.alloc(bytes)
     }
     fn upload(&mut self, bytes: &[u8]) -> runtime::Result<usize> {
@@ -408,9 +413,10 @@ fn the_lockstep_comparison_names_exactly_the_wrong_kernel() {
         .unwrap()
         .kernel
         .clone();
-    let test = OneWrongKernel {
+    let test = FaultyDevice {
         device: EmulatedDevice::new(kernels.clone()),
         kernel: wrong.clone(),
+        largest_alloc: usize::MAX,
     };
     let device = CompareDevice::new(test, EmulatedDevice::new(kernels.clone()), &kernels);
     let gpu = PlanExecutor::new(device, plan.clone(), graph, &model.weights, &[], 64).unwrap();
@@ -763,6 +769,24 @@ fn recurrent_state_slots_are_checked_per_step() {
     .unwrap()
     .verify_drafts_up_to(usize::MAX / 2);
     assert!(indexed.is_err());
+    // A device without the memory for the checkpoints: the error says what they were for.
+    let state_bytes = plan.recurrent_states.iter().map(|l| l.len * 4).max().unwrap();
+    let device = FaultyDevice {
+        device: EmulatedDevice::new(kernels.clone()),
+        kernel: String::new(),
+        largest_alloc: usize::MAX,
+    };
+    let short = PlanExecutor::new(device, plan.clone(), gpu_graph.clone(), &model.weights, &[], 64).unwrap();
+    short.with_device_mut(|d| d.largest_alloc = 2 * state_bytes).unwrap();
+    let err = short
+        .verify_drafts_up_to(3)
+        .err()
+        .expect("3 drafts for 2 sequences do not fit")
+        .to_string();
+    assert!(
+        err.contains("3 copies of the recurrent states of 2 sequences") && err.contains("draft fewer tokens"),
+        "{err}"
+    );
     // Snapshots: saved only at a segment's end, into places the plan keeps, as many as fit.
     let too_many = EmulatedBackend::emulated(
         plan.clone(),

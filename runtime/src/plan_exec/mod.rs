@@ -380,6 +380,16 @@ impl<D: PlanDevice> PlanExecutor<D> {
             return Ok(self);
         }
         let slots = self.plan.batched.map_or(1, |c| c.sequences);
+        let total = slots
+            .saturating_mul(drafts)
+            .saturating_mul(self.state_bytes_per_sequence());
+        // Say what the memory was for where the device has too little.
+        let too_big = |e: RuntimeError| {
+            RuntimeError::Cuda(format!(
+                "keeping {drafts} copies of the recurrent states of {slots} sequences ({:.1} GiB) to rewind drafts to: {e}; draft fewer tokens or run fewer sequences at once",
+                total as f64 / f64::from(1 << 30)
+            ))
+        };
         {
             let (device, buffers) = self
                 .state
@@ -397,9 +407,10 @@ impl<D: PlanDevice> PlanExecutor<D> {
                         ))
                     })?;
                 let bytes = values * 4;
-                buffers
-                    .held
-                    .insert(BufferKey::Checkpoints(layout.slot), (device.alloc(bytes)?, bytes));
+                buffers.held.insert(
+                    BufferKey::Checkpoints(layout.slot),
+                    (device.alloc(bytes).map_err(too_big)?, bytes),
+                );
             }
         }
         self.draft_checkpoints = drafts;
