@@ -375,6 +375,8 @@ impl<D: PlanDevice> PlanExecutor<D> {
     /// [`rewind_state`](crate::serving::PagedBackend::rewind_state) copies back where drafts
     /// are refused. Nothing for a plan without recurrent state (nothing to rewind), or one
     /// whose kernels keep no checkpoints (compiled before they did: it verifies no drafts).
+    /// Called before the first step, as `bbc serve` does: the steps captured as CUDA graphs
+    /// hold the checkpoints' address.
     pub fn verify_drafts_up_to(mut self, drafts: usize) -> Result<Self> {
         if self.plan.recurrent_states.is_empty() || !self.several_rows || drafts == 0 {
             return Ok(self);
