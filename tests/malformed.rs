@@ -291,14 +291,15 @@ fn bad_gemma4_gguf_metadata_is_named() {
 
 /// A GLM-5 GGUF whose first layer shares an indexer (there is none before it to share), or
 /// that leaves the indexer types unsaid at a context where llama.cpp assumes GLM-5.2's
-/// pattern of them, or whose per-head key is narrower than its rotated part, is refused,
-/// naming what is wrong.
+/// pattern of them, or whose per-head key is narrower than its rotated part, or that scales
+/// its RoPE by YaRN (which llama.cpp's versions apply to latent attention differently), is
+/// refused, naming what is wrong.
 #[test]
 fn unsupported_glm5_gguf_metadata_is_named() {
     let flags = |v: &[bool]| Some(MetaValue::Array(v.iter().map(|&b| MetaValue::Bool(b)).collect()));
     // Each case: the edits, and two things its error must name.
     type Case<'a> = (&'a [(&'a str, Option<MetaValue>)], &'a str, &'a str);
-    let cases: [Case; 3] = [
+    let cases: [Case; 4] = [
         (
             &[("glm-dsa.attention.indexer.types", flags(&[false, true, true]))],
             "indexer types",
@@ -316,6 +317,11 @@ fn unsupported_glm5_gguf_metadata_is_named() {
             &[("glm-dsa.attention.key_length_mla", Some(MetaValue::U32(8)))],
             "glm-dsa.attention.key_length_mla",
             "less than the rotated",
+        ),
+        (
+            &[("glm-dsa.rope.scaling.type", Some(MetaValue::String("yarn".into())))],
+            "glm-dsa.rope.scaling.type",
+            "latent attention",
         ),
     ];
     let unchanged = |_: &str, d: &[u8]| d.to_vec();

@@ -26,8 +26,9 @@
 //! A batched step that verifies drafted tokens also keeps the state as it stood after rows
 //! other than a sequence's last: row `r`'s in place `row_checkpoint[r]` of the layer's
 //! `checkpoints` buffer (`[places, state_len]`, laid out as a slot; −1: not kept), the window
-//! by (1) (a row's window is the inputs of its last `K − 1` taps) and the matrix by (3). Where the drafts after a row are refused, the runtime copies
-//! that place back into the sequence's slot, as if the refused rows had never run.
+//! by (1) (a row's window is the inputs of its last `K − 1` taps) and the matrix by (3).
+//! Where the drafts after a row are refused, the runtime copies that place back into the
+//! sequence's slot, as if the refused rows had never run.
 //!
 //! Prefill walks a chunk's rows one after another in (3), each row's inputs loaded during the
 //! row before (they do not depend on the state), so the walk waits on the recurrence's

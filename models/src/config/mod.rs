@@ -415,9 +415,10 @@ fn gguf_llama3_rope(
 /// A GGUF file's `rope.scaling.*` keys as llama.cpp reads them: the linear position scale, and
 /// YaRN where the type says so. llama.cpp's YaRN is transformers' with truncation (its
 /// correction dims floored and ceiled) and the attention factor `0.1·ln(factor) + 1`; a file
-/// that changes those (a `yarn_ext_factor` or `yarn_attn_factor` other than 1), or latent
-/// attention's `yarn_log_multiplier` (which llama.cpp's versions have read differently), is
-/// refused naming the key, as is YaRN on Gemma 4 and any other type.
+/// that changes those (a `yarn_ext_factor` or `yarn_attn_factor` other than 1, a
+/// `yarn_log_multiplier`) is refused naming the key, as is YaRN on latent attention (GLM-5:
+/// llama.cpp's versions have scaled its softmax and rotation differently) or Gemma 4, and any
+/// other type.
 fn gguf_rope_scaling(file: &GgufFile, arch: &str, family: Family) -> Result<(f64, Option<ir::RopeScaling>)> {
     let key = |name: &str| format!("{arch}.{name}");
     let refuse = |name: &str, problem: String| ModelError::Metadata {
@@ -428,6 +429,10 @@ fn gguf_rope_scaling(file: &GgufFile, arch: &str, family: Family) -> Result<(f64
     match file.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
         None | Some("none") => Ok((1.0, None)),
         Some("linear") => Ok((file.optional_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0), None)),
+        Some("yarn") if family == Family::GlmMoeDsa => Err(refuse(
+            "rope.scaling.type",
+            "is \"yarn\" on latent attention, whose softmax and rotation scales llama.cpp's versions have set differently; bbc reads it from HF configs".into(),
+        )),
         Some("yarn") if family != Family::Gemma4 => {
             for (name, unchanged) in [
                 ("rope.scaling.yarn_ext_factor", 1.0),
@@ -520,7 +525,7 @@ fn gguf_mla(file: &GgufFile, arch: &str, layers: usize) -> Result<MlaConfig> {
         index_heads: u("attention.indexer.head_count")?,
         index_dim: u("attention.indexer.key_length")?,
         index_topk: u("attention.indexer.top_k")?,
-        // llama.cpp's YaRN keys are refused with its other scaling types.
+        // YaRN on latent attention is refused from GGUF files (`gguf_rope_scaling`).
         softmax_mscale: 1.0,
     })
 }
