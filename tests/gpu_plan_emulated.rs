@@ -1259,7 +1259,8 @@ fn weights_made_on_the_device_equal_their_host_values_uploaded() {
 /// here on the tiny Llama's and Qwen3.5's shapes with weights made on the emulated device:
 /// every batch size decodes (from a recorded graph, one per size), its profiled step times
 /// each launch, and a step reads its weights once whatever the batch, but for one embedding
-/// row per sequence.
+/// row per sequence; and as the hybrid section times speculating steps, steps verifying
+/// drafts.
 #[test]
 fn decode_timing_runs_every_batch_size_from_its_graph() {
     for family in ["llama", "qwen3_5"] {
@@ -1281,6 +1282,7 @@ fn decode_timing_runs(family: &str) {
         batches: vec![1, 3],
         steps: 2,
         prefill_chunk: 8,
+        drafts: 0,
     };
     let block_size = 4;
     let cache = gpu::BatchedCache {
@@ -1290,7 +1292,7 @@ fn decode_timing_runs(family: &str) {
     };
     let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
     let device = EmulatedDevice::new(kernels.into_iter().chain(runtime::generated::fill_kernels()).collect());
-    let exec = PlanExecutor::with_generated_weights(device, plan, graph, 1, 64)
+    let exec = PlanExecutor::with_generated_weights(device, plan, graph.clone(), 1, 64)
         .unwrap()
         .capture_graphs_up_to(3);
     assert!(runtime::decode_timing::time_prefill(&exec, &run).unwrap() > 0.0);
@@ -1318,8 +1320,43 @@ fn decode_timing_runs(family: &str) {
         "{family}: two more bf16 embedding rows"
     );
     // A run that does not fit the pool is refused before anything runs.
-    let too_long = DecodeRun { prompt: 60, ..run };
+    let too_long = DecodeRun {
+        prompt: 60,
+        ..run.clone()
+    };
     assert!(time_decode(&exec, &too_long).is_err());
+    // Steps verifying 2 drafts a sequence (3 rows each, all sampled; the hybrid's states kept
+    // after the first two), each batch size from its own graph: they read the same weights
+    // as decode steps but for an embedding row per draft.
+    let verifying = DecodeRun {
+        prompt: 8,
+        drafts: 2,
+        ..run
+    };
+    let cache = gpu::BatchedCache {
+        blocks: verifying.sequences() * verifying.positions_per_sequence().div_ceil(block_size),
+        block_size,
+        sequences: verifying.sequences(),
+    };
+    let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
+    let device = EmulatedDevice::new(kernels.into_iter().chain(runtime::generated::fill_kernels()).collect());
+    let exec = PlanExecutor::with_generated_weights(device, plan, graph, 1, 64)
+        .unwrap()
+        .capture_graphs_up_to(9)
+        .verify_drafts_up_to(2)
+        .unwrap();
+    let verified = time_decode(&exec, &verifying).unwrap();
+    assert_eq!(
+        exec.with_device(|d| d.graph_counts()).unwrap(),
+        (2 * 2 * (verifying.steps + 1), 2)
+    );
+    for (plain, verify) in timings.iter().zip(&verified) {
+        assert_eq!(
+            verify.weight_bytes() - plain.weight_bytes(),
+            plain.batch * 2 * config.hidden * 2,
+            "{family}: an embedding row more per draft"
+        );
+    }
 }
 
 /// A KV pool past the kernels' 32-bit indices (`bbc serve --kv-blocks` too many) is refused

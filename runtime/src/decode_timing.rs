@@ -1,5 +1,6 @@
 //! Timing a batched plan's decode steps, as `bbc serve` runs them: sequences are prefilled,
-//! then each batch size decodes a few steps (one row per sequence, replayed from a CUDA graph
+//! then each batch size decodes a few steps (one row per sequence, or one per token and draft
+//! where the run verifies drafts, replayed from a CUDA graph
 //! where the executor captures them; ids written, each sequence's logits read back), as many
 //! again reading back only token ids where the plan has `next_token` (what serving does when
 //! every request is greedy), and one more step runs kernel by kernel with every launch timed. Any device: the GPU check runs it on
@@ -22,14 +23,24 @@ pub struct DecodeRun {
     /// Prompt rows per prefill step, at most the plan's: below `PREFILL_TOKENS` the prompts
     /// go through the GEMV, not the tensor-core GEMM (a fallback where that GEMM fails).
     pub prefill_chunk: usize,
+    /// Drafted tokens each sequence verifies a step (0: plain decode): `drafts + 1` rows a
+    /// sequence, every one sampled and kept, as a speculating server's step whose drafts were
+    /// all accepted (a model's recurrent states keep their checkpoints all the same: the
+    /// executor must verify that many, `PlanExecutor::verify_drafts_up_to`).
+    pub drafts: usize,
 }
 
 impl DecodeRun {
     /// Positions each sequence needs: its prompt and every step it may take part in (per
     /// batch size, an untimed and `steps` timed steps reading logits, as many reading ids, and
-    /// the profiled one).
+    /// the profiled one), each of `rows_per_sequence`.
     pub fn positions_per_sequence(&self) -> usize {
-        self.prompt + self.batches.len() * (2 * (self.steps + 1) + 1)
+        self.prompt + self.batches.len() * (2 * (self.steps + 1) + 1) * self.rows_per_sequence()
+    }
+
+    /// Rows each sequence takes a step: its next token and its drafts.
+    pub fn rows_per_sequence(&self) -> usize {
+        self.drafts + 1
     }
 
     /// Sequences the largest batch holds.
@@ -122,15 +133,18 @@ pub fn time_decode<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) -
     let mut lengths = vec![run.prompt; sequences];
     let mut timings = Vec::new();
     for &batch in &run.batches {
+        let rows = run.rows_per_sequence();
         let mut step = |read: Read| -> Result<Vec<LaunchProfile>> {
-            let ids: Vec<[u32; 1]> = (0..batch).map(|s| [id(s, lengths[s])]).collect();
+            let ids: Vec<Vec<u32>> = (0..batch)
+                .map(|s| (lengths[s]..lengths[s] + rows).map(|p| id(s, p)).collect())
+                .collect();
             let segments: Vec<Segment> = (0..batch)
                 .map(|s| Segment {
                     table: &tables[s],
                     start: lengths[s],
                     ids: &ids[s],
                     state_slot: s,
-                    sampled_rows: 1,
+                    sampled_rows: rows,
                     snapshots: StateSnapshots::NONE,
                 })
                 .collect();
@@ -142,7 +156,7 @@ pub fn time_decode<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) -
                     None => return Err(RuntimeError::Artifact("the plan has no `next_token`".into())),
                 },
             };
-            lengths[..batch].iter_mut().for_each(|l| *l += 1);
+            lengths[..batch].iter_mut().for_each(|l| *l += rows);
             Ok(launches)
         };
         let mut time = |read: Read| -> Result<f64> {

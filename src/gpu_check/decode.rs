@@ -39,7 +39,9 @@ pub(super) fn serving_executor(
     let (plan, kernels) = gpu::build_batched(&graph, target, 512, cache)?;
     let kernels: Vec<Kernel> = kernels.into_iter().chain(runtime::generated::fill_kernels()).collect();
     let device = CudaDevice::compile(&kernels, arch)?;
-    let exec = PlanExecutor::with_generated_weights(device, plan, graph, 8, 1024)?.capture_graphs_up_to(64);
+    let exec = PlanExecutor::with_generated_weights(device, plan, graph, 8, 1024)?
+        .capture_graphs_up_to(64)
+        .verify_drafts_up_to(run.drafts)?;
     println!(
         "\n{name} model: compiled, weights made on the device, KV pool of {} blocks in {:.1} s",
         cache.blocks,
@@ -131,7 +133,9 @@ pub(super) fn print_profiles(timings: &[DecodeTiming], bandwidth: f64) {
 /// A Qwen3.5-27B-shaped hybrid (`ModelConfig::qwen3_5_27b`: 48 Gated DeltaNet layers, 16 of
 /// gated attention, 54 GB of bf16 weights) decoding at batch 1 and 16 after 512-token prompts,
 /// each kernel's share: what the DeltaNet kernels (convolution, window, delta rule over each
-/// sequence's f32 state) cost beside the matmuls.
+/// sequence's f32 state) cost beside the matmuls. Then the same batches verifying 3 drafted
+/// tokens a sequence (4 rows each, the states after the first 3 kept as checkpoints, 150 MiB
+/// each a sequence): what a speculating step costs against a decode step.
 pub fn hybrid(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) -> Result<()> {
     let name = "Qwen3.5-27B-shaped";
     let run = DecodeRun {
@@ -139,11 +143,42 @@ pub fn hybrid(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
         batches: vec![1, 16],
         steps: 10,
         prefill_chunk,
+        drafts: 0,
     };
-    let exec = serving_executor(name, &models::ModelConfig::qwen3_5_27b(), target, arch, &run)?;
+    let verifying = DecodeRun {
+        drafts: 3,
+        ..run.clone()
+    };
+    // Sized for the verifying run, the larger.
+    let exec = serving_executor(name, &models::ModelConfig::qwen3_5_27b(), target, arch, &verifying)?;
     print_prefill(name, &exec, &run)?;
     let timings = time_decode(&exec, &run)?;
     print_steps(name, &run, &timings, bandwidth)?;
     print_profiles(&timings, bandwidth);
+    let verified = time_decode(&exec, &verifying)?;
+    print_verifying(&verifying, &timings, &verified);
     Ok(())
+}
+
+/// Each batch size's verifying step against its decode step (ids read back, as greedy serving
+/// does): wall times and their ratio, what a step that accepts `a` drafts a sequence must
+/// stay under `1 + a` times for speculation to pay.
+fn print_verifying(run: &DecodeRun, decoding: &[DecodeTiming], verifying: &[DecodeTiming]) {
+    println!(
+        "\n| batch | decode step ms | step verifying {} drafts a sequence ms | ratio |\n|---|---|---|---|",
+        run.drafts
+    );
+    for (d, v) in decoding.iter().zip(verifying) {
+        let (plain, verify) = (
+            d.greedy_wall_seconds.unwrap_or(d.wall_seconds),
+            v.greedy_wall_seconds.unwrap_or(v.wall_seconds),
+        );
+        println!(
+            "| {} | {:.3} | {:.3} | {:.2} |",
+            d.batch,
+            plain * 1e3,
+            verify * 1e3,
+            verify / plain
+        );
+    }
 }

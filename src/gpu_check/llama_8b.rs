@@ -27,6 +27,7 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
         batches: vec![1, 4, 16, 64],
         steps: 10,
         prefill_chunk,
+        drafts: 0,
     };
     let exec = serving_executor(name, &models::ModelConfig::llama3_8b(), target, arch, &run)?;
     print_prefill(name, &exec, &run)?;
