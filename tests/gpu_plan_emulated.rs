@@ -753,6 +753,24 @@ fn recurrent_state_slots_are_checked_per_step() {
     assert!(drafts.contains("keep checkpoints for 0"), "{drafts}");
     let gpu = gpu.verify_drafts_up_to(1).unwrap();
     assert_eq!(gpu.draft_checkpoints(), 1);
+    // Once a step is captured as a graph (holding the checkpoints' address) they stay put.
+    let captured = EmulatedBackend::emulated(
+        plan.clone(),
+        kernels.clone(),
+        gpu_graph.clone(),
+        &model.weights,
+        &[],
+        64,
+    )
+    .unwrap()
+    .capture_graphs_up_to(4);
+    captured.step_batch(&batch_of(&[(0, vec![5])], &tables)).unwrap();
+    let late = captured
+        .verify_drafts_up_to(2)
+        .err()
+        .expect("refused after a capture")
+        .to_string();
+    assert!(late.contains("before the first step captured"), "{late}");
     assert!(gpu.step_batch(&batch).is_ok());
     batch[0].sampled_rows = 3;
     batch[0].ids = &[5, 6, 7];

@@ -412,6 +412,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             return Ok(());
         }
         device.begin_capture()?;
+        self.captured.store(true, std::sync::atomic::Ordering::Relaxed);
         // The capture ends even when a launch fails, so the device is usable after the error.
         let launched = self.launch_all(device, buffers, vars, None);
         let captured = device.end_capture(key);

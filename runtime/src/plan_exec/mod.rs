@@ -172,6 +172,9 @@ pub struct PlanExecutor<D: PlanDevice> {
     snapshot_places: usize,
     /// Drafts a sequence's recurrent state can be rewound past: a checkpoint each (0: none).
     draft_checkpoints: usize,
+    /// Whether a step was captured as a graph (which holds the buffers' addresses as they
+    /// were: `verify_drafts_up_to` may no longer move the checkpoints).
+    captured: std::sync::atomic::AtomicBool,
     /// The plan's launches resolved once (see `launch`).
     launches: Vec<launch::PreparedLaunch>,
     state: Mutex<(D, Buffers<D::Buffer>)>,
@@ -339,6 +342,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             several_rows,
             snapshot_places: 0,
             draft_checkpoints: 0,
+            captured: Default::default(),
             state: Mutex::new((device, buffers)),
         })
     }
@@ -375,11 +379,17 @@ impl<D: PlanDevice> PlanExecutor<D> {
     /// [`rewind_state`](crate::serving::PagedBackend::rewind_state) copies back where drafts
     /// are refused. Nothing for a plan without recurrent state (nothing to rewind), or one
     /// whose kernels keep no checkpoints (compiled before they did: it verifies no drafts).
-    /// Called before the first step, as `bbc serve` does: the steps captured as CUDA graphs
-    /// hold the checkpoints' address.
+    /// Refused once a step was captured as a CUDA graph (which holds the checkpoints'
+    /// address): `bbc serve` calls it before the first step.
     pub fn verify_drafts_up_to(mut self, drafts: usize) -> Result<Self> {
         if self.plan.recurrent_states.is_empty() || !self.several_rows || drafts == 0 {
             return Ok(self);
+        }
+        if *self.captured.get_mut() {
+            return Err(RuntimeError::Input(
+                "drafts to verify are set before the first step captured as a graph (it holds the checkpoints' address)"
+                    .into(),
+            ));
         }
         let slots = self.plan.batched.map_or(1, |c| c.sequences);
         let total = slots
