@@ -863,20 +863,14 @@ fn speculative_decoding_on_hybrid_plans_rewinds_refused_drafts() {
         ("qwen3_next", check::QWEN3_NEXT_DRAFTED),
     ] {
         let model = open(family, ComputeDtype::F32);
-        let config = check::hybrid_serving(NgramConfig {
-            tokens: 3,
-            min: 1,
-            max: 3,
-        });
+        let config = check::hybrid_serving(DRAFT_THREE);
         let plain = SchedulerConfig {
             speculation: NgramConfig::OFF,
             ..config
         };
-        let (prompts, greedy) = (check::periodic_prompts(&patterns), runtime::SamplingParams::default());
+        let prompts = check::periodic_prompts(&patterns);
         let cpu = CpuBackend::new(model.lower(LogitsFor::AllTokens).unwrap(), &model.weights, 64).unwrap();
-        let want = check::serve_all_counting(&mut ServingEngine::new(cpu, plain), &prompts, greedy, DRAFTED_TOKENS)
-            .unwrap()
-            .tokens;
+        let want = greedy_tokens(&mut ServingEngine::new(cpu, plain), &prompts, DRAFTED_TOKENS);
         let (gpu_graph, plan, kernels) = serving_plan(&model, &config, config.max_running);
         let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
             .unwrap()
@@ -884,17 +878,7 @@ fn speculative_decoding_on_hybrid_plans_rewinds_refused_drafts() {
             .verify_drafts_up_to(3)
             .unwrap();
         let mut on_gpu = ServingEngine::new(gpu, config);
-        assert_eq!(
-            on_gpu.scheduler().config().speculation.tokens,
-            3,
-            "{family}: the plan verifies drafts"
-        );
-        let check::Served {
-            tokens: got,
-            drafted,
-            accepted,
-        } = check::serve_all_counting(&mut on_gpu, &prompts, greedy, DRAFTED_TOKENS).unwrap();
-        assert_eq!(got, want, "{family}");
+        let (drafted, accepted) = speculating_serves(&mut on_gpu, &prompts, DRAFTED_TOKENS, &want, family);
         assert!(
             accepted > 0 && drafted > accepted,
             "{family}: {accepted} of {drafted} drafted tokens accepted; both kinds were meant to happen"
@@ -956,16 +940,12 @@ fn a_rewound_state_on_the_device_continues_like_one_that_never_saw_the_refused_d
 }
 
 fn speculative_decoding_keeps_every_token(family: &str) {
-    use runtime::serving::{NgramConfig, ServingEngine};
+    use runtime::serving::ServingEngine;
     let model = open(family, ComputeDtype::F32);
     let graph = model.lower(LogitsFor::AllTokens).unwrap();
     let plain = serving_config(32, 64);
     let speculative = SchedulerConfig {
-        speculation: NgramConfig {
-            tokens: 3,
-            min: 1,
-            max: 3,
-        },
+        speculation: DRAFT_THREE,
         ..plain
     };
     let (gpu_graph, plan, kernels) = serving_plan(&model, &plain, plain.max_running);
@@ -974,32 +954,58 @@ fn speculative_decoding_keeps_every_token(family: &str) {
         .map(|i| (0..12).map(|j| 40 + 7 * i + (j % (3 + i))).collect())
         .collect();
     let cpu = CpuBackend::new(graph, &model.weights, 64).unwrap();
-    use bbc::gpu_check::kernels::{self as check, serve_all_counting as serve};
-    let greedy = runtime::SamplingParams::default();
-    let want = serve(&mut ServingEngine::new(cpu, plain), &prompts, greedy, 12)
-        .unwrap()
-        .tokens;
+    let want = greedy_tokens(&mut ServingEngine::new(cpu, plain), &prompts, 12);
     let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
         .unwrap()
         .capture_graphs_up_to(32);
     let mut on_gpu = ServingEngine::new(Counted::new(gpu), speculative);
-    assert_eq!(
-        on_gpu.scheduler().config().speculation.tokens,
-        3,
-        "the plan verifies drafts"
-    );
-    let check::Served {
-        tokens: got,
-        drafted,
-        accepted,
-    } = serve(&mut on_gpu, &prompts, greedy, 12).unwrap();
-    assert_eq!(got, want, "{family}");
+    let (drafted, accepted) = speculating_serves(&mut on_gpu, &prompts, 12, &want, family);
     assert!(
         accepted > 0 && (drafted > accepted || family != "llama"),
         "{family}: {accepted} of {drafted} drafted tokens accepted"
     );
     let (greedy, full) = on_gpu.backend().counts();
     assert!(greedy > 0 && full == 0, "{greedy} greedy steps, {full} with logits");
+}
+
+/// Prompt lookup drafting up to three tokens, from matches of 1 to 3 tokens.
+const DRAFT_THREE: runtime::serving::NgramConfig = runtime::serving::NgramConfig {
+    tokens: 3,
+    min: 1,
+    max: 3,
+};
+
+/// Each prompt's `max_tokens` greedy tokens as `engine` serves them all.
+fn greedy_tokens<B: runtime::serving::PagedBackend>(
+    engine: &mut runtime::serving::ServingEngine<B>,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+) -> Vec<Vec<u32>> {
+    let greedy = runtime::SamplingParams::default();
+    bbc::gpu_check::kernels::serve_all_counting(engine, prompts, greedy, max_tokens)
+        .unwrap()
+        .tokens
+}
+
+/// `prompts` served greedily by `engine` (a plan speculating with [`DRAFT_THREE`]), checked
+/// to generate `want` (the CPU backend's tokens without speculation); the tokens drafted and
+/// accepted.
+fn speculating_serves<B: runtime::serving::PagedBackend>(
+    engine: &mut runtime::serving::ServingEngine<B>,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    want: &[Vec<u32>],
+    family: &str,
+) -> (usize, usize) {
+    assert_eq!(
+        engine.scheduler().config().speculation,
+        DRAFT_THREE,
+        "{family}: the plan verifies drafts"
+    );
+    let greedy = runtime::SamplingParams::default();
+    let served = bbc::gpu_check::kernels::serve_all_counting(engine, prompts, greedy, max_tokens).unwrap();
+    assert_eq!(served.tokens, want, "{family}");
+    (served.drafted, served.accepted)
 }
 
 /// Serving limits for the engine tests: 4 running sequences of up to 64 positions, blocks of
