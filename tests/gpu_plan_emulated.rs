@@ -724,15 +724,18 @@ fn recurrent_state_slots_are_checked_per_step() {
     let model = open("qwen3_5", ComputeDtype::F32);
     let config = serving_config(32, 8);
     let (gpu_graph, plan, kernels) = serving_plan(&model, &config, 2);
-    let gpu = EmulatedBackend::emulated(
-        plan.clone(),
-        kernels.clone(),
-        gpu_graph.clone(),
-        &model.weights,
-        &[],
-        64,
-    )
-    .unwrap();
+    let fresh = || {
+        EmulatedBackend::emulated(
+            plan.clone(),
+            kernels.clone(),
+            gpu_graph.clone(),
+            &model.weights,
+            &[],
+            64,
+        )
+        .unwrap()
+    };
+    let gpu = fresh();
     assert!(gpu.samples_several_rows());
     let tables = [
         [BlockId(0), BlockId(1), BlockId(2)],
@@ -754,16 +757,7 @@ fn recurrent_state_slots_are_checked_per_step() {
     let gpu = gpu.verify_drafts_up_to(1).unwrap();
     assert_eq!(gpu.draft_checkpoints(), 1);
     // Once a step is captured as a graph (holding the checkpoints' address) they stay put.
-    let captured = EmulatedBackend::emulated(
-        plan.clone(),
-        kernels.clone(),
-        gpu_graph.clone(),
-        &model.weights,
-        &[],
-        64,
-    )
-    .unwrap()
-    .capture_graphs_up_to(4);
+    let captured = fresh().capture_graphs_up_to(4);
     captured.step_batch(&batch_of(&[(0, vec![5])], &tables)).unwrap();
     let late = captured
         .verify_drafts_up_to(2)
@@ -776,16 +770,7 @@ fn recurrent_state_slots_are_checked_per_step() {
     batch[0].ids = &[5, 6, 7];
     let more = gpu.step_batch(&batch).unwrap_err().to_string();
     assert!(more.contains("verifies 2 drafted tokens"), "{more}");
-    let indexed = EmulatedBackend::emulated(
-        plan.clone(),
-        kernels.clone(),
-        gpu_graph.clone(),
-        &model.weights,
-        &[],
-        64,
-    )
-    .unwrap()
-    .verify_drafts_up_to(usize::MAX / 2);
+    let indexed = fresh().verify_drafts_up_to(usize::MAX / 2);
     assert!(indexed.is_err());
     // A device without the memory for the checkpoints: the error says what they were for.
     let state_bytes = plan.recurrent_states.iter().map(|l| l.len * 4).max().unwrap();
@@ -806,16 +791,7 @@ fn recurrent_state_slots_are_checked_per_step() {
         "{err}"
     );
     // Snapshots: saved only at a segment's end, into places the plan keeps, as many as fit.
-    let too_many = EmulatedBackend::emulated(
-        plan.clone(),
-        kernels.clone(),
-        gpu_graph.clone(),
-        &model.weights,
-        &[],
-        64,
-    )
-    .unwrap()
-    .keep_state_snapshots(usize::MAX);
+    let too_many = fresh().keep_state_snapshots(usize::MAX);
     assert!(too_many.is_err());
     batch[0].sampled_rows = 1;
     let gpu = gpu.keep_state_snapshots(2).unwrap();
