@@ -128,34 +128,8 @@ impl RopeScaling {
         }
     }
 
-    /// Its parameters' bits, for keys of caches built from it; empty for none.
-    pub fn bits(&self) -> Vec<u64> {
-        match *self {
-            Self::None => vec![],
-            Self::Llama3 {
-                factor,
-                low_freq_factor,
-                high_freq_factor,
-                original_context,
-            } => [factor, low_freq_factor, high_freq_factor, original_context]
-                .map(f64::to_bits)
-                .to_vec(),
-            Self::Yarn {
-                factor,
-                original_context,
-                beta_fast,
-                beta_slow,
-                truncate,
-                attention_factor,
-            } => [factor, original_context, beta_fast, beta_slow, attention_factor]
-                .map(f64::to_bits)
-                .into_iter()
-                .chain([truncate as u64])
-                .collect(),
-        }
-    }
-
-    /// How the IR text and plan constants name it (empty for none).
+    /// How the IR text, plan constants and caches built from it name it (empty for none; f64s
+    /// print as the shortest text that reads back to the same bits, so the name is exact).
     pub fn describe(&self) -> String {
         match *self {
             Self::None => String::new(),

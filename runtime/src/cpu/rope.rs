@@ -20,7 +20,7 @@ struct Table {
 /// What the tables depend on besides the positions: theta, the rotary width, the linear
 /// scaling, the head width for proportional RoPE (whose frequencies are spaced over the head),
 /// and the scaling by frequency.
-type Key = (u64, usize, u64, Option<usize>, Vec<u64>);
+type Key = (u64, usize, u64, Option<usize>, String);
 
 /// A step's rope tables, built on first use; every rope op of the step rotates rows at the
 /// step's positions.
@@ -65,7 +65,7 @@ impl StepRope {
             spec.rotary_dim,
             spec.position_scale.to_bits(),
             proportional,
-            spec.scaling.bits(),
+            spec.scaling.describe(),
         );
         let mut tables = self.tables.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         tables
