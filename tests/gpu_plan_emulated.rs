@@ -839,7 +839,7 @@ fn speculative_decoding_on_hybrid_plans_rewinds_refused_drafts() {
         ("qwen3_next", check::QWEN3_NEXT_DRAFTED),
     ] {
         let model = open(family, ComputeDtype::F32);
-        let config = check::hybrid_serving(DRAFT_THREE);
+        let config = check::hybrid_serving(check::DRAFTING);
         let plain = SchedulerConfig {
             speculation: NgramConfig::OFF,
             ..config
@@ -921,7 +921,7 @@ fn speculative_decoding_keeps_every_token(family: &str) {
     let graph = model.lower(LogitsFor::AllTokens).unwrap();
     let plain = serving_config(32, 64);
     let speculative = SchedulerConfig {
-        speculation: DRAFT_THREE,
+        speculation: bbc::gpu_check::kernels::DRAFTING,
         ..plain
     };
     let (gpu_graph, plan, kernels) = serving_plan(&model, &plain, plain.max_running);
@@ -944,13 +944,6 @@ fn speculative_decoding_keeps_every_token(family: &str) {
     assert!(greedy > 0 && full == 0, "{greedy} greedy steps, {full} with logits");
 }
 
-/// Prompt lookup drafting up to three tokens, from matches of 1 to 3 tokens.
-const DRAFT_THREE: runtime::serving::NgramConfig = runtime::serving::NgramConfig {
-    tokens: 3,
-    min: 1,
-    max: 3,
-};
-
 /// Each prompt's `max_tokens` greedy tokens as `engine` serves them all.
 fn greedy_tokens<B: runtime::serving::PagedBackend>(
     engine: &mut runtime::serving::ServingEngine<B>,
@@ -963,9 +956,9 @@ fn greedy_tokens<B: runtime::serving::PagedBackend>(
         .tokens
 }
 
-/// `prompts` served greedily by `engine` (a plan speculating with [`DRAFT_THREE`]), checked
-/// to generate `want` (the CPU backend's tokens without speculation); the tokens drafted and
-/// accepted.
+/// `prompts` served greedily by `engine` (a plan speculating as `gpu_check::kernels::DRAFTING`
+/// drafts), checked to generate `want` (the CPU backend's tokens without speculation); the
+/// tokens drafted and accepted.
 fn speculating_serves<B: runtime::serving::PagedBackend>(
     engine: &mut runtime::serving::ServingEngine<B>,
     prompts: &[Vec<u32>],
@@ -975,7 +968,7 @@ fn speculating_serves<B: runtime::serving::PagedBackend>(
 ) -> (usize, usize) {
     assert_eq!(
         engine.scheduler().config().speculation,
-        DRAFT_THREE,
+        bbc::gpu_check::kernels::DRAFTING,
         "{family}: the plan verifies drafts"
     );
     let greedy = runtime::SamplingParams::default();

@@ -207,14 +207,9 @@ pub fn snapshot_check(target: Target, arch: &str, fixtures: &Path) -> Result<()>
 /// Must generate the CPU backend's greedy tokens without speculation; prints the drafts.
 pub fn draft_rewind_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
     use runtime::serving::{NgramConfig, ServingEngine};
-    let drafting = NgramConfig {
-        tokens: 3,
-        min: 1,
-        max: 3,
-    };
-    let config = hybrid_serving(drafting);
+    let config = hybrid_serving(DRAFTING);
     let (gpu, cpu) = hybrid_backends(target, arch, fixtures, &config)?;
-    let gpu = gpu.verify_drafts_up_to(drafting.tokens)?;
+    let gpu = gpu.verify_drafts_up_to(DRAFTING.tokens)?;
     let prompts = periodic_prompts(&QWEN3_5_DRAFTED);
     let plain = SchedulerConfig {
         speculation: NgramConfig::OFF,
@@ -282,6 +277,13 @@ fn hybrid_backends(
     let cpu = runtime::CpuBackend::new(cpu_graph, &model.weights, config.context_length)?;
     Ok((gpu, cpu))
 }
+
+/// How the drafting checks draft: prompt lookup, up to 3 tokens, from matches of 1 to 3.
+pub const DRAFTING: runtime::serving::NgramConfig = runtime::serving::NgramConfig {
+    tokens: 3,
+    min: 1,
+    max: 3,
+};
 
 /// Greedy tokens each of the drafting checks' requests generates.
 pub const DRAFTED_TOKENS: usize = 28;
@@ -359,16 +361,9 @@ pub fn serve_first_then_rest<B: runtime::serving::PagedBackend>(
     engine: &mut runtime::serving::ServingEngine<B>,
     prompts: &[Vec<u32>],
 ) -> Result<(Vec<Vec<u32>>, u64)> {
-    let mut generated = std::collections::HashMap::new();
-    let mut ids = Vec::with_capacity(prompts.len());
-    for (i, prompt) in prompts.iter().enumerate() {
-        ids.push(engine.add(prompt.clone(), 6, vec![], runtime::SamplingParams::default())?);
-        if i == 0 || i + 1 == prompts.len() {
-            while !engine.scheduler().is_idle() {
-                generated.extend(engine.step()?.finished.into_iter().map(|d| (d.seq, d.generated)));
-            }
-        }
-    }
-    let tokens = ids.iter().map(|id| generated.remove(id).unwrap_or_default()).collect();
+    let greedy = runtime::SamplingParams::default();
+    let (first, rest) = prompts.split_at(prompts.len().min(1));
+    let mut tokens = serve_all_counting(engine, first, greedy, 6)?.tokens;
+    tokens.extend(serve_all_counting(engine, rest, greedy, 6)?.tokens);
     Ok((tokens, engine.scheduler().prefix_cache_stats().hit))
 }
