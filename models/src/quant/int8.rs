@@ -411,9 +411,23 @@ pub fn vnni_int8() -> bool {
     false
 }
 
+/// Whether the CPU has AVX2, FMA and F16C, which every x86 kernel here needs.
+fn avx2_fma_f16c() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// Which kernel a packed dot runs: all give the same bits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Int8Kernel {
+    /// Plain Rust, for CPUs without AVX2, FMA and F16C (and other architectures).
+    Portable,
     Avx2,
     /// The AVX2 kernel with AVX-VNNI's dot ([`vnni_int8`]).
     AvxVnni,
@@ -424,11 +438,34 @@ pub enum Int8Kernel {
 impl Int8Kernel {
     /// The fastest this CPU runs (as the switches allow).
     pub fn detected() -> Self {
+        if !avx2_fma_f16c() {
+            return Self::Portable;
+        }
         match (wide_int8(), vnni_int8()) {
             (true, _) => Self::Avx512,
             (false, true) => Self::AvxVnni,
             (false, false) => Self::Avx2,
         }
+    }
+
+    /// Every kernel this CPU runs, switches aside (to check them against each other).
+    pub fn available() -> Vec<Self> {
+        let mut kernels = vec![Self::Portable];
+        #[cfg(target_arch = "x86_64")]
+        if avx2_fma_f16c() {
+            kernels.push(Self::Avx2);
+            if std::arch::is_x86_feature_detected!("avxvnni") {
+                kernels.push(Self::AvxVnni);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+                && std::arch::is_x86_feature_detected!("avx512vnni")
+            {
+                kernels.push(Self::Avx512);
+            }
+        }
+        kernels
     }
 }
 

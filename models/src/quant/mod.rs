@@ -6,6 +6,7 @@
 
 pub mod int8;
 pub mod int8_superblock;
+pub mod interleaved;
 mod q4_0;
 mod q4_1;
 mod q4_k;

@@ -11,19 +11,57 @@
 
 use super::simd;
 use half::bf16;
-use models::quant::int8::{self, Q8Row, UnpackedRow, ACT_BLOCK};
+use models::quant::int8::{self, Int8Kernel, Q8Row, UnpackedRow, ACT_BLOCK};
 use models::quant::int8_superblock::{DecodedSuper, Q8KRow, SuperblockDot, SUPER};
+use models::quant::interleaved::{Activations, InterleavedRows, GROUP};
 use models::quant::GgmlType;
 use rayon::prelude::*;
+use std::borrow::Cow;
 
 pub enum Storage {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
+    /// GGUF blocks row after row (the K-quants).
     Quant {
         dtype: GgmlType,
         bytes: Vec<u8>,
         row_bytes: usize,
     },
+    /// A 32-weight block format with its rows interleaved for the int8 kernels.
+    Interleaved(InterleavedRows),
+}
+
+impl Storage {
+    /// GGUF rows of `row_bytes` each: interleaved where the format has that layout, else as
+    /// they come.
+    pub fn block_rows(dtype: GgmlType, bytes: Vec<u8>, row_bytes: usize) -> Self {
+        match InterleavedRows::new(dtype, &bytes, row_bytes) {
+            Some(rows) => Storage::Interleaved(rows),
+            None => Storage::Quant {
+                dtype,
+                bytes,
+                row_bytes,
+            },
+        }
+    }
+
+    /// The format, GGUF bytes and bytes a row of block-quantized storage.
+    fn gguf_rows(&self) -> Option<(GgmlType, Cow<'_, [u8]>, usize)> {
+        match self {
+            Storage::Quant {
+                dtype,
+                bytes,
+                row_bytes,
+            } => Some((*dtype, Cow::Borrowed(bytes), *row_bytes)),
+            Storage::Interleaved(rows) => Some((rows.dtype(), Cow::Owned(rows.gguf_bytes()), rows.row_bytes())),
+            _ => None,
+        }
+    }
+
+    /// Whether it holds GGUF blocks (in either layout).
+    pub fn is_block_quantized(&self) -> bool {
+        matches!(self, Storage::Quant { .. } | Storage::Interleaved(_))
+    }
 }
 
 pub struct Matrix {
@@ -38,6 +76,7 @@ impl Matrix {
             Storage::F32(v) => v.len() * 4,
             Storage::Bf16(v) => v.len() * 2,
             Storage::Quant { bytes, .. } => bytes.len(),
+            Storage::Interleaved(rows) => rows.bytes(),
         }
     }
 
@@ -58,6 +97,10 @@ impl Matrix {
                 row_bytes,
             } => {
                 dtype.dequantize(&bytes[r * row_bytes..(r + 1) * row_bytes], out);
+                out
+            }
+            Storage::Interleaved(rows) => {
+                rows.dequantize_row(r, out);
                 out
             }
         }
@@ -81,6 +124,11 @@ impl Matrix {
         // columns of `out` itself (see `for_row_runs`).
         let rows_per_task = rows_per_task(n);
         match &self.storage {
+            Storage::Interleaved(interleaved) => {
+                let acts = quantize_rows(x, k, Q8Row::quantize);
+                let acts = interleaved.activations(&acts).expect("activations cover the rows");
+                interleaved_products(interleaved, rows, &acts, out);
+            }
             Storage::Quant {
                 dtype,
                 bytes,
@@ -167,22 +215,23 @@ impl Matrix {
                     }
                 },
             )?),
-            Storage::Quant { dtype, row_bytes, .. } => {
-                fn same(s: &Storage, dtype: GgmlType, row_bytes: usize) -> Option<&Vec<u8>> {
-                    match s {
-                        Storage::Quant {
-                            dtype: d,
-                            bytes,
-                            row_bytes: rb,
-                        } if *d == dtype && *rb == row_bytes => Some(bytes),
-                        _ => None,
+            Storage::Quant { .. } | Storage::Interleaved(_) => {
+                let mut stacked: Option<(GgmlType, Vec<u8>, usize)> = None;
+                for part in parts {
+                    let Some((dtype, bytes, row_bytes)) = part.storage.gguf_rows() else {
+                        return Err("matrices of different storage types".into());
+                    };
+                    let (_, all, _) = stacked.get_or_insert_with(|| (dtype, Vec::new(), row_bytes));
+                    all.extend_from_slice(&bytes);
+                    if stacked
+                        .as_ref()
+                        .is_some_and(|(d, _, rb)| (*d, *rb) != (dtype, row_bytes))
+                    {
+                        return Err("matrices of different storage types".into());
                     }
                 }
-                Storage::Quant {
-                    dtype: *dtype,
-                    bytes: collect(parts, |s| same(s, *dtype, *row_bytes))?,
-                    row_bytes: *row_bytes,
-                }
+                let (dtype, bytes, row_bytes) = stacked.expect("at least one part");
+                Storage::block_rows(dtype, bytes, row_bytes)
             }
         };
         Ok(Matrix { rows, cols, storage })
@@ -198,15 +247,10 @@ impl Matrix {
         let storage = match &self.storage {
             Storage::F32(v) => Storage::F32(gather_rows(v, self.cols, &picked)),
             Storage::Bf16(v) => Storage::Bf16(gather_rows(v, self.cols, &picked)),
-            Storage::Quant {
-                dtype,
-                bytes,
-                row_bytes,
-            } => Storage::Quant {
-                dtype: *dtype,
-                bytes: gather_rows(bytes, *row_bytes, &picked),
-                row_bytes: *row_bytes,
-            },
+            Storage::Quant { .. } | Storage::Interleaved(_) => {
+                let (dtype, bytes, row_bytes) = self.storage.gguf_rows().expect("block storage");
+                Storage::block_rows(dtype, gather_rows(&bytes, row_bytes, &picked), row_bytes)
+            }
         };
         Ok(Matrix {
             rows: self.rows / group * len,
@@ -225,7 +269,7 @@ impl Matrix {
         let storage = match &self.storage {
             Storage::F32(v) => Storage::F32(order().map(|i| v[i]).collect()),
             Storage::Bf16(v) => Storage::Bf16(order().map(|i| v[i]).collect()),
-            Storage::Quant { .. } => {
+            Storage::Quant { .. } | Storage::Interleaved(_) => {
                 let mut row = vec![0f32; cols];
                 let widened: Vec<f32> = (0..self.rows)
                     .flat_map(|r| self.row_f32(r, &mut row).to_vec())
@@ -281,6 +325,30 @@ fn collect<'a, T: Clone + 'a>(
         out.extend_from_slice(pick(&p.storage).ok_or("matrices of different storage types")?);
     }
     Ok(out)
+}
+
+/// `out[t, n − rows.start] = acts[t] · W[n]` for `n` in `rows`, over interleaved rows: parallel
+/// runs of whole groups (a run's first and last group may lie partly outside `rows`; their
+/// other rows are computed and dropped), each run writing its own columns of `out`.
+fn interleaved_products(w: &InterleavedRows, rows: std::ops::Range<usize>, acts: &Activations, out: &mut [f32]) {
+    let n = rows.len();
+    let kernel = Int8Kernel::detected();
+    let groups = rows.start / GROUP..rows.end.div_ceil(GROUP);
+    let groups_per_task = rows_per_task(n).div_ceil(GROUP);
+    let columns = OutColumns(out.as_mut_ptr());
+    let tasks = groups.len().div_ceil(groups_per_task);
+    (0..tasks).into_par_iter().for_each_init(Vec::new, |scratch, task| {
+        let first = groups.start + task * groups_per_task;
+        let end = (first + groups_per_task).min(groups.end);
+        let run = (first * GROUP).max(rows.start)..(end * GROUP).min(rows.end);
+        let offset = run.start - rows.start;
+        w.products(run, acts, kernel, scratch, |t, r, value| {
+            // SAFETY: t < tokens and offset + r < n, so the index is inside `out`; runs
+            // cover disjoint rows, so no two tasks write the same element, and `out` is
+            // borrowed mutably for the whole call.
+            unsafe { columns.write(t * n + offset + r, value) }
+        });
+    });
 }
 
 /// Each of `x`'s rows of `k` quantized by `quantize`: many rows are worth spreading over the

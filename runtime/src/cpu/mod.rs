@@ -901,7 +901,7 @@ fn prepare_int8_heads(
         if let Op::Int8BoundTopK { .. } = node.op {
             let w = node.inputs[1];
             let full = match weights[w.0].as_deref() {
-                Some(CpuWeight::Matrix(m)) if !matches!(m.storage, Storage::Quant { .. }) => m,
+                Some(CpuWeight::Matrix(m)) if !m.storage.is_block_quantized() => m,
                 _ => {
                     return Err(RuntimeError::Graph(format!(
                         "int8_bound_top_k %{i} needs a full-precision (f32/bf16) head"
@@ -994,11 +994,7 @@ fn load_weight(graph: &Graph, i: usize, source: &WeightSource) -> Result<CpuWeig
                     view.dtype.name()
                 )));
             }
-            Storage::Quant {
-                dtype: view.dtype,
-                bytes: view.bytes.to_vec(),
-                row_bytes: view.row_bytes(),
-            }
+            Storage::block_rows(view.dtype, view.bytes.to_vec(), view.row_bytes())
         }
     };
     Ok(CpuWeight::Matrix(Matrix { rows, cols, storage }))
