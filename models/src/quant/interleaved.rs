@@ -226,9 +226,8 @@ impl InterleavedRows {
         let mut bias_sum = Vec::with_capacity(acts.len() * blocks);
         for a in acts {
             for b in 0..blocks {
-                let qsum = a.sum16[2 * b] + a.sum16[2 * b + 1];
-                dsum.push(a.d[b] * qsum as f32);
-                bias_sum.push(-self.layout.bias * qsum);
+                dsum.push(a.dsum(b));
+                bias_sum.push(-self.layout.bias * a.qsum(b));
             }
         }
         Some(Activations {
@@ -808,7 +807,10 @@ mod tests {
                 .map(|(&w, &q)| w as i32 * q as i32)
                 .sum();
             main = (isum as f32).mul_add(unpacked.scale[b] * act.d[b], main);
-            let qsum = act.sum16[2 * b] + act.sum16[2 * b + 1];
+            let qsum: i32 = act.q[b * ACT_BLOCK..(b + 1) * ACT_BLOCK]
+                .iter()
+                .map(|&q| q as i32)
+                .sum();
             mins = (-unpacked.min[b]).mul_add(act.d[b] * qsum as f32, mins);
         }
         if has_min {

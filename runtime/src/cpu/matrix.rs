@@ -6,12 +6,13 @@
 //! prefill reads the weights once per step and decode is a pass over the weights. Quantized
 //! weights take the integer path instead: activations quantized to int8 once per step (per 32
 //! elements, or per 256-element super-block for K-quant rows), each weight row dotted with them
-//! in integers (ggml's scheme): straight off its packed blocks, decoded once per row for many
-//! tokens, or unpacked on CPUs without the vector kernels.
+//! in integers (ggml's scheme). The 32-weight block formats are kept as interleaved rows
+//! (`models::quant::interleaved`: sixteen rows advance together in one register), K-quant rows
+//! as they come (each dotted per super-block, or unpacked on CPUs without the vector kernels).
 
 use super::simd;
 use half::bf16;
-use models::quant::int8::{self, Int8Kernel, Q8Row, UnpackedRow, ACT_BLOCK};
+use models::quant::int8::{Int8Kernel, Q8Row, UnpackedRow, ACT_BLOCK};
 use models::quant::int8_superblock::{DecodedSuper, Q8KRow, SuperblockDot, SUPER};
 use models::quant::interleaved::{Activations, InterleavedRows, GROUP};
 use models::quant::GgmlType;
@@ -154,27 +155,17 @@ impl Matrix {
                 bytes,
                 row_bytes,
             } if k % ACT_BLOCK == 0 => {
+                // K-quant rows the super-block kernel does not take (no AVX2, or rows not
+                // whole super-blocks): each row unpacked once for every token, its (row, token)
+                // products the same whatever the step's token count.
                 let acts = quantize_rows(x, k, Q8Row::quantize);
-                let packed = int8::PackedDot::new(*dtype, *row_bytes, &acts);
-                for_row_runs(
-                    out,
-                    n,
-                    tokens,
-                    rows_per_task,
-                    |(unpacked, decoded): &mut (UnpackedRow, Vec<u8>), r, dst| {
-                        let r = base + r;
-                        let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
-                        // Dot the packed blocks directly where a kernel exists, else unpack the row
-                        // once for every token. Either way a (row, token) product is computed the
-                        // same whatever the step's token count: chunked prefill, decode and
-                        // recomputation after preemption give bit-identical logits.
-                        if let Some(packed) = packed {
-                            return packed.run_with(row, &acts, dst, decoded);
-                        }
-                        unpacked.unpack(*dtype, row).expect("quantized storage");
-                        unpacked.dot_many(&acts, dst);
-                    },
-                );
+                for_row_runs(out, n, tokens, rows_per_task, |unpacked: &mut UnpackedRow, r, dst| {
+                    let r = base + r;
+                    unpacked
+                        .unpack(*dtype, &bytes[r * row_bytes..(r + 1) * row_bytes])
+                        .expect("quantized storage");
+                    unpacked.dot_many(&acts, dst);
+                });
             }
             _ => for_row_runs(out, n, tokens, rows_per_task, |row_buf: &mut Vec<f32>, r, dst| {
                 row_buf.resize(k, 0.0);
@@ -221,14 +212,12 @@ impl Matrix {
                     let Some((dtype, bytes, row_bytes)) = part.storage.gguf_rows() else {
                         return Err("matrices of different storage types".into());
                     };
-                    let (_, all, _) = stacked.get_or_insert_with(|| (dtype, Vec::new(), row_bytes));
-                    all.extend_from_slice(&bytes);
-                    if stacked
-                        .as_ref()
-                        .is_some_and(|(d, _, rb)| (*d, *rb) != (dtype, row_bytes))
-                    {
+                    let (first_dtype, all, first_row_bytes) =
+                        stacked.get_or_insert_with(|| (dtype, Vec::new(), row_bytes));
+                    if (*first_dtype, *first_row_bytes) != (dtype, row_bytes) {
                         return Err("matrices of different storage types".into());
                     }
+                    all.extend_from_slice(&bytes);
                 }
                 let (dtype, bytes, row_bytes) = stacked.expect("at least one part");
                 Storage::block_rows(dtype, bytes, row_bytes)
@@ -460,6 +449,88 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `rows` rows of `cols` Q5_1 weights: random quants, finite scales and minimums.
+    fn q5_1_rows(rows: usize, cols: usize) -> Vec<u8> {
+        let row_bytes = cols / 32 * 24;
+        let mut bytes: Vec<u8> = (0..rows * row_bytes)
+            .map(|i| ((i * 2654435761usize) >> 9) as u8)
+            .collect();
+        for (i, block) in bytes.chunks_exact_mut(24).enumerate() {
+            block[0..2].copy_from_slice(&half::f16::from_f32(0.01 * (1 + i % 5) as f32).to_le_bytes());
+            block[2..4].copy_from_slice(&half::f16::from_f32(-0.02 * (1 + i % 3) as f32).to_le_bytes());
+        }
+        bytes
+    }
+
+    fn interleaved(rows: usize, cols: usize) -> Matrix {
+        let storage = Storage::block_rows(GgmlType::Q5_1, q5_1_rows(rows, cols), cols / 32 * 24);
+        assert!(matches!(storage, Storage::Interleaved(_)) && storage.is_block_quantized());
+        Matrix { rows, cols, storage }
+    }
+
+    /// Over interleaved rows a (row, token) product is the same number however many tokens
+    /// share the step and whichever rows are asked for (parallel runs, groups cut by the
+    /// range), and close to the f32 product of the dequantized rows.
+    #[test]
+    fn interleaved_products_do_not_depend_on_the_step() {
+        let (n, k) = (70, 96);
+        let m = interleaved(n, k);
+        let x: Vec<f32> = (0..40 * k).map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0).collect();
+        let mut all = vec![f32::NAN; 40 * n];
+        m.matmul(&x, 40, &mut all);
+        for t in [0, 3, 39] {
+            let mut one = vec![f32::NAN; n];
+            m.matmul(&x[t * k..(t + 1) * k], 1, &mut one);
+            assert_eq!(one, all[t * n..(t + 1) * n], "token {t} alone");
+        }
+        let rows = 13..61;
+        let mut some = vec![f32::NAN; 5 * rows.len()];
+        m.matmul_rows(rows.clone(), &x[..5 * k], 5, &mut some);
+        for t in 0..5 {
+            assert_eq!(
+                some[t * rows.len()..(t + 1) * rows.len()],
+                all[t * n + rows.start..t * n + rows.end]
+            );
+        }
+        let mut dequantized = vec![0f32; n * k];
+        for (r, row) in dequantized.chunks_exact_mut(k).enumerate() {
+            m.row_f32(r, &mut vec![0f32; k])
+                .iter()
+                .zip(row)
+                .for_each(|(v, o)| *o = *v);
+        }
+        let (mut want, mut magnitude) = (vec![0f32; 40 * n], vec![0f32; 40 * n]);
+        ir::reference::ops::matmul(&x, &dequantized, k, &mut want);
+        let abs = |v: &[f32]| v.iter().map(|a| a.abs()).collect::<Vec<_>>();
+        ir::reference::ops::matmul(&abs(&x), &abs(&dequantized), k, &mut magnitude);
+        for ((g, w), m) in all.iter().zip(&want).zip(&magnitude) {
+            // The activations' int8 rounding: at most half a step (1/254 of a block's largest
+            // value) per element.
+            assert!((g - w).abs() <= 0.01 * m, "{g} vs {w} (magnitude {m})");
+        }
+    }
+
+    /// Stacking and picking rows of interleaved matrices keeps each row's bytes.
+    #[test]
+    fn interleaved_rows_stack_and_slice_whole() {
+        let (a, b) = (interleaved(20, 64), interleaved(7, 64));
+        let stacked = Matrix::stack_rows(&[&a, &b]).unwrap();
+        assert_eq!(stacked.rows, 27);
+        let row = |m: &Matrix, r: usize| m.row_f32(r, &mut vec![0f32; 64]).to_vec();
+        assert_eq!(row(&stacked, 3), row(&a, 3));
+        assert_eq!(row(&stacked, 25), row(&b, 5));
+        let picked = stacked.row_group_slice(9, 2, 3).unwrap();
+        assert_eq!(picked.rows, 9);
+        assert_eq!(row(&picked, 4), row(&stacked, 9 + 3));
+        assert!(matches!(picked.storage, Storage::Interleaved(_)));
+        let other = Matrix {
+            rows: 1,
+            cols: 64,
+            storage: Storage::F32(vec![0.0; 64]),
+        };
+        assert!(Matrix::stack_rows(&[&a, &other]).is_err());
     }
 
     /// Picked rows with each group's block transposed are the reference's, in f32 and bf16
