@@ -111,7 +111,7 @@ fn smollm2_native_agrees_with_llama_cpp() {
     }
 }
 
-/// Gemma 3's native path (its Q5_0 and Q8_0 blocks dotted by the packed kernel with
+/// Gemma 3's native path (its Q5_0 and Q8_0 blocks dotted over interleaved rows with
 /// activations quantized per 32, its Q4_K and Q6_K blocks per 256-weight super-block) against transformers on the same file,
 /// teacher-forced on the reference's greedy tokens: wherever the reference's best two logits
 /// are at least 0.5 apart (more than activation rounding can move them), our greedy choice is

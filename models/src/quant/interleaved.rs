@@ -256,15 +256,15 @@ impl InterleavedRows {
         }
     }
 
-    /// [`group_products`](Self::group_products) for the rows `rows` only, into `out`
-    /// (`[tokens, out_stride]`, row `r` at column `r − rows.start + column`).
+    /// [`group_products`](Self::group_products) for the rows `rows` only: `write(t, i, values)`
+    /// gives token `t`'s products with rows `rows.start + i ..` (a group's rows within `rows`).
     pub fn products(
         &self,
         rows: Range<usize>,
         acts: &Activations,
         kernel: Int8Kernel,
         scratch: &mut Vec<f32>,
-        mut write: impl FnMut(usize, usize, f32),
+        mut write: impl FnMut(usize, usize, &[f32]),
     ) {
         let tokens = acts.acts.len();
         scratch.resize(tokens * GROUP, 0.0);
@@ -273,9 +273,8 @@ impl InterleavedRows {
             let first = (group * GROUP).max(rows.start);
             let end = ((group + 1) * GROUP).min(rows.end);
             for t in 0..tokens {
-                for row in first..end {
-                    write(t, row - rows.start, scratch[t * GROUP + row - group * GROUP]);
-                }
+                let lanes = t * GROUP + first - group * GROUP..t * GROUP + end - group * GROUP;
+                write(t, first - rows.start, &scratch[lanes]);
             }
         }
     }
@@ -896,8 +895,9 @@ mod tests {
         let range = 5..35;
         let mut out = vec![f32::NAN; 3 * range.len()];
         let kernel = Int8Kernel::detected();
-        m.products(range.clone(), &prepared, kernel, &mut Vec::new(), |t, r, v| {
-            out[t * range.len() + r] = v
+        m.products(range.clone(), &prepared, kernel, &mut Vec::new(), |t, r, values| {
+            let at = t * range.len() + r;
+            out[at..at + values.len()].copy_from_slice(values)
         });
         for (t, act) in acts.iter().enumerate() {
             for (i, row) in range.clone().enumerate() {

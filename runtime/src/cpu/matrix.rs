@@ -331,11 +331,11 @@ fn interleaved_products(w: &InterleavedRows, rows: std::ops::Range<usize>, acts:
         let end = (first + groups_per_task).min(groups.end);
         let run = (first * GROUP).max(rows.start)..(end * GROUP).min(rows.end);
         let offset = run.start - rows.start;
-        w.products(run, acts, kernel, scratch, |t, r, value| {
-            // SAFETY: t < tokens and offset + r < n, so the index is inside `out`; runs
-            // cover disjoint rows, so no two tasks write the same element, and `out` is
-            // borrowed mutably for the whole call.
-            unsafe { columns.write(t * n + offset + r, value) }
+        w.products(run, acts, kernel, scratch, |t, r, values| {
+            // SAFETY: t < tokens and offset + r + values.len() ≤ n (the values are rows of
+            // `rows`), so the elements are inside `out`; runs cover disjoint rows, so no two
+            // tasks write the same element, and `out` is borrowed mutably for the whole call.
+            unsafe { columns.write_all(t * n + offset + r, values) }
         });
     });
 }
@@ -411,6 +411,14 @@ impl OutColumns {
     unsafe fn write(&self, at: usize, value: f32) {
         // SAFETY: as the caller promises.
         unsafe { *self.0.add(at) = value };
+    }
+
+    /// # Safety
+    /// `at..at + values.len()` is inside `out`, and no other task writes it.
+    unsafe fn write_all(&self, at: usize, values: &[f32]) {
+        // SAFETY: as the caller promises (`values` is another task's or local memory, never
+        // `out`'s: tasks only write `out`).
+        unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), self.0.add(at), values.len()) };
     }
 }
 

@@ -24,7 +24,12 @@ fn dot_body<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
     for i in chunks * LANES..n {
         acc[i % LANES] += a[i] * b[i];
     }
-    // Pairwise reduction: a fixed order, so results are deterministic.
+    reduce(acc)
+}
+
+/// Pairwise reduction: a fixed order, so results are deterministic.
+#[inline(always)]
+fn reduce(mut acc: [f32; LANES]) -> f32 {
     let mut width = LANES / 2;
     while width > 0 {
         for i in 0..width {
@@ -106,6 +111,98 @@ unsafe fn axpys_avx2(alphas: &[f32], rows: &[&[f32]], y: &mut [f32]) {
     axpys_body::<true>(alphas, rows, y)
 }
 
+/// `dots` for `G` vectors, each 16-element chunk of a row loaded once for all of them. Written
+/// with intrinsics (LLVM keeps `G` sets of [`dot_body`]'s accumulators on the stack otherwise):
+/// lane `i` of a vector's two registers is `dot_body`'s `acc[i]`, the same FMA chain, then
+/// `dot_body`'s tail and reduction.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots_many_avx2<const G: usize>(a: &[&[f32]; G], rows: &[&[f32]], out: &mut [&mut [f32]; G]) {
+    use std::arch::x86_64::*;
+    let len = a[0].len();
+    assert!(a.iter().all(|v| v.len() == len), "vectors of one length");
+    for (r, b) in rows.iter().enumerate() {
+        let n = len.min(b.len());
+        let chunks = n / LANES;
+        let mut acc = [[_mm256_setzero_ps(); 2]; G];
+        for c in 0..chunks {
+            // SAFETY: (c + 1)·LANES ≤ n, within `b` and every vector.
+            unsafe {
+                let at = c * LANES;
+                let y = [
+                    _mm256_loadu_ps(b.as_ptr().add(at)),
+                    _mm256_loadu_ps(b.as_ptr().add(at + 8)),
+                ];
+                for g in 0..G {
+                    let x = a[g].as_ptr().add(at);
+                    acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x), y[0], acc[g][0]);
+                    acc[g][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x.add(8)), y[1], acc[g][1]);
+                }
+            }
+        }
+        for g in 0..G {
+            let mut lanes = [0f32; LANES];
+            // SAFETY: `lanes` holds two registers' floats.
+            unsafe {
+                _mm256_storeu_ps(lanes.as_mut_ptr(), acc[g][0]);
+                _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[g][1]);
+            }
+            for i in chunks * LANES..n {
+                lanes[i % LANES] += a[g][i] * b[i];
+            }
+            out[g][r] = reduce(lanes);
+        }
+    }
+}
+
+/// `axpys` for `G` outputs, each 16-element chunk of a row loaded once for all of them and
+/// each output's chunk held in two registers across the rows: every element sees
+/// [`axpy_body`]'s FMAs in row order (intrinsics for the reason `dots_many_avx2` gives).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn axpys_many_avx2<const G: usize>(alphas: &[&[f32]; G], rows: &[&[f32]], y: &mut [&mut [f32]; G]) {
+    use std::arch::x86_64::*;
+    let len = y[0].len();
+    assert!(y.iter().all(|y| y.len() == len), "outputs of one length");
+    assert!(alphas.iter().all(|a| a.len() >= rows.len()), "a weight per row");
+    if rows.iter().any(|row| row.len() < len) {
+        for (y, alphas) in y.iter_mut().zip(alphas) {
+            axpys_body::<true>(alphas, rows, y);
+        }
+        return;
+    }
+    const CHUNK: usize = 16;
+    let whole = len / CHUNK * CHUNK;
+    for at in (0..whole).step_by(CHUNK) {
+        // SAFETY: at + CHUNK ≤ len, within every output and (checked above) every row.
+        unsafe {
+            let mut acc: [[__m256; 2]; G] = std::array::from_fn(|g| {
+                let p = y[g].as_ptr().add(at);
+                [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]
+            });
+            for (r, row) in rows.iter().enumerate() {
+                let p = row.as_ptr().add(at);
+                let x = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))];
+                for g in 0..G {
+                    let alpha = _mm256_set1_ps(*alphas[g].get_unchecked(r));
+                    acc[g][0] = _mm256_fmadd_ps(x[0], alpha, acc[g][0]);
+                    acc[g][1] = _mm256_fmadd_ps(x[1], alpha, acc[g][1]);
+                }
+            }
+            for g in 0..G {
+                let p = y[g].as_mut_ptr().add(at);
+                _mm256_storeu_ps(p, acc[g][0]);
+                _mm256_storeu_ps(p.add(8), acc[g][1]);
+            }
+        }
+    }
+    for (y, alphas) in y.iter_mut().zip(alphas) {
+        for (row, &alpha) in rows.iter().zip(alphas.iter()) {
+            axpy_body::<true>(alpha, &row[whole..len], &mut y[whole..]);
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 fn has_avx2_fma() -> bool {
     use std::sync::OnceLock;
@@ -155,6 +252,37 @@ pub fn axpys(alphas: &[f32], rows: &[&[f32]], y: &mut [f32]) {
         return unsafe { axpys_avx2(alphas, rows, y) };
     }
     axpys_body::<false>(alphas, rows, y)
+}
+
+/// The most vectors the many-vector forms take in one call: their accumulators then fill half
+/// the 16 vector registers.
+pub const MANY: usize = 4;
+
+/// `out[g][r] = dot(a[g], rows[r])`, bit for bit, for `G` vectors of one length (the query
+/// heads sharing a KV head), each cache row read once for all of them.
+#[inline]
+pub fn dots_many<const G: usize>(a: &[&[f32]; G], rows: &[&[f32]], out: &mut [&mut [f32]; G]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: as in `dot`.
+        return unsafe { dots_many_avx2::<G>(a, rows, out) };
+    }
+    for (a, out) in a.iter().zip(out.iter_mut()) {
+        dots_body::<false>(a, rows, out);
+    }
+}
+
+/// `axpys(alphas[g], rows, y[g])` for each `g`, bit for bit, each row read once for all.
+#[inline]
+pub fn axpys_many<const G: usize>(alphas: &[&[f32]; G], rows: &[&[f32]], y: &mut [&mut [f32]; G]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2_fma() {
+        // SAFETY: as in `dot`.
+        return unsafe { axpys_many_avx2::<G>(alphas, rows, y) };
+    }
+    for (alphas, y) in alphas.iter().zip(y.iter_mut()) {
+        axpys_body::<false>(alphas, rows, y);
+    }
 }
 
 /// `Σ a[i]·b[i]` of int8 vectors in i32 (exact for lengths below 2¹⁷).
@@ -254,6 +382,49 @@ mod tests {
                 .zip(&alphas)
                 .for_each(|(r, &alpha)| axpy(alpha, r, &mut want));
             assert_eq!(bits(&got), bits(&want), "axpys, n = {n}");
+        }
+    }
+
+    /// The many-vector forms give each vector exactly its `dots` / `axpys` result, at ragged
+    /// lengths (a partial register chunk, a tail past the last 16) and row counts.
+    #[test]
+    fn many_vector_forms_equal_the_one_vector_forms_bit_for_bit() {
+        for (n, count) in [(64, 9), (256, 4), (17, 3), (100, 6), (1, 1), (40, 0)] {
+            let vector =
+                |g: usize| -> Vec<f32> { (0..n).map(|i| ((i * 37 + g * 5) % 11) as f32 * 0.137 - 0.6).collect() };
+            let a = [vector(0), vector(1), vector(2)];
+            let a: [&[f32]; 3] = [&a[0], &a[1], &a[2]];
+            let rows: Vec<Vec<f32>> = (0..count)
+                .map(|r| (0..n).map(|i| ((i * 13 + r * 7) % 23) as f32 * 0.071 - 0.8).collect())
+                .collect();
+            let refs: Vec<&[f32]> = rows.iter().map(Vec::as_slice).collect();
+            let mut got = [vec![0f32; count], vec![0f32; count], vec![0f32; count]];
+            let [g0, g1, g2] = &mut got;
+            dots_many(&a, &refs, &mut [g0.as_mut_slice(), g1, g2]);
+            for (g, got) in got.iter().enumerate() {
+                let mut want = vec![0f32; count];
+                dots(a[g], &refs, &mut want);
+                assert_eq!(bits(got), bits(&want), "dots_many, n = {n}, vector {g}");
+            }
+            let alphas: Vec<Vec<f32>> = (0..3)
+                .map(|g| (0..count).map(|r| 0.3 + (r + g) as f32 * 0.11).collect())
+                .collect();
+            let alphas: [&[f32]; 3] = [&alphas[0], &alphas[1], &alphas[2]];
+            let mut got = [vector(3), vector(4), vector(5)];
+            let want: Vec<Vec<f32>> = got
+                .iter()
+                .zip(alphas)
+                .map(|(y, alphas)| {
+                    let mut y = y.clone();
+                    axpys(alphas, &refs, &mut y);
+                    y
+                })
+                .collect();
+            let [y0, y1, y2] = &mut got;
+            axpys_many(&alphas, &refs, &mut [y0.as_mut_slice(), y1, y2]);
+            for g in 0..3 {
+                assert_eq!(bits(&got[g]), bits(&want[g]), "axpys_many, n = {n}, vector {g}");
+            }
         }
     }
 
