@@ -7,6 +7,7 @@
 pub mod int8;
 pub mod int8_superblock;
 pub mod interleaved;
+pub mod interleaved_k;
 mod q4_0;
 mod q4_1;
 mod q4_k;

@@ -14,7 +14,8 @@ use super::simd;
 use half::bf16;
 use models::quant::int8::{Int8Kernel, Q8Row, UnpackedRow, ACT_BLOCK};
 use models::quant::int8_superblock::{DecodedSuper, Q8KRow, SuperblockDot, SUPER};
-use models::quant::interleaved::{Activations, InterleavedRows, GROUP};
+use models::quant::interleaved::{InterleavedRows, GROUP};
+use models::quant::interleaved_k::InterleavedQ4K;
 use models::quant::GgmlType;
 use rayon::prelude::*;
 use std::borrow::Cow;
@@ -30,19 +31,27 @@ pub enum Storage {
     },
     /// A 32-weight block format with its rows interleaved for the int8 kernels.
     Interleaved(InterleavedRows),
+    /// Q4_K rows interleaved for the int8 kernels.
+    InterleavedQ4K(InterleavedQ4K),
 }
 
 impl Storage {
     /// GGUF rows of `row_bytes` each: interleaved where the format has that layout, else as
     /// they come.
     pub fn block_rows(dtype: GgmlType, bytes: Vec<u8>, row_bytes: usize) -> Self {
-        match InterleavedRows::new(dtype, &bytes, row_bytes) {
-            Some(rows) => Storage::Interleaved(rows),
-            None => Storage::Quant {
-                dtype,
-                bytes,
-                row_bytes,
-            },
+        if let Some(rows) = InterleavedRows::new(dtype, &bytes, row_bytes) {
+            return Storage::Interleaved(rows);
+        }
+        if let Some(rows) = (dtype == GgmlType::Q4K)
+            .then(|| InterleavedQ4K::new(&bytes, row_bytes))
+            .flatten()
+        {
+            return Storage::InterleavedQ4K(rows);
+        }
+        Storage::Quant {
+            dtype,
+            bytes,
+            row_bytes,
         }
     }
 
@@ -55,13 +64,17 @@ impl Storage {
                 row_bytes,
             } => Some((*dtype, Cow::Borrowed(bytes), *row_bytes)),
             Storage::Interleaved(rows) => Some((rows.dtype(), Cow::Owned(rows.gguf_bytes()), rows.row_bytes())),
+            Storage::InterleavedQ4K(rows) => Some((GgmlType::Q4K, Cow::Owned(rows.gguf_bytes()), rows.row_bytes())),
             _ => None,
         }
     }
 
     /// Whether it holds GGUF blocks (in either layout).
     pub fn is_block_quantized(&self) -> bool {
-        matches!(self, Storage::Quant { .. } | Storage::Interleaved(_))
+        matches!(
+            self,
+            Storage::Quant { .. } | Storage::Interleaved(_) | Storage::InterleavedQ4K(_)
+        )
     }
 }
 
@@ -78,6 +91,7 @@ impl Matrix {
             Storage::Bf16(v) => v.len() * 2,
             Storage::Quant { bytes, .. } => bytes.len(),
             Storage::Interleaved(rows) => rows.bytes(),
+            Storage::InterleavedQ4K(rows) => rows.bytes(),
         }
     }
 
@@ -101,6 +115,10 @@ impl Matrix {
                 out
             }
             Storage::Interleaved(rows) => {
+                rows.dequantize_row(r, out);
+                out
+            }
+            Storage::InterleavedQ4K(rows) => {
                 rows.dequantize_row(r, out);
                 out
             }
@@ -128,7 +146,16 @@ impl Matrix {
             Storage::Interleaved(interleaved) => {
                 let acts = quantize_rows(x, k, Q8Row::quantize);
                 let acts = interleaved.activations(&acts).expect("activations cover the rows");
-                interleaved_products(interleaved, rows, &acts, out);
+                interleaved_products(rows, out, |run, kernel, scratch, write| {
+                    interleaved.products(run, &acts, kernel, scratch, write)
+                });
+            }
+            Storage::InterleavedQ4K(interleaved) => {
+                let acts = quantize_rows(x, k, Q8KRow::quantize);
+                let acts = interleaved.activations(&acts).expect("activations cover the rows");
+                interleaved_products(rows, out, |run, kernel, scratch, write| {
+                    interleaved.products(run, &acts, kernel, scratch, write)
+                });
             }
             Storage::Quant {
                 dtype,
@@ -206,7 +233,7 @@ impl Matrix {
                     }
                 },
             )?),
-            Storage::Quant { .. } | Storage::Interleaved(_) => {
+            Storage::Quant { .. } | Storage::Interleaved(_) | Storage::InterleavedQ4K(_) => {
                 let mut stacked: Option<(GgmlType, Vec<u8>, usize)> = None;
                 for part in parts {
                     let Some((dtype, bytes, row_bytes)) = part.storage.gguf_rows() else {
@@ -236,7 +263,7 @@ impl Matrix {
         let storage = match &self.storage {
             Storage::F32(v) => Storage::F32(gather_rows(v, self.cols, &picked)),
             Storage::Bf16(v) => Storage::Bf16(gather_rows(v, self.cols, &picked)),
-            Storage::Quant { .. } | Storage::Interleaved(_) => {
+            Storage::Quant { .. } | Storage::Interleaved(_) | Storage::InterleavedQ4K(_) => {
                 let (dtype, bytes, row_bytes) = self.storage.gguf_rows().expect("block storage");
                 Storage::block_rows(dtype, gather_rows(&bytes, row_bytes, &picked), row_bytes)
             }
@@ -258,7 +285,7 @@ impl Matrix {
         let storage = match &self.storage {
             Storage::F32(v) => Storage::F32(order().map(|i| v[i]).collect()),
             Storage::Bf16(v) => Storage::Bf16(order().map(|i| v[i]).collect()),
-            Storage::Quant { .. } | Storage::Interleaved(_) => {
+            Storage::Quant { .. } | Storage::Interleaved(_) | Storage::InterleavedQ4K(_) => {
                 let mut row = vec![0f32; cols];
                 let widened: Vec<f32> = (0..self.rows)
                     .flat_map(|r| self.row_f32(r, &mut row).to_vec())
@@ -319,7 +346,11 @@ fn collect<'a, T: Clone + 'a>(
 /// `out[t, n − rows.start] = acts[t] · W[n]` for `n` in `rows`, over interleaved rows: parallel
 /// runs of whole groups (a run's first and last group may lie partly outside `rows`; their
 /// other rows are computed and dropped), each run writing its own columns of `out`.
-fn interleaved_products(w: &InterleavedRows, rows: std::ops::Range<usize>, acts: &Activations, out: &mut [f32]) {
+fn interleaved_products(
+    rows: std::ops::Range<usize>,
+    out: &mut [f32],
+    products: impl Fn(std::ops::Range<usize>, Int8Kernel, &mut Vec<f32>, &mut dyn FnMut(usize, usize, &[f32])) + Sync,
+) {
     let n = rows.len();
     let kernel = Int8Kernel::detected();
     let groups = rows.start / GROUP..rows.end.div_ceil(GROUP);
@@ -331,7 +362,7 @@ fn interleaved_products(w: &InterleavedRows, rows: std::ops::Range<usize>, acts:
         let end = (first + groups_per_task).min(groups.end);
         let run = (first * GROUP).max(rows.start)..(end * GROUP).min(rows.end);
         let offset = run.start - rows.start;
-        w.products(run, acts, kernel, scratch, |t, r, values| {
+        products(run, kernel, scratch, &mut |t, r, values| {
             // SAFETY: t < tokens and offset + r + values.len() ≤ n (the values are rows of
             // `rows`), so the elements are inside `out`; runs cover disjoint rows, so no two
             // tasks write the same element, and `out` is borrowed mutably for the whole call.
@@ -459,23 +490,31 @@ mod tests {
         }
     }
 
-    /// `rows` rows of `cols` Q5_1 weights: random quants, finite scales and minimums.
-    fn q5_1_rows(rows: usize, cols: usize) -> Vec<u8> {
-        let row_bytes = cols / 32 * 24;
-        let mut bytes: Vec<u8> = (0..rows * row_bytes)
+    /// `rows` rows of `cols` weights of `dtype` (Q5_1 or Q4_K): random quants, finite scales
+    /// and minimums (both formats keep them in their first four bytes).
+    fn block_rows(dtype: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+        let (elements, bytes) = dtype.block_layout();
+        let row_bytes = cols / elements * bytes;
+        let mut data: Vec<u8> = (0..rows * row_bytes)
             .map(|i| ((i * 2654435761usize) >> 9) as u8)
             .collect();
-        for (i, block) in bytes.chunks_exact_mut(24).enumerate() {
+        for (i, block) in data.chunks_exact_mut(bytes).enumerate() {
             block[0..2].copy_from_slice(&half::f16::from_f32(0.01 * (1 + i % 5) as f32).to_le_bytes());
-            block[2..4].copy_from_slice(&half::f16::from_f32(-0.02 * (1 + i % 3) as f32).to_le_bytes());
+            block[2..4].copy_from_slice(&half::f16::from_f32(0.02 * (1 + i % 3) as f32).to_le_bytes());
         }
-        bytes
+        data
+    }
+
+    fn interleaved_as(dtype: GgmlType, rows: usize, cols: usize) -> Matrix {
+        let (elements, bytes) = dtype.block_layout();
+        let storage = Storage::block_rows(dtype, block_rows(dtype, rows, cols), cols / elements * bytes);
+        assert!(matches!(storage, Storage::Interleaved(_) | Storage::InterleavedQ4K(_)));
+        assert!(storage.is_block_quantized());
+        Matrix { rows, cols, storage }
     }
 
     fn interleaved(rows: usize, cols: usize) -> Matrix {
-        let storage = Storage::block_rows(GgmlType::Q5_1, q5_1_rows(rows, cols), cols / 32 * 24);
-        assert!(matches!(storage, Storage::Interleaved(_)) && storage.is_block_quantized());
-        Matrix { rows, cols, storage }
+        interleaved_as(GgmlType::Q5_1, rows, cols)
     }
 
     /// Over interleaved rows a (row, token) product is the same number however many tokens
@@ -483,8 +522,13 @@ mod tests {
     /// range), and close to the f32 product of the dequantized rows.
     #[test]
     fn interleaved_products_do_not_depend_on_the_step() {
-        let (n, k) = (70, 96);
-        let m = interleaved(n, k);
+        for (dtype, k) in [(GgmlType::Q5_1, 96), (GgmlType::Q4K, 512)] {
+            products_do_not_depend_on_the_step(interleaved_as(dtype, 70, k));
+        }
+    }
+
+    fn products_do_not_depend_on_the_step(m: Matrix) {
+        let (n, k) = (m.rows, m.cols);
         let x: Vec<f32> = (0..40 * k).map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0).collect();
         let mut all = vec![f32::NAN; 40 * n];
         m.matmul(&x, 40, &mut all);

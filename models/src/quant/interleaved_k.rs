@@ -1,0 +1,580 @@
+//! Q4_K rows regrouped for matmuls as [`super::interleaved`] regroups the 32-weight formats:
+//! [`GROUP`] rows interleaved so that a `vpdpbusd` against four broadcast activation bytes
+//! advances sixteen rows' sub-block sums at once, each lane ending a sub-block with its row's
+//! exact integer sum.
+//!
+//! The arithmetic, per (row, token) and super-block in order, with activations quantized per
+//! 256 ([`Q8KRow`], ggml's `q8_K`): `total = Σ_j sc_j·Σ_{i∈j} u_i·qx_i` and
+//! `mins = Σ_j m_j·Σ_{i∈j} qx_i` exactly in integers (`j` the eight 32-weight sub-blocks, `u`
+//! the nibbles, `sc`/`m` their 6-bit scale and minimum), then `main = fma(total, d·dx, main)`
+//! and `low = fma(mins, dmin·dx, low)` (each integer rounded to f32 once), the result
+//! `main − low`. Every kernel runs those operations lane by lane: the same bits on every CPU,
+//! whatever the number of tokens computed together.
+//!
+//! Layout, per group of sixteen rows and per super-block (rows past the matrix are zeros): the
+//! nibbles as `[chunk 0..32][row][byte 0..4]` (byte `k` of a row's chunk `c` is the block's
+//! `qs[4c + k]`: low nibble weight `64·(c/8) + 4·(c%8) + k` of sub-block `2·(c/8)`, high nibble
+//! the same place 32 weights on, in sub-block `2·(c/8) + 1`); the scales and the minimums as
+//! `[sub-block][row]` bytes; the rows' `d` and `dmin` as stored (f16); the rows' twelve packed
+//! scale bytes as stored, so the GGUF block comes back exactly.
+
+use super::int8::Int8Kernel;
+use super::int8_superblock::{Q8KRow, SUPER};
+use super::q4_k::scale_min_k4;
+use std::ops::Range;
+
+pub use super::interleaved::GROUP;
+
+const BLOCK_BYTES: usize = 144;
+const NIBBLES: usize = 32 * 64;
+const SCALES_AT: usize = NIBBLES;
+const MINS_AT: usize = SCALES_AT + 8 * GROUP;
+const D_AT: usize = MINS_AT + 8 * GROUP;
+const DMIN_AT: usize = D_AT + 2 * GROUP;
+const PACKED_SCALES_AT: usize = DMIN_AT + 2 * GROUP;
+/// Bytes of one group's super-block.
+const GROUP_BLOCK: usize = PACKED_SCALES_AT + 12 * GROUP;
+
+/// A Q4_K matrix, interleaved by [`GROUP`] rows.
+#[derive(Debug, Clone)]
+pub struct InterleavedQ4K {
+    rows: usize,
+    /// Super-blocks per row.
+    supers: usize,
+    data: Vec<u8>,
+}
+
+impl InterleavedQ4K {
+    /// Rows of `row_bytes` Q4_K bytes each; `None` for bytes that are not whole super-blocks.
+    pub fn new(bytes: &[u8], row_bytes: usize) -> Option<Self> {
+        if row_bytes == 0 || !row_bytes.is_multiple_of(BLOCK_BYTES) || !bytes.len().is_multiple_of(row_bytes) {
+            return None;
+        }
+        let (rows, supers) = (bytes.len() / row_bytes, row_bytes / BLOCK_BYTES);
+        let mut data = vec![0u8; rows.div_ceil(GROUP) * supers * GROUP_BLOCK];
+        for row in 0..rows {
+            for s in 0..supers {
+                let at = row * row_bytes + s * BLOCK_BYTES;
+                let place = ((row / GROUP) * supers + s) * GROUP_BLOCK;
+                interleave(
+                    &bytes[at..at + BLOCK_BYTES],
+                    row % GROUP,
+                    &mut data[place..place + GROUP_BLOCK],
+                );
+            }
+        }
+        Some(Self { rows, supers, data })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.supers * SUPER
+    }
+
+    pub fn row_bytes(&self) -> usize {
+        self.supers * BLOCK_BYTES
+    }
+
+    /// Bytes held (padding rows included).
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    pub fn groups(&self) -> usize {
+        self.rows.div_ceil(GROUP)
+    }
+
+    fn group_block(&self, group: usize, s: usize) -> &[u8] {
+        let at = (group * self.supers + s) * GROUP_BLOCK;
+        &self.data[at..at + GROUP_BLOCK]
+    }
+
+    /// Row `row` as its Q4_K bytes, exactly those it was made from.
+    pub fn gguf_row(&self, row: usize, out: &mut [u8]) {
+        assert!(row < self.rows && out.len() == self.row_bytes());
+        for (s, block) in out.chunks_exact_mut(BLOCK_BYTES).enumerate() {
+            gguf_block(self.group_block(row / GROUP, s), row % GROUP, block);
+        }
+    }
+
+    /// Every row's Q4_K bytes, in order.
+    pub fn gguf_bytes(&self) -> Vec<u8> {
+        let mut out = vec![0u8; self.rows * self.row_bytes()];
+        for (row, dst) in out.chunks_exact_mut(self.row_bytes()).enumerate() {
+            self.gguf_row(row, dst);
+        }
+        out
+    }
+
+    /// Row `row` dequantized as Q4_K's own dequantization gives it.
+    pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
+        let mut block = [0u8; BLOCK_BYTES];
+        for (s, dst) in out.chunks_exact_mut(SUPER).enumerate().take(self.supers) {
+            gguf_block(self.group_block(row / GROUP, s), row % GROUP, &mut block);
+            super::GgmlType::Q4K.dequantize(&block, dst);
+        }
+    }
+
+    /// The activations of one matmul as the kernels read them; `None` where one does not cover
+    /// a row.
+    pub fn activations<'a>(&self, acts: &'a [Q8KRow]) -> Option<SuperActivations<'a>> {
+        let supers = self.supers;
+        let covers = |a: &Q8KRow| a.q.len() >= supers * SUPER && a.d.len() >= supers && a.sums16.len() >= 16 * supers;
+        if !acts.iter().all(covers) {
+            return None;
+        }
+        let sub_sums = acts
+            .iter()
+            .flat_map(|a| (0..8 * supers).map(|j| a.sums16[2 * j] as i32 + a.sums16[2 * j + 1] as i32))
+            .collect();
+        Some(SuperActivations { acts, supers, sub_sums })
+    }
+
+    /// `out[t·GROUP + i] = row (GROUP·group + i) · acts[t]` for every token (rows past the
+    /// matrix give 0); `kernel` one this CPU runs.
+    pub fn group_products(&self, group: usize, acts: &SuperActivations, out: &mut [f32], kernel: Int8Kernel) {
+        assert!(group < self.groups(), "group {group} of {}", self.groups());
+        assert_eq!(acts.supers, self.supers, "activations of other rows");
+        assert_eq!(out.len(), acts.acts.len() * GROUP);
+        let data = &self.data[group * self.supers * GROUP_BLOCK..(group + 1) * self.supers * GROUP_BLOCK];
+        let mut t0 = 0;
+        while t0 < acts.acts.len() {
+            let n = (acts.acts.len() - t0).min(TILE);
+            let dst = &mut out[t0 * GROUP..(t0 + n) * GROUP];
+            match n {
+                1 => tile::<1>(data, self.supers, acts, t0, dst, kernel),
+                2 => tile::<2>(data, self.supers, acts, t0, dst, kernel),
+                3 => tile::<3>(data, self.supers, acts, t0, dst, kernel),
+                _ => tile::<TILE>(data, self.supers, acts, t0, dst, kernel),
+            }
+            t0 += n;
+        }
+    }
+
+    /// [`group_products`](Self::group_products) for the rows `rows` only: `write(t, i, values)`
+    /// gives token `t`'s products with rows `rows.start + i ..` (a group's rows within `rows`).
+    pub fn products(
+        &self,
+        rows: Range<usize>,
+        acts: &SuperActivations,
+        kernel: Int8Kernel,
+        scratch: &mut Vec<f32>,
+        mut write: impl FnMut(usize, usize, &[f32]),
+    ) {
+        let tokens = acts.acts.len();
+        scratch.resize(tokens * GROUP, 0.0);
+        for group in rows.start / GROUP..rows.end.div_ceil(GROUP) {
+            self.group_products(group, acts, scratch, kernel);
+            let first = (group * GROUP).max(rows.start);
+            let end = ((group + 1) * GROUP).min(rows.end);
+            for t in 0..tokens {
+                let lanes = t * GROUP + first - group * GROUP..t * GROUP + end - group * GROUP;
+                write(t, first - rows.start, &scratch[lanes]);
+            }
+        }
+    }
+}
+
+/// Put one row's Q4_K block into lane `lane` of its group's super-block `out`.
+fn interleave(block: &[u8], lane: usize, out: &mut [u8]) {
+    let scales = &block[4..16];
+    for chunk in 0..32 {
+        let at = chunk * 64 + lane * 4;
+        out[at..at + 4].copy_from_slice(&block[16 + 4 * chunk..16 + 4 * chunk + 4]);
+    }
+    for j in 0..8 {
+        let (sc, m) = scale_min_k4(j, scales);
+        out[SCALES_AT + j * GROUP + lane] = sc;
+        out[MINS_AT + j * GROUP + lane] = m;
+    }
+    out[D_AT + 2 * lane..D_AT + 2 * lane + 2].copy_from_slice(&block[0..2]);
+    out[DMIN_AT + 2 * lane..DMIN_AT + 2 * lane + 2].copy_from_slice(&block[2..4]);
+    out[PACKED_SCALES_AT + 12 * lane..PACKED_SCALES_AT + 12 * lane + 12].copy_from_slice(scales);
+}
+
+/// Lane `lane` of a group's super-block back as its Q4_K block.
+fn gguf_block(group_block: &[u8], lane: usize, block: &mut [u8]) {
+    block[0..2].copy_from_slice(&group_block[D_AT + 2 * lane..D_AT + 2 * lane + 2]);
+    block[2..4].copy_from_slice(&group_block[DMIN_AT + 2 * lane..DMIN_AT + 2 * lane + 2]);
+    block[4..16].copy_from_slice(&group_block[PACKED_SCALES_AT + 12 * lane..PACKED_SCALES_AT + 12 * lane + 12]);
+    for chunk in 0..32 {
+        let at = chunk * 64 + lane * 4;
+        block[16 + 4 * chunk..16 + 4 * chunk + 4].copy_from_slice(&group_block[at..at + 4]);
+    }
+}
+
+/// One matmul's activations, with each sub-block's `Σ qx` as an i32.
+pub struct SuperActivations<'a> {
+    acts: &'a [Q8KRow],
+    supers: usize,
+    sub_sums: Vec<i32>,
+}
+
+/// A token as a kernel reads it, unchecked: each pointer covers the rows' super-blocks.
+#[derive(Clone, Copy)]
+struct Token {
+    q: *const i8,
+    d: *const f32,
+    sub_sums: *const i32,
+}
+
+impl SuperActivations<'_> {
+    fn token(&self, t: usize) -> Token {
+        let a = &self.acts[t];
+        Token {
+            q: a.q.as_ptr(),
+            d: a.d.as_ptr(),
+            sub_sums: self.sub_sums[t * 8 * self.supers..].as_ptr(),
+        }
+    }
+}
+
+/// Tokens per pass over a group's weights.
+const TILE: usize = 4;
+
+fn tile<const T: usize>(
+    data: &[u8],
+    supers: usize,
+    acts: &SuperActivations,
+    t0: usize,
+    out: &mut [f32],
+    kernel: Int8Kernel,
+) {
+    let tokens: [Token; T] = std::array::from_fn(|t| acts.token(t0 + t));
+    let out: &mut [[f32; GROUP]; T] = out.as_chunks_mut().0.try_into().expect("a tile's outputs");
+    // SAFETY: `data` is one group's super-blocks, every token covers `supers` super-blocks
+    // (`activations` checked), and `kernel` is one the CPU runs.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        match kernel {
+            Int8Kernel::Avx512 => return x86::tile_avx512::<T>(data.as_ptr(), supers, tokens, out),
+            Int8Kernel::Avx2 | Int8Kernel::AvxVnni => return x86::tile_avx2::<T>(data.as_ptr(), supers, tokens, out),
+            Int8Kernel::Portable => {}
+        }
+    }
+    let _ = kernel;
+    // SAFETY: as above.
+    unsafe { tile_portable::<T>(data.as_ptr(), supers, tokens, out) }
+}
+
+/// The portable kernel: every lane's operations one by one, as the vector kernels run them.
+///
+/// # Safety
+/// As [`tile`]'s callers promise.
+unsafe fn tile_portable<const T: usize>(
+    data: *const u8,
+    supers: usize,
+    tokens: [Token; T],
+    out: &mut [[f32; GROUP]; T],
+) {
+    // SAFETY (callers): two bytes are readable at `at`.
+    let f16 = |at: *const u8| half::f16::from_bits(unsafe { std::ptr::read_unaligned(at as *const u16) }).to_f32();
+    for (token, out) in tokens.iter().zip(out.iter_mut()) {
+        for (lane, result) in out.iter_mut().enumerate() {
+            let (mut main, mut low) = (0f32, 0f32);
+            for s in 0..supers {
+                // SAFETY: super-block `s` of the group and the token's super-block `s` are
+                // readable.
+                unsafe {
+                    let block = data.add(s * GROUP_BLOCK);
+                    let q = token.q.add(s * SUPER);
+                    let (mut total, mut mins) = (0i32, 0i32);
+                    for j in 0..8 {
+                        let mut isum = 0i32;
+                        for l in 0..32 {
+                            let chunk = 8 * (j / 2) + l / 4;
+                            let byte = *block.add(chunk * 64 + lane * 4 + l % 4);
+                            let u = if j % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+                            isum += u as i32 * *q.add(32 * j + l) as i32;
+                        }
+                        total += *block.add(SCALES_AT + j * GROUP + lane) as i32 * isum;
+                        mins += *block.add(MINS_AT + j * GROUP + lane) as i32 * *token.sub_sums.add(8 * s + j);
+                    }
+                    let dx = *token.d.add(s);
+                    main = (total as f32).mul_add(f16(block.add(D_AT + 2 * lane)) * dx, main);
+                    low = (mins as f32).mul_add(f16(block.add(DMIN_AT + 2 * lane)) * dx, low);
+                }
+            }
+            *result = main - low;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Token, DMIN_AT, D_AT, GROUP, GROUP_BLOCK, MINS_AT, SCALES_AT, SUPER};
+    use std::arch::x86_64::*;
+
+    /// Four activation bytes (`q[at..at + 4]`) as one i32, to broadcast.
+    #[inline(always)]
+    unsafe fn quad(token: &Token, at: usize) -> i32 {
+        // SAFETY (caller): the token holds the bytes.
+        unsafe { std::ptr::read_unaligned(token.q.add(at) as *const i32) }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn tile_avx512<const T: usize>(
+        data: *const u8,
+        supers: usize,
+        tokens: [Token; T],
+        out: &mut [[f32; GROUP]; T],
+    ) {
+        let low4 = _mm512_set1_epi8(0x0F);
+        let mut main = [_mm512_setzero_ps(); T];
+        let mut low = [_mm512_setzero_ps(); T];
+        for s in 0..supers {
+            // SAFETY: super-block `s` of the group and each token's super-block `s` are
+            // readable (the caller's promise).
+            unsafe {
+                let block = data.add(s * GROUP_BLOCK);
+                let q0 = s * SUPER;
+                let mut total = [_mm512_setzero_si512(); T];
+                for pair in 0..4 {
+                    let mut even = [_mm512_setzero_si512(); T];
+                    let mut odd = [_mm512_setzero_si512(); T];
+                    for c in 0..8 {
+                        let raw = _mm512_loadu_si512(block.add(64 * (8 * pair + c)) as *const _);
+                        let lo = _mm512_and_si512(raw, low4);
+                        let hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                        for t in 0..T {
+                            let at = q0 + 64 * pair + 4 * c;
+                            even[t] = _mm512_dpbusd_epi32(even[t], lo, _mm512_set1_epi32(quad(&tokens[t], at)));
+                            odd[t] = _mm512_dpbusd_epi32(odd[t], hi, _mm512_set1_epi32(quad(&tokens[t], at + 32)));
+                        }
+                    }
+                    let scale = |j: usize| {
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128(block.add(SCALES_AT + j * GROUP) as *const __m128i))
+                    };
+                    let (sc_even, sc_odd) = (scale(2 * pair), scale(2 * pair + 1));
+                    for t in 0..T {
+                        let scaled =
+                            _mm512_add_epi32(_mm512_mullo_epi32(even[t], sc_even), _mm512_mullo_epi32(odd[t], sc_odd));
+                        total[t] = _mm512_add_epi32(total[t], scaled);
+                    }
+                }
+                let mut mins = [_mm512_setzero_si512(); T];
+                for j in 0..8 {
+                    let m = _mm512_cvtepu8_epi32(_mm_loadu_si128(block.add(MINS_AT + j * GROUP) as *const __m128i));
+                    for t in 0..T {
+                        let sums = _mm512_set1_epi32(*tokens[t].sub_sums.add(8 * s + j));
+                        mins[t] = _mm512_add_epi32(mins[t], _mm512_mullo_epi32(m, sums));
+                    }
+                }
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(D_AT) as *const __m256i));
+                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(DMIN_AT) as *const __m256i));
+                for t in 0..T {
+                    let dx = _mm512_set1_ps(*tokens[t].d.add(s));
+                    main[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[t]), _mm512_mul_ps(d, dx), main[t]);
+                    low[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[t]), _mm512_mul_ps(dmin, dx), low[t]);
+                }
+            }
+        }
+        for t in 0..T {
+            // SAFETY: token t's sixteen outputs.
+            unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), _mm512_sub_ps(main[t], low[t])) };
+        }
+    }
+
+    /// AVX2: the group as two halves of eight rows; `pmaddubsw` then `pmaddwd` by ones sum
+    /// four nibble products a lane exactly (a pair is at most 2·15·127).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn tile_avx2<const T: usize>(
+        data: *const u8,
+        supers: usize,
+        tokens: [Token; T],
+        out: &mut [[f32; GROUP]; T],
+    ) {
+        for half in 0..2 {
+            // SAFETY: as the caller promises.
+            unsafe { half_tile::<T>(data, supers, &tokens, out, half) }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn half_tile<const T: usize>(
+        data: *const u8,
+        supers: usize,
+        tokens: &[Token; T],
+        out: &mut [[f32; GROUP]; T],
+        half: usize,
+    ) {
+        let lanes = 32 * half;
+        let rows = 8 * half;
+        let low4 = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let dot = |acc: __m256i, u: __m256i, qx: __m256i| {
+            _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, qx), ones))
+        };
+        let mut main = [_mm256_setzero_ps(); T];
+        let mut low = [_mm256_setzero_ps(); T];
+        for s in 0..supers {
+            // SAFETY: as in `tile_avx512`, for this half's bytes.
+            unsafe {
+                let block = data.add(s * GROUP_BLOCK);
+                let q0 = s * SUPER;
+                let mut total = [_mm256_setzero_si256(); T];
+                for pair in 0..4 {
+                    let mut even = [_mm256_setzero_si256(); T];
+                    let mut odd = [_mm256_setzero_si256(); T];
+                    for c in 0..8 {
+                        let raw = _mm256_loadu_si256(block.add(64 * (8 * pair + c) + lanes) as *const __m256i);
+                        let lo = _mm256_and_si256(raw, low4);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                        for t in 0..T {
+                            let at = q0 + 64 * pair + 4 * c;
+                            even[t] = dot(even[t], lo, _mm256_set1_epi32(quad(&tokens[t], at)));
+                            odd[t] = dot(odd[t], hi, _mm256_set1_epi32(quad(&tokens[t], at + 32)));
+                        }
+                    }
+                    let scale = |j: usize| {
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                            block.add(SCALES_AT + j * GROUP + rows) as *const __m128i
+                        ))
+                    };
+                    let (sc_even, sc_odd) = (scale(2 * pair), scale(2 * pair + 1));
+                    for t in 0..T {
+                        let scaled =
+                            _mm256_add_epi32(_mm256_mullo_epi32(even[t], sc_even), _mm256_mullo_epi32(odd[t], sc_odd));
+                        total[t] = _mm256_add_epi32(total[t], scaled);
+                    }
+                }
+                let mut mins = [_mm256_setzero_si256(); T];
+                for j in 0..8 {
+                    let at = block.add(MINS_AT + j * GROUP + rows);
+                    let m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(at as *const __m128i));
+                    for t in 0..T {
+                        let sums = _mm256_set1_epi32(*tokens[t].sub_sums.add(8 * s + j));
+                        mins[t] = _mm256_add_epi32(mins[t], _mm256_mullo_epi32(m, sums));
+                    }
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(D_AT + 2 * rows) as *const __m128i));
+                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(block.add(DMIN_AT + 2 * rows) as *const __m128i));
+                for t in 0..T {
+                    let dx = _mm256_set1_ps(*tokens[t].d.add(s));
+                    main[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[t]), _mm256_mul_ps(d, dx), main[t]);
+                    low[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[t]), _mm256_mul_ps(dmin, dx), low[t]);
+                }
+            }
+        }
+        for t in 0..T {
+            // SAFETY: token t's eight outputs of this half.
+            unsafe { _mm256_storeu_ps(out[t].as_mut_ptr().add(rows), _mm256_sub_ps(main[t], low[t])) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::GgmlType;
+
+    /// `rows` rows of `supers` valid Q4_K blocks: random nibbles and scale bytes (every 6-bit
+    /// scale and minimum), finite `d` and `dmin` differing from block to block.
+    fn matrix(rows: usize, supers: usize, seed: usize) -> Vec<u8> {
+        let mut data: Vec<u8> = (0..rows * supers * BLOCK_BYTES)
+            .map(|i| (((i + seed) * 2654435761usize) >> 11) as u8)
+            .collect();
+        let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes();
+        for (i, b) in data.chunks_exact_mut(BLOCK_BYTES).enumerate() {
+            b[0..2].copy_from_slice(&f16(0.001 * (1 + (i * 7 + seed) % 11) as f32));
+            b[2..4].copy_from_slice(&f16(0.002 * (1 + (i * 5) % 7) as f32));
+        }
+        data
+    }
+
+    fn activations(tokens: usize, cols: usize) -> Vec<Q8KRow> {
+        (0..tokens)
+            .map(|t| {
+                let x: Vec<f32> = (0..cols)
+                    .map(|i| (((i * 31 + t * 977) % 41) as f32 - 20.0) / (3.0 + t as f32))
+                    .collect();
+                Q8KRow::quantize(&x)
+            })
+            .collect()
+    }
+
+    /// The module's arithmetic written from the Q4_K block itself (its nibbles and
+    /// `scale_min_k4`), not from the interleaved layout.
+    fn reference(row: &[u8], act: &Q8KRow) -> f32 {
+        let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        let (mut main, mut low) = (0f32, 0f32);
+        for (s, block) in row.chunks_exact(BLOCK_BYTES).enumerate() {
+            let (mut total, mut mins) = (0i32, 0i32);
+            for j in 0..8 {
+                let (sc, m) = scale_min_k4(j, &block[4..16]);
+                let qs = &block[16 + 32 * (j / 2)..16 + 32 * (j / 2) + 32];
+                let q = &act.q[s * SUPER + 32 * j..s * SUPER + 32 * j + 32];
+                let isum: i32 = qs
+                    .iter()
+                    .zip(q)
+                    .map(|(&b, &x)| (if j % 2 == 0 { b & 0x0F } else { b >> 4 }) as i32 * x as i32)
+                    .sum();
+                let qsum: i32 = q.iter().map(|&x| x as i32).sum();
+                total += sc as i32 * isum;
+                mins += m as i32 * qsum;
+            }
+            main = (total as f32).mul_add(f16(&block[0..2]) * act.d[s], main);
+            low = (mins as f32).mul_add(f16(&block[2..4]) * act.d[s], low);
+        }
+        main - low
+    }
+
+    #[test]
+    fn interleaving_loses_nothing() {
+        let (rows, supers) = (19, 2);
+        let bytes = matrix(rows, supers, 1);
+        let row_bytes = supers * BLOCK_BYTES;
+        let m = InterleavedQ4K::new(&bytes, row_bytes).unwrap();
+        assert_eq!((m.rows(), m.cols(), m.groups()), (rows, 512, 2));
+        assert_eq!(m.gguf_bytes(), bytes);
+        let (mut got, mut want) = (vec![0f32; 512], vec![0f32; 512]);
+        for r in [0, 15, 18] {
+            m.dequantize_row(r, &mut got);
+            GgmlType::Q4K.dequantize(&bytes[r * row_bytes..(r + 1) * row_bytes], &mut want);
+            assert_eq!(got, want, "row {r}");
+        }
+        assert!(InterleavedQ4K::new(&[0; 150], 150).is_none(), "not whole super-blocks");
+    }
+
+    /// Every kernel this CPU runs gives the reference's bits for every (row, token), whatever
+    /// the tokens sharing a pass, and 0 for padding rows.
+    #[test]
+    fn every_kernel_gives_the_reference_bits() {
+        let (rows, supers) = (21, 3);
+        let bytes = matrix(rows, supers, 3);
+        let row_bytes = supers * BLOCK_BYTES;
+        let m = InterleavedQ4K::new(&bytes, row_bytes).unwrap();
+        for tokens in [1, 2, 3, 4, 5, 9] {
+            let acts = activations(tokens, m.cols());
+            let prepared = m.activations(&acts).unwrap();
+            for kernel in Int8Kernel::available() {
+                let mut out = vec![f32::NAN; tokens * GROUP];
+                for group in 0..m.groups() {
+                    m.group_products(group, &prepared, &mut out, kernel);
+                    for (t, act) in acts.iter().enumerate() {
+                        for lane in 0..GROUP {
+                            let row = group * GROUP + lane;
+                            let want = match row < rows {
+                                true => reference(&bytes[row * row_bytes..(row + 1) * row_bytes], act),
+                                false => 0.0,
+                            };
+                            let got = out[t * GROUP + lane];
+                            assert_eq!(
+                                got.to_bits(),
+                                want.to_bits(),
+                                "{kernel:?}: row {row}, token {t} of {tokens}: {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        assert!(
+            m.activations(&activations(1, 256)).is_none(),
+            "activations shorter than the rows"
+        );
+    }
+}
