@@ -1,69 +1,154 @@
-//! Q4_K rows regrouped for matmuls as [`super::interleaved`] regroups the 32-weight formats:
-//! [`GROUP`] rows interleaved so that a `vpdpbusd` against four broadcast activation bytes
-//! advances sixteen rows' sub-block sums at once, each lane ending a sub-block with its row's
-//! exact integer sum.
+//! K-quant rows (Q4_K, Q6_K) regrouped for matmuls as [`super::interleaved`] regroups the
+//! 32-weight formats: [`GROUP`] rows interleaved so that a `vpdpbusd` against four broadcast
+//! activation bytes advances sixteen rows' sub-block sums at once, each lane ending a sub-block
+//! with its row's exact integer sum.
 //!
 //! The arithmetic, per (row, token) and super-block in order, with activations quantized per
-//! 256 ([`Q8KRow`], ggml's `q8_K`): `total = Σ_j sc_j·Σ_{i∈j} u_i·qx_i` and
-//! `mins = Σ_j m_j·Σ_{i∈j} qx_i` exactly in integers (`j` the eight 32-weight sub-blocks, `u`
-//! the nibbles, `sc`/`m` their 6-bit scale and minimum), then `main = fma(total, d·dx, main)`
-//! and `low = fma(mins, dmin·dx, low)` (each integer rounded to f32 once), the result
-//! `main − low`. Every kernel runs those operations lane by lane: the same bits on every CPU,
-//! whatever the number of tokens computed together.
+//! 256 ([`Q8KRow`], ggml's `q8_K`), `u` the stored unsigned weights:
+//! - Q4_K: `total = Σ_j sc_j·Σ_{i∈j} u_i·qx_i` and `mins = Σ_j m_j·Σ_{i∈j} qx_i` exactly in
+//!   integers (`j` the eight 32-weight sub-blocks, `sc`/`m` their 6-bit scale and minimum), then
+//!   `main = fma(total, d·dx, main)` and `low = fma(mins, dmin·dx, low)` (each integer rounded
+//!   to f32 once); the result `main − low`.
+//! - Q6_K: `total = Σ_g sc_g·Σ_{i∈g} (u_i − 32)·qx_i` exactly (`g` the sixteen 16-weight
+//!   sub-blocks, `sc` their int8 scale), then `main = fma(total, d·dx, main)`; the result `main`.
 //!
-//! Layout, per group of sixteen rows and per super-block (rows past the matrix are zeros): the
-//! nibbles as `[chunk 0..32][row][byte 0..4]` (byte `k` of a row's chunk `c` is the block's
-//! `qs[4c + k]`: low nibble weight `64·(c/8) + 4·(c%8) + k` of sub-block `2·(c/8)`, high nibble
-//! the same place 32 weights on, in sub-block `2·(c/8) + 1`); the scales and the minimums as
-//! `[sub-block][row]` bytes; the rows' `d` and `dmin` as stored (f16); the rows' twelve packed
-//! scale bytes as stored, so the GGUF block comes back exactly.
+//! Every kernel runs those operations lane by lane: the same bits on every CPU, whatever the
+//! number of tokens computed together.
+//!
+//! Layout, per group of sixteen rows and per super-block (rows past the matrix are zeros):
+//! - Q4_K: the nibbles as `[chunk 0..32][row][byte 0..4]` (byte `k` of a row's chunk `c` is
+//!   the block's `qs[4c + k]`: low nibble weight `64·(c/8) + 4·(c%8) + k` of sub-block
+//!   `2·(c/8)`, high nibble the same place 32 weights on, in sub-block `2·(c/8) + 1`); the
+//!   scales and the minimums as `[sub-block][row]` bytes; the rows' `d` and `dmin` (f16, as
+//!   stored); the rows' twelve packed scale bytes as stored, so the block comes back exactly.
+//! - Q6_K: the six-bit weights as bytes, `[quad 0..64][row][byte 0..4]` (weight `4·quad + k`);
+//!   the scales as `[sub-block][row]` int8; the rows' `d` (f16). `ql`/`qh` come back from the
+//!   weights exactly.
 
 use super::int8::Int8Kernel;
 use super::int8_superblock::{Q8KRow, SUPER};
 use super::q4_k::scale_min_k4;
+use super::GgmlType;
 use std::ops::Range;
 
 pub use super::interleaved::GROUP;
 
-const BLOCK_BYTES: usize = 144;
-const NIBBLES: usize = 32 * 64;
-const SCALES_AT: usize = NIBBLES;
-const MINS_AT: usize = SCALES_AT + 8 * GROUP;
-const D_AT: usize = MINS_AT + 8 * GROUP;
-const DMIN_AT: usize = D_AT + 2 * GROUP;
-const PACKED_SCALES_AT: usize = DMIN_AT + 2 * GROUP;
-/// Bytes of one group's super-block.
-const GROUP_BLOCK: usize = PACKED_SCALES_AT + 12 * GROUP;
+/// Where each part of a Q4_K group's super-block starts, and its size.
+mod q4k {
+    use super::GROUP;
+    pub const BLOCK_BYTES: usize = 144;
+    pub const SCALES_AT: usize = 32 * 64;
+    pub const MINS_AT: usize = SCALES_AT + 8 * GROUP;
+    pub const D_AT: usize = MINS_AT + 8 * GROUP;
+    pub const DMIN_AT: usize = D_AT + 2 * GROUP;
+    pub const PACKED_SCALES_AT: usize = DMIN_AT + 2 * GROUP;
+    pub const GROUP_BLOCK: usize = PACKED_SCALES_AT + 12 * GROUP;
+}
 
-/// A Q4_K matrix, interleaved by [`GROUP`] rows.
+/// Where each part of a Q6_K group's super-block starts, and its size.
+mod q6k {
+    use super::GROUP;
+    pub const BLOCK_BYTES: usize = 210;
+    pub const SCALES_AT: usize = 64 * 64;
+    pub const D_AT: usize = SCALES_AT + 16 * GROUP;
+    pub const GROUP_BLOCK: usize = D_AT + 2 * GROUP;
+}
+
+/// The K-quant formats with an interleaved layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Format {
+    Q4K,
+    Q6K,
+}
+
+impl Format {
+    fn of(dtype: GgmlType) -> Option<Self> {
+        match dtype {
+            GgmlType::Q4K => Some(Self::Q4K),
+            GgmlType::Q6K => Some(Self::Q6K),
+            _ => None,
+        }
+    }
+
+    fn dtype(self) -> GgmlType {
+        match self {
+            Self::Q4K => GgmlType::Q4K,
+            Self::Q6K => GgmlType::Q6K,
+        }
+    }
+
+    fn block_bytes(self) -> usize {
+        match self {
+            Self::Q4K => q4k::BLOCK_BYTES,
+            Self::Q6K => q6k::BLOCK_BYTES,
+        }
+    }
+
+    fn group_block(self) -> usize {
+        match self {
+            Self::Q4K => q4k::GROUP_BLOCK,
+            Self::Q6K => q6k::GROUP_BLOCK,
+        }
+    }
+
+    fn interleave(self, block: &[u8], lane: usize, out: &mut [u8]) {
+        match self {
+            Self::Q4K => interleave_q4k(block, lane, out),
+            Self::Q6K => interleave_q6k(block, lane, out),
+        }
+    }
+
+    fn gguf_block(self, group_block: &[u8], lane: usize, block: &mut [u8]) {
+        match self {
+            Self::Q4K => gguf_block_q4k(group_block, lane, block),
+            Self::Q6K => gguf_block_q6k(group_block, lane, block),
+        }
+    }
+}
+
+/// A K-quant matrix, interleaved by [`GROUP`] rows.
 #[derive(Debug, Clone)]
-pub struct InterleavedQ4K {
+pub struct InterleavedSuperRows {
+    format: Format,
     rows: usize,
     /// Super-blocks per row.
     supers: usize,
     data: Vec<u8>,
 }
 
-impl InterleavedQ4K {
-    /// Rows of `row_bytes` Q4_K bytes each; `None` for bytes that are not whole super-blocks.
-    pub fn new(bytes: &[u8], row_bytes: usize) -> Option<Self> {
-        if row_bytes == 0 || !row_bytes.is_multiple_of(BLOCK_BYTES) || !bytes.len().is_multiple_of(row_bytes) {
+impl InterleavedSuperRows {
+    /// Rows of `row_bytes` GGUF bytes each; `None` for a format without an interleaved layout
+    /// or bytes that are not whole super-blocks.
+    pub fn new(dtype: GgmlType, bytes: &[u8], row_bytes: usize) -> Option<Self> {
+        let format = Format::of(dtype)?;
+        let block_bytes = format.block_bytes();
+        if row_bytes == 0 || !row_bytes.is_multiple_of(block_bytes) || !bytes.len().is_multiple_of(row_bytes) {
             return None;
         }
-        let (rows, supers) = (bytes.len() / row_bytes, row_bytes / BLOCK_BYTES);
-        let mut data = vec![0u8; rows.div_ceil(GROUP) * supers * GROUP_BLOCK];
+        let (rows, supers) = (bytes.len() / row_bytes, row_bytes / block_bytes);
+        let group_block = format.group_block();
+        let mut data = vec![0u8; rows.div_ceil(GROUP) * supers * group_block];
         for row in 0..rows {
             for s in 0..supers {
-                let at = row * row_bytes + s * BLOCK_BYTES;
-                let place = ((row / GROUP) * supers + s) * GROUP_BLOCK;
-                interleave(
-                    &bytes[at..at + BLOCK_BYTES],
+                let at = row * row_bytes + s * block_bytes;
+                let place = ((row / GROUP) * supers + s) * group_block;
+                format.interleave(
+                    &bytes[at..at + block_bytes],
                     row % GROUP,
-                    &mut data[place..place + GROUP_BLOCK],
+                    &mut data[place..place + group_block],
                 );
             }
         }
-        Some(Self { rows, supers, data })
+        Some(Self {
+            format,
+            rows,
+            supers,
+            data,
+        })
+    }
+
+    pub fn dtype(&self) -> GgmlType {
+        self.format.dtype()
     }
 
     pub fn rows(&self) -> usize {
@@ -75,7 +160,7 @@ impl InterleavedQ4K {
     }
 
     pub fn row_bytes(&self) -> usize {
-        self.supers * BLOCK_BYTES
+        self.supers * self.format.block_bytes()
     }
 
     /// Bytes held (padding rows included).
@@ -88,19 +173,21 @@ impl InterleavedQ4K {
     }
 
     fn group_block(&self, group: usize, s: usize) -> &[u8] {
-        let at = (group * self.supers + s) * GROUP_BLOCK;
-        &self.data[at..at + GROUP_BLOCK]
+        let size = self.format.group_block();
+        let at = (group * self.supers + s) * size;
+        &self.data[at..at + size]
     }
 
-    /// Row `row` as its Q4_K bytes, exactly those it was made from.
+    /// Row `row` as its GGUF bytes, exactly those it was made from.
     pub fn gguf_row(&self, row: usize, out: &mut [u8]) {
         assert!(row < self.rows && out.len() == self.row_bytes());
-        for (s, block) in out.chunks_exact_mut(BLOCK_BYTES).enumerate() {
-            gguf_block(self.group_block(row / GROUP, s), row % GROUP, block);
+        for (s, block) in out.chunks_exact_mut(self.format.block_bytes()).enumerate() {
+            self.format
+                .gguf_block(self.group_block(row / GROUP, s), row % GROUP, block);
         }
     }
 
-    /// Every row's Q4_K bytes, in order.
+    /// Every row's GGUF bytes, in order.
     pub fn gguf_bytes(&self) -> Vec<u8> {
         let mut out = vec![0u8; self.rows * self.row_bytes()];
         for (row, dst) in out.chunks_exact_mut(self.row_bytes()).enumerate() {
@@ -109,12 +196,14 @@ impl InterleavedQ4K {
         out
     }
 
-    /// Row `row` dequantized as Q4_K's own dequantization gives it.
+    /// Row `row` dequantized as the format's own dequantization gives it.
     pub fn dequantize_row(&self, row: usize, out: &mut [f32]) {
-        let mut block = [0u8; BLOCK_BYTES];
+        let mut block = [0u8; q6k::BLOCK_BYTES];
+        let block = &mut block[..self.format.block_bytes()];
         for (s, dst) in out.chunks_exact_mut(SUPER).enumerate().take(self.supers) {
-            gguf_block(self.group_block(row / GROUP, s), row % GROUP, &mut block);
-            super::GgmlType::Q4K.dequantize(&block, dst);
+            self.format
+                .gguf_block(self.group_block(row / GROUP, s), row % GROUP, block);
+            self.format.dtype().dequantize(block, dst);
         }
     }
 
@@ -126,11 +215,24 @@ impl InterleavedQ4K {
         if !acts.iter().all(covers) {
             return None;
         }
-        let sub_sums = acts
-            .iter()
-            .flat_map(|a| (0..8 * supers).map(|j| a.sums16[2 * j] as i32 + a.sums16[2 * j + 1] as i32))
-            .collect();
-        Some(SuperActivations { acts, supers, sub_sums })
+        // Q4_K: each 32-weight sub-block's Σqx (what its minimum multiplies); Q6_K: each
+        // 16-weight sub-block's −32·Σqx (where its sum starts, the weights being stored + 32).
+        let sums = match self.format {
+            Format::Q4K => acts
+                .iter()
+                .flat_map(|a| (0..8 * supers).map(|j| a.sums16[2 * j] as i32 + a.sums16[2 * j + 1] as i32))
+                .collect(),
+            Format::Q6K => acts
+                .iter()
+                .flat_map(|a| a.sums16[..16 * supers].iter().map(|&s| -32 * s as i32))
+                .collect(),
+        };
+        Some(SuperActivations {
+            acts,
+            supers,
+            sums_per_token: sums_per_super(self.format) * supers,
+            sums,
+        })
     }
 
     /// `out[t·GROUP + i] = row (GROUP·group + i) · acts[t]` for every token (rows past the
@@ -138,17 +240,19 @@ impl InterleavedQ4K {
     pub fn group_products(&self, group: usize, acts: &SuperActivations, out: &mut [f32], kernel: Int8Kernel) {
         assert!(group < self.groups(), "group {group} of {}", self.groups());
         assert_eq!(acts.supers, self.supers, "activations of other rows");
+        assert_eq!(acts.sums_per_token, sums_per_super(self.format) * self.supers);
         assert_eq!(out.len(), acts.acts.len() * GROUP);
-        let data = &self.data[group * self.supers * GROUP_BLOCK..(group + 1) * self.supers * GROUP_BLOCK];
+        let size = self.supers * self.format.group_block();
+        let data = &self.data[group * size..(group + 1) * size];
         let mut t0 = 0;
         while t0 < acts.acts.len() {
             let n = (acts.acts.len() - t0).min(TILE);
             let dst = &mut out[t0 * GROUP..(t0 + n) * GROUP];
             match n {
-                1 => tile::<1>(data, self.supers, acts, t0, dst, kernel),
-                2 => tile::<2>(data, self.supers, acts, t0, dst, kernel),
-                3 => tile::<3>(data, self.supers, acts, t0, dst, kernel),
-                _ => tile::<TILE>(data, self.supers, acts, t0, dst, kernel),
+                1 => tile::<1>(self.format, data, self.supers, acts, t0, dst, kernel),
+                2 => tile::<2>(self.format, data, self.supers, acts, t0, dst, kernel),
+                3 => tile::<3>(self.format, data, self.supers, acts, t0, dst, kernel),
+                _ => tile::<TILE>(self.format, data, self.supers, acts, t0, dst, kernel),
             }
             t0 += n;
         }
@@ -178,8 +282,17 @@ impl InterleavedQ4K {
     }
 }
 
+/// Activation sums a kernel reads per super-block: one per sub-block.
+fn sums_per_super(format: Format) -> usize {
+    match format {
+        Format::Q4K => 8,
+        Format::Q6K => 16,
+    }
+}
+
 /// Put one row's Q4_K block into lane `lane` of its group's super-block `out`.
-fn interleave(block: &[u8], lane: usize, out: &mut [u8]) {
+fn interleave_q4k(block: &[u8], lane: usize, out: &mut [u8]) {
+    use q4k::*;
     let scales = &block[4..16];
     for chunk in 0..32 {
         let at = chunk * 64 + lane * 4;
@@ -196,7 +309,8 @@ fn interleave(block: &[u8], lane: usize, out: &mut [u8]) {
 }
 
 /// Lane `lane` of a group's super-block back as its Q4_K block.
-fn gguf_block(group_block: &[u8], lane: usize, block: &mut [u8]) {
+fn gguf_block_q4k(group_block: &[u8], lane: usize, block: &mut [u8]) {
+    use q4k::*;
     block[0..2].copy_from_slice(&group_block[D_AT + 2 * lane..D_AT + 2 * lane + 2]);
     block[2..4].copy_from_slice(&group_block[DMIN_AT + 2 * lane..DMIN_AT + 2 * lane + 2]);
     block[4..16].copy_from_slice(&group_block[PACKED_SCALES_AT + 12 * lane..PACKED_SCALES_AT + 12 * lane + 12]);
@@ -206,11 +320,69 @@ fn gguf_block(group_block: &[u8], lane: usize, block: &mut [u8]) {
     }
 }
 
-/// One matmul's activations, with each sub-block's `Σ qx` as an i32.
+/// A Q6_K block's 256 six-bit weights (ggml's `ql`/`qh` order undone: element order).
+fn q6k_weights(block: &[u8]) -> [u8; SUPER] {
+    let mut u = [0u8; SUPER];
+    for half in 0..2 {
+        let (ql, qh) = (
+            &block[64 * half..64 * half + 64],
+            &block[128 + 32 * half..128 + 32 * half + 32],
+        );
+        let u = &mut u[128 * half..128 * half + 128];
+        for l in 0..32 {
+            u[l] = (ql[l] & 0x0F) | ((qh[l] & 3) << 4);
+            u[l + 32] = (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4);
+            u[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            u[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+    }
+    u
+}
+
+/// Put one row's Q6_K block into lane `lane` of its group's super-block `out`.
+fn interleave_q6k(block: &[u8], lane: usize, out: &mut [u8]) {
+    use q6k::*;
+    let u = q6k_weights(block);
+    for quad in 0..64 {
+        let at = quad * 64 + lane * 4;
+        out[at..at + 4].copy_from_slice(&u[4 * quad..4 * quad + 4]);
+    }
+    for g in 0..16 {
+        out[SCALES_AT + g * GROUP + lane] = block[192 + g];
+    }
+    out[D_AT + 2 * lane..D_AT + 2 * lane + 2].copy_from_slice(&block[208..210]);
+}
+
+/// Lane `lane` of a group's super-block back as its Q6_K block.
+fn gguf_block_q6k(group_block: &[u8], lane: usize, block: &mut [u8]) {
+    use q6k::*;
+    let mut u = [0u8; SUPER];
+    for quad in 0..64 {
+        let at = quad * 64 + lane * 4;
+        u[4 * quad..4 * quad + 4].copy_from_slice(&group_block[at..at + 4]);
+    }
+    for half in 0..2 {
+        let u = &u[128 * half..128 * half + 128];
+        for l in 0..32 {
+            block[64 * half + l] = (u[l] & 0x0F) | ((u[l + 64] & 0x0F) << 4);
+            block[64 * half + l + 32] = (u[l + 32] & 0x0F) | ((u[l + 96] & 0x0F) << 4);
+            block[128 + 32 * half + l] =
+                (u[l] >> 4) | ((u[l + 32] >> 4) << 2) | ((u[l + 64] >> 4) << 4) | ((u[l + 96] >> 4) << 6);
+        }
+    }
+    for g in 0..16 {
+        block[192 + g] = group_block[SCALES_AT + g * GROUP + lane];
+    }
+    block[208..210].copy_from_slice(&group_block[D_AT + 2 * lane..D_AT + 2 * lane + 2]);
+}
+
+/// One matmul's activations, with per token the sums the format's kernel reads (see
+/// [`InterleavedSuperRows::activations`]).
 pub struct SuperActivations<'a> {
     acts: &'a [Q8KRow],
     supers: usize,
-    sub_sums: Vec<i32>,
+    sums_per_token: usize,
+    sums: Vec<i32>,
 }
 
 /// A token as a kernel reads it, unchecked: each pointer covers the rows' super-blocks.
@@ -218,7 +390,7 @@ pub struct SuperActivations<'a> {
 struct Token {
     q: *const i8,
     d: *const f32,
-    sub_sums: *const i32,
+    sums: *const i32,
 }
 
 impl SuperActivations<'_> {
@@ -227,7 +399,7 @@ impl SuperActivations<'_> {
         Token {
             q: a.q.as_ptr(),
             d: a.d.as_ptr(),
-            sub_sums: self.sub_sums[t * 8 * self.supers..].as_ptr(),
+            sums: self.sums[t * self.sums_per_token..].as_ptr(),
         }
     }
 }
@@ -236,6 +408,7 @@ impl SuperActivations<'_> {
 const TILE: usize = 4;
 
 fn tile<const T: usize>(
+    format: Format,
     data: &[u8],
     supers: usize,
     acts: &SuperActivations,
@@ -245,33 +418,52 @@ fn tile<const T: usize>(
 ) {
     let tokens: [Token; T] = std::array::from_fn(|t| acts.token(t0 + t));
     let out: &mut [[f32; GROUP]; T] = out.as_chunks_mut().0.try_into().expect("a tile's outputs");
-    // SAFETY: `data` is one group's super-blocks, every token covers `supers` super-blocks
-    // (`activations` checked), and `kernel` is one the CPU runs.
+    let data = data.as_ptr();
+    // SAFETY: `data` is one group's super-blocks of `format`, every token covers `supers`
+    // super-blocks (`activations` checked), and `kernel` is one the CPU runs.
     #[cfg(target_arch = "x86_64")]
     unsafe {
-        match kernel {
-            Int8Kernel::Avx512 => return x86::tile_avx512::<T>(data.as_ptr(), supers, tokens, out),
-            Int8Kernel::Avx2 | Int8Kernel::AvxVnni => return x86::tile_avx2::<T>(data.as_ptr(), supers, tokens, out),
-            Int8Kernel::Portable => {}
+        match (kernel, format) {
+            (Int8Kernel::Avx512, Format::Q4K) => return x86::q4k_avx512::<T>(data, supers, tokens, out),
+            (Int8Kernel::Avx512, Format::Q6K) => return x86::q6k_avx512::<T>(data, supers, tokens, out),
+            (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q4K) => {
+                return x86::q4k_avx2::<T>(data, supers, tokens, out)
+            }
+            (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q6K) => {
+                return x86::q6k_avx2::<T>(data, supers, tokens, out)
+            }
+            (Int8Kernel::Portable, _) => {}
         }
     }
     let _ = kernel;
     // SAFETY: as above.
-    unsafe { tile_portable::<T>(data.as_ptr(), supers, tokens, out) }
+    unsafe {
+        match format {
+            Format::Q4K => q4k_portable::<T>(data, supers, tokens, out),
+            Format::Q6K => q6k_portable::<T>(data, supers, tokens, out),
+        }
+    }
 }
 
-/// The portable kernel: every lane's operations one by one, as the vector kernels run them.
+/// Bytes `at..at + 2` as an f16, widened.
+///
+/// # Safety
+/// Two bytes are readable at `at`.
+unsafe fn f16_at(at: *const u8) -> f32 {
+    half::f16::from_bits(unsafe { std::ptr::read_unaligned(at as *const u16) }).to_f32()
+}
+
+/// The portable Q4_K kernel: every lane's operations one by one, as the vector kernels run them.
 ///
 /// # Safety
 /// As [`tile`]'s callers promise.
-unsafe fn tile_portable<const T: usize>(
+unsafe fn q4k_portable<const T: usize>(
     data: *const u8,
     supers: usize,
     tokens: [Token; T],
     out: &mut [[f32; GROUP]; T],
 ) {
-    // SAFETY (callers): two bytes are readable at `at`.
-    let f16 = |at: *const u8| half::f16::from_bits(unsafe { std::ptr::read_unaligned(at as *const u16) }).to_f32();
+    use q4k::*;
     for (token, out) in tokens.iter().zip(out.iter_mut()) {
         for (lane, result) in out.iter_mut().enumerate() {
             let (mut main, mut low) = (0f32, 0f32);
@@ -291,11 +483,11 @@ unsafe fn tile_portable<const T: usize>(
                             isum += u as i32 * *q.add(32 * j + l) as i32;
                         }
                         total += *block.add(SCALES_AT + j * GROUP + lane) as i32 * isum;
-                        mins += *block.add(MINS_AT + j * GROUP + lane) as i32 * *token.sub_sums.add(8 * s + j);
+                        mins += *block.add(MINS_AT + j * GROUP + lane) as i32 * *token.sums.add(8 * s + j);
                     }
                     let dx = *token.d.add(s);
-                    main = (total as f32).mul_add(f16(block.add(D_AT + 2 * lane)) * dx, main);
-                    low = (mins as f32).mul_add(f16(block.add(DMIN_AT + 2 * lane)) * dx, low);
+                    main = (total as f32).mul_add(f16_at(block.add(D_AT + 2 * lane)) * dx, main);
+                    low = (mins as f32).mul_add(f16_at(block.add(DMIN_AT + 2 * lane)) * dx, low);
                 }
             }
             *result = main - low;
@@ -303,9 +495,44 @@ unsafe fn tile_portable<const T: usize>(
     }
 }
 
+/// The portable Q6_K kernel.
+///
+/// # Safety
+/// As [`tile`]'s callers promise.
+unsafe fn q6k_portable<const T: usize>(
+    data: *const u8,
+    supers: usize,
+    tokens: [Token; T],
+    out: &mut [[f32; GROUP]; T],
+) {
+    use q6k::*;
+    for (token, out) in tokens.iter().zip(out.iter_mut()) {
+        for (lane, result) in out.iter_mut().enumerate() {
+            let mut main = 0f32;
+            for s in 0..supers {
+                // SAFETY: as in `q4k_portable`.
+                unsafe {
+                    let block = data.add(s * GROUP_BLOCK);
+                    let q = token.q.add(s * SUPER);
+                    let mut total = 0i32;
+                    for g in 0..16 {
+                        let mut isum = *token.sums.add(16 * s + g);
+                        for i in 16 * g..16 * g + 16 {
+                            isum += *block.add((i / 4) * 64 + lane * 4 + i % 4) as i32 * *q.add(i) as i32;
+                        }
+                        total += *block.add(SCALES_AT + g * GROUP + lane) as i8 as i32 * isum;
+                    }
+                    main = (total as f32).mul_add(f16_at(block.add(D_AT + 2 * lane)) * *token.d.add(s), main);
+                }
+            }
+            *result = main;
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Token, DMIN_AT, D_AT, GROUP, GROUP_BLOCK, MINS_AT, SCALES_AT, SUPER};
+    use super::{q4k, q6k, Token, GROUP, SUPER};
     use std::arch::x86_64::*;
 
     /// Four activation bytes (`q[at..at + 4]`) as one i32, to broadcast.
@@ -316,12 +543,13 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn tile_avx512<const T: usize>(
+    pub unsafe fn q4k_avx512<const T: usize>(
         data: *const u8,
         supers: usize,
         tokens: [Token; T],
         out: &mut [[f32; GROUP]; T],
     ) {
+        use q4k::*;
         let low4 = _mm512_set1_epi8(0x0F);
         let mut main = [_mm512_setzero_ps(); T];
         let mut low = [_mm512_setzero_ps(); T];
@@ -359,7 +587,7 @@ mod x86 {
                 for j in 0..8 {
                     let m = _mm512_cvtepu8_epi32(_mm_loadu_si128(block.add(MINS_AT + j * GROUP) as *const __m128i));
                     for t in 0..T {
-                        let sums = _mm512_set1_epi32(*tokens[t].sub_sums.add(8 * s + j));
+                        let sums = _mm512_set1_epi32(*tokens[t].sums.add(8 * s + j));
                         mins[t] = _mm512_add_epi32(mins[t], _mm512_mullo_epi32(m, sums));
                     }
                 }
@@ -378,10 +606,63 @@ mod x86 {
         }
     }
 
-    /// AVX2: the group as two halves of eight rows; `pmaddubsw` then `pmaddwd` by ones sum
-    /// four nibble products a lane exactly (a pair is at most 2·15·127).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn q6k_avx512<const T: usize>(
+        data: *const u8,
+        supers: usize,
+        tokens: [Token; T],
+        out: &mut [[f32; GROUP]; T],
+    ) {
+        use q6k::*;
+        let mut main = [_mm512_setzero_ps(); T];
+        for s in 0..supers {
+            // SAFETY: as in `q4k_avx512`.
+            unsafe {
+                let block = data.add(s * GROUP_BLOCK);
+                let q0 = s * SUPER;
+                let mut total = [_mm512_setzero_si512(); T];
+                for g in 0..16 {
+                    // Each sub-block's sum starts at −32·Σqx: the weights are stored + 32.
+                    let mut isum: [__m512i; T] =
+                        std::array::from_fn(|t| _mm512_set1_epi32(*tokens[t].sums.add(16 * s + g)));
+                    for j in 0..4 {
+                        let w = _mm512_loadu_si512(block.add(64 * (4 * g + j)) as *const _);
+                        for t in 0..T {
+                            let qx = _mm512_set1_epi32(quad(&tokens[t], q0 + 16 * g + 4 * j));
+                            isum[t] = _mm512_dpbusd_epi32(isum[t], w, qx);
+                        }
+                    }
+                    let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(SCALES_AT + g * GROUP) as *const __m128i));
+                    for t in 0..T {
+                        total[t] = _mm512_add_epi32(total[t], _mm512_mullo_epi32(isum[t], sc));
+                    }
+                }
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(D_AT) as *const __m256i));
+                for t in 0..T {
+                    let dx = _mm512_set1_ps(*tokens[t].d.add(s));
+                    main[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[t]), _mm512_mul_ps(d, dx), main[t]);
+                }
+            }
+        }
+        for t in 0..T {
+            // SAFETY: token t's sixteen outputs.
+            unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), main[t]) };
+        }
+    }
+
+    /// `acc + Σ u·qx` over each lane's four bytes: `pmaddubsw` then `pmaddwd` by ones, exact
+    /// for `u` below 64 (a pair is at most 2·63·127).
+    #[inline(always)]
+    unsafe fn dot4(acc: __m256i, u: __m256i, qx: __m256i) -> __m256i {
+        _mm256_add_epi32(
+            acc,
+            _mm256_madd_epi16(_mm256_maddubs_epi16(u, qx), _mm256_set1_epi16(1)),
+        )
+    }
+
+    /// AVX2: the group as two halves of eight rows.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn tile_avx2<const T: usize>(
+    pub unsafe fn q4k_avx2<const T: usize>(
         data: *const u8,
         supers: usize,
         tokens: [Token; T],
@@ -389,29 +670,38 @@ mod x86 {
     ) {
         for half in 0..2 {
             // SAFETY: as the caller promises.
-            unsafe { half_tile::<T>(data, supers, &tokens, out, half) }
+            unsafe { q4k_half::<T>(data, supers, &tokens, out, half) }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q6k_avx2<const T: usize>(
+        data: *const u8,
+        supers: usize,
+        tokens: [Token; T],
+        out: &mut [[f32; GROUP]; T],
+    ) {
+        for half in 0..2 {
+            // SAFETY: as the caller promises.
+            unsafe { q6k_half::<T>(data, supers, &tokens, out, half) }
         }
     }
 
     #[inline(always)]
-    unsafe fn half_tile<const T: usize>(
+    unsafe fn q4k_half<const T: usize>(
         data: *const u8,
         supers: usize,
         tokens: &[Token; T],
         out: &mut [[f32; GROUP]; T],
         half: usize,
     ) {
-        let lanes = 32 * half;
-        let rows = 8 * half;
+        use q4k::*;
+        let (lanes, rows) = (32 * half, 8 * half);
         let low4 = _mm256_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
-        let dot = |acc: __m256i, u: __m256i, qx: __m256i| {
-            _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, qx), ones))
-        };
         let mut main = [_mm256_setzero_ps(); T];
         let mut low = [_mm256_setzero_ps(); T];
         for s in 0..supers {
-            // SAFETY: as in `tile_avx512`, for this half's bytes.
+            // SAFETY: as in `q4k_avx512`, for this half's bytes.
             unsafe {
                 let block = data.add(s * GROUP_BLOCK);
                 let q0 = s * SUPER;
@@ -425,8 +715,8 @@ mod x86 {
                         let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
                         for t in 0..T {
                             let at = q0 + 64 * pair + 4 * c;
-                            even[t] = dot(even[t], lo, _mm256_set1_epi32(quad(&tokens[t], at)));
-                            odd[t] = dot(odd[t], hi, _mm256_set1_epi32(quad(&tokens[t], at + 32)));
+                            even[t] = dot4(even[t], lo, _mm256_set1_epi32(quad(&tokens[t], at)));
+                            odd[t] = dot4(odd[t], hi, _mm256_set1_epi32(quad(&tokens[t], at + 32)));
                         }
                     }
                     let scale = |j: usize| {
@@ -446,7 +736,7 @@ mod x86 {
                     let at = block.add(MINS_AT + j * GROUP + rows);
                     let m = _mm256_cvtepu8_epi32(_mm_loadl_epi64(at as *const __m128i));
                     for t in 0..T {
-                        let sums = _mm256_set1_epi32(*tokens[t].sub_sums.add(8 * s + j));
+                        let sums = _mm256_set1_epi32(*tokens[t].sums.add(8 * s + j));
                         mins[t] = _mm256_add_epi32(mins[t], _mm256_mullo_epi32(m, sums));
                     }
                 }
@@ -464,23 +754,76 @@ mod x86 {
             unsafe { _mm256_storeu_ps(out[t].as_mut_ptr().add(rows), _mm256_sub_ps(main[t], low[t])) };
         }
     }
+
+    #[inline(always)]
+    unsafe fn q6k_half<const T: usize>(
+        data: *const u8,
+        supers: usize,
+        tokens: &[Token; T],
+        out: &mut [[f32; GROUP]; T],
+        half: usize,
+    ) {
+        use q6k::*;
+        let (lanes, rows) = (32 * half, 8 * half);
+        let mut main = [_mm256_setzero_ps(); T];
+        for s in 0..supers {
+            // SAFETY: as in `q4k_avx512`, for this half's bytes.
+            unsafe {
+                let block = data.add(s * GROUP_BLOCK);
+                let q0 = s * SUPER;
+                let mut total = [_mm256_setzero_si256(); T];
+                for g in 0..16 {
+                    let mut isum: [__m256i; T] =
+                        std::array::from_fn(|t| _mm256_set1_epi32(*tokens[t].sums.add(16 * s + g)));
+                    for j in 0..4 {
+                        let w = _mm256_loadu_si256(block.add(64 * (4 * g + j) + lanes) as *const __m256i);
+                        for t in 0..T {
+                            isum[t] = dot4(isum[t], w, _mm256_set1_epi32(quad(&tokens[t], q0 + 16 * g + 4 * j)));
+                        }
+                    }
+                    let at = block.add(SCALES_AT + g * GROUP + rows);
+                    let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(at as *const __m128i));
+                    for t in 0..T {
+                        total[t] = _mm256_add_epi32(total[t], _mm256_mullo_epi32(isum[t], sc));
+                    }
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(D_AT + 2 * rows) as *const __m128i));
+                for t in 0..T {
+                    let dx = _mm256_set1_ps(*tokens[t].d.add(s));
+                    main[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[t]), _mm256_mul_ps(d, dx), main[t]);
+                }
+            }
+        }
+        for t in 0..T {
+            // SAFETY: token t's eight outputs of this half.
+            unsafe { _mm256_storeu_ps(out[t].as_mut_ptr().add(rows), main[t]) };
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::GgmlType;
 
-    /// `rows` rows of `supers` valid Q4_K blocks: random nibbles and scale bytes (every 6-bit
-    /// scale and minimum), finite `d` and `dmin` differing from block to block.
-    fn matrix(rows: usize, supers: usize, seed: usize) -> Vec<u8> {
-        let mut data: Vec<u8> = (0..rows * supers * BLOCK_BYTES)
+    const FORMATS: [GgmlType; 2] = [GgmlType::Q4K, GgmlType::Q6K];
+
+    /// `rows` rows of `supers` valid blocks: random quants and scale bytes (every 6-bit
+    /// scale and minimum, every int8 scale), finite f16 factors differing from block to block.
+    fn matrix(dtype: GgmlType, rows: usize, supers: usize, seed: usize) -> Vec<u8> {
+        let bytes = dtype.block_layout().1;
+        let mut data: Vec<u8> = (0..rows * supers * bytes)
             .map(|i| (((i + seed) * 2654435761usize) >> 11) as u8)
             .collect();
         let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes();
-        for (i, b) in data.chunks_exact_mut(BLOCK_BYTES).enumerate() {
-            b[0..2].copy_from_slice(&f16(0.001 * (1 + (i * 7 + seed) % 11) as f32));
-            b[2..4].copy_from_slice(&f16(0.002 * (1 + (i * 5) % 7) as f32));
+        for (i, b) in data.chunks_exact_mut(bytes).enumerate() {
+            let d = f16(0.001 * (1 + (i * 7 + seed) % 11) as f32);
+            match dtype {
+                GgmlType::Q4K => {
+                    b[0..2].copy_from_slice(&d);
+                    b[2..4].copy_from_slice(&f16(0.002 * (1 + (i * 5) % 7) as f32));
+                }
+                _ => b[208..210].copy_from_slice(&d),
+            }
         }
         data
     }
@@ -496,85 +839,113 @@ mod tests {
             .collect()
     }
 
-    /// The module's arithmetic written from the Q4_K block itself (its nibbles and
-    /// `scale_min_k4`), not from the interleaved layout.
-    fn reference(row: &[u8], act: &Q8KRow) -> f32 {
+    /// The module's arithmetic written from the GGUF block itself (ggml's bit layouts), not
+    /// from the interleaved layout.
+    fn reference(dtype: GgmlType, row: &[u8], act: &Q8KRow) -> f32 {
         let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
         let (mut main, mut low) = (0f32, 0f32);
-        for (s, block) in row.chunks_exact(BLOCK_BYTES).enumerate() {
+        for (s, block) in row.chunks_exact(dtype.block_layout().1).enumerate() {
+            let q = &act.q[s * SUPER..(s + 1) * SUPER];
+            if dtype == GgmlType::Q6K {
+                let u = q6k_weights(block);
+                let total: i32 = (0..16)
+                    .map(|g| {
+                        let sum: i32 = (16 * g..16 * g + 16).map(|i| (u[i] as i32 - 32) * q[i] as i32).sum();
+                        block[192 + g] as i8 as i32 * sum
+                    })
+                    .sum();
+                main = (total as f32).mul_add(f16(&block[208..210]) * act.d[s], main);
+                continue;
+            }
             let (mut total, mut mins) = (0i32, 0i32);
             for j in 0..8 {
                 let (sc, m) = scale_min_k4(j, &block[4..16]);
                 let qs = &block[16 + 32 * (j / 2)..16 + 32 * (j / 2) + 32];
-                let q = &act.q[s * SUPER + 32 * j..s * SUPER + 32 * j + 32];
+                let q = &q[32 * j..32 * j + 32];
                 let isum: i32 = qs
                     .iter()
                     .zip(q)
                     .map(|(&b, &x)| (if j % 2 == 0 { b & 0x0F } else { b >> 4 }) as i32 * x as i32)
                     .sum();
-                let qsum: i32 = q.iter().map(|&x| x as i32).sum();
                 total += sc as i32 * isum;
-                mins += m as i32 * qsum;
+                mins += m as i32 * q.iter().map(|&x| x as i32).sum::<i32>();
             }
             main = (total as f32).mul_add(f16(&block[0..2]) * act.d[s], main);
             low = (mins as f32).mul_add(f16(&block[2..4]) * act.d[s], low);
         }
-        main - low
+        if dtype == GgmlType::Q6K {
+            main
+        } else {
+            main - low
+        }
     }
 
+    /// The layout keeps everything: the GGUF bytes come back as given, and rows dequantize as
+    /// the format does.
     #[test]
     fn interleaving_loses_nothing() {
-        let (rows, supers) = (19, 2);
-        let bytes = matrix(rows, supers, 1);
-        let row_bytes = supers * BLOCK_BYTES;
-        let m = InterleavedQ4K::new(&bytes, row_bytes).unwrap();
-        assert_eq!((m.rows(), m.cols(), m.groups()), (rows, 512, 2));
-        assert_eq!(m.gguf_bytes(), bytes);
-        let (mut got, mut want) = (vec![0f32; 512], vec![0f32; 512]);
-        for r in [0, 15, 18] {
-            m.dequantize_row(r, &mut got);
-            GgmlType::Q4K.dequantize(&bytes[r * row_bytes..(r + 1) * row_bytes], &mut want);
-            assert_eq!(got, want, "row {r}");
+        for dtype in FORMATS {
+            let (rows, supers) = (19, 2);
+            let bytes = matrix(dtype, rows, supers, 1);
+            let row_bytes = bytes.len() / rows;
+            let m = InterleavedSuperRows::new(dtype, &bytes, row_bytes).unwrap();
+            assert_eq!((m.rows(), m.cols(), m.groups(), m.dtype()), (rows, 512, 2, dtype));
+            assert_eq!(m.gguf_bytes(), bytes, "{dtype:?}");
+            let (mut got, mut want) = (vec![0f32; 512], vec![0f32; 512]);
+            for r in [0, 15, 18] {
+                m.dequantize_row(r, &mut got);
+                dtype.dequantize(&bytes[r * row_bytes..(r + 1) * row_bytes], &mut want);
+                assert_eq!(got, want, "{dtype:?} row {r}");
+            }
         }
-        assert!(InterleavedQ4K::new(&[0; 150], 150).is_none(), "not whole super-blocks");
+        assert!(
+            InterleavedSuperRows::new(GgmlType::Q4K, &[0; 150], 150).is_none(),
+            "not whole super-blocks"
+        );
+        assert!(
+            InterleavedSuperRows::new(GgmlType::Q5K, &[0; 176], 176).is_none(),
+            "no layout"
+        );
     }
 
     /// Every kernel this CPU runs gives the reference's bits for every (row, token), whatever
     /// the tokens sharing a pass, and 0 for padding rows.
     #[test]
     fn every_kernel_gives_the_reference_bits() {
-        let (rows, supers) = (21, 3);
-        let bytes = matrix(rows, supers, 3);
-        let row_bytes = supers * BLOCK_BYTES;
-        let m = InterleavedQ4K::new(&bytes, row_bytes).unwrap();
-        for tokens in [1, 2, 3, 4, 5, 9] {
-            let acts = activations(tokens, m.cols());
-            let prepared = m.activations(&acts).unwrap();
-            for kernel in Int8Kernel::available() {
-                let mut out = vec![f32::NAN; tokens * GROUP];
-                for group in 0..m.groups() {
-                    m.group_products(group, &prepared, &mut out, kernel);
-                    for (t, act) in acts.iter().enumerate() {
-                        for lane in 0..GROUP {
-                            let row = group * GROUP + lane;
-                            let want = match row < rows {
-                                true => reference(&bytes[row * row_bytes..(row + 1) * row_bytes], act),
-                                false => 0.0,
-                            };
-                            let got = out[t * GROUP + lane];
-                            assert_eq!(
-                                got.to_bits(),
-                                want.to_bits(),
-                                "{kernel:?}: row {row}, token {t} of {tokens}: {got} vs {want}"
-                            );
+        for dtype in FORMATS {
+            let (rows, supers) = (21, 3);
+            let bytes = matrix(dtype, rows, supers, 3);
+            let row_bytes = bytes.len() / rows;
+            let m = InterleavedSuperRows::new(dtype, &bytes, row_bytes).unwrap();
+            for tokens in [1, 2, 3, 4, 5, 9] {
+                let acts = activations(tokens, m.cols());
+                let prepared = m.activations(&acts).unwrap();
+                for kernel in Int8Kernel::available() {
+                    let mut out = vec![f32::NAN; tokens * GROUP];
+                    for group in 0..m.groups() {
+                        m.group_products(group, &prepared, &mut out, kernel);
+                        for (t, act) in acts.iter().enumerate() {
+                            for lane in 0..GROUP {
+                                let row = group * GROUP + lane;
+                                let want = match row < rows {
+                                    true => reference(dtype, &bytes[row * row_bytes..(row + 1) * row_bytes], act),
+                                    false => 0.0,
+                                };
+                                let got = out[t * GROUP + lane];
+                                assert_eq!(
+                                    got.to_bits(),
+                                    want.to_bits(),
+                                    "{dtype:?} {kernel:?}: row {row}, token {t} of {tokens}: {got} vs {want}"
+                                );
+                            }
                         }
                     }
                 }
             }
+            assert!(
+                m.activations(&activations(1, 256)).is_none(),
+                "activations shorter than the rows"
+            );
         }
-        assert!(
-            m.activations(&activations(1, 256)).is_none(),
-            "activations shorter than the rows"
-        );
     }
 }

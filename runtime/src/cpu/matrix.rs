@@ -15,7 +15,7 @@ use half::bf16;
 use models::quant::int8::{Int8Kernel, Q8Row, UnpackedRow, ACT_BLOCK};
 use models::quant::int8_superblock::{DecodedSuper, Q8KRow, SuperblockDot, SUPER};
 use models::quant::interleaved::{InterleavedRows, GROUP};
-use models::quant::interleaved_k::InterleavedQ4K;
+use models::quant::interleaved_k::InterleavedSuperRows;
 use models::quant::GgmlType;
 use rayon::prelude::*;
 use std::borrow::Cow;
@@ -31,8 +31,8 @@ pub enum Storage {
     },
     /// A 32-weight block format with its rows interleaved for the int8 kernels.
     Interleaved(InterleavedRows),
-    /// Q4_K rows interleaved for the int8 kernels.
-    InterleavedQ4K(InterleavedQ4K),
+    /// K-quant rows (Q4_K, Q6_K) interleaved for the int8 kernels.
+    InterleavedSuper(InterleavedSuperRows),
 }
 
 impl Storage {
@@ -42,11 +42,8 @@ impl Storage {
         if let Some(rows) = InterleavedRows::new(dtype, &bytes, row_bytes) {
             return Storage::Interleaved(rows);
         }
-        if let Some(rows) = (dtype == GgmlType::Q4K)
-            .then(|| InterleavedQ4K::new(&bytes, row_bytes))
-            .flatten()
-        {
-            return Storage::InterleavedQ4K(rows);
+        if let Some(rows) = InterleavedSuperRows::new(dtype, &bytes, row_bytes) {
+            return Storage::InterleavedSuper(rows);
         }
         Storage::Quant {
             dtype,
@@ -64,7 +61,7 @@ impl Storage {
                 row_bytes,
             } => Some((*dtype, Cow::Borrowed(bytes), *row_bytes)),
             Storage::Interleaved(rows) => Some((rows.dtype(), Cow::Owned(rows.gguf_bytes()), rows.row_bytes())),
-            Storage::InterleavedQ4K(rows) => Some((GgmlType::Q4K, Cow::Owned(rows.gguf_bytes()), rows.row_bytes())),
+            Storage::InterleavedSuper(rows) => Some((rows.dtype(), Cow::Owned(rows.gguf_bytes()), rows.row_bytes())),
             _ => None,
         }
     }
@@ -73,7 +70,7 @@ impl Storage {
     pub fn is_block_quantized(&self) -> bool {
         matches!(
             self,
-            Storage::Quant { .. } | Storage::Interleaved(_) | Storage::InterleavedQ4K(_)
+            Storage::Quant { .. } | Storage::Interleaved(_) | Storage::InterleavedSuper(_)
         )
     }
 }
@@ -91,7 +88,7 @@ impl Matrix {
             Storage::Bf16(v) => v.len() * 2,
             Storage::Quant { bytes, .. } => bytes.len(),
             Storage::Interleaved(rows) => rows.bytes(),
-            Storage::InterleavedQ4K(rows) => rows.bytes(),
+            Storage::InterleavedSuper(rows) => rows.bytes(),
         }
     }
 
@@ -118,7 +115,7 @@ impl Matrix {
                 rows.dequantize_row(r, out);
                 out
             }
-            Storage::InterleavedQ4K(rows) => {
+            Storage::InterleavedSuper(rows) => {
                 rows.dequantize_row(r, out);
                 out
             }
@@ -150,7 +147,7 @@ impl Matrix {
                     interleaved.products(run, &acts, kernel, scratch, write)
                 });
             }
-            Storage::InterleavedQ4K(interleaved) => {
+            Storage::InterleavedSuper(interleaved) => {
                 let acts = quantize_rows(x, k, Q8KRow::quantize);
                 let acts = interleaved.activations(&acts).expect("activations cover the rows");
                 interleaved_products(rows, out, |run, kernel, scratch, write| {
@@ -233,7 +230,7 @@ impl Matrix {
                     }
                 },
             )?),
-            Storage::Quant { .. } | Storage::Interleaved(_) | Storage::InterleavedQ4K(_) => {
+            Storage::Quant { .. } | Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
                 let mut stacked: Option<(GgmlType, Vec<u8>, usize)> = None;
                 for part in parts {
                     let Some((dtype, bytes, row_bytes)) = part.storage.gguf_rows() else {
@@ -263,7 +260,7 @@ impl Matrix {
         let storage = match &self.storage {
             Storage::F32(v) => Storage::F32(gather_rows(v, self.cols, &picked)),
             Storage::Bf16(v) => Storage::Bf16(gather_rows(v, self.cols, &picked)),
-            Storage::Quant { .. } | Storage::Interleaved(_) | Storage::InterleavedQ4K(_) => {
+            Storage::Quant { .. } | Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
                 let (dtype, bytes, row_bytes) = self.storage.gguf_rows().expect("block storage");
                 Storage::block_rows(dtype, gather_rows(&bytes, row_bytes, &picked), row_bytes)
             }
@@ -285,7 +282,7 @@ impl Matrix {
         let storage = match &self.storage {
             Storage::F32(v) => Storage::F32(order().map(|i| v[i]).collect()),
             Storage::Bf16(v) => Storage::Bf16(order().map(|i| v[i]).collect()),
-            Storage::Quant { .. } | Storage::Interleaved(_) | Storage::InterleavedQ4K(_) => {
+            Storage::Quant { .. } | Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
                 let mut row = vec![0f32; cols];
                 let widened: Vec<f32> = (0..self.rows)
                     .flat_map(|r| self.row_f32(r, &mut row).to_vec())
@@ -490,8 +487,8 @@ mod tests {
         }
     }
 
-    /// `rows` rows of `cols` weights of `dtype` (Q5_1 or Q4_K): random quants, finite scales
-    /// and minimums (both formats keep them in their first four bytes).
+    /// `rows` rows of `cols` weights of `dtype` (Q5_1, Q4_K or Q6_K): random quants, finite
+    /// scales and minimums (in the first four bytes, or Q6_K's last two).
     fn block_rows(dtype: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
         let (elements, bytes) = dtype.block_layout();
         let row_bytes = cols / elements * bytes;
@@ -499,7 +496,12 @@ mod tests {
             .map(|i| ((i * 2654435761usize) >> 9) as u8)
             .collect();
         for (i, block) in data.chunks_exact_mut(bytes).enumerate() {
-            block[0..2].copy_from_slice(&half::f16::from_f32(0.01 * (1 + i % 5) as f32).to_le_bytes());
+            let d = half::f16::from_f32(0.01 * (1 + i % 5) as f32).to_le_bytes();
+            if dtype == GgmlType::Q6K {
+                block[208..210].copy_from_slice(&d);
+                continue;
+            }
+            block[0..2].copy_from_slice(&d);
             block[2..4].copy_from_slice(&half::f16::from_f32(0.02 * (1 + i % 3) as f32).to_le_bytes());
         }
         data
@@ -508,7 +510,10 @@ mod tests {
     fn interleaved_as(dtype: GgmlType, rows: usize, cols: usize) -> Matrix {
         let (elements, bytes) = dtype.block_layout();
         let storage = Storage::block_rows(dtype, block_rows(dtype, rows, cols), cols / elements * bytes);
-        assert!(matches!(storage, Storage::Interleaved(_) | Storage::InterleavedQ4K(_)));
+        assert!(matches!(
+            storage,
+            Storage::Interleaved(_) | Storage::InterleavedSuper(_)
+        ));
         assert!(storage.is_block_quantized());
         Matrix { rows, cols, storage }
     }
@@ -522,7 +527,7 @@ mod tests {
     /// range), and close to the f32 product of the dequantized rows.
     #[test]
     fn interleaved_products_do_not_depend_on_the_step() {
-        for (dtype, k) in [(GgmlType::Q5_1, 96), (GgmlType::Q4K, 512)] {
+        for (dtype, k) in [(GgmlType::Q5_1, 96), (GgmlType::Q4K, 512), (GgmlType::Q6K, 512)] {
             products_do_not_depend_on_the_step(interleaved_as(dtype, 70, k));
         }
     }
