@@ -65,6 +65,36 @@ impl Q8Row {
     }
 }
 
+/// Elements per K-quant super-block (and per [`Q8KRow`] activation scale).
+pub const SUPER: usize = 256;
+
+/// An activation row quantized to int8 with one scale per 256 elements (ggml's `q8_K`), and
+/// the sums of its integers per 16 (what K-quant minimums and zero points multiply).
+#[derive(Debug, Clone, Default)]
+pub struct Q8KRow {
+    pub q: Vec<i8>,
+    pub d: Vec<f32>,
+    pub sums16: Vec<i16>,
+}
+
+impl Q8KRow {
+    /// Quantize `x` (`len` a multiple of 256): `d = max|x|/127`, `q = round(x/d)` (halves away
+    /// from zero), as [`Q8Row`] does per 32.
+    pub fn quantize(x: &[f32]) -> Self {
+        debug_assert_eq!(x.len() % SUPER, 0);
+        let mut row = Self {
+            q: vec![0; x.len()],
+            ..Self::default()
+        };
+        for (xb, qb) in x.chunks_exact(SUPER).zip(row.q.chunks_exact_mut(SUPER)) {
+            row.d.push(quantize_span(xb, qb));
+            row.sums16
+                .extend(qb.chunks_exact(16).map(|g| g.iter().map(|&q| q as i16).sum::<i16>()));
+        }
+        row
+    }
+}
+
 /// A span's scale: `max|x| / 127` (NaNs ignored).
 fn span_scale(x: &[f32]) -> f32 {
     x.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0
@@ -94,7 +124,7 @@ fn round_scalar(x: &[f32], inv: f32, q: &mut [i8]) {
 
 /// [`quantize_block`] over a span of whole 32-element blocks with one scale for all of it
 /// (the K-quant dots' 256-element activation blocks); the scale.
-pub(crate) fn quantize_span(x: &[f32], q: &mut [i8]) -> f32 {
+fn quantize_span(x: &[f32], q: &mut [i8]) -> f32 {
     let d = span_scale(x);
     let inv = inverse(d);
     #[cfg(target_arch = "x86_64")]
@@ -179,8 +209,9 @@ unsafe fn round_block_avx2(xb: &[f32; ACT_BLOCK], inv: f32, qb: &mut [i8; ACT_BL
 type GroupPair<'a> = ((&'a [i8], &'a [i8]), (&'a f32, &'a f32));
 
 /// A weight row unpacked once (for many activation rows): integers, and per group scale/min.
-/// The portable path of K-quant rows the super-block kernel ([`super::int8_superblock`]) does
-/// not take; the 32-weight formats' matmuls run over [`super::interleaved`] rows.
+/// The path of block formats without an interleaved layout (none of the GGUF types bbc reads
+/// today: the 32-weight formats run over [`super::interleaved`] rows, the K-quants over
+/// [`super::interleaved_k`] rows).
 #[derive(Debug, Clone, Default)]
 pub struct UnpackedRow {
     pub group: usize,

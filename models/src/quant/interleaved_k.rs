@@ -1,11 +1,11 @@
-//! K-quant rows (Q4_K, Q6_K) regrouped for matmuls as [`super::interleaved`] regroups the
+//! K-quant rows (Q4_K, Q5_K, Q6_K) regrouped for matmuls as [`super::interleaved`] regroups the
 //! 32-weight formats: [`GROUP`] rows interleaved so that a `vpdpbusd` against four broadcast
 //! activation bytes advances sixteen rows' sub-block sums at once, each lane ending a sub-block
 //! with its row's exact integer sum.
 //!
 //! The arithmetic, per (row, token) and super-block in order, with activations quantized per
 //! 256 ([`Q8KRow`], ggml's `q8_K`), `u` the stored unsigned weights:
-//! - Q4_K: `total = Σ_j sc_j·Σ_{i∈j} u_i·qx_i` and `mins = Σ_j m_j·Σ_{i∈j} qx_i` exactly in
+//! - Q4_K and Q5_K: `total = Σ_j sc_j·Σ_{i∈j} u_i·qx_i` and `mins = Σ_j m_j·Σ_{i∈j} qx_i` exactly in
 //!   integers (`j` the eight 32-weight sub-blocks, `sc`/`m` their 6-bit scale and minimum), then
 //!   `main = fma(total, d·dx, main)` and `low = fma(mins, dmin·dx, low)` (each integer rounded
 //!   to f32 once); the result `main − low`.
@@ -21,12 +21,14 @@
 //!   `2·(c/8)`, high nibble the same place 32 weights on, in sub-block `2·(c/8) + 1`); the
 //!   scales and the minimums as `[sub-block][row]` bytes; the rows' `d` and `dmin` (f16, as
 //!   stored); the rows' twelve packed scale bytes as stored, so the block comes back exactly.
+//!   Q5_K adds its fifth bits: the rows' `qh` as `[quad 0..8][row][byte 0..4]` (byte `k` of
+//!   quad `c` is `qh[4c + k]`, whose bit `2p` is the fifth bit of nibble chunk `8p + c`'s low
+//!   nibble, bit `2p + 1` of its high one).
 //! - Q6_K: the six-bit weights as bytes, `[quad 0..64][row][byte 0..4]` (weight `4·quad + k`);
 //!   the scales as `[sub-block][row]` int8; the rows' `d` (f16). `ql`/`qh` come back from the
 //!   weights exactly.
 
-use super::int8::Int8Kernel;
-use super::int8_superblock::{Q8KRow, SUPER};
+use super::int8::{Int8Kernel, Q8KRow, SUPER};
 use super::q4_k::scale_min_k4;
 use super::GgmlType;
 use std::ops::Range;
@@ -43,6 +45,10 @@ mod q4k {
     pub const DMIN_AT: usize = D_AT + 2 * GROUP;
     pub const PACKED_SCALES_AT: usize = DMIN_AT + 2 * GROUP;
     pub const GROUP_BLOCK: usize = PACKED_SCALES_AT + 12 * GROUP;
+    /// Q5_K's fifth bits, after the rest of a Q4_K group's super-block.
+    pub const Q5_BLOCK_BYTES: usize = 176;
+    pub const FIFTH_AT: usize = GROUP_BLOCK;
+    pub const Q5_GROUP_BLOCK: usize = FIFTH_AT + 32 * GROUP;
 }
 
 /// Where each part of a Q6_K group's super-block starts, and its size.
@@ -58,6 +64,7 @@ mod q6k {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Format {
     Q4K,
+    Q5K,
     Q6K,
 }
 
@@ -65,6 +72,7 @@ impl Format {
     fn of(dtype: GgmlType) -> Option<Self> {
         match dtype {
             GgmlType::Q4K => Some(Self::Q4K),
+            GgmlType::Q5K => Some(Self::Q5K),
             GgmlType::Q6K => Some(Self::Q6K),
             _ => None,
         }
@@ -73,6 +81,7 @@ impl Format {
     fn dtype(self) -> GgmlType {
         match self {
             Self::Q4K => GgmlType::Q4K,
+            Self::Q5K => GgmlType::Q5K,
             Self::Q6K => GgmlType::Q6K,
         }
     }
@@ -80,6 +89,7 @@ impl Format {
     fn block_bytes(self) -> usize {
         match self {
             Self::Q4K => q4k::BLOCK_BYTES,
+            Self::Q5K => q4k::Q5_BLOCK_BYTES,
             Self::Q6K => q6k::BLOCK_BYTES,
         }
     }
@@ -87,20 +97,29 @@ impl Format {
     fn group_block(self) -> usize {
         match self {
             Self::Q4K => q4k::GROUP_BLOCK,
+            Self::Q5K => q4k::Q5_GROUP_BLOCK,
             Self::Q6K => q6k::GROUP_BLOCK,
         }
     }
 
     fn interleave(self, block: &[u8], lane: usize, out: &mut [u8]) {
         match self {
-            Self::Q4K => interleave_q4k(block, lane, out),
+            Self::Q4K => interleave_q4k(block, lane, out, 16),
+            Self::Q5K => {
+                interleave_q4k(block, lane, out, 48);
+                interleave_fifth_bits(&block[16..48], lane, out);
+            }
             Self::Q6K => interleave_q6k(block, lane, out),
         }
     }
 
     fn gguf_block(self, group_block: &[u8], lane: usize, block: &mut [u8]) {
         match self {
-            Self::Q4K => gguf_block_q4k(group_block, lane, block),
+            Self::Q4K => gguf_block_q4k(group_block, lane, block, 16),
+            Self::Q5K => {
+                gguf_block_q4k(group_block, lane, block, 48);
+                gguf_fifth_bits(group_block, lane, &mut block[16..48]);
+            }
             Self::Q6K => gguf_block_q6k(group_block, lane, block),
         }
     }
@@ -218,7 +237,7 @@ impl InterleavedSuperRows {
         // Q4_K: each 32-weight sub-block's Σqx (what its minimum multiplies); Q6_K: each
         // 16-weight sub-block's −32·Σqx (where its sum starts, the weights being stored + 32).
         let sums = match self.format {
-            Format::Q4K => acts
+            Format::Q4K | Format::Q5K => acts
                 .iter()
                 .flat_map(|a| (0..8 * supers).map(|j| a.sums16[2 * j] as i32 + a.sums16[2 * j + 1] as i32))
                 .collect(),
@@ -285,18 +304,19 @@ impl InterleavedSuperRows {
 /// Activation sums a kernel reads per super-block: one per sub-block.
 fn sums_per_super(format: Format) -> usize {
     match format {
-        Format::Q4K => 8,
+        Format::Q4K | Format::Q5K => 8,
         Format::Q6K => 16,
     }
 }
 
-/// Put one row's Q4_K block into lane `lane` of its group's super-block `out`.
-fn interleave_q4k(block: &[u8], lane: usize, out: &mut [u8]) {
+/// Put one row's Q4_K block (or Q5_K's, but its fifth bits), whose nibbles start at `qs`, into
+/// lane `lane` of its group's super-block `out`.
+fn interleave_q4k(block: &[u8], lane: usize, out: &mut [u8], qs: usize) {
     use q4k::*;
     let scales = &block[4..16];
     for chunk in 0..32 {
         let at = chunk * 64 + lane * 4;
-        out[at..at + 4].copy_from_slice(&block[16 + 4 * chunk..16 + 4 * chunk + 4]);
+        out[at..at + 4].copy_from_slice(&block[qs + 4 * chunk..qs + 4 * chunk + 4]);
     }
     for j in 0..8 {
         let (sc, m) = scale_min_k4(j, scales);
@@ -308,15 +328,32 @@ fn interleave_q4k(block: &[u8], lane: usize, out: &mut [u8]) {
     out[PACKED_SCALES_AT + 12 * lane..PACKED_SCALES_AT + 12 * lane + 12].copy_from_slice(scales);
 }
 
-/// Lane `lane` of a group's super-block back as its Q4_K block.
-fn gguf_block_q4k(group_block: &[u8], lane: usize, block: &mut [u8]) {
+/// Put one row's Q5_K `qh` into lane `lane` of its group's super-block `out`.
+fn interleave_fifth_bits(qh: &[u8], lane: usize, out: &mut [u8]) {
+    for quad in 0..8 {
+        let at = q4k::FIFTH_AT + quad * 64 + lane * 4;
+        out[at..at + 4].copy_from_slice(&qh[4 * quad..4 * quad + 4]);
+    }
+}
+
+/// Lane `lane`'s Q5_K `qh` back from its group's super-block.
+fn gguf_fifth_bits(group_block: &[u8], lane: usize, qh: &mut [u8]) {
+    for quad in 0..8 {
+        let at = q4k::FIFTH_AT + quad * 64 + lane * 4;
+        qh[4 * quad..4 * quad + 4].copy_from_slice(&group_block[at..at + 4]);
+    }
+}
+
+/// Lane `lane` of a group's super-block back as its Q4_K block (Q5_K's but its fifth bits,
+/// its nibbles from `qs` on).
+fn gguf_block_q4k(group_block: &[u8], lane: usize, block: &mut [u8], qs: usize) {
     use q4k::*;
     block[0..2].copy_from_slice(&group_block[D_AT + 2 * lane..D_AT + 2 * lane + 2]);
     block[2..4].copy_from_slice(&group_block[DMIN_AT + 2 * lane..DMIN_AT + 2 * lane + 2]);
     block[4..16].copy_from_slice(&group_block[PACKED_SCALES_AT + 12 * lane..PACKED_SCALES_AT + 12 * lane + 12]);
     for chunk in 0..32 {
         let at = chunk * 64 + lane * 4;
-        block[16 + 4 * chunk..16 + 4 * chunk + 4].copy_from_slice(&group_block[at..at + 4]);
+        block[qs + 4 * chunk..qs + 4 * chunk + 4].copy_from_slice(&group_block[at..at + 4]);
     }
 }
 
@@ -424,10 +461,14 @@ fn tile<const T: usize>(
     #[cfg(target_arch = "x86_64")]
     unsafe {
         match (kernel, format) {
-            (Int8Kernel::Avx512, Format::Q4K) => return x86::q4k_avx512::<T>(data, supers, tokens, out),
+            (Int8Kernel::Avx512, Format::Q4K) => return x86::q4k_avx512::<T, false>(data, supers, tokens, out),
+            (Int8Kernel::Avx512, Format::Q5K) => return x86::q4k_avx512::<T, true>(data, supers, tokens, out),
             (Int8Kernel::Avx512, Format::Q6K) => return x86::q6k_avx512::<T>(data, supers, tokens, out),
             (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q4K) => {
-                return x86::q4k_avx2::<T>(data, supers, tokens, out)
+                return x86::q4k_avx2::<T, false>(data, supers, tokens, out)
+            }
+            (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q5K) => {
+                return x86::q4k_avx2::<T, true>(data, supers, tokens, out)
             }
             (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q6K) => {
                 return x86::q6k_avx2::<T>(data, supers, tokens, out)
@@ -439,7 +480,8 @@ fn tile<const T: usize>(
     // SAFETY: as above.
     unsafe {
         match format {
-            Format::Q4K => q4k_portable::<T>(data, supers, tokens, out),
+            Format::Q4K => q4k_portable::<T, false>(data, supers, tokens, out),
+            Format::Q5K => q4k_portable::<T, true>(data, supers, tokens, out),
             Format::Q6K => q6k_portable::<T>(data, supers, tokens, out),
         }
     }
@@ -453,11 +495,12 @@ unsafe fn f16_at(at: *const u8) -> f32 {
     half::f16::from_bits(unsafe { std::ptr::read_unaligned(at as *const u16) }).to_f32()
 }
 
-/// The portable Q4_K kernel: every lane's operations one by one, as the vector kernels run them.
+/// The portable Q4_K kernel (Q5_K's where `FIFTH`): every lane's operations one by one, as the
+/// vector kernels run them.
 ///
 /// # Safety
 /// As [`tile`]'s callers promise.
-unsafe fn q4k_portable<const T: usize>(
+unsafe fn q4k_portable<const T: usize, const FIFTH: bool>(
     data: *const u8,
     supers: usize,
     tokens: [Token; T],
@@ -471,7 +514,7 @@ unsafe fn q4k_portable<const T: usize>(
                 // SAFETY: super-block `s` of the group and the token's super-block `s` are
                 // readable.
                 unsafe {
-                    let block = data.add(s * GROUP_BLOCK);
+                    let block = data.add(s * if FIFTH { Q5_GROUP_BLOCK } else { GROUP_BLOCK });
                     let q = token.q.add(s * SUPER);
                     let (mut total, mut mins) = (0i32, 0i32);
                     for j in 0..8 {
@@ -479,7 +522,11 @@ unsafe fn q4k_portable<const T: usize>(
                         for l in 0..32 {
                             let chunk = 8 * (j / 2) + l / 4;
                             let byte = *block.add(chunk * 64 + lane * 4 + l % 4);
-                            let u = if j % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+                            let mut u = if j % 2 == 0 { byte & 0x0F } else { byte >> 4 };
+                            if FIFTH {
+                                let bits = *block.add(FIFTH_AT + (l / 4) * 64 + lane * 4 + l % 4);
+                                u |= ((bits >> j) & 1) << 4;
+                            }
                             isum += u as i32 * *q.add(32 * j + l) as i32;
                         }
                         total += *block.add(SCALES_AT + j * GROUP + lane) as i32 * isum;
@@ -543,7 +590,7 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn q4k_avx512<const T: usize>(
+    pub unsafe fn q4k_avx512<const T: usize, const FIFTH: bool>(
         data: *const u8,
         supers: usize,
         tokens: [Token; T],
@@ -551,13 +598,20 @@ mod x86 {
     ) {
         use q4k::*;
         let low4 = _mm512_set1_epi8(0x0F);
+        let bit4 = _mm512_set1_epi8(0x10);
+        // Bit `b` of each byte moved to bit 4 (16-bit shifts: no bit crosses into the
+        // neighbouring byte's bit 4).
+        let fifth = |bits: __m512i, b: i32| match b <= 4 {
+            true => _mm512_and_si512(_mm512_sll_epi16(bits, _mm_cvtsi32_si128(4 - b)), bit4),
+            false => _mm512_and_si512(_mm512_srl_epi16(bits, _mm_cvtsi32_si128(b - 4)), bit4),
+        };
         let mut main = [_mm512_setzero_ps(); T];
         let mut low = [_mm512_setzero_ps(); T];
         for s in 0..supers {
             // SAFETY: super-block `s` of the group and each token's super-block `s` are
             // readable (the caller's promise).
             unsafe {
-                let block = data.add(s * GROUP_BLOCK);
+                let block = data.add(s * if FIFTH { Q5_GROUP_BLOCK } else { GROUP_BLOCK });
                 let q0 = s * SUPER;
                 let mut total = [_mm512_setzero_si512(); T];
                 for pair in 0..4 {
@@ -565,8 +619,13 @@ mod x86 {
                     let mut odd = [_mm512_setzero_si512(); T];
                     for c in 0..8 {
                         let raw = _mm512_loadu_si512(block.add(64 * (8 * pair + c)) as *const _);
-                        let lo = _mm512_and_si512(raw, low4);
-                        let hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                        let mut lo = _mm512_and_si512(raw, low4);
+                        let mut hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                        if FIFTH {
+                            let bits = _mm512_loadu_si512(block.add(FIFTH_AT + 64 * c) as *const _);
+                            lo = _mm512_or_si512(lo, fifth(bits, 2 * pair as i32));
+                            hi = _mm512_or_si512(hi, fifth(bits, 2 * pair as i32 + 1));
+                        }
                         for t in 0..T {
                             let at = q0 + 64 * pair + 4 * c;
                             even[t] = _mm512_dpbusd_epi32(even[t], lo, _mm512_set1_epi32(quad(&tokens[t], at)));
@@ -662,7 +721,7 @@ mod x86 {
 
     /// AVX2: the group as two halves of eight rows.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q4k_avx2<const T: usize>(
+    pub unsafe fn q4k_avx2<const T: usize, const FIFTH: bool>(
         data: *const u8,
         supers: usize,
         tokens: [Token; T],
@@ -670,7 +729,7 @@ mod x86 {
     ) {
         for half in 0..2 {
             // SAFETY: as the caller promises.
-            unsafe { q4k_half::<T>(data, supers, &tokens, out, half) }
+            unsafe { q4k_half::<T, FIFTH>(data, supers, &tokens, out, half) }
         }
     }
 
@@ -688,7 +747,7 @@ mod x86 {
     }
 
     #[inline(always)]
-    unsafe fn q4k_half<const T: usize>(
+    unsafe fn q4k_half<const T: usize, const FIFTH: bool>(
         data: *const u8,
         supers: usize,
         tokens: &[Token; T],
@@ -698,12 +757,17 @@ mod x86 {
         use q4k::*;
         let (lanes, rows) = (32 * half, 8 * half);
         let low4 = _mm256_set1_epi8(0x0F);
+        let bit4 = _mm256_set1_epi8(0x10);
+        let fifth = |bits: __m256i, b: i32| match b <= 4 {
+            true => _mm256_and_si256(_mm256_sll_epi16(bits, _mm_cvtsi32_si128(4 - b)), bit4),
+            false => _mm256_and_si256(_mm256_srl_epi16(bits, _mm_cvtsi32_si128(b - 4)), bit4),
+        };
         let mut main = [_mm256_setzero_ps(); T];
         let mut low = [_mm256_setzero_ps(); T];
         for s in 0..supers {
             // SAFETY: as in `q4k_avx512`, for this half's bytes.
             unsafe {
-                let block = data.add(s * GROUP_BLOCK);
+                let block = data.add(s * if FIFTH { Q5_GROUP_BLOCK } else { GROUP_BLOCK });
                 let q0 = s * SUPER;
                 let mut total = [_mm256_setzero_si256(); T];
                 for pair in 0..4 {
@@ -711,8 +775,13 @@ mod x86 {
                     let mut odd = [_mm256_setzero_si256(); T];
                     for c in 0..8 {
                         let raw = _mm256_loadu_si256(block.add(64 * (8 * pair + c) + lanes) as *const __m256i);
-                        let lo = _mm256_and_si256(raw, low4);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                        let mut lo = _mm256_and_si256(raw, low4);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                        if FIFTH {
+                            let bits = _mm256_loadu_si256(block.add(FIFTH_AT + 64 * c + lanes) as *const __m256i);
+                            lo = _mm256_or_si256(lo, fifth(bits, 2 * pair as i32));
+                            hi = _mm256_or_si256(hi, fifth(bits, 2 * pair as i32 + 1));
+                        }
                         for t in 0..T {
                             let at = q0 + 64 * pair + 4 * c;
                             even[t] = dot4(even[t], lo, _mm256_set1_epi32(quad(&tokens[t], at)));
@@ -805,7 +874,7 @@ mod x86 {
 mod tests {
     use super::*;
 
-    const FORMATS: [GgmlType; 2] = [GgmlType::Q4K, GgmlType::Q6K];
+    const FORMATS: [GgmlType; 3] = [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
 
     /// `rows` rows of `supers` valid blocks: random quants and scale bytes (every 6-bit
     /// scale and minimum, every int8 scale), finite f16 factors differing from block to block.
@@ -818,7 +887,7 @@ mod tests {
         for (i, b) in data.chunks_exact_mut(bytes).enumerate() {
             let d = f16(0.001 * (1 + (i * 7 + seed) % 11) as f32);
             match dtype {
-                GgmlType::Q4K => {
+                GgmlType::Q4K | GgmlType::Q5K => {
                     b[0..2].copy_from_slice(&d);
                     b[2..4].copy_from_slice(&f16(0.002 * (1 + (i * 5) % 7) as f32));
                 }
@@ -858,14 +927,22 @@ mod tests {
                 continue;
             }
             let (mut total, mut mins) = (0i32, 0i32);
+            // Q5_K: ggml's `qh`, bit 2c (and 2c + 1) of byte l the fifth bit of weight l (l + 32)
+            // of 64-weight chunk c.
+            let (qs_at, qh) = match dtype {
+                GgmlType::Q5K => (48, Some(&block[16..48])),
+                _ => (16, None),
+            };
             for j in 0..8 {
                 let (sc, m) = scale_min_k4(j, &block[4..16]);
-                let qs = &block[16 + 32 * (j / 2)..16 + 32 * (j / 2) + 32];
+                let qs = &block[qs_at + 32 * (j / 2)..qs_at + 32 * (j / 2) + 32];
                 let q = &q[32 * j..32 * j + 32];
-                let isum: i32 = qs
-                    .iter()
-                    .zip(q)
-                    .map(|(&b, &x)| (if j % 2 == 0 { b & 0x0F } else { b >> 4 }) as i32 * x as i32)
+                let isum: i32 = (0..32)
+                    .map(|l| {
+                        let nibble = if j % 2 == 0 { qs[l] & 0x0F } else { qs[l] >> 4 };
+                        let high = qh.map_or(0, |qh| ((qh[l] >> j) & 1) << 4);
+                        (nibble | high) as i32 * q[l] as i32
+                    })
                     .sum();
                 total += sc as i32 * isum;
                 mins += m as i32 * q.iter().map(|&x| x as i32).sum::<i32>();
@@ -903,8 +980,8 @@ mod tests {
             "not whole super-blocks"
         );
         assert!(
-            InterleavedSuperRows::new(GgmlType::Q5K, &[0; 176], 176).is_none(),
-            "no layout"
+            InterleavedSuperRows::new(GgmlType::Q8_0, &[0; 34], 34).is_none(),
+            "no super-block layout"
         );
     }
 

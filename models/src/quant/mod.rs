@@ -5,7 +5,6 @@
 //! [`GgmlType`] is the run-time tag read from a GGUF tensor info and dispatches to the formats.
 
 pub mod int8;
-pub mod int8_superblock;
 pub mod interleaved;
 pub mod interleaved_k;
 mod q4_0;

@@ -6,14 +6,14 @@
 //! prefill reads the weights once per step and decode is a pass over the weights. Quantized
 //! weights take the integer path instead: activations quantized to int8 once per step (per 32
 //! elements, or per 256-element super-block for K-quant rows), each weight row dotted with them
-//! in integers (ggml's scheme). The 32-weight block formats are kept as interleaved rows
-//! (`models::quant::interleaved`: sixteen rows advance together in one register), K-quant rows
-//! as they come (each dotted per super-block, or unpacked on CPUs without the vector kernels).
+//! in integers (ggml's scheme). Block-quantized rows are kept interleaved
+//! (`models::quant::interleaved` for the 32-weight formats, `interleaved_k` for the K-quants:
+//! sixteen rows advance together in one register); a format without that layout would be
+//! unpacked a row at a time.
 
 use super::simd;
 use half::bf16;
-use models::quant::int8::{Int8Kernel, Q8Row, UnpackedRow, ACT_BLOCK};
-use models::quant::int8_superblock::{DecodedSuper, Q8KRow, SuperblockDot, SUPER};
+use models::quant::int8::{Int8Kernel, Q8KRow, Q8Row, UnpackedRow, ACT_BLOCK};
 use models::quant::interleaved::{InterleavedRows, GROUP};
 use models::quant::interleaved_k::InterleavedSuperRows;
 use models::quant::GgmlType;
@@ -23,7 +23,8 @@ use std::borrow::Cow;
 pub enum Storage {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
-    /// GGUF blocks row after row (the K-quants).
+    /// GGUF blocks row after row: a block format without an interleaved layout (none of those
+    /// bbc reads today; `block_rows` interleaves them all).
     Quant {
         dtype: GgmlType,
         bytes: Vec<u8>,
@@ -31,7 +32,7 @@ pub enum Storage {
     },
     /// A 32-weight block format with its rows interleaved for the int8 kernels.
     Interleaved(InterleavedRows),
-    /// K-quant rows (Q4_K, Q6_K) interleaved for the int8 kernels.
+    /// K-quant rows (Q4_K, Q5_K, Q6_K) interleaved for the int8 kernels.
     InterleavedSuper(InterleavedSuperRows),
 }
 
@@ -158,30 +159,9 @@ impl Matrix {
                 dtype,
                 bytes,
                 row_bytes,
-            } if k % SUPER == 0 && SuperblockDot::new(*dtype, *row_bytes, &[]).is_some() => {
-                // K-quant rows: activations with one scale per super-block, whose dot is one
-                // integer sum per super-block (`int8_superblock`).
-                let acts = quantize_rows(x, k, Q8KRow::quantize);
-                let kernel = SuperblockDot::new(*dtype, *row_bytes, &acts).expect("activations cover the rows");
-                for_row_runs(
-                    out,
-                    n,
-                    tokens,
-                    rows_per_task,
-                    |decoded: &mut Vec<DecodedSuper>, r, dst| {
-                        let r = base + r;
-                        kernel.run_with(&bytes[r * row_bytes..(r + 1) * row_bytes], &acts, dst, decoded);
-                    },
-                );
-            }
-            Storage::Quant {
-                dtype,
-                bytes,
-                row_bytes,
             } if k % ACT_BLOCK == 0 => {
-                // K-quant rows the super-block kernel does not take (no AVX2, or rows not
-                // whole super-blocks): each row unpacked once for every token, its (row, token)
-                // products the same whatever the step's token count.
+                // A block format without an interleaved layout: each row unpacked once for every
+                // token, its (row, token) products the same whatever the step's token count.
                 let acts = quantize_rows(x, k, Q8Row::quantize);
                 for_row_runs(out, n, tokens, rows_per_task, |unpacked: &mut UnpackedRow, r, dst| {
                     let r = base + r;
@@ -487,8 +467,8 @@ mod tests {
         }
     }
 
-    /// `rows` rows of `cols` weights of `dtype` (Q5_1, Q4_K or Q6_K): random quants, finite
-    /// scales and minimums (in the first four bytes, or Q6_K's last two).
+    /// `rows` rows of `cols` weights of `dtype` (Q5_1, Q4_K, Q5_K or Q6_K): random quants,
+    /// finite scales and minimums (in the first four bytes, or Q6_K's last two).
     fn block_rows(dtype: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
         let (elements, bytes) = dtype.block_layout();
         let row_bytes = cols / elements * bytes;
@@ -527,7 +507,12 @@ mod tests {
     /// range), and close to the f32 product of the dequantized rows.
     #[test]
     fn interleaved_products_do_not_depend_on_the_step() {
-        for (dtype, k) in [(GgmlType::Q5_1, 96), (GgmlType::Q4K, 512), (GgmlType::Q6K, 512)] {
+        for (dtype, k) in [
+            (GgmlType::Q5_1, 96),
+            (GgmlType::Q4K, 512),
+            (GgmlType::Q5K, 512),
+            (GgmlType::Q6K, 512),
+        ] {
             products_do_not_depend_on_the_step(interleaved_as(dtype, 70, k));
         }
     }
