@@ -264,18 +264,32 @@ impl InterleavedRows {
         acts: &Activations,
         kernel: Int8Kernel,
         scratch: &mut Vec<f32>,
-        mut write: impl FnMut(usize, usize, &[f32]),
+        write: impl FnMut(usize, usize, &[f32]),
     ) {
-        let tokens = acts.acts.len();
-        scratch.resize(tokens * GROUP, 0.0);
-        for group in rows.start / GROUP..rows.end.div_ceil(GROUP) {
-            self.group_products(group, acts, scratch, kernel);
-            let first = (group * GROUP).max(rows.start);
-            let end = ((group + 1) * GROUP).min(rows.end);
-            for t in 0..tokens {
-                let lanes = t * GROUP + first - group * GROUP..t * GROUP + end - group * GROUP;
-                write(t, first - rows.start, &scratch[lanes]);
-            }
+        let group_products = |group, out: &mut [f32]| self.group_products(group, acts, out, kernel);
+        by_group(rows, acts.tokens(), scratch, group_products, write)
+    }
+}
+
+/// The rows `rows` of a matrix interleaved by [`GROUP`], a group at a time:
+/// `group_products(group, scratch)` fills `scratch` (`[tokens, GROUP]`) with a group's products,
+/// and `write(t, i, values)` gets token `t`'s products with rows `rows.start + i ..` (the group's
+/// rows within `rows`).
+pub(crate) fn by_group(
+    rows: Range<usize>,
+    tokens: usize,
+    scratch: &mut Vec<f32>,
+    mut group_products: impl FnMut(usize, &mut [f32]),
+    mut write: impl FnMut(usize, usize, &[f32]),
+) {
+    scratch.resize(tokens * GROUP, 0.0);
+    for group in rows.start / GROUP..rows.end.div_ceil(GROUP) {
+        group_products(group, scratch);
+        let first = (group * GROUP).max(rows.start);
+        let end = ((group + 1) * GROUP).min(rows.end);
+        for t in 0..tokens {
+            let lanes = t * GROUP + first - group * GROUP..t * GROUP + end - group * GROUP;
+            write(t, first - rows.start, &scratch[lanes]);
         }
     }
 }

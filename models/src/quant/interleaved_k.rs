@@ -285,19 +285,10 @@ impl InterleavedSuperRows {
         acts: &SuperActivations,
         kernel: Int8Kernel,
         scratch: &mut Vec<f32>,
-        mut write: impl FnMut(usize, usize, &[f32]),
+        write: impl FnMut(usize, usize, &[f32]),
     ) {
-        let tokens = acts.acts.len();
-        scratch.resize(tokens * GROUP, 0.0);
-        for group in rows.start / GROUP..rows.end.div_ceil(GROUP) {
-            self.group_products(group, acts, scratch, kernel);
-            let first = (group * GROUP).max(rows.start);
-            let end = ((group + 1) * GROUP).min(rows.end);
-            for t in 0..tokens {
-                let lanes = t * GROUP + first - group * GROUP..t * GROUP + end - group * GROUP;
-                write(t, first - rows.start, &scratch[lanes]);
-            }
-        }
+        let group_products = |group, out: &mut [f32]| self.group_products(group, acts, out, kernel);
+        super::interleaved::by_group(rows, acts.acts.len(), scratch, group_products, write)
     }
 }
 
