@@ -15,9 +15,10 @@
 //! not depend on its step's size, nor on the CPU.
 //!
 //! Layout, per group of sixteen rows and per block (rows past the matrix are zeros):
-//! - weights, unsigned: the low nibbles as `[chunk 0..4][row 0..16][byte 0..4]`, byte `k` of
-//!   a row's chunk `c` being the block's packed byte `4c + k` (low nibble: weight `4c + k`,
-//!   high nibble: weight `16 + 4c + k`); Q8_0's bytes as `[group 0..8][row][byte]`, `w + 128`;
+//! - weights, unsigned: the packed nibble bytes as `[chunk 0..4][row 0..16][byte 0..4]`,
+//!   byte `k` of a row's chunk `c` being the block's packed byte `4c + k` (low nibble: weight
+//!   `4c + k`, high nibble: weight `16 + 4c + k`); Q8_0's bytes as `[group 0..8][row][byte]`,
+//!   `w + 128`;
 //! - Q5's fifth bits: `[row][byte 0..4]`, bit `g` of byte `k` the fifth bit of weight `4g + k`;
 //! - the sixteen rows' scales, f16 as stored; then (Q4_1, Q5_1) their minimums.
 //!
@@ -70,21 +71,13 @@ impl Layout {
         })
     }
 
-    /// Bytes of the group's weights for one block.
-    fn weight_bytes(&self) -> usize {
-        if self.nibbles {
-            4 * 64
-        } else {
-            8 * 64
-        }
-    }
-
+    /// Where the fifth bits start in a group's block: after the weights.
     fn fifth_bits_at(&self) -> usize {
-        self.weight_bytes()
+        weight_bytes(self.nibbles)
     }
 
     fn scales_at(&self) -> usize {
-        self.weight_bytes() + if self.fifth_bits { 64 } else { 0 }
+        scales_at(self.nibbles, self.fifth_bits)
     }
 
     fn mins_at(&self) -> usize {
@@ -93,7 +86,7 @@ impl Layout {
 
     /// Bytes of one group's block.
     fn group_block_bytes(&self) -> usize {
-        self.mins_at() + if self.mins { 2 * GROUP } else { 0 }
+        group_block_bytes(self.nibbles, self.fifth_bits, self.mins)
     }
 
     /// Where `qh` (the fifth bits, little-endian) sits in a GGUF block.
@@ -449,13 +442,24 @@ fn tile<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const T: usize
     unsafe { tile_portable::<NIBBLES, FIFTH, MINS, T>(data.as_ptr(), blocks, tokens, out) }
 }
 
-/// Bytes of a group's block for these parameters (see [`Layout`]).
-const fn group_block_bytes(nibbles: bool, fifth: bool, mins: bool) -> usize {
-    (if nibbles { 256 } else { 512 }) + (if fifth { 64 } else { 0 }) + 2 * GROUP + (if mins { 2 * GROUP } else { 0 })
+/// Bytes of a group's weights for one block: 4 chunks of packed nibbles, or Q8_0's 8 of bytes.
+const fn weight_bytes(nibbles: bool) -> usize {
+    if nibbles {
+        4 * 64
+    } else {
+        8 * 64
+    }
 }
 
+/// Where a group's block keeps its scales: after the weights and any fifth bits.
 const fn scales_at(nibbles: bool, fifth: bool) -> usize {
-    (if nibbles { 256 } else { 512 }) + if fifth { 64 } else { 0 }
+    weight_bytes(nibbles) + if fifth { 64 } else { 0 }
+}
+
+/// Bytes of a group's block for these parameters (see [`Layout`]): the scales, then any
+/// minimums.
+const fn group_block_bytes(nibbles: bool, fifth: bool, mins: bool) -> usize {
+    scales_at(nibbles, fifth) + 2 * GROUP + if mins { 2 * GROUP } else { 0 }
 }
 
 /// Weight `j` (0..32) of lane `lane` in a group's block, as stored (`w + bias`).
