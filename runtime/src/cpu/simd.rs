@@ -4,6 +4,8 @@
 
 /// Sixteen independent accumulators: enough to hide FMA latency on two 8-wide ports.
 const LANES: usize = 16;
+// `dots_many_avx2` holds a vector's `LANES` accumulators in two 8-wide registers.
+const _: () = assert!(LANES == 16);
 
 #[inline(always)]
 fn dot_body<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
