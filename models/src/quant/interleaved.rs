@@ -496,8 +496,6 @@ unsafe fn tile_portable<const NIBBLES: bool, const FIFTH: bool, const MINS: bool
 ) {
     let bytes = group_block_bytes(NIBBLES, FIFTH, MINS);
     let scales = scales_at(NIBBLES, FIFTH);
-    // SAFETY (callers): two bytes are readable at `at`.
-    let f16 = |at: *const u8| half::f16::from_bits(unsafe { std::ptr::read_unaligned(at as *const u16) }).to_f32();
     for (token, out) in tokens.iter().zip(out.iter_mut()) {
         for (lane, result) in out.iter_mut().enumerate() {
             let (mut main, mut mins) = (0f32, 0f32);
@@ -510,10 +508,10 @@ unsafe fn tile_portable<const NIBBLES: bool, const FIFTH: bool, const MINS: bool
                         isum +=
                             stored_weight::<NIBBLES, FIFTH>(block, lane, j) * *token.q.add(b * ACT_BLOCK + j) as i32;
                     }
-                    let scale = f16(block.add(scales + 2 * lane)) * *token.d.add(b);
+                    let scale = f16_at(block.add(scales + 2 * lane)) * *token.d.add(b);
                     main = (isum as f32).mul_add(scale, main);
                     if MINS {
-                        let min = f16(block.add(scales + 2 * GROUP + 2 * lane));
+                        let min = f16_at(block.add(scales + 2 * GROUP + 2 * lane));
                         mins = min.mul_add(*token.dsum.add(b), mins);
                     }
                 }
@@ -523,18 +521,55 @@ unsafe fn tile_portable<const NIBBLES: bool, const FIFTH: bool, const MINS: bool
     }
 }
 
+/// Bytes `at..at + 2` as an f16, widened.
+///
+/// # Safety
+/// Two bytes are readable at `at`.
+#[inline(always)]
+pub(super) unsafe fn f16_at(at: *const u8) -> f32 {
+    // SAFETY: as the caller promises.
+    half::f16::from_bits(unsafe { std::ptr::read_unaligned(at as *const u16) }).to_f32()
+}
+
+/// Four activation bytes (`q[at..at + 4]`) as one i32, to broadcast to every row's lane.
+///
+/// # Safety
+/// The four bytes are readable.
+#[inline(always)]
+pub(super) unsafe fn quad(q: *const i8, at: usize) -> i32 {
+    // SAFETY: as the caller promises.
+    unsafe { std::ptr::read_unaligned(q.add(at) as *const i32) }
+}
+
+/// `out` (one group's products, `[tokens, GROUP]`) against `want(row, token)` bit for bit, and
+/// 0 for the group's rows past `rows`; `case` names the case in a failure.
+#[cfg(test)]
+pub(super) fn assert_group_bits(
+    out: &[f32],
+    group: usize,
+    rows: usize,
+    want: impl Fn(usize, usize) -> f32,
+    case: &dyn std::fmt::Display,
+) {
+    for (t, products) in out.chunks_exact(GROUP).enumerate() {
+        for (lane, &got) in products.iter().enumerate() {
+            let row = group * GROUP + lane;
+            let want = if row < rows { want(row, t) } else { 0.0 };
+            let tokens = out.len() / GROUP;
+            assert_eq!(
+                got.to_bits(),
+                want.to_bits(),
+                "{case}: row {row}, token {t} of {tokens}: {got} vs {want}"
+            );
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{group_block_bytes, scales_at, Token, GROUP};
+    use super::{group_block_bytes, quad, scales_at, Token, GROUP};
     use crate::quant::int8::ACT_BLOCK;
     use std::arch::x86_64::*;
-
-    /// Four activation bytes (`q[at..at + 4]`) as one i32, to broadcast.
-    #[inline(always)]
-    unsafe fn quad(token: &Token, at: usize) -> i32 {
-        // SAFETY (caller): the token holds the bytes.
-        unsafe { std::ptr::read_unaligned(token.q.add(at) as *const i32) }
-    }
 
     /// AVX-512: the sixteen rows in one register a token.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -577,8 +612,8 @@ mod x86 {
                             high = _mm512_or_si512(high, fifth_of(chunk as i32 + 4));
                         }
                         for t in 0..T {
-                            let qa = _mm512_set1_epi32(quad(&tokens[t], q0 + 4 * chunk));
-                            let qb = _mm512_set1_epi32(quad(&tokens[t], q0 + 16 + 4 * chunk));
+                            let qa = _mm512_set1_epi32(quad(tokens[t].q, q0 + 4 * chunk));
+                            let qb = _mm512_set1_epi32(quad(tokens[t].q, q0 + 16 + 4 * chunk));
                             isum[t] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[t], low, qa), high, qb);
                         }
                     }
@@ -586,7 +621,7 @@ mod x86 {
                     for g in 0..8 {
                         let w = _mm512_loadu_si512(block.add(64 * g) as *const _);
                         for t in 0..T {
-                            let qx = _mm512_set1_epi32(quad(&tokens[t], q0 + 4 * g));
+                            let qx = _mm512_set1_epi32(quad(tokens[t].q, q0 + 4 * g));
                             isum[t] = _mm512_dpbusd_epi32(isum[t], w, qx);
                         }
                     }
@@ -731,8 +766,8 @@ mod x86 {
                             high = _mm256_or_si256(high, fifth_of(chunk as i32 + 4));
                         }
                         for t in 0..T {
-                            let qa = _mm256_set1_epi32(quad(&tokens[t], q0 + 4 * chunk));
-                            let qb = _mm256_set1_epi32(quad(&tokens[t], q0 + 16 + 4 * chunk));
+                            let qa = _mm256_set1_epi32(quad(tokens[t].q, q0 + 4 * chunk));
+                            let qb = _mm256_set1_epi32(quad(tokens[t].q, q0 + 16 + 4 * chunk));
                             isum[t] = D::small(D::small(isum[t], low, qa), high, qb);
                         }
                     }
@@ -740,7 +775,7 @@ mod x86 {
                     for g in 0..8 {
                         let w = _mm256_loadu_si256(block.add(64 * g + lanes) as *const __m256i);
                         for t in 0..T {
-                            let qx = _mm256_set1_epi32(quad(&tokens[t], q0 + 4 * g));
+                            let qx = _mm256_set1_epi32(quad(tokens[t].q, q0 + 4 * g));
                             isum[t] = D::bytes(isum[t], w, qx);
                         }
                     }
@@ -878,21 +913,9 @@ mod tests {
                     let mut out = vec![f32::NAN; tokens * GROUP];
                     for group in 0..m.groups() {
                         m.group_products(group, &prepared, &mut out, kernel);
-                        for (t, act) in acts.iter().enumerate() {
-                            for lane in 0..GROUP {
-                                let row = group * GROUP + lane;
-                                let got = out[t * GROUP + lane];
-                                let want = match row < rows {
-                                    true => reference(dtype, &bytes[row * row_bytes..(row + 1) * row_bytes], act),
-                                    false => 0.0,
-                                };
-                                assert_eq!(
-                                    got.to_bits(),
-                                    want.to_bits(),
-                                    "{dtype:?} {kernel:?}: row {row}, token {t} of {tokens}: {got} vs {want}"
-                                );
-                            }
-                        }
+                        let want =
+                            |row: usize, t| reference(dtype, &bytes[row * row_bytes..(row + 1) * row_bytes], &acts[t]);
+                        assert_group_bits(&out, group, rows, want, &format!("{dtype:?} {kernel:?}"));
                     }
                 }
             }

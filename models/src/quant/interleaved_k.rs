@@ -29,6 +29,7 @@
 //!   weights exactly.
 
 use super::int8::{Int8Kernel, Q8KRow, SUPER};
+use super::interleaved::f16_at;
 use super::q4_k::scale_min_k4;
 use super::GgmlType;
 use std::ops::Range;
@@ -478,14 +479,6 @@ fn tile<const T: usize>(
     }
 }
 
-/// Bytes `at..at + 2` as an f16, widened.
-///
-/// # Safety
-/// Two bytes are readable at `at`.
-unsafe fn f16_at(at: *const u8) -> f32 {
-    half::f16::from_bits(unsafe { std::ptr::read_unaligned(at as *const u16) }).to_f32()
-}
-
 /// The portable Q4_K kernel (Q5_K's where `FIFTH`): every lane's operations one by one, as the
 /// vector kernels run them.
 ///
@@ -571,14 +564,8 @@ unsafe fn q6k_portable<const T: usize>(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{q4k, q6k, Token, GROUP, SUPER};
+    use crate::quant::interleaved::quad;
     use std::arch::x86_64::*;
-
-    /// Four activation bytes (`q[at..at + 4]`) as one i32, to broadcast.
-    #[inline(always)]
-    unsafe fn quad(token: &Token, at: usize) -> i32 {
-        // SAFETY (caller): the token holds the bytes.
-        unsafe { std::ptr::read_unaligned(token.q.add(at) as *const i32) }
-    }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn q4k_avx512<const T: usize, const FIFTH: bool>(
@@ -619,8 +606,8 @@ mod x86 {
                         }
                         for t in 0..T {
                             let at = q0 + 64 * pair + 4 * c;
-                            even[t] = _mm512_dpbusd_epi32(even[t], lo, _mm512_set1_epi32(quad(&tokens[t], at)));
-                            odd[t] = _mm512_dpbusd_epi32(odd[t], hi, _mm512_set1_epi32(quad(&tokens[t], at + 32)));
+                            even[t] = _mm512_dpbusd_epi32(even[t], lo, _mm512_set1_epi32(quad(tokens[t].q, at)));
+                            odd[t] = _mm512_dpbusd_epi32(odd[t], hi, _mm512_set1_epi32(quad(tokens[t].q, at + 32)));
                         }
                     }
                     let scale = |j: usize| {
@@ -678,7 +665,7 @@ mod x86 {
                     for j in 0..4 {
                         let w = _mm512_loadu_si512(block.add(64 * (4 * g + j)) as *const _);
                         for t in 0..T {
-                            let qx = _mm512_set1_epi32(quad(&tokens[t], q0 + 16 * g + 4 * j));
+                            let qx = _mm512_set1_epi32(quad(tokens[t].q, q0 + 16 * g + 4 * j));
                             isum[t] = _mm512_dpbusd_epi32(isum[t], w, qx);
                         }
                     }
@@ -775,8 +762,8 @@ mod x86 {
                         }
                         for t in 0..T {
                             let at = q0 + 64 * pair + 4 * c;
-                            even[t] = dot4(even[t], lo, _mm256_set1_epi32(quad(&tokens[t], at)));
-                            odd[t] = dot4(odd[t], hi, _mm256_set1_epi32(quad(&tokens[t], at + 32)));
+                            even[t] = dot4(even[t], lo, _mm256_set1_epi32(quad(tokens[t].q, at)));
+                            odd[t] = dot4(odd[t], hi, _mm256_set1_epi32(quad(tokens[t].q, at + 32)));
                         }
                     }
                     let scale = |j: usize| {
@@ -838,7 +825,7 @@ mod x86 {
                     for j in 0..4 {
                         let w = _mm256_loadu_si256(block.add(64 * (4 * g + j) + lanes) as *const __m256i);
                         for t in 0..T {
-                            isum[t] = dot4(isum[t], w, _mm256_set1_epi32(quad(&tokens[t], q0 + 16 * g + 4 * j)));
+                            isum[t] = dot4(isum[t], w, _mm256_set1_epi32(quad(tokens[t].q, q0 + 16 * g + 4 * j)));
                         }
                     }
                     let at = block.add(SCALES_AT + g * GROUP + rows);
@@ -992,21 +979,10 @@ mod tests {
                     let mut out = vec![f32::NAN; tokens * GROUP];
                     for group in 0..m.groups() {
                         m.group_products(group, &prepared, &mut out, kernel);
-                        for (t, act) in acts.iter().enumerate() {
-                            for lane in 0..GROUP {
-                                let row = group * GROUP + lane;
-                                let want = match row < rows {
-                                    true => reference(dtype, &bytes[row * row_bytes..(row + 1) * row_bytes], act),
-                                    false => 0.0,
-                                };
-                                let got = out[t * GROUP + lane];
-                                assert_eq!(
-                                    got.to_bits(),
-                                    want.to_bits(),
-                                    "{dtype:?} {kernel:?}: row {row}, token {t} of {tokens}: {got} vs {want}"
-                                );
-                            }
-                        }
+                        let want =
+                            |row: usize, t| reference(dtype, &bytes[row * row_bytes..(row + 1) * row_bytes], &acts[t]);
+                        let case = format!("{dtype:?} {kernel:?}");
+                        crate::quant::interleaved::assert_group_bits(&out, group, rows, want, &case);
                     }
                 }
             }
