@@ -4,9 +4,10 @@
 //! (`BBC_BENCH_PREFILL` tokens).
 //! Prints time per step and tokens per second, and each batch's speed-up over the first measured
 //! in the same run. `cargo bench --bench batched_step`; `BBC_BENCH_BATCHES=1,16` picks the decode
-//! batches (empty: the prefill chunk alone, e.g. to profile it).
+//! batches (empty: the prefill chunk alone, e.g. to profile it); `BBC_BENCH_DTYPE=f32` (or
+//! `bf16`) runs the matrices widened to that type instead of the file's blocks.
 
-use models::{LogitsFor, Model, ModelSpec};
+use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use runtime::kv::{BlockId, Segment, StateSnapshots};
 use runtime::CpuBackend;
 use std::time::Instant;
@@ -18,7 +19,12 @@ fn main() {
     let name = std::env::var("BBC_BENCH_MODEL").unwrap_or_else(|_| "smollm2".into());
     let known = bbc::fetch::known(&name).unwrap_or_else(|| panic!("`{name}` is not a model bbc fetches"));
     let path = bbc::fetch::ensure(known, true).expect("fetching the model");
-    let model = Model::open(ModelSpec::for_weights(&path)).expect("opening the model");
+    let mut spec = ModelSpec::for_weights(&path);
+    if let Ok(dtype) = std::env::var("BBC_BENCH_DTYPE") {
+        spec.dtype = ComputeDtype::parse(&dtype)
+            .unwrap_or_else(|| panic!("BBC_BENCH_DTYPE: `{dtype}` is not f32, bf16 or native"));
+    }
+    let model = Model::open(spec).expect("opening the model");
     let graph = passes::optimized(&model.lower(LogitsFor::LastToken).unwrap(), passes::CostModel::CPU).unwrap();
     let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
     let blocks_per_seq = (CONTEXT + 1).div_ceil(BLOCK);

@@ -1,16 +1,17 @@
 //! Weight matrices as the CPU kernels consume them, and `x · Wᵀ` over them.
 //!
 //! A matrix keeps the storage its graph node asks for: f32, bf16, or a GGML block format.
-//! The product walks W's rows in parallel chunks; each row is widened to f32 once (a
-//! dequantized row of a few KiB stays in L1) and dotted with every token's activation, so
-//! prefill reads the weights once per step and decode is a pass over the weights. Quantized
-//! weights take the integer path instead: activations quantized to int8 once per step (per 32
+//! The product walks W's rows in parallel runs, so prefill reads the weights once per step and
+//! decode is a pass over the weights. Dense rows (f32, bf16) are multiplied in register tiles
+//! of rows × tokens (`dense`; where the CPU lacks AVX2 and FMA, each row is widened to f32 once
+//! and dotted with every token's activation). Quantized weights take the integer path: activations quantized to int8 once per step (per 32
 //! elements, or per 256-element super-block for K-quant rows), each weight row dotted with them
 //! in integers (ggml's scheme). Block-quantized rows are kept interleaved
 //! (`models::quant::interleaved` for the 32-weight formats, `interleaved_k` for the K-quants:
 //! sixteen rows advance together in one register); a format without that layout would be
 //! unpacked a row at a time.
 
+use super::dense::{self, DenseKernel, DenseRows};
 use super::simd;
 use half::bf16;
 use models::quant::int8::{Int8Kernel, Q8KRow, Q8Row, UnpackedRow, ACT_BLOCK};
@@ -123,6 +124,15 @@ impl Matrix {
         }
     }
 
+    /// The rows as the dense kernels read them, where they are f32 or bf16.
+    fn dense_rows(&self) -> Option<DenseRows<'_>> {
+        match &self.storage {
+            Storage::F32(v) => Some(DenseRows::F32(v)),
+            Storage::Bf16(v) => Some(DenseRows::Bf16(v)),
+            _ => None,
+        }
+    }
+
     /// `out[t, n] = Σ_k x[t, k]·W[n, k]` for `x` of `tokens` rows.
     pub fn matmul(&self, x: &[f32], tokens: usize, out: &mut [f32]) {
         self.matmul_rows(0..self.rows, x, tokens, out);
@@ -140,18 +150,26 @@ impl Matrix {
         // Each task computes a run of W's rows for every token ([rows, tokens]) and writes its
         // columns of `out` itself (see `for_row_runs`).
         let rows_per_task = rows_per_task(n);
+        if let (Some(weights), Some(kernel)) = (self.dense_rows(), DenseKernel::detected()) {
+            products_by_runs(rows, out, |run, _, write| {
+                dense::products(kernel, weights, k, run, x, tokens, write)
+            });
+            return;
+        }
         match &self.storage {
             Storage::Interleaved(interleaved) => {
                 let acts = quantize_rows(x, k, Q8Row::quantize);
                 let acts = interleaved.activations(&acts).expect("activations cover the rows");
-                interleaved_products(rows, out, |run, kernel, scratch, write| {
+                let kernel = Int8Kernel::detected();
+                products_by_runs(rows, out, |run, scratch, write| {
                     interleaved.products(run, &acts, kernel, scratch, write)
                 });
             }
             Storage::InterleavedSuper(interleaved) => {
                 let acts = quantize_rows(x, k, Q8KRow::quantize);
                 let acts = interleaved.activations(&acts).expect("activations cover the rows");
-                interleaved_products(rows, out, |run, kernel, scratch, write| {
+                let kernel = Int8Kernel::detected();
+                products_by_runs(rows, out, |run, scratch, write| {
                     interleaved.products(run, &acts, kernel, scratch, write)
                 });
             }
@@ -171,6 +189,7 @@ impl Matrix {
                     unpacked.dot_many(&acts, dst);
                 });
             }
+            // Dense rows on a CPU without AVX2 and FMA, and block rows of a width no block divides.
             _ => for_row_runs(out, n, tokens, rows_per_task, |row_buf: &mut Vec<f32>, r, dst| {
                 row_buf.resize(k, 0.0);
                 let w = self.row_f32(base + r, row_buf);
@@ -320,16 +339,17 @@ fn collect<'a, T: Clone + 'a>(
     Ok(out)
 }
 
-/// `out[t, n − rows.start] = acts[t] · W[n]` for `n` in `rows`, over interleaved rows: parallel
-/// runs of whole groups (a run's first and last group may lie partly outside `rows`; their
-/// other rows are computed and dropped), each run writing its own columns of `out`.
-fn interleaved_products(
+/// `out[t, n − rows.start] = x[t] · W[n]` for `n` in `rows`, by `products(run, scratch, write)`
+/// over parallel runs of rows, each writing its own columns of `out` (`write(t, i, values)`:
+/// the products of token `t` with the run's rows from its `i`th on). Runs cover whole groups
+/// of interleaved rows (a run's first and last group may lie partly outside `rows`; their
+/// other rows are computed and dropped); dense rows need no such alignment and take it anyway.
+fn products_by_runs(
     rows: std::ops::Range<usize>,
     out: &mut [f32],
-    products: impl Fn(std::ops::Range<usize>, Int8Kernel, &mut Vec<f32>, &mut dyn FnMut(usize, usize, &[f32])) + Sync,
+    products: impl Fn(std::ops::Range<usize>, &mut Vec<f32>, &mut dyn FnMut(usize, usize, &[f32])) + Sync,
 ) {
     let n = rows.len();
-    let kernel = Int8Kernel::detected();
     let groups = rows.start / GROUP..rows.end.div_ceil(GROUP);
     let groups_per_task = rows_per_task(n).div_ceil(GROUP);
     let columns = OutColumns(out.as_mut_ptr());
@@ -339,7 +359,7 @@ fn interleaved_products(
         let end = (first + groups_per_task).min(groups.end);
         let run = (first * GROUP).max(rows.start)..(end * GROUP).min(rows.end);
         let offset = run.start - rows.start;
-        products(run, kernel, scratch, &mut |t, r, values| {
+        products(run, scratch, &mut |t, r, values| {
             // SAFETY: t < tokens and offset + r + values.len() ≤ n (the values are rows of
             // `rows`), so the elements are inside `out`; runs cover disjoint rows, so no two
             // tasks write the same element, and `out` is borrowed mutably for the whole call.

@@ -9,6 +9,7 @@
 mod activation;
 mod attention;
 pub mod delta_net;
+mod dense;
 pub mod int8_head;
 mod kv_pages;
 mod latent_attention;

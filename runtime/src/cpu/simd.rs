@@ -31,7 +31,7 @@ fn dot_body<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
 
 /// Pairwise reduction: a fixed order, so results are deterministic.
 #[inline(always)]
-fn reduce(mut acc: [f32; LANES]) -> f32 {
+pub(super) fn reduce(mut acc: [f32; LANES]) -> f32 {
     let mut width = LANES / 2;
     while width > 0 {
         for i in 0..width {

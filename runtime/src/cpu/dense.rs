@@ -1,0 +1,489 @@
+//! `x · Wᵀ` over dense weight rows (f32, or bf16 widened as they are loaded): the matmul of
+//! models run at `--dtype f32` or `bf16`, and of HF checkpoints' bf16 weights.
+//!
+//! A register tile holds the products of a few weight rows with a few tokens, so each 16-float
+//! chunk of a row or of a token is loaded once for the whole tile instead of once for every
+//! product: a dot per (row, token) pair does two loads per FMA, a 4×4 tile half a load.
+//!
+//! Each product is the same bits as [`simd::dot`] of the widened row with the token: lane `i`
+//! of a product's accumulator is `dot`'s `acc[i]`, fed the same FMAs over the same chunks,
+//! then `dot`'s tail and its pairwise reduction. So a product does not depend on how many
+//! tokens share the step or where a tile's edges fall (invariant 4), and the INT8-bound head's
+//! rescoring, which calls `simd::dot` on a widened row, gives the plain head's logit.
+
+use super::simd;
+use half::bf16;
+use std::ops::Range;
+
+/// Weight rows of one dense kind, `cols` floats each, row after row.
+#[derive(Clone, Copy)]
+pub enum DenseRows<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+}
+
+/// Which tile kernel runs: both give `simd::dot`'s bits (its FMA form, which every CPU with
+/// AVX2 and FMA runs); a CPU without them computes each product with `simd::dot` itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DenseKernel {
+    /// 256-bit registers: a product's sixteen lanes in two of them, tiles of 2 rows × 3 tokens.
+    Avx2,
+    /// 512-bit registers: a product's lanes in one, tiles of 4 rows × 4 tokens.
+    Avx512,
+}
+
+impl DenseKernel {
+    /// The fastest this CPU runs (AVX-512 unless `BBC_AVX512=0`, as for the int8 kernels), or
+    /// none where it lacks AVX2 and FMA.
+    pub fn detected() -> Option<Self> {
+        static DETECTED: std::sync::OnceLock<Option<DenseKernel>> = std::sync::OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            let wide_allowed = std::env::var("BBC_AVX512").map_or(true, |v| v != "0");
+            let available = Self::available();
+            match available.last() {
+                Some(Self::Avx512) if !wide_allowed => available.first().copied(),
+                last => last.copied(),
+            }
+        })
+    }
+
+    /// Every kernel this CPU runs, narrowest first (to check them against each other).
+    pub fn available() -> Vec<Self> {
+        let mut kernels = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            kernels.push(Self::Avx2);
+            if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512vl") {
+                kernels.push(Self::Avx512);
+            }
+        }
+        kernels
+    }
+
+    /// Rows and tokens of the largest tile.
+    fn tile(self) -> (usize, usize) {
+        match self {
+            Self::Avx2 => (2, 3),
+            Self::Avx512 => (4, 4),
+        }
+    }
+}
+
+/// The most products in a tile.
+const MAX_TILE: usize = 16;
+
+/// The most bytes of activations a pass over a run's rows reads: that many stay in L2 while
+/// every row tile of the run goes over them.
+const ACTIVATION_BLOCK_BYTES: usize = 256 << 10;
+
+/// `write(t, i, values)`: `values[j] = dot(W[run.start + i + j], x[t])`, for every token `t`
+/// of `x` (`tokens` rows of `cols`) and every row of `run`, a tile's rows at a time.
+pub fn products(
+    kernel: DenseKernel,
+    weights: DenseRows<'_>,
+    cols: usize,
+    run: Range<usize>,
+    x: &[f32],
+    tokens: usize,
+    write: &mut dyn FnMut(usize, usize, &[f32]),
+) {
+    debug_assert_eq!(x.len(), tokens * cols);
+    let (tile_rows, tile_tokens) = kernel.tile();
+    let block_tokens = (ACTIVATION_BLOCK_BYTES / (cols.max(1) * 4) / tile_tokens).max(1) * tile_tokens;
+    let mut values = [0f32; MAX_TILE];
+    for block in (0..tokens).step_by(block_tokens) {
+        let block = block..(block + block_tokens).min(tokens);
+        for r0 in run.clone().step_by(tile_rows) {
+            let rows = tile_rows.min(run.end - r0);
+            for t0 in block.clone().step_by(tile_tokens) {
+                let toks = tile_tokens.min(block.end - t0);
+                let tile = Tile {
+                    rows: r0..r0 + rows,
+                    tokens: t0..t0 + toks,
+                };
+                tile.compute(kernel, weights, cols, x, &mut values);
+                for (j, t) in tile.tokens.clone().enumerate() {
+                    write(t, r0 - run.start, &values[j * rows..(j + 1) * rows]);
+                }
+            }
+        }
+    }
+}
+
+/// Some rows of W times some tokens: `values[j·rows + i]` is row `i`'s product with token `j`.
+struct Tile {
+    rows: Range<usize>,
+    tokens: Range<usize>,
+}
+
+impl Tile {
+    fn compute(
+        &self,
+        kernel: DenseKernel,
+        weights: DenseRows<'_>,
+        cols: usize,
+        x: &[f32],
+        values: &mut [f32; MAX_TILE],
+    ) {
+        match weights {
+            DenseRows::F32(w) => self.compute_with(kernel, w, cols, x, values),
+            DenseRows::Bf16(w) => self.compute_with(kernel, w, cols, x, values),
+        }
+    }
+
+    fn compute_with<W: Widen>(
+        &self,
+        kernel: DenseKernel,
+        w: &[W],
+        cols: usize,
+        x: &[f32],
+        values: &mut [f32; MAX_TILE],
+    ) {
+        assert!(self.rows.end * cols <= w.len() && self.tokens.end * cols <= x.len());
+        let row = |i: usize| w[(self.rows.start + i) * cols..].as_ptr();
+        let token = |j: usize| x[(self.tokens.start + j) * cols..].as_ptr();
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `kernel` came from `DenseKernel::available`, so the CPU has its features; every
+        // row and token pointer has `cols` elements after it (asserted above).
+        unsafe {
+            x86::tile(kernel, self.rows.len(), self.tokens.len(), row, token, cols, values)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        unreachable!("{kernel:?} is an x86 kernel");
+    }
+}
+
+/// A weight element the kernels widen to f32 as they load it.
+trait Widen: Copy {
+    fn widen(self) -> f32;
+    /// Sixteen elements from `p` widened, in one 512-bit register.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load512(p: *const Self) -> std::arch::x86_64::__m512;
+    /// Eight elements from `p` widened, in one 256-bit register.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load256(p: *const Self) -> std::arch::x86_64::__m256;
+}
+
+impl Widen for f32 {
+    fn widen(self) -> f32 {
+        self
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load512(p: *const f32) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's kernel has AVX-512F, and `p` has sixteen floats after it.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load256(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's kernel has AVX, and `p` has eight floats after it.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+}
+
+/// A bf16 is an f32's top half: widened, each 16-bit weight goes to the top of a 32-bit lane.
+/// That is `bf16::to_f32` for every number (NaNs aside, whose payload `to_f32` may quieten; a
+/// NaN weight gives a NaN product either way).
+impl Widen for bf16 {
+    fn widen(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load512(p: *const bf16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's kernel has AVX-512F, and `p` has sixteen bf16s after it.
+        unsafe {
+            let halves = _mm256_loadu_si256(p.cast());
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16))
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load256(p: *const bf16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's kernel has AVX2, and `p` has eight bf16s after it.
+        unsafe {
+            let halves = _mm_loadu_si128(p.cast());
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16))
+        }
+    }
+}
+
+/// `dot`'s tail and reduction for a tile whose chunks are summed in `lanes` (`lanes[i·T + j]`
+/// for row `i` and token `j`, `T` tokens): the elements past the last whole chunk added into
+/// their lanes, then the lanes reduced pairwise, into `values[j·R + i]`.
+///
+/// # Safety
+/// Every pointer of `rows` and `tokens` has `cols` elements after it.
+#[inline(never)]
+unsafe fn finish_with_tails<W: Widen>(
+    lanes: &[[f32; 16]; MAX_TILE],
+    rows: &[*const W],
+    tokens: &[*const f32],
+    cols: usize,
+    values: &mut [f32; MAX_TILE],
+) {
+    for (i, &w) in rows.iter().enumerate() {
+        for (j, &x) in tokens.iter().enumerate() {
+            let mut lanes = lanes[i * tokens.len() + j];
+            for c in cols / 16 * 16..cols {
+                // SAFETY: c < cols, and both pointers have `cols` elements after them (the
+                // caller's promise).
+                let (wc, xc) = unsafe { ((*w.add(c)).widen(), *x.add(c)) };
+                lanes[c % 16] += wc * xc;
+            }
+            values[j * rows.len() + i] = simd::reduce(lanes);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{finish_with_tails, DenseKernel, Widen, MAX_TILE};
+    use std::arch::x86_64::*;
+
+    /// `simd::reduce` of eight lanes already summed pairwise once (`lane i + lane i+8`): the
+    /// same additions in the same order, in registers.
+    #[inline(always)]
+    unsafe fn reduce8(v: __m256) -> f32 {
+        unsafe {
+            let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)))
+        }
+    }
+
+    /// A tile of `rows` × `tokens` products into `values` (`values[j·rows + i]`).
+    ///
+    /// # Safety
+    /// The CPU has `kernel`'s features; `row(i)` for `i < rows` and `token(j)` for `j < tokens`
+    /// have `cols` elements after them; `rows` and `tokens` are at most `kernel.tile()`'s.
+    pub(super) unsafe fn tile<W: Widen>(
+        kernel: DenseKernel,
+        rows: usize,
+        tokens: usize,
+        row: impl Fn(usize) -> *const W,
+        token: impl Fn(usize) -> *const f32,
+        cols: usize,
+        values: &mut [f32; MAX_TILE],
+    ) {
+        // `$f::<W, R, T>` for the tile's `rows` and `tokens` as constants, each from 1 up.
+        macro_rules! by_tokens {
+            ($f:ident, $r:literal, [$($t:literal),*]) => {
+                match tokens {
+                    $($t => {
+                        let rows: [*const W; $r] = std::array::from_fn(&row);
+                        let toks: [*const f32; $t] = std::array::from_fn(&token);
+                        // SAFETY: as the caller promises.
+                        unsafe { $f::<W, $r, $t>(rows, toks, cols, values) }
+                    })*
+                    _ => unreachable!("a tile of {rows}×{tokens} for {kernel:?}"),
+                }
+            };
+        }
+        macro_rules! by_rows {
+            ($f:ident, [$($r:literal),*], $tokens:tt) => {
+                match rows {
+                    $($r => by_tokens!($f, $r, $tokens),)*
+                    _ => unreachable!("a tile of {rows}×{tokens} for {kernel:?}"),
+                }
+            };
+        }
+        match kernel {
+            DenseKernel::Avx2 => by_rows!(tile256, [1, 2], [1, 2, 3]),
+            DenseKernel::Avx512 => by_rows!(tile512, [1, 2, 3, 4], [1, 2, 3, 4]),
+        }
+    }
+
+    /// `R` rows × `T` tokens with 512-bit registers: one accumulator a product, lane `i` being
+    /// `dot`'s `acc[i]`.
+    /// AVX-512VL, though no instruction here needs it, lets LLVM zero a register above the
+    /// sixteenth: without it every accumulator starts from a VEX `vxorps` and so is held in
+    /// the first sixteen registers, which with the weights spills one to the stack.
+    #[target_feature(enable = "avx512f,avx512vl")]
+    unsafe fn tile512<W: Widen, const R: usize, const T: usize>(
+        rows: [*const W; R],
+        tokens: [*const f32; T],
+        cols: usize,
+        values: &mut [f32; MAX_TILE],
+    ) {
+        // One flat array (`acc[i·T + j]`): LLVM kept nested arrays' registers shuffling
+        // through the stack.
+        let mut acc = [_mm512_setzero_ps(); MAX_TILE];
+        for at in (0..cols / 16).map(|c| c * 16) {
+            // SAFETY: at + 16 ≤ cols, within every row and token (the caller's promise).
+            unsafe {
+                let w: [__m512; R] = std::array::from_fn(|i| W::load512(rows[i].add(at)));
+                for (j, token) in tokens.iter().enumerate() {
+                    let x = _mm512_loadu_ps(token.add(at));
+                    for (i, &w) in w.iter().enumerate() {
+                        acc[i * T + j] = _mm512_fmadd_ps(w, x, acc[i * T + j]);
+                    }
+                }
+            }
+        }
+        // Constant indices only (LLVM keeps an array it indexes at run time in memory, and the
+        // loop's accumulators with it): the tail's products go through memory instead.
+        if cols.is_multiple_of(16) {
+            for k in 0..R * T {
+                let lo = _mm512_castps512_ps256(acc[k]);
+                let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[k]), 1));
+                // SAFETY: AVX-512F implies the AVX `reduce8` uses.
+                values[k % T * R + k / T] = unsafe { reduce8(_mm256_add_ps(lo, hi)) };
+            }
+        } else {
+            let mut lanes = [[0f32; 16]; MAX_TILE];
+            for k in 0..R * T {
+                // SAFETY: `lanes[k]` holds sixteen floats.
+                unsafe { _mm512_storeu_ps(lanes[k].as_mut_ptr(), acc[k]) };
+            }
+            // SAFETY: the caller's promise.
+            unsafe { finish_with_tails(&lanes, &rows, &tokens, cols, values) };
+        }
+    }
+
+    /// `R` rows × `T` tokens with 256-bit registers: a product's lanes 0–7 in one accumulator
+    /// and 8–15 in another. A row's two halves are loaded one after the other so that the
+    /// accumulators, a half's weights and a token fit the sixteen registers.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile256<W: Widen, const R: usize, const T: usize>(
+        rows: [*const W; R],
+        tokens: [*const f32; T],
+        cols: usize,
+        values: &mut [f32; MAX_TILE],
+    ) {
+        // Product `k`'s lanes 0–7 in `acc[2k]`, 8–15 in `acc[2k + 1]`.
+        let mut acc = [_mm256_setzero_ps(); 2 * MAX_TILE];
+        for at in (0..cols / 16).map(|c| c * 16) {
+            for half in 0..2 {
+                let at = at + half * 8;
+                // SAFETY: at + 8 ≤ cols, within every row and token (the caller's promise).
+                unsafe {
+                    let w: [__m256; R] = std::array::from_fn(|i| W::load256(rows[i].add(at)));
+                    for (j, token) in tokens.iter().enumerate() {
+                        let x = _mm256_loadu_ps(token.add(at));
+                        for (i, &w) in w.iter().enumerate() {
+                            let k = 2 * (i * T + j) + half;
+                            acc[k] = _mm256_fmadd_ps(w, x, acc[k]);
+                        }
+                    }
+                }
+            }
+        }
+        if cols.is_multiple_of(16) {
+            for k in 0..R * T {
+                let (lo, hi) = (acc[2 * k], acc[2 * k + 1]);
+                // SAFETY: the CPU has AVX (implied by AVX2).
+                values[k % T * R + k / T] = unsafe { reduce8(_mm256_add_ps(lo, hi)) };
+            }
+        } else {
+            let mut lanes = [[0f32; 16]; MAX_TILE];
+            for k in 0..R * T {
+                // SAFETY: `lanes[k]` holds sixteen floats.
+                unsafe {
+                    _mm256_storeu_ps(lanes[k].as_mut_ptr(), acc[2 * k]);
+                    _mm256_storeu_ps(lanes[k].as_mut_ptr().add(8), acc[2 * k + 1]);
+                }
+            }
+            // SAFETY: the caller's promise.
+            unsafe { finish_with_tails(&lanes, &rows, &tokens, cols, values) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Numbers of many magnitudes and both signs, so that rounding differs between orders.
+    fn numbers(len: usize, seed: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                let h = (i + seed * 7717).wrapping_mul(2654435761) >> 7;
+                let mantissa = (h % 2001) as f32 / 1000.0 - 1.0;
+                mantissa * [1e-3, 0.1, 1.0, 17.0][h / 2001 % 4]
+            })
+            .collect()
+    }
+
+    /// Every product of `run`'s rows with every token, as `products` writes them.
+    fn all_products(
+        kernel: DenseKernel,
+        weights: DenseRows<'_>,
+        cols: usize,
+        run: Range<usize>,
+        x: &[f32],
+        tokens: usize,
+    ) -> Vec<Vec<Option<f32>>> {
+        let mut got = vec![vec![None; run.len()]; tokens];
+        products(kernel, weights, cols, run, x, tokens, &mut |t, i, values| {
+            for (j, &v) in values.iter().enumerate() {
+                assert!(
+                    got[t][i + j].replace(v).is_none(),
+                    "product ({t}, {}) written twice",
+                    i + j
+                );
+            }
+        });
+        got
+    }
+
+    fn check_against_dot(kernel: DenseKernel, weights: DenseRows<'_>, widened: &[f32], cols: usize, rows: usize) {
+        for tokens in 1..=9 {
+            let x = numbers(tokens * cols, tokens);
+            // Whole and partial runs: tiles' row edges fall at different rows.
+            for run in [0..rows, 1..rows, 3..rows - 1] {
+                let got = all_products(kernel, weights, cols, run.clone(), &x, tokens);
+                for (t, token) in x.chunks_exact(cols).enumerate() {
+                    for (i, r) in run.clone().enumerate() {
+                        let want = simd::dot(&widened[r * cols..(r + 1) * cols], token);
+                        let got = got[t][i].expect("every product written");
+                        assert_eq!(
+                            got.to_bits(),
+                            want.to_bits(),
+                            "{kernel:?}, {cols} columns, row {r}, token {t} of {tokens}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Each product is `simd::dot`'s bits for f32 and bf16 rows, whatever the tile it falls in
+    /// (ragged rows and tokens) and whether the width has a tail past the last whole chunk.
+    #[test]
+    fn products_are_simd_dots_bit_for_bit() {
+        let kernels = DenseKernel::available();
+        if kernels.is_empty() {
+            eprintln!("skipped: this CPU runs no dense tile kernel (no AVX2 and FMA)");
+        }
+        let rows = 11;
+        for kernel in kernels {
+            for cols in [5, 16, 37, 64, 144] {
+                let w = numbers(rows * cols, cols);
+                check_against_dot(kernel, DenseRows::F32(&w), &w, cols, rows);
+                let halves: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+                let widened: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
+                check_against_dot(kernel, DenseRows::Bf16(&halves), &widened, cols, rows);
+            }
+        }
+    }
+
+    /// Enough tokens that `products` splits them into blocks: every product still written once.
+    #[test]
+    fn token_blocks_cover_every_token() {
+        let cols = 4096;
+        let tokens = ACTIVATION_BLOCK_BYTES / (cols * 4) * 2 + 3;
+        for kernel in DenseKernel::available() {
+            let w = numbers(5 * cols, 1);
+            let x = numbers(tokens * cols, 2);
+            let got = all_products(kernel, DenseRows::F32(&w), cols, 0..5, &x, tokens);
+            for (t, token) in x.chunks_exact(cols).enumerate() {
+                let want = simd::dot(&w[4 * cols..], token);
+                assert_eq!(got[t][4].map(f32::to_bits), Some(want.to_bits()), "token {t}");
+            }
+        }
+    }
+}
