@@ -531,7 +531,7 @@ impl CpuBackend {
                 let x = args[0].value().tensor();
                 Tensor::new(
                     vec![x.rows(), *len],
-                    ops::slice_columns(&x.data, x.row_len(), *start, *len),
+                    rows::slice_columns(&x.data, x.row_len(), *start, *len),
                 )
             }
             Op::AddRmsNorm { eps, weight_offset } => {

@@ -34,6 +34,22 @@ pub fn concat_columns(a: &[f32], a_len: usize, b: &[f32], b_len: usize) -> Vec<f
     out
 }
 
+/// Columns `start..start + len` of every row of `x` (rows of `row_len`): a fused projection's
+/// part (`Slice`), copied a row at a time.
+pub fn slice_columns(x: &[f32], row_len: usize, start: usize, len: usize) -> Vec<f32> {
+    let mut out = vec![0f32; x.len().checked_div(row_len).unwrap_or(0) * len];
+    if len == 0 {
+        return out;
+    }
+    for_row_runs(&mut out, len, |first, run| {
+        for (i, row) in run.chunks_exact_mut(len).enumerate() {
+            let at = (first + i) * row_len + start;
+            row.copy_from_slice(&x[at..at + len]);
+        }
+    });
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -49,6 +65,21 @@ mod tests {
             });
             let want: Vec<f32> = (0..rows).flat_map(|r| [r as f32; 3]).collect();
             assert_eq!(data, want, "{rows} rows");
+        }
+    }
+
+    #[test]
+    fn column_slices_match_the_reference() {
+        for rows in [0, 1, 20] {
+            let x: Vec<f32> = (0..rows * 7).map(|i| i as f32).collect();
+            for (start, len) in [(0, 7), (0, 3), (2, 4), (6, 1), (3, 0)] {
+                assert_eq!(
+                    slice_columns(&x, 7, start, len),
+                    ir::reference::ops::slice_columns(&x, 7, start, len),
+                    "{rows} rows, columns {start}..{}",
+                    start + len
+                );
+            }
         }
     }
 
