@@ -79,7 +79,7 @@ impl Loaded {
     pub fn weight_cache(&mut self) -> runtime::WeightCache {
         let mut cache = runtime::WeightCache::default();
         for (name, rows) in self.int8_heads.drain(..) {
-            cache.insert_int8(name, std::sync::Arc::new(rows));
+            cache.insert_int8(name, &rows);
         }
         cache
     }

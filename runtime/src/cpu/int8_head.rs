@@ -15,6 +15,7 @@
 //! Let τ be the k-th largest lower bound `A_v − B_v`. A row whose upper bound `A_v + B_v` is
 //! below τ has at least k rows certainly above it, so only rows reaching τ are rescored with
 //! the plain head's own dot product; their exact top-k (ties to the lowest id) is the answer.
+//! The scoring pass runs sixteen rows a vector (`int8_scores`), the rescoring a row a task.
 //!
 //! Soft-capped logits (`c(x) = cap · tanh(x / cap)`) keep the order but may join values that
 //! were apart, so a row outside the candidates could tie a capped winner and, with a lower
@@ -24,14 +25,18 @@
 //! That test is `A_v + B_v ≥ τ'` for the least `τ'` with `c(τ') ≥ c(τ)`, found once per query
 //! by bisection ([`least_reaching`]), so no row's bound is capped.
 
+use super::int8_scores::{Query, ScoringRows};
 use super::simd;
 use super::Matrix;
-use passes::weight_transforms::{norm, quantize_block, round_up, Int8Rows, INT8_BLOCK, U};
+use models::quant::int8::Int8Kernel;
+use passes::weight_transforms::Int8Rows;
 use rayon::prelude::*;
 use std::sync::Arc;
 
+/// A head's INT8 rows, regrouped for the scoring pass; cloning shares them.
+#[derive(Clone)]
 pub struct Int8Head {
-    rows: Arc<Int8Rows>,
+    rows: Arc<ScoringRows>,
 }
 
 /// One query's answer and how much rescoring it took.
@@ -44,70 +49,45 @@ pub struct TopK {
 impl Int8Head {
     /// Quantize the rows of a full-precision head (f32 or bf16 storage) now.
     pub fn prepare(w: &Matrix) -> Self {
-        Self::from_rows(Arc::new(Int8Rows::quantize(w.rows, w.cols, |r, buf| {
+        Self::from_rows(&Int8Rows::quantize(w.rows, w.cols, |r, buf| {
             let row = w.row_f32(r, buf).to_vec();
             buf.copy_from_slice(&row);
-        })))
+        }))
     }
 
-    /// A head quantized at compile time.
-    pub fn from_rows(rows: Arc<Int8Rows>) -> Self {
-        Self { rows }
+    /// A head quantized at compile time (or by [`prepare`](Self::prepare)).
+    pub fn from_rows(rows: &Int8Rows) -> Self {
+        Self {
+            rows: Arc::new(ScoringRows::new(rows)),
+        }
     }
 
     pub fn rows(&self) -> usize {
-        self.rows.rows
+        self.rows.rows()
     }
 
-    pub fn rows_arc(&self) -> Arc<Int8Rows> {
-        self.rows.clone()
+    pub fn cols(&self) -> usize {
+        self.rows.cols()
     }
 
     /// The exact top-k of `h · Wᵀ` (soft-capped by `soft_cap` where given) as `full` (the
     /// same weights, full precision) computes it.
     pub fn top_k(&self, h: &[f32], k: usize, soft_cap: Option<f32>, full: &Matrix) -> TopK {
         let capped = |x: f32| soft_cap.map_or(x, |cap| ir::reference::ops::soft_cap(x, cap));
-        let w = &*self.rows;
-        let d = w.cols;
-        let blocks = w.blocks_per_row();
-        let mut qh = vec![0i8; d];
-        let mut hq = Vec::with_capacity(blocks);
-        for (b, x) in h.chunks(INT8_BLOCK).enumerate() {
-            let (s, e, _) = quantize_block(x, &mut qh[b * INT8_BLOCK..b * INT8_BLOCK + x.len()]);
-            hq.push((s as f64, e as f64, norm(x)));
-        }
-        let h_norm = norm(h);
-        let gamma = |n: usize| n as f64 * U / (1.0 - n as f64 * U);
-        let (gamma_d, gamma_sum) = (gamma(d), gamma(blocks + 3));
-        // The INT8 pass: (approximate score, bound) per row, rows split across threads.
-        let scored: Vec<(f32, f32)> = (0..w.rows)
-            .into_par_iter()
-            .with_min_len(1024)
-            .map(|v| {
-                let (mut a, mut magnitude, mut quant_err) = (0f64, 0f64, 0f64);
-                for (b, &(sh, eh, hn)) in hq.iter().enumerate() {
-                    let cols = b * INT8_BLOCK..((b + 1) * INT8_BLOCK).min(d);
-                    let isum = simd::idot_i8(&w.q[v * d + cols.start..v * d + cols.end], &qh[cols]);
-                    let i = v * blocks + b;
-                    let term = w.scale[i] as f64 * sh * isum as f64;
-                    a += term;
-                    magnitude += term.abs();
-                    quant_err += hn * w.err_norm[i] as f64 + eh * w.quant_norm[i] as f64;
-                }
-                let a = a as f32;
-                let b = quant_err + gamma_d * h_norm * w.norm[v] as f64 + gamma_sum * magnitude + U * (a as f64).abs();
-                (a, round_up(b * (1.0 + 8.0 * U)))
-            })
-            .collect();
+        let d = self.cols();
+        let query = Query::new(h);
+        // The INT8 pass: (approximate score, bound) per row.
+        let scored = self.rows.scores(&query, Int8Kernel::detected());
         let (approx, bound): (Vec<f32>, Vec<f32>) = scored.into_iter().unzip();
-        let k = k.min(w.rows);
+        let rows = self.rows();
+        let k = k.min(rows);
         let mut lower: Vec<f32> = approx.iter().zip(&bound).map(|(a, b)| a - b).collect();
         let (_, tau, _) = lower.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a));
         let tau = match soft_cap {
             Some(_) => least_reaching(*tau, capped),
             None => *tau,
         };
-        let candidates: Vec<usize> = (0..w.rows).filter(|&v| approx[v] + bound[v] >= tau).collect();
+        let candidates: Vec<usize> = (0..rows).filter(|&v| approx[v] + bound[v] >= tau).collect();
         let mut scored: Vec<(usize, f32)> = candidates
             .par_iter()
             .map_init(

@@ -11,6 +11,7 @@ mod attention;
 pub mod delta_net;
 mod dense;
 pub mod int8_head;
+mod int8_scores;
 mod kv_pages;
 mod latent_attention;
 mod matrix;
@@ -765,13 +766,13 @@ pub struct WeightCache {
     /// Picked rows by (the weight's address, group, start, len).
     picked: HashMap<(usize, usize, usize, usize), Arc<CpuWeight>>,
     /// INT8 heads by weight name: quantized at compile time (from the artifact) or at load.
-    int8: HashMap<String, Arc<passes::weight_transforms::Int8Rows>>,
+    int8: HashMap<String, Int8Head>,
 }
 
 impl WeightCache {
     /// Provide the INT8 rows of weight `name`, computed at compile time.
-    pub fn insert_int8(&mut self, name: String, rows: Arc<passes::weight_transforms::Int8Rows>) {
-        self.int8.insert(name, rows);
+    pub fn insert_int8(&mut self, name: String, rows: &passes::weight_transforms::Int8Rows) {
+        self.int8.insert(name, Int8Head::from_rows(rows));
     }
 }
 
@@ -913,16 +914,15 @@ fn prepare_int8_heads(
                 Op::Weight { name } => name.clone(),
                 _ => format!("%{}", w.0),
             };
-            let rows = match cache.int8.get(&name) {
-                Some(rows) if rows.rows == full.rows && rows.cols == full.cols => rows.clone(),
+            let head = match cache.int8.get(&name) {
+                Some(head) if head.rows() == full.rows && head.cols() == full.cols => head.clone(),
                 _ => {
                     let head = Int8Head::prepare(full);
-                    cache.int8.insert(name, head.rows_arc());
-                    heads.insert(i, head);
-                    continue;
+                    cache.int8.insert(name, head.clone());
+                    head
                 }
             };
-            heads.insert(i, Int8Head::from_rows(rows));
+            heads.insert(i, head);
         }
     }
     Ok(heads)
