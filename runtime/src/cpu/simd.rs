@@ -205,6 +205,156 @@ unsafe fn axpys_many_avx2<const G: usize>(alphas: &[&[f32]; G], rows: &[&[f32]],
     }
 }
 
+/// The many-vector forms on 512-bit registers: a vector's sixteen lanes (`dot_body`'s `acc`)
+/// in one register, so a tile of products and the vectors' chunks fit the 32 registers.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{axpy_body, LANES};
+    use std::arch::x86_64::*;
+
+    /// `dots_many_avx2`'s products for vectors whose length is a multiple of 16 and rows at
+    /// least as long: sixteen products at a time (`16 / G` rows × `G` vectors), their sums
+    /// reduced together ([`reduce16`]) rather than each through memory.
+    ///
+    /// AVX-512VL lets LLVM zero accumulators above the sixteenth register (see
+    /// `cpu::dense`'s `tile512`).
+    #[target_feature(enable = "avx512f,avx512vl")]
+    pub(super) unsafe fn dots_many<const G: usize>(a: &[&[f32]; G], rows: &[&[f32]], out: &mut [&mut [f32]; G]) {
+        let len = a[0].len();
+        debug_assert!(len.is_multiple_of(LANES) && rows.iter().all(|r| r.len() >= len));
+        let batch = 16 / G;
+        for first in (0..rows.len()).step_by(batch) {
+            let count = batch.min(rows.len() - first);
+            // A short last batch repeats its first row; those products are dropped.
+            let row: [*const f32; 16] = std::array::from_fn(|b| rows[first + if b < count { b } else { 0 }].as_ptr());
+            let mut acc = [_mm512_setzero_ps(); 16];
+            for at in (0..len).step_by(LANES) {
+                // SAFETY: at + 16 ≤ len, within every vector and row.
+                unsafe {
+                    let x: [__m512; G] = std::array::from_fn(|g| _mm512_loadu_ps(a[g].as_ptr().add(at)));
+                    for (b, &row) in row.iter().enumerate().take(batch) {
+                        let y = _mm512_loadu_ps(row.add(at));
+                        for (g, &x) in x.iter().enumerate() {
+                            acc[b * G + g] = _mm512_fmadd_ps(x, y, acc[b * G + g]);
+                        }
+                    }
+                }
+            }
+            let sums = reduce16(acc);
+            for b in 0..count {
+                for (g, out) in out.iter_mut().enumerate() {
+                    out[first + b] = sums[b * G + g];
+                }
+            }
+        }
+    }
+
+    /// `super::reduce` of each of sixteen registers' lanes, all at once: each stage adds the
+    /// lanes `reduce` adds (`i` and `i + width`, width 8, 4, 2, 1), shuffled so that two
+    /// registers' halves meet in one addition.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn reduce16(v: [__m512; 16]) -> [f32; 16] {
+        // Width 8: register k holds sums 2k (lanes 0–7) and 2k + 1 (lanes 8–15).
+        let w: [__m512; 8] = std::array::from_fn(|k| {
+            let (a, b) = (v[2 * k], v[2 * k + 1]);
+            _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(a, b), _mm512_shuffle_f32x4::<0xEE>(a, b))
+        });
+        // Width 4: register k holds sums 4k … 4k + 3, four lanes each.
+        let x: [__m512; 4] = std::array::from_fn(|k| {
+            let (a, b) = (w[2 * k], w[2 * k + 1]);
+            _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(a, b), _mm512_shuffle_f32x4::<0xDD>(a, b))
+        });
+        // Width 2: quarter j of register k holds sums 8k + j and 8k + 4 + j, two lanes each.
+        let y: [__m512; 2] = std::array::from_fn(|k| {
+            let (a, b) = (x[2 * k], x[2 * k + 1]);
+            _mm512_add_ps(_mm512_shuffle_ps::<0x44>(a, b), _mm512_shuffle_ps::<0xEE>(a, b))
+        });
+        // Width 1: lane 4j + m holds sum j + 4m.
+        let z = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x88>(y[0], y[1]),
+            _mm512_shuffle_ps::<0xDD>(y[0], y[1]),
+        );
+        let mut lanes = [0f32; 16];
+        // SAFETY: `lanes` holds sixteen floats.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), z) };
+        std::array::from_fn(|s| lanes[4 * (s % 4) + s / 4])
+    }
+
+    /// `axpys_many_avx2` with each output's 16-element chunk in one register, for rows at least
+    /// as long as the outputs: spans of four chunks at a time, so that `4·G` chains of FMAs
+    /// (each element's, in row order) hide the FMA's latency, then single chunks, then the
+    /// tail past the last 16.
+    #[target_feature(enable = "avx512f,avx512vl")]
+    pub(super) unsafe fn axpys_many<const G: usize>(alphas: &[&[f32]; G], rows: &[&[f32]], y: &mut [&mut [f32]; G]) {
+        let len = y[0].len();
+        debug_assert!(rows.iter().all(|row| row.len() >= len));
+        let spans = len / (4 * LANES) * 4 * LANES;
+        let whole = len / LANES * LANES;
+        for at in (0..spans).step_by(4 * LANES) {
+            // SAFETY: at + 64 ≤ len, within every output and row.
+            unsafe { axpys_span::<G, 4>(alphas, rows, y, at) };
+        }
+        for at in (spans..whole).step_by(LANES) {
+            // SAFETY: at + 16 ≤ len, within every output and row.
+            unsafe { axpys_span::<G, 1>(alphas, rows, y, at) };
+        }
+        for (y, alphas) in y.iter_mut().zip(alphas) {
+            for (row, &alpha) in rows.iter().zip(alphas.iter()) {
+                axpy_body::<true>(alpha, &row[whole..len], &mut y[whole..]);
+            }
+        }
+    }
+
+    /// Elements `at .. at + 16·C` of every output, held in `G·C` registers across the rows.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F; `at + 16·C` is within every output and row; every `alphas[g]` has
+    /// a weight per row.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl")]
+    unsafe fn axpys_span<const G: usize, const C: usize>(
+        alphas: &[&[f32]; G],
+        rows: &[&[f32]],
+        y: &mut [&mut [f32]; G],
+        at: usize,
+    ) {
+        // SAFETY: as the caller promises.
+        unsafe {
+            let mut acc: [[__m512; C]; G] =
+                std::array::from_fn(|g| std::array::from_fn(|c| _mm512_loadu_ps(y[g].as_ptr().add(at + LANES * c))));
+            for (r, row) in rows.iter().enumerate() {
+                let x: [__m512; C] = std::array::from_fn(|c| _mm512_loadu_ps(row.as_ptr().add(at + LANES * c)));
+                for (g, acc) in acc.iter_mut().enumerate() {
+                    let alpha = _mm512_set1_ps(*alphas[g].get_unchecked(r));
+                    for (acc, &x) in acc.iter_mut().zip(&x) {
+                        *acc = _mm512_fmadd_ps(x, alpha, *acc);
+                    }
+                }
+            }
+            for (g, acc) in acc.iter().enumerate() {
+                for (c, acc) in acc.iter().enumerate() {
+                    _mm512_storeu_ps(y[g].as_mut_ptr().add(at + LANES * c), *acc);
+                }
+            }
+        }
+    }
+}
+
+/// Whether the many-vector forms run on 512-bit registers: AVX-512F and VL, unless
+/// `BBC_AVX512=0` (the same bits either way).
+#[cfg(target_arch = "x86_64")]
+fn has_avx512() -> bool {
+    use std::sync::OnceLock;
+    static DETECTED: OnceLock<bool> = OnceLock::new();
+    *DETECTED.get_or_init(|| {
+        std::env::var("BBC_AVX512").map_or(true, |v| v != "0")
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512vl")
+            && has_avx2_fma()
+    })
+}
+
 #[cfg(target_arch = "x86_64")]
 fn has_avx2_fma() -> bool {
     use std::sync::OnceLock;
@@ -264,6 +414,13 @@ pub const MANY: usize = 4;
 /// heads sharing a KV head), each cache row read once for all of them.
 #[inline]
 pub fn dots_many<const G: usize>(a: &[&[f32]; G], rows: &[&[f32]], out: &mut [&mut [f32]; G]) {
+    let len = a[0].len();
+    assert!(a.iter().all(|v| v.len() == len), "vectors of one length");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() && len.is_multiple_of(LANES) && rows.iter().all(|r| r.len() >= len) {
+        // SAFETY: the CPU has AVX-512F and VL (checked above); lengths as it wants them.
+        return unsafe { avx512::dots_many::<G>(a, rows, out) };
+    }
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
         // SAFETY: as in `dot`.
@@ -277,6 +434,14 @@ pub fn dots_many<const G: usize>(a: &[&[f32]; G], rows: &[&[f32]], out: &mut [&m
 /// `axpys(alphas[g], rows, y[g])` for each `g`, bit for bit, each row read once for all.
 #[inline]
 pub fn axpys_many<const G: usize>(alphas: &[&[f32]; G], rows: &[&[f32]], y: &mut [&mut [f32]; G]) {
+    let len = y[0].len();
+    assert!(y.iter().all(|y| y.len() == len), "outputs of one length");
+    assert!(alphas.iter().all(|a| a.len() >= rows.len()), "a weight per row");
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() && rows.iter().all(|row| row.len() >= len) {
+        // SAFETY: the CPU has AVX-512F and VL (checked above); lengths as it wants them.
+        return unsafe { avx512::axpys_many::<G>(alphas, rows, y) };
+    }
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
         // SAFETY: as in `dot`.
@@ -387,32 +552,52 @@ mod tests {
         }
     }
 
-    /// The many-vector forms give each vector exactly its `dots` / `axpys` result, at ragged
-    /// lengths (a partial register chunk, a tail past the last 16) and row counts.
+    /// The many-vector forms give each vector exactly its `dots` / `axpys` result, for one to
+    /// four vectors, at ragged lengths (a partial register chunk, a tail past the last 16) and
+    /// row counts (several of the 512-bit form's batches, a short last one).
     #[test]
     fn many_vector_forms_equal_the_one_vector_forms_bit_for_bit() {
-        for (n, count) in [(64, 9), (256, 4), (17, 3), (100, 6), (1, 1), (40, 0)] {
+        many_vector_forms_agree::<1>();
+        many_vector_forms_agree::<2>();
+        many_vector_forms_agree::<3>();
+        many_vector_forms_agree::<4>();
+    }
+
+    fn many_vector_forms_agree<const G: usize>() {
+        for (n, count) in [
+            (64, 9),
+            (256, 4),
+            (17, 3),
+            (100, 6),
+            (1, 1),
+            (40, 0),
+            (32, 37),
+            (128, 16),
+        ] {
             let vector =
                 |g: usize| -> Vec<f32> { (0..n).map(|i| ((i * 37 + g * 5) % 11) as f32 * 0.137 - 0.6).collect() };
-            let a = [vector(0), vector(1), vector(2)];
-            let a: [&[f32]; 3] = [&a[0], &a[1], &a[2]];
+            let a: [Vec<f32>; G] = std::array::from_fn(vector);
+            let a: [&[f32]; G] = std::array::from_fn(|g| a[g].as_slice());
             let rows: Vec<Vec<f32>> = (0..count)
                 .map(|r| (0..n).map(|i| ((i * 13 + r * 7) % 23) as f32 * 0.071 - 0.8).collect())
                 .collect();
             let refs: Vec<&[f32]> = rows.iter().map(Vec::as_slice).collect();
-            let mut got = [vec![0f32; count], vec![0f32; count], vec![0f32; count]];
-            let [g0, g1, g2] = &mut got;
-            dots_many(&a, &refs, &mut [g0.as_mut_slice(), g1, g2]);
+            let mut got: [Vec<f32>; G] = std::array::from_fn(|_| vec![f32::NAN; count]);
+            let mut outs = got.each_mut().map(Vec::as_mut_slice);
+            dots_many(&a, &refs, &mut outs);
             for (g, got) in got.iter().enumerate() {
                 let mut want = vec![0f32; count];
                 dots(a[g], &refs, &mut want);
-                assert_eq!(bits(got), bits(&want), "dots_many, n = {n}, vector {g}");
+                assert_eq!(
+                    bits(got),
+                    bits(&want),
+                    "dots_many::<{G}>, n = {n}, {count} rows, vector {g}"
+                );
             }
-            let alphas: Vec<Vec<f32>> = (0..3)
-                .map(|g| (0..count).map(|r| 0.3 + (r + g) as f32 * 0.11).collect())
-                .collect();
-            let alphas: [&[f32]; 3] = [&alphas[0], &alphas[1], &alphas[2]];
-            let mut got = [vector(3), vector(4), vector(5)];
+            let alphas: [Vec<f32>; G] =
+                std::array::from_fn(|g| (0..count).map(|r| 0.3 + (r + g) as f32 * 0.11).collect());
+            let alphas: [&[f32]; G] = std::array::from_fn(|g| alphas[g].as_slice());
+            let mut got: [Vec<f32>; G] = std::array::from_fn(|g| vector(G + g));
             let want: Vec<Vec<f32>> = got
                 .iter()
                 .zip(alphas)
@@ -422,10 +607,10 @@ mod tests {
                     y
                 })
                 .collect();
-            let [y0, y1, y2] = &mut got;
-            axpys_many(&alphas, &refs, &mut [y0.as_mut_slice(), y1, y2]);
-            for g in 0..3 {
-                assert_eq!(bits(&got[g]), bits(&want[g]), "axpys_many, n = {n}, vector {g}");
+            let mut outs = got.each_mut().map(Vec::as_mut_slice);
+            axpys_many(&alphas, &refs, &mut outs);
+            for g in 0..G {
+                assert_eq!(bits(&got[g]), bits(&want[g]), "axpys_many::<{G}>, n = {n}, vector {g}");
             }
         }
     }
