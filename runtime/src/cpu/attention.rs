@@ -1,8 +1,8 @@
-//! Attention over the paged KV cache on the CPU: one task per (query row, query heads of one
-//! KV head) across every sequence of the step, f32 softmax with the maximum subtracted. Each
-//! row is computed alone (the same arithmetic whatever else is in the step), so a batched step
-//! gives every sequence bit-identical results to running it by itself. Tested against the IR
-//! reference.
+//! Attention over the paged KV cache on the CPU: one task per (a few consecutive query rows of
+//! a sequence, query heads of one KV head) across every sequence of the step, f32 softmax with
+//! the maximum subtracted. Each row's results are computed as if it were alone (the same
+//! arithmetic whatever else is in the step or its task), so a batched step gives every
+//! sequence bit-identical results to running it by itself. Tested against the IR reference.
 
 use super::activation;
 use super::kv_pages::LayerPages;
@@ -11,6 +11,7 @@ use crate::kv::{cache_row, BlockId};
 use ir::reference::ops::attends;
 use ir::AttentionSpec;
 use rayon::prelude::*;
+use std::ops::Range;
 
 /// A query row of the step: its position, and the block table of its sequence, whose cache
 /// already holds the keys and values of every position up to and including `pos`.
@@ -20,69 +21,183 @@ pub struct QueryRow<'a> {
     pub table: &'a [BlockId],
 }
 
+/// The most query rows a task takes: consecutive rows of one sequence (a prompt chunk's), so
+/// each cache row it reads serves every one of them.
+const TILE_ROWS: usize = 4;
+
 /// `q` is `[rows.len(), heads·hd]`; writes `[rows.len(), heads·hd]` into `out`.
 ///
-/// A task takes a query row and up to [`simd::MANY`] query heads of one KV head, so each cache
-/// row it reads serves all of them; where that would leave fewer tasks than the pool has
-/// threads to keep busy (decode of a few sequences), a task takes one head. Either way each
-/// head's scores, softmax and weighted sum are the one-head operations, bit for bit.
+/// A task takes up to [`TILE_ROWS`] consecutive query rows of one sequence and up to
+/// [`simd::MANY`] query heads of one KV head, so each cache row it reads serves all of them;
+/// where that would leave fewer tasks than the pool has threads to keep busy (decode of a few
+/// sequences), a task takes one row and one head. Either way each (row, head)'s scores,
+/// softmax and weighted sum are the one-row, one-head operations, bit for bit.
 pub fn attention(spec: &AttentionSpec, q: &[f32], rows: &[QueryRow], kv: &LayerPages, out: &mut [f32]) {
     let group = spec.heads / spec.kv_heads;
     let shared = (1..=simd::MANY.min(group))
         .rev()
         .find(|g| group.is_multiple_of(*g))
         .unwrap_or(1);
-    let enough_tasks = rows.len() * spec.heads / shared >= 2 * rayon::current_num_threads();
-    match if enough_tasks { shared } else { 1 } {
-        4 => attend::<4>(spec, q, rows, kv, out),
-        3 => attend::<3>(spec, q, rows, kv, out),
-        2 => attend::<2>(spec, q, rows, kv, out),
-        _ => attend::<1>(spec, q, rows, kv, out),
+    let busy = |tasks: usize| tasks >= 2 * rayon::current_num_threads();
+    // Tiles of several rows only where 512-bit registers hold their products (`simd::WIDE_MANY`).
+    let tiles = row_tiles(rows, TILE_ROWS);
+    let tiled = simd::wide_many(spec.head_dim) && tiles.len() < rows.len() && busy(tiles.len() * spec.heads / shared);
+    if tiled {
+        return match shared {
+            4 => attend::<4, 4, 16>(spec, q, rows, &tiles, kv, out),
+            3 => attend::<3, 4, 12>(spec, q, rows, &tiles, kv, out),
+            2 => attend::<2, 4, 8>(spec, q, rows, &tiles, kv, out),
+            _ => attend::<1, 4, 4>(spec, q, rows, &tiles, kv, out),
+        };
+    }
+    let single = row_tiles(rows, 1);
+    match if busy(rows.len() * spec.heads / shared) {
+        shared
+    } else {
+        1
+    } {
+        4 => attend::<4, 1, 4>(spec, q, rows, &single, kv, out),
+        3 => attend::<3, 1, 3>(spec, q, rows, &single, kv, out),
+        2 => attend::<2, 1, 2>(spec, q, rows, &single, kv, out),
+        _ => attend::<1, 1, 1>(spec, q, rows, &single, kv, out),
     }
 }
 
-/// [`attention`] with tasks of `G` query heads (of one KV head).
-fn attend<const G: usize>(spec: &AttentionSpec, q: &[f32], rows: &[QueryRow], kv: &LayerPages, out: &mut [f32]) {
+/// `rows` cut into runs of at most `most` consecutive positions of one sequence.
+fn row_tiles(rows: &[QueryRow], most: usize) -> Vec<Range<usize>> {
+    let mut tiles: Vec<Range<usize>> = Vec::new();
+    for (t, row) in rows.iter().enumerate() {
+        match tiles.last_mut() {
+            Some(tile)
+                if tile.len() < most && {
+                    let last = rows[t - 1];
+                    std::ptr::eq(last.table, row.table) && last.pos + 1 == row.pos
+                } =>
+            {
+                tile.end = t + 1
+            }
+            _ => tiles.push(t..t + 1),
+        }
+    }
+    tiles
+}
+
+/// [`attention`] with tasks of `G` query heads (of one KV head) of each of a tile's rows, `R`
+/// rows at most: `N = G·R` queries (a shorter tile repeats its last row in the spare places,
+/// whose results are dropped). Scores are taken a row at a time (its `G` heads' dots over its
+/// own positions: sixteen products a reduction, where a tile's `N` would waste some), the
+/// weighted sums for the whole tile where its rows see the same positions.
+fn attend<const G: usize, const R: usize, const N: usize>(
+    spec: &AttentionSpec,
+    q: &[f32],
+    rows: &[QueryRow],
+    tiles: &[Range<usize>],
+    kv: &LayerPages,
+    out: &mut [f32],
+) {
     let hd = spec.head_dim;
     let group = spec.heads / spec.kv_heads;
     let q_dim = spec.heads * hd;
     let scale = spec.scale as f32;
     let block_size = kv.block_size();
-    let tasks_a_row = spec.heads / G;
-    out.par_chunks_mut(G * hd).enumerate().for_each_init(
-        || (Vec::<f32>::new(), Vec::<&[f32]>::new()),
-        |(scores, cache_rows), (task, o)| {
-            let (t, first_head) = (task / tasks_a_row, task % tasks_a_row * G);
-            let QueryRow { pos, table } = rows[t];
+    assert_eq!(N, G * R, "a task's queries are its heads of its rows");
+    let heads = G;
+    let tasks_a_tile = spec.heads / heads;
+    let window_start = |pos: usize| spec.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+    assert_eq!(out.len(), rows.len() * q_dim);
+    let out = TaskOutputs(out.as_mut_ptr());
+    (0..tiles.len() * tasks_a_tile).into_par_iter().for_each_init(
+        || (Vec::<f32>::new(), Vec::<&[f32]>::new(), Vec::<f32>::new()),
+        |(scores, cache_rows, results), task| {
+            let (tile, first_head) = (tiles[task / tasks_a_tile].clone(), task % tasks_a_tile * heads);
+            let (first, last) = (rows[tile.start], rows[tile.end - 1]);
+            // Query `n` is head `first_head + n % heads` of the tile's row `row_of(n)`.
+            let row_of = |n: usize| (n / heads).min(tile.len() - 1);
             let kv_cols = (first_head / group) * hd..(first_head / group + 1) * hd;
-            let queries: [&[f32]; G] = std::array::from_fn(|g| {
-                let at = t * q_dim + (first_head + g) * hd;
+            let query = |n: usize| {
+                let at = (tile.start + row_of(n)) * q_dim + (first_head + n % heads) * hd;
                 &q[at..at + hd]
-            });
-            let lo = spec.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            debug_assert!((lo..=pos).all(|j| attends(pos, j, spec.window)));
-            let row = |j: usize| cache_row(table, block_size, j);
+            };
+            // Every position some row of the tile sees, and each row's own of them.
+            let lo = window_start(first.pos);
+            let len = last.pos + 1 - lo;
+            let own = |i: usize| {
+                let pos = rows[tile.start + i].pos;
+                debug_assert!((window_start(pos)..=pos).all(|j| attends(pos, j, spec.window)));
+                window_start(pos) - lo..pos + 1 - lo
+            };
+            let row = |j: usize| cache_row(first.table, block_size, j);
             // Scores and the weighted sum a batch of cache rows at a time (`simd::dots_many`,
-            // `simd::axpys_many`): bit for bit the one-row, one-head forms.
-            let len = pos + 1 - lo;
+            // `simd::axpys_many`): bit for bit the one-row, one-head forms. Scores of positions
+            // a row does not see are computed and left alone.
             cache_rows.clear();
-            cache_rows.extend((lo..=pos).map(|j| kv.key(row(j), kv_cols.clone())));
+            cache_rows.extend((lo..lo + len).map(|j| kv.key(row(j), kv_cols.clone())));
             scores.clear();
-            scores.resize(G * len, 0.0);
-            let mut head_scores: [&mut [f32]; G] = split(scores, len);
-            simd::dots_many(&queries, cache_rows, &mut head_scores);
-            for scores in head_scores.iter_mut() {
-                softmax(scores, scale);
+            scores.resize(N * len, 0.0);
+            let mut query_scores: [&mut [f32]; N] = split(scores, len);
+            let queries_kept = tile.len() * heads;
+            for (i, row_scores) in query_scores.chunks_mut(G).take(tile.len()).enumerate() {
+                let own = own(i);
+                let queries: [&[f32]; G] = std::array::from_fn(|g| query(i * G + g));
+                let mut out: [&mut [f32]; G] = std::array::from_fn(|_| &mut [][..]);
+                for (out, scores) in out.iter_mut().zip(row_scores.iter_mut()) {
+                    *out = &mut scores[own.clone()];
+                }
+                simd::dots_many(&queries, &cache_rows[own], &mut out);
+                for scores in out {
+                    softmax(scores, scale);
+                }
             }
             cache_rows.clear();
-            cache_rows.extend((lo..=pos).map(|j| kv.value(row(j), kv_cols.clone())));
-            o.fill(0.0);
-            let weights: [&[f32]; G] = head_scores.map(|s| &*s);
-            let mut head_out: [&mut [f32]; G] = split(o, hd);
-            simd::axpys_many(&weights, cache_rows, &mut head_out);
+            cache_rows.extend((lo..lo + len).map(|j| kv.value(row(j), kv_cols.clone())));
+            results.clear();
+            results.resize(N * hd, 0.0);
+            let weights: [&[f32]; N] = query_scores.map(|s| &*s);
+            let mut sums: [&mut [f32]; N] = split(results, hd);
+            // Each sum adds its row's positions in order: those before the positions every row
+            // sees alone, those jointly, those after alone.
+            let common = own(tile.len() - 1).start..own(0).end;
+            let joint = common.start < common.end;
+            for (n, sum) in sums.iter_mut().enumerate().take(queries_kept) {
+                let before = own(n / heads).start..if joint { common.start } else { own(n / heads).end };
+                simd::axpys(&weights[n][before.clone()], &cache_rows[before], sum);
+            }
+            if joint {
+                let shared_weights: [&[f32]; N] = weights.map(|w| &w[common.clone()]);
+                simd::axpys_many(&shared_weights, &cache_rows[common.clone()], &mut sums);
+                for (n, sum) in sums.iter_mut().enumerate().take(queries_kept) {
+                    let after = common.end..own(n / heads).end;
+                    simd::axpys(&weights[n][after.clone()], &cache_rows[after], sum);
+                }
+            }
+            for i in 0..tile.len() {
+                let at = (tile.start + i) * q_dim + first_head * hd;
+                // SAFETY: the row's heads `first_head .. first_head + heads` are inside `out`
+                // (asserted above) and no other task writes them: tasks split the rows by tile
+                // and a tile's heads by group of `heads`; `out` outlives the parallel loop.
+                unsafe { out.write(at, &results[i * heads * hd..(i + 1) * heads * hd]) };
+            }
         },
     );
 }
+
+/// `attention`'s output, written by its tasks at disjoint (row, head) places.
+#[derive(Clone, Copy)]
+struct TaskOutputs(*mut f32);
+
+impl TaskOutputs {
+    /// # Safety
+    /// `at..at + values.len()` is inside the output, and no other task writes it.
+    unsafe fn write(&self, at: usize, values: &[f32]) {
+        // SAFETY: as the caller promises; `values` is the task's own memory.
+        unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), self.0.add(at), values.len()) };
+    }
+}
+
+// SAFETY: tasks write disjoint places (see `TaskOutputs::write`), and the borrow it comes from
+// outlives them (`attend` returns only after every task has finished).
+unsafe impl Send for TaskOutputs {}
+unsafe impl Sync for TaskOutputs {}
 
 /// `v` as `G` consecutive slices of `len`.
 fn split<const G: usize>(v: &mut [f32], len: usize) -> [&mut [f32]; G] {
@@ -154,7 +269,10 @@ mod tests {
     use ir::reference::{attention_over_slot, KvSlot};
     use ir::Tensor;
 
-    /// Tasks of one, two or four query heads give every head the same bits.
+    type Attend = fn(&AttentionSpec, &[f32], &[QueryRow], &[Range<usize>], &LayerPages, &mut [f32]);
+
+    /// Tasks of one, two or four query heads, of one row or tiles of rows, give every head the
+    /// same bits.
     #[test]
     fn heads_sharing_a_task_get_their_one_head_results() {
         let spec = AttentionSpec {
@@ -175,14 +293,61 @@ mod tests {
         pages.layer_mut(0).write(&table, 0, &k, &v);
         let q: Vec<f32> = (0..tokens * 320).map(|i| val(i, 3)).collect();
         let rows: Vec<QueryRow> = (len - tokens..len).map(|pos| QueryRow { pos, table: &table }).collect();
-        let run = |attend: fn(&AttentionSpec, &[f32], &[QueryRow], &LayerPages, &mut [f32])| {
+        let run = |attend: Attend, tile_rows: usize| {
             let mut out = vec![f32::NAN; tokens * 320];
-            attend(&spec, &q, &rows, pages.layer(0), &mut out);
+            attend(&spec, &q, &rows, &row_tiles(&rows, tile_rows), pages.layer(0), &mut out);
             out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         };
-        let one = run(attend::<1>);
-        assert_eq!(run(attend::<2>), one);
-        assert_eq!(run(attend::<4>), one);
+        let one = run(attend::<1, 1, 1>, 1);
+        assert_eq!(run(attend::<2, 1, 2>, 1), one);
+        assert_eq!(run(attend::<4, 1, 4>, 1), one);
+        assert_eq!(run(attend::<1, 4, 4>, 4), one, "one head, tiles of up to four rows");
+        assert_eq!(run(attend::<2, 4, 8>, 4), one, "two heads");
+        assert_eq!(run(attend::<4, 4, 16>, 4), one, "four heads");
+    }
+
+    /// Tiles over a step of several sequences (a prompt chunk cut into tiles of four and a
+    /// short last one, a decode row, a chunk continuing from a cache), with and without a
+    /// window narrower than a tile's reach, give every row its one-row results bit for bit.
+    #[test]
+    fn row_tiles_over_sequences_and_windows_get_their_one_row_results() {
+        for window in [None, Some(3), Some(6)] {
+            let spec = AttentionSpec {
+                heads: 8,
+                kv_heads: 2,
+                head_dim: 32,
+                scale: 0.2,
+                window,
+                cache_slot: 0,
+                cache_dtype: ir::DType::F32,
+            };
+            let kv_dim = 64;
+            let val = |i: usize, m: usize| ((i * m % 31) as f32 - 15.0) / 8.0;
+            let tables = [[2, 0, 5, 1, 4, 3], [8, 6, 7, 9, 10, 11]].map(|t| t.map(BlockId));
+            let mut pages = super::super::KvPages::new(&[(kv_dim, kv_dim)], &[], 2);
+            for (s, table) in tables.iter().enumerate() {
+                let k: Vec<f32> = (0..12 * kv_dim).map(|i| val(i + s, 7)).collect();
+                let v: Vec<f32> = (0..12 * kv_dim).map(|i| val(i + s, 5)).collect();
+                pages.layer_mut(0).write(table, 0, &k, &v);
+            }
+            let mut rows: Vec<QueryRow> = (0..11).map(|pos| QueryRow { pos, table: &tables[0] }).collect();
+            rows.push(QueryRow {
+                pos: 9,
+                table: &tables[1],
+            });
+            rows.extend((4..7).map(|pos| QueryRow { pos, table: &tables[1] }));
+            let tiles = row_tiles(&rows, 4);
+            assert_eq!(tiles, [0..4, 4..8, 8..11, 11..12, 12..15]);
+            let q: Vec<f32> = (0..rows.len() * 256).map(|i| val(i, 3)).collect();
+            let run = |attend: Attend, tiles: &[Range<usize>]| {
+                let mut out = vec![f32::NAN; rows.len() * 256];
+                attend(&spec, &q, &rows, tiles, pages.layer(0), &mut out);
+                out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            };
+            let one = run(attend::<1, 1, 1>, &row_tiles(&rows, 1));
+            assert_eq!(run(attend::<1, 4, 4>, &tiles), one, "{window:?}, one head");
+            assert_eq!(run(attend::<4, 4, 16>, &tiles), one, "{window:?}, four heads");
+        }
     }
 
     #[test]

@@ -289,21 +289,44 @@ mod avx512 {
     pub(super) unsafe fn axpys_many<const G: usize>(alphas: &[&[f32]; G], rows: &[&[f32]], y: &mut [&mut [f32]; G]) {
         let len = y[0].len();
         debug_assert!(rows.iter().all(|row| row.len() >= len));
-        let spans = len / (4 * LANES) * 4 * LANES;
-        let whole = len / LANES * LANES;
-        for at in (0..spans).step_by(4 * LANES) {
-            // SAFETY: at + 64 ≤ len, within every output and row.
-            unsafe { axpys_span::<G, 4>(alphas, rows, y, at) };
-        }
-        for at in (spans..whole).step_by(LANES) {
-            // SAFETY: at + 16 ≤ len, within every output and row.
-            unsafe { axpys_span::<G, 1>(alphas, rows, y, at) };
-        }
+        // Sixteen chains at most, so the accumulators stay in registers.
+        let at = match G {
+            // SAFETY: `spans` keeps its spans within the outputs; rows are as long.
+            ..=4 => unsafe { spans::<G, 4>(alphas, rows, y, 0) },
+            // SAFETY: as above.
+            5..=8 => unsafe { spans::<G, 2>(alphas, rows, y, 0) },
+            _ => 0,
+        };
+        // SAFETY: as above.
+        let whole = unsafe { spans::<G, 1>(alphas, rows, y, at) };
         for (y, alphas) in y.iter_mut().zip(alphas) {
             for (row, &alpha) in rows.iter().zip(alphas.iter()) {
                 axpy_body::<true>(alpha, &row[whole..len], &mut y[whole..]);
             }
         }
+    }
+
+    /// [`axpys_span`] over whole spans of `C` chunks from `from` while they fit the outputs;
+    /// where they stopped.
+    ///
+    /// # Safety
+    /// As `axpys_span`'s, for spans within `y[0].len()`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512vl")]
+    unsafe fn spans<const G: usize, const C: usize>(
+        alphas: &[&[f32]; G],
+        rows: &[&[f32]],
+        y: &mut [&mut [f32]; G],
+        from: usize,
+    ) -> usize {
+        let span = C * LANES;
+        let end = from + (y[0].len() - from) / span * span;
+        for at in (from..end).step_by(span) {
+            // SAFETY: at + span ≤ end ≤ len, within every output and (the caller's promise)
+            // every row.
+            unsafe { axpys_span::<G, C>(alphas, rows, y, at) };
+        }
+        end
     }
 
     /// Elements `at .. at + 16·C` of every output, held in `G·C` registers across the rows.
@@ -339,6 +362,15 @@ mod avx512 {
             }
         }
     }
+}
+
+/// Whether the many-vector forms run on 512-bit registers for vectors of `len`, where up to
+/// sixteen vectors' products fit the registers (with 256-bit ones, four).
+pub fn wide_many(len: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return has_avx512() && len.is_multiple_of(LANES);
+    #[cfg(not(target_arch = "x86_64"))]
+    false
 }
 
 /// Whether the many-vector forms run on 512-bit registers: AVX-512F and VL, unless
