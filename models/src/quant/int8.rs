@@ -125,10 +125,18 @@ fn round_scalar(x: &[f32], inv: f32, q: &mut [i8]) {
 /// [`quantize_block`] over a span of whole 32-element blocks with one scale for all of it
 /// (the K-quant dots' 256-element activation blocks); the scale.
 fn quantize_span(x: &[f32], q: &mut [i8]) -> f32 {
-    let d = span_scale(x);
-    let inv = inverse(d);
     #[cfg(target_arch = "x86_64")]
     let avx2 = std::is_x86_feature_detected!("avx2");
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the CPU has AVX2 where `avx2` is set.
+    let d = if avx2 {
+        (unsafe { abs_max_avx2(x) }) / 127.0
+    } else {
+        span_scale(x)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let d = span_scale(x);
+    let inv = inverse(d);
     for (xb, qb) in x.chunks_exact(ACT_BLOCK).zip(q.chunks_exact_mut(ACT_BLOCK)) {
         let xb: &[f32; ACT_BLOCK] = xb.try_into().expect("whole blocks");
         let qb: &mut [i8; ACT_BLOCK] = qb.try_into().expect("whole blocks");
@@ -154,10 +162,31 @@ unsafe fn quantize_block_avx2(xb: &[f32; ACT_BLOCK], qb: &mut [i8; ACT_BLOCK]) -
         if !all_finite_avx2(xb) {
             return None;
         }
-        let d = span_scale(xb);
+        let d = abs_max_avx2(xb) / 127.0;
         round_block_avx2(xb, inverse(d), qb);
         Some(d)
     }
+}
+
+/// [`span_scale`]'s `max|x|` eight lanes at a time, for `x` of whole 8-element chunks: a
+/// maximum is exact, so any order gives the same number, and `vmaxps` returns its second
+/// operand where the first is a NaN, so NaNs are passed over as `f32::max` passes them.
+/// (The scalar fold is a chain of dependent `max`es, 256 of them over a K-quant span.)
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn abs_max_avx2(x: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    debug_assert!(x.len().is_multiple_of(8));
+    let sign = _mm256_set1_ps(-0.0);
+    let mut max = _mm256_setzero_ps();
+    for chunk in x.chunks_exact(8) {
+        // SAFETY: the chunk holds eight floats.
+        let v = unsafe { _mm256_loadu_ps(chunk.as_ptr()) };
+        max = _mm256_max_ps(_mm256_andnot_ps(sign, v), max);
+    }
+    let m4 = _mm_max_ps(_mm256_castps256_ps128(max), _mm256_extractf128_ps(max, 1));
+    let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)))
 }
 
 /// Whether a block holds neither an infinity nor a NaN.
@@ -334,6 +363,24 @@ mod tests {
             assert_eq!(
                 got.d.iter().map(|d| d.to_bits()).collect::<Vec<_>>(),
                 want.d.iter().map(|d| d.to_bits()).collect::<Vec<_>>()
+            );
+        }
+        // K-quant spans (256 values a scale) get the scalar scale too, NaNs passed over.
+        for span in rows[..50].concat().chunks_exact(SUPER) {
+            let d = quantize_span(span, &mut [0i8; SUPER]);
+            assert_eq!(d.to_bits(), span_scale(span).to_bits());
+        }
+        let mut spans = rows[0].repeat(4);
+        spans[5] = f32::NAN;
+        spans[255] = f32::NAN;
+        spans[300] = f32::NAN;
+        spans[301] = f32::INFINITY;
+        for span in spans.chunks_exact(SUPER) {
+            let d = quantize_span(span, &mut [0i8; SUPER]);
+            assert_eq!(
+                d.to_bits(),
+                span_scale(span).to_bits(),
+                "a span with a NaN or an infinity"
             );
         }
         // The ties went away from zero: -15.5 → -16, 0.5 → 1, -126.5 → -127.
