@@ -39,7 +39,7 @@ pub fn attention(spec: &AttentionSpec, q: &[f32], rows: &[QueryRow], kv: &LayerP
         .find(|g| group.is_multiple_of(*g))
         .unwrap_or(1);
     let busy = |tasks: usize| tasks >= 2 * rayon::current_num_threads();
-    // Tiles of several rows only where 512-bit registers hold their products (`simd::WIDE_MANY`).
+    // Tiles of several rows only where 512-bit registers hold their weighted sums.
     let tiles = row_tiles(rows, TILE_ROWS);
     let tiled = simd::wide_many(spec.head_dim) && tiles.len() < rows.len() && busy(tiles.len() * spec.heads / shared);
     if tiled {
@@ -83,10 +83,10 @@ fn row_tiles(rows: &[QueryRow], most: usize) -> Vec<Range<usize>> {
 }
 
 /// [`attention`] with tasks of `G` query heads (of one KV head) of each of a tile's rows, `R`
-/// rows at most: `N = G·R` queries (a shorter tile repeats its last row in the spare places,
-/// whose results are dropped). Scores are taken a row at a time (its `G` heads' dots over its
-/// own positions: sixteen products a reduction, where a tile's `N` would waste some), the
-/// weighted sums for the whole tile where its rows see the same positions.
+/// rows at most: `N = G·R` queries (a shorter tile's spare places keep zero weights, and their
+/// sums are dropped). Scores are taken a row at a time (its `G` heads' dots over its own
+/// positions: sixteen products a reduction, where a tile's `N` would waste some), the weighted
+/// sums for the whole tile where its rows see the same positions.
 fn attend<const G: usize, const R: usize, const N: usize>(
     spec: &AttentionSpec,
     q: &[f32],
@@ -101,21 +101,19 @@ fn attend<const G: usize, const R: usize, const N: usize>(
     let scale = spec.scale as f32;
     let block_size = kv.block_size();
     assert_eq!(N, G * R, "a task's queries are its heads of its rows");
-    let heads = G;
-    let tasks_a_tile = spec.heads / heads;
+    let tasks_a_tile = spec.heads / G;
     let window_start = |pos: usize| spec.window.map_or(0, |w| (pos + 1).saturating_sub(w));
     assert_eq!(out.len(), rows.len() * q_dim);
     let out = TaskOutputs(out.as_mut_ptr());
     (0..tiles.len() * tasks_a_tile).into_par_iter().for_each_init(
         || (Vec::<f32>::new(), Vec::<&[f32]>::new(), Vec::<f32>::new()),
         |(scores, cache_rows, results), task| {
-            let (tile, first_head) = (tiles[task / tasks_a_tile].clone(), task % tasks_a_tile * heads);
+            let (tile, first_head) = (tiles[task / tasks_a_tile].clone(), task % tasks_a_tile * G);
             let (first, last) = (rows[tile.start], rows[tile.end - 1]);
-            // Query `n` is head `first_head + n % heads` of the tile's row `row_of(n)`.
-            let row_of = |n: usize| (n / heads).min(tile.len() - 1);
             let kv_cols = (first_head / group) * hd..(first_head / group + 1) * hd;
-            let query = |n: usize| {
-                let at = (tile.start + row_of(n)) * q_dim + (first_head + n % heads) * hd;
+            // Query `n = i·G + g` is head `first_head + g` of the tile's row `i`.
+            let query = |i: usize, g: usize| {
+                let at = (tile.start + i) * q_dim + (first_head + g) * hd;
                 &q[at..at + hd]
             };
             // Every position some row of the tile sees, and each row's own of them.
@@ -128,23 +126,23 @@ fn attend<const G: usize, const R: usize, const N: usize>(
             };
             let row = |j: usize| cache_row(first.table, block_size, j);
             // Scores and the weighted sum a batch of cache rows at a time (`simd::dots_many`,
-            // `simd::axpys_many`): bit for bit the one-row, one-head forms. Scores of positions
-            // a row does not see are computed and left alone.
+            // `simd::axpys_many`): bit for bit the one-row, one-head forms. Positions a row does
+            // not see keep a zero score, which no sum of its reads.
             cache_rows.clear();
             cache_rows.extend((lo..lo + len).map(|j| kv.key(row(j), kv_cols.clone())));
             scores.clear();
             scores.resize(N * len, 0.0);
             let mut query_scores: [&mut [f32]; N] = split(scores, len);
-            let queries_kept = tile.len() * heads;
+            let queries_kept = tile.len() * G;
             for (i, row_scores) in query_scores.chunks_mut(G).take(tile.len()).enumerate() {
                 let own = own(i);
-                let queries: [&[f32]; G] = std::array::from_fn(|g| query(i * G + g));
-                let mut out: [&mut [f32]; G] = std::array::from_fn(|_| &mut [][..]);
-                for (out, scores) in out.iter_mut().zip(row_scores.iter_mut()) {
-                    *out = &mut scores[own.clone()];
+                let queries: [&[f32]; G] = std::array::from_fn(|g| query(i, g));
+                let mut own_scores: [&mut [f32]; G] = std::array::from_fn(|_| &mut [][..]);
+                for (own_scores, scores) in own_scores.iter_mut().zip(row_scores.iter_mut()) {
+                    *own_scores = &mut scores[own.clone()];
                 }
-                simd::dots_many(&queries, &cache_rows[own], &mut out);
-                for scores in out {
+                simd::dots_many(&queries, &cache_rows[own], &mut own_scores);
+                for scores in own_scores {
                     softmax(scores, scale);
                 }
             }
@@ -159,23 +157,23 @@ fn attend<const G: usize, const R: usize, const N: usize>(
             let common = own(tile.len() - 1).start..own(0).end;
             let joint = common.start < common.end;
             for (n, sum) in sums.iter_mut().enumerate().take(queries_kept) {
-                let before = own(n / heads).start..if joint { common.start } else { own(n / heads).end };
+                let before = own(n / G).start..if joint { common.start } else { own(n / G).end };
                 simd::axpys(&weights[n][before.clone()], &cache_rows[before], sum);
             }
             if joint {
                 let shared_weights: [&[f32]; N] = weights.map(|w| &w[common.clone()]);
                 simd::axpys_many(&shared_weights, &cache_rows[common.clone()], &mut sums);
                 for (n, sum) in sums.iter_mut().enumerate().take(queries_kept) {
-                    let after = common.end..own(n / heads).end;
+                    let after = common.end..own(n / G).end;
                     simd::axpys(&weights[n][after.clone()], &cache_rows[after], sum);
                 }
             }
             for i in 0..tile.len() {
                 let at = (tile.start + i) * q_dim + first_head * hd;
-                // SAFETY: the row's heads `first_head .. first_head + heads` are inside `out`
+                // SAFETY: the row's heads `first_head .. first_head + G` are inside `out`
                 // (asserted above) and no other task writes them: tasks split the rows by tile
-                // and a tile's heads by group of `heads`; `out` outlives the parallel loop.
-                unsafe { out.write(at, &results[i * heads * hd..(i + 1) * heads * hd]) };
+                // and a tile's heads by groups of `G`; `out` outlives the parallel loop.
+                unsafe { out.write(at, &results[i * G * hd..(i + 1) * G * hd]) };
             }
         },
     );

@@ -585,7 +585,7 @@ mod tests {
     }
 
     /// The many-vector forms give each vector exactly its `dots` / `axpys` result, for one to
-    /// four vectors, at ragged lengths (a partial register chunk, a tail past the last 16) and
+    /// four vectors and for attention's tiles' eight and twelve, at ragged lengths (a partial register chunk, a tail past the last 16) and
     /// row counts (several of the 512-bit form's batches, a short last one).
     #[test]
     fn many_vector_forms_equal_the_one_vector_forms_bit_for_bit() {
@@ -593,6 +593,9 @@ mod tests {
         many_vector_forms_agree::<2>();
         many_vector_forms_agree::<3>();
         many_vector_forms_agree::<4>();
+        // Attention's tiles of four rows: the weighted sums in spans of two chunks, and of one.
+        many_vector_forms_agree::<8>();
+        many_vector_forms_agree::<12>();
     }
 
     fn many_vector_forms_agree<const G: usize>() {
