@@ -484,41 +484,6 @@ pub fn axpys_many<const G: usize>(alphas: &[&[f32]; G], rows: &[&[f32]], y: &mut
     }
 }
 
-/// `Σ a[i]·b[i]` of int8 vectors in i32 (exact for lengths below 2¹⁷).
-#[inline]
-pub fn idot_i8(a: &[i8], b: &[i8]) -> i32 {
-    #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
-        // SAFETY: the CPU supports AVX2 (checked above).
-        return unsafe { idot_i8_avx2(a, b) };
-    }
-    a.iter().zip(b).map(|(&x, &y)| x as i32 * y as i32).sum()
-}
-
-/// 16 pairs at a time: sign-extend to i16, `pmaddwd` into eight i32 lanes.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn idot_i8_avx2(a: &[i8], b: &[i8]) -> i32 {
-    use std::arch::x86_64::*;
-    let n = a.len().min(b.len());
-    let mut acc = _mm256_setzero_si256();
-    let mut i = 0;
-    while i + 16 <= n {
-        // SAFETY: i + 16 ≤ n, so both 16-byte loads are in bounds.
-        unsafe {
-            let x = _mm256_cvtepi8_epi16(_mm_loadu_si128(a.as_ptr().add(i) as *const __m128i));
-            let y = _mm256_cvtepi8_epi16(_mm_loadu_si128(b.as_ptr().add(i) as *const __m128i));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(x, y));
-        }
-        i += 16;
-    }
-    let mut lanes = [0i32; 8];
-    // SAFETY: `lanes` holds eight i32.
-    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, acc) };
-    let tail: i32 = a[i..n].iter().zip(&b[i..n]).map(|(&x, &y)| x as i32 * y as i32).sum();
-    lanes.iter().sum::<i32>() + tail
-}
-
 /// Which instruction set the kernels use here, for reports.
 pub fn isa() -> &'static str {
     #[cfg(target_arch = "x86_64")]
@@ -547,16 +512,6 @@ mod tests {
                 (dot_body::<false>(&a, &b) as f64 - want).abs() < 1e-4,
                 "portable, n = {n}"
             );
-        }
-    }
-
-    #[test]
-    fn idot_i8_is_exact() {
-        for n in [0, 5, 16, 33, 640] {
-            let a: Vec<i8> = (0..n).map(|i| (i * 37 % 255) as u8 as i8).collect();
-            let b: Vec<i8> = (0..n).map(|i| (i * 91 % 253) as u8 as i8).collect();
-            let want: i32 = a.iter().zip(&b).map(|(&x, &y)| x as i32 * y as i32).sum();
-            assert_eq!(idot_i8(&a, &b), want, "n = {n}");
         }
     }
 
