@@ -33,21 +33,23 @@ pub enum DenseKernel {
 }
 
 impl DenseKernel {
-    /// The fastest this CPU runs (AVX-512 unless `BBC_AVX512=0`, as for the int8 kernels), or
-    /// none where it lacks AVX2 and FMA.
+    /// The fastest this CPU runs, as the attention kernels choose theirs (512-bit registers
+    /// unless `BBC_AVX512=0`), or none where it lacks AVX2 and FMA.
     pub fn detected() -> Option<Self> {
-        static DETECTED: std::sync::OnceLock<Option<DenseKernel>> = std::sync::OnceLock::new();
-        *DETECTED.get_or_init(|| {
-            let wide_allowed = std::env::var("BBC_AVX512").map_or(true, |v| v != "0");
-            let available = Self::available();
-            match available.last() {
-                Some(Self::Avx512) if !wide_allowed => available.first().copied(),
-                last => last.copied(),
+        #[cfg(target_arch = "x86_64")]
+        {
+            if simd::has_avx512() {
+                return Some(Self::Avx512);
             }
-        })
+            if simd::has_avx2_fma() {
+                return Some(Self::Avx2);
+            }
+        }
+        None
     }
 
     /// Every kernel this CPU runs, narrowest first (to check them against each other).
+    #[cfg(test)]
     pub fn available() -> Vec<Self> {
         let mut kernels = Vec::new();
         #[cfg(target_arch = "x86_64")]

@@ -373,10 +373,10 @@ pub fn wide_many(len: usize) -> bool {
     false
 }
 
-/// Whether the many-vector forms run on 512-bit registers: AVX-512F and VL, unless
-/// `BBC_AVX512=0` (the same bits either way).
+/// Whether the many-vector forms (and `dense`'s tiles) run on 512-bit registers: AVX-512F and
+/// VL, unless `BBC_AVX512=0` (the same bits either way).
 #[cfg(target_arch = "x86_64")]
-fn has_avx512() -> bool {
+pub(super) fn has_avx512() -> bool {
     use std::sync::OnceLock;
     static DETECTED: OnceLock<bool> = OnceLock::new();
     *DETECTED.get_or_init(|| {
@@ -388,7 +388,7 @@ fn has_avx512() -> bool {
 }
 
 #[cfg(target_arch = "x86_64")]
-fn has_avx2_fma() -> bool {
+pub(super) fn has_avx2_fma() -> bool {
     use std::sync::OnceLock;
     static DETECTED: OnceLock<bool> = OnceLock::new();
     *DETECTED.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
