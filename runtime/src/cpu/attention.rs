@@ -119,11 +119,14 @@ fn attend<const G: usize, const R: usize, const N: usize>(
             // Every position some row of the tile sees, and each row's own of them.
             let lo = window_start(first.pos);
             let len = last.pos + 1 - lo;
-            let own = |i: usize| {
-                let pos = rows[tile.start + i].pos;
-                debug_assert!((window_start(pos)..=pos).all(|j| attends(pos, j, spec.window)));
-                window_start(pos) - lo..pos + 1 - lo
-            };
+            // (Empty for a short tile's spare rows.)
+            let own: [Range<usize>; R] = std::array::from_fn(|i| match rows[tile.clone()].get(i) {
+                Some(&QueryRow { pos, .. }) => {
+                    debug_assert!((window_start(pos)..=pos).all(|j| attends(pos, j, spec.window)));
+                    window_start(pos) - lo..pos + 1 - lo
+                }
+                None => 0..0,
+            });
             let row = |j: usize| cache_row(first.table, block_size, j);
             // Scores and the weighted sum a batch of cache rows at a time (`simd::dots_many`,
             // `simd::axpys_many`): bit for bit the one-row, one-head forms. Positions a row does
@@ -135,7 +138,7 @@ fn attend<const G: usize, const R: usize, const N: usize>(
             let mut query_scores: [&mut [f32]; N] = split(scores, len);
             let queries_kept = tile.len() * G;
             for (i, row_scores) in query_scores.chunks_mut(G).take(tile.len()).enumerate() {
-                let own = own(i);
+                let own = own[i].clone();
                 let queries: [&[f32]; G] = std::array::from_fn(|g| query(i, g));
                 let mut own_scores: [&mut [f32]; G] = std::array::from_fn(|_| &mut [][..]);
                 for (own_scores, scores) in own_scores.iter_mut().zip(row_scores.iter_mut()) {
@@ -154,17 +157,18 @@ fn attend<const G: usize, const R: usize, const N: usize>(
             let mut sums: [&mut [f32]; N] = split(results, hd);
             // Each sum adds its row's positions in order: those before the positions every row
             // sees alone, those jointly, those after alone.
-            let common = own(tile.len() - 1).start..own(0).end;
+            let common = own[tile.len() - 1].start..own[0].end;
             let joint = common.start < common.end;
             for (n, sum) in sums.iter_mut().enumerate().take(queries_kept) {
-                let before = own(n / G).start..if joint { common.start } else { own(n / G).end };
+                let own = &own[n / G];
+                let before = own.start..if joint { common.start } else { own.end };
                 simd::axpys(&weights[n][before.clone()], &cache_rows[before], sum);
             }
             if joint {
                 let shared_weights: [&[f32]; N] = weights.map(|w| &w[common.clone()]);
                 simd::axpys_many(&shared_weights, &cache_rows[common.clone()], &mut sums);
                 for (n, sum) in sums.iter_mut().enumerate().take(queries_kept) {
-                    let after = common.end..own(n / G).end;
+                    let after = common.end..own[n / G].end;
                     simd::axpys(&weights[n][after.clone()], &cache_rows[after], sum);
                 }
             }
