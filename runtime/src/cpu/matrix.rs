@@ -4,9 +4,10 @@
 //! The product walks W's rows in parallel runs, so prefill reads the weights once per step and
 //! decode is a pass over the weights. Dense rows (f32, bf16) are multiplied in register tiles
 //! of rows × tokens (`dense`; where the CPU lacks AVX2 and FMA, each row is widened to f32 once
-//! and dotted with every token's activation). Quantized weights take the integer path: activations quantized to int8 once per step (per 32
-//! elements, or per 256-element super-block for K-quant rows), each weight row dotted with them
-//! in integers (ggml's scheme). Block-quantized rows are kept interleaved
+//! and dotted with every token's activation). Quantized weights take the integer path:
+//! activations quantized to int8 once per step (per 32 elements, or per 256-element
+//! super-block for K-quant rows), each weight row dotted with them in integers (ggml's
+//! scheme). Block-quantized rows are kept interleaved
 //! (`models::quant::interleaved` for the 32-weight formats, `interleaved_k` for the K-quants:
 //! sixteen rows advance together in one register); a format without that layout would be
 //! unpacked a row at a time.
