@@ -19,6 +19,8 @@ pub enum DType {
     Q4K,
     Q5K,
     Q6K,
+    Q2K,
+    IQ4XS,
 }
 
 impl DType {
@@ -36,6 +38,8 @@ impl DType {
             Self::Q4K => "q4_k",
             Self::Q5K => "q5_k",
             Self::Q6K => "q6_k",
+            Self::Q2K => "q2_k",
+            Self::IQ4XS => "iq4_xs",
         }
     }
 
@@ -53,6 +57,8 @@ impl DType {
             Self::Q4K,
             Self::Q5K,
             Self::Q6K,
+            Self::Q2K,
+            Self::IQ4XS,
         ]
         .into_iter()
         .find(|d| d.name() == s)

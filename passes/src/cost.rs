@@ -107,6 +107,8 @@ pub fn bytes_per_element(dtype: DType) -> f64 {
         DType::Q4K => 144.0 / 256.0,
         DType::Q5K => 176.0 / 256.0,
         DType::Q6K => 210.0 / 256.0,
+        DType::Q2K => 84.0 / 256.0,
+        DType::IQ4XS => 136.0 / 256.0,
     }
 }
 

@@ -4,7 +4,7 @@
 //! (`y = scale·w − min`), and each group contributes `scale·dx·Σ w·qx − min·dx·Σ qx`.
 //! Integer sums are exact; the only approximation is the activation's rounding.
 
-use super::{BlockFormat, GgmlType, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
+use super::{BlockFormat, GgmlType, IQ4NL, IQ4XS, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K, Q5_0, Q5_1, Q6K, Q8_0};
 
 /// Elements per activation block.
 pub const ACT_BLOCK: usize = 32;
@@ -238,9 +238,9 @@ unsafe fn round_block_avx2(xb: &[f32; ACT_BLOCK], inv: f32, qb: &mut [i8; ACT_BL
 type GroupPair<'a> = ((&'a [i8], &'a [i8]), (&'a f32, &'a f32));
 
 /// A weight row unpacked once (for many activation rows): integers, and per group scale/min.
-/// The path of block formats without an interleaved layout (none of the GGUF types bbc reads
-/// today: the 32-weight formats run over [`super::interleaved`] rows, the K-quants over
-/// [`super::interleaved_k`] rows).
+/// The path of block formats without an interleaved layout (Q2_K and IQ4_XS: the 32-weight
+/// formats run over [`super::interleaved`] rows, Q4_K to Q6_K over [`super::interleaved_k`]
+/// rows, and Q3_K and IQ4_NL are rewritten as Q6_K and Q8_0, [`super::transcode`]).
 #[derive(Debug, Clone, Default)]
 pub struct UnpackedRow {
     pub group: usize,
@@ -261,6 +261,10 @@ impl UnpackedRow {
             GgmlType::Q4K => self.unpack_with::<Q4K>(row),
             GgmlType::Q5K => self.unpack_with::<Q5K>(row),
             GgmlType::Q6K => self.unpack_with::<Q6K>(row),
+            GgmlType::Q2K => self.unpack_with::<Q2K>(row),
+            GgmlType::Q3K => self.unpack_with::<Q3K>(row),
+            GgmlType::IQ4NL => self.unpack_with::<IQ4NL>(row),
+            GgmlType::IQ4XS => self.unpack_with::<IQ4XS>(row),
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => return None,
         }
         Some(())
@@ -396,6 +400,11 @@ mod tests {
         for b in data.chunks_exact_mut(bytes) {
             match dtype {
                 GgmlType::Q6K => b[208..210].copy_from_slice(&f16(0.01)),
+                GgmlType::Q3K => b[108..110].copy_from_slice(&f16(0.01)),
+                GgmlType::Q2K => {
+                    b[80..82].copy_from_slice(&f16(0.02));
+                    b[82..84].copy_from_slice(&f16(0.01));
+                }
                 GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K => {
                     b[0..2].copy_from_slice(&f16(0.02));
                     b[2..4].copy_from_slice(&f16(0.01));
@@ -409,7 +418,7 @@ mod tests {
     #[test]
     fn int8_dot_approximates_the_float_dot_for_every_format() {
         use GgmlType::*;
-        for dtype in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4K, Q5K, Q6K] {
+        for dtype in [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2K, Q3K, Q4K, Q5K, Q6K, IQ4NL, IQ4XS] {
             let n = 512;
             let data = blocks(dtype, n / dtype.block_layout().0);
             let x: Vec<f32> = (0..n).map(|i| ((i * 37 % 19) as f32 - 9.0) / 5.0).collect();

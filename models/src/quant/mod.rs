@@ -7,6 +7,9 @@
 pub mod int8;
 pub mod interleaved;
 pub mod interleaved_k;
+mod iq4;
+mod q2_k;
+mod q3_k;
 mod q4_0;
 mod q4_1;
 mod q4_k;
@@ -15,7 +18,11 @@ mod q5_1;
 mod q5_k;
 mod q6_k;
 mod q8_0;
+pub mod transcode;
 
+pub use iq4::{IQ4NL, IQ4XS};
+pub use q2_k::Q2K;
+pub use q3_k::Q3K;
 pub use q4_0::Q4_0;
 pub use q4_1::Q4_1;
 pub use q4_k::Q4K;
@@ -60,9 +67,13 @@ pub enum GgmlType {
     Q5_0 = 6,
     Q5_1 = 7,
     Q8_0 = 8,
+    Q2K = 10,
+    Q3K = 11,
     Q4K = 12,
     Q5K = 13,
     Q6K = 14,
+    IQ4NL = 20,
+    IQ4XS = 23,
     BF16 = 30,
 }
 
@@ -76,9 +87,13 @@ impl GgmlType {
             6 => Self::Q5_0,
             7 => Self::Q5_1,
             8 => Self::Q8_0,
+            10 => Self::Q2K,
+            11 => Self::Q3K,
             12 => Self::Q4K,
             13 => Self::Q5K,
             14 => Self::Q6K,
+            20 => Self::IQ4NL,
+            23 => Self::IQ4XS,
             30 => Self::BF16,
             _ => return None,
         })
@@ -94,9 +109,13 @@ impl GgmlType {
             Self::Q5_0 => "Q5_0",
             Self::Q5_1 => "Q5_1",
             Self::Q8_0 => "Q8_0",
+            Self::Q2K => "Q2_K",
+            Self::Q3K => "Q3_K",
             Self::Q4K => "Q4_K",
             Self::Q5K => "Q5_K",
             Self::Q6K => "Q6_K",
+            Self::IQ4NL => "IQ4_NL",
+            Self::IQ4XS => "IQ4_XS",
         }
     }
 
@@ -113,6 +132,10 @@ impl GgmlType {
             Self::Q4K => (Q4K::BLOCK_ELEMS, Q4K::BLOCK_BYTES),
             Self::Q5K => (Q5K::BLOCK_ELEMS, Q5K::BLOCK_BYTES),
             Self::Q6K => (Q6K::BLOCK_ELEMS, Q6K::BLOCK_BYTES),
+            Self::Q2K => (Q2K::BLOCK_ELEMS, Q2K::BLOCK_BYTES),
+            Self::Q3K => (Q3K::BLOCK_ELEMS, Q3K::BLOCK_BYTES),
+            Self::IQ4NL => (IQ4NL::BLOCK_ELEMS, IQ4NL::BLOCK_BYTES),
+            Self::IQ4XS => (IQ4XS::BLOCK_ELEMS, IQ4XS::BLOCK_BYTES),
         }
     }
 
@@ -151,6 +174,10 @@ impl GgmlType {
             Self::Q4K => dequantize_blocks::<Q4K>(data, out),
             Self::Q5K => dequantize_blocks::<Q5K>(data, out),
             Self::Q6K => dequantize_blocks::<Q6K>(data, out),
+            Self::Q2K => dequantize_blocks::<Q2K>(data, out),
+            Self::Q3K => dequantize_blocks::<Q3K>(data, out),
+            Self::IQ4NL => dequantize_blocks::<IQ4NL>(data, out),
+            Self::IQ4XS => dequantize_blocks::<IQ4XS>(data, out),
         }
     }
 
@@ -165,6 +192,10 @@ impl GgmlType {
             Self::Q4K => dot_blocks::<Q4K>(data, x),
             Self::Q5K => dot_blocks::<Q5K>(data, x),
             Self::Q6K => dot_blocks::<Q6K>(data, x),
+            Self::Q2K => dot_blocks::<Q2K>(data, x),
+            Self::Q3K => dot_blocks::<Q3K>(data, x),
+            Self::IQ4NL => dot_blocks::<IQ4NL>(data, x),
+            Self::IQ4XS => dot_blocks::<IQ4XS>(data, x),
             Self::F32 | Self::F16 | Self::BF16 => {
                 let mut row = vec![0f32; x.len()];
                 self.dequantize(data, &mut row);
@@ -180,6 +211,25 @@ fn dequantize_blocks<F: BlockFormat>(data: &[u8], out: &mut [f32]) {
         .zip(out.chunks_exact_mut(F::BLOCK_ELEMS))
     {
         F::dequantize_block(block, out);
+    }
+}
+
+/// A block of a format whose weights are `scale·w − min` per group, dequantized as ggml does:
+/// `scale·w − min` in f32 (exact for the formats without a minimum, whose `min` is 0).
+fn dequantize_groups<F: BlockFormat>(block: &[u8], out: &mut [f32]) {
+    let mut w = [0i8; 256];
+    let (mut scale, mut min) = ([0f32; 16], [0f32; 16]);
+    let groups = F::BLOCK_ELEMS / F::GROUP;
+    F::unpack_groups(
+        block,
+        &mut w[..F::BLOCK_ELEMS],
+        &mut scale[..groups],
+        &mut min[..groups],
+    );
+    for (g, out) in out[..F::BLOCK_ELEMS].chunks_exact_mut(F::GROUP).enumerate() {
+        for (o, &q) in out.iter_mut().zip(&w[g * F::GROUP..]) {
+            *o = scale[g] * q as f32 - min[g];
+        }
     }
 }
 

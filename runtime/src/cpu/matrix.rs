@@ -25,8 +25,8 @@ use std::borrow::Cow;
 pub enum Storage {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
-    /// GGUF blocks row after row: a block format without an interleaved layout (none of those
-    /// bbc reads today; `block_rows` interleaves them all).
+    /// GGUF blocks row after row: a block format without an interleaved layout (Q2_K, IQ4_XS),
+    /// each row unpacked to integers for its products.
     Quant {
         dtype: GgmlType,
         bytes: Vec<u8>,
@@ -488,8 +488,9 @@ mod tests {
         }
     }
 
-    /// `rows` rows of `cols` weights of `dtype` (Q5_1, Q4_K, Q5_K or Q6_K): random quants,
-    /// finite scales and minimums (in the first four bytes, or Q6_K's last two).
+    /// `rows` rows of `cols` weights of `dtype` (Q5_1, Q2_K, Q4_K, Q5_K, Q6_K or IQ4_XS):
+    /// random quants, finite scales and minimums (in the first four bytes, Q2_K's last four or
+    /// Q6_K's last two).
     fn block_rows(dtype: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
         let (elements, bytes) = dtype.block_layout();
         let row_bytes = cols / elements * bytes;
@@ -498,12 +499,16 @@ mod tests {
             .collect();
         for (i, block) in data.chunks_exact_mut(bytes).enumerate() {
             let d = half::f16::from_f32(0.01 * (1 + i % 5) as f32).to_le_bytes();
-            if dtype == GgmlType::Q6K {
-                block[208..210].copy_from_slice(&d);
-                continue;
-            }
-            block[0..2].copy_from_slice(&d);
-            block[2..4].copy_from_slice(&half::f16::from_f32(0.02 * (1 + i % 3) as f32).to_le_bytes());
+            let at = match dtype {
+                GgmlType::Q6K => {
+                    block[208..210].copy_from_slice(&d);
+                    continue;
+                }
+                GgmlType::Q2K => 80,
+                _ => 0,
+            };
+            block[at..at + 2].copy_from_slice(&d);
+            block[at + 2..at + 4].copy_from_slice(&half::f16::from_f32(0.02 * (1 + i % 3) as f32).to_le_bytes());
         }
         data
     }
@@ -572,6 +577,18 @@ mod tests {
             // The activations' int8 rounding: at most half a step (1/254 of a block's largest
             // value) per element.
             assert!((g - w).abs() <= 0.01 * m, "{g} vs {w} (magnitude {m})");
+        }
+    }
+
+    /// Formats without an interleaved layout (Q2_K, IQ4_XS) stay GGUF rows, each unpacked for
+    /// its products: the same properties.
+    #[test]
+    fn unpacked_products_do_not_depend_on_the_step() {
+        for dtype in [GgmlType::Q2K, GgmlType::IQ4XS] {
+            let (rows, k) = (70, 512);
+            let storage = Storage::block_rows(dtype, block_rows(dtype, rows, k), dtype.bytes_for(k).unwrap());
+            assert!(matches!(storage, Storage::Quant { .. }), "{dtype:?}");
+            products_do_not_depend_on_the_step(Matrix { rows, cols: k, storage });
         }
     }
 
