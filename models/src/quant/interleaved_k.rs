@@ -1,7 +1,7 @@
-//! K-quant rows (Q4_K, Q5_K, Q6_K) regrouped for matmuls as [`super::interleaved`] regroups the
-//! 32-weight formats: [`GROUP`] rows interleaved so that a `vpdpbusd` against four broadcast
-//! activation bytes advances sixteen rows' sub-block sums at once, each lane ending a sub-block
-//! with its row's exact integer sum.
+//! K-quant rows (Q4_K, Q5_K, Q6_K, and IQ4_XS in Q6_K's layout) regrouped for matmuls as
+//! [`super::interleaved`] regroups the 32-weight formats: [`GROUP`] rows interleaved so that a
+//! `vpdpbusd` against four broadcast activation bytes advances sixteen rows' sub-block sums at
+//! once, each lane ending a sub-block with its row's exact integer sum.
 //!
 //! The arithmetic, per (row, token) and super-block in order, with activations quantized per
 //! 256 ([`Q8KRow`], ggml's `q8_K`), `u` the stored unsigned weights:
@@ -11,6 +11,8 @@
 //!   to f32 once); the result `main − low`.
 //! - Q6_K: `total = Σ_g sc_g·Σ_{i∈g} (u_i − 32)·qx_i` exactly (`g` the sixteen 16-weight
 //!   sub-blocks, `sc` their int8 scale), then `main = fma(total, d·dx, main)`; the result `main`.
+//! - IQ4_XS: the same with `u_i − 128` (each weight's table value stored + 128) and each
+//!   32-weight run's `ls − 32` as the scale of both its halves: ggml's `Σ_r (ls_r − 32)·Σ v·qx`.
 //!
 //! Every kernel runs those operations lane by lane: the same bits on every CPU, whatever the
 //! number of tokens computed together.
@@ -27,6 +29,8 @@
 //! - Q6_K: the six-bit weights as bytes, `[quad 0..64][row][byte 0..4]` (weight `4·quad + k`);
 //!   the scales as `[sub-block][row]` int8; the rows' `d` (f16). `ql`/`qh` come back from the
 //!   weights exactly.
+//! - IQ4_XS: Q6_K's layout, the weights' table values + 128 as the bytes (2× the stored size),
+//!   each run's scale twice; indices and packed scales come back from them exactly.
 
 use super::int8::{Int8Kernel, Q8KRow, SUPER};
 use super::interleaved::f16_at;
@@ -61,12 +65,20 @@ mod q6k {
     pub const GROUP_BLOCK: usize = D_AT + 2 * GROUP;
 }
 
+/// IQ4_XS's GGUF block: d: f16, scales_h: u16, scales_l: [u8; 4], qs: [u8; 128].
+mod iq4xs {
+    pub const BLOCK_BYTES: usize = 136;
+    /// What a weight's table value is stored above (in a Q6_K-layout byte).
+    pub const BIAS: i32 = 128;
+}
+
 /// The K-quant formats with an interleaved layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Format {
     Q4K,
     Q5K,
     Q6K,
+    IQ4XS,
 }
 
 impl Format {
@@ -75,6 +87,7 @@ impl Format {
             GgmlType::Q4K => Some(Self::Q4K),
             GgmlType::Q5K => Some(Self::Q5K),
             GgmlType::Q6K => Some(Self::Q6K),
+            GgmlType::IQ4XS => Some(Self::IQ4XS),
             _ => None,
         }
     }
@@ -84,6 +97,7 @@ impl Format {
             Self::Q4K => GgmlType::Q4K,
             Self::Q5K => GgmlType::Q5K,
             Self::Q6K => GgmlType::Q6K,
+            Self::IQ4XS => GgmlType::IQ4XS,
         }
     }
 
@@ -92,6 +106,7 @@ impl Format {
             Self::Q4K => q4k::BLOCK_BYTES,
             Self::Q5K => q4k::Q5_BLOCK_BYTES,
             Self::Q6K => q6k::BLOCK_BYTES,
+            Self::IQ4XS => iq4xs::BLOCK_BYTES,
         }
     }
 
@@ -99,7 +114,7 @@ impl Format {
         match self {
             Self::Q4K => q4k::GROUP_BLOCK,
             Self::Q5K => q4k::Q5_GROUP_BLOCK,
-            Self::Q6K => q6k::GROUP_BLOCK,
+            Self::Q6K | Self::IQ4XS => q6k::GROUP_BLOCK,
         }
     }
 
@@ -111,6 +126,7 @@ impl Format {
                 interleave_fifth_bits(&block[16..48], lane, out);
             }
             Self::Q6K => interleave_q6k(block, lane, out),
+            Self::IQ4XS => interleave_iq4xs(block, lane, out),
         }
     }
 
@@ -122,6 +138,7 @@ impl Format {
                 gguf_fifth_bits(group_block, lane, &mut block[16..48]);
             }
             Self::Q6K => gguf_block_q6k(group_block, lane, block),
+            Self::IQ4XS => gguf_block_iq4xs(group_block, lane, block),
         }
     }
 }
@@ -236,16 +253,19 @@ impl InterleavedSuperRows {
             return None;
         }
         // Q4_K: each 32-weight sub-block's Σqx (what its minimum multiplies); Q6_K: each
-        // 16-weight sub-block's −32·Σqx (where its sum starts, the weights being stored + 32).
+        // 16-weight sub-block's −32·Σqx (where its sum starts, the weights being stored + 32),
+        // IQ4_XS's −128·Σqx.
         let sums = match self.format {
             Format::Q4K | Format::Q5K => acts
                 .iter()
                 .flat_map(|a| (0..8 * supers).map(|j| a.sums16[2 * j] as i32 + a.sums16[2 * j + 1] as i32))
                 .collect(),
-            Format::Q6K => acts
-                .iter()
-                .flat_map(|a| a.sums16[..16 * supers].iter().map(|&s| -32 * s as i32))
-                .collect(),
+            Format::Q6K | Format::IQ4XS => {
+                let bias = if self.format == Format::Q6K { 32 } else { iq4xs::BIAS };
+                acts.iter()
+                    .flat_map(|a| a.sums16[..16 * supers].iter().map(move |&s| -bias * s as i32))
+                    .collect()
+            }
         };
         Some(SuperActivations {
             acts,
@@ -297,7 +317,7 @@ impl InterleavedSuperRows {
 fn sums_per_super(format: Format) -> usize {
     match format {
         Format::Q4K | Format::Q5K => 8,
-        Format::Q6K => 16,
+        Format::Q6K | Format::IQ4XS => 16,
     }
 }
 
@@ -405,6 +425,50 @@ fn gguf_block_q6k(group_block: &[u8], lane: usize, block: &mut [u8]) {
     block[208..210].copy_from_slice(&group_block[D_AT + 2 * lane..D_AT + 2 * lane + 2]);
 }
 
+/// Put one row's IQ4_XS block into lane `lane` of its group's super-block `out` (Q6_K's
+/// layout: table values + 128 as the weights, each 32-weight run's scale for both its halves).
+fn interleave_iq4xs(block: &[u8], lane: usize, out: &mut [u8]) {
+    use q6k::*;
+    let mut w = [0i8; SUPER];
+    for (run, w) in w.chunks_exact_mut(32).enumerate() {
+        super::iq4::run_values(&block[8 + 16 * run..], w);
+    }
+    for quad in 0..64 {
+        let at = quad * 64 + lane * 4;
+        for k in 0..4 {
+            out[at + k] = (w[4 * quad + k] as i32 + iq4xs::BIAS) as u8;
+        }
+    }
+    for (run, ls) in super::iq4::run_scales(block).into_iter().enumerate() {
+        for g in [2 * run, 2 * run + 1] {
+            out[SCALES_AT + g * GROUP + lane] = (ls as i8 - 32) as u8;
+        }
+    }
+    out[D_AT + 2 * lane..D_AT + 2 * lane + 2].copy_from_slice(&block[0..2]);
+}
+
+/// Lane `lane` of a group's super-block back as its IQ4_XS block.
+fn gguf_block_iq4xs(group_block: &[u8], lane: usize, block: &mut [u8]) {
+    use q6k::*;
+    let index = |quad: usize, k: usize| {
+        let value = group_block[quad * 64 + lane * 4 + k] as i32 - iq4xs::BIAS;
+        super::iq4::KVALUES.iter().position(|&v| v as i32 == value).unwrap_or(0) as u8
+    };
+    let nibble = |i: usize| index(i / 4, i % 4);
+    block[0..2].copy_from_slice(&group_block[D_AT + 2 * lane..D_AT + 2 * lane + 2]);
+    let mut scales_h = 0u16;
+    block[4..8].fill(0);
+    for run in 0..8 {
+        let ls = (group_block[SCALES_AT + 2 * run * GROUP + lane] as i8 as i32 + 32) as u8;
+        block[4 + run / 2] |= (ls & 0x0F) << (4 * (run % 2));
+        scales_h |= ((ls >> 4) as u16 & 3) << (2 * run);
+        for j in 0..16 {
+            block[8 + 16 * run + j] = nibble(32 * run + j) | (nibble(32 * run + j + 16) << 4);
+        }
+    }
+    block[2..4].copy_from_slice(&scales_h.to_le_bytes());
+}
+
 /// One matmul's activations, with per token the sums the format's kernel reads (see
 /// [`InterleavedSuperRows::activations`]).
 pub struct SuperActivations<'a> {
@@ -455,7 +519,9 @@ fn tile<const T: usize>(
         match (kernel, format) {
             (Int8Kernel::Avx512, Format::Q4K) => return x86::q4k_avx512::<T, false>(data, supers, tokens, out),
             (Int8Kernel::Avx512, Format::Q5K) => return x86::q4k_avx512::<T, true>(data, supers, tokens, out),
-            (Int8Kernel::Avx512, Format::Q6K) => return x86::q6k_avx512::<T>(data, supers, tokens, out),
+            (Int8Kernel::Avx512, Format::Q6K | Format::IQ4XS) => {
+                return x86::q6k_avx512::<T>(data, supers, tokens, out)
+            }
             (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q4K) => {
                 return x86::q4k_avx2::<T, false>(data, supers, tokens, out)
             }
@@ -463,7 +529,10 @@ fn tile<const T: usize>(
                 return x86::q4k_avx2::<T, true>(data, supers, tokens, out)
             }
             (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q6K) => {
-                return x86::q6k_avx2::<T>(data, supers, tokens, out)
+                return x86::q6k_avx2::<T, false>(data, supers, tokens, out)
+            }
+            (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::IQ4XS) => {
+                return x86::q6k_avx2::<T, true>(data, supers, tokens, out)
             }
             (Int8Kernel::Portable, _) => {}
         }
@@ -474,7 +543,7 @@ fn tile<const T: usize>(
         match format {
             Format::Q4K => q4k_portable::<T, false>(data, supers, tokens, out),
             Format::Q5K => q4k_portable::<T, true>(data, supers, tokens, out),
-            Format::Q6K => q6k_portable::<T>(data, supers, tokens, out),
+            Format::Q6K | Format::IQ4XS => q6k_portable::<T>(data, supers, tokens, out),
         }
     }
 }
@@ -711,8 +780,22 @@ mod x86 {
         }
     }
 
+    /// `dot4` for any byte `u` (IQ4_XS's reach 241, where a `pmaddubsw` pair could saturate):
+    /// the low and high nibbles' sums apart, the high one times 16, the same integers.
+    #[inline(always)]
+    unsafe fn dot4_wide(acc: __m256i, u: __m256i, qx: __m256i) -> __m256i {
+        let nibble = _mm256_set1_epi8(0x0F);
+        let low = _mm256_and_si256(u, nibble);
+        let high = _mm256_and_si256(_mm256_srli_epi16(u, 4), nibble);
+        let ones = _mm256_set1_epi16(1);
+        let low_sum = _mm256_madd_epi16(_mm256_maddubs_epi16(low, qx), ones);
+        let high_sum = _mm256_madd_epi16(_mm256_maddubs_epi16(high, qx), ones);
+        _mm256_add_epi32(acc, _mm256_add_epi32(low_sum, _mm256_slli_epi32(high_sum, 4)))
+    }
+
+    /// Q6_K's layout on 256-bit registers; `WIDE` for weight bytes past 63 (IQ4_XS).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q6k_avx2<const T: usize>(
+    pub unsafe fn q6k_avx2<const T: usize, const WIDE: bool>(
         data: *const u8,
         supers: usize,
         tokens: [Token; T],
@@ -720,7 +803,7 @@ mod x86 {
     ) {
         for half in 0..2 {
             // SAFETY: as the caller promises.
-            unsafe { q6k_half::<T>(data, supers, &tokens, out, half) }
+            unsafe { q6k_half::<T, WIDE>(data, supers, &tokens, out, half) }
         }
     }
 
@@ -803,7 +886,7 @@ mod x86 {
     }
 
     #[inline(always)]
-    unsafe fn q6k_half<const T: usize>(
+    unsafe fn q6k_half<const T: usize, const WIDE: bool>(
         data: *const u8,
         supers: usize,
         tokens: &[Token; T],
@@ -825,7 +908,12 @@ mod x86 {
                     for j in 0..4 {
                         let w = _mm256_loadu_si256(block.add(64 * (4 * g + j) + lanes) as *const __m256i);
                         for t in 0..T {
-                            isum[t] = dot4(isum[t], w, _mm256_set1_epi32(quad(tokens[t].q, q0 + 16 * g + 4 * j)));
+                            let qx = _mm256_set1_epi32(quad(tokens[t].q, q0 + 16 * g + 4 * j));
+                            isum[t] = if WIDE {
+                                dot4_wide(isum[t], w, qx)
+                            } else {
+                                dot4(isum[t], w, qx)
+                            };
                         }
                     }
                     let at = block.add(SCALES_AT + g * GROUP + rows);
@@ -852,7 +940,7 @@ mod x86 {
 mod tests {
     use super::*;
 
-    const FORMATS: [GgmlType; 3] = [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
+    const FORMATS: [GgmlType; 4] = [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::IQ4XS];
 
     /// `rows` rows of `supers` valid blocks: random quants and scale bytes (every 6-bit
     /// scale and minimum, every int8 scale), finite f16 factors differing from block to block.
@@ -869,6 +957,7 @@ mod tests {
                     b[0..2].copy_from_slice(&d);
                     b[2..4].copy_from_slice(&f16(0.002 * (1 + (i * 5) % 7) as f32));
                 }
+                GgmlType::IQ4XS => b[0..2].copy_from_slice(&d),
                 _ => b[208..210].copy_from_slice(&d),
             }
         }
@@ -904,6 +993,25 @@ mod tests {
                 main = (total as f32).mul_add(f16(&block[208..210]) * act.d[s], main);
                 continue;
             }
+            if dtype == GgmlType::IQ4XS {
+                // ggml's `vec_dot_iq4_xs_q8_K`: each run's table-value sum times `ls − 32`.
+                let scales = crate::quant::iq4::run_scales(block);
+                let total: i32 = (0..8)
+                    .map(|r| {
+                        let qs = &block[8 + 16 * r..8 + 16 * r + 16];
+                        let q = &q[32 * r..32 * r + 32];
+                        let sum: i32 = (0..16)
+                            .map(|j| {
+                                let v = |i: u8| crate::quant::iq4::KVALUES[i as usize] as i32;
+                                v(qs[j] & 0x0F) * q[j] as i32 + v(qs[j] >> 4) * q[j + 16] as i32
+                            })
+                            .sum();
+                        (scales[r] as i32 - 32) * sum
+                    })
+                    .sum();
+                main = (total as f32).mul_add(f16(&block[0..2]) * act.d[s], main);
+                continue;
+            }
             let (mut total, mut mins) = (0i32, 0i32);
             // Q5_K: ggml's `qh`, bit 2c (and 2c + 1) of byte l the fifth bit of weight l (l + 32)
             // of 64-weight chunk c.
@@ -928,7 +1036,7 @@ mod tests {
             main = (total as f32).mul_add(f16(&block[0..2]) * act.d[s], main);
             low = (mins as f32).mul_add(f16(&block[2..4]) * act.d[s], low);
         }
-        if dtype == GgmlType::Q6K {
+        if matches!(dtype, GgmlType::Q6K | GgmlType::IQ4XS) {
             main
         } else {
             main - low

@@ -20,6 +20,16 @@ pub(crate) fn run_values(qs: &[u8], w: &mut [i8]) {
     }
 }
 
+/// An IQ4_XS block's eight 6-bit run scales `ls` (before the −32): low nibbles from
+/// `scales_l`, two high bits each from `scales_h`.
+pub(crate) fn run_scales(block: &[u8]) -> [u8; 8] {
+    let scales_h = u16::from_le_bytes([block[2], block[3]]);
+    std::array::from_fn(|run| {
+        let low = (block[4 + run / 2] >> (4 * (run % 2))) & 0x0F;
+        low | ((((scales_h >> (2 * run)) & 3) as u8) << 4)
+    })
+}
+
 pub struct IQ4NL;
 
 impl BlockFormat for IQ4NL {
@@ -51,11 +61,8 @@ impl BlockFormat for IQ4XS {
     #[inline(always)]
     fn unpack_groups(block: &[u8], w: &mut [i8], scale: &mut [f32], min: &mut [f32]) {
         let d = f16_at(block, 0);
-        let scales_h = u16::from_le_bytes([block[2], block[3]]);
-        for run in 0..8 {
-            let low = (block[4 + run / 2] >> (4 * (run % 2))) & 0x0F;
-            let high = ((scales_h >> (2 * run)) & 3) as u8;
-            scale[run] = d * ((low | (high << 4)) as i32 - 32) as f32;
+        for (run, ls) in run_scales(block).into_iter().enumerate() {
+            scale[run] = d * (ls as i32 - 32) as f32;
             run_values(&block[8 + 16 * run..], &mut w[32 * run..32 * run + 32]);
         }
         min.fill(0.0);
