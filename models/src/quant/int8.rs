@@ -238,9 +238,10 @@ unsafe fn round_block_avx2(xb: &[f32; ACT_BLOCK], inv: f32, qb: &mut [i8; ACT_BL
 type GroupPair<'a> = ((&'a [i8], &'a [i8]), (&'a f32, &'a f32));
 
 /// A weight row unpacked once (for many activation rows): integers, and per group scale/min.
-/// The path of block formats without an interleaved layout (Q2_K: the 32-weight formats run
-/// over [`super::interleaved`] rows, Q4_K to Q6_K and IQ4_XS over [`super::interleaved_k`]
-/// rows, and Q3_K and IQ4_NL are rewritten as Q6_K and Q8_0, [`super::transcode`]).
+/// The path of block formats without an interleaved layout (none that weights hand over: the
+/// 32-weight formats run over [`super::interleaved`] rows, the K-quants and IQ4_XS over
+/// [`super::interleaved_k`] rows, and Q3_K and IQ4_NL come rewritten as Q6_K and Q8_0,
+/// [`super::transcode`]).
 #[derive(Debug, Clone, Default)]
 pub struct UnpackedRow {
     pub group: usize,

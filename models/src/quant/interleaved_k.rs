@@ -1,4 +1,4 @@
-//! K-quant rows (Q4_K, Q5_K, Q6_K, and IQ4_XS in Q6_K's layout) regrouped for matmuls as
+//! K-quant rows (Q2_K, Q4_K, Q5_K, Q6_K, and IQ4_XS in Q6_K's layout) regrouped for matmuls as
 //! [`super::interleaved`] regroups the 32-weight formats: [`GROUP`] rows interleaved so that a
 //! `vpdpbusd` against four broadcast activation bytes advances sixteen rows' sub-block sums at
 //! once, each lane ending a sub-block with its row's exact integer sum.
@@ -9,6 +9,7 @@
 //!   integers (`j` the eight 32-weight sub-blocks, `sc`/`m` their 6-bit scale and minimum), then
 //!   `main = fma(total, d·dx, main)` and `low = fma(mins, dmin·dx, low)` (each integer rounded
 //!   to f32 once); the result `main − low`.
+//! - Q2_K: Q4_K's, over its sixteen 16-weight groups and their 4-bit scales and minimums.
 //! - Q6_K: `total = Σ_g sc_g·Σ_{i∈g} (u_i − 32)·qx_i` exactly (`g` the sixteen 16-weight
 //!   sub-blocks, `sc` their int8 scale), then `main = fma(total, d·dx, main)`; the result `main`.
 //! - IQ4_XS: the same with `u_i − 128` (each weight's table value stored + 128) and each
@@ -29,6 +30,11 @@
 //! - Q6_K: the six-bit weights as bytes, `[quad 0..64][row][byte 0..4]` (weight `4·quad + k`);
 //!   the scales as `[sub-block][row]` int8; the rows' `d` (f16). `ql`/`qh` come back from the
 //!   weights exactly.
+//! - Q2_K: the 2-bit weights as `[group 0..16][row][byte 0..4]`, bits `2p..2p + 2` of byte
+//!   `k` being weight `4p + k` of the group (so shifting a group's 64 bytes by `2p` and masking
+//!   gives weights `4p..4p + 4` of every row); the `scales` bytes as `[group][row]` (scale in
+//!   the low nibble, minimum in the high one, as stored); the rows' `d`, then their `dmin`.
+//!   The same bytes as the GGUF blocks.
 //! - IQ4_XS: Q6_K's layout, the weights' table values + 128 as the bytes (2× the stored size),
 //!   each run's scale twice; indices and packed scales come back from them exactly.
 
@@ -65,6 +71,16 @@ mod q6k {
     pub const GROUP_BLOCK: usize = D_AT + 2 * GROUP;
 }
 
+/// Where each part of a Q2_K group's super-block starts, and its size.
+mod q2k {
+    use super::GROUP;
+    pub const BLOCK_BYTES: usize = 84;
+    pub const SCALES_AT: usize = 16 * 64;
+    pub const D_AT: usize = SCALES_AT + 16 * GROUP;
+    pub const DMIN_AT: usize = D_AT + 2 * GROUP;
+    pub const GROUP_BLOCK: usize = DMIN_AT + 2 * GROUP;
+}
+
 /// IQ4_XS's GGUF block: d: f16, scales_h: u16, scales_l: [u8; 4], qs: [u8; 128].
 mod iq4xs {
     pub const BLOCK_BYTES: usize = 136;
@@ -75,6 +91,7 @@ mod iq4xs {
 /// The K-quant formats with an interleaved layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Format {
+    Q2K,
     Q4K,
     Q5K,
     Q6K,
@@ -84,6 +101,7 @@ enum Format {
 impl Format {
     fn of(dtype: GgmlType) -> Option<Self> {
         match dtype {
+            GgmlType::Q2K => Some(Self::Q2K),
             GgmlType::Q4K => Some(Self::Q4K),
             GgmlType::Q5K => Some(Self::Q5K),
             GgmlType::Q6K => Some(Self::Q6K),
@@ -94,6 +112,7 @@ impl Format {
 
     fn dtype(self) -> GgmlType {
         match self {
+            Self::Q2K => GgmlType::Q2K,
             Self::Q4K => GgmlType::Q4K,
             Self::Q5K => GgmlType::Q5K,
             Self::Q6K => GgmlType::Q6K,
@@ -103,6 +122,7 @@ impl Format {
 
     fn block_bytes(self) -> usize {
         match self {
+            Self::Q2K => q2k::BLOCK_BYTES,
             Self::Q4K => q4k::BLOCK_BYTES,
             Self::Q5K => q4k::Q5_BLOCK_BYTES,
             Self::Q6K => q6k::BLOCK_BYTES,
@@ -112,6 +132,7 @@ impl Format {
 
     fn group_block(self) -> usize {
         match self {
+            Self::Q2K => q2k::GROUP_BLOCK,
             Self::Q4K => q4k::GROUP_BLOCK,
             Self::Q5K => q4k::Q5_GROUP_BLOCK,
             Self::Q6K | Self::IQ4XS => q6k::GROUP_BLOCK,
@@ -120,6 +141,7 @@ impl Format {
 
     fn interleave(self, block: &[u8], lane: usize, out: &mut [u8]) {
         match self {
+            Self::Q2K => interleave_q2k(block, lane, out),
             Self::Q4K => interleave_q4k(block, lane, out, 16),
             Self::Q5K => {
                 interleave_q4k(block, lane, out, 48);
@@ -132,6 +154,7 @@ impl Format {
 
     fn gguf_block(self, group_block: &[u8], lane: usize, block: &mut [u8]) {
         match self {
+            Self::Q2K => gguf_block_q2k(group_block, lane, block),
             Self::Q4K => gguf_block_q4k(group_block, lane, block, 16),
             Self::Q5K => {
                 gguf_block_q4k(group_block, lane, block, 48);
@@ -252,10 +275,15 @@ impl InterleavedSuperRows {
         if !acts.iter().all(covers) {
             return None;
         }
-        // Q4_K: each 32-weight sub-block's Σqx (what its minimum multiplies); Q6_K: each
+        // Q4_K: each 32-weight sub-block's Σqx (what its minimum multiplies), Q2_K each
+        // 16-weight group's; Q6_K: each
         // 16-weight sub-block's −32·Σqx (where its sum starts, the weights being stored + 32),
         // IQ4_XS's −128·Σqx.
         let sums = match self.format {
+            Format::Q2K => acts
+                .iter()
+                .flat_map(|a| a.sums16[..16 * supers].iter().map(|&s| s as i32))
+                .collect(),
             Format::Q4K | Format::Q5K => acts
                 .iter()
                 .flat_map(|a| (0..8 * supers).map(|j| a.sums16[2 * j] as i32 + a.sums16[2 * j + 1] as i32))
@@ -317,7 +345,7 @@ impl InterleavedSuperRows {
 fn sums_per_super(format: Format) -> usize {
     match format {
         Format::Q4K | Format::Q5K => 8,
-        Format::Q6K | Format::IQ4XS => 16,
+        Format::Q2K | Format::Q6K | Format::IQ4XS => 16,
     }
 }
 
@@ -425,6 +453,37 @@ fn gguf_block_q6k(group_block: &[u8], lane: usize, block: &mut [u8]) {
     block[208..210].copy_from_slice(&group_block[D_AT + 2 * lane..D_AT + 2 * lane + 2]);
 }
 
+/// Put one row's Q2_K block into lane `lane` of its group's super-block `out`.
+fn interleave_q2k(block: &[u8], lane: usize, out: &mut [u8]) {
+    use q2k::*;
+    for g in 0..16 {
+        // GGUF: weight l of group g is bits 2·((g % 8) / 2) of `qs` byte 32·(g / 8) + 16·(g % 2) + l.
+        let (qs, shift) = (&block[16 + 32 * (g / 8) + 16 * (g % 2)..][..16], 2 * ((g % 8) / 2));
+        for k in 0..4 {
+            out[g * 64 + lane * 4 + k] = (0..4).fold(0, |byte, p| byte | (((qs[4 * p + k] >> shift) & 3) << (2 * p)));
+        }
+        out[SCALES_AT + g * GROUP + lane] = block[g];
+    }
+    out[D_AT + 2 * lane..D_AT + 2 * lane + 2].copy_from_slice(&block[80..82]);
+    out[DMIN_AT + 2 * lane..DMIN_AT + 2 * lane + 2].copy_from_slice(&block[82..84]);
+}
+
+/// Lane `lane` of a group's super-block back as its Q2_K block.
+fn gguf_block_q2k(group_block: &[u8], lane: usize, block: &mut [u8]) {
+    use q2k::*;
+    block[16..80].fill(0);
+    for g in 0..16 {
+        let (at, shift) = (16 + 32 * (g / 8) + 16 * (g % 2), 2 * ((g % 8) / 2));
+        for l in 0..16 {
+            let q = (group_block[g * 64 + lane * 4 + l % 4] >> (2 * (l / 4))) & 3;
+            block[at + l] |= q << shift;
+        }
+        block[g] = group_block[SCALES_AT + g * GROUP + lane];
+    }
+    block[80..82].copy_from_slice(&group_block[D_AT + 2 * lane..D_AT + 2 * lane + 2]);
+    block[82..84].copy_from_slice(&group_block[DMIN_AT + 2 * lane..DMIN_AT + 2 * lane + 2]);
+}
+
 /// Put one row's IQ4_XS block into lane `lane` of its group's super-block `out` (Q6_K's
 /// layout: table values + 128 as the weights, each 32-weight run's scale for both its halves).
 fn interleave_iq4xs(block: &[u8], lane: usize, out: &mut [u8]) {
@@ -517,6 +576,10 @@ fn tile<const T: usize>(
     #[cfg(target_arch = "x86_64")]
     unsafe {
         match (kernel, format) {
+            (Int8Kernel::Avx512, Format::Q2K) => return x86::q2k_avx512::<T>(data, supers, tokens, out),
+            (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q2K) => {
+                return x86::q2k_avx2::<T>(data, supers, tokens, out)
+            }
             (Int8Kernel::Avx512, Format::Q4K) => return x86::q4k_avx512::<T, false>(data, supers, tokens, out),
             (Int8Kernel::Avx512, Format::Q5K) => return x86::q4k_avx512::<T, true>(data, supers, tokens, out),
             (Int8Kernel::Avx512, Format::Q6K | Format::IQ4XS) => {
@@ -541,6 +604,7 @@ fn tile<const T: usize>(
     // SAFETY: as above.
     unsafe {
         match format {
+            Format::Q2K => q2k_portable::<T>(data, supers, tokens, out),
             Format::Q4K => q4k_portable::<T, false>(data, supers, tokens, out),
             Format::Q5K => q4k_portable::<T, true>(data, supers, tokens, out),
             Format::Q6K | Format::IQ4XS => q6k_portable::<T>(data, supers, tokens, out),
@@ -595,6 +659,46 @@ unsafe fn q4k_portable<const T: usize, const FIFTH: bool>(
     }
 }
 
+/// The portable Q2_K kernel.
+///
+/// # Safety
+/// As [`tile`]'s callers promise.
+unsafe fn q2k_portable<const T: usize>(
+    data: *const u8,
+    supers: usize,
+    tokens: [Token; T],
+    out: &mut [[f32; GROUP]; T],
+) {
+    use q2k::*;
+    for (token, out) in tokens.iter().zip(out.iter_mut()) {
+        for (lane, result) in out.iter_mut().enumerate() {
+            let (mut main, mut low) = (0f32, 0f32);
+            for s in 0..supers {
+                // SAFETY: as in `q4k_portable`.
+                unsafe {
+                    let block = data.add(s * GROUP_BLOCK);
+                    let q = token.q.add(s * SUPER);
+                    let (mut total, mut mins) = (0i32, 0i32);
+                    for g in 0..16 {
+                        let mut isum = 0i32;
+                        for i in 0..16 {
+                            let u = (*block.add(g * 64 + lane * 4 + i % 4) >> (2 * (i / 4))) & 3;
+                            isum += u as i32 * *q.add(16 * g + i) as i32;
+                        }
+                        let scale_min = *block.add(SCALES_AT + g * GROUP + lane);
+                        total += (scale_min & 0x0F) as i32 * isum;
+                        mins += (scale_min >> 4) as i32 * *token.sums.add(16 * s + g);
+                    }
+                    let dx = *token.d.add(s);
+                    main = (total as f32).mul_add(f16_at(block.add(D_AT + 2 * lane)) * dx, main);
+                    low = (mins as f32).mul_add(f16_at(block.add(DMIN_AT + 2 * lane)) * dx, low);
+                }
+            }
+            *result = main - low;
+        }
+    }
+}
+
 /// The portable Q6_K kernel.
 ///
 /// # Safety
@@ -632,7 +736,7 @@ unsafe fn q6k_portable<const T: usize>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{q4k, q6k, Token, GROUP, SUPER};
+    use super::{q2k, q4k, q6k, Token, GROUP, SUPER};
     use crate::quant::interleaved::quad;
     use std::arch::x86_64::*;
 
@@ -694,6 +798,58 @@ mod x86 {
                     let m = _mm512_cvtepu8_epi32(_mm_loadu_si128(block.add(MINS_AT + j * GROUP) as *const __m128i));
                     for t in 0..T {
                         let sums = _mm512_set1_epi32(*tokens[t].sums.add(8 * s + j));
+                        mins[t] = _mm512_add_epi32(mins[t], _mm512_mullo_epi32(m, sums));
+                    }
+                }
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(D_AT) as *const __m256i));
+                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(DMIN_AT) as *const __m256i));
+                for t in 0..T {
+                    let dx = _mm512_set1_ps(*tokens[t].d.add(s));
+                    main[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[t]), _mm512_mul_ps(d, dx), main[t]);
+                    low[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[t]), _mm512_mul_ps(dmin, dx), low[t]);
+                }
+            }
+        }
+        for t in 0..T {
+            // SAFETY: token t's sixteen outputs.
+            unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), _mm512_sub_ps(main[t], low[t])) };
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn q2k_avx512<const T: usize>(
+        data: *const u8,
+        supers: usize,
+        tokens: [Token; T],
+        out: &mut [[f32; GROUP]; T],
+    ) {
+        use q2k::*;
+        let (two_bits, nibble) = (_mm512_set1_epi8(3), _mm512_set1_epi32(0x0F));
+        let mut main = [_mm512_setzero_ps(); T];
+        let mut low = [_mm512_setzero_ps(); T];
+        for s in 0..supers {
+            // SAFETY: as in `q4k_avx512`.
+            unsafe {
+                let block = data.add(s * GROUP_BLOCK);
+                let q0 = s * SUPER;
+                let mut total = [_mm512_setzero_si512(); T];
+                let mut mins = [_mm512_setzero_si512(); T];
+                for g in 0..16 {
+                    let raw = _mm512_loadu_si512(block.add(64 * g) as *const _);
+                    let mut isum = [_mm512_setzero_si512(); T];
+                    for p in 0..4 {
+                        let u = _mm512_and_si512(_mm512_srl_epi16(raw, _mm_cvtsi32_si128(2 * p as i32)), two_bits);
+                        for t in 0..T {
+                            let qx = _mm512_set1_epi32(quad(tokens[t].q, q0 + 16 * g + 4 * p));
+                            isum[t] = _mm512_dpbusd_epi32(isum[t], u, qx);
+                        }
+                    }
+                    let scale_min =
+                        _mm512_cvtepu8_epi32(_mm_loadu_si128(block.add(SCALES_AT + g * GROUP) as *const __m128i));
+                    let (sc, m) = (_mm512_and_si512(scale_min, nibble), _mm512_srli_epi32(scale_min, 4));
+                    for t in 0..T {
+                        total[t] = _mm512_add_epi32(total[t], _mm512_mullo_epi32(isum[t], sc));
+                        let sums = _mm512_set1_epi32(*tokens[t].sums.add(16 * s + g));
                         mins[t] = _mm512_add_epi32(mins[t], _mm512_mullo_epi32(m, sums));
                     }
                 }
@@ -791,6 +947,73 @@ mod x86 {
         let low_sum = _mm256_madd_epi16(_mm256_maddubs_epi16(low, qx), ones);
         let high_sum = _mm256_madd_epi16(_mm256_maddubs_epi16(high, qx), ones);
         _mm256_add_epi32(acc, _mm256_add_epi32(low_sum, _mm256_slli_epi32(high_sum, 4)))
+    }
+
+    /// AVX2: the group as two halves of eight rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q2k_avx2<const T: usize>(
+        data: *const u8,
+        supers: usize,
+        tokens: [Token; T],
+        out: &mut [[f32; GROUP]; T],
+    ) {
+        for half in 0..2 {
+            // SAFETY: as the caller promises.
+            unsafe { q2k_half::<T>(data, supers, &tokens, out, half) }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn q2k_half<const T: usize>(
+        data: *const u8,
+        supers: usize,
+        tokens: &[Token; T],
+        out: &mut [[f32; GROUP]; T],
+        half: usize,
+    ) {
+        use q2k::*;
+        let (lanes, rows) = (32 * half, 8 * half);
+        let (two_bits, nibble) = (_mm256_set1_epi8(3), _mm256_set1_epi32(0x0F));
+        let mut main = [_mm256_setzero_ps(); T];
+        let mut low = [_mm256_setzero_ps(); T];
+        for s in 0..supers {
+            // SAFETY: as in `q4k_avx512`, for this half's bytes.
+            unsafe {
+                let block = data.add(s * GROUP_BLOCK);
+                let q0 = s * SUPER;
+                let mut total = [_mm256_setzero_si256(); T];
+                let mut mins = [_mm256_setzero_si256(); T];
+                for g in 0..16 {
+                    let raw = _mm256_loadu_si256(block.add(64 * g + lanes) as *const __m256i);
+                    let mut isum = [_mm256_setzero_si256(); T];
+                    for p in 0..4 {
+                        let u = _mm256_and_si256(_mm256_srl_epi16(raw, _mm_cvtsi32_si128(2 * p as i32)), two_bits);
+                        for t in 0..T {
+                            isum[t] = dot4(isum[t], u, _mm256_set1_epi32(quad(tokens[t].q, q0 + 16 * g + 4 * p)));
+                        }
+                    }
+                    let at = block.add(SCALES_AT + g * GROUP + rows);
+                    let scale_min = _mm256_cvtepu8_epi32(_mm_loadl_epi64(at as *const __m128i));
+                    let (sc, m) = (_mm256_and_si256(scale_min, nibble), _mm256_srli_epi32(scale_min, 4));
+                    for t in 0..T {
+                        total[t] = _mm256_add_epi32(total[t], _mm256_mullo_epi32(isum[t], sc));
+                        let sums = _mm256_set1_epi32(*tokens[t].sums.add(16 * s + g));
+                        mins[t] = _mm256_add_epi32(mins[t], _mm256_mullo_epi32(m, sums));
+                    }
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(D_AT + 2 * rows) as *const __m128i));
+                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(block.add(DMIN_AT + 2 * rows) as *const __m128i));
+                for t in 0..T {
+                    let dx = _mm256_set1_ps(*tokens[t].d.add(s));
+                    main[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[t]), _mm256_mul_ps(d, dx), main[t]);
+                    low[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[t]), _mm256_mul_ps(dmin, dx), low[t]);
+                }
+            }
+        }
+        for t in 0..T {
+            // SAFETY: token t's eight outputs of this half.
+            unsafe { _mm256_storeu_ps(out[t].as_mut_ptr().add(rows), _mm256_sub_ps(main[t], low[t])) };
+        }
     }
 
     /// Q6_K's layout on 256-bit registers; `WIDE` for weight bytes past 63 (IQ4_XS).
@@ -940,7 +1163,13 @@ mod x86 {
 mod tests {
     use super::*;
 
-    const FORMATS: [GgmlType; 4] = [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K, GgmlType::IQ4XS];
+    const FORMATS: [GgmlType; 5] = [
+        GgmlType::Q2K,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+        GgmlType::IQ4XS,
+    ];
 
     /// `rows` rows of `supers` valid blocks: random quants and scale bytes (every 6-bit
     /// scale and minimum, every int8 scale), finite f16 factors differing from block to block.
@@ -958,6 +1187,10 @@ mod tests {
                     b[2..4].copy_from_slice(&f16(0.002 * (1 + (i * 5) % 7) as f32));
                 }
                 GgmlType::IQ4XS => b[0..2].copy_from_slice(&d),
+                GgmlType::Q2K => {
+                    b[80..82].copy_from_slice(&d);
+                    b[82..84].copy_from_slice(&f16(0.002 * (1 + (i * 5) % 7) as f32));
+                }
                 _ => b[208..210].copy_from_slice(&d),
             }
         }
@@ -991,6 +1224,22 @@ mod tests {
                     })
                     .sum();
                 main = (total as f32).mul_add(f16(&block[208..210]) * act.d[s], main);
+                continue;
+            }
+            if dtype == GgmlType::Q2K {
+                // ggml's `vec_dot_q2_K_q8_K`: per 16-weight group `Σ q·qx` times the scale,
+                // `Σ qx` times the minimum.
+                let (mut total, mut mins) = (0i32, 0i32);
+                for g in 0..16 {
+                    let qs = &block[16 + 32 * (g / 8) + 16 * (g % 2)..][..16];
+                    let shift = 2 * ((g % 8) / 2);
+                    let q = &q[16 * g..16 * g + 16];
+                    let isum: i32 = (0..16).map(|l| ((qs[l] >> shift) & 3) as i32 * q[l] as i32).sum();
+                    total += (block[g] & 0x0F) as i32 * isum;
+                    mins += (block[g] >> 4) as i32 * q.iter().map(|&x| x as i32).sum::<i32>();
+                }
+                main = (total as f32).mul_add(f16(&block[80..82]) * act.d[s], main);
+                low = (mins as f32).mul_add(f16(&block[82..84]) * act.d[s], low);
                 continue;
             }
             if dtype == GgmlType::IQ4XS {

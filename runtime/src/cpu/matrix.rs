@@ -25,8 +25,9 @@ use std::borrow::Cow;
 pub enum Storage {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
-    /// GGUF blocks row after row: a block format without an interleaved layout (Q2_K), each
-    /// row unpacked to integers for its products.
+    /// GGUF blocks row after row: a block format without an interleaved layout, each row
+    /// unpacked to integers for its products (none that weights hand over: Q3_K and IQ4_NL come
+    /// rewritten as Q6_K and Q8_0, `models::quant::transcode`).
     Quant {
         dtype: GgmlType,
         bytes: Vec<u8>,
@@ -34,7 +35,7 @@ pub enum Storage {
     },
     /// A 32-weight block format with its rows interleaved for the int8 kernels.
     Interleaved(InterleavedRows),
-    /// K-quant rows (Q4_K, Q5_K, Q6_K, IQ4_XS) interleaved for the int8 kernels.
+    /// K-quant rows (Q2_K, Q4_K, Q5_K, Q6_K, IQ4_XS) interleaved for the int8 kernels.
     InterleavedSuper(InterleavedSuperRows),
 }
 
@@ -488,8 +489,8 @@ mod tests {
         }
     }
 
-    /// `rows` rows of `cols` weights of `dtype` (Q5_1, Q2_K, Q4_K, Q5_K, Q6_K or IQ4_XS):
-    /// random quants, finite scales and minimums (in the first four bytes, Q2_K's last four or
+    /// `rows` rows of `cols` weights of `dtype` (Q5_1, a K-quant or IQ4_XS): random quants,
+    /// finite scales and minimums (in the first four bytes, Q2_K's last four, or Q3_K's and
     /// Q6_K's last two).
     fn block_rows(dtype: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
         let (elements, bytes) = dtype.block_layout();
@@ -500,8 +501,8 @@ mod tests {
         for (i, block) in data.chunks_exact_mut(bytes).enumerate() {
             let d = half::f16::from_f32(0.01 * (1 + i % 5) as f32).to_le_bytes();
             let at = match dtype {
-                GgmlType::Q6K => {
-                    block[208..210].copy_from_slice(&d);
+                GgmlType::Q6K | GgmlType::Q3K => {
+                    block[bytes - 2..].copy_from_slice(&d);
                     continue;
                 }
                 GgmlType::Q2K => 80,
@@ -538,6 +539,7 @@ mod tests {
             (GgmlType::Q4K, 512),
             (GgmlType::Q5K, 512),
             (GgmlType::Q6K, 512),
+            (GgmlType::Q2K, 512),
             (GgmlType::IQ4XS, 512),
         ] {
             products_do_not_depend_on_the_step(interleaved_as(dtype, 70, k));
@@ -581,11 +583,11 @@ mod tests {
         }
     }
 
-    /// A format without an interleaved layout (Q2_K) stays GGUF rows, each unpacked for its
-    /// products: the same properties.
+    /// A format without an interleaved layout (Q3_K, which weights hand over as Q6_K) stays
+    /// GGUF rows, each unpacked for its products: the same properties.
     #[test]
     fn unpacked_products_do_not_depend_on_the_step() {
-        let (dtype, rows, k) = (GgmlType::Q2K, 70, 512);
+        let (dtype, rows, k) = (GgmlType::Q3K, 70, 512);
         let storage = Storage::block_rows(dtype, block_rows(dtype, rows, k), dtype.bytes_for(k).unwrap());
         assert!(matches!(storage, Storage::Quant { .. }));
         products_do_not_depend_on_the_step(Matrix { rows, cols: k, storage });
