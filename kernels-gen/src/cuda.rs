@@ -38,6 +38,30 @@ static __device__ __forceinline__ unsigned int bbc_ordered_bits(float f) {
 }
 "#;
 
+/// `bbc_iq4_value`: the IQ4 table ([`IQ4_VALUES`]) + 128 four bytes a word, a word picked by
+/// two selects, its byte shifted out (no table in memory, no divergent loads).
+fn iq4_helper() -> String {
+    let words: Vec<String> = IQ4_VALUES
+        .chunks(4)
+        .map(|v| {
+            let word = v.iter().rev().fold(0u32, |w, &x| (w << 8) | (x as i32 + 128) as u32);
+            format!("0x{word:08x}u")
+        })
+        .collect();
+    format!(
+        "// The IQ4 formats' table (ggml's kvalues_iq4nl) at a 4-bit index: its values + 128, four to a word.
+static __device__ __forceinline__ int bbc_iq4_value(unsigned int i) {{
+    const unsigned int low = (i & 4) ? {w1} : {w0}, high = (i & 4) ? {w3} : {w2};
+    return (int)((((i & 8) ? high : low) >> ((i & 3) * 8)) & 0xffu) - 128;
+}}
+",
+        w0 = words[0],
+        w1 = words[1],
+        w2 = words[2],
+        w3 = words[3]
+    )
+}
+
 const ASYNC_HELPERS: &str = r#"// 16 bytes global -> shared without registers (cp.async.cg), or 16 zero bytes when !valid
 // (then nothing is read: the source may be past the end of its buffer).
 static __device__ __forceinline__ void bbc_cp_async_16(void* dst, const void* src, bool valid) {
@@ -137,6 +161,9 @@ pub fn emit(kernel: &Kernel) -> String {
     }
     if uses_op(&kernel.body, UnOp::OrderedBits) {
         let _ = writeln!(out, "{ORDERED_BITS_HELPER}");
+    }
+    if uses_op(&kernel.body, UnOp::Iq4Value) {
+        let _ = writeln!(out, "{}", iq4_helper());
     }
     let copies_async = any_stmt(&kernel.body, &|s| matches!(s, Stmt::CpAsync(_)));
     if copies_async {
@@ -645,6 +672,7 @@ fn expr(e: &Expr, scope: &Scope) -> String {
                 UnOp::Sin => format!("sinf({x})"),
                 UnOp::HalfToFloat => format!("bbc_f16_to_f32((unsigned int)({x}))"),
                 UnOp::OrderedBits => format!("bbc_ordered_bits({x})"),
+                UnOp::Iq4Value => format!("bbc_iq4_value((unsigned int)({x}))"),
                 UnOp::Abs if scope.type_of(a) == Ok(Ty::F32) => format!("fabsf({x})"),
                 UnOp::Abs => format!("abs({x})"),
             }

@@ -93,7 +93,13 @@ pub enum UnOp {
     /// top_k`: `total_cmp`, NaN as −∞): its bits, the sign flipped for positives and every
     /// bit for negatives, so integer comparisons and bit-by-bit searches rank floats.
     OrderedBits,
+    /// The value a 4-bit index (an integer, 0..16) stands for in the IQ4 formats' table,
+    /// [`IQ4_VALUES`]: IQ4_NL/IQ4_XS weights.
+    Iq4Value,
 }
+
+/// ggml's `kvalues_iq4nl`: the values of IQ4_NL's and IQ4_XS's 4-bit indices.
+pub const IQ4_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Expr {

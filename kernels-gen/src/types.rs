@@ -86,6 +86,8 @@ impl Scope {
                     UnOp::HalfToFloat => return Err(format!("half bits of type {t:?}")),
                     UnOp::OrderedBits if t == Ty::F32 => Ty::U32,
                     UnOp::OrderedBits => return Err(format!("ordered bits of {t:?}")),
+                    UnOp::Iq4Value if matches!(t, Ty::I32 | Ty::U32) => Ty::I32,
+                    UnOp::Iq4Value => return Err(format!("an IQ4 table index of type {t:?}")),
                     UnOp::Not if t == Ty::Bool => Ty::Bool,
                     UnOp::Neg | UnOp::Abs => t,
                     _ if t == Ty::F32 => Ty::F32,

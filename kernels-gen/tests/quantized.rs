@@ -25,6 +25,8 @@ fn ggml(format: DType) -> GgmlType {
         DType::Q4K => GgmlType::Q4K,
         DType::Q5K => GgmlType::Q5K,
         DType::Q6K => GgmlType::Q6K,
+        DType::Q2K => GgmlType::Q2K,
+        DType::IQ4XS => GgmlType::IQ4XS,
         other => panic!("{other}"),
     }
 }

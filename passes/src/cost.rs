@@ -85,6 +85,8 @@ const GPU_PROLOGUE_WEIGHTS: &[DType] = &[
     DType::Q4K,
     DType::Q5K,
     DType::Q6K,
+    DType::Q2K,
+    DType::IQ4XS,
 ];
 
 /// Weight types a matmul can take a GLU epilogue over: the decode GEMV pairs a gate row with

@@ -760,6 +760,7 @@ impl<'k> Block<'k> {
                         (UnOp::Not, v) => Val::B(!v.b()),
                         (UnOp::HalfToFloat, v) => Val::F(half::f16::from_bits(v.i() as u16).to_f32()),
                         (UnOp::OrderedBits, v) => Val::I(ordered_bits(v.f()) as i64),
+                        (UnOp::Iq4Value, v) => Val::I(IQ4_VALUES[v.i() as usize & 15] as i64),
                         (op, v) => Val::F(unop_f32(*op, v.f())),
                     })
                     .collect()
@@ -899,6 +900,6 @@ fn unop_f32(op: UnOp, v: f32) -> f32 {
         UnOp::Abs => v.abs(),
         UnOp::Not => (v == 0.0) as i32 as f32,
         UnOp::HalfToFloat => half::f16::from_bits(v as u16).to_f32(),
-        UnOp::OrderedBits => unreachable!("an integer result, evaluated apart"),
+        UnOp::OrderedBits | UnOp::Iq4Value => unreachable!("an integer result, evaluated apart"),
     }
 }

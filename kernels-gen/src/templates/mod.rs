@@ -346,15 +346,17 @@ pub fn warp_scratch(name: &str, warps: u32) -> SharedArray {
 }
 
 /// The GGUF block formats the GPU templates read.
-pub const QUANT_FORMATS: [ir::DType; 8] = [
+pub const QUANT_FORMATS: [ir::DType; 10] = [
     ir::DType::Q4_0,
     ir::DType::Q4_1,
     ir::DType::Q5_0,
     ir::DType::Q5_1,
     ir::DType::Q8_0,
+    ir::DType::Q2K,
     ir::DType::Q4K,
     ir::DType::Q5K,
     ir::DType::Q6K,
+    ir::DType::IQ4XS,
 ];
 
 /// Qwen3.5-27B's Gated DeltaNet layers (16 key heads, 48 value heads, heads of 128).

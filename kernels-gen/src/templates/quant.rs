@@ -24,6 +24,8 @@ pub fn block_layout(format: DType) -> Option<(i64, i64)> {
         DType::Q4K => (256, 144),
         DType::Q5K => (256, 176),
         DType::Q6K => (256, 210),
+        DType::Q2K => (256, 84),
+        DType::IQ4XS => (256, 136),
         _ => return None,
     })
 }
@@ -45,6 +47,25 @@ fn half(i: Expr) -> Expr {
         ),
     )
 }
+/// The IQ4 table's value at a 4-bit index.
+fn iq4_value(i: Expr) -> Expr {
+    un(UnOp::Iq4Value, i)
+}
+
+/// An IQ4_XS super-block's run `run` scale `ls − 32` (`scales_l` nibble, two `scales_h` bits).
+fn iq4xs_run_scale(base: Expr, run: Expr) -> Expr {
+    let low = mask_bits(
+        shr(
+            byte(base.clone() + int(4) + run.clone() / int(2)),
+            rem(run.clone(), int(2)) * int(4),
+        ),
+        15,
+    );
+    let scales_h = byte(base.clone() + int(2)) + bin(BinOp::Shl, byte(base + int(3)), int(8));
+    let high = mask_bits(shr(scales_h, run * int(2)), 3);
+    low + bin(BinOp::Shl, high, int(4)) - int(32)
+}
+
 /// `a & m`: the low bits of a byte or word.
 fn mask_bits(a: Expr, m: i64) -> Expr {
     bin(BinOp::BitAnd, a, int(m))
@@ -137,6 +158,25 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
             let q = nib + bin(BinOp::Shl, qh, int(4)) - int(32);
             let sc = s8(base() + int(192) + h() * int(8) + l() / int(16) + g() * int(2));
             half(base() + int(208)) * f32_of(sc) * f32_of(q)
+        }
+        DType::Q2K => {
+            // Group g = j / 16: bits 2·((g % 8) / 2) of qs byte 32·(g / 8) + 16·(g % 2) + j % 16.
+            s.push(let_(&t("g"), Ty::I32, j() / int(16)));
+            let g = || var(&t("g"));
+            let qs = base() + int(16) + g() / int(8) * int(32) + rem(g(), int(2)) * int(16) + rem(j(), int(16));
+            let q = mask_bits(shr(byte(qs), rem(g(), int(8)) / int(2) * int(2)), 3);
+            s.push(let_(&t("sc"), Ty::I32, byte(base() + g())));
+            half(base() + int(80)) * f32_of(mask_bits(var(&t("sc")), 15)) * f32_of(q)
+                - half(base() + int(82)) * f32_of(shr(var(&t("sc")), int(4)))
+        }
+        DType::IQ4XS => {
+            // Run r = j / 32 of 16 bytes: low nibbles its first 16 weights, high ones the rest.
+            s.push(let_(&t("r"), Ty::I32, j() / int(32)));
+            s.push(let_(&t("l"), Ty::I32, rem(j(), int(32))));
+            let (r, l) = (|| var(&t("r")), || var(&t("l")));
+            let packed = byte(base() + int(8) + r() * int(16) + rem(l(), int(16)));
+            let index = mask_bits(shr(packed, select(lt(l(), int(16)), int(0), int(4))), 15);
+            half(base()) * f32_of(iq4xs_run_scale(base(), r())) * f32_of(iq4_value(index))
         }
         other => panic!("{other} is not a block format"),
     };
@@ -271,14 +311,69 @@ pub fn k_sub_block_weights(format: DType, prefix: &str, base: Expr, sub: Expr) -
                 s.push(let_(&weight(e as usize), Ty::F32, var(ds) * f32_of(q)));
             }
         }
+        DType::Q2K => {
+            // Sub-block s: groups 2s and 2s + 1, bytes 32·(s / 4) + (0..32) of qs at bit 2·(s % 4).
+            for (name, group) in [
+                ("blk_sc0", var("q_sub") * int(2)),
+                ("blk_sc1", var("q_sub") * int(2) + int(1)),
+            ] {
+                s.push(let_(name, Ty::I32, byte(at(group))));
+            }
+            s.push(let_("blk_d", Ty::F32, half(at(int(80)))));
+            s.push(let_("blk_dmin", Ty::F32, half(at(int(82)))));
+            for (i, sc) in ["blk_sc0", "blk_sc1"].into_iter().enumerate() {
+                s.push(let_(
+                    &format!("blk_ds{i}"),
+                    Ty::F32,
+                    var("blk_d") * f32_of(mask_bits(var(sc), 15)),
+                ));
+                s.push(let_(
+                    &format!("blk_dm{i}"),
+                    Ty::F32,
+                    var("blk_dmin") * f32_of(shr(var(sc), int(4))),
+                ));
+            }
+            s.push(let_("blk_qs", Ty::I32, at(int(16)) + var("q_sub") / int(4) * int(32)));
+            s.push(let_("blk_shift", Ty::I32, rem(var("q_sub"), int(4)) * int(2)));
+            for e in 0..32 {
+                let q = mask_bits(shr(byte(var("blk_qs") + int(e)), var("blk_shift")), 3);
+                let half_ = if e < 16 { 0 } else { 1 };
+                s.push(let_(
+                    &weight(e as usize),
+                    Ty::F32,
+                    var(&format!("blk_ds{half_}")) * f32_of(q) - var(&format!("blk_dm{half_}")),
+                ));
+            }
+        }
+        DType::IQ4XS => {
+            // Sub-block s is run s: its scale once, then each byte's two table indices.
+            s.push(let_(
+                "blk_ds",
+                Ty::F32,
+                half(at(int(0))) * f32_of(iq4xs_run_scale(var("blk_at"), var("q_sub"))),
+            ));
+            s.push(let_("blk_qs", Ty::I32, at(int(8)) + var("q_sub") * int(16)));
+            for j in 0..16 {
+                let b = format!("blk_b{j}");
+                s.push(let_(&b, Ty::I32, byte(var("blk_qs") + int(j))));
+                for (e, index) in [(j, mask_bits(var(&b), 15)), (j + 16, shr(var(&b), int(4)))] {
+                    s.push(let_(
+                        &weight(e as usize),
+                        Ty::F32,
+                        var("blk_ds") * f32_of(iq4_value(index)),
+                    ));
+                }
+            }
+        }
         other => panic!("{other} is not a K-quant"),
     }
     s
 }
 
-/// Whether `k_sub_block_weights` decodes `format` (a 256-element K-quant super-block).
+/// Whether `k_sub_block_weights` decodes `format` (a 256-element super-block: a K-quant or
+/// IQ4_XS).
 pub fn decodes_sub_blocks(format: DType) -> bool {
-    matches!(format, DType::Q4K | DType::Q5K | DType::Q6K)
+    matches!(format, DType::Q2K | DType::Q4K | DType::Q5K | DType::Q6K | DType::IQ4XS)
 }
 
 /// ggml's `get_scale_min_k4` for sub-block `{p}_sub`: sets `{p}_sc` and `{p}_m` (6-bit each).
