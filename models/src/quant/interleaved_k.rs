@@ -801,18 +801,60 @@ mod x86 {
                         mins[t] = _mm512_add_epi32(mins[t], _mm512_mullo_epi32(m, sums));
                     }
                 }
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(D_AT) as *const __m256i));
-                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(DMIN_AT) as *const __m256i));
-                for t in 0..T {
-                    let dx = _mm512_set1_ps(*tokens[t].d.add(s));
-                    main[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[t]), _mm512_mul_ps(d, dx), main[t]);
-                    low[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[t]), _mm512_mul_ps(dmin, dx), low[t]);
-                }
+                let (d, dmin) = (block.add(D_AT), block.add(DMIN_AT));
+                scale_super_512(d, dmin, &tokens, s, (&total, &mins), (&mut main, &mut low));
             }
         }
         for t in 0..T {
             // SAFETY: token t's sixteen outputs.
             unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), _mm512_sub_ps(main[t], low[t])) };
+        }
+    }
+
+    /// The end of a super-block with minimums (Q2_K, Q4_K, Q5_K), the rows' f16 `d` and
+    /// `dmin` at `d` and `dmin`: `main = fma(total, d·dx, main)`, `low = fma(mins, dmin·dx, low)`
+    /// for each token.
+    #[inline(always)]
+    unsafe fn scale_super_512<const T: usize>(
+        d: *const u8,
+        dmin: *const u8,
+        tokens: &[Token; T],
+        s: usize,
+        (total, mins): (&[__m512i; T], &[__m512i; T]),
+        (main, low): (&mut [__m512; T], &mut [__m512; T]),
+    ) {
+        // SAFETY: the caller's group block holds sixteen f16s at each, and token t's scales
+        // cover super-block s.
+        unsafe {
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(d as *const __m256i));
+            let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(dmin as *const __m256i));
+            for t in 0..T {
+                let dx = _mm512_set1_ps(*tokens[t].d.add(s));
+                main[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[t]), _mm512_mul_ps(d, dx), main[t]);
+                low[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[t]), _mm512_mul_ps(dmin, dx), low[t]);
+            }
+        }
+    }
+
+    /// [`scale_super_512`] for eight rows.
+    #[inline(always)]
+    unsafe fn scale_super_256<const T: usize>(
+        d: *const u8,
+        dmin: *const u8,
+        tokens: &[Token; T],
+        s: usize,
+        (total, mins): (&[__m256i; T], &[__m256i; T]),
+        (main, low): (&mut [__m256; T], &mut [__m256; T]),
+    ) {
+        // SAFETY: as in `scale_super_512`, eight f16s at each.
+        unsafe {
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(d as *const __m128i));
+            let dmin = _mm256_cvtph_ps(_mm_loadu_si128(dmin as *const __m128i));
+            for t in 0..T {
+                let dx = _mm256_set1_ps(*tokens[t].d.add(s));
+                main[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[t]), _mm256_mul_ps(d, dx), main[t]);
+                low[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[t]), _mm256_mul_ps(dmin, dx), low[t]);
+            }
         }
     }
 
@@ -853,13 +895,8 @@ mod x86 {
                         mins[t] = _mm512_add_epi32(mins[t], _mm512_mullo_epi32(m, sums));
                     }
                 }
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(D_AT) as *const __m256i));
-                let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(DMIN_AT) as *const __m256i));
-                for t in 0..T {
-                    let dx = _mm512_set1_ps(*tokens[t].d.add(s));
-                    main[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[t]), _mm512_mul_ps(d, dx), main[t]);
-                    low[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[t]), _mm512_mul_ps(dmin, dx), low[t]);
-                }
+                let (d, dmin) = (block.add(D_AT), block.add(DMIN_AT));
+                scale_super_512(d, dmin, &tokens, s, (&total, &mins), (&mut main, &mut low));
             }
         }
         for t in 0..T {
@@ -1001,13 +1038,8 @@ mod x86 {
                         mins[t] = _mm256_add_epi32(mins[t], _mm256_mullo_epi32(m, sums));
                     }
                 }
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(D_AT + 2 * rows) as *const __m128i));
-                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(block.add(DMIN_AT + 2 * rows) as *const __m128i));
-                for t in 0..T {
-                    let dx = _mm256_set1_ps(*tokens[t].d.add(s));
-                    main[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[t]), _mm256_mul_ps(d, dx), main[t]);
-                    low[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[t]), _mm256_mul_ps(dmin, dx), low[t]);
-                }
+                let (d, dmin) = (block.add(D_AT + 2 * rows), block.add(DMIN_AT + 2 * rows));
+                scale_super_256(d, dmin, tokens, s, (&total, &mins), (&mut main, &mut low));
             }
         }
         for t in 0..T {
@@ -1093,13 +1125,8 @@ mod x86 {
                         mins[t] = _mm256_add_epi32(mins[t], _mm256_mullo_epi32(m, sums));
                     }
                 }
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(D_AT + 2 * rows) as *const __m128i));
-                let dmin = _mm256_cvtph_ps(_mm_loadu_si128(block.add(DMIN_AT + 2 * rows) as *const __m128i));
-                for t in 0..T {
-                    let dx = _mm256_set1_ps(*tokens[t].d.add(s));
-                    main[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[t]), _mm256_mul_ps(d, dx), main[t]);
-                    low[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[t]), _mm256_mul_ps(dmin, dx), low[t]);
-                }
+                let (d, dmin) = (block.add(D_AT + 2 * rows), block.add(DMIN_AT + 2 * rows));
+                scale_super_256(d, dmin, tokens, s, (&total, &mins), (&mut main, &mut low));
             }
         }
         for t in 0..T {
