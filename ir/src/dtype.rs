@@ -20,6 +20,7 @@ pub enum DType {
     Q5K,
     Q6K,
     Q2K,
+    IQ4NL,
     IQ4XS,
 }
 
@@ -39,6 +40,7 @@ impl DType {
             Self::Q5K => "q5_k",
             Self::Q6K => "q6_k",
             Self::Q2K => "q2_k",
+            Self::IQ4NL => "iq4_nl",
             Self::IQ4XS => "iq4_xs",
         }
     }
@@ -58,6 +60,7 @@ impl DType {
             Self::Q5K,
             Self::Q6K,
             Self::Q2K,
+            Self::IQ4NL,
             Self::IQ4XS,
         ]
         .into_iter()

@@ -152,7 +152,7 @@ pub fn ir_dtype(t: GgmlType) -> ir::DType {
         GgmlType::Q4K => ir::DType::Q4K,
         GgmlType::Q5K => ir::DType::Q5K,
         GgmlType::Q6K | GgmlType::Q3K => ir::DType::Q6K,
-        GgmlType::IQ4NL => ir::DType::Q8_0,
+        GgmlType::IQ4NL => ir::DType::IQ4NL,
         GgmlType::Q2K => ir::DType::Q2K,
         GgmlType::IQ4XS => ir::DType::IQ4XS,
     }

@@ -346,7 +346,7 @@ pub fn warp_scratch(name: &str, warps: u32) -> SharedArray {
 }
 
 /// The GGUF block formats the GPU templates read.
-pub const QUANT_FORMATS: [ir::DType; 10] = [
+pub const QUANT_FORMATS: [ir::DType; 11] = [
     ir::DType::Q4_0,
     ir::DType::Q4_1,
     ir::DType::Q5_0,
@@ -356,6 +356,7 @@ pub const QUANT_FORMATS: [ir::DType; 10] = [
     ir::DType::Q4K,
     ir::DType::Q5K,
     ir::DType::Q6K,
+    ir::DType::IQ4NL,
     ir::DType::IQ4XS,
 ];
 

@@ -21,6 +21,7 @@ pub fn block_layout(format: DType) -> Option<(i64, i64)> {
         DType::Q5_0 => (32, 22),
         DType::Q5_1 => (32, 24),
         DType::Q8_0 => (32, 34),
+        DType::IQ4NL => (32, 18),
         DType::Q4K => (256, 144),
         DType::Q5K => (256, 176),
         DType::Q6K => (256, 210),
@@ -112,6 +113,7 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
     let value = match format {
         DType::Q8_0 => half(base()) * f32_of(s8(base() + int(2) + j())),
         DType::Q4_0 => half(base()) * f32_of(nibble(base() + int(2)) - int(8)),
+        DType::IQ4NL => half(base()) * f32_of(iq4_value(nibble(base() + int(2)))),
         DType::Q4_1 => half(base()) * f32_of(nibble(base() + int(4))) + half(base() + int(2)),
         DType::Q5_0 => {
             half(base())
@@ -188,7 +190,7 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
 pub fn decodes_whole_blocks(format: DType) -> bool {
     matches!(
         format,
-        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0
+        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::IQ4NL
     )
 }
 
@@ -226,6 +228,9 @@ pub fn block_weights(format: DType, prefix: &str, base: Expr) -> Vec<Stmt> {
         ));
     }
     let scaled = |q: Expr| {
+        if format == DType::IQ4NL {
+            return var("blk_d") * f32_of(iq4_value(q));
+        }
         let v = var("blk_d") * f32_of(q - int(offset));
         match with_min {
             true => v + var("blk_m"),

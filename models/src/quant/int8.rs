@@ -240,8 +240,7 @@ type GroupPair<'a> = ((&'a [i8], &'a [i8]), (&'a f32, &'a f32));
 /// A weight row unpacked once (for many activation rows): integers, and per group scale/min.
 /// The path of block formats without an interleaved layout (none that weights hand over: the
 /// 32-weight formats run over [`super::interleaved`] rows, the K-quants and IQ4_XS over
-/// [`super::interleaved_k`] rows, and Q3_K and IQ4_NL come rewritten as Q6_K and Q8_0,
-/// [`super::transcode`]).
+/// [`super::interleaved_k`] rows, and Q3_K comes rewritten as Q6_K, [`super::transcode`]).
 #[derive(Debug, Clone, Default)]
 pub struct UnpackedRow {
     pub group: usize,

@@ -1,4 +1,4 @@
-//! Rows of a 32-weight block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) regrouped for matmuls, as
+//! Rows of a 32-weight block format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) regrouped for matmuls, as
 //! llama.cpp's repacked CPU kernels do: [`GROUP`] rows interleaved so that one 512-bit register
 //! holds four neighbouring weights of each of sixteen rows. A `vpdpbusd` against four
 //! activation bytes broadcast to every lane then advances sixteen rows' dots at once, and each
@@ -24,6 +24,8 @@
 //!
 //! So the stored integer is `u = w + bias` (8 for Q4_0, 16 for Q5_0, 128 for Q8_0, 0 with a
 //! minimum), and a block's sum starts from `−bias·Σqx` before the unsigned products are added.
+//! IQ4_NL keeps Q4_0's nibbles, which index a table of int8 values: the kernels look each up
+//! (`vpshufb`) as the value + 128 and sum it as Q8_0's bytes, bias 128.
 
 use super::int8::{Int8Kernel, Q8Row, ACT_BLOCK};
 use super::GgmlType;
@@ -42,6 +44,8 @@ struct Layout {
     fifth_bits: bool,
     /// An f16 minimum per block (Q4_1, Q5_1).
     mins: bool,
+    /// The nibbles are indices into the IQ4 table (IQ4_NL), whose values the kernels look up.
+    table: bool,
     /// What the stored unsigned integer exceeds the format's integer by.
     bias: i32,
     /// Where the packed nibbles (or Q8_0's bytes) start in a GGUF block.
@@ -58,6 +62,7 @@ impl Layout {
             GgmlType::Q5_0 => (true, true, false, 16, 6, 22),
             GgmlType::Q5_1 => (true, true, true, 0, 8, 24),
             GgmlType::Q8_0 => (false, false, false, 128, 2, 34),
+            GgmlType::IQ4NL => (true, false, false, 128, 2, 18),
             _ => return None,
         };
         Some(Self {
@@ -65,6 +70,7 @@ impl Layout {
             nibbles,
             fifth_bits,
             mins,
+            table: dtype == GgmlType::IQ4NL,
             bias,
             quants_at,
             block_bytes,
@@ -240,12 +246,13 @@ impl InterleavedRows {
         assert_eq!(out.len(), acts.acts.len() * GROUP);
         let data = &self.data[self.place(group, 0)..self.place(group + 1, 0)];
         let l = self.layout;
-        match (l.nibbles, l.fifth_bits, l.mins) {
-            (true, false, false) => run::<true, false, false>(data, acts, out, kernel),
-            (true, false, true) => run::<true, false, true>(data, acts, out, kernel),
-            (true, true, false) => run::<true, true, false>(data, acts, out, kernel),
-            (true, true, true) => run::<true, true, true>(data, acts, out, kernel),
-            _ => run::<false, false, false>(data, acts, out, kernel),
+        match (l.nibbles, l.fifth_bits, l.mins, l.table) {
+            (true, false, false, true) => run::<true, false, false, true>(data, acts, out, kernel),
+            (true, false, false, _) => run::<true, false, false, false>(data, acts, out, kernel),
+            (true, false, true, _) => run::<true, false, true, false>(data, acts, out, kernel),
+            (true, true, false, _) => run::<true, true, false, false>(data, acts, out, kernel),
+            (true, true, true, _) => run::<true, true, true, false>(data, acts, out, kernel),
+            _ => run::<false, false, false, false>(data, acts, out, kernel),
         }
     }
 
@@ -390,7 +397,7 @@ struct Token {
 /// Tokens per pass over a group's weights.
 const TILE: usize = 4;
 
-fn run<const NIBBLES: bool, const FIFTH: bool, const MINS: bool>(
+fn run<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bool>(
     data: &[u8],
     acts: &Activations,
     out: &mut [f32],
@@ -403,16 +410,16 @@ fn run<const NIBBLES: bool, const FIFTH: bool, const MINS: bool>(
         let n = (tokens - t0).min(TILE);
         let dst = &mut out[t0 * GROUP..(t0 + n) * GROUP];
         match n {
-            1 => tile::<NIBBLES, FIFTH, MINS, 1>(data, blocks, acts, t0, dst, kernel),
-            2 => tile::<NIBBLES, FIFTH, MINS, 2>(data, blocks, acts, t0, dst, kernel),
-            3 => tile::<NIBBLES, FIFTH, MINS, 3>(data, blocks, acts, t0, dst, kernel),
-            _ => tile::<NIBBLES, FIFTH, MINS, TILE>(data, blocks, acts, t0, dst, kernel),
+            1 => tile::<NIBBLES, FIFTH, MINS, TABLE, 1>(data, blocks, acts, t0, dst, kernel),
+            2 => tile::<NIBBLES, FIFTH, MINS, TABLE, 2>(data, blocks, acts, t0, dst, kernel),
+            3 => tile::<NIBBLES, FIFTH, MINS, TABLE, 3>(data, blocks, acts, t0, dst, kernel),
+            _ => tile::<NIBBLES, FIFTH, MINS, TABLE, TILE>(data, blocks, acts, t0, dst, kernel),
         }
         t0 += n;
     }
 }
 
-fn tile<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const T: usize>(
+fn tile<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bool, const T: usize>(
     data: &[u8],
     blocks: usize,
     acts: &Activations,
@@ -428,18 +435,20 @@ fn tile<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const T: usize
     unsafe {
         match kernel {
             Int8Kernel::Avx512 => {
-                return x86::tile_avx512::<NIBBLES, FIFTH, MINS, T>(data.as_ptr(), blocks, tokens, out)
+                return x86::tile_avx512::<NIBBLES, FIFTH, MINS, TABLE, T>(data.as_ptr(), blocks, tokens, out)
             }
             Int8Kernel::AvxVnni => {
-                return x86::tile_avx_vnni::<NIBBLES, FIFTH, MINS, T>(data.as_ptr(), blocks, tokens, out)
+                return x86::tile_avx_vnni::<NIBBLES, FIFTH, MINS, TABLE, T>(data.as_ptr(), blocks, tokens, out)
             }
-            Int8Kernel::Avx2 => return x86::tile_avx2::<NIBBLES, FIFTH, MINS, T>(data.as_ptr(), blocks, tokens, out),
+            Int8Kernel::Avx2 => {
+                return x86::tile_avx2::<NIBBLES, FIFTH, MINS, TABLE, T>(data.as_ptr(), blocks, tokens, out)
+            }
             Int8Kernel::Portable => {}
         }
     }
     let _ = kernel;
     // SAFETY: as above.
-    unsafe { tile_portable::<NIBBLES, FIFTH, MINS, T>(data.as_ptr(), blocks, tokens, out) }
+    unsafe { tile_portable::<NIBBLES, FIFTH, MINS, TABLE, T>(data.as_ptr(), blocks, tokens, out) }
 }
 
 /// Bytes of a group's weights for one block: 4 chunks of packed nibbles, or Q8_0's 8 of bytes.
@@ -462,12 +471,28 @@ const fn group_block_bytes(nibbles: bool, fifth: bool, mins: bool) -> usize {
     scales_at(nibbles, fifth) + 2 * GROUP + if mins { 2 * GROUP } else { 0 }
 }
 
-/// Weight `j` (0..32) of lane `lane` in a group's block, as stored (`w + bias`).
+/// The IQ4 table's values + 128: what an IQ4_NL index stands for, as the kernels store it.
+const IQ4_STORED: [u8; 16] = {
+    let mut stored = [0u8; 16];
+    let mut i = 0;
+    while i < 16 {
+        stored[i] = (super::iq4::KVALUES[i] as i32 + 128) as u8;
+        i += 1;
+    }
+    stored
+};
+
+/// Weight `j` (0..32) of lane `lane` in a group's block, as stored (`w + bias`; IQ4_NL's
+/// table value + 128).
 ///
 /// # Safety
 /// `block` holds a group's block of this layout.
 #[inline(always)]
-unsafe fn stored_weight<const NIBBLES: bool, const FIFTH: bool>(block: *const u8, lane: usize, j: usize) -> i32 {
+unsafe fn stored_weight<const NIBBLES: bool, const FIFTH: bool, const TABLE: bool>(
+    block: *const u8,
+    lane: usize,
+    j: usize,
+) -> i32 {
     let (g, k) = (j / 4, j % 4);
     // SAFETY: every offset lies inside the group's block.
     unsafe {
@@ -476,6 +501,9 @@ unsafe fn stored_weight<const NIBBLES: bool, const FIFTH: bool>(block: *const u8
         }
         let byte = *block.add((g % 4) * 64 + lane * 4 + k);
         let low = if g < 4 { byte & 0x0F } else { byte >> 4 };
+        if TABLE {
+            return IQ4_STORED[low as usize] as i32;
+        }
         let fifth = match FIFTH {
             true => ((*block.add(256 + lane * 4 + k) >> g) & 1) << 4,
             false => 0,
@@ -488,7 +516,7 @@ unsafe fn stored_weight<const NIBBLES: bool, const FIFTH: bool>(block: *const u8
 ///
 /// # Safety
 /// As [`tile`]'s callers promise.
-unsafe fn tile_portable<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const T: usize>(
+unsafe fn tile_portable<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bool, const T: usize>(
     data: *const u8,
     blocks: usize,
     tokens: [Token; T],
@@ -505,8 +533,8 @@ unsafe fn tile_portable<const NIBBLES: bool, const FIFTH: bool, const MINS: bool
                     let block = data.add(b * bytes);
                     let mut isum = *token.bias_sum.add(b);
                     for j in 0..ACT_BLOCK {
-                        isum +=
-                            stored_weight::<NIBBLES, FIFTH>(block, lane, j) * *token.q.add(b * ACT_BLOCK + j) as i32;
+                        isum += stored_weight::<NIBBLES, FIFTH, TABLE>(block, lane, j)
+                            * *token.q.add(b * ACT_BLOCK + j) as i32;
                     }
                     let scale = f16_at(block.add(scales + 2 * lane)) * *token.d.add(b);
                     main = (isum as f32).mul_add(scale, main);
@@ -567,13 +595,19 @@ pub(super) fn assert_group_bits(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{group_block_bytes, quad, scales_at, Token, GROUP};
+    use super::{group_block_bytes, quad, scales_at, Token, GROUP, IQ4_STORED};
     use crate::quant::int8::ACT_BLOCK;
     use std::arch::x86_64::*;
 
     /// AVX-512: the sixteen rows in one register a token.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn tile_avx512<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const T: usize>(
+    pub unsafe fn tile_avx512<
+        const NIBBLES: bool,
+        const FIFTH: bool,
+        const MINS: bool,
+        const TABLE: bool,
+        const T: usize,
+    >(
         data: *const u8,
         blocks: usize,
         tokens: [Token; T],
@@ -583,6 +617,8 @@ mod x86 {
         let scales_at = scales_at(NIBBLES, FIFTH);
         let low4 = _mm512_set1_epi8(0x0F);
         let bit4 = _mm512_set1_epi8(0x10);
+        // SAFETY: the table is 16 bytes.
+        let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(IQ4_STORED.as_ptr() as *const __m128i) });
         let mut main = [_mm512_setzero_ps(); T];
         let mut mins = [_mm512_setzero_ps(); T];
         for b in 0..blocks {
@@ -610,6 +646,10 @@ mod x86 {
                         if FIFTH {
                             low = _mm512_or_si512(low, fifth_of(chunk as i32));
                             high = _mm512_or_si512(high, fifth_of(chunk as i32 + 4));
+                        }
+                        if TABLE {
+                            low = _mm512_shuffle_epi8(table, low);
+                            high = _mm512_shuffle_epi8(table, high);
                         }
                         for t in 0..T {
                             let qa = _mm512_set1_epi32(quad(tokens[t].q, q0 + 4 * chunk));
@@ -696,7 +736,13 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn tile_avx2<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const T: usize>(
+    pub unsafe fn tile_avx2<
+        const NIBBLES: bool,
+        const FIFTH: bool,
+        const MINS: bool,
+        const TABLE: bool,
+        const T: usize,
+    >(
         data: *const u8,
         blocks: usize,
         tokens: [Token; T],
@@ -704,12 +750,18 @@ mod x86 {
     ) {
         for half in 0..2 {
             // SAFETY: as the caller promises.
-            unsafe { half_tile::<Avx2, NIBBLES, FIFTH, MINS, T>(data, blocks, &tokens, out, half) }
+            unsafe { half_tile::<Avx2, NIBBLES, FIFTH, MINS, TABLE, T>(data, blocks, &tokens, out, half) }
         }
     }
 
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    pub unsafe fn tile_avx_vnni<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const T: usize>(
+    pub unsafe fn tile_avx_vnni<
+        const NIBBLES: bool,
+        const FIFTH: bool,
+        const MINS: bool,
+        const TABLE: bool,
+        const T: usize,
+    >(
         data: *const u8,
         blocks: usize,
         tokens: [Token; T],
@@ -717,14 +769,21 @@ mod x86 {
     ) {
         for half in 0..2 {
             // SAFETY: as the caller promises.
-            unsafe { half_tile::<AvxVnni, NIBBLES, FIFTH, MINS, T>(data, blocks, &tokens, out, half) }
+            unsafe { half_tile::<AvxVnni, NIBBLES, FIFTH, MINS, TABLE, T>(data, blocks, &tokens, out, half) }
         }
     }
 
     /// Eight of the group's rows (`half` 0: lanes 0..8, 1: lanes 8..16), a 256-bit register a
     /// token; inlined into the kernels above, whose features it takes.
     #[inline(always)]
-    unsafe fn half_tile<D: Dot, const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const T: usize>(
+    unsafe fn half_tile<
+        D: Dot,
+        const NIBBLES: bool,
+        const FIFTH: bool,
+        const MINS: bool,
+        const TABLE: bool,
+        const T: usize,
+    >(
         data: *const u8,
         blocks: usize,
         tokens: &[Token; T],
@@ -736,6 +795,8 @@ mod x86 {
         let lanes = 32 * half;
         let low4 = _mm256_set1_epi8(0x0F);
         let bit4 = _mm256_set1_epi8(0x10);
+        // SAFETY: the table is 16 bytes.
+        let table = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(IQ4_STORED.as_ptr() as *const __m128i) });
         let mut main = [_mm256_setzero_ps(); T];
         let mut mins = [_mm256_setzero_ps(); T];
         for b in 0..blocks {
@@ -743,7 +804,8 @@ mod x86 {
             unsafe {
                 let block = data.add(b * bytes);
                 let q0 = b * ACT_BLOCK;
-                let starts = NIBBLES || D::ADDS_BIAS;
+                // Looked-up IQ4 values are whole bytes, summed as Q8_0's are.
+                let starts = (NIBBLES && !TABLE) || D::ADDS_BIAS;
                 let mut isum: [__m256i; T] = std::array::from_fn(|t| match starts {
                     true => _mm256_set1_epi32(*tokens[t].bias_sum.add(b)),
                     false => _mm256_setzero_si256(),
@@ -765,10 +827,17 @@ mod x86 {
                             low = _mm256_or_si256(low, fifth_of(chunk as i32));
                             high = _mm256_or_si256(high, fifth_of(chunk as i32 + 4));
                         }
+                        if TABLE {
+                            low = _mm256_shuffle_epi8(table, low);
+                            high = _mm256_shuffle_epi8(table, high);
+                        }
                         for t in 0..T {
                             let qa = _mm256_set1_epi32(quad(tokens[t].q, q0 + 4 * chunk));
                             let qb = _mm256_set1_epi32(quad(tokens[t].q, q0 + 16 + 4 * chunk));
-                            isum[t] = D::small(D::small(isum[t], low, qa), high, qb);
+                            isum[t] = match TABLE {
+                                true => D::bytes(D::bytes(isum[t], low, qa), high, qb),
+                                false => D::small(D::small(isum[t], low, qa), high, qb),
+                            };
                         }
                     }
                 } else {
@@ -807,12 +876,13 @@ mod tests {
     use super::*;
     use crate::quant::int8::UnpackedRow;
 
-    const FORMATS: [GgmlType; 5] = [
+    const FORMATS: [GgmlType; 6] = [
         GgmlType::Q4_0,
         GgmlType::Q4_1,
         GgmlType::Q5_0,
         GgmlType::Q5_1,
         GgmlType::Q8_0,
+        GgmlType::IQ4NL,
     ];
 
     /// `rows` rows of `blocks` valid blocks: random quants (every byte value, so Q8_0 meets

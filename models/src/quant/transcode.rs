@@ -1,19 +1,13 @@
 //! Stored formats that run as another one, rewritten exactly when read.
 //!
-//! Two GGUF formats are an exact special case of one that bbc has fast kernels for (the CPU's
-//! interleaved int8 layouts and every GPU template):
-//! - Q3_K is Q6_K with narrower integers: both are sixteen 16-weight groups a super-block with
-//!   one f16 `d`, `x = d·s·q`; Q3_K's `s = sc − 32 ∈ [−32, 31]` is an int8 Q6_K scale and its
-//!   `q ∈ [−4, 3]` a 6-bit Q6_K weight `q + 32`. ggml's own Q3_K dot product sums
-//!   `s·Σ q·qx` per group and scales by `d·dx` per super-block, as the Q6_K kernels do.
-//! - IQ4_NL is Q8_0 with a 4-bit index instead of the int8: `x = d·v` per 32 weights with one f16
-//!   `d`, and every table value `v` is an int8.
-//!
-//! Every weight, group scale and group integer is the same after the rewrite (tested), so the
-//! model computes what it would on the stored format, at Q6_K's or Q8_0's size (1.9× the
-//! stored bytes).
+//! Q3_K is Q6_K with narrower integers: both are sixteen 16-weight groups a super-block with one
+//! f16 `d`, `x = d·s·q`; Q3_K's `s = sc − 32 ∈ [−32, 31]` is an int8 Q6_K scale and its
+//! `q ∈ [−4, 3]` a 6-bit Q6_K weight `q + 32`. ggml's own Q3_K dot product sums `s·Σ q·qx` per
+//! group and scales by `d·dx` per super-block, as the Q6_K kernels do (the CPU's interleaved
+//! layout and every GPU template). Every weight, group scale and group integer is the same
+//! after the rewrite (tested), so the model computes what it would on Q3_K, at Q6_K's size
+//! (1.9× the stored bytes).
 
-use super::iq4::run_values;
 use super::q3_k;
 use super::GgmlType;
 use rayon::prelude::*;
@@ -22,7 +16,6 @@ use rayon::prelude::*;
 pub fn runs_as(stored: GgmlType) -> GgmlType {
     match stored {
         GgmlType::Q3K => GgmlType::Q6K,
-        GgmlType::IQ4NL => GgmlType::Q8_0,
         other => other,
     }
 }
@@ -32,7 +25,6 @@ pub fn runs_as(stored: GgmlType) -> GgmlType {
 pub fn transcode(stored: GgmlType, data: &[u8]) -> Option<Vec<u8>> {
     let rewrite: fn(&[u8], &mut [u8]) = match stored {
         GgmlType::Q3K => q3k_as_q6k,
-        GgmlType::IQ4NL => iq4nl_as_q8_0,
         _ => return None,
     };
     let (from, to) = (stored.block_layout().1, runs_as(stored).block_layout().1);
@@ -84,19 +76,9 @@ fn pack_q6k(q: &[i8; 256], scales: &[i8; 16], d: [u8; 2], out: &mut [u8]) {
     out[208..210].copy_from_slice(&d);
 }
 
-/// An IQ4_NL block (18 bytes) as the Q8_0 block (34 bytes) of the same weights.
-fn iq4nl_as_q8_0(block: &[u8], out: &mut [u8]) {
-    let mut v = [0i8; 32];
-    run_values(&block[2..18], &mut v);
-    out[..2].copy_from_slice(&block[..2]);
-    for (o, &v) in out[2..34].iter_mut().zip(&v) {
-        *o = v as u8;
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::super::{BlockFormat, IQ4NL, Q3K, Q6K, Q8_0};
+    use super::super::{BlockFormat, Q3K, Q6K};
     use super::*;
 
     /// Blocks of random bytes whose `d` (at `d_at`) is a finite f16 between 2⁻¹⁰ and 2.
@@ -147,12 +129,6 @@ mod tests {
         assert_eq!(runs_as(GgmlType::Q3K), GgmlType::Q6K);
         // Enough blocks for several parallel tasks, and a last task of a few blocks.
         assert_same_groups::<Q3K, Q6K>(GgmlType::Q3K, &random_blocks(110, 108, 2 * 4096 + 5));
-    }
-
-    #[test]
-    fn iq4_nl_runs_as_the_q8_0_of_the_same_weights() {
-        assert_eq!(runs_as(GgmlType::IQ4NL), GgmlType::Q8_0);
-        assert_same_groups::<IQ4NL, Q8_0>(GgmlType::IQ4NL, &random_blocks(18, 0, 300));
     }
 
     #[test]

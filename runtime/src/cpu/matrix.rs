@@ -26,8 +26,8 @@ pub enum Storage {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
     /// GGUF blocks row after row: a block format without an interleaved layout, each row
-    /// unpacked to integers for its products (none that weights hand over: Q3_K and IQ4_NL come
-    /// rewritten as Q6_K and Q8_0, `models::quant::transcode`).
+    /// unpacked to integers for its products (none that weights hand over: Q3_K comes rewritten
+    /// as Q6_K, `models::quant::transcode`).
     Quant {
         dtype: GgmlType,
         bytes: Vec<u8>,
