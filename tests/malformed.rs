@@ -61,6 +61,9 @@ fn wrong_magic_is_named() {
 fn unknown_tensor_type_is_named() {
     let err = open_error(&temp("type.gguf", &tiny_gguf(99)));
     assert!(err.contains("token_embd.weight") && err.contains("type id 99"), "{err}");
+    assert!(err.contains("unknown to ggml") && err.contains("IQ4_XS"), "{err}");
+    let err = open_error(&temp("iq2.gguf", &tiny_gguf(16)));
+    assert!(err.contains("GGML type IQ2_XXS (type id 16)"), "{err}");
 }
 
 #[test]

@@ -16,7 +16,11 @@ pub enum ModelError {
     UnsupportedVersion { path: PathBuf, version: u32 },
     #[error("{path}: truncated or corrupt: {what}")]
     Corrupt { path: PathBuf, what: String },
-    #[error("{path}: tensor `{tensor}` has GGML type id {type_id}, which bbc does not support (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)")]
+    #[error(
+        "{path}: tensor `{tensor}` has GGML type {} (type id {type_id}), which bbc does not read (it reads {})",
+        crate::quant::GgmlType::other_name(*type_id).unwrap_or("unknown to ggml"),
+        crate::quant::GgmlType::ALL.map(|t| t.name()).join(", ")
+    )]
     UnsupportedTensorType {
         path: PathBuf,
         tensor: String,

@@ -78,6 +78,49 @@ pub enum GgmlType {
 }
 
 impl GgmlType {
+    /// Every type bbc reads.
+    pub const ALL: [Self; 15] = [
+        Self::F32,
+        Self::F16,
+        Self::BF16,
+        Self::Q4_0,
+        Self::Q4_1,
+        Self::Q5_0,
+        Self::Q5_1,
+        Self::Q8_0,
+        Self::Q2K,
+        Self::Q3K,
+        Self::Q4K,
+        Self::Q5K,
+        Self::Q6K,
+        Self::IQ4NL,
+        Self::IQ4XS,
+    ];
+
+    /// ggml's name for a type id bbc does not read (so a refusal can say which it is).
+    pub fn other_name(id: u32) -> Option<&'static str> {
+        Some(match id {
+            9 => "Q8_1",
+            15 => "Q8_K",
+            16 => "IQ2_XXS",
+            17 => "IQ2_XS",
+            18 => "IQ3_XXS",
+            19 => "IQ1_S",
+            21 => "IQ3_S",
+            22 => "IQ2_S",
+            24 => "I8",
+            25 => "I16",
+            26 => "I32",
+            27 => "I64",
+            28 => "F64",
+            29 => "IQ1_M",
+            34 => "TQ1_0",
+            35 => "TQ2_0",
+            39 => "MXFP4",
+            _ => return None,
+        })
+    }
+
     pub fn from_id(id: u32) -> Option<Self> {
         Some(match id {
             0 => Self::F32,
@@ -259,6 +302,16 @@ mod tests {
         }
         assert_eq!(GgmlType::from_id(9), None, "Q8_1 is not a storage format we read");
         assert_eq!(GgmlType::from_id(1000), None);
+    }
+
+    #[test]
+    fn every_type_read_has_its_id_and_no_other_name() {
+        for t in GgmlType::ALL {
+            assert_eq!(GgmlType::from_id(t as u32), Some(t));
+            assert_eq!(GgmlType::other_name(t as u32), None, "{}", t.name());
+        }
+        let read = (0..64).filter(|&id| GgmlType::from_id(id).is_some()).count();
+        assert_eq!(read, GgmlType::ALL.len());
     }
 
     #[test]
