@@ -856,8 +856,8 @@ fn sharded_safetensors_load_like_one_file() {
     assert_eq!(sharded.names().len(), whole.names().len());
     for name in whole.names() {
         assert_eq!(
-            sharded.require(name).unwrap().bytes(),
-            whole.require(name).unwrap().bytes(),
+            sharded.require(name).unwrap().bytes,
+            whole.require(name).unwrap().bytes,
             "{name}"
         );
     }
@@ -997,7 +997,7 @@ fn the_cpu_backend_holds_each_weight_once() {
             .weights
             .names()
             .iter()
-            .map(|name| model.weights.require(name).unwrap().bytes().len())
+            .map(|name| model.weights.require(name).unwrap().bytes.len())
             .sum();
         assert_eq!(backend.weight_bytes(), file, "{family}");
     }

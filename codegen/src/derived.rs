@@ -45,9 +45,10 @@ pub fn int8_heads(graph: &Graph, weights: &WeightSource) -> Result<Vec<(String, 
             .get(name)
             .ok_or_else(|| format!("weight `{name}` is not in the model"))?;
         let (rows, cols) = (view.rows(), view.row_len());
-        let (row_bytes, bytes) = (view.row_bytes(), view.bytes());
+        let row_bytes = view.row_bytes();
         let quantized = Int8Rows::quantize(rows, cols, |r, buf| {
-            view.dtype.dequantize(&bytes[r * row_bytes..(r + 1) * row_bytes], buf)
+            view.dtype
+                .dequantize(&view.bytes[r * row_bytes..(r + 1) * row_bytes], buf)
         });
         heads.push((name.clone(), quantized));
     }

@@ -20,6 +20,7 @@ pub enum DType {
     Q5K,
     Q6K,
     Q2K,
+    Q3K,
     IQ4NL,
     IQ4XS,
 }
@@ -40,6 +41,7 @@ impl DType {
             Self::Q5K => "q5_k",
             Self::Q6K => "q6_k",
             Self::Q2K => "q2_k",
+            Self::Q3K => "q3_k",
             Self::IQ4NL => "iq4_nl",
             Self::IQ4XS => "iq4_xs",
         }
@@ -60,6 +62,7 @@ impl DType {
             Self::Q5K,
             Self::Q6K,
             Self::Q2K,
+            Self::Q3K,
             Self::IQ4NL,
             Self::IQ4XS,
         ]

@@ -26,6 +26,7 @@ fn ggml(format: DType) -> GgmlType {
         DType::Q5K => GgmlType::Q5K,
         DType::Q6K => GgmlType::Q6K,
         DType::Q2K => GgmlType::Q2K,
+        DType::Q3K => GgmlType::Q3K,
         DType::IQ4NL => GgmlType::IQ4NL,
         DType::IQ4XS => GgmlType::IQ4XS,
         other => panic!("{other}"),

@@ -2,43 +2,22 @@
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
-use crate::quant::{transcode, GgmlType};
+use crate::quant::GgmlType;
 use crate::safetensors_dir::SafetensorsDir;
 use ir::Tensor;
-use std::borrow::Cow;
 use std::path::Path;
 use std::sync::Arc;
 
-/// A borrowed weight: row-major `shape`, run as `dtype` (rows are contiguous and each row is a
-/// whole number of blocks). A file's format that runs as another ([`transcode`]) is rewritten
-/// when its bytes are asked for, not before: lowering reads only shapes and types.
+/// A borrowed weight: row-major `shape`, stored as `dtype` in `bytes` (rows are contiguous and
+/// each row is a whole number of blocks).
 #[derive(Debug, Clone, Copy)]
 pub struct TensorView<'a> {
     pub shape: &'a [usize],
     pub dtype: GgmlType,
-    /// The format in the file, and its bytes there.
-    stored: GgmlType,
-    raw: &'a [u8],
+    pub bytes: &'a [u8],
 }
 
-impl<'a> TensorView<'a> {
-    fn new(shape: &'a [usize], stored: GgmlType, raw: &'a [u8]) -> Self {
-        Self {
-            shape,
-            dtype: transcode::runs_as(stored),
-            stored,
-            raw,
-        }
-    }
-
-    /// The bytes in `dtype`'s format: the file's own, or their exact rewrite.
-    pub fn bytes(&self) -> Cow<'a, [u8]> {
-        match transcode::transcode(self.stored, self.raw) {
-            Some(rewritten) => Cow::Owned(rewritten),
-            None => Cow::Borrowed(self.raw),
-        }
-    }
-
+impl TensorView<'_> {
     pub fn elements(&self) -> usize {
         self.shape.iter().product()
     }
@@ -51,10 +30,9 @@ impl<'a> TensorView<'a> {
     pub fn row_bytes(&self) -> usize {
         self.dtype.bytes_for(self.row_len()).expect("rows are whole blocks")
     }
-    /// The values as f32 (from the file's bytes: a rewrite holds the same values).
     pub fn to_f32(&self) -> Tensor {
         let mut data = vec![0f32; self.elements()];
-        self.stored.dequantize(self.raw, &mut data);
+        self.dtype.dequantize(self.bytes, &mut data);
         Tensor::new(self.shape.to_vec(), data)
     }
 }
@@ -84,12 +62,17 @@ impl WeightSource {
             Self::Gguf(file, shapes) => {
                 let i = file.tensors.iter().position(|t| t.name == name)?;
                 let info = &file.tensors[i];
-                Some(TensorView::new(&shapes[i], info.dtype, file.tensor_data(info)))
+                Some(TensorView {
+                    shape: &shapes[i],
+                    dtype: info.dtype,
+                    bytes: file.tensor_data(info),
+                })
             }
-            Self::Safetensors(dir) => dir
-                .tensors
-                .get(name)
-                .map(|e| TensorView::new(&e.shape, e.dtype, dir.data(e))),
+            Self::Safetensors(dir) => dir.tensors.get(name).map(|e| TensorView {
+                shape: &e.shape,
+                dtype: e.dtype,
+                bytes: dir.data(e),
+            }),
         }
     }
 
@@ -138,7 +121,7 @@ fn gguf_matrix_shape(name: &str, shape: Vec<usize>) -> Vec<usize> {
     }
 }
 
-/// The IR's name for a storage type: for a format rewritten as read, the one it runs as.
+/// The IR's name for a storage type.
 pub fn ir_dtype(t: GgmlType) -> ir::DType {
     match t {
         GgmlType::F32 => ir::DType::F32,
@@ -151,9 +134,10 @@ pub fn ir_dtype(t: GgmlType) -> ir::DType {
         GgmlType::Q8_0 => ir::DType::Q8_0,
         GgmlType::Q4K => ir::DType::Q4K,
         GgmlType::Q5K => ir::DType::Q5K,
-        GgmlType::Q6K | GgmlType::Q3K => ir::DType::Q6K,
-        GgmlType::IQ4NL => ir::DType::IQ4NL,
+        GgmlType::Q6K => ir::DType::Q6K,
         GgmlType::Q2K => ir::DType::Q2K,
+        GgmlType::Q3K => ir::DType::Q3K,
+        GgmlType::IQ4NL => ir::DType::IQ4NL,
         GgmlType::IQ4XS => ir::DType::IQ4XS,
     }
 }

@@ -86,6 +86,7 @@ const GPU_PROLOGUE_WEIGHTS: &[DType] = &[
     DType::Q5K,
     DType::Q6K,
     DType::Q2K,
+    DType::Q3K,
     DType::IQ4NL,
     DType::IQ4XS,
 ];
@@ -111,6 +112,7 @@ pub fn bytes_per_element(dtype: DType) -> f64 {
         DType::Q5K => 176.0 / 256.0,
         DType::Q6K => 210.0 / 256.0,
         DType::Q2K => 84.0 / 256.0,
+        DType::Q3K => 110.0 / 256.0,
         DType::IQ4NL => 18.0 / 32.0,
         DType::IQ4XS => 136.0 / 256.0,
     }

@@ -346,13 +346,14 @@ pub fn warp_scratch(name: &str, warps: u32) -> SharedArray {
 }
 
 /// The GGUF block formats the GPU templates read.
-pub const QUANT_FORMATS: [ir::DType; 11] = [
+pub const QUANT_FORMATS: [ir::DType; 12] = [
     ir::DType::Q4_0,
     ir::DType::Q4_1,
     ir::DType::Q5_0,
     ir::DType::Q5_1,
     ir::DType::Q8_0,
     ir::DType::Q2K,
+    ir::DType::Q3K,
     ir::DType::Q4K,
     ir::DType::Q5K,
     ir::DType::Q6K,

@@ -26,6 +26,7 @@ pub fn block_layout(format: DType) -> Option<(i64, i64)> {
         DType::Q5K => (256, 176),
         DType::Q6K => (256, 210),
         DType::Q2K => (256, 84),
+        DType::Q3K => (256, 110),
         DType::IQ4XS => (256, 136),
         _ => return None,
     })
@@ -51,6 +52,20 @@ fn half(i: Expr) -> Expr {
 /// The IQ4 table's value at a 4-bit index.
 fn iq4_value(i: Expr) -> Expr {
     un(UnOp::Iq4Value, i)
+}
+
+/// A Q3_K super-block's group `g` scale `sc − 32`: ggml's `kmask` unpacking of the 6-bit
+/// values at byte 96 (low nibbles of bytes 0..8, then their high nibbles; two high bits each
+/// from bytes 8..12).
+fn q3k_group_scale(base: Expr, g: Expr) -> Expr {
+    let packed = |i: Expr| byte(base.clone() + int(96) + i);
+    // One byte read (both sides of a select are computed: byte 96 + g is past the block's end
+    // for the last groups).
+    let first = lt(g.clone(), int(8));
+    let at = select(first.clone(), g.clone(), g.clone() - int(8));
+    let low = mask_bits(shr(packed(at), select(first, int(0), int(4))), 15);
+    let high = mask_bits(shr(packed(int(8) + rem(g.clone(), int(4))), g / int(4) * int(2)), 3);
+    low + bin(BinOp::Shl, high, int(4)) - int(32)
 }
 
 /// An IQ4_XS super-block's run `run` scale `ls − 32` (`scales_l` nibble, two `scales_h` bits).
@@ -170,6 +185,19 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
             s.push(let_(&t("sc"), Ty::I32, byte(base() + g())));
             half(base() + int(80)) * f32_of(mask_bits(var(&t("sc")), 15)) * f32_of(q)
                 - half(base() + int(82)) * f32_of(shr(var(&t("sc")), int(4)))
+        }
+        DType::Q3K => {
+            // Group g = j / 16: Q2_K's two low bits (its `qs` 16 bytes later), and bit
+            // 4·(g / 8) + (g % 8) / 2 of hmask byte 16·(g % 2) + j % 16; a clear bit subtracts 4.
+            s.push(let_(&t("g"), Ty::I32, j() / int(16)));
+            let g = || var(&t("g"));
+            let l = rem(j(), int(16));
+            let qs = base() + int(32) + g() / int(8) * int(32) + rem(g(), int(2)) * int(16) + l.clone();
+            let low = mask_bits(shr(byte(qs), rem(g(), int(8)) / int(2) * int(2)), 3);
+            let hm = byte(base() + rem(g(), int(2)) * int(16) + l);
+            let high = mask_bits(shr(hm, g() / int(8) * int(4) + rem(g(), int(8)) / int(2)), 1);
+            let q = low + high * int(4) - int(4);
+            half(base() + int(108)) * f32_of(q3k_group_scale(base(), g())) * f32_of(q)
         }
         DType::IQ4XS => {
             // Run r = j / 32 of 16 bytes: low nibbles its first 16 weights, high ones the rest.
@@ -350,6 +378,32 @@ pub fn k_sub_block_weights(format: DType, prefix: &str, base: Expr, sub: Expr) -
                 ));
             }
         }
+        DType::Q3K => {
+            // Sub-block s: groups 2s and 2s + 1, qs bytes 32 + 32·(s / 4) + (0..32) at bit
+            // 2·(s % 4), hmask bytes 0..32 at bit 4·(s / 4) + s % 4.
+            s.push(let_("blk_d", Ty::F32, half(at(int(108)))));
+            for (i, group) in [var("q_sub") * int(2), var("q_sub") * int(2) + int(1)]
+                .into_iter()
+                .enumerate()
+            {
+                let scale = q3k_group_scale(var("blk_at"), group);
+                s.push(let_(&format!("blk_ds{i}"), Ty::F32, var("blk_d") * f32_of(scale)));
+            }
+            s.push(let_("blk_qs", Ty::I32, at(int(32)) + var("q_sub") / int(4) * int(32)));
+            s.push(let_("blk_shift", Ty::I32, rem(var("q_sub"), int(4)) * int(2)));
+            s.push(let_(
+                "blk_bit",
+                Ty::I32,
+                var("q_sub") / int(4) * int(4) + rem(var("q_sub"), int(4)),
+            ));
+            for e in 0..32 {
+                let low = mask_bits(shr(byte(var("blk_qs") + int(e)), var("blk_shift")), 3);
+                let high = mask_bits(shr(byte(at(int(e))), var("blk_bit")), 1);
+                let q = low + high * int(4) - int(4);
+                let ds = if e < 16 { "blk_ds0" } else { "blk_ds1" };
+                s.push(let_(&weight(e as usize), Ty::F32, var(ds) * f32_of(q)));
+            }
+        }
         DType::IQ4XS => {
             // Sub-block s is run s: its scale once, then each byte's two table indices.
             s.push(let_(
@@ -378,7 +432,10 @@ pub fn k_sub_block_weights(format: DType, prefix: &str, base: Expr, sub: Expr) -
 /// Whether `k_sub_block_weights` decodes `format` (a 256-element super-block: a K-quant or
 /// IQ4_XS).
 pub fn decodes_sub_blocks(format: DType) -> bool {
-    matches!(format, DType::Q2K | DType::Q4K | DType::Q5K | DType::Q6K | DType::IQ4XS)
+    matches!(
+        format,
+        DType::Q2K | DType::Q3K | DType::Q4K | DType::Q5K | DType::Q6K | DType::IQ4XS
+    )
 }
 
 /// ggml's `get_scale_min_k4` for sub-block `{p}_sub`: sets `{p}_sc` and `{p}_m` (6-bit each).

@@ -238,9 +238,9 @@ unsafe fn round_block_avx2(xb: &[f32; ACT_BLOCK], inv: f32, qb: &mut [i8; ACT_BL
 type GroupPair<'a> = ((&'a [i8], &'a [i8]), (&'a f32, &'a f32));
 
 /// A weight row unpacked once (for many activation rows): integers, and per group scale/min.
-/// The path of block formats without an interleaved layout (none that weights hand over: the
-/// 32-weight formats run over [`super::interleaved`] rows, the K-quants and IQ4_XS over
-/// [`super::interleaved_k`] rows, and Q3_K comes rewritten as Q6_K, [`super::transcode`]).
+/// The path of block formats without an interleaved layout (none of the GGUF types bbc reads
+/// today: the 32-weight formats run over [`super::interleaved`] rows, the K-quants and IQ4_XS
+/// over [`super::interleaved_k`] rows).
 #[derive(Debug, Clone, Default)]
 pub struct UnpackedRow {
     pub group: usize,

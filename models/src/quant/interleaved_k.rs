@@ -1,4 +1,4 @@
-//! K-quant rows (Q2_K, Q4_K, Q5_K, Q6_K, and IQ4_XS in Q6_K's layout) regrouped for matmuls as
+//! K-quant rows (Q2_K to Q6_K, and IQ4_XS in Q6_K's layout) regrouped for matmuls as
 //! [`super::interleaved`] regroups the 32-weight formats: [`GROUP`] rows interleaved so that a
 //! `vpdpbusd` against four broadcast activation bytes advances sixteen rows' sub-block sums at
 //! once, each lane ending a sub-block with its row's exact integer sum.
@@ -10,6 +10,8 @@
 //!   `main = fma(total, d·dx, main)` and `low = fma(mins, dmin·dx, low)` (each integer rounded
 //!   to f32 once); the result `main − low`.
 //! - Q2_K: Q4_K's, over its sixteen 16-weight groups and their 4-bit scales and minimums.
+//! - Q3_K: Q6_K's, with `u_i − 4` (a weight's three bits, ggml's `q + 4`) and `sc − 32` as
+//!   the int8 scale.
 //! - Q6_K: `total = Σ_g sc_g·Σ_{i∈g} (u_i − 32)·qx_i` exactly (`g` the sixteen 16-weight
 //!   sub-blocks, `sc` their int8 scale), then `main = fma(total, d·dx, main)`; the result `main`.
 //! - IQ4_XS: the same with `u_i − 128` (each weight's table value stored + 128) and each
@@ -35,6 +37,9 @@
 //!   gives weights `4p..4p + 4` of every row); the `scales` bytes as `[group][row]` (scale in
 //!   the low nibble, minimum in the high one, as stored); the rows' `d`, then their `dmin`.
 //!   The same bytes as the GGUF blocks.
+//! - Q3_K: the low two bits as Q2_K's; the third bits as `[byte 0..8][row][byte k 0..4]`, bit
+//!   `b` of byte `j` being that of weight `4p + k` of group `g` where `4g + p = 8j + b`; the
+//!   scales `sc − 32` as `[group][row]` int8; the rows' `d`. GGUF's size and 4% more.
 //! - IQ4_XS: Q6_K's layout, the weights' table values + 128 as the bytes (2× the stored size),
 //!   each run's scale twice; indices and packed scales come back from them exactly.
 
@@ -81,6 +86,16 @@ mod q2k {
     pub const GROUP_BLOCK: usize = DMIN_AT + 2 * GROUP;
 }
 
+/// Where each part of a Q3_K group's super-block starts, and its size.
+mod q3k {
+    use super::GROUP;
+    pub const BLOCK_BYTES: usize = 110;
+    pub const HIGH_AT: usize = 16 * 64;
+    pub const SCALES_AT: usize = HIGH_AT + 8 * 64;
+    pub const D_AT: usize = SCALES_AT + 16 * GROUP;
+    pub const GROUP_BLOCK: usize = D_AT + 2 * GROUP;
+}
+
 /// IQ4_XS's GGUF block: d: f16, scales_h: u16, scales_l: [u8; 4], qs: [u8; 128].
 mod iq4xs {
     pub const BLOCK_BYTES: usize = 136;
@@ -92,6 +107,7 @@ mod iq4xs {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Format {
     Q2K,
+    Q3K,
     Q4K,
     Q5K,
     Q6K,
@@ -102,6 +118,7 @@ impl Format {
     fn of(dtype: GgmlType) -> Option<Self> {
         match dtype {
             GgmlType::Q2K => Some(Self::Q2K),
+            GgmlType::Q3K => Some(Self::Q3K),
             GgmlType::Q4K => Some(Self::Q4K),
             GgmlType::Q5K => Some(Self::Q5K),
             GgmlType::Q6K => Some(Self::Q6K),
@@ -113,6 +130,7 @@ impl Format {
     fn dtype(self) -> GgmlType {
         match self {
             Self::Q2K => GgmlType::Q2K,
+            Self::Q3K => GgmlType::Q3K,
             Self::Q4K => GgmlType::Q4K,
             Self::Q5K => GgmlType::Q5K,
             Self::Q6K => GgmlType::Q6K,
@@ -123,6 +141,7 @@ impl Format {
     fn block_bytes(self) -> usize {
         match self {
             Self::Q2K => q2k::BLOCK_BYTES,
+            Self::Q3K => q3k::BLOCK_BYTES,
             Self::Q4K => q4k::BLOCK_BYTES,
             Self::Q5K => q4k::Q5_BLOCK_BYTES,
             Self::Q6K => q6k::BLOCK_BYTES,
@@ -133,6 +152,7 @@ impl Format {
     fn group_block(self) -> usize {
         match self {
             Self::Q2K => q2k::GROUP_BLOCK,
+            Self::Q3K => q3k::GROUP_BLOCK,
             Self::Q4K => q4k::GROUP_BLOCK,
             Self::Q5K => q4k::Q5_GROUP_BLOCK,
             Self::Q6K | Self::IQ4XS => q6k::GROUP_BLOCK,
@@ -142,6 +162,7 @@ impl Format {
     fn interleave(self, block: &[u8], lane: usize, out: &mut [u8]) {
         match self {
             Self::Q2K => interleave_q2k(block, lane, out),
+            Self::Q3K => interleave_q3k(block, lane, out),
             Self::Q4K => interleave_q4k(block, lane, out, 16),
             Self::Q5K => {
                 interleave_q4k(block, lane, out, 48);
@@ -155,6 +176,7 @@ impl Format {
     fn gguf_block(self, group_block: &[u8], lane: usize, block: &mut [u8]) {
         match self {
             Self::Q2K => gguf_block_q2k(group_block, lane, block),
+            Self::Q3K => gguf_block_q3k(group_block, lane, block),
             Self::Q4K => gguf_block_q4k(group_block, lane, block, 16),
             Self::Q5K => {
                 gguf_block_q4k(group_block, lane, block, 48);
@@ -278,7 +300,7 @@ impl InterleavedSuperRows {
         // Q4_K: each 32-weight sub-block's Σqx (what its minimum multiplies), Q2_K each
         // 16-weight group's; Q6_K: each
         // 16-weight sub-block's −32·Σqx (where its sum starts, the weights being stored + 32),
-        // IQ4_XS's −128·Σqx.
+        // Q3_K's −4·Σqx, IQ4_XS's −128·Σqx.
         let sums = match self.format {
             Format::Q2K => acts
                 .iter()
@@ -288,8 +310,12 @@ impl InterleavedSuperRows {
                 .iter()
                 .flat_map(|a| (0..8 * supers).map(|j| a.sums16[2 * j] as i32 + a.sums16[2 * j + 1] as i32))
                 .collect(),
-            Format::Q6K | Format::IQ4XS => {
-                let bias = if self.format == Format::Q6K { 32 } else { iq4xs::BIAS };
+            Format::Q3K | Format::Q6K | Format::IQ4XS => {
+                let bias = match self.format {
+                    Format::Q3K => 4,
+                    Format::Q6K => 32,
+                    _ => iq4xs::BIAS,
+                };
                 acts.iter()
                     .flat_map(|a| a.sums16[..16 * supers].iter().map(move |&s| -bias * s as i32))
                     .collect()
@@ -345,7 +371,7 @@ impl InterleavedSuperRows {
 fn sums_per_super(format: Format) -> usize {
     match format {
         Format::Q4K | Format::Q5K => 8,
-        Format::Q2K | Format::Q6K | Format::IQ4XS => 16,
+        Format::Q2K | Format::Q3K | Format::Q6K | Format::IQ4XS => 16,
     }
 }
 
@@ -484,6 +510,49 @@ fn gguf_block_q2k(group_block: &[u8], lane: usize, block: &mut [u8]) {
     block[82..84].copy_from_slice(&group_block[DMIN_AT + 2 * lane..DMIN_AT + 2 * lane + 2]);
 }
 
+/// Put one row's Q3_K block into lane `lane` of its group's super-block `out` (each weight as
+/// ggml's `q + 4`, 0..8).
+fn interleave_q3k(block: &[u8], lane: usize, out: &mut [u8]) {
+    use q3k::*;
+    let (mut w, mut scale, mut min) = ([0i8; SUPER], [0f32; 16], [0f32; 16]);
+    <super::Q3K as super::BlockFormat>::unpack_groups(block, &mut w, &mut scale, &mut min);
+    for g in 0..16 {
+        for k in 0..4 {
+            let weight = |p: usize| (w[16 * g + 4 * p + k] + 4) as u8;
+            out[g * 64 + lane * 4 + k] = (0..4).fold(0, |byte, p| byte | ((weight(p) & 3) << (2 * p)));
+            for p in 0..4 {
+                let (j, b) = ((4 * g + p) / 8, (4 * g + p) % 8);
+                out[HIGH_AT + j * 64 + lane * 4 + k] |= (weight(p) >> 2) << b;
+            }
+        }
+    }
+    for (g, sc) in super::q3_k::scales(&block[96..108]).into_iter().enumerate() {
+        out[SCALES_AT + g * GROUP + lane] = (sc as i8 - 32) as u8;
+    }
+    out[D_AT + 2 * lane..D_AT + 2 * lane + 2].copy_from_slice(&block[108..110]);
+}
+
+/// Lane `lane` of a group's super-block back as its Q3_K block.
+fn gguf_block_q3k(group_block: &[u8], lane: usize, block: &mut [u8]) {
+    use q3k::*;
+    block[..108].fill(0);
+    for g in 0..16 {
+        let (at, shift) = (32 + 32 * (g / 8) + 16 * (g % 2), 2 * ((g % 8) / 2));
+        let bit = 4 * (g / 8) + (g % 8) / 2;
+        for l in 0..16 {
+            let (p, k) = (l / 4, l % 4);
+            let low = (group_block[g * 64 + lane * 4 + k] >> (2 * p)) & 3;
+            let (j, b) = ((4 * g + p) / 8, (4 * g + p) % 8);
+            let high = (group_block[HIGH_AT + j * 64 + lane * 4 + k] >> b) & 1;
+            block[at + l] |= low << shift;
+            block[16 * (g % 2) + l] |= high << bit;
+        }
+    }
+    let scales: [u8; 16] = std::array::from_fn(|g| (group_block[SCALES_AT + g * GROUP + lane] as i8 as i32 + 32) as u8);
+    super::q3_k::pack_scales(&scales, &mut block[96..108]);
+    block[108..110].copy_from_slice(&group_block[D_AT + 2 * lane..D_AT + 2 * lane + 2]);
+}
+
 /// Put one row's IQ4_XS block into lane `lane` of its group's super-block `out` (Q6_K's
 /// layout: table values + 128 as the weights, each 32-weight run's scale for both its halves).
 fn interleave_iq4xs(block: &[u8], lane: usize, out: &mut [u8]) {
@@ -576,6 +645,10 @@ fn tile<const T: usize>(
     #[cfg(target_arch = "x86_64")]
     unsafe {
         match (kernel, format) {
+            (Int8Kernel::Avx512, Format::Q3K) => return x86::q3k_avx512::<T>(data, supers, tokens, out),
+            (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q3K) => {
+                return x86::q3k_avx2::<T>(data, supers, tokens, out)
+            }
             (Int8Kernel::Avx512, Format::Q2K) => return x86::q2k_avx512::<T>(data, supers, tokens, out),
             (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q2K) => {
                 return x86::q2k_avx2::<T>(data, supers, tokens, out)
@@ -605,6 +678,7 @@ fn tile<const T: usize>(
     unsafe {
         match format {
             Format::Q2K => q2k_portable::<T>(data, supers, tokens, out),
+            Format::Q3K => q3k_portable::<T>(data, supers, tokens, out),
             Format::Q4K => q4k_portable::<T, false>(data, supers, tokens, out),
             Format::Q5K => q4k_portable::<T, true>(data, supers, tokens, out),
             Format::Q6K | Format::IQ4XS => q6k_portable::<T>(data, supers, tokens, out),
@@ -699,6 +773,45 @@ unsafe fn q2k_portable<const T: usize>(
     }
 }
 
+/// The portable Q3_K kernel.
+///
+/// # Safety
+/// As [`tile`]'s callers promise.
+unsafe fn q3k_portable<const T: usize>(
+    data: *const u8,
+    supers: usize,
+    tokens: [Token; T],
+    out: &mut [[f32; GROUP]; T],
+) {
+    use q3k::*;
+    for (token, out) in tokens.iter().zip(out.iter_mut()) {
+        for (lane, result) in out.iter_mut().enumerate() {
+            let mut main = 0f32;
+            for s in 0..supers {
+                // SAFETY: as in `q4k_portable`.
+                unsafe {
+                    let block = data.add(s * GROUP_BLOCK);
+                    let q = token.q.add(s * SUPER);
+                    let mut total = 0i32;
+                    for g in 0..16 {
+                        let mut isum = *token.sums.add(16 * s + g);
+                        for i in 0..16 {
+                            let (p, k) = (i / 4, i % 4);
+                            let low = (*block.add(g * 64 + lane * 4 + k) >> (2 * p)) & 3;
+                            let (j, b) = ((4 * g + p) / 8, (4 * g + p) % 8);
+                            let high = (*block.add(HIGH_AT + j * 64 + lane * 4 + k) >> b) & 1;
+                            isum += (low | (high << 2)) as i32 * *q.add(16 * g + i) as i32;
+                        }
+                        total += *block.add(SCALES_AT + g * GROUP + lane) as i8 as i32 * isum;
+                    }
+                    main = (total as f32).mul_add(f16_at(block.add(D_AT + 2 * lane)) * *token.d.add(s), main);
+                }
+            }
+            *result = main;
+        }
+    }
+}
+
 /// The portable Q6_K kernel.
 ///
 /// # Safety
@@ -736,7 +849,7 @@ unsafe fn q6k_portable<const T: usize>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{q2k, q4k, q6k, Token, GROUP, SUPER};
+    use super::{q2k, q3k, q4k, q6k, Token, GROUP, SUPER};
     use crate::quant::interleaved::quad;
     use std::arch::x86_64::*;
 
@@ -906,6 +1019,57 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn q3k_avx512<const T: usize>(
+        data: *const u8,
+        supers: usize,
+        tokens: [Token; T],
+        out: &mut [[f32; GROUP]; T],
+    ) {
+        use q3k::*;
+        let (two_bits, one) = (_mm512_set1_epi8(3), _mm512_set1_epi8(1));
+        let mut main = [_mm512_setzero_ps(); T];
+        for s in 0..supers {
+            // SAFETY: as in `q4k_avx512`.
+            unsafe {
+                let block = data.add(s * GROUP_BLOCK);
+                let q0 = s * SUPER;
+                let mut total = [_mm512_setzero_si512(); T];
+                for g in 0..16 {
+                    // Each group's sum starts at −4·Σqx: the weights are stored + 4.
+                    let mut isum: [__m512i; T] =
+                        std::array::from_fn(|t| _mm512_set1_epi32(*tokens[t].sums.add(16 * s + g)));
+                    let low = _mm512_loadu_si512(block.add(64 * g) as *const _);
+                    let high = _mm512_loadu_si512(block.add(HIGH_AT + 64 * (g / 2)) as *const _);
+                    for p in 0..4 {
+                        let low_bits =
+                            _mm512_and_si512(_mm512_srl_epi16(low, _mm_cvtsi32_si128(2 * p as i32)), two_bits);
+                        let b = ((4 * g + p) % 8) as i32;
+                        let third = _mm512_and_si512(_mm512_srl_epi16(high, _mm_cvtsi32_si128(b)), one);
+                        let u = _mm512_or_si512(low_bits, _mm512_slli_epi16(third, 2));
+                        for t in 0..T {
+                            let qx = _mm512_set1_epi32(quad(tokens[t].q, q0 + 16 * g + 4 * p));
+                            isum[t] = _mm512_dpbusd_epi32(isum[t], u, qx);
+                        }
+                    }
+                    let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(SCALES_AT + g * GROUP) as *const __m128i));
+                    for t in 0..T {
+                        total[t] = _mm512_add_epi32(total[t], _mm512_mullo_epi32(isum[t], sc));
+                    }
+                }
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(D_AT) as *const __m256i));
+                for t in 0..T {
+                    let dx = _mm512_set1_ps(*tokens[t].d.add(s));
+                    main[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[t]), _mm512_mul_ps(d, dx), main[t]);
+                }
+            }
+        }
+        for t in 0..T {
+            // SAFETY: token t's sixteen outputs.
+            unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), main[t]) };
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn q6k_avx512<const T: usize>(
         data: *const u8,
         supers: usize,
@@ -1045,6 +1209,72 @@ mod x86 {
         for t in 0..T {
             // SAFETY: token t's eight outputs of this half.
             unsafe { _mm256_storeu_ps(out[t].as_mut_ptr().add(rows), _mm256_sub_ps(main[t], low[t])) };
+        }
+    }
+
+    /// AVX2: the group as two halves of eight rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn q3k_avx2<const T: usize>(
+        data: *const u8,
+        supers: usize,
+        tokens: [Token; T],
+        out: &mut [[f32; GROUP]; T],
+    ) {
+        for half in 0..2 {
+            // SAFETY: as the caller promises.
+            unsafe { q3k_half::<T>(data, supers, &tokens, out, half) }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn q3k_half<const T: usize>(
+        data: *const u8,
+        supers: usize,
+        tokens: &[Token; T],
+        out: &mut [[f32; GROUP]; T],
+        half: usize,
+    ) {
+        use q3k::*;
+        let (lanes, rows) = (32 * half, 8 * half);
+        let (two_bits, one) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1));
+        let mut main = [_mm256_setzero_ps(); T];
+        for s in 0..supers {
+            // SAFETY: as in `q4k_avx512`, for this half's bytes.
+            unsafe {
+                let block = data.add(s * GROUP_BLOCK);
+                let q0 = s * SUPER;
+                let mut total = [_mm256_setzero_si256(); T];
+                for g in 0..16 {
+                    let mut isum: [__m256i; T] =
+                        std::array::from_fn(|t| _mm256_set1_epi32(*tokens[t].sums.add(16 * s + g)));
+                    let low = _mm256_loadu_si256(block.add(64 * g + lanes) as *const __m256i);
+                    let high = _mm256_loadu_si256(block.add(HIGH_AT + 64 * (g / 2) + lanes) as *const __m256i);
+                    for p in 0..4 {
+                        let low_bits =
+                            _mm256_and_si256(_mm256_srl_epi16(low, _mm_cvtsi32_si128(2 * p as i32)), two_bits);
+                        let b = ((4 * g + p) % 8) as i32;
+                        let third = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(b)), one);
+                        let u = _mm256_or_si256(low_bits, _mm256_slli_epi16(third, 2));
+                        for t in 0..T {
+                            isum[t] = dot4(isum[t], u, _mm256_set1_epi32(quad(tokens[t].q, q0 + 16 * g + 4 * p)));
+                        }
+                    }
+                    let at = block.add(SCALES_AT + g * GROUP + rows);
+                    let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(at as *const __m128i));
+                    for t in 0..T {
+                        total[t] = _mm256_add_epi32(total[t], _mm256_mullo_epi32(isum[t], sc));
+                    }
+                }
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(D_AT + 2 * rows) as *const __m128i));
+                for t in 0..T {
+                    let dx = _mm256_set1_ps(*tokens[t].d.add(s));
+                    main[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[t]), _mm256_mul_ps(d, dx), main[t]);
+                }
+            }
+        }
+        for t in 0..T {
+            // SAFETY: token t's eight outputs of this half.
+            unsafe { _mm256_storeu_ps(out[t].as_mut_ptr().add(rows), main[t]) };
         }
     }
 
@@ -1190,8 +1420,9 @@ mod x86 {
 mod tests {
     use super::*;
 
-    const FORMATS: [GgmlType; 5] = [
+    const FORMATS: [GgmlType; 6] = [
         GgmlType::Q2K,
+        GgmlType::Q3K,
         GgmlType::Q4K,
         GgmlType::Q5K,
         GgmlType::Q6K,
@@ -1214,6 +1445,7 @@ mod tests {
                     b[2..4].copy_from_slice(&f16(0.002 * (1 + (i * 5) % 7) as f32));
                 }
                 GgmlType::IQ4XS => b[0..2].copy_from_slice(&d),
+                GgmlType::Q3K => b[108..110].copy_from_slice(&d),
                 GgmlType::Q2K => {
                     b[80..82].copy_from_slice(&d);
                     b[82..84].copy_from_slice(&f16(0.002 * (1 + (i * 5) % 7) as f32));
@@ -1269,6 +1501,20 @@ mod tests {
                 low = (mins as f32).mul_add(f16(&block[82..84]) * act.d[s], low);
                 continue;
             }
+            if dtype == GgmlType::Q3K {
+                // ggml's `vec_dot_q3_K_q8_K`: per 16-weight group `Σ q·qx` times `sc − 32`.
+                let (mut w, mut scale, mut min) = ([0i8; SUPER], [0f32; 16], [0f32; 16]);
+                <crate::quant::Q3K as crate::quant::BlockFormat>::unpack_groups(block, &mut w, &mut scale, &mut min);
+                let scales = crate::quant::q3_k::scales(&block[96..108]);
+                let total: i32 = (0..16)
+                    .map(|g| {
+                        let sum: i32 = (16 * g..16 * g + 16).map(|i| w[i] as i32 * q[i] as i32).sum();
+                        (scales[g] as i32 - 32) * sum
+                    })
+                    .sum();
+                main = (total as f32).mul_add(f16(&block[108..110]) * act.d[s], main);
+                continue;
+            }
             if dtype == GgmlType::IQ4XS {
                 // ggml's `vec_dot_iq4_xs_q8_K`: each run's table-value sum times `ls − 32`.
                 let scales = crate::quant::iq4::run_scales(block);
@@ -1312,7 +1558,7 @@ mod tests {
             main = (total as f32).mul_add(f16(&block[0..2]) * act.d[s], main);
             low = (mins as f32).mul_add(f16(&block[2..4]) * act.d[s], low);
         }
-        if matches!(dtype, GgmlType::Q6K | GgmlType::IQ4XS) {
+        if matches!(dtype, GgmlType::Q3K | GgmlType::Q6K | GgmlType::IQ4XS) {
             main
         } else {
             main - low

@@ -18,7 +18,6 @@ mod q5_1;
 mod q5_k;
 mod q6_k;
 mod q8_0;
-pub mod transcode;
 
 pub use iq4::{IQ4NL, IQ4XS};
 pub use q2_k::Q2K;

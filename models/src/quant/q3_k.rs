@@ -20,6 +20,15 @@ pub(crate) fn scales(packed: &[u8]) -> [u8; 16] {
     })
 }
 
+/// The inverse of [`scales`]: sixteen 6-bit values packed into `packed`'s 12 bytes.
+pub(crate) fn pack_scales(scales: &[u8; 16], packed: &mut [u8]) {
+    packed[..12].fill(0);
+    for (j, &sc) in scales.iter().enumerate() {
+        packed[j % 8] |= (sc & 0x0F) << if j < 8 { 0 } else { 4 };
+        packed[8 + j % 4] |= (sc >> 4) << (2 * (j / 4));
+    }
+}
+
 impl BlockFormat for Q3K {
     const BLOCK_ELEMS: usize = 256;
     const BLOCK_BYTES: usize = 110;

@@ -25,9 +25,8 @@ use std::borrow::Cow;
 pub enum Storage {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
-    /// GGUF blocks row after row: a block format without an interleaved layout, each row
-    /// unpacked to integers for its products (none that weights hand over: Q3_K comes rewritten
-    /// as Q6_K, `models::quant::transcode`).
+    /// GGUF blocks row after row: a block format without an interleaved layout (none today),
+    /// each row unpacked to integers for its products.
     Quant {
         dtype: GgmlType,
         bytes: Vec<u8>,
@@ -35,7 +34,7 @@ pub enum Storage {
     },
     /// A 32-weight block format with its rows interleaved for the int8 kernels.
     Interleaved(InterleavedRows),
-    /// K-quant rows (Q2_K, Q4_K, Q5_K, Q6_K, IQ4_XS) interleaved for the int8 kernels.
+    /// K-quant rows (Q2_K to Q6_K, IQ4_XS) interleaved for the int8 kernels.
     InterleavedSuper(InterleavedSuperRows),
 }
 
@@ -540,6 +539,7 @@ mod tests {
             (GgmlType::Q5K, 512),
             (GgmlType::Q6K, 512),
             (GgmlType::Q2K, 512),
+            (GgmlType::Q3K, 512),
             (GgmlType::IQ4XS, 512),
         ] {
             products_do_not_depend_on_the_step(interleaved_as(dtype, 70, k));
@@ -583,13 +583,19 @@ mod tests {
         }
     }
 
-    /// A format without an interleaved layout (Q3_K, which weights hand over as Q6_K) stays
-    /// GGUF rows, each unpacked for its products: the same properties.
+    /// GGUF rows kept as they are (the fallback for a format without an interleaved layout,
+    /// which every format bbc reads has today), each unpacked for its products: the same
+    /// properties.
     #[test]
     fn unpacked_products_do_not_depend_on_the_step() {
         let (dtype, rows, k) = (GgmlType::Q3K, 70, 512);
-        let storage = Storage::block_rows(dtype, block_rows(dtype, rows, k), dtype.bytes_for(k).unwrap());
-        assert!(matches!(storage, Storage::Quant { .. }));
+        let row_bytes = dtype.bytes_for(k).unwrap();
+        let bytes = block_rows(dtype, rows, k);
+        let storage = Storage::Quant {
+            dtype,
+            bytes,
+            row_bytes,
+        };
         products_do_not_depend_on_the_step(Matrix { rows, cols: k, storage });
     }
 

@@ -995,7 +995,7 @@ fn load_weight(graph: &Graph, i: usize, source: &WeightSource) -> Result<CpuWeig
                     view.dtype.name()
                 )));
             }
-            Storage::block_rows(view.dtype, view.bytes().into_owned(), view.row_bytes())
+            Storage::block_rows(view.dtype, view.bytes.to_vec(), view.row_bytes())
         }
     };
     Ok(CpuWeight::Matrix(Matrix { rows, cols, storage }))

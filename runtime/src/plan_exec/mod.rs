@@ -635,14 +635,12 @@ fn weight_bytes(dtype: DType, parts: &[WeightPart], source: &WeightSource) -> Re
             }
             // Kept as stored: f16 values, or GGUF blocks (whose rows are cut whole only).
             stored if models::weights::ir_dtype(view.dtype) == stored => match (transposed, stored) {
-                (None, _) => {
-                    let bytes = view.bytes();
-                    out.extend(pick(bytes.len() / rows).map(|i| bytes[i]))
-                }
-                (Some(order), DType::F16) => {
-                    let bytes = view.bytes();
-                    out.extend(order.into_iter().flat_map(|i| [bytes[2 * i], bytes[2 * i + 1]]))
-                }
+                (None, _) => out.extend(pick(view.bytes.len() / rows).map(|i| view.bytes[i])),
+                (Some(order), DType::F16) => out.extend(
+                    order
+                        .into_iter()
+                        .flat_map(|i| [view.bytes[2 * i], view.bytes[2 * i + 1]]),
+                ),
                 (Some(_), _) => {
                     return Err(RuntimeError::Weight(format!(
                         "{part}: GGUF blocks do not transpose (`{name}` is {})",
