@@ -645,9 +645,11 @@ fn tile<const T: usize>(
     #[cfg(target_arch = "x86_64")]
     unsafe {
         match (kernel, format) {
-            (Int8Kernel::Avx512, Format::Q3K) => return x86::q3k_avx512::<T>(data, supers, tokens, out),
+            (Int8Kernel::Avx512, Format::Q3K) => {
+                return x86::scaled_groups_avx512::<x86::ThreeBitPlanes, T>(data, supers, tokens, out)
+            }
             (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q3K) => {
-                return x86::q3k_avx2::<T>(data, supers, tokens, out)
+                return x86::scaled_groups_avx2::<x86::ThreeBitPlanes, T, false>(data, supers, tokens, out)
             }
             (Int8Kernel::Avx512, Format::Q2K) => return x86::q2k_avx512::<T>(data, supers, tokens, out),
             (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q2K) => {
@@ -656,7 +658,7 @@ fn tile<const T: usize>(
             (Int8Kernel::Avx512, Format::Q4K) => return x86::q4k_avx512::<T, false>(data, supers, tokens, out),
             (Int8Kernel::Avx512, Format::Q5K) => return x86::q4k_avx512::<T, true>(data, supers, tokens, out),
             (Int8Kernel::Avx512, Format::Q6K | Format::IQ4XS) => {
-                return x86::q6k_avx512::<T>(data, supers, tokens, out)
+                return x86::scaled_groups_avx512::<x86::WeightBytes, T>(data, supers, tokens, out)
             }
             (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q4K) => {
                 return x86::q4k_avx2::<T, false>(data, supers, tokens, out)
@@ -665,10 +667,10 @@ fn tile<const T: usize>(
                 return x86::q4k_avx2::<T, true>(data, supers, tokens, out)
             }
             (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q6K) => {
-                return x86::q6k_avx2::<T, false>(data, supers, tokens, out)
+                return x86::scaled_groups_avx2::<x86::WeightBytes, T, false>(data, supers, tokens, out)
             }
             (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::IQ4XS) => {
-                return x86::q6k_avx2::<T, true>(data, supers, tokens, out)
+                return x86::scaled_groups_avx2::<x86::WeightBytes, T, true>(data, supers, tokens, out)
             }
             (Int8Kernel::Portable, _) => {}
         }
@@ -1018,101 +1020,6 @@ mod x86 {
         }
     }
 
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn q3k_avx512<const T: usize>(
-        data: *const u8,
-        supers: usize,
-        tokens: [Token; T],
-        out: &mut [[f32; GROUP]; T],
-    ) {
-        use q3k::*;
-        let (two_bits, one) = (_mm512_set1_epi8(3), _mm512_set1_epi8(1));
-        let mut main = [_mm512_setzero_ps(); T];
-        for s in 0..supers {
-            // SAFETY: as in `q4k_avx512`.
-            unsafe {
-                let block = data.add(s * GROUP_BLOCK);
-                let q0 = s * SUPER;
-                let mut total = [_mm512_setzero_si512(); T];
-                for g in 0..16 {
-                    // Each group's sum starts at −4·Σqx: the weights are stored + 4.
-                    let mut isum: [__m512i; T] =
-                        std::array::from_fn(|t| _mm512_set1_epi32(*tokens[t].sums.add(16 * s + g)));
-                    let low = _mm512_loadu_si512(block.add(64 * g) as *const _);
-                    let high = _mm512_loadu_si512(block.add(HIGH_AT + 64 * (g / 2)) as *const _);
-                    for p in 0..4 {
-                        let low_bits =
-                            _mm512_and_si512(_mm512_srl_epi16(low, _mm_cvtsi32_si128(2 * p as i32)), two_bits);
-                        let b = ((4 * g + p) % 8) as i32;
-                        let third = _mm512_and_si512(_mm512_srl_epi16(high, _mm_cvtsi32_si128(b)), one);
-                        let u = _mm512_or_si512(low_bits, _mm512_slli_epi16(third, 2));
-                        for t in 0..T {
-                            let qx = _mm512_set1_epi32(quad(tokens[t].q, q0 + 16 * g + 4 * p));
-                            isum[t] = _mm512_dpbusd_epi32(isum[t], u, qx);
-                        }
-                    }
-                    let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(SCALES_AT + g * GROUP) as *const __m128i));
-                    for t in 0..T {
-                        total[t] = _mm512_add_epi32(total[t], _mm512_mullo_epi32(isum[t], sc));
-                    }
-                }
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(D_AT) as *const __m256i));
-                for t in 0..T {
-                    let dx = _mm512_set1_ps(*tokens[t].d.add(s));
-                    main[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[t]), _mm512_mul_ps(d, dx), main[t]);
-                }
-            }
-        }
-        for t in 0..T {
-            // SAFETY: token t's sixteen outputs.
-            unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), main[t]) };
-        }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn q6k_avx512<const T: usize>(
-        data: *const u8,
-        supers: usize,
-        tokens: [Token; T],
-        out: &mut [[f32; GROUP]; T],
-    ) {
-        use q6k::*;
-        let mut main = [_mm512_setzero_ps(); T];
-        for s in 0..supers {
-            // SAFETY: as in `q4k_avx512`.
-            unsafe {
-                let block = data.add(s * GROUP_BLOCK);
-                let q0 = s * SUPER;
-                let mut total = [_mm512_setzero_si512(); T];
-                for g in 0..16 {
-                    // Each sub-block's sum starts at −32·Σqx: the weights are stored + 32.
-                    let mut isum: [__m512i; T] =
-                        std::array::from_fn(|t| _mm512_set1_epi32(*tokens[t].sums.add(16 * s + g)));
-                    for j in 0..4 {
-                        let w = _mm512_loadu_si512(block.add(64 * (4 * g + j)) as *const _);
-                        for t in 0..T {
-                            let qx = _mm512_set1_epi32(quad(tokens[t].q, q0 + 16 * g + 4 * j));
-                            isum[t] = _mm512_dpbusd_epi32(isum[t], w, qx);
-                        }
-                    }
-                    let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(SCALES_AT + g * GROUP) as *const __m128i));
-                    for t in 0..T {
-                        total[t] = _mm512_add_epi32(total[t], _mm512_mullo_epi32(isum[t], sc));
-                    }
-                }
-                let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(D_AT) as *const __m256i));
-                for t in 0..T {
-                    let dx = _mm512_set1_ps(*tokens[t].d.add(s));
-                    main[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[t]), _mm512_mul_ps(d, dx), main[t]);
-                }
-            }
-        }
-        for t in 0..T {
-            // SAFETY: token t's sixteen outputs.
-            unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), main[t]) };
-        }
-    }
-
     /// `acc + Σ u·qx` over each lane's four bytes: `pmaddubsw` then `pmaddwd` by ones, exact
     /// for `u` below 64 (a pair is at most 2·63·127).
     #[inline(always)]
@@ -1212,86 +1119,6 @@ mod x86 {
         }
     }
 
-    /// AVX2: the group as two halves of eight rows.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q3k_avx2<const T: usize>(
-        data: *const u8,
-        supers: usize,
-        tokens: [Token; T],
-        out: &mut [[f32; GROUP]; T],
-    ) {
-        for half in 0..2 {
-            // SAFETY: as the caller promises.
-            unsafe { q3k_half::<T>(data, supers, &tokens, out, half) }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn q3k_half<const T: usize>(
-        data: *const u8,
-        supers: usize,
-        tokens: &[Token; T],
-        out: &mut [[f32; GROUP]; T],
-        half: usize,
-    ) {
-        use q3k::*;
-        let (lanes, rows) = (32 * half, 8 * half);
-        let (two_bits, one) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1));
-        let mut main = [_mm256_setzero_ps(); T];
-        for s in 0..supers {
-            // SAFETY: as in `q4k_avx512`, for this half's bytes.
-            unsafe {
-                let block = data.add(s * GROUP_BLOCK);
-                let q0 = s * SUPER;
-                let mut total = [_mm256_setzero_si256(); T];
-                for g in 0..16 {
-                    let mut isum: [__m256i; T] =
-                        std::array::from_fn(|t| _mm256_set1_epi32(*tokens[t].sums.add(16 * s + g)));
-                    let low = _mm256_loadu_si256(block.add(64 * g + lanes) as *const __m256i);
-                    let high = _mm256_loadu_si256(block.add(HIGH_AT + 64 * (g / 2) + lanes) as *const __m256i);
-                    for p in 0..4 {
-                        let low_bits =
-                            _mm256_and_si256(_mm256_srl_epi16(low, _mm_cvtsi32_si128(2 * p as i32)), two_bits);
-                        let b = ((4 * g + p) % 8) as i32;
-                        let third = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(b)), one);
-                        let u = _mm256_or_si256(low_bits, _mm256_slli_epi16(third, 2));
-                        for t in 0..T {
-                            isum[t] = dot4(isum[t], u, _mm256_set1_epi32(quad(tokens[t].q, q0 + 16 * g + 4 * p)));
-                        }
-                    }
-                    let at = block.add(SCALES_AT + g * GROUP + rows);
-                    let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(at as *const __m128i));
-                    for t in 0..T {
-                        total[t] = _mm256_add_epi32(total[t], _mm256_mullo_epi32(isum[t], sc));
-                    }
-                }
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(D_AT + 2 * rows) as *const __m128i));
-                for t in 0..T {
-                    let dx = _mm256_set1_ps(*tokens[t].d.add(s));
-                    main[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[t]), _mm256_mul_ps(d, dx), main[t]);
-                }
-            }
-        }
-        for t in 0..T {
-            // SAFETY: token t's eight outputs of this half.
-            unsafe { _mm256_storeu_ps(out[t].as_mut_ptr().add(rows), main[t]) };
-        }
-    }
-
-    /// Q6_K's layout on 256-bit registers; `WIDE` for weight bytes past 63 (IQ4_XS).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q6k_avx2<const T: usize, const WIDE: bool>(
-        data: *const u8,
-        supers: usize,
-        tokens: [Token; T],
-        out: &mut [[f32; GROUP]; T],
-    ) {
-        for half in 0..2 {
-            // SAFETY: as the caller promises.
-            unsafe { q6k_half::<T, WIDE>(data, supers, &tokens, out, half) }
-        }
-    }
-
     #[inline(always)]
     unsafe fn q4k_half<const T: usize, const FIFTH: bool>(
         data: *const u8,
@@ -1365,28 +1192,164 @@ mod x86 {
         }
     }
 
+    /// A layout of sixteen 16-weight groups with int8 scales (Q6_K's and IQ4_XS's weight
+    /// bytes, Q3_K's bit planes): where its parts are, and how a group's weights are read.
+    /// The kernels below are the same for each.
+    pub trait ScaledGroups {
+        const GROUP_BLOCK: usize;
+        const SCALES_AT: usize;
+        const D_AT: usize;
+        /// Group `g`'s weights `4j..4j + 4` of the sixteen rows (`[row][byte]`), `j` in 0..4.
+        unsafe fn quads512(block: *const u8, g: usize) -> [__m512i; 4];
+        /// The same for eight rows, from byte `lanes` of each 64.
+        unsafe fn quads256(block: *const u8, g: usize, lanes: usize) -> [__m256i; 4];
+    }
+
+    /// Q6_K's and IQ4_XS's layout: a group's weights as whole bytes, a quad's 64 after another.
+    pub struct WeightBytes;
+
+    impl ScaledGroups for WeightBytes {
+        const GROUP_BLOCK: usize = q6k::GROUP_BLOCK;
+        const SCALES_AT: usize = q6k::SCALES_AT;
+        const D_AT: usize = q6k::D_AT;
+        #[inline(always)]
+        unsafe fn quads512(block: *const u8, g: usize) -> [__m512i; 4] {
+            // SAFETY: the group block holds sixteen groups of four 64-byte quads.
+            std::array::from_fn(|j| unsafe { _mm512_loadu_si512(block.add(64 * (4 * g + j)) as *const _) })
+        }
+        #[inline(always)]
+        unsafe fn quads256(block: *const u8, g: usize, lanes: usize) -> [__m256i; 4] {
+            // SAFETY: as in `quads512`, half of each quad.
+            std::array::from_fn(|j| unsafe {
+                _mm256_loadu_si256(block.add(64 * (4 * g + j) + lanes) as *const __m256i)
+            })
+        }
+    }
+
+    /// Q3_K's layout: a group's low two bits in one 64-byte plane (quad `p` at bits `2p`), the
+    /// third bits in a plane shared by two groups (quad `p` of group `g` at bit `(4g + p) % 8`).
+    pub struct ThreeBitPlanes;
+
+    impl ScaledGroups for ThreeBitPlanes {
+        const GROUP_BLOCK: usize = q3k::GROUP_BLOCK;
+        const SCALES_AT: usize = q3k::SCALES_AT;
+        const D_AT: usize = q3k::D_AT;
+        #[inline(always)]
+        unsafe fn quads512(block: *const u8, g: usize) -> [__m512i; 4] {
+            // SAFETY: group g's plane and its third-bit plane lie in the group block.
+            let (low, high) = unsafe {
+                (
+                    _mm512_loadu_si512(block.add(64 * g) as *const _),
+                    _mm512_loadu_si512(block.add(q3k::HIGH_AT + 64 * (g / 2)) as *const _),
+                )
+            };
+            let (two_bits, one) = (_mm512_set1_epi8(3), _mm512_set1_epi8(1));
+            std::array::from_fn(|p| {
+                let low_bits = _mm512_and_si512(_mm512_srl_epi16(low, _mm_cvtsi32_si128(2 * p as i32)), two_bits);
+                let b = ((4 * g + p) % 8) as i32;
+                let third = _mm512_and_si512(_mm512_srl_epi16(high, _mm_cvtsi32_si128(b)), one);
+                _mm512_or_si512(low_bits, _mm512_slli_epi16(third, 2))
+            })
+        }
+        #[inline(always)]
+        unsafe fn quads256(block: *const u8, g: usize, lanes: usize) -> [__m256i; 4] {
+            // SAFETY: as in `quads512`, half of each plane.
+            let (low, high) = unsafe {
+                (
+                    _mm256_loadu_si256(block.add(64 * g + lanes) as *const __m256i),
+                    _mm256_loadu_si256(block.add(q3k::HIGH_AT + 64 * (g / 2) + lanes) as *const __m256i),
+                )
+            };
+            let (two_bits, one) = (_mm256_set1_epi8(3), _mm256_set1_epi8(1));
+            std::array::from_fn(|p| {
+                let low_bits = _mm256_and_si256(_mm256_srl_epi16(low, _mm_cvtsi32_si128(2 * p as i32)), two_bits);
+                let b = ((4 * g + p) % 8) as i32;
+                let third = _mm256_and_si256(_mm256_srl_epi16(high, _mm_cvtsi32_si128(b)), one);
+                _mm256_or_si256(low_bits, _mm256_slli_epi16(third, 2))
+            })
+        }
+    }
+
+    /// Sixteen 16-weight groups with int8 scales (layout `L`): each group's sum started at
+    /// `−bias·Σqx` (the activations' sums; the weights are stored + bias), its products added,
+    /// times its scale; one FMA for `d·dx` per super-block.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn scaled_groups_avx512<L: ScaledGroups, const T: usize>(
+        data: *const u8,
+        supers: usize,
+        tokens: [Token; T],
+        out: &mut [[f32; GROUP]; T],
+    ) {
+        let mut main = [_mm512_setzero_ps(); T];
+        for s in 0..supers {
+            // SAFETY: as in `q4k_avx512`.
+            unsafe {
+                let block = data.add(s * L::GROUP_BLOCK);
+                let q0 = s * SUPER;
+                let mut total = [_mm512_setzero_si512(); T];
+                for g in 0..16 {
+                    let mut isum: [__m512i; T] =
+                        std::array::from_fn(|t| _mm512_set1_epi32(*tokens[t].sums.add(16 * s + g)));
+                    for (j, w) in L::quads512(block, g).into_iter().enumerate() {
+                        for t in 0..T {
+                            let qx = _mm512_set1_epi32(quad(tokens[t].q, q0 + 16 * g + 4 * j));
+                            isum[t] = _mm512_dpbusd_epi32(isum[t], w, qx);
+                        }
+                    }
+                    let sc =
+                        _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(L::SCALES_AT + g * GROUP) as *const __m128i));
+                    for t in 0..T {
+                        total[t] = _mm512_add_epi32(total[t], _mm512_mullo_epi32(isum[t], sc));
+                    }
+                }
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(L::D_AT) as *const __m256i));
+                for t in 0..T {
+                    let dx = _mm512_set1_ps(*tokens[t].d.add(s));
+                    main[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total[t]), _mm512_mul_ps(d, dx), main[t]);
+                }
+            }
+        }
+        for t in 0..T {
+            // SAFETY: token t's sixteen outputs.
+            unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), main[t]) };
+        }
+    }
+
+    /// [`scaled_groups_avx512`] on 256-bit registers, the group as two halves of eight rows;
+    /// `WIDE` for weight bytes past 63 (IQ4_XS).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn scaled_groups_avx2<L: ScaledGroups, const T: usize, const WIDE: bool>(
+        data: *const u8,
+        supers: usize,
+        tokens: [Token; T],
+        out: &mut [[f32; GROUP]; T],
+    ) {
+        for half in 0..2 {
+            // SAFETY: as the caller promises.
+            unsafe { scaled_groups_half::<L, T, WIDE>(data, supers, &tokens, out, half) }
+        }
+    }
+
     #[inline(always)]
-    unsafe fn q6k_half<const T: usize, const WIDE: bool>(
+    unsafe fn scaled_groups_half<L: ScaledGroups, const T: usize, const WIDE: bool>(
         data: *const u8,
         supers: usize,
         tokens: &[Token; T],
         out: &mut [[f32; GROUP]; T],
         half: usize,
     ) {
-        use q6k::*;
         let (lanes, rows) = (32 * half, 8 * half);
         let mut main = [_mm256_setzero_ps(); T];
         for s in 0..supers {
             // SAFETY: as in `q4k_avx512`, for this half's bytes.
             unsafe {
-                let block = data.add(s * GROUP_BLOCK);
+                let block = data.add(s * L::GROUP_BLOCK);
                 let q0 = s * SUPER;
                 let mut total = [_mm256_setzero_si256(); T];
                 for g in 0..16 {
                     let mut isum: [__m256i; T] =
                         std::array::from_fn(|t| _mm256_set1_epi32(*tokens[t].sums.add(16 * s + g)));
-                    for j in 0..4 {
-                        let w = _mm256_loadu_si256(block.add(64 * (4 * g + j) + lanes) as *const __m256i);
+                    for (j, w) in L::quads256(block, g, lanes).into_iter().enumerate() {
                         for t in 0..T {
                             let qx = _mm256_set1_epi32(quad(tokens[t].q, q0 + 16 * g + 4 * j));
                             isum[t] = if WIDE {
@@ -1396,13 +1359,13 @@ mod x86 {
                             };
                         }
                     }
-                    let at = block.add(SCALES_AT + g * GROUP + rows);
+                    let at = block.add(L::SCALES_AT + g * GROUP + rows);
                     let sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(at as *const __m128i));
                     for t in 0..T {
                         total[t] = _mm256_add_epi32(total[t], _mm256_mullo_epi32(isum[t], sc));
                     }
                 }
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(D_AT + 2 * rows) as *const __m128i));
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(L::D_AT + 2 * rows) as *const __m128i));
                 for t in 0..T {
                     let dx = _mm256_set1_ps(*tokens[t].d.add(s));
                     main[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total[t]), _mm256_mul_ps(d, dx), main[t]);
