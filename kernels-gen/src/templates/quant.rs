@@ -7,8 +7,10 @@
 //! for every format and shape (the embedding gather and the GEMM's tile staging use it). The
 //! GEMV decodes 32 elements per lane instead: a whole block of the 32-element formats
 //! (`block_weights`: its scale, and min or high bits, read once, each nibble byte giving two
-//! elements), or one 32-element sub-block of a K-quant super-block (`k_sub_block_weights`:
-//! its 6-bit scale and min, or Q6_K's two scales, decoded once).
+//! elements; IQ4_NL's nibbles through the IQ4 table, `UnOp::Iq4Value`), or one 32-element
+//! sub-block of a 256-element super-block (`k_sub_block_weights`: its scales and mins decoded
+//! once — Q4_K/Q5_K's 6-bit pair, the two 16-weight groups' of Q2_K, Q3_K and Q6_K, IQ4_XS's
+//! run scale).
 
 use crate::dsl::*;
 use ir::DType;
