@@ -28,6 +28,7 @@
 //! (`vpshufb`) as the value + 128 and sum it as Q8_0's bytes, bias 128.
 
 use super::int8::{Int8Kernel, Q8Row, ACT_BLOCK};
+use super::iq4::STORED;
 use super::GgmlType;
 use std::ops::Range;
 
@@ -471,17 +472,6 @@ const fn group_block_bytes(nibbles: bool, fifth: bool, mins: bool) -> usize {
     scales_at(nibbles, fifth) + 2 * GROUP + if mins { 2 * GROUP } else { 0 }
 }
 
-/// The IQ4 table's values + 128: what an IQ4_NL index stands for, as the kernels store it.
-const IQ4_STORED: [u8; 16] = {
-    let mut stored = [0u8; 16];
-    let mut i = 0;
-    while i < 16 {
-        stored[i] = (super::iq4::KVALUES[i] as i32 + 128) as u8;
-        i += 1;
-    }
-    stored
-};
-
 /// Weight `j` (0..32) of lane `lane` in a group's block, as stored (`w + bias`; IQ4_NL's
 /// table value + 128).
 ///
@@ -502,7 +492,7 @@ unsafe fn stored_weight<const NIBBLES: bool, const FIFTH: bool, const TABLE: boo
         let byte = *block.add((g % 4) * 64 + lane * 4 + k);
         let low = if g < 4 { byte & 0x0F } else { byte >> 4 };
         if TABLE {
-            return IQ4_STORED[low as usize] as i32;
+            return STORED[low as usize] as i32;
         }
         let fifth = match FIFTH {
             true => ((*block.add(256 + lane * 4 + k) >> g) & 1) << 4,
@@ -595,8 +585,9 @@ pub(super) fn assert_group_bits(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{group_block_bytes, quad, scales_at, Token, GROUP, IQ4_STORED};
+    use super::{group_block_bytes, quad, scales_at, Token, GROUP};
     use crate::quant::int8::ACT_BLOCK;
+    use crate::quant::iq4::STORED as IQ4_STORED;
     use std::arch::x86_64::*;
 
     /// AVX-512: the sixteen rows in one register a token.

@@ -1,4 +1,4 @@
-//! K-quant rows (Q2_K to Q6_K, and IQ4_XS in Q6_K's layout) regrouped for matmuls as
+//! K-quant rows (Q2_K to Q6_K, and IQ4_XS) regrouped for matmuls as
 //! [`super::interleaved`] regroups the 32-weight formats: [`GROUP`] rows interleaved so that a
 //! `vpdpbusd` against four broadcast activation bytes advances sixteen rows' sub-block sums at
 //! once, each lane ending a sub-block with its row's exact integer sum.
@@ -14,7 +14,7 @@
 //!   the int8 scale.
 //! - Q6_K: `total = Σ_g sc_g·Σ_{i∈g} (u_i − 32)·qx_i` exactly (`g` the sixteen 16-weight
 //!   sub-blocks, `sc` their int8 scale), then `main = fma(total, d·dx, main)`; the result `main`.
-//! - IQ4_XS: the same with `u_i − 128` (each weight's table value stored + 128) and each
+//! - IQ4_XS: the same with `u_i − 128` (each weight's table value looked up + 128) and each
 //!   32-weight run's `ls − 32` as the scale of both its halves: ggml's `Σ_r (ls_r − 32)·Σ v·qx`.
 //!
 //! Every kernel runs those operations lane by lane: the same bits on every CPU, whatever the
@@ -40,8 +40,11 @@
 //! - Q3_K: the low two bits as Q2_K's; the third bits as `[byte 0..8][row][byte k 0..4]`, bit
 //!   `b` of byte `j` being that of weight `4p + k` of group `g` where `4g + p = 8j + b`; the
 //!   scales `sc − 32` as `[group][row]` int8; the rows' `d`. GGUF's size and 4% more.
-//! - IQ4_XS: Q6_K's layout, the weights' table values + 128 as the bytes (2× the stored size),
-//!   each run's scale twice; indices and packed scales come back from them exactly.
+//! - IQ4_XS: the 4-bit table indices as `[group][half 0..2][row][byte k 0..4]`, the low nibble
+//!   of byte `k` in half `h` indexing weight `8h + k` of the group, the high one weight
+//!   `8h + 4 + k` (so a mask or a shift and a `vpshufb` give a quad of every row); the runs'
+//!   scales `ls − 32`, each for both its groups, as `[group][row]` int8; the rows' `d`. 7% over
+//!   GGUF's size.
 
 use super::int8::{Int8Kernel, Q8KRow, SUPER};
 use super::interleaved::f16_at;
@@ -96,9 +99,14 @@ mod q3k {
     pub const GROUP_BLOCK: usize = D_AT + 2 * GROUP;
 }
 
-/// IQ4_XS's GGUF block: d: f16, scales_h: u16, scales_l: [u8; 4], qs: [u8; 128].
+/// IQ4_XS's GGUF block (d: f16, scales_h: u16, scales_l: [u8; 4], qs: [u8; 128]), and where
+/// each part of its group's super-block starts.
 mod iq4xs {
+    use super::GROUP;
     pub const BLOCK_BYTES: usize = 136;
+    pub const SCALES_AT: usize = 16 * 128;
+    pub const D_AT: usize = SCALES_AT + 16 * GROUP;
+    pub const GROUP_BLOCK: usize = D_AT + 2 * GROUP;
     /// What a weight's table value is stored above (in a Q6_K-layout byte).
     pub const BIAS: i32 = 128;
 }
@@ -155,7 +163,8 @@ impl Format {
             Self::Q3K => q3k::GROUP_BLOCK,
             Self::Q4K => q4k::GROUP_BLOCK,
             Self::Q5K => q4k::Q5_GROUP_BLOCK,
-            Self::Q6K | Self::IQ4XS => q6k::GROUP_BLOCK,
+            Self::Q6K => q6k::GROUP_BLOCK,
+            Self::IQ4XS => iq4xs::GROUP_BLOCK,
         }
     }
 
@@ -553,18 +562,24 @@ fn gguf_block_q3k(group_block: &[u8], lane: usize, block: &mut [u8]) {
     block[108..110].copy_from_slice(&group_block[D_AT + 2 * lane..D_AT + 2 * lane + 2]);
 }
 
-/// Put one row's IQ4_XS block into lane `lane` of its group's super-block `out` (Q6_K's
-/// layout: table values + 128 as the weights, each 32-weight run's scale for both its halves).
+/// Put one row's IQ4_XS block into lane `lane` of its group's super-block `out`.
 fn interleave_iq4xs(block: &[u8], lane: usize, out: &mut [u8]) {
-    use q6k::*;
-    let mut w = [0i8; SUPER];
-    for (run, w) in w.chunks_exact_mut(32).enumerate() {
-        super::iq4::run_values(&block[8 + 16 * run..], w);
-    }
-    for quad in 0..64 {
-        let at = quad * 64 + lane * 4;
-        for k in 0..4 {
-            out[at + k] = (w[4 * quad + k] as i32 + iq4xs::BIAS) as u8;
+    use iq4xs::*;
+    // Weight i's index: run i / 32, byte i % 16 of its 16, low nibble for its first 16.
+    let index = |i: usize| {
+        let byte = block[8 + 16 * (i / 32) + i % 16];
+        if i % 32 < 16 {
+            byte & 0x0F
+        } else {
+            byte >> 4
+        }
+    };
+    for g in 0..16 {
+        for half in 0..2 {
+            for k in 0..4 {
+                let (low, high) = (index(16 * g + 8 * half + k), index(16 * g + 8 * half + 4 + k));
+                out[g * 128 + half * 64 + lane * 4 + k] = low | (high << 4);
+            }
         }
     }
     for (run, ls) in super::iq4::run_scales(block).into_iter().enumerate() {
@@ -577,24 +592,22 @@ fn interleave_iq4xs(block: &[u8], lane: usize, out: &mut [u8]) {
 
 /// Lane `lane` of a group's super-block back as its IQ4_XS block.
 fn gguf_block_iq4xs(group_block: &[u8], lane: usize, block: &mut [u8]) {
-    use q6k::*;
-    let index = |quad: usize, k: usize| {
-        let value = group_block[quad * 64 + lane * 4 + k] as i32 - iq4xs::BIAS;
-        super::iq4::KVALUES.iter().position(|&v| v as i32 == value).unwrap_or(0) as u8
-    };
-    let nibble = |i: usize| index(i / 4, i % 4);
+    use iq4xs::*;
+    block[2..].fill(0);
     block[0..2].copy_from_slice(&group_block[D_AT + 2 * lane..D_AT + 2 * lane + 2]);
     let mut scales_h = 0u16;
-    block[4..8].fill(0);
     for run in 0..8 {
         let ls = (group_block[SCALES_AT + 2 * run * GROUP + lane] as i8 as i32 + 32) as u8;
         block[4 + run / 2] |= (ls & 0x0F) << (4 * (run % 2));
         scales_h |= ((ls >> 4) as u16 & 3) << (2 * run);
-        for j in 0..16 {
-            block[8 + 16 * run + j] = nibble(32 * run + j) | (nibble(32 * run + j + 16) << 4);
-        }
     }
     block[2..4].copy_from_slice(&scales_h.to_le_bytes());
+    for i in 0..SUPER {
+        let (g, j) = (i / 16, i % 16);
+        let byte = group_block[g * 128 + (j / 8) * 64 + lane * 4 + j % 4];
+        let index = if j % 8 < 4 { byte & 0x0F } else { byte >> 4 };
+        block[8 + 16 * (i / 32) + i % 16] |= index << if i % 32 < 16 { 0 } else { 4 };
+    }
 }
 
 /// One matmul's activations, with per token the sums the format's kernel reads (see
@@ -657,8 +670,11 @@ fn tile<const T: usize>(
             }
             (Int8Kernel::Avx512, Format::Q4K) => return x86::q4k_avx512::<T, false>(data, supers, tokens, out),
             (Int8Kernel::Avx512, Format::Q5K) => return x86::q4k_avx512::<T, true>(data, supers, tokens, out),
-            (Int8Kernel::Avx512, Format::Q6K | Format::IQ4XS) => {
+            (Int8Kernel::Avx512, Format::Q6K) => {
                 return x86::scaled_groups_avx512::<x86::WeightBytes, T>(data, supers, tokens, out)
+            }
+            (Int8Kernel::Avx512, Format::IQ4XS) => {
+                return x86::scaled_groups_avx512::<x86::TableNibbles, T>(data, supers, tokens, out)
             }
             (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q4K) => {
                 return x86::q4k_avx2::<T, false>(data, supers, tokens, out)
@@ -670,7 +686,7 @@ fn tile<const T: usize>(
                 return x86::scaled_groups_avx2::<x86::WeightBytes, T, false>(data, supers, tokens, out)
             }
             (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::IQ4XS) => {
-                return x86::scaled_groups_avx2::<x86::WeightBytes, T, true>(data, supers, tokens, out)
+                return x86::scaled_groups_avx2::<x86::TableNibbles, T, true>(data, supers, tokens, out)
             }
             (Int8Kernel::Portable, _) => {}
         }
@@ -680,10 +696,32 @@ fn tile<const T: usize>(
     unsafe {
         match format {
             Format::Q2K => q2k_portable::<T>(data, supers, tokens, out),
-            Format::Q3K => q3k_portable::<T>(data, supers, tokens, out),
+            Format::Q3K => scaled_groups_portable::<T>(
+                q3k_weight,
+                (q3k::GROUP_BLOCK, q3k::SCALES_AT, q3k::D_AT),
+                data,
+                supers,
+                tokens,
+                out,
+            ),
             Format::Q4K => q4k_portable::<T, false>(data, supers, tokens, out),
             Format::Q5K => q4k_portable::<T, true>(data, supers, tokens, out),
-            Format::Q6K | Format::IQ4XS => q6k_portable::<T>(data, supers, tokens, out),
+            Format::Q6K => scaled_groups_portable::<T>(
+                q6k_weight,
+                (q6k::GROUP_BLOCK, q6k::SCALES_AT, q6k::D_AT),
+                data,
+                supers,
+                tokens,
+                out,
+            ),
+            Format::IQ4XS => scaled_groups_portable::<T>(
+                iq4xs_weight,
+                (iq4xs::GROUP_BLOCK, iq4xs::SCALES_AT, iq4xs::D_AT),
+                data,
+                supers,
+                tokens,
+                out,
+            ),
         }
     }
 }
@@ -775,73 +813,77 @@ unsafe fn q2k_portable<const T: usize>(
     }
 }
 
-/// The portable Q3_K kernel.
+/// Stored weight `i` (0..256, plus the layout's bias) of lane `lane` in a Q3_K group block.
 ///
 /// # Safety
-/// As [`tile`]'s callers promise.
-unsafe fn q3k_portable<const T: usize>(
-    data: *const u8,
-    supers: usize,
-    tokens: [Token; T],
-    out: &mut [[f32; GROUP]; T],
-) {
+/// `block` holds a Q3_K group's super-block.
+unsafe fn q3k_weight(block: *const u8, lane: usize, i: usize) -> i32 {
     use q3k::*;
-    for (token, out) in tokens.iter().zip(out.iter_mut()) {
-        for (lane, result) in out.iter_mut().enumerate() {
-            let mut main = 0f32;
-            for s in 0..supers {
-                // SAFETY: as in `q4k_portable`.
-                unsafe {
-                    let block = data.add(s * GROUP_BLOCK);
-                    let q = token.q.add(s * SUPER);
-                    let mut total = 0i32;
-                    for g in 0..16 {
-                        let mut isum = *token.sums.add(16 * s + g);
-                        for i in 0..16 {
-                            let (p, k) = (i / 4, i % 4);
-                            let low = (*block.add(g * 64 + lane * 4 + k) >> (2 * p)) & 3;
-                            let (j, b) = ((4 * g + p) / 8, (4 * g + p) % 8);
-                            let high = (*block.add(HIGH_AT + j * 64 + lane * 4 + k) >> b) & 1;
-                            isum += (low | (high << 2)) as i32 * *q.add(16 * g + i) as i32;
-                        }
-                        total += *block.add(SCALES_AT + g * GROUP + lane) as i8 as i32 * isum;
-                    }
-                    main = (total as f32).mul_add(f16_at(block.add(D_AT + 2 * lane)) * *token.d.add(s), main);
-                }
-            }
-            *result = main;
-        }
-    }
+    let (g, p, k) = (i / 16, (i % 16) / 4, i % 4);
+    let (j, b) = ((4 * g + p) / 8, (4 * g + p) % 8);
+    // SAFETY: both offsets lie in the group block.
+    let (low, high) = unsafe {
+        (
+            *block.add(g * 64 + lane * 4 + k),
+            *block.add(HIGH_AT + j * 64 + lane * 4 + k),
+        )
+    };
+    (((low >> (2 * p)) & 3) | (((high >> b) & 1) << 2)) as i32
 }
 
-/// The portable Q6_K kernel.
+/// The same for a Q6_K group block.
 ///
 /// # Safety
-/// As [`tile`]'s callers promise.
-unsafe fn q6k_portable<const T: usize>(
+/// `block` holds a Q6_K group's super-block.
+unsafe fn q6k_weight(block: *const u8, lane: usize, i: usize) -> i32 {
+    // SAFETY: the offset lies in the group block.
+    unsafe { *block.add((i / 4) * 64 + lane * 4 + i % 4) as i32 }
+}
+
+/// The same for an IQ4_XS group block: the index's table value + 128.
+///
+/// # Safety
+/// `block` holds an IQ4_XS group's super-block.
+unsafe fn iq4xs_weight(block: *const u8, lane: usize, i: usize) -> i32 {
+    let (g, j) = (i / 16, i % 16);
+    // SAFETY: the offset lies in the group block.
+    let byte = unsafe { *block.add(g * 128 + (j / 8) * 64 + lane * 4 + j % 4) };
+    let index = if j % 8 < 4 { byte & 0x0F } else { byte >> 4 };
+    super::iq4::STORED[index as usize] as i32
+}
+
+/// The portable kernel of the sixteen int8-scaled 16-weight groups (Q3_K, Q6_K, IQ4_XS), the
+/// stored weights read by `weight`: every lane's operations one by one, as the vector kernels
+/// run them.
+///
+/// # Safety
+/// As [`tile`]'s callers promise, `weight` and the layout's (group block size, scales' and
+/// `d`'s offsets) being the format's.
+unsafe fn scaled_groups_portable<const T: usize>(
+    weight: unsafe fn(*const u8, usize, usize) -> i32,
+    (group_block, scales_at, d_at): (usize, usize, usize),
     data: *const u8,
     supers: usize,
     tokens: [Token; T],
     out: &mut [[f32; GROUP]; T],
 ) {
-    use q6k::*;
     for (token, out) in tokens.iter().zip(out.iter_mut()) {
         for (lane, result) in out.iter_mut().enumerate() {
             let mut main = 0f32;
             for s in 0..supers {
                 // SAFETY: as in `q4k_portable`.
                 unsafe {
-                    let block = data.add(s * GROUP_BLOCK);
+                    let block = data.add(s * group_block);
                     let q = token.q.add(s * SUPER);
                     let mut total = 0i32;
                     for g in 0..16 {
                         let mut isum = *token.sums.add(16 * s + g);
                         for i in 16 * g..16 * g + 16 {
-                            isum += *block.add((i / 4) * 64 + lane * 4 + i % 4) as i32 * *q.add(i) as i32;
+                            isum += weight(block, lane, i) * *q.add(i) as i32;
                         }
-                        total += *block.add(SCALES_AT + g * GROUP + lane) as i8 as i32 * isum;
+                        total += *block.add(scales_at + g * GROUP + lane) as i8 as i32 * isum;
                     }
-                    main = (total as f32).mul_add(f16_at(block.add(D_AT + 2 * lane)) * *token.d.add(s), main);
+                    main = (total as f32).mul_add(f16_at(block.add(d_at + 2 * lane)) * *token.d.add(s), main);
                 }
             }
             *result = main;
@@ -851,8 +893,9 @@ unsafe fn q6k_portable<const T: usize>(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{q2k, q3k, q4k, q6k, Token, GROUP, SUPER};
+    use super::{iq4xs, q2k, q3k, q4k, q6k, Token, GROUP, SUPER};
     use crate::quant::interleaved::quad;
+    use crate::quant::iq4::STORED as IQ4_STORED;
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -1205,7 +1248,7 @@ mod x86 {
         unsafe fn quads256(block: *const u8, g: usize, lanes: usize) -> [__m256i; 4];
     }
 
-    /// Q6_K's and IQ4_XS's layout: a group's weights as whole bytes, a quad's 64 after another.
+    /// Q6_K's layout: a group's weights as whole bytes, a quad's 64 after another.
     pub struct WeightBytes;
 
     impl ScaledGroups for WeightBytes {
@@ -1222,6 +1265,52 @@ mod x86 {
             // SAFETY: as in `quads512`, half of each quad.
             std::array::from_fn(|j| unsafe {
                 _mm256_loadu_si256(block.add(64 * (4 * g + j) + lanes) as *const __m256i)
+            })
+        }
+    }
+
+    /// IQ4_XS's layout: a group's table indices as two 64-byte nibble planes (quads 2h and
+    /// 2h + 1 in plane h's low and high nibbles), each looked up (`vpshufb`) as value + 128.
+    pub struct TableNibbles;
+
+    impl ScaledGroups for TableNibbles {
+        const GROUP_BLOCK: usize = iq4xs::GROUP_BLOCK;
+        const SCALES_AT: usize = iq4xs::SCALES_AT;
+        const D_AT: usize = iq4xs::D_AT;
+        #[inline(always)]
+        unsafe fn quads512(block: *const u8, g: usize) -> [__m512i; 4] {
+            // SAFETY: the table is 16 bytes; group g's two planes lie in the group block.
+            let (table, planes) = unsafe {
+                let table = _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4_STORED.as_ptr() as *const __m128i));
+                let plane = |h: usize| _mm512_loadu_si512(block.add(128 * g + 64 * h) as *const _);
+                (table, [plane(0), plane(1)])
+            };
+            let low4 = _mm512_set1_epi8(0x0F);
+            std::array::from_fn(|p| {
+                let plane = planes[p / 2];
+                let index = match p % 2 {
+                    0 => _mm512_and_si512(plane, low4),
+                    _ => _mm512_and_si512(_mm512_srli_epi16(plane, 4), low4),
+                };
+                _mm512_shuffle_epi8(table, index)
+            })
+        }
+        #[inline(always)]
+        unsafe fn quads256(block: *const u8, g: usize, lanes: usize) -> [__m256i; 4] {
+            // SAFETY: as in `quads512`, half of each plane.
+            let (table, planes) = unsafe {
+                let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(IQ4_STORED.as_ptr() as *const __m128i));
+                let plane = |h: usize| _mm256_loadu_si256(block.add(128 * g + 64 * h + lanes) as *const __m256i);
+                (table, [plane(0), plane(1)])
+            };
+            let low4 = _mm256_set1_epi8(0x0F);
+            std::array::from_fn(|p| {
+                let plane = planes[p / 2];
+                let index = match p % 2 {
+                    0 => _mm256_and_si256(plane, low4),
+                    _ => _mm256_and_si256(_mm256_srli_epi16(plane, 4), low4),
+                };
+                _mm256_shuffle_epi8(table, index)
             })
         }
     }
