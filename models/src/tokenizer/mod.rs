@@ -93,6 +93,8 @@ impl Tokenizer {
             .map_err(|e| ModelError::Tokenizer(e.to_string()))
     }
 
+    /// Tokens in the vocabulary, added ones included. Not cheap: `tokenizers` counts them over
+    /// a copy of the vocabulary map, so ask once, not per token.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
     }
