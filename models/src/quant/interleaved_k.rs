@@ -48,6 +48,8 @@
 
 use super::int8::{Int8Kernel, Q8KRow, SUPER};
 use super::interleaved::f16_at;
+use super::q2_k::two_bit_group;
+use super::q3_k::high_bit_group;
 use super::q4_k::scale_min_k4;
 use super::GgmlType;
 use std::ops::Range;
@@ -492,8 +494,8 @@ fn gguf_block_q6k(group_block: &[u8], lane: usize, block: &mut [u8]) {
 fn interleave_q2k(block: &[u8], lane: usize, out: &mut [u8]) {
     use q2k::*;
     for g in 0..16 {
-        // GGUF: weight l of group g is bits 2·((g % 8) / 2) of `qs` byte 32·(g / 8) + 16·(g % 2) + l.
-        let (qs, shift) = (&block[16 + 32 * (g / 8) + 16 * (g % 2)..][..16], 2 * ((g % 8) / 2));
+        let (offset, shift) = two_bit_group(g);
+        let qs = &block[16 + offset..][..16];
         for k in 0..4 {
             out[g * 64 + lane * 4 + k] = (0..4).fold(0, |byte, p| byte | (((qs[4 * p + k] >> shift) & 3) << (2 * p)));
         }
@@ -508,10 +510,10 @@ fn gguf_block_q2k(group_block: &[u8], lane: usize, block: &mut [u8]) {
     use q2k::*;
     block[16..80].fill(0);
     for g in 0..16 {
-        let (at, shift) = (16 + 32 * (g / 8) + 16 * (g % 2), 2 * ((g % 8) / 2));
+        let (offset, shift) = two_bit_group(g);
         for l in 0..16 {
             let q = (group_block[g * 64 + lane * 4 + l % 4] >> (2 * (l / 4))) & 3;
-            block[at + l] |= q << shift;
+            block[16 + offset + l] |= q << shift;
         }
         block[g] = group_block[SCALES_AT + g * GROUP + lane];
     }
@@ -546,15 +548,14 @@ fn gguf_block_q3k(group_block: &[u8], lane: usize, block: &mut [u8]) {
     use q3k::*;
     block[..108].fill(0);
     for g in 0..16 {
-        let (at, shift) = (32 + 32 * (g / 8) + 16 * (g % 2), 2 * ((g % 8) / 2));
-        let bit = 4 * (g / 8) + (g % 8) / 2;
+        let ((offset, shift), (high_offset, bit)) = (two_bit_group(g), high_bit_group(g));
         for l in 0..16 {
             let (p, k) = (l / 4, l % 4);
             let low = (group_block[g * 64 + lane * 4 + k] >> (2 * p)) & 3;
             let (j, b) = ((4 * g + p) / 8, (4 * g + p) % 8);
             let high = (group_block[HIGH_AT + j * 64 + lane * 4 + k] >> b) & 1;
-            block[at + l] |= low << shift;
-            block[16 * (g % 2) + l] |= high << bit;
+            block[32 + offset + l] |= low << shift;
+            block[high_offset + l] |= high << bit;
         }
     }
     let scales: [u8; 16] = std::array::from_fn(|g| (group_block[SCALES_AT + g * GROUP + lane] as i8 as i32 + 32) as u8);
@@ -1542,8 +1543,8 @@ mod tests {
                 // `Σ qx` times the minimum.
                 let (mut total, mut mins) = (0i32, 0i32);
                 for g in 0..16 {
-                    let qs = &block[16 + 32 * (g / 8) + 16 * (g % 2)..][..16];
-                    let shift = 2 * ((g % 8) / 2);
+                    let (offset, shift) = two_bit_group(g);
+                    let qs = &block[16 + offset..][..16];
                     let q = &q[16 * g..16 * g + 16];
                     let isum: i32 = (0..16).map(|l| ((qs[l] >> shift) & 3) as i32 * q[l] as i32).sum();
                     total += (block[g] & 0x0F) as i32 * isum;

@@ -1,12 +1,19 @@
 //! Q2_K: 256-weight super-blocks of sixteen 16-weight groups, each weight 2 bits, each group a
 //! 4-bit scale and a 4-bit minimum; `x = d·sc·q − dmin·m`.
 //! Layout (`block_q2_K`): scales: [u8; 16] (low nibble the scale, high nibble the minimum),
-//! qs: [u8; 64], d: f16, dmin: f16. Group `g` (weights `16g..16g + 16`) reads byte
-//! `32·(g / 8) + 16·(g % 2) + l` of `qs` at bit `2·((g % 8) / 2)`.
+//! qs: [u8; 64], d: f16, dmin: f16. Group `g` (weights `16g..16g + 16`) lies in `qs` where
+//! [`two_bit_group`] says.
 
 use super::{f16_at, BlockFormat};
 
 pub struct Q2K;
+
+/// Where 16-weight group `g` of a Q2_K or Q3_K super-block keeps its 2-bit weights in `qs`:
+/// weight `l` is bits `shift..shift + 2` of byte `offset + l`. ggml fills each 32-byte half of
+/// `qs` four shifts deep, alternating its two 16-byte quarters between consecutive groups.
+pub(crate) fn two_bit_group(g: usize) -> (usize, usize) {
+    (32 * (g / 8) + 16 * (g % 2), 2 * ((g % 8) / 2))
+}
 
 impl BlockFormat for Q2K {
     const BLOCK_ELEMS: usize = 256;
@@ -18,8 +25,8 @@ impl BlockFormat for Q2K {
     fn unpack_groups(block: &[u8], w: &mut [i8], scale: &mut [f32], min: &mut [f32]) {
         let (d, dmin) = (f16_at(block, 80), f16_at(block, 82));
         for g in 0..16 {
-            let qs = &block[16 + 32 * (g / 8) + 16 * (g % 2)..][..16];
-            let shift = 2 * ((g % 8) / 2);
+            let (offset, shift) = two_bit_group(g);
+            let qs = &block[16 + offset..][..16];
             for (o, &q) in w[16 * g..16 * g + 16].iter_mut().zip(qs) {
                 *o = ((q >> shift) & 3) as i8;
             }

@@ -2,13 +2,19 @@
 //! the third in `hmask`) offset by −4, each group a 6-bit scale offset by −32;
 //! `x = d·(sc − 32)·q`.
 //! Layout (`block_q3_K`): hmask: [u8; 32], qs: [u8; 64], scales: [u8; 12] (sixteen 6-bit
-//! values packed, see [`scales`]), d: f16. Group `g` reads byte `32·(g / 8) + 16·(g % 2) + l`
-//! of `qs` at bit `2·((g % 8) / 2)`, and bit `4·(g / 8) + (g % 8) / 2` of `hmask` byte
-//! `16·(g % 2) + l`; a clear bit subtracts 4.
+//! values packed, see [`scales`]), d: f16. Group `g` keeps its low two bits in `qs` as Q2_K does
+//! ([`two_bit_group`]) and its third where [`high_bit_group`] says; a clear bit subtracts 4.
 
+use super::q2_k::two_bit_group;
 use super::{f16_at, BlockFormat};
 
 pub struct Q3K;
+
+/// Where 16-weight group `g` keeps its third bits in `hmask`: weight `l`'s is bit `bit` of byte
+/// `offset + l`.
+pub(crate) fn high_bit_group(g: usize) -> (usize, usize) {
+    (16 * (g % 2), 4 * (g / 8) + (g % 8) / 2)
+}
 
 /// The sixteen 6-bit group scales (before the −32) of ggml's `kmask` unpacking: the low
 /// nibbles of bytes 0..8, then their high nibbles, each with two high bits from bytes 8..12.
@@ -40,9 +46,8 @@ impl BlockFormat for Q3K {
         let d = f16_at(block, 108);
         let (hmask, sc) = (&block[..32], scales(&block[96..108]));
         for g in 0..16 {
-            let qs = &block[32 + 32 * (g / 8) + 16 * (g % 2)..][..16];
-            let hm = &hmask[16 * (g % 2)..][..16];
-            let (shift, bit) = (2 * ((g % 8) / 2), 4 * (g / 8) + (g % 8) / 2);
+            let ((offset, shift), (high_offset, bit)) = (two_bit_group(g), high_bit_group(g));
+            let (qs, hm) = (&block[32 + offset..][..16], &hmask[high_offset..][..16]);
             for ((o, &q), &h) in w[16 * g..16 * g + 16].iter_mut().zip(qs).zip(hm) {
                 let high_clear = (h >> bit) & 1 == 0;
                 *o = ((q >> shift) & 3) as i8 - if high_clear { 4 } else { 0 };
