@@ -672,15 +672,23 @@ fn speculative_decoding_keeps_the_text_and_counts_accepted_drafts() {
         "max_tokens": 48,
         "temperature": 0,
     });
+    // The same list as JSON under a schema: drafts are verified under the grammar too.
+    let mut as_json = body.clone();
+    as_json["response_format"] = json!({"type": "json_schema", "json_schema": {"name": "fruits",
+        "schema": {"type": "object", "properties": {"fruits": {"type": "array", "items": {"type": "string"}}},
+                   "required": ["fruits"]}}});
     let plain = Server::start(&[]);
     let (status, want) = plain.post("/v1/chat/completions", &body);
     assert_eq!(status, 200, "{want}");
+    let (_, want_json) = plain.post("/v1/chat/completions", &as_json);
     drop(plain);
     let server = Server::start(&["--speculative-ngram", "4"]);
     let (status, got) = server.post("/v1/chat/completions", &body);
     assert_eq!(status, 200, "{got}");
     assert_eq!(got["choices"][0]["message"], want["choices"][0]["message"]);
     assert_eq!(got["usage"], want["usage"]);
+    let (_, got_json) = server.post("/v1/chat/completions", &as_json);
+    assert_eq!(got_json["choices"][0]["message"], want_json["choices"][0]["message"]);
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
     let (_, chunks) = server.stream("/v1/chat/completions", &streamed);
@@ -691,5 +699,95 @@ fn speculative_decoding_keeps_the_text_and_counts_accepted_drafts() {
     assert_eq!(text, want["choices"][0]["message"]["content"].as_str().unwrap());
     let accepted = server.metric("bbc_spec_decode_accepted_tokens_total");
     assert!(accepted > 0.0 && accepted <= server.metric("bbc_spec_decode_draft_tokens_total"));
+    server.wait_for_free_blocks();
+}
+
+/// Structured outputs: each way of asking (OpenAI's `response_format`, vLLM's
+/// `structured_outputs` and `guided_*`) gives text in the language asked for, whole, streamed
+/// and sampled; a grammar that does not compile is a 400 naming the parameter.
+#[test]
+fn structured_outputs_take_the_shape_asked_for() {
+    let server = Server::start(&[]);
+    let person = json!({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                        "required": ["name", "age"], "additionalProperties": false});
+    let body = json!({"messages": [{"role": "user", "content": "Describe Ana, who is 31, as JSON."}],
+                      "max_tokens": 60, "temperature": 0,
+                      "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": person}}});
+    let (status, whole) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["choices"][0]["finish_reason"], "stop", "{whole}");
+    let content = whole["choices"][0]["message"]["content"].as_str().unwrap();
+    let answer: Value = serde_json::from_str(content).expect("JSON under the schema");
+    let fields = answer.as_object().unwrap();
+    assert_eq!(fields.len(), 2, "{content}");
+    assert!(fields["name"].is_string() && fields["age"].is_i64(), "{content}");
+
+    // Streamed: the pieces add up to one JSON object.
+    let body = json!({"prompt": "A user record: ", "max_tokens": 48, "temperature": 0, "stream": true,
+                      "response_format": {"type": "json_object"}});
+    let (_, chunks) = server.stream("/v1/completions", &body);
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    assert!(
+        serde_json::from_str::<Value>(&text).is_ok_and(|v| v.is_object()),
+        "{text}"
+    );
+
+    // Choices (with characters a grammar must escape), sampled three ways.
+    let options = ["Paris", "say \"yes\"", "back\\slash"];
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 16, "temperature": 1.0, "seed": 2,
+                      "n": 3, "structured_outputs": {"choice": options}});
+    let (status, whole) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    for choice in whole["choices"].as_array().unwrap() {
+        assert!(options.contains(&choice["text"].as_str().unwrap()), "{choice}");
+        assert_eq!(choice["finish_reason"], "stop");
+    }
+
+    // A regular expression, and a grammar.
+    let body = json!({"prompt": "Call me on", "max_tokens": 20, "temperature": 0.7, "seed": 9,
+                      "guided_regex": " [0-9]{3}-[0-9]{4}"});
+    let (_, whole) = server.post("/v1/completions", &body);
+    let number = whole["choices"][0]["text"].as_str().unwrap();
+    let digits = |s: &str| s.len() == 3 && s.chars().all(|c| c.is_ascii_digit());
+    assert!(
+        number
+            .strip_prefix(' ')
+            .and_then(|n| n.split_once('-'))
+            .is_some_and(|(a, b)| digits(a) && b.len() == 4 && digits(&b[1..])),
+        "{number:?}"
+    );
+    let body = json!({"prompt": "Fruit:", "max_tokens": 12, "temperature": 0,
+                      "structured_outputs": {"grammar": "start: item (\", \" item)*\nitem: \"apple\" | \"pear\" | \"plum\""}});
+    let (_, whole) = server.post("/v1/completions", &body);
+    let list = whole["choices"][0]["text"].as_str().unwrap();
+    let items: Vec<&str> = list.split(", ").collect();
+    assert!(
+        items[..items.len() - 1]
+            .iter()
+            .all(|i| ["apple", "pear", "plum"].contains(i)),
+        "{list:?}"
+    );
+
+    for (body, param) in [
+        (
+            json!({"prompt": "x", "structured_outputs": {"regex": "(("}}),
+            "structured_outputs.regex",
+        ),
+        (
+            json!({"prompt": "x", "structured_outputs": {"grammar": "start: missing"}}),
+            "structured_outputs.grammar",
+        ),
+        (
+            json!({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "wat"}}}}),
+            "response_format",
+        ),
+        (
+            json!({"prompt": "x", "response_format": {"type": "xml"}}),
+            "response_format",
+        ),
+    ] {
+        let (status, error) = server.post("/v1/completions", &body);
+        assert_eq!((status, error_of(&error).1), (400, Some(param)), "{error}");
+    }
     server.wait_for_free_blocks();
 }

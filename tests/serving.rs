@@ -6,9 +6,10 @@
 mod common;
 
 use models::{LogitsFor, Model, ModelSpec};
-use runtime::serving::{Scheduler, SchedulerConfig, SeqId, ServingEngine, StepOutput};
+use runtime::serving::{Scheduler, SchedulerConfig, SeqId, ServingEngine, StepOutput, TokenConstraint};
 use runtime::{generate, CpuBackend, Engine, GenerateOptions, SamplingParams};
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 fn backend(model: &Model) -> CpuBackend {
     let graph = passes::optimized(&model.lower(LogitsFor::LastToken).unwrap(), passes::CostModel::CPU).unwrap();
@@ -430,6 +431,92 @@ fn a_rewound_state_continues_like_one_that_never_saw_the_refused_drafts() {
     }
 }
 
+/// Structured outputs' mechanism in the engine: a sequence under a constraint takes only the
+/// tokens its constraint allows at each point, and the constraint hears exactly the tokens
+/// taken (refused drafts never reach it), with or without speculation, greedy or sampled; the
+/// requests beside it without one generate what they generate alone.
+#[test]
+fn constrained_sequences_take_only_what_their_constraint_allows() {
+    let model = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/llama"))).unwrap();
+    // The alphabet the constraint allows (a repeating prompt over it, so that drafts come).
+    let alphabet: Vec<u32> = (0..6u32).map(|j| 40 + 13 * j).collect();
+    let prompt: Vec<u32> = (0..36).map(|j| alphabet[j % alphabet.len()]).collect();
+    let sampled = SamplingParams {
+        temperature: 0.9,
+        seed: 3,
+        ..SamplingParams::default()
+    };
+    let free_prompt: Vec<u32> = (0..20u32).map(|j| 7 + 11 * j).collect();
+    let mut results = Vec::new();
+    for speculation in [runtime::serving::NgramConfig::OFF, DRAFT_FOUR] {
+        let mut engine = ServingEngine::new(backend(&model), speculation_config(speculation));
+        let mut heard = Vec::new();
+        let mut constrained = Vec::new();
+        for params in [SamplingParams::default(), sampled] {
+            let log = Arc::new(Mutex::new(Vec::new()));
+            let constraint = NoRepeatsWithin {
+                alphabet: alphabet.clone(),
+                heard: log.clone(),
+            };
+            let id = engine
+                .add_constrained(prompt.clone(), 24, vec![], params, Some(Box::new(constraint)))
+                .unwrap();
+            constrained.push(id);
+            heard.push(log);
+        }
+        let free = engine
+            .add(free_prompt.clone(), 24, vec![], SamplingParams::default())
+            .unwrap();
+        let (mut drafted, mut accepted) = (0, 0);
+        let got = run_to_idle(&mut engine, |out, _| {
+            drafted += out.drafted;
+            accepted += out.accepted;
+        });
+        for (id, log) in constrained.iter().zip(&heard) {
+            let tokens = &got[id];
+            assert_eq!(tokens.len(), 24);
+            assert_eq!(
+                &*log.lock().unwrap(),
+                tokens,
+                "the constraint hears the tokens taken, no more"
+            );
+            assert!(tokens.iter().all(|t| alphabet.contains(t)), "{tokens:?}");
+            assert!(tokens.windows(2).all(|w| w[0] != w[1]), "{tokens:?}");
+        }
+        assert_eq!(got[&free], alone(&model, std::slice::from_ref(&free_prompt), 24)[0]);
+        if speculation.tokens > 0 {
+            assert!(
+                drafted > accepted && accepted > 0,
+                "{accepted} of {drafted} drafts accepted"
+            );
+        }
+        results.push(constrained.iter().map(|id| got[id].clone()).collect::<Vec<_>>());
+    }
+    assert_eq!(results[0], results[1], "drafting changes no constrained token");
+}
+
+/// A constraint for the test above: tokens of `alphabet` only, never the one just taken.
+struct NoRepeatsWithin {
+    alphabet: Vec<u32>,
+    heard: Arc<Mutex<Vec<u32>>>,
+}
+
+impl TokenConstraint for NoRepeatsWithin {
+    fn mask(&mut self, logits: &mut [f32]) {
+        let last = self.heard.lock().unwrap().last().copied();
+        for (id, logit) in logits.iter_mut().enumerate() {
+            let id = id as u32;
+            if !self.alphabet.contains(&id) || Some(id) == last {
+                *logit = f32::NEG_INFINITY;
+            }
+        }
+    }
+
+    fn accept(&mut self, token: u32) {
+        self.heard.lock().unwrap().push(token);
+    }
+}
+
 /// `requests` (prompt, sampling) served together, `max_tokens` each, four at a time with
 /// `speculation`: each one's tokens, and the drafts drafted and accepted over the run.
 fn serve_speculating(
@@ -438,19 +525,7 @@ fn serve_speculating(
     max_tokens: usize,
     speculation: runtime::serving::NgramConfig,
 ) -> (Vec<Vec<u32>>, usize, usize) {
-    let config = SchedulerConfig {
-        max_waiting: 16,
-        max_running: 4,
-        token_budget: 64,
-        kv_blocks: 64,
-        block_size: 8,
-        context_length: 2048,
-        prefix_caching: true,
-        speculation,
-        recurrent_state: false,
-        state_cache: runtime::serving::StateCacheConfig::OFF,
-    };
-    let mut engine = ServingEngine::new(backend(model), config);
+    let mut engine = ServingEngine::new(backend(model), speculation_config(speculation));
     let ids: Vec<_> = requests
         .iter()
         .map(|(p, s)| engine.add(p.clone(), max_tokens, vec![], *s).unwrap())
@@ -461,4 +536,20 @@ fn serve_speculating(
         accepted += out.accepted;
     });
     (ids.iter().map(|id| got[id].clone()).collect(), drafted, accepted)
+}
+
+/// Four sequences at a time with `speculation`, and room for them.
+fn speculation_config(speculation: runtime::serving::NgramConfig) -> SchedulerConfig {
+    SchedulerConfig {
+        max_waiting: 16,
+        max_running: 4,
+        token_budget: 64,
+        kv_blocks: 64,
+        block_size: 8,
+        context_length: 2048,
+        prefix_caching: true,
+        speculation,
+        recurrent_state: false,
+        state_cache: runtime::serving::StateCacheConfig::OFF,
+    }
 }

@@ -266,10 +266,11 @@ mod tests {
         let (requests, _inbox) = mpsc::unbounded_channel();
         let app = Arc::new(AppState {
             model_name: "tiny".into(),
-            tokenizer,
+            tokenizer: tokenizer.clone(),
             context_length: 256,
             api_key: None,
             reasoning: parser.markers(Family::Gemma4),
+            structured: crate::serve::structured::LazyStructuredOutputs::new(tokenizer.clone()),
             requests,
             metrics: Default::default(),
             next_id: AtomicU64::new(0),

@@ -8,6 +8,7 @@ use super::metrics::Metrics;
 use super::reasoning::Markers;
 use super::request::{self, Endpoint, GenerationRequest, PromptInput};
 use super::response::{self, json_response, unix_time};
+use super::structured::{GrammarConstraint, LazyStructuredOutputs};
 use super::worker::NewRequest;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -16,7 +17,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use models::{ChatMessage, Tokenizer};
-use runtime::serving::AddError;
+use runtime::serving::{AddError, TokenConstraint};
 use runtime::SamplingParams;
 use serde_json::json;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -31,6 +32,8 @@ pub struct AppState {
     pub api_key: Option<String>,
     /// Where chat responses split reasoning from the answer (`serve::reasoning`).
     pub reasoning: Option<Markers>,
+    /// The grammar compiler over the model's vocabulary (structured outputs).
+    pub structured: LazyStructuredOutputs,
     pub requests: mpsc::UnboundedSender<NewRequest>,
     pub metrics: Arc<Metrics>,
     pub next_id: AtomicU64,
@@ -128,6 +131,30 @@ async fn start(
     if !request.ignore_eos {
         stop_tokens.extend(&app.tokenizer.eos);
     }
+    let grammar = match &request.structured {
+        Some(structured) => {
+            let compiler = app.structured.get().await.map_err(|why| {
+                ApiError::invalid(
+                    &structured.param,
+                    format!("this model's vocabulary cannot take structured outputs: {why}"),
+                )
+            })?;
+            Some(compiler.matcher(structured)?)
+        }
+        None => None,
+    };
+    // What may follow a complete structured output: the request's stop tokens, or EOS.
+    let ends: Vec<u32> = stop_tokens.iter().chain(&app.tokenizer.eos).copied().collect();
+    // Where the prompt leaves the model inside its reasoning, the grammar shapes what follows
+    // the reasoning's end marker.
+    let reasoning_end = match reasoning {
+        Some((markers, true)) if grammar.is_some() => Some(
+            app.tokenizer
+                .encode(markers.end, false)
+                .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?,
+        ),
+        _ => None,
+    };
     let engine_gone = || ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the engine has stopped");
     // `n` choices are `n` sequences, seeded apart; all are admitted or none is kept.
     let mut events = Vec::new();
@@ -139,11 +166,19 @@ async fn start(
             seed: request.sampling.seed.wrapping_add(i as u64),
             ..request.sampling
         };
+        let constraint = grammar.as_ref().map(|matcher| {
+            let (matcher, ends) = (matcher.deep_clone(), ends.clone());
+            Box::new(match &reasoning_end {
+                Some(marker) => GrammarConstraint::after_reasoning(matcher, ends, marker.clone()),
+                None => GrammarConstraint::new(matcher, ends),
+            }) as Box<dyn TokenConstraint>
+        });
         let submitted = NewRequest {
             prompt: prompt.clone(),
             max_tokens,
             stop_tokens: stop_tokens.clone(),
             sampling,
+            constraint,
             events: events_tx,
             admitted: admitted_tx,
         };

@@ -7,9 +7,11 @@ mod error;
 mod generation;
 mod http;
 mod metrics;
+mod output_spec;
 mod reasoning;
 mod request;
 mod response;
+mod structured;
 mod text;
 mod worker;
 
@@ -204,6 +206,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             start_engine(backend, config, inbox, metrics.clone())?;
         }
     }
+    let structured = structured::LazyStructuredOutputs::new(tokenizer.clone());
     let state = Arc::new(http::AppState {
         model_name: args
             .served_model_name
@@ -213,6 +216,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         context_length,
         api_key: args.api_key.clone(),
         reasoning: args.reasoning_parser.markers(family),
+        structured,
         requests,
         metrics,
         next_id: AtomicU64::new(0),
@@ -222,6 +226,10 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
+    let warming = state.clone();
+    runtime.spawn(async move {
+        let _ = warming.structured.get().await;
+    });
     runtime.block_on(listen(args, state))
 }
 

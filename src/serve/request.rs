@@ -3,6 +3,7 @@
 //! serde's positions). Parameters the server cannot honour are refused, never ignored.
 
 use super::error::ApiError;
+use super::output_spec::{self, Structured};
 use runtime::SamplingParams;
 use serde_json::{Map, Value};
 
@@ -32,6 +33,8 @@ pub struct GenerationRequest {
     /// Chat: variables for the chat template beside its own (`chat_template_kwargs`, vLLM's
     /// name: Qwen3.5's `enable_thinking`, say).
     pub chat_template_kwargs: Map<String, Value>,
+    /// The shape the output must take (structured outputs), where the request gives one.
+    pub structured: Option<Structured>,
 }
 
 /// Which endpoint a body was sent to.
@@ -82,6 +85,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<GenerationRequest, ApiEr
         ignore_eos: fields.bool("ignore_eos")?.unwrap_or(false),
         n: choices(&fields)?,
         chat_template_kwargs: template_kwargs(&fields, endpoint)?,
+        structured: output_spec::parse(&obj)?,
     })
 }
 

@@ -4,8 +4,7 @@
 //! on a stop string) the sequence is aborted and its KV blocks are freed before the next step.
 
 use super::metrics::Metrics;
-use runtime::serving::PagedBackend;
-use runtime::serving::{AddError, FinishReason, SeqId, ServingEngine};
+use runtime::serving::{AddError, FinishReason, PagedBackend, SeqId, ServingEngine, TokenConstraint};
 use runtime::{SamplingParams, TokenLogprobs};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
@@ -26,6 +25,8 @@ pub struct NewRequest {
     pub max_tokens: usize,
     pub stop_tokens: Vec<u32>,
     pub sampling: SamplingParams,
+    /// Structured outputs: the grammar the sequence samples under.
+    pub constraint: Option<Box<dyn TokenConstraint>>,
     pub events: mpsc::UnboundedSender<Event>,
     pub admitted: oneshot::Sender<Result<SeqId, AddError>>,
 }
@@ -60,7 +61,7 @@ fn admit<B: PagedBackend>(
     clients: &mut HashMap<SeqId, mpsc::UnboundedSender<Event>>,
     r: NewRequest,
 ) {
-    let added = engine.add(r.prompt, r.max_tokens, r.stop_tokens, r.sampling);
+    let added = engine.add_constrained(r.prompt, r.max_tokens, r.stop_tokens, r.sampling, r.constraint);
     if let Ok(id) = added {
         clients.insert(id, r.events);
     }

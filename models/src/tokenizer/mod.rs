@@ -102,6 +102,16 @@ impl Tokenizer {
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
+
+    /// The tokenizer as HF's `tokenizer.json` has it (also for one built from GGUF metadata):
+    /// what tools that read the vocabulary's bytes (a grammar engine) take.
+    pub fn hf_json(&self) -> Result<serde_json::Value> {
+        let text = self
+            .inner
+            .to_string(false)
+            .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        serde_json::from_str(&text).map_err(|e| ModelError::Tokenizer(e.to_string()))
+    }
 }
 
 /// Whether `tokenizer.json`'s post-processor starts an encoding with `bos`.

@@ -4,6 +4,7 @@
 //! Preempted sequences lose their blocks and recompute what the prefix cache no longer holds
 //! when readmitted.
 
+use super::constraint::TokenConstraint;
 use super::scheduler::{AddError, Finished, Scheduler, SchedulerConfig, SeqId, Work};
 use crate::error::{Result, RuntimeError};
 use crate::kv::Segment;
@@ -130,6 +131,8 @@ pub struct ServingEngine<B: PagedBackend> {
     scheduler: Scheduler,
     pages: B::Pages,
     samplers: HashMap<SeqId, Sampler>,
+    /// The sequences that sample under a constraint (structured outputs).
+    constraints: HashMap<SeqId, Box<dyn TokenConstraint>>,
 }
 
 impl<B: PagedBackend> ServingEngine<B> {
@@ -162,6 +165,7 @@ impl<B: PagedBackend> ServingEngine<B> {
             backend,
             scheduler: Scheduler::new(config),
             samplers: HashMap::new(),
+            constraints: HashMap::new(),
         }
     }
 
@@ -190,15 +194,31 @@ impl<B: PagedBackend> ServingEngine<B> {
         stop_tokens: Vec<u32>,
         sampling: SamplingParams,
     ) -> std::result::Result<SeqId, AddError> {
+        self.add_constrained(prompt, max_tokens, stop_tokens, sampling, None)
+    }
+
+    /// Like [`add`](Self::add), each token sampled under `constraint` where there is one.
+    pub fn add_constrained(
+        &mut self,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        stop_tokens: Vec<u32>,
+        sampling: SamplingParams,
+        constraint: Option<Box<dyn TokenConstraint>>,
+    ) -> std::result::Result<SeqId, AddError> {
         let sampler = Sampler::with_prompt(sampling, &prompt);
         let id = self.scheduler.add(prompt, max_tokens, stop_tokens)?;
         self.samplers.insert(id, sampler);
+        if let Some(constraint) = constraint {
+            self.constraints.insert(id, constraint);
+        }
         Ok(id)
     }
 
     /// Drop a request (its client went away): its blocks and state are freed now.
     pub fn abort(&mut self, id: SeqId) -> bool {
         self.samplers.remove(&id);
+        self.constraints.remove(&id);
         self.scheduler.abort(id)
     }
 
@@ -239,12 +259,11 @@ impl<B: PagedBackend> ServingEngine<B> {
             })
             .collect();
         // Requests that take the argmax and want nothing else of the logits can have it
-        // computed by the backend.
-        let greedy = schedule
-            .work
-            .iter()
-            .filter(|w| w.samples)
-            .all(|w| self.samplers.get(&w.seq).is_some_and(|s| s.params().is_plain_greedy()));
+        // computed by the backend (a constrained one takes it over the tokens allowed).
+        let greedy = schedule.work.iter().filter(|w| w.samples).all(|w| {
+            self.samplers.get(&w.seq).is_some_and(|s| s.params().is_plain_greedy())
+                && !self.constraints.contains_key(&w.seq)
+        });
         let greedy_tokens = match greedy {
             true => self.backend.step_batch_greedy(&mut self.pages, &batch).transpose()?,
             false => None,
@@ -281,6 +300,7 @@ impl<B: PagedBackend> ServingEngine<B> {
             out.tokens.extend(sampled.into_iter().take(taken));
             if let Some(done) = done {
                 self.samplers.remove(&done.seq);
+                self.constraints.remove(&done.seq);
                 out.finished.push(done);
             }
         }
@@ -291,7 +311,8 @@ impl<B: PagedBackend> ServingEngine<B> {
     /// drafted tokens, at each of its last `drafts + 1` rows in turn while the token chosen is
     /// the one drafted there. Each row is sampled as if alone (the sampler's penalties and
     /// random stream see exactly the tokens taken before it), so the tokens are those that
-    /// decoding one at a time would have chosen.
+    /// decoding one at a time would have chosen. A constrained sequence samples each row with
+    /// the tokens its constraint refuses there masked (its log-probabilities stay the model's).
     fn sample(&mut self, work: &Work, outputs: &HashMap<String, Tensor>) -> Result<Vec<Sampled>> {
         let logits = outputs
             .get("logits")
@@ -305,10 +326,22 @@ impl<B: PagedBackend> ServingEngine<B> {
         }
         let drafted = work.drafted();
         let sampler = self.samplers.get_mut(&work.seq).expect("every sequence has a sampler");
+        let mut constraint = self.constraints.get_mut(&work.seq);
+        let mut masked = Vec::new();
         let mut out = Vec::with_capacity(work.drafts + 1);
         for j in 0..=work.drafts {
             let row = logits.row(rows - 1 - work.drafts + j);
-            let token = sampler.sample(row);
+            let token = match constraint.as_mut() {
+                Some(constraint) => {
+                    masked.clear();
+                    masked.extend_from_slice(row);
+                    constraint.mask(&mut masked);
+                    let token = sampler.sample(&masked);
+                    constraint.accept(token);
+                    token
+                }
+                None => sampler.sample(row),
+            };
             let logprobs = sampler.params().logprobs.map(|top| TokenLogprobs::of(row, token, top));
             out.push(Sampled {
                 seq: work.seq,

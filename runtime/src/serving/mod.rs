@@ -1,13 +1,15 @@
 //! Serving many sequences at once: the KV block manager, the continuous-batching scheduler,
-//! and the loop that runs scheduled work on a backend.
+//! the loop that runs scheduled work on a backend, and the constraints it samples under.
 
 pub mod block_manager;
+pub mod constraint;
 pub mod engine;
 pub mod ngram;
 pub mod scheduler;
 pub mod state_cache;
 
 pub use block_manager::{BlockId, BlockManager, OutOfBlocks};
+pub use constraint::TokenConstraint;
 pub use engine::{PagedBackend, Sampled, ServingEngine, StateSnapshotting, StepOutput};
 pub use ngram::NgramConfig;
 pub use scheduler::{
