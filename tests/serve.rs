@@ -791,3 +791,78 @@ fn structured_outputs_take_the_shape_asked_for() {
     }
     server.wait_for_free_blocks();
 }
+
+/// `logit_bias` moves the tokens it names (−100 bans the greedy choice, +100 forces a token);
+/// `min_tokens` holds off EOS and stop strings until that many tokens are out; a bias on a
+/// token outside the vocabulary is a 400.
+#[test]
+fn logit_bias_and_min_tokens_shape_the_output() {
+    let server = Server::start(&[]);
+    let body = json!({"prompt": [504, 3575, 282, 4649, 314], "max_tokens": 3, "temperature": 0,
+                      "logprobs": 1, "ignore_eos": true});
+    let ids = |answer: &Value| -> Vec<String> {
+        let tokens = answer["choices"][0]["logprobs"]["tokens"].as_array().unwrap();
+        tokens.iter().map(|t| t.to_string()).collect()
+    };
+    let (_, plain) = server.post("/v1/completions", &body);
+    let first = plain["choices"][0]["logprobs"]["tokens"][0].as_str().unwrap();
+    let greedy = token_ids(first);
+    assert_eq!(greedy.len(), 1, "{first:?}");
+    let greedy = greedy[0];
+    let mut banned = body.clone();
+    banned["logit_bias"] = json!({greedy.to_string(): -100});
+    let (status, answer) = server.post("/v1/completions", &banned);
+    assert_eq!(status, 200, "{answer}");
+    assert_ne!(ids(&answer)[0], ids(&plain)[0], "{answer}");
+    let mut forced = body.clone();
+    forced["logit_bias"] = json!({"1234": 100});
+    let (_, answer) = server.post("/v1/completions", &forced);
+    let forced_text = ids(&answer);
+    assert!(forced_text.iter().all(|t| t == &forced_text[0]), "{forced_text:?}");
+    assert_ne!(forced_text, ids(&plain));
+
+    // EOS waits: a chat answer that ended by itself runs to `max_tokens` = `min_tokens`.
+    let chat = json!({"messages": [{"role": "user", "content": "Say hi."}], "temperature": 0, "max_tokens": 64});
+    let (_, short) = server.post("/v1/chat/completions", &chat);
+    assert_eq!(short["choices"][0]["finish_reason"], "stop", "{short}");
+    let longer = short["usage"]["completion_tokens"].as_u64().unwrap() + 6;
+    let mut long = chat.clone();
+    long["min_tokens"] = json!(longer);
+    long["max_tokens"] = json!(longer);
+    let (_, answer) = server.post("/v1/chat/completions", &long);
+    assert_eq!(answer["usage"]["completion_tokens"], longer, "{answer}");
+    assert_eq!(answer["choices"][0]["finish_reason"], "length", "{answer}");
+    // So do stop strings: " Paris." stops at once after " Paris", not within 4 tokens.
+    let paris = json!({"prompt": "The capital of France is", "temperature": 0, "max_tokens": 12, "stop": ["."]});
+    let (_, stopped) = server.post("/v1/completions", &paris);
+    assert_eq!(stopped["choices"][0]["text"], " Paris", "{stopped}");
+    let mut held = paris.clone();
+    held["min_tokens"] = json!(4);
+    let (_, answer) = server.post("/v1/completions", &held);
+    let text = answer["choices"][0]["text"].as_str().unwrap();
+    assert!(
+        text.starts_with(" Paris.") && answer["usage"]["completion_tokens"].as_u64() >= Some(4),
+        "{answer}"
+    );
+
+    let mut outside = body.clone();
+    outside["logit_bias"] = json!({"4000000": 5});
+    let (status, error) = server.post("/v1/completions", &outside);
+    assert_eq!((status, error_of(&error).1), (400, Some("logit_bias")), "{error}");
+    server.wait_for_free_blocks();
+}
+
+/// SmolLM2's ids of `text`, by `bbc tokenize`.
+fn token_ids(text: &str) -> Vec<u32> {
+    let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
+        .args([
+            "tokenize",
+            &common::real_model("smollm2").to_string_lossy(),
+            "--text",
+            text,
+        ])
+        .output()
+        .expect("running bbc tokenize");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("a JSON array of ids")
+}

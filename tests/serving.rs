@@ -6,7 +6,7 @@
 mod common;
 
 use models::{LogitsFor, Model, ModelSpec};
-use runtime::serving::{Scheduler, SchedulerConfig, SeqId, ServingEngine, StepOutput, TokenConstraint};
+use runtime::serving::{LogitsProcessor, Scheduler, SchedulerConfig, SeqId, ServingEngine, StepOutput};
 use runtime::{generate, CpuBackend, Engine, GenerateOptions, SamplingParams};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -459,7 +459,7 @@ fn constrained_sequences_take_only_what_their_constraint_allows() {
                 heard: log.clone(),
             };
             let id = engine
-                .add_constrained(prompt.clone(), 24, vec![], params, Some(Box::new(constraint)))
+                .add_processed(prompt.clone(), 24, vec![], params, vec![Box::new(constraint)])
                 .unwrap();
             constrained.push(id);
             heard.push(log);
@@ -501,8 +501,8 @@ struct NoRepeatsWithin {
     heard: Arc<Mutex<Vec<u32>>>,
 }
 
-impl TokenConstraint for NoRepeatsWithin {
-    fn mask(&mut self, logits: &mut [f32]) {
+impl LogitsProcessor for NoRepeatsWithin {
+    fn process(&mut self, logits: &mut [f32]) {
         let last = self.heard.lock().unwrap().last().copied();
         for (id, logit) in logits.iter_mut().enumerate() {
             let id = id as u32;

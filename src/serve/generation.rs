@@ -57,6 +57,8 @@ pub struct RequestInfo {
     pub include_usage: bool,
     pub want_logprobs: bool,
     pub stop_strings: Vec<String>,
+    /// Tokens before a stop string may end the output (`min_tokens`).
+    pub min_tokens: usize,
     pub stop_tokens: Vec<u32>,
     pub prompt_tokens: usize,
     /// Chat answers: the markers their reasoning is split at, and whether the prompt left
@@ -80,7 +82,7 @@ impl Generation {
             .into_iter()
             .map(|events| Choice {
                 events,
-                text: TextOutput::new(info.stop_strings.clone()),
+                text: TextOutput::after(info.min_tokens, info.stop_strings.clone()),
                 split: info
                     .reasoning
                     .map(|(markers, inside)| ReasoningSplit::new(markers, inside)),
@@ -285,6 +287,7 @@ mod tests {
             include_usage: false,
             want_logprobs: false,
             stop_strings: stops.iter().map(|s| s.to_string()).collect(),
+            min_tokens: 0,
             stop_tokens: Vec::new(),
             prompt_tokens: 1,
             started: Instant::now(),

@@ -4,11 +4,12 @@
 
 use super::error::ApiError;
 use super::generation::{Generation, RequestInfo};
+use super::logits::Processing;
 use super::metrics::Metrics;
 use super::reasoning::Markers;
 use super::request::{self, Endpoint, GenerationRequest, PromptInput};
 use super::response::{self, json_response, unix_time};
-use super::structured::{GrammarConstraint, LazyStructuredOutputs};
+use super::structured::LazyStructuredOutputs;
 use super::worker::NewRequest;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -17,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use models::{ChatMessage, Tokenizer};
-use runtime::serving::{AddError, TokenConstraint};
+use runtime::serving::AddError;
 use runtime::SamplingParams;
 use serde_json::json;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -131,30 +132,7 @@ async fn start(
     if !request.ignore_eos {
         stop_tokens.extend(&app.tokenizer.eos);
     }
-    let grammar = match &request.structured {
-        Some(structured) => {
-            let compiler = app.structured.get().await.map_err(|why| {
-                ApiError::invalid(
-                    &structured.param,
-                    format!("this model's vocabulary cannot take structured outputs: {why}"),
-                )
-            })?;
-            Some(compiler.matcher(structured)?)
-        }
-        None => None,
-    };
-    // What may follow a complete structured output: the request's stop tokens, or EOS.
-    let ends: Vec<u32> = stop_tokens.iter().chain(&app.tokenizer.eos).copied().collect();
-    // Where the prompt leaves the model inside its reasoning, the grammar shapes what follows
-    // the reasoning's end marker.
-    let reasoning_end = match reasoning {
-        Some((markers, true)) if grammar.is_some() => Some(
-            app.tokenizer
-                .encode(markers.end, false)
-                .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?,
-        ),
-        _ => None,
-    };
+    let processing = Processing::of(&request, &app.tokenizer, &app.structured, &stop_tokens, reasoning).await?;
     let engine_gone = || ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the engine has stopped");
     // `n` choices are `n` sequences, seeded apart; all are admitted or none is kept.
     let mut events = Vec::new();
@@ -166,19 +144,12 @@ async fn start(
             seed: request.sampling.seed.wrapping_add(i as u64),
             ..request.sampling
         };
-        let constraint = grammar.as_ref().map(|matcher| {
-            let (matcher, ends) = (matcher.deep_clone(), ends.clone());
-            Box::new(match &reasoning_end {
-                Some(marker) => GrammarConstraint::after_reasoning(matcher, ends, marker.clone()),
-                None => GrammarConstraint::new(matcher, ends),
-            }) as Box<dyn TokenConstraint>
-        });
         let submitted = NewRequest {
             prompt: prompt.clone(),
             max_tokens,
             stop_tokens: stop_tokens.clone(),
             sampling,
-            constraint,
+            processors: processing.for_sequence(),
             events: events_tx,
             admitted: admitted_tx,
         };
@@ -204,6 +175,7 @@ async fn start(
         include_usage: request.include_usage,
         want_logprobs: request.sampling.logprobs.is_some(),
         stop_strings: request.stop,
+        min_tokens: request.min_tokens,
         stop_tokens,
         prompt_tokens: prompt.len(),
         reasoning,

@@ -6,6 +6,7 @@
 mod error;
 mod generation;
 mod http;
+mod logits;
 mod metrics;
 mod output_spec;
 mod reasoning;

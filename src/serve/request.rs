@@ -35,6 +35,11 @@ pub struct GenerationRequest {
     pub chat_template_kwargs: Map<String, Value>,
     /// The shape the output must take (structured outputs), where the request gives one.
     pub structured: Option<Structured>,
+    /// OpenAI's `logit_bias`: (token id, bias) pairs, ids not yet checked against the
+    /// vocabulary.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// vLLM's `min_tokens`: tokens generated before a stop token or string may end the output.
+    pub min_tokens: usize,
 }
 
 /// Which endpoint a body was sent to.
@@ -71,8 +76,11 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<GenerationRequest, ApiEr
             ))
         }
     };
+    refuse_unsupported(&fields, endpoint)?;
     let mut sampling = sampling(&fields)?;
     sampling.logprobs = logprobs(&fields, endpoint)?;
+    let structured = output_spec::parse(&obj)?;
+    let min_tokens = min_tokens(&fields, max_tokens, structured.is_some())?;
     Ok(GenerationRequest {
         model: fields.string("model")?,
         prompt,
@@ -85,8 +93,96 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<GenerationRequest, ApiEr
         ignore_eos: fields.bool("ignore_eos")?.unwrap_or(false),
         n: choices(&fields)?,
         chat_template_kwargs: template_kwargs(&fields, endpoint)?,
-        structured: output_spec::parse(&obj)?,
+        structured,
+        logit_bias: logit_bias(&fields)?,
+        min_tokens,
     })
+}
+
+/// Parameters of OpenAI's or vLLM's API that would change the output and that this server
+/// does not implement: a 400 naming them rather than an answer that ignores them.
+fn refuse_unsupported(fields: &Fields, endpoint: Endpoint) -> Result<(), ApiError> {
+    let unsupported = |name: &str, what: &str| Err(ApiError::invalid(name, format!("{what} is not supported")));
+    if fields.bool("echo")? == Some(true) {
+        return unsupported("echo", "`echo` (the prompt repeated in the output)");
+    }
+    if fields.string("suffix")?.is_some_and(|s| !s.is_empty()) {
+        return unsupported("suffix", "`suffix` (text after the completion)");
+    }
+    if fields.bool("include_stop_str_in_output")? == Some(true) {
+        return unsupported("include_stop_str_in_output", "`include_stop_str_in_output`");
+    }
+    if fields.get("prompt_logprobs").is_some() {
+        return unsupported("prompt_logprobs", "`prompt_logprobs`");
+    }
+    for name in ["functions", "function_call"] {
+        if fields.get(name).is_some() {
+            return unsupported(name, "function calling");
+        }
+    }
+    if endpoint == Endpoint::Chat {
+        let tools_given = fields
+            .get("tools")
+            .is_some_and(|t| t.as_array().is_none_or(|a| !a.is_empty()));
+        // With tools given, no `tool_choice` means "auto"; only "none" asks for no call.
+        let no_tool = fields.get("tool_choice").and_then(Value::as_str) == Some("none");
+        if tools_given && !no_tool {
+            return unsupported("tools", "tool calling");
+        }
+    }
+    Ok(())
+}
+
+/// OpenAI's `logit_bias`: an object from token ids (as strings) to biases in [−100, 100].
+fn logit_bias(fields: &Fields) -> Result<Vec<(u32, f32)>, ApiError> {
+    let name = "logit_bias";
+    let Some(value) = fields.get(name) else {
+        return Ok(Vec::new());
+    };
+    let entries = value
+        .as_object()
+        .ok_or_else(|| Fields::wrong_type(name, "an object from token ids to biases"))?;
+    entries
+        .iter()
+        .map(|(id, bias)| {
+            let id: u32 = id
+                .parse()
+                .map_err(|_| ApiError::invalid(name, format!("`logit_bias` keys must be token ids, got {id:?}")))?;
+            match bias.as_f64() {
+                Some(b) if (-100.0..=100.0).contains(&b) => Ok((id, b as f32)),
+                _ => Err(ApiError::invalid(
+                    name,
+                    format!("`logit_bias` values must be numbers in [-100, 100], got {bias}"),
+                )),
+            }
+        })
+        .collect()
+}
+
+/// vLLM's `min_tokens`: at most `max_tokens`, and not with a structured output (whose
+/// grammar may leave nothing but the end to take).
+fn min_tokens(fields: &Fields, max_tokens: Option<usize>, structured: bool) -> Result<usize, ApiError> {
+    let name = "min_tokens";
+    let min = match fields.integer(name)? {
+        None => return Ok(0),
+        Some(n) if n >= 0 => n as usize,
+        Some(n) => {
+            return Err(ApiError::invalid(
+                name,
+                format!("`min_tokens` must be at least 0, got {n}"),
+            ))
+        }
+    };
+    if max_tokens.is_some_and(|max| min > max) {
+        return Err(ApiError::invalid(name, "`min_tokens` must not exceed `max_tokens`"));
+    }
+    if structured && min > 0 {
+        return Err(ApiError::invalid(
+            name,
+            "`min_tokens` cannot be combined with a structured output",
+        ));
+    }
+    Ok(min)
 }
 
 /// `chat_template_kwargs`: an object, on chat requests only (a completion has no template).
@@ -460,6 +556,62 @@ mod tests {
                 .as_deref(),
             Some("messages")
         );
+    }
+
+    #[test]
+    fn logit_bias_and_min_tokens_parse_and_their_bad_values_are_named() {
+        let r =
+            completions(r#"{"prompt":"x","logit_bias":{"5":-100,"17":2.5},"min_tokens":3,"max_tokens":4}"#).unwrap();
+        assert_eq!((r.logit_bias, r.min_tokens), (vec![(5, -100.0), (17, 2.5)], 3));
+        let param = |body: &str| completions(body).unwrap_err().param;
+        for (body, name) in [
+            (r#"{"prompt":"x","logit_bias":[1]}"#, "logit_bias"),
+            (r#"{"prompt":"x","logit_bias":{"a":1}}"#, "logit_bias"),
+            (r#"{"prompt":"x","logit_bias":{"-1":1}}"#, "logit_bias"),
+            (r#"{"prompt":"x","logit_bias":{"1":101}}"#, "logit_bias"),
+            (r#"{"prompt":"x","logit_bias":{"1":"up"}}"#, "logit_bias"),
+            (r#"{"prompt":"x","min_tokens":-1}"#, "min_tokens"),
+            (r#"{"prompt":"x","min_tokens":5,"max_tokens":4}"#, "min_tokens"),
+            (r#"{"prompt":"x","min_tokens":2,"guided_regex":"a+"}"#, "min_tokens"),
+        ] {
+            assert_eq!(param(body).as_deref(), Some(name), "{body}");
+        }
+    }
+
+    /// What would change the output and is not built is a 400 naming it; the same parameters
+    /// at values that ask for nothing pass.
+    #[test]
+    fn unsupported_parameters_are_refused_not_ignored() {
+        let chat = |extra: &str| {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
+            parse(body.as_bytes(), Endpoint::Chat).map_err(|e| e.param)
+        };
+        let tools = r#","tools":[{"type":"function","function":{"name":"f","parameters":{}}}]"#;
+        assert_eq!(chat(tools).unwrap_err().as_deref(), Some("tools"));
+        assert_eq!(
+            chat(&format!(r#"{tools},"tool_choice":"auto""#))
+                .unwrap_err()
+                .as_deref(),
+            Some("tools")
+        );
+        assert!(chat(&format!(r#"{tools},"tool_choice":"none""#)).is_ok());
+        assert!(chat(r#","tools":[],"tool_choice":"auto""#).is_ok());
+        assert_eq!(
+            chat(r#","functions":[{"name":"f"}]"#).unwrap_err().as_deref(),
+            Some("functions")
+        );
+        let param = |body: &str| completions(body).unwrap_err().param;
+        assert_eq!(param(r#"{"prompt":"x","echo":true}"#).as_deref(), Some("echo"));
+        assert_eq!(param(r#"{"prompt":"x","suffix":"end"}"#).as_deref(), Some("suffix"));
+        assert_eq!(
+            param(r#"{"prompt":"x","prompt_logprobs":1}"#).as_deref(),
+            Some("prompt_logprobs")
+        );
+        assert_eq!(
+            param(r#"{"prompt":"x","include_stop_str_in_output":true}"#).as_deref(),
+            Some("include_stop_str_in_output")
+        );
+        assert!(completions(r#"{"prompt":"x","echo":false,"suffix":"","prompt_logprobs":null}"#).is_ok());
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! Structured outputs: a request's [`OutputSpec`] compiled by llguidance into a grammar over
 //! the model's vocabulary (each token's bytes, read from the tokenizer), and each of its
-//! sequences sampled under it ([`GrammarConstraint`], the engine's `TokenConstraint`): before
+//! sequences sampled under it ([`GrammarConstraint`], one of the engine's logits processors): before
 //! every token the tokens that cannot continue the grammar are masked, and once the grammar is
 //! complete only the tokens that end the sequence remain.
 
@@ -10,7 +10,7 @@ use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
 use models::Tokenizer;
-use runtime::serving::TokenConstraint;
+use runtime::serving::LogitsProcessor;
 use serde_json::json;
 use std::sync::Arc;
 
@@ -147,8 +147,8 @@ impl GrammarConstraint {
     }
 }
 
-impl TokenConstraint for GrammarConstraint {
-    fn mask(&mut self, logits: &mut [f32]) {
+impl LogitsProcessor for GrammarConstraint {
+    fn process(&mut self, logits: &mut [f32]) {
         if self.reasoning.is_some() {
             return;
         }
@@ -197,7 +197,7 @@ impl TokenConstraint for GrammarConstraint {
             return;
         }
         // An end token finishes the sequence; the grammar need not see it. A token the grammar
-        // refuses puts the matcher in its error state, which `mask` reads as "end only".
+        // refuses puts the matcher in its error state, which `process` reads as "end only".
         if !self.ends.contains(&token) {
             let _ = self.matcher.consume_token(token);
         }
@@ -224,7 +224,7 @@ mod tests {
     /// The tokens `constraint` allows next.
     fn allowed(constraint: &mut GrammarConstraint) -> Vec<u32> {
         let mut logits = vec![0.0; 262];
-        constraint.mask(&mut logits);
+        constraint.process(&mut logits);
         (0..262).filter(|&id| logits[id as usize] == 0.0).collect()
     }
 

@@ -11,6 +11,9 @@ pub struct TextOutput {
     /// Decoded text not yet released (a possible stop-string prefix).
     held: String,
     stopped: bool,
+    /// Tokens still to come before stop strings count (vLLM's `min_tokens`): their text is
+    /// released as it comes, and a stop string must end after them.
+    unchecked: usize,
 }
 
 /// What one token released.
@@ -22,12 +25,14 @@ pub struct Piece {
 }
 
 impl TextOutput {
-    pub fn new(stops: Vec<String>) -> Self {
+    /// Text whose stop strings count only after its first `min_tokens` tokens.
+    pub fn after(min_tokens: usize, stops: Vec<String>) -> Self {
         Self {
             decoder: StreamDecoder::new(),
             stops,
             held: String::new(),
             stopped: false,
+            unchecked: min_tokens,
         }
     }
 
@@ -36,6 +41,13 @@ impl TextOutput {
             return Ok(Piece::default());
         }
         let piece = self.decoder.push(tokenizer, id)?;
+        if self.unchecked > 0 {
+            self.unchecked -= 1;
+            return Ok(Piece {
+                text: piece,
+                stopped: false,
+            });
+        }
         Ok(self.release(&piece))
     }
 
@@ -91,7 +103,7 @@ mod tests {
 
     /// Feeds text pieces straight to the stop-string logic (the decoder is tested in `models`).
     fn run(stops: &[&str], pieces: &[&str]) -> (String, bool) {
-        let mut out = TextOutput::new(stops.iter().map(|s| s.to_string()).collect());
+        let mut out = TextOutput::after(0, stops.iter().map(|s| s.to_string()).collect());
         let mut text = String::new();
         for p in pieces {
             let piece = out.release(p);

@@ -4,7 +4,7 @@
 //! on a stop string) the sequence is aborted and its KV blocks are freed before the next step.
 
 use super::metrics::Metrics;
-use runtime::serving::{AddError, FinishReason, PagedBackend, SeqId, ServingEngine, TokenConstraint};
+use runtime::serving::{AddError, FinishReason, LogitsProcessor, PagedBackend, SeqId, ServingEngine};
 use runtime::{SamplingParams, TokenLogprobs};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering::Relaxed;
@@ -25,8 +25,9 @@ pub struct NewRequest {
     pub max_tokens: usize,
     pub stop_tokens: Vec<u32>,
     pub sampling: SamplingParams,
-    /// Structured outputs: the grammar the sequence samples under.
-    pub constraint: Option<Box<dyn TokenConstraint>>,
+    /// What its logits go through before each token is chosen (structured outputs' grammar,
+    /// `logit_bias`, `min_tokens`).
+    pub processors: Vec<Box<dyn LogitsProcessor>>,
     pub events: mpsc::UnboundedSender<Event>,
     pub admitted: oneshot::Sender<Result<SeqId, AddError>>,
 }
@@ -61,7 +62,7 @@ fn admit<B: PagedBackend>(
     clients: &mut HashMap<SeqId, mpsc::UnboundedSender<Event>>,
     r: NewRequest,
 ) {
-    let added = engine.add_constrained(r.prompt, r.max_tokens, r.stop_tokens, r.sampling, r.constraint);
+    let added = engine.add_processed(r.prompt, r.max_tokens, r.stop_tokens, r.sampling, r.processors);
     if let Ok(id) = added {
         clients.insert(id, r.events);
     }

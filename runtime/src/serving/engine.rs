@@ -4,7 +4,7 @@
 //! Preempted sequences lose their blocks and recompute what the prefix cache no longer holds
 //! when readmitted.
 
-use super::constraint::TokenConstraint;
+use super::logits_processor::LogitsProcessor;
 use super::scheduler::{AddError, Finished, Scheduler, SchedulerConfig, SeqId, Work};
 use crate::error::{Result, RuntimeError};
 use crate::kv::Segment;
@@ -131,8 +131,9 @@ pub struct ServingEngine<B: PagedBackend> {
     scheduler: Scheduler,
     pages: B::Pages,
     samplers: HashMap<SeqId, Sampler>,
-    /// The sequences that sample under a constraint (structured outputs).
-    constraints: HashMap<SeqId, Box<dyn TokenConstraint>>,
+    /// The sequences whose logits go through processors before they sample (structured
+    /// outputs, `logit_bias`, `min_tokens`).
+    processors: HashMap<SeqId, Vec<Box<dyn LogitsProcessor>>>,
 }
 
 impl<B: PagedBackend> ServingEngine<B> {
@@ -165,7 +166,7 @@ impl<B: PagedBackend> ServingEngine<B> {
             backend,
             scheduler: Scheduler::new(config),
             samplers: HashMap::new(),
-            constraints: HashMap::new(),
+            processors: HashMap::new(),
         }
     }
 
@@ -194,23 +195,23 @@ impl<B: PagedBackend> ServingEngine<B> {
         stop_tokens: Vec<u32>,
         sampling: SamplingParams,
     ) -> std::result::Result<SeqId, AddError> {
-        self.add_constrained(prompt, max_tokens, stop_tokens, sampling, None)
+        self.add_processed(prompt, max_tokens, stop_tokens, sampling, Vec::new())
     }
 
-    /// Like [`add`](Self::add), each token sampled under `constraint` where there is one.
-    pub fn add_constrained(
+    /// Like [`add`](Self::add), each row sampled from after `processors`, in order.
+    pub fn add_processed(
         &mut self,
         prompt: Vec<u32>,
         max_tokens: usize,
         stop_tokens: Vec<u32>,
         sampling: SamplingParams,
-        constraint: Option<Box<dyn TokenConstraint>>,
+        processors: Vec<Box<dyn LogitsProcessor>>,
     ) -> std::result::Result<SeqId, AddError> {
         let sampler = Sampler::with_prompt(sampling, &prompt);
         let id = self.scheduler.add(prompt, max_tokens, stop_tokens)?;
         self.samplers.insert(id, sampler);
-        if let Some(constraint) = constraint {
-            self.constraints.insert(id, constraint);
+        if !processors.is_empty() {
+            self.processors.insert(id, processors);
         }
         Ok(id)
     }
@@ -218,7 +219,7 @@ impl<B: PagedBackend> ServingEngine<B> {
     /// Drop a request (its client went away): its blocks and state are freed now.
     pub fn abort(&mut self, id: SeqId) -> bool {
         self.samplers.remove(&id);
-        self.constraints.remove(&id);
+        self.processors.remove(&id);
         self.scheduler.abort(id)
     }
 
@@ -259,10 +260,10 @@ impl<B: PagedBackend> ServingEngine<B> {
             })
             .collect();
         // Requests that take the argmax and want nothing else of the logits can have it
-        // computed by the backend (a constrained one takes it over the tokens allowed).
+        // computed by the backend (one whose logits are processed first cannot).
         let greedy = schedule.work.iter().filter(|w| w.samples).all(|w| {
             self.samplers.get(&w.seq).is_some_and(|s| s.params().is_plain_greedy())
-                && !self.constraints.contains_key(&w.seq)
+                && !self.processors.contains_key(&w.seq)
         });
         let greedy_tokens = match greedy {
             true => self.backend.step_batch_greedy(&mut self.pages, &batch).transpose()?,
@@ -300,7 +301,7 @@ impl<B: PagedBackend> ServingEngine<B> {
             out.tokens.extend(sampled.into_iter().take(taken));
             if let Some(done) = done {
                 self.samplers.remove(&done.seq);
-                self.constraints.remove(&done.seq);
+                self.processors.remove(&done.seq);
                 out.finished.push(done);
             }
         }
@@ -311,8 +312,8 @@ impl<B: PagedBackend> ServingEngine<B> {
     /// drafted tokens, at each of its last `drafts + 1` rows in turn while the token chosen is
     /// the one drafted there. Each row is sampled as if alone (the sampler's penalties and
     /// random stream see exactly the tokens taken before it), so the tokens are those that
-    /// decoding one at a time would have chosen. A constrained sequence samples each row with
-    /// the tokens its constraint refuses there masked (its log-probabilities stay the model's).
+    /// decoding one at a time would have chosen. A sequence with logits processors samples
+    /// each row as they leave it (its log-probabilities stay the model's).
     fn sample(&mut self, work: &Work, outputs: &HashMap<String, Tensor>) -> Result<Vec<Sampled>> {
         let logits = outputs
             .get("logits")
@@ -326,18 +327,18 @@ impl<B: PagedBackend> ServingEngine<B> {
         }
         let drafted = work.drafted();
         let sampler = self.samplers.get_mut(&work.seq).expect("every sequence has a sampler");
-        let mut constraint = self.constraints.get_mut(&work.seq);
-        let mut masked = Vec::new();
+        let mut processors = self.processors.get_mut(&work.seq);
+        let mut processed = Vec::new();
         let mut out = Vec::with_capacity(work.drafts + 1);
         for j in 0..=work.drafts {
             let row = logits.row(rows - 1 - work.drafts + j);
-            let token = match constraint.as_mut() {
-                Some(constraint) => {
-                    masked.clear();
-                    masked.extend_from_slice(row);
-                    constraint.mask(&mut masked);
-                    let token = sampler.sample(&masked);
-                    constraint.accept(token);
+            let token = match processors.as_mut() {
+                Some(processors) => {
+                    processed.clear();
+                    processed.extend_from_slice(row);
+                    processors.iter_mut().for_each(|p| p.process(&mut processed));
+                    let token = sampler.sample(&processed);
+                    processors.iter_mut().for_each(|p| p.accept(token));
                     token
                 }
                 None => sampler.sample(row),

@@ -1,0 +1,81 @@
+//! What a sequence's logits go through before it samples, beyond the sampler's own settings:
+//! structured outputs' grammar (which masks the tokens it refuses; the server builds it),
+//! OpenAI's `logit_bias`, vLLM's `min_tokens`. The engine runs a sequence's processors in
+//! order on every row it samples from, and tells each the token taken.
+
+/// One change to a sequence's logits, which may follow the tokens it takes.
+pub trait LogitsProcessor: Send {
+    /// Change `logits` (a row as wide as the model's vocabulary) before the next token is
+    /// chosen. One that masks tokens (sets them to −∞) leaves at least one allowed: where a
+    /// grammar cannot go on (it is complete, or it failed), the tokens that end the sequence.
+    fn process(&mut self, logits: &mut [f32]);
+    /// The sequence took `token` (one the processed logits allowed).
+    fn accept(&mut self, _token: u32) {}
+}
+
+/// OpenAI's `logit_bias`: a bias added to some tokens' logits (±100 all but bans or forces
+/// a token).
+pub struct LogitBias(pub Vec<(u32, f32)>);
+
+impl LogitsProcessor for LogitBias {
+    fn process(&mut self, logits: &mut [f32]) {
+        for &(id, bias) in &self.0 {
+            if let Some(logit) = logits.get_mut(id as usize) {
+                *logit += bias;
+            }
+        }
+    }
+}
+
+/// vLLM's `min_tokens`: the tokens that would stop the sequence are masked until it has
+/// taken `min` tokens.
+pub struct MinTokens {
+    left: usize,
+    stop_tokens: Vec<u32>,
+}
+
+impl MinTokens {
+    pub fn new(min: usize, stop_tokens: Vec<u32>) -> Self {
+        Self { left: min, stop_tokens }
+    }
+}
+
+impl LogitsProcessor for MinTokens {
+    fn process(&mut self, logits: &mut [f32]) {
+        if self.left > 0 {
+            for &id in &self.stop_tokens {
+                if let Some(logit) = logits.get_mut(id as usize) {
+                    *logit = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+
+    fn accept(&mut self, _token: u32) {
+        self.left = self.left.saturating_sub(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bias_moves_only_its_tokens() {
+        let mut logits = vec![1.0, 2.0, 3.0];
+        LogitBias(vec![(0, 5.0), (2, -100.0), (9, 1.0)]).process(&mut logits);
+        assert_eq!(logits, [6.0, 2.0, -97.0]);
+    }
+
+    #[test]
+    fn stop_tokens_wait_for_the_minimum() {
+        let mut min = MinTokens::new(2, vec![1]);
+        for expect_masked in [true, true, false, false] {
+            let mut logits = vec![0.0; 3];
+            min.process(&mut logits);
+            assert_eq!(logits[1] == f32::NEG_INFINITY, expect_masked);
+            assert_eq!((logits[0], logits[2]), (0.0, 0.0));
+            min.accept(0);
+        }
+    }
+}

@@ -1,0 +1,100 @@
+//! What a request asks of its sequences' logits before each token is chosen, beyond sampling
+//! settings: its structured output's grammar (compiled once, a copy per sequence),
+//! `logit_bias` and `min_tokens`, checked against the model here and handed to the engine as
+//! logits processors.
+
+use super::error::ApiError;
+use super::reasoning::Markers;
+use super::request::GenerationRequest;
+use super::structured::{GrammarConstraint, LazyStructuredOutputs};
+use axum::http::StatusCode;
+use llguidance::Matcher;
+use models::Tokenizer;
+use runtime::serving::{LogitBias, LogitsProcessor, MinTokens};
+
+/// A request's logits processing, ready to be copied to each of its sequences.
+pub struct Processing {
+    grammar: Option<Grammar>,
+    logit_bias: Vec<(u32, f32)>,
+    min_tokens: usize,
+    stop_tokens: Vec<u32>,
+}
+
+/// A compiled grammar at the start of the output.
+struct Grammar {
+    matcher: Matcher,
+    /// What may follow a complete output: the request's stop tokens and the model's EOS.
+    ends: Vec<u32>,
+    /// Where the prompt left the model inside its reasoning: the end marker's tokens, after
+    /// which the grammar starts.
+    reasoning_end: Option<Vec<u32>>,
+}
+
+impl Processing {
+    /// `request`'s processing, its stop tokens `stop_tokens`; `reasoning`: the model's
+    /// reasoning markers and whether the prompt opened its reasoning.
+    pub async fn of(
+        request: &GenerationRequest,
+        tokenizer: &Tokenizer,
+        structured: &LazyStructuredOutputs,
+        stop_tokens: &[u32],
+        reasoning: Option<(Markers, bool)>,
+    ) -> Result<Self, ApiError> {
+        let vocab = tokenizer.vocab_size();
+        if let Some((id, _)) = request.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
+            return Err(ApiError::invalid(
+                "logit_bias",
+                format!("token id {id} in `logit_bias` is outside the vocabulary"),
+            ));
+        }
+        let grammar = match &request.structured {
+            Some(spec) => {
+                let compiler = structured.get().await.map_err(|why| {
+                    ApiError::invalid(
+                        &spec.param,
+                        format!("this model's vocabulary cannot take structured outputs: {why}"),
+                    )
+                })?;
+                let reasoning_end = match reasoning {
+                    Some((markers, true)) => Some(
+                        tokenizer
+                            .encode(markers.end, false)
+                            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?,
+                    ),
+                    _ => None,
+                };
+                Some(Grammar {
+                    matcher: compiler.matcher(spec)?,
+                    ends: stop_tokens.iter().chain(&tokenizer.eos).copied().collect(),
+                    reasoning_end,
+                })
+            }
+            None => None,
+        };
+        Ok(Self {
+            grammar,
+            logit_bias: request.logit_bias.clone(),
+            min_tokens: request.min_tokens,
+            stop_tokens: stop_tokens.to_vec(),
+        })
+    }
+
+    /// The processors of one sequence, each at the start of its output.
+    pub fn for_sequence(&self) -> Vec<Box<dyn LogitsProcessor>> {
+        let mut processors: Vec<Box<dyn LogitsProcessor>> = Vec::new();
+        if let Some(g) = &self.grammar {
+            let (matcher, ends) = (g.matcher.deep_clone(), g.ends.clone());
+            processors.push(Box::new(match &g.reasoning_end {
+                Some(marker) => GrammarConstraint::after_reasoning(matcher, ends, marker.clone()),
+                None => GrammarConstraint::new(matcher, ends),
+            }));
+        }
+        if !self.logit_bias.is_empty() {
+            processors.push(Box::new(LogitBias(self.logit_bias.clone())));
+        }
+        if self.min_tokens > 0 {
+            processors.push(Box::new(MinTokens::new(self.min_tokens, self.stop_tokens.clone())));
+        }
+        processors
+    }
+}
