@@ -36,9 +36,69 @@ for chunk in client.chat.completions.create(
     if chunk.choices and chunk.choices[0].delta.content:
         chat_pieces.append(chunk.choices[0].delta.content)
 
+# Structured output, and tool calls (named and required, whole and streamed), then the next
+# turn with the call and its result in the history.
+person = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+structured = client.chat.completions.create(
+    model="smollm2",
+    messages=[{"role": "user", "content": "Ana is 31. Describe her as JSON."}],
+    max_completion_tokens=40,
+    temperature=0,
+    response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": person}},
+)
+tools = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
+weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+named = {"type": "function", "function": {"name": "get_weather"}}
+called = client.chat.completions.create(
+    model="smollm2", messages=weather, tools=tools, tool_choice=named, max_completion_tokens=40, temperature=0
+)
+call = called.choices[0].message.tool_calls[0]
+streamed_arguments, streamed_names = [], []
+for chunk in client.chat.completions.create(
+    model="smollm2", messages=weather, tools=tools, tool_choice=named, max_completion_tokens=40, temperature=0, stream=True
+):
+    for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+        if delta.function.name:
+            streamed_names.append(delta.function.name)
+        streamed_arguments.append(delta.function.arguments or "")
+required = client.chat.completions.create(
+    model="smollm2", messages=weather, tools=tools, tool_choice="required", max_completion_tokens=60, temperature=0
+)
+history = weather + [
+    {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+    {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"},
+]
+answer = client.chat.completions.create(model="smollm2", messages=history, max_completion_tokens=12, temperature=0)
+
 print(
     json.dumps(
         {
+            "structured": structured.choices[0].message.content,
+            "call_name": call.function.name,
+            "call_arguments": call.function.arguments,
+            "streamed_names": streamed_names,
+            "streamed_arguments": "".join(streamed_arguments),
+            "required_calls": [[c.function.name, c.function.arguments] for c in required.choices[0].message.tool_calls],
+            "after_the_call": answer.choices[0].message.content,
             "completion": completion.choices[0].text,
             "completion_usage": completion.usage.completion_tokens,
             "completion_stream": "".join(pieces),

@@ -366,6 +366,16 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
         proptest::collection::vec(0u32..60000, 0..4).prop_map(|v| json!(v)),
         Just(json!({"include_usage": "yes"})),
         Just(json!([{"role": 1}])),
+        Just(json!({"type": "json_object"})),
+        Just(json!({"type": "json_schema", "json_schema": {"schema": {"type": "array", "items": {"$ref": "#/nope"}}}})),
+        Just(json!({"regex": "[a-"})),
+        Just(json!({"choice": ["a", "b"]})),
+        Just(json!({"grammar": "start: start"})),
+        Just(json!({"5": 100, "x": 1})),
+        Just(json!([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}])),
+        Just(json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])),
+        Just(json!({"type": "function", "function": {"name": "f"}})),
+        Just(json!("required")),
     ];
     let key = prop_oneof![
         Just("prompt"),
@@ -383,6 +393,12 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
         Just("logprobs"),
         Just("min_p"),
         Just("stop_token_ids"),
+        Just("response_format"),
+        Just("structured_outputs"),
+        Just("logit_bias"),
+        Just("min_tokens"),
+        Just("tools"),
+        Just("tool_choice"),
     ];
     let object = proptest::collection::vec((key, value), 0..6).prop_map(|fields| {
         let mut map = serde_json::Map::new();
@@ -465,6 +481,18 @@ fn the_openai_python_client_works() {
     assert!(!got["chat"].as_str().unwrap().is_empty());
     assert_eq!(got["chat_stream"], got["chat"]);
     assert_eq!(got["models"], json!(["smollm2"]));
+    let person: Value = serde_json::from_str(got["structured"].as_str().unwrap()).expect("JSON");
+    assert!(person["name"].is_string() && person["age"].is_i64(), "{person}");
+    assert_eq!(got["call_name"], "get_weather");
+    let arguments: Value = serde_json::from_str(got["call_arguments"].as_str().unwrap()).expect("JSON arguments");
+    assert!(arguments["city"].is_string(), "{arguments}");
+    assert_eq!(got["streamed_names"], json!(["get_weather"]));
+    assert_eq!(got["streamed_arguments"], got["call_arguments"]);
+    for call in got["required_calls"].as_array().unwrap() {
+        assert_eq!(call[0], "get_weather");
+        assert!(serde_json::from_str::<Value>(call[1].as_str().unwrap()).unwrap()["city"].is_string());
+    }
+    assert!(!got["after_the_call"].as_str().unwrap().is_empty());
 }
 
 /// vLLM's own test: 200 requests for long outputs whose client gives up after 0.5 s. Afterwards

@@ -7,6 +7,7 @@ use super::http::AppState;
 use super::reasoning::{Markers, ReasoningSplit, Split};
 use super::request::Endpoint;
 use super::text::TextOutput;
+use super::tools::ToolCalling;
 use super::worker::Event;
 use futures_util::future::select_all;
 use runtime::serving::FinishReason;
@@ -64,6 +65,8 @@ pub struct RequestInfo {
     /// Chat answers: the markers their reasoning is split at, and whether the prompt left
     /// the model inside its reasoning.
     pub reasoning: Option<(Markers, bool)>,
+    /// Chat answers that are tool calls (`tool_choice` named or `required`).
+    pub tool_calling: Option<ToolCalling>,
     pub started: Instant,
 }
 
@@ -290,6 +293,7 @@ mod tests {
             min_tokens: 0,
             stop_tokens: Vec::new(),
             prompt_tokens: 1,
+            tool_calling: None,
             started: Instant::now(),
         };
         let (events, receiver) = mpsc::unbounded_channel();

@@ -17,7 +17,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use models::{ChatMessage, Tokenizer};
+use models::Tokenizer;
 use runtime::serving::AddError;
 use runtime::SamplingParams;
 use serde_json::json;
@@ -179,6 +179,7 @@ async fn start(
         stop_tokens,
         prompt_tokens: prompt.len(),
         reasoning,
+        tool_calling: request.tools.and_then(|t| t.calling),
         started,
     };
     Ok(Generation::new(info, events))
@@ -207,9 +208,13 @@ fn tokenize(tokenizer: &Tokenizer, request: &GenerationRequest) -> Result<(Vec<u
                 .chat_template
                 .as_ref()
                 .ok_or_else(|| ApiError::bad_request("this model has no chat template; use /v1/completions"))?;
-            let messages: Vec<ChatMessage> = messages.iter().map(|(r, c)| ChatMessage::new(r, c)).collect();
+            // The request's tools are the template's `tools`, as transformers passes them.
+            let mut variables = request.chat_template_kwargs.clone();
+            if let Some(tools) = &request.tools {
+                variables.insert("tools".into(), serde_json::Value::Array(tools.definitions.clone()));
+            }
             let text = template
-                .render_with(&messages, true, &request.chat_template_kwargs)
+                .render_with(messages, true, &variables)
                 .map_err(|e| ApiError::invalid("messages", format!("the chat template refused the messages: {e}")))?;
             let text = rendered.insert(text);
             // The template writes BOS itself when the model wants it.

@@ -7,6 +7,7 @@ mod error;
 mod generation;
 mod http;
 mod logits;
+mod messages;
 mod metrics;
 mod output_spec;
 mod reasoning;
@@ -14,6 +15,7 @@ mod request;
 mod response;
 mod structured;
 mod text;
+mod tools;
 mod worker;
 
 use crate::model_ref;

@@ -4,6 +4,8 @@
 
 use super::error::ApiError;
 use super::output_spec::{self, Structured};
+use super::tools::{self, Tools};
+use models::ChatMessage;
 use runtime::SamplingParams;
 use serde_json::{Map, Value};
 
@@ -12,8 +14,7 @@ use serde_json::{Map, Value};
 pub enum PromptInput {
     Text(String),
     Ids(Vec<u32>),
-    /// Chat messages as (role, content).
-    Chat(Vec<(String, String)>),
+    Chat(Vec<ChatMessage>),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -33,8 +34,11 @@ pub struct GenerationRequest {
     /// Chat: variables for the chat template beside its own (`chat_template_kwargs`, vLLM's
     /// name: Qwen3.5's `enable_thinking`, say).
     pub chat_template_kwargs: Map<String, Value>,
-    /// The shape the output must take (structured outputs), where the request gives one.
+    /// The shape the output must take (structured outputs, or a tool call), where the request
+    /// gives one.
     pub structured: Option<Structured>,
+    /// Chat: the tools the template offers the model, and the call `tool_choice` asks for.
+    pub tools: Option<Tools>,
     /// OpenAI's `logit_bias`: (token id, bias) pairs, ids not yet checked against the
     /// vocabulary.
     pub logit_bias: Vec<(u32, f32)>,
@@ -59,7 +63,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<GenerationRequest, ApiEr
     let fields = Fields(&obj);
     let prompt = match endpoint {
         Endpoint::Completions => completion_prompt(&fields)?,
-        Endpoint::Chat => PromptInput::Chat(chat_messages(&fields)?),
+        Endpoint::Chat => PromptInput::Chat(super::messages::parse(&obj)?),
     };
     let max_tokens = match endpoint {
         Endpoint::Chat => fields.count("max_completion_tokens")?.or(fields.count("max_tokens")?),
@@ -79,7 +83,22 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<GenerationRequest, ApiEr
     refuse_unsupported(&fields, endpoint)?;
     let mut sampling = sampling(&fields)?;
     sampling.logprobs = logprobs(&fields, endpoint)?;
-    let structured = output_spec::parse(&obj)?;
+    let tools = match endpoint {
+        Endpoint::Chat => tools::parse(&obj)?,
+        Endpoint::Completions => None,
+    };
+    let structured = match (
+        output_spec::parse(&obj)?,
+        tools.as_ref().and_then(|t| t.calling.as_ref()),
+    ) {
+        (Some(_), Some(_)) => {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "a tool call's shape is its tool's; it cannot be combined with another structured output",
+            ))
+        }
+        (structured, calling) => structured.or_else(|| calling.map(|c| c.structured())),
+    };
     let min_tokens = min_tokens(&fields, max_tokens, structured.is_some())?;
     Ok(GenerationRequest {
         model: fields.string("model")?,
@@ -94,6 +113,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<GenerationRequest, ApiEr
         n: choices(&fields)?,
         chat_template_kwargs: template_kwargs(&fields, endpoint)?,
         structured,
+        tools,
         logit_bias: logit_bias(&fields)?,
         min_tokens,
     })
@@ -120,14 +140,11 @@ fn refuse_unsupported(fields: &Fields, endpoint: Endpoint) -> Result<(), ApiErro
             return unsupported(name, "function calling");
         }
     }
-    if endpoint == Endpoint::Chat {
-        let tools_given = fields
-            .get("tools")
-            .is_some_and(|t| t.as_array().is_none_or(|a| !a.is_empty()));
-        // With tools given, no `tool_choice` means "auto"; only "none" asks for no call.
-        let no_tool = fields.get("tool_choice").and_then(Value::as_str) == Some("none");
-        if tools_given && !no_tool {
-            return unsupported("tools", "tool calling");
+    if endpoint == Endpoint::Completions {
+        for name in ["tools", "tool_choice"] {
+            if fields.get(name).is_some() {
+                return unsupported(name, "tool calling on /v1/completions");
+            }
         }
     }
     Ok(())
@@ -226,47 +243,6 @@ fn completion_prompt(fields: &Fields) -> Result<PromptInput, ApiError> {
             "`prompt` must be a string or an array of token ids",
         )),
     }
-}
-
-fn chat_messages(fields: &Fields) -> Result<Vec<(String, String)>, ApiError> {
-    let Some(Value::Array(items)) = fields.0.get("messages") else {
-        return Err(ApiError::invalid("messages", "`messages` must be an array of messages"));
-    };
-    if items.is_empty() {
-        return Err(ApiError::invalid("messages", "`messages` must not be empty"));
-    }
-    items.iter().map(chat_message).collect()
-}
-
-fn chat_message(item: &Value) -> Result<(String, String), ApiError> {
-    let bad = |what: &str| ApiError::invalid("messages", format!("each message needs {what}"));
-    let Value::Object(m) = item else {
-        return Err(bad("to be an object with `role` and `content`"));
-    };
-    let role = m
-        .get("role")
-        .and_then(Value::as_str)
-        .ok_or_else(|| bad("a string `role`"))?;
-    let content = match m.get("content") {
-        Some(Value::String(s)) => s.clone(),
-        // The array form: text parts only (this server has no image or audio input).
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .map(|p| {
-                match (
-                    p.get("type").and_then(Value::as_str),
-                    p.get("text").and_then(Value::as_str),
-                ) {
-                    (Some("text"), Some(text)) => Ok(text),
-                    _ => Err(bad("`content` parts of type `text` (no other input is supported)")),
-                }
-            })
-            .collect::<Result<Vec<_>, _>>()?
-            .concat(),
-        None | Some(Value::Null) => String::new(),
-        Some(_) => return Err(bad("`content` as a string or an array of text parts")),
-    };
-    Ok((role.to_string(), content))
 }
 
 fn sampling(fields: &Fields) -> Result<SamplingParams, ApiError> {
@@ -587,15 +563,25 @@ mod tests {
             parse(body.as_bytes(), Endpoint::Chat).map_err(|e| e.param)
         };
         let tools = r#","tools":[{"type":"function","function":{"name":"f","parameters":{}}}]"#;
-        assert_eq!(chat(tools).unwrap_err().as_deref(), Some("tools"));
-        assert_eq!(
-            chat(&format!(r#"{tools},"tool_choice":"auto""#))
-                .unwrap_err()
-                .as_deref(),
-            Some("tools")
-        );
+        // Tools with `auto` (their default) would need the model's own call format parsed.
+        assert_eq!(chat(tools).unwrap_err().as_deref(), Some("tool_choice"));
+        let auto = format!(r#"{tools},"tool_choice":"auto""#);
+        assert_eq!(chat(&auto).unwrap_err().as_deref(), Some("tool_choice"));
         assert!(chat(&format!(r#"{tools},"tool_choice":"none""#)).is_ok());
         assert!(chat(r#","tools":[],"tool_choice":"auto""#).is_ok());
+        let required = parse(
+            format!(r#"{{"messages":[{{"role":"user","content":"x"}}]{tools},"tool_choice":"required"}}"#).as_bytes(),
+            Endpoint::Chat,
+        )
+        .unwrap();
+        assert_eq!(required.structured.map(|s| s.param).as_deref(), Some("tools"));
+        let both = format!(r#"{tools},"tool_choice":"required","response_format":{{"type":"json_object"}}"#);
+        assert_eq!(chat(&both).unwrap_err().as_deref(), Some("tool_choice"));
+        let on_completions = format!(r#"{{"prompt":"x"{tools}}}"#);
+        assert_eq!(
+            completions(&on_completions).unwrap_err().param.as_deref(),
+            Some("tools")
+        );
         assert_eq!(
             chat(r#","functions":[{"name":"f"}]"#).unwrap_err().as_deref(),
             Some("functions")
@@ -629,7 +615,7 @@ mod tests {
             Endpoint::Chat,
         )
         .unwrap();
-        assert_eq!(r.prompt, PromptInput::Chat(vec![("user".into(), "ab".into())]));
+        assert_eq!(r.prompt, PromptInput::Chat(vec![ChatMessage::new("user", "ab")]));
         assert_eq!(r.max_tokens, Some(5));
         let r = parse(
             br#"{"messages":[{"role":"user","content":"a"}],"logprobs":true,"top_logprobs":3}"#,

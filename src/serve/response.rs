@@ -4,6 +4,7 @@
 use super::error::ApiError;
 use super::generation::{Generation, Output};
 use super::request::Endpoint;
+use super::tools::{self, ToolCalling};
 use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -135,6 +136,7 @@ pub fn stream(generation: Generation) -> Sse<impl futures_util::Stream<Item = Re
         ready: VecDeque::new(),
         sent_text: vec![false; n],
         text_offsets: vec![0; n],
+        call_text: vec![String::new(); n],
         ended: false,
     };
     let events = futures_util::stream::unfold(state, |mut s| async move {
@@ -154,6 +156,9 @@ struct StreamState {
     /// Per choice: whether a text chunk went out (the first carries the chat role).
     sent_text: Vec<bool>,
     text_offsets: Vec<usize>,
+    /// Per choice, where the answer is `required` tool calls: its text so far (the calls are
+    /// known once it is whole).
+    call_text: Vec<String>,
     ended: bool,
 }
 
@@ -173,11 +178,37 @@ impl StreamState {
                     text: &text,
                     reasoning: &reasoning,
                 };
-                let choice = stream_choice(g.info.endpoint, index, Some(piece), None, first, logprobs);
+                let mut choice = stream_choice(g.info.endpoint, index, Some(piece), None, first, logprobs);
+                match &g.info.tool_calling {
+                    // The arguments as they come, in the call's delta.
+                    Some(ToolCalling::Named(tool)) => {
+                        let delta = choice[0]["delta"].as_object_mut().expect("a chat delta");
+                        delta.remove("content");
+                        delta.insert("tool_calls".into(), tools::named_call_delta(&tool.name, &text, first));
+                    }
+                    Some(ToolCalling::Required(_)) => {
+                        self.call_text[index] += &text;
+                        let delta = choice[0]["delta"].as_object_mut().expect("a chat delta");
+                        delta.remove("content");
+                        if delta.is_empty() && choice[0]["logprobs"].is_null() {
+                            return;
+                        }
+                    }
+                    None => {}
+                }
                 self.ready.push_back(chunk(g, choice).to_string());
                 self.sent_text[index] = true;
             }
             Some(Output::Finish { index, reason }) => {
+                if let Some(calling @ ToolCalling::Required(_)) = &g.info.tool_calling {
+                    let text = std::mem::take(&mut self.call_text[index]);
+                    let delta = match calling.calls(&text) {
+                        Some(calls) => json!({ "tool_calls": tools::tool_calls_json(&calls, true) }),
+                        None => json!({ "content": text }),
+                    };
+                    let choice = json!([{ "index": index, "delta": delta, "logprobs": null, "finish_reason": null }]);
+                    self.ready.push_back(chunk(g, choice).to_string());
+                }
                 let choice = stream_choice(g.info.endpoint, index, None, Some(reason), false, Value::Null);
                 self.ready.push_back(chunk(g, choice).to_string());
             }
@@ -232,6 +263,10 @@ pub async fn complete(mut g: Generation) -> Response {
                 }),
                 Endpoint::Chat => {
                     let mut message = json!({ "role": "assistant", "content": texts[i] });
+                    if let Some(calls) = g.info.tool_calling.as_ref().and_then(|c| c.calls(&texts[i])) {
+                        message["content"] = Value::Null;
+                        message["tool_calls"] = tools::tool_calls_json(&calls, false);
+                    }
                     // Where the request splits reasoning off, the field is there (null for none).
                     if g.info.reasoning.is_some() {
                         let reasoning = Some(&reasonings[i]).filter(|r| !r.is_empty());

@@ -9,10 +9,20 @@
 use crate::error::{ModelError, Result};
 use serde::{Deserialize, Serialize};
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One message as chat templates read it: `role` and `content`, and where a conversation
+/// uses tools, an assistant's `tool_calls` (OpenAI's objects, each `function.arguments` an
+/// object as transformers' templates expect) and a tool result's `tool_call_id` and `name`.
+/// Fields a message lacks are not there at all, so `is defined` tests read them right.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -20,6 +30,9 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
     }
 }
