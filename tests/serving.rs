@@ -433,8 +433,9 @@ fn a_rewound_state_continues_like_one_that_never_saw_the_refused_drafts() {
 
 /// Structured outputs' mechanism in the engine: a sequence under a constraint takes only the
 /// tokens its constraint allows at each point, and the constraint hears exactly the tokens
-/// taken (refused drafts never reach it), with or without speculation, greedy or sampled; the
-/// requests beside it without one generate what they generate alone.
+/// taken (refused drafts never reach it), with or without speculation, greedy or sampled; it
+/// is asked to get ready for each sampled step's first row while the backend runs, never for
+/// a stale row; the requests beside it without one generate what they generate alone.
 #[test]
 fn constrained_sequences_take_only_what_their_constraint_allows() {
     let model = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/llama"))).unwrap();
@@ -452,11 +453,14 @@ fn constrained_sequences_take_only_what_their_constraint_allows() {
         let mut engine = ServingEngine::new(backend(&model), speculation_config(speculation));
         let mut heard = Vec::new();
         let mut constrained = Vec::new();
+        let prepares = Arc::new(Mutex::new(0));
         for params in [SamplingParams::default(), sampled] {
             let log = Arc::new(Mutex::new(Vec::new()));
             let constraint = NoRepeatsWithin {
                 alphabet: alphabet.clone(),
                 heard: log.clone(),
+                prepared: None,
+                prepares: prepares.clone(),
             };
             let id = engine
                 .add_processed(prompt.clone(), 24, vec![], params, vec![Box::new(constraint)])
@@ -484,6 +488,10 @@ fn constrained_sequences_take_only_what_their_constraint_allows() {
             assert!(tokens.windows(2).all(|w| w[0] != w[1]), "{tokens:?}");
         }
         assert_eq!(got[&free], alone(&model, std::slice::from_ref(&free_prompt), 24)[0]);
+        assert!(
+            *prepares.lock().unwrap() >= 24,
+            "processors get ready while the backend runs"
+        );
         if speculation.tokens > 0 {
             assert!(
                 drafted > accepted && accepted > 0,
@@ -499,10 +507,17 @@ fn constrained_sequences_take_only_what_their_constraint_allows() {
 struct NoRepeatsWithin {
     alphabet: Vec<u32>,
     heard: Arc<Mutex<Vec<u32>>>,
+    /// What `prepare` was last called after (the tokens heard then), until the next `process`.
+    prepared: Option<usize>,
+    prepares: Arc<Mutex<usize>>,
 }
 
 impl LogitsProcessor for NoRepeatsWithin {
     fn process(&mut self, logits: &mut [f32]) {
+        let heard = self.heard.lock().unwrap().len();
+        if let Some(ready_for) = self.prepared.take() {
+            assert_eq!(ready_for, heard, "prepared for another row");
+        }
         let last = self.heard.lock().unwrap().last().copied();
         for (id, logit) in logits.iter_mut().enumerate() {
             let id = id as u32;
@@ -514,6 +529,11 @@ impl LogitsProcessor for NoRepeatsWithin {
 
     fn accept(&mut self, token: u32) {
         self.heard.lock().unwrap().push(token);
+    }
+
+    fn prepare(&mut self) {
+        self.prepared = Some(self.heard.lock().unwrap().len());
+        *self.prepares.lock().unwrap() += 1;
     }
 }
 

@@ -7,7 +7,7 @@
 use super::error::ApiError;
 use super::output_spec::{OutputSpec, Structured};
 use llguidance::api::TopLevelGrammar;
-use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
+use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
 use models::Tokenizer;
 use runtime::serving::LogitsProcessor;
@@ -124,6 +124,8 @@ pub struct GrammarConstraint {
     /// Where the output begins inside the model's reasoning: the end marker's tokens, and the
     /// tokens taken so far. The grammar shapes the answer after it, not the reasoning.
     reasoning: Option<(Vec<u32>, Vec<u32>)>,
+    /// The mask for the next token, computed ahead (`prepare`); None where it is not.
+    prepared: Option<Option<SimpleVob>>,
 }
 
 impl GrammarConstraint {
@@ -132,6 +134,7 @@ impl GrammarConstraint {
             matcher,
             ends,
             reasoning: None,
+            prepared: None,
         }
     }
 
@@ -143,7 +146,13 @@ impl GrammarConstraint {
             matcher,
             ends,
             reasoning,
+            prepared: None,
         }
+    }
+
+    /// The tokens that may come next: None where the matcher failed.
+    fn next_mask(&mut self) -> Option<SimpleVob> {
+        self.matcher.compute_mask_or_eos().ok()
     }
 }
 
@@ -158,8 +167,9 @@ impl LogitsProcessor for GrammarConstraint {
             .filter_map(|&id| Some((id as usize, *logits.get(id as usize)?)))
             .collect();
         // A matcher that failed (its grammar's limits, say) can only end the sequence.
-        let (mask, eos) = match (self.matcher.compute_mask_or_eos(), self.matcher.tok_env()) {
-            (Ok(mask), Ok(env)) => (mask, env.tok_trie().eos_token()),
+        let mask = self.prepared.take().unwrap_or_else(|| self.next_mask());
+        let (mask, eos) = match (mask, self.matcher.tok_env()) {
+            (Some(mask), Ok(env)) => (mask, env.tok_trie().eos_token()),
             _ => {
                 logits.fill(f32::NEG_INFINITY);
                 ends.iter().for_each(|&(id, logit)| logits[id] = logit);
@@ -188,7 +198,14 @@ impl LogitsProcessor for GrammarConstraint {
         }
     }
 
+    fn prepare(&mut self) {
+        if self.reasoning.is_none() && self.prepared.is_none() {
+            self.prepared = Some(self.next_mask());
+        }
+    }
+
     fn accept(&mut self, token: u32) {
+        self.prepared = None;
         if let Some((marker, taken)) = &mut self.reasoning {
             taken.push(token);
             if taken.ends_with(marker) {
@@ -239,6 +256,24 @@ mod tests {
         // A token the grammar refuses leaves only the ends.
         c.accept(b'z' as u32);
         assert_eq!(allowed(&mut c), [7, EOS]);
+    }
+
+    /// A mask computed ahead is the one `process` would compute, and a token taken after it
+    /// makes it stale.
+    #[test]
+    fn a_prepared_mask_is_the_next_one_and_no_later() {
+        let regex = || matcher(OutputSpec::Regex("ab+".into()));
+        let (mut ahead, mut plain) = (
+            GrammarConstraint::new(regex(), vec![EOS]),
+            GrammarConstraint::new(regex(), vec![EOS]),
+        );
+        ahead.prepare();
+        assert_eq!(allowed(&mut ahead), allowed(&mut plain));
+        ahead.prepare();
+        ahead.accept(b'a' as u32);
+        plain.accept(b'a' as u32);
+        assert_eq!(allowed(&mut ahead), [b'b' as u32]);
+        assert_eq!(allowed(&mut plain), [b'b' as u32]);
     }
 
     #[test]

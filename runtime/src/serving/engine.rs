@@ -271,7 +271,25 @@ impl<B: PagedBackend> ServingEngine<B> {
         };
         let outputs = match greedy_tokens {
             Some(_) => Vec::new(),
-            None => self.backend.step_batch(&mut self.pages, &batch)?,
+            None => {
+                // The processors of the sequences sampled this step get ready for their first
+                // row while the backend computes it (a grammar's mask takes milliseconds with a
+                // large vocabulary; on a GPU the host is idle meanwhile).
+                let sampling: Vec<SeqId> = schedule.work.iter().filter(|w| w.samples).map(|w| w.seq).collect();
+                let processors = &mut self.processors;
+                let (backend, pages) = (&self.backend, &mut self.pages);
+                match sampling.iter().any(|id| processors.contains_key(id)) {
+                    false => backend.step_batch(pages, &batch)?,
+                    true => std::thread::scope(|scope| {
+                        scope.spawn(|| {
+                            for id in &sampling {
+                                processors.get_mut(id).into_iter().flatten().for_each(|p| p.prepare());
+                            }
+                        });
+                        backend.step_batch(pages, &batch)
+                    })?,
+                }
+            }
         };
         let missing = || RuntimeError::Graph("the backend returned fewer results than the step had segments".into());
         for (i, work) in schedule.work.iter().enumerate() {

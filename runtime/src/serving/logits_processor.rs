@@ -11,6 +11,10 @@ pub trait LogitsProcessor: Send {
     fn process(&mut self, logits: &mut [f32]);
     /// The sequence took `token` (one the processed logits allowed).
     fn accept(&mut self, _token: u32) {}
+    /// Get ready for the next `process` where that takes work that does not need the logits
+    /// (a grammar's mask): the engine calls this while the backend computes the row, on
+    /// another thread. What is prepared holds until the next `accept`.
+    fn prepare(&mut self) {}
 }
 
 /// OpenAI's `logit_bias`: a bias added to some tokens' logits (±100 all but bans or forces
