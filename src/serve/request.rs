@@ -586,17 +586,17 @@ mod tests {
             chat(r#","functions":[{"name":"f"}]"#).unwrap_err().as_deref(),
             Some("functions")
         );
-        let param = |body: &str| completions(body).unwrap_err().param;
-        assert_eq!(param(r#"{"prompt":"x","echo":true}"#).as_deref(), Some("echo"));
-        assert_eq!(param(r#"{"prompt":"x","suffix":"end"}"#).as_deref(), Some("suffix"));
-        assert_eq!(
-            param(r#"{"prompt":"x","prompt_logprobs":1}"#).as_deref(),
-            Some("prompt_logprobs")
-        );
-        assert_eq!(
-            param(r#"{"prompt":"x","include_stop_str_in_output":true}"#).as_deref(),
-            Some("include_stop_str_in_output")
-        );
+        for (body, name) in [
+            (r#"{"prompt":"x","echo":true}"#, "echo"),
+            (r#"{"prompt":"x","suffix":"end"}"#, "suffix"),
+            (r#"{"prompt":"x","prompt_logprobs":1}"#, "prompt_logprobs"),
+            (
+                r#"{"prompt":"x","include_stop_str_in_output":true}"#,
+                "include_stop_str_in_output",
+            ),
+        ] {
+            assert_eq!(completions(body).unwrap_err().param.as_deref(), Some(name), "{body}");
+        }
         assert!(completions(r#"{"prompt":"x","echo":false,"suffix":"","prompt_logprobs":null}"#).is_ok());
     }
 
