@@ -1,8 +1,8 @@
 //! Structured outputs: a request's [`OutputSpec`] compiled by llguidance into a grammar over
 //! the model's vocabulary (each token's bytes, read from the tokenizer), and each of its
-//! sequences sampled under it ([`GrammarConstraint`], one of the engine's logits processors): before
-//! every token the tokens that cannot continue the grammar are masked, and once the grammar is
-//! complete only the tokens that end the sequence remain.
+//! sequences sampled under it ([`GrammarConstraint`], one of the engine's logits processors):
+//! before every token the tokens that cannot continue the grammar are masked, and once the
+//! grammar is complete only the tokens that end the sequence remain.
 
 use super::error::ApiError;
 use super::output_spec::{OutputSpec, Structured};

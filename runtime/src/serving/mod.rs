@@ -1,5 +1,6 @@
 //! Serving many sequences at once: the KV block manager, the continuous-batching scheduler,
-//! the loop that runs scheduled work on a backend, and what a sequence's logits go through before it samples.
+//! the loop that runs scheduled work on a backend, and what a sequence's logits go through
+//! before it samples.
 
 pub mod block_manager;
 pub mod engine;
