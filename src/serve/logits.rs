@@ -40,7 +40,11 @@ impl Processing {
         stop_tokens: &[u32],
         reasoning: Option<(Markers, bool)>,
     ) -> Result<Self, ApiError> {
-        let vocab = tokenizer.vocab_size();
+        // Only where asked, and once: the tokenizer counts its vocabulary over a copy of it.
+        let vocab = match request.logit_bias.is_empty() {
+            true => 0,
+            false => tokenizer.vocab_size(),
+        };
         if let Some((id, _)) = request.logit_bias.iter().find(|(id, _)| *id as usize >= vocab) {
             return Err(ApiError::invalid(
                 "logit_bias",
