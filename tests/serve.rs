@@ -293,6 +293,13 @@ fn an_api_key_is_required_when_set() {
     assert_eq!(status, 401);
     let (status, _) = server.request("GET", "/v1/models", &[], b"");
     assert_eq!(status, 401);
+    for path in ["/tokenize", "/detokenize"] {
+        assert_eq!(
+            server.request("POST", path, &[], b"{\"prompt\":\"x\"}").0,
+            401,
+            "{path}"
+        );
+    }
     let (status, text) = server.request(
         "POST",
         "/v1/completions",
@@ -893,4 +900,36 @@ fn token_ids(text: &str) -> Vec<u32> {
         .expect("running bbc tokenize");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).expect("a JSON array of ids")
+}
+
+/// vLLM's `/tokenize` gives the ids a prompt runs as (`bbc tokenize`'s for text; for chat
+/// messages as many as a chat completion counts), `/detokenize` their text back.
+#[test]
+fn tokenize_and_detokenize_round_trip() {
+    let server = Server::start(&[]);
+    let (status, got) = server.post("/tokenize", &json!({"prompt": "The capital of France is"}));
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(common::ids(&got["tokens"]), token_ids("The capital of France is"));
+    assert_eq!(got["count"], got["tokens"].as_array().unwrap().len());
+    assert!(got["max_model_len"].as_u64().unwrap() > 0);
+    let (_, text) = server.post("/detokenize", &json!({"tokens": got["tokens"]}));
+    assert_eq!(text["prompt"], "The capital of France is");
+
+    let messages = json!([{"role": "user", "content": "Hello there"}]);
+    let (_, chat) = server.post("/tokenize", &json!({ "messages": messages }));
+    let (_, answer) = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 1, "temperature": 0}),
+    );
+    assert_eq!(chat["count"], answer["usage"]["prompt_tokens"]);
+
+    for (path, body, param) in [
+        ("/detokenize", json!({"tokens": [4000000]}), "tokens"),
+        ("/detokenize", json!({"tokens": "abc"}), "tokens"),
+        ("/tokenize", json!({"prompt": 5}), "prompt"),
+        ("/tokenize", json!({"messages": []}), "messages"),
+    ] {
+        let (status, error) = server.post(path, &body);
+        assert_eq!((status, error_of(&error).1), (400, Some(param)), "{path} {body}");
+    }
 }

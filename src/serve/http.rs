@@ -47,6 +47,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(list_models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/tokenize", post(tokenize_prompt))
+        .route("/detokenize", post(detokenize))
         .with_state(state)
 }
 
@@ -81,6 +83,45 @@ async fn answer(app: Arc<AppState>, headers: HeaderMap, body: Bytes, endpoint: E
     };
     app.metrics.count_request(response.status().as_u16());
     response
+}
+
+/// vLLM's `/tokenize`: the ids a completion's `prompt` or a chat's `messages` (the template
+/// rendered, with `tools` and `chat_template_kwargs`) would run as.
+async fn tokenize_prompt(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let ids = authorize(&app, &headers).and_then(|()| {
+        let chat = serde_json::from_slice::<serde_json::Value>(&body).is_ok_and(|v| v.get("messages").is_some());
+        let endpoint = if chat { Endpoint::Chat } else { Endpoint::Completions };
+        tokenize(&app.tokenizer, &request::parse(&body, endpoint)?)
+    });
+    match ids {
+        Ok((ids, _)) => json_response(json!({"count": ids.len(), "max_model_len": app.context_length, "tokens": ids})),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// vLLM's `/detokenize`: the text of `tokens`.
+async fn detokenize(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let text = authorize(&app, &headers).and_then(|()| {
+        let tokens = serde_json::from_slice::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| v.get("tokens").cloned())
+            .and_then(|t| serde_json::from_value::<Vec<u32>>(t).ok())
+            .ok_or_else(|| ApiError::invalid("tokens", "`tokens` must be an array of token ids"))?;
+        let vocab = app.tokenizer.vocab_size();
+        if let Some(bad) = tokens.iter().find(|&&id| id as usize >= vocab) {
+            return Err(ApiError::invalid(
+                "tokens",
+                format!("token id {bad} is outside the vocabulary"),
+            ));
+        }
+        app.tokenizer
+            .decode(&tokens)
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+    });
+    match text {
+        Ok(text) => json_response(json!({ "prompt": text })),
+        Err(e) => e.into_response(),
+    }
 }
 
 fn authorize(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
