@@ -6,7 +6,7 @@
 use super::error::ApiError;
 use super::reasoning::Markers;
 use super::request::GenerationRequest;
-use super::structured::{GrammarConstraint, LazyStructuredOutputs};
+use super::structured::{GrammarConstraint, LazyStructuredOutputs, Reasoning};
 use axum::http::StatusCode;
 use llguidance::Matcher;
 use models::Tokenizer;
@@ -25,9 +25,8 @@ struct Grammar {
     matcher: Matcher,
     /// What may follow a complete output: the request's stop tokens and the model's EOS.
     ends: Vec<u32>,
-    /// Where the prompt left the model inside its reasoning: the end marker's tokens, after
-    /// which the grammar starts.
-    reasoning_end: Option<Vec<u32>>,
+    /// Where the output stands to the model's reasoning at its start.
+    reasoning: Reasoning,
 }
 
 impl Processing {
@@ -59,18 +58,29 @@ impl Processing {
                         format!("this model's vocabulary cannot take structured outputs: {why}"),
                     )
                 })?;
-                let reasoning_end = match reasoning {
-                    Some((markers, true)) => Some(
-                        tokenizer
-                            .encode(markers.end, false)
-                            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?,
-                    ),
-                    _ => None,
+                // The grammar shapes the answer after the reasoning: from the end marker where
+                // the prompt opened the reasoning, and where it did not, the model may open it
+                // itself with the start marker first (where that is one token).
+                let encode = |text: &str| {
+                    tokenizer
+                        .encode(text, false)
+                        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+                };
+                let reasoning = match reasoning {
+                    None => Reasoning::None,
+                    Some((markers, true)) => Reasoning::inside(encode(markers.end)?),
+                    Some((markers, false)) => match encode(markers.start)?.as_slice() {
+                        &[start] => Reasoning::MayOpen {
+                            start,
+                            end: encode(markers.end)?,
+                        },
+                        _ => Reasoning::None,
+                    },
                 };
                 Some(Grammar {
                     matcher: compiler.matcher(spec)?,
                     ends: stop_tokens.iter().chain(&tokenizer.eos).copied().collect(),
-                    reasoning_end,
+                    reasoning,
                 })
             }
             None => None,
@@ -88,10 +98,7 @@ impl Processing {
         let mut processors: Vec<Box<dyn LogitsProcessor>> = Vec::new();
         if let Some(g) = &self.grammar {
             let (matcher, ends) = (g.matcher.deep_clone(), g.ends.clone());
-            processors.push(Box::new(match &g.reasoning_end {
-                Some(marker) => GrammarConstraint::after_reasoning(matcher, ends, marker.clone()),
-                None => GrammarConstraint::new(matcher, ends),
-            }));
+            processors.push(Box::new(GrammarConstraint::new(matcher, ends, g.reasoning.clone())));
         }
         if !self.logit_bias.is_empty() {
             processors.push(Box::new(LogitBias(self.logit_bias.clone())));

@@ -121,27 +121,36 @@ pub struct GrammarConstraint {
     matcher: Matcher,
     /// The request's stop tokens and the model's EOS: what may follow a complete output.
     ends: Vec<u32>,
-    /// Where the output begins inside the model's reasoning: the end marker's tokens, and the
-    /// tokens taken so far. The grammar shapes the answer after it, not the reasoning.
-    reasoning: Option<(Vec<u32>, Vec<u32>)>,
+    reasoning: Reasoning,
     /// The mask for the next token, computed ahead (`prepare`); None where it is not.
     prepared: Option<Option<SimpleVob>>,
 }
 
-impl GrammarConstraint {
-    pub fn new(matcher: Matcher, ends: Vec<u32>) -> Self {
-        Self {
-            matcher,
-            ends,
-            reasoning: None,
-            prepared: None,
+/// Where the output stands to the model's reasoning, which the grammar does not shape: it
+/// shapes the answer after it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Reasoning {
+    /// None to come: the grammar holds from the first token.
+    None,
+    /// The model may open its reasoning with `start` (one token) as its first token, and
+    /// close it with `end` (its tokens).
+    MayOpen { start: u32, end: Vec<u32> },
+    /// Inside it until `end` has been written; the tokens taken so far.
+    Inside { end: Vec<u32>, taken: Vec<u32> },
+}
+
+impl Reasoning {
+    /// The output opens inside the reasoning (the prompt opened it), which `end` closes.
+    pub fn inside(end: Vec<u32>) -> Self {
+        match end.is_empty() {
+            true => Self::None,
+            false => Self::Inside { end, taken: Vec::new() },
         }
     }
+}
 
-    /// The same, for an output that opens inside the model's reasoning: unconstrained until
-    /// it has written `end_marker` (its tokens; an empty marker constrains from the start).
-    pub fn after_reasoning(matcher: Matcher, ends: Vec<u32>, end_marker: Vec<u32>) -> Self {
-        let reasoning = (!end_marker.is_empty()).then(|| (end_marker, Vec::new()));
+impl GrammarConstraint {
+    pub fn new(matcher: Matcher, ends: Vec<u32>, reasoning: Reasoning) -> Self {
         Self {
             matcher,
             ends,
@@ -154,13 +163,9 @@ impl GrammarConstraint {
     fn next_mask(&mut self) -> Option<SimpleVob> {
         self.matcher.compute_mask_or_eos().ok()
     }
-}
 
-impl LogitsProcessor for GrammarConstraint {
-    fn process(&mut self, logits: &mut [f32]) {
-        if self.reasoning.is_some() {
-            return;
-        }
+    /// Mask `logits` to what the grammar allows next (the end tokens once it is complete).
+    fn mask(&mut self, logits: &mut [f32]) {
         let ends: Vec<(usize, f32)> = self
             .ends
             .iter()
@@ -197,21 +202,51 @@ impl LogitsProcessor for GrammarConstraint {
             logits[id] = if may_end { logit } else { f32::NEG_INFINITY };
         }
     }
+}
+
+impl LogitsProcessor for GrammarConstraint {
+    fn process(&mut self, logits: &mut [f32]) {
+        match self.reasoning {
+            Reasoning::None => self.mask(logits),
+            Reasoning::MayOpen { start, .. } => {
+                let opener = logits.get(start as usize).copied();
+                self.mask(logits);
+                if let Some(logit) = opener {
+                    logits[start as usize] = logit;
+                }
+            }
+            Reasoning::Inside { .. } => {}
+        }
+    }
 
     fn prepare(&mut self) {
-        if self.reasoning.is_none() && self.prepared.is_none() {
+        if !matches!(self.reasoning, Reasoning::Inside { .. }) && self.prepared.is_none() {
             self.prepared = Some(self.next_mask());
         }
     }
 
     fn accept(&mut self, token: u32) {
         self.prepared = None;
-        if let Some((marker, taken)) = &mut self.reasoning {
-            taken.push(token);
-            if taken.ends_with(marker) {
-                self.reasoning = None;
+        match &mut self.reasoning {
+            Reasoning::None => {}
+            Reasoning::MayOpen { start, end } => {
+                let opened = token == *start;
+                let end = std::mem::take(end);
+                self.reasoning = match opened {
+                    true => Reasoning::inside(end),
+                    false => Reasoning::None,
+                };
+                if opened {
+                    return;
+                }
             }
-            return;
+            Reasoning::Inside { end, taken } => {
+                taken.push(token);
+                if taken.ends_with(end) {
+                    self.reasoning = Reasoning::None;
+                }
+                return;
+            }
         }
         // An end token finishes the sequence; the grammar need not see it. A token the grammar
         // refuses puts the matcher in its error state, which `process` reads as "end only".
@@ -247,7 +282,7 @@ mod tests {
 
     #[test]
     fn the_mask_follows_the_grammar_and_lets_the_ends_in_once_it_is_complete() {
-        let mut c = GrammarConstraint::new(matcher(OutputSpec::Regex("ab+".into())), vec![EOS, 7]);
+        let mut c = GrammarConstraint::new(matcher(OutputSpec::Regex("ab+".into())), vec![EOS, 7], Reasoning::None);
         assert_eq!(allowed(&mut c), [b'a' as u32]);
         c.accept(b'a' as u32);
         assert_eq!(allowed(&mut c), [b'b' as u32]);
@@ -264,8 +299,8 @@ mod tests {
     fn a_prepared_mask_is_the_next_one_and_no_later() {
         let regex = || matcher(OutputSpec::Regex("ab+".into()));
         let (mut ahead, mut plain) = (
-            GrammarConstraint::new(regex(), vec![EOS]),
-            GrammarConstraint::new(regex(), vec![EOS]),
+            GrammarConstraint::new(regex(), vec![EOS], Reasoning::None),
+            GrammarConstraint::new(regex(), vec![EOS], Reasoning::None),
         );
         ahead.prepare();
         assert_eq!(allowed(&mut ahead), allowed(&mut plain));
@@ -279,10 +314,11 @@ mod tests {
     #[test]
     fn choices_are_matched_exactly_with_their_quotes_and_backslashes() {
         let choices = vec!["a\\b".to_string(), "\"q\"".to_string()];
-        let mut c = GrammarConstraint::new(matcher(OutputSpec::Choice(choices.clone())), vec![EOS]);
+        let mut c = GrammarConstraint::new(matcher(OutputSpec::Choice(choices.clone())), vec![EOS], Reasoning::None);
         assert_eq!(allowed(&mut c), [b'"' as u32, b'a' as u32]);
         for choice in &choices {
-            let mut c = GrammarConstraint::new(matcher(OutputSpec::Choice(choices.clone())), vec![EOS]);
+            let mut c =
+                GrammarConstraint::new(matcher(OutputSpec::Choice(choices.clone())), vec![EOS], Reasoning::None);
             for &b in choice.as_bytes() {
                 assert!(allowed(&mut c).contains(&(b as u32)), "{choice}");
                 c.accept(b as u32);
@@ -294,7 +330,11 @@ mod tests {
     #[test]
     fn inside_reasoning_the_grammar_waits_for_the_end_marker() {
         let marker = vec![b'<' as u32, b'/' as u32, b'>' as u32];
-        let mut c = GrammarConstraint::after_reasoning(matcher(OutputSpec::Regex("[0-9]".into())), vec![EOS], marker);
+        let mut c = GrammarConstraint::new(
+            matcher(OutputSpec::Regex("[0-9]".into())),
+            vec![EOS],
+            Reasoning::inside(marker),
+        );
         for &b in b"think </ still </>" {
             assert_eq!(allowed(&mut c).len(), 262, "reasoning is free");
             c.accept(b as u32);
@@ -305,9 +345,31 @@ mod tests {
         assert_eq!(allowed(&mut c), [EOS]);
     }
 
+    /// Where the prompt did not open the reasoning, the model may open it with its start token
+    /// first (then the grammar waits for the end marker), or answer at once under the grammar.
+    #[test]
+    fn a_model_may_open_its_reasoning_before_the_grammar() {
+        const OPEN: u32 = 256;
+        let digits: Vec<u32> = (b'0'..=b'9').map(u32::from).collect();
+        let may_open = || Reasoning::MayOpen {
+            start: OPEN,
+            end: vec![b'/' as u32],
+        };
+        let regex = || matcher(OutputSpec::Regex("[0-9]".into()));
+        let mut c = GrammarConstraint::new(regex(), vec![EOS], may_open());
+        assert_eq!(allowed(&mut c), [&digits[..], &[OPEN]].concat());
+        c.accept(OPEN);
+        assert_eq!(allowed(&mut c).len(), 262, "reasoning is free");
+        c.accept(b'/' as u32);
+        assert_eq!(allowed(&mut c), digits);
+        let mut answered = GrammarConstraint::new(regex(), vec![EOS], may_open());
+        answered.accept(b'7' as u32);
+        assert_eq!(allowed(&mut answered), [EOS], "no reasoning after the answer began");
+    }
+
     #[test]
     fn json_object_allows_any_object_and_nothing_else() {
-        let mut c = GrammarConstraint::new(matcher(OutputSpec::JsonObject), vec![EOS]);
+        let mut c = GrammarConstraint::new(matcher(OutputSpec::JsonObject), vec![EOS], Reasoning::None);
         assert!(!allowed(&mut c).contains(&(b'[' as u32)));
         for &b in br#"{"k": [1, {"x": null}]}"# {
             assert!(allowed(&mut c).contains(&(b as u32)), "{}", b as char);
