@@ -77,8 +77,12 @@ impl Processing {
                         _ => Reasoning::None,
                     },
                 };
+                // Compiling is lazy in llguidance (milliseconds for the grammars tried, a
+                // 100 000-fold repetition included), but a grammar is the client's to choose:
+                // the runtime moves other requests off this worker meanwhile.
+                let matcher = tokio::task::block_in_place(|| compiler.matcher(spec))?;
                 Some(Grammar {
-                    matcher: compiler.matcher(spec)?,
+                    matcher,
                     ends: stop_tokens.iter().chain(&tokenizer.eos).copied().collect(),
                     reasoning,
                 })
