@@ -60,7 +60,7 @@ impl Processing {
                 })?;
                 // The grammar shapes the answer after the reasoning: from the end marker where
                 // the prompt opened the reasoning, and where it did not, the model may open it
-                // itself with the start marker first (where that is one token).
+                // itself with the start marker first.
                 let encode = |text: &str| {
                     tokenizer
                         .encode(text, false)
@@ -69,12 +69,9 @@ impl Processing {
                 let reasoning = match reasoning {
                     None => Reasoning::None,
                     Some((markers, true)) => Reasoning::inside(encode(markers.end)?),
-                    Some((markers, false)) => match encode(markers.start)?.as_slice() {
-                        &[start] => Reasoning::MayOpen {
-                            start,
-                            end: encode(markers.end)?,
-                        },
-                        _ => Reasoning::None,
+                    Some((markers, false)) => Reasoning::MayOpen {
+                        start: encode(markers.start)?,
+                        end: encode(markers.end)?,
                     },
                 };
                 // Compiling is lazy in llguidance (milliseconds for the grammars tried, a

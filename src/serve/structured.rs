@@ -132,9 +132,11 @@ pub struct GrammarConstraint {
 pub enum Reasoning {
     /// None to come: the grammar holds from the first token.
     None,
-    /// The model may open its reasoning with `start` (one token) as its first token, and
-    /// close it with `end` (its tokens).
-    MayOpen { start: u32, end: Vec<u32> },
+    /// The model may open its reasoning with `start` (its tokens) first, and close it with
+    /// `end`.
+    MayOpen { start: Vec<u32>, end: Vec<u32> },
+    /// It took the start marker's first token: the rest of it (reversed, next last) follows.
+    Opening { rest: Vec<u32>, end: Vec<u32> },
     /// Inside it until `end` has been written; the tokens taken so far.
     Inside { end: Vec<u32>, taken: Vec<u32> },
 }
@@ -208,11 +210,21 @@ impl LogitsProcessor for GrammarConstraint {
     fn process(&mut self, logits: &mut [f32]) {
         match self.reasoning {
             Reasoning::None => self.mask(logits),
-            Reasoning::MayOpen { start, .. } => {
-                let opener = logits.get(start as usize).copied();
+            Reasoning::MayOpen { ref start, .. } => {
+                let opener = start
+                    .first()
+                    .and_then(|&id| Some((id as usize, *logits.get(id as usize)?)));
                 self.mask(logits);
-                if let Some(logit) = opener {
-                    logits[start as usize] = logit;
+                if let Some((id, logit)) = opener {
+                    logits[id] = logit;
+                }
+            }
+            Reasoning::Opening { ref rest, .. } => {
+                let next = rest.last().map(|&id| id as usize);
+                for (id, logit) in logits.iter_mut().enumerate() {
+                    if Some(id) != next {
+                        *logit = f32::NEG_INFINITY;
+                    }
                 }
             }
             Reasoning::Inside { .. } => {}
@@ -220,7 +232,8 @@ impl LogitsProcessor for GrammarConstraint {
     }
 
     fn prepare(&mut self) {
-        if !matches!(self.reasoning, Reasoning::Inside { .. }) && self.prepared.is_none() {
+        let grammar_next = matches!(self.reasoning, Reasoning::None | Reasoning::MayOpen { .. });
+        if grammar_next && self.prepared.is_none() {
             self.prepared = Some(self.next_mask());
         }
     }
@@ -230,15 +243,25 @@ impl LogitsProcessor for GrammarConstraint {
         match &mut self.reasoning {
             Reasoning::None => {}
             Reasoning::MayOpen { start, end } => {
-                let opened = token == *start;
-                let end = std::mem::take(end);
-                self.reasoning = match opened {
-                    true => Reasoning::inside(end),
-                    false => Reasoning::None,
+                let opened = start.first() == Some(&token);
+                let (mut rest, end) = (std::mem::take(start), std::mem::take(end));
+                rest.remove(0);
+                rest.reverse();
+                self.reasoning = match (opened, rest.is_empty()) {
+                    (false, _) => Reasoning::None,
+                    (true, true) => Reasoning::inside(end),
+                    (true, false) => Reasoning::Opening { rest, end },
                 };
                 if opened {
                     return;
                 }
+            }
+            Reasoning::Opening { rest, end } => {
+                rest.pop();
+                if rest.is_empty() {
+                    self.reasoning = Reasoning::inside(std::mem::take(end));
+                }
+                return;
             }
             Reasoning::Inside { end, taken } => {
                 taken.push(token);
@@ -345,26 +368,36 @@ mod tests {
         assert_eq!(allowed(&mut c), [EOS]);
     }
 
-    /// Where the prompt did not open the reasoning, the model may open it with its start token
-    /// first (then the grammar waits for the end marker), or answer at once under the grammar.
+    /// Where the prompt did not open the reasoning, the model may open it with its start
+    /// marker first (then the grammar waits for the end marker), or answer at once under the
+    /// grammar; a start marker of several tokens, once begun, is written out whole.
     #[test]
     fn a_model_may_open_its_reasoning_before_the_grammar() {
         const OPEN: u32 = 256;
         let digits: Vec<u32> = (b'0'..=b'9').map(u32::from).collect();
-        let may_open = || Reasoning::MayOpen {
-            start: OPEN,
+        let may_open = |start: Vec<u32>| Reasoning::MayOpen {
+            start,
             end: vec![b'/' as u32],
         };
         let regex = || matcher(OutputSpec::Regex("[0-9]".into()));
-        let mut c = GrammarConstraint::new(regex(), vec![EOS], may_open());
+        let mut c = GrammarConstraint::new(regex(), vec![EOS], may_open(vec![OPEN]));
         assert_eq!(allowed(&mut c), [&digits[..], &[OPEN]].concat());
         c.accept(OPEN);
         assert_eq!(allowed(&mut c).len(), 262, "reasoning is free");
         c.accept(b'/' as u32);
         assert_eq!(allowed(&mut c), digits);
-        let mut answered = GrammarConstraint::new(regex(), vec![EOS], may_open());
+        let mut answered = GrammarConstraint::new(regex(), vec![EOS], may_open(vec![OPEN]));
         answered.accept(b'7' as u32);
         assert_eq!(allowed(&mut answered), [EOS], "no reasoning after the answer began");
+
+        let mut long = GrammarConstraint::new(regex(), vec![EOS], may_open(vec![OPEN, b't' as u32, b'\n' as u32]));
+        assert_eq!(allowed(&mut long), [&digits[..], &[OPEN]].concat());
+        long.accept(OPEN);
+        assert_eq!(allowed(&mut long), [b't' as u32]);
+        long.accept(b't' as u32);
+        assert_eq!(allowed(&mut long), [b'\n' as u32]);
+        long.accept(b'\n' as u32);
+        assert_eq!(allowed(&mut long).len(), 262, "reasoning is free");
     }
 
     #[test]
