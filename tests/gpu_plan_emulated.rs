@@ -622,6 +622,58 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
     }
 }
 
+/// A greedy request whose logits go through a processor (here `logit_bias`) never takes the
+/// plan's greedy-ids shortcut, which would skip the processor: on a batched plan it generates
+/// what it generates on the CPU backend with the same processor, from logits read back.
+#[test]
+fn processed_logits_keep_greedy_requests_off_the_plans_argmax() {
+    use runtime::serving::{LogitBias, LogitsProcessor, ServingEngine};
+    let model = open("llama", ComputeDtype::F32);
+    let config = serving_config(100, 24);
+    let (gpu_graph, plan, kernels) = serving_plan(&model, &config, config.max_running);
+    let prompts: Vec<Vec<u32>> = (0..3u32).map(|i| vec![9, 8, 7, 30 + i]).collect();
+    // Token 77 a little ahead: chosen where it is near the top, not everywhere.
+    let bias = || -> Vec<Box<dyn LogitsProcessor>> { vec![Box::new(LogitBias(vec![(77, 4.0)]))] };
+    fn run<B: runtime::serving::PagedBackend>(
+        engine: &mut ServingEngine<B>,
+        prompts: &[Vec<u32>],
+        processors: impl Fn() -> Vec<Box<dyn LogitsProcessor>>,
+    ) -> Vec<Vec<u32>> {
+        let params = runtime::SamplingParams::default();
+        let ids: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                engine
+                    .add_processed(p.clone(), 6, vec![], params, processors())
+                    .unwrap()
+            })
+            .collect();
+        let mut got = std::collections::HashMap::new();
+        while !engine.scheduler().is_idle() {
+            got.extend(
+                engine
+                    .step()
+                    .unwrap()
+                    .finished
+                    .into_iter()
+                    .map(|d| (d.seq, d.generated)),
+            );
+        }
+        ids.iter().map(|id| got[id].clone()).collect()
+    }
+    let graph = model.lower(LogitsFor::AllTokens).unwrap();
+    let mut on_cpu = ServingEngine::new(CpuBackend::new(graph, &model.weights, 64).unwrap(), config);
+    let (plain, want) = (run(&mut on_cpu, &prompts, Vec::new), run(&mut on_cpu, &prompts, bias));
+    assert_ne!(plain, want, "the bias changes some token");
+    let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+        .unwrap()
+        .capture_graphs_up_to(config.max_running);
+    let mut on_gpu = ServingEngine::new(Counted::new(gpu), config);
+    assert_eq!(run(&mut on_gpu, &prompts, bias), want);
+    let (greedy, full) = on_gpu.backend().counts();
+    assert!(greedy == 0 && full > 0, "{greedy} greedy steps, {full} with logits");
+}
+
 /// The serving engine on batched plans of Qwen3.5 (its DeltaNet layers' states in slots on
 /// the device), GLM-4.5 (MoE layers: each row routed on its own), Qwen3-Next (both) and
 /// Gemma 4 with KV-shared layers (attending for each sequence's last row alone) generates what
