@@ -82,10 +82,13 @@ impl StructuredOutputs {
                 format!("`{}` does not compile: {e}", structured.param),
             )
         };
-        let parser = self
-            .factory
-            .create_parser(grammar)
-            .map_err(|e| refused(e.to_string()))?;
+        // llguidance catches its panics while matching, not while compiling: a grammar that
+        // trips one is refused like any other that does not compile.
+        let compiled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.factory.create_parser(grammar)));
+        let parser = match compiled {
+            Ok(parser) => parser.map_err(|e| refused(e.to_string()))?,
+            Err(_) => return Err(refused("the grammar compiler failed on it".into())),
+        };
         let matcher = Matcher::new(Ok(parser));
         match matcher.get_error() {
             Some(e) => Err(refused(e)),
