@@ -8,4 +8,5 @@ pub mod gpu_check;
 pub mod model_ref;
 pub mod report;
 pub mod serve;
+pub mod structured;
 pub mod verify;

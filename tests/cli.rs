@@ -236,3 +236,61 @@ fn serve_refuses_zero_sized_settings_by_name() {
         );
     }
 }
+
+/// `bbc run` with a structured output: a JSON schema's answer parses and fits it, a choice
+/// gives one of the choices, and an ungrammatical regex or two specs at once are refused.
+#[test]
+fn run_holds_the_output_to_a_structured_spec() {
+    let model = smollm2();
+    let dir = tempfile::tempdir().unwrap();
+    let schema = dir.path().join("schema.json");
+    let colours = serde_json::json!({"type": "object", "required": ["colours"], "additionalProperties": false,
+        "properties": {"colours": {"type": "array", "items": {"type": "string"}, "minItems": 3, "maxItems": 3}}});
+    std::fs::write(&schema, colours.to_string()).unwrap();
+    let schema = schema.to_str().unwrap();
+    let out = json(&[
+        "run",
+        &model,
+        "--chat",
+        "--prompt",
+        "Name three colours.",
+        "--json-schema",
+        schema,
+        "--max-tokens",
+        "60",
+        "--json",
+    ]);
+    let answer: serde_json::Value = serde_json::from_str(out["text"].as_str().unwrap()).expect("JSON");
+    assert_eq!(answer["colours"].as_array().map(Vec::len), Some(3), "{answer}");
+    // Sampled too: every seed picks one of the choices.
+    for seed in ["1", "2", "3"] {
+        let args = [
+            "run",
+            &model,
+            "--prompt",
+            "My favourite city is",
+            "--temperature",
+            "1",
+            "--seed",
+            seed,
+        ];
+        let out = json(
+            &[
+                &args[..],
+                &["--choice", " Paris", "--choice", " Lyon, \"the\" other", "--json"],
+            ]
+            .concat(),
+        );
+        assert!(
+            [" Paris", " Lyon, \"the\" other"].contains(&out["text"].as_str().unwrap()),
+            "{out}"
+        );
+    }
+    for bad in [&["--regex", "(("][..], &["--regex", "a", "--choice", "b"]] {
+        let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
+            .args([&["run", &model, "--prompt", "x"][..], bad].concat())
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{bad:?}");
+    }
+}

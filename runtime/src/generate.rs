@@ -2,6 +2,7 @@
 
 use crate::cpu::{CpuBackend, WeightCache};
 use crate::error::{Result, RuntimeError};
+use crate::logits_processor::LogitsProcessor;
 use crate::plan_exec::{PlanDevice, PlanExecutor};
 use crate::sampling::{Sampler, SamplingParams};
 use ir::Graph;
@@ -131,15 +132,29 @@ pub fn generate<B: Backend>(
     engine: &Engine<B>,
     prompt: &[u32],
     options: &GenerateOptions,
+    on_step: impl FnMut(StepEvent) -> Result<bool>,
+) -> Result<Vec<u32>> {
+    generate_processed(engine, prompt, options, &mut [], on_step)
+}
+
+/// [`generate`], each token chosen from the logits as `processors` leave them, in order (a
+/// structured output's grammar, say); each processor hears every token taken. The events'
+/// logits stay the model's.
+pub fn generate_processed<B: Backend>(
+    engine: &Engine<B>,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    processors: &mut [Box<dyn LogitsProcessor>],
     mut on_step: impl FnMut(StepEvent) -> Result<bool>,
 ) -> Result<Vec<u32>> {
     if prompt.is_empty() {
         return Err(RuntimeError::Input("the prompt is empty".into()));
     }
+    // The greedy graph computes only the argmax: processed logits need the logits graph.
     let greedy = engine
         .greedy
         .as_ref()
-        .filter(|_| options.sampling.temperature <= 0.0 && !options.need_logits);
+        .filter(|_| options.sampling.temperature <= 0.0 && !options.need_logits && processors.is_empty());
     let backend = greedy.or(engine.logits.as_ref()).ok_or_else(|| {
         RuntimeError::Input("sampling and logits need the logits graph, which this engine does not hold".into())
     })?;
@@ -175,8 +190,19 @@ pub fn generate<B: Backend>(
         logits = last_logits(backend, &mut seq, chunk)?;
     }
     let mut sampler = Sampler::new(options.sampling);
+    let mut processed = Vec::new();
     while out.len() < options.max_tokens {
-        let token = sampler.sample(&logits);
+        let token = match processors.is_empty() {
+            true => sampler.sample(&logits),
+            false => {
+                processed.clear();
+                processed.extend_from_slice(&logits);
+                processors.iter_mut().for_each(|p| p.process(&mut processed));
+                let token = sampler.sample(&processed);
+                processors.iter_mut().for_each(|p| p.accept(token));
+                token
+            }
+        };
         out.push(token);
         let go_on = on_step(StepEvent {
             token,

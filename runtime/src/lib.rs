@@ -10,11 +10,13 @@ pub mod error;
 pub mod generate;
 pub mod generated;
 pub mod kv;
+pub mod logits_processor;
 pub mod plan_exec;
 pub mod sampling;
 pub mod serving;
 
 pub use cpu::{CpuBackend, CpuSequence, KvPages, WeightCache};
 pub use error::{Result, RuntimeError};
-pub use generate::{generate, Backend, Engine, GenerateOptions, StepEvent};
+pub use generate::{generate, generate_processed, Backend, Engine, GenerateOptions, StepEvent};
+pub use logits_processor::{LogitBias, LogitsProcessor, MinTokens};
 pub use sampling::{Sampler, SamplingParams, TokenLogprobs};

@@ -1,9 +1,10 @@
 //! `bbc run MODEL --prompt TEXT | --prompt-ids 1,2,3 [...]`: generate and stream text.
 
 use crate::model_ref;
+use crate::structured::{GrammarConstraint, OutputSpec, Reasoning, StructuredOutputs};
 use anyhow::{bail, Context, Result};
 use models::{ChatMessage, ComputeDtype, LogitsFor, StreamDecoder, Tokenizer};
-use runtime::{generate, Engine, GenerateOptions, SamplingParams};
+use runtime::{generate_processed, Engine, GenerateOptions, LogitsProcessor, SamplingParams};
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -45,6 +46,18 @@ pub struct RunArgs {
     /// Run the graph as lowered, without the fusion passes.
     #[arg(long)]
     pub no_fuse: bool,
+    /// Structured output: JSON valid under the JSON schema in this file.
+    #[arg(long, group = "structured")]
+    pub json_schema: Option<PathBuf>,
+    /// Structured output: text matching this regular expression (Rust's syntax), whole.
+    #[arg(long, group = "structured")]
+    pub regex: Option<String>,
+    /// Structured output: one of these strings (repeat the flag for each).
+    #[arg(long, group = "structured")]
+    pub choice: Vec<String>,
+    /// Structured output: text in the grammar in this file (llguidance's Lark syntax).
+    #[arg(long, group = "structured")]
+    pub grammar: Option<PathBuf>,
 }
 
 /// `--dtype` as clap reads it (shared by `run` and `serve`).
@@ -77,6 +90,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     };
     let tokenizer = loaded.model.tokenizer.as_ref();
     let prompt = prompt_ids(args, tokenizer)?;
+    let spec = output_spec(args)?;
     let context = loaded.model.config.context_length;
     if let Some(plans) = &loaded.gpu_plan {
         // A GPU artifact runs on the CUDA backend: its greedy plan (the INT8-bound head) for
@@ -86,7 +100,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
             let w = &loaded.model.weights;
             runtime::cuda::CudaBackend::from_artifact(&plans.dir, plan, graph, w, &loaded.int8_heads, context)
         };
-        let greedy_run = args.temperature <= 0.0 && args.dump_logits.is_none();
+        let greedy_run = args.temperature <= 0.0 && args.dump_logits.is_none() && spec.is_none();
         let engine = match (&plans.greedy, &loaded.greedy) {
             (Some(plan), Some(graph)) if greedy_run => Engine {
                 logits: None,
@@ -94,10 +108,47 @@ pub fn run(args: &RunArgs) -> Result<()> {
             },
             _ => Engine::logits_only(backend(&plans.logits, loaded.graph.clone())?),
         };
-        return stream(args, &engine, &prompt, tokenizer, started.elapsed());
+        return stream(args, &engine, &prompt, tokenizer, spec.as_ref(), started.elapsed());
     }
     let engine = Engine::with_cache(loaded.graph, loaded.greedy, &loaded.model.weights, context, cache)?;
-    stream(args, &engine, &prompt, tokenizer, started.elapsed())
+    stream(args, &engine, &prompt, tokenizer, spec.as_ref(), started.elapsed())
+}
+
+/// The structured output the flags ask for, if any (clap lets at most one through).
+fn output_spec(args: &RunArgs) -> Result<Option<OutputSpec>> {
+    let read = |path: &PathBuf| std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()));
+    if let Some(path) = &args.json_schema {
+        let schema = serde_json::from_str(&read(path)?)
+            .with_context(|| format!("--json-schema {}: not JSON", path.display()))?;
+        return Ok(Some(OutputSpec::JsonSchema(schema)));
+    }
+    if let Some(path) = &args.grammar {
+        return Ok(Some(OutputSpec::Grammar(read(path)?)));
+    }
+    if let Some(regex) = &args.regex {
+        return Ok(Some(OutputSpec::Regex(regex.clone())));
+    }
+    if args.choice.iter().any(String::is_empty) {
+        bail!("--choice: an empty string is not a choice");
+    }
+    Ok((!args.choice.is_empty()).then(|| OutputSpec::Choice(args.choice.clone())))
+}
+
+/// The logits processors of `spec`'s grammar (none without one). The grammar holds from the
+/// first token: `bbc run` prints a reasoning model's reasoning as text, unsplit.
+fn processors(
+    spec: Option<&OutputSpec>,
+    tokenizer: Option<&Tokenizer>,
+    stop_tokens: &[u32],
+) -> Result<Vec<Box<dyn LogitsProcessor>>> {
+    let Some(spec) = spec else { return Ok(Vec::new()) };
+    let tokenizer = tokenizer.context("a structured output needs the model's tokenizer (its tokens' bytes)")?;
+    let compiler = StructuredOutputs::new(tokenizer).map_err(anyhow::Error::msg)?;
+    let matcher = compiler
+        .matcher(spec)
+        .map_err(|e| anyhow::anyhow!("the structured output does not compile: {e}"))?;
+    let ends = stop_tokens.iter().chain(&tokenizer.eos).copied().collect();
+    Ok(vec![Box::new(GrammarConstraint::new(matcher, ends, Reasoning::None))])
 }
 
 /// Generate with `engine`, streaming text (or printing JSON), dumping logits, reporting speed.
@@ -106,6 +157,7 @@ fn stream<B: runtime::Backend>(
     engine: &Engine<B>,
     prompt: &[u32],
     tokenizer: Option<&Tokenizer>,
+    spec: Option<&OutputSpec>,
     load_time: std::time::Duration,
 ) -> Result<()> {
     let options = GenerateOptions {
@@ -122,12 +174,13 @@ fn stream<B: runtime::Backend>(
         need_logits: args.dump_logits.is_some(),
         ..GenerateOptions::default()
     };
+    let mut processors = processors(spec, tokenizer, &options.stop_tokens)?;
     let mut decoder = StreamDecoder::new();
     let mut logits_rows: Vec<f32> = Vec::new();
     let mut stdout = std::io::stdout().lock();
     let generation_start = Instant::now();
     let mut first_token_at = None;
-    let ids = generate(engine, prompt, &options, |event| {
+    let ids = generate_processed(engine, prompt, &options, &mut processors, |event| {
         first_token_at.get_or_insert_with(Instant::now);
         if let (Some(_), Some(logits)) = (&args.dump_logits, event.logits) {
             logits_rows.extend_from_slice(logits);

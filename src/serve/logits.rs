@@ -6,7 +6,8 @@
 use super::error::ApiError;
 use super::reasoning::Markers;
 use super::request::GenerationRequest;
-use super::structured::{GrammarConstraint, LazyStructuredOutputs, Reasoning};
+use super::structured::LazyStructuredOutputs;
+use crate::structured::{GrammarConstraint, Reasoning};
 use axum::http::StatusCode;
 use llguidance::Matcher;
 use models::Tokenizer;
@@ -52,12 +53,6 @@ impl Processing {
         }
         let grammar = match &request.structured {
             Some(spec) => {
-                let compiler = structured.get().await.map_err(|why| {
-                    ApiError::invalid(
-                        &spec.param,
-                        format!("this model's vocabulary cannot take structured outputs: {why}"),
-                    )
-                })?;
                 // The grammar shapes the answer after the reasoning: from the end marker where
                 // the prompt opened the reasoning, and where it did not, the model may open it
                 // itself with the start marker first.
@@ -74,10 +69,7 @@ impl Processing {
                         end: encode(markers.end)?,
                     },
                 };
-                // Compiling is lazy in llguidance (milliseconds for the grammars tried, a
-                // 100 000-fold repetition included), but a grammar is the client's to choose:
-                // the runtime moves other requests off this worker meanwhile.
-                let matcher = tokio::task::block_in_place(|| compiler.matcher(spec))?;
+                let matcher = structured.matcher(spec).await?;
                 Some(Grammar {
                     matcher,
                     ends: stop_tokens.iter().chain(&tokenizer.eos).copied().collect(),

@@ -1,25 +1,11 @@
 //! What shape a request asks its output to take (structured outputs), as the three spellings
 //! clients use give it: OpenAI's `response_format`, vLLM's `structured_outputs`, and vLLM's
 //! older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. At most one may
-//! constrain a request; `structured::StructuredOutputs` compiles what it asks for.
+//! constrain a request; `crate::structured` compiles what it asks for.
 
 use super::error::ApiError;
+pub use crate::structured::OutputSpec;
 use serde_json::{Map, Value};
-
-/// The language a request's output must belong to.
-#[derive(Debug, Clone, PartialEq)]
-pub enum OutputSpec {
-    /// Any JSON object.
-    JsonObject,
-    /// JSON valid under this schema.
-    JsonSchema(Value),
-    /// Text matching this regular expression (Rust's `regex` syntax), whole.
-    Regex(String),
-    /// Exactly one of these strings.
-    Choice(Vec<String>),
-    /// A context-free grammar in llguidance's Lark syntax (which also takes GBNF's `::=`).
-    Grammar(String),
-}
 
 /// A request's output spec and the parameter that gave it (named in errors about it).
 #[derive(Debug, Clone, PartialEq)]

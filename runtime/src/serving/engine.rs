@@ -4,10 +4,10 @@
 //! Preempted sequences lose their blocks and recompute what the prefix cache no longer holds
 //! when readmitted.
 
-use super::logits_processor::LogitsProcessor;
 use super::scheduler::{AddError, Finished, Scheduler, SchedulerConfig, SeqId, Work};
 use crate::error::{Result, RuntimeError};
 use crate::kv::Segment;
+use crate::logits_processor::LogitsProcessor;
 use crate::sampling::{Sampler, SamplingParams, TokenLogprobs};
 use ir::Tensor;
 use std::collections::HashMap;
