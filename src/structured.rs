@@ -10,7 +10,7 @@ use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
 use models::Tokenizer;
-use runtime::serving::LogitsProcessor;
+use runtime::LogitsProcessor;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
@@ -47,7 +47,7 @@ impl StructuredOutputs {
     /// The compiler over the vocabulary of `env`.
     fn over(env: TokEnv) -> Result<Self, String> {
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
-        // Grammar errors reach the client in the response; nothing on the server's stderr.
+        // Grammar errors go back to whoever asked (a 400, an error message), not to stderr.
         factory.quiet();
         Ok(Self { factory })
     }
