@@ -527,15 +527,11 @@ fn interleave_q3k(block: &[u8], lane: usize, out: &mut [u8]) {
     use q3k::*;
     let (mut w, mut scale, mut min) = ([0i8; SUPER], [0f32; 16], [0f32; 16]);
     <super::Q3K as super::BlockFormat>::unpack_groups(block, &mut w, &mut scale, &mut min);
-    for g in 0..16 {
-        for k in 0..4 {
-            let weight = |p: usize| (w[16 * g + 4 * p + k] + 4) as u8;
-            out[g * 64 + lane * 4 + k] = (0..4).fold(0, |byte, p| byte | ((weight(p) & 3) << (2 * p)));
-            for p in 0..4 {
-                let (j, b) = ((4 * g + p) / 8, (4 * g + p) % 8);
-                out[HIGH_AT + j * 64 + lane * 4 + k] |= (weight(p) >> 2) << b;
-            }
-        }
+    for (i, &w) in w.iter().enumerate() {
+        let ((low_at, shift), (high_at, bit)) = q3k_bits_at(lane, i);
+        let weight = (w + 4) as u8;
+        out[low_at] |= (weight & 3) << shift;
+        out[high_at] |= (weight >> 2) << bit;
     }
     for (g, sc) in super::q3_k::scales(&block[96..108]).into_iter().enumerate() {
         out[SCALES_AT + g * GROUP + lane] = (sc as i8 - 32) as u8;
@@ -550,10 +546,9 @@ fn gguf_block_q3k(group_block: &[u8], lane: usize, block: &mut [u8]) {
     for g in 0..16 {
         let ((offset, shift), (high_offset, bit)) = (two_bit_group(g), high_bit_group(g));
         for l in 0..16 {
-            let (p, k) = (l / 4, l % 4);
-            let low = (group_block[g * 64 + lane * 4 + k] >> (2 * p)) & 3;
-            let (j, b) = ((4 * g + p) / 8, (4 * g + p) % 8);
-            let high = (group_block[HIGH_AT + j * 64 + lane * 4 + k] >> b) & 1;
+            let ((low_at, low_shift), (high_at, high_bit)) = q3k_bits_at(lane, 16 * g + l);
+            let low = (group_block[low_at] >> low_shift) & 3;
+            let high = (group_block[high_at] >> high_bit) & 1;
             block[32 + offset + l] |= low << shift;
             block[high_offset + l] |= high << bit;
         }
@@ -566,22 +561,9 @@ fn gguf_block_q3k(group_block: &[u8], lane: usize, block: &mut [u8]) {
 /// Put one row's IQ4_XS block into lane `lane` of its group's super-block `out`.
 fn interleave_iq4xs(block: &[u8], lane: usize, out: &mut [u8]) {
     use iq4xs::*;
-    // Weight i's index: run i / 32, byte i % 16 of its 16, low nibble for its first 16.
-    let index = |i: usize| {
-        let byte = block[8 + 16 * (i / 32) + i % 16];
-        if i % 32 < 16 {
-            byte & 0x0F
-        } else {
-            byte >> 4
-        }
-    };
-    for g in 0..16 {
-        for half in 0..2 {
-            for k in 0..4 {
-                let (low, high) = (index(16 * g + 8 * half + k), index(16 * g + 8 * half + 4 + k));
-                out[g * 128 + half * 64 + lane * 4 + k] = low | (high << 4);
-            }
-        }
+    for i in 0..SUPER {
+        let ((from, from_shift), (to, to_shift)) = (iq4xs_gguf_index_at(i), iq4xs_index_at(lane, i));
+        out[to] |= ((block[from] >> from_shift) & 0x0F) << to_shift;
     }
     for (run, ls) in super::iq4::run_scales(block).into_iter().enumerate() {
         for g in [2 * run, 2 * run + 1] {
@@ -604,11 +586,33 @@ fn gguf_block_iq4xs(group_block: &[u8], lane: usize, block: &mut [u8]) {
     }
     block[2..4].copy_from_slice(&scales_h.to_le_bytes());
     for i in 0..SUPER {
-        let (g, j) = (i / 16, i % 16);
-        let byte = group_block[g * 128 + (j / 8) * 64 + lane * 4 + j % 4];
-        let index = if j % 8 < 4 { byte & 0x0F } else { byte >> 4 };
-        block[8 + 16 * (i / 32) + i % 16] |= index << if i % 32 < 16 { 0 } else { 4 };
+        let ((to, to_shift), (from, from_shift)) = (iq4xs_gguf_index_at(i), iq4xs_index_at(lane, i));
+        block[to] |= ((group_block[from] >> from_shift) & 0x0F) << to_shift;
     }
+}
+
+/// Where weight `i` (0..256) of lane `lane` keeps its bits in a Q3_K group's super-block: its
+/// low two as (byte, shift), its third as (byte, bit).
+fn q3k_bits_at(lane: usize, i: usize) -> ((usize, usize), (usize, usize)) {
+    let (g, p, k) = (i / 16, (i % 16) / 4, i % 4);
+    let (j, b) = ((4 * g + p) / 8, (4 * g + p) % 8);
+    (
+        (g * 64 + lane * 4 + k, 2 * p),
+        (q3k::HIGH_AT + j * 64 + lane * 4 + k, b),
+    )
+}
+
+/// Where weight `i` of lane `lane` keeps its table index in an IQ4_XS group's super-block:
+/// (byte, shift).
+fn iq4xs_index_at(lane: usize, i: usize) -> (usize, usize) {
+    let (g, j) = (i / 16, i % 16);
+    (g * 128 + (j / 8) * 64 + lane * 4 + j % 4, if j % 8 < 4 { 0 } else { 4 })
+}
+
+/// Where weight `i` keeps its table index in an IQ4_XS GGUF block: run `i / 32`, byte
+/// `i % 16` of its 16, the low nibble for the run's first 16 weights.
+fn iq4xs_gguf_index_at(i: usize) -> (usize, usize) {
+    (8 + 16 * (i / 32) + i % 16, if i % 32 < 16 { 0 } else { 4 })
 }
 
 /// One matmul's activations, with per token the sums the format's kernel reads (see
@@ -819,17 +823,10 @@ unsafe fn q2k_portable<const T: usize>(
 /// # Safety
 /// `block` holds a Q3_K group's super-block.
 unsafe fn q3k_weight(block: *const u8, lane: usize, i: usize) -> i32 {
-    use q3k::*;
-    let (g, p, k) = (i / 16, (i % 16) / 4, i % 4);
-    let (j, b) = ((4 * g + p) / 8, (4 * g + p) % 8);
+    let ((low_at, shift), (high_at, bit)) = q3k_bits_at(lane, i);
     // SAFETY: both offsets lie in the group block.
-    let (low, high) = unsafe {
-        (
-            *block.add(g * 64 + lane * 4 + k),
-            *block.add(HIGH_AT + j * 64 + lane * 4 + k),
-        )
-    };
-    (((low >> (2 * p)) & 3) | (((high >> b) & 1) << 2)) as i32
+    let (low, high) = unsafe { (*block.add(low_at), *block.add(high_at)) };
+    (((low >> shift) & 3) | (((high >> bit) & 1) << 2)) as i32
 }
 
 /// The same for a Q6_K group block.
@@ -846,10 +843,9 @@ unsafe fn q6k_weight(block: *const u8, lane: usize, i: usize) -> i32 {
 /// # Safety
 /// `block` holds an IQ4_XS group's super-block.
 unsafe fn iq4xs_weight(block: *const u8, lane: usize, i: usize) -> i32 {
-    let (g, j) = (i / 16, i % 16);
+    let (at, shift) = iq4xs_index_at(lane, i);
     // SAFETY: the offset lies in the group block.
-    let byte = unsafe { *block.add(g * 128 + (j / 8) * 64 + lane * 4 + j % 4) };
-    let index = if j % 8 < 4 { byte & 0x0F } else { byte >> 4 };
+    let index = (unsafe { *block.add(at) } >> shift) & 0x0F;
     super::iq4::STORED[index as usize] as i32
 }
 
