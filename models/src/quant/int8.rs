@@ -237,10 +237,10 @@ unsafe fn round_block_avx2(xb: &[f32; ACT_BLOCK], inv: f32, qb: &mut [i8; ACT_BL
 /// A weight group and its activation group, with the weight group's scale and min.
 type GroupPair<'a> = ((&'a [i8], &'a [i8]), (&'a f32, &'a f32));
 
-/// A weight row unpacked once (for many activation rows): integers, and per group scale/min.
-/// The path of block formats without an interleaved layout (none of the GGUF types bbc reads
-/// today: the 32-weight formats run over [`super::interleaved`] rows, the K-quants and IQ4_XS
-/// over [`super::interleaved_k`] rows).
+/// A weight row unpacked: integers, and per group scale/min, straight from the GGUF blocks.
+/// No kernel runs on it (the 32-weight formats run over [`super::interleaved`] rows, the
+/// K-quants and IQ4_XS over [`super::interleaved_k`] rows): it is the arithmetic those
+/// kernels are checked against.
 #[derive(Debug, Clone, Default)]
 pub struct UnpackedRow {
     pub group: usize,
@@ -299,14 +299,6 @@ impl UnpackedRow {
             acc += dx * (scale * isum as f32 - min * self.qsum(act, i) as f32);
         }
         acc
-    }
-
-    /// `out[t] = self.dot(&acts[t])` for every activation row.
-    pub fn dot_many(&self, acts: &[Q8Row], out: &mut [f32]) {
-        debug_assert_eq!(acts.len(), out.len());
-        for (act, d) in acts.iter().zip(out) {
-            *d = self.dot(act);
-        }
     }
 
     fn groups<'a>(&'a self, act: &'a Q8Row) -> impl Iterator<Item = GroupPair<'a>> {

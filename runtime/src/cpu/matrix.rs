@@ -15,7 +15,7 @@
 use super::dense::{self, DenseKernel, DenseRows};
 use super::simd;
 use half::bf16;
-use models::quant::int8::{Int8Kernel, Q8KRow, Q8Row, UnpackedRow, ACT_BLOCK};
+use models::quant::int8::{Int8Kernel, Q8KRow, Q8Row};
 use models::quant::interleaved::{InterleavedRows, GROUP};
 use models::quant::interleaved_k::InterleavedSuperRows;
 use models::quant::GgmlType;
@@ -25,13 +25,6 @@ use std::borrow::Cow;
 pub enum Storage {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
-    /// GGUF blocks row after row: a block format without an interleaved layout (none today),
-    /// each row unpacked to integers for its products.
-    Quant {
-        dtype: GgmlType,
-        bytes: Vec<u8>,
-        row_bytes: usize,
-    },
     /// A 32-weight block format with its rows interleaved for the int8 kernels.
     Interleaved(InterleavedRows),
     /// K-quant rows (Q2_K to Q6_K, IQ4_XS) interleaved for the int8 kernels.
@@ -39,30 +32,24 @@ pub enum Storage {
 }
 
 impl Storage {
-    /// GGUF rows of `row_bytes` each: interleaved where the format has that layout, else as
-    /// they come.
-    pub fn block_rows(dtype: GgmlType, bytes: Vec<u8>, row_bytes: usize) -> Self {
+    /// GGUF rows of `row_bytes` each, interleaved for the int8 kernels (every block format bbc
+    /// reads has a layout; rows of no whole number of blocks are refused).
+    pub fn block_rows(dtype: GgmlType, bytes: Vec<u8>, row_bytes: usize) -> Result<Self, String> {
         if let Some(rows) = InterleavedRows::new(dtype, &bytes, row_bytes) {
-            return Storage::Interleaved(rows);
+            return Ok(Storage::Interleaved(rows));
         }
         if let Some(rows) = InterleavedSuperRows::new(dtype, &bytes, row_bytes) {
-            return Storage::InterleavedSuper(rows);
+            return Ok(Storage::InterleavedSuper(rows));
         }
-        Storage::Quant {
-            dtype,
-            bytes,
-            row_bytes,
-        }
+        Err(format!(
+            "{} rows of {row_bytes} bytes have no interleaved layout",
+            dtype.name()
+        ))
     }
 
     /// The format, GGUF bytes and bytes a row of block-quantized storage.
     fn gguf_rows(&self) -> Option<(GgmlType, Cow<'_, [u8]>, usize)> {
         match self {
-            Storage::Quant {
-                dtype,
-                bytes,
-                row_bytes,
-            } => Some((*dtype, Cow::Borrowed(bytes), *row_bytes)),
             Storage::Interleaved(rows) => Some((rows.dtype(), Cow::Owned(rows.gguf_bytes()), rows.row_bytes())),
             Storage::InterleavedSuper(rows) => Some((rows.dtype(), Cow::Owned(rows.gguf_bytes()), rows.row_bytes())),
             _ => None,
@@ -71,10 +58,7 @@ impl Storage {
 
     /// Whether it holds GGUF blocks (in either layout).
     pub fn is_block_quantized(&self) -> bool {
-        matches!(
-            self,
-            Storage::Quant { .. } | Storage::Interleaved(_) | Storage::InterleavedSuper(_)
-        )
+        matches!(self, Storage::Interleaved(_) | Storage::InterleavedSuper(_))
     }
 }
 
@@ -89,7 +73,6 @@ impl Matrix {
         match &self.storage {
             Storage::F32(v) => v.len() * 4,
             Storage::Bf16(v) => v.len() * 2,
-            Storage::Quant { bytes, .. } => bytes.len(),
             Storage::Interleaved(rows) => rows.bytes(),
             Storage::InterleavedSuper(rows) => rows.bytes(),
         }
@@ -104,14 +87,6 @@ impl Matrix {
                 for (o, w) in out.iter_mut().zip(&v[r * c..(r + 1) * c]) {
                     *o = w.to_f32();
                 }
-                out
-            }
-            Storage::Quant {
-                dtype,
-                bytes,
-                row_bytes,
-            } => {
-                dtype.dequantize(&bytes[r * row_bytes..(r + 1) * row_bytes], out);
                 out
             }
             Storage::Interleaved(rows) => {
@@ -174,23 +149,7 @@ impl Matrix {
                     interleaved.products(run, &acts, kernel, scratch, write)
                 });
             }
-            Storage::Quant {
-                dtype,
-                bytes,
-                row_bytes,
-            } if k % ACT_BLOCK == 0 => {
-                // A block format without an interleaved layout: each row unpacked once for every
-                // token, its (row, token) products the same whatever the step's token count.
-                let acts = quantize_rows(x, k, Q8Row::quantize);
-                for_row_runs(out, n, tokens, rows_per_task, |unpacked: &mut UnpackedRow, r, dst| {
-                    let r = base + r;
-                    unpacked
-                        .unpack(*dtype, &bytes[r * row_bytes..(r + 1) * row_bytes])
-                        .expect("quantized storage");
-                    unpacked.dot_many(&acts, dst);
-                });
-            }
-            // Dense rows on a CPU without AVX2 and FMA, and block rows of a width no block divides.
+            // Dense rows on a CPU without AVX2 and FMA.
             _ => for_row_runs(out, n, tokens, rows_per_task, |row_buf: &mut Vec<f32>, r, dst| {
                 row_buf.resize(k, 0.0);
                 let w = self.row_f32(base + r, row_buf);
@@ -230,7 +189,7 @@ impl Matrix {
                     }
                 },
             )?),
-            Storage::Quant { .. } | Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
+            Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
                 let mut stacked: Option<(GgmlType, Vec<u8>, usize)> = None;
                 for part in parts {
                     let Some((dtype, bytes, row_bytes)) = part.storage.gguf_rows() else {
@@ -244,7 +203,7 @@ impl Matrix {
                     all.extend_from_slice(&bytes);
                 }
                 let (dtype, bytes, row_bytes) = stacked.expect("at least one part");
-                Storage::block_rows(dtype, bytes, row_bytes)
+                Storage::block_rows(dtype, bytes, row_bytes)?
             }
         };
         Ok(Matrix { rows, cols, storage })
@@ -260,9 +219,9 @@ impl Matrix {
         let storage = match &self.storage {
             Storage::F32(v) => Storage::F32(gather_rows(v, self.cols, &picked)),
             Storage::Bf16(v) => Storage::Bf16(gather_rows(v, self.cols, &picked)),
-            Storage::Quant { .. } | Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
+            Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
                 let (dtype, bytes, row_bytes) = self.storage.gguf_rows().expect("block storage");
-                Storage::block_rows(dtype, gather_rows(&bytes, row_bytes, &picked), row_bytes)
+                Storage::block_rows(dtype, gather_rows(&bytes, row_bytes, &picked), row_bytes)?
             }
         };
         Ok(Matrix {
@@ -282,7 +241,7 @@ impl Matrix {
         let storage = match &self.storage {
             Storage::F32(v) => Storage::F32(order().map(|i| v[i]).collect()),
             Storage::Bf16(v) => Storage::Bf16(order().map(|i| v[i]).collect()),
-            Storage::Quant { .. } | Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
+            Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
                 let mut row = vec![0f32; cols];
                 let widened: Vec<f32> = (0..self.rows)
                     .flat_map(|r| self.row_f32(r, &mut row).to_vec())
@@ -515,7 +474,7 @@ mod tests {
 
     fn interleaved_as(dtype: GgmlType, rows: usize, cols: usize) -> Matrix {
         let (elements, bytes) = dtype.block_layout();
-        let storage = Storage::block_rows(dtype, block_rows(dtype, rows, cols), cols / elements * bytes);
+        let storage = Storage::block_rows(dtype, block_rows(dtype, rows, cols), cols / elements * bytes).unwrap();
         assert!(matches!(
             storage,
             Storage::Interleaved(_) | Storage::InterleavedSuper(_)
@@ -583,20 +542,15 @@ mod tests {
         }
     }
 
-    /// GGUF rows kept as they are (the fallback for a format without an interleaved layout,
-    /// which every format bbc reads has today), each unpacked for its products: the same
-    /// properties.
+    /// Rows that are not a whole number of blocks have no layout: refused, not kept as bytes.
     #[test]
-    fn unpacked_products_do_not_depend_on_the_step() {
-        let (dtype, rows, k) = (GgmlType::Q3K, 70, 512);
-        let row_bytes = dtype.bytes_for(k).unwrap();
-        let bytes = block_rows(dtype, rows, k);
-        let storage = Storage::Quant {
-            dtype,
-            bytes,
-            row_bytes,
-        };
-        products_do_not_depend_on_the_step(Matrix { rows, cols: k, storage });
+    fn block_rows_of_partial_blocks_are_refused() {
+        let dtype = GgmlType::Q3K;
+        let row_bytes = dtype.bytes_for(512).unwrap();
+        let bytes = block_rows(dtype, 4, 512);
+        assert!(Storage::block_rows(dtype, bytes.clone(), row_bytes).is_ok());
+        let error = Storage::block_rows(dtype, bytes, row_bytes - 1).err().expect("refused");
+        assert!(error.contains("Q3_K"), "{error}");
     }
 
     /// Stacking and picking rows of interleaved matrices keeps each row's bytes.

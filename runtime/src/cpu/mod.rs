@@ -996,6 +996,7 @@ fn load_weight(graph: &Graph, i: usize, source: &WeightSource) -> Result<CpuWeig
                 )));
             }
             Storage::block_rows(view.dtype, view.bytes.to_vec(), view.row_bytes())
+                .map_err(|e| RuntimeError::Weight(format!("`{name}`: {e}")))?
         }
     };
     Ok(CpuWeight::Matrix(Matrix { rows, cols, storage }))
