@@ -275,14 +275,22 @@ impl<B: PagedBackend> ServingEngine<B> {
                 // The processors of the sequences sampled this step get ready for their first
                 // row while the backend computes it (a grammar's mask takes milliseconds with a
                 // large vocabulary; on a GPU the host is idle meanwhile).
-                let sampling: Vec<SeqId> = schedule.work.iter().filter(|w| w.samples).map(|w| w.seq).collect();
                 let processors = &mut self.processors;
+                let processed: Vec<SeqId> = match processors.is_empty() {
+                    true => Vec::new(),
+                    false => schedule
+                        .work
+                        .iter()
+                        .filter(|w| w.samples && processors.contains_key(&w.seq))
+                        .map(|w| w.seq)
+                        .collect(),
+                };
                 let (backend, pages) = (&self.backend, &mut self.pages);
-                match sampling.iter().any(|id| processors.contains_key(id)) {
-                    false => backend.step_batch(pages, &batch)?,
-                    true => std::thread::scope(|scope| {
+                match processed.is_empty() {
+                    true => backend.step_batch(pages, &batch)?,
+                    false => std::thread::scope(|scope| {
                         scope.spawn(|| {
-                            for id in &sampling {
+                            for id in &processed {
                                 processors.get_mut(id).into_iter().flatten().for_each(|p| p.prepare());
                             }
                         });
