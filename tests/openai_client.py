@@ -36,7 +36,7 @@ for chunk in client.chat.completions.create(
     if chunk.choices and chunk.choices[0].delta.content:
         chat_pieces.append(chunk.choices[0].delta.content)
 
-# Structured output, and tool calls (named and required, whole and streamed), then the next
+# Structured output, and tool calls (named, required and auto, whole and streamed), then the next
 # turn with the call and its result in the history.
 person = {
     "type": "object",
@@ -83,6 +83,16 @@ for chunk in client.chat.completions.create(
 required = client.chat.completions.create(
     model="smollm2", messages=weather, tools=tools, tool_choice="required", max_completion_tokens=60, temperature=0
 )
+# `tool_choice` auto (the default), the answer held to a Hermes call by a regular expression.
+hermes_call = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}\n</tool_call>'
+auto = client.chat.completions.create(
+    model="smollm2",
+    messages=weather,
+    tools=tools,
+    max_completion_tokens=150,
+    temperature=0,
+    extra_body={"structured_outputs": {"regex": hermes_call}},
+)
 history = weather + [
     {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
     {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"},
@@ -99,6 +109,9 @@ print(
             "streamed_arguments": "".join(streamed_arguments),
             "required_calls": [[c.function.name, c.function.arguments] for c in required.choices[0].message.tool_calls],
             "after_the_call": answer.choices[0].message.content,
+            "auto_calls": [[c.function.name, c.function.arguments] for c in auto.choices[0].message.tool_calls],
+            "auto_content": auto.choices[0].message.content,
+            "auto_finish": auto.choices[0].finish_reason,
             "completion": completion.choices[0].text,
             "completion_usage": completion.usage.completion_tokens,
             "completion_stream": "".join(pieces),

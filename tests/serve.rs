@@ -383,6 +383,7 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
         Just(json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])),
         Just(json!({"type": "function", "function": {"name": "f"}})),
         Just(json!("required")),
+        Just(json!("auto")),
     ];
     let key = prop_oneof![
         Just("prompt"),
@@ -406,6 +407,7 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
         Just("min_tokens"),
         Just("tools"),
         Just("tool_choice"),
+        Just("parallel_tool_calls"),
     ];
     let object = proptest::collection::vec((key, value), 0..6).prop_map(|fields| {
         let mut map = serde_json::Map::new();
@@ -428,7 +430,7 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
 
 #[test]
 fn random_and_malformed_bodies_never_crash_the_server() {
-    let server = Server::start(&[]);
+    let server = Server::start(&["--tool-call-parser", "hermes"]);
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(500));
     for path in ["/v1/completions", "/v1/chat/completions"] {
         runner
@@ -465,7 +467,7 @@ fn the_openai_python_client_works() {
         eprintln!("skipping: the `openai` Python package is not installed");
         return;
     }
-    let server = Server::start(&[]);
+    let server = Server::start(&["--tool-call-parser", "hermes"]);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
     let out = Command::new("python3")
         .arg(script)
@@ -500,6 +502,11 @@ fn the_openai_python_client_works() {
         assert!(serde_json::from_str::<Value>(call[1].as_str().unwrap()).unwrap()["city"].is_string());
     }
     assert!(!got["after_the_call"].as_str().unwrap().is_empty());
+    assert_eq!(got["auto_calls"], json!([["get_weather", r#"{"city":"Paris"}"#]]));
+    assert_eq!(
+        (&got["auto_content"], &got["auto_finish"]),
+        (&Value::Null, &json!("tool_calls"))
+    );
 }
 
 /// vLLM's own test: 200 requests for long outputs whose client gives up after 0.5 s. Afterwards
@@ -824,6 +831,67 @@ fn structured_outputs_take_the_shape_asked_for() {
         let (status, error) = server.post("/v1/completions", &body);
         assert_eq!((status, error_of(&error).1), (400, Some(param)), "{error}");
     }
+    server.wait_for_free_blocks();
+}
+
+/// `tool_choice` auto (the default with tools): the model's own calls are read out of its
+/// answer in the format `--tool-call-parser` names (SmolLM2's template teaches none, so by
+/// default auto is a 400 naming `tool_choice`). A regular expression holds the answer to text
+/// and a Hermes call here, as a model trained on the format would write it; the call arrives
+/// as `tool_calls`, whole and streamed, the text before it as `content`, and the choice
+/// finishes with `tool_calls`. An answer without a call is plain text.
+#[test]
+fn auto_tool_calls_are_read_out_of_the_answer() {
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]);
+    let weather = json!([{"role": "user", "content": "What is the weather in Paris?"}]);
+    let refused = Server::start(&[]);
+    let body = json!({"messages": weather, "tools": tools, "max_tokens": 8});
+    let (status, error) = refused.post("/v1/chat/completions", &body);
+    assert_eq!((status, error_of(&error).1), (400, Some("tool_choice")), "{error}");
+    drop(refused);
+
+    let server = Server::start(&["--tool-call-parser", "hermes"]);
+    let call = r#"Checking\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Lyon)", "days": [1-3]\}\}\n</tool_call>"#;
+    let forced = json!({"messages": weather, "tools": tools, "tool_choice": "auto", "max_tokens": 150,
+                        "temperature": 0, "structured_outputs": {"regex": call}});
+    let (status, whole) = server.post("/v1/chat/completions", &forced);
+    assert_eq!(status, 200, "{whole}");
+    let choice = &whole["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{whole}");
+    assert_eq!(choice["message"]["content"], "Checking.", "{whole}");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{whole}");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    let arguments: Value = serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(
+        ["Paris", "Lyon"].contains(&arguments["city"].as_str().unwrap()),
+        "{arguments}"
+    );
+    assert!(arguments["days"].is_i64(), "{arguments}");
+
+    let mut streamed = forced.clone();
+    streamed["stream"] = json!(true);
+    let (_, chunks) = server.stream("/v1/chat/completions", &streamed);
+    let deltas: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]).collect();
+    let content: String = deltas.iter().filter_map(|c| c["delta"]["content"].as_str()).collect();
+    assert_eq!(content, "Checking.", "{chunks:?}");
+    let streamed_calls: Vec<&Value> = deltas
+        .iter()
+        .filter_map(|c| c["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(streamed_calls.len(), 1, "{chunks:?}");
+    assert_eq!(streamed_calls[0]["index"], 0);
+    assert_eq!(streamed_calls[0]["function"], calls[0]["function"]);
+    assert_eq!(deltas.last().unwrap()["finish_reason"], "tool_calls");
+
+    let free = json!({"messages": [{"role": "user", "content": "Say hi."}], "tools": tools,
+                      "max_tokens": 12, "temperature": 0});
+    let (status, plain) = server.post("/v1/chat/completions", &free);
+    assert_eq!(status, 200, "{plain}");
+    assert!(plain["choices"][0]["message"].get("tool_calls").is_none(), "{plain}");
+    assert!(!plain["choices"][0]["message"]["content"].as_str().unwrap().is_empty());
     server.wait_for_free_blocks();
 }
 

@@ -1,13 +1,15 @@
 //! One admitted request's progress, from the engine's events to what its client sees: per
 //! choice (a request with `n` > 1 runs `n` sequences) the text pieces (a chat answer's split
-//! from its reasoning where the model marks it), the log-probabilities of the tokens behind
-//! them, and how each choice finished. Formatting is `response`'s job.
+//! from its reasoning where the model marks it, and its tool calls parsed out where the
+//! model may make them), the log-probabilities of the tokens behind them, and how each
+//! choice finished. Formatting is `response`'s job.
 
 use super::http::AppState;
 use super::reasoning::{Markers, ReasoningSplit, Split};
 use super::request::Endpoint;
 use super::text::TextOutput;
-use super::tools::ToolCalling;
+use super::tool_parser::{CallFormat, CallSplit, Parsed};
+use super::tools::{ToolCall, ToolCalling};
 use super::worker::Event;
 use futures_util::future::select_all;
 use runtime::serving::FinishReason;
@@ -28,6 +30,12 @@ pub enum Output {
         reasoning: String,
         logprobs: Vec<(u32, TokenLogprobs)>,
     },
+    /// Tool calls choice `index` made in its own format (`tool_choice` auto), after the text
+    /// before them.
+    Calls {
+        index: usize,
+        calls: Vec<ToolCall>,
+    },
     Finish {
         index: usize,
         reason: &'static str,
@@ -43,6 +51,8 @@ struct Choice {
     text: TextOutput,
     /// Where the request splits reasoning from the answer.
     split: Option<ReasoningSplit>,
+    /// Where the answer may be tool calls in the model's format.
+    calls: Option<CallSplit>,
     /// Log-probabilities of tokens not yet attached to a piece of text.
     logprobs: Vec<(u32, TokenLogprobs)>,
     done: bool,
@@ -65,8 +75,10 @@ pub struct RequestInfo {
     /// Chat answers: the markers their reasoning is split at, and whether the prompt left
     /// the model inside its reasoning.
     pub reasoning: Option<(Markers, bool)>,
-    /// Chat answers that are tool calls (`tool_choice` named or `required`).
+    /// Chat answers that are or may be tool calls.
     pub tool_calling: Option<ToolCalling>,
+    /// The format `auto` calls are read in (`AppState::tool_calls`).
+    pub call_format: Option<CallFormat>,
     pub started: Instant,
 }
 
@@ -89,6 +101,12 @@ impl Generation {
                 split: info
                     .reasoning
                     .map(|(markers, inside)| ReasoningSplit::new(markers, inside)),
+                calls: match (&info.tool_calling, info.call_format) {
+                    (Some(ToolCalling::Auto { tools, one_call }), Some(format)) => {
+                        Some(CallSplit::new(format, tools.clone(), *one_call))
+                    }
+                    _ => None,
+                },
                 logprobs: Vec::new(),
                 done: false,
             })
@@ -174,22 +192,48 @@ impl Generation {
     }
 
     fn push_split(&mut self, index: usize, split: Split) {
-        if !split.answer.is_empty() || !split.reasoning.is_empty() {
+        let parsed = match &mut self.choices[index].calls {
+            Some(calls) => calls.push(&split.answer),
+            None => Parsed {
+                content: split.answer,
+                calls: Vec::new(),
+            },
+        };
+        self.push_parsed(index, split.reasoning, parsed);
+    }
+
+    fn push_parsed(&mut self, index: usize, reasoning: String, parsed: Parsed) {
+        if !parsed.content.is_empty() || !reasoning.is_empty() {
             let logprobs = std::mem::take(&mut self.choices[index].logprobs);
             self.pending.push_back(Output::Text {
                 index,
-                text: split.answer,
-                reasoning: split.reasoning,
+                text: parsed.content,
+                reasoning,
                 logprobs,
+            });
+        }
+        if !parsed.calls.is_empty() {
+            self.pending.push_back(Output::Calls {
+                index,
+                calls: parsed.calls,
             });
         }
     }
 
     fn finish(&mut self, index: usize, reason: &'static str) {
-        // What the split still holds ends the text, however the choice ended (a stop string
+        // What the splits still hold ends the text, however the choice ended (a stop string
         // may cut the output at a marker's beginning).
         if let Some(held) = self.choices[index].split.as_mut().map(ReasoningSplit::finish) {
             self.push_split(index, held);
+        }
+        let mut reason = reason;
+        if let Some(calls) = &mut self.choices[index].calls {
+            let held = calls.finish();
+            // A choice that called tools and ended on its own is waiting for their results.
+            if calls.called() && reason == "stop" {
+                reason = "tool_calls";
+            }
+            self.push_parsed(index, String::new(), held);
         }
         let choice = &mut self.choices[index];
         if !choice.logprobs.is_empty() {
@@ -266,6 +310,17 @@ mod tests {
 
     /// The same, with stop strings.
     fn outputs_stopping_at(parser: ReasoningParser, inside: bool, text: &str, stops: &[&str]) -> Vec<Output> {
+        outputs_calling(parser, inside, text, stops, None)
+    }
+
+    /// The same, the answer free to call `auto`'s tools in Gemma 4's format.
+    fn outputs_calling(
+        parser: ReasoningParser,
+        inside: bool,
+        text: &str,
+        stops: &[&str],
+        auto: Option<ToolCalling>,
+    ) -> Vec<Output> {
         let tokenizer = Arc::new(tokenizer());
         let ids = tokenizer.encode(text, false).unwrap();
         let (requests, _inbox) = mpsc::unbounded_channel();
@@ -275,6 +330,7 @@ mod tests {
             context_length: 256,
             api_key: None,
             reasoning: parser.markers(Family::Gemma4),
+            tool_calls: Some(CallFormat::Gemma4),
             structured: crate::serve::structured::LazyStructuredOutputs::new(tokenizer.clone()),
             requests,
             metrics: Default::default(),
@@ -293,7 +349,8 @@ mod tests {
             min_tokens: 0,
             stop_tokens: Vec::new(),
             prompt_tokens: 1,
-            tool_calling: None,
+            tool_calling: auto,
+            call_format: Some(CallFormat::Gemma4),
             started: Instant::now(),
         };
         let (events, receiver) = mpsc::unbounded_channel();
@@ -347,5 +404,43 @@ mod tests {
         assert_eq!(texts(&stopped), (String::new(), "<|channel>th".into()));
         let stopped = outputs_stopping_at(ReasoningParser::Auto, true, "a cat<chandog", &["dog"]);
         assert_eq!(texts(&stopped), ("a cat<chan".into(), String::new()));
+    }
+
+    /// With `tool_choice` auto, a call in the model's format after its reasoning becomes a
+    /// call, out of the text, and the choice finishes for its results; without it, the text is
+    /// as written.
+    #[test]
+    fn calls_in_the_models_format_are_parsed_out_of_the_answer() {
+        let auto = ToolCalling::Auto {
+            tools: Vec::new(),
+            one_call: false,
+        };
+        let text = "<|channel>thought\nask it<channel|>Checking. <|tool_call>call:weather{city:<|\"|>Oslo<|\"|>,days:2}<tool_call|>";
+        let out = outputs_calling(ReasoningParser::Auto, false, text, &[], Some(auto));
+        assert_eq!(texts(&out), ("ask it".into(), "Checking.".into()));
+        let calls: Vec<&ToolCall> = out
+            .iter()
+            .flat_map(|o| match o {
+                Output::Calls { calls, .. } => calls.iter().collect(),
+                _ => Vec::new(),
+            })
+            .collect();
+        assert_eq!(
+            calls,
+            [&ToolCall {
+                name: "weather".into(),
+                arguments: r#"{"city":"Oslo","days":2}"#.into()
+            }]
+        );
+        assert!(matches!(
+            out.last(),
+            Some(Output::Finish {
+                reason: "tool_calls",
+                ..
+            })
+        ));
+        let plain = outputs(ReasoningParser::Auto, false, text);
+        assert!(texts(&plain).1.ends_with("<tool_call|>"));
+        assert!(matches!(plain.last(), Some(Output::Finish { reason: "stop", .. })));
     }
 }

@@ -10,6 +10,8 @@ use super::reasoning::Markers;
 use super::request::{self, Endpoint, GenerationRequest, PromptInput};
 use super::response::{self, json_response, unix_time};
 use super::structured::LazyStructuredOutputs;
+use super::tool_parser::CallFormat;
+use super::tools::ToolCalling;
 use super::worker::NewRequest;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -33,6 +35,9 @@ pub struct AppState {
     pub api_key: Option<String>,
     /// Where chat responses split reasoning from the answer (`serve::reasoning`).
     pub reasoning: Option<Markers>,
+    /// The format `tool_choice` auto reads the model's calls in (`serve::tool_parser`); none
+    /// refuses it.
+    pub tool_calls: Option<CallFormat>,
     /// The grammar compiler over the model's vocabulary (structured outputs).
     pub structured: LazyStructuredOutputs,
     pub requests: mpsc::UnboundedSender<NewRequest>,
@@ -160,6 +165,16 @@ async fn start(
             ));
         }
     }
+    let auto_calls = matches!(
+        request.tools.as_ref().and_then(|t| t.calling.as_ref()),
+        Some(ToolCalling::Auto { .. })
+    );
+    if auto_calls && app.tool_calls.is_none() {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "`tool_choice` auto (the default where `tools` are given) reads calls in the model's own format, and this model's chat template writes none bbc knows: start `bbc serve` with `--tool-call-parser`, or ask for `required` or a named function",
+        ));
+    }
     let (prompt, rendered) = tokenize(&app.tokenizer, &request)?;
     // Chat answers only: completions return the text as the model wrote it.
     let reasoning = match endpoint {
@@ -221,6 +236,7 @@ async fn start(
         prompt_tokens: prompt.len(),
         reasoning,
         tool_calling: request.tools.and_then(|t| t.calling),
+        call_format: app.tool_calls,
         started,
     };
     Ok(Generation::new(info, events))

@@ -15,6 +15,7 @@ mod request;
 mod response;
 mod structured;
 mod text;
+mod tool_parser;
 mod tools;
 mod worker;
 
@@ -87,6 +88,12 @@ pub struct ServeArgs {
     /// none, or the named pair.
     #[arg(long, value_enum, default_value_t = reasoning::ReasoningParser::Auto)]
     pub reasoning_parser: reasoning::ReasoningParser,
+    /// The format `tool_choice` auto (the default where a request gives `tools`) reads the
+    /// model's calls in: the one its chat template writes (`auto`: `<|tool_call>` Gemma 4,
+    /// `<arg_key>` GLM, `<function=`/`<parameter=` Qwen3-Coder and Qwen3.5, `<tool_call>` JSON
+    /// Hermes), none (auto refused), or the named one.
+    #[arg(long, value_enum, default_value_t = tool_parser::ToolCallParser::Auto)]
+    pub tool_call_parser: tool_parser::ToolCallParser,
 }
 
 /// The drafting the flags and the model.toml ask for (flags first).
@@ -210,6 +217,14 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         }
     }
     let structured = structured::LazyStructuredOutputs::new(tokenizer.clone());
+    let template = tokenizer.chat_template.as_ref().map(|t| t.source());
+    let tool_calls = args.tool_call_parser.format(template);
+    match tool_calls {
+        Some(format) => eprintln!("tool calls (tool_choice auto) read in the {} format", format.name()),
+        None => {
+            eprintln!("tool_choice auto: refused (no tool-call format in the chat template; see --tool-call-parser)")
+        }
+    }
     let state = Arc::new(http::AppState {
         model_name: args
             .served_model_name
@@ -219,6 +234,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         context_length,
         api_key: args.api_key.clone(),
         reasoning: args.reasoning_parser.markers(family),
+        tool_calls,
         structured,
         requests,
         metrics,

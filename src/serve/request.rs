@@ -87,9 +87,14 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<GenerationRequest, ApiEr
         Endpoint::Chat => tools::parse(&obj)?,
         Endpoint::Completions => None,
     };
+    // A forced call's shape is a structured output; `auto` leaves the output free (or to
+    // the request's own structured output, its calls then read from what that allows).
     let structured = match (
         output_spec::parse(&obj)?,
-        tools.as_ref().and_then(|t| t.calling.as_ref()),
+        tools
+            .as_ref()
+            .and_then(|t| t.calling.as_ref())
+            .and_then(|c| c.structured()),
     ) {
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid(
@@ -97,7 +102,7 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<GenerationRequest, ApiEr
                 "a tool call's shape is its tool's; it cannot be combined with another structured output",
             ))
         }
-        (structured, calling) => structured.or_else(|| calling.map(|c| c.structured())),
+        (structured, call) => structured.or(call),
     };
     let min_tokens = min_tokens(&fields, max_tokens, structured.is_some())?;
     Ok(GenerationRequest {
@@ -563,10 +568,10 @@ mod tests {
             parse(body.as_bytes(), Endpoint::Chat).map_err(|e| e.param)
         };
         let tools = r#","tools":[{"type":"function","function":{"name":"f","parameters":{}}}]"#;
-        // Tools with `auto` (their default) would need the model's own call format parsed.
-        assert_eq!(chat(tools).unwrap_err().as_deref(), Some("tool_choice"));
-        let auto = format!(r#"{tools},"tool_choice":"auto""#);
-        assert_eq!(chat(&auto).unwrap_err().as_deref(), Some("tool_choice"));
+        // `auto` (the default with tools) leaves the output free, or to a structured output.
+        assert!(chat(tools).is_ok());
+        let auto = format!(r#"{tools},"tool_choice":"auto","response_format":{{"type":"json_object"}}"#);
+        assert!(chat(&auto).is_ok());
         assert!(chat(&format!(r#"{tools},"tool_choice":"none""#)).is_ok());
         assert!(chat(r#","tools":[],"tool_choice":"auto""#).is_ok());
         let required = parse(

@@ -137,6 +137,7 @@ pub fn stream(generation: Generation) -> Sse<impl futures_util::Stream<Item = Re
         sent_text: vec![false; n],
         text_offsets: vec![0; n],
         call_text: vec![String::new(); n],
+        calls_sent: vec![0; n],
         ended: false,
     };
     let events = futures_util::stream::unfold(state, |mut s| async move {
@@ -159,6 +160,8 @@ struct StreamState {
     /// Per choice, where the answer is `required` tool calls: its text so far (the calls are
     /// known once it is whole).
     call_text: Vec<String>,
+    /// Per choice, the calls in the model's own format sent so far (`tool_choice` auto).
+    calls_sent: Vec<usize>,
     ended: bool,
 }
 
@@ -186,7 +189,7 @@ impl StreamState {
                         delta.remove("content");
                         delta.insert("tool_calls".into(), tools::named_call_delta(&tool.name, &text, first));
                     }
-                    Some(ToolCalling::Required(_)) => {
+                    Some(ToolCalling::Required { .. }) => {
                         self.call_text[index] += &text;
                         let delta = choice[0]["delta"].as_object_mut().expect("a chat delta");
                         delta.remove("content");
@@ -194,16 +197,26 @@ impl StreamState {
                             return;
                         }
                     }
-                    None => {}
+                    Some(ToolCalling::Auto { .. }) | None => {}
                 }
                 self.ready.push_back(chunk(g, choice).to_string());
                 self.sent_text[index] = true;
             }
+            Some(Output::Calls { index, calls }) => {
+                let mut delta = json!({ "tool_calls": tools::tool_calls_json(&calls, Some(self.calls_sent[index])) });
+                if !self.sent_text[index] {
+                    delta["role"] = json!("assistant");
+                }
+                let choice = json!([{ "index": index, "delta": delta, "logprobs": null, "finish_reason": null }]);
+                self.ready.push_back(chunk(g, choice).to_string());
+                self.sent_text[index] = true;
+                self.calls_sent[index] += calls.len();
+            }
             Some(Output::Finish { index, reason }) => {
-                if let Some(calling @ ToolCalling::Required(_)) = &g.info.tool_calling {
+                if let Some(calling @ ToolCalling::Required { .. }) = &g.info.tool_calling {
                     let text = std::mem::take(&mut self.call_text[index]);
                     let delta = match calling.calls(&text) {
-                        Some(calls) => json!({ "tool_calls": tools::tool_calls_json(&calls, true) }),
+                        Some(calls) => json!({ "tool_calls": tools::tool_calls_json(&calls, Some(0)) }),
                         None => json!({ "content": text }),
                     };
                     let choice = json!([{ "index": index, "delta": delta, "logprobs": null, "finish_reason": null }]);
@@ -238,6 +251,7 @@ pub async fn complete(mut g: Generation) -> Response {
     let mut reasonings = vec![String::new(); n];
     let mut finishes = vec!["length"; n];
     let mut logprobs: Vec<Vec<(u32, TokenLogprobs)>> = vec![Vec::new(); n];
+    let mut auto_calls: Vec<Vec<tools::ToolCall>> = vec![Vec::new(); n];
     while let Some(output) = g.next().await {
         match output {
             Output::Text {
@@ -250,6 +264,7 @@ pub async fn complete(mut g: Generation) -> Response {
                 reasonings[index] += &reasoning;
                 logprobs[index].extend(lp);
             }
+            Output::Calls { index, calls } => auto_calls[index].extend(calls),
             Output::Finish { index, reason } => finishes[index] = reason,
             Output::Error(message) => return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message).into_response(),
         }
@@ -265,7 +280,14 @@ pub async fn complete(mut g: Generation) -> Response {
                     let mut message = json!({ "role": "assistant", "content": texts[i] });
                     if let Some(calls) = g.info.tool_calling.as_ref().and_then(|c| c.calls(&texts[i])) {
                         message["content"] = Value::Null;
-                        message["tool_calls"] = tools::tool_calls_json(&calls, false);
+                        message["tool_calls"] = tools::tool_calls_json(&calls, None);
+                    }
+                    // `auto` calls beside the text before them (null where there was none).
+                    if !auto_calls[i].is_empty() {
+                        if texts[i].is_empty() {
+                            message["content"] = Value::Null;
+                        }
+                        message["tool_calls"] = tools::tool_calls_json(&auto_calls[i], None);
                     }
                     // Where the request splits reasoning off, the field is there (null for none).
                     if g.info.reasoning.is_some() {

@@ -1,9 +1,10 @@
-//! Tool calling as vLLM does it for any model: a chat request's `tools` reach the chat
-//! template, and a `tool_choice` that names a function or is `required` makes the answer a
-//! call, its shape held by a structured output (the named function's parameters; for
-//! `required`, a JSON array of `{"name", "parameters"}` objects, one of the tools each), then
-//! returned as OpenAI's `tool_calls`. `auto` would need a parser for each model family's own
-//! call format, which is not built: it is refused by name.
+//! Tool calling as vLLM does it: a chat request's `tools` reach the chat template, and
+//! `tool_choice` says what the answer may be. A named function or `required` makes the answer
+//! a call, its shape held by a structured output (the named function's parameters; for
+//! `required`, a JSON array of `{"name", "parameters"}` objects, one of the tools each).
+//! `auto` (the default with tools) leaves the model free to answer or to call in its own
+//! format, which `tool_parser` reads out of the answer. Either way the calls are returned as
+//! OpenAI's `tool_calls`; `parallel_tool_calls: false` keeps them to one.
 
 use super::error::ApiError;
 use super::output_spec::{OutputSpec, Structured};
@@ -23,8 +24,10 @@ pub struct Tool {
 pub enum ToolCalling {
     /// A call of this function: the answer is its arguments.
     Named(Tool),
-    /// One or more calls of these functions.
-    Required(Vec<Tool>),
+    /// One or more calls of these functions (one where `one_call`).
+    Required { tools: Vec<Tool>, one_call: bool },
+    /// Text, or calls of these functions in the model's own format (one where `one_call`).
+    Auto { tools: Vec<Tool>, one_call: bool },
 }
 
 /// A request's tools: as given, for the chat template, and what the answer must be.
@@ -59,11 +62,21 @@ pub fn parse(body: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
             _ => Err(ApiError::invalid("tool_choice", "`tool_choice` needs `tools`")),
         };
     }
+    let one_call = match given("parallel_tool_calls") {
+        None => false,
+        Some(Value::Bool(parallel)) => !parallel,
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "parallel_tool_calls",
+                "`parallel_tool_calls` must be true or false",
+            ))
+        }
+    };
     let calling = match choice {
         Some(Value::String(c)) if c == "none" => None,
-        Some(Value::String(c)) if c == "required" => Some(ToolCalling::Required(tools)),
-        None => return Err(auto_refused()),
-        Some(Value::String(c)) if c == "auto" => return Err(auto_refused()),
+        Some(Value::String(c)) if c == "required" => Some(ToolCalling::Required { tools, one_call }),
+        None => Some(ToolCalling::Auto { tools, one_call }),
+        Some(Value::String(c)) if c == "auto" => Some(ToolCalling::Auto { tools, one_call }),
         Some(Value::Object(named)) => {
             let name = named
                 .get("function")
@@ -93,13 +106,6 @@ pub fn parse(body: &Map<String, Value>) -> Result<Option<Tools>, ApiError> {
     Ok(Some(Tools { definitions, calling }))
 }
 
-fn auto_refused() -> ApiError {
-    ApiError::invalid(
-        "tool_choice",
-        "`tool_choice` auto (the default where `tools` are given) needs a parser for the model's own tool-call format, which bbc does not have; ask for `required` or a named function",
-    )
-}
-
 /// One of `tools`: `{"type": "function", "function": {"name", "description", "parameters"}}`.
 fn tool(value: &Value) -> Result<Tool, ApiError> {
     let bad = |what: &str| ApiError::invalid("tools", format!("each tool needs {what}"));
@@ -123,11 +129,12 @@ fn tool(value: &Value) -> Result<Tool, ApiError> {
 }
 
 impl ToolCalling {
-    /// The structured output that holds the answer to a call.
-    pub fn structured(&self) -> Structured {
+    /// The structured output that holds the answer to a call; none for `auto`.
+    pub fn structured(&self) -> Option<Structured> {
         let spec = match self {
+            Self::Auto { .. } => return None,
             Self::Named(tool) => tool.parameters.clone(),
-            Self::Required(tools) => {
+            Self::Required { tools, one_call } => {
                 let calls: Vec<Value> = tools
                     .iter()
                     .map(|t| {
@@ -135,18 +142,24 @@ impl ToolCalling {
                                "properties": {"name": {"type": "string", "enum": [t.name]}, "parameters": t.parameters}})
                     })
                     .collect();
-                json!({"type": "array", "minItems": 1, "items": {"anyOf": calls}})
+                let mut array = json!({"type": "array", "minItems": 1, "items": {"anyOf": calls}});
+                if *one_call {
+                    array["maxItems"] = json!(1);
+                }
+                array
             }
         };
-        Structured {
+        Some(Structured {
             spec: OutputSpec::JsonSchema(spec),
             param: "tools".into(),
-        }
+        })
     }
 
-    /// The calls an answer makes; None where it is not one (cut short by `max_tokens`).
+    /// The calls a whole answer to a named function or `required` makes; None where it is
+    /// not one (cut short by `max_tokens`) and for `auto` (whose calls `tool_parser` reads).
     pub fn calls(&self, answer: &str) -> Option<Vec<ToolCall>> {
         match self {
+            Self::Auto { .. } => None,
             Self::Named(tool) => {
                 serde_json::from_str::<Value>(answer).ok()?;
                 Some(vec![ToolCall {
@@ -154,7 +167,7 @@ impl ToolCalling {
                     arguments: answer.trim().to_string(),
                 }])
             }
-            Self::Required(_) => {
+            Self::Required { .. } => {
                 let Value::Array(calls) = serde_json::from_str(answer).ok()? else {
                     return None;
                 };
@@ -183,16 +196,16 @@ pub fn named_call_delta(name: &str, arguments: &str, first: bool) -> Value {
 }
 
 /// OpenAI's `tool_calls` for `calls`, each with an id of its own (streamed, each with its
-/// `index`).
-pub fn tool_calls_json(calls: &[ToolCall], streamed: bool) -> Value {
+/// `index`, counted from `streamed`'s: the calls sent before).
+pub fn tool_calls_json(calls: &[ToolCall], streamed: Option<usize>) -> Value {
     calls
         .iter()
         .enumerate()
         .map(|(i, call)| {
             let mut c = json!({"id": call_id(), "type": "function",
                                "function": {"name": call.name, "arguments": call.arguments}});
-            if streamed {
-                c["index"] = json!(i);
+            if let Some(sent) = streamed {
+                c["index"] = json!(sent + i);
             }
             c
         })
@@ -240,19 +253,45 @@ mod tests {
         );
         assert_eq!(named.definitions.len(), 2);
         let required = tools(json!({"tool_choice": "required"})).unwrap().unwrap();
-        assert!(matches!(required.calling, Some(ToolCalling::Required(ref t)) if t.len() == 2));
+        assert!(
+            matches!(required.calling, Some(ToolCalling::Required { ref tools, one_call: false }) if tools.len() == 2)
+        );
+        for auto in [json!({}), json!({"tool_choice": "auto", "parallel_tool_calls": false})] {
+            let one_call = auto.get("parallel_tool_calls").is_some();
+            let calling = tools(auto).unwrap().unwrap().calling;
+            assert!(
+                matches!(calling, Some(ToolCalling::Auto { ref tools, one_call: o }) if tools.len() == 2 && o == one_call)
+            );
+        }
         assert_eq!(tools(json!({"tool_choice": "none"})).unwrap().unwrap().calling, None);
         let no_tools = |body: Value| parse(body.as_object().unwrap());
         assert_eq!(no_tools(json!({"tools": [], "tool_choice": "auto"})).unwrap(), None);
         assert_eq!(no_tools(json!({})).unwrap(), None);
     }
 
+    /// `parallel_tool_calls: false` holds `required` to an array of one call.
+    #[test]
+    fn one_required_call_where_parallel_calls_are_off() {
+        let spec = |parallel: bool| {
+            let calling = tools(json!({"tool_choice": "required", "parallel_tool_calls": parallel}))
+                .unwrap()
+                .unwrap()
+                .calling
+                .unwrap();
+            match calling.structured().unwrap().spec {
+                OutputSpec::JsonSchema(schema) => schema,
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(spec(false)["maxItems"], 1);
+        assert!(spec(true).get("maxItems").is_none());
+    }
+
     #[test]
     fn bad_tools_and_choices_are_named() {
         for (extra, param) in [
-            (json!({}), "tool_choice"),
-            (json!({"tool_choice": "auto"}), "tool_choice"),
             (json!({"tool_choice": "sometimes"}), "tool_choice"),
+            (json!({"parallel_tool_calls": "no"}), "parallel_tool_calls"),
             (
                 json!({"tool_choice": {"type": "function", "function": {"name": "nope"}}}),
                 "tool_choice",
@@ -300,15 +339,18 @@ mod tests {
             }])
         );
         assert_eq!(named.calls("{\"city\": \"Os"), None, "cut short");
-        let required = ToolCalling::Required(vec![weather]);
+        let required = ToolCalling::Required {
+            tools: vec![weather],
+            one_call: false,
+        };
         let calls = required
             .calls(r#"[{"name": "weather", "parameters": {"city": "Oslo"}}, {"name": "weather", "parameters": {}}]"#)
             .unwrap();
         assert_eq!(calls.len(), 2);
         assert_eq!(calls[0].arguments, r#"{"city":"Oslo"}"#);
         assert_eq!(required.calls("[{\"name\": \"weather\""), None);
-        let json = tool_calls_json(&calls, true);
-        assert_eq!(json[1]["index"], 1);
+        let json = tool_calls_json(&calls, Some(3));
+        assert_eq!(json[1]["index"], 4);
         assert_ne!(json[0]["id"], json[1]["id"]);
         assert!(json[0]["id"].as_str().unwrap().starts_with("chatcmpl-tool-"));
     }
