@@ -10,6 +10,7 @@ fn fuse_qwen35_27b(c: &mut Criterion) {
     let options = LowerOptions {
         logits: LogitsFor::LastToken,
         compute: ComputeDtype::Bf16,
+        kv_cache: models::KvCacheDtype::Auto,
     };
     let graph = models::lower_without_weights(&ModelConfig::qwen3_5_27b(), options).expect("the shapes lower");
     let mut group = c.benchmark_group("fuse_qwen3_5_27b_64_layers");

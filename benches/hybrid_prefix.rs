@@ -97,6 +97,7 @@ fn main() {
     let options = LowerOptions {
         logits: LogitsFor::LastToken,
         compute: ComputeDtype::Bf16,
+        kv_cache: models::KvCacheDtype::Auto,
     };
     let graph = models::lower_without_weights(&config, options).unwrap();
     let dir = tempfile::tempdir().unwrap();

@@ -90,6 +90,7 @@ fn main() {
         let options = LowerOptions {
             logits,
             compute: ComputeDtype::Bf16,
+            kv_cache: models::KvCacheDtype::Auto,
         };
         models::lower_without_weights(&config, options).unwrap()
     };

@@ -5,7 +5,7 @@ use crate::fetch;
 use anyhow::{bail, Context, Result};
 use codegen::Target;
 use ir::Graph;
-use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
+use models::{ComputeDtype, KvCacheDtype, LogitsFor, Model, ModelSpec};
 use std::path::{Path, PathBuf};
 
 pub enum ModelRef {
@@ -99,6 +99,8 @@ pub fn cost_model(target: Target) -> passes::CostModel {
 #[derive(Debug, Clone, Copy)]
 pub struct LoadOptions {
     pub dtype: Option<ComputeDtype>,
+    /// Overrides the KV caches' element type of anything but an artifact.
+    pub kv_cache_dtype: Option<KvCacheDtype>,
     pub logits: LogitsFor,
     /// Also build the greedy graph (whose LM head may become the INT8-bound top-k).
     pub greedy: bool,
@@ -111,6 +113,7 @@ pub struct LoadOptions {
 pub fn tokenizer(arg: &str) -> Result<models::Tokenizer> {
     let options = LoadOptions {
         dtype: None,
+        kv_cache_dtype: None,
         logits: LogitsFor::LastToken,
         greedy: false,
         fuse: false,
@@ -129,6 +132,9 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
         Some(mut spec) => {
             if let Some(d) = options.dtype {
                 spec.dtype = d;
+            }
+            if let Some(k) = options.kv_cache_dtype {
+                spec.kv_cache_dtype = k;
             }
             let speculative = spec.speculative;
             let model = Model::open(spec)?;
@@ -160,6 +166,9 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
             if options.dtype.is_some() {
                 bail!("--dtype does not apply to a compiled artifact: its dtype was fixed by `bbc compile`");
             }
+            if options.kv_cache_dtype.is_some() {
+                bail!("--kv-cache-dtype does not apply to a compiled artifact: its caches were fixed by `bbc compile` (model.toml's `kv_cache_dtype`)");
+            }
             load_artifact(&dir)
         }
     }
@@ -171,6 +180,8 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
         weights: manifest.weights.clone(),
         architecture: Some(manifest.family),
         dtype: manifest.dtype,
+        // The artifact's graphs carry their caches' element type.
+        kv_cache_dtype: KvCacheDtype::Auto,
         context_length: Some(manifest.context_length),
         tokenizer: manifest.tokenizer.clone(),
         speculative: None,

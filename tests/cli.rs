@@ -42,6 +42,47 @@ fn run_json_gives_the_reference_greedy_tokens() {
     assert_eq!(out["text"].as_str().unwrap(), " Paris.\n\nThe answer is:");
 }
 
+/// A half KV cache (`--kv-cache-dtype f16`) keeps the reference's first greedy tokens;
+/// a kind bbc does not store is refused naming the choices, and so is the flag on an artifact
+/// (whose graph fixed its caches).
+#[test]
+fn a_half_kv_cache_keeps_the_greedy_tokens() {
+    let reference = read_json("real/smollm2.json");
+    let case = &reference["raw"][0];
+    let model = smollm2();
+    let prompt = case["prompt"].as_str().unwrap();
+    let run = |cache: &str| {
+        let args = [
+            "run",
+            &model,
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "8",
+            "--dtype",
+            "f32",
+            "--json",
+        ];
+        json(&[&args[..], &["--kv-cache-dtype", cache]].concat())
+    };
+    assert_eq!(ids(&run("f16")["ids"]), ids(&case["greedy_ids"])[..8]);
+    let refused = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_bbc")).args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = refused(&["run", &model, "--prompt", "x", "--kv-cache-dtype", "fp8"]);
+    assert!(err.contains("choose auto, f32, bf16 or f16"), "{err}");
+    let scratch = common::scratch_dir("bbc-kv-artifact-");
+    let dir = scratch.path().join("artifact");
+    bbc(&["compile", &model, "--target", "cpu", "-o", dir.to_str().unwrap()]);
+    let err = refused(&["run", dir.to_str().unwrap(), "--prompt", "x", "--kv-cache-dtype", "f16"]);
+    assert!(
+        err.contains("--kv-cache-dtype does not apply to a compiled artifact"),
+        "{err}"
+    );
+}
+
 #[test]
 fn streaming_prints_the_same_text_as_json() {
     let model = smollm2();

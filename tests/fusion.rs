@@ -60,6 +60,7 @@ fn every_layer_of_a_deep_model_fuses_alike() {
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,
         compute: models::ComputeDtype::Bf16,
+        kv_cache: models::KvCacheDtype::Auto,
     };
     let graph = models::lower_without_weights(&models::ModelConfig::llama3_8b(), options).unwrap();
     for model in [passes::CostModel::CPU, passes::CostModel::H200, passes::CostModel::B200] {

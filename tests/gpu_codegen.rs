@@ -48,6 +48,7 @@ fn bf16_graph(config: &models::ModelConfig) -> ir::Graph {
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,
         compute: ComputeDtype::Bf16,
+        kv_cache: models::KvCacheDtype::Auto,
     };
     models::lower_without_weights(config, options).unwrap()
 }

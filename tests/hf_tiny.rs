@@ -885,6 +885,7 @@ fn lowering_without_weights_gives_the_graph_the_weights_give() {
             let options = models::LowerOptions {
                 logits,
                 compute: ComputeDtype::Bf16,
+                kv_cache: models::KvCacheDtype::Auto,
             };
             let implied = models::lower_without_weights(&model.config, options).unwrap();
             assert_eq!(implied.to_text(), model.lower(logits).unwrap().to_text(), "{family}");
@@ -894,6 +895,7 @@ fn lowering_without_weights_gives_the_graph_the_weights_give() {
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,
         compute: ComputeDtype::Bf16,
+        kv_cache: models::KvCacheDtype::Auto,
     };
     let graph = models::lower_without_weights(&eight_b, options).unwrap();
     let weights: usize = graph

@@ -30,6 +30,14 @@ static __device__ __forceinline__ float bbc_f16_to_f32(unsigned int h) {
 }
 "#;
 
+const F16_STORE_HELPER: &str = r#"// f32 -> IEEE half (the low 16 bits), rounded to nearest even: a half KV cache's stores.
+static __device__ __forceinline__ unsigned short bbc_f32_to_f16(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+"#;
+
 const ORDERED_BITS_HELPER: &str = r#"// An f32 as a u32 that orders as bbc's rankings order floats (total order, NaN as -inf): the
 // sign bit set for positives, every bit flipped for negatives.
 static __device__ __forceinline__ unsigned int bbc_ordered_bits(float f) {
@@ -158,6 +166,9 @@ pub fn emit(kernel: &Kernel) -> String {
     }
     if uses_op(&kernel.body, UnOp::HalfToFloat) || has_buffer_of(kernel, Ty::F16) {
         let _ = writeln!(out, "{F16_HELPER}");
+    }
+    if stores_half(kernel) {
+        let _ = writeln!(out, "{F16_STORE_HELPER}");
     }
     if uses_op(&kernel.body, UnOp::OrderedBits) {
         let _ = writeln!(out, "{ORDERED_BITS_HELPER}");
@@ -294,6 +305,22 @@ fn has_buffer_of(kernel: &Kernel, element: Ty) -> bool {
         .any(|p| matches!(p, Param::Buffer { ty, .. } if *ty == element))
 }
 
+/// Whether the kernel writes a buffer of halves (a half KV cache).
+fn stores_half(kernel: &Kernel) -> bool {
+    let halves: Vec<&str> = kernel
+        .params
+        .iter()
+        .filter_map(|p| match p {
+            Param::Buffer { name, ty: Ty::F16, .. } => Some(name.as_str()),
+            _ => None,
+        })
+        .collect();
+    any_stmt(
+        &kernel.body,
+        &|s| matches!(s, Stmt::Store { buf, .. } if halves.contains(&buf.as_str())),
+    )
+}
+
 fn uses_bf16(kernel: &Kernel) -> bool {
     has_buffer_of(kernel, Ty::Bf16)
         || kernel.shared.iter().any(|a| a.ty == Ty::Bf16)
@@ -322,6 +349,7 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
                 let v = expr(value, scope);
                 let v = match ty {
                     Ty::Bf16 => format!("bbc_f32_to_bf16({v})"),
+                    Ty::F16 => format!("bbc_f32_to_f16({v})"),
                     Ty::I8 | Ty::U8 => format!("({ty})({v})"),
                     _ => v,
                 };

@@ -202,10 +202,6 @@ fn check_block_declaring<'a>(
                 if !writable {
                     return Err(format!("`{buf}` is read-only"));
                 }
-                if ty == Ty::F16 {
-                    // Weights only: the emitter has no f32 -> half rounding.
-                    return Err(format!("a store into f16 `{buf}`"));
-                }
                 scope.int(index)?;
                 let got = scope.type_of(value)?;
                 if got != ty.compute() {

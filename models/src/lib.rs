@@ -15,7 +15,9 @@ pub use config::{
     Family, Gemma4Config, LayerAttention, LayerHeads, LinearAttentionConfig, MlaConfig, ModelConfig, MoeConfig,
 };
 pub use error::{ModelError, Result};
-pub use families::{lower, lower_without_weights, with_greedy_token, ComputeDtype, LogitsFor, LowerOptions};
+pub use families::{
+    lower, lower_without_weights, with_greedy_token, ComputeDtype, KvCacheDtype, LogitsFor, LowerOptions,
+};
 pub use model_toml::{ModelSpec, NgramSpec};
 pub use tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
 pub use weights::{TensorView, WeightSource};
@@ -101,6 +103,7 @@ impl Model {
             LowerOptions {
                 logits,
                 compute: self.spec.dtype,
+                kv_cache: self.spec.kv_cache_dtype,
             },
         )
     }

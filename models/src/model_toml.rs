@@ -6,6 +6,8 @@
 //!                                              # paths are relative to this file
 //! architecture = "llama"                       # optional: llama | gemma3 (detected when omitted)
 //! dtype = "native"                             # optional: f32 | bf16 | native (default native)
+//! kv_cache_dtype = "auto"                      # optional: auto | f32 | bf16 | f16 (auto: bf16
+//!                                              # for a bf16 dtype, f32 otherwise)
 //! context_length = 4096                        # optional: at most the model's own
 //! tokenizer = "tokenizer.json"                 # optional: overrides the weights' tokenizer
 //!
@@ -20,7 +22,7 @@
 
 use crate::config::Family;
 use crate::error::{io_error, ModelError, Result};
-use crate::families::ComputeDtype;
+use crate::families::{ComputeDtype, KvCacheDtype};
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
@@ -72,6 +74,7 @@ pub struct ModelSection {
     pub weights: PathBuf,
     pub architecture: Option<String>,
     pub dtype: Option<String>,
+    pub kv_cache_dtype: Option<String>,
     pub context_length: Option<usize>,
     pub tokenizer: Option<PathBuf>,
 }
@@ -82,6 +85,7 @@ pub struct ModelSpec {
     pub weights: PathBuf,
     pub architecture: Option<Family>,
     pub dtype: ComputeDtype,
+    pub kv_cache_dtype: KvCacheDtype,
     pub context_length: Option<usize>,
     pub tokenizer: Option<PathBuf>,
     /// `[speculative]`, where the file has it.
@@ -117,6 +121,14 @@ impl ModelSpec {
             Some(d) => ComputeDtype::parse(d)
                 .ok_or_else(|| bad(format!("model.dtype `{d}` is not one of: f32, bf16, native")))?,
         };
+        let kv_cache_dtype = match m.kv_cache_dtype.as_deref() {
+            None => KvCacheDtype::Auto,
+            Some(d) => KvCacheDtype::parse(d).ok_or_else(|| {
+                bad(format!(
+                    "model.kv_cache_dtype `{d}` is not one of: auto, f32, bf16, f16"
+                ))
+            })?,
+        };
         if m.context_length == Some(0) {
             return Err(bad("model.context_length must be at least 1".into()));
         }
@@ -138,6 +150,7 @@ impl ModelSpec {
             weights: base.join(m.weights),
             architecture,
             dtype,
+            kv_cache_dtype,
             context_length: m.context_length,
             tokenizer: m.tokenizer.map(|t| base.join(t)),
             speculative,
@@ -150,6 +163,7 @@ impl ModelSpec {
             weights: weights.to_path_buf(),
             architecture: None,
             dtype: ComputeDtype::Native,
+            kv_cache_dtype: KvCacheDtype::Auto,
             context_length: None,
             tokenizer: None,
             speculative: None,
@@ -171,6 +185,9 @@ mod tests {
         assert_eq!(spec.weights, Path::new("/m/w.gguf"));
         assert_eq!(spec.dtype, ComputeDtype::F32);
         assert_eq!(spec.architecture, None);
+        assert_eq!(spec.kv_cache_dtype, KvCacheDtype::Auto);
+        let half = parse("[model]\nweights = \"w.gguf\"\nkv_cache_dtype = \"f16\"\n").unwrap();
+        assert_eq!(half.kv_cache_dtype, KvCacheDtype::F16);
     }
 
     #[test]
@@ -225,6 +242,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("f8"), "{err}");
+        let err = parse("[model]\nweights = \"w\"\nkv_cache_dtype = \"fp8\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("kv_cache_dtype `fp8`"), "{err}");
         let err = parse("[model]\nweights = \"w\"\narchitecture = \"gpt9\"\n")
             .unwrap_err()
             .to_string();

@@ -31,6 +31,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     }
     let options = model_ref::LoadOptions {
         dtype: None,
+        kv_cache_dtype: None,
         logits: LogitsFor::LastToken,
         greedy: true,
         fuse: false,

@@ -3,7 +3,7 @@
 use crate::model_ref;
 use crate::structured::{GrammarConstraint, OutputSpec, Reasoning, StructuredOutputs};
 use anyhow::{bail, Context, Result};
-use models::{ChatMessage, ComputeDtype, LogitsFor, StreamDecoder, Tokenizer};
+use models::{ChatMessage, ComputeDtype, KvCacheDtype, LogitsFor, StreamDecoder, Tokenizer};
 use runtime::{generate_processed, Engine, GenerateOptions, LogitsProcessor, SamplingParams};
 use std::io::Write;
 use std::path::PathBuf;
@@ -43,6 +43,10 @@ pub struct RunArgs {
     /// Compute dtype for matrices: f32, bf16 or native (the file's quantization).
     #[arg(long, value_parser = parse_dtype)]
     pub dtype: Option<ComputeDtype>,
+    /// What the KV cache stores keys and values as: auto (bf16 for a bf16 dtype, f32
+    /// otherwise), f32, bf16 or f16 (half the bytes of f32, as llama.cpp keeps its cache).
+    #[arg(long, value_parser = parse_kv_cache_dtype)]
+    pub kv_cache_dtype: Option<KvCacheDtype>,
     /// Run the graph as lowered, without the fusion passes.
     #[arg(long)]
     pub no_fuse: bool,
@@ -65,6 +69,11 @@ pub fn parse_dtype(d: &str) -> std::result::Result<ComputeDtype, String> {
     ComputeDtype::parse(d).ok_or_else(|| format!("--dtype {d}: choose f32, bf16 or native"))
 }
 
+/// `--kv-cache-dtype` as clap reads it (shared by `run` and `serve`).
+pub fn parse_kv_cache_dtype(d: &str) -> std::result::Result<KvCacheDtype, String> {
+    KvCacheDtype::parse(d).ok_or_else(|| format!("--kv-cache-dtype {d}: choose auto, f32, bf16 or f16"))
+}
+
 pub fn run(args: &RunArgs) -> Result<()> {
     if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
         bail!(
@@ -78,6 +87,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let started = Instant::now();
     let options = model_ref::LoadOptions {
         dtype: args.dtype,
+        kv_cache_dtype: args.kv_cache_dtype,
         logits: LogitsFor::LastToken,
         greedy: true,
         fuse: !args.no_fuse,

@@ -25,6 +25,7 @@ pub(super) fn serving_executor(
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,
         compute: ComputeDtype::Bf16,
+        kv_cache: models::KvCacheDtype::Auto,
     };
     let graph = models::lower_without_weights(config, options)?;
     let graph = passes::optimized(&graph, crate::model_ref::cost_model(target))?;

@@ -70,6 +70,10 @@ pub struct ServeArgs {
     /// Compute dtype for matrices: f32, bf16 or native (the file's quantization).
     #[arg(long, value_parser = crate::commands::run::parse_dtype)]
     pub dtype: Option<ComputeDtype>,
+    /// What the KV cache stores keys and values as: auto (bf16 for a bf16 dtype, f32
+    /// otherwise), f32, bf16 or f16 (half the memory of f32, as llama.cpp keeps its cache).
+    #[arg(long, value_parser = crate::commands::run::parse_kv_cache_dtype)]
+    pub kv_cache_dtype: Option<models::KvCacheDtype>,
     /// Speculative decoding by prompt lookup: draft up to N tokens a step from earlier text
     /// of the request and verify them in the same pass (0: off; overrides a model.toml's
     /// `[speculative]`). Tokens are unchanged. On the GPU, a model with recurrent state
@@ -130,6 +134,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     }
     let options = model_ref::LoadOptions {
         dtype: args.dtype,
+        kv_cache_dtype: args.kv_cache_dtype,
         logits: LogitsFor::LastToken,
         greedy: false,
         fuse: true,

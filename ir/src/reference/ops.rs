@@ -121,6 +121,7 @@ pub fn slice_columns(x: &[f32], row_len: usize, start: usize, len: usize) -> Vec
 pub fn stored_as(x: f32, dtype: crate::DType) -> f32 {
     match dtype {
         crate::DType::BF16 => half::bf16::from_f32(x).to_f32(),
+        crate::DType::F16 => half::f16::from_f32(x).to_f32(),
         _ => x,
     }
 }

@@ -61,10 +61,52 @@ impl ComputeDtype {
     }
 }
 
+/// What the KV caches store a position's keys and values as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvCacheDtype {
+    /// The compute dtype's: bf16 for a bf16 model (as transformers and vLLM keep it), f32
+    /// otherwise (exact).
+    #[default]
+    Auto,
+    F32,
+    Bf16,
+    /// IEEE half, as llama.cpp keeps its caches by default: half the bytes of f32 with three
+    /// more mantissa bits than bf16.
+    F16,
+}
+
+impl KvCacheDtype {
+    pub fn parse(s: &str) -> Option<Self> {
+        [Self::Auto, Self::F32, Self::Bf16, Self::F16]
+            .into_iter()
+            .find(|d| d.name() == s)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::F32 => "f32",
+            Self::Bf16 => "bf16",
+            Self::F16 => "f16",
+        }
+    }
+
+    /// The element type of the caches of a model computed in `compute`.
+    pub fn resolve(self, compute: ComputeDtype) -> DType {
+        match (self, compute) {
+            (Self::Auto, ComputeDtype::Bf16) | (Self::Bf16, _) => DType::BF16,
+            (Self::Auto, ComputeDtype::F32 | ComputeDtype::Native) | (Self::F32, _) => DType::F32,
+            (Self::F16, _) => DType::F16,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct LowerOptions {
     pub logits: LogitsFor,
     pub compute: ComputeDtype,
+    pub kv_cache: KvCacheDtype,
 }
 
 /// Lower the model to the graph of one step.
@@ -357,13 +399,9 @@ impl Builder<'_> {
         }
     }
 
-    /// What the KV caches store: bf16 for a bf16 model (as transformers and vLLM keep it),
-    /// f32 otherwise.
+    /// What the KV caches store (`LowerOptions::kv_cache`).
     pub fn cache_dtype(&self) -> DType {
-        match self.options.compute {
-            ComputeDtype::Bf16 => DType::BF16,
-            ComputeDtype::F32 | ComputeDtype::Native => DType::F32,
-        }
+        self.options.kv_cache.resolve(self.options.compute)
     }
 
     /// A vector weight (norms), always computed in f32.

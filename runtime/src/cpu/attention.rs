@@ -5,7 +5,8 @@
 //! sequence bit-identical results to running it by itself. Tested against the IR reference.
 
 use super::activation;
-use super::kv_pages::LayerPages;
+use super::kv_element::KvElement;
+use super::kv_pages::{LayerPages, PagesOf, TypedPages};
 use super::simd;
 use crate::kv::{cache_row, BlockId};
 use ir::reference::ops::attends;
@@ -31,8 +32,24 @@ const TILE_ROWS: usize = 4;
 /// [`simd::MANY`] query heads of one KV head, so each cache row it reads serves all of them;
 /// where that would leave fewer tasks than the pool has threads to keep busy (decode of a few
 /// sequences), a task takes one row and one head. Either way each (row, head)'s scores,
-/// softmax and weighted sum are the one-row, one-head operations, bit for bit.
+/// softmax and weighted sum are the one-row, one-head operations, bit for bit, over the cache
+/// rows widened from whatever element type they are stored in.
 pub fn attention(spec: &AttentionSpec, q: &[f32], rows: &[QueryRow], kv: &LayerPages, out: &mut [f32]) {
+    let block_size = kv.block_size();
+    match kv.typed() {
+        PagesOf::F32(pages) => attention_over(spec, q, rows, &Cache { pages, block_size }, out),
+        PagesOf::Bf16(pages) => attention_over(spec, q, rows, &Cache { pages, block_size }, out),
+        PagesOf::F16(pages) => attention_over(spec, q, rows, &Cache { pages, block_size }, out),
+    }
+}
+
+/// A slot's rows of element type `T`, and its block size.
+struct Cache<'a, T> {
+    pages: TypedPages<'a, T>,
+    block_size: usize,
+}
+
+fn attention_over<T: KvElement>(spec: &AttentionSpec, q: &[f32], rows: &[QueryRow], kv: &Cache<T>, out: &mut [f32]) {
     let group = spec.heads / spec.kv_heads;
     let shared = (1..=simd::MANY.min(group))
         .rev()
@@ -44,10 +61,10 @@ pub fn attention(spec: &AttentionSpec, q: &[f32], rows: &[QueryRow], kv: &LayerP
     let tiled = simd::wide_many(spec.head_dim) && tiles.len() < rows.len() && busy(tiles.len() * spec.heads / shared);
     if tiled {
         return match shared {
-            4 => attend::<4, 4, 16>(spec, q, rows, &tiles, kv, out),
-            3 => attend::<3, 4, 12>(spec, q, rows, &tiles, kv, out),
-            2 => attend::<2, 4, 8>(spec, q, rows, &tiles, kv, out),
-            _ => attend::<1, 4, 4>(spec, q, rows, &tiles, kv, out),
+            4 => attend::<4, 4, 16, T>(spec, q, rows, &tiles, kv, out),
+            3 => attend::<3, 4, 12, T>(spec, q, rows, &tiles, kv, out),
+            2 => attend::<2, 4, 8, T>(spec, q, rows, &tiles, kv, out),
+            _ => attend::<1, 4, 4, T>(spec, q, rows, &tiles, kv, out),
         };
     }
     let single = row_tiles(rows, 1);
@@ -56,10 +73,10 @@ pub fn attention(spec: &AttentionSpec, q: &[f32], rows: &[QueryRow], kv: &LayerP
     } else {
         1
     } {
-        4 => attend::<4, 1, 4>(spec, q, rows, &single, kv, out),
-        3 => attend::<3, 1, 3>(spec, q, rows, &single, kv, out),
-        2 => attend::<2, 1, 2>(spec, q, rows, &single, kv, out),
-        _ => attend::<1, 1, 1>(spec, q, rows, &single, kv, out),
+        4 => attend::<4, 1, 4, T>(spec, q, rows, &single, kv, out),
+        3 => attend::<3, 1, 3, T>(spec, q, rows, &single, kv, out),
+        2 => attend::<2, 1, 2, T>(spec, q, rows, &single, kv, out),
+        _ => attend::<1, 1, 1, T>(spec, q, rows, &single, kv, out),
     }
 }
 
@@ -87,26 +104,26 @@ fn row_tiles(rows: &[QueryRow], most: usize) -> Vec<Range<usize>> {
 /// sums are dropped). Scores are taken a row at a time (its `G` heads' dots over its own
 /// positions: sixteen products a reduction, where a tile's `N` would waste some), the weighted
 /// sums for the whole tile where its rows see the same positions.
-fn attend<const G: usize, const R: usize, const N: usize>(
+fn attend<const G: usize, const R: usize, const N: usize, T: KvElement>(
     spec: &AttentionSpec,
     q: &[f32],
     rows: &[QueryRow],
     tiles: &[Range<usize>],
-    kv: &LayerPages,
+    kv: &Cache<T>,
     out: &mut [f32],
 ) {
     let hd = spec.head_dim;
     let group = spec.heads / spec.kv_heads;
     let q_dim = spec.heads * hd;
     let scale = spec.scale as f32;
-    let block_size = kv.block_size();
+    let block_size = kv.block_size;
     assert_eq!(N, G * R, "a task's queries are its heads of its rows");
     let tasks_a_tile = spec.heads / G;
     let window_start = |pos: usize| spec.window.map_or(0, |w| (pos + 1).saturating_sub(w));
     assert_eq!(out.len(), rows.len() * q_dim);
     let out = TaskOutputs(out.as_mut_ptr());
     (0..tiles.len() * tasks_a_tile).into_par_iter().for_each_init(
-        || (Vec::<f32>::new(), Vec::<&[f32]>::new(), Vec::<f32>::new()),
+        || (Vec::<f32>::new(), Vec::<&[T]>::new(), Vec::<f32>::new()),
         |(scores, cache_rows, results), task| {
             let (tile, first_head) = (tiles[task / tasks_a_tile].clone(), task % tasks_a_tile * G);
             let (first, last) = (rows[tile.start], rows[tile.end - 1]);
@@ -132,7 +149,7 @@ fn attend<const G: usize, const R: usize, const N: usize>(
             // `simd::axpys_many`): bit for bit the one-row, one-head forms. Positions a row does
             // not see keep a zero score, which no sum of its reads.
             cache_rows.clear();
-            cache_rows.extend((lo..lo + len).map(|j| kv.key(row(j), kv_cols.clone())));
+            cache_rows.extend((lo..lo + len).map(|j| kv.pages.key(row(j), kv_cols.clone())));
             scores.clear();
             scores.resize(N * len, 0.0);
             let mut query_scores: [&mut [f32]; N] = split(scores, len);
@@ -150,7 +167,7 @@ fn attend<const G: usize, const R: usize, const N: usize>(
                 }
             }
             cache_rows.clear();
-            cache_rows.extend((lo..lo + len).map(|j| kv.value(row(j), kv_cols.clone())));
+            cache_rows.extend((lo..lo + len).map(|j| kv.pages.value(row(j), kv_cols.clone())));
             results.clear();
             results.resize(N * hd, 0.0);
             let weights: [&[f32]; N] = query_scores.map(|s| &*s);
@@ -271,7 +288,24 @@ mod tests {
     use ir::reference::{attention_over_slot, KvSlot};
     use ir::Tensor;
 
-    type Attend = fn(&AttentionSpec, &[f32], &[QueryRow], &[Range<usize>], &LayerPages, &mut [f32]);
+    type Attend = fn(&AttentionSpec, &[f32], &[QueryRow], &[Range<usize>], &Cache<f32>, &mut [f32]);
+
+    /// An f32 slot of `kv_dim`-wide keys and values in blocks of 2 positions.
+    fn f32_pages(kv_dim: usize) -> super::super::KvPages {
+        let layout = super::super::KvLayout {
+            dim: kv_dim,
+            v_dim: kv_dim,
+            dtype: ir::DType::F32,
+        };
+        super::super::KvPages::new(&[layout], &[], 2)
+    }
+
+    fn f32_cache(layer: &LayerPages) -> Cache<'_, f32> {
+        match layer.typed() {
+            PagesOf::F32(pages) => Cache { pages, block_size: 2 },
+            _ => panic!("an f32 slot"),
+        }
+    }
 
     /// Tasks of one, two or four query heads, of one row or tiles of rows, give every head the
     /// same bits.
@@ -291,21 +325,32 @@ mod tests {
         let k: Vec<f32> = (0..len * kv_dim).map(|i| val(i, 7)).collect();
         let v: Vec<f32> = (0..len * kv_dim).map(|i| val(i, 5)).collect();
         let table = [2, 0, 5, 1, 4, 3].map(BlockId);
-        let mut pages = super::super::KvPages::new(&[(kv_dim, kv_dim)], &[], 2);
+        let mut pages = f32_pages(kv_dim);
         pages.layer_mut(0).write(&table, 0, &k, &v);
         let q: Vec<f32> = (0..tokens * 320).map(|i| val(i, 3)).collect();
         let rows: Vec<QueryRow> = (len - tokens..len).map(|pos| QueryRow { pos, table: &table }).collect();
         let run = |attend: Attend, tile_rows: usize| {
             let mut out = vec![f32::NAN; tokens * 320];
-            attend(&spec, &q, &rows, &row_tiles(&rows, tile_rows), pages.layer(0), &mut out);
+            attend(
+                &spec,
+                &q,
+                &rows,
+                &row_tiles(&rows, tile_rows),
+                &f32_cache(pages.layer(0)),
+                &mut out,
+            );
             out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
         };
-        let one = run(attend::<1, 1, 1>, 1);
-        assert_eq!(run(attend::<2, 1, 2>, 1), one);
-        assert_eq!(run(attend::<4, 1, 4>, 1), one);
-        assert_eq!(run(attend::<1, 4, 4>, 4), one, "one head, tiles of up to four rows");
-        assert_eq!(run(attend::<2, 4, 8>, 4), one, "two heads");
-        assert_eq!(run(attend::<4, 4, 16>, 4), one, "four heads");
+        let one = run(attend::<1, 1, 1, f32>, 1);
+        assert_eq!(run(attend::<2, 1, 2, f32>, 1), one);
+        assert_eq!(run(attend::<4, 1, 4, f32>, 1), one);
+        assert_eq!(
+            run(attend::<1, 4, 4, f32>, 4),
+            one,
+            "one head, tiles of up to four rows"
+        );
+        assert_eq!(run(attend::<2, 4, 8, f32>, 4), one, "two heads");
+        assert_eq!(run(attend::<4, 4, 16, f32>, 4), one, "four heads");
     }
 
     /// Tiles over a step of several sequences (a prompt chunk cut into tiles of four and a
@@ -326,7 +371,7 @@ mod tests {
             let kv_dim = 64;
             let val = |i: usize, m: usize| ((i * m % 31) as f32 - 15.0) / 8.0;
             let tables = [[2, 0, 5, 1, 4, 3], [8, 6, 7, 9, 10, 11]].map(|t| t.map(BlockId));
-            let mut pages = super::super::KvPages::new(&[(kv_dim, kv_dim)], &[], 2);
+            let mut pages = f32_pages(kv_dim);
             for (s, table) in tables.iter().enumerate() {
                 let k: Vec<f32> = (0..12 * kv_dim).map(|i| val(i + s, 7)).collect();
                 let v: Vec<f32> = (0..12 * kv_dim).map(|i| val(i + s, 5)).collect();
@@ -343,50 +388,75 @@ mod tests {
             let q: Vec<f32> = (0..rows.len() * 256).map(|i| val(i, 3)).collect();
             let run = |attend: Attend, tiles: &[Range<usize>]| {
                 let mut out = vec![f32::NAN; rows.len() * 256];
-                attend(&spec, &q, &rows, tiles, pages.layer(0), &mut out);
+                attend(&spec, &q, &rows, tiles, &f32_cache(pages.layer(0)), &mut out);
                 out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
             };
-            let one = run(attend::<1, 1, 1>, &row_tiles(&rows, 1));
-            assert_eq!(run(attend::<1, 4, 4>, &tiles), one, "{window:?}, one head");
-            assert_eq!(run(attend::<4, 4, 16>, &tiles), one, "{window:?}, four heads");
+            let one = run(attend::<1, 1, 1, f32>, &row_tiles(&rows, 1));
+            assert_eq!(run(attend::<1, 4, 4, f32>, &tiles), one, "{window:?}, one head");
+            assert_eq!(run(attend::<4, 4, 16, f32>, &tiles), one, "{window:?}, four heads");
         }
     }
 
+    /// Against the reference, for caches of f32, bf16 and half rows (the reference rounds the
+    /// values it caches the same way).
     #[test]
-    fn agrees_with_reference_including_windows_and_groups() {
-        for window in [None, Some(3)] {
+    fn agrees_with_reference_including_windows_groups_and_narrow_caches() {
+        let dtypes = [ir::DType::F32, ir::DType::BF16, ir::DType::F16];
+        for (window, cache_dtype) in [None, Some(3)].into_iter().flat_map(|w| dtypes.map(|d| (w, d))) {
             let spec = AttentionSpec {
                 heads: 4,
                 kv_heads: 2,
-                head_dim: 8,
+                head_dim: 16,
                 scale: 0.3,
                 window,
                 cache_slot: 0,
-                cache_dtype: ir::DType::F32,
+                cache_dtype,
             };
             let (len, tokens) = (9, 4);
-            let kv_dim = 16;
+            let kv_dim = 32;
             let val = |i: usize, m: usize| ((i * m % 23) as f32 - 11.0) / 7.0;
             let k: Vec<f32> = (0..len * kv_dim).map(|i| val(i, 7)).collect();
             let v: Vec<f32> = (0..len * kv_dim).map(|i| val(i, 5)).collect();
             // Blocks of 2 positions, scattered: the table is not in block order.
             let table = [4, 0, 3, 1, 2].map(BlockId);
-            let mut pages = super::super::KvPages::new(&[(kv_dim, kv_dim)], &[], 2);
+            let layout = super::super::KvLayout {
+                dim: kv_dim,
+                v_dim: kv_dim,
+                dtype: cache_dtype,
+            };
+            let mut pages = super::super::KvPages::new(&[layout], &[], 2);
             pages.layer_mut(0).write(&table, 0, &k, &v);
-            let q: Vec<f32> = (0..tokens * 32).map(|i| val(i, 3)).collect();
+            let q: Vec<f32> = (0..tokens * 64).map(|i| val(i, 3)).collect();
             let first = len - tokens;
             let rows: Vec<QueryRow> = (first..len).map(|pos| QueryRow { pos, table: &table }).collect();
-            let mut got = vec![f32::NAN; tokens * 32];
+            let mut got = vec![f32::NAN; tokens * 64];
             attention(&spec, &q, &rows, pages.layer(0), &mut got);
+            let stored = |x: &[f32]| {
+                x.iter()
+                    .map(|&e| ir::reference::ops::stored_as(e, cache_dtype))
+                    .collect()
+            };
             let slot = KvSlot {
                 positions: (0..len).collect(),
-                k,
-                v,
+                k: stored(&k),
+                v: stored(&v),
             };
             let positions: Vec<usize> = (first..len).collect();
-            let want = attention_over_slot(&spec, &Tensor::new(vec![tokens, 32], q), &slot, &positions);
+            let want = attention_over_slot(&spec, &Tensor::new(vec![tokens, 64], q.clone()), &slot, &positions);
             for (g, w) in got.iter().zip(&want.data) {
-                assert!((g - w).abs() < 1e-5, "{window:?}: {g} vs {w}");
+                assert!((g - w).abs() < 1e-5, "{window:?} {cache_dtype}: {g} vs {w}");
+            }
+            if cache_dtype != ir::DType::F32 {
+                let unrounded = KvSlot {
+                    positions: (0..len).collect(),
+                    k,
+                    v,
+                };
+                let exact = attention_over_slot(&spec, &Tensor::new(vec![tokens, 64], q), &unrounded, &positions);
+                assert!(
+                    got.iter().zip(&exact.data).any(|(g, e)| g != e),
+                    "{cache_dtype} rows are rounded"
+                );
             }
         }
     }

@@ -2,6 +2,9 @@
 //! positions, addressed through each sequence's block table (see [`crate::kv`]). Sequences that
 //! share a prompt prefix share its blocks, so a prefix-cache hit skips computing it.
 //!
+//! A slot's rows are stored in its attention's `cache_dtype` (f32, bf16 or half): written
+//! narrowed, read through [`PagesOf`] by kernels that widen them as they load.
+//!
 //! The pool grows on first use of a block rather than at creation: a server configured for
 //! thousands of blocks holds memory only for the blocks it has used (block ids are handed out
 //! lowest first, so the pool's size follows the peak working set).
@@ -14,8 +17,11 @@
 //! And the states' snapshots (see [`crate::kv::StateSnapshots`]): copies by (layer state
 //! slot, snapshot), made when a step saves one and kept until a later save overwrites it.
 
+use super::kv_element::KvElement;
 use crate::error::{Result, RuntimeError};
 use crate::kv::{cache_row, BlockId};
+use half::{bf16, f16};
+use ir::DType;
 use std::collections::HashMap;
 
 #[derive(Debug, Clone)]
@@ -33,21 +39,119 @@ pub struct KvPages {
     snapshots: HashMap<(usize, usize), Vec<f32>>,
 }
 
+/// What one attention slot caches a position as: key and value row widths (they differ for
+/// latent attention, which caches no values) and the element type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    pub dim: usize,
+    pub v_dim: usize,
+    pub dtype: DType,
+}
+
+impl KvLayout {
+    /// Bytes one position takes in this slot.
+    pub fn bytes_per_position(&self) -> usize {
+        let element = match self.dtype {
+            DType::BF16 | DType::F16 => 2,
+            _ => 4,
+        };
+        (self.dim + self.v_dim) * element
+    }
+}
+
 /// Keys and values of one attention slot: row `r` of the pool is `k[r·dim..(r+1)·dim]` and
-/// `v[r·v_dim..(r+1)·v_dim]` (the two widths differ for latent attention).
+/// `v[r·v_dim..(r+1)·v_dim]`.
 #[derive(Debug, Clone)]
 pub struct LayerPages {
     dim: usize,
     v_dim: usize,
     block_size: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: Rows,
+    v: Rows,
+}
+
+/// A pool of rows in the slot's element type.
+#[derive(Debug, Clone)]
+enum Rows {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+impl Rows {
+    fn new(dtype: DType) -> Self {
+        match dtype {
+            DType::BF16 => Self::Bf16(Vec::new()),
+            DType::F16 => Self::F16(Vec::new()),
+            _ => Self::F32(Vec::new()),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Self::F32(r) => r.len(),
+            Self::Bf16(r) => r.len(),
+            Self::F16(r) => r.len(),
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Self::F32(r) => r.len() * 4,
+            Self::Bf16(r) => r.len() * 2,
+            Self::F16(r) => r.len() * 2,
+        }
+    }
+
+    /// `values` narrowed into elements `at..`, the pool grown to `len` elements first if
+    /// shorter.
+    fn write(&mut self, at: usize, values: &[f32], len: usize) {
+        fn narrowed<T: KvElement>(rows: &mut Vec<T>, at: usize, values: &[f32], len: usize) {
+            if rows.len() < len {
+                rows.resize(len, T::default());
+            }
+            for (r, &x) in rows[at..at + values.len()].iter_mut().zip(values) {
+                *r = T::narrow(x);
+            }
+        }
+        match self {
+            Self::F32(r) => narrowed(r, at, values, len),
+            Self::Bf16(r) => narrowed(r, at, values, len),
+            Self::F16(r) => narrowed(r, at, values, len),
+        }
+    }
+}
+
+/// A slot's rows as their element type: what attention's kernels read.
+pub enum PagesOf<'a> {
+    F32(TypedPages<'a, f32>),
+    Bf16(TypedPages<'a, bf16>),
+    F16(TypedPages<'a, f16>),
+}
+
+/// A slot's keys and values, elements of type `T`.
+pub struct TypedPages<'a, T> {
+    dim: usize,
+    v_dim: usize,
+    k: &'a [T],
+    v: &'a [T],
+}
+
+impl<'a, T> TypedPages<'a, T> {
+    /// Cache row `row`'s key, columns `cols` (one KV head).
+    pub fn key(&self, row: usize, cols: std::ops::Range<usize>) -> &'a [T] {
+        &self.k[row * self.dim + cols.start..row * self.dim + cols.end]
+    }
+
+    pub fn value(&self, row: usize, cols: std::ops::Range<usize>) -> &'a [T] {
+        &self.v[row * self.v_dim + cols.start..row * self.v_dim + cols.end]
+    }
 }
 
 impl KvPages {
-    /// An empty pool for attention slots of the given (key, value) row widths, and recurrent
-    /// layers of the given state lengths.
-    pub fn new(kv_dims: &[(usize, usize)], state_lens: &[usize], block_size: usize) -> Self {
+    /// An empty pool for attention slots of the given layouts, and recurrent layers of the
+    /// given state lengths.
+    pub fn new(layouts: &[KvLayout], state_lens: &[usize], block_size: usize) -> Self {
         assert!(block_size > 0, "blocks hold at least one position");
         Self {
             block_size,
@@ -55,14 +159,14 @@ impl KvPages {
             states: HashMap::new(),
             checkpoints: HashMap::new(),
             snapshots: HashMap::new(),
-            layers: kv_dims
+            layers: layouts
                 .iter()
-                .map(|&(dim, v_dim)| LayerPages {
-                    dim,
-                    v_dim,
+                .map(|l| LayerPages {
+                    dim: l.dim,
+                    v_dim: l.v_dim,
                     block_size,
-                    k: Vec::new(),
-                    v: Vec::new(),
+                    k: Rows::new(l.dtype),
+                    v: Rows::new(l.dtype),
                 })
                 .collect(),
         }
@@ -82,7 +186,7 @@ impl KvPages {
 
     /// Bytes held by the pool now.
     pub fn bytes(&self) -> usize {
-        let pages: usize = self.layers.iter().map(|l| (l.k.len() + l.v.len()) * 4).sum();
+        let pages: usize = self.layers.iter().map(|l| l.k.bytes() + l.v.bytes()).sum();
         let checkpoints: usize = self.checkpoints.values().flatten().map(Vec::len).sum();
         let states: usize = self.states.values().chain(self.snapshots.values()).map(Vec::len).sum();
         pages + (states + checkpoints) * 4
@@ -183,30 +287,40 @@ impl LayerPages {
     }
 
     /// Store the keys and values of positions `start..start + rows` (`k` is `[rows, dim]`, `v`
-    /// `[rows, v_dim]`; empty where the layer caches no values) in the blocks of `table`.
+    /// `[rows, v_dim]`; empty where the layer caches no values) in the blocks of `table`,
+    /// rounded to the slot's element type.
     pub fn write(&mut self, table: &[BlockId], start: usize, k: &[f32], v: &[f32]) {
         let (dim, v_dim) = (self.dim, self.v_dim);
         debug_assert_eq!(k.len() / dim.max(1) * v_dim, v.len());
         for (i, k) in k.chunks_exact(dim).enumerate() {
             let v = &v[i * v_dim..(i + 1) * v_dim];
             let row = cache_row(table, self.block_size, start + i);
-            if (row + 1) * dim > self.k.len() {
-                let blocks = row / self.block_size + 1;
-                self.k.resize(blocks * self.block_size * dim, 0.0);
-                self.v.resize(blocks * self.block_size * v_dim, 0.0);
-            }
-            self.k[row * dim..(row + 1) * dim].copy_from_slice(k);
-            self.v[row * v_dim..(row + 1) * v_dim].copy_from_slice(v);
+            // The pool grows to whole blocks up to the row's.
+            let rows = (row / self.block_size + 1) * self.block_size;
+            let grow = |have: usize, width: usize| if have < (row + 1) * width { rows * width } else { 0 };
+            let (k_len, v_len) = (grow(self.k.len(), dim), grow(self.v.len(), v_dim));
+            self.k.write(row * dim, k, k_len);
+            self.v.write(row * v_dim, v, v_len);
         }
     }
 
-    /// Cache row `row`'s key, columns `cols` (one KV head).
-    pub fn key(&self, row: usize, cols: std::ops::Range<usize>) -> &[f32] {
-        &self.k[row * self.dim + cols.start..row * self.dim + cols.end]
+    /// The rows as their element type.
+    pub fn typed(&self) -> PagesOf<'_> {
+        match (&self.k, &self.v) {
+            (Rows::F32(k), Rows::F32(v)) => PagesOf::F32(self.typed_as(k, v)),
+            (Rows::Bf16(k), Rows::Bf16(v)) => PagesOf::Bf16(self.typed_as(k, v)),
+            (Rows::F16(k), Rows::F16(v)) => PagesOf::F16(self.typed_as(k, v)),
+            _ => unreachable!("a slot's keys and values share their element type"),
+        }
     }
 
-    pub fn value(&self, row: usize, cols: std::ops::Range<usize>) -> &[f32] {
-        &self.v[row * self.v_dim + cols.start..row * self.v_dim + cols.end]
+    fn typed_as<'a, T>(&self, k: &'a [T], v: &'a [T]) -> TypedPages<'a, T> {
+        TypedPages {
+            dim: self.dim,
+            v_dim: self.v_dim,
+            k,
+            v,
+        }
     }
 }
 
@@ -214,23 +328,58 @@ impl LayerPages {
 mod tests {
     use super::*;
 
+    fn layout(dim: usize, dtype: DType) -> KvLayout {
+        KvLayout { dim, v_dim: dim, dtype }
+    }
+
     #[test]
     fn rows_land_in_their_blocks_and_the_pool_grows_to_the_highest_block() {
-        let mut pages = KvPages::new(&[(2, 2)], &[], 2);
+        let mut pages = KvPages::new(&[layout(2, DType::F32)], &[], 2);
         let layer = pages.layer_mut(0);
         // Positions 0..3 of a sequence whose table is [block 3, block 1].
         let table = [BlockId(3), BlockId(1)];
         let k = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5];
         let v = k.map(|x| -x);
         layer.write(&table, 0, &k, &v);
-        assert_eq!(layer.key(6, 0..2), &[1.0, 1.5], "position 0: block 3, row 0");
-        assert_eq!(layer.key(7, 0..2), &[2.0, 2.5]);
-        assert_eq!(layer.value(2, 1..2), &[-3.5], "position 2: block 1, row 0");
+        let PagesOf::F32(rows) = layer.typed() else {
+            panic!("an f32 slot")
+        };
+        assert_eq!(rows.key(6, 0..2), &[1.0, 1.5], "position 0: block 3, row 0");
+        assert_eq!(rows.key(7, 0..2), &[2.0, 2.5]);
+        assert_eq!(rows.value(2, 1..2), &[-3.5], "position 2: block 1, row 0");
         assert_eq!(
             pages.bytes(),
             2 * 8 * 2 * 4,
             "blocks 0..=3 of 2 rows of 2 floats, k and v"
         );
+    }
+
+    /// A narrow slot stores each value rounded to its type, in half the bytes.
+    #[test]
+    fn narrow_slots_keep_rounded_values_in_half_the_bytes() {
+        let mut pages = KvPages::new(&[layout(2, DType::F16), layout(2, DType::BF16)], &[], 2);
+        let (k, v) = ([0.1, 70000.0], [1.0 / 3.0, -2.0]);
+        for slot in 0..2 {
+            pages.layer_mut(slot).write(&[BlockId(0)], 1, &k, &v);
+        }
+        let PagesOf::F16(half) = pages.layer(0).typed() else {
+            panic!("a half slot")
+        };
+        assert_eq!(half.key(1, 0..2), &[f16::from_f32(0.1), f16::INFINITY]);
+        assert_eq!(
+            half.value(1, 0..1)[0].to_f32(),
+            ir::reference::ops::stored_as(1.0 / 3.0, DType::F16)
+        );
+        let PagesOf::Bf16(bf) = pages.layer(1).typed() else {
+            panic!("a bf16 slot")
+        };
+        assert_eq!(bf.key(1, 0..2), &[bf16::from_f32(0.1), bf16::from_f32(70000.0)]);
+        assert_eq!(
+            pages.bytes(),
+            2 * (2 * 2 * 2 * 2),
+            "one block of 2 rows of 2 halves, k and v, twice"
+        );
+        assert_eq!(layout(2, DType::F16).bytes_per_position(), 8);
     }
 
     #[test]

@@ -9,9 +9,10 @@
 //! Every row is computed on its own, in a fixed order: a row's result does not depend on what
 //! shares its step.
 
-use super::kv_pages::KvPages;
+use super::kv_pages::{KvPages, PagesOf};
 use super::matrix::Matrix;
 use super::{rows, Arg, StepRows, Tensor};
+use crate::error::{Result, RuntimeError};
 use ir::reference::ops;
 use ir::SparseMlaSpec;
 
@@ -19,7 +20,7 @@ use ir::SparseMlaSpec;
 /// ranking positions by the index keys in the spec's `index_slot` (its own, or those of the
 /// full layer whose indexer it shares). `args` are the op's inputs (`ir::Op::SparseMla`):
 /// activations, and the weights `k_b` and `v_b` fifth and sixth.
-pub(super) fn sparse_mla(spec: &SparseMlaSpec, args: &[Arg], pages: &mut KvPages, rows: &StepRows) -> Tensor {
+pub(super) fn sparse_mla(spec: &SparseMlaSpec, args: &[Arg], pages: &mut KvPages, rows: &StepRows) -> Result<Tensor> {
     let x = |k: usize| args[k].value().tensor();
     let up = UpProjections {
         k_b: args[4].matrix(),
@@ -36,7 +37,14 @@ pub(super) fn sparse_mla(spec: &SparseMlaSpec, args: &[Arg], pages: &mut KvPages
             .collect();
         layer.write(seg.table, seg.start, &latents, &[]);
     }
-    let (layer, index_layer) = (pages.layer(spec.cache_slot), pages.layer(spec.index_slot));
+    let block_size = pages.block_size();
+    // The backend keeps latent caches in f32 (`CpuBackend::new`).
+    let (PagesOf::F32(layer), PagesOf::F32(index_layer)) = (
+        pages.layer(spec.cache_slot).typed(),
+        pages.layer(spec.index_slot).typed(),
+    ) else {
+        return Err(RuntimeError::Graph("latent attention reads f32 caches".into()));
+    };
     let index_keys = spec.index_key_offset()..spec.index_key_offset() + spec.index_dim;
     let width = spec.out_width();
     let mut out = vec![0f32; x(0).rows() * width];
@@ -51,7 +59,7 @@ pub(super) fn sparse_mla(spec: &SparseMlaSpec, args: &[Arg], pages: &mut KvPages
             };
             let cached: Vec<Cached> = (0..=rows.query[t].pos)
                 .map(|p| {
-                    let row = crate::kv::cache_row(rows.query[t].table, layer.block_size(), p);
+                    let row = crate::kv::cache_row(rows.query[t].table, block_size, p);
                     Cached {
                         latent_and_rope: layer.key(row, 0..spec.index_key_offset()),
                         index_key: index_layer.key(row, index_keys.clone()),
@@ -61,7 +69,7 @@ pub(super) fn sparse_mla(spec: &SparseMlaSpec, args: &[Arg], pages: &mut KvPages
             attend(spec, &query, &cached, &up, o);
         }
     });
-    Tensor::new(vec![x(0).rows(), width], out)
+    Ok(Tensor::new(vec![x(0).rows(), width], out))
 }
 
 /// A cached position: its `[c | k_pe]`, and the index key it is ranked by.

@@ -12,6 +12,7 @@ pub mod delta_net;
 mod dense;
 pub mod int8_head;
 mod int8_scores;
+mod kv_element;
 mod kv_pages;
 mod latent_attention;
 mod matrix;
@@ -21,7 +22,7 @@ mod rows;
 pub mod simd;
 
 pub use int8_head::Int8Head;
-pub use kv_pages::{KvPages, LayerPages};
+pub use kv_pages::{KvLayout, KvPages, LayerPages};
 pub use matrix::{Matrix, Storage};
 
 use crate::error::{Result, RuntimeError};
@@ -48,8 +49,8 @@ pub struct CpuBackend {
     int8_heads: HashMap<usize, Int8Head>,
     /// Per node: the index of the last node reading it (values are freed after).
     last_use: Vec<usize>,
-    /// Per attention cache slot: the key and value row widths.
-    kv_dims: Vec<(usize, usize)>,
+    /// Per attention cache slot: what a position is cached as.
+    kv_layouts: Vec<KvLayout>,
     /// Per recurrent state slot (Gated DeltaNet layers): one sequence's state length.
     state_lens: Vec<usize>,
     vocab: usize,
@@ -197,26 +198,28 @@ impl CpuBackend {
         let int8_heads = prepare_int8_heads(&graph, &weights, cache)?;
         release_folded_sources(&graph, &mut weights);
         let mut last_use = vec![0; graph.nodes().len()];
-        let mut kv_dims = Vec::new();
+        let mut kv_layouts = Vec::new();
         let mut state_lens = Vec::new();
         let mut vocab = 0;
         for (i, node) in graph.nodes().iter().enumerate() {
             for input in &node.inputs {
                 last_use[input.0] = i;
             }
+            let layout = |dim, v_dim, dtype| KvLayout { dim, v_dim, dtype };
             let cache = match &node.op {
                 op if op.appended_attention().is_some() => op.appended_attention().map(|s| {
                     let dim = s.kv_heads * s.head_dim;
-                    (s.cache_slot, (dim, dim))
+                    (s.cache_slot, layout(dim, dim, s.cache_dtype))
                 }),
-                Op::SparseMla(s) => Some((s.cache_slot, (s.cache_width(), 0))),
+                // Latents stay f32 (`latent_attention` reads them so).
+                Op::SparseMla(s) => Some((s.cache_slot, layout(s.cache_width(), 0, DType::F32))),
                 _ => None,
             };
-            if let Some((slot, dims)) = cache {
-                if kv_dims.len() <= slot {
-                    kv_dims.resize(slot + 1, (0, 0));
+            if let Some((slot, cached)) = cache {
+                if kv_layouts.len() <= slot {
+                    kv_layouts.resize(slot + 1, layout(0, 0, DType::F32));
                 }
-                kv_dims[slot] = dims;
+                kv_layouts[slot] = cached;
             }
             if let Op::GatedDeltaNet(spec) = &node.op {
                 if state_lens.len() <= spec.state_slot {
@@ -236,7 +239,7 @@ impl CpuBackend {
             weights,
             int8_heads,
             last_use,
-            kv_dims,
+            kv_layouts,
             state_lens,
             vocab,
             context_length,
@@ -281,7 +284,7 @@ impl CpuBackend {
 
     /// Bytes of keys and values one cached position takes, over every attention slot.
     pub fn kv_bytes_per_position(&self) -> usize {
-        self.kv_dims.iter().map(|(k, v)| k + v).sum::<usize>() * std::mem::size_of::<f32>()
+        self.kv_layouts.iter().map(KvLayout::bytes_per_position).sum()
     }
 
     pub fn new_sequence(&self) -> CpuSequence {
@@ -294,7 +297,7 @@ impl CpuBackend {
 
     /// An empty KV pool for this graph's attention slots, in blocks of `block_size` positions.
     pub fn new_pages(&self, block_size: usize) -> KvPages {
-        KvPages::new(&self.kv_dims, &self.state_lens, block_size)
+        KvPages::new(&self.kv_layouts, &self.state_lens, block_size)
     }
 
     /// Process `ids` as the next tokens of `seq`; returns the graph's outputs by name.
@@ -502,7 +505,7 @@ impl CpuBackend {
                     ops::layer_norm(&x.data, args[1].vector(), args[2].vector(), *eps),
                 )
             }
-            Op::SparseMla(spec) => latent_attention::sparse_mla(spec, args, pages, rows),
+            Op::SparseMla(spec) => latent_attention::sparse_mla(spec, args, pages, rows)?,
             Op::UnitRmsNorm { eps, group } => {
                 let x = args[0].value().tensor();
                 Tensor::new(x.shape.clone(), ops::unit_rms_norm(&x.data, *group, *eps))
@@ -649,16 +652,12 @@ fn append_and_attend(
     pages: &mut KvPages,
     rows: &StepRows,
 ) -> Tensor {
+    // The pages round the values to the cache's element type as they store them.
     let layer = pages.layer_mut(spec.cache_slot);
     let dim = layer.dim();
-    // The pages hold f32; a bf16 cache's values are rounded as the GPU's store them.
-    let stored = |x: &[f32]| -> Vec<f32> { x.iter().map(|&e| ops::stored_as(e, spec.cache_dtype)).collect() };
     for (seg, r) in rows.segments.iter().zip(&rows.ranges) {
         let (k, v) = (&k.data[r.start * dim..r.end * dim], &v.data[r.start * dim..r.end * dim]);
-        match spec.cache_dtype {
-            DType::F32 => layer.write(seg.table, seg.start, k, v),
-            _ => layer.write(seg.table, seg.start, &stored(k), &stored(v)),
-        }
+        layer.write(seg.table, seg.start, k, v);
     }
     let mut out = Tensor::zeros(q.shape.clone());
     attention::attention(spec, &q.data, &rows.query, pages.layer(spec.cache_slot), &mut out.data);

@@ -1,6 +1,12 @@
 //! The inner loops of the CPU backend, with the instruction set chosen at run time: AVX2+FMA
 //! where the CPU has it, a portable loop elsewhere. Both are the same Rust body; the AVX2
 //! variant is compiled with the features enabled so LLVM vectorises it to 256-bit FMAs.
+//!
+//! The forms over rows (`dots`, `axpys` and their many-vector forms: attention's scores and
+//! weighted sums over KV cache rows) take rows of any [`KvElement`], widened as loaded, so a
+//! narrow row gives the bits of the f32 row of its values.
+
+use super::kv_element::KvElement;
 
 /// Sixteen independent accumulators: enough to hide FMA latency on two 8-wide ports.
 const LANES: usize = 16;
@@ -8,7 +14,7 @@ const LANES: usize = 16;
 const _: () = assert!(LANES == 16);
 
 #[inline(always)]
-fn dot_body<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+fn dot_body<const FMA: bool, T: KvElement>(a: &[f32], b: &[T]) -> f32 {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
     let mut acc = [0f32; LANES];
@@ -17,14 +23,14 @@ fn dot_body<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
         let (x, y) = (&a[c * LANES..c * LANES + LANES], &b[c * LANES..c * LANES + LANES]);
         for i in 0..LANES {
             acc[i] = if FMA {
-                x[i].mul_add(y[i], acc[i])
+                x[i].mul_add(y[i].widen(), acc[i])
             } else {
-                acc[i] + x[i] * y[i]
+                acc[i] + x[i] * y[i].widen()
             };
         }
     }
     for i in chunks * LANES..n {
-        acc[i % LANES] += a[i] * b[i];
+        acc[i % LANES] += a[i] * b[i].widen();
     }
     reduce(acc)
 }
@@ -43,9 +49,9 @@ pub(super) fn reduce(mut acc: [f32; LANES]) -> f32 {
 }
 
 #[inline(always)]
-fn dots_body<const FMA: bool>(a: &[f32], rows: &[&[f32]], out: &mut [f32]) {
+fn dots_body<const FMA: bool, T: KvElement>(a: &[f32], rows: &[&[T]], out: &mut [f32]) {
     for (o, row) in out.iter_mut().zip(rows) {
-        *o = dot_body::<FMA>(a, row);
+        *o = dot_body::<FMA, T>(a, row);
     }
 }
 
@@ -55,11 +61,11 @@ const AXPY_CHUNK: usize = 32;
 /// [`axpy_body`] for each row in order, `y` kept in registers a chunk at a time across the
 /// rows: every element sees the same operations in the same order as row-by-row `axpy`.
 #[inline(always)]
-fn axpys_body<const FMA: bool>(alphas: &[f32], rows: &[&[f32]], y: &mut [f32]) {
+fn axpys_body<const FMA: bool, T: KvElement>(alphas: &[f32], rows: &[&[T]], y: &mut [f32]) {
     if rows.iter().any(|row| row.len() < y.len()) {
         rows.iter()
             .zip(alphas)
-            .for_each(|(row, &alpha)| axpy_body::<FMA>(alpha, row, y));
+            .for_each(|(row, &alpha)| axpy_body::<FMA, T>(alpha, row, y));
         return;
     }
     for (c, out) in y.chunks_mut(AXPY_CHUNK).enumerate() {
@@ -69,13 +75,13 @@ fn axpys_body<const FMA: bool>(alphas: &[f32], rows: &[&[f32]], y: &mut [f32]) {
                 let mut acc = [0f32; AXPY_CHUNK];
                 acc.copy_from_slice(out);
                 for (row, &alpha) in rows.iter().zip(alphas) {
-                    axpy_body::<FMA>(alpha, &row[at..at + AXPY_CHUNK], &mut acc);
+                    axpy_body::<FMA, T>(alpha, &row[at..at + AXPY_CHUNK], &mut acc);
                 }
                 out.copy_from_slice(&acc);
             }
             len => {
                 for (row, &alpha) in rows.iter().zip(alphas) {
-                    axpy_body::<FMA>(alpha, &row[at..at + len], out);
+                    axpy_body::<FMA, T>(alpha, &row[at..at + len], out);
                 }
             }
         }
@@ -83,8 +89,9 @@ fn axpys_body<const FMA: bool>(alphas: &[f32], rows: &[&[f32]], y: &mut [f32]) {
 }
 
 #[inline(always)]
-fn axpy_body<const FMA: bool>(alpha: f32, x: &[f32], y: &mut [f32]) {
+fn axpy_body<const FMA: bool, T: KvElement>(alpha: f32, x: &[T], y: &mut [f32]) {
     for (yi, &xi) in y.iter_mut().zip(x) {
+        let xi = xi.widen();
         *yi = if FMA { xi.mul_add(alpha, *yi) } else { *yi + xi * alpha };
     }
 }
@@ -92,25 +99,25 @@ fn axpy_body<const FMA: bool>(alpha: f32, x: &[f32], y: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
-    dot_body::<true>(a, b)
+    dot_body::<true, f32>(a, b)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn axpy_avx2(alpha: f32, x: &[f32], y: &mut [f32]) {
-    axpy_body::<true>(alpha, x, y)
+    axpy_body::<true, f32>(alpha, x, y)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dots_avx2(a: &[f32], rows: &[&[f32]], out: &mut [f32]) {
-    dots_body::<true>(a, rows, out)
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots_avx2<T: KvElement>(a: &[f32], rows: &[&[T]], out: &mut [f32]) {
+    dots_body::<true, T>(a, rows, out)
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn axpys_avx2(alphas: &[f32], rows: &[&[f32]], y: &mut [f32]) {
-    axpys_body::<true>(alphas, rows, y)
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpys_avx2<T: KvElement>(alphas: &[f32], rows: &[&[T]], y: &mut [f32]) {
+    axpys_body::<true, T>(alphas, rows, y)
 }
 
 /// `dots` for `G` vectors, each 16-element chunk of a row loaded once for all of them. Written
@@ -118,8 +125,8 @@ unsafe fn axpys_avx2(alphas: &[f32], rows: &[&[f32]], y: &mut [f32]) {
 /// lane `i` of a vector's two registers is `dot_body`'s `acc[i]`, the same FMA chain, then
 /// `dot_body`'s tail and reduction.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dots_many_avx2<const G: usize>(a: &[&[f32]; G], rows: &[&[f32]], out: &mut [&mut [f32]; G]) {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots_many_avx2<const G: usize, T: KvElement>(a: &[&[f32]; G], rows: &[&[T]], out: &mut [&mut [f32]; G]) {
     use std::arch::x86_64::*;
     let len = a[0].len();
     assert!(a.iter().all(|v| v.len() == len), "vectors of one length");
@@ -131,10 +138,7 @@ unsafe fn dots_many_avx2<const G: usize>(a: &[&[f32]; G], rows: &[&[f32]], out: 
             // SAFETY: (c + 1)·LANES ≤ n, within `b` and every vector.
             unsafe {
                 let at = c * LANES;
-                let y = [
-                    _mm256_loadu_ps(b.as_ptr().add(at)),
-                    _mm256_loadu_ps(b.as_ptr().add(at + 8)),
-                ];
+                let y = [T::load8(b.as_ptr().add(at)), T::load8(b.as_ptr().add(at + 8))];
                 for g in 0..G {
                     let x = a[g].as_ptr().add(at);
                     acc[g][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x), y[0], acc[g][0]);
@@ -150,7 +154,7 @@ unsafe fn dots_many_avx2<const G: usize>(a: &[&[f32]; G], rows: &[&[f32]], out: 
                 _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[g][1]);
             }
             for i in chunks * LANES..n {
-                lanes[i % LANES] += a[g][i] * b[i];
+                lanes[i % LANES] += a[g][i] * b[i].widen();
             }
             out[g][r] = reduce(lanes);
         }
@@ -161,15 +165,15 @@ unsafe fn dots_many_avx2<const G: usize>(a: &[&[f32]; G], rows: &[&[f32]], out: 
 /// each output's chunk held in two registers across the rows: every element sees
 /// [`axpy_body`]'s FMAs in row order (intrinsics for the reason `dots_many_avx2` gives).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn axpys_many_avx2<const G: usize>(alphas: &[&[f32]; G], rows: &[&[f32]], y: &mut [&mut [f32]; G]) {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn axpys_many_avx2<const G: usize, T: KvElement>(alphas: &[&[f32]; G], rows: &[&[T]], y: &mut [&mut [f32]; G]) {
     use std::arch::x86_64::*;
     let len = y[0].len();
     assert!(y.iter().all(|y| y.len() == len), "outputs of one length");
     assert!(alphas.iter().all(|a| a.len() >= rows.len()), "a weight per row");
     if rows.iter().any(|row| row.len() < len) {
         for (y, alphas) in y.iter_mut().zip(alphas) {
-            axpys_body::<true>(alphas, rows, y);
+            axpys_body::<true, T>(alphas, rows, y);
         }
         return;
     }
@@ -184,7 +188,7 @@ unsafe fn axpys_many_avx2<const G: usize>(alphas: &[&[f32]; G], rows: &[&[f32]],
             });
             for (r, row) in rows.iter().enumerate() {
                 let p = row.as_ptr().add(at);
-                let x = [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))];
+                let x = [T::load8(p), T::load8(p.add(8))];
                 for g in 0..G {
                     let alpha = _mm256_set1_ps(*alphas[g].get_unchecked(r));
                     acc[g][0] = _mm256_fmadd_ps(x[0], alpha, acc[g][0]);
@@ -200,7 +204,7 @@ unsafe fn axpys_many_avx2<const G: usize>(alphas: &[&[f32]; G], rows: &[&[f32]],
     }
     for (y, alphas) in y.iter_mut().zip(alphas) {
         for (row, &alpha) in rows.iter().zip(alphas.iter()) {
-            axpy_body::<true>(alpha, &row[whole..len], &mut y[whole..]);
+            axpy_body::<true, T>(alpha, &row[whole..len], &mut y[whole..]);
         }
     }
 }
@@ -209,7 +213,7 @@ unsafe fn axpys_many_avx2<const G: usize>(alphas: &[&[f32]; G], rows: &[&[f32]],
 /// in one register, so a tile of products and the vectors' chunks fit the 32 registers.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{axpy_body, LANES};
+    use super::{axpy_body, KvElement, LANES};
     use std::arch::x86_64::*;
 
     /// `dots_many_avx2`'s products for vectors whose length is a multiple of 16 and rows at
@@ -219,21 +223,25 @@ mod avx512 {
     /// AVX-512VL lets LLVM zero accumulators above the sixteenth register (see
     /// `cpu::dense`'s `tile512`).
     #[target_feature(enable = "avx512f,avx512vl")]
-    pub(super) unsafe fn dots_many<const G: usize>(a: &[&[f32]; G], rows: &[&[f32]], out: &mut [&mut [f32]; G]) {
+    pub(super) unsafe fn dots_many<const G: usize, T: KvElement>(
+        a: &[&[f32]; G],
+        rows: &[&[T]],
+        out: &mut [&mut [f32]; G],
+    ) {
         let len = a[0].len();
         debug_assert!(len.is_multiple_of(LANES) && rows.iter().all(|r| r.len() >= len));
         let batch = 16 / G;
         for first in (0..rows.len()).step_by(batch) {
             let count = batch.min(rows.len() - first);
             // A short last batch repeats its first row; those products are dropped.
-            let row: [*const f32; 16] = std::array::from_fn(|b| rows[first + if b < count { b } else { 0 }].as_ptr());
+            let row: [*const T; 16] = std::array::from_fn(|b| rows[first + if b < count { b } else { 0 }].as_ptr());
             let mut acc = [_mm512_setzero_ps(); 16];
             for at in (0..len).step_by(LANES) {
                 // SAFETY: at + 16 ≤ len, within every vector and row.
                 unsafe {
                     let x: [__m512; G] = std::array::from_fn(|g| _mm512_loadu_ps(a[g].as_ptr().add(at)));
                     for (b, &row) in row.iter().enumerate().take(batch) {
-                        let y = _mm512_loadu_ps(row.add(at));
+                        let y = T::load16(row.add(at));
                         for (g, &x) in x.iter().enumerate() {
                             acc[b * G + g] = _mm512_fmadd_ps(x, y, acc[b * G + g]);
                         }
@@ -286,22 +294,26 @@ mod avx512 {
     /// (each element's, in row order) hide the FMA's latency, then single chunks, then the
     /// tail past the last 16.
     #[target_feature(enable = "avx512f,avx512vl")]
-    pub(super) unsafe fn axpys_many<const G: usize>(alphas: &[&[f32]; G], rows: &[&[f32]], y: &mut [&mut [f32]; G]) {
+    pub(super) unsafe fn axpys_many<const G: usize, T: KvElement>(
+        alphas: &[&[f32]; G],
+        rows: &[&[T]],
+        y: &mut [&mut [f32]; G],
+    ) {
         let len = y[0].len();
         debug_assert!(rows.iter().all(|row| row.len() >= len));
         // Sixteen chains at most, so the accumulators stay in registers.
         let at = match G {
             // SAFETY: `spans` keeps its spans within the outputs; rows are as long.
-            ..=4 => unsafe { spans::<G, 4>(alphas, rows, y, 0) },
+            ..=4 => unsafe { spans::<G, 4, T>(alphas, rows, y, 0) },
             // SAFETY: as above.
-            5..=8 => unsafe { spans::<G, 2>(alphas, rows, y, 0) },
+            5..=8 => unsafe { spans::<G, 2, T>(alphas, rows, y, 0) },
             _ => 0,
         };
         // SAFETY: as above.
-        let whole = unsafe { spans::<G, 1>(alphas, rows, y, at) };
+        let whole = unsafe { spans::<G, 1, T>(alphas, rows, y, at) };
         for (y, alphas) in y.iter_mut().zip(alphas) {
             for (row, &alpha) in rows.iter().zip(alphas.iter()) {
-                axpy_body::<true>(alpha, &row[whole..len], &mut y[whole..]);
+                axpy_body::<true, T>(alpha, &row[whole..len], &mut y[whole..]);
             }
         }
     }
@@ -313,9 +325,9 @@ mod avx512 {
     /// As `axpys_span`'s, for spans within `y[0].len()`.
     #[inline]
     #[target_feature(enable = "avx512f,avx512vl")]
-    unsafe fn spans<const G: usize, const C: usize>(
+    unsafe fn spans<const G: usize, const C: usize, T: KvElement>(
         alphas: &[&[f32]; G],
-        rows: &[&[f32]],
+        rows: &[&[T]],
         y: &mut [&mut [f32]; G],
         from: usize,
     ) -> usize {
@@ -324,7 +336,7 @@ mod avx512 {
         for at in (from..end).step_by(span) {
             // SAFETY: at + span ≤ end ≤ len, within every output and (the caller's promise)
             // every row.
-            unsafe { axpys_span::<G, C>(alphas, rows, y, at) };
+            unsafe { axpys_span::<G, C, T>(alphas, rows, y, at) };
         }
         end
     }
@@ -336,9 +348,9 @@ mod avx512 {
     /// a weight per row.
     #[inline]
     #[target_feature(enable = "avx512f,avx512vl")]
-    unsafe fn axpys_span<const G: usize, const C: usize>(
+    unsafe fn axpys_span<const G: usize, const C: usize, T: KvElement>(
         alphas: &[&[f32]; G],
-        rows: &[&[f32]],
+        rows: &[&[T]],
         y: &mut [&mut [f32]; G],
         at: usize,
     ) {
@@ -347,7 +359,7 @@ mod avx512 {
             let mut acc: [[__m512; C]; G] =
                 std::array::from_fn(|g| std::array::from_fn(|c| _mm512_loadu_ps(y[g].as_ptr().add(at + LANES * c))));
             for (r, row) in rows.iter().enumerate() {
-                let x: [__m512; C] = std::array::from_fn(|c| _mm512_loadu_ps(row.as_ptr().add(at + LANES * c)));
+                let x: [__m512; C] = std::array::from_fn(|c| T::load16(row.as_ptr().add(at + LANES * c)));
                 for (g, acc) in acc.iter_mut().enumerate() {
                     let alpha = _mm512_set1_ps(*alphas[g].get_unchecked(r));
                     for (acc, &x) in acc.iter_mut().zip(&x) {
@@ -391,7 +403,10 @@ pub(super) fn has_avx512() -> bool {
 pub(super) fn has_avx2_fma() -> bool {
     use std::sync::OnceLock;
     static DETECTED: OnceLock<bool> = OnceLock::new();
-    *DETECTED.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
+    *DETECTED.get_or_init(|| {
+        // F16C (every AVX2 CPU has it) widens half cache rows.
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+    })
 }
 
 /// `Σ a[i]·b[i]` over the shorter length.
@@ -402,7 +417,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
         // SAFETY: the CPU supports AVX2 and FMA (checked above).
         return unsafe { dot_avx2(a, b) };
     }
-    dot_body::<false>(a, b)
+    dot_body::<false, f32>(a, b)
 }
 
 /// `y += alpha·x`.
@@ -413,29 +428,31 @@ pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
         // SAFETY: as in `dot`.
         return unsafe { axpy_avx2(alpha, x, y) };
     }
-    axpy_body::<false>(alpha, x, y)
+    axpy_body::<false, f32>(alpha, x, y)
 }
 
-/// `out[r] = dot(a, rows[r])`, bit for bit, in one call (one feature check for all rows).
+/// `out[r] = dot(a, rows[r])`, bit for bit (rows widened), in one call (one feature check
+/// for all rows).
 #[inline]
-pub fn dots(a: &[f32], rows: &[&[f32]], out: &mut [f32]) {
+pub fn dots<T: KvElement>(a: &[f32], rows: &[&[T]], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
-        // SAFETY: as in `dot`.
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked above).
         return unsafe { dots_avx2(a, rows, out) };
     }
-    dots_body::<false>(a, rows, out)
+    dots_body::<false, T>(a, rows, out)
 }
 
-/// `axpy(alphas[r], rows[r], y)` for each row in order, bit for bit, `y` held in registers.
+/// `axpy(alphas[r], rows[r], y)` for each row in order, bit for bit (rows widened), `y` held
+/// in registers.
 #[inline]
-pub fn axpys(alphas: &[f32], rows: &[&[f32]], y: &mut [f32]) {
+pub fn axpys<T: KvElement>(alphas: &[f32], rows: &[&[T]], y: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
-        // SAFETY: as in `dot`.
+        // SAFETY: as in `dots`.
         return unsafe { axpys_avx2(alphas, rows, y) };
     }
-    axpys_body::<false>(alphas, rows, y)
+    axpys_body::<false, T>(alphas, rows, y)
 }
 
 /// The most vectors the many-vector forms take in one call: their accumulators then fill half
@@ -445,42 +462,42 @@ pub const MANY: usize = 4;
 /// `out[g][r] = dot(a[g], rows[r])`, bit for bit, for `G` vectors of one length (the query
 /// heads sharing a KV head), each cache row read once for all of them.
 #[inline]
-pub fn dots_many<const G: usize>(a: &[&[f32]; G], rows: &[&[f32]], out: &mut [&mut [f32]; G]) {
+pub fn dots_many<const G: usize, T: KvElement>(a: &[&[f32]; G], rows: &[&[T]], out: &mut [&mut [f32]; G]) {
     let len = a[0].len();
     assert!(a.iter().all(|v| v.len() == len), "vectors of one length");
     #[cfg(target_arch = "x86_64")]
     if has_avx512() && len.is_multiple_of(LANES) && rows.iter().all(|r| r.len() >= len) {
         // SAFETY: the CPU has AVX-512F and VL (checked above); lengths as it wants them.
-        return unsafe { avx512::dots_many::<G>(a, rows, out) };
+        return unsafe { avx512::dots_many::<G, T>(a, rows, out) };
     }
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
         // SAFETY: as in `dot`.
-        return unsafe { dots_many_avx2::<G>(a, rows, out) };
+        return unsafe { dots_many_avx2::<G, T>(a, rows, out) };
     }
     for (a, out) in a.iter().zip(out.iter_mut()) {
-        dots_body::<false>(a, rows, out);
+        dots_body::<false, T>(a, rows, out);
     }
 }
 
 /// `axpys(alphas[g], rows, y[g])` for each `g`, bit for bit, each row read once for all.
 #[inline]
-pub fn axpys_many<const G: usize>(alphas: &[&[f32]; G], rows: &[&[f32]], y: &mut [&mut [f32]; G]) {
+pub fn axpys_many<const G: usize, T: KvElement>(alphas: &[&[f32]; G], rows: &[&[T]], y: &mut [&mut [f32]; G]) {
     let len = y[0].len();
     assert!(y.iter().all(|y| y.len() == len), "outputs of one length");
     assert!(alphas.iter().all(|a| a.len() >= rows.len()), "a weight per row");
     #[cfg(target_arch = "x86_64")]
     if has_avx512() && rows.iter().all(|row| row.len() >= len) {
         // SAFETY: the CPU has AVX-512F and VL (checked above); lengths as it wants them.
-        return unsafe { avx512::axpys_many::<G>(alphas, rows, y) };
+        return unsafe { avx512::axpys_many::<G, T>(alphas, rows, y) };
     }
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
         // SAFETY: as in `dot`.
-        return unsafe { axpys_many_avx2::<G>(alphas, rows, y) };
+        return unsafe { axpys_many_avx2::<G, T>(alphas, rows, y) };
     }
     for (alphas, y) in alphas.iter().zip(y.iter_mut()) {
-        axpys_body::<false>(alphas, rows, y);
+        axpys_body::<false, T>(alphas, rows, y);
     }
 }
 
@@ -509,7 +526,7 @@ mod tests {
             let want: f64 = a.iter().zip(&b).map(|(&x, &y)| x as f64 * y as f64).sum();
             assert!((dot(&a, &b) as f64 - want).abs() < 1e-4, "n = {n}");
             assert!(
-                (dot_body::<false>(&a, &b) as f64 - want).abs() < 1e-4,
+                (dot_body::<false, f32>(&a, &b) as f64 - want).abs() < 1e-4,
                 "portable, n = {n}"
             );
         }
@@ -602,6 +619,55 @@ mod tests {
             for g in 0..G {
                 assert_eq!(bits(&got[g]), bits(&want[g]), "axpys_many::<{G}>, n = {n}, vector {g}");
             }
+        }
+    }
+
+    /// Rows stored narrow give, in every form, the bits their widened f32 rows give.
+    #[test]
+    fn narrow_rows_give_the_bits_of_their_widened_rows() {
+        narrow_rows_agree::<half::bf16>();
+        narrow_rows_agree::<half::f16>();
+    }
+
+    fn narrow_rows_agree<T: KvElement>() {
+        for (n, count) in [(64, 9), (128, 16), (17, 3), (100, 6), (32, 37)] {
+            let vector =
+                |g: usize| -> Vec<f32> { (0..n).map(|i| ((i * 37 + g * 5) % 11) as f32 * 0.137 - 0.6).collect() };
+            let narrow: Vec<Vec<T>> = (0..count)
+                .map(|r| {
+                    (0..n)
+                        .map(|i| T::narrow(((i * 13 + r * 7) % 23) as f32 * 0.071 - 0.8))
+                        .collect()
+                })
+                .collect();
+            let wide: Vec<Vec<f32>> = narrow.iter().map(|r| r.iter().map(|x| x.widen()).collect()).collect();
+            let narrow: Vec<&[T]> = narrow.iter().map(Vec::as_slice).collect();
+            let wide: Vec<&[f32]> = wide.iter().map(Vec::as_slice).collect();
+            let a: [Vec<f32>; 3] = std::array::from_fn(vector);
+            let a: [&[f32]; 3] = std::array::from_fn(|g| a[g].as_slice());
+            let (mut got, mut want) = (
+                [vec![0f32; count], vec![0f32; count], vec![0f32; count]],
+                [vec![0f32; count], vec![0f32; count], vec![0f32; count]],
+            );
+            dots_many(&a, &narrow, &mut got.each_mut().map(Vec::as_mut_slice));
+            dots_many(&a, &wide, &mut want.each_mut().map(Vec::as_mut_slice));
+            assert_eq!(got.map(|v| bits(&v)), want.map(|v| bits(&v)), "dots_many, n = {n}");
+            let (mut got, mut want) = (vec![0f32; count], vec![0f32; count]);
+            dots(a[0], &narrow, &mut got);
+            dots(a[0], &wide, &mut want);
+            assert_eq!(bits(&got), bits(&want), "dots, n = {n}");
+            let alphas: [Vec<f32>; 3] =
+                std::array::from_fn(|g| (0..count).map(|r| 0.3 + (r + g) as f32 * 0.11).collect());
+            let alphas: [&[f32]; 3] = std::array::from_fn(|g| alphas[g].as_slice());
+            let (mut got, mut want): ([Vec<f32>; 3], [Vec<f32>; 3]) =
+                (std::array::from_fn(vector), std::array::from_fn(vector));
+            axpys_many(&alphas, &narrow, &mut got.each_mut().map(Vec::as_mut_slice));
+            axpys_many(&alphas, &wide, &mut want.each_mut().map(Vec::as_mut_slice));
+            assert_eq!(got.map(|v| bits(&v)), want.map(|v| bits(&v)), "axpys_many, n = {n}");
+            let (mut got, mut want) = (vector(0), vector(0));
+            axpys(alphas[0], &narrow, &mut got);
+            axpys(alphas[0], &wide, &mut want);
+            assert_eq!(bits(&got), bits(&want), "axpys, n = {n}");
         }
     }
 

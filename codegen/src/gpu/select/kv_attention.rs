@@ -42,6 +42,7 @@ pub(super) fn launches(
     let cache_ty = match spec.cache_dtype {
         DType::F32 => Ty::F32,
         DType::BF16 => Ty::Bf16,
+        DType::F16 => Ty::F16,
         other => return Err(unsupported(format!("a {other} KV cache"))),
     };
     if sampled && !matches!(op, Op::SharedKvAttention(_)) {
