@@ -99,6 +99,47 @@ history = weather + [
 ]
 answer = client.chat.completions.create(model="smollm2", messages=history, max_completion_tokens=12, temperature=0)
 
+# The Responses API: the same question as the chat above, whole and streamed; a named
+# function's call, then the next turn with its output; `auto` held to a Hermes call.
+response = client.responses.create(model="smollm2", input="What is the capital of France?", max_output_tokens=12, temperature=0)
+response_pieces, response_final = [], None
+for event in client.responses.create(
+    model="smollm2", input="What is the capital of France?", max_output_tokens=12, temperature=0, stream=True
+):
+    if event.type == "response.output_text.delta":
+        response_pieces.append(event.delta)
+    if event.type in ("response.completed", "response.incomplete"):
+        response_final = event.response
+flat_tools = [{"type": "function", **tools[0]["function"]}]
+weather_text = weather[0]["content"]
+named_response = client.responses.create(
+    model="smollm2",
+    input=weather_text,
+    tools=flat_tools,
+    tool_choice={"type": "function", "name": "get_weather"},
+    max_output_tokens=40,
+    temperature=0,
+)
+response_call = [item for item in named_response.output if item.type == "function_call"][0]
+followed = client.responses.create(
+    model="smollm2",
+    input=[
+        {"role": "user", "content": weather_text},
+        {"type": "function_call", "call_id": response_call.call_id, "name": response_call.name, "arguments": response_call.arguments},
+        {"type": "function_call_output", "call_id": response_call.call_id, "output": "18 C and sunny"},
+    ],
+    max_output_tokens=12,
+    temperature=0,
+)
+auto_response = client.responses.create(
+    model="smollm2",
+    input=weather_text,
+    tools=flat_tools,
+    max_output_tokens=150,
+    temperature=0,
+    extra_body={"structured_outputs": {"regex": hermes_call}},
+)
+
 print(
     json.dumps(
         {
@@ -119,6 +160,14 @@ print(
             "chat": chat.choices[0].message.content,
             "chat_stream": "".join(chat_pieces),
             "models": [m.id for m in client.models.list()],
+            "responses_text": response.output_text,
+            "responses_status": response.status,
+            "responses_usage": [response.usage.input_tokens, response.usage.output_tokens],
+            "responses_stream": "".join(response_pieces),
+            "responses_stream_text": response_final.output_text,
+            "responses_call": [response_call.name, response_call.arguments],
+            "responses_after_the_call": followed.output_text,
+            "responses_auto": [[i.type, getattr(i, "name", None), getattr(i, "arguments", None)] for i in auto_response.output],
         }
     )
 )

@@ -293,7 +293,7 @@ fn an_api_key_is_required_when_set() {
     assert_eq!(status, 401);
     let (status, _) = server.request("GET", "/v1/models", &[], b"");
     assert_eq!(status, 401);
-    for path in ["/tokenize", "/detokenize"] {
+    for path in ["/tokenize", "/detokenize", "/v1/responses"] {
         assert_eq!(
             server.request("POST", path, &[], b"{\"prompt\":\"x\"}").0,
             401,
@@ -384,6 +384,10 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
         Just(json!({"type": "function", "function": {"name": "f"}})),
         Just(json!("required")),
         Just(json!("auto")),
+        Just(
+            json!([{"type": "function_call_output", "call_id": "c", "output": "x"}, {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}])
+        ),
+        Just(json!({"format": {"type": "json_schema", "schema": {"type": "object"}}})),
     ];
     let key = prop_oneof![
         Just("prompt"),
@@ -408,6 +412,11 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
         Just("tools"),
         Just("tool_choice"),
         Just("parallel_tool_calls"),
+        Just("input"),
+        Just("instructions"),
+        Just("max_output_tokens"),
+        Just("text"),
+        Just("reasoning"),
     ];
     let object = proptest::collection::vec((key, value), 0..6).prop_map(|fields| {
         let mut map = serde_json::Map::new();
@@ -432,7 +441,7 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
 fn random_and_malformed_bodies_never_crash_the_server() {
     let server = Server::start(&["--tool-call-parser", "hermes"]);
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(500));
-    for path in ["/v1/completions", "/v1/chat/completions"] {
+    for path in ["/v1/completions", "/v1/chat/completions", "/v1/responses"] {
         runner
             .run(&body(), |b| {
                 let (status, text) = server.request("POST", path, &[], &b);
@@ -506,6 +515,20 @@ fn the_openai_python_client_works() {
     assert_eq!(
         (&got["auto_content"], &got["auto_finish"]),
         (&Value::Null, &json!("tool_calls"))
+    );
+    // The Responses API: chat's answer to the same question, whole and streamed.
+    assert_eq!(got["responses_text"], got["chat"]);
+    assert_eq!(got["responses_stream"], got["chat"]);
+    assert_eq!(got["responses_stream_text"], got["chat"]);
+    assert_eq!(got["responses_status"], "incomplete", "12 tokens cut it short");
+    assert_eq!(got["responses_usage"][1], 12);
+    assert_eq!(got["responses_call"][0], "get_weather");
+    let arguments: Value = serde_json::from_str(got["responses_call"][1].as_str().unwrap()).unwrap();
+    assert!(arguments["city"].is_string(), "{arguments}");
+    assert!(!got["responses_after_the_call"].as_str().unwrap().is_empty());
+    assert_eq!(
+        got["responses_auto"],
+        json!([["function_call", "get_weather", r#"{"city":"Paris"}"#]])
     );
 }
 

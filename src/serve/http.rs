@@ -13,6 +13,7 @@ use super::structured::LazyStructuredOutputs;
 use super::tool_parser::CallFormat;
 use super::tools::ToolCalling;
 use super::worker::NewRequest;
+use super::{responses_output, responses_request};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -52,6 +53,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(list_models))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(responses))
         .route("/tokenize", post(tokenize_prompt))
         .route("/detokenize", post(detokenize))
         .with_state(state)
@@ -78,6 +80,23 @@ async fn completions(State(app): State<Arc<AppState>>, headers: HeaderMap, body:
 
 async fn chat_completions(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     answer(app, headers, body, Endpoint::Chat).await
+}
+
+/// OpenAI's Responses API: the chat pipeline behind its request and output formats.
+async fn responses(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let started = Instant::now();
+    let admitted = match authorize(&app, &headers).and_then(|()| responses_request::parse(&body)) {
+        Ok(request) => admit(&app, request, Endpoint::Chat, started).await,
+        Err(e) => Err(e),
+    };
+    let echo = responses_output::echo(&body);
+    let response = match admitted {
+        Ok(generation) if generation.info.stream => responses_output::stream(generation, echo).into_response(),
+        Ok(generation) => responses_output::complete(generation, echo).await,
+        Err(e) => e.into_response(),
+    };
+    app.metrics.count_request(response.status().as_u16());
+    response
 }
 
 async fn answer(app: Arc<AppState>, headers: HeaderMap, body: Bytes, endpoint: Endpoint) -> Response {
@@ -153,7 +172,17 @@ async fn start(
 ) -> Result<Generation, ApiError> {
     let started = Instant::now();
     authorize(app, headers)?;
-    let request = request::parse(body, endpoint)?;
+    admit(app, request::parse(body, endpoint)?, endpoint, started).await
+}
+
+/// Submit a parsed request (its model checked, its prompt tokenized and its length checked);
+/// the admitted generation.
+async fn admit(
+    app: &Arc<AppState>,
+    request: GenerationRequest,
+    endpoint: Endpoint,
+    started: Instant,
+) -> Result<Generation, ApiError> {
     if let Some(model) = &request.model {
         if model != &app.model_name {
             return Err(ApiError::new(

@@ -13,6 +13,8 @@ mod output_spec;
 mod reasoning;
 mod request;
 mod response;
+mod responses_output;
+mod responses_request;
 mod structured;
 mod text;
 mod tool_parser;

@@ -212,15 +212,20 @@ pub fn tool_calls_json(calls: &[ToolCall], streamed: Option<usize>) -> Value {
         .collect()
 }
 
-/// `chatcmpl-tool-` and 16 hex digits, distinct within a server's run and unlikely to repeat
-/// across runs.
+/// `chatcmpl-tool-` and 16 hex digits.
 fn call_id() -> String {
+    fresh_id("chatcmpl-tool-")
+}
+
+/// `prefix` and 16 hex digits, distinct within a server's run and unlikely to repeat across
+/// runs.
+pub fn fresh_id(prefix: &str) -> String {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64);
     let mut mix = runtime::sampling::SplitMix64(nanos ^ NEXT.fetch_add(1, Relaxed).rotate_left(40));
-    format!("chatcmpl-tool-{:016x}", mix.next_u64())
+    format!("{prefix}{:016x}", mix.next_u64())
 }
 
 #[cfg(test)]

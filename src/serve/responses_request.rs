@@ -1,0 +1,407 @@
+//! OpenAI's Responses API (`POST /v1/responses`) on the chat pipeline: a request body is
+//! rewritten as the chat completion it asks for (`input` and `instructions` as `messages`,
+//! function tools and `tool_choice` in chat's shape, `text.format` as `response_format`,
+//! `max_output_tokens` as `max_completion_tokens`) and parsed by `request`, so every check
+//! and every feature of chat applies; an error is reported under the Responses name of the
+//! parameter. What needs state this server does not keep (`previous_response_id`,
+//! `conversation`, background runs) or tools it cannot run (web search, files, computer use)
+//! is refused by name.
+
+use super::error::ApiError;
+use super::request::{self, Endpoint, GenerationRequest};
+use serde_json::{json, Map, Value};
+
+/// Parameters that would change the answer and that this server does not implement.
+const REFUSED: [(&str, &str); 6] = [
+    (
+        "previous_response_id",
+        "continuing a stored response (this server stores none)",
+    ),
+    ("conversation", "conversations (this server stores none)"),
+    ("prompt", "stored prompt templates"),
+    ("max_tool_calls", "`max_tool_calls`"),
+    ("top_logprobs", "`top_logprobs` on /v1/responses"),
+    (
+        "reasoning",
+        "`reasoning` settings (a reasoning model's chat template decides; see `chat_template_kwargs`)",
+    ),
+];
+
+/// Keys passed to chat as they are (the sampling settings chat shares, and vLLM's extras).
+const SHARED: [&str; 14] = [
+    "model",
+    "stream",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "parallel_tool_calls",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "chat_template_kwargs",
+    "structured_outputs",
+];
+
+/// The chat request a Responses body asks for.
+pub fn parse(body: &[u8]) -> Result<GenerationRequest, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+    let Value::Object(obj) = value else {
+        return Err(ApiError::bad_request("the request body must be a JSON object"));
+    };
+    let chat = chat_body(&obj)?;
+    let parsed = request::parse(Value::Object(chat).to_string().as_bytes(), Endpoint::Chat);
+    parsed.map_err(|mut e| {
+        e.param = e.param.map(|p| responses_name(&p).to_string());
+        e
+    })
+}
+
+/// The chat body that asks for what `obj` asks for.
+fn chat_body(obj: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
+    let given = |name: &str| obj.get(name).filter(|v| !v.is_null());
+    for (name, what) in REFUSED {
+        let asks = match given(name) {
+            None => false,
+            Some(Value::Number(n)) if name == "top_logprobs" => n.as_u64() != Some(0),
+            Some(Value::Object(o)) if name == "reasoning" => !o.values().all(Value::is_null),
+            Some(_) => true,
+        };
+        if asks {
+            return Err(ApiError::invalid(name, format!("{what} is not supported")));
+        }
+    }
+    if given("background").and_then(Value::as_bool) == Some(true) {
+        return Err(ApiError::invalid(
+            "background",
+            "background responses are not supported",
+        ));
+    }
+    if given("truncation").is_some_and(|t| t != "disabled") {
+        return Err(ApiError::invalid(
+            "truncation",
+            "only `truncation: disabled` is supported",
+        ));
+    }
+    let mut chat = Map::new();
+    for name in SHARED {
+        if let Some(v) = given(name) {
+            chat.insert(name.into(), v.clone());
+        }
+    }
+    chat.insert("messages".into(), Value::Array(messages(obj)?));
+    if let Some(max) = given("max_output_tokens") {
+        chat.insert("max_completion_tokens".into(), max.clone());
+    }
+    if let Some(tools) = given("tools") {
+        chat.insert("tools".into(), function_tools(tools)?);
+    }
+    if let Some(choice) = given("tool_choice") {
+        chat.insert("tool_choice".into(), tool_choice(choice)?);
+    }
+    if let Some(format) = given("text").map(|t| t.get("format")) {
+        if let Some(format) = response_format(format)? {
+            chat.insert("response_format".into(), format);
+        }
+    }
+    Ok(chat)
+}
+
+/// A chat parameter's name as the Responses body spells it.
+fn responses_name(chat: &str) -> &str {
+    match chat {
+        "messages" => "input",
+        "max_completion_tokens" | "max_tokens" => "max_output_tokens",
+        "response_format" => "text.format",
+        other => other,
+    }
+}
+
+/// `instructions` as a system message, then `input`: a string (one user message) or a list of
+/// items: messages (`content` a string or `input_text`/`output_text` parts), earlier
+/// `function_call`s (consecutive ones in one assistant message) and their
+/// `function_call_output`s (tool messages); reasoning items are left out, as chat templates
+/// drop earlier turns' reasoning.
+fn messages(obj: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
+    let mut messages = Vec::new();
+    match obj.get("instructions") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(text)) => messages.push(json!({"role": "system", "content": text})),
+        Some(_) => return Err(ApiError::invalid("instructions", "`instructions` must be a string")),
+    }
+    match obj.get("input") {
+        Some(Value::String(text)) => messages.push(json!({"role": "user", "content": text})),
+        Some(Value::Array(items)) => {
+            for item in items {
+                push_item(&mut messages, item)?;
+            }
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                "input",
+                "`input` must be a string or an array of items",
+            ))
+        }
+    }
+    Ok(messages)
+}
+
+fn push_item(messages: &mut Vec<Value>, item: &Value) -> Result<(), ApiError> {
+    let bad = |what: &str| ApiError::invalid("input", format!("each input item needs {what}"));
+    let text = |name: &str| item.get(name).and_then(Value::as_str);
+    match text("type").unwrap_or("message") {
+        "message" => {
+            let role = text("role").ok_or_else(|| bad("a `role`"))?;
+            let role = if role == "developer" { "system" } else { role };
+            messages.push(json!({"role": role, "content": message_text(item.get("content"))?}));
+        }
+        "function_call" => {
+            let (Some(call_id), Some(name)) = (text("call_id"), text("name")) else {
+                return Err(bad("a `call_id` and a `name` where it is a `function_call`"));
+            };
+            let call = json!({"id": call_id, "type": "function",
+                              "function": {"name": name, "arguments": text("arguments").unwrap_or("{}")}});
+            match messages.last_mut() {
+                // Calls made in one turn are one assistant message.
+                Some(last) if last["role"] == "assistant" && last["tool_calls"].is_array() => {
+                    last["tool_calls"].as_array_mut().expect("an array").push(call)
+                }
+                _ => messages.push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
+            }
+        }
+        "function_call_output" => {
+            let call_id = text("call_id").ok_or_else(|| bad("a `call_id` where it is a `function_call_output`"))?;
+            let output = match item.get("output") {
+                Some(Value::String(s)) => s.clone(),
+                Some(other @ Value::Array(_)) => message_text(Some(other))?,
+                _ => return Err(bad("an `output` where it is a `function_call_output`")),
+            };
+            messages.push(json!({"role": "tool", "tool_call_id": call_id, "content": output}));
+        }
+        "reasoning" => {}
+        other => {
+            return Err(ApiError::invalid(
+                "input",
+                format!("input items of type `{other}` are not supported"),
+            ))
+        }
+    }
+    Ok(())
+}
+
+/// A message's text: a string, or its text parts joined.
+fn message_text(content: Option<&Value>) -> Result<String, ApiError> {
+    match content {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .map(|p| {
+                match (
+                    p.get("type").and_then(Value::as_str),
+                    p.get("text").and_then(Value::as_str),
+                ) {
+                    (Some("input_text" | "output_text" | "text"), Some(text)) => Ok(text),
+                    _ => Err(ApiError::invalid(
+                        "input",
+                        "content parts must be text (`input_text`, `output_text`); no other input is supported",
+                    )),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(|texts| texts.concat()),
+        _ => Err(ApiError::invalid(
+            "input",
+            "a message's `content` must be a string or a list of text parts",
+        )),
+    }
+}
+
+/// Responses' flat function tools (`{type, name, description, parameters}`) in chat's shape.
+fn function_tools(tools: &Value) -> Result<Value, ApiError> {
+    let Value::Array(tools) = tools else {
+        return Err(ApiError::invalid("tools", "`tools` must be an array of tools"));
+    };
+    tools
+        .iter()
+        .map(|tool| match tool.get("type").and_then(Value::as_str) {
+            Some("function") => {
+                let mut function = Map::new();
+                for key in ["name", "description", "parameters"] {
+                    if let Some(v) = tool.get(key) {
+                        function.insert(key.into(), v.clone());
+                    }
+                }
+                Ok(json!({"type": "function", "function": function}))
+            }
+            Some(other) => Err(ApiError::invalid(
+                "tools",
+                format!("tools of type `{other}` are not supported: only functions, which the client runs"),
+            )),
+            None => Err(ApiError::invalid("tools", "each tool needs a `type`")),
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map(Value::Array)
+}
+
+/// `auto`, `none`, `required`, or `{"type": "function", "name": …}` in chat's shape.
+fn tool_choice(choice: &Value) -> Result<Value, ApiError> {
+    match choice {
+        Value::String(_) => Ok(choice.clone()),
+        Value::Object(o) if o.get("type").and_then(Value::as_str) == Some("function") => match o.get("name") {
+            Some(name) => Ok(json!({"type": "function", "function": {"name": name}})),
+            None => Err(ApiError::invalid(
+                "tool_choice",
+                "a function `tool_choice` needs a `name`",
+            )),
+        },
+        _ => Err(ApiError::invalid(
+            "tool_choice",
+            "`tool_choice` must be none, auto, required or {\"type\": \"function\", \"name\": ...}",
+        )),
+    }
+}
+
+/// `text.format`: plain text (none), a JSON schema, or any JSON object.
+fn response_format(format: Option<&Value>) -> Result<Option<Value>, ApiError> {
+    let Some(format) = format.filter(|f| !f.is_null()) else {
+        return Ok(None);
+    };
+    match format.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(json!({"type": "json_object"}))),
+        Some("json_schema") => {
+            let mut schema = Map::new();
+            for key in ["name", "schema", "strict"] {
+                if let Some(v) = format.get(key) {
+                    schema.insert(key.into(), v.clone());
+                }
+            }
+            Ok(Some(json!({"type": "json_schema", "json_schema": schema})))
+        }
+        _ => Err(ApiError::invalid(
+            "text.format",
+            "`text.format` must be of type text, json_object or json_schema",
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use models::ChatMessage;
+
+    fn parse_json(body: Value) -> Result<GenerationRequest, ApiError> {
+        parse(body.to_string().as_bytes())
+    }
+
+    fn chat(body: Value) -> Vec<ChatMessage> {
+        match parse_json(body).unwrap().prompt {
+            request::PromptInput::Chat(messages) => messages,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn input_and_instructions_become_messages() {
+        let messages = chat(json!({"input": "Hi", "instructions": "Be brief."}));
+        assert_eq!(
+            messages,
+            [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi")]
+        );
+        let items = json!({"input": [
+            {"role": "developer", "content": "Rules."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather "}, {"type": "input_text", "text": "in Oslo?"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{\"city\": \"Oslo\"}"},
+            {"type": "function_call", "call_id": "c2", "name": "time", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        ]});
+        let messages = chat(items);
+        assert_eq!(messages.len(), 4);
+        assert_eq!(
+            (messages[0].role.as_str(), messages[0].content.as_str()),
+            ("system", "Rules.")
+        );
+        assert_eq!(messages[1].content, "Weather in Oslo?");
+        let calls = messages[2].tool_calls.as_ref().unwrap();
+        assert_eq!((messages[2].role.as_str(), calls.len()), ("assistant", 2));
+        assert_eq!(calls[0]["function"]["arguments"], json!({"city": "Oslo"}));
+        assert_eq!(
+            (messages[3].role.as_str(), messages[3].tool_call_id.as_deref()),
+            ("tool", Some("c1"))
+        );
+    }
+
+    #[test]
+    fn settings_map_to_their_chat_forms() {
+        let request = parse_json(json!({
+            "input": "x", "max_output_tokens": 7, "temperature": 0.5, "stream": true,
+            "tools": [{"type": "function", "name": "weather", "parameters": {"type": "object"}}],
+            "tool_choice": {"type": "function", "name": "weather"},
+            "store": false, "metadata": {"k": "v"},
+        }))
+        .unwrap();
+        assert_eq!(request.max_tokens, Some(7));
+        assert!(request.stream);
+        assert_eq!(request.sampling.temperature, 0.5);
+        let calling = request.tools.and_then(|t| t.calling);
+        assert!(matches!(calling, Some(crate::serve::tools::ToolCalling::Named(ref t)) if t.name == "weather"));
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let format = parse_json(
+            json!({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": schema}}}),
+        );
+        assert_eq!(
+            format.unwrap().structured.map(|s| s.param).as_deref(),
+            Some("response_format")
+        );
+        let plain = parse_json(json!({"input": "x", "text": {"format": {"type": "text"}}}));
+        assert_eq!(plain.unwrap().structured, None);
+    }
+
+    /// Errors name the Responses parameter; what needs stored state, hosted tools or other
+    /// input than text is refused by name.
+    #[test]
+    fn errors_name_the_responses_parameter() {
+        for (body, param) in [
+            (json!({}), "input"),
+            (json!({"input": 3}), "input"),
+            (json!({"input": [{"type": "input_image", "image_url": "x"}]}), "input"),
+            (
+                json!({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}),
+                "input",
+            ),
+            (json!({"input": "x", "max_output_tokens": -1}), "max_output_tokens"),
+            (
+                json!({"input": "x", "previous_response_id": "resp_1"}),
+                "previous_response_id",
+            ),
+            (json!({"input": "x", "reasoning": {"effort": "high"}}), "reasoning"),
+            (json!({"input": "x", "top_logprobs": 2}), "top_logprobs"),
+            (json!({"input": "x", "background": true}), "background"),
+            (json!({"input": "x", "truncation": "auto"}), "truncation"),
+            (json!({"input": "x", "tools": [{"type": "web_search"}]}), "tools"),
+            (
+                json!({"input": "x", "tool_choice": {"type": "file_search"}}),
+                "tool_choice",
+            ),
+            (
+                json!({"input": "x", "text": {"format": {"type": "xml"}}}),
+                "text.format",
+            ),
+            (json!({"input": "x", "instructions": 1}), "instructions"),
+        ] {
+            let error = parse_json(body.clone()).unwrap_err();
+            assert_eq!(error.param.as_deref(), Some(param), "{body}: {}", error.message);
+        }
+        for fine in [
+            json!({"input": "x", "reasoning": null}),
+            json!({"input": "x", "reasoning": {"effort": null}}),
+            json!({"input": "x", "top_logprobs": 0, "truncation": "disabled", "background": false}),
+        ] {
+            assert!(parse_json(fine.clone()).is_ok(), "{fine}");
+        }
+    }
+}
