@@ -80,6 +80,7 @@ fn chat_body(obj: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
             "background responses are not supported",
         ));
     }
+    include(given("include"))?;
     if given("truncation").is_some_and(|t| t != "disabled") {
         return Err(ApiError::invalid(
             "truncation",
@@ -108,6 +109,23 @@ fn chat_body(obj: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
         }
     }
     Ok(chat)
+}
+
+/// `include`: extra data in the response. Encrypted reasoning (stateless clients ask for it to
+/// pass back) is accepted and has nothing to add, since reasoning comes back in clear; every
+/// other kind (log-probabilities, hosted tools' results) is refused.
+fn include(value: Option<&Value>) -> Result<(), ApiError> {
+    let Some(value) = value else { return Ok(()) };
+    let Value::Array(kinds) = value else {
+        return Err(ApiError::invalid("include", "`include` must be an array of strings"));
+    };
+    match kinds.iter().find(|k| k.as_str() != Some("reasoning.encrypted_content")) {
+        None => Ok(()),
+        Some(kind) => Err(ApiError::invalid(
+            "include",
+            format!("`include` {kind} is not supported (only reasoning.encrypted_content)"),
+        )),
+    }
 }
 
 /// A chat parameter's name as the Responses body spells it.
@@ -382,6 +400,11 @@ mod tests {
             (json!({"input": "x", "top_logprobs": 2}), "top_logprobs"),
             (json!({"input": "x", "background": true}), "background"),
             (json!({"input": "x", "truncation": "auto"}), "truncation"),
+            (
+                json!({"input": "x", "include": ["message.output_text.logprobs"]}),
+                "include",
+            ),
+            (json!({"input": "x", "include": "all"}), "include"),
             (json!({"input": "x", "tools": [{"type": "web_search"}]}), "tools"),
             (
                 json!({"input": "x", "tool_choice": {"type": "file_search"}}),
@@ -400,6 +423,7 @@ mod tests {
             json!({"input": "x", "reasoning": null}),
             json!({"input": "x", "reasoning": {"effort": null}}),
             json!({"input": "x", "top_logprobs": 0, "truncation": "disabled", "background": false}),
+            json!({"input": "x", "include": ["reasoning.encrypted_content"], "store": false}),
         ] {
             assert!(parse_json(fine.clone()).is_ok(), "{fine}");
         }
