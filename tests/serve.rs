@@ -293,7 +293,7 @@ fn an_api_key_is_required_when_set() {
     assert_eq!(status, 401);
     let (status, _) = server.request("GET", "/v1/models", &[], b"");
     assert_eq!(status, 401);
-    for path in ["/tokenize", "/detokenize", "/v1/responses"] {
+    for path in ["/tokenize", "/detokenize", "/v1/responses", "/v1/messages"] {
         assert_eq!(
             server.request("POST", path, &[], b"{\"prompt\":\"x\"}").0,
             401,
@@ -307,6 +307,17 @@ fn an_api_key_is_required_when_set() {
         body.as_bytes(),
     );
     assert_eq!(status, 200, "{text}");
+    // Anthropic's clients send the key as `x-api-key`; errors there come in Anthropic's shape.
+    let message = json!({"max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}).to_string();
+    let (status, text) = server.request("POST", "/v1/messages", &[("x-api-key", "sesame")], message.as_bytes());
+    assert_eq!(status, 200, "{text}");
+    let (status, text) = server.request("POST", "/v1/messages", &[("x-api-key", "nope")], message.as_bytes());
+    let error: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        (status, &error["error"]["type"]),
+        (401, &json!("authentication_error")),
+        "{text}"
+    );
     assert_eq!(server.request("GET", "/health", &[], b"").0, 200, "health needs no key");
 }
 
@@ -388,6 +399,8 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
             json!([{"type": "function_call_output", "call_id": "c", "output": "x"}, {"role": "user", "content": [{"type": "input_text", "text": "hi"}]}])
         ),
         Just(json!({"format": {"type": "json_schema", "schema": {"type": "object"}}})),
+        Just(json!([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}]}])),
+        Just(json!({"type": "enabled", "budget_tokens": 1})),
     ];
     let key = prop_oneof![
         Just("prompt"),
@@ -417,6 +430,10 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
         Just("max_output_tokens"),
         Just("text"),
         Just("reasoning"),
+        Just("system"),
+        Just("stop_sequences"),
+        Just("thinking"),
+        Just("output_config"),
     ];
     let object = proptest::collection::vec((key, value), 0..6).prop_map(|fields| {
         let mut map = serde_json::Map::new();
@@ -441,14 +458,19 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
 fn random_and_malformed_bodies_never_crash_the_server() {
     let server = Server::start(&["--tool-call-parser", "hermes"]);
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(500));
-    for path in ["/v1/completions", "/v1/chat/completions", "/v1/responses"] {
+    for path in [
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/messages",
+    ] {
         runner
             .run(&body(), |b| {
                 let (status, text) = server.request("POST", path, &[], &b);
                 prop_assert!(matches!(status, 200 | 400 | 404), "{status} {text}");
                 if status != 200 {
                     let answer: Value = serde_json::from_str(&text).expect("errors are JSON");
-                    prop_assert!(answer["error"]["message"].is_string());
+                    prop_assert!(answer["error"]["message"].is_string(), "{text}");
                 }
                 Ok(())
             })
@@ -458,34 +480,44 @@ fn random_and_malformed_bodies_never_crash_the_server() {
     server.wait_for_free_blocks();
 }
 
-/// The official `openai` Python client, when installed (`.ci/run` installs it into
-/// `$BBC_HOME/python` and sets BBC_REQUIRE_OPENAI=1, so CI never skips this).
-#[test]
-fn the_openai_python_client_works() {
+/// What `script` (a Python client of the server, in `tests/`) printed, run against `url`; None
+/// where its client package `module` is not installed (`.ci/run` installs it into
+/// `$BBC_HOME/python` and sets `require`, so CI never skips).
+fn python_client(module: &str, require: &str, script: &str, url: &str) -> Option<Value> {
     let python_path = bbc::fetch::cache_dir().join("python");
     let has_client = Command::new("python3")
-        .args(["-c", "import openai"])
+        .args(["-c", &format!("import {module}")])
         .env("PYTHONPATH", &python_path)
         .status()
         .is_ok_and(|s| s.success());
     if !has_client {
         assert!(
-            std::env::var("BBC_REQUIRE_OPENAI").is_err(),
-            "BBC_REQUIRE_OPENAI is set but `openai` does not import"
+            std::env::var(require).is_err(),
+            "{require} is set but `{module}` does not import"
         );
-        eprintln!("skipping: the `openai` Python package is not installed");
-        return;
+        eprintln!("skipping: the `{module}` Python package is not installed");
+        return None;
     }
-    let server = Server::start(&["--tool-call-parser", "hermes"]);
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
+    let script = format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR"));
     let out = Command::new("python3")
         .arg(script)
-        .arg(format!("http://{}/v1", server.address))
+        .arg(url)
         .env("PYTHONPATH", &python_path)
         .output()
-        .expect("running the openai client");
+        .expect("running the client script");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let got: Value = serde_json::from_slice(&out.stdout).expect("the script's JSON");
+    Some(serde_json::from_slice(&out.stdout).expect("the script's JSON"))
+}
+
+/// The official `openai` Python client: completions, chat, structured outputs, tool calls and
+/// the Responses API.
+#[test]
+fn the_openai_python_client_works() {
+    let server = Server::start(&["--tool-call-parser", "hermes"]);
+    let url = format!("http://{}/v1", server.address);
+    let Some(got) = python_client("openai", "BBC_REQUIRE_OPENAI", "openai_client.py", &url) else {
+        return;
+    };
     let (_, want) = server.post(
         "/v1/completions",
         &json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}),
@@ -530,6 +562,41 @@ fn the_openai_python_client_works() {
         got["responses_auto"],
         json!([["function_call", "get_weather", r#"{"city":"Paris"}"#]])
     );
+}
+
+/// The official `anthropic` Python client on the Messages API: the answer chat gives to the same
+/// question, whole and streamed; a stop sequence reported as such; the token count; a named
+/// tool's `tool_use` whole and streamed, the next turn with its `tool_result`; `auto` held to a
+/// Hermes call by a regular expression.
+#[test]
+fn the_anthropic_python_client_works() {
+    let server = Server::start(&["--tool-call-parser", "hermes"]);
+    let url = format!("http://{}", server.address);
+    let Some(got) = python_client("anthropic", "BBC_REQUIRE_ANTHROPIC", "anthropic_client.py", &url) else {
+        return;
+    };
+    let question = json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                          "max_tokens": 12, "temperature": 0});
+    let (_, chat) = server.post("/v1/chat/completions", &question);
+    let text = chat["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(got["text"], text);
+    assert_eq!((&got["streamed"], &got["streamed_final"]), (&json!(text), &json!(text)));
+    assert_eq!(
+        (&got["stop_reason"], &got["streamed_stop_reason"]),
+        (&json!("max_tokens"), &json!("max_tokens"))
+    );
+    assert_eq!(got["usage"], json!([chat["usage"]["prompt_tokens"], 12]));
+    assert_eq!(got["counted"], chat["usage"]["prompt_tokens"]);
+    let word = got["word"].as_str().unwrap();
+    let before = &text[..text.find(word).unwrap()];
+    assert_eq!(got["stopped"], json!([before, "stop_sequence", word]));
+    assert_eq!(got["use"][0], "get_weather");
+    assert!(got["use"][1]["city"].is_string(), "{}", got["use"]);
+    assert_eq!(got["use"][2], "tool_use");
+    assert_eq!(got["streamed_use"], json!([got["use"][0], got["use"][1]]));
+    assert!(!got["after_the_call"].as_str().unwrap().is_empty());
+    assert_eq!(got["auto"], json!([["tool_use", "get_weather", {"city": "Paris"}]]));
+    assert_eq!(got["auto_stop_reason"], "tool_use");
 }
 
 /// vLLM's own test: 200 requests for long outputs whose client gives up after 0.5 s. Afterwards

@@ -32,13 +32,12 @@ pub enum Output {
     },
     /// Tool calls choice `index` made in its own format (`tool_choice` auto), after the text
     /// before them.
-    Calls {
-        index: usize,
-        calls: Vec<ToolCall>,
-    },
+    Calls { index: usize, calls: Vec<ToolCall> },
     Finish {
         index: usize,
         reason: &'static str,
+        /// The stop string that ended the choice, where one did.
+        stop_string: Option<String>,
     },
     /// The engine failed: the whole request ends.
     Error(String),
@@ -158,7 +157,8 @@ impl Generation {
                     Ok(piece) => {
                         self.push_text(index, piece.text);
                         if piece.stopped {
-                            self.finish(index, "stop");
+                            let matched = self.choices[index].text.matched().map(str::to_string);
+                            self.finish(index, "stop", matched);
                         }
                     }
                     Err(e) => self.fail(format!("detokenizing: {e}")),
@@ -171,7 +171,7 @@ impl Generation {
                         FinishReason::Stop => "stop",
                         FinishReason::Length => "length",
                     };
-                    self.finish(index, reason);
+                    self.finish(index, reason, None);
                 }
                 Err(e) => self.fail(format!("detokenizing: {e}")),
             },
@@ -220,7 +220,7 @@ impl Generation {
         }
     }
 
-    fn finish(&mut self, index: usize, reason: &'static str) {
+    fn finish(&mut self, index: usize, reason: &'static str, stop_string: Option<String>) {
         // What the splits still hold ends the text, however the choice ended (a stop string
         // may cut the output at a marker's beginning).
         if let Some(held) = self.choices[index].split.as_mut().map(ReasoningSplit::finish) {
@@ -246,7 +246,11 @@ impl Generation {
                 logprobs,
             });
         }
-        self.pending.push_back(Output::Finish { index, reason });
+        self.pending.push_back(Output::Finish {
+            index,
+            reason,
+            stop_string,
+        });
         // Stop listening: the engine aborts the sequence if it still runs (a stop string).
         choice.done = true;
         choice.events.close();

@@ -13,7 +13,7 @@ use super::structured::LazyStructuredOutputs;
 use super::tool_parser::CallFormat;
 use super::tools::ToolCalling;
 use super::worker::NewRequest;
-use super::{responses_output, responses_request};
+use super::{anthropic_output, anthropic_request, responses_output, responses_request};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
@@ -54,6 +54,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/responses", post(responses))
+        .route("/v1/messages", post(anthropic_messages))
+        .route("/v1/messages/count_tokens", post(anthropic_count_tokens))
         .route("/tokenize", post(tokenize_prompt))
         .route("/detokenize", post(detokenize))
         .with_state(state)
@@ -97,6 +99,42 @@ async fn responses(State(app): State<Arc<AppState>>, headers: HeaderMap, body: B
     };
     app.metrics.count_request(response.status().as_u16());
     response
+}
+
+/// Anthropic's Messages API: the chat pipeline behind its request and output formats, errors
+/// in its shape.
+async fn anthropic_messages(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let started = Instant::now();
+    let admitted = match authorize(&app, &headers).and_then(|()| anthropic_request::parse(&body)) {
+        Ok(request) => admit(&app, request, Endpoint::Chat, started).await,
+        Err(e) => Err(e),
+    };
+    let response = match admitted {
+        Ok(generation) if generation.info.stream => anthropic_output::stream(generation).into_response(),
+        Ok(generation) => anthropic_output::complete(generation).await,
+        Err(e) => anthropic_output::error_response(e),
+    };
+    app.metrics.count_request(response.status().as_u16());
+    response
+}
+
+/// Anthropic's token count of a Messages body: the tokens its rendered chat prompt runs as.
+async fn anthropic_count_tokens(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    // The count needs no answer: `max_tokens` may be left out.
+    let with_max = serde_json::from_slice::<serde_json::Value>(&body).map(|mut v| {
+        if v.get("max_tokens").is_none() {
+            v["max_tokens"] = json!(1);
+        }
+        v.to_string()
+    });
+    let counted = authorize(&app, &headers).and_then(|()| {
+        let body = with_max.map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+        tokenize(&app.tokenizer, &anthropic_request::parse(body.as_bytes())?)
+    });
+    match counted {
+        Ok((ids, _)) => json_response(json!({ "input_tokens": ids.len() })),
+        Err(e) => anthropic_output::error_response(e),
+    }
 }
 
 async fn answer(app: Arc<AppState>, headers: HeaderMap, body: Bytes, endpoint: Endpoint) -> Response {
@@ -150,15 +188,16 @@ async fn detokenize(State(app): State<Arc<AppState>>, headers: HeaderMap, body: 
 
 fn authorize(app: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     let Some(key) = &app.api_key else { return Ok(()) };
-    let given = headers
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+    // OpenAI's clients send a bearer token, Anthropic's an `x-api-key` header.
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let given = header("authorization")
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .or_else(|| header("x-api-key"));
     match given {
         Some(g) if g == key => Ok(()),
         _ => Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
-            "a valid API key is required (Authorization: Bearer KEY)",
+            "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)",
         )),
     }
 }

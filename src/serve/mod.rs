@@ -3,6 +3,8 @@
 //! request, follow its sequences (`generation`, detokenizing with `text`) and answer in OpenAI's
 //! format (`response`), reporting through `metrics` and `error`.
 
+mod anthropic_output;
+mod anthropic_request;
 mod error;
 mod generation;
 mod http;

@@ -212,7 +212,7 @@ impl StreamState {
                 self.sent_text[index] = true;
                 self.calls_sent[index] += calls.len();
             }
-            Some(Output::Finish { index, reason }) => {
+            Some(Output::Finish { index, reason, .. }) => {
                 if let Some(calling @ ToolCalling::Required { .. }) = &g.info.tool_calling {
                     let text = std::mem::take(&mut self.call_text[index]);
                     let delta = match calling.calls(&text) {
@@ -265,7 +265,7 @@ pub async fn complete(mut g: Generation) -> Response {
                 logprobs[index].extend(lp);
             }
             Output::Calls { index, calls } => auto_calls[index].extend(calls),
-            Output::Finish { index, reason } => finishes[index] = reason,
+            Output::Finish { index, reason, .. } => finishes[index] = reason,
             Output::Error(message) => return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message).into_response(),
         }
     }

@@ -11,6 +11,8 @@ pub struct TextOutput {
     /// Decoded text not yet released (a possible stop-string prefix).
     held: String,
     stopped: bool,
+    /// The stop string that ended the text, once one has.
+    matched: Option<String>,
     /// Tokens still to come before stop strings count (vLLM's `min_tokens`): their text is
     /// released as it comes, and a stop string must end after them.
     unchecked: usize,
@@ -32,6 +34,7 @@ impl TextOutput {
             stops,
             held: String::new(),
             stopped: false,
+            matched: None,
             unchecked: min_tokens,
         }
     }
@@ -51,6 +54,11 @@ impl TextOutput {
         Ok(self.release(&piece))
     }
 
+    /// The stop string that ended the text, if one did.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
+    }
+
     /// The rest at the end of generation.
     pub fn finish(&mut self, tokenizer: &Tokenizer) -> models::Result<String> {
         if self.stopped {
@@ -67,8 +75,14 @@ impl TextOutput {
 
     fn release(&mut self, piece: &str) -> Piece {
         self.held.push_str(piece);
-        if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+        let first = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()).map(|at| (at, s)))
+            .min_by_key(|&(at, _)| at);
+        if let Some((at, stop)) = first {
             self.stopped = true;
+            self.matched = Some(stop.clone());
             let text = self.held[..at].to_string();
             self.held.clear();
             return Piece { text, stopped: true };
@@ -131,6 +145,9 @@ mod tests {
     #[test]
     fn the_earliest_stop_wins_and_characters_stay_whole() {
         assert_eq!(run(&["é!", "b"], &["aé", "!b"]), ("a".into(), true));
+        let mut out = TextOutput::after(0, vec!["b".into(), "é!".into()]);
+        assert!(out.release("aé!b").stopped);
+        assert_eq!(out.matched(), Some("é!"), "the one that ended the text");
         assert_eq!(run(&["éa"], &["xé", "b"]), ("xéb".into(), false));
     }
 }
