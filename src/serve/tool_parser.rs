@@ -596,6 +596,51 @@ mod tests {
         assert!(s.called());
     }
 
+    /// Any answer built of calls, broken calls, markers' beginnings, text and whitespace gives
+    /// the same content and calls however it is cut into pieces; one without a call that parses
+    /// comes back whole as its content.
+    #[test]
+    fn any_answer_splits_the_same_however_it_streams() {
+        use proptest::prelude::*;
+        let fragment = prop_oneof![
+            Just("<tool_call>{\"name\": \"weather\", \"arguments\": {\"city\": \"Oslo\"}}</tool_call>".to_string()),
+            Just("<tool_call>{\"name\": broken}</tool_call>".to_string()),
+            Just("<tool_call>{\"name\": \"time\"}".to_string()),
+            Just("<tool_".to_string()),
+            Just("</tool_call>".to_string()),
+            Just(" \n".to_string()),
+            "[a-z<>{}\" ]{0,6}",
+        ];
+        let case = (
+            proptest::collection::vec(fragment, 0..6),
+            proptest::collection::vec(0usize..64, 0..8),
+        );
+        let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(400));
+        runner
+            .run(&case, |(fragments, cuts)| {
+                let text: String = fragments.concat();
+                let whole = split(CallFormat::Hermes, &[&text]);
+                let mut at: Vec<usize> = cuts
+                    .iter()
+                    .map(|c| c % (text.len() + 1))
+                    .filter(|&c| text.is_char_boundary(c))
+                    .collect();
+                at.sort_unstable();
+                at.dedup();
+                let bounds: Vec<usize> = [0].into_iter().chain(at).chain([text.len()]).collect();
+                let pieces: Vec<&str> = bounds.windows(2).map(|w| &text[w[0]..w[1]]).collect();
+                prop_assert_eq!(split(CallFormat::Hermes, &pieces), whole.clone());
+                if whole.1.is_empty() {
+                    prop_assert_eq!(&whole.0, &text, "no call: the answer is all content, as written");
+                }
+                for (name, _) in &whole.1 {
+                    prop_assert!(name == "weather" || name == "time", "{}", name);
+                }
+                Ok(())
+            })
+            .unwrap();
+    }
+
     #[test]
     fn the_template_tells_the_format() {
         let qwen35 = "{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}{{- '<parameter=' + k + '>' }}";
