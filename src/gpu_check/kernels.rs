@@ -31,8 +31,8 @@ pub const GPU_FAMILIES: [&str; 9] = [
 ];
 
 /// Run the tiny models' plans in lockstep on the GPU and the emulator (the HF fixtures in f32
-/// and bf16, tiny Llama GGUF files with GGUF-block and f16 weights); print each kernel's max
-/// relative error; the worst.
+/// and bf16, the tiny Llama and Gemma 3 also with half KV caches, tiny Llama GGUF files with
+/// GGUF-block and f16 weights); print each kernel's max relative error; the worst.
 pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64> {
     let mut worst = 0f64;
     println!("| model | kernel | launches | max relative error |");
@@ -48,6 +48,18 @@ pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64>
                 arch,
             )?);
         }
+    }
+    // Half caches: the appends' f32 -> half stores and attention's half loads on hardware.
+    for family in ["llama", "gemma3"] {
+        let mut spec = ModelSpec::for_weights(&fixtures.join(family));
+        spec.dtype = ComputeDtype::F32;
+        spec.kv_cache_dtype = models::KvCacheDtype::F16;
+        worst = worst.max(lockstep(
+            &format!("{family} F32, f16 KV cache"),
+            &Model::open(spec)?,
+            target,
+            arch,
+        )?);
     }
     let scratch = super::scratch_dir("bbc-gpu-check-gguf-")?;
     for (name, path) in [
