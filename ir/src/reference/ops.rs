@@ -117,7 +117,7 @@ pub fn slice_columns(x: &[f32], row_len: usize, start: usize, len: usize) -> Vec
 }
 
 /// `x` as a buffer of `dtype` stores it and reads it back: rounded to nearest even for bf16
-/// (a KV cache of a bf16 model), unchanged for f32.
+/// and IEEE half (KV caches of those element types), unchanged for f32.
 pub fn stored_as(x: f32, dtype: crate::DType) -> f32 {
     match dtype {
         crate::DType::BF16 => half::bf16::from_f32(x).to_f32(),
