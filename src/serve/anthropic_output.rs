@@ -1,13 +1,14 @@
 //! Anthropic's Messages API wire format for a generation: a `message` whose `content` is a list
 //! of blocks (`thinking`, `text`, a `tool_use` per call) with its `stop_reason`, or the events
 //! that build it (`message_start`, per block `content_block_start`, its deltas and
-//! `content_block_stop`, then `message_delta` with the stop reason and `message_stop`); and
-//! errors in Anthropic's shape.
+//! `content_block_stop`, then `message_delta` with the stop reason and `message_stop`), both
+//! from the answer's parts (`answer_parts`); and errors in Anthropic's shape.
 
+use super::answer_parts::{self, EventSink, Part, PartRouter, PartSink};
 use super::error::ApiError;
-use super::generation::{Generation, Output};
+use super::generation::Generation;
 use super::response::json_response;
-use super::tools::{fresh_id, ToolCall, ToolCalling};
+use super::tools::fresh_id;
 use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -27,15 +28,12 @@ enum BlockKind {
     ToolUse { id: String, name: String },
 }
 
-/// Content blocks and events from a generation's outputs.
+/// Content blocks and events from a generation's parts.
 struct Builder {
     id: String,
     model: String,
-    calling: Option<ToolCalling>,
     blocks: Vec<Value>,
-    open: Option<Open>,
-    /// A `required` answer's text, whose calls are known once it is whole.
-    required_text: String,
+    open: Option<(Part, Open)>,
     events: VecDeque<Value>,
     stop_reason: &'static str,
     stop_sequence: Option<String>,
@@ -46,10 +44,8 @@ impl Builder {
         Self {
             id: fresh_id("msg_"),
             model: g.info.app.model_name.clone(),
-            calling: g.info.tool_calling.clone(),
             blocks: Vec::new(),
             open: None,
-            required_text: String::new(),
             events: VecDeque::new(),
             stop_reason: "end_turn",
             stop_sequence: None,
@@ -74,83 +70,20 @@ impl Builder {
         let start = self.message(json!([]), Value::Null, usage);
         self.event("message_start", json!({ "message": start }));
     }
+}
 
-    fn take(&mut self, output: Output) -> Result<(), String> {
-        match output {
-            Output::Text { text, reasoning, .. } => {
-                if !reasoning.is_empty() {
-                    self.append(BlockKind::Thinking, &reasoning);
-                }
-                if !text.is_empty() {
-                    match &self.calling {
-                        Some(ToolCalling::Named(tool)) => {
-                            let kind = BlockKind::ToolUse {
-                                id: fresh_id("toolu_"),
-                                name: tool.name.clone(),
-                            };
-                            self.append(kind, &text);
-                        }
-                        Some(ToolCalling::Required { .. }) => self.required_text += &text,
-                        Some(ToolCalling::Auto { .. }) | None => self.append(BlockKind::Text, &text),
-                    }
-                }
-            }
-            Output::Calls { calls, .. } => self.calls(&calls),
-            Output::Finish {
-                reason, stop_string, ..
-            } => {
-                if let Some(required) = self
-                    .calling
-                    .clone()
-                    .filter(|c| matches!(c, ToolCalling::Required { .. }))
-                {
-                    let text = std::mem::take(&mut self.required_text);
-                    match required.calls(&text) {
-                        Some(calls) => self.calls(&calls),
-                        None => self.append(BlockKind::Text, &text),
-                    }
-                }
-                self.close();
-                let called = self.blocks.iter().any(|b| b["type"] == "tool_use");
-                self.stop_reason = match (reason, &stop_string) {
-                    ("length", _) => "max_tokens",
-                    (_, Some(_)) => "stop_sequence",
-                    _ if called => "tool_use",
-                    _ => "end_turn",
-                };
-                self.stop_sequence = stop_string;
-            }
-            Output::Error(message) => return Err(message),
-        }
-        Ok(())
-    }
-
-    /// `text` onto the open block of `kind`'s sort, opening one (and closing another) first.
-    fn append(&mut self, kind: BlockKind, text: &str) {
-        let same = matches!(
-            (&self.open, &kind),
-            (
-                Some(Open {
-                    kind: BlockKind::Thinking,
-                    ..
-                }),
-                BlockKind::Thinking
-            ) | (
-                Some(Open {
-                    kind: BlockKind::Text,
-                    ..
-                }),
-                BlockKind::Text
-            ) | (
-                Some(Open {
-                    kind: BlockKind::ToolUse { .. },
-                    ..
-                }),
-                BlockKind::ToolUse { .. }
-            )
-        );
-        if !same {
+impl PartSink for Builder {
+    fn append(&mut self, part: Part, text: &str) {
+        if !self.open.as_ref().is_some_and(|(open, _)| open.same_sort(&part)) {
             self.close();
+            let kind = match &part {
+                Part::Reasoning => BlockKind::Thinking,
+                Part::Text => BlockKind::Text,
+                Part::Call { name } => BlockKind::ToolUse {
+                    id: fresh_id("toolu_"),
+                    name: name.clone(),
+                },
+            };
             let start = match &kind {
                 BlockKind::Thinking => json!({"type": "thinking", "thinking": "", "signature": ""}),
                 BlockKind::Text => json!({"type": "text", "text": ""}),
@@ -158,12 +91,15 @@ impl Builder {
             };
             let index = self.blocks.len();
             self.event("content_block_start", json!({"index": index, "content_block": start}));
-            self.open = Some(Open {
-                kind,
-                text: String::new(),
-            });
+            self.open = Some((
+                part,
+                Open {
+                    kind,
+                    text: String::new(),
+                },
+            ));
         }
-        let open = self.open.as_mut().expect("an open block");
+        let (_, open) = self.open.as_mut().expect("an open block");
         open.text += text;
         let delta = match open.kind {
             BlockKind::Thinking => json!({"type": "thinking_delta", "thinking": text}),
@@ -176,7 +112,7 @@ impl Builder {
 
     /// The open block done: kept, and its stop event.
     fn close(&mut self) {
-        let Some(open) = self.open.take() else { return };
+        let Some((_, open)) = self.open.take() else { return };
         let block = match open.kind {
             BlockKind::Thinking => json!({"type": "thinking", "thinking": open.text, "signature": ""}),
             BlockKind::Text => json!({"type": "text", "text": open.text}),
@@ -191,24 +127,41 @@ impl Builder {
         self.event("content_block_stop", json!({ "index": index }));
     }
 
-    /// Calls known whole: a `tool_use` block each, its input in one delta.
-    fn calls(&mut self, calls: &[ToolCall]) {
-        for call in calls {
-            let kind = BlockKind::ToolUse {
-                id: fresh_id("toolu_"),
-                name: call.name.clone(),
-            };
-            self.append(kind, &call.arguments);
-            self.close();
-        }
+    fn finished(&mut self, reason: &'static str, stop_string: Option<String>) {
+        let called = self.blocks.iter().any(|b| b["type"] == "tool_use");
+        self.stop_reason = match (reason, &stop_string) {
+            ("length", _) => "max_tokens",
+            (_, Some(_)) => "stop_sequence",
+            _ if called => "tool_use",
+            _ => "end_turn",
+        };
+        self.stop_sequence = stop_string;
+    }
+}
+
+impl EventSink for Builder {
+    fn next_event(&mut self) -> Option<Value> {
+        self.events.pop_front()
+    }
+
+    fn ended(&mut self, g: &Generation) {
+        let delta = json!({"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence});
+        let usage = json!({"output_tokens": g.completion_tokens()});
+        self.event("message_delta", json!({"delta": delta, "usage": usage}));
+        self.event("message_stop", json!({}));
+    }
+
+    fn failed(&mut self, message: String) {
+        let error = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message);
+        self.event("error", anthropic_body(&error));
     }
 }
 
 /// The whole message.
 pub async fn complete(mut g: Generation) -> Response {
-    let mut b = Builder::new(&g);
+    let (mut router, mut b) = (PartRouter::new(&g), Builder::new(&g));
     while let Some(output) = g.next().await {
-        if let Err(message) = b.take(output) {
+        if let Err(message) = router.take(&mut b, output) {
             return error_response(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message));
         }
     }
@@ -216,38 +169,11 @@ pub async fn complete(mut g: Generation) -> Response {
     json_response(b.message(json!(b.blocks), json!(b.stop_reason), usage))
 }
 
-/// The message's events, each a server-sent event named by its type; a failure mid-stream is
-/// an `error` event.
+/// The message's events (`message_start` first); a failure mid-stream is an `error` event.
 pub fn stream(g: Generation) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
     let mut b = Builder::new(&g);
     b.start(g.prompt_tokens());
-    let events = futures_util::stream::unfold((g, b, false), |(mut g, mut b, mut ended)| async move {
-        while b.events.is_empty() && !ended {
-            match g.next().await {
-                Some(output) => {
-                    if let Err(message) = b.take(output) {
-                        let error = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message);
-                        b.event("error", anthropic_body(&error));
-                        ended = true;
-                    }
-                }
-                None => {
-                    let delta = json!({"stop_reason": b.stop_reason, "stop_sequence": b.stop_sequence});
-                    let usage = json!({"output_tokens": g.completion_tokens()});
-                    b.event("message_delta", json!({"delta": delta, "usage": usage}));
-                    b.event("message_stop", json!({}));
-                    ended = true;
-                }
-            }
-        }
-        let event = b.events.pop_front()?;
-        let name = event["type"].as_str().unwrap_or("message").to_string();
-        Some((
-            Ok(SseEvent::default().event(name).data(event.to_string())),
-            (g, b, ended),
-        ))
-    });
-    Sse::new(events)
+    answer_parts::stream(g, b)
 }
 
 /// An error as Anthropic's API sends it: `{"type": "error", "error": {"type", "message"}}`.

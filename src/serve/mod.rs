@@ -3,6 +3,7 @@
 //! request, follow its sequences (`generation`, detokenizing with `text`) and answer in OpenAI's
 //! format (`response`), reporting through `metrics` and `error`.
 
+mod answer_parts;
 mod anthropic_output;
 mod anthropic_request;
 mod error;

@@ -2,12 +2,13 @@
 //! list of items (the reasoning, the message, each function call), or the stream of events
 //! that builds it (`response.created`, then for each item `response.output_item.added`, its
 //! deltas and `…done` events, `response.output_item.done`, and `response.completed`). One
-//! builder turns the generation's outputs into items and events for both.
+//! builder turns the answer's parts (`answer_parts`) into items and events for both.
 
+use super::answer_parts::{self, EventSink, Part, PartRouter, PartSink};
 use super::error::ApiError;
-use super::generation::{Generation, Output};
+use super::generation::Generation;
 use super::response::{json_response, unix_time};
-use super::tools::{fresh_id, ToolCall, ToolCalling};
+use super::tools::fresh_id;
 use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
@@ -26,23 +27,16 @@ struct Open {
 enum OpenKind {
     Reasoning,
     Message,
-    /// A named function's call, its arguments streaming as the answer.
-    Call {
-        call_id: String,
-        name: String,
-    },
+    Call { call_id: String, name: String },
 }
 
-/// Items and events from a generation's outputs.
+/// Items and events from a generation's parts.
 struct Builder {
     /// The response without `output`, `status` and `usage`: its id, times and the request's
     /// settings echoed.
     head: Map<String, Value>,
-    calling: Option<ToolCalling>,
     items: Vec<Value>,
-    open: Option<Open>,
-    /// A `required` answer's text, whose calls are known once it is whole.
-    required_text: String,
+    open: Option<(Part, Open)>,
     events: VecDeque<Value>,
     sequence: u64,
     incomplete: bool,
@@ -59,10 +53,8 @@ impl Builder {
         head.extend(echo);
         Self {
             head,
-            calling: g.info.tool_calling.clone(),
             items: Vec::new(),
             open: None,
-            required_text: String::new(),
             events: VecDeque::new(),
             sequence: 0,
             incomplete: false,
@@ -77,7 +69,12 @@ impl Builder {
     }
 
     /// The response as it stands (`usage` once known).
-    fn response(&self, status: &str, usage: Option<Value>) -> Value {
+    fn response(&self, usage: Option<Value>) -> Value {
+        let status = match (&usage, self.incomplete) {
+            (None, _) => "in_progress",
+            (Some(_), true) => "incomplete",
+            (Some(_), false) => "completed",
+        };
         let mut r = Value::Object(self.head.clone());
         r["status"] = json!(status);
         r["output"] = json!(self.items);
@@ -90,82 +87,52 @@ impl Builder {
     }
 
     fn start(&mut self) {
-        let created = self.response("in_progress", None);
+        let created = self.response(None);
         self.event("response.created", json!({ "response": created }));
-        let progress = self.response("in_progress", None);
-        self.event("response.in_progress", json!({ "response": progress }));
+        self.event("response.in_progress", json!({ "response": created }));
     }
 
-    fn take(&mut self, output: Output) -> Result<(), String> {
-        match output {
-            Output::Text { text, reasoning, .. } => {
-                if !reasoning.is_empty() {
-                    self.append(OpenKind::Reasoning, &reasoning);
-                }
-                if !text.is_empty() {
-                    match &self.calling {
-                        Some(ToolCalling::Named(tool)) => {
-                            let call = OpenKind::Call {
-                                call_id: fresh_id("call_"),
-                                name: tool.name.clone(),
-                            };
-                            self.append(call, &text);
-                        }
-                        Some(ToolCalling::Required { .. }) => self.required_text += &text,
-                        Some(ToolCalling::Auto { .. }) | None => self.append(OpenKind::Message, &text),
-                    }
-                }
-            }
-            Output::Calls { calls, .. } => self.calls(&calls),
-            Output::Finish { reason, .. } => {
-                if let Some(required) = self
-                    .calling
-                    .clone()
-                    .filter(|c| matches!(c, ToolCalling::Required { .. }))
-                {
-                    let text = std::mem::take(&mut self.required_text);
-                    match required.calls(&text) {
-                        Some(calls) => self.calls(&calls),
-                        None => self.append(OpenKind::Message, &text),
-                    }
-                }
-                self.close();
-                self.incomplete = reason == "length";
-            }
-            Output::Error(message) => return Err(message),
-        }
-        Ok(())
-    }
-
-    /// `text` onto the open item of `kind`'s sort, opening one (and closing another) first.
-    fn append(&mut self, kind: OpenKind, text: &str) {
-        let same = matches!(
-            (&self.open, &kind),
-            (
-                Some(Open {
-                    kind: OpenKind::Reasoning,
-                    ..
-                }),
-                OpenKind::Reasoning
-            ) | (
-                Some(Open {
-                    kind: OpenKind::Message,
-                    ..
-                }),
-                OpenKind::Message
-            ) | (
-                Some(Open {
-                    kind: OpenKind::Call { .. },
-                    ..
-                }),
-                OpenKind::Call { .. }
-            )
+    fn open_item(&mut self, part: Part) {
+        let index = self.items.len();
+        let (kind, id) = match &part {
+            Part::Reasoning => (OpenKind::Reasoning, fresh_id("rs_")),
+            Part::Text => (OpenKind::Message, fresh_id("msg_")),
+            Part::Call { name } => (
+                OpenKind::Call {
+                    call_id: fresh_id("call_"),
+                    name: name.clone(),
+                },
+                fresh_id("fc_"),
+            ),
+        };
+        let open = Open {
+            kind,
+            id,
+            index,
+            text: String::new(),
+        };
+        self.event(
+            "response.output_item.added",
+            json!({"output_index": index, "item": item(&open, "in_progress")}),
         );
-        if !same {
-            self.close();
-            self.open_item(kind);
+        if let OpenKind::Message = open.kind {
+            self.event(
+                "response.content_part.added",
+                json!({"item_id": open.id, "output_index": index, "content_index": 0,
+                       "part": {"type": "output_text", "text": "", "annotations": []}}),
+            );
         }
-        let open = self.open.as_mut().expect("an open item");
+        self.open = Some((part, open));
+    }
+}
+
+impl PartSink for Builder {
+    fn append(&mut self, part: Part, text: &str) {
+        if !self.open.as_ref().is_some_and(|(open, _)| open.same_sort(&part)) {
+            self.close();
+            self.open_item(part);
+        }
+        let (_, open) = self.open.as_mut().expect("an open item");
         open.text += text;
         let (id, index) = (open.id.clone(), open.index);
         let (kind, fields) = match open.kind {
@@ -185,37 +152,9 @@ impl Builder {
         self.event(kind, fields);
     }
 
-    fn open_item(&mut self, kind: OpenKind) {
-        let index = self.items.len();
-        let id = match kind {
-            OpenKind::Reasoning => fresh_id("rs_"),
-            OpenKind::Message => fresh_id("msg_"),
-            OpenKind::Call { .. } => fresh_id("fc_"),
-        };
-        let open = Open {
-            kind,
-            id,
-            index,
-            text: String::new(),
-        };
-        let item = item(&open, "in_progress");
-        self.event(
-            "response.output_item.added",
-            json!({"output_index": index, "item": item}),
-        );
-        if let OpenKind::Message = open.kind {
-            self.event(
-                "response.content_part.added",
-                json!({"item_id": open.id, "output_index": index, "content_index": 0,
-                       "part": {"type": "output_text", "text": "", "annotations": []}}),
-            );
-        }
-        self.open = Some(open);
-    }
-
     /// The open item done: its closing events, then the item kept.
     fn close(&mut self) {
-        let Some(open) = self.open.take() else { return };
+        let Some((_, open)) = self.open.take() else { return };
         let (id, index, text) = (&open.id, open.index, &open.text);
         match &open.kind {
             OpenKind::Reasoning => self.event(
@@ -246,16 +185,30 @@ impl Builder {
         self.items.push(done);
     }
 
-    /// Calls known whole: an item each, its arguments in one delta.
-    fn calls(&mut self, calls: &[ToolCall]) {
-        for call in calls {
-            let kind = OpenKind::Call {
-                call_id: fresh_id("call_"),
-                name: call.name.clone(),
-            };
-            self.append(kind, &call.arguments);
-            self.close();
-        }
+    fn finished(&mut self, reason: &'static str, _stop_string: Option<String>) {
+        self.incomplete = reason == "length";
+    }
+}
+
+impl EventSink for Builder {
+    fn next_event(&mut self) -> Option<Value> {
+        self.events.pop_front()
+    }
+
+    fn ended(&mut self, g: &Generation) {
+        let kind = match self.incomplete {
+            true => "response.incomplete",
+            false => "response.completed",
+        };
+        let done = self.response(Some(usage(g)));
+        self.event(kind, json!({ "response": done }));
+    }
+
+    fn failed(&mut self, message: String) {
+        self.event(
+            "error",
+            json!({"code": "server_error", "message": message, "param": null}),
+        );
     }
 }
 
@@ -292,63 +245,26 @@ fn usage(g: &Generation) -> Value {
     })
 }
 
-fn final_status(b: &Builder) -> &'static str {
-    match b.incomplete {
-        true => "incomplete",
-        false => "completed",
-    }
-}
-
 /// The whole response.
 pub async fn complete(mut g: Generation, echo: Map<String, Value>) -> Response {
-    let mut b = Builder::new(&g, echo);
+    let (mut router, mut b) = (PartRouter::new(&g), Builder::new(&g, echo));
     while let Some(output) = g.next().await {
-        if let Err(message) = b.take(output) {
+        if let Err(message) = router.take(&mut b, output) {
             return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message).into_response();
         }
     }
-    json_response(b.response(final_status(&b), Some(usage(&g))))
+    json_response(b.response(Some(usage(&g))))
 }
 
-/// The response's events, each a server-sent event named by its type; a failure mid-stream is
-/// an `error` event.
+/// The response's events (`response.created` first); a failure mid-stream is an `error`
+/// event.
 pub fn stream(
     g: Generation,
     echo: Map<String, Value>,
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
     let mut b = Builder::new(&g, echo);
     b.start();
-    let events = futures_util::stream::unfold((g, b, false), |(mut g, mut b, mut ended)| async move {
-        while b.events.is_empty() && !ended {
-            match g.next().await {
-                Some(output) => {
-                    if let Err(message) = b.take(output) {
-                        b.event(
-                            "error",
-                            json!({"code": "server_error", "message": message, "param": null}),
-                        );
-                        ended = true;
-                    }
-                }
-                None => {
-                    let kind = match b.incomplete {
-                        true => "response.incomplete",
-                        false => "response.completed",
-                    };
-                    let done = b.response(final_status(&b), Some(usage(&g)));
-                    b.event(kind, json!({ "response": done }));
-                    ended = true;
-                }
-            }
-        }
-        let event = b.events.pop_front()?;
-        let name = event["type"].as_str().unwrap_or("message").to_string();
-        Some((
-            Ok(SseEvent::default().event(name).data(event.to_string())),
-            (g, b, ended),
-        ))
-    });
-    Sse::new(events)
+    answer_parts::stream(g, b)
 }
 
 /// The request's settings a response echoes (OpenAI's defaults where it gave none).
