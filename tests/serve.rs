@@ -463,6 +463,8 @@ fn random_and_malformed_bodies_never_crash_the_server() {
         "/v1/chat/completions",
         "/v1/responses",
         "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/tokenize",
     ] {
         runner
             .run(&body(), |b| {

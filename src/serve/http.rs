@@ -86,26 +86,36 @@ async fn chat_completions(State(app): State<Arc<AppState>>, headers: HeaderMap, 
 
 /// OpenAI's Responses API: the chat pipeline behind its request and output formats.
 async fn responses(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    let started = Instant::now();
-    let admitted = match authorize(&app, &headers).and_then(|()| responses_request::parse(&body)) {
-        Ok(request) => admit(&app, request, Endpoint::Chat, started).await,
-        Err(e) => Err(e),
-    };
-    let echo = responses_output::echo(&body);
-    let response = match admitted {
-        Ok(generation) if generation.info.stream => responses_output::stream(generation, echo).into_response(),
-        Ok(generation) => responses_output::complete(generation, echo).await,
+    let response = match start_response(&app, &headers, &body).await {
+        Ok((generation, echo)) if generation.info.stream => responses_output::stream(generation, echo).into_response(),
+        Ok((generation, echo)) => responses_output::complete(generation, echo).await,
         Err(e) => e.into_response(),
     };
     app.metrics.count_request(response.status().as_u16());
     response
 }
 
+/// A Responses request admitted, and the settings its response echoes.
+async fn start_response(
+    app: &Arc<AppState>,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<(Generation, serde_json::Map<String, serde_json::Value>), ApiError> {
+    let started = Instant::now();
+    authorize(app, headers)?;
+    let obj = request::json_object(body)?;
+    let generation = admit(app, responses_request::parse(&obj)?, Endpoint::Chat, started).await?;
+    Ok((generation, responses_output::echo(&obj)))
+}
+
 /// Anthropic's Messages API: the chat pipeline behind its request and output formats, errors
 /// in its shape.
 async fn anthropic_messages(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     let started = Instant::now();
-    let admitted = match authorize(&app, &headers).and_then(|()| anthropic_request::parse(&body)) {
+    let admitted = match authorize(&app, &headers)
+        .and_then(|()| request::json_object(&body))
+        .and_then(|obj| anthropic_request::parse(&obj))
+    {
         Ok(request) => admit(&app, request, Endpoint::Chat, started).await,
         Err(e) => Err(e),
     };
@@ -120,16 +130,11 @@ async fn anthropic_messages(State(app): State<Arc<AppState>>, headers: HeaderMap
 
 /// Anthropic's token count of a Messages body: the tokens its rendered chat prompt runs as.
 async fn anthropic_count_tokens(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
-    // The count needs no answer: `max_tokens` may be left out.
-    let with_max = serde_json::from_slice::<serde_json::Value>(&body).map(|mut v| {
-        if v.get("max_tokens").is_none() {
-            v["max_tokens"] = json!(1);
-        }
-        v.to_string()
-    });
     let counted = authorize(&app, &headers).and_then(|()| {
-        let body = with_max.map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
-        tokenize(&app.tokenizer, &anthropic_request::parse(body.as_bytes())?)
+        let mut obj = request::json_object(&body)?;
+        // The count needs no answer: `max_tokens` may be left out.
+        obj.entry("max_tokens").or_insert(json!(1));
+        tokenize(&app.tokenizer, &anthropic_request::parse(&obj)?)
     });
     match counted {
         Ok((ids, _)) => json_response(json!({ "input_tokens": ids.len() })),
@@ -151,9 +156,12 @@ async fn answer(app: Arc<AppState>, headers: HeaderMap, body: Bytes, endpoint: E
 /// rendered, with `tools` and `chat_template_kwargs`) would run as.
 async fn tokenize_prompt(State(app): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     let ids = authorize(&app, &headers).and_then(|()| {
-        let chat = serde_json::from_slice::<serde_json::Value>(&body).is_ok_and(|v| v.get("messages").is_some());
-        let endpoint = if chat { Endpoint::Chat } else { Endpoint::Completions };
-        tokenize(&app.tokenizer, &request::parse(&body, endpoint)?)
+        let obj = request::json_object(&body)?;
+        let endpoint = match obj.contains_key("messages") {
+            true => Endpoint::Chat,
+            false => Endpoint::Completions,
+        };
+        tokenize(&app.tokenizer, &request::parse_object(&obj, endpoint)?)
     });
     match ids {
         Ok((ids, _)) => json_response(json!({"count": ids.len(), "max_model_len": app.context_length, "tokens": ids})),

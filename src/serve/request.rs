@@ -55,15 +55,26 @@ pub enum Endpoint {
 
 /// Parse and validate a request body.
 pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<GenerationRequest, ApiError> {
+    parse_object(&json_object(body)?, endpoint)
+}
+
+/// A request body as the JSON object every endpoint takes.
+pub fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
-    let Value::Object(obj) = value else {
-        return Err(ApiError::bad_request("the request body must be a JSON object"));
-    };
-    let fields = Fields(&obj);
+    match value {
+        Value::Object(obj) => Ok(obj),
+        _ => Err(ApiError::bad_request("the request body must be a JSON object")),
+    }
+}
+
+/// Validate a request body already read as an object (the Responses and Messages APIs hand
+/// over the chat body they rewrote theirs into).
+pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<GenerationRequest, ApiError> {
+    let fields = Fields(obj);
     let prompt = match endpoint {
         Endpoint::Completions => completion_prompt(&fields)?,
-        Endpoint::Chat => PromptInput::Chat(super::messages::parse(&obj)?),
+        Endpoint::Chat => PromptInput::Chat(super::messages::parse(obj)?),
     };
     let max_tokens = match endpoint {
         Endpoint::Chat => fields.count("max_completion_tokens")?.or(fields.count("max_tokens")?),
@@ -84,13 +95,13 @@ pub fn parse(body: &[u8], endpoint: Endpoint) -> Result<GenerationRequest, ApiEr
     let mut sampling = sampling(&fields)?;
     sampling.logprobs = logprobs(&fields, endpoint)?;
     let tools = match endpoint {
-        Endpoint::Chat => tools::parse(&obj)?,
+        Endpoint::Chat => tools::parse(obj)?,
         Endpoint::Completions => None,
     };
     // A forced call's shape is a structured output; `auto` leaves the output free (or to
     // the request's own structured output, its calls then read from what that allows).
     let structured = match (
-        output_spec::parse(&obj)?,
+        output_spec::parse(obj)?,
         tools
             .as_ref()
             .and_then(|t| t.calling.as_ref())

@@ -268,8 +268,7 @@ pub fn stream(
 }
 
 /// The request's settings a response echoes (OpenAI's defaults where it gave none).
-pub fn echo(body: &[u8]) -> Map<String, Value> {
-    let body: Map<String, Value> = serde_json::from_slice(body).unwrap_or_default();
+pub fn echo(body: &Map<String, Value>) -> Map<String, Value> {
     let mut echo = Map::new();
     for (key, default) in [
         ("instructions", Value::Null),

@@ -45,16 +45,9 @@ const SHARED: [&str; 14] = [
     "structured_outputs",
 ];
 
-/// The chat request a Responses body asks for.
-pub fn parse(body: &[u8]) -> Result<GenerationRequest, ApiError> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
-    let Value::Object(obj) = value else {
-        return Err(ApiError::bad_request("the request body must be a JSON object"));
-    };
-    let chat = chat_body(&obj)?;
-    let parsed = request::parse(Value::Object(chat).to_string().as_bytes(), Endpoint::Chat);
-    parsed.map_err(|mut e| {
+/// The chat request a Responses body (`request::json_object`) asks for.
+pub fn parse(obj: &Map<String, Value>) -> Result<GenerationRequest, ApiError> {
+    request::parse_object(&chat_body(obj)?, Endpoint::Chat).map_err(|mut e| {
         e.param = e.param.map(|p| responses_name(&p).to_string());
         e
     })
@@ -312,7 +305,7 @@ mod tests {
     use models::ChatMessage;
 
     fn parse_json(body: Value) -> Result<GenerationRequest, ApiError> {
-        parse(body.to_string().as_bytes())
+        parse(body.as_object().expect("a body object"))
     }
 
     fn chat(body: Value) -> Vec<ChatMessage> {
