@@ -12,6 +12,7 @@
 //! accepted.
 
 use super::error::ApiError;
+use super::messages::joined_text;
 use super::request::{self, Endpoint, GenerationRequest};
 use serde_json::{json, Map, Value};
 
@@ -230,19 +231,8 @@ fn messages(obj: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
 fn block_text(value: &Value, param: &str) -> Result<String, ApiError> {
     match value {
         Value::String(text) => Ok(text.clone()),
-        Value::Array(blocks) => blocks
-            .iter()
-            .map(|b| {
-                match (
-                    b.get("type").and_then(Value::as_str),
-                    b.get("text").and_then(Value::as_str),
-                ) {
-                    (Some("text"), Some(text)) => Ok(text),
-                    _ => Err(ApiError::invalid(param, "only text blocks are supported here")),
-                }
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map(|texts| texts.concat()),
+        Value::Array(blocks) => joined_text(blocks, &["text"])
+            .ok_or_else(|| ApiError::invalid(param, "only text blocks are supported here")),
         _ => Err(ApiError::invalid(
             param,
             format!("`{param}` must be a string or text blocks"),

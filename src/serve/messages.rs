@@ -48,23 +48,26 @@ fn content(value: Option<&Value>) -> Result<String, ApiError> {
     match value {
         Some(Value::String(s)) => Ok(s.clone()),
         // The array form: text parts only (this server has no image or audio input).
-        Some(Value::Array(parts)) => Ok(parts
-            .iter()
-            .map(|p| {
-                match (
-                    p.get("type").and_then(Value::as_str),
-                    p.get("text").and_then(Value::as_str),
-                ) {
-                    (Some("text"), Some(text)) => Ok(text),
-                    _ => Err(bad("`content` parts of type `text` (no other input is supported)")),
-                }
-            })
-            .collect::<Result<Vec<_>, _>>()?
-            .concat()),
+        Some(Value::Array(parts)) => joined_text(parts, &["text"])
+            .ok_or_else(|| bad("`content` parts of type `text` (no other input is supported)")),
         // An assistant's turn that only called tools has none.
         None | Some(Value::Null) => Ok(String::new()),
         Some(_) => Err(bad("`content` as a string or an array of text parts")),
     }
+}
+
+/// The texts of `parts` (`{"type", "text"}` objects, of one of the `kinds`) joined; None
+/// where a part is of another kind or has no text. The three APIs' content arrays all come
+/// down to this, each naming its own kinds of text part.
+pub fn joined_text(parts: &[Value], kinds: &[&str]) -> Option<String> {
+    parts
+        .iter()
+        .map(|p| match p.get("type").and_then(Value::as_str) {
+            Some(kind) if kinds.contains(&kind) => p.get("text").and_then(Value::as_str),
+            _ => None,
+        })
+        .collect::<Option<Vec<_>>>()
+        .map(|texts| texts.concat())
 }
 
 /// An earlier tool call, its `function.arguments` (OpenAI's JSON text) as the object that

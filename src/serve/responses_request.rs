@@ -8,6 +8,7 @@
 //! is refused by name.
 
 use super::error::ApiError;
+use super::messages::joined_text;
 use super::request::{self, Endpoint, GenerationRequest};
 use serde_json::{json, Map, Value};
 
@@ -207,22 +208,12 @@ fn push_item(messages: &mut Vec<Value>, item: &Value) -> Result<(), ApiError> {
 fn message_text(content: Option<&Value>) -> Result<String, ApiError> {
     match content {
         Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .map(|p| {
-                match (
-                    p.get("type").and_then(Value::as_str),
-                    p.get("text").and_then(Value::as_str),
-                ) {
-                    (Some("input_text" | "output_text" | "text"), Some(text)) => Ok(text),
-                    _ => Err(ApiError::invalid(
-                        "input",
-                        "content parts must be text (`input_text`, `output_text`); no other input is supported",
-                    )),
-                }
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map(|texts| texts.concat()),
+        Some(Value::Array(parts)) => joined_text(parts, &["input_text", "output_text", "text"]).ok_or_else(|| {
+            ApiError::invalid(
+                "input",
+                "content parts must be text (`input_text`, `output_text`); no other input is supported",
+            )
+        }),
         _ => Err(ApiError::invalid(
             "input",
             "a message's `content` must be a string or a list of text parts",
