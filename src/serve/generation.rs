@@ -8,7 +8,7 @@ use super::http::AppState;
 use super::reasoning::{Markers, ReasoningSplit, Split};
 use super::request::Endpoint;
 use super::text::TextOutput;
-use super::tool_parser::{CallFormat, CallSplit, Parsed};
+use super::tool_parser::{CallSplit, Parsed};
 use super::tools::{ToolCall, ToolCalling};
 use super::worker::Event;
 use futures_util::future::select_all;
@@ -76,8 +76,6 @@ pub struct RequestInfo {
     pub reasoning: Option<(Markers, bool)>,
     /// Chat answers that are or may be tool calls.
     pub tool_calling: Option<ToolCalling>,
-    /// The format `auto` calls are read in (`AppState::tool_calls`).
-    pub call_format: Option<CallFormat>,
     pub started: Instant,
 }
 
@@ -100,7 +98,7 @@ impl Generation {
                 split: info
                     .reasoning
                     .map(|(markers, inside)| ReasoningSplit::new(markers, inside)),
-                calls: match (&info.tool_calling, info.call_format) {
+                calls: match (&info.tool_calling, info.app.tool_calls) {
                     (Some(ToolCalling::Auto { tools, one_call }), Some(format)) => {
                         Some(CallSplit::new(format, tools.clone(), *one_call))
                     }
@@ -295,6 +293,7 @@ impl Generation {
 mod tests {
     use super::*;
     use crate::serve::reasoning::ReasoningParser;
+    use crate::serve::tool_parser::CallFormat;
     use models::{Family, Tokenizer};
     use std::sync::atomic::AtomicU64;
 
@@ -354,7 +353,6 @@ mod tests {
             stop_tokens: Vec::new(),
             prompt_tokens: 1,
             tool_calling: auto,
-            call_format: Some(CallFormat::Gemma4),
             started: Instant::now(),
         };
         let (events, receiver) = mpsc::unbounded_channel();

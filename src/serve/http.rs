@@ -312,7 +312,6 @@ async fn admit(
         prompt_tokens: prompt.len(),
         reasoning,
         tool_calling: request.tools.and_then(|t| t.calling),
-        call_format: app.tool_calls,
         started,
     };
     Ok(Generation::new(info, events))
