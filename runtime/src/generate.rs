@@ -2,7 +2,7 @@
 
 use crate::cpu::{CpuBackend, WeightCache};
 use crate::error::{Result, RuntimeError};
-use crate::logits_processor::LogitsProcessor;
+use crate::logits_processor::{sample_processed, LogitsProcessor};
 use crate::plan_exec::{PlanDevice, PlanExecutor};
 use crate::sampling::{Sampler, SamplingParams};
 use ir::Graph;
@@ -194,14 +194,7 @@ pub fn generate_processed<B: Backend>(
     while out.len() < options.max_tokens {
         let token = match processors.is_empty() {
             true => sampler.sample(&logits),
-            false => {
-                processed.clear();
-                processed.extend_from_slice(&logits);
-                processors.iter_mut().for_each(|p| p.process(&mut processed));
-                let token = sampler.sample(&processed);
-                processors.iter_mut().for_each(|p| p.accept(token));
-                token
-            }
+            false => sample_processed(&mut sampler, processors, &logits, &mut processed),
         };
         out.push(token);
         let go_on = on_step(StepEvent {

@@ -18,6 +18,22 @@ pub trait LogitsProcessor: Send {
     fn prepare(&mut self) {}
 }
 
+/// The token `sampler` takes from `logits` as `processors` leave them, in order (in a copy,
+/// `scratch`, kept by the caller so a row costs no allocation); each processor then hears it.
+pub fn sample_processed(
+    sampler: &mut crate::sampling::Sampler,
+    processors: &mut [Box<dyn LogitsProcessor>],
+    logits: &[f32],
+    scratch: &mut Vec<f32>,
+) -> u32 {
+    scratch.clear();
+    scratch.extend_from_slice(logits);
+    processors.iter_mut().for_each(|p| p.process(scratch));
+    let token = sampler.sample(scratch);
+    processors.iter_mut().for_each(|p| p.accept(token));
+    token
+}
+
 /// OpenAI's `logit_bias`: a bias added to some tokens' logits (±100 all but bans or forces
 /// a token).
 pub struct LogitBias(pub Vec<(u32, f32)>);

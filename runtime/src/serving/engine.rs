@@ -7,7 +7,7 @@
 use super::scheduler::{AddError, Finished, Scheduler, SchedulerConfig, SeqId, Work};
 use crate::error::{Result, RuntimeError};
 use crate::kv::Segment;
-use crate::logits_processor::LogitsProcessor;
+use crate::logits_processor::{sample_processed, LogitsProcessor};
 use crate::sampling::{Sampler, SamplingParams, TokenLogprobs};
 use ir::Tensor;
 use std::collections::HashMap;
@@ -359,14 +359,7 @@ impl<B: PagedBackend> ServingEngine<B> {
         for j in 0..=work.drafts {
             let row = logits.row(rows - 1 - work.drafts + j);
             let token = match processors.as_mut() {
-                Some(processors) => {
-                    processed.clear();
-                    processed.extend_from_slice(row);
-                    processors.iter_mut().for_each(|p| p.process(&mut processed));
-                    let token = sampler.sample(&processed);
-                    processors.iter_mut().for_each(|p| p.accept(token));
-                    token
-                }
+                Some(processors) => sample_processed(sampler, processors, row, &mut processed),
                 None => sampler.sample(row),
             };
             let logprobs = sampler.params().logprobs.map(|top| TokenLogprobs::of(row, token, top));
