@@ -22,14 +22,18 @@ pub fn exp(x: f32) -> f32 {
     // Adding and taking away 1.5·2^23 rounds to the nearest integer (|t| < 2^22).
     const ROUND: f32 = 12_582_912.0;
     let clamped = x.clamp(-87.0, 88.0);
-    let n = (clamped * LOG2E + ROUND) - ROUND;
+    let shifted = clamped * LOG2E + ROUND;
+    let n = shifted - ROUND;
     let r = (clamped - n * LN2_HIGH) - n * LN2_LOW;
     let mut p = 1.987_569_1e-4;
     for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
         p = p * r + c;
     }
     let e_r = p * (r * r) + r + 1.0;
-    let two_to_n = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // `shifted`'s mantissa holds `n` (its ulp is 1), so `2^n`'s exponent bits are read from
+    // it: `n as i32` would be a saturating conversion, which LLVM does a lane at a time
+    // (half of a long prefill's softmax went to it).
+    let two_to_n = f32::from_bits(shifted.to_bits().wrapping_sub(ROUND.to_bits() - 127) << 23);
     if x > 88.0 {
         f32::INFINITY
     } else if x < -87.0 {
@@ -113,6 +117,40 @@ mod tests {
         assert_eq!((exp(88.5), exp(f32::INFINITY)), (f32::INFINITY, f32::INFINITY));
         assert_eq!((exp(-90.0), exp(f32::NEG_INFINITY)), (0.0, 0.0));
         assert!(exp(f32::NAN).is_nan());
+    }
+
+    /// `2^n` from `shifted`'s bits is `2^n` from `n as i32`, so `exp` gives the bits it
+    /// always gave, at every 61st f32 from below −87 to above 88 (and the ends).
+    #[test]
+    fn exp_takes_two_to_n_from_the_bits_exactly() {
+        fn exp_by_conversion(x: f32) -> f32 {
+            let clamped = x.clamp(-87.0, 88.0);
+            let n = (clamped * std::f32::consts::LOG2_E + 12_582_912.0) - 12_582_912.0;
+            let r = (clamped - n * 0.693_359_4) - n * -2.121_944_4e-4;
+            let mut p = 1.987_569_1e-4;
+            for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+                p = p * r + c;
+            }
+            let e_r = p * (r * r) + r + 1.0;
+            let two_to_n = f32::from_bits(((n as i32 + 127) as u32) << 23);
+            if x > 88.0 {
+                f32::INFINITY
+            } else if x < -87.0 {
+                0.0
+            } else {
+                e_r * two_to_n
+            }
+        }
+        let (lo, hi) = ((-90f32).to_bits(), 90f32.to_bits());
+        let negatives = (0x8000_0000..=lo).step_by(61);
+        let positives = (0..=hi).step_by(61);
+        for x in negatives
+            .chain(positives)
+            .map(f32::from_bits)
+            .chain([-87.0, 88.0, -126.0 * 0.693])
+        {
+            assert_eq!(exp(x).to_bits(), exp_by_conversion(x).to_bits(), "e^{x}");
+        }
     }
 
     #[test]

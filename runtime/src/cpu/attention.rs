@@ -230,14 +230,26 @@ fn split<const G: usize>(v: &mut [f32], len: usize) -> [&mut [f32]; G] {
 
 /// Scaled scores to probabilities: f32 softmax with the maximum subtracted, `e^x` by
 /// [`activation::exp`] (libm's `expf`, a call a score, took a seventh of a 512-token prefill)
-/// and the sum over sixteen lanes reduced pairwise as `simd::dot` sums; with AVX2 where the
-/// CPU has it, so the loops run 8 lanes wide (the same operations, so the same bits).
+/// and the sum over sixteen lanes reduced pairwise as `simd::dot` sums; with AVX-512 or AVX2
+/// where the CPU has them, so the loops run 16 or 8 lanes wide (the same operations, so the
+/// same bits).
 fn softmax(scores: &mut [f32], scale: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if simd::has_avx512() {
+        // SAFETY: the CPU has AVX-512F (checked above).
+        return unsafe { softmax_avx512(scores, scale) };
+    }
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2 (checked above).
         return unsafe { softmax_avx2(scores, scale) };
     }
+    softmax_body(scores, scale)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vl")]
+unsafe fn softmax_avx512(scores: &mut [f32], scale: f32) {
     softmax_body(scores, scale)
 }
 
@@ -394,6 +406,20 @@ mod tests {
             let one = run(attend::<1, 1, 1, f32>, &row_tiles(&rows, 1));
             assert_eq!(run(attend::<1, 4, 4, f32>, &tiles), one, "{window:?}, one head");
             assert_eq!(run(attend::<4, 4, 16, f32>, &tiles), one, "{window:?}, four heads");
+        }
+    }
+
+    /// Whatever vector width the CPU gives it, the softmax has the portable loop's bits (at
+    /// lengths around whole chunks of lanes, and with scores `e^x` flushes to zero).
+    #[test]
+    fn softmax_has_the_portable_bits_at_every_width() {
+        for len in [1, 7, 15, 16, 17, 40, 64, 301] {
+            let scores: Vec<f32> = (0..len).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.73).collect();
+            let (mut vector, mut portable) = (scores.clone(), scores);
+            softmax(&mut vector, 0.9);
+            softmax_body(&mut portable, 0.9);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&vector), bits(&portable), "{len} scores");
         }
     }
 
