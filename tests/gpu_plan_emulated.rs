@@ -286,7 +286,16 @@ fn check_gguf(name: &str, make: fn(&std::path::Path) -> std::io::Result<std::pat
         .tempdir()
         .unwrap();
     let path = make(scratch.path()).unwrap();
-    let (native, dequantized) = (open_at(&path, ComputeDtype::Native), open_at(&path, ComputeDtype::F32));
+    // What is checked is the weights' decoding, so both sides cache f32 rows (a native model's
+    // cache is half by default, as llama.cpp's; `plans_with_half_kv_caches_agree_with_the_cpu_backend`
+    // checks those).
+    let native = {
+        let mut spec = ModelSpec::for_weights(&path);
+        spec.dtype = ComputeDtype::Native;
+        spec.kv_cache_dtype = models::KvCacheDtype::F32;
+        Model::open(spec).unwrap()
+    };
+    let dequantized = open_at(&path, ComputeDtype::F32);
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
         let fused = fused_for(&native.lower(LogitsFor::LastToken).unwrap(), target);
         let fused_norms = fused

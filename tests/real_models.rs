@@ -140,3 +140,35 @@ fn gemma3_native_picks_transformers_greedy_tokens_where_they_are_clear() {
     }
     assert!(checked >= 80, "only {checked} clear steps checked");
 }
+
+/// The caches' element type under `kv_cache_dtype = "auto"` follows the weights: half for a
+/// native model of quantized blocks (as llama.cpp keeps them: both real files), f32 for an f32
+/// safetensors model read natively (exact), bf16 when computing in bf16.
+#[test]
+fn auto_caches_follow_the_weights() {
+    let caches = |weights: std::path::PathBuf, dtype: ComputeDtype| {
+        let mut spec = ModelSpec::for_weights(&weights);
+        spec.dtype = dtype;
+        let graph = Model::open(spec).unwrap().lower(LogitsFor::LastToken).unwrap();
+        let mut kinds: Vec<ir::DType> = Vec::new();
+        for kind in graph
+            .nodes()
+            .iter()
+            .filter_map(|n| n.op.appended_attention())
+            .map(|a| a.cache_dtype)
+        {
+            if !kinds.contains(&kind) {
+                kinds.push(kind);
+            }
+        }
+        kinds
+    };
+    use ir::DType::{BF16, F16, F32};
+    assert_eq!(caches(real_model("smollm2"), ComputeDtype::Native), [F16]);
+    assert_eq!(caches(real_model("gemma3-270m"), ComputeDtype::Native), [F16]);
+    assert_eq!(caches(real_model("smollm2"), ComputeDtype::F32), [F32]);
+    assert_eq!(caches(real_model("smollm2"), ComputeDtype::Bf16), [BF16]);
+    let tiny_f32 = common::fixture("hf-tiny/llama");
+    assert_eq!(caches(tiny_f32.clone(), ComputeDtype::Native), [F32]);
+    assert_eq!(caches(tiny_f32, ComputeDtype::Bf16), [BF16]);
+}

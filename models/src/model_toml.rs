@@ -6,8 +6,8 @@
 //!                                              # paths are relative to this file
 //! architecture = "llama"                       # optional: llama | gemma3 (detected when omitted)
 //! dtype = "native"                             # optional: f32 | bf16 | native (default native)
-//! kv_cache_dtype = "auto"                      # optional: auto | f32 | bf16 | f16 (auto: bf16
-//!                                              # for a bf16 dtype, f32 otherwise)
+//! kv_cache_dtype = "auto"                      # optional: auto | f32 | bf16 | f16 (auto: the
+//!                                              # dtype's; native: f16 for quantized blocks)
 //! context_length = 4096                        # optional: at most the model's own
 //! tokenizer = "tokenizer.json"                 # optional: overrides the weights' tokenizer
 //!

@@ -85,6 +85,23 @@ impl WeightSource {
         self.get(name).is_some()
     }
 
+    /// The storage type holding the most elements of the tensors of two or more dims (the
+    /// matrices; norms and biases are vectors), `None` without any.
+    pub fn matrix_storage(&self) -> Option<GgmlType> {
+        let mut elements: Vec<(GgmlType, usize)> = Vec::new();
+        for view in self.names().into_iter().filter_map(|name| self.get(name)) {
+            if view.shape.len() < 2 {
+                continue;
+            }
+            let count = view.shape.iter().product::<usize>();
+            match elements.iter_mut().find(|(t, _)| *t == view.dtype) {
+                Some((_, total)) => *total += count,
+                None => elements.push((view.dtype, count)),
+            }
+        }
+        elements.into_iter().max_by_key(|&(_, count)| count).map(|(t, _)| t)
+    }
+
     pub fn names(&self) -> Vec<&str> {
         match self {
             Self::Gguf(file, _) => file.tensors.iter().map(|t| t.name.as_str()).collect(),

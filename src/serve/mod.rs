@@ -75,8 +75,9 @@ pub struct ServeArgs {
     /// Compute dtype for matrices: f32, bf16 or native (the file's quantization).
     #[arg(long, value_parser = crate::commands::run::parse_dtype)]
     pub dtype: Option<ComputeDtype>,
-    /// What the KV cache stores keys and values as: auto (bf16 for a bf16 dtype, f32
-    /// otherwise), f32, bf16 or f16 (half the memory of f32, as llama.cpp keeps its cache).
+    /// What the KV cache stores keys and values as: auto (bf16 for a bf16 dtype, f32 for f32;
+    /// native: the weights' float type, or f16 for quantized blocks, as llama.cpp), f32,
+    /// bf16 or f16 (half the memory of f32).
     #[arg(long, value_parser = crate::commands::run::parse_kv_cache_dtype)]
     pub kv_cache_dtype: Option<models::KvCacheDtype>,
     /// Speculative decoding by prompt lookup: draft up to N tokens a step from earlier text

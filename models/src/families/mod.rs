@@ -65,8 +65,9 @@ impl ComputeDtype {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum KvCacheDtype {
-    /// The compute dtype's: bf16 for a bf16 model (as transformers and vLLM keep it), f32
-    /// otherwise (exact).
+    /// The compute dtype's: bf16 for a bf16 model (as transformers and vLLM keep it), f32 for
+    /// f32 (exact); for `native`, the matrices' own float type where they are floats, and
+    /// half where they are quantized blocks (as llama.cpp keeps the caches of its files).
     #[default]
     Auto,
     F32,
@@ -92,12 +93,19 @@ impl KvCacheDtype {
         }
     }
 
-    /// The element type of the caches of a model computed in `compute`.
-    pub fn resolve(self, compute: ComputeDtype) -> DType {
+    /// The element type of the caches of a model computed in `compute` whose matrices are
+    /// mostly stored as `matrices` (`WeightSource::matrix_storage`).
+    pub fn resolve(self, compute: ComputeDtype, matrices: GgmlType) -> DType {
         match (self, compute) {
             (Self::Auto, ComputeDtype::Bf16) | (Self::Bf16, _) => DType::BF16,
-            (Self::Auto, ComputeDtype::F32 | ComputeDtype::Native) | (Self::F32, _) => DType::F32,
+            (Self::Auto, ComputeDtype::F32) | (Self::F32, _) => DType::F32,
             (Self::F16, _) => DType::F16,
+            (Self::Auto, ComputeDtype::Native) => match matrices {
+                GgmlType::F32 => DType::F32,
+                GgmlType::BF16 => DType::BF16,
+                // f16 matrices, and every kind of quantized block.
+                _ => DType::F16,
+            },
         }
     }
 }
@@ -127,10 +135,15 @@ fn build(config: &ModelConfig, weights: Catalog<'_>, options: LowerOptions) -> R
         Catalog::Source(source) => Naming::detect(source),
         Catalog::Implied => Naming::Hf(HfPrefix::Text),
     };
+    let matrices = match weights {
+        Catalog::Source(source) => source.matrix_storage().unwrap_or(GgmlType::F32),
+        Catalog::Implied => Catalog::IMPLIED_STORAGE,
+    };
     let mut b = Builder {
         graph: Graph::new(config.family.name()),
         weights,
         naming,
+        cache_dtype: options.kv_cache.resolve(options.compute, matrices),
         options,
     };
     match config.family {
@@ -366,9 +379,12 @@ impl Catalog<'_> {
                 }
                 Ok(view.dtype)
             }
-            Self::Implied => Ok(GgmlType::BF16),
+            Self::Implied => Ok(Self::IMPLIED_STORAGE),
         }
     }
+
+    /// How [`lower_without_weights`]'s weights are stored.
+    const IMPLIED_STORAGE: GgmlType = GgmlType::BF16;
 }
 
 /// Graph under construction plus what lowering needs to add weight nodes.
@@ -377,6 +393,8 @@ pub(crate) struct Builder<'w> {
     weights: Catalog<'w>,
     pub naming: Naming,
     pub options: LowerOptions,
+    /// What the KV caches store (`LowerOptions::kv_cache` resolved for these weights).
+    cache_dtype: DType,
 }
 
 impl Builder<'_> {
@@ -401,7 +419,7 @@ impl Builder<'_> {
 
     /// What the KV caches store (`LowerOptions::kv_cache`).
     pub fn cache_dtype(&self) -> DType {
-        self.options.kv_cache.resolve(self.options.compute)
+        self.cache_dtype
     }
 
     /// A vector weight (norms), always computed in f32.
