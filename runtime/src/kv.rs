@@ -142,9 +142,49 @@ pub fn cache_row(table: &[BlockId], block_size: usize, pos: usize) -> usize {
     table[pos / block_size].0 as usize * block_size + pos % block_size
 }
 
+/// [`cache_row`] of each of `positions` in order, a block at a time: attention lists every
+/// cached row a query sees, and a division per position cost as much as the dots in decode.
+pub fn cache_rows(table: &[BlockId], block_size: usize, positions: Range<usize>) -> impl Iterator<Item = usize> + '_ {
+    block_runs(table, block_size, positions).flatten()
+}
+
+/// `positions` of the sequence with block table `table` as runs of consecutive cache rows, one
+/// run a block, in order.
+pub fn block_runs(
+    table: &[BlockId],
+    block_size: usize,
+    positions: Range<usize>,
+) -> impl Iterator<Item = Range<usize>> + '_ {
+    let blocks = match positions.is_empty() {
+        true => 0..0,
+        false => positions.start / block_size..positions.end.div_ceil(block_size),
+    };
+    table[blocks.clone()].iter().zip(blocks).map(move |(block, b)| {
+        let first = b * block_size;
+        let base = block.0 as usize * block_size;
+        base + positions.start.max(first) - first..base + positions.end.min(first + block_size) - first
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every range of positions of a scattered table gives `cache_row`'s rows, in order.
+    #[test]
+    fn cache_rows_are_each_positions_cache_row() {
+        let table = [5, 0, 3, 7, 1].map(BlockId);
+        for block_size in [1, 2, 3, 4] {
+            let positions = table.len() * block_size;
+            for start in 0..=positions {
+                for end in start..=positions {
+                    let rows: Vec<usize> = cache_rows(&table, block_size, start..end).collect();
+                    let want: Vec<usize> = (start..end).map(|p| cache_row(&table, block_size, p)).collect();
+                    assert_eq!(rows, want, "blocks of {block_size}, positions {start}..{end}");
+                }
+            }
+        }
+    }
 
     /// Positions 8..12 of a sequence, the last two rows verifying one drafted token.
     fn segment<'a>(restore: Option<usize>, save: &'a [StateSave], start: usize) -> Segment<'a> {

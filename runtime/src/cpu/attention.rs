@@ -8,7 +8,7 @@ use super::activation;
 use super::kv_element::KvElement;
 use super::kv_pages::{LayerPages, PagesOf, TypedPages};
 use super::simd;
-use crate::kv::{cache_row, BlockId};
+use crate::kv::BlockId;
 use ir::reference::ops::attends;
 use ir::AttentionSpec;
 use rayon::prelude::*;
@@ -124,7 +124,7 @@ fn attend<const G: usize, const R: usize, const N: usize, T: KvElement>(
     let out = TaskOutputs(out.as_mut_ptr());
     (0..tiles.len() * tasks_a_tile).into_par_iter().for_each_init(
         || (Vec::<f32>::new(), Vec::<&[T]>::new(), Vec::<f32>::new()),
-        |(scores, cache_rows, results), task| {
+        |(scores, cached, results), task| {
             let (tile, first_head) = (tiles[task / tasks_a_tile].clone(), task % tasks_a_tile * G);
             let (first, last) = (rows[tile.start], rows[tile.end - 1]);
             let kv_cols = (first_head / group) * hd..(first_head / group + 1) * hd;
@@ -144,12 +144,12 @@ fn attend<const G: usize, const R: usize, const N: usize, T: KvElement>(
                 }
                 None => 0..0,
             });
-            let row = |j: usize| cache_row(first.table, block_size, j);
             // Scores and the weighted sum a batch of cache rows at a time (`simd::dots_many`,
             // `simd::axpys_many`): bit for bit the one-row, one-head forms. Positions a row does
             // not see keep a zero score, which no sum of its reads.
-            cache_rows.clear();
-            cache_rows.extend((lo..lo + len).map(|j| kv.pages.key(row(j), kv_cols.clone())));
+            cached.clear();
+            kv.pages
+                .keys_into(first.table, block_size, lo..lo + len, kv_cols.clone(), cached);
             scores.clear();
             scores.resize(N * len, 0.0);
             let mut query_scores: [&mut [f32]; N] = split(scores, len);
@@ -161,13 +161,14 @@ fn attend<const G: usize, const R: usize, const N: usize, T: KvElement>(
                 for (own_scores, scores) in own_scores.iter_mut().zip(row_scores.iter_mut()) {
                     *own_scores = &mut scores[own.clone()];
                 }
-                simd::dots_many(&queries, &cache_rows[own], &mut own_scores);
+                simd::dots_many(&queries, &cached[own], &mut own_scores);
                 for scores in own_scores {
                     softmax(scores, scale);
                 }
             }
-            cache_rows.clear();
-            cache_rows.extend((lo..lo + len).map(|j| kv.pages.value(row(j), kv_cols.clone())));
+            cached.clear();
+            kv.pages
+                .values_into(first.table, block_size, lo..lo + len, kv_cols.clone(), cached);
             results.clear();
             results.resize(N * hd, 0.0);
             let weights: [&[f32]; N] = query_scores.map(|s| &*s);
@@ -179,14 +180,14 @@ fn attend<const G: usize, const R: usize, const N: usize, T: KvElement>(
             for (n, sum) in sums.iter_mut().enumerate().take(queries_kept) {
                 let own = &own[n / G];
                 let before = own.start..if joint { common.start } else { own.end };
-                simd::axpys(&weights[n][before.clone()], &cache_rows[before], sum);
+                simd::axpys(&weights[n][before.clone()], &cached[before], sum);
             }
             if joint {
                 let shared_weights: [&[f32]; N] = weights.map(|w| &w[common.clone()]);
-                simd::axpys_many(&shared_weights, &cache_rows[common.clone()], &mut sums);
+                simd::axpys_many(&shared_weights, &cached[common.clone()], &mut sums);
                 for (n, sum) in sums.iter_mut().enumerate().take(queries_kept) {
                     let after = common.end..own[n / G].end;
-                    simd::axpys(&weights[n][after.clone()], &cache_rows[after], sum);
+                    simd::axpys(&weights[n][after.clone()], &cached[after], sum);
                 }
             }
             for i in 0..tile.len() {

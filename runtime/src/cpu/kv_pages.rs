@@ -19,10 +19,11 @@
 
 use super::kv_element::KvElement;
 use crate::error::{Result, RuntimeError};
-use crate::kv::{cache_row, BlockId};
+use crate::kv::{block_runs, cache_row, BlockId};
 use half::{bf16, f16};
 use ir::DType;
 use std::collections::HashMap;
+use std::ops::Range;
 
 #[derive(Debug, Clone)]
 pub struct KvPages {
@@ -145,6 +146,50 @@ impl<'a, T> TypedPages<'a, T> {
 
     pub fn value(&self, row: usize, cols: std::ops::Range<usize>) -> &'a [T] {
         &self.v[row * self.v_dim + cols.start..row * self.v_dim + cols.end]
+    }
+
+    /// [`Self::key`] of the cache row of each of `positions` of the sequence with block table
+    /// `table`, in order, appended to `out`.
+    pub fn keys_into(
+        &self,
+        table: &[BlockId],
+        block_size: usize,
+        positions: Range<usize>,
+        cols: Range<usize>,
+        out: &mut Vec<&'a [T]>,
+    ) {
+        rows_into(self.k, self.dim, block_runs(table, block_size, positions), cols, out)
+    }
+
+    /// [`Self::value`] of each of `positions`, as [`Self::keys_into`].
+    pub fn values_into(
+        &self,
+        table: &[BlockId],
+        block_size: usize,
+        positions: Range<usize>,
+        cols: Range<usize>,
+        out: &mut Vec<&'a [T]>,
+    ) {
+        rows_into(self.v, self.v_dim, block_runs(table, block_size, positions), cols, out)
+    }
+}
+
+/// Columns `cols` of each of the cache rows `runs` of `dim`-wide rows, appended to `out`. Its
+/// own function, a run at a time, so the widths and bounds sit in registers and `out` grows
+/// once a run (a long context's decode lists every cached row of every head, each layer).
+fn rows_into<'a, T>(
+    data: &'a [T],
+    dim: usize,
+    runs: impl Iterator<Item = Range<usize>>,
+    cols: Range<usize>,
+    out: &mut Vec<&'a [T]>,
+) {
+    let (start, width) = (cols.start, cols.len());
+    for run in runs {
+        out.extend(run.map(|row| {
+            let at = row * dim + start;
+            &data[at..at + width]
+        }));
     }
 }
 

@@ -57,13 +57,10 @@ pub(super) fn sparse_mla(spec: &SparseMlaSpec, args: &[Arg], pages: &mut KvPages
                 index_q: x(6).row(t),
                 index_weights: x(7).row(t),
             };
-            let cached: Vec<Cached> = (0..=rows.query[t].pos)
-                .map(|p| {
-                    let row = crate::kv::cache_row(rows.query[t].table, block_size, p);
-                    Cached {
-                        latent_and_rope: layer.key(row, 0..spec.index_key_offset()),
-                        index_key: index_layer.key(row, index_keys.clone()),
-                    }
+            let cached: Vec<Cached> = crate::kv::cache_rows(rows.query[t].table, block_size, 0..rows.query[t].pos + 1)
+                .map(|row| Cached {
+                    latent_and_rope: layer.key(row, 0..spec.index_key_offset()),
+                    index_key: index_layer.key(row, index_keys.clone()),
                 })
                 .collect();
             attend(spec, &query, &cached, &up, o);
