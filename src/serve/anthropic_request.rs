@@ -29,10 +29,7 @@ const SHARED: [&str; 7] = [
 
 /// The chat request a Messages body (`request::json_object`) asks for.
 pub fn parse(obj: &Map<String, Value>) -> Result<GenerationRequest, ApiError> {
-    request::parse_object(&chat_body(obj)?, Endpoint::Chat).map_err(|mut e| {
-        e.param = e.param.map(|p| messages_api_name(&p).to_string());
-        e
-    })
+    request::parse_object(&chat_body(obj)?, Endpoint::Chat).map_err(|e| e.renamed(messages_api_name))
 }
 
 /// A chat parameter's name as the Messages body spells it.
@@ -431,9 +428,16 @@ mod tests {
                 json!({"max_tokens": 8, "messages": user, "thinking": {"type": "adaptive", "display": "omitted"}}),
                 "thinking.display",
             ),
+            (
+                json!({"max_tokens": 8, "messages": user, "stop_sequences": [""]}),
+                "stop_sequences",
+            ),
         ] {
             let error = parse_json(body.clone()).unwrap_err();
             assert_eq!(error.param.as_deref(), Some(param), "{body}: {}", error.message);
+            for chat_name in ["`max_completion_tokens`", "`stop`"] {
+                assert!(!error.message.contains(chat_name), "{body}: {}", error.message);
+            }
         }
     }
 }

@@ -37,6 +37,23 @@ impl ApiError {
         }
     }
 
+    /// This error as an API that names the chat parameters otherwise (the Responses and
+    /// Messages bodies, rewritten as chat requests) says it: `param` and every name the
+    /// message quotes in backticks, through `name`.
+    pub fn renamed(mut self, name: impl Fn(&str) -> &str) -> Self {
+        self.param = self.param.map(|p| name(&p).to_string());
+        let parts: Vec<&str> = self.message.split('`').collect();
+        // Odd parts are between backticks (an unpaired last one has no closing quote).
+        let quoted = |i: usize| i % 2 == 1 && i + 1 < parts.len();
+        self.message = parts
+            .iter()
+            .enumerate()
+            .map(|(i, part)| if quoted(i) { name(part) } else { part })
+            .collect::<Vec<_>>()
+            .join("`");
+        self
+    }
+
     fn kind(&self) -> &'static str {
         match self.status {
             StatusCode::UNAUTHORIZED => "authentication_error",

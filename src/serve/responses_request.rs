@@ -48,10 +48,7 @@ const SHARED: [&str; 14] = [
 
 /// The chat request a Responses body (`request::json_object`) asks for.
 pub fn parse(obj: &Map<String, Value>) -> Result<GenerationRequest, ApiError> {
-    request::parse_object(&chat_body(obj)?, Endpoint::Chat).map_err(|mut e| {
-        e.param = e.param.map(|p| responses_name(&p).to_string());
-        e
-    })
+    request::parse_object(&chat_body(obj)?, Endpoint::Chat).map_err(|e| e.renamed(responses_name))
 }
 
 /// The chat body that asks for what `obj` asks for.
@@ -376,6 +373,11 @@ mod tests {
                 "input",
             ),
             (json!({"input": "x", "max_output_tokens": -1}), "max_output_tokens"),
+            (json!({"input": []}), "input"),
+            (
+                json!({"input": "x", "text": {"format": {"type": "json_schema"}}}),
+                "text.format",
+            ),
             (
                 json!({"input": "x", "previous_response_id": "resp_1"}),
                 "previous_response_id",
@@ -402,6 +404,9 @@ mod tests {
         ] {
             let error = parse_json(body.clone()).unwrap_err();
             assert_eq!(error.param.as_deref(), Some(param), "{body}: {}", error.message);
+            for chat_name in ["`messages`", "`max_completion_tokens`", "`response_format`"] {
+                assert!(!error.message.contains(chat_name), "{body}: {}", error.message);
+            }
         }
         for fine in [
             json!({"input": "x", "reasoning": null}),
