@@ -142,14 +142,15 @@ pub fn cache_row(table: &[BlockId], block_size: usize, pos: usize) -> usize {
     table[pos / block_size].0 as usize * block_size + pos % block_size
 }
 
-/// [`cache_row`] of each of `positions` in order, a block at a time: attention lists every
-/// cached row a query sees, and a division per position cost as much as the dots in decode.
+/// [`cache_row`] of each of `positions` in order, found a block at a time ([`block_runs`])
+/// rather than by a division each.
 pub fn cache_rows(table: &[BlockId], block_size: usize, positions: Range<usize>) -> impl Iterator<Item = usize> + '_ {
     block_runs(table, block_size, positions).flatten()
 }
 
 /// `positions` of the sequence with block table `table` as runs of consecutive cache rows, one
-/// run a block, in order.
+/// run a block, in order: attention lists every cached row a query sees, and a division and
+/// a table lookup per position cost as much as the dots in a long context's decode.
 pub fn block_runs(
     table: &[BlockId],
     block_size: usize,
