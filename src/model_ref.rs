@@ -2,7 +2,7 @@
 //! weights path (GGUF file or HF directory), or the name of a model bbc fetches.
 
 use crate::fetch;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use codegen::Target;
 use ir::Graph;
 use models::{ComputeDtype, KvCacheDtype, LogitsFor, Model, ModelSpec};
@@ -101,6 +101,9 @@ pub struct LoadOptions {
     pub dtype: Option<ComputeDtype>,
     /// Overrides the KV caches' element type of anything but an artifact.
     pub kv_cache_dtype: Option<KvCacheDtype>,
+    /// Caps the context (prompt and output, at most the model's own) of anything but an
+    /// artifact, as vLLM's `--max-model-len` does.
+    pub max_model_len: Option<usize>,
     pub logits: LogitsFor,
     /// Also build the greedy graph (whose LM head may become the INT8-bound top-k).
     pub greedy: bool,
@@ -114,6 +117,7 @@ pub fn tokenizer(arg: &str) -> Result<models::Tokenizer> {
     let options = LoadOptions {
         dtype: None,
         kv_cache_dtype: None,
+        max_model_len: None,
         logits: LogitsFor::LastToken,
         greedy: false,
         fuse: false,
@@ -136,8 +140,15 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
             if let Some(k) = options.kv_cache_dtype {
                 spec.kv_cache_dtype = k;
             }
+            if let Some(n) = options.max_model_len {
+                ensure!(n >= 1, "--max-model-len must be at least 1");
+                spec.context_length = Some(n);
+            }
             let speculative = spec.speculative;
-            let model = Model::open(spec)?;
+            let model = match options.max_model_len {
+                Some(n) => Model::open(spec).with_context(|| format!("--max-model-len {n}"))?,
+                None => Model::open(spec)?,
+            };
             let fuse = |graph: Graph| -> Result<Graph> {
                 if !options.fuse {
                     return Ok(graph);
@@ -168,6 +179,9 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
             }
             if options.kv_cache_dtype.is_some() {
                 bail!("--kv-cache-dtype does not apply to a compiled artifact: its caches were fixed by `bbc compile` (model.toml's `kv_cache_dtype`)");
+            }
+            if options.max_model_len.is_some() {
+                bail!("--max-model-len does not apply to a compiled artifact: its context was fixed by `bbc compile` (model.toml's `context_length`)");
             }
             load_artifact(&dir)
         }

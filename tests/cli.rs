@@ -83,6 +83,58 @@ fn a_half_kv_cache_keeps_the_greedy_tokens() {
     );
 }
 
+/// `--max-model-len` caps the context below the model's own: a run that would pass it is
+/// refused naming the limit, one past the model's own context names both, and the flag is
+/// refused on an artifact (whose context `bbc compile` fixed).
+#[test]
+fn max_model_len_caps_the_context() {
+    let model = smollm2();
+    let prompt = (0..20).map(|i| (100 + 7 * i).to_string()).collect::<Vec<_>>().join(",");
+    let run = |limit: &str, tokens: &str| {
+        Command::new(env!("CARGO_BIN_EXE_bbc"))
+            .args([
+                "run",
+                &model,
+                "--prompt-ids",
+                &prompt,
+                "--max-tokens",
+                tokens,
+                "--max-model-len",
+                limit,
+                "--ignore-eos",
+                "--json",
+            ])
+            .output()
+            .unwrap()
+    };
+    let fits = run("24", "4");
+    assert!(fits.status.success(), "{}", String::from_utf8_lossy(&fits.stderr));
+    let over = run("24", "5");
+    assert!(!over.status.success());
+    let err = String::from_utf8_lossy(&over.stderr);
+    assert!(err.contains("needs 25 tokens but the context length is 24"), "{err}");
+    let past = run("99999", "1");
+    let err = String::from_utf8_lossy(&past.stderr);
+    assert!(
+        err.contains("--max-model-len 99999") && err.contains("exceeds the model's 8192"),
+        "{err}"
+    );
+    let zero = run("0", "1");
+    assert!(String::from_utf8_lossy(&zero.stderr).contains("--max-model-len must be at least 1"));
+    let scratch = common::scratch_dir("bbc-len-artifact-");
+    let dir = scratch.path().join("artifact");
+    bbc(&["compile", &model, "--target", "cpu", "-o", dir.to_str().unwrap()]);
+    let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
+        .args(["run", dir.to_str().unwrap(), "--prompt", "x", "--max-model-len", "64"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--max-model-len does not apply to a compiled artifact"),
+        "{err}"
+    );
+}
+
 #[test]
 fn streaming_prints_the_same_text_as_json() {
     let model = smollm2();

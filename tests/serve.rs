@@ -278,6 +278,29 @@ fn invalid_requests_get_400s_naming_the_parameter() {
     assert!(error_of(&answer).0.contains("gpt-5"));
 }
 
+/// `--max-model-len` caps what a request may use below the model's own context: its limit
+/// is the one the context-length error names, and `/v1/models` reports it.
+#[test]
+fn max_model_len_caps_the_context() {
+    let server = Server::start(&["--max-model-len", "64"]);
+    let prompt: Vec<u32> = (0..60).map(|i| 100 + i).collect();
+    let (status, answer) = server.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": 4}));
+    assert_eq!(status, 200, "{answer}");
+    let (status, answer) = server.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": 5}));
+    assert_eq!(status, 400, "{answer}");
+    assert!(
+        error_of(&answer).0.contains("maximum context length is 64 tokens"),
+        "{answer}"
+    );
+    let long: Vec<u32> = (0..65).map(|i| 100 + i).collect();
+    let (status, answer) = server.post("/v1/completions", &json!({"prompt": long, "max_tokens": 1}));
+    assert_eq!(status, 400, "{answer}");
+    let (status, text) = server.request("GET", "/v1/models", &[], b"");
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(models["data"][0]["max_model_len"], 64, "{models}");
+}
+
 #[test]
 fn an_api_key_is_required_when_set() {
     let server = Server::start(&["--api-key", "sesame"]);

@@ -32,6 +32,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     let options = model_ref::LoadOptions {
         dtype: None,
         kv_cache_dtype: None,
+        max_model_len: None,
         logits: LogitsFor::LastToken,
         greedy: true,
         fuse: false,

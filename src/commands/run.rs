@@ -48,6 +48,10 @@ pub struct RunArgs {
     /// bf16 or f16 (half the bytes of f32).
     #[arg(long, value_parser = parse_kv_cache_dtype)]
     pub kv_cache_dtype: Option<KvCacheDtype>,
+    /// The longest context (prompt and output tokens) to allow, at most the model's own
+    /// (default: the model's, or model.toml's `context_length`).
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
     /// Run the graph as lowered, without the fusion passes.
     #[arg(long)]
     pub no_fuse: bool,
@@ -89,6 +93,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let options = model_ref::LoadOptions {
         dtype: args.dtype,
         kv_cache_dtype: args.kv_cache_dtype,
+        max_model_len: args.max_model_len,
         logits: LogitsFor::LastToken,
         greedy: true,
         fuse: !args.no_fuse,

@@ -80,6 +80,10 @@ pub struct ServeArgs {
     /// bf16 or f16 (half the memory of f32).
     #[arg(long, value_parser = crate::commands::run::parse_kv_cache_dtype)]
     pub kv_cache_dtype: Option<models::KvCacheDtype>,
+    /// The longest context (prompt and output tokens) a request may use, at most the model's
+    /// own (default: the model's, or model.toml's `context_length`); longer ones get a 400.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
     /// Speculative decoding by prompt lookup: draft up to N tokens a step from earlier text
     /// of the request and verify them in the same pass (0: off; overrides a model.toml's
     /// `[speculative]`). Tokens are unchanged. On the GPU, a model with recurrent state
@@ -133,6 +137,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         ("--block-size", args.block_size),
         ("--token-budget", args.token_budget),
         ("--state-snapshot-interval", args.state_snapshot_interval),
+        ("--max-model-len", args.max_model_len.unwrap_or(1)),
     ] {
         if value == 0 {
             bail!("{name} must be at least 1");
@@ -141,6 +146,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let options = model_ref::LoadOptions {
         dtype: args.dtype,
         kv_cache_dtype: args.kv_cache_dtype,
+        max_model_len: args.max_model_len,
         logits: LogitsFor::LastToken,
         greedy: false,
         fuse: true,
