@@ -316,7 +316,12 @@ fn an_f32_artifact_carries_its_int8_head() {
 #[test]
 fn serve_refuses_zero_sized_settings_by_name() {
     let model = smollm2();
-    for flag in ["--kv-blocks", "--token-budget", "--state-snapshot-interval"] {
+    for flag in [
+        "--kv-blocks",
+        "--token-budget",
+        "--state-snapshot-interval",
+        "--max-model-len",
+    ] {
         let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
             .args(["serve", &model, "--port", "0", flag, "0"])
             .output()
