@@ -112,6 +112,20 @@ pub struct LoadOptions {
     pub quiet: bool,
 }
 
+/// `--chat-template`'s template: the file `arg` names or, where no such file exists and `arg`
+/// holds Jinja's `{{` or `{%`, `arg` itself (as vLLM takes it).
+pub fn chat_template_source(arg: &str) -> Result<String> {
+    let path = Path::new(arg);
+    if path.is_file() {
+        return std::fs::read_to_string(path).with_context(|| format!("--chat-template {arg}: reading it"));
+    }
+    ensure!(
+        arg.contains("{{") || arg.contains("{%"),
+        "--chat-template {arg}: no such file, nor a Jinja template"
+    );
+    Ok(arg.to_string())
+}
+
 /// The tokenizer of model `arg` (a name, weights path, model.toml or artifact).
 pub fn tokenizer(arg: &str) -> Result<models::Tokenizer> {
     let options = LoadOptions {

@@ -135,6 +135,45 @@ fn max_model_len_caps_the_context() {
     );
 }
 
+/// `--chat-template` renders `--chat` prompts with the template given (inline or from a
+/// file) instead of the model's; one that does not parse or render is refused before
+/// generating, and the flag without `--chat` is refused.
+#[test]
+fn a_chat_template_replaces_the_models() {
+    let model = smollm2();
+    let template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>";
+    let scratch = common::scratch_dir("bbc-template-");
+    let file = scratch.path().join("chat.jinja");
+    std::fs::write(&file, template).unwrap();
+    let want: Vec<u32> = serde_json::from_str(&bbc(&["tokenize", &model, "--text", "<user>hi<assistant>"])).unwrap();
+    for given in [template, file.to_str().unwrap()] {
+        let out = json(&[
+            "run",
+            &model,
+            "--chat",
+            "--prompt",
+            "hi",
+            "--chat-template",
+            given,
+            "--max-tokens",
+            "1",
+            "--json",
+        ]);
+        assert_eq!(ids(&out["prompt_ids"]), want, "{given}");
+    }
+    let refused = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_bbc")).args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let chat = |template: &str| refused(&["run", &model, "--chat", "--prompt", "hi", "--chat-template", template]);
+    assert!(chat("{% for m in messages %").contains("does not parse"));
+    assert!(chat("{{ raise_exception('no system turns') }}").contains("no system turns"));
+    assert!(chat("/no/such/template.jinja").contains("no such file"));
+    let err = refused(&["run", &model, "--prompt", "hi", "--chat-template", template]);
+    assert!(err.contains("--chat-template applies to --chat prompts"), "{err}");
+}
+
 #[test]
 fn streaming_prints_the_same_text_as_json() {
     let model = smollm2();

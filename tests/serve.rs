@@ -301,6 +301,24 @@ fn max_model_len_caps_the_context() {
     assert_eq!(models["data"][0]["max_model_len"], 64, "{models}");
 }
 
+/// `--chat-template` renders chat requests with the template given instead of the model's.
+#[test]
+fn a_chat_template_replaces_the_models() {
+    let template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>";
+    let server = Server::start(&["--chat-template", template]);
+    let messages = json!({"messages": [{"role": "user", "content": "hi"}]});
+    let (status, chat) = server.post("/tokenize", &messages);
+    assert_eq!(status, 200, "{chat}");
+    let (_, text) = server.post("/tokenize", &json!({"prompt": "<user>hi<assistant>"}));
+    assert_eq!(chat["tokens"], text["tokens"], "{chat} {text}");
+    let (status, answer) = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    );
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["usage"]["prompt_tokens"], text["count"], "{answer}");
+}
+
 #[test]
 fn an_api_key_is_required_when_set() {
     let server = Server::start(&["--api-key", "sesame"]);

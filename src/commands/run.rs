@@ -2,7 +2,7 @@
 
 use crate::model_ref;
 use crate::structured::{GrammarConstraint, OutputSpec, Reasoning, StructuredOutputs};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use models::{ChatMessage, ComputeDtype, KvCacheDtype, LogitsFor, StreamDecoder, Tokenizer};
 use runtime::{generate_processed, Engine, GenerateOptions, LogitsProcessor, SamplingParams};
 use std::io::Write;
@@ -52,6 +52,10 @@ pub struct RunArgs {
     /// (default: the model's, or model.toml's `context_length`).
     #[arg(long)]
     pub max_model_len: Option<usize>,
+    /// With --chat: the chat template to use instead of the model's (a Jinja file, or the
+    /// template itself).
+    #[arg(long)]
+    pub chat_template: Option<String>,
     /// Run the graph as lowered, without the fusion passes.
     #[arg(long)]
     pub no_fuse: bool,
@@ -100,6 +104,14 @@ pub fn run(args: &RunArgs) -> Result<()> {
         quiet: args.json,
     };
     let mut loaded = model_ref::load(&args.model, options)?;
+    if let Some(arg) = &args.chat_template {
+        ensure!(args.chat, "--chat-template applies to --chat prompts");
+        let source = model_ref::chat_template_source(arg)?;
+        let tokenizer = loaded.model.tokenizer.as_mut().context("this model has no tokenizer")?;
+        tokenizer
+            .set_chat_template(&source)
+            .with_context(|| format!("--chat-template {arg}"))?;
+    }
     let cache = match loaded.gpu_plan {
         Some(_) => runtime::WeightCache::default(),
         None => loaded.weight_cache(),

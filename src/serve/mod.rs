@@ -84,6 +84,10 @@ pub struct ServeArgs {
     /// own (default: the model's, or model.toml's `context_length`); longer ones get a 400.
     #[arg(long)]
     pub max_model_len: Option<usize>,
+    /// The chat template to render chat requests with instead of the model's: a Jinja file,
+    /// or the template itself (e.g. for a base model, which has none).
+    #[arg(long)]
+    pub chat_template: Option<String>,
     /// Speculative decoding by prompt lookup: draft up to N tokens a step from earlier text
     /// of the request and verify them in the same pass (0: off; overrides a model.toml's
     /// `[speculative]`). Tokens are unchanged. On the GPU, a model with recurrent state
@@ -153,13 +157,18 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         quiet: false,
     };
     let mut loaded = model_ref::load(&args.model, options)?;
-    let tokenizer = Arc::new(
-        loaded
-            .model
-            .tokenizer
-            .take()
-            .context("this model has no tokenizer; bbc serve needs one to read prompts and write text")?,
-    );
+    let mut tokenizer = loaded
+        .model
+        .tokenizer
+        .take()
+        .context("this model has no tokenizer; bbc serve needs one to read prompts and write text")?;
+    if let Some(arg) = &args.chat_template {
+        let source = model_ref::chat_template_source(arg)?;
+        tokenizer
+            .set_chat_template(&source)
+            .with_context(|| format!("--chat-template {arg}"))?;
+    }
+    let tokenizer = Arc::new(tokenizer);
     let context_length = loaded.model.config.context_length;
     let family = loaded.model.config.family;
     let config = SchedulerConfig {

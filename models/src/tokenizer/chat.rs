@@ -58,6 +58,14 @@ impl ChatTemplate {
         &self.source
     }
 
+    /// Another template's `source` with this one's BOS and EOS texts.
+    pub(crate) fn with_source(&self, source: &str) -> Self {
+        Self {
+            source: source.to_string(),
+            ..self.clone()
+        }
+    }
+
     /// The variables every render sets, which a caller's may not replace.
     pub const RESERVED: [&'static str; 4] = ["messages", "add_generation_prompt", "bos_token", "eos_token"];
 

@@ -20,6 +20,18 @@ pub struct Tokenizer {
 }
 
 impl Tokenizer {
+    /// Replaces the chat template (vLLM's `--chat-template`): one that does not render a
+    /// user's turn is refused now rather than at the first chat request.
+    pub fn set_chat_template(&mut self, source: &str) -> Result<()> {
+        let template = match &self.chat_template {
+            Some(own) => own.with_source(source),
+            None => ChatTemplate::new(source, &self.inner, self.bos, self.eos.first().copied()),
+        };
+        template.render(&[ChatMessage::new("user", "Hello")], true)?;
+        self.chat_template = Some(template);
+        Ok(())
+    }
+
     pub fn from_gguf(file: &crate::gguf::GgufFile) -> Result<Self> {
         gguf::build(file)
     }
