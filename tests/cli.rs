@@ -17,6 +17,13 @@ fn json(args: &[&str]) -> serde_json::Value {
     serde_json::from_str(&bbc(args)).unwrap()
 }
 
+/// What `bbc` says on stderr when it refuses `args` (it must).
+fn refused(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_bbc")).args(args).output().unwrap();
+    assert!(!out.status.success(), "bbc {args:?} was accepted");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 fn smollm2() -> String {
     real_model("smollm2").to_str().unwrap().to_string()
 }
@@ -43,8 +50,7 @@ fn run_json_gives_the_reference_greedy_tokens() {
 }
 
 /// A half KV cache (`--kv-cache-dtype f16`) keeps the reference's first greedy tokens;
-/// a kind bbc does not store is refused naming the choices, and so is the flag on an artifact
-/// (whose graph fixed its caches).
+/// a kind bbc does not store is refused naming the choices.
 #[test]
 fn a_half_kv_cache_keeps_the_greedy_tokens() {
     let reference = read_json("real/smollm2.json");
@@ -66,26 +72,32 @@ fn a_half_kv_cache_keeps_the_greedy_tokens() {
         json(&[&args[..], &["--kv-cache-dtype", cache]].concat())
     };
     assert_eq!(ids(&run("f16")["ids"]), ids(&case["greedy_ids"])[..8]);
-    let refused = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_bbc")).args(args).output().unwrap();
-        assert!(!out.status.success(), "{args:?}");
-        String::from_utf8_lossy(&out.stderr).into_owned()
-    };
     let err = refused(&["run", &model, "--prompt", "x", "--kv-cache-dtype", "fp8"]);
     assert!(err.contains("choose auto, f32, bf16 or f16"), "{err}");
-    let scratch = common::scratch_dir("bbc-kv-artifact-");
+}
+
+/// What `bbc compile` fixed (the compute dtype, the caches' element type, the context) is
+/// refused by name when `bbc run` is asked to change it on an artifact.
+#[test]
+fn an_artifact_refuses_what_compile_fixed() {
+    let scratch = common::scratch_dir("bbc-fixed-artifact-");
     let dir = scratch.path().join("artifact");
-    bbc(&["compile", &model, "--target", "cpu", "-o", dir.to_str().unwrap()]);
-    let err = refused(&["run", dir.to_str().unwrap(), "--prompt", "x", "--kv-cache-dtype", "f16"]);
-    assert!(
-        err.contains("--kv-cache-dtype does not apply to a compiled artifact"),
-        "{err}"
-    );
+    bbc(&["compile", &smollm2(), "--target", "cpu", "-o", dir.to_str().unwrap()]);
+    for (flag, value) in [
+        ("--dtype", "f32"),
+        ("--kv-cache-dtype", "f16"),
+        ("--max-model-len", "64"),
+    ] {
+        let err = refused(&["run", dir.to_str().unwrap(), "--prompt", "x", flag, value]);
+        assert!(
+            err.contains(&format!("{flag} does not apply to a compiled artifact")),
+            "{flag}: {err}"
+        );
+    }
 }
 
 /// `--max-model-len` caps the context below the model's own: a run that would pass it is
-/// refused naming the limit, one past the model's own context names both, and the flag is
-/// refused on an artifact (whose context `bbc compile` fixed).
+/// refused naming the limit, and one past the model's own context names both.
 #[test]
 fn max_model_len_caps_the_context() {
     let model = smollm2();
@@ -121,18 +133,6 @@ fn max_model_len_caps_the_context() {
     );
     let zero = run("0", "1");
     assert!(String::from_utf8_lossy(&zero.stderr).contains("--max-model-len must be at least 1"));
-    let scratch = common::scratch_dir("bbc-len-artifact-");
-    let dir = scratch.path().join("artifact");
-    bbc(&["compile", &model, "--target", "cpu", "-o", dir.to_str().unwrap()]);
-    let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
-        .args(["run", dir.to_str().unwrap(), "--prompt", "x", "--max-model-len", "64"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("--max-model-len does not apply to a compiled artifact"),
-        "{err}"
-    );
 }
 
 /// `--chat-template` renders `--chat` prompts with the template given (inline or from a
@@ -161,11 +161,6 @@ fn a_chat_template_replaces_the_models() {
         ]);
         assert_eq!(ids(&out["prompt_ids"]), want, "{given}");
     }
-    let refused = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_bbc")).args(args).output().unwrap();
-        assert!(!out.status.success(), "{args:?}");
-        String::from_utf8_lossy(&out.stderr).into_owned()
-    };
     let chat = |template: &str| refused(&["run", &model, "--chat", "--prompt", "hi", "--chat-template", template]);
     assert!(chat("{% for m in messages %").contains("does not parse"));
     assert!(chat("{{ raise_exception('no system turns') }}").contains("no system turns"));
@@ -287,12 +282,7 @@ fn a_compiled_artifact_runs_like_the_model() {
     let graph = dir.join("graph.json");
     let text = std::fs::read_to_string(&graph).unwrap().replacen("1e-5", "2e-5", 1);
     std::fs::write(&graph, text.replacen("\"eps\":", "\"eps\" :", 1)).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
-        .args(["run", dir.to_str().unwrap(), "--prompt", "x"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("hash mismatch"));
+    assert!(refused(&["run", dir.to_str().unwrap(), "--prompt", "x"]).contains("hash mismatch"));
 }
 
 #[test]
@@ -361,12 +351,7 @@ fn serve_refuses_zero_sized_settings_by_name() {
         "--state-snapshot-interval",
         "--max-model-len",
     ] {
-        let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
-            .args(["serve", &model, "--port", "0", flag, "0"])
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{flag} 0 was accepted");
+        let stderr = refused(&["serve", &model, "--port", "0", flag, "0"]);
         assert!(
             stderr.contains(&format!("{flag} must be at least 1")),
             "{flag}: {stderr}"
@@ -424,10 +409,6 @@ fn run_holds_the_output_to_a_structured_spec() {
         );
     }
     for bad in [&["--regex", "(("][..], &["--regex", "a", "--choice", "b"]] {
-        let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
-            .args([&["run", &model, "--prompt", "x"][..], bad].concat())
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{bad:?}");
+        refused(&[&["run", &model, "--prompt", "x"][..], bad].concat());
     }
 }
