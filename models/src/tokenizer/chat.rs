@@ -99,7 +99,7 @@ impl ChatTemplate {
             },
         );
         env.add_template("chat", &self.source)
-            .map_err(|e| ModelError::ChatTemplate(format!("the model's template does not parse: {e}")))?;
+            .map_err(|e| ModelError::ChatTemplate(format!("the template does not parse: {e}")))?;
         let template = env
             .get_template("chat")
             .map_err(|e| ModelError::ChatTemplate(e.to_string()))?;
