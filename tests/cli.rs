@@ -357,6 +357,9 @@ fn serve_refuses_zero_sized_settings_by_name() {
             "{flag}: {stderr}"
         );
     }
+    // vLLM's name for the token budget is the same setting.
+    let stderr = refused(&["serve", &model, "--port", "0", "--max-num-batched-tokens", "0"]);
+    assert!(stderr.contains("--token-budget must be at least 1"), "{stderr}");
 }
 
 /// `bbc run` with a structured output: a JSON schema's answer parses and fits it, a choice

@@ -66,8 +66,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 128)]
     pub state_snapshot_interval: usize,
     /// Tokens computed per step across all sequences (a step's length bounds every
-    /// running request's time per output token).
-    #[arg(long, default_value_t = 128)]
+    /// running request's time per output token); vLLM's `--max-num-batched-tokens`.
+    #[arg(long, alias = "max-num-batched-tokens", default_value_t = 128)]
     pub token_budget: usize,
     /// The model id clients send (default: the model's name).
     #[arg(long)]
