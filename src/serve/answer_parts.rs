@@ -8,6 +8,7 @@ use super::tools::{ToolCall, ToolCalling};
 use axum::response::sse::{Event as SseEvent, Sse};
 use serde_json::Value;
 use std::convert::Infallible;
+use std::mem::Discriminant;
 
 /// A part of an answer.
 pub enum Part {
@@ -19,17 +20,13 @@ pub enum Part {
     },
 }
 
-impl Part {
-    /// Whether `self` continues a part of `other`'s sort.
-    pub fn same_sort(&self, other: &Part) -> bool {
-        std::mem::discriminant(self) == std::mem::discriminant(other)
-    }
-}
-
-/// Where an answer's parts go.
+/// Where an answer's parts go, opened, filled and closed in turn by a [`PartRouter`] (which
+/// keeps at most one open, and closes it before opening another).
 pub trait PartSink {
-    /// `text` onto the open part of `part`'s sort, opening one (and closing another) first.
-    fn append(&mut self, part: Part, text: &str);
+    /// A new part begins.
+    fn open(&mut self, part: Part);
+    /// `text` onto the open part.
+    fn append(&mut self, text: &str);
     /// The open part done.
     fn close(&mut self);
     /// The answer ended (`Output::Finish`'s reason and stop string), every part closed.
@@ -52,6 +49,8 @@ pub trait EventSink: PartSink + Send + 'static {
 pub struct PartRouter {
     calling: Option<ToolCalling>,
     required_text: String,
+    /// The sort of the part the sink has open.
+    open: Option<Discriminant<Part>>,
 }
 
 impl PartRouter {
@@ -59,6 +58,35 @@ impl PartRouter {
         Self {
             calling: g.info.tool_calling.clone(),
             required_text: String::new(),
+            open: None,
+        }
+    }
+
+    /// `text` onto the open part of `part`'s sort, opening one (and closing another) first.
+    fn append(&mut self, sink: &mut impl PartSink, part: Part, text: &str) {
+        let sort = std::mem::discriminant(&part);
+        if self.open != Some(sort) {
+            self.close(sink);
+            sink.open(part);
+            self.open = Some(sort);
+        }
+        sink.append(text);
+    }
+
+    fn close(&mut self, sink: &mut impl PartSink) {
+        if self.open.take().is_some() {
+            sink.close();
+        }
+    }
+
+    /// Calls known whole: a part each, its arguments at once.
+    fn append_calls(&mut self, sink: &mut impl PartSink, calls: &[ToolCall]) {
+        for call in calls {
+            let part = Part::Call {
+                name: call.name.clone(),
+            };
+            self.append(sink, part, &call.arguments);
+            self.close(sink);
         }
     }
 
@@ -66,51 +94,38 @@ impl PartRouter {
         match output {
             Output::Text { text, reasoning, .. } => {
                 if !reasoning.is_empty() {
-                    sink.append(Part::Reasoning, &reasoning);
+                    self.append(sink, Part::Reasoning, &reasoning);
                 }
                 if !text.is_empty() {
                     match &self.calling {
-                        Some(ToolCalling::Named(tool)) => sink.append(
-                            Part::Call {
+                        Some(ToolCalling::Named(tool)) => {
+                            let part = Part::Call {
                                 name: tool.name.clone(),
-                            },
-                            &text,
-                        ),
+                            };
+                            self.append(sink, part, &text)
+                        }
                         Some(ToolCalling::Required { .. }) => self.required_text += &text,
-                        Some(ToolCalling::Auto { .. }) | None => sink.append(Part::Text, &text),
+                        Some(ToolCalling::Auto { .. }) | None => self.append(sink, Part::Text, &text),
                     }
                 }
             }
-            Output::Calls { calls, .. } => append_calls(sink, &calls),
+            Output::Calls { calls, .. } => self.append_calls(sink, &calls),
             Output::Finish {
                 reason, stop_string, ..
             } => {
                 if let Some(required @ ToolCalling::Required { .. }) = &self.calling {
                     let text = std::mem::take(&mut self.required_text);
                     match required.calls(&text) {
-                        Some(calls) => append_calls(sink, &calls),
-                        None => sink.append(Part::Text, &text),
+                        Some(calls) => self.append_calls(sink, &calls),
+                        None => self.append(sink, Part::Text, &text),
                     }
                 }
-                sink.close();
+                self.close(sink);
                 sink.finished(reason, stop_string);
             }
             Output::Error(message) => return Err(message),
         }
         Ok(())
-    }
-}
-
-/// Calls known whole: a part each, its arguments at once.
-fn append_calls(sink: &mut impl PartSink, calls: &[ToolCall]) {
-    for call in calls {
-        sink.append(
-            Part::Call {
-                name: call.name.clone(),
-            },
-            &call.arguments,
-        );
-        sink.close();
     }
 }
 

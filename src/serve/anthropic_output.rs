@@ -33,7 +33,7 @@ struct Builder {
     id: String,
     model: String,
     blocks: Vec<Value>,
-    open: Option<(Part, Open)>,
+    open: Option<Open>,
     events: VecDeque<Value>,
     stop_reason: &'static str,
     stop_sequence: Option<String>,
@@ -73,33 +73,30 @@ impl Builder {
 }
 
 impl PartSink for Builder {
-    fn append(&mut self, part: Part, text: &str) {
-        if !self.open.as_ref().is_some_and(|(open, _)| open.same_sort(&part)) {
-            self.close();
-            let kind = match &part {
-                Part::Reasoning => BlockKind::Thinking,
-                Part::Text => BlockKind::Text,
-                Part::Call { name } => BlockKind::ToolUse {
-                    id: fresh_id("toolu_"),
-                    name: name.clone(),
-                },
-            };
-            let start = match &kind {
-                BlockKind::Thinking => json!({"type": "thinking", "thinking": "", "signature": ""}),
-                BlockKind::Text => json!({"type": "text", "text": ""}),
-                BlockKind::ToolUse { id, name } => json!({"type": "tool_use", "id": id, "name": name, "input": {}}),
-            };
-            let index = self.blocks.len();
-            self.event("content_block_start", json!({"index": index, "content_block": start}));
-            self.open = Some((
-                part,
-                Open {
-                    kind,
-                    text: String::new(),
-                },
-            ));
-        }
-        let (_, open) = self.open.as_mut().expect("an open block");
+    fn open(&mut self, part: Part) {
+        let kind = match part {
+            Part::Reasoning => BlockKind::Thinking,
+            Part::Text => BlockKind::Text,
+            Part::Call { name } => BlockKind::ToolUse {
+                id: fresh_id("toolu_"),
+                name,
+            },
+        };
+        let start = match &kind {
+            BlockKind::Thinking => json!({"type": "thinking", "thinking": "", "signature": ""}),
+            BlockKind::Text => json!({"type": "text", "text": ""}),
+            BlockKind::ToolUse { id, name } => json!({"type": "tool_use", "id": id, "name": name, "input": {}}),
+        };
+        let index = self.blocks.len();
+        self.event("content_block_start", json!({"index": index, "content_block": start}));
+        self.open = Some(Open {
+            kind,
+            text: String::new(),
+        });
+    }
+
+    fn append(&mut self, text: &str) {
+        let open = self.open.as_mut().expect("an open block");
         open.text += text;
         let delta = match open.kind {
             BlockKind::Thinking => json!({"type": "thinking_delta", "thinking": text}),
@@ -112,7 +109,7 @@ impl PartSink for Builder {
 
     /// The open block done: kept, and its stop event.
     fn close(&mut self) {
-        let Some((_, open)) = self.open.take() else { return };
+        let Some(open) = self.open.take() else { return };
         let block = match open.kind {
             BlockKind::Thinking => json!({"type": "thinking", "thinking": open.text, "signature": ""}),
             BlockKind::Text => json!({"type": "text", "text": open.text}),

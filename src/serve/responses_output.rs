@@ -36,7 +36,7 @@ struct Builder {
     /// settings echoed.
     head: Map<String, Value>,
     items: Vec<Value>,
-    open: Option<(Part, Open)>,
+    open: Option<Open>,
     events: VecDeque<Value>,
     sequence: u64,
     incomplete: bool,
@@ -91,16 +91,18 @@ impl Builder {
         self.event("response.created", json!({ "response": created }));
         self.event("response.in_progress", json!({ "response": created }));
     }
+}
 
-    fn open_item(&mut self, part: Part) {
+impl PartSink for Builder {
+    fn open(&mut self, part: Part) {
         let index = self.items.len();
-        let (kind, id) = match &part {
+        let (kind, id) = match part {
             Part::Reasoning => (OpenKind::Reasoning, fresh_id("rs_")),
             Part::Text => (OpenKind::Message, fresh_id("msg_")),
             Part::Call { name } => (
                 OpenKind::Call {
                     call_id: fresh_id("call_"),
-                    name: name.clone(),
+                    name,
                 },
                 fresh_id("fc_"),
             ),
@@ -122,17 +124,11 @@ impl Builder {
                        "part": {"type": "output_text", "text": "", "annotations": []}}),
             );
         }
-        self.open = Some((part, open));
+        self.open = Some(open);
     }
-}
 
-impl PartSink for Builder {
-    fn append(&mut self, part: Part, text: &str) {
-        if !self.open.as_ref().is_some_and(|(open, _)| open.same_sort(&part)) {
-            self.close();
-            self.open_item(part);
-        }
-        let (_, open) = self.open.as_mut().expect("an open item");
+    fn append(&mut self, text: &str) {
+        let open = self.open.as_mut().expect("an open item");
         open.text += text;
         let (id, index) = (open.id.clone(), open.index);
         let (kind, fields) = match open.kind {
@@ -154,7 +150,7 @@ impl PartSink for Builder {
 
     /// The open item done: its closing events, then the item kept.
     fn close(&mut self) {
-        let Some((_, open)) = self.open.take() else { return };
+        let Some(open) = self.open.take() else { return };
         let (id, index, text) = (&open.id, open.index, &open.text);
         match &open.kind {
             OpenKind::Reasoning => self.event(
