@@ -466,6 +466,17 @@ impl Fields<'_> {
 }
 
 #[cfg(test)]
+impl GenerationRequest {
+    /// The messages of a chat request (the tests of the APIs rewritten as chat requests).
+    pub fn chat_messages(self) -> Vec<ChatMessage> {
+        match self.prompt {
+            PromptInput::Chat(messages) => messages,
+            other => panic!("not a chat request: {other:?}"),
+        }
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

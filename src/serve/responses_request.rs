@@ -297,10 +297,7 @@ mod tests {
     }
 
     fn chat(body: Value) -> Vec<ChatMessage> {
-        match parse_json(body).unwrap().prompt {
-            request::PromptInput::Chat(messages) => messages,
-            other => panic!("{other:?}"),
-        }
+        parse_json(body).unwrap().chat_messages()
     }
 
     #[test]
