@@ -112,9 +112,18 @@ pub struct LoadOptions {
     pub quiet: bool,
 }
 
+/// `--chat-template arg` in place of `tokenizer`'s own chat template.
+pub fn use_chat_template(tokenizer: &mut models::Tokenizer, arg: &str) -> Result<()> {
+    let source = chat_template_source(arg)?;
+    tokenizer
+        .set_chat_template(&source)
+        .with_context(|| format!("--chat-template {arg}"))?;
+    Ok(())
+}
+
 /// `--chat-template`'s template: the file `arg` names or, where no such file exists and `arg`
 /// holds Jinja's `{{` or `{%`, `arg` itself (as vLLM takes it).
-pub fn chat_template_source(arg: &str) -> Result<String> {
+fn chat_template_source(arg: &str) -> Result<String> {
     let path = Path::new(arg);
     if path.is_file() {
         return std::fs::read_to_string(path).with_context(|| format!("--chat-template {arg}: reading it"));

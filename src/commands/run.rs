@@ -106,11 +106,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let mut loaded = model_ref::load(&args.model, options)?;
     if let Some(arg) = &args.chat_template {
         ensure!(args.chat, "--chat-template applies to --chat prompts");
-        let source = model_ref::chat_template_source(arg)?;
         let tokenizer = loaded.model.tokenizer.as_mut().context("this model has no tokenizer")?;
-        tokenizer
-            .set_chat_template(&source)
-            .with_context(|| format!("--chat-template {arg}"))?;
+        model_ref::use_chat_template(tokenizer, arg)?;
     }
     let cache = match loaded.gpu_plan {
         Some(_) => runtime::WeightCache::default(),

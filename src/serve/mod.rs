@@ -163,10 +163,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         .take()
         .context("this model has no tokenizer; bbc serve needs one to read prompts and write text")?;
     if let Some(arg) = &args.chat_template {
-        let source = model_ref::chat_template_source(arg)?;
-        tokenizer
-            .set_chat_template(&source)
-            .with_context(|| format!("--chat-template {arg}"))?;
+        model_ref::use_chat_template(&mut tokenizer, arg)?;
     }
     let tokenizer = Arc::new(tokenizer);
     let context_length = loaded.model.config.context_length;
