@@ -88,15 +88,26 @@ impl WeightSource {
     /// The storage type holding the most elements of the tensors of two or more dims (the
     /// matrices; norms and biases are vectors), `None` without any.
     pub fn matrix_storage(&self) -> Option<GgmlType> {
+        // Each tensor's type and shape straight from the listing (`get` finds a GGUF tensor
+        // by a search of its names).
+        let tensors: Vec<(GgmlType, &[usize])> = match self {
+            Self::Gguf(file, shapes) => file
+                .tensors
+                .iter()
+                .zip(shapes)
+                .map(|(t, s)| (t.dtype, &s[..]))
+                .collect(),
+            Self::Safetensors(dir) => dir.tensors.values().map(|e| (e.dtype, &e.shape[..])).collect(),
+        };
         let mut elements: Vec<(GgmlType, usize)> = Vec::new();
-        for view in self.names().into_iter().filter_map(|name| self.get(name)) {
-            if view.shape.len() < 2 {
+        for (dtype, shape) in tensors {
+            if shape.len() < 2 {
                 continue;
             }
-            let count = view.shape.iter().product::<usize>();
-            match elements.iter_mut().find(|(t, _)| *t == view.dtype) {
+            let count = shape.iter().product::<usize>();
+            match elements.iter_mut().find(|(t, _)| *t == dtype) {
                 Some((_, total)) => *total += count,
-                None => elements.push((view.dtype, count)),
+                None => elements.push((dtype, count)),
             }
         }
         elements.into_iter().max_by_key(|&(_, count)| count).map(|(t, _)| t)
