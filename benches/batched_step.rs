@@ -51,6 +51,7 @@ fn main() {
                 ids: &prompt,
                 state_slot: i,
                 sampled_rows: 1,
+                drafts: 0,
                 snapshots: StateSnapshots::NONE,
             };
             backend.step_batch(&mut pages, &[fill]).unwrap();
@@ -65,6 +66,7 @@ fn main() {
                 ids: &next,
                 state_slot: i,
                 sampled_rows: 1,
+                drafts: 0,
                 snapshots: StateSnapshots::NONE,
             })
             .collect();
@@ -92,6 +94,7 @@ fn main() {
             ids: &chunk,
             state_slot: 0,
             sampled_rows: 1,
+            drafts: 0,
             snapshots: StateSnapshots::NONE,
         };
         backend.step_batch(&mut pages, &[prefill]).unwrap();

@@ -521,6 +521,7 @@ fn batch_of<'a>(
             ids,
             state_slot: i,
             sampled_rows: 1,
+            drafts: 0,
             snapshots: runtime::kv::StateSnapshots::NONE,
         })
         .collect()
@@ -592,6 +593,7 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
             ids: &ids,
             state_slot: 0,
             sampled_rows: 1,
+            drafts: 0,
             snapshots: runtime::kv::StateSnapshots::NONE,
         };
         assert!(gpu.step_batch(&[too_long]).is_err());
@@ -603,6 +605,7 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
                 ids: &ids[..1],
                 state_slot: 0,
                 sampled_rows: 1,
+                drafts: 0,
                 snapshots: runtime::kv::StateSnapshots::NONE,
             }])
             .is_err());
@@ -618,6 +621,7 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
             ids: &ids[..1],
             state_slot: 0,
             sampled_rows: 1,
+            drafts: 0,
             snapshots: runtime::kv::StateSnapshots {
                 restore: None,
                 save: &saves,
@@ -736,6 +740,55 @@ fn processed_logits_keep_greedy_requests_off_the_plans_argmax() {
     assert_eq!(run(&mut on_gpu, &prompts, bias), want);
     let (greedy, full) = on_gpu.backend().counts();
     assert!(greedy == 0 && full > 0, "{greedy} greedy steps, {full} with logits");
+}
+
+/// A request scoring its prompt (`prompt_logprobs`) on a batched plan gets the CPU backend's
+/// log-probabilities at every prompt position, its prompt chunked; for a model with
+/// recurrent state too (its scored rows keep no checkpoints), beside a greedy request.
+#[test]
+fn batched_plans_score_prompts_like_the_cpu_backend() {
+    use runtime::serving::{PagedBackend, ServingEngine};
+    fn scores<B: PagedBackend>(engine: &mut ServingEngine<B>, prompt: &[u32]) -> Vec<runtime::TokenLogprobs> {
+        let scoring = runtime::SamplingParams {
+            prompt_logprobs: Some(2),
+            ..Default::default()
+        };
+        let id = engine.add(prompt.to_vec(), 3, vec![], scoring).unwrap();
+        engine.add(vec![3, 1, 4, 1, 5], 5, vec![], Default::default()).unwrap();
+        let mut got = Vec::new();
+        while !engine.scheduler().is_idle() {
+            let out = engine.step().unwrap();
+            got.extend(
+                out.prompt_logprobs
+                    .into_iter()
+                    .filter(|p| p.seq == id)
+                    .flat_map(|p| p.logprobs),
+            );
+        }
+        got
+    }
+    for family in ["llama", "qwen3_5"] {
+        let model = open(family, ComputeDtype::F32);
+        let config = serving_config(8, 24);
+        let (gpu_graph, plan, kernels) = serving_plan(&model, &config, 3);
+        let prompt: Vec<u32> = (0..19u32).map(|j| (17 + 41 * j) % 300).collect();
+        let cpu = CpuBackend::new(model.lower(LogitsFor::AllTokens).unwrap(), &model.weights, 64).unwrap();
+        let want = scores(&mut ServingEngine::new(cpu, config), &prompt);
+        let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+            .unwrap()
+            .capture_graphs_up_to(config.max_running);
+        let mut on_gpu = ServingEngine::new(Counted::new(gpu), config);
+        let got = scores(&mut on_gpu, &prompt);
+        assert_eq!(got.len(), prompt.len() - 1, "{family}");
+        for (at, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g.logprob - w.logprob).abs() < 1e-4,
+                "{family} position {}: {g:?} vs {w:?}",
+                at + 1
+            );
+            assert_eq!(g.top[0].0, w.top[0].0, "{family} position {}", at + 1);
+        }
+    }
 }
 
 /// The serving engine on batched plans of Qwen3.5 (its DeltaNet layers' states in slots on
@@ -867,7 +920,10 @@ fn recurrent_state_slots_are_checked_per_step() {
     let past = gpu.step_batch(&batch).unwrap_err().to_string();
     assert!(past.contains("slot 2 is past the plan's 2"), "{past}");
     batch[1].state_slot = 1;
+    // Two rows' logits (a prompt scored), no drafts: nothing to keep for a rewind.
     batch[0].sampled_rows = 2;
+    assert!(gpu.step_batch(&batch).is_ok());
+    batch[0].drafts = 1;
     let drafts = gpu.step_batch(&batch).unwrap_err().to_string();
     assert!(drafts.contains("keep checkpoints for 0"), "{drafts}");
     let gpu = gpu.verify_drafts_up_to(1).unwrap();
@@ -883,6 +939,7 @@ fn recurrent_state_slots_are_checked_per_step() {
     assert!(late.contains("before the first step captured"), "{late}");
     assert!(gpu.step_batch(&batch).is_ok());
     batch[0].sampled_rows = 3;
+    batch[0].drafts = 2;
     batch[0].ids = &[5, 6, 7];
     let more = gpu.step_batch(&batch).unwrap_err().to_string();
     assert!(more.contains("verifies 2 drafted tokens"), "{more}");
@@ -910,6 +967,7 @@ fn recurrent_state_slots_are_checked_per_step() {
     let too_many = fresh().keep_state_snapshots(usize::MAX);
     assert!(too_many.is_err());
     batch[0].sampled_rows = 1;
+    batch[0].drafts = 0;
     let gpu = gpu.keep_state_snapshots(2).unwrap();
     let mid = [runtime::kv::StateSave {
         positions: 1,
@@ -1004,6 +1062,7 @@ fn a_rewound_state_on_the_device_continues_like_one_that_never_saw_the_refused_d
                 ids,
                 state_slot: slot,
                 sampled_rows,
+                drafts: sampled_rows - 1,
                 snapshots: runtime::kv::StateSnapshots::NONE,
             };
             let mut out = gpu.step_batch(&[segment]).unwrap();
@@ -1172,6 +1231,9 @@ impl<B: runtime::serving::PagedBackend> runtime::serving::PagedBackend for Count
     }
     fn has_recurrent_state(&self) -> bool {
         self.inner.has_recurrent_state()
+    }
+    fn samples_several_rows(&self) -> bool {
+        self.inner.samples_several_rows()
     }
     fn verifies_drafts(&self) -> bool {
         self.inner.verifies_drafts()

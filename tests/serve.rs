@@ -1134,3 +1134,127 @@ fn tokenize_and_detokenize_round_trip() {
         assert_eq!((status, error_of(&error).1), (400, Some(param)), "{path} {body}");
     }
 }
+
+/// lm-eval's `local-completions` scores a continuation by sending context and continuation
+/// as ids (`[[ids]]`) with `echo`, `logprobs: 1` and `max_tokens: 1`, and reading the
+/// continuation's positions of `token_logprobs` (and whether each is the most likely there):
+/// those must be exactly what generating the continuation reported. The same prompt's
+/// `prompt_logprobs` (vLLM's) agree, several prompts in one request each get their choice,
+/// `max_tokens: 0` echoes the prompt alone, and a streamed echo starts with the prompt.
+#[test]
+fn echo_scores_a_continuation_exactly_as_generating_it_reported() {
+    let server = Server::start(&[]);
+    let ids_of = |text: &str| -> Vec<u64> {
+        let (_, t) = server.post("/tokenize", &json!({ "prompt": text }));
+        t["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .collect()
+    };
+    let prompt = "The capital of France is";
+    let context = ids_of(prompt);
+    let (status, generated) = server.post(
+        "/v1/completions",
+        &json!({"prompt": context, "max_tokens": 5, "temperature": 0, "logprobs": 1, "ignore_eos": true}),
+    );
+    assert_eq!(status, 200, "{generated}");
+    let continuation = generated["choices"][0]["text"].as_str().unwrap();
+    let reported = &generated["choices"][0]["logprobs"];
+    let full = ids_of(&format!("{prompt}{continuation}"));
+    assert_eq!(
+        full.len(),
+        context.len() + 5,
+        "the greedy text tokenizes back to its tokens"
+    );
+    assert_eq!(full[..context.len()], context[..]);
+
+    // lm-eval's request.
+    let scoring =
+        json!({"prompt": [full], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": true, "seed": 1234});
+    let (status, scored) = server.post("/v1/completions", &scoring);
+    assert_eq!(status, 200, "{scored}");
+    let choice = &scored["choices"][0];
+    let lp = &choice["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), full.len() + 1);
+    assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null());
+    let span = context.len()..full.len();
+    let part = |v: &Value, range: std::ops::Range<usize>| v.as_array().unwrap()[range].to_vec();
+    assert_eq!(
+        part(&lp["token_logprobs"], span.clone()),
+        part(&reported["token_logprobs"], 0..5)
+    );
+    assert_eq!(
+        part(&lp["top_logprobs"], span.clone()),
+        part(&reported["top_logprobs"], 0..5)
+    );
+    assert!(choice["text"]
+        .as_str()
+        .unwrap()
+        .starts_with(&format!("{prompt}{continuation}")));
+    assert_eq!(lp["text_offset"][0], 0);
+
+    // vLLM's `prompt_logprobs`: the prompt's own token (rank 1: greedy) and the alternatives.
+    let (_, with_prompt) = server.post(
+        "/v1/completions",
+        &json!({"prompt": full, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2}),
+    );
+    let positions = with_prompt["choices"][0]["prompt_logprobs"].as_array().unwrap().clone();
+    assert_eq!(positions.len(), full.len());
+    assert!(positions[0].is_null());
+    for (i, at) in span.clone().enumerate() {
+        let own = &positions[at][full[at].to_string()];
+        assert_eq!(own["logprob"], reported["token_logprobs"][i], "position {at}");
+        assert_eq!(own["rank"], 1);
+        assert!((1..=3).contains(&positions[at].as_object().unwrap().len()));
+    }
+    assert!(with_prompt["choices"][0]["logprobs"].is_null());
+
+    // Two prompts, the prompt alone each: a choice per prompt, nothing generated.
+    let (status, echoed) = server.post(
+        "/v1/completions",
+        &json!({"prompt": [full, prompt], "max_tokens": 0, "logprobs": 1, "echo": true}),
+    );
+    assert_eq!(status, 200, "{echoed}");
+    let choices = echoed["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2);
+    assert_eq!(choices[0]["text"], format!("{prompt}{continuation}"));
+    assert_eq!(choices[1]["text"], prompt);
+    assert_eq!(choices[1]["index"], 1);
+    assert!(choices.iter().all(|c| c["finish_reason"] == "length"));
+    assert_eq!(
+        part(&choices[0]["logprobs"]["token_logprobs"], 0..full.len()),
+        part(&lp["token_logprobs"], 0..full.len())
+    );
+    assert_eq!(
+        choices[1]["logprobs"]["tokens"].as_array().unwrap().len(),
+        context.len()
+    );
+    assert_eq!(echoed["usage"]["prompt_tokens"], full.len() + context.len());
+    assert_eq!(echoed["usage"]["completion_tokens"], 0);
+
+    // Streamed: the prompt's text first, then the output's, as the whole response has them.
+    let body = json!({"prompt": prompt, "max_tokens": 3, "temperature": 0, "echo": true});
+    let (_, whole) = server.post("/v1/completions", &body);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (_, chunks) = server.stream("/v1/completions", &streamed);
+    assert_eq!(chunks[0]["choices"][0]["text"], prompt);
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    assert_eq!(text, whole["choices"][0]["text"].as_str().unwrap());
+
+    // A chat's prompt is reported once, beside the choices.
+    let chat = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "prompt_logprobs": 1});
+    let (status, answer) = server.post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{answer}");
+    let positions = answer["prompt_logprobs"].as_array().unwrap();
+    assert_eq!(Some(positions.len() as u64), answer["usage"]["prompt_tokens"].as_u64());
+    assert!(positions[0].is_null() && positions[1].is_object());
+
+    // Not streamed, as vLLM refuses it there.
+    let mut refused = chat.clone();
+    refused["stream"] = json!(true);
+    let (status, error) = server.post("/v1/chat/completions", &refused);
+    assert_eq!((status, error_of(&error).1), (400, Some("prompt_logprobs")));
+}

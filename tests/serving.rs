@@ -405,6 +405,7 @@ fn a_rewound_state_continues_like_one_that_never_saw_the_refused_drafts() {
                 ids,
                 state_slot: 0,
                 sampled_rows,
+                drafts: sampled_rows - 1,
                 snapshots: runtime::kv::StateSnapshots::NONE,
             };
             backend
@@ -571,5 +572,98 @@ fn speculation_config(speculation: runtime::serving::NgramConfig) -> SchedulerCo
         speculation,
         recurrent_state: false,
         state_cache: runtime::serving::StateCacheConfig::OFF,
+    }
+}
+
+/// A request scoring its prompt (`prompt_logprobs`) gets each position's log-probability
+/// once, in order, all before its first token; where the prompt is a greedy continuation's
+/// own text, those positions score exactly what the continuation's tokens reported as they
+/// were generated (what lm-eval's log-likelihoods rest on), however the prompt is chunked,
+/// and though its blocks are in the prefix cache (a cached position is never computed, so a
+/// scored prompt reads none). Also for a model with recurrent state, whose scored rows are
+/// not drafts (no checkpoints kept for them).
+#[test]
+fn prompt_logprobs_score_each_position_as_decoding_it_would() {
+    for family in ["llama", "qwen3_5"] {
+        let model = Model::open(ModelSpec::for_weights(&common::fixture(&format!("hf-tiny/{family}")))).unwrap();
+        let prompt: Vec<u32> = (0..11u32).map(|j| 40 + 23 * j).collect();
+        let logprobs = |top| SamplingParams {
+            logprobs: Some(top),
+            ..SamplingParams::default()
+        };
+        // The continuation, with its tokens' log-probabilities.
+        let mut engine = ServingEngine::new(backend(&model), scoring_config(64));
+        let id = engine.add(prompt.clone(), 9, vec![], logprobs(3)).unwrap();
+        let mut generated = Vec::new();
+        run_to_idle(&mut engine, |out, _| {
+            generated.extend(
+                out.tokens
+                    .iter()
+                    .filter(|t| t.seq == id)
+                    .map(|t| (t.token, t.logprobs.clone().unwrap())),
+            );
+        });
+        let text: Vec<u32> = prompt.iter().copied().chain(generated.iter().map(|g| g.0)).collect();
+
+        let scored = |budget: usize| {
+            let mut engine = ServingEngine::new(backend(&model), scoring_config(budget));
+            // The same text served once first, so that its blocks are cached.
+            engine.add(text.clone(), 2, vec![], SamplingParams::default()).unwrap();
+            run_to_idle(&mut engine, |_, _| {});
+            let hits = engine.scheduler().prefix_cache_stats().hit;
+            let scoring = SamplingParams {
+                prompt_logprobs: Some(3),
+                ..SamplingParams::default()
+            };
+            let id = engine.add(text.clone(), 2, vec![], scoring).unwrap();
+            // A request beside it, sharing its steps (not its prefix).
+            let other: Vec<u32> = (0..7u32).map(|j| 7 + 31 * j).collect();
+            engine.add(other, 4, vec![], SamplingParams::default()).unwrap();
+            let (mut positions, mut got, mut tokens_before) = (Vec::new(), Vec::new(), None);
+            run_to_idle(&mut engine, |out, _| {
+                for p in out.prompt_logprobs.iter().filter(|p| p.seq == id) {
+                    positions.extend(p.first..p.first + p.logprobs.len());
+                    got.extend(p.logprobs.iter().cloned());
+                }
+                if out.tokens.iter().any(|t| t.seq == id) {
+                    tokens_before.get_or_insert(got.len());
+                }
+            });
+            assert_eq!(
+                positions,
+                (1..text.len()).collect::<Vec<_>>(),
+                "{family}: each position once, in order"
+            );
+            assert_eq!(
+                tokens_before,
+                Some(text.len() - 1),
+                "{family}: all before the first token"
+            );
+            assert_eq!(
+                engine.scheduler().prefix_cache_stats().hit,
+                hits,
+                "{family}: read from the cache"
+            );
+            got
+        };
+        let whole = scored(64);
+        for (i, (token, lp)) in generated.iter().enumerate().take(generated.len() - 1) {
+            let at = &whole[prompt.len() + i - 1];
+            assert_eq!(
+                (at.logprob, &at.top),
+                (lp.logprob, &lp.top),
+                "{family}: token {i} ({token})"
+            );
+            assert_eq!(at.rank, 1, "{family}: greedy tokens rank first");
+        }
+        assert_eq!(scored(4), whole, "{family}: prompt chunked in 4s");
+    }
+}
+
+/// Room for a few sequences; `budget` tokens a step (so prompts longer than it are chunked).
+fn scoring_config(budget: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        token_budget: budget,
+        ..speculation_config(runtime::serving::NgramConfig::OFF)
     }
 }

@@ -145,6 +145,7 @@ pub fn time_decode<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) -
                     ids: &ids[s],
                     state_slot: s,
                     sampled_rows: rows,
+                    drafts: rows - 1,
                     snapshots: StateSnapshots::NONE,
                 })
                 .collect();
@@ -225,6 +226,7 @@ fn prefill<D: PlanDevice>(
                 ids: &ids,
                 state_slot: s,
                 sampled_rows: 1,
+                drafts: 0,
                 snapshots: StateSnapshots::NONE,
             }])?;
         }

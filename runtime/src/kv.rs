@@ -20,8 +20,13 @@ pub struct Segment<'a> {
     /// starts at position 0 starts its slot's state afresh.
     pub state_slot: usize,
     /// How many of the segment's last rows the step's per-sequence outputs (after
-    /// `last_token`) hold: 1, or 1 + the drafted tokens the engine verifies in one pass.
+    /// `last_token`) hold: 1, 1 + the drafted tokens the engine verifies in one pass, or more
+    /// where it also wants the logits of prompt rows (a request's prompt log-probabilities).
     pub sampled_rows: usize,
+    /// How many of those rows, the last ones, carry drafted tokens being verified: a model
+    /// with recurrent state keeps its state after each sampled row before them, to rewind a
+    /// refused draft to. Less than `sampled_rows`.
+    pub drafts: usize,
     /// Where its recurrent state starts from and where copies of it are kept (the prefix
     /// cache of models with recurrent state); [`StateSnapshots::NONE`] elsewhere.
     pub snapshots: StateSnapshots<'a>,
@@ -65,14 +70,15 @@ impl Segment<'_> {
         self.start + self.ids.len()
     }
 
-    /// Its rows sampled from are some of its own: 1 to all of them.
+    /// Its rows sampled from are some of its own, 1 to all of them, and its drafts fewer.
     pub fn check_sampled_rows(&self) -> Result<()> {
-        match (1..=self.ids.len()).contains(&self.sampled_rows) {
+        match (1..=self.ids.len()).contains(&self.sampled_rows) && self.drafts < self.sampled_rows {
             true => Ok(()),
             false => Err(RuntimeError::Input(format!(
-                "a segment of {} tokens cannot sample {} rows",
+                "a segment of {} tokens cannot sample {} rows verifying {} drafts",
                 self.ids.len(),
-                self.sampled_rows
+                self.sampled_rows,
+                self.drafts
             ))),
         }
     }
@@ -86,7 +92,7 @@ impl Segment<'_> {
                 "a segment starting at position 0 starts its state afresh, not from a snapshot".into(),
             ));
         }
-        let own_end = self.end() + 1 - self.sampled_rows;
+        let own_end = self.end() - self.drafts;
         let mut after = self.start;
         for save in self.snapshots.save {
             if save.positions <= after || save.positions > own_end {
@@ -94,7 +100,7 @@ impl Segment<'_> {
                     "a segment computing positions {}..{} (the last {} verifying drafts) cannot keep its state after {} positions",
                     self.start,
                     self.end(),
-                    self.sampled_rows - 1,
+                    self.drafts,
                     save.positions
                 )));
             }
@@ -195,6 +201,7 @@ mod tests {
             ids: &[1, 2, 3, 4],
             state_slot: 0,
             sampled_rows: 2,
+            drafts: 1,
             snapshots: StateSnapshots { restore, save },
         }
     }

@@ -27,6 +27,9 @@ pub struct SamplingParams {
     pub repetition_penalty: f32,
     /// Report the chosen token's log-probability and this many most likely alternatives.
     pub logprobs: Option<usize>,
+    /// Report each prompt token's log-probability given the tokens before it (from the
+    /// second on) and this many most likely alternatives there (vLLM's `prompt_logprobs`).
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl SamplingParams {
@@ -37,7 +40,7 @@ impl SamplingParams {
     /// The token is the argmax of the logits as they are, and nothing else of them is wanted:
     /// greedy, no penalties, no log-probabilities.
     pub fn is_plain_greedy(&self) -> bool {
-        self.temperature <= 0.0 && !self.penalises() && self.logprobs.is_none()
+        self.temperature <= 0.0 && !self.penalises() && self.logprobs.is_none() && self.prompt_logprobs.is_none()
     }
 }
 
@@ -53,6 +56,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             repetition_penalty: 1.0,
             logprobs: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -97,6 +101,8 @@ pub struct Sampler {
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprobs {
     pub logprob: f32,
+    /// 1 + how many tokens are more likely (vLLM's `rank`: 1 for the argmax).
+    pub rank: u32,
     /// Most likely first (ties to the lower id).
     pub top: Vec<(u32, f32)>,
 }
@@ -119,19 +125,37 @@ impl TokenLogprobs {
                 .get(id as usize)
                 .map_or(f32::NEG_INFINITY, |&l| (l as f64 - log_z) as f32)
         };
-        let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
-        let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
-        let top = top.min(ids.len());
-        if top > 0 && top < ids.len() {
-            ids.select_nth_unstable_by(top - 1, by_logit);
-        }
-        ids.truncate(top);
-        ids.sort_by(by_logit);
+        // No NaN is more likely than a token; a NaN token ranks after every number.
+        let rank = match logits.get(token as usize) {
+            Some(&chosen) if !chosen.is_nan() => 1 + logits.iter().filter(|&&l| l > chosen).count() as u32,
+            _ => 1 + logits.iter().filter(|l| !l.is_nan()).count() as u32,
+        };
         Self {
             logprob: logprob(token),
-            top: ids.into_iter().map(|id| (id, logprob(id))).collect(),
+            rank,
+            top: most_likely(logits, top)
+                .into_iter()
+                .map(|id| (id, logprob(id)))
+                .collect(),
         }
     }
+}
+
+/// The ids of the `top` largest logits in `total_cmp`'s order, largest first, ties to the
+/// lower id.
+fn most_likely(logits: &[f32], top: usize) -> Vec<u32> {
+    if top == 0 {
+        return Vec::new();
+    }
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    let top = top.min(ids.len());
+    if top < ids.len() {
+        ids.select_nth_unstable_by(top - 1, by_logit);
+    }
+    ids.truncate(top);
+    ids.sort_by(by_logit);
+    ids
 }
 
 /// Index of the largest value; the lowest index among equals. NaN never wins.
@@ -341,6 +365,15 @@ mod tests {
         assert!((lp.top[0].1 - 0.4f32.ln()).abs() < 1e-6);
         assert!(TokenLogprobs::of(&logits, 0, 0).top.is_empty());
         assert_eq!(TokenLogprobs::of(&logits, 0, 9).top.len(), 4);
+    }
+
+    /// A token's rank is 1 + the tokens strictly more likely: ties share a rank, and NaN is
+    /// never more likely (a NaN token ranks after every number).
+    #[test]
+    fn ranks_count_the_more_likely_tokens() {
+        let logits = [0.5f32, 2.0, 0.5, f32::NAN, -1.0];
+        let rank = |token| TokenLogprobs::of(&logits, token, 0).rank;
+        assert_eq!([rank(1), rank(0), rank(2), rank(4), rank(3)], [1, 2, 2, 4, 5]);
     }
 
     #[test]

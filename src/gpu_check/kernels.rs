@@ -165,6 +165,7 @@ pub fn graph_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
                     ids: &ids[s],
                     state_slot: s,
                     sampled_rows: rows,
+                    drafts: rows - 1,
                     snapshots: runtime::kv::StateSnapshots::NONE,
                 })
                 .collect();

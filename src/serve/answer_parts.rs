@@ -110,6 +110,8 @@ impl PartRouter {
                 }
             }
             Output::Calls { calls, .. } => self.append_calls(sink, &calls),
+            // Neither API these parts serve echoes or scores a prompt.
+            Output::Prompt { .. } => {}
             Output::Finish {
                 reason, stop_string, ..
             } => {

@@ -21,6 +21,10 @@ use tokio::sync::mpsc;
 
 /// What a generation produces, in order.
 pub enum Output {
+    /// What choice `index` reports of its prompt, before anything else of it (where the
+    /// request echoes it or scores it): the log-probabilities of its positions from the second
+    /// on, where asked for.
+    Prompt { index: usize, logprobs: Vec<TokenLogprobs> },
     /// A piece of choice `index`'s text (its answer where the request splits reasoning off),
     /// the reasoning before it, and the log-probabilities of the tokens consumed since its
     /// last piece (empty unless asked for).
@@ -54,7 +58,44 @@ struct Choice {
     calls: Option<CallSplit>,
     /// Log-probabilities of tokens not yet attached to a piece of text.
     logprobs: Vec<(u32, TokenLogprobs)>,
+    /// Log-probabilities of its prompt's positions so far.
+    prompt_logprobs: Vec<TokenLogprobs>,
+    /// Whether its first token or its end came (so its prompt was reported).
+    started: bool,
     done: bool,
+}
+
+/// One of a request's prompts, as its choices report it.
+#[derive(Debug, Default)]
+pub struct RequestPrompt {
+    pub ids: Vec<u32>,
+    /// `echo`: the prompt's text, before the output's.
+    pub echo: Option<String>,
+}
+
+/// What a request reports of its prompts: completions' `echo`, vLLM's `prompt_logprobs`.
+#[derive(Debug, Default)]
+pub struct PromptReport {
+    /// Each prompt; choice `i` answers prompt `i / choices_each`.
+    pub prompts: Vec<RequestPrompt>,
+    pub choices_each: usize,
+    /// `echo` with `max_tokens: 0`: the prompt alone; the token the engine still generates
+    /// is dropped.
+    pub echo_only: bool,
+    /// `prompt_logprobs`: the alternatives reported at each position.
+    pub logprobs: Option<usize>,
+}
+
+impl PromptReport {
+    /// The prompt choice `index` answers.
+    pub fn of_choice(&self, index: usize) -> &RequestPrompt {
+        &self.prompts[index / self.choices_each.max(1)]
+    }
+
+    /// Whether anything of the prompts is reported.
+    fn is_reported(&self) -> bool {
+        self.logprobs.is_some() || self.prompts.iter().any(|p| p.echo.is_some())
+    }
 }
 
 /// What a request asked for, fixed at admission.
@@ -65,7 +106,9 @@ pub struct RequestInfo {
     pub endpoint: Endpoint,
     pub stream: bool,
     pub include_usage: bool,
-    pub want_logprobs: bool,
+    /// `logprobs`: the alternatives reported with each output token, where asked for.
+    pub logprobs: Option<usize>,
+    pub prompt: PromptReport,
     pub stop_strings: Vec<String>,
     /// Tokens before a stop string may end the output (`min_tokens`).
     pub min_tokens: usize,
@@ -105,6 +148,8 @@ impl Generation {
                     _ => None,
                 },
                 logprobs: Vec::new(),
+                prompt_logprobs: Vec::new(),
+                started: false,
                 done: false,
             })
             .collect();
@@ -142,8 +187,17 @@ impl Generation {
     }
 
     fn handle(&mut self, index: usize, event: Option<Event>) {
+        // The prompt alone: the token generated after it is not the output.
+        let echo_only = self.info.prompt.echo_only;
         match event {
+            Some(Event::PromptLogprobs(logprobs)) => self.choices[index].prompt_logprobs.extend(logprobs),
+            Some(Event::Token(..)) if echo_only => self.start(index),
+            Some(Event::Finished(_)) if echo_only => {
+                self.start(index);
+                self.finish(index, "length", None);
+            }
             Some(Event::Token(token, logprobs)) => {
+                self.start(index);
                 self.completion_tokens += 1;
                 self.first_token_at.get_or_insert_with(Instant::now);
                 if self.info.stop_tokens.contains(&token) {
@@ -162,19 +216,36 @@ impl Generation {
                     Err(e) => self.fail(format!("detokenizing: {e}")),
                 }
             }
-            Some(Event::Finished(reason)) => match self.choices[index].text.finish(&self.info.app.tokenizer) {
-                Ok(rest) => {
-                    self.push_text(index, rest);
-                    let reason = match reason {
-                        FinishReason::Stop => "stop",
-                        FinishReason::Length => "length",
-                    };
-                    self.finish(index, reason, None);
+            Some(Event::Finished(reason)) => {
+                self.start(index);
+                match self.choices[index].text.finish(&self.info.app.tokenizer) {
+                    Ok(rest) => {
+                        self.push_text(index, rest);
+                        let reason = match reason {
+                            FinishReason::Stop => "stop",
+                            FinishReason::Length => "length",
+                        };
+                        self.finish(index, reason, None);
+                    }
+                    Err(e) => self.fail(format!("detokenizing: {e}")),
                 }
-                Err(e) => self.fail(format!("detokenizing: {e}")),
-            },
+            }
             Some(Event::Failed(message)) => self.fail(message),
             None => self.fail("the engine dropped the request".into()),
+        }
+    }
+
+    /// Before choice `index`'s first token or end: its prompt, where the request reports it
+    /// (every prompt position's log-probability came before).
+    fn start(&mut self, index: usize) {
+        let choice = &mut self.choices[index];
+        if choice.started {
+            return;
+        }
+        choice.started = true;
+        if self.info.prompt.is_reported() {
+            let logprobs = std::mem::take(&mut choice.prompt_logprobs);
+            self.pending.push_back(Output::Prompt { index, logprobs });
         }
     }
 
@@ -347,7 +418,8 @@ mod tests {
             endpoint: Endpoint::Chat,
             stream: true,
             include_usage: false,
-            want_logprobs: false,
+            logprobs: None,
+            prompt: PromptReport::default(),
             stop_strings: stops.iter().map(|s| s.to_string()).collect(),
             min_tokens: 0,
             stop_tokens: Vec::new(),

@@ -3,7 +3,7 @@
 //! `generation`'s (events to outputs) and `response`'s (outputs to OpenAI's format).
 
 use super::error::ApiError;
-use super::generation::{Generation, RequestInfo};
+use super::generation::{Generation, PromptReport, RequestInfo, RequestPrompt};
 use super::logits::Processing;
 use super::metrics::Metrics;
 use super::reasoning::Markers;
@@ -251,53 +251,81 @@ async fn admit(
             "`tool_choice` auto (the default where `tools` are given) reads calls in the model's own format, and this model's chat template writes none bbc knows: start `bbc serve` with `--tool-call-parser`, or ask for `required` or a named function",
         ));
     }
-    let (prompt, rendered) = tokenize(&app.tokenizer, &request)?;
-    // Chat answers only: completions return the text as the model wrote it.
-    let reasoning = match endpoint {
-        Endpoint::Chat => app
+    let tokenized = request
+        .prompts
+        .iter()
+        .map(|prompt| tokenize_prompt_input(&app.tokenizer, prompt, &request))
+        .collect::<Result<Vec<_>, _>>()?;
+    // Chat answers only (one prompt): completions return the text as the model wrote it.
+    let reasoning = match (endpoint, tokenized.as_slice()) {
+        (Endpoint::Chat, [(_, rendered)]) => app
             .reasoning
             .map(|m| (m, rendered.as_deref().is_some_and(|p| m.opened_by(p)))),
-        Endpoint::Completions => None,
+        _ => None,
     };
-    let max_tokens = check_length(app.context_length, prompt.len(), &request)?;
+    let max_tokens = tokenized
+        .iter()
+        .zip(&request.prompts)
+        .map(|((ids, _), given)| check_length(app.context_length, ids.len(), &request, given))
+        .collect::<Result<Vec<_>, _>>()?;
     let mut stop_tokens = request.stop_token_ids.clone();
     if !request.ignore_eos {
         stop_tokens.extend(&app.tokenizer.eos);
     }
     let processing = Processing::of(&request, &app.tokenizer, &app.structured, &stop_tokens, reasoning).await?;
     let engine_gone = || ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the engine has stopped");
-    // `n` choices are `n` sequences, seeded apart; all are admitted or none is kept.
+    // Each prompt's `n` choices are `n` sequences, seeded apart; all are admitted or none is
+    // kept.
     let mut events = Vec::new();
     let mut admissions = Vec::new();
-    for i in 0..request.n {
-        let (events_tx, events_rx) = mpsc::unbounded_channel();
-        let (admitted_tx, admitted_rx) = oneshot::channel();
-        let sampling = SamplingParams {
-            seed: request.sampling.seed.wrapping_add(i as u64),
-            ..request.sampling
-        };
-        let submitted = NewRequest {
-            prompt: prompt.clone(),
-            max_tokens,
-            stop_tokens: stop_tokens.clone(),
-            sampling,
-            processors: processing.for_sequence(),
-            events: events_tx,
-            admitted: admitted_tx,
-        };
-        app.requests.send(submitted).map_err(|_| engine_gone())?;
-        events.push(events_rx);
-        admissions.push(admitted_rx);
+    for ((prompt, _), &max_tokens) in tokenized.iter().zip(&max_tokens) {
+        for i in 0..request.n {
+            let (events_tx, events_rx) = mpsc::unbounded_channel();
+            let (admitted_tx, admitted_rx) = oneshot::channel();
+            let sampling = SamplingParams {
+                seed: request.sampling.seed.wrapping_add(i as u64),
+                ..request.sampling
+            };
+            let submitted = NewRequest {
+                prompt: prompt.clone(),
+                // An echo of the prompt alone still has the engine take a token (dropped).
+                max_tokens: max_tokens.max(1),
+                stop_tokens: stop_tokens.clone(),
+                sampling,
+                processors: processing.for_sequence(),
+                events: events_tx,
+                admitted: admitted_tx,
+            };
+            app.requests.send(submitted).map_err(|_| engine_gone())?;
+            events.push(events_rx);
+            admissions.push(admitted_rx);
+        }
     }
+    let scored_for = match request.prompt_logprobs {
+        Some(_) => "prompt_logprobs",
+        None => "echo",
+    };
     for admitted in admissions {
         // On an error, returning drops every receiver: the engine aborts the admitted ones.
-        admitted.await.map_err(|_| engine_gone())?.map_err(admission_error)?;
+        admitted
+            .await
+            .map_err(|_| engine_gone())?
+            .map_err(|e| admission_error(e, scored_for))?;
     }
-    app.metrics.prompt_tokens.fetch_add(prompt.len() as u64, Relaxed);
+    let prompt_tokens = tokenized.iter().map(|(ids, _)| ids.len()).sum();
+    app.metrics.prompt_tokens.fetch_add(prompt_tokens as u64, Relaxed);
     let prefix = match endpoint {
         Endpoint::Completions => "cmpl",
         Endpoint::Chat => "chatcmpl",
     };
+    let prompts = tokenized
+        .into_iter()
+        .zip(&request.prompts)
+        .map(|((ids, _), given)| RequestPrompt {
+            echo: request.echo.then(|| echo_text(&app.tokenizer, given, &ids)),
+            ids,
+        })
+        .collect();
     let info = RequestInfo {
         app: app.clone(),
         id: format!("{prefix}-{}", app.next_id.fetch_add(1, Relaxed)),
@@ -305,11 +333,17 @@ async fn admit(
         endpoint,
         stream: request.stream,
         include_usage: request.include_usage,
-        want_logprobs: request.sampling.logprobs.is_some(),
+        logprobs: request.sampling.logprobs,
+        prompt: PromptReport {
+            prompts,
+            choices_each: request.n,
+            echo_only: request.echo && request.max_tokens == Some(0),
+            logprobs: request.prompt_logprobs,
+        },
         stop_strings: request.stop,
         min_tokens: request.min_tokens,
         stop_tokens,
-        prompt_tokens: prompt.len(),
+        prompt_tokens,
         reasoning,
         tool_calling: request.tools.and_then(|t| t.calling),
         started,
@@ -317,11 +351,25 @@ async fn admit(
     Ok(Generation::new(info, events))
 }
 
-/// The prompt's ids, and for chat messages the text the template rendered.
+/// The ids of a request that carries one prompt (what `/tokenize` and the token counts of
+/// the other APIs take), and for chat messages the text the template rendered.
 fn tokenize(tokenizer: &Tokenizer, request: &GenerationRequest) -> Result<(Vec<u32>, Option<String>), ApiError> {
+    match request.prompts.as_slice() {
+        [prompt] => tokenize_prompt_input(tokenizer, prompt, request),
+        _ => Err(ApiError::invalid("prompt", "give one prompt to tokenize")),
+    }
+}
+
+/// One of a request's prompts as ids (the request's tools and template variables apply to a
+/// chat), and for chat messages the text the template rendered.
+fn tokenize_prompt_input(
+    tokenizer: &Tokenizer,
+    prompt: &PromptInput,
+    request: &GenerationRequest,
+) -> Result<(Vec<u32>, Option<String>), ApiError> {
     let internal = |e: models::ModelError| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string());
     let mut rendered = None;
-    let ids = match &request.prompt {
+    let ids = match prompt {
         PromptInput::Ids(ids) => {
             // Once: the size is counted over a copy of the vocabulary (a 9000-id prompt took
             // minutes when it was asked per id).
@@ -359,9 +407,22 @@ fn tokenize(tokenizer: &Tokenizer, request: &GenerationRequest) -> Result<(Vec<u
     Ok((ids, rendered))
 }
 
+/// The text a completion's `echo` repeats: the prompt as given, or its ids' text.
+fn echo_text(tokenizer: &Tokenizer, given: &PromptInput, ids: &[u32]) -> String {
+    match given {
+        PromptInput::Text(text) => text.clone(),
+        PromptInput::Ids(_) | PromptInput::Chat(_) => tokenizer.decode(ids).unwrap_or_default(),
+    }
+}
+
 /// The number of tokens to generate, or the context-length error vLLM gives.
-fn check_length(context: usize, prompt: usize, request: &GenerationRequest) -> Result<usize, ApiError> {
-    let param = match request.prompt {
+fn check_length(
+    context: usize,
+    prompt: usize,
+    request: &GenerationRequest,
+    given: &PromptInput,
+) -> Result<usize, ApiError> {
+    let param = match given {
         PromptInput::Chat(_) => "messages",
         _ => "prompt",
     };
@@ -373,13 +434,13 @@ fn check_length(context: usize, prompt: usize, request: &GenerationRequest) -> R
             ),
         ));
     }
-    let default = match request.prompt {
+    let default = match given {
         PromptInput::Chat(_) => context - prompt,
         _ => 16.min(context - prompt),
     };
     let max_tokens = request.max_tokens.unwrap_or(default);
     if prompt + max_tokens > context {
-        let name = if request.max_tokens.is_some() && matches!(request.prompt, PromptInput::Chat(_)) {
+        let name = if request.max_tokens.is_some() && matches!(given, PromptInput::Chat(_)) {
             "max_completion_tokens"
         } else {
             "max_tokens"
@@ -394,11 +455,14 @@ fn check_length(context: usize, prompt: usize, request: &GenerationRequest) -> R
     Ok(max_tokens)
 }
 
-fn admission_error(e: AddError) -> ApiError {
+/// An admission's refusal as the API's error; `scored_for`: the parameter that asked for the
+/// prompt's log-probabilities, where the backend cannot compute them.
+fn admission_error(e: AddError, scored_for: &str) -> ApiError {
     match e {
         AddError::QueueFull(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         AddError::EmptyPrompt => ApiError::invalid("prompt", e.to_string()),
         AddError::TooLong { .. } => ApiError::invalid("max_tokens", e.to_string()),
         AddError::NeverFits { .. } => ApiError::invalid("max_tokens", e.to_string()),
+        AddError::PromptLogprobsUnsupported => ApiError::invalid(scored_for, e.to_string()),
     }
 }

@@ -20,7 +20,8 @@ pub enum PromptInput {
 #[derive(Debug, Clone, PartialEq)]
 pub struct GenerationRequest {
     pub model: Option<String>,
-    pub prompt: PromptInput,
+    /// One, or (completions) several, each answered by `n` choices of its own.
+    pub prompts: Vec<PromptInput>,
     /// None: as many as the context allows (chat) or 16 (completions, OpenAI's default).
     pub max_tokens: Option<usize>,
     pub stream: bool,
@@ -44,6 +45,12 @@ pub struct GenerationRequest {
     pub logit_bias: Vec<(u32, f32)>,
     /// vLLM's `min_tokens`: tokens generated before a stop token or string may end the output.
     pub min_tokens: usize,
+    /// Completions' `echo`: the prompt's text before the output's (and, with `logprobs`, its
+    /// tokens' log-probabilities before the output's).
+    pub echo: bool,
+    /// vLLM's `prompt_logprobs`: each prompt token's log-probability and this many
+    /// alternatives, in a field of its own.
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// Which endpoint a body was sent to.
@@ -72,12 +79,15 @@ pub fn json_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
 /// over the chat body they rewrote theirs into).
 pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<GenerationRequest, ApiError> {
     let fields = Fields(obj);
-    let prompt = match endpoint {
-        Endpoint::Completions => completion_prompt(&fields)?,
-        Endpoint::Chat => PromptInput::Chat(super::messages::parse(obj)?),
+    let prompts = match endpoint {
+        Endpoint::Completions => completion_prompts(&fields)?,
+        Endpoint::Chat => vec![PromptInput::Chat(super::messages::parse(obj)?)],
     };
+    let echo = endpoint == Endpoint::Completions && fields.bool("echo")? == Some(true);
     let max_tokens = match endpoint {
         Endpoint::Chat => fields.count("max_completion_tokens")?.or(fields.count("max_tokens")?),
+        // The prompt alone: scored (with `logprobs`), nothing generated.
+        Endpoint::Completions if echo && fields.integer("max_tokens")? == Some(0) => Some(0),
         Endpoint::Completions => fields.count("max_tokens")?,
     };
     let stream = fields.bool("stream")?.unwrap_or(false);
@@ -94,6 +104,10 @@ pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Gene
     refuse_unsupported(&fields, endpoint)?;
     let mut sampling = sampling(&fields)?;
     sampling.logprobs = logprobs(&fields, endpoint)?;
+    let prompt_logprobs = prompt_logprobs(&fields, stream)?;
+    // Echoed tokens come with the log-probabilities asked of the output's.
+    let echoed = sampling.logprobs.filter(|_| echo);
+    sampling.prompt_logprobs = prompt_logprobs.max(echoed);
     let tools = match endpoint {
         Endpoint::Chat => tools::parse(obj)?,
         Endpoint::Completions => None,
@@ -118,7 +132,7 @@ pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Gene
     let min_tokens = min_tokens(&fields, max_tokens, structured.is_some())?;
     Ok(GenerationRequest {
         model: fields.string("model")?,
-        prompt,
+        prompts,
         max_tokens,
         stream,
         include_usage,
@@ -132,6 +146,8 @@ pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Gene
         tools,
         logit_bias: logit_bias(&fields)?,
         min_tokens,
+        echo,
+        prompt_logprobs,
     })
 }
 
@@ -139,17 +155,14 @@ pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Gene
 /// does not implement: a 400 naming them rather than an answer that ignores them.
 fn refuse_unsupported(fields: &Fields, endpoint: Endpoint) -> Result<(), ApiError> {
     let unsupported = |name: &str, what: &str| Err(ApiError::invalid(name, format!("{what} is not supported")));
-    if fields.bool("echo")? == Some(true) {
-        return unsupported("echo", "`echo` (the prompt repeated in the output)");
+    if endpoint == Endpoint::Chat && fields.bool("echo")? == Some(true) {
+        return unsupported("echo", "`echo` on /v1/chat/completions");
     }
     if fields.string("suffix")?.is_some_and(|s| !s.is_empty()) {
         return unsupported("suffix", "`suffix` (text after the completion)");
     }
     if fields.bool("include_stop_str_in_output")? == Some(true) {
         return unsupported("include_stop_str_in_output", "`include_stop_str_in_output`");
-    }
-    if fields.get("prompt_logprobs").is_some() {
-        return unsupported("prompt_logprobs", "`prompt_logprobs`");
     }
     for name in ["functions", "function_call"] {
         if fields.get(name).is_some() {
@@ -240,24 +253,40 @@ fn template_kwargs(fields: &Fields, endpoint: Endpoint) -> Result<Map<String, Va
     }
 }
 
-fn completion_prompt(fields: &Fields) -> Result<PromptInput, ApiError> {
-    match fields.0.get("prompt") {
-        None | Some(Value::Null) => Err(ApiError::invalid("prompt", "`prompt` is required")),
-        Some(Value::String(s)) => Ok(PromptInput::Text(s.clone())),
-        Some(Value::Array(items)) if items.len() == 1 && items[0].is_string() => {
-            Ok(PromptInput::Text(items[0].as_str().unwrap_or_default().to_string()))
+/// A completion's prompts: a string, an array of token ids, or an array of several of either
+/// (OpenAI's batched prompts, as lm-eval's `local-completions` sends even one).
+fn completion_prompts(fields: &Fields) -> Result<Vec<PromptInput>, ApiError> {
+    /// Prompts one request may carry (each with its `n` choices).
+    const MAX: usize = 256;
+    let name = "prompt";
+    let wrong = || {
+        ApiError::invalid(
+            name,
+            "`prompt` must be a string, an array of token ids, or an array of several of them",
+        )
+    };
+    let one = |value: &Value| match value {
+        Value::String(s) => Ok(PromptInput::Text(s.clone())),
+        Value::Array(items) => items
+            .iter()
+            .map(|i| i.as_u64().and_then(|n| u32::try_from(n).ok()))
+            .collect::<Option<Vec<u32>>>()
+            .map(PromptInput::Ids)
+            .ok_or_else(wrong),
+        _ => Err(wrong()),
+    };
+    match fields.get(name) {
+        None => Err(ApiError::invalid(name, "`prompt` is required")),
+        Some(Value::Array(items)) if items.first().is_some_and(|i| i.is_string() || i.is_array()) => {
+            if items.len() > MAX {
+                return Err(ApiError::invalid(
+                    name,
+                    format!("a request carries at most {MAX} prompts, got {}", items.len()),
+                ));
+            }
+            items.iter().map(one).collect()
         }
-        Some(Value::Array(items)) if items.iter().all(Value::is_number) => {
-            Ok(PromptInput::Ids(fields.ids("prompt")?.unwrap_or_default()))
-        }
-        Some(Value::Array(_)) => Err(ApiError::invalid(
-            "prompt",
-            "`prompt` must be a string or an array of token ids (one prompt per request)",
-        )),
-        Some(_) => Err(ApiError::invalid(
-            "prompt",
-            "`prompt` must be a string or an array of token ids",
-        )),
+        Some(value) => Ok(vec![one(value)?]),
     }
 }
 
@@ -326,6 +355,7 @@ fn sampling(fields: &Fields) -> Result<SamplingParams, ApiError> {
         frequency_penalty: penalties[1] as f32,
         repetition_penalty: repetition_penalty as f32,
         logprobs: None,
+        prompt_logprobs: None,
     })
 }
 
@@ -374,6 +404,25 @@ fn logprobs(fields: &Fields, endpoint: Endpoint) -> Result<Option<usize>, ApiErr
                 _ => Ok(None),
             }
         }
+    }
+}
+
+/// vLLM's `prompt_logprobs`: 0 to 20 alternatives per prompt position, not streamed (as vLLM
+/// refuses it there).
+fn prompt_logprobs(fields: &Fields, stream: bool) -> Result<Option<usize>, ApiError> {
+    const MAX: i64 = 20;
+    let name = "prompt_logprobs";
+    match fields.integer(name)? {
+        None => Ok(None),
+        Some(_) if stream => Err(ApiError::invalid(
+            name,
+            "`prompt_logprobs` are not available when `stream` is true",
+        )),
+        Some(n) if (0..=MAX).contains(&n) => Ok(Some(n as usize)),
+        Some(n) => Err(ApiError::invalid(
+            name,
+            format!("`{name}` must be between 0 and {MAX}, got {n}"),
+        )),
     }
 }
 
@@ -469,8 +518,8 @@ impl Fields<'_> {
 impl GenerationRequest {
     /// The messages of a chat request (the tests of the APIs rewritten as chat requests).
     pub fn chat_messages(self) -> Vec<ChatMessage> {
-        match self.prompt {
-            PromptInput::Chat(messages) => messages,
+        match <[PromptInput; 1]>::try_from(self.prompts) {
+            Ok([PromptInput::Chat(messages)]) => messages,
             other => panic!("not a chat request: {other:?}"),
         }
     }
@@ -491,7 +540,7 @@ mod tests {
                 "stream":true,"stream_options":{"include_usage":true},"ignore_eos":true}"#,
         )
         .unwrap();
-        assert_eq!(r.prompt, PromptInput::Text("hi".into()));
+        assert_eq!(r.prompts, [PromptInput::Text("hi".into())]);
         assert_eq!(
             (r.max_tokens, r.stream, r.include_usage, r.ignore_eos),
             (Some(8), true, true, true)
@@ -613,10 +662,9 @@ mod tests {
             chat(r#","functions":[{"name":"f"}]"#).unwrap_err().as_deref(),
             Some("functions")
         );
+        assert_eq!(chat(r#","echo":true"#).unwrap_err().as_deref(), Some("echo"));
         for (body, name) in [
-            (r#"{"prompt":"x","echo":true}"#, "echo"),
             (r#"{"prompt":"x","suffix":"end"}"#, "suffix"),
-            (r#"{"prompt":"x","prompt_logprobs":1}"#, "prompt_logprobs"),
             (
                 r#"{"prompt":"x","include_stop_str_in_output":true}"#,
                 "include_stop_str_in_output",
@@ -625,6 +673,62 @@ mod tests {
             assert_eq!(completions(body).unwrap_err().param.as_deref(), Some(name), "{body}");
         }
         assert!(completions(r#"{"prompt":"x","echo":false,"suffix":"","prompt_logprobs":null}"#).is_ok());
+    }
+
+    /// A completion's prompt is text, ids, or an array of several of either (lm-eval sends
+    /// `[[ids]]` even for one); anything else is a 400 naming `prompt`.
+    #[test]
+    fn completions_take_one_prompt_or_several() {
+        let prompts = |body: &str| completions(body).map(|r| r.prompts).map_err(|e| e.param);
+        assert_eq!(prompts(r#"{"prompt":[1,2]}"#), Ok(vec![PromptInput::Ids(vec![1, 2])]));
+        assert_eq!(prompts(r#"{"prompt":[[1,2]]}"#), Ok(vec![PromptInput::Ids(vec![1, 2])]));
+        assert_eq!(
+            prompts(r#"{"prompt":["a",[3],"b"]}"#),
+            Ok(vec![
+                PromptInput::Text("a".into()),
+                PromptInput::Ids(vec![3]),
+                PromptInput::Text("b".into())
+            ])
+        );
+        let many = format!(r#"{{"prompt":[{}]}}"#, vec!["\"x\""; 257].join(","));
+        for body in [
+            r#"{"prompt":[[1,-2]]}"#,
+            r#"{"prompt":[[1],5]}"#,
+            r#"{"prompt":["a",{}]}"#,
+            r#"{"prompt":[1.5]}"#,
+            r#"{"prompt":{}}"#,
+            r#"{"prompt":null}"#,
+            many.as_str(),
+        ] {
+            assert_eq!(prompts(body), Err(Some("prompt".into())), "{body}");
+        }
+    }
+
+    /// `echo` (completions only) may ask for no output at all; echoed tokens carry the
+    /// output's `logprobs`, so the prompt is scored with the larger of that and
+    /// `prompt_logprobs`, which is refused when streamed or out of range.
+    #[test]
+    fn echo_and_prompt_logprobs_ask_for_the_prompt_scored() {
+        let r = completions(r#"{"prompt":"x","echo":true,"max_tokens":0,"logprobs":2,"prompt_logprobs":1}"#).unwrap();
+        assert_eq!((r.echo, r.max_tokens, r.prompt_logprobs), (true, Some(0), Some(1)));
+        assert_eq!((r.sampling.logprobs, r.sampling.prompt_logprobs), (Some(2), Some(2)));
+        let r = completions(r#"{"prompt":"x","echo":true}"#).unwrap();
+        assert_eq!((r.sampling.prompt_logprobs, r.prompt_logprobs), (None, None));
+        let r = completions(r#"{"prompt":"x","prompt_logprobs":3,"logprobs":1}"#).unwrap();
+        assert_eq!((r.echo, r.sampling.prompt_logprobs), (false, Some(3)));
+        let chat = br#"{"messages":[{"role":"user","content":"x"}],"prompt_logprobs":0}"#;
+        assert_eq!(parse(chat, Endpoint::Chat).unwrap().sampling.prompt_logprobs, Some(0));
+        let param = |body: &str| completions(body).unwrap_err().param;
+        for (body, name) in [
+            (r#"{"prompt":"x","max_tokens":0}"#, "max_tokens"),
+            (r#"{"prompt":"x","echo":true,"max_tokens":-1}"#, "max_tokens"),
+            (r#"{"prompt":"x","prompt_logprobs":21}"#, "prompt_logprobs"),
+            (r#"{"prompt":"x","prompt_logprobs":-1}"#, "prompt_logprobs"),
+            (r#"{"prompt":"x","prompt_logprobs":"1"}"#, "prompt_logprobs"),
+            (r#"{"prompt":"x","prompt_logprobs":1,"stream":true}"#, "prompt_logprobs"),
+        ] {
+            assert_eq!(param(body).as_deref(), Some(name), "{body}");
+        }
     }
 
     #[test]
@@ -642,7 +746,7 @@ mod tests {
             Endpoint::Chat,
         )
         .unwrap();
-        assert_eq!(r.prompt, PromptInput::Chat(vec![ChatMessage::new("user", "ab")]));
+        assert_eq!(r.prompts, [PromptInput::Chat(vec![ChatMessage::new("user", "ab")])]);
         assert_eq!(r.max_tokens, Some(5));
         let r = parse(
             br#"{"messages":[{"role":"user","content":"a"}],"logprobs":true,"top_logprobs":3}"#,

@@ -45,13 +45,31 @@ fn chunk(g: &Generation, choices: Value) -> Value {
     })
 }
 
-/// A choice's `logprobs` in the endpoint's format; null when not asked for. `text_offset`
-/// counts the characters of token text this choice reported before.
-fn logprobs_json(g: &Generation, entries: &[(u32, TokenLogprobs)], text_offset: &mut usize) -> Value {
-    if !g.info.want_logprobs {
+/// A token and its log-probabilities, where it has any (an echoed prompt's first has none).
+type LogprobEntry = (u32, Option<TokenLogprobs>);
+
+/// Generated tokens as entries.
+fn generated_entries(logprobs: Vec<(u32, TokenLogprobs)>) -> Vec<LogprobEntry> {
+    logprobs.into_iter().map(|(id, lp)| (id, Some(lp))).collect()
+}
+
+/// Choice `index`'s echoed prompt's tokens as entries: its positions' log-probabilities from
+/// the second on.
+fn prompt_entries(g: &Generation, index: usize, logprobs: &[TokenLogprobs]) -> Vec<LogprobEntry> {
+    let scored = std::iter::once(None).chain(logprobs.iter().cloned().map(Some));
+    g.info.prompt.of_choice(index).ids.iter().copied().zip(scored).collect()
+}
+
+/// A choice's `logprobs` in the endpoint's format, `logprobs` alternatives each; null when
+/// not asked for. `text_offset` counts the characters of token text this choice reported
+/// before.
+fn logprobs_json(g: &Generation, entries: &[LogprobEntry], text_offset: &mut usize) -> Value {
+    let Some(alternatives) = g.info.logprobs else {
         return Value::Null;
-    }
+    };
     let text = |id: u32| g.info.app.tokenizer.decode(&[id]).unwrap_or_default();
+    // A prompt scored for `prompt_logprobs` may carry more alternatives than these.
+    let top = |lp: &TokenLogprobs| lp.top.iter().take(alternatives).copied().collect::<Vec<_>>();
     match g.info.endpoint {
         Endpoint::Completions => {
             let mut offsets = Vec::new();
@@ -59,33 +77,59 @@ fn logprobs_json(g: &Generation, entries: &[(u32, TokenLogprobs)], text_offset: 
                 offsets.push(*text_offset);
                 *text_offset += text(id).chars().count();
             }
-            let top: Vec<Value> = entries
+            let tops: Vec<Value> = entries
                 .iter()
-                .map(|(_, lp)| Value::Object(lp.top.iter().map(|&(id, p)| (text(id), json!(p))).collect()))
+                .map(|(_, lp)| match lp {
+                    Some(lp) => Value::Object(top(lp).into_iter().map(|(id, p)| (text(id), json!(p))).collect()),
+                    None => Value::Null,
+                })
                 .collect();
             json!({
                 "tokens": entries.iter().map(|&(id, _)| text(id)).collect::<Vec<_>>(),
-                "token_logprobs": entries.iter().map(|(_, lp)| lp.logprob).collect::<Vec<_>>(),
-                "top_logprobs": top,
+                "token_logprobs": entries.iter().map(|(_, lp)| lp.as_ref().map(|lp| lp.logprob)).collect::<Vec<_>>(),
+                "top_logprobs": tops,
                 "text_offset": offsets,
             })
         }
         Endpoint::Chat => {
-            let entry = |id: u32, logprob: f32| {
+            let entry = |id: u32, logprob: Option<f32>| {
                 let t = text(id);
                 json!({ "token": t, "logprob": logprob, "bytes": t.as_bytes() })
             };
             let content: Vec<Value> = entries
                 .iter()
                 .map(|(id, lp)| {
-                    let mut e = entry(*id, lp.logprob);
-                    e["top_logprobs"] = lp.top.iter().map(|&(id, p)| entry(id, p)).collect();
+                    let mut e = entry(*id, lp.as_ref().map(|lp| lp.logprob));
+                    let alternatives = lp.as_ref().map(top).unwrap_or_default();
+                    e["top_logprobs"] = alternatives.into_iter().map(|(id, p)| entry(id, Some(p))).collect();
                     e
                 })
                 .collect();
             json!({ "content": content })
         }
     }
+}
+
+/// vLLM's `prompt_logprobs` of choice `index`'s prompt: null for the first position, then for
+/// each a map from token ids to their log-probability, rank and text: the prompt's token and
+/// the most likely alternatives there. Null when not asked for.
+fn prompt_logprobs_json(g: &Generation, index: usize, logprobs: &[TokenLogprobs]) -> Value {
+    let Some(alternatives) = g.info.prompt.logprobs else {
+        return Value::Null;
+    };
+    let text = |id: u32| g.info.app.tokenizer.decode(&[id]).unwrap_or_default();
+    let entry =
+        |logprob: f32, rank: u32, id: u32| json!({ "logprob": logprob, "rank": rank, "decoded_token": text(id) });
+    let ids = &g.info.prompt.of_choice(index).ids;
+    let positions = ids.iter().skip(1).zip(logprobs).map(|(&id, lp)| {
+        let mut at = serde_json::Map::new();
+        at.insert(id.to_string(), entry(lp.logprob, lp.rank, id));
+        for (i, &(alt, p)) in lp.top.iter().take(alternatives).enumerate() {
+            at.entry(alt.to_string()).or_insert_with(|| entry(p, i as u32 + 1, alt));
+        }
+        Value::Object(at)
+    });
+    Value::Array(std::iter::once(Value::Null).chain(positions).collect())
 }
 
 /// A streamed piece of text: the answer's, and the reasoning before it (chat only).
@@ -169,13 +213,29 @@ impl StreamState {
     async fn advance(&mut self) {
         let g = &mut self.generation;
         match g.next().await {
+            Some(Output::Prompt { index, logprobs }) => {
+                // Only an echo streams (`prompt_logprobs` is not streamed): the prompt's text
+                // as the choice's first piece.
+                let Some(echo) = &g.info.prompt.of_choice(index).echo else {
+                    return;
+                };
+                let entries = prompt_entries(g, index, &logprobs);
+                let logprobs = logprobs_json(g, &entries, &mut self.text_offsets[index]);
+                let piece = Piece {
+                    text: echo,
+                    reasoning: "",
+                };
+                let choice = stream_choice(g.info.endpoint, index, Some(piece), None, true, logprobs);
+                self.ready.push_back(chunk(g, choice).to_string());
+                self.sent_text[index] = true;
+            }
             Some(Output::Text {
                 index,
                 text,
                 reasoning,
                 logprobs,
             }) => {
-                let logprobs = logprobs_json(g, &logprobs, &mut self.text_offsets[index]);
+                let logprobs = logprobs_json(g, &generated_entries(logprobs), &mut self.text_offsets[index]);
                 let first = !self.sent_text[index];
                 let piece = Piece {
                     text: &text,
@@ -250,10 +310,18 @@ pub async fn complete(mut g: Generation) -> Response {
     let mut texts = vec![String::new(); n];
     let mut reasonings = vec![String::new(); n];
     let mut finishes = vec!["length"; n];
-    let mut logprobs: Vec<Vec<(u32, TokenLogprobs)>> = vec![Vec::new(); n];
+    let mut logprobs: Vec<Vec<LogprobEntry>> = vec![Vec::new(); n];
+    let mut prompt_logprobs: Vec<Vec<TokenLogprobs>> = vec![Vec::new(); n];
     let mut auto_calls: Vec<Vec<tools::ToolCall>> = vec![Vec::new(); n];
     while let Some(output) = g.next().await {
         match output {
+            Output::Prompt { index, logprobs: lp } => {
+                if let Some(echo) = &g.info.prompt.of_choice(index).echo {
+                    texts[index] += echo;
+                    logprobs[index].extend(prompt_entries(&g, index, &lp));
+                }
+                prompt_logprobs[index] = lp;
+            }
             Output::Text {
                 index,
                 text,
@@ -262,7 +330,7 @@ pub async fn complete(mut g: Generation) -> Response {
             } => {
                 texts[index] += &text;
                 reasonings[index] += &reasoning;
-                logprobs[index].extend(lp);
+                logprobs[index].extend(generated_entries(lp));
             }
             Output::Calls { index, calls } => auto_calls[index].extend(calls),
             Output::Finish { index, reason, .. } => finishes[index] = reason,
@@ -273,9 +341,15 @@ pub async fn complete(mut g: Generation) -> Response {
         .map(|i| {
             let lp = logprobs_json(&g, &logprobs[i], &mut 0);
             match g.info.endpoint {
-                Endpoint::Completions => json!({
-                    "index": i, "text": texts[i], "logprobs": lp, "finish_reason": finishes[i],
-                }),
+                Endpoint::Completions => {
+                    let mut choice = json!({
+                        "index": i, "text": texts[i], "logprobs": lp, "finish_reason": finishes[i],
+                    });
+                    if g.info.prompt.logprobs.is_some() {
+                        choice["prompt_logprobs"] = prompt_logprobs_json(&g, i, &prompt_logprobs[i]);
+                    }
+                    choice
+                }
                 Endpoint::Chat => {
                     let mut message = json!({ "role": "assistant", "content": texts[i] });
                     if let Some(calls) = g.info.tool_calling.as_ref().and_then(|c| c.calls(&texts[i])) {
@@ -299,10 +373,15 @@ pub async fn complete(mut g: Generation) -> Response {
             }
         })
         .collect();
-    json_response(json!({
+    let mut response = json!({
         "id": g.info.id, "object": object(g.info.endpoint, false), "created": g.info.created, "model": g.info.app.model_name,
         "choices": choices, "usage": usage(&g),
-    }))
+    });
+    // A chat response's prompt is every choice's: vLLM reports it once, beside the choices.
+    if g.info.endpoint == Endpoint::Chat && g.info.prompt.logprobs.is_some() {
+        response["prompt_logprobs"] = prompt_logprobs_json(&g, 0, &prompt_logprobs[0]);
+    }
+    json_response(response)
 }
 
 #[cfg(test)]

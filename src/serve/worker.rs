@@ -14,6 +14,9 @@ use tokio::sync::{mpsc, oneshot};
 /// What the engine reports to a request's handler.
 #[derive(Debug)]
 pub enum Event {
+    /// Log-probabilities of the next prompt positions, in order (where the request asked for
+    /// them), all before its first token.
+    PromptLogprobs(Vec<TokenLogprobs>),
     Token(u32, Option<TokenLogprobs>),
     Finished(FinishReason),
     /// The backend failed; the request cannot continue.
@@ -98,9 +101,15 @@ fn step<B: PagedBackend>(
             metrics.generation_tokens.fetch_add(out.tokens.len() as u64, Relaxed);
             metrics.draft_tokens.fetch_add(out.drafted as u64, Relaxed);
             metrics.accepted_draft_tokens.fetch_add(out.accepted as u64, Relaxed);
-            for sampled in out.tokens {
-                let id = sampled.seq;
-                let event = Event::Token(sampled.token, sampled.logprobs);
+            let scores = out
+                .prompt_logprobs
+                .into_iter()
+                .map(|p| (p.seq, Event::PromptLogprobs(p.logprobs)));
+            let tokens = out
+                .tokens
+                .into_iter()
+                .map(|s| (s.seq, Event::Token(s.token, s.logprobs)));
+            for (id, event) in scores.chain(tokens) {
                 let delivered = clients.get(&id).is_some_and(|c| c.send(event).is_ok());
                 if !delivered {
                     engine.abort(id);

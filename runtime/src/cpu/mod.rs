@@ -318,6 +318,7 @@ impl CpuBackend {
             ids,
             state_slot: 0,
             sampled_rows: 1,
+            drafts: 0,
             snapshots: crate::kv::StateSnapshots::NONE,
         };
         let out = self.step_batch(&mut seq.pages, &[segment])?.pop();
@@ -687,8 +688,8 @@ fn gated_delta_net(spec: &ir::DeltaNetSpec, args: &[Arg], pages: &mut KvPages, r
             pages.restore_state(layer, seg.state_slot, snapshot)?;
         }
         let n = r.len();
-        // After each sampled row but the last: where a verifying step may rewind to.
-        let checkpoint_rows = n - seg.sampled_rows..n - 1;
+        // After each verified row but the last: where a verifying step may rewind to.
+        let checkpoint_rows = n - 1 - seg.drafts..n - 1;
         // The segment's row after which each snapshot is saved.
         let snapshot_rows: Vec<(usize, usize)> = seg
             .snapshots

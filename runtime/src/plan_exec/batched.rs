@@ -73,10 +73,16 @@ impl<D: PlanDevice> PlanExecutor<D> {
         }))
     }
 
-    /// Whether a segment may sample several rows (`Segment::sampled_rows`, to verify drafted
-    /// tokens): see [`samples_several_rows`].
+    /// Whether a segment may sample several rows (`Segment::sampled_rows`: to verify drafted
+    /// tokens, or for prompt rows' logits): see [`samples_several_rows`].
     pub fn samples_several_rows(&self) -> bool {
         self.several_rows
+    }
+
+    /// Whether a segment may verify drafted tokens: it samples several rows, and the kernels
+    /// keep the recurrent states a refused draft is rewound to, where the model has any.
+    pub(super) fn can_verify_drafts(&self) -> bool {
+        self.several_rows && self.draft_checkpoint_kernels
     }
 
     /// Run `batch` as [`step_batch`](Self::step_batch) does but kernel by kernel (no graph),
@@ -112,22 +118,27 @@ impl<D: PlanDevice> PlanExecutor<D> {
         }
         match seg.snapshots.save {
             [] => Ok(()),
-            [save] if save.positions == seg.end() && seg.sampled_rows == 1 => Ok(()),
+            [save] if save.positions == seg.end() && seg.drafts == 0 => Ok(()),
             _ => Err(RuntimeError::Input(
                 "a GPU plan saves a recurrent state only at the end of a segment".into(),
             )),
         }
     }
 
-    /// A segment's drafts as this plan verifies them: several sampled rows only where it
-    /// gathers them, and, for a model with recurrent state, no more drafts than it keeps
-    /// checkpoints for.
+    /// A segment's sampled rows and drafts as this plan takes them: several sampled rows only
+    /// where it gathers them, and, for a model with recurrent state, no more drafts than it
+    /// keeps checkpoints for.
     fn check_drafts(&self, seg: &Segment) -> Result<()> {
-        let drafts = seg.sampled_rows.saturating_sub(1);
+        let drafts = seg.drafts;
+        if seg.sampled_rows > 1 && !self.samples_several_rows() {
+            return Err(RuntimeError::Input(
+                "this plan samples one row per sequence (compile it again to read several rows' logits)".into(),
+            ));
+        }
         if drafts == 0 {
             return Ok(());
         }
-        if !self.samples_several_rows() {
+        if !self.can_verify_drafts() {
             return Err(RuntimeError::Input(match self.plan.recurrent_states.is_empty() {
                 true => "this plan samples one row per sequence (compile it again to verify drafted tokens)",
                 false => "this plan of a model with recurrent state keeps no states to rewind drafted tokens to (compile it again to verify them)",
@@ -148,15 +159,15 @@ impl<D: PlanDevice> PlanExecutor<D> {
         slot * self.draft_checkpoints + i
     }
 
-    /// Each of a segment's rows' `row_checkpoint`: its sampled rows but the last keep the
-    /// state after them, in the sequence's checkpoints, where the model has a recurrent state;
-    /// −1 for the others (`templates::delta_net`).
+    /// Each of a segment's rows' `row_checkpoint`: the row before its drafts and each draft
+    /// but the last keep the state after them, in the sequence's checkpoints, where the model
+    /// has a recurrent state; −1 for the others (`templates::delta_net`).
     fn row_checkpoints(&self, seg: &Segment) -> Vec<i32> {
         let mut places = vec![-1; seg.ids.len()];
         if !self.plan.recurrent_states.is_empty() {
-            let first_sampled = seg.ids.len() - seg.sampled_rows;
-            for i in 0..seg.sampled_rows - 1 {
-                places[first_sampled + i] = self.checkpoint_place(seg.state_slot, i) as i32;
+            let first_verified = seg.ids.len() - 1 - seg.drafts;
+            for i in 0..seg.drafts {
+                places[first_verified + i] = self.checkpoint_place(seg.state_slot, i) as i32;
             }
         }
         places
@@ -429,20 +440,26 @@ impl<D: PlanDevice> PlanExecutor<D> {
 
 /// Whether a segment of `plan` may sample several rows: every row has logits (no
 /// `per_sequence` nodes), or the plan gathers the rows sampled from by the step input
-/// `sampled_rows` (an older plan gathered each sequence's last row alone); and where the
-/// model keeps a recurrent state, which drafts advance, its kernels keep the states a refused
-/// draft is rewound to (the step input `row_checkpoint`; older plans' did not).
+/// `sampled_rows` (an older plan gathered each sequence's last row alone).
 pub(super) fn samples_several_rows(
     plan: &codegen::gpu::GpuPlan,
     per_sequence: &std::collections::BTreeSet<usize>,
 ) -> bool {
-    let takes = |input: &str| {
-        plan.launches
-            .iter()
-            .flat_map(|l| &l.args)
-            .any(|a| matches!(a, LaunchArg::StepInput { name } if name == input))
-    };
-    (per_sequence.is_empty() || takes("sampled_rows")) && (plan.recurrent_states.is_empty() || takes("row_checkpoint"))
+    per_sequence.is_empty() || takes_step_input(plan, "sampled_rows")
+}
+
+/// Whether, where the model keeps a recurrent state (which drafts advance), `plan`'s kernels
+/// keep the states a refused draft is rewound to (the step input `row_checkpoint`; older
+/// plans' did not).
+pub(super) fn keeps_draft_checkpoints(plan: &codegen::gpu::GpuPlan) -> bool {
+    plan.recurrent_states.is_empty() || takes_step_input(plan, "row_checkpoint")
+}
+
+fn takes_step_input(plan: &codegen::gpu::GpuPlan, input: &str) -> bool {
+    plan.launches
+        .iter()
+        .flat_map(|l| &l.args)
+        .any(|a| matches!(a, LaunchArg::StepInput { name } if name == input))
 }
 
 /// A batched plan serves like the CPU backend: the KV pool lives on the device, addressed by
@@ -477,7 +494,11 @@ impl<D: PlanDevice> crate::serving::PagedBackend for PlanExecutor<D> {
     }
 
     fn verifies_drafts(&self) -> bool {
-        self.samples_several_rows() && (self.plan.recurrent_states.is_empty() || self.draft_checkpoints > 0)
+        self.can_verify_drafts() && (self.plan.recurrent_states.is_empty() || self.draft_checkpoints > 0)
+    }
+
+    fn samples_several_rows(&self) -> bool {
+        PlanExecutor::samples_several_rows(self)
     }
 
     fn rewind_state(&self, _pages: &mut usize, state_slot: usize, sampled_rows: usize, kept: usize) -> Result<()> {

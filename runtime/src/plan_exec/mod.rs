@@ -168,6 +168,9 @@ pub struct PlanExecutor<D: PlanDevice> {
     per_sequence: BTreeSet<usize>,
     /// Whether a segment may sample several rows (see `samples_several_rows`).
     several_rows: bool,
+    /// Whether the kernels keep the recurrent states a refused draft is rewound to, where the
+    /// model has any (see `keeps_draft_checkpoints`).
+    draft_checkpoint_kernels: bool,
     /// Places for snapshots of recurrent states (0: none kept).
     snapshot_places: usize,
     /// Drafts a sequence's recurrent state can be rewound past: a checkpoint each (0: none).
@@ -332,6 +335,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             None => BTreeSet::new(),
         };
         let several_rows = batched::samples_several_rows(&plan, &per_sequence);
+        let draft_checkpoint_kernels = batched::keeps_draft_checkpoints(&plan);
         Ok(Self {
             launches,
             plan,
@@ -340,6 +344,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             graph_rows: 0,
             per_sequence,
             several_rows,
+            draft_checkpoint_kernels,
             snapshot_places: 0,
             draft_checkpoints: 0,
             captured: Default::default(),
@@ -382,7 +387,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
     /// Refused once a step was captured as a CUDA graph (which holds the checkpoints'
     /// address): `bbc serve` calls it before the first step.
     pub fn verify_drafts_up_to(mut self, drafts: usize) -> Result<Self> {
-        if self.plan.recurrent_states.is_empty() || !self.several_rows || drafts == 0 {
+        if self.plan.recurrent_states.is_empty() || !self.can_verify_drafts() || drafts == 0 {
             return Ok(self);
         }
         if *self.captured.get_mut() {

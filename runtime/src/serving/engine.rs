@@ -37,6 +37,11 @@ pub trait PagedBackend {
     fn snapshots_states(&self) -> StateSnapshotting {
         StateSnapshotting::None
     }
+    /// Whether a step can return several rows of one sequence (`Segment::sampled_rows`), as
+    /// a request's prompt log-probabilities need.
+    fn samples_several_rows(&self) -> bool {
+        false
+    }
     /// Whether a step can sample several rows of one sequence (`Segment::sampled_rows`), and
     /// so verify drafted tokens: a recurrent state that drafts advance must be put back where
     /// they are refused ([`rewind_state`](Self::rewind_state)).
@@ -80,6 +85,9 @@ impl PagedBackend for crate::CpuBackend {
     fn has_recurrent_state(&self) -> bool {
         crate::CpuBackend::has_recurrent_state(self)
     }
+    fn samples_several_rows(&self) -> bool {
+        true
+    }
     fn verifies_drafts(&self) -> bool {
         true
     }
@@ -115,11 +123,43 @@ pub struct Sampled {
     pub logprobs: Option<TokenLogprobs>,
 }
 
+/// Prompt tokens' log-probabilities computed this step, for a request that asked for them
+/// (`SamplingParams::prompt_logprobs`): those of its prompt positions `first..first +
+/// logprobs.len()`, each given the positions before it. Position 0 has none; a sequence's
+/// positions come in order, each once, all before its first token.
+#[derive(Debug)]
+pub struct PromptLogprobs {
+    pub seq: SeqId,
+    pub first: usize,
+    pub logprobs: Vec<TokenLogprobs>,
+}
+
+/// A request's prompt still to be scored.
+struct PromptScoring {
+    prompt: Vec<u32>,
+    /// The next position whose log-probability is wanted.
+    next: usize,
+    /// Alternatives reported at each.
+    top: usize,
+}
+
+impl PromptScoring {
+    /// Of a work computing positions `start..end`, the rows (from the first) whose logits
+    /// score positions still wanted: row `q` scores position `q + 1`.
+    fn rows(&self, start: usize, end: usize) -> std::ops::Range<usize> {
+        let from = start.max(self.next - 1);
+        let to = end.min(self.prompt.len() - 1);
+        from.min(to)..to
+    }
+}
+
 /// What one step produced.
 #[derive(Debug, Default)]
 pub struct StepOutput {
     /// In order; a sequence that accepted drafted tokens has several.
     pub tokens: Vec<Sampled>,
+    /// Before any of a sequence's tokens.
+    pub prompt_logprobs: Vec<PromptLogprobs>,
     pub finished: Vec<Finished>,
     /// Tokens drafted for this step's sequences, and of those the ones accepted.
     pub drafted: usize,
@@ -134,6 +174,8 @@ pub struct ServingEngine<B: PagedBackend> {
     /// The sequences whose logits go through processors before they sample (structured
     /// outputs, `logit_bias`, `min_tokens`).
     processors: HashMap<SeqId, Vec<Box<dyn LogitsProcessor>>>,
+    /// The sequences whose prompt is still being scored (`SamplingParams::prompt_logprobs`).
+    scoring: HashMap<SeqId, PromptScoring>,
 }
 
 impl<B: PagedBackend> ServingEngine<B> {
@@ -167,6 +209,7 @@ impl<B: PagedBackend> ServingEngine<B> {
             scheduler: Scheduler::new(config),
             samplers: HashMap::new(),
             processors: HashMap::new(),
+            scoring: HashMap::new(),
         }
     }
 
@@ -198,7 +241,9 @@ impl<B: PagedBackend> ServingEngine<B> {
         self.add_processed(prompt, max_tokens, stop_tokens, sampling, Vec::new())
     }
 
-    /// Like [`add`](Self::add), each row sampled from after `processors`, in order.
+    /// Like [`add`](Self::add), each row sampled from after `processors`, in order. Where
+    /// `sampling` asks for the prompt's log-probabilities, every prompt position is computed
+    /// (none taken from the prefix cache) and its logits scored.
     pub fn add_processed(
         &mut self,
         prompt: Vec<u32>,
@@ -207,8 +252,21 @@ impl<B: PagedBackend> ServingEngine<B> {
         sampling: SamplingParams,
         processors: Vec<Box<dyn LogitsProcessor>>,
     ) -> std::result::Result<SeqId, AddError> {
+        let scoring = match sampling.prompt_logprobs {
+            Some(_) if !self.backend.samples_several_rows() => return Err(AddError::PromptLogprobsUnsupported),
+            Some(top) if prompt.len() > 1 => Some(PromptScoring {
+                prompt: prompt.clone(),
+                next: 1,
+                top,
+            }),
+            _ => None,
+        };
         let sampler = Sampler::with_prompt(sampling, &prompt);
         let id = self.scheduler.add(prompt, max_tokens, stop_tokens)?;
+        if let Some(scoring) = scoring {
+            self.scheduler.compute_whole_prompt(id);
+            self.scoring.insert(id, scoring);
+        }
         self.samplers.insert(id, sampler);
         if !processors.is_empty() {
             self.processors.insert(id, processors);
@@ -220,6 +278,7 @@ impl<B: PagedBackend> ServingEngine<B> {
     pub fn abort(&mut self, id: SeqId) -> bool {
         self.samplers.remove(&id);
         self.processors.remove(&id);
+        self.scoring.remove(&id);
         self.scheduler.abort(id)
     }
 
@@ -244,27 +303,43 @@ impl<B: PagedBackend> ServingEngine<B> {
         if schedule.work.is_empty() {
             return Ok(out);
         }
+        // Each work's rows that score its prompt (from the first row the step returns).
+        let scored: Vec<std::ops::Range<usize>> = schedule
+            .work
+            .iter()
+            .map(|w| self.scoring.get(&w.seq).map_or(0..0, |s| s.rows(w.start, w.end)))
+            .collect();
         let batch: Vec<Segment> = schedule
             .work
             .iter()
-            .map(|w| Segment {
-                table: &w.table,
-                start: w.start,
-                ids: &w.tokens,
-                state_slot: w.state_slot,
-                sampled_rows: if w.samples { w.drafts + 1 } else { 1 },
-                snapshots: crate::kv::StateSnapshots {
-                    restore: w.restore,
-                    save: &w.saves,
-                },
+            .zip(&scored)
+            .map(|(w, scored)| {
+                let sampled = if w.samples { w.drafts + 1 } else { 1 };
+                Segment {
+                    table: &w.table,
+                    start: w.start,
+                    ids: &w.tokens,
+                    state_slot: w.state_slot,
+                    // The rows scoring the prompt, then to the end.
+                    sampled_rows: match scored.is_empty() {
+                        true => sampled,
+                        false => sampled.max(w.end - scored.start),
+                    },
+                    drafts: w.drafts,
+                    snapshots: crate::kv::StateSnapshots {
+                        restore: w.restore,
+                        save: &w.saves,
+                    },
+                }
             })
             .collect();
         // Requests that take the argmax and want nothing else of the logits can have it
         // computed by the backend (one whose logits are processed first cannot).
-        let greedy = schedule.work.iter().filter(|w| w.samples).all(|w| {
-            self.samplers.get(&w.seq).is_some_and(|s| s.params().is_plain_greedy())
-                && !self.processors.contains_key(&w.seq)
-        });
+        let greedy = scored.iter().all(|rows| rows.is_empty())
+            && schedule.work.iter().filter(|w| w.samples).all(|w| {
+                self.samplers.get(&w.seq).is_some_and(|s| s.params().is_plain_greedy())
+                    && !self.processors.contains_key(&w.seq)
+            });
         let greedy_tokens = match greedy {
             true => self.backend.step_batch_greedy(&mut self.pages, &batch).transpose()?,
             false => None,
@@ -300,6 +375,12 @@ impl<B: PagedBackend> ServingEngine<B> {
             }
         };
         let missing = || RuntimeError::Graph("the backend returned fewer results than the step had segments".into());
+        for (i, (work, rows)) in schedule.work.iter().zip(scored).enumerate() {
+            if !rows.is_empty() {
+                let scores = self.score_prompt(work, rows, outputs.get(i).ok_or_else(missing)?)?;
+                out.prompt_logprobs.push(scores);
+            }
+        }
         for (i, work) in schedule.work.iter().enumerate() {
             let sampled = match (work.samples, &greedy_tokens) {
                 (false, _) => Vec::new(),
@@ -328,10 +409,49 @@ impl<B: PagedBackend> ServingEngine<B> {
             if let Some(done) = done {
                 self.samplers.remove(&done.seq);
                 self.processors.remove(&done.seq);
+                self.scoring.remove(&done.seq);
                 out.finished.push(done);
             }
         }
         Ok(out)
+    }
+
+    /// The log-probabilities of `work`'s prompt positions that its rows `rows` (positions,
+    /// each scoring the next) score, from the step's logits, whose last rows are the work's
+    /// from the first of them; the sequence's scoring moves past them, and ends after the
+    /// prompt's last position.
+    fn score_prompt(
+        &mut self,
+        work: &Work,
+        rows: std::ops::Range<usize>,
+        outputs: &HashMap<String, Tensor>,
+    ) -> Result<PromptLogprobs> {
+        let logits = outputs
+            .get("logits")
+            .ok_or_else(|| RuntimeError::Graph("the graph has no `logits` output".into()))?;
+        let returned = logits.rows();
+        if returned < work.end - rows.start {
+            return Err(RuntimeError::Graph(format!(
+                "{returned} logits rows for a step scoring prompt positions from {}",
+                rows.start + 1
+            )));
+        }
+        let scoring = self.scoring.get_mut(&work.seq).expect("a scored sequence is scoring");
+        // Row of position q among those returned.
+        let first_returned = work.end - returned;
+        let logprobs = rows
+            .clone()
+            .map(|q| TokenLogprobs::of(logits.row(q - first_returned), scoring.prompt[q + 1], scoring.top))
+            .collect();
+        scoring.next = rows.end + 1;
+        if scoring.next >= scoring.prompt.len() {
+            self.scoring.remove(&work.seq);
+        }
+        Ok(PromptLogprobs {
+            seq: work.seq,
+            first: rows.start + 1,
+            logprobs,
+        })
     }
 
     /// Choose `work`'s next tokens from the step's logits: at its last row, or, where it carries

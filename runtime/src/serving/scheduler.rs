@@ -90,6 +90,8 @@ pub enum AddError {
     },
     #[error("the request can never fit the KV cache ({needed} blocks, {total} in all)")]
     NeverFits { needed: usize, total: usize },
+    #[error("this model's compiled plan returns one row of logits per sequence, so it cannot score a prompt (compile it again for prompt log-probabilities)")]
+    PromptLogprobsUnsupported,
 }
 
 #[derive(Debug, Clone)]
@@ -113,6 +115,9 @@ struct Seq {
     /// drafts none (after a step whose drafts were all rejected).
     draft_len: usize,
     draft_pause: usize,
+    /// Whether its admission may start it from cached blocks (not where every prompt row's
+    /// output is wanted: a cached position is never computed).
+    reads_prefix_cache: bool,
 }
 
 impl Seq {
@@ -314,10 +319,24 @@ impl Scheduler {
                 last_snapshot: None,
                 draft_len: self.config.speculation.tokens,
                 draft_pause: 0,
+                reads_prefix_cache: true,
             },
         );
         self.waiting.push_back(id);
         Ok(id)
+    }
+
+    /// Compute every position of waiting sequence `id`'s prompt whenever it is admitted,
+    /// none taken from the prefix cache (its blocks are still filed there for others): for a
+    /// request that wants an output at each prompt row. False where no such sequence waits.
+    pub fn compute_whole_prompt(&mut self, id: SeqId) -> bool {
+        match self.seqs.get_mut(&id) {
+            Some(seq) if self.waiting.contains(&id) => {
+                seq.reads_prefix_cache = false;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Decide the next step.
@@ -374,7 +393,8 @@ impl Scheduler {
         let seq = &self.seqs[&id];
         let mut table = Vec::new();
         // All but the last token may come from the cache: the last one's output is the point.
-        let mut chain = match self.shares_prefixes() {
+        let reads_cache = self.shares_prefixes() && seq.reads_prefix_cache;
+        let mut chain = match reads_cache {
             true => self
                 .blocks
                 .share_prefix(&mut table, &seq.tokens[..seq.tokens.len() - 1]),
@@ -399,8 +419,11 @@ impl Scheduler {
             self.states.restore(*chain.last().expect("a snapshot covers a block"));
         }
         let seq = self.seqs.get_mut(&id).expect("waiting");
-        self.prefix_cache.queried += seq.tokens.len() as u64;
-        self.prefix_cache.hit += cached as u64;
+        // A sequence that computes its whole prompt looks nothing up.
+        if seq.reads_prefix_cache {
+            self.prefix_cache.queried += seq.tokens.len() as u64;
+            self.prefix_cache.hit += cached as u64;
+        }
         seq.table = table;
         seq.chain = chain;
         seq.cached = cached;
