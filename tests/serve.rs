@@ -193,6 +193,19 @@ fn stop_strings_and_stop_token_ids_end_generation_unprinted() {
     );
     assert_eq!(stopped["choices"][0]["text"], text[..cut]);
     assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+    assert_eq!(stopped["choices"][0]["stop_reason"], ".");
+    assert!(free["choices"][0]["stop_reason"].is_null());
+    // vLLM's `include_stop_str_in_output` keeps the stop string, whole or streamed.
+    let body =
+        json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": ["."], "include_stop_str_in_output": true});
+    let (_, kept) = server.post("/v1/completions", &body);
+    assert_eq!(kept["choices"][0]["text"], text[..=cut]);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (_, chunks) = server.stream("/v1/completions", &streamed);
+    let pieces: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    assert_eq!(pieces, text[..=cut]);
+    assert_eq!(chunks.last().unwrap()["choices"][0]["stop_reason"], ".");
 
     // The same cut by token id: "." is one token.
     let model = models::Model::open(models::ModelSpec::for_weights(&common::real_model("smollm2"))).unwrap();
@@ -204,6 +217,7 @@ fn stop_strings_and_stop_token_ids_end_generation_unprinted() {
     );
     assert_eq!(stopped["choices"][0]["text"], text[..cut]);
     assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+    assert_eq!(stopped["choices"][0]["stop_reason"], period[0]);
 }
 
 #[test]

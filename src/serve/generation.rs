@@ -42,6 +42,9 @@ pub enum Output {
         reason: &'static str,
         /// The stop string that ended the choice, where one did.
         stop_string: Option<String>,
+        /// The stop token (one of `stop_token_ids`, not the model's end) that ended it, where
+        /// one did.
+        stop_token: Option<u32>,
     },
     /// The engine failed: the whole request ends.
     Error(String),
@@ -62,6 +65,8 @@ struct Choice {
     prompt_logprobs: Vec<TokenLogprobs>,
     /// Whether its first token or its end came (so its prompt was reported).
     started: bool,
+    /// The stop token it generated, where that was one of the request's own.
+    stop_token: Option<u32>,
     done: bool,
 }
 
@@ -110,6 +115,8 @@ pub struct RequestInfo {
     pub logprobs: Option<usize>,
     pub prompt: PromptReport,
     pub stop_strings: Vec<String>,
+    /// `include_stop_str_in_output`: the stop string that ends a choice is part of its text.
+    pub include_stop_str: bool,
     /// Tokens before a stop string may end the output (`min_tokens`).
     pub min_tokens: usize,
     pub stop_tokens: Vec<u32>,
@@ -137,7 +144,10 @@ impl Generation {
             .into_iter()
             .map(|events| Choice {
                 events,
-                text: TextOutput::after(info.min_tokens, info.stop_strings.clone()),
+                text: match info.include_stop_str {
+                    true => TextOutput::after(info.min_tokens, info.stop_strings.clone()).including_stop(),
+                    false => TextOutput::after(info.min_tokens, info.stop_strings.clone()),
+                },
                 split: info
                     .reasoning
                     .map(|(markers, inside)| ReasoningSplit::new(markers, inside)),
@@ -150,6 +160,7 @@ impl Generation {
                 logprobs: Vec::new(),
                 prompt_logprobs: Vec::new(),
                 started: false,
+                stop_token: None,
                 done: false,
             })
             .collect();
@@ -201,6 +212,10 @@ impl Generation {
                 self.completion_tokens += 1;
                 self.first_token_at.get_or_insert_with(Instant::now);
                 if self.info.stop_tokens.contains(&token) {
+                    // The model's own end is no stop token of the request's (vLLM's rule).
+                    if !self.info.app.tokenizer.eos.contains(&token) {
+                        self.choices[index].stop_token = Some(token);
+                    }
                     return; // Finished(Stop) follows; the stop token is not text.
                 }
                 let choice = &mut self.choices[index];
@@ -319,6 +334,7 @@ impl Generation {
             index,
             reason,
             stop_string,
+            stop_token: choice.stop_token,
         });
         // Stop listening: the engine aborts the sequence if it still runs (a stop string).
         choice.done = true;
@@ -421,6 +437,7 @@ mod tests {
             logprobs: None,
             prompt: PromptReport::default(),
             stop_strings: stops.iter().map(|s| s.to_string()).collect(),
+            include_stop_str: false,
             min_tokens: 0,
             stop_tokens: Vec::new(),
             prompt_tokens: 1,

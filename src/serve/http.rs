@@ -341,6 +341,7 @@ async fn admit(
             logprobs: request.prompt_logprobs,
         },
         stop_strings: request.stop,
+        include_stop_str: request.include_stop_str,
         min_tokens: request.min_tokens,
         stop_tokens,
         prompt_tokens,

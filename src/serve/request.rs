@@ -51,6 +51,8 @@ pub struct GenerationRequest {
     /// vLLM's `prompt_logprobs`: each prompt token's log-probability and this many
     /// alternatives, in a field of its own.
     pub prompt_logprobs: Option<usize>,
+    /// vLLM's `include_stop_str_in_output`: the stop string that ends the output is kept.
+    pub include_stop_str: bool,
 }
 
 /// Which endpoint a body was sent to.
@@ -148,6 +150,7 @@ pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Gene
         min_tokens,
         echo,
         prompt_logprobs,
+        include_stop_str: fields.bool("include_stop_str_in_output")?.unwrap_or(false),
     })
 }
 
@@ -160,9 +163,6 @@ fn refuse_unsupported(fields: &Fields, endpoint: Endpoint) -> Result<(), ApiErro
     }
     if fields.string("suffix")?.is_some_and(|s| !s.is_empty()) {
         return unsupported("suffix", "`suffix` (text after the completion)");
-    }
-    if fields.bool("include_stop_str_in_output")? == Some(true) {
-        return unsupported("include_stop_str_in_output", "`include_stop_str_in_output`");
     }
     for name in ["functions", "function_call"] {
         if fields.get(name).is_some() {
@@ -666,7 +666,7 @@ mod tests {
         for (body, name) in [
             (r#"{"prompt":"x","suffix":"end"}"#, "suffix"),
             (
-                r#"{"prompt":"x","include_stop_str_in_output":true}"#,
+                r#"{"prompt":"x","include_stop_str_in_output":1}"#,
                 "include_stop_str_in_output",
             ),
         ] {

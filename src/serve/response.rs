@@ -132,6 +132,16 @@ fn prompt_logprobs_json(g: &Generation, index: usize, logprobs: &[TokenLogprobs]
     Value::Array(std::iter::once(Value::Null).chain(positions).collect())
 }
 
+/// vLLM's `stop_reason`: the stop string or stop token id that ended a choice, null where
+/// neither did (its end, its length, the model's end token).
+fn stop_reason(stop_string: Option<String>, stop_token: Option<u32>) -> Value {
+    match (stop_string, stop_token) {
+        (Some(s), _) => json!(s),
+        (None, Some(id)) => json!(id),
+        (None, None) => Value::Null,
+    }
+}
+
 /// A streamed piece of text: the answer's, and the reasoning before it (chat only).
 struct Piece<'a> {
     text: &'a str,
@@ -272,7 +282,12 @@ impl StreamState {
                 self.sent_text[index] = true;
                 self.calls_sent[index] += calls.len();
             }
-            Some(Output::Finish { index, reason, .. }) => {
+            Some(Output::Finish {
+                index,
+                reason,
+                stop_string,
+                stop_token,
+            }) => {
                 if let Some(calling @ ToolCalling::Required { .. }) = &g.info.tool_calling {
                     let text = std::mem::take(&mut self.call_text[index]);
                     let delta = match calling.calls(&text) {
@@ -282,7 +297,8 @@ impl StreamState {
                     let choice = json!([{ "index": index, "delta": delta, "logprobs": null, "finish_reason": null }]);
                     self.ready.push_back(chunk(g, choice).to_string());
                 }
-                let choice = stream_choice(g.info.endpoint, index, None, Some(reason), false, Value::Null);
+                let mut choice = stream_choice(g.info.endpoint, index, None, Some(reason), false, Value::Null);
+                choice[0]["stop_reason"] = stop_reason(stop_string, stop_token);
                 self.ready.push_back(chunk(g, choice).to_string());
             }
             Some(Output::Error(message)) => {
@@ -310,6 +326,7 @@ pub async fn complete(mut g: Generation) -> Response {
     let mut texts = vec![String::new(); n];
     let mut reasonings = vec![String::new(); n];
     let mut finishes = vec!["length"; n];
+    let mut stop_reasons = vec![Value::Null; n];
     let mut logprobs: Vec<Vec<LogprobEntry>> = vec![Vec::new(); n];
     let mut prompt_logprobs: Vec<Vec<TokenLogprobs>> = vec![Vec::new(); n];
     let mut auto_calls: Vec<Vec<tools::ToolCall>> = vec![Vec::new(); n];
@@ -333,7 +350,15 @@ pub async fn complete(mut g: Generation) -> Response {
                 logprobs[index].extend(generated_entries(lp));
             }
             Output::Calls { index, calls } => auto_calls[index].extend(calls),
-            Output::Finish { index, reason, .. } => finishes[index] = reason,
+            Output::Finish {
+                index,
+                reason,
+                stop_string,
+                stop_token,
+            } => {
+                finishes[index] = reason;
+                stop_reasons[index] = stop_reason(stop_string, stop_token);
+            }
             Output::Error(message) => return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message).into_response(),
         }
     }
@@ -344,6 +369,7 @@ pub async fn complete(mut g: Generation) -> Response {
                 Endpoint::Completions => {
                     let mut choice = json!({
                         "index": i, "text": texts[i], "logprobs": lp, "finish_reason": finishes[i],
+                        "stop_reason": stop_reasons[i],
                     });
                     if g.info.prompt.logprobs.is_some() {
                         choice["prompt_logprobs"] = prompt_logprobs_json(&g, i, &prompt_logprobs[i]);
@@ -368,7 +394,10 @@ pub async fn complete(mut g: Generation) -> Response {
                         let reasoning = Some(&reasonings[i]).filter(|r| !r.is_empty());
                         message["reasoning_content"] = json!(reasoning);
                     }
-                    json!({ "index": i, "message": message, "logprobs": lp, "finish_reason": finishes[i] })
+                    json!({
+                        "index": i, "message": message, "logprobs": lp, "finish_reason": finishes[i],
+                        "stop_reason": stop_reasons[i],
+                    })
                 }
             }
         })

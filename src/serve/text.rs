@@ -16,6 +16,9 @@ pub struct TextOutput {
     /// Tokens still to come before stop strings count (vLLM's `min_tokens`): their text is
     /// released as it comes, and a stop string must end after them.
     unchecked: usize,
+    /// Whether the stop string that ends the text is part of it (vLLM's
+    /// `include_stop_str_in_output`).
+    includes_stop: bool,
 }
 
 /// What one token released.
@@ -36,6 +39,15 @@ impl TextOutput {
             stopped: false,
             matched: None,
             unchecked: min_tokens,
+            includes_stop: false,
+        }
+    }
+
+    /// The same, the stop string that ends the text kept at its end.
+    pub fn including_stop(self) -> Self {
+        Self {
+            includes_stop: true,
+            ..self
         }
     }
 
@@ -83,7 +95,8 @@ impl TextOutput {
         if let Some((at, stop)) = first {
             self.stopped = true;
             self.matched = Some(stop.clone());
-            let text = self.held[..at].to_string();
+            let end = if self.includes_stop { at + stop.len() } else { at };
+            let text = self.held[..end].to_string();
             self.held.clear();
             return Piece { text, stopped: true };
         }
@@ -149,5 +162,15 @@ mod tests {
         assert!(out.release("aé!b").stopped);
         assert_eq!(out.matched(), Some("é!"), "the one that ended the text");
         assert_eq!(run(&["éa"], &["xé", "b"]), ("xéb".into(), false));
+    }
+
+    /// With `include_stop_str_in_output`, the text ends with the stop string that ended it, and
+    /// nothing after it.
+    #[test]
+    fn an_included_stop_string_ends_the_text() {
+        let mut out = TextOutput::after(0, vec!["STOP".into(), "\n".into()]).including_stop();
+        let texts: Vec<String> = ["ab", "cS", "TO", "Pxyz"].iter().map(|p| out.release(p).text).collect();
+        assert_eq!(texts.concat(), "abcSTOP");
+        assert_eq!(out.matched(), Some("STOP"));
     }
 }
