@@ -11,6 +11,7 @@ pub mod generate;
 pub mod generated;
 pub mod kv;
 pub mod logits_processor;
+pub mod logprobs;
 pub mod plan_exec;
 pub mod sampling;
 pub mod serving;

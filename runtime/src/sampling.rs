@@ -6,6 +6,7 @@
 //! divides positive (multiplies negative) logits of tokens seen in the prompt or the output;
 //! `frequency` subtracts per occurrence in the output, `presence` once per token in it.
 
+pub use crate::logprobs::TokenLogprobs;
 use std::collections::{HashMap, HashSet};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -94,68 +95,6 @@ pub struct Sampler {
     prompt: HashSet<u32>,
     /// Occurrences of each token in the output so far.
     output: HashMap<u32, u32>,
-}
-
-/// A chosen token's log-probability under the model's distribution (the raw logits, before
-/// temperature and penalties, as vLLM reports them) and the most likely alternatives.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TokenLogprobs {
-    pub logprob: f32,
-    /// 1 + how many tokens are more likely (vLLM's `rank`: 1 for the argmax).
-    pub rank: u32,
-    /// Most likely first (ties to the lower id).
-    pub top: Vec<(u32, f32)>,
-}
-
-impl TokenLogprobs {
-    pub fn of(logits: &[f32], token: u32, top: usize) -> Self {
-        let max = logits
-            .iter()
-            .copied()
-            .filter(|l| !l.is_nan())
-            .fold(f32::NEG_INFINITY, f32::max) as f64;
-        let sum: f64 = logits
-            .iter()
-            .filter(|l| !l.is_nan())
-            .map(|&l| (l as f64 - max).exp())
-            .sum();
-        let log_z = max + sum.ln();
-        let logprob = |id: u32| {
-            logits
-                .get(id as usize)
-                .map_or(f32::NEG_INFINITY, |&l| (l as f64 - log_z) as f32)
-        };
-        // No NaN is more likely than a token; a NaN token ranks after every number.
-        let rank = match logits.get(token as usize) {
-            Some(&chosen) if !chosen.is_nan() => 1 + logits.iter().filter(|&&l| l > chosen).count() as u32,
-            _ => 1 + logits.iter().filter(|l| !l.is_nan()).count() as u32,
-        };
-        Self {
-            logprob: logprob(token),
-            rank,
-            top: most_likely(logits, top)
-                .into_iter()
-                .map(|id| (id, logprob(id)))
-                .collect(),
-        }
-    }
-}
-
-/// The ids of the `top` largest logits in `total_cmp`'s order, largest first, ties to the
-/// lower id.
-fn most_likely(logits: &[f32], top: usize) -> Vec<u32> {
-    if top == 0 {
-        return Vec::new();
-    }
-    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
-    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
-    let top = top.min(ids.len());
-    if top < ids.len() {
-        ids.select_nth_unstable_by(top - 1, by_logit);
-    }
-    ids.truncate(top);
-    ids.sort_by(by_logit);
-    ids
 }
 
 /// Index of the largest value; the lowest index among equals. NaN never wins.
@@ -354,26 +293,6 @@ mod tests {
             chosen(SamplingParams { min_p: 0.45, ..base }, &logits),
             [0, 2, 3].into()
         );
-    }
-
-    #[test]
-    fn logprobs_are_log_softmax_with_the_top_alternatives() {
-        let logits = [0.2f32.ln(), 0.1f32.ln(), 0.3f32.ln(), 0.4f32.ln()];
-        let lp = TokenLogprobs::of(&logits, 1, 2);
-        assert!((lp.logprob - 0.1f32.ln()).abs() < 1e-6);
-        assert_eq!(lp.top.iter().map(|&(id, _)| id).collect::<Vec<_>>(), [3, 2]);
-        assert!((lp.top[0].1 - 0.4f32.ln()).abs() < 1e-6);
-        assert!(TokenLogprobs::of(&logits, 0, 0).top.is_empty());
-        assert_eq!(TokenLogprobs::of(&logits, 0, 9).top.len(), 4);
-    }
-
-    /// A token's rank is 1 + the tokens strictly more likely: ties share a rank, and NaN is
-    /// never more likely (a NaN token ranks after every number).
-    #[test]
-    fn ranks_count_the_more_likely_tokens() {
-        let logits = [0.5f32, 2.0, 0.5, f32::NAN, -1.0];
-        let rank = |token| TokenLogprobs::of(&logits, token, 0).rank;
-        assert_eq!([rank(1), rank(0), rank(2), rank(4), rank(3)], [1, 2, 2, 4, 5]);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! and only attention looks at which sequence a row belongs to. Every op computes a row the
 //! same way whatever else is in the step, so batching never changes a sequence's results.
 
-mod activation;
+pub(crate) mod activation;
 mod attention;
 pub mod delta_net;
 mod dense;

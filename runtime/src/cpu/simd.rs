@@ -388,7 +388,7 @@ pub fn wide_many(len: usize) -> bool {
 /// Whether the many-vector forms (and `dense`'s tiles) run on 512-bit registers: AVX-512F and
 /// VL, unless `BBC_AVX512=0` (the same bits either way).
 #[cfg(target_arch = "x86_64")]
-pub(super) fn has_avx512() -> bool {
+pub(crate) fn has_avx512() -> bool {
     use std::sync::OnceLock;
     static DETECTED: OnceLock<bool> = OnceLock::new();
     *DETECTED.get_or_init(|| {
