@@ -123,7 +123,7 @@ fn order_key(x: f32) -> i32 {
 /// lower id. One pass in id order keeping the best so far: a block whose largest key does
 /// not beat the last kept is skipped whole (an equal key later has the larger id, and loses).
 #[inline(always)]
-fn most_likely(logits: &[f32], top: usize) -> Vec<u32> {
+pub(crate) fn most_likely(logits: &[f32], top: usize) -> Vec<u32> {
     const SCAN: usize = 64;
     let top = top.min(logits.len());
     if top == 0 {

@@ -6,7 +6,10 @@
 //! divides positive (multiplies negative) logits of tokens seen in the prompt or the output;
 //! `frequency` subtracts per occurrence in the output, `presence` once per token in it.
 
+mod candidates;
+
 pub use crate::logprobs::TokenLogprobs;
+use candidates::Candidates;
 use std::collections::{HashMap, HashSet};
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -175,59 +178,30 @@ impl Sampler {
         if self.params.temperature <= 0.0 {
             return argmax(logits);
         }
-        let candidates = self.candidates(logits);
-        let total: f64 = candidates.iter().map(|&(_, w)| w).sum();
-        let mut target = self.rng.next_f64() * total;
-        for &(id, w) in &candidates {
-            target -= w;
-            if target < 0.0 {
-                return id;
-            }
-        }
-        candidates.first().map_or_else(|| argmax(logits), |&(id, _)| id)
+        let u = self.rng.next_f64();
+        let chosen = match candidates::candidates(logits, &self.params) {
+            Candidates::All(weights) => pick(u, weights.iter().enumerate().map(|(id, &w)| (id as u32, w))),
+            Candidates::Kept(kept) => pick(u, kept.into_iter()),
+        };
+        chosen.unwrap_or_else(|| argmax(logits))
     }
+}
 
-    /// The tokens sampling may choose, with unnormalised weights exp((l − max) / T), most likely
-    /// first when any filter is on (ties to the lower id, so the order is deterministic).
-    fn candidates(&self, logits: &[f32]) -> Vec<(u32, f64)> {
-        let t = self.params.temperature as f64;
-        let max = logits
-            .iter()
-            .copied()
-            .filter(|l| !l.is_nan())
-            .fold(f32::NEG_INFINITY, f32::max) as f64;
-        let mut weights: Vec<(u32, f64)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, if l.is_nan() { 0.0 } else { ((l as f64 - max) / t).exp() }))
-            .collect();
-        let filtered = self.params.top_k > 0 || self.params.top_p < 1.0 || self.params.min_p > 0.0;
-        if !filtered {
-            return weights;
+/// The candidate whose share of the weights' running sum holds `u` (in [0, 1)) of their
+/// total, in order: each is chosen with probability weight / total. Where rounding leaves
+/// `u` past the end, the last with any weight; `None` where none has any.
+fn pick(u: f64, candidates: impl Iterator<Item = (u32, f32)> + Clone) -> Option<u32> {
+    let total: f64 = candidates.clone().map(|(_, w)| f64::from(w)).sum();
+    let mut target = u * total;
+    let mut last = None;
+    for (id, w) in candidates.filter(|&(_, w)| w > 0.0) {
+        target -= f64::from(w);
+        if target < 0.0 {
+            return Some(id);
         }
-        weights.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if self.params.top_k > 0 {
-            weights.truncate(self.params.top_k);
-        }
-        if self.params.top_p < 1.0 {
-            let total: f64 = weights.iter().map(|&(_, w)| w).sum();
-            let mut kept = 0.0;
-            let keep = weights
-                .iter()
-                .position(|&(_, w)| {
-                    kept += w;
-                    kept >= self.params.top_p as f64 * total
-                })
-                .map_or(weights.len(), |i| i + 1);
-            weights.truncate(keep);
-        }
-        if self.params.min_p > 0.0 {
-            // The best token has weight 1 before any filter, and filters keep the best.
-            let floor = self.params.min_p as f64 * weights.first().map_or(0.0, |&(_, w)| w);
-            weights.retain(|&(_, w)| w >= floor);
-        }
-        weights
+        last = Some(id);
     }
+    last
 }
 
 #[cfg(test)]
