@@ -107,3 +107,33 @@ fn a_run_with_too_many_failures_fails() {
     let (ok, r, text) = bench(&server, &[&args[..], &["--api-key", "secret"]].concat());
     assert!(ok && r["completed"].as_u64() == Some(2), "{text}");
 }
+
+/// Sampled requests (`--temperature`, `--top-p`, `--top-k`) run to their lengths too; bad
+/// values are refused before any request.
+#[test]
+fn sampled_runs_report_their_tokens() {
+    let server = Server::start(&[]);
+    let args = [
+        "--input-len",
+        "8",
+        "--output-len",
+        "6",
+        "--range-ratio",
+        "1",
+        "--num-prompts",
+        "3",
+        "--warmups",
+        "0",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "40",
+    ];
+    let (ok, r, text) = bench(&server, &args);
+    assert!(ok, "{text}");
+    assert_eq!(r["output_tokens"].as_u64(), Some(18), "{text}");
+    let (ok, _, text) = bench(&server, &[&args[..12], &["--top-p", "0"]].concat());
+    assert!(!ok && text.contains("--top-p within (0, 1]"), "{text}");
+}

@@ -57,6 +57,15 @@ pub struct BenchArgs {
     /// Seeds the prompts and lengths: the same seed, the same requests.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Sampling temperature of every request (0, InferenceX's, is greedy).
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f64,
+    /// `top_p` of every request (1 keeps every token).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f64,
+    /// `top_k` of every request (0 keeps every token).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
     /// Also write the report as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -68,6 +77,9 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     }
     if !(0.0..=1.0).contains(&args.range_ratio) {
         bail!("--range-ratio must be within [0, 1], got {}", args.range_ratio);
+    }
+    if !(args.temperature >= 0.0 && args.top_p > 0.0 && args.top_p <= 1.0) {
+        bail!("--temperature must be at least 0 and --top-p within (0, 1]");
     }
     let server = Server::parse(&args.url, args.api_key.clone())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -93,7 +105,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
         "chat" => "/v1/chat/completions",
         _ => "/v1/completions",
     };
-    let bodies = |rs: &[BenchRequest]| rs.iter().map(|r| body(&args.endpoint, &model, r)).collect::<Vec<_>>();
+    let bodies = |rs: &[BenchRequest]| rs.iter().map(|r| body(args, &model, r)).collect::<Vec<_>>();
     eprintln!(
         "bench: {warmups} warm-up + {measured} requests to {}{path}, ISL {} OSL {} concurrency {}",
         server.address, args.input_len, args.output_len, args.concurrency
@@ -113,16 +125,22 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// The request body the InferenceX client sends.
-fn body(endpoint: &str, model: &str, r: &BenchRequest) -> Value {
+/// The request body the InferenceX client sends, with the sampling settings asked for.
+fn body(args: &BenchArgs, model: &str, r: &BenchRequest) -> Value {
     let mut body = json!({
         "model": model,
-        "temperature": 0.0,
+        "temperature": args.temperature,
         "stream": true,
         "stream_options": {"include_usage": true},
         "ignore_eos": true,
     });
-    if endpoint == "chat" {
+    if args.top_p < 1.0 {
+        body["top_p"] = json!(args.top_p);
+    }
+    if args.top_k > 0 {
+        body["top_k"] = json!(args.top_k);
+    }
+    if args.endpoint == "chat" {
         body["messages"] = json!([{"role": "user", "content": r.prompt}]);
         body["max_completion_tokens"] = json!(r.max_tokens);
     } else {
