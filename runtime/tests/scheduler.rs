@@ -10,7 +10,9 @@
 //! into a place another of its works restores from (nor, for a backend that saves only at a
 //! work's end, anywhere else). With speculation,
 //! works carry drafted tokens of which a random number is accepted: the same checks hold, and
-//! no draft takes a sequence past its `max_tokens` or a step past its budget.
+//! no draft takes a sequence past its `max_tokens` or a step past its budget. A sequence that
+//! computes its whole prompt (`compute_whole_prompt`, for prompt log-probabilities) never
+//! starts from the prefix cache, however often it is preempted.
 
 use proptest::prelude::*;
 use runtime::kv::cache_row;
@@ -25,6 +27,8 @@ enum Action {
         shared: usize,
         tail: usize,
         max_tokens: usize,
+        /// Computing every prompt position (`compute_whole_prompt`).
+        whole_prompt: bool,
     },
     Step {
         stop: bool,
@@ -36,11 +40,14 @@ enum Action {
 
 fn action() -> impl Strategy<Value = Action> {
     prop_oneof![
-        (0u32..3, 0usize..24, 0usize..16, 1usize..20).prop_map(|(family, shared, tail, max_tokens)| Action::Add {
-            family,
-            shared,
-            tail,
-            max_tokens
+        (0u32..3, 0usize..24, 0usize..16, 1usize..20, 0u8..4).prop_map(|(family, shared, tail, max_tokens, whole)| {
+            Action::Add {
+                family,
+                shared,
+                tail,
+                max_tokens,
+                whole_prompt: whole == 0,
+            }
         }),
         (any::<bool>(), 0usize..4).prop_map(|(stop, accept)| Action::Step { stop, accept }),
         (0usize..64).prop_map(Action::Abort),
@@ -73,6 +80,8 @@ struct SimulatedKv {
     snapshots: HashMap<usize, Vec<u32>>,
     /// Whether the backend saves a state only at the end of a work (a GPU plan).
     saves_at_ends: bool,
+    /// Sequences computing their whole prompt: its length, and how far their works took it.
+    whole_prompts: HashMap<SeqId, (usize, usize)>,
 }
 
 impl SimulatedKv {
@@ -91,6 +100,16 @@ impl SimulatedKv {
         assert_eq!(&known[w.start..own], &w.tokens[..own - w.start]);
         if w.drafts > 0 {
             assert_eq!(own, known.len(), "drafts follow the sequence's last token: {w:?}");
+        }
+        if let Some((len, reached)) = self.whole_prompts.get_mut(&w.seq) {
+            if w.start < *len {
+                assert!(
+                    w.start == 0 || w.start == *reached,
+                    "{w:?} computes its whole prompt, yet starts at {} (its prompt reached {reached})",
+                    w.start
+                );
+                *reached = w.end.min(*len);
+            }
         }
         let tokens: Vec<u32> = known[..w.start].iter().chain(&w.tokens).copied().collect();
         let tokens = &tokens;
@@ -247,9 +266,13 @@ proptest! {
         let mut ids: Vec<SeqId> = Vec::new();
         for (salt, a) in actions.into_iter().enumerate() {
             match a {
-                Action::Add { family, shared, tail, max_tokens } => {
+                Action::Add { family, shared, tail, max_tokens, whole_prompt } => {
                     let p = prompt(family, shared, tail, salt as u32);
                     if let Ok(id) = s.add(p.clone(), max_tokens, vec![7]) {
+                        if whole_prompt {
+                            prop_assert!(s.compute_whole_prompt(id));
+                            kv.whole_prompts.insert(id, (p.len(), 0));
+                        }
                         kv.tokens.insert(id, p);
                         ids.push(id);
                     }
