@@ -415,3 +415,33 @@ fn run_holds_the_output_to_a_structured_spec() {
         refused(&[&["run", &model, "--prompt", "x"][..], bad].concat());
     }
 }
+
+/// `--top-k 1` leaves sampling the most likely token alone, so a sampled run at any seed
+/// gives the greedy tokens; `--top-p` and `--min-p` take effect (a tiny `top_p` is greedy
+/// too) and are checked.
+#[test]
+fn run_takes_top_k_top_p_and_min_p() {
+    let model = smollm2();
+    let base = [
+        "run",
+        &model,
+        "--prompt",
+        "The capital of France is",
+        "--max-tokens",
+        "8",
+        "--json",
+    ];
+    let greedy = json(&base)["ids"].clone();
+    for (flag, value) in [("--top-k", "1"), ("--top-p", "0.000001")] {
+        for seed in ["1", "2"] {
+            let sampled = json(&[&base[..], &["--temperature", "1.5", "--seed", seed, flag, value]].concat());
+            assert_eq!(sampled["ids"], greedy, "{flag} {value}");
+        }
+    }
+    let wide = json(&[&base[..], &["--temperature", "1.5", "--seed", "3", "--min-p", "0.01"]].concat());
+    assert_eq!(wide["ids"].as_array().map(Vec::len), Some(8));
+    for bad in [&["--top-p", "0"][..], &["--top-p", "1.5"], &["--min-p", "2"]] {
+        let message = refused(&[&base[..], bad].concat());
+        assert!(message.contains(bad[0]), "{message}");
+    }
+}

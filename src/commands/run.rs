@@ -31,6 +31,17 @@ pub struct RunArgs {
     pub temperature: f32,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// With a temperature: sample from the smallest set of most likely tokens holding this
+    /// share of the probability (1 keeps every token).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// With a temperature: sample from this many most likely tokens (0 keeps every token).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    /// With a temperature: sample from the tokens at least this many times as likely as the
+    /// most likely one (0 keeps every token).
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
     /// Keep generating past the end-of-sequence token.
     #[arg(long)]
     pub ignore_eos: bool,
@@ -92,6 +103,12 @@ pub fn run(args: &RunArgs) -> Result<()> {
     }
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        bail!("--top-p must be in (0, 1], got {}", args.top_p);
+    }
+    if !(0.0..=1.0).contains(&args.min_p) {
+        bail!("--min-p must be in [0, 1], got {}", args.min_p);
     }
     let started = Instant::now();
     let options = model_ref::LoadOptions {
@@ -190,6 +207,9 @@ fn stream<B: runtime::Backend>(
         sampling: SamplingParams {
             temperature: args.temperature,
             seed: args.seed,
+            top_p: args.top_p,
+            top_k: args.top_k,
+            min_p: args.min_p,
             ..SamplingParams::default()
         },
         stop_tokens: match (args.ignore_eos, tokenizer) {
