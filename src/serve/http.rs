@@ -12,7 +12,7 @@ use super::response::{self, json_response, unix_time};
 use super::structured::LazyStructuredOutputs;
 use super::tool_parser::CallFormat;
 use super::tools::ToolCalling;
-use super::worker::NewRequest;
+use super::worker::{Event, NewRequest};
 use super::{anthropic_output, anthropic_request, responses_output, responses_request};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -273,45 +273,12 @@ async fn admit(
         stop_tokens.extend(&app.tokenizer.eos);
     }
     let processing = Processing::of(&request, &app.tokenizer, &app.structured, &stop_tokens, reasoning).await?;
-    let engine_gone = || ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the engine has stopped");
-    // Each prompt's `n` choices are `n` sequences, seeded apart; all are admitted or none is
-    // kept.
-    let mut events = Vec::new();
-    let mut admissions = Vec::new();
-    for ((prompt, _), &max_tokens) in tokenized.iter().zip(&max_tokens) {
-        for i in 0..request.n {
-            let (events_tx, events_rx) = mpsc::unbounded_channel();
-            let (admitted_tx, admitted_rx) = oneshot::channel();
-            let sampling = SamplingParams {
-                seed: request.sampling.seed.wrapping_add(i as u64),
-                ..request.sampling
-            };
-            let submitted = NewRequest {
-                prompt: prompt.clone(),
-                // An echo of the prompt alone still has the engine take a token (dropped).
-                max_tokens: max_tokens.max(1),
-                stop_tokens: stop_tokens.clone(),
-                sampling,
-                processors: processing.for_sequence(),
-                events: events_tx,
-                admitted: admitted_tx,
-            };
-            app.requests.send(submitted).map_err(|_| engine_gone())?;
-            events.push(events_rx);
-            admissions.push(admitted_rx);
-        }
-    }
-    let scored_for = match request.prompt_logprobs {
-        Some(_) => "prompt_logprobs",
-        None => "echo",
-    };
-    for admitted in admissions {
-        // On an error, returning drops every receiver: the engine aborts the admitted ones.
-        admitted
-            .await
-            .map_err(|_| engine_gone())?
-            .map_err(|e| admission_error(e, scored_for))?;
-    }
+    let prompts_and_lengths: Vec<(&[u32], usize)> = tokenized
+        .iter()
+        .map(|(ids, _)| ids.as_slice())
+        .zip(max_tokens)
+        .collect();
+    let events = submit_choices(app, &request, &prompts_and_lengths, &stop_tokens, &processing).await?;
     let prompt_tokens = tokenized.iter().map(|(ids, _)| ids.len()).sum();
     app.metrics.prompt_tokens.fetch_add(prompt_tokens as u64, Relaxed);
     let prefix = match endpoint {
@@ -350,6 +317,55 @@ async fn admit(
         started,
     };
     Ok(Generation::new(info, events))
+}
+
+/// Submit each prompt's `n` choices (`n` sequences, seeded apart) with the number of tokens
+/// to generate for it; their event channels, in choice order, once all are admitted (or an
+/// error, and none is kept: dropping a receiver aborts its sequence).
+async fn submit_choices(
+    app: &AppState,
+    request: &GenerationRequest,
+    prompts: &[(&[u32], usize)],
+    stop_tokens: &[u32],
+    processing: &Processing,
+) -> Result<Vec<mpsc::UnboundedReceiver<Event>>, ApiError> {
+    let engine_gone = || ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "the engine has stopped");
+    let mut events = Vec::new();
+    let mut admissions = Vec::new();
+    for &(prompt, max_tokens) in prompts {
+        for i in 0..request.n {
+            let (events_tx, events_rx) = mpsc::unbounded_channel();
+            let (admitted_tx, admitted_rx) = oneshot::channel();
+            let sampling = SamplingParams {
+                seed: request.sampling.seed.wrapping_add(i as u64),
+                ..request.sampling
+            };
+            let submitted = NewRequest {
+                prompt: prompt.to_vec(),
+                // An echo of the prompt alone still has the engine take a token (dropped).
+                max_tokens: max_tokens.max(1),
+                stop_tokens: stop_tokens.to_vec(),
+                sampling,
+                processors: processing.for_sequence(),
+                events: events_tx,
+                admitted: admitted_tx,
+            };
+            app.requests.send(submitted).map_err(|_| engine_gone())?;
+            events.push(events_rx);
+            admissions.push(admitted_rx);
+        }
+    }
+    let scored_for = match request.prompt_logprobs {
+        Some(_) => "prompt_logprobs",
+        None => "echo",
+    };
+    for admitted in admissions {
+        admitted
+            .await
+            .map_err(|_| engine_gone())?
+            .map_err(|e| admission_error(e, scored_for))?;
+    }
+    Ok(events)
 }
 
 /// The ids of a request that carries one prompt (what `/tokenize` and the token counts of
