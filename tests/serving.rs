@@ -580,11 +580,13 @@ fn speculation_config(speculation: runtime::serving::NgramConfig) -> SchedulerCo
 /// own text, those positions score exactly what the continuation's tokens reported as they
 /// were generated (what lm-eval's log-likelihoods rest on), however the prompt is chunked,
 /// and though its blocks are in the prefix cache (a cached position is never computed, so a
-/// scored prompt reads none). Also for a model with recurrent state, whose scored rows are
-/// not drafts (no checkpoints kept for them).
+/// scored prompt reads none). Also for a model with recurrent state (Qwen3.5: its scored rows
+/// are not drafts, so no checkpoints are kept for them), Gemma 4's KV-shared layers (which run
+/// on the rows sampled from alone) and GLM-5's sparse latent attention (each row's indexer
+/// cut).
 #[test]
 fn prompt_logprobs_score_each_position_as_decoding_it_would() {
-    for family in ["llama", "qwen3_5"] {
+    for family in ["llama", "qwen3_5", "gemma4_kv_shared", "glm_moe_dsa"] {
         let model = Model::open(ModelSpec::for_weights(&common::fixture(&format!("hf-tiny/{family}")))).unwrap();
         let prompt: Vec<u32> = (0..11u32).map(|j| 40 + 23 * j).collect();
         let logprobs = |top| SamplingParams {
