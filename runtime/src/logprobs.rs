@@ -6,9 +6,7 @@
 //! Gemma 3 row), the rank a count, the alternatives a scan that skips every 64-logit block
 //! none of whose logits can enter them.
 
-use crate::cpu::activation;
-#[cfg(target_arch = "x86_64")]
-use crate::cpu::simd;
+use crate::cpu::{activation, simd};
 
 /// A chosen token's log-probability under the model's distribution (the raw logits, before
 /// temperature and penalties, as vLLM reports them) and the most likely alternatives.
@@ -22,31 +20,10 @@ pub struct TokenLogprobs {
 }
 
 impl TokenLogprobs {
-    pub fn of(logits: &[f32], token: u32, top: usize) -> Self {
-        #[cfg(target_arch = "x86_64")]
-        if simd::has_avx512() {
-            // SAFETY: the CPU has AVX-512F and VL (checked above).
-            return unsafe { of_avx512(logits, token, top) };
-        }
-        #[cfg(target_arch = "x86_64")]
-        if std::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2 (checked above).
-            return unsafe { of_avx2(logits, token, top) };
-        }
-        of_body(logits, token, top)
+    simd::widest_vectors! {
+        /// `token`'s log-probability and rank under `logits`, and the `top` most likely tokens.
+        pub fn of(logits: &[f32], token: u32, top: usize) -> TokenLogprobs => of_body
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl")]
-unsafe fn of_avx512(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
-    of_body(logits, token, top)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn of_avx2(logits: &[f32], token: u32, top: usize) -> TokenLogprobs {
-    of_body(logits, token, top)
 }
 
 #[inline(always)]

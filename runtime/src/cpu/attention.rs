@@ -229,35 +229,13 @@ fn split<const G: usize>(v: &mut [f32], len: usize) -> [&mut [f32]; G] {
     })
 }
 
-/// Scaled scores to probabilities: f32 softmax with the maximum subtracted, `e^x` by
-/// [`activation::exp`] (libm's `expf`, a call a score, took a seventh of a 512-token prefill)
-/// and the sum over sixteen lanes reduced pairwise as `simd::dot` sums; with AVX-512 or AVX2
-/// where the CPU has them, so the loops run 16 or 8 lanes wide (the same operations, so the
-/// same bits).
-fn softmax(scores: &mut [f32], scale: f32) {
-    #[cfg(target_arch = "x86_64")]
-    if simd::has_avx512() {
-        // SAFETY: the CPU has AVX-512F (checked above).
-        return unsafe { softmax_avx512(scores, scale) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2 (checked above).
-        return unsafe { softmax_avx2(scores, scale) };
-    }
-    softmax_body(scores, scale)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl")]
-unsafe fn softmax_avx512(scores: &mut [f32], scale: f32) {
-    softmax_body(scores, scale)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn softmax_avx2(scores: &mut [f32], scale: f32) {
-    softmax_body(scores, scale)
+simd::widest_vectors! {
+    /// Scaled scores to probabilities: f32 softmax with the maximum subtracted, `e^x` by
+    /// [`activation::exp`] (libm's `expf`, a call a score, took a seventh of a 512-token prefill)
+    /// and the sum over sixteen lanes reduced pairwise as `simd::dot` sums; with AVX-512 or AVX2
+    /// where the CPU has them, so the loops run 16 or 8 lanes wide (the same operations, so the
+    /// same bits).
+    fn softmax(scores: &mut [f32], scale: f32) => softmax_body
 }
 
 /// Lanes of a softmax's maximum and sum: element `i` goes to lane `i % LANES`.

@@ -385,6 +385,39 @@ pub fn wide_many(len: usize) -> bool {
     false
 }
 
+/// Defines `$name` to run `$body` (an `#[inline(always)]` function of the same arguments)
+/// compiled for the widest vector instructions the CPU has: AVX-512 (F and VL) where
+/// [`has_avx512`] says so, else AVX2, else as written. The compiler vectorises the one source
+/// for each width; loops written without fused multiply-adds give the same bits at every one.
+macro_rules! widest_vectors {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? => $body:path) => {
+        $(#[$meta])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx512vl")]
+                unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                #[target_feature(enable = "avx2")]
+                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                if $crate::cpu::simd::has_avx512() {
+                    // SAFETY: the CPU has AVX-512F and VL (checked above).
+                    return unsafe { avx512($($arg),*) };
+                }
+                if std::is_x86_feature_detected!("avx2") {
+                    // SAFETY: the CPU has AVX2 (checked above).
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            $body($($arg),*)
+        }
+    };
+}
+pub(crate) use widest_vectors;
+
 /// Whether the many-vector forms (and `dense`'s tiles) run on 512-bit registers: AVX-512F and
 /// VL, unless `BBC_AVX512=0` (the same bits either way).
 #[cfg(target_arch = "x86_64")]

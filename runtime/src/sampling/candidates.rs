@@ -8,9 +8,7 @@
 //! clears its floor.
 
 use super::SamplingParams;
-use crate::cpu::activation;
-#[cfg(target_arch = "x86_64")]
-use crate::cpu::simd;
+use crate::cpu::{activation, simd};
 use crate::logprobs::most_likely;
 
 /// The tokens sampling may choose, with unnormalised weights.
@@ -134,31 +132,9 @@ fn most_likely_ids(ranked: &[f32], count: usize) -> Vec<u32> {
     ids
 }
 
-/// Each token's `e^((l − max)/T)` (0 for NaN); empty where no logit is a number above −∞.
-fn weights(logits: &[f32], temperature: f32) -> Vec<f32> {
-    #[cfg(target_arch = "x86_64")]
-    if simd::has_avx512() {
-        // SAFETY: the CPU has AVX-512F and VL (checked above).
-        return unsafe { weights_avx512(logits, temperature) };
-    }
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2 (checked above).
-        return unsafe { weights_avx2(logits, temperature) };
-    }
-    weights_body(logits, temperature)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl")]
-unsafe fn weights_avx512(logits: &[f32], temperature: f32) -> Vec<f32> {
-    weights_body(logits, temperature)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn weights_avx2(logits: &[f32], temperature: f32) -> Vec<f32> {
-    weights_body(logits, temperature)
+simd::widest_vectors! {
+    /// Each token's `e^((l − max)/T)` (0 for NaN); empty where no logit is a number above −∞.
+    fn weights(logits: &[f32], temperature: f32) -> Vec<f32> => weights_body
 }
 
 #[inline(always)]
