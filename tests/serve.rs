@@ -1272,3 +1272,57 @@ fn echo_scores_a_continuation_exactly_as_generating_it_reported() {
     let (status, error) = server.post("/v1/chat/completions", &refused);
     assert_eq!((status, error_of(&error).1), (400, Some("prompt_logprobs")));
 }
+
+/// vLLM's `return_token_ids`: the prompt's ids and each choice's generated ids (its stop token
+/// included, as usage counts it), whole or spread over the streamed chunks;
+/// `return_tokens_as_token_ids` names log-probabilities' tokens `token_id:N`.
+#[test]
+fn token_ids_come_back_when_asked_for() {
+    let server = Server::start(&[]);
+    let prompt = "The capital of France is";
+    let (_, tokenized) = server.post("/tokenize", &json!({ "prompt": prompt }));
+    let body = json!({"prompt": prompt, "max_tokens": 5, "temperature": 0, "return_token_ids": true,
+                      "logprobs": 1, "return_tokens_as_token_ids": true});
+    let (status, whole) = server.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{whole}");
+    let choice = &whole["choices"][0];
+    assert_eq!(choice["prompt_token_ids"], tokenized["tokens"]);
+    let ids = choice["token_ids"].as_array().unwrap().clone();
+    assert_eq!(ids.len(), 5);
+    let (_, text) = server.post("/detokenize", &json!({ "tokens": ids }));
+    assert_eq!(text["prompt"], choice["text"]);
+    let named: Vec<String> = ids.iter().map(|id| format!("token_id:{id}")).collect();
+    assert_eq!(choice["logprobs"]["tokens"], json!(named));
+    assert!(choice["logprobs"]["top_logprobs"][0]
+        .as_object()
+        .unwrap()
+        .keys()
+        .all(|k| k.starts_with("token_id:")));
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (_, chunks) = server.stream("/v1/completions", &streamed);
+    assert_eq!(chunks[0]["choices"][0]["prompt_token_ids"], tokenized["tokens"]);
+    let streamed_ids: Vec<Value> = chunks
+        .iter()
+        .flat_map(|c| c["choices"][0]["token_ids"].as_array().cloned().unwrap_or_default())
+        .collect();
+    assert_eq!(streamed_ids, ids);
+
+    // A chat answer that ends on its own: its end token is among its ids.
+    let chat = json!({"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 40, "temperature": 0,
+                      "return_token_ids": true});
+    let (status, answer) = server.post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["choices"][0]["finish_reason"], "stop", "{answer}");
+    let prompt_ids = answer["prompt_token_ids"].as_array().unwrap();
+    assert_eq!(Some(prompt_ids.len() as u64), answer["usage"]["prompt_tokens"].as_u64());
+    let generated = answer["choices"][0]["token_ids"].as_array().unwrap();
+    assert_eq!(
+        Some(generated.len() as u64),
+        answer["usage"]["completion_tokens"].as_u64()
+    );
+    // Not asked for, not there.
+    let (_, plain) = server.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": 2}));
+    assert!(plain["choices"][0].get("token_ids").is_none() && plain["choices"][0].get("prompt_token_ids").is_none());
+}

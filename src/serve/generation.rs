@@ -33,6 +33,8 @@ pub enum Output {
         text: String,
         reasoning: String,
         logprobs: Vec<(u32, TokenLogprobs)>,
+        /// The ids of the tokens consumed since its last piece (stop tokens included).
+        ids: Vec<u32>,
     },
     /// Tool calls choice `index` made in its own format (`tool_choice` auto), after the text
     /// before them.
@@ -61,6 +63,8 @@ struct Choice {
     calls: Option<CallSplit>,
     /// Log-probabilities of tokens not yet attached to a piece of text.
     logprobs: Vec<(u32, TokenLogprobs)>,
+    /// Ids of tokens not yet attached to a piece of text.
+    ids: Vec<u32>,
     /// Log-probabilities of its prompt's positions so far.
     prompt_logprobs: Vec<TokenLogprobs>,
     /// Whether its first token or its end came (so its prompt was reported).
@@ -113,6 +117,10 @@ pub struct RequestInfo {
     pub include_usage: bool,
     /// `logprobs`: the alternatives reported with each output token, where asked for.
     pub logprobs: Option<usize>,
+    /// vLLM's `return_token_ids`: the prompt's ids and each choice's generated ids reported.
+    pub return_token_ids: bool,
+    /// vLLM's `return_tokens_as_token_ids`: tokens in log-probabilities as `token_id:N`.
+    pub tokens_as_ids: bool,
     pub prompt: PromptReport,
     pub stop_strings: Vec<String>,
     /// `include_stop_str_in_output`: the stop string that ends a choice is part of its text.
@@ -158,6 +166,7 @@ impl Generation {
                     _ => None,
                 },
                 logprobs: Vec::new(),
+                ids: Vec::new(),
                 prompt_logprobs: Vec::new(),
                 started: false,
                 stop_token: None,
@@ -211,6 +220,7 @@ impl Generation {
                 self.start(index);
                 self.completion_tokens += 1;
                 self.first_token_at.get_or_insert_with(Instant::now);
+                self.choices[index].ids.push(token);
                 if self.info.stop_tokens.contains(&token) {
                     // The model's own end is no stop token of the request's (vLLM's rule).
                     if !self.info.app.tokenizer.eos.contains(&token) {
@@ -288,12 +298,13 @@ impl Generation {
 
     fn push_parsed(&mut self, index: usize, reasoning: String, parsed: Parsed) {
         if !parsed.content.is_empty() || !reasoning.is_empty() {
-            let logprobs = std::mem::take(&mut self.choices[index].logprobs);
+            let choice = &mut self.choices[index];
             self.pending.push_back(Output::Text {
                 index,
                 text: parsed.content,
                 reasoning,
-                logprobs,
+                logprobs: std::mem::take(&mut choice.logprobs),
+                ids: std::mem::take(&mut choice.ids),
             });
         }
         if !parsed.calls.is_empty() {
@@ -320,14 +331,15 @@ impl Generation {
             self.push_parsed(index, String::new(), held);
         }
         let choice = &mut self.choices[index];
-        if !choice.logprobs.is_empty() {
-            // Tokens whose text was held back (a stop string's start, a partial character).
-            let logprobs = std::mem::take(&mut choice.logprobs);
+        if !choice.logprobs.is_empty() || (self.info.return_token_ids && !choice.ids.is_empty()) {
+            // Tokens whose text was held back (a stop string's start, a partial character,
+            // the stop token).
             self.pending.push_back(Output::Text {
                 index,
                 text: String::new(),
                 reasoning: String::new(),
-                logprobs,
+                logprobs: std::mem::take(&mut choice.logprobs),
+                ids: std::mem::take(&mut choice.ids),
             });
         }
         self.pending.push_back(Output::Finish {
@@ -435,6 +447,8 @@ mod tests {
             stream: true,
             include_usage: false,
             logprobs: None,
+            return_token_ids: false,
+            tokens_as_ids: false,
             prompt: PromptReport::default(),
             stop_strings: stops.iter().map(|s| s.to_string()).collect(),
             include_stop_str: false,

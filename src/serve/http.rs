@@ -301,6 +301,8 @@ async fn admit(
         stream: request.stream,
         include_usage: request.include_usage,
         logprobs: request.sampling.logprobs,
+        return_token_ids: request.return_token_ids,
+        tokens_as_ids: request.return_tokens_as_token_ids,
         prompt: PromptReport {
             prompts,
             choices_each: request.n,

@@ -53,6 +53,10 @@ pub struct GenerationRequest {
     pub prompt_logprobs: Option<usize>,
     /// vLLM's `include_stop_str_in_output`: the stop string that ends the output is kept.
     pub include_stop_str: bool,
+    /// vLLM's `return_token_ids`: the prompt's and each choice's token ids in the response.
+    pub return_token_ids: bool,
+    /// vLLM's `return_tokens_as_token_ids`: log-probabilities name tokens `token_id:N`.
+    pub return_tokens_as_token_ids: bool,
 }
 
 /// Which endpoint a body was sent to.
@@ -151,6 +155,8 @@ pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Gene
         echo,
         prompt_logprobs,
         include_stop_str: fields.bool("include_stop_str_in_output")?.unwrap_or(false),
+        return_token_ids: fields.bool("return_token_ids")?.unwrap_or(false),
+        return_tokens_as_token_ids: fields.bool("return_tokens_as_token_ids")?.unwrap_or(false),
     })
 }
 

@@ -67,7 +67,7 @@ fn logprobs_json(g: &Generation, entries: &[LogprobEntry], text_offset: &mut usi
     let Some(alternatives) = g.info.logprobs else {
         return Value::Null;
     };
-    let text = |id: u32| g.info.app.tokenizer.decode(&[id]).unwrap_or_default();
+    let text = |id: u32| token_text(g, id);
     // A prompt scored for `prompt_logprobs` may carry more alternatives than these.
     let top = |lp: &TokenLogprobs| lp.top.iter().take(alternatives).copied().collect::<Vec<_>>();
     match g.info.endpoint {
@@ -110,6 +110,15 @@ fn logprobs_json(g: &Generation, entries: &[LogprobEntry], text_offset: &mut usi
     }
 }
 
+/// How log-probabilities name token `id`: its text, or vLLM's `token_id:N` where the request
+/// asks (`return_tokens_as_token_ids`: texts can collide, ids cannot).
+fn token_text(g: &Generation, id: u32) -> String {
+    match g.info.tokens_as_ids {
+        true => format!("token_id:{id}"),
+        false => g.info.app.tokenizer.decode(&[id]).unwrap_or_default(),
+    }
+}
+
 /// vLLM's `prompt_logprobs` of choice `index`'s prompt: null for the first position, then for
 /// each a map from token ids to their log-probability, rank and text: the prompt's token and
 /// the most likely alternatives there. Null when not asked for.
@@ -117,7 +126,7 @@ fn prompt_logprobs_json(g: &Generation, index: usize, logprobs: &[TokenLogprobs]
     let Some(alternatives) = g.info.prompt.logprobs else {
         return Value::Null;
     };
-    let text = |id: u32| g.info.app.tokenizer.decode(&[id]).unwrap_or_default();
+    let text = |id: u32| token_text(g, id);
     let entry =
         |logprob: f32, rank: u32, id: u32| json!({ "logprob": logprob, "rank": rank, "decoded_token": text(id) });
     let ids = &g.info.prompt.of_choice(index).ids;
@@ -130,6 +139,20 @@ fn prompt_logprobs_json(g: &Generation, index: usize, logprobs: &[TokenLogprobs]
         Value::Object(at)
     });
     Value::Array(std::iter::once(Value::Null).chain(positions).collect())
+}
+
+/// A streamed chunk, with vLLM's `prompt_token_ids` where the request asks for token ids and
+/// it is choice `index`'s first: in the choice for a completion, beside the choices for a chat
+/// (whose prompt is every choice's).
+fn with_prompt_ids(g: &Generation, index: usize, first: bool, mut chunk: Value) -> Value {
+    if g.info.return_token_ids && first {
+        let ids = json!(g.info.prompt.of_choice(index).ids);
+        match g.info.endpoint {
+            Endpoint::Completions => chunk["choices"][0]["prompt_token_ids"] = ids,
+            Endpoint::Chat => chunk["prompt_token_ids"] = ids,
+        }
+    }
+    chunk
 }
 
 /// vLLM's `stop_reason`: the stop string or stop token id that ended a choice, null where
@@ -236,7 +259,8 @@ impl StreamState {
                     reasoning: "",
                 };
                 let choice = stream_choice(g.info.endpoint, index, Some(piece), None, true, logprobs);
-                self.ready.push_back(chunk(g, choice).to_string());
+                self.ready
+                    .push_back(with_prompt_ids(g, index, true, chunk(g, choice)).to_string());
                 self.sent_text[index] = true;
             }
             Some(Output::Text {
@@ -244,6 +268,7 @@ impl StreamState {
                 text,
                 reasoning,
                 logprobs,
+                ids,
             }) => {
                 let logprobs = logprobs_json(g, &generated_entries(logprobs), &mut self.text_offsets[index]);
                 let first = !self.sent_text[index];
@@ -252,6 +277,9 @@ impl StreamState {
                     reasoning: &reasoning,
                 };
                 let mut choice = stream_choice(g.info.endpoint, index, Some(piece), None, first, logprobs);
+                if g.info.return_token_ids {
+                    choice[0]["token_ids"] = json!(ids);
+                }
                 match &g.info.tool_calling {
                     // The arguments as they come, in the call's delta.
                     Some(ToolCalling::Named(tool)) => {
@@ -269,7 +297,8 @@ impl StreamState {
                     }
                     Some(ToolCalling::Auto { .. }) | None => {}
                 }
-                self.ready.push_back(chunk(g, choice).to_string());
+                self.ready
+                    .push_back(with_prompt_ids(g, index, first, chunk(g, choice)).to_string());
                 self.sent_text[index] = true;
             }
             Some(Output::Calls { index, calls }) => {
@@ -329,6 +358,7 @@ pub async fn complete(mut g: Generation) -> Response {
     let mut stop_reasons = vec![Value::Null; n];
     let mut logprobs: Vec<Vec<LogprobEntry>> = vec![Vec::new(); n];
     let mut prompt_logprobs: Vec<Vec<TokenLogprobs>> = vec![Vec::new(); n];
+    let mut token_ids: Vec<Vec<u32>> = vec![Vec::new(); n];
     let mut auto_calls: Vec<Vec<tools::ToolCall>> = vec![Vec::new(); n];
     while let Some(output) = g.next().await {
         match output {
@@ -344,7 +374,9 @@ pub async fn complete(mut g: Generation) -> Response {
                 text,
                 reasoning,
                 logprobs: lp,
+                ids,
             } => {
+                token_ids[index].extend(ids);
                 texts[index] += &text;
                 reasonings[index] += &reasoning;
                 logprobs[index].extend(generated_entries(lp));
@@ -374,6 +406,10 @@ pub async fn complete(mut g: Generation) -> Response {
                     if g.info.prompt.logprobs.is_some() {
                         choice["prompt_logprobs"] = prompt_logprobs_json(&g, i, &prompt_logprobs[i]);
                     }
+                    if g.info.return_token_ids {
+                        choice["prompt_token_ids"] = json!(g.info.prompt.of_choice(i).ids);
+                        choice["token_ids"] = json!(token_ids[i]);
+                    }
                     choice
                 }
                 Endpoint::Chat => {
@@ -394,10 +430,14 @@ pub async fn complete(mut g: Generation) -> Response {
                         let reasoning = Some(&reasonings[i]).filter(|r| !r.is_empty());
                         message["reasoning_content"] = json!(reasoning);
                     }
-                    json!({
+                    let mut choice = json!({
                         "index": i, "message": message, "logprobs": lp, "finish_reason": finishes[i],
                         "stop_reason": stop_reasons[i],
-                    })
+                    });
+                    if g.info.return_token_ids {
+                        choice["token_ids"] = json!(token_ids[i]);
+                    }
+                    choice
                 }
             }
         })
@@ -409,6 +449,9 @@ pub async fn complete(mut g: Generation) -> Response {
     // A chat response's prompt is every choice's: vLLM reports it once, beside the choices.
     if g.info.endpoint == Endpoint::Chat && g.info.prompt.logprobs.is_some() {
         response["prompt_logprobs"] = prompt_logprobs_json(&g, 0, &prompt_logprobs[0]);
+    }
+    if g.info.endpoint == Endpoint::Chat && g.info.return_token_ids {
+        response["prompt_token_ids"] = json!(g.info.prompt.of_choice(0).ids);
     }
     json_response(response)
 }
