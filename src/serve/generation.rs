@@ -218,45 +218,55 @@ impl Generation {
             }
             Some(Event::Token(token, logprobs)) => {
                 self.start(index);
-                self.completion_tokens += 1;
-                self.first_token_at.get_or_insert_with(Instant::now);
-                self.choices[index].ids.push(token);
-                if self.info.stop_tokens.contains(&token) {
-                    // The model's own end is no stop token of the request's (vLLM's rule).
-                    if !self.info.app.tokenizer.eos.contains(&token) {
-                        self.choices[index].stop_token = Some(token);
-                    }
-                    return; // Finished(Stop) follows; the stop token is not text.
-                }
-                let choice = &mut self.choices[index];
-                choice.logprobs.extend(logprobs.map(|lp| (token, lp)));
-                match choice.text.push(&self.info.app.tokenizer, token) {
-                    Ok(piece) => {
-                        self.push_text(index, piece.text);
-                        if piece.stopped {
-                            let matched = self.choices[index].text.matched().map(str::to_string);
-                            self.finish(index, "stop", matched);
-                        }
-                    }
-                    Err(e) => self.fail(format!("detokenizing: {e}")),
-                }
+                self.take_token(index, token, logprobs);
             }
             Some(Event::Finished(reason)) => {
                 self.start(index);
-                match self.choices[index].text.finish(&self.info.app.tokenizer) {
-                    Ok(rest) => {
-                        self.push_text(index, rest);
-                        let reason = match reason {
-                            FinishReason::Stop => "stop",
-                            FinishReason::Length => "length",
-                        };
-                        self.finish(index, reason, None);
-                    }
-                    Err(e) => self.fail(format!("detokenizing: {e}")),
-                }
+                self.end(index, reason);
             }
             Some(Event::Failed(message)) => self.fail(message),
             None => self.fail("the engine dropped the request".into()),
+        }
+    }
+
+    /// Choice `index`'s next token: its text released as far as the stop strings allow.
+    fn take_token(&mut self, index: usize, token: u32, logprobs: Option<TokenLogprobs>) {
+        self.completion_tokens += 1;
+        self.first_token_at.get_or_insert_with(Instant::now);
+        self.choices[index].ids.push(token);
+        if self.info.stop_tokens.contains(&token) {
+            // The model's own end is no stop token of the request's (vLLM's rule).
+            if !self.info.app.tokenizer.eos.contains(&token) {
+                self.choices[index].stop_token = Some(token);
+            }
+            return; // Finished(Stop) follows; the stop token is not text.
+        }
+        let choice = &mut self.choices[index];
+        choice.logprobs.extend(logprobs.map(|lp| (token, lp)));
+        match choice.text.push(&self.info.app.tokenizer, token) {
+            Ok(piece) => {
+                self.push_text(index, piece.text);
+                if piece.stopped {
+                    let matched = self.choices[index].text.matched().map(str::to_string);
+                    self.finish(index, "stop", matched);
+                }
+            }
+            Err(e) => self.fail(format!("detokenizing: {e}")),
+        }
+    }
+
+    /// The engine ended choice `index`: what its text held back, then its finish.
+    fn end(&mut self, index: usize, reason: FinishReason) {
+        match self.choices[index].text.finish(&self.info.app.tokenizer) {
+            Ok(rest) => {
+                self.push_text(index, rest);
+                let reason = match reason {
+                    FinishReason::Stop => "stop",
+                    FinishReason::Length => "length",
+                };
+                self.finish(index, reason, None);
+            }
+            Err(e) => self.fail(format!("detokenizing: {e}")),
         }
     }
 
