@@ -50,6 +50,9 @@ enum Command {
     /// Check and time the CUDA backend on this machine's GPU: kernels against the emulator,
     /// SmolLM2 bf16 against the CPU backend, CUDA graphs, Llama-8B-shaped decode.
     GpuCheck(bbc::gpu_check::GpuCheckArgs),
+    /// How well a model predicts a text (llama.cpp's perplexity: windows of --context tokens,
+    /// each scored on its second half).
+    Perplexity(commands::perplexity::PerplexityArgs),
     /// Print the token ids of a text as JSON.
     Tokenize {
         model: String,
@@ -95,6 +98,7 @@ fn run(cli: Cli) -> Result<()> {
             verify,
         }),
         Command::Run(args) => commands::run::run(&args),
+        Command::Perplexity(args) => commands::perplexity::perplexity(&args),
         Command::Serve(args) => bbc::serve::serve(&args),
         Command::Bench(args) => bbc::bench::bench(&args),
         Command::GpuCheck(args) => bbc::gpu_check::gpu_check(&args),

@@ -445,3 +445,57 @@ fn run_takes_top_k_top_p_and_min_p() {
         assert!(message.contains(bad[0]), "{message}");
     }
 }
+
+/// `bbc perplexity`: windows of `--context` tokens, each scored on its second half (llama.cpp's
+/// method): a text that repeats one sentence is all but certain to the model, the same words
+/// in a scrambled order are not; bad settings and texts are refused by name.
+#[test]
+fn perplexity_tells_a_repeated_text_from_a_scrambled_one() {
+    let model = smollm2();
+    let dir = tempfile::tempdir().unwrap();
+    let sentence = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat. ";
+    let repeated = dir.path().join("repeated.txt");
+    std::fs::write(&repeated, sentence.repeat(40)).unwrap();
+    let words: Vec<&str> = sentence.split_whitespace().collect();
+    let scrambled_text: Vec<&str> = (0..40 * words.len())
+        .map(|i| words[(i * 7 + i / 3) % words.len()])
+        .collect();
+    let scrambled = dir.path().join("scrambled.txt");
+    std::fs::write(&scrambled, scrambled_text.join(" ")).unwrap();
+    let measure = |file: &std::path::Path| {
+        let path = file.to_str().unwrap();
+        json(&[
+            "perplexity",
+            &model,
+            "--file",
+            path,
+            "--context",
+            "64",
+            "--windows",
+            "3",
+            "--json",
+        ])
+    };
+    let (low, high) = (measure(&repeated), measure(&scrambled));
+    for m in [&low, &high] {
+        assert_eq!(m["scored_tokens"], 3 * (64 - 32 - 1), "{m}");
+        assert_eq!(m["windows"], 3, "{m}");
+    }
+    let ppl = |m: &serde_json::Value| m["perplexity"].as_f64().unwrap();
+    assert!(ppl(&low) >= 1.0 && ppl(&low) < 2.0, "{low}");
+    assert!(ppl(&high) > 10.0, "{high}");
+    let path = repeated.to_str().unwrap();
+    for (bad, named) in [
+        (vec!["--context", "2"], "--context"),
+        // SmolLM2's context is 8192, and a window's generated token needs one more.
+        (vec!["--context", "8192"], "--context 8192 must be below"),
+    ] {
+        let message = refused(&[&["perplexity", &model, "--file", path][..], &bad].concat());
+        assert!(message.contains(named), "{message}");
+    }
+    let short = dir.path().join("short.txt");
+    std::fs::write(&short, "Too short.").unwrap();
+    let message = refused(&["perplexity", &model, "--file", short.to_str().unwrap()]);
+    assert!(message.contains("shorter than one window"), "{message}");
+    assert!(refused(&["perplexity", &model, "--file", "/nonexistent.txt"]).contains("/nonexistent.txt"));
+}
