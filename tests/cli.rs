@@ -489,6 +489,7 @@ fn perplexity_tells_a_repeated_text_from_a_scrambled_one() {
         (vec!["--context", "2"], "--context"),
         // SmolLM2's context is 8192, and a window's generated token needs one more.
         (vec!["--context", "8192"], "--context 8192 must be below"),
+        (vec!["--windows", "0"], "--windows"),
     ] {
         let message = refused(&[&["perplexity", &model, "--file", path][..], &bad].concat());
         assert!(message.contains(named), "{message}");

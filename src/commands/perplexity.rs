@@ -55,6 +55,9 @@ pub fn perplexity(args: &PerplexityArgs) -> Result<()> {
     if args.context < 4 {
         bail!("--context must be at least 4 tokens, got {}", args.context);
     }
+    if args.windows == Some(0) {
+        bail!("--windows must be at least 1");
+    }
     let text = std::fs::read_to_string(&args.file).with_context(|| format!("reading {}", args.file.display()))?;
     let options = model_ref::LoadOptions {
         dtype: args.dtype,
