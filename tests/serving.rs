@@ -659,6 +659,22 @@ fn prompt_logprobs_score_each_position_as_decoding_it_would() {
             assert_eq!(at.rank, 1, "{family}: greedy tokens rank first");
         }
         assert_eq!(scored(4), whole, "{family}: prompt chunked in 4s");
+        // Scored from position 9 on only (a perplexity window's second half): the same values.
+        let mut engine = ServingEngine::new(backend(&model), scoring_config(4));
+        let scoring = SamplingParams {
+            prompt_logprobs: Some(3),
+            ..SamplingParams::default()
+        };
+        let id = engine.add(text.clone(), 1, vec![], scoring).unwrap();
+        assert!(engine.score_prompt_from(id, 9));
+        let mut late = Vec::new();
+        run_to_idle(&mut engine, |out, _| {
+            for p in &out.prompt_logprobs {
+                assert!(p.first >= 9, "{family}: scored position {}", p.first);
+                late.extend(p.logprobs.iter().cloned());
+            }
+        });
+        assert_eq!(late, whole[8..], "{family}: scored from position 9");
     }
 }
 

@@ -135,21 +135,22 @@ fn window_scores(backend: runtime::CpuBackend, windows: &[Vec<u32>], context: us
         prompt_logprobs: Some(0),
         ..SamplingParams::default()
     };
-    let ids: Vec<SeqId> = windows
-        .iter()
-        .map(|w| engine.add(w.clone(), 1, Vec::new(), scoring))
-        .collect::<Result<_, _>>()
-        .context("queueing the windows")?;
+    // The first half of a window is its context: no logits are computed for it.
+    let first_scored = context / 2 + 1;
+    let mut ids = Vec::with_capacity(windows.len());
+    for window in windows {
+        let id = engine
+            .add(window.clone(), 1, Vec::new(), scoring)
+            .context("queueing the windows")?;
+        engine.score_prompt_from(id, first_scored);
+        ids.push(id);
+    }
     let mut by_seq: HashMap<SeqId, Vec<f64>> = HashMap::new();
     while !engine.scheduler().is_idle() {
         for scored in engine.step()?.prompt_logprobs {
-            let first_scored = context / 2 + 1;
-            let positions = scored.first..scored.first + scored.logprobs.len();
-            let kept = positions.zip(&scored.logprobs).filter(|(p, _)| *p >= first_scored);
-            by_seq
-                .entry(scored.seq)
-                .or_default()
-                .extend(kept.map(|(_, lp)| f64::from(lp.logprob)));
+            debug_assert!(scored.first >= first_scored);
+            let logprobs = scored.logprobs.iter().map(|lp| f64::from(lp.logprob));
+            by_seq.entry(scored.seq).or_default().extend(logprobs);
         }
     }
     Ok(ids.iter().map(|id| by_seq.remove(id).unwrap_or_default()).collect())

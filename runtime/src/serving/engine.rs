@@ -274,6 +274,22 @@ impl<B: PagedBackend> ServingEngine<B> {
         Ok(id)
     }
 
+    /// Score sequence `id`'s prompt (added asking for `prompt_logprobs`) from `position` on
+    /// only: rows before it return no logits (a perplexity's window scores its second half).
+    /// False where `id` is not scoring, or has scored past `position` already.
+    pub fn score_prompt_from(&mut self, id: SeqId, position: usize) -> bool {
+        match self.scoring.get_mut(&id) {
+            Some(scoring) if scoring.next <= position.max(1) => {
+                scoring.next = position.max(1);
+                if scoring.next >= scoring.prompt.len() {
+                    self.scoring.remove(&id);
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Drop a request (its client went away): its blocks and state are freed now.
     pub fn abort(&mut self, id: SeqId) -> bool {
         self.samplers.remove(&id);
