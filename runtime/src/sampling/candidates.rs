@@ -45,23 +45,16 @@ pub fn candidates(logits: &[f32], params: &SamplingParams) -> Candidates {
         }
         false => logits,
     };
-    let weighted =
-        |ids: Vec<u32>| -> Vec<(u32, f32)> { ids.into_iter().map(|id| (id, weights[id as usize])).collect() };
     let mut kept = match (params.top_k, params.top_p < 1.0) {
-        (0, false) => {
-            // `min_p` alone: the tokens over its floor (the best token's weight is 1), ranked.
-            let mut over: Vec<u32> = (0..weights.len() as u32)
-                .filter(|&id| weights[id as usize] >= params.min_p)
-                .collect();
-            over.sort_by(|&a, &b| ranked[b as usize].total_cmp(&ranked[a as usize]).then(a.cmp(&b)));
-            return Candidates::Kept(weighted(over));
-        }
+        // `min_p` alone: the tokens over its floor (the best token's weight is 1).
+        (0, false) => return Candidates::Kept(over_floor(ranked, &weights, params.min_p)),
         (0, true) => {
             let total: f64 = weights.iter().map(|&w| f64::from(w)).sum();
             top_p_of_weight_floors(ranked, &weights, params.top_p, total)
         }
         (k, top_p) => {
-            let mut kept = weighted(most_likely_ids(ranked, k));
+            let ids = most_likely_ids(ranked, k);
+            let mut kept: Vec<(u32, f32)> = ids.into_iter().map(|id| (id, weights[id as usize])).collect();
             if top_p {
                 let total: f64 = kept.iter().map(|&(_, w)| f64::from(w)).sum();
                 let cut = top_p_cut(&kept, params.top_p, total).unwrap_or(kept.len());
@@ -87,11 +80,7 @@ fn top_p_of_weight_floors(ranked: &[f32], weights: &[f32], top_p: f32, total: f6
     let mut floor = 1.0f32;
     loop {
         floor /= 16.0;
-        let mut kept: Vec<(u32, f32)> = (0..weights.len() as u32)
-            .map(|id| (id, weights[id as usize]))
-            .filter(|&(_, w)| w >= floor)
-            .collect();
-        kept.sort_unstable_by(|&(a, _), &(b, _)| ranked[b as usize].total_cmp(&ranked[a as usize]).then(a.cmp(&b)));
+        let mut kept = over_floor(ranked, weights, floor);
         match top_p_cut(&kept, top_p, total) {
             Some(cut) => {
                 kept.truncate(cut);
@@ -101,6 +90,22 @@ fn top_p_of_weight_floors(ranked: &[f32], weights: &[f32], top_p: f32, total: f6
             None => {}
         }
     }
+}
+
+/// The tokens whose weight is at least `floor`, most likely first.
+fn over_floor(ranked: &[f32], weights: &[f32], floor: f32) -> Vec<(u32, f32)> {
+    let mut kept: Vec<(u32, f32)> = (0..weights.len() as u32)
+        .map(|id| (id, weights[id as usize]))
+        .filter(|&(_, w)| w >= floor)
+        .collect();
+    let order = by_rank(ranked);
+    kept.sort_unstable_by(|(a, _), (b, _)| order(a, b));
+    kept
+}
+
+/// Ids most likely first: by `ranked` (no NaN) descending, ties to the lower id.
+fn by_rank(ranked: &[f32]) -> impl Fn(&u32, &u32) -> std::cmp::Ordering + '_ {
+    |a, b| ranked[*b as usize].total_cmp(&ranked[*a as usize]).then(a.cmp(b))
 }
 
 /// How many of `kept` (most likely first) the first prefix holding `top_p` of `total` takes;
@@ -122,13 +127,13 @@ fn most_likely_ids(ranked: &[f32], count: usize) -> Vec<u32> {
         return most_likely(ranked, count);
     }
     let mut ids: Vec<u32> = (0..ranked.len() as u32).collect();
-    let order = |a: &u32, b: &u32| ranked[*b as usize].total_cmp(&ranked[*a as usize]).then(a.cmp(b));
+    let order = by_rank(ranked);
     let count = count.min(ids.len());
     if count < ids.len() {
-        ids.select_nth_unstable_by(count, order);
+        ids.select_nth_unstable_by(count, &order);
         ids.truncate(count);
     }
-    ids.sort_unstable_by(order);
+    ids.sort_unstable_by(&order);
     ids
 }
 
