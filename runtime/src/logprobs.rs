@@ -54,12 +54,7 @@ const BLOCK: usize = LANES * 256;
 /// `e^(l − max)`, each block's sixteen lanes summed in f32 and the blocks in f64.
 #[inline(always)]
 fn log_normaliser(logits: &[f32]) -> f64 {
-    let mut lanes = [f32::NEG_INFINITY; LANES];
-    for (i, &l) in logits.iter().enumerate() {
-        // `max` leaves NaN out.
-        lanes[i % LANES] = lanes[i % LANES].max(l);
-    }
-    let max = lanes.into_iter().fold(f32::NEG_INFINITY, f32::max);
+    let max = row_max(logits);
     let mut total = 0f64;
     for block in logits.chunks(BLOCK) {
         let mut sums = [0f32; LANES];
@@ -75,6 +70,18 @@ fn log_normaliser(logits: &[f32]) -> f64 {
         total += sums.into_iter().map(f64::from).sum::<f64>();
     }
     max as f64 + total.ln()
+}
+
+/// The largest of a row's numbers (NaN left out; −∞ where there is none), over sixteen lanes
+/// so that the loop vectorises where it is inlined.
+#[inline(always)]
+pub(crate) fn row_max(logits: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    for (i, &l) in logits.iter().enumerate() {
+        // `max` leaves NaN out.
+        lanes[i % LANES] = lanes[i % LANES].max(l);
+    }
+    lanes.into_iter().fold(f32::NEG_INFINITY, f32::max)
 }
 
 /// 1 + the tokens strictly more likely than `token`: no NaN is more likely than a token, and

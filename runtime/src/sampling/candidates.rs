@@ -9,7 +9,7 @@
 
 use super::SamplingParams;
 use crate::cpu::{activation, simd};
-use crate::logprobs::most_likely;
+use crate::logprobs::{most_likely, row_max};
 
 /// The tokens sampling may choose, with unnormalised weights.
 #[derive(Debug, PartialEq)]
@@ -144,12 +144,7 @@ simd::widest_vectors! {
 
 #[inline(always)]
 fn weights_body(logits: &[f32], temperature: f32) -> Vec<f32> {
-    // Over sixteen lanes, so the loop vectorises; `max` leaves NaN out.
-    let mut lanes = [f32::NEG_INFINITY; 16];
-    for (i, &l) in logits.iter().enumerate() {
-        lanes[i % 16] = lanes[i % 16].max(l);
-    }
-    let max = lanes.into_iter().fold(f32::NEG_INFINITY, f32::max);
+    let max = row_max(logits);
     match max {
         f32::NEG_INFINITY => Vec::new(),
         // Only the infinite logits can be chosen, alike.
