@@ -10,13 +10,10 @@ use std::time::Instant;
 
 /// A row spread as a model's logits are: a few large, most small (fixed pseudo-random values).
 fn row(vocab: usize) -> Vec<f32> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut rng = runtime::sampling::SplitMix64(7);
     (0..vocab)
         .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let u = (state >> 40) as f32 / (1u64 << 24) as f32;
+            let u = rng.next_f64() as f32;
             // Mostly around 0, a tail up to 30.
             30.0 * u.powi(12) + 4.0 * (u - 0.5)
         })

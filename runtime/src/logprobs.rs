@@ -191,16 +191,10 @@ mod tests {
     /// log-probabilities within 2e-6 of its f64 ones.
     #[test]
     fn the_vector_loops_give_the_references_answers() {
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut rng = crate::sampling::SplitMix64(7);
         for (len, top) in [(49_152, 20), (1000, 5), (37, 40), (262_144, 1), (64, 64)] {
             let row: Vec<f32> = (0..len)
-                .map(|_| match next() % 1000 {
+                .map(|_| match rng.below(1000) {
                     0 => f32::NAN,
                     1 => -f32::NAN,
                     2 => f32::NEG_INFINITY,

@@ -205,13 +205,8 @@ mod tests {
     /// weights are `e^((l − max)/T)`, 1 for the best and 0 for NaN.
     #[test]
     fn the_filters_keep_what_sorting_every_token_kept() {
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 40) as f32 / (1u64 << 24) as f32
-        };
+        let mut rng = super::super::SplitMix64(7);
+        let mut next = move || rng.next_f64() as f32;
         let base = SamplingParams {
             temperature: 0.8,
             ..SamplingParams::default()
