@@ -44,7 +44,7 @@ impl SamplingParams {
     /// The token is the argmax of the logits as they are, and nothing else of them is wanted:
     /// greedy, no penalties, no log-probabilities.
     pub fn is_plain_greedy(&self) -> bool {
-        self.temperature <= 0.0 && !self.penalises() && self.logprobs.is_none() && self.prompt_logprobs.is_none()
+        self.temperature <= 0.0 && !self.penalises() && self.logprobs.is_none()
     }
 }
 

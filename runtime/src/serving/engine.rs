@@ -278,12 +278,9 @@ impl<B: PagedBackend> ServingEngine<B> {
     /// only: rows before it return no logits (a perplexity's window scores its second half).
     /// False where `id` is not scoring, or has scored past `position` already.
     pub fn score_prompt_from(&mut self, id: SeqId, position: usize) -> bool {
-        match self.scoring.get_mut(&id) {
+        match self.scoring.get(&id) {
             Some(scoring) if scoring.next <= position.max(1) => {
-                scoring.next = position.max(1);
-                if scoring.next >= scoring.prompt.len() {
-                    self.scoring.remove(&id);
-                }
+                self.score_from(id, position.max(1));
                 true
             }
             _ => false,
@@ -350,7 +347,8 @@ impl<B: PagedBackend> ServingEngine<B> {
             })
             .collect();
         // Requests that take the argmax and want nothing else of the logits can have it
-        // computed by the backend (one whose logits are processed first cannot).
+        // computed by the backend (one whose logits are processed first cannot, nor a step
+        // scoring a prompt; once its prompt is scored, a request decodes like any other).
         let greedy = scored.iter().all(|rows| rows.is_empty())
             && schedule.work.iter().filter(|w| w.samples).all(|w| {
                 self.samplers.get(&w.seq).is_some_and(|s| s.params().is_plain_greedy())
@@ -452,22 +450,29 @@ impl<B: PagedBackend> ServingEngine<B> {
                 rows.start + 1
             )));
         }
-        let scoring = self.scoring.get_mut(&work.seq).expect("a scored sequence is scoring");
+        let scoring = self.scoring.get(&work.seq).expect("a scored sequence is scoring");
         // Row of position q among those returned.
         let first_returned = work.end - returned;
         let logprobs = rows
             .clone()
             .map(|q| TokenLogprobs::of(logits.row(q - first_returned), scoring.prompt[q + 1], scoring.top))
             .collect();
-        scoring.next = rows.end + 1;
-        if scoring.next >= scoring.prompt.len() {
-            self.scoring.remove(&work.seq);
-        }
+        self.score_from(work.seq, rows.end + 1);
         Ok(PromptLogprobs {
             seq: work.seq,
             first: rows.start + 1,
             logprobs,
         })
+    }
+
+    /// Sequence `id`'s prompt scored from `next` on; its scoring over past the prompt's end.
+    fn score_from(&mut self, id: SeqId, next: usize) {
+        match self.scoring.get_mut(&id) {
+            Some(scoring) if next < scoring.prompt.len() => scoring.next = next,
+            _ => {
+                self.scoring.remove(&id);
+            }
+        }
     }
 
     /// Choose `work`'s next tokens from the step's logits: at its last row, or, where it carries
