@@ -97,7 +97,7 @@ pub struct Measured {
     pub e2e: Duration,
     /// Between consecutive chunks with choices.
     pub itl: Vec<Duration>,
-    /// As the final usage chunk reports them.
+    /// As the stream's usage reports them.
     pub prompt_tokens: usize,
     pub output_tokens: usize,
 }
@@ -165,8 +165,12 @@ impl Timing {
                 None => self.first = Some(at),
             }
             self.last = Some(at);
-        } else if let Some(usage) = chunk.get("usage").filter(|u| !u.is_null()) {
-            // Counted only from a chunk without choices, as the InferenceX client does.
+        }
+        // vLLM and SGLang send usage in a chunk of its own, with empty `choices`; llama.cpp's
+        // server puts it on the last chunk that has choices. Either way it is the server's own
+        // count, so it is taken wherever it comes (where the InferenceX client, missing it,
+        // would count the tokens of the text again).
+        if let Some(usage) = chunk.get("usage").filter(|u| !u.is_null()) {
             let count = |key: &str| usage[key].as_u64().map(|n| n as usize);
             self.usage = count("prompt_tokens").zip(count("completion_tokens"));
         }
@@ -181,7 +185,7 @@ impl Timing {
             bail!("the stream carried no choices");
         };
         let Some((prompt_tokens, output_tokens)) = self.usage else {
-            bail!("the stream had no usage chunk (a chunk with `usage` and empty `choices`)");
+            bail!("the stream reported no usage (`prompt_tokens` and `completion_tokens`)");
         };
         Ok(Measured {
             ttft: first - self.start,
@@ -232,6 +236,27 @@ mod tests {
     }
 
     #[test]
+    fn usage_on_the_last_chunk_with_choices_counts_as_llama_cpp_sends_it() {
+        let start = Instant::now();
+        let mut timing = Timing::new(start);
+        let chunks = [
+            (r#"{"choices":[{"text":"a","finish_reason":null}]}"#, 10),
+            (
+                r#"{"choices":[{"text":"","finish_reason":"length"}],"usage":{"prompt_tokens":7,"completion_tokens":2}}"#,
+                25,
+            ),
+            ("[DONE]", 26),
+        ];
+        for (data, at) in chunks {
+            timing.chunk(data, start + Duration::from_millis(at)).unwrap();
+        }
+        let m = timing.finish().unwrap();
+        assert_eq!((m.prompt_tokens, m.output_tokens), (7, 2));
+        assert_eq!(m.e2e, Duration::from_millis(25), "the chunk is timed as the others are");
+        assert_eq!(m.itl, vec![Duration::from_millis(15)]);
+    }
+
+    #[test]
     fn broken_streams_are_failures_not_numbers() {
         let start = Instant::now();
         let run = |events: &[&str]| {
@@ -243,13 +268,14 @@ mod tests {
         };
         let token = r#"{"choices":[{"text":"a"}]}"#;
         let usage = r#"{"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}"#;
-        let usage_in_choices = r#"{"choices":[{"text":"a"}],"usage":{"prompt_tokens":1,"completion_tokens":1}}"#;
         assert!(run(&[token, usage, "[DONE]"]).is_ok());
         assert!(run(&[token, usage]).unwrap_err().to_string().contains("[DONE]"));
-        assert!(run(&[usage_in_choices, "[DONE]"])
+        assert!(run(&[token, "[DONE]"]).unwrap_err().to_string().contains("no usage"));
+        let no_count = r#"{"choices":[],"usage":{"prompt_tokens":1}}"#;
+        assert!(run(&[token, no_count, "[DONE]"])
             .unwrap_err()
             .to_string()
-            .contains("usage"));
+            .contains("no usage"));
         assert!(run(&[usage, "[DONE]"]).unwrap_err().to_string().contains("no choices"));
         assert!(run(&[token, r#"{"error":{"message":"boom"}}"#])
             .unwrap_err()
