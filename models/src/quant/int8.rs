@@ -26,31 +26,25 @@ impl Q8Row {
         row
     }
 
+    /// [`quantize`](Self::quantize) into this row's buffers (no allocation once they have
+    /// held a row as long).
     pub fn quantize_into(&mut self, x: &[f32]) {
         debug_assert_eq!(x.len() % ACT_BLOCK, 0);
+        let blocks = x.len() / ACT_BLOCK;
         self.q.resize(x.len(), 0);
         self.d.clear();
+        self.d.reserve(blocks);
         self.sum16.clear();
+        self.sum16.reserve(2 * blocks);
         #[cfg(target_arch = "x86_64")]
-        let avx2 = std::is_x86_feature_detected!("avx2");
-        for (xb, qb) in x.chunks_exact(ACT_BLOCK).zip(self.q.chunks_exact_mut(ACT_BLOCK)) {
-            let xb: &[f32; ACT_BLOCK] = xb.try_into().expect("whole blocks");
-            let qb: &mut [i8; ACT_BLOCK] = qb.try_into().expect("whole blocks");
-            // The vector path's scale, where it took the block.
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the CPU has AVX2 where `avx2` is set.
-            let vector = if avx2 {
-                unsafe { quantize_block_avx2(xb, qb) }
-            } else {
-                None
-            };
-            #[cfg(not(target_arch = "x86_64"))]
-            let vector: Option<f32> = None;
-            let d = vector.unwrap_or_else(|| quantize_block(xb, qb));
-            self.d.push(d);
-            for half in qb.chunks_exact(16) {
-                self.sum16.push(half.iter().map(|&q| q as i32).sum());
-            }
+        if std::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2.
+            unsafe { quantize_blocks_avx2(x, &mut self.q, &mut self.d, &mut self.sum16) };
+            return;
+        }
+        for (xb, qb) in whole_blocks(x, &mut self.q) {
+            self.d.push(quantize_block(xb, qb));
+            self.sum16.extend(half_sums(qb));
         }
     }
 
@@ -81,17 +75,41 @@ impl Q8KRow {
     /// Quantize `x` (`len` a multiple of 256): `d = max|x|/127`, `q = round(x/d)` (halves away
     /// from zero), as [`Q8Row`] does per 32.
     pub fn quantize(x: &[f32]) -> Self {
-        debug_assert_eq!(x.len() % SUPER, 0);
-        let mut row = Self {
-            q: vec![0; x.len()],
-            ..Self::default()
-        };
-        for (xb, qb) in x.chunks_exact(SUPER).zip(row.q.chunks_exact_mut(SUPER)) {
-            row.d.push(quantize_span(xb, qb));
-            row.sums16
-                .extend(qb.chunks_exact(16).map(|g| g.iter().map(|&q| q as i16).sum::<i16>()));
-        }
+        let mut row = Self::default();
+        row.quantize_into(x);
         row
+    }
+
+    /// [`quantize`](Self::quantize) into this row's buffers (no allocation once they have
+    /// held a row as long).
+    pub fn quantize_into(&mut self, x: &[f32]) {
+        debug_assert_eq!(x.len() % SUPER, 0);
+        let spans = x.len() / SUPER;
+        self.q.resize(x.len(), 0);
+        self.d.clear();
+        self.d.reserve(spans);
+        self.sums16.clear();
+        self.sums16.reserve(spans * SUPER / 16);
+        for (xb, qb) in x.chunks_exact(SUPER).zip(self.q.chunks_exact_mut(SUPER)) {
+            self.d.push(quantize_span(xb, qb, &mut self.sums16));
+        }
+    }
+}
+
+/// An activation row the int8 kernels read, quantized in place.
+pub trait ActivationRow: Default + Send + Sync {
+    fn quantize_into(&mut self, x: &[f32]);
+}
+
+impl ActivationRow for Q8Row {
+    fn quantize_into(&mut self, x: &[f32]) {
+        Q8Row::quantize_into(self, x)
+    }
+}
+
+impl ActivationRow for Q8KRow {
+    fn quantize_into(&mut self, x: &[f32]) {
+        Q8KRow::quantize_into(self, x)
     }
 }
 
@@ -116,6 +134,26 @@ fn quantize_block(xb: &[f32; ACT_BLOCK], qb: &mut [i8; ACT_BLOCK]) -> f32 {
     d
 }
 
+/// `x` and `q` in pairs of whole 32-element blocks.
+fn whole_blocks<'a>(
+    x: &'a [f32],
+    q: &'a mut [i8],
+) -> impl Iterator<Item = (&'a [f32; ACT_BLOCK], &'a mut [i8; ACT_BLOCK])> {
+    x.chunks_exact(ACT_BLOCK)
+        .zip(q.chunks_exact_mut(ACT_BLOCK))
+        .map(|(xb, qb)| {
+            (
+                xb.try_into().expect("whole blocks"),
+                qb.try_into().expect("whole blocks"),
+            )
+        })
+}
+
+/// The sums of a block's two halves of 16 integers.
+fn half_sums(qb: &[i8; ACT_BLOCK]) -> [i32; 2] {
+    std::array::from_fn(|h| qb[16 * h..16 * (h + 1)].iter().map(|&q| q as i32).sum())
+}
+
 fn round_scalar(x: &[f32], inv: f32, q: &mut [i8]) {
     for (q, &v) in q.iter_mut().zip(x) {
         *q = (v * inv).round() as i8;
@@ -123,8 +161,9 @@ fn round_scalar(x: &[f32], inv: f32, q: &mut [i8]) {
 }
 
 /// [`quantize_block`] over a span of whole 32-element blocks with one scale for all of it
-/// (the K-quant dots' 256-element activation blocks); the scale.
-fn quantize_span(x: &[f32], q: &mut [i8]) -> f32 {
+/// (the K-quant dots' 256-element activation blocks); the scale. The sums of each 16
+/// integers go on `sums16`.
+fn quantize_span(x: &[f32], q: &mut [i8], sums16: &mut Vec<i16>) -> f32 {
     #[cfg(target_arch = "x86_64")]
     let avx2 = std::is_x86_feature_detected!("avx2");
     #[cfg(target_arch = "x86_64")]
@@ -137,34 +176,55 @@ fn quantize_span(x: &[f32], q: &mut [i8]) -> f32 {
     #[cfg(not(target_arch = "x86_64"))]
     let d = span_scale(x);
     let inv = inverse(d);
-    for (xb, qb) in x.chunks_exact(ACT_BLOCK).zip(q.chunks_exact_mut(ACT_BLOCK)) {
-        let xb: &[f32; ACT_BLOCK] = xb.try_into().expect("whole blocks");
-        let qb: &mut [i8; ACT_BLOCK] = qb.try_into().expect("whole blocks");
+    // A block's halves sum to at most 16 · 127 in magnitude: an i16 holds them.
+    let narrow = |sums: [i32; 2]| sums.map(|s| s as i16);
+    for (xb, qb) in whole_blocks(x, q) {
         // SAFETY: the CPU has AVX2 where `avx2` is set.
         #[cfg(target_arch = "x86_64")]
         if avx2 && unsafe { all_finite_avx2(xb) } {
-            unsafe { round_block_avx2(xb, inv, qb) };
+            sums16.extend(narrow(unsafe { round_block_avx2(xb, inv, qb) }));
             continue;
         }
         round_scalar(xb, inv, qb);
+        sums16.extend(narrow(half_sums(qb)));
     }
     d
 }
 
-/// [`quantize_block`] eight lanes at a time, bit for bit (halves rounded away from zero as
-/// `f32::round` does, not to even as the vector unit would); the scale, or `None`, writing
-/// nothing, for a block holding a NaN or an infinity, which the scalar code handles.
+/// [`Q8Row::quantize_into`]'s blocks with AVX2: each block's scale on `d`, its halves' sums
+/// on `sum16`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn quantize_block_avx2(xb: &[f32; ACT_BLOCK], qb: &mut [i8; ACT_BLOCK]) -> Option<f32> {
+unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut Vec<f32>, sum16: &mut Vec<i32>) {
+    for (xb, qb) in whole_blocks(x, q) {
+        // SAFETY: AVX2 is enabled for this function.
+        match unsafe { quantize_block_avx2(xb, qb) } {
+            Some((scale, sums)) => {
+                d.push(scale);
+                sum16.extend(sums);
+            }
+            None => {
+                d.push(quantize_block(xb, qb));
+                sum16.extend(half_sums(qb));
+            }
+        }
+    }
+}
+
+/// [`quantize_block`] eight lanes at a time, bit for bit (halves rounded away from zero as
+/// `f32::round` does, not to even as the vector unit would); the scale and the halves' sums,
+/// or `None`, writing nothing, for a block holding a NaN or an infinity, which the scalar code
+/// handles.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_block_avx2(xb: &[f32; ACT_BLOCK], qb: &mut [i8; ACT_BLOCK]) -> Option<(f32, [i32; 2])> {
     // SAFETY: AVX2 is enabled for this function.
     unsafe {
         if !all_finite_avx2(xb) {
             return None;
         }
         let d = abs_max_avx2(xb) / 127.0;
-        round_block_avx2(xb, inverse(d), qb);
-        Some(d)
+        Some((d, round_block_avx2(xb, inverse(d), qb)))
     }
 }
 
@@ -207,10 +267,11 @@ unsafe fn all_finite_avx2(xb: &[f32; ACT_BLOCK]) -> bool {
     }
 }
 
-/// [`round_scalar`] eight lanes at a time, bit for bit, for a block of finite values.
+/// [`round_scalar`] eight lanes at a time, bit for bit, for a block of finite values; the
+/// sums of its halves' integers ([`half_sums`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn round_block_avx2(xb: &[f32; ACT_BLOCK], inv: f32, qb: &mut [i8; ACT_BLOCK]) {
+unsafe fn round_block_avx2(xb: &[f32; ACT_BLOCK], inv: f32, qb: &mut [i8; ACT_BLOCK]) -> [i32; 2] {
     use std::arch::x86_64::*;
     // SAFETY: the block holds 32 f32 and `qb` 32 bytes; AVX2 is enabled for this function.
     unsafe {
@@ -231,6 +292,13 @@ unsafe fn round_block_avx2(xb: &[f32; ACT_BLOCK], inv: f32, qb: &mut [i8; ACT_BL
         let packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
         let ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256(qb.as_mut_ptr() as *mut __m256i, ordered);
+        // `vpsadbw` sums unsigned bytes eight at a time: q + 128 (the sign bit flipped), less
+        // 16 · 128 a half after.
+        let biased = _mm256_xor_si256(ordered, _mm256_set1_epi8(i8::MIN));
+        let eights = _mm256_sad_epu8(biased, _mm256_setzero_si256());
+        let (low, high) = (_mm256_castsi256_si128(eights), _mm256_extracti128_si256(eights, 1));
+        let half = |v: __m128i| _mm_cvtsi128_si32(_mm_add_epi64(v, _mm_unpackhi_epi64(v, v))) - 16 * 128;
+        [half(low), half(high)]
     }
 }
 
@@ -360,10 +428,20 @@ mod tests {
                 got.d.iter().map(|d| d.to_bits()).collect::<Vec<_>>(),
                 want.d.iter().map(|d| d.to_bits()).collect::<Vec<_>>()
             );
+            let sums: Vec<i32> = want
+                .q
+                .chunks_exact(16)
+                .map(|h| h.iter().map(|&q| q as i32).sum())
+                .collect();
+            assert_eq!(got.sum16, sums);
+            // A row's buffers reused for another row give what a fresh row gives.
+            let mut reused = Q8Row::quantize(&rows[0][..64]);
+            reused.quantize_into(x);
+            assert_eq!((&reused.q, &reused.d, &reused.sum16), (&got.q, &got.d, &got.sum16));
         }
         // K-quant spans (256 values a scale) get the scalar scale too, NaNs passed over.
         for span in rows[..50].concat().chunks_exact(SUPER) {
-            let d = quantize_span(span, &mut [0i8; SUPER]);
+            let d = quantize_span(span, &mut [0i8; SUPER], &mut Vec::new());
             assert_eq!(d.to_bits(), span_scale(span).to_bits());
         }
         let mut spans = rows[0].repeat(4);
@@ -372,12 +450,22 @@ mod tests {
         spans[300] = f32::NAN;
         spans[301] = f32::INFINITY;
         for span in spans.chunks_exact(SUPER) {
-            let d = quantize_span(span, &mut [0i8; SUPER]);
+            let d = quantize_span(span, &mut [0i8; SUPER], &mut Vec::new());
             assert_eq!(
                 d.to_bits(),
                 span_scale(span).to_bits(),
                 "a span with a NaN or an infinity"
             );
+        }
+        // K-quant rows' sums of 16, vector blocks and scalar ones (the NaN spans).
+        for x in [rows[..50].concat(), spans] {
+            let row = Q8KRow::quantize(&x);
+            let sums: Vec<i16> = row
+                .q
+                .chunks_exact(16)
+                .map(|h| h.iter().map(|&q| q as i16).sum())
+                .collect();
+            assert_eq!(row.sums16, sums);
         }
         // The ties went away from zero: -15.5 → -16, 0.5 → 1, -126.5 → -127.
         let tied = Q8Row::quantize(&rows[50]);

@@ -15,12 +15,14 @@
 use super::dense::{self, DenseKernel, DenseRows};
 use super::simd;
 use half::bf16;
-use models::quant::int8::{Int8Kernel, Q8KRow, Q8Row};
+use models::quant::int8::{ActivationRow, Int8Kernel, Q8KRow, Q8Row};
 use models::quant::interleaved::{InterleavedRows, GROUP};
 use models::quant::interleaved_k::InterleavedSuperRows;
 use models::quant::GgmlType;
 use rayon::prelude::*;
 use std::borrow::Cow;
+use std::cell::Cell;
+use std::thread::LocalKey;
 
 pub enum Storage {
     F32(Vec<f32>),
@@ -133,22 +135,20 @@ impl Matrix {
             return;
         }
         match &self.storage {
-            Storage::Interleaved(interleaved) => {
-                let acts = quantize_rows(x, k, Q8Row::quantize);
-                let acts = interleaved.activations(&acts).expect("activations cover the rows");
+            Storage::Interleaved(interleaved) => with_quantized_rows(&Q8_ROWS, x, k, |acts| {
+                let acts = interleaved.activations(acts).expect("activations cover the rows");
                 let kernel = Int8Kernel::detected();
                 products_by_runs(rows, out, |run, scratch, write| {
                     interleaved.products(run, &acts, kernel, scratch, write)
                 });
-            }
-            Storage::InterleavedSuper(interleaved) => {
-                let acts = quantize_rows(x, k, Q8KRow::quantize);
-                let acts = interleaved.activations(&acts).expect("activations cover the rows");
+            }),
+            Storage::InterleavedSuper(interleaved) => with_quantized_rows(&Q8K_ROWS, x, k, |acts| {
+                let acts = interleaved.activations(acts).expect("activations cover the rows");
                 let kernel = Int8Kernel::detected();
                 products_by_runs(rows, out, |run, scratch, write| {
                     interleaved.products(run, &acts, kernel, scratch, write)
                 });
-            }
+            }),
             // Dense rows on a CPU without AVX2 and FMA.
             _ => for_row_runs(out, n, tokens, rows_per_task, |row_buf: &mut Vec<f32>, r, dst| {
                 row_buf.resize(k, 0.0);
@@ -328,14 +328,41 @@ fn products_by_runs(
     });
 }
 
-/// Each of `x`'s rows of `k` quantized by `quantize`: many rows are worth spreading over the
-/// pool, a few (decode) are not.
-fn quantize_rows<R: Send>(x: &[f32], k: usize, quantize: impl Fn(&[f32]) -> R + Sync + Send) -> Vec<R> {
-    if x.len() / k < super::rows::PARALLEL_FROM_ROWS {
-        x.chunks_exact(k).map(quantize).collect()
-    } else {
-        x.par_chunks_exact(k).map(quantize).collect()
+thread_local! {
+    /// Activation rows kept from one product to the next on the thread that asked for them:
+    /// a serving step runs a few hundred products of up to a chunk's rows each, and rows that
+    /// already hold their buffers quantize without allocating (a fresh row a product cost
+    /// three allocations a row, about 5% of a served CPU step with their frees).
+    static Q8_ROWS: Cell<Vec<Q8Row>> = const { Cell::new(Vec::new()) };
+    static Q8K_ROWS: Cell<Vec<Q8KRow>> = const { Cell::new(Vec::new()) };
+}
+
+/// `use_rows` over each of `x`'s rows of `k` quantized, in rows taken from `kept` and given
+/// back after (a product started inside `use_rows` on this thread finds none kept and makes
+/// its own). Many rows are worth spreading over the pool, a few (decode) are not.
+fn with_quantized_rows<R: ActivationRow, T>(
+    kept: &'static LocalKey<Cell<Vec<R>>>,
+    x: &[f32],
+    k: usize,
+    use_rows: impl FnOnce(&[R]) -> T,
+) -> T {
+    let tokens = x.len() / k;
+    let mut rows = kept.take();
+    if rows.len() < tokens {
+        rows.resize_with(tokens, R::default);
     }
+    let quantize = |(row, x): (&mut R, &[f32])| row.quantize_into(x);
+    if tokens < super::rows::PARALLEL_FROM_ROWS {
+        rows.iter_mut().zip(x.chunks_exact(k)).for_each(quantize);
+    } else {
+        rows[..tokens]
+            .par_iter_mut()
+            .zip(x.par_chunks_exact(k))
+            .for_each(quantize);
+    }
+    let out = use_rows(&rows[..tokens]);
+    kept.set(rows);
+    out
 }
 
 /// Rows per parallel task: a few tasks per thread (for balance) of at least 16 rows (so the
