@@ -353,6 +353,134 @@ fn speculation_keeps_every_token_and_accepts_drafts() {
     );
 }
 
+/// Draft-model speculation changes no token either: with a second model drafting (greedily)
+/// up to four tokens a step, greedy requests and seeded sampled ones generate exactly what
+/// they generate without speculation: with the target itself as the draft model (every greedy
+/// request's drafts accepted), the same weights under YaRN's RoPE scaling, and another
+/// family's model of the same vocabulary (Gemma 3's, drafts refused).
+#[test]
+fn draft_model_speculation_keeps_every_token() {
+    let target = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/llama"))).unwrap();
+    let sampled = SamplingParams {
+        temperature: 0.8,
+        seed: 5,
+        top_p: 0.9,
+        ..SamplingParams::default()
+    };
+    let prompt = |base: u32, len: u32| (0..len).map(|j| base + 13 * j).collect::<Vec<u32>>();
+    let greedy: Vec<(Vec<u32>, SamplingParams)> = [prompt(20, 9), prompt(10, 22), prompt(7, 3)]
+        .into_iter()
+        .map(|p| (p, SamplingParams::default()))
+        .collect();
+    let mixed: Vec<(Vec<u32>, SamplingParams)> = greedy
+        .iter()
+        .cloned()
+        .chain([(prompt(50, 12), sampled), (prompt(20, 9), sampled)])
+        .collect();
+    let (plain, _, _) = serve_speculating(&target, &mixed, 20, runtime::serving::NgramConfig::OFF);
+    for draft_fixture in ["hf-tiny/llama", "hf-tiny/llama_rope_yarn", "hf-tiny/gemma3"] {
+        let draft = Model::open(ModelSpec::for_weights(&common::fixture(draft_fixture))).unwrap();
+        let (speculative, drafted, _) = serve_drafting(&target, &draft, &mixed, 20);
+        assert_eq!(speculative, plain, "{draft_fixture}");
+        assert!(drafted > 0, "{draft_fixture}");
+        let (_, drafted, accepted) = serve_drafting(&target, &draft, &greedy, 20);
+        match draft_fixture {
+            "hf-tiny/gemma3" => assert!(accepted < drafted, "{draft_fixture}: all of {drafted} accepted"),
+            _ => assert_eq!(accepted, drafted, "{draft_fixture}"),
+        }
+    }
+}
+
+/// A draft model proposes its own greedy continuation of a sequence's tokens, and after a
+/// step that kept some of its drafts it computes only the tokens since the first it lacks:
+/// its proposal is still the continuation a fresh start gives, and a sequence that is gone
+/// gives its blocks back.
+#[test]
+fn a_draft_model_proposes_its_greedy_continuation_from_what_it_kept() {
+    use runtime::serving::{DraftModel, DraftRequest, Drafter, SeqId};
+    let draft = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/llama_rope_yarn"))).unwrap();
+    // A token budget of 8: the 30-token prompt catches up over four passes.
+    let mut drafter = DraftModel::new(backend(&draft), 64, 4, 8, 2048).unwrap();
+    let prompt: Vec<u32> = (0..30u32).map(|j| 60 + 7 * j).collect();
+    let other: Vec<u32> = vec![5, 9, 14];
+    let propose = |drafter: &mut DraftModel<CpuBackend>, requests: &[(u64, &[u32], usize)]| {
+        let requests: Vec<DraftRequest> = requests
+            .iter()
+            .map(|&(id, tokens, limit)| DraftRequest {
+                seq: SeqId(id),
+                tokens,
+                limit,
+            })
+            .collect();
+        drafter.propose(&requests).unwrap()
+    };
+    let first = propose(&mut drafter, &[(0, &prompt, 4), (1, &other, 2)]);
+    assert_eq!(first[&SeqId(0)], alone(&draft, std::slice::from_ref(&prompt), 4)[0]);
+    assert_eq!(first[&SeqId(1)], alone(&draft, std::slice::from_ref(&other), 2)[0]);
+    // Two drafts kept and another token after them; the other sequence kept all; a third
+    // differs from what the draft model computed before its last token (no step keeps drafts
+    // so, but what a sequence's cache holds is checked token by token).
+    let mut kept = prompt.clone();
+    kept.extend(&first[&SeqId(0)][..2]);
+    kept.push(3);
+    let mut other_kept = other.clone();
+    other_kept.extend(&first[&SeqId(1)]);
+    other_kept.push(first[&SeqId(1)][1]);
+    let mut diverged = other.clone();
+    diverged.extend([(first[&SeqId(1)][0] + 1) % 320, 8, 9]);
+    let first_again = propose(&mut drafter, &[(2, &other, 2)]);
+    assert_eq!(first_again[&SeqId(2)], first[&SeqId(1)]);
+    let second = propose(&mut drafter, &[(0, &kept, 3), (1, &other_kept, 3), (2, &diverged, 2)]);
+    assert_eq!(second[&SeqId(0)], alone(&draft, std::slice::from_ref(&kept), 3)[0]);
+    assert_eq!(
+        second[&SeqId(1)],
+        alone(&draft, std::slice::from_ref(&other_kept), 3)[0]
+    );
+    assert_eq!(second[&SeqId(2)], alone(&draft, std::slice::from_ref(&diverged), 2)[0]);
+    assert!(drafter.used_blocks() > 0);
+    drafter.retain(&mut |id| id == SeqId(1));
+    assert_eq!(
+        propose(&mut drafter, &[(0, &kept, 3)])[&SeqId(0)],
+        second[&SeqId(0)],
+        "from nothing again"
+    );
+    drafter.retain(&mut |id| id == SeqId(1));
+    let held = drafter.used_blocks();
+    assert_eq!(
+        held,
+        (other_kept.len() + 2).div_ceil(4),
+        "the other sequence's blocks alone"
+    );
+    drafter.retain(&mut |_| false);
+    assert_eq!(drafter.used_blocks(), 0);
+    // No blocks to be had: no proposal, and no error.
+    let mut starved = DraftModel::new(backend(&draft), 2, 4, 8, 2048).unwrap();
+    assert!(propose(&mut starved, &[(0, &prompt, 4)]).is_empty());
+}
+
+/// `requests` served with `draft` drafting up to four tokens a step for `target`: each one's
+/// tokens, and the drafts drafted and accepted over the run.
+fn serve_drafting(
+    target: &Model,
+    draft: &Model,
+    requests: &[(Vec<u32>, SamplingParams)],
+    max_tokens: usize,
+) -> (Vec<Vec<u32>>, usize, usize) {
+    let mut engine = ServingEngine::new(backend(target), speculation_config(DRAFT_FOUR));
+    let drafter = runtime::serving::DraftModel::new(backend(draft), 128, 8, 64, 2048).unwrap();
+    assert!(engine.use_drafter(Box::new(drafter)));
+    let ids: Vec<_> = requests
+        .iter()
+        .map(|(p, s)| engine.add(p.clone(), max_tokens, vec![], *s).unwrap())
+        .collect();
+    let (mut drafted, mut accepted) = (0, 0);
+    let got = run_to_idle(&mut engine, |out, _| {
+        drafted += out.drafted;
+        accepted += out.accepted;
+    });
+    (ids.iter().map(|id| got[id].clone()).collect(), drafted, accepted)
+}
+
 /// Prompt lookup drafting up to four tokens.
 const DRAFT_FOUR: runtime::serving::NgramConfig = runtime::serving::NgramConfig {
     tokens: 4,

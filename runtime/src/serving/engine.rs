@@ -4,6 +4,7 @@
 //! Preempted sequences lose their blocks and recompute what the prefix cache no longer holds
 //! when readmitted.
 
+use super::draft_model::Drafter;
 use super::scheduler::{AddError, Finished, Scheduler, SchedulerConfig, SeqId, Work};
 use crate::error::{Result, RuntimeError};
 use crate::kv::Segment;
@@ -176,6 +177,8 @@ pub struct ServingEngine<B: PagedBackend> {
     processors: HashMap<SeqId, Vec<Box<dyn LogitsProcessor>>>,
     /// The sequences whose prompt is still being scored (`SamplingParams::prompt_logprobs`).
     scoring: HashMap<SeqId, PromptScoring>,
+    /// Where drafts come from a draft model rather than prompt lookup.
+    drafter: Option<Box<dyn Drafter>>,
 }
 
 impl<B: PagedBackend> ServingEngine<B> {
@@ -210,7 +213,19 @@ impl<B: PagedBackend> ServingEngine<B> {
             samplers: HashMap::new(),
             processors: HashMap::new(),
             scoring: HashMap::new(),
+            drafter: None,
         }
+    }
+
+    /// Drafts from `drafter` (a draft model) instead of prompt lookup, up to the
+    /// configuration's `speculation.tokens` a step; false, leaving the engine as it was, where
+    /// the engine does not speculate (none asked for, or a backend that cannot verify drafts).
+    pub fn use_drafter(&mut self, drafter: Box<dyn Drafter>) -> bool {
+        let speculates = self.scheduler.config().speculation.is_on();
+        if speculates {
+            self.drafter = Some(drafter);
+        }
+        speculates
     }
 
     pub fn backend(&self) -> &B {
@@ -304,6 +319,12 @@ impl<B: PagedBackend> ServingEngine<B> {
     /// wanted (its client left) is aborted there, so a step never spends time on a request
     /// nobody is waiting for.
     pub fn step_while(&mut self, mut wanted: impl FnMut(SeqId) -> bool) -> Result<StepOutput> {
+        if let Some(drafter) = self.drafter.as_mut() {
+            let scheduler = &self.scheduler;
+            drafter.retain(&mut |id| scheduler.is_running(id));
+            let drafts = drafter.propose(&scheduler.draft_requests())?;
+            self.scheduler.offer_drafts(drafts);
+        }
         let mut schedule = self.scheduler.schedule();
         schedule.work.retain(|w| {
             let keep = wanted(w.seq);

@@ -2,6 +2,7 @@
 //! and the loop that runs scheduled work on a backend.
 
 pub mod block_manager;
+pub mod draft_model;
 pub mod engine;
 pub mod ngram;
 pub mod scheduler;
@@ -9,9 +10,10 @@ pub mod state_cache;
 
 pub use crate::logits_processor::{LogitBias, LogitsProcessor, MinTokens};
 pub use block_manager::{BlockId, BlockManager, OutOfBlocks};
+pub use draft_model::{DraftModel, Drafter};
 pub use engine::{PagedBackend, Sampled, ServingEngine, StateSnapshotting, StepOutput};
 pub use ngram::NgramConfig;
 pub use scheduler::{
-    AddError, FinishReason, Finished, PrefixCacheStats, Schedule, Scheduler, SchedulerConfig, SeqId, Work,
+    AddError, DraftRequest, FinishReason, Finished, PrefixCacheStats, Schedule, Scheduler, SchedulerConfig, SeqId, Work,
 };
 pub use state_cache::StateCacheConfig;

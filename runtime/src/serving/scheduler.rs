@@ -206,6 +206,18 @@ pub struct Scheduler {
     free_state_slots: Vec<usize>,
     /// Snapshots of recurrent states for the prefix cache.
     states: StateCache,
+    /// Drafts offered for the next step (a draft model's, see [`Scheduler::offer_drafts`]),
+    /// taken there instead of prompt lookup's.
+    offered: Option<BTreeMap<SeqId, Vec<u32>>>,
+}
+
+/// A decoding sequence that may carry drafted tokens in the next step: its tokens so far, and
+/// at most how many to draft after them (see [`Scheduler::draft_requests`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DraftRequest<'a> {
+    pub seq: SeqId,
+    pub tokens: &'a [u32],
+    pub limit: usize,
 }
 
 impl Scheduler {
@@ -227,6 +239,7 @@ impl Scheduler {
                 },
                 config.block_size,
             ),
+            offered: None,
         }
     }
 
@@ -270,6 +283,11 @@ impl Scheduler {
 
     pub fn running(&self) -> usize {
         self.running.len()
+    }
+
+    /// Whether sequence `id` is running (admitted, not waiting or gone).
+    pub fn is_running(&self, id: SeqId) -> bool {
+        self.running.contains(&id)
     }
 
     pub fn is_idle(&self) -> bool {
@@ -339,8 +357,41 @@ impl Scheduler {
         }
     }
 
+    /// The running sequences that would carry drafts in the next step if drafts were to be
+    /// had (decoding, not pausing their drafting), each with the most it may carry (its own
+    /// draft length, and room for every draft accepted plus the token after them within its
+    /// `max_tokens`). The step may carry fewer where its token budget or free blocks run out.
+    pub fn draft_requests(&self) -> Vec<DraftRequest<'_>> {
+        self.running
+            .iter()
+            .map(|id| (*id, &self.seqs[id]))
+            .filter_map(|(id, seq)| {
+                let limit = self.draft_limit(seq);
+                (limit > 0).then_some(DraftRequest {
+                    seq: id,
+                    tokens: &seq.tokens,
+                    limit,
+                })
+            })
+            .collect()
+    }
+
+    /// Drafts for the next [`schedule`](Self::schedule), by sequence, proposed for
+    /// [`draft_requests`](Self::draft_requests) (a draft model's): that step takes these,
+    /// cut to what it can carry, instead of prompt lookup's, and none for a sequence missing
+    /// here. They are for that step only.
+    pub fn offer_drafts(&mut self, drafts: BTreeMap<SeqId, Vec<u32>>) {
+        self.offered = Some(drafts);
+    }
+
     /// Decide the next step.
     pub fn schedule(&mut self) -> Schedule {
+        let schedule = self.schedule_work();
+        self.offered = None;
+        schedule
+    }
+
+    fn schedule_work(&mut self) -> Schedule {
         let mut out = Schedule::default();
         let mut budget = self.config.token_budget;
         self.states.begin_step();
@@ -350,7 +401,7 @@ impl Scheduler {
             let seq = &self.seqs[&id];
             let end = self.chunk_end(seq.cached, seq.cached + (seq.tokens.len() - seq.cached).min(budget));
             let n = end - seq.cached;
-            let mut drafts = self.drafts(seq, budget);
+            let mut drafts = self.drafts(id, budget);
             let mut table = std::mem::take(&mut self.seqs.get_mut(&id).expect("running").table);
             // Drafts only where blocks are free for them: never preempt for a guess.
             if !drafts.is_empty() && self.grow(&mut table, end + drafts.len()).is_err() {
@@ -447,18 +498,32 @@ impl Scheduler {
         grown
     }
 
-    /// Tokens to draft after `seq`'s last one, where it decodes and speculation is on: within
-    /// the step's `budget` (its own token first) and so that every draft accepted plus the
+    /// How many tokens `seq` may draft after its last one: none unless it decodes and
+    /// speculation is on; at most its draft length, and so that every draft accepted plus the
     /// token sampled after them stays within its `max_tokens`.
-    fn drafts(&self, seq: &Seq, budget: usize) -> Vec<u32> {
+    fn draft_limit(&self, seq: &Seq) -> usize {
         let decoding = seq.tokens.len() - seq.cached == 1;
         if !decoding || !self.config.speculation.is_on() || seq.draft_pause > 0 {
-            return Vec::new();
+            return 0;
         }
         let room = seq.max_tokens.saturating_sub(seq.generated() + 1);
-        self.config
-            .speculation
-            .propose(&seq.tokens, room.min(budget - 1).min(seq.draft_len))
+        room.min(seq.draft_len)
+    }
+
+    /// Tokens to draft after sequence `id`'s last one, within its [`draft_limit`] and the
+    /// step's `budget` (its own token first): those offered for it where drafts were offered,
+    /// else prompt lookup's.
+    fn drafts(&mut self, id: SeqId, budget: usize) -> Vec<u32> {
+        let seq = &self.seqs[&id];
+        let limit = self.draft_limit(seq).min(budget - 1);
+        match self.offered.as_mut() {
+            Some(offered) => {
+                let mut drafts = offered.remove(&id).unwrap_or_default();
+                drafts.truncate(limit);
+                drafts
+            }
+            None => self.config.speculation.propose(&seq.tokens, limit),
+        }
     }
 
     /// The work computing `seq`'s positions from its first uncached one to `end`, then `drafts`,
