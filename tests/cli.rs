@@ -362,6 +362,31 @@ fn serve_refuses_zero_sized_settings_by_name() {
     assert!(stderr.contains("--token-budget must be at least 1"), "{stderr}");
 }
 
+/// `bbc serve --speculative-model`: flags that do not go together are refused before loading
+/// anything, and a draft model whose tokenizer is not the target's is refused naming a token
+/// they disagree on (Gemma 3's vocabulary for SmolLM2).
+#[test]
+fn serve_refuses_a_draft_model_it_cannot_use() {
+    let model = smollm2();
+    let serve = |extra: &[&str]| {
+        let mut args = vec!["serve", model.as_str(), "--port", "0"];
+        args.extend(extra);
+        refused(&args)
+    };
+    let stderr = serve(&["--speculative-model", &model, "--speculative-ngram", "4"]);
+    assert!(stderr.contains("choose one"), "{stderr}");
+    let stderr = serve(&["--speculative-model", &model, "--num-speculative-tokens", "0"]);
+    assert!(
+        stderr.contains("--num-speculative-tokens must be at least 1"),
+        "{stderr}"
+    );
+    let stderr = serve(&["--num-speculative-tokens", "3"]);
+    assert!(stderr.contains("give --speculative-model"), "{stderr}");
+    let gemma = real_model("gemma3-270m");
+    let stderr = serve(&["--speculative-model", gemma.to_str().unwrap()]);
+    assert!(stderr.contains("must share the target's tokenizer"), "{stderr}");
+}
+
 /// `bbc run` with a structured output: a JSON schema's answer parses and fits it, a choice
 /// gives one of the choices, and an ungrammatical regex or two specs at once are refused.
 #[test]

@@ -891,6 +891,39 @@ fn speculative_decoding_keeps_the_text_and_counts_accepted_drafts() {
     server.wait_for_free_blocks();
 }
 
+/// `--speculative-model`: SmolLM2 computing in f32, drafted for by SmolLM2 in its file's
+/// quantization (the same tokenizer), answers as it does without a draft model, whole and
+/// streamed, and the metrics count drafts accepted.
+#[test]
+fn a_draft_model_keeps_the_text_and_counts_accepted_drafts() {
+    let body = json!({
+        "messages": [{"role": "user", "content": "Name three colours and say why you like each."}],
+        "max_tokens": 40,
+        "temperature": 0,
+    });
+    let plain = Server::start(&["--dtype", "f32"]);
+    let (status, want) = plain.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{want}");
+    drop(plain);
+    let draft = common::real_model("smollm2");
+    let server = Server::start(&["--dtype", "f32", "--speculative-model", draft.to_str().unwrap()]);
+    let (status, got) = server.post("/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(got["choices"][0]["message"], want["choices"][0]["message"]);
+    assert_eq!(got["usage"], want["usage"]);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (_, chunks) = server.stream("/v1/chat/completions", &streamed);
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, want["choices"][0]["message"]["content"].as_str().unwrap());
+    let accepted = server.metric("bbc_spec_decode_accepted_tokens_total");
+    assert!(accepted > 0.0 && accepted <= server.metric("bbc_spec_decode_draft_tokens_total"));
+    server.wait_for_free_blocks();
+}
+
 /// Structured outputs: each way of asking (OpenAI's `response_format`, vLLM's
 /// `structured_outputs` and `guided_*`) gives text in the language asked for, whole, streamed
 /// and sampled; a grammar that does not compile is a 400 naming the parameter.

@@ -6,6 +6,7 @@
 mod answer_parts;
 mod anthropic_output;
 mod anthropic_request;
+mod draft;
 mod error;
 mod generation;
 mod http;
@@ -94,6 +95,15 @@ pub struct ServeArgs {
     /// keeps N copies of each sequence's state to rewind refused drafts to.
     #[arg(long)]
     pub speculative_ngram: Option<usize>,
+    /// Speculative decoding with a draft model (vLLM's `--speculative-model`): a smaller
+    /// model sharing the target's tokenizer (weights, a model.toml or a model name; on the CPU
+    /// backend, in its own dtype) drafts up to `--num-speculative-tokens` tokens a step for
+    /// each decoding request, verified in the target's next pass. Tokens are unchanged.
+    #[arg(long)]
+    pub speculative_model: Option<String>,
+    /// Tokens the draft model drafts a step at most (default 4).
+    #[arg(long)]
+    pub num_speculative_tokens: Option<usize>,
     /// Shortest match prompt lookup tries (default 2, or model.toml's).
     #[arg(long)]
     pub prompt_lookup_min: Option<usize>,
@@ -114,8 +124,20 @@ pub struct ServeArgs {
     pub tool_call_parser: tool_parser::ToolCallParser,
 }
 
-/// The drafting the flags and the model.toml ask for (flags first).
+/// Tokens a draft model drafts a step unless `--num-speculative-tokens` says.
+const DEFAULT_DRAFT_TOKENS: usize = 4;
+
+/// The drafting the flags and the model.toml ask for (flags first); with a draft model, how
+/// many tokens it drafts a step (the match lengths are then unused).
 fn speculation(args: &ServeArgs, toml: Option<models::NgramSpec>) -> Result<runtime::serving::NgramConfig> {
+    check_draft_flags(args)?;
+    if args.speculative_model.is_some() {
+        return Ok(runtime::serving::NgramConfig {
+            tokens: args.num_speculative_tokens.unwrap_or(DEFAULT_DRAFT_TOKENS),
+            min: models::model_toml::DEFAULT_LOOKUP_MIN,
+            max: models::model_toml::DEFAULT_LOOKUP_MAX,
+        });
+    }
     let tokens = args.speculative_ngram.or(toml.map(|t| t.tokens)).unwrap_or(0);
     let min = args
         .prompt_lookup_min
@@ -133,7 +155,22 @@ fn speculation(args: &ServeArgs, toml: Option<models::NgramSpec>) -> Result<runt
     })
 }
 
+/// The draft model's flags make sense together (checked before any model is loaded).
+fn check_draft_flags(args: &ServeArgs) -> Result<()> {
+    match (&args.speculative_model, args.num_speculative_tokens) {
+        (Some(_), _) if args.speculative_ngram.is_some() => {
+            bail!("--speculative-model and --speculative-ngram are two ways to draft: choose one")
+        }
+        (Some(_), Some(0)) => bail!("--num-speculative-tokens must be at least 1"),
+        (None, Some(_)) => bail!(
+            "--num-speculative-tokens is the draft model's: give --speculative-model (or --speculative-ngram N for prompt lookup)"
+        ),
+        _ => Ok(()),
+    }
+}
+
 pub fn serve(args: &ServeArgs) -> Result<()> {
+    check_draft_flags(args)?;
     for (name, value) in [
         ("--max-queued", args.max_queued),
         ("--max-num-seqs", args.max_num_seqs),
@@ -184,6 +221,18 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         state_cache: runtime::serving::StateCacheConfig::every(args.state_snapshot_interval, args.state_snapshots),
     };
 
+    let drafter = match &args.speculative_model {
+        Some(arg) => {
+            let cache = draft::DraftCache {
+                blocks: args.kv_blocks,
+                block_size: args.block_size,
+                token_budget: args.token_budget,
+            };
+            Some((arg.as_str(), draft::load(arg, &tokenizer, cache)?))
+        }
+        None => None,
+    };
+
     let metrics = Arc::new(metrics::Metrics::default());
     metrics.kv_blocks_total.store(args.kv_blocks as u64, Relaxed);
     let (requests, inbox) = tokio::sync::mpsc::unbounded_channel();
@@ -220,7 +269,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 "on the GPU",
             );
             announce_checkpoints(&backend, args.max_num_seqs);
-            start_engine(backend, config, inbox, metrics.clone())?;
+            start_engine(backend, config, drafter, inbox, metrics.clone())?;
         }
         None => {
             let mut cache = loaded.weight_cache();
@@ -236,7 +285,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 let places = args.state_snapshots.min(args.kv_blocks);
                 announce_snapshots(backend.state_bytes_per_sequence(), places, "as it fills");
             }
-            start_engine(backend, config, inbox, metrics.clone())?;
+            start_engine(backend, config, drafter, inbox, metrics.clone())?;
         }
     }
     let structured = structured::LazyStructuredOutputs::new(tokenizer.clone());
@@ -304,6 +353,7 @@ fn announce_checkpoints(backend: &runtime::cuda::CudaBackend, sequences: usize) 
 fn start_engine<B>(
     backend: B,
     config: SchedulerConfig,
+    drafter: Option<(&str, Box<dyn runtime::serving::Drafter>)>,
     inbox: tokio::sync::mpsc::UnboundedReceiver<worker::NewRequest>,
     metrics: Arc<metrics::Metrics>,
 ) -> Result<()>
@@ -311,13 +361,20 @@ where
     B: runtime::serving::PagedBackend + Send + 'static,
     B::Pages: Send,
 {
-    let engine = ServingEngine::new(backend, config);
+    let mut engine = ServingEngine::new(backend, config);
     let on = engine.scheduler().config().speculation;
+    let draft_model = drafter.and_then(|(name, drafter)| engine.use_drafter(drafter).then_some(name));
     match (config.speculation.is_on(), on.is_on()) {
-        (_, true) => eprintln!(
-            "speculative decoding: prompt lookup, up to {} drafted tokens a step (matches of {}..={} tokens)",
-            on.tokens, on.min, on.max
-        ),
+        (_, true) => match draft_model {
+            Some(name) => eprintln!(
+                "speculative decoding: draft model {name} (CPU backend), up to {} drafted tokens a step",
+                on.tokens
+            ),
+            None => eprintln!(
+                "speculative decoding: prompt lookup, up to {} drafted tokens a step (matches of {}..={} tokens)",
+                on.tokens, on.min, on.max
+            ),
+        },
         (true, false) => eprintln!(
             "speculative decoding is off: this plan cannot verify drafted tokens (it was compiled before its kernels sampled several rows, or, for a model with recurrent state, kept the states to rewind drafts to: compile it again)"
         ),
