@@ -58,8 +58,9 @@ pub struct Loaded {
     pub int8_heads: Vec<(String, passes::weight_transforms::Int8Rows)>,
     /// For an artifact compiled for a GPU: its directory and plan files.
     pub gpu_plan: Option<GpuPlanFiles>,
-    /// A model.toml's `[speculative]` section.
+    /// A model.toml's `[speculative]` section: prompt lookup, or a draft model.
     pub speculative: Option<models::NgramSpec>,
+    pub draft_model: Option<models::DraftModelSpec>,
 }
 
 /// Where a GPU artifact's plans are.
@@ -167,7 +168,7 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
                 ensure!(n >= 1, "--max-model-len must be at least 1");
                 spec.context_length = Some(n);
             }
-            let speculative = spec.speculative;
+            let (speculative, draft_model) = (spec.speculative, spec.draft_model.clone());
             let model = match options.max_model_len {
                 Some(n) => Model::open(spec).with_context(|| format!("--max-model-len {n}"))?,
                 None => Model::open(spec)?,
@@ -191,6 +192,7 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
                 int8_heads: Vec::new(),
                 gpu_plan: None,
                 speculative,
+                draft_model,
             })
         }
         None => {
@@ -222,6 +224,7 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
         context_length: Some(manifest.context_length),
         tokenizer: manifest.tokenizer.clone(),
         speculative: None,
+        draft_model: None,
     };
     let model = Model::open(spec).with_context(|| format!("opening the weights {} names", dir.display()))?;
     let graphs = codegen::read_graphs(dir, &manifest)?;
@@ -241,5 +244,6 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
                 serving: manifest.serving_plan.clone().zip(graphs.serving),
             }),
         speculative: None,
+        draft_model: None,
     })
 }

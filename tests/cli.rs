@@ -381,9 +381,22 @@ fn serve_refuses_a_draft_model_it_cannot_use() {
         "{stderr}"
     );
     let stderr = serve(&["--num-speculative-tokens", "3"]);
-    assert!(stderr.contains("give --speculative-model"), "{stderr}");
+    assert!(stderr.contains("there is none"), "{stderr}");
     let gemma = real_model("gemma3-270m");
     let stderr = serve(&["--speculative-model", gemma.to_str().unwrap()]);
+    assert!(stderr.contains("must share the target's tokenizer"), "{stderr}");
+    // The same draft model named by a model.toml's `[speculative]` section.
+    let dir = tempfile::tempdir().unwrap();
+    let toml = dir.path().join("model.toml");
+    std::fs::write(
+        &toml,
+        format!(
+            "[model]\nweights = {model:?}\n[speculative]\nmethod = \"draft_model\"\nmodel = {:?}\nnum_speculative_tokens = 3\n",
+            gemma.to_str().unwrap()
+        ),
+    )
+    .unwrap();
+    let stderr = refused(&["serve", toml.to_str().unwrap(), "--port", "0"]);
     assert!(stderr.contains("must share the target's tokenizer"), "{stderr}");
 }
 

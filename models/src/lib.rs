@@ -18,7 +18,7 @@ pub use error::{ModelError, Result};
 pub use families::{
     lower, lower_without_weights, with_greedy_token, ComputeDtype, KvCacheDtype, LogitsFor, LowerOptions,
 };
-pub use model_toml::{ModelSpec, NgramSpec};
+pub use model_toml::{DraftModelSpec, ModelSpec, NgramSpec};
 pub use tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
 pub use weights::{TensorView, WeightSource};
 

@@ -12,10 +12,13 @@
 //! tokenizer = "tokenizer.json"                 # optional: overrides the weights' tokenizer
 //!
 //! [speculative]                                # optional: speculative decoding in `bbc serve`
-//! method = "ngram"                             # prompt lookup (the only method so far)
+//! method = "ngram"                             # prompt lookup, or "draft_model"
 //! num_speculative_tokens = 4                   # drafted tokens a step at most
-//! prompt_lookup_min = 2                        # optional: shortest match tried (default 2)
-//! prompt_lookup_max = 4                        # optional: longest match tried (default 4)
+//! prompt_lookup_min = 2                        # optional (ngram): shortest match (default 2)
+//! prompt_lookup_max = 4                        # optional (ngram): longest match (default 4)
+//! # model = "draft.gguf"                       # draft_model: weights (relative to this file),
+//!                                              # a model.toml or a model name, sharing the
+//!                                              # tokenizer
 //! ```
 //!
 //! An unknown section or key is an error, so a typo never passes silently.
@@ -40,6 +43,16 @@ pub struct SpeculativeSection {
     pub num_speculative_tokens: usize,
     pub prompt_lookup_min: Option<usize>,
     pub prompt_lookup_max: Option<usize>,
+    pub model: Option<String>,
+}
+
+/// Drafting with a draft model, as `[speculative]` asks for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DraftModelSpec {
+    /// A weights path (resolved against the model.toml's directory where it names a file or
+    /// directory there), a model.toml, or a model name.
+    pub model: String,
+    pub tokens: usize,
 }
 
 /// Match lengths prompt lookup tries by default: single-token matches draft too often on free
@@ -88,8 +101,10 @@ pub struct ModelSpec {
     pub kv_cache_dtype: KvCacheDtype,
     pub context_length: Option<usize>,
     pub tokenizer: Option<PathBuf>,
-    /// `[speculative]`, where the file has it.
+    /// `[speculative]` with `method = "ngram"`, where the file has it.
     pub speculative: Option<NgramSpec>,
+    /// `[speculative]` with `method = "draft_model"`.
+    pub draft_model: Option<DraftModelSpec>,
 }
 
 impl ModelSpec {
@@ -132,20 +147,48 @@ impl ModelSpec {
         if m.context_length == Some(0) {
             return Err(bad("model.context_length must be at least 1".into()));
         }
-        let speculative = match parsed.speculative {
-            None => None,
-            Some(s) if s.method != "ngram" => {
-                return Err(bad(format!("speculative.method `{}` is not one of: ngram", s.method)))
-            }
-            Some(s) => Some(
-                NgramSpec::new(
+        let (mut speculative, mut draft_model) = (None, None);
+        match parsed.speculative {
+            None => {}
+            Some(s) if s.method == "ngram" => {
+                if s.model.is_some() {
+                    return Err(bad("speculative.model is the draft_model method's, not ngram's".into()));
+                }
+                let spec = NgramSpec::new(
                     s.num_speculative_tokens,
                     s.prompt_lookup_min.unwrap_or(DEFAULT_LOOKUP_MIN),
                     s.prompt_lookup_max.unwrap_or(DEFAULT_LOOKUP_MAX),
-                )
-                .map_err(|e| bad(format!("speculative: {e}")))?,
-            ),
-        };
+                );
+                speculative = Some(spec.map_err(|e| bad(format!("speculative: {e}")))?);
+            }
+            Some(s) if s.method == "draft_model" => {
+                if s.prompt_lookup_min.is_some() || s.prompt_lookup_max.is_some() {
+                    return Err(bad(
+                        "speculative.prompt_lookup_min/max are the ngram method's, not draft_model's".into(),
+                    ));
+                }
+                let model = s
+                    .model
+                    .ok_or_else(|| bad("speculative.method `draft_model` needs speculative.model".into()))?;
+                if s.num_speculative_tokens == 0 {
+                    return Err(bad("speculative.num_speculative_tokens must be at least 1".into()));
+                }
+                let local = base.join(&model);
+                draft_model = Some(DraftModelSpec {
+                    model: match local.exists() {
+                        true => local.to_string_lossy().into_owned(),
+                        false => model,
+                    },
+                    tokens: s.num_speculative_tokens,
+                });
+            }
+            Some(s) => {
+                return Err(bad(format!(
+                    "speculative.method `{}` is not one of: ngram, draft_model",
+                    s.method
+                )))
+            }
+        }
         Ok(Self {
             weights: base.join(m.weights),
             architecture,
@@ -154,6 +197,7 @@ impl ModelSpec {
             context_length: m.context_length,
             tokenizer: m.tokenizer.map(|t| base.join(t)),
             speculative,
+            draft_model,
         })
     }
 
@@ -167,6 +211,7 @@ impl ModelSpec {
             context_length: None,
             tokenizer: None,
             speculative: None,
+            draft_model: None,
         }
     }
 }
@@ -222,6 +267,42 @@ mod tests {
             assert!(err.contains(needle), "{err}");
         }
         assert_eq!(parse("[model]\nweights = \"w.gguf\"\n").unwrap().speculative, None);
+    }
+
+    #[test]
+    fn a_draft_model_is_read_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("draft.gguf"), b"").unwrap();
+        let toml = dir.path().join("model.toml");
+        let base =
+            "[model]\nweights = \"w.gguf\"\n[speculative]\nmethod = \"draft_model\"\nnum_speculative_tokens = 3\n";
+        let parse_here = |text: &str| ModelSpec::parse(text, &toml);
+        let local = parse_here(&format!("{base}model = \"draft.gguf\"\n")).unwrap();
+        assert_eq!(
+            local.draft_model,
+            Some(DraftModelSpec {
+                model: dir.path().join("draft.gguf").to_string_lossy().into_owned(),
+                tokens: 3
+            })
+        );
+        assert_eq!(local.speculative, None);
+        let named = parse_here(&format!("{base}model = \"smollm2\"\n")).unwrap();
+        assert_eq!(named.draft_model.unwrap().model, "smollm2", "a name, not a file here");
+        for (text, needle) in [
+            (base.to_string(), "needs speculative.model"),
+            (
+                format!("{base}model = \"d\"\nprompt_lookup_min = 2\n"),
+                "ngram method's",
+            ),
+            (format!("{}model = \"d\"\n", base.replace("= 3", "= 0")), "at least 1"),
+            (
+                format!("{}model = \"d\"\n", base.replace("draft_model", "ngram")),
+                "draft_model method's",
+            ),
+        ] {
+            let err = parse_here(&text).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err}");
+        }
     }
 
     #[test]

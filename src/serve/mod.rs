@@ -101,7 +101,7 @@ pub struct ServeArgs {
     /// each decoding request, verified in the target's next pass. Tokens are unchanged.
     #[arg(long)]
     pub speculative_model: Option<String>,
-    /// Tokens the draft model drafts a step at most (default 4).
+    /// Tokens the draft model drafts a step at most (default model.toml's, or 4).
     #[arg(long)]
     pub num_speculative_tokens: Option<usize>,
     /// Shortest match prompt lookup tries (default 2, or model.toml's).
@@ -124,20 +124,37 @@ pub struct ServeArgs {
     pub tool_call_parser: tool_parser::ToolCallParser,
 }
 
-/// Tokens a draft model drafts a step unless `--num-speculative-tokens` says.
+/// Tokens a draft model drafts a step unless `--num-speculative-tokens` or the model.toml say.
 const DEFAULT_DRAFT_TOKENS: usize = 4;
 
-/// The drafting the flags and the model.toml ask for (flags first); with a draft model, how
-/// many tokens it drafts a step (the match lengths are then unused).
-fn speculation(args: &ServeArgs, toml: Option<models::NgramSpec>) -> Result<runtime::serving::NgramConfig> {
-    check_draft_flags(args)?;
-    if args.speculative_model.is_some() {
-        return Ok(runtime::serving::NgramConfig {
-            tokens: args.num_speculative_tokens.unwrap_or(DEFAULT_DRAFT_TOKENS),
+/// How `bbc serve` drafts, as the flags and then the model.toml's `[speculative]` ask: the
+/// drafting config, and the draft model where one drafts (the match lengths are then unused).
+fn speculation(
+    args: &ServeArgs,
+    loaded: &model_ref::Loaded,
+) -> Result<(runtime::serving::NgramConfig, Option<String>)> {
+    let draft = match (&args.speculative_model, &loaded.draft_model) {
+        (Some(model), toml) => Some((model.clone(), toml.as_ref().map(|t| t.tokens))),
+        // A prompt-lookup flag overrides the file's draft model.
+        (None, Some(toml)) if args.speculative_ngram.is_none() => Some((toml.model.clone(), Some(toml.tokens))),
+        _ => None,
+    };
+    if let Some((model, toml_tokens)) = draft {
+        let tokens = args
+            .num_speculative_tokens
+            .or(toml_tokens)
+            .unwrap_or(DEFAULT_DRAFT_TOKENS);
+        let config = runtime::serving::NgramConfig {
+            tokens,
             min: models::model_toml::DEFAULT_LOOKUP_MIN,
             max: models::model_toml::DEFAULT_LOOKUP_MAX,
-        });
+        };
+        return Ok((config, Some(model)));
     }
+    if args.num_speculative_tokens.is_some() {
+        bail!("--num-speculative-tokens is the draft model's, and there is none: give --speculative-model (or --speculative-ngram N for prompt lookup)");
+    }
+    let toml = loaded.speculative;
     let tokens = args.speculative_ngram.or(toml.map(|t| t.tokens)).unwrap_or(0);
     let min = args
         .prompt_lookup_min
@@ -148,25 +165,23 @@ fn speculation(args: &ServeArgs, toml: Option<models::NgramSpec>) -> Result<runt
         .or(toml.map(|t| t.max))
         .unwrap_or(models::model_toml::DEFAULT_LOOKUP_MAX);
     let spec = models::NgramSpec::new(tokens, min, max).map_err(|e| anyhow::anyhow!("--prompt-lookup-min/max: {e}"))?;
-    Ok(runtime::serving::NgramConfig {
+    let config = runtime::serving::NgramConfig {
         tokens: spec.tokens,
         min: spec.min,
         max: spec.max,
-    })
+    };
+    Ok((config, None))
 }
 
 /// The draft model's flags make sense together (checked before any model is loaded).
 fn check_draft_flags(args: &ServeArgs) -> Result<()> {
-    match (&args.speculative_model, args.num_speculative_tokens) {
-        (Some(_), _) if args.speculative_ngram.is_some() => {
-            bail!("--speculative-model and --speculative-ngram are two ways to draft: choose one")
-        }
-        (Some(_), Some(0)) => bail!("--num-speculative-tokens must be at least 1"),
-        (None, Some(_)) => bail!(
-            "--num-speculative-tokens is the draft model's: give --speculative-model (or --speculative-ngram N for prompt lookup)"
-        ),
-        _ => Ok(()),
+    if args.speculative_model.is_some() && args.speculative_ngram.is_some() {
+        bail!("--speculative-model and --speculative-ngram are two ways to draft: choose one");
     }
+    if args.num_speculative_tokens == Some(0) {
+        bail!("--num-speculative-tokens must be at least 1");
+    }
+    Ok(())
 }
 
 pub fn serve(args: &ServeArgs) -> Result<()> {
@@ -205,6 +220,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let tokenizer = Arc::new(tokenizer);
     let context_length = loaded.model.config.context_length;
     let family = loaded.model.config.family;
+    let (speculation, draft_model) = speculation(args, &loaded)?;
     let config = SchedulerConfig {
         max_waiting: args.max_queued,
         max_running: args.max_num_seqs,
@@ -215,13 +231,13 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         // The engine turns it off for models with recurrent state.
         prefix_caching: true,
         // And this where the backend cannot verify drafts.
-        speculation: speculation(args, loaded.speculative)?,
+        speculation,
         // Set by the engine from the backend, which may also turn the snapshots off.
         recurrent_state: false,
         state_cache: runtime::serving::StateCacheConfig::every(args.state_snapshot_interval, args.state_snapshots),
     };
 
-    let drafter = match &args.speculative_model {
+    let drafter = match &draft_model {
         Some(arg) => {
             let cache = draft::DraftCache {
                 blocks: args.kv_blocks,
