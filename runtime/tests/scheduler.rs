@@ -10,14 +10,16 @@
 //! into a place another of its works restores from (nor, for a backend that saves only at a
 //! work's end, anywhere else). With speculation,
 //! works carry drafted tokens of which a random number is accepted: the same checks hold, and
-//! no draft takes a sequence past its `max_tokens` or a step past its budget. A sequence that
+//! no draft takes a sequence past its `max_tokens` or a step past its budget. Drafts offered
+//! as a draft model offers them (`offer_drafts`, more than a sequence may carry, none for
+//! some) are carried as offered, cut to the sequence's limit, and only where offered. A sequence that
 //! computes its whole prompt (`compute_whole_prompt`, for prompt log-probabilities) never
 //! starts from the prefix cache, however often it is preempted.
 
 use proptest::prelude::*;
 use runtime::kv::cache_row;
 use runtime::serving::{NgramConfig, Scheduler, SchedulerConfig, SeqId, StateCacheConfig, Work};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 #[derive(Debug, Clone)]
 enum Action {
@@ -165,8 +167,42 @@ impl SimulatedKv {
     }
 }
 
-fn run_step(s: &mut Scheduler, kv: &mut SimulatedKv, stop: bool, accept: usize, config: &SchedulerConfig) -> usize {
+/// Drafts offered for the next step as a draft model offers them, where `offer` is set: for
+/// every sequence that may draft but a third of them, more tokens than it may carry.
+fn offer_drafts(s: &mut Scheduler, offer: bool) -> Option<BTreeMap<SeqId, (usize, Vec<u32>)>> {
+    if !offer {
+        return None;
+    }
+    let offered: BTreeMap<SeqId, (usize, Vec<u32>)> = s
+        .draft_requests()
+        .iter()
+        .inspect(|r| assert!(r.limit > 0 && !r.tokens.is_empty(), "{r:?}"))
+        .filter(|r| r.seq.0 % 3 != 0)
+        .map(|r| (r.seq, (r.limit, (0..r.limit as u32 + 2).map(|j| 40 + j).collect())))
+        .collect();
+    s.offer_drafts(offered.iter().map(|(id, (_, drafts))| (*id, drafts.clone())).collect());
+    Some(offered)
+}
+
+fn run_step(
+    s: &mut Scheduler,
+    kv: &mut SimulatedKv,
+    stop: bool,
+    accept: usize,
+    config: &SchedulerConfig,
+    offer: bool,
+) -> usize {
+    let offered = offer_drafts(s, offer);
     let schedule = s.schedule();
+    // Offered drafts are carried as offered, cut to what the sequence may carry; a sequence
+    // offered none carries none.
+    for w in schedule.work.iter().filter(|w| w.drafts > 0) {
+        if let Some(offered) = &offered {
+            let (limit, drafts) = offered.get(&w.seq).expect("drafts only where offered");
+            assert!(w.drafts <= *limit, "{w:?} carries more than its limit {limit}");
+            assert_eq!(w.drafted(), &drafts[..w.drafts]);
+        }
+    }
     let scheduled: usize = schedule.work.iter().map(|w| w.end - w.start).sum();
     assert!(
         scheduled <= config.token_budget,
@@ -238,6 +274,7 @@ proptest! {
         budget in 1usize..24,
         prefix_caching in any::<bool>(),
         drafts in 0usize..4,
+        offer in any::<bool>(),
         recurrent_state in any::<bool>(),
         snapshots in 0usize..4,
         interval in 1usize..12,
@@ -278,7 +315,7 @@ proptest! {
                     }
                 }
                 Action::Step { stop, accept } => {
-                    run_step(&mut s, &mut kv, stop, accept, &config);
+                    run_step(&mut s, &mut kv, stop, accept, &config, offer);
                 }
                 Action::Abort(i) => {
                     if let Some(&id) = ids.get(i % ids.len().max(1)) {
@@ -292,7 +329,7 @@ proptest! {
         // Everything still queued completes: no livelock, and every block comes back.
         let mut steps = 0;
         while !s.is_idle() {
-            run_step(&mut s, &mut kv, false, 1, &config);
+            run_step(&mut s, &mut kv, false, 1, &config, offer);
             prop_assert_eq!(s.check(), Ok(()));
             steps += 1;
             prop_assert!(steps < 10_000, "the scheduler stopped making progress");
@@ -401,7 +438,7 @@ fn a_cached_prefix_is_reused_but_the_last_prompt_token_is_always_computed() {
         kv.run(&work, config.block_size);
         complete(s, kv, &work, 0, 3);
         while !s.is_idle() {
-            run_step(s, kv, false, 0, &config);
+            run_step(s, kv, false, 0, &config, false);
         }
         span
     };
