@@ -690,6 +690,88 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
     }
 }
 
+/// A draft model on a batched plan (a GPU target's; here on the emulator) proposes what it
+/// proposes on the CPU backend, round after round of partly accepted drafts, through the
+/// plan's greedy ids (no logits read back); as the drafter of an engine on the CPU backend it
+/// leaves the tokens as they are without drafts, its drafts accepted.
+#[test]
+fn a_draft_model_on_a_batched_plan_drafts_as_on_the_cpu() {
+    use runtime::serving::{DraftModel, DraftRequest, Drafter, NgramConfig, SeqId, ServingEngine};
+    let draft = open("llama_rope_yarn", ComputeDtype::F32);
+    let config = serving_config(32, 48);
+    let (gpu_graph, plan, kernels) = serving_plan(&draft, &config, config.max_running);
+    let on_plan = || {
+        let gpu = EmulatedBackend::emulated(
+            plan.clone(),
+            kernels.clone(),
+            gpu_graph.clone(),
+            &draft.weights,
+            &[],
+            64,
+        )
+        .unwrap()
+        .capture_graphs_up_to(config.max_running);
+        DraftModel::new(Counted::new(gpu), config.kv_blocks, config.block_size, 32, 64).unwrap()
+    };
+    let on_cpu = || {
+        let graph = draft.lower(LogitsFor::LastToken).unwrap();
+        let cpu = CpuBackend::new(graph, &draft.weights, 64).unwrap();
+        DraftModel::new(cpu, config.kv_blocks, config.block_size, 32, 64).unwrap()
+    };
+    let (mut gpu, mut cpu) = (on_plan(), on_cpu());
+    let mut sequences: Vec<Vec<u32>> = vec![(0..19u32).map(|j| 5 + 11 * j).collect(), vec![3, 1, 4], vec![200]];
+    for round in 0..4 {
+        let requests: Vec<DraftRequest> = sequences
+            .iter()
+            .enumerate()
+            .map(|(i, tokens)| DraftRequest {
+                seq: SeqId(i as u64),
+                tokens,
+                limit: 1 + (i + round) % 3,
+            })
+            .collect();
+        let want = cpu.propose(&requests).unwrap();
+        assert_eq!(gpu.propose(&requests).unwrap(), want, "round {round}");
+        // Keep the first few drafts of each and a token of one's own after them.
+        for (i, tokens) in sequences.iter_mut().enumerate() {
+            let drafts = &want[&SeqId(i as u64)];
+            tokens.extend(&drafts[..(i + round) % (drafts.len() + 1)]);
+            tokens.push((17 * round as u32 + i as u32) % 300);
+        }
+    }
+    let (greedy, full) = gpu.backend().counts();
+    assert!(greedy > 0 && full == 0, "{greedy} greedy passes, {full} with logits");
+
+    let target = open("llama", ComputeDtype::F32);
+    let prompts: Vec<Vec<u32>> = (0..3u32)
+        .map(|i| (0..4 + 5 * i).map(|j| 7 + 13 * i + 3 * j).collect())
+        .collect();
+    let speculating = SchedulerConfig {
+        speculation: NgramConfig {
+            tokens: 3,
+            min: 1,
+            max: 1,
+        },
+        ..config
+    };
+    let target_backend = || CpuBackend::new(target.lower(LogitsFor::LastToken).unwrap(), &target.weights, 64).unwrap();
+    let want = serve_all(
+        &mut ServingEngine::new(target_backend(), config),
+        &prompts,
+        Default::default(),
+    );
+    let mut engine = ServingEngine::new(target_backend(), speculating);
+    assert!(engine.use_drafter(Box::new(on_plan())));
+    let served = bbc::gpu_check::kernels::serve_all_counting(&mut engine, &prompts, Default::default(), 6).unwrap();
+    assert_eq!(served.tokens, want);
+    assert!(
+        served.accepted > 0,
+        "{} of {} drafts accepted",
+        served.accepted,
+        served.drafted
+    );
+}
+
 /// A greedy request whose logits go through a processor (here `logit_bias`) never takes the
 /// plan's greedy-ids shortcut, which would skip the processor: on a batched plan it generates
 /// what it generates on the CPU backend with the same processor, from logits read back.

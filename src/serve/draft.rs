@@ -5,18 +5,22 @@
 use crate::model_ref;
 use anyhow::{bail, Context, Result};
 use models::{LogitsFor, Tokenizer};
-use runtime::serving::{DraftModel, Drafter};
+use runtime::serving::{DraftModel, Drafter, PagedBackend};
 
-/// Cache blocks, block size and token budget for the draft model's own cache and passes.
+/// Cache blocks, block size, token budget and sequences at once for the draft model's own
+/// cache and passes.
 pub struct DraftCache {
     pub blocks: usize,
     pub block_size: usize,
     pub token_budget: usize,
+    pub sequences: usize,
 }
 
-/// The draft model `arg` names (an artifact for the CPU, a model.toml, weights or a model
-/// name), ready to draft for a target whose tokenizer is `target`.
-pub fn load(arg: &str, target: &Tokenizer, cache: DraftCache) -> Result<Box<dyn Drafter>> {
+/// The draft model `arg` names (an artifact, a model.toml, weights or a model name), ready
+/// to draft for a target whose tokenizer is `target`, and where it runs: a GPU artifact on
+/// its batched serving plan (decode passes replayed as CUDA graphs), anything else on the CPU
+/// backend.
+pub fn load(arg: &str, target: &Tokenizer, cache: DraftCache) -> Result<(Box<dyn Drafter>, &'static str)> {
     let options = model_ref::LoadOptions {
         dtype: None,
         kv_cache_dtype: None,
@@ -27,16 +31,50 @@ pub fn load(arg: &str, target: &Tokenizer, cache: DraftCache) -> Result<Box<dyn 
         quiet: false,
     };
     let mut loaded = model_ref::load(arg, options).with_context(|| format!("--speculative-model {arg}"))?;
-    if loaded.gpu_plan.is_some() {
-        bail!("--speculative-model {arg}: a GPU artifact; the draft model runs on the CPU backend (give its weights or a CPU artifact)");
-    }
     let draft_tokenizer = loaded.model.tokenizer.as_ref().with_context(|| {
         format!("--speculative-model {arg}: the model has no tokenizer to check against the target's")
     })?;
     same_vocabulary(target, draft_tokenizer).with_context(|| format!("--speculative-model {arg}"))?;
     let context_length = loaded.model.config.context_length;
-    let mut weights = loaded.weight_cache();
-    let backend = runtime::CpuBackend::with_cache(loaded.graph, &loaded.model.weights, context_length, &mut weights)?;
+    match loaded.gpu_plan.take() {
+        Some(plans) => {
+            let (plan, graph) = plans.serving.with_context(|| {
+                format!("--speculative-model {arg}: this GPU artifact has no serving plan (an older bbc compiled it); compile it again")
+            })?;
+            let plan_cache = codegen::gpu::BatchedCache {
+                blocks: cache.blocks,
+                block_size: cache.block_size,
+                sequences: cache.sequences,
+            };
+            let (weights, int8) = (&loaded.model.weights, &loaded.int8_heads);
+            let backend = runtime::cuda::CudaBackend::batched(
+                &plans.dir,
+                &plan,
+                graph,
+                weights,
+                int8,
+                context_length,
+                plan_cache,
+            )?
+            // A drafting pass has a row per sequence.
+            .capture_graphs_up_to(cache.sequences);
+            Ok((drafter(backend, &cache, context_length, arg)?, "on the GPU"))
+        }
+        None => {
+            let mut weights = loaded.weight_cache();
+            let backend =
+                runtime::CpuBackend::with_cache(loaded.graph, &loaded.model.weights, context_length, &mut weights)?;
+            Ok((drafter(backend, &cache, context_length, arg)?, "on the CPU backend"))
+        }
+    }
+}
+
+/// A drafter over `backend` with `cache`'s room, over contexts of `context_length`.
+fn drafter<B>(backend: B, cache: &DraftCache, context_length: usize, arg: &str) -> Result<Box<dyn Drafter>>
+where
+    B: PagedBackend + Send + 'static,
+    B::Pages: Send,
+{
     let drafter = DraftModel::new(
         backend,
         cache.blocks,

@@ -243,8 +243,10 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 blocks: args.kv_blocks,
                 block_size: args.block_size,
                 token_budget: args.token_budget,
+                sequences: args.max_num_seqs,
             };
-            Some((arg.as_str(), draft::load(arg, &tokenizer, cache)?))
+            let (drafter, place) = draft::load(arg, &tokenizer, cache)?;
+            Some((format!("{arg} ({place})"), drafter))
         }
         None => None,
     };
@@ -369,7 +371,7 @@ fn announce_checkpoints(backend: &runtime::cuda::CudaBackend, sequences: usize) 
 fn start_engine<B>(
     backend: B,
     config: SchedulerConfig,
-    drafter: Option<(&str, Box<dyn runtime::serving::Drafter>)>,
+    drafter: Option<(String, Box<dyn runtime::serving::Drafter>)>,
     inbox: tokio::sync::mpsc::UnboundedReceiver<worker::NewRequest>,
     metrics: Arc<metrics::Metrics>,
 ) -> Result<()>
@@ -383,7 +385,7 @@ where
     match (config.speculation.is_on(), on.is_on()) {
         (_, true) => match draft_model {
             Some(name) => eprintln!(
-                "speculative decoding: draft model {name} (CPU backend), up to {} drafted tokens a step",
+                "speculative decoding: draft model {name}, up to {} drafted tokens a step",
                 on.tokens
             ),
             None => eprintln!(

@@ -96,6 +96,10 @@ impl<B: PagedBackend> DraftModel<B> {
         })
     }
 
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
     /// Blocks held by sequences now.
     pub fn used_blocks(&self) -> usize {
         self.next_block as usize - self.free.len()
@@ -131,11 +135,14 @@ impl<B: PagedBackend> DraftModel<B> {
     fn pass(&mut self, segments: &[(SeqId, usize, Vec<u32>)]) -> Result<Vec<u32>> {
         let batch: Vec<Segment> = segments
             .iter()
-            .map(|(id, start, ids)| Segment {
+            .enumerate()
+            .map(|(i, (id, start, ids))| Segment {
                 table: &self.seqs[id].table,
                 start: *start,
                 ids,
-                state_slot: 0,
+                // The model keeps no state (checked at `new`); slots still differ in a step,
+                // as a GPU plan's step inputs expect.
+                state_slot: i,
                 sampled_rows: 1,
                 drafts: 0,
                 snapshots: StateSnapshots::NONE,
