@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Side by side on this machine: `bbc serve` without and with speculative decoding (prompt
-# lookup), on a task that repeats its context (copying a list) and one that does not (a
-# story). Greedy chat requests, 10 in turn after a warm-up, per server; two rounds alternated.
-#   benches/speculation.sh [model-name] [drafted-tokens]
+# lookup, or a draft model where SPECULATIVE_MODEL names one), on a task that repeats its
+# context (copying a list) and one that does not (a story). Greedy chat requests, 10 in turn
+# after a warm-up, per server; two rounds alternated. DTYPE sets the target's compute dtype.
+#   [SPECULATIVE_MODEL=draft] [DTYPE=f32] benches/speculation.sh [model-name] [drafted-tokens]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 model=${1:-smollm2}
@@ -16,7 +17,12 @@ trap '[ -n "$server" ] && kill "$server" 2>/dev/null' EXIT
 metric() { curl -s "localhost:$port/metrics" | awk -v m="$1" '$1 == m {print $2}'; }
 for round in 1 2; do
   for n in 0 "$drafts"; do
-    ./target/release/bbc serve "$model" --port "$port" --speculative-ngram "$n" >/tmp/bbc-speculation-bench.log 2>&1 &
+    flags=(--speculative-ngram "$n")
+    if [ -n "${SPECULATIVE_MODEL:-}" ] && [ "$n" != 0 ]; then
+      flags=(--speculative-model "$SPECULATIVE_MODEL" --num-speculative-tokens "$n")
+    fi
+    ./target/release/bbc serve "$model" --port "$port" ${DTYPE:+--dtype "$DTYPE"} "${flags[@]}" \
+      >/tmp/bbc-speculation-bench.log 2>&1 &
     server=$!
     until curl -s "localhost:$port/health" >/dev/null; do
       kill -0 "$server" 2>/dev/null || { cat /tmp/bbc-speculation-bench.log; exit 1; }
