@@ -469,16 +469,7 @@ fn serve_drafting(
     let mut engine = ServingEngine::new(backend(target), speculation_config(DRAFT_FOUR));
     let drafter = runtime::serving::DraftModel::new(backend(draft), 128, 8, 64, 2048).unwrap();
     assert!(engine.use_drafter(Box::new(drafter)));
-    let ids: Vec<_> = requests
-        .iter()
-        .map(|(p, s)| engine.add(p.clone(), max_tokens, vec![], *s).unwrap())
-        .collect();
-    let (mut drafted, mut accepted) = (0, 0);
-    let got = run_to_idle(&mut engine, |out, _| {
-        drafted += out.drafted;
-        accepted += out.accepted;
-    });
-    (ids.iter().map(|id| got[id].clone()).collect(), drafted, accepted)
+    serve_counting_drafts(&mut engine, requests, max_tokens)
 }
 
 /// Prompt lookup drafting up to four tokens.
@@ -675,12 +666,22 @@ fn serve_speculating(
     speculation: runtime::serving::NgramConfig,
 ) -> (Vec<Vec<u32>>, usize, usize) {
     let mut engine = ServingEngine::new(backend(model), speculation_config(speculation));
+    serve_counting_drafts(&mut engine, requests, max_tokens)
+}
+
+/// `requests` served together on `engine`, `max_tokens` each: each one's tokens, and the
+/// drafts drafted and accepted over the run.
+fn serve_counting_drafts(
+    engine: &mut ServingEngine<CpuBackend>,
+    requests: &[(Vec<u32>, SamplingParams)],
+    max_tokens: usize,
+) -> (Vec<Vec<u32>>, usize, usize) {
     let ids: Vec<_> = requests
         .iter()
         .map(|(p, s)| engine.add(p.clone(), max_tokens, vec![], *s).unwrap())
         .collect();
     let (mut drafted, mut accepted) = (0, 0);
-    let got = run_to_idle(&mut engine, |out, _| {
+    let got = run_to_idle(engine, |out, _| {
         drafted += out.drafted;
         accepted += out.accepted;
     });
