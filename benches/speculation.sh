@@ -2,7 +2,8 @@
 # Side by side on this machine: `bbc serve` without and with speculative decoding (prompt
 # lookup, or a draft model where SPECULATIVE_MODEL names one), on a task that repeats its
 # context (copying a list) and one that does not (a story). Greedy chat requests, 10 in turn
-# after a warm-up, per server; two rounds alternated. DTYPE sets the target's compute dtype.
+# after a warm-up, per server; two rounds alternated (ROUNDS="1" for one). DTYPE sets the
+# target's compute dtype.
 #   [SPECULATIVE_MODEL=draft] [DTYPE=f32] benches/speculation.sh [model-name] [drafted-tokens]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ story='{"model":"'"$model"'","messages":[{"role":"user","content":"Write a short
 server=
 trap '[ -n "$server" ] && kill "$server" 2>/dev/null' EXIT
 metric() { curl -s "localhost:$port/metrics" | awk -v m="$1" '$1 == m {print $2}'; }
-for round in 1 2; do
+for round in ${ROUNDS:-1 2}; do
   for n in 0 "$drafts"; do
     flags=(--speculative-ngram "$n")
     if [ -n "${SPECULATIVE_MODEL:-}" ] && [ "$n" != 0 ]; then
