@@ -7,8 +7,9 @@
 //! holds is the tokens it has computed, which after a step are the sequence's tokens up to
 //! the first draft the target refused, so each proposal computes only the tokens since then
 //! (the accepted drafts' positions are already there) and a new sequence's whole prompt once.
-//! Its proposals are batched: one pass over every sequence's catch-up (chunked to a token
-//! budget), then one pass per drafted token over every sequence still drafting.
+//! Its proposals are batched: one pass over every sequence's catch-up (within a token budget:
+//! a long new prompt goes through it over several steps, drafting nothing until it is done),
+//! then one pass per drafted token over every sequence still drafting.
 
 use super::engine::PagedBackend;
 use super::scheduler::{DraftRequest, SeqId};
@@ -171,34 +172,36 @@ impl<B: PagedBackend> DraftModel<B> {
             .collect()
     }
 
-    /// Bring every proposal's sequence up to its last token (computing what the cache lacks,
-    /// in chunks within the token budget), which gives each its first draft.
+    /// One pass bringing proposals' sequences up to their last token, which gives each its
+    /// first draft: what each cache lacks, in running order, as far as the token budget goes.
+    /// A sequence it does not bring all the way (a long new prompt) drafts nothing this step
+    /// and goes on from there in the next, so no step waits on more than a budget's worth of
+    /// the draft model's prefill.
     fn catch_up(&mut self, proposals: &mut [Proposal<'_>]) -> Result<()> {
-        loop {
-            let mut budget = self.token_budget;
-            let mut segments = Vec::new();
-            let mut finishing = Vec::new();
-            for (i, p) in proposals.iter().enumerate() {
-                let done = self.seqs[&p.seq].computed.len();
-                if !p.drafts.is_empty() || budget == 0 || done == p.tokens.len() {
-                    continue;
-                }
-                let end = p.tokens.len().min(done + budget);
-                budget -= end - done;
-                segments.push((p.seq, done, p.tokens[done..end].to_vec()));
-                finishing.push((i, end == p.tokens.len()));
+        let mut budget = self.token_budget;
+        let mut segments = Vec::new();
+        let mut finishing = Vec::new();
+        for (i, p) in proposals.iter().enumerate() {
+            let done = self.seqs[&p.seq].computed.len();
+            if budget == 0 {
+                break;
             }
-            if segments.is_empty() {
-                return Ok(());
-            }
-            let tokens = self.pass(&segments)?;
-            for (((i, last), (id, _, ids)), token) in finishing.into_iter().zip(&segments).zip(tokens) {
-                self.seqs.get_mut(id).expect("proposing").computed.extend(ids);
-                if last {
-                    proposals[i].drafts.push(token);
-                }
+            let end = p.tokens.len().min(done + budget);
+            budget -= end - done;
+            segments.push((p.seq, done, p.tokens[done..end].to_vec()));
+            finishing.push((i, end == p.tokens.len()));
+        }
+        if segments.is_empty() {
+            return Ok(());
+        }
+        let tokens = self.pass(&segments)?;
+        for (((i, last), (id, _, ids)), token) in finishing.into_iter().zip(&segments).zip(tokens) {
+            self.seqs.get_mut(id).expect("proposing").computed.extend(ids);
+            if last {
+                proposals[i].drafts.push(token);
             }
         }
+        Ok(())
     }
 
     /// Extend every proposal short of its limit by one token: its last draft computed.
