@@ -202,8 +202,8 @@ fn concurrent_requests_match_alone(model: &Model) {
 
 /// Step `engine` until it is idle, checking the scheduler's invariants after every step and
 /// showing each step's output and scheduler to `each_step`; every finished sequence's tokens.
-fn run_to_idle(
-    engine: &mut ServingEngine<CpuBackend>,
+fn run_to_idle<B: runtime::serving::PagedBackend>(
+    engine: &mut ServingEngine<B>,
     mut each_step: impl FnMut(&StepOutput, &Scheduler),
 ) -> HashMap<SeqId, Vec<u32>> {
     let mut got = HashMap::new();
@@ -387,6 +387,61 @@ fn draft_model_speculation_keeps_every_token() {
         match draft_fixture {
             "hf-tiny/gemma3" => assert!(accepted < drafted, "{draft_fixture}: all of {drafted} accepted"),
             _ => assert_eq!(accepted, drafted, "{draft_fixture}"),
+        }
+    }
+}
+
+/// The CPU backend with its greedy graph beside the logits graph (`CpuGreedyServing`: steps
+/// whose requests all decode greedily take the greedy graph, whose f32 head is the INT8-bound
+/// one) serves the tokens the logits graph alone serves: greedy requests with and without
+/// prompt lookup's drafts (verified through the greedy ids), a sampled request beside them
+/// (its steps take the logits graph), on the tiny Llama and the tiny Qwen3.5 (refused drafts
+/// rewound out of its recurrent state), and SmolLM2 computing in f32.
+#[test]
+fn greedy_steps_on_the_greedy_graph_serve_the_logits_graphs_tokens() {
+    use runtime::serving::{CpuGreedyServing, NgramConfig};
+    let sampled = SamplingParams {
+        temperature: 0.7,
+        seed: 9,
+        ..SamplingParams::default()
+    };
+    let repeating = |base: u32, period: u32| (0..30u32).map(|j| base + 17 * (j % period)).collect::<Vec<u32>>();
+    let greedy_requests: Vec<(Vec<u32>, SamplingParams)> = [repeating(30, 6), repeating(40, 5), repeating(90, 1)]
+        .into_iter()
+        .map(|p| (p, SamplingParams::default()))
+        .collect();
+    let mut mixed = greedy_requests.clone();
+    mixed.push((repeating(20, 4), sampled));
+    let tiny = |name: &str| Model::open(ModelSpec::for_weights(&common::fixture(name))).unwrap();
+    let mut f32_smollm2 = ModelSpec::for_weights(&common::real_model("smollm2"));
+    f32_smollm2.dtype = models::ComputeDtype::F32;
+    let models = [
+        tiny("hf-tiny/llama"),
+        tiny("hf-tiny/qwen3_5"),
+        Model::open(f32_smollm2).unwrap(),
+    ];
+    for model in &models {
+        let greedy_graph =
+            passes::optimized(&model.lower(LogitsFor::GreedyToken).unwrap(), passes::CostModel::CPU).unwrap();
+        assert!(
+            greedy_graph
+                .nodes()
+                .iter()
+                .any(|n| matches!(n.op, ir::Op::Int8BoundTopK { .. })),
+            "the greedy graph's f32 head is the INT8-bound one"
+        );
+        for (requests, speculation) in [(&greedy_requests, NgramConfig::OFF), (&mixed, DRAFT_FOUR)] {
+            let config = speculation_config(speculation);
+            let mut plain = ServingEngine::new(backend(model), config);
+            let want = serve_counting_drafts(&mut plain, requests, 16);
+            let greedy = CpuBackend::new(greedy_graph.clone(), &model.weights, model.config.context_length).unwrap();
+            let both = CpuGreedyServing::new(backend(model), greedy).unwrap();
+            let mut engine = ServingEngine::new(both, config);
+            assert_eq!(
+                serve_counting_drafts(&mut engine, requests, 16),
+                want,
+                "{speculation:?}"
+            );
         }
     }
 }
@@ -684,8 +739,8 @@ fn serve_speculating(
 
 /// `requests` served together on `engine`, `max_tokens` each: each one's tokens, and the
 /// drafts drafted and accepted over the run.
-fn serve_counting_drafts(
-    engine: &mut ServingEngine<CpuBackend>,
+fn serve_counting_drafts<B: runtime::serving::PagedBackend>(
+    engine: &mut ServingEngine<B>,
     requests: &[(Vec<u32>, SamplingParams)],
     max_tokens: usize,
 ) -> (Vec<Vec<u32>>, usize, usize) {

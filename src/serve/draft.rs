@@ -26,7 +26,7 @@ pub fn load(arg: &str, target: &Tokenizer, cache: DraftCache) -> Result<(Box<dyn
         kv_cache_dtype: None,
         max_model_len: None,
         logits: LogitsFor::LastToken,
-        greedy: false,
+        greedy: true,
         fuse: true,
         quiet: false,
     };
@@ -62,9 +62,16 @@ pub fn load(arg: &str, target: &Tokenizer, cache: DraftCache) -> Result<(Box<dyn
         }
         None => {
             let mut weights = loaded.weight_cache();
-            let backend =
-                runtime::CpuBackend::with_cache(loaded.graph, &loaded.model.weights, context_length, &mut weights)?;
-            Ok((drafter(backend, &cache, context_length, arg)?, "on the CPU backend"))
+            let source = &loaded.model.weights;
+            let backend = runtime::CpuBackend::with_cache(loaded.graph, source, context_length, &mut weights)?;
+            match loaded.greedy.take().filter(super::has_int8_head) {
+                Some(graph) => {
+                    let greedy = runtime::CpuBackend::with_cache(graph, source, context_length, &mut weights)?;
+                    let backend = runtime::serving::CpuGreedyServing::new(backend, greedy)?;
+                    Ok((drafter(backend, &cache, context_length, arg)?, "on the CPU backend"))
+                }
+                None => Ok((drafter(backend, &cache, context_length, arg)?, "on the CPU backend")),
+            }
         }
     }
 }

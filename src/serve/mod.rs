@@ -204,7 +204,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         kv_cache_dtype: args.kv_cache_dtype,
         max_model_len: args.max_model_len,
         logits: LogitsFor::LastToken,
-        greedy: false,
+        greedy: true,
         fuse: true,
         quiet: false,
     };
@@ -291,6 +291,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         }
         None => {
             let mut cache = loaded.weight_cache();
+            let greedy = loaded.greedy.take().filter(has_int8_head);
             let backend =
                 runtime::CpuBackend::with_cache(loaded.graph, &loaded.model.weights, context_length, &mut cache)?;
             eprintln!(
@@ -303,7 +304,16 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 let places = args.state_snapshots.min(args.kv_blocks);
                 announce_snapshots(backend.state_bytes_per_sequence(), places, "as it fills");
             }
-            start_engine(backend, config, drafter, inbox, metrics.clone())?;
+            match greedy {
+                Some(graph) => {
+                    let greedy =
+                        runtime::CpuBackend::with_cache(graph, &loaded.model.weights, context_length, &mut cache)?;
+                    eprintln!("greedy steps: the INT8-bound head (exact argmax)");
+                    let backend = runtime::serving::CpuGreedyServing::new(backend, greedy)?;
+                    start_engine(backend, config, drafter, inbox, metrics.clone())?;
+                }
+                None => start_engine(backend, config, drafter, inbox, metrics.clone())?,
+            }
         }
     }
     let structured = structured::LazyStructuredOutputs::new(tokenizer.clone());
@@ -340,6 +350,16 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         let _ = warming.structured.get().await;
     });
     runtime.block_on(listen(args, state))
+}
+
+/// Whether a greedy graph's head is the INT8-bound one (an f32 or bf16 head), which reads a
+/// fraction of the logits head's bytes; a quantized head's greedy graph computes what the
+/// logits graph does, so serving keeps one graph.
+pub(crate) fn has_int8_head(graph: &ir::Graph) -> bool {
+    graph
+        .nodes()
+        .iter()
+        .any(|n| matches!(n.op, ir::Op::Int8BoundTopK { .. }))
 }
 
 /// Say what the prefix cache keeps of a model's recurrent states: `places` snapshots of

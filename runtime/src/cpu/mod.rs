@@ -282,6 +282,12 @@ impl CpuBackend {
         self.state_lens.iter().sum::<usize>() * std::mem::size_of::<f32>()
     }
 
+    /// Whether `other`'s graph caches positions and keeps states as this one's does, so that
+    /// either can run over pages the other made (two graphs of one model).
+    pub fn shares_cache_with(&self, other: &CpuBackend) -> bool {
+        self.kv_layouts == other.kv_layouts && self.state_lens == other.state_lens
+    }
+
     /// Bytes of keys and values one cached position takes, over every attention slot.
     pub fn kv_bytes_per_position(&self) -> usize {
         self.kv_layouts.iter().map(KvLayout::bytes_per_position).sum()

@@ -2,6 +2,7 @@
 //! and the loop that runs scheduled work on a backend.
 
 pub mod block_manager;
+pub mod cpu_greedy;
 pub mod draft_model;
 pub mod engine;
 pub mod ngram;
@@ -10,6 +11,7 @@ pub mod state_cache;
 
 pub use crate::logits_processor::{LogitBias, LogitsProcessor, MinTokens};
 pub use block_manager::{BlockId, BlockManager, OutOfBlocks};
+pub use cpu_greedy::CpuGreedyServing;
 pub use draft_model::{DraftModel, Drafter};
 pub use engine::{PagedBackend, Sampled, ServingEngine, StateSnapshotting, StepOutput};
 pub use ngram::NgramConfig;
