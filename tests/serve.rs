@@ -897,7 +897,7 @@ fn answers_as_without_drafts(server: &Server, body: &Value, want: &Value) {
     server.wait_for_free_blocks();
 }
 
-/// `--speculative-model`: SmolLM2 computing in f32, drafted for by SmolLM2 in its file's
+/// A draft model: SmolLM2 computing in f32, drafted for by SmolLM2 in its file's
 /// quantization (the same tokenizer), answers as it does without a draft model, whole and
 /// streamed, and the metrics count drafts accepted.
 #[test]
@@ -911,8 +911,10 @@ fn a_draft_model_keeps_the_text_and_counts_accepted_drafts() {
     let (status, want) = plain.post("/v1/chat/completions", &body);
     assert_eq!(status, 200, "{want}");
     drop(plain);
+    // As vLLM's `--speculative-config` says it (the same as `--speculative-model`).
     let draft = common::real_model("smollm2");
-    let server = Server::start(&["--dtype", "f32", "--speculative-model", draft.to_str().unwrap()]);
+    let config = json!({"model": draft, "num_speculative_tokens": 4}).to_string();
+    let server = Server::start(&["--dtype", "f32", "--speculative-config", &config]);
     answers_as_without_drafts(&server, &body, &want);
 }
 

@@ -19,6 +19,7 @@ mod request;
 mod response;
 mod responses_output;
 mod responses_request;
+mod speculation;
 mod structured;
 mod text;
 mod tool_parser;
@@ -104,6 +105,11 @@ pub struct ServeArgs {
     /// Tokens the draft model drafts a step at most (default model.toml's, or 4).
     #[arg(long)]
     pub num_speculative_tokens: Option<usize>,
+    /// vLLM's `--speculative-config`, a JSON object in place of the flags above and below:
+    /// `{"model": "draft.gguf", "num_speculative_tokens": 4}` (method `draft_model`, implied
+    /// by `model`) or `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}`.
+    #[arg(long)]
+    pub speculative_config: Option<String>,
     /// Shortest match prompt lookup tries (default 2, or model.toml's).
     #[arg(long)]
     pub prompt_lookup_min: Option<usize>,
@@ -124,68 +130,8 @@ pub struct ServeArgs {
     pub tool_call_parser: tool_parser::ToolCallParser,
 }
 
-/// Tokens a draft model drafts a step unless `--num-speculative-tokens` or the model.toml say.
-const DEFAULT_DRAFT_TOKENS: usize = 4;
-
-/// How `bbc serve` drafts, as the flags and then the model.toml's `[speculative]` ask: the
-/// drafting config, and the draft model where one drafts (the match lengths are then unused).
-fn speculation(
-    args: &ServeArgs,
-    loaded: &model_ref::Loaded,
-) -> Result<(runtime::serving::NgramConfig, Option<String>)> {
-    let draft = match (&args.speculative_model, &loaded.draft_model) {
-        (Some(model), toml) => Some((model.clone(), toml.as_ref().map(|t| t.tokens))),
-        // A prompt-lookup flag overrides the file's draft model.
-        (None, Some(toml)) if args.speculative_ngram.is_none() => Some((toml.model.clone(), Some(toml.tokens))),
-        _ => None,
-    };
-    if let Some((model, toml_tokens)) = draft {
-        let tokens = args
-            .num_speculative_tokens
-            .or(toml_tokens)
-            .unwrap_or(DEFAULT_DRAFT_TOKENS);
-        let config = runtime::serving::NgramConfig {
-            tokens,
-            min: models::model_toml::DEFAULT_LOOKUP_MIN,
-            max: models::model_toml::DEFAULT_LOOKUP_MAX,
-        };
-        return Ok((config, Some(model)));
-    }
-    if args.num_speculative_tokens.is_some() {
-        bail!("--num-speculative-tokens is the draft model's, and there is none: give --speculative-model (or --speculative-ngram N for prompt lookup)");
-    }
-    let toml = loaded.speculative;
-    let tokens = args.speculative_ngram.or(toml.map(|t| t.tokens)).unwrap_or(0);
-    let min = args
-        .prompt_lookup_min
-        .or(toml.map(|t| t.min))
-        .unwrap_or(models::model_toml::DEFAULT_LOOKUP_MIN);
-    let max = args
-        .prompt_lookup_max
-        .or(toml.map(|t| t.max))
-        .unwrap_or(models::model_toml::DEFAULT_LOOKUP_MAX);
-    let spec = models::NgramSpec::new(tokens, min, max).map_err(|e| anyhow::anyhow!("--prompt-lookup-min/max: {e}"))?;
-    let config = runtime::serving::NgramConfig {
-        tokens: spec.tokens,
-        min: spec.min,
-        max: spec.max,
-    };
-    Ok((config, None))
-}
-
-/// The draft model's flags make sense together (checked before any model is loaded).
-fn check_draft_flags(args: &ServeArgs) -> Result<()> {
-    if args.speculative_model.is_some() && args.speculative_ngram.is_some() {
-        bail!("--speculative-model and --speculative-ngram are two ways to draft: choose one");
-    }
-    if args.num_speculative_tokens == Some(0) {
-        bail!("--num-speculative-tokens must be at least 1");
-    }
-    Ok(())
-}
-
 pub fn serve(args: &ServeArgs) -> Result<()> {
-    check_draft_flags(args)?;
+    let speculation_flags = speculation::SpeculationFlags::from_args(args)?;
     for (name, value) in [
         ("--max-queued", args.max_queued),
         ("--max-num-seqs", args.max_num_seqs),
@@ -220,7 +166,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let tokenizer = Arc::new(tokenizer);
     let context_length = loaded.model.config.context_length;
     let family = loaded.model.config.family;
-    let (speculation, draft_model) = speculation(args, &loaded)?;
+    let (speculation, draft_model) = speculation_flags.resolve(&loaded)?;
     let config = SchedulerConfig {
         max_waiting: args.max_queued,
         max_running: args.max_num_seqs,

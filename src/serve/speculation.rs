@@ -1,0 +1,273 @@
+//! How `bbc serve` drafts: its flags (vLLM's separate ones, or its `--speculative-config`
+//! JSON in their place), then a model.toml's `[speculative]` section.
+
+use super::ServeArgs;
+use crate::model_ref::Loaded;
+use anyhow::{bail, Context, Result};
+use models::model_toml::{DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN};
+use runtime::serving::NgramConfig;
+use serde_json::Value;
+
+/// Tokens a draft model drafts a step unless the flags or the model.toml say.
+const DEFAULT_DRAFT_TOKENS: usize = 4;
+
+/// What `--speculative-config` may say.
+const CONFIG_KEYS: [&str; 5] = [
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+];
+
+/// The drafting flags as given (`--speculative-config` unpacked into them), checked to make
+/// sense together before any model is loaded.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SpeculationFlags {
+    /// Prompt lookup's drafted tokens a step (`--speculative-ngram`).
+    ngram: Option<usize>,
+    lookup_min: Option<usize>,
+    lookup_max: Option<usize>,
+    /// The draft model (`--speculative-model`) and its tokens a step.
+    model: Option<String>,
+    tokens: Option<usize>,
+}
+
+impl SpeculationFlags {
+    pub fn from_args(args: &ServeArgs) -> Result<Self> {
+        let given = Self {
+            ngram: args.speculative_ngram,
+            lookup_min: args.prompt_lookup_min,
+            lookup_max: args.prompt_lookup_max,
+            model: args.speculative_model.clone(),
+            tokens: args.num_speculative_tokens,
+        };
+        let flags = match &args.speculative_config {
+            None => given,
+            Some(_) if given != Self::default() => bail!(
+                "--speculative-config says all of it: give it without --speculative-model, --speculative-ngram, --num-speculative-tokens or --prompt-lookup-min/max"
+            ),
+            Some(json) => from_config(json).context("--speculative-config")?,
+        };
+        if flags.model.is_some() && flags.ngram.is_some() {
+            bail!("--speculative-model and --speculative-ngram are two ways to draft: choose one");
+        }
+        if flags.tokens == Some(0) {
+            bail!("--num-speculative-tokens must be at least 1");
+        }
+        Ok(flags)
+    }
+
+    /// The drafting config, and the draft model where one drafts (prompt lookup's match
+    /// lengths are then unused): the flags first, then `loaded`'s model.toml.
+    pub fn resolve(&self, loaded: &Loaded) -> Result<(NgramConfig, Option<String>)> {
+        let draft = match (&self.model, &loaded.draft_model) {
+            (Some(model), toml) => Some((model.clone(), toml.as_ref().map(|t| t.tokens))),
+            // A prompt-lookup flag overrides the file's draft model.
+            (None, Some(toml)) if self.ngram.is_none() => Some((toml.model.clone(), Some(toml.tokens))),
+            _ => None,
+        };
+        if let Some((model, toml_tokens)) = draft {
+            let config = NgramConfig {
+                tokens: self.tokens.or(toml_tokens).unwrap_or(DEFAULT_DRAFT_TOKENS),
+                min: DEFAULT_LOOKUP_MIN,
+                max: DEFAULT_LOOKUP_MAX,
+            };
+            return Ok((config, Some(model)));
+        }
+        if self.tokens.is_some() {
+            bail!("--num-speculative-tokens is the draft model's, and there is none: give --speculative-model (or --speculative-ngram N for prompt lookup)");
+        }
+        let toml = loaded.speculative;
+        let tokens = self.ngram.or(toml.map(|t| t.tokens)).unwrap_or(0);
+        let min = self.lookup_min.or(toml.map(|t| t.min)).unwrap_or(DEFAULT_LOOKUP_MIN);
+        let max = self.lookup_max.or(toml.map(|t| t.max)).unwrap_or(DEFAULT_LOOKUP_MAX);
+        let spec =
+            models::NgramSpec::new(tokens, min, max).map_err(|e| anyhow::anyhow!("--prompt-lookup-min/max: {e}"))?;
+        let config = NgramConfig {
+            tokens: spec.tokens,
+            min: spec.min,
+            max: spec.max,
+        };
+        Ok((config, None))
+    }
+}
+
+/// vLLM's `--speculative-config` JSON as the flags it stands for: method `ngram` (with
+/// `num_speculative_tokens` and the lookup lengths) or `draft_model` (with `model`, implied
+/// where the method is not given); other methods and keys refused by name.
+fn from_config(json: &str) -> Result<SpeculationFlags> {
+    let value: Value = serde_json::from_str(json).context("not JSON")?;
+    let config = value
+        .as_object()
+        .context(r#"a JSON object, e.g. {"model": "draft.gguf", "num_speculative_tokens": 4}"#)?;
+    if let Some(key) = config.keys().find(|k| !CONFIG_KEYS.contains(&k.as_str())) {
+        bail!("`{key}` is not a key bbc reads ({})", CONFIG_KEYS.join(", "));
+    }
+    let count = |key: &str| -> Result<Option<usize>> {
+        match config.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(|n| Some(n as usize))
+                .with_context(|| format!("`{key}` must be a whole number, not {v}")),
+        }
+    };
+    let text = |key: &str| -> Result<Option<&str>> {
+        match config.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .with_context(|| format!("`{key}` must be a string, not {v}")),
+        }
+    };
+    let model = text("model")?;
+    let method = match (text("method")?, model) {
+        (Some(method), _) => method,
+        (None, Some(_)) => "draft_model",
+        (None, None) => bail!("give `method` (ngram) or a draft `model`"),
+    };
+    let lookup = (count("prompt_lookup_min")?, count("prompt_lookup_max")?);
+    match method {
+        "ngram" if model.is_some() => bail!("method `ngram` drafts from the request's own text: it takes no `model`"),
+        "ngram" => Ok(SpeculationFlags {
+            ngram: Some(count("num_speculative_tokens")?.context("method `ngram` needs `num_speculative_tokens`")?),
+            lookup_min: lookup.0,
+            lookup_max: lookup.1,
+            ..SpeculationFlags::default()
+        }),
+        "draft_model" if lookup != (None, None) => {
+            bail!("`prompt_lookup_min`/`prompt_lookup_max` are method `ngram`'s, not `draft_model`'s")
+        }
+        "draft_model" => Ok(SpeculationFlags {
+            model: Some(model.context("method `draft_model` needs `model`")?.to_string()),
+            tokens: count("num_speculative_tokens")?,
+            ..SpeculationFlags::default()
+        }),
+        other => bail!("method `{other}` is not one bbc serves (ngram, draft_model)"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn flags(args: &[&str]) -> Result<SpeculationFlags> {
+        let cli = Cli::try_parse_from(["bbc", "smollm2"].iter().chain(args)).unwrap();
+        SpeculationFlags::from_args(&cli.serve)
+    }
+
+    fn refused(args: &[&str]) -> String {
+        format!("{:#}", flags(args).unwrap_err())
+    }
+
+    #[test]
+    fn the_speculative_config_stands_for_the_flags() {
+        let draft = SpeculationFlags {
+            model: Some("d.gguf".into()),
+            tokens: Some(3),
+            ..Default::default()
+        };
+        assert_eq!(
+            flags(&[
+                "--speculative-config",
+                r#"{"model": "d.gguf", "num_speculative_tokens": 3}"#
+            ])
+            .unwrap(),
+            draft
+        );
+        assert_eq!(
+            flags(&["--speculative-model", "d.gguf", "--num-speculative-tokens", "3"]).unwrap(),
+            draft
+        );
+        let config =
+            r#"{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3, "prompt_lookup_min": null}"#;
+        assert_eq!(
+            flags(&["--speculative-config", config]).unwrap(),
+            SpeculationFlags {
+                ngram: Some(5),
+                lookup_max: Some(3),
+                ..Default::default()
+            }
+        );
+        let config = r#"{"method": "draft_model", "model": "d"}"#;
+        assert_eq!(
+            flags(&["--speculative-config", config]).unwrap().model.as_deref(),
+            Some("d")
+        );
+        assert_eq!(flags(&[]).unwrap(), SpeculationFlags::default());
+    }
+
+    #[test]
+    fn what_cannot_be_served_is_refused_by_name() {
+        for (args, needle) in [
+            (vec!["--speculative-config", "{"], "not JSON"),
+            (vec!["--speculative-config", "[4]"], "a JSON object"),
+            (
+                vec![
+                    "--speculative-config",
+                    r#"{"model": "d", "draft_tensor_parallel_size": 1}"#,
+                ],
+                "draft_tensor_parallel_size",
+            ),
+            (
+                vec!["--speculative-config", r#"{"method": "eagle", "model": "e"}"#],
+                "`eagle`",
+            ),
+            (
+                vec!["--speculative-config", r#"{"method": "ngram"}"#],
+                "needs `num_speculative_tokens`",
+            ),
+            (
+                vec![
+                    "--speculative-config",
+                    r#"{"method": "ngram", "num_speculative_tokens": 2, "model": "d"}"#,
+                ],
+                "takes no `model`",
+            ),
+            (
+                vec!["--speculative-config", r#"{"method": "draft_model"}"#],
+                "needs `model`",
+            ),
+            (
+                vec!["--speculative-config", r#"{"model": "d", "prompt_lookup_max": 3}"#],
+                "method `ngram`'s",
+            ),
+            (
+                vec!["--speculative-config", r#"{"model": 4}"#],
+                "`model` must be a string",
+            ),
+            (
+                vec![
+                    "--speculative-config",
+                    r#"{"model": "d", "num_speculative_tokens": -1}"#,
+                ],
+                "whole number",
+            ),
+            (
+                vec!["--speculative-config", r#"{"model": "d", "num_speculative_tokens": 0}"#],
+                "at least 1",
+            ),
+            (vec!["--speculative-config", "{}"], "give `method`"),
+            (
+                vec!["--speculative-config", r#"{"model": "d"}"#, "--speculative-ngram", "2"],
+                "says all of it",
+            ),
+            (
+                vec!["--speculative-model", "d", "--speculative-ngram", "2"],
+                "choose one",
+            ),
+        ] {
+            let message = refused(&args);
+            assert!(message.contains(needle), "{args:?}: {message}");
+        }
+    }
+}
