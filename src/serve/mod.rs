@@ -97,9 +97,10 @@ pub struct ServeArgs {
     #[arg(long)]
     pub speculative_ngram: Option<usize>,
     /// Speculative decoding with a draft model (vLLM's `--speculative-model`): a smaller
-    /// model sharing the target's tokenizer (weights, a model.toml or a model name; on the CPU
-    /// backend, in its own dtype) drafts up to `--num-speculative-tokens` tokens a step for
-    /// each decoding request, verified in the target's next pass. Tokens are unchanged.
+    /// model sharing the target's tokenizer (weights, a model.toml, a model name or an
+    /// artifact; a GPU artifact on its serving plan, anything else on the CPU backend, in its
+    /// own dtype) drafts up to `--num-speculative-tokens` tokens a step for each decoding
+    /// request, verified in the target's next pass. Tokens are unchanged.
     #[arg(long)]
     pub speculative_model: Option<String>,
     /// Tokens the draft model drafts a step at most (default model.toml's, or 4).
