@@ -113,6 +113,22 @@ pub struct LoadOptions {
     pub quiet: bool,
 }
 
+impl Default for LoadOptions {
+    /// The logits graph at the last token, fused for the CPU, in the model's own dtype,
+    /// context and cache type, saying what it fetches.
+    fn default() -> Self {
+        Self {
+            dtype: None,
+            kv_cache_dtype: None,
+            max_model_len: None,
+            logits: LogitsFor::LastToken,
+            greedy: false,
+            fuse: true,
+            quiet: false,
+        }
+    }
+}
+
 /// `--chat-template arg` in place of `tokenizer`'s own chat template.
 pub fn use_chat_template(tokenizer: &mut models::Tokenizer, arg: &str) -> Result<()> {
     let source = chat_template_source(arg)?;
@@ -139,13 +155,9 @@ fn chat_template_source(arg: &str) -> Result<String> {
 /// The tokenizer of model `arg` (a name, weights path, model.toml or artifact).
 pub fn tokenizer(arg: &str) -> Result<models::Tokenizer> {
     let options = LoadOptions {
-        dtype: None,
-        kv_cache_dtype: None,
-        max_model_len: None,
-        logits: LogitsFor::LastToken,
-        greedy: false,
         fuse: false,
         quiet: true,
+        ..LoadOptions::default()
     };
     load(arg, options)?
         .model

@@ -3,7 +3,6 @@
 use crate::model_ref::{self, ModelRef};
 use anyhow::{bail, Result};
 use codegen::Target;
-use models::LogitsFor;
 use std::path::Path;
 
 pub struct CompileArgs<'a> {
@@ -30,13 +29,9 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         );
     }
     let options = model_ref::LoadOptions {
-        dtype: None,
-        kv_cache_dtype: None,
-        max_model_len: None,
-        logits: LogitsFor::LastToken,
         greedy: true,
         fuse: false,
-        quiet: false,
+        ..model_ref::LoadOptions::default()
     };
     let loaded = model_ref::load(args.model, options)?;
     let stages = passes::optimize(&loaded.graph, model_ref::cost_model(target), args.emit_after)?;

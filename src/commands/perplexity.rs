@@ -8,7 +8,7 @@
 
 use crate::model_ref;
 use anyhow::{bail, Context, Result};
-use models::{ComputeDtype, KvCacheDtype, LogitsFor};
+use models::{ComputeDtype, KvCacheDtype};
 use runtime::serving::{SchedulerConfig, SeqId, ServingEngine};
 use runtime::SamplingParams;
 use std::collections::HashMap;
@@ -62,11 +62,8 @@ pub fn perplexity(args: &PerplexityArgs) -> Result<()> {
     let options = model_ref::LoadOptions {
         dtype: args.dtype,
         kv_cache_dtype: args.kv_cache_dtype,
-        max_model_len: None,
-        logits: LogitsFor::LastToken,
-        greedy: false,
-        fuse: true,
         quiet: args.json,
+        ..model_ref::LoadOptions::default()
     };
     let mut loaded = model_ref::load(&args.model, options)?;
     if loaded.gpu_plan.is_some() {

@@ -4,7 +4,7 @@
 
 use crate::model_ref;
 use anyhow::{bail, Context, Result};
-use models::{LogitsFor, Tokenizer};
+use models::Tokenizer;
 use runtime::serving::{DraftModel, Drafter, PagedBackend};
 
 /// Cache blocks, block size, token budget and sequences at once for the draft model's own
@@ -22,13 +22,8 @@ pub struct DraftCache {
 /// backend.
 pub fn load(arg: &str, target: &Tokenizer, cache: DraftCache) -> Result<(Box<dyn Drafter>, &'static str)> {
     let options = model_ref::LoadOptions {
-        dtype: None,
-        kv_cache_dtype: None,
-        max_model_len: None,
-        logits: LogitsFor::LastToken,
         greedy: true,
-        fuse: true,
-        quiet: false,
+        ..model_ref::LoadOptions::default()
     };
     let mut loaded = model_ref::load(arg, options).with_context(|| format!("--speculative-model {arg}"))?;
     let draft_tokenizer = loaded.model.tokenizer.as_ref().with_context(|| {

@@ -28,7 +28,7 @@ mod worker;
 
 use crate::model_ref;
 use anyhow::{bail, Context, Result};
-use models::{ComputeDtype, LogitsFor};
+use models::ComputeDtype;
 use runtime::serving::{SchedulerConfig, ServingEngine};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -150,10 +150,8 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         dtype: args.dtype,
         kv_cache_dtype: args.kv_cache_dtype,
         max_model_len: args.max_model_len,
-        logits: LogitsFor::LastToken,
         greedy: true,
-        fuse: true,
-        quiet: false,
+        ..model_ref::LoadOptions::default()
     };
     let mut loaded = model_ref::load(&args.model, options)?;
     let mut tokenizer = loaded
