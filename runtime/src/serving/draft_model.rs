@@ -11,6 +11,7 @@
 //! a long new prompt goes through it over several steps, drafting nothing until it is done),
 //! then one pass per drafted token over every sequence still drafting.
 
+use super::block_manager::BlockManager;
 use super::engine::PagedBackend;
 use super::scheduler::{DraftRequest, SeqId};
 use crate::error::{Result, RuntimeError};
@@ -30,12 +31,9 @@ pub trait Drafter: Send {
 pub struct DraftModel<B: PagedBackend> {
     backend: B,
     pages: B::Pages,
-    block_size: usize,
-    /// Blocks it may hand out, at most, and those handed back (lowest last, reused first, so
-    /// the pages grow only to the most ever held at once).
-    blocks: usize,
-    free: Vec<BlockId>,
-    next_block: u32,
+    /// Its cache's blocks (none registered: it shares no prefixes; low ids and released ones
+    /// first, so the pages grow only to the most ever held at once).
+    blocks: BlockManager,
     /// Tokens a pass computes at most (catch-up chunks are cut to it).
     token_budget: usize,
     context_length: usize,
@@ -87,10 +85,7 @@ impl<B: PagedBackend> DraftModel<B> {
         Ok(Self {
             pages: backend.new_pages(block_size),
             backend,
-            block_size,
-            blocks,
-            free: Vec::new(),
-            next_block: 0,
+            blocks: BlockManager::new(blocks, block_size),
             token_budget,
             context_length,
             seqs: HashMap::new(),
@@ -103,32 +98,7 @@ impl<B: PagedBackend> DraftModel<B> {
 
     /// Blocks held by sequences now.
     pub fn used_blocks(&self) -> usize {
-        self.next_block as usize - self.free.len()
-    }
-
-    /// Grow `seq`'s table to hold `positions`; false (the table as it was) where the blocks
-    /// are not to be had.
-    fn grow(&mut self, id: SeqId, positions: usize) -> bool {
-        let seq = self.seqs.get_mut(&id).expect("a proposing sequence");
-        let need = positions.div_ceil(self.block_size).saturating_sub(seq.table.len());
-        let available = self.free.len() + (self.blocks - self.next_block as usize);
-        if need > available {
-            return false;
-        }
-        for _ in 0..need {
-            let block = self.free.pop().unwrap_or_else(|| {
-                self.next_block += 1;
-                BlockId(self.next_block - 1)
-            });
-            seq.table.push(block);
-        }
-        true
-    }
-
-    fn release(&mut self, seq: DraftSeq) {
-        self.free.extend(seq.table);
-        // Lowest last: handed out first.
-        self.free.sort_unstable_by_key(|b| std::cmp::Reverse(b.0));
+        self.blocks.used_blocks()
     }
 
     /// Run one pass over `segments` (sequence, first position, tokens); each one's greedy
@@ -246,7 +216,8 @@ where
             seq.computed.truncate(kept);
             // Positions up to the last draft but one (the last is never computed).
             let limit = r.limit.min(self.context_length.saturating_sub(r.tokens.len()));
-            if limit == 0 || !self.grow(r.seq, r.tokens.len() + limit - 1) {
+            // Where the blocks are not to be had, no drafts (the table stays as it was).
+            if limit == 0 || self.blocks.grow(&mut seq.table, r.tokens.len() + limit - 1).is_err() {
                 continue;
             }
             proposals.push(Proposal {
@@ -264,8 +235,8 @@ where
     fn retain(&mut self, keep: &mut dyn FnMut(SeqId) -> bool) {
         let gone: Vec<SeqId> = self.seqs.keys().copied().filter(|&id| !keep(id)).collect();
         for id in gone {
-            let seq = self.seqs.remove(&id).expect("listed");
-            self.release(seq);
+            let mut seq = self.seqs.remove(&id).expect("listed");
+            self.blocks.release(&mut seq.table);
         }
     }
 }
