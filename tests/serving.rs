@@ -435,7 +435,7 @@ fn greedy_steps_on_the_greedy_graph_serve_the_logits_graphs_tokens() {
             let mut plain = ServingEngine::new(backend(model), config);
             let want = serve_counting_drafts(&mut plain, requests, 16);
             let greedy = CpuBackend::new(greedy_graph.clone(), &model.weights, model.config.context_length).unwrap();
-            let both = CpuGreedyServing::new(backend(model), greedy).unwrap();
+            let both = CpuGreedyServing::new(backend(model), Some(greedy)).unwrap();
             let mut engine = ServingEngine::new(both, config);
             assert_eq!(
                 serve_counting_drafts(&mut engine, requests, 16),

@@ -55,19 +55,10 @@ pub fn load(arg: &str, target: &Tokenizer, cache: DraftCache) -> Result<(Box<dyn
             .capture_graphs_up_to(cache.sequences);
             Ok((drafter(backend, &cache, context_length, arg)?, "on the GPU"))
         }
-        None => {
-            let mut weights = loaded.weight_cache();
-            let source = &loaded.model.weights;
-            let backend = runtime::CpuBackend::with_cache(loaded.graph, source, context_length, &mut weights)?;
-            match loaded.greedy.take().filter(super::has_int8_head) {
-                Some(graph) => {
-                    let greedy = runtime::CpuBackend::with_cache(graph, source, context_length, &mut weights)?;
-                    let backend = runtime::serving::CpuGreedyServing::new(backend, greedy)?;
-                    Ok((drafter(backend, &cache, context_length, arg)?, "on the CPU backend"))
-                }
-                None => Ok((drafter(backend, &cache, context_length, arg)?, "on the CPU backend")),
-            }
-        }
+        None => Ok((
+            drafter(super::cpu_serving(loaded)?, &cache, context_length, arg)?,
+            "on the CPU backend",
+        )),
     }
 }
 

@@ -235,30 +235,22 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             start_engine(backend, config, drafter, inbox, metrics.clone())?;
         }
         None => {
-            let mut cache = loaded.weight_cache();
-            let greedy = loaded.greedy.take().filter(has_int8_head);
-            let backend =
-                runtime::CpuBackend::with_cache(loaded.graph, &loaded.model.weights, context_length, &mut cache)?;
+            let backend = cpu_serving(loaded)?;
+            let logits = backend.logits();
             eprintln!(
                 "KV cache: {} blocks of {} positions ({positions} positions, up to {} MiB as it fills)",
                 args.kv_blocks,
                 args.block_size,
-                (positions * backend.kv_bytes_per_position()) >> 20
+                (positions * logits.kv_bytes_per_position()) >> 20
             );
-            if backend.has_recurrent_state() {
+            if logits.has_recurrent_state() {
                 let places = args.state_snapshots.min(args.kv_blocks);
-                announce_snapshots(backend.state_bytes_per_sequence(), places, "as it fills");
+                announce_snapshots(logits.state_bytes_per_sequence(), places, "as it fills");
             }
-            match greedy {
-                Some(graph) => {
-                    let greedy =
-                        runtime::CpuBackend::with_cache(graph, &loaded.model.weights, context_length, &mut cache)?;
-                    eprintln!("greedy steps: the INT8-bound head (exact argmax)");
-                    let backend = runtime::serving::CpuGreedyServing::new(backend, greedy)?;
-                    start_engine(backend, config, drafter, inbox, metrics.clone())?;
-                }
-                None => start_engine(backend, config, drafter, inbox, metrics.clone())?,
+            if backend.has_greedy_graph() {
+                eprintln!("greedy steps: the INT8-bound head (exact argmax)");
             }
+            start_engine(backend, config, drafter, inbox, metrics.clone())?;
         }
     }
     let structured = structured::LazyStructuredOutputs::new(tokenizer.clone());
@@ -297,10 +289,28 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     runtime.block_on(listen(args, state))
 }
 
-/// Whether a greedy graph's head is the INT8-bound one (an f32 or bf16 head), which reads a
-/// fraction of the logits head's bytes; a quantized head's greedy graph computes what the
-/// logits graph does, so serving keeps one graph.
-pub(crate) fn has_int8_head(graph: &ir::Graph) -> bool {
+/// `loaded` (loaded with its greedy graph) on the CPU backend as serving runs it: its greedy
+/// graph beside the logits graph where that graph's head is the INT8-bound one (an f32 or
+/// bf16 head, which it reads a fraction of the bytes of); a quantized head's greedy graph
+/// computes what the logits graph does, so then the logits graph alone.
+pub(crate) fn cpu_serving(mut loaded: model_ref::Loaded) -> Result<runtime::serving::CpuGreedyServing> {
+    let context_length = loaded.model.config.context_length;
+    let mut cache = loaded.weight_cache();
+    let weights = &loaded.model.weights;
+    let logits = runtime::CpuBackend::with_cache(loaded.graph, weights, context_length, &mut cache)?;
+    let greedy = match loaded.greedy.take().filter(has_int8_head) {
+        Some(graph) => Some(runtime::CpuBackend::with_cache(
+            graph,
+            weights,
+            context_length,
+            &mut cache,
+        )?),
+        None => None,
+    };
+    Ok(runtime::serving::CpuGreedyServing::new(logits, greedy)?)
+}
+
+fn has_int8_head(graph: &ir::Graph) -> bool {
     graph
         .nodes()
         .iter()

@@ -2,7 +2,8 @@
 //! graph for steps that sample, score or process logits, and the greedy graph (its head only
 //! the argmax of each sampled row: the INT8-bound head where the head is f32 or bf16, which
 //! reads a quarter of an f32 head's bytes) for steps whose requests all decode greedily, as
-//! a GPU serving plan's `next_token` output serves them.
+//! a GPU serving plan's `next_token` output serves them. Without a greedy graph it is the
+//! logits graph alone.
 
 use super::engine::{PagedBackend, StateSnapshotting};
 use crate::error::{Result, RuntimeError};
@@ -13,25 +14,38 @@ use std::collections::HashMap;
 
 pub struct CpuGreedyServing {
     logits: CpuBackend,
-    greedy: CpuBackend,
+    greedy: Option<CpuBackend>,
 }
 
 impl CpuGreedyServing {
     /// `logits` and `greedy` must be graphs of one model (a `logits` output, and a
     /// `next_token` one): the same cache slots and recurrent states, so either runs over the
-    /// other's pages.
-    pub fn new(logits: CpuBackend, greedy: CpuBackend) -> Result<Self> {
-        if !logits.shares_cache_with(&greedy) {
-            return Err(RuntimeError::Graph(
-                "the greedy graph caches positions or keeps states other than the logits graph does".into(),
-            ));
+    /// other's pages. Without `greedy`, every step takes the logits graph.
+    pub fn new(logits: CpuBackend, greedy: Option<CpuBackend>) -> Result<Self> {
+        if logits.graph().output("logits").is_none() {
+            return Err(RuntimeError::Graph("the graph has no `logits` output".into()));
         }
-        for (backend, output) in [(&logits, "logits"), (&greedy, "next_token")] {
-            if backend.graph().output(output).is_none() {
-                return Err(RuntimeError::Graph(format!("the graph has no `{output}` output")));
+        if let Some(greedy) = &greedy {
+            if !logits.shares_cache_with(greedy) {
+                return Err(RuntimeError::Graph(
+                    "the greedy graph caches positions or keeps states other than the logits graph does".into(),
+                ));
+            }
+            if greedy.graph().output("next_token").is_none() {
+                return Err(RuntimeError::Graph("the graph has no `next_token` output".into()));
             }
         }
         Ok(Self { logits, greedy })
+    }
+
+    /// The logits graph's backend (what the cache holds a position as, and so on).
+    pub fn logits(&self) -> &CpuBackend {
+        &self.logits
+    }
+
+    /// Whether greedy steps take the greedy graph.
+    pub fn has_greedy_graph(&self) -> bool {
+        self.greedy.is_some()
     }
 }
 
@@ -76,8 +90,9 @@ impl PagedBackend for CpuGreedyServing {
                 .map(|&id| id as u32)
                 .collect())
         };
+        let greedy = self.greedy.as_ref()?;
         Some(
-            self.greedy
+            greedy
                 .step_batch(pages, batch)
                 .and_then(|outputs| outputs.iter().zip(batch).map(ids).collect()),
         )
