@@ -1353,3 +1353,65 @@ fn token_ids_come_back_when_asked_for() {
     let (_, plain) = server.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": 2}));
     assert!(plain["choices"][0].get("token_ids").is_none() && plain["choices"][0].get("prompt_token_ids").is_none());
 }
+
+/// A chat that ends with an answer the caller began (vLLM's `continue_final_message`,
+/// Anthropic's prefill) runs as the conversation rendered whole and cut right after that
+/// answer's text: its ids are those of `add_generation_prompt: false` less the turn's end,
+/// the model goes on from there exactly as a completion of those ids does, and the Messages
+/// API continues a final assistant message the same way.
+#[test]
+fn a_begun_answer_is_continued() {
+    let server = Server::start(&[]);
+    let messages = json!([{"role": "user", "content": "Name three colours."},
+                          {"role": "assistant", "content": "1. Red\n2."}]);
+    let ids = |extra: Value| {
+        let mut body = json!({ "messages": messages });
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let (status, got) = server.post("/tokenize", &body);
+        assert_eq!(status, 200, "{got}");
+        common::ids(&got["tokens"])
+    };
+    let begun = ids(json!({"continue_final_message": true}));
+    let closed = ids(json!({"add_generation_prompt": false}));
+    assert_eq!(
+        begun,
+        ids(json!({"continue_final_message": true, "add_generation_prompt": false}))
+    );
+    assert!(
+        closed.starts_with(&begun) && closed.len() > begun.len(),
+        "{begun:?} {closed:?}"
+    );
+    let (_, end) = server.post("/detokenize", &json!({"tokens": closed[begun.len()..]}));
+    assert_eq!(end["prompt"], "<|im_end|>\n");
+    let (_, new_turn) = server.post("/tokenize", &json!({ "messages": messages }));
+    assert_ne!(common::ids(&new_turn["tokens"]), closed, "the default opens a new turn");
+
+    let greedy = json!({"max_tokens": 12, "temperature": 0});
+    let (_, completion) = server.post(
+        "/v1/completions",
+        &json!({"prompt": begun, "max_tokens": 12, "temperature": 0}),
+    );
+    let want = completion["choices"][0]["text"]
+        .as_str()
+        .expect("a completion")
+        .to_string();
+    assert!(!want.is_empty());
+    let mut chat_body = greedy.clone();
+    chat_body["messages"] = messages.clone();
+    chat_body["continue_final_message"] = json!(true);
+    let (status, chat) = server.post("/v1/chat/completions", &chat_body);
+    assert_eq!(status, 200, "{chat}");
+    assert_eq!(chat["choices"][0]["message"]["content"], want.as_str());
+    assert_eq!(chat["usage"]["prompt_tokens"], begun.len());
+
+    let (status, message) = server.post(
+        "/v1/messages",
+        &json!({"max_tokens": 12, "temperature": 0, "messages": messages}),
+    );
+    assert_eq!(status, 200, "{message}");
+    assert_eq!(message["content"][0]["text"], want.as_str());
+
+    chat_body["add_generation_prompt"] = json!(true);
+    let (status, error) = server.post("/v1/chat/completions", &chat_body);
+    assert_eq!((status, error_of(&error).1), (400, Some("continue_final_message")));
+}

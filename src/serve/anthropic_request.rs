@@ -57,7 +57,11 @@ fn chat_body(obj: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
         }
     }
     chat.insert("max_completion_tokens".into(), max_tokens.clone());
-    chat.insert("messages".into(), Value::Array(messages(obj)?));
+    let mut messages = messages(obj)?;
+    if answer_begun(&mut messages)? {
+        chat.insert("continue_final_message".into(), json!(true));
+    }
+    chat.insert("messages".into(), Value::Array(messages));
     match given("stop_sequences") {
         None => {}
         Some(stops @ Value::Array(_)) => {
@@ -224,6 +228,35 @@ fn messages(obj: &Map<String, Value>) -> Result<Vec<Value>, ApiError> {
     Ok(out)
 }
 
+/// Whether the conversation ends with an answer the caller began (Anthropic's prefill: a
+/// final assistant message, which the model continues). An empty one asks for a plain answer
+/// and is dropped; as Anthropic does, one ending in whitespace is refused (a prefix cut
+/// between a word and its space tokenizes as no answer would), and so is one that called
+/// tools, whose results must come first.
+fn answer_begun(messages: &mut Vec<Value>) -> Result<bool, ApiError> {
+    let Some(last) = messages.last().filter(|m| m["role"] == "assistant") else {
+        return Ok(false);
+    };
+    if last.get("tool_calls").is_some() {
+        return Err(ApiError::invalid(
+            "messages",
+            "a final assistant message with `tool_use` blocks needs a user message with their `tool_result` blocks after it",
+        ));
+    }
+    let text = last["content"].as_str().unwrap_or_default();
+    if text.is_empty() {
+        messages.pop();
+        return Ok(false);
+    }
+    if text.ends_with(char::is_whitespace) {
+        return Err(ApiError::invalid(
+            "messages",
+            "final assistant content cannot end with trailing whitespace",
+        ));
+    }
+    Ok(true)
+}
+
 /// A string, or text blocks joined.
 fn block_text(value: &Value, param: &str) -> Result<String, ApiError> {
     match value {
@@ -296,6 +329,7 @@ fn tool_choice(choice: &Value) -> Result<(Value, bool), ApiError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::serve::request::ChatEnding;
     use crate::serve::tools::ToolCalling;
     use models::ChatMessage;
 
@@ -370,6 +404,31 @@ mod tests {
             named.unwrap().tools.and_then(|t| t.calling),
             Some(ToolCalling::Named(_))
         ));
+    }
+
+    /// A final assistant message is an answer to continue (Anthropic's prefill); an empty one
+    /// is a plain turn; trailing whitespace and unanswered tool calls are refused.
+    #[test]
+    fn a_final_assistant_message_is_continued() {
+        let body =
+            |last: Value| json!({"max_tokens": 8, "messages": [{"role": "user", "content": "Name a colour."}, last]});
+        let begun = parse_json(body(
+            json!({"role": "assistant", "content": [{"type": "text", "text": "The colour is"}]}),
+        ))
+        .unwrap();
+        assert_eq!(begun.chat_ending, ChatEnding::ContinueFinalMessage);
+        assert_eq!(begun.chat_messages().last().unwrap().content, "The colour is");
+        let empty = parse_json(body(json!({"role": "assistant", "content": ""}))).unwrap();
+        assert_eq!(empty.chat_ending, ChatEnding::NewTurn);
+        assert_eq!(empty.chat_messages().len(), 1);
+        let plain = parse_json(json!({"max_tokens": 8, "messages": [{"role": "user", "content": "x"}]})).unwrap();
+        assert_eq!(plain.chat_ending, ChatEnding::NewTurn);
+        for last in [
+            json!({"role": "assistant", "content": "The colour is "}),
+            json!({"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}),
+        ] {
+            assert_eq!(parse_json(body(last)).unwrap_err().param.as_deref(), Some("messages"));
+        }
     }
 
     /// Errors name the Messages parameter; what this server cannot do is refused by name.

@@ -7,7 +7,7 @@ use super::generation::{Generation, PromptReport, RequestInfo, RequestPrompt};
 use super::logits::Processing;
 use super::metrics::Metrics;
 use super::reasoning::Markers;
-use super::request::{self, Endpoint, GenerationRequest, PromptInput};
+use super::request::{self, ChatEnding, Endpoint, GenerationRequest, PromptInput};
 use super::response::{self, json_response, unix_time};
 use super::structured::LazyStructuredOutputs;
 use super::tool_parser::CallFormat;
@@ -258,9 +258,9 @@ async fn admit(
         .collect::<Result<Vec<_>, _>>()?;
     // Chat answers only (one prompt): completions return the text as the model wrote it.
     let reasoning = match (endpoint, tokenized.as_slice()) {
-        (Endpoint::Chat, [(_, rendered)]) => app
-            .reasoning
-            .map(|m| (m, rendered.as_deref().is_some_and(|p| m.opened_by(p)))),
+        (Endpoint::Chat, [(_, Some(rendered))]) => {
+            app.reasoning.map(|m| (m, starts_in_reasoning(m, rendered, &request)))
+        }
         _ => None,
     };
     let max_tokens = tokenized
@@ -412,9 +412,12 @@ fn tokenize_prompt_input(
             if let Some(tools) = &request.tools {
                 variables.insert("tools".into(), serde_json::Value::Array(tools.definitions.clone()));
             }
-            let text = template
-                .render_with(messages, true, &variables)
-                .map_err(|e| ApiError::invalid("messages", format!("the chat template refused the messages: {e}")))?;
+            let text = match request.chat_ending {
+                ChatEnding::NewTurn => template.render_with(messages, true, &variables),
+                ChatEnding::AsRendered => template.render_with(messages, false, &variables),
+                ChatEnding::ContinueFinalMessage => template.render_continuing(messages, &variables),
+            }
+            .map_err(|e| ApiError::invalid("messages", format!("the chat template refused the messages: {e}")))?;
             let text = rendered.insert(text);
             // The template writes BOS itself when the model wants it.
             tokenizer.encode(text, false).map_err(internal)?
@@ -424,6 +427,19 @@ fn tokenize_prompt_input(
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
     Ok((ids, rendered))
+}
+
+/// Whether a chat answer begins inside the model's reasoning: the rendered prompt opened it
+/// (a template that starts every answer thinking), or the answer being continued left it open.
+fn starts_in_reasoning(markers: Markers, rendered: &str, request: &GenerationRequest) -> bool {
+    let begun = match (request.chat_ending, request.prompts.as_slice()) {
+        (ChatEnding::ContinueFinalMessage, [PromptInput::Chat(messages)]) => messages.last(),
+        _ => None,
+    };
+    match begun {
+        Some(message) => markers.left_open_by(&message.content),
+        None => markers.opened_by(rendered),
+    }
 }
 
 /// The text a completion's `echo` repeats: the prompt as given, or its ids' text.

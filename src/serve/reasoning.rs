@@ -61,6 +61,13 @@ impl Markers {
     pub fn opened_by(&self, prompt: &str) -> bool {
         prompt.trim_end().ends_with(self.start.trim_end())
     }
+
+    /// Whether `text` (an answer the caller began, to be continued) leaves the reasoning
+    /// open: a start marker comes after its last end marker.
+    pub fn left_open_by(&self, text: &str) -> bool {
+        let start = text.rfind(self.start.trim_end());
+        start.is_some() && start > text.rfind(self.end)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -173,6 +180,16 @@ mod tests {
         assert_eq!(split(THINK, false, &pieces), owned("let me see", "\n\nIt is 4."));
         let pieces = ["<|channel>", "thought", "\n", "two and two<", "channel|>", "4"];
         assert_eq!(split(GEMMA4_THOUGHT, false, &pieces), owned("two and two", "4"));
+    }
+
+    #[test]
+    fn a_begun_answer_leaves_the_reasoning_open_until_its_end_marker() {
+        assert!(THINK.left_open_by("<think>\nFirst,"));
+        assert!(THINK.left_open_by("<think>a</think>then <think>b"));
+        assert!(!THINK.left_open_by("<think>a</think>The answer"));
+        assert!(!THINK.left_open_by("The answer is"));
+        assert!(GEMMA4_THOUGHT.left_open_by("<|channel>thought\nHmm"));
+        assert!(!GEMMA4_THOUGHT.left_open_by("<|channel>thought\nHmm<channel|>So"));
     }
 
     #[test]

@@ -35,6 +35,8 @@ pub struct GenerationRequest {
     /// Chat: variables for the chat template beside its own (`chat_template_kwargs`, vLLM's
     /// name: Qwen3.5's `enable_thinking`, say).
     pub chat_template_kwargs: Map<String, Value>,
+    /// Chat: where the rendered conversation ends.
+    pub chat_ending: ChatEnding,
     /// The shape the output must take (structured outputs, or a tool call), where the request
     /// gives one.
     pub structured: Option<Structured>,
@@ -57,6 +59,20 @@ pub struct GenerationRequest {
     pub return_token_ids: bool,
     /// vLLM's `return_tokens_as_token_ids`: log-probabilities name tokens `token_id:N`.
     pub return_tokens_as_token_ids: bool,
+}
+
+/// Where a chat prompt ends: vLLM's `add_generation_prompt` (default true) and
+/// `continue_final_message`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ChatEnding {
+    /// The assistant's turn opened after the messages (what a chat normally asks).
+    #[default]
+    NewTurn,
+    /// The messages as the template renders them, nothing opened after them.
+    AsRendered,
+    /// Cut after the final message's text, for the model to go on with it (an assistant's
+    /// answer begun by the caller: "prefill").
+    ContinueFinalMessage,
 }
 
 /// Which endpoint a body was sent to.
@@ -148,6 +164,7 @@ pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Gene
         ignore_eos: fields.bool("ignore_eos")?.unwrap_or(false),
         n: choices(&fields)?,
         chat_template_kwargs: template_kwargs(&fields, endpoint)?,
+        chat_ending: chat_ending(&fields, endpoint)?,
         structured,
         tools,
         logit_bias: logit_bias(&fields)?,
@@ -256,6 +273,34 @@ fn template_kwargs(fields: &Fields, endpoint: Endpoint) -> Result<Map<String, Va
             }
         }
         (Some(_), Endpoint::Chat) => Err(Fields::wrong_type(name, "an object")),
+    }
+}
+
+/// vLLM's `add_generation_prompt` and `continue_final_message`, on chat requests only. As in
+/// vLLM, asking for both is an error; `continue_final_message` alone turns the generation
+/// prompt off.
+fn chat_ending(fields: &Fields, endpoint: Endpoint) -> Result<ChatEnding, ApiError> {
+    let generation_prompt = fields.bool("add_generation_prompt")?;
+    let continuing = fields.bool("continue_final_message")?;
+    if endpoint == Endpoint::Completions {
+        if let Some(name) = ["add_generation_prompt", "continue_final_message"]
+            .into_iter()
+            .find(|name| fields.get(name).is_some())
+        {
+            return Err(ApiError::invalid(
+                name,
+                format!("`{name}` applies to /v1/chat/completions"),
+            ));
+        }
+    }
+    match (generation_prompt, continuing) {
+        (Some(true), Some(true)) => Err(ApiError::invalid(
+            "continue_final_message",
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+        )),
+        (_, Some(true)) => Ok(ChatEnding::ContinueFinalMessage),
+        (Some(false), _) => Ok(ChatEnding::AsRendered),
+        _ => Ok(ChatEnding::NewTurn),
     }
 }
 
@@ -539,6 +584,10 @@ mod tests {
         parse(body.as_bytes(), Endpoint::Completions)
     }
 
+    fn chat_request(body: &str) -> Result<GenerationRequest, ApiError> {
+        parse(body.as_bytes(), Endpoint::Chat)
+    }
+
     #[test]
     fn the_inferencex_body_parses() {
         let r = completions(
@@ -558,7 +607,7 @@ mod tests {
     /// not an object, a template variable of its own, or on a completion.
     #[test]
     fn chat_template_kwargs_are_an_object_of_the_callers_variables() {
-        let chat = |body: &str| parse(body.as_bytes(), Endpoint::Chat);
+        let chat = chat_request;
         let r =
             chat(r#"{"messages":[{"role":"user","content":"x"}],"chat_template_kwargs":{"enable_thinking":false}}"#)
                 .unwrap();
@@ -571,6 +620,40 @@ mod tests {
         }
         let completion = completions(r#"{"prompt":"x","chat_template_kwargs":{}}"#);
         assert_eq!(completion.unwrap_err().param.as_deref(), Some("chat_template_kwargs"));
+    }
+
+    /// vLLM's chat endings: the generation prompt by default, turned off by
+    /// `add_generation_prompt: false` or by continuing the final message; both asked for is
+    /// a 400, as is either on a completion.
+    #[test]
+    fn chat_endings_follow_vllms_flags() {
+        let ending = |extra: &str| {
+            chat_request(&format!(r#"{{"messages":[{{"role":"user","content":"x"}}]{extra}}}"#)).map(|r| r.chat_ending)
+        };
+        assert_eq!(ending("").unwrap(), ChatEnding::NewTurn);
+        assert_eq!(ending(r#","add_generation_prompt":true"#).unwrap(), ChatEnding::NewTurn);
+        assert_eq!(
+            ending(r#","add_generation_prompt":false"#).unwrap(),
+            ChatEnding::AsRendered
+        );
+        for continued in [
+            r#","continue_final_message":true"#,
+            r#","continue_final_message":true,"add_generation_prompt":false"#,
+        ] {
+            assert_eq!(ending(continued).unwrap(), ChatEnding::ContinueFinalMessage);
+        }
+        assert_eq!(
+            ending(r#","continue_final_message":false"#).unwrap(),
+            ChatEnding::NewTurn
+        );
+        let both = ending(r#","continue_final_message":true,"add_generation_prompt":true"#).unwrap_err();
+        assert_eq!(both.param.as_deref(), Some("continue_final_message"));
+        let typed = ending(r#","add_generation_prompt":"no""#).unwrap_err();
+        assert_eq!(typed.param.as_deref(), Some("add_generation_prompt"));
+        for name in ["add_generation_prompt", "continue_final_message"] {
+            let err = completions(&format!(r#"{{"prompt":"x","{name}":false}}"#)).unwrap_err();
+            assert_eq!(err.param.as_deref(), Some(name));
+        }
     }
 
     #[test]

@@ -75,6 +75,38 @@ impl ChatTemplate {
         self.render_with(messages, add_generation_prompt, &serde_json::Map::new())
     }
 
+    /// The prompt text for `messages` cut right after the final message's content, so that
+    /// the model continues that message (transformers' `continue_final_message`, which vLLM
+    /// and OpenAI-style "prefill" use): the conversation is rendered whole, the final turn
+    /// closed as the template closes it, and everything after the content's last occurrence
+    /// is dropped. Where the template trimmed the content's trailing whitespace, the trimmed
+    /// content is what the model continues.
+    pub fn render_continuing(
+        &self,
+        messages: &[ChatMessage],
+        extra: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String> {
+        let content = messages
+            .last()
+            .map(|m| m.content.as_str())
+            .filter(|c| !c.trim().is_empty())
+            .ok_or_else(|| ModelError::ChatTemplate("the final message has no text to continue".into()))?;
+        let rendered = self.render_with(messages, false, extra)?;
+        let trimmed = content.trim();
+        let at = rendered.rfind(trimmed).ok_or_else(|| {
+            ModelError::ChatTemplate(
+                "the final message's text does not appear in the rendered chat, so it cannot be continued".into(),
+            )
+        })?;
+        // transformers keeps the content's trailing whitespace only where the template kept
+        // the whole content as given.
+        let end = match rendered[at..].starts_with(content) {
+            true => at + content.len(),
+            false => at + trimmed.len(),
+        };
+        Ok(rendered[..end].to_string())
+    }
+
     /// [`render`](Self::render) with `extra` variables beside the template's own (a name of
     /// [`RESERVED`](Self::RESERVED) there is refused).
     pub fn render_with(
@@ -188,6 +220,48 @@ mod tests {
         .map(|(role, content)| ChatMessage::new(role, content));
         let out = t.render(&messages, true).unwrap();
         assert_eq!(out, "<user>a\n<assistant>b\n<user>c\n<assistant>\n");
+    }
+
+    /// The cut is transformers' (4.57.1's `render_jinja_template` with
+    /// `continue_final_message=True` gave these four texts from these templates): after the
+    /// final content, its trailing whitespace kept only where the template wrote it untouched.
+    /// bbc refuses a final message without text (transformers keeps the whole rendering).
+    #[test]
+    fn a_final_message_is_continued_where_its_text_ends() {
+        let kept = template("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}");
+        let trimmed =
+            template("{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>{% endfor %}");
+        let chat = |last: &str| [ChatMessage::new("user", "hi"), ChatMessage::new("assistant", last)];
+        let none = serde_json::Map::new();
+        assert_eq!(
+            kept.render_continuing(&chat("Sure"), &none).unwrap(),
+            "<user>hi</user><assistant>Sure"
+        );
+        assert_eq!(
+            kept.render_continuing(&chat("Sure, "), &none).unwrap(),
+            "<user>hi</user><assistant>Sure, "
+        );
+        assert_eq!(
+            trimmed.render_continuing(&chat(" Sure, "), &none).unwrap(),
+            "<user>hi</user><assistant>Sure,"
+        );
+        // Text the conversation repeats earlier: the last occurrence is the final message's.
+        let echo = [ChatMessage::new("user", "hi"), ChatMessage::new("assistant", "hi")];
+        assert_eq!(
+            kept.render_continuing(&echo, &none).unwrap(),
+            "<user>hi</user><assistant>hi"
+        );
+        for last in ["", "  "] {
+            let err = kept.render_continuing(&chat(last), &none).unwrap_err().to_string();
+            assert!(err.contains("no text to continue"), "{err}");
+        }
+        let dropping =
+            template("{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}");
+        let err = dropping
+            .render_continuing(&chat("Sure"), &none)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("does not appear"), "{err}");
     }
 
     #[test]
