@@ -1415,3 +1415,56 @@ fn a_begun_answer_is_continued() {
     let (status, error) = server.post("/v1/chat/completions", &chat_body);
     assert_eq!((status, error_of(&error).1), (400, Some("continue_final_message")));
 }
+
+/// vLLM's `--generation-config`: requests that leave a setting out get the model's
+/// recommended one (here a directory's `generation_config.json` saying greedy, with answers of
+/// at most 5 tokens), never over what they give; `--override-generation-config` goes over the
+/// file, and `vllm` leaves the API's defaults.
+#[test]
+fn a_generation_config_fills_the_settings_requests_leave_out() {
+    let dir = std::env::temp_dir().join(format!("bbc-serve-generation-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("generation_config.json"),
+        r#"{"do_sample": false, "temperature": 0.0, "max_new_tokens": 5}"#,
+    )
+    .unwrap();
+    let server = Server::start(&["--generation-config", dir.to_str().unwrap()]);
+    let plain = Server::start(&["--generation-config", "vllm"]);
+    let prompt = "The capital of France is";
+    let text = |server: &Server, body: Value| {
+        let (status, got) = server.post("/v1/completions", &body);
+        assert_eq!(status, 200, "{got}");
+        (
+            got["choices"][0]["text"].as_str().unwrap().to_string(),
+            got["usage"]["completion_tokens"].as_u64().unwrap(),
+        )
+    };
+    let greedy = text(&plain, json!({"prompt": prompt, "max_tokens": 5, "temperature": 0}));
+    assert_eq!(text(&server, json!({"prompt": prompt, "max_tokens": 40})), greedy);
+    let sampled = json!({"prompt": prompt, "max_tokens": 5, "temperature": 1.5, "seed": 3});
+    let sampled_plain = text(&plain, sampled.clone());
+    assert_ne!(
+        sampled_plain, greedy,
+        "the seed must sample away from greedy for this check"
+    );
+    assert_eq!(text(&server, sampled), sampled_plain);
+    let (_, used) = text(
+        &plain,
+        json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": true}),
+    );
+    assert_eq!(used, 12, "`vllm` caps nothing");
+
+    let overridden = Server::start(&[
+        "--generation-config",
+        dir.to_str().unwrap(),
+        "--override-generation-config",
+        r#"{"max_new_tokens": 3}"#,
+    ]);
+    let (_, used) = text(
+        &overridden,
+        json!({"prompt": prompt, "max_tokens": 12, "ignore_eos": true}),
+    );
+    assert_eq!(used, 3);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

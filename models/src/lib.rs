@@ -4,6 +4,7 @@
 pub mod config;
 pub mod error;
 pub mod families;
+pub mod generation_defaults;
 pub mod gguf;
 pub mod model_toml;
 pub mod quant;
@@ -18,6 +19,7 @@ pub use error::{ModelError, Result};
 pub use families::{
     lower, lower_without_weights, with_greedy_token, ComputeDtype, KvCacheDtype, LogitsFor, LowerOptions,
 };
+pub use generation_defaults::GenerationDefaults;
 pub use model_toml::{DraftModelSpec, ModelSpec, NgramSpec};
 pub use tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
 pub use weights::{TensorView, WeightSource};
@@ -30,13 +32,15 @@ pub struct Model {
     pub config: ModelConfig,
     pub weights: WeightSource,
     pub tokenizer: Option<Tokenizer>,
+    /// The sampling settings its makers recommend, where the weights carry them.
+    pub generation_defaults: GenerationDefaults,
 }
 
 impl Model {
     /// Open what `spec` names: a `.gguf` file or an HF directory.
     pub fn open(spec: ModelSpec) -> Result<Self> {
         let path = spec.weights.clone();
-        let (mut config, weights, tokenizer) = if path.is_dir() {
+        let (mut config, weights, tokenizer, generation_defaults) = if path.is_dir() {
             let config = ModelConfig::from_hf_config(&path.join("config.json"))?;
             let weights = WeightSource::open_safetensors(&path)?;
             let tokenizer = if path.join("tokenizer.json").exists() {
@@ -44,7 +48,7 @@ impl Model {
             } else {
                 None
             };
-            (config, weights, tokenizer)
+            (config, weights, tokenizer, GenerationDefaults::from_hf_dir(&path)?)
         } else {
             let file = gguf::GgufFile::open(&path)?;
             let config = ModelConfig::from_gguf(&file)?;
@@ -52,7 +56,8 @@ impl Model {
                 Some(_) => Some(Tokenizer::from_gguf(&file)?),
                 None => None,
             };
-            (config, WeightSource::from_gguf(file), tokenizer)
+            let generation_defaults = GenerationDefaults::from_gguf(&file)?;
+            (config, WeightSource::from_gguf(file), tokenizer, generation_defaults)
         };
         if let Some(family) = spec.architecture {
             if family != config.family {
@@ -84,6 +89,7 @@ impl Model {
             config,
             weights,
             tokenizer,
+            generation_defaults,
         })
     }
 

@@ -444,6 +444,7 @@ mod tests {
             reasoning: parser.markers(Family::Gemma4),
             tool_calls: Some(CallFormat::Gemma4),
             structured: crate::serve::structured::LazyStructuredOutputs::new(tokenizer.clone()),
+            generation_defaults: Default::default(),
             requests,
             metrics: Default::default(),
             next_id: AtomicU64::new(0),

@@ -41,6 +41,8 @@ pub struct AppState {
     pub tool_calls: Option<CallFormat>,
     /// The grammar compiler over the model's vocabulary (structured outputs).
     pub structured: LazyStructuredOutputs,
+    /// The sampling settings requests that leave them out get (`--generation-config`).
+    pub generation_defaults: models::GenerationDefaults,
     pub requests: mpsc::UnboundedSender<NewRequest>,
     pub metrics: Arc<Metrics>,
     pub next_id: AtomicU64,
@@ -226,10 +228,11 @@ async fn start(
 /// the admitted generation.
 async fn admit(
     app: &Arc<AppState>,
-    request: GenerationRequest,
+    mut request: GenerationRequest,
     endpoint: Endpoint,
     started: Instant,
 ) -> Result<Generation, ApiError> {
+    request.fill_unset(&app.generation_defaults);
     if let Some(model) = &request.model {
         if model != &app.model_name {
             return Err(ApiError::new(
@@ -487,7 +490,8 @@ fn check_length(
             ),
         ));
     }
-    Ok(max_tokens)
+    // A model's longest answer caps a request's after the request is checked, as in vLLM.
+    Ok(request.max_tokens_cap.map_or(max_tokens, |cap| max_tokens.min(cap)))
 }
 
 /// An admission's refusal as the API's error; `scored_for`: the parameter that asked for the

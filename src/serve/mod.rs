@@ -9,6 +9,7 @@ mod anthropic_request;
 mod draft;
 mod error;
 mod generation;
+mod generation_config;
 mod http;
 mod logits;
 mod messages;
@@ -129,6 +130,17 @@ pub struct ServeArgs {
     /// Hermes), none (auto refused), or the named one.
     #[arg(long, value_enum, default_value_t = tool_parser::ToolCallParser::Auto)]
     pub tool_call_parser: tool_parser::ToolCallParser,
+    /// Where the sampling settings a request leaves out come from (vLLM's flag): `auto`, the
+    /// model's recommended ones (an HF directory's `generation_config.json`, a GGUF file's
+    /// `general.sampling.*`; its `max_new_tokens` caps every answer); `vllm`, the API's own
+    /// (temperature 1, no top-k/top-p/min-p, no penalty); or a directory holding a
+    /// `generation_config.json`.
+    #[arg(long, default_value = "auto")]
+    pub generation_config: String,
+    /// Settings over those (vLLM's flag), a JSON object of `temperature`, `top_p`, `top_k`,
+    /// `min_p`, `repetition_penalty` and `max_new_tokens`.
+    #[arg(long)]
+    pub override_generation_config: Option<String>,
 }
 
 pub fn serve(args: &ServeArgs) -> Result<()> {
@@ -166,6 +178,16 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let context_length = loaded.model.config.context_length;
     let family = loaded.model.config.family;
     let (speculation, draft_model) = speculation_flags.resolve(&loaded)?;
+    let generation_defaults = generation_config::resolve(
+        &args.generation_config,
+        args.override_generation_config.as_deref(),
+        loaded.model.generation_defaults,
+    )?;
+    if let Some(settings) = generation_config::describe(&generation_defaults) {
+        eprintln!(
+            "requests that leave them out sample with: {settings} (--generation-config vllm: the API's defaults)"
+        );
+    }
     let config = SchedulerConfig {
         max_waiting: args.max_queued,
         max_running: args.max_num_seqs,
@@ -273,6 +295,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         reasoning: args.reasoning_parser.markers(family),
         tool_calls,
         structured,
+        generation_defaults,
         requests,
         metrics,
         next_id: AtomicU64::new(0),

@@ -59,6 +59,45 @@ pub struct GenerationRequest {
     pub return_token_ids: bool,
     /// vLLM's `return_tokens_as_token_ids`: log-probabilities name tokens `token_id:N`.
     pub return_tokens_as_token_ids: bool,
+    /// The sampling settings the request left out, which a model's recommended ones fill.
+    pub unset: UnsetSampling,
+    /// The most tokens any answer may have whatever `max_tokens` says (a model's
+    /// `max_new_tokens`, as vLLM applies it).
+    pub max_tokens_cap: Option<usize>,
+}
+
+/// Which of the settings a model's generation config recommends a request left out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct UnsetSampling {
+    pub temperature: bool,
+    pub top_p: bool,
+    pub top_k: bool,
+    pub min_p: bool,
+    pub repetition_penalty: bool,
+}
+
+impl GenerationRequest {
+    /// The model's recommended settings where this request left them out, and its longest
+    /// answer as a cap on this one's (vLLM's `--generation-config`).
+    pub fn fill_unset(&mut self, defaults: &models::GenerationDefaults) {
+        let (unset, sampling) = (self.unset, &mut self.sampling);
+        if let Some(t) = defaults.temperature.filter(|_| unset.temperature) {
+            sampling.temperature = t as f32;
+        }
+        if let Some(p) = defaults.top_p.filter(|_| unset.top_p) {
+            sampling.top_p = p as f32;
+        }
+        if let Some(k) = defaults.top_k.filter(|_| unset.top_k) {
+            sampling.top_k = k.max(0) as usize;
+        }
+        if let Some(p) = defaults.min_p.filter(|_| unset.min_p) {
+            sampling.min_p = p as f32;
+        }
+        if let Some(r) = defaults.repetition_penalty.filter(|_| unset.repetition_penalty) {
+            sampling.repetition_penalty = r as f32;
+        }
+        self.max_tokens_cap = defaults.max_tokens;
+    }
 }
 
 /// Where a chat prompt ends: vLLM's `add_generation_prompt` (default true) and
@@ -124,7 +163,7 @@ pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Gene
         }
     };
     refuse_unsupported(&fields, endpoint)?;
-    let mut sampling = sampling(&fields)?;
+    let (mut sampling, unset) = sampling(&fields)?;
     sampling.logprobs = logprobs(&fields, endpoint)?;
     let prompt_logprobs = prompt_logprobs(&fields, stream)?;
     // Echoed tokens come with the log-probabilities asked of the output's.
@@ -174,6 +213,8 @@ pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Gene
         include_stop_str: fields.bool("include_stop_str_in_output")?.unwrap_or(false),
         return_token_ids: fields.bool("return_token_ids")?.unwrap_or(false),
         return_tokens_as_token_ids: fields.bool("return_tokens_as_token_ids")?.unwrap_or(false),
+        unset,
+        max_tokens_cap: None,
     })
 }
 
@@ -341,8 +382,16 @@ fn completion_prompts(fields: &Fields) -> Result<Vec<PromptInput>, ApiError> {
     }
 }
 
-fn sampling(fields: &Fields) -> Result<SamplingParams, ApiError> {
+/// The sampling settings, and which of those a model may recommend were left out.
+fn sampling(fields: &Fields) -> Result<(SamplingParams, UnsetSampling), ApiError> {
     let defaults = SamplingParams::default();
+    let unset = UnsetSampling {
+        temperature: fields.get("temperature").is_none(),
+        top_p: fields.get("top_p").is_none(),
+        top_k: fields.get("top_k").is_none(),
+        min_p: fields.get("min_p").is_none(),
+        repetition_penalty: fields.get("repetition_penalty").is_none(),
+    };
     // OpenAI's default temperature is 1.
     let temperature = fields.number("temperature")?.unwrap_or(1.0);
     if !(0.0..=100.0).contains(&temperature) {
@@ -396,7 +445,7 @@ fn sampling(fields: &Fields) -> Result<SamplingParams, ApiError> {
         None => defaults.seed,
         Some(s) => s as u64,
     };
-    Ok(SamplingParams {
+    let sampling = SamplingParams {
         temperature: temperature as f32,
         seed,
         top_k,
@@ -407,7 +456,8 @@ fn sampling(fields: &Fields) -> Result<SamplingParams, ApiError> {
         repetition_penalty: repetition_penalty as f32,
         logprobs: None,
         prompt_logprobs: None,
-    })
+    };
+    Ok((sampling, unset))
 }
 
 /// `n` choices (each a sequence of its own); `best_of` is accepted when it asks for no more.
@@ -654,6 +704,40 @@ mod tests {
             let err = completions(&format!(r#"{{"prompt":"x","{name}":false}}"#)).unwrap_err();
             assert_eq!(err.param.as_deref(), Some(name));
         }
+    }
+
+    /// A model's recommended settings fill what a request left out (or sent as null), never
+    /// what it gave; its longest answer becomes the request's cap.
+    #[test]
+    fn recommended_settings_fill_only_what_was_left_out() {
+        let defaults = models::GenerationDefaults {
+            temperature: Some(0.6),
+            top_p: Some(0.95),
+            top_k: Some(20),
+            min_p: Some(0.05),
+            repetition_penalty: Some(1.1),
+            max_tokens: Some(64),
+        };
+        let mut bare = completions(r#"{"prompt":"x","temperature":null}"#).unwrap();
+        bare.fill_unset(&defaults);
+        let s = &bare.sampling;
+        assert_eq!(
+            (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty),
+            (0.6, 0.95, 20, 0.05, 1.1)
+        );
+        assert_eq!(bare.max_tokens_cap, Some(64));
+        let mut given =
+            completions(r#"{"prompt":"x","temperature":0,"top_p":1,"top_k":-1,"min_p":0,"repetition_penalty":1}"#)
+                .unwrap();
+        given.fill_unset(&defaults);
+        let s = &given.sampling;
+        assert_eq!(
+            (s.temperature, s.top_p, s.top_k, s.min_p, s.repetition_penalty),
+            (0.0, 1.0, 0, 0.0, 1.0)
+        );
+        let mut unlimited = completions(r#"{"prompt":"x"}"#).unwrap();
+        unlimited.fill_unset(&models::GenerationDefaults::default());
+        assert_eq!((unlimited.sampling.temperature, unlimited.max_tokens_cap), (1.0, None));
     }
 
     #[test]
