@@ -23,7 +23,9 @@ pub struct GenerationDefaults {
 
 /// The settings a JSON generation config may hold, by their transformers names, with the
 /// value transformers assumes where a file leaves one out: vLLM reads a config as
-/// `to_diff_dict()` gives it, without the values equal to those, so they default nothing.
+/// `to_diff_dict()` gives it, without the values equal to those, so they default nothing
+/// (transformers 4.57.1 drops `top_k` 50, `top_p` and `repetition_penalty` 1 and keeps a
+/// `min_p` of 0, which it has no default for).
 const JSON_KEYS: [(&str, Option<f64>); 6] = [
     ("temperature", Some(1.0)),
     ("top_p", Some(1.0)),
