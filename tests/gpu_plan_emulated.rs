@@ -693,11 +693,19 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
 /// A draft model on a batched plan (a GPU target's; here on the emulator) proposes what it
 /// proposes on the CPU backend, round after round of partly accepted drafts, through the
 /// plan's greedy ids (no logits read back); as the drafter of an engine on the CPU backend it
-/// leaves the tokens as they are without drafts, its drafts accepted.
+/// leaves the tokens as they are without drafts, its drafts accepted. The same with a draft
+/// model with recurrent state (the tiny Qwen3.5 under YaRN drafting for the tiny Qwen3.5),
+/// whose plan goes back to each sequence's snapshot in device memory past refused drafts.
 #[test]
 fn a_draft_model_on_a_batched_plan_drafts_as_on_the_cpu() {
+    for (draft, target) in [("llama_rope_yarn", "llama"), ("qwen3_5_rope_yarn", "qwen3_5")] {
+        draft_model_on_a_batched_plan_drafts_as_on_the_cpu(draft, target);
+    }
+}
+
+fn draft_model_on_a_batched_plan_drafts_as_on_the_cpu(draft: &str, target: &str) {
     use runtime::serving::{DraftModel, DraftRequest, Drafter, NgramConfig, SeqId, ServingEngine};
-    let draft = open("llama_rope_yarn", ComputeDtype::F32);
+    let draft = open(draft, ComputeDtype::F32);
     let config = serving_config(32, 48);
     let (gpu_graph, plan, kernels) = serving_plan(&draft, &config, config.max_running);
     let on_plan = || {
@@ -710,7 +718,9 @@ fn a_draft_model_on_a_batched_plan_drafts_as_on_the_cpu() {
             64,
         )
         .unwrap()
-        .capture_graphs_up_to(config.max_running);
+        .capture_graphs_up_to(config.max_running)
+        .keep_state_snapshots(config.max_running)
+        .unwrap();
         DraftModel::new(Counted::new(gpu), config.kv_blocks, config.block_size, 32, 64).unwrap()
     };
     let on_cpu = || {
@@ -731,7 +741,7 @@ fn a_draft_model_on_a_batched_plan_drafts_as_on_the_cpu() {
             })
             .collect();
         let want = cpu.propose(&requests).unwrap();
-        assert_eq!(gpu.propose(&requests).unwrap(), want, "round {round}");
+        assert_eq!(gpu.propose(&requests).unwrap(), want, "{target}: round {round}");
         // Keep the first few drafts of each and a token of one's own after them.
         for (i, tokens) in sequences.iter_mut().enumerate() {
             let drafts = &want[&SeqId(i as u64)];
@@ -742,7 +752,7 @@ fn a_draft_model_on_a_batched_plan_drafts_as_on_the_cpu() {
     let (greedy, full) = gpu.backend().counts();
     assert!(greedy > 0 && full == 0, "{greedy} greedy passes, {full} with logits");
 
-    let target = open("llama", ComputeDtype::F32);
+    let target = open(target, ComputeDtype::F32);
     let prompts: Vec<Vec<u32>> = (0..3u32)
         .map(|i| (0..4 + 5 * i).map(|j| 7 + 13 * i + 3 * j).collect())
         .collect();

@@ -449,14 +449,22 @@ fn greedy_steps_on_the_greedy_graph_serve_the_logits_graphs_tokens() {
 /// A draft model proposes its own greedy continuation of a sequence's tokens, and after a
 /// step that kept some of its drafts it computes only the tokens since the first it lacks:
 /// its proposal is still the continuation a fresh start gives, and a sequence that is gone
-/// gives its blocks back.
+/// gives its blocks back. The same for a draft model with recurrent state (the tiny Qwen3.5),
+/// whose state its drafts have moved past the kept tokens: it goes back to the snapshot its
+/// last catch-up saved.
 #[test]
 fn a_draft_model_proposes_its_greedy_continuation_from_what_it_kept() {
+    for fixture in ["hf-tiny/llama_rope_yarn", "hf-tiny/qwen3_5_rope_yarn"] {
+        let draft = Model::open(ModelSpec::for_weights(&common::fixture(fixture))).unwrap();
+        draft_model_proposes_its_greedy_continuation(&draft);
+    }
+}
+
+fn draft_model_proposes_its_greedy_continuation(draft: &Model) {
     use runtime::serving::{DraftModel, DraftRequest, Drafter, SeqId};
-    let draft = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/llama_rope_yarn"))).unwrap();
     // A token budget of 8: the 30-token prompt catches up over several steps, drafting
     // nothing until it is through, while the short sequence ahead of it drafts every step.
-    let mut drafter = DraftModel::new(backend(&draft), 64, 4, 8, 2048).unwrap();
+    let mut drafter = DraftModel::new(backend(draft), 64, 4, 8, 2048).unwrap();
     let prompt: Vec<u32> = (0..30u32).map(|j| 60 + 7 * j).collect();
     let other: Vec<u32> = vec![5, 9, 14];
     let propose = |drafter: &mut DraftModel<CpuBackend>, requests: &[(u64, &[u32], usize)]| {
@@ -474,7 +482,7 @@ fn a_draft_model_proposes_its_greedy_continuation_from_what_it_kept() {
     let first = loop {
         steps += 1;
         let proposed = propose(&mut drafter, &[(1, &other, 2), (0, &prompt, 4)]);
-        assert_eq!(proposed[&SeqId(1)], alone(&draft, std::slice::from_ref(&other), 2)[0]);
+        assert_eq!(proposed[&SeqId(1)], alone(draft, std::slice::from_ref(&other), 2)[0]);
         if !proposed[&SeqId(0)].is_empty() {
             break proposed;
         }
@@ -482,8 +490,12 @@ fn a_draft_model_proposes_its_greedy_continuation_from_what_it_kept() {
     };
     // The short sequence takes its 3 positions of the first pass's 8, then its last one again
     // each step (its draft is computed past it): 5 + 7 + 7 + 7 + 4 positions of the prompt.
+    // A model with recurrent state goes back to the snapshot after the short sequence's
+    // tokens each step instead and drafts from there with the first draft it gave, computing
+    // none of them again: 5 + 8 + 8 + 8 + 1. (The engine asks again for the same tokens
+    // where a step's budget left a decoding sequence out.)
     assert_eq!(steps, 5);
-    assert_eq!(first[&SeqId(0)], alone(&draft, std::slice::from_ref(&prompt), 4)[0]);
+    assert_eq!(first[&SeqId(0)], alone(draft, std::slice::from_ref(&prompt), 4)[0]);
     // Two drafts kept and another token after them; the other sequence kept all; a third
     // differs from what the draft model computed before its last token (no step keeps drafts
     // so, but what a sequence's cache holds is checked token by token).
@@ -498,12 +510,9 @@ fn a_draft_model_proposes_its_greedy_continuation_from_what_it_kept() {
     let first_again = propose(&mut drafter, &[(2, &other, 2)]);
     assert_eq!(first_again[&SeqId(2)], first[&SeqId(1)]);
     let second = propose(&mut drafter, &[(0, &kept, 3), (1, &other_kept, 3), (2, &diverged, 2)]);
-    assert_eq!(second[&SeqId(0)], alone(&draft, std::slice::from_ref(&kept), 3)[0]);
-    assert_eq!(
-        second[&SeqId(1)],
-        alone(&draft, std::slice::from_ref(&other_kept), 3)[0]
-    );
-    assert_eq!(second[&SeqId(2)], alone(&draft, std::slice::from_ref(&diverged), 2)[0]);
+    assert_eq!(second[&SeqId(0)], alone(draft, std::slice::from_ref(&kept), 3)[0]);
+    assert_eq!(second[&SeqId(1)], alone(draft, std::slice::from_ref(&other_kept), 3)[0]);
+    assert_eq!(second[&SeqId(2)], alone(draft, std::slice::from_ref(&diverged), 2)[0]);
     assert!(drafter.used_blocks() > 0);
     drafter.retain(&mut |id| id == SeqId(1));
     // From nothing again: its 33 tokens over five steps of 8.
@@ -522,7 +531,7 @@ fn a_draft_model_proposes_its_greedy_continuation_from_what_it_kept() {
     drafter.retain(&mut |_| false);
     assert_eq!(drafter.used_blocks(), 0);
     // No blocks to be had: no proposal, and no error.
-    let mut starved = DraftModel::new(backend(&draft), 2, 4, 8, 2048).unwrap();
+    let mut starved = DraftModel::new(backend(draft), 2, 4, 8, 2048).unwrap();
     assert!(propose(&mut starved, &[(0, &prompt, 4)]).is_empty());
 }
 
@@ -546,6 +555,49 @@ const DRAFT_FOUR: runtime::serving::NgramConfig = runtime::serving::NgramConfig 
     min: 1,
     max: 3,
 };
+
+/// Draft models and targets with recurrent state (Gated DeltaNet): a hybrid target drafted
+/// for by itself (every greedy draft accepted), by the other hybrid family and by a Llama
+/// (drafts refused, so a hybrid drafter goes back to its snapshots), and a Llama target
+/// drafted for by a hybrid: the tokens of no speculation, greedy and sampled.
+#[test]
+fn draft_models_with_recurrent_state_keep_every_token() {
+    let sampled = SamplingParams {
+        temperature: 0.8,
+        seed: 11,
+        ..SamplingParams::default()
+    };
+    let prompt = |base: u32, len: u32| (0..len).map(|j| base + 11 * j).collect::<Vec<u32>>();
+    let greedy: Vec<(Vec<u32>, SamplingParams)> = [prompt(20, 9), prompt(10, 22), prompt(7, 3)]
+        .into_iter()
+        .map(|p| (p, SamplingParams::default()))
+        .collect();
+    let mut mixed = greedy.clone();
+    mixed.push((prompt(40, 12), sampled));
+    let tiny = |name: &str| Model::open(ModelSpec::for_weights(&common::fixture(name))).unwrap();
+    for (target_name, draft_name) in [
+        ("qwen3_5", "qwen3_5"),
+        ("qwen3_5", "qwen3_next"),
+        ("qwen3_5", "llama"),
+        ("llama", "qwen3_5"),
+    ] {
+        let (target, draft) = (
+            tiny(&format!("hf-tiny/{target_name}")),
+            tiny(&format!("hf-tiny/{draft_name}")),
+        );
+        let (plain, _, _) = serve_speculating(&target, &mixed, 20, runtime::serving::NgramConfig::OFF);
+        let (speculative, drafted, accepted) = serve_drafting(&target, &draft, &mixed, 20);
+        let pair = format!("{draft_name} drafting for {target_name}");
+        assert_eq!(speculative, plain, "{pair}");
+        assert!(drafted > 0, "{pair}");
+        if target_name == draft_name {
+            let (_, drafted, accepted) = serve_drafting(&target, &draft, &greedy, 20);
+            assert_eq!(accepted, drafted, "{pair}");
+        } else {
+            assert!(accepted < drafted, "{pair}: all of {drafted} accepted");
+        }
+    }
+}
 
 /// On hybrid models (the tiny Qwen3.5 and Qwen3-Next), drafts run through each sequence's
 /// recurrent state, and refused ones are taken back out of it: with speculation, greedy

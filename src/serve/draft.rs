@@ -52,7 +52,10 @@ pub fn load(arg: &str, target: &Tokenizer, cache: DraftCache) -> Result<(Box<dyn
                 plan_cache,
             )?
             // A drafting pass has a row per sequence.
-            .capture_graphs_up_to(cache.sequences);
+            .capture_graphs_up_to(cache.sequences)
+            // A model with recurrent state: a snapshot place per sequence, to go back to
+            // past the drafts the target refuses.
+            .keep_state_snapshots(cache.sequences)?;
             Ok((drafter(backend, &cache, context_length, arg)?, "on the GPU"))
         }
         None => Ok((

@@ -10,12 +10,20 @@
 //! Its proposals are batched: one pass over every sequence's catch-up (within a token budget:
 //! a long new prompt goes through it over several steps, drafting nothing until it is done),
 //! then one pass per drafted token over every sequence still drafting.
+//!
+//! A draft model with recurrent layers (a small Qwen3.5 drafting for a large one) also keeps
+//! each sequence's state, in a slot of its own, which its drafts advance past the tokens the
+//! target will keep. So the catch-up pass saves the state as it stands after the sequence's
+//! tokens (a snapshot in the sequence's own place), and a proposal whose earlier drafts the
+//! state has seen starts from that snapshot and computes the kept drafts again: a few
+//! positions more than a model without state computes, in the same pass.
 
 use super::block_manager::BlockManager;
 use super::engine::PagedBackend;
+use super::engine::StateSnapshotting;
 use super::scheduler::{DraftRequest, SeqId};
 use crate::error::{Result, RuntimeError};
-use crate::kv::{BlockId, Segment, StateSnapshots};
+use crate::kv::{BlockId, Segment, StateSave, StateSnapshots};
 use std::collections::{BTreeMap, HashMap};
 
 /// What the serving engine asks of a drafter.
@@ -38,14 +46,24 @@ pub struct DraftModel<B: PagedBackend> {
     token_budget: usize,
     context_length: usize,
     seqs: HashMap<SeqId, DraftSeq>,
+    /// Where the model keeps recurrent states: the most sequences it can keep them for at
+    /// once (state slots, each with a snapshot place of the same number); `None` for a model
+    /// without them.
+    state_slots: Option<usize>,
 }
 
 /// A sequence's share of the draft model's cache.
-#[derive(Default)]
 struct DraftSeq {
     table: Vec<BlockId>,
-    /// The tokens whose keys and values its blocks hold, in order from position 0.
+    /// The tokens whose keys and values its blocks hold, in order from position 0 (and, for
+    /// a model with recurrent state, which its slot's state has seen, exactly).
     computed: Vec<u32>,
+    /// Its state slot, and its snapshot place: the lowest free when it came (slots differ
+    /// within a step, as batched steps require).
+    slot: usize,
+    /// A model with recurrent state: the positions its snapshot holds the state after (where
+    /// its last catch-up ended), and the greedy token that catch-up gave after them.
+    saved: Option<(usize, u32)>,
 }
 
 /// One sequence's proposal in the making.
@@ -53,14 +71,48 @@ struct Proposal<'a> {
     seq: SeqId,
     tokens: &'a [u32],
     limit: usize,
+    /// The first position its first pass computes, and whether its state starts there from
+    /// the sequence's snapshot.
+    start: usize,
+    restore: bool,
     drafts: Vec<u32>,
 }
 
+/// Where a proposal starts.
+#[derive(Debug, PartialEq, Eq)]
+enum Resume {
+    /// Catching up from position `start` (from the sequence's snapshot, where `restore`).
+    CatchUp { start: usize, restore: bool },
+    /// At the snapshot, which is where the tokens end, with the first draft it gave then:
+    /// the drafting passes go on from it.
+    Snapshot { first_draft: u32 },
+}
+
+/// One sequence's share of a drafting pass.
+struct PassSegment {
+    seq: SeqId,
+    start: usize,
+    ids: Vec<u32>,
+    snapshots: PassSnapshots,
+}
+
+/// What a pass segment does with its sequence's snapshot place.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum PassSnapshots {
+    None,
+    /// Save the state after the segment's last position.
+    Save,
+    /// Start from the snapshot.
+    Restore,
+    /// Start from the snapshot, and save after the last position.
+    RestoreAndSave,
+}
+
 impl<B: PagedBackend> DraftModel<B> {
-    /// A drafter over `backend` (a model without recurrent state: a refused draft's keys and
-    /// values lie past the kept positions and are overwritten, where a recurrent state would
-    /// have to be rewound), holding at most `blocks` cache blocks of `block_size` positions,
-    /// computing at most `token_budget` tokens a pass, over contexts of `context_length`.
+    /// A drafter over `backend`, holding at most `blocks` cache blocks of `block_size`
+    /// positions, computing at most `token_budget` tokens a pass, over contexts of
+    /// `context_length`. A model with recurrent state needs a backend that keeps snapshots of
+    /// it (a GPU plan: a place per sequence, `keep_state_snapshots`).
     pub fn new(
         backend: B,
         blocks: usize,
@@ -68,12 +120,19 @@ impl<B: PagedBackend> DraftModel<B> {
         token_budget: usize,
         context_length: usize,
     ) -> Result<Self> {
-        if backend.has_recurrent_state() {
-            return Err(RuntimeError::Graph(
-                "a draft model with recurrent layers (Gated DeltaNet) is not supported: its state cannot be rewound past refused drafts"
-                    .into(),
-            ));
-        }
+        let state_slots = match (backend.has_recurrent_state(), backend.snapshots_states()) {
+            (false, _) => None,
+            (true, StateSnapshotting::AfterAnyRow) => Some(backend.max_sequences().unwrap_or(usize::MAX)),
+            (true, StateSnapshotting::AtSegmentEnds { places }) => {
+                Some(backend.max_sequences().map_or(places, |slots| slots.min(places)))
+            }
+            (true, StateSnapshotting::None) => {
+                return Err(RuntimeError::Graph(
+                    "a draft model with recurrent layers (Gated DeltaNet) needs snapshots of its states, to undo the drafts the target refuses, and this backend keeps none"
+                        .into(),
+                ))
+            }
+        };
         if block_size == 0 || blocks == 0 || token_budget == 0 {
             return Err(RuntimeError::Graph(
                 "a draft model needs blocks, a block size and a token budget".into(),
@@ -89,6 +148,7 @@ impl<B: PagedBackend> DraftModel<B> {
             token_budget,
             context_length,
             seqs: HashMap::new(),
+            state_slots,
         })
     }
 
@@ -101,22 +161,43 @@ impl<B: PagedBackend> DraftModel<B> {
         self.blocks.used_blocks()
     }
 
-    /// Run one pass over `segments` (sequence, first position, tokens); each one's greedy
-    /// token after its last row.
-    fn pass(&mut self, segments: &[(SeqId, usize, Vec<u32>)]) -> Result<Vec<u32>> {
+    /// Run one pass over `segments`; each one's greedy token after its last row.
+    fn pass(&mut self, segments: &[PassSegment]) -> Result<Vec<u32>> {
+        let saves: Vec<[StateSave; 1]> = segments
+            .iter()
+            .map(|s| {
+                [StateSave {
+                    positions: s.start + s.ids.len(),
+                    snapshot: self.seqs[&s.seq].slot,
+                }]
+            })
+            .collect();
         let batch: Vec<Segment> = segments
             .iter()
-            .enumerate()
-            .map(|(i, (id, start, ids))| Segment {
-                table: &self.seqs[id].table,
-                start: *start,
-                ids,
-                // The model keeps no state (checked at `new`); slots still differ in a step,
-                // as a GPU plan's step inputs expect.
-                state_slot: i,
-                sampled_rows: 1,
-                drafts: 0,
-                snapshots: StateSnapshots::NONE,
+            .zip(&saves)
+            .map(|(s, save)| {
+                let seq = &self.seqs[&s.seq];
+                let snapshots = match s.snapshots {
+                    PassSnapshots::None => StateSnapshots::NONE,
+                    PassSnapshots::Save => StateSnapshots { restore: None, save },
+                    PassSnapshots::Restore => StateSnapshots {
+                        restore: Some(seq.slot),
+                        save: &[],
+                    },
+                    PassSnapshots::RestoreAndSave => StateSnapshots {
+                        restore: Some(seq.slot),
+                        save,
+                    },
+                };
+                Segment {
+                    table: &seq.table,
+                    start: s.start,
+                    ids: &s.ids,
+                    state_slot: seq.slot,
+                    sampled_rows: 1,
+                    drafts: 0,
+                    snapshots,
+                }
             })
             .collect();
         if let Some(tokens) = self.backend.step_batch_greedy(&mut self.pages, &batch) {
@@ -152,21 +233,43 @@ impl<B: PagedBackend> DraftModel<B> {
         let mut segments = Vec::new();
         let mut finishing = Vec::new();
         for (i, p) in proposals.iter().enumerate() {
-            let done = self.seqs[&p.seq].computed.len();
             if budget == 0 {
                 break;
             }
-            let end = p.tokens.len().min(done + budget);
-            budget -= end - done;
-            segments.push((p.seq, done, p.tokens[done..end].to_vec()));
-            finishing.push((i, end == p.tokens.len()));
+            if p.start == p.tokens.len() {
+                continue; // resumed at its snapshot, its first draft known
+            }
+            let end = p.tokens.len().min(p.start + budget);
+            budget -= end - p.start;
+            let last = end == p.tokens.len();
+            // The state where the sequence's tokens end, for the next proposal to go back to
+            // once this one's drafts have moved it on.
+            let snapshots = match (self.state_slots.is_some(), p.restore, last) {
+                (false, _, _) => PassSnapshots::None,
+                (true, true, _) => PassSnapshots::RestoreAndSave,
+                (true, false, true) => PassSnapshots::Save,
+                (true, false, false) => PassSnapshots::None,
+            };
+            segments.push(PassSegment {
+                seq: p.seq,
+                start: p.start,
+                ids: p.tokens[p.start..end].to_vec(),
+                snapshots,
+            });
+            finishing.push((i, last));
         }
         if segments.is_empty() {
             return Ok(());
         }
         let tokens = self.pass(&segments)?;
-        for (((i, last), (id, _, ids)), token) in finishing.into_iter().zip(&segments).zip(tokens) {
-            self.seqs.get_mut(id).expect("proposing").computed.extend(ids);
+        for (((i, last), segment), token) in finishing.into_iter().zip(&segments).zip(tokens) {
+            let seq = self.seqs.get_mut(&segment.seq).expect("proposing");
+            seq.computed.truncate(segment.start);
+            seq.computed.extend(&segment.ids);
+            if segment.snapshots != PassSnapshots::None {
+                seq.saved = Some((seq.computed.len(), token));
+            }
+            proposals[i].restore = false;
             if last {
                 proposals[i].drafts.push(token);
             }
@@ -182,17 +285,27 @@ impl<B: PagedBackend> DraftModel<B> {
         if growing.is_empty() {
             return Ok(false);
         }
-        let segments: Vec<(SeqId, usize, Vec<u32>)> = growing
+        let segments: Vec<PassSegment> = growing
             .iter()
             .map(|&i| {
                 let p = &proposals[i];
-                let at = p.tokens.len() + p.drafts.len() - 1;
-                (p.seq, at, vec![*p.drafts.last().expect("drafting")])
+                PassSegment {
+                    seq: p.seq,
+                    start: p.tokens.len() + p.drafts.len() - 1,
+                    ids: vec![*p.drafts.last().expect("drafting")],
+                    snapshots: match p.restore {
+                        true => PassSnapshots::Restore,
+                        false => PassSnapshots::None,
+                    },
+                }
             })
             .collect();
         let tokens = self.pass(&segments)?;
-        for ((i, (id, _, ids)), token) in growing.into_iter().zip(&segments).zip(tokens) {
-            self.seqs.get_mut(id).expect("proposing").computed.extend(ids);
+        for ((i, segment), token) in growing.into_iter().zip(&segments).zip(tokens) {
+            let seq = self.seqs.get_mut(&segment.seq).expect("proposing");
+            seq.computed.truncate(segment.start);
+            seq.computed.extend(&segment.ids);
+            proposals[i].restore = false;
             proposals[i].drafts.push(token);
         }
         Ok(true)
@@ -209,22 +322,27 @@ where
             if r.limit == 0 || r.tokens.is_empty() {
                 continue;
             }
-            let seq = self.seqs.entry(r.seq).or_default();
-            // What the cache holds of these tokens; the last token is always computed again,
-            // as its row gives the first draft.
-            let kept = common_prefix(&seq.computed, r.tokens).min(r.tokens.len() - 1);
-            seq.computed.truncate(kept);
             // Positions up to the last draft but one (the last is never computed).
             let limit = r.limit.min(self.context_length.saturating_sub(r.tokens.len()));
-            // Where the blocks are not to be had, no drafts (the table stays as it was).
-            if limit == 0 || self.blocks.grow(&mut seq.table, r.tokens.len() + limit - 1).is_err() {
+            if limit == 0 || !self.admit(r.seq) {
                 continue;
             }
+            let seq = self.seqs.get_mut(&r.seq).expect("admitted");
+            // Where the blocks are not to be had, no drafts (the table stays as it was).
+            if self.blocks.grow(&mut seq.table, r.tokens.len() + limit - 1).is_err() {
+                continue;
+            }
+            let (start, restore, drafts) = match resume_at(seq, r.tokens, self.state_slots.is_some()) {
+                Resume::CatchUp { start, restore } => (start, restore, Vec::new()),
+                Resume::Snapshot { first_draft } => (r.tokens.len(), true, vec![first_draft]),
+            };
             proposals.push(Proposal {
                 seq: r.seq,
                 tokens: r.tokens,
                 limit,
-                drafts: Vec::new(),
+                start,
+                restore,
+                drafts,
             });
         }
         self.catch_up(&mut proposals)?;
@@ -238,6 +356,58 @@ where
             let mut seq = self.seqs.remove(&id).expect("listed");
             self.blocks.release(&mut seq.table);
         }
+    }
+}
+
+impl<B: PagedBackend> DraftModel<B> {
+    /// Whether the sequence has a share of the cache, given one in the lowest free slot if
+    /// it had none; not where every slot a model with recurrent state has is taken.
+    fn admit(&mut self, id: SeqId) -> bool {
+        if self.seqs.contains_key(&id) {
+            return true;
+        }
+        let taken: std::collections::HashSet<usize> = self.seqs.values().map(|s| s.slot).collect();
+        let slot = (0..).find(|slot| !taken.contains(slot)).expect("a free slot");
+        if self.state_slots.is_some_and(|slots| slot >= slots) {
+            return false;
+        }
+        let seq = DraftSeq {
+            table: Vec::new(),
+            computed: Vec::new(),
+            slot,
+            saved: None,
+        };
+        self.seqs.insert(id, seq);
+        true
+    }
+}
+
+/// Where a proposal for `tokens` starts: after what the sequence's cache holds of them, but
+/// for their last token, whose row gives the first draft. A recurrent state that has seen
+/// more than that (earlier drafts, or that last token) is taken back to the snapshot where
+/// the last catch-up ended: from there the kept tokens are computed again, or, where the
+/// tokens end there (a step left the sequence out), drafting goes on with the first draft
+/// that catch-up gave; a snapshot past the kept tokens is no use, and the state starts afresh.
+fn resume_at(seq: &DraftSeq, tokens: &[u32], recurrent: bool) -> Resume {
+    let common = common_prefix(&seq.computed, tokens);
+    let kept = common.min(tokens.len() - 1);
+    if !recurrent || kept == seq.computed.len() {
+        return Resume::CatchUp {
+            start: kept,
+            restore: false,
+        };
+    }
+    match seq.saved {
+        Some((saved, first_draft)) if saved == tokens.len() && common >= saved => Resume::Snapshot { first_draft },
+        Some((saved, _)) if saved <= kept => Resume::CatchUp {
+            start: saved,
+            restore: true,
+        },
+        // A segment from position 0 starts the state afresh.
+        _ => Resume::CatchUp {
+            start: 0,
+            restore: false,
+        },
     }
 }
 
