@@ -514,13 +514,31 @@ fn draft_model_proposes_its_greedy_continuation(draft: &Model) {
     assert_eq!(second[&SeqId(1)], alone(draft, std::slice::from_ref(&other_kept), 3)[0]);
     assert_eq!(second[&SeqId(2)], alone(draft, std::slice::from_ref(&diverged), 2)[0]);
     assert!(drafter.used_blocks() > 0);
+    let recurrent = drafter.backend().has_recurrent_state();
+    // Another sequence sharing the prompt's first 20 tokens: without state, they are in the
+    // 5 blocks the prompt registered, so it computes its last 3 and drafts in the first step
+    // (from nothing, its 23 tokens would take three).
+    let sharing: Vec<u32> = prompt[..20].iter().copied().chain([1, 2, 3]).collect();
+    let shared = propose(&mut drafter, &[(3, &sharing, 2)]);
+    assert_eq!(shared[&SeqId(3)].is_empty(), recurrent);
+    if !recurrent {
+        assert_eq!(shared[&SeqId(3)], alone(draft, std::slice::from_ref(&sharing), 2)[0]);
+    }
     drafter.retain(&mut |id| id == SeqId(1));
-    // From nothing again: its 33 tokens over five steps of 8.
     let again: Vec<_> = (0..5)
         .map(|_| propose(&mut drafter, &[(0, &kept, 3)]).remove(&SeqId(0)))
         .collect();
-    assert_eq!(again[3], Some(vec![]));
-    assert_eq!(again[4].as_ref(), Some(&second[&SeqId(0)]), "from nothing again");
+    if recurrent {
+        // From nothing again: its 33 tokens over five steps of 8.
+        assert_eq!(again[3], Some(vec![]));
+        assert_eq!(again[4].as_ref(), Some(&second[&SeqId(0)]), "from nothing again");
+    } else {
+        // From its cached prefix (a conversation's next turn, say): the blocks it let go
+        // hold its first 32 tokens, so it computes the last and drafts at once.
+        for proposed in &again {
+            assert_eq!(proposed.as_ref(), Some(&second[&SeqId(0)]), "from the prefix cache");
+        }
+    }
     drafter.retain(&mut |id| id == SeqId(1));
     let held = drafter.used_blocks();
     assert_eq!(

@@ -6,7 +6,10 @@
 //! The draft model keeps its own paged KV cache, in blocks of its own, per sequence: what it
 //! holds is the tokens it has computed, which after a step are the sequence's tokens up to
 //! the first draft the target refused, so each proposal computes only the tokens since then
-//! (the accepted drafts' positions are already there) and a new sequence's whole prompt once.
+//! (the accepted drafts' positions are already there) and a new sequence's prompt once. Its
+//! cache is a prefix cache too: full blocks of a sequence's own tokens (never of drafts) are
+//! registered, and a new sequence starts from the longest prefix cached, so a conversation's
+//! next turn, or a request repeating a system prompt, computes only what is new to it.
 //! Its proposals are batched: one pass over every sequence's catch-up (within a token budget:
 //! a long new prompt goes through it over several steps, drafting nothing until it is done),
 //! then one pass per drafted token over every sequence still drafting.
@@ -18,7 +21,7 @@
 //! state has seen starts from that snapshot and computes the kept drafts again: a few
 //! positions more than a model without state computes, in the same pass.
 
-use super::block_manager::BlockManager;
+use super::block_manager::{BlockManager, Serial};
 use super::engine::PagedBackend;
 use super::engine::StateSnapshotting;
 use super::scheduler::{DraftRequest, SeqId};
@@ -39,8 +42,8 @@ pub trait Drafter: Send {
 pub struct DraftModel<B: PagedBackend> {
     backend: B,
     pages: B::Pages,
-    /// Its cache's blocks (none registered: it shares no prefixes; low ids and released ones
-    /// first, so the pages grow only to the most ever held at once).
+    /// Its cache's blocks, full blocks of sequences' own tokens registered (low ids and
+    /// released ones first, so the pages grow only to the most ever held at once).
     blocks: BlockManager,
     /// Tokens a pass computes at most (catch-up chunks are cut to it).
     token_budget: usize,
@@ -55,6 +58,9 @@ pub struct DraftModel<B: PagedBackend> {
 /// A sequence's share of the draft model's cache.
 struct DraftSeq {
     table: Vec<BlockId>,
+    /// The registrations of its table's first blocks, in order (a model without recurrent
+    /// state: those blocks hold the sequence's own tokens, never drafts, and never change).
+    serials: Vec<Serial>,
     /// The tokens whose keys and values its blocks hold, in order from position 0 (and, for
     /// a model with recurrent state, which its slot's state has seen, exactly).
     computed: Vec<u32>,
@@ -270,6 +276,7 @@ impl<B: PagedBackend> DraftModel<B> {
                 seq.saved = Some((seq.computed.len(), token));
             }
             proposals[i].restore = false;
+            self.register_full_blocks(segment.seq, proposals[i].tokens);
             if last {
                 proposals[i].drafts.push(token);
             }
@@ -317,6 +324,8 @@ where
     B::Pages: Send,
 {
     fn propose(&mut self, requests: &[DraftRequest<'_>]) -> Result<BTreeMap<SeqId, Vec<u32>>> {
+        // Prefixes whose blocks were evicted are simply not found again.
+        self.blocks.take_evicted();
         let mut proposals = Vec::new();
         for r in requests {
             if r.limit == 0 || r.tokens.is_empty() {
@@ -324,7 +333,7 @@ where
             }
             // Positions up to the last draft but one (the last is never computed).
             let limit = r.limit.min(self.context_length.saturating_sub(r.tokens.len()));
-            if limit == 0 || !self.admit(r.seq) {
+            if limit == 0 || !self.admit(r.seq, r.tokens) {
                 continue;
             }
             let seq = self.seqs.get_mut(&r.seq).expect("admitted");
@@ -362,7 +371,9 @@ where
 impl<B: PagedBackend> DraftModel<B> {
     /// Whether the sequence has a share of the cache, given one in the lowest free slot if
     /// it had none; not where every slot a model with recurrent state has is taken.
-    fn admit(&mut self, id: SeqId) -> bool {
+    /// A new one starts from the longest cached prefix of `tokens` but their last (whose row
+    /// gives the first draft, so it is always computed), where the model keeps no state.
+    fn admit(&mut self, id: SeqId, tokens: &[u32]) -> bool {
         if self.seqs.contains_key(&id) {
             return true;
         }
@@ -371,14 +382,39 @@ impl<B: PagedBackend> DraftModel<B> {
         if self.state_slots.is_some_and(|slots| slot >= slots) {
             return false;
         }
+        let mut table = Vec::new();
+        let serials = match self.state_slots {
+            None => self.blocks.share_prefix(&mut table, &tokens[..tokens.len() - 1]),
+            Some(_) => Vec::new(),
+        };
         let seq = DraftSeq {
-            table: Vec::new(),
-            computed: Vec::new(),
+            computed: tokens[..serials.len() * self.blocks.block_size()].to_vec(),
+            table,
+            serials,
             slot,
             saved: None,
         };
         self.seqs.insert(id, seq);
         true
+    }
+
+    /// Register the sequence's blocks that its own tokens (`tokens`, never drafts) now fill,
+    /// as far as its cache holds them, but not one holding their last token, which a later
+    /// proposal computes again (where the target's step left the sequence out).
+    fn register_full_blocks(&mut self, id: SeqId, tokens: &[u32]) {
+        if self.state_slots.is_some() {
+            return;
+        }
+        let seq = self.seqs.get_mut(&id).expect("proposing");
+        let block_size = self.blocks.block_size();
+        let own = common_prefix(&seq.computed, tokens).min(tokens.len() - 1);
+        for b in seq.serials.len()..own / block_size {
+            let parent = seq.serials.last().copied();
+            let serial = self
+                .blocks
+                .register(seq.table[b], parent, &tokens[b * block_size..(b + 1) * block_size]);
+            seq.serials.push(serial);
+        }
     }
 }
 
