@@ -1468,3 +1468,41 @@ fn a_generation_config_fills_the_settings_requests_leave_out() {
     assert_eq!(used, 3);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// vLLM's `truncate_prompt_tokens`: a prompt is cut to its last tokens before it runs (the
+/// answer and usage those of the cut prompt, an echo its text); more than the context is a 400.
+#[test]
+fn truncated_prompts_run_as_their_last_tokens() {
+    let server = Server::start(&["--max-model-len", "512"]);
+    let (_, tokenized) = server.post(
+        "/tokenize",
+        &json!({"prompt": "One two three four five six seven eight"}),
+    );
+    let ids = common::ids(&tokenized["tokens"]);
+    let last = &ids[ids.len() - 4..];
+    let answer = |body: Value| {
+        let (status, got) = server.post("/v1/completions", &body);
+        assert_eq!(status, 200, "{got}");
+        got
+    };
+    let want = answer(json!({"prompt": last, "max_tokens": 8, "temperature": 0}));
+    let cut = answer(
+        json!({"prompt": "One two three four five six seven eight", "max_tokens": 8,
+                            "temperature": 0, "truncate_prompt_tokens": 4, "echo": true}),
+    );
+    let (_, last_text) = server.post("/detokenize", &json!({ "tokens": last }));
+    let echoed = format!(
+        "{}{}",
+        last_text["prompt"].as_str().unwrap(),
+        want["choices"][0]["text"].as_str().unwrap()
+    );
+    assert_eq!(cut["choices"][0]["text"], echoed.as_str());
+    assert_eq!(cut["usage"]["prompt_tokens"], 4);
+    let whole = answer(json!({"prompt": ids, "max_tokens": 8, "temperature": 0, "truncate_prompt_tokens": -1}));
+    assert_eq!(whole["usage"]["prompt_tokens"], ids.len());
+    let (status, error) = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": 513}),
+    );
+    assert_eq!((status, error_of(&error).1), (400, Some("truncate_prompt_tokens")));
+}

@@ -254,11 +254,18 @@ async fn admit(
             "`tool_choice` auto (the default where `tools` are given) reads calls in the model's own format, and this model's chat template writes none bbc knows: start `bbc serve` with `--tool-call-parser`, or ask for `required` or a named function",
         ));
     }
-    let tokenized = request
+    let mut tokenized = request
         .prompts
         .iter()
         .map(|prompt| tokenize_prompt_input(&app.tokenizer, prompt, &request))
         .collect::<Result<Vec<_>, _>>()?;
+    // Prompts cut to their last tokens (whose echo is then the text those tokens make).
+    let mut truncated = vec![false; tokenized.len()];
+    if let Some(truncation) = request.truncate_prompt {
+        for ((ids, _), cut) in tokenized.iter_mut().zip(&mut truncated) {
+            *cut = truncation.apply(ids, app.context_length)?;
+        }
+    }
     // Chat answers only (one prompt): completions return the text as the model wrote it.
     let reasoning = match (endpoint, tokenized.as_slice()) {
         (Endpoint::Chat, [(_, Some(rendered))]) => {
@@ -291,8 +298,12 @@ async fn admit(
     let prompts = tokenized
         .into_iter()
         .zip(&request.prompts)
-        .map(|((ids, _), given)| RequestPrompt {
-            echo: request.echo.then(|| echo_text(&app.tokenizer, given, &ids)),
+        .zip(truncated)
+        .map(|(((ids, _), given), truncated)| RequestPrompt {
+            echo: request.echo.then(|| match truncated {
+                true => app.tokenizer.decode(&ids).unwrap_or_default(),
+                false => echo_text(&app.tokenizer, given, &ids),
+            }),
             ids,
         })
         .collect();

@@ -59,11 +59,41 @@ pub struct GenerationRequest {
     pub return_token_ids: bool,
     /// vLLM's `return_tokens_as_token_ids`: log-probabilities name tokens `token_id:N`.
     pub return_tokens_as_token_ids: bool,
+    /// vLLM's `truncate_prompt_tokens`: each prompt cut to its last tokens.
+    pub truncate_prompt: Option<PromptTruncation>,
     /// The sampling settings the request left out, which a model's recommended ones fill.
     pub unset: UnsetSampling,
     /// The most tokens any answer may have whatever `max_tokens` says (a model's
     /// `max_new_tokens`, as vLLM applies it).
     pub max_tokens_cap: Option<usize>,
+}
+
+/// How many of a prompt's last tokens to keep (vLLM's `truncate_prompt_tokens`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PromptTruncation {
+    Last(usize),
+    /// As many as the model's context holds (`-1`).
+    ToContext,
+}
+
+impl PromptTruncation {
+    /// `ids` cut to their last tokens within a context of `context`; whether anything went.
+    /// More than the context is an error, as in vLLM.
+    pub fn apply(self, ids: &mut Vec<u32>, context: usize) -> Result<bool, ApiError> {
+        let keep = match self {
+            Self::Last(k) if k > context => {
+                return Err(ApiError::invalid(
+                    "truncate_prompt_tokens",
+                    format!("truncate_prompt_tokens value ({k}) is greater than max_model_len ({context}). Please, select a smaller truncation size."),
+                ))
+            }
+            Self::Last(k) => k,
+            Self::ToContext => context,
+        };
+        let cut = ids.len().saturating_sub(keep);
+        ids.drain(..cut);
+        Ok(cut > 0)
+    }
 }
 
 /// Which of the settings a model's generation config recommends a request left out.
@@ -213,6 +243,7 @@ pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Gene
         include_stop_str: fields.bool("include_stop_str_in_output")?.unwrap_or(false),
         return_token_ids: fields.bool("return_token_ids")?.unwrap_or(false),
         return_tokens_as_token_ids: fields.bool("return_tokens_as_token_ids")?.unwrap_or(false),
+        truncate_prompt: truncate_prompt(&fields)?,
         unset,
         max_tokens_cap: None,
     })
@@ -314,6 +345,19 @@ fn template_kwargs(fields: &Fields, endpoint: Endpoint) -> Result<Map<String, Va
             }
         }
         (Some(_), Endpoint::Chat) => Err(Fields::wrong_type(name, "an object")),
+    }
+}
+
+/// vLLM's `truncate_prompt_tokens`: -1 (the model's context) or at least 1.
+fn truncate_prompt(fields: &Fields) -> Result<Option<PromptTruncation>, ApiError> {
+    match fields.integer("truncate_prompt_tokens")? {
+        None => Ok(None),
+        Some(-1) => Ok(Some(PromptTruncation::ToContext)),
+        Some(k) if k >= 1 => Ok(Some(PromptTruncation::Last(k as usize))),
+        Some(k) => Err(ApiError::invalid(
+            "truncate_prompt_tokens",
+            format!("`truncate_prompt_tokens` must be -1 or at least 1, got {k}"),
+        )),
     }
 }
 
@@ -738,6 +782,34 @@ mod tests {
         let mut unlimited = completions(r#"{"prompt":"x"}"#).unwrap();
         unlimited.fill_unset(&models::GenerationDefaults::default());
         assert_eq!((unlimited.sampling.temperature, unlimited.max_tokens_cap), (1.0, None));
+    }
+
+    #[test]
+    fn truncation_keeps_a_prompts_last_tokens() {
+        let truncation = |extra: &str| completions(&format!(r#"{{"prompt":"x"{extra}}}"#)).map(|r| r.truncate_prompt);
+        assert_eq!(truncation("").unwrap(), None);
+        assert_eq!(
+            truncation(r#","truncate_prompt_tokens":3"#).unwrap(),
+            Some(PromptTruncation::Last(3))
+        );
+        assert_eq!(
+            truncation(r#","truncate_prompt_tokens":-1"#).unwrap(),
+            Some(PromptTruncation::ToContext)
+        );
+        for bad in [r#","truncate_prompt_tokens":0"#, r#","truncate_prompt_tokens":-2"#] {
+            assert_eq!(
+                truncation(bad).unwrap_err().param.as_deref(),
+                Some("truncate_prompt_tokens")
+            );
+        }
+        let mut ids: Vec<u32> = (0..10).collect();
+        assert!(PromptTruncation::Last(4).apply(&mut ids, 8).unwrap());
+        assert_eq!(ids, [6, 7, 8, 9]);
+        assert!(!PromptTruncation::Last(4).apply(&mut ids, 8).unwrap());
+        assert!(!PromptTruncation::ToContext.apply(&mut ids, 8).unwrap());
+        assert!(PromptTruncation::ToContext.apply(&mut ids, 2).unwrap());
+        assert_eq!(ids, [8, 9]);
+        assert!(PromptTruncation::Last(9).apply(&mut ids, 8).is_err());
     }
 
     #[test]
