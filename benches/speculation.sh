@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Side by side on this machine: `bbc serve` without and with speculative decoding (prompt
 # lookup, or a draft model where SPECULATIVE_MODEL names one), on a task that repeats its
-# context (copying a list) and one that does not (a story). Greedy chat requests, 10 in turn
-# after a warm-up, per server; two rounds alternated (ROUNDS="1" for one). DTYPE sets the
-# target's compute dtype.
+# context (copying a list), one that does not (a story), and questions sharing a long system
+# prompt (`rules`: 1371 tokens of rules, a different question each time, as a chat
+# application's requests are). Greedy chat requests, 10 in turn after a warm-up, per server;
+# two rounds alternated (ROUNDS="1" for one). DTYPE sets the target's compute dtype.
 #   [SPECULATIVE_MODEL=draft] [DTYPE=f32] benches/speculation.sh [model-name] [drafted-tokens]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,18 @@ port=18799
 cargo build --release --bin bbc >/dev/null
 copy='{"model":"'"$model"'","messages":[{"role":"user","content":"Copy this list exactly, one per line: apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon, mango, nectarine, orange, papaya, quince, raspberry, strawberry, tangerine."}],"max_tokens":96,"temperature":0}'
 story='{"model":"'"$model"'","messages":[{"role":"user","content":"Write a short story about a robot who learns to paint."}],"max_tokens":96,"temperature":0}'
+# The `rules` task's ten bodies (and its warm-up), one per line.
+rules_bodies=$(python3 - "$model" <<'PY'
+import json, sys
+colours = ["red", "green", "blue", "amber", "violet"]
+system = " ".join(f"Rule {i}: the colour of item {i} is {colours[i % 5]} and its weight is {i * 7 % 31} grams." for i in range(60))
+for q in range(11):
+    what = "colours" if q % 2 else "weights"
+    question = f"List the {what} of items {q * 4} to {q * 4 + 7}, one per line."
+    print(json.dumps({"model": sys.argv[1], "max_tokens": 64, "temperature": 0,
+                      "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}))
+PY
+)
 server=
 trap '[ -n "$server" ] && kill "$server" 2>/dev/null' EXIT
 metric() { curl -s "localhost:$port/metrics" | awk -v m="$1" '$1 == m {print $2}'; }
@@ -29,11 +42,16 @@ for round in ${ROUNDS:-1 2}; do
       kill -0 "$server" 2>/dev/null || { cat /tmp/bbc-speculation-bench.log; exit 1; }
       sleep 0.5
     done
-    for task in copy story; do
-      body=${!task}
-      curl -s "localhost:$port/v1/chat/completions" -H 'content-type: application/json' -d "$body" >/dev/null
+    for task in copy story rules; do
+      if [ "$task" = rules ]; then
+        mapfile -t bodies <<<"$rules_bodies"
+      else
+        bodies=()
+        for _ in $(seq 11); do bodies+=("${!task}"); done
+      fi
+      curl -s "localhost:$port/v1/chat/completions" -H 'content-type: application/json' -d "${bodies[0]}" >/dev/null
       start=$(date +%s.%N)
-      for _ in $(seq 10); do
+      for body in "${bodies[@]:1}"; do
         out=$(curl -s "localhost:$port/v1/chat/completions" -H 'content-type: application/json' -d "$body")
       done
       end=$(date +%s.%N)
