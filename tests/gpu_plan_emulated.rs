@@ -804,7 +804,7 @@ fn processed_logits_keep_greedy_requests_off_the_plans_argmax() {
             .iter()
             .map(|p| {
                 engine
-                    .add_processed(p.clone(), 6, vec![], params, processors())
+                    .add_processed(p.clone(), 6, vec![], params, processors(), 0)
                     .unwrap()
             })
             .collect();

@@ -1506,3 +1506,62 @@ fn truncated_prompts_run_as_their_last_tokens() {
     );
     assert_eq!((status, error_of(&error).1), (400, Some("truncate_prompt_tokens")));
 }
+
+/// vLLM's `--scheduling-policy priority`: with one request running at a time, of two that
+/// wait, the one of lower `priority` runs first though it came second; under the default
+/// policy it waits its turn, and a request giving a priority is refused.
+#[test]
+fn requests_wait_in_order_of_priority_under_the_priority_policy() {
+    let order = |policy: &str| -> Vec<&'static str> {
+        let server = Server::start(&["--scheduling-policy", policy, "--max-num-seqs", "1"]);
+        let body = |max_tokens: usize, priority: Option<i32>| {
+            let mut body =
+                json!({"prompt": "Count slowly:", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true});
+            if let Some(p) = priority {
+                body["priority"] = json!(p);
+            }
+            body
+        };
+        let with_priorities = policy == "priority";
+        // Long enough for the other two to queue behind it.
+        let first = body(256, with_priorities.then_some(0));
+        let late = body(4, with_priorities.then_some(10));
+        let later = body(4, with_priorities.then_some(-1));
+        let finished = std::sync::Mutex::new(Vec::new());
+        let run = |name: &'static str, body: Value| {
+            let (status, got) = server.post("/v1/completions", &body);
+            assert_eq!(status, 200, "{name}: {got}");
+            finished.lock().unwrap().push(name);
+        };
+        let waiting_for = |n: f64| {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while server.metric("bbc_requests_waiting") < n || server.metric("bbc_requests_running") < 1.0 {
+                assert!(Instant::now() < deadline, "the requests never queued");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        };
+        std::thread::scope(|s| {
+            let run = &run;
+            s.spawn(move || run("first", first));
+            waiting_for(0.0);
+            s.spawn(move || run("late, priority 10", late));
+            waiting_for(1.0);
+            s.spawn(move || run("later, priority -1", later));
+            waiting_for(2.0);
+        });
+        finished.into_inner().unwrap()
+    };
+    assert_eq!(order("priority"), ["first", "later, priority -1", "late, priority 10"]);
+    assert_eq!(order("fcfs"), ["first", "late, priority 10", "later, priority -1"]);
+    let server = Server::start(&[]);
+    let (status, error) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 1, "priority": 3}),
+    );
+    assert_eq!((status, error_of(&error).1), (400, Some("priority")));
+    let (status, _) = server.post(
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": 1, "priority": 0}),
+    );
+    assert_eq!(status, 200);
+}

@@ -758,7 +758,7 @@ fn constrained_sequences_take_only_what_their_constraint_allows() {
                 prepares: prepares.clone(),
             };
             let id = engine
-                .add_processed(prompt.clone(), 24, vec![], params, vec![Box::new(constraint)])
+                .add_processed(prompt.clone(), 24, vec![], params, vec![Box::new(constraint)], 0)
                 .unwrap();
             constrained.push(id);
             heard.push(log);

@@ -14,11 +14,13 @@
 //! as a draft model offers them (`offer_drafts`, more than a sequence may carry, none for
 //! some) are carried as offered, cut to the sequence's limit, and only where offered. A sequence that
 //! computes its whole prompt (`compute_whole_prompt`, for prompt log-probabilities) never
-//! starts from the prefix cache, however often it is preempted.
+//! starts from the prefix cache, however often it is preempted. Under the priority policy,
+//! requests of random priorities wait in (priority, arrival) order, and every sequence a
+//! step preempts comes after every sequence that step gives work.
 
 use proptest::prelude::*;
 use runtime::kv::cache_row;
-use runtime::serving::{NgramConfig, Scheduler, SchedulerConfig, SeqId, StateCacheConfig, Work};
+use runtime::serving::{NgramConfig, Scheduler, SchedulerConfig, SchedulingPolicy, SeqId, StateCacheConfig, Work};
 use std::collections::{BTreeMap, HashMap};
 
 #[derive(Debug, Clone)]
@@ -31,6 +33,8 @@ enum Action {
         max_tokens: usize,
         /// Computing every prompt position (`compute_whole_prompt`).
         whole_prompt: bool,
+        /// Its priority (the priority policy's order; lower first).
+        priority: i32,
     },
     Step {
         stop: bool,
@@ -42,15 +46,16 @@ enum Action {
 
 fn action() -> impl Strategy<Value = Action> {
     prop_oneof![
-        (0u32..3, 0usize..24, 0usize..16, 1usize..20, 0u8..4).prop_map(|(family, shared, tail, max_tokens, whole)| {
-            Action::Add {
+        (0u32..3, 0usize..24, 0usize..16, 1usize..20, 0u8..4, -1i32..2).prop_map(
+            |(family, shared, tail, max_tokens, whole, priority)| Action::Add {
                 family,
                 shared,
                 tail,
                 max_tokens,
                 whole_prompt: whole == 0,
+                priority,
             }
-        }),
+        ),
         (any::<bool>(), 0usize..4).prop_map(|(stop, accept)| Action::Step { stop, accept }),
         (0usize..64).prop_map(Action::Abort),
     ]
@@ -84,6 +89,8 @@ struct SimulatedKv {
     saves_at_ends: bool,
     /// Sequences computing their whole prompt: its length, and how far their works took it.
     whole_prompts: HashMap<SeqId, (usize, usize)>,
+    /// Every sequence's priority.
+    priorities: HashMap<SeqId, i32>,
 }
 
 impl SimulatedKv {
@@ -194,6 +201,24 @@ fn run_step(
 ) -> usize {
     let offered = offer_drafts(s, offer);
     let schedule = s.schedule();
+    // Under the priority policy, whoever was preempted (and not given work again) comes
+    // after everyone given work, in (priority, arrival) order.
+    if s.policy() == SchedulingPolicy::Priority {
+        let key = |id: &SeqId| (kv.priorities[id], *id);
+        for victim in schedule
+            .preempted
+            .iter()
+            .filter(|v| !schedule.work.iter().any(|w| w.seq == **v))
+        {
+            for w in &schedule.work {
+                assert!(
+                    key(&w.seq) < key(victim),
+                    "{:?} ran while {victim:?} was preempted",
+                    w.seq
+                );
+            }
+        }
+    }
     // Offered drafts are carried as offered, cut to what the sequence may carry; a sequence
     // offered none carries none.
     for w in schedule.work.iter().filter(|w| w.drafts > 0) {
@@ -279,6 +304,7 @@ proptest! {
         snapshots in 0usize..4,
         interval in 1usize..12,
         at_segment_ends in any::<bool>(),
+        by_priority in any::<bool>(),
         actions in proptest::collection::vec(action(), 1..120),
     ) {
         let speculation = NgramConfig { tokens: drafts, min: 1, max: 3 };
@@ -295,6 +321,9 @@ proptest! {
             state_cache: StateCacheConfig { capacity: snapshots, interval, at_segment_ends },
         };
         let mut s = Scheduler::new(config);
+        if by_priority {
+            prop_assert!(s.set_policy(SchedulingPolicy::Priority));
+        }
         let mut kv = SimulatedKv {
             states: recurrent_state.then(HashMap::new),
             saves_at_ends: at_segment_ends,
@@ -303,9 +332,10 @@ proptest! {
         let mut ids: Vec<SeqId> = Vec::new();
         for (salt, a) in actions.into_iter().enumerate() {
             match a {
-                Action::Add { family, shared, tail, max_tokens, whole_prompt } => {
+                Action::Add { family, shared, tail, max_tokens, whole_prompt, priority } => {
                     let p = prompt(family, shared, tail, salt as u32);
-                    if let Ok(id) = s.add(p.clone(), max_tokens, vec![7]) {
+                    if let Ok(id) = s.add_with_priority(p.clone(), max_tokens, vec![7], priority) {
+                        kv.priorities.insert(id, priority);
                         if whole_prompt {
                             prop_assert!(s.compute_whole_prompt(id));
                             kv.whole_prompts.insert(id, (p.len(), 0));

@@ -445,6 +445,7 @@ mod tests {
             tool_calls: Some(CallFormat::Gemma4),
             structured: crate::serve::structured::LazyStructuredOutputs::new(tokenizer.clone()),
             generation_defaults: Default::default(),
+            priority_scheduling: false,
             requests,
             metrics: Default::default(),
             next_id: AtomicU64::new(0),

@@ -43,6 +43,8 @@ pub struct AppState {
     pub structured: LazyStructuredOutputs,
     /// The sampling settings requests that leave them out get (`--generation-config`).
     pub generation_defaults: models::GenerationDefaults,
+    /// Whether requests wait in order of their `priority` (`--scheduling-policy priority`).
+    pub priority_scheduling: bool,
     pub requests: mpsc::UnboundedSender<NewRequest>,
     pub metrics: Arc<Metrics>,
     pub next_id: AtomicU64,
@@ -233,6 +235,15 @@ async fn admit(
     started: Instant,
 ) -> Result<Generation, ApiError> {
     request.fill_unset(&app.generation_defaults);
+    if request.priority != 0 && !app.priority_scheduling {
+        return Err(ApiError::invalid(
+            "priority",
+            format!(
+                "Got priority {} but Priority scheduling is not enabled (start bbc serve with --scheduling-policy priority).",
+                request.priority
+            ),
+        ));
+    }
     if let Some(model) = &request.model {
         if model != &app.model_name {
             return Err(ApiError::new(
@@ -363,6 +374,7 @@ async fn submit_choices(
                 stop_tokens: stop_tokens.to_vec(),
                 sampling,
                 processors: processing.for_sequence(),
+                priority: request.priority,
                 events: events_tx,
                 admitted: admitted_tx,
             };

@@ -141,6 +141,28 @@ pub struct ServeArgs {
     /// `min_p`, `repetition_penalty` and `max_new_tokens`.
     #[arg(long)]
     pub override_generation_config: Option<String>,
+    /// The order requests wait in (vLLM's flag): `fcfs`, first come first served, or
+    /// `priority`, by each request's `priority` (lower first, then arrival), the running
+    /// request last in that order preempted first when the KV cache runs out. Under `fcfs` a
+    /// request giving a priority other than 0 is refused.
+    #[arg(long, value_enum, default_value_t = SchedulingPolicyArg::Fcfs)]
+    pub scheduling_policy: SchedulingPolicyArg,
+}
+
+/// `--scheduling-policy`'s values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SchedulingPolicyArg {
+    Fcfs,
+    Priority,
+}
+
+impl SchedulingPolicyArg {
+    fn policy(self) -> runtime::serving::SchedulingPolicy {
+        match self {
+            Self::Fcfs => runtime::serving::SchedulingPolicy::Fcfs,
+            Self::Priority => runtime::serving::SchedulingPolicy::Priority,
+        }
+    }
 }
 
 pub fn serve(args: &ServeArgs) -> Result<()> {
@@ -254,7 +276,14 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 "on the GPU",
             );
             announce_checkpoints(&backend, args.max_num_seqs);
-            start_engine(backend, config, drafter, inbox, metrics.clone())?;
+            start_engine(
+                backend,
+                config,
+                args.scheduling_policy.policy(),
+                drafter,
+                inbox,
+                metrics.clone(),
+            )?;
         }
         None => {
             let backend = cpu_serving(loaded)?;
@@ -272,7 +301,14 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             if backend.has_greedy_graph() {
                 eprintln!("greedy steps: the INT8-bound head (exact argmax)");
             }
-            start_engine(backend, config, drafter, inbox, metrics.clone())?;
+            start_engine(
+                backend,
+                config,
+                args.scheduling_policy.policy(),
+                drafter,
+                inbox,
+                metrics.clone(),
+            )?;
         }
     }
     let structured = structured::LazyStructuredOutputs::new(tokenizer.clone());
@@ -296,6 +332,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         tool_calls,
         structured,
         generation_defaults,
+        priority_scheduling: args.scheduling_policy == SchedulingPolicyArg::Priority,
         requests,
         metrics,
         next_id: AtomicU64::new(0),
@@ -369,6 +406,7 @@ fn announce_checkpoints(backend: &runtime::cuda::CudaBackend, sequences: usize) 
 fn start_engine<B>(
     backend: B,
     config: SchedulerConfig,
+    policy: runtime::serving::SchedulingPolicy,
     drafter: Option<(String, Box<dyn runtime::serving::Drafter>)>,
     inbox: tokio::sync::mpsc::UnboundedReceiver<worker::NewRequest>,
     metrics: Arc<metrics::Metrics>,
@@ -378,6 +416,7 @@ where
     B::Pages: Send,
 {
     let mut engine = ServingEngine::new(backend, config);
+    engine.set_scheduling_policy(policy);
     let on = engine.scheduler().config().speculation;
     let draft_model = drafter.and_then(|(name, drafter)| engine.use_drafter(drafter).then_some(name));
     match (config.speculation.is_on(), on.is_on()) {

@@ -61,6 +61,8 @@ pub struct GenerationRequest {
     pub return_tokens_as_token_ids: bool,
     /// vLLM's `truncate_prompt_tokens`: each prompt cut to its last tokens.
     pub truncate_prompt: Option<PromptTruncation>,
+    /// vLLM's `priority`: lower first, under `--scheduling-policy priority`.
+    pub priority: i32,
     /// The sampling settings the request left out, which a model's recommended ones fill.
     pub unset: UnsetSampling,
     /// The most tokens any answer may have whatever `max_tokens` says (a model's
@@ -244,6 +246,7 @@ pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Gene
         return_token_ids: fields.bool("return_token_ids")?.unwrap_or(false),
         return_tokens_as_token_ids: fields.bool("return_tokens_as_token_ids")?.unwrap_or(false),
         truncate_prompt: truncate_prompt(&fields)?,
+        priority: priority(&fields)?,
         unset,
         max_tokens_cap: None,
     })
@@ -345,6 +348,15 @@ fn template_kwargs(fields: &Fields, endpoint: Endpoint) -> Result<Map<String, Va
             }
         }
         (Some(_), Endpoint::Chat) => Err(Fields::wrong_type(name, "an object")),
+    }
+}
+
+/// vLLM's `priority`: an integer (default 0).
+fn priority(fields: &Fields) -> Result<i32, ApiError> {
+    match fields.integer("priority")? {
+        None => Ok(0),
+        Some(p) => i32::try_from(p)
+            .map_err(|_| ApiError::invalid("priority", format!("`priority` must be a 32-bit integer, got {p}"))),
     }
 }
 

@@ -29,7 +29,7 @@ const REFUSED: [(&str, &str); 6] = [
 ];
 
 /// Keys passed to chat as they are (the sampling settings chat shares, and vLLM's extras).
-const SHARED: [&str; 14] = [
+const SHARED: [&str; 15] = [
     "model",
     "stream",
     "temperature",
@@ -44,6 +44,7 @@ const SHARED: [&str; 14] = [
     "repetition_penalty",
     "chat_template_kwargs",
     "structured_outputs",
+    "priority",
 ];
 
 /// The chat request a Responses body (`request::json_object`) asks for.

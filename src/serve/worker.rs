@@ -31,6 +31,8 @@ pub struct NewRequest {
     /// What its logits go through before each token is chosen (structured outputs' grammar,
     /// `logit_bias`, `min_tokens`).
     pub processors: Vec<Box<dyn LogitsProcessor>>,
+    /// Lower first, under `--scheduling-policy priority`.
+    pub priority: i32,
     pub events: mpsc::UnboundedSender<Event>,
     pub admitted: oneshot::Sender<Result<SeqId, AddError>>,
 }
@@ -65,7 +67,14 @@ fn admit<B: PagedBackend>(
     clients: &mut HashMap<SeqId, mpsc::UnboundedSender<Event>>,
     r: NewRequest,
 ) {
-    let added = engine.add_processed(r.prompt, r.max_tokens, r.stop_tokens, r.sampling, r.processors);
+    let added = engine.add_processed(
+        r.prompt,
+        r.max_tokens,
+        r.stop_tokens,
+        r.sampling,
+        r.processors,
+        r.priority,
+    );
     if let Ok(id) = added {
         clients.insert(id, r.events);
     }

@@ -253,10 +253,17 @@ impl<B: PagedBackend> ServingEngine<B> {
         stop_tokens: Vec<u32>,
         sampling: SamplingParams,
     ) -> std::result::Result<SeqId, AddError> {
-        self.add_processed(prompt, max_tokens, stop_tokens, sampling, Vec::new())
+        self.add_processed(prompt, max_tokens, stop_tokens, sampling, Vec::new(), 0)
     }
 
-    /// Like [`add`](Self::add), each row sampled from after `processors`, in order. Where
+    /// Order the queue and choose whom to preempt by `policy` (before anything is added;
+    /// false after).
+    pub fn set_scheduling_policy(&mut self, policy: super::SchedulingPolicy) -> bool {
+        self.scheduler.set_policy(policy)
+    }
+
+    /// Like [`add`](Self::add), each row sampled from after `processors`, in order, and with a
+    /// `priority` (lower first; it orders the queue under the priority policy). Where
     /// `sampling` asks for the prompt's log-probabilities, every prompt position is computed
     /// (none taken from the prefix cache) and its logits scored.
     pub fn add_processed(
@@ -266,6 +273,7 @@ impl<B: PagedBackend> ServingEngine<B> {
         stop_tokens: Vec<u32>,
         sampling: SamplingParams,
         processors: Vec<Box<dyn LogitsProcessor>>,
+        priority: i32,
     ) -> std::result::Result<SeqId, AddError> {
         let scoring = match sampling.prompt_logprobs {
             Some(_) if !self.backend.samples_several_rows() => return Err(AddError::PromptLogprobsUnsupported),
@@ -277,7 +285,9 @@ impl<B: PagedBackend> ServingEngine<B> {
             _ => None,
         };
         let sampler = Sampler::with_prompt(sampling, &prompt);
-        let id = self.scheduler.add(prompt, max_tokens, stop_tokens)?;
+        let id = self
+            .scheduler
+            .add_with_priority(prompt, max_tokens, stop_tokens, priority)?;
         if let Some(scoring) = scoring {
             self.scheduler.compute_whole_prompt(id);
             self.scoring.insert(id, scoring);

@@ -16,6 +16,7 @@ pub use draft_model::{DraftModel, Drafter};
 pub use engine::{PagedBackend, Sampled, ServingEngine, StateSnapshotting, StepOutput};
 pub use ngram::NgramConfig;
 pub use scheduler::{
-    AddError, DraftRequest, FinishReason, Finished, PrefixCacheStats, Schedule, Scheduler, SchedulerConfig, SeqId, Work,
+    AddError, DraftRequest, FinishReason, Finished, PrefixCacheStats, Schedule, Scheduler, SchedulerConfig,
+    SchedulingPolicy, SeqId, Work,
 };
 pub use state_cache::StateCacheConfig;

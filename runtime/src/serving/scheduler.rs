@@ -8,6 +8,12 @@
 //! the running limit and free blocks allow. The waiting queue is bounded: a request beyond it is
 //! refused at once (the server answers 503).
 //!
+//! Under the priority policy (vLLM's `--scheduling-policy priority`) each sequence has a
+//! priority (lower first) and the queue is kept in (priority, arrival) order, a preempted
+//! sequence going back to its place in it; the sequence preempted is the running one last in
+//! that order, even one already given work this step (its work is withdrawn and its tokens
+//! go back to the budget).
+//!
 //! Prefix caching: a sequence being admitted starts from the longest cached prefix of its
 //! tokens in whole blocks (see [`BlockManager`]), but never all of them: its last token is
 //! always computed, since its output chooses the next token. Each block a sequence fills is
@@ -37,7 +43,8 @@
 //! free and owned, none owned twice, none leaked); a running sequence's table covers exactly
 //! the positions it has cached, and every block it will write (from its first uncached
 //! position on) is its alone; its registered chain covers exactly its full cached blocks;
-//! waiting sequences hold no blocks; every sequence is in exactly one place; running sequences
+//! waiting sequences hold no blocks, and under the priority policy wait in (priority, arrival)
+//! order; every sequence is in exactly one place; running sequences
 //! hold distinct state slots, waiting ones none; every snapshot place is free, filed, or
 //! pending in the work of exactly one running sequence, and every filed snapshot's block is
 //! still registered.
@@ -118,6 +125,8 @@ struct Seq {
     /// Whether its admission may start it from cached blocks (not where every prompt row's
     /// output is wanted: a cached position is never computed).
     reads_prefix_cache: bool,
+    /// Lower first, under the priority policy.
+    priority: i32,
 }
 
 impl Seq {
@@ -191,6 +200,17 @@ pub struct Finished {
     pub reason: FinishReason,
 }
 
+/// The order waiting sequences are admitted in and preempted by (vLLM's `--scheduling-policy`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum SchedulingPolicy {
+    /// First come, first served; the newest running sequence is preempted.
+    #[default]
+    Fcfs,
+    /// By each sequence's priority (lower first), then arrival; the running sequence last in
+    /// that order is preempted.
+    Priority,
+}
+
 /// Decode steps a sequence drafts nothing after its drafts were all rejected.
 const DRAFT_PAUSE: usize = 4;
 
@@ -209,6 +229,7 @@ pub struct Scheduler {
     /// Drafts offered for the next step (a draft model's, see [`Scheduler::offer_drafts`]),
     /// taken there instead of prompt lookup's.
     offered: Option<BTreeMap<SeqId, Vec<u32>>>,
+    policy: SchedulingPolicy,
 }
 
 /// A decoding sequence that may carry drafted tokens in the next step: its tokens so far, and
@@ -240,7 +261,22 @@ impl Scheduler {
                 config.block_size,
             ),
             offered: None,
+            policy: SchedulingPolicy::Fcfs,
         }
+    }
+
+    /// Order the queue and choose whom to preempt by `policy` from now on (set it before
+    /// adding anything: a queue already ordered otherwise is refused).
+    pub fn set_policy(&mut self, policy: SchedulingPolicy) -> bool {
+        if !self.seqs.is_empty() {
+            return false;
+        }
+        self.policy = policy;
+        true
+    }
+
+    pub fn policy(&self) -> SchedulingPolicy {
+        self.policy
     }
 
     /// The configuration in force (the engine may have narrowed the one it was given).
@@ -296,6 +332,18 @@ impl Scheduler {
 
     /// Queue a request; refused at once when the queue is full or it can never run.
     pub fn add(&mut self, prompt: Vec<u32>, max_tokens: usize, stop_tokens: Vec<u32>) -> Result<SeqId, AddError> {
+        self.add_with_priority(prompt, max_tokens, stop_tokens, 0)
+    }
+
+    /// [`add`](Self::add) with a priority (lower first), which orders the queue under the
+    /// priority policy and is ignored otherwise.
+    pub fn add_with_priority(
+        &mut self,
+        prompt: Vec<u32>,
+        max_tokens: usize,
+        stop_tokens: Vec<u32>,
+        priority: i32,
+    ) -> Result<SeqId, AddError> {
         if prompt.is_empty() {
             return Err(AddError::EmptyPrompt);
         }
@@ -338,10 +386,43 @@ impl Scheduler {
                 draft_len: self.config.speculation.tokens,
                 draft_pause: 0,
                 reads_prefix_cache: true,
+                priority,
             },
         );
-        self.waiting.push_back(id);
+        self.enqueue(id, false);
         Ok(id)
+    }
+
+    /// Put `id` in the queue: last (or, `preempted`, first) under first come first served,
+    /// at its place in (priority, arrival) order under the priority policy.
+    fn enqueue(&mut self, id: SeqId, preempted: bool) {
+        match self.policy {
+            SchedulingPolicy::Fcfs if preempted => self.waiting.push_front(id),
+            SchedulingPolicy::Fcfs => self.waiting.push_back(id),
+            SchedulingPolicy::Priority => {
+                let key = self.queue_key(id);
+                let at = self.waiting.partition_point(|&w| self.queue_key(w) < key);
+                self.waiting.insert(at, id);
+            }
+        }
+    }
+
+    /// A sequence's place in the priority policy's order (ids grow with arrival).
+    fn queue_key(&self, id: SeqId) -> (i32, SeqId) {
+        (self.seqs[&id].priority, id)
+    }
+
+    /// The running sequence to preempt for blocks: the newest, or under the priority policy
+    /// the last in (priority, arrival) order.
+    fn preemption_victim(&self) -> SeqId {
+        match self.policy {
+            SchedulingPolicy::Fcfs => *self.running.last().expect("a sequence runs"),
+            SchedulingPolicy::Priority => *self
+                .running
+                .iter()
+                .max_by_key(|&&id| self.queue_key(id))
+                .expect("a sequence runs"),
+        }
     }
 
     /// Compute every position of waiting sequence `id`'s prompt whenever it is admitted,
@@ -417,11 +498,20 @@ impl Scheduler {
                 }
                 Err(_) => {
                     self.seqs.get_mut(&id).expect("running").table = table;
-                    // Free memory from the newest running sequence (possibly this one).
-                    let victim = *self.running.last().expect("this one runs");
+                    // Free memory from the newest running sequence, or the lowest priority
+                    // one (possibly this one).
+                    let victim = self.preemption_victim();
+                    let at = self.running.iter().position(|&r| r == victim).expect("running");
                     self.preempt(victim);
                     out.preempted.push(victim);
-                    out.work.retain(|w| w.seq != victim);
+                    // One given work already this step: its work withdrawn, its tokens back.
+                    if let Some(w) = out.work.iter().position(|w| w.seq == victim) {
+                        let withdrawn = out.work.remove(w);
+                        budget += withdrawn.end - withdrawn.start;
+                    }
+                    if at < i {
+                        i -= 1;
+                    }
                 }
             }
         }
@@ -615,7 +705,7 @@ impl Scheduler {
         Self::discard_saves(&mut self.states, seq);
         self.free_state_slots.extend(seq.state_slot.take());
         self.running.retain(|&r| r != id);
-        self.waiting.push_front(id);
+        self.enqueue(id, true);
     }
 
     /// Record that `work` ran; `sampled` are the tokens chosen where it samples: the drafts it
@@ -746,6 +836,12 @@ impl Scheduler {
         }
         if self.running.len() + self.waiting.len() != self.seqs.len() {
             return Err("a queue holds an unknown sequence".into());
+        }
+        if self.policy == SchedulingPolicy::Priority {
+            let keys: Vec<(i32, SeqId)> = self.waiting.iter().map(|&w| self.queue_key(w)).collect();
+            if let Some(pair) = keys.windows(2).find(|pair| pair[0] > pair[1]) {
+                return Err(format!("{:?} waits ahead of {:?}", pair[0], pair[1]));
+            }
         }
         let pending = self
             .seqs
