@@ -248,6 +248,8 @@ fn run_step(
     }
     let mut finished = 0;
     for w in &schedule.work {
+        // Only running sequences have work: a preempted one's is withdrawn.
+        assert!(s.is_running(w.seq), "{w:?} is for a sequence not running");
         // Computes at least one token, even when the whole prompt was cached.
         assert!(w.start < w.end && w.tokens.len() == w.end - w.start, "{w:?}");
         kv.run(w, config.block_size);
