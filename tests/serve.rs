@@ -1565,3 +1565,47 @@ fn requests_wait_in_order_of_priority_under_the_priority_policy() {
     );
     assert_eq!(status, 200);
 }
+
+/// vLLM's `allowed_token_ids` and `bad_words`: the output takes only allowed tokens, and never
+/// writes a bad word (greedy "The capital of France is" says Paris until Paris is a bad
+/// word); ids outside the vocabulary, either with a structured output, and beam search are
+/// 400s naming the parameter.
+#[test]
+fn allowed_tokens_and_bad_words_shape_the_output() {
+    let server = Server::start(&[]);
+    let prompt = "The capital of France is";
+    let complete = |extra: Value| {
+        let mut body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": true});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let (status, got) = server.post("/v1/completions", &body);
+        assert_eq!(status, 200, "{got}");
+        (
+            got["choices"][0]["text"].as_str().unwrap().to_string(),
+            common::ids(&got["choices"][0]["token_ids"]),
+        )
+    };
+    let (plain, plain_ids) = complete(json!({}));
+    assert!(plain.contains("Paris"), "{plain}");
+    let allowed = [plain_ids[1], plain_ids[2], 28];
+    let (_, ids) = complete(json!({"allowed_token_ids": allowed, "ignore_eos": true}));
+    assert_eq!(ids.len(), 8);
+    assert!(ids.iter().all(|id| allowed.contains(id)), "{ids:?} outside {allowed:?}");
+    let (banned, _) = complete(json!({"bad_words": ["Paris"]}));
+    assert!(!banned.contains("Paris"), "{banned}");
+    assert_ne!(banned, plain);
+    for (extra, param) in [
+        (json!({"allowed_token_ids": [4000000]}), "allowed_token_ids"),
+        (json!({"allowed_token_ids": []}), "allowed_token_ids"),
+        (json!({"bad_words": "Paris"}), "bad_words"),
+        (
+            json!({"bad_words": ["x"], "structured_outputs": {"regex": "[a-z]+"}}),
+            "bad_words",
+        ),
+        (json!({"use_beam_search": true}), "use_beam_search"),
+    ] {
+        let mut body = json!({"prompt": prompt, "max_tokens": 4});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let (status, error) = server.post("/v1/completions", &body);
+        assert_eq!((status, error_of(&error).1), (400, Some(param)), "{body}");
+    }
+}

@@ -19,5 +19,5 @@ pub mod serving;
 pub use cpu::{CpuBackend, CpuSequence, KvPages, WeightCache};
 pub use error::{Result, RuntimeError};
 pub use generate::{generate, generate_processed, Backend, Engine, GenerateOptions, StepEvent};
-pub use logits_processor::{LogitBias, LogitsProcessor, MinTokens};
+pub use logits_processor::{AllowedTokens, BadWords, LogitBias, LogitsProcessor, MinTokens};
 pub use sampling::{Sampler, SamplingParams, TokenLogprobs};

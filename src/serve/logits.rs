@@ -1,7 +1,7 @@
 //! What a request asks of its sequences' logits before each token is chosen, beyond sampling
 //! settings: its structured output's grammar (compiled once, a copy per sequence),
-//! `logit_bias` and `min_tokens`, checked against the model here and handed to the engine as
-//! logits processors.
+//! `logit_bias`, `min_tokens`, `allowed_token_ids` and `bad_words`, checked against the model
+//! here and handed to the engine as logits processors.
 
 use super::error::ApiError;
 use super::reasoning::Markers;
@@ -11,7 +11,7 @@ use crate::structured::{GrammarConstraint, Reasoning};
 use axum::http::StatusCode;
 use llguidance::Matcher;
 use models::Tokenizer;
-use runtime::serving::{LogitBias, LogitsProcessor, MinTokens};
+use runtime::serving::{AllowedTokens, BadWords, LogitBias, LogitsProcessor, MinTokens};
 
 /// A request's logits processing, ready to be copied to each of its sequences.
 pub struct Processing {
@@ -19,6 +19,9 @@ pub struct Processing {
     logit_bias: Vec<(u32, f32)>,
     min_tokens: usize,
     stop_tokens: Vec<u32>,
+    allowed_token_ids: Option<Vec<u32>>,
+    /// The bad words as the token sequences that spell them.
+    bad_words: Vec<Vec<u32>>,
 }
 
 /// A compiled grammar at the start of the output.
@@ -41,7 +44,7 @@ impl Processing {
         reasoning: Option<(Markers, bool)>,
     ) -> Result<Self, ApiError> {
         // Only where asked, and once: the tokenizer counts its vocabulary over a copy of it.
-        let vocab = match request.logit_bias.is_empty() {
+        let vocab = match request.logit_bias.is_empty() && request.allowed_token_ids.is_none() {
             true => 0,
             false => tokenizer.vocab_size(),
         };
@@ -49,6 +52,13 @@ impl Processing {
             return Err(ApiError::invalid(
                 "logit_bias",
                 format!("token id {id} in `logit_bias` is outside the vocabulary"),
+            ));
+        }
+        let allowed = request.allowed_token_ids.iter().flatten();
+        if let Some(id) = allowed.clone().find(|&&id| id as usize >= vocab) {
+            return Err(ApiError::invalid(
+                "allowed_token_ids",
+                format!("token id {id} in `allowed_token_ids` is outside the vocabulary"),
             ));
         }
         let grammar = match &request.structured {
@@ -83,6 +93,8 @@ impl Processing {
             logit_bias: request.logit_bias.clone(),
             min_tokens: request.min_tokens,
             stop_tokens: stop_tokens.to_vec(),
+            allowed_token_ids: request.allowed_token_ids.clone(),
+            bad_words: bad_word_tokens(&request.bad_words, tokenizer)?,
         })
     }
 
@@ -99,6 +111,34 @@ impl Processing {
         if self.min_tokens > 0 {
             processors.push(Box::new(MinTokens::new(self.min_tokens, self.stop_tokens.clone())));
         }
+        if let Some(ids) = &self.allowed_token_ids {
+            processors.push(Box::new(AllowedTokens::new(ids.clone())));
+        }
+        if !self.bad_words.is_empty() {
+            processors.push(Box::new(BadWords::new(self.bad_words.clone())));
+        }
         processors
     }
+}
+
+/// Each bad word's tokens as vLLM finds them: the word (leading whitespace dropped) as it
+/// tokenizes alone, and with a space before it where that gives a different first token and
+/// as many tokens (the word in the middle of text, for tokenizers that fold the space into
+/// the word's first token).
+fn bad_word_tokens(words: &[String], tokenizer: &Tokenizer) -> Result<Vec<Vec<u32>>, ApiError> {
+    let encode = |text: &str| {
+        tokenizer
+            .encode(text, false)
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+    };
+    let mut sequences = Vec::new();
+    for word in words {
+        let alone = encode(word.trim_start())?;
+        let spaced = encode(&format!(" {}", word.trim_start()))?;
+        if spaced.len() == alone.len() && spaced.first() != alone.first() {
+            sequences.push(spaced);
+        }
+        sequences.push(alone);
+    }
+    Ok(sequences)
 }

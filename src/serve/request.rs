@@ -47,6 +47,11 @@ pub struct GenerationRequest {
     pub logit_bias: Vec<(u32, f32)>,
     /// vLLM's `min_tokens`: tokens generated before a stop token or string may end the output.
     pub min_tokens: usize,
+    /// vLLM's `allowed_token_ids`: the only tokens the output may take (ids not yet checked
+    /// against the vocabulary).
+    pub allowed_token_ids: Option<Vec<u32>>,
+    /// vLLM's `bad_words`: words the output may not complete.
+    pub bad_words: Vec<String>,
     /// Completions' `echo`: the prompt's text before the output's (and, with `logprobs`, its
     /// tokens' log-probabilities before the output's).
     pub echo: bool,
@@ -223,6 +228,29 @@ pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Gene
         (structured, call) => structured.or(call),
     };
     let min_tokens = min_tokens(&fields, max_tokens, structured.is_some())?;
+    let allowed_token_ids = fields.ids("allowed_token_ids")?;
+    let bad_words = bad_words(&fields)?;
+    // A structured output's grammar may allow nothing these leave.
+    if structured.is_some() {
+        if let Some(name) = [
+            ("allowed_token_ids", allowed_token_ids.is_some()),
+            ("bad_words", !bad_words.is_empty()),
+        ]
+        .into_iter()
+        .find_map(|(name, given)| given.then_some(name))
+        {
+            return Err(ApiError::invalid(
+                name,
+                format!("`{name}` cannot be combined with a structured output"),
+            ));
+        }
+    }
+    if allowed_token_ids.as_ref().is_some_and(Vec::is_empty) {
+        return Err(ApiError::invalid(
+            "allowed_token_ids",
+            "`allowed_token_ids` must name at least one token",
+        ));
+    }
     Ok(GenerationRequest {
         model: fields.string("model")?,
         prompts,
@@ -240,6 +268,8 @@ pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Gene
         tools,
         logit_bias: logit_bias(&fields)?,
         min_tokens,
+        allowed_token_ids,
+        bad_words,
         echo,
         prompt_logprobs,
         include_stop_str: fields.bool("include_stop_str_in_output")?.unwrap_or(false),
@@ -266,6 +296,9 @@ fn refuse_unsupported(fields: &Fields, endpoint: Endpoint) -> Result<(), ApiErro
         if fields.get(name).is_some() {
             return unsupported(name, "function calling");
         }
+    }
+    if fields.bool("use_beam_search")? == Some(true) {
+        return unsupported("use_beam_search", "beam search");
     }
     if endpoint == Endpoint::Completions {
         for name in ["tools", "tool_choice"] {
@@ -580,6 +613,20 @@ fn prompt_logprobs(fields: &Fields, stream: bool) -> Result<Option<usize>, ApiEr
             name,
             format!("`{name}` must be between 0 and {MAX}, got {n}"),
         )),
+    }
+}
+
+/// vLLM's `bad_words`: an array of non-empty strings.
+fn bad_words(fields: &Fields) -> Result<Vec<String>, ApiError> {
+    let wrong = || ApiError::invalid("bad_words", "`bad_words` must be an array of non-empty strings");
+    match fields.get("bad_words") {
+        None => Ok(Vec::new()),
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_str().filter(|w| !w.trim().is_empty()).map(str::to_string))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(wrong),
+        Some(_) => Err(wrong()),
     }
 }
 

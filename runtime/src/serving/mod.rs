@@ -9,7 +9,7 @@ pub mod ngram;
 pub mod scheduler;
 pub mod state_cache;
 
-pub use crate::logits_processor::{LogitBias, LogitsProcessor, MinTokens};
+pub use crate::logits_processor::{AllowedTokens, BadWords, LogitBias, LogitsProcessor, MinTokens};
 pub use block_manager::{BlockId, BlockManager, OutOfBlocks};
 pub use cpu_greedy::CpuGreedyServing;
 pub use draft_model::{DraftModel, Drafter};
