@@ -704,7 +704,7 @@ fn a_draft_model_on_a_batched_plan_drafts_as_on_the_cpu() {
 }
 
 fn draft_model_on_a_batched_plan_drafts_as_on_the_cpu(draft: &str, target: &str) {
-    use runtime::serving::{DraftModel, DraftRequest, Drafter, NgramConfig, SeqId, ServingEngine};
+    use runtime::serving::{DraftModel, NgramConfig, ServingEngine};
     let draft = open(draft, ComputeDtype::F32);
     let config = serving_config(32, 48);
     let (gpu_graph, plan, kernels) = serving_plan(&draft, &config, config.max_running);
@@ -729,26 +729,8 @@ fn draft_model_on_a_batched_plan_drafts_as_on_the_cpu(draft: &str, target: &str)
         DraftModel::new(cpu, config.kv_blocks, config.block_size, 32, 64).unwrap()
     };
     let (mut gpu, mut cpu) = (on_plan(), on_cpu());
-    let mut sequences: Vec<Vec<u32>> = vec![(0..19u32).map(|j| 5 + 11 * j).collect(), vec![3, 1, 4], vec![200]];
-    for round in 0..4 {
-        let requests: Vec<DraftRequest> = sequences
-            .iter()
-            .enumerate()
-            .map(|(i, tokens)| DraftRequest {
-                seq: SeqId(i as u64),
-                tokens,
-                limit: 1 + (i + round) % 3,
-            })
-            .collect();
-        let want = cpu.propose(&requests).unwrap();
-        assert_eq!(gpu.propose(&requests).unwrap(), want, "{target}: round {round}");
-        // Keep the first few drafts of each and a token of one's own after them.
-        for (i, tokens) in sequences.iter_mut().enumerate() {
-            let drafts = &want[&SeqId(i as u64)];
-            tokens.extend(&drafts[..(i + round) % (drafts.len() + 1)]);
-            tokens.push((17 * round as u32 + i as u32) % 300);
-        }
-    }
+    let sequences = vec![(0..19u32).map(|j| 5 + 11 * j).collect(), vec![3, 1, 4], vec![200]];
+    common::drafting::propose_alike(&mut cpu, &mut gpu, sequences, 4, target);
     let (greedy, full) = gpu.backend().counts();
     assert!(greedy > 0 && full == 0, "{greedy} greedy passes, {full} with logits");
 

@@ -559,7 +559,7 @@ fn draft_model_proposes_its_greedy_continuation(draft: &Model) {
 /// (whose snapshots the greedy graph saves and restores in the same pages).
 #[test]
 fn a_draft_model_on_its_greedy_graph_proposes_as_on_its_logits_graph() {
-    use runtime::serving::{CpuGreedyServing, DraftModel, DraftRequest, Drafter, SeqId};
+    use runtime::serving::{CpuGreedyServing, DraftModel};
     for fixture in ["hf-tiny/llama_rope_yarn", "hf-tiny/qwen3_5_rope_yarn"] {
         let draft = Model::open(ModelSpec::for_weights(&common::fixture(fixture))).unwrap();
         let greedy_graph =
@@ -568,25 +568,8 @@ fn a_draft_model_on_its_greedy_graph_proposes_as_on_its_logits_graph() {
         let serving = CpuGreedyServing::new(backend(&draft), Some(greedy)).unwrap();
         let mut on_greedy = DraftModel::new(serving, 64, 4, 16, 2048).unwrap();
         let mut on_logits = DraftModel::new(backend(&draft), 64, 4, 16, 2048).unwrap();
-        let mut sequences: Vec<Vec<u32>> = vec![(0..13u32).map(|j| 5 + 11 * j).collect(), vec![3, 1, 4]];
-        for round in 0..5 {
-            let requests: Vec<DraftRequest> = sequences
-                .iter()
-                .enumerate()
-                .map(|(i, tokens)| DraftRequest {
-                    seq: SeqId(i as u64),
-                    tokens,
-                    limit: 2 + (i + round) % 3,
-                })
-                .collect();
-            let want = on_logits.propose(&requests).unwrap();
-            assert_eq!(on_greedy.propose(&requests).unwrap(), want, "{fixture}: round {round}");
-            for (i, tokens) in sequences.iter_mut().enumerate() {
-                let drafts = &want[&SeqId(i as u64)];
-                tokens.extend(&drafts[..(i + round) % (drafts.len() + 1)]);
-                tokens.push((13 * round as u32 + i as u32) % 300);
-            }
-        }
+        let sequences = vec![(0..13u32).map(|j| 5 + 11 * j).collect(), vec![3, 1, 4]];
+        common::drafting::propose_alike(&mut on_logits, &mut on_greedy, sequences, 5, fixture);
     }
 }
 

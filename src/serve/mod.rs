@@ -243,6 +243,13 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let metrics = Arc::new(metrics::Metrics::default());
     metrics.kv_blocks_total.store(args.kv_blocks as u64, Relaxed);
     let (requests, inbox) = tokio::sync::mpsc::unbounded_channel();
+    let engine = EngineSetup {
+        config,
+        policy: args.scheduling_policy.policy(),
+        drafter,
+        inbox,
+        metrics: metrics.clone(),
+    };
     let positions = args.kv_blocks * args.block_size;
     match loaded.gpu_plan.take() {
         Some(plans) => {
@@ -276,14 +283,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 "on the GPU",
             );
             announce_checkpoints(&backend, args.max_num_seqs);
-            start_engine(
-                backend,
-                config,
-                args.scheduling_policy.policy(),
-                drafter,
-                inbox,
-                metrics.clone(),
-            )?;
+            start_engine(backend, engine)?;
         }
         None => {
             let backend = cpu_serving(loaded)?;
@@ -301,14 +301,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             if backend.has_greedy_graph() {
                 eprintln!("greedy steps: the INT8-bound head (exact argmax)");
             }
-            start_engine(
-                backend,
-                config,
-                args.scheduling_policy.policy(),
-                drafter,
-                inbox,
-                metrics.clone(),
-            )?;
+            start_engine(backend, engine)?;
         }
     }
     let structured = structured::LazyStructuredOutputs::new(tokenizer.clone());
@@ -401,20 +394,30 @@ fn announce_checkpoints(backend: &runtime::cuda::CudaBackend, sequences: usize) 
     }
 }
 
-/// Run an engine over `backend` on its own thread, taking requests from `inbox`; say whether
-/// it drafts (the engine turns off speculation its backend cannot verify).
-fn start_engine<B>(
-    backend: B,
+/// What the engine starts with besides its backend.
+struct EngineSetup {
     config: SchedulerConfig,
     policy: runtime::serving::SchedulingPolicy,
     drafter: Option<(String, Box<dyn runtime::serving::Drafter>)>,
+    /// Where the server's requests come in.
     inbox: tokio::sync::mpsc::UnboundedReceiver<worker::NewRequest>,
     metrics: Arc<metrics::Metrics>,
-) -> Result<()>
+}
+
+/// Run an engine over `backend` on its own thread, taking requests from `setup.inbox`; say
+/// whether it drafts (the engine turns off speculation its backend cannot verify).
+fn start_engine<B>(backend: B, setup: EngineSetup) -> Result<()>
 where
     B: runtime::serving::PagedBackend + Send + 'static,
     B::Pages: Send,
 {
+    let EngineSetup {
+        config,
+        policy,
+        drafter,
+        inbox,
+        metrics,
+    } = setup;
     let mut engine = ServingEngine::new(backend, config);
     engine.set_scheduling_policy(policy);
     let on = engine.scheduler().config().speculation;

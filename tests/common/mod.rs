@@ -1,6 +1,7 @@
 //! Shared by the integration tests: fixture paths and the fetched real models.
 #![allow(dead_code)]
 
+pub mod drafting;
 pub mod server;
 
 use std::path::PathBuf;
