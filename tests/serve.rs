@@ -456,6 +456,8 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
         Just(json!({"format": {"type": "json_schema", "schema": {"type": "object"}}})),
         Just(json!([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}]}])),
         Just(json!({"type": "enabled", "budget_tokens": 1})),
+        Just(json!([{"role": "user", "content": "x"}, {"role": "assistant", "content": "y "}])),
+        Just(json!(["", " ", "\u{fffd}"])),
     ];
     let key = prop_oneof![
         Just("prompt"),
@@ -489,6 +491,13 @@ fn body() -> impl Strategy<Value = Vec<u8>> {
         Just("stop_sequences"),
         Just("thinking"),
         Just("output_config"),
+        Just("continue_final_message"),
+        Just("add_generation_prompt"),
+        Just("truncate_prompt_tokens"),
+        Just("priority"),
+        Just("allowed_token_ids"),
+        Just("bad_words"),
+        Just("use_beam_search"),
     ];
     let object = proptest::collection::vec((key, value), 0..6).prop_map(|fields| {
         let mut map = serde_json::Map::new();

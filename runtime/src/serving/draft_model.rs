@@ -22,8 +22,7 @@
 //! positions more than a model without state computes, in the same pass.
 
 use super::block_manager::{BlockManager, Serial};
-use super::engine::PagedBackend;
-use super::engine::StateSnapshotting;
+use super::engine::{PagedBackend, StateSnapshotting};
 use super::scheduler::{DraftRequest, SeqId};
 use crate::error::{Result, RuntimeError};
 use crate::kv::{BlockId, Segment, StateSave, StateSnapshots};
@@ -165,6 +164,54 @@ impl<B: PagedBackend> DraftModel<B> {
     /// Blocks held by sequences now.
     pub fn used_blocks(&self) -> usize {
         self.blocks.used_blocks()
+    }
+
+    /// Whether the sequence has a share of the cache, given one in the lowest free slot if
+    /// it had none (not where every slot a model with recurrent state has is taken). A new
+    /// one starts from the longest cached prefix of `tokens` but their last (whose row gives
+    /// the first draft, so it is always computed), where the model keeps no state.
+    fn admit(&mut self, id: SeqId, tokens: &[u32]) -> bool {
+        if self.seqs.contains_key(&id) {
+            return true;
+        }
+        let taken: std::collections::HashSet<usize> = self.seqs.values().map(|s| s.slot).collect();
+        let slot = (0..).find(|slot| !taken.contains(slot)).expect("a free slot");
+        if self.state_slots.is_some_and(|slots| slot >= slots) {
+            return false;
+        }
+        let mut table = Vec::new();
+        let serials = match self.state_slots {
+            None => self.blocks.share_prefix(&mut table, &tokens[..tokens.len() - 1]),
+            Some(_) => Vec::new(),
+        };
+        let seq = DraftSeq {
+            computed: tokens[..serials.len() * self.blocks.block_size()].to_vec(),
+            table,
+            serials,
+            slot,
+            saved: None,
+        };
+        self.seqs.insert(id, seq);
+        true
+    }
+
+    /// Register the sequence's blocks that its own tokens (`tokens`, never drafts) now fill,
+    /// as far as its cache holds them, but not one holding their last token, which a later
+    /// proposal computes again (where the target's step left the sequence out).
+    fn register_full_blocks(&mut self, id: SeqId, tokens: &[u32]) {
+        if self.state_slots.is_some() {
+            return;
+        }
+        let seq = self.seqs.get_mut(&id).expect("proposing");
+        let block_size = self.blocks.block_size();
+        let own = common_prefix(&seq.computed, tokens).min(tokens.len() - 1);
+        for b in seq.serials.len()..own / block_size {
+            let parent = seq.serials.last().copied();
+            let serial = self
+                .blocks
+                .register(seq.table[b], parent, &tokens[b * block_size..(b + 1) * block_size]);
+            seq.serials.push(serial);
+        }
     }
 
     /// Run one pass over `segments`; each one's greedy token after its last row.
@@ -364,56 +411,6 @@ where
         for id in gone {
             let mut seq = self.seqs.remove(&id).expect("listed");
             self.blocks.release(&mut seq.table);
-        }
-    }
-}
-
-impl<B: PagedBackend> DraftModel<B> {
-    /// Whether the sequence has a share of the cache, given one in the lowest free slot if
-    /// it had none; not where every slot a model with recurrent state has is taken.
-    /// A new one starts from the longest cached prefix of `tokens` but their last (whose row
-    /// gives the first draft, so it is always computed), where the model keeps no state.
-    fn admit(&mut self, id: SeqId, tokens: &[u32]) -> bool {
-        if self.seqs.contains_key(&id) {
-            return true;
-        }
-        let taken: std::collections::HashSet<usize> = self.seqs.values().map(|s| s.slot).collect();
-        let slot = (0..).find(|slot| !taken.contains(slot)).expect("a free slot");
-        if self.state_slots.is_some_and(|slots| slot >= slots) {
-            return false;
-        }
-        let mut table = Vec::new();
-        let serials = match self.state_slots {
-            None => self.blocks.share_prefix(&mut table, &tokens[..tokens.len() - 1]),
-            Some(_) => Vec::new(),
-        };
-        let seq = DraftSeq {
-            computed: tokens[..serials.len() * self.blocks.block_size()].to_vec(),
-            table,
-            serials,
-            slot,
-            saved: None,
-        };
-        self.seqs.insert(id, seq);
-        true
-    }
-
-    /// Register the sequence's blocks that its own tokens (`tokens`, never drafts) now fill,
-    /// as far as its cache holds them, but not one holding their last token, which a later
-    /// proposal computes again (where the target's step left the sequence out).
-    fn register_full_blocks(&mut self, id: SeqId, tokens: &[u32]) {
-        if self.state_slots.is_some() {
-            return;
-        }
-        let seq = self.seqs.get_mut(&id).expect("proposing");
-        let block_size = self.blocks.block_size();
-        let own = common_prefix(&seq.computed, tokens).min(tokens.len() - 1);
-        for b in seq.serials.len()..own / block_size {
-            let parent = seq.serials.last().copied();
-            let serial = self
-                .blocks
-                .register(seq.table[b], parent, &tokens[b * block_size..(b + 1) * block_size]);
-            seq.serials.push(serial);
         }
     }
 }
