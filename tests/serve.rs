@@ -174,6 +174,25 @@ fn the_inferencex_body_streams_and_ends_with_a_usage_chunk() {
     assert_eq!(usage["usage"]["completion_tokens"], 24);
     assert_eq!(with_text, 24, "one chunk per token for plain English text");
     assert!(chunks[..chunks.len() - 1].iter().all(|c| c.get("usage").is_none()));
+
+    // vLLM's `continuous_usage_stats`: every chunk carries the usage so far, the text chunks
+    // one more completion token each.
+    let mut continuous = body.clone();
+    continuous["stream_options"]["continuous_usage_stats"] = json!(true);
+    let (_, chunks) = server.stream("/v1/completions", &continuous);
+    let counts: Vec<u64> = chunks
+        .iter()
+        .map(|c| c["usage"]["completion_tokens"].as_u64().expect("usage in every chunk"))
+        .collect();
+    assert!(counts.windows(2).all(|w| w[0] <= w[1]), "{counts:?}");
+    let text_counts: Vec<u64> = chunks
+        .iter()
+        .zip(&counts)
+        .filter(|(c, _)| !c["choices"][0]["text"].as_str().unwrap_or("").is_empty())
+        .map(|(_, &n)| n)
+        .collect();
+    assert_eq!(text_counts, (1..=24).collect::<Vec<u64>>());
+    assert_eq!(chunks.last().unwrap()["usage"], usage["usage"]);
 }
 
 #[test]

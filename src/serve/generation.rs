@@ -115,6 +115,8 @@ pub struct RequestInfo {
     pub endpoint: Endpoint,
     pub stream: bool,
     pub include_usage: bool,
+    /// Every streamed chunk carries the usage so far (vLLM's `continuous_usage_stats`).
+    pub continuous_usage: bool,
     /// `logprobs`: the alternatives reported with each output token, where asked for.
     pub logprobs: Option<usize>,
     /// vLLM's `return_token_ids`: the prompt's ids and each choice's generated ids reported.
@@ -458,6 +460,7 @@ mod tests {
             endpoint: Endpoint::Chat,
             stream: true,
             include_usage: false,
+            continuous_usage: false,
             logprobs: None,
             return_token_ids: false,
             tokens_as_ids: false,

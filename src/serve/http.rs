@@ -325,6 +325,7 @@ async fn admit(
         endpoint,
         stream: request.stream,
         include_usage: request.include_usage,
+        continuous_usage: request.continuous_usage,
         logprobs: request.sampling.logprobs,
         return_token_ids: request.return_token_ids,
         tokens_as_ids: request.return_tokens_as_token_ids,

@@ -26,6 +26,9 @@ pub struct GenerationRequest {
     pub max_tokens: Option<usize>,
     pub stream: bool,
     pub include_usage: bool,
+    /// vLLM's `stream_options.continuous_usage_stats` (with `include_usage`): every chunk
+    /// carries the usage so far.
+    pub continuous_usage: bool,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
@@ -189,9 +192,15 @@ pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Gene
         Endpoint::Completions => fields.count("max_tokens")?,
     };
     let stream = fields.bool("stream")?.unwrap_or(false);
-    let include_usage = match obj.get("stream_options") {
-        None | Some(Value::Null) => false,
-        Some(Value::Object(o)) => Fields(o).bool("include_usage")?.unwrap_or(false),
+    let (include_usage, continuous_usage) = match obj.get("stream_options") {
+        None | Some(Value::Null) => (false, false),
+        Some(Value::Object(o)) => {
+            let include = Fields(o).bool("include_usage")?.unwrap_or(false);
+            (
+                include,
+                include && Fields(o).bool("continuous_usage_stats")?.unwrap_or(false),
+            )
+        }
         Some(_) => {
             return Err(ApiError::invalid(
                 "stream_options",
@@ -257,6 +266,7 @@ pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Gene
         max_tokens,
         stream,
         include_usage,
+        continuous_usage,
         sampling,
         stop: stop_strings(&fields)?,
         stop_token_ids: fields.ids("stop_token_ids")?.unwrap_or_default(),

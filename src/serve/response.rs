@@ -38,11 +38,16 @@ fn usage(g: &Generation) -> Value {
     })
 }
 
+/// A streamed chunk; with vLLM's `continuous_usage_stats`, the usage so far in it.
 fn chunk(g: &Generation, choices: Value) -> Value {
-    json!({
+    let mut chunk = json!({
         "id": g.info.id, "object": object(g.info.endpoint, true), "created": g.info.created,
         "model": g.info.app.model_name, "choices": choices,
-    })
+    });
+    if g.info.continuous_usage {
+        chunk["usage"] = usage(g);
+    }
+    chunk
 }
 
 /// A token and its log-probabilities, where it has any (an echoed prompt's first has none).
