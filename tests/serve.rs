@@ -1637,3 +1637,29 @@ fn allowed_tokens_and_bad_words_shape_the_output() {
         assert_eq!((status, error_of(&error).1), (400, Some(param)), "{body}");
     }
 }
+
+/// vLLM's `skip_special_tokens` (on by default): special tokens the answer takes write no text
+/// (here `<|im_end|>`, forced by `logit_bias` past `ignore_eos`), and with it off they do; the
+/// tokens count and come back as ids either way.
+#[test]
+fn special_tokens_write_no_text_unless_asked_for() {
+    let server = Server::start(&[]);
+    let (_, end) = server.post("/tokenize", &json!({"prompt": "<|im_end|>"}));
+    let end = common::ids(&end["tokens"]);
+    assert_eq!(end.len(), 1, "one special token");
+    let answer = |skip: Option<bool>| {
+        let mut body = json!({"prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": true,
+                              "logit_bias": {end[0].to_string(): 100}, "return_token_ids": true});
+        if let Some(skip) = skip {
+            body["skip_special_tokens"] = json!(skip);
+        }
+        let (status, got) = server.post("/v1/completions", &body);
+        assert_eq!(status, 200, "{got}");
+        assert_eq!(common::ids(&got["choices"][0]["token_ids"]), [end[0]; 3]);
+        assert_eq!(got["usage"]["completion_tokens"], 3);
+        got["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    assert_eq!(answer(None), "");
+    assert_eq!(answer(Some(true)), "");
+    assert_eq!(answer(Some(false)), "<|im_end|><|im_end|><|im_end|>");
+}

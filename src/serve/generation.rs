@@ -117,6 +117,9 @@ pub struct RequestInfo {
     pub include_usage: bool,
     /// Every streamed chunk carries the usage so far (vLLM's `continuous_usage_stats`).
     pub continuous_usage: bool,
+    /// vLLM's `skip_special_tokens`: special tokens write no text (but those of the markers
+    /// the server reads answers by).
+    pub skip_special_tokens: bool,
     /// `logprobs`: the alternatives reported with each output token, where asked for.
     pub logprobs: Option<usize>,
     /// vLLM's `return_token_ids`: the prompt's ids and each choice's generated ids reported.
@@ -154,9 +157,16 @@ impl Generation {
             .into_iter()
             .map(|events| Choice {
                 events,
-                text: match info.include_stop_str {
-                    true => TextOutput::after(info.min_tokens, info.stop_strings.clone()).including_stop(),
-                    false => TextOutput::after(info.min_tokens, info.stop_strings.clone()),
+                text: {
+                    let text = TextOutput::after(info.min_tokens, info.stop_strings.clone());
+                    let text = match info.include_stop_str {
+                        true => text.including_stop(),
+                        false => text,
+                    };
+                    match info.skip_special_tokens {
+                        true => text.silencing(info.app.silent_special_tokens.clone()),
+                        false => text,
+                    }
                 },
                 split: info
                     .reasoning
@@ -448,6 +458,7 @@ mod tests {
             structured: crate::serve::structured::LazyStructuredOutputs::new(tokenizer.clone()),
             generation_defaults: Default::default(),
             priority_scheduling: false,
+            silent_special_tokens: Default::default(),
             requests,
             metrics: Default::default(),
             next_id: AtomicU64::new(0),
@@ -461,6 +472,7 @@ mod tests {
             stream: true,
             include_usage: false,
             continuous_usage: false,
+            skip_special_tokens: true,
             logprobs: None,
             return_token_ids: false,
             tokens_as_ids: false,

@@ -45,6 +45,8 @@ pub struct AppState {
     pub generation_defaults: models::GenerationDefaults,
     /// Whether requests wait in order of their `priority` (`--scheduling-policy priority`).
     pub priority_scheduling: bool,
+    /// The special tokens `skip_special_tokens` keeps out of output text.
+    pub silent_special_tokens: Arc<std::collections::HashSet<u32>>,
     pub requests: mpsc::UnboundedSender<NewRequest>,
     pub metrics: Arc<Metrics>,
     pub next_id: AtomicU64,
@@ -326,6 +328,7 @@ async fn admit(
         stream: request.stream,
         include_usage: request.include_usage,
         continuous_usage: request.continuous_usage,
+        skip_special_tokens: request.skip_special_tokens,
         logprobs: request.sampling.logprobs,
         return_token_ids: request.return_token_ids,
         tokens_as_ids: request.return_tokens_as_token_ids,

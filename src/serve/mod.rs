@@ -20,6 +20,7 @@ mod request;
 mod response;
 mod responses_output;
 mod responses_request;
+mod special_tokens;
 mod speculation;
 mod structured;
 mod text;
@@ -313,6 +314,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             eprintln!("tool_choice auto: refused (no tool-call format in the chat template; see --tool-call-parser)")
         }
     }
+    let silent_special_tokens = Arc::new(special_tokens::silent(&tokenizer));
     let state = Arc::new(http::AppState {
         model_name: args
             .served_model_name
@@ -326,6 +328,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         structured,
         generation_defaults,
         priority_scheduling: args.scheduling_policy == SchedulingPolicyArg::Priority,
+        silent_special_tokens,
         requests,
         metrics,
         next_id: AtomicU64::new(0),

@@ -34,6 +34,9 @@ const THINK: Markers = Markers {
     end: "</think>",
 };
 
+/// Every marker a parser splits at (their special tokens must reach the text).
+pub const MARKER_TEXTS: [&str; 4] = [THINK.start, THINK.end, GEMMA4_THOUGHT.start, GEMMA4_THOUGHT.end];
+
 const GEMMA4_THOUGHT: Markers = Markers {
     start: "<|channel>thought\n",
     end: "<channel|>",

@@ -71,6 +71,8 @@ pub struct GenerationRequest {
     pub truncate_prompt: Option<PromptTruncation>,
     /// vLLM's `priority`: lower first, under `--scheduling-policy priority`.
     pub priority: i32,
+    /// vLLM's `skip_special_tokens` (default true): special tokens write no text.
+    pub skip_special_tokens: bool,
     /// The sampling settings the request left out, which a model's recommended ones fill.
     pub unset: UnsetSampling,
     /// The most tokens any answer may have whatever `max_tokens` says (a model's
@@ -287,6 +289,7 @@ pub fn parse_object(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<Gene
         return_tokens_as_token_ids: fields.bool("return_tokens_as_token_ids")?.unwrap_or(false),
         truncate_prompt: truncate_prompt(&fields)?,
         priority: priority(&fields)?,
+        skip_special_tokens: fields.bool("skip_special_tokens")?.unwrap_or(true),
         unset,
         max_tokens_cap: None,
     })

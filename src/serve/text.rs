@@ -4,6 +4,8 @@
 //! string is never emitted, not even in part.
 
 use models::{StreamDecoder, Tokenizer};
+use std::collections::HashSet;
+use std::sync::Arc;
 
 pub struct TextOutput {
     decoder: StreamDecoder,
@@ -19,6 +21,8 @@ pub struct TextOutput {
     /// Whether the stop string that ends the text is part of it (vLLM's
     /// `include_stop_str_in_output`).
     includes_stop: bool,
+    /// Tokens that write no text (special tokens, under vLLM's `skip_special_tokens`).
+    silent: Arc<HashSet<u32>>,
 }
 
 /// What one token released.
@@ -40,7 +44,13 @@ impl TextOutput {
             matched: None,
             unchecked: min_tokens,
             includes_stop: false,
+            silent: Arc::default(),
         }
+    }
+
+    /// The same, `silent` tokens writing nothing (they still count towards `min_tokens`).
+    pub fn silencing(self, silent: Arc<HashSet<u32>>) -> Self {
+        Self { silent, ..self }
     }
 
     /// The same, the stop string that ends the text kept at its end.
@@ -55,7 +65,10 @@ impl TextOutput {
         if self.stopped {
             return Ok(Piece::default());
         }
-        let piece = self.decoder.push(tokenizer, id)?;
+        let piece = match self.silent.contains(&id) {
+            true => String::new(),
+            false => self.decoder.push(tokenizer, id)?,
+        };
         if self.unchecked > 0 {
             self.unchecked -= 1;
             return Ok(Piece {

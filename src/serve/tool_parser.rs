@@ -54,6 +54,23 @@ impl ToolCallParser {
 /// Gemma 4's string quote.
 const GEMMA_QUOTE: &str = "<|\"|>";
 
+/// Every marker a call format is read by (their special tokens must reach the text).
+pub const MARKER_TEXTS: [&str; 13] = [
+    "<tool_call>",
+    "</tool_call>",
+    "<|tool_call>",
+    "<tool_call|>",
+    "<function=",
+    "</function>",
+    "<parameter=",
+    "</parameter>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    GEMMA_QUOTE,
+];
+
 impl CallFormat {
     /// The format a chat template writes the assistant's earlier calls in (and so teaches
     /// the model), if it writes any bbc knows.

@@ -105,6 +105,20 @@ impl Tokenizer {
             .map_err(|e| ModelError::Tokenizer(e.to_string()))
     }
 
+    /// The special tokens (added tokens marked special; a GGUF file's control tokens), which
+    /// servers leave out of output text by default (`skip_special_tokens`).
+    pub fn special_ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self
+            .inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, token)| token.special)
+            .map(|(id, _)| id)
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// Tokens in the vocabulary, added ones included. Not cheap: `tokenizers` counts them over
     /// a copy of the vocabulary map, so ask once, not per token.
     pub fn vocab_size(&self) -> usize {
@@ -258,6 +272,12 @@ mod tests {
         let t = Tokenizer::from_hf_dir(dir_with(said, None).path()).unwrap();
         assert!(!t.add_bos);
         assert_eq!(t.encode("hi there", true).unwrap(), [3, 4]);
+    }
+
+    #[test]
+    fn special_tokens_are_the_added_ones_marked_special() {
+        let t = Tokenizer::from_hf_dir(dir_with(serde_json::json!({}), None).path()).unwrap();
+        assert_eq!(t.special_ids(), [1, 2]);
     }
 
     #[test]
