@@ -151,23 +151,27 @@ pub struct Generation {
     failed: bool,
 }
 
+/// A choice's text as the request asks it written: stop strings, `min_tokens`, the stop
+/// string kept or not, special tokens skipped or not.
+fn text_output(info: &RequestInfo) -> TextOutput {
+    let text = TextOutput::after(info.min_tokens, info.stop_strings.clone());
+    let text = match info.include_stop_str {
+        true => text.including_stop(),
+        false => text,
+    };
+    match info.skip_special_tokens {
+        true => text.silencing(info.app.silent_special_tokens.clone()),
+        false => text,
+    }
+}
+
 impl Generation {
     pub fn new(info: RequestInfo, events: Vec<mpsc::UnboundedReceiver<Event>>) -> Self {
         let choices = events
             .into_iter()
             .map(|events| Choice {
                 events,
-                text: {
-                    let text = TextOutput::after(info.min_tokens, info.stop_strings.clone());
-                    let text = match info.include_stop_str {
-                        true => text.including_stop(),
-                        false => text,
-                    };
-                    match info.skip_special_tokens {
-                        true => text.silencing(info.app.silent_special_tokens.clone()),
-                        false => text,
-                    }
-                },
+                text: text_output(&info),
                 split: info
                     .reasoning
                     .map(|(markers, inside)| ReasoningSplit::new(markers, inside)),

@@ -1,7 +1,8 @@
 //! Turning a request's generated tokens into the text a client sees: incremental decoding that
-//! never splits a UTF-8 character, and stop strings matched across token boundaries. Text that
-//! might be the start of a stop string is held back until it is known not to be, so a stop
-//! string is never emitted, not even in part.
+//! never splits a UTF-8 character (special tokens writing nothing where the request skips
+//! them), and stop strings matched across token boundaries. Text that might be the start of a
+//! stop string is held back until it is known not to be, so a stop string is never emitted,
+//! not even in part.
 
 use models::{StreamDecoder, Tokenizer};
 use std::collections::HashSet;
