@@ -5,6 +5,7 @@
 
 use crate::error::{ModelError, Result};
 use crate::gguf::GgufFile;
+use crate::tokenizer::read_json_if_present;
 use serde_json::{Map, Value};
 use std::path::Path;
 
@@ -40,18 +41,21 @@ impl GenerationDefaults {
         *self == Self::default()
     }
 
+    /// The settings' names, as a generation config (and vLLM's override of one) gives them.
+    pub fn names() -> impl Iterator<Item = &'static str> {
+        JSON_KEYS.iter().map(|(name, _)| *name)
+    }
+
     /// An HF directory's `generation_config.json`; none where the file is not there.
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
         let path = dir.join("generation_config.json");
-        if !path.exists() {
+        let Some(value) = read_json_if_present(&path)? else {
             return Ok(Self::default());
-        }
+        };
         let problem = |what: String| ModelError::Config {
             path: path.clone(),
             what,
         };
-        let text = std::fs::read_to_string(&path).map_err(|e| problem(e.to_string()))?;
-        let value: Value = serde_json::from_str(&text).map_err(|e| problem(format!("invalid JSON: {e}")))?;
         let object = value
             .as_object()
             .ok_or_else(|| problem("a generation config must be a JSON object".into()))?;
@@ -135,26 +139,38 @@ impl GenerationDefaults {
         }
     }
 
-    /// The ranges a request's own settings must keep to.
+    /// The ranges a request's own settings must keep to ([`out_of_range`]).
     fn check(&self) -> std::result::Result<(), String> {
-        let out_of_range = |name: &str, value: f64, range: &str| Err(format!("`{name}` must be {range}, got {value}"));
-        if let Some(t) = self.temperature.filter(|t| !(0.0..=100.0).contains(t)) {
-            return out_of_range("temperature", t, "in [0, 100]");
+        let settings = [
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("top_k", self.top_k.map(|k| k as f64)),
+            ("min_p", self.min_p),
+            ("repetition_penalty", self.repetition_penalty),
+        ];
+        match settings
+            .into_iter()
+            .find_map(|(name, value)| out_of_range(name, value?))
+        {
+            Some(problem) => Err(problem),
+            None => Ok(()),
         }
-        if let Some(p) = self.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
-            return out_of_range("top_p", p, "in (0, 1]");
-        }
-        if let Some(k) = self.top_k.filter(|k| *k < -1) {
-            return out_of_range("top_k", k as f64, "-1, 0 (off) or above");
-        }
-        if let Some(p) = self.min_p.filter(|p| !(0.0..=1.0).contains(p)) {
-            return out_of_range("min_p", p, "in [0, 1]");
-        }
-        if let Some(r) = self.repetition_penalty.filter(|r| !(*r > 0.0 && *r <= 100.0)) {
-            return out_of_range("repetition_penalty", r, "in (0, 100]");
-        }
-        Ok(())
     }
+}
+
+/// Where sampling setting `name` (`temperature`, `top_p`, `top_k`, `min_p`,
+/// `repetition_penalty`) must lie, for a request's own value and a model's recommended one
+/// alike: the problem with `value`, naming the setting, or none.
+pub fn out_of_range(name: &str, value: f64) -> Option<String> {
+    let (within, range) = match name {
+        "temperature" => ((0.0..=100.0).contains(&value), "in [0, 100]"),
+        "top_p" => (value > 0.0 && value <= 1.0, "in (0, 1]"),
+        "top_k" => (value >= -1.0, "-1, 0 (off) or above"),
+        "min_p" => ((0.0..=1.0).contains(&value), "in [0, 1]"),
+        "repetition_penalty" => (value > 0.0 && value <= 100.0, "in (0, 100]"),
+        _ => return None,
+    };
+    (!within).then(|| format!("`{name}` must be {range}, got {value}"))
 }
 
 #[cfg(test)]

@@ -30,15 +30,11 @@ pub fn resolve(source: &str, overrides: Option<&str>, model: GenerationDefaults)
     let object = value
         .as_object()
         .context("--override-generation-config must be a JSON object")?;
-    let known = [
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "max_new_tokens",
-    ];
-    if let Some(key) = object.keys().find(|k| !known.contains(&k.as_str())) {
+    if let Some(key) = object
+        .keys()
+        .find(|k| !GenerationDefaults::names().any(|name| name == k.as_str()))
+    {
+        let known: Vec<&str> = GenerationDefaults::names().collect();
         bail!(
             "--override-generation-config: `{key}` is not a setting bbc applies ({})",
             known.join(", ")

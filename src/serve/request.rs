@@ -494,38 +494,19 @@ fn sampling(fields: &Fields) -> Result<(SamplingParams, UnsetSampling), ApiError
         min_p: fields.get("min_p").is_none(),
         repetition_penalty: fields.get("repetition_penalty").is_none(),
     };
-    // OpenAI's default temperature is 1.
-    let temperature = fields.number("temperature")?.unwrap_or(1.0);
-    if !(0.0..=100.0).contains(&temperature) {
-        return Err(ApiError::invalid(
-            "temperature",
-            format!("`temperature` must be ≥ 0, got {temperature}"),
-        ));
-    }
-    let top_p = fields.number("top_p")?.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::invalid(
-            "top_p",
-            format!("`top_p` must be in (0, 1], got {top_p}"),
-        ));
-    }
-    let min_p = fields.number("min_p")?.unwrap_or(0.0);
-    if !(0.0..=1.0).contains(&min_p) {
-        return Err(ApiError::invalid(
-            "min_p",
-            format!("`min_p` must be in [0, 1], got {min_p}"),
-        ));
-    }
-    let top_k = match fields.integer("top_k")? {
-        None | Some(-1) | Some(0) => 0,
-        Some(k) if k > 0 => k as usize,
-        Some(k) => {
-            return Err(ApiError::invalid(
-                "top_k",
-                format!("`top_k` must be -1 (off) or ≥ 1, got {k}"),
-            ))
-        }
+    // The ranges a model's recommended settings keep to as well.
+    let in_range = |name: &str, value: f64| match models::generation_defaults::out_of_range(name, value) {
+        Some(problem) => Err(ApiError::invalid(name, problem)),
+        None => Ok(value),
     };
+    // OpenAI's default temperature is 1.
+    let temperature = in_range("temperature", fields.number("temperature")?.unwrap_or(1.0))?;
+    let top_p = in_range("top_p", fields.number("top_p")?.unwrap_or(1.0))?;
+    let min_p = in_range("min_p", fields.number("min_p")?.unwrap_or(0.0))?;
+    let top_k = fields.integer("top_k")?.unwrap_or(0);
+    in_range("top_k", top_k as f64)?;
+    // -1 and 0 keep every token.
+    let top_k = top_k.max(0) as usize;
     let mut penalties = [0.0; 2];
     for (slot, param) in penalties.iter_mut().zip(["presence_penalty", "frequency_penalty"]) {
         *slot = fields.number(param)?.unwrap_or(0.0);
@@ -536,13 +517,10 @@ fn sampling(fields: &Fields) -> Result<(SamplingParams, UnsetSampling), ApiError
             ));
         }
     }
-    let repetition_penalty = fields.number("repetition_penalty")?.unwrap_or(1.0);
-    if !(repetition_penalty > 0.0 && repetition_penalty <= 100.0) {
-        return Err(ApiError::invalid(
-            "repetition_penalty",
-            format!("`repetition_penalty` must be > 0, got {repetition_penalty}"),
-        ));
-    }
+    let repetition_penalty = in_range(
+        "repetition_penalty",
+        fields.number("repetition_penalty")?.unwrap_or(1.0),
+    )?;
     let seed = match fields.integer("seed")? {
         None => defaults.seed,
         Some(s) => s as u64,

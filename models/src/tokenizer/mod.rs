@@ -173,7 +173,7 @@ fn chat_template_source(dir: &Path, config: Option<&serde_json::Value>) -> Resul
     })
 }
 
-fn read_json_if_present(path: &Path) -> Result<Option<serde_json::Value>> {
+pub(crate) fn read_json_if_present(path: &Path) -> Result<Option<serde_json::Value>> {
     if !path.exists() {
         return Ok(None);
     }
