@@ -195,16 +195,18 @@ impl<B: PagedBackend> DraftModel<B> {
         true
     }
 
-    /// Register the sequence's blocks that its own tokens (`tokens`, never drafts) now fill,
-    /// as far as its cache holds them, but not one holding their last token, which a later
-    /// proposal computes again (where the target's step left the sequence out).
+    /// After a catch-up of `tokens`: register the sequence's blocks that its own tokens
+    /// (never drafts) now fill, but not one holding their last token, which a later proposal
+    /// computes again (where the target's step left the sequence out).
     fn register_full_blocks(&mut self, id: SeqId, tokens: &[u32]) {
         if self.state_slots.is_some() {
             return;
         }
         let seq = self.seqs.get_mut(&id).expect("proposing");
         let block_size = self.blocks.block_size();
-        let own = common_prefix(&seq.computed, tokens).min(tokens.len() - 1);
+        // A catch-up leaves the cache holding a prefix of `tokens` exactly.
+        debug_assert!(tokens.starts_with(&seq.computed));
+        let own = seq.computed.len().min(tokens.len() - 1);
         for b in seq.serials.len()..own / block_size {
             let parent = seq.serials.last().copied();
             let serial = self
