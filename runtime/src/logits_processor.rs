@@ -1,8 +1,8 @@
 //! What a sequence's logits go through before it samples, beyond the sampler's own settings:
 //! structured outputs' grammar (which masks the tokens it refuses; the server builds it),
-//! OpenAI's `logit_bias`, vLLM's `min_tokens`, `allowed_token_ids` and `bad_words`. The serving engine (and `generate_processed`)
-//! runs a sequence's processors in order on every row it samples from, and tells each the
-//! token taken.
+//! OpenAI's `logit_bias`, vLLM's `min_tokens`, `allowed_token_ids` and `bad_words`. The
+//! serving engine (and `generate_processed`) runs a sequence's processors in order on every
+//! row it samples from, and tells each the token taken.
 
 /// One change to a sequence's logits, which may follow the tokens it takes.
 pub trait LogitsProcessor: Send {
