@@ -367,27 +367,53 @@ fn draft_model_speculation_keeps_every_token() {
         top_p: 0.9,
         ..SamplingParams::default()
     };
-    let prompt = |base: u32, len: u32| (0..len).map(|j| base + 13 * j).collect::<Vec<u32>>();
-    let greedy: Vec<(Vec<u32>, SamplingParams)> = [prompt(20, 9), prompt(10, 22), prompt(7, 3)]
-        .into_iter()
-        .map(|p| (p, SamplingParams::default()))
-        .collect();
+    let greedy = greedy_requests(13);
     let mixed: Vec<(Vec<u32>, SamplingParams)> = greedy
         .iter()
         .cloned()
-        .chain([(prompt(50, 12), sampled), (prompt(20, 9), sampled)])
+        .chain([(stepped(50, 12, 13), sampled), (stepped(20, 9, 13), sampled)])
         .collect();
-    let (plain, _, _) = serve_speculating(&target, &mixed, 20, runtime::serving::NgramConfig::OFF);
+    let plain = serve_speculating(&target, &mixed, 20, runtime::serving::NgramConfig::OFF).0;
     for draft_fixture in ["hf-tiny/llama", "hf-tiny/llama_rope_yarn", "hf-tiny/gemma3"] {
         let draft = Model::open(ModelSpec::for_weights(&common::fixture(draft_fixture))).unwrap();
-        let (speculative, drafted, _) = serve_drafting(&target, &draft, &mixed, 20);
-        assert_eq!(speculative, plain, "{draft_fixture}");
-        assert!(drafted > 0, "{draft_fixture}");
-        let (_, drafted, accepted) = serve_drafting(&target, &draft, &greedy, 20);
-        match draft_fixture {
-            "hf-tiny/gemma3" => assert!(accepted < drafted, "{draft_fixture}: all of {drafted} accepted"),
-            _ => assert_eq!(accepted, drafted, "{draft_fixture}"),
-        }
+        let all_accepted = draft_fixture != "hf-tiny/gemma3";
+        drafting_keeps_the_tokens(&target, &draft, (&greedy, &mixed, &plain), all_accepted, draft_fixture);
+    }
+}
+
+/// Requests as the serving tests send them: each prompt with its sampling settings.
+type Requests = [(Vec<u32>, SamplingParams)];
+
+/// A prompt of `len` tokens from `base` in steps of `step`.
+fn stepped(base: u32, len: u32, step: u32) -> Vec<u32> {
+    (0..len).map(|j| base + step * j).collect()
+}
+
+/// The draft-model tests' three greedy requests (prompts of 9, 22 and 3 tokens).
+fn greedy_requests(step: u32) -> Vec<(Vec<u32>, SamplingParams)> {
+    [stepped(20, 9, step), stepped(10, 22, step), stepped(7, 3, step)]
+        .into_iter()
+        .map(|p| (p, SamplingParams::default()))
+        .collect()
+}
+
+/// With `draft` drafting for `target`, `mixed` (greedy and sampled requests) generates `plain`,
+/// what it generates without speculation, and drafts are made; of `greedy`'s drafts every one
+/// is accepted or, where not `all_accepted`, not every one.
+fn drafting_keeps_the_tokens(
+    target: &Model,
+    draft: &Model,
+    (greedy, mixed, plain): (&Requests, &Requests, &[Vec<u32>]),
+    all_accepted: bool,
+    what: &str,
+) {
+    let (speculative, drafted, _) = serve_drafting(target, draft, mixed, 20);
+    assert_eq!(speculative, plain, "{what}");
+    assert!(drafted > 0, "{what}");
+    let (_, drafted, accepted) = serve_drafting(target, draft, greedy, 20);
+    match all_accepted {
+        true => assert_eq!(accepted, drafted, "{what}"),
+        false => assert!(accepted < drafted, "{what}: all of {drafted} accepted"),
     }
 }
 
@@ -605,13 +631,9 @@ fn draft_models_with_recurrent_state_keep_every_token() {
         seed: 11,
         ..SamplingParams::default()
     };
-    let prompt = |base: u32, len: u32| (0..len).map(|j| base + 11 * j).collect::<Vec<u32>>();
-    let greedy: Vec<(Vec<u32>, SamplingParams)> = [prompt(20, 9), prompt(10, 22), prompt(7, 3)]
-        .into_iter()
-        .map(|p| (p, SamplingParams::default()))
-        .collect();
+    let greedy = greedy_requests(11);
     let mut mixed = greedy.clone();
-    mixed.push((prompt(40, 12), sampled));
+    mixed.push((stepped(40, 12, 11), sampled));
     let tiny = |name: &str| Model::open(ModelSpec::for_weights(&common::fixture(name))).unwrap();
     for (target_name, draft_name) in [
         ("qwen3_5", "qwen3_5"),
@@ -623,17 +645,15 @@ fn draft_models_with_recurrent_state_keep_every_token() {
             tiny(&format!("hf-tiny/{target_name}")),
             tiny(&format!("hf-tiny/{draft_name}")),
         );
-        let (plain, _, _) = serve_speculating(&target, &mixed, 20, runtime::serving::NgramConfig::OFF);
-        let (speculative, drafted, accepted) = serve_drafting(&target, &draft, &mixed, 20);
+        let plain = serve_speculating(&target, &mixed, 20, runtime::serving::NgramConfig::OFF).0;
         let pair = format!("{draft_name} drafting for {target_name}");
-        assert_eq!(speculative, plain, "{pair}");
-        assert!(drafted > 0, "{pair}");
-        if target_name == draft_name {
-            let (_, drafted, accepted) = serve_drafting(&target, &draft, &greedy, 20);
-            assert_eq!(accepted, drafted, "{pair}");
-        } else {
-            assert!(accepted < drafted, "{pair}: all of {drafted} accepted");
-        }
+        drafting_keeps_the_tokens(
+            &target,
+            &draft,
+            (&greedy, &mixed, &plain),
+            target_name == draft_name,
+            &pair,
+        );
     }
 }
 
