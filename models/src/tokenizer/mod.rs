@@ -1,13 +1,16 @@
 //! Tokenizers, through the `tokenizers` crate: loaded from `tokenizer.json`, or built from a
-//! GGUF file's `tokenizer.ggml.*` metadata ([`gguf`]). Chat templates are in [`chat`].
+//! GGUF file's `tokenizer.ggml.*` metadata ([`gguf`]). Chat templates are in [`chat`], the
+//! decoding of a generated stream in [`stream`].
 
 pub mod chat;
 mod gguf;
+mod stream;
 
 use crate::error::{io_error, ModelError, Result};
 use std::path::Path;
 
 pub use chat::{ChatMessage, ChatTemplate};
+pub use stream::StreamDecoder;
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -182,49 +185,6 @@ pub(crate) fn read_json_if_present(path: &Path) -> Result<Option<serde_json::Val
         path: path.to_path_buf(),
         what: format!("invalid JSON: {e}"),
     })
-}
-
-/// Decodes a growing token stream into text pieces without ever splitting a UTF-8 character:
-/// text is released only once the decoded prefix is stable and does not end in a partial
-/// character (shown by the decoder as U+FFFD).
-pub struct StreamDecoder {
-    ids: Vec<u32>,
-    emitted: usize,
-}
-
-impl StreamDecoder {
-    pub fn new() -> Self {
-        Self {
-            ids: Vec::new(),
-            emitted: 0,
-        }
-    }
-
-    /// Add one token; returns the new text it completes (possibly empty).
-    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<String> {
-        self.ids.push(id);
-        let text = tokenizer.decode(&self.ids)?;
-        if text.ends_with('\u{FFFD}') || text.len() < self.emitted || !text.is_char_boundary(self.emitted) {
-            return Ok(String::new());
-        }
-        let piece = text[self.emitted..].to_string();
-        self.emitted = text.len();
-        Ok(piece)
-    }
-
-    /// Whatever is left at the end of the stream (a trailing partial character included).
-    pub fn finish(&mut self, tokenizer: &Tokenizer) -> Result<String> {
-        let text = tokenizer.decode(&self.ids)?;
-        let piece = text.get(self.emitted..).unwrap_or_default().to_string();
-        self.emitted = text.len();
-        Ok(piece)
-    }
-}
-
-impl Default for StreamDecoder {
-    fn default() -> Self {
-        Self::new()
-    }
 }
 
 #[cfg(test)]
