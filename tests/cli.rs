@@ -538,3 +538,34 @@ fn perplexity_tells_a_repeated_text_from_a_scrambled_one() {
     assert!(message.contains("shorter than one window"), "{message}");
     assert!(refused(&["perplexity", &model, "--file", "/nonexistent.txt"]).contains("/nonexistent.txt"));
 }
+
+/// Special tokens the answer takes past `--ignore-eos` (SmolLM2 ends its turn with
+/// `<|im_end|>`, then starts another with `<|im_start|>`) write no text unless `--special`,
+/// in the streamed text and in `--json`'s alike.
+#[test]
+fn special_tokens_write_text_only_with_special() {
+    let model = smollm2();
+    let args = [
+        "run",
+        &model,
+        "--chat",
+        "--prompt",
+        "Say hi.",
+        "--max-tokens",
+        "30",
+        "--ignore-eos",
+    ];
+    let out = json(&[&args[..], &["--json"]].concat());
+    let im_end = 2;
+    assert!(
+        ids(&out["ids"]).contains(&im_end),
+        "the answer goes past its end of turn: {out}"
+    );
+    let text = out["text"].as_str().unwrap();
+    assert!(!text.contains("<|im_end|>") && !text.contains("<|im_start|>"), "{text}");
+    assert_eq!(bbc(&args).trim_end(), text.trim_end());
+    let special = json(&[&args[..], &["--json", "--special"]].concat());
+    let text = special["text"].as_str().unwrap();
+    assert!(text.contains("<|im_end|>\n<|im_start|>"), "{text}");
+    assert_eq!(bbc(&[&args[..], &["--special"]].concat()).trim_end(), text.trim_end());
+}

@@ -5,6 +5,7 @@ use crate::structured::{GrammarConstraint, OutputSpec, Reasoning, StructuredOutp
 use anyhow::{bail, ensure, Context, Result};
 use models::{ChatMessage, ComputeDtype, KvCacheDtype, LogitsFor, StreamDecoder, Tokenizer};
 use runtime::{generate_processed, Engine, GenerateOptions, LogitsProcessor, SamplingParams};
+use std::collections::HashSet;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -48,6 +49,11 @@ pub struct RunArgs {
     /// Print one JSON object {prompt_ids, ids, text} instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// Print special tokens (an end-of-turn token past `--ignore-eos`, say); by default they
+    /// write no text, as in servers' answers, but for those spelling part of a reasoning or
+    /// tool-call marker.
+    #[arg(long)]
+    pub special: bool,
     /// Write the logits of the last prompt position and of every generated step (safetensors, `logits` [steps, vocab]).
     #[arg(long)]
     pub dump_logits: Option<PathBuf>,
@@ -220,6 +226,10 @@ fn stream<B: runtime::Backend>(
         ..GenerateOptions::default()
     };
     let mut processors = processors(spec, tokenizer, &options.stop_tokens)?;
+    let silent = match (args.special, tokenizer) {
+        (false, Some(t)) => crate::serve::special_tokens::silent(t),
+        _ => HashSet::new(),
+    };
     let mut decoder = StreamDecoder::new();
     let mut logits_rows: Vec<f32> = Vec::new();
     let mut stdout = std::io::stdout().lock();
@@ -230,8 +240,8 @@ fn stream<B: runtime::Backend>(
         if let (Some(_), Some(logits)) = (&args.dump_logits, event.logits) {
             logits_rows.extend_from_slice(logits);
         }
-        let stops = options.stop_tokens.contains(&event.token);
-        if !args.json && !stops {
+        let writes = !options.stop_tokens.contains(&event.token) && !silent.contains(&event.token);
+        if !args.json && writes {
             match tokenizer {
                 Some(t) => write!(stdout, "{}", decoder.push(t, event.token)?),
                 None => write!(stdout, "{} ", event.token),
@@ -247,8 +257,9 @@ fn stream<B: runtime::Backend>(
         Some(last) if options.stop_tokens.contains(last) => &ids[..ids.len() - 1],
         _ => &ids[..],
     };
+    let shown: Vec<u32> = shown.iter().copied().filter(|id| !silent.contains(id)).collect();
     let text = match tokenizer {
-        Some(t) => Some(t.decode(shown)?),
+        Some(t) => Some(t.decode(&shown)?),
         None => None,
     };
     if args.json {

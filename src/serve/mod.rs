@@ -20,7 +20,7 @@ mod request;
 mod response;
 mod responses_output;
 mod responses_request;
-mod special_tokens;
+pub(crate) mod special_tokens;
 mod speculation;
 mod structured;
 mod text;
