@@ -1,18 +1,19 @@
 //! One serving step of the CPU backend at several batch sizes (SmolLM2 native Q4_1, or the
 //! model `BBC_BENCH_MODEL` names, e.g. `gemma3-270m`): decode steps of 1, 4, 16 and 64
-//! sequences over a paged KV cache holding 64 positions each, and one prefill chunk of 128 tokens
-//! (`BBC_BENCH_PREFILL` tokens).
+//! sequences over a paged KV cache holding 64 positions each (`BBC_BENCH_CONTEXT` positions, to
+//! time decode at long contexts, where attention's reads of the cache grow), and one prefill
+//! chunk of 128 tokens (`BBC_BENCH_PREFILL` tokens; 0: none).
 //! Prints time per step and tokens per second, and each batch's speed-up over the first measured
 //! in the same run. `cargo bench --bench batched_step`; `BBC_BENCH_BATCHES=1,16` picks the decode
 //! batches (empty: the prefill chunk alone, e.g. to profile it); `BBC_BENCH_DTYPE=f32` (or
-//! `bf16`) runs the matrices widened to that type instead of the file's blocks.
+//! `bf16`) runs the matrices widened to that type instead of the file's blocks;
+//! `BBC_BENCH_KV_DTYPE=f32` (or `bf16`, `f16`) keeps the KV cache in that type.
 
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use runtime::kv::{BlockId, Segment, StateSnapshots};
 use runtime::CpuBackend;
 use std::time::Instant;
 
-const CONTEXT: usize = 64;
 const BLOCK: usize = 16;
 
 fn main() {
@@ -24,10 +25,15 @@ fn main() {
         spec.dtype = ComputeDtype::parse(&dtype)
             .unwrap_or_else(|| panic!("BBC_BENCH_DTYPE: `{dtype}` is not f32, bf16 or native"));
     }
+    if let Ok(dtype) = std::env::var("BBC_BENCH_KV_DTYPE") {
+        spec.kv_cache_dtype = models::KvCacheDtype::parse(&dtype)
+            .unwrap_or_else(|| panic!("BBC_BENCH_KV_DTYPE: `{dtype}` is not auto, f32, bf16 or f16"));
+    }
     let model = Model::open(spec).expect("opening the model");
     let graph = passes::optimized(&model.lower(LogitsFor::LastToken).unwrap(), passes::CostModel::CPU).unwrap();
     let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
-    let blocks_per_seq = (CONTEXT + 1).div_ceil(BLOCK);
+    let context = count_from_env("BBC_BENCH_CONTEXT", 64);
+    let blocks_per_seq = (context + 1).div_ceil(BLOCK);
     let mut base = None;
     println!(
         "{:>10} {:>12} {:>12} {:>10}",
@@ -42,8 +48,8 @@ fn main() {
             })
             .collect();
         let mut pages = backend.new_pages(BLOCK);
-        // Fill every sequence's cache with CONTEXT positions, then time decode steps after it.
-        let prompt: Vec<u32> = (0..CONTEXT as u32).map(|i| 100 + 7 * i).collect();
+        // Fill every sequence's cache with `context` positions, then time decode steps after it.
+        let prompt: Vec<u32> = (0..context as u32).map(|i| 100 + 7 * i % 20000).collect();
         for (i, table) in tables.iter().enumerate() {
             let fill = Segment {
                 table,
@@ -62,7 +68,7 @@ fn main() {
             .enumerate()
             .map(|(i, table)| Segment {
                 table,
-                start: CONTEXT,
+                start: context,
                 ids: &next,
                 state_slot: i,
                 sampled_rows: 1,
@@ -80,10 +86,10 @@ fn main() {
             seconds * 1e3
         );
     }
-    let prefill: usize = std::env::var("BBC_BENCH_PREFILL").map_or(128, |n| {
-        n.parse()
-            .unwrap_or_else(|_| panic!("BBC_BENCH_PREFILL: `{n}` is not a token count"))
-    });
+    let prefill = count_from_env("BBC_BENCH_PREFILL", 128);
+    if prefill == 0 {
+        return;
+    }
     let table: Vec<BlockId> = (0..prefill.div_ceil(BLOCK) as u32).map(BlockId).collect();
     let chunk: Vec<u32> = (0..prefill as u32).map(|i| 300 + 3 * i).collect();
     let mut pages = backend.new_pages(BLOCK);
@@ -105,6 +111,14 @@ fn main() {
         seconds * 1e3,
         prefill as f64 / seconds
     );
+}
+
+/// The count the variable `name` gives, else `default`.
+fn count_from_env(name: &str, default: usize) -> usize {
+    std::env::var(name).map_or(default, |n| {
+        n.parse()
+            .unwrap_or_else(|_| panic!("{name}: `{n}` is not a count"))
+    })
 }
 
 /// The decode batch sizes to time: `BBC_BENCH_BATCHES` (comma-separated), else 1, 4, 16, 64.
