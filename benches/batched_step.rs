@@ -116,8 +116,7 @@ fn main() {
 /// The count the variable `name` gives, else `default`.
 fn count_from_env(name: &str, default: usize) -> usize {
     std::env::var(name).map_or(default, |n| {
-        n.parse()
-            .unwrap_or_else(|_| panic!("{name}: `{n}` is not a count"))
+        n.parse().unwrap_or_else(|_| panic!("{name}: `{n}` is not a count"))
     })
 }
 

@@ -7,7 +7,7 @@
 //! (`serve::output_spec`), `bbc run` from its flags.
 
 use llguidance::api::TopLevelGrammar;
-use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
+use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
 use models::Tokenizer;
 use runtime::LogitsProcessor;
@@ -37,11 +37,11 @@ pub struct StructuredOutputs {
 impl StructuredOutputs {
     /// The compiler for `tokenizer`'s vocabulary, or why its tokens' bytes cannot be known
     /// (a tokenizer that is neither byte-level nor byte-fallback BPE).
-    pub fn new(tokenizer: &Tokenizer) -> Result<Self, String> {
-        let words = token_bytes(tokenizer)?;
+    pub fn new(tokenizer: Arc<Tokenizer>) -> Result<Self, String> {
+        let words = token_bytes(&tokenizer)?;
         let eos = tokenizer.eos.first().copied().unwrap_or(0);
         let trie = TokTrie::from(&TokRxInfo::new(words.len() as u32, eos), &words);
-        Self::over(Arc::new(ApproximateTokEnv::new(trie)))
+        Self::over(Arc::new(ModelTokEnv { trie, tokenizer }))
     }
 
     /// The compiler over the vocabulary of `env`.
@@ -74,6 +74,34 @@ impl StructuredOutputs {
             Some(e) => Err(e),
             None => Ok(matcher),
         }
+    }
+}
+
+/// The vocabulary as llguidance reads it (each token's bytes), and the model's tokenizer for
+/// text ([`GrammarConstraint`]'s proposals).
+struct ModelTokEnv {
+    trie: TokTrie,
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl TokenizerEnv for ModelTokEnv {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    /// The tokenizer's tokens for text; the trie's greedy ones for bytes that are not text
+    /// (a character cut short) or that it fails on.
+    fn tokenize_bytes(&self, bytes: &[u8]) -> Vec<TokenId> {
+        std::str::from_utf8(bytes)
+            .ok()
+            .and_then(|text| self.tokenizer.encode(text, false).ok())
+            .unwrap_or_else(|| self.trie.greedy_tokenize(bytes))
+    }
+
+    /// Not claimed: llguidance would then rewrite prompts and force tokens itself, where bbc
+    /// only drafts them.
+    fn tokenize_is_canonical(&self) -> bool {
+        false
     }
 }
 
@@ -221,6 +249,23 @@ impl LogitsProcessor for GrammarConstraint {
         }
     }
 
+    /// The text the grammar forces next (a JSON schema's keys, a choice's rest once one alone
+    /// fits), tokenized as the model's tokenizer would (the model mostly writes such text so),
+    /// but for its last token, which what follows the text might join. Only where the grammar
+    /// shapes the next token (not inside a reasoning).
+    fn proposals(&mut self) -> Vec<u32> {
+        if self.reasoning != Reasoning::None || self.matcher.is_stopped() {
+            return Vec::new();
+        }
+        let forced = self.matcher.compute_ff_bytes();
+        let Ok(env) = self.matcher.tok_env() else {
+            return Vec::new();
+        };
+        let mut tokens = env.tokenize_bytes(&forced);
+        tokens.pop();
+        tokens
+    }
+
     fn accept(&mut self, token: u32) {
         self.prepared = None;
         match &mut self.reasoning {
@@ -271,7 +316,7 @@ mod tests {
     const EOS: u32 = 261;
 
     fn matcher(spec: OutputSpec) -> Matcher {
-        let compiler = StructuredOutputs::over(ApproximateTokEnv::single_byte_env()).unwrap();
+        let compiler = StructuredOutputs::over(llguidance::toktrie::ApproximateTokEnv::single_byte_env()).unwrap();
         compiler.matcher(&spec).unwrap()
     }
 
@@ -327,6 +372,33 @@ mod tests {
             }
             assert_eq!(allowed(&mut c), [EOS], "{choice}");
         }
+    }
+
+    /// The grammar's forced text is proposed, but for its last token, and without changing
+    /// what the grammar allows; nothing where the next byte is a choice, inside a reasoning,
+    /// or once the output is complete.
+    #[test]
+    fn forced_text_is_proposed_but_its_last_token() {
+        let bytes = |text: &str| text.bytes().map(u32::from).collect::<Vec<_>>();
+        let choices = vec!["yes please".to_string(), "no thanks".to_string()];
+        let mut c = GrammarConstraint::new(matcher(OutputSpec::Choice(choices)), vec![EOS], Reasoning::None);
+        assert_eq!(c.proposals(), Vec::<u32>::new(), "y or n");
+        c.accept(b'y' as u32);
+        assert_eq!(c.proposals(), bytes("es pleas"));
+        assert_eq!(allowed(&mut c), bytes("e"), "proposing consumed nothing");
+        for &b in b"es please" {
+            c.accept(b as u32);
+        }
+        assert_eq!(c.proposals(), Vec::<u32>::new(), "complete");
+        let regex = || matcher(OutputSpec::Regex("ab[0-9]".into()));
+        assert_eq!(
+            GrammarConstraint::new(regex(), vec![EOS], Reasoning::None).proposals(),
+            bytes("a")
+        );
+        let mut thinking = GrammarConstraint::new(regex(), vec![EOS], Reasoning::inside(vec![b'/' as u32]));
+        assert_eq!(thinking.proposals(), Vec::<u32>::new());
+        thinking.accept(b'/' as u32);
+        assert_eq!(thinking.proposals(), bytes("a"), "after the reasoning");
     }
 
     #[test]

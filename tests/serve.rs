@@ -1012,6 +1012,22 @@ fn structured_outputs_take_the_shape_asked_for() {
         "{list:?}"
     );
 
+    // A long choice: once its first token decides it, the rest of its text is drafted (the
+    // server speculates nowhere else) and the answer is still that choice.
+    let options = [
+        "Yes, the sky appears blue because of Rayleigh scattering of sunlight.",
+        "No, the sky only looks blue in pictures taken by cameras.",
+    ];
+    let drafted = server.metric("bbc_spec_decode_draft_tokens_total");
+    let body = json!({"prompt": "Is the sky blue?", "max_tokens": 40, "temperature": 0,
+                      "structured_outputs": {"choice": options}});
+    let (_, whole) = server.post("/v1/completions", &body);
+    assert!(
+        options.contains(&whole["choices"][0]["text"].as_str().unwrap()),
+        "{whole}"
+    );
+    assert!(server.metric("bbc_spec_decode_draft_tokens_total") > drafted + 5.0);
+
     for (body, param) in [
         (
             json!({"prompt": "x", "structured_outputs": {"regex": "(("}}),

@@ -801,6 +801,100 @@ fn constrained_sequences_take_only_what_their_constraint_allows() {
     assert_eq!(results[0], results[1], "drafting changes no constrained token");
 }
 
+/// Forced drafts (what a sequence's processors propose, as a grammar proposes its forced
+/// text) are verified like any drafts, with speculation off: proposals of the very tokens the
+/// sequence goes on to take are all accepted, wrong ones all refused, and either way every
+/// sequence (greedy, sampled, and one beside them proposing nothing) takes what it takes
+/// without proposals; on the tiny Llama and on the tiny Qwen3.5, whose refused drafts are
+/// rewound out of its recurrent state.
+#[test]
+fn forced_drafts_change_no_token() {
+    let sampled = SamplingParams {
+        temperature: 0.8,
+        seed: 5,
+        ..SamplingParams::default()
+    };
+    for family in ["llama", "qwen3_5"] {
+        let model = Model::open(ModelSpec::for_weights(&common::fixture(&format!("hf-tiny/{family}")))).unwrap();
+        let requests = [
+            (stepped(30, 12, 5), SamplingParams::default()),
+            (stepped(9, 7, 3), sampled),
+            (stepped(50, 5, 7), SamplingParams::default()),
+        ];
+        let run = |script: Option<(&[Vec<u32>], u32)>| {
+            let mut engine =
+                ServingEngine::new(backend(&model), speculation_config(runtime::serving::NgramConfig::OFF));
+            let ids: Vec<SeqId> = requests
+                .iter()
+                .enumerate()
+                .map(|(i, (prompt, params))| {
+                    // The last request proposes nothing.
+                    let processors: Vec<Box<dyn LogitsProcessor>> = match script {
+                        Some((tokens, shift)) if i < 2 => vec![Box::new(Foreseeing {
+                            script: tokens[i].clone(),
+                            shift,
+                            taken: 0,
+                        })],
+                        _ => Vec::new(),
+                    };
+                    engine
+                        .add_processed(prompt.clone(), 20, vec![], *params, processors, 0)
+                        .unwrap()
+                })
+                .collect();
+            let (mut drafted, mut accepted) = (0, 0);
+            let got = run_to_idle(&mut engine, |out, _| {
+                drafted += out.drafted;
+                accepted += out.accepted;
+            });
+            (
+                ids.iter().map(|id| got[id].clone()).collect::<Vec<_>>(),
+                drafted,
+                accepted,
+            )
+        };
+        let (plain, drafted, _) = run(None);
+        assert_eq!(drafted, 0, "{family}: no drafts without proposals or speculation");
+        let (foreseen, drafted, accepted) = run(Some((&plain, 0)));
+        assert_eq!(foreseen, plain, "{family}");
+        assert!(
+            drafted > 0 && accepted == drafted,
+            "{family}: {accepted} of {drafted} accepted"
+        );
+        let (misled, drafted, accepted) = run(Some((&plain, 1)));
+        assert_eq!(misled, plain, "{family}");
+        assert!(
+            drafted > 0 && accepted == 0,
+            "{family}: {accepted} of {drafted} wrong drafts accepted"
+        );
+    }
+}
+
+/// A processor for the test above that proposes the next tokens of `script` (each plus
+/// `shift`: 0 the tokens the sequence will take, else wrong ones) and changes no logit.
+struct Foreseeing {
+    script: Vec<u32>,
+    shift: u32,
+    taken: usize,
+}
+
+impl LogitsProcessor for Foreseeing {
+    fn process(&mut self, _logits: &mut [f32]) {}
+
+    fn accept(&mut self, _token: u32) {
+        self.taken += 1;
+    }
+
+    fn proposals(&mut self) -> Vec<u32> {
+        self.script
+            .iter()
+            .skip(self.taken)
+            .take(6)
+            .map(|t| t + self.shift)
+            .collect()
+    }
+}
+
 /// A constraint for the test above: tokens of `alphabet` only, never the one just taken.
 struct NoRepeatsWithin {
     alphabet: Vec<u32>,

@@ -16,6 +16,13 @@ pub trait LogitsProcessor: Send {
     /// (a grammar's mask): the engine calls this while the backend computes the row, on
     /// another thread. What is prepared holds until the next `accept`.
     fn prepare(&mut self) {}
+    /// Tokens this processor expects next (a grammar's forced text, tokenized): the engine
+    /// offers them to the step as drafted tokens, which the model verifies like any others,
+    /// so they change no output, only how many steps it takes. Empty where it knows none.
+    /// Must leave the processor as it was.
+    fn proposals(&mut self) -> Vec<u32> {
+        Vec::new()
+    }
 }
 
 /// The token `sampler` takes from `logits` as `processors` leave them, in order (in a copy,

@@ -12,7 +12,10 @@
 //! works carry drafted tokens of which a random number is accepted: the same checks hold, and
 //! no draft takes a sequence past its `max_tokens` or a step past its budget. Drafts offered
 //! as a draft model offers them (`offer_drafts`, more than a sequence may carry, none for
-//! some) are carried as offered, cut to the sequence's limit, and only where offered. A sequence that
+//! some) are carried as offered, cut to the sequence's limit, and only where offered. Forced
+//! drafts (`offer_forced_drafts`, as a grammar's forced text is offered, whether speculation is
+//! on or not) are carried where offered in place of others, cut to `FORCED_DRAFTS_MOST`, the
+//! sequence's `max_tokens` and the step's budget. A sequence that
 //! computes its whole prompt (`compute_whole_prompt`, for prompt log-probabilities) never
 //! starts from the prefix cache, however often it is preempted. Under the priority policy,
 //! requests of random priorities wait in (priority, arrival) order, and every sequence a
@@ -20,7 +23,9 @@
 
 use proptest::prelude::*;
 use runtime::kv::cache_row;
-use runtime::serving::{NgramConfig, Scheduler, SchedulerConfig, SchedulingPolicy, SeqId, StateCacheConfig, Work};
+use runtime::serving::{
+    NgramConfig, Scheduler, SchedulerConfig, SchedulingPolicy, SeqId, StateCacheConfig, Work, FORCED_DRAFTS_MOST,
+};
 use std::collections::{BTreeMap, HashMap};
 
 #[derive(Debug, Clone)]
@@ -191,6 +196,24 @@ fn offer_drafts(s: &mut Scheduler, offer: bool) -> Option<BTreeMap<SeqId, (usize
     Some(offered)
 }
 
+/// Forced drafts offered for the next step, where `offer` is set: for every other known
+/// sequence (running or not; the scheduler takes them only for decoding ones), more than any
+/// sequence may carry.
+fn offer_forced_drafts(s: &mut Scheduler, kv: &SimulatedKv, offer: bool) -> BTreeMap<SeqId, Vec<u32>> {
+    if !offer {
+        return BTreeMap::new();
+    }
+    let forced: BTreeMap<SeqId, Vec<u32>> = kv
+        .tokens
+        .keys()
+        .filter(|id| id.0 % 2 == 0)
+        .map(|&id| (id, (0..FORCED_DRAFTS_MOST as u32 + 3).map(|j| 60 + j).collect()))
+        .collect();
+    s.offer_forced_drafts(forced.clone());
+    forced
+}
+
+#[allow(clippy::too_many_arguments)]
 fn run_step(
     s: &mut Scheduler,
     kv: &mut SimulatedKv,
@@ -198,8 +221,10 @@ fn run_step(
     accept: usize,
     config: &SchedulerConfig,
     offer: bool,
+    force: bool,
 ) -> usize {
     let offered = offer_drafts(s, offer);
+    let forced = offer_forced_drafts(s, kv, force);
     let schedule = s.schedule();
     // Under the priority policy, whoever was preempted (and not given work again) comes
     // after everyone given work, in (priority, arrival) order.
@@ -222,6 +247,12 @@ fn run_step(
     // Offered drafts are carried as offered, cut to what the sequence may carry; a sequence
     // offered none carries none.
     for w in schedule.work.iter().filter(|w| w.drafts > 0) {
+        if w.forced {
+            let drafts = forced.get(&w.seq).expect("forced drafts only where offered");
+            assert!(w.drafts <= FORCED_DRAFTS_MOST, "{w:?}");
+            assert_eq!(w.drafted(), &drafts[..w.drafts]);
+            continue;
+        }
         if let Some(offered) = &offered {
             let (limit, drafts) = offered.get(&w.seq).expect("drafts only where offered");
             assert!(w.drafts <= *limit, "{w:?} carries more than its limit {limit}");
@@ -253,7 +284,9 @@ fn run_step(
         // Computes at least one token, even when the whole prompt was cached.
         assert!(w.start < w.end && w.tokens.len() == w.end - w.start, "{w:?}");
         kv.run(w, config.block_size);
-        assert!(w.drafts == 0 || (config.speculation.is_on() && w.samples && w.end - w.drafts - w.start == 1));
+        assert!(
+            w.drafts == 0 || ((config.speculation.is_on() || w.forced) && w.samples && w.end - w.drafts - w.start == 1)
+        );
         // Token 7 is the stop token; `stop` decides whether this step emits it after the
         // drafts it accepts.
         if complete(s, kv, w, accept, if stop { 7 } else { 3 }) {
@@ -302,6 +335,7 @@ proptest! {
         prefix_caching in any::<bool>(),
         drafts in 0usize..4,
         offer in any::<bool>(),
+        force in any::<bool>(),
         recurrent_state in any::<bool>(),
         snapshots in 0usize..4,
         interval in 1usize..12,
@@ -347,7 +381,7 @@ proptest! {
                     }
                 }
                 Action::Step { stop, accept } => {
-                    run_step(&mut s, &mut kv, stop, accept, &config, offer);
+                    run_step(&mut s, &mut kv, stop, accept, &config, offer, force);
                 }
                 Action::Abort(i) => {
                     if let Some(&id) = ids.get(i % ids.len().max(1)) {
@@ -361,7 +395,7 @@ proptest! {
         // Everything still queued completes: no livelock, and every block comes back.
         let mut steps = 0;
         while !s.is_idle() {
-            run_step(&mut s, &mut kv, false, 1, &config, offer);
+            run_step(&mut s, &mut kv, false, 1, &config, offer, force);
             prop_assert_eq!(s.check(), Ok(()));
             steps += 1;
             prop_assert!(steps < 10_000, "the scheduler stopped making progress");
@@ -470,7 +504,7 @@ fn a_cached_prefix_is_reused_but_the_last_prompt_token_is_always_computed() {
         kv.run(&work, config.block_size);
         complete(s, kv, &work, 0, 3);
         while !s.is_idle() {
-            run_step(s, kv, false, 0, &config, false);
+            run_step(s, kv, false, 0, &config, false, false);
         }
         span
     };

@@ -8,6 +8,7 @@ use runtime::{generate_processed, Engine, GenerateOptions, LogitsProcessor, Samp
 use std::collections::HashSet;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(clap::Args)]
@@ -136,8 +137,10 @@ pub fn run(args: &RunArgs) -> Result<()> {
         Some(_) => runtime::WeightCache::default(),
         None => loaded.weight_cache(),
     };
-    let tokenizer = loaded.model.tokenizer.as_ref();
-    let prompt = prompt_ids(args, tokenizer)?;
+    // Shared with the grammar compiler, which drafts with it.
+    let tokenizer = loaded.model.tokenizer.take().map(Arc::new);
+    let tokenizer = tokenizer.as_ref();
+    let prompt = prompt_ids(args, tokenizer.map(|t| &**t))?;
     let spec = output_spec(args)?;
     let context = loaded.model.config.context_length;
     if let Some(plans) = &loaded.gpu_plan {
@@ -186,12 +189,12 @@ fn output_spec(args: &RunArgs) -> Result<Option<OutputSpec>> {
 /// first token: `bbc run` prints a reasoning model's reasoning as text, unsplit.
 fn processors(
     spec: Option<&OutputSpec>,
-    tokenizer: Option<&Tokenizer>,
+    tokenizer: Option<&Arc<Tokenizer>>,
     stop_tokens: &[u32],
 ) -> Result<Vec<Box<dyn LogitsProcessor>>> {
     let Some(spec) = spec else { return Ok(Vec::new()) };
     let tokenizer = tokenizer.context("a structured output needs the model's tokenizer (its tokens' bytes)")?;
-    let compiler = StructuredOutputs::new(tokenizer).map_err(anyhow::Error::msg)?;
+    let compiler = StructuredOutputs::new(tokenizer.clone()).map_err(anyhow::Error::msg)?;
     let matcher = compiler
         .matcher(spec)
         .map_err(|e| anyhow::anyhow!("the structured output does not compile: {e}"))?;
@@ -204,10 +207,11 @@ fn stream<B: runtime::Backend>(
     args: &RunArgs,
     engine: &Engine<B>,
     prompt: &[u32],
-    tokenizer: Option<&Tokenizer>,
+    shared_tokenizer: Option<&Arc<Tokenizer>>,
     spec: Option<&OutputSpec>,
     load_time: std::time::Duration,
 ) -> Result<()> {
+    let tokenizer = shared_tokenizer.map(|t| &**t);
     let options = GenerateOptions {
         max_tokens: args.max_tokens,
         sampling: SamplingParams {
@@ -225,7 +229,7 @@ fn stream<B: runtime::Backend>(
         need_logits: args.dump_logits.is_some(),
         ..GenerateOptions::default()
     };
-    let mut processors = processors(spec, tokenizer, &options.stop_tokens)?;
+    let mut processors = processors(spec, shared_tokenizer, &options.stop_tokens)?;
     let silent = match (args.special, tokenizer) {
         (false, Some(t)) => crate::serve::special_tokens::silent(t),
         _ => HashSet::new(),

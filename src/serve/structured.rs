@@ -30,7 +30,7 @@ impl LazyStructuredOutputs {
     pub async fn get(&self) -> Result<&StructuredOutputs, &str> {
         let build = || async {
             let tokenizer = self.tokenizer.clone();
-            tokio::task::spawn_blocking(move || StructuredOutputs::new(&tokenizer))
+            tokio::task::spawn_blocking(move || StructuredOutputs::new(tokenizer))
                 .await
                 .unwrap_or_else(|e| Err(format!("building the grammar compiler failed: {e}")))
         };

@@ -335,6 +335,7 @@ impl<B: PagedBackend> ServingEngine<B> {
             let drafts = drafter.propose(&scheduler.draft_requests())?;
             self.scheduler.offer_drafts(drafts);
         }
+        self.offer_forced_drafts();
         let mut schedule = self.scheduler.schedule();
         schedule.work.retain(|w| {
             let keep = wanted(w.seq);
@@ -459,6 +460,25 @@ impl<B: PagedBackend> ServingEngine<B> {
             }
         }
         Ok(out)
+    }
+
+    /// What each sequence's logits processors expect next (a grammar's forced text), offered
+    /// to the next step as drafts where the backend verifies drafts: a JSON schema's keys and
+    /// punctuation then take one step for several tokens (SGLang's jump-forward decoding, as
+    /// speculation: the model still chooses every token, so the output is the same).
+    fn offer_forced_drafts(&mut self) {
+        if self.processors.is_empty() || !self.backend.verifies_drafts() {
+            return;
+        }
+        let forced = self
+            .processors
+            .iter_mut()
+            .filter_map(|(&id, processors)| {
+                let proposals = processors.iter_mut().map(|p| p.proposals()).find(|p| !p.is_empty())?;
+                Some((id, proposals))
+            })
+            .collect();
+        self.scheduler.offer_forced_drafts(forced);
     }
 
     /// The log-probabilities of `work`'s prompt positions that its rows `rows` (positions,

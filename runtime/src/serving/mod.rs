@@ -17,6 +17,6 @@ pub use engine::{PagedBackend, Sampled, ServingEngine, StateSnapshotting, StepOu
 pub use ngram::NgramConfig;
 pub use scheduler::{
     AddError, DraftRequest, FinishReason, Finished, PrefixCacheStats, Schedule, Scheduler, SchedulerConfig,
-    SchedulingPolicy, SeqId, Work,
+    SchedulingPolicy, SeqId, Work, FORCED_DRAFTS_MOST,
 };
 pub use state_cache::StateCacheConfig;

@@ -122,6 +122,11 @@ struct Seq {
     /// drafts none (after a step whose drafts were all rejected).
     draft_len: usize,
     draft_pause: usize,
+    /// How many forced tokens it may draft next: [`FORCED_DRAFTS_MOST`] at first, cut to what
+    /// the model accepted after a refusal (a small model may spell the forced text its own
+    /// way, and every refused draft is a row computed for nothing), doubled back after a step
+    /// that accepted them all.
+    forced_len: usize,
     /// Whether its admission may start it from cached blocks (not where every prompt row's
     /// output is wanted: a cached position is never computed).
     reads_prefix_cache: bool,
@@ -156,6 +161,9 @@ pub struct Work {
     pub restore: Option<usize>,
     /// The snapshots of its recurrent state it saves, ascending.
     pub saves: Vec<StateSave>,
+    /// Whether its drafts are forced ones ([`Scheduler::offer_forced_drafts`]), which leave
+    /// the sequence's speculation (its draft length, its pauses) as it was.
+    pub forced: bool,
 }
 
 impl Work {
@@ -214,6 +222,10 @@ pub enum SchedulingPolicy {
 /// Decode steps a sequence drafts nothing after its drafts were all rejected.
 const DRAFT_PAUSE: usize = 4;
 
+/// The most forced drafts a step verifies for one sequence: a grammar's forced text is rarely
+/// longer, and every draft is a row the step computes.
+pub const FORCED_DRAFTS_MOST: usize = 16;
+
 pub struct Scheduler {
     config: SchedulerConfig,
     blocks: BlockManager,
@@ -229,6 +241,8 @@ pub struct Scheduler {
     /// Drafts offered for the next step (a draft model's, see [`Scheduler::offer_drafts`]),
     /// taken there instead of prompt lookup's.
     offered: Option<BTreeMap<SeqId, Vec<u32>>>,
+    /// Forced drafts for the next step (see [`Scheduler::offer_forced_drafts`]).
+    forced: BTreeMap<SeqId, Vec<u32>>,
     policy: SchedulingPolicy,
 }
 
@@ -261,6 +275,7 @@ impl Scheduler {
                 config.block_size,
             ),
             offered: None,
+            forced: BTreeMap::new(),
             policy: SchedulingPolicy::Fcfs,
         }
     }
@@ -385,6 +400,7 @@ impl Scheduler {
                 last_snapshot: None,
                 draft_len: self.config.speculation.tokens,
                 draft_pause: 0,
+                forced_len: FORCED_DRAFTS_MOST,
                 reads_prefix_cache: true,
                 priority,
             },
@@ -465,10 +481,19 @@ impl Scheduler {
         self.offered = Some(drafts);
     }
 
+    /// Drafts for the next [`schedule`](Self::schedule) that their proposer is all but sure
+    /// of (the text a sequence's grammar forces): a decoding sequence carries them, cut to
+    /// [`FORCED_DRAFTS_MOST`] and what the step and its `max_tokens` have room for, in place of
+    /// its speculation's drafts, whether speculation is on or not. They are for that step only.
+    pub fn offer_forced_drafts(&mut self, drafts: BTreeMap<SeqId, Vec<u32>>) {
+        self.forced = drafts;
+    }
+
     /// Decide the next step.
     pub fn schedule(&mut self) -> Schedule {
         let schedule = self.schedule_work();
         self.offered = None;
+        self.forced.clear();
         schedule
     }
 
@@ -482,7 +507,7 @@ impl Scheduler {
             let seq = &self.seqs[&id];
             let end = self.chunk_end(seq.cached, seq.cached + (seq.tokens.len() - seq.cached).min(budget));
             let n = end - seq.cached;
-            let mut drafts = self.drafts(id, budget);
+            let (mut drafts, forced) = self.drafts(id, budget);
             let mut table = std::mem::take(&mut self.seqs.get_mut(&id).expect("running").table);
             // Drafts only where blocks are free for them: never preempt for a guess.
             if !drafts.is_empty() && self.grow(&mut table, end + drafts.len()).is_err() {
@@ -492,7 +517,8 @@ impl Scheduler {
                 Ok(()) => {
                     self.seqs.get_mut(&id).expect("running").table = table;
                     budget -= n + drafts.len();
-                    let work = self.work(id, end, drafts, None);
+                    let mut work = self.work(id, end, drafts, None);
+                    work.forced = forced && work.drafts > 0;
                     out.work.push(work);
                     i += 1;
                 }
@@ -600,19 +626,38 @@ impl Scheduler {
         room.min(seq.draft_len)
     }
 
-    /// Tokens to draft after sequence `id`'s last one, within its [`draft_limit`] and the
-    /// step's `budget` (its own token first): those offered for it where drafts were offered,
-    /// else prompt lookup's.
-    fn drafts(&mut self, id: SeqId, budget: usize) -> Vec<u32> {
+    /// Tokens to draft after sequence `id`'s last one, within the step's `budget` (its own
+    /// token first), and whether they are forced: the forced drafts offered for it, within
+    /// [`forced_limit`]; else, within its [`draft_limit`], those offered for it where drafts
+    /// were offered, else prompt lookup's.
+    fn drafts(&mut self, id: SeqId, budget: usize) -> (Vec<u32>, bool) {
         let seq = &self.seqs[&id];
+        if let Some(mut forced) = self.forced.remove(&id) {
+            forced.truncate(Self::forced_limit(seq).min(budget - 1));
+            if !forced.is_empty() {
+                return (forced, true);
+            }
+        }
         let limit = self.draft_limit(seq).min(budget - 1);
-        match self.offered.as_mut() {
+        let drafts = match self.offered.as_mut() {
             Some(offered) => {
                 let mut drafts = offered.remove(&id).unwrap_or_default();
                 drafts.truncate(limit);
                 drafts
             }
             None => self.config.speculation.propose(&seq.tokens, limit),
+        };
+        (drafts, false)
+    }
+
+    /// How many forced tokens `seq` may draft after its last one: none unless it decodes;
+    /// at most its forced draft length, and so that every draft accepted plus the token
+    /// sampled after them stays within its `max_tokens`.
+    fn forced_limit(seq: &Seq) -> usize {
+        let decoding = seq.tokens.len() - seq.cached == 1;
+        match decoding {
+            true => seq.max_tokens.saturating_sub(seq.generated() + 1).min(seq.forced_len),
+            false => 0,
         }
     }
 
@@ -650,6 +695,7 @@ impl Scheduler {
             drafts: count,
             restore,
             saves,
+            forced: false,
         }
     }
 
@@ -739,7 +785,13 @@ impl Scheduler {
         // The positions computed and kept: the work's own tokens and the accepted drafts.
         let accepted = work.accepted(taken);
         seq.cached = work.end - work.drafts + accepted;
-        if work.samples && work.drafts == 0 {
+        if work.forced {
+            seq.forced_len = match accepted == work.drafts {
+                true => (2 * seq.forced_len).min(FORCED_DRAFTS_MOST),
+                false => accepted.max(1),
+            };
+        }
+        if work.samples && (work.drafts == 0 || work.forced) {
             seq.draft_pause = seq.draft_pause.saturating_sub(1);
         } else if work.drafts > 0 {
             let most = self.config.speculation.tokens;
