@@ -1110,6 +1110,51 @@ fn speculative_decoding_on_hybrid_plans_rewinds_refused_drafts() {
     }
 }
 
+/// Forced drafts (a grammar's proposals) on a hybrid plan keeping checkpoints for two drafts
+/// a sequence, speculation off: proposals of six tokens are cut to the two the plan can
+/// rewind, and the tokens are the CPU backend's.
+#[test]
+fn forced_drafts_on_a_hybrid_plan_stay_within_its_checkpoints() {
+    use bbc::gpu_check::kernels as check;
+    use common::drafting::Foreseeing;
+    use runtime::serving::{NgramConfig, ServingEngine};
+    let model = open("qwen3_5", ComputeDtype::F32);
+    let config = SchedulerConfig {
+        speculation: NgramConfig::OFF,
+        ..check::hybrid_serving(check::DRAFTING)
+    };
+    let prompts = check::periodic_prompts(&check::QWEN3_5_DRAFTED);
+    let cpu = CpuBackend::new(model.lower(LogitsFor::AllTokens).unwrap(), &model.weights, 64).unwrap();
+    let want = greedy_tokens(&mut ServingEngine::new(cpu, config), &prompts, 12);
+    let (gpu_graph, plan, kernels) = serving_plan(&model, &config, config.max_running);
+    let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+        .unwrap()
+        .verify_drafts_up_to(2)
+        .unwrap();
+    let mut engine = ServingEngine::new(gpu, config);
+    let ids: Vec<_> = prompts
+        .iter()
+        .zip(&want)
+        .map(|(prompt, tokens)| {
+            let foreseeing: Box<dyn runtime::LogitsProcessor> = Box::new(Foreseeing::new(tokens.clone(), 0));
+            let greedy = runtime::SamplingParams::default();
+            engine
+                .add_processed(prompt.clone(), 12, vec![], greedy, vec![foreseeing], 0)
+                .unwrap()
+        })
+        .collect();
+    let (mut drafted, mut accepted, mut got) = (0, 0, std::collections::HashMap::new());
+    while !engine.scheduler().is_idle() {
+        let out = engine.step().unwrap();
+        drafted += out.drafted;
+        accepted += out.accepted;
+        got.extend(out.finished.into_iter().map(|d| (d.seq, d.generated)));
+    }
+    let got: Vec<Vec<u32>> = ids.iter().map(|id| got[id].clone()).collect();
+    assert_eq!(got, want);
+    assert!(drafted > 0 && accepted == drafted, "{accepted} of {drafted} accepted");
+}
+
 /// The mechanism beneath, on the device: after a step verifying three drafts, the plan's
 /// rewind leaves a sequence exactly where one that ran only the rows kept is (its next step's
 /// logits are bit for bit the same), for every `kept`: both the convolution's window (reaching
@@ -1302,6 +1347,9 @@ impl<B: runtime::serving::PagedBackend> runtime::serving::PagedBackend for Count
     }
     fn max_sequences(&self) -> Option<usize> {
         self.inner.max_sequences()
+    }
+    fn max_drafts(&self) -> Option<usize> {
+        self.inner.max_drafts()
     }
     fn has_recurrent_state(&self) -> bool {
         self.inner.has_recurrent_state()

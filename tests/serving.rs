@@ -5,6 +5,7 @@
 
 mod common;
 
+use common::drafting::Foreseeing;
 use models::{LogitsFor, Model, ModelSpec};
 use runtime::serving::{LogitsProcessor, Scheduler, SchedulerConfig, SeqId, ServingEngine, StepOutput};
 use runtime::{generate, CpuBackend, Engine, GenerateOptions, SamplingParams};
@@ -830,11 +831,7 @@ fn forced_drafts_change_no_token() {
                 .map(|(i, (prompt, params))| {
                     // The last request proposes nothing.
                     let processors: Vec<Box<dyn LogitsProcessor>> = match script {
-                        Some((tokens, shift)) if i < 2 => vec![Box::new(Foreseeing {
-                            script: tokens[i].clone(),
-                            shift,
-                            taken: 0,
-                        })],
+                        Some((tokens, shift)) if i < 2 => vec![Box::new(Foreseeing::new(tokens[i].clone(), shift))],
                         _ => Vec::new(),
                     };
                     engine
@@ -867,31 +864,6 @@ fn forced_drafts_change_no_token() {
             drafted > 0 && accepted == 0,
             "{family}: {accepted} of {drafted} wrong drafts accepted"
         );
-    }
-}
-
-/// A processor for the test above that proposes the next tokens of `script` (each plus
-/// `shift`: 0 the tokens the sequence will take, else wrong ones) and changes no logit.
-struct Foreseeing {
-    script: Vec<u32>,
-    shift: u32,
-    taken: usize,
-}
-
-impl LogitsProcessor for Foreseeing {
-    fn process(&mut self, _logits: &mut [f32]) {}
-
-    fn accept(&mut self, _token: u32) {
-        self.taken += 1;
-    }
-
-    fn proposals(&mut self) -> Vec<u32> {
-        self.script
-            .iter()
-            .skip(self.taken)
-            .take(6)
-            .map(|t| t + self.shift)
-            .collect()
     }
 }
 

@@ -1,6 +1,8 @@
-//! Two drafters compared round after round, as an engine would drive them.
+//! Two drafters compared round after round, as an engine would drive them; a logits processor
+//! that proposes drafts as a grammar proposes its forced text.
 
 use runtime::serving::{DraftRequest, Drafter, SeqId};
+use runtime::LogitsProcessor;
 
 /// Ask `want` and `got` for drafts for `sequences` (ids 0, 1, …) in `rounds` rounds, and
 /// check they propose the same; after each round every sequence keeps some of the drafts
@@ -30,5 +32,40 @@ pub fn propose_alike(
             tokens.extend(&drafts[..(i + round) % (drafts.len() + 1)]);
             tokens.push((17 * round as u32 + i as u32) % 300);
         }
+    }
+}
+
+/// A logits processor that proposes the next six tokens of `script` (each plus `shift`: 0 the
+/// tokens the sequence will take, else wrong ones) and changes no logit.
+pub struct Foreseeing {
+    script: Vec<u32>,
+    shift: u32,
+    taken: usize,
+}
+
+impl Foreseeing {
+    pub fn new(script: Vec<u32>, shift: u32) -> Self {
+        Self {
+            script,
+            shift,
+            taken: 0,
+        }
+    }
+}
+
+impl LogitsProcessor for Foreseeing {
+    fn process(&mut self, _logits: &mut [f32]) {}
+
+    fn accept(&mut self, _token: u32) {
+        self.taken += 1;
+    }
+
+    fn proposals(&mut self) -> Vec<u32> {
+        self.script
+            .iter()
+            .skip(self.taken)
+            .take(6)
+            .map(|t| t + self.shift)
+            .collect()
     }
 }

@@ -483,6 +483,10 @@ impl<D: PlanDevice> crate::serving::PagedBackend for PlanExecutor<D> {
         }
     }
 
+    fn max_drafts(&self) -> Option<usize> {
+        (!self.plan.recurrent_states.is_empty()).then_some(self.draft_checkpoints)
+    }
+
     fn has_recurrent_state(&self) -> bool {
         !self.plan.recurrent_states.is_empty()
     }

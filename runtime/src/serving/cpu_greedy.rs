@@ -66,6 +66,9 @@ impl PagedBackend for CpuGreedyServing {
     fn verifies_drafts(&self) -> bool {
         PagedBackend::verifies_drafts(&self.logits)
     }
+    fn max_drafts(&self) -> Option<usize> {
+        PagedBackend::max_drafts(&self.logits)
+    }
     fn rewind_state(&self, pages: &mut KvPages, state_slot: usize, sampled_rows: usize, kept: usize) -> Result<()> {
         PagedBackend::rewind_state(&self.logits, pages, state_slot, sampled_rows, kept)
     }

@@ -28,6 +28,11 @@ pub trait PagedBackend {
     fn max_sequences(&self) -> Option<usize> {
         None
     }
+    /// The most drafted tokens one segment may carry, where the backend keeps something per
+    /// draft in a fixed number of places (a GPU plan's recurrent-state checkpoints).
+    fn max_drafts(&self) -> Option<usize> {
+        None
+    }
     /// Whether the model keeps a recurrent state per sequence (Gated DeltaNet layers), which
     /// cached blocks do not hold.
     fn has_recurrent_state(&self) -> bool {
@@ -470,12 +475,14 @@ impl<B: PagedBackend> ServingEngine<B> {
         if self.processors.is_empty() || !self.backend.verifies_drafts() {
             return;
         }
+        let most = self.backend.max_drafts().unwrap_or(usize::MAX);
         let forced = self
             .processors
             .iter_mut()
             .filter_map(|(&id, processors)| {
-                let proposals = processors.iter_mut().map(|p| p.proposals()).find(|p| !p.is_empty())?;
-                Some((id, proposals))
+                let mut proposals = processors.iter_mut().map(|p| p.proposals()).find(|p| !p.is_empty())?;
+                proposals.truncate(most);
+                (!proposals.is_empty()).then_some((id, proposals))
             })
             .collect();
         self.scheduler.offer_forced_drafts(forced);
