@@ -1110,27 +1110,57 @@ fn speculative_decoding_on_hybrid_plans_rewinds_refused_drafts() {
     }
 }
 
-/// Forced drafts (a grammar's proposals) on a hybrid plan keeping checkpoints for two drafts
-/// a sequence, speculation off: proposals of six tokens are cut to the two the plan can
-/// rewind, and the tokens are the CPU backend's.
+/// Forced drafts (a grammar's proposals) on batched plans, speculation off: on the tiny
+/// Llama's, six-token proposals verified whole; on the tiny Qwen3.5's, keeping checkpoints
+/// for two drafts a sequence, cut to the two it can rewind; the tokens the CPU backend's.
 #[test]
-fn forced_drafts_on_a_hybrid_plan_stay_within_its_checkpoints() {
+fn forced_drafts_on_batched_plans_stay_within_what_they_verify() {
     use bbc::gpu_check::kernels as check;
-    use common::drafting::Foreseeing;
-    use runtime::serving::{NgramConfig, ServingEngine};
-    let model = open("qwen3_5", ComputeDtype::F32);
+    use runtime::serving::NgramConfig;
+    let llama = open("llama", ComputeDtype::F32);
+    let config = serving_config(32, 64);
+    let (graph, plan, kernels) = serving_plan(&llama, &config, config.max_running);
+    let gpu = EmulatedBackend::emulated(plan, kernels, graph, &llama.weights, &[], 64).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..3u32)
+        .map(|i| (0..9).map(|j| 30 + 5 * i + 3 * j).collect())
+        .collect();
+    let (drafted, accepted) = serves_forced_drafts(&llama, gpu, config, &prompts);
+    assert!(
+        drafted > 12 && accepted == drafted,
+        "llama: {accepted} of {drafted} accepted"
+    );
+
+    let qwen = open("qwen3_5", ComputeDtype::F32);
     let config = SchedulerConfig {
         speculation: NgramConfig::OFF,
         ..check::hybrid_serving(check::DRAFTING)
     };
-    let prompts = check::periodic_prompts(&check::QWEN3_5_DRAFTED);
-    let cpu = CpuBackend::new(model.lower(LogitsFor::AllTokens).unwrap(), &model.weights, 64).unwrap();
-    let want = greedy_tokens(&mut ServingEngine::new(cpu, config), &prompts, 12);
-    let (gpu_graph, plan, kernels) = serving_plan(&model, &config, config.max_running);
-    let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+    let (graph, plan, kernels) = serving_plan(&qwen, &config, config.max_running);
+    let gpu = EmulatedBackend::emulated(plan, kernels, graph, &qwen.weights, &[], 64)
         .unwrap()
         .verify_drafts_up_to(2)
         .unwrap();
+    let prompts = check::periodic_prompts(&check::QWEN3_5_DRAFTED);
+    let (drafted, accepted) = serves_forced_drafts(&qwen, gpu, config, &prompts);
+    assert!(
+        drafted > 0 && accepted == drafted,
+        "qwen3_5: {accepted} of {drafted} accepted"
+    );
+}
+
+/// `prompts` served greedily, 12 tokens each, on `gpu`, each sequence proposing as forced
+/// drafts the tokens it takes on the CPU backend (where it serves without proposals); checked
+/// to take those tokens. The tokens drafted and accepted.
+fn serves_forced_drafts<B: runtime::serving::PagedBackend>(
+    model: &Model,
+    gpu: B,
+    config: SchedulerConfig,
+    prompts: &[Vec<u32>],
+) -> (usize, usize) {
+    use common::drafting::Foreseeing;
+    use runtime::serving::ServingEngine;
+    let cpu = CpuBackend::new(model.lower(LogitsFor::AllTokens).unwrap(), &model.weights, 64).unwrap();
+    let want = greedy_tokens(&mut ServingEngine::new(cpu, config), prompts, 12);
     let mut engine = ServingEngine::new(gpu, config);
     let ids: Vec<_> = prompts
         .iter()
@@ -1152,7 +1182,7 @@ fn forced_drafts_on_a_hybrid_plan_stay_within_its_checkpoints() {
     }
     let got: Vec<Vec<u32>> = ids.iter().map(|id| got[id].clone()).collect();
     assert_eq!(got, want);
-    assert!(drafted > 0 && accepted == drafted, "{accepted} of {drafted} accepted");
+    (drafted, accepted)
 }
 
 /// The mechanism beneath, on the device: after a step verifying three drafts, the plan's
