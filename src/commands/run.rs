@@ -137,7 +137,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         Some(_) => runtime::WeightCache::default(),
         None => loaded.weight_cache(),
     };
-    // Shared with the grammar compiler, which drafts with it.
+    // Shared with the grammar compiler, which keeps it (a server drafts forced text with it).
     let tokenizer = loaded.model.tokenizer.take().map(Arc::new);
     let tokenizer = tokenizer.as_ref();
     let prompt = prompt_ids(args, tokenizer.map(|t| &**t))?;

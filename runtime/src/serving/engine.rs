@@ -468,9 +468,10 @@ impl<B: PagedBackend> ServingEngine<B> {
     }
 
     /// What each sequence's logits processors expect next (a grammar's forced text), offered
-    /// to the next step as drafts where the backend verifies drafts: a JSON schema's keys and
-    /// punctuation then take one step for several tokens (SGLang's jump-forward decoding, as
-    /// speculation: the model still chooses every token, so the output is the same).
+    /// to the next step as drafts where the backend verifies drafts, at most as many as it can:
+    /// a choice's rest, a JSON schema's property name, then take one step for several tokens
+    /// (SGLang's jump-forward decoding, as speculation: the model still chooses every token,
+    /// so the output is the same).
     fn offer_forced_drafts(&mut self) {
         if self.processors.is_empty() || !self.backend.verifies_drafts() {
             return;
