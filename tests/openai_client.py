@@ -110,6 +110,23 @@ for event in client.responses.create(
         response_pieces.append(event.delta)
     if event.type in ("response.completed", "response.incomplete"):
         response_final = event.response
+# Log-probabilities of the answer's tokens, two alternatives each: chat's, the Responses
+# API's (whole and streamed, where `include` asks for them).
+chat_logprobs = client.chat.completions.create(
+    model="smollm2", messages=question, max_completion_tokens=12, temperature=0, logprobs=True, top_logprobs=2
+).choices[0].logprobs.content
+scored = client.responses.create(
+    model="smollm2", input="What is the capital of France?", max_output_tokens=12, temperature=0,
+    top_logprobs=2, include=["message.output_text.logprobs"],
+)
+streamed_logprobs = []
+for event in client.responses.create(
+    model="smollm2", input="What is the capital of France?", max_output_tokens=12, temperature=0,
+    top_logprobs=2, include=["message.output_text.logprobs"], stream=True,
+):
+    if event.type == "response.output_text.delta":
+        streamed_logprobs.extend(event.logprobs)
+as_lists = lambda entries: [[e.token, e.logprob, [[a.token, a.logprob] for a in e.top_logprobs]] for e in entries]
 flat_tools = [{"type": "function", **tools[0]["function"]}]
 weather_text = weather[0]["content"]
 named_response = client.responses.create(
@@ -168,6 +185,10 @@ print(
             "responses_call": [response_call.name, response_call.arguments],
             "responses_after_the_call": followed.output_text,
             "responses_auto": [[i.type, getattr(i, "name", None), getattr(i, "arguments", None)] for i in auto_response.output],
+            "chat_logprobs": as_lists(chat_logprobs),
+            "responses_logprobs": as_lists(scored.output[0].content[0].logprobs),
+            "responses_stream_logprobs": as_lists(streamed_logprobs),
+            "responses_plain_logprobs": response.output[0].content[0].logprobs,
         }
     )
 )

@@ -639,6 +639,16 @@ fn the_openai_python_client_works() {
     assert_eq!(got["responses_stream_text"], got["chat"]);
     assert_eq!(got["responses_status"], "incomplete", "12 tokens cut it short");
     assert_eq!(got["responses_usage"][1], 12);
+    // Its tokens' log-probabilities where asked for: chat's, whole and streamed.
+    let logprobs = got["chat_logprobs"].as_array().unwrap();
+    assert_eq!(logprobs.len(), 12);
+    assert!(
+        logprobs.iter().all(|e| e[2].as_array().unwrap().len() == 2),
+        "{logprobs:?}"
+    );
+    assert_eq!(got["responses_logprobs"], got["chat_logprobs"]);
+    assert_eq!(got["responses_stream_logprobs"], got["chat_logprobs"]);
+    assert_eq!(got["responses_plain_logprobs"], json!([]), "none unless asked for");
     assert_eq!(got["responses_call"][0], "get_weather");
     let arguments: Value = serde_json::from_str(got["responses_call"][1].as_str().unwrap()).unwrap();
     assert!(arguments["city"].is_string(), "{arguments}");

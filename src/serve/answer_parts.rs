@@ -4,6 +4,7 @@
 //! like ([`PartSink`]) and how its stream begins, ends and fails ([`EventSink`]).
 
 use super::generation::{Generation, Output};
+use super::response;
 use super::tools::{ToolCall, ToolCalling};
 use axum::response::sse::{Event as SseEvent, Sse};
 use serde_json::Value;
@@ -27,6 +28,11 @@ pub trait PartSink {
     fn open(&mut self, part: Part);
     /// `text` onto the open part.
     fn append(&mut self, text: &str);
+    /// `text` of the answer onto the open text part, with its tokens' log-probabilities
+    /// (chat's `logprobs.content` entries; empty unless the request asks for them).
+    fn append_answer(&mut self, text: &str, _logprobs: Vec<Value>) {
+        self.append(text);
+    }
     /// The open part done.
     fn close(&mut self);
     /// The answer ended (`Output::Finish`'s reason and stop string), every part closed.
@@ -64,13 +70,18 @@ impl PartRouter {
 
     /// `text` onto the open part of `part`'s sort, opening one (and closing another) first.
     fn append(&mut self, sink: &mut impl PartSink, part: Part, text: &str) {
+        self.open_for(sink, part);
+        sink.append(text);
+    }
+
+    /// Have a part of `part`'s sort open, opening one (and closing another) where none is.
+    fn open_for(&mut self, sink: &mut impl PartSink, part: Part) {
         let sort = std::mem::discriminant(&part);
         if self.open != Some(sort) {
             self.close(sink);
             sink.open(part);
             self.open = Some(sort);
         }
-        sink.append(text);
     }
 
     fn close(&mut self, sink: &mut impl PartSink) {
@@ -90,9 +101,15 @@ impl PartRouter {
         }
     }
 
-    pub fn take(&mut self, sink: &mut impl PartSink, output: Output) -> Result<(), String> {
+    /// Route one of `g`'s outputs.
+    pub fn take(&mut self, sink: &mut impl PartSink, output: Output, g: &Generation) -> Result<(), String> {
         match output {
-            Output::Text { text, reasoning, .. } => {
+            Output::Text {
+                text,
+                reasoning,
+                logprobs,
+                ..
+            } => {
                 if !reasoning.is_empty() {
                     self.append(sink, Part::Reasoning, &reasoning);
                 }
@@ -105,7 +122,18 @@ impl PartRouter {
                             self.append(sink, part, &text)
                         }
                         Some(ToolCalling::Required { .. }) => self.required_text += &text,
-                        Some(ToolCalling::Auto { .. }) | None => self.append(sink, Part::Text, &text),
+                        Some(ToolCalling::Auto { .. }) | None => {
+                            // A piece that also ends the reasoning carries the tokens of both:
+                            // they go with its answer's text.
+                            let logprobs = match g.info.logprobs {
+                                Some(alternatives) => {
+                                    response::logprob_content(g, alternatives, &response::generated_entries(logprobs))
+                                }
+                                None => Vec::new(),
+                            };
+                            self.open_for(sink, Part::Text);
+                            sink.append_answer(&text, logprobs);
+                        }
                     }
                 }
             }
@@ -151,7 +179,7 @@ pub fn stream<S: EventSink>(
                 }
                 match g.next().await {
                     Some(output) => {
-                        if let Err(message) = router.take(&mut sink, output) {
+                        if let Err(message) = router.take(&mut sink, output, &g) {
                             sink.failed(message);
                             ended = true;
                         }

@@ -158,7 +158,7 @@ impl EventSink for Builder {
 pub async fn complete(mut g: Generation) -> Response {
     let (mut router, mut b) = (PartRouter::new(&g), Builder::new(&g));
     while let Some(output) = g.next().await {
-        if let Err(message) = router.take(&mut b, output) {
+        if let Err(message) = router.take(&mut b, output, &g) {
             return error_response(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message));
         }
     }

@@ -51,10 +51,10 @@ fn chunk(g: &Generation, choices: Value) -> Value {
 }
 
 /// A token and its log-probabilities, where it has any (an echoed prompt's first has none).
-type LogprobEntry = (u32, Option<TokenLogprobs>);
+pub type LogprobEntry = (u32, Option<TokenLogprobs>);
 
 /// Generated tokens as entries.
-fn generated_entries(logprobs: Vec<(u32, TokenLogprobs)>) -> Vec<LogprobEntry> {
+pub fn generated_entries(logprobs: Vec<(u32, TokenLogprobs)>) -> Vec<LogprobEntry> {
     logprobs.into_iter().map(|(id, lp)| (id, Some(lp))).collect()
 }
 
@@ -96,23 +96,31 @@ fn logprobs_json(g: &Generation, entries: &[LogprobEntry], text_offset: &mut usi
                 "text_offset": offsets,
             })
         }
-        Endpoint::Chat => {
-            let entry = |id: u32, logprob: Option<f32>| {
-                let t = text(id);
-                json!({ "token": t, "logprob": logprob, "bytes": t.as_bytes() })
-            };
-            let content: Vec<Value> = entries
-                .iter()
-                .map(|(id, lp)| {
-                    let mut e = entry(*id, lp.as_ref().map(|lp| lp.logprob));
-                    let alternatives = lp.as_ref().map(top).unwrap_or_default();
-                    e["top_logprobs"] = alternatives.into_iter().map(|(id, p)| entry(id, Some(p))).collect();
-                    e
-                })
-                .collect();
-            json!({ "content": content })
-        }
+        Endpoint::Chat => json!({ "content": logprob_content(g, alternatives, entries) }),
     }
+}
+
+/// Chat's `logprobs.content` (the Responses API's `logprobs` too): per token its text,
+/// log-probability, bytes, and `alternatives` of the same with theirs.
+pub fn logprob_content(g: &Generation, alternatives: usize, entries: &[LogprobEntry]) -> Vec<Value> {
+    let entry = |id: u32, logprob: Option<f32>| {
+        let t = token_text(g, id);
+        json!({ "token": t, "logprob": logprob, "bytes": t.as_bytes() })
+    };
+    entries
+        .iter()
+        .map(|(id, lp)| {
+            let mut e = entry(*id, lp.as_ref().map(|lp| lp.logprob));
+            // A prompt scored for `prompt_logprobs` may carry more alternatives than these.
+            let top = lp.as_ref().map(|lp| &lp.top[..alternatives.min(lp.top.len())]);
+            e["top_logprobs"] = top
+                .unwrap_or_default()
+                .iter()
+                .map(|&(id, p)| entry(id, Some(p)))
+                .collect();
+            e
+        })
+        .collect()
 }
 
 /// How log-probabilities name token `id`: its text, or vLLM's `token_id:N` where the request

@@ -22,6 +22,8 @@ struct Open {
     id: String,
     index: usize,
     text: String,
+    /// A message's tokens' log-probabilities (where the request asks for them).
+    logprobs: Vec<Value>,
 }
 
 enum OpenKind {
@@ -112,6 +114,7 @@ impl PartSink for Builder {
             id,
             index,
             text: String::new(),
+            logprobs: Vec::new(),
         };
         self.event(
             "response.output_item.added",
@@ -128,8 +131,13 @@ impl PartSink for Builder {
     }
 
     fn append(&mut self, text: &str) {
+        self.append_answer(text, Vec::new());
+    }
+
+    fn append_answer(&mut self, text: &str, logprobs: Vec<Value>) {
         let open = self.open.as_mut().expect("an open item");
         open.text += text;
+        open.logprobs.extend(logprobs.iter().cloned());
         let (id, index) = (open.id.clone(), open.index);
         let (kind, fields) = match open.kind {
             OpenKind::Reasoning => (
@@ -138,7 +146,7 @@ impl PartSink for Builder {
             ),
             OpenKind::Message => (
                 "response.output_text.delta",
-                json!({"item_id": id, "output_index": index, "content_index": 0, "delta": text, "logprobs": []}),
+                json!({"item_id": id, "output_index": index, "content_index": 0, "delta": text, "logprobs": logprobs}),
             ),
             OpenKind::Call { .. } => (
                 "response.function_call_arguments.delta",
@@ -160,12 +168,12 @@ impl PartSink for Builder {
             OpenKind::Message => {
                 self.event(
                     "response.output_text.done",
-                    json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": []}),
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": open.logprobs}),
                 );
                 self.event(
                     "response.content_part.done",
                     json!({"item_id": id, "output_index": index, "content_index": 0,
-                           "part": {"type": "output_text", "text": text, "annotations": []}}),
+                           "part": {"type": "output_text", "text": text, "annotations": [], "logprobs": open.logprobs}}),
                 );
             }
             OpenKind::Call { name, .. } => self.event(
@@ -219,7 +227,7 @@ fn item(open: &Open, status: &str) -> Value {
         OpenKind::Message => json!({
             "id": open.id, "type": "message", "role": "assistant", "status": status,
             "content": if done {
-                json!([{"type": "output_text", "text": open.text, "annotations": [], "logprobs": []}])
+                json!([{"type": "output_text", "text": open.text, "annotations": [], "logprobs": open.logprobs}])
             } else {
                 json!([])
             },
@@ -245,7 +253,7 @@ fn usage(g: &Generation) -> Value {
 pub async fn complete(mut g: Generation, echo: Map<String, Value>) -> Response {
     let (mut router, mut b) = (PartRouter::new(&g), Builder::new(&g, echo));
     while let Some(output) = g.next().await {
-        if let Err(message) = router.take(&mut b, output) {
+        if let Err(message) = router.take(&mut b, output, &g) {
             return ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, message).into_response();
         }
     }

@@ -13,7 +13,7 @@ use super::request::{self, Endpoint, GenerationRequest};
 use serde_json::{json, Map, Value};
 
 /// Parameters that would change the answer and that this server does not implement.
-const REFUSED: [(&str, &str); 6] = [
+const REFUSED: [(&str, &str); 5] = [
     (
         "previous_response_id",
         "continuing a stored response (this server stores none)",
@@ -21,7 +21,6 @@ const REFUSED: [(&str, &str); 6] = [
     ("conversation", "conversations (this server stores none)"),
     ("prompt", "stored prompt templates"),
     ("max_tool_calls", "`max_tool_calls`"),
-    ("top_logprobs", "`top_logprobs` on /v1/responses"),
     (
         "reasoning",
         "`reasoning` settings (a reasoning model's chat template decides; see `chat_template_kwargs`)",
@@ -58,7 +57,6 @@ fn chat_body(obj: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
     for (name, what) in REFUSED {
         let asks = match given(name) {
             None => false,
-            Some(Value::Number(n)) if name == "top_logprobs" => n.as_u64() != Some(0),
             Some(Value::Object(o)) if name == "reasoning" => !o.values().all(Value::is_null),
             Some(_) => true,
         };
@@ -72,7 +70,7 @@ fn chat_body(obj: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
             "background responses are not supported",
         ));
     }
-    include(given("include"))?;
+    let output_logprobs = include(given("include"))?;
     if given("truncation").is_some_and(|t| t != "disabled") {
         return Err(ApiError::invalid(
             "truncation",
@@ -83,6 +81,15 @@ fn chat_body(obj: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
     for name in SHARED {
         if let Some(v) = given(name) {
             chat.insert(name.into(), v.clone());
+        }
+    }
+    // The answer's tokens' log-probabilities, as chat reports them (`top_logprobs`
+    // alternatives each): where `include` asks for them, or alternatives are asked for.
+    let alternatives = given("top_logprobs");
+    if output_logprobs || alternatives.is_some_and(|n| n.as_u64() != Some(0)) {
+        chat.insert("logprobs".into(), json!(true));
+        if let Some(n) = alternatives {
+            chat.insert("top_logprobs".into(), n.clone());
         }
     }
     chat.insert("messages".into(), Value::Array(messages(obj)?));
@@ -103,19 +110,22 @@ fn chat_body(obj: &Map<String, Value>) -> Result<Map<String, Value>, ApiError> {
     Ok(chat)
 }
 
-/// `include`: extra data in the response. Encrypted reasoning (stateless clients ask for it to
-/// pass back) is accepted and has nothing to add, since reasoning comes back in clear; every
-/// other kind (log-probabilities, hosted tools' results) is refused.
-fn include(value: Option<&Value>) -> Result<(), ApiError> {
-    let Some(value) = value else { return Ok(()) };
+/// `include`: extra data in the response; whether it asks for the answer's log-probabilities
+/// (`message.output_text.logprobs`). Encrypted reasoning (stateless clients ask for it to pass
+/// back) is accepted and has nothing to add, since reasoning comes back in clear; every other
+/// kind (hosted tools' results) is refused.
+fn include(value: Option<&Value>) -> Result<bool, ApiError> {
+    const LOGPROBS: &str = "message.output_text.logprobs";
+    let Some(value) = value else { return Ok(false) };
     let Value::Array(kinds) = value else {
         return Err(ApiError::invalid("include", "`include` must be an array of strings"));
     };
-    match kinds.iter().find(|k| k.as_str() != Some("reasoning.encrypted_content")) {
-        None => Ok(()),
+    let known = [Some("reasoning.encrypted_content"), Some(LOGPROBS)];
+    match kinds.iter().find(|k| !known.contains(&k.as_str())) {
+        None => Ok(kinds.iter().any(|k| k == LOGPROBS)),
         Some(kind) => Err(ApiError::invalid(
             "include",
-            format!("`include` {kind} is not supported (only reasoning.encrypted_content)"),
+            format!("`include` {kind} is not supported (only reasoning.encrypted_content and {LOGPROBS})"),
         )),
     }
 }
@@ -381,11 +391,11 @@ mod tests {
                 "previous_response_id",
             ),
             (json!({"input": "x", "reasoning": {"effort": "high"}}), "reasoning"),
-            (json!({"input": "x", "top_logprobs": 2}), "top_logprobs"),
+            (json!({"input": "x", "top_logprobs": 21}), "top_logprobs"),
             (json!({"input": "x", "background": true}), "background"),
             (json!({"input": "x", "truncation": "auto"}), "truncation"),
             (
-                json!({"input": "x", "include": ["message.output_text.logprobs"]}),
+                json!({"input": "x", "include": ["file_search_call.results"]}),
                 "include",
             ),
             (json!({"input": "x", "include": "all"}), "include"),
@@ -405,6 +415,17 @@ mod tests {
             for chat_name in ["`messages`", "`max_completion_tokens`", "`response_format`"] {
                 assert!(!error.message.contains(chat_name), "{body}: {}", error.message);
             }
+        }
+        for (body, want) in [
+            (json!({"input": "x"}), None),
+            (json!({"input": "x", "top_logprobs": 0}), None),
+            (
+                json!({"input": "x", "include": ["message.output_text.logprobs"]}),
+                Some(0),
+            ),
+            (json!({"input": "x", "top_logprobs": 3}), Some(3)),
+        ] {
+            assert_eq!(parse_json(body.clone()).unwrap().sampling.logprobs, want, "{body}");
         }
         for fine in [
             json!({"input": "x", "reasoning": null}),
