@@ -14,7 +14,7 @@ pub use block_manager::{BlockId, BlockManager, OutOfBlocks};
 pub use cpu_greedy::CpuGreedyServing;
 pub use draft_model::{DraftModel, Drafter};
 pub use engine::{PagedBackend, Sampled, ServingEngine, StateSnapshotting, StepOutput};
-pub use ngram::NgramConfig;
+pub use ngram::{NgramConfig, NgramIndex};
 pub use scheduler::{
     AddError, DraftRequest, FinishReason, Finished, PrefixCacheStats, Schedule, Scheduler, SchedulerConfig,
     SchedulingPolicy, SeqId, Work, FORCED_DRAFTS_MOST,

@@ -50,7 +50,7 @@
 //! still registered.
 
 use super::block_manager::{BlockId, BlockManager, Serial};
-use super::ngram::NgramConfig;
+use super::ngram::{NgramConfig, NgramIndex};
 use super::state_cache::{StateCache, StateCacheConfig};
 use crate::kv::StateSave;
 use std::collections::{BTreeMap, VecDeque};
@@ -127,6 +127,8 @@ struct Seq {
     /// way, and every refused draft is a row computed for nothing), doubled back after a step
     /// that accepted them all.
     forced_len: usize,
+    /// Its tokens' n-grams, for prompt lookup (filled on its first lookup).
+    ngrams: NgramIndex,
     /// Whether its admission may start it from cached blocks (not where every prompt row's
     /// output is wanted: a cached position is never computed).
     reads_prefix_cache: bool,
@@ -401,6 +403,7 @@ impl Scheduler {
                 draft_len: self.config.speculation.tokens,
                 draft_pause: 0,
                 forced_len: FORCED_DRAFTS_MOST,
+                ngrams: NgramIndex::default(),
                 reads_prefix_cache: true,
                 priority,
             },
@@ -645,7 +648,12 @@ impl Scheduler {
                 drafts.truncate(limit);
                 drafts
             }
-            None => self.config.speculation.propose(&seq.tokens, limit),
+            None => {
+                let seq = self.seqs.get_mut(&id).expect("scheduled");
+                self.config
+                    .speculation
+                    .propose_indexed(&seq.tokens, &mut seq.ngrams, limit)
+            }
         };
         (drafts, false)
     }
