@@ -617,26 +617,35 @@ impl Scheduler {
         grown
     }
 
-    /// How many tokens `seq` may draft after its last one: none unless it decodes and
-    /// speculation is on; at most its draft length, and so that every draft accepted plus the
-    /// token sampled after them stays within its `max_tokens`.
+    /// How many tokens `seq` may draft after its last one: none unless speculation is on and
+    /// not paused for it; at most its draft length, within its [`draft_room`](Self::draft_room).
     fn draft_limit(&self, seq: &Seq) -> usize {
-        let decoding = seq.tokens.len() - seq.cached == 1;
-        if !decoding || !self.config.speculation.is_on() || seq.draft_pause > 0 {
-            return 0;
+        match self.config.speculation.is_on() && seq.draft_pause == 0 {
+            true => Self::draft_room(seq).min(seq.draft_len),
+            false => 0,
         }
-        let room = seq.max_tokens.saturating_sub(seq.generated() + 1);
-        room.min(seq.draft_len)
+    }
+
+    /// The most drafts of any kind `seq` may carry after its last token: none unless it
+    /// decodes; so many that every draft accepted plus the token sampled after them stays
+    /// within its `max_tokens`.
+    fn draft_room(seq: &Seq) -> usize {
+        let decoding = seq.tokens.len() - seq.cached == 1;
+        match decoding {
+            true => seq.max_tokens.saturating_sub(seq.generated() + 1),
+            false => 0,
+        }
     }
 
     /// Tokens to draft after sequence `id`'s last one, within the step's `budget` (its own
-    /// token first), and whether they are forced: the forced drafts offered for it, within
-    /// [`forced_limit`]; else, within its [`draft_limit`], those offered for it where drafts
-    /// were offered, else prompt lookup's.
+    /// token first), and whether they are forced: the forced drafts offered for it, within its
+    /// forced draft length and [`draft_room`](Self::draft_room); else, within its
+    /// [`draft_limit`](Self::draft_limit), those offered for it where drafts were offered,
+    /// else prompt lookup's.
     fn drafts(&mut self, id: SeqId, budget: usize) -> (Vec<u32>, bool) {
         let seq = &self.seqs[&id];
         if let Some(mut forced) = self.forced.remove(&id) {
-            forced.truncate(Self::forced_limit(seq).min(budget - 1));
+            forced.truncate(Self::draft_room(seq).min(seq.forced_len).min(budget - 1));
             if !forced.is_empty() {
                 return (forced, true);
             }
@@ -656,17 +665,6 @@ impl Scheduler {
             }
         };
         (drafts, false)
-    }
-
-    /// How many forced tokens `seq` may draft after its last one: none unless it decodes;
-    /// at most its forced draft length, and so that every draft accepted plus the token
-    /// sampled after them stays within its `max_tokens`.
-    fn forced_limit(seq: &Seq) -> usize {
-        let decoding = seq.tokens.len() - seq.cached == 1;
-        match decoding {
-            true => seq.max_tokens.saturating_sub(seq.generated() + 1).min(seq.forced_len),
-            false => 0,
-        }
     }
 
     /// The work computing `seq`'s positions from its first uncached one to `end`, then `drafts`,
