@@ -31,32 +31,44 @@ impl NgramConfig {
     /// Up to `limit` (and `self.tokens`) tokens to try after `tokens`: what followed the most
     /// recent earlier occurrence of its last `n` tokens, for the longest `n` that has one.
     pub fn propose(&self, tokens: &[u32], limit: usize) -> Vec<u32> {
+        self.propose_by(tokens, limit, |n| scan_latest_earlier(tokens, n))
+    }
+
+    /// [`propose`](Self::propose)'s tokens, looked up in `index` (brought up to date with
+    /// `tokens` first) rather than by a scan.
+    pub fn propose_indexed(&self, tokens: &[u32], index: &mut NgramIndex, limit: usize) -> Vec<u32> {
+        if limit.min(self.tokens) > 0 {
+            index.extend(tokens, self.min, self.max);
+        }
+        self.propose_by(tokens, limit, |n| index.latest_earlier(tokens, n))
+    }
+
+    /// Up to `limit` (and `self.tokens`) tokens after where `latest_earlier(n)` says the latest
+    /// earlier occurrence of `tokens`' last `n` tokens ends, for the longest `n` that has one.
+    fn propose_by(&self, tokens: &[u32], limit: usize, latest_earlier: impl Fn(usize) -> Option<usize>) -> Vec<u32> {
         let limit = limit.min(self.tokens);
         if limit == 0 {
             return Vec::new();
         }
-        for n in (self.min.max(1)..=self.max).rev() {
-            if n >= tokens.len() {
-                continue;
-            }
-            let suffix = &tokens[tokens.len() - n..];
-            // Occurrences ending before the suffix itself, most recent first.
-            let found = (0..tokens.len() - n)
-                .rev()
-                .find(|&start| &tokens[start..start + n] == suffix);
-            if let Some(start) = found {
-                let from = start + n;
-                return tokens[from..(from + limit).min(tokens.len())].to_vec();
-            }
+        let longest_first = (self.min.max(1)..=self.max).rev().filter(|&n| n < tokens.len());
+        match longest_first.into_iter().find_map(latest_earlier) {
+            Some(from) => tokens[from..(from + limit).min(tokens.len())].to_vec(),
+            None => Vec::new(),
         }
-        Vec::new()
     }
+}
+
+/// Where the latest occurrence of `tokens`' last `n` tokens that ends before the sequence does
+/// ends (overlapping the suffix or not), searched from the end.
+fn scan_latest_earlier(tokens: &[u32], n: usize) -> Option<usize> {
+    let suffix = &tokens[tokens.len() - n..];
+    (n..tokens.len()).rev().find(|&end| &tokens[end - n..end] == suffix)
 }
 
 /// A sequence's n-grams (of the lengths a config looks up), indexed as its tokens grow, so that
 /// a lookup costs the same at any length: [`NgramConfig::propose`] searches the whole sequence
-/// (165 µs at 32768 tokens where nothing recurs, `benches/ngram_lookup.rs`, for each decoding
-/// sequence each step). A sequence's tokens only grow, so the index only grows with them:
+/// (about 0.15 ms at 32768 tokens where nothing recurs, `benches/ngram_lookup.rs`, for each
+/// decoding sequence each step). A sequence's tokens only grow, so the index only grows with them:
 /// about 24 bytes a token and match length.
 #[derive(Debug, Clone, Default)]
 pub struct NgramIndex {
@@ -67,9 +79,10 @@ pub struct NgramIndex {
     ends: HashMap<u64, [u32; 2], std::hash::BuildHasherDefault<NgramHasher>>,
 }
 
-/// FNV-1a over the n-gram's tokens: keys are already short arrays of ids, so a cheap hash does.
+/// The index's hasher: its keys are already hashes ([`NgramIndex::key`]), so it passes them
+/// through (FNV-1a for anything else).
 #[derive(Default)]
-pub struct NgramHasher(u64);
+struct NgramHasher(u64);
 
 impl Hasher for NgramHasher {
     fn finish(&self) -> u64 {
@@ -108,9 +121,8 @@ impl NgramIndex {
         self.indexed = tokens.len();
     }
 
-    /// Where the latest occurrence of `tokens`' last `n` tokens that ends before the sequence
-    /// does ends: `propose`'s match, found by the index (by a scan where two n-grams' hashes
-    /// collide, so the answer is always the scan's).
+    /// [`scan_latest_earlier`]'s answer, found by the index (by the scan itself where two
+    /// n-grams' hashes collide, so the answer is always the scan's).
     fn latest_earlier(&self, tokens: &[u32], n: usize) -> Option<usize> {
         let suffix = &tokens[tokens.len() - n..];
         let matches = |end: usize| end >= n && &tokens[end - n..end] == suffix;
@@ -121,29 +133,8 @@ impl NgramIndex {
             (true, 0) => None,
             (true, end) if matches(end) => Some(end),
             // A collision: the index cannot tell.
-            _ => (n..tokens.len()).rev().find(|&end| matches(end)),
+            _ => scan_latest_earlier(tokens, n),
         }
-    }
-}
-
-impl NgramConfig {
-    /// [`propose`](Self::propose)'s tokens, looked up in `index` (brought up to date with
-    /// `tokens` first) rather than by a scan.
-    pub fn propose_indexed(&self, tokens: &[u32], index: &mut NgramIndex, limit: usize) -> Vec<u32> {
-        let limit = limit.min(self.tokens);
-        if limit == 0 {
-            return Vec::new();
-        }
-        index.extend(tokens, self.min, self.max);
-        for n in (self.min.max(1)..=self.max).rev() {
-            if n >= tokens.len() {
-                continue;
-            }
-            if let Some(from) = index.latest_earlier(tokens, n) {
-                return tokens[from..(from + limit).min(tokens.len())].to_vec();
-            }
-        }
-        Vec::new()
     }
 }
 
