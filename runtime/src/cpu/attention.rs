@@ -7,11 +7,11 @@
 use super::activation;
 use super::kv_element::KvElement;
 use super::kv_pages::{LayerPages, PagesOf, TypedPages};
+use super::pool;
 use super::simd;
 use crate::kv::BlockId;
 use ir::reference::ops::attends;
 use ir::AttentionSpec;
-use rayon::prelude::*;
 use std::ops::Range;
 
 /// A query row of the step: its position, and the block table of its sequence, whose cache
@@ -55,7 +55,7 @@ fn attention_over<T: KvElement>(spec: &AttentionSpec, q: &[f32], rows: &[QueryRo
         .rev()
         .find(|g| group.is_multiple_of(*g))
         .unwrap_or(1);
-    let busy = |tasks: usize| tasks >= 2 * rayon::current_num_threads();
+    let busy = |tasks: usize| tasks >= 2 * pool::global().threads();
     // Tiles of several rows only where 512-bit registers hold their weighted sums.
     let tiles = row_tiles(rows, TILE_ROWS);
     let tiled = simd::wide_many(spec.head_dim) && tiles.len() < rows.len() && busy(tiles.len() * spec.heads / shared);
@@ -122,7 +122,8 @@ fn attend<const G: usize, const R: usize, const N: usize, T: KvElement>(
     let window_start = |pos: usize| spec.window.map_or(0, |w| (pos + 1).saturating_sub(w));
     assert_eq!(out.len(), rows.len() * q_dim);
     let out = TaskOutputs(out.as_mut_ptr());
-    (0..tiles.len() * tasks_a_tile).into_par_iter().for_each_init(
+    pool::global().for_each(
+        tiles.len() * tasks_a_tile,
         || (Vec::<f32>::new(), Vec::<&[T]>::new(), Vec::<f32>::new()),
         |(scores, cached, results), task| {
             let (tile, first_head) = (tiles[task / tasks_a_tile].clone(), task % tasks_a_tile * G);

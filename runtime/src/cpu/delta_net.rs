@@ -8,9 +8,9 @@
 //! reference's are f64), so a head's result depends only on its own rows: the same whether a
 //! step holds one sequence or many, one row or a chunk of them.
 
+use super::pool;
 use ir::reference::ops;
 use ir::DeltaNetSpec;
-use rayon::prelude::*;
 
 /// The per-row inputs of one sequence's rows (`rows` of them), as the op takes them.
 pub struct Rows<'a> {
@@ -51,11 +51,8 @@ pub fn gated_delta_net(
             (decay, ops::sigmoid(rows.b[i]))
         })
         .collect();
-    let heads: Vec<(Vec<f32>, Vec<Vec<f32>>)> = matrices
-        .par_chunks_mut(dk * dv)
-        .enumerate()
-        .map(|(h, s)| head(spec, h, &x, &gates, s, save_after))
-        .collect();
+    let heads: Vec<(Vec<f32>, Vec<Vec<f32>>)> =
+        pool::global().map_chunks_mut(matrices, dk * dv, |h, s| head(spec, h, &x, &gates, s, save_after));
     let mut out = vec![0f32; n * vh * dv];
     for (h, (o, _)) in heads.iter().enumerate() {
         for (r, row) in o.chunks_exact(dv).enumerate() {

@@ -26,11 +26,11 @@
 //! by bisection ([`least_reaching`]), so no row's bound is capped.
 
 use super::int8_scores::{Query, ScoringRows};
+use super::pool;
 use super::simd;
 use super::Matrix;
 use models::quant::int8::Int8Kernel;
 use passes::weight_transforms::Int8Rows;
-use rayon::prelude::*;
 use std::sync::Arc;
 
 /// A head's INT8 rows, regrouped for the scoring pass; cloning shares them.
@@ -88,13 +88,14 @@ impl Int8Head {
             None => *tau,
         };
         let candidates: Vec<usize> = (0..rows).filter(|&v| approx[v] + bound[v] >= tau).collect();
-        let mut scored: Vec<(usize, f32)> = candidates
-            .par_iter()
-            .map_init(
-                || vec![0f32; d],
-                |row, &v| (v, capped(simd::dot(full.row_f32(v, row), h))),
-            )
-            .collect();
+        let mut scored: Vec<(usize, f32)> = pool::global().map(
+            candidates.len(),
+            || vec![0f32; d],
+            |row, i| {
+                let v = candidates[i];
+                (v, capped(simd::dot(full.row_f32(v, row), h)))
+            },
+        );
         let rescored = scored.len();
         scored.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         TopK {

@@ -10,12 +10,15 @@
 //! order, the operations the one-row formula (`int8_head`'s doc) does, and integer sums are
 //! exact, so every kernel gives the same bits.
 
+use super::pool;
 use models::quant::int8::Int8Kernel;
 use passes::weight_transforms::{norm, quantize_block, round_up, Int8Rows, INT8_BLOCK, U};
-use rayon::prelude::*;
 
 /// Rows scored together: one 512-bit register of i32 sums.
 pub const GROUP: usize = 16;
+
+/// Groups of rows a parallel task scores: enough that claiming a task costs little beside it.
+const GROUPS_A_TASK: usize = 64;
 
 /// Query bytes in one `vpdpbusd` lane: four neighbouring columns.
 const QUAD: usize = 4;
@@ -93,13 +96,17 @@ impl ScoringRows {
             "a query of this head's width"
         );
         let mut out = vec![(0f32, 0f32); self.groups() * GROUP];
-        out.par_chunks_mut(GROUP)
-            .with_min_len(64)
-            .enumerate()
-            .for_each(|(group, out)| {
-                let out: &mut [(f32, f32); GROUP] = out.try_into().expect("a group's rows");
-                self.score_group(group, query, kernel, out)
-            });
+        pool::global().for_chunks_mut(
+            &mut out,
+            GROUPS_A_TASK * GROUP,
+            || (),
+            |_, run, out| {
+                for (i, out) in out.chunks_exact_mut(GROUP).enumerate() {
+                    let out: &mut [(f32, f32); GROUP] = out.try_into().expect("a group's rows");
+                    self.score_group(run * GROUPS_A_TASK + i, query, kernel, out)
+                }
+            },
+        );
         out.truncate(self.rows);
         out
     }

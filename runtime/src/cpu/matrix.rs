@@ -13,13 +13,13 @@
 //! unpacked a row at a time.
 
 use super::dense::{self, DenseKernel, DenseRows};
+use super::pool;
 use super::simd;
 use half::bf16;
 use models::quant::int8::{ActivationRow, Int8Kernel, Q8KRow, Q8Row};
 use models::quant::interleaved::{InterleavedRows, GROUP};
 use models::quant::interleaved_k::InterleavedSuperRows;
 use models::quant::GgmlType;
-use rayon::prelude::*;
 use std::borrow::Cow;
 use std::cell::Cell;
 use std::thread::LocalKey;
@@ -314,7 +314,7 @@ fn products_by_runs(
     let groups_per_task = rows_per_task(n).div_ceil(GROUP);
     let columns = OutColumns(out.as_mut_ptr());
     let tasks = groups.len().div_ceil(groups_per_task);
-    (0..tasks).into_par_iter().for_each_init(Vec::new, |scratch, task| {
+    pool::global().for_each(tasks, Vec::new, |scratch, task| {
         let first = groups.start + task * groups_per_task;
         let end = (first + groups_per_task).min(groups.end);
         let run = (first * GROUP).max(rows.start)..(end * GROUP).min(rows.end);
@@ -355,10 +355,16 @@ fn with_quantized_rows<R: ActivationRow, T>(
     if tokens < super::rows::PARALLEL_FROM_ROWS {
         rows.iter_mut().zip(x.chunks_exact(k)).for_each(quantize);
     } else {
-        rows[..tokens]
-            .par_iter_mut()
-            .zip(x.par_chunks_exact(k))
-            .for_each(quantize);
+        let rows_a_task = tokens.div_ceil(2 * pool::global().threads());
+        pool::global().for_chunks_mut(
+            &mut rows[..tokens],
+            rows_a_task,
+            || (),
+            |_, run, chunk| {
+                let first = run * rows_a_task;
+                chunk.iter_mut().zip(x[first * k..].chunks_exact(k)).for_each(quantize);
+            },
+        );
     }
     let out = use_rows(&rows[..tokens]);
     kept.set(rows);
@@ -368,7 +374,7 @@ fn with_quantized_rows<R: ActivationRow, T>(
 /// Rows per parallel task: a few tasks per thread (for balance) of at least 16 rows (so the
 /// scheduling cost stays small next to the work).
 fn rows_per_task(rows: usize) -> usize {
-    let tasks = rayon::current_num_threads() * 4;
+    let tasks = pool::global().threads() * 4;
     rows.div_ceil(tasks).max(16)
 }
 
@@ -386,17 +392,16 @@ fn for_row_runs<S: Default + Send>(
     assert_eq!(out.len(), n * tokens);
     if tokens == 1 {
         // One token: `[rows, 1]` is `out`'s own layout.
-        out.par_chunks_mut(rows_per_task)
-            .enumerate()
-            .for_each_init(S::default, |scratch, (run, dst)| {
-                for (i, row_dst) in dst.chunks_exact_mut(1).enumerate() {
-                    row_fn(scratch, run * rows_per_task + i, row_dst);
-                }
-            });
+        pool::global().for_chunks_mut(out, rows_per_task, S::default, |scratch, run, dst| {
+            for (i, row_dst) in dst.chunks_exact_mut(1).enumerate() {
+                row_fn(scratch, run * rows_per_task + i, row_dst);
+            }
+        });
         return;
     }
     let columns = OutColumns(out.as_mut_ptr());
-    (0..n.div_ceil(rows_per_task)).into_par_iter().for_each_init(
+    pool::global().for_each(
+        n.div_ceil(rows_per_task),
         || (S::default(), Vec::new()),
         |(scratch, local), run| {
             let (r0, rows) = (run * rows_per_task, rows_per_task.min(n - run * rows_per_task));

@@ -2,7 +2,7 @@
 //! rows spread over the pool in contiguous runs, a few rows (decode) stay on the calling thread.
 //! Each row is computed by the same function either way, so results never depend on the split.
 
-use rayon::prelude::*;
+use super::pool;
 
 /// Rows from which a per-row op is worth splitting over the pool's threads.
 pub const PARALLEL_FROM_ROWS: usize = 8;
@@ -14,10 +14,13 @@ pub fn for_row_runs(data: &mut [f32], row_len: usize, f: impl Fn(usize, &mut [f3
     if rows < PARALLEL_FROM_ROWS {
         return f(0, data);
     }
-    let run_rows = rows.div_ceil(2 * rayon::current_num_threads());
-    data.par_chunks_mut(run_rows * row_len)
-        .enumerate()
-        .for_each(|(run, chunk)| f(run * run_rows, chunk));
+    let run_rows = rows.div_ceil(2 * pool::global().threads());
+    pool::global().for_chunks_mut(
+        data,
+        run_rows * row_len,
+        || (),
+        |_, run, chunk| f(run * run_rows, chunk),
+    );
 }
 
 /// `[a | b]` per row, rows of `a` `a_len` and of `b` `b_len` elements wide.
