@@ -1562,11 +1562,13 @@ fn truncated_prompts_run_as_their_last_tokens() {
 }
 
 /// vLLM's `--scheduling-policy priority`: with one request running at a time, of two that
-/// wait, the one of lower `priority` runs first though it came second; under the default
-/// policy it waits its turn, and a request giving a priority is refused.
+/// wait, the one of lower `priority` runs first though it came second, and one of lower
+/// `priority` than the running one preempts it (which then resumes, its answer the same as
+/// when nothing preempted it); under the default policy each waits its turn, and a request
+/// giving a priority is refused.
 #[test]
-fn requests_wait_in_order_of_priority_under_the_priority_policy() {
-    let order = |policy: &str| -> Vec<&'static str> {
+fn requests_run_in_order_of_priority_under_the_priority_policy() {
+    let order = |policy: &str| -> (Vec<&'static str>, String) {
         let server = Server::start(&["--scheduling-policy", policy, "--max-num-seqs", "1"]);
         let body = |max_tokens: usize, priority: Option<i32>| {
             let mut body =
@@ -1582,10 +1584,14 @@ fn requests_wait_in_order_of_priority_under_the_priority_policy() {
         let late = body(4, with_priorities.then_some(10));
         let later = body(4, with_priorities.then_some(-1));
         let finished = std::sync::Mutex::new(Vec::new());
+        let first_text = std::sync::Mutex::new(String::new());
         let run = |name: &'static str, body: Value| {
             let (status, got) = server.post("/v1/completions", &body);
             assert_eq!(status, 200, "{name}: {got}");
             finished.lock().unwrap().push(name);
+            if name == "first" {
+                *first_text.lock().unwrap() = got["choices"][0]["text"].as_str().unwrap().to_owned();
+            }
         };
         let waiting_for = |n: f64| {
             let deadline = Instant::now() + Duration::from_secs(20);
@@ -1601,12 +1607,14 @@ fn requests_wait_in_order_of_priority_under_the_priority_policy() {
             s.spawn(move || run("late, priority 10", late));
             waiting_for(1.0);
             s.spawn(move || run("later, priority -1", later));
-            waiting_for(2.0);
         });
-        finished.into_inner().unwrap()
+        (finished.into_inner().unwrap(), first_text.into_inner().unwrap())
     };
-    assert_eq!(order("priority"), ["first", "later, priority -1", "late, priority 10"]);
-    assert_eq!(order("fcfs"), ["first", "late, priority 10", "later, priority -1"]);
+    let (by_priority, preempted) = order("priority");
+    assert_eq!(by_priority, ["later, priority -1", "first", "late, priority 10"]);
+    let (by_arrival, alone) = order("fcfs");
+    assert_eq!(by_arrival, ["first", "late, priority 10", "later, priority -1"]);
+    assert_eq!(preempted, alone);
     let server = Server::start(&[]);
     let (status, error) = server.post(
         "/v1/completions",

@@ -18,8 +18,9 @@
 //! sequence's `max_tokens` and the step's budget. A sequence that
 //! computes its whole prompt (`compute_whole_prompt`, for prompt log-probabilities) never
 //! starts from the prefix cache, however often it is preempted. Under the priority policy,
-//! requests of random priorities wait in (priority, arrival) order, and every sequence a
-//! step preempts comes after every sequence that step gives work.
+//! requests of random priorities wait and run in (priority, arrival) order, every sequence a
+//! step preempts comes after every sequence that step gives work, and after a step with
+//! budget to spare no sequence waits while one of lower priority runs.
 
 use proptest::prelude::*;
 use runtime::kv::cache_row;
@@ -265,6 +266,23 @@ fn run_step(
         "{scheduled} tokens scheduled over a budget of {}",
         config.token_budget
     );
+    // Under the priority policy, a step with budget to spare admitted every waiting sequence
+    // of higher priority than a running one, preempting as it had to.
+    if s.policy() == SchedulingPolicy::Priority && scheduled < config.token_budget {
+        let (s, kv) = (&*s, &*kv);
+        let priorities = |running: bool| {
+            kv.tokens
+                .keys()
+                .filter(move |id| s.is_running(**id) == running)
+                .map(|id| kv.priorities[id])
+        };
+        if let (Some(lowest_running), Some(highest_waiting)) = (priorities(true).max(), priorities(false).min()) {
+            assert!(
+                highest_waiting >= lowest_running,
+                "priority {highest_waiting} waits while {lowest_running} runs"
+            );
+        }
+    }
     // Every restore reads what the snapshot held before the step.
     let saved: Vec<usize> = schedule
         .work
@@ -477,6 +495,52 @@ fn preemption_recomputes_and_still_finishes_everyone() {
     finished.sort();
     assert_eq!(finished, vec![a, b]);
     assert_eq!(s.used_blocks(), 0);
+}
+
+/// Under the priority policy a waiting request of strictly higher priority preempts a running
+/// one that keeps it out, whether by the running limit or by the cache; one of equal priority
+/// waits its turn.
+#[test]
+fn a_waiting_request_of_higher_priority_preempts_a_running_one_of_lower() {
+    for (max_running, kv_blocks) in [(1, 8), (2, 2)] {
+        let config = SchedulerConfig {
+            max_waiting: 8,
+            max_running,
+            token_budget: 16,
+            kv_blocks,
+            block_size: 4,
+            context_length: 32,
+            prefix_caching: false,
+            speculation: runtime::serving::NgramConfig::OFF,
+            recurrent_state: false,
+            state_cache: runtime::serving::StateCacheConfig::OFF,
+        };
+        let mut s = Scheduler::new(config);
+        assert!(s.set_policy(SchedulingPolicy::Priority));
+        let step = |s: &mut Scheduler| {
+            let schedule = s.schedule();
+            for w in &schedule.work {
+                s.complete(w, if w.samples { &[9] } else { &[] });
+            }
+            s.check().unwrap();
+            schedule
+        };
+        // Running with all the cache (two blocks of 4: 5 prompt tokens and 2 generated).
+        let low = s.add_with_priority(vec![1; 5], 3, vec![], 5).unwrap();
+        step(&mut s);
+        let equal = s.add_with_priority(vec![2; 5], 3, vec![], 5).unwrap();
+        let schedule = step(&mut s);
+        assert!(schedule.preempted.is_empty() && s.is_running(low) && !s.is_running(equal));
+        let high = s.add_with_priority(vec![3; 5], 3, vec![], 1).unwrap();
+        let schedule = step(&mut s);
+        assert_eq!(
+            schedule.preempted,
+            [low],
+            "max_running {max_running}, {kv_blocks} blocks"
+        );
+        assert_eq!(schedule.work.iter().map(|w| w.seq).collect::<Vec<_>>(), [high]);
+        assert!(s.is_running(high) && !s.is_running(low));
+    }
 }
 
 #[test]

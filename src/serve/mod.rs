@@ -144,8 +144,9 @@ pub struct ServeArgs {
     pub override_generation_config: Option<String>,
     /// The order requests wait in (vLLM's flag): `fcfs`, first come first served, or
     /// `priority`, by each request's `priority` (lower first, then arrival), the running
-    /// request last in that order preempted first when the KV cache runs out. Under `fcfs` a
-    /// request giving a priority other than 0 is refused.
+    /// request last in that order preempted first when the KV cache runs out or a waiting
+    /// request of strictly lower `priority` needs its place. Under `fcfs` a request giving a
+    /// priority other than 0 is refused.
     #[arg(long, value_enum, default_value_t = SchedulingPolicyArg::Fcfs)]
     pub scheduling_policy: SchedulingPolicyArg,
 }

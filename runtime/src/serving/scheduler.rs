@@ -9,10 +9,15 @@
 //! refused at once (the server answers 503).
 //!
 //! Under the priority policy (vLLM's `--scheduling-policy priority`) each sequence has a
-//! priority (lower first) and the queue is kept in (priority, arrival) order, a preempted
-//! sequence going back to its place in it; the sequence preempted is the running one last in
-//! that order, even one already given work this step (its work is withdrawn and its tokens
-//! go back to the budget).
+//! priority (lower first), and both queues are kept in (priority, arrival) order: waiting
+//! sequences are admitted in it, a preempted one going back to its place, and running ones are
+//! served in it, so a prefill of lower priority never takes the budget from one of higher. The
+//! sequence preempted is the running one last in that order, even one already given work this
+//! step (its work is withdrawn and its tokens go back to the budget). A waiting sequence of
+//! strictly higher priority than that one does not wait for it: where the running limit or the
+//! cache keeps it out, it preempts running sequences of lower priority, last first, until it is
+//! admitted (vLLM's scheduler waits for them to finish: a priority inversion, its issue #40004).
+//! Equal priorities never preempt each other for admission, so two never take turns.
 //!
 //! Prefix caching: a sequence being admitted starts from the longest cached prefix of its
 //! tokens in whole blocks (see [`BlockManager`]), but never all of them: its last token is
@@ -43,8 +48,8 @@
 //! free and owned, none owned twice, none leaked); a running sequence's table covers exactly
 //! the positions it has cached, and every block it will write (from its first uncached
 //! position on) is its alone; its registered chain covers exactly its full cached blocks;
-//! waiting sequences hold no blocks, and under the priority policy wait in (priority, arrival)
-//! order; every sequence is in exactly one place; running sequences
+//! waiting sequences hold no blocks; under the priority policy both queues are in (priority,
+//! arrival) order; every sequence is in exactly one place; running sequences
 //! hold distinct state slots, waiting ones none; every snapshot place is free, filed, or
 //! pending in the work of exactly one running sequence, and every filed snapshot's block is
 //! still registered.
@@ -217,7 +222,8 @@ pub enum SchedulingPolicy {
     #[default]
     Fcfs,
     /// By each sequence's priority (lower first), then arrival; the running sequence last in
-    /// that order is preempted.
+    /// that order is preempted, for the blocks of a running one or to admit a waiting one of
+    /// strictly higher priority.
     Priority,
 }
 
@@ -232,6 +238,8 @@ pub struct Scheduler {
     config: SchedulerConfig,
     blocks: BlockManager,
     waiting: VecDeque<SeqId>,
+    /// In admission order, or under the priority policy in (priority, arrival) order: the
+    /// order they are served in each step, the last preempted first.
     running: Vec<SeqId>,
     seqs: BTreeMap<SeqId, Seq>,
     next_id: u64,
@@ -431,16 +439,28 @@ impl Scheduler {
         (self.seqs[&id].priority, id)
     }
 
-    /// The running sequence to preempt for blocks: the newest, or under the priority policy
-    /// the last in (priority, arrival) order.
+    /// The running sequence to preempt for blocks: the last running, which is the newest, or
+    /// under the priority policy the last in (priority, arrival) order.
     fn preemption_victim(&self) -> SeqId {
-        match self.policy {
-            SchedulingPolicy::Fcfs => *self.running.last().expect("a sequence runs"),
-            SchedulingPolicy::Priority => *self
-                .running
-                .iter()
-                .max_by_key(|&&id| self.queue_key(id))
-                .expect("a sequence runs"),
+        *self.running.last().expect("a sequence runs")
+    }
+
+    /// The running sequence waiting sequence `id` may preempt to be admitted: under the
+    /// priority policy, the last running one if its priority is strictly lower than `id`'s.
+    fn displaceable_by(&self, id: SeqId) -> Option<SeqId> {
+        let victim = *self.running.last()?;
+        let lower = self.seqs[&victim].priority > self.seqs[&id].priority;
+        (self.policy == SchedulingPolicy::Priority && lower).then_some(victim)
+    }
+
+    /// Preempt running sequence `victim` during a step being scheduled: its work, if it was
+    /// given one already, is withdrawn and its tokens go back to `budget`.
+    fn preempt_in_step(&mut self, victim: SeqId, budget: &mut usize, out: &mut Schedule) {
+        self.preempt(victim);
+        out.preempted.push(victim);
+        if let Some(w) = out.work.iter().position(|w| w.seq == victim) {
+            let withdrawn = out.work.remove(w);
+            *budget += withdrawn.end - withdrawn.start;
         }
     }
 
@@ -531,23 +551,22 @@ impl Scheduler {
                     // one (possibly this one).
                     let victim = self.preemption_victim();
                     let at = self.running.iter().position(|&r| r == victim).expect("running");
-                    self.preempt(victim);
-                    out.preempted.push(victim);
-                    // One given work already this step: its work withdrawn, its tokens back.
-                    if let Some(w) = out.work.iter().position(|w| w.seq == victim) {
-                        let withdrawn = out.work.remove(w);
-                        budget += withdrawn.end - withdrawn.start;
-                    }
+                    self.preempt_in_step(victim, &mut budget, &mut out);
                     if at < i {
                         i -= 1;
                     }
                 }
             }
         }
-        while budget > 0 && self.running.len() < self.config.max_running {
+        while budget > 0 {
             let Some(&id) = self.waiting.front() else { break };
-            if !self.admit(id, &mut budget, &mut out) {
-                break;
+            if self.running.len() < self.config.max_running && self.admit(id, &mut budget, &mut out) {
+                continue;
+            }
+            // Kept out by the running limit or the cache: it may take a lower priority's place.
+            match self.displaceable_by(id) {
+                Some(victim) => self.preempt_in_step(victim, &mut budget, &mut out),
+                None => break,
             }
         }
         out
@@ -600,11 +619,24 @@ impl Scheduler {
         seq.state_slot = self.free_state_slots.pop();
         debug_assert_eq!(seq.state_slot, Some(slot));
         self.waiting.pop_front();
-        self.running.push(id);
+        self.start_running(id);
         let work = self.work(id, cached + n, Vec::new(), restore);
         out.work.push(work);
         *budget -= n;
         true
+    }
+
+    /// Add `id` to the running sequences: last, or under the priority policy at its place in
+    /// (priority, arrival) order.
+    fn start_running(&mut self, id: SeqId) {
+        let at = match self.policy {
+            SchedulingPolicy::Fcfs => self.running.len(),
+            SchedulingPolicy::Priority => {
+                let key = self.queue_key(id);
+                self.running.partition_point(|&r| self.queue_key(r) < key)
+            }
+        };
+        self.running.insert(at, id);
     }
 
     /// Grow `table` to hold `tokens` positions (see [`BlockManager::grow`]); snapshots filed
@@ -896,9 +928,12 @@ impl Scheduler {
             return Err("a queue holds an unknown sequence".into());
         }
         if self.policy == SchedulingPolicy::Priority {
-            let keys: Vec<(i32, SeqId)> = self.waiting.iter().map(|&w| self.queue_key(w)).collect();
-            if let Some(pair) = keys.windows(2).find(|pair| pair[0] > pair[1]) {
-                return Err(format!("{:?} waits ahead of {:?}", pair[0], pair[1]));
+            let waiting: Vec<SeqId> = self.waiting.iter().copied().collect();
+            for (queue, verb) in [(&waiting, "waits"), (&self.running, "runs")] {
+                let keys: Vec<(i32, SeqId)> = queue.iter().map(|&id| self.queue_key(id)).collect();
+                if let Some(pair) = keys.windows(2).find(|pair| pair[0] > pair[1]) {
+                    return Err(format!("{:?} {verb} ahead of {:?}", pair[0], pair[1]));
+                }
             }
         }
         let pending = self
