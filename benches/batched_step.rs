@@ -26,8 +26,12 @@ fn main() {
             .unwrap_or_else(|| panic!("BBC_BENCH_DTYPE: `{dtype}` is not f32, bf16 or native"));
     }
     if let Ok(dtype) = std::env::var("BBC_BENCH_KV_DTYPE") {
-        spec.kv_cache_dtype = models::KvCacheDtype::parse(&dtype)
-            .unwrap_or_else(|| panic!("BBC_BENCH_KV_DTYPE: `{dtype}` is not auto, f32, bf16 or f16"));
+        spec.kv_cache_dtype = models::KvCacheDtype::parse(&dtype).unwrap_or_else(|| {
+            panic!(
+                "BBC_BENCH_KV_DTYPE: `{dtype}` is not one of {}",
+                models::KvCacheDtype::choices()
+            )
+        });
     }
     let model = Model::open(spec).expect("opening the model");
     let graph = passes::optimized(&model.lower(LogitsFor::LastToken).unwrap(), passes::CostModel::CPU).unwrap();

@@ -49,10 +49,11 @@ fn run_json_gives_the_reference_greedy_tokens() {
     assert_eq!(out["text"].as_str().unwrap(), " Paris.\n\nThe answer is:");
 }
 
-/// A half KV cache (`--kv-cache-dtype f16`) keeps the reference's first greedy tokens;
-/// a kind bbc does not store is refused naming the choices.
+/// A half KV cache (`--kv-cache-dtype f16`) and an FP8 one (`fp8`, also named `fp8_e4m3`)
+/// keep the reference's first greedy tokens; a kind bbc does not store is refused naming the
+/// choices.
 #[test]
-fn a_half_kv_cache_keeps_the_greedy_tokens() {
+fn half_and_fp8_kv_caches_keep_the_greedy_tokens() {
     let reference = read_json("real/smollm2.json");
     let case = &reference["raw"][0];
     let model = smollm2();
@@ -71,9 +72,11 @@ fn a_half_kv_cache_keeps_the_greedy_tokens() {
         ];
         json(&[&args[..], &["--kv-cache-dtype", cache]].concat())
     };
-    assert_eq!(ids(&run("f16")["ids"]), ids(&case["greedy_ids"])[..8]);
-    let err = refused(&["run", &model, "--prompt", "x", "--kv-cache-dtype", "fp8"]);
-    assert!(err.contains("choose auto, f32, bf16 or f16"), "{err}");
+    for cache in ["f16", "fp8", "fp8_e4m3"] {
+        assert_eq!(ids(&run(cache)["ids"]), ids(&case["greedy_ids"])[..8], "{cache}");
+    }
+    let err = refused(&["run", &model, "--prompt", "x", "--kv-cache-dtype", "fp4"]);
+    assert!(err.contains("choose one of auto, f32, bf16, f16, fp8"), "{err}");
 }
 
 /// What `bbc compile` fixed (the compute dtype, the caches' element type, the context) is
@@ -291,8 +294,6 @@ fn tokenize_prints_ids() {
     assert_eq!(out.trim(), "[19556,28,905,17]");
 }
 
-/// With a full-precision head, the artifact carries the INT8 head quantized at compile time,
-/// and running the artifact gives the model's own greedy tokens.
 /// A Gemma 4 GGUF with its tokenizer (the tiny model with the made-up vocabulary of
 /// `gguf-tiny/tiny_gemma4_vocab.py`): `bbc run` on a text prompt gives llama.cpp's prompt ids
 /// and greedy ids.
@@ -314,6 +315,8 @@ fn gemma4_gguf_runs_from_text_like_llama_cpp() {
     assert_eq!(ids(&out["ids"]), ids(&reference["greedy_ids"]));
 }
 
+/// With a full-precision head, the artifact carries the INT8 head quantized at compile time,
+/// and running the artifact gives the model's own greedy tokens.
 #[test]
 fn an_f32_artifact_carries_its_int8_head() {
     let scratch = common::scratch_dir("bbc-artifact-f32-");

@@ -371,6 +371,24 @@ fn plans_with_half_kv_caches_agree_with_the_cpu_backend() {
     }
 }
 
+/// FP8 KV caches (`kv_cache_dtype = "fp8"`) run on the CPU backend only: every GPU target's
+/// plan refuses them by name rather than read their bytes as another type.
+#[test]
+fn plans_refuse_fp8_kv_caches_by_name() {
+    let mut spec = ModelSpec::for_weights(&fixture("hf-tiny/llama"));
+    spec.dtype = ComputeDtype::F32;
+    spec.kv_cache_dtype = models::KvCacheDtype::Fp8;
+    let model = Model::open(spec).unwrap();
+    let graph = model.lower(LogitsFor::LastToken).unwrap();
+    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+        let Err(err) = gpu::build_with_kernels(&fused_for(&graph, target), target, 64) else {
+            panic!("{target:?} built a plan over an FP8 cache");
+        };
+        let err = err.to_string();
+        assert!(err.contains("a f8_e4m3 KV cache"), "{target:?}: {err}");
+    }
+}
+
 /// The greedy plan's `next_token` at every step equals the argmax of the CPU logits.
 fn check_greedy(family: &str, target: Target) {
     let model = open(family, ComputeDtype::F32);

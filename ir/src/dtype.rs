@@ -10,6 +10,8 @@ pub enum DType {
     F32,
     F16,
     BF16,
+    /// FP8 E4M3 ([`crate::F8E4M3`]): only as what a KV cache stores.
+    F8E4M3,
     I32,
     Q4_0,
     Q4_1,
@@ -31,6 +33,7 @@ impl DType {
             Self::F32 => "f32",
             Self::F16 => "f16",
             Self::BF16 => "bf16",
+            Self::F8E4M3 => "f8_e4m3",
             Self::I32 => "i32",
             Self::Q4_0 => "q4_0",
             Self::Q4_1 => "q4_1",
@@ -52,6 +55,7 @@ impl DType {
             Self::F32,
             Self::F16,
             Self::BF16,
+            Self::F8E4M3,
             Self::I32,
             Self::Q4_0,
             Self::Q4_1,
@@ -71,7 +75,7 @@ impl DType {
     }
 
     pub fn is_quantized(self) -> bool {
-        !matches!(self, Self::F32 | Self::F16 | Self::BF16 | Self::I32)
+        !matches!(self, Self::F32 | Self::F16 | Self::BF16 | Self::F8E4M3 | Self::I32)
     }
 }
 

@@ -8,6 +8,7 @@
 
 mod dtype;
 mod expr;
+pub mod float8;
 mod graph;
 mod op;
 pub mod reference;
@@ -17,6 +18,7 @@ mod text;
 
 pub use dtype::DType;
 pub use expr::Expr;
+pub use float8::F8E4M3;
 pub use graph::{Graph, GraphError, Node, NodeId};
 pub use op::{
     AttentionSpec, DecayRate, DeltaNetSpec, GluAct, InputKind, MoeRouter, MoeSpec, Op, RopeLayout, RopeScaling,

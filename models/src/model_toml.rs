@@ -6,7 +6,7 @@
 //!                                              # paths are relative to this file
 //! architecture = "llama"                       # optional: llama | gemma3 (detected when omitted)
 //! dtype = "native"                             # optional: f32 | bf16 | native (default native)
-//! kv_cache_dtype = "auto"                      # optional: auto | f32 | bf16 | f16 (auto: the
+//! kv_cache_dtype = "auto"                      # optional: auto | f32 | bf16 | f16 | fp8 (auto: the
 //!                                              # dtype's; native: f16 for quantized blocks)
 //! context_length = 4096                        # optional: at most the model's own
 //! tokenizer = "tokenizer.json"                 # optional: overrides the weights' tokenizer
@@ -140,7 +140,8 @@ impl ModelSpec {
             None => KvCacheDtype::Auto,
             Some(d) => KvCacheDtype::parse(d).ok_or_else(|| {
                 bad(format!(
-                    "model.kv_cache_dtype `{d}` is not one of: auto, f32, bf16, f16"
+                    "model.kv_cache_dtype `{d}` is not one of: {}",
+                    KvCacheDtype::choices()
                 ))
             })?,
         };
@@ -323,10 +324,15 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("f8"), "{err}");
-        let err = parse("[model]\nweights = \"w\"\nkv_cache_dtype = \"fp8\"\n")
+        let err = parse("[model]\nweights = \"w\"\nkv_cache_dtype = \"fp4\"\n")
             .unwrap_err()
             .to_string();
-        assert!(err.contains("kv_cache_dtype `fp8`"), "{err}");
+        assert!(
+            err.contains("kv_cache_dtype `fp4` is not one of: auto, f32, bf16, f16, fp8"),
+            "{err}"
+        );
+        let fp8 = parse("[model]\nweights = \"w\"\nkv_cache_dtype = \"fp8_e4m3\"\n").unwrap();
+        assert_eq!(fp8.kv_cache_dtype, KvCacheDtype::Fp8);
         let err = parse("[model]\nweights = \"w\"\narchitecture = \"gpt9\"\n")
             .unwrap_err()
             .to_string();

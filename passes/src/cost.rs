@@ -103,6 +103,7 @@ pub fn bytes_per_element(dtype: DType) -> f64 {
     match dtype {
         DType::F32 | DType::I32 => 4.0,
         DType::F16 | DType::BF16 => 2.0,
+        DType::F8E4M3 => 1.0,
         DType::Q4_0 => 18.0 / 32.0,
         DType::Q4_1 => 20.0 / 32.0,
         DType::Q5_0 => 22.0 / 32.0,

@@ -63,7 +63,8 @@ pub struct RunArgs {
     pub dtype: Option<ComputeDtype>,
     /// What the KV cache stores keys and values as: auto (bf16 for a bf16 dtype, f32 for f32;
     /// native: the weights' float type, or f16 for quantized blocks, as llama.cpp), f32,
-    /// bf16 or f16 (half the bytes of f32).
+    /// bf16 or f16 (half the bytes of f32), or fp8 (E4M3, a quarter; vLLM's; CPU backend
+    /// only).
     #[arg(long, value_parser = parse_kv_cache_dtype)]
     pub kv_cache_dtype: Option<KvCacheDtype>,
     /// The longest context (prompt and output tokens) to allow, at most the model's own
@@ -98,7 +99,7 @@ pub fn parse_dtype(d: &str) -> std::result::Result<ComputeDtype, String> {
 
 /// `--kv-cache-dtype` as clap reads it (shared by `run` and `serve`).
 pub fn parse_kv_cache_dtype(d: &str) -> std::result::Result<KvCacheDtype, String> {
-    KvCacheDtype::parse(d).ok_or_else(|| format!("--kv-cache-dtype {d}: choose auto, f32, bf16 or f16"))
+    KvCacheDtype::parse(d).ok_or_else(|| format!("--kv-cache-dtype {d}: choose one of {}", KvCacheDtype::choices()))
 }
 
 pub fn run(args: &RunArgs) -> Result<()> {

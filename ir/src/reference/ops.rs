@@ -122,6 +122,7 @@ pub fn stored_as(x: f32, dtype: crate::DType) -> f32 {
     match dtype {
         crate::DType::BF16 => half::bf16::from_f32(x).to_f32(),
         crate::DType::F16 => half::f16::from_f32(x).to_f32(),
+        crate::DType::F8E4M3 => crate::F8E4M3::from_f32(x).to_f32(),
         _ => x,
     }
 }

@@ -75,13 +75,21 @@ pub enum KvCacheDtype {
     /// IEEE half, as llama.cpp keeps its caches by default: half the bytes of f32 with three
     /// more mantissa bits than bf16.
     F16,
+    /// FP8 E4M3 (vLLM's `--kv-cache-dtype fp8`, also read as `fp8_e4m3`): a quarter of f32's
+    /// bytes, so at long contexts, where decode is bound by reading the cache, attention reads
+    /// half what it reads at f16; three mantissa bits (values off by up to 1/16), and values
+    /// past ±448 saturate (unscaled: no calibrated scales are read). The CPU backend only.
+    Fp8,
 }
 
 impl KvCacheDtype {
+    const ALL: [Self; 5] = [Self::Auto, Self::F32, Self::Bf16, Self::F16, Self::Fp8];
+
     pub fn parse(s: &str) -> Option<Self> {
-        [Self::Auto, Self::F32, Self::Bf16, Self::F16]
-            .into_iter()
-            .find(|d| d.name() == s)
+        match s {
+            "fp8_e4m3" => Some(Self::Fp8),
+            _ => Self::ALL.into_iter().find(|d| d.name() == s),
+        }
     }
 
     pub fn name(self) -> &'static str {
@@ -90,7 +98,13 @@ impl KvCacheDtype {
             Self::F32 => "f32",
             Self::Bf16 => "bf16",
             Self::F16 => "f16",
+            Self::Fp8 => "fp8",
         }
+    }
+
+    /// Every name [`parse`](Self::parse) reads, for messages: "auto, f32, …".
+    pub fn choices() -> String {
+        Self::ALL.map(Self::name).join(", ")
     }
 
     /// The element type of the caches of a model computed in `compute` whose matrices are
@@ -100,6 +114,7 @@ impl KvCacheDtype {
             (Self::Auto, ComputeDtype::Bf16) | (Self::Bf16, _) => DType::BF16,
             (Self::Auto, ComputeDtype::F32) | (Self::F32, _) => DType::F32,
             (Self::F16, _) => DType::F16,
+            (Self::Fp8, _) => DType::F8E4M3,
             (Self::Auto, ComputeDtype::Native) => match matrices {
                 GgmlType::F32 => DType::F32,
                 GgmlType::BF16 => DType::BF16,

@@ -40,6 +40,7 @@ pub fn attention(spec: &AttentionSpec, q: &[f32], rows: &[QueryRow], kv: &LayerP
         PagesOf::F32(pages) => attention_over(spec, q, rows, &Cache { pages, block_size }, out),
         PagesOf::Bf16(pages) => attention_over(spec, q, rows, &Cache { pages, block_size }, out),
         PagesOf::F16(pages) => attention_over(spec, q, rows, &Cache { pages, block_size }, out),
+        PagesOf::F8(pages) => attention_over(spec, q, rows, &Cache { pages, block_size }, out),
     }
 }
 
@@ -403,11 +404,11 @@ mod tests {
         }
     }
 
-    /// Against the reference, for caches of f32, bf16 and half rows (the reference rounds the
-    /// values it caches the same way).
+    /// Against the reference, for caches of f32, bf16, half and FP8 rows (the reference rounds
+    /// the values it caches the same way).
     #[test]
     fn agrees_with_reference_including_windows_groups_and_narrow_caches() {
-        let dtypes = [ir::DType::F32, ir::DType::BF16, ir::DType::F16];
+        let dtypes = [ir::DType::F32, ir::DType::BF16, ir::DType::F16, ir::DType::F8E4M3];
         for (window, cache_dtype) in [None, Some(3)].into_iter().flat_map(|w| dtypes.map(|d| (w, d))) {
             let spec = AttentionSpec {
                 heads: 4,

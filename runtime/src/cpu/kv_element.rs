@@ -1,4 +1,4 @@
-//! What a KV cache row's elements are stored as: f32, bf16 or IEEE half, as the graph's
+//! What a KV cache row's elements are stored as: f32, bf16, IEEE half or FP8 E4M3, as the graph's
 //! `cache_dtype` says. Attention reads rows of any of them through the same kernels: each
 //! element is widened to f32 exactly as it is loaded, so a row stored narrow gives the same
 //! bits as the f32 row of its rounded values (the rounding happens once, when it is written),
@@ -6,6 +6,7 @@
 //! contexts.
 
 use half::{bf16, f16};
+use ir::F8E4M3;
 
 /// An element type of cache rows.
 pub trait KvElement: Copy + Default + Send + Sync + 'static {
@@ -126,6 +127,82 @@ impl KvElement for f16 {
     }
 }
 
+/// FP8 E4M3 has no conversion instruction on these CPUs. Each code is sign-extended to 32
+/// bits and shifted so its exponent and mantissa land in an f32's, the sign bit kept and the
+/// rest masked off: a float 2¹²⁰ times too small with the right sign (a subnormal f32 for a
+/// subnormal code), which one exact multiplication by 2¹²⁰ makes the value; then NaN for
+/// `S.1111.111`. Four operations and a compare for sixteen codes, no constant held in a
+/// register across a loop (attention's accumulators need them all).
+impl KvElement for F8E4M3 {
+    #[inline(always)]
+    fn narrow(x: f32) -> Self {
+        F8E4M3::from_f32(x)
+    }
+
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: as the caller promises (`F8E4M3` is a `u8`).
+        unsafe {
+            let codes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast()));
+            let bits = _mm256_and_si256(_mm256_slli_epi32::<20>(codes), _mm256_set1_epi32(F8_FIELDS));
+            let value = _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(F8_SCALE));
+            let magnitude_bits = _mm256_and_si256(bits, _mm256_set1_epi32(i32::MAX));
+            let nan = _mm256_cmpeq_epi32(magnitude_bits, _mm256_set1_epi32(F8_NAN_FIELDS));
+            let signed_nan = _mm256_xor_si256(bits, _mm256_set1_epi32(F8_NAN_FIELDS_TO_NAN));
+            _mm256_blendv_ps(value, _mm256_castsi256_ps(signed_nan), _mm256_castsi256_ps(nan))
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: as the caller promises.
+        unsafe {
+            let codes = _mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast()));
+            let bits = _mm512_and_si512(_mm512_slli_epi32::<20>(codes), _mm512_set1_epi32(F8_FIELDS));
+            let value = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(F8_SCALE));
+            let nan = _mm512_cmpeq_epi32_mask(
+                _mm512_and_si512(bits, _mm512_set1_epi32(i32::MAX)),
+                _mm512_set1_epi32(F8_NAN_FIELDS),
+            );
+            let signed_nan = _mm512_mask_xor_epi32(
+                _mm512_castps_si512(value),
+                nan,
+                bits,
+                _mm512_set1_epi32(F8_NAN_FIELDS_TO_NAN),
+            );
+            _mm512_castsi512_ps(signed_nan)
+        }
+    }
+}
+
+/// 2¹²⁰: an E4M3 exponent (bias 7) read in an f32's exponent field (bias 127) is 120 short.
+#[cfg(target_arch = "x86_64")]
+const F8_SCALE: f32 = f32::from_bits((127 + 120) << 23);
+
+/// The f32 bits a sign-extended code shifted left by 20 keeps: the sign, and the seven
+/// magnitude bits as the low exponent bits and the top mantissa bits.
+#[cfg(target_arch = "x86_64")]
+const F8_FIELDS: i32 = 0x87F0_0000u32 as i32;
+
+/// Those magnitude bits for the NaN code.
+#[cfg(target_arch = "x86_64")]
+const F8_NAN_FIELDS: i32 = 0x7F << 20;
+
+/// What turns the NaN code's fields into f32's quiet NaN of the same sign, as `widen` gives.
+#[cfg(target_arch = "x86_64")]
+const F8_NAN_FIELDS_TO_NAN: i32 = F8_NAN_FIELDS ^ f32::NAN.to_bits() as i32;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -177,5 +254,45 @@ mod tests {
         check::<f32>();
         check::<bf16>();
         check::<f16>();
+        check::<F8E4M3>();
+    }
+
+    /// Every FP8 code, through both vector loads, widens as `widen` does.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn every_fp8_code_widens_alike() {
+        let codes: Vec<F8E4M3> = (0..=255u8).map(F8E4M3).collect();
+        let want: Vec<u32> = codes.iter().map(|c| c.widen().to_bits()).collect();
+        let mut got = vec![0f32; 256];
+        for (i, out) in got.chunks_exact_mut(16).enumerate() {
+            if super::super::simd::has_avx512() {
+                // SAFETY: AVX-512F checked; codes `16i..16i + 16` are readable.
+                unsafe {
+                    std::arch::x86_64::_mm512_storeu_ps(out.as_mut_ptr(), F8E4M3::load16(codes.as_ptr().add(16 * i)))
+                };
+                assert_eq!(
+                    out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    want[16 * i..16 * i + 16],
+                    "load16"
+                );
+            }
+            if super::super::simd::has_avx2_fma() {
+                for half in 0..2 {
+                    let at = 16 * i + 8 * half;
+                    // SAFETY: AVX2 checked; codes `at..at + 8` are readable.
+                    unsafe {
+                        std::arch::x86_64::_mm256_storeu_ps(
+                            out.as_mut_ptr().add(8 * half),
+                            F8E4M3::load8(codes.as_ptr().add(at)),
+                        )
+                    };
+                }
+                assert_eq!(
+                    out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    want[16 * i..16 * i + 16],
+                    "load8"
+                );
+            }
+        }
     }
 }

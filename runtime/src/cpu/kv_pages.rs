@@ -2,7 +2,7 @@
 //! positions, addressed through each sequence's block table (see [`crate::kv`]). Sequences that
 //! share a prompt prefix share its blocks, so a prefix-cache hit skips computing it.
 //!
-//! A slot's rows are stored in its attention's `cache_dtype` (f32, bf16 or half): written
+//! A slot's rows are stored in its attention's `cache_dtype` (f32, bf16, half or FP8): written
 //! narrowed, read through [`PagesOf`] by kernels that widen them as they load.
 //!
 //! The pool grows on first use of a block rather than at creation: a server configured for
@@ -21,7 +21,7 @@ use super::kv_element::KvElement;
 use crate::error::{Result, RuntimeError};
 use crate::kv::{block_runs, cache_row, BlockId};
 use half::{bf16, f16};
-use ir::DType;
+use ir::{DType, F8E4M3};
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -54,6 +54,7 @@ impl KvLayout {
     pub fn bytes_per_position(&self) -> usize {
         let element = match self.dtype {
             DType::BF16 | DType::F16 => 2,
+            DType::F8E4M3 => 1,
             _ => 4,
         };
         (self.dim + self.v_dim) * element
@@ -77,6 +78,7 @@ enum Rows {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
     F16(Vec<f16>),
+    F8(Vec<F8E4M3>),
 }
 
 impl Rows {
@@ -84,6 +86,7 @@ impl Rows {
         match dtype {
             DType::BF16 => Self::Bf16(Vec::new()),
             DType::F16 => Self::F16(Vec::new()),
+            DType::F8E4M3 => Self::F8(Vec::new()),
             _ => Self::F32(Vec::new()),
         }
     }
@@ -93,6 +96,7 @@ impl Rows {
             Self::F32(r) => r.len(),
             Self::Bf16(r) => r.len(),
             Self::F16(r) => r.len(),
+            Self::F8(r) => r.len(),
         }
     }
 
@@ -101,6 +105,7 @@ impl Rows {
             Self::F32(r) => r.len() * 4,
             Self::Bf16(r) => r.len() * 2,
             Self::F16(r) => r.len() * 2,
+            Self::F8(r) => r.len(),
         }
     }
 
@@ -119,6 +124,7 @@ impl Rows {
             Self::F32(r) => narrowed(r, at, values, len),
             Self::Bf16(r) => narrowed(r, at, values, len),
             Self::F16(r) => narrowed(r, at, values, len),
+            Self::F8(r) => narrowed(r, at, values, len),
         }
     }
 }
@@ -128,6 +134,7 @@ pub enum PagesOf<'a> {
     F32(TypedPages<'a, f32>),
     Bf16(TypedPages<'a, bf16>),
     F16(TypedPages<'a, f16>),
+    F8(TypedPages<'a, F8E4M3>),
 }
 
 /// A slot's keys and values, elements of type `T`.
@@ -355,6 +362,7 @@ impl LayerPages {
             (Rows::F32(k), Rows::F32(v)) => PagesOf::F32(self.typed_as(k, v)),
             (Rows::Bf16(k), Rows::Bf16(v)) => PagesOf::Bf16(self.typed_as(k, v)),
             (Rows::F16(k), Rows::F16(v)) => PagesOf::F16(self.typed_as(k, v)),
+            (Rows::F8(k), Rows::F8(v)) => PagesOf::F8(self.typed_as(k, v)),
             _ => unreachable!("a slot's keys and values share their element type"),
         }
     }

@@ -43,7 +43,11 @@ pub(super) fn launches(
         DType::F32 => Ty::F32,
         DType::BF16 => Ty::Bf16,
         DType::F16 => Ty::F16,
-        other => return Err(unsupported(format!("a {other} KV cache"))),
+        other => {
+            return Err(unsupported(format!(
+                "a {other} KV cache: the GPU attention templates read f32, bf16 or f16 rows (the CPU backend reads {other})"
+            )))
+        }
     };
     if sampled && !matches!(op, Op::SharedKvAttention(_)) {
         return Err(unsupported(
