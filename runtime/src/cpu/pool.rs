@@ -21,7 +21,7 @@
 use std::any::Any;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, TryLockError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -326,9 +326,13 @@ impl Pool {
         if tasks <= 1 || self.workers.is_empty() {
             return alone();
         }
-        // Busy (another thread's job, or this one's own from inside a task): the tasks run here.
-        let Ok(mut epoch) = self.submit.try_lock() else {
-            return alone();
+        let mut epoch = match self.submit.try_lock() {
+            Ok(epoch) => epoch,
+            // A job that panicked held it; the epoch it guards is still right.
+            Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            // Busy (another thread's job, or this one's own from inside a task): the tasks
+            // run here.
+            Err(TryLockError::WouldBlock) => return alone(),
         };
         *epoch = epoch.wrapping_add(1);
         let shared = &*self.shared;
@@ -507,7 +511,8 @@ mod tests {
         assert_eq!(threads.into_inner().unwrap().len(), 2);
     }
 
-    /// A panicking task's panic reaches the caller, and the pool still works after it.
+    /// A panicking task's panic reaches the caller, and the pool still works after it, on
+    /// all its threads.
     #[test]
     fn a_panic_reaches_the_caller() {
         let pool = Pool::new(3);
@@ -516,7 +521,21 @@ mod tests {
                 pool.for_each(200, || (), |_, t| assert_ne!(t, panicking, "task {t} fails"));
             }));
             assert!(caught.is_err());
-            assert_eq!(pool.map(10, || (), |_, t| t), (0..10).collect::<Vec<_>>());
+            let threads: Mutex<std::collections::HashSet<_>> = Mutex::default();
+            let squares = pool.map(
+                30,
+                || (),
+                |_, t| {
+                    threads.lock().unwrap().insert(std::thread::current().id());
+                    std::thread::sleep(Duration::from_millis(2));
+                    t * t
+                },
+            );
+            assert_eq!(squares, (0..30).map(|t| t * t).collect::<Vec<_>>());
+            assert!(
+                threads.into_inner().unwrap().len() > 1,
+                "after a panic, one thread runs the tasks"
+            );
         }
     }
 }
