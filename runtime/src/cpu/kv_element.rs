@@ -131,8 +131,9 @@ impl KvElement for f16 {
 /// bits and shifted so its exponent and mantissa land in an f32's, the sign bit kept and the
 /// rest masked off: a float 2¹²⁰ times too small with the right sign (a subnormal f32 for a
 /// subnormal code), which one exact multiplication by 2¹²⁰ makes the value; then NaN for
-/// `S.1111.111`. Four operations and a compare for sixteen codes, no constant held in a
-/// register across a loop (attention's accumulators need them all).
+/// `S.1111.111`: seven vector operations for sixteen codes, where one widens sixteen halves,
+/// which makes attention over an FP8 cache slower than over a half one wherever the cache's
+/// bytes are not the limit (see the README).
 impl KvElement for F8E4M3 {
     #[inline(always)]
     fn narrow(x: f32) -> Self {

@@ -17,7 +17,7 @@ mod kv_pages;
 mod latent_attention;
 mod matrix;
 mod moe;
-pub mod pool;
+mod pool;
 mod rope;
 mod rows;
 pub mod simd;
@@ -335,6 +335,7 @@ impl CpuBackend {
 
     /// Process every segment's tokens in one pass, keys and values going to `pages`; returns
     /// each segment's outputs by name (in the order of `batch`).
+    ///
     /// The calling thread runs the serial ops and takes part in the parallel ones ([`pool`]).
     pub fn step_batch(&self, pages: &mut KvPages, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
         self.check_batch(pages, batch)?;
