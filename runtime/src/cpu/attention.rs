@@ -68,6 +68,19 @@ fn attention_over<T: KvElement>(spec: &AttentionSpec, q: &[f32], rows: &[QueryRo
             _ => attend::<1, 4, 4, T>(spec, q, rows, &tiles, kv, out),
         };
     }
+    let longest = rows
+        .iter()
+        .map(|r| r.pos + 1 - window_start(spec, r.pos))
+        .max()
+        .unwrap_or(0);
+    if T::COSTLY_WIDENING && !busy(rows.len() * spec.heads / shared) && longest >= SPLIT_FROM_POSITIONS {
+        return match shared {
+            4 => attend_split::<4, T>(spec, q, rows, kv, out),
+            3 => attend_split::<3, T>(spec, q, rows, kv, out),
+            2 => attend_split::<2, T>(spec, q, rows, kv, out),
+            _ => attend_split::<1, T>(spec, q, rows, kv, out),
+        };
+    }
     let single = row_tiles(rows, 1);
     match if busy(rows.len() * spec.heads / shared) {
         shared
@@ -79,6 +92,107 @@ fn attention_over<T: KvElement>(spec: &AttentionSpec, q: &[f32], rows: &[QueryRo
         2 => attend::<2, 1, 2, T>(spec, q, rows, &single, kv, out),
         _ => attend::<1, 1, 1, T>(spec, q, rows, &single, kv, out),
     }
+}
+
+/// The first position a query at `pos` sees.
+fn window_start(spec: &AttentionSpec, pos: usize) -> usize {
+    spec.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+}
+
+/// Positions from which a step of few query rows (decode) over a cache whose widening is
+/// costly (FP8) splits attention three ways instead of a task a (row, head): a task a (row,
+/// query heads of one KV head) would leave threads idle, and a head a task widens every cache
+/// row once per query head. (Over f32, bf16 and half caches the split measured no faster: at
+/// 2048 positions, batch 1, 11.5–12.1 ms a step unsplit, 12.6–12.7 split; FP8 31.1 → 17.0.)
+const SPLIT_FROM_POSITIONS: usize = 256;
+
+/// Positions a scoring task of [`attend_split`] takes.
+const SCORE_CHUNK: usize = 128;
+
+/// Columns of the head a weighted-sum task of [`attend_split`] takes (a 512-bit register's).
+const SUM_COLUMNS: usize = 16;
+
+/// [`attention`] for a few rows over many positions, in three jobs whose tasks all read each
+/// cache row once for the `G` query heads of its KV head: the scores by chunks of positions
+/// (each score is its own dot), the softmax by (row, head), the weighted sums by chunks of the
+/// head's columns (each column's sum runs over the positions in order on its own). Every
+/// number is computed by the operation the one-row, one-head form uses on the same operands,
+/// so the results are its bits.
+fn attend_split<const G: usize, T: KvElement>(
+    spec: &AttentionSpec,
+    q: &[f32],
+    rows: &[QueryRow],
+    kv: &Cache<T>,
+    out: &mut [f32],
+) {
+    let (hd, heads) = (spec.head_dim, spec.heads);
+    let (group, q_dim, block_size) = (heads / spec.kv_heads, heads * hd, kv.block_size);
+    let scale = spec.scale as f32;
+    assert_eq!(out.len(), rows.len() * q_dim);
+    let seen: Vec<Range<usize>> = rows.iter().map(|r| window_start(spec, r.pos)..r.pos + 1).collect();
+    // Row `r`'s head `h` scores its positions at `first_score[r] + h · seen[r].len()`.
+    let first_score: Vec<usize> = seen
+        .iter()
+        .scan(0, |at, s| Some(std::mem::replace(at, *at + heads * s.len())))
+        .collect();
+    let mut scores = vec![0f32; seen.iter().map(|s| heads * s.len()).sum()];
+    let score_at = |r: usize, head: usize| first_score[r] + head * seen[r].len();
+    let kv_cols = |head: usize| (head / group) * hd..(head / group + 1) * hd;
+    let query = |r: usize, head: usize| &q[r * q_dim + head * hd..r * q_dim + (head + 1) * hd];
+    let pool = pool::global();
+    // Scores: a task a (row, heads `first..first + G`, chunk of its positions).
+    let score_tasks: Vec<(usize, usize, Range<usize>)> = (0..rows.len())
+        .flat_map(|r| (0..heads).step_by(G).map(move |first| (r, first)))
+        .flat_map(|(r, first)| {
+            let s = seen[r].clone();
+            (s.start..s.end)
+                .step_by(SCORE_CHUNK)
+                .map(move |p| (r, first, p..(p + SCORE_CHUNK).min(s.end)))
+        })
+        .collect();
+    let scores_out = TaskOutputs(scores.as_mut_ptr());
+    pool.for_each(score_tasks.len(), Vec::<&[T]>::new, |cached, t| {
+        let (r, first, ref positions) = score_tasks[t];
+        cached.clear();
+        kv.pages
+            .keys_into(rows[r].table, block_size, positions.clone(), kv_cols(first), cached);
+        let queries: [&[f32]; G] = std::array::from_fn(|g| query(r, first + g));
+        let at = |g: usize| score_at(r, first + g) + positions.start - seen[r].start;
+        // SAFETY: each task's (row, head, positions) scores are its own, inside `scores`.
+        let mut outs: [&mut [f32]; G] = std::array::from_fn(|g| unsafe { scores_out.slice(at(g), positions.len()) });
+        simd::dots_many(&queries, cached, &mut outs);
+    });
+    pool.for_each(
+        rows.len() * heads,
+        || (),
+        |_, t| {
+            let (r, head) = (t / heads, t % heads);
+            // SAFETY: each (row, head)'s scores are one task's; the scoring job has finished.
+            softmax(unsafe { scores_out.slice(score_at(r, head), seen[r].len()) }, scale);
+        },
+    );
+    let scores = &scores;
+    // Weighted sums: a task a (row, heads `first..first + G`, chunk of the head's columns).
+    let column_chunks = hd.div_ceil(SUM_COLUMNS);
+    let sums_out = TaskOutputs(out.as_mut_ptr());
+    pool.for_each(rows.len() * heads / G * column_chunks, Vec::<&[T]>::new, |cached, t| {
+        let (r, first, chunk) = (
+            t / (heads / G * column_chunks),
+            t / column_chunks % (heads / G) * G,
+            t % column_chunks,
+        );
+        let columns = chunk * SUM_COLUMNS..((chunk + 1) * SUM_COLUMNS).min(hd);
+        let values = kv_cols(first).start + columns.start..kv_cols(first).start + columns.end;
+        cached.clear();
+        kv.pages
+            .values_into(rows[r].table, block_size, seen[r].clone(), values, cached);
+        let weights: [&[f32]; G] = std::array::from_fn(|g| &scores[score_at(r, first + g)..][..seen[r].len()]);
+        let at = |g: usize| r * q_dim + (first + g) * hd + columns.start;
+        // SAFETY: each task's (row, head, columns) outputs are its own, inside `out`.
+        let mut sums: [&mut [f32]; G] = std::array::from_fn(|g| unsafe { sums_out.slice(at(g), columns.len()) });
+        sums.iter_mut().for_each(|s| s.fill(0.0));
+        simd::axpys_many(&weights, cached, &mut sums);
+    });
 }
 
 /// `rows` cut into runs of at most `most` consecutive positions of one sequence.
@@ -214,6 +328,16 @@ impl TaskOutputs {
         // SAFETY: as the caller promises; `values` is the task's own memory.
         unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), self.0.add(at), values.len()) };
     }
+
+    /// Elements `at..at + len`, for one task.
+    ///
+    /// # Safety
+    /// They are inside the output, and no other task touches them while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, at: usize, len: usize) -> &mut [f32] {
+        // SAFETY: as the caller promises.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(at), len) }
+    }
 }
 
 // SAFETY: tasks write disjoint places (see `TaskOutputs::write`), and the borrow it comes from
@@ -282,6 +406,7 @@ mod tests {
     use ir::Tensor;
 
     type Attend = fn(&AttentionSpec, &[f32], &[QueryRow], &[Range<usize>], &Cache<f32>, &mut [f32]);
+    type AttendSplit<T> = fn(&AttentionSpec, &[f32], &[QueryRow], &Cache<T>, &mut [f32]);
 
     /// An f32 slot of `kv_dim`-wide keys and values in blocks of 2 positions.
     fn f32_pages(kv_dim: usize) -> super::super::KvPages {
@@ -344,6 +469,77 @@ mod tests {
         );
         assert_eq!(run(attend::<2, 4, 8, f32>, 4), one, "two heads");
         assert_eq!(run(attend::<4, 4, 16, f32>, 4), one, "four heads");
+    }
+
+    /// Few rows over many positions split three ways (scores by chunks of positions, sums
+    /// by chunks of columns, a last column chunk short), with and without a window, over f32
+    /// and FP8 caches, give the one-row, one-head results; so does `attention` for one row
+    /// (the split path over FP8 caches, the unsplit one otherwise).
+    #[test]
+    fn split_attention_gets_the_one_row_one_head_results() {
+        let (len, kv_dim) = (2 * SCORE_CHUNK + 37, 80);
+        let val = |i: usize, m: usize| ((i * m % 29) as f32 - 14.0) / 9.0;
+        let k: Vec<f32> = (0..len * kv_dim).map(|i| val(i, 7)).collect();
+        let v: Vec<f32> = (0..len * kv_dim).map(|i| val(i, 5)).collect();
+        let table: Vec<BlockId> = (0..len.div_ceil(2) as u32).rev().map(BlockId).collect();
+        let pages_of = |dtype| {
+            let layout = super::super::KvLayout {
+                dim: kv_dim,
+                v_dim: kv_dim,
+                dtype,
+            };
+            let mut pages = super::super::KvPages::new(&[layout], &[], 2);
+            pages.layer_mut(0).write(&table, 0, &k, &v);
+            pages
+        };
+        // Two sequences' decode rows, the second a few positions shorter.
+        let rows = [len - 1, len - 6].map(|pos| QueryRow { pos, table: &table });
+        let q: Vec<f32> = (0..rows.len() * 320).map(|i| val(i, 3)).collect();
+        for window in [None, Some(SCORE_CHUNK + 5)] {
+            for dtype in [ir::DType::F32, ir::DType::F8E4M3] {
+                let spec = AttentionSpec {
+                    heads: 8,
+                    kv_heads: 2,
+                    head_dim: 40,
+                    scale: 0.2,
+                    window,
+                    cache_slot: 0,
+                    cache_dtype: dtype,
+                };
+                let pages = pages_of(dtype);
+                let layer = pages.layer(0);
+                match layer.typed() {
+                    PagesOf::F32(pages) => check_split(&spec, &q, &rows, &Cache { pages, block_size: 2 }, layer),
+                    PagesOf::F8(pages) => check_split(&spec, &q, &rows, &Cache { pages, block_size: 2 }, layer),
+                    _ => unreachable!("the slots made above"),
+                }
+            }
+        }
+    }
+
+    fn check_split<T: KvElement>(
+        spec: &AttentionSpec,
+        q: &[f32],
+        rows: &[QueryRow],
+        kv: &Cache<T>,
+        layer: &LayerPages,
+    ) {
+        let bits = |out: Vec<f32>| out.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let what = format!("{:?}, window {:?}", spec.cache_dtype, spec.window);
+        let mut one = vec![f32::NAN; rows.len() * 320];
+        attend::<1, 1, 1, T>(spec, q, rows, &row_tiles(rows, 1), kv, &mut one);
+        let one = bits(one);
+        let split = |attend: AttendSplit<T>| {
+            let mut out = vec![f32::NAN; rows.len() * 320];
+            attend(spec, q, rows, kv, &mut out);
+            bits(out)
+        };
+        assert_eq!(split(attend_split::<1, T>), one, "{what}");
+        assert_eq!(split(attend_split::<2, T>), one, "{what}");
+        assert_eq!(split(attend_split::<4, T>), one, "{what}");
+        let mut out = vec![f32::NAN; 320];
+        attention(spec, &q[..320], &rows[..1], layer, &mut out);
+        assert_eq!(bits(out), one[..320], "attention, {what}");
     }
 
     /// Tiles over a step of several sequences (a prompt chunk cut into tiles of four and a

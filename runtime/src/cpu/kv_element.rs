@@ -10,6 +10,12 @@ use ir::F8E4M3;
 
 /// An element type of cache rows.
 pub trait KvElement: Copy + Default + Send + Sync + 'static {
+    /// Whether widening costs enough beside the multiply-adds that attention should widen
+    /// each cache row once for all the query heads of its KV head even where that takes more
+    /// passes over the step (see `attention`'s split form); a load-and-convert instruction
+    /// does not.
+    const COSTLY_WIDENING: bool = false;
+
     /// The stored value of `x` (rounded to nearest even).
     fn narrow(x: f32) -> Self;
 
@@ -135,6 +141,8 @@ impl KvElement for f16 {
 /// which makes attention over an FP8 cache slower than over a half one wherever the cache's
 /// bytes are not the limit (see the README).
 impl KvElement for F8E4M3 {
+    const COSTLY_WIDENING: bool = true;
+
     #[inline(always)]
     fn narrow(x: f32) -> Self {
         F8E4M3::from_f32(x)
