@@ -131,6 +131,13 @@ impl Shared {
         }
     }
 
+    /// The slot for a worker's panic. A worker must not panic outside its tasks (the caller
+    /// would wait for it forever), so a poisoned lock is taken as it is: the slot holds a
+    /// payload or nothing either way.
+    fn panic_slot(&self) -> std::sync::MutexGuard<'_, Option<Box<dyn Any + Send>>> {
+        self.panic.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     fn epoch(&self) -> u32 {
         (self.next.load(Acquire) >> 32) as u32
     }
@@ -156,7 +163,7 @@ impl Shared {
                 let body = unsafe { &*job.body.expect("a job with tasks has a body") };
                 if let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| body(&mut claims))) {
                     // Nothing else claims the rest: the caller does, then resumes the panic.
-                    self.panic.lock().expect("panic slot").get_or_insert(panic);
+                    self.panic_slot().get_or_insert(panic);
                 }
             }
             self.active.fetch_sub(1, SeqCst);
@@ -365,7 +372,9 @@ impl Pool {
         if let Some(Err(panic)) = own {
             std::panic::resume_unwind(panic);
         }
-        if let Some(panic) = shared.panic.lock().expect("panic slot").take() {
+        // Taken out first: unwinding with the slot's lock held would poison it.
+        let worker_panic = shared.panic_slot().take();
+        if let Some(panic) = worker_panic {
             std::panic::resume_unwind(panic);
         }
     }
