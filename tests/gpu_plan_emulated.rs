@@ -1095,7 +1095,8 @@ fn speculative_decoding_on_a_batched_plan_keeps_every_token() {
 /// drafts are refused the engine has the plan copy the state after the last row kept back
 /// into the sequence's slot. Every request generates what it generates on the CPU backend
 /// without speculation, with drafts both accepted and refused (as `bbc gpu-check`'s graphs
-/// section checks on hardware, for the tiny Qwen3.5).
+/// section checks on hardware, for the tiny Qwen3.5), and again where the plan keeps
+/// checkpoints for fewer drafts than prompt lookup proposes.
 #[test]
 fn speculative_decoding_on_hybrid_plans_rewinds_refused_drafts() {
     use bbc::gpu_check::kernels::{self as check, DRAFTED_TOKENS};
@@ -1114,17 +1115,32 @@ fn speculative_decoding_on_hybrid_plans_rewinds_refused_drafts() {
         let cpu = CpuBackend::new(model.lower(LogitsFor::AllTokens).unwrap(), &model.weights, 64).unwrap();
         let want = greedy_tokens(&mut ServingEngine::new(cpu, plain), &prompts, DRAFTED_TOKENS);
         let (gpu_graph, plan, kernels) = serving_plan(&model, &config, config.max_running);
-        let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+        let plan_keeping = |checkpoints| {
+            EmulatedBackend::emulated(
+                plan.clone(),
+                kernels.clone(),
+                gpu_graph.clone(),
+                &model.weights,
+                &[],
+                64,
+            )
             .unwrap()
             .capture_graphs_up_to(config.max_running * 4)
-            .verify_drafts_up_to(3)
-            .unwrap();
-        let mut on_gpu = ServingEngine::new(gpu, config);
+            .verify_drafts_up_to(checkpoints)
+            .unwrap()
+        };
+        let mut on_gpu = ServingEngine::new(plan_keeping(3), config);
         let (drafted, accepted) = speculating_serves(&mut on_gpu, &prompts, DRAFTED_TOKENS, &want, family);
         assert!(
             accepted > 0 && drafted > accepted,
             "{family}: {accepted} of {drafted} drafted tokens accepted; both kinds were meant to happen"
         );
+        // A plan keeping checkpoints for fewer drafts than prompt lookup proposes: the engine
+        // caps every sequence's drafts at them (the plan refuses a step carrying more).
+        let mut capped = ServingEngine::new(plan_keeping(2), config);
+        assert_eq!(capped.scheduler().draft_cap(), 2, "{family}");
+        let (drafted, _) = speculating_serves(&mut capped, &prompts, DRAFTED_TOKENS, &want, family);
+        assert!(drafted > 0, "{family}: nothing drafted under the cap");
     }
 }
 

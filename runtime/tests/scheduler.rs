@@ -15,7 +15,8 @@
 //! some) are carried as offered, cut to the sequence's limit, and only where offered. Forced
 //! drafts (`offer_forced_drafts`, as a grammar's forced text is offered, whether speculation is
 //! on or not) are carried where offered in place of others, cut to `FORCED_DRAFTS_MOST`, the
-//! sequence's `max_tokens` and the step's budget. A sequence that
+//! sequence's `max_tokens` and the step's budget. Where drafts are capped (`cap_drafts`, a
+//! backend's checkpoints), no work carries more, of any kind. A sequence that
 //! computes its whole prompt (`compute_whole_prompt`, for prompt log-probabilities) never
 //! starts from the prefix cache, however often it is preempted. Under the priority policy,
 //! requests of random priorities wait and run in (priority, arrival) order, every sequence a
@@ -248,6 +249,11 @@ fn run_step(
     // Offered drafts are carried as offered, cut to what the sequence may carry; a sequence
     // offered none carries none.
     for w in schedule.work.iter().filter(|w| w.drafts > 0) {
+        assert!(
+            w.drafts <= s.draft_cap(),
+            "{w:?} carries more than the cap {}",
+            s.draft_cap()
+        );
         if w.forced {
             let drafts = forced.get(&w.seq).expect("forced drafts only where offered");
             assert!(w.drafts <= FORCED_DRAFTS_MOST, "{w:?}");
@@ -359,6 +365,7 @@ proptest! {
         interval in 1usize..12,
         at_segment_ends in any::<bool>(),
         by_priority in any::<bool>(),
+        draft_cap in proptest::option::of(0usize..3),
         actions in proptest::collection::vec(action(), 1..120),
     ) {
         let speculation = NgramConfig { tokens: drafts, min: 1, max: 3 };
@@ -377,6 +384,9 @@ proptest! {
         let mut s = Scheduler::new(config);
         if by_priority {
             prop_assert!(s.set_policy(SchedulingPolicy::Priority));
+        }
+        if let Some(most) = draft_cap {
+            s.cap_drafts(most);
         }
         let mut kv = SimulatedKv {
             states: recurrent_state.then(HashMap::new),

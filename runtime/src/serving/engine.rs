@@ -189,8 +189,8 @@ pub struct ServingEngine<B: PagedBackend> {
 impl<B: PagedBackend> ServingEngine<B> {
     /// An engine over `backend`; a token budget above what the backend takes in one step is
     /// lowered to it (prompts are then chunked smaller), so no step is refused for its size,
-    /// and so are running sequences past the ones it keeps state for;
-    /// a model with recurrent state runs without the prefix cache where the backend keeps no
+    /// and so are running sequences past the ones it keeps state for, and drafts past the ones
+    /// it keeps checkpoints for; a model with recurrent state runs without the prefix cache where the backend keeps no
     /// snapshots of it, and a backend that cannot verify drafted tokens without speculation.
     pub fn new(backend: B, mut config: SchedulerConfig) -> Self {
         if let Some(limit) = backend.max_step_tokens() {
@@ -211,10 +211,14 @@ impl<B: PagedBackend> ServingEngine<B> {
         if !backend.verifies_drafts() {
             config.speculation = super::ngram::NgramConfig::OFF;
         }
+        let mut scheduler = Scheduler::new(config);
+        if let Some(most) = backend.max_drafts() {
+            scheduler.cap_drafts(most);
+        }
         Self {
             pages: backend.new_pages(config.block_size),
             backend,
-            scheduler: Scheduler::new(config),
+            scheduler,
             samplers: HashMap::new(),
             processors: HashMap::new(),
             scoring: HashMap::new(),
@@ -468,7 +472,8 @@ impl<B: PagedBackend> ServingEngine<B> {
     }
 
     /// What each sequence's logits processors expect next (a grammar's forced text), offered
-    /// to the next step as drafts where the backend verifies drafts, at most as many as it can:
+    /// to the next step as drafts where the backend verifies drafts (the scheduler cuts them to
+    /// what it can verify):
     /// a choice's rest, a JSON schema's property name, then take one step for several tokens
     /// (SGLang's jump-forward decoding, as speculation: the model still chooses every token,
     /// so the output is the same).
@@ -476,14 +481,12 @@ impl<B: PagedBackend> ServingEngine<B> {
         if self.processors.is_empty() || !self.backend.verifies_drafts() {
             return;
         }
-        let most = self.backend.max_drafts().unwrap_or(usize::MAX);
         let forced = self
             .processors
             .iter_mut()
             .filter_map(|(&id, processors)| {
-                let mut proposals = processors.iter_mut().map(|p| p.proposals()).find(|p| !p.is_empty())?;
-                proposals.truncate(most);
-                (!proposals.is_empty()).then_some((id, proposals))
+                let proposals = processors.iter_mut().map(|p| p.proposals()).find(|p| !p.is_empty())?;
+                Some((id, proposals))
             })
             .collect();
         self.scheduler.offer_forced_drafts(forced);

@@ -254,6 +254,9 @@ pub struct Scheduler {
     /// Forced drafts for the next step (see [`Scheduler::offer_forced_drafts`]).
     forced: BTreeMap<SeqId, Vec<u32>>,
     policy: SchedulingPolicy,
+    /// Drafted tokens (of any kind) one sequence may carry in a step, at most (see
+    /// [`Scheduler::cap_drafts`]).
+    max_drafts: usize,
 }
 
 /// A decoding sequence that may carry drafted tokens in the next step: its tokens so far, and
@@ -287,7 +290,16 @@ impl Scheduler {
             offered: None,
             forced: BTreeMap::new(),
             policy: SchedulingPolicy::Fcfs,
+            max_drafts: usize::MAX,
         }
+    }
+
+    /// Let no sequence carry more than `most` drafted tokens in a step, whatever proposed them
+    /// (prompt lookup, a draft model, a grammar's forced text): where the backend keeps
+    /// something per draft in a fixed number of places (a GPU plan's recurrent-state
+    /// checkpoints). The engine sets it from its backend.
+    pub fn cap_drafts(&mut self, most: usize) {
+        self.max_drafts = most;
     }
 
     /// Order the queue and choose whom to preempt by `policy` from now on (set it before
@@ -302,6 +314,11 @@ impl Scheduler {
 
     pub fn policy(&self) -> SchedulingPolicy {
         self.policy
+    }
+
+    /// Drafted tokens one sequence may carry in a step, at most (`usize::MAX` for no cap).
+    pub fn draft_cap(&self) -> usize {
+        self.max_drafts
     }
 
     /// The configuration in force (the engine may have narrowed the one it was given).
@@ -653,18 +670,18 @@ impl Scheduler {
     /// not paused for it; at most its draft length, within its [`draft_room`](Self::draft_room).
     fn draft_limit(&self, seq: &Seq) -> usize {
         match self.config.speculation.is_on() && seq.draft_pause == 0 {
-            true => Self::draft_room(seq).min(seq.draft_len),
+            true => self.draft_room(seq).min(seq.draft_len),
             false => 0,
         }
     }
 
     /// The most drafts of any kind `seq` may carry after its last token: none unless it
     /// decodes; so many that every draft accepted plus the token sampled after them stays
-    /// within its `max_tokens`.
-    fn draft_room(seq: &Seq) -> usize {
+    /// within its `max_tokens`, and no more than [`cap_drafts`](Self::cap_drafts) allows.
+    fn draft_room(&self, seq: &Seq) -> usize {
         let decoding = seq.tokens.len() - seq.cached == 1;
         match decoding {
-            true => seq.max_tokens.saturating_sub(seq.generated() + 1),
+            true => seq.max_tokens.saturating_sub(seq.generated() + 1).min(self.max_drafts),
             false => 0,
         }
     }
@@ -677,7 +694,7 @@ impl Scheduler {
     fn drafts(&mut self, id: SeqId, budget: usize) -> (Vec<u32>, bool) {
         let seq = &self.seqs[&id];
         if let Some(mut forced) = self.forced.remove(&id) {
-            forced.truncate(Self::draft_room(seq).min(seq.forced_len).min(budget - 1));
+            forced.truncate(self.draft_room(seq).min(seq.forced_len).min(budget - 1));
             if !forced.is_empty() {
                 return (forced, true);
             }
