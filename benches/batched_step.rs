@@ -1,5 +1,6 @@
 //! One serving step of the CPU backend at several batch sizes (SmolLM2 native Q4_1, or the
-//! model `BBC_BENCH_MODEL` names, e.g. `gemma3-270m`): decode steps of 1, 4, 16 and 64
+//! model `BBC_BENCH_MODEL` names, e.g. `gemma3-270m`, or the weights at the path it gives: a
+//! GGUF file or an HF directory): decode steps of 1, 4, 16 and 64
 //! sequences over a paged KV cache holding 64 positions each (`BBC_BENCH_CONTEXT` positions, to
 //! time decode at long contexts, where attention's reads of the cache grow), and one prefill
 //! chunk of 128 tokens (`BBC_BENCH_PREFILL` tokens; 0: none).
@@ -18,8 +19,14 @@ const BLOCK: usize = 16;
 
 fn main() {
     let name = std::env::var("BBC_BENCH_MODEL").unwrap_or_else(|_| "smollm2".into());
-    let known = bbc::fetch::known(&name).unwrap_or_else(|| panic!("`{name}` is not a model bbc fetches"));
-    let path = bbc::fetch::ensure(known, true).expect("fetching the model");
+    let path = match std::path::Path::new(&name).exists() {
+        true => name.into(),
+        false => {
+            let known = bbc::fetch::known(&name)
+                .unwrap_or_else(|| panic!("`{name}` is neither a path nor a model bbc fetches"));
+            bbc::fetch::ensure(known, true).expect("fetching the model")
+        }
+    };
     let mut spec = ModelSpec::for_weights(&path);
     if let Ok(dtype) = std::env::var("BBC_BENCH_DTYPE") {
         spec.dtype = ComputeDtype::parse(&dtype)

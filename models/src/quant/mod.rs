@@ -8,6 +8,8 @@ pub mod int8;
 pub mod interleaved;
 pub mod interleaved_k;
 mod iq4;
+#[cfg(target_arch = "x86_64")]
+pub mod prefetch;
 mod q2_k;
 mod q3_k;
 mod q4_0;

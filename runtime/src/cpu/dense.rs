@@ -244,6 +244,7 @@ unsafe fn finish_with_tails<W: Widen>(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{finish_with_tails, DenseKernel, Widen, MAX_TILE};
+    use models::quant::prefetch;
     use std::arch::x86_64::*;
 
     /// `simd::reduce` of eight lanes already summed pairwise once (`lane i + lane i+8`): the
@@ -317,6 +318,14 @@ mod x86 {
         for at in (0..cols / 16).map(|c| c * 16) {
             // SAFETY: at + 16 ≤ cols, within every row and token (the caller's promise).
             unsafe {
+                // Software prefetch (`models::quant::prefetch`): the same place `R` rows on,
+                // in the tile read after this one (rows lie one after another), so its lines
+                // arrive while this tile computes. bf16 rows ask for each line twice, which
+                // costs less than a branch. Measured on SmolLM2 (bf16, batch 1 and 4, +42% and
+                // +53%; f32 +0% and +33%) and a 1B Llama shape (bf16, +9% and +11%).
+                for row in rows {
+                    prefetch::line(row.wrapping_add(at + R * cols).cast::<u8>());
+                }
                 let w: [__m512; R] = std::array::from_fn(|i| W::load512(rows[i].add(at)));
                 for (j, token) in tokens.iter().enumerate() {
                     let x = _mm512_loadu_ps(token.add(at));
@@ -359,6 +368,10 @@ mod x86 {
         // Product `k`'s lanes 0–7 in `acc[2k]`, 8–15 in `acc[2k + 1]`.
         let mut acc = [_mm256_setzero_ps(); 2 * MAX_TILE];
         for at in (0..cols / 16).map(|c| c * 16) {
+            // As in `tile512`.
+            for row in rows {
+                prefetch::line(row.wrapping_add(at + R * cols).cast::<u8>());
+            }
             for half in 0..2 {
                 let at = at + half * 8;
                 // SAFETY: at + 8 ≤ cols, within every row and token (the caller's promise).
