@@ -214,7 +214,11 @@ unsafe fn axpys_many_avx2<const G: usize, T: KvElement>(alphas: &[&[f32]; G], ro
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{axpy_body, KvElement, LANES};
+    use models::quant::prefetch;
     use std::arch::x86_64::*;
+
+    /// How many cache rows ahead the many-vector forms ask for rows.
+    const ROWS_AHEAD: usize = 32;
 
     /// `dots_many_avx2`'s products for vectors whose length is a multiple of 16 and rows at
     /// least as long: sixteen products at a time (`16 / G` rows × `G` vectors), their sums
@@ -235,12 +239,21 @@ mod avx512 {
             let count = batch.min(rows.len() - first);
             // A short last batch repeats its first row; those products are dropped.
             let row: [*const T; 16] = std::array::from_fn(|b| rows[first + if b < count { b } else { 0 }].as_ptr());
+            // The rows `ROWS_AHEAD` on (cache rows lie apart, a KV head's part of each
+            // position's row), asked for as these are read (see `models::quant::prefetch`),
+            // where there are any.
+            let far = first + ROWS_AHEAD + batch <= rows.len();
+            let ahead: [*const T; 16] =
+                std::array::from_fn(|b| rows[(first + ROWS_AHEAD + b).min(rows.len() - 1)].as_ptr());
             let mut acc = [_mm512_setzero_ps(); 16];
             for at in (0..len).step_by(LANES) {
                 // SAFETY: at + 16 ≤ len, within every vector and row.
                 unsafe {
                     let x: [__m512; G] = std::array::from_fn(|g| _mm512_loadu_ps(a[g].as_ptr().add(at)));
                     for (b, &row) in row.iter().enumerate().take(batch) {
+                        if far {
+                            prefetch::line(ahead[b].wrapping_add(at).cast());
+                        }
                         let y = T::load16(row.add(at));
                         for (g, &x) in x.iter().enumerate() {
                             acc[b * G + g] = _mm512_fmadd_ps(x, y, acc[b * G + g]);
@@ -359,6 +372,11 @@ mod avx512 {
             let mut acc: [[__m512; C]; G] =
                 std::array::from_fn(|g| std::array::from_fn(|c| _mm512_loadu_ps(y[g].as_ptr().add(at + LANES * c))));
             for (r, row) in rows.iter().enumerate() {
+                if let Some(ahead) = rows.get(r + ROWS_AHEAD) {
+                    for c in 0..C {
+                        prefetch::line(ahead.as_ptr().wrapping_add(at + LANES * c).cast());
+                    }
+                }
                 let x: [__m512; C] = std::array::from_fn(|c| T::load16(row.as_ptr().add(at + LANES * c)));
                 for (g, acc) in acc.iter_mut().enumerate() {
                     let alpha = _mm512_set1_ps(*alphas[g].get_unchecked(r));
