@@ -233,6 +233,7 @@ fn sums_portable(rows: &ScoringRows, group: usize, query: &Query) -> GroupSums {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{GroupSums, Query, ScoringRows, GROUP, INT8_BLOCK, QUAD};
+    use models::quant::prefetch;
     use std::arch::x86_64::*;
 
     /// A query quad (four neighbouring columns) in every i32 lane.
@@ -241,15 +242,30 @@ mod x86 {
         i32::from_le_bytes([q[at] as u8, q[at + 1] as u8, q[at + 2] as u8, q[at + 3] as u8])
     }
 
+    /// Asks for the lanes of the block some [`prefetch::AHEAD_BYTES`] of quants after this one
+    /// (blocks lie one after another, a group's then the next group's; `models::quant::prefetch`
+    /// says why); how many bytes after `quants` that block's quants lie, for the caller to ask
+    /// for a chunk of them with each chunk it reads.
+    #[inline(always)]
+    fn prefetch_lanes_ahead(quants: &[u8], lanes: [&[f32; GROUP]; 3]) -> usize {
+        let ahead = prefetch::ahead(quants.len());
+        for lane in lanes {
+            prefetch::line(lane.as_ptr().wrapping_add(ahead / quants.len() * GROUP).cast());
+        }
+        ahead
+    }
+
     /// Sixteen rows' block sums by `vpdpbusd`, each quad's sixteen lanes one register.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
     pub(super) unsafe fn sums_avx512(rows: &ScoringRows, group: usize, query: &Query) -> GroupSums {
         let mut sums = GroupSums::new();
         for b in 0..rows.blocks {
             let (quants, lanes) = rows.block(group, b);
+            let ahead = prefetch_lanes_ahead(quants, lanes);
             let q = &query.quants[b * INT8_BLOCK..(b + 1) * INT8_BLOCK];
             let mut acc = _mm512_set1_epi32(-query.bias[b]);
             for (i, u) in quants.chunks_exact(GROUP * QUAD).enumerate() {
+                prefetch::line(u.as_ptr().wrapping_add(ahead));
                 // SAFETY: the chunk holds 64 bytes.
                 let u = unsafe { _mm512_loadu_si512(u.as_ptr().cast()) };
                 acc = _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(quad(q, i * QUAD)));
@@ -271,9 +287,11 @@ mod x86 {
         let ones = _mm256_set1_epi16(1);
         for b in 0..rows.blocks {
             let (quants, lanes) = rows.block(group, b);
+            let ahead = prefetch_lanes_ahead(quants, lanes);
             let q = &query.quants[b * INT8_BLOCK..(b + 1) * INT8_BLOCK];
             let mut acc = [_mm256_setzero_si256(); 2];
             for (i, u) in quants.chunks_exact(GROUP * QUAD).enumerate() {
+                prefetch::line(u.as_ptr().wrapping_add(ahead));
                 let x = _mm256_set1_epi32(quad(q, i * QUAD));
                 for (half, acc) in acc.iter_mut().enumerate() {
                     // SAFETY: the chunk holds 64 bytes, two registers.
