@@ -1,4 +1,6 @@
-//! Software prefetch of the weight streams the int8 kernels read (x86).
+//! Software prefetch for the CPU kernels that stream memory (x86): the int8 kernels' weights
+//! here, and in the runtime the dense f32/bf16 tiles, attention's cache rows and the INT8
+//! head's scoring pass.
 //!
 //! A decode step over weights larger than the caches reads each weight once, and its kernels
 //! load a block, compute on it, load the next: without hints the core waited on memory and
@@ -10,8 +12,9 @@
 
 use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
 
-/// How far ahead a kernel reads, about: a K-quant group's super-block (2304 bytes for Q4_K,
-/// 4384 for Q6_K) measured as well as two of them; a few blocks of the 32-weight formats.
+/// How far ahead a kernel asks, about: for the K-quants that is the next super-block of the
+/// group (2304 bytes for Q4_K, 4384 for Q6_K; two or four Q4_K super-blocks measured no
+/// better); for the 32-weight formats a few blocks.
 pub const AHEAD_BYTES: usize = 2048;
 
 /// The distance, a whole number of `block_bytes` blocks, at which a kernel over consecutive

@@ -190,8 +190,9 @@ impl<B: PagedBackend> ServingEngine<B> {
     /// An engine over `backend`; a token budget above what the backend takes in one step is
     /// lowered to it (prompts are then chunked smaller), so no step is refused for its size,
     /// and so are running sequences past the ones it keeps state for, and drafts past the ones
-    /// it keeps checkpoints for; a model with recurrent state runs without the prefix cache where the backend keeps no
-    /// snapshots of it, and a backend that cannot verify drafted tokens without speculation.
+    /// it keeps checkpoints for; a model with recurrent state runs without the prefix cache
+    /// where the backend keeps no snapshots of it, and a backend that cannot verify drafted
+    /// tokens without speculation.
     pub fn new(backend: B, mut config: SchedulerConfig) -> Self {
         if let Some(limit) = backend.max_step_tokens() {
             config.token_budget = config.token_budget.min(limit);
