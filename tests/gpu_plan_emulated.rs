@@ -683,16 +683,7 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
     let want = serve_all(&mut on_cpu, &prompts, plain);
     for (params, greedy_steps) in [(plain, true), (with_logprobs, false)] {
         // Decode batches run as graphs, as `bbc serve` runs them on a GPU.
-        let gpu = EmulatedBackend::emulated(
-            plan.clone(),
-            kernels.clone(),
-            gpu_graph.clone(),
-            &model.weights,
-            &[],
-            64,
-        )
-        .unwrap()
-        .capture_graphs_up_to(config.max_running);
+        let gpu = emulated_serving(&model, &gpu_graph, &plan, &kernels).capture_graphs_up_to(config.max_running);
         let mut on_gpu = ServingEngine::new(Counted::new(gpu), config);
         assert_eq!(serve_all(&mut on_gpu, &prompts, params), want, "{params:?}");
         let (greedy, full) = on_gpu.backend().counts();
@@ -727,18 +718,10 @@ fn draft_model_on_a_batched_plan_drafts_as_on_the_cpu(draft: &str, target: &str)
     let config = serving_config(32, 48);
     let (gpu_graph, plan, kernels) = serving_plan(&draft, &config, config.max_running);
     let on_plan = || {
-        let gpu = EmulatedBackend::emulated(
-            plan.clone(),
-            kernels.clone(),
-            gpu_graph.clone(),
-            &draft.weights,
-            &[],
-            64,
-        )
-        .unwrap()
-        .capture_graphs_up_to(config.max_running)
-        .keep_state_snapshots(config.max_running)
-        .unwrap();
+        let gpu = emulated_serving(&draft, &gpu_graph, &plan, &kernels)
+            .capture_graphs_up_to(config.max_running)
+            .keep_state_snapshots(config.max_running)
+            .unwrap();
         DraftModel::new(Counted::new(gpu), config.kv_blocks, config.block_size, 32, 64).unwrap()
     };
     let on_cpu = || {
@@ -985,17 +968,7 @@ fn recurrent_state_slots_are_checked_per_step() {
     let model = open("qwen3_5", ComputeDtype::F32);
     let config = serving_config(32, 8);
     let (gpu_graph, plan, kernels) = serving_plan(&model, &config, 2);
-    let fresh = || {
-        EmulatedBackend::emulated(
-            plan.clone(),
-            kernels.clone(),
-            gpu_graph.clone(),
-            &model.weights,
-            &[],
-            64,
-        )
-        .unwrap()
-    };
+    let fresh = || emulated_serving(&model, &gpu_graph, &plan, &kernels);
     let gpu = fresh();
     assert!(gpu.samples_several_rows());
     let tables = [
@@ -1116,18 +1089,10 @@ fn speculative_decoding_on_hybrid_plans_rewinds_refused_drafts() {
         let want = greedy_tokens(&mut ServingEngine::new(cpu, plain), &prompts, DRAFTED_TOKENS);
         let (gpu_graph, plan, kernels) = serving_plan(&model, &config, config.max_running);
         let plan_keeping = |checkpoints| {
-            EmulatedBackend::emulated(
-                plan.clone(),
-                kernels.clone(),
-                gpu_graph.clone(),
-                &model.weights,
-                &[],
-                64,
-            )
-            .unwrap()
-            .capture_graphs_up_to(config.max_running * 4)
-            .verify_drafts_up_to(checkpoints)
-            .unwrap()
+            emulated_serving(&model, &gpu_graph, &plan, &kernels)
+                .capture_graphs_up_to(config.max_running * 4)
+                .verify_drafts_up_to(checkpoints)
+                .unwrap()
         };
         let mut on_gpu = ServingEngine::new(plan_keeping(3), config);
         let (drafted, accepted) = speculating_serves(&mut on_gpu, &prompts, DRAFTED_TOKENS, &want, family);
@@ -1355,6 +1320,17 @@ fn serving_config(token_budget: usize, kv_blocks: usize) -> SchedulerConfig {
 /// The serving plan `bbc compile` writes for `model` (each sequence's sampled rows gathered
 /// before the head, their argmax as `next_token`) on H200, 32 rows a step, its KV pool as
 /// `config` says and recurrent states for `sequences`: the graph, the plan, its kernels.
+/// A fresh emulated backend of a serving plan (`serving_plan`'s graph, plan and kernels) over
+/// `model`'s weights, 64 positions a sequence.
+fn emulated_serving(
+    model: &Model,
+    graph: &ir::Graph,
+    plan: &gpu::GpuPlan,
+    kernels: &[kernels_gen::dsl::Kernel],
+) -> EmulatedBackend {
+    EmulatedBackend::emulated(plan.clone(), kernels.to_vec(), graph.clone(), &model.weights, &[], 64).unwrap()
+}
+
 fn serving_plan(
     model: &Model,
     config: &SchedulerConfig,
