@@ -234,7 +234,6 @@ fn attend<const G: usize, const R: usize, const N: usize, T: KvElement>(
     let block_size = kv.block_size;
     assert_eq!(N, G * R, "a task's queries are its heads of its rows");
     let tasks_a_tile = spec.heads / G;
-    let window_start = |pos: usize| spec.window.map_or(0, |w| (pos + 1).saturating_sub(w));
     assert_eq!(out.len(), rows.len() * q_dim);
     let out = TaskOutputs(out.as_mut_ptr());
     pool::global().for_each(
@@ -250,13 +249,13 @@ fn attend<const G: usize, const R: usize, const N: usize, T: KvElement>(
                 &q[at..at + hd]
             };
             // Every position some row of the tile sees, and each row's own of them.
-            let lo = window_start(first.pos);
+            let lo = window_start(spec, first.pos);
             let len = last.pos + 1 - lo;
             // (Empty for a short tile's spare rows.)
             let own: [Range<usize>; R] = std::array::from_fn(|i| match rows[tile.clone()].get(i) {
                 Some(&QueryRow { pos, .. }) => {
-                    debug_assert!((window_start(pos)..=pos).all(|j| attends(pos, j, spec.window)));
-                    window_start(pos) - lo..pos + 1 - lo
+                    debug_assert!((window_start(spec, pos)..=pos).all(|j| attends(pos, j, spec.window)));
+                    window_start(spec, pos) - lo..pos + 1 - lo
                 }
                 None => 0..0,
             });
