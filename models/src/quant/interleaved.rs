@@ -591,13 +591,6 @@ mod x86 {
     use crate::quant::prefetch;
     use std::arch::x86_64::*;
 
-    /// Asks for part `part` of `parts` of the block a group's kernel reads about
-    /// [`prefetch::AHEAD_BYTES`] after `block` (blocks of `bytes`).
-    #[inline(always)]
-    fn prefetch_ahead(block: *const u8, bytes: usize, part: usize, parts: usize) {
-        prefetch::part_of(block.wrapping_add(prefetch::ahead(bytes)), bytes, part, parts);
-    }
-
     /// AVX-512: the sixteen rows in one register a token.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn tile_avx512<
@@ -639,7 +632,7 @@ mod x86 {
                         false => _mm512_and_si512(_mm512_srl_epi16(fifth, _mm_cvtsi32_si128(g - 4)), bit4),
                     };
                     for chunk in 0..4 {
-                        prefetch_ahead(block, bytes, chunk, 4);
+                        prefetch::block_ahead(block, bytes, chunk, 4);
                         let raw = _mm512_loadu_si512(block.add(64 * chunk) as *const _);
                         let mut low = _mm512_and_si512(raw, low4);
                         let mut high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
@@ -659,7 +652,7 @@ mod x86 {
                     }
                 } else {
                     for g in 0..8 {
-                        prefetch_ahead(block, bytes, g, 8);
+                        prefetch::block_ahead(block, bytes, g, 8);
                         let w = _mm512_loadu_si512(block.add(64 * g) as *const _);
                         for t in 0..T {
                             let qx = _mm512_set1_epi32(quad(tokens[t].q, q0 + 4 * g));
@@ -823,7 +816,7 @@ mod x86 {
                     for chunk in 0..4 {
                         // The second half reads what the first brought in.
                         if half == 0 {
-                            prefetch_ahead(block, bytes, chunk, 4);
+                            prefetch::block_ahead(block, bytes, chunk, 4);
                         }
                         let raw = _mm256_loadu_si256(block.add(64 * chunk + lanes) as *const __m256i);
                         let mut low = _mm256_and_si256(raw, low4);
@@ -848,7 +841,7 @@ mod x86 {
                 } else {
                     for g in 0..8 {
                         if half == 0 {
-                            prefetch_ahead(block, bytes, g, 8);
+                            prefetch::block_ahead(block, bytes, g, 8);
                         }
                         let w = _mm256_loadu_si256(block.add(64 * g + lanes) as *const __m256i);
                         for t in 0..T {

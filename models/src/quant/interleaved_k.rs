@@ -896,14 +896,6 @@ mod x86 {
     use crate::quant::prefetch;
     use std::arch::x86_64::*;
 
-    /// Asks for part `part` of `parts` of the super-block a group's kernel reads after
-    /// `block` (of `group_block` bytes), about [`prefetch::AHEAD_BYTES`] ahead.
-    #[inline(always)]
-    fn prefetch_ahead(block: *const u8, group_block: usize, part: usize, parts: usize) {
-        let start = block.wrapping_add(prefetch::ahead(group_block));
-        prefetch::part_of(start, group_block, part, parts);
-    }
-
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn q4k_avx512<const T: usize, const FIFTH: bool>(
         data: *const u8,
@@ -934,7 +926,7 @@ mod x86 {
                     let mut even = [_mm512_setzero_si512(); T];
                     let mut odd = [_mm512_setzero_si512(); T];
                     for c in 0..8 {
-                        prefetch_ahead(block, group_block, 8 * pair + c, 32);
+                        prefetch::block_ahead(block, group_block, 8 * pair + c, 32);
                         let raw = _mm512_loadu_si512(block.add(64 * (8 * pair + c)) as *const _);
                         let mut lo = _mm512_and_si512(raw, low4);
                         let mut hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
@@ -1043,7 +1035,7 @@ mod x86 {
                 let mut total = [_mm512_setzero_si512(); T];
                 let mut mins = [_mm512_setzero_si512(); T];
                 for g in 0..16 {
-                    prefetch_ahead(block, GROUP_BLOCK, g, 16);
+                    prefetch::block_ahead(block, GROUP_BLOCK, g, 16);
                     let raw = _mm512_loadu_si512(block.add(64 * g) as *const _);
                     let mut isum = [_mm512_setzero_si512(); T];
                     for p in 0..4 {
@@ -1145,7 +1137,7 @@ mod x86 {
                 let mut mins = [_mm256_setzero_si256(); T];
                 for g in 0..16 {
                     if half == 0 {
-                        prefetch_ahead(block, GROUP_BLOCK, g, 16);
+                        prefetch::block_ahead(block, GROUP_BLOCK, g, 16);
                     }
                     let raw = _mm256_loadu_si256(block.add(64 * g + lanes) as *const __m256i);
                     let mut isum = [_mm256_setzero_si256(); T];
@@ -1205,7 +1197,7 @@ mod x86 {
                     for c in 0..8 {
                         // The second half reads what the first brought in.
                         if half == 0 {
-                            prefetch_ahead(block, group_block, 8 * pair + c, 32);
+                            prefetch::block_ahead(block, group_block, 8 * pair + c, 32);
                         }
                         let raw = _mm256_loadu_si256(block.add(64 * (8 * pair + c) + lanes) as *const __m256i);
                         let mut lo = _mm256_and_si256(raw, low4);
@@ -1394,7 +1386,7 @@ mod x86 {
                 let q0 = s * SUPER;
                 let mut total = [_mm512_setzero_si512(); T];
                 for g in 0..16 {
-                    prefetch_ahead(block, L::GROUP_BLOCK, g, 16);
+                    prefetch::block_ahead(block, L::GROUP_BLOCK, g, 16);
                     let mut isum: [__m512i; T] =
                         std::array::from_fn(|t| _mm512_set1_epi32(*tokens[t].sums.add(16 * s + g)));
                     for (j, w) in L::quads512(block, g).into_iter().enumerate() {
@@ -1455,7 +1447,7 @@ mod x86 {
                 let mut total = [_mm256_setzero_si256(); T];
                 for g in 0..16 {
                     if half == 0 {
-                        prefetch_ahead(block, L::GROUP_BLOCK, g, 16);
+                        prefetch::block_ahead(block, L::GROUP_BLOCK, g, 16);
                     }
                     let mut isum: [__m256i; T] =
                         std::array::from_fn(|t| _mm256_set1_epi32(*tokens[t].sums.add(16 * s + g)));

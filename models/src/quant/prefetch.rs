@@ -42,3 +42,11 @@ pub fn part_of(start: *const u8, bytes: usize, part: usize, parts: usize) {
         line(start.wrapping_add(offset));
     }
 }
+
+/// Asks for part `part` of `parts` of the block a kernel over consecutive `bytes`-byte blocks
+/// reads [`ahead`] of `block`: called once for each part as it reads `block`'s, it asks for
+/// every line of that block while computing on this one.
+#[inline(always)]
+pub fn block_ahead(block: *const u8, bytes: usize, part: usize, parts: usize) {
+    part_of(block.wrapping_add(ahead(bytes)), bytes, part, parts);
+}

@@ -241,18 +241,16 @@ mod avx512 {
             let row: [*const T; 16] = std::array::from_fn(|b| rows[first + if b < count { b } else { 0 }].as_ptr());
             // The rows `ROWS_AHEAD` on (cache rows lie apart, a KV head's part of each
             // position's row), asked for as these are read (see `models::quant::prefetch`),
-            // where there are any.
-            let far = first + ROWS_AHEAD + batch <= rows.len();
-            let ahead: [*const T; 16] =
-                std::array::from_fn(|b| rows[(first + ROWS_AHEAD + b).min(rows.len() - 1)].as_ptr());
+            // where there are that many.
+            let ahead = rows.get(first + ROWS_AHEAD..first + ROWS_AHEAD + batch);
             let mut acc = [_mm512_setzero_ps(); 16];
             for at in (0..len).step_by(LANES) {
                 // SAFETY: at + 16 ≤ len, within every vector and row.
                 unsafe {
                     let x: [__m512; G] = std::array::from_fn(|g| _mm512_loadu_ps(a[g].as_ptr().add(at)));
                     for (b, &row) in row.iter().enumerate().take(batch) {
-                        if far {
-                            prefetch::line(ahead[b].wrapping_add(at).cast());
+                        if let Some(ahead) = ahead {
+                            prefetch::line(ahead[b].as_ptr().wrapping_add(at).cast());
                         }
                         let y = T::load16(row.add(at));
                         for (g, &x) in x.iter().enumerate() {
