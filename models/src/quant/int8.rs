@@ -540,6 +540,15 @@ pub fn wide_int8() -> bool {
     false
 }
 
+/// Whether the AVX-512 kernels over the 32-weight formats take AMX tiles for steps of many
+/// tokens (prefill chunks, large batches): where [`wide_int8`] holds and AMX is usable
+/// ([`amx::usable`](super::amx::usable); `BBC_AMX=0` turns it off). The tiles compute the same
+/// exact integer sums, and the float work after them is the AVX-512 kernel's, so the bits are
+/// the same.
+pub fn amx_int8() -> bool {
+    wide_int8() && super::amx::usable()
+}
+
 /// Whether the 256-bit kernels sum their products with AVX-VNNI (`vpdpbusd` on 256-bit
 /// registers, one instruction where `pmaddubsw` then `pmaddwd` take two): where the CPU has it
 /// (Intel since Alder Lake, AMD since Zen 5), unless `BBC_AVX_VNNI=0`. The same integers, so
@@ -578,6 +587,9 @@ pub enum Int8Kernel {
     AvxVnni,
     /// 512-bit registers ([`wide_int8`]).
     Avx512,
+    /// The AVX-512 kernels, with AMX tiles ([`amx_int8`]) computing whole 16-token tiles of
+    /// the 32-weight formats' products (`interleaved`); the same bits.
+    Amx,
 }
 
 impl Int8Kernel {
@@ -587,6 +599,7 @@ impl Int8Kernel {
             return Self::Portable;
         }
         match (wide_int8(), vnni_int8()) {
+            (true, _) if amx_int8() => Self::Amx,
             (true, _) => Self::Avx512,
             (false, true) => Self::AvxVnni,
             (false, false) => Self::Avx2,
@@ -608,6 +621,9 @@ impl Int8Kernel {
                 && std::arch::is_x86_feature_detected!("avx512vnni")
             {
                 kernels.push(Self::Avx512);
+                if super::amx::usable() {
+                    kernels.push(Self::Amx);
+                }
             }
         }
         kernels

@@ -27,6 +27,9 @@
 //! IQ4_NL keeps Q4_0's nibbles, which index a table of int8 values: the kernels look each up
 //! (`vpshufb`) as the value + 128 and sum it as Q8_0's bytes, bias 128.
 
+#[cfg(target_arch = "x86_64")]
+mod amx_tiles;
+
 use super::int8::{Int8Kernel, Q8Row, ACT_BLOCK};
 use super::iq4::STORED;
 use super::GgmlType;
@@ -235,6 +238,8 @@ impl InterleavedRows {
             blocks,
             dsum,
             bias_sum,
+            #[cfg(target_arch = "x86_64")]
+            tiled: amx_tiles::TiledActivations::new(acts, blocks),
         })
     }
 
@@ -248,12 +253,12 @@ impl InterleavedRows {
         let data = &self.data[self.place(group, 0)..self.place(group + 1, 0)];
         let l = self.layout;
         match (l.nibbles, l.fifth_bits, l.mins, l.table) {
-            (true, false, false, true) => run::<true, false, false, true>(data, acts, out, kernel),
-            (true, false, false, _) => run::<true, false, false, false>(data, acts, out, kernel),
-            (true, false, true, _) => run::<true, false, true, false>(data, acts, out, kernel),
-            (true, true, false, _) => run::<true, true, false, false>(data, acts, out, kernel),
-            (true, true, true, _) => run::<true, true, true, false>(data, acts, out, kernel),
-            _ => run::<false, false, false, false>(data, acts, out, kernel),
+            (true, false, false, true) => run::<true, false, false, true>(data, l.bias, acts, out, kernel),
+            (true, false, false, _) => run::<true, false, false, false>(data, l.bias, acts, out, kernel),
+            (true, false, true, _) => run::<true, false, true, false>(data, l.bias, acts, out, kernel),
+            (true, true, false, _) => run::<true, true, false, false>(data, l.bias, acts, out, kernel),
+            (true, true, true, _) => run::<true, true, true, false>(data, l.bias, acts, out, kernel),
+            _ => run::<false, false, false, false>(data, l.bias, acts, out, kernel),
         }
     }
 
@@ -366,6 +371,10 @@ pub struct Activations<'a> {
     blocks: usize,
     dsum: Vec<f32>,
     bias_sum: Vec<i32>,
+    /// The quants and scales again, as AMX tiles load them, where [`Int8Kernel::Amx`] can
+    /// take whole tiles of these tokens.
+    #[cfg(target_arch = "x86_64")]
+    tiled: Option<amx_tiles::TiledActivations>,
 }
 
 impl Activations<'_> {
@@ -400,13 +409,21 @@ const TILE: usize = 4;
 
 fn run<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bool>(
     data: &[u8],
+    bias: i32,
     acts: &Activations,
     out: &mut [f32],
     kernel: Int8Kernel,
 ) {
     let blocks = acts.blocks;
     let tokens = acts.tokens();
-    let mut t0 = 0;
+    // AMX takes the whole 16-token tiles, the other kernels the rest.
+    #[cfg(target_arch = "x86_64")]
+    let mut t0 = match kernel {
+        Int8Kernel::Amx => amx_tiles::products::<NIBBLES, FIFTH, MINS, TABLE>(data, bias, acts, out),
+        _ => 0,
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let (mut t0, _) = (0, bias);
     while t0 < tokens {
         let n = (tokens - t0).min(TILE);
         let dst = &mut out[t0 * GROUP..(t0 + n) * GROUP];
@@ -435,7 +452,7 @@ fn tile<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: b
     #[cfg(target_arch = "x86_64")]
     unsafe {
         match kernel {
-            Int8Kernel::Avx512 => {
+            Int8Kernel::Avx512 | Int8Kernel::Amx => {
                 return x86::tile_avx512::<NIBBLES, FIFTH, MINS, TABLE, T>(data.as_ptr(), blocks, tokens, out)
             }
             Int8Kernel::AvxVnni => {
@@ -607,10 +624,7 @@ mod x86 {
     ) {
         let bytes = group_block_bytes(NIBBLES, FIFTH, MINS);
         let scales_at = scales_at(NIBBLES, FIFTH);
-        let low4 = _mm512_set1_epi8(0x0F);
-        let bit4 = _mm512_set1_epi8(0x10);
-        // SAFETY: the table is 16 bytes.
-        let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(IQ4_STORED.as_ptr() as *const __m128i) });
+        let table = iq4_table();
         let mut main = [_mm512_setzero_ps(); T];
         let mut mins = [_mm512_setzero_ps(); T];
         for b in 0..blocks {
@@ -621,29 +635,9 @@ mod x86 {
                 let q0 = b * ACT_BLOCK;
                 let mut isum: [__m512i; T] = std::array::from_fn(|t| _mm512_set1_epi32(*tokens[t].bias_sum.add(b)));
                 if NIBBLES {
-                    let fifth = match FIFTH {
-                        true => _mm512_loadu_si512(block.add(256) as *const _),
-                        false => _mm512_setzero_si512(),
-                    };
-                    // Bit g of each byte moved to bit 4 (16-bit shifts: no bit crosses into
-                    // the neighbouring byte's bit 4).
-                    let fifth_of = |g: i32| match g <= 4 {
-                        true => _mm512_and_si512(_mm512_sll_epi16(fifth, _mm_cvtsi32_si128(4 - g)), bit4),
-                        false => _mm512_and_si512(_mm512_srl_epi16(fifth, _mm_cvtsi32_si128(g - 4)), bit4),
-                    };
                     for chunk in 0..4 {
                         prefetch::block_ahead(block, bytes, chunk, 4);
-                        let raw = _mm512_loadu_si512(block.add(64 * chunk) as *const _);
-                        let mut low = _mm512_and_si512(raw, low4);
-                        let mut high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-                        if FIFTH {
-                            low = _mm512_or_si512(low, fifth_of(chunk as i32));
-                            high = _mm512_or_si512(high, fifth_of(chunk as i32 + 4));
-                        }
-                        if TABLE {
-                            low = _mm512_shuffle_epi8(table, low);
-                            high = _mm512_shuffle_epi8(table, high);
-                        }
+                        let [low, high] = nibble_chunk::<FIFTH, TABLE>(block, chunk, table);
                         for t in 0..T {
                             let qa = _mm512_set1_epi32(quad(tokens[t].q, q0 + 4 * chunk));
                             let qb = _mm512_set1_epi32(quad(tokens[t].q, q0 + 16 + 4 * chunk));
@@ -677,6 +671,60 @@ mod x86 {
             let sum = if MINS { _mm512_add_ps(main[t], mins[t]) } else { main[t] };
             // SAFETY: token t's sixteen outputs lie in `out`.
             unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), sum) };
+        }
+    }
+
+    /// IQ4_NL's stored values in every 128-bit lane, for [`nibble_chunk`].
+    #[inline(always)]
+    pub(super) unsafe fn iq4_table() -> __m512i {
+        // SAFETY: the table is 16 bytes; AVX-512 F is enabled where this inlines.
+        unsafe { _mm512_broadcast_i32x4(_mm_loadu_si128(IQ4_STORED.as_ptr() as *const __m128i)) }
+    }
+
+    /// The stored weights of chunk `chunk` (0..4) of a nibble format's group block, one byte
+    /// each, four of every row's in each i32 lane: `[low, high]`, the weights `4·chunk + k` and
+    /// `16 + 4·chunk + k` (`k` < 4). Q5's fifth bits are set in, and IQ4_NL's nibbles looked up
+    /// in `table` ([`iq4_table`]).
+    ///
+    /// # Safety
+    /// `block` holds a group's block of this layout; AVX-512 F/BW are enabled where this
+    /// inlines.
+    #[inline(always)]
+    pub(super) unsafe fn nibble_chunk<const FIFTH: bool, const TABLE: bool>(
+        block: *const u8,
+        chunk: usize,
+        table: __m512i,
+    ) -> [__m512i; 2] {
+        let low4 = _mm512_set1_epi8(0x0F);
+        // SAFETY: the chunk's bytes and (Q5) the fifth bits lie in the block.
+        unsafe {
+            let raw = _mm512_loadu_si512(block.add(64 * chunk) as *const _);
+            let mut low = _mm512_and_si512(raw, low4);
+            let mut high = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+            if FIFTH {
+                let fifth = _mm512_loadu_si512(block.add(256) as *const _);
+                low = _mm512_or_si512(low, fifth_bit(fifth, chunk as i32));
+                high = _mm512_or_si512(high, fifth_bit(fifth, chunk as i32 + 4));
+            }
+            if TABLE {
+                low = _mm512_shuffle_epi8(table, low);
+                high = _mm512_shuffle_epi8(table, high);
+            }
+            [low, high]
+        }
+    }
+
+    /// Bit `g` of each byte of `fifth` moved to bit 4 (16-bit shifts: no bit crosses into the
+    /// neighbouring byte's bit 4).
+    #[inline(always)]
+    unsafe fn fifth_bit(fifth: __m512i, g: i32) -> __m512i {
+        let bit4 = _mm512_set1_epi8(0x10);
+        // SAFETY: AVX-512 F/BW are enabled where this inlines.
+        unsafe {
+            match g <= 4 {
+                true => _mm512_and_si512(_mm512_sll_epi16(fifth, _mm_cvtsi32_si128(4 - g)), bit4),
+                false => _mm512_and_si512(_mm512_srl_epi16(fifth, _mm_cvtsi32_si128(g - 4)), bit4),
+            }
         }
     }
 
@@ -969,7 +1017,8 @@ mod tests {
     }
 
     /// Every kernel this CPU runs gives the reference's bits for every (row, token), however
-    /// many tokens share a pass (1 to 9: whole tiles and ragged ones), and 0 for padding rows.
+    /// many tokens share a pass (1 to 9: whole tiles and ragged ones; 64 and 83: AMX's whole
+    /// tiles, and its tiles with the rest), and 0 for padding rows.
     #[test]
     fn every_kernel_gives_the_reference_bits() {
         for dtype in FORMATS {
@@ -977,7 +1026,7 @@ mod tests {
             let bytes = matrix(dtype, rows, blocks, 3);
             let row_bytes = bytes.len() / rows;
             let m = InterleavedRows::new(dtype, &bytes, row_bytes).unwrap();
-            for tokens in [1, 2, 3, 4, 5, 9] {
+            for tokens in [1, 2, 3, 4, 5, 9, 64, 83] {
                 let acts = activations(tokens, m.cols());
                 let prepared = m.activations(&acts).unwrap();
                 for kernel in Int8Kernel::available() {

@@ -663,22 +663,28 @@ fn tile<const T: usize>(
     #[cfg(target_arch = "x86_64")]
     unsafe {
         match (kernel, format) {
-            (Int8Kernel::Avx512, Format::Q3K) => {
+            (Int8Kernel::Avx512 | Int8Kernel::Amx, Format::Q3K) => {
                 return x86::scaled_groups_avx512::<x86::ThreeBitPlanes, T>(data, supers, tokens, out)
             }
             (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q3K) => {
                 return x86::scaled_groups_avx2::<x86::ThreeBitPlanes, T, false>(data, supers, tokens, out)
             }
-            (Int8Kernel::Avx512, Format::Q2K) => return x86::q2k_avx512::<T>(data, supers, tokens, out),
+            (Int8Kernel::Avx512 | Int8Kernel::Amx, Format::Q2K) => {
+                return x86::q2k_avx512::<T>(data, supers, tokens, out)
+            }
             (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q2K) => {
                 return x86::q2k_avx2::<T>(data, supers, tokens, out)
             }
-            (Int8Kernel::Avx512, Format::Q4K) => return x86::q4k_avx512::<T, false>(data, supers, tokens, out),
-            (Int8Kernel::Avx512, Format::Q5K) => return x86::q4k_avx512::<T, true>(data, supers, tokens, out),
-            (Int8Kernel::Avx512, Format::Q6K) => {
+            (Int8Kernel::Avx512 | Int8Kernel::Amx, Format::Q4K) => {
+                return x86::q4k_avx512::<T, false>(data, supers, tokens, out)
+            }
+            (Int8Kernel::Avx512 | Int8Kernel::Amx, Format::Q5K) => {
+                return x86::q4k_avx512::<T, true>(data, supers, tokens, out)
+            }
+            (Int8Kernel::Avx512 | Int8Kernel::Amx, Format::Q6K) => {
                 return x86::scaled_groups_avx512::<x86::WeightBytes, T>(data, supers, tokens, out)
             }
-            (Int8Kernel::Avx512, Format::IQ4XS) => {
+            (Int8Kernel::Avx512 | Int8Kernel::Amx, Format::IQ4XS) => {
                 return x86::scaled_groups_avx512::<x86::TableNibbles, T>(data, supers, tokens, out)
             }
             (Int8Kernel::Avx2 | Int8Kernel::AvxVnni, Format::Q4K) => {

@@ -4,6 +4,7 @@
 //! bytes, dequantization); one file per format implements it, after ggml's `ggml-quants.c`.
 //! [`GgmlType`] is the run-time tag read from a GGUF tensor info and dispatches to the formats.
 
+pub mod amx;
 pub mod int8;
 pub mod interleaved;
 pub mod interleaved_k;

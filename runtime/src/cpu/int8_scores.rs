@@ -115,7 +115,7 @@ impl ScoringRows {
         let sums = match kernel {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `kernel` is one this CPU runs (`Int8Kernel::detected`/`available`).
-            Int8Kernel::Avx512 => unsafe { x86::sums_avx512(self, group, query) },
+            Int8Kernel::Avx512 | Int8Kernel::Amx => unsafe { x86::sums_avx512(self, group, query) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
             Int8Kernel::Avx2 | Int8Kernel::AvxVnni => unsafe { x86::sums_avx2(self, group, query) },

@@ -1,0 +1,266 @@
+//! The 32-weight formats' products for whole tiles of 16 tokens on AMX ([`crate::quant::amx`]),
+//! the rest of a step's tokens going to the AVX-512 kernel.
+//!
+//! Per group: the group's stored weights are unpacked once into the weight tiles' layout (rows
+//! of four weights of each of the sixteen rows: what the AVX-512 kernel holds in its registers,
+//! so the same [`nibble_chunk`] makes them), as signed bytes `u − bias`; then each block of a
+//! 16-token tile is one `tdpbssd`, giving each (token, row) the block's exact integer sum
+//! `Σ (u − bias)·qx`, which is the AVX-512 kernel's `−bias·Σqx + Σ u·qx`. From there the float
+//! work is that kernel's, operation for operation and in the same order (`main = fma(isum,
+//! d_w·d_x, main)` block by block, the minimums' chain on its own, `main + mins` last), so a
+//! token's products are the same bits whichever kernel computed them, and a step's size still
+//! does not change a token's logits.
+//!
+//! Why tiles pay: a `vpdpbusd` advances one token's sums with sixteen rows by four weights, a
+//! `tdpbssd` sixteen tokens' by 32, and the unpacking of a block's weights is paid once a call
+//! instead of once per four tokens. What remains per token and block is the float work (a
+//! load, a convert, a multiply and an FMA for sixteen rows), which the AVX-512 kernel pays as
+//! well, and the tile's store and reload of its sums: on the Xeon this was written on (one
+//! core, a 1536×576 Q4_1 matrix, 128 tokens) 0.40 ms against the AVX-512 kernel's 0.60–0.70,
+//! and at 16 tokens no faster once a step's other work counts, hence [`MIN_TOKENS`].
+//!
+use super::x86::{iq4_table, nibble_chunk};
+use super::{group_block_bytes, scales_at, Activations, GROUP};
+use crate::quant::amx::block32::{self, BLOCK, TOKENS, WEIGHT_BYTES};
+use crate::quant::int8::{amx_int8, Q8Row};
+use crate::quant::prefetch;
+use std::arch::x86_64::*;
+
+/// Fewer tokens than this go to the AVX-512 kernel only: AMX pays for unpacking a group's
+/// weights once a call, which a single tile of tokens does not repay.
+const MIN_TOKENS: usize = 4 * TOKENS;
+
+/// A step's quantized activations as the tiles load them: every token's quants in one buffer
+/// (a token's row of `blocks · 32` bytes after the other's), and their block scales likewise.
+pub(super) struct TiledActivations {
+    q: Vec<i8>,
+    d: Vec<f32>,
+}
+
+impl TiledActivations {
+    /// `None` where AMX does not run here or the step has fewer than [`MIN_TOKENS`] tokens.
+    pub(super) fn new(acts: &[Q8Row], blocks: usize) -> Option<Self> {
+        if acts.len() < MIN_TOKENS || !amx_int8() {
+            return None;
+        }
+        let cols = blocks * BLOCK;
+        let (mut q, mut d) = (
+            Vec::with_capacity(acts.len() * cols),
+            Vec::with_capacity(acts.len() * blocks),
+        );
+        for a in acts {
+            q.extend_from_slice(&a.q[..cols]);
+            d.extend_from_slice(&a.d[..blocks]);
+        }
+        Some(Self { q, d })
+    }
+}
+
+/// A 64-byte aligned buffer, for the tiles' loads and stores and the aligned vector loads.
+#[repr(C, align(64))]
+struct Aligned<T>(T);
+
+/// Writes the group's products with the first `16·⌊tokens / 16⌋` tokens into `out` (`[token,
+/// GROUP]`, as [`super::group_products`]) and returns how many tokens that is: 0 where the
+/// activations were not tiled ([`TiledActivations::new`]). `bias` is what the stored weights
+/// exceed the format's integers by.
+pub(super) fn products<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bool>(
+    data: &[u8],
+    bias: i32,
+    acts: &Activations,
+    out: &mut [f32],
+) -> usize {
+    let Some(tiled) = &acts.tiled else {
+        return 0;
+    };
+    let tiles = acts.tokens() / TOKENS;
+    let blocks = acts.blocks;
+    assert!(data.len() >= blocks * group_block_bytes(NIBBLES, FIFTH, MINS));
+    assert!(out.len() >= tiles * TOKENS * GROUP);
+    let tables = Tables {
+        q: tiled.q.as_ptr(),
+        d: tiled.d.as_ptr(),
+        dsum: acts.dsum.as_ptr(),
+    };
+    // SAFETY: `data` holds the group's `blocks` blocks and `out` the tiles' outputs (asserted);
+    // the tables hold `blocks` entries (32 quants each) for every token (`activations` built
+    // them for these rows); `tiled` exists only where AMX and AVX-512 run (`amx_int8`).
+    unsafe {
+        tiles_avx512::<NIBBLES, FIFTH, MINS, TABLE>(data.as_ptr(), blocks, bias as i8, tables, tiles, out.as_mut_ptr())
+    };
+    tiles * TOKENS
+}
+
+/// A step's per-token tables, each `blocks` entries a token (`q`: `blocks · 32` bytes).
+#[derive(Clone, Copy)]
+struct Tables {
+    q: *const i8,
+    d: *const f32,
+    dsum: *const f32,
+}
+
+/// # Safety
+/// As [`products`] checks and promises.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn tiles_avx512<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bool>(
+    data: *const u8,
+    blocks: usize,
+    bias: i8,
+    tables: Tables,
+    tiles: usize,
+    out: *mut f32,
+) {
+    let bytes = group_block_bytes(NIBBLES, FIFTH, MINS);
+    let scales_at = scales_at(NIBBLES, FIFTH);
+    UNPACKED.with_borrow_mut(|unpacked| {
+        // SAFETY: every pointer below stays inside what the caller promised; AMX is usable.
+        unsafe {
+            let weights = unpack::<NIBBLES, FIFTH, TABLE>(data, blocks, bytes, bias, unpacked);
+            block32::configure();
+            for tile in 0..tiles {
+                let at = Tile {
+                    tables,
+                    blocks,
+                    first: tile * TOKENS,
+                };
+                let main = tile_main(data, bytes, scales_at, weights, at);
+                for (r, main) in main.into_iter().enumerate() {
+                    _mm512_storeu_ps(out.add((at.first + r) * GROUP), main);
+                }
+            }
+            block32::release();
+            if MINS {
+                for tile in 0..tiles {
+                    let first = tile * TOKENS;
+                    let mins = tile_mins(
+                        data,
+                        bytes,
+                        scales_at + 2 * GROUP,
+                        tables.dsum.add(first * blocks),
+                        blocks,
+                    );
+                    for (r, mins) in mins.into_iter().enumerate() {
+                        let main = out.add((first + r) * GROUP);
+                        _mm512_storeu_ps(main, _mm512_add_ps(_mm512_loadu_ps(main), mins));
+                    }
+                }
+            }
+        }
+    })
+}
+
+thread_local! {
+    /// A group's weights unpacked, a weight tile a block: reused call after call.
+    static UNPACKED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Every block's weight tile of the group, signed (`u − bias`; `bias` 128 turns Q8_0's and
+/// IQ4_NL's stored bytes back into their values), into `unpacked`; returns where the first
+/// starts (each [`WEIGHT_BYTES`] after the one before).
+///
+/// # Safety
+/// `data` holds the group's `blocks` blocks of `bytes` bytes; AVX-512 F/BW are enabled.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn unpack<const NIBBLES: bool, const FIFTH: bool, const TABLE: bool>(
+    data: *const u8,
+    blocks: usize,
+    bytes: usize,
+    bias: i8,
+    unpacked: &mut Vec<u8>,
+) -> *const u8 {
+    unpacked.resize(blocks * WEIGHT_BYTES, 0);
+    let (table, bias) = (iq4_table(), _mm512_set1_epi8(bias));
+    for b in 0..blocks {
+        // SAFETY: block `b` lies in `data` (the caller); its tile in `unpacked` (resized).
+        unsafe {
+            let (block, to) = (data.add(b * bytes), unpacked.as_mut_ptr().add(b * WEIGHT_BYTES));
+            // The group's weights come from memory (or L3) once a step: ask ahead, as the
+            // AVX-512 kernel does.
+            prefetch::block_ahead(block, bytes, 0, 1);
+            let rows: [__m512i; 8] = match NIBBLES {
+                true => {
+                    let chunks: [[__m512i; 2]; 4] =
+                        std::array::from_fn(|c| nibble_chunk::<FIFTH, TABLE>(block, c, table));
+                    std::array::from_fn(|r| chunks[r % 4][r / 4])
+                }
+                false => std::array::from_fn(|r| _mm512_loadu_si512(block.add(64 * r) as *const _)),
+            };
+            for (r, row) in rows.into_iter().enumerate() {
+                _mm512_storeu_si512(to.add(64 * r) as *mut _, _mm512_sub_epi8(row, bias));
+            }
+        }
+    }
+    unpacked.as_ptr()
+}
+
+/// One tile of tokens: `first` and the fifteen after it.
+#[derive(Clone, Copy)]
+struct Tile {
+    tables: Tables,
+    blocks: usize,
+    first: usize,
+}
+
+/// The tile's tokens' `main` sums with the group's sixteen rows, a register a token.
+///
+/// The products of a block are stored and read back before the next block's are issued: on
+/// the Xeon this was written on, issuing the next block's (or eight blocks') tiles before a
+/// block's float work measured no faster (one core, 128 tokens: 0.46 ms against 0.46–0.55).
+///
+/// # Safety
+/// Tiles configured; `weights` holds each block's weight tile ([`unpack`]); the group's blocks
+/// (`bytes` each, scales at `scales_at`) in `data`; the tables cover the tile.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn tile_main(
+    data: *const u8,
+    bytes: usize,
+    scales_at: usize,
+    weights: *const u8,
+    tile: Tile,
+) -> [__m512; TOKENS] {
+    let stride = tile.blocks * BLOCK;
+    let mut sums = Aligned([0i32; TOKENS * GROUP]);
+    let mut main = [_mm512_setzero_ps(); TOKENS];
+    // SAFETY: every pointer below stays inside what the caller promised.
+    unsafe {
+        let acts = tile.tables.q.add(tile.first * stride);
+        for b in 0..tile.blocks {
+            block32::load_weights(weights.add(b * WEIGHT_BYTES));
+            block32::products(acts.add(b * BLOCK), stride, sums.0.as_mut_ptr());
+            let scales = _mm512_cvtph_ps(_mm256_loadu_si256(data.add(b * bytes + scales_at) as *const __m256i));
+            for (r, main) in main.iter_mut().enumerate() {
+                let at = (tile.first + r) * tile.blocks + b;
+                let isum = _mm512_load_si512(sums.0.as_ptr().add(r * GROUP) as *const _);
+                let scale = _mm512_mul_ps(scales, _mm512_set1_ps(*tile.tables.d.add(at)));
+                *main = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *main);
+            }
+        }
+    }
+    main
+}
+
+/// The tile's tokens' minimum terms (`Σ m·d_x·Σqx`, block by block): `dsum` the first token's
+/// `d·Σqx` entries, `blocks` a token.
+///
+/// # Safety
+/// The group's blocks (`bytes` each, minimums at `mins_at`) in `data`; `dsum` covers the tile.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn tile_mins(
+    data: *const u8,
+    bytes: usize,
+    mins_at: usize,
+    dsum: *const f32,
+    blocks: usize,
+) -> [__m512; TOKENS] {
+    let mut mins = [_mm512_setzero_ps(); TOKENS];
+    for b in 0..blocks {
+        // SAFETY: as the caller promises.
+        unsafe {
+            let m = _mm512_cvtph_ps(_mm256_loadu_si256(data.add(b * bytes + mins_at) as *const __m256i));
+            for (r, mins) in mins.iter_mut().enumerate() {
+                *mins = _mm512_fmadd_ps(m, _mm512_set1_ps(*dsum.add(r * blocks + b)), *mins);
+            }
+        }
+    }
+    mins
+}
