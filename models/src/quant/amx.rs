@@ -34,47 +34,82 @@ fn detect() -> bool {
     false
 }
 
-/// The tile shapes of the 32-weight block kernels: tokens' quantized activations of one
-/// block (16 rows × 32 signed bytes), a group's signed weights of one block in the layout
-/// `tdpbssd` reads (8 rows of 4 k × 16 weight rows), and the 16×16 sums.
+/// What every tile kernel here shares: sixteen tokens a tile, sixteen weight rows (a group of
+/// the interleaved layouts) a sum tile.
 #[cfg(target_arch = "x86_64")]
-pub mod block32 {
+pub mod tiles {
     use std::arch::asm;
 
     /// Rows of the activation and sum tiles: tokens a tile.
     pub const TOKENS: usize = 16;
-    /// Bytes of one token's activation row in a tile: one block.
-    pub const BLOCK: usize = 32;
-    /// Bytes of the weight tile: 8 rows of 64.
-    pub const WEIGHT_BYTES: usize = 512;
+    /// Steps of fewer tokens than this keep to the AVX-512 kernels: a kernel on tiles unpacks
+    /// a group's weights once a call, which a single tile of tokens does not repay (measured
+    /// at 16 tokens: no faster once a step's other work counts).
+    pub const MIN_TOKENS: usize = 4 * TOKENS;
 
-    /// `ldtilecfg`'s 64 bytes: palette 1; tmm0 activations (16 × 32 bytes), tmm1 weights
-    /// (8 × 64), tmm2 sums (16 × 64).
+    /// One tile's i32 sums (`[token][row]`), where a kernel stores them, aligned for the
+    /// vector loads that read them back.
     #[repr(C, align(64))]
-    struct Config([u8; 64]);
+    pub struct Sums(pub [i32; TOKENS * 16]);
 
-    const CONFIG: Config = {
-        let mut c = [0u8; 64];
-        c[0] = 1;
-        // (tile, rows, bytes a row): colsb at 16 + 2·tile (u16), rows at 48 + tile.
-        let shapes = [(0, 16, 32), (1, 8, 64), (2, 16, 64)];
-        let mut i = 0;
-        while i < shapes.len() {
-            let (tile, rows, bytes) = shapes[i];
-            c[16 + 2 * tile] = bytes;
-            c[48 + tile] = rows;
-            i += 1;
+    impl Sums {
+        pub fn new() -> Self {
+            Self([0; TOKENS * 16])
         }
-        Config(c)
-    };
 
-    /// Configures this thread's tiles for the functions below (and zeroes them).
-    ///
-    /// # Safety
-    /// [`super::usable`] said yes.
-    pub unsafe fn configure() {
-        // SAFETY: the configuration is valid for palette 1; AMX is usable (the caller).
-        unsafe { asm!("ldtilecfg [{0}]", in(reg) CONFIG.0.as_ptr(), options(nostack, readonly)) };
+        pub fn as_mut_ptr(&mut self) -> *mut i32 {
+            self.0.as_mut_ptr()
+        }
+
+        /// Token `t`'s sixteen sums.
+        pub fn token(&self, t: usize) -> *const i32 {
+            self.0[t * 16..].as_ptr()
+        }
+    }
+
+    impl Default for Sums {
+        fn default() -> Self {
+            Self::new()
+        }
+    }
+
+    /// Every row's first `len` values one after another: a step's quantized activations as
+    /// the activation tiles load them (`stride` = `len`).
+    pub fn rows_together<'a, T: Copy + 'a>(rows: impl ExactSizeIterator<Item = &'a [T]>, len: usize) -> Vec<T> {
+        let mut all = Vec::with_capacity(rows.len() * len);
+        for row in rows {
+            all.extend_from_slice(&row[..len]);
+        }
+        all
+    }
+
+    /// `ldtilecfg`'s 64 bytes for palette 1 and tiles of `(tile, rows, bytes a row)`.
+    #[repr(C, align(64))]
+    pub struct Config([u8; 64]);
+
+    impl Config {
+        pub const fn new(shapes: &[(usize, u8, u8)]) -> Self {
+            let mut c = [0u8; 64];
+            c[0] = 1;
+            // colsb at 16 + 2·tile (u16), rows at 48 + tile.
+            let mut i = 0;
+            while i < shapes.len() {
+                let (tile, rows, bytes) = shapes[i];
+                c[16 + 2 * tile] = bytes;
+                c[48 + tile] = rows;
+                i += 1;
+            }
+            Self(c)
+        }
+
+        /// Configures this thread's tiles so (and zeroes them).
+        ///
+        /// # Safety
+        /// [`super::usable`] said yes.
+        pub unsafe fn load(&self) {
+            // SAFETY: a valid palette-1 configuration; AMX is usable (the caller).
+            unsafe { asm!("ldtilecfg [{0}]", in(reg) self.0.as_ptr(), options(nostack, readonly)) };
+        }
     }
 
     /// Returns this thread's tiles to their initial state, so a context switch need not save
@@ -85,6 +120,32 @@ pub mod block32 {
     pub unsafe fn release() {
         // SAFETY: AMX is usable (the caller).
         unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    }
+}
+
+/// The tile shapes of the 32-weight block kernels: tokens' quantized activations of one
+/// block (16 rows × 32 signed bytes), a group's signed weights of one block in the layout
+/// `tdpbssd` reads (8 rows of 4 k × 16 weight rows), and the 16×16 sums.
+#[cfg(target_arch = "x86_64")]
+pub mod block32 {
+    use super::tiles::Config;
+    use std::arch::asm;
+
+    /// Bytes of one token's activation row in a tile: one block.
+    pub const BLOCK: usize = 32;
+    /// Bytes of the weight tile: 8 rows of 64.
+    pub const WEIGHT_BYTES: usize = 512;
+
+    /// tmm0 activations (16 × 32 bytes), tmm1 weights (8 × 64), tmm2 sums (16 × 64).
+    static CONFIG: Config = Config::new(&[(0, 16, 32), (1, 8, 64), (2, 16, 64)]);
+
+    /// Configures this thread's tiles for the functions below (and zeroes them).
+    ///
+    /// # Safety
+    /// [`super::usable`] said yes.
+    pub unsafe fn configure() {
+        // SAFETY: as the caller promises.
+        unsafe { CONFIG.load() }
     }
 
     /// Loads a block's weight tile (8 rows of 64 bytes, 64 apart) for the products that follow.
@@ -121,13 +182,14 @@ pub mod block32 {
 
     #[cfg(test)]
     mod tests {
+        use super::super::tiles::{release, TOKENS};
         use super::*;
 
         /// The tiles compute what the integers say, rows and columns where the layout puts
         /// them (a swapped operand or a wrong config gives other sums).
         #[test]
         fn products_are_the_integer_dots() {
-            if !super::super::usable() {
+            if !crate::quant::amx::usable() {
                 eprintln!("skipped: no AMX here");
                 return;
             }
@@ -149,6 +211,128 @@ pub mod block32 {
                 for (r, &got) in row.iter().enumerate() {
                     let want: i32 = (0..BLOCK).map(|k| acts[t * stride + k] as i32 * w(k, r)).sum();
                     assert_eq!(got, want, "token {t} row {r}");
+                }
+            }
+        }
+    }
+}
+
+/// The tile shapes of Q4_K's kernel with its sub-block scales folded into the weights: a
+/// super-block's 256 quants of sixteen tokens as four activation tiles of 64 bytes a row,
+/// each against two weight tiles of sixteen rows of 64 (`sc·u` split as `8·hi + lo`: the weights
+/// times `hi`, and times `lo`), summed over the super-block into two sum tiles.
+#[cfg(target_arch = "x86_64")]
+pub mod super256 {
+    use super::tiles::Config;
+    use std::arch::asm;
+
+    /// Bytes of one token's activation row in a tile: a quarter super-block.
+    pub const SPAN: usize = 64;
+    /// Bytes of a weight tile: 16 rows of 64.
+    pub const WEIGHT_BYTES: usize = 1024;
+
+    /// tmm0 activations (16 × 64 bytes), tmm1 weights (16 × 64), tmm2 and tmm3 the sums with
+    /// the `hi` and the `lo` weights (16 × 64).
+    static CONFIG: Config = Config::new(&[(0, 16, 64), (1, 16, 64), (2, 16, 64), (3, 16, 64)]);
+
+    /// Configures this thread's tiles for the functions below (and zeroes them).
+    ///
+    /// # Safety
+    /// [`super::usable`] said yes.
+    pub unsafe fn configure() {
+        // SAFETY: as the caller promises.
+        unsafe { CONFIG.load() }
+    }
+
+    /// Starts a super-block's two sums at zero.
+    ///
+    /// # Safety
+    /// Tiles configured ([`configure`]).
+    pub unsafe fn start() {
+        // SAFETY: the caller's promise.
+        unsafe { asm!("tilezero tmm2", "tilezero tmm3", options(nostack, nomem)) };
+    }
+
+    /// Adds one quarter of the super-block: `hi[t][r] += Σ_k acts[t·stride + k]·w_hi[k][r]`
+    /// and the same into `lo` with `w_lo` (k < 64), exactly in i32.
+    ///
+    /// # Safety
+    /// Tiles configured; `acts` points to 16 rows of 64 readable bytes, `stride` apart;
+    /// `w_hi` and `w_lo` to [`WEIGHT_BYTES`] readable bytes each.
+    pub unsafe fn add_quarter(acts: *const i8, stride: usize, w_hi: *const u8, w_lo: *const u8) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            asm!(
+                "tileloadd tmm0, [{a} + {stride}*1]",
+                "tileloadd tmm1, [{hi} + {row}*1]",
+                "tdpbssd tmm2, tmm0, tmm1",
+                "tileloadd tmm1, [{lo} + {row}*1]",
+                "tdpbssd tmm3, tmm0, tmm1",
+                a = in(reg) acts, stride = in(reg) stride, hi = in(reg) w_hi, lo = in(reg) w_lo,
+                row = in(reg) 64usize,
+                options(nostack, readonly)
+            )
+        };
+    }
+
+    /// Stores the super-block's two sums (`[token][row]` i32 each).
+    ///
+    /// # Safety
+    /// Tiles configured; `hi` and `lo` point to 256 writable i32 each.
+    pub unsafe fn store(hi: *mut i32, lo: *mut i32) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            asm!(
+                "tilestored [{hi} + {row}*1], tmm2",
+                "tilestored [{lo} + {row}*1], tmm3",
+                hi = in(reg) hi, lo = in(reg) lo, row = in(reg) 64usize,
+                options(nostack)
+            )
+        };
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::super::tiles::{release, Sums, TOKENS};
+        use super::*;
+
+        /// Four quarters sum into each tile: `hi` and `lo` are the integer dots of the tokens
+        /// with their own weights over all 256 quants.
+        #[test]
+        fn quarters_sum_to_the_integer_dots() {
+            if !crate::quant::amx::usable() {
+                eprintln!("skipped: no AMX here");
+                return;
+            }
+            let stride = 4 * SPAN + 16;
+            let acts: Vec<i8> = (0..TOKENS * stride).map(|i| (i * 37 % 251) as u8 as i8).collect();
+            let weights: Vec<u8> = (0..8 * WEIGHT_BYTES).map(|i| (i * 91 % 253) as u8).collect();
+            // Quarter q's weight tile (hi: 2q, lo: 2q + 1): row r's k-th value at row k / 4,
+            // byte 4·r + k % 4.
+            let w = |tile: usize, k: usize, r: usize| {
+                weights[tile * WEIGHT_BYTES + (k / 4) * 64 + 4 * r + k % 4] as i8 as i32
+            };
+            let (mut hi, mut lo) = (Sums::new(), Sums::new());
+            // SAFETY: AMX usable (checked); the buffers are as long as the calls read and write.
+            unsafe {
+                configure();
+                start();
+                for q in 0..4 {
+                    let tiles = weights.as_ptr().add(2 * q * WEIGHT_BYTES);
+                    add_quarter(acts.as_ptr().add(q * SPAN), stride, tiles, tiles.add(WEIGHT_BYTES));
+                }
+                store(hi.as_mut_ptr(), lo.as_mut_ptr());
+                release();
+            }
+            for t in 0..TOKENS {
+                for r in 0..16 {
+                    let dot = |half: usize| -> i32 {
+                        (0..4 * SPAN)
+                            .map(|k| acts[t * stride + k] as i32 * w(2 * (k / SPAN) + half, k % SPAN, r))
+                            .sum()
+                    };
+                    assert_eq!(hi.0[t * 16 + r], dot(0), "hi: token {t} row {r}");
+                    assert_eq!(lo.0[t * 16 + r], dot(1), "lo: token {t} row {r}");
                 }
             }
         }

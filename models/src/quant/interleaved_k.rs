@@ -46,6 +46,9 @@
 //!   scales `ls − 32`, each for both its groups, as `[group][row]` int8; the rows' `d`. 7% over
 //!   GGUF's size.
 
+#[cfg(target_arch = "x86_64")]
+mod amx_tiles;
+
 use super::int8::{Int8Kernel, Q8KRow, SUPER};
 use super::interleaved::f16_at;
 use super::q2_k::two_bit_group;
@@ -337,6 +340,11 @@ impl InterleavedSuperRows {
             supers,
             sums_per_token: sums_per_super(self.format) * supers,
             sums,
+            #[cfg(target_arch = "x86_64")]
+            tiled: match self.format {
+                Format::Q4K => amx_tiles::TiledActivations::new(acts, supers),
+                _ => None,
+            },
         })
     }
 
@@ -349,6 +357,13 @@ impl InterleavedSuperRows {
         assert_eq!(out.len(), acts.acts.len() * GROUP);
         let size = self.supers * self.format.group_block();
         let data = &self.data[group * size..(group + 1) * size];
+        // AMX takes the whole 16-token tiles, the other kernels the rest.
+        #[cfg(target_arch = "x86_64")]
+        let mut t0 = match (kernel, self.format) {
+            (Int8Kernel::Amx, Format::Q4K) => amx_tiles::products(data, acts, out),
+            _ => 0,
+        };
+        #[cfg(not(target_arch = "x86_64"))]
         let mut t0 = 0;
         while t0 < acts.acts.len() {
             let n = (acts.acts.len() - t0).min(TILE);
@@ -622,6 +637,10 @@ pub struct SuperActivations<'a> {
     supers: usize,
     sums_per_token: usize,
     sums: Vec<i32>,
+    /// The quants again, as AMX tiles load them, where [`Int8Kernel::Amx`] can take whole
+    /// tiles of these tokens (Q4_K).
+    #[cfg(target_arch = "x86_64")]
+    tiled: Option<amx_tiles::TiledActivations>,
 }
 
 /// A token as a kernel reads it, unchecked: each pointer covers the rows' super-blocks.
@@ -910,14 +929,6 @@ mod x86 {
         out: &mut [[f32; GROUP]; T],
     ) {
         use q4k::*;
-        let low4 = _mm512_set1_epi8(0x0F);
-        let bit4 = _mm512_set1_epi8(0x10);
-        // Bit `b` of each byte moved to bit 4 (16-bit shifts: no bit crosses into the
-        // neighbouring byte's bit 4).
-        let fifth = |bits: __m512i, b: i32| match b <= 4 {
-            true => _mm512_and_si512(_mm512_sll_epi16(bits, _mm_cvtsi32_si128(4 - b)), bit4),
-            false => _mm512_and_si512(_mm512_srl_epi16(bits, _mm_cvtsi32_si128(b - 4)), bit4),
-        };
         let mut main = [_mm512_setzero_ps(); T];
         let mut low = [_mm512_setzero_ps(); T];
         for s in 0..supers {
@@ -933,14 +944,7 @@ mod x86 {
                     let mut odd = [_mm512_setzero_si512(); T];
                     for c in 0..8 {
                         prefetch::block_ahead(block, group_block, 8 * pair + c, 32);
-                        let raw = _mm512_loadu_si512(block.add(64 * (8 * pair + c)) as *const _);
-                        let mut lo = _mm512_and_si512(raw, low4);
-                        let mut hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-                        if FIFTH {
-                            let bits = _mm512_loadu_si512(block.add(FIFTH_AT + 64 * c) as *const _);
-                            lo = _mm512_or_si512(lo, fifth(bits, 2 * pair as i32));
-                            hi = _mm512_or_si512(hi, fifth(bits, 2 * pair as i32 + 1));
-                        }
+                        let [lo, hi] = q4k_chunk::<FIFTH>(block, pair, c);
                         for t in 0..T {
                             let at = q0 + 64 * pair + 4 * c;
                             even[t] = _mm512_dpbusd_epi32(even[t], lo, _mm512_set1_epi32(quad(tokens[t].q, at)));
@@ -957,14 +961,7 @@ mod x86 {
                         total[t] = _mm512_add_epi32(total[t], scaled);
                     }
                 }
-                let mut mins = [_mm512_setzero_si512(); T];
-                for j in 0..8 {
-                    let m = _mm512_cvtepu8_epi32(_mm_loadu_si128(block.add(MINS_AT + j * GROUP) as *const __m128i));
-                    for t in 0..T {
-                        let sums = _mm512_set1_epi32(*tokens[t].sums.add(8 * s + j));
-                        mins[t] = _mm512_add_epi32(mins[t], _mm512_mullo_epi32(m, sums));
-                    }
-                }
+                let mins = q4k_mins_512(block, &tokens, s);
                 let (d, dmin) = (block.add(D_AT), block.add(DMIN_AT));
                 scale_super_512(d, dmin, &tokens, s, (&total, &mins), (&mut main, &mut low));
             }
@@ -975,11 +972,66 @@ mod x86 {
         }
     }
 
+    /// Quad `c` (0..8) of sub-blocks `2·pair` and `2·pair + 1` of a Q4_K (Q5_K: `FIFTH`) group's
+    /// super-block, a byte a weight, four of every row's in each i32 lane: `[lo, hi]`, weights
+    /// `4c..4c + 4` of each sub-block (Q5_K's fifth bits set in).
+    ///
+    /// # Safety
+    /// `block` holds a group's super-block of this layout; AVX-512 F/BW are enabled where this
+    /// inlines.
+    #[inline(always)]
+    pub(super) unsafe fn q4k_chunk<const FIFTH: bool>(block: *const u8, pair: usize, c: usize) -> [__m512i; 2] {
+        use q4k::FIFTH_AT;
+        let low4 = _mm512_set1_epi8(0x0F);
+        let bit4 = _mm512_set1_epi8(0x10);
+        // Bit `b` of each byte moved to bit 4 (16-bit shifts: no bit crosses into the
+        // neighbouring byte's bit 4).
+        let fifth = |bits: __m512i, b: i32| match b <= 4 {
+            true => _mm512_and_si512(_mm512_sll_epi16(bits, _mm_cvtsi32_si128(4 - b)), bit4),
+            false => _mm512_and_si512(_mm512_srl_epi16(bits, _mm_cvtsi32_si128(b - 4)), bit4),
+        };
+        // SAFETY: the quad's bytes and (Q5_K) its fifth bits lie in the super-block.
+        unsafe {
+            let raw = _mm512_loadu_si512(block.add(64 * (8 * pair + c)) as *const _);
+            let mut lo = _mm512_and_si512(raw, low4);
+            let mut hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+            if FIFTH {
+                let bits = _mm512_loadu_si512(block.add(FIFTH_AT + 64 * c) as *const _);
+                lo = _mm512_or_si512(lo, fifth(bits, 2 * pair as i32));
+                hi = _mm512_or_si512(hi, fifth(bits, 2 * pair as i32 + 1));
+            }
+            [lo, hi]
+        }
+    }
+
+    /// Each token's `Σ_j m_j·Σ_{i∈j} qx_i` over Q4_K/Q5_K super-block `s` (`block`, the group's),
+    /// exactly, a lane a row.
+    ///
+    /// # Safety
+    /// `block` holds a group's super-block of this layout, and each token's sums cover `s`;
+    /// AVX-512 F is enabled where this inlines.
+    #[inline(always)]
+    pub(super) unsafe fn q4k_mins_512<const T: usize>(block: *const u8, tokens: &[Token; T], s: usize) -> [__m512i; T] {
+        use q4k::MINS_AT;
+        let mut mins = [_mm512_setzero_si512(); T];
+        for j in 0..8 {
+            // SAFETY: as the caller promises.
+            unsafe {
+                let m = _mm512_cvtepu8_epi32(_mm_loadu_si128(block.add(MINS_AT + j * GROUP) as *const __m128i));
+                for t in 0..T {
+                    let sums = _mm512_set1_epi32(*tokens[t].sums.add(8 * s + j));
+                    mins[t] = _mm512_add_epi32(mins[t], _mm512_mullo_epi32(m, sums));
+                }
+            }
+        }
+        mins
+    }
+
     /// The end of a super-block with minimums (Q2_K, Q4_K, Q5_K), the rows' f16 `d` and
     /// `dmin` at `d` and `dmin`: `main = fma(total, d·dx, main)`, `low = fma(mins, dmin·dx, low)`
     /// for each token.
     #[inline(always)]
-    unsafe fn scale_super_512<const T: usize>(
+    pub(super) unsafe fn scale_super_512<const T: usize>(
         d: *const u8,
         dmin: *const u8,
         tokens: &[Token; T],
@@ -1673,7 +1725,7 @@ mod tests {
             let bytes = matrix(dtype, rows, supers, 3);
             let row_bytes = bytes.len() / rows;
             let m = InterleavedSuperRows::new(dtype, &bytes, row_bytes).unwrap();
-            for tokens in [1, 2, 3, 4, 5, 9] {
+            for tokens in [1, 2, 3, 4, 5, 9, 64, 83] {
                 let acts = activations(tokens, m.cols());
                 let prepared = m.activations(&acts).unwrap();
                 for kernel in Int8Kernel::available() {

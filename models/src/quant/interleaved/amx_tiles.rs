@@ -21,14 +21,12 @@
 //!
 use super::x86::{iq4_table, nibble_chunk};
 use super::{group_block_bytes, scales_at, Activations, GROUP};
-use crate::quant::amx::block32::{self, BLOCK, TOKENS, WEIGHT_BYTES};
+use crate::quant::amx::block32::{self, BLOCK, WEIGHT_BYTES};
+use crate::quant::amx::tiles::{self, Sums, MIN_TOKENS, TOKENS};
 use crate::quant::int8::{amx_int8, Q8Row};
 use crate::quant::prefetch;
 use std::arch::x86_64::*;
-
-/// Fewer tokens than this go to the AVX-512 kernel only: AMX pays for unpacking a group's
-/// weights once a call, which a single tile of tokens does not repay.
-const MIN_TOKENS: usize = 4 * TOKENS;
+use std::ops::Range;
 
 /// A step's quantized activations as the tiles load them: every token's quants in one buffer
 /// (a token's row of `blocks · 32` bytes after the other's), and their block scales likewise.
@@ -43,22 +41,12 @@ impl TiledActivations {
         if acts.len() < MIN_TOKENS || !amx_int8() {
             return None;
         }
-        let cols = blocks * BLOCK;
-        let (mut q, mut d) = (
-            Vec::with_capacity(acts.len() * cols),
-            Vec::with_capacity(acts.len() * blocks),
-        );
-        for a in acts {
-            q.extend_from_slice(&a.q[..cols]);
-            d.extend_from_slice(&a.d[..blocks]);
-        }
-        Some(Self { q, d })
+        Some(Self {
+            q: tiles::rows_together(acts.iter().map(|a| &a.q[..]), blocks * BLOCK),
+            d: tiles::rows_together(acts.iter().map(|a| &a.d[..]), blocks),
+        })
     }
 }
-
-/// A 64-byte aligned buffer, for the tiles' loads and stores and the aligned vector loads.
-#[repr(C, align(64))]
-struct Aligned<T>(T);
 
 /// Writes the group's products with the first `16·⌊tokens / 16⌋` tokens into `out` (`[token,
 /// GROUP]`, as [`super::group_products`]) and returns how many tokens that is: 0 where the
@@ -101,6 +89,9 @@ struct Tables {
 
 /// # Safety
 /// As [`products`] checks and promises.
+///
+/// [`CHUNK`] blocks at a time, each tile of tokens in turn: the chunk's unpacked weights
+/// (8 KiB) stay in L1 for every tile, and a tile's sums stay in registers over the chunk.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn tiles_avx512<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bool>(
     data: *const u8,
@@ -112,68 +103,76 @@ unsafe fn tiles_avx512<const NIBBLES: bool, const FIFTH: bool, const MINS: bool,
 ) {
     let bytes = group_block_bytes(NIBBLES, FIFTH, MINS);
     let scales_at = scales_at(NIBBLES, FIFTH);
-    UNPACKED.with_borrow_mut(|unpacked| {
-        // SAFETY: every pointer below stays inside what the caller promised; AMX is usable.
-        unsafe {
-            let weights = unpack::<NIBBLES, FIFTH, TABLE>(data, blocks, bytes, bias, unpacked);
-            block32::configure();
+    let mut weights = Aligned([0u8; CHUNK * WEIGHT_BYTES]);
+    // SAFETY: every pointer below stays inside what the caller promised; AMX is usable.
+    unsafe {
+        for t in 0..tiles * TOKENS {
+            _mm512_storeu_ps(out.add(t * GROUP), _mm512_setzero_ps());
+        }
+        block32::configure();
+        for first_block in (0..blocks).step_by(CHUNK) {
+            let chunk = first_block..blocks.min(first_block + CHUNK);
+            unpack::<NIBBLES, FIFTH, TABLE>(data, chunk.clone(), bytes, bias, &mut weights.0);
             for tile in 0..tiles {
                 let at = Tile {
                     tables,
                     blocks,
                     first: tile * TOKENS,
                 };
-                let main = tile_main(data, bytes, scales_at, weights, at);
-                for (r, main) in main.into_iter().enumerate() {
-                    _mm512_storeu_ps(out.add((at.first + r) * GROUP), main);
-                }
-            }
-            block32::release();
-            if MINS {
-                for tile in 0..tiles {
-                    let first = tile * TOKENS;
-                    let mins = tile_mins(
-                        data,
-                        bytes,
-                        scales_at + 2 * GROUP,
-                        tables.dsum.add(first * blocks),
-                        blocks,
-                    );
-                    for (r, mins) in mins.into_iter().enumerate() {
-                        let main = out.add((first + r) * GROUP);
-                        _mm512_storeu_ps(main, _mm512_add_ps(_mm512_loadu_ps(main), mins));
-                    }
+                let main = out.add(at.first * GROUP);
+                let mut sums: [__m512; TOKENS] = std::array::from_fn(|r| _mm512_loadu_ps(main.add(r * GROUP)));
+                tile_main(data, bytes, scales_at, weights.0.as_ptr(), chunk.clone(), at, &mut sums);
+                for (r, sum) in sums.into_iter().enumerate() {
+                    _mm512_storeu_ps(main.add(r * GROUP), sum);
                 }
             }
         }
-    })
+        tiles::release();
+        if MINS {
+            for tile in 0..tiles {
+                let first = tile * TOKENS;
+                let mins = tile_mins(
+                    data,
+                    bytes,
+                    scales_at + 2 * GROUP,
+                    tables.dsum.add(first * blocks),
+                    blocks,
+                );
+                for (r, mins) in mins.into_iter().enumerate() {
+                    let main = out.add((first + r) * GROUP);
+                    _mm512_storeu_ps(main, _mm512_add_ps(_mm512_loadu_ps(main), mins));
+                }
+            }
+        }
+    }
 }
 
-thread_local! {
-    /// A group's weights unpacked, a weight tile a block: reused call after call.
-    static UNPACKED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
-}
+/// Blocks unpacked at a time: their weight tiles take 8 KiB.
+const CHUNK: usize = 16;
 
-/// Every block's weight tile of the group, signed (`u − bias`; `bias` 128 turns Q8_0's and
-/// IQ4_NL's stored bytes back into their values), into `unpacked`; returns where the first
-/// starts (each [`WEIGHT_BYTES`] after the one before).
+/// Weight tiles, aligned for the tile loads.
+#[repr(C, align(64))]
+struct Aligned<T>(T);
+
+/// The weight tiles of the group's blocks `chunk`, signed (`u − bias`; `bias` 128 turns Q8_0's
+/// and IQ4_NL's stored bytes back into their values), into `to` ([`WEIGHT_BYTES`] a block).
 ///
 /// # Safety
-/// `data` holds the group's `blocks` blocks of `bytes` bytes; AVX-512 F/BW are enabled.
+/// `data` holds the group's blocks of `bytes` bytes, `chunk` among them, at most [`CHUNK`];
+/// AVX-512 F/BW are enabled.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn unpack<const NIBBLES: bool, const FIFTH: bool, const TABLE: bool>(
     data: *const u8,
-    blocks: usize,
+    chunk: Range<usize>,
     bytes: usize,
     bias: i8,
-    unpacked: &mut Vec<u8>,
-) -> *const u8 {
-    unpacked.resize(blocks * WEIGHT_BYTES, 0);
+    to: &mut [u8; CHUNK * WEIGHT_BYTES],
+) {
     let (table, bias) = (iq4_table(), _mm512_set1_epi8(bias));
-    for b in 0..blocks {
-        // SAFETY: block `b` lies in `data` (the caller); its tile in `unpacked` (resized).
+    for (i, b) in chunk.enumerate() {
+        // SAFETY: block `b` lies in `data` (the caller); its tile in `to` (`i` < CHUNK).
         unsafe {
-            let (block, to) = (data.add(b * bytes), unpacked.as_mut_ptr().add(b * WEIGHT_BYTES));
+            let (block, to) = (data.add(b * bytes), to.as_mut_ptr().add(i * WEIGHT_BYTES));
             // The group's weights come from memory (or L3) once a step: ask ahead, as the
             // AVX-512 kernel does.
             prefetch::block_ahead(block, bytes, 0, 1);
@@ -186,11 +185,10 @@ unsafe fn unpack<const NIBBLES: bool, const FIFTH: bool, const TABLE: bool>(
                 false => std::array::from_fn(|r| _mm512_loadu_si512(block.add(64 * r) as *const _)),
             };
             for (r, row) in rows.into_iter().enumerate() {
-                _mm512_storeu_si512(to.add(64 * r) as *mut _, _mm512_sub_epi8(row, bias));
+                _mm512_store_si512(to.add(64 * r) as *mut _, _mm512_sub_epi8(row, bias));
             }
         }
     }
-    unpacked.as_ptr()
 }
 
 /// One tile of tokens: `first` and the fifteen after it.
@@ -201,14 +199,15 @@ struct Tile {
     first: usize,
 }
 
-/// The tile's tokens' `main` sums with the group's sixteen rows, a register a token.
+/// Adds blocks `chunk` to the tile's tokens' `main` sums with the group's sixteen rows (a
+/// register a token).
 ///
 /// The products of a block are stored and read back before the next block's are issued: on
 /// the Xeon this was written on, issuing the next block's (or eight blocks') tiles before a
 /// block's float work measured no faster (one core, 128 tokens: 0.46 ms against 0.46–0.55).
 ///
 /// # Safety
-/// Tiles configured; `weights` holds each block's weight tile ([`unpack`]); the group's blocks
+/// Tiles configured; `weights` holds the chunk's weight tiles ([`unpack`]); the group's blocks
 /// (`bytes` each, scales at `scales_at`) in `data`; the tables cover the tile.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn tile_main(
@@ -216,27 +215,27 @@ unsafe fn tile_main(
     bytes: usize,
     scales_at: usize,
     weights: *const u8,
+    chunk: Range<usize>,
     tile: Tile,
-) -> [__m512; TOKENS] {
+    main: &mut [__m512; TOKENS],
+) {
     let stride = tile.blocks * BLOCK;
-    let mut sums = Aligned([0i32; TOKENS * GROUP]);
-    let mut main = [_mm512_setzero_ps(); TOKENS];
+    let mut sums = Sums::new();
     // SAFETY: every pointer below stays inside what the caller promised.
     unsafe {
         let acts = tile.tables.q.add(tile.first * stride);
-        for b in 0..tile.blocks {
-            block32::load_weights(weights.add(b * WEIGHT_BYTES));
-            block32::products(acts.add(b * BLOCK), stride, sums.0.as_mut_ptr());
+        for (i, b) in chunk.enumerate() {
+            block32::load_weights(weights.add(i * WEIGHT_BYTES));
+            block32::products(acts.add(b * BLOCK), stride, sums.as_mut_ptr());
             let scales = _mm512_cvtph_ps(_mm256_loadu_si256(data.add(b * bytes + scales_at) as *const __m256i));
             for (r, main) in main.iter_mut().enumerate() {
                 let at = (tile.first + r) * tile.blocks + b;
-                let isum = _mm512_load_si512(sums.0.as_ptr().add(r * GROUP) as *const _);
+                let isum = _mm512_load_si512(sums.token(r) as *const _);
                 let scale = _mm512_mul_ps(scales, _mm512_set1_ps(*tile.tables.d.add(at)));
                 *main = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), scale, *main);
             }
         }
     }
-    main
 }
 
 /// The tile's tokens' minimum terms (`Σ m·d_x·Σqx`, block by block): `dsum` the first token's
