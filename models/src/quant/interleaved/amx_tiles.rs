@@ -1,8 +1,8 @@
 //! The 32-weight formats' products for whole tiles of 16 tokens on AMX ([`crate::quant::amx`]),
 //! the rest of a step's tokens going to the AVX-512 kernel.
 //!
-//! Per group: the group's stored weights are unpacked once into the weight tiles' layout (rows
-//! of four weights of each of the sixteen rows: what the AVX-512 kernel holds in its registers,
+//! Per group, [`CHUNK`] blocks at a time: their stored weights are unpacked once into the
+//! weight tiles' layout (rows of four weights of each of the sixteen rows: what the AVX-512 kernel holds in its registers,
 //! so the same [`nibble_chunk`] makes them), as signed bytes `u − bias`; then each block of a
 //! 16-token tile is one `tdpbssd`, giving each (token, row) the block's exact integer sum
 //! `Σ (u − bias)·qx`, which is the AVX-512 kernel's `−bias·Σqx + Σ u·qx`. From there the float
@@ -18,7 +18,7 @@
 //! well, and the tile's store and reload of its sums: on the Xeon this was written on (one
 //! core, a 1536×576 Q4_1 matrix, 128 tokens) 0.40 ms against the AVX-512 kernel's 0.60–0.70,
 //! and at 16 tokens no faster once a step's other work counts, hence [`MIN_TOKENS`].
-//!
+
 use super::x86::{iq4_table, nibble_chunk};
 use super::{group_block_bytes, scales_at, Activations, GROUP};
 use crate::quant::amx::block32::{self, BLOCK, WEIGHT_BYTES};
