@@ -47,6 +47,14 @@ pub mod tiles {
     /// at 16 tokens: no faster once a step's other work counts).
     pub const MIN_TOKENS: usize = 4 * TOKENS;
 
+    /// Whether a step of `tokens` tokens takes the tiles: AMX runs here ([`amx_int8`]) and
+    /// the step has at least [`MIN_TOKENS`].
+    ///
+    /// [`amx_int8`]: crate::quant::int8::amx_int8
+    pub fn pay_for(tokens: usize) -> bool {
+        tokens >= MIN_TOKENS && crate::quant::int8::amx_int8()
+    }
+
     /// One tile's i32 sums (`[token][row]`), where a kernel stores them, aligned for the
     /// vector loads that read them back.
     #[repr(C, align(64))]

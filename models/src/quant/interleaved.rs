@@ -423,7 +423,10 @@ fn run<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bo
         _ => 0,
     };
     #[cfg(not(target_arch = "x86_64"))]
-    let (mut t0, _) = (0, bias);
+    let mut t0 = {
+        let _ = bias;
+        0
+    };
     while t0 < tokens {
         let n = (tokens - t0).min(TILE);
         let dst = &mut out[t0 * GROUP..(t0 + n) * GROUP];

@@ -17,13 +17,13 @@
 //! load, a convert, a multiply and an FMA for sixteen rows), which the AVX-512 kernel pays as
 //! well, and the tile's store and reload of its sums: on the Xeon this was written on (one
 //! core, a 1536×576 Q4_1 matrix, 128 tokens) 0.40 ms against the AVX-512 kernel's 0.60–0.70,
-//! and at 16 tokens no faster once a step's other work counts, hence [`MIN_TOKENS`].
+//! and at 16 tokens no faster once a step's other work counts, hence [`tiles::MIN_TOKENS`].
 
 use super::x86::{iq4_table, nibble_chunk};
 use super::{group_block_bytes, scales_at, Activations, GROUP};
 use crate::quant::amx::block32::{self, BLOCK, WEIGHT_BYTES};
-use crate::quant::amx::tiles::{self, Sums, MIN_TOKENS, TOKENS};
-use crate::quant::int8::{amx_int8, Q8Row};
+use crate::quant::amx::tiles::{self, Sums, TOKENS};
+use crate::quant::int8::Q8Row;
 use crate::quant::prefetch;
 use std::arch::x86_64::*;
 use std::ops::Range;
@@ -36,9 +36,9 @@ pub(super) struct TiledActivations {
 }
 
 impl TiledActivations {
-    /// `None` where AMX does not run here or the step has fewer than [`MIN_TOKENS`] tokens.
+    /// `None` where the step does not take the tiles ([`tiles::pay_for`]).
     pub(super) fn new(acts: &[Q8Row], blocks: usize) -> Option<Self> {
-        if acts.len() < MIN_TOKENS || !amx_int8() {
+        if !tiles::pay_for(acts.len()) {
             return None;
         }
         Some(Self {

@@ -18,8 +18,8 @@
 use super::x86::{q4k_chunk, q4k_mins_512, scale_super_512};
 use super::{q4k, SuperActivations, Token, GROUP, SUPER};
 use crate::quant::amx::super256::{self, SPAN, WEIGHT_BYTES};
-use crate::quant::amx::tiles::{self, Sums, MIN_TOKENS, TOKENS};
-use crate::quant::int8::{amx_int8, Q8KRow};
+use crate::quant::amx::tiles::{self, Sums, TOKENS};
+use crate::quant::int8::Q8KRow;
 use crate::quant::prefetch;
 use std::arch::x86_64::*;
 
@@ -35,9 +35,9 @@ pub(super) struct TiledActivations {
 }
 
 impl TiledActivations {
-    /// `None` where AMX does not run here or the step has fewer than [`MIN_TOKENS`] tokens.
+    /// `None` where the step does not take the tiles ([`tiles::pay_for`]).
     pub(super) fn new(acts: &[Q8KRow], supers: usize) -> Option<Self> {
-        if acts.len() < MIN_TOKENS || !amx_int8() {
+        if !tiles::pay_for(acts.len()) {
             return None;
         }
         Some(Self {
