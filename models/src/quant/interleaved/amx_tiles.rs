@@ -2,14 +2,14 @@
 //! the rest of a step's tokens going to the AVX-512 kernel.
 //!
 //! Per group, [`CHUNK`] blocks at a time: their stored weights are unpacked once into the
-//! weight tiles' layout (rows of four weights of each of the sixteen rows: what the AVX-512 kernel holds in its registers,
-//! so the same [`nibble_chunk`] makes them), as signed bytes `u − bias`; then each block of a
-//! 16-token tile is one `tdpbssd`, giving each (token, row) the block's exact integer sum
-//! `Σ (u − bias)·qx`, which is the AVX-512 kernel's `−bias·Σqx + Σ u·qx`. From there the float
-//! work is that kernel's, operation for operation and in the same order (`main = fma(isum,
-//! d_w·d_x, main)` block by block, the minimums' chain on its own, `main + mins` last), so a
-//! token's products are the same bits whichever kernel computed them, and a step's size still
-//! does not change a token's logits.
+//! weight tiles' layout (rows of four weights of each of the sixteen rows: what the AVX-512
+//! kernel holds in its registers, so the same [`nibble_chunk`] makes them), as signed bytes
+//! `u − bias`; then each block of a 16-token tile is one `tdpbssd`, giving each (token, row)
+//! the block's exact integer sum `Σ (u − bias)·qx`, which is the AVX-512 kernel's
+//! `−bias·Σqx + Σ u·qx`. From there the float work is that kernel's, operation for operation
+//! and in the same order (`main = fma(isum, d_w·d_x, main)` block by block, the minimums' chain
+//! on its own, `main + mins` last), so a token's products are the same bits whichever kernel
+//! computed them, and a step's size still does not change a token's logits.
 //!
 //! Why tiles pay: a `vpdpbusd` advances one token's sums with sixteen rows by four weights, a
 //! `tdpbssd` sixteen tokens' by 32, and the unpacking of a block's weights is paid once a call
