@@ -225,10 +225,11 @@ pub mod block32 {
     }
 }
 
-/// The tile shapes of Q4_K's kernel with its sub-block scales folded into the weights: a
-/// super-block's 256 quants of sixteen tokens as four activation tiles of 64 bytes a row,
-/// each against two weight tiles of sixteen rows of 64 (`sc·u` split as `8·hi + lo`: the weights
-/// times `hi`, and times `lo`), summed over the super-block into two sum tiles.
+/// The tile shapes of the K-quant kernels with their sub-block scales folded into the weights:
+/// a super-block's 256 quants of sixteen tokens as four activation tiles of 64 bytes a row,
+/// each against two weight tiles of sixteen rows of 64 (Q4_K: `sc·u` split as `8·hi + lo`, the
+/// weights times `hi` and times `lo`) or four (Q6_K: the scale's four base-4 digits), summed
+/// over the super-block into as many sum tiles.
 #[cfg(target_arch = "x86_64")]
 pub mod super256 {
     use super::tiles::Config;
@@ -239,9 +240,16 @@ pub mod super256 {
     /// Bytes of a weight tile: 16 rows of 64.
     pub const WEIGHT_BYTES: usize = 1024;
 
-    /// tmm0 activations (16 × 64 bytes), tmm1 weights (16 × 64), tmm2 and tmm3 the sums with
-    /// the `hi` and the `lo` weights (16 × 64).
-    static CONFIG: Config = Config::new(&[(0, 16, 64), (1, 16, 64), (2, 16, 64), (3, 16, 64)]);
+    /// tmm0 activations (16 × 64 bytes), tmm1 weights (16 × 64), tmm2 to tmm5 the sums with
+    /// each set of weights (16 × 64).
+    static CONFIG: Config = Config::new(&[
+        (0, 16, 64),
+        (1, 16, 64),
+        (2, 16, 64),
+        (3, 16, 64),
+        (4, 16, 64),
+        (5, 16, 64),
+    ]);
 
     /// Configures this thread's tiles for the functions below (and zeroes them).
     ///
@@ -252,13 +260,21 @@ pub mod super256 {
         unsafe { CONFIG.load() }
     }
 
-    /// Starts a super-block's two sums at zero.
+    /// Starts a super-block's sums at zero.
     ///
     /// # Safety
     /// Tiles configured ([`configure`]).
     pub unsafe fn start() {
         // SAFETY: the caller's promise.
-        unsafe { asm!("tilezero tmm2", "tilezero tmm3", options(nostack, nomem)) };
+        unsafe {
+            asm!(
+                "tilezero tmm2",
+                "tilezero tmm3",
+                "tilezero tmm4",
+                "tilezero tmm5",
+                options(nostack, nomem)
+            )
+        };
     }
 
     /// Adds one quarter of the super-block: `hi[t][r] += Σ_k acts[t·stride + k]·w_hi[k][r]`
@@ -279,6 +295,51 @@ pub mod super256 {
                 a = in(reg) acts, stride = in(reg) stride, hi = in(reg) w_hi, lo = in(reg) w_lo,
                 row = in(reg) 64usize,
                 options(nostack, readonly)
+            )
+        };
+    }
+
+    /// Adds one quarter of the super-block against four sets of weights, `w` and the three
+    /// [`WEIGHT_BYTES`] after each other: `sums[i][t][r] += Σ_k acts[t·stride + k]·w_i[k][r]`
+    /// (k < 64), exactly in i32.
+    ///
+    /// # Safety
+    /// Tiles configured; `acts` points to 16 rows of 64 readable bytes, `stride` apart; `w` to
+    /// four [`WEIGHT_BYTES`] readable bytes.
+    pub unsafe fn add_quarter4(acts: *const i8, stride: usize, w: *const u8) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            asm!(
+                "tileloadd tmm0, [{a} + {stride}*1]",
+                "tileloadd tmm1, [{w} + {row}*1]",
+                "tdpbssd tmm2, tmm0, tmm1",
+                "tileloadd tmm1, [{w} + {row}*1 + 1024]",
+                "tdpbssd tmm3, tmm0, tmm1",
+                "tileloadd tmm1, [{w} + {row}*1 + 2048]",
+                "tdpbssd tmm4, tmm0, tmm1",
+                "tileloadd tmm1, [{w} + {row}*1 + 3072]",
+                "tdpbssd tmm5, tmm0, tmm1",
+                a = in(reg) acts, stride = in(reg) stride, w = in(reg) w, row = in(reg) 64usize,
+                options(nostack, readonly)
+            )
+        };
+    }
+
+    /// Stores the four sums of [`add_quarter4`] (`[token][row]` i32 each, [`super::tiles::Sums`]
+    /// after each other).
+    ///
+    /// # Safety
+    /// Tiles configured; `sums` points to 4·256 writable i32.
+    pub unsafe fn store4(sums: *mut i32) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            asm!(
+                "tilestored [{s} + {row}*1], tmm2",
+                "tilestored [{s} + {row}*1 + 1024], tmm3",
+                "tilestored [{s} + {row}*1 + 2048], tmm4",
+                "tilestored [{s} + {row}*1 + 3072], tmm5",
+                s = in(reg) sums, row = in(reg) 64usize,
+                options(nostack)
             )
         };
     }

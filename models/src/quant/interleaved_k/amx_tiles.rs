@@ -1,22 +1,23 @@
-//! Q4_K's products for whole tiles of 16 tokens on AMX ([`crate::quant::amx`]), the rest of a
-//! step's tokens going to the AVX-512 kernel.
+//! Q4_K's and Q6_K's products for whole tiles of 16 tokens on AMX ([`crate::quant::amx`]), the
+//! rest of a step's tokens going to the AVX-512 kernel.
 //!
-//! The AVX-512 kernel sums each 32-weight sub-block `j` exactly, multiplies the sum by the
-//! sub-block's 6-bit scale `sc_j` and adds: `total = Σ_j sc_j·Σ_{i∈j} u_i·qx_i`. A tile's sums
-//! cannot be scaled per sub-block without storing and reloading them eight times a super-block,
-//! so here the scales go into the weights instead: `sc = 8·hi + lo` with `hi, lo < 8`, and
-//! `hi·u`, `lo·u` (at most 105) are signed bytes. Per group, every super-block's weights are
-//! unpacked once as two sets of weight tiles (`hi·u` and `lo·u`, by the AVX-512 kernel's own
-//! [`q4k_chunk`]); per super-block of a 16-token tile, four `tdpbssd` of 64 quants into each of
-//! two sums give `Σ_i hi_i·u_i·qx_i` and `Σ_i lo_i·u_i·qx_i`, and `total = 8·hi_sum + lo_sum`
-//! is the AVX-512 kernel's integer exactly. The minimums' term and the float work are that
-//! kernel's own functions ([`q4k_mins_512`], [`scale_super_512`]) over the tile's sixteen
-//! tokens, so a token's products are the same bits whichever kernel computed them.
+//! The AVX-512 kernels sum each sub-block `j` exactly, multiply the sum by the sub-block's
+//! integer scale `sc_j` and add: `total = Σ_j sc_j·Σ_{i∈j} u_i·qx_i`. A tile's sums cannot be
+//! scaled per sub-block without storing and reloading them at every sub-block, so here the
+//! scales go into the weights instead, split into parts small enough that each part times a
+//! weight is a signed byte. Q4_K: `sc = 8·hi + lo` with `hi, lo < 8`, so `hi·u`, `lo·u` (at most
+//! 105) are bytes; per group, every super-block's weights are unpacked once as two sets of
+//! weight tiles (by the AVX-512 kernel's own [`q4k_chunk`]), a super-block of a 16-token tile is
+//! four `tdpbssd` of 64 quants into each of two sums, and `total = 8·hi_sum + lo_sum` is the
+//! AVX-512 kernel's integer exactly; the minimums' term and the float work are that kernel's own
+//! functions ([`q4k_mins_512`], [`scale_super_512`]) over the tile's sixteen tokens. Q6_K: the
+//! signed scales in four base-4 digits, four sets and four sums ([`q6k_tiles_avx512`]). A
+//! token's products are the same bits whichever kernel computed them.
 //!
-//! Q5_K (whose `hi·u` would reach 217, past a signed byte) keeps to the AVX-512 kernel.
-
+//! Q5_K (whose `hi·u` would reach 217, past a signed byte), Q2_K, Q3_K and IQ4_XS keep to the
+//! AVX-512 kernels.
 use super::x86::{q4k_chunk, q4k_mins_512, scale_super_512};
-use super::{q4k, SuperActivations, Token, GROUP, SUPER};
+use super::{q4k, q6k, SuperActivations, Token, GROUP, SUPER};
 use crate::quant::amx::super256::{self, SPAN, WEIGHT_BYTES};
 use crate::quant::amx::tiles::{self, Sums, TOKENS};
 use crate::quant::int8::Q8KRow;
@@ -48,18 +49,24 @@ impl TiledActivations {
 
 /// Writes the group's products with the first `16·⌊tokens / 16⌋` tokens into `out` (`[token,
 /// GROUP]`) and returns how many tokens that is: 0 where the activations were not tiled.
-/// `data` is the group's Q4_K super-blocks.
-pub(super) fn products(data: &[u8], acts: &SuperActivations, out: &mut [f32]) -> usize {
+/// `data` is the group's Q4_K (`Q6 == false`) or Q6_K super-blocks.
+pub(super) fn products<const Q6: bool>(data: &[u8], acts: &SuperActivations, out: &mut [f32]) -> usize {
     let Some(tiled) = &acts.tiled else {
         return 0;
     };
     let tiles = acts.acts.len() / TOKENS;
-    assert!(data.len() >= acts.supers * q4k::GROUP_BLOCK);
+    let group_block = if Q6 { q6k::GROUP_BLOCK } else { q4k::GROUP_BLOCK };
+    assert!(data.len() >= acts.supers * group_block);
     assert!(out.len() >= tiles * TOKENS * GROUP);
     // SAFETY: `data` holds the group's super-blocks and `out` the tiles' outputs (asserted);
     // every token's quants, scales and sums cover `supers` super-blocks (`activations` built
     // them for these rows); `tiled` exists only where AMX and AVX-512 run (`amx_int8`).
-    unsafe { tiles_avx512(data.as_ptr(), tiled.q.as_ptr(), acts, tiles, out.as_mut_ptr()) };
+    unsafe {
+        match Q6 {
+            true => q6k_tiles_avx512(data.as_ptr(), tiled.q.as_ptr(), acts, tiles, out.as_mut_ptr()),
+            false => tiles_avx512(data.as_ptr(), tiled.q.as_ptr(), acts, tiles, out.as_mut_ptr()),
+        }
+    };
     tiles * TOKENS
 }
 
@@ -180,5 +187,127 @@ unsafe fn times(u: __m512i, factor: __m512i) -> __m512i {
         let even = _mm512_mullo_epi16(_mm512_and_si512(u, _mm512_set1_epi16(0x00FF)), factor);
         let odd = _mm512_mullo_epi16(_mm512_srli_epi16(u, 8), factor);
         _mm512_or_si512(even, _mm512_slli_epi16(odd, 8))
+    }
+}
+
+/// Bytes of a Q6_K super-block's unpacked weights: four tiles (one a scale digit) a quarter.
+const Q6K_SUPER_TILES: usize = 4 * QUARTERS * WEIGHT_BYTES;
+
+/// Q6_K: `total = Σ_g sc_g·Σ_{i∈g} (u_i − 32)·qx_i` over the sixteen 16-weight sub-blocks
+/// (`scaled_groups_avx512`'s integer), with the signed scales written in four base-4 digits,
+/// `sc = d0 + 4·d1 + 16·d2 + 64·d3` (`d0..d2` in 0..4 and `d3` in −2..2: the digits of
+/// `sc + 128` with 2 taken off the top one), so that each `d·(u − 32)` is a byte: four sets of
+/// weight tiles, four sums, `total = S0 + 4·S1 + 16·S2 + 64·S3` exactly. Then, as that kernel,
+/// `main = fma(total, d·dx, main)`.
+///
+/// # Safety
+/// As [`products`] checks and promises.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn q6k_tiles_avx512(data: *const u8, q: *const i8, acts: &SuperActivations, tiles: usize, out: *mut f32) {
+    let supers = acts.supers;
+    let stride = supers * SUPER;
+    let mut weights = Aligned([0u8; Q6K_SUPER_TILES]);
+    let mut sums = [Sums::new(), Sums::new(), Sums::new(), Sums::new()];
+    let mut state: Vec<([Token; TOKENS], [__m512; TOKENS])> = (0..tiles)
+        .map(|tile| {
+            (
+                std::array::from_fn(|r| acts.token(tile * TOKENS + r)),
+                [_mm512_setzero_ps(); TOKENS],
+            )
+        })
+        .collect();
+    // SAFETY: every pointer below stays inside what the caller promised; AMX is usable.
+    unsafe {
+        super256::configure();
+        for s in 0..supers {
+            let block = data.add(s * q6k::GROUP_BLOCK);
+            unpack_q6k(block, &mut weights.0);
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(q6k::D_AT) as *const __m256i));
+            for (tile, (tokens, main)) in state.iter_mut().enumerate() {
+                let acts = q.add(tile * TOKENS * stride + s * SUPER);
+                super256::start();
+                for quarter in 0..QUARTERS {
+                    let w = weights.0.as_ptr().add(4 * quarter * WEIGHT_BYTES);
+                    super256::add_quarter4(acts.add(quarter * SPAN), stride, w);
+                }
+                super256::store4(sums.as_mut_ptr().cast());
+                for (r, main) in main.iter_mut().enumerate() {
+                    let sum = |i: usize| _mm512_load_si512(sums[i].token(r) as *const _);
+                    let high = _mm512_add_epi32(_mm512_slli_epi32(sum(3), 2), sum(2));
+                    let total = _mm512_add_epi32(
+                        _mm512_slli_epi32(_mm512_add_epi32(_mm512_slli_epi32(high, 2), sum(1)), 2),
+                        sum(0),
+                    );
+                    let dx = _mm512_set1_ps(*tokens[r].d.add(s));
+                    *main = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, dx), *main);
+                }
+            }
+        }
+        tiles::release();
+        for (tile, (_, main)) in state.iter().enumerate() {
+            for (r, main) in main.iter().enumerate() {
+                _mm512_storeu_ps(out.add((tile * TOKENS + r) * GROUP), *main);
+            }
+        }
+    }
+}
+
+/// A Q6_K super-block's weight tiles (`block`, the group's) into `to`: per quarter `q` (quads
+/// `16q..16q + 16` as rows 0..16, sub-blocks `4q..4q + 4`), one tile for each digit `d_i` of
+/// the rows' scales, holding `d_i·(u − 32)`.
+///
+/// # Safety
+/// `block` holds a group's Q6_K super-block; AVX-512 F/BW are enabled.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn unpack_q6k(block: *const u8, to: &mut [u8; Q6K_SUPER_TILES]) {
+    let to = to.as_mut_ptr();
+    for g in 0..SUPER / 16 {
+        // SAFETY: the super-block's bytes lie in `block` (the caller); the tiles in `to`.
+        unsafe {
+            let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(q6k::SCALES_AT + g * GROUP) as *const __m128i));
+            let biased = _mm512_add_epi32(sc, _mm512_set1_epi32(128));
+            let digit = |i: u32| {
+                let d = _mm512_and_si512(
+                    _mm512_srlv_epi32(biased, _mm512_set1_epi32(2 * i as i32)),
+                    _mm512_set1_epi32(3),
+                );
+                let d = if i == 3 {
+                    _mm512_sub_epi32(d, _mm512_set1_epi32(2))
+                } else {
+                    d
+                };
+                // In both 16-bit halves of each lane, for `times_signed`.
+                _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(d, 16))
+            };
+            let digits = [digit(0), digit(1), digit(2), digit(3)];
+            let (quarter, first_row) = (g / 4, 4 * (g % 4));
+            for j in 0..4 {
+                prefetch::block_ahead(block, q6k::GROUP_BLOCK, 4 * g + j, 64);
+                let u = _mm512_loadu_si512(block.add(64 * (4 * g + j)) as *const _);
+                let w = _mm512_sub_epi8(u, _mm512_set1_epi8(32));
+                for (i, digit) in digits.iter().enumerate() {
+                    let tile = to.add((4 * quarter + i) * WEIGHT_BYTES);
+                    _mm512_store_si512(tile.add(64 * (first_row + j)) as *mut _, times_signed(w, *digit));
+                }
+            }
+        }
+    }
+}
+
+/// Each signed byte of `w` times its lane's factor (in both 16-bit halves), the products
+/// (small enough) as bytes.
+///
+/// # Safety
+/// AVX-512 F/BW are enabled where this inlines.
+#[inline(always)]
+unsafe fn times_signed(w: __m512i, factor: __m512i) -> __m512i {
+    // SAFETY: as the caller promises.
+    unsafe {
+        let even = _mm512_mullo_epi16(_mm512_srai_epi16(_mm512_slli_epi16(w, 8), 8), factor);
+        let odd = _mm512_mullo_epi16(_mm512_srai_epi16(w, 8), factor);
+        _mm512_or_si512(
+            _mm512_and_si512(even, _mm512_set1_epi16(0x00FF)),
+            _mm512_slli_epi16(odd, 8),
+        )
     }
 }
