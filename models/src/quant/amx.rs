@@ -2,14 +2,16 @@
 //! registers of up to 16 rows × 64 bytes, and `tdpbssd`, which adds a 16×K signed-byte tile
 //! times a K×16 signed-byte tile into a 16×16 tile of i32 sums in one instruction. Where the
 //! int8 kernels' `vpdpbusd` advances one token's dot with sixteen rows by four weights, one
-//! `tdpbssd` advances sixteen tokens' dots with sixteen rows by 32 weights: the products of a
-//! prefill step come from the tiles, and the per-block float work stays on AVX-512.
+//! `tdpbssd` advances sixteen tokens' dots with sixteen rows by 32 or 64 weights: the integer
+//! products of a prefill step come from the tiles, and the float work stays on AVX-512.
 //!
 //! Stable Rust has neither AMX intrinsics nor their feature detection, so this module asks
 //! CPUID itself, asks Linux for the permission a process needs before it may touch the tile
 //! data (`arch_prctl(ARCH_REQ_XCOMP_PERM)`), and issues the instructions in `asm!` blocks
-//! naming the tile registers outright (the compiler never allocates them). A block's tiles
-//! are only read by later blocks of the same kernel, and `asm!` blocks keep their order.
+//! naming the tile registers outright. The compiler never allocates those registers, so what
+//! one block leaves in a tile is there for the next; `asm!` blocks (none `pure`) keep their
+//! order; and a kernel holds the tiles only between its `configure` and its `release`, on
+//! its own thread.
 
 /// Whether AMX's int8 tiles are usable here: the CPU has AMX-TILE and AMX-INT8, Linux granted
 /// this process the tile data, and `BBC_AMX` is not `0`. Asked once.
