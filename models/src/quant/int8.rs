@@ -540,11 +540,11 @@ pub fn wide_int8() -> bool {
     false
 }
 
-/// Whether the AVX-512 kernels over the 32-weight formats, Q4_K and Q6_K take AMX tiles for steps of
-/// many tokens (prefill chunks, large batches): where [`wide_int8`] holds and AMX is usable
-/// ([`amx::usable`](super::amx::usable); `BBC_AMX=0` turns it off). The tiles compute the same
-/// exact integer sums, and the float work after them is the AVX-512 kernel's, so the bits are
-/// the same.
+/// Whether the AVX-512 kernels over the 32-weight formats, Q4_K, Q5_K and Q6_K take AMX tiles
+/// for steps of many tokens (prefill chunks, large batches): where [`wide_int8`] holds and AMX
+/// is usable ([`amx::usable`](super::amx::usable); `BBC_AMX=0` turns it off). The tiles compute
+/// the same exact integer sums, and the float work after them is the AVX-512 kernel's, so the
+/// bits are the same.
 pub fn amx_int8() -> bool {
     wide_int8() && super::amx::usable()
 }
@@ -588,7 +588,7 @@ pub enum Int8Kernel {
     /// 512-bit registers ([`wide_int8`]).
     Avx512,
     /// The AVX-512 kernels, with AMX tiles ([`amx_int8`]) computing whole 16-token tiles of
-    /// the 32-weight formats', Q4_K's and Q6_K's products (`interleaved`, `interleaved_k`);
+    /// the 32-weight formats' and Q4_K's to Q6_K's products (`interleaved`, `interleaved_k`);
     /// the same bits.
     Amx,
 }

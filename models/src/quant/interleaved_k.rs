@@ -342,7 +342,7 @@ impl InterleavedSuperRows {
             sums,
             #[cfg(target_arch = "x86_64")]
             tiled: match self.format {
-                Format::Q4K | Format::Q6K => amx_tiles::TiledActivations::new(acts, supers),
+                Format::Q4K | Format::Q5K | Format::Q6K => amx_tiles::TiledActivations::new(acts, supers),
                 _ => None,
             },
         })
@@ -360,8 +360,7 @@ impl InterleavedSuperRows {
         // AMX takes the whole 16-token tiles, the other kernels the rest.
         #[cfg(target_arch = "x86_64")]
         let mut t0 = match (kernel, self.format) {
-            (Int8Kernel::Amx, Format::Q4K) => amx_tiles::products::<false>(data, acts, out),
-            (Int8Kernel::Amx, Format::Q6K) => amx_tiles::products::<true>(data, acts, out),
+            (Int8Kernel::Amx, _) => amx_tiles::products(self.format, data, acts, out),
             _ => 0,
         };
         #[cfg(not(target_arch = "x86_64"))]
@@ -639,7 +638,7 @@ pub struct SuperActivations<'a> {
     sums_per_token: usize,
     sums: Vec<i32>,
     /// The quants again, as AMX tiles load them, where [`Int8Kernel::Amx`] can take whole
-    /// tiles of these tokens (Q4_K, Q6_K).
+    /// tiles of these tokens (Q4_K, Q5_K, Q6_K).
     #[cfg(target_arch = "x86_64")]
     tiled: Option<amx_tiles::TiledActivations>,
 }

@@ -1,5 +1,5 @@
-//! Q4_K's and Q6_K's products for whole tiles of 16 tokens on AMX ([`crate::quant::amx`]), the
-//! rest of a step's tokens going to the AVX-512 kernel.
+//! Q4_K's, Q5_K's and Q6_K's products for whole tiles of 16 tokens on AMX
+//! ([`crate::quant::amx`]), the rest of a step's tokens going to the AVX-512 kernel.
 //!
 //! The AVX-512 kernels sum each sub-block `j` exactly, multiply the sum by the sub-block's
 //! integer scale `sc_j` and add: `total = Σ_j sc_j·Σ_{i∈j} u_i·qx_i`. A tile's sums cannot be
@@ -10,14 +10,15 @@
 //! weight tiles (by the AVX-512 kernel's own [`q4k_chunk`]), a super-block of a 16-token tile is
 //! four `tdpbssd` of 64 quants into each of two sums, and `total = 8·hi_sum + lo_sum` is the
 //! AVX-512 kernel's integer exactly; the minimums' term and the float work are that kernel's own
-//! functions ([`q4k_mins_512`], [`scale_super_512`]) over the tile's sixteen tokens. Q6_K: the
-//! signed scales in four base-4 digits, four sets and four sums ([`q6k_tiles_avx512`]). A
+//! functions ([`q4k_mins_512`], [`scale_super_512`]) over the tile's sixteen tokens. Q5_K
+//! (weights up to 31) and Q6_K (signed 8-bit scales): the scales in four base-4 digits, four
+//! sets and four sums, `S0 + 4·S1 + 16·S2 + 64·S3` ([`base4_digits`], [`digits_total`]). A
 //! token's products are the same bits whichever kernel computed them.
 //!
-//! Q5_K (whose `hi·u` would reach 217, past a signed byte), Q2_K, Q3_K and IQ4_XS keep to the
-//! AVX-512 kernels.
+//! Q2_K, Q3_K and IQ4_XS keep to the AVX-512 kernels.
+
 use super::x86::{q4k_chunk, q4k_mins_512, scale_super_512};
-use super::{q4k, q6k, SuperActivations, Token, GROUP, SUPER};
+use super::{q4k, q6k, Format, SuperActivations, Token, GROUP, SUPER};
 use crate::quant::amx::super256::{self, SPAN, WEIGHT_BYTES};
 use crate::quant::amx::tiles::{self, Sums, TOKENS};
 use crate::quant::int8::Q8KRow;
@@ -49,22 +50,27 @@ impl TiledActivations {
 
 /// Writes the group's products with the first `16·⌊tokens / 16⌋` tokens into `out` (`[token,
 /// GROUP]`) and returns how many tokens that is: 0 where the activations were not tiled.
-/// `data` is the group's Q4_K (`Q6 == false`) or Q6_K super-blocks.
-pub(super) fn products<const Q6: bool>(data: &[u8], acts: &SuperActivations, out: &mut [f32]) -> usize {
+/// `data` is the group's super-blocks of `format` (Q4_K, Q5_K or Q6_K; 0 for the others).
+pub(super) fn products(format: Format, data: &[u8], acts: &SuperActivations, out: &mut [f32]) -> usize {
     let Some(tiled) = &acts.tiled else {
         return 0;
     };
+    if !matches!(format, Format::Q4K | Format::Q5K | Format::Q6K) {
+        return 0;
+    }
     let tiles = acts.acts.len() / TOKENS;
-    let group_block = if Q6 { q6k::GROUP_BLOCK } else { q4k::GROUP_BLOCK };
+    let group_block = format.group_block();
     assert!(data.len() >= acts.supers * group_block);
     assert!(out.len() >= tiles * TOKENS * GROUP);
     // SAFETY: `data` holds the group's super-blocks and `out` the tiles' outputs (asserted);
     // every token's quants, scales and sums cover `supers` super-blocks (`activations` built
     // them for these rows); `tiled` exists only where AMX and AVX-512 run (`amx_int8`).
     unsafe {
-        match Q6 {
-            true => q6k_tiles_avx512(data.as_ptr(), tiled.q.as_ptr(), acts, tiles, out.as_mut_ptr()),
-            false => tiles_avx512(data.as_ptr(), tiled.q.as_ptr(), acts, tiles, out.as_mut_ptr()),
+        let (data, q, out) = (data.as_ptr(), tiled.q.as_ptr(), out.as_mut_ptr());
+        match format {
+            Format::Q4K => tiles_avx512::<false>(data, q, acts, tiles, out),
+            Format::Q5K => tiles_avx512::<true>(data, q, acts, tiles, out),
+            _ => q6k_tiles_avx512(data, q, acts, tiles, out),
         }
     };
     tiles * TOKENS
@@ -77,12 +83,22 @@ pub(super) fn products<const Q6: bool>(data: &[u8], acts: &SuperActivations, out
 /// (8 KiB) stay in L1 for every tile, and what moves between tiles is their activations and
 /// float sums. (Tiles outermost, each re-reading the group's unpacked weights from L2, was no
 /// faster than the AVX-512 kernel: the weight tiles' loads took half its time.)
+///
+/// Q5_K (`FIFTH`): its weights reach 31, so its scales go in as Q6_K's do, four base-4 digits
+/// (the top one 0: the scales are below 64) and four sums.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn tiles_avx512(data: *const u8, q: *const i8, acts: &SuperActivations, tiles: usize, out: *mut f32) {
+unsafe fn tiles_avx512<const FIFTH: bool>(
+    data: *const u8,
+    q: *const i8,
+    acts: &SuperActivations,
+    tiles: usize,
+    out: *mut f32,
+) {
     let supers = acts.supers;
     let stride = supers * SUPER;
-    let mut weights = Aligned([0u8; SUPER_TILES]);
-    let (mut hi, mut lo) = (Sums::new(), Sums::new());
+    let group_block = if FIFTH { q4k::Q5_GROUP_BLOCK } else { q4k::GROUP_BLOCK };
+    let mut weights = Aligned([0u8; DIGITS_SUPER_TILES]);
+    let mut sums = [Sums::new(), Sums::new(), Sums::new(), Sums::new()];
     // Per tile: its tokens, and their running `main` and `low` sums.
     let mut state: Vec<([Token; TOKENS], [__m512; TOKENS], [__m512; TOKENS])> = (0..tiles)
         .map(|tile| {
@@ -94,21 +110,46 @@ unsafe fn tiles_avx512(data: *const u8, q: *const i8, acts: &SuperActivations, t
     unsafe {
         super256::configure();
         for s in 0..supers {
-            let block = data.add(s * q4k::GROUP_BLOCK);
-            unpack(block, &mut weights.0);
+            let block = data.add(s * group_block);
+            match FIFTH {
+                true => unpack_q5k(block, &mut weights.0),
+                false => unpack(
+                    block,
+                    (&mut weights.0[..SUPER_TILES])
+                        .try_into()
+                        .expect("a super-block's tiles"),
+                ),
+            }
             for (tile, (tokens, main, low)) in state.iter_mut().enumerate() {
                 let acts = q.add(tile * TOKENS * stride + s * SUPER);
                 super256::start();
                 for quarter in 0..QUARTERS {
-                    let w = weights.0.as_ptr().add(2 * quarter * WEIGHT_BYTES);
-                    super256::add_quarter(acts.add(quarter * SPAN), stride, w, w.add(WEIGHT_BYTES));
+                    let acts = acts.add(quarter * SPAN);
+                    match FIFTH {
+                        true => {
+                            super256::add_quarter4(acts, stride, weights.0.as_ptr().add(4 * quarter * WEIGHT_BYTES))
+                        }
+                        false => {
+                            let w = weights.0.as_ptr().add(2 * quarter * WEIGHT_BYTES);
+                            super256::add_quarter(acts, stride, w, w.add(WEIGHT_BYTES))
+                        }
+                    }
                 }
-                super256::store(hi.as_mut_ptr(), lo.as_mut_ptr());
-                let total: [__m512i; TOKENS] = std::array::from_fn(|r| {
-                    let hi = _mm512_load_si512(hi.token(r) as *const _);
-                    let lo = _mm512_load_si512(lo.token(r) as *const _);
-                    _mm512_add_epi32(_mm512_slli_epi32(hi, 3), lo)
-                });
+                let total: [__m512i; TOKENS] = match FIFTH {
+                    true => {
+                        super256::store4(sums.as_mut_ptr().cast());
+                        std::array::from_fn(|r| digits_total(&sums, r))
+                    }
+                    false => {
+                        let [hi, lo, ..] = &mut sums;
+                        super256::store(hi.as_mut_ptr(), lo.as_mut_ptr());
+                        std::array::from_fn(|r| {
+                            let hi = _mm512_load_si512(hi.token(r) as *const _);
+                            let lo = _mm512_load_si512(lo.token(r) as *const _);
+                            _mm512_add_epi32(_mm512_slli_epi32(hi, 3), lo)
+                        })
+                    }
+                };
                 let mins = q4k_mins_512(block, tokens, s);
                 let (d, dmin) = (block.add(q4k::D_AT), block.add(q4k::DMIN_AT));
                 scale_super_512(d, dmin, tokens, s, (&total, &mins), (main, low));
@@ -190,8 +231,9 @@ unsafe fn times(u: __m512i, factor: __m512i) -> __m512i {
     }
 }
 
-/// Bytes of a Q6_K super-block's unpacked weights: four tiles (one a scale digit) a quarter.
-const Q6K_SUPER_TILES: usize = 4 * QUARTERS * WEIGHT_BYTES;
+/// Bytes of a super-block's unpacked weights where the scales go in as four digits (Q5_K,
+/// Q6_K): four tiles (one a digit) a quarter.
+const DIGITS_SUPER_TILES: usize = 4 * QUARTERS * WEIGHT_BYTES;
 
 /// Q6_K: `total = Σ_g sc_g·Σ_{i∈g} (u_i − 32)·qx_i` over the sixteen 16-weight sub-blocks
 /// (`scaled_groups_avx512`'s integer), with the signed scales written in four base-4 digits,
@@ -206,7 +248,7 @@ const Q6K_SUPER_TILES: usize = 4 * QUARTERS * WEIGHT_BYTES;
 unsafe fn q6k_tiles_avx512(data: *const u8, q: *const i8, acts: &SuperActivations, tiles: usize, out: *mut f32) {
     let supers = acts.supers;
     let stride = supers * SUPER;
-    let mut weights = Aligned([0u8; Q6K_SUPER_TILES]);
+    let mut weights = Aligned([0u8; DIGITS_SUPER_TILES]);
     let mut sums = [Sums::new(), Sums::new(), Sums::new(), Sums::new()];
     let mut state: Vec<([Token; TOKENS], [__m512; TOKENS])> = (0..tiles)
         .map(|tile| {
@@ -232,12 +274,7 @@ unsafe fn q6k_tiles_avx512(data: *const u8, q: *const i8, acts: &SuperActivation
                 }
                 super256::store4(sums.as_mut_ptr().cast());
                 for (r, main) in main.iter_mut().enumerate() {
-                    let sum = |i: usize| _mm512_load_si512(sums[i].token(r) as *const _);
-                    let high = _mm512_add_epi32(_mm512_slli_epi32(sum(3), 2), sum(2));
-                    let total = _mm512_add_epi32(
-                        _mm512_slli_epi32(_mm512_add_epi32(_mm512_slli_epi32(high, 2), sum(1)), 2),
-                        sum(0),
-                    );
+                    let total = digits_total(&sums, r);
                     let dx = _mm512_set1_ps(*tokens[r].d.add(s));
                     *main = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, dx), *main);
                 }
@@ -259,27 +296,14 @@ unsafe fn q6k_tiles_avx512(data: *const u8, q: *const i8, acts: &SuperActivation
 /// # Safety
 /// `block` holds a group's Q6_K super-block; AVX-512 F/BW are enabled.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn unpack_q6k(block: *const u8, to: &mut [u8; Q6K_SUPER_TILES]) {
+unsafe fn unpack_q6k(block: *const u8, to: &mut [u8; DIGITS_SUPER_TILES]) {
     let to = to.as_mut_ptr();
     for g in 0..SUPER / 16 {
         // SAFETY: the super-block's bytes lie in `block` (the caller); the tiles in `to`.
         unsafe {
             let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(block.add(q6k::SCALES_AT + g * GROUP) as *const __m128i));
-            let biased = _mm512_add_epi32(sc, _mm512_set1_epi32(128));
-            let digit = |i: u32| {
-                let d = _mm512_and_si512(
-                    _mm512_srlv_epi32(biased, _mm512_set1_epi32(2 * i as i32)),
-                    _mm512_set1_epi32(3),
-                );
-                let d = if i == 3 {
-                    _mm512_sub_epi32(d, _mm512_set1_epi32(2))
-                } else {
-                    d
-                };
-                // In both 16-bit halves of each lane, for `times_signed`.
-                _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(d, 16))
-            };
-            let digits = [digit(0), digit(1), digit(2), digit(3)];
+            // The digits of sc + 128, 2 taken off the top one.
+            let digits = base4_digits(_mm512_add_epi32(sc, _mm512_set1_epi32(128)), 2);
             let (quarter, first_row) = (g / 4, 4 * (g % 4));
             for j in 0..4 {
                 prefetch::block_ahead(block, q6k::GROUP_BLOCK, 4 * g + j, 64);
@@ -309,5 +333,73 @@ unsafe fn times_signed(w: __m512i, factor: __m512i) -> __m512i {
             _mm512_and_si512(even, _mm512_set1_epi16(0x00FF)),
             _mm512_slli_epi16(odd, 8),
         )
+    }
+}
+
+/// A Q5_K super-block's weight tiles (`block`, the group's) into `to`, laid out as Q4_K's
+/// ([`unpack`]) but with four tiles a quarter, one for each base-4 digit of the rows' sub-block
+/// scales (the top digit 0), holding `d_i·u` (at most 93).
+///
+/// # Safety
+/// `block` holds a group's Q5_K super-block; AVX-512 F/BW are enabled.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn unpack_q5k(block: *const u8, to: &mut [u8; DIGITS_SUPER_TILES]) {
+    let to = to.as_mut_ptr();
+    for quarter in 0..QUARTERS {
+        // SAFETY: the super-block's bytes lie in `block` (the caller); the tiles in `to`.
+        unsafe {
+            let scale = |j: usize| {
+                let at = block.add(q4k::SCALES_AT + j * GROUP);
+                base4_digits(_mm512_cvtepu8_epi32(_mm_loadu_si128(at as *const __m128i)), 0)
+            };
+            let (even_digits, odd_digits) = (scale(2 * quarter), scale(2 * quarter + 1));
+            for c in 0..8 {
+                prefetch::block_ahead(block, q4k::Q5_GROUP_BLOCK, 8 * quarter + c, 32);
+                let [even, odd] = q4k_chunk::<true>(block, quarter, c);
+                for i in 0..4 {
+                    let tile = to.add((4 * quarter + i) * WEIGHT_BYTES);
+                    _mm512_store_si512(tile.add(64 * c) as *mut _, times(even, even_digits[i]));
+                    _mm512_store_si512(tile.add(64 * (8 + c)) as *mut _, times(odd, odd_digits[i]));
+                }
+            }
+        }
+    }
+}
+
+/// The four base-4 digits of each lane's `value` (below 256), `top` taken off the last, each
+/// in both 16-bit halves of its lane (for [`times`] and [`times_signed`]).
+///
+/// # Safety
+/// AVX-512 F is enabled where this inlines.
+#[inline(always)]
+unsafe fn base4_digits(value: __m512i, top: i32) -> [__m512i; 4] {
+    // SAFETY: as the caller promises.
+    unsafe {
+        std::array::from_fn(|i| {
+            let d = _mm512_and_si512(
+                _mm512_srlv_epi32(value, _mm512_set1_epi32(2 * i as i32)),
+                _mm512_set1_epi32(3),
+            );
+            let d = if i == 3 {
+                _mm512_sub_epi32(d, _mm512_set1_epi32(top))
+            } else {
+                d
+            };
+            _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(d, 16))
+        })
+    }
+}
+
+/// Token `r`'s `S0 + 4·S1 + 16·S2 + 64·S3` from the four digit sums: the scaled integer total.
+///
+/// # Safety
+/// AVX-512 F is enabled where this inlines.
+#[inline(always)]
+unsafe fn digits_total(sums: &[Sums; 4], r: usize) -> __m512i {
+    // SAFETY: each sums buffer holds token `r`'s sixteen i32; AVX-512 F (the caller).
+    unsafe {
+        let sum = |i: usize| _mm512_load_si512(sums[i].token(r) as *const _);
+        let times4_plus = |high: __m512i, low: __m512i| _mm512_add_epi32(_mm512_slli_epi32(high, 2), low);
+        times4_plus(times4_plus(times4_plus(sum(3), sum(2)), sum(1)), sum(0))
     }
 }
