@@ -87,11 +87,12 @@ struct Tables {
     dsum: *const f32,
 }
 
+/// The group's products for the step's tiles of tokens: [`CHUNK`] blocks at a time, each tile
+/// of tokens in turn, so the chunk's unpacked weights (8 KiB) stay in L1 for every tile, and a
+/// tile's sums stay in registers over the chunk.
+///
 /// # Safety
 /// As [`products`] checks and promises.
-///
-/// [`CHUNK`] blocks at a time, each tile of tokens in turn: the chunk's unpacked weights
-/// (8 KiB) stay in L1 for every tile, and a tile's sums stay in registers over the chunk.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn tiles_avx512<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bool>(
     data: *const u8,

@@ -76,16 +76,18 @@ pub(super) fn products(format: Format, data: &[u8], acts: &SuperActivations, out
     tiles * TOKENS
 }
 
-/// # Safety
-/// As [`products`] checks and promises.
+/// Q4_K's (Q5_K's: `FIFTH`) products for the step's tiles of tokens.
 ///
 /// Super-block by super-block, each tile of tokens in turn: a super-block's unpacked weights
-/// (8 KiB) stay in L1 for every tile, and what moves between tiles is their activations and
-/// float sums. (Tiles outermost, each re-reading the group's unpacked weights from L2, was no
-/// faster than the AVX-512 kernel: the weight tiles' loads took half its time.)
+/// (8 KiB; Q5_K's 16) stay in L1 for every tile, and what moves between tiles is their
+/// activations and float sums. (Tiles outermost, each re-reading the group's unpacked weights
+/// from L2, was no faster than the AVX-512 kernel: the weight tiles' loads took half its time.)
 ///
-/// Q5_K (`FIFTH`): its weights reach 31, so its scales go in as Q6_K's do, four base-4 digits
-/// (the top one 0: the scales are below 64) and four sums.
+/// Q5_K: its weights reach 31, so its scales go in as Q6_K's do, four base-4 digits (the top
+/// one 0: the scales are below 64) and four sums.
+///
+/// # Safety
+/// As [`products`] checks and promises.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn tiles_avx512<const FIFTH: bool>(
     data: *const u8,
