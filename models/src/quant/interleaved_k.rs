@@ -359,8 +359,8 @@ impl InterleavedSuperRows {
         let data = &self.data[group * size..(group + 1) * size];
         // AMX takes the whole 16-token tiles, the other kernels the rest.
         #[cfg(target_arch = "x86_64")]
-        let mut t0 = match (kernel, self.format) {
-            (Int8Kernel::Amx, _) => amx_tiles::products(self.format, data, acts, out),
+        let mut t0 = match kernel {
+            Int8Kernel::Amx => amx_tiles::products(self.format, data, acts, out),
             _ => 0,
         };
         #[cfg(not(target_arch = "x86_64"))]
