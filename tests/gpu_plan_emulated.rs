@@ -1317,9 +1317,6 @@ fn serving_config(token_budget: usize, kv_blocks: usize) -> SchedulerConfig {
     }
 }
 
-/// The serving plan `bbc compile` writes for `model` (each sequence's sampled rows gathered
-/// before the head, their argmax as `next_token`) on H200, 32 rows a step, its KV pool as
-/// `config` says and recurrent states for `sequences`: the graph, the plan, its kernels.
 /// A fresh emulated backend of a serving plan (`serving_plan`'s graph, plan and kernels) over
 /// `model`'s weights, 64 positions a sequence.
 fn emulated_serving(
@@ -1331,6 +1328,9 @@ fn emulated_serving(
     EmulatedBackend::emulated(plan.clone(), kernels.to_vec(), graph.clone(), &model.weights, &[], 64).unwrap()
 }
 
+/// The serving plan `bbc compile` writes for `model` (each sequence's sampled rows gathered
+/// before the head, their argmax as `next_token`) on H200, 32 rows a step, its KV pool as
+/// `config` says and recurrent states for `sequences`: the graph, the plan, its kernels.
 fn serving_plan(
     model: &Model,
     config: &SchedulerConfig,
