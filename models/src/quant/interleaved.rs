@@ -239,7 +239,7 @@ impl InterleavedRows {
             dsum,
             bias_sum,
             #[cfg(target_arch = "x86_64")]
-            tiled: amx_tiles::TiledActivations::new(acts, blocks),
+            tiled: amx_tiles::TiledActivations::new(acts, blocks, self.layout.bias),
         })
     }
 
@@ -253,12 +253,12 @@ impl InterleavedRows {
         let data = &self.data[self.place(group, 0)..self.place(group + 1, 0)];
         let l = self.layout;
         match (l.nibbles, l.fifth_bits, l.mins, l.table) {
-            (true, false, false, true) => run::<true, false, false, true>(data, l.bias, acts, out, kernel),
-            (true, false, false, _) => run::<true, false, false, false>(data, l.bias, acts, out, kernel),
-            (true, false, true, _) => run::<true, false, true, false>(data, l.bias, acts, out, kernel),
-            (true, true, false, _) => run::<true, true, false, false>(data, l.bias, acts, out, kernel),
-            (true, true, true, _) => run::<true, true, true, false>(data, l.bias, acts, out, kernel),
-            _ => run::<false, false, false, false>(data, l.bias, acts, out, kernel),
+            (true, false, false, true) => run::<true, false, false, true>(data, acts, out, kernel),
+            (true, false, false, _) => run::<true, false, false, false>(data, acts, out, kernel),
+            (true, false, true, _) => run::<true, false, true, false>(data, acts, out, kernel),
+            (true, true, false, _) => run::<true, true, false, false>(data, acts, out, kernel),
+            (true, true, true, _) => run::<true, true, true, false>(data, acts, out, kernel),
+            _ => run::<false, false, false, false>(data, acts, out, kernel),
         }
     }
 
@@ -409,7 +409,6 @@ const TILE: usize = 4;
 
 fn run<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bool>(
     data: &[u8],
-    bias: i32,
     acts: &Activations,
     out: &mut [f32],
     kernel: Int8Kernel,
@@ -419,14 +418,11 @@ fn run<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bo
     // AMX takes the whole 16-token tiles, the other kernels the rest.
     #[cfg(target_arch = "x86_64")]
     let mut t0 = match kernel {
-        Int8Kernel::Amx => amx_tiles::products::<NIBBLES, FIFTH, MINS, TABLE>(data, bias, acts, out),
+        Int8Kernel::Amx => amx_tiles::products::<NIBBLES, FIFTH, MINS, TABLE>(data, acts, out),
         _ => 0,
     };
     #[cfg(not(target_arch = "x86_64"))]
-    let mut t0 = {
-        let _ = bias;
-        0
-    };
+    let mut t0 = 0;
     while t0 < tokens {
         let n = (tokens - t0).min(TILE);
         let dst = &mut out[t0 * GROUP..(t0 + n) * GROUP];

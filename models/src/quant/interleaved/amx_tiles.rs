@@ -33,28 +33,30 @@ use std::ops::Range;
 pub(super) struct TiledActivations {
     q: Vec<i8>,
     d: Vec<f32>,
+    /// What the rows' stored weights exceed the format's integers by (the layout's `bias`):
+    /// the tiles take the weights as the integers themselves.
+    bias: i8,
 }
 
 impl TiledActivations {
     /// `None` where the step does not take the tiles ([`tiles::pay_for`]).
-    pub(super) fn new(acts: &[Q8Row], blocks: usize) -> Option<Self> {
+    pub(super) fn new(acts: &[Q8Row], blocks: usize, bias: i32) -> Option<Self> {
         if !tiles::pay_for(acts.len()) {
             return None;
         }
         Some(Self {
             q: tiles::rows_together(acts.iter().map(|a| &a.q[..]), blocks * BLOCK),
             d: tiles::rows_together(acts.iter().map(|a| &a.d[..]), blocks),
+            bias: bias as i8,
         })
     }
 }
 
 /// Writes the group's products with the first `16·⌊tokens / 16⌋` tokens into `out` (`[token,
 /// GROUP]`, as [`super::group_products`]) and returns how many tokens that is: 0 where the
-/// activations were not tiled ([`TiledActivations::new`]). `bias` is what the stored weights
-/// exceed the format's integers by.
+/// activations were not tiled ([`TiledActivations::new`]).
 pub(super) fn products<const NIBBLES: bool, const FIFTH: bool, const MINS: bool, const TABLE: bool>(
     data: &[u8],
-    bias: i32,
     acts: &Activations,
     out: &mut [f32],
 ) -> usize {
@@ -74,7 +76,7 @@ pub(super) fn products<const NIBBLES: bool, const FIFTH: bool, const MINS: bool,
     // the tables hold `blocks` entries (32 quants each) for every token (`activations` built
     // them for these rows); `tiled` exists only where AMX and AVX-512 run (`amx_int8`).
     unsafe {
-        tiles_avx512::<NIBBLES, FIFTH, MINS, TABLE>(data.as_ptr(), blocks, bias as i8, tables, tiles, out.as_mut_ptr())
+        tiles_avx512::<NIBBLES, FIFTH, MINS, TABLE>(data.as_ptr(), blocks, tiled.bias, tables, tiles, out.as_mut_ptr())
     };
     tiles * TOKENS
 }
