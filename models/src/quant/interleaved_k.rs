@@ -341,10 +341,7 @@ impl InterleavedSuperRows {
             sums_per_token: sums_per_super(self.format) * supers,
             sums,
             #[cfg(target_arch = "x86_64")]
-            tiled: match self.format {
-                Format::Q4K | Format::Q5K | Format::Q6K => amx_tiles::TiledActivations::new(acts, supers),
-                _ => None,
-            },
+            tiled: amx_tiles::TiledActivations::new(self.format, acts, supers),
         })
     }
 

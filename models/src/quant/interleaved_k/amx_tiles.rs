@@ -37,9 +37,10 @@ pub(super) struct TiledActivations {
 }
 
 impl TiledActivations {
-    /// `None` where the step does not take the tiles ([`tiles::pay_for`]).
-    pub(super) fn new(acts: &[Q8KRow], supers: usize) -> Option<Self> {
-        if !tiles::pay_for(acts.len()) {
+    /// `None` where the step does not take the tiles ([`tiles::pay_for`]) or `format` has no
+    /// tile kernel (Q2_K, Q3_K, IQ4_XS).
+    pub(super) fn new(format: Format, acts: &[Q8KRow], supers: usize) -> Option<Self> {
+        if !matches!(format, Format::Q4K | Format::Q5K | Format::Q6K) || !tiles::pay_for(acts.len()) {
             return None;
         }
         Some(Self {
@@ -50,14 +51,11 @@ impl TiledActivations {
 
 /// Writes the group's products with the first `16·⌊tokens / 16⌋` tokens into `out` (`[token,
 /// GROUP]`) and returns how many tokens that is: 0 where the activations were not tiled.
-/// `data` is the group's super-blocks of `format` (Q4_K, Q5_K or Q6_K; 0 for the others).
+/// `data` is the group's super-blocks of `format`, one [`TiledActivations::new`] tiles.
 pub(super) fn products(format: Format, data: &[u8], acts: &SuperActivations, out: &mut [f32]) -> usize {
     let Some(tiled) = &acts.tiled else {
         return 0;
     };
-    if !matches!(format, Format::Q4K | Format::Q5K | Format::Q6K) {
-        return 0;
-    }
     let tiles = acts.acts.len() / TOKENS;
     let group_block = format.group_block();
     assert!(data.len() >= acts.supers * group_block);
@@ -70,7 +68,8 @@ pub(super) fn products(format: Format, data: &[u8], acts: &SuperActivations, out
         match format {
             Format::Q4K => tiles_avx512::<false>(data, q, acts, tiles, out),
             Format::Q5K => tiles_avx512::<true>(data, q, acts, tiles, out),
-            _ => q6k_tiles_avx512(data, q, acts, tiles, out),
+            Format::Q6K => q6k_tiles_avx512(data, q, acts, tiles, out),
+            _ => unreachable!("{format:?} activations are never tiled"),
         }
     };
     tiles * TOKENS
