@@ -29,6 +29,8 @@
 
 #[cfg(target_arch = "x86_64")]
 mod amx_tiles;
+#[cfg(target_arch = "x86_64")]
+pub(super) use x86::fifth_bit;
 
 use super::int8::{Int8Kernel, Q8Row, ACT_BLOCK};
 use super::iq4::STORED;
@@ -714,9 +716,12 @@ mod x86 {
     }
 
     /// Bit `g` of each byte of `fifth` moved to bit 4 (16-bit shifts: no bit crosses into the
-    /// neighbouring byte's bit 4).
+    /// neighbouring byte's bit 4): a Q5 weight's fifth bit, here and in Q5_K's kernels.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW are enabled where this inlines.
     #[inline(always)]
-    unsafe fn fifth_bit(fifth: __m512i, g: i32) -> __m512i {
+    pub(in crate::quant) unsafe fn fifth_bit(fifth: __m512i, g: i32) -> __m512i {
         let bit4 = _mm512_set1_epi8(0x10);
         // SAFETY: AVX-512 F/BW are enabled where this inlines.
         unsafe {

@@ -978,15 +978,9 @@ mod x86 {
     /// inlines.
     #[inline(always)]
     pub(super) unsafe fn q4k_chunk<const FIFTH: bool>(block: *const u8, pair: usize, c: usize) -> [__m512i; 2] {
+        use crate::quant::interleaved::fifth_bit;
         use q4k::FIFTH_AT;
         let low4 = _mm512_set1_epi8(0x0F);
-        let bit4 = _mm512_set1_epi8(0x10);
-        // Bit `b` of each byte moved to bit 4 (16-bit shifts: no bit crosses into the
-        // neighbouring byte's bit 4).
-        let fifth = |bits: __m512i, b: i32| match b <= 4 {
-            true => _mm512_and_si512(_mm512_sll_epi16(bits, _mm_cvtsi32_si128(4 - b)), bit4),
-            false => _mm512_and_si512(_mm512_srl_epi16(bits, _mm_cvtsi32_si128(b - 4)), bit4),
-        };
         // SAFETY: the quad's bytes and (Q5_K) its fifth bits lie in the super-block.
         unsafe {
             let raw = _mm512_loadu_si512(block.add(64 * (8 * pair + c)) as *const _);
@@ -994,8 +988,8 @@ mod x86 {
             let mut hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
             if FIFTH {
                 let bits = _mm512_loadu_si512(block.add(FIFTH_AT + 64 * c) as *const _);
-                lo = _mm512_or_si512(lo, fifth(bits, 2 * pair as i32));
-                hi = _mm512_or_si512(hi, fifth(bits, 2 * pair as i32 + 1));
+                lo = _mm512_or_si512(lo, fifth_bit(bits, 2 * pair as i32));
+                hi = _mm512_or_si512(hi, fifth_bit(bits, 2 * pair as i32 + 1));
             }
             [lo, hi]
         }
