@@ -202,9 +202,26 @@ unsafe fn axpys_many_avx2<const G: usize, T: KvElement>(alphas: &[&[f32]; G], ro
             }
         }
     }
+    axpys_many_tail(alphas, rows, y, whole);
+}
+
+/// The elements from `from` on of `axpys_many`'s outputs (past its last whole register chunk),
+/// row by row. Nothing where there are none: the loop over every output and row would cost
+/// as much as a short step's arithmetic even with nothing to add.
+#[inline(always)]
+fn axpys_many_tail<const G: usize, T: KvElement>(
+    alphas: &[&[f32]; G],
+    rows: &[&[T]],
+    y: &mut [&mut [f32]; G],
+    from: usize,
+) {
+    let len = y[0].len();
+    if from == len {
+        return;
+    }
     for (y, alphas) in y.iter_mut().zip(alphas) {
         for (row, &alpha) in rows.iter().zip(alphas.iter()) {
-            axpy_body::<true, T>(alpha, &row[whole..len], &mut y[whole..]);
+            axpy_body::<true, T>(alpha, &row[from..len], &mut y[from..]);
         }
     }
 }
@@ -213,7 +230,7 @@ unsafe fn axpys_many_avx2<const G: usize, T: KvElement>(alphas: &[&[f32]; G], ro
 /// in one register, so a tile of products and the vectors' chunks fit the 32 registers.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{axpy_body, KvElement, LANES};
+    use super::{axpys_many_tail, KvElement, LANES};
     use models::quant::prefetch;
     use std::arch::x86_64::*;
 
@@ -322,11 +339,7 @@ mod avx512 {
         };
         // SAFETY: as above.
         let whole = unsafe { spans::<G, 1, T>(alphas, rows, y, at) };
-        for (y, alphas) in y.iter_mut().zip(alphas) {
-            for (row, &alpha) in rows.iter().zip(alphas.iter()) {
-                axpy_body::<true, T>(alpha, &row[whole..len], &mut y[whole..]);
-            }
-        }
+        axpys_many_tail(alphas, rows, y, whole);
     }
 
     /// [`axpys_span`] over whole spans of `C` chunks from `from` while they fit the outputs;
