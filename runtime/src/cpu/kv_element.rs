@@ -9,7 +9,12 @@ use half::{bf16, f16};
 use ir::F8E4M3;
 
 /// An element type of cache rows.
-pub trait KvElement: Copy + Default + Send + Sync + 'static {
+///
+/// # Safety
+/// Every bit pattern of the type's size is one of its values, and all-zero bits are its
+/// `default()`: cache pools are allocated as zeroed bytes and read as elements
+/// (`line_aligned`).
+pub unsafe trait KvElement: Copy + Default + Send + Sync + 'static {
     /// Whether widening costs enough beside the multiply-adds that attention should widen
     /// each cache row once for all the query heads of its KV head even where that takes more
     /// passes over the step (see `attention`'s split form); a load-and-convert instruction
@@ -37,7 +42,8 @@ pub trait KvElement: Copy + Default + Send + Sync + 'static {
     unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
-impl KvElement for f32 {
+// SAFETY: plain bits, every pattern a value; zero bits are +0.
+unsafe impl KvElement for f32 {
     #[inline(always)]
     fn narrow(x: f32) -> Self {
         x
@@ -66,7 +72,8 @@ impl KvElement for f32 {
 }
 
 /// bf16 is the top half of an f32: widening shifts it into place.
-impl KvElement for bf16 {
+// SAFETY: plain bits, every pattern a value; zero bits are +0.
+unsafe impl KvElement for bf16 {
     #[inline(always)]
     fn narrow(x: f32) -> Self {
         bf16::from_f32(x)
@@ -103,7 +110,8 @@ impl KvElement for bf16 {
 }
 
 /// IEEE half: one conversion instruction, subnormals, infinities and NaN included.
-impl KvElement for f16 {
+// SAFETY: plain bits, every pattern a value; zero bits are +0.
+unsafe impl KvElement for f16 {
     #[inline(always)]
     fn narrow(x: f32) -> Self {
         f16::from_f32(x)
@@ -140,7 +148,8 @@ impl KvElement for f16 {
 /// `S.1111.111`: seven vector operations for sixteen codes, where one widens sixteen halves,
 /// which makes attention over an FP8 cache slower than over a half one wherever the cache's
 /// bytes are not the limit (see the README).
-impl KvElement for F8E4M3 {
+// SAFETY: plain bits, every pattern a value; zero bits are +0.
+unsafe impl KvElement for F8E4M3 {
     const COSTLY_WIDENING: bool = true;
 
     #[inline(always)]

@@ -18,6 +18,7 @@
 //! slot, snapshot), made when a step saves one and kept until a later save overwrites it.
 
 use super::kv_element::KvElement;
+use super::line_aligned::LineAligned;
 use crate::error::{Result, RuntimeError};
 use crate::kv::{block_runs, cache_row, BlockId};
 use half::{bf16, f16};
@@ -75,19 +76,19 @@ pub struct LayerPages {
 /// A pool of rows in the slot's element type.
 #[derive(Debug, Clone)]
 enum Rows {
-    F32(Vec<f32>),
-    Bf16(Vec<bf16>),
-    F16(Vec<f16>),
-    F8(Vec<F8E4M3>),
+    F32(LineAligned<f32>),
+    Bf16(LineAligned<bf16>),
+    F16(LineAligned<f16>),
+    F8(LineAligned<F8E4M3>),
 }
 
 impl Rows {
     fn new(dtype: DType) -> Self {
         match dtype {
-            DType::BF16 => Self::Bf16(Vec::new()),
-            DType::F16 => Self::F16(Vec::new()),
-            DType::F8E4M3 => Self::F8(Vec::new()),
-            _ => Self::F32(Vec::new()),
+            DType::BF16 => Self::Bf16(LineAligned::new()),
+            DType::F16 => Self::F16(LineAligned::new()),
+            DType::F8E4M3 => Self::F8(LineAligned::new()),
+            _ => Self::F32(LineAligned::new()),
         }
     }
 
@@ -112,11 +113,9 @@ impl Rows {
     /// `values` narrowed into elements `at..`, the pool grown to `len` elements first if
     /// shorter.
     fn write(&mut self, at: usize, values: &[f32], len: usize) {
-        fn narrowed<T: KvElement>(rows: &mut Vec<T>, at: usize, values: &[f32], len: usize) {
-            if rows.len() < len {
-                rows.resize(len, T::default());
-            }
-            for (r, &x) in rows[at..at + values.len()].iter_mut().zip(values) {
+        fn narrowed<T: KvElement>(rows: &mut LineAligned<T>, at: usize, values: &[f32], len: usize) {
+            rows.grow(len);
+            for (r, &x) in rows.as_mut_slice()[at..at + values.len()].iter_mut().zip(values) {
                 *r = T::narrow(x);
             }
         }
@@ -367,12 +366,12 @@ impl LayerPages {
         }
     }
 
-    fn typed_as<'a, T>(&self, k: &'a [T], v: &'a [T]) -> TypedPages<'a, T> {
+    fn typed_as<'a, T: KvElement>(&self, k: &'a LineAligned<T>, v: &'a LineAligned<T>) -> TypedPages<'a, T> {
         TypedPages {
             dim: self.dim,
             v_dim: self.v_dim,
-            k,
-            v,
+            k: k.as_slice(),
+            v: v.as_slice(),
         }
     }
 }

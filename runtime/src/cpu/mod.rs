@@ -15,6 +15,7 @@ mod int8_scores;
 mod kv_element;
 mod kv_pages;
 mod latent_attention;
+mod line_aligned;
 mod matrix;
 mod moe;
 mod pool;
