@@ -38,6 +38,10 @@ impl<T: KvElement> LineAligned<T> {
         self.len
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// Grows the pool to `len` elements, the new ones zero (`T::default()`); never shrinks it.
     pub fn grow(&mut self, len: usize) {
         if len <= self.len {
@@ -60,6 +64,12 @@ impl<T: KvElement> LineAligned<T> {
     }
 }
 
+impl<T: KvElement> Default for LineAligned<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl<T> std::fmt::Debug for LineAligned<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "LineAligned {{ len: {} }}", self.len)
@@ -74,7 +84,7 @@ mod tests {
     #[test]
     fn grows_zeroed_keeps_what_it_held_and_starts_a_line() {
         let mut pool = LineAligned::<f16>::new();
-        assert!(pool.as_slice().is_empty());
+        assert!(pool.is_empty() && pool.as_slice().is_empty());
         pool.grow(40);
         assert_eq!(pool.as_slice(), &[f16::ZERO; 40][..]);
         pool.as_mut_slice()[39] = f16::ONE;
