@@ -237,9 +237,10 @@ mod avx512 {
     /// How many cache rows ahead the many-vector forms ask for rows.
     const ROWS_AHEAD: usize = 32;
 
-    /// `dots_many_avx2`'s products for vectors whose length is a multiple of 16 and rows at
-    /// least as long: sixteen products at a time (`16 / G` rows × `G` vectors), their sums
-    /// reduced together ([`reduce16`]) rather than each through memory.
+    /// `dots_many_avx2`'s products for vectors whose length is a multiple of 16, rows at
+    /// least as long and outputs with a place for every row: sixteen products at a time
+    /// (`16 / G` rows × `G` vectors), their sums reduced together ([`reduce16`]) and each
+    /// vector's stored at once, rather than each sum through memory.
     ///
     /// AVX-512VL lets LLVM zero accumulators above the sixteenth register (see
     /// `cpu::dense`'s `tile512`).
@@ -276,21 +277,37 @@ mod avx512 {
                     }
                 }
             }
-            let sums = reduce16(acc);
-            for b in 0..count {
-                for (g, out) in out.iter_mut().enumerate() {
-                    out[first + b] = sums[b * G + g];
+            // `reduce16` leaves the sum of its register `L / 4 + 4·(L % 4)` in lane `L`: handing
+            // it vector `g`'s product with row `b` there for `L = g·batch + b` puts each
+            // vector's sums over the batch in consecutive lanes, stored at once.
+            let sums = reduce16(std::array::from_fn(|s| {
+                let lane = 4 * (s % 4) + s / 4;
+                let (g, b) = (lane / batch, lane % batch);
+                if g < G {
+                    acc[b * G + g]
+                } else {
+                    _mm512_setzero_ps()
                 }
+            }));
+            let rows_kept = u16::MAX >> (16 - count);
+            for (g, out) in out.iter_mut().enumerate() {
+                // Lanes `g·batch .. g·batch + count` to `out[first ..]`: the store's base lies
+                // `g·batch` floats before that (never touched: its lanes are masked off).
+                let base = out.as_mut_ptr().wrapping_add(first).wrapping_sub(g * batch);
+                // SAFETY: the lanes stored land on `out[first .. first + count]`, inside `out`
+                // (`dots_many` asserts a place for every row).
+                unsafe { _mm512_mask_storeu_ps(base, rows_kept << (g * batch), sums) };
             }
         }
     }
 
-    /// `super::reduce` of each of sixteen registers' lanes, all at once: each stage adds the
-    /// lanes `reduce` adds (`i` and `i + width`, width 8, 4, 2, 1), shuffled so that two
-    /// registers' halves meet in one addition.
+    /// `super::reduce` of each of sixteen registers' lanes, all at once, into one register whose
+    /// lane `4j + m` holds register `j + 4m`'s sum: each stage adds the lanes `reduce` adds (`i`
+    /// and `i + width`, width 8, 4, 2, 1), shuffled so that two registers' halves meet in one
+    /// addition.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn reduce16(v: [__m512; 16]) -> [f32; 16] {
+    fn reduce16(v: [__m512; 16]) -> __m512 {
         // Width 8: register k holds sums 2k (lanes 0–7) and 2k + 1 (lanes 8–15).
         let w: [__m512; 8] = std::array::from_fn(|k| {
             let (a, b) = (v[2 * k], v[2 * k + 1]);
@@ -307,14 +324,10 @@ mod avx512 {
             _mm512_add_ps(_mm512_shuffle_ps::<0x44>(a, b), _mm512_shuffle_ps::<0xEE>(a, b))
         });
         // Width 1: lane 4j + m holds sum j + 4m.
-        let z = _mm512_add_ps(
+        _mm512_add_ps(
             _mm512_shuffle_ps::<0x88>(y[0], y[1]),
             _mm512_shuffle_ps::<0xDD>(y[0], y[1]),
-        );
-        let mut lanes = [0f32; 16];
-        // SAFETY: `lanes` holds sixteen floats.
-        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), z) };
-        std::array::from_fn(|s| lanes[4 * (s % 4) + s / 4])
+        )
     }
 
     /// `axpys_many_avx2` with each output's 16-element chunk in one register, for rows at least
@@ -527,6 +540,7 @@ pub const MANY: usize = 4;
 pub fn dots_many<const G: usize, T: KvElement>(a: &[&[f32]; G], rows: &[&[T]], out: &mut [&mut [f32]; G]) {
     let len = a[0].len();
     assert!(a.iter().all(|v| v.len() == len), "vectors of one length");
+    assert!(out.iter().all(|o| o.len() >= rows.len()), "a place for every row's dot");
     #[cfg(target_arch = "x86_64")]
     if has_avx512() && len.is_multiple_of(LANES) && rows.iter().all(|r| r.len() >= len) {
         // SAFETY: the CPU has AVX-512F and VL (checked above); lengths as it wants them.
