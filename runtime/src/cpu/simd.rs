@@ -206,8 +206,8 @@ unsafe fn axpys_many_avx2<const G: usize, T: KvElement>(alphas: &[&[f32]; G], ro
 }
 
 /// The elements from `from` on of `axpys_many`'s outputs (past its last whole register chunk),
-/// row by row. Nothing where there are none: the loop over every output and row would cost
-/// as much as a short step's arithmetic even with nothing to add.
+/// row by row. Nothing where there are none: the loop over every output and row, slicing
+/// and checking bounds, cost as much as the FMAs before it even with nothing to add.
 #[inline(always)]
 fn axpys_many_tail<const G: usize, T: KvElement>(
     alphas: &[&[f32]; G],
