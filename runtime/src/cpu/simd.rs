@@ -665,10 +665,19 @@ mod tests {
                 .map(|r| (0..n).map(|i| ((i * 13 + r * 7) % 23) as f32 * 0.071 - 0.8).collect())
                 .collect();
             let refs: Vec<&[f32]> = rows.iter().map(Vec::as_slice).collect();
-            let mut got: [Vec<f32>; G] = std::array::from_fn(|_| vec![f32::NAN; count]);
-            let mut outs = got.each_mut().map(Vec::as_mut_slice);
+            // Each output sits between sixteen sentinels on either side, which the 512-bit
+            // form's masked stores must leave as they were.
+            const PAD: usize = 16;
+            let mut padded: [Vec<f32>; G] = std::array::from_fn(|_| vec![-7.0; PAD + count + PAD]);
+            let mut outs = padded.each_mut().map(|p| &mut p[PAD..PAD + count]);
             dots_many(&a, &refs, &mut outs);
-            for (g, got) in got.iter().enumerate() {
+            for (g, padded) in padded.iter().enumerate() {
+                let (before, rest) = padded.split_at(PAD);
+                let (got, after) = rest.split_at(count);
+                assert!(
+                    before.iter().chain(after).all(|&x| x == -7.0),
+                    "dots_many::<{G}> wrote outside its outputs, {count} rows"
+                );
                 let mut want = vec![0f32; count];
                 dots(a[g], &refs, &mut want);
                 assert_eq!(
