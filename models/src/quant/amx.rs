@@ -57,6 +57,10 @@ pub mod tiles {
         tokens >= MIN_TOKENS && crate::quant::int8::amx_int8()
     }
 
+    /// A kernel's unpacked weight tiles (or anything the tiles load), aligned to a line.
+    #[repr(C, align(64))]
+    pub struct Aligned<T>(pub T);
+
     /// One tile's i32 sums (`[token][row]`), where a kernel stores them, aligned for the
     /// vector loads that read them back.
     #[repr(C, align(64))]

@@ -22,7 +22,7 @@
 use super::x86::{iq4_table, nibble_chunk};
 use super::{group_block_bytes, scales_at, Activations, GROUP};
 use crate::quant::amx::block32::{self, BLOCK, WEIGHT_BYTES};
-use crate::quant::amx::tiles::{self, Sums, TOKENS};
+use crate::quant::amx::tiles::{self, Aligned, Sums, TOKENS};
 use crate::quant::int8::Q8Row;
 use crate::quant::prefetch;
 use std::arch::x86_64::*;
@@ -152,10 +152,6 @@ unsafe fn tiles_avx512<const NIBBLES: bool, const FIFTH: bool, const MINS: bool,
 
 /// Blocks unpacked at a time: their weight tiles take 8 KiB.
 const CHUNK: usize = 16;
-
-/// Weight tiles, aligned for the tile loads.
-#[repr(C, align(64))]
-struct Aligned<T>(T);
 
 /// The weight tiles of the group's blocks `chunk`, signed (`u − bias`; `bias` 128 turns Q8_0's
 /// and IQ4_NL's stored bytes back into their values), into `to` ([`WEIGHT_BYTES`] a block).

@@ -20,7 +20,7 @@
 use super::x86::{q4k_chunk, q4k_mins_512, scale_super_512};
 use super::{q4k, q6k, Format, SuperActivations, Token, GROUP, SUPER};
 use crate::quant::amx::super256::{self, SPAN, WEIGHT_BYTES};
-use crate::quant::amx::tiles::{self, Sums, TOKENS};
+use crate::quant::amx::tiles::{self, Aligned, Sums, TOKENS};
 use crate::quant::int8::Q8KRow;
 use crate::quant::prefetch;
 use std::arch::x86_64::*;
@@ -164,10 +164,6 @@ unsafe fn tiles_avx512<const FIFTH: bool>(
         }
     }
 }
-
-/// A super-block's unpacked weights, aligned for the tile loads.
-#[repr(C, align(64))]
-struct Aligned<T>(T);
 
 /// A Q4_K super-block's weight tiles (`block`, the group's) into `to`: per quarter `q`
 /// (sub-blocks `2q` and `2q + 1`, quads 0..8 of each as its rows 0..16), the tile of `hi·u`
