@@ -22,7 +22,7 @@
 use super::x86::{iq4_table, nibble_chunk};
 use super::{group_block_bytes, scales_at, Activations, GROUP};
 use crate::quant::amx::block32::{self, BLOCK, WEIGHT_BYTES};
-use crate::quant::amx::tiles::{self, Aligned, Sums, TOKENS};
+use crate::quant::amx::tiles::{self, Sums, WeightTiles, TOKENS};
 use crate::quant::int8::Q8Row;
 use crate::quant::prefetch;
 use std::arch::x86_64::*;
@@ -106,7 +106,7 @@ unsafe fn tiles_avx512<const NIBBLES: bool, const FIFTH: bool, const MINS: bool,
 ) {
     let bytes = group_block_bytes(NIBBLES, FIFTH, MINS);
     let scales_at = scales_at(NIBBLES, FIFTH);
-    let mut weights = Aligned([0u8; CHUNK * WEIGHT_BYTES]);
+    let mut weights = WeightTiles::<{ CHUNK * WEIGHT_BYTES }>::unwritten();
     // SAFETY: every pointer below stays inside what the caller promised; AMX is usable.
     unsafe {
         for t in 0..tiles * TOKENS {
@@ -115,7 +115,7 @@ unsafe fn tiles_avx512<const NIBBLES: bool, const FIFTH: bool, const MINS: bool,
         block32::configure();
         for first_block in (0..blocks).step_by(CHUNK) {
             let chunk = first_block..blocks.min(first_block + CHUNK);
-            unpack::<NIBBLES, FIFTH, TABLE>(data, chunk.clone(), bytes, bias, &mut weights.0);
+            unpack::<NIBBLES, FIFTH, TABLE>(data, chunk.clone(), bytes, bias, weights.as_mut_ptr());
             for tile in 0..tiles {
                 let at = Tile {
                     tables,
@@ -124,7 +124,7 @@ unsafe fn tiles_avx512<const NIBBLES: bool, const FIFTH: bool, const MINS: bool,
                 };
                 let main = out.add(at.first * GROUP);
                 let mut sums: [__m512; TOKENS] = std::array::from_fn(|r| _mm512_loadu_ps(main.add(r * GROUP)));
-                tile_main(data, bytes, scales_at, weights.0.as_ptr(), chunk.clone(), at, &mut sums);
+                tile_main(data, bytes, scales_at, weights.as_ptr(), chunk.clone(), at, &mut sums);
                 for (r, sum) in sums.into_iter().enumerate() {
                     _mm512_storeu_ps(main.add(r * GROUP), sum);
                 }
@@ -158,20 +158,20 @@ const CHUNK: usize = 16;
 ///
 /// # Safety
 /// `data` holds the group's blocks of `bytes` bytes, `chunk` among them, at most [`CHUNK`];
-/// AVX-512 F/BW are enabled.
+/// `to` has room for [`CHUNK`] tiles, aligned to a line; AVX-512 F/BW are enabled.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
 unsafe fn unpack<const NIBBLES: bool, const FIFTH: bool, const TABLE: bool>(
     data: *const u8,
     chunk: Range<usize>,
     bytes: usize,
     bias: i8,
-    to: &mut [u8; CHUNK * WEIGHT_BYTES],
+    to: *mut u8,
 ) {
     let (table, bias) = (iq4_table(), _mm512_set1_epi8(bias));
     for (i, b) in chunk.enumerate() {
         // SAFETY: block `b` lies in `data` (the caller); its tile in `to` (`i` < CHUNK).
         unsafe {
-            let (block, to) = (data.add(b * bytes), to.as_mut_ptr().add(i * WEIGHT_BYTES));
+            let (block, to) = (data.add(b * bytes), to.add(i * WEIGHT_BYTES));
             // The group's weights come from memory (or L3) once a step: ask ahead, as the
             // AVX-512 kernel does.
             prefetch::block_ahead(block, bytes, 0, 1);

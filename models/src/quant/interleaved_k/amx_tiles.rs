@@ -20,15 +20,13 @@
 use super::x86::{q4k_chunk, q4k_mins_512, scale_super_512};
 use super::{q4k, q6k, Format, SuperActivations, Token, GROUP, SUPER};
 use crate::quant::amx::super256::{self, SPAN, WEIGHT_BYTES};
-use crate::quant::amx::tiles::{self, Aligned, Sums, TOKENS};
+use crate::quant::amx::tiles::{self, Sums, WeightTiles, TOKENS};
 use crate::quant::int8::Q8KRow;
 use crate::quant::prefetch;
 use std::arch::x86_64::*;
 
 /// Quarters of a super-block: activation tiles a super-block, each with two weight tiles.
 const QUARTERS: usize = SUPER / SPAN;
-/// Bytes of a super-block's unpacked weights: a `hi` and a `lo` tile a quarter.
-const SUPER_TILES: usize = 2 * QUARTERS * WEIGHT_BYTES;
 
 /// A step's quantized activations as the tiles load them: every token's quants in one buffer,
 /// a token's `supers · 256` after the other's.
@@ -98,7 +96,7 @@ unsafe fn tiles_avx512<const FIFTH: bool>(
     let supers = acts.supers;
     let stride = supers * SUPER;
     let group_block = if FIFTH { q4k::Q5_GROUP_BLOCK } else { q4k::GROUP_BLOCK };
-    let mut weights = Aligned([0u8; DIGITS_SUPER_TILES]);
+    let mut weights = WeightTiles::<DIGITS_SUPER_TILES>::unwritten();
     let mut sums = [Sums::new(), Sums::new(), Sums::new(), Sums::new()];
     // Per tile: its tokens, and their running `main` and `low` sums.
     let mut state: Vec<([Token; TOKENS], [__m512; TOKENS], [__m512; TOKENS])> = (0..tiles)
@@ -113,13 +111,8 @@ unsafe fn tiles_avx512<const FIFTH: bool>(
         for s in 0..supers {
             let block = data.add(s * group_block);
             match FIFTH {
-                true => unpack_q5k(block, &mut weights.0),
-                false => unpack(
-                    block,
-                    (&mut weights.0[..SUPER_TILES])
-                        .try_into()
-                        .expect("a super-block's tiles"),
-                ),
+                true => unpack_q5k(block, weights.as_mut_ptr()),
+                false => unpack(block, weights.as_mut_ptr()),
             }
             for (tile, (tokens, main, low)) in state.iter_mut().enumerate() {
                 let acts = q.add(tile * TOKENS * stride + s * SUPER);
@@ -127,11 +120,9 @@ unsafe fn tiles_avx512<const FIFTH: bool>(
                 for quarter in 0..QUARTERS {
                     let acts = acts.add(quarter * SPAN);
                     match FIFTH {
-                        true => {
-                            super256::add_quarter4(acts, stride, weights.0.as_ptr().add(4 * quarter * WEIGHT_BYTES))
-                        }
+                        true => super256::add_quarter4(acts, stride, weights.as_ptr().add(4 * quarter * WEIGHT_BYTES)),
                         false => {
-                            let w = weights.0.as_ptr().add(2 * quarter * WEIGHT_BYTES);
+                            let w = weights.as_ptr().add(2 * quarter * WEIGHT_BYTES);
                             super256::add_quarter(acts, stride, w, w.add(WEIGHT_BYTES))
                         }
                     }
@@ -170,10 +161,10 @@ unsafe fn tiles_avx512<const FIFTH: bool>(
 /// and then the tile of `lo·u` (`sc = 8·hi + lo`, each row's own sub-block scale).
 ///
 /// # Safety
-/// `block` holds a group's Q4_K super-block; AVX-512 F/BW are enabled.
+/// `block` holds a group's Q4_K super-block; `to` has room for two tiles a quarter, aligned to a
+/// line; AVX-512 F/BW are enabled.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn unpack(block: *const u8, to: &mut [u8; SUPER_TILES]) {
-    let to = to.as_mut_ptr();
+unsafe fn unpack(block: *const u8, to: *mut u8) {
     for quarter in 0..QUARTERS {
         // SAFETY: the super-block's bytes lie in `block` (the caller); the tiles in `to`.
         unsafe {
@@ -245,7 +236,7 @@ const DIGITS_SUPER_TILES: usize = 4 * QUARTERS * WEIGHT_BYTES;
 unsafe fn q6k_tiles_avx512(data: *const u8, q: *const i8, acts: &SuperActivations, tiles: usize, out: *mut f32) {
     let supers = acts.supers;
     let stride = supers * SUPER;
-    let mut weights = Aligned([0u8; DIGITS_SUPER_TILES]);
+    let mut weights = WeightTiles::<DIGITS_SUPER_TILES>::unwritten();
     let mut sums = [Sums::new(), Sums::new(), Sums::new(), Sums::new()];
     let mut state: Vec<([Token; TOKENS], [__m512; TOKENS])> = (0..tiles)
         .map(|tile| {
@@ -260,13 +251,13 @@ unsafe fn q6k_tiles_avx512(data: *const u8, q: *const i8, acts: &SuperActivation
         super256::configure();
         for s in 0..supers {
             let block = data.add(s * q6k::GROUP_BLOCK);
-            unpack_q6k(block, &mut weights.0);
+            unpack_q6k(block, weights.as_mut_ptr());
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.add(q6k::D_AT) as *const __m256i));
             for (tile, (tokens, main)) in state.iter_mut().enumerate() {
                 let acts = q.add(tile * TOKENS * stride + s * SUPER);
                 super256::start();
                 for quarter in 0..QUARTERS {
-                    let w = weights.0.as_ptr().add(4 * quarter * WEIGHT_BYTES);
+                    let w = weights.as_ptr().add(4 * quarter * WEIGHT_BYTES);
                     super256::add_quarter4(acts.add(quarter * SPAN), stride, w);
                 }
                 super256::store4(sums.as_mut_ptr().cast());
@@ -291,10 +282,10 @@ unsafe fn q6k_tiles_avx512(data: *const u8, q: *const i8, acts: &SuperActivation
 /// the rows' scales, holding `d_i·(u − 32)`.
 ///
 /// # Safety
-/// `block` holds a group's Q6_K super-block; AVX-512 F/BW are enabled.
+/// `block` holds a group's Q6_K super-block; `to` has room for [`DIGITS_SUPER_TILES`] bytes,
+/// aligned to a line; AVX-512 F/BW are enabled.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn unpack_q6k(block: *const u8, to: &mut [u8; DIGITS_SUPER_TILES]) {
-    let to = to.as_mut_ptr();
+unsafe fn unpack_q6k(block: *const u8, to: *mut u8) {
     for g in 0..SUPER / 16 {
         // SAFETY: the super-block's bytes lie in `block` (the caller); the tiles in `to`.
         unsafe {
@@ -338,10 +329,10 @@ unsafe fn times_signed(w: __m512i, factor: __m512i) -> __m512i {
 /// scales (the top digit 0), holding `d_i·u` (at most 93).
 ///
 /// # Safety
-/// `block` holds a group's Q5_K super-block; AVX-512 F/BW are enabled.
+/// `block` holds a group's Q5_K super-block; `to` has room for [`DIGITS_SUPER_TILES`] bytes,
+/// aligned to a line; AVX-512 F/BW are enabled.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-unsafe fn unpack_q5k(block: *const u8, to: &mut [u8; DIGITS_SUPER_TILES]) {
-    let to = to.as_mut_ptr();
+unsafe fn unpack_q5k(block: *const u8, to: *mut u8) {
     for quarter in 0..QUARTERS {
         // SAFETY: the super-block's bytes lie in `block` (the caller); the tiles in `to`.
         unsafe {
