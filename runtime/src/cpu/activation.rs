@@ -57,18 +57,17 @@ pub fn gelu_tanh(x: f32) -> f32 {
     x / (1.0 + exp(-2.0 * y))
 }
 
-/// `act(x[:, :n]) · x[:, n:]` for rows of `row_len = 2n`; a prefill chunk's rows spread over
+/// `act(x[:, :n]) · x[:, n:]` for rows of `row_len = 2n`, into `out`; a prefill chunk's rows spread over
 /// the pool (each element is computed the same either way).
-pub fn glu(x: &[f32], row_len: usize, act: GluAct) -> Vec<f32> {
+pub fn glu(x: &[f32], row_len: usize, act: GluAct, out: &mut [f32]) {
     let n = row_len / 2;
-    let mut out = vec![0f32; x.len() / 2];
-    rows::for_row_runs(&mut out, n, |first, run| {
+    debug_assert_eq!(out.len(), x.len() / 2);
+    rows::for_row_runs(out, n, |first, run| {
         let inputs = x[first * row_len..].chunks_exact(row_len);
         for (o, r) in run.chunks_exact_mut(n).zip(inputs) {
             glu_row(act, &r[..n], &r[n..], o);
         }
     });
-    out
 }
 
 /// One row of [`glu`]: with AVX2 where the CPU has it, so the loop runs 8 lanes wide (the
@@ -190,7 +189,9 @@ mod tests {
                         .collect::<Vec<_>>()
                 })
                 .collect();
-            assert_eq!(glu(&rows, 38, act), one_by_one, "{act:?}");
+            let mut out = vec![f32::NAN; rows.len() / 2];
+            glu(&rows, 38, act, &mut out);
+            assert_eq!(out, one_by_one, "{act:?}");
         }
     }
 }

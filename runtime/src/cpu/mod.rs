@@ -22,6 +22,7 @@ mod pool;
 mod rope;
 mod rows;
 pub mod simd;
+mod spares;
 
 pub use int8_head::Int8Head;
 pub use kv_pages::{KvLayout, KvPages, LayerPages};
@@ -343,6 +344,7 @@ impl CpuBackend {
         let rows = StepRows::of(batch);
         let ids: Vec<usize> = batch.iter().flat_map(|s| s.ids).map(|&t| t as usize).collect();
         let mut values: Vec<Option<Value>> = Vec::with_capacity(self.graph.nodes().len());
+        let mut spares = spares::Spares::default();
         for (i, node) in self.graph.nodes().iter().enumerate() {
             let value = match &node.op {
                 Op::Input(InputKind::TokenIds) => Some(Value::Ids(ids.clone())),
@@ -365,13 +367,15 @@ impl CpuBackend {
                             None => Arg::Value(values[x.0].as_ref().expect("inputs are computed before use")),
                         })
                         .collect();
-                    Some(Value::F32(self.eval(i, op, &args, pages, &rows)?))
+                    Some(Value::F32(self.eval(i, op, &args, pages, &rows, &mut spares)?))
                 }
             };
             values.push(value);
             for input in &node.inputs {
                 if self.last_use[input.0] == i {
-                    values[input.0] = None;
+                    if let Some(Value::F32(dead)) = values[input.0].take() {
+                        spares.keep(dead.data);
+                    }
                 }
             }
         }
@@ -425,29 +429,39 @@ impl CpuBackend {
         Ok(())
     }
 
-    fn eval(&self, node: usize, op: &Op, args: &[Arg], pages: &mut KvPages, rows: &StepRows) -> Result<Tensor> {
+    /// `op` on `args`. Outputs that the op writes whole come from `spares`, and so do its own
+    /// temporaries, which go back there.
+    fn eval(
+        &self,
+        node: usize,
+        op: &Op,
+        args: &[Arg],
+        pages: &mut KvPages,
+        rows: &StepRows,
+        spares: &mut spares::Spares,
+    ) -> Result<Tensor> {
         Ok(match op {
             Op::Embedding => {
                 let table = args[0].matrix();
                 let ids = args[1].value().ids();
-                let mut out = Tensor::zeros(vec![ids.len(), table.cols]);
-                for (row, &id) in out.data.chunks_exact_mut(table.cols).zip(ids) {
+                let mut out = spares.take(ids.len() * table.cols);
+                for (row, &id) in out.chunks_exact_mut(table.cols).zip(ids) {
                     table.gather_row(id, row);
                 }
-                out
+                Tensor::new(vec![ids.len(), table.cols], out)
             }
             Op::MatMul => {
                 let x = args[0].value().tensor();
                 let w = args[1].matrix();
-                let mut out = Tensor::zeros(vec![x.rows(), w.rows]);
-                w.matmul(&x.data, x.rows(), &mut out.data);
-                out
+                let mut out = spares.take(x.rows() * w.rows);
+                w.matmul(&x.data, x.rows(), &mut out);
+                Tensor::new(vec![x.rows(), w.rows], out)
             }
             Op::RmsNorm { eps, weight_offset, .. } => {
                 let x = args[0].value().tensor();
-                let mut out = Tensor::zeros(x.shape.clone());
-                rms_norm(&x.data, args[1].vector(), *eps, *weight_offset, &mut out.data);
-                out
+                let mut out = spares.take(x.data.len());
+                rms_norm(&x.data, args[1].vector(), *eps, *weight_offset, &mut out);
+                Tensor::new(x.shape.clone(), out)
             }
             Op::Rope(spec) => {
                 let mut x = args[0].value().tensor().clone();
@@ -538,25 +552,25 @@ impl CpuBackend {
             }
             Op::Slice { start, len } => {
                 let x = args[0].value().tensor();
-                Tensor::new(
-                    vec![x.rows(), *len],
-                    rows::slice_columns(&x.data, x.row_len(), *start, *len),
-                )
+                let mut out = spares.take(x.rows() * len);
+                rows::slice_columns(&x.data, x.row_len(), *start..*start + *len, &mut out);
+                Tensor::new(vec![x.rows(), *len], out)
             }
             Op::AddRmsNorm { eps, weight_offset } => {
                 let (a, b) = (args[0].value().tensor(), args[1].value().tensor());
-                let (sum, normed) = add_rms_norm(&a.data, &b.data, args[2].vector(), *eps, *weight_offset);
-                let d = a.row_len();
-                Tensor::new(vec![a.rows(), 2 * d], rows::concat_columns(&sum, d, &normed, d))
+                let mut out = spares.take(2 * a.data.len());
+                add_rms_norm(&a.data, &b.data, args[2].vector(), *eps, *weight_offset, &mut out);
+                Tensor::new(vec![a.rows(), 2 * a.row_len()], out)
             }
             Op::RmsNormMatMul { eps, weight_offset } => {
                 let x = args[0].value().tensor();
-                let mut normed = vec![0f32; x.data.len()];
+                let mut normed = spares.take(x.data.len());
                 rms_norm(&x.data, args[1].vector(), *eps, *weight_offset, &mut normed);
                 let w = args[2].matrix();
-                let mut out = Tensor::zeros(vec![x.rows(), w.rows]);
-                w.matmul(&normed, x.rows(), &mut out.data);
-                out
+                let mut out = spares.take(x.rows() * w.rows);
+                w.matmul(&normed, x.rows(), &mut out);
+                spares.keep(normed);
+                Tensor::new(vec![x.rows(), w.rows], out)
             }
             Op::AddRmsNormMatMul {
                 eps,
@@ -564,23 +578,40 @@ impl CpuBackend {
                 glu,
             } => {
                 let (a, b) = (args[0].value().tensor(), args[1].value().tensor());
-                let d = a.row_len();
-                let (sum, normed) = add_rms_norm(&a.data, &b.data, args[2].vector(), *eps, *weight_offset);
-                let w = args[3].matrix();
-                let mut product = vec![0f32; a.rows() * w.rows];
+                let (d, w) = (a.row_len(), args[3].matrix());
+                let (mut sum, mut normed) = (spares.take(a.data.len()), spares.take(a.data.len()));
+                add_rms_norm_apart(
+                    &a.data,
+                    &b.data,
+                    args[2].vector(),
+                    *eps,
+                    *weight_offset,
+                    &mut sum,
+                    &mut normed,
+                );
+                let mut product = spares.take(a.rows() * w.rows);
                 w.matmul(&normed, a.rows(), &mut product);
                 let (product, n) = match glu {
-                    Some(act) => (activation::glu(&product, w.rows, *act), w.rows / 2),
+                    Some(act) => {
+                        let mut out = spares.take(product.len() / 2);
+                        activation::glu(&product, w.rows, *act, &mut out);
+                        spares.keep(product);
+                        (out, w.rows / 2)
+                    }
                     None => (product, w.rows),
                 };
-                Tensor::new(vec![a.rows(), d + n], rows::concat_columns(&sum, d, &product, n))
+                let mut out = spares.take(a.rows() * (d + n));
+                rows::concat_columns(&sum, d, &product, n, &mut out);
+                for temporary in [sum, normed, product] {
+                    spares.keep(temporary);
+                }
+                Tensor::new(vec![a.rows(), d + n], out)
             }
             Op::Glu { act } => {
                 let x = args[0].value().tensor();
-                Tensor::new(
-                    vec![x.rows(), x.row_len() / 2],
-                    activation::glu(&x.data, x.row_len(), *act),
-                )
+                let mut out = spares.take(x.data.len() / 2);
+                activation::glu(&x.data, x.row_len(), *act, &mut out);
+                Tensor::new(vec![x.rows(), x.row_len() / 2], out)
             }
             Op::Elementwise { expr } => {
                 let inputs: Vec<&Tensor> = args.iter().map(|a| a.value().tensor()).collect();
@@ -738,13 +769,36 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f64, weight_offset: f32, out: &mut [f32])
     });
 }
 
-/// `a + b` and its RMSNorm, apart (the reference's `[a + b | rms_norm(a + b)]` rows, without
-/// interleaving what the next op takes apart again).
-fn add_rms_norm(a: &[f32], b: &[f32], w: &[f32], eps: f64, weight_offset: f32) -> (Vec<f32>, Vec<f32>) {
-    let sum: Vec<f32> = a.iter().zip(b).map(|(x, y)| x + y).collect();
-    let mut normed = vec![0f32; sum.len()];
-    rms_norm(&sum, w, eps, weight_offset, &mut normed);
-    (sum, normed)
+/// The reference's `[a + b | rms_norm(a + b)]` rows into `out`, in one pass over row runs.
+fn add_rms_norm(a: &[f32], b: &[f32], w: &[f32], eps: f64, weight_offset: f32, out: &mut [f32]) {
+    let d = w.len();
+    rows::for_row_runs(out, 2 * d, |first, run| {
+        let at = first * d;
+        let inputs = a[at..].chunks_exact(d).zip(b[at..].chunks_exact(d));
+        for (row, (a, b)) in run.chunks_exact_mut(2 * d).zip(inputs) {
+            let (sum, normed) = row.split_at_mut(d);
+            for ((s, x), y) in sum.iter_mut().zip(a).zip(b) {
+                *s = x + y;
+            }
+            ops::rms_norm(sum, w, eps, weight_offset, normed);
+        }
+    });
+}
+
+/// `a + b` and its RMSNorm, apart, for an op that reads the normed rows whole.
+fn add_rms_norm_apart(
+    a: &[f32],
+    b: &[f32],
+    w: &[f32],
+    eps: f64,
+    weight_offset: f32,
+    sum: &mut [f32],
+    normed: &mut [f32],
+) {
+    for ((s, x), y) in sum.iter_mut().zip(a).zip(b) {
+        *s = x + y;
+    }
+    rms_norm(sum, w, eps, weight_offset, normed);
 }
 
 /// Elementwise maps run on one thread: at decode sizes a parallel region costs more than it saves.

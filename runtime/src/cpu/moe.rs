@@ -22,7 +22,8 @@ pub fn moe(spec: &MoeSpec, x: &Tensor, logits: &Tensor, score_bias: &[f32], gate
         let xs: Vec<f32> = rows.iter().flat_map(|&(r, _)| x.row(r)).copied().collect();
         let mut h = vec![0f32; rows.len() * 2 * n];
         gate_up.matmul_rows(e * 2 * n..(e + 1) * 2 * n, &xs, rows.len(), &mut h);
-        let m = activation::glu(&h, 2 * n, spec.act);
+        let mut m = vec![0f32; rows.len() * n];
+        activation::glu(&h, 2 * n, spec.act, &mut m);
         let mut y = vec![0f32; rows.len() * d];
         down.matmul_rows(e * d..(e + 1) * d, &m, rows.len(), &mut y);
         for (&(r, w), yr) in rows.iter().zip(y.chunks_exact(d)) {

@@ -3,6 +3,7 @@
 //! Each row is computed by the same function either way, so results never depend on the split.
 
 use super::pool;
+use std::ops::Range;
 
 /// Rows from which a per-row op is worth splitting over the pool's threads.
 pub const PARALLEL_FROM_ROWS: usize = 8;
@@ -23,34 +24,33 @@ pub fn for_row_runs(data: &mut [f32], row_len: usize, f: impl Fn(usize, &mut [f3
     );
 }
 
-/// `[a | b]` per row, rows of `a` `a_len` and of `b` `b_len` elements wide.
-pub fn concat_columns(a: &[f32], a_len: usize, b: &[f32], b_len: usize) -> Vec<f32> {
+/// `[a | b]` per row into `out`, rows of `a` `a_len` and of `b` `b_len` elements wide.
+pub fn concat_columns(a: &[f32], a_len: usize, b: &[f32], b_len: usize, out: &mut [f32]) {
     let width = a_len + b_len;
-    let mut out = vec![0f32; a.len() + b.len()];
-    for_row_runs(&mut out, width, |first, run| {
+    debug_assert_eq!(out.len(), a.len() + b.len());
+    for_row_runs(out, width, |first, run| {
         for (i, row) in run.chunks_exact_mut(width).enumerate() {
             let r = first + i;
             row[..a_len].copy_from_slice(&a[r * a_len..(r + 1) * a_len]);
             row[a_len..].copy_from_slice(&b[r * b_len..(r + 1) * b_len]);
         }
     });
-    out
 }
 
-/// Columns `start..start + len` of every row of `x` (rows of `row_len`): a fused projection's
+/// Columns `columns` of every row of `x` (rows of `row_len`) into `out`: a fused projection's
 /// part (`Slice`), copied a row at a time.
-pub fn slice_columns(x: &[f32], row_len: usize, start: usize, len: usize) -> Vec<f32> {
-    let mut out = vec![0f32; x.len().checked_div(row_len).unwrap_or(0) * len];
+pub fn slice_columns(x: &[f32], row_len: usize, columns: Range<usize>, out: &mut [f32]) {
+    let len = columns.len();
+    debug_assert_eq!(out.len(), x.len().checked_div(row_len).unwrap_or(0) * len);
     if len == 0 {
-        return out;
+        return;
     }
-    for_row_runs(&mut out, len, |first, run| {
+    for_row_runs(out, len, |first, run| {
         for (i, row) in run.chunks_exact_mut(len).enumerate() {
-            let at = (first + i) * row_len + start;
+            let at = (first + i) * row_len + columns.start;
             row.copy_from_slice(&x[at..at + len]);
         }
     });
-    out
 }
 
 #[cfg(test)]
@@ -76,8 +76,10 @@ mod tests {
         for rows in [0, 1, 20] {
             let x: Vec<f32> = (0..rows * 7).map(|i| i as f32).collect();
             for (start, len) in [(0, 7), (0, 3), (2, 4), (6, 1), (3, 0)] {
+                let mut out = vec![f32::NAN; rows * len];
+                slice_columns(&x, 7, start..start + len, &mut out);
                 assert_eq!(
-                    slice_columns(&x, 7, start, len),
+                    out,
                     ir::reference::ops::slice_columns(&x, 7, start, len),
                     "{rows} rows, columns {start}..{}",
                     start + len
@@ -91,10 +93,9 @@ mod tests {
         for rows in [1, 20] {
             let a: Vec<f32> = (0..rows * 3).map(|i| i as f32).collect();
             let b: Vec<f32> = (0..rows * 5).map(|i| -(i as f32)).collect();
-            assert_eq!(
-                concat_columns(&a, 3, &b, 5),
-                ir::reference::ops::concat_columns(&a, 3, &b, 5)
-            );
+            let mut out = vec![f32::NAN; rows * 8];
+            concat_columns(&a, 3, &b, 5, &mut out);
+            assert_eq!(out, ir::reference::ops::concat_columns(&a, 3, &b, 5));
         }
     }
 }
