@@ -474,7 +474,7 @@ impl CpuBackend {
                     args[1].value().tensor(),
                     args[2].value().tensor(),
                 );
-                append_and_attend(spec, q, k, v, pages, rows)
+                append_and_attend(spec, q, k, v, pages, rows, spares)
             }
             Op::RopeAttention { rope, attention } => {
                 let (mut q, mut k) = (args[0].value().tensor().clone(), args[1].value().tensor().clone());
@@ -483,7 +483,7 @@ impl CpuBackend {
                 for (x, heads) in [(&mut q.data, heads), (&mut k.data, kv_heads)] {
                     rows.rope.apply(&ir::RopeSpec { heads, ..*rope }, x, positions);
                 }
-                append_and_attend(attention, &q, &k, args[2].value().tensor(), pages, rows)
+                append_and_attend(attention, &q, &k, args[2].value().tensor(), pages, rows, spares)
             }
             Op::Add => zip_map(args[0].value().tensor(), args[1].value().tensor(), |a, b| a + b),
             Op::Mul => zip_map(args[0].value().tensor(), args[1].value().tensor(), |a, b| a * b),
@@ -504,10 +504,10 @@ impl CpuBackend {
             Op::SoftCap { cap } => map(args[0].value().tensor(), |x| ops::soft_cap(x, *cap)),
             Op::SharedKvAttention(spec) => {
                 let q = args[0].value().tensor();
-                let mut out = Tensor::zeros(q.shape.clone());
+                let mut out = spares.take(q.data.len());
                 let query = rows.query_rows_of(q.rows())?;
-                attention::attention(spec, &q.data, &query, pages.layer(spec.cache_slot), &mut out.data);
-                out
+                attention::attention(spec, &q.data, &query, pages.layer(spec.cache_slot), &mut out);
+                Tensor::new(q.shape.clone(), out)
             }
             Op::ScaleRows => {
                 let x = args[0].value().tensor();
@@ -687,6 +687,7 @@ fn append_and_attend(
     v: &Tensor,
     pages: &mut KvPages,
     rows: &StepRows,
+    spares: &mut spares::Spares,
 ) -> Tensor {
     // The pages round the values to the cache's element type as they store them.
     let layer = pages.layer_mut(spec.cache_slot);
@@ -695,9 +696,9 @@ fn append_and_attend(
         let (k, v) = (&k.data[r.start * dim..r.end * dim], &v.data[r.start * dim..r.end * dim]);
         layer.write(seg.table, seg.start, k, v);
     }
-    let mut out = Tensor::zeros(q.shape.clone());
-    attention::attention(spec, &q.data, &rows.query, pages.layer(spec.cache_slot), &mut out.data);
-    out
+    let mut out = spares.take(q.data.len());
+    attention::attention(spec, &q.data, &rows.query, pages.layer(spec.cache_slot), &mut out);
+    Tensor::new(q.shape.clone(), out)
 }
 
 /// Each segment's rows through the Gated DeltaNet in order, from its sequence's recurrent state

@@ -8,7 +8,7 @@
 //! lengths that recur in every layer, so the second layer on takes its outputs from the first's.
 //!
 //! A taken buffer holds whatever it held before: only an op that writes every element may
-//! take one (not attention, whose kernels add into zeroed rows, nor the MoE block). Debug
+//! take one (not the MoE block, which adds each expert's share into zeroed rows). Debug
 //! builds, which the tests run, fill every taken buffer with NaN, so an op that leaves an
 //! element unwritten shows in every test that runs it.
 
