@@ -24,6 +24,13 @@ pub unsafe trait KvElement: Copy + Default + Send + Sync + 'static {
     /// The stored value of `x` (rounded to nearest even).
     fn narrow(x: f32) -> Self;
 
+    /// `values` narrowed into `out` (as long), each as [`narrow`](Self::narrow) does it.
+    fn narrow_into(values: &[f32], out: &mut [Self]) {
+        for (o, &x) in out.iter_mut().zip(values) {
+            *o = Self::narrow(x);
+        }
+    }
+
     /// The value, exactly.
     fn widen(self) -> f32;
 
@@ -115,6 +122,13 @@ unsafe impl KvElement for f16 {
     #[inline(always)]
     fn narrow(x: f32) -> Self {
         f16::from_f32(x)
+    }
+
+    /// Eight at a time through the same instruction (`half`'s slice conversion): a prefill's
+    /// keys and values, converted one by one, were 0.5% of its step on the step's thread alone.
+    fn narrow_into(values: &[f32], out: &mut [Self]) {
+        use half::slice::HalfFloatSliceExt;
+        out.convert_from_f32_slice(values);
     }
 
     #[inline(always)]
@@ -273,6 +287,43 @@ mod tests {
         check::<bf16>();
         check::<f16>();
         check::<F8E4M3>();
+    }
+
+    /// A row narrowed at once is the row narrowed element by element, bit for bit: specials,
+    /// ties, subnormals and values past the largest half, over a length no vector divides.
+    #[test]
+    fn a_row_narrows_as_its_elements_do() {
+        fn check<T: KvElement + PartialEq + std::fmt::Debug>(values: &[f32]) {
+            let mut row = vec![T::default(); values.len()];
+            T::narrow_into(values, &mut row);
+            let one_by_one: Vec<T> = values.iter().map(|&x| T::narrow(x)).collect();
+            let bytes = |v: &[T]| {
+                // SAFETY: plain bits of `size_of_val(v)` bytes (`KvElement`'s promise).
+                unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }.to_vec()
+            };
+            assert_eq!(bytes(&row), bytes(&one_by_one), "{}", std::any::type_name::<T>());
+        }
+        let mut values = vec![
+            0.0,
+            -0.0,
+            1.0 + f32::EPSILON,
+            1.000_488_3,
+            65504.0,
+            65520.0,
+            1e6,
+            5.96e-8,
+            2.98e-8,
+            1e-7,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -f32::NAN,
+        ];
+        values.extend((0..37).map(|i| (i as f32 - 18.0) * 0.377));
+        check::<f32>(&values);
+        check::<bf16>(&values);
+        check::<f16>(&values);
+        check::<F8E4M3>(&values);
     }
 
     /// Every FP8 code, through both vector loads, widens as `widen` does.

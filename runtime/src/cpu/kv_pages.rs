@@ -115,9 +115,7 @@ impl Rows {
     fn write(&mut self, at: usize, values: &[f32], len: usize) {
         fn narrowed<T: KvElement>(rows: &mut LineAligned<T>, at: usize, values: &[f32], len: usize) {
             rows.grow(len);
-            for (r, &x) in rows.as_mut_slice()[at..at + values.len()].iter_mut().zip(values) {
-                *r = T::narrow(x);
-            }
+            T::narrow_into(values, &mut rows.as_mut_slice()[at..at + values.len()]);
         }
         match self {
             Self::F32(r) => narrowed(r, at, values, len),
