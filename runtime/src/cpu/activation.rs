@@ -5,7 +5,7 @@
 //! `0.5·x·(1 + tanh(y)) = x·σ(2y)` gives the same value within f32 rounding at a fraction of
 //! the cost, with no cancellation for negative x.
 
-use super::rows;
+use super::{rows, simd};
 use ir::GluAct;
 
 /// `e^x` within 2 ulp (Cephes' `expf`: `x = n·ln 2 + r`, `|r| ≤ ln 2 / 2`, a degree-6
@@ -70,21 +70,10 @@ pub fn glu(x: &[f32], row_len: usize, act: GluAct, out: &mut [f32]) {
     });
 }
 
-/// One row of [`glu`]: with AVX2 where the CPU has it, so the loop runs 8 lanes wide (the
-/// same operations, so the same bits, as the scalar loop).
-fn glu_row(act: GluAct, gate: &[f32], up: &[f32], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
-        // SAFETY: the CPU has AVX2 (checked above).
-        return unsafe { glu_row_avx2(act, gate, up, out) };
-    }
-    glu_row_body(act, gate, up, out)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn glu_row_avx2(act: GluAct, gate: &[f32], up: &[f32], out: &mut [f32]) {
-    glu_row_body(act, gate, up, out)
+simd::widest_vectors! {
+    /// One row of [`glu`]: with AVX-512 or AVX2 where the CPU has them, so the loop runs 16 or
+    /// 8 lanes wide (the same operations, so the same bits, as the scalar loop).
+    fn glu_row(act: GluAct, gate: &[f32], up: &[f32], out: &mut [f32]) => glu_row_body
 }
 
 #[inline(always)]
