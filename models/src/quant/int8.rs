@@ -37,6 +37,12 @@ impl Q8Row {
         self.sum16.clear();
         self.sum16.reserve(2 * blocks);
         #[cfg(target_arch = "x86_64")]
+        if wide_int8() {
+            // SAFETY: the CPU has AVX-512 F/BW/VL (`wide_int8`).
+            unsafe { quantize_blocks_avx512(x, &mut self.q, &mut self.d, &mut self.sum16) };
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
         if std::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU has AVX2.
             unsafe { quantize_blocks_avx2(x, &mut self.q, &mut self.d, &mut self.sum16) };
@@ -208,6 +214,61 @@ unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut Vec<f32>, sum16:
                 sum16.extend(half_sums(qb));
             }
         }
+    }
+}
+
+/// [`quantize_blocks_avx2`] with AVX-512, a half block a register: a prefill quantizes every
+/// matmul's input rows, and eight lanes at a time that was 4% of a 128-token step.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+unsafe fn quantize_blocks_avx512(x: &[f32], q: &mut [i8], d: &mut Vec<f32>, sum16: &mut Vec<i32>) {
+    for (xb, qb) in whole_blocks(x, q) {
+        // SAFETY: AVX-512 F/BW/VL are enabled for this function.
+        match unsafe { quantize_block_avx512(xb, qb) } {
+            Some((scale, sums)) => {
+                d.push(scale);
+                sum16.extend(sums);
+            }
+            None => {
+                d.push(quantize_block(xb, qb));
+                sum16.extend(half_sums(qb));
+            }
+        }
+    }
+}
+
+/// [`quantize_block_avx2`] sixteen lanes at a time: the same operations lane by lane (the
+/// maximum is exact in any order, the rounding steps away from zero as `f32::round` does), so
+/// the same bytes; `None`, writing nothing, for a block holding a NaN or an infinity.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+unsafe fn quantize_block_avx512(xb: &[f32; ACT_BLOCK], qb: &mut [i8; ACT_BLOCK]) -> Option<(f32, [i32; 2])> {
+    use std::arch::x86_64::*;
+    // SAFETY: the block holds 32 f32 and `qb` 32 bytes; AVX-512 F/BW/VL are enabled.
+    unsafe {
+        let halves = [_mm512_loadu_ps(xb.as_ptr()), _mm512_loadu_ps(xb.as_ptr().add(16))];
+        // An infinity or NaN anywhere: x − x is NaN exactly there.
+        let unordered = |x: __m512| {
+            let zero_if_finite = _mm512_sub_ps(x, x);
+            _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(zero_if_finite, zero_if_finite)
+        };
+        if unordered(halves[0]) | unordered(halves[1]) != 0 {
+            return None;
+        }
+        let d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(halves[0]), _mm512_abs_ps(halves[1]))) / 127.0;
+        let inv = _mm512_set1_ps(inverse(d));
+        let (sign, one) = (_mm512_set1_epi32(i32::MIN), _mm512_castps_si512(_mm512_set1_ps(1.0)));
+        let sums = std::array::from_fn(|h| {
+            let y = _mm512_mul_ps(halves[h], inv);
+            let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+            // |y − trunc(y)| ≥ ½: one more step away from zero (the difference is exact).
+            let away = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(_mm512_abs_ps(_mm512_sub_ps(y, t)), _mm512_set1_ps(0.5));
+            let step = _mm512_castsi512_ps(_mm512_or_si512(_mm512_and_si512(_mm512_castps_si512(y), sign), one));
+            let q = _mm512_cvtps_epi32(_mm512_mask_add_ps(t, away, t, step));
+            _mm_storeu_si128(qb.as_mut_ptr().add(16 * h) as *mut __m128i, _mm512_cvtsepi32_epi8(q));
+            _mm512_reduce_add_epi32(q)
+        });
+        Some((d, sums))
     }
 }
 
@@ -415,6 +476,17 @@ mod tests {
         rows.push(odd);
         for x in &rows {
             let got = Q8Row::quantize(x);
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2") {
+                // The narrower kernel too, where the dispatch took the wider one.
+                let mut avx2 = Q8Row {
+                    q: vec![0; x.len()],
+                    ..Default::default()
+                };
+                // SAFETY: the CPU has AVX2.
+                unsafe { quantize_blocks_avx2(x, &mut avx2.q, &mut avx2.d, &mut avx2.sum16) };
+                assert_eq!((&avx2.q, &avx2.d, &avx2.sum16), (&got.q, &got.d, &got.sum16));
+            }
             let mut want = Q8Row {
                 q: vec![0; x.len()],
                 ..Default::default()
