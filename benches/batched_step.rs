@@ -15,6 +15,11 @@ use runtime::kv::{BlockId, Segment, StateSnapshots};
 use runtime::CpuBackend;
 use std::time::Instant;
 
+/// Large buffers on cache lines: the CPU kernels' 64-byte writes then never straddle two
+/// (`runtime::cpu::line_alloc`).
+#[global_allocator]
+static ALLOCATOR: runtime::cpu::line_alloc::LineAlignedAlloc = runtime::cpu::line_alloc::LineAlignedAlloc;
+
 const BLOCK: usize = 16;
 
 fn main() {

@@ -14,6 +14,11 @@ use runtime::serving::{NgramConfig, SchedulerConfig, ServingEngine, StateCacheCo
 use runtime::{CpuBackend, SamplingParams};
 use std::time::{Duration, Instant};
 
+/// Large buffers on cache lines: the CPU kernels' 64-byte writes then never straddle two
+/// (`runtime::cpu::line_alloc`).
+#[global_allocator]
+static ALLOCATOR: runtime::cpu::line_alloc::LineAlignedAlloc = runtime::cpu::line_alloc::LineAlignedAlloc;
+
 const SHARED: usize = 1000;
 const DECODE: usize = 128;
 const RUNS: usize = 5;

@@ -5,6 +5,11 @@ use bbc::commands;
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 
+/// Large buffers on cache lines: the CPU kernels' 64-byte writes then never straddle two
+/// (`runtime::cpu::line_alloc`).
+#[global_allocator]
+static ALLOCATOR: runtime::cpu::line_alloc::LineAlignedAlloc = runtime::cpu::line_alloc::LineAlignedAlloc;
+
 #[derive(Parser)]
 #[command(name = "bbc", version, about = "A compiler-style LLM inference stack")]
 struct Cli {

@@ -16,6 +16,7 @@ pub mod kv_element;
 mod kv_pages;
 mod latent_attention;
 pub mod line_aligned;
+pub mod line_alloc;
 mod matrix;
 mod moe;
 mod pool;
