@@ -465,7 +465,7 @@ impl CpuBackend {
                 Tensor::new(x.shape.clone(), out)
             }
             Op::Rope(spec) => {
-                let mut x = args[0].value().tensor().clone();
+                let mut x = spares.copy_of(args[0].value().tensor());
                 rows.rope.apply(spec, &mut x.data, args[1].value().ids());
                 x
             }
@@ -478,13 +478,19 @@ impl CpuBackend {
                 append_and_attend(spec, q, k, v, pages, rows, spares)
             }
             Op::RopeAttention { rope, attention } => {
-                let (mut q, mut k) = (args[0].value().tensor().clone(), args[1].value().tensor().clone());
+                let (mut q, mut k) = (
+                    spares.copy_of(args[0].value().tensor()),
+                    spares.copy_of(args[1].value().tensor()),
+                );
                 let (heads, kv_heads) = (attention.heads, attention.kv_heads);
                 let positions = args[3].value().ids();
                 for (x, heads) in [(&mut q.data, heads), (&mut k.data, kv_heads)] {
                     rows.rope.apply(&ir::RopeSpec { heads, ..*rope }, x, positions);
                 }
-                append_and_attend(attention, &q, &k, args[2].value().tensor(), pages, rows, spares)
+                let out = append_and_attend(attention, &q, &k, args[2].value().tensor(), pages, rows, spares);
+                spares.keep(q.data);
+                spares.keep(k.data);
+                out
             }
             Op::Add => zip_map(args[0].value().tensor(), args[1].value().tensor(), |a, b| a + b),
             Op::Mul => zip_map(args[0].value().tensor(), args[1].value().tensor(), |a, b| a * b),

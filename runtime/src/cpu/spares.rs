@@ -34,6 +34,13 @@ impl Spares {
         buffer
     }
 
+    /// A copy of `x` in a spare buffer (for an op that works on its input in place).
+    pub fn copy_of(&mut self, x: &ir::Tensor) -> ir::Tensor {
+        let mut data = self.take(x.data.len());
+        data.copy_from_slice(&x.data);
+        ir::Tensor::new(x.shape.clone(), data)
+    }
+
     /// Keep `buffer` for a later [`take`](Self::take) of its length (the oldest goes past
     /// [`KEPT`]).
     pub fn keep(&mut self, buffer: Vec<f32>) {
