@@ -10,12 +10,16 @@ use super::{BlockFormat, GgmlType, IQ4NL, IQ4XS, Q2K, Q3K, Q4K, Q4_0, Q4_1, Q5K,
 pub const ACT_BLOCK: usize = 32;
 
 /// An activation row quantized to int8 in blocks of 32, with per-16 sums of the integers
-/// (so both 32- and 16-element weight groups find their `Σ qx`).
+/// (so both 32- and 16-element weight groups find their `Σ qx`), and per block `Σ qx` and
+/// `d · Σ qx` (what a weight block's bias and minimum multiply), worked out once where the row
+/// is quantized, on whichever thread quantizes it, rather than again for every matmul.
 #[derive(Debug, Clone, Default)]
 pub struct Q8Row {
     pub q: Vec<i8>,
     pub d: Vec<f32>,
     pub sum16: Vec<i32>,
+    qsums: Vec<i32>,
+    dsums: Vec<f32>,
 }
 
 impl Q8Row {
@@ -36,6 +40,15 @@ impl Q8Row {
         self.d.reserve(blocks);
         self.sum16.clear();
         self.sum16.reserve(2 * blocks);
+        self.quantize_blocks(x);
+        self.qsums.clear();
+        self.qsums.extend(self.sum16.chunks_exact(2).map(|h| h[0] + h[1]));
+        self.dsums.clear();
+        self.dsums
+            .extend(self.d.iter().zip(&self.qsums).map(|(&d, &qsum)| d * qsum as f32));
+    }
+
+    fn quantize_blocks(&mut self, x: &[f32]) {
         #[cfg(target_arch = "x86_64")]
         if wide_int8() {
             // SAFETY: the CPU has AVX-512 F/BW/VL (`wide_int8`).
@@ -54,14 +67,14 @@ impl Q8Row {
         }
     }
 
-    /// Block `block`'s `Σ qx`.
-    pub fn qsum(&self, block: usize) -> i32 {
-        self.sum16[2 * block] + self.sum16[2 * block + 1]
+    /// Every block's `Σ qx`.
+    pub fn qsums(&self) -> &[i32] {
+        &self.qsums
     }
 
-    /// Block `block`'s `d · Σ qx`: what a weight block's minimum multiplies.
-    pub fn dsum(&self, block: usize) -> f32 {
-        self.d[block] * self.qsum(block) as f32
+    /// Every block's `d · Σ qx`.
+    pub fn dsums(&self) -> &[f32] {
+        &self.dsums
     }
 }
 
@@ -506,10 +519,20 @@ mod tests {
                 .map(|h| h.iter().map(|&q| q as i32).sum())
                 .collect();
             assert_eq!(got.sum16, sums);
+            let qsums: Vec<i32> = sums.chunks_exact(2).map(|h| h[0] + h[1]).collect();
+            assert_eq!(got.qsums(), qsums);
+            let dsums = want.d.iter().zip(&qsums).map(|(&d, &q)| (d * q as f32).to_bits());
+            assert!(got.dsums().iter().map(|v| v.to_bits()).eq(dsums));
             // A row's buffers reused for another row give what a fresh row gives.
             let mut reused = Q8Row::quantize(&rows[0][..64]);
             reused.quantize_into(x);
             assert_eq!((&reused.q, &reused.d, &reused.sum16), (&got.q, &got.d, &got.sum16));
+            assert_eq!(reused.qsums(), got.qsums());
+            assert!(reused
+                .dsums()
+                .iter()
+                .map(|v| v.to_bits())
+                .eq(got.dsums().iter().map(|v| v.to_bits())));
         }
         // K-quant spans (256 values a scale) get the scalar scale too, NaNs passed over.
         for span in rows[..50].concat().chunks_exact(SUPER) {
