@@ -4,13 +4,18 @@
 //! Why: glibc returns a large block 16 bytes past a page (its header), so an activation
 //! matrix's rows start 16 bytes off a line, and the matmuls, which write each token's results 64
 //! bytes (sixteen rows) at a time, split every store over two lines. With each such buffer on a
-//! line, a SmolLM2 decode step of 16 sequences took 4% less time (`benches/batched_step.rs`,
-//! seven alternations: 14.5-15.5 ms before, 13.8-15.0 after) and a 128-token prefill about 2%
-//! less (three: 61.3-63.9 ms, 60.8-62.2). The tensors are `Vec<f32>`s, which cannot ask for an
-//! alignment of their own, so the allocator gives it to every large block.
+//! line, 128-token prefills took 2-4% less time (`benches/batched_step.rs`, three alternations
+//! with the commit before: SmolLM2 60.6-65.1 ms before, 60.4-61.0 after; Gemma 3 61.6-63.2,
+//! 59.9-61.6), decode steps of 16 and 64 sequences about the same or a little less. The tensors
+//! are `Vec<f32>`s, which cannot ask for an alignment of their own, so the allocator gives it to
+//! every large block.
 //!
-//! Small blocks go to the system allocator as asked. A large one is asked for with alignment
-//! 64 and freed with the same adjusted layout, so the system allocator sees matching pairs.
+//! Small blocks go to the system allocator as asked. A large one is carved out of a system
+//! block of a line more (plus room for its offset, kept just before it), asked for with the
+//! caller's small alignment, so glibc treats it as any block of its size. Asking the system
+//! for 64-byte alignment itself (`posix_memalign`) instead made glibc map fresh pages for such
+//! blocks step after step (perf: page faults, 4% of the samples), and a Gemma 3 decode step
+//! of 64 sequences 18% slower.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 
@@ -20,47 +25,87 @@ pub const FROM_BYTES: usize = 4096;
 /// A cache line.
 const LINE: usize = 64;
 
+/// Room for a large block's offset into its system block, just before it.
+const HEADER: usize = std::mem::size_of::<usize>();
+
 /// The system allocator, large blocks aligned to a line (see the module's note).
 pub struct LineAlignedAlloc;
 
-/// The layout asked of the system for `layout`.
-fn adjusted(layout: Layout) -> Layout {
-    if layout.size() < FROM_BYTES || layout.align() >= LINE {
-        return layout;
-    }
-    // A power of two above the original alignment, and the size is unchanged: valid.
-    Layout::from_size_align(layout.size(), LINE).expect("a line's alignment is valid for any valid size")
+/// Whether a block of `layout` is carved to start on a line.
+fn carved(layout: Layout) -> bool {
+    layout.size() >= FROM_BYTES && layout.align() < LINE
 }
 
-// SAFETY: every block comes from `System` with a layout at least as aligned as the one asked
-// for, and goes back to it with the layout it was allocated with (`adjusted` is a function of
-// the caller's layout, which the caller passes unchanged to `dealloc` and `realloc`).
+/// The system block holding a carved block of `layout`: room for the header and for moving
+/// the start up to a line.
+fn outer(layout: Layout) -> Layout {
+    Layout::from_size_align(layout.size() + HEADER + LINE - 1, HEADER).expect("a valid size plus a line is valid")
+}
+
+/// The line-aligned block inside the system block at `raw`, its offset written before it.
+///
+/// # Safety
+/// `raw` is null or a block of `outer(layout)`.
+unsafe fn carve(raw: *mut u8) -> *mut u8 {
+    if raw.is_null() {
+        return raw;
+    }
+    let offset = (raw as usize + HEADER).next_multiple_of(LINE) - raw as usize;
+    // SAFETY: `HEADER ≤ offset < HEADER + LINE`, so the block and its header lie in the system
+    // block; the header is aligned (the block is on a line, the header a word before it).
+    unsafe {
+        let block = raw.add(offset);
+        block.sub(HEADER).cast::<usize>().write(offset);
+        block
+    }
+}
+
+// SAFETY: small blocks are the system allocator's own; a large block lies inside a system
+// block of `outer(layout)` (layout being what the caller passes unchanged to `dealloc` and
+// `realloc`), starts on a line (which satisfies any alignment below a line), and goes back as
+// that system block, found from the offset written before it.
 unsafe impl GlobalAlloc for LineAlignedAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        // SAFETY: `adjusted` keeps the caller's non-zero size.
-        unsafe { System.alloc(adjusted(layout)) }
+        // SAFETY: layouts of non-zero size; a carved block comes from `outer(layout)`.
+        unsafe {
+            match carved(layout) {
+                true => carve(System.alloc(outer(layout))),
+                false => System.alloc(layout),
+            }
+        }
     }
 
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
         // SAFETY: as `alloc`.
-        unsafe { System.alloc_zeroed(adjusted(layout)) }
+        unsafe {
+            match carved(layout) {
+                true => carve(System.alloc_zeroed(outer(layout))),
+                false => System.alloc_zeroed(layout),
+            }
+        }
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from `alloc` with `layout`, so from `System` with `adjusted(layout)`.
-        unsafe { System.dealloc(ptr, adjusted(layout)) }
+        // SAFETY: `ptr` came from `alloc` with `layout`: carved, its offset is just before it.
+        unsafe {
+            match carved(layout) {
+                true => {
+                    let offset = ptr.sub(HEADER).cast::<usize>().read();
+                    System.dealloc(ptr.sub(offset), outer(layout))
+                }
+                false => System.dealloc(ptr, layout),
+            }
+        }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
         // SAFETY: the caller promises `new_size`, rounded up to `layout.align()`, fits an isize.
         let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
-        let old = adjusted(layout);
-        if adjusted(new_layout).align() == old.align() {
-            // `System` gives the new block `old`'s alignment, which is what it needs.
-            // SAFETY: `ptr` came from `System` with `old`.
-            return unsafe { System.realloc(ptr, old, new_size) };
+        if !carved(layout) && !carved(new_layout) {
+            // SAFETY: a system block of `layout`.
+            return unsafe { System.realloc(ptr, layout, new_size) };
         }
-        // Across `FROM_BYTES`: a block of the other alignment, the contents copied over.
+        // A carved block moves: its offset in a grown system block would change.
         // SAFETY: `new_layout` has a non-zero size (the caller's promise); both blocks hold at
         // least the bytes copied, and `ptr` goes back as it was allocated.
         unsafe {
@@ -117,7 +162,13 @@ mod tests {
     #[test]
     fn alignments_asked_for_are_kept() {
         let a = LineAlignedAlloc;
-        for (size, align) in [(8, 8), (FROM_BYTES, 128), (FROM_BYTES * 2, 4096), (10, 64)] {
+        for (size, align) in [
+            (8, 8),
+            (FROM_BYTES, 32),
+            (FROM_BYTES, 128),
+            (FROM_BYTES * 2, 4096),
+            (10, 64),
+        ] {
             let layout = Layout::from_size_align(size, align).unwrap();
             // SAFETY: a layout of non-zero size, freed with it.
             unsafe {
