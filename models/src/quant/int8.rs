@@ -215,19 +215,8 @@ fn quantize_span(x: &[f32], q: &mut [i8], sums16: &mut Vec<i16>) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut Vec<f32>, sum16: &mut Vec<i32>) {
-    for (xb, qb) in whole_blocks(x, q) {
-        // SAFETY: AVX2 is enabled for this function.
-        match unsafe { quantize_block_avx2(xb, qb) } {
-            Some((scale, sums)) => {
-                d.push(scale);
-                sum16.extend(sums);
-            }
-            None => {
-                d.push(quantize_block(xb, qb));
-                sum16.extend(half_sums(qb));
-            }
-        }
-    }
+    // SAFETY: AVX2 is enabled here, and in the closure, which inherits it.
+    quantize_blocks_with(x, q, d, sum16, |xb, qb| unsafe { quantize_block_avx2(xb, qb) })
 }
 
 /// [`quantize_blocks_avx2`] with AVX-512, a half block a register: a prefill quantizes every
@@ -235,9 +224,23 @@ unsafe fn quantize_blocks_avx2(x: &[f32], q: &mut [i8], d: &mut Vec<f32>, sum16:
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
 unsafe fn quantize_blocks_avx512(x: &[f32], q: &mut [i8], d: &mut Vec<f32>, sum16: &mut Vec<i32>) {
+    // SAFETY: AVX-512 F/BW/VL are enabled here, and in the closure, which inherits them.
+    quantize_blocks_with(x, q, d, sum16, |xb, qb| unsafe { quantize_block_avx512(xb, qb) })
+}
+
+/// Each block through `vector` (its scale and its halves' sums, or `None` for a block only the
+/// scalar code takes: one holding a NaN or an infinity), scales on `d`, sums on `sum16`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn quantize_blocks_with(
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut Vec<f32>,
+    sum16: &mut Vec<i32>,
+    vector: impl Fn(&[f32; ACT_BLOCK], &mut [i8; ACT_BLOCK]) -> Option<(f32, [i32; 2])>,
+) {
     for (xb, qb) in whole_blocks(x, q) {
-        // SAFETY: AVX-512 F/BW/VL are enabled for this function.
-        match unsafe { quantize_block_avx512(xb, qb) } {
+        match vector(xb, qb) {
             Some((scale, sums)) => {
                 d.push(scale);
                 sum16.extend(sums);
