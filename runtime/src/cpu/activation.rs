@@ -57,8 +57,8 @@ pub fn gelu_tanh(x: f32) -> f32 {
     x / (1.0 + exp(-2.0 * y))
 }
 
-/// `act(x[:, :n]) · x[:, n:]` for rows of `row_len = 2n`, into `out`; a prefill chunk's rows spread over
-/// the pool (each element is computed the same either way).
+/// `act(x[:, :n]) · x[:, n:]` for rows of `row_len = 2n`, into `out`; a prefill chunk's rows
+/// spread over the pool (each element is computed the same either way).
 pub fn glu(x: &[f32], row_len: usize, act: GluAct, out: &mut [f32]) {
     let n = row_len / 2;
     debug_assert_eq!(out.len(), x.len() / 2);

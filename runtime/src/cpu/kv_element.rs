@@ -125,7 +125,8 @@ unsafe impl KvElement for f16 {
     }
 
     /// Eight at a time through the same instruction (`half`'s slice conversion): a prefill's
-    /// keys and values, converted one by one, were 0.5% of its step on the step's thread alone.
+    /// keys and values, converted one by one on the step's thread alone, were 1.8% of that
+    /// thread's `perf` samples in a 128-token step.
     fn narrow_into(values: &[f32], out: &mut [Self]) {
         use half::slice::HalfFloatSliceExt;
         out.convert_from_f32_slice(values);
