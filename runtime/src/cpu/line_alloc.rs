@@ -37,9 +37,11 @@ fn carved(layout: Layout) -> bool {
 }
 
 /// The system block holding a carved block of `layout`: room for the header and for moving
-/// the start up to a line.
-fn outer(layout: Layout) -> Layout {
-    Layout::from_size_align(layout.size() + HEADER + LINE - 1, HEADER).expect("a valid size plus a line is valid")
+/// the start up to a line; `None` where that size overflows (the allocation then fails: an
+/// allocator must not panic).
+fn outer(layout: Layout) -> Option<Layout> {
+    let size = layout.size().checked_add(HEADER + LINE - 1)?;
+    Layout::from_size_align(size, HEADER).ok()
 }
 
 /// The line-aligned block inside the system block at `raw`, its offset written before it.
@@ -69,7 +71,7 @@ unsafe impl GlobalAlloc for LineAlignedAlloc {
         // SAFETY: layouts of non-zero size; a carved block comes from `outer(layout)`.
         unsafe {
             match carved(layout) {
-                true => carve(System.alloc(outer(layout))),
+                true => outer(layout).map_or(std::ptr::null_mut(), |outer| carve(System.alloc(outer))),
                 false => System.alloc(layout),
             }
         }
@@ -79,7 +81,7 @@ unsafe impl GlobalAlloc for LineAlignedAlloc {
         // SAFETY: as `alloc`.
         unsafe {
             match carved(layout) {
-                true => carve(System.alloc_zeroed(outer(layout))),
+                true => outer(layout).map_or(std::ptr::null_mut(), |outer| carve(System.alloc_zeroed(outer))),
                 false => System.alloc_zeroed(layout),
             }
         }
@@ -91,7 +93,8 @@ unsafe impl GlobalAlloc for LineAlignedAlloc {
             match carved(layout) {
                 true => {
                     let offset = ptr.sub(HEADER).cast::<usize>().read();
-                    System.dealloc(ptr.sub(offset), outer(layout))
+                    // The block was allocated, so its outer layout exists.
+                    System.dealloc(ptr.sub(offset), outer(layout).unwrap_unchecked())
                 }
                 false => System.dealloc(ptr, layout),
             }
@@ -156,6 +159,16 @@ mod tests {
             let p = a.realloc(p, bigger, 50);
             assert!((0..50).all(|i| *p.add(i) == i as u8));
             a.dealloc(p, Layout::from_size_align(50, 4).unwrap());
+        }
+    }
+
+    #[test]
+    fn a_block_too_large_for_its_room_fails_without_a_panic() {
+        let huge = Layout::from_size_align(isize::MAX as usize - 8, 4).unwrap();
+        // SAFETY: a layout of non-zero size; a null block is not freed.
+        unsafe {
+            assert!(LineAlignedAlloc.alloc(huge).is_null());
+            assert!(LineAlignedAlloc.alloc_zeroed(huge).is_null());
         }
     }
 
