@@ -2,7 +2,7 @@
 //! SmolLM2's and Gemma 3's vocabulary sizes: `TokenLogprobs::of` (log-probabilities, for the
 //! alternatives lm-eval (1) and chat clients (5, 20) ask for; a scored prompt pays it at every
 //! position) and `Sampler::sample` under the settings chat clients send (a temperature alone,
-//! with `top_p`, `top_k`, `min_p`). Greedy decoding pays neither. Prints µs per row.
+//! with `top_p`, `top_k`, `min_p`), and greedily (the argmax alone). Prints µs per row.
 //! `cargo bench --bench sampling_rows`.
 
 use runtime::{Sampler, SamplingParams, TokenLogprobs};
@@ -45,6 +45,13 @@ fn main() {
             SamplingParams {
                 top_k: 50,
                 top_p: 0.95,
+                ..sampled
+            },
+        ),
+        (
+            "greedy",
+            SamplingParams {
+                temperature: 0.0,
                 ..sampled
             },
         ),

@@ -100,17 +100,44 @@ pub struct Sampler {
     output: HashMap<u32, u32>,
 }
 
-/// Index of the largest value; the lowest index among equals. NaN never wins.
-pub fn argmax(logits: &[f32]) -> u32 {
-    // The IR's `top_k` rule, which the GPU's top-k kernel follows too: NaN counts as −∞, ties
-    // go to the lowest index (so a row of NaNs and −∞ gives 0).
-    let mut best = (0, f32::NEG_INFINITY);
-    for (i, &v) in logits.iter().enumerate() {
-        if v > best.1 {
-            best = (i, v);
+crate::cpu::simd::widest_vectors! {
+    /// Index of the largest value; the lowest index among equals. NaN never wins.
+    ///
+    /// The IR's `top_k` rule, which the GPU's top-k kernel follows too: NaN counts as −∞, ties
+    /// go to the lowest index (so a row of NaNs and −∞ gives 0). Two passes that vectorise (the
+    /// row's maximum over sixteen lanes, then the first sixteen holding it) where one scalar
+    /// pass was 1.6% of a served SmolLM2 run's samples at 16 requests: 47 → 13 µs a row of
+    /// 49 152 logits (`benches/sampling_rows.rs`).
+    pub fn argmax(logits: &[f32]) -> u32 => argmax_body
+}
+
+#[inline(always)]
+fn argmax_body(logits: &[f32]) -> u32 {
+    let (chunks, tail) = logits.as_chunks::<16>();
+    // `>` passes NaN over, as the one-pass rule does.
+    let larger = |best: f32, v: f32| if v > best { v } else { best };
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    for chunk in chunks {
+        for (lane, &v) in lanes.iter_mut().zip(chunk) {
+            *lane = larger(*lane, v);
         }
     }
-    best.0 as u32
+    let max = lanes
+        .into_iter()
+        .chain(tail.iter().copied())
+        .fold(f32::NEG_INFINITY, larger);
+    if max == f32::NEG_INFINITY {
+        return 0;
+    }
+    // `max` is one of the row's values; `==` takes 0 and −0 alike, as `>` never put one
+    // before the other.
+    let first_in = |values: &[f32]| values.iter().position(|&v| v == max);
+    for (c, chunk) in chunks.iter().enumerate() {
+        if chunk.iter().map(|&v| u32::from(v == max)).sum::<u32>() > 0 {
+            return (16 * c + first_in(chunk).unwrap_or(0)) as u32;
+        }
+    }
+    (16 * chunks.len() + first_in(tail).unwrap_or(0)) as u32
 }
 
 impl Sampler {
@@ -212,6 +239,30 @@ mod tests {
     fn argmax_breaks_ties_to_the_lowest_index() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
         assert_eq!(argmax(&[f32::NAN, 0.5, 0.5]), 1);
+        assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY]), 0);
+        assert_eq!(argmax(&[]), 0);
+    }
+
+    /// The one-pass rule: keep the first value nothing before it exceeds.
+    fn argmax_one_pass(logits: &[f32]) -> u32 {
+        let mut best = (0, f32::NEG_INFINITY);
+        for (i, &v) in logits.iter().enumerate() {
+            if v > best.1 {
+                best = (i, v);
+            }
+        }
+        best.0 as u32
+    }
+
+    proptest::proptest! {
+        /// Rows of few distinct values (so ties are common), NaNs, infinities and both zeros,
+        /// of every length around the sixteen-lane chunks.
+        #[test]
+        fn argmax_is_the_one_pass_rule(codes in proptest::collection::vec(0u8..12, 0..70)) {
+            let values = [f32::NAN, f32::NEG_INFINITY, f32::INFINITY, 0.0, -0.0, 1.0, -1.0, 2.5, 2.5, -3.0, 7.0, f32::NAN];
+            let row: Vec<f32> = codes.iter().map(|&c| values[c as usize]).collect();
+            proptest::prop_assert_eq!(argmax(&row), argmax_one_pass(&row));
+        }
     }
 
     #[test]
