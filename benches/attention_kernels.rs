@@ -42,16 +42,10 @@ fn time(mut f: impl FnMut()) -> f64 {
 fn dots<const G: usize, T: KvElement>(name: &str, head_dim: usize) {
     let pool = pool::<T>(head_dim);
     let rows: Vec<&[T]> = pool.as_slice().chunks(head_dim).collect();
-    let queries: Vec<Vec<f32>> = (0..G)
-        .map(|g| (0..head_dim).map(|i| (i + g) as f32 * 0.01).collect())
-        .collect();
-    let queries: [&[f32]; G] = std::array::from_fn(|g| queries[g].as_slice());
-    let mut scores = vec![vec![0f32; ROWS]; G];
-    let seconds = time(|| {
-        let mut out = scores.iter_mut();
-        let mut out: [&mut [f32]; G] = std::array::from_fn(|_| out.next().expect("G rows").as_mut_slice());
-        simd::dots_many(&queries, &rows, &mut out);
-    });
+    let queries: [Vec<f32>; G] = std::array::from_fn(|g| (0..head_dim).map(|i| (i + g) as f32 * 0.01).collect());
+    let queries = queries.each_ref().map(Vec::as_slice);
+    let mut scores: [Vec<f32>; G] = std::array::from_fn(|_| vec![0f32; ROWS]);
+    let seconds = time(|| simd::dots_many(&queries, &rows, &mut scores.each_mut().map(Vec::as_mut_slice)));
     report(
         &format!("dots_many<{G}> {name} hd {head_dim}"),
         seconds,
@@ -64,16 +58,10 @@ fn dots<const G: usize, T: KvElement>(name: &str, head_dim: usize) {
 fn axpys<const N: usize, T: KvElement>(name: &str, head_dim: usize) {
     let pool = pool::<T>(head_dim);
     let rows: Vec<&[T]> = pool.as_slice().chunks(head_dim).collect();
-    let weights: Vec<Vec<f32>> = (0..N)
-        .map(|n| (0..ROWS).map(|i| ((i + n) % 7) as f32 * 0.01).collect())
-        .collect();
-    let weights: [&[f32]; N] = std::array::from_fn(|n| weights[n].as_slice());
-    let mut sums = vec![vec![0f32; head_dim]; N];
-    let seconds = time(|| {
-        let mut out = sums.iter_mut();
-        let mut out: [&mut [f32]; N] = std::array::from_fn(|_| out.next().expect("N rows").as_mut_slice());
-        simd::axpys_many(&weights, &rows, &mut out);
-    });
+    let weights: [Vec<f32>; N] = std::array::from_fn(|n| (0..ROWS).map(|i| ((i + n) % 7) as f32 * 0.01).collect());
+    let weights = weights.each_ref().map(Vec::as_slice);
+    let mut sums: [Vec<f32>; N] = std::array::from_fn(|_| vec![0f32; head_dim]);
+    let seconds = time(|| simd::axpys_many(&weights, &rows, &mut sums.each_mut().map(Vec::as_mut_slice)));
     report(
         &format!("axpys_many<{N}> {name} hd {head_dim}"),
         seconds,
