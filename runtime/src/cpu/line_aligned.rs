@@ -9,7 +9,7 @@ use super::kv_element::KvElement;
 use std::marker::PhantomData;
 
 /// Bytes of a cache line.
-const LINE: usize = 64;
+pub(super) const LINE: usize = 64;
 
 /// One cache line's bytes, aligned as a line: the pool's unit of allocation.
 #[derive(Clone, Copy)]

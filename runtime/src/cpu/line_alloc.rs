@@ -17,13 +17,11 @@
 //! blocks step after step (perf: page faults, 4% of the samples), and a Gemma 3 decode step
 //! of 64 sequences 18% slower.
 
+use super::line_aligned::LINE;
 use std::alloc::{GlobalAlloc, Layout, System};
 
 /// Blocks from this size on start on a line.
 pub const FROM_BYTES: usize = 4096;
-
-/// A cache line.
-const LINE: usize = 64;
 
 /// Room for a large block's offset into its system block, just before it.
 const HEADER: usize = std::mem::size_of::<usize>();
