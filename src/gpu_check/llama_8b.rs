@@ -104,27 +104,66 @@ const SHAPES: [(&str, usize, usize, usize); 5] = [
     ("lm_head", 128256, 4096, 1),
 ];
 
-/// The decode GEMV a shape takes in the serving plan at batch 1 where it is not the plain
-/// one: QKV and gate/up behind the residual add and norm (`add_rms_norm_matmul`), gate/up with
-/// the SwiGLU after it. Each with and without its L2 prefetch (see `templates::gemv`), so that
-/// one run says which reads the weights faster.
-fn fused_decode_gemvs(name: &str, k: usize) -> Vec<Kernel> {
+/// The plain GEMVs the table times for a shape of width `k`, each with the batch it runs:
+/// the decode GEMV (batch 1) with one, two and four weight rows a warp and prefetching its
+/// weights into L2; the four-tokens-a-pass GEMV small batches take (batch 4), with one, two
+/// and four rows a warp; and that GEMV at 16 and 64 rows, for comparison with the GEMM.
+fn plain_gemvs(k: usize) -> Vec<(usize, Kernel)> {
+    let spec = GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k).with_x_vectors();
+    let mut out = vec![(1, gemv("gemv", "gpu-check", spec))];
+    out.extend(rows_variants("gemv", 1, spec));
+    out.push((
+        1,
+        gemv(
+            "gemv_l2_prefetch",
+            "gpu-check",
+            spec.with_prefetch_steps(gemv::PREFETCH_STEPS),
+        ),
+    ));
+    let prefill = gemv("gemv_prefill", "gpu-check", spec.prefill());
+    out.push((4, prefill.clone()));
+    out.extend(rows_variants("gemv_prefill", 4, spec.prefill()));
+    out.extend([(16, prefill.clone()), (64, prefill)]);
+    out
+}
+
+/// `spec` named `{stem}_rows2` and `{stem}_rows4`: two and four weight rows a warp.
+fn rows_variants(stem: &str, batch: usize, spec: GemvSpec) -> Vec<(usize, Kernel)> {
+    [2, 4]
+        .map(|rows| {
+            let name = format!("{stem}_rows{rows}");
+            (batch, gemv(&name, "gpu-check", spec.with_rows_per_warp(rows)))
+        })
+        .into()
+}
+
+/// The GEMVs a shape takes in the serving plan where they are not the plain ones: QKV and
+/// gate/up behind the residual add and norm (`add_rms_norm_matmul`), gate/up with the SwiGLU
+/// after it; at batch 1 with one, two and four weight rows a warp and with the L2 prefetch
+/// (see `templates::gemv`), at batch 4 four tokens a pass with one, two and four rows.
+fn fused_gemvs(name: &str, k: usize) -> Vec<(usize, Kernel)> {
     let spec = GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k)
         .with_x_vectors()
         .with_norm(NormPrologue::new(1e-5, 0.0).with_residual());
-    let (kernel, spec) = match name {
+    let (stem, spec) = match name {
         "qkv" => ("add_rms_norm_gemv", spec),
         "gate_up" => ("add_rms_norm_swiglu_gemv", spec.with_glu(ir::GluAct::Silu)),
         _ => return vec![],
     };
-    vec![
-        gemv(kernel, "gpu-check", spec),
+    let mut out = vec![(1, gemv(stem, "gpu-check", spec))];
+    out.extend(rows_variants(stem, 1, spec));
+    out.push((
+        1,
         gemv(
-            &format!("{kernel}_no_prefetch"),
+            &format!("{stem}_l2_prefetch"),
             "gpu-check",
-            spec.with_prefetch_steps(0),
+            spec.with_prefetch_steps(gemv::PREFETCH_STEPS),
         ),
-    ]
+    ));
+    let prefill = format!("{stem}_prefill");
+    out.push((4, gemv(&prefill, "gpu-check", spec.prefill())));
+    out.extend(rows_variants(&prefill, 4, spec.prefill()));
+    out
 }
 
 /// One timed case of the 8B matmul table: its buffers (each with its length in bytes) and
@@ -177,38 +216,32 @@ fn bind<'a, B>(kernel: &Kernel, value: impl Fn(&str) -> Option<DeviceArg<'a, B>>
 }
 
 /// Time every shape's matmul alone at batch 1 (the decode GEMV, and for QKV and gate/up the
-/// fused GEMV the serving plan takes, with and without its prefetch), 4 (the
-/// 4-tokens-per-pass GEMV small batches take), 16 and 64 (the tensor-core GEMM, K split as the
-/// plans split it, the reduction included; and the 4-tokens-per-pass GEMV for comparison);
-/// the table as markdown, with the step the matmuls alone would add up to (the whole step is
-/// [`decode`]'s).
+/// fused GEMV the serving plan takes; each with one, two and four weight rows a warp, and
+/// prefetching), 4 (the 4-tokens-per-pass GEMVs small batches take, likewise), 16 and 64 (the
+/// tensor-core GEMM, K split as the plans split it, the reduction included; and the
+/// 4-tokens-per-pass GEMV for comparison); the table as markdown, with the step the matmuls
+/// alone would add up to (the whole step is [`decode`]'s).
 pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<String> {
-    let spec = |k: usize| GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), k).with_x_vectors();
     let mut table = String::from(
         "| matmul | batch | kernel | µs | weight GB/s | % of copy bandwidth |\n|---|---|---|---|---|---|\n",
     );
     let mut step = [0f64; 3];
     for (name, n, k, count) in SHAPES {
-        let fused = fused_decode_gemvs(name, k);
+        let gemvs = [plain_gemvs(k), fused_gemvs(name, k)].concat();
         let gemm = prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), k, None, None, "gemm", "gpu-check")
             .ok_or_else(|| anyhow!("a bf16 GEMM"))?;
-        let kernels: Vec<Kernel> = [
-            vec![
-                gemv("gemv", "gpu-check", spec(k)),
-                // The plain GEMV as the norm-prologue ones read their weights: prefetched.
-                gemv(
-                    "gemv_l2_prefetch",
-                    "gpu-check",
-                    spec(k).with_prefetch_steps(gemv::PREFETCH_STEPS),
-                ),
-                gemv("gemv_prefill", "gpu-check", spec(k).prefill()),
-                // The target's tensor-core GEMM: wgmma on sm_90a, tcgen05 on sm_100a, mma.sync on sm_120a.
-                gemm.kernel.clone(),
-                split_k::reduce("split_k_reduce", "gpu-check", gpu::PREFILL_TOKENS, None),
-            ],
-            fused.clone(),
-        ]
-        .concat();
+        // A kernel timed at several batches is compiled once.
+        let mut names = std::collections::HashSet::new();
+        let mut kernels: Vec<Kernel> = gemvs
+            .iter()
+            .filter(|(_, kernel)| names.insert(kernel.name.as_str()))
+            .map(|(_, kernel)| kernel.clone())
+            .collect();
+        kernels.extend([
+            // The target's tensor-core GEMM: wgmma on sm_90a, tcgen05 on sm_100a, mma.sync on sm_120a.
+            gemm.kernel.clone(),
+            split_k::reduce("split_k_reduce", "gpu-check", gpu::PREFILL_TOKENS, None),
+        ]);
         let mut device = CudaDevice::compile(&[kernels.clone(), fill_kernels()].concat(), arch)?;
         // Each kernel's own time, as the first run measured it: with programmatic launches the
         // repeated launches would overlap (what they gain is the decode section's to show).
@@ -228,17 +261,11 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
         let out = device.alloc(out_bytes)?;
         let partial_bytes = split_k::partial_len(n, k, gemm.tiles, target.multiprocessors()) * 4;
         let partial = device.alloc(partial_bytes)?;
-        let mut cases = vec![
-            (1, "gemv"),
-            (1, "gemv_l2_prefetch"),
-            // What a small decode batch runs (the plans' few-rows kernel).
-            (4, "gemv_prefill"),
-            (16, "gemm"),
-            (16, "gemv_prefill"),
-            (64, "gemm"),
-            (64, "gemv_prefill"),
-        ];
-        cases.extend(fused.iter().map(|f| (1, f.name.as_str())));
+        let mut cases: Vec<(usize, &str)> = gemvs
+            .iter()
+            .map(|(batch, kernel)| (*batch, kernel.name.as_str()))
+            .collect();
+        cases.extend([(16, "gemm"), (64, "gemm")]);
         let reduce = kernels
             .iter()
             .find(|kk| kk.name == "split_k_reduce")
@@ -394,23 +421,21 @@ mod tests {
             k: 4096,
             splits: 1,
         };
-        let spec = GemvSpec::decode(WeightFormat::Dense(Ty::Bf16), 4096).with_x_vectors();
         for arch in ["sm_90a", "sm_100a", "sm_120a"] {
             let gemm = prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), 4096, None, None, "gemm", "test")
                 .unwrap()
                 .kernel;
-            let kernels = [
-                vec![
-                    gemv("gemv", "test", spec),
-                    gemv("gemv_l2_prefetch", "test", spec.with_prefetch_steps(4)),
-                    gemv("gemv_prefill", "test", spec.prefill()),
-                    gemm,
-                    split_k::reduce("split_k_reduce", "test", gpu::PREFILL_TOKENS, None),
-                ],
-                fused_decode_gemvs("qkv", 4096),
-                fused_decode_gemvs("gate_up", 4096),
+            let gemvs = [
+                plain_gemvs(4096),
+                fused_gemvs("qkv", 4096),
+                fused_gemvs("gate_up", 4096),
             ]
             .concat();
+            let mut kernels: Vec<Kernel> = gemvs.into_iter().map(|(_, kernel)| kernel).collect();
+            kernels.extend([
+                gemm,
+                split_k::reduce("split_k_reduce", "test", gpu::PREFILL_TOKENS, None),
+            ]);
             for kernel in &kernels {
                 if let Err(e) = bind(kernel, |p| case.value(p)) {
                     panic!("{arch}: {e}");

@@ -5,8 +5,9 @@
 //! `fuse_norm_matmul` buys on a GPU). Under a residual prologue (`add_rms_norm_matmul`) the row
 //! is `x + b`, added as it is loaded, and `out`'s rows are `[x + b | product]`.
 //!
-//! One warp per weight row; the warp carries `tokens_per_pass` token rows through each pass
-//! over its weight row, so a step of T tokens reads the weights ⌈T / tokens_per_pass⌉ times
+//! Each warp takes `rows_per_warp` consecutive weight rows (one unless the plan asks for more:
+//! see [`GemvSpec::with_rows_per_warp`]) and carries `tokens_per_pass` token rows through each
+//! pass over them, so a step of T tokens reads the weights ⌈T / tokens_per_pass⌉ times
 //! (decode: one token, one pass; the prefill variant carries 4). Dense weights whose rows are a
 //! whole number of vectors are read with 16-byte loads (8 bf16 or 4 f32 per lane, 512 bytes
 //! per warp per load), which is what lets a memory-bound GEMV approach copy bandwidth; the
@@ -115,9 +116,11 @@ pub struct GemvSpec {
     /// computes gate row `r` and up row `r + n/2` and writes `act(gate)·up`.
     pub glu: Option<GluAct>,
     /// How many steps ahead the decode GEMV prefetches its weights into L2 (see
-    /// `prefetched`); 0 for none, the plain GEMV's default; a norm prologue's is
-    /// [`PREFETCH_STEPS`].
+    /// `prefetched`); 0 for none, the default.
     pub prefetch_steps: usize,
+    /// Weight rows a warp computes together, each activation vector loaded once for all of
+    /// them (see [`with_rows_per_warp`](Self::with_rows_per_warp)).
+    pub rows_per_warp: usize,
 }
 
 impl GemvSpec {
@@ -142,6 +145,29 @@ impl GemvSpec {
             x_vector: false,
             glu: None,
             prefetch_steps: 0,
+            rows_per_warp: 1,
+        }
+    }
+
+    /// Carry `rows` consecutive weight rows a warp (1 to [`MAX_ROWS_PER_WARP`]; dense weights
+    /// read in vectors only, others keep one). A warp reads its whole activation row (f32:
+    /// twice a bf16 weight row's bytes, four times with a residual `x + b`) for each pass over
+    /// its weights; on the second H200 run those reads from L2, not the weights from memory,
+    /// bounded the GEMVs whose warps walk short rows (the 8B's QKV read 201 MB from L2 for 50 MB
+    /// of weights and ran at 40% of copy bandwidth; four tokens a pass read eight times the
+    /// weights' bytes). Sharing each activation load among `rows` weight rows divides that
+    /// traffic by `rows`, and puts `rows` weight loads in flight per step where one was. Each
+    /// row's sum is taken in the same order as with one row a warp: the results are the same
+    /// bits.
+    pub fn with_rows_per_warp(self, rows: usize) -> Self {
+        assert!(
+            (1..=MAX_ROWS_PER_WARP).contains(&rows),
+            "{rows} rows a warp (1 to {MAX_ROWS_PER_WARP})"
+        );
+        let shares = matches!(self.weight, WeightFormat::Dense(_)) && self.vector > 1;
+        Self {
+            rows_per_warp: if shares { rows } else { 1 },
+            ..self
         }
     }
 
@@ -187,22 +213,37 @@ impl GemvSpec {
         Self { glu: Some(act), ..self }
     }
 
-    /// The RMSNorm prologue, and with it the L2 prefetch unless one is set (see
-    /// `prefetched`: the loop this prologue makes keeps one weight load in flight without).
+    /// The RMSNorm prologue.
     pub fn with_norm(self, norm: NormPrologue) -> Self {
         Self {
             norm: Some(norm),
-            prefetch_steps: match self.prefetch_steps {
-                0 => PREFETCH_STEPS,
-                steps => steps,
-            },
             ..self
         }
     }
 }
 
+/// The most weight rows a warp carries: four rows of four tokens are sixteen accumulators.
+pub const MAX_ROWS_PER_WARP: usize = 4;
+
 fn names(prefix: &str, n: usize) -> Vec<String> {
     (0..n).map(|i| format!("{prefix}{i}")).collect()
+}
+
+/// The variable holding the warp's `q`-th weight row: `r`, then `r1`, `r2`, ….
+fn row_var(q: usize) -> String {
+    match q {
+        0 => "r".into(),
+        _ => format!("r{q}"),
+    }
+}
+
+/// `base` for the names of the warp's first weight row, `base` + `r{q}_` for its `q`-th: so
+/// one row a warp generates what it always did.
+fn of_row(base: &str, q: usize) -> String {
+    match q {
+        0 => base.into(),
+        _ => format!("{base}r{q}_"),
+    }
 }
 
 pub fn gemv(name: &str, origin: &str, spec: GemvSpec) -> Kernel {
@@ -224,30 +265,50 @@ pub fn gemv(name: &str, origin: &str, spec: GemvSpec) -> Kernel {
         Some(act) => format!(" + {act:?} GLU epilogue"),
         None => String::new(),
     };
+    let rows = spec.rows_per_warp;
+    let rows_note = match rows {
+        1 => String::new(),
+        _ => format!(", {rows} weight rows per warp"),
+    };
+    let first_row = match rows {
+        1 => bid() * int(warps) + warp(),
+        _ => (bid() * int(warps) + warp()) * int(rows as i64),
+    };
+    // The warp's other rows; past the last row, a copy of it (computed, not stored), so the
+    // inner loop has no branch.
+    let mut in_range: Vec<Stmt> = (1..rows)
+        .map(|q| {
+            let row = var("r") + int(q as i64);
+            let last = product_cols(spec.glu) - int(1);
+            let_(
+                &row_var(q),
+                Ty::I32,
+                select(bin(BinOp::Lt, row.clone(), product_cols(spec.glu)), row, last),
+            )
+        })
+        .collect();
+    in_range.push(for_(
+        "first",
+        int(0),
+        var("tokens"),
+        int(spec.tokens_per_pass as i64),
+        pass(&spec),
+    ));
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: {prologue}matmul x·Wᵀ{epilogue}, {} weights, {} token(s) per pass",
+            "{origin}: {prologue}matmul x·Wᵀ{epilogue}, {} weights, {} token(s) per pass{rows_note}",
             spec.weight.describe(),
             spec.tokens_per_pass
         ),
         params,
         shared: vec![],
         block_dim: BLOCK,
-        grid: super::blocks_for(product_cols(spec.glu), warps),
+        grid: super::blocks_for(product_cols(spec.glu), warps * rows as i64),
         body: vec![
-            let_("r", Ty::I32, bid() * int(warps) + warp()),
+            let_("r", Ty::I32, first_row),
             // Whole warps leave together, so the shuffles below always see 32 lanes.
-            if_(
-                bin(BinOp::Lt, var("r"), product_cols(spec.glu)),
-                vec![for_(
-                    "first",
-                    int(0),
-                    var("tokens"),
-                    int(spec.tokens_per_pass as i64),
-                    pass(&spec),
-                )],
-            ),
+            if_(bin(BinOp::Lt, var("r"), product_cols(spec.glu)), in_range),
         ],
     }
 }
@@ -261,12 +322,14 @@ pub fn describe(norm: Option<NormPrologue>) -> &'static str {
     }
 }
 
-/// One pass over weight row `r` for token rows `first..first + tokens_per_pass`.
+/// One pass over the warp's weight rows for token rows `first..first + tokens_per_pass`.
 fn pass(spec: &GemvSpec) -> Vec<Stmt> {
     let tokens = spec.tokens_per_pass;
-    let (t, acc, sq) = (names("row", tokens), names("acc", tokens), names("sq", tokens));
-    // Under a GLU epilogue `acc` sums the gate row, `up` the up row.
-    let up = names("up", tokens);
+    let rows = spec.rows_per_warp;
+    let (t, sq) = (names("row", tokens), names("sq", tokens));
+    // Per weight row and token: under a GLU epilogue `acc` sums the gate row, `up` the up row.
+    let acc: Vec<Vec<String>> = (0..rows).map(|q| names(&of_row("acc", q), tokens)).collect();
+    let up: Vec<Vec<String>> = (0..rows).map(|q| names(&of_row("up", q), tokens)).collect();
     let mut out = Vec::new();
     for (j, t_j) in t.iter().enumerate() {
         let row = var("first") + int(j as i64);
@@ -274,9 +337,11 @@ fn pass(spec: &GemvSpec) -> Vec<Stmt> {
         out.push(let_(t_j, Ty::I32, clamped));
     }
     for j in 0..tokens {
-        out.push(let_(&acc[j], Ty::F32, f(0.0)));
-        if spec.glu.is_some() {
-            out.push(let_(&up[j], Ty::F32, f(0.0)));
+        for q in 0..rows {
+            out.push(let_(&acc[q][j], Ty::F32, f(0.0)));
+            if spec.glu.is_some() {
+                out.push(let_(&up[q][j], Ty::F32, f(0.0)));
+            }
         }
         if spec.norm.is_some() {
             out.push(let_(&sq[j], Ty::F32, f(0.0)));
@@ -300,31 +365,40 @@ fn pass(spec: &GemvSpec) -> Vec<Stmt> {
     body.extend(k_step(spec, &t, &sums));
     out.push(for_("i", start, var("k"), step, body));
     for j in 0..tokens {
-        out.extend(warp_sum(&acc[j]));
-        if spec.glu.is_some() {
-            out.extend(warp_sum(&up[j]));
+        for q in 0..rows {
+            out.extend(warp_sum(&acc[q][j]));
+            if spec.glu.is_some() {
+                out.extend(warp_sum(&up[q][j]));
+            }
         }
         if spec.norm.is_some() {
             out.extend(warp_sum(&sq[j]));
         }
     }
-    let stores = (0..tokens)
-        .map(|j| {
-            let row = var("first") + int(j as i64);
-            let scaled = |sum: &str| match spec.norm {
-                Some(norm) => var(sum) * un(UnOp::Rsqrt, var(&sq[j]) / cast(Ty::F32, var("k")) + f(norm.eps)),
-                None => var(sum),
-            };
+    let mut stores = Vec::new();
+    for j in 0..tokens {
+        let token = var("first") + int(j as i64);
+        let scaled = |sum: &str| match spec.norm {
+            Some(norm) => var(sum) * un(UnOp::Rsqrt, var(&sq[j]) / cast(Ty::F32, var("k")) + f(norm.eps)),
+            None => var(sum),
+        };
+        for q in 0..rows {
             let value = match spec.glu {
-                Some(act) => gated(act, scaled(&acc[j]), scaled(&up[j])),
-                None => scaled(&acc[j]),
+                Some(act) => gated(act, scaled(&acc[q][j]), scaled(&up[q][j])),
+                None => scaled(&acc[q][j]),
             };
-            if_(
-                bin(BinOp::Lt, row.clone(), var("tokens")),
-                vec![store("out", out_index(spec.norm, spec.glu, row, var("r")), value)],
-            )
-        })
-        .collect();
+            let at = out_index(spec.norm, spec.glu, token.clone(), var(&row_var(q)));
+            // A row past the last (a clamped copy) is not stored; the first row never is past.
+            let stored = match q {
+                0 => bin(BinOp::Lt, token.clone(), var("tokens")),
+                _ => and(
+                    bin(BinOp::Lt, token.clone(), var("tokens")),
+                    bin(BinOp::Lt, var("r") + int(q as i64), product_cols(spec.glu)),
+                ),
+            };
+            stores.push(if_(stored, vec![store("out", at, value)]));
+        }
+    }
     out.push(if_(bin(BinOp::Eq, lane(), int(0)), stores));
     out
 }
@@ -359,60 +433,56 @@ pub const PREFETCH_STEPS: usize = 4;
 fn prefetch_weights(spec: &GemvSpec, i: Expr) -> Vec<Stmt> {
     let last = var("k") - int(spec.vector as i64);
     let at = select(bin(BinOp::Lt, i.clone(), last.clone()), i, last);
-    let mut rows = vec![var("r")];
-    if spec.glu.is_some() {
-        rows.push(var("r") + var("n") / int(2));
-    }
-    rows.into_iter()
+    weight_rows(spec)
+        .into_iter()
+        .flat_map(|(row, up)| std::iter::once(row).chain(up))
         .map(|row| prefetch_l2("w", row * var("k") + at.clone()))
+        .collect()
+}
+
+/// The warp's weight rows: each its row, and under a GLU epilogue its up row.
+fn weight_rows(spec: &GemvSpec) -> Vec<(Expr, Option<Expr>)> {
+    (0..spec.rows_per_warp)
+        .map(|q| {
+            let row = var(&row_var(q));
+            let up = spec.glu.map(|_| row.clone() + var("n") / int(2));
+            (row, up)
+        })
         .collect()
 }
 
 /// A pass's running sums per token row: the product (the gate's under a GLU epilogue), the up
 /// row's, and the sum of squares under a norm.
+/// `acc` and `up` hold a name per token for each of the warp's weight rows.
 struct Sums<'a> {
-    acc: &'a [String],
-    up: &'a [String],
+    acc: &'a [Vec<String>],
+    up: &'a [Vec<String>],
     sq: &'a [String],
 }
 
-/// Elements `i..i + vector` of the row: the weights (scaled by the norm's `g + o`), then each
-/// token's products.
+/// Elements `i..i + vector` of the warp's rows: the weights of every row first (loads in
+/// flight together), scaled by the norm's `g + o`, then each token's products.
 fn k_step(spec: &GemvSpec, t: &[String], sums: &Sums) -> Vec<Stmt> {
-    let (acc, sq) = (sums.acc, sums.sq);
     let v = spec.vector;
     let mut out = Vec::new();
-    let w = names("w", v);
-    // The up row's weights, under a GLU epilogue (dense: checked by `with_glu`).
-    let w_up = names("wu", v);
-    if spec.glu.is_some() {
-        let row = var("r") + var("n") / int(2);
-        match v {
-            1 => out.extend(spec.weight.element(&w_up[0], row, var("k"), var("i"))),
-            _ => out.push(load_vec("w", row * var("k") + var("i"), &w_up)),
-        }
-    }
-    match spec.weight {
-        WeightFormat::Blocks(format) if v == 32 => {
-            // The block (or K-quant sub-block) holding elements i..i + 32 of row r: rows are
-            // whole blocks.
-            let (elements, bytes) = super::quant::block_layout(format).expect("a block format");
-            let base = (var("r") * (var("k") / int(elements)) + var("i") / int(elements)) * int(bytes);
-            match super::quant::decodes_sub_blocks(format) {
-                true => out.extend(super::quant::k_sub_block_weights(
-                    format,
-                    "w",
-                    base,
-                    rem(var("i") / int(32), int(elements / 32)),
-                )),
-                false => out.extend(super::quant::block_weights(format, "w", base)),
+    // Per weight row: its weights, and its up row's under a GLU epilogue (dense: checked by
+    // `with_glu`).
+    let mut w = Vec::new();
+    let mut w_up = Vec::new();
+    for (q, (row, up_row)) in weight_rows(spec).into_iter().enumerate() {
+        let (w_q, w_up_q) = (names(&of_row("w", q), v), names(&of_row("wu", q), v));
+        if let Some(up_row) = up_row {
+            match v {
+                1 => out.extend(spec.weight.element(&w_up_q[0], up_row, var("k"), var("i"))),
+                _ => out.push(load_vec("w", up_row * var("k") + var("i"), &w_up_q)),
             }
         }
-        _ if v > 1 => out.push(load_vec("w", var("r") * var("k") + var("i"), &w)),
-        _ => out.extend(spec.weight.element(&w[0], var("r"), var("k"), var("i"))),
+        out.extend(row_weights(spec, row, &w_q));
+        w.push(w_q);
+        w_up.push(w_up_q);
     }
     // The weight each x element meets: W, or W·(g + o) under the norm.
-    let (u, u_up): (Vec<String>, Vec<String>) = match spec.norm {
+    let (u, u_up) = match spec.norm {
         None => (w, w_up),
         Some(norm) => {
             let g = names("g", v);
@@ -424,12 +494,18 @@ fn k_step(spec: &GemvSpec, t: &[String], sums: &Sums) -> Vec<Stmt> {
                     _ => out.push(load_vec("g", index, &g[chunk..chunk + width])),
                 }
             }
-            let (u, u_up) = (names("u", v), names("uu", v));
-            for e in 0..v {
-                out.push(let_(&u[e], Ty::F32, var(&w[e]) * (var(&g[e]) + f(norm.offset))));
-                if spec.glu.is_some() {
-                    out.push(let_(&u_up[e], Ty::F32, var(&w_up[e]) * (var(&g[e]) + f(norm.offset))));
+            let scale = |e: usize| var(&g[e]) + f(norm.offset);
+            let (mut u, mut u_up) = (Vec::new(), Vec::new());
+            for q in 0..spec.rows_per_warp {
+                let (u_q, u_up_q) = (names(&of_row("u", q), v), names(&of_row("uu", q), v));
+                for e in 0..v {
+                    out.push(let_(&u_q[e], Ty::F32, var(&w[q][e]) * scale(e)));
+                    if spec.glu.is_some() {
+                        out.push(let_(&u_up_q[e], Ty::F32, var(&w_up[q][e]) * scale(e)));
+                    }
                 }
+                u.push(u_q);
+                u_up.push(u_up_q);
             }
             (u, u_up)
         }
@@ -446,8 +522,7 @@ fn k_step(spec: &GemvSpec, t: &[String], sums: &Sums) -> Vec<Stmt> {
                 out.extend(load_x(chunk, 4));
             }
         }
-        for (e, u_e) in u.iter().enumerate() {
-            let x = &xs[e];
+        for (e, x) in xs.iter().enumerate() {
             match (spec.x_vector, hoisted) {
                 (true, true) => {}
                 (true, false) if e % 4 == 0 => out.extend(load_x(e, 4)),
@@ -455,15 +530,41 @@ fn k_step(spec: &GemvSpec, t: &[String], sums: &Sums) -> Vec<Stmt> {
                 (false, _) => out.extend(load_x(e, 1)),
             }
             if spec.norm.is_some() {
-                out.push(assign(&sq[j], var(&sq[j]) + var(x) * var(x)));
+                out.push(assign(&sums.sq[j], var(&sums.sq[j]) + var(x) * var(x)));
             }
-            out.push(assign(&acc[j], var(&acc[j]) + var(x) * var(u_e)));
-            if spec.glu.is_some() {
-                out.push(assign(&sums.up[j], var(&sums.up[j]) + var(x) * var(&u_up[e])));
+            for q in 0..spec.rows_per_warp {
+                let acc = &sums.acc[q][j];
+                out.push(assign(acc, var(acc) + var(x) * var(&u[q][e])));
+                if spec.glu.is_some() {
+                    let up = &sums.up[q][j];
+                    out.push(assign(up, var(up) + var(x) * var(&u_up[q][e])));
+                }
             }
         }
     }
     out
+}
+
+/// Declare `w` (`vector` names): elements `i..i + vector` of weight row `row`, as the
+/// weight's format stores them.
+fn row_weights(spec: &GemvSpec, row: Expr, w: &[String]) -> Vec<Stmt> {
+    let v = spec.vector;
+    match spec.weight {
+        WeightFormat::Blocks(format) if v == 32 => {
+            // The block (or K-quant sub-block) holding elements i..i + 32 of the row: rows are
+            // whole blocks.
+            let (elements, bytes) = super::quant::block_layout(format).expect("a block format");
+            let base = (row * (var("k") / int(elements)) + var("i") / int(elements)) * int(bytes);
+            match super::quant::decodes_sub_blocks(format) {
+                true => {
+                    super::quant::k_sub_block_weights(format, "w", base, rem(var("i") / int(32), int(elements / 32)))
+                }
+                false => super::quant::block_weights(format, "w", base),
+            }
+        }
+        _ if v > 1 => vec![load_vec("w", row * var("k") + var("i"), w)],
+        _ => spec.weight.element(&w[0], row, var("k"), var("i")),
+    }
 }
 
 /// Declare `xs[first..first + count]`: elements `i + first..` of token row `t`, one 16-byte

@@ -439,6 +439,22 @@ pub fn catalog() -> Vec<Kernel> {
             "catalog",
             GemvSpec::decode(Dense(Ty::Bf16), 4096).with_x_vectors().prefill(),
         ),
+        // Weight rows sharing each activation load: two in decode, four at four tokens a pass.
+        gemv::gemv(
+            "gemv_bf16_x_vectors_rows2",
+            "catalog",
+            GemvSpec::decode(Dense(Ty::Bf16), 4096)
+                .with_x_vectors()
+                .with_rows_per_warp(2),
+        ),
+        gemv::gemv(
+            "gemv_bf16_x_vectors_prefill_rows4",
+            "catalog",
+            GemvSpec::decode(Dense(Ty::Bf16), 4096)
+                .with_x_vectors()
+                .prefill()
+                .with_rows_per_warp(4),
+        ),
         gemv::gemv(
             "gemv_q4_k_x_vectors",
             "catalog",
@@ -667,6 +683,14 @@ pub fn catalog() -> Vec<Kernel> {
             GemvSpec::decode(Dense(Ty::Bf16), 4096)
                 .with_norm(gemv::NormPrologue::new(1e-6, 0.0).with_residual())
                 .with_x_vectors(),
+        ),
+        gemv::gemv(
+            "add_rms_norm_gemv_bf16_x_vectors_rows4",
+            "catalog",
+            GemvSpec::decode(Dense(Ty::Bf16), 4096)
+                .with_norm(gemv::NormPrologue::new(1e-6, 0.0).with_residual())
+                .with_x_vectors()
+                .with_rows_per_warp(4),
         ),
         gemv::gemv(
             "add_rms_norm_gemv_bf16_x_vectors_prefill",

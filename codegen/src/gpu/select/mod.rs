@@ -3,6 +3,7 @@
 //! layers) are chosen in files of their own.
 
 mod delta_net;
+mod gemv_tuning;
 mod kv_attention;
 mod moe;
 mod sparse_mla;
@@ -83,23 +84,6 @@ fn weight_format(dtype: DType, node: usize, op: &'static str) -> Result<WeightFo
              under [model] in a model.toml"
         ),
     })
-}
-
-/// Steps ahead the decode GEMVs with a norm prologue prefetch their weights: the
-/// `BBC_GEMV_PREFETCH_STEPS` environment variable (0 to 16; 0 turns it off), else the
-/// template's default. A tuning knob for the GPU check: a lent GPU machine has no compiler to
-/// rebuild `bbc` with, so the same binary compares both ways (`docs/gpu-results.md`).
-fn gemv_prefetch_steps() -> usize {
-    prefetch_steps_from(std::env::var("BBC_GEMV_PREFETCH_STEPS").ok().as_deref())
-}
-
-/// The prefetch distance a `BBC_GEMV_PREFETCH_STEPS` value asks for: 0 to 16, else (unset,
-/// not a number, too far) the default.
-fn prefetch_steps_from(value: Option<&str>) -> usize {
-    value
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|&steps| steps <= 16)
-        .unwrap_or(gemv::PREFETCH_STEPS)
 }
 
 /// The single-op expression of an elementwise op.
@@ -721,10 +705,10 @@ impl MatMul {
     /// the GEMV carrying 4 rows a pass, and for prefill the target's tensor-core GEMM (with
     /// the tiles its K splits count in) where it has one for these weights (and this prologue
     /// and epilogue), else that GEMV.
-    fn kernels(&self, arch: &str, aligned: bool, origin: &str) -> (Kernel, Kernel, Kernel, Option<Tiles>) {
+    fn kernels(&self, arch: &str, sms: usize, aligned: bool, origin: &str) -> (Kernel, Kernel, Kernel, Option<Tiles>) {
         let mut spec = gemv::GemvSpec::decode(self.weights, self.k);
         if let Some(norm) = self.norm {
-            spec = spec.with_norm(norm).with_prefetch_steps(gemv_prefetch_steps());
+            spec = spec.with_norm(norm).with_prefetch_steps(gemv_tuning::prefetch_steps());
         }
         if let Some(act) = self.glu {
             spec = spec.with_glu(act);
@@ -733,14 +717,16 @@ impl MatMul {
             spec = spec.with_x_vectors();
         }
         let gemv_name = format!("{}gemv", self.stem());
-        let few_rows = gemv::gemv(&gemv_name, origin, spec.prefill());
+        let cols = if self.glu.is_some() { self.n / 2 } else { self.n };
+        let few_rows = gemv::gemv(&gemv_name, origin, gemv_tuning::shaped(spec.prefill(), cols, sms));
         let gemm_name = format!("{}gemm", self.stem());
         let (prefill, tiles) =
             match templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin) {
                 Some(gemm) => (gemm.kernel, Some(gemm.tiles)),
                 None => (few_rows.clone(), None),
             };
-        (gemv::gemv(&gemv_name, origin, spec), few_rows, prefill, tiles)
+        let decode = gemv::gemv(&gemv_name, origin, gemv_tuning::shaped(spec, cols, sms));
+        (decode, few_rows, prefill, tiles)
     }
 
     /// Its launches: the GEMV with its alternatives for steps of a few and of many rows, and
@@ -750,7 +736,8 @@ impl MatMul {
     fn push(self, s: &mut Selected, args: Vec<LaunchArg>, aligned: bool, rows: &str, plan: &PlanTarget) {
         let i = self.node;
         let arch = plan.target.cuda_arch().unwrap_or_default();
-        let (kernel, few_rows, prefill, tiles) = self.kernels(arch, aligned, plan.origin);
+        let sms = plan.target.multiprocessors();
+        let (kernel, few_rows, prefill, tiles) = self.kernels(arch, sms, aligned, plan.origin);
         let alternatives = Alternatives {
             few_rows: Some(few_rows),
             prefill: Some(prefill),
@@ -892,24 +879,6 @@ mod tests {
                     "{n}×{k}: {tokens} rows, {s} splits"
                 );
             }
-        }
-    }
-
-    /// The prefetch knob takes 0 (off) to 16; anything else leaves the default.
-    #[test]
-    fn the_prefetch_knob_takes_small_distances_only() {
-        use super::{gemv, prefetch_steps_from};
-        let default = gemv::PREFETCH_STEPS;
-        for (value, steps) in [
-            (None, default),
-            (Some("0"), 0),
-            (Some(" 2 "), 2),
-            (Some("16"), 16),
-            (Some("17"), default),
-            (Some("-1"), default),
-            (Some("off"), default),
-        ] {
-            assert_eq!(prefetch_steps_from(value), steps, "{value:?}");
         }
     }
 }
