@@ -152,21 +152,14 @@ fn store_accumulators(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<St
 }
 
 /// Under a norm prologue: `inv_rms_lo` and `inv_rms_hi`, `1/rms` of this lane's two rows (g and
-/// g + 8 of its warp's 16). The warp walks its 16 rows, lanes striding along each; every row's
-/// sum of squares ends in every lane, which keeps its own two.
+/// g + 8 of its warp's 16), from the tile's norms the block's warps work out together.
 fn row_norms(norm: NormPrologue) -> Vec<Stmt> {
-    let inv = un(UnOp::Rsqrt, var("sq") / cast(Ty::F32, var("k")) + f(norm.eps));
-    let mut per_row = vec![let_("row", Ty::I32, var("m0") + var("wrow") + var("r"))];
-    per_row.extend(super::warp_sum_of_squares(norm, var("row")));
-    per_row.extend([
-        if_(eq(var("r"), var("gr")), vec![assign("inv_rms_lo", inv.clone())]),
-        if_(eq(var("r"), var("gr") + int(8)), vec![assign("inv_rms_hi", inv)]),
+    let mut out = super::tile_norms(norm, TILE_M, THREADS / 32);
+    out.extend([
+        let_("inv_rms_lo", Ty::F32, load("inv_rms", var("wrow") + var("gr"))),
+        let_("inv_rms_hi", Ty::F32, load("inv_rms", var("wrow") + var("gr") + int(8))),
     ]);
-    vec![
-        let_("inv_rms_lo", Ty::F32, f(0.0)),
-        let_("inv_rms_hi", Ty::F32, f(0.0)),
-        for_("r", int(0), int(16), int(1), per_row),
-    ]
+    out
 }
 
 /// The tile sizes, for the split-K expression: (tokens, weight rows, K step).
@@ -222,6 +215,14 @@ pub fn gemm_wgmma_bf16_with(name: &str, origin: &str, norm: Option<NormPrologue>
         store_accumulators(norm, glu),
     ]
     .concat();
+    let mut shared = vec![SharedArray {
+        name: "ws".into(),
+        ty: Ty::Bf16,
+        len: (2 * STAGE) as usize,
+    }];
+    if norm.is_some() {
+        shared.push(super::tile_norms_array(TILE_M));
+    }
     Kernel {
         name: name.into(),
         origin: format!(
@@ -230,11 +231,7 @@ pub fn gemm_wgmma_bf16_with(name: &str, origin: &str, norm: Option<NormPrologue>
             gemv::describe(norm)
         ),
         params: [prologue_gemm_params(norm, Ty::Bf16), split_k::params()].concat(),
-        shared: vec![SharedArray {
-            name: "ws".into(),
-            ty: Ty::Bf16,
-            len: (2 * STAGE) as usize,
-        }],
+        shared,
         block_dim: THREADS as u32,
         grid: tiles_m * tiles_n * var("splits"),
         body,

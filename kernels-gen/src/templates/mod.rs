@@ -190,23 +190,39 @@ pub fn tile_norms_array(tile_tokens: i64) -> SharedArray {
     }
 }
 
+/// Elements of a row each lane loads together in [`warp_sum_of_squares`]: a prologue GEMM
+/// normalises its tile's rows before its main loop, so their loads are latency, not bandwidth;
+/// one load at a time (what a plain loop over the row compiled to), a row of 4096 took ~20 µs
+/// and a warp's 16 rows a batch-16 step's whole GEMM time twice over on the H200.
+const SQUARES_IN_FLIGHT: i64 = 8;
+
 /// `sq`, in every lane of the warp: the sum of squares of the row `row` a prologue GEMM
-/// normalises (`x`, or `x + b`), lanes striding along it; zero past `tokens`.
+/// normalises (`x`, or `x + b`), lanes striding along it, [`SQUARES_IN_FLIGHT`] elements
+/// loaded before they are summed (in the row's order, a missing one past `k` as +0: the sum is
+/// the one-at-a-time loop's, bit for bit); zero past `tokens`.
 pub fn warp_sum_of_squares(norm: gemv::NormPrologue, row: Expr) -> Vec<Stmt> {
+    let element = |u: i64| format!("xv{u}");
+    let mut group = Vec::new();
+    // The loop's bound keeps the first in the row.
+    group.push(let_(
+        &element(0),
+        Ty::F32,
+        prologue_x(Some(norm), row.clone(), var("c")),
+    ));
+    for u in 1..SQUARES_IN_FLIGHT {
+        let c = var("c") + int(32 * u);
+        group.push(let_(&element(u), Ty::F32, f(0.0)));
+        group.push(if_(
+            lt(c.clone(), var("k")),
+            vec![assign(&element(u), prologue_x(Some(norm), row.clone(), c))],
+        ));
+    }
+    group.extend((0..SQUARES_IN_FLIGHT).map(|u| assign("sq", var("sq") + var(&element(u)) * var(&element(u)))));
     let mut out = vec![
         let_("sq", Ty::F32, f(0.0)),
         if_(
             lt(row.clone(), var("tokens")),
-            vec![for_(
-                "c",
-                lane(),
-                var("k"),
-                int(32),
-                vec![
-                    let_("xv", Ty::F32, prologue_x(Some(norm), row, var("c"))),
-                    assign("sq", var("sq") + var("xv") * var("xv")),
-                ],
-            )],
+            vec![for_("c", lane(), var("k"), int(32 * SQUARES_IN_FLIGHT), group)],
         ),
     ];
     out.extend(warp_sum("sq"));
@@ -214,12 +230,14 @@ pub fn warp_sum_of_squares(norm: gemv::NormPrologue, row: Expr) -> Vec<Stmt> {
 }
 
 /// Under a norm prologue: `inv_rms[j]`, `1/rms` of token `m0 + j` of a `tile_tokens` tile, in
-/// shared memory, then a barrier. Each of the block's `warps` takes as many tokens in turn,
-/// lanes striding along the token's whole row (every K split needs the whole row's norm).
+/// shared memory, then a barrier. The block's `warps` take the tile's tokens in turn (warp w
+/// tokens w, w + warps, …, so a step of fewer tokens than the tile still spreads them over
+/// every warp), lanes striding along each token's whole row (every K split needs the whole
+/// row's norm).
 pub fn tile_norms(norm: gemv::NormPrologue, tile_tokens: i64, warps: i64) -> Vec<Stmt> {
     let inv = un(UnOp::Rsqrt, var("sq") / cast(Ty::F32, var("k")) + f(norm.eps));
     let per_warp = tile_tokens / warps;
-    let mut per_token = vec![let_("token", Ty::I32, warp() * int(per_warp) + var("j"))];
+    let mut per_token = vec![let_("token", Ty::I32, warp() + var("j") * int(warps))];
     per_token.extend(warp_sum_of_squares(norm, var("m0") + var("token")));
     per_token.push(if_(eq(lane(), int(0)), vec![store("inv_rms", var("token"), inv)]));
     vec![
