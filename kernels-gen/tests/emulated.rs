@@ -1000,12 +1000,14 @@ fn residual_prologue_matmuls_write_the_sum_and_the_product() {
 }
 
 /// Every tensor-core GEMM over bf16 weights, each with a norm prologue, a GLU epilogue and K
-/// splits, the same parameters and results: Hopper's (`wgmma`), Blackwell's (`tcgen05`) and
-/// `mma.sync` (weights by `cp.async` and through registers).
-fn prologue_gemms(norm: Option<gemv::NormPrologue>, glu: Option<GluAct>) -> [Kernel; 4] {
+/// splits, the same parameters and results: Hopper's (`wgmma`, its activations loaded a step
+/// ahead and in their step), Blackwell's (`tcgen05`) and `mma.sync` (weights by `cp.async` and
+/// through registers).
+fn prologue_gemms(norm: Option<gemv::NormPrologue>, glu: Option<GluAct>) -> [Kernel; 5] {
     use gemm_mma::WeightStaging;
     [
         gemm_wgmma::gemm_wgmma_bf16_with("gemm", "test", norm, glu),
+        gemm_wgmma::gemm_wgmma_bf16_loading("gemm", "test", norm, glu, gemm_wgmma::ALoads::InStep),
         gemm_tcgen05::gemm_tcgen05_bf16_with("gemm", "test", norm, glu),
         gemm_mma::gemm_mma_with("gemm", "test", WeightStaging::CpAsync, norm, glu),
         gemm_mma::gemm_mma_with("gemm", "test", WeightStaging::Registers, norm, glu),
@@ -1146,8 +1148,11 @@ fn hopper_wgmma_gemm_matches_reference_on_bf16_inputs() {
         (130, 140, 200),
         (70, 260, 136),
     ];
-    gemm_matches_reference(&gemm_wgmma::gemm_wgmma_bf16("gemm", "test"), &shapes, 0, 15);
-    gemm_matches_reference(&gemm_wgmma::gemm_wgmma_bf16("gemm", "test"), &shapes[1..3], 5, 16);
+    let in_step = gemm_wgmma::gemm_wgmma_bf16_loading("gemm", "test", None, None, gemm_wgmma::ALoads::InStep);
+    for gemm in [gemm_wgmma::gemm_wgmma_bf16("gemm", "test"), in_step] {
+        gemm_matches_reference(&gemm, &shapes, 0, 15);
+        gemm_matches_reference(&gemm, &shapes[1..3], 5, 16);
+    }
 }
 
 /// The Hopper and Blackwell GEMMs with an RMSNorm prologue (`rms_norm_matmul` at many rows):

@@ -7,6 +7,7 @@ use anyhow::{anyhow, Result};
 use codegen::gpu::{self, expr};
 use codegen::Target;
 use kernels_gen::dsl::{Kernel, Ty};
+use kernels_gen::templates::gemm_wgmma::{self, ALoads};
 use kernels_gen::templates::gemv::{self, gemv, GemvSpec, NormPrologue};
 use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::{prefill_gemm, split_k};
@@ -94,6 +95,10 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
     print_profiles(&timings, bandwidth);
     Ok(())
 }
+
+/// The largest batch the matmul table times: a 512-token prompt's chunk, as the decode
+/// section prefills its prompts.
+const PREFILL_ROWS: usize = 512;
 
 /// Llama-3-8B's matmuls: (name, output rows, input width, count per decode step).
 const SHAPES: [(&str, usize, usize, usize); 5] = [
@@ -219,8 +224,9 @@ fn bind<'a, B>(kernel: &Kernel, value: impl Fn(&str) -> Option<DeviceArg<'a, B>>
 /// fused GEMV the serving plan takes; each with one, two and four weight rows a warp, and
 /// prefetching), 4 (the 4-tokens-per-pass GEMVs small batches take, likewise), 16 and 64 (the
 /// tensor-core GEMM, K split as the plans split it, the reduction included; and the
-/// 4-tokens-per-pass GEMV for comparison); the table as markdown, with the step the matmuls
-/// alone would add up to (the whole step is [`decode`]'s).
+/// 4-tokens-per-pass GEMV for comparison) and 512 (a prompt's chunk); Hopper's GEMM also with
+/// its activations loaded in their step, as the second run timed it; the table as markdown,
+/// with the step the matmuls alone would add up to (the whole step is [`decode`]'s).
 pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<String> {
     let mut table = String::from(
         "| matmul | batch | kernel | µs | weight GB/s | % of copy bandwidth |\n|---|---|---|---|---|---|\n",
@@ -242,6 +248,10 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
             gemm.kernel.clone(),
             split_k::reduce("split_k_reduce", "gpu-check", gpu::PREFILL_TOKENS, None),
         ]);
+        // Hopper's GEMM as the second run timed it: its activations loaded in their step.
+        let in_step = (arch == "sm_90a")
+            .then(|| gemm_wgmma::gemm_wgmma_bf16_loading("gemm_a_in_step", "gpu-check", None, None, ALoads::InStep));
+        kernels.extend(in_step.clone());
         let mut device = CudaDevice::compile(&[kernels.clone(), fill_kernels()].concat(), arch)?;
         // Each kernel's own time, as the first run measured it: with programmatic launches the
         // repeated launches would overlap (what they gain is the decode section's to show).
@@ -249,15 +259,16 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
         // Random weights and activations (never zeros: they can run faster than real data).
         let w = device.alloc(n * k * 2)?;
         fill_on_device(&mut device, &w, 0, n * k, Ty::Bf16, Fill::of(1, name, &[n, k]))?;
-        let x = device.alloc(64 * k * 4)?;
-        fill_on_device(&mut device, &x, 0, 64 * k, Ty::F32, Fill::of(2, name, &[64, k]))?;
+        let rows = PREFILL_ROWS;
+        let x = device.alloc(rows * k * 4)?;
+        fill_on_device(&mut device, &x, 0, rows * k, Ty::F32, Fill::of(2, name, &[rows, k]))?;
         // The residual and the norm weight of the fused GEMVs.
-        let b = device.alloc(64 * k * 4)?;
-        fill_on_device(&mut device, &b, 0, 64 * k, Ty::F32, Fill::of(3, name, &[64, k]))?;
+        let b = device.alloc(rows * k * 4)?;
+        fill_on_device(&mut device, &b, 0, rows * k, Ty::F32, Fill::of(3, name, &[rows, k]))?;
         let g = device.alloc(k * 4)?;
         fill_on_device(&mut device, &g, 0, k, Ty::F32, Fill::of(4, name, &[k]))?;
         // Wide enough for the fused GEMVs' `[x + b | product]` rows.
-        let out_bytes = 64 * (k + n) * 4;
+        let out_bytes = rows * (k + n) * 4;
         let out = device.alloc(out_bytes)?;
         let partial_bytes = split_k::partial_len(n, k, gemm.tiles, target.multiprocessors()) * 4;
         let partial = device.alloc(partial_bytes)?;
@@ -265,7 +276,12 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
             .iter()
             .map(|(batch, kernel)| (*batch, kernel.name.as_str()))
             .collect();
-        cases.extend([(16, "gemm"), (64, "gemm")]);
+        for batch in [16, 64, rows] {
+            cases.push((batch, "gemm"));
+            if in_step.is_some() {
+                cases.push((batch, "gemm_a_in_step"));
+            }
+        }
         let reduce = kernels
             .iter()
             .find(|kk| kk.name == "split_k_reduce")
@@ -285,8 +301,8 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
             };
             let grid = grid_of(program, batch, n, k, splits)?;
             let case = MatmulCase {
-                x: (&x, 64 * k * 4),
-                b: (&b, 64 * k * 4),
+                x: (&x, rows * k * 4),
+                b: (&b, rows * k * 4),
                 g: (&g, k * 4),
                 w: (&w, n * k * 2),
                 out: (&out, out_bytes),
@@ -435,6 +451,7 @@ mod tests {
             kernels.extend([
                 gemm,
                 split_k::reduce("split_k_reduce", "test", gpu::PREFILL_TOKENS, None),
+                gemm_wgmma::gemm_wgmma_bf16_loading("gemm_a_in_step", "test", None, None, ALoads::InStep),
             ]);
             for kernel in &kernels {
                 if let Err(e) = bind(kernel, |p| case.value(p)) {

@@ -8,7 +8,7 @@
 //! (16 bytes a copy, no registers, zero-filled past `n` and `k`) into one of two buffers while
 //! the tensor cores work on the other, so the copy of step i+1 overlaps the math of step i.
 //! Activations go straight to registers as `wgmma`'s A operand (f32 in global memory, rounded
-//! to bf16 when packed), loaded while the step's weights are still landing.
+//! to bf16 when packed), a step ahead (see [`ALoads`]).
 //!
 //! Shared layout: `wgmma` reads B through a descriptor without swizzling, as 8×8 core
 //! matrices of 128 contiguous bytes (8 rows × 8 k). Core matrices of one 8-row group sit
@@ -47,8 +47,25 @@ const STRIDE_BYTES: u32 = (TILE_K * 16) as u32;
 /// 16-wide k slices per stage.
 const K_SLICES: usize = (TILE_K / 16) as usize;
 
+/// When a step's A fragments are loaded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ALoads {
+    /// In the step that multiplies them, while its weights land: each step then waits for a
+    /// round trip to L2 before its `wgmma`. On the second H200 run every shape's steps took
+    /// about 3 µs at 16 and 64 tokens (batch 16: 5–28% of copy bandwidth).
+    InStep,
+    /// In the step before, into a second set of registers (32 more a thread), so the loads'
+    /// latency passes under that step's weight wait and `wgmma`.
+    StepAhead,
+}
+
+/// The A fragment `i` of k slice `slice`: `a…` multiplied this step, `an…` the next step's.
 fn a_name(slice: usize, i: usize) -> String {
     format!("a{slice}_{i}")
+}
+
+fn next_a_name(slice: usize, i: usize) -> String {
+    format!("an{slice}_{i}")
 }
 
 fn d_name(i: usize) -> String {
@@ -84,19 +101,19 @@ fn copy_stage(stage: Expr, k0: Expr) -> Vec<Stmt> {
     )]
 }
 
-/// Load this thread's A fragments of the stage at `k0` (zero past `tokens` and `k`): per k
-/// slice, rows g and g + 8 of the warp's 16, columns 2t, 2t + 1 and those + 8. Under a norm
-/// prologue each x meets its norm weight `g + offset` here (the row's `1/rms` is applied to
-/// the result). Under a residual prologue the blocks of the first weight tile also write the
-/// sums they loaded: each (row, column) is one thread's of one such block.
-fn load_a(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
+/// Load this thread's A fragments (named by `name`) of the stage at `k0` (zero past `tokens`
+/// and `k`): per k slice, rows g and g + 8 of the warp's 16, columns 2t, 2t + 1 and those + 8.
+/// Under a norm prologue each x meets its norm weight `g + offset` here (the row's `1/rms` is
+/// applied to the result). Under a residual prologue the blocks of the first weight tile also
+/// write the sums they loaded: each (row, column) is one thread's of one such block.
+fn load_a(norm: Option<NormPrologue>, glu: Option<GluAct>, k0: Expr, name: fn(usize, usize) -> String) -> Vec<Stmt> {
     let mut out = Vec::new();
     for slice in 0..K_SLICES {
         for (row_half, col_half) in [(0, 0), (1, 0), (0, 1), (1, 1)] {
             let row = var("m0") + var("wrow") + var("gr") + int(8 * row_half);
-            let col = var("k0") + int(16 * slice as i64 + 8 * col_half) + var("t2");
+            let col = k0.clone() + int(16 * slice as i64 + 8 * col_half) + var("t2");
             let first = 2 * row_half as usize + 4 * col_half as usize;
-            let names = [a_name(slice, first), a_name(slice, first + 1)];
+            let names = [name(slice, first), name(slice, first + 1)];
             let loaded = [
                 super::prologue_element(norm, glu, row.clone(), col.clone(), &names[0]),
                 super::prologue_element(norm, glu, row.clone(), col.clone() + int(1), &names[1]),
@@ -169,6 +186,20 @@ pub fn gemm_wgmma_bf16(name: &str, origin: &str) -> Kernel {
     gemm_wgmma_bf16_with(name, origin, None, None)
 }
 
+/// A step's A fragments ahead of it: the next step's loaded (where there is one in this K
+/// split) after this step's are taken from the registers they were loaded into.
+fn a_step_ahead(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
+    let mut out: Vec<Stmt> = (0..K_SLICES)
+        .flat_map(|s| (0..8).map(move |i| assign(&a_name(s, i), var(&next_a_name(s, i)))))
+        .collect();
+    let next = var("k0") + int(TILE_K);
+    out.push(if_(
+        lt(next.clone(), var("k_end")),
+        load_a(norm, glu, next, next_a_name),
+    ));
+    out
+}
+
 /// The GEMM with an RMSNorm of `x` before it (`g` its weight): what `rms_norm_matmul` runs for
 /// steps of many rows (an LM head over a batch, a first layer's QKV).
 ///
@@ -176,15 +207,45 @@ pub fn gemm_wgmma_bf16(name: &str, origin: &str) -> Kernel {
 /// piece, and the reduction (`split_k::reduce` with the same `glu`) applies `act(gate)·up`: a
 /// gate column and its up column lie in different weight tiles.
 pub fn gemm_wgmma_bf16_with(name: &str, origin: &str, norm: Option<NormPrologue>, glu: Option<GluAct>) -> Kernel {
+    gemm_wgmma_bf16_loading(name, origin, norm, glu, ALoads::StepAhead)
+}
+
+/// [`gemm_wgmma_bf16_with`], its A fragments loaded as `a_loads` says (the GPU check times
+/// both).
+pub fn gemm_wgmma_bf16_loading(
+    name: &str,
+    origin: &str,
+    norm: Option<NormPrologue>,
+    glu: Option<GluAct>,
+    a_loads: ALoads,
+) -> Kernel {
     let tiles_m = (var("tokens") + int(TILE_M - 1)) / int(TILE_M);
     let tiles_n = (var("n") + int(TILE_N - 1)) / int(TILE_N);
+    let next_a: Vec<String> = match a_loads {
+        ALoads::InStep => vec![],
+        ALoads::StepAhead => (0..K_SLICES)
+            .flat_map(|s| (0..8).map(move |i| next_a_name(s, i)))
+            .collect(),
+    };
     let locals = (0..TILE_N as usize / 2)
         .map(d_name)
         .chain((0..K_SLICES).flat_map(|s| (0..8).map(move |i| a_name(s, i))))
+        .chain(next_a)
         .map(|n| let_(&n, Ty::F32, f(0.0)));
+    let (first_a, step_a) = match a_loads {
+        ALoads::InStep => (vec![], load_a(norm, glu, var("k0"), a_name)),
+        // The first step's, ahead of the loop (a split past the end of K loads none).
+        ALoads::StepAhead => (
+            vec![if_(
+                lt(var("k_begin"), var("k_end")),
+                load_a(norm, glu, var("k_begin"), next_a_name),
+            )],
+            a_step_ahead(norm, glu),
+        ),
+    };
     let step = [
         super::pipeline_step_head(TILE_K, var("k_end"), copy_stage),
-        load_a(norm, glu),
+        step_a,
         vec![Stmt::CpAsyncWait(1), Stmt::FenceProxyAsync, Stmt::SyncThreads],
         multiply_stage(),
         // Nobody refills this buffer (next step) before every thread is past the wait.
@@ -206,6 +267,7 @@ pub fn gemm_wgmma_bf16_with(name: &str, origin: &str, norm: Option<NormPrologue>
         norm.map(row_norms).unwrap_or_default(),
         locals.collect(),
         copy_stage(rem(var("k_begin") / int(TILE_K), int(2)), var("k_begin")),
+        first_a,
         vec![
             Stmt::CpAsyncCommit,
             for_("k0", var("k_begin"), var("k_end"), int(TILE_K), step),
@@ -226,9 +288,13 @@ pub fn gemm_wgmma_bf16_with(name: &str, origin: &str, norm: Option<NormPrologue>
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: {}matmul x·Wᵀ on Hopper tensor cores (wgmma m64n{TILE_N}k16 bf16, A from registers, \
-             B through a 2-stage cp.async pipeline of {TILE_N}×{TILE_K} slices, K split in `splits`)",
-            gemv::describe(norm)
+            "{origin}: {}matmul x·Wᵀ on Hopper tensor cores (wgmma m64n{TILE_N}k16 bf16, A from registers \
+             loaded {}, B through a 2-stage cp.async pipeline of {TILE_N}×{TILE_K} slices, K split in `splits`)",
+            gemv::describe(norm),
+            match a_loads {
+                ALoads::InStep => "in its step",
+                ALoads::StepAhead => "a step ahead",
+            }
         ),
         params: [prologue_gemm_params(norm, Ty::Bf16), split_k::params()].concat(),
         shared,
