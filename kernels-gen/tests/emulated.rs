@@ -231,37 +231,33 @@ fn gemv_matches_reference_for_f32_and_bf16_weights() {
             // The plain GEMV prefetching its weights as the norm-prologue ones do.
             let prefetching = x_vectors.with_prefetch_steps(gemv::PREFETCH_STEPS);
             for spec in [decode, decode.prefill(), x_vectors, x_vectors.prefill(), prefetching] {
-                let one_row = run_gemv(&gemv::gemv("gemv", "test", spec), &x, wbuf.clone(), (tokens, n, k, k));
-                close(&one_row.to_f32().unwrap(), &want, 1e-5, &format!("gemv {spec:?}"));
-                for spec in sharing_rows(spec) {
-                    let out = run_gemv(&gemv::gemv("gemv", "test", spec), &x, wbuf.clone(), (tokens, n, k, k));
-                    same_bits(&out, &one_row, &format!("gemv {spec:?}"));
-                }
+                let run = |spec| run_gemv(&gemv::gemv("gemv", "test", spec), &x, wbuf.clone(), (tokens, n, k, k));
+                matches_with_any_rows_per_warp(spec, &want, "gemv", run);
             }
         }
     }
 }
 
-/// `spec` with 2, 3 and 4 weight rows a warp, where its weights allow more than one.
-fn sharing_rows(spec: GemvSpec) -> Vec<GemvSpec> {
-    (2..=gemv::MAX_ROWS_PER_WARP)
+/// `run(spec)` (a GEMV's output) close to `want`; and with 2, 3 and 4 weight rows a warp,
+/// where `spec`'s weights allow more than one, the same bits as with one: sharing activation
+/// loads among a warp's rows changes no row's order of sums (each element compared by its
+/// bits; `out` is poisoned before a launch, so a row left unwritten differs too).
+fn matches_with_any_rows_per_warp(spec: GemvSpec, want: &[f32], what: &str, run: impl Fn(GemvSpec) -> Array) {
+    let one_row = run(spec).to_f32().unwrap();
+    close(&one_row, want, 1e-5, &format!("{what} {spec:?}"));
+    let sharing = (2..=gemv::MAX_ROWS_PER_WARP)
         .map(|rows| spec.with_rows_per_warp(rows))
-        .filter(|shared| shared.rows_per_warp > 1)
-        .collect()
-}
-
-/// Sharing activation loads among a warp's rows changes no row's order of sums: the same bits
-/// as one row a warp (each element compared by its bits; `out` is poisoned before a launch,
-/// so a row left unwritten differs too).
-fn same_bits(out: &Array, one_row: &Array, what: &str) {
-    let (out, one_row) = (out.to_f32().unwrap(), one_row.to_f32().unwrap());
-    assert_eq!(out.len(), one_row.len(), "{what}");
-    for (i, (a, b)) in out.iter().zip(&one_row).enumerate() {
-        assert_eq!(
-            a.to_bits(),
-            b.to_bits(),
-            "{what}: element {i}: {a} against {b} with one row a warp"
-        );
+        .filter(|shared| shared.rows_per_warp > 1);
+    for spec in sharing {
+        let out = run(spec).to_f32().unwrap();
+        assert_eq!(out.len(), one_row.len(), "{what} {spec:?}");
+        for (i, (a, b)) in out.iter().zip(&one_row).enumerate() {
+            assert_eq!(
+                a.to_bits(),
+                b.to_bits(),
+                "{what} {spec:?}: element {i}: {a} against {b} with one row a warp"
+            );
+        }
     }
 }
 
@@ -841,19 +837,11 @@ fn rms_norm_prologue_gemv_matches_norm_then_matmul() {
         let decode =
             GemvSpec::decode(quant::WeightFormat::Dense(Ty::F32), k).with_norm(gemv::NormPrologue::new(1e-6, 1.0));
         for spec in [decode, decode.prefill(), decode.with_x_vectors().prefill()] {
-            let kernel = gemv::gemv("norm_gemv", "test", spec);
-            let one_row = run_norm_gemv(&kernel, &x, Some(&g), Array::f32(&w), (tokens, n, k, k));
-            close(
-                &one_row.to_f32().unwrap(),
-                &want,
-                1e-5,
-                &format!("rms_norm_gemv {spec:?}"),
-            );
-            for spec in sharing_rows(spec) {
+            let run = |spec| {
                 let kernel = gemv::gemv("norm_gemv", "test", spec);
-                let out = run_norm_gemv(&kernel, &x, Some(&g), Array::f32(&w), (tokens, n, k, k));
-                same_bits(&out, &one_row, &format!("rms_norm_gemv {spec:?}"));
-            }
+                run_norm_gemv(&kernel, &x, Some(&g), Array::f32(&w), (tokens, n, k, k))
+            };
+            matches_with_any_rows_per_warp(spec, &want, "rms_norm_gemv", run);
         }
     }
 }
@@ -892,20 +880,11 @@ fn glu_epilogue_gates_the_product() {
             .with_norm(norm)
             .with_glu(act);
         for spec in [decode, decode.prefill(), decode.with_x_vectors().prefill()] {
-            let kernel = gemv::gemv("glu_gemv", "test", spec);
-            let dims = (tokens, n, k, n / 2);
-            let one_row = try_run_residual_matmul((&kernel, None), &inputs, Array::f32(w), dims, 1).unwrap();
-            close(
-                &one_row.to_f32().unwrap(),
-                &want,
-                1e-5,
-                &format!("{tokens}×{n}×{k} {spec:?}"),
-            );
-            for spec in sharing_rows(spec) {
+            let run = |spec| {
                 let kernel = gemv::gemv("glu_gemv", "test", spec);
-                let out = try_run_residual_matmul((&kernel, None), &inputs, Array::f32(w), dims, 1).unwrap();
-                same_bits(&out, &one_row, &format!("{tokens}×{n}×{k} {spec:?}"));
-            }
+                try_run_residual_matmul((&kernel, None), &inputs, Array::f32(w), (tokens, n, k, n / 2), 1).unwrap()
+            };
+            matches_with_any_rows_per_warp(spec, &want, &format!("{tokens}×{n}×{k}"), run);
         }
     }
     let act = GluAct::Silu;
@@ -959,20 +938,11 @@ fn residual_prologue_matmuls_write_the_sum_and_the_product() {
             decode.with_x_vectors(),
             decode.with_x_vectors().prefill(),
         ] {
-            let kernel = gemv::gemv("add_norm_gemv", "test", spec);
-            let dims = (tokens, n, k, n);
-            let one_row = try_run_residual_matmul((&kernel, None), &inputs, Array::f32(w), dims, 1).unwrap();
-            close(
-                &one_row.to_f32().unwrap(),
-                &want,
-                1e-5,
-                &format!("{tokens}×{n}×{k} {spec:?}"),
-            );
-            for spec in sharing_rows(spec) {
+            let run = |spec| {
                 let kernel = gemv::gemv("add_norm_gemv", "test", spec);
-                let out = try_run_residual_matmul((&kernel, None), &inputs, Array::f32(w), dims, 1).unwrap();
-                same_bits(&out, &one_row, &format!("{tokens}×{n}×{k} {spec:?}"));
-            }
+                try_run_residual_matmul((&kernel, None), &inputs, Array::f32(w), (tokens, n, k, n), 1).unwrap()
+            };
+            matches_with_any_rows_per_warp(spec, &want, &format!("{tokens}×{n}×{k}"), run);
         }
     }
     let reduce = split_k::reduce("reduce", "test", 16, None);
