@@ -52,7 +52,7 @@ const K_SLICES: usize = (TILE_K / 16) as usize;
 pub enum ALoads {
     /// In the step that multiplies them, while its weights land: each step then waits for a
     /// round trip to L2 before its `wgmma`. On the second H200 run every shape's steps took
-    /// about 3 µs at 16 and 64 tokens (batch 16: 5–28% of copy bandwidth).
+    /// about 3 µs at 16 and 64 tokens (19–33% of copy bandwidth).
     InStep,
     /// In the step before, into a second set of registers (32 more a thread), so the loads'
     /// latency passes under that step's weight wait and `wgmma`.

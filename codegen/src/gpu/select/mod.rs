@@ -746,7 +746,7 @@ impl MatMul {
             s.launches.push((i, kernel, alternatives, args));
             return;
         };
-        let (n, k, sms) = (self.n, self.k, plan.target.multiprocessors());
+        let (n, k) = (self.n, self.k);
         let mut partial_len = split_k::partial_len(n, k, tiles, sms);
         if self.glu.is_some() {
             // Every product goes through the partials, in one split too: room for every row.
