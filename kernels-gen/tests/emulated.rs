@@ -376,6 +376,12 @@ fn top_k_matches_reference_with_ties_and_nan() {
             logits[v + 2] = m - 0.5;
             logits[v + 1] = f32::NAN;
         }
+        // Ties among one thread's elements: in one group of loads and in the next.
+        if v > 2100 {
+            let m = logits[v + 9];
+            logits[v + 3 + 256] = m;
+            logits[v + 3 + 2048] = m;
+        }
         for k in [1, 5] {
             let k = k.min(v);
             let kernel = top_k::top_k("top_k", "test");

@@ -17,45 +17,43 @@ pub(crate) fn ranks_before(v: Expr, i: Expr, bv: Expr, bi: Expr) -> Expr {
     and(bin(BinOp::Ge, i, int(0)), or(best_empty, or(larger, tie_earlier)))
 }
 
+/// Elements of the row a thread loads before it ranks them: a row of the vocabulary is long
+/// (Llama 3's 128 256 over 256 threads: 501 a thread), and one load at a time made a batch-1
+/// argmax take 81 µs on the H200, 1.5% of an 8B decode step.
+const LOADS_IN_FLIGHT: i64 = 8;
+
 /// One round: this thread's best among the elements ranked after (`prev`, `prev_i`), then the
-/// block's best in `vals[0]`/`idx[0]`.
+/// block's best in `vals[0]`/`idx[0]`. The thread visits its elements `tid, tid + bdim, …` in
+/// that order, [`LOADS_IN_FLIGHT`] loaded at a time.
 fn round() -> Vec<Stmt> {
+    let at = |u: i64| match u {
+        0 => var("i"),
+        _ => var("i") + bdim() * int(u),
+    };
+    let mut group = Vec::new();
+    for u in 0..LOADS_IN_FLIGHT {
+        let x = format!("x{u}");
+        // The loop's bound keeps the first inside the row.
+        match u {
+            0 => group.push(let_(&x, Ty::F32, load("logits", var("base") + at(0)))),
+            _ => group.extend([
+                let_(&x, Ty::F32, f(f32::NEG_INFINITY)),
+                if_(
+                    bin(BinOp::Lt, at(u), var("v")),
+                    vec![assign(&x, load("logits", var("base") + at(u)))],
+                ),
+            ]),
+        }
+    }
+    // Each in its own scope (the first's bound holds already, as above).
+    for u in 0..LOADS_IN_FLIGHT {
+        let candidate = consider(var(&format!("x{u}")), at(u));
+        group.push(if_(bin(BinOp::Lt, at(u), var("v")), candidate));
+    }
     let mut body = vec![
         let_("best", Ty::F32, f(f32::NEG_INFINITY)),
         let_("best_i", Ty::I32, int(-1)),
-        for_(
-            "i",
-            tid(),
-            var("v"),
-            bdim(),
-            vec![
-                let_("x", Ty::F32, load("logits", var("base") + var("i"))),
-                // x == x is false for NaN, which ranks as −∞.
-                let_(
-                    "key",
-                    Ty::F32,
-                    select(bin(BinOp::Eq, var("x"), var("x")), var("x"), f(f32::NEG_INFINITY)),
-                ),
-                let_(
-                    "after_prev",
-                    Ty::Bool,
-                    or(
-                        bin(BinOp::Lt, var("key"), var("prev")),
-                        and(
-                            bin(BinOp::Eq, var("key"), var("prev")),
-                            bin(BinOp::Gt, var("i"), var("prev_i")),
-                        ),
-                    ),
-                ),
-                if_(
-                    and(
-                        var("after_prev"),
-                        ranks_before(var("key"), var("i"), var("best"), var("best_i")),
-                    ),
-                    vec![assign("best", var("key")), assign("best_i", var("i"))],
-                ),
-            ],
-        ),
+        for_("i", tid(), var("v"), bdim() * int(LOADS_IN_FLIGHT), group),
         // Everyone has read the previous winner from vals[0]/idx[0] before they are rewritten.
         Stmt::SyncThreads,
         store("vals", tid(), var("best")),
@@ -90,6 +88,37 @@ fn round() -> Vec<Stmt> {
         assign("prev_i", load("idx", int(0))),
     ]);
     body
+}
+
+/// Element `i` (value `x`) becomes the thread's best where it ranks after the previous
+/// round's winner and before the best so far; NaN ranks as −∞.
+fn consider(x: Expr, i: Expr) -> Vec<Stmt> {
+    vec![
+        // x == x is false for NaN.
+        let_(
+            "key",
+            Ty::F32,
+            select(bin(BinOp::Eq, x.clone(), x.clone()), x, f(f32::NEG_INFINITY)),
+        ),
+        let_(
+            "after_prev",
+            Ty::Bool,
+            or(
+                bin(BinOp::Lt, var("key"), var("prev")),
+                and(
+                    bin(BinOp::Eq, var("key"), var("prev")),
+                    bin(BinOp::Gt, i.clone(), var("prev_i")),
+                ),
+            ),
+        ),
+        if_(
+            and(
+                var("after_prev"),
+                ranks_before(var("key"), i.clone(), var("best"), var("best_i")),
+            ),
+            vec![assign("best", var("key")), assign("best_i", i)],
+        ),
+    ]
 }
 
 pub fn top_k(name: &str, origin: &str) -> Kernel {
