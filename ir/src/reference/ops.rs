@@ -46,16 +46,34 @@ pub fn rope_cos_sin(spec: &RopeSpec, inv_freq: &[f32], position: usize, cos: &mu
 /// Rotate one token's `[heads·head_dim]` row in place, given its (cos, sin).
 pub fn rope_row(spec: &RopeSpec, row: &mut [f32], cos: &[f32], sin: &[f32]) {
     let half = spec.rotary_dim / 2;
+    let (cos, sin) = (&cos[..half], &sin[..half]);
     for head in row.chunks_exact_mut(spec.head_dim) {
-        for i in 0..half {
-            let (a, b) = match spec.layout {
-                RopeLayout::RotateHalf => (i, i + half),
-                RopeLayout::AdjacentPairs => (2 * i, 2 * i + 1),
-                RopeLayout::Proportional => (i, i + spec.head_dim / 2),
-            };
-            let (x0, x1) = (head[a], head[b]);
-            head[a] = x0 * cos[i] - x1 * sin[i];
-            head[b] = x1 * cos[i] + x0 * sin[i];
+        // Each pair's elements `x0` (at `i` or `2i`) and `x1`; the halves' pairs as two
+        // disjoint slices, which the compiler turns into vector arithmetic (the same operations
+        // in the same order: the same bits as pair by pair).
+        let rotate = |x0: &mut f32, x1: &mut f32, (c, s): (f32, f32)| {
+            let (a, b) = (*x0, *x1);
+            *x0 = a * c - b * s;
+            *x1 = b * c + a * s;
+        };
+        let pairs = cos.iter().copied().zip(sin.iter().copied());
+        match spec.layout {
+            RopeLayout::AdjacentPairs => {
+                for (pair, cs) in head.chunks_exact_mut(2).zip(pairs) {
+                    let [x0, x1] = pair else { unreachable!("pairs of two") };
+                    rotate(x0, x1, cs);
+                }
+            }
+            RopeLayout::RotateHalf | RopeLayout::Proportional => {
+                let second = match spec.layout {
+                    RopeLayout::RotateHalf => half,
+                    _ => spec.head_dim / 2,
+                };
+                let (first, rest) = head.split_at_mut(second);
+                for ((x0, x1), cs) in first[..half].iter_mut().zip(&mut rest[..half]).zip(pairs) {
+                    rotate(x0, x1, cs);
+                }
+            }
         }
     }
 }
@@ -580,6 +598,52 @@ pub fn top_k(row: &[f32], k: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `rope_row` rotates each pair as the formula does, pair by pair, to the bit, in every
+    /// layout, with a partial rotary width and the elements past it left alone.
+    #[test]
+    fn rope_row_rotates_each_pair_as_the_formula_does() {
+        for layout in [
+            RopeLayout::RotateHalf,
+            RopeLayout::AdjacentPairs,
+            RopeLayout::Proportional,
+        ] {
+            for (head_dim, rotary_dim) in [(8, 8), (16, 8), (128, 128), (64, 40)] {
+                let spec = RopeSpec {
+                    heads: 3,
+                    head_dim,
+                    rotary_dim,
+                    theta: 10000.0,
+                    position_scale: 1.0,
+                    layout,
+                    scaling: crate::RopeScaling::None,
+                };
+                let half = rotary_dim / 2;
+                let row: Vec<f32> = (0..3 * head_dim)
+                    .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                    .collect();
+                let cos: Vec<f32> = (0..half).map(|i| (i as f32 * 0.3).cos()).collect();
+                let sin: Vec<f32> = (0..half).map(|i| (i as f32 * 0.3).sin()).collect();
+                let mut want = row.clone();
+                for head in want.chunks_exact_mut(head_dim) {
+                    for i in 0..half {
+                        let (a, b) = match layout {
+                            RopeLayout::RotateHalf => (i, i + half),
+                            RopeLayout::AdjacentPairs => (2 * i, 2 * i + 1),
+                            RopeLayout::Proportional => (i, i + head_dim / 2),
+                        };
+                        let (x0, x1) = (head[a], head[b]);
+                        head[a] = x0 * cos[i] - x1 * sin[i];
+                        head[b] = x1 * cos[i] + x0 * sin[i];
+                    }
+                }
+                let mut got = row.clone();
+                rope_row(&spec, &mut got, &cos, &sin);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "{layout:?} {head_dim}/{rotary_dim}");
+            }
+        }
+    }
 
     #[test]
     fn transpose_row_groups_transposes_each_groups_picked_rows() {
