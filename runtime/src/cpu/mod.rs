@@ -784,12 +784,15 @@ fn add_rms_norm(a: &[f32], b: &[f32], w: &[f32], eps: f64, weight_offset: f32, o
         let at = first * d;
         let inputs = a[at..].chunks_exact(d).zip(b[at..].chunks_exact(d));
         for (row, (a, b)) in run.chunks_exact_mut(2 * d).zip(inputs) {
-            let (sum, normed) = row.split_at_mut(d);
-            for ((s, x), y) in sum.iter_mut().zip(a).zip(b) {
+            for ((s, x), y) in row[..d].iter_mut().zip(a).zip(b) {
                 *s = x + y;
             }
-            ops::rms_norm(sum, w, eps, weight_offset, normed);
         }
+        let halves = run.chunks_exact_mut(2 * d).map(|row| {
+            let (sum, normed) = row.split_at_mut(d);
+            (&*sum, normed)
+        });
+        ops::rms_norm_rows(halves, w, eps, weight_offset);
     });
 }
 
