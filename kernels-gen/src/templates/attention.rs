@@ -361,25 +361,23 @@ pub fn attention_combine(name: &str, origin: &str, head_dim: usize) -> Kernel {
     let threads = dims_per_lane(head_dim) as u32 * 32;
     let stride = int(head_dim as i64 + 2);
     let hd = int(head_dim as i64);
-    let split = |u: i64| match u {
-        0 => var("sp"),
-        _ => var("sp") + int(u),
-    };
-    let at = |u: i64, field: Expr| load("partial", var("first_split") + split(u) * stride.clone() + field);
+    let at = |split: Expr, field: Expr| load("partial", var("first_split") + split * stride.clone() + field);
     let named = |name: &str, u: i64| format!("{name}{u}");
-    let top = walk_splits(&split, &|u| vec![(named("m", u), at(u, hd.clone()))], &|u| {
+    let walk_splits = |loads: &dyn Fn(i64, Expr) -> Vec<(String, Expr)>, merge: &dyn Fn(i64, Expr) -> Vec<Stmt>| {
+        super::loads_in_flight("sp", (int(0), var("splits")), int(1), SPLITS_IN_FLIGHT, loads, merge)
+    };
+    let top = walk_splits(&|u, sp| vec![(named("m", u), at(sp, hd.clone()))], &|u, _| {
         vec![assign("top", bin(BinOp::Max, var("top"), var(&named("m", u))))]
     });
     let merged = walk_splits(
-        &split,
-        &|u| {
+        &|u, sp| {
             vec![
-                (named("m", u), at(u, hd.clone())),
-                (named("l", u), at(u, hd.clone() + int(1))),
-                (named("a", u), at(u, tid())),
+                (named("m", u), at(sp.clone(), hd.clone())),
+                (named("l", u), at(sp.clone(), hd.clone() + int(1))),
+                (named("a", u), at(sp, tid())),
             ]
         },
-        &|u| {
+        &|u, _| {
             vec![
                 let_("wt", Ty::F32, weight_of(var(&named("m", u)), var("top"))),
                 assign("sum", var("sum") + var(&named("l", u)) * var("wt")),
@@ -414,24 +412,4 @@ pub fn attention_combine(name: &str, origin: &str, head_dim: usize) -> Kernel {
         grid: var("tokens") * var("heads"),
         body,
     }
-}
-
-/// A walk over a row's splits, [`SPLITS_IN_FLIGHT`] a step (`split(u)` is the step's `u`-th):
-/// the step's `loads(u)` (f32 locals and their values) for every split that exists, issued
-/// together, then `merge(u)` for each in split order.
-fn walk_splits(
-    split: &dyn Fn(i64) -> Expr,
-    loads: &dyn Fn(i64) -> Vec<(String, Expr)>,
-    merge: &dyn Fn(i64) -> Vec<Stmt>,
-) -> Stmt {
-    let exists = |u: i64| lt(split(u), var("splits"));
-    let mut step = Vec::new();
-    for u in 0..SPLITS_IN_FLIGHT {
-        let values = loads(u);
-        step.extend(values.iter().map(|(name, _)| let_(name, Ty::F32, f(0.0))));
-        let assigned = values.into_iter().map(|(name, value)| assign(&name, value)).collect();
-        step.push(if_(exists(u), assigned));
-    }
-    step.extend((0..SPLITS_IN_FLIGHT).map(|u| if_(exists(u), merge(u))));
-    for_("sp", int(0), var("splits"), int(SPLITS_IN_FLIGHT), step)
 }

@@ -198,32 +198,21 @@ const SQUARES_IN_FLIGHT: i64 = 8;
 
 /// `sq`, in every lane of the warp: the sum of squares of the row `row` a prologue GEMM
 /// normalises (`x`, or `x + b`), lanes striding along it, [`SQUARES_IN_FLIGHT`] elements
-/// loaded before they are summed (in the row's order, a missing one past `k` as +0: the sum is
-/// the one-at-a-time loop's, bit for bit); zero past `tokens`.
+/// loaded before they are summed (in the row's order: the sum is the one-at-a-time loop's, bit
+/// for bit); zero past `tokens`.
 pub fn warp_sum_of_squares(norm: gemv::NormPrologue, row: Expr) -> Vec<Stmt> {
     let element = |u: i64| format!("xv{u}");
-    let mut group = Vec::new();
-    // The loop's bound keeps the first in the row.
-    group.push(let_(
-        &element(0),
-        Ty::F32,
-        prologue_x(Some(norm), row.clone(), var("c")),
-    ));
-    for u in 1..SQUARES_IN_FLIGHT {
-        let c = var("c") + int(32 * u);
-        group.push(let_(&element(u), Ty::F32, f(0.0)));
-        group.push(if_(
-            lt(c.clone(), var("k")),
-            vec![assign(&element(u), prologue_x(Some(norm), row.clone(), c))],
-        ));
-    }
-    group.extend((0..SQUARES_IN_FLIGHT).map(|u| assign("sq", var("sq") + var(&element(u)) * var(&element(u)))));
+    let sum = loads_in_flight(
+        "c",
+        (lane(), var("k")),
+        int(32),
+        SQUARES_IN_FLIGHT,
+        &|u, c| vec![(element(u), prologue_x(Some(norm), row.clone(), c))],
+        &|u, _| vec![assign("sq", var("sq") + var(&element(u)) * var(&element(u)))],
+    );
     let mut out = vec![
         let_("sq", Ty::F32, f(0.0)),
-        if_(
-            lt(row.clone(), var("tokens")),
-            vec![for_("c", lane(), var("k"), int(32 * SQUARES_IN_FLIGHT), group)],
-        ),
+        if_(lt(row.clone(), var("tokens")), vec![sum]),
     ];
     out.extend(warp_sum("sq"));
     out
@@ -269,6 +258,53 @@ pub const BLOCK: u32 = 256;
 /// `ceil(n / d)` as a grid expression over a scalar parameter.
 pub fn blocks_for(n: Expr, per_block: i64) -> Expr {
     (n + int(per_block - 1)) / int(per_block)
+}
+
+/// A loop of `index` from `start` while below `end`, `count` elements a step `stride` apart
+/// (the `u`-th at `index + u·stride`): each step loads every element below `end` before it
+/// merges any (`loads(u, at)`: f32 locals and their values, declared 0 past `end`), then runs
+/// `merge(u, at)` for each of them in order, so the elements meet the merge in a plain loop's
+/// order. What keeps several loads in flight a thread where a loop of one load a step waits on
+/// each in turn (a row's norm before a prologue GEMM, a top-k row, attention's partials).
+pub fn loads_in_flight(
+    index: &str,
+    (start, end): (Expr, Expr),
+    stride: Expr,
+    count: i64,
+    loads: &dyn Fn(i64, Expr) -> Vec<(String, Expr)>,
+    merge: &dyn Fn(i64, Expr) -> Vec<Stmt>,
+) -> Stmt {
+    let at = |u: i64| match (u, &stride) {
+        (0, _) => var(index),
+        (_, Expr::Int(s)) => var(index) + int(s * u),
+        (_, stride) => var(index) + stride.clone() * int(u),
+    };
+    // The loop's bound keeps the first element below `end`.
+    let below_end = |u: i64, body: Vec<Stmt>| match u {
+        0 => body,
+        _ => vec![if_(lt(at(u), end.clone()), body)],
+    };
+    let mut step = Vec::new();
+    for u in 0..count {
+        let values = loads(u, at(u));
+        if u == 0 {
+            step.extend(values.into_iter().map(|(name, value)| let_(&name, Ty::F32, value)));
+            continue;
+        }
+        step.extend(values.iter().map(|(name, _)| let_(name, Ty::F32, f(0.0))));
+        let assigned = values.into_iter().map(|(name, value)| assign(&name, value)).collect();
+        step.extend(below_end(u, assigned));
+    }
+    // The first merge in the step's scope, each later one in its own (merges may declare
+    // locals).
+    for u in 0..count {
+        step.extend(below_end(u, merge(u, at(u))));
+    }
+    let step_size = match &stride {
+        Expr::Int(s) => int(s * count),
+        stride => stride.clone() * int(count),
+    };
+    for_(index, start, end, step_size, step)
 }
 
 /// A thread per element: `i` is the thread's index in the grid, and `body` runs where

@@ -26,34 +26,18 @@ const LOADS_IN_FLIGHT: i64 = 8;
 /// block's best in `vals[0]`/`idx[0]`. The thread visits its elements `tid, tid + bdim, …` in
 /// that order, [`LOADS_IN_FLIGHT`] loaded at a time.
 fn round() -> Vec<Stmt> {
-    let at = |u: i64| match u {
-        0 => var("i"),
-        _ => var("i") + bdim() * int(u),
-    };
-    let mut group = Vec::new();
-    for u in 0..LOADS_IN_FLIGHT {
-        let x = format!("x{u}");
-        // The loop's bound keeps the first inside the row.
-        match u {
-            0 => group.push(let_(&x, Ty::F32, load("logits", var("base") + at(0)))),
-            _ => group.extend([
-                let_(&x, Ty::F32, f(f32::NEG_INFINITY)),
-                if_(
-                    bin(BinOp::Lt, at(u), var("v")),
-                    vec![assign(&x, load("logits", var("base") + at(u)))],
-                ),
-            ]),
-        }
-    }
-    // Each in its own scope (the first's bound holds already, as above).
-    for u in 0..LOADS_IN_FLIGHT {
-        let candidate = consider(var(&format!("x{u}")), at(u));
-        group.push(if_(bin(BinOp::Lt, at(u), var("v")), candidate));
-    }
+    let candidates = super::loads_in_flight(
+        "i",
+        (tid(), var("v")),
+        bdim(),
+        LOADS_IN_FLIGHT,
+        &|u, at| vec![(format!("x{u}"), load("logits", var("base") + at))],
+        &|u, at| consider(var(&format!("x{u}")), at),
+    );
     let mut body = vec![
         let_("best", Ty::F32, f(f32::NEG_INFINITY)),
         let_("best_i", Ty::I32, int(-1)),
-        for_("i", tid(), var("v"), bdim() * int(LOADS_IN_FLIGHT), group),
+        candidates,
         // Everyone has read the previous winner from vals[0]/idx[0] before they are rewritten.
         Stmt::SyncThreads,
         store("vals", tid(), var("best")),
