@@ -783,13 +783,12 @@ fn add_rms_norm(a: &[f32], b: &[f32], w: &[f32], eps: f64, weight_offset: f32, o
     rows::for_row_runs(out, 2 * d, |first, run| {
         let at = first * d;
         let inputs = a[at..].chunks_exact(d).zip(b[at..].chunks_exact(d));
-        for (row, (a, b)) in run.chunks_exact_mut(2 * d).zip(inputs) {
-            for ((s, x), y) in row[..d].iter_mut().zip(a).zip(b) {
+        // Each row's sum is written as the norm takes the row.
+        let halves = run.chunks_exact_mut(2 * d).zip(inputs).map(|(row, (a, b))| {
+            let (sum, normed) = row.split_at_mut(d);
+            for ((s, x), y) in sum.iter_mut().zip(a).zip(b) {
                 *s = x + y;
             }
-        }
-        let halves = run.chunks_exact_mut(2 * d).map(|row| {
-            let (sum, normed) = row.split_at_mut(d);
             (&*sum, normed)
         });
         ops::rms_norm_rows(halves, w, eps, weight_offset);
