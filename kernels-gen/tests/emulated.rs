@@ -894,7 +894,7 @@ fn glu_epilogue_gates_the_product() {
         }
     }
     let act = GluAct::Silu;
-    let reduce = split_k::reduce("reduce", "test", 16, Some(act));
+    let reduce = split_k::reduce("reduce", "test", 16, Some(act), Some(norm));
     for gemm in prologue_gemms(Some(norm), Some(act)) {
         for (tokens, n, k) in [(20, 260, 136), (17, 64, 256), (70, 130, 72)] {
             let strides = (k, k + 8);
@@ -951,7 +951,7 @@ fn residual_prologue_matmuls_write_the_sum_and_the_product() {
             matches_with_any_rows_per_warp(spec, &want, &format!("{tokens}×{n}×{k}"), run);
         }
     }
-    let reduce = split_k::reduce("reduce", "test", 16, None);
+    let reduce = split_k::reduce("reduce", "test", 16, None, Some(norm));
     for gemm in prologue_gemms(Some(norm), None) {
         for (tokens, n, k, pads) in [(20, 70, 136, (3, 0)), (33, 130, 256, (0, 5)), (70, 40, 64, (0, 0))] {
             let strides = (k + pads.0, k + pads.1);
@@ -1043,7 +1043,7 @@ fn half_weights_match_the_reference() {
         Some(norm),
         None,
     );
-    let reduce = split_k::reduce("reduce", "test", 16, None);
+    let reduce = split_k::reduce("reduce", "test", 16, None, Some(norm));
     let (tokens, n, k) = (20, 70, 136);
     let mut inputs = Residual::random(&mut rng, (tokens, n, k), (k + 3, k));
     inputs.w = exact(&inputs.w);
@@ -1140,7 +1140,7 @@ fn norm_gemm_matches_reference() {
     let mut rng = Rng(23);
     let (eps, offset) = (1e-5f32, 1.0f32);
     let norm = gemv::NormPrologue::new(eps, offset);
-    let reduce = split_k::reduce("reduce", "test", 16, None);
+    let reduce = split_k::reduce("reduce", "test", 16, None, Some(norm));
     for gemm in prologue_gemms(Some(norm), None) {
         for (tokens, n, k, pad) in [(20, 70, 136, 3), (33, 9, 256, 0), (70, 130, 40, 0)] {
             let x_stride = k + pad;
@@ -1178,7 +1178,7 @@ fn norm_gemm_matches_reference() {
 #[test]
 fn split_k_gemm_matches_reference() {
     let mut rng = Rng(21);
-    let reduce = split_k::reduce("reduce", "test", 16, None);
+    let reduce = split_k::reduce("reduce", "test", 16, None, None);
     for gemm in prologue_gemms(None, None) {
         for (tokens, n, k) in [(16, 130, 520), (20, 64, 256), (17, 8, 136)] {
             let (x, w) = (rng.vec(tokens * k), rng.vec(n * k));

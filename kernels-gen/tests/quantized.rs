@@ -136,7 +136,7 @@ fn quantized_tensor_core_gemm_takes_the_residual_norm_prologue() {
     for format in QUANT_FORMATS {
         let (data, k, n) = two_block_rows(format);
         let kernel = gemm_mma_with("gemm_q", "test", WeightStaging::Dequantize(format), Some(norm), None);
-        let reduce = reduce("reduce", "test", 16, None);
+        let reduce = reduce("reduce", "test", 16, None, Some(norm));
         let tokens = 20;
         let mut inputs = common::Residual::random(&mut rng, (tokens, n, k), (k + 4, k));
         // The reference multiplies the dequantized weights.

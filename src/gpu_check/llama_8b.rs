@@ -246,7 +246,7 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
         kernels.extend([
             // The target's tensor-core GEMM: wgmma on sm_90a, tcgen05 on sm_100a, mma.sync on sm_120a.
             gemm.kernel.clone(),
-            split_k::reduce("split_k_reduce", "gpu-check", gpu::PREFILL_TOKENS, None),
+            split_k::reduce("split_k_reduce", "gpu-check", gpu::PREFILL_TOKENS, None, None),
         ]);
         // Hopper's GEMM as the second run timed it: its activations loaded in their step.
         let in_step = (arch == "sm_90a")
@@ -387,7 +387,7 @@ mod tests {
     /// parameter without a value is an error naming it.
     #[test]
     fn arguments_are_bound_by_parameter_name() {
-        let reduce = split_k::reduce("reduce", "test", 16, None);
+        let reduce = split_k::reduce("reduce", "test", 16, None, None);
         let buffer = 7usize;
         let value = |param: &str| -> Option<DeviceArg<'_, usize>> {
             Some(match param {
@@ -450,7 +450,7 @@ mod tests {
             let mut kernels: Vec<Kernel> = gemvs.into_iter().map(|(_, kernel)| kernel).collect();
             kernels.extend([
                 gemm,
-                split_k::reduce("split_k_reduce", "test", gpu::PREFILL_TOKENS, None),
+                split_k::reduce("split_k_reduce", "test", gpu::PREFILL_TOKENS, None, None),
                 gemm_wgmma::gemm_wgmma_bf16_loading("gemm_a_in_step", "test", None, None, ALoads::InStep),
             ]);
             for kernel in &kernels {

@@ -27,12 +27,13 @@
 //! Like the Hopper and Blackwell GEMMs it splits K into `splits` spans at few rows (`split_k`)
 //! and takes an RMSNorm prologue (each x times its norm weight as it is staged, after the
 //! residual add under `add_rms_norm_matmul`, whose sums the first weight tile's blocks write;
-//! each token's `1/rms` computed while the first weights travel and applied to the result)
+//! each token's `1/rms` summed from the squares staged and applied to the result,
+//! `prologue_norms`)
 //! and, over bf16 or f16 weights, a GLU epilogue (products through the partials; the reduction
 //! gates).
 
 use super::gemv::{self, NormPrologue};
-use super::{quant, split_k};
+use super::{prologue_norms, quant, split_k};
 use crate::dsl::*;
 use ir::GluAct;
 
@@ -196,7 +197,7 @@ fn store_accumulators(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<St
                 let col = var("n0") + var("wn") + int(8 * ni as i64) + var("t2") + int((i % 2) as i64);
                 let summed = var(&name("c", mi * WARP_N_TILES + ni, i));
                 let value = match norm {
-                    Some(_) => summed * load("inv_rms", in_tile),
+                    Some(_) => summed * load("row_scales", in_tile),
                     None => summed,
                 };
                 out.push(super::store_gemm_result(norm, glu, row, col, value));
@@ -223,8 +224,12 @@ pub fn gemm_mma_with(
     norm: Option<NormPrologue>,
     glu: Option<GluAct>,
 ) -> Kernel {
+    // Under a norm prologue each square goes to its (token, column) element of the slice,
+    // this thread's (`prologue_norms::staged_arrays`).
     let activations = stage("xs", "m0", "tokens", move |row, col, value| {
-        super::prologue_element(norm, glu, row, col, value)
+        let e = (row.clone() - var("m0")) * int(TILE_K) + col.clone() - var("k0");
+        let add_square = move |square: Expr| prologue_norms::add_staged_square(e.clone(), square);
+        super::prologue_element(norm, glu, (row, col), value, &add_square)
     });
     let tiles_m = (var("tokens") + int(TILE_M - 1)) / int(TILE_M);
     let tiles_n = (var("n") + int(TILE_N - 1)) / int(TILE_N);
@@ -287,14 +292,16 @@ pub fn gemm_mma_with(
         accumulators,
         fragments(),
         prologue,
-        // While the first weights travel (with `cp.async`).
-        norm.map(|n| super::tile_norms(n, TILE_M, WARPS)).unwrap_or_default(),
+        norm.map(|_| vec![prologue_norms::zero_staged_squares(TILE_M * TILE_K, 32 * WARPS)])
+            .unwrap_or_default(),
         vec![for_("k0", var("k_begin"), var("k_end"), int(TILE_K), k_step)],
         match staging {
             // A split past the end of K ran no step: its first copies (all zero-fill) land here.
             WeightStaging::CpAsync => vec![Stmt::CpAsyncWait(0)],
             _ => vec![],
         },
+        norm.map(|n| prologue_norms::staged_row_scales(n, TILE_M, WARPS))
+            .unwrap_or_default(),
         store_accumulators(norm, glu),
     ]
     .concat();
@@ -311,7 +318,7 @@ pub fn gemm_mma_with(
     };
     let mut shared = vec![staged("xs", 1), staged("ws", buffers)];
     if norm.is_some() {
-        shared.push(super::tile_norms_array(TILE_M));
+        shared.extend(prologue_norms::staged_arrays(TILE_M * TILE_K, TILE_M));
     }
     Kernel {
         name: name_.into(),

@@ -28,7 +28,7 @@
 //! RMSNorm prologue (perhaps after a residual add) and a GLU epilogue (`gemm_tcgen05_bf16_with`).
 
 use super::gemv::{self, NormPrologue};
-use super::{prologue_gemm_params, split_k};
+use super::{prologue_gemm_params, prologue_norms, split_k};
 use crate::dsl::*;
 use ir::GluAct;
 
@@ -86,7 +86,11 @@ fn copy_weights(stage: Expr, k0: Expr) -> Vec<Stmt> {
 /// weight tile also write the sums they load, each (token, k) once.
 fn stage_activations(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
     let e = var("e");
-    let loaded = super::prologue_element(norm, glu, var("m0") + var("token"), var("k0") + var("kk"), "value");
+    // Under a norm prologue each square goes to element `e`, this thread's
+    // (`prologue_norms::staged_arrays`).
+    let add_square = |square: Expr| prologue_norms::add_staged_square(var("e"), square);
+    let at = (var("m0") + var("token"), var("k0") + var("kk"));
+    let loaded = super::prologue_element(norm, glu, at, "value", &add_square);
     vec![for_(
         "i",
         int(0),
@@ -146,7 +150,8 @@ fn multiply_stage() -> Stmt {
 
 /// Each warp reads its 32 lanes (weight rows; this thread's is `row`) 8 tokens at a time and
 /// stores them where they fall in the result (`out`, or with several K splits, or a GLU
-/// epilogue, this split's partial tile), scaled by each token's `1/rms` under a norm prologue.
+/// epilogue, this split's partial tile), scaled by each token's `row_scales` under a norm
+/// prologue.
 /// A split past the end of K ran no MMA and its tensor memory holds nothing: it stores zeros.
 fn epilogue(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
     let names: Vec<String> = (0..8).map(|j| format!("acc{j}")).collect();
@@ -159,7 +164,7 @@ fn epilogue(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
                 let in_tile = var("c") * int(8) + int(j as i64);
                 let token = var("m0") + in_tile.clone();
                 let value = match norm {
-                    Some(_) => summed * load("inv_rms", in_tile),
+                    Some(_) => summed * load("row_scales", in_tile),
                     None => summed,
                 };
                 super::store_gemm_result(norm, glu, token, row.clone(), value)
@@ -257,14 +262,15 @@ pub fn gemm_tcgen05_bf16_with(name: &str, origin: &str, norm: Option<NormPrologu
         split_k::k_span(var("split"), TILE_K),
         copy_weights(rem(var("k_begin") / int(TILE_K), int(2)), var("k_begin")),
         vec![Stmt::CpAsyncCommit],
-        // While the first weights travel.
-        norm.map(|n| super::tile_norms(n, TILE_TOKENS, THREADS / 32))
+        norm.map(|_| vec![prologue_norms::zero_staged_squares(X_STAGE, THREADS)])
             .unwrap_or_default(),
         vec![
             for_("k0", var("k_begin"), var("k_end"), int(TILE_K), step),
             // A split past the end of K ran no step: its first copies (all zero-fill) land here.
             Stmt::CpAsyncWait(0),
         ],
+        norm.map(|n| prologue_norms::staged_row_scales(n, TILE_TOKENS, THREADS / 32))
+            .unwrap_or_default(),
         epilogue(norm, glu),
         vec![
             // Every warp has read its lanes before warp 0 frees the columns.
@@ -292,7 +298,7 @@ pub fn gemm_tcgen05_bf16_with(name: &str, origin: &str, norm: Option<NormPrologu
         shared("tmem_slot", Ty::I32, 1),
     ];
     if norm.is_some() {
-        arrays.push(super::tile_norms_array(TILE_TOKENS));
+        arrays.extend(prologue_norms::staged_arrays(X_STAGE, TILE_TOKENS));
     }
     Kernel {
         name: name.into(),

@@ -25,8 +25,7 @@
 //! over a 4096-row weight gives 8×32 = 256 tiles for 132 SMs.
 
 use super::gemv::{self, NormPrologue};
-use super::prologue_gemm_params;
-use super::split_k;
+use super::{prologue_gemm_params, prologue_norms, split_k};
 use crate::dsl::*;
 use ir::GluAct;
 
@@ -103,9 +102,10 @@ fn copy_stage(stage: Expr, k0: Expr) -> Vec<Stmt> {
 
 /// Load this thread's A fragments (named by `name`) of the stage at `k0` (zero past `tokens`
 /// and `k`): per k slice, rows g and g + 8 of the warp's 16, columns 2t, 2t + 1 and those + 8.
-/// Under a norm prologue each x meets its norm weight `g + offset` here (the row's `1/rms` is
-/// applied to the result). Under a residual prologue the blocks of the first weight tile also
-/// write the sums they loaded: each (row, column) is one thread's of one such block.
+/// Under a norm prologue each x meets its norm weight `g + offset` here, its square added to
+/// the row's `sq_lo` or `sq_hi` (the row's `1/rms` is applied to the result). Under a residual
+/// prologue the blocks of the first weight tile also write the sums they loaded: each (row,
+/// column) is one thread's of one such block.
 fn load_a(norm: Option<NormPrologue>, glu: Option<GluAct>, k0: Expr, name: fn(usize, usize) -> String) -> Vec<Stmt> {
     let mut out = Vec::new();
     for slice in 0..K_SLICES {
@@ -114,9 +114,11 @@ fn load_a(norm: Option<NormPrologue>, glu: Option<GluAct>, k0: Expr, name: fn(us
             let col = k0.clone() + int(16 * slice as i64 + 8 * col_half) + var("t2");
             let first = 2 * row_half as usize + 4 * col_half as usize;
             let names = [name(slice, first), name(slice, first + 1)];
+            let sum = ["sq_lo", "sq_hi"][row_half as usize];
+            let add_square = |square: Expr| assign(sum, var(sum) + square);
             let loaded = [
-                super::prologue_element(norm, glu, row.clone(), col.clone(), &names[0]),
-                super::prologue_element(norm, glu, row.clone(), col.clone() + int(1), &names[1]),
+                super::prologue_element(norm, glu, (row.clone(), col.clone()), &names[0], &add_square),
+                super::prologue_element(norm, glu, (row.clone(), col.clone() + int(1)), &names[1], &add_square),
             ]
             .concat();
             out.push(assign(&names[0], f(0.0)));
@@ -160,7 +162,7 @@ fn store_accumulators(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<St
             let row = var("m0") + var("wrow") + var("gr") + int(if upper { 8 } else { 0 });
             let col = var("n0") + int(8 * (i / 4) as i64 + (i % 2) as i64) + var("t2");
             let value = match norm {
-                Some(_) => var(&d_name(i)) * var(if upper { "inv_rms_hi" } else { "inv_rms_lo" }),
+                Some(_) => var(&d_name(i)) * var(if upper { "scale_hi" } else { "scale_lo" }),
                 None => var(&d_name(i)),
             };
             super::store_gemm_result(norm, glu, row, col, value)
@@ -168,14 +170,16 @@ fn store_accumulators(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<St
         .collect()
 }
 
-/// Under a norm prologue: `inv_rms_lo` and `inv_rms_hi`, `1/rms` of this lane's two rows (g and
-/// g + 8 of its warp's 16), from the tile's norms the block's warps work out together.
-fn row_norms(norm: NormPrologue) -> Vec<Stmt> {
-    let mut out = super::tile_norms(norm, TILE_M, THREADS / 32);
-    out.extend([
-        let_("inv_rms_lo", Ty::F32, load("inv_rms", var("wrow") + var("gr"))),
-        let_("inv_rms_hi", Ty::F32, load("inv_rms", var("wrow") + var("gr") + int(8))),
-    ]);
+/// Under a norm prologue, after the main loop: `scale_lo` and `scale_hi`, what this lane's two
+/// rows' products are multiplied by (`prologue_norms::row_scale`), from the squares the row's
+/// quad loaded (its four lanes hold every column of its two rows between them).
+fn row_scales(norm: NormPrologue) -> Vec<Stmt> {
+    let mut out = Vec::new();
+    for (sum, half, scale) in [("sq_lo", 0, "scale_lo"), ("sq_hi", 8, "scale_hi")] {
+        out.extend([1, 2].map(|m| assign(sum, var(sum) + shfl_xor(var(sum), m))));
+        let row = var("m0") + var("wrow") + var("gr") + int(half);
+        out.extend(prologue_norms::row_scale(norm, sum, row, eq(var("t2"), int(0)), scale));
+    }
     out
 }
 
@@ -231,6 +235,8 @@ pub fn gemm_wgmma_bf16_loading(
         .map(d_name)
         .chain((0..K_SLICES).flat_map(|s| (0..8).map(move |i| a_name(s, i))))
         .chain(next_a)
+        // Under a norm prologue, the sums of squares of this lane's two rows.
+        .chain(norm.iter().flat_map(|_| ["sq_lo".to_string(), "sq_hi".to_string()]))
         .map(|n| let_(&n, Ty::F32, f(0.0)));
     let (first_a, step_a) = match a_loads {
         ALoads::InStep => (vec![], load_a(norm, glu, var("k0"), a_name)),
@@ -264,7 +270,6 @@ pub fn gemm_wgmma_bf16_loading(
             let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
         ],
         split_k::k_span(var("split"), TILE_K),
-        norm.map(row_norms).unwrap_or_default(),
         locals.collect(),
         copy_stage(rem(var("k_begin") / int(TILE_K), int(2)), var("k_begin")),
         first_a,
@@ -274,17 +279,15 @@ pub fn gemm_wgmma_bf16_loading(
             // A split past the end of K ran no step: its first copies (all zero-fill) land here.
             Stmt::CpAsyncWait(0),
         ],
+        norm.map(row_scales).unwrap_or_default(),
         store_accumulators(norm, glu),
     ]
     .concat();
-    let mut shared = vec![SharedArray {
+    let shared = vec![SharedArray {
         name: "ws".into(),
         ty: Ty::Bf16,
         len: (2 * STAGE) as usize,
     }];
-    if norm.is_some() {
-        shared.push(super::tile_norms_array(TILE_M));
-    }
     Kernel {
         name: name.into(),
         origin: format!(

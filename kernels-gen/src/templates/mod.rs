@@ -16,6 +16,7 @@ pub mod glu;
 pub mod int8_head;
 pub mod kv_append;
 pub mod moe;
+pub mod prologue_norms;
 pub mod quant;
 pub mod rms_norm;
 pub mod rope;
@@ -138,15 +139,16 @@ pub fn prologue_x(norm: Option<gemv::NormPrologue>, row: Expr, col: Expr) -> Exp
 
 /// Statements setting the f32 local `value` to element (`row`, `col`) of a prologue GEMM's
 /// multiplicand before its bf16 rounding: `x`, or under a norm prologue `x` (+ `b`) times the
-/// norm weight (the row's `1/rms` is applied to the result); under a residual prologue the
-/// blocks of the first weight tile also write the sum to `out` (`[sum | product]` rows), each
-/// element once.
+/// norm weight, its square before that handed to `add_square` (the statement that adds it to
+/// the row's sum: the row's `1/rms` scales the result, `prologue_norms`); under a residual
+/// prologue the blocks of the first weight tile also write the sum to `out` (`[sum | product]`
+/// rows), each element once.
 pub fn prologue_element(
     norm: Option<gemv::NormPrologue>,
     glu: Option<ir::GluAct>,
-    row: Expr,
-    col: Expr,
+    (row, col): (Expr, Expr),
     value: &str,
+    add_square: &dyn Fn(Expr) -> Stmt,
 ) -> Vec<Stmt> {
     let mut out = vec![assign(value, prologue_x(norm, row.clone(), col.clone()))];
     if gemv::residual(norm) {
@@ -154,6 +156,7 @@ pub fn prologue_element(
         out.push(if_(eq(var("n0"), int(0)), vec![store("out", sum_at, var(value))]));
     }
     if let Some(n) = norm {
+        out.push(add_square(var(value) * var(value)));
         out.push(assign(value, var(value) * (load("g", col) + f(n.offset))));
     }
     out
@@ -179,61 +182,6 @@ pub fn store_gemm_result(
             glu.is_none().then(|| gemv::out_index(norm, glu, token, row)),
         )],
     )
-}
-
-/// The shared array [`tile_norms`] fills: one `1/rms` per token of a tile.
-pub fn tile_norms_array(tile_tokens: i64) -> SharedArray {
-    SharedArray {
-        name: "inv_rms".into(),
-        ty: Ty::F32,
-        len: tile_tokens as usize,
-    }
-}
-
-/// Elements of a row each lane loads together in [`warp_sum_of_squares`]: a prologue GEMM
-/// normalises its tile's rows before its main loop, so their loads are latency, not bandwidth;
-/// one load at a time (what a plain loop over the row compiled to), a row of 4096 took ~20 µs
-/// and a warp's 16 rows a batch-16 step's whole GEMM time twice over on the H200.
-const SQUARES_IN_FLIGHT: i64 = 8;
-
-/// `sq`, in every lane of the warp: the sum of squares of the row `row` a prologue GEMM
-/// normalises (`x`, or `x + b`), lanes striding along it, [`SQUARES_IN_FLIGHT`] elements
-/// loaded before they are summed (in the row's order: the sum is the one-at-a-time loop's, bit
-/// for bit); zero past `tokens`.
-pub fn warp_sum_of_squares(norm: gemv::NormPrologue, row: Expr) -> Vec<Stmt> {
-    let element = |u: i64| format!("xv{u}");
-    let sum = loads_in_flight(
-        "c",
-        (lane(), var("k")),
-        int(32),
-        SQUARES_IN_FLIGHT,
-        &|u, c| vec![(element(u), prologue_x(Some(norm), row.clone(), c))],
-        &|u, _| vec![assign("sq", var("sq") + var(&element(u)) * var(&element(u)))],
-    );
-    let mut out = vec![
-        let_("sq", Ty::F32, f(0.0)),
-        if_(lt(row.clone(), var("tokens")), vec![sum]),
-    ];
-    out.extend(warp_sum("sq"));
-    out
-}
-
-/// Under a norm prologue: `inv_rms[j]`, `1/rms` of token `m0 + j` of a `tile_tokens` tile, in
-/// shared memory, then a barrier. The block's `warps` take the tile's tokens in turn (warp w
-/// tokens w, w + warps, …, so a step of fewer tokens than the tile still spreads them over
-/// every warp), lanes striding along each token's whole row (every K split needs the whole
-/// row's norm).
-pub fn tile_norms(norm: gemv::NormPrologue, tile_tokens: i64, warps: i64) -> Vec<Stmt> {
-    let inv = un(UnOp::Rsqrt, var("sq") / cast(Ty::F32, var("k")) + f(norm.eps));
-    let per_warp = tile_tokens / warps;
-    let mut per_token = vec![let_("token", Ty::I32, warp() + var("j") * int(warps))];
-    per_token.extend(warp_sum_of_squares(norm, var("m0") + var("token")));
-    per_token.push(if_(eq(lane(), int(0)), vec![store("inv_rms", var("token"), inv)]));
-    vec![
-        for_("j", int(0), int(per_warp), int(1), per_token),
-        // Read by every warp's epilogue.
-        Stmt::SyncThreads,
-    ]
 }
 
 /// The head of one step of a two-buffer `cp.async` pipeline over K (steps `tile_k` wide at
@@ -668,8 +616,17 @@ pub fn catalog() -> Vec<Kernel> {
             Dense(Ty::Bf16),
         ),
         moe::combine("moe_combine", "catalog", &GLM_4_5_AIR_MOE, 4096),
-        split_k::reduce("split_k_reduce", "catalog", 16, None),
-        split_k::reduce("split_k_reduce_swiglu", "catalog", 16, Some(GluAct::Silu)),
+        split_k::reduce("split_k_reduce", "catalog", 16, None, None),
+        split_k::reduce("split_k_reduce_swiglu", "catalog", 16, Some(GluAct::Silu), None),
+        // After a residual-norm GEMM with the GLU (`add_rms_norm_swiglu_gemm`): each token's
+        // 1/rms from the splits' sums of squares, then the gate.
+        split_k::reduce(
+            "split_k_reduce_norm_swiglu",
+            "catalog",
+            16,
+            Some(GluAct::Silu),
+            Some(gemv::NormPrologue::new(1e-6, 0.0).with_residual()),
+        ),
         gemm_mma::gemm_mma("gemm_mma_bf16", "catalog", gemm_mma::WeightStaging::Registers),
         gemm_mma::gemm_mma("gemm_mma_bf16_pipelined", "catalog", gemm_mma::WeightStaging::CpAsync),
         // The heaviest decode: Q6_K's split 6-bit values and per-16 scales.
@@ -777,6 +734,17 @@ pub fn catalog() -> Vec<Kernel> {
                 .with_glu(GluAct::Silu)
                 .with_x_vectors()
                 .prefill(),
+        ),
+        // The most accumulators a GEMV holds: 4 tokens × 4 rows × a gate and an up sum.
+        gemv::gemv(
+            "add_rms_norm_swiglu_gemv_bf16_x_vectors_prefill_rows4",
+            "catalog",
+            GemvSpec::decode(Dense(Ty::Bf16), 4096)
+                .with_norm(gemv::NormPrologue::new(1e-6, 0.0).with_residual())
+                .with_glu(GluAct::Silu)
+                .with_x_vectors()
+                .prefill()
+                .with_rows_per_warp(4),
         ),
         gemm_wgmma::gemm_wgmma_bf16_with(
             "add_rms_norm_swiglu_gemm_wgmma_bf16",

@@ -6,7 +6,8 @@
 //! second launch sums the partials in split order (deterministic, unlike atomics). With one
 //! split the GEMM writes `out` itself and the reduction's grid is empty.
 
-use super::{blocks_for, per_element, BLOCK};
+use super::gemv::NormPrologue;
+use super::{blocks_for, per_element, prologue_norms, BLOCK};
 use crate::dsl::*;
 use ir::GluAct;
 
@@ -52,8 +53,10 @@ pub fn partial_len(n: usize, k: usize, tiles: (usize, usize, usize), multiproces
 /// `out`'s rows `out_stride` apart (`[sum | product]` rows under a residual prologue); no
 /// blocks with one split, or for steps under `min_tokens` rows (those run the GEMV, which
 /// writes `out` itself). With `glu`, the GEMM's columns are a joined gate/up, always in the
-/// partials: `out[t, c] = act(Σ gate)·(Σ up)` for the `n/2` columns.
-pub fn reduce(name: &str, origin: &str, min_tokens: usize, glu: Option<GluAct>) -> Kernel {
+/// partials: `out[t, c] = act(Σ gate)·(Σ up)` for the `n/2` columns. With `norm` (a prologue
+/// GEMM) and several splits, the sums are scaled by the token's `1/rms` first, from the
+/// splits' sums of squares after the products (`prologue_norms`); one split scaled its own.
+pub fn reduce(name: &str, origin: &str, min_tokens: usize, glu: Option<GluAct>, norm: Option<NormPrologue>) -> Kernel {
     let cols = super::gemv::product_cols(glu);
     let count = var("tokens") * cols.clone();
     let ran = bin(BinOp::Min, int(1), var("tokens") / int(min_tokens as i64));
@@ -79,40 +82,80 @@ pub fn reduce(name: &str, origin: &str, min_tokens: usize, glu: Option<GluAct>) 
         let_("sum", Ty::F32, f(0.0)),
         summed("sum", var("c")),
     ];
+    let scaled = |name: &str| match norm {
+        Some(_) => var(name) * var("scale"),
+        None => var(name),
+    };
+    if let Some(norm) = norm {
+        body.extend(row_scale(norm));
+    }
     let value = match glu {
         Some(act) => {
             body.push(let_("up", Ty::F32, f(0.0)));
             body.push(summed("up", var("c") + cols));
-            super::gemv::gated(act, var("sum"), var("up"))
+            super::gemv::gated(act, scaled("sum"), scaled("up"))
         }
-        None => var("sum"),
+        None => scaled("sum"),
     };
     body.push(store(
         "out",
         var("t") * var("out_stride") + var("out_col") + var("c"),
         value,
     ));
-    let epilogue = match glu {
-        Some(act) => format!(", then the {act:?} GLU"),
+    let mut epilogue = match norm {
+        Some(_) => ", scaled by the rows' 1/rms".to_string(),
         None => String::new(),
     };
+    if let Some(act) = glu {
+        epilogue += &format!(", then the {act:?} GLU");
+    }
+    let mut params = vec![
+        buffer("partial", Ty::F32, false),
+        buffer("out", Ty::F32, true),
+        scalar("tokens", Ty::I32),
+        scalar("n", Ty::I32),
+        scalar("splits", Ty::I32),
+        scalar("out_stride", Ty::I32),
+        scalar("out_col", Ty::I32),
+    ];
+    if norm.is_some() {
+        params.push(scalar("k", Ty::I32));
+    }
     Kernel {
         name: name.into(),
         origin: format!("{origin}: the split-K GEMM's partial tiles summed in split order{epilogue}"),
-        params: vec![
-            buffer("partial", Ty::F32, false),
-            buffer("out", Ty::F32, true),
-            scalar("tokens", Ty::I32),
-            scalar("n", Ty::I32),
-            scalar("splits", Ty::I32),
-            scalar("out_stride", Ty::I32),
-            scalar("out_col", Ty::I32),
-        ],
+        params,
         shared: vec![],
         block_dim: BLOCK,
         grid: blocks_for(count.clone(), BLOCK as i64) * runs,
         body: per_element(count, body),
     }
+}
+
+/// `scale`, what token `t`'s sums are multiplied by: `1/rms` from the splits' sums of squares
+/// (in split order) where there are several, else 1 (the one split scaled its products).
+fn row_scale(norm: NormPrologue) -> Vec<Stmt> {
+    let sums = for_(
+        "s",
+        int(0),
+        var("splits"),
+        int(1),
+        vec![assign(
+            "sq",
+            var("sq") + load("partial", prologue_norms::partial_sum_at(var("s"), var("t"))),
+        )],
+    );
+    vec![
+        let_("scale", Ty::F32, f(1.0)),
+        if_(
+            bin(BinOp::Gt, var("splits"), int(1)),
+            vec![
+                let_("sq", Ty::F32, f(0.0)),
+                sums,
+                assign("scale", prologue_norms::inv_rms(norm, var("sq"))),
+            ],
+        ),
+    ]
 }
 
 /// The GEMM's split-K parameters, after [`super::gemm_params`]'s.

@@ -5,6 +5,7 @@
 use half::bf16;
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::emulator::{run, Array, EmuError, Scalar};
+use kernels_gen::templates::prologue_norms;
 use std::collections::HashMap;
 
 /// A small LCG: the same values on every run and machine, in [-1, 1).
@@ -110,7 +111,10 @@ pub fn try_run_split_matmul(
         ("x".into(), x),
         ("w".into(), w),
         ("out".into(), Array::poisoned(Ty::F32, tokens * n)),
-        ("partial".into(), Array::poisoned(Ty::F32, splits * tokens * n)),
+        (
+            "partial".into(),
+            Array::poisoned(Ty::F32, prologue_norms::partial_len(splits * tokens * n, n)),
+        ),
     ]);
     if let Some(g) = g {
         bufs.insert("g".into(), Array::f32(g));
@@ -174,7 +178,10 @@ pub fn try_run_residual_matmul(
         ("g".into(), Array::f32(&inputs.g)),
         ("w".into(), w),
         ("out".into(), Array::poisoned(Ty::F32, tokens * (k + cols))),
-        ("partial".into(), Array::poisoned(Ty::F32, splits * tokens * n)),
+        (
+            "partial".into(),
+            Array::poisoned(Ty::F32, prologue_norms::partial_len(splits * tokens * n, n)),
+        ),
     ]);
     let scalars = ints(&[
         ("tokens", tokens as i64),

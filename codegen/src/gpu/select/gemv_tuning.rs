@@ -22,9 +22,14 @@ pub(super) fn shaped(spec: GemvSpec, cols: usize, sms: usize) -> GemvSpec {
 /// epilogue). One row a warp, the 8B's QKV projection read four bytes from L2 per weight byte
 /// and ran at 40% of copy bandwidth on the H200; the o projection, two bytes, at 91%; four
 /// tokens a pass, eight bytes, at 33–44%. Bounded by the accumulators (rows × tokens × the
-/// GLU's two sums at most 16, what ptxas keeps without spilling on every target), and by the
-/// GPU: at least a block of warps per multiprocessor, or the rows sharing loads leave
-/// multiprocessors idle (SmolLM2's 576-row projections keep one row a warp).
+/// GLU's two sums at most [`ACCUMULATORS`]), and by the GPU: blocks of warps for nearly every
+/// multiprocessor ([`OCCUPIED`]), or the rows sharing loads leave multiprocessors idle
+/// (SmolLM2's 576-row projections keep one row a warp).
+///
+/// On the third H200 run the four-token GEMVs ran fastest at four rows a warp for every 8B
+/// shape, where this rule then gave two (16 accumulators at most, a block for every
+/// multiprocessor): the o projection 13.5 → 10.3 µs (128 blocks for 132 multiprocessors), the
+/// down 67.8 → 45.6, the gate/up with its GLU (32 accumulators, no spills) 130 → 109.
 pub(super) fn rows_per_warp(spec: &GemvSpec, cols: usize, sms: usize) -> usize {
     let weight_bytes = match spec.weight {
         WeightFormat::Dense(Ty::F32) => 4,
@@ -38,13 +43,20 @@ pub(super) fn rows_per_warp(spec: &GemvSpec, cols: usize, sms: usize) -> usize {
     };
     let activation_bytes = spec.tokens_per_pass * 4 * if gemv::residual(spec.norm) { 2 } else { 1 };
     let balanced = activation_bytes / (weight_bytes * sums);
-    let registers = 16 / (spec.tokens_per_pass * sums);
+    let registers = ACCUMULATORS / (spec.tokens_per_pass * sums);
     let warps_per_block = (BLOCK / 32) as usize;
-    let occupied = cols / (warps_per_block * sms.max(1));
+    let occupied = cols * OCCUPIED.1 / (warps_per_block * sms.max(1) * OCCUPIED.0);
     let most = balanced.min(registers).min(occupied).clamp(1, MAX_ROWS_PER_WARP);
     // A power of two: 3 rows would leave a 4096-row matrix's last warp a clamped copy.
     1 << most.ilog2()
 }
+
+/// The most accumulators a GEMV lane holds: what ptxas keeps without spilling on every target
+/// (the catalog's 4-token, 4-row GLU GEMV is compiled for each).
+const ACCUMULATORS: usize = 32;
+
+/// The fewest blocks a GEMV leaves, as a fraction of the multiprocessors: 15/16.
+const OCCUPIED: (usize, usize) = (15, 16);
 
 /// The rows a `BBC_GEMV_ROWS_PER_WARP` value asks for: 1 to [`MAX_ROWS_PER_WARP`], else (unset,
 /// not a number, out of range) none, and the rule decides.
@@ -96,8 +108,10 @@ mod tests {
             ("down", bf16(14336), 4096, 2),
             ("lm head", lm_head, 128256, 2),
             ("qkv, 4 tokens", qkv.prefill(), 6144, 4),
-            ("gate/up, 4 tokens", gate_up.prefill(), 14336, 2),
-            ("o, 4 tokens", bf16(4096).prefill(), 4096, 2),
+            ("gate/up, 4 tokens", gate_up.prefill(), 14336, 4),
+            ("o, 4 tokens", bf16(4096).prefill(), 4096, 4),
+            ("down, 4 tokens", bf16(14336).prefill(), 4096, 4),
+            ("lm head, 4 tokens", lm_head.prefill(), 128256, 4),
         ] {
             assert_eq!(rows_per_warp(&spec, cols, H200_SMS), rows, "{what}");
         }

@@ -752,6 +752,10 @@ impl MatMul {
             // Every product goes through the partials, in one split too: room for every row.
             partial_len = partial_len.max(plan.max_tokens * n);
         }
+        if self.norm.is_some() {
+            // The splits' sums of squares after the products.
+            partial_len = prologue_norms::partial_len(partial_len, n);
+        }
         let partial = LaunchArg::Scratch {
             node: i,
             name: "partial".into(),
@@ -769,7 +773,7 @@ impl MatMul {
             Some(norm) if norm.residual => (k, k + self.product_cols()),
             _ => (0, self.product_cols()),
         };
-        let reduce_args = vec![
+        let mut reduce_args = vec![
             partial,
             LaunchArg::Activation {
                 node: i,
@@ -781,7 +785,16 @@ impl MatMul {
             scalar("out_stride", cols),
             scalar("out_col", out_col),
         ];
-        let reduce = split_k::reduce("split_k_reduce", plan.origin, super::PREFILL_TOKENS, self.glu);
+        if self.norm.is_some() {
+            reduce_args.push(scalar("k", k));
+        }
+        let reduce = split_k::reduce(
+            "split_k_reduce",
+            plan.origin,
+            super::PREFILL_TOKENS,
+            self.glu,
+            self.norm,
+        );
         s.launches.push((i, reduce, Alternatives::default(), reduce_args));
     }
 
