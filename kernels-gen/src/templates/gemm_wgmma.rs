@@ -25,7 +25,7 @@
 //! over a 4096-row weight gives 8×32 = 256 tiles for 132 SMs.
 
 use super::gemv::{self, NormPrologue};
-use super::{prologue_gemm_params, prologue_norms, split_k};
+use super::{prologue_gemm_params, prologue_norms, split_k, PrologueLocals};
 use crate::dsl::*;
 use ir::GluAct;
 
@@ -106,30 +106,67 @@ fn copy_stage(stage: Expr, k0: Expr) -> Vec<Stmt> {
 /// the row's `sq_lo` or `sq_hi` (the row's `1/rms` is applied to the result). Under a residual
 /// prologue the blocks of the first weight tile also write the sums they loaded: each (row,
 /// column) is one thread's of one such block.
+///
+/// A prologue's loads all come first, then its arithmetic (`templates::prologue_loads`): one
+/// round trip to L2 a step. ptxas keeps the loaded `b` and norm weights beside the
+/// accumulators and both steps' fragments without spilling (236–238 registers on sm_90a, from
+/// 198: still 2 blocks an SM).
 fn load_a(norm: Option<NormPrologue>, glu: Option<GluAct>, k0: Expr, name: fn(usize, usize) -> String) -> Vec<Stmt> {
-    let mut out = Vec::new();
-    for slice in 0..K_SLICES {
-        for (row_half, col_half) in [(0, 0), (1, 0), (0, 1), (1, 1)] {
-            let row = var("m0") + var("wrow") + var("gr") + int(8 * row_half);
-            let col = k0.clone() + int(16 * slice as i64 + 8 * col_half) + var("t2");
-            let first = 2 * row_half as usize + 4 * col_half as usize;
-            let names = [name(slice, first), name(slice, first + 1)];
-            let sum = ["sq_lo", "sq_hi"][row_half as usize];
-            let add_square = |square: Expr| assign(sum, var(sum) + square);
-            let loaded = [
-                super::prologue_element(norm, glu, (row.clone(), col.clone()), &names[0], &add_square),
-                super::prologue_element(norm, glu, (row.clone(), col.clone() + int(1)), &names[1], &add_square),
-            ]
-            .concat();
-            out.push(assign(&names[0], f(0.0)));
-            out.push(assign(&names[1], f(0.0)));
-            out.push(if_(
-                and(lt(row.clone(), var("tokens")), lt(col.clone(), var("k"))),
-                loaded,
-            ));
+    let pairs: Vec<(usize, i64, i64)> = (0..K_SLICES)
+        .flat_map(|slice| [(0, 0), (1, 0), (0, 1), (1, 1)].map(|(r, c)| (slice, r, c)))
+        .collect();
+    let mut loads = Vec::new();
+    let mut arithmetic = Vec::new();
+    for &pair in &pairs {
+        let (_, row_half, _) = pair;
+        let sum = ["sq_lo", "sq_hi"][row_half as usize];
+        let add_square = |square: Expr| assign(sum, var(sum) + square);
+        let elements = [0, 1].map(|j| fragment_element(&k0, name, pair, j));
+        let mut loaded = Vec::new();
+        let mut finished = Vec::new();
+        for (at, locals) in &elements {
+            loads.push(assign(&locals.value, f(0.0)));
+            if gemv::residual(norm) {
+                loads.push(let_(&locals.addend, Ty::F32, f(0.0)));
+            }
+            // The first row half loads the column's norm weight for both (the second is
+            // inside `tokens` only where the first is).
+            let with_weight = row_half == 0;
+            if norm.is_some() && with_weight {
+                loads.push(let_(&locals.weight, Ty::F32, f(0.0)));
+            }
+            loaded.extend(super::prologue_loads(norm, at.clone(), locals, with_weight));
+            finished.extend(super::prologue_arithmetic(norm, glu, at.clone(), locals, &add_square));
+        }
+        // Both elements of a pair are inside K or neither (`k` is a multiple of 8).
+        let (row, col) = &elements[0].0;
+        let inside = and(lt(row.clone(), var("tokens")), lt(col.clone(), var("k")));
+        loads.push(if_(inside.clone(), loaded));
+        if !finished.is_empty() {
+            arithmetic.push(if_(inside, finished));
         }
     }
-    out
+    [loads, arithmetic].concat()
+}
+
+/// Where element j (0 or 1) of the fragment pair at (`slice`, `row_half`, `col_half`) lies:
+/// its row and column of `x`, and the locals it passes through (the norm weight's shared by
+/// the two row halves of a column).
+fn fragment_element(
+    k0: &Expr,
+    name: fn(usize, usize) -> String,
+    (slice, row_half, col_half): (usize, i64, i64),
+    j: usize,
+) -> ((Expr, Expr), PrologueLocals) {
+    let row = var("m0") + var("wrow") + var("gr") + int(8 * row_half);
+    let col = k0.clone() + int(16 * slice as i64 + 8 * col_half + j as i64) + var("t2");
+    let value = name(slice, 2 * row_half as usize + 4 * col_half as usize + j);
+    let locals = PrologueLocals {
+        addend: format!("{value}_b"),
+        weight: format!("g{slice}_{}", 2 * col_half as usize + j),
+        value,
+    };
+    ((row, col), locals)
 }
 
 /// The stage's four k slices on the tensor cores, waited for before returning.
