@@ -266,7 +266,7 @@ pub fn blocks_for(n: Expr, per_block: i64) -> Expr {
 /// merges any (`loads(u, at)`: f32 locals and their values, declared 0 past `end`), then runs
 /// `merge(u, at)` for each of them in order, so the elements meet the merge in a plain loop's
 /// order. What keeps several loads in flight a thread where a loop of one load a step waits on
-/// each in turn (a row's norm before a prologue GEMM, a top-k row, attention's partials).
+/// each in turn (a top-k row, attention's partials).
 pub fn loads_in_flight(
     index: &str,
     (start, end): (Expr, Expr),

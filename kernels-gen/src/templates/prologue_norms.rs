@@ -6,8 +6,9 @@
 //! the norm weight, to its row's sum. Why not a pass over the rows before the main loop (what
 //! the GEMMs did until the third H200 run): every block of every weight tile and K split read
 //! its tokens' whole rows again, 460 MB from L2 for the gate/up of an 8B model at 16 rows, and
-//! waited for them before its first weight step. The norm-prologue GEMMs ran 3–4 times slower
-//! than the plain one at 16 rows (623 against 144 µs for the gate/up), 61% of a batch-16 step.
+//! waited for them before its first weight step. (That pass was not what made the Hopper GEMM
+//! 4 times slower than the plain one at 16 rows: the fourth run timed this change at 619 µs
+//! against 623; its A loads were, see `super::prologue_loads`.)
 //!
 //! Whose sum is whole: with one K split the block has seen whole rows and scales its tile
 //! itself. With several, each split's blocks of the first weight tile write their rows'
