@@ -365,7 +365,7 @@ fn embedding_gathers_and_scales() {
 #[test]
 fn top_k_matches_reference_with_ties_and_nan() {
     let mut rng = Rng(7);
-    for v in [1, 5, 256, 1000, 3001] {
+    for v in [1, 5, 256, 1000, 3001, 8300] {
         let mut logits = rng.vec(2 * v);
         // Ties in the second row at its maximum and below it, and a NaN.
         if v > 10 {
@@ -376,11 +376,12 @@ fn top_k_matches_reference_with_ties_and_nan() {
             logits[v + 2] = m - 0.5;
             logits[v + 1] = f32::NAN;
         }
-        // Ties among one thread's elements: in one group of loads and in the next.
-        if v > 2100 {
+        // Ties among one thread's elements: in one group of loads (32 a thread, 256 threads)
+        // and in the next.
+        if v > 8200 {
             let m = logits[v + 9];
             logits[v + 3 + 256] = m;
-            logits[v + 3 + 2048] = m;
+            logits[v + 3 + 8192] = m;
         }
         for k in [1, 5] {
             let k = k.min(v);

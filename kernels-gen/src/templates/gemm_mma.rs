@@ -224,13 +224,20 @@ pub fn gemm_mma_with(
     norm: Option<NormPrologue>,
     glu: Option<GluAct>,
 ) -> Kernel {
-    // Under a norm prologue each square goes to its (token, column) element of the slice,
-    // this thread's (`prologue_norms::staged_arrays`).
-    let activations = stage("xs", "m0", "tokens", move |row, col, value| {
-        let e = (row.clone() - var("m0")) * int(TILE_K) + col.clone() - var("k0");
-        let add_square = move |square: Expr| prologue_norms::add_staged_square(e.clone(), square);
-        super::prologue_element(norm, glu, (row, col), value, &add_square)
-    });
+    let activations = match norm {
+        Some(norm) => {
+            let place = |e: Expr, value: &str| {
+                store(
+                    "xs",
+                    e.clone() / int(TILE_K) * int(STAGE_STRIDE) + rem(e, int(TILE_K)),
+                    var(value),
+                )
+            };
+            let threads = 32 * WARPS;
+            super::stage_prologue_slice(norm, glu, (threads, TILE_M * TILE_K / threads), &place)
+        }
+        None => stage("xs", "m0", "tokens", element_of("x", var("x_stride"))),
+    };
     let tiles_m = (var("tokens") + int(TILE_M - 1)) / int(TILE_M);
     let tiles_n = (var("n") + int(TILE_N - 1)) / int(TILE_N);
     let accumulators = (0..WARP_M_TILES * WARP_N_TILES)

@@ -79,18 +79,25 @@ fn copy_weights(stage: Expr, k0: Expr) -> Vec<Stmt> {
     )]
 }
 
-/// Round the activation slice at `k0` to bf16 into stage buffer `stage` (zero past `tokens`
-/// and `k`): element `e = tid + 128·i` is token `e / 32`, k `e % 32`, so a warp reads 128
+/// Round the activation slice at `k0` to bf16 into stage buffer `s` (zero past `tokens` and
+/// `k`): element `e = tid + 128·i` is token `e / 32`, k `e % 32`, so a warp reads 128
 /// contiguous bytes of one token. Under a norm prologue each x meets its norm weight here
-/// (the token's `1/rms` scales the result); under a residual prologue the blocks of the first
+/// (the token's `1/rms` scales the result) and its loads come before any arithmetic
+/// (`templates::stage_prologue_slice`); under a residual prologue the blocks of the first
 /// weight tile also write the sums they load, each (token, k) once.
 fn stage_activations(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
+    let place = |e: Expr, value: &str| {
+        let (token, kk) = (e.clone() / int(TILE_K), rem(e, int(TILE_K)));
+        store(
+            "xs",
+            var("s") * int(X_STAGE) + core_matrix_index(token, kk, TILE_TOKENS),
+            var(value),
+        )
+    };
+    if let Some(norm) = norm {
+        return super::stage_prologue_slice(norm, glu, (THREADS, X_STAGE / THREADS), &place);
+    }
     let e = var("e");
-    // Under a norm prologue each square goes to element `e`, this thread's
-    // (`prologue_norms::staged_arrays`).
-    let add_square = |square: Expr| prologue_norms::add_staged_square(var("e"), square);
-    let at = (var("m0") + var("token"), var("k0") + var("kk"));
-    let loaded = super::prologue_element(norm, glu, at, "value", &add_square);
     vec![for_(
         "i",
         int(0),
@@ -98,21 +105,23 @@ fn stage_activations(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stm
         int(1),
         vec![
             let_("e", Ty::I32, tid() + var("i") * int(THREADS)),
-            let_("token", Ty::I32, e.clone() / int(TILE_K)),
-            let_("kk", Ty::I32, rem(e, int(TILE_K))),
             let_("value", Ty::F32, f(0.0)),
             if_(
                 and(
-                    lt(var("m0") + var("token"), var("tokens")),
-                    lt(var("k0") + var("kk"), var("k")),
+                    lt(var("m0") + e.clone() / int(TILE_K), var("tokens")),
+                    lt(var("k0") + rem(e.clone(), int(TILE_K)), var("k")),
                 ),
-                loaded,
+                vec![assign(
+                    "value",
+                    load(
+                        "x",
+                        (var("m0") + e.clone() / int(TILE_K)) * var("x_stride")
+                            + var("k0")
+                            + rem(e.clone(), int(TILE_K)),
+                    ),
+                )],
             ),
-            store(
-                "xs",
-                var("s") * int(X_STAGE) + core_matrix_index(var("token"), var("kk"), TILE_TOKENS),
-                var("value"),
-            ),
+            place(e, "value"),
         ],
     )]
 }

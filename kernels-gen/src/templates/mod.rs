@@ -127,40 +127,11 @@ pub fn prologue_gemm_params(norm: Option<gemv::NormPrologue>, weights: Ty) -> Ve
     params
 }
 
-/// Statements setting the f32 local `value` to element (`row`, `col`) of a prologue GEMM's
-/// multiplicand before its bf16 rounding: `x`, or under a norm prologue `x` (+ `b`) times the
-/// norm weight, its square before that handed to `add_square` (the statement that adds it to
-/// the row's sum: the row's `1/rms` scales the result, `prologue_norms`); under a residual
-/// prologue the blocks of the first weight tile also write the sum to `out` (`[sum | product]`
-/// rows), each element once. [`prologue_loads`] then [`prologue_arithmetic`], through locals
-/// of its own.
-pub fn prologue_element(
-    norm: Option<gemv::NormPrologue>,
-    glu: Option<ir::GluAct>,
-    at: (Expr, Expr),
-    value: &str,
-    add_square: &dyn Fn(Expr) -> Stmt,
-) -> Vec<Stmt> {
-    let locals = PrologueLocals {
-        value: value.into(),
-        addend: format!("{value}_b"),
-        weight: format!("{value}_g"),
-    };
-    let mut out = Vec::new();
-    if gemv::residual(norm) {
-        out.push(let_(&locals.addend, Ty::F32, f(0.0)));
-    }
-    if norm.is_some() {
-        out.push(let_(&locals.weight, Ty::F32, f(0.0)));
-    }
-    out.extend(prologue_loads(norm, at.clone(), &locals, true));
-    out.extend(prologue_arithmetic(norm, glu, at, &locals, add_square));
-    out
-}
-
-/// The f32 locals a prologue element passes through: `x` into `value` (where the element ends),
-/// `b` into `addend` under a residual prologue, the norm weight into `weight` under a norm
-/// prologue.
+/// The f32 locals element (`row`, `col`) of a prologue GEMM's multiplicand passes through
+/// before its bf16 rounding ([`prologue_loads`], then [`prologue_arithmetic`]): `x` into
+/// `value`, where the element ends (`x`, or under a norm prologue `x` (+ `b`) times the norm
+/// weight); `b` into `addend` under a residual prologue; the norm weight into `weight` under a
+/// norm prologue.
 pub struct PrologueLocals {
     pub value: String,
     pub addend: String,
@@ -192,8 +163,10 @@ pub fn prologue_loads(
     out
 }
 
-/// The arithmetic of a prologue element on what [`prologue_loads`] loaded (see
-/// [`prologue_element`]).
+/// The arithmetic of a prologue element on what [`prologue_loads`] loaded: the residual's sum
+/// (which the blocks of the first weight tile also write to `out`, `[sum | product]` rows, each
+/// element once), its square handed to `add_square` (the statement that adds it to the row's
+/// sum: the row's `1/rms` scales the result, `prologue_norms`), then the norm weight.
 pub fn prologue_arithmetic(
     norm: Option<gemv::NormPrologue>,
     glu: Option<ir::GluAct>,
@@ -214,6 +187,63 @@ pub fn prologue_arithmetic(
     }
     out
 }
+
+/// A prologue GEMM's 64×32 activation slice at `k0` staged by `threads` threads, `passes`
+/// elements each (element `e = tid + threads·i` is token `m0 + e / 32`, column `k0 + e % 32`;
+/// zero past `tokens` and `k`), [`PASSES_LOADED_TOGETHER`] passes at a time: their elements'
+/// loads first (the norm weight once, in the first pass: a thread's elements share their
+/// column, and its first token is inside `tokens` where any is), then their arithmetic, each
+/// element's square added to `row_squares[e]` (`prologue_norms::staged_arrays`), and
+/// `place(e, value)` putting it into the tile. What `gemm_mma` and `gemm_tcgen05` stage under
+/// a norm prologue: a loop of one element a pass waits for each element's loads in turn (see
+/// [`prologue_loads`]).
+pub fn stage_prologue_slice(
+    norm: gemv::NormPrologue,
+    glu: Option<ir::GluAct>,
+    (threads, passes): (i64, i64),
+    place: &dyn Fn(Expr, &str) -> Stmt,
+) -> Vec<Stmt> {
+    let element = |i: i64| tid() + int(threads * i);
+    let at = |i: i64| {
+        let e = element(i);
+        (var("m0") + e.clone() / int(32), var("k0") + rem(e, int(32)))
+    };
+    let valid = |i: i64| {
+        let (row, col) = at(i);
+        and(lt(row, var("tokens")), lt(col, var("k")))
+    };
+    let locals = |i: i64| PrologueLocals {
+        value: format!("x{i}"),
+        addend: format!("x{i}_b"),
+        weight: "x_g".into(),
+    };
+    let mut out = vec![let_("x_g", Ty::F32, f(0.0))];
+    for first in (0..passes).step_by(PASSES_LOADED_TOGETHER as usize) {
+        let mut finished = Vec::new();
+        for i in first..passes.min(first + PASSES_LOADED_TOGETHER) {
+            let l = locals(i);
+            out.push(let_(&l.value, Ty::F32, f(0.0)));
+            if norm.residual {
+                out.push(let_(&l.addend, Ty::F32, f(0.0)));
+            }
+            out.push(if_(valid(i), prologue_loads(Some(norm), at(i), &l, i == 0)));
+            let add_square = |square: Expr| prologue_norms::add_staged_square(element(i), square);
+            finished.push(if_(
+                valid(i),
+                prologue_arithmetic(Some(norm), glu, at(i), &l, &add_square),
+            ));
+            finished.push(place(element(i), &l.value));
+        }
+        out.extend(finished);
+    }
+    out
+}
+
+/// Passes of [`stage_prologue_slice`] whose loads go out together: two round trips to L2 a
+/// 16-pass slice where there were 16. ptxas gives the same registers for 4 or 8 (119–126 on
+/// sm_100a and sm_120a, from 76–112; `mma.sync`'s GLU form on sm_90a 222, where only shapes
+/// `wgmma` cannot take run it).
+const PASSES_LOADED_TOGETHER: i64 = 8;
 
 /// A prefill GEMM's result element (`token`, weight row `row`) where it lies inside the result
 /// (`token < tokens`, `row < n`): into `out` (after the sum under a residual prologue), or with
