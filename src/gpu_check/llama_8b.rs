@@ -7,7 +7,7 @@ use anyhow::{anyhow, Result};
 use codegen::gpu::{self, expr};
 use codegen::Target;
 use kernels_gen::dsl::{Kernel, Ty};
-use kernels_gen::templates::gemm_wgmma::{self, ALoads};
+use kernels_gen::templates::gemm_wgmma::{self, ALoads, Schedule};
 use kernels_gen::templates::gemv::{self, gemv, GemvSpec, NormPrologue};
 use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::{prefill_gemm, split_k};
@@ -220,12 +220,32 @@ fn bind<'a, B>(kernel: &Kernel, value: impl Fn(&str) -> Option<DeviceArg<'a, B>>
         .collect()
 }
 
+/// Hopper's GEMM on the schedules earlier runs timed, named as the matmul table shows them:
+/// its activations loaded in their step over two weight stages (the second run), a step ahead
+/// over two (the third and fourth).
+const EARLIER_HOPPER_SCHEDULES: [(&str, Schedule); 2] = [
+    (
+        "gemm_a_in_step",
+        Schedule {
+            a_loads: ALoads::InStep,
+            stages: 2,
+        },
+    ),
+    (
+        "gemm_2_stages",
+        Schedule {
+            a_loads: ALoads::StepAhead,
+            stages: 2,
+        },
+    ),
+];
+
 /// Time every shape's matmul alone at batch 1 (the decode GEMV, and for QKV and gate/up the
 /// fused GEMV the serving plan takes; each with one, two and four weight rows a warp, and
 /// prefetching), 4 (the 4-tokens-per-pass GEMVs small batches take, likewise), 16 and 64 (the
 /// tensor-core GEMM, K split as the plans split it, the reduction included; and the
-/// 4-tokens-per-pass GEMV for comparison) and 512 (a prompt's chunk); Hopper's GEMM also with
-/// its activations loaded in their step, as the second run timed it; the table as markdown,
+/// 4-tokens-per-pass GEMV for comparison) and 512 (a prompt's chunk); Hopper's GEMM also on
+/// the schedules earlier runs timed ([`EARLIER_HOPPER_SCHEDULES`]); the table as markdown,
 /// with the step the matmuls alone would add up to (the whole step is [`decode`]'s).
 pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<String> {
     let mut table = String::from(
@@ -248,10 +268,15 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
             gemm.kernel.clone(),
             split_k::reduce("split_k_reduce", "gpu-check", gpu::PREFILL_TOKENS, None, None),
         ]);
-        // Hopper's GEMM as the second run timed it: its activations loaded in their step.
-        let in_step = (arch == "sm_90a")
-            .then(|| gemm_wgmma::gemm_wgmma_bf16_loading("gemm_a_in_step", "gpu-check", None, None, ALoads::InStep));
-        kernels.extend(in_step.clone());
+        // Hopper's GEMM as earlier runs timed it.
+        let hopper_schedules: Vec<Kernel> = match arch {
+            "sm_90a" => EARLIER_HOPPER_SCHEDULES
+                .iter()
+                .map(|(name, schedule)| gemm_wgmma::gemm_wgmma_bf16_scheduled(name, "gpu-check", None, None, *schedule))
+                .collect(),
+            _ => vec![],
+        };
+        kernels.extend(hopper_schedules.iter().cloned());
         let mut device = CudaDevice::compile(&[kernels.clone(), fill_kernels()].concat(), arch)?;
         // Each kernel's own time, as the first run measured it: with programmatic launches the
         // repeated launches would overlap (what they gain is the decode section's to show).
@@ -278,9 +303,7 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
             .collect();
         for batch in [16, 64, rows] {
             cases.push((batch, "gemm"));
-            if in_step.is_some() {
-                cases.push((batch, "gemm_a_in_step"));
-            }
+            cases.extend(hopper_schedules.iter().map(|kernel| (batch, kernel.name.as_str())));
         }
         let reduce = kernels
             .iter()
@@ -451,7 +474,13 @@ mod tests {
             kernels.extend([
                 gemm,
                 split_k::reduce("split_k_reduce", "test", gpu::PREFILL_TOKENS, None, None),
-                gemm_wgmma::gemm_wgmma_bf16_loading("gemm_a_in_step", "test", None, None, ALoads::InStep),
+                gemm_wgmma::gemm_wgmma_bf16_scheduled(
+                    "gemm_a_in_step",
+                    "test",
+                    None,
+                    None,
+                    EARLIER_HOPPER_SCHEDULES[0].1,
+                ),
             ]);
             for kernel in &kernels {
                 if let Err(e) = bind(kernel, |p| case.value(p)) {

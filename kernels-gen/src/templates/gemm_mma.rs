@@ -268,13 +268,9 @@ pub fn gemm_mma_with(
             1,
         ),
         WeightStaging::CpAsync => (
+            super::pipeline_prologue(2, TILE_K, (var("k_begin"), var("k_end")), copy_weights),
             [
-                copy_weights(rem(var("k_begin") / int(TILE_K), int(2)), var("k_begin")),
-                vec![Stmt::CpAsyncCommit],
-            ]
-            .concat(),
-            [
-                super::pipeline_step_head(TILE_K, var("k_end"), copy_weights),
+                super::pipeline_step_head(2, TILE_K, var("k_end"), copy_weights),
                 activations,
                 vec![Stmt::CpAsyncWait(1), Stmt::SyncThreads],
                 multiply(var("s") * int(STAGE)),

@@ -223,7 +223,7 @@ pub fn gemm_tcgen05_bf16_with(name: &str, origin: &str, norm: Option<NormPrologu
     let tiles_m = (var("tokens") + int(TILE_TOKENS - 1)) / int(TILE_TOKENS);
     let tiles_n = (var("n") + int(TILE_ROWS - 1)) / int(TILE_ROWS);
     let step = [
-        super::pipeline_step_head(TILE_K, var("k_end"), copy_weights),
+        super::pipeline_step_head(2, TILE_K, var("k_end"), copy_weights),
         stage_activations(norm, glu),
         vec![
             Stmt::CpAsyncWait(1),
@@ -269,8 +269,7 @@ pub fn gemm_tcgen05_bf16_with(name: &str, origin: &str, norm: Option<NormPrologu
             let_("phase", Ty::I32, int(0)),
         ],
         split_k::k_span(var("split"), TILE_K),
-        copy_weights(rem(var("k_begin") / int(TILE_K), int(2)), var("k_begin")),
-        vec![Stmt::CpAsyncCommit],
+        super::pipeline_prologue(2, TILE_K, (var("k_begin"), var("k_end")), copy_weights),
         norm.map(|_| vec![prologue_norms::zero_staged_squares(X_STAGE, THREADS)])
             .unwrap_or_default(),
         vec![

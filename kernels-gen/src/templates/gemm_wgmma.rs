@@ -1,12 +1,13 @@
 //! Prefill GEMM for Hopper (sm_90a): `out[t, r] = Σ_k x[t, k]·W[r, k]` with bf16 weights
 //! (activations rounded to bf16, f32 accumulation) on `wgmma`, the warpgroup-wide
-//! asynchronous tensor-core instruction, fed by a two-stage `cp.async` pipeline.
+//! asynchronous tensor-core instruction, fed by a three-stage `cp.async` pipeline.
 //!
 //! Tiling: one warpgroup (128 threads) computes a 64×128 tile of `out` (64 tokens × 128
 //! weight rows) with `wgmma.m64n128k16`: 64 f32 accumulators per thread. K advances 64 at a
 //! time. The weight slice of a step (128 rows × 64) travels global → shared with `cp.async`
-//! (16 bytes a copy, no registers, zero-filled past `n` and `k`) into one of two buffers while
-//! the tensor cores work on the other, so the copy of step i+1 overlaps the math of step i.
+//! (16 bytes a copy, no registers, zero-filled past `n` and `k`) into one of three buffers
+//! while the tensor cores work on another, so the copies of steps i+1 and i+2 overlap the math
+//! of step i (two stages, as the GPU runs until the fourth timed it, in [`Schedule`]).
 //! Activations go straight to registers as `wgmma`'s A operand (f32 in global memory, rounded
 //! to bf16 when packed), a step ahead (see [`ALoads`]).
 //!
@@ -20,9 +21,10 @@
 //!
 //! Requirements, checked by the caller: `k` a multiple of 8 (each 16-byte copy is wholly
 //! inside a row and aligned). Why this shape on H200: a 64×128 tile per 128 threads keeps
-//! the accumulators in registers (about 110 a thread, no spills) and 32 KiB of static shared
-//! memory (two stages) leaves room for several blocks per SM; a prefill chunk of 512 tokens
-//! over a 4096-row weight gives 8×32 = 256 tiles for 132 SMs.
+//! the accumulators in registers (181–238 a thread with the next step's A fragments, no
+//! spills: two blocks an SM) and 48 KiB of static shared memory (three stages, the most a
+//! block may take without dynamic shared memory) fits two blocks an SM as well; a prefill
+//! chunk of 512 tokens over a 4096-row weight gives 8×32 = 256 tiles for 132 SMs.
 
 use super::gemv::{self, NormPrologue};
 use super::{prologue_gemm_params, prologue_norms, split_k, PrologueLocals};
@@ -248,18 +250,38 @@ fn a_step_ahead(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
 /// piece, and the reduction (`split_k::reduce` with the same `glu`) applies `act(gate)·up`: a
 /// gate column and its up column lie in different weight tiles.
 pub fn gemm_wgmma_bf16_with(name: &str, origin: &str, norm: Option<NormPrologue>, glu: Option<GluAct>) -> Kernel {
-    gemm_wgmma_bf16_loading(name, origin, norm, glu, ALoads::StepAhead)
+    gemm_wgmma_bf16_scheduled(name, origin, norm, glu, Schedule::PLANS)
 }
 
-/// [`gemm_wgmma_bf16_with`], its A fragments loaded as `a_loads` says (the GPU check times
-/// both).
-pub fn gemm_wgmma_bf16_loading(
+/// How a Hopper GEMM runs its K loop: when its A fragments are loaded, and how many weight
+/// slices its `cp.async` pipeline holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Schedule {
+    pub a_loads: ALoads,
+    /// 2 or 3: three 16 KiB slices are all the static shared memory a block may take.
+    pub stages: i64,
+}
+
+impl Schedule {
+    /// What plans build. Three stages: with two, a block has one slice in flight while it
+    /// multiplies another, 16 KiB, 32 KiB an SM at two blocks; the H200's 4.3 TB/s at about a
+    /// microsecond of latency wants some 33 KiB in flight an SM, and the GEMMs ran at 19–38% of
+    /// copy bandwidth at 16 and 64 rows on the third run. Three keep two slices in flight.
+    pub const PLANS: Schedule = Schedule {
+        a_loads: ALoads::StepAhead,
+        stages: 3,
+    };
+}
+
+/// [`gemm_wgmma_bf16_with`] on the given `schedule` (the GPU check times the others).
+pub fn gemm_wgmma_bf16_scheduled(
     name: &str,
     origin: &str,
     norm: Option<NormPrologue>,
     glu: Option<GluAct>,
-    a_loads: ALoads,
+    schedule: Schedule,
 ) -> Kernel {
+    let Schedule { a_loads, stages } = schedule;
     let tiles_m = (var("tokens") + int(TILE_M - 1)) / int(TILE_M);
     let tiles_n = (var("n") + int(TILE_N - 1)) / int(TILE_N);
     let next_a: Vec<String> = match a_loads {
@@ -287,9 +309,13 @@ pub fn gemm_wgmma_bf16_loading(
         ),
     };
     let step = [
-        super::pipeline_step_head(TILE_K, var("k_end"), copy_stage),
+        super::pipeline_step_head(stages, TILE_K, var("k_end"), copy_stage),
         step_a,
-        vec![Stmt::CpAsyncWait(1), Stmt::FenceProxyAsync, Stmt::SyncThreads],
+        vec![
+            Stmt::CpAsyncWait(stages as u32 - 1),
+            Stmt::FenceProxyAsync,
+            Stmt::SyncThreads,
+        ],
         multiply_stage(),
         // Nobody refills this buffer (next step) before every thread is past the wait.
         vec![Stmt::SyncThreads],
@@ -308,10 +334,9 @@ pub fn gemm_wgmma_bf16_loading(
         ],
         split_k::k_span(var("split"), TILE_K),
         locals.collect(),
-        copy_stage(rem(var("k_begin") / int(TILE_K), int(2)), var("k_begin")),
+        super::pipeline_prologue(stages, TILE_K, (var("k_begin"), var("k_end")), copy_stage),
         first_a,
         vec![
-            Stmt::CpAsyncCommit,
             for_("k0", var("k_begin"), var("k_end"), int(TILE_K), step),
             // A split past the end of K ran no step: its first copies (all zero-fill) land here.
             Stmt::CpAsyncWait(0),
@@ -323,13 +348,13 @@ pub fn gemm_wgmma_bf16_loading(
     let shared = vec![SharedArray {
         name: "ws".into(),
         ty: Ty::Bf16,
-        len: (2 * STAGE) as usize,
+        len: (stages * STAGE) as usize,
     }];
     Kernel {
         name: name.into(),
         origin: format!(
             "{origin}: {}matmul x·Wᵀ on Hopper tensor cores (wgmma m64n{TILE_N}k16 bf16, A from registers \
-             loaded {}, B through a 2-stage cp.async pipeline of {TILE_N}×{TILE_K} slices, K split in `splits`)",
+             loaded {}, B through a {stages}-stage cp.async pipeline of {TILE_N}×{TILE_K} slices, K split in `splits`)",
             gemv::describe(norm),
             match a_loads {
                 ALoads::InStep => "in its step",

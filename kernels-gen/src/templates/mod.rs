@@ -267,17 +267,43 @@ pub fn store_gemm_result(
     )
 }
 
-/// The head of one step of a two-buffer `cp.async` pipeline over K (steps `tile_k` wide at
-/// `k0`, up to `end`): `s`, the buffer this step reads, and the next step's copies
-/// (`copy(buffer, k0)`) issued into the other buffer and committed as one group — an empty
-/// group past the end, so that waiting for all groups but the newest always means waiting for
-/// this step's copies.
-pub fn pipeline_step_head(tile_k: i64, end: Expr, copy: impl Fn(Expr, Expr) -> Vec<Stmt>) -> Vec<Stmt> {
+/// The copies of a `stages`-buffer `cp.async` pipeline over K (steps `tile_k` wide from
+/// `begin`, up to `end`) before its first step: those of the first `stages - 1` steps
+/// (`copy(buffer, k0)`), each committed as a group (an empty one past the end), the first
+/// always (a K split past the end of K zero-fills it).
+pub fn pipeline_prologue(
+    stages: i64,
+    tile_k: i64,
+    (begin, end): (Expr, Expr),
+    copy: impl Fn(Expr, Expr) -> Vec<Stmt>,
+) -> Vec<Stmt> {
+    let mut out = copy(rem(begin.clone() / int(tile_k), int(stages)), begin.clone());
+    out.push(Stmt::CpAsyncCommit);
+    for j in 1..stages - 1 {
+        let k0 = begin.clone() + int(j * tile_k);
+        out.push(if_(
+            lt(k0.clone(), end.clone()),
+            copy(rem(k0.clone() / int(tile_k), int(stages)), k0),
+        ));
+        out.push(Stmt::CpAsyncCommit);
+    }
+    out
+}
+
+/// The head of one step of a `stages`-buffer `cp.async` pipeline over K (steps `tile_k` wide
+/// at `k0`, up to `end`; [`pipeline_prologue`] issued the first): `s`, the buffer this step
+/// reads, and the copies of the step `stages - 1` ahead (`copy(buffer, k0)`) issued into the
+/// buffer the step before read, committed as one group — an empty group past the end, so that
+/// waiting for all groups but the `stages - 1` newest always means waiting for this step's
+/// copies. The buffer refilled here was last read by the previous step: each step ends at a
+/// barrier.
+pub fn pipeline_step_head(stages: i64, tile_k: i64, end: Expr, copy: impl Fn(Expr, Expr) -> Vec<Stmt>) -> Vec<Stmt> {
+    let ahead = var("k0") + int((stages - 1) * tile_k);
     vec![
-        let_("s", Ty::I32, rem(var("k0") / int(tile_k), int(2))),
+        let_("s", Ty::I32, rem(var("k0") / int(tile_k), int(stages))),
         if_(
-            lt(var("k0") + int(tile_k), end),
-            copy(int(1) - var("s"), var("k0") + int(tile_k)),
+            lt(ahead.clone(), end),
+            copy(rem(ahead.clone() / int(tile_k), int(stages)), ahead),
         ),
         Stmt::CpAsyncCommit,
     ]
