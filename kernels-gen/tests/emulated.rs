@@ -976,19 +976,6 @@ fn residual_prologue_matmuls_write_the_sum_and_the_product() {
     }
 }
 
-/// Hopper's GEMM as the second GPU run timed it: its activations loaded in their step, two
-/// weight stages.
-const SECOND_RUN: gemm_wgmma::Schedule = gemm_wgmma::Schedule {
-    a_loads: gemm_wgmma::ALoads::InStep,
-    stages: 2,
-};
-
-/// As the third and fourth runs timed it: activations a step ahead, two weight stages.
-const TWO_STAGES: gemm_wgmma::Schedule = gemm_wgmma::Schedule {
-    a_loads: gemm_wgmma::ALoads::StepAhead,
-    stages: 2,
-};
-
 /// Every tensor-core GEMM over bf16 weights, each with a norm prologue, a GLU epilogue and K
 /// splits, the same parameters and results: Hopper's (`wgmma`, as plans build it and on the
 /// schedules earlier GPU runs timed), Blackwell's (`tcgen05`) and `mma.sync` (weights by
@@ -997,8 +984,8 @@ fn prologue_gemms(norm: Option<gemv::NormPrologue>, glu: Option<GluAct>) -> [Ker
     use gemm_mma::WeightStaging;
     [
         gemm_wgmma::gemm_wgmma_bf16_with("gemm", "test", norm, glu),
-        gemm_wgmma::gemm_wgmma_bf16_scheduled("gemm", "test", norm, glu, SECOND_RUN),
-        gemm_wgmma::gemm_wgmma_bf16_scheduled("gemm", "test", norm, glu, TWO_STAGES),
+        gemm_wgmma::gemm_wgmma_bf16_scheduled("gemm", "test", norm, glu, gemm_wgmma::Schedule::IN_STEP_TWO_STAGES),
+        gemm_wgmma::gemm_wgmma_bf16_scheduled("gemm", "test", norm, glu, gemm_wgmma::Schedule::AHEAD_TWO_STAGES),
         gemm_tcgen05::gemm_tcgen05_bf16_with("gemm", "test", norm, glu),
         gemm_mma::gemm_mma_with("gemm", "test", WeightStaging::CpAsync, norm, glu),
         gemm_mma::gemm_mma_with("gemm", "test", WeightStaging::Registers, norm, glu),
@@ -1139,8 +1126,10 @@ fn hopper_wgmma_gemm_matches_reference_on_bf16_inputs() {
         (130, 140, 200),
         (70, 260, 136),
     ];
-    let in_step = gemm_wgmma::gemm_wgmma_bf16_scheduled("gemm", "test", None, None, SECOND_RUN);
-    let two_stages = gemm_wgmma::gemm_wgmma_bf16_scheduled("gemm", "test", None, None, TWO_STAGES);
+    let in_step =
+        gemm_wgmma::gemm_wgmma_bf16_scheduled("gemm", "test", None, None, gemm_wgmma::Schedule::IN_STEP_TWO_STAGES);
+    let two_stages =
+        gemm_wgmma::gemm_wgmma_bf16_scheduled("gemm", "test", None, None, gemm_wgmma::Schedule::AHEAD_TWO_STAGES);
     for gemm in [gemm_wgmma::gemm_wgmma_bf16("gemm", "test"), in_step, two_stages] {
         gemm_matches_reference(&gemm, &shapes, 0, 15);
         gemm_matches_reference(&gemm, &shapes[1..3], 5, 16);

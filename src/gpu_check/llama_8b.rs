@@ -7,7 +7,7 @@ use anyhow::{anyhow, Result};
 use codegen::gpu::{self, expr};
 use codegen::Target;
 use kernels_gen::dsl::{Kernel, Ty};
-use kernels_gen::templates::gemm_wgmma::{self, ALoads, Schedule};
+use kernels_gen::templates::gemm_wgmma::{self, Schedule};
 use kernels_gen::templates::gemv::{self, gemv, GemvSpec, NormPrologue};
 use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::{prefill_gemm, split_k};
@@ -220,24 +220,10 @@ fn bind<'a, B>(kernel: &Kernel, value: impl Fn(&str) -> Option<DeviceArg<'a, B>>
         .collect()
 }
 
-/// Hopper's GEMM on the schedules earlier runs timed, named as the matmul table shows them:
-/// its activations loaded in their step over two weight stages (the second run), a step ahead
-/// over two (the third and fourth).
+/// Hopper's GEMM on the schedules earlier runs timed, named as the matmul table shows them.
 const EARLIER_HOPPER_SCHEDULES: [(&str, Schedule); 2] = [
-    (
-        "gemm_a_in_step",
-        Schedule {
-            a_loads: ALoads::InStep,
-            stages: 2,
-        },
-    ),
-    (
-        "gemm_2_stages",
-        Schedule {
-            a_loads: ALoads::StepAhead,
-            stages: 2,
-        },
-    ),
+    ("gemm_a_in_step", Schedule::IN_STEP_TWO_STAGES),
+    ("gemm_2_stages", Schedule::AHEAD_TWO_STAGES),
 ];
 
 /// Time every shape's matmul alone at batch 1 (the decode GEMV, and for QKV and gate/up the
@@ -474,14 +460,12 @@ mod tests {
             kernels.extend([
                 gemm,
                 split_k::reduce("split_k_reduce", "test", gpu::PREFILL_TOKENS, None, None),
-                gemm_wgmma::gemm_wgmma_bf16_scheduled(
-                    "gemm_a_in_step",
-                    "test",
-                    None,
-                    None,
-                    EARLIER_HOPPER_SCHEDULES[0].1,
-                ),
             ]);
+            kernels.extend(
+                EARLIER_HOPPER_SCHEDULES
+                    .iter()
+                    .map(|(name, schedule)| gemm_wgmma::gemm_wgmma_bf16_scheduled(name, "test", None, None, *schedule)),
+            );
             for kernel in &kernels {
                 if let Err(e) = bind(kernel, |p| case.value(p)) {
                     panic!("{arch}: {e}");

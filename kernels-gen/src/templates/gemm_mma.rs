@@ -48,6 +48,8 @@ const TILE_K: i64 = 32;
 const STAGE_STRIDE: i64 = TILE_K + 8;
 /// Elements of one staged slice.
 const STAGE: i64 = TILE_M * STAGE_STRIDE;
+/// Weight slices of the `cp.async` pipeline (`WeightStaging::CpAsync`).
+const STAGES: i64 = 2;
 /// Each warp's quarter: 2 `mma` tiles of 16 tokens by 4 of 8 rows.
 const WARP_M_TILES: usize = 2;
 const WARP_N_TILES: usize = 4;
@@ -226,12 +228,8 @@ pub fn gemm_mma_with(
 ) -> Kernel {
     let activations = match norm {
         Some(norm) => {
-            let place = |e: Expr, value: &str| {
-                store(
-                    "xs",
-                    e.clone() / int(TILE_K) * int(STAGE_STRIDE) + rem(e, int(TILE_K)),
-                    var(value),
-                )
+            let place = |(token, column): (Expr, Expr), value: &str| {
+                store("xs", token * int(STAGE_STRIDE) + column, var(value))
             };
             let threads = 32 * WARPS;
             super::stage_prologue_slice(norm, glu, (threads, TILE_M * TILE_K / threads), &place)
@@ -268,15 +266,15 @@ pub fn gemm_mma_with(
             1,
         ),
         WeightStaging::CpAsync => (
-            super::pipeline_prologue(2, TILE_K, (var("k_begin"), var("k_end")), copy_weights),
+            super::pipeline_prologue(STAGES, TILE_K, (var("k_begin"), var("k_end")), copy_weights),
             [
-                super::pipeline_step_head(2, TILE_K, var("k_end"), copy_weights),
+                super::pipeline_step_head(STAGES, TILE_K, var("k_end"), copy_weights),
                 activations,
-                vec![Stmt::CpAsyncWait(1), Stmt::SyncThreads],
+                vec![super::pipeline_wait(STAGES), Stmt::SyncThreads],
                 multiply(var("s") * int(STAGE)),
             ]
             .concat(),
-            2,
+            STAGES,
         ),
     };
     let body = [

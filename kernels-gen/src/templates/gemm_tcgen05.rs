@@ -46,6 +46,8 @@ const X_STAGE: i64 = TILE_TOKENS * TILE_K;
 const CHUNK: i64 = 8;
 /// Stride byte offset (between 8-row groups) of both operands.
 const STRIDE_BYTES: u32 = 128;
+/// Stages of the pipeline: weight and activation slices each.
+const STAGES: i64 = 2;
 /// k16 MMAs per stage.
 const K_SLICES: i64 = TILE_K / 16;
 
@@ -86,8 +88,7 @@ fn copy_weights(stage: Expr, k0: Expr) -> Vec<Stmt> {
 /// (`templates::stage_prologue_slice`); under a residual prologue the blocks of the first
 /// weight tile also write the sums they load, each (token, k) once.
 fn stage_activations(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
-    let place = |e: Expr, value: &str| {
-        let (token, kk) = (e.clone() / int(TILE_K), rem(e, int(TILE_K)));
+    let place = |(token, kk): (Expr, Expr), value: &str| {
         store(
             "xs",
             var("s") * int(X_STAGE) + core_matrix_index(token, kk, TILE_TOKENS),
@@ -105,23 +106,23 @@ fn stage_activations(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stm
         int(1),
         vec![
             let_("e", Ty::I32, tid() + var("i") * int(THREADS)),
+            let_("token", Ty::I32, e.clone() / int(TILE_K)),
+            let_("kk", Ty::I32, rem(e, int(TILE_K))),
             let_("value", Ty::F32, f(0.0)),
             if_(
                 and(
-                    lt(var("m0") + e.clone() / int(TILE_K), var("tokens")),
-                    lt(var("k0") + rem(e.clone(), int(TILE_K)), var("k")),
+                    lt(var("m0") + var("token"), var("tokens")),
+                    lt(var("k0") + var("kk"), var("k")),
                 ),
                 vec![assign(
                     "value",
                     load(
                         "x",
-                        (var("m0") + e.clone() / int(TILE_K)) * var("x_stride")
-                            + var("k0")
-                            + rem(e.clone(), int(TILE_K)),
+                        (var("m0") + var("token")) * var("x_stride") + var("k0") + var("kk"),
                     ),
                 )],
             ),
-            place(e, "value"),
+            place((var("token"), var("kk")), "value"),
         ],
     )]
 }
@@ -223,10 +224,10 @@ pub fn gemm_tcgen05_bf16_with(name: &str, origin: &str, norm: Option<NormPrologu
     let tiles_m = (var("tokens") + int(TILE_TOKENS - 1)) / int(TILE_TOKENS);
     let tiles_n = (var("n") + int(TILE_ROWS - 1)) / int(TILE_ROWS);
     let step = [
-        super::pipeline_step_head(2, TILE_K, var("k_end"), copy_weights),
+        super::pipeline_step_head(STAGES, TILE_K, var("k_end"), copy_weights),
         stage_activations(norm, glu),
         vec![
-            Stmt::CpAsyncWait(1),
+            super::pipeline_wait(STAGES),
             Stmt::FenceProxyAsync,
             Stmt::SyncThreads,
             tc(Tcgen05::FenceAfterSync),
@@ -269,7 +270,7 @@ pub fn gemm_tcgen05_bf16_with(name: &str, origin: &str, norm: Option<NormPrologu
             let_("phase", Ty::I32, int(0)),
         ],
         split_k::k_span(var("split"), TILE_K),
-        super::pipeline_prologue(2, TILE_K, (var("k_begin"), var("k_end")), copy_weights),
+        super::pipeline_prologue(STAGES, TILE_K, (var("k_begin"), var("k_end")), copy_weights),
         norm.map(|_| vec![prologue_norms::zero_staged_squares(X_STAGE, THREADS)])
             .unwrap_or_default(),
         vec![
@@ -300,8 +301,8 @@ pub fn gemm_tcgen05_bf16_with(name: &str, origin: &str, norm: Option<NormPrologu
         len: len as usize,
     };
     let mut arrays = vec![
-        shared("ws", Ty::Bf16, 2 * W_STAGE),
-        shared("xs", Ty::Bf16, 2 * X_STAGE),
+        shared("ws", Ty::Bf16, STAGES * W_STAGE),
+        shared("xs", Ty::Bf16, STAGES * X_STAGE),
         shared("bar", Ty::U32, 2),
         shared("tmem_slot", Ty::I32, 1),
     ];

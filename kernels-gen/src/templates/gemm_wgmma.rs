@@ -114,12 +114,10 @@ fn copy_stage(stage: Expr, k0: Expr) -> Vec<Stmt> {
 /// accumulators and both steps' fragments without spilling (236–238 registers on sm_90a, from
 /// 198: still 2 blocks an SM).
 fn load_a(norm: Option<NormPrologue>, glu: Option<GluAct>, k0: Expr, name: fn(usize, usize) -> String) -> Vec<Stmt> {
-    let pairs: Vec<(usize, i64, i64)> = (0..K_SLICES)
-        .flat_map(|slice| [(0, 0), (1, 0), (0, 1), (1, 1)].map(|(r, c)| (slice, r, c)))
-        .collect();
+    let pairs = (0..K_SLICES).flat_map(|slice| [(0, 0), (1, 0), (0, 1), (1, 1)].map(|(r, c)| (slice, r, c)));
     let mut loads = Vec::new();
     let mut arithmetic = Vec::new();
-    for &pair in &pairs {
+    for pair in pairs {
         let (_, row_half, _) = pair;
         let sum = ["sq_lo", "sq_hi"][row_half as usize];
         let add_square = |square: Expr| assign(sum, var(sum) + square);
@@ -128,15 +126,10 @@ fn load_a(norm: Option<NormPrologue>, glu: Option<GluAct>, k0: Expr, name: fn(us
         let mut finished = Vec::new();
         for (at, locals) in &elements {
             loads.push(assign(&locals.value, f(0.0)));
-            if gemv::residual(norm) {
-                loads.push(let_(&locals.addend, Ty::F32, f(0.0)));
-            }
             // The first row half loads the column's norm weight for both (the second is
             // inside `tokens` only where the first is).
             let with_weight = row_half == 0;
-            if norm.is_some() && with_weight {
-                loads.push(let_(&locals.weight, Ty::F32, f(0.0)));
-            }
+            loads.extend(locals.declare_inputs(norm, with_weight));
             loaded.extend(super::prologue_loads(norm, at.clone(), locals, with_weight));
             finished.extend(super::prologue_arithmetic(norm, glu, at.clone(), locals, &add_square));
         }
@@ -271,6 +264,18 @@ impl Schedule {
         a_loads: ALoads::StepAhead,
         stages: 3,
     };
+
+    /// Activations loaded in their step, two weight stages: the GEMM of the second H200 run.
+    pub const IN_STEP_TWO_STAGES: Schedule = Schedule {
+        a_loads: ALoads::InStep,
+        stages: 2,
+    };
+
+    /// Activations a step ahead, two weight stages: the GEMM of the third and fourth runs.
+    pub const AHEAD_TWO_STAGES: Schedule = Schedule {
+        a_loads: ALoads::StepAhead,
+        stages: 2,
+    };
 }
 
 /// [`gemm_wgmma_bf16_with`] on the given `schedule` (the GPU check times the others).
@@ -311,11 +316,7 @@ pub fn gemm_wgmma_bf16_scheduled(
     let step = [
         super::pipeline_step_head(stages, TILE_K, var("k_end"), copy_stage),
         step_a,
-        vec![
-            Stmt::CpAsyncWait(stages as u32 - 1),
-            Stmt::FenceProxyAsync,
-            Stmt::SyncThreads,
-        ],
+        vec![super::pipeline_wait(stages), Stmt::FenceProxyAsync, Stmt::SyncThreads],
         multiply_stage(),
         // Nobody refills this buffer (next step) before every thread is past the wait.
         vec![Stmt::SyncThreads],

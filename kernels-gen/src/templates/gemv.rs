@@ -155,10 +155,11 @@ impl GemvSpec {
     /// its weights; the second H200 run's figures point to those reads from L2, not the
     /// weights from memory, as what bounded the GEMVs whose warps walk short rows (the 8B's QKV
     /// read 201 MB from L2 for 50 MB of weights and ran at 40% of copy bandwidth; four tokens a
-    /// pass read eight times the weights' bytes, at 33–44%). Sharing each activation load among `rows` weight rows divides that
-    /// traffic by `rows`, and puts `rows` weight loads in flight per step where one was. Each
-    /// row's sum is taken in the same order as with one row a warp: the results are the same
-    /// bits.
+    /// pass read eight times the weights' bytes, at 33–44%). Sharing each activation load
+    /// among `rows` weight rows divides that traffic by `rows`, and puts `rows` weight loads in
+    /// flight per step where one was (the third run: the QKV GEMV from 36% to 54% of copy
+    /// bandwidth in the step). Each row's sum is taken in the same order as with one row a
+    /// warp: the results are the same bits.
     pub fn with_rows_per_warp(self, rows: usize) -> Self {
         assert!(
             (1..=MAX_ROWS_PER_WARP).contains(&rows),
@@ -406,8 +407,8 @@ fn pass(spec: &GemvSpec) -> Vec<Stmt> {
 /// Whether the decode GEMV asks L2 for its weights `prefetch_steps` steps ahead: the one
 /// token a pass, dense vector variants, where asked (none by default: on the second H200 run
 /// the norm-prologue GEMVs were 10–16% slower with it, and sharing activation loads among
-/// rows, [`GemvSpec::with_rows_per_warp`], puts more loads in flight). At batch 1 loads in flight, not
-/// warps, are what the bandwidth needs (Little's law: 132 SMs × 48 warps × 512 B is about
+/// rows, [`GemvSpec::with_rows_per_warp`], puts more loads in flight). At batch 1 loads in
+/// flight, not warps, are what the bandwidth needs (Little's law: 132 SMs × 48 warps × 512 B is about
 /// 3 MB, under the ≈ 3.8 MB that 4.8 TB/s × 0.8 µs asks). NVRTC unrolls the plain GEMV's loop
 /// and ptxas then issues two loads together; the norm-prologue bodies are larger, stay rolled,
 /// and have one load in flight per warp: on the first H200 run the LM head read its weights

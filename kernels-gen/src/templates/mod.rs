@@ -138,6 +138,22 @@ pub struct PrologueLocals {
     pub weight: String,
 }
 
+impl PrologueLocals {
+    /// The declarations of the locals [`prologue_loads`] fills besides `value` (which the
+    /// caller keeps where it likes): `addend` under a residual prologue, `weight` under a norm
+    /// prologue where `with_weight`.
+    pub fn declare_inputs(&self, norm: Option<gemv::NormPrologue>, with_weight: bool) -> Vec<Stmt> {
+        let mut out = Vec::new();
+        if gemv::residual(norm) {
+            out.push(let_(&self.addend, Ty::F32, f(0.0)));
+        }
+        if norm.is_some() && with_weight {
+            out.push(let_(&self.weight, Ty::F32, f(0.0)));
+        }
+        out
+    }
+}
+
 /// The loads of a prologue element alone, into its `locals` (the norm weight's where
 /// `with_weight`: elements of one column may share it). Kept apart from the arithmetic so that
 /// a thread issues a step's loads together before it waits on any: with the arithmetic and the
@@ -194,19 +210,20 @@ pub fn prologue_arithmetic(
 /// loads first (the norm weight once, in the first pass: a thread's elements share their
 /// column, and its first token is inside `tokens` where any is), then their arithmetic, each
 /// element's square added to `row_squares[e]` (`prologue_norms::staged_arrays`), and
-/// `place(e, value)` putting it into the tile. What `gemm_mma` and `gemm_tcgen05` stage under
-/// a norm prologue: a loop of one element a pass waits for each element's loads in turn (see
-/// [`prologue_loads`]).
+/// `place((e / 32, e % 32), value)` putting it into the tile at its token and column. What
+/// `gemm_mma` and `gemm_tcgen05` stage under a norm prologue: a loop of one element a pass
+/// waits for each element's loads in turn (see [`prologue_loads`]).
 pub fn stage_prologue_slice(
     norm: gemv::NormPrologue,
     glu: Option<ir::GluAct>,
     (threads, passes): (i64, i64),
-    place: &dyn Fn(Expr, &str) -> Stmt,
+    place: &dyn Fn((Expr, Expr), &str) -> Stmt,
 ) -> Vec<Stmt> {
     let element = |i: i64| tid() + int(threads * i);
+    let in_tile = |i: i64| (element(i) / int(32), rem(element(i), int(32)));
     let at = |i: i64| {
-        let e = element(i);
-        (var("m0") + e.clone() / int(32), var("k0") + rem(e, int(32)))
+        let (token, column) = in_tile(i);
+        (var("m0") + token, var("k0") + column)
     };
     let valid = |i: i64| {
         let (row, col) = at(i);
@@ -217,22 +234,20 @@ pub fn stage_prologue_slice(
         addend: format!("x{i}_b"),
         weight: "x_g".into(),
     };
-    let mut out = vec![let_("x_g", Ty::F32, f(0.0))];
+    let mut out = Vec::new();
     for first in (0..passes).step_by(PASSES_LOADED_TOGETHER as usize) {
         let mut finished = Vec::new();
         for i in first..passes.min(first + PASSES_LOADED_TOGETHER) {
             let l = locals(i);
             out.push(let_(&l.value, Ty::F32, f(0.0)));
-            if norm.residual {
-                out.push(let_(&l.addend, Ty::F32, f(0.0)));
-            }
+            out.extend(l.declare_inputs(Some(norm), i == 0));
             out.push(if_(valid(i), prologue_loads(Some(norm), at(i), &l, i == 0)));
             let add_square = |square: Expr| prologue_norms::add_staged_square(element(i), square);
             finished.push(if_(
                 valid(i),
                 prologue_arithmetic(Some(norm), glu, at(i), &l, &add_square),
             ));
-            finished.push(place(element(i), &l.value));
+            finished.push(place(in_tile(i), &l.value));
         }
         out.extend(finished);
     }
@@ -307,6 +322,12 @@ pub fn pipeline_step_head(stages: i64, tile_k: i64, end: Expr, copy: impl Fn(Exp
         ),
         Stmt::CpAsyncCommit,
     ]
+}
+
+/// The wait a step of a `stages`-buffer pipeline makes before it reads its buffer: every copy
+/// group but the `stages - 1` newest landed ([`pipeline_step_head`] commits one a step).
+pub fn pipeline_wait(stages: i64) -> Stmt {
+    Stmt::CpAsyncWait((stages - 1) as u32)
 }
 
 /// Threads per block for the row-parallel kernels: 8 warps.
