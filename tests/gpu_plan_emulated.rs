@@ -12,6 +12,7 @@ use bbc::gpu_check::tiny_gguf;
 use codegen::gpu::{self, PREFILL_TOKENS};
 use codegen::Target;
 use common::fixture;
+use common::hf_reference::Reference;
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use runtime::compare::CompareDevice;
 use runtime::emulated::{EmulatedBackend, EmulatedDevice};
@@ -214,6 +215,92 @@ fn tiny_glm4_moe_plans_agree_with_the_cpu_backend() {
 #[test]
 fn tiny_glm5_plans_agree_with_the_cpu_backend() {
     check_everywhere("glm_moe_dsa");
+}
+
+/// `name`'s batched plan for `target` in f32 (every row's logits) on the emulator against HF
+/// transformers' `reference`: its prompt prefilled in chunks of at most `chunk` rows over a
+/// paged cache of 16-position blocks, then its cached greedy steps; logits at every prompt row
+/// and step within 1e-4 of HF's (relative to the largest), and HF's greedy ids.
+fn check_plan_against_hf(reference: &Reference, name: &str, target: Target, chunk: usize) {
+    use runtime::kv::{BlockId, Segment, StateSnapshots};
+    let model = open(name, ComputeDtype::F32);
+    let (n, v) = (reference.input_ids.len(), reference.vocab);
+    let positions = n + reference.greedy_ids.len();
+    let gpu_graph = fused_for(&model.lower(LogitsFor::AllTokens).unwrap(), target);
+    let cache = gpu::BatchedCache {
+        blocks: positions.div_ceil(16),
+        block_size: 16,
+        sequences: 1,
+    };
+    let (plan, kernels) = gpu::build_batched(&gpu_graph, target, chunk, cache).unwrap();
+    let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], positions).unwrap();
+    // Blocks in reverse, so a position's block is never its index's.
+    let table: Vec<BlockId> = (0..cache.blocks as u32).rev().map(BlockId).collect();
+    let step = |start: usize, ids: &[u32]| -> Vec<f32> {
+        let segment = Segment {
+            table: &table,
+            start,
+            ids,
+            state_slot: 0,
+            sampled_rows: 1,
+            drafts: 0,
+            snapshots: StateSnapshots::NONE,
+        };
+        gpu.step_batch(&[segment])
+            .unwrap()
+            .remove(0)
+            .remove("logits")
+            .unwrap()
+            .data
+    };
+    let label = format!("{name} on {}", target.name());
+    let mut prompt = Vec::with_capacity(n * v);
+    for (i, ids) in reference.input_ids.chunks(chunk).enumerate() {
+        prompt.extend(step(i * chunk, ids));
+    }
+    let error = relative_error(&prompt, &reference.logits);
+    assert!(error <= 1e-4, "{label}: prompt logits off by {error}");
+    let mut last = prompt[(n - 1) * v..].to_vec();
+    for (s, &id) in reference.greedy_ids.iter().enumerate() {
+        let error = relative_error(&last, reference.step(s));
+        assert!(error <= 1e-4, "{label}: step {s} off by {error}");
+        assert_eq!(runtime::sampling::argmax(&last), id, "{label}: greedy id at step {s}");
+        last = step(n + s, &[id]);
+    }
+}
+
+/// GLM-5's held-out models (prompts of 48 and 96 ids, the indexer keeping 8 of them on most
+/// rows and at every step; 8 and 16 index heads) and the tiny model with two index heads
+/// against transformers with tied index scores kept earliest (see `hf_tiny`'s
+/// `glm_moe_dsa_matches_hf_with_tied_index_scores_kept_earliest`): HF's logits at every prompt
+/// row and cached step, prefilled in chunks of 32 rows. In f32 every target's plan launches
+/// the same kernels (the tensor-core GEMMs are bf16's), checked here, so H200's run covers
+/// all three.
+#[test]
+fn glm5_plans_match_hf_at_every_row_and_step() {
+    let model = open("glm_moe_dsa_held_out_48", ComputeDtype::F32);
+    let graph = model.lower(LogitsFor::AllTokens).unwrap();
+    let cache = gpu::BatchedCache {
+        blocks: 4,
+        block_size: 16,
+        sequences: 1,
+    };
+    let plan_for = |target| {
+        let (plan, mut kernels) = gpu::build_batched(&fused_for(&graph, target), target, 32, cache).unwrap();
+        for kernel in &mut kernels {
+            kernel.origin.clear();
+        }
+        (plan.launches, kernels)
+    };
+    let h200 = plan_for(Target::H200);
+    for target in [Target::B200, Target::RtxPro6000] {
+        assert!(plan_for(target) == h200, "f32 plans differ on {}", target.name());
+    }
+    for name in ["glm_moe_dsa_held_out_48", "glm_moe_dsa_held_out_96"] {
+        check_plan_against_hf(&Reference::of(name), name, Target::H200, 32);
+    }
+    let ties = Reference::from_fixture("hf-tiny/glm_moe_dsa-earliest-ties-reference.safetensors");
+    check_plan_against_hf(&ties, "glm_moe_dsa", Target::H200, 32);
 }
 
 /// Llama 3.1's RoPE scaling: the rotations read the rescaled frequencies the plan carries as

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod drafting;
+pub mod hf_reference;
 pub mod server;
 
 use std::path::PathBuf;
