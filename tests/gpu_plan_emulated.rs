@@ -1,6 +1,8 @@
-//! The GPU plan, run without a GPU: the tiny random Llama and Gemma 3 models (and a tiny Llama
-//! with GGUF-block weights) compiled for each GPU target, their plans executed by the same executor the CUDA backend uses, on the
-//! kernels-gen emulator, agree with the CPU backend step by step: a prefill long enough for the
+//! The GPU plan, run without a GPU: the tiny random models of every family (and tiny models
+//! with GGUF-block weights) compiled for each GPU target, their plans executed by the same
+//! executor the CUDA backend uses, on the kernels-gen emulator. In f32, the batched plans give
+//! HF transformers' logits at every prompt row and cached step of each family's reference. In
+//! f32 and bf16 they agree with the CPU backend step by step: a prefill long enough for the
 //! prefill kernels (the tensor-core GEMM for bf16 weights), one short enough for the decode
 //! kernels, then decode steps over the KV cache. Every buffer offset, view, scalar and launch
 //! of the plan is exercised; each kernel may touch only the bytes its arguments give it. The
@@ -301,6 +303,16 @@ fn glm5_plans_match_hf_at_every_row_and_step() {
     }
     let ties = Reference::from_fixture("hf-tiny/glm_moe_dsa-earliest-ties-reference.safetensors");
     check_plan_against_hf(&ties, "glm_moe_dsa", Target::H200, 32);
+}
+
+/// Every other family's tiny model, its batched f32 plan on the emulator against HF's logits
+/// at every prompt row and cached step (prefilled in chunks of 16 rows), as GLM-5's above:
+/// the other plan tests compare with the CPU backend on prompts of their own.
+#[test]
+fn plans_match_hf_at_every_row_and_step() {
+    for name in ["llama", "gemma3", "gemma4", "qwen3_next", "qwen3_5", "glm4_moe"] {
+        check_plan_against_hf(&Reference::of(name), name, Target::H200, 16);
+    }
 }
 
 /// Llama 3.1's RoPE scaling: the rotations read the rescaled frequencies the plan carries as

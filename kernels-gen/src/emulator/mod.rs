@@ -703,33 +703,43 @@ impl<'k> Block<'k> {
     }
 
     fn eval(&self, e: &Expr, mask: &[bool], global: &HashMap<String, Array>) -> Result<Vec<Val>, Fault> {
+        Ok(self.eval_typed(e, mask, global)?.0)
+    }
+
+    /// `e`'s values on the active threads and its compute type (`Scope::type_of`'s, found
+    /// on the way up rather than by walking each operand again: the kernel is type-checked).
+    fn eval_typed(&self, e: &Expr, mask: &[bool], global: &HashMap<String, Array>) -> Result<(Vec<Val>, Ty), Fault> {
         let n = mask.len();
         Ok(match e {
-            Expr::F32(v) => vec![Val::F(*v); n],
-            Expr::Int(v) => vec![Val::I(*v); n],
-            Expr::Bool(b) => vec![Val::B(*b); n],
-            Expr::Builtin(b) => (0..n)
-                .map(|t| {
-                    Val::I(match b {
-                        Builtin::ThreadIdx => t as i64,
-                        Builtin::BlockIdx => self.block as i64,
-                        Builtin::BlockDim => self.kernel.block_dim as i64,
-                        Builtin::Lane => (t % 32) as i64,
-                        Builtin::Warp => (t / 32) as i64,
+            Expr::F32(v) => (vec![Val::F(*v); n], Ty::F32),
+            Expr::Int(v) => (vec![Val::I(*v); n], Ty::I32),
+            Expr::Bool(b) => (vec![Val::B(*b); n], Ty::Bool),
+            Expr::Builtin(b) => {
+                let values = (0..n)
+                    .map(|t| {
+                        Val::I(match b {
+                            Builtin::ThreadIdx => t as i64,
+                            Builtin::BlockIdx => self.block as i64,
+                            Builtin::BlockDim => self.kernel.block_dim as i64,
+                            Builtin::Lane => (t % 32) as i64,
+                            Builtin::Warp => (t / 32) as i64,
+                        })
                     })
-                })
-                .collect(),
+                    .collect();
+                (values, Ty::I32)
+            }
             Expr::Var(name) => {
                 self.touch(name, mask)?;
                 let vals = self.vars.get(name).ok_or((0, format!("`{name}` has no value")))?;
                 if let Some(t) = (0..n).find(|&t| mask[t] && vals[t] == Val::Undef) {
                     return Err((t, format!("`{name}` read before it was set on this thread")));
                 }
-                vals.clone()
+                let ty = self.scope.vars.get(name).copied().unwrap_or(Ty::I32);
+                (vals.clone(), ty)
             }
             Expr::Load { buf, index } => {
                 let idx = self.eval(index, mask, global)?;
-                self.load_at(buf, &idx, mask, global)?
+                (self.load_at(buf, &idx, mask, global)?, self.array_type(buf, global))
             }
             Expr::LoadRow { buf, row, width, col } => {
                 let (r, w, c) = (
@@ -739,20 +749,24 @@ impl<'k> Block<'k> {
                 );
                 // In 64 bits, as the emitted `(long long)` product is.
                 let idx: Vec<Val> = (0..n).map(|t| Val::I(r[t].i() * w[t].i() + c[t].i())).collect();
-                self.load_at(buf, &idx, mask, global)?
+                (self.load_at(buf, &idx, mask, global)?, self.array_type(buf, global))
             }
             Expr::Bin(op, a, b) => {
-                let (x, y) = (self.eval(a, mask, global)?, self.eval(b, mask, global)?);
-                let ty = self.scope.type_of(a).unwrap_or(Ty::I32);
+                let ((x, ty), y) = (self.eval_typed(a, mask, global)?, self.eval(b, mask, global)?);
                 let mut out = vec![Val::Undef; n];
                 for t in (0..n).filter(|&t| mask[t]) {
                     out[t] = binop(*op, x[t], y[t], ty).map_err(|m| (t, m))?;
                 }
-                out
+                let result = match op {
+                    BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge | BinOp::Eq | BinOp::Ne => Ty::Bool,
+                    _ => ty,
+                };
+                (out, result)
             }
             Expr::Un(op, a) => {
-                let x = self.eval(a, mask, global)?;
-                x.into_iter()
+                let (x, ty) = self.eval_typed(a, mask, global)?;
+                let values = x
+                    .into_iter()
                     .map(|v| match (op, v) {
                         (_, Val::Undef) => Val::Undef,
                         (UnOp::Neg, Val::I(i)) => Val::I(-i),
@@ -763,27 +777,37 @@ impl<'k> Block<'k> {
                         (UnOp::Iq4Value, v) => Val::I(IQ4_VALUES[v.i() as usize & 15] as i64),
                         (op, v) => Val::F(unop_f32(*op, v.f())),
                     })
-                    .collect()
+                    .collect();
+                let result = match op {
+                    UnOp::HalfToFloat => Ty::F32,
+                    UnOp::OrderedBits => Ty::U32,
+                    UnOp::Iq4Value => Ty::I32,
+                    UnOp::Not | UnOp::Neg | UnOp::Abs => ty,
+                    _ => Ty::F32,
+                };
+                (values, result)
             }
             Expr::Cast(ty, a) => {
                 let x = self.eval(a, mask, global)?;
-                x.into_iter()
+                let values = x
+                    .into_iter()
                     .map(|v| match v {
                         Val::Undef => Val::Undef,
                         v => widen(*ty, narrow(*ty, v)),
                     })
-                    .collect()
+                    .collect();
+                (values, ty.compute())
             }
             Expr::Select(c, a, b) => {
-                let (c, x, y) = (
+                let (c, (x, ty), y) = (
                     self.eval(c, mask, global)?,
-                    self.eval(a, mask, global)?,
+                    self.eval_typed(a, mask, global)?,
                     self.eval(b, mask, global)?,
                 );
-                (0..n).map(|t| if c[t].b() { x[t] } else { y[t] }).collect()
+                ((0..n).map(|t| if c[t].b() { x[t] } else { y[t] }).collect(), ty)
             }
             Expr::ShflXor(a, m) => {
-                let x = self.eval(a, mask, global)?;
+                let (x, ty) = self.eval_typed(a, mask, global)?;
                 let mut out = vec![Val::Undef; n];
                 for t in (0..n).filter(|&t| mask[t]) {
                     let src = t ^ *m as usize;
@@ -796,9 +820,17 @@ impl<'k> Block<'k> {
                     }
                     out[t] = x[src];
                 }
-                out
+                (out, ty)
             }
         })
+    }
+
+    /// The compute type of array `buf`'s elements (shared or global).
+    fn array_type(&self, buf: &str, global: &HashMap<String, Array>) -> Ty {
+        match self.shared.get(buf) {
+            Some(a) => a.ty.compute(),
+            None => global.get(buf).map_or(Ty::F32, |a| a.ty.compute()),
+        }
     }
 }
 
