@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# The GPU check of issue [4] on a machine with an NVIDIA GPU; paste its tables into
-# docs/gpu-results.md with the date, the GPU and the commit.
+# The GPU check on a machine with an NVIDIA GPU (docs/gpu-check.md): checks and times the CUDA
+# backend; docs/performance.md keeps the current tables, with the date, GPU and commit.
 #
-# Where cargo is present it builds bbc itself. A lent GPU machine has no Rust toolchain and no
-# network: there it runs the binary and the SmolLM2 file that `scripts/gpu-kit.sh` prepared
-# and that were carried over (BBC_BIN, BBC_MODEL; docs/gpu-results.md says how).
+# Where cargo is present it builds bbc itself; elsewhere it runs the binary and SmolLM2 file
+# that `scripts/gpu-kit.sh` prepared (BBC_BIN, BBC_MODEL).
 #   1. finds NVRTC: the system CUDA toolkit's first, then the PyPI wheel's (kernels load as
 #      cubins, which a driver older than the NVRTC accepts where it would refuse its PTX);
 #   2. `bbc compile --emit kernel-report`: SmolLM2 (bf16) compiled for the GPU's architecture,
@@ -48,7 +47,7 @@ if [ -z "$bbc" ]; then
   bbc=./target/release/bbc
 fi
 model="${BBC_MODEL:-$("$bbc" fetch smollm2)}"
-# A run of the sections that need no SmolLM2 (the first of two device calls) has no model yet.
+# Sections that need no SmolLM2 run without it.
 if [ -f "$model" ]; then
   work=$(mktemp -d)
   printf '[model]\nweights = "%s"\ndtype = "bf16"\n' "$model" > "$work/model.toml"
@@ -56,7 +55,7 @@ if [ -f "$model" ]; then
     || echo "the kernel report failed (the sections still run)" >&2
 fi
 failed=""
-# The issue asks for the whole check in under 8 minutes: each section says what it took.
+# Each section says what it took.
 for section in ${sections//,/ }; do
   echo; echo "== $section"
   started=$SECONDS

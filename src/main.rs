@@ -33,7 +33,8 @@ enum Command {
         /// The artifact directory to write.
         #[arg(short, long)]
         output: PathBuf,
-        /// Also print a stage to stdout: `ir` (as lowered) or `fused-ir` (after the passes).
+        /// Also print a stage to stdout: `ir` (as lowered), `fused-ir` (after the passes), or
+        /// `kernel-report` (GPU targets: each kernel's registers and spills as ptxas reports them).
         #[arg(long)]
         emit: Option<String>,
         /// Run the pipeline only up to this pass, print its graph, and write nothing.

@@ -5,7 +5,8 @@
 //! keyed by source + options + architecture + NVRTC version.
 //!
 //! NVRTC comes from PyPI (`nvidia-cuda-nvrtc`); bbc looks for `libnvrtc.so.13` on the loader
-//! path, then under `$BBC_NVRTC_DIR`, then `$BBC_HOME/cuda/nvidia/cu13/lib`.
+//! path, then under `$BBC_NVRTC_DIR`, then `$BBC_HOME/cuda/nvidia/cu13/lib` (`BBC_HOME`
+//! defaults to `~/.cache/bbc`, where `.ci/run` installs the wheel).
 
 use cudarc::nvrtc::{result, sys};
 use sha2::{Digest, Sha256};
@@ -44,10 +45,17 @@ fn candidate_dirs() -> Vec<PathBuf> {
     if let Some(d) = std::env::var_os("BBC_NVRTC_DIR") {
         dirs.push(PathBuf::from(d));
     }
-    if let Some(home) = std::env::var_os("BBC_HOME") {
-        dirs.push(PathBuf::from(home).join("cuda/nvidia/cu13/lib"));
+    if let Some(home) = bbc_home() {
+        dirs.push(home.join("cuda/nvidia/cu13/lib"));
     }
     dirs
+}
+
+/// `$BBC_HOME`, else `~/.cache/bbc`: where bbc keeps what it fetches and caches.
+fn bbc_home() -> Option<PathBuf> {
+    std::env::var_os("BBC_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/bbc")))
 }
 
 /// Make NVRTC loadable: already on the loader path, or preloaded by full path (later loads by
@@ -248,10 +256,7 @@ fn store(key: &str, files: &[(&str, &[u8])]) {
 }
 
 fn cache_dir() -> Option<PathBuf> {
-    std::env::var_os("BBC_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/bbc")))
-        .map(|d| d.join("nvrtc-cache"))
+    bbc_home().map(|d| d.join("nvrtc-cache"))
 }
 
 #[cfg(test)]

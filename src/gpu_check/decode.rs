@@ -1,6 +1,6 @@
 //! Whole decode steps of a model shape with random bf16 weights made on the device (no
 //! download), timed as `bbc serve` runs them (`runtime::decode_timing`), and their tables:
-//! the Llama-8B-shaped model of issue [4]'s target (`llama_8b::decode`) and the
+//! the Llama-8B-shaped model (`llama_8b::decode`) and the
 //! Qwen3.5-27B-shaped hybrid (`hybrid`: three Gated DeltaNet layers to one of gated attention).
 
 use anyhow::{anyhow, Result};

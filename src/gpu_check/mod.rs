@@ -1,10 +1,10 @@
-//! `bbc gpu-check`: the CUDA backend checked and timed on this machine's GPU (issue [4]; run by
-//! `scripts/gpu-check.sh`, its tables kept in `docs/gpu-results.md`). It is part of the `bbc`
-//! binary because a lent GPU machine has neither a Rust toolchain nor a network: the binary is
-//! built elsewhere and carried there with the model. Sections, in order:
+//! `bbc gpu-check`: the CUDA backend checked and timed on this machine's GPU (run by
+//! `scripts/gpu-check.sh`, see `docs/gpu-check.md`). It is part of the `bbc` binary so that a
+//! GPU machine without a Rust toolchain can run it from a binary built elsewhere. Sections,
+//! in order:
 //! 1. device copy bandwidth;
-//! 2. every kernel of the tiny models' plans (f32 and bf16: every family but GLM-5), and of tiny Llama GGUF
-//!    files' (GGUF blocks, f16), in lockstep with the emulator, each kernel's max relative
+//! 2. every kernel of the tiny models' plans (f32 and bf16, every family), and of tiny Llama
+//!    GGUF files' (GGUF blocks, f16), in lockstep with the emulator, each kernel's max relative
 //!    error (`kernels`);
 //! 3. SmolLM2 bf16 greedy tokens on the GPU (logits and greedy plans) against the CPU backend's,
 //!    and both timed (`smollm2`);
@@ -14,8 +14,7 @@
 //! 5. a Llama-8B-shaped model with random bf16 weights: its matmuls alone (the QKV and gate/up
 //!    decode GEMVs also as the serving plan fuses them, with and without their L2 prefetch),
 //!    then whole decode steps at batch 1, 4, 16 and 64 with each kernel's share (`llama_8b`);
-//! 6. a Qwen3.5-27B-shaped hybrid the same way at batch 1 and 16 (`hybrid`; the second device
-//!    call of `docs/gpu-results.md` runs it).
+//! 6. a Qwen3.5-27B-shaped hybrid the same way at batch 1 and 16 (`hybrid`).
 //!
 //! Every section runs even when an earlier one fails (a GPU run is rare: it should say all it
 //! can); the command fails if any did.
@@ -48,8 +47,8 @@ pub struct GpuCheckArgs {
     /// The tiny HF models the per-kernel check runs (the repository's test fixtures).
     #[arg(long, default_value = "tests/fixtures/hf-tiny")]
     pub fixtures: PathBuf,
-    /// The sections to run (the copy bandwidth is always measured): a lent GPU machine takes
-    /// what it is given in pieces, so a run may do some sections now and the rest later.
+    /// The sections to run (the copy bandwidth is always measured), so a run may do some
+    /// sections now and the rest later.
     #[arg(
         long,
         value_delimiter = ',',

@@ -257,21 +257,22 @@ pub struct Schedule {
 
 impl Schedule {
     /// What plans build. Three stages: with two, a block has one slice in flight while it
-    /// multiplies another, 16 KiB, 32 KiB an SM at two blocks; the H200's 4.3 TB/s at about a
-    /// microsecond of latency wants some 33 KiB in flight an SM, and the GEMMs ran at 23–43% of
-    /// copy bandwidth at 16 and 64 rows on the third run. Three keep two slices in flight.
+    /// multiplies another, 16 KiB, 32 KiB an SM at two blocks, where the H200's 4.3 TB/s at
+    /// about a microsecond of latency wants some 33 KiB in flight an SM (the two-stage GEMMs
+    /// ran at 23–43% of copy bandwidth at 16 and 64 rows). Three keep two slices in flight.
     pub const PLANS: Schedule = Schedule {
         a_loads: ALoads::StepAhead,
         stages: 3,
     };
 
-    /// Activations loaded in their step, two weight stages: the GEMM of the second H200 run.
+    /// Activations loaded in their step, two weight stages (the GPU check times it beside
+    /// [`Self::PLANS`]).
     pub const IN_STEP_TWO_STAGES: Schedule = Schedule {
         a_loads: ALoads::InStep,
         stages: 2,
     };
 
-    /// Activations a step ahead, two weight stages: the GEMM of the third and fourth runs.
+    /// Activations a step ahead, two weight stages (timed beside [`Self::PLANS`] too).
     pub const AHEAD_TWO_STAGES: Schedule = Schedule {
         a_loads: ALoads::StepAhead,
         stages: 2,

@@ -152,13 +152,11 @@ impl GemvSpec {
     /// Carry `rows` consecutive weight rows a warp (1 to [`MAX_ROWS_PER_WARP`]; dense weights
     /// read in vectors only, others keep one). A warp reads its whole activation row (f32:
     /// twice a bf16 weight row's bytes, four times with a residual `x + b`) for each pass over
-    /// its weights; the second H200 run's figures point to those reads from L2, not the
-    /// weights from memory, as what bounded the GEMVs whose warps walk short rows (the 8B's QKV
-    /// read 201 MB from L2 for 50 MB of weights and ran at 40% of copy bandwidth; four tokens a
-    /// pass read eight times the weights' bytes, at 33–44%). Sharing each activation load
-    /// among `rows` weight rows divides that traffic by `rows`, and puts `rows` weight loads in
-    /// flight per step where one was (the third run: the QKV GEMV from 36% to 54% of copy
-    /// bandwidth in the step). Each row's sum is taken in the same order as with one row a
+    /// its weights; on an H200 those reads from L2, not the weights from memory, bound the
+    /// GEMVs whose warps walk short rows (an 8B model's QKV reads 201 MB from L2 for 50 MB of
+    /// weights at one row a warp; four tokens a pass, eight times the weights' bytes). Sharing
+    /// each activation load among `rows` weight rows divides that traffic by `rows`, and puts
+    /// `rows` weight loads in flight per step where one was. Each row's sum is taken in the same order as with one row a
     /// warp: the results are the same bits.
     pub fn with_rows_per_warp(self, rows: usize) -> Self {
         assert!(

@@ -3,12 +3,11 @@
 //!
 //! `rms_norm(x)·Wᵀ` is `((x·g)·Wᵀ)/rms(x)`: the main loop multiplies `x·g` and the row's `1/rms`
 //! scales the result. Each thread adds the square of every `x` (or `x + b`) it loads, before
-//! the norm weight, to its row's sum. Why not a pass over the rows before the main loop (what
-//! the GEMMs did until the third H200 run): every block of every weight tile and K split read
-//! its tokens' whole rows again, 460 MB from L2 for the gate/up of an 8B model at 16 rows, and
-//! waited for them before its first weight step. (That pass was not what made the Hopper GEMM
-//! 4 times slower than the plain one at 16 rows: the fourth run timed this change at 619 µs
-//! against 623; its A loads were, see `super::prologue_loads`.)
+//! the norm weight, to its row's sum. Why not a pass over the rows before the main loop: every
+//! block of every weight tile and K split would read its tokens' whole rows again, 460 MB from
+//! L2 for the gate/up of an 8B model at 16 rows, and wait for them before its first weight
+//! step. (What the Hopper prologue GEMM's speed turns on is how its A loads are issued, see
+//! `super::prologue_loads`.)
 //!
 //! Whose sum is whole: with one K split the block has seen whole rows and scales its tile
 //! itself. With several, each split's blocks of the first weight tile write their rows'

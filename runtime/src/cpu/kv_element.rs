@@ -162,7 +162,7 @@ unsafe impl KvElement for f16 {
 /// subnormal code), which one exact multiplication by 2¹²⁰ makes the value; then NaN for
 /// `S.1111.111`: seven vector operations for sixteen codes, where one widens sixteen halves,
 /// which makes attention over an FP8 cache slower than over a half one wherever the cache's
-/// bytes are not the limit (see the README).
+/// bytes are not the limit (`docs/cpu-backend.md`).
 // SAFETY: plain bits, every pattern a value; zero bits are +0.
 unsafe impl KvElement for F8E4M3 {
     const COSTLY_WIDENING: bool = true;

@@ -8,8 +8,8 @@
 //!
 //! Without an NVIDIA driver, [`CudaBackend::from_artifact`] returns [`RuntimeError::NoCudaDriver`]: never
 //! a panic. The plan executor above it (one sequence, and batched steps with their graphs)
-//! runs on the emulator in CI (`tests/gpu_plan_emulated.rs`); this device ran on an H200 on
-//! 2026-11-30 (`scripts/gpu-check.sh`, results in `docs/gpu-results.md`).
+//! runs on the emulator in CI (`tests/gpu_plan_emulated.rs`); this device is checked on a GPU
+//! by `bbc gpu-check` (`docs/gpu-check.md`).
 
 mod launch;
 

@@ -1,7 +1,6 @@
 //! How the GEMVs of a plan are shaped: weight rows a warp carries, and the L2 prefetch
-//! distance. Each has a rule and an environment knob that overrides it: a lent GPU machine has
-//! no compiler to rebuild `bbc` with, so the GPU check compares settings with one binary
-//! (`docs/gpu-results.md`).
+//! distance. Each has a rule and an environment knob that overrides it, so one `bbc` binary
+//! can compare settings on a GPU without a rebuild (`docs/gpu-check.md`).
 
 use kernels_gen::dsl::Ty;
 use kernels_gen::templates::gemv::{self, GemvSpec, MAX_ROWS_PER_WARP};
