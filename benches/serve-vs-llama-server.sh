@@ -48,7 +48,7 @@ row() {
   wait "$pid" 2>/dev/null || true
   python3 - "$out/report.json" "$which" <<'PY'
 import json, sys
-r = json.load(open(sys.argv[1]))
+r = json.load(open(sys.argv[1]))['runs'][0]
 print(f"{sys.argv[2]:6} c={r['concurrency']:<3} {r['output_throughput']:7.1f} tok/s  "
       f"TTFT mean/p99 {r['ttft_ms']['mean']:7.1f} / {r['ttft_ms']['p99']:7.1f} ms  "
       f"TPOT mean/p99 {r['tpot_ms']['mean']:6.1f} / {r['tpot_ms']['p99']:6.1f} ms")

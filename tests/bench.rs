@@ -1,12 +1,16 @@
 //! `bbc bench` against a real `bbc serve`: every request completes, the report counts exactly
-//! the tokens asked for (`ignore_eos`), and its latencies are consistent with one another.
+//! the tokens asked for (`ignore_eos`), and its latencies are consistent with one another; a
+//! sweep runs every combination with prompts of its own; sustained and bursty load send each
+//! request at its time; the charts draw what the runs measured.
 
 mod common;
 
 use common::server::Server;
 use serde_json::Value;
+use std::io::{Read, Write};
 use std::process::Command;
 
+/// `bbc bench` against `server`: whether it succeeded, its JSON document, and what it printed.
 fn bench(server: &Server, extra: &[&str]) -> (bool, Value, String) {
     let json = tempfile_path();
     let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
@@ -24,6 +28,29 @@ fn bench(server: &Server, extra: &[&str]) -> (bool, Value, String) {
     let _ = std::fs::remove_file(&json);
     let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     (out.status.success(), report, text)
+}
+
+/// The one run of a document.
+fn only_run(document: &Value) -> &Value {
+    let runs = document["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 1, "{document}");
+    &runs[0]
+}
+
+/// A counter of the server's `/metrics`.
+fn metric(server: &Server, name: &str) -> f64 {
+    let mut stream = std::net::TcpStream::connect(&server.address).unwrap();
+    let head = format!(
+        "GET /metrics HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n",
+        server.address
+    );
+    stream.write_all(head.as_bytes()).unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no metric {name} in\n{text}"))
 }
 
 fn tempfile_path() -> tempfile::TempPath {
@@ -54,8 +81,13 @@ fn reports_what_the_server_did_both_endpoints() {
             "--warmups",
             "1",
         ];
-        let (ok, r, text) = bench(&server, &args);
+        let (ok, document, text) = bench(&server, &args);
         assert!(ok, "{text}");
+        let r = only_run(&document);
+        assert_eq!(
+            (r["input_len"].as_u64(), r["concurrency"].as_u64()),
+            (Some(12), Some(3))
+        );
         assert_eq!(
             (r["completed"].as_u64(), r["failed"].as_u64()),
             (Some(6), Some(0)),
@@ -99,13 +131,13 @@ fn a_run_with_too_many_failures_fails() {
         "--warmups",
         "0",
     ];
-    let (ok, r, text) = bench(&server, &args);
+    let (ok, document, text) = bench(&server, &args);
     assert!(!ok, "{text}");
-    assert_eq!(r["failed"].as_u64(), Some(2), "{text}");
+    assert_eq!(only_run(&document)["failed"].as_u64(), Some(2), "{text}");
     assert!(text.contains("401") && text.contains("over 5%"), "{text}");
     // With the key it succeeds.
-    let (ok, r, text) = bench(&server, &[&args[..], &["--api-key", "secret"]].concat());
-    assert!(ok && r["completed"].as_u64() == Some(2), "{text}");
+    let (ok, document, text) = bench(&server, &[&args[..], &["--api-key", "secret"]].concat());
+    assert!(ok && only_run(&document)["completed"].as_u64() == Some(2), "{text}");
 }
 
 /// Sampled requests (`--temperature`, `--top-p`, `--top-k`) run to their lengths too; bad
@@ -131,9 +163,174 @@ fn sampled_runs_report_their_tokens() {
         "--top-k",
         "40",
     ];
-    let (ok, r, text) = bench(&server, &args);
+    let (ok, document, text) = bench(&server, &args);
     assert!(ok, "{text}");
-    assert_eq!(r["output_tokens"].as_u64(), Some(18), "{text}");
+    assert_eq!(only_run(&document)["output_tokens"].as_u64(), Some(18), "{text}");
     let (ok, _, text) = bench(&server, &[&args[..12], &["--top-p", "0"]].concat());
     assert!(!ok && text.contains("--top-p within (0, 1]"), "{text}");
+}
+
+/// A sweep runs every (ISL, OSL, concurrency) given, each with prompts of its own, and draws
+/// throughput against interactivity, a line per (ISL, OSL) with a point per concurrency. Two
+/// runs without `--seed` send fresh prompts (the server's prefix cache finds none of them);
+/// the same seed twice sends the same (it finds them).
+#[test]
+fn sweeps_run_every_combination_on_fresh_prompts_and_plot_them() {
+    let server = Server::start(&[]);
+    let plot = tempfile_path().with_extension("svg");
+    let args = [
+        "--mode",
+        "sweep",
+        "--input-len",
+        "40,48",
+        "--output-len",
+        "4",
+        "--concurrency",
+        "1,2",
+        "--num-prompts",
+        "2",
+        "--warmups",
+        "0",
+        "--plot",
+        plot.to_str().unwrap(),
+    ];
+    let (ok, document, text) = bench(&server, &args);
+    assert!(ok, "{text}");
+    let runs = document["runs"].as_array().unwrap();
+    let grid: Vec<(u64, u64)> = runs
+        .iter()
+        .map(|r| (r["input_len"].as_u64().unwrap(), r["concurrency"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(grid, vec![(40, 1), (40, 2), (48, 1), (48, 2)], "{document}");
+    assert!(runs
+        .iter()
+        .all(|r| r["completed"].as_u64() == Some(2) && r["load"] == "concurrency"));
+    assert_eq!(document["mode"], "sweep");
+    assert_eq!(
+        metric(&server, "bbc_prefix_cache_hits_total"),
+        0.0,
+        "no run of the sweep met another's prompts"
+    );
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    let _ = std::fs::remove_file(&plot);
+    assert!(
+        svg.contains("ISL 40 / OSL 4") && svg.contains("ISL 48 / OSL 4"),
+        "{svg}"
+    );
+    assert_eq!(svg.matches("<polyline").count(), 2, "a line per (ISL, OSL)");
+    assert_eq!(
+        svg.matches("<circle").count(),
+        4 + 2,
+        "a point per run and a legend mark per line"
+    );
+    assert_eq!(svg.matches(">C2</text>").count(), 2);
+
+    let once = [
+        "--input-len",
+        "40",
+        "--output-len",
+        "2",
+        "--num-prompts",
+        "2",
+        "--warmups",
+        "0",
+    ];
+    let (ok, first, text) = bench(&server, &once);
+    assert!(ok, "{text}");
+    let (ok, second, text) = bench(&server, &once);
+    assert!(ok, "{text}");
+    assert_ne!(first["seed"], second["seed"], "each run draws a fresh seed");
+    assert_eq!(
+        metric(&server, "bbc_prefix_cache_hits_total"),
+        0.0,
+        "fresh prompts each run"
+    );
+    let seed = first["seed"].as_u64().unwrap().to_string();
+    let (ok, again, text) = bench(&server, &[&once[..], &["--seed", &seed]].concat());
+    assert!(ok && again["seed"] == first["seed"], "{text}");
+    // Prompts of 32 to 40 tokens hold at least one full block of 16 before their last token.
+    assert!(
+        metric(&server, "bbc_prefix_cache_hits_total") >= 2.0 * 16.0,
+        "the same seed repeats the prompts: each request finds its blocks cached"
+    );
+}
+
+/// Sustained admission: requests sent at Poisson arrivals over the duration whatever is still
+/// running, each timed; bursts: every request of a burst sent at once. Both chart each
+/// request's latencies against when it was sent.
+#[test]
+fn rate_and_burst_runs_send_each_request_at_its_time() {
+    let server = Server::start(&[]);
+    let plot = tempfile_path().with_extension("svg");
+    let common = [
+        "--input-len",
+        "8",
+        "--output-len",
+        "3",
+        "--warmups",
+        "1",
+        "--plot",
+        plot.to_str().unwrap(),
+    ];
+    let rate = [
+        "--mode",
+        "rate",
+        "--request-rate",
+        "20",
+        "--duration",
+        "0.5",
+        "--seed",
+        "5",
+    ];
+    let (ok, document, text) = bench(&server, &[&common[..], &rate[..]].concat());
+    assert!(ok, "{text}");
+    let run = only_run(&document);
+    assert_eq!(
+        (run["load"].as_str(), run["request_rate"].as_f64()),
+        (Some("rate"), Some(20.0))
+    );
+    let requests = run["requests"].as_array().unwrap();
+    assert_eq!(requests.len() as u64, run["completed"].as_u64().unwrap(), "{run}");
+    assert!(requests.len() >= 2, "20 a second for half a second: {}", requests.len());
+    let sent: Vec<f64> = requests.iter().map(|r| r["sent_s"].as_f64().unwrap()).collect();
+    assert!(
+        sent.windows(2).all(|w| w[0] <= w[1] + 0.05) && sent[0] < 0.1,
+        "{sent:?}"
+    );
+    assert!(sent.iter().all(|&s| s < 0.6), "sent within the duration: {sent:?}");
+    let svg = std::fs::read_to_string(&plot).unwrap();
+    assert!(svg.contains(">TTFT</text>") && svg.contains(">E2EL</text>"), "{svg}");
+    assert_eq!(svg.matches("<circle").count(), 2 * requests.len() + 2);
+
+    let burst = [
+        "--mode",
+        "burst",
+        "--burst-size",
+        "3",
+        "--bursts",
+        "2",
+        "--burst-interval",
+        "0.4",
+    ];
+    let (ok, document, text) = bench(&server, &[&common[..], &burst[..]].concat());
+    let _ = std::fs::remove_file(&plot);
+    assert!(ok, "{text}");
+    let run = only_run(&document);
+    assert_eq!(run["completed"].as_u64(), Some(6), "{run}");
+    let sent: Vec<f64> = run["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["sent_s"].as_f64().unwrap())
+        .collect();
+    assert!(sent[..3].iter().all(|&s| s < 0.1), "the first burst at once: {sent:?}");
+    assert!(
+        sent[3..].iter().all(|&s| (0.4..0.5).contains(&s)),
+        "the second 0.4 s later: {sent:?}"
+    );
+
+    let (ok, _, text) = bench(&server, &["--mode", "rate"]);
+    assert!(!ok && text.contains("--request-rate"), "{text}");
+    let (ok, _, text) = bench(&server, &["--mode", "burst", "--bursts", "0"]);
+    assert!(!ok && text.contains("--bursts"), "{text}");
 }

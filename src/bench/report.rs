@@ -1,7 +1,9 @@
 //! The numbers InferenceX reports: output and request throughput over the measured run, and
-//! TTFT, TPOT, ITL and end-to-end latency at mean, median, p90 and p99 across requests.
+//! TTFT, TPOT, ITL and end-to-end latency at mean, median, p90 and p99 across requests; and
+//! each request's own timings, for latency over time.
 
 use super::client::Measured;
+use super::load::Outcome;
 use serde::Serialize;
 use std::fmt;
 use std::time::Duration;
@@ -40,7 +42,6 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
-    pub concurrency: usize,
     pub completed: usize,
     pub failed: usize,
     pub duration_s: f64,
@@ -54,10 +55,24 @@ pub struct Report {
     pub e2el_ms: Distribution,
     /// The first few failures' messages, to say why.
     pub errors: Vec<String>,
+    /// Every request, in the order they were made.
+    pub requests: Vec<RequestTiming>,
+}
+
+/// One request: when it was sent (seconds from the run's start) and, where it completed, its
+/// latencies.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RequestTiming {
+    pub sent_s: f64,
+    pub ok: bool,
+    pub ttft_ms: Option<f64>,
+    pub e2el_ms: Option<f64>,
+    pub output_tokens: Option<usize>,
 }
 
 impl Report {
-    pub fn new(concurrency: usize, results: &[Result<Measured, String>], wall: Duration) -> Self {
+    pub fn new(outcomes: &[Outcome], wall: Duration) -> Self {
+        let results: Vec<&Result<Measured, String>> = outcomes.iter().map(|o| &o.result).collect();
         let ok: Vec<&Measured> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
         let ms = |d: Duration| d.as_secs_f64() * 1e3;
         let output_tokens: usize = ok.iter().map(|m| m.output_tokens).sum();
@@ -68,7 +83,6 @@ impl Report {
             .map(|m| ms(m.e2e - m.ttft) / (m.output_tokens - 1) as f64)
             .collect();
         Self {
-            concurrency,
             completed: ok.len(),
             failed: results.len() - ok.len(),
             duration_s: wall.as_secs_f64(),
@@ -86,6 +100,28 @@ impl Report {
                 .take(5)
                 .cloned()
                 .collect(),
+            requests: outcomes
+                .iter()
+                .map(|o| {
+                    let m = o.result.as_ref().ok();
+                    RequestTiming {
+                        sent_s: o.sent.as_secs_f64(),
+                        ok: m.is_some(),
+                        ttft_ms: m.map(|m| ms(m.ttft)),
+                        e2el_ms: m.map(|m| ms(m.e2e)),
+                        output_tokens: m.map(|m| m.output_tokens),
+                    }
+                })
+                .collect(),
+        }
+    }
+
+    /// Tokens a second each request sees while it decodes: 1000 / mean TPOT (InferenceX's
+    /// "interactivity"); NaN where no request decoded past its first token.
+    pub fn interactivity(&self) -> f64 {
+        match self.tpot_ms.mean > 0.0 {
+            true => 1e3 / self.tpot_ms.mean,
+            false => f64::NAN,
         }
     }
 
@@ -97,7 +133,6 @@ impl Report {
 
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        writeln!(f, "concurrency            {}", self.concurrency)?;
         writeln!(
             f,
             "requests               {} completed, {} failed",
@@ -156,13 +191,36 @@ mod tests {
             prompt_tokens: 10,
             output_tokens: out,
         };
-        let results = vec![Ok(one(100, 1100, 11)), Ok(one(50, 50, 1)), Err("HTTP 503".to_string())];
-        let r = Report::new(2, &results, Duration::from_secs(2));
+        let sent = |s, result| Outcome {
+            sent: Duration::from_secs(s),
+            result,
+        };
+        let results = vec![
+            sent(0, Ok(one(100, 1100, 11))),
+            sent(0, Ok(one(50, 50, 1))),
+            sent(1, Err("HTTP 503".to_string())),
+        ];
+        let r = Report::new(&results, Duration::from_secs(2));
         assert_eq!((r.completed, r.failed, r.output_tokens, r.input_tokens), (2, 1, 12, 20));
         assert_eq!(r.output_throughput, 6.0);
         assert_eq!(r.tpot_ms.mean, 100.0, "(1100 − 100) / 10, the 1-token request left out");
         assert_eq!(r.ttft_ms.mean, 75.0);
         assert!(!r.acceptable(), "1 failure in 3 is over 5%");
         assert_eq!(r.errors, vec!["HTTP 503".to_string()]);
+        assert_eq!(r.interactivity(), 10.0, "1000 / 100 ms");
+        assert_eq!(
+            r.requests[0],
+            RequestTiming {
+                sent_s: 0.0,
+                ok: true,
+                ttft_ms: Some(100.0),
+                e2el_ms: Some(1100.0),
+                output_tokens: Some(11),
+            }
+        );
+        assert_eq!(
+            (r.requests[2].sent_s, r.requests[2].ok, r.requests[2].ttft_ms),
+            (1.0, false, None)
+        );
     }
 }
