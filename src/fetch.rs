@@ -54,16 +54,58 @@ pub fn known(name: &str) -> Option<&'static KnownModel> {
 }
 
 pub fn cache_dir() -> PathBuf {
-    if let Some(home) = std::env::var_os("BBC_HOME") {
-        return PathBuf::from(home);
+    codegen::home::dir()
+}
+
+/// NVRTC, loaded, and its version: found where `codegen::nvrtc` looks, or else installed from
+/// PyPI into bbc's home first (pip's progress shown unless `quiet`), as models are fetched.
+pub fn ensure_nvrtc(quiet: bool) -> Result<(i32, i32)> {
+    static INSTALLING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = INSTALLING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if let Ok(version) = codegen::nvrtc::ensure_loaded() {
+        return Ok(version);
     }
-    if let Some(xdg) = std::env::var_os("XDG_CACHE_HOME") {
-        return PathBuf::from(xdg).join("bbc");
+    let dir = codegen::nvrtc::wheel_dir();
+    if !quiet {
+        eprintln!(
+            "NVRTC not found: installing {} from PyPI into {}",
+            codegen::nvrtc::WHEEL,
+            dir.display()
+        );
     }
-    let home = std::env::var_os("HOME")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("."));
-    home.join(".cache").join("bbc")
+    // Into a scratch directory first, renamed into place whole: a directory that is there
+    // holds a complete install.
+    let partial = dir.with_extension(format!("partial-{}", std::process::id()));
+    let mut cmd = Command::new(python());
+    cmd.args([
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--disable-pip-version-check",
+        "--target",
+    ])
+    .arg(&partial)
+    .arg(codegen::nvrtc::WHEEL);
+    if quiet {
+        cmd.arg("--quiet");
+    }
+    let status = cmd
+        .status()
+        .with_context(|| format!("running `{} -m pip` (set BBC_PYTHON to a Python with pip)", python()))?;
+    if !status.success() {
+        let _ = std::fs::remove_dir_all(&partial);
+        bail!(
+            "no NVRTC here, and pip could not install {} ({status}): install a CUDA 13 toolkit, or point BBC_NVRTC_DIR at a directory holding libnvrtc.so.13",
+            codegen::nvrtc::WHEEL
+        );
+    }
+    if dir.exists() {
+        // An earlier install without the library (`ensure_loaded` looked there).
+        std::fs::remove_dir_all(&dir).with_context(|| format!("replacing {}", dir.display()))?;
+    }
+    std::fs::rename(&partial, &dir).with_context(|| format!("moving NVRTC into {}", dir.display()))?;
+    codegen::nvrtc::ensure_loaded().map_err(|e| anyhow::anyhow!("NVRTC after installing it: {e}"))
 }
 
 /// Where a fetched model lives (whether or not it is there yet).

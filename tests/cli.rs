@@ -572,3 +572,80 @@ fn special_tokens_write_text_only_with_special() {
     assert!(text.contains("<|im_end|>\n<|im_start|>"), "{text}");
     assert_eq!(bbc(&[&args[..], &["--special"]].concat()).trim_end(), text.trim_end());
 }
+
+/// Where NVRTC is nowhere bbc looks (not on the loader path, in `BBC_NVRTC_DIR`, bbc's home
+/// or a CUDA toolkit), `bbc compile` for a GPU target installs the PyPI wheel into its home
+/// first, as it fetches models, then compiles. Here pip is a stand-in (`BBC_PYTHON`) that puts
+/// this machine's NVRTC where `pip install --target` would put the wheel's; where pip fails,
+/// the error says what to do.
+#[test]
+fn compile_for_a_gpu_installs_nvrtc_where_none_is_found() {
+    let Some(real) = codegen::nvrtc::candidate_dirs()
+        .into_iter()
+        .find(|d| d.join("libnvrtc.so.13").is_file())
+    else {
+        assert!(
+            std::env::var_os("BBC_REQUIRE_NVRTC").is_none(),
+            "BBC_REQUIRE_NVRTC is set but NVRTC is missing"
+        );
+        eprintln!("skipped: no NVRTC here to stand in for the wheel");
+        return;
+    };
+    let scratch = common::scratch_dir("bbc-nvrtc-install-");
+    let compile = |home: &std::path::Path, pip: &str| {
+        std::fs::create_dir_all(home).unwrap();
+        let python = home.join("python");
+        std::fs::write(
+            &python,
+            format!("#!/bin/sh\necho \"$@\" > '{}/pip-args'\n{pip}\n", home.display()),
+        )
+        .unwrap();
+        std::fs::set_permissions(&python, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        Command::new(env!("CARGO_BIN_EXE_bbc"))
+            .args(["compile", "tests/fixtures/hf-tiny/llama", "--target", "h200", "-o"])
+            .arg(home.join("artifact"))
+            .env("BBC_HOME", home)
+            .env("BBC_PYTHON", &python)
+            .env("CUDA_HOME", home.join("no-toolkit"))
+            .env_remove("CUDA_PATH")
+            .env_remove("BBC_NVRTC_DIR")
+            .env_remove("LD_LIBRARY_PATH")
+            .output()
+            .unwrap()
+    };
+    // `pip install … --target DIR WHEEL`: the stand-in copies NVRTC's libraries into the
+    // wheel's layout under DIR.
+    let installs = format!(
+        "while [ \"$1\" != --target ]; do shift; done; mkdir -p \"$2/nvidia/cu13/lib\" && cp '{}'/libnvrtc* \"$2/nvidia/cu13/lib/\"",
+        real.display()
+    );
+    let home = scratch.path().join("home");
+    let out = compile(&home, &installs);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !stderr.contains("installing") && std::path::Path::new("/usr/local/cuda").exists() {
+        eprintln!("skipped: this machine's CUDA toolkit is found first");
+        return;
+    }
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("installing {}", codegen::nvrtc::WHEEL)),
+        "{stderr}"
+    );
+    let args = std::fs::read_to_string(home.join("pip-args")).unwrap();
+    assert!(
+        args.starts_with("-m pip install --no-deps") && args.trim_end().ends_with(codegen::nvrtc::WHEEL),
+        "{args}"
+    );
+    assert!(home.join("cuda/nvidia/cu13/lib/libnvrtc.so.13").is_file());
+    assert!(home.join("artifact/plan.json").is_file() && home.join("artifact/kernels").is_dir());
+
+    let home = scratch.path().join("offline");
+    let out = compile(&home, "exit 1");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("pip could not install") && stderr.contains("BBC_NVRTC_DIR"),
+        "{stderr}"
+    );
+    assert!(!home.join("cuda").exists(), "nothing half-installed is left");
+}

@@ -7,6 +7,7 @@
 mod artifact;
 mod derived;
 pub mod gpu;
+pub mod home;
 pub mod nvrtc;
 pub mod spill_free;
 mod target;

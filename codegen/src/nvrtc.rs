@@ -4,9 +4,10 @@
 //! backend loads it before the PTX). Both are cached on disk (the cubin with ptxas's log),
 //! keyed by source + options + architecture + NVRTC version.
 //!
-//! NVRTC comes from PyPI (`nvidia-cuda-nvrtc`); bbc looks for `libnvrtc.so.13` on the loader
-//! path, then under `$BBC_NVRTC_DIR`, then `$BBC_HOME/cuda/nvidia/cu13/lib` (`BBC_HOME`
-//! defaults to `~/.cache/bbc`, where `.ci/run` installs the wheel).
+//! Where NVRTC comes from, in order: the loader path; `$BBC_NVRTC_DIR`; the PyPI wheel bbc
+//! installs into its home (`crate::home`, `cuda/nvidia/cu13/lib`); a CUDA toolkit
+//! (`$CUDA_HOME`, `$CUDA_PATH`, `/usr/local/cuda`). `bbc` installs the wheel on first use
+//! where none is found ([`WHEEL`]).
 
 use cudarc::nvrtc::{result, sys};
 use sha2::{Digest, Sha256};
@@ -40,22 +41,32 @@ pub struct Resources {
     pub warnings: Vec<String>,
 }
 
-fn candidate_dirs() -> Vec<PathBuf> {
+/// The pip requirement of the NVRTC bbc installs where none is found.
+pub const WHEEL: &str = "nvidia-cuda-nvrtc==13.5.37";
+
+/// Where bbc installs [`WHEEL`] (`pip install --target`).
+pub fn wheel_dir() -> PathBuf {
+    crate::home::dir().join("cuda")
+}
+
+/// The directories searched for `libnvrtc.so.13` after the loader path, in order.
+pub fn candidate_dirs() -> Vec<PathBuf> {
     let mut dirs = Vec::new();
     if let Some(d) = std::env::var_os("BBC_NVRTC_DIR") {
         dirs.push(PathBuf::from(d));
     }
-    if let Some(home) = bbc_home() {
-        dirs.push(home.join("cuda/nvidia/cu13/lib"));
+    dirs.push(wheel_dir().join("nvidia/cu13/lib"));
+    let toolkits = ["CUDA_HOME", "CUDA_PATH"]
+        .iter()
+        .filter_map(std::env::var_os)
+        .map(PathBuf::from)
+        .chain([PathBuf::from("/usr/local/cuda")]);
+    for toolkit in toolkits {
+        dirs.push(toolkit.join("lib64"));
+        dirs.push(toolkit.join("targets/x86_64-linux/lib"));
+        dirs.push(toolkit.join("targets/sbsa-linux/lib"));
     }
     dirs
-}
-
-/// `$BBC_HOME`, else `~/.cache/bbc`: where bbc keeps what it fetches and caches.
-fn bbc_home() -> Option<PathBuf> {
-    std::env::var_os("BBC_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/bbc")))
 }
 
 /// Make NVRTC loadable: already on the loader path, or preloaded by full path (later loads by
@@ -68,9 +79,12 @@ pub fn ensure_loaded() -> Result<(i32, i32), NvrtcError> {
             .map(|d| d.join("libnvrtc.so.13"))
             .find(|p| p.is_file());
         let Some(path) = found else {
-            return Err(NvrtcError::Missing(
-                "libnvrtc.so.13 not found; `pip install nvidia-cuda-nvrtc==13.5.37` and put its nvidia/cu13/lib on LD_LIBRARY_PATH or BBC_NVRTC_DIR".into(),
-            ));
+            let searched: Vec<String> = candidate_dirs().iter().map(|d| d.display().to_string()).collect();
+            return Err(NvrtcError::Missing(format!(
+                "libnvrtc.so.13 is on neither the loader path nor in {}; install a CUDA 13 toolkit, or `pip install --target {} {WHEEL}`, or point BBC_NVRTC_DIR at the directory holding it",
+                searched.join(", "),
+                wheel_dir().display()
+            )));
         };
         // SAFETY: loading NVRTC runs its initialisers, as any NVRTC user does. The handle is
         // leaked on purpose: the library stays loaded for the process.
@@ -256,7 +270,7 @@ fn store(key: &str, files: &[(&str, &[u8])]) {
 }
 
 fn cache_dir() -> Option<PathBuf> {
-    bbc_home().map(|d| d.join("nvrtc-cache"))
+    Some(crate::home::dir().join("nvrtc-cache"))
 }
 
 #[cfg(test)]

@@ -83,6 +83,9 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         greedy: greedy.as_ref(),
         serving: serving.as_ref(),
     };
+    if target != Target::Cpu {
+        crate::fetch::ensure_nvrtc(false)?;
+    }
     let manifest = codegen::compile(&loaded.model, graphs, target, args.output)?;
     if args.emit == Some("kernel-report") {
         print_kernel_report(&args.output.join("plan.json"))?;

@@ -79,7 +79,7 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
     if !runtime::cuda::driver_present() {
         return Err(runtime::RuntimeError::NoCudaDriver.into());
     }
-    let (major, minor) = codegen::nvrtc::ensure_loaded().map_err(|e| anyhow!("NVRTC: {e}"))?;
+    let (major, minor) = crate::fetch::ensure_nvrtc(false)?;
     println!("NVRTC {major}.{minor}, target {} ({arch})", target.name());
     let bandwidth = CudaDevice::compile(&[], arch)?.copy_bandwidth(1 << 30)?;
     println!(
