@@ -649,3 +649,51 @@ fn compile_for_a_gpu_installs_nvrtc_where_none_is_found() {
     );
     assert!(!home.join("cuda").exists(), "nothing half-installed is left");
 }
+
+/// What `bbc serve` says as it starts, up to the line with its address (then stopped).
+fn serve_start(extra: &[&str]) -> String {
+    use std::io::BufRead;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_bbc"))
+        .args(["serve", &smollm2(), "--port", "0"])
+        .args(extra)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut said = String::new();
+    for line in std::io::BufReader::new(child.stderr.take().unwrap()).lines() {
+        let line = line.unwrap();
+        said += &line;
+        said.push('\n');
+        if line.contains("http://") {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    said
+}
+
+/// The KV cache a CPU server keeps unless told: every running sequence's full context, at most
+/// half the memory available, said at start as positions and as requests of the context; the
+/// steps' token budget the CPU's 128. `--kv-blocks` and `--token-budget` override them.
+#[test]
+fn serve_sizes_its_kv_cache_and_steps_unless_told() {
+    let said = serve_start(&["--max-num-seqs", "4"]);
+    let line = said
+        .lines()
+        .find(|l| l.starts_with("KV cache:"))
+        .unwrap_or_else(|| panic!("{said}"));
+    // SmolLM2's context of 8192 positions is 512 blocks of 16: four sequences', or what half
+    // the available memory holds, but at least one context's.
+    let blocks: usize = line["KV cache: ".len()..].split(' ').next().unwrap().parse().unwrap();
+    assert!((512..=4 * 512).contains(&blocks), "{line}");
+    assert!(line.contains("requests of the full context (8192 positions)"), "{line}");
+    assert!(said.contains("steps of up to 128 tokens"), "{said}");
+    let said = serve_start(&["--kv-blocks", "64", "--token-budget", "32"]);
+    assert!(
+        said.contains("KV cache: 64 blocks of 16 positions: 1024 positions, 0.1 requests of the full context"),
+        "{said}"
+    );
+    assert!(said.contains("steps of up to 32 tokens"), "{said}");
+}

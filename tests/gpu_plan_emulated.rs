@@ -1793,6 +1793,77 @@ fn decode_timing_runs(family: &str) {
     }
 }
 
+/// A KV pool sized by a share of the device's memory (`bbc serve --gpu-memory-utilization`)
+/// takes what the share leaves once the weights, constants, states and activations are on the
+/// device, less the headroom kept for CUDA graphs; it replaces the pool the plan was loaded
+/// with, and a step over its last block gives the CPU backend's logits. A share that leaves
+/// less than one request of the context is refused, naming the flag.
+#[test]
+fn a_kv_pool_sized_by_memory_takes_the_share_the_model_leaves() {
+    use runtime::kv::{BlockId, Segment};
+    use runtime::kv_sizing::GPU_HEADROOM;
+    let model = open("llama", ComputeDtype::F32);
+    let graph = fused_for(&model.lower(LogitsFor::AllTokens).unwrap(), Target::H200);
+    let cache = gpu::BatchedCache {
+        blocks: 1,
+        block_size: 16,
+        sequences: 4,
+    };
+    let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
+    let capacity = 1 << 30;
+    let load = |capacity: usize| {
+        let device = EmulatedDevice::new(kernels.clone()).with_memory(capacity);
+        PlanExecutor::new(device, plan.clone(), graph.clone(), &model.weights, &[], 64).unwrap()
+    };
+    let executor = load(capacity).size_kv_pool(0.75).unwrap();
+    let blocks = executor.batched_cache().unwrap().blocks;
+    let block_bytes = 16 * executor.kv_bytes_per_position();
+    let held = executor.with_device(|d| d.bytes_held()).unwrap();
+    let model_bytes = held - blocks * block_bytes;
+    assert_eq!(
+        blocks,
+        ((0.75 * capacity as f64) as usize - model_bytes - GPU_HEADROOM) / block_bytes
+    );
+    assert!(blocks > 1000, "{blocks} blocks of {block_bytes} bytes");
+
+    let cpu = CpuBackend::new(graph.clone(), &model.weights, 64).unwrap();
+    let mut pages = cpu.new_pages(16);
+    let table = [BlockId(blocks as u32 - 1)];
+    let ids: Vec<u32> = (0..9).map(|i| 3 + 17 * i).collect();
+    let segment = Segment {
+        table: &table,
+        start: 0,
+        ids: &ids,
+        state_slot: 0,
+        sampled_rows: 1,
+        drafts: 0,
+        snapshots: runtime::kv::StateSnapshots::NONE,
+    };
+    let got = executor.step_batch(&[segment]).unwrap();
+    let want = cpu.step_batch(&mut pages, &[segment]).unwrap();
+    let error = relative_error(&got[0]["logits"].data, &want[0]["logits"].data);
+    assert!(error <= 1e-4, "a step over the last block: {error}");
+    let outside = [BlockId(blocks as u32)];
+    assert!(executor
+        .step_batch(&[Segment {
+            table: &outside,
+            ..segment
+        }])
+        .is_err());
+
+    let refused = load(GPU_HEADROOM + (1 << 20))
+        .size_kv_pool(0.9)
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(
+        refused.contains("less than one request") && refused.contains("--gpu-memory-utilization"),
+        "{refused}"
+    );
+    let refused = load(capacity).size_kv_pool(1.5).err().expect("refused").to_string();
+    assert!(refused.contains("within (0, 1]"), "{refused}");
+}
+
 /// A KV pool past the kernels' 32-bit indices (`bbc serve --kv-blocks` too many) is refused
 /// before anything is uploaded, naming the problem.
 #[test]

@@ -183,8 +183,10 @@ pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path
     Ok(manifest)
 }
 
-/// Rows the GPU activation buffers are sized for: the prefill chunk of the runtime.
-pub const GPU_MAX_TOKENS: usize = 512;
+/// Rows a step of a GPU plan takes, which its activation buffers are sized for: the serving
+/// engine's default token budget on a GPU (vLLM's is 2048 to 8192), so a long prompt prefills
+/// in a few large chunks.
+pub const GPU_MAX_TOKENS: usize = 2048;
 
 /// `kernels/*.cu`, `kernels/*.ptx` and `kernels/*.cubin` (NVRTC; no spills allowed on the real
 /// architecture: see [`crate::spill_free`]) and the plan (`plan_file`); returns the plan's

@@ -26,6 +26,8 @@ pub struct EmulatedDevice {
     recording: Option<Vec<RecordedLaunch>>,
     graphs: HashMap<usize, Vec<RecordedLaunch>>,
     replays: usize,
+    /// The memory it says it has, where it is to say (see [`with_memory`](Self::with_memory)).
+    capacity: Option<usize>,
 }
 
 /// One launch of a graph, its arguments owned.
@@ -50,7 +52,20 @@ impl EmulatedDevice {
             recording: None,
             graphs: HashMap::new(),
             replays: 0,
+            capacity: None,
         }
+    }
+
+    /// The same, saying it has `bytes` of memory, of which what it holds is in use: a stand-in
+    /// for a GPU's memory where the KV pool is sized by a share of it.
+    pub fn with_memory(mut self, bytes: usize) -> Self {
+        self.capacity = Some(bytes);
+        self
+    }
+
+    /// Bytes its buffers hold.
+    pub fn bytes_held(&self) -> usize {
+        self.memory.iter().map(Vec::len).sum()
     }
 
     /// How many steps ran as a replayed graph, and how many graphs were recorded.
@@ -131,6 +146,17 @@ impl PlanDevice for EmulatedDevice {
     fn upload(&mut self, bytes: &[u8]) -> Result<usize> {
         self.memory.push(bytes.to_vec());
         Ok(self.memory.len() - 1)
+    }
+
+    fn memory(&self) -> Option<crate::kv_sizing::DeviceMemory> {
+        self.capacity.map(|total| crate::kv_sizing::DeviceMemory {
+            free: total.saturating_sub(self.bytes_held()),
+            total,
+        })
+    }
+
+    fn release(&mut self, buffer: usize) {
+        self.memory[buffer] = Vec::new();
     }
 
     fn write(&mut self, buffer: &usize, at: usize, bytes: &[u8]) -> Result<()> {

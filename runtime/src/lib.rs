@@ -10,6 +10,7 @@ pub mod error;
 pub mod generate;
 pub mod generated;
 pub mod kv;
+pub mod kv_sizing;
 pub mod logits_processor;
 pub mod logprobs;
 pub mod plan_exec;

@@ -53,9 +53,15 @@ pub struct ServeArgs {
     /// Sequences computed together.
     #[arg(long, default_value_t = 64)]
     pub max_num_seqs: usize,
-    /// KV-cache blocks for all sequences together.
-    #[arg(long, default_value_t = 1024)]
-    pub kv_blocks: usize,
+    /// KV-cache blocks for all sequences together (default: on a GPU, what
+    /// `--gpu-memory-utilization` leaves once the model is loaded; on the CPU, enough for
+    /// `--max-num-seqs` requests of the full context, at most half the memory available).
+    #[arg(long)]
+    pub kv_blocks: Option<usize>,
+    /// The share of the GPU's memory this server may use, the KV cache taking what the model,
+    /// its activations and everything else on the device leave of it (vLLM's flag).
+    #[arg(long, default_value_t = runtime::kv_sizing::DEFAULT_GPU_SHARE)]
+    pub gpu_memory_utilization: f64,
     /// Positions per KV-cache block.
     #[arg(long, default_value_t = 16)]
     pub block_size: usize,
@@ -70,9 +76,11 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 128)]
     pub state_snapshot_interval: usize,
     /// Tokens computed per step across all sequences (a step's length bounds every
-    /// running request's time per output token); vLLM's `--max-num-batched-tokens`.
-    #[arg(long, alias = "max-num-batched-tokens", default_value_t = 128)]
-    pub token_budget: usize,
+    /// running request's time per output token); vLLM's `--max-num-batched-tokens`. Default:
+    /// on a GPU, the rows a step of the serving plan takes (2048: long prompts prefill in a
+    /// few large chunks beside the running decodes); on the CPU, 128.
+    #[arg(long, alias = "max-num-batched-tokens")]
+    pub token_budget: Option<usize>,
     /// The model id clients send (default: the model's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
@@ -173,9 +181,9 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     for (name, value) in [
         ("--max-queued", args.max_queued),
         ("--max-num-seqs", args.max_num_seqs),
-        ("--kv-blocks", args.kv_blocks),
+        ("--kv-blocks", args.kv_blocks.unwrap_or(1)),
         ("--block-size", args.block_size),
-        ("--token-budget", args.token_budget),
+        ("--token-budget", args.token_budget.unwrap_or(1)),
         ("--state-snapshot-interval", args.state_snapshot_interval),
         ("--max-model-len", args.max_model_len.unwrap_or(1)),
     ] {
@@ -213,11 +221,12 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             "requests that leave them out sample with: {settings} (--generation-config vllm: the API's defaults)"
         );
     }
-    let config = SchedulerConfig {
+    // Blocks and budget are settled once the backend is loaded (they depend on it).
+    let mut config = SchedulerConfig {
         max_waiting: args.max_queued,
         max_running: args.max_num_seqs,
-        token_budget: args.token_budget,
-        kv_blocks: args.kv_blocks,
+        token_budget: 0,
+        kv_blocks: 0,
         block_size: args.block_size,
         context_length,
         // The engine turns it off for models with recurrent state.
@@ -232,9 +241,9 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let drafter = match &draft_model {
         Some(arg) => {
             let cache = draft::DraftCache {
-                blocks: args.kv_blocks,
+                blocks: args.kv_blocks.unwrap_or(DRAFT_KV_BLOCKS),
                 block_size: args.block_size,
-                token_budget: args.token_budget,
+                token_budget: args.token_budget.unwrap_or(CPU_TOKEN_BUDGET),
                 sequences: args.max_num_seqs,
             };
             let (drafter, place) = draft::load(arg, &tokenizer, cache)?;
@@ -244,16 +253,8 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     };
 
     let metrics = Arc::new(metrics::Metrics::default());
-    metrics.kv_blocks_total.store(args.kv_blocks as u64, Relaxed);
     let (requests, inbox) = tokio::sync::mpsc::unbounded_channel();
-    let engine = EngineSetup {
-        config,
-        policy: args.scheduling_policy.policy(),
-        drafter,
-        inbox,
-        metrics: metrics.clone(),
-    };
-    let positions = args.kv_blocks * args.block_size;
+    let block_size = args.block_size;
     match loaded.gpu_plan.take() {
         Some(plans) => {
             // A GPU artifact: its batched serving plan, with the KV pool sized here.
@@ -261,8 +262,9 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 .serving
                 .context("this GPU artifact has no serving plan (an older bbc compiled it); compile it again")?;
             let cache = codegen::gpu::BatchedCache {
-                blocks: args.kv_blocks,
-                block_size: args.block_size,
+                // Sized to the device's memory below unless given.
+                blocks: args.kv_blocks.unwrap_or(1),
+                block_size,
                 sequences: args.max_num_seqs,
             };
             let weights = &loaded.model.weights;
@@ -273,12 +275,21 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             let backend =
                 runtime::cuda::CudaBackend::batched(&plans.dir, &plan, graph, weights, int8, context_length, cache)?
                     .capture_graphs_up_to(graph_rows)
-                    // No more than the scheduler can file (one a block).
-                    .keep_state_snapshots(args.state_snapshots.min(args.kv_blocks))?
+                    // The scheduler files no more than one a block.
+                    .keep_state_snapshots(args.state_snapshots.min(args.kv_blocks.unwrap_or(usize::MAX)))?
                     .verify_drafts_up_to(config.speculation.tokens)?;
+            let backend = match args.kv_blocks {
+                Some(_) => backend,
+                None => backend.size_kv_pool(args.gpu_memory_utilization)?,
+            };
+            config.kv_blocks = backend.batched_cache().map_or(cache.blocks, |c| c.blocks);
+            config.token_budget = args.token_budget.unwrap_or_else(|| {
+                runtime::serving::PagedBackend::max_step_tokens(&backend).unwrap_or(CPU_TOKEN_BUDGET)
+            });
+            let block_bytes = block_size * backend.kv_bytes_per_position();
             eprintln!(
-                "KV cache on the GPU: {} blocks of {} positions ({positions} positions)",
-                args.kv_blocks, args.block_size
+                "KV cache on the GPU: {}",
+                runtime::kv_sizing::describe(config.kv_blocks, block_size, context_length, block_bytes)
             );
             announce_snapshots(
                 backend.state_bytes_per_sequence(),
@@ -286,24 +297,34 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 "on the GPU",
             );
             announce_checkpoints(&backend, args.max_num_seqs);
+            eprintln!("steps of up to {} tokens", config.token_budget);
+            let engine = engine_setup(config, args, drafter, inbox, &metrics);
             start_engine(backend, engine)?;
         }
         None => {
             let backend = cpu_serving(loaded)?;
             let logits = backend.logits();
+            let block_bytes = block_size * logits.kv_bytes_per_position();
+            config.kv_blocks = args.kv_blocks.unwrap_or_else(|| {
+                // Unknown (not Linux): as if 8 GiB were available.
+                let available = runtime::kv_sizing::available_memory().unwrap_or(8 << 30);
+                let per_context = context_length.div_ceil(block_size);
+                runtime::kv_sizing::cpu_kv_blocks(available, block_bytes, per_context, args.max_num_seqs)
+            });
+            config.token_budget = args.token_budget.unwrap_or(CPU_TOKEN_BUDGET);
             eprintln!(
-                "KV cache: {} blocks of {} positions ({positions} positions, up to {} MiB as it fills)",
-                args.kv_blocks,
-                args.block_size,
-                (positions * logits.kv_bytes_per_position()) >> 20
+                "KV cache: {} (taken as it fills)",
+                runtime::kv_sizing::describe(config.kv_blocks, block_size, context_length, block_bytes)
             );
             if logits.has_recurrent_state() {
-                let places = args.state_snapshots.min(args.kv_blocks);
+                let places = args.state_snapshots.min(config.kv_blocks);
                 announce_snapshots(logits.state_bytes_per_sequence(), places, "as it fills");
             }
+            eprintln!("steps of up to {} tokens", config.token_budget);
             if backend.has_greedy_graph() {
                 eprintln!("greedy steps: the INT8-bound head (exact argmax)");
             }
+            let engine = engine_setup(config, args, drafter, inbox, &metrics);
             start_engine(backend, engine)?;
         }
     }
@@ -396,6 +417,32 @@ fn announce_checkpoints(backend: &runtime::cuda::CudaBackend, sequences: usize) 
         eprintln!(
             "recurrent states: {drafts} copies a sequence to rewind refused drafts to ({mib:.1} MiB on the GPU for {sequences} sequences)"
         );
+    }
+}
+
+/// The CPU backend's default token budget: a step's length bounds every running request's
+/// time per output token, and a CPU computes few tokens a millisecond.
+const CPU_TOKEN_BUDGET: usize = 128;
+
+/// A draft model's KV blocks where `--kv-blocks` is not given (its cache on the CPU grows as
+/// it fills; on a GPU it is allocated beside the target's).
+const DRAFT_KV_BLOCKS: usize = 1024;
+
+/// The engine's setup once the backend settled the scheduler's blocks and budget.
+fn engine_setup(
+    config: SchedulerConfig,
+    args: &ServeArgs,
+    drafter: Option<(String, Box<dyn runtime::serving::Drafter>)>,
+    inbox: tokio::sync::mpsc::UnboundedReceiver<worker::NewRequest>,
+    metrics: &Arc<metrics::Metrics>,
+) -> EngineSetup {
+    metrics.kv_blocks_total.store(config.kv_blocks as u64, Relaxed);
+    EngineSetup {
+        config,
+        policy: args.scheduling_policy.policy(),
+        drafter,
+        inbox,
+        metrics: metrics.clone(),
     }
 }
 

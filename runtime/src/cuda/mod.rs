@@ -220,6 +220,13 @@ impl PlanDevice for CudaDevice {
         self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(driver)
     }
 
+    fn memory(&self) -> Option<crate::kv_sizing::DeviceMemory> {
+        // Frees are ordered on the stream: what was released is free once it has run.
+        self.stream.synchronize().ok()?;
+        let (free, total) = self.stream.context().mem_get_info().ok()?;
+        Some(crate::kv_sizing::DeviceMemory { free, total })
+    }
+
     fn upload(&mut self, bytes: &[u8]) -> Result<Self::Buffer> {
         self.after_launch = false;
         self.stream.clone_htod(bytes).map_err(driver)

@@ -87,6 +87,16 @@ pub trait PlanDevice {
     fn prefetches_weights(&self) -> bool {
         false
     }
+
+    /// The device's memory now, where it can say (what sizes the KV pool by a share of it).
+    fn memory(&self) -> Option<crate::kv_sizing::DeviceMemory> {
+        None
+    }
+
+    /// Give `buffer`'s memory back to the device.
+    fn release(&mut self, buffer: Self::Buffer) {
+        drop(buffer);
+    }
 }
 
 /// A launch argument as the device takes it.
@@ -376,6 +386,80 @@ impl<D: PlanDevice> PlanExecutor<D> {
         }
         self.snapshot_places = places;
         Ok(self)
+    }
+
+    /// Size a batched plan's KV pool to what fits in `share` of the device's memory once
+    /// everything else is allocated (vLLM's `--gpu-memory-utilization`; see
+    /// [`crate::kv_sizing::gpu_kv_blocks`]), in place of the blocks it was loaded with: called
+    /// last, after [`keep_state_snapshots`](Self::keep_state_snapshots) and
+    /// [`verify_drafts_up_to`](Self::verify_drafts_up_to), and before the first step is
+    /// captured as a graph (which holds the pool's address). Refused where the pool would not
+    /// hold one request of the full context.
+    pub fn size_kv_pool(mut self, share: f64) -> Result<Self> {
+        let Some(mut cache) = self.plan.batched else {
+            return Err(RuntimeError::Input(
+                "only a batched plan's KV pool is sized to memory".into(),
+            ));
+        };
+        if *self.captured.get_mut() {
+            return Err(RuntimeError::Input(
+                "the KV pool is sized before the first step captured as a graph (it holds the pool's address)".into(),
+            ));
+        }
+        let block_bytes = cache.block_size * self.kv_bytes_per_position();
+        let context = self.context_length;
+        let (device, buffers) = self
+            .state
+            .get_mut()
+            .map_err(|_| RuntimeError::Cuda("device state poisoned".into()))?;
+        let loaded: Vec<BufferKey> = buffers
+            .held
+            .keys()
+            .filter(|k| matches!(k, BufferKey::Kv(..)))
+            .cloned()
+            .collect();
+        for key in loaded {
+            if let Some((buffer, _)) = buffers.held.remove(&key) {
+                device.release(buffer);
+            }
+        }
+        let memory = device.memory().ok_or_else(|| {
+            RuntimeError::Input("this device does not report its memory: give the KV pool's blocks".into())
+        })?;
+        let mut blocks = crate::kv_sizing::gpu_kv_blocks(memory, share, block_bytes).map_err(RuntimeError::Input)?;
+        // The kernels index the cache with 32-bit integers (f32 elements).
+        let widest = self.plan.kv_cache.iter().map(|l| l.widest_row()).max().unwrap_or(1);
+        blocks = blocks.min(i32::MAX as usize / widest / cache.block_size);
+        if blocks * cache.block_size < context {
+            let gib = |b: usize| b as f64 / f64::from(1 << 30);
+            return Err(RuntimeError::Input(format!(
+                "{share} of this device's {:.1} GiB leaves {:.2} GiB for the KV cache once the model is loaded ({:.1} GiB free): {} positions, less than one request of the model's context ({context}); raise --gpu-memory-utilization, lower --max-model-len, or free the device",
+                gib(memory.total),
+                gib(blocks * block_bytes),
+                gib(memory.free),
+                blocks * cache.block_size
+            )));
+        }
+        for layout in &self.plan.kv_cache {
+            for value in [false, true] {
+                let bytes = blocks * cache.block_size * layout.row_bytes(value);
+                buffers
+                    .held
+                    .insert(BufferKey::Kv(layout.slot, value), (device.alloc(bytes)?, bytes));
+            }
+        }
+        cache.blocks = blocks;
+        self.plan.batched = Some(cache);
+        Ok(self)
+    }
+
+    /// Bytes a cached position takes, keys and values of every layer.
+    pub fn kv_bytes_per_position(&self) -> usize {
+        self.plan
+            .kv_cache
+            .iter()
+            .map(|l| l.row_bytes(false) + l.row_bytes(true))
+            .sum()
     }
 
     /// Let a batched plan of a model with recurrent state verify up to `drafts` drafted tokens
