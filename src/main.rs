@@ -24,7 +24,8 @@ enum Command {
         /// Model name.
         name: String,
     },
-    /// Compile a model (model.toml, weights path or model name) into an artifact directory.
+    /// Compile a model (model.toml, weights path, model name, or a config.json or named shape
+    /// with random weights) into an artifact directory.
     Compile {
         model: String,
         /// cpu, h200, b200 or rtx-pro-6000.
@@ -44,6 +45,10 @@ enum Command {
         /// write the artifact on a mismatch, naming the pass and its rules.
         #[arg(long)]
         verify: bool,
+        /// The tokenizer to use instead of the model's (vLLM's flag): a GGUF file, a
+        /// tokenizer.json, a directory holding one, or a model name such as `smollm2`.
+        #[arg(long)]
+        tokenizer: Option<String>,
     },
     /// Generate text from an artifact, a model.toml, a weights path or a model name.
     Run(commands::run::RunArgs),
@@ -95,6 +100,7 @@ fn run(cli: Cli) -> Result<()> {
             emit,
             emit_after,
             verify,
+            tokenizer,
         } => commands::compile::compile(&commands::compile::CompileArgs {
             model: &model,
             target: &target,
@@ -102,6 +108,7 @@ fn run(cli: Cli) -> Result<()> {
             emit: emit.as_deref(),
             emit_after: emit_after.as_deref(),
             verify,
+            tokenizer: tokenizer.as_deref(),
         }),
         Command::Run(args) => commands::run::run(&args),
         Command::Perplexity(args) => commands::perplexity::perplexity(&args),

@@ -1,5 +1,7 @@
 //! What a MODEL argument names, and loading it: an artifact directory, a `model.toml`, a
-//! weights path (GGUF file or HF directory), or the name of a model bbc fetches.
+//! weights path (GGUF file or HF directory), the name of a model bbc fetches, or a model's
+//! shape without weights (a `config.json`, or a named shape such as `llama3-8b`), run with
+//! random weights as vLLM's `--load-format dummy` runs one.
 
 use crate::fetch;
 use anyhow::{bail, ensure, Context, Result};
@@ -13,7 +15,12 @@ pub enum ModelRef {
     Toml(PathBuf),
     Weights(PathBuf),
     Known(&'static fetch::KnownModel),
+    /// A `config.json` (a file, or a named shape's written into bbc's home): random weights.
+    Shape(PathBuf),
 }
+
+/// The seed of every model run with random weights: the same shape, the same weights.
+pub const RANDOM_WEIGHTS_SEED: u32 = 7;
 
 impl ModelRef {
     pub fn parse(arg: &str) -> Result<Self> {
@@ -24,16 +31,23 @@ impl ModelRef {
         if path.is_file() && path.extension().is_some_and(|e| e == "toml") {
             return Ok(Self::Toml(path.into()));
         }
+        if path.is_file() && path.extension().is_some_and(|e| e == "json") {
+            return Ok(Self::Shape(path.into()));
+        }
         if path.exists() {
             return Ok(Self::Weights(path.into()));
         }
         if let Some(model) = fetch::known(arg) {
             return Ok(Self::Known(model));
         }
+        if let Some(config) = models::config::shapes::config_json(arg) {
+            return Ok(Self::Shape(write_shape(arg, &config)?));
+        }
         let names: Vec<&str> = fetch::MODELS.iter().map(|m| m.name).collect();
         bail!(
-            "`{arg}` is not an artifact directory, a model.toml, a weights path, or a known model ({})",
-            names.join(", ")
+            "`{arg}` is not an artifact directory, a model.toml, a weights path, a config.json, a known model ({}) or a named shape ({})",
+            names.join(", "),
+            models::config::shapes::NAMES.join(", ")
         )
     }
 
@@ -44,8 +58,93 @@ impl ModelRef {
             Self::Toml(path) => Some(ModelSpec::load(path)?),
             Self::Weights(path) => Some(ModelSpec::for_weights(path)),
             Self::Known(model) => Some(ModelSpec::for_weights(&fetch::ensure(model, quiet)?)),
+            Self::Shape(config) => Some(ModelSpec {
+                // Random weights hold what a bf16 checkpoint does.
+                dtype: ComputeDtype::Bf16,
+                random_weights: Some(RANDOM_WEIGHTS_SEED),
+                ..ModelSpec::for_weights(config)
+            }),
         })
     }
+}
+
+/// The named shape `name`'s `config.json`, written once into bbc's home (an artifact compiled
+/// from it names the file).
+fn write_shape(name: &str, config: &serde_json::Value) -> Result<PathBuf> {
+    let dir = fetch::cache_dir().join("shapes").join(name);
+    let path = dir.join("config.json");
+    let text = serde_json::to_string_pretty(config)?;
+    if std::fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(path)
+}
+
+/// Open what `spec` names: its weights, or, for a shape, random weights made here from its
+/// seed (bf16 matrices, f32 vectors; see `runtime::generated`).
+fn open_model(spec: ModelSpec) -> Result<Model> {
+    let Some(seed) = spec.random_weights else {
+        return Ok(Model::open(spec)?);
+    };
+    let mut config = models::ModelConfig::from_hf_config(&spec.weights)?;
+    if let Some(limit) = spec.context_length {
+        ensure!(
+            limit <= config.context_length,
+            "context_length {limit} exceeds the model's {}",
+            config.context_length
+        );
+        config.context_length = limit;
+    }
+    let options = models::LowerOptions {
+        logits: LogitsFor::LastToken,
+        compute: spec.dtype,
+        kv_cache: spec.kv_cache_dtype,
+    };
+    let skeleton = models::lower_without_weights(&config, options)?;
+    let weights = runtime::generated::host_weights(&skeleton, seed);
+    // A tokenizer given, else one beside the config (an HF directory without weights).
+    let beside = spec.weights.with_file_name("tokenizer.json");
+    let tokenizer = match (&spec.tokenizer, beside.is_file()) {
+        (Some(path), _) => Some(models::Tokenizer::from_file(path)?),
+        (None, true) => Some(models::Tokenizer::from_file(&beside)?),
+        (None, false) => None,
+    };
+    if let Some(t) = &tokenizer {
+        ensure!(
+            t.vocab_size() <= config.vocab_size,
+            "the tokenizer has {} tokens, more than the model's vocabulary of {}: its ids would fall outside the embedding (choose another with --tokenizer)",
+            t.vocab_size(),
+            config.vocab_size
+        );
+    }
+    Ok(Model {
+        spec,
+        config,
+        weights,
+        tokenizer,
+        generation_defaults: models::GenerationDefaults::default(),
+    })
+}
+
+/// The file holding the tokenizer `arg` names: a GGUF file or `tokenizer.json`, a directory
+/// holding a `tokenizer.json`, a model bbc fetches (its GGUF), or a model.toml's weights.
+pub fn tokenizer_file(arg: &str) -> Result<PathBuf> {
+    let path = Path::new(arg);
+    if path.is_dir() && path.join("tokenizer.json").is_file() {
+        return Ok(path.join("tokenizer.json"));
+    }
+    if path.is_file() && path.extension().is_some_and(|e| e == "toml") {
+        let spec = ModelSpec::load(path)?;
+        return Ok(spec.tokenizer.unwrap_or(spec.weights));
+    }
+    if path.is_file() {
+        return Ok(path.to_path_buf());
+    }
+    if let Some(model) = fetch::known(arg) {
+        return fetch::ensure(model, false);
+    }
+    bail!("--tokenizer {arg}: not a tokenizer file, a directory holding tokenizer.json, a model.toml or a known model")
 }
 
 /// A model opened and lowered (or read from its artifact), ready for a backend.
@@ -97,7 +196,7 @@ pub fn cost_model(target: Target) -> passes::CostModel {
 }
 
 /// How to get from the model to the graph that runs.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct LoadOptions {
     pub dtype: Option<ComputeDtype>,
     /// Overrides the KV caches' element type of anything but an artifact.
@@ -111,6 +210,10 @@ pub struct LoadOptions {
     /// Run the pass pipeline for the CPU (artifacts are already optimised for their target).
     pub fuse: bool,
     pub quiet: bool,
+    /// The tokenizer to use instead of the model's (vLLM's `--tokenizer`; see
+    /// [`tokenizer_file`]): for a model whose files have none, such as a shape run with random
+    /// weights.
+    pub tokenizer: Option<String>,
 }
 
 impl Default for LoadOptions {
@@ -125,6 +228,7 @@ impl Default for LoadOptions {
             greedy: false,
             fuse: true,
             quiet: false,
+            tokenizer: None,
         }
     }
 }
@@ -180,10 +284,13 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
                 ensure!(n >= 1, "--max-model-len must be at least 1");
                 spec.context_length = Some(n);
             }
+            if let Some(arg) = &options.tokenizer {
+                spec.tokenizer = Some(tokenizer_file(arg)?);
+            }
             let (speculative, draft_model) = (spec.speculative, spec.draft_model.clone());
             let model = match options.max_model_len {
-                Some(n) => Model::open(spec).with_context(|| format!("--max-model-len {n}"))?,
-                None => Model::open(spec)?,
+                Some(n) => open_model(spec).with_context(|| format!("--max-model-len {n}"))?,
+                None => open_model(spec)?,
             };
             let fuse = |graph: Graph| -> Result<Graph> {
                 if !options.fuse {
@@ -220,6 +327,9 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
             if options.max_model_len.is_some() {
                 bail!("--max-model-len does not apply to a compiled artifact: its context was fixed by `bbc compile` (model.toml's `context_length`)");
             }
+            if options.tokenizer.is_some() {
+                bail!("--tokenizer does not apply to a compiled artifact: its tokenizer was fixed by `bbc compile`");
+            }
             load_artifact(&dir)
         }
     }
@@ -237,8 +347,9 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
         tokenizer: manifest.tokenizer.clone(),
         speculative: None,
         draft_model: None,
+        random_weights: manifest.random_weights,
     };
-    let model = Model::open(spec).with_context(|| format!("opening the weights {} names", dir.display()))?;
+    let model = open_model(spec).with_context(|| format!("opening the weights {} names", dir.display()))?;
     let graphs = codegen::read_graphs(dir, &manifest)?;
     Ok(Loaded {
         model,

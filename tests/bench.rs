@@ -334,3 +334,52 @@ fn rate_and_burst_runs_send_each_request_at_its_time() {
     let (ok, _, text) = bench(&server, &["--mode", "burst", "--bursts", "0"]);
     assert!(!ok && text.contains("--bursts"), "{text}");
 }
+
+/// Every family served with random weights (vLLM's `--load-format dummy`): its tiny fixture's
+/// `config.json`, the vocabulary widened to SmolLM2's tokenizer (`--tokenizer smollm2`), run on
+/// the CPU backend and benchmarked end to end; every request completes with its tokens.
+#[test]
+fn every_family_serves_random_weights_and_is_benchmarked() {
+    let scratch = common::scratch_dir("bbc-random-weights-");
+    let smollm2 = common::real_model("smollm2");
+    let tokenizer = smollm2.to_str().unwrap();
+    for family in [
+        "llama",
+        "gemma3",
+        "gemma4",
+        "glm4_moe",
+        "glm_moe_dsa",
+        "qwen3_5",
+        "qwen3_next",
+    ] {
+        let path = common::fixture(&format!("hf-tiny/{family}/config.json"));
+        let mut config: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        config["vocab_size"] = 49152.into();
+        if config.get("vocab_size_per_layer_input").is_some() {
+            config["vocab_size_per_layer_input"] = 49152.into();
+        }
+        let dir = scratch.path().join(family);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let server = Server::start_model(dir.join("config.json").to_str().unwrap(), &["--tokenizer", tokenizer]);
+        let args = [
+            "--input-len",
+            "24",
+            "--output-len",
+            "5",
+            "--range-ratio",
+            "1",
+            "--concurrency",
+            "2",
+            "--num-prompts",
+            "4",
+            "--warmups",
+            "0",
+        ];
+        let (ok, document, text) = bench(&server, &args);
+        assert!(ok, "{family}: {text}");
+        let run = only_run(&document);
+        assert_eq!(run["completed"].as_u64(), Some(4), "{family}: {text}");
+        assert_eq!(run["output_tokens"].as_u64(), Some(20), "{family}: {text}");
+    }
+}

@@ -697,3 +697,74 @@ fn serve_sizes_its_kv_cache_and_steps_unless_told() {
     );
     assert!(said.contains("steps of up to 32 tokens"), "{said}");
 }
+
+/// A model's shape without weights (a `config.json`) runs with random weights made from a
+/// fixed seed (vLLM's `--load-format dummy`), with the tokenizer `--tokenizer` names: run
+/// directly or compiled into an artifact (which records the seed), it gives the same tokens.
+/// A tokenizer with more tokens than the model's vocabulary is refused, and an unknown name
+/// lists the named shapes.
+#[test]
+fn a_config_without_weights_runs_with_random_weights() {
+    let scratch = common::scratch_dir("bbc-random-weights-");
+    let path = common::fixture("hf-tiny/qwen3_5/config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    config["vocab_size"] = 49152.into();
+    let config_path = scratch.path().join("config.json");
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let config_arg = config_path.to_str().unwrap();
+    let run = |model: &str, tokenizer: &[&str]| {
+        let args = [
+            &[
+                "run",
+                model,
+                "--prompt",
+                "The capital of France is",
+                "--max-tokens",
+                "6",
+                "--json",
+            ],
+            tokenizer,
+        ]
+        .concat();
+        json(&args)["ids"].clone()
+    };
+    let direct = run(config_arg, &["--tokenizer", &smollm2()]);
+    assert_eq!(direct.as_array().unwrap().len(), 6);
+    assert_eq!(
+        run(config_arg, &["--tokenizer", &smollm2()]),
+        direct,
+        "the same seed, the same weights"
+    );
+    let artifact = scratch.path().join("artifact");
+    bbc(&[
+        "compile",
+        config_arg,
+        "--tokenizer",
+        &smollm2(),
+        "-o",
+        artifact.to_str().unwrap(),
+    ]);
+    let manifest = read_json_file(&artifact.join("manifest.json"));
+    assert_eq!(manifest["random_weights"], 7, "{manifest}");
+    assert_eq!(run(artifact.to_str().unwrap(), &[]), direct);
+
+    let tiny = common::fixture("hf-tiny/qwen3_5/config.json");
+    let wider = refused(&[
+        "run",
+        tiny.to_str().unwrap(),
+        "--tokenizer",
+        &smollm2(),
+        "--prompt",
+        "hi",
+    ]);
+    assert!(wider.contains("more than the model's vocabulary of 320"), "{wider}");
+    let unknown = refused(&["run", "llama3-70b", "--prompt", "hi"]);
+    assert!(
+        unknown.contains("llama3-8b") && unknown.contains("glm-4.5-air"),
+        "{unknown}"
+    );
+}
+
+fn read_json_file(path: &std::path::Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}

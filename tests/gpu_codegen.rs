@@ -261,6 +261,7 @@ fn compile_every_plan(model: &std::path::Path, target: Target, output: &std::pat
         emit: None,
         emit_after: None,
         verify: false,
+        tokenizer: None,
     };
     bbc::commands::compile::compile(&args)
         .unwrap_or_else(|e| panic!("{} on {}: {e:#}", model.display(), target.name()));

@@ -67,9 +67,13 @@ pub struct Manifest {
     pub family: models::Family,
     /// Compute dtype of the matrices.
     pub dtype: models::ComputeDtype,
-    /// The weights (a GGUF file or an HF directory), absolute.
+    /// The weights (a GGUF file or an HF directory), absolute; for random weights, the
+    /// `config.json` of the model's shape.
     pub weights: PathBuf,
     pub weights_sha256: String,
+    /// The seed of the model's random weights, where it runs without a weights file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub random_weights: Option<u32>,
     /// Where the tokenizer comes from: the weights themselves unless a model.toml overrode it.
     pub tokenizer: Option<PathBuf>,
     pub context_length: usize,
@@ -143,6 +147,7 @@ pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path
         dtype: model.spec.dtype,
         weights,
         weights_sha256,
+        random_weights: model.spec.random_weights,
         tokenizer: model.spec.tokenizer.clone(),
         context_length: model.config.context_length,
         graph_text: GRAPH_TEXT.into(),

@@ -22,7 +22,7 @@ pub use families::{
 pub use generation_defaults::GenerationDefaults;
 pub use model_toml::{DraftModelSpec, ModelSpec, NgramSpec};
 pub use tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
-pub use weights::{TensorView, WeightSource};
+pub use weights::{MemoryTensor, TensorView, WeightSource};
 
 use std::path::{Path, PathBuf};
 
@@ -81,7 +81,7 @@ impl Model {
             config.context_length = limit;
         }
         let tokenizer = match &spec.tokenizer {
-            Some(t) => Some(Tokenizer::from_hf_dir(t.parent().unwrap_or(Path::new(".")))?),
+            Some(t) => Some(Tokenizer::from_file(t)?),
             None => tokenizer,
         };
         Ok(Self {

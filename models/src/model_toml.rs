@@ -105,6 +105,9 @@ pub struct ModelSpec {
     pub speculative: Option<NgramSpec>,
     /// `[speculative]` with `method = "draft_model"`.
     pub draft_model: Option<DraftModelSpec>,
+    /// Where `weights` is a `config.json`: the model runs with random weights made from this
+    /// seed (vLLM's `--load-format dummy`), not read from a file.
+    pub random_weights: Option<u32>,
 }
 
 impl ModelSpec {
@@ -199,6 +202,7 @@ impl ModelSpec {
             tokenizer: m.tokenizer.map(|t| base.join(t)),
             speculative,
             draft_model,
+            random_weights: None,
         })
     }
 
@@ -213,6 +217,7 @@ impl ModelSpec {
             tokenizer: None,
             speculative: None,
             draft_model: None,
+            random_weights: None,
         }
     }
 }

@@ -40,6 +40,16 @@ impl TensorView<'_> {
 pub enum WeightSource {
     Gguf(GgufFile, Vec<Vec<usize>>),
     Safetensors(SafetensorsDir),
+    /// Tensors made in memory, by name: a model's random weights where it has no file.
+    Memory(std::collections::BTreeMap<String, MemoryTensor>),
+}
+
+/// A tensor held in memory: row-major `shape`, stored as `dtype` in `bytes`.
+#[derive(Debug, Clone)]
+pub struct MemoryTensor {
+    pub shape: Vec<usize>,
+    pub dtype: GgmlType,
+    pub bytes: Vec<u8>,
 }
 
 impl WeightSource {
@@ -73,6 +83,11 @@ impl WeightSource {
                 dtype: e.dtype,
                 bytes: dir.data(e),
             }),
+            Self::Memory(tensors) => tensors.get(name).map(|t| TensorView {
+                shape: &t.shape,
+                dtype: t.dtype,
+                bytes: &t.bytes,
+            }),
         }
     }
 
@@ -98,6 +113,7 @@ impl WeightSource {
                 .map(|(t, s)| (t.dtype, &s[..]))
                 .collect(),
             Self::Safetensors(dir) => dir.tensors.values().map(|e| (e.dtype, &e.shape[..])).collect(),
+            Self::Memory(tensors) => tensors.values().map(|t| (t.dtype, &t.shape[..])).collect(),
         };
         let mut elements: Vec<(GgmlType, usize)> = Vec::new();
         for (dtype, shape) in tensors {
@@ -117,6 +133,7 @@ impl WeightSource {
         match self {
             Self::Gguf(file, _) => file.tensors.iter().map(|t| t.name.as_str()).collect(),
             Self::Safetensors(dir) => dir.tensors.keys().map(String::as_str).collect(),
+            Self::Memory(tensors) => tensors.keys().map(String::as_str).collect(),
         }
     }
 }

@@ -64,39 +64,58 @@ pub fn host_values(seed: u32, name: &str, shape: &[usize]) -> Vec<f32> {
         .collect()
 }
 
-/// Every weight `graph` declares, with its [`host_values`], written as one safetensors file
-/// at `path`: matrices bf16, vectors (norm gains) f32, as a bf16 checkpoint stores them. For
-/// benchmarks of model shapes no file has, on the CPU backend.
-pub fn write_checkpoint(graph: &Graph, seed: u32, path: &std::path::Path) -> Result<()> {
-    let mut tensors: Vec<(String, Vec<usize>, safetensors::Dtype, Vec<u8>)> = Vec::new();
-    let mut written = std::collections::HashSet::new();
+/// Every weight `graph` declares, with its [`host_values`], in memory: matrices bf16, vectors
+/// (norm gains) f32, as a bf16 checkpoint stores them. A model's random weights where it runs
+/// on the host (the CPU backend, or uploaded to a device); each tensor made on the pool.
+pub fn host_weights(graph: &Graph, seed: u32) -> models::WeightSource {
+    use rayon::prelude::*;
+    let mut declared: Vec<(&String, Vec<usize>)> = Vec::new();
     for node in graph.nodes() {
         // A weight read twice (a tied head and embedding) is one tensor.
-        let ir::Op::Weight { name } = &node.op else { continue };
-        if !written.insert(name) {
-            continue;
+        if let ir::Op::Weight { name } = &node.op {
+            if !declared.iter().any(|(n, _)| *n == name) {
+                declared.push((name, node.shape.resolve(0, 0)));
+            }
         }
-        let shape = node.shape.resolve(0, 0);
-        let values = host_values(seed, name, &shape);
-        let (dtype, bytes) = match shape.len() {
-            2 => (
-                safetensors::Dtype::BF16,
-                values
-                    .iter()
-                    .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-                    .collect(),
-            ),
-            _ => (
-                safetensors::Dtype::F32,
-                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            ),
-        };
-        tensors.push((name.clone(), shape, dtype, bytes));
     }
+    let tensors = declared
+        .into_par_iter()
+        .map(|(name, shape)| {
+            let values = host_values(seed, name, &shape);
+            let (dtype, bytes) = match shape.len() {
+                2 => (
+                    models::quant::GgmlType::BF16,
+                    values
+                        .iter()
+                        .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                        .collect(),
+                ),
+                _ => (
+                    models::quant::GgmlType::F32,
+                    values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                ),
+            };
+            (name.clone(), models::MemoryTensor { shape, dtype, bytes })
+        })
+        .collect();
+    models::WeightSource::Memory(tensors)
+}
+
+/// Every weight `graph` declares, with its [`host_values`], written as one safetensors file
+/// at `path`, as [`host_weights`] holds them. For benchmarks of model shapes no file has, on
+/// the CPU backend.
+pub fn write_checkpoint(graph: &Graph, seed: u32, path: &std::path::Path) -> Result<()> {
+    let models::WeightSource::Memory(tensors) = host_weights(graph, seed) else {
+        unreachable!("host weights are in memory")
+    };
     let views = tensors
         .iter()
-        .map(|(name, shape, dtype, bytes)| {
-            safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes).map(|view| (name.clone(), view))
+        .map(|(name, t)| {
+            let dtype = match t.dtype {
+                models::quant::GgmlType::BF16 => safetensors::Dtype::BF16,
+                _ => safetensors::Dtype::F32,
+            };
+            safetensors::tensor::TensorView::new(dtype, t.shape.clone(), &t.bytes).map(|view| (name.clone(), view))
         })
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|e| RuntimeError::Weight(e.to_string()))?;

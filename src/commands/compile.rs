@@ -15,6 +15,8 @@ pub struct CompileArgs<'a> {
     pub emit_after: Option<&'a str>,
     /// Check every pass on random inputs before writing the artifact.
     pub verify: bool,
+    /// The tokenizer to use instead of the model's (`model_ref::tokenizer_file`).
+    pub tokenizer: Option<&'a str>,
 }
 
 pub fn compile(args: &CompileArgs) -> Result<()> {
@@ -31,6 +33,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     let options = model_ref::LoadOptions {
         greedy: true,
         fuse: false,
+        tokenizer: args.tokenizer.map(str::to_string),
         ..model_ref::LoadOptions::default()
     };
     let loaded = model_ref::load(args.model, options)?;

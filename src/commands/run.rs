@@ -71,6 +71,10 @@ pub struct RunArgs {
     /// (default: the model's, or model.toml's `context_length`).
     #[arg(long)]
     pub max_model_len: Option<usize>,
+    /// The tokenizer to use instead of the model's (vLLM's flag): a GGUF file, a
+    /// tokenizer.json, a directory holding one, or a model name such as `smollm2`.
+    #[arg(long)]
+    pub tokenizer: Option<String>,
     /// With --chat: the chat template to use instead of the model's (a Jinja file, or the
     /// template itself).
     #[arg(long)]
@@ -127,6 +131,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         greedy: true,
         fuse: !args.no_fuse,
         quiet: args.json,
+        tokenizer: args.tokenizer.clone(),
     };
     let mut loaded = model_ref::load(&args.model, options)?;
     if let Some(arg) = &args.chat_template {

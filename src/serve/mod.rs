@@ -37,7 +37,8 @@ use std::sync::Arc;
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
-    /// An artifact directory, a model.toml, a weights path or a model name (fetched on first use).
+    /// An artifact directory, a model.toml, a weights path, a model name (fetched on first use),
+    /// or a config.json or named shape (`llama3-8b`, …) run with random weights.
     pub model: String,
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
@@ -101,6 +102,11 @@ pub struct ServeArgs {
     /// or the template itself (e.g. for a base model, which has none).
     #[arg(long)]
     pub chat_template: Option<String>,
+    /// The tokenizer to use instead of the model's (vLLM's flag): a GGUF file, a
+    /// tokenizer.json, a directory holding one, or a model name such as `smollm2`; for a
+    /// config.json or named shape served with random weights.
+    #[arg(long)]
+    pub tokenizer: Option<String>,
     /// Speculative decoding by prompt lookup: draft up to N tokens a step from earlier text
     /// of the request and verify them in the same pass (0: off; overrides a model.toml's
     /// `[speculative]`). Tokens are unchanged. On the GPU, a model with recurrent state
@@ -196,6 +202,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         kv_cache_dtype: args.kv_cache_dtype,
         max_model_len: args.max_model_len,
         greedy: true,
+        tokenizer: args.tokenizer.clone(),
         ..model_ref::LoadOptions::default()
     };
     let mut loaded = model_ref::load(&args.model, options)?;
@@ -516,9 +523,13 @@ async fn listen(args: &ServeArgs, state: Arc<http::AppState>) -> Result<()> {
         .context("serving HTTP")
 }
 
-/// The model id clients send: a known model's name, or the file or directory name.
+/// The model id clients send: a known model's name or shape's, or the file or directory name
+/// (a `config.json`'s directory's).
 fn served_name(model: &str) -> String {
-    let path = std::path::Path::new(model.trim_end_matches('/'));
+    let mut path = std::path::Path::new(model.trim_end_matches('/'));
+    if path.file_name().is_some_and(|n| n == "config.json") {
+        path = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(path);
+    }
     path.file_stem()
         .map_or_else(|| model.to_string(), |s| s.to_string_lossy().into_owned())
 }

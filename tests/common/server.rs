@@ -14,10 +14,18 @@ impl Server {
     /// `bbc serve` with SmolLM2 as `smollm2` on a free port, and `extra` options.
     pub fn start(extra: &[&str]) -> Self {
         let model = super::real_model("smollm2");
+        Self::start_model(
+            model.to_str().unwrap(),
+            &[&["--served-model-name", "smollm2"], extra].concat(),
+        )
+    }
+
+    /// `bbc serve MODEL` on a free port, with `extra` options.
+    pub fn start_model(model: &str, extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_bbc"))
             .arg("serve")
-            .arg(&model)
-            .args(["--port", "0", "--served-model-name", "smollm2"])
+            .arg(model)
+            .args(["--port", "0"])
             .args(extra)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())

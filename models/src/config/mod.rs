@@ -6,6 +6,7 @@ use serde::Serialize;
 use std::path::Path;
 
 mod gguf_gemma4;
+pub mod shapes;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -787,6 +788,11 @@ impl ModelConfig {
             path: path.to_path_buf(),
             what: format!("invalid JSON: {e}"),
         })?;
+        Self::from_hf_json(json, path)
+    }
+
+    /// A `config.json` already parsed; `path` names it in errors.
+    pub fn from_hf_json(json: serde_json::Value, path: &Path) -> Result<Self> {
         let json = language_model_config(json);
         let cfg = HfConfig { json: &json, path };
         let model_type = cfg.str("model_type")?;

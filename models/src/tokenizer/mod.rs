@@ -39,6 +39,19 @@ impl Tokenizer {
         gguf::build(file)
     }
 
+    /// The tokenizer `path` holds: a GGUF file's (from its metadata), or an HF
+    /// `tokenizer.json` read with the files beside it (see [`from_hf_dir`](Self::from_hf_dir)),
+    /// or a directory holding one.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            return Self::from_hf_dir(path);
+        }
+        match path.extension().is_some_and(|e| e == "gguf") {
+            true => Self::from_gguf(&crate::gguf::GgufFile::open(path)?),
+            false => Self::from_hf_dir(path.parent().unwrap_or(Path::new("."))),
+        }
+    }
+
     /// An HF directory's `tokenizer.json`, with BOS/EOS and chat template from
     /// `tokenizer_config.json` (and `generation_config.json`'s EOS ids) when present. As
     /// transformers reads such a directory: a `chat_template.jinja` beside them is the chat
