@@ -14,10 +14,12 @@
 #      against the emulator, SmolLM2 bf16 greedy tokens against the CPU backend and both timed,
 #      CUDA graphs against kernel-by-kernel launches, the 8B-shaped matmuls, the
 #      Llama-8B-shaped decode table (run again with its prompts through the GEMV if it fails,
-#      in case the tensor-core GEMM is what failed), and last the Qwen3.5-27B-shaped hybrid's.
+#      in case the tensor-core GEMM is what failed), the Qwen3.5-27B-shaped hybrid's, and last
+#      the Llama-3-8B shape served with random weights under the InferenceX sweep (quick unless
+#      BBC_FULL_SWEEP=1; reports and charts in gpu-check-results/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-sections="kernels,smollm2,graphs,matmuls,decode,hybrid"
+sections="kernels,smollm2,graphs,matmuls,decode,hybrid,serve"
 if [ "${1:-}" = "--sections" ]; then sections="$2"; fi
 export BBC_HOME="${BBC_HOME:-$HOME/.cache/bbc}"
 target="${BBC_GPU_TARGET:-h200}"
@@ -59,7 +61,9 @@ failed=""
 for section in ${sections//,/ }; do
   echo; echo "== $section"
   started=$SECONDS
-  if "$bbc" gpu-check --target "$target" --model "$model" --sections "$section"; then
+  extra=()
+  if [ "$section" = serve ] && [ "${BBC_FULL_SWEEP:-0}" != 1 ]; then extra=(--quick); fi
+  if "$bbc" gpu-check --target "$target" --model "$model" --sections "$section" "${extra[@]}"; then
     echo "($section: $((SECONDS - started)) s; $SECONDS s since the script started)"
     continue
   fi

@@ -383,3 +383,38 @@ fn every_family_serves_random_weights_and_is_benchmarked() {
         assert_eq!(run["output_tokens"].as_u64(), Some(20), "{family}: {text}");
     }
 }
+
+/// The GPU check's serve section, run here against a CPU server: `bbc serve` started as its own
+/// process, the sweep's runs against it (quick: one wave a run), each (ISL, OSL)'s reports and
+/// chart written, the server stopped after.
+#[test]
+fn the_serve_sweep_serves_and_measures_every_run() {
+    let results = common::scratch_dir("bbc-serve-sweep-");
+    let smollm2 = common::real_model("smollm2");
+    let sweep: [(usize, usize, &[usize]); 2] = [(16, 3, &[1, 3]), (32, 2, &[2])];
+    bbc::gpu_check::serve::serve_and_sweep(
+        std::path::Path::new(env!("CARGO_BIN_EXE_bbc")),
+        &smollm2,
+        &["--served-model-name", "smollm2"],
+        &smollm2,
+        &sweep,
+        bbc::gpu_check::serve::SweepSize::Quick,
+        results.path(),
+    )
+    .unwrap();
+    for (input_len, output_len, concurrencies) in sweep {
+        let name = format!("sweep-isl{input_len}-osl{output_len}");
+        let report = std::fs::read_to_string(results.path().join(format!("{name}.json"))).unwrap();
+        let report: Value = serde_json::from_str(&report).unwrap();
+        let runs = report["runs"].as_array().unwrap();
+        let ran: Vec<u64> = runs.iter().map(|r| r["concurrency"].as_u64().unwrap()).collect();
+        assert_eq!(ran, concurrencies.iter().map(|&c| c as u64).collect::<Vec<_>>());
+        let wave = concurrencies.iter().max().unwrap().max(&2);
+        assert!(
+            runs.iter()
+                .all(|r| r["completed"].as_u64() == Some(*wave as u64) && r["input_len"] == input_len),
+            "{report}"
+        );
+        assert!(results.path().join(format!("{name}.svg")).is_file());
+    }
+}

@@ -14,7 +14,9 @@
 //! 5. a Llama-8B-shaped model with random bf16 weights: its matmuls alone (the QKV and gate/up
 //!    decode GEMVs also as the serving plan fuses them, with and without their L2 prefetch),
 //!    then whole decode steps at batch 1, 4, 16 and 64 with each kernel's share (`llama_8b`);
-//! 6. a Qwen3.5-27B-shaped hybrid the same way at batch 1 and 16 (`hybrid`).
+//! 6. a Qwen3.5-27B-shaped hybrid the same way at batch 1 and 16 (`hybrid`);
+//! 7. the Llama-3-8B shape with random weights served as `bbc serve` serves it, and the
+//!    InferenceX sweep run against it (`serve`, [`serve`]).
 //!
 //! Every section runs even when an earlier one fails (a GPU run is rare: it should say all it
 //! can); the command fails if any did.
@@ -22,6 +24,7 @@
 pub mod decode;
 pub mod kernels;
 pub mod llama_8b;
+pub mod serve;
 pub mod smollm2;
 pub mod tiny_gguf;
 
@@ -52,13 +55,20 @@ pub struct GpuCheckArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "kernels,smollm2,graphs,matmuls,decode,hybrid"
+        default_value = "kernels,smollm2,graphs,matmuls,decode,hybrid,serve"
     )]
     pub sections: Vec<Section>,
     /// Prompt rows per prefill step of the decode sections (at most 512); under 16 the
     /// prompts avoid the tensor-core GEMM, for a rerun where it failed.
     #[arg(long, default_value_t = 512)]
     pub decode_prefill_chunk: usize,
+    /// The serve section's quick form: one wave of requests a run (about 8 minutes on an
+    /// H200) instead of InferenceX's 10 × concurrency.
+    #[arg(long)]
+    pub quick: bool,
+    /// Where the serve section writes its reports (JSON) and charts (SVG).
+    #[arg(long, default_value = "gpu-check-results")]
+    pub results: PathBuf,
 }
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,6 +79,7 @@ pub enum Section {
     Matmuls,
     Decode,
     Hybrid,
+    Serve,
 }
 
 pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
@@ -120,6 +131,13 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
             Section::Matmuls => llama_8b::matmul_timings(target, arch, bandwidth).map(|table| println!("\n{table}")),
             Section::Decode => llama_8b::decode(target, arch, bandwidth, args.decode_prefill_chunk),
             Section::Hybrid => decode::hybrid(target, arch, bandwidth, args.decode_prefill_chunk),
+            Section::Serve => smollm2_weights(&args.model).and_then(|tokenizer| {
+                let size = match args.quick {
+                    true => serve::SweepSize::Quick,
+                    false => serve::SweepSize::Full,
+                };
+                serve::check(target, &tokenizer, size, &args.results)
+            }),
         };
         if let Err(e) = result {
             println!("\n{section:?} FAILED: {}", crate::report::error_report(&e));

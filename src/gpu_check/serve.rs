@@ -1,0 +1,164 @@
+//! `bbc gpu-check --sections serve`: a Llama-3-8B-shaped model with random weights (the
+//! `llama3-8b` shape, vocabulary 128 256, SmolLM2's tokenizer) compiled for the GPU, served as
+//! `bbc serve` serves it (its own process, the KV cache sized to memory), and the InferenceX
+//! sweep run against it by `bbc bench`: ISL 1 024 / OSL 1 024 at concurrency 1, 4, 16 and 64,
+//! and ISL 8 192 at 1 and 16. The full form measures 10 × C requests a run (InferenceX's); the
+//! quick one (`--quick`) one wave of C (at least 2) after a single warm-up, so the whole
+//! section fits in about 8 minutes on an H200.
+
+use crate::bench::{BenchArgs, Mode};
+use anyhow::{bail, Context, Result};
+use std::io::BufRead;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The sweep's runs: (ISL, OSL, concurrencies).
+pub const SWEEP: [(usize, usize, &[usize]); 2] = [(1024, 1024, &[1, 4, 16, 64]), (8192, 1024, &[1, 16])];
+
+/// How many requests each run sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SweepSize {
+    /// 10 × C measured, 2 × C warm-ups: InferenceX's.
+    Full,
+    /// One wave of C (at least 2) measured after one warm-up.
+    Quick,
+}
+
+/// Compile the `llama3-8b` shape for `target` (tokenizer from `tokenizer`), serve it, and run
+/// the sweep against it; the reports and charts go to `results`.
+pub fn check(target: codegen::Target, tokenizer: &Path, size: SweepSize, results: &Path) -> Result<()> {
+    let scratch = super::scratch_dir("bbc-gpu-check-serve-")?;
+    let artifact = scratch.path().join("llama3-8b");
+    let started = Instant::now();
+    crate::commands::compile::compile(&crate::commands::compile::CompileArgs {
+        model: "llama3-8b",
+        target: target.name(),
+        output: &artifact,
+        emit: None,
+        emit_after: None,
+        verify: false,
+        tokenizer: tokenizer.to_str(),
+    })?;
+    println!(
+        "compiled the llama3-8b shape in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let bbc = std::env::current_exe().context("finding the bbc binary")?;
+    serve_and_sweep(&bbc, &artifact, &[], tokenizer, &SWEEP, size, results)
+}
+
+/// Serve `model` with the `bbc` binary at `bbc` (and `serve_args`), run `sweep` against it
+/// with `tokenizer`'s prompts, and stop the server; each (ISL, OSL)'s runs written to
+/// `results` as JSON and SVG.
+pub fn serve_and_sweep(
+    bbc: &Path,
+    model: &Path,
+    serve_args: &[&str],
+    tokenizer: &Path,
+    sweep: &[(usize, usize, &[usize])],
+    size: SweepSize,
+    results: &Path,
+) -> Result<()> {
+    std::fs::create_dir_all(results).with_context(|| format!("creating {}", results.display()))?;
+    let started = Instant::now();
+    let server = ServerProcess::start(bbc, model, serve_args)?;
+    println!(
+        "serving {} at {} after {:.1} s (from starting the server to its first answerable request)",
+        model.display(),
+        server.address,
+        started.elapsed().as_secs_f64()
+    );
+    for &(input_len, output_len, concurrencies) in sweep {
+        let name = format!("sweep-isl{input_len}-osl{output_len}");
+        let (num_prompts, warmups) = match size {
+            SweepSize::Full => (None, None),
+            SweepSize::Quick => (Some(concurrencies.iter().copied().max().unwrap_or(1).max(2)), Some(1)),
+        };
+        let args = BenchArgs {
+            url: format!("http://{}", server.address),
+            model: None,
+            tokenizer: Some(tokenizer.display().to_string()),
+            endpoint: "completions".into(),
+            mode: Mode::Sweep,
+            input_len: vec![input_len],
+            output_len: vec![output_len],
+            range_ratio: 0.8,
+            concurrency: concurrencies.to_vec(),
+            num_prompts,
+            warmups,
+            request_rate: None,
+            duration: 60.0,
+            burst_size: 16,
+            bursts: 4,
+            burst_interval: 10.0,
+            api_key: None,
+            seed: None,
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            json: Some(results.join(format!("{name}.json"))),
+            plot: Some(results.join(format!("{name}.svg"))),
+        };
+        let run = Instant::now();
+        crate::bench::bench(&args)?;
+        println!("({name}: {:.0} s)", run.elapsed().as_secs_f64());
+    }
+    Ok(())
+}
+
+/// `bbc serve` as a child process on a free port, stopped when dropped.
+struct ServerProcess {
+    child: Child,
+    address: String,
+}
+
+impl ServerProcess {
+    /// Start it and wait (at most 10 minutes: an 8B model's weights are made and uploaded
+    /// first) until it listens; its output goes on to this process's stderr.
+    fn start(bbc: &Path, model: &Path, extra: &[&str]) -> Result<Self> {
+        let mut child = Command::new(bbc)
+            .arg("serve")
+            .arg(model)
+            .args(["--port", "0"])
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting bbc serve")?;
+        let stderr = child.stderr.take().context("the server's stderr")?;
+        let mut lines = std::io::BufReader::new(stderr).lines();
+        let (sender, receiver) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut sent = false;
+            for line in lines.by_ref().map_while(|l| l.ok()) {
+                eprintln!("  server: {line}");
+                if !sent {
+                    if let Some((_, address)) = line.trim().rsplit_once("http://") {
+                        let _ = sender.send(address.to_string());
+                        sent = true;
+                    }
+                }
+            }
+        });
+        let mut server = Self {
+            child,
+            address: String::new(),
+        };
+        match receiver.recv_timeout(Duration::from_secs(600)) {
+            Ok(address) => server.address = address,
+            Err(_) => match server.child.try_wait()? {
+                Some(status) => bail!("bbc serve exited ({status}) before listening"),
+                None => bail!("bbc serve did not listen within 10 minutes"),
+            },
+        }
+        Ok(server)
+    }
+}
+
+impl Drop for ServerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
