@@ -106,7 +106,7 @@ fn main() {
     };
     let graph = models::lower_without_weights(&config, options).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    runtime::generated::write_checkpoint(&graph, 7, &dir.path().join("model.safetensors")).unwrap();
+    runtime::random_weights::write_checkpoint(&graph, 7, &dir.path().join("model.safetensors")).unwrap();
     let weights = WeightSource::open_safetensors(dir.path()).unwrap();
     let graph = passes::optimized(&graph, passes::CostModel::CPU).unwrap();
     let mut backend = CpuBackend::new(graph, &weights, config.context_length).unwrap();

@@ -100,7 +100,7 @@ fn main() {
         models::lower_without_weights(&config, options).unwrap()
     };
     let sampled_rows = lower(LogitsFor::LastToken);
-    runtime::generated::write_checkpoint(&sampled_rows, 7, &dir.path().join("model.safetensors")).unwrap();
+    runtime::random_weights::write_checkpoint(&sampled_rows, 7, &dir.path().join("model.safetensors")).unwrap();
     let weights = WeightSource::open_safetensors(dir.path()).unwrap();
     let backend = |graph: ir::Graph| {
         let graph = passes::optimized(&graph, passes::CostModel::CPU).unwrap();

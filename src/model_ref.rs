@@ -82,7 +82,7 @@ fn write_shape(name: &str, config: &serde_json::Value) -> Result<PathBuf> {
 }
 
 /// Open what `spec` names: its weights, or, for a shape, random weights made here from its
-/// seed (bf16 matrices, f32 vectors; see `runtime::generated`).
+/// seed (bf16 matrices, f32 vectors; see `runtime::random_weights`).
 fn open_model(spec: ModelSpec) -> Result<Model> {
     let Some(seed) = spec.random_weights else {
         return Ok(Model::open(spec)?);
@@ -102,7 +102,7 @@ fn open_model(spec: ModelSpec) -> Result<Model> {
         kv_cache: spec.kv_cache_dtype,
     };
     let skeleton = models::lower_without_weights(&config, options)?;
-    let weights = runtime::generated::host_weights(&skeleton, seed);
+    let weights = runtime::random_weights::host_weights(&skeleton, seed);
     // A tokenizer given, else one beside the config (an HF directory without weights).
     let beside = spec.weights.with_file_name("tokenizer.json");
     let tokenizer = match (&spec.tokenizer, beside.is_file()) {

@@ -17,7 +17,7 @@ use common::fixture;
 use common::hf_reference::Reference;
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use runtime::compare::CompareDevice;
-use runtime::emulated::{EmulatedBackend, EmulatedDevice};
+use runtime::emulator_device::{EmulatorBackend, EmulatorDevice};
 use runtime::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
 use runtime::serving::SchedulerConfig;
 use runtime::CpuBackend;
@@ -112,7 +112,7 @@ fn check_within(
         };
         assert_eq!(special, expected, "{family} on {}", target.name());
     }
-    let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], context).unwrap();
+    let gpu = EmulatorBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], context).unwrap();
     let reference_graph = reference.lower(LogitsFor::LastToken).unwrap();
     let cpu_graph = passes::optimized(&reference_graph, passes::CostModel::CPU).unwrap();
     let cpu = CpuBackend::new(cpu_graph, &reference.weights, context).unwrap();
@@ -235,7 +235,7 @@ fn check_plan_against_hf(reference: &Reference, name: &str, target: Target, chun
         sequences: 1,
     };
     let (plan, kernels) = gpu::build_batched(&gpu_graph, target, chunk, cache).unwrap();
-    let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], positions).unwrap();
+    let gpu = EmulatorBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], positions).unwrap();
     // Blocks in reverse, so a position's block is never its index's.
     let table: Vec<BlockId> = (0..cache.blocks as u32).rev().map(BlockId).collect();
     let step = |start: usize, ids: &[u32]| -> Vec<f32> {
@@ -503,7 +503,7 @@ fn check_greedy(family: &str, target: Target) {
     );
     let int8 = codegen::int8_heads(&greedy, &model.weights).unwrap();
     let (plan, kernels) = gpu::build_with_kernels(&greedy, target, 64).unwrap();
-    let gpu = EmulatedBackend::emulated(plan, kernels, greedy, &model.weights, &int8, context).unwrap();
+    let gpu = EmulatorBackend::emulated(plan, kernels, greedy, &model.weights, &int8, context).unwrap();
     let logits = model.lower(LogitsFor::LastToken).unwrap();
     let cpu = CpuBackend::new(logits, &model.weights, context).unwrap();
     for prompt_len in [PREFILL_TOKENS + 2, 3] {
@@ -538,7 +538,7 @@ fn greedy_plans_with_the_int8_head_pick_the_exact_argmax() {
 /// of its last buffer argument (the output): a stand-in for a GPU kernel that is wrong; and
 /// that it refuses allocations over `largest_alloc` bytes, as a device short of memory does.
 struct FaultyDevice {
-    device: EmulatedDevice,
+    device: EmulatorDevice,
     kernel: String,
     largest_alloc: usize,
 }
@@ -595,11 +595,11 @@ fn the_lockstep_comparison_names_exactly_the_wrong_kernel() {
         .kernel
         .clone();
     let test = FaultyDevice {
-        device: EmulatedDevice::new(kernels.clone()),
+        device: EmulatorDevice::new(kernels.clone()),
         kernel: wrong.clone(),
         largest_alloc: usize::MAX,
     };
-    let device = CompareDevice::new(test, EmulatedDevice::new(kernels.clone()), &kernels);
+    let device = CompareDevice::new(test, EmulatorDevice::new(kernels.clone()), &kernels);
     let gpu = PlanExecutor::new(device, plan.clone(), graph, &model.weights, &[], 64).unwrap();
     let mut seq = gpu.new_sequence();
     for ids in [vec![5u32, 9, 200, 17, 3], vec![42]] {
@@ -661,10 +661,10 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
             sequences: 8,
         };
         let (plan, kernels) = gpu::build_batched(&gpu_graph, Target::H200, 32, cache).unwrap();
-        let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64).unwrap();
+        let gpu = EmulatorBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64).unwrap();
         let last_graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
         let (plan, kernels) = gpu::build_batched(&last_graph, Target::H200, 32, cache).unwrap();
-        let per_sequence = EmulatedBackend::emulated(plan, kernels, last_graph, &model.weights, &[], 64).unwrap();
+        let per_sequence = EmulatorBackend::emulated(plan, kernels, last_graph, &model.weights, &[], 64).unwrap();
         let cpu = CpuBackend::new(graph, &model.weights, 64).unwrap();
         let mut pages = cpu.new_pages(cache.block_size);
         let tables = [
@@ -907,7 +907,7 @@ fn processed_logits_keep_greedy_requests_off_the_plans_argmax() {
     let mut on_cpu = ServingEngine::new(CpuBackend::new(graph, &model.weights, 64).unwrap(), config);
     let (plain, want) = (run(&mut on_cpu, &prompts, Vec::new), run(&mut on_cpu, &prompts, bias));
     assert_ne!(plain, want, "the bias changes some token");
-    let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+    let gpu = EmulatorBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
         .unwrap()
         .capture_graphs_up_to(config.max_running);
     let mut on_gpu = ServingEngine::new(Counted::new(gpu), config);
@@ -948,7 +948,7 @@ fn batched_plans_score_prompts_like_the_cpu_backend() {
         let prompt: Vec<u32> = (0..19u32).map(|j| (17 + 41 * j) % 300).collect();
         let cpu = CpuBackend::new(model.lower(LogitsFor::AllTokens).unwrap(), &model.weights, 64).unwrap();
         let want = scores(&mut ServingEngine::new(cpu, config), &prompt);
-        let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+        let gpu = EmulatorBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
             .unwrap()
             .capture_graphs_up_to(config.max_running);
         let mut on_gpu = ServingEngine::new(Counted::new(gpu), config);
@@ -997,7 +997,7 @@ fn the_serving_engine_runs_hybrid_and_moe_plans_like_the_cpu_backend() {
         let plain = runtime::SamplingParams::default();
         let cpu = CpuBackend::new(graph, &model.weights, 64).unwrap();
         let want = serve_all(&mut ServingEngine::new(cpu, config), &prompts, plain);
-        let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+        let gpu = EmulatorBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
             .unwrap()
             .capture_graphs_up_to(config.max_running);
         let mut on_gpu = ServingEngine::new(Counted::new(gpu), config);
@@ -1036,7 +1036,7 @@ fn hybrid_plans_start_shared_prefixes_from_state_snapshots_like_the_cpu_backend(
         let cpu = CpuBackend::new(graph, &model.weights, 64).unwrap();
         let mut on_cpu = ServingEngine::new(cpu, config);
         let (want, _) = serve_first_then_rest(&mut on_cpu, &prompts).unwrap();
-        let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+        let gpu = EmulatorBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
             .unwrap()
             .capture_graphs_up_to(config.max_running)
             .keep_state_snapshots(6)
@@ -1112,7 +1112,7 @@ fn recurrent_state_slots_are_checked_per_step() {
     // A device without the memory for the checkpoints: the error says what they were for.
     let state_bytes = plan.recurrent_states.iter().map(|l| l.len * 4).max().unwrap();
     let device = FaultyDevice {
-        device: EmulatedDevice::new(kernels.clone()),
+        device: EmulatorDevice::new(kernels.clone()),
         kernel: String::new(),
         largest_alloc: usize::MAX,
     };
@@ -1218,7 +1218,7 @@ fn forced_drafts_on_batched_plans_stay_within_what_they_verify() {
     let llama = open("llama", ComputeDtype::F32);
     let config = serving_config(32, 64);
     let (graph, plan, kernels) = serving_plan(&llama, &config, config.max_running);
-    let gpu = EmulatedBackend::emulated(plan, kernels, graph, &llama.weights, &[], 64).unwrap();
+    let gpu = EmulatorBackend::emulated(plan, kernels, graph, &llama.weights, &[], 64).unwrap();
     let prompts: Vec<Vec<u32>> = (0..3u32)
         .map(|i| (0..9).map(|j| 30 + 5 * i + 3 * j).collect())
         .collect();
@@ -1234,7 +1234,7 @@ fn forced_drafts_on_batched_plans_stay_within_what_they_verify() {
         ..check::hybrid_serving(check::DRAFTING)
     };
     let (graph, plan, kernels) = serving_plan(&qwen, &config, config.max_running);
-    let gpu = EmulatedBackend::emulated(plan, kernels, graph, &qwen.weights, &[], 64)
+    let gpu = EmulatorBackend::emulated(plan, kernels, graph, &qwen.weights, &[], 64)
         .unwrap()
         .verify_drafts_up_to(2)
         .unwrap();
@@ -1295,7 +1295,7 @@ fn a_rewound_state_on_the_device_continues_like_one_that_never_saw_the_refused_d
     for family in ["qwen3_5", "qwen3_next"] {
         let model = open(family, ComputeDtype::F32);
         let (gpu_graph, plan, kernels) = serving_plan(&model, &serving_config(32, 16), 2);
-        let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+        let gpu = EmulatorBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
             .unwrap()
             .verify_drafts_up_to(3)
             .unwrap();
@@ -1353,7 +1353,7 @@ fn speculative_decoding_keeps_every_token(family: &str) {
         .collect();
     let cpu = CpuBackend::new(graph, &model.weights, 64).unwrap();
     let want = greedy_tokens(&mut ServingEngine::new(cpu, plain), &prompts, 12);
-    let gpu = EmulatedBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
+    let gpu = EmulatorBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 64)
         .unwrap()
         .capture_graphs_up_to(32);
     let mut on_gpu = ServingEngine::new(Counted::new(gpu), speculative);
@@ -1423,8 +1423,8 @@ fn emulated_serving(
     graph: &ir::Graph,
     plan: &gpu::GpuPlan,
     kernels: &[kernels_gen::dsl::Kernel],
-) -> EmulatedBackend {
-    EmulatedBackend::emulated(plan.clone(), kernels.to_vec(), graph.clone(), &model.weights, &[], 64).unwrap()
+) -> EmulatorBackend {
+    EmulatorBackend::emulated(plan.clone(), kernels.to_vec(), graph.clone(), &model.weights, &[], 64).unwrap()
 }
 
 /// The serving plan `bbc compile` writes for `model` (each sequence's sampled rows gathered
@@ -1545,7 +1545,7 @@ fn batched_steps_replayed_as_graphs_match_launching_kernel_by_kernel() {
         sequences: 8,
     };
     let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
-    let build = || EmulatedBackend::emulated(plan.clone(), kernels.clone(), graph.clone(), &model.weights, &[], 64);
+    let build = || EmulatorBackend::emulated(plan.clone(), kernels.clone(), graph.clone(), &model.weights, &[], 64);
     let (eager, graphs) = (build().unwrap(), build().unwrap().capture_graphs_up_to(2));
     let tables = [
         [BlockId(3), BlockId(0), BlockId(6)],
@@ -1590,14 +1590,14 @@ fn serve_all<B: runtime::serving::PagedBackend>(
 }
 
 /// Weights made on the device (`PlanExecutor::with_generated_weights`, for models lowered
-/// without weights: the GPU check's 8B-shaped decode) are the values `runtime::generated`
+/// without weights: the GPU check's 8B-shaped decode) are the values `runtime::random_weights`
 /// gives on the host: a batched plan on them computes bit for bit what it computes on those
 /// values written to a safetensors file and uploaded. A profiled step times every launch and
 /// counts the weights each reads: every matrix once per step, one table row per token.
 #[test]
 fn weights_made_on_the_device_equal_their_host_values_uploaded() {
-    use runtime::generated::fill_kernels;
     use runtime::kv::BlockId;
+    use runtime::random_weights::fill_kernels;
     let llama = fixture("hf-tiny/llama");
     let config = open("llama", ComputeDtype::Bf16).config;
     let options = models::LowerOptions {
@@ -1611,7 +1611,7 @@ fn weights_made_on_the_device_equal_their_host_values_uploaded() {
     let scratch = tempfile::Builder::new().prefix("bbc-generated-").tempdir().unwrap();
     let dir = scratch.path();
     std::fs::copy(llama.join("config.json"), dir.join("config.json")).unwrap();
-    runtime::generated::write_checkpoint(&graph, seed, &dir.join("model.safetensors")).unwrap();
+    runtime::random_weights::write_checkpoint(&graph, seed, &dir.join("model.safetensors")).unwrap();
     let written = open_at(dir, ComputeDtype::Bf16);
     drop(scratch);
 
@@ -1621,9 +1621,9 @@ fn weights_made_on_the_device_equal_their_host_values_uploaded() {
         sequences: 8,
     };
     let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
-    let device = EmulatedDevice::new(kernels.iter().cloned().chain(fill_kernels()).collect());
+    let device = EmulatorDevice::new(kernels.iter().cloned().chain(fill_kernels()).collect());
     let generated = PlanExecutor::with_generated_weights(device, plan.clone(), graph.clone(), seed, 64).unwrap();
-    let uploaded = EmulatedBackend::emulated(plan.clone(), kernels, graph.clone(), &written.weights, &[], 64).unwrap();
+    let uploaded = EmulatorBackend::emulated(plan.clone(), kernels, graph.clone(), &written.weights, &[], 64).unwrap();
     let tables = [
         [BlockId(3), BlockId(0), BlockId(6)],
         [BlockId(5), BlockId(1), BlockId(2)],
@@ -1725,7 +1725,12 @@ fn decode_timing_runs(family: &str) {
         sequences: run.sequences(),
     };
     let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
-    let device = EmulatedDevice::new(kernels.into_iter().chain(runtime::generated::fill_kernels()).collect());
+    let device = EmulatorDevice::new(
+        kernels
+            .into_iter()
+            .chain(runtime::random_weights::fill_kernels())
+            .collect(),
+    );
     let exec = PlanExecutor::with_generated_weights(device, plan, graph.clone(), 1, 64)
         .unwrap()
         .capture_graphs_up_to(3);
@@ -1773,7 +1778,12 @@ fn decode_timing_runs(family: &str) {
         sequences: verifying.sequences(),
     };
     let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
-    let device = EmulatedDevice::new(kernels.into_iter().chain(runtime::generated::fill_kernels()).collect());
+    let device = EmulatorDevice::new(
+        kernels
+            .into_iter()
+            .chain(runtime::random_weights::fill_kernels())
+            .collect(),
+    );
     let exec = PlanExecutor::with_generated_weights(device, plan, graph, 1, 64)
         .unwrap()
         .capture_graphs_up_to(9)
@@ -1812,7 +1822,7 @@ fn a_kv_pool_sized_by_memory_takes_the_share_the_model_leaves() {
     let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
     let capacity = 1 << 30;
     let load = |capacity: usize| {
-        let device = EmulatedDevice::new(kernels.clone()).with_memory(capacity);
+        let device = EmulatorDevice::new(kernels.clone()).with_memory(capacity);
         PlanExecutor::new(device, plan.clone(), graph.clone(), &model.weights, &[], 64).unwrap()
     };
     let executor = load(capacity).size_kv_pool(0.75).unwrap();
@@ -1876,7 +1886,7 @@ fn a_kv_pool_past_32_bit_indices_is_refused() {
         sequences: 1,
     };
     let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
-    let err = EmulatedBackend::emulated(plan, kernels, graph, &model.weights, &[], 64)
+    let err = EmulatorBackend::emulated(plan, kernels, graph, &model.weights, &[], 64)
         .err()
         .expect("refused")
         .to_string();
@@ -1894,7 +1904,7 @@ fn a_plan_whose_launches_do_not_resolve_is_refused_at_load() {
     let refused = |mutate: &dyn Fn(&mut gpu::GpuPlan)| {
         let mut plan = plan.clone();
         mutate(&mut plan);
-        EmulatedBackend::emulated(plan, kernels.clone(), graph.clone(), &model.weights, &[], 64)
+        EmulatorBackend::emulated(plan, kernels.clone(), graph.clone(), &model.weights, &[], 64)
             .err()
             .expect("refused")
             .to_string()
@@ -1920,5 +1930,5 @@ fn a_plan_whose_launches_do_not_resolve_is_refused_at_load() {
     });
     assert!(err.contains("arguments for its"), "{err}");
     // The plan as built loads.
-    assert!(EmulatedBackend::emulated(plan, kernels, graph, &model.weights, &[], 64).is_ok());
+    assert!(EmulatorBackend::emulated(plan, kernels, graph, &model.weights, &[], 64).is_ok());
 }

@@ -5,15 +5,15 @@ pub mod compare;
 pub mod cpu;
 pub mod cuda;
 pub mod decode_timing;
-pub mod emulated;
+pub mod emulator_device;
 pub mod error;
 pub mod generate;
-pub mod generated;
 pub mod kv;
 pub mod kv_sizing;
 pub mod logits_processor;
 pub mod logprobs;
 pub mod plan_exec;
+pub mod random_weights;
 pub mod sampling;
 pub mod serving;
 

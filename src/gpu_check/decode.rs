@@ -38,7 +38,10 @@ pub(super) fn serving_executor(
     };
     let started = std::time::Instant::now();
     let (plan, kernels) = gpu::build_batched(&graph, target, 512, cache)?;
-    let kernels: Vec<Kernel> = kernels.into_iter().chain(runtime::generated::fill_kernels()).collect();
+    let kernels: Vec<Kernel> = kernels
+        .into_iter()
+        .chain(runtime::random_weights::fill_kernels())
+        .collect();
     let device = CudaDevice::compile(&kernels, arch)?;
     let exec = PlanExecutor::with_generated_weights(device, plan, graph, 8, 1024)?
         .capture_graphs_up_to(64)

@@ -11,7 +11,7 @@ use codegen::Target;
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use runtime::compare::CompareDevice;
 use runtime::cuda::CudaDevice;
-use runtime::emulated::EmulatedDevice;
+use runtime::emulator_device::EmulatorDevice;
 use runtime::plan_exec::PlanExecutor;
 use runtime::serving::SchedulerConfig;
 use std::path::Path;
@@ -84,7 +84,7 @@ fn lockstep(name: &str, model: &Model, target: Target, arch: &str) -> Result<f64
     let (plan, kernels) = gpu::build_with_kernels(&graph, target, 64)?;
     let device = CompareDevice::new(
         CudaDevice::compile(&kernels, arch)?,
-        EmulatedDevice::new(kernels.clone()),
+        EmulatorDevice::new(kernels.clone()),
         &kernels,
     );
     let exec = PlanExecutor::new(device, plan, graph, &model.weights, &[], 256)?;

@@ -12,8 +12,8 @@ use kernels_gen::templates::gemv::{self, gemv, GemvSpec, NormPrologue};
 use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::{prefill_gemm, split_k};
 use runtime::cuda::CudaDevice;
-use runtime::generated::{fill_kernels, fill_on_device, Fill};
 use runtime::plan_exec::{DeviceArg, PlanDevice};
+use runtime::random_weights::{fill_kernels, fill_on_device, Fill};
 
 /// Whole decode steps of a Llama-8B-shaped model with bf16 weights made on the device: the
 /// serving plan `bbc compile` writes for `target`, run as `bbc serve` runs it; batch 1 also

@@ -3,8 +3,8 @@
 //! parts' events streamed as named server-sent events. Each format says what a part looks
 //! like ([`PartSink`]) and how its stream begins, ends and fails ([`EventSink`]).
 
+use super::completions_output;
 use super::generation::{Generation, Output};
-use super::response;
 use super::tools::{ToolCall, ToolCalling};
 use axum::response::sse::{Event as SseEvent, Sse};
 use serde_json::Value;
@@ -126,9 +126,11 @@ impl PartRouter {
                             // A piece that also ends the reasoning carries the tokens of both:
                             // they go with its answer's text.
                             let logprobs = match g.info.logprobs {
-                                Some(alternatives) => {
-                                    response::logprob_content(g, alternatives, &response::generated_entries(logprobs))
-                                }
+                                Some(alternatives) => completions_output::logprob_content(
+                                    g,
+                                    alternatives,
+                                    &completions_output::generated_entries(logprobs),
+                                ),
                                 None => Vec::new(),
                             };
                             self.open_for(sink, Part::Text);

@@ -5,9 +5,9 @@
 //! from the answer's parts (`answer_parts`); and errors in Anthropic's shape.
 
 use super::answer_parts::{self, EventSink, Part, PartRouter, PartSink};
+use super::completions_output::json_response;
 use super::error::ApiError;
 use super::generation::Generation;
-use super::response::json_response;
 use super::tools::fresh_id;
 use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, Sse};

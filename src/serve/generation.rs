@@ -2,7 +2,7 @@
 //! choice (a request with `n` > 1 runs `n` sequences) the text pieces (a chat answer's split
 //! from its reasoning where the model marks it, and its tool calls parsed out where the
 //! model may make them), the log-probabilities of the tokens behind them, and how each
-//! choice finished. Formatting is `response`'s job.
+//! choice finished. Formatting is `completions_output`'s job.
 
 use super::http::AppState;
 use super::reasoning::{Markers, ReasoningSplit, Split};

@@ -1,14 +1,15 @@
 //! The HTTP surface: routes, authentication, and admitting a request: validate, tokenize,
 //! check its length and submit its sequences to the engine thread. What happens next is
-//! `generation`'s (events to outputs) and `response`'s (outputs to OpenAI's format).
+//! `generation`'s (events to outputs) and `completions_output`'s (outputs to OpenAI's
+//! completions and chat formats).
 
+use super::completions_output::{self, json_response, unix_time};
 use super::error::ApiError;
 use super::generation::{Generation, PromptReport, RequestInfo, RequestPrompt};
 use super::logits::Processing;
 use super::metrics::Metrics;
 use super::reasoning::Markers;
 use super::request::{self, ChatEnding, Endpoint, GenerationRequest, PromptInput};
-use super::response::{self, json_response, unix_time};
 use super::structured::LazyStructuredOutputs;
 use super::tool_parser::CallFormat;
 use super::tools::ToolCalling;
@@ -150,8 +151,8 @@ async fn anthropic_count_tokens(State(app): State<Arc<AppState>>, headers: Heade
 
 async fn answer(app: Arc<AppState>, headers: HeaderMap, body: Bytes, endpoint: Endpoint) -> Response {
     let response = match start(&app, &headers, &body, endpoint).await {
-        Ok(generation) if generation.info.stream => response::stream(generation).into_response(),
-        Ok(generation) => response::complete(generation).await,
+        Ok(generation) if generation.info.stream => completions_output::stream(generation).into_response(),
+        Ok(generation) => completions_output::complete(generation).await,
         Err(e) => e.into_response(),
     };
     app.metrics.count_request(response.status().as_u16());

@@ -1,11 +1,12 @@
 //! `bbc serve MODEL`: an OpenAI-compatible HTTP server over the continuous-batching engine.
 //! One thread owns the engine (`worker`); axum handlers (`http`) parse (`request`) and admit a
 //! request, follow its sequences (`generation`, detokenizing with `text`) and answer in OpenAI's
-//! format (`response`), reporting through `metrics` and `error`.
+//! format (`completions_output`), reporting through `metrics` and `error`.
 
 mod answer_parts;
 mod anthropic_output;
 mod anthropic_request;
+mod completions_output;
 mod draft;
 mod error;
 mod generation;
@@ -17,7 +18,6 @@ mod metrics;
 mod output_spec;
 mod reasoning;
 mod request;
-mod response;
 mod responses_output;
 mod responses_request;
 pub(crate) mod special_tokens;

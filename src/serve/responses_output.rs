@@ -5,9 +5,9 @@
 //! builder turns the answer's parts (`answer_parts`) into items and events for both.
 
 use super::answer_parts::{self, EventSink, Part, PartRouter, PartSink};
+use super::completions_output::{json_response, unix_time};
 use super::error::ApiError;
 use super::generation::Generation;
-use super::response::{json_response, unix_time};
 use super::tools::fresh_id;
 use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, Sse};

@@ -7,7 +7,7 @@
 //! rows of many sequences over a paged pool, with the scheduler's block tables (`step_batch`).
 //!
 //! The device ([`PlanDevice`]) owns memory and launches kernels: CUDA through cudarc
-//! (`crate::cuda`), or the kernels-gen emulator (`crate::emulated`), which runs the very same
+//! (`crate::cuda`), or the kernels-gen emulator (`crate::emulator_device`), which runs the very same
 //! plan on the CPU, so everything above the kernels is tested without a GPU.
 //!
 //! This file: the device interface, loading a plan, one-sequence steps. `batched`: batched
@@ -113,7 +113,7 @@ pub enum DeviceArg<'a, B> {
 pub enum PlanWeights<'a> {
     /// The model's tensors, converted on the host to the plan's dtypes and uploaded.
     Host(&'a WeightSource),
-    /// Made on the device by the fill kernels (see [`crate::generated`]) from this seed: for
+    /// Made on the device by the fill kernels (see [`crate::random_weights`]) from this seed: for
     /// models lowered without weights.
     Generated { seed: u32 },
 }
@@ -213,7 +213,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
     }
 
     /// Like [`new`](Self::new) for a graph lowered without weights: each weight is made on
-    /// the device from `seed` (the device must have loaded [`crate::generated::fill_kernels`]).
+    /// the device from `seed` (the device must have loaded [`crate::random_weights::fill_kernels`]).
     pub fn with_generated_weights(
         device: D,
         plan: GpuPlan,
@@ -269,7 +269,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
                     let bytes = weight_bytes(w.dtype, &w.parts, source)?;
                     (device.upload(&bytes)?, bytes.len())
                 }
-                PlanWeights::Generated { seed } => crate::generated::make_weight(&mut device, &graph, w, seed)?,
+                PlanWeights::Generated { seed } => crate::random_weights::make_weight(&mut device, &graph, w, seed)?,
             };
             held.insert(BufferKey::Weight(w.node), weight);
         }

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 /// Device memory and the plan's kernels as DSL programs.
-pub struct EmulatedDevice {
+pub struct EmulatorDevice {
     kernels: HashMap<String, Kernel>,
     memory: Vec<Vec<u8>>,
     /// Graphs as CUDA keeps them: launches recorded during a capture, by key.
@@ -43,7 +43,7 @@ enum RecordedArg {
     F32(f32),
 }
 
-impl EmulatedDevice {
+impl EmulatorDevice {
     /// `kernels` are the DSL programs of the plan's kernels (same names).
     pub fn new(kernels: Vec<Kernel>) -> Self {
         Self {
@@ -129,7 +129,7 @@ fn fault(e: impl std::fmt::Display) -> RuntimeError {
     RuntimeError::Cuda(format!("emulated launch: {e}"))
 }
 
-impl PlanDevice for EmulatedDevice {
+impl PlanDevice for EmulatorDevice {
     /// An index into the device's memory.
     type Buffer = usize;
 
@@ -283,9 +283,9 @@ fn check_no_aliased_writes(kernel: &str, k: &Kernel, args: &[DeviceArg<'_, usize
 }
 
 /// A GPU plan run by the emulator.
-pub type EmulatedBackend = PlanExecutor<EmulatedDevice>;
+pub type EmulatorBackend = PlanExecutor<EmulatorDevice>;
 
-impl EmulatedBackend {
+impl EmulatorBackend {
     /// `plan` and its DSL `kernels` (from `codegen::gpu::build_with_kernels`) for `graph`.
     pub fn emulated(
         plan: GpuPlan,
@@ -295,6 +295,6 @@ impl EmulatedBackend {
         int8: &[(String, Int8Rows)],
         context_length: usize,
     ) -> Result<Self> {
-        PlanExecutor::new(EmulatedDevice::new(kernels), plan, graph, weights, int8, context_length)
+        PlanExecutor::new(EmulatorDevice::new(kernels), plan, graph, weights, int8, context_length)
     }
 }

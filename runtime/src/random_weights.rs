@@ -1,8 +1,9 @@
-//! Weights made on the device, for models that have none (`models::lower_without_weights`):
-//! the GPU check's Llama-8B-shaped decode would otherwise make 16 GB on the host and copy it.
-//! Each tensor is filled by `fill_uniform` with a seed of its own (the run's seed and its
-//! name), so its values do not depend on how the plan stacks tensors; [`host_values`] gives
-//! the same values on the host, for tests that hold the weights the device made.
+//! Random weights for models that have none (a shape run as vLLM's `--load-format dummy` runs
+//! one, `models::lower_without_weights`): made on the device by `fill_uniform` (the GPU
+//! check's 8B-shaped decode would otherwise make 16 GB on the host and copy it), or the same
+//! values on the host ([`host_values`], [`host_weights`]). Each tensor is filled with a seed of
+//! its own (the run's seed and its name), so its values do not depend on how a plan stacks
+//! tensors.
 //!
 //! Values: matrices uniform in ±1/√cols (activations keep their scale through a matmul), vectors
 //! (norm gains) uniform in 1 ± 0.1.
