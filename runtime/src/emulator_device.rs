@@ -9,7 +9,7 @@
 
 use crate::error::{Result, RuntimeError};
 use crate::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
-use codegen::gpu::GpuPlan;
+use gpu_plan::GpuPlan;
 use ir::Graph;
 use kernels_gen::dsl::{Kernel, Param};
 use kernels_gen::emulator::{self, Array, Scalar};
@@ -286,7 +286,7 @@ fn check_no_aliased_writes(kernel: &str, k: &Kernel, args: &[DeviceArg<'_, usize
 pub type EmulatorBackend = PlanExecutor<EmulatorDevice>;
 
 impl EmulatorBackend {
-    /// `plan` and its DSL `kernels` (from `codegen::gpu::build_with_kernels`) for `graph`.
+    /// `plan` and its DSL `kernels` (from `gpu_plan::build_with_kernels`) for `graph`.
     pub fn emulated(
         plan: GpuPlan,
         kernels: Vec<Kernel>,

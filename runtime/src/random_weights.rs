@@ -129,7 +129,7 @@ pub fn write_checkpoint(graph: &Graph, seed: u32, path: &std::path::Path) -> Res
 pub(crate) fn make_weight<D: PlanDevice>(
     device: &mut D,
     graph: &Graph,
-    w: &codegen::gpu::WeightUse,
+    w: &gpu_plan::WeightUse,
     seed: u32,
 ) -> Result<(D::Buffer, usize)> {
     let ty = match w.dtype {
@@ -145,7 +145,7 @@ pub(crate) fn make_weight<D: PlanDevice>(
     let buffer = device.alloc(elements * width)?;
     let mut at = 0;
     for part in &w.parts {
-        let codegen::gpu::WeightPart::Whole(name) = part else {
+        let gpu_plan::WeightPart::Whole(name) = part else {
             return Err(RuntimeError::Weight(format!(
                 "{part}: weights made on the device are whole tensors, not regrouped rows"
             )));

@@ -42,7 +42,7 @@ pub(super) fn serving_executor(
         .into_iter()
         .chain(runtime::random_weights::fill_kernels())
         .collect();
-    let device = CudaDevice::compile(&kernels, arch)?;
+    let device = super::compile_device(&kernels, arch)?;
     let exec = PlanExecutor::with_generated_weights(device, plan, graph, 8, 1024)?
         .capture_graphs_up_to(64)
         .verify_drafts_up_to(run.drafts)?;

@@ -83,7 +83,7 @@ fn lockstep(name: &str, model: &Model, target: Target, arch: &str) -> Result<f64
     let graph = passes::optimized(&graph, crate::model_ref::cost_model(target))?;
     let (plan, kernels) = gpu::build_with_kernels(&graph, target, 64)?;
     let device = CompareDevice::new(
-        CudaDevice::compile(&kernels, arch)?,
+        super::compile_device(&kernels, arch)?,
         EmulatorDevice::new(kernels.clone()),
         &kernels,
     );
@@ -129,7 +129,7 @@ pub fn graph_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
     };
     let (plan, kernels) = gpu::build_batched(&graph, target, 64, cache)?;
     let executor = |graph_rows: usize, programmatic: bool| -> Result<PlanExecutor<CudaDevice>> {
-        let mut device = CudaDevice::compile(&kernels, arch)?;
+        let mut device = super::compile_device(&kernels, arch)?;
         device.set_programmatic_launch(programmatic);
         if device.programmatic_launch() != programmatic {
             println!("(this GPU or driver refused programmatic launches: those rows launch the ordinary way)");
@@ -283,7 +283,7 @@ fn hybrid_backends(
         sequences: config.max_running,
     };
     let (plan, kernels) = gpu::build_batched(&graph, target, 32, cache)?;
-    let device = CudaDevice::compile(&kernels, arch)?;
+    let device = super::compile_device(&kernels, arch)?;
     let gpu = PlanExecutor::new(device, plan, graph, &model.weights, &[], config.context_length)?
         .capture_graphs_up_to(config.max_running * (1 + config.speculation.tokens));
     let cpu_graph = passes::optimized(&lowered, passes::CostModel::CPU)?;

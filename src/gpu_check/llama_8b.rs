@@ -11,7 +11,6 @@ use kernels_gen::templates::gemm_wgmma::{self, Schedule};
 use kernels_gen::templates::gemv::{self, gemv, GemvSpec, NormPrologue};
 use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::{prefill_gemm, split_k};
-use runtime::cuda::CudaDevice;
 use runtime::plan_exec::{DeviceArg, PlanDevice};
 use runtime::random_weights::{fill_kernels, fill_on_device, Fill};
 
@@ -263,7 +262,7 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
             _ => vec![],
         };
         kernels.extend(hopper_schedules.iter().cloned());
-        let mut device = CudaDevice::compile(&[kernels.clone(), fill_kernels()].concat(), arch)?;
+        let mut device = super::compile_device(&[kernels.clone(), fill_kernels()].concat(), arch)?;
         // Each kernel's own time, as the first run measured it: with programmatic launches the
         // repeated launches would overlap (what they gain is the decode section's to show).
         device.set_programmatic_launch(false);

@@ -92,7 +92,7 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
     }
     let (major, minor) = crate::fetch::ensure_nvrtc(false)?;
     println!("NVRTC {major}.{minor}, target {} ({arch})", target.name());
-    let bandwidth = CudaDevice::compile(&[], arch)?.copy_bandwidth(1 << 30)?;
+    let bandwidth = compile_device(&[], arch)?.copy_bandwidth(1 << 30)?;
     println!(
         "device copy bandwidth: {:.0} GB/s (bytes read + written)",
         bandwidth / 1e9
@@ -148,6 +148,19 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
         bail!("failed: {}", failures.join(", "));
     }
     Ok(())
+}
+
+/// DSL `kernels` compiled with NVRTC for `arch` (e.g. `sm_90a`) as artifacts build them
+/// (avoiding spills where ptxas can), loaded on GPU 0.
+pub fn compile_device(kernels: &[kernels_gen::dsl::Kernel], arch: &str) -> Result<CudaDevice> {
+    let cubins = kernels
+        .iter()
+        .map(|k| {
+            let source = kernels_gen::cuda::emit(k);
+            codegen::spill_free::build(&k.name, &source, k.block_dim, arch).map(|built| built.cubin)
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    Ok(CudaDevice::from_cubins(kernels, cubins)?)
 }
 
 /// SmolLM2's GGUF file: `arg` as a path, or the cached (or fetched) `smollm2`.

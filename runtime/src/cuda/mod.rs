@@ -15,9 +15,9 @@ mod launch;
 
 use crate::error::{Result, RuntimeError};
 use crate::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
-use codegen::gpu::GpuPlan;
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nvrtc::Ptx;
+use gpu_plan::GpuPlan;
 use ir::Graph;
 use models::WeightSource;
 use passes::weight_transforms::Int8Rows;
@@ -105,17 +105,21 @@ impl CudaDevice {
         Self::load(modules.collect::<Result<Vec<_>>>()?)
     }
 
-    /// Compile DSL `kernels` with NVRTC into cubins for `arch` (e.g. `sm_90a`) as artifacts
-    /// build them (avoiding spills where ptxas can), and load them.
-    pub fn compile(kernels: &[kernels_gen::dsl::Kernel], arch: &str) -> Result<Self> {
-        let modules = kernels.iter().map(|k| {
-            let source = kernels_gen::cuda::emit(k);
-            let awaits = kernels_gen::cuda::awaits_prior_kernel(&source);
-            codegen::spill_free::build(&k.name, &source, k.block_dim, arch)
-                .map(|built| (k.name.clone(), Ptx::from_binary(built.cubin), k.params.len(), awaits))
-                .map_err(|e| RuntimeError::Artifact(e.to_string()))
+    /// Load DSL `kernels` compiled elsewhere (`codegen::spill_free`, as artifacts build them):
+    /// `cubins[i]` is the machine code of `kernels[i]`.
+    pub fn from_cubins(kernels: &[kernels_gen::dsl::Kernel], cubins: Vec<Vec<u8>>) -> Result<Self> {
+        if kernels.len() != cubins.len() {
+            return Err(RuntimeError::Artifact(format!(
+                "{} kernels but {} cubins",
+                kernels.len(),
+                cubins.len()
+            )));
+        }
+        let modules = kernels.iter().zip(cubins).map(|(k, cubin)| {
+            let awaits = kernels_gen::cuda::awaits_prior_kernel(&kernels_gen::cuda::emit(k));
+            (k.name.clone(), Ptx::from_binary(cubin), k.params.len(), awaits)
         });
-        Self::load(modules.collect::<Result<Vec<_>>>()?)
+        Self::load(modules.collect())
     }
 
     fn load(modules: Vec<KernelImage>) -> Result<Self> {
@@ -408,7 +412,7 @@ impl CudaBackend {
         weights: &WeightSource,
         int8: &[(String, Int8Rows)],
         context_length: usize,
-        cache: codegen::gpu::BatchedCache,
+        cache: gpu_plan::BatchedCache,
     ) -> Result<Self> {
         let mut plan = read_plan(dir, plan_file)?;
         if plan.batched.is_none() {

@@ -1,12 +1,12 @@
-//! Batched steps of a plan from `codegen::gpu::build_batched`: rows of many sequences over one
+//! Batched steps of a plan from `gpu_plan::build_batched`: rows of many sequences over one
 //! paged KV pool addressed by the scheduler's block tables; decode steps replayed as graphs;
 //! what serving reads back (each segment's last row, or only its greedy token).
 
 use super::{BufferKey, Buffers, LaunchProfile, PlanDevice, PlanExecutor, StepScalars};
 use crate::error::{Result, RuntimeError};
 use crate::kv::Segment;
-use codegen::gpu::expr::Value;
-use codegen::gpu::LaunchArg;
+use gpu_plan::expr::Value;
+use gpu_plan::LaunchArg;
 use ir::Tensor;
 use std::collections::HashMap;
 use std::ops::Range;
@@ -36,7 +36,7 @@ enum Rows {
 
 impl<D: PlanDevice> PlanExecutor<D> {
     /// Process every segment's tokens in one batched step over the paged KV cache (a plan from
-    /// `codegen::gpu::build_batched`); each segment's outputs (its rows), in order.
+    /// `gpu_plan::build_batched`); each segment's outputs (its rows), in order.
     pub fn step_batch(&self, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
         self.step_batch_reading(batch, Rows::All, None)
     }
@@ -441,21 +441,18 @@ impl<D: PlanDevice> PlanExecutor<D> {
 /// Whether a segment of `plan` may sample several rows: every row has logits (no
 /// `per_sequence` nodes), or the plan gathers the rows sampled from by the step input
 /// `sampled_rows` (an older plan gathered each sequence's last row alone).
-pub(super) fn samples_several_rows(
-    plan: &codegen::gpu::GpuPlan,
-    per_sequence: &std::collections::BTreeSet<usize>,
-) -> bool {
+pub(super) fn samples_several_rows(plan: &gpu_plan::GpuPlan, per_sequence: &std::collections::BTreeSet<usize>) -> bool {
     per_sequence.is_empty() || takes_step_input(plan, "sampled_rows")
 }
 
 /// Whether, where the model keeps a recurrent state (which drafts advance), `plan`'s kernels
 /// keep the states a refused draft is rewound to (the step input `row_checkpoint`; older
 /// plans' did not).
-pub(super) fn keeps_draft_checkpoints(plan: &codegen::gpu::GpuPlan) -> bool {
+pub(super) fn keeps_draft_checkpoints(plan: &gpu_plan::GpuPlan) -> bool {
     plan.recurrent_states.is_empty() || takes_step_input(plan, "row_checkpoint")
 }
 
-fn takes_step_input(plan: &codegen::gpu::GpuPlan, input: &str) -> bool {
+fn takes_step_input(plan: &gpu_plan::GpuPlan, input: &str) -> bool {
     plan.launches
         .iter()
         .flat_map(|l| &l.args)

@@ -10,8 +10,8 @@
 
 use super::{BufferKey, Buffers, DeviceArg, LaunchProfile, PlanDevice, PlanExecutor};
 use crate::error::{Result, RuntimeError};
-use codegen::gpu::expr::{Compiled, ExprError, Value};
-use codegen::gpu::{GpuPlan, LaunchArg, FEW_ROWS, PREFILL_TOKENS};
+use gpu_plan::expr::{Compiled, ExprError, Value};
+use gpu_plan::{GpuPlan, LaunchArg, FEW_ROWS, PREFILL_TOKENS};
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -205,12 +205,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
 
     /// Bytes of weights `launch` reads over `rows` rows: all it is given, except that an
     /// embedding gathers one table row per row.
-    fn weight_bytes_read(
-        &self,
-        launch: &codegen::gpu::Launch,
-        args: &[DeviceArg<'_, D::Buffer>],
-        rows: usize,
-    ) -> usize {
+    fn weight_bytes_read(&self, launch: &gpu_plan::Launch, args: &[DeviceArg<'_, D::Buffer>], rows: usize) -> usize {
         let node = &self.graph.nodes()[launch.node];
         let given = launch
             .args

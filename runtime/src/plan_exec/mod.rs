@@ -18,8 +18,8 @@ mod batched;
 mod launch;
 
 use crate::error::{Result, RuntimeError};
-use codegen::gpu::expr::Value;
-use codegen::gpu::{GpuPlan, WeightPart};
+use gpu_plan::expr::Value;
+use gpu_plan::{GpuPlan, WeightPart};
 use half::bf16;
 use ir::{DType, Graph, Tensor};
 use models::WeightSource;
@@ -174,7 +174,7 @@ pub struct PlanExecutor<D: PlanDevice> {
     /// Batched steps of up to this many rows run as recorded graphs (0: never).
     graph_rows: usize,
     /// In a batched plan, the nodes with one row per sequence (see
-    /// `codegen::gpu::per_sequence_nodes`).
+    /// `gpu_plan::per_sequence_nodes`).
     per_sequence: BTreeSet<usize>,
     /// Whether a segment may sample several rows (see `samples_several_rows`).
     several_rows: bool,
@@ -341,7 +341,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         let arena = device.alloc(plan.memory.arena_bytes.max(1))?;
         let buffers = Buffers { arena, held };
         let per_sequence = match plan.batched {
-            Some(_) => codegen::gpu::per_sequence_nodes(&graph),
+            Some(_) => gpu_plan::per_sequence_nodes(&graph),
             None => BTreeSet::new(),
         };
         let several_rows = batched::samples_several_rows(&plan, &per_sequence);
@@ -550,7 +550,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
     }
 
     /// A batched plan's KV pool; `None` for a one-sequence plan.
-    pub fn batched_cache(&self) -> Option<codegen::gpu::BatchedCache> {
+    pub fn batched_cache(&self) -> Option<gpu_plan::BatchedCache> {
         self.plan.batched
     }
 
