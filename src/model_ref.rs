@@ -102,7 +102,7 @@ fn open_model(spec: ModelSpec) -> Result<Model> {
         kv_cache: spec.kv_cache_dtype,
     };
     let skeleton = models::lower_without_weights(&config, options)?;
-    let weights = runtime::random_weights::host_weights(&skeleton, seed);
+    let weights = models::WeightSource::Memory(runtime::random_weights::host_weights(&skeleton, seed));
     // A tokenizer given, else one beside the config (an HF directory without weights).
     let beside = spec.weights.with_file_name("tokenizer.json");
     let tokenizer = match (&spec.tokenizer, beside.is_file()) {
@@ -154,7 +154,7 @@ pub struct Loaded {
     /// The greedy graph (argmax only), when asked for.
     pub greedy: Option<Graph>,
     /// Weights prepared at compile time (an artifact's INT8 heads), by weight name.
-    pub int8_heads: Vec<(String, passes::weight_transforms::Int8Rows)>,
+    pub int8_heads: Vec<(String, quant::int8_rows::Int8Rows)>,
     /// For an artifact compiled for a GPU: its directory and plan files.
     pub gpu_plan: Option<GpuPlanFiles>,
     /// A model.toml's `[speculative]` section: prompt lookup, or a draft model.

@@ -5,7 +5,7 @@
 use crate::artifact::ArtifactError;
 use ir::{Graph, Op};
 use models::WeightSource;
-use passes::weight_transforms::Int8Rows;
+use quant::int8_rows::Int8Rows;
 use safetensors::{tensor::TensorView, Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};

@@ -1,6 +1,6 @@
 //! The INT8-bound head's GPU kernels, chained on the emulator: the argmax they produce equals
 //! the argmax of the plain bf16 GEMV head (ties to the lowest id), on random hidden states with
-//! exact ties and near-ties; rows quantized by `passes::weight_transforms` as at compile time.
+//! exact ties and near-ties; rows quantized by `quant::int8_rows` as at compile time.
 //! Also over soft-capped logits, against the GEMV followed by the fused `soft_cap` kernel: at a
 //! cap small enough to saturate, most rows tie at the top and the lowest of them must win.
 
@@ -9,7 +9,7 @@ use kernels_gen::dsl::Ty;
 use kernels_gen::emulator::{run, Array};
 use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::{elementwise, gemv, int8_head, top_k};
-use passes::weight_transforms::Int8Rows;
+use quant::int8_rows::Int8Rows;
 use std::collections::HashMap;
 
 mod common;

@@ -1,4 +1,4 @@
-//! The quantized GEMV and embedding gather, on the emulator, against `models::quant`'s
+//! The quantized GEMV and embedding gather, on the emulator, against the `quant` crate's
 //! dequantization (itself checked against gguf-py) on the real blocks in the fixtures.
 
 use ir::DType;

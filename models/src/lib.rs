@@ -7,7 +7,7 @@ pub mod families;
 pub mod generation_defaults;
 pub mod gguf;
 pub mod model_toml;
-pub mod quant;
+pub use ::quant;
 pub mod safetensors_dir;
 pub mod tokenizer;
 pub mod weights;

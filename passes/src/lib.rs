@@ -12,7 +12,6 @@ pub mod cost;
 mod extract;
 pub mod lang;
 pub mod rules;
-pub mod weight_transforms;
 
 pub use cost::CostModel;
 

@@ -13,8 +13,8 @@ use gpu_plan::GpuPlan;
 use ir::Graph;
 use kernels_gen::dsl::{Kernel, Param};
 use kernels_gen::emulator::{self, Array, Scalar};
-use models::WeightSource;
-use passes::weight_transforms::Int8Rows;
+use quant::int8_rows::Int8Rows;
+use quant::tensor::Tensors;
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -291,7 +291,7 @@ impl EmulatorBackend {
         plan: GpuPlan,
         kernels: Vec<Kernel>,
         graph: Graph,
-        weights: &WeightSource,
+        weights: &dyn Tensors,
         int8: &[(String, Int8Rows)],
         context_length: usize,
     ) -> Result<Self> {

@@ -10,8 +10,6 @@ pub enum RuntimeError {
     Input(String),
     #[error("the sequence needs {needed} tokens but the context length is {limit}; shorten the prompt or lower --max-tokens")]
     ContextOverflow { needed: usize, limit: usize },
-    #[error(transparent)]
-    Model(#[from] models::ModelError),
     #[error("{0}")]
     Artifact(String),
     #[error("no CUDA driver on this machine (libcuda could not be loaded): run a GPU artifact where an NVIDIA GPU is, or compile with --target cpu")]

@@ -6,7 +6,7 @@ use crate::logits_processor::{sample_processed, LogitsProcessor};
 use crate::plan_exec::{PlanDevice, PlanExecutor};
 use crate::sampling::{Sampler, SamplingParams};
 use ir::Graph;
-use models::WeightSource;
+use quant::tensor::Tensors;
 
 #[derive(Debug, Clone)]
 pub struct GenerateOptions {
@@ -97,7 +97,7 @@ impl<B: Backend> Engine<B> {
 }
 
 impl Engine {
-    pub fn new(logits: Graph, greedy: Option<Graph>, source: &WeightSource, context_length: usize) -> Result<Self> {
+    pub fn new(logits: Graph, greedy: Option<Graph>, source: &dyn Tensors, context_length: usize) -> Result<Self> {
         Self::with_cache(logits, greedy, source, context_length, WeightCache::default())
     }
 
@@ -105,7 +105,7 @@ impl Engine {
     pub fn with_cache(
         logits: Graph,
         greedy: Option<Graph>,
-        source: &WeightSource,
+        source: &dyn Tensors,
         context_length: usize,
         mut cache: WeightCache,
     ) -> Result<Self> {

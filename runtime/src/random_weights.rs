@@ -68,7 +68,7 @@ pub fn host_values(seed: u32, name: &str, shape: &[usize]) -> Vec<f32> {
 /// Every weight `graph` declares, with its [`host_values`], in memory: matrices bf16, vectors
 /// (norm gains) f32, as a bf16 checkpoint stores them. A model's random weights where it runs
 /// on the host (the CPU backend, or uploaded to a device); each tensor made on the pool.
-pub fn host_weights(graph: &Graph, seed: u32) -> models::WeightSource {
+pub fn host_weights(graph: &Graph, seed: u32) -> quant::tensor::MemoryTensors {
     use rayon::prelude::*;
     let mut declared: Vec<(&String, Vec<usize>)> = Vec::new();
     for node in graph.nodes() {
@@ -85,35 +85,33 @@ pub fn host_weights(graph: &Graph, seed: u32) -> models::WeightSource {
             let values = host_values(seed, name, &shape);
             let (dtype, bytes) = match shape.len() {
                 2 => (
-                    models::quant::GgmlType::BF16,
+                    quant::GgmlType::BF16,
                     values
                         .iter()
                         .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
                         .collect(),
                 ),
                 _ => (
-                    models::quant::GgmlType::F32,
+                    quant::GgmlType::F32,
                     values.iter().flat_map(|v| v.to_le_bytes()).collect(),
                 ),
             };
-            (name.clone(), models::MemoryTensor { shape, dtype, bytes })
+            (name.clone(), quant::tensor::MemoryTensor { shape, dtype, bytes })
         })
         .collect();
-    models::WeightSource::Memory(tensors)
+    tensors
 }
 
 /// Every weight `graph` declares, with its [`host_values`], written as one safetensors file
 /// at `path`, as [`host_weights`] holds them. For benchmarks of model shapes no file has, on
 /// the CPU backend.
 pub fn write_checkpoint(graph: &Graph, seed: u32, path: &std::path::Path) -> Result<()> {
-    let models::WeightSource::Memory(tensors) = host_weights(graph, seed) else {
-        unreachable!("host weights are in memory")
-    };
+    let tensors = host_weights(graph, seed);
     let views = tensors
         .iter()
         .map(|(name, t)| {
             let dtype = match t.dtype {
-                models::quant::GgmlType::BF16 => safetensors::Dtype::BF16,
+                quant::GgmlType::BF16 => safetensors::Dtype::BF16,
                 _ => safetensors::Dtype::F32,
             };
             safetensors::tensor::TensorView::new(dtype, t.shape.clone(), &t.bytes).map(|view| (name.clone(), view))

@@ -253,7 +253,12 @@ fn stream<B: runtime::Backend>(
         let writes = !options.stop_tokens.contains(&event.token) && !silent.contains(&event.token);
         if !args.json && writes {
             match tokenizer {
-                Some(t) => write!(stdout, "{}", decoder.push(t, event.token)?),
+                Some(t) => {
+                    let text = decoder
+                        .push(t, event.token)
+                        .map_err(|e| runtime::RuntimeError::Input(format!("decoding the output: {e}")))?;
+                    write!(stdout, "{text}")
+                }
                 None => write!(stdout, "{} ", event.token),
             }
             .and_then(|_| stdout.flush())

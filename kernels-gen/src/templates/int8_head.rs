@@ -1,5 +1,5 @@
 //! The INT8-bound LM head on the GPU (the same bound as the runtime's CPU head; the rows come
-//! from `passes::weight_transforms::Int8Rows`, quantized at compile time):
+//! from `quant::int8_rows::Int8Rows`, quantized at compile time):
 //!
 //! 1. `int8_quantize_h`: the hidden state in blocks of 32 → int8 `q_h`, per block the scale,
 //!    `‖e_h‖` and `‖h_b‖` (one block of threads, one warp per quantization block).

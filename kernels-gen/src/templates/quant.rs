@@ -1,6 +1,6 @@
 //! GGUF block formats on the GPU: statements that dequantize element `e` of a row from the raw
 //! block bytes (`u8` buffer `w`, row starting at byte `row`), after ggml's `ggml-quants.c`
-//! layouts (the same as `models::quant`, which the tests compare against). The quantized GEMV
+//! layouts (the same as the `quant` crate's, which the tests compare against). The quantized GEMV
 //! and embedding gather are built on them.
 //!
 //! Element-wise dequantization (`dequant`) reads each block's scales once per element: correct

@@ -244,7 +244,7 @@ unsafe fn finish_with_tails<W: Widen>(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{finish_with_tails, DenseKernel, Widen, MAX_TILE};
-    use models::quant::prefetch;
+    use crate::cpu::quant::prefetch;
     use std::arch::x86_64::*;
 
     /// `simd::reduce` of eight lanes already summed pairwise once (`lane i + lane i+8`): the
@@ -318,7 +318,7 @@ mod x86 {
         for at in (0..cols / 16).map(|c| c * 16) {
             // SAFETY: at + 16 ≤ cols, within every row and token (the caller's promise).
             unsafe {
-                // Software prefetch (`models::quant::prefetch`): the same place `R` rows on,
+                // Software prefetch (`crate::cpu::quant::prefetch`): the same place `R` rows on,
                 // in the tile read after this one (rows lie one after another), so its lines
                 // arrive while this tile computes. bf16 rows ask for each line twice, which
                 // costs less than a branch. Measured on SmolLM2 (bf16, batch 1 and 4, +42% and

@@ -1,6 +1,6 @@
 //! The INT8-bound LM head: the exact top-k of `h · Wᵀ` at about a quarter of the weight traffic.
 //!
-//! Prepared once per weight (`passes::weight_transforms::Int8Rows`, at compile time when the
+//! Prepared once per weight (`quant::int8_rows::Int8Rows`, at compile time when the
 //! artifact carries it): every row `w_v` is quantized to int8 in blocks of 32 with one scale
 //! per block, `ŵ_vb = s_vb·q_vb`, keeping per block `E_vb = ‖w_vb − ŵ_vb‖` and
 //! `N_vb = ‖ŵ_vb‖`, and per row `‖w_v‖`. Per query, `h` is quantized the same way (`ĥ_b`,
@@ -29,8 +29,8 @@ use super::int8_scores::{Query, ScoringRows};
 use super::pool;
 use super::simd;
 use super::Matrix;
-use models::quant::int8::Int8Kernel;
-use passes::weight_transforms::Int8Rows;
+use crate::cpu::quant::int8::Int8Kernel;
+use quant::int8_rows::Int8Rows;
 use std::sync::Arc;
 
 /// A head's INT8 rows, regrouped for the scoring pass; cloning shares them.

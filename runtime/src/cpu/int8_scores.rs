@@ -2,7 +2,7 @@
 //! `A_v` and error bound `B_v`, sixteen rows at a time.
 //!
 //! The head's rows are regrouped once, sixteen to a group as the int8 matmuls' rows are
-//! (`models::quant::interleaved`): per group and 32-column block, four neighbouring quants of
+//! (`crate::cpu::quant::interleaved`): per group and 32-column block, four neighbouring quants of
 //! each of the sixteen rows side by side (stored as `q + 128`, so `vpdpbusd` multiplies them
 //! unsigned by the query's signed quants), then the sixteen rows' block scale and norms. A
 //! block's integer sums then come out as one vector, a row a lane, and the f64 arithmetic of
@@ -11,8 +11,8 @@
 //! exact, so every kernel gives the same bits.
 
 use super::pool;
-use models::quant::int8::Int8Kernel;
-use passes::weight_transforms::{norm, quantize_block, round_up, Int8Rows, INT8_BLOCK, U};
+use crate::cpu::quant::int8::Int8Kernel;
+use quant::int8_rows::{norm, quantize_block, round_up, Int8Rows, INT8_BLOCK, U};
 
 /// Rows scored together: one 512-bit register of i32 sums.
 pub const GROUP: usize = 16;
@@ -233,7 +233,7 @@ fn sums_portable(rows: &ScoringRows, group: usize, query: &Query) -> GroupSums {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{GroupSums, Query, ScoringRows, GROUP, INT8_BLOCK, QUAD};
-    use models::quant::prefetch;
+    use crate::cpu::quant::prefetch;
     use std::arch::x86_64::*;
 
     /// A query quad (four neighbouring columns) in every i32 lane.
@@ -243,7 +243,7 @@ mod x86 {
     }
 
     /// Asks for the lanes of the block some [`prefetch::AHEAD_BYTES`] of quants after this one
-    /// (blocks lie one after another, a group's then the next group's; `models::quant::prefetch`
+    /// (blocks lie one after another, a group's then the next group's; `crate::cpu::quant::prefetch`
     /// says why); how many bytes after `quants` that block's quants lie, for the caller to ask
     /// for a chunk of them with each chunk it reads.
     #[inline(always)]

@@ -8,18 +8,18 @@
 //! activations quantized to int8 once per step (per 32 elements, or per 256-element
 //! super-block for K-quant rows), each weight row dotted with them in integers (ggml's
 //! scheme). Block-quantized rows are kept interleaved
-//! (`models::quant::interleaved` for the 32-weight formats, `interleaved_k` for the K-quants:
+//! (`crate::cpu::quant::interleaved` for the 32-weight formats, `interleaved_k` for the K-quants:
 //! sixteen rows advance together in one register); a format without that layout would be
 //! unpacked a row at a time.
 
 use super::dense::{self, DenseKernel, DenseRows};
 use super::pool;
 use super::simd;
+use crate::cpu::quant::int8::{ActivationRow, Int8Kernel, Q8KRow, Q8Row};
+use crate::cpu::quant::interleaved::{InterleavedRows, GROUP};
+use crate::cpu::quant::interleaved_k::InterleavedSuperRows;
 use half::bf16;
-use models::quant::int8::{ActivationRow, Int8Kernel, Q8KRow, Q8Row};
-use models::quant::interleaved::{InterleavedRows, GROUP};
-use models::quant::interleaved_k::InterleavedSuperRows;
-use models::quant::GgmlType;
+use quant::GgmlType;
 use std::borrow::Cow;
 use std::cell::Cell;
 use std::thread::LocalKey;

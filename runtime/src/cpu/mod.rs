@@ -20,6 +20,7 @@ pub mod line_alloc;
 mod matrix;
 mod moe;
 mod pool;
+pub mod quant;
 mod rope;
 mod rows;
 pub mod simd;
@@ -35,7 +36,7 @@ use attention::QueryRow;
 use half::bf16;
 use ir::reference::ops;
 use ir::{DType, Graph, InputKind, Op, Tensor};
-use models::WeightSource;
+use quant::tensor::Tensors;
 use rayon::prelude::*;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -183,7 +184,7 @@ impl Value {
 
 impl CpuBackend {
     /// Prepare the graph's weights from `source` in the storage each weight node names.
-    pub fn new(graph: Graph, source: &WeightSource, context_length: usize) -> Result<Self> {
+    pub fn new(graph: Graph, source: &dyn Tensors, context_length: usize) -> Result<Self> {
         Self::with_cache(graph, source, context_length, &mut WeightCache::default())
     }
 
@@ -191,7 +192,7 @@ impl CpuBackend {
     /// greedy and the logits graphs of one engine hold one copy).
     pub fn with_cache(
         graph: Graph,
-        source: &WeightSource,
+        source: &dyn Tensors,
         context_length: usize,
         cache: &mut WeightCache,
     ) -> Result<Self> {
@@ -839,7 +840,7 @@ pub struct WeightCache {
 
 impl WeightCache {
     /// Provide the INT8 rows of weight `name`, computed at compile time.
-    pub fn insert_int8(&mut self, name: String, rows: &passes::weight_transforms::Int8Rows) {
+    pub fn insert_int8(&mut self, name: String, rows: &quant::int8_rows::Int8Rows) {
         self.int8.insert(name, Int8Head::from_rows(rows));
     }
 }
@@ -998,7 +999,7 @@ fn prepare_int8_heads(
 
 /// Load every weight node not cached yet, in parallel; a weight used twice (a tied LM head, two
 /// graphs of one model) is loaded once.
-fn load_weights(graph: &Graph, source: &WeightSource, cache: &mut WeightCache) -> Result<Vec<Option<Arc<CpuWeight>>>> {
+fn load_weights(graph: &Graph, source: &dyn Tensors, cache: &mut WeightCache) -> Result<Vec<Option<Arc<CpuWeight>>>> {
     // Weights not in the cache yet, each once, loaded in parallel.
     let mut jobs: Vec<usize> = Vec::new();
     let mut queued = std::collections::HashSet::new();
@@ -1031,13 +1032,13 @@ fn load_weights(graph: &Graph, source: &WeightSource, cache: &mut WeightCache) -
         .collect())
 }
 
-fn load_weight(graph: &Graph, i: usize, source: &WeightSource) -> Result<CpuWeight> {
+fn load_weight(graph: &Graph, i: usize, source: &dyn Tensors) -> Result<CpuWeight> {
     let node = &graph.nodes()[i];
     let Op::Weight { name } = &node.op else {
         unreachable!("only weight nodes are loaded")
     };
     let view = source
-        .get(name)
+        .tensor(name)
         .ok_or_else(|| RuntimeError::Weight(format!("`{name}` is not in the weights")))?;
     let shape = node.shape.resolve(0, 0);
     if view.shape != shape.as_slice() {
@@ -1057,7 +1058,7 @@ fn load_weight(graph: &Graph, i: usize, source: &WeightSource) -> Result<CpuWeig
         DType::BF16 => Storage::Bf16(view.to_f32().data.into_iter().map(bf16::from_f32).collect()),
         DType::I32 => return Err(RuntimeError::Weight(format!("`{name}`: i32 weights are not matrices"))),
         quant => {
-            if models::weights::ir_dtype(view.dtype) != quant {
+            if quant::tensor::ir_dtype(view.dtype) != quant {
                 return Err(RuntimeError::Weight(format!(
                     "`{name}` is stored as {}, the graph expects {quant}",
                     view.dtype.name()

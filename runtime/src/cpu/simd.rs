@@ -231,7 +231,7 @@ fn axpys_many_tail<const G: usize, T: KvElement>(
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{axpys_many_tail, KvElement, LANES};
-    use models::quant::prefetch;
+    use crate::cpu::quant::prefetch;
     use std::arch::x86_64::*;
 
     /// How many cache rows ahead the many-vector forms ask for rows.
@@ -258,7 +258,7 @@ mod avx512 {
             // A short last batch repeats its first row; those products are dropped.
             let row: [*const T; 16] = std::array::from_fn(|b| rows[first + if b < count { b } else { 0 }].as_ptr());
             // The rows `ROWS_AHEAD` on (cache rows lie apart, a KV head's part of each
-            // position's row), asked for as these are read (see `models::quant::prefetch`),
+            // position's row), asked for as these are read (see `crate::cpu::quant::prefetch`),
             // where there are that many.
             let ahead = rows.get(first + ROWS_AHEAD..first + ROWS_AHEAD + batch);
             let mut acc = [_mm512_setzero_ps(); 16];
@@ -589,7 +589,7 @@ pub fn axpys_many<const G: usize, T: KvElement>(alphas: &[&[f32]; G], rows: &[&[
 pub fn isa() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
-        return if models::quant::int8::wide_int8() {
+        return if crate::cpu::quant::int8::wide_int8() {
             "avx2+fma, avx512-vnni int8 dots"
         } else {
             "avx2+fma"

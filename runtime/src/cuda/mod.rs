@@ -19,8 +19,8 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream
 use cudarc::nvrtc::Ptx;
 use gpu_plan::GpuPlan;
 use ir::Graph;
-use models::WeightSource;
-use passes::weight_transforms::Int8Rows;
+use quant::int8_rows::Int8Rows;
+use quant::tensor::Tensors;
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::Path;
@@ -395,7 +395,7 @@ impl CudaBackend {
         dir: &Path,
         plan_file: &str,
         graph: Graph,
-        weights: &WeightSource,
+        weights: &dyn Tensors,
         int8: &[(String, Int8Rows)],
         context_length: usize,
     ) -> Result<Self> {
@@ -409,7 +409,7 @@ impl CudaBackend {
         dir: &Path,
         plan_file: &str,
         graph: Graph,
-        weights: &WeightSource,
+        weights: &dyn Tensors,
         int8: &[(String, Int8Rows)],
         context_length: usize,
         cache: gpu_plan::BatchedCache,

@@ -22,8 +22,8 @@ use gpu_plan::expr::Value;
 use gpu_plan::{GpuPlan, WeightPart};
 use half::bf16;
 use ir::{DType, Graph, Tensor};
-use models::WeightSource;
-use passes::weight_transforms::Int8Rows;
+use quant::int8_rows::Int8Rows;
+use quant::tensor::Tensors;
 use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
 use std::sync::Mutex;
@@ -112,7 +112,7 @@ pub enum DeviceArg<'a, B> {
 #[derive(Clone, Copy)]
 pub enum PlanWeights<'a> {
     /// The model's tensors, converted on the host to the plan's dtypes and uploaded.
-    Host(&'a WeightSource),
+    Host(&'a dyn Tensors),
     /// Made on the device by the fill kernels (see [`crate::random_weights`]) from this seed: for
     /// models lowered without weights.
     Generated { seed: u32 },
@@ -205,7 +205,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         device: D,
         plan: GpuPlan,
         graph: Graph,
-        weights: &WeightSource,
+        weights: &dyn Tensors,
         int8: &[(String, Int8Rows)],
         context_length: usize,
     ) -> Result<Self> {
@@ -693,12 +693,12 @@ fn int8_tensors(rows: &Int8Rows) -> [(&'static str, Vec<u8>); 5] {
 
 /// A weight as the kernels read it: the parts (their rows) stacked by rows, converted to
 /// `dtype` (f32, bf16) or kept as GGUF blocks.
-fn weight_bytes(dtype: DType, parts: &[WeightPart], source: &WeightSource) -> Result<Vec<u8>> {
+fn weight_bytes(dtype: DType, parts: &[WeightPart], source: &dyn Tensors) -> Result<Vec<u8>> {
     let mut out = Vec::new();
     for part in parts {
         let name = part.name();
         let view = source
-            .get(name)
+            .tensor(name)
             .ok_or_else(|| RuntimeError::Weight(format!("`{name}` is not in the weights")))?;
         let rows = view.shape.first().copied().unwrap_or(1).max(1);
         let selected = part.rows(rows);
@@ -723,7 +723,7 @@ fn weight_bytes(dtype: DType, parts: &[WeightPart], source: &WeightSource) -> Re
                 }
             }
             // Kept as stored: f16 values, or GGUF blocks (whose rows are cut whole only).
-            stored if models::weights::ir_dtype(view.dtype) == stored => match (transposed, stored) {
+            stored if quant::tensor::ir_dtype(view.dtype) == stored => match (transposed, stored) {
                 (None, _) => out.extend(pick(view.bytes.len() / rows).map(|i| view.bytes[i])),
                 (Some(order), DType::F16) => out.extend(
                     order

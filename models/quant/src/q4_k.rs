@@ -8,7 +8,7 @@ use super::{f16_at, BlockFormat};
 pub struct Q4K;
 
 /// ggml's `get_scale_min_k4`: sub-block `j`'s 6-bit (scale, min) from the packed 12 bytes.
-pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+pub fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

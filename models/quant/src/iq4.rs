@@ -9,11 +9,11 @@
 use super::{f16_at, BlockFormat};
 
 /// The values a 4-bit index stands for.
-pub(crate) const KVALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+pub const KVALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
 /// The table's values + 128 (0..242): what an index stands for as the CPU kernels store it,
 /// unsigned for `vpdpbusd` (their sums start at −128·Σqx).
-pub(crate) const STORED: [u8; 16] = {
+pub const STORED: [u8; 16] = {
     let mut stored = [0u8; 16];
     let mut i = 0;
     while i < 16 {
@@ -34,7 +34,7 @@ pub(crate) fn run_values(qs: &[u8], w: &mut [i8]) {
 
 /// An IQ4_XS block's eight 6-bit run scales `ls` (before the −32): low nibbles from
 /// `scales_l`, two high bits each from `scales_h`.
-pub(crate) fn run_scales(block: &[u8]) -> [u8; 8] {
+pub fn run_scales(block: &[u8]) -> [u8; 8] {
     let scales_h = u16::from_le_bytes([block[2], block[3]]);
     std::array::from_fn(|run| {
         let low = (block[4 + run / 2] >> (4 * (run % 2))) & 0x0F;

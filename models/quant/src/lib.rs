@@ -1,26 +1,25 @@
-//! GGML tensor element formats.
+//! GGML tensor element formats, and the tensors bbc reads as them: what a model file stores,
+//! what the compiler's INT8 head rows are (`int8_rows`), and what every backend reads
+//! (`tensor`), in one place both the model reader and the runtime can use.
 //!
 //! One trait, [`BlockFormat`], describes a block-quantized format (block size in elements and
 //! bytes, dequantization); one file per format implements it, after ggml's `ggml-quants.c`.
 //! [`GgmlType`] is the run-time tag read from a GGUF tensor info and dispatches to the formats.
+//! The CPU backend's integer kernels over these blocks live with it (`runtime::cpu::quant`).
 
-pub mod amx;
-pub mod int8;
-pub mod interleaved;
-pub mod interleaved_k;
-mod iq4;
-#[cfg(target_arch = "x86_64")]
-pub mod prefetch;
-mod q2_k;
-mod q3_k;
+pub mod int8_rows;
+pub mod iq4;
+pub mod q2_k;
+pub mod q3_k;
 mod q4_0;
 mod q4_1;
-mod q4_k;
+pub mod q4_k;
 mod q5_0;
 mod q5_1;
 mod q5_k;
 mod q6_k;
 mod q8_0;
+pub mod tensor;
 
 pub use iq4::{IQ4NL, IQ4XS};
 pub use q2_k::Q2K;
@@ -47,7 +46,7 @@ pub trait BlockFormat {
     fn dequantize_block(block: &[u8], out: &mut [f32]);
 
     /// The block as small integers per group: element `i` of group `g` is
-    /// `scale[g]·w[i] − min[g]`. This is what integer dot products ([`int8`]) consume.
+    /// `scale[g]·w[i] − min[g]`. This is what integer dot products (the CPU backend's) consume.
     fn unpack_groups(block: &[u8], w: &mut [i8], scale: &mut [f32], min: &mut [f32]);
 
     /// Dot product of one block with `BLOCK_ELEMS` activations.
@@ -287,7 +286,7 @@ fn dot_blocks<F: BlockFormat>(data: &[u8], x: &[f32]) -> f32 {
 
 /// Little-endian f16 at `offset` of a block, as f32.
 #[inline(always)]
-pub(crate) fn f16_at(block: &[u8], offset: usize) -> f32 {
+pub fn f16_at(block: &[u8], offset: usize) -> f32 {
     f16::from_le_bytes([block[offset], block[offset + 1]]).to_f32()
 }
 

@@ -913,9 +913,9 @@ unsafe fn scaled_groups_portable<const T: usize>(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{iq4xs, q2k, q3k, q4k, q6k, Token, GROUP, SUPER};
-    use crate::quant::interleaved::quad;
-    use crate::quant::iq4::STORED as IQ4_STORED;
-    use crate::quant::prefetch;
+    use crate::cpu::quant::interleaved::quad;
+    use crate::cpu::quant::iq4::STORED as IQ4_STORED;
+    use crate::cpu::quant::prefetch;
     use std::arch::x86_64::*;
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -978,7 +978,7 @@ mod x86 {
     /// inlines.
     #[inline(always)]
     pub(super) unsafe fn q4k_chunk<const FIFTH: bool>(block: *const u8, pair: usize, c: usize) -> [__m512i; 2] {
-        use crate::quant::interleaved::fifth_bit;
+        use crate::cpu::quant::interleaved::fifth_bit;
         use q4k::FIFTH_AT;
         let low4 = _mm512_set1_epi8(0x0F);
         // SAFETY: the quad's bytes and (Q5_K) its fifth bits lie in the super-block.
@@ -1618,8 +1618,10 @@ mod tests {
             if dtype == GgmlType::Q3K {
                 // ggml's `vec_dot_q3_K_q8_K`: per 16-weight group `Σ q·qx` times `sc − 32`.
                 let (mut w, mut scale, mut min) = ([0i8; SUPER], [0f32; 16], [0f32; 16]);
-                <crate::quant::Q3K as crate::quant::BlockFormat>::unpack_groups(block, &mut w, &mut scale, &mut min);
-                let scales = crate::quant::q3_k::scales(&block[96..108]);
+                <crate::cpu::quant::Q3K as crate::cpu::quant::BlockFormat>::unpack_groups(
+                    block, &mut w, &mut scale, &mut min,
+                );
+                let scales = crate::cpu::quant::q3_k::scales(&block[96..108]);
                 let total: i32 = (0..16)
                     .map(|g| {
                         let sum: i32 = (16 * g..16 * g + 16).map(|i| w[i] as i32 * q[i] as i32).sum();
@@ -1631,14 +1633,14 @@ mod tests {
             }
             if dtype == GgmlType::IQ4XS {
                 // ggml's `vec_dot_iq4_xs_q8_K`: each run's table-value sum times `ls − 32`.
-                let scales = crate::quant::iq4::run_scales(block);
+                let scales = crate::cpu::quant::iq4::run_scales(block);
                 let total: i32 = (0..8)
                     .map(|r| {
                         let qs = &block[8 + 16 * r..8 + 16 * r + 16];
                         let q = &q[32 * r..32 * r + 32];
                         let sum: i32 = (0..16)
                             .map(|j| {
-                                let v = |i: u8| crate::quant::iq4::KVALUES[i as usize] as i32;
+                                let v = |i: u8| crate::cpu::quant::iq4::KVALUES[i as usize] as i32;
                                 v(qs[j] & 0x0F) * q[j] as i32 + v(qs[j] >> 4) * q[j + 16] as i32
                             })
                             .sum();
@@ -1726,7 +1728,7 @@ mod tests {
                         let want =
                             |row: usize, t| reference(dtype, &bytes[row * row_bytes..(row + 1) * row_bytes], &acts[t]);
                         let case = format!("{dtype:?} {kernel:?}");
-                        crate::quant::interleaved::assert_group_bits(&out, group, rows, want, &case);
+                        crate::cpu::quant::interleaved::assert_group_bits(&out, group, rows, want, &case);
                     }
                 }
             }

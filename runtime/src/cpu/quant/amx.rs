@@ -52,9 +52,9 @@ pub mod tiles {
     /// Whether a step of `tokens` tokens takes the tiles: AMX runs here ([`amx_int8`]) and
     /// the step has at least [`MIN_TOKENS`].
     ///
-    /// [`amx_int8`]: crate::quant::int8::amx_int8
+    /// [`amx_int8`]: crate::cpu::quant::int8::amx_int8
     pub fn pay_for(tokens: usize) -> bool {
-        tokens >= MIN_TOKENS && crate::quant::int8::amx_int8()
+        tokens >= MIN_TOKENS && crate::cpu::quant::int8::amx_int8()
     }
 
     /// Room for a kernel's unpacked weight tiles, aligned to a line and left unwritten: each
@@ -219,7 +219,7 @@ pub mod block32 {
         /// them (a swapped operand or a wrong config gives other sums).
         #[test]
         fn products_are_the_integer_dots() {
-            if !crate::quant::amx::usable() {
+            if !crate::cpu::quant::amx::usable() {
                 eprintln!("skipped: no AMX here");
                 return;
             }
@@ -391,7 +391,7 @@ pub mod super256 {
         /// with their own weights over all 256 quants.
         #[test]
         fn quarters_sum_to_the_integer_dots() {
-            if !crate::quant::amx::usable() {
+            if !crate::cpu::quant::amx::usable() {
                 eprintln!("skipped: no AMX here");
                 return;
             }

@@ -12,13 +12,13 @@ pub struct Q3K;
 
 /// Where 16-weight group `g` keeps its third bits in `hmask`: weight `l`'s is bit `bit` of byte
 /// `offset + l`.
-pub(crate) fn high_bit_group(g: usize) -> (usize, usize) {
+pub fn high_bit_group(g: usize) -> (usize, usize) {
     (16 * (g % 2), 4 * (g / 8) + (g % 8) / 2)
 }
 
 /// The sixteen 6-bit group scales (before the −32) of ggml's `kmask` unpacking: the low
 /// nibbles of bytes 0..8, then their high nibbles, each with two high bits from bytes 8..12.
-pub(crate) fn scales(packed: &[u8]) -> [u8; 16] {
+pub fn scales(packed: &[u8]) -> [u8; 16] {
     std::array::from_fn(|j| {
         let low = if j < 8 { packed[j] & 0x0F } else { packed[j - 8] >> 4 };
         let high = (packed[8 + j % 4] >> (2 * (j / 4))) & 3;
@@ -27,7 +27,7 @@ pub(crate) fn scales(packed: &[u8]) -> [u8; 16] {
 }
 
 /// The inverse of [`scales`]: sixteen 6-bit values packed into `packed`'s 12 bytes.
-pub(crate) fn pack_scales(scales: &[u8; 16], packed: &mut [u8]) {
+pub fn pack_scales(scales: &[u8; 16], packed: &mut [u8]) {
     packed[..12].fill(0);
     for (j, &sc) in scales.iter().enumerate() {
         packed[j % 8] |= (sc & 0x0F) << if j < 8 { 0 } else { 4 };

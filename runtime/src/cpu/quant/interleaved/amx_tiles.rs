@@ -1,4 +1,4 @@
-//! The 32-weight formats' products for whole tiles of 16 tokens on AMX ([`crate::quant::amx`]),
+//! The 32-weight formats' products for whole tiles of 16 tokens on AMX ([`crate::cpu::quant::amx`]),
 //! the rest of a step's tokens going to the AVX-512 kernel.
 //!
 //! Per group, [`CHUNK`] blocks at a time: their stored weights are unpacked once into the
@@ -21,10 +21,10 @@
 
 use super::x86::{iq4_table, nibble_chunk};
 use super::{group_block_bytes, scales_at, Activations, GROUP};
-use crate::quant::amx::block32::{self, BLOCK, WEIGHT_BYTES};
-use crate::quant::amx::tiles::{self, Sums, WeightTiles, TOKENS};
-use crate::quant::int8::Q8Row;
-use crate::quant::prefetch;
+use crate::cpu::quant::amx::block32::{self, BLOCK, WEIGHT_BYTES};
+use crate::cpu::quant::amx::tiles::{self, Sums, WeightTiles, TOKENS};
+use crate::cpu::quant::int8::Q8Row;
+use crate::cpu::quant::prefetch;
 use std::arch::x86_64::*;
 use std::ops::Range;
 

@@ -11,7 +11,7 @@ pub struct Q2K;
 /// Where 16-weight group `g` of a Q2_K or Q3_K super-block keeps its 2-bit weights in `qs`:
 /// weight `l` is bits `shift..shift + 2` of byte `offset + l`. ggml fills each 32-byte half of
 /// `qs` four shifts deep, alternating its two 16-byte quarters between consecutive groups.
-pub(crate) fn two_bit_group(g: usize) -> (usize, usize) {
+pub fn two_bit_group(g: usize) -> (usize, usize) {
     (32 * (g / 8) + 16 * (g % 2), 2 * ((g % 8) / 2))
 }
 

@@ -1,5 +1,5 @@
 //! Q4_K's, Q5_K's and Q6_K's products for whole tiles of 16 tokens on AMX
-//! ([`crate::quant::amx`]), the rest of a step's tokens going to the AVX-512 kernel.
+//! ([`crate::cpu::quant::amx`]), the rest of a step's tokens going to the AVX-512 kernel.
 //!
 //! The AVX-512 kernels sum each sub-block `j` exactly, multiply the sum by the sub-block's
 //! integer scale `sc_j` and add: `total = Σ_j sc_j·Σ_{i∈j} u_i·qx_i`. A tile's sums cannot be
@@ -19,10 +19,10 @@
 
 use super::x86::{q4k_chunk, q4k_mins_512, scale_super_512};
 use super::{q4k, q6k, Format, SuperActivations, Token, GROUP, SUPER};
-use crate::quant::amx::super256::{self, SPAN, WEIGHT_BYTES};
-use crate::quant::amx::tiles::{self, Sums, WeightTiles, TOKENS};
-use crate::quant::int8::Q8KRow;
-use crate::quant::prefetch;
+use crate::cpu::quant::amx::super256::{self, SPAN, WEIGHT_BYTES};
+use crate::cpu::quant::amx::tiles::{self, Sums, WeightTiles, TOKENS};
+use crate::cpu::quant::int8::Q8KRow;
+use crate::cpu::quant::prefetch;
 use std::arch::x86_64::*;
 
 /// Quarters of a super-block: activation tiles a super-block, each with two weight tiles.

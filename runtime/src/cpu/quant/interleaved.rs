@@ -610,9 +610,9 @@ pub(super) fn assert_group_bits(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::{group_block_bytes, quad, scales_at, Token, GROUP};
-    use crate::quant::int8::ACT_BLOCK;
-    use crate::quant::iq4::STORED as IQ4_STORED;
-    use crate::quant::prefetch;
+    use crate::cpu::quant::int8::ACT_BLOCK;
+    use crate::cpu::quant::iq4::STORED as IQ4_STORED;
+    use crate::cpu::quant::prefetch;
     use std::arch::x86_64::*;
 
     /// AVX-512: the sixteen rows in one register a token.
@@ -727,7 +727,7 @@ mod x86 {
     /// # Safety
     /// AVX-512 F/BW are enabled where this inlines.
     #[inline(always)]
-    pub(in crate::quant) unsafe fn fifth_bit(fifth: __m512i, g: i32) -> __m512i {
+    pub(in crate::cpu::quant) unsafe fn fifth_bit(fifth: __m512i, g: i32) -> __m512i {
         let bit4 = _mm512_set1_epi8(0x10);
         // SAFETY: AVX-512 F/BW are enabled where this inlines.
         unsafe {
@@ -933,7 +933,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::int8::UnpackedRow;
+    use crate::cpu::quant::int8::UnpackedRow;
 
     const FORMATS: [GgmlType; 6] = [
         GgmlType::Q4_0,

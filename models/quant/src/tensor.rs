@@ -1,0 +1,82 @@
+//! Weights as every backend reads them: a borrowed view of a tensor (its shape, storage type
+//! and bytes), looked up by name from any source ([`Tensors`]): a GGUF file, safetensors, or
+//! tensors made in memory.
+
+use crate::GgmlType;
+use ir::Tensor;
+
+/// A borrowed weight: row-major `shape`, stored as `dtype` in `bytes` (rows are contiguous and
+/// each row is a whole number of blocks).
+#[derive(Debug, Clone, Copy)]
+pub struct TensorView<'a> {
+    pub shape: &'a [usize],
+    pub dtype: GgmlType,
+    pub bytes: &'a [u8],
+}
+
+impl TensorView<'_> {
+    pub fn elements(&self) -> usize {
+        self.shape.iter().product()
+    }
+    pub fn row_len(&self) -> usize {
+        self.shape.last().copied().unwrap_or(1)
+    }
+    pub fn rows(&self) -> usize {
+        self.elements() / self.row_len().max(1)
+    }
+    pub fn row_bytes(&self) -> usize {
+        self.dtype.bytes_for(self.row_len()).expect("rows are whole blocks")
+    }
+    pub fn to_f32(&self) -> Tensor {
+        let mut data = vec![0f32; self.elements()];
+        self.dtype.dequantize(self.bytes, &mut data);
+        Tensor::new(self.shape.to_vec(), data)
+    }
+}
+
+/// Where weights come from, by name.
+pub trait Tensors: Sync {
+    fn tensor(&self, name: &str) -> Option<TensorView<'_>>;
+}
+
+/// A tensor held in memory: row-major `shape`, stored as `dtype` in `bytes`.
+#[derive(Debug, Clone)]
+pub struct MemoryTensor {
+    pub shape: Vec<usize>,
+    pub dtype: GgmlType,
+    pub bytes: Vec<u8>,
+}
+
+/// Tensors made in memory, by name (a model's random weights where it has no file).
+pub type MemoryTensors = std::collections::BTreeMap<String, MemoryTensor>;
+
+impl Tensors for MemoryTensors {
+    fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
+        self.get(name).map(|t| TensorView {
+            shape: &t.shape,
+            dtype: t.dtype,
+            bytes: &t.bytes,
+        })
+    }
+}
+
+/// The IR's name for a storage type.
+pub fn ir_dtype(t: GgmlType) -> ir::DType {
+    match t {
+        GgmlType::F32 => ir::DType::F32,
+        GgmlType::F16 => ir::DType::F16,
+        GgmlType::BF16 => ir::DType::BF16,
+        GgmlType::Q4_0 => ir::DType::Q4_0,
+        GgmlType::Q4_1 => ir::DType::Q4_1,
+        GgmlType::Q5_0 => ir::DType::Q5_0,
+        GgmlType::Q5_1 => ir::DType::Q5_1,
+        GgmlType::Q8_0 => ir::DType::Q8_0,
+        GgmlType::Q4K => ir::DType::Q4K,
+        GgmlType::Q5K => ir::DType::Q5K,
+        GgmlType::Q6K => ir::DType::Q6K,
+        GgmlType::Q2K => ir::DType::Q2K,
+        GgmlType::Q3K => ir::DType::Q3K,
+        GgmlType::IQ4NL => ir::DType::IQ4NL,
+        GgmlType::IQ4XS => ir::DType::IQ4XS,
+    }
+}
