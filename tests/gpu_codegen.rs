@@ -560,7 +560,7 @@ fn greedy_plans_run_the_int8_head() {
 /// Without an NVIDIA driver, running a GPU artifact is a clear error, never a panic.
 #[test]
 fn running_a_gpu_artifact_without_a_driver_says_so() {
-    if runtime::cuda::driver_present() {
+    if runtime_cuda::driver_present() {
         eprintln!("skipped: this machine has a CUDA driver (tests/gpu_runtime.rs runs there)");
         return;
     }

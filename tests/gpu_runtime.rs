@@ -10,7 +10,7 @@ use codegen::Target;
 
 #[test]
 fn smollm2_bf16_greedy_on_the_gpu_equals_the_cpu() {
-    if !runtime::cuda::driver_present() || codegen::nvrtc::ensure_loaded().is_err() {
+    if !runtime_cuda::driver_present() || codegen::nvrtc::ensure_loaded().is_err() {
         eprintln!("skipped: needs an NVIDIA driver and NVRTC");
         return;
     }

@@ -3,7 +3,6 @@
 
 pub mod compare;
 pub mod cpu;
-pub mod cuda;
 pub mod decode_timing;
 pub mod emulator_device;
 pub mod error;

@@ -155,7 +155,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         // weights on the device, so only the one this run uses is loaded.
         let backend = |plan: &str, graph: ir::Graph| {
             let w = &loaded.model.weights;
-            runtime::cuda::CudaBackend::from_artifact(&plans.dir, plan, graph, w, &loaded.int8_heads, context)
+            runtime_cuda::load_plan(&plans.dir, plan, graph, w, &loaded.int8_heads, context)
         };
         let greedy_run = args.temperature <= 0.0 && args.dump_logits.is_none() && spec.is_none();
         let engine = match (&plans.greedy, &loaded.greedy) {

@@ -8,9 +8,9 @@ use codegen::gpu;
 use codegen::Target;
 use kernels_gen::dsl::Kernel;
 use models::{ComputeDtype, LogitsFor};
-use runtime::cuda::CudaDevice;
 use runtime::decode_timing::{time_decode, time_prefill, DecodeRun, DecodeTiming};
 use runtime::plan_exec::PlanExecutor;
+use runtime_cuda::CudaDevice;
 
 /// `config`'s serving plan for `target` (as `bbc compile` writes it: each sequence's argmax
 /// beside its logits), on this GPU with bf16 weights made there and a KV pool (and recurrent

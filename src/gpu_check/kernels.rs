@@ -10,10 +10,10 @@ use codegen::gpu;
 use codegen::Target;
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use runtime::compare::CompareDevice;
-use runtime::cuda::CudaDevice;
 use runtime::emulator_device::EmulatorDevice;
 use runtime::plan_exec::PlanExecutor;
 use runtime::serving::SchedulerConfig;
+use runtime_cuda::CudaDevice;
 use std::path::Path;
 
 /// The tiny HF fixtures (`tests/fixtures/hf-tiny/`) of the families compiled for the GPU

@@ -30,7 +30,7 @@ pub mod tiny_gguf;
 
 use anyhow::{anyhow, bail, Result};
 use codegen::Target;
-use runtime::cuda::CudaDevice;
+use runtime_cuda::CudaDevice;
 use std::path::{Path, PathBuf};
 
 /// A scratch directory, removed with everything in it when dropped: on every way out of the
@@ -87,7 +87,7 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
     let arch = target
         .cuda_arch()
         .ok_or_else(|| anyhow!("`{}` is not a GPU target", args.target))?;
-    if !runtime::cuda::driver_present() {
+    if !runtime_cuda::driver_present() {
         return Err(runtime::RuntimeError::NoCudaDriver.into());
     }
     let (major, minor) = crate::fetch::ensure_nvrtc(false)?;

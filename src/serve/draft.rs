@@ -42,20 +42,13 @@ pub fn load(arg: &str, target: &Tokenizer, cache: DraftCache) -> Result<(Box<dyn
                 sequences: cache.sequences,
             };
             let (weights, int8) = (&loaded.model.weights, &loaded.int8_heads);
-            let backend = runtime::cuda::CudaBackend::batched(
-                &plans.dir,
-                &plan,
-                graph,
-                weights,
-                int8,
-                context_length,
-                plan_cache,
-            )?
-            // A drafting pass has a row per sequence.
-            .capture_graphs_up_to(cache.sequences)
-            // A model with recurrent state: a snapshot place per sequence, to go back to
-            // past the drafts the target refuses.
-            .keep_state_snapshots(cache.sequences)?;
+            let backend =
+                runtime_cuda::load_batched_plan(&plans.dir, &plan, graph, weights, int8, context_length, plan_cache)?
+                    // A drafting pass has a row per sequence.
+                    .capture_graphs_up_to(cache.sequences)
+                    // A model with recurrent state: a snapshot place per sequence, to go back to
+                    // past the drafts the target refuses.
+                    .keep_state_snapshots(cache.sequences)?;
             Ok((drafter(backend, &cache, context_length, arg)?, "on the GPU"))
         }
         None => Ok((

@@ -280,7 +280,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             // it: those row counts run as graphs.
             let graph_rows = args.max_num_seqs * (1 + config.speculation.tokens);
             let backend =
-                runtime::cuda::CudaBackend::batched(&plans.dir, &plan, graph, weights, int8, context_length, cache)?
+                runtime_cuda::load_batched_plan(&plans.dir, &plan, graph, weights, int8, context_length, cache)?
                     .capture_graphs_up_to(graph_rows)
                     // The scheduler files no more than one a block.
                     .keep_state_snapshots(args.state_snapshots.min(args.kv_blocks.unwrap_or(usize::MAX)))?
@@ -417,7 +417,7 @@ fn announce_snapshots(state_bytes: usize, places: usize, held: &str) {
 
 /// Say what verifying drafts keeps of a GPU plan's recurrent states: a copy per draft and
 /// sequence.
-fn announce_checkpoints(backend: &runtime::cuda::CudaBackend, sequences: usize) {
+fn announce_checkpoints(backend: &runtime_cuda::CudaBackend, sequences: usize) {
     let drafts = backend.draft_checkpoints();
     if drafts > 0 {
         let mib = (sequences * drafts * backend.state_bytes_per_sequence()) as f64 / f64::from(1 << 20);

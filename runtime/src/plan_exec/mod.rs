@@ -7,7 +7,7 @@
 //! rows of many sequences over a paged pool, with the scheduler's block tables (`step_batch`).
 //!
 //! The device ([`PlanDevice`]) owns memory and launches kernels: CUDA through cudarc
-//! (`crate::cuda`), or the kernels-gen emulator (`crate::emulator_device`), which runs the very same
+//! (`runtime_cuda`), or the kernels-gen emulator (`crate::emulator_device`), which runs the very same
 //! plan on the CPU, so everything above the kernels is tested without a GPU.
 //!
 //! This file: the device interface, loading a plan, one-sequence steps. `batched`: batched

@@ -1,4 +1,4 @@
-//! The CUDA backend: a GPU artifact's plan (see [`crate::plan_exec`]) on an NVIDIA GPU through
+//! The CUDA backend: a GPU artifact's plan (see [`runtime::plan_exec`]) on an NVIDIA GPU through
 //! cudarc (the driver is loaded at run time, so this builds and links everywhere): every
 //! kernel's cubin (or PTX) loaded as a module, buffers as device allocations, launches on one
 //! stream.
@@ -13,14 +13,14 @@
 
 mod launch;
 
-use crate::error::{Result, RuntimeError};
-use crate::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nvrtc::Ptx;
 use gpu_plan::GpuPlan;
 use ir::Graph;
 use quant::int8_rows::Int8Rows;
 use quant::tensor::Tensors;
+use runtime::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
+use runtime::{Result, RuntimeError};
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::Path;
@@ -224,11 +224,11 @@ impl PlanDevice for CudaDevice {
         self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(driver)
     }
 
-    fn memory(&self) -> Option<crate::kv_sizing::DeviceMemory> {
+    fn memory(&self) -> Option<runtime::kv_sizing::DeviceMemory> {
         // Frees are ordered on the stream: what was released is free once it has run.
         self.stream.synchronize().ok()?;
         let (free, total) = self.stream.context().mem_get_info().ok()?;
-        Some(crate::kv_sizing::DeviceMemory { free, total })
+        Some(runtime::kv_sizing::DeviceMemory { free, total })
     }
 
     fn upload(&mut self, bytes: &[u8]) -> Result<Self::Buffer> {
@@ -389,39 +389,37 @@ fn read_plan(dir: &Path, plan_file: &str) -> Result<GpuPlan> {
 /// through the executor's `Backend` and `PagedBackend` implementations).
 pub type CudaBackend = PlanExecutor<CudaDevice>;
 
-impl CudaBackend {
-    /// Load `plan_file` of the artifact in `dir` for `graph`, with the model's weights.
-    pub fn from_artifact(
-        dir: &Path,
-        plan_file: &str,
-        graph: Graph,
-        weights: &dyn Tensors,
-        int8: &[(String, Int8Rows)],
-        context_length: usize,
-    ) -> Result<Self> {
-        let plan = read_plan(dir, plan_file)?;
-        PlanExecutor::new(CudaDevice::new(dir, &plan)?, plan, graph, weights, int8, context_length)
-    }
+/// Load `plan_file` of the artifact in `dir` for `graph`, with the model's weights.
+pub fn load_plan(
+    dir: &Path,
+    plan_file: &str,
+    graph: Graph,
+    weights: &dyn Tensors,
+    int8: &[(String, Int8Rows)],
+    context_length: usize,
+) -> Result<CudaBackend> {
+    let plan = read_plan(dir, plan_file)?;
+    PlanExecutor::new(CudaDevice::new(dir, &plan)?, plan, graph, weights, int8, context_length)
+}
 
-    /// The batched serving plan `plan_file` of the artifact in `dir`, its KV pool `cache`: for
-    /// `bbc serve` (continuous batching through [`crate::serving::PagedBackend`]).
-    pub fn batched(
-        dir: &Path,
-        plan_file: &str,
-        graph: Graph,
-        weights: &dyn Tensors,
-        int8: &[(String, Int8Rows)],
-        context_length: usize,
-        cache: gpu_plan::BatchedCache,
-    ) -> Result<Self> {
-        let mut plan = read_plan(dir, plan_file)?;
-        if plan.batched.is_none() {
-            return Err(RuntimeError::Artifact(format!("{plan_file} is not a batched plan")));
-        }
-        // The pool is sized at run time; the kernels take the block size as a scalar.
-        plan.batched = Some(cache);
-        PlanExecutor::new(CudaDevice::new(dir, &plan)?, plan, graph, weights, int8, context_length)
+/// The batched serving plan `plan_file` of the artifact in `dir`, its KV pool `cache`: for
+/// `bbc serve` (continuous batching through [`runtime::serving::PagedBackend`]).
+pub fn load_batched_plan(
+    dir: &Path,
+    plan_file: &str,
+    graph: Graph,
+    weights: &dyn Tensors,
+    int8: &[(String, Int8Rows)],
+    context_length: usize,
+    cache: gpu_plan::BatchedCache,
+) -> Result<CudaBackend> {
+    let mut plan = read_plan(dir, plan_file)?;
+    if plan.batched.is_none() {
+        return Err(RuntimeError::Artifact(format!("{plan_file} is not a batched plan")));
     }
+    // The pool is sized at run time; the kernels take the block size as a scalar.
+    plan.batched = Some(cache);
+    PlanExecutor::new(CudaDevice::new(dir, &plan)?, plan, graph, weights, int8, context_length)
 }
 
 #[cfg(test)]
