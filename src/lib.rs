@@ -8,5 +8,4 @@ pub mod gpu_check;
 pub mod model_ref;
 pub mod report;
 pub mod serve;
-pub mod structured;
 pub mod verify;

@@ -1,8 +1,8 @@
 //! `bbc run MODEL --prompt TEXT | --prompt-ids 1,2,3 [...]`: generate and stream text.
 
 use crate::model_ref;
-use crate::structured::{GrammarConstraint, OutputSpec, Reasoning, StructuredOutputs};
 use anyhow::{bail, ensure, Context, Result};
+use http_server::grammar::{GrammarConstraint, OutputSpec, Reasoning, StructuredOutputs};
 use models::{ChatMessage, ComputeDtype, KvCacheDtype, LogitsFor, StreamDecoder, Tokenizer};
 use runtime::{generate_processed, Engine, GenerateOptions, LogitsProcessor, SamplingParams};
 use std::collections::HashSet;
@@ -237,7 +237,7 @@ fn stream<B: runtime::Backend>(
     };
     let mut processors = processors(spec, shared_tokenizer, &options.stop_tokens)?;
     let silent = match (args.special, tokenizer) {
-        (false, Some(t)) => crate::serve::special_tokens::silent(t),
+        (false, Some(t)) => http_server::special_tokens::silent(t),
         _ => HashSet::new(),
     };
     let mut decoder = StreamDecoder::new();

@@ -1,38 +1,17 @@
-//! `bbc serve MODEL`: an OpenAI-compatible HTTP server over the continuous-batching engine.
-//! One thread owns the engine (`worker`); axum handlers (`http`) parse (`request`) and admit a
-//! request, follow its sequences (`generation`, detokenizing with `text`) and answer in OpenAI's
-//! format (`completions_output`), reporting through `metrics` and `error`.
+//! `bbc serve MODEL`: the model loaded and its backend built (the CPU backend, or a GPU
+//! artifact's batched plan), the serving engine started over it, and the HTTP server
+//! (`http_server`) in front of it.
 
-mod answer_parts;
-mod anthropic_output;
-mod anthropic_request;
-mod completions_output;
 mod draft;
-mod error;
-mod generation;
 mod generation_config;
-mod http;
-mod logits;
-mod messages;
-mod metrics;
-mod output_spec;
-mod reasoning;
-mod request;
-mod responses_output;
-mod responses_request;
-pub(crate) mod special_tokens;
 mod speculation;
-mod structured;
-mod text;
-mod tool_parser;
-mod tools;
-mod worker;
 
 use crate::model_ref;
 use anyhow::{bail, Context, Result};
+use http_server::{metrics, reasoning, tool_parser, EngineSetup};
 use models::ComputeDtype;
-use runtime::serving::{SchedulerConfig, ServingEngine};
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use runtime::serving::SchedulerConfig;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
 #[derive(clap::Args)]
@@ -260,7 +239,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     };
 
     let metrics = Arc::new(metrics::Metrics::default());
-    let (requests, inbox) = tokio::sync::mpsc::unbounded_channel();
+    let (requests, inbox) = http_server::request_channel();
     let block_size = args.block_size;
     match loaded.gpu_plan.take() {
         Some(plans) => {
@@ -306,7 +285,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             announce_checkpoints(&backend, args.max_num_seqs);
             eprintln!("steps of up to {} tokens", config.token_budget);
             let engine = engine_setup(config, args, drafter, inbox, &metrics);
-            start_engine(backend, engine)?;
+            http_server::start_engine(backend, engine)?;
         }
         None => {
             let backend = cpu_serving(loaded)?;
@@ -332,10 +311,9 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 eprintln!("greedy steps: the INT8-bound head (exact argmax)");
             }
             let engine = engine_setup(config, args, drafter, inbox, &metrics);
-            start_engine(backend, engine)?;
+            http_server::start_engine(backend, engine)?;
         }
     }
-    let structured = structured::LazyStructuredOutputs::new(tokenizer.clone());
     let template = tokenizer.chat_template.as_ref().map(|t| t.source());
     let tool_calls = args.tool_call_parser.format(template);
     match tool_calls {
@@ -344,8 +322,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             eprintln!("tool_choice auto: refused (no tool-call format in the chat template; see --tool-call-parser)")
         }
     }
-    let silent_special_tokens = Arc::new(special_tokens::silent(&tokenizer));
-    let state = Arc::new(http::AppState {
+    let options = http_server::ServerOptions {
         model_name: args
             .served_model_name
             .clone()
@@ -355,24 +332,10 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         api_key: args.api_key.clone(),
         reasoning: args.reasoning_parser.markers(family),
         tool_calls,
-        structured,
         generation_defaults,
         priority_scheduling: args.scheduling_policy == SchedulingPolicyArg::Priority,
-        silent_special_tokens,
-        requests,
-        metrics,
-        next_id: AtomicU64::new(0),
-    });
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
-    let warming = state.clone();
-    runtime.spawn(async move {
-        let _ = warming.structured.get().await;
-    });
-    runtime.block_on(listen(args, state))
+    };
+    http_server::listen(&format!("{}:{}", args.host, args.port), options, requests, metrics)
 }
 
 /// `loaded` (loaded with its greedy graph) on the CPU backend as serving runs it: its greedy
@@ -440,7 +403,7 @@ fn engine_setup(
     config: SchedulerConfig,
     args: &ServeArgs,
     drafter: Option<(String, Box<dyn runtime::serving::Drafter>)>,
-    inbox: tokio::sync::mpsc::UnboundedReceiver<worker::NewRequest>,
+    inbox: tokio::sync::mpsc::UnboundedReceiver<http_server::worker::NewRequest>,
     metrics: &Arc<metrics::Metrics>,
 ) -> EngineSetup {
     metrics.kv_blocks_total.store(config.kv_blocks as u64, Relaxed);
@@ -451,76 +414,6 @@ fn engine_setup(
         inbox,
         metrics: metrics.clone(),
     }
-}
-
-/// What the engine starts with besides its backend.
-struct EngineSetup {
-    config: SchedulerConfig,
-    policy: runtime::serving::SchedulingPolicy,
-    drafter: Option<(String, Box<dyn runtime::serving::Drafter>)>,
-    /// Where the server's requests come in.
-    inbox: tokio::sync::mpsc::UnboundedReceiver<worker::NewRequest>,
-    metrics: Arc<metrics::Metrics>,
-}
-
-/// Run an engine over `backend` on its own thread, taking requests from `setup.inbox`; say
-/// whether it drafts (the engine turns off speculation its backend cannot verify).
-fn start_engine<B>(backend: B, setup: EngineSetup) -> Result<()>
-where
-    B: runtime::serving::PagedBackend + Send + 'static,
-    B::Pages: Send,
-{
-    let EngineSetup {
-        config,
-        policy,
-        drafter,
-        inbox,
-        metrics,
-    } = setup;
-    let mut engine = ServingEngine::new(backend, config);
-    engine.set_scheduling_policy(policy);
-    let on = engine.scheduler().config().speculation;
-    let draft_model = drafter.and_then(|(name, drafter)| engine.use_drafter(drafter).then_some(name));
-    match (config.speculation.is_on(), on.is_on()) {
-        (_, true) => match draft_model {
-            Some(name) => eprintln!(
-                "speculative decoding: draft model {name}, up to {} drafted tokens a step",
-                on.tokens
-            ),
-            None => eprintln!(
-                "speculative decoding: prompt lookup, up to {} drafted tokens a step (matches of {}..={} tokens)",
-                on.tokens, on.min, on.max
-            ),
-        },
-        (true, false) => eprintln!(
-            "speculative decoding is off: this plan cannot verify drafted tokens (it was compiled before its kernels sampled several rows, or, for a model with recurrent state, kept the states to rewind drafts to: compile it again)"
-        ),
-        (false, false) => {}
-    }
-    let used = engine.scheduler().config();
-    if used.recurrent_state && used.state_cache.capacity == 0 {
-        eprintln!("prefix cache: off, this model's recurrent state is not snapshotted (--state-snapshots 0)");
-    }
-    std::thread::Builder::new()
-        .name("bbc-engine".into())
-        .spawn(move || worker::run(engine, inbox, metrics))
-        .context("starting the engine thread")?;
-    Ok(())
-}
-
-async fn listen(args: &ServeArgs, state: Arc<http::AppState>) -> Result<()> {
-    let address = format!("{}:{}", args.host, args.port);
-    let listener = tokio::net::TcpListener::bind(&address)
-        .await
-        .with_context(|| format!("binding {address}"))?;
-    let bound = listener.local_addr()?;
-    eprintln!("serving `{}` on http://{bound}", state.model_name);
-    axum::serve(listener, http::router(state))
-        .with_graceful_shutdown(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-        .await
-        .context("serving HTTP")
 }
 
 /// The model id clients send: a known model's name or shape's, or the file or directory name

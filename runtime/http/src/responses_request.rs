@@ -355,7 +355,7 @@ mod tests {
         assert!(request.stream);
         assert_eq!(request.sampling.temperature, 0.5);
         let calling = request.tools.and_then(|t| t.calling);
-        assert!(matches!(calling, Some(crate::serve::tools::ToolCalling::Named(ref t)) if t.name == "weather"));
+        assert!(matches!(calling, Some(crate::tools::ToolCalling::Named(ref t)) if t.name == "weather"));
         let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
         let format = parse_json(
             json!({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": schema}}}),

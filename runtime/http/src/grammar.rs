@@ -4,7 +4,7 @@
 //! ([`GrammarConstraint`], one of the runtime's logits processors): before every token the
 //! tokens that cannot continue the grammar are masked, and once the grammar is complete only
 //! the tokens that end the sequence remain. `bbc serve` takes the spec from a request
-//! (`serve::output_spec`), `bbc run` from its flags.
+//! (`output_spec`), `bbc run` from its flags.
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};

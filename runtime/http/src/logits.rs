@@ -7,7 +7,7 @@ use super::error::ApiError;
 use super::reasoning::Markers;
 use super::request::GenerationRequest;
 use super::structured::LazyStructuredOutputs;
-use crate::structured::{GrammarConstraint, Reasoning};
+use crate::grammar::{GrammarConstraint, Reasoning};
 use axum::http::StatusCode;
 use llguidance::Matcher;
 use models::Tokenizer;

@@ -329,8 +329,8 @@ fn tool_choice(choice: &Value) -> Result<(Value, bool), ApiError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::serve::request::ChatEnding;
-    use crate::serve::tools::ToolCalling;
+    use crate::request::ChatEnding;
+    use crate::tools::ToolCalling;
     use models::ChatMessage;
 
     fn parse_json(body: Value) -> Result<GenerationRequest, ApiError> {

@@ -1,10 +1,10 @@
 //! What shape a request asks its output to take (structured outputs), as the three spellings
 //! clients use give it: OpenAI's `response_format`, vLLM's `structured_outputs`, and vLLM's
 //! older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. At most one may
-//! constrain a request; `crate::structured` compiles what it asks for.
+//! constrain a request; `crate::grammar` compiles what it asks for.
 
 use super::error::ApiError;
-pub use crate::structured::OutputSpec;
+pub use crate::grammar::OutputSpec;
 use serde_json::{Map, Value};
 
 /// A request's output spec and the parameter that gave it (named in errors about it).

@@ -417,16 +417,16 @@ impl Generation {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::serve::reasoning::ReasoningParser;
-    use crate::serve::tool_parser::CallFormat;
+    use crate::reasoning::ReasoningParser;
+    use crate::tool_parser::CallFormat;
     use models::{Family, Tokenizer};
     use std::sync::atomic::AtomicU64;
 
     /// The tiny Gemma 4 GGUF's tokenizer (`tests/fixtures/gguf-tiny/tiny_gemma4_vocab.py`:
     /// `<|channel>` is a token of its own, the rest spelled from pieces and bytes).
     fn tokenizer() -> Tokenizer {
-        let path =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf-tiny/gemma4_kv_shared.gguf");
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/gguf-tiny/gemma4_kv_shared.gguf");
         Tokenizer::from_gguf(&models::gguf::GgufFile::open(&path).unwrap()).unwrap()
     }
 
@@ -459,7 +459,7 @@ mod tests {
             api_key: None,
             reasoning: parser.markers(Family::Gemma4),
             tool_calls: Some(CallFormat::Gemma4),
-            structured: crate::serve::structured::LazyStructuredOutputs::new(tokenizer.clone()),
+            structured: crate::structured::LazyStructuredOutputs::new(tokenizer.clone()),
             generation_defaults: Default::default(),
             priority_scheduling: false,
             silent_special_tokens: Default::default(),

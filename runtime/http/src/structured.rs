@@ -1,10 +1,10 @@
-//! The server's grammar compiler ([`crate::structured`]): built once per vocabulary on a
+//! The server's grammar compiler ([`crate::grammar`]): built once per vocabulary on a
 //! blocking thread when the server starts, and a request's spec compiled by it, a 400 naming
 //! the parameter where it does not compile.
 
 use super::error::ApiError;
 use super::output_spec::Structured;
-use crate::structured::StructuredOutputs;
+use crate::grammar::StructuredOutputs;
 use llguidance::Matcher;
 use models::Tokenizer;
 use std::sync::Arc;

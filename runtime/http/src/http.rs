@@ -35,9 +35,9 @@ pub struct AppState {
     pub tokenizer: Arc<Tokenizer>,
     pub context_length: usize,
     pub api_key: Option<String>,
-    /// Where chat responses split reasoning from the answer (`serve::reasoning`).
+    /// Where chat responses split reasoning from the answer (`crate::reasoning`).
     pub reasoning: Option<Markers>,
-    /// The format `tool_choice` auto reads the model's calls in (`serve::tool_parser`); none
+    /// The format `tool_choice` auto reads the model's calls in (`crate::tool_parser`); none
     /// refuses it.
     pub tool_calls: Option<CallFormat>,
     /// The grammar compiler over the model's vocabulary (structured outputs).

@@ -50,8 +50,8 @@ mod tests {
     /// The tiny Gemma 4 GGUF's control tokens (turn markers, BOS, EOS, padding) are silenced.
     #[test]
     fn a_gguf_files_control_tokens_are_silenced() {
-        let path =
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf-tiny/gemma4_kv_shared.gguf");
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/gguf-tiny/gemma4_kv_shared.gguf");
         let tokenizer = Tokenizer::from_gguf(&models::gguf::GgufFile::open(&path).unwrap()).unwrap();
         let silent = silent(&tokenizer);
         for token in ["<eos>", "<bos>", "<|turn>", "<turn|>"] {
