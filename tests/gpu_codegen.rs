@@ -300,51 +300,14 @@ fn tiny_models_compile_for_every_gpu_target_in_f32_and_bf16() {
     }
 }
 
-/// A config of Gemma 4's released shapes: E2B's (35 layers, the last 20 KV-shared with
-/// double-wide MLPs, heads of 256 and 512 over one KV head, per-layer inputs) or 26B-A4B's
-/// (30 layers, 128 experts of 704 beside each MLP, 8 a token; full-attention layers with keys
-/// as values over 2 KV heads of 512).
+/// A config of Gemma 4's released shapes (`models::config::shapes`): E2B's (35 layers, the
+/// last 20 KV-shared with double-wide MLPs, heads of 256 and 512 over one KV head, per-layer
+/// inputs) or 26B-A4B's (30 layers, 128 experts of 704 beside each MLP, 8 a token;
+/// full-attention layers with keys as values over 2 KV heads of 512).
 fn gemma4_config(moe: bool) -> models::ModelConfig {
-    let (layers, every) = if moe { (30, 6) } else { (35, 5) };
-    let layer_types: Vec<&str> = (0..layers)
-        .map(|i| match (i + 1) % every {
-            0 => "full_attention",
-            _ => "sliding_attention",
-        })
-        .collect();
-    let mut config = serde_json::json!({
-        "model_type": "gemma4_text",
-        "layer_types": layer_types,
-        "num_hidden_layers": layers,
-        "head_dim": 256,
-        "global_head_dim": 512,
-        "vocab_size": 262144,
-        "vocab_size_per_layer_input": 262144,
-        "sliding_window": 512,
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-6,
-        "final_logit_softcapping": 30.0,
-    });
-    let shape = match moe {
-        false => serde_json::json!({
-            "hidden_size": 1536, "intermediate_size": 6144, "num_attention_heads": 8,
-            "num_key_value_heads": 1, "num_kv_shared_layers": 20, "use_double_wide_mlp": true,
-            "hidden_size_per_layer_input": 256,
-        }),
-        true => serde_json::json!({
-            "hidden_size": 2816, "intermediate_size": 2112, "num_attention_heads": 16,
-            "num_key_value_heads": 8, "num_global_key_value_heads": 2, "attention_k_eq_v": true,
-            "hidden_size_per_layer_input": 0, "enable_moe_block": true, "num_experts": 128,
-            "top_k_experts": 8, "moe_intermediate_size": 704,
-        }),
-    };
-    for (key, value) in shape.as_object().unwrap() {
-        config[key] = value.clone();
-    }
-    let dir = common::scratch_dir("bbc-gemma4-shape-");
-    let path = dir.path().join("config.json");
-    std::fs::write(&path, config.to_string()).unwrap();
-    models::ModelConfig::from_hf_config(&path).unwrap()
+    let name = if moe { "gemma4-26b-a4b" } else { "gemma4-e2b" };
+    let json = models::config::shapes::config_json(name).unwrap();
+    models::ModelConfig::from_hf_json(json, std::path::Path::new(name)).unwrap()
 }
 
 /// Every kernel of the 8B-shaped serving plan (what `bbc gpu-check` times, and what a served
