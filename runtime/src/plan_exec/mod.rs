@@ -290,12 +290,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
             upload(&mut device, BufferKey::Constant(name.clone()), &bytes)?;
         }
-        for layout in &plan.kv_cache {
-            for value in [false, true] {
-                let bytes = cache_rows * layout.row_bytes(value);
-                held.insert(BufferKey::Kv(layout.slot, value), (device.alloc(bytes)?, bytes));
-            }
-        }
+        alloc_kv_cache(&mut device, &mut held, &plan.kv_cache, cache_rows)?;
         if plan.position_scores {
             let bytes = position_scores * 4;
             held.insert(BufferKey::PositionScores, (device.alloc(bytes)?, bytes));
@@ -440,14 +435,12 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 blocks * cache.block_size
             )));
         }
-        for layout in &self.plan.kv_cache {
-            for value in [false, true] {
-                let bytes = blocks * cache.block_size * layout.row_bytes(value);
-                buffers
-                    .held
-                    .insert(BufferKey::Kv(layout.slot, value), (device.alloc(bytes)?, bytes));
-            }
-        }
+        alloc_kv_cache(
+            device,
+            &mut buffers.held,
+            &self.plan.kv_cache,
+            blocks * cache.block_size,
+        )?;
         cache.blocks = blocks;
         self.plan.batched = Some(cache);
         Ok(self)
@@ -693,6 +686,22 @@ fn int8_tensors(rows: &Int8Rows) -> [(&'static str, Vec<u8>); 5] {
 
 /// A weight as the kernels read it: the parts (their rows) stacked by rows, converted to
 /// `dtype` (f32, bf16) or kept as GGUF blocks.
+/// Every layer's key and value caches for `rows` positions, zeroed, into `held`.
+fn alloc_kv_cache<D: PlanDevice>(
+    device: &mut D,
+    held: &mut HashMap<BufferKey, (D::Buffer, usize)>,
+    kv_cache: &[gpu_plan::KvLayout],
+    rows: usize,
+) -> Result<()> {
+    for layout in kv_cache {
+        for value in [false, true] {
+            let bytes = rows * layout.row_bytes(value);
+            held.insert(BufferKey::Kv(layout.slot, value), (device.alloc(bytes)?, bytes));
+        }
+    }
+    Ok(())
+}
+
 fn weight_bytes(dtype: DType, parts: &[WeightPart], source: &dyn Tensors) -> Result<Vec<u8>> {
     let mut out = Vec::new();
     for part in parts {
