@@ -78,25 +78,19 @@ static __device__ __forceinline__ void bbc_cp_async_16(void* dst, const void* sr
 }
 "#;
 
-const WGMMA_HELPERS: &str = r#"// A wgmma shared-memory descriptor without swizzling: start address, leading (K) and stride
-// (M/N) byte offsets, each encoded as (x & 0x3ffff) >> 4.
-static __device__ __forceinline__ unsigned long long bbc_wgmma_desc(const void* start, unsigned int lbo, unsigned int sbo) {
+const WGMMA_HELPERS: &str = r#"// A wgmma shared-memory descriptor: start address, leading (K) and stride (M/N) byte offsets,
+// each encoded as (x & 0x3ffff) >> 4, and the layout at bits 62-63 (0: no swizzle, 1: the
+// 128-byte swizzle, its pattern taken from the address bits: arrays start 1024-byte aligned).
+static __device__ __forceinline__ unsigned long long bbc_wgmma_desc(const void* start, unsigned int lbo, unsigned int sbo, unsigned int layout) {
     const unsigned long long address = (unsigned long long)__cvta_generic_to_shared(start);
     return ((address & 0x3ffffull) >> 4) | ((unsigned long long)((lbo & 0x3ffffu) >> 4) << 16)
-        | ((unsigned long long)((sbo & 0x3ffffu) >> 4) << 32);
+        | ((unsigned long long)((sbo & 0x3ffffu) >> 4) << 32) | ((unsigned long long)layout << 62);
 }
 "#;
 
-const TCGEN05_HELPERS: &str = r#"// The 32-bit shared-memory address of a generic pointer into shared memory.
+const MBARRIER_HELPERS: &str = r#"// The 32-bit shared-memory address of a generic pointer into shared memory.
 static __device__ __forceinline__ unsigned int bbc_shared_address(const void* p) {
     return (unsigned int)__cvta_generic_to_shared(p);
-}
-// A tcgen05 shared-memory descriptor without swizzling: start address, leading (K) and stride
-// (M/N) byte offsets, each encoded as (x & 0x3ffff) >> 4, and the fixed 0b001 at bits 46-48.
-static __device__ __forceinline__ unsigned long long bbc_tcgen05_desc(const void* start, unsigned int lbo, unsigned int sbo) {
-    const unsigned long long address = bbc_shared_address(start);
-    return ((address & 0x3ffffull) >> 4) | ((unsigned long long)((lbo & 0x3ffffu) >> 4) << 16)
-        | ((unsigned long long)((sbo & 0x3ffffu) >> 4) << 32) | (1ull << 46);
 }
 // Spin until the mbarrier's phase of this parity has completed.
 static __device__ __forceinline__ void bbc_mbarrier_wait(const void* barrier, int parity) {
@@ -105,6 +99,19 @@ static __device__ __forceinline__ void bbc_mbarrier_wait(const void* barrier, in
         asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
                      : "=r"(done) : "r"(bbc_shared_address(barrier)), "r"(parity) : "memory");
     }
+}
+"#;
+
+const TENSOR_MAP_TYPE: &str = r#"// A CUtensorMap as the driver encodes it (cuTensorMapEncodeTiled), passed by value.
+struct __align__(64) bbc_tensor_map { unsigned long long opaque[16]; };
+"#;
+
+const TCGEN05_HELPERS: &str = r#"// A tcgen05 shared-memory descriptor without swizzling: start address, leading (K) and stride
+// (M/N) byte offsets, each encoded as (x & 0x3ffff) >> 4, and the fixed 0b001 at bits 46-48.
+static __device__ __forceinline__ unsigned long long bbc_tcgen05_desc(const void* start, unsigned int lbo, unsigned int sbo) {
+    const unsigned long long address = bbc_shared_address(start);
+    return ((address & 0x3ffffull) >> 4) | ((unsigned long long)((lbo & 0x3ffffu) >> 4) << 16)
+        | ((unsigned long long)((sbo & 0x3ffffu) >> 4) << 32) | (1ull << 46);
 }
 "#;
 
@@ -185,8 +192,25 @@ pub fn emit(kernel: &Kernel) -> String {
         let _ = writeln!(out, "{WGMMA_HELPERS}");
     }
     let uses_tcgen05 = required_arch(kernel) == Some("sm_100a");
+    let uses_barriers = any_stmt(&kernel.body, &|s| {
+        matches!(s, Stmt::Mbarrier(_) | Stmt::TmaLoad(_) | Stmt::Tcgen05(_))
+    });
+    if uses_barriers {
+        let _ = writeln!(out, "{MBARRIER_HELPERS}");
+    }
     if uses_tcgen05 {
         let _ = writeln!(out, "{TCGEN05_HELPERS}");
+    }
+    if kernel.tensor_maps().next().is_some() {
+        let _ = writeln!(out, "{TENSOR_MAP_TYPE}");
+    }
+    let layout = kernel.shared_layout();
+    if layout.dynamic {
+        let _ = writeln!(
+            out,
+            "// Shared memory asked for at launch ({} bytes), its base aligned to {SHARED_ALIGNMENT} in the kernel.\nextern __shared__ unsigned char bbc_dynamic_shared[];\n",
+            layout.bytes
+        );
     }
     let params: Vec<String> = kernel
         .params
@@ -203,6 +227,7 @@ pub fn emit(kernel: &Kernel) -> String {
                 writable: true,
             } => format!("{ty}* __restrict__ {name}"),
             Param::Scalar { name, ty } => format!("{ty} {name}"),
+            Param::TensorMap(map) => format!("const __grid_constant__ bbc_tensor_map {}", map.name),
         })
         .collect();
     let _ = writeln!(
@@ -218,10 +243,29 @@ pub fn emit(kernel: &Kernel) -> String {
     } else {
         ""
     };
-    for a in &kernel.shared {
-        let _ = writeln!(out, "    __shared__ {align}{} {}[{}];", a.ty, a.name, a.len);
+    if !layout.dynamic {
+        for a in &kernel.shared {
+            let _ = writeln!(out, "    __shared__ {align}{} {}[{}];", a.ty, a.name, a.len);
+        }
     }
     out.push_str(AWAIT_PRIOR_KERNEL);
+    if layout.dynamic {
+        let _ = writeln!(
+            out,
+            "    unsigned char* const bbc_shared_base = (unsigned char*)(((unsigned long long)bbc_dynamic_shared + {}ull) & ~{}ull);",
+            SHARED_ALIGNMENT - 1,
+            SHARED_ALIGNMENT - 1
+        );
+        for (a, offset) in kernel.shared.iter().zip(&layout.offsets) {
+            let _ = writeln!(
+                out,
+                "    {ty}* const {name} = ({ty}*)(bbc_shared_base + {offset}); // {len} elements",
+                ty = a.ty,
+                name = a.name,
+                len = a.len
+            );
+        }
+    }
     let mut scope = Scope::of(kernel);
     // NVRTC reads a `const __restrict__` buffer through the read-only data path by itself,
     // but not once the pointer is also handed to inline assembly (a prefetch): those buffers'
@@ -283,18 +327,6 @@ fn uses_op(body: &[Stmt], op: UnOp) -> bool {
         Stmt::For { start, end, step, .. } => [start, end, step].iter().any(|e| in_expr(e, op)),
         Stmt::If { cond, .. } => in_expr(cond, op),
         _ => false,
-    })
-}
-
-/// Whether any statement of `body`, nested ones included, satisfies `pred`.
-fn any_stmt(body: &[Stmt], pred: &dyn Fn(&Stmt) -> bool) -> bool {
-    body.iter().any(|s| {
-        pred(s)
-            || match s {
-                Stmt::For { body, .. } => any_stmt(body, pred),
-                Stmt::If { then, otherwise, .. } => any_stmt(then, pred) || any_stmt(otherwise, pred),
-                _ => false,
-            }
     })
 }
 
@@ -442,6 +474,21 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
             }
             Stmt::Wgmma(w) => wgmma(out, w, scope, depth),
             Stmt::Tcgen05(op) => tcgen05(out, op, scope, depth),
+            Stmt::Mbarrier(op) => mbarrier(out, op, scope, depth),
+            Stmt::TmaLoad(tma) => {
+                let _ = writeln!(
+                    out,
+                    "asm volatile(\"cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {{%2, %3}}], [%4];\\n\"\n\
+                     {pad}    :: \"r\"(bbc_shared_address(&{}[{}])), \"l\"(&{}), \"r\"({}), \"r\"({}), \"r\"({}) : \"memory\");",
+                    tma.dst,
+                    expr(&tma.dst_index, scope),
+                    tma.map,
+                    expr(&tma.col, scope),
+                    expr(&tma.row, scope),
+                    barrier_address(&tma.barrier, scope),
+                    pad = "    ".repeat(depth)
+                );
+            }
             Stmt::Comment(c) => {
                 let _ = writeln!(out, "// {c}");
             }
@@ -449,9 +496,9 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
     }
 }
 
-/// One `wgmma.mma_async` with A from registers (packed to bf16 pairs) and B through a
-/// descriptor; the accumulators are read-write operands. scale-d is 1 (accumulate), so is
-/// the scale of A and B; imm-trans-b is 0 (B is K-major).
+/// One `wgmma.mma_async`, A from registers (packed to bf16 pairs) or through a descriptor, B
+/// through a descriptor; the accumulators are read-write operands. scale-d is 1 (accumulate),
+/// so is the scale of A and B; the transpose flags are 0 (shared operands are K-major).
 fn wgmma(out: &mut String, w: &WgmmaOp, scope: &Scope, depth: usize) {
     let accumulators = w.d.len();
     let registers = |from: usize, count: usize| (from..from + count).map(|i| format!("%{i}")).collect::<Vec<_>>();
@@ -461,8 +508,24 @@ fn wgmma(out: &mut String, w: &WgmmaOp, scope: &Scope, depth: usize) {
         .map(|c| c.join(", "))
         .collect::<Vec<_>>()
         .join(&format!(",\\n\"\n{pad}    \""));
-    let a_list = registers(accumulators, 4).join(", ");
-    let (desc, one) = (accumulators + 4, accumulators + 5);
+    let (a_operand, a_inputs, a_count, transposes) = match &w.a {
+        WgmmaA::Registers(a) => (
+            format!("{{{}}}", registers(accumulators, 4).join(", ")),
+            format!(
+                "\"r\"(bbc_pack_bf16x2({}, {})), \"r\"(bbc_pack_bf16x2({}, {})), \"r\"(bbc_pack_bf16x2({}, {})), \"r\"(bbc_pack_bf16x2({}, {})),",
+                a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
+            ),
+            4,
+            "0",
+        ),
+        WgmmaA::Shared(a) => (
+            format!("%{accumulators}"),
+            format!("\"l\"({}),", descriptor(a, scope)),
+            1,
+            "0, 0",
+        ),
+    };
+    let (desc, one) = (accumulators + a_count, accumulators + a_count + 1);
     let _ = writeln!(
         out,
         "asm volatile(\"{{\\n.reg .pred scale_d;\\nsetp.ne.b32 scale_d, %{one}, 0;\\n\""
@@ -472,27 +535,69 @@ fn wgmma(out: &mut String, w: &WgmmaOp, scope: &Scope, depth: usize) {
         "{pad}    \"wgmma.mma_async.sync.aligned.m64n{}k16.f32.bf16.bf16 {{{d_list}}},\\n\"",
         w.n
     );
-    let _ = writeln!(out, "{pad}    \"{{{a_list}}}, %{desc}, scale_d, 1, 1, 0;\\n}}\\n\"");
+    let _ = writeln!(
+        out,
+        "{pad}    \"{a_operand}, %{desc}, scale_d, 1, 1, {transposes};\\n}}\\n\""
+    );
     let d_operands =
         w.d.chunks(8)
             .map(|c| c.iter().map(|d| format!("\"+f\"({d})")).collect::<Vec<_>>().join(", "))
             .collect::<Vec<_>>()
             .join(&format!(",\n{pad}      "));
     let _ = writeln!(out, "{pad}    : {d_operands}");
-    let a = &w.a;
-    let _ = writeln!(
-        out,
-        "{pad}    : \"r\"(bbc_pack_bf16x2({}, {})), \"r\"(bbc_pack_bf16x2({}, {})), \"r\"(bbc_pack_bf16x2({}, {})), \"r\"(bbc_pack_bf16x2({}, {})),",
-        a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
-    );
-    let _ = writeln!(
-        out,
-        "{pad}      \"l\"(bbc_wgmma_desc(&{}[{}], {}u, {}u)), \"r\"(1));",
-        w.b.array,
-        expr(&w.b.start, scope),
-        w.b.lbo,
-        w.b.sbo
-    );
+    let _ = writeln!(out, "{pad}    : {a_inputs}");
+    let _ = writeln!(out, "{pad}      \"l\"({}), \"r\"(1));", descriptor(&w.b, scope));
+}
+
+/// A wgmma descriptor of a shared operand (see `SmemMatrix`).
+fn descriptor(m: &SmemMatrix, scope: &Scope) -> String {
+    let layout = match m.swizzle {
+        Swizzle::None => 0,
+        Swizzle::B128 => 1,
+    };
+    format!(
+        "bbc_wgmma_desc(&{}[{}], {}u, {}u, {layout}u)",
+        m.array,
+        expr(&m.start, scope),
+        m.lbo,
+        m.sbo
+    )
+}
+
+/// The shared-memory address of an mbarrier (see `MbarrierRef`).
+fn barrier_address(barrier: &MbarrierRef, scope: &Scope) -> String {
+    format!(
+        "bbc_shared_address(&{}[2 * ({})])",
+        barrier.array,
+        expr(&barrier.slot, scope)
+    )
+}
+
+/// One `Mbarrier` statement as inline PTX.
+fn mbarrier(out: &mut String, op: &Mbarrier, scope: &Scope, depth: usize) {
+    let pad = "    ".repeat(depth);
+    let line = match op {
+        Mbarrier::Init { barrier, count } => format!(
+            "asm volatile(\"mbarrier.init.shared::cta.b64 [%0], {count};\\n\" :: \"r\"({}) : \"memory\");\n\
+             {pad}asm volatile(\"fence.mbarrier_init.release.cluster;\\n\" ::: \"memory\");",
+            barrier_address(barrier, scope)
+        ),
+        Mbarrier::ArriveExpectTx { barrier, bytes } => format!(
+            "asm volatile(\"mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], {bytes};\\n\" :: \"r\"({}) : \"memory\");",
+            barrier_address(barrier, scope)
+        ),
+        Mbarrier::Arrive { barrier } => format!(
+            "asm volatile(\"mbarrier.arrive.shared::cta.b64 _, [%0];\\n\" :: \"r\"({}) : \"memory\");",
+            barrier_address(barrier, scope)
+        ),
+        Mbarrier::Wait { barrier, parity } => format!(
+            "bbc_mbarrier_wait(&{}[2 * ({})], {});",
+            barrier.array,
+            expr(&barrier.slot, scope),
+            expr(parity, scope)
+        ),
+    };
+    let _ = writeln!(out, "{line}");
 }
 
 /// One `tcgen05` statement (see `Tcgen05`) as inline PTX.
@@ -519,21 +624,14 @@ fn tcgen05(out: &mut String, op: &Tcgen05, scope: &mut Scope, depth: usize) {
             "asm volatile(\"tcgen05.dealloc.cta_group::1.sync.aligned.b32 %0, {columns};\\n\" :: \"r\"({}) : \"memory\");",
             expr(address, scope)
         ),
-        Tcgen05::MbarrierInit { barrier, count } => format!(
-            "asm volatile(\"mbarrier.init.shared::cta.b64 [%0], {count};\\n\" :: \"r\"({}) : \"memory\");\n{pad}{}",
-            address(barrier),
-            asm("fence.mbarrier_init.release.cluster;")
-        ),
-        Tcgen05::MbarrierWait { barrier, parity } => {
-            format!("bbc_mbarrier_wait(&{barrier}[0], {});", expr(parity, scope))
-        }
-        Tcgen05::Mma(TmemMma {
-            tmem,
-            a,
-            b,
-            n,
-            accumulate,
-        }) => format!(
+        Tcgen05::Mma(mma) => {
+            let TmemMma {
+                tmem,
+                a,
+                b,
+                n,
+                accumulate,
+            } = &**mma; format!(
             "asm volatile(\"{{\\n.reg .pred accumulate;\\nsetp.ne.b32 accumulate, %4, 0;\\n\"\n\
              {pad}    \"tcgen05.mma.cta_group::1.kind::f16 [%0], %1, %2, %3, accumulate;\\n}}\\n\"\n\
              {pad}    :: \"r\"({}), \"l\"({}), \"l\"({}),\n\
@@ -544,10 +642,11 @@ fn tcgen05(out: &mut String, op: &Tcgen05, scope: &mut Scope, depth: usize) {
             desc(b, scope),
             tcgen05_instruction_descriptor(*n),
             expr(accumulate, scope)
-        ),
+        )
+        }
         Tcgen05::Commit { barrier } => format!(
             "asm volatile(\"tcgen05.commit.cta_group::1.mbarrier::arrive::one.shared::cluster.b64 [%0];\\n\" :: \"r\"({}) : \"memory\");",
-            address(barrier)
+            barrier_address(barrier, scope)
         ),
         Tcgen05::Load { address, names } => {
             let registers = (0..names.len()).map(|i| format!("%{i}")).collect::<Vec<_>>().join(", ");

@@ -206,7 +206,7 @@ pub enum Stmt {
     /// `wgmma` (needed before the first one and after the accumulators were touched).
     WgmmaFence,
     /// `wgmma.mma_async` (sm_90a only): see `WgmmaOp`. Asynchronous: its registers and shared
-    /// operand must not be touched until a `WgmmaWait` retires its group.
+    /// operands must not be touched until a `WgmmaWait` retires its group.
     Wgmma(Box<WgmmaOp>),
     /// `wgmma.commit_group.sync.aligned`: the warpgroup's uncommitted `wgmma`s form a group.
     WgmmaCommit,
@@ -214,14 +214,109 @@ pub enum Stmt {
     WgmmaWait(u32),
     /// Blackwell datacenter (sm_100a) tensor cores: see `Tcgen05`.
     Tcgen05(Box<Tcgen05>),
+    /// Shared-memory barriers with arrival counts and transaction bytes: see `Mbarrier`.
+    Mbarrier(Box<Mbarrier>),
+    /// The Tensor Memory Accelerator (sm_90 and later): see `TmaLoad`.
+    TmaLoad(Box<TmaLoad>),
     Comment(String),
+}
+
+/// An mbarrier (sm_80 and later): 8 bytes of shared memory, slot `slot` of a shared `u32`
+/// array (elements `2·slot`, `2·slot + 1`). A phase completes when its expected arrivals have
+/// arrived and the transaction bytes announced to it (`ArriveExpectTx`) have been delivered
+/// (by TMA copies); the next phase then begins. Waits name a phase by its parity.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MbarrierRef {
+    pub array: String,
+    pub slot: Expr,
+}
+
+impl MbarrierRef {
+    /// The barrier of the whole array (slot 0).
+    pub fn whole(array: &str) -> Self {
+        Self {
+            array: array.into(),
+            slot: int(0),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Mbarrier {
+    /// One thread: a barrier expecting `count` arrivals per phase (made visible to the
+    /// block by the `__syncthreads()` that must follow before any other use).
+    Init { barrier: MbarrierRef, count: u32 },
+    /// Each active thread arrives once and announces `bytes` more transaction bytes for the
+    /// current phase (`mbarrier.arrive.expect_tx`).
+    ArriveExpectTx { barrier: MbarrierRef, bytes: u32 },
+    /// Each active thread arrives once.
+    Arrive { barrier: MbarrierRef },
+    /// Wait until the phase of `barrier` with this parity (0 or 1) has completed.
+    Wait { barrier: MbarrierRef, parity: Expr },
+}
+
+/// How a bf16 tile's 16-byte chunks sit in shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Swizzle {
+    /// As addressed: a tensor-core operand is read as 8×8 core matrices placed by its leading
+    /// and stride byte offsets (`SmemMatrix`), a TMA box is written row after row.
+    None,
+    /// The 128-byte swizzle: rows of 128 bytes (64 bf16) whose 16-byte chunk `c` of row `r`
+    /// lies at chunk `c ^ (r % 8)`, so the eight rows of a 1 KiB atom spread one column of
+    /// chunks over all 32 banks. Applied to shared-memory address bits (bits 4–6 XOR bits
+    /// 7–9), so arrays holding such tiles start 1024-byte aligned. What TMA writes and the
+    /// tensor cores read without bank conflicts.
+    B128,
+}
+
+impl Swizzle {
+    /// The element of a bf16 array (1024-byte aligned) that address `index` lands on.
+    pub fn bf16_element(self, index: usize) -> usize {
+        match self {
+            Swizzle::None => index,
+            Swizzle::B128 => index ^ (((index >> 6) & 7) << 3),
+        }
+    }
+}
+
+/// A two-dimensional view of a global bf16 buffer for TMA (`CUtensorMap`): `rows` × `cols`
+/// elements, row-major with rows `stride` elements apart, copied in boxes of `box_rows` ×
+/// `box_cols`. Not a launch argument: the launcher derives it from `buffer` and the scalar
+/// parameters (`rows`, `cols`, `stride` are expressions of them) and passes it as a
+/// `__grid_constant__`. The row pitch must be a multiple of 16 bytes (`stride` of 8);
+/// elements of a box outside the tensor arrive as zeros.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorMap {
+    pub name: String,
+    pub buffer: String,
+    pub rows: Expr,
+    pub cols: Expr,
+    pub stride: Expr,
+    pub box_rows: u32,
+    pub box_cols: u32,
+    /// The layout the box lands in: with `B128`, `box_cols` is 64 (one 128-byte row).
+    pub swizzle: Swizzle,
+}
+
+/// `cp.async.bulk.tensor.2d` (TMA, sm_90 and later), issued by one thread: the box of `map`
+/// whose first element is (`row`, `col`) lands in the shared `dst` from element `dst_index`
+/// (box row after box row, in the map's swizzle; 1024-byte aligned with `B128`, 128-byte
+/// otherwise) and delivers its bytes, the whole box's, to `barrier`'s current phase. The
+/// destination may be read once that phase has been waited for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TmaLoad {
+    pub map: String,
+    pub dst: String,
+    pub dst_index: Expr,
+    pub row: Expr,
+    pub col: Expr,
+    pub barrier: MbarrierRef,
 }
 
 /// The `tcgen05` family (sm_100a only) and the mbarriers that order it. The accumulator lives
 /// in tensor memory (TMEM: 128 lanes × 512 columns of 32 bits per SM, allocated by columns),
 /// an MMA is issued by one thread and completes asynchronously, signalled through an mbarrier;
-/// warps read their quarter of the lanes back into registers. An mbarrier is a shared `u32`
-/// array of length 2 (its 8 bytes).
+/// warps read their quarter of the lanes back into registers (see `Mbarrier` for the barriers).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Tcgen05 {
     /// One whole warp: allocate `columns` TMEM columns (a power of two, 32..=512) and write
@@ -230,14 +325,10 @@ pub enum Tcgen05 {
     Alloc { columns: u32, slot: String },
     /// One whole warp: free the `columns` columns at `address` (required before the block ends).
     Dealloc { columns: u32, address: Expr },
-    /// One thread: an mbarrier expecting `count` arrivals per phase.
-    MbarrierInit { barrier: String, count: u32 },
-    /// Wait until the phase of `barrier` with this parity (0 or 1) has completed.
-    MbarrierWait { barrier: String, parity: Expr },
     /// One thread: see `TmemMma`.
-    Mma(TmemMma),
+    Mma(Box<TmemMma>),
     /// The issuing thread: one arrival on `barrier` once its MMAs issued so far complete.
-    Commit { barrier: String },
+    Commit { barrier: MbarrierRef },
     /// One whole warp (warp w of each group of 4 reads lanes 32·(w % 4)..+32):
     /// `tcgen05.ld.32x32b.xN`, lane l gets TMEM lane `(address >> 16) + l`, columns
     /// `(address & 0xffff) + j` as new f32 locals `names[j]`; valid after `WaitLd`.
@@ -260,10 +351,13 @@ pub struct AsyncCopy {
     pub valid: Expr,
 }
 
-/// A K-major bf16 operand in shared memory without swizzling, as a `wgmma` descriptor sees
-/// it: 8×8 "core matrices" (8 rows of 16 bytes, 128 contiguous bytes); element (row, k) of
-/// the operand sits at `start + (row / 8)·sbo + (k / 8)·lbo + (row % 8)·8 + k % 8` elements,
-/// with `lbo`/`sbo` the descriptor's leading/stride byte offsets given here in bytes.
+/// A K-major bf16 operand in shared memory, as a `wgmma`/`tcgen05` descriptor sees it.
+/// Without swizzling: 8×8 "core matrices" (8 rows of 16 bytes, 128 contiguous bytes);
+/// element (row, k) sits at `start + (row / 8)·sbo + (k / 8)·lbo + (row % 8)·8 + k % 8`
+/// elements, with `lbo`/`sbo` the leading/stride byte offsets given here in bytes. With the
+/// 128-byte swizzle (wgmma only): rows of 128 bytes, 8-row groups `sbo` bytes apart, element
+/// (row, k) at the swizzled address of `start + (row / 8)·sbo + (row % 8)·64 + k` (`lbo`
+/// unused); `start` steps along K inside a row (32 bytes a 16-wide k slice).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SmemMatrix {
     pub array: String,
@@ -273,18 +367,29 @@ pub struct SmemMatrix {
     pub lbo: u32,
     /// Bytes between core matrices adjacent along M/N (8-row groups).
     pub sbo: u32,
+    pub swizzle: Swizzle,
 }
 
-/// `wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16` with A in registers: the warpgroup
-/// (4 consecutive warps, 128 threads) multiplies a 64×16 A by a 16×N B into a 64×N f32
-/// accumulator, `d += a·b`. Warp w of the group holds rows 16w..16w+16 of A and D. Per lane
-/// (g = lane / 4, t = lane % 4, rows relative to 16w): `a` is laid out as `mma.sync`'s A
-/// (see `Stmt::MmaBf16`); `d[4j..4j+2]` = D[g][8j+2t, +1], `d[4j+2..4j+4]` = D[g+8][8j+2t, +1].
-/// B comes from shared memory: B[k][col] is element (col, k) of `b`.
+/// Where a `wgmma` takes A from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WgmmaA {
+    /// f32 locals, laid out as `mma.sync`'s A (see `Stmt::MmaBf16`), rounded to bf16 when
+    /// packed.
+    Registers([String; 8]),
+    /// A 64×16 K-major operand in shared memory.
+    Shared(SmemMatrix),
+}
+
+/// `wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16`: the warpgroup (4 consecutive
+/// warps, 128 threads) multiplies a 64×16 A by a 16×N B into a 64×N f32 accumulator,
+/// `d += a·b`. Warp w of the group holds rows 16w..16w+16 of D (and of A, from registers).
+/// Per lane (g = lane / 4, t = lane % 4, rows relative to 16w): `d[4j..4j+2]` =
+/// D[g][8j+2t, +1], `d[4j+2..4j+4]` = D[g+8][8j+2t, +1]. B comes from shared memory: B[k][col]
+/// is element (col, k) of `b`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WgmmaOp {
     pub n: u32,
-    pub a: [String; 8],
+    pub a: WgmmaA,
     pub b: SmemMatrix,
     /// N/2 f32 accumulator locals.
     pub d: Vec<String>,
@@ -323,12 +428,15 @@ pub enum Param {
         name: String,
         ty: Ty,
     },
+    /// Derived by the launcher, not passed by the caller: see `TensorMap`.
+    TensorMap(Box<TensorMap>),
 }
 
 impl Param {
     pub fn name(&self) -> &str {
         match self {
             Param::Buffer { name, .. } | Param::Scalar { name, .. } => name,
+            Param::TensorMap(map) => &map.name,
         }
     }
 }
@@ -338,6 +446,38 @@ pub struct SharedArray {
     pub name: String,
     pub ty: Ty,
     pub len: usize,
+}
+
+/// The most shared memory a block may have (sm_90 and sm_100; beyond the static limit it is
+/// asked for at launch).
+pub const SHARED_LIMIT: usize = 227 * 1024;
+/// The most shared memory a kernel may declare statically.
+pub const STATIC_SHARED_LIMIT: usize = 48 * 1024;
+/// Alignment of each shared array in dynamic shared memory: the 128-byte swizzle's period,
+/// which TMA destinations and swizzled operands assume of their addresses.
+pub const SHARED_ALIGNMENT: usize = 1024;
+
+/// How a kernel's shared arrays are placed. Static arrays (16-byte aligned) while they fit in
+/// 48 KiB and nothing needs more alignment; otherwise one dynamic allocation of `bytes`
+/// (asked for at launch) in which array i starts at byte `offsets[i]` past a 1024-byte
+/// aligned base (`bytes` includes the 1 KiB the kernel may skip to align it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedLayout {
+    pub dynamic: bool,
+    pub offsets: Vec<usize>,
+    pub bytes: usize,
+}
+
+/// Whether any statement of `body`, nested ones included, satisfies `pred`.
+pub fn any_stmt(body: &[Stmt], pred: &dyn Fn(&Stmt) -> bool) -> bool {
+    body.iter().any(|s| {
+        pred(s)
+            || match s {
+                Stmt::For { body, .. } => any_stmt(body, pred),
+                Stmt::If { then, otherwise, .. } => any_stmt(then, pred) || any_stmt(otherwise, pred),
+                _ => false,
+            }
+    })
 }
 
 /// One kernel: launched as `grid` blocks (a scalar expression of the parameters) of
@@ -358,6 +498,50 @@ pub struct Kernel {
 impl Kernel {
     pub fn param(&self, name: &str) -> Option<&Param> {
         self.params.iter().find(|p| p.name() == name)
+    }
+
+    /// The parameters a launch passes, in order: all but the tensor maps, which the launcher
+    /// derives from them.
+    pub fn launch_params(&self) -> impl Iterator<Item = &Param> {
+        self.params.iter().filter(|p| !matches!(p, Param::TensorMap(_)))
+    }
+
+    /// Where the shared arrays live (see `SharedLayout`).
+    pub fn shared_layout(&self) -> SharedLayout {
+        let declared: usize = self.shared.iter().map(|a| a.len * a.ty.bytes()).sum();
+        let swizzled = |m: &SmemMatrix| m.swizzle != Swizzle::None;
+        let aligned = self.tensor_maps().next().is_some()
+            || any_stmt(&self.body, &|s| match s {
+                Stmt::Wgmma(w) => swizzled(&w.b) || matches!(&w.a, WgmmaA::Shared(a) if swizzled(a)),
+                Stmt::TmaLoad(_) => true,
+                _ => false,
+            });
+        if !aligned && declared <= STATIC_SHARED_LIMIT {
+            return SharedLayout {
+                dynamic: false,
+                offsets: vec![],
+                bytes: declared,
+            };
+        }
+        let mut offsets = Vec::new();
+        let mut end = 0;
+        for a in &self.shared {
+            offsets.push(end);
+            end += (a.len * a.ty.bytes()).next_multiple_of(SHARED_ALIGNMENT);
+        }
+        SharedLayout {
+            dynamic: true,
+            offsets,
+            bytes: end + SHARED_ALIGNMENT,
+        }
+    }
+
+    /// The tensor maps the launcher derives (see `TensorMap`).
+    pub fn tensor_maps(&self) -> impl Iterator<Item = &TensorMap> {
+        self.params.iter().filter_map(|p| match p {
+            Param::TensorMap(map) => Some(&**map),
+            _ => None,
+        })
     }
 }
 

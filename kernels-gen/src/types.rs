@@ -21,6 +21,8 @@ pub struct Scope {
     /// Buffers the CUDA emitter reads through `__ldg` (those the kernel also prefetches:
     /// see `cuda::emit`).
     pub ldg: std::collections::HashSet<String>,
+    /// The tensor maps (TMA views of global buffers).
+    pub maps: HashMap<String, TensorMap>,
 }
 
 impl Scope {
@@ -33,6 +35,9 @@ impl Scope {
                 }
                 Param::Scalar { name, ty } => {
                     s.vars.insert(name.clone(), *ty);
+                }
+                Param::TensorMap(map) => {
+                    s.maps.insert(map.name.clone(), (**map).clone());
                 }
             }
         }
@@ -134,6 +139,26 @@ impl Scope {
         }
     }
 
+    /// `barrier` is an mbarrier: a slot of a shared `u32` array (see `MbarrierRef`).
+    fn mbarrier(&self, barrier: &MbarrierRef) -> Result<(), String> {
+        self.shared_array(&barrier.array, Ty::U32, 2, "mbarrier")?;
+        self.int(&barrier.slot)
+    }
+
+    /// A K-major operand of a tensor-core instruction (see `SmemMatrix`).
+    fn operand(&self, what: &str, m: &SmemMatrix) -> Result<(), String> {
+        self.bf16_array(&m.array, true)?;
+        self.int(&m.start)?;
+        for (name, bytes) in [("leading", m.lbo), ("stride", m.sbo)] {
+            if bytes % 16 != 0 || bytes >= 1 << 18 {
+                return Err(format!(
+                    "{what} {name} byte offset {bytes} (a multiple of 16 below 2^18)"
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn f32_locals<'a>(&self, what: &str, names: impl IntoIterator<Item = &'a String>) -> Result<(), String> {
         for name in names {
             match self.vars.get(name) {
@@ -159,7 +184,56 @@ pub fn check(kernel: &Kernel) -> Result<(), TypeError> {
     };
     let scope = Scope::of(kernel);
     scope.type_of(&kernel.grid).map_err(err)?;
+    for map in kernel.tensor_maps() {
+        check_tensor_map(map, &scope).map_err(err)?;
+    }
     check_block(&kernel.body, &mut scope.clone()).map_err(err)
+}
+
+/// What `cuTensorMapEncodeTiled` accepts of a 2-D bf16 map, and the box widths bbc's layouts
+/// assume: box sides of 1..=256 elements, rows of whole 16-byte units, exactly one 128-byte
+/// row under the 128-byte swizzle. Its sizes are expressions of the scalar parameters.
+fn check_tensor_map(map: &TensorMap, scope: &Scope) -> Result<(), String> {
+    let name = &map.name;
+    scope.bf16_array(&map.buffer, false)?;
+    for size in [&map.rows, &map.cols, &map.stride] {
+        scope.int(size)?;
+        if !uses_scalars_only(size) {
+            return Err(format!(
+                "tensor map `{name}`: its sizes must be expressions of the scalar parameters"
+            ));
+        }
+    }
+    for side in [map.box_rows, map.box_cols] {
+        if !(1..=256).contains(&side) {
+            return Err(format!("tensor map `{name}`: a box side of {side} (1..=256)"));
+        }
+    }
+    if !map.box_cols.is_multiple_of(8) {
+        return Err(format!(
+            "tensor map `{name}`: box rows of {} bytes, not a multiple of 16",
+            2 * map.box_cols
+        ));
+    }
+    if map.swizzle == Swizzle::B128 && map.box_cols != 64 {
+        return Err(format!(
+            "tensor map `{name}`: a 128-byte swizzle takes boxes 64 bf16 wide, not {}",
+            map.box_cols
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `e` reads nothing but literals and variables (the scalar parameters, at the
+/// launcher): no builtins, no memory.
+fn uses_scalars_only(e: &Expr) -> bool {
+    match e {
+        Expr::F32(_) | Expr::Int(_) | Expr::Bool(_) | Expr::Var(_) => true,
+        Expr::Bin(_, a, b) => uses_scalars_only(a) && uses_scalars_only(b),
+        Expr::Un(_, a) | Expr::Cast(_, a) => uses_scalars_only(a),
+        Expr::Select(c, a, b) => [c, a, b].iter().all(|e| uses_scalars_only(e)),
+        Expr::Builtin(_) | Expr::Load { .. } | Expr::LoadRow { .. } | Expr::ShflXor(..) => false,
+    }
 }
 
 fn check_block(body: &[Stmt], scope: &mut Scope) -> Result<(), String> {
@@ -258,16 +332,41 @@ fn check_block_declaring<'a>(
                         w.d.len()
                     ));
                 }
-                scope.f32_locals("wgmma operand", w.a.iter().chain(&w.d))?;
-                scope.bf16_array(&w.b.array, true)?;
-                scope.int(&w.b.start)?;
-                for (what, bytes) in [("leading", w.b.lbo), ("stride", w.b.sbo)] {
-                    if bytes % 16 != 0 || bytes >= 1 << 18 {
-                        return Err(format!(
-                            "wgmma {what} byte offset {bytes} (a multiple of 16 below 2^18)"
-                        ));
+                scope.f32_locals("wgmma accumulator", &w.d)?;
+                match &w.a {
+                    WgmmaA::Registers(a) => scope.f32_locals("wgmma operand", a)?,
+                    WgmmaA::Shared(a) => scope.operand("wgmma", a)?,
+                }
+                scope.operand("wgmma", &w.b)?;
+            }
+            Stmt::Mbarrier(op) => match &**op {
+                Mbarrier::Init { barrier, count } => {
+                    scope.mbarrier(barrier)?;
+                    if *count == 0 || *count >= 1 << 20 {
+                        return Err(format!("an mbarrier expecting {count} arrivals (1..2^20)"));
                     }
                 }
+                Mbarrier::ArriveExpectTx { barrier, bytes } => {
+                    scope.mbarrier(barrier)?;
+                    if *bytes >= 1 << 20 {
+                        return Err(format!("an mbarrier expecting {bytes} transaction bytes (below 2^20)"));
+                    }
+                }
+                Mbarrier::Arrive { barrier } => scope.mbarrier(barrier)?,
+                Mbarrier::Wait { barrier, parity } => {
+                    scope.mbarrier(barrier)?;
+                    scope.int(parity)?;
+                }
+            },
+            Stmt::TmaLoad(tma) => {
+                if !scope.maps.contains_key(&tma.map) {
+                    return Err(format!("`{}` is not a tensor map", tma.map));
+                }
+                scope.bf16_array(&tma.dst, true)?;
+                for e in [&tma.dst_index, &tma.row, &tma.col] {
+                    scope.int(e)?;
+                }
+                scope.mbarrier(&tma.barrier)?;
             }
             Stmt::LoadVec { buf, index, names } => {
                 let (ty, _) = *scope
@@ -318,20 +417,15 @@ fn check_tcgen05<'a>(
             tmem_columns(*columns)?;
             scope.int(address)?;
         }
-        Tcgen05::MbarrierInit { barrier, .. } | Tcgen05::Commit { barrier } => {
-            scope.shared_array(barrier, Ty::U32, 2, "mbarrier")?
-        }
-        Tcgen05::MbarrierWait { barrier, parity } => {
-            scope.shared_array(barrier, Ty::U32, 2, "mbarrier")?;
-            scope.int(parity)?;
-        }
-        Tcgen05::Mma(TmemMma {
-            tmem,
-            a,
-            b,
-            n,
-            accumulate,
-        }) => {
+        Tcgen05::Commit { barrier } => scope.mbarrier(barrier)?,
+        Tcgen05::Mma(mma) => {
+            let TmemMma {
+                tmem,
+                a,
+                b,
+                n,
+                accumulate,
+            } = &**mma;
             if *n < 16 || *n > 256 || n % 16 != 0 {
                 return Err(format!(
                     "tcgen05.mma with M = 128 takes N = 16..=256 in steps of 16, not {n}"
@@ -339,8 +433,10 @@ fn check_tcgen05<'a>(
             }
             scope.int(tmem)?;
             for operand in [a, b] {
-                scope.bf16_array(&operand.array, true)?;
-                scope.int(&operand.start)?;
+                if operand.swizzle != Swizzle::None {
+                    return Err("tcgen05.mma operands are read without swizzling".into());
+                }
+                scope.operand("tcgen05.mma", operand)?;
             }
             if scope.type_of(accumulate)? != Ty::Bool {
                 return Err("tcgen05.mma needs a bool `accumulate`".into());

@@ -268,12 +268,13 @@ fn wgmma_program() -> Vec<(&'static str, Stmt)> {
             "wgmma",
             Stmt::Wgmma(Box::new(WgmmaOp {
                 n: 8,
-                a,
+                a: WgmmaA::Registers(a),
                 b: SmemMatrix {
                     array: "ws".into(),
                     start: int(0),
                     lbo: 128,
                     sbo: 256,
+                    swizzle: Swizzle::None,
                 },
                 d: d.clone(),
             })),
@@ -384,6 +385,7 @@ fn tcgen05_program() -> Vec<(&'static str, Stmt)> {
         start: int(0),
         lbo: height * 16,
         sbo: 128,
+        swizzle: Swizzle::None,
     };
     let names: Vec<String> = (0..16).map(|j| format!("v{j}")).collect();
     let mut steps = vec![
@@ -401,10 +403,10 @@ fn tcgen05_program() -> Vec<(&'static str, Stmt)> {
             "init",
             if_(
                 bin(BinOp::Eq, tid(), int(0)),
-                vec![tc(Tcgen05::MbarrierInit {
-                    barrier: "bar".into(),
+                vec![Stmt::Mbarrier(Box::new(Mbarrier::Init {
+                    barrier: MbarrierRef::whole("bar"),
                     count: 1,
-                })],
+                }))],
             ),
         ),
         (
@@ -431,22 +433,24 @@ fn tcgen05_program() -> Vec<(&'static str, Stmt)> {
         ("barrier", Stmt::SyncThreads),
         ("tmem", let_("tmem", Ty::I32, load("slot", int(0)))),
     ];
-    let mma = tc(Tcgen05::Mma(TmemMma {
+    let mma = tc(Tcgen05::Mma(Box::new(TmemMma {
         tmem: var("tmem"),
         a: k_major("as", 128),
         b: k_major("bs", 16),
         n: 16,
         accumulate: Expr::Bool(false),
-    }));
-    let commit = tc(Tcgen05::Commit { barrier: "bar".into() });
+    })));
+    let commit = tc(Tcgen05::Commit {
+        barrier: MbarrierRef::whole("bar"),
+    });
     steps.extend([
         ("mma", if_(bin(BinOp::Eq, tid(), int(0)), vec![mma, commit])),
         (
             "wait",
-            tc(Tcgen05::MbarrierWait {
-                barrier: "bar".into(),
+            Stmt::Mbarrier(Box::new(Mbarrier::Wait {
+                barrier: MbarrierRef::whole("bar"),
                 parity: int(0),
-            }),
+            })),
         ),
         (
             "load",
@@ -505,7 +509,7 @@ fn tcgen05_races_and_leaks_are_reported() {
         tcgen05_program().into_iter().filter(|(l, _)| *l != label).collect()
     };
     for (dropped, expected) in [
-        ("wait", "before waiting on the `bar` phase"),
+        ("wait", "before waiting on the `bar[0]` phase"),
         ("wait ld", "before tcgen05.wait::ld"),
         ("dealloc", "still allocated when the block exits"),
         ("proxy fence", "without fence.proxy.async"),
@@ -529,10 +533,10 @@ fn tcgen05_races_and_leaks_are_reported() {
         at,
         (
             "wait",
-            tc(Tcgen05::MbarrierWait {
-                barrier: "bar".into(),
+            Stmt::Mbarrier(Box::new(Mbarrier::Wait {
+                barrier: MbarrierRef::whole("bar"),
                 parity: int(1),
-            }),
+            })),
         ),
     );
     assert!(run_tcgen05(twice).unwrap_err().contains("never completes"));

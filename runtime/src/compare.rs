@@ -39,7 +39,7 @@ impl<T: PlanDevice, R: PlanDevice> CompareDevice<T, R> {
                     .iter()
                     .filter_map(|p| match p {
                         Param::Buffer { ty, writable, .. } => Some((*ty, *writable)),
-                        Param::Scalar { .. } => None,
+                        Param::Scalar { .. } | Param::TensorMap(_) => None,
                     })
                     .collect();
                 (k.name.clone(), params)

@@ -88,7 +88,7 @@ impl EmulatorDevice {
         let mut arrays = HashMap::new();
         let mut scalars = HashMap::new();
         let mut written = Vec::new();
-        for (param, arg) in k.params.iter().zip(args) {
+        for (param, arg) in k.launch_params().zip(args) {
             match (param, arg) {
                 (Param::Buffer { name, ty, writable }, DeviceArg::Buffer(&buffer, range)) => {
                     // Buffers start aligned, as device allocations do; the range may not.
@@ -262,8 +262,7 @@ impl PlanDevice for EmulatorDevice {
 /// it wrongly.
 fn check_no_aliased_writes(kernel: &str, k: &Kernel, args: &[DeviceArg<'_, usize>]) -> Result<()> {
     let buffers: Vec<(&Param, usize, &Range<usize>)> = k
-        .params
-        .iter()
+        .launch_params()
         .zip(args)
         .filter_map(|(p, a)| match a {
             DeviceArg::Buffer(&b, r) => Some((p, b, r)),

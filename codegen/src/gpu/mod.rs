@@ -170,8 +170,7 @@ fn build_program(
             cubin: None,
             registers: None,
             params: k
-                .params
-                .iter()
+                .launch_params()
                 .map(|p| match p {
                     kernels_gen::dsl::Param::Buffer { name, .. } => KernelParam {
                         name: name.clone(),
@@ -181,6 +180,7 @@ fn build_program(
                         name: name.clone(),
                         kind: ty.to_string(),
                     },
+                    kernels_gen::dsl::Param::TensorMap(_) => unreachable!("not a launch parameter"),
                 })
                 .collect(),
         })

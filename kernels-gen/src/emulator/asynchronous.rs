@@ -4,12 +4,13 @@
 //! `cp.async.wait_group`) and computes a `wgmma` at issue (its result is not observable
 //! before its group retires), and it reports every access the device would race: touching a
 //! copy's destination before it lands, touching a `wgmma`'s registers or shared operand
-//! before its group retires, a `wgmma` with no `wgmma.fence` since the last wait, and a
+//! before its group retires, a `wgmma` with no `wgmma.fence` since the last wait, a
 //! `wgmma` reading shared memory that was not fenced into the async proxy
-//! (`fence.proxy.async`) and published with a barrier.
+//! (`fence.proxy.async`) and published with a barrier, and a `wgmma`'s operands overwritten
+//! by another warpgroup with no barrier since it retired.
 
 use super::{Block, Fault, Val};
-use crate::dsl::{AsyncCopy, SmemMatrix, WgmmaOp};
+use crate::dsl::{AsyncCopy, SmemMatrix, Swizzle, WgmmaA, WgmmaOp};
 use half::bf16;
 use std::collections::{HashMap, HashSet, VecDeque};
 
@@ -94,6 +95,16 @@ impl AsyncState {
 
     /// Thread `t` writes shared `array[index]` (a store or a landed copy).
     pub(super) fn note_write(&mut self, array: &str, index: usize, t: usize) -> Result<(), Fault> {
+        self.note_async_write(array, index, t)?;
+        if let Some(slots) = self.unfenced.get_mut(array) {
+            slots[index] = Some(t);
+        }
+        Ok(())
+    }
+
+    /// Shared `array[index]` is written through the async proxy (a TMA copy issued by `t`):
+    /// not while a tensor-core MMA reads it; nothing to fence.
+    pub(super) fn note_async_write(&mut self, array: &str, index: usize, t: usize) -> Result<(), Fault> {
         if self.busy_shared.get(array).is_some_and(|b| b[index] > 0) {
             return Err((
                 t,
@@ -101,7 +112,7 @@ impl AsyncState {
             ));
         }
         if let Some(slots) = self.unfenced.get_mut(array) {
-            slots[index] = Some(t);
+            slots[index] = None;
         }
         Ok(())
     }
@@ -172,10 +183,9 @@ impl Block<'_> {
                     *v = src.values[i];
                 }
             }
-            let readers = &self.shared_readers.get_mut()[&copy.dst];
             let d = d as usize;
-            for (i, reader) in readers.iter().enumerate().skip(d).take(COPY_ELEMENTS) {
-                if let Some(reader) = reader.other_than(t) {
+            for i in d..d + COPY_ELEMENTS {
+                if let Some(reader) = self.shared_readers.get_mut()[&copy.dst][i].other_than(t) {
                     return Err((
                         t,
                         format!(
@@ -185,6 +195,7 @@ impl Block<'_> {
                     ));
                 }
                 self.asynch.check_shared(&copy.dst, i, t)?;
+                self.check_landed(&copy.dst, i, t, "cp.async overwrites")?;
                 if self.asynch.busy_shared[&copy.dst][i] > 0 {
                     return Err((
                         t,
@@ -230,6 +241,7 @@ impl Block<'_> {
             let i = copy.index + j;
             self.asynch.copy_targets.get_mut(&copy.array).expect("shared")[i] = false;
             self.asynch.note_write(&copy.array, i, t)?;
+            self.forget_landing(&copy.array, i);
             self.shared_writer.get_mut(&copy.array).expect("shared")[i] = Some(t);
             let array = self.shared.get_mut(&copy.array).expect("shared");
             array.values[i] = value;
@@ -289,8 +301,14 @@ impl Block<'_> {
                 for r in &done.registers {
                     self.asynch.busy_registers.remove(r);
                 }
+                // Retired, its operands count as read by the warpgroup (its first thread) until
+                // the next barrier: another warpgroup must not refill them before one, as it
+                // could on the device, where warpgroups do not run in lockstep.
+                let readers = self.shared_readers.get_mut();
                 for (array, i) in &done.shared {
                     self.asynch.busy_shared.get_mut(array).expect("shared")[*i] -= 1;
+                    let r = &mut readers.get_mut(array).expect("shared")[*i];
+                    *r = r.add(wg * WARPGROUP);
                 }
             }
             self.asynch.wgmma_fenced[wg] = false;
@@ -306,7 +324,6 @@ impl Block<'_> {
         mask: &[bool],
         global: &HashMap<String, super::Array>,
     ) -> Result<(), Fault> {
-        let start = self.eval(&op.b.start, mask, global)?;
         let n = op.n as usize;
         for wg in self.full_warpgroups("wgmma", mask)? {
             let first = wg * WARPGROUP;
@@ -316,18 +333,30 @@ impl Block<'_> {
                     "wgmma without a wgmma.fence since the last wgmma.wait_group".into(),
                 ));
             }
-            let s = start[first].i();
-            if let Some(t) = (first..first + WARPGROUP).find(|&t| start[t].i() != s) {
-                return Err((t, "wgmma descriptor differs across the warpgroup".into()));
-            }
-            if s < 0 || s % 8 != 0 {
-                return Err((
-                    first,
-                    format!("wgmma operand at {}[{s}] is not 16-byte aligned", op.b.array),
-                ));
-            }
-            let a = self.gather_a(op, first)?;
-            let (b, b_indices) = self.read_operand("wgmma", &op.b, s as usize, n, first)?;
+            let mut footprint = Footprint::default();
+            let a = match &op.a {
+                WgmmaA::Registers(names) => {
+                    footprint.registers.extend(names.iter().map(|name| (wg, name.clone())));
+                    self.gather_a(names, first)?
+                }
+                WgmmaA::Shared(matrix) => {
+                    let start = self.operand_start(matrix, mask, global, first)?;
+                    let (values, indices) = self.read_operand("wgmma", matrix, start, 64, first)?;
+                    footprint
+                        .shared
+                        .extend(indices.into_iter().map(|i| (matrix.array.clone(), i)));
+                    let mut a = [[0f32; 16]; 64];
+                    for (row, v) in a.iter_mut().zip(values) {
+                        *row = v.map(|x| bf16::from_f32(x).to_f32());
+                    }
+                    a
+                }
+            };
+            let start = self.operand_start(&op.b, mask, global, first)?;
+            let (b, b_indices) = self.read_operand("wgmma", &op.b, start, n, first)?;
+            footprint
+                .shared
+                .extend(b_indices.into_iter().map(|i| (op.b.array.clone(), i)));
             let mut d = vec![[0f32; 256]; 64];
             for warp in 0..4 {
                 for lane in 0..32 {
@@ -343,7 +372,6 @@ impl Block<'_> {
                     *out += (0..16).map(|k| a[row][k] * b[col][k]).sum::<f32>();
                 }
             }
-            let mut footprint = Footprint::default();
             for warp in 0..4 {
                 for lane in 0..32 {
                     let t = first + 32 * warp + lane;
@@ -353,19 +381,50 @@ impl Block<'_> {
                     }
                 }
             }
-            for name in op.a.iter().chain(&op.d) {
-                footprint.registers.push((wg, name.clone()));
-                self.asynch.busy_registers.insert((wg, name.clone()));
+            footprint.registers.extend(op.d.iter().map(|name| (wg, name.clone())));
+            for r in &footprint.registers {
+                self.asynch.busy_registers.insert(r.clone());
             }
-            self.hold_shared(&op.b.array, &b_indices, 1);
-            footprint
-                .shared
-                .extend(b_indices.into_iter().map(|i| (op.b.array.clone(), i)));
+            for (array, i) in &footprint.shared {
+                self.hold_shared(array, &[*i], 1);
+            }
             let uncommitted = &mut self.asynch.uncommitted_wgmma[wg];
             uncommitted.registers.append(&mut footprint.registers);
             uncommitted.shared.append(&mut footprint.shared);
         }
         Ok(())
+    }
+
+    /// The first element of a shared wgmma operand, the same across the warpgroup starting at
+    /// `first`, 16-byte aligned, and under the 128-byte swizzle a k slice inside one row.
+    fn operand_start(
+        &self,
+        matrix: &SmemMatrix,
+        mask: &[bool],
+        global: &HashMap<String, super::Array>,
+        first: usize,
+    ) -> Result<usize, Fault> {
+        let start = self.eval(&matrix.start, mask, global)?;
+        let s = start[first].i();
+        if let Some(t) = (first..first + WARPGROUP).find(|&t| start[t].i() != s) {
+            return Err((t, "wgmma descriptor differs across the warpgroup".into()));
+        }
+        if s < 0 || s % 8 != 0 {
+            return Err((
+                first,
+                format!("wgmma operand at {}[{s}] is not 16-byte aligned", matrix.array),
+            ));
+        }
+        if matrix.swizzle == Swizzle::B128 && s % 64 > 48 {
+            return Err((
+                first,
+                format!(
+                    "wgmma operand at {}[{s}]: a 16-wide k slice crosses its 128-byte swizzled row",
+                    matrix.array
+                ),
+            ));
+        }
+        Ok(s as usize)
     }
 
     /// A wgmma operand. Wgmmas in flight may share it: the device orders wgmmas on the same
@@ -378,12 +437,12 @@ impl Block<'_> {
     }
 
     /// A (64×16, bf16-rounded) from the fragments of the warpgroup starting at thread `first`.
-    fn gather_a(&self, op: &WgmmaOp, first: usize) -> Result<[[f32; 16]; 64], Fault> {
+    fn gather_a(&self, names: &[String; 8], first: usize) -> Result<[[f32; 16]; 64], Fault> {
         let mut a = [[0f32; 16]; 64];
         for warp in 0..4 {
             for lane in 0..32 {
                 let (g, t) = (lane / 4, lane % 4);
-                for (i, name) in op.a.iter().enumerate() {
+                for (i, name) in names.iter().enumerate() {
                     let row = 16 * warp + g + if i % 4 >= 2 { 8 } else { 0 };
                     let col = 2 * t + (i % 2) + if i >= 4 { 8 } else { 0 };
                     a[row][col] = bf16::from_f32(self.register(name, first + 32 * warp + lane)?).to_f32();
@@ -417,6 +476,7 @@ impl Block<'_> {
                     return Err((thread, format!("{what} reads {name}[{i}] out of bounds (length {len})")));
                 }
                 self.asynch.check_shared(name, i, thread)?;
+                self.check_landed(name, i, thread, &format!("{what} reads"))?;
                 if !array.init[i] {
                     return Err((thread, format!("{what} reads {name}[{i}], which was never written")));
                 }
@@ -451,7 +511,10 @@ impl Block<'_> {
 /// The element of row `row`, column `k` of a K-major shared operand (see `SmemMatrix`).
 fn operand_element(matrix: &SmemMatrix, start: usize, row: usize, k: usize) -> usize {
     let (lbo, sbo) = (matrix.lbo as usize / 2, matrix.sbo as usize / 2);
-    start + (row / 8) * sbo + (k / 8) * lbo + (row % 8) * 8 + k % 8
+    match matrix.swizzle {
+        Swizzle::None => start + (row / 8) * sbo + (k / 8) * lbo + (row % 8) * 8 + k % 8,
+        Swizzle::B128 => Swizzle::B128.bf16_element(start + (row / 8) * sbo + (row % 8) * 64 + k),
+    }
 }
 
 /// (row, column) of accumulator `i` of `lane` in `warp` of a warpgroup (see `WgmmaOp`).

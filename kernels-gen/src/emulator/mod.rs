@@ -9,14 +9,18 @@
 //! `__syncthreads`; the second is invisible to lockstep execution, so it is tracked).
 
 mod asynchronous;
+mod mbarrier;
 mod tcgen05;
+mod tma;
 
 use crate::dsl::*;
 use crate::types::{check, Scope};
 use asynchronous::AsyncState;
 use half::bf16;
+use mbarrier::Barriers;
 use std::collections::HashMap;
 use tcgen05::TensorMemory;
+use tma::{Landings, ResolvedMap};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum EmuError {
@@ -245,8 +249,14 @@ struct Block<'k> {
     shared_readers: std::cell::RefCell<HashMap<String, Vec<Readers>>>,
     /// cp.async copies and wgmma operations in flight.
     asynch: AsyncState,
-    /// Tensor memory, mbarriers and tcgen05 MMAs in flight.
+    /// Tensor memory and tcgen05 MMAs in flight.
     tmem: TensorMemory,
+    /// mbarriers, and the phases each thread has waited for.
+    barriers: Barriers,
+    /// The tensor maps, resolved at launch.
+    maps: HashMap<String, ResolvedMap>,
+    /// Which TMA copy wrote each shared element.
+    landings: Landings,
 }
 
 /// The threads that read a shared element since the last barrier.
@@ -304,6 +314,8 @@ pub fn run(
                     return Err(launch(format!("scalar `{name}` is missing")));
                 }
             }
+            // Derived from the buffers and scalars below.
+            Param::TensorMap(_) => {}
         }
     }
     let scalar_vals: HashMap<String, Val> = scalars
@@ -318,10 +330,20 @@ pub fn run(
             )
         })
         .collect();
-    let grid = {
+    let shared = kernel.shared_layout().bytes;
+    if shared > SHARED_LIMIT {
+        return Err(launch(format!(
+            "{shared} bytes of shared memory, more than the {SHARED_LIMIT} a block may have"
+        )));
+    }
+    let (grid, maps) = {
         let mut b = Block::new(kernel, 0, 1);
         b.set_scalars(&scalar_vals);
-        b.eval(&kernel.grid, &[true], buffers).map_err(|(_, m)| launch(m))?[0].i()
+        let value = |e: &Expr| b.eval(e, &[true], buffers).map(|v| v[0].i()).map_err(|(_, m)| m);
+        (
+            value(&kernel.grid).map_err(launch)?,
+            tma::resolve_maps(kernel, buffers, value).map_err(launch)?,
+        )
     };
     if grid < 0 {
         return Err(launch(format!("grid of {grid} blocks")));
@@ -329,6 +351,7 @@ pub fn run(
     for block in 0..grid as usize {
         let mut b = Block::new(kernel, block, kernel.block_dim as usize);
         b.set_scalars(&scalar_vals);
+        b.maps = maps.clone();
         let mask = vec![true; b.threads];
         b.exec(&kernel.body, &mask, buffers)
             .and_then(|()| b.tmem.check_freed())
@@ -380,6 +403,15 @@ impl<'k> Block<'k> {
                     .collect::<Vec<_>>(),
             ),
             tmem: TensorMemory::new(threads),
+            barriers: Barriers::new(threads),
+            maps: HashMap::new(),
+            landings: Landings::new(
+                &kernel
+                    .shared
+                    .iter()
+                    .map(|a| (a.name.clone(), a.len))
+                    .collect::<Vec<_>>(),
+            ),
         }
     }
 
@@ -522,6 +554,8 @@ impl<'k> Block<'k> {
             Stmt::WgmmaCommit => self.wgmma_commit(mask)?,
             Stmt::WgmmaWait(n) => self.wgmma_wait(*n, mask)?,
             Stmt::Tcgen05(op) => self.tcgen05(op, mask, global)?,
+            Stmt::Mbarrier(op) => self.mbarrier(op, mask, global)?,
+            Stmt::TmaLoad(op) => self.tma_load(op, mask, global)?,
             Stmt::Comment(_) => {}
         }
         Ok(())
@@ -618,18 +652,16 @@ impl<'k> Block<'k> {
         let is_shared = self.shared.contains_key(buf);
         let mut this_stmt: HashMap<usize, (usize, f64)> = HashMap::new();
         for t in (0..mask.len()).filter(|&t| mask[t]) {
-            let array = if is_shared {
-                self.shared.get_mut(buf)
-            } else {
-                global.get_mut(buf)
-            }
-            .expect("type-checked");
+            let (len, ty) = match is_shared {
+                true => (self.shared[buf].len(), self.shared[buf].ty),
+                false => (global[buf].len(), global[buf].ty),
+            };
             let i = idx[t].i();
-            if i < 0 || i as usize >= array.len() {
-                return Err((t, format!("store to {buf}[{i}] out of bounds (length {})", array.len())));
+            if i < 0 || i as usize >= len {
+                return Err((t, format!("store to {buf}[{i}] out of bounds (length {len})")));
             }
             let i = i as usize;
-            let value = narrow(array.ty, v[t]);
+            let value = narrow(ty, v[t]);
             if let Some(&(other, prev)) = this_stmt.get(&i) {
                 if prev.to_bits() != value.to_bits() {
                     return Err((
@@ -648,9 +680,16 @@ impl<'k> Block<'k> {
                     ));
                 }
                 self.asynch.check_shared(buf, i, t)?;
+                self.check_landed(buf, i, t, "overwrites")?;
                 self.asynch.note_write(buf, i, t)?;
+                self.forget_landing(buf, i);
                 self.shared_writer.get_mut(buf).expect("shared")[i] = Some(t);
             }
+            let array = match is_shared {
+                true => self.shared.get_mut(buf),
+                false => global.get_mut(buf),
+            }
+            .expect("type-checked");
             array.values[i] = value;
             array.init[i] = true;
         }
@@ -680,6 +719,7 @@ impl<'k> Block<'k> {
             let i = i as usize;
             if writers.is_some() {
                 self.asynch.check_shared(buf, i, t)?;
+                self.check_landed(buf, i, t, "reads")?;
             }
             if !array.init[i] {
                 return Err((t, format!("load of {buf}[{i}], which was never written")));

@@ -1,15 +1,13 @@
 //! Blackwell's `tcgen05` on the emulator: tensor memory (TMEM, 128 lanes × 512 columns of 32
-//! bits per block), its allocation by whole warps, MMAs issued by one thread that complete
-//! asynchronously, and the mbarriers that signal completion. An MMA is computed at issue but
-//! its TMEM cells only become readable to a thread that has waited on the mbarrier phase its
-//! commit completed; its shared operands stay off limits until that phase completes. Reported:
-//! reading TMEM an
-//! MMA is still writing (no commit, or no wait), touching `tcgen05.ld` results before
-//! `tcgen05.wait::ld`, a warp reading lanes outside its quarter, MMAs outside allocated
-//! columns, an allocation never freed, waiting on a phase that can never complete, and every
-//! shared-memory rule `wgmma` has. The `tcgen05.fence` instructions order work around barriers
-//! on the device; lockstep execution has nothing to reorder, so they are accepted as written.
-
+//! bits per block), its allocation by whole warps, and MMAs issued by one thread that complete
+//! asynchronously, signalled through an mbarrier (`mbarrier.rs`). An MMA is computed at issue
+//! but its TMEM cells only become readable to a thread that has waited on the mbarrier phase
+//! its commit completed; its shared operands stay off limits until that phase completes.
+//! Reported: reading TMEM an MMA is still writing (no commit, or no wait), touching
+//! `tcgen05.ld` results before `tcgen05.wait::ld`, a warp reading lanes outside its quarter,
+//! MMAs outside allocated columns, an allocation never freed, and every shared-memory rule
+//! `wgmma` has. The `tcgen05.fence` instructions order work around barriers on the device;
+//! lockstep execution has nothing to reorder, so they are accepted as written.
 use super::{Block, Fault, Val};
 use crate::dsl::{Expr, Tcgen05, TmemMma};
 use half::bf16;
@@ -35,24 +33,12 @@ struct Footprint {
     shared: Vec<(String, usize)>,
 }
 
-struct Barrier {
-    count: u32,
-    arrivals: u32,
-    /// Phases completed so far.
-    completed: u64,
-    /// MMAs committed to the current phase.
-    committed: Vec<Footprint>,
-}
-
 pub(super) struct TensorMemory {
     cells: Vec<f32>,
     /// Per cell: `None` never written (or freed), else when its value is readable.
     ready: Vec<Option<Ready>>,
     /// (first column, columns) of each live allocation.
     allocations: Vec<(usize, usize)>,
-    barriers: HashMap<String, Barrier>,
-    /// Per thread: the phases of each barrier it has seen complete.
-    observed: Vec<HashMap<String, u64>>,
     /// Per thread: MMAs issued and not yet committed.
     uncommitted: Vec<Vec<Footprint>>,
     /// (thread, local) written by a `tcgen05.ld` not yet waited for.
@@ -65,8 +51,6 @@ impl TensorMemory {
             cells: vec![0.0; LANES * COLUMNS],
             ready: vec![None; LANES * COLUMNS],
             allocations: Vec::new(),
-            barriers: HashMap::new(),
-            observed: vec![HashMap::new(); threads],
             uncommitted: (0..threads).map(|_| Vec::new()).collect(),
             loading: HashSet::new(),
         }
@@ -117,42 +101,14 @@ impl Block<'_> {
         match op {
             Tcgen05::Alloc { columns, slot } => self.tmem_alloc(*columns as usize, slot, mask),
             Tcgen05::Dealloc { columns, address } => self.tmem_dealloc(*columns as usize, address, mask, global),
-            Tcgen05::MbarrierInit { barrier, count } => {
-                let t = self.one_thread("mbarrier.init", mask)?;
-                let fresh = Barrier {
-                    count: *count,
-                    arrivals: 0,
-                    completed: 0,
-                    committed: Vec::new(),
-                };
-                if self.tmem.barriers.insert(barrier.clone(), fresh).is_some() {
-                    return Err((t, format!("mbarrier `{barrier}` initialised twice")));
-                }
-                Ok(())
-            }
-            Tcgen05::MbarrierWait { barrier, parity } => self.mbarrier_wait(barrier, parity, mask, global),
             Tcgen05::Mma(mma) => self.mma(mma, mask, global),
-            Tcgen05::Commit { barrier } => self.commit(barrier, mask),
+            Tcgen05::Commit { barrier } => self.commit(barrier, mask, global),
             Tcgen05::Load { address, names } => self.tmem_load(address, names, mask, global),
             Tcgen05::WaitLd => {
                 self.tmem.loading.retain(|(t, _)| !mask[*t]);
                 Ok(())
             }
             Tcgen05::FenceBeforeSync | Tcgen05::FenceAfterSync => Ok(()),
-        }
-    }
-
-    /// The one active thread of a single-thread instruction.
-    fn one_thread(&self, what: &str, mask: &[bool]) -> Result<usize, Fault> {
-        match active(mask)[..] {
-            [t] => Ok(t),
-            ref threads => Err((
-                threads[0],
-                format!(
-                    "{what} issued by {} threads at once: one thread issues it",
-                    threads.len()
-                ),
-            )),
         }
     }
 
@@ -215,39 +171,6 @@ impl Block<'_> {
         Ok(())
     }
 
-    fn mbarrier_wait(
-        &mut self,
-        barrier: &str,
-        parity: &Expr,
-        mask: &[bool],
-        global: &HashMap<String, super::Array>,
-    ) -> Result<(), Fault> {
-        let parity = self.eval(parity, mask, global)?;
-        for t in active(mask) {
-            let b = self
-                .tmem
-                .barriers
-                .get(barrier)
-                .ok_or((t, format!("waits on mbarrier `{barrier}` before mbarrier.init")))?;
-            // A parity's phase is complete once the current phase has the other parity; in
-            // lockstep nothing can arrive while every thread waits, so otherwise it never is.
-            if b.completed % 2 == parity[t].i() as u64 % 2 {
-                return Err((
-                    t,
-                    format!(
-                        "waits on phase parity {} of `{barrier}`, which never completes ({} of {} arrivals)",
-                        parity[t].i(),
-                        b.arrivals,
-                        b.count
-                    ),
-                ));
-            }
-            let completed = b.completed;
-            self.tmem.observed[t].insert(barrier.to_string(), completed);
-        }
-        Ok(())
-    }
-
     fn mma(&mut self, mma: &TmemMma, mask: &[bool], global: &HashMap<String, super::Array>) -> Result<(), Fault> {
         let TmemMma {
             tmem,
@@ -306,38 +229,28 @@ impl Block<'_> {
         Ok(())
     }
 
-    /// `tcgen05.commit`: the thread's uncommitted MMAs complete with the barrier's phase, and
-    /// the thread arrives on it.
-    fn commit(&mut self, barrier: &str, mask: &[bool]) -> Result<(), Fault> {
+    /// `tcgen05.commit`: the thread's uncommitted MMAs complete with the barrier's current
+    /// phase, and the thread arrives on it.
+    fn commit(
+        &mut self,
+        barrier: &crate::dsl::MbarrierRef,
+        mask: &[bool],
+        global: &HashMap<String, super::Array>,
+    ) -> Result<(), Fault> {
         let t = self.one_thread("tcgen05.commit", mask)?;
-        let Some(b) = self.tmem.barriers.get_mut(barrier) else {
-            return Err((
-                t,
-                format!("tcgen05.commit to mbarrier `{barrier}` before mbarrier.init"),
-            ));
-        };
-        let phase = b.completed;
-        for footprint in &self.tmem.uncommitted[t] {
+        let key = self.barrier_keys(barrier, mask, global)?.swap_remove(t);
+        let phase = self.barriers.current_phase(&key, t)?;
+        let mut held = Vec::new();
+        for footprint in std::mem::take(&mut self.tmem.uncommitted[t]) {
             for &cell in &footprint.cells {
                 self.tmem.ready[cell] = Some(Ready::Committed {
-                    barrier: barrier.to_string(),
+                    barrier: key.clone(),
                     phase,
                 });
             }
+            held.extend(footprint.shared);
         }
-        b.committed.append(&mut self.tmem.uncommitted[t]);
-        b.arrivals += 1;
-        if b.arrivals == b.count {
-            b.arrivals = 0;
-            b.completed += 1;
-            let done = std::mem::take(&mut b.committed);
-            for footprint in done {
-                for (array, i) in footprint.shared {
-                    self.hold_shared(&array, &[i], -1);
-                }
-            }
-        }
-        Ok(())
+        self.arrive(&key, t, held)
     }
 
     /// `tcgen05.ld.32x32b`: each active warp reads its 32 lanes, `names.len()` columns.
@@ -404,7 +317,7 @@ impl Block<'_> {
                             return Err((t, "tcgen05.ld of TMEM an MMA is still writing (not committed)".into()))
                         }
                         Some(Ready::Committed { barrier, phase }) => {
-                            if self.tmem.observed[t].get(barrier).is_none_or(|&seen| seen <= *phase) {
+                            if !self.barriers.seen(t, barrier, *phase) {
                                 return Err((
                                     t,
                                     format!("tcgen05.ld of TMEM before waiting on the `{barrier}` phase that completes its MMA"),

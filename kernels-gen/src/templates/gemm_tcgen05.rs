@@ -131,19 +131,21 @@ fn stage_activations(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stm
 fn multiply_stage() -> Stmt {
     let mut issue: Vec<Stmt> = (0..K_SLICES)
         .map(|slice| {
-            Stmt::Tcgen05(Box::new(Tcgen05::Mma(TmemMma {
+            Stmt::Tcgen05(Box::new(Tcgen05::Mma(Box::new(TmemMma {
                 tmem: var("tmem"),
                 a: SmemMatrix {
                     array: "ws".into(),
                     start: var("s") * int(W_STAGE) + int(2 * slice * TILE_ROWS * 8),
                     lbo: (TILE_ROWS * 16) as u32,
                     sbo: STRIDE_BYTES,
+                    swizzle: Swizzle::None,
                 },
                 b: SmemMatrix {
                     array: "xs".into(),
                     start: var("s") * int(X_STAGE) + int(2 * slice * TILE_TOKENS * 8),
                     lbo: (TILE_TOKENS * 16) as u32,
                     sbo: STRIDE_BYTES,
+                    swizzle: Swizzle::None,
                 },
                 n: TILE_TOKENS as u32,
                 // The first MMA of the split's first step starts the sum.
@@ -151,10 +153,12 @@ fn multiply_stage() -> Stmt {
                     0 => bin(BinOp::Gt, var("k0"), var("k_begin")),
                     _ => Expr::Bool(true),
                 },
-            })))
+            }))))
         })
         .collect();
-    issue.push(Stmt::Tcgen05(Box::new(Tcgen05::Commit { barrier: "bar".into() })));
+    issue.push(Stmt::Tcgen05(Box::new(Tcgen05::Commit {
+        barrier: MbarrierRef::whole("bar"),
+    })));
     if_(eq(tid(), int(0)), issue)
 }
 
@@ -233,10 +237,10 @@ pub fn gemm_tcgen05_bf16_with(name: &str, origin: &str, norm: Option<NormPrologu
             tc(Tcgen05::FenceAfterSync),
             multiply_stage(),
             // Everyone waits for the MMAs: their buffers are refilled next step.
-            tc(Tcgen05::MbarrierWait {
-                barrier: "bar".into(),
+            Stmt::Mbarrier(Box::new(Mbarrier::Wait {
+                barrier: MbarrierRef::whole("bar"),
                 parity: var("phase"),
-            }),
+            })),
             assign("phase", int(1) - var("phase")),
             tc(Tcgen05::FenceAfterSync),
         ],
@@ -258,10 +262,10 @@ pub fn gemm_tcgen05_bf16_with(name: &str, origin: &str, norm: Option<NormPrologu
             ),
             if_(
                 eq(tid(), int(0)),
-                vec![tc(Tcgen05::MbarrierInit {
-                    barrier: "bar".into(),
+                vec![Stmt::Mbarrier(Box::new(Mbarrier::Init {
+                    barrier: MbarrierRef::whole("bar"),
                     count: 1,
-                })],
+                }))],
             ),
             tc(Tcgen05::FenceBeforeSync),
             Stmt::SyncThreads,

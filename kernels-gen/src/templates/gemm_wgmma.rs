@@ -170,12 +170,13 @@ fn multiply_stage() -> Vec<Stmt> {
     for slice in 0..K_SLICES {
         out.push(Stmt::Wgmma(Box::new(WgmmaOp {
             n: TILE_N as u32,
-            a: std::array::from_fn(|i| a_name(slice, i)),
+            a: WgmmaA::Registers(std::array::from_fn(|i| a_name(slice, i))),
             b: SmemMatrix {
                 array: "ws".into(),
                 start: var("s") * int(STAGE) + int(2 * slice as i64 * 64),
                 lbo: LEADING_BYTES,
                 sbo: STRIDE_BYTES,
+                swizzle: Swizzle::None,
             },
             d: (0..TILE_N as usize / 2).map(d_name).collect(),
         })));

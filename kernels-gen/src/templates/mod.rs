@@ -10,6 +10,7 @@ pub mod fill;
 pub mod gather;
 pub mod gemm_mma;
 pub mod gemm_tcgen05;
+pub mod gemm_tma_wgmma;
 pub mod gemm_wgmma;
 pub mod gemv;
 pub mod glu;
@@ -772,6 +773,8 @@ pub fn catalog() -> Vec<Kernel> {
         ),
         gemm_wgmma::gemm_wgmma_bf16("gemm_wgmma_bf16", "catalog"),
         gemm_tcgen05::gemm_tcgen05_bf16("gemm_tcgen05_bf16", "catalog"),
+        gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm_tma_wgmma_bf16", "catalog", gemm_tma_wgmma::TmaTile::WIDE),
+        gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm_tma_wgmma_n256_bf16", "catalog", gemm_tma_wgmma::TmaTile::WIDEST),
         gemv::gemv(
             "rms_norm_gemv_bf16",
             "catalog",

@@ -1,0 +1,280 @@
+//! GEMM for Hopper (sm_90a) on TMA and `wgmma` with both operands in shared memory:
+//! `out[t, r] = Σ_k x[t, k]·W[r, k]`, bf16 activations and weights, f32 accumulation.
+//!
+//! Tiling: a block of two warpgroups (256 threads) computes a 128×`tile_n` tile of `out`,
+//! warpgroup w its rows 64w..64w+64 with `wgmma.m64n{tile_n}k16` (`tile_n / 2` f32
+//! accumulators a thread). K advances 64 at a time through a ring of `stages` buffers in
+//! dynamic shared memory, each holding the step's activation box (128 × 64) and weight box
+//! (`tile_n` × 64), both as TMA writes them under the 128-byte swizzle: one 128-byte row per
+//! token or weight row, 8-row atoms of 1 KiB, which the `wgmma` descriptors read back
+//! (stride byte offset 1 KiB, each 16-wide k slice 32 bytes further along the row) without
+//! bank conflicts. Rows past `tokens` or `n` and columns past `k` arrive as zeros.
+//!
+//! Each buffer has an mbarrier. Thread 0 announces a step's bytes on its buffer's barrier
+//! (`mbarrier.arrive.expect_tx`) and issues its two TMA copies; every thread waits for the
+//! barrier's phase before the tensor cores read the buffer, and the refill of a buffer is
+//! issued after the `__syncthreads()` that follows the last `wgmma` reading it. So `stages - 1`
+//! steps' copies are in flight while the tensor cores work on one, and no thread spends
+//! registers or instructions on moving operands: a copy is one instruction for 16–48 KiB.
+//!
+//! K splits (`split_k`) as the other GEMMs: each block takes a span of whole steps and with
+//! several splits writes its partial tile. The activations' rows are `x_stride` apart (a
+//! multiple of 8, as TMA needs 16-byte row pitches), the weights' `k` (so `k` is a multiple of
+//! 8).
+
+use super::split_k;
+use crate::dsl::*;
+
+const THREADS: i64 = 256;
+/// Tokens per block tile: two warpgroups of wgmma's M = 64.
+const TILE_M: i64 = 128;
+/// K per pipeline step: one 128-byte swizzled row of bf16.
+const TILE_K: i64 = 64;
+/// Bytes between 8-row atoms of a swizzled box.
+const ATOM_BYTES: u32 = 1024;
+/// 16-wide k slices per step.
+const K_SLICES: i64 = TILE_K / 16;
+
+/// The shape of one TMA GEMM: weight rows per block tile (wgmma's N) and the depth of its
+/// ring of buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TmaTile {
+    /// 128 or 256: accumulators (`tile_n / 2` a thread) and the weight box's rows.
+    pub tile_n: u32,
+    /// 2..=8 buffers, each `(128 + tile_n) × 128` bytes of shared memory.
+    pub stages: u32,
+}
+
+impl TmaTile {
+    /// 128×128 tiles, four buffers (128 KiB of shared memory: one block an SM).
+    pub const WIDE: TmaTile = TmaTile { tile_n: 128, stages: 4 };
+    /// 128×256 tiles, four buffers (192 KiB), for GEMMs with tiles enough for every SM.
+    pub const WIDEST: TmaTile = TmaTile { tile_n: 256, stages: 4 };
+
+    /// The tile sizes, for the split-K expression: (tokens, weight rows, K step).
+    pub fn tiles(self) -> (usize, usize, usize) {
+        (TILE_M as usize, self.tile_n as usize, TILE_K as usize)
+    }
+
+    fn x_elements(self) -> i64 {
+        TILE_M * TILE_K
+    }
+
+    fn w_elements(self) -> i64 {
+        self.tile_n as i64 * TILE_K
+    }
+}
+
+fn d_name(i: usize) -> String {
+    format!("d{i}")
+}
+
+/// Thread 0's part of filling buffer `s` with step `step` (relative to `k_begin`): announce
+/// both boxes' bytes, then copy them.
+fn fill(tile: TmaTile, s: Expr, step: Expr) -> Vec<Stmt> {
+    let k0 = var("k_begin") + step * int(TILE_K);
+    let barrier = MbarrierRef {
+        array: "full".into(),
+        slot: s.clone(),
+    };
+    let copy = |map: &str, dst: &str, elements: i64, row: Expr| {
+        Stmt::TmaLoad(Box::new(TmaLoad {
+            map: map.into(),
+            dst: dst.into(),
+            dst_index: s.clone() * int(elements),
+            row,
+            col: k0.clone(),
+            barrier: barrier.clone(),
+        }))
+    };
+    vec![
+        Stmt::Mbarrier(Box::new(Mbarrier::ArriveExpectTx {
+            barrier: barrier.clone(),
+            bytes: 2 * (tile.x_elements() + tile.w_elements()) as u32,
+        })),
+        copy("x_map", "xs", tile.x_elements(), var("m0")),
+        copy("w_map", "ws", tile.w_elements(), var("n0")),
+    ]
+}
+
+/// The step's four k slices on the tensor cores, waited for before returning.
+fn multiply(tile: TmaTile) -> Vec<Stmt> {
+    let swizzled = |array: &str, start: Expr| SmemMatrix {
+        array: array.into(),
+        start,
+        // Unused under the swizzle (one row holds the step's K); the conventional 16.
+        lbo: 16,
+        sbo: ATOM_BYTES,
+        swizzle: Swizzle::B128,
+    };
+    let mut out = vec![Stmt::WgmmaFence];
+    for slice in 0..K_SLICES {
+        out.push(Stmt::Wgmma(Box::new(WgmmaOp {
+            n: tile.tile_n,
+            a: WgmmaA::Shared(swizzled(
+                "xs",
+                var("s") * int(tile.x_elements()) + var("wg") * int(64 * TILE_K) + int(16 * slice),
+            )),
+            b: swizzled("ws", var("s") * int(tile.w_elements()) + int(16 * slice)),
+            d: (0..tile.tile_n as usize / 2).map(d_name).collect(),
+        })));
+    }
+    out.extend([Stmt::WgmmaCommit, Stmt::WgmmaWait(0)]);
+    out
+}
+
+/// Store the accumulators where they fall inside the result (layout in `WgmmaOp`): `out`, or
+/// with several K splits this split's partial tile.
+fn store_accumulators(tile: TmaTile) -> Vec<Stmt> {
+    (0..tile.tile_n as usize / 2)
+        .map(|i| {
+            let upper = i % 4 >= 2;
+            let row = var("m0") + var("wg") * int(64) + var("wrow") + var("gr") + int(if upper { 8 } else { 0 });
+            let col = var("n0") + int(8 * (i / 4) as i64 + (i % 2) as i64) + var("t2");
+            super::store_gemm_result(None, None, row, col, var(&d_name(i)))
+        })
+        .collect()
+}
+
+pub fn gemm_tma_wgmma_bf16(name: &str, origin: &str, tile: TmaTile) -> Kernel {
+    assert!(matches!(tile.tile_n, 128 | 256), "tile_n {}", tile.tile_n);
+    assert!((2..=8).contains(&tile.stages), "stages {}", tile.stages);
+    let stages = tile.stages as i64;
+    let tile_n = tile.tile_n as i64;
+    let tiles_m = (var("tokens") + int(TILE_M - 1)) / int(TILE_M);
+    let tiles_n = (var("n") + int(tile_n - 1)) / int(tile_n);
+    let first_thread = eq(tid(), int(0));
+    let step = vec![
+        let_("s", Ty::I32, rem(var("step"), int(stages))),
+        Stmt::Mbarrier(Box::new(Mbarrier::Wait {
+            barrier: MbarrierRef {
+                array: "full".into(),
+                slot: var("s"),
+            },
+            parity: rem(var("step") / int(stages), int(2)),
+        })),
+        Stmt::Comment("the tensor cores read the buffer straight from the TMA copies".into()),
+    ]
+    .into_iter()
+    .chain(multiply(tile))
+    .chain([
+        // Every warpgroup is done with buffer s: refill it.
+        Stmt::SyncThreads,
+        if_(
+            and(first_thread.clone(), lt(var("step") + int(stages), var("steps"))),
+            fill(tile, var("s"), var("step") + int(stages)),
+        ),
+    ])
+    .collect();
+    let body = [
+        vec![
+            // Token tiles vary fastest: neighbouring blocks share a weight tile. Then the K
+            // splits of one weight tile, then the weight tiles.
+            let_("m0", Ty::I32, rem(bid(), tiles_m.clone()) * int(TILE_M)),
+            let_("split", Ty::I32, rem(bid() / tiles_m.clone(), var("splits"))),
+            let_("n0", Ty::I32, bid() / tiles_m.clone() / var("splits") * int(tile_n)),
+            let_("wg", Ty::I32, warp() / int(4)),
+            let_("wrow", Ty::I32, rem(warp(), int(4)) * int(16)),
+            let_("gr", Ty::I32, lane() / int(4)),
+            let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
+        ],
+        split_k::k_span(var("split"), TILE_K),
+        vec![
+            let_(
+                "steps",
+                Ty::I32,
+                bin(
+                    BinOp::Max,
+                    int(0),
+                    (var("k_end") - var("k_begin") + int(TILE_K - 1)) / int(TILE_K),
+                ),
+            ),
+            if_(
+                first_thread.clone(),
+                (0..stages)
+                    .map(|s| {
+                        Stmt::Mbarrier(Box::new(Mbarrier::Init {
+                            barrier: MbarrierRef {
+                                array: "full".into(),
+                                slot: int(s),
+                            },
+                            count: 1,
+                        }))
+                    })
+                    .collect(),
+            ),
+            // The barriers are initialised before anyone waits on them.
+            Stmt::SyncThreads,
+            if_(
+                first_thread,
+                (0..stages)
+                    .map(|s| if_(lt(int(s), var("steps")), fill(tile, int(s), int(s))))
+                    .collect(),
+            ),
+        ],
+        (0..tile.tile_n as usize / 2)
+            .map(|i| let_(&d_name(i), Ty::F32, f(0.0)))
+            .collect(),
+        vec![for_("step", int(0), var("steps"), int(1), step)],
+        store_accumulators(tile),
+    ]
+    .concat();
+    let map = |name: &str, buffer: &str, rows: &str, stride: &str, box_rows: i64| {
+        Param::TensorMap(Box::new(TensorMap {
+            name: name.into(),
+            buffer: buffer.into(),
+            rows: var(rows),
+            cols: var("k"),
+            stride: var(stride),
+            box_rows: box_rows as u32,
+            box_cols: TILE_K as u32,
+            swizzle: Swizzle::B128,
+        }))
+    };
+    let params = [
+        vec![
+            buffer("x", Ty::Bf16, false),
+            buffer("w", Ty::Bf16, false),
+            buffer("out", Ty::F32, true),
+            scalar("tokens", Ty::I32),
+            scalar("n", Ty::I32),
+            scalar("k", Ty::I32),
+            scalar("x_stride", Ty::I32),
+        ],
+        split_k::params(),
+        vec![
+            map("x_map", "x", "tokens", "x_stride", TILE_M),
+            map("w_map", "w", "n", "k", tile_n),
+        ],
+    ]
+    .concat();
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: matmul x·Wᵀ on Hopper tensor cores (wgmma m64n{tile_n}k16 bf16, both operands \
+             from shared memory, fed by TMA through a {stages}-buffer ring of 128-byte-swizzled \
+             {TILE_M}×{TILE_K} and {tile_n}×{TILE_K} boxes with mbarrier transaction counts, K split in `splits`)"
+        ),
+        params,
+        shared: vec![
+            SharedArray {
+                name: "xs".into(),
+                ty: Ty::Bf16,
+                len: (stages * tile.x_elements()) as usize,
+            },
+            SharedArray {
+                name: "ws".into(),
+                ty: Ty::Bf16,
+                len: (stages * tile.w_elements()) as usize,
+            },
+            SharedArray {
+                name: "full".into(),
+                ty: Ty::U32,
+                len: 2 * stages as usize,
+            },
+        ],
+        block_dim: THREADS as u32,
+        grid: tiles_m * tiles_n * var("splits"),
+        body,
+    }
+}
