@@ -5,7 +5,7 @@
 use half::bf16;
 use ir::reference::ops;
 use ir::{GluAct, RopeLayout, RopeSpec};
-use kernels_gen::dsl::{Kernel, Ty};
+use kernels_gen::dsl::{Kernel, Mbarrier, Stmt, Ty};
 use kernels_gen::emulator::{run, Array, Scalar};
 use kernels_gen::templates::gemv::GemvSpec;
 use kernels_gen::templates::*;
@@ -1170,6 +1170,65 @@ fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
                 .unwrap_or_else(|e| panic!("{tokens}×{n}×{k}, 3 splits: {e}"));
             close(&split.to_f32().unwrap(), &want, 1e-5, &format!("{what}, 3 splits"));
         }
+    }
+}
+
+/// Each of the TMA GEMM's synchronisations is needed, and the emulator says why when one is
+/// missing: without the barrier wait the tensor cores read a buffer before its copy is known
+/// to have landed; without the `__syncthreads()` after the multiply, thread 0 refills a
+/// buffer the other warpgroup may still be reading (the ring of 2 is refilled at step 2).
+#[test]
+fn the_tma_gemm_fails_without_any_of_its_synchronisations() {
+    fn strip(body: &[Stmt], drop: &dyn Fn(&Stmt) -> bool) -> Vec<Stmt> {
+        body.iter()
+            .filter(|s| !drop(s))
+            .map(|s| match s {
+                Stmt::For {
+                    var,
+                    start,
+                    end,
+                    step,
+                    body,
+                } => Stmt::For {
+                    var: var.clone(),
+                    start: start.clone(),
+                    end: end.clone(),
+                    step: step.clone(),
+                    body: strip(body, drop),
+                },
+                other => other.clone(),
+            })
+            .collect()
+    }
+    let tile = gemm_tma_wgmma::TmaTile { tile_n: 128, stages: 2 };
+    let gemm = gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm", "test", tile);
+    let mut rng = Rng(31);
+    let (tokens, n, k) = (20, 16, 256);
+    let (x, w) = (bf16_array(&rng.vec(tokens * k)), bf16_array(&rng.vec(n * k)));
+    for (what, drop, expected) in [
+        (
+            "the barrier wait",
+            &(|s: &Stmt| matches!(s, Stmt::Mbarrier(m) if matches!(**m, Mbarrier::Wait { .. })))
+                as &dyn Fn(&Stmt) -> bool,
+            "before waiting for phase 0 of mbarrier full[0]",
+        ),
+        (
+            "the barrier before a refill",
+            &|s: &Stmt| matches!(s, Stmt::SyncThreads),
+            "read by thread 128 without a __syncthreads()",
+        ),
+    ] {
+        let mut broken = gemm.clone();
+        broken.body = strip(&gemm.body, drop);
+        // Only the loop's barrier: the one after the barriers' initialisation stays.
+        if what == "the barrier before a refill" {
+            let at = gemm.body.iter().position(|s| matches!(s, Stmt::SyncThreads)).unwrap();
+            broken.body.insert(at, Stmt::SyncThreads);
+        }
+        let message = try_run_matmul(&broken, x.clone(), None, w.clone(), (tokens, n, k, k))
+            .unwrap_err()
+            .to_string();
+        assert!(message.contains(expected), "without {what}: {message}");
     }
 }
 

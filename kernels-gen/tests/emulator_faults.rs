@@ -608,3 +608,322 @@ fn prefetching_the_next_weights_changes_nothing_and_stays_in_bounds() {
     let err = run_with(&prefetching, 1025).unwrap_err().to_string();
     assert!(err.contains("prefetch of next_w[1024] out of bounds"), "{err}");
 }
+
+fn mbarrier(op: Mbarrier) -> Stmt {
+    Stmt::Mbarrier(Box::new(op))
+}
+
+fn bar() -> MbarrierRef {
+    MbarrierRef::whole("bar")
+}
+
+/// The 64×64 bf16 matrix the TMA programs copy: small integers over 4, exact in bf16.
+fn tma_source() -> Vec<f32> {
+    (0..64 * 64)
+        .map(|i| ((i / 64 * 7 + i % 64 * 3) % 11) as f32 / 4.0 - 1.25)
+        .collect()
+}
+
+/// The 128-byte-swizzled operand of 64-element rows at `start` of `xs`.
+fn swizzled(start: i64) -> SmemMatrix {
+    SmemMatrix {
+        array: "xs".into(),
+        start: int(start),
+        lbo: 16,
+        sbo: 1024,
+        swizzle: Swizzle::B128,
+    }
+}
+
+/// A complete TMA program for one warpgroup: thread 0 initialises an mbarrier, announces
+/// 8 KiB on it and copies the 64×64 source into `xs` under the 128-byte swizzle; everyone
+/// waits for the phase; a wgmma multiplies the first 16 columns of all 64 rows (A, from
+/// shared memory) by those of the first 8 rows (B) and each thread stores its accumulators at
+/// their (row, column) of the 64×8 `out`. Every step labelled.
+fn tma_program() -> Vec<(&'static str, Stmt)> {
+    let d: Vec<String> = (0..4).map(|j| format!("d{j}")).collect();
+    let first = |body: Vec<Stmt>| if_(eq(tid(), int(0)), body);
+    let copy = |bytes: u32| {
+        vec![
+            mbarrier(Mbarrier::ArriveExpectTx { barrier: bar(), bytes }),
+            Stmt::TmaLoad(Box::new(TmaLoad {
+                map: "x_map".into(),
+                dst: "xs".into(),
+                dst_index: int(0),
+                row: int(0),
+                col: int(0),
+                barrier: bar(),
+            })),
+        ]
+    };
+    let mut steps = vec![
+        (
+            "init",
+            first(vec![mbarrier(Mbarrier::Init {
+                barrier: bar(),
+                count: 1,
+            })]),
+        ),
+        ("barrier", Stmt::SyncThreads),
+        ("copy", first(copy(8192))),
+        (
+            "wait",
+            mbarrier(Mbarrier::Wait {
+                barrier: bar(),
+                parity: int(0),
+            }),
+        ),
+    ];
+    steps.extend(d.iter().map(|n| ("d", let_(n, Ty::F32, f(0.0)))));
+    steps.extend([
+        ("wgmma fence", Stmt::WgmmaFence),
+        (
+            "wgmma",
+            Stmt::Wgmma(Box::new(WgmmaOp {
+                n: 8,
+                a: WgmmaA::Shared(swizzled(0)),
+                b: swizzled(0),
+                d: d.clone(),
+            })),
+        ),
+        ("wgmma commit", Stmt::WgmmaCommit),
+        ("wgmma wait", Stmt::WgmmaWait(0)),
+    ]);
+    for (j, name) in d.iter().enumerate() {
+        let row = warp() * int(16) + lane() / int(4) + int(if j >= 2 { 8 } else { 0 });
+        let col = rem(lane(), int(4)) * int(2) + int(j as i64 % 2);
+        steps.push(("store", store("out", row * int(8) + col, var(name))));
+    }
+    steps
+}
+
+/// The tensor map of `tma_program`: the whole 64×64 source, rows `stride` apart.
+fn tma_map(cols: i64, stride: i64, box_cols: u32) -> Param {
+    Param::TensorMap(Box::new(TensorMap {
+        name: "x_map".into(),
+        buffer: "x".into(),
+        rows: int(64),
+        cols: int(cols),
+        stride: int(stride),
+        box_rows: 64,
+        box_cols,
+        swizzle: Swizzle::B128,
+    }))
+}
+
+/// Run a TMA program over `source` with map `map`: `out`, or the error's message.
+fn run_tma_with(steps: Vec<(&'static str, Stmt)>, map: Param, source: &[f32]) -> Result<Vec<f32>, String> {
+    let k = Kernel {
+        name: "k".into(),
+        origin: "test".into(),
+        params: vec![buffer("x", Ty::Bf16, false), buffer("out", Ty::F32, true), map],
+        shared: vec![shared("xs", Ty::Bf16, 64 * 64), shared("bar", Ty::U32, 2)],
+        block_dim: 128,
+        grid: int(1),
+        body: steps.into_iter().map(|(_, s)| s).collect(),
+    };
+    let source: Vec<half::bf16> = source.iter().map(|&v| half::bf16::from_f32(v)).collect();
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::bf16(&source)),
+        ("out".into(), Array::poisoned(Ty::F32, 64 * 8)),
+    ]);
+    match run(&k, &mut bufs, &HashMap::new()) {
+        Ok(()) => Ok(bufs["out"].to_f32().unwrap()),
+        Err(EmuError::Fault { message, .. } | EmuError::Launch { message, .. }) => Err(message),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+fn run_tma(steps: Vec<(&'static str, Stmt)>) -> Result<Vec<f32>, String> {
+    run_tma_with(steps, tma_map(64, 64, 64), &tma_source())
+}
+
+/// `out[r·8 + c] = Σ_k<16 x[r][k]·x[c][k]`: what `tma_program` computes.
+fn tma_product(x: &[f32]) -> Vec<f32> {
+    (0..64 * 8)
+        .map(|i| (0..16).map(|k| x[i / 8 * 64 + k] * x[i % 8 * 64 + k]).sum())
+        .collect()
+}
+
+/// `tma_program` with the step labelled `label` replaced by `with` (removed when `None`).
+fn tma_changed(label: &str, with: Option<Stmt>) -> Vec<(&'static str, Stmt)> {
+    let mut steps = tma_program();
+    let at = steps.iter().position(|(l, _)| *l == label).unwrap();
+    match with {
+        Some(s) => steps[at].1 = s,
+        None => {
+            steps.remove(at);
+        }
+    }
+    steps
+}
+
+#[test]
+fn a_tma_copy_feeds_a_swizzled_wgmma() {
+    assert_eq!(run_tma(tma_program()).unwrap(), tma_product(&tma_source()));
+    // Read as if unswizzled, the same bytes are other elements: the layouts must agree.
+    let mut plain = tma_program();
+    let at = plain.iter().position(|(l, _)| *l == "wgmma").unwrap();
+    let Stmt::Wgmma(op) = &mut plain[at].1 else {
+        unreachable!()
+    };
+    op.b.swizzle = Swizzle::None;
+    op.b.lbo = 128;
+    assert_ne!(run_tma(plain).unwrap(), tma_product(&tma_source()));
+    // Zeros past the tensor's columns: a map of 56 columns leaves the last 8 of each row 0.
+    let mut clipped = tma_source();
+    for (i, v) in clipped.iter_mut().enumerate() {
+        if i % 64 >= 56 {
+            *v = 0.0;
+        }
+    }
+    let mut wide = tma_changed("wgmma", None);
+    let at = wide.iter().position(|(l, _)| *l == "wgmma fence").unwrap() + 1;
+    let slice = |start| {
+        Stmt::Wgmma(Box::new(WgmmaOp {
+            n: 8,
+            a: WgmmaA::Shared(swizzled(start)),
+            b: swizzled(start),
+            d: (0..4).map(|j| format!("d{j}")).collect(),
+        }))
+    };
+    // The last k slice (columns 48..64) of the clipped copy.
+    wide.insert(at, ("wgmma", slice(48)));
+    let got = run_tma_with(wide, tma_map(56, 64, 64), &tma_source()).unwrap();
+    let want: Vec<f32> = (0..64 * 8)
+        .map(|i| {
+            (48..64)
+                .map(|k| clipped[i / 8 * 64 + k] * clipped[i % 8 * 64 + k])
+                .sum()
+        })
+        .collect();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn tma_and_mbarrier_misuse_is_reported() {
+    let copy = |bytes: u32, dst_index: i64| {
+        if_(
+            eq(tid(), int(0)),
+            vec![
+                mbarrier(Mbarrier::ArriveExpectTx { barrier: bar(), bytes }),
+                Stmt::TmaLoad(Box::new(TmaLoad {
+                    map: "x_map".into(),
+                    dst: "xs".into(),
+                    dst_index: int(dst_index),
+                    row: int(0),
+                    col: int(0),
+                    barrier: bar(),
+                })),
+            ],
+        )
+    };
+    let Stmt::If { then: every_thread, .. } = copy(8192, 0) else {
+        unreachable!()
+    };
+    let wrong_parity = mbarrier(Mbarrier::Wait {
+        barrier: bar(),
+        parity: int(1),
+    });
+    let init = mbarrier(Mbarrier::Init {
+        barrier: bar(),
+        count: 1,
+    });
+    for (case, steps, expected) in [
+        (
+            "no wait",
+            tma_changed("wait", None),
+            "before waiting for phase 0 of mbarrier bar[0]",
+        ),
+        ("no init", tma_changed("init", None), "before mbarrier.init"),
+        (
+            "bytes short",
+            tma_changed("copy", Some(copy(4096, 0))),
+            "4096 transaction bytes more than its phase announced",
+        ),
+        (
+            "bytes over",
+            tma_changed("copy", Some(copy(16384, 0))),
+            "never completes (1 of 1 arrivals, 8192 transaction bytes outstanding)",
+        ),
+        (
+            "wrong parity",
+            tma_changed("wait", Some(wrong_parity)),
+            "never completes",
+        ),
+        (
+            "misaligned",
+            tma_changed("copy", Some(copy(8192, 64))),
+            "must be 1024-byte aligned",
+        ),
+        (
+            "every thread initialises",
+            tma_changed("init", Some(init)),
+            "one thread issues it",
+        ),
+    ] {
+        let message = run_tma(steps).unwrap_err();
+        assert!(message.contains(expected), "{case}: {message}");
+    }
+    // Every thread announcing and copying: the second arrival finds the phase full.
+    let mut all = tma_program();
+    let at = all.iter().position(|(l, _)| *l == "copy").unwrap();
+    all.splice(at..at + 1, every_thread.into_iter().map(|s| ("copy", s)));
+    assert!(run_tma(all).unwrap_err().contains("whose phase has all its 1 arrivals"));
+    // Writing the destination before the wait races the copy.
+    let mut early = tma_program();
+    let at = early.iter().position(|(l, _)| *l == "wait").unwrap();
+    early.insert(at, ("overwrite", store("xs", tid(), f(0.0))));
+    let message = run_tma(early).unwrap_err();
+    assert!(
+        message.contains("overwrites xs[") && message.contains("before waiting"),
+        "{message}"
+    );
+    // Refilling while the wgmma reading the buffer is in flight.
+    let mut refill = tma_program();
+    let at = refill.iter().position(|(l, _)| *l == "wgmma commit").unwrap() + 1;
+    refill.insert(at, ("refill", copy(8192, 0)));
+    let message = run_tma(refill).unwrap_err();
+    assert!(
+        message.contains("while a tensor-core MMA reading it is in flight"),
+        "{message}"
+    );
+    // A k slice of a swizzled operand must stay inside its 128-byte row.
+    let mut crossing = tma_program();
+    let at = crossing.iter().position(|(l, _)| *l == "wgmma").unwrap();
+    let Stmt::Wgmma(op) = &mut crossing[at].1 else {
+        unreachable!()
+    };
+    op.b.start = int(56);
+    assert!(run_tma(crossing)
+        .unwrap_err()
+        .contains("crosses its 128-byte swizzled row"));
+}
+
+#[test]
+fn tensor_maps_the_driver_would_refuse_are_reported() {
+    let source = tma_source();
+    let message = run_tma_with(tma_program(), tma_map(60, 60, 64), &source).unwrap_err();
+    assert!(message.contains("120 bytes apart, not a multiple of 16"), "{message}");
+    let message = run_tma_with(tma_program(), tma_map(64, 64, 64), &source[..4000]).unwrap_err();
+    assert!(message.contains("over `x` of 4000 elements"), "{message}");
+    let message = run_tma_with(tma_program(), tma_map(64, 64, 32), &source).unwrap_err();
+    assert!(
+        message.contains("a 128-byte swizzle takes boxes 64 bf16 wide, not 32"),
+        "{message}"
+    );
+}
+
+#[test]
+fn shared_memory_past_what_a_block_may_have_is_refused() {
+    let k = kernel(vec![], vec![shared("big", Ty::F32, SHARED_LIMIT / 4 + 1)]);
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&[1.0; 64])),
+        ("out".into(), Array::poisoned(Ty::F32, 1)),
+    ]);
+    match run(&k, &mut bufs, &HashMap::new()) {
+        Err(EmuError::Launch { message, .. }) => assert!(message.contains("bytes of shared memory"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    assert!(k.shared_layout().dynamic);
+}
