@@ -5,7 +5,8 @@
 # Where cargo is present it builds bbc itself; elsewhere it runs the binary and SmolLM2 file
 # that `scripts/gpu-kit.sh` prepared (BBC_BIN, BBC_MODEL).
 #   1. finds NVRTC: the system CUDA toolkit's first, then the PyPI wheel's (kernels load as
-#      cubins, which a driver older than the NVRTC accepts where it would refuse its PTX);
+#      cubins, which a driver older than the NVRTC accepts where it would refuse its PTX),
+#      and cuBLASLt, which the matmul table times beside bbc's GEMMs;
 #   2. `bbc compile --emit kernel-report`: SmolLM2 (bf16) compiled for the GPU's architecture,
 #      each kernel's registers and spills as ptxas reports them;
 #   3. `bbc gpu-check`, one process per section (`--sections a,b` picks them; see
@@ -42,6 +43,15 @@ if [ -z "${BBC_NVRTC_DIR:-}" ] && ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc.
     || echo "no NVRTC here and none could be installed" >&2
 fi
 echo "NVRTC: ${BBC_NVRTC_DIR:-the loader path or $BBC_HOME/cuda}"
+# cuBLASLt, the matmul table's yardstick: the toolkit's, or PyTorch's wheel's.
+if [ -z "${BBC_CUBLASLT_DIR:-}" ] && ! ldconfig -p 2>/dev/null | grep -q 'libcublasLt.so.13'; then
+  sites=$(python3 -c 'import site; print(" ".join(site.getsitepackages()))' 2>/dev/null || true)
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib \
+           $(for s in $sites; do echo "$s/nvidia/cu13/lib $s/nvidia/cublas/lib"; done); do
+    if [ -f "$d/libcublasLt.so.13" ]; then export BBC_CUBLASLT_DIR="$d"; break; fi
+  done
+fi
+echo "cuBLASLt: ${BBC_CUBLASLT_DIR:-the loader path (or none: the matmul table then has no yardstick)}"
 
 bbc="${BBC_BIN:-}"
 if [ -z "$bbc" ]; then

@@ -130,6 +130,33 @@ pub enum Expr {
     ShflXor(Box<Expr>, u32),
 }
 
+impl Expr {
+    /// The value of an integer expression of literals and variables (`var` gives each
+    /// variable's), as a launcher evaluates a grid or a tensor map's sizes from the scalar
+    /// arguments: in 64 bits, so nothing a launch passes overflows.
+    pub fn eval_int(&self, var: &dyn Fn(&str) -> Option<i64>) -> Result<i64, String> {
+        Ok(match self {
+            Expr::Int(v) => *v,
+            Expr::Var(name) => var(name).ok_or_else(|| format!("no value for `{name}`"))?,
+            Expr::Bin(op, a, b) => {
+                let (a, b) = (a.eval_int(var)?, b.eval_int(var)?);
+                match op {
+                    BinOp::Add => a + b,
+                    BinOp::Sub => a - b,
+                    BinOp::Mul => a * b,
+                    BinOp::Div | BinOp::Rem if b == 0 => return Err("integer division by zero".into()),
+                    BinOp::Div => a / b,
+                    BinOp::Rem => a % b,
+                    BinOp::Min => a.min(b),
+                    BinOp::Max => a.max(b),
+                    op => return Err(format!("{op:?} in an integer expression of the scalars")),
+                }
+            }
+            other => return Err(format!("{other:?} is not an integer expression of the scalars")),
+        })
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum Stmt {
     Let {

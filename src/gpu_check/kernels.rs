@@ -8,10 +8,12 @@
 use anyhow::{bail, Result};
 use codegen::gpu;
 use codegen::Target;
+use kernels_gen::dsl::Kernel;
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use runtime::compare::CompareDevice;
 use runtime::emulator_device::EmulatorDevice;
 use runtime::plan_exec::PlanExecutor;
+use runtime::plan_exec::{DeviceArg, PlanDevice};
 use runtime::serving::SchedulerConfig;
 use runtime_cuda::CudaDevice;
 use std::path::Path;
@@ -101,6 +103,111 @@ fn lockstep(name: &str, model: &Model, target: Target, arch: &str) -> Result<f64
         worst = worst.max(error.relative);
     }
     Ok(worst)
+}
+
+/// The shape the TMA GEMMs are checked on: 130 tokens, 300 weight rows, K 264 with
+/// activation rows 272 apart (partial tiles and a partial last K step, which TMA fills with
+/// zeros).
+const TMA_CHECK: (usize, usize, usize, usize) = (130, 300, 264, 272);
+
+/// The TMA GEMMs (Hopper's; no plan launches them yet), 128- and 256-row weight tiles, in
+/// lockstep with the emulator on [`TMA_CHECK`]'s shape, in one piece and K split in three
+/// with the reduction; prints each kernel's max relative error and returns the worst (0 on
+/// targets without them).
+pub fn tma_gemm_errors(arch: &str) -> Result<f64> {
+    if arch != "sm_90a" {
+        return Ok(0.0);
+    }
+    let kernels = tma_gemm_kernels();
+    let mut device = CompareDevice::new(
+        super::compile_device(&kernels, arch)?,
+        EmulatorDevice::new(kernels.clone()),
+        &kernels,
+    );
+    run_tma_gemms(&mut device, &kernels)?;
+    let (tokens, n, k, _) = TMA_CHECK;
+    let mut worst = 0f64;
+    println!("| TMA GEMM ({tokens}×{n}×{k}) | launches | max relative error |\n|---|---|---|");
+    for (kernel, error) in device.errors() {
+        println!("| {kernel} | {} | {:.2e} |", error.launches, error.relative);
+        worst = worst.max(error.relative);
+    }
+    Ok(worst)
+}
+
+/// The TMA GEMMs [`tma_gemm_errors`] checks, then the split-K reduction.
+fn tma_gemm_kernels() -> Vec<Kernel> {
+    use kernels_gen::templates::gemm_tma_wgmma::{gemm_tma_wgmma_bf16, TmaTile};
+    vec![
+        gemm_tma_wgmma_bf16("gemm_tma", "gpu-check", TmaTile::WIDE),
+        gemm_tma_wgmma_bf16("gemm_tma_n256", "gpu-check", TmaTile::WIDEST),
+        kernels_gen::templates::split_k::reduce("split_k_reduce", "gpu-check", 16, None, None),
+    ]
+}
+
+/// Each GEMM of `kernels` (the last is the reduction) on random bf16 operands of
+/// [`TMA_CHECK`]'s shape, in one piece and in three K splits: the operands and the last
+/// result read back (x, w as f32; out).
+fn run_tma_gemms<D: PlanDevice>(device: &mut D, kernels: &[Kernel]) -> Result<[Vec<f32>; 3]> {
+    let (tokens, n, k, x_stride) = TMA_CHECK;
+    let mut seed = 0x9e37_79b9_u32;
+    let mut random_bf16 = |count: usize| -> Vec<half::bf16> {
+        (0..count)
+            .map(|_| {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                half::bf16::from_f32((seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5)
+            })
+            .collect()
+    };
+    let bytes = |v: &[half::bf16]| v.iter().flat_map(|e| e.to_le_bytes()).collect::<Vec<u8>>();
+    let (x_values, w_values) = (random_bf16(tokens * x_stride), random_bf16(n * k));
+    let x = device.upload(&bytes(&x_values))?;
+    let w = device.upload(&bytes(&w_values))?;
+    let out = device.alloc(tokens * n * 4)?;
+    let partial = device.alloc(3 * tokens * n * 4)?;
+    let (gemms, reduce) = kernels.split_at(kernels.len() - 1);
+    for gemm in gemms {
+        for splits in [1usize, 3] {
+            let value = |name: &str| -> Option<DeviceArg<'_, D::Buffer>> {
+                let int = |v: usize| DeviceArg::I32(v as i32);
+                Some(match name {
+                    "x" => DeviceArg::Buffer(&x, 0..tokens * x_stride * 2),
+                    "w" => DeviceArg::Buffer(&w, 0..n * k * 2),
+                    "out" => DeviceArg::Buffer(&out, 0..tokens * n * 4),
+                    "partial" => DeviceArg::Buffer(&partial, 0..3 * tokens * n * 4),
+                    "tokens" => int(tokens),
+                    "n" | "out_stride" => int(n),
+                    "k" => int(k),
+                    "x_stride" => int(x_stride),
+                    "splits" => int(splits),
+                    "out_col" => int(0),
+                    _ => return None,
+                })
+            };
+            let scalar = |name: &str| match value(name) {
+                Some(DeviceArg::I32(v)) => Some(v as i64),
+                _ => None,
+            };
+            for kernel in std::iter::once(gemm).chain(reduce.iter().filter(|_| splits > 1)) {
+                let args = super::llama_8b::bind(kernel, value)?;
+                let grid = kernel
+                    .grid
+                    .eval_int(&scalar)
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", kernel.name))?;
+                device.launch(&kernel.name, grid as u32, kernel.block_dim, &args)?;
+            }
+        }
+    }
+    let result = device.read(&out, 0..tokens * n * 4)?;
+    let widen = |v: &[half::bf16]| v.iter().map(|e| e.to_f32()).collect();
+    Ok([
+        widen(&x_values),
+        widen(&w_values),
+        result
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    ])
 }
 
 /// Eight sequences of the tiny Llama (bf16) decoding together on the serving plan (the rows
@@ -379,4 +486,29 @@ pub fn serve_first_then_rest<B: runtime::serving::PagedBackend>(
     let mut tokens = serve_all_counting(engine, first, greedy, 6)?.tokens;
     tokens.extend(serve_all_counting(engine, rest, greedy, 6)?.tokens);
     Ok((tokens, engine.scheduler().prefix_cache_stats().hit))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the TMA GEMM check launches binds and runs on the emulator, and the last result
+    /// (256-row tiles, three K splits and the reduction) is the product.
+    #[test]
+    fn the_tma_gemm_check_runs_its_launches() {
+        let kernels = tma_gemm_kernels();
+        let mut device = EmulatorDevice::new(kernels.clone());
+        let [x, w, out] = run_tma_gemms(&mut device, &kernels).unwrap();
+        let (tokens, n, k, x_stride) = TMA_CHECK;
+        for t in [0, 77, tokens - 1] {
+            for r in [0, 150, n - 1] {
+                let want: f32 = (0..k).map(|i| x[t * x_stride + i] * w[r * k + i]).sum();
+                let got = out[t * n + r];
+                assert!(
+                    (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                    "{t}, {r}: {got} vs {want}"
+                );
+            }
+        }
+    }
 }

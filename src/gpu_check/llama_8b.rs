@@ -6,7 +6,8 @@
 use anyhow::{anyhow, Result};
 use codegen::gpu::{self, expr};
 use codegen::Target;
-use kernels_gen::dsl::{Kernel, Ty};
+use kernels_gen::dsl::{Kernel, Param, Ty};
+use kernels_gen::templates::gemm_tma_wgmma::{gemm_tma_wgmma_bf16, TmaTile};
 use kernels_gen::templates::gemm_wgmma::{self, Schedule};
 use kernels_gen::templates::gemv::{self, gemv, GemvSpec, NormPrologue};
 use kernels_gen::templates::quant::WeightFormat;
@@ -95,9 +96,11 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
     Ok(())
 }
 
-/// The largest batch the matmul table times: a 512-token prompt's chunk, as the decode
-/// section prefills its prompts.
-const PREFILL_ROWS: usize = 512;
+/// The rows the matmul table times the tensor-core GEMMs at: decode batches of 16 and 64,
+/// and prompt chunks of 256, 512 (as the decode section prefills its prompts) and 2 048.
+const GEMM_ROWS: [usize; 5] = [16, 64, 256, 512, 2048];
+/// The most rows a timed matmul takes (the buffers' size).
+const MOST_ROWS: usize = 2048;
 
 /// Llama-3-8B's matmuls: (name, output rows, input width, count per decode step).
 const SHAPES: [(&str, usize, usize, usize); 5] = [
@@ -211,10 +214,12 @@ impl<'a, B> MatmulCase<'a, B> {
 
 /// `kernel`'s arguments in its parameters' order, each from `value` by parameter name: a
 /// parameter `value` has nothing for is an error, not a misplaced argument.
-fn bind<'a, B>(kernel: &Kernel, value: impl Fn(&str) -> Option<DeviceArg<'a, B>>) -> Result<Vec<DeviceArg<'a, B>>> {
+pub(super) fn bind<'a, B>(
+    kernel: &Kernel,
+    value: impl Fn(&str) -> Option<DeviceArg<'a, B>>,
+) -> Result<Vec<DeviceArg<'a, B>>> {
     kernel
-        .params
-        .iter()
+        .launch_params()
         .map(|p| value(p.name()).ok_or_else(|| anyhow!("{}: nothing for parameter `{}`", kernel.name, p.name())))
         .collect()
 }
@@ -225,22 +230,48 @@ const EARLIER_HOPPER_SCHEDULES: [(&str, Schedule); 2] = [
     ("gemm_2_stages", Schedule::AHEAD_TWO_STAGES),
 ];
 
+/// The tensor-core GEMMs the table times on `arch`, each with its tiles (for the K splits):
+/// the target's (`gemm`: wgmma on sm_90a, tcgen05 on sm_100a, mma.sync on sm_120a); on
+/// Hopper also the schedules earlier runs timed ([`EARLIER_HOPPER_SCHEDULES`]) and the TMA
+/// GEMMs on bf16 activations, with 128- and 256-row weight tiles.
+fn tensor_core_gemms(arch: &str, gemm: (Kernel, (usize, usize, usize))) -> Vec<(Kernel, (usize, usize, usize))> {
+    let mut out = vec![gemm];
+    if arch == "sm_90a" {
+        out.extend(EARLIER_HOPPER_SCHEDULES.iter().map(|(name, schedule)| {
+            let kernel = gemm_wgmma::gemm_wgmma_bf16_scheduled(name, "gpu-check", None, None, *schedule);
+            (kernel, gemm_wgmma::TILES)
+        }));
+        for (name, tile) in [("gemm_tma", TmaTile::WIDE), ("gemm_tma_n256", TmaTile::WIDEST)] {
+            out.push((gemm_tma_wgmma_bf16(name, "gpu-check", tile), tile.tiles()));
+        }
+    }
+    out
+}
+
+/// Whether `kernel` takes its activations in bf16 (the TMA GEMMs) rather than f32.
+fn takes_bf16_activations(kernel: &Kernel) -> bool {
+    matches!(kernel.param("x"), Some(Param::Buffer { ty: Ty::Bf16, .. }))
+}
+
 /// Time every shape's matmul alone at batch 1 (the decode GEMV, and for QKV and gate/up the
 /// fused GEMV the serving plan takes; each with one, two and four weight rows a warp, and
-/// prefetching), 4 (the 4-tokens-per-pass GEMVs small batches take, likewise), 16 and 64 (the
-/// tensor-core GEMM, K split as the plans split it, the reduction included; and the
-/// 4-tokens-per-pass GEMV for comparison) and 512 (a prompt's chunk); Hopper's GEMM also on
-/// the schedules earlier runs timed ([`EARLIER_HOPPER_SCHEDULES`]); the table as markdown,
-/// with the step the matmuls alone would add up to (the whole step is [`decode`]'s).
+/// prefetching), 4 (the 4-tokens-per-pass GEMVs small batches take, likewise), and at
+/// [`GEMM_ROWS`] the tensor-core GEMMs ([`tensor_core_gemms`], K split as the plans split it,
+/// the reduction included; at 16 and 64 also the 4-tokens-per-pass GEMV); beside each, its
+/// time over cuBLASLt's for the same shape on bf16 operands (where cuBLASLt loads); the table
+/// as markdown, with the step the matmuls alone would add up to (the whole step is
+/// [`decode`]'s).
 pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<String> {
     let mut table = String::from(
-        "| matmul | batch | kernel | µs | weight GB/s | % of copy bandwidth |\n|---|---|---|---|---|---|\n",
+        "| matmul | batch | kernel | µs | weight GB/s | % of copy bandwidth | × cuBLASLt |\n|---|---|---|---|---|---|---|\n",
     );
     let mut step = [0f64; 3];
+    let mut cublas_note = None;
     for (name, n, k, count) in SHAPES {
         let gemvs = [plain_gemvs(k), fused_gemvs(name, k)].concat();
         let gemm = prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), k, None, None, "gemm", "gpu-check")
             .ok_or_else(|| anyhow!("a bf16 GEMM"))?;
+        let gemms = tensor_core_gemms(arch, (gemm.kernel.clone(), gemm.tiles));
         // A kernel timed at several batches is compiled once.
         let mut names = std::collections::HashSet::new();
         let mut kernels: Vec<Kernel> = gemvs
@@ -248,20 +279,14 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
             .filter(|(_, kernel)| names.insert(kernel.name.as_str()))
             .map(|(_, kernel)| kernel.clone())
             .collect();
-        kernels.extend([
-            // The target's tensor-core GEMM: wgmma on sm_90a, tcgen05 on sm_100a, mma.sync on sm_120a.
-            gemm.kernel.clone(),
-            split_k::reduce("split_k_reduce", "gpu-check", gpu::PREFILL_TOKENS, None, None),
-        ]);
-        // Hopper's GEMM as earlier runs timed it.
-        let hopper_schedules: Vec<Kernel> = match arch {
-            "sm_90a" => EARLIER_HOPPER_SCHEDULES
-                .iter()
-                .map(|(name, schedule)| gemm_wgmma::gemm_wgmma_bf16_scheduled(name, "gpu-check", None, None, *schedule))
-                .collect(),
-            _ => vec![],
-        };
-        kernels.extend(hopper_schedules.iter().cloned());
+        kernels.extend(gemms.iter().map(|(kernel, _)| kernel.clone()));
+        kernels.push(split_k::reduce(
+            "split_k_reduce",
+            "gpu-check",
+            gpu::PREFILL_TOKENS,
+            None,
+            None,
+        ));
         let mut device = super::compile_device(&[kernels.clone(), fill_kernels()].concat(), arch)?;
         // Each kernel's own time, as the first run measured it: with programmatic launches the
         // repeated launches would overlap (what they gain is the decode section's to show).
@@ -269,9 +294,18 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
         // Random weights and activations (never zeros: they can run faster than real data).
         let w = device.alloc(n * k * 2)?;
         fill_on_device(&mut device, &w, 0, n * k, Ty::Bf16, Fill::of(1, name, &[n, k]))?;
-        let rows = PREFILL_ROWS;
+        let rows = MOST_ROWS;
         let x = device.alloc(rows * k * 4)?;
         fill_on_device(&mut device, &x, 0, rows * k, Ty::F32, Fill::of(2, name, &[rows, k]))?;
+        let x_bf16 = device.alloc(rows * k * 2)?;
+        fill_on_device(
+            &mut device,
+            &x_bf16,
+            0,
+            rows * k,
+            Ty::Bf16,
+            Fill::of(2, name, &[rows, k]),
+        )?;
         // The residual and the norm weight of the fused GEMVs.
         let b = device.alloc(rows * k * 4)?;
         fill_on_device(&mut device, &b, 0, rows * k, Ty::F32, Fill::of(3, name, &[rows, k]))?;
@@ -280,28 +314,55 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
         // Wide enough for the fused GEMVs' `[x + b | product]` rows.
         let out_bytes = rows * (k + n) * 4;
         let out = device.alloc(out_bytes)?;
-        let partial_bytes = split_k::partial_len(n, k, gemm.tiles, target.multiprocessors()) * 4;
-        let partial = device.alloc(partial_bytes)?;
-        let mut cases: Vec<(usize, &str)> = gemvs
+        let partial_bytes = gemms
             .iter()
-            .map(|(batch, kernel)| (*batch, kernel.name.as_str()))
+            .map(|(_, tiles)| split_k::partial_len(n, k, *tiles, target.multiprocessors()) * 4)
+            .max()
+            .unwrap_or(4);
+        let partial = device.alloc(partial_bytes)?;
+        let mut cases: Vec<(usize, &Kernel, (usize, usize, usize))> = gemvs
+            .iter()
+            .map(|(batch, kernel)| (*batch, kernel, gemm.tiles))
             .collect();
-        for batch in [16, 64, rows] {
-            cases.push((batch, "gemm"));
-            cases.extend(hopper_schedules.iter().map(|kernel| (batch, kernel.name.as_str())));
+        for batch in GEMM_ROWS {
+            cases.extend(gemms.iter().map(|(kernel, tiles)| (batch, kernel, *tiles)));
+        }
+        // cuBLASLt at every batch a row is timed at.
+        let cublas = match device.cublaslt() {
+            Ok(lt) => {
+                let out = device.alloc(rows * n * 2)?;
+                let mut times = std::collections::BTreeMap::new();
+                for batch in cases.iter().map(|(batch, _, _)| *batch) {
+                    if let std::collections::btree_map::Entry::Vacant(slot) = times.entry(batch) {
+                        let plan = lt.plan(batch, n, k, k)?;
+                        slot.insert(device.time(20, |_| lt.run(&plan, &x_bf16, &w, &out))?);
+                    }
+                }
+                times
+            }
+            Err(e) => {
+                cublas_note = Some(e.to_string());
+                Default::default()
+            }
+        };
+        for (batch, &seconds) in &cublas {
+            let rate = (n * k * 2) as f64 / seconds;
+            table += &format!(
+                "| {name} {n}×{k} | {batch} | cuBLASLt (bf16 out) | {:.1} | {:.0} | {:.0}% | 1.00 |\n",
+                seconds * 1e6,
+                rate / 1e9,
+                100.0 * rate / bandwidth
+            );
         }
         let reduce = kernels
             .iter()
             .find(|kk| kk.name == "split_k_reduce")
             .ok_or_else(|| anyhow!("the split-K reduction"))?;
-        for (batch, kernel) in cases {
-            let program = kernels
-                .iter()
-                .find(|kk| kk.name == kernel)
-                .ok_or_else(|| anyhow!("a timed kernel"))?;
+        for (batch, program, tiles) in cases {
+            let kernel = program.name.as_str();
             let splits = match program.param("splits").is_some() {
                 true => {
-                    let expr = split_k::splits_expr("tokens", n, k, gemm.tiles, target.multiprocessors());
+                    let expr = split_k::splits_expr("tokens", n, k, tiles, target.multiprocessors());
                     let vars = [("tokens", expr::Value::Int(batch as i64))].into_iter().collect();
                     expr::eval(&expr, &vars)?.as_i64() as usize
                 }
@@ -309,7 +370,10 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
             };
             let grid = grid_of(program, batch, n, k, splits)?;
             let case = MatmulCase {
-                x: (&x, rows * k * 4),
+                x: match takes_bf16_activations(program) {
+                    true => (&x_bf16, rows * k * 2),
+                    false => (&x, rows * k * 4),
+                },
                 b: (&b, rows * k * 4),
                 g: (&g, k * 4),
                 w: (&w, n * k * 2),
@@ -341,8 +405,11 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
                 1 => kernel.to_string(),
                 _ => format!("{kernel}, {splits} K splits + reduction"),
             };
+            let versus = cublas
+                .get(&batch)
+                .map_or("–".to_string(), |reference| format!("{:.2}", seconds / reference));
             table += &format!(
-                "| {name} {n}×{k} | {batch} | {label} | {:.1} | {:.0} | {:.0}% |\n",
+                "| {name} {n}×{k} | {batch} | {label} | {:.1} | {:.0} | {:.0}% | {versus} |\n",
                 seconds * 1e6,
                 rate / 1e9,
                 100.0 * rate / bandwidth
@@ -355,6 +422,9 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
                 _ => {}
             }
         }
+    }
+    if let Some(note) = cublas_note {
+        table += &format!("\nNo cuBLASLt to compare with: {note}\n");
     }
     let weight_bytes: usize = SHAPES.iter().map(|&(_, n, k, count)| n * k * 2 * count).sum();
     for (batch, seconds) in [1, 16, 64].into_iter().zip(step) {
@@ -456,15 +526,16 @@ mod tests {
             ]
             .concat();
             let mut kernels: Vec<Kernel> = gemvs.into_iter().map(|(_, kernel)| kernel).collect();
-            kernels.extend([
-                gemm,
-                split_k::reduce("split_k_reduce", "test", gpu::PREFILL_TOKENS, None, None),
-            ]);
-            kernels.extend(
-                EARLIER_HOPPER_SCHEDULES
-                    .iter()
-                    .map(|(name, schedule)| gemm_wgmma::gemm_wgmma_bf16_scheduled(name, "test", None, None, *schedule)),
-            );
+            kernels.push(split_k::reduce(
+                "split_k_reduce",
+                "test",
+                gpu::PREFILL_TOKENS,
+                None,
+                None,
+            ));
+            let gemms = tensor_core_gemms(arch, (gemm, (0, 0, 0)));
+            assert_eq!(gemms.len(), if arch == "sm_90a" { 5 } else { 1 }, "{arch}");
+            kernels.extend(gemms.into_iter().map(|(kernel, _)| kernel));
             for kernel in &kernels {
                 if let Err(e) = bind(kernel, |p| case.value(p)) {
                     panic!("{arch}: {e}");

@@ -138,6 +138,9 @@ pub struct KernelEntry {
     pub registers: Option<u32>,
     /// The parameters in order: what each launch argument binds to.
     pub params: Vec<KernelParam>,
+    /// Bytes of dynamic shared memory each block is launched with (0: static only).
+    #[serde(default)]
+    pub shared_bytes: u32,
 }
 
 /// A kernel parameter as the launcher needs it.

@@ -162,6 +162,10 @@ fn build_program(
     let kernels = kernels
         .into_iter()
         .map(|(k, _)| KernelEntry {
+            shared_bytes: match k.shared_layout() {
+                layout if layout.dynamic => layout.bytes as u32,
+                _ => 0,
+            },
             name: k.name.clone(),
             block: k.block_dim,
             grid: kernels_gen::cuda::grid_expr(&k),

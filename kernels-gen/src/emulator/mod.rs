@@ -336,15 +336,12 @@ pub fn run(
             "{shared} bytes of shared memory, more than the {SHARED_LIMIT} a block may have"
         )));
     }
-    let (grid, maps) = {
+    let grid = {
         let mut b = Block::new(kernel, 0, 1);
         b.set_scalars(&scalar_vals);
-        let value = |e: &Expr| b.eval(e, &[true], buffers).map(|v| v[0].i()).map_err(|(_, m)| m);
-        (
-            value(&kernel.grid).map_err(launch)?,
-            tma::resolve_maps(kernel, buffers, value).map_err(launch)?,
-        )
+        b.eval(&kernel.grid, &[true], buffers).map_err(|(_, m)| launch(m))?[0].i()
     };
+    let maps = tma::resolve_maps(kernel, buffers, scalars).map_err(launch)?;
     if grid < 0 {
         return Err(launch(format!("grid of {grid} blocks")));
     }

@@ -7,7 +7,7 @@
 //! over shared memory another thread read since the last `__syncthreads()` or a tensor-core
 //! MMA in flight still reads, and reads of never-written sources.
 
-use super::{Array, Block, Fault};
+use super::{Array, Block, Fault, Scalar};
 use crate::dsl::{Expr, Kernel, Swizzle, TmaLoad};
 use std::collections::HashMap;
 
@@ -23,13 +23,18 @@ pub(super) struct ResolvedMap {
     swizzle: Swizzle,
 }
 
-/// The kernel's tensor maps over `buffers`, their sizes evaluated by `size`, or why the driver
-/// would refuse one.
+/// The kernel's tensor maps over `buffers`, their sizes evaluated from `scalars` as a
+/// launcher does (`Expr::eval_int`), or why the driver would refuse one.
 pub(super) fn resolve_maps(
     kernel: &Kernel,
     buffers: &HashMap<String, Array>,
-    size: impl Fn(&Expr) -> Result<i64, String>,
+    scalars: &HashMap<String, Scalar>,
 ) -> Result<HashMap<String, ResolvedMap>, String> {
+    let var = |name: &str| match scalars.get(name) {
+        Some(Scalar::Int(v)) => Some(*v),
+        _ => None,
+    };
+    let size = |e: &Expr| e.eval_int(&var);
     let mut out = HashMap::new();
     for map in kernel.tensor_maps() {
         let (rows, cols, stride) = (size(&map.rows)?, size(&map.cols)?, size(&map.stride)?);

@@ -35,7 +35,12 @@ pub fn programmatic_launch_works(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream
         let pair = || -> Result<(), DriverError> {
             for programmatic in [false, true] {
                 // SAFETY: the probe takes no parameters and waits for the prior kernel first.
-                unsafe { launch(stream, &function, 1, 32, &mut [], programmatic)? };
+                let shape = Shape {
+                    grid: 1,
+                    block: 32,
+                    shared_bytes: 0,
+                };
+                unsafe { launch(stream, &function, shape, &mut [], programmatic)? };
             }
             Ok(())
         };
@@ -54,7 +59,15 @@ pub fn programmatic_launch_works(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream
     probe().is_ok()
 }
 
-/// Launch `function` on `stream` with `grid` blocks of `block` threads.
+/// A launch's blocks, threads a block and dynamic shared memory a block.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub grid: u32,
+    pub block: u32,
+    pub shared_bytes: u32,
+}
+
+/// Launch `function` on `stream` in `shape`.
 ///
 /// # Safety
 /// `params` holds one pointer per kernel parameter, in order, each to a value of the
@@ -64,8 +77,7 @@ pub fn programmatic_launch_works(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream
 pub unsafe fn launch(
     stream: &CudaStream,
     function: &CudaFunction,
-    grid: u32,
-    block: u32,
+    shape: Shape,
     params: &mut [*mut c_void],
     programmatic: bool,
 ) -> Result<(), DriverError> {
@@ -78,13 +90,13 @@ pub unsafe fn launch(
         value,
     };
     let config = sys::CUlaunchConfig {
-        gridDimX: grid,
+        gridDimX: shape.grid,
         gridDimY: 1,
         gridDimZ: 1,
-        blockDimX: block,
+        blockDimX: shape.block,
         blockDimY: 1,
         blockDimZ: 1,
-        sharedMemBytes: 0,
+        sharedMemBytes: shape.shared_bytes,
         hStream: stream.cu_stream(),
         attrs: if programmatic {
             &mut attribute

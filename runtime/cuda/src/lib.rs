@@ -11,7 +11,11 @@
 //! runs on the emulator in CI (`tests/gpu_plan_emulated.rs`); this device is checked on a GPU
 //! by `bbc gpu-check` (`docs/gpu-check.md`).
 
+mod cublaslt;
 mod launch;
+mod tensor_map;
+
+pub use cublaslt::{CublasGemm, CublasLt};
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nvrtc::Ptx;
@@ -59,16 +63,24 @@ pub struct CudaDevice {
 /// A kernel loaded from its module.
 struct LoadedKernel {
     function: CudaFunction,
-    /// How many parameters it takes: a launch must give exactly those (the driver would read
-    /// whatever lies past the arguments given).
-    params: usize,
+    /// What fills its parameters: a launch must give exactly its arguments (the driver would
+    /// read whatever lies past the arguments given); tensor maps are derived from them.
+    params: tensor_map::KernelParams,
+    /// Bytes of dynamic shared memory it is launched with.
+    shared_bytes: u32,
     /// Whether it waits for the kernel before it (`kernels_gen::cuda::awaits_prior_kernel`).
     awaits_prior_kernel: bool,
 }
 
-/// A kernel to load: its name, module image, parameter count and whether it waits for the
-/// kernel before it.
-type KernelImage = (String, Ptx, usize, bool);
+/// A kernel to load.
+struct KernelImage {
+    name: String,
+    image: Ptx,
+    params: tensor_map::KernelParams,
+    /// Whether it waits for the kernel before it.
+    awaits_prior_kernel: bool,
+    shared_bytes: u32,
+}
 
 /// An on/off environment switch, on unless set to `0` (`BBC_PDL`, `BBC_WEIGHT_PREFETCH`: to
 /// compare, or to rule one out).
@@ -99,8 +111,13 @@ impl CudaDevice {
                 ),
                 (None, None) => return Err(RuntimeError::Artifact(format!("kernel {} has no cubin or PTX", k.name))),
             };
-            let awaits = kernels_gen::cuda::awaits_prior_kernel(&k.source);
-            Ok((k.name.clone(), module, k.params.len(), awaits))
+            Ok(KernelImage {
+                name: k.name.clone(),
+                image: module,
+                params: tensor_map::KernelParams::plain(k.params.len()),
+                awaits_prior_kernel: kernels_gen::cuda::awaits_prior_kernel(&k.source),
+                shared_bytes: k.shared_bytes,
+            })
         });
         Self::load(modules.collect::<Result<Vec<_>>>()?)
     }
@@ -116,10 +133,16 @@ impl CudaDevice {
             )));
         }
         let modules = kernels.iter().zip(cubins).map(|(k, cubin)| {
-            let awaits = kernels_gen::cuda::awaits_prior_kernel(&kernels_gen::cuda::emit(k));
-            (k.name.clone(), Ptx::from_binary(cubin), k.params.len(), awaits)
+            let layout = k.shared_layout();
+            Ok(KernelImage {
+                name: k.name.clone(),
+                image: Ptx::from_binary(cubin),
+                params: tensor_map::KernelParams::of(k)?,
+                awaits_prior_kernel: kernels_gen::cuda::awaits_prior_kernel(&kernels_gen::cuda::emit(k)),
+                shared_bytes: if layout.dynamic { layout.bytes as u32 } else { 0 },
+            })
         });
-        Self::load(modules.collect())
+        Self::load(modules.collect::<Result<Vec<_>>>()?)
     }
 
     fn load(modules: Vec<KernelImage>) -> Result<Self> {
@@ -134,15 +157,24 @@ impl CudaDevice {
         // Graphs are captured from a stream of our own: the legacy default stream cannot be.
         let stream = ctx.new_stream().map_err(driver)?;
         let mut functions = HashMap::new();
-        for (name, image, params, awaits_prior_kernel) in modules {
-            let module = ctx.load_module(image).map_err(driver)?;
-            let function = module.load_function(&name).map_err(driver)?;
-            let kernel = LoadedKernel {
+        for kernel in modules {
+            let module = ctx.load_module(kernel.image).map_err(driver)?;
+            let function = module.load_function(&kernel.name).map_err(driver)?;
+            if kernel.shared_bytes as usize > kernels_gen::dsl::STATIC_SHARED_LIMIT {
+                // Past 48 KiB a kernel must be allowed its dynamic shared memory first.
+                let attribute =
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+                function
+                    .set_attribute(attribute, kernel.shared_bytes as i32)
+                    .map_err(driver)?;
+            }
+            let loaded = LoadedKernel {
                 function,
-                params,
-                awaits_prior_kernel,
+                params: kernel.params,
+                shared_bytes: kernel.shared_bytes,
+                awaits_prior_kernel: kernel.awaits_prior_kernel,
             };
-            functions.insert(name, kernel);
+            functions.insert(kernel.name, loaded);
         }
         let programmatic_launch_works =
             ctx.compute_capability().map_err(driver)?.0 >= 9 && launch::programmatic_launch_works(&ctx, &stream);
@@ -296,10 +328,10 @@ impl PlanDevice for CudaDevice {
             .functions
             .get(kernel)
             .ok_or_else(|| RuntimeError::Artifact(format!("no kernel {kernel}")))?;
-        if args.len() != loaded.params {
+        if args.len() != loaded.params.arguments() {
             return Err(RuntimeError::Artifact(format!(
                 "kernel {kernel} takes {} arguments, given {}",
-                loaded.params,
+                loaded.params.arguments(),
                 args.len()
             )));
         }
@@ -313,13 +345,24 @@ impl PlanDevice for CudaDevice {
                 DeviceArg::F32(v) => low_half(v.to_ne_bytes()),
             })
             .collect();
-        let mut params: Vec<*mut std::ffi::c_void> = values.iter_mut().map(|v| (v as *mut u64).cast()).collect();
+        let mut maps = loaded
+            .params
+            .encodings(args, |i| values[i])?
+            .iter()
+            .map(|(encoding, address)| tensor_map::encode(encoding, *address))
+            .collect::<Result<Vec<_>>>()?;
+        let mut params = loaded.params.pointers(&mut values, &mut maps);
         let programmatic = self.programmatic_launch && loaded.awaits_prior_kernel && self.after_launch;
-        // SAFETY: one pointer per parameter (counted above) to a value of its size that lives
-        // through the call; buffer pointers lie inside buffers sized by the plan; a kernel
-        // launched programmatically waits for the kernel before it first.
-        unsafe { launch::launch(&self.stream, &loaded.function, grid, block, &mut params, programmatic) }
-            .map_err(driver)?;
+        let shape = launch::Shape {
+            grid,
+            block,
+            shared_bytes: loaded.shared_bytes,
+        };
+        // SAFETY: one pointer per parameter (counted above) to a value of its size (a tensor
+        // map's 128 bytes, 64-byte aligned) that lives through the call; buffer pointers lie
+        // inside buffers sized by the plan; a kernel launched programmatically waits for the
+        // kernel before it first.
+        unsafe { launch::launch(&self.stream, &loaded.function, shape, &mut params, programmatic) }.map_err(driver)?;
         self.after_launch = true;
         Ok(())
     }
