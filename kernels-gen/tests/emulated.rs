@@ -1138,14 +1138,24 @@ fn hopper_wgmma_gemm_matches_reference_on_bf16_inputs() {
 
 /// The TMA GEMM: bf16 activations (rows `x_stride` apart, a multiple of 8) and weights, in
 /// one piece and with K split, tiles of 128 and 256 weight rows, rings of 2 buffers (refilled
-/// every other step) and 4; ragged tokens, rows and last K step, which TMA fills with zeros.
+/// every other step), 3 and 4, each step's MMAs waited for in the step or overlapping the
+/// next; ragged tokens, rows and last K step, which TMA fills with zeros.
 /// (Steps under 16 rows run the GEMV in plans: the reduction skips them, so they are not split.)
 #[test]
 fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
     let mut rng = Rng(29);
     let reduce = split_k::reduce("reduce", "test", 16, None, None);
     let tiles = [
-        gemm_tma_wgmma::TmaTile { tile_n: 128, stages: 2 },
+        gemm_tma_wgmma::TmaTile {
+            tile_n: 128,
+            stages: 2,
+            overlapped: false,
+        },
+        gemm_tma_wgmma::TmaTile {
+            tile_n: 128,
+            stages: 3,
+            overlapped: true,
+        },
         gemm_tma_wgmma::TmaTile::WIDEST,
     ];
     for tile in tiles {
@@ -1176,7 +1186,8 @@ fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
 /// Each of the TMA GEMM's synchronisations is needed, and the emulator says why when one is
 /// missing: without the barrier wait the tensor cores read a buffer before its copy is known
 /// to have landed; without the `__syncthreads()` after the multiply, thread 0 refills a
-/// buffer the other warpgroup may still be reading (the ring of 2 is refilled at step 2).
+/// buffer the other warpgroup may still be reading (the ring of 2 is refilled at step 2);
+/// waiting for all but the last MMA group, it refills the buffer those MMAs still read.
 #[test]
 fn the_tma_gemm_fails_without_any_of_its_synchronisations() {
     fn strip(body: &[Stmt], drop: &dyn Fn(&Stmt) -> bool) -> Vec<Stmt> {
@@ -1200,7 +1211,11 @@ fn the_tma_gemm_fails_without_any_of_its_synchronisations() {
             })
             .collect()
     }
-    let tile = gemm_tma_wgmma::TmaTile { tile_n: 128, stages: 2 };
+    let tile = gemm_tma_wgmma::TmaTile {
+        tile_n: 128,
+        stages: 2,
+        overlapped: false,
+    };
     let gemm = gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm", "test", tile);
     let mut rng = Rng(31);
     let (tokens, n, k) = (20, 16, 256);
@@ -1230,6 +1245,42 @@ fn the_tma_gemm_fails_without_any_of_its_synchronisations() {
             .to_string();
         assert!(message.contains(expected), "without {what}: {message}");
     }
+    // Leaving a step's MMAs in flight while refilling the buffer they read.
+    fn early(body: &[Stmt]) -> Vec<Stmt> {
+        body.iter()
+            .map(|s| match s {
+                Stmt::For {
+                    var,
+                    start,
+                    end,
+                    step,
+                    body,
+                } => Stmt::For {
+                    var: var.clone(),
+                    start: start.clone(),
+                    end: end.clone(),
+                    step: step.clone(),
+                    body: body
+                        .iter()
+                        .map(|s| match s {
+                            Stmt::WgmmaWait(0) => Stmt::WgmmaWait(1),
+                            other => other.clone(),
+                        })
+                        .collect(),
+                },
+                other => other.clone(),
+            })
+            .collect()
+    }
+    let mut broken = gemm.clone();
+    broken.body = early(&gemm.body);
+    let message = try_run_matmul(&broken, x, None, w, (tokens, n, k, k))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        message.contains("while a tensor-core MMA reading it is in flight"),
+        "{message}"
+    );
 }
 
 /// The Hopper and Blackwell GEMMs with an RMSNorm prologue (`rms_norm_matmul` at many rows):

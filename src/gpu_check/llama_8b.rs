@@ -233,7 +233,8 @@ const EARLIER_HOPPER_SCHEDULES: [(&str, Schedule); 2] = [
 /// The tensor-core GEMMs the table times on `arch`, each with its tiles (for the K splits):
 /// the target's (`gemm`: wgmma on sm_90a, tcgen05 on sm_100a, mma.sync on sm_120a); on
 /// Hopper also the schedules earlier runs timed ([`EARLIER_HOPPER_SCHEDULES`]) and the TMA
-/// GEMMs on bf16 activations, with 128- and 256-row weight tiles.
+/// GEMMs on bf16 activations: 128-row weight tiles with each step's MMAs overlapping the next
+/// step or waited for in their step, and 256-row tiles.
 fn tensor_core_gemms(arch: &str, gemm: (Kernel, (usize, usize, usize))) -> Vec<(Kernel, (usize, usize, usize))> {
     let mut out = vec![gemm];
     if arch == "sm_90a" {
@@ -241,7 +242,16 @@ fn tensor_core_gemms(arch: &str, gemm: (Kernel, (usize, usize, usize))) -> Vec<(
             let kernel = gemm_wgmma::gemm_wgmma_bf16_scheduled(name, "gpu-check", None, None, *schedule);
             (kernel, gemm_wgmma::TILES)
         }));
-        for (name, tile) in [("gemm_tma", TmaTile::WIDE), ("gemm_tma_n256", TmaTile::WIDEST)] {
+        let in_step = TmaTile {
+            overlapped: false,
+            ..TmaTile::WIDE
+        };
+        let tma = [
+            ("gemm_tma", TmaTile::WIDE),
+            ("gemm_tma_in_step", in_step),
+            ("gemm_tma_n256", TmaTile::WIDEST),
+        ];
+        for (name, tile) in tma {
             out.push((gemm_tma_wgmma_bf16(name, "gpu-check", tile), tile.tiles()));
         }
     }
@@ -534,7 +544,7 @@ mod tests {
                 None,
             ));
             let gemms = tensor_core_gemms(arch, (gemm, (0, 0, 0)));
-            assert_eq!(gemms.len(), if arch == "sm_90a" { 5 } else { 1 }, "{arch}");
+            assert_eq!(gemms.len(), if arch == "sm_90a" { 6 } else { 1 }, "{arch}");
             kernels.extend(gemms.into_iter().map(|(kernel, _)| kernel));
             for kernel in &kernels {
                 if let Err(e) = bind(kernel, |p| case.value(p)) {

@@ -13,9 +13,12 @@
 //! Each buffer has an mbarrier. Thread 0 announces a step's bytes on its buffer's barrier
 //! (`mbarrier.arrive.expect_tx`) and issues its two TMA copies; every thread waits for the
 //! barrier's phase before the tensor cores read the buffer, and the refill of a buffer is
-//! issued after the `__syncthreads()` that follows the last `wgmma` reading it. So `stages - 1`
-//! steps' copies are in flight while the tensor cores work on one, and no thread spends
-//! registers or instructions on moving operands: a copy is one instruction for 16–48 KiB.
+//! issued after the `__syncthreads()` that follows the wait retiring the last `wgmma` reading
+//! it. Overlapped ([`TmaTile::overlapped`]), a step waits only for the previous step's MMAs and
+//! refills the previous step's buffer, so the tensor cores keep working through the barrier
+//! and the next wait. So `stages - 1` or `stages - 2` steps' copies are in flight while the
+//! tensor cores work, and no thread spends registers or instructions on moving operands: a
+//! copy is one instruction for 16–48 KiB.
 //!
 //! K splits (`split_k`) as the other GEMMs: each block takes a span of whole steps and with
 //! several splits writes its partial tile. The activations' rows are `x_stride` apart (a
@@ -35,21 +38,34 @@ const ATOM_BYTES: u32 = 1024;
 /// 16-wide k slices per step.
 const K_SLICES: i64 = TILE_K / 16;
 
-/// The shape of one TMA GEMM: weight rows per block tile (wgmma's N) and the depth of its
-/// ring of buffers.
+/// The shape of one TMA GEMM: weight rows per block tile (wgmma's N), the depth of its ring
+/// of buffers, and whether a step's MMAs still run while the next step begins.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TmaTile {
     /// 128 or 256: accumulators (`tile_n / 2` a thread) and the weight box's rows.
     pub tile_n: u32,
     /// 2..=8 buffers, each `(128 + tile_n) × 128` bytes of shared memory.
     pub stages: u32,
+    /// Whether each step waits only for the previous step's MMAs (`wgmma.wait_group 1`) and
+    /// refills that step's buffer, so the tensor cores run through the barrier and the wait
+    /// for the next buffer; otherwise a step waits for its own and refills its buffer.
+    pub overlapped: bool,
 }
 
 impl TmaTile {
-    /// 128×128 tiles, four buffers (128 KiB of shared memory: one block an SM).
-    pub const WIDE: TmaTile = TmaTile { tile_n: 128, stages: 4 };
+    /// 128×128 tiles, four buffers (128 KiB of shared memory: one block an SM), MMAs
+    /// overlapping the next step.
+    pub const WIDE: TmaTile = TmaTile {
+        tile_n: 128,
+        stages: 4,
+        overlapped: true,
+    };
     /// 128×256 tiles, four buffers (192 KiB), for GEMMs with tiles enough for every SM.
-    pub const WIDEST: TmaTile = TmaTile { tile_n: 256, stages: 4 };
+    pub const WIDEST: TmaTile = TmaTile {
+        tile_n: 256,
+        stages: 4,
+        overlapped: true,
+    };
 
     /// The tile sizes, for the split-K expression: (tokens, weight rows, K step).
     pub fn tiles(self) -> (usize, usize, usize) {
@@ -97,7 +113,8 @@ fn fill(tile: TmaTile, s: Expr, step: Expr) -> Vec<Stmt> {
     ]
 }
 
-/// The step's four k slices on the tensor cores, waited for before returning.
+/// The step's four k slices on the tensor cores, then the wait for them (or, overlapped, for
+/// the previous step's).
 fn multiply(tile: TmaTile) -> Vec<Stmt> {
     let swizzled = |array: &str, start: Expr| SmemMatrix {
         array: array.into(),
@@ -119,7 +136,7 @@ fn multiply(tile: TmaTile) -> Vec<Stmt> {
             d: (0..tile.tile_n as usize / 2).map(d_name).collect(),
         })));
     }
-    out.extend([Stmt::WgmmaCommit, Stmt::WgmmaWait(0)]);
+    out.extend([Stmt::WgmmaCommit, Stmt::WgmmaWait(tile.overlapped as u32)]);
     out
 }
 
@@ -157,14 +174,30 @@ pub fn gemm_tma_wgmma_bf16(name: &str, origin: &str, tile: TmaTile) -> Kernel {
     ]
     .into_iter()
     .chain(multiply(tile))
-    .chain([
+    .chain(match tile.overlapped {
+        // Every warpgroup is done with the previous step's buffer: refill it.
+        true => {
+            let previous = var("step") - int(1);
+            vec![
+                Stmt::SyncThreads,
+                if_(
+                    and(
+                        and(first_thread.clone(), lt(int(0), var("step"))),
+                        lt(previous.clone() + int(stages), var("steps")),
+                    ),
+                    fill(tile, rem(previous.clone(), int(stages)), previous + int(stages)),
+                ),
+            ]
+        }
         // Every warpgroup is done with buffer s: refill it.
-        Stmt::SyncThreads,
-        if_(
-            and(first_thread.clone(), lt(var("step") + int(stages), var("steps"))),
-            fill(tile, var("s"), var("step") + int(stages)),
-        ),
-    ])
+        false => vec![
+            Stmt::SyncThreads,
+            if_(
+                and(first_thread.clone(), lt(var("step") + int(stages), var("steps"))),
+                fill(tile, var("s"), var("step") + int(stages)),
+            ),
+        ],
+    })
     .collect();
     let body = [
         vec![
@@ -215,7 +248,8 @@ pub fn gemm_tma_wgmma_bf16(name: &str, origin: &str, tile: TmaTile) -> Kernel {
         (0..tile.tile_n as usize / 2)
             .map(|i| let_(&d_name(i), Ty::F32, f(0.0)))
             .collect(),
-        vec![for_("step", int(0), var("steps"), int(1), step)],
+        // The last step's MMAs, where they overlapped.
+        vec![for_("step", int(0), var("steps"), int(1), step), Stmt::WgmmaWait(0)],
         store_accumulators(tile),
     ]
     .concat();
