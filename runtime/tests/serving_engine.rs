@@ -31,7 +31,7 @@ fn next_token(history: &[u32]) -> u32 {
     let (last, before) = history.split_last().expect("a position has a token");
     let repeat = before.iter().rposition(|t| t == last).map(|q| history[q + 1]);
     match repeat {
-        Some(t) if hash(history, 1) % 4 != 0 => t,
+        Some(t) if !hash(history, 1).is_multiple_of(4) => t,
         _ => (hash(history, 2) % VOCAB as u64) as u32,
     }
 }
