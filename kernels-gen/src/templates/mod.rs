@@ -7,6 +7,7 @@ pub mod delta_net;
 pub mod elementwise;
 pub mod embedding;
 pub mod fill;
+pub mod flash_attention;
 pub mod gather;
 pub mod gemm_mma;
 pub mod gemm_tcgen05;
@@ -775,6 +776,13 @@ pub fn catalog() -> Vec<Kernel> {
         gemm_tcgen05::gemm_tcgen05_bf16("gemm_tcgen05_bf16", "catalog"),
         gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm_tma_wgmma_bf16", "catalog", gemm_tma_wgmma::TmaTile::WIDE),
         gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm_tma_wgmma_n256_bf16", "catalog", gemm_tma_wgmma::TmaTile::WIDEST),
+        flash_attention::flash_attention("flash_attention_d128", "catalog", cache_layout::CacheLayout::Paged, 128),
+        flash_attention::flash_attention(
+            "flash_attention_d256",
+            "catalog",
+            cache_layout::CacheLayout::Contiguous,
+            256,
+        ),
         gemv::gemv(
             "rms_norm_gemv_bf16",
             "catalog",

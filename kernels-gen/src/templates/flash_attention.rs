@@ -1,0 +1,439 @@
+//! Prefill attention on tensor cores (FlashAttention-2's schedule): the rows of one sequence
+//! (a prompt chunk at positions `first..first + tokens`) against its bf16 KV cache, causal,
+//! optionally windowed, grouped KV heads, the cache contiguous or paged.
+//!
+//! A block of 4 warps takes 64 query rows of one head, warp w rows 16w..16w+16. The keys go
+//! by in tiles of 64: the block copies a tile's keys and values into shared memory
+//! (`cp.async`, 16 bytes a copy), then each warp computes its 16×64 scores with
+//! `mma.sync.m16n8k16` (queries rounded to bf16 in registers as A, keys as B), masks them,
+//! updates each row's running max and sum (online softmax, in f32), rescales its output
+//! accumulators and adds `P·V` on the tensor cores: the scores' accumulator layout is the A
+//! operand's layout, so P (rounded to bf16) never leaves registers. Each lane keeps partial
+//! row sums, summed over its quad at the end, and the output is divided once.
+//!
+//! Where the split attention (`attention`) walks each row's keys one at a time on the CUDA
+//! cores, reading the cache once per query row, this reads each key and value tile once per
+//! 64 rows and does the arithmetic on the tensor cores: what long prompts need.
+//!
+//! A head past 128 dims keeps the block's queries in shared memory and splits the output's dims
+//! between two blocks, each computing the scores itself: what keeps the registers of a thread
+//! within 255 without spilling.
+//!
+//! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 256; the cache
+//! bf16; every row of the launch one sequence's (the contiguous and paged layouts).
+
+use super::cache_layout::CacheLayout;
+use crate::dsl::*;
+
+const THREADS: i64 = 128;
+/// Query rows per block: 4 warps of mma's M = 16.
+const TILE_Q: i64 = 64;
+/// Keys per tile.
+const TILE_KEYS: i64 = 64;
+/// bf16 elements per 16-byte copy.
+const CHUNK: i64 = 8;
+
+/// The largest head it takes (registers: the output accumulators grow with it).
+pub const MAX_HEAD_DIM: usize = 256;
+/// The largest head whose query fragments stay in registers all along, and whose output a
+/// block accumulates whole. Larger heads keep the block's queries in shared memory and split
+/// the output's dims between two blocks, each computing the scores itself (at 256 the
+/// fragments and the accumulators would take 256 registers a thread, and spill).
+const QUERIES_IN_REGISTERS: usize = 128;
+
+/// Blocks sharing one tile of query rows, each accumulating a part of the output's dims.
+fn parts(head_dim: usize) -> usize {
+    head_dim.div_ceil(QUERIES_IN_REGISTERS)
+}
+
+fn s_name(j: usize, i: usize) -> String {
+    format!("s{j}_{i}")
+}
+
+fn o_name(v: usize, i: usize) -> String {
+    format!("o{v}_{i}")
+}
+
+fn q_name(step: usize, i: usize) -> String {
+    format!("q{step}_{i}")
+}
+
+/// Whether the flash kernel takes a head of `head_dim` over `layout`.
+pub fn supports(head_dim: usize, layout: CacheLayout) -> bool {
+    head_dim.is_multiple_of(16) && head_dim <= MAX_HEAD_DIM && layout != CacheLayout::Batched
+}
+
+/// The cooperative copy of the key tile at `j0` into `ks` and the value tile into `vs`
+/// (zeros past `hi`): 16-byte chunks, `64 × head_dim / 8` of each, strided over the block.
+fn copy_tile(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
+    let chunks_per_row = head_dim as i64 / CHUNK;
+    let copy = |dst: &str, src: &str| {
+        Stmt::CpAsync(Box::new(AsyncCopy {
+            dst: dst.into(),
+            dst_index: var("c") * int(CHUNK),
+            src: src.into(),
+            src_index: var("base") + var("chunk") * int(CHUNK),
+            valid: lt(var("key"), var("hi")),
+        }))
+    };
+    vec![
+        for_(
+            "c",
+            tid(),
+            int(TILE_KEYS * chunks_per_row),
+            int(THREADS),
+            vec![
+                let_("key", Ty::I32, var("j0") + var("c") / int(chunks_per_row)),
+                let_("chunk", Ty::I32, rem(var("c"), int(chunks_per_row))),
+                // Clamped inside the cache where the key is past the end (its copy reads nothing).
+                let_(
+                    "base",
+                    Ty::I32,
+                    (layout.row(bin(BinOp::Min, var("key"), var("hi") - int(1))) * var("kv_heads") + var("kvh"))
+                        * int(head_dim as i64),
+                ),
+                copy("ks", "k"),
+                copy("vs", "v"),
+            ],
+        ),
+        Stmt::CpAsyncCommit,
+        Stmt::CpAsyncWait(0),
+        Stmt::SyncThreads,
+    ]
+}
+
+/// The query element this lane holds at fragment `i` of 16-wide step `step` (rows g and g + 8
+/// of the warp's 16, dims 2t, 2t + 1 and those + 8): its row of the chunk and its dim.
+fn query_element(head_dim: usize, step: usize, i: usize) -> (Expr, Expr) {
+    let row = var("r0") + int(if i % 4 >= 2 { 8 } else { 0 });
+    let dim = int(16 * step as i64 + (i % 2) as i64 + if i >= 4 { 8 } else { 0 }) + var("t2");
+    debug_assert!(16 * step < head_dim);
+    (row, dim)
+}
+
+/// The queries, zero past `tokens`: this lane's fragments in registers, or for large heads
+/// the block's 64 rows in shared memory (`qs`, rounded to bf16 as the fragments would be).
+fn load_queries(head_dim: usize) -> Vec<Stmt> {
+    let at = |row: Expr, dim: Expr| row * var("q_stride") + var("h") * int(head_dim as i64) + dim;
+    if head_dim > QUERIES_IN_REGISTERS {
+        let hd = int(head_dim as i64);
+        return vec![
+            for_(
+                "e",
+                tid(),
+                int(TILE_Q * head_dim as i64),
+                int(THREADS),
+                vec![
+                    let_("row", Ty::I32, var("q0") + var("e") / hd.clone()),
+                    let_("value", Ty::F32, f(0.0)),
+                    if_(
+                        lt(var("row"), var("tokens")),
+                        vec![assign("value", load("q", at(var("row"), rem(var("e"), hd.clone()))))],
+                    ),
+                    store("qs", var("e"), var("value")),
+                ],
+            ),
+            Stmt::SyncThreads,
+        ];
+    }
+    let mut out = Vec::new();
+    for step in 0..head_dim / 16 {
+        for i in 0..8 {
+            let (row, dim) = query_element(head_dim, step, i);
+            out.push(let_(&q_name(step, i), Ty::F32, f(0.0)));
+            out.push(if_(
+                lt(row.clone(), var("tokens")),
+                vec![assign(&q_name(step, i), load("q", at(row, dim)))],
+            ));
+        }
+    }
+    out
+}
+
+/// The warp's 16×64 scores: the head in 16-wide steps (a large head's query fragments of the
+/// step read from `qs` once), each over 8 blocks of 8 keys.
+fn scores(head_dim: usize) -> Vec<Stmt> {
+    let hd = int(head_dim as i64);
+    let blocks = (TILE_KEYS / 8) as usize;
+    let mut out: Vec<Stmt> = (0..blocks)
+        .flat_map(|j| (0..4).map(move |i| assign(&s_name(j, i), f(0.0))))
+        .collect();
+    for step in 0..head_dim / 16 {
+        let a_step = match head_dim > QUERIES_IN_REGISTERS {
+            true => {
+                for i in 0..8 {
+                    let (row, dim) = query_element(head_dim, step, i);
+                    let at = (row - var("q0")) * hd.clone() + dim;
+                    out.push(assign(&q_name(0, i), load("qs", at)));
+                }
+                0
+            }
+            false => step,
+        };
+        for j in 0..blocks {
+            // B[k][n] = K[key 8j + n][dim k]: this lane's key g, dims 2t, 2t + 1 (and + 8).
+            let b: [String; 4] = std::array::from_fn(|i| format!("kb{i}"));
+            for (i, name) in b.iter().enumerate() {
+                let dim = int(16 * step as i64 + (i % 2) as i64 + if i >= 2 { 8 } else { 0 }) + var("t2");
+                let at = (int(8 * j as i64) + var("g")) * hd.clone() + dim;
+                out.push(assign(name, load("ks", at)));
+            }
+            out.push(Stmt::MmaBf16(Box::new(MmaFragments {
+                a: std::array::from_fn(|i| q_name(a_step, i)),
+                b,
+                c: std::array::from_fn(|i| s_name(j, i)),
+            })));
+        }
+    }
+    out
+}
+
+/// Scale and mask the scores, and update the running max `m_lo`/`m_hi` of the lane's two
+/// rows; `c_lo`/`c_hi` what the earlier accumulators and sums are rescaled by; the scores
+/// become `exp(s − max)` (P), their sums added to `l_lo`/`l_hi`.
+fn online_softmax() -> Vec<Stmt> {
+    let mut out = Vec::new();
+    for half in ["lo", "hi"] {
+        out.push(let_(&format!("tile_max_{half}"), Ty::F32, f(f32::NEG_INFINITY)));
+    }
+    for j in 0..(TILE_KEYS / 8) as usize {
+        for i in 0..4 {
+            let (half, row_offset) = if i >= 2 { ("hi", 8) } else { ("lo", 0) };
+            let key = var("j0") + int(8 * j as i64 + (i % 2) as i64) + var("t2");
+            let query = var("first") + var("r0") + int(row_offset);
+            let visible = and(
+                and(lt(key.clone(), var("hi")), bin(BinOp::Le, key.clone(), query.clone())),
+                or(
+                    bin(BinOp::Le, var("window"), int(0)),
+                    bin(BinOp::Gt, key, query - var("window")),
+                ),
+            );
+            let s = s_name(j, i);
+            out.push(assign(
+                &s,
+                select(visible, var(&s) * var("scale"), f(f32::NEG_INFINITY)),
+            ));
+            let max = format!("tile_max_{half}");
+            out.push(assign(&max, bin(BinOp::Max, var(&max), var(&s))));
+        }
+    }
+    for half in ["lo", "hi"] {
+        let (max, m, m_use, c) = (
+            format!("tile_max_{half}"),
+            format!("m_{half}"),
+            format!("m_use_{half}"),
+            format!("c_{half}"),
+        );
+        // The row's max is spread over its quad's four lanes.
+        for mask in [1, 2] {
+            out.push(assign(&max, bin(BinOp::Max, var(&max), shfl_xor(var(&max), mask))));
+        }
+        out.push(let_(
+            &format!("m_new_{half}"),
+            Ty::F32,
+            bin(BinOp::Max, var(&m), var(&max)),
+        ));
+        // A row with no visible key yet keeps max −∞: exponents against 0 give zeros, not NaN.
+        out.push(let_(
+            &m_use,
+            Ty::F32,
+            select(
+                eq(var(&format!("m_new_{half}")), f(f32::NEG_INFINITY)),
+                f(0.0),
+                var(&format!("m_new_{half}")),
+            ),
+        ));
+        out.push(let_(&c, Ty::F32, un(UnOp::Exp, var(&m) - var(&m_use))));
+        out.push(assign(&m, var(&format!("m_new_{half}"))));
+        out.push(assign(&format!("l_{half}"), var(&format!("l_{half}")) * var(&c)));
+    }
+    for j in 0..(TILE_KEYS / 8) as usize {
+        for i in 0..4 {
+            let half = if i >= 2 { "hi" } else { "lo" };
+            let s = s_name(j, i);
+            out.push(assign(&s, un(UnOp::Exp, var(&s) - var(&format!("m_use_{half}")))));
+            let l = format!("l_{half}");
+            out.push(assign(&l, var(&l) + var(&s)));
+        }
+    }
+    out
+}
+
+/// Rescale the output accumulators by `c_lo`/`c_hi`, then add P·V: the keys in 4 steps of 16,
+/// P's fragments the scores' accumulators (blocks 2u and 2u + 1), V's read from `vs`.
+fn accumulate(head_dim: usize) -> Vec<Stmt> {
+    let hd = int(head_dim as i64);
+    let part_dims = head_dim / parts(head_dim);
+    let mut out = Vec::new();
+    for v in 0..part_dims / 8 {
+        for i in 0..4 {
+            let c = if i >= 2 { "c_hi" } else { "c_lo" };
+            out.push(assign(&o_name(v, i), var(&o_name(v, i)) * var(c)));
+        }
+    }
+    for u in 0..(TILE_KEYS / 16) as usize {
+        // A = P[g or g + 8][16u + 2t, +1, +8, +9]: the accumulators of blocks 2u, 2u + 1.
+        let a: [String; 8] = std::array::from_fn(|i| s_name(2 * u + i / 4, i % 4));
+        for v in 0..part_dims / 8 {
+            // B[k][n] = V[key 16u + k][dim 8v + n] (of the block's part): keys 2t, 2t + 1 (and
+            // + 8), dim g.
+            let b: [String; 4] = std::array::from_fn(|i| format!("vb{i}"));
+            for (i, name) in b.iter().enumerate() {
+                let key = int(16 * u as i64 + (i % 2) as i64 + if i >= 2 { 8 } else { 0 }) + var("t2");
+                let at = key * hd.clone() + var("d0") + int(8 * v as i64) + var("g");
+                out.push(assign(name, load("vs", at)));
+            }
+            out.push(Stmt::MmaBf16(Box::new(MmaFragments {
+                a: a.clone(),
+                b,
+                c: std::array::from_fn(|i| o_name(v, i)),
+            })));
+        }
+    }
+    out
+}
+
+/// The rows' sums over their quads, and the outputs divided by them where the row is inside.
+fn store_outputs(head_dim: usize) -> Vec<Stmt> {
+    let mut out = Vec::new();
+    for half in ["lo", "hi"] {
+        let l = format!("l_{half}");
+        for mask in [1, 2] {
+            out.push(assign(&l, var(&l) + shfl_xor(var(&l), mask)));
+        }
+    }
+    for v in 0..head_dim / parts(head_dim) / 8 {
+        for i in 0..4 {
+            let (half, row_offset) = if i >= 2 { ("hi", 8) } else { ("lo", 0) };
+            let row = var("r0") + int(row_offset);
+            let dim = var("d0") + int(8 * v as i64 + (i % 2) as i64) + var("t2");
+            let at = (row.clone() * var("heads") + var("h")) * int(head_dim as i64) + dim;
+            out.push(if_(
+                lt(row, var("tokens")),
+                vec![store("out", at, var(&o_name(v, i)) / var(&format!("l_{half}")))],
+            ));
+        }
+    }
+    out
+}
+
+/// The kernel over a cache in `layout` (contiguous, or paged through one block table): `out`
+/// `[tokens, heads·head_dim]` from `q` (rows `q_stride` apart, query rows `first..` of the
+/// sequence) and the bf16 cache `k`/`v` (`[position][kv head][dim]` rows), which holds the
+/// chunk's keys already. `window` ≤ 0 means none; `scale` multiplies q·k.
+pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: usize) -> Kernel {
+    assert!(supports(head_dim, layout), "head_dim {head_dim} over {layout:?}");
+    let tiles_q = (var("tokens") + int(TILE_Q - 1)) / int(TILE_Q);
+    let parts = parts(head_dim) as i64;
+    let locals = (0..head_dim / parts as usize / 8)
+        .flat_map(|v| (0..4).map(move |i| o_name(v, i)))
+        .chain((0..(TILE_KEYS / 8) as usize).flat_map(|j| (0..4).map(move |i| s_name(j, i))))
+        .chain((0..4).map(|i| format!("kb{i}")))
+        .chain((0..4).map(|i| format!("vb{i}")))
+        // Large heads: one step's query fragments at a time, from `qs`.
+        .chain((0..8).map(|i| q_name(0, i)).filter(|_| head_dim > QUERIES_IN_REGISTERS))
+        .map(|n| let_(&n, Ty::F32, f(0.0)));
+    let tile = [
+        copy_tile(layout, head_dim),
+        scores(head_dim),
+        online_softmax(),
+        accumulate(head_dim),
+        // Nobody refills the tiles before every warp is done with them.
+        vec![Stmt::SyncThreads],
+    ]
+    .concat();
+    let body = [
+        vec![
+            // Parts of one tile of rows vary fastest (they read the same keys), then the
+            // tiles, then the heads.
+            let_("d0", Ty::I32, rem(bid(), int(parts)) * int(head_dim as i64 / parts)),
+            let_("h", Ty::I32, bid() / int(parts) / tiles_q.clone()),
+            let_("q0", Ty::I32, rem(bid() / int(parts), tiles_q) * int(TILE_Q)),
+            let_("kvh", Ty::I32, var("h") / (var("heads") / var("kv_heads"))),
+            let_("g", Ty::I32, lane() / int(4)),
+            let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
+            let_("r0", Ty::I32, var("q0") + warp() * int(16) + var("g")),
+            // Keys the block's rows see: up to its last row's position, from its first row's
+            // window on.
+            let_(
+                "hi",
+                Ty::I32,
+                var("first") + bin(BinOp::Min, var("tokens"), var("q0") + int(TILE_Q)),
+            ),
+            let_(
+                "lo",
+                Ty::I32,
+                select(
+                    bin(BinOp::Gt, var("window"), int(0)),
+                    bin(BinOp::Max, int(0), var("first") + var("q0") - var("window") + int(1)),
+                    int(0),
+                ),
+            ),
+            let_("m_lo", Ty::F32, f(f32::NEG_INFINITY)),
+            let_("m_hi", Ty::F32, f(f32::NEG_INFINITY)),
+            let_("l_lo", Ty::F32, f(0.0)),
+            let_("l_hi", Ty::F32, f(0.0)),
+        ],
+        load_queries(head_dim),
+        locals.collect(),
+        vec![for_(
+            "j0",
+            var("lo") / int(TILE_KEYS) * int(TILE_KEYS),
+            var("hi"),
+            int(TILE_KEYS),
+            tile,
+        )],
+        store_outputs(head_dim),
+    ]
+    .concat();
+    let tile_elements = (TILE_KEYS as usize) * head_dim;
+    let queries = (head_dim > QUERIES_IN_REGISTERS).then(|| SharedArray {
+        name: "qs".into(),
+        ty: Ty::Bf16,
+        len: TILE_Q as usize * head_dim,
+    });
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: causal prefill attention on tensor cores (mma.sync m16n8k16 bf16, FlashAttention-2's schedule: \
+             {TILE_Q} query rows a block, {TILE_KEYS}-key tiles through shared memory, online softmax in f32), \
+             head_dim {head_dim}, bf16 {}",
+            layout.describe()
+        ),
+        params: [
+            vec![
+                buffer("q", Ty::F32, false),
+                buffer("k", Ty::Bf16, false),
+                buffer("v", Ty::Bf16, false),
+                buffer("out", Ty::F32, true),
+                scalar("tokens", Ty::I32),
+                scalar("q_stride", Ty::I32),
+                scalar("first", Ty::I32),
+                scalar("heads", Ty::I32),
+                scalar("kv_heads", Ty::I32),
+                scalar("window", Ty::I32),
+                scalar("scale", Ty::F32),
+            ],
+            layout.params(),
+        ]
+        .concat(),
+        shared: [
+            SharedArray {
+                name: "ks".into(),
+                ty: Ty::Bf16,
+                len: tile_elements,
+            },
+            SharedArray {
+                name: "vs".into(),
+                ty: Ty::Bf16,
+                len: tile_elements,
+            },
+        ]
+        .into_iter()
+        .chain(queries)
+        .collect(),
+        block_dim: THREADS as u32,
+        grid: var("heads") * ((var("tokens") + int(TILE_Q - 1)) / int(TILE_Q)) * int(parts),
+        body,
+    }
+}
