@@ -110,24 +110,30 @@ fn lockstep(name: &str, model: &Model, target: Target, arch: &str) -> Result<f64
 /// zeros).
 const TMA_CHECK: (usize, usize, usize, usize) = (130, 300, 264, 272);
 
-/// The TMA GEMMs (Hopper's; no plan launches them yet), 128- and 256-row weight tiles, in
-/// lockstep with the emulator on [`TMA_CHECK`]'s shape, in one piece and K split in three
-/// with the reduction; prints each kernel's max relative error and returns the worst (0 on
-/// targets without them).
-pub fn tma_gemm_errors(arch: &str) -> Result<f64> {
-    if arch != "sm_90a" {
-        return Ok(0.0);
-    }
-    let kernels = tma_gemm_kernels();
+/// The kernels no plan launches yet, in lockstep with the emulator: on Hopper the TMA GEMMs
+/// (128- and 256-row weight tiles) on [`TMA_CHECK`]'s shape, in one piece and K split in
+/// three with the reduction; on every target the tensor-core prefill attention
+/// ([`FLASH_CHECKS`]). Prints each kernel's max relative error and returns the worst.
+pub fn unplanned_kernel_errors(arch: &str) -> Result<f64> {
+    let kernels = [
+        match arch {
+            "sm_90a" => tma_gemm_kernels(),
+            _ => vec![],
+        },
+        flash_attention_kernels(),
+    ]
+    .concat();
     let mut device = CompareDevice::new(
         super::compile_device(&kernels, arch)?,
         EmulatorDevice::new(kernels.clone()),
         &kernels,
     );
-    run_tma_gemms(&mut device, &kernels)?;
-    let (tokens, n, k, _) = TMA_CHECK;
+    if arch == "sm_90a" {
+        run_tma_gemms(&mut device, &tma_gemm_kernels())?;
+    }
+    run_flash_attention(&mut device)?;
     let mut worst = 0f64;
-    println!("| TMA GEMM ({tokens}×{n}×{k}) | launches | max relative error |\n|---|---|---|");
+    println!("| kernel no plan launches yet | launches | max relative error |\n|---|---|---|");
     for (kernel, error) in device.errors() {
         println!("| {kernel} | {} | {:.2e} |", error.launches, error.relative);
         worst = worst.max(error.relative);
@@ -135,7 +141,113 @@ pub fn tma_gemm_errors(arch: &str) -> Result<f64> {
     Ok(worst)
 }
 
-/// The TMA GEMMs [`tma_gemm_errors`] checks, then the split-K reduction.
+/// The shapes the prefill attention is checked on: (rows, cached positions before them,
+/// query heads, KV heads, head dim, paged); ragged tiles, grouped heads, the split head.
+const FLASH_CHECKS: [(usize, usize, usize, usize, usize, bool); 2] =
+    [(100, 30, 4, 2, 128, true), (70, 0, 2, 1, 256, false)];
+/// Positions a block of the paged check's cache holds.
+const FLASH_BLOCK: usize = 16;
+
+fn flash_attention_kernels() -> Vec<Kernel> {
+    use kernels_gen::templates::cache_layout::CacheLayout;
+    use kernels_gen::templates::flash_attention::flash_attention;
+    FLASH_CHECKS
+        .iter()
+        .map(|&(_, _, _, _, head_dim, paged)| {
+            let layout = if paged {
+                CacheLayout::Paged
+            } else {
+                CacheLayout::Contiguous
+            };
+            flash_attention(&format!("flash_attention_{head_dim}"), "gpu-check", layout, head_dim)
+        })
+        .collect()
+}
+
+/// [`FLASH_CHECKS`]'s attentions on `device` over random bf16 queries, keys and values (the
+/// paged cache's blocks in reverse order): for each, the queries, keys, values (as f32, keys
+/// and values by position) and the output read back.
+fn run_flash_attention<D: PlanDevice>(device: &mut D) -> Result<Vec<[Vec<f32>; 4]>> {
+    let mut results = Vec::new();
+    let mut seed = 0x2545_f491_u32;
+    let mut random = |count: usize| -> Vec<f32> {
+        (0..count)
+            .map(|_| {
+                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                half::bf16::from_f32((seed >> 8) as f32 / (1u32 << 23) as f32 - 1.0).to_f32()
+            })
+            .collect()
+    };
+    let f32_bytes = |v: &[f32]| v.iter().flat_map(|e| e.to_le_bytes()).collect::<Vec<u8>>();
+    let bf16_bytes = |v: &[f32]| {
+        v.iter()
+            .flat_map(|&e| half::bf16::from_f32(e).to_le_bytes())
+            .collect::<Vec<u8>>()
+    };
+    for (kernel, &(tokens, first, heads, kv_heads, head_dim, paged)) in
+        flash_attention_kernels().iter().zip(&FLASH_CHECKS)
+    {
+        let (len, row) = (first + tokens, kv_heads * head_dim);
+        let (q, k, v) = (random(tokens * heads * head_dim), random(len * row), random(len * row));
+        let blocks = len.div_ceil(FLASH_BLOCK);
+        // Position p's cache row: in block `blocks - p / 16` (block 0 spare) when paged.
+        let cache_row = |p: usize| match paged {
+            true => (blocks - p / FLASH_BLOCK) * FLASH_BLOCK + p % FLASH_BLOCK,
+            false => p,
+        };
+        let rows = if paged { (blocks + 1) * FLASH_BLOCK } else { len };
+        let (mut cache_k, mut cache_v) = (vec![0f32; rows * row], vec![0f32; rows * row]);
+        for p in 0..len {
+            let at = cache_row(p) * row;
+            cache_k[at..at + row].copy_from_slice(&k[p * row..(p + 1) * row]);
+            cache_v[at..at + row].copy_from_slice(&v[p * row..(p + 1) * row]);
+        }
+        let table: Vec<u8> = (0..blocks).flat_map(|b| ((blocks - b) as i32).to_le_bytes()).collect();
+        let q_buffer = device.upload(&f32_bytes(&q))?;
+        let k_buffer = device.upload(&bf16_bytes(&cache_k))?;
+        let v_buffer = device.upload(&bf16_bytes(&cache_v))?;
+        let table_buffer = device.upload(&table)?;
+        let out = device.alloc(q.len() * 4)?;
+        let value = |name: &str| -> Option<DeviceArg<'_, D::Buffer>> {
+            let int = |v: usize| DeviceArg::I32(v as i32);
+            Some(match name {
+                "q" => DeviceArg::Buffer(&q_buffer, 0..q.len() * 4),
+                "k" => DeviceArg::Buffer(&k_buffer, 0..cache_k.len() * 2),
+                "v" => DeviceArg::Buffer(&v_buffer, 0..cache_v.len() * 2),
+                "out" => DeviceArg::Buffer(&out, 0..q.len() * 4),
+                "block_table" => DeviceArg::Buffer(&table_buffer, 0..table.len()),
+                "block_size" => int(FLASH_BLOCK),
+                "tokens" => int(tokens),
+                "q_stride" => int(heads * head_dim),
+                "first" => int(first),
+                "heads" => int(heads),
+                "kv_heads" => int(kv_heads),
+                "window" => int(0),
+                "scale" => DeviceArg::F32(1.0 / (head_dim as f32).sqrt()),
+                _ => return None,
+            })
+        };
+        let scalar = |name: &str| match value(name) {
+            Some(DeviceArg::I32(v)) => Some(v as i64),
+            _ => None,
+        };
+        let args = super::llama_8b::bind(kernel, value)?;
+        let grid = kernel
+            .grid
+            .eval_int(&scalar)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", kernel.name))?;
+        device.launch(&kernel.name, grid as u32, kernel.block_dim, &args)?;
+        let result = device.read(&out, 0..q.len() * 4)?;
+        let result = result
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        results.push([q, k, v, result]);
+    }
+    Ok(results)
+}
+
+/// The TMA GEMMs [`unplanned_kernel_errors`] checks, then the split-K reduction.
 fn tma_gemm_kernels() -> Vec<Kernel> {
     use kernels_gen::templates::gemm_tma_wgmma::{gemm_tma_wgmma_bf16, TmaTile};
     vec![
@@ -491,6 +603,42 @@ pub fn serve_first_then_rest<B: runtime::serving::PagedBackend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What the prefill attention check launches binds and runs on the emulator, and gives
+    /// the reference's attention (to bf16's precision: probabilities meet values in bf16).
+    #[test]
+    fn the_flash_attention_check_runs_its_launches() {
+        let kernels = flash_attention_kernels();
+        let mut device = EmulatorDevice::new(kernels);
+        let results = run_flash_attention(&mut device).unwrap();
+        for ([q, k, v, out], &(tokens, first, heads, kv_heads, head_dim, _)) in results.iter().zip(&FLASH_CHECKS) {
+            let spec = ir::AttentionSpec {
+                heads,
+                kv_heads,
+                head_dim,
+                scale: 1.0 / (head_dim as f64).sqrt(),
+                window: None,
+                cache_slot: 0,
+                cache_dtype: ir::DType::BF16,
+            };
+            let len = first + tokens;
+            let slot = ir::reference::KvSlot {
+                positions: (0..len).collect(),
+                k: k.clone(),
+                v: v.clone(),
+            };
+            let positions: Vec<usize> = (first..len).collect();
+            let q = ir::Tensor::new(vec![tokens, heads * head_dim], q.clone());
+            let want = ir::reference::attention_over_slot(&spec, &q, &slot, &positions);
+            let top = want.data.iter().fold(0f32, |m, w| m.max(w.abs()));
+            for (i, (got, want)) in out.iter().zip(&want.data).enumerate() {
+                assert!(
+                    (got - want).abs() <= 2e-3 * top,
+                    "head_dim {head_dim} [{i}]: {got} vs {want}"
+                );
+            }
+        }
+    }
 
     /// What the TMA GEMM check launches binds and runs on the emulator, and the last result
     /// (256-row tiles, three K splits and the reduction) is the product.

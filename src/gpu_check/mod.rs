@@ -4,8 +4,9 @@
 //! in order:
 //! 1. device copy bandwidth;
 //! 2. every kernel of the tiny models' plans (f32 and bf16, every family), and of tiny Llama
-//!    GGUF files' (GGUF blocks, f16), and Hopper's TMA GEMMs, in lockstep with the emulator,
-//!    each kernel's max relative error (`kernels`);
+//!    GGUF files' (GGUF blocks, f16), and the kernels no plan launches yet (Hopper's TMA GEMMs,
+//!    the tensor-core prefill attention), in lockstep with the emulator, each kernel's max
+//!    relative error (`kernels`);
 //! 3. SmolLM2 bf16 greedy tokens on the GPU (logits and greedy plans) against the CPU backend's,
 //!    and both timed (`smollm2`);
 //! 4. batched decode steps replayed from CUDA graphs against kernel-by-kernel launches, and
@@ -16,13 +17,17 @@
 //!    fuses them, with and without their L2 prefetch; the tensor-core GEMMs at 16 to 2 048
 //!    rows), then whole decode steps at batch 1, 4, 16 and 64 with each kernel's share
 //!    (`llama_8b`);
-//! 6. a Qwen3.5-27B-shaped hybrid the same way at batch 1 and 16 (`hybrid`);
-//! 7. the Llama-3-8B shape with random weights served as `bbc serve` serves it, and the
+//! 6. attention alone in a Llama-8B-shaped layer: one sequence's prefill at 512 to 8 192
+//!    tokens on the tensor cores and as the plans run it, and a paged decode step of 64
+//!    sequences at 4 096 positions against the copy bandwidth (`attention`);
+//! 7. a Qwen3.5-27B-shaped hybrid the same way at batch 1 and 16 (`hybrid`);
+//! 8. the Llama-3-8B shape with random weights served as `bbc serve` serves it, and the
 //!    InferenceX sweep run against it (`serve`, [`serve`]).
 //!
 //! Every section runs even when an earlier one fails (a GPU run is rare: it should say all it
 //! can); the command fails if any did.
 
+pub mod attention;
 pub mod decode;
 pub mod kernels;
 pub mod llama_8b;
@@ -57,7 +62,7 @@ pub struct GpuCheckArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "kernels,smollm2,graphs,matmuls,decode,hybrid,serve"
+        default_value = "kernels,smollm2,graphs,matmuls,attention,decode,hybrid,serve"
     )]
     pub sections: Vec<Section>,
     /// Prompt rows per prefill step of the decode sections (at most 512); under 16 the
@@ -79,6 +84,7 @@ pub enum Section {
     Smollm2,
     Graphs,
     Matmuls,
+    Attention,
     Decode,
     Hybrid,
     Serve,
@@ -103,7 +109,7 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
     for &section in &args.sections {
         let result = match section {
             Section::Kernels => kernels::kernel_errors(target, arch, &args.fixtures)
-                .and_then(|worst| Ok(worst.max(kernels::tma_gemm_errors(arch)?)))
+                .and_then(|worst| Ok(worst.max(kernels::unplanned_kernel_errors(arch)?)))
                 .and_then(|worst| match worst > 2e-2 {
                     true => Err(anyhow!("a kernel's error ({worst:.2e}) is over 2e-2")),
                     false => Ok(()),
@@ -131,6 +137,7 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
                 }
             }
             Section::Matmuls => llama_8b::matmul_timings(target, arch, bandwidth).map(|table| println!("\n{table}")),
+            Section::Attention => attention::attention_timings(arch, bandwidth).map(|table| println!("\n{table}")),
             Section::Decode => llama_8b::decode(target, arch, bandwidth, args.decode_prefill_chunk),
             Section::Hybrid => decode::hybrid(target, arch, bandwidth, args.decode_prefill_chunk),
             Section::Serve => smollm2_weights(&args.model).and_then(|tokenizer| {

@@ -1,0 +1,250 @@
+//! Attention alone on the GPU, a Llama-8B-shaped layer (32 query heads, 8 KV heads of 128
+//! dims, bf16 cache with random contents made on the device): one sequence's prefill at 512,
+//! 2 048 and 8 192 tokens by the tensor-core kernel (`flash_attention`) and by the split
+//! attention the plans launch (split pass and merge), in µs and TFLOP/s; and a decode step of
+//! 64 sequences at 4 096 positions over the paged pool, as the serving plan runs it, in GB/s
+//! of cache read and its share of the copy bandwidth.
+
+use anyhow::{anyhow, Result};
+use kernels_gen::dsl::{Kernel, Ty};
+use kernels_gen::templates::attention::{self, attention_combine, attention_split};
+use kernels_gen::templates::cache_layout::CacheLayout;
+use kernels_gen::templates::flash_attention::flash_attention;
+use runtime::plan_exec::{DeviceArg, PlanDevice};
+use runtime::random_weights::{fill_kernels, fill_on_device, Fill};
+
+const HEADS: usize = 32;
+const KV_HEADS: usize = 8;
+const HEAD_DIM: usize = 128;
+/// Prompt lengths the prefill is timed at.
+const PROMPTS: [usize; 3] = [512, 2048, 8192];
+/// The decode step: sequences, and the positions each has cached.
+const DECODE: (usize, usize) = (64, 4096);
+/// Positions a block of the paged pool holds.
+const BLOCK_SIZE: usize = 16;
+
+/// The kernels timed: the tensor-core prefill, the split pass over a contiguous cache and over
+/// the batched paged pool, and the merge.
+fn kernels() -> Vec<Kernel> {
+    let group = attention::heads_per_block(HEADS, KV_HEADS, HEAD_DIM);
+    vec![
+        flash_attention("flash_attention", "gpu-check", CacheLayout::Contiguous, HEAD_DIM),
+        attention_split(
+            "attention",
+            "gpu-check",
+            CacheLayout::Contiguous,
+            HEAD_DIM,
+            group,
+            Ty::Bf16,
+        ),
+        attention_split(
+            "attention_batched",
+            "gpu-check",
+            CacheLayout::Batched,
+            HEAD_DIM,
+            group,
+            Ty::Bf16,
+        ),
+        attention_combine("attention_combine", "gpu-check", HEAD_DIM),
+    ]
+}
+
+/// The timings as markdown.
+pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
+    let kernels = kernels();
+    let mut device = super::compile_device(&[kernels.clone(), fill_kernels()].concat(), arch)?;
+    device.set_programmatic_launch(false);
+    let find = |name: &str| {
+        kernels
+            .iter()
+            .find(|k| k.name == name)
+            .ok_or_else(|| anyhow!("no kernel {name}"))
+    };
+    let (flash, split, batched, combine) = (
+        find("flash_attention")?,
+        find("attention")?,
+        find("attention_batched")?,
+        find("attention_combine")?,
+    );
+    let most = *PROMPTS.iter().max().expect("prompt lengths");
+    let (sequences, positions) = DECODE;
+    let cache_rows = most.max(sequences * positions);
+    let kv = cache_rows * KV_HEADS * HEAD_DIM;
+    let k = device.alloc(kv * 2)?;
+    let v = device.alloc(kv * 2)?;
+    fill_on_device(
+        &mut device,
+        &k,
+        0,
+        kv,
+        Ty::Bf16,
+        Fill::of(5, "k", &[cache_rows, KV_HEADS * HEAD_DIM]),
+    )?;
+    fill_on_device(
+        &mut device,
+        &v,
+        0,
+        kv,
+        Ty::Bf16,
+        Fill::of(6, "v", &[cache_rows, KV_HEADS * HEAD_DIM]),
+    )?;
+    let q_len = most * HEADS * HEAD_DIM;
+    let q = device.alloc(q_len * 4)?;
+    fill_on_device(
+        &mut device,
+        &q,
+        0,
+        q_len,
+        Ty::F32,
+        Fill::of(7, "q", &[most, HEADS * HEAD_DIM]),
+    )?;
+    let out = device.alloc(q_len * 4)?;
+    let partial_len = attention::partial_len(most, HEADS, HEAD_DIM);
+    let partial = device.alloc(partial_len * 4)?;
+    // The decode step's paged pool: sequence s holds positions 0..4096 in blocks s·256.., its
+    // one row at position 4095.
+    let per_sequence = positions / BLOCK_SIZE;
+    let ints = |values: Vec<i32>| values.into_iter().flat_map(i32::to_le_bytes).collect::<Vec<u8>>();
+    let tables = device.upload(&ints((0..(sequences * per_sequence) as i32).collect()))?;
+    let row_table = device.upload(&ints((0..sequences as i32).map(|s| s * per_sequence as i32).collect()))?;
+    let row_pos = device.upload(&ints(vec![positions as i32 - 1; sequences]))?;
+    let buffers = AttentionBuffers {
+        q: (&q, q_len * 4),
+        k: (&k, kv * 2),
+        v: (&v, kv * 2),
+        out: (&out, q_len * 4),
+        partial: (&partial, partial_len * 4),
+        block_tables: (&tables, sequences * per_sequence * 4),
+        row_table: (&row_table, sequences * 4),
+        row_pos: (&row_pos, sequences * 4),
+    };
+    let mut table = String::from(
+        "| attention | rows | kernel | µs | TFLOP/s | cache GB/s | % of copy bandwidth |\n|---|---|---|---|---|---|---|\n",
+    );
+    for tokens in PROMPTS {
+        let value = |name: &str| buffers.value(name, tokens);
+        // Causal: row t sees t + 1 keys; two matmuls of 2·head_dim flops a (row, key, head).
+        let flops = 4.0 * (HEADS * HEAD_DIM) as f64 * (tokens * (tokens + 1) / 2) as f64;
+        let launches: [(&str, Vec<&Kernel>); 2] = [
+            ("tensor cores (flash_attention)", vec![flash]),
+            ("split pass + merge (the plans')", vec![split, combine]),
+        ];
+        for (label, launched) in launches {
+            let seconds = time_launches(&mut device, &launched, &value)?;
+            table += &format!(
+                "| prefill, one sequence | {tokens} | {label} | {:.1} | {:.1} | – | – |\n",
+                seconds * 1e6,
+                flops / seconds / 1e12
+            );
+        }
+    }
+    let value = |name: &str| buffers.value(name, sequences);
+    let seconds = time_launches(&mut device, &[batched, combine], &value)?;
+    // Every sequence's keys and values, once.
+    let bytes = (sequences * positions * KV_HEADS * HEAD_DIM * 2 * 2) as f64;
+    table += &format!(
+        "| decode, {sequences} sequences × {positions} positions, paged | {sequences} | split pass + merge (the plans') | {:.1} | – | {:.0} | {:.0}% |\n",
+        seconds * 1e6,
+        bytes / seconds / 1e9,
+        100.0 * bytes / seconds / bandwidth
+    );
+    Ok(table)
+}
+
+/// The buffers the timed attentions read and write, each with its length in bytes.
+struct AttentionBuffers<'a, B> {
+    q: (&'a B, usize),
+    k: (&'a B, usize),
+    v: (&'a B, usize),
+    out: (&'a B, usize),
+    partial: (&'a B, usize),
+    block_tables: (&'a B, usize),
+    row_table: (&'a B, usize),
+    row_pos: (&'a B, usize),
+}
+
+impl<'a, B> AttentionBuffers<'a, B> {
+    /// The argument for parameter `name` of any kernel timed, at a step of `rows` rows (the
+    /// prefill's from position 0, or the decode step's rows each of its own sequence).
+    fn value(&self, name: &str, rows: usize) -> Option<DeviceArg<'a, B>> {
+        let buffer = |(b, bytes): (&'a B, usize)| DeviceArg::Buffer(b, 0..bytes);
+        let int = |v: usize| DeviceArg::I32(v as i32);
+        Some(match name {
+            "q" => buffer(self.q),
+            "k" => buffer(self.k),
+            "v" => buffer(self.v),
+            "out" => buffer(self.out),
+            "partial" => buffer(self.partial),
+            "block_tables" => buffer(self.block_tables),
+            "row_table" => buffer(self.row_table),
+            "row_pos" => buffer(self.row_pos),
+            "block_size" => int(BLOCK_SIZE),
+            "tokens" => int(rows),
+            "q_stride" => int(HEADS * HEAD_DIM),
+            "first" | "window" => int(0),
+            "heads" => int(HEADS),
+            "kv_heads" => int(KV_HEADS),
+            "scale" => DeviceArg::F32(1.0 / (HEAD_DIM as f32).sqrt()),
+            "splits" => int(attention::splits_for(rows)),
+            _ => return None,
+        })
+    }
+}
+
+/// Device seconds of `launched` run in turn (each over its grid for `value`'s scalars), the
+/// mean of 10 runs after one to warm up.
+fn time_launches<'a>(
+    device: &mut runtime_cuda::CudaDevice,
+    launched: &[&Kernel],
+    value: &dyn Fn(&str) -> Option<DeviceArg<'a, <runtime_cuda::CudaDevice as PlanDevice>::Buffer>>,
+) -> Result<f64> {
+    let scalar = |name: &str| match value(name) {
+        Some(DeviceArg::I32(v)) => Some(v as i64),
+        _ => None,
+    };
+    let mut plan = Vec::new();
+    for kernel in launched {
+        let args = super::llama_8b::bind(kernel, value)?;
+        let grid = kernel
+            .grid
+            .eval_int(&scalar)
+            .map_err(|e| anyhow!("{}: {e}", kernel.name))?;
+        plan.push((kernel, grid as u32, args));
+    }
+    Ok(device.time(10, |d| {
+        plan.iter()
+            .try_for_each(|(kernel, grid, args)| d.launch(&kernel.name, *grid, kernel.block_dim, args))
+    })?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel the attention table times finds all its arguments, and its grid.
+    #[test]
+    fn the_attention_table_binds_every_kernel() {
+        let b = 0usize;
+        let buffers = AttentionBuffers {
+            q: (&b, 4),
+            k: (&b, 4),
+            v: (&b, 4),
+            out: (&b, 4),
+            partial: (&b, 4),
+            block_tables: (&b, 4),
+            row_table: (&b, 4),
+            row_pos: (&b, 4),
+        };
+        for kernel in kernels() {
+            let value = |name: &str| buffers.value(name, 512);
+            if let Err(e) = super::super::llama_8b::bind(&kernel, value) {
+                panic!("{e}");
+            }
+            let scalar = |name: &str| match value(name) {
+                Some(DeviceArg::I32(v)) => Some(v as i64),
+                _ => None,
+            };
+            assert!(kernel.grid.eval_int(&scalar).unwrap() > 0, "{}", kernel.name);
+        }
+    }
+}
