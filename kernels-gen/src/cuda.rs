@@ -106,12 +106,13 @@ const TENSOR_MAP_TYPE: &str = r#"// A CUtensorMap as the driver encodes it (cuTe
 struct __align__(64) bbc_tensor_map { unsigned long long opaque[16]; };
 "#;
 
-const TCGEN05_HELPERS: &str = r#"// A tcgen05 shared-memory descriptor without swizzling: start address, leading (K) and stride
-// (M/N) byte offsets, each encoded as (x & 0x3ffff) >> 4, and the fixed 0b001 at bits 46-48.
-static __device__ __forceinline__ unsigned long long bbc_tcgen05_desc(const void* start, unsigned int lbo, unsigned int sbo) {
+const TCGEN05_HELPERS: &str = r#"// A tcgen05 shared-memory descriptor: start address, leading (K) and stride (M/N) byte
+// offsets, each encoded as (x & 0x3ffff) >> 4, the fixed 0b001 at bits 46-48, and the layout at
+// bits 61-63 (0: no swizzle, 2: the 128-byte swizzle, from the address bits: 1 KiB aligned).
+static __device__ __forceinline__ unsigned long long bbc_tcgen05_desc(const void* start, unsigned int lbo, unsigned int sbo, unsigned int layout) {
     const unsigned long long address = bbc_shared_address(start);
     return ((address & 0x3ffffull) >> 4) | ((unsigned long long)((lbo & 0x3ffffu) >> 4) << 16)
-        | ((unsigned long long)((sbo & 0x3ffffu) >> 4) << 32) | (1ull << 46);
+        | ((unsigned long long)((sbo & 0x3ffffu) >> 4) << 32) | (1ull << 46) | ((unsigned long long)layout << 61);
 }
 "#;
 
@@ -605,8 +606,12 @@ fn tcgen05(out: &mut String, op: &Tcgen05, scope: &mut Scope, depth: usize) {
     let pad = "    ".repeat(depth);
     let address = |array: &str| format!("bbc_shared_address(&{array}[0])");
     let desc = |m: &SmemMatrix, scope: &Scope| {
+        let layout = match m.swizzle {
+            Swizzle::None => 0,
+            Swizzle::B128 => 2,
+        };
         format!(
-            "bbc_tcgen05_desc(&{}[{}], {}u, {}u)",
+            "bbc_tcgen05_desc(&{}[{}], {}u, {}u, {layout}u)",
             m.array,
             expr(&m.start, scope),
             m.lbo,

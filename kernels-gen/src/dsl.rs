@@ -540,6 +540,7 @@ impl Kernel {
         let aligned = self.tensor_maps().next().is_some()
             || any_stmt(&self.body, &|s| match s {
                 Stmt::Wgmma(w) => swizzled(&w.b) || matches!(&w.a, WgmmaA::Shared(a) if swizzled(a)),
+                Stmt::Tcgen05(op) => matches!(&**op, Tcgen05::Mma(m) if swizzled(&m.a) || swizzled(&m.b)),
                 Stmt::TmaLoad(_) => true,
                 _ => false,
             });

@@ -433,9 +433,6 @@ fn check_tcgen05<'a>(
             }
             scope.int(tmem)?;
             for operand in [a, b] {
-                if operand.swizzle != Swizzle::None {
-                    return Err("tcgen05.mma operands are read without swizzling".into());
-                }
                 scope.operand("tcgen05.mma", operand)?;
             }
             if scope.type_of(accumulate)? != Ty::Bool {

@@ -1285,6 +1285,110 @@ fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
     }
 }
 
+/// Blackwell's TMA GEMM (tcgen05 into tensor memory) on the same cases as Hopper's: tiles of
+/// 64, 128 and 256 tokens, rings of 2 (refilled every other step) and 4 buffers, ragged
+/// tokens, rows and last K step, in one piece and with K split.
+#[test]
+fn blackwell_tma_gemm_matches_reference_on_bf16_inputs() {
+    let mut rng = Rng(37);
+    let reduce = split_k::reduce("reduce", "test", 16, None, None);
+    let tiles = [
+        gemm_tma_tcgen05::TcgenTile {
+            tile_tokens: 64,
+            stages: 2,
+        },
+        gemm_tma_tcgen05::TcgenTile::WIDE,
+        gemm_tma_tcgen05::TcgenTile {
+            tile_tokens: 256,
+            stages: 3,
+        },
+    ];
+    for tile in tiles {
+        let gemm = gemm_tma_tcgen05::gemm_tma_tcgen05_bf16("gemm", "test", tile);
+        for (tokens, n, k, pad) in [(20, 13, 40, 0), (130, 140, 264, 8), (17, 300, 136, 0)] {
+            let x_stride = k + pad;
+            let (x, w) = (rng.vec(tokens * x_stride), rng.vec(n * k));
+            let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+            let dense_x: Vec<f32> = x.chunks(x_stride).flat_map(|row| round(&row[..k])).collect();
+            let mut want = vec![0f32; tokens * n];
+            ops::matmul(&dense_x, &round(&w), k, &mut want);
+            let (x, w) = (bf16_array(&x), bf16_array(&w));
+            let dims = (tokens, n, k, x_stride);
+            let what = format!("{tokens}×{n}×{k}\n{}", gemm.origin);
+            let whole =
+                try_run_matmul(&gemm, x.clone(), None, w.clone(), dims).unwrap_or_else(|e| panic!("{what}: {e}"));
+            close(&whole.to_f32().unwrap(), &want, 1e-5, &what);
+            let split = try_run_split_matmul((&gemm, &reduce), x, None, w, dims, 3)
+                .unwrap_or_else(|e| panic!("{what}, 3 splits: {e}"));
+            close(&split.to_f32().unwrap(), &want, 1e-5, &format!("{what}, 3 splits"));
+        }
+    }
+}
+
+/// Blackwell's TMA GEMM without its wait for the previous step's MMAs before refilling their
+/// buffer, or without the wait for the last MMAs before reading tensor memory, fails with the
+/// reason.
+#[test]
+fn the_blackwell_tma_gemm_fails_without_its_waits() {
+    fn without_waits_on(body: &[Stmt], slot_is_last: bool) -> Vec<Stmt> {
+        let drop = |s: &Stmt| match s {
+            Stmt::Mbarrier(m) => match &**m {
+                Mbarrier::Wait { barrier, .. } if barrier.array == "done" => {
+                    // The final wait's slot is `(steps - 1) % stages`, the refill's
+                    // `(step - 1) % stages`: told apart by the loop variable.
+                    format!("{:?}", barrier.slot).contains("steps") == slot_is_last
+                }
+                _ => false,
+            },
+            _ => false,
+        };
+        body.iter()
+            .filter(|s| !drop(s))
+            .map(|s| match s {
+                Stmt::For {
+                    var,
+                    start,
+                    end,
+                    step,
+                    body,
+                } => Stmt::For {
+                    var: var.clone(),
+                    start: start.clone(),
+                    end: end.clone(),
+                    step: step.clone(),
+                    body: without_waits_on(body, slot_is_last),
+                },
+                Stmt::If { cond, then, otherwise } => Stmt::If {
+                    cond: cond.clone(),
+                    then: without_waits_on(then, slot_is_last),
+                    otherwise: without_waits_on(otherwise, slot_is_last),
+                },
+                other => other.clone(),
+            })
+            .collect()
+    }
+    let tile = gemm_tma_tcgen05::TcgenTile {
+        tile_tokens: 64,
+        stages: 2,
+    };
+    let gemm = gemm_tma_tcgen05::gemm_tma_tcgen05_bf16("gemm", "test", tile);
+    let mut rng = Rng(43);
+    let (tokens, n, k) = (20, 16, 256);
+    let (x, w) = (bf16_array(&rng.vec(tokens * k)), bf16_array(&rng.vec(n * k)));
+    for (last, expected) in [
+        (false, "which completes the tcgen05.mma reading it"),
+        (true, "tcgen05.ld of TMEM before waiting on the `done[1]` phase"),
+    ] {
+        let mut broken = gemm.clone();
+        broken.body = without_waits_on(&gemm.body, last);
+        assert_ne!(broken.body, gemm.body);
+        let message = try_run_matmul(&broken, x.clone(), None, w.clone(), (tokens, n, k, k))
+            .unwrap_err()
+            .to_string();
+        assert!(message.contains(expected), "{message}");
+    }
+}
+
 /// Each of the TMA GEMM's synchronisations is needed, and the emulator says why when one is
 /// missing: without the barrier wait the tensor cores read a buffer before its copy is known
 /// to have landed; without the `__syncthreads()` after the multiply, thread 0 refills a

@@ -540,6 +540,16 @@ fn tcgen05_races_and_leaks_are_reported() {
         ),
     );
     assert!(run_tcgen05(twice).unwrap_err().contains("never completes"));
+    // Its operands are read some time after the MMA is issued: overwriting them before the
+    // wait for its commit races it.
+    let mut early = tcgen05_program();
+    let at = early.iter().position(|(l, _)| *l == "wait").unwrap();
+    early.insert(at, ("overwrite", store("bs", tid(), f(0.0))));
+    let message = run_tcgen05(early).unwrap_err();
+    assert!(
+        message.contains("which completes the tcgen05.mma reading it"),
+        "{message}"
+    );
     let mut crossed = tcgen05_program();
     let at = crossed.iter().position(|(l, _)| *l == "load").unwrap();
     crossed[at].1 = tc(Tcgen05::Load {

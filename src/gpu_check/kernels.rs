@@ -110,26 +110,20 @@ fn lockstep(name: &str, model: &Model, target: Target, arch: &str) -> Result<f64
 /// zeros).
 const TMA_CHECK: (usize, usize, usize, usize) = (130, 300, 264, 272);
 
-/// The kernels no plan launches yet, in lockstep with the emulator: on Hopper the TMA GEMMs
-/// (128- and 256-row weight tiles) on [`TMA_CHECK`]'s shape, in one piece and K split in
+/// The kernels no plan launches yet, in lockstep with the emulator: on Hopper and Blackwell
+/// the TMA GEMMs ([`tma_gemm_kernels`]) on [`TMA_CHECK`]'s shape, in one piece and K split in
 /// three with the reduction; on every target the tensor-core prefill attention
 /// ([`FLASH_CHECKS`]). Prints each kernel's max relative error and returns the worst.
 pub fn unplanned_kernel_errors(arch: &str) -> Result<f64> {
-    let kernels = [
-        match arch {
-            "sm_90a" => tma_gemm_kernels(),
-            _ => vec![],
-        },
-        flash_attention_kernels(),
-    ]
-    .concat();
+    let gemms = tma_gemm_kernels(arch);
+    let kernels = [gemms.clone(), flash_attention_kernels()].concat();
     let mut device = CompareDevice::new(
         super::compile_device(&kernels, arch)?,
         EmulatorDevice::new(kernels.clone()),
         &kernels,
     );
-    if arch == "sm_90a" {
-        run_tma_gemms(&mut device, &tma_gemm_kernels())?;
+    if !gemms.is_empty() {
+        run_tma_gemms(&mut device, &gemms)?;
     }
     run_flash_attention(&mut device)?;
     let mut worst = 0f64;
@@ -247,14 +241,30 @@ fn run_flash_attention<D: PlanDevice>(device: &mut D) -> Result<Vec<[Vec<f32>; 4
     Ok(results)
 }
 
-/// The TMA GEMMs [`unplanned_kernel_errors`] checks, then the split-K reduction.
-fn tma_gemm_kernels() -> Vec<Kernel> {
+/// The TMA GEMMs [`unplanned_kernel_errors`] checks on `arch` (Hopper's two tiles, or
+/// Blackwell's tcgen05 one), then the split-K reduction; none on other targets.
+fn tma_gemm_kernels(arch: &str) -> Vec<Kernel> {
+    use kernels_gen::templates::gemm_tma_tcgen05::{gemm_tma_tcgen05_bf16, TcgenTile};
     use kernels_gen::templates::gemm_tma_wgmma::{gemm_tma_wgmma_bf16, TmaTile};
-    vec![
-        gemm_tma_wgmma_bf16("gemm_tma", "gpu-check", TmaTile::WIDE),
-        gemm_tma_wgmma_bf16("gemm_tma_n256", "gpu-check", TmaTile::WIDEST),
-        kernels_gen::templates::split_k::reduce("split_k_reduce", "gpu-check", 16, None, None),
+    let gemms = match arch {
+        "sm_90a" => vec![
+            gemm_tma_wgmma_bf16("gemm_tma", "gpu-check", TmaTile::WIDE),
+            gemm_tma_wgmma_bf16("gemm_tma_n256", "gpu-check", TmaTile::WIDEST),
+        ],
+        "sm_100a" => vec![gemm_tma_tcgen05_bf16("gemm_tma", "gpu-check", TcgenTile::WIDE)],
+        _ => return vec![],
+    };
+    [
+        gemms,
+        vec![kernels_gen::templates::split_k::reduce(
+            "split_k_reduce",
+            "gpu-check",
+            16,
+            None,
+            None,
+        )],
     ]
+    .concat()
 }
 
 /// Each GEMM of `kernels` (the last is the reduction) on random bf16 operands of
@@ -640,13 +650,21 @@ mod tests {
         }
     }
 
-    /// What the TMA GEMM check launches binds and runs on the emulator, and the last result
-    /// (256-row tiles, three K splits and the reduction) is the product.
+    /// What the TMA GEMM check launches on Hopper and on Blackwell binds and runs on the
+    /// emulator, and the last result (the last GEMM, three K splits and the reduction) is the
+    /// product.
     #[test]
     fn the_tma_gemm_check_runs_its_launches() {
-        let kernels = tma_gemm_kernels();
-        let mut device = EmulatorDevice::new(kernels.clone());
-        let [x, w, out] = run_tma_gemms(&mut device, &kernels).unwrap();
+        for arch in ["sm_90a", "sm_100a"] {
+            let kernels = tma_gemm_kernels(arch);
+            let mut device = EmulatorDevice::new(kernels.clone());
+            let [x, w, out] = run_tma_gemms(&mut device, &kernels).unwrap();
+            check_product(&x, &w, &out);
+        }
+    }
+
+    /// `out` is the product of the TMA check's `x` and `w`, where sampled.
+    fn check_product(x: &[f32], w: &[f32], out: &[f32]) {
         let (tokens, n, k, x_stride) = TMA_CHECK;
         for t in [0, 77, tokens - 1] {
             for r in [0, 150, n - 1] {

@@ -196,6 +196,7 @@ impl Block<'_> {
                 }
                 self.asynch.check_shared(&copy.dst, i, t)?;
                 self.check_landed(&copy.dst, i, t, "cp.async overwrites")?;
+                self.check_mma_read(&copy.dst, i, t)?;
                 if self.asynch.busy_shared[&copy.dst][i] > 0 {
                     return Err((
                         t,

@@ -678,6 +678,7 @@ impl<'k> Block<'k> {
                 }
                 self.asynch.check_shared(buf, i, t)?;
                 self.check_landed(buf, i, t, "overwrites")?;
+                self.check_mma_read(buf, i, t)?;
                 self.asynch.note_write(buf, i, t)?;
                 self.forget_landing(buf, i);
                 self.shared_writer.get_mut(buf).expect("shared")[i] = Some(t);

@@ -199,6 +199,15 @@ impl Block<'_> {
                     format!("tcgen05.mma operand at {}[{s}] is not 16-byte aligned", operand.array),
                 ));
             }
+            if operand.swizzle == crate::dsl::Swizzle::B128 && s % 64 > 48 {
+                return Err((
+                    t,
+                    format!(
+                        "tcgen05.mma operand at {}[{s}]: a 16-wide k slice crosses its 128-byte swizzled row",
+                        operand.array
+                    ),
+                ));
+            }
             starts.push(s as usize);
         }
         let (a_values, a_indices) = self.read_operand("tcgen05.mma", a, starts[0], M, t)?;
@@ -247,6 +256,9 @@ impl Block<'_> {
                     barrier: key.clone(),
                     phase,
                 });
+            }
+            for (array, i) in &footprint.shared {
+                self.landings.note_mma_read(array, *i, &key, phase);
             }
             held.extend(footprint.shared);
         }

@@ -78,17 +78,33 @@ pub(super) fn resolve_maps(
     Ok(out)
 }
 
-/// Per shared element: the barrier and phase of the TMA copy that last wrote it.
-pub(super) struct Landings(HashMap<String, Vec<Option<(String, u64)>>>);
+/// Per shared element: the barrier and phase of the TMA copy that last wrote it, and of the
+/// commit of the last `tcgen05.mma` that read it (which a writer must have waited for: the
+/// MMA reads its operands some time after it is issued).
+pub(super) struct Landings {
+    copies: HashMap<String, Vec<Option<(String, u64)>>>,
+    mma_reads: HashMap<String, Vec<Option<(String, u64)>>>,
+}
 
 impl Landings {
     pub(super) fn new(shared: &[(String, usize)]) -> Self {
-        Self(
+        let per_element = || {
             shared
                 .iter()
                 .map(|(name, len)| (name.clone(), vec![None; *len]))
-                .collect(),
-        )
+                .collect()
+        };
+        Self {
+            copies: per_element(),
+            mma_reads: per_element(),
+        }
+    }
+
+    /// A `tcgen05.mma` committed to phase `phase` of `key` read `array[i]`.
+    pub(super) fn note_mma_read(&mut self, array: &str, i: usize, key: &str, phase: u64) {
+        if let Some(reads) = self.mma_reads.get_mut(array) {
+            reads[i] = Some((key.to_string(), phase));
+        }
     }
 }
 
@@ -96,7 +112,7 @@ impl Block<'_> {
     /// Thread `t` is about to `what` (read or overwrite) shared `array[i]`: if a TMA copy wrote
     /// it, `t` must have waited for the barrier phase that copy completed.
     pub(super) fn check_landed(&self, array: &str, i: usize, t: usize, what: &str) -> Result<(), Fault> {
-        match self.landings.0.get(array).and_then(|l| l[i].as_ref()) {
+        match self.landings.copies.get(array).and_then(|l| l[i].as_ref()) {
             Some((key, phase)) if !self.barriers.seen(t, key, *phase) => Err((
                 t,
                 format!("{what} {array}[{i}] before waiting for phase {phase} of mbarrier {key}, which completes the TMA copy into it"),
@@ -105,10 +121,25 @@ impl Block<'_> {
         }
     }
 
-    /// A shared element is written by other means than TMA: no copy's any longer.
+    /// Thread `t` is about to overwrite shared `array[i]`: if a `tcgen05.mma` read it, `t`
+    /// must have waited for the barrier phase its commit completes.
+    pub(super) fn check_mma_read(&self, array: &str, i: usize, t: usize) -> Result<(), Fault> {
+        match self.landings.mma_reads.get(array).and_then(|l| l[i].as_ref()) {
+            Some((key, phase)) if !self.barriers.seen(t, key, *phase) => Err((
+                t,
+                format!("overwrites {array}[{i}] before waiting for phase {phase} of mbarrier {key}, which completes the tcgen05.mma reading it"),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// A shared element is written by other means than TMA: no copy's any longer, and no
+    /// MMA's read to wait for.
     pub(super) fn forget_landing(&mut self, array: &str, i: usize) {
-        if let Some(l) = self.landings.0.get_mut(array) {
-            l[i] = None;
+        for map in [&mut self.landings.copies, &mut self.landings.mma_reads] {
+            if let Some(l) = map.get_mut(array) {
+                l[i] = None;
+            }
         }
     }
 
@@ -185,10 +216,12 @@ impl Block<'_> {
         }
         self.asynch.check_shared(array, i, t)?;
         self.check_landed(array, i, t, "TMA copy overwrites")?;
+        self.check_mma_read(array, i, t)?;
         // Through the async proxy, as the tensor cores read: no writer to fence or publish.
         self.asynch.note_async_write(array, i, t)?;
         self.shared_writer.get_mut(array).expect("shared")[i] = None;
-        self.landings.0.get_mut(array).expect("shared")[i] = Some((landing.0.to_string(), landing.1));
+        self.forget_landing(array, i);
+        self.landings.copies.get_mut(array).expect("shared")[i] = Some((landing.0.to_string(), landing.1));
         let array = self.shared.get_mut(array).expect("shared");
         array.values[i] = value;
         array.init[i] = true;
