@@ -1325,6 +1325,31 @@ fn blackwell_tma_gemm_matches_reference_on_bf16_inputs() {
     }
 }
 
+/// The TMA-fed `mma.sync` GEMM (the RTX PRO 6000's) on the same cases: fragments read from
+/// swizzled boxes, a ring of 3 refilled from the fourth step, ragged edges, K split.
+#[test]
+fn tma_mma_gemm_matches_reference_on_bf16_inputs() {
+    let mut rng = Rng(47);
+    let reduce = split_k::reduce("reduce", "test", 16, None, None);
+    let gemm = gemm_tma_mma::gemm_tma_mma_bf16("gemm", "test");
+    for (tokens, n, k, pad) in [(20, 13, 40, 0), (130, 140, 264, 8), (17, 300, 136, 0)] {
+        let x_stride = k + pad;
+        let (x, w) = (rng.vec(tokens * x_stride), rng.vec(n * k));
+        let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+        let dense_x: Vec<f32> = x.chunks(x_stride).flat_map(|row| round(&row[..k])).collect();
+        let mut want = vec![0f32; tokens * n];
+        ops::matmul(&dense_x, &round(&w), k, &mut want);
+        let (x, w) = (bf16_array(&x), bf16_array(&w));
+        let dims = (tokens, n, k, x_stride);
+        let what = format!("{tokens}×{n}×{k}");
+        let whole = try_run_matmul(&gemm, x.clone(), None, w.clone(), dims).unwrap_or_else(|e| panic!("{what}: {e}"));
+        close(&whole.to_f32().unwrap(), &want, 1e-5, &what);
+        let split = try_run_split_matmul((&gemm, &reduce), x, None, w, dims, 3)
+            .unwrap_or_else(|e| panic!("{what}, 3 splits: {e}"));
+        close(&split.to_f32().unwrap(), &want, 1e-5, &format!("{what}, 3 splits"));
+    }
+}
+
 /// Blackwell's TMA GEMM without its wait for the previous step's MMAs before refilling their
 /// buffer, or without the wait for the last MMAs before reading tensor memory, fails with the
 /// reason.

@@ -110,8 +110,7 @@ fn lockstep(name: &str, model: &Model, target: Target, arch: &str) -> Result<f64
 /// zeros).
 const TMA_CHECK: (usize, usize, usize, usize) = (130, 300, 264, 272);
 
-/// The kernels no plan launches yet, in lockstep with the emulator: on Hopper and Blackwell
-/// the TMA GEMMs ([`tma_gemm_kernels`]) on [`TMA_CHECK`]'s shape, in one piece and K split in
+/// The kernels no plan launches yet, in lockstep with the emulator: the target's TMA GEMMs ([`tma_gemm_kernels`]) on [`TMA_CHECK`]'s shape, in one piece and K split in
 /// three with the reduction; on every target the tensor-core prefill attention
 /// ([`FLASH_CHECKS`]). Prints each kernel's max relative error and returns the worst.
 pub fn unplanned_kernel_errors(arch: &str) -> Result<f64> {
@@ -241,8 +240,8 @@ fn run_flash_attention<D: PlanDevice>(device: &mut D) -> Result<Vec<[Vec<f32>; 4
     Ok(results)
 }
 
-/// The TMA GEMMs [`unplanned_kernel_errors`] checks on `arch` (Hopper's two tiles, or
-/// Blackwell's tcgen05 one), then the split-K reduction; none on other targets.
+/// The TMA GEMMs [`unplanned_kernel_errors`] checks on `arch` (Hopper's two tiles, B200's
+/// tcgen05 one, the RTX PRO 6000's `mma.sync` one), then the split-K reduction.
 fn tma_gemm_kernels(arch: &str) -> Vec<Kernel> {
     use kernels_gen::templates::gemm_tma_tcgen05::{gemm_tma_tcgen05_bf16, TcgenTile};
     use kernels_gen::templates::gemm_tma_wgmma::{gemm_tma_wgmma_bf16, TmaTile};
@@ -252,6 +251,10 @@ fn tma_gemm_kernels(arch: &str) -> Vec<Kernel> {
             gemm_tma_wgmma_bf16("gemm_tma_n256", "gpu-check", TmaTile::WIDEST),
         ],
         "sm_100a" => vec![gemm_tma_tcgen05_bf16("gemm_tma", "gpu-check", TcgenTile::WIDE)],
+        "sm_120a" => vec![kernels_gen::templates::gemm_tma_mma::gemm_tma_mma_bf16(
+            "gemm_tma",
+            "gpu-check",
+        )],
         _ => return vec![],
     };
     [
@@ -650,12 +653,12 @@ mod tests {
         }
     }
 
-    /// What the TMA GEMM check launches on Hopper and on Blackwell binds and runs on the
+    /// What the TMA GEMM check launches on every GPU target binds and runs on the
     /// emulator, and the last result (the last GEMM, three K splits and the reduction) is the
     /// product.
     #[test]
     fn the_tma_gemm_check_runs_its_launches() {
-        for arch in ["sm_90a", "sm_100a"] {
+        for arch in ["sm_90a", "sm_100a", "sm_120a"] {
             let kernels = tma_gemm_kernels(arch);
             let mut device = EmulatorDevice::new(kernels.clone());
             let [x, w, out] = run_tma_gemms(&mut device, &kernels).unwrap();

@@ -7,6 +7,7 @@ use anyhow::{anyhow, Result};
 use codegen::gpu::{self, expr};
 use codegen::Target;
 use kernels_gen::dsl::{Kernel, Param, Ty};
+use kernels_gen::templates::gemm_tma_mma::{self, gemm_tma_mma_bf16};
 use kernels_gen::templates::gemm_tma_tcgen05::{gemm_tma_tcgen05_bf16, TcgenTile};
 use kernels_gen::templates::gemm_tma_wgmma::{gemm_tma_wgmma_bf16, TmaTile};
 use kernels_gen::templates::gemm_wgmma::{self, Schedule};
@@ -235,13 +236,16 @@ const EARLIER_HOPPER_SCHEDULES: [(&str, Schedule); 2] = [
 /// the target's (`gemm`: wgmma on sm_90a, tcgen05 on sm_100a, mma.sync on sm_120a); on
 /// Hopper also the schedules earlier runs timed ([`EARLIER_HOPPER_SCHEDULES`]) and the TMA
 /// GEMMs on bf16 activations: 128-row weight tiles with each step's MMAs overlapping the next
-/// step or waited for in their step, and 256-row tiles; on Blackwell the TMA-fed tcgen05 GEMM
-/// on bf16 activations.
+/// step or waited for in their step, and 256-row tiles; on Blackwell the TMA-fed tcgen05 GEMM,
+/// and on the RTX PRO 6000 the TMA-fed `mma.sync` GEMM, on bf16 activations.
 fn tensor_core_gemms(arch: &str, gemm: (Kernel, (usize, usize, usize))) -> Vec<(Kernel, (usize, usize, usize))> {
     let mut out = vec![gemm];
     if arch == "sm_100a" {
         let tile = TcgenTile::WIDE;
         out.push((gemm_tma_tcgen05_bf16("gemm_tma", "gpu-check", tile), tile.tiles()));
+    }
+    if arch == "sm_120a" {
+        out.push((gemm_tma_mma_bf16("gemm_tma", "gpu-check"), gemm_tma_mma::TILES));
     }
     if arch == "sm_90a" {
         out.extend(EARLIER_HOPPER_SCHEDULES.iter().map(|(name, schedule)| {
@@ -552,8 +556,7 @@ mod tests {
             let gemms = tensor_core_gemms(arch, (gemm, (0, 0, 0)));
             let expected = match arch {
                 "sm_90a" => 6,
-                "sm_100a" => 2,
-                _ => 1,
+                _ => 2,
             };
             assert_eq!(gemms.len(), expected, "{arch}");
             kernels.extend(gemms.into_iter().map(|(kernel, _)| kernel));

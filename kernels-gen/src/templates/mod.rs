@@ -11,6 +11,7 @@ pub mod flash_attention;
 pub mod gather;
 pub mod gemm_mma;
 pub mod gemm_tcgen05;
+pub mod gemm_tma_mma;
 pub mod gemm_tma_tcgen05;
 pub mod gemm_tma_wgmma;
 pub mod gemm_wgmma;
@@ -778,6 +779,7 @@ pub fn catalog() -> Vec<Kernel> {
         gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm_tma_wgmma_bf16", "catalog", gemm_tma_wgmma::TmaTile::WIDE),
         gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm_tma_wgmma_n256_bf16", "catalog", gemm_tma_wgmma::TmaTile::WIDEST),
         gemm_tma_tcgen05::gemm_tma_tcgen05_bf16("gemm_tma_tcgen05_bf16", "catalog", gemm_tma_tcgen05::TcgenTile::WIDE),
+        gemm_tma_mma::gemm_tma_mma_bf16("gemm_tma_mma_bf16", "catalog"),
         flash_attention::flash_attention("flash_attention_d128", "catalog", cache_layout::CacheLayout::Paged, 128),
         flash_attention::flash_attention(
             "flash_attention_d256",
