@@ -81,9 +81,10 @@ fn write_shape(name: &str, config: &serde_json::Value) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// Open what `spec` names: its weights, or, for a shape, random weights made here from its
-/// seed (bf16 matrices, f32 vectors; see `runtime::random_weights`).
-fn open_model(spec: ModelSpec) -> Result<Model> {
+/// Open what `spec` names: its weights, or, for a shape, random weights from its seed (bf16
+/// matrices, f32 vectors; see `runtime::random_weights`): made here where `host_weights`, else
+/// left for the device to make (the model's weights are then empty).
+fn open_model(spec: ModelSpec, host_weights: bool) -> Result<Model> {
     let Some(seed) = spec.random_weights else {
         return Ok(Model::open(spec)?);
     };
@@ -101,8 +102,14 @@ fn open_model(spec: ModelSpec) -> Result<Model> {
         compute: spec.dtype,
         kv_cache: spec.kv_cache_dtype,
     };
-    let skeleton = models::lower_without_weights(&config, options)?;
-    let weights = models::WeightSource::Memory(runtime::random_weights::host_weights(&skeleton, seed));
+    let weights = match host_weights {
+        true => {
+            let skeleton = models::lower_without_weights(&config, options)?;
+            runtime::random_weights::host_weights(&skeleton, seed)
+        }
+        false => Default::default(),
+    };
+    let weights = models::WeightSource::Memory(weights);
     // A tokenizer given, else one beside the config (an HF directory without weights).
     let beside = spec.weights.with_file_name("tokenizer.json");
     let tokenizer = match (&spec.tokenizer, beside.is_file()) {
@@ -157,9 +164,23 @@ pub struct Loaded {
     pub int8_heads: Vec<(String, quant::int8_rows::Int8Rows)>,
     /// For an artifact compiled for a GPU: its directory and plan files.
     pub gpu_plan: Option<GpuPlanFiles>,
+    /// A GPU artifact of a model with random weights whose plans carry the fill kernels: the
+    /// seed its plans make the weights from on the device (the model's own weights are then
+    /// empty: nothing is made on the host).
+    pub generated_weights: Option<u32>,
     /// A model.toml's `[speculative]` section: prompt lookup, or a draft model.
     pub speculative: Option<models::NgramSpec>,
     pub draft_model: Option<models::DraftModelSpec>,
+}
+
+impl Loaded {
+    /// Where a GPU plan takes the weights from: made on the device, or the model's uploaded.
+    pub fn plan_weights(&self) -> runtime::plan_exec::PlanWeights<'_> {
+        match self.generated_weights {
+            Some(seed) => runtime::plan_exec::PlanWeights::Generated { seed },
+            None => runtime::plan_exec::PlanWeights::Host(&self.model.weights),
+        }
+    }
 }
 
 /// Where a GPU artifact's plans are.
@@ -289,8 +310,8 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
             }
             let (speculative, draft_model) = (spec.speculative, spec.draft_model.clone());
             let model = match options.max_model_len {
-                Some(n) => open_model(spec).with_context(|| format!("--max-model-len {n}"))?,
-                None => open_model(spec)?,
+                Some(n) => open_model(spec, true).with_context(|| format!("--max-model-len {n}"))?,
+                None => open_model(spec, true)?,
             };
             let fuse = |graph: Graph| -> Result<Graph> {
                 if !options.fuse {
@@ -310,6 +331,7 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
                 greedy,
                 int8_heads: Vec::new(),
                 gpu_plan: None,
+                generated_weights: None,
                 speculative,
                 draft_model,
             })
@@ -335,6 +357,27 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
     }
 }
 
+/// Whether every plan of the GPU artifact in `dir` carries the fill kernels that make random
+/// weights on the device (an artifact compiled before they did has them uploaded instead).
+fn carries_fill_kernels(dir: &Path, manifest: &codegen::Manifest) -> bool {
+    let plans = [
+        Some(&manifest.plan),
+        Some(&manifest.greedy_plan),
+        Some(&manifest.serving_plan),
+    ];
+    plans.into_iter().flatten().flatten().all(|file| {
+        let Ok(text) = std::fs::read_to_string(dir.join(file)) else {
+            return false;
+        };
+        let Ok(plan) = serde_json::from_str::<codegen::gpu::GpuPlan>(&text) else {
+            return false;
+        };
+        runtime::random_weights::fill_kernels()
+            .iter()
+            .all(|fill| plan.kernels.iter().any(|k| k.name == fill.name))
+    })
+}
+
 fn load_artifact(dir: &Path) -> Result<Loaded> {
     let manifest = codegen::read_manifest(dir)?;
     let spec = ModelSpec {
@@ -349,7 +392,11 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
         draft_model: None,
         random_weights: manifest.random_weights,
     };
-    let model = open_model(spec).with_context(|| format!("opening the weights {} names", dir.display()))?;
+    let on_device = manifest
+        .random_weights
+        .filter(|_| manifest.target != Target::Cpu && carries_fill_kernels(dir, &manifest));
+    let model = open_model(spec, on_device.is_none())
+        .with_context(|| format!("opening the weights {} names", dir.display()))?;
     let graphs = codegen::read_graphs(dir, &manifest)?;
     Ok(Loaded {
         model,
@@ -366,6 +413,7 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
                 greedy: manifest.greedy_plan.clone(),
                 serving: manifest.serving_plan.clone().zip(graphs.serving),
             }),
+        generated_weights: on_device,
         speculative: None,
         draft_model: None,
     })

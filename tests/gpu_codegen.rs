@@ -623,3 +623,56 @@ fn the_8b_shaped_serving_plan_holds_each_weight_once() {
     let err = gpu::build(&fused, Target::H200, 512).unwrap_err().to_string();
     assert!(err.contains("head_dim 1024"), "{err}");
 }
+
+/// A model with random weights compiled for a GPU (a `config.json`: vLLM's dummy load format)
+/// has them made where its plans run: every plan carries the fill kernels, compiled with the
+/// rest, and loading the artifact makes nothing on the host (the plans' weights are generated
+/// from the recorded seed). Compiled for the CPU, it keeps making them on the host.
+#[test]
+fn a_random_weight_model_compiled_for_the_gpu_makes_its_weights_there() {
+    if !nvrtc_present() {
+        return;
+    }
+    let scratch = common::scratch_dir("bbc-gpu-random-");
+    let config = scratch.path().join("config.json");
+    std::fs::copy(common::fixture("hf-tiny/llama/config.json"), &config).unwrap();
+    let options = || bbc::model_ref::LoadOptions {
+        dtype: None,
+        kv_cache_dtype: None,
+        max_model_len: None,
+        logits: models::LogitsFor::LastToken,
+        greedy: true,
+        fuse: false,
+        quiet: true,
+        tokenizer: None,
+    };
+    for (target, on_device) in [("h200", true), ("cpu", false)] {
+        let artifact = scratch.path().join(target);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"))
+            .args(["compile", config.to_str().unwrap(), "--target", target, "-o"])
+            .arg(&artifact)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let manifest = codegen::read_manifest(&artifact).unwrap();
+        let plans = [&manifest.plan, &manifest.greedy_plan, &manifest.serving_plan];
+        for file in plans.into_iter().flatten() {
+            let plan: gpu::GpuPlan =
+                serde_json::from_str(&std::fs::read_to_string(artifact.join(file)).unwrap()).unwrap();
+            for fill in runtime::random_weights::fill_kernels() {
+                let entry = plan.kernels.iter().find(|k| k.name == fill.name);
+                let cubin = entry.and_then(|k| k.cubin.as_ref()).map(|c| artifact.join(c));
+                assert!(cubin.is_some_and(|c| c.is_file()), "{file}: {}", fill.name);
+            }
+        }
+        let loaded = bbc::model_ref::load(artifact.to_str().unwrap(), options()).unwrap();
+        let held = quant::tensor::Tensors::tensor(&loaded.model.weights, "model.embed_tokens.weight").is_some();
+        match on_device {
+            true => {
+                assert_eq!(loaded.generated_weights, Some(manifest.random_weights.unwrap()));
+                assert!(!held, "nothing made on the host");
+            }
+            false => assert!(loaded.generated_weights.is_none() && held, "{target}"),
+        }
+    }
+}

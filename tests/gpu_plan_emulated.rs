@@ -1589,6 +1589,60 @@ fn serve_all<B: runtime::serving::PagedBackend>(
         .tokens
 }
 
+/// A model whose plan regroups the rows of some weights (GLM-5's MLA projections, taken in
+/// transposed row groups): those are made from the same values on the host and uploaded, the
+/// others filled on the device, and the plan computes bit for bit what it computes on all of
+/// them uploaded.
+#[test]
+fn regrouped_weights_made_for_the_device_equal_their_host_values_uploaded() {
+    use runtime::kv::BlockId;
+    use runtime::random_weights::fill_kernels;
+    let glm = fixture("hf-tiny/glm_moe_dsa");
+    let config = open("glm_moe_dsa", ComputeDtype::Bf16).config;
+    let options = models::LowerOptions {
+        logits: LogitsFor::LastToken,
+        compute: ComputeDtype::Bf16,
+        kv_cache: models::KvCacheDtype::Auto,
+    };
+    let graph = fused_for(&models::lower_without_weights(&config, options).unwrap(), Target::H200);
+    let seed = 11;
+    let scratch = tempfile::Builder::new().prefix("bbc-generated-").tempdir().unwrap();
+    let dir = scratch.path();
+    std::fs::copy(glm.join("config.json"), dir.join("config.json")).unwrap();
+    runtime::random_weights::write_checkpoint(&graph, seed, &dir.join("model.safetensors")).unwrap();
+    let written = open_at(dir, ComputeDtype::Bf16);
+    drop(scratch);
+    let cache = gpu::BatchedCache {
+        blocks: 8,
+        block_size: 8,
+        sequences: 2,
+    };
+    let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
+    let regrouped = |w: &gpu::WeightUse| !w.parts.iter().all(|p| matches!(p, gpu::WeightPart::Whole(_)));
+    assert!(plan.weights.iter().any(regrouped), "the plan regroups some weights");
+    let device = EmulatorDevice::new(kernels.iter().cloned().chain(fill_kernels()).collect());
+    let generated = PlanExecutor::with_generated_weights(device, plan.clone(), graph.clone(), seed, 64).unwrap();
+    let uploaded = EmulatorBackend::emulated(plan, kernels, graph, &written.weights, &[], 64).unwrap();
+    let tables = [
+        [BlockId(3), BlockId(0), BlockId(6)],
+        [BlockId(5), BlockId(1), BlockId(2)],
+    ];
+    let prompt: Vec<u32> = (0..PREFILL_TOKENS as u32 + 2).map(|i| (5 + 11 * i) % 300).collect();
+    for segments in [
+        [(0, prompt.clone()), (0, vec![9, 8, 7])],
+        [(prompt.len(), vec![42]), (3, vec![17])],
+    ] {
+        let batch = batch_of(&segments, &tables);
+        let (got, want) = (
+            generated.step_batch(&batch).unwrap(),
+            uploaded.step_batch(&batch).unwrap(),
+        );
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g["logits"].data, w["logits"].data);
+        }
+    }
+}
+
 /// Weights made on the device (`PlanExecutor::with_generated_weights`, for models lowered
 /// without weights: the GPU check's 8B-shaped decode) are the values `runtime::random_weights`
 /// gives on the host: a batched plan on them computes bit for bit what it computes on those

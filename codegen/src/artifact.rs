@@ -119,17 +119,27 @@ pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path
         serving,
     } = graphs;
     let serving = serving.filter(|_| target != Target::Cpu);
+    // A model with random weights has them made where its plans run: each plan carries the
+    // fill kernels.
+    let fills = model.spec.random_weights.is_some();
     let (plan, greedy_plan, serving_plan) = match target {
         Target::Cpu => (None, None, None),
         gpu => (
-            Some(write_gpu_program(graph, gpu, dir, "kernels", "plan.json", None)?),
+            Some(write_gpu_program(
+                graph,
+                gpu,
+                dir,
+                ("kernels", "plan.json"),
+                None,
+                fills,
+            )?),
             greedy
-                .map(|g| write_gpu_program(g, gpu, dir, "kernels/greedy", "greedy_plan.json", None))
+                .map(|g| write_gpu_program(g, gpu, dir, ("kernels/greedy", "greedy_plan.json"), None, fills))
                 .transpose()?,
             serving
                 .map(|g| {
                     let cache = Some(DEFAULT_SERVING_CACHE);
-                    write_gpu_program(g, gpu, dir, "kernels/serving", "serving_plan.json", cache)
+                    write_gpu_program(g, gpu, dir, ("kernels/serving", "serving_plan.json"), cache, fills)
                 })
                 .transpose()?,
         ),
@@ -196,14 +206,15 @@ pub const GPU_MAX_TOKENS: usize = 2048;
 /// `kernels/*.cu`, `kernels/*.ptx` and `kernels/*.cubin` (NVRTC; no spills allowed on the real
 /// architecture: see [`crate::spill_free`]) and the plan (`plan_file`); returns the plan's
 /// file name. Each plan's kernels go to their own directory: names are unique within a plan,
-/// not across plans.
+/// not across plans. With `fills`, the plan also carries the fill kernels that make random
+/// weights on the device (`kernels_gen::templates::fill`).
 fn write_gpu_program(
     graph: &Graph,
     target: Target,
     dir: &Path,
-    kernel_dir: &str,
-    plan_file: &str,
+    (kernel_dir, plan_file): (&str, &str),
     batched: Option<crate::gpu::BatchedCache>,
+    fills: bool,
 ) -> Result<String, ArtifactError> {
     let name = target.name();
     let built = match batched {
@@ -211,6 +222,10 @@ fn write_gpu_program(
         None => crate::gpu::build(graph, target, GPU_MAX_TOKENS),
     };
     let mut plan = built.map_err(|source| ArtifactError::Gpu { target: name, source })?;
+    if fills {
+        let kernels = kernels_gen::templates::fill::fill_kernels();
+        plan.kernels.extend(kernels.iter().map(crate::gpu::kernel_entry));
+    }
     let kernels = dir.join(kernel_dir);
     std::fs::create_dir_all(&kernels).map_err(io(&kernels))?;
     for k in &mut plan.kernels {

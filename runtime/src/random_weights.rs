@@ -11,27 +11,16 @@
 use crate::error::{Result, RuntimeError};
 use crate::plan_exec::{DeviceArg, PlanDevice};
 use ir::{DType, Graph};
-use kernels_gen::dsl::{Kernel, Ty};
+use kernels_gen::dsl::Ty;
 use kernels_gen::templates::fill;
 
 /// Elements one fill launch makes: keeps its grid and indices far inside `i32`.
 const FILL_CHUNK: usize = 1 << 24;
 
-/// The fill kernels a device must have loaded for `PlanExecutor::with_generated_weights`.
-pub fn fill_kernels() -> Vec<Kernel> {
-    [Ty::F32, Ty::Bf16]
-        .into_iter()
-        .map(|ty| fill::fill_uniform(fill_kernel(ty), "generated weights", ty))
-        .collect()
-}
-
-/// The fill kernel's name for elements of `ty`.
-pub fn fill_kernel(ty: Ty) -> &'static str {
-    match ty {
-        Ty::Bf16 => "fill_uniform_bf16",
-        _ => "fill_uniform_f32",
-    }
-}
+/// The fill kernels a device must have loaded for weights made on it
+/// ([`crate::plan_exec::PlanWeights::Generated`]); an artifact of a model with random weights
+/// carries them in its plans.
+pub use fill::{fill_kernel, fill_kernels};
 
 /// How the tensor `name` of `shape` is filled.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -70,36 +59,44 @@ pub fn host_values(seed: u32, name: &str, shape: &[usize]) -> Vec<f32> {
 /// on the host (the CPU backend, or uploaded to a device); each tensor made on the pool.
 pub fn host_weights(graph: &Graph, seed: u32) -> quant::tensor::MemoryTensors {
     use rayon::prelude::*;
+    declared_weights(graph)
+        .into_par_iter()
+        .map(|(name, shape)| (name.clone(), host_tensor(seed, name, shape)))
+        .collect()
+}
+
+/// Every weight `graph` declares, once (a tied head and embedding are one tensor), with its
+/// shape.
+fn declared_weights(graph: &Graph) -> Vec<(&String, Vec<usize>)> {
     let mut declared: Vec<(&String, Vec<usize>)> = Vec::new();
     for node in graph.nodes() {
-        // A weight read twice (a tied head and embedding) is one tensor.
         if let ir::Op::Weight { name } = &node.op {
             if !declared.iter().any(|(n, _)| *n == name) {
                 declared.push((name, node.shape.resolve(0, 0)));
             }
         }
     }
-    let tensors = declared
-        .into_par_iter()
-        .map(|(name, shape)| {
-            let values = host_values(seed, name, &shape);
-            let (dtype, bytes) = match shape.len() {
-                2 => (
-                    quant::GgmlType::BF16,
-                    values
-                        .iter()
-                        .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-                        .collect(),
-                ),
-                _ => (
-                    quant::GgmlType::F32,
-                    values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-                ),
-            };
-            (name.clone(), quant::tensor::MemoryTensor { shape, dtype, bytes })
-        })
-        .collect();
-    tensors
+    declared
+}
+
+/// Tensor `name`'s [`host_values`] as a bf16 checkpoint stores them: matrices bf16, vectors
+/// (norm gains) f32.
+fn host_tensor(seed: u32, name: &str, shape: Vec<usize>) -> quant::tensor::MemoryTensor {
+    let values = host_values(seed, name, &shape);
+    let (dtype, bytes) = match shape.len() {
+        2 => (
+            quant::GgmlType::BF16,
+            values
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+        ),
+        _ => (
+            quant::GgmlType::F32,
+            values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        ),
+    };
+    quant::tensor::MemoryTensor { shape, dtype, bytes }
 }
 
 /// Every weight `graph` declares, with its [`host_values`], written as one safetensors file
@@ -122,14 +119,34 @@ pub fn write_checkpoint(graph: &Graph, seed: u32, path: &std::path::Path) -> Res
         .map_err(|e| RuntimeError::Weight(format!("{}: {e}", path.display())))
 }
 
-/// A weight made on the device: each part (stacked by rows) filled by its own seed; the
-/// buffer and its size in bytes.
+/// Weight `w` of the plan made on `device` from `seed`: whole tensors filled there; a weight
+/// whose parts regroup rows of its tensors (interleaved heads) made on the host from the same
+/// values, regrouped as a file's would be, and uploaded.
 pub(crate) fn make_weight<D: PlanDevice>(
     device: &mut D,
     graph: &Graph,
     w: &gpu_plan::WeightUse,
     seed: u32,
 ) -> Result<(D::Buffer, usize)> {
+    let shape_of = |name: &str| {
+        graph
+            .nodes()
+            .iter()
+            .find_map(|n| match &n.op {
+                ir::Op::Weight { name: m } if m == name => Some(n.shape.resolve(0, 0)),
+                _ => None,
+            })
+            .ok_or_else(|| RuntimeError::Weight(format!("`{name}` is not a weight of the graph")))
+    };
+    if !w.parts.iter().all(|p| matches!(p, gpu_plan::WeightPart::Whole(_))) {
+        let mut tensors = quant::tensor::MemoryTensors::new();
+        for part in &w.parts {
+            let name = part.name();
+            tensors.insert(name.to_string(), host_tensor(seed, name, shape_of(name)?));
+        }
+        let bytes = crate::plan_exec::weight_bytes(w.dtype, &w.parts, &tensors)?;
+        return Ok((device.upload(&bytes)?, bytes.len()));
+    }
     let ty = match w.dtype {
         DType::F32 => Ty::F32,
         DType::BF16 => Ty::Bf16,
@@ -143,19 +160,8 @@ pub(crate) fn make_weight<D: PlanDevice>(
     let buffer = device.alloc(elements * width)?;
     let mut at = 0;
     for part in &w.parts {
-        let gpu_plan::WeightPart::Whole(name) = part else {
-            return Err(RuntimeError::Weight(format!(
-                "{part}: weights made on the device are whole tensors, not regrouped rows"
-            )));
-        };
-        let shape = graph
-            .nodes()
-            .iter()
-            .find_map(|n| match &n.op {
-                ir::Op::Weight { name: m } if m == name => Some(n.shape.resolve(0, 0)),
-                _ => None,
-            })
-            .ok_or_else(|| RuntimeError::Weight(format!("`{name}` is not a weight of the graph")))?;
+        let name = part.name();
+        let shape = shape_of(name)?;
         let len: usize = shape.iter().product();
         if at + len > elements {
             return Err(RuntimeError::Weight(format!(

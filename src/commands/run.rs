@@ -154,7 +154,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
         // greedy decoding, its logits plan otherwise. Each plan holds its own copy of the
         // weights on the device, so only the one this run uses is loaded.
         let backend = |plan: &str, graph: ir::Graph| {
-            let w = &loaded.model.weights;
+            let w = loaded.plan_weights();
             runtime_cuda::load_plan(&plans.dir, plan, graph, w, &loaded.int8_heads, context)
         };
         let greedy_run = args.temperature <= 0.0 && args.dump_logits.is_none() && spec.is_none();

@@ -6,6 +6,7 @@
 use anyhow::{bail, Context, Result};
 use codegen::Target;
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
+use runtime::plan_exec::PlanWeights;
 use runtime::{generate, Backend, CpuBackend, Engine, GenerateOptions};
 use runtime_cuda::CudaBackend;
 use std::path::Path;
@@ -90,8 +91,22 @@ fn engines(model: &Path, target: Target) -> Result<(Engine<CudaBackend>, Engine)
         .greedy_plan
         .as_deref()
         .context("the artifact has a greedy plan")?;
-    let greedy = runtime_cuda::load_plan(dir, greedy_plan, greedy_graph, &model.weights, &int8, context)?;
-    let logits = runtime_cuda::load_plan(dir, "plan.json", gpu_graph, &model.weights, &[], context)?;
+    let greedy = runtime_cuda::load_plan(
+        dir,
+        greedy_plan,
+        greedy_graph,
+        PlanWeights::Host(&model.weights),
+        &int8,
+        context,
+    )?;
+    let logits = runtime_cuda::load_plan(
+        dir,
+        "plan.json",
+        gpu_graph,
+        PlanWeights::Host(&model.weights),
+        &[],
+        context,
+    )?;
     drop(scratch);
     let cpu_graph = passes::optimized(&graph, passes::CostModel::CPU)?;
     let cpu = Engine::from(CpuBackend::new(cpu_graph, &model.weights, context)?);

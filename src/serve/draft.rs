@@ -41,7 +41,7 @@ pub fn load(arg: &str, target: &Tokenizer, cache: DraftCache) -> Result<(Box<dyn
                 block_size: cache.block_size,
                 sequences: cache.sequences,
             };
-            let (weights, int8) = (&loaded.model.weights, &loaded.int8_heads);
+            let (weights, int8) = (loaded.plan_weights(), &loaded.int8_heads);
             let backend =
                 runtime_cuda::load_batched_plan(&plans.dir, &plan, graph, weights, int8, context_length, plan_cache)?
                     // A drafting pass has a row per sequence.

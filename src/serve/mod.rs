@@ -253,7 +253,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 block_size,
                 sequences: args.max_num_seqs,
             };
-            let weights = &loaded.model.weights;
+            let weights = loaded.plan_weights();
             let int8 = &loaded.int8_heads;
             // A decode step has a row per running sequence, and one per drafted token beside
             // it: those row counts run as graphs.

@@ -159,36 +159,7 @@ fn build_program(
         .collect();
     check_index_range(graph, &weights, &launches, &memory)?;
     let programs: Vec<Kernel> = kernels.iter().map(|(k, _)| k.clone()).collect();
-    let kernels = kernels
-        .into_iter()
-        .map(|(k, _)| KernelEntry {
-            shared_bytes: match k.shared_layout() {
-                layout if layout.dynamic => layout.bytes as u32,
-                _ => 0,
-            },
-            name: k.name.clone(),
-            block: k.block_dim,
-            grid: kernels_gen::cuda::grid_expr(&k),
-            source: kernels_gen::cuda::emit(&k),
-            ptx: None,
-            cubin: None,
-            registers: None,
-            params: k
-                .launch_params()
-                .map(|p| match p {
-                    kernels_gen::dsl::Param::Buffer { name, .. } => KernelParam {
-                        name: name.clone(),
-                        kind: "buffer".into(),
-                    },
-                    kernels_gen::dsl::Param::Scalar { name, ty } => KernelParam {
-                        name: name.clone(),
-                        kind: ty.to_string(),
-                    },
-                    kernels_gen::dsl::Param::TensorMap(_) => unreachable!("not a launch parameter"),
-                })
-                .collect(),
-        })
-        .collect();
+    let kernels = kernels.into_iter().map(|(k, _)| kernel_entry(&k)).collect();
     let plan = GpuPlan {
         target: target.name().into(),
         arch: target.cuda_arch().unwrap_or_default().into(),
@@ -211,6 +182,38 @@ fn build_program(
         batched,
     };
     Ok((plan, programs))
+}
+
+/// A plan's entry for `k`: its source (compiled later, into the artifact), block, grid and
+/// launch parameters.
+pub fn kernel_entry(k: &Kernel) -> KernelEntry {
+    KernelEntry {
+        shared_bytes: match k.shared_layout() {
+            layout if layout.dynamic => layout.bytes as u32,
+            _ => 0,
+        },
+        name: k.name.clone(),
+        block: k.block_dim,
+        grid: kernels_gen::cuda::grid_expr(k),
+        source: kernels_gen::cuda::emit(k),
+        ptx: None,
+        cubin: None,
+        registers: None,
+        params: k
+            .launch_params()
+            .map(|p| match p {
+                kernels_gen::dsl::Param::Buffer { name, .. } => KernelParam {
+                    name: name.clone(),
+                    kind: "buffer".into(),
+                },
+                kernels_gen::dsl::Param::Scalar { name, ty } => KernelParam {
+                    name: name.clone(),
+                    kind: ty.to_string(),
+                },
+                kernels_gen::dsl::Param::TensorMap(_) => unreachable!("not a launch parameter"),
+            })
+            .collect(),
+    }
 }
 
 /// The weight nodes `launches` read.

@@ -12,6 +12,22 @@ const SEED_SPREAD: u32 = 0x9E37_79B9;
 /// The multipliers of the `lowbias32` integer hash (Chris Wellons' hash-prospector).
 const MIX: [u32; 2] = [0x7FEB_352D, 0x846C_A68B];
 
+/// The fill kernels a device making weights loads: one for f32 tensors, one for bf16.
+pub fn fill_kernels() -> Vec<Kernel> {
+    [Ty::F32, Ty::Bf16]
+        .into_iter()
+        .map(|ty| fill_uniform(fill_kernel(ty), "generated weights", ty))
+        .collect()
+}
+
+/// The fill kernel's name for elements of `ty`.
+pub fn fill_kernel(ty: Ty) -> &'static str {
+    match ty {
+        Ty::Bf16 => "fill_uniform_bf16",
+        _ => "fill_uniform_f32",
+    }
+}
+
 /// `out[i]` for `i` in `0..n` (`ty` is f32 or bf16; bf16 rounds the f32 value to nearest).
 pub fn fill_uniform(name: &str, origin: &str, ty: Ty) -> Kernel {
     let u32_of = |v: u32| cast(Ty::U32, int(v as i64));

@@ -22,8 +22,7 @@ use cudarc::nvrtc::Ptx;
 use gpu_plan::GpuPlan;
 use ir::Graph;
 use quant::int8_rows::Int8Rows;
-use quant::tensor::Tensors;
-use runtime::plan_exec::{DeviceArg, PlanDevice, PlanExecutor};
+use runtime::plan_exec::{DeviceArg, PlanDevice, PlanExecutor, PlanWeights};
 use runtime::{Result, RuntimeError};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -432,17 +431,18 @@ fn read_plan(dir: &Path, plan_file: &str) -> Result<GpuPlan> {
 /// through the executor's `Backend` and `PagedBackend` implementations).
 pub type CudaBackend = PlanExecutor<CudaDevice>;
 
-/// Load `plan_file` of the artifact in `dir` for `graph`, with the model's weights.
+/// Load `plan_file` of the artifact in `dir` for `graph`, with the model's weights (uploaded,
+/// or made on the device from a seed by the fill kernels the artifact carries).
 pub fn load_plan(
     dir: &Path,
     plan_file: &str,
     graph: Graph,
-    weights: &dyn Tensors,
+    weights: PlanWeights<'_>,
     int8: &[(String, Int8Rows)],
     context_length: usize,
 ) -> Result<CudaBackend> {
     let plan = read_plan(dir, plan_file)?;
-    PlanExecutor::new(CudaDevice::new(dir, &plan)?, plan, graph, weights, int8, context_length)
+    PlanExecutor::with_weights(CudaDevice::new(dir, &plan)?, plan, graph, weights, int8, context_length)
 }
 
 /// The batched serving plan `plan_file` of the artifact in `dir`, its KV pool `cache`: for
@@ -451,7 +451,7 @@ pub fn load_batched_plan(
     dir: &Path,
     plan_file: &str,
     graph: Graph,
-    weights: &dyn Tensors,
+    weights: PlanWeights<'_>,
     int8: &[(String, Int8Rows)],
     context_length: usize,
     cache: gpu_plan::BatchedCache,
@@ -462,7 +462,7 @@ pub fn load_batched_plan(
     }
     // The pool is sized at run time; the kernels take the block size as a scalar.
     plan.batched = Some(cache);
-    PlanExecutor::new(CudaDevice::new(dir, &plan)?, plan, graph, weights, int8, context_length)
+    PlanExecutor::with_weights(CudaDevice::new(dir, &plan)?, plan, graph, weights, int8, context_length)
 }
 
 #[cfg(test)]

@@ -209,7 +209,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         int8: &[(String, Int8Rows)],
         context_length: usize,
     ) -> Result<Self> {
-        Self::load(device, plan, graph, PlanWeights::Host(weights), int8, context_length)
+        Self::with_weights(device, plan, graph, PlanWeights::Host(weights), int8, context_length)
     }
 
     /// Like [`new`](Self::new) for a graph lowered without weights: each weight is made on
@@ -221,7 +221,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         seed: u32,
         context_length: usize,
     ) -> Result<Self> {
-        Self::load(
+        Self::with_weights(
             device,
             plan,
             graph,
@@ -231,7 +231,8 @@ impl<D: PlanDevice> PlanExecutor<D> {
         )
     }
 
-    fn load(
+    /// Like [`new`](Self::new), the weights from wherever `weights` says.
+    pub fn with_weights(
         mut device: D,
         plan: GpuPlan,
         graph: Graph,
@@ -702,7 +703,7 @@ fn alloc_kv_cache<D: PlanDevice>(
     Ok(())
 }
 
-fn weight_bytes(dtype: DType, parts: &[WeightPart], source: &dyn Tensors) -> Result<Vec<u8>> {
+pub(crate) fn weight_bytes(dtype: DType, parts: &[WeightPart], source: &dyn Tensors) -> Result<Vec<u8>> {
     let mut out = Vec::new();
     for part in parts {
         let name = part.name();
