@@ -4,7 +4,8 @@
 //!
 //! A block of 4 warps takes 64 query rows of one head, warp w rows 16w..16w+16. The keys go
 //! by in tiles of 64: the block copies a tile's keys and values into shared memory
-//! (`cp.async`, 16 bytes a copy), then each warp computes its 16×64 scores with
+//! (`cp.async`, 16 bytes a copy; the next tile's copies in flight while the warps work on
+//! this one, where two tiles fit), then each warp computes its 16×64 scores with
 //! `mma.sync.m16n8k16` (queries rounded to bf16 in registers as A, keys as B), masks them,
 //! updates each row's running max and sum (online softmax, in f32), rescales its output
 //! accumulators and adds `P·V` on the tensor cores: the scores' accumulator layout is the A
@@ -63,14 +64,26 @@ pub fn supports(head_dim: usize, layout: CacheLayout) -> bool {
     head_dim.is_multiple_of(16) && head_dim <= MAX_HEAD_DIM && layout != CacheLayout::Batched
 }
 
-/// The cooperative copy of the key tile at `j0` into `ks` and the value tile into `vs`
-/// (zeros past `hi`): 16-byte chunks, `64 × head_dim / 8` of each, strided over the block.
-fn copy_tile(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
+/// Key and value tiles a block keeps: two (the next tile's copies in flight while the warps
+/// work on one) where the head fits, one for heads past 128 dims (whose queries take shared
+/// memory too: 96 KiB in all, within the RTX PRO 6000's 99 KiB a block).
+fn tile_buffers(head_dim: usize) -> i64 {
+    match head_dim > QUERIES_IN_REGISTERS {
+        true => 1,
+        false => 2,
+    }
+}
+
+/// The cooperative copy of the key tile at `j0` into buffer `buffer` of `ks` and the value
+/// tile into `vs` (zeros past `hi`): 16-byte chunks, `64 × head_dim / 8` of each, strided
+/// over the block; committed as one group.
+fn copy_tile(layout: CacheLayout, head_dim: usize, j0: Expr, buffer: Expr) -> Vec<Stmt> {
     let chunks_per_row = head_dim as i64 / CHUNK;
+    let tile = TILE_KEYS * head_dim as i64;
     let copy = |dst: &str, src: &str| {
         Stmt::CpAsync(Box::new(AsyncCopy {
             dst: dst.into(),
-            dst_index: var("c") * int(CHUNK),
+            dst_index: buffer.clone() * int(tile) + var("c") * int(CHUNK),
             src: src.into(),
             src_index: var("base") + var("chunk") * int(CHUNK),
             valid: lt(var("key"), var("hi")),
@@ -83,7 +96,7 @@ fn copy_tile(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
             int(TILE_KEYS * chunks_per_row),
             int(THREADS),
             vec![
-                let_("key", Ty::I32, var("j0") + var("c") / int(chunks_per_row)),
+                let_("key", Ty::I32, j0 + var("c") / int(chunks_per_row)),
                 let_("chunk", Ty::I32, rem(var("c"), int(chunks_per_row))),
                 // Clamped inside the cache where the key is past the end (its copy reads nothing).
                 let_(
@@ -97,9 +110,41 @@ fn copy_tile(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
             ],
         ),
         Stmt::CpAsyncCommit,
-        Stmt::CpAsyncWait(0),
-        Stmt::SyncThreads,
     ]
+}
+
+/// The start of a key tile's loop step: its tile in shared memory, landed and published
+/// (`kv0`: its buffer's first element). With two buffers the next tile's copies are issued
+/// first (the first tile's went before the loop) and stay in flight.
+fn tile_head(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
+    let tile = TILE_KEYS * head_dim as i64;
+    let mut out = vec![let_(
+        "buf",
+        Ty::I32,
+        rem(
+            (var("j0") - var("first_tile")) / int(TILE_KEYS),
+            int(tile_buffers(head_dim)),
+        ),
+    )];
+    match tile_buffers(head_dim) {
+        1 => {
+            out.extend(copy_tile(layout, head_dim, var("j0"), int(0)));
+            out.push(Stmt::CpAsyncWait(0));
+        }
+        _ => {
+            let next = var("j0") + int(TILE_KEYS);
+            out.push(if_(
+                lt(next.clone(), var("hi")),
+                copy_tile(layout, head_dim, next, int(1) - var("buf")),
+            ));
+            // An empty group past the last tile keeps the count the wait below relies on.
+            out.push(Stmt::CpAsyncCommit);
+            out.push(Stmt::CpAsyncWait(1));
+        }
+    }
+    out.push(Stmt::SyncThreads);
+    out.push(let_("kv0", Ty::I32, var("buf") * int(tile)));
+    out
 }
 
 /// The query element this lane holds at fragment `i` of 16-wide step `step` (rows g and g + 8
@@ -175,7 +220,7 @@ fn scores(head_dim: usize) -> Vec<Stmt> {
             let b: [String; 4] = std::array::from_fn(|i| format!("kb{i}"));
             for (i, name) in b.iter().enumerate() {
                 let dim = int(16 * step as i64 + (i % 2) as i64 + if i >= 2 { 8 } else { 0 }) + var("t2");
-                let at = (int(8 * j as i64) + var("g")) * hd.clone() + dim;
+                let at = var("kv0") + (int(8 * j as i64) + var("g")) * hd.clone() + dim;
                 out.push(assign(name, load("ks", at)));
             }
             out.push(Stmt::MmaBf16(Box::new(MmaFragments {
@@ -280,7 +325,7 @@ fn accumulate(head_dim: usize) -> Vec<Stmt> {
             let b: [String; 4] = std::array::from_fn(|i| format!("vb{i}"));
             for (i, name) in b.iter().enumerate() {
                 let key = int(16 * u as i64 + (i % 2) as i64 + if i >= 2 { 8 } else { 0 }) + var("t2");
-                let at = key * hd.clone() + var("d0") + int(8 * v as i64) + var("g");
+                let at = var("kv0") + key * hd.clone() + var("d0") + int(8 * v as i64) + var("g");
                 out.push(assign(name, load("vs", at)));
             }
             out.push(Stmt::MmaBf16(Box::new(MmaFragments {
@@ -334,7 +379,7 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         .chain((0..8).map(|i| q_name(0, i)).filter(|_| head_dim > QUERIES_IN_REGISTERS))
         .map(|n| let_(&n, Ty::F32, f(0.0)));
     let tile = [
-        copy_tile(layout, head_dim),
+        tile_head(layout, head_dim),
         scores(head_dim),
         online_softmax(),
         accumulate(head_dim),
@@ -376,17 +421,16 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         ],
         load_queries(head_dim),
         locals.collect(),
-        vec![for_(
-            "j0",
-            var("lo") / int(TILE_KEYS) * int(TILE_KEYS),
-            var("hi"),
-            int(TILE_KEYS),
-            tile,
-        )],
+        vec![let_("first_tile", Ty::I32, var("lo") / int(TILE_KEYS) * int(TILE_KEYS))],
+        match tile_buffers(head_dim) {
+            1 => vec![],
+            _ => copy_tile(layout, head_dim, var("first_tile"), int(0)),
+        },
+        vec![for_("j0", var("first_tile"), var("hi"), int(TILE_KEYS), tile)],
         store_outputs(head_dim),
     ]
     .concat();
-    let tile_elements = (TILE_KEYS as usize) * head_dim;
+    let tile_elements = (TILE_KEYS as usize) * head_dim * tile_buffers(head_dim) as usize;
     let queries = (head_dim > QUERIES_IN_REGISTERS).then(|| SharedArray {
         name: "qs".into(),
         ty: Ty::Bf16,
