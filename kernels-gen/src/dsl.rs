@@ -325,8 +325,8 @@ pub struct TensorMap {
     pub swizzle: Swizzle,
 }
 
-/// `cp.async.bulk.tensor.2d` (TMA, sm_90 and later), issued by one thread: the box of `map`
-/// whose first element is (`row`, `col`) lands in the shared `dst` from element `dst_index`
+/// `cp.async.bulk.tensor.2d` (TMA, sm_90 and later), issued by each active thread (kernels
+/// issue it from one): the box of `map` whose first element is (`row`, `col`) lands in the shared `dst` from element `dst_index`
 /// (box row after box row, in the map's swizzle; 1024-byte aligned with `B128`, 128-byte
 /// otherwise) and delivers its bytes, the whole box's, to `barrier`'s current phase. The
 /// destination may be read once that phase has been waited for.

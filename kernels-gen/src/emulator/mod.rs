@@ -255,7 +255,7 @@ struct Block<'k> {
     barriers: Barriers,
     /// The tensor maps, resolved at launch.
     maps: HashMap<String, ResolvedMap>,
-    /// Which TMA copy wrote each shared element.
+    /// Which TMA copy wrote each shared element, and which tcgen05 commit covers an MMA reading it.
     landings: Landings,
 }
 
