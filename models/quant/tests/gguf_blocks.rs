@@ -2,10 +2,21 @@
 //! (taken from the real files, random, or quantized by ggml), and `dot` agrees with
 //! dequantize-then-multiply.
 
-mod common;
+use quant::GgmlType;
+use std::path::PathBuf;
 
-use common::{fixture, read_json};
-use models::quant::GgmlType;
+/// A file of the repository's test fixtures.
+fn fixture(rel: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(rel)
+}
+
+fn read_json(rel: &str) -> serde_json::Value {
+    let path = fixture(rel);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
 
 #[test]
 fn dequantization_matches_gguf_py() {
