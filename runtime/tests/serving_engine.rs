@@ -269,3 +269,34 @@ fn aborted_requests_free_their_blocks_and_leave_the_others_alone() {
     }
     assert_eq!(engine.scheduler().used_blocks(), 0);
 }
+
+/// A request that asks for its logits gets, with each token, the row it was sampled from;
+/// one that does not gets none.
+#[test]
+fn logits_come_back_with_the_tokens_of_a_request_that_asks() {
+    let prompt: Vec<u32> = vec![3, 9, 3, 9, 4];
+    let mut engine = ServingEngine::new(HistoryModel, config(16, NgramConfig::OFF));
+    let asking = engine
+        .add(prompt.clone(), 6, vec![], SamplingParams::default())
+        .unwrap();
+    let other = engine
+        .add(prompt.clone(), 6, vec![], SamplingParams::default())
+        .unwrap();
+    assert!(engine.return_logits(asking));
+    let mut history = prompt.clone();
+    let mut rows = 0;
+    while !engine.scheduler().is_idle() {
+        for sampled in engine.step().unwrap().tokens {
+            match sampled.seq == asking {
+                true => {
+                    assert_eq!(sampled.logits.as_deref(), Some(&logits(&history)[..]));
+                    history.push(sampled.token);
+                    rows += 1;
+                }
+                false => assert_eq!((sampled.seq, sampled.logits), (other, None)),
+            }
+        }
+    }
+    assert_eq!(rows, 6);
+    assert!(!engine.return_logits(asking), "a finished request returns nothing more");
+}

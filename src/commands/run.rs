@@ -4,7 +4,8 @@ use crate::model_ref;
 use anyhow::{bail, ensure, Context, Result};
 use http_server::grammar::{GrammarConstraint, OutputSpec, Reasoning, StructuredOutputs};
 use models::{ChatMessage, ComputeDtype, KvCacheDtype, LogitsFor, StreamDecoder, Tokenizer};
-use runtime::{generate_processed, Engine, GenerateOptions, LogitsProcessor, SamplingParams};
+use runtime::serving::{AddError, PagedBackend, SchedulerConfig, ServingEngine};
+use runtime::{LogitsProcessor, SamplingParams};
 use std::collections::HashSet;
 use std::io::Write;
 use std::path::PathBuf;
@@ -139,36 +140,49 @@ pub fn run(args: &RunArgs) -> Result<()> {
         let tokenizer = loaded.model.tokenizer.as_mut().context("this model has no tokenizer")?;
         model_ref::use_chat_template(tokenizer, arg)?;
     }
-    let cache = match loaded.gpu_plan {
-        Some(_) => runtime::WeightCache::default(),
-        None => loaded.weight_cache(),
-    };
     // Shared with the grammar compiler, which keeps it (a server drafts forced text with it).
     let tokenizer = loaded.model.tokenizer.take().map(Arc::new);
     let tokenizer = tokenizer.as_ref();
     let prompt = prompt_ids(args, tokenizer.map(|t| &**t))?;
     let spec = output_spec(args)?;
     let context = loaded.model.config.context_length;
-    if let Some(plans) = &loaded.gpu_plan {
-        // A GPU artifact runs on the CUDA backend: its greedy plan (the INT8-bound head) for
-        // greedy decoding, its logits plan otherwise. Each plan holds its own copy of the
-        // weights on the device, so only the one this run uses is loaded.
-        let backend = |plan: &str, graph: ir::Graph| {
-            let w = loaded.plan_weights();
-            runtime_cuda::load_plan(&plans.dir, plan, graph, w, &loaded.int8_heads, context)
+    // One request through the serving engine, as `bbc serve` runs many: room in the KV cache
+    // for the prompt and every token it may generate, and the whole prompt in one step where
+    // the backend takes it.
+    let block_size = 16;
+    let positions = (prompt.len() + args.max_tokens).min(context);
+    let config = SchedulerConfig {
+        max_waiting: 1,
+        max_running: 1,
+        token_budget: prompt.len().max(1),
+        kv_blocks: positions.div_ceil(block_size) + 1,
+        block_size,
+        context_length: context,
+        prefix_caching: false,
+        speculation: runtime::serving::NgramConfig::OFF,
+        recurrent_state: false,
+        state_cache: runtime::serving::StateCacheConfig::OFF,
+    };
+    if let Some(plans) = loaded.gpu_plan.take() {
+        // A GPU artifact runs its batched serving plan on the CUDA backend, a decode step
+        // replayed as a CUDA graph; its greedy steps take the argmax on the device.
+        let (plan, graph) = plans
+            .serving
+            .clone()
+            .context("this GPU artifact has no serving plan (an older bbc compiled it); compile it again")?;
+        let cache = codegen::gpu::BatchedCache {
+            blocks: config.kv_blocks,
+            block_size,
+            sequences: 1,
         };
-        let greedy_run = args.temperature <= 0.0 && args.dump_logits.is_none() && spec.is_none();
-        let engine = match (&plans.greedy, &loaded.greedy) {
-            (Some(plan), Some(graph)) if greedy_run => Engine {
-                logits: None,
-                greedy: Some(backend(plan, graph.clone())?),
-            },
-            _ => Engine::logits_only(backend(&plans.logits, loaded.graph.clone())?),
-        };
-        return stream(args, &engine, &prompt, tokenizer, spec.as_ref(), started.elapsed());
+        let (weights, int8) = (loaded.plan_weights(), &loaded.int8_heads);
+        let backend = runtime_cuda::load_batched_plan(&plans.dir, &plan, graph, weights, int8, context, cache)?
+            .capture_graphs_up_to(1);
+        let engine = ServingEngine::new(backend, config);
+        return stream(args, engine, &prompt, tokenizer, spec.as_ref(), started.elapsed());
     }
-    let engine = Engine::with_cache(loaded.graph, loaded.greedy, &loaded.model.weights, context, cache)?;
-    stream(args, &engine, &prompt, tokenizer, spec.as_ref(), started.elapsed())
+    let engine = ServingEngine::new(crate::serve::cpu_serving(loaded)?, config);
+    stream(args, engine, &prompt, tokenizer, spec.as_ref(), started.elapsed())
 }
 
 /// The structured output the flags ask for, if any (clap lets at most one through).
@@ -208,34 +222,30 @@ fn processors(
     Ok(vec![Box::new(GrammarConstraint::new(matcher, ends, Reasoning::None))])
 }
 
-/// Generate with `engine`, streaming text (or printing JSON), dumping logits, reporting speed.
-fn stream<B: runtime::Backend>(
+/// Generate with `engine` (one request), streaming text (or printing JSON), dumping logits,
+/// reporting speed.
+fn stream<B: PagedBackend>(
     args: &RunArgs,
-    engine: &Engine<B>,
+    mut engine: ServingEngine<B>,
     prompt: &[u32],
     shared_tokenizer: Option<&Arc<Tokenizer>>,
     spec: Option<&OutputSpec>,
     load_time: std::time::Duration,
 ) -> Result<()> {
     let tokenizer = shared_tokenizer.map(|t| &**t);
-    let options = GenerateOptions {
-        max_tokens: args.max_tokens,
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            seed: args.seed,
-            top_p: args.top_p,
-            top_k: args.top_k,
-            min_p: args.min_p,
-            ..SamplingParams::default()
-        },
-        stop_tokens: match (args.ignore_eos, tokenizer) {
-            (false, Some(t)) => t.eos.clone(),
-            _ => Vec::new(),
-        },
-        need_logits: args.dump_logits.is_some(),
-        ..GenerateOptions::default()
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        seed: args.seed,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        min_p: args.min_p,
+        ..SamplingParams::default()
     };
-    let mut processors = processors(spec, shared_tokenizer, &options.stop_tokens)?;
+    let stop_tokens = match (args.ignore_eos, tokenizer) {
+        (false, Some(t)) => t.eos.clone(),
+        _ => Vec::new(),
+    };
+    let processors = processors(spec, shared_tokenizer, &stop_tokens)?;
     let silent = match (args.special, tokenizer) {
         (false, Some(t)) => http_server::special_tokens::silent(t),
         _ => HashSet::new(),
@@ -245,31 +255,51 @@ fn stream<B: runtime::Backend>(
     let mut stdout = std::io::stdout().lock();
     let generation_start = Instant::now();
     let mut first_token_at = None;
-    let ids = generate_processed(engine, prompt, &options, &mut processors, |event| {
-        first_token_at.get_or_insert_with(Instant::now);
-        if let (Some(_), Some(logits)) = (&args.dump_logits, event.logits) {
-            logits_rows.extend_from_slice(logits);
-        }
-        let writes = !options.stop_tokens.contains(&event.token) && !silent.contains(&event.token);
-        if !args.json && writes {
-            match tokenizer {
-                Some(t) => {
-                    let text = decoder
-                        .push(t, event.token)
-                        .map_err(|e| runtime::RuntimeError::Input(format!("decoding the output: {e}")))?;
-                    write!(stdout, "{text}")
-                }
-                None => write!(stdout, "{} ", event.token),
+    let id = engine
+        .add_processed(
+            prompt.to_vec(),
+            args.max_tokens,
+            stop_tokens.clone(),
+            sampling,
+            processors,
+            0,
+        )
+        .map_err(|e| match e {
+            AddError::TooLong { needed, limit, .. } => runtime::RuntimeError::ContextOverflow { needed, limit }.into(),
+            other => anyhow::anyhow!("{other}"),
+        })?;
+    if args.dump_logits.is_some() {
+        engine.return_logits(id);
+    }
+    let mut ids = Vec::new();
+    while !engine.scheduler().is_idle() {
+        let out = engine.step()?;
+        for sampled in out.tokens {
+            first_token_at.get_or_insert_with(Instant::now);
+            ids.push(sampled.token);
+            if let Some(logits) = sampled.logits {
+                logits_rows.extend_from_slice(&logits);
             }
-            .and_then(|_| stdout.flush())
-            .map_err(|e| runtime::RuntimeError::Input(format!("writing to stdout: {e}")))?;
+            let writes = !stop_tokens.contains(&sampled.token) && !silent.contains(&sampled.token);
+            if !args.json && writes {
+                match tokenizer {
+                    Some(t) => {
+                        let text = decoder
+                            .push(t, sampled.token)
+                            .map_err(|e| runtime::RuntimeError::Input(format!("decoding the output: {e}")))?;
+                        write!(stdout, "{text}")
+                    }
+                    None => write!(stdout, "{} ", sampled.token),
+                }
+                .and_then(|_| stdout.flush())
+                .map_err(|e| runtime::RuntimeError::Input(format!("writing to stdout: {e}")))?;
+            }
         }
-        Ok(true)
-    })?;
+    }
     let done = Instant::now();
     // The text leaves out a final stop token (it ends the answer, it is not part of it).
     let shown = match ids.last() {
-        Some(last) if options.stop_tokens.contains(last) => &ids[..ids.len() - 1],
+        Some(last) if stop_tokens.contains(last) => &ids[..ids.len() - 1],
         _ => &ids[..],
     };
     let shown: Vec<u32> = shown.iter().copied().filter(|id| !silent.contains(id)).collect();

@@ -11,7 +11,7 @@ use crate::kv::Segment;
 use crate::logits_processor::{sample_processed, LogitsProcessor};
 use crate::sampling::{Sampler, SamplingParams, TokenLogprobs};
 use ir::Tensor;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// What serving needs of a backend: a KV cache in blocks, and steps over many sequences at once.
 pub trait PagedBackend {
@@ -127,6 +127,9 @@ pub struct Sampled {
     pub token: u32,
     /// When the request asked for them.
     pub logprobs: Option<TokenLogprobs>,
+    /// The row of logits it was sampled from, as the model gave it, for a sequence that asked
+    /// for them ([`ServingEngine::return_logits`]).
+    pub logits: Option<Vec<f32>>,
 }
 
 /// Prompt tokens' log-probabilities computed this step, for a request that asked for them
@@ -182,6 +185,8 @@ pub struct ServingEngine<B: PagedBackend> {
     processors: HashMap<SeqId, Vec<Box<dyn LogitsProcessor>>>,
     /// The sequences whose prompt is still being scored (`SamplingParams::prompt_logprobs`).
     scoring: HashMap<SeqId, PromptScoring>,
+    /// The sequences whose sampled rows' logits come back with their tokens.
+    returning_logits: HashSet<SeqId>,
     /// Where drafts come from a draft model rather than prompt lookup.
     drafter: Option<Box<dyn Drafter>>,
 }
@@ -223,6 +228,7 @@ impl<B: PagedBackend> ServingEngine<B> {
             samplers: HashMap::new(),
             processors: HashMap::new(),
             scoring: HashMap::new(),
+            returning_logits: HashSet::new(),
             drafter: None,
         }
     }
@@ -322,11 +328,22 @@ impl<B: PagedBackend> ServingEngine<B> {
         }
     }
 
+    /// Return the logits row each token of sequence `id` is sampled from with it (`bbc run
+    /// --dump-logits`); false where `id` is not waiting or running.
+    pub fn return_logits(&mut self, id: SeqId) -> bool {
+        let known = self.samplers.contains_key(&id);
+        if known {
+            self.returning_logits.insert(id);
+        }
+        known
+    }
+
     /// Drop a request (its client went away): its blocks and state are freed now.
     pub fn abort(&mut self, id: SeqId) -> bool {
         self.samplers.remove(&id);
         self.processors.remove(&id);
         self.scoring.remove(&id);
+        self.returning_logits.remove(&id);
         self.scheduler.abort(id)
     }
 
@@ -395,6 +412,7 @@ impl<B: PagedBackend> ServingEngine<B> {
             && schedule.work.iter().filter(|w| w.samples).all(|w| {
                 self.samplers.get(&w.seq).is_some_and(|s| s.params().is_plain_greedy())
                     && !self.processors.contains_key(&w.seq)
+                    && !self.returning_logits.contains(&w.seq)
             });
         let greedy_tokens = match greedy {
             true => self.backend.step_batch_greedy(&mut self.pages, &batch).transpose()?,
@@ -446,6 +464,7 @@ impl<B: PagedBackend> ServingEngine<B> {
                         seq: work.seq,
                         token,
                         logprobs: None,
+                        logits: None,
                     })
                     .collect(),
                 (true, None) => self.sample(work, outputs.get(i).ok_or_else(missing)?)?,
@@ -466,6 +485,7 @@ impl<B: PagedBackend> ServingEngine<B> {
                 self.samplers.remove(&done.seq);
                 self.processors.remove(&done.seq);
                 self.scoring.remove(&done.seq);
+                self.returning_logits.remove(&done.seq);
                 out.finished.push(done);
             }
         }
@@ -571,6 +591,7 @@ impl<B: PagedBackend> ServingEngine<B> {
                 seq: work.seq,
                 token,
                 logprobs,
+                logits: self.returning_logits.contains(&work.seq).then(|| row.to_vec()),
             });
             if drafted.get(j) != Some(&token) {
                 break;
