@@ -168,7 +168,6 @@ pub fn run(args: &RunArgs) -> Result<()> {
         // replayed as a CUDA graph; its greedy steps take the argmax on the device.
         let (plan, graph) = plans
             .serving
-            .clone()
             .context("this GPU artifact has no serving plan (an older bbc compiled it); compile it again")?;
         let cache = codegen::gpu::BatchedCache {
             blocks: config.kv_blocks,

@@ -17,15 +17,13 @@
 //! K splits as the other GEMMs (`split_k`). Requirements, checked by the caller: `k` and
 //! `x_stride` multiples of 8 (TMA's 16-byte row pitches).
 
-use super::split_k;
+use super::tma_gemm::{self, barrier, TILE_K};
 use crate::dsl::*;
 
 const THREADS: i64 = 256;
 /// Tokens and weight rows per block tile.
 const TILE_M: i64 = 128;
 const TILE_N: i64 = 128;
-/// K per pipeline step: one 128-byte swizzled row of bf16.
-const TILE_K: i64 = 64;
 /// Buffers in the ring.
 const STAGES: i64 = 3;
 /// Elements of one box.
@@ -55,31 +53,9 @@ fn acc(mi: usize, ni: usize, i: usize) -> String {
     format!("c{mi}_{ni}_{i}")
 }
 
-/// Thread 0's part of filling buffer `s` with step `step` (relative to `k_begin`).
+/// Thread 0's part of filling buffer `s` with step `step`.
 fn fill(s: Expr, step: Expr) -> Vec<Stmt> {
-    let k0 = var("k_begin") + step * int(TILE_K);
-    let barrier = MbarrierRef {
-        array: "full".into(),
-        slot: s.clone(),
-    };
-    let copy = |map: &str, dst: &str, row: Expr| {
-        Stmt::TmaLoad(Box::new(TmaLoad {
-            map: map.into(),
-            dst: dst.into(),
-            dst_index: s.clone() * int(BOX),
-            row,
-            col: k0.clone(),
-            barrier: barrier.clone(),
-        }))
-    };
-    vec![
-        Stmt::Mbarrier(Box::new(Mbarrier::ArriveExpectTx {
-            barrier: barrier.clone(),
-            bytes: 2 * 2 * BOX as u32,
-        })),
-        copy("x_map", "xs", var("m0")),
-        copy("w_map", "ws", var("n0")),
-    ]
+    tma_gemm::fill(s, step, BOX, BOX)
 }
 
 /// The warp's multiplies of buffer `s`: per 16-wide k slice, its A fragments (4 token tiles)
@@ -117,8 +93,6 @@ fn multiply() -> Vec<Stmt> {
 }
 
 pub fn gemm_tma_mma_bf16(name: &str, origin: &str) -> Kernel {
-    let tiles_m = (var("tokens") + int(TILE_M - 1)) / int(TILE_M);
-    let tiles_n = (var("n") + int(TILE_N - 1)) / int(TILE_N);
     let first_thread = eq(tid(), int(0));
     let locals = (0..WARP_M_TILES)
         .flat_map(|mi| (0..WARP_N_TILES).flat_map(move |ni| (0..4).map(move |i| acc(mi, ni, i))))
@@ -129,10 +103,7 @@ pub fn gemm_tma_mma_bf16(name: &str, origin: &str) -> Kernel {
         vec![
             let_("s", Ty::I32, rem(var("step"), int(STAGES))),
             Stmt::Mbarrier(Box::new(Mbarrier::Wait {
-                barrier: MbarrierRef {
-                    array: "full".into(),
-                    slot: var("s"),
-                },
+                barrier: barrier("full", var("s")),
                 parity: rem(var("step") / int(STAGES), int(2)),
             })),
         ],
@@ -157,83 +128,20 @@ pub fn gemm_tma_mma_bf16(name: &str, origin: &str) -> Kernel {
         })
     });
     let body = [
+        tma_gemm::tile_coordinates(TILE_M, TILE_N),
         vec![
-            // Token tiles vary fastest: neighbouring blocks share a weight tile. Then the K
-            // splits of one weight tile, then the weight tiles.
-            let_("m0", Ty::I32, rem(bid(), tiles_m.clone()) * int(TILE_M)),
-            let_("split", Ty::I32, rem(bid() / tiles_m.clone(), var("splits"))),
-            let_("n0", Ty::I32, bid() / tiles_m.clone() / var("splits") * int(TILE_N)),
             let_("wm", Ty::I32, warp() / int(4) * int(64)),
             let_("wn", Ty::I32, rem(warp(), int(4)) * int(32)),
             let_("g", Ty::I32, lane() / int(4)),
             let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
-        ],
-        split_k::k_span(var("split"), TILE_K),
-        vec![
-            let_(
-                "steps",
-                Ty::I32,
-                bin(
-                    BinOp::Max,
-                    int(0),
-                    (var("k_end") - var("k_begin") + int(TILE_K - 1)) / int(TILE_K),
-                ),
-            ),
-            if_(
-                first_thread.clone(),
-                (0..STAGES)
-                    .map(|s| {
-                        Stmt::Mbarrier(Box::new(Mbarrier::Init {
-                            barrier: MbarrierRef {
-                                array: "full".into(),
-                                slot: int(s),
-                            },
-                            count: 1,
-                        }))
-                    })
-                    .collect(),
-            ),
+            tma_gemm::init_barriers(&["full"], STAGES),
             // The barriers are initialised before anyone waits on them.
             Stmt::SyncThreads,
-            if_(
-                first_thread,
-                (0..STAGES)
-                    .map(|s| if_(lt(int(s), var("steps")), fill(int(s), int(s))))
-                    .collect(),
-            ),
+            tma_gemm::fill_ring(STAGES, BOX, BOX),
         ],
         locals.collect(),
         vec![for_("step", int(0), var("steps"), int(1), step)],
         stores.collect(),
-    ]
-    .concat();
-    let map = |name: &str, buffer: &str, rows: &str, stride: &str, box_rows: i64| {
-        Param::TensorMap(Box::new(TensorMap {
-            name: name.into(),
-            buffer: buffer.into(),
-            rows: var(rows),
-            cols: var("k"),
-            stride: var(stride),
-            box_rows: box_rows as u32,
-            box_cols: TILE_K as u32,
-            swizzle: Swizzle::B128,
-        }))
-    };
-    let params = [
-        vec![
-            buffer("x", Ty::Bf16, false),
-            buffer("w", Ty::Bf16, false),
-            buffer("out", Ty::F32, true),
-            scalar("tokens", Ty::I32),
-            scalar("n", Ty::I32),
-            scalar("k", Ty::I32),
-            scalar("x_stride", Ty::I32),
-        ],
-        split_k::params(),
-        vec![
-            map("x_map", "x", "tokens", "x_stride", TILE_M),
-            map("w_map", "w", "n", "k", TILE_N),
-        ],
     ]
     .concat();
     Kernel {
@@ -242,7 +150,7 @@ pub fn gemm_tma_mma_bf16(name: &str, origin: &str) -> Kernel {
             "{origin}: matmul x·Wᵀ on tensor cores (mma.sync m16n8k16 bf16, {TILE_M}×{TILE_N} tiles of 8 warps, \
              fed by TMA through a {STAGES}-buffer ring of 128-byte-swizzled {TILE_M}×{TILE_K} boxes, K split in `splits`)"
         ),
-        params,
+        params: tma_gemm::params(TILE_M, TILE_N),
         shared: vec![
             SharedArray {
                 name: "xs".into(),
@@ -261,7 +169,7 @@ pub fn gemm_tma_mma_bf16(name: &str, origin: &str) -> Kernel {
             },
         ],
         block_dim: THREADS as u32,
-        grid: tiles_m * tiles_n * var("splits"),
+        grid: tma_gemm::grid(TILE_M, TILE_N),
         body,
     }
 }

@@ -19,16 +19,12 @@
 //! Requirements, checked by the caller: `k` and `x_stride` multiples of 8 (TMA's 16-byte row
 //! pitches).
 
-use super::split_k;
+use super::tma_gemm::{self, barrier, swizzled_operand, TILE_K};
 use crate::dsl::*;
 
 const THREADS: i64 = 128;
 /// Weight rows per tile: the MMA's M, and TMEM lanes.
 const TILE_ROWS: i64 = 128;
-/// K per pipeline step: one 128-byte swizzled row of bf16.
-const TILE_K: i64 = 64;
-/// Bytes between 8-row atoms of a swizzled box.
-const ATOM_BYTES: u32 = 1024;
 /// 16-wide k slices per step.
 const K_SLICES: i64 = TILE_K / 16;
 
@@ -62,13 +58,6 @@ impl TcgenTile {
     }
 }
 
-fn barrier(array: &str, slot: Expr) -> MbarrierRef {
-    MbarrierRef {
-        array: array.into(),
-        slot,
-    }
-}
-
 fn mbarrier(op: Mbarrier) -> Stmt {
     Stmt::Mbarrier(Box::new(op))
 }
@@ -77,40 +66,16 @@ fn tc(op: Tcgen05) -> Stmt {
     Stmt::Tcgen05(Box::new(op))
 }
 
-/// Thread 0's part of filling buffer `s` with step `step` (relative to `k_begin`).
+/// Thread 0's part of filling buffer `s` with step `step`.
 fn fill(tile: TcgenTile, s: Expr, step: Expr) -> Vec<Stmt> {
-    let k0 = var("k_begin") + step * int(TILE_K);
-    let copy = |map: &str, dst: &str, elements: i64, row: Expr| {
-        Stmt::TmaLoad(Box::new(TmaLoad {
-            map: map.into(),
-            dst: dst.into(),
-            dst_index: s.clone() * int(elements),
-            row,
-            col: k0.clone(),
-            barrier: barrier("full", s.clone()),
-        }))
-    };
-    vec![
-        mbarrier(Mbarrier::ArriveExpectTx {
-            barrier: barrier("full", s.clone()),
-            bytes: 2 * (tile.w_elements() + tile.x_elements()) as u32,
-        }),
-        copy("w_map", "ws", tile.w_elements(), var("n0")),
-        copy("x_map", "xs", tile.x_elements(), var("m0")),
-    ]
+    tma_gemm::fill(s, step, tile.x_elements(), tile.w_elements())
 }
 
 /// Thread 0's step: wait for the buffer, issue its MMAs and commit them; then refill the
 /// previous step's buffer once its MMAs are done.
 fn step(tile: TcgenTile) -> Vec<Stmt> {
     let stages = tile.stages as i64;
-    let swizzled = |array: &str, start: Expr| SmemMatrix {
-        array: array.into(),
-        start,
-        lbo: 16,
-        sbo: ATOM_BYTES,
-        swizzle: Swizzle::B128,
-    };
+    let swizzled = swizzled_operand;
     let mut issue = vec![
         mbarrier(Mbarrier::Wait {
             barrier: barrier("full", var("s")),
@@ -207,17 +172,10 @@ pub fn gemm_tma_tcgen05_bf16(name: &str, origin: &str, tile: TcgenTile) -> Kerne
     assert!((2..=8).contains(&tile.stages), "stages {}", tile.stages);
     let stages = tile.stages as i64;
     let tokens_per_tile = tile.tile_tokens as i64;
-    let tiles_m = (var("tokens") + int(tokens_per_tile - 1)) / int(tokens_per_tile);
-    let tiles_n = (var("n") + int(TILE_ROWS - 1)) / int(TILE_ROWS);
-    let first_thread = eq(tid(), int(0));
     let last = var("steps") - int(1);
     let body = [
+        tma_gemm::tile_coordinates(tokens_per_tile, TILE_ROWS),
         vec![
-            // Token tiles vary fastest: neighbouring blocks share a weight tile. Then the K
-            // splits of one weight tile, then the weight tiles.
-            let_("m0", Ty::I32, rem(bid(), tiles_m.clone()) * int(tokens_per_tile)),
-            let_("split", Ty::I32, rem(bid() / tiles_m.clone(), var("splits"))),
-            let_("n0", Ty::I32, bid() / tiles_m.clone() / var("splits") * int(TILE_ROWS)),
             if_(
                 eq(warp(), int(0)),
                 vec![tc(Tcgen05::Alloc {
@@ -225,41 +183,12 @@ pub fn gemm_tma_tcgen05_bf16(name: &str, origin: &str, tile: TcgenTile) -> Kerne
                     slot: "tmem_slot".into(),
                 })],
             ),
-            if_(
-                first_thread.clone(),
-                (0..stages)
-                    .flat_map(|s| {
-                        ["full", "done"].map(|array| {
-                            mbarrier(Mbarrier::Init {
-                                barrier: barrier(array, int(s)),
-                                count: 1,
-                            })
-                        })
-                    })
-                    .collect(),
-            ),
+            tma_gemm::init_barriers(&["full", "done"], stages),
             tc(Tcgen05::FenceBeforeSync),
             Stmt::SyncThreads,
             tc(Tcgen05::FenceAfterSync),
             let_("tmem", Ty::I32, load("tmem_slot", int(0))),
-        ],
-        split_k::k_span(var("split"), TILE_K),
-        vec![
-            let_(
-                "steps",
-                Ty::I32,
-                bin(
-                    BinOp::Max,
-                    int(0),
-                    (var("k_end") - var("k_begin") + int(TILE_K - 1)) / int(TILE_K),
-                ),
-            ),
-            if_(
-                first_thread,
-                (0..stages)
-                    .map(|s| if_(lt(int(s), var("steps")), fill(tile, int(s), int(s))))
-                    .collect(),
-            ),
+            tma_gemm::fill_ring(stages, tile.x_elements(), tile.w_elements()),
             for_("step", int(0), var("steps"), int(1), step(tile)),
             // Everyone waits for the last step's MMAs before reading tensor memory.
             if_(
@@ -286,35 +215,6 @@ pub fn gemm_tma_tcgen05_bf16(name: &str, origin: &str, tile: TcgenTile) -> Kerne
         ],
     ]
     .concat();
-    let map = |name: &str, buffer: &str, rows: &str, stride: &str, box_rows: i64| {
-        Param::TensorMap(Box::new(TensorMap {
-            name: name.into(),
-            buffer: buffer.into(),
-            rows: var(rows),
-            cols: var("k"),
-            stride: var(stride),
-            box_rows: box_rows as u32,
-            box_cols: TILE_K as u32,
-            swizzle: Swizzle::B128,
-        }))
-    };
-    let params = [
-        vec![
-            buffer("x", Ty::Bf16, false),
-            buffer("w", Ty::Bf16, false),
-            buffer("out", Ty::F32, true),
-            scalar("tokens", Ty::I32),
-            scalar("n", Ty::I32),
-            scalar("k", Ty::I32),
-            scalar("x_stride", Ty::I32),
-        ],
-        split_k::params(),
-        vec![
-            map("x_map", "x", "tokens", "x_stride", tokens_per_tile),
-            map("w_map", "w", "n", "k", TILE_ROWS),
-        ],
-    ]
-    .concat();
     let shared = |name: &str, ty: Ty, len: i64| SharedArray {
         name: name.into(),
         ty,
@@ -327,7 +227,7 @@ pub fn gemm_tma_tcgen05_bf16(name: &str, origin: &str, tile: TcgenTile) -> Kerne
              tensor memory, both operands fed by TMA through a {stages}-buffer ring of 128-byte-swizzled \
              {TILE_ROWS}×{TILE_K} and {tokens_per_tile}×{TILE_K} boxes, K split in `splits`)"
         ),
-        params,
+        params: tma_gemm::params(tokens_per_tile, TILE_ROWS),
         shared: vec![
             shared("ws", Ty::Bf16, stages * tile.w_elements()),
             shared("xs", Ty::Bf16, stages * tile.x_elements()),
@@ -336,7 +236,7 @@ pub fn gemm_tma_tcgen05_bf16(name: &str, origin: &str, tile: TcgenTile) -> Kerne
             shared("tmem_slot", Ty::I32, 1),
         ],
         block_dim: THREADS as u32,
-        grid: tiles_m * tiles_n * var("splits"),
+        grid: tma_gemm::grid(tokens_per_tile, TILE_ROWS),
         body,
     }
 }

@@ -25,16 +25,12 @@
 //! multiple of 8, as TMA needs 16-byte row pitches), the weights' `k` (so `k` is a multiple of
 //! 8).
 
-use super::split_k;
+use super::tma_gemm::{self, barrier, swizzled_operand, TILE_K};
 use crate::dsl::*;
 
 const THREADS: i64 = 256;
 /// Tokens per block tile: two warpgroups of wgmma's M = 64.
 const TILE_M: i64 = 128;
-/// K per pipeline step: one 128-byte swizzled row of bf16.
-const TILE_K: i64 = 64;
-/// Bytes between 8-row atoms of a swizzled box.
-const ATOM_BYTES: u32 = 1024;
 /// 16-wide k slices per step.
 const K_SLICES: i64 = TILE_K / 16;
 
@@ -85,45 +81,15 @@ fn d_name(i: usize) -> String {
     format!("d{i}")
 }
 
-/// Thread 0's part of filling buffer `s` with step `step` (relative to `k_begin`): announce
-/// both boxes' bytes, then copy them.
+/// Thread 0's part of filling buffer `s` with step `step`.
 fn fill(tile: TmaTile, s: Expr, step: Expr) -> Vec<Stmt> {
-    let k0 = var("k_begin") + step * int(TILE_K);
-    let barrier = MbarrierRef {
-        array: "full".into(),
-        slot: s.clone(),
-    };
-    let copy = |map: &str, dst: &str, elements: i64, row: Expr| {
-        Stmt::TmaLoad(Box::new(TmaLoad {
-            map: map.into(),
-            dst: dst.into(),
-            dst_index: s.clone() * int(elements),
-            row,
-            col: k0.clone(),
-            barrier: barrier.clone(),
-        }))
-    };
-    vec![
-        Stmt::Mbarrier(Box::new(Mbarrier::ArriveExpectTx {
-            barrier: barrier.clone(),
-            bytes: 2 * (tile.x_elements() + tile.w_elements()) as u32,
-        })),
-        copy("x_map", "xs", tile.x_elements(), var("m0")),
-        copy("w_map", "ws", tile.w_elements(), var("n0")),
-    ]
+    tma_gemm::fill(s, step, tile.x_elements(), tile.w_elements())
 }
 
 /// The step's four k slices on the tensor cores, then the wait for them (or, overlapped, for
 /// the previous step's).
 fn multiply(tile: TmaTile) -> Vec<Stmt> {
-    let swizzled = |array: &str, start: Expr| SmemMatrix {
-        array: array.into(),
-        start,
-        // Unused under the swizzle (one row holds the step's K); the conventional 16.
-        lbo: 16,
-        sbo: ATOM_BYTES,
-        swizzle: Swizzle::B128,
-    };
+    let swizzled = swizzled_operand;
     let mut out = vec![Stmt::WgmmaFence];
     for slice in 0..K_SLICES {
         out.push(Stmt::Wgmma(Box::new(WgmmaOp {
@@ -158,16 +124,11 @@ pub fn gemm_tma_wgmma_bf16(name: &str, origin: &str, tile: TmaTile) -> Kernel {
     assert!((2..=8).contains(&tile.stages), "stages {}", tile.stages);
     let stages = tile.stages as i64;
     let tile_n = tile.tile_n as i64;
-    let tiles_m = (var("tokens") + int(TILE_M - 1)) / int(TILE_M);
-    let tiles_n = (var("n") + int(tile_n - 1)) / int(tile_n);
     let first_thread = eq(tid(), int(0));
     let step = vec![
         let_("s", Ty::I32, rem(var("step"), int(stages))),
         Stmt::Mbarrier(Box::new(Mbarrier::Wait {
-            barrier: MbarrierRef {
-                array: "full".into(),
-                slot: var("s"),
-            },
+            barrier: barrier("full", var("s")),
             parity: rem(var("step") / int(stages), int(2)),
         })),
         Stmt::Comment("the tensor cores read the buffer straight from the TMA copies".into()),
@@ -200,50 +161,16 @@ pub fn gemm_tma_wgmma_bf16(name: &str, origin: &str, tile: TmaTile) -> Kernel {
     })
     .collect();
     let body = [
+        tma_gemm::tile_coordinates(TILE_M, tile_n),
         vec![
-            // Token tiles vary fastest: neighbouring blocks share a weight tile. Then the K
-            // splits of one weight tile, then the weight tiles.
-            let_("m0", Ty::I32, rem(bid(), tiles_m.clone()) * int(TILE_M)),
-            let_("split", Ty::I32, rem(bid() / tiles_m.clone(), var("splits"))),
-            let_("n0", Ty::I32, bid() / tiles_m.clone() / var("splits") * int(tile_n)),
             let_("wg", Ty::I32, warp() / int(4)),
             let_("wrow", Ty::I32, rem(warp(), int(4)) * int(16)),
             let_("gr", Ty::I32, lane() / int(4)),
             let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
-        ],
-        split_k::k_span(var("split"), TILE_K),
-        vec![
-            let_(
-                "steps",
-                Ty::I32,
-                bin(
-                    BinOp::Max,
-                    int(0),
-                    (var("k_end") - var("k_begin") + int(TILE_K - 1)) / int(TILE_K),
-                ),
-            ),
-            if_(
-                first_thread.clone(),
-                (0..stages)
-                    .map(|s| {
-                        Stmt::Mbarrier(Box::new(Mbarrier::Init {
-                            barrier: MbarrierRef {
-                                array: "full".into(),
-                                slot: int(s),
-                            },
-                            count: 1,
-                        }))
-                    })
-                    .collect(),
-            ),
+            tma_gemm::init_barriers(&["full"], stages),
             // The barriers are initialised before anyone waits on them.
             Stmt::SyncThreads,
-            if_(
-                first_thread,
-                (0..stages)
-                    .map(|s| if_(lt(int(s), var("steps")), fill(tile, int(s), int(s))))
-                    .collect(),
-            ),
+            tma_gemm::fill_ring(stages, tile.x_elements(), tile.w_elements()),
         ],
         (0..tile.tile_n as usize / 2)
             .map(|i| let_(&d_name(i), Ty::F32, f(0.0)))
@@ -253,35 +180,6 @@ pub fn gemm_tma_wgmma_bf16(name: &str, origin: &str, tile: TmaTile) -> Kernel {
         store_accumulators(tile),
     ]
     .concat();
-    let map = |name: &str, buffer: &str, rows: &str, stride: &str, box_rows: i64| {
-        Param::TensorMap(Box::new(TensorMap {
-            name: name.into(),
-            buffer: buffer.into(),
-            rows: var(rows),
-            cols: var("k"),
-            stride: var(stride),
-            box_rows: box_rows as u32,
-            box_cols: TILE_K as u32,
-            swizzle: Swizzle::B128,
-        }))
-    };
-    let params = [
-        vec![
-            buffer("x", Ty::Bf16, false),
-            buffer("w", Ty::Bf16, false),
-            buffer("out", Ty::F32, true),
-            scalar("tokens", Ty::I32),
-            scalar("n", Ty::I32),
-            scalar("k", Ty::I32),
-            scalar("x_stride", Ty::I32),
-        ],
-        split_k::params(),
-        vec![
-            map("x_map", "x", "tokens", "x_stride", TILE_M),
-            map("w_map", "w", "n", "k", tile_n),
-        ],
-    ]
-    .concat();
     Kernel {
         name: name.into(),
         origin: format!(
@@ -289,7 +187,7 @@ pub fn gemm_tma_wgmma_bf16(name: &str, origin: &str, tile: TmaTile) -> Kernel {
              from shared memory, fed by TMA through a {stages}-buffer ring of 128-byte-swizzled \
              {TILE_M}×{TILE_K} and {tile_n}×{TILE_K} boxes with mbarrier transaction counts, K split in `splits`)"
         ),
-        params,
+        params: tma_gemm::params(TILE_M, tile_n),
         shared: vec![
             SharedArray {
                 name: "xs".into(),
@@ -308,7 +206,7 @@ pub fn gemm_tma_wgmma_bf16(name: &str, origin: &str, tile: TmaTile) -> Kernel {
             },
         ],
         block_dim: THREADS as u32,
-        grid: tiles_m * tiles_n * var("splits"),
+        grid: tma_gemm::grid(TILE_M, tile_n),
         body,
     }
 }

@@ -27,6 +27,7 @@ pub mod rope;
 pub mod sample;
 pub mod sparse_mla;
 pub mod split_k;
+pub mod tma_gemm;
 pub mod top_k;
 pub mod weight_prefetch;
 

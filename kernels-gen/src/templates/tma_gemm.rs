@@ -1,0 +1,150 @@
+//! What the TMA-fed GEMMs (`gemm_tma_wgmma`, `gemm_tma_tcgen05`, `gemm_tma_mma`) share: their
+//! parameters (bf16 activations and weights, each read through a tensor map of 64-wide,
+//! 128-byte-swizzled boxes), their K steps of 64, the tile's block coordinates, their mbarriers'
+//! initialisation, and the filling of a ring buffer by one thread.
+
+use super::split_k;
+use crate::dsl::*;
+
+/// K per pipeline step: one 128-byte swizzled row of bf16.
+pub const TILE_K: i64 = 64;
+/// Bytes between 8-row atoms of a swizzled box: the operand descriptors' stride byte offset.
+pub const ATOM_BYTES: u32 = 1024;
+
+/// `x` `[tokens, k]` (rows `x_stride` apart) and `w` `[n, k]`, bf16, into `out` `[tokens, n]`
+/// f32, with the K splits' partials; the tensor maps over `x` and `w` with boxes of
+/// `x_box_rows` and `w_box_rows` rows.
+pub fn params(x_box_rows: i64, w_box_rows: i64) -> Vec<Param> {
+    let map = |name: &str, buffer: &str, rows: &str, stride: &str, box_rows: i64| {
+        Param::TensorMap(Box::new(TensorMap {
+            name: name.into(),
+            buffer: buffer.into(),
+            rows: var(rows),
+            cols: var("k"),
+            stride: var(stride),
+            box_rows: box_rows as u32,
+            box_cols: TILE_K as u32,
+            swizzle: Swizzle::B128,
+        }))
+    };
+    [
+        vec![
+            buffer("x", Ty::Bf16, false),
+            buffer("w", Ty::Bf16, false),
+            buffer("out", Ty::F32, true),
+            scalar("tokens", Ty::I32),
+            scalar("n", Ty::I32),
+            scalar("k", Ty::I32),
+            scalar("x_stride", Ty::I32),
+        ],
+        split_k::params(),
+        vec![
+            map("x_map", "x", "tokens", "x_stride", x_box_rows),
+            map("w_map", "w", "n", "k", w_box_rows),
+        ],
+    ]
+    .concat()
+}
+
+/// The block's tile: `m0` (tokens, `tile_m` a tile), `split` and `n0` (weight rows, `tile_n` a
+/// tile). Token tiles vary fastest, so neighbouring blocks share a weight tile; then the K
+/// splits of one weight tile, then the weight tiles. Then the split's K span (`k_begin`,
+/// `k_end`) and its `steps` of [`TILE_K`] (none past the end of K).
+pub fn tile_coordinates(tile_m: i64, tile_n: i64) -> Vec<Stmt> {
+    let tiles_m = (var("tokens") + int(tile_m - 1)) / int(tile_m);
+    [
+        vec![
+            let_("m0", Ty::I32, rem(bid(), tiles_m.clone()) * int(tile_m)),
+            let_("split", Ty::I32, rem(bid() / tiles_m.clone(), var("splits"))),
+            let_("n0", Ty::I32, bid() / tiles_m / var("splits") * int(tile_n)),
+        ],
+        split_k::k_span(var("split"), TILE_K),
+        vec![let_(
+            "steps",
+            Ty::I32,
+            bin(
+                BinOp::Max,
+                int(0),
+                (var("k_end") - var("k_begin") + int(TILE_K - 1)) / int(TILE_K),
+            ),
+        )],
+    ]
+    .concat()
+}
+
+/// Blocks of a GEMM with `tile_m` × `tile_n` tiles: the launch grid.
+pub fn grid(tile_m: i64, tile_n: i64) -> Expr {
+    let tiles_m = (var("tokens") + int(tile_m - 1)) / int(tile_m);
+    let tiles_n = (var("n") + int(tile_n - 1)) / int(tile_n);
+    tiles_m * tiles_n * var("splits")
+}
+
+/// Slot `slot` of the shared mbarrier array `array`.
+pub fn barrier(array: &str, slot: Expr) -> MbarrierRef {
+    MbarrierRef {
+        array: array.into(),
+        slot,
+    }
+}
+
+/// Thread 0 initialises `stages` barriers (one arrival a phase) in each of `arrays`.
+pub fn init_barriers(arrays: &[&str], stages: i64) -> Stmt {
+    let inits = (0..stages).flat_map(|s| {
+        arrays.iter().map(move |array| {
+            Stmt::Mbarrier(Box::new(Mbarrier::Init {
+                barrier: barrier(array, int(s)),
+                count: 1,
+            }))
+        })
+    });
+    if_(eq(tid(), int(0)), inits.collect())
+}
+
+/// Thread 0's part of filling ring buffer `s` with step `step` (relative to `k_begin`): the
+/// bytes of both boxes announced on `full[s]`, then the activations' box (`x_elements` a
+/// buffer of `xs`, from token `m0`) and the weights' (`w_elements` a buffer of `ws`, from row
+/// `n0`) copied.
+pub fn fill(s: Expr, step: Expr, x_elements: i64, w_elements: i64) -> Vec<Stmt> {
+    let k0 = var("k_begin") + step * int(TILE_K);
+    let copy = |map: &str, dst: &str, elements: i64, row: Expr| {
+        Stmt::TmaLoad(Box::new(TmaLoad {
+            map: map.into(),
+            dst: dst.into(),
+            dst_index: s.clone() * int(elements),
+            row,
+            col: k0.clone(),
+            barrier: barrier("full", s.clone()),
+        }))
+    };
+    vec![
+        Stmt::Mbarrier(Box::new(Mbarrier::ArriveExpectTx {
+            barrier: barrier("full", s.clone()),
+            bytes: 2 * (x_elements + w_elements) as u32,
+        })),
+        copy("x_map", "xs", x_elements, var("m0")),
+        copy("w_map", "ws", w_elements, var("n0")),
+    ]
+}
+
+/// Thread 0 fills the first `stages` buffers (those the split has steps for).
+pub fn fill_ring(stages: i64, x_elements: i64, w_elements: i64) -> Stmt {
+    if_(
+        eq(tid(), int(0)),
+        (0..stages)
+            .map(|s| if_(lt(int(s), var("steps")), fill(int(s), int(s), x_elements, w_elements)))
+            .collect(),
+    )
+}
+
+/// A K-major operand of `array` from element `start` under the 128-byte swizzle, as the
+/// tensor cores' descriptors read a TMA box (the leading offset unused: one row holds the
+/// step's K).
+pub fn swizzled_operand(array: &str, start: Expr) -> SmemMatrix {
+    SmemMatrix {
+        array: array.into(),
+        start,
+        lbo: 16,
+        sbo: ATOM_BYTES,
+        swizzle: Swizzle::B128,
+    }
+}
