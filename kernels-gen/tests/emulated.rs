@@ -1238,15 +1238,45 @@ fn hopper_wgmma_gemm_matches_reference_on_bf16_inputs() {
     }
 }
 
-/// The TMA GEMM: bf16 activations (rows `x_stride` apart, a multiple of 8) and weights, in
-/// one piece and with K split, tiles of 128 and 256 weight rows, rings of 2 buffers (refilled
-/// every other step), 3 and 4, each step's MMAs waited for in the step or overlapping the
-/// next; ragged tokens, rows and last K step, which TMA fills with zeros.
-/// (Steps under 16 rows run the GEMV in plans: the reduction skips them, so they are not split.)
+/// The shapes the TMA GEMMs are checked on: (tokens, weight rows, K, activation row padding);
+/// one K step and one tile, ragged everything with a ring refilled, and few tokens over
+/// several weight tiles.
+const TMA_SHAPES: [(usize, usize, usize, usize); 4] =
+    [(20, 13, 40, 0), (130, 140, 264, 8), (3, 300, 136, 0), (17, 300, 136, 0)];
+
+/// A TMA GEMM on bf16 activations (rows `x_stride` apart, a multiple of 8) and weights against
+/// the reference on the same bf16 values, over [`TMA_SHAPES`]: in one piece, and in three K
+/// splits summed by the reduction (steps under 16 rows run the GEMV in plans, where the
+/// reduction skips them, so those are not split). Ragged tokens, rows and last K step: TMA
+/// fills past them with zeros.
+fn tma_gemm_matches_reference(gemm: &Kernel, seed: u64) {
+    let mut rng = Rng(seed);
+    let reduce = split_k::reduce("reduce", "test", 16, None, None);
+    for (tokens, n, k, pad) in TMA_SHAPES {
+        let x_stride = k + pad;
+        let (x, w) = (rng.vec(tokens * x_stride), rng.vec(n * k));
+        let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+        let dense_x: Vec<f32> = x.chunks(x_stride).flat_map(|row| round(&row[..k])).collect();
+        let mut want = vec![0f32; tokens * n];
+        ops::matmul(&dense_x, &round(&w), k, &mut want);
+        let (x, w) = (bf16_array(&x), bf16_array(&w));
+        let dims = (tokens, n, k, x_stride);
+        let what = format!("{tokens}×{n}×{k}\n{}", gemm.origin);
+        let whole = try_run_matmul(gemm, x.clone(), None, w.clone(), dims).unwrap_or_else(|e| panic!("{what}: {e}"));
+        close(&whole.to_f32().unwrap(), &want, 1e-5, &what);
+        if tokens < 16 {
+            continue;
+        }
+        let split = try_run_split_matmul((gemm, &reduce), x, None, w, dims, 3)
+            .unwrap_or_else(|e| panic!("{what}, 3 splits: {e}"));
+        close(&split.to_f32().unwrap(), &want, 1e-5, &format!("{what}, 3 splits"));
+    }
+}
+
+/// Hopper's TMA GEMM: tiles of 128 and 256 weight rows, rings of 2 buffers (refilled every
+/// other step), 3 and 4, each step's MMAs waited for in the step or overlapping the next.
 #[test]
 fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
-    let mut rng = Rng(29);
-    let reduce = split_k::reduce("reduce", "test", 16, None, None);
     let tiles = [
         gemm_tma_wgmma::TmaTile {
             tile_n: 128,
@@ -1260,38 +1290,18 @@ fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
         },
         gemm_tma_wgmma::TmaTile::WIDEST,
     ];
-    for tile in tiles {
-        let gemm = gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm", "test", tile);
-        for (tokens, n, k, pad) in [(20, 13, 40, 0), (130, 140, 264, 8), (3, 300, 136, 0), (17, 300, 136, 0)] {
-            let x_stride = k + pad;
-            let (x, w) = (rng.vec(tokens * x_stride), rng.vec(n * k));
-            let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
-            let dense_x: Vec<f32> = x.chunks(x_stride).flat_map(|row| round(&row[..k])).collect();
-            let mut want = vec![0f32; tokens * n];
-            ops::matmul(&dense_x, &round(&w), k, &mut want);
-            let (x, w) = (bf16_array(&x), bf16_array(&w));
-            let dims = (tokens, n, k, x_stride);
-            let whole = try_run_matmul(&gemm, x.clone(), None, w.clone(), dims)
-                .unwrap_or_else(|e| panic!("{tokens}×{n}×{k}: {e}"));
-            let what = format!("{tokens}×{n}×{k}\n{}", gemm.origin);
-            close(&whole.to_f32().unwrap(), &want, 1e-5, &what);
-            if tokens < 16 {
-                continue;
-            }
-            let split = try_run_split_matmul((&gemm, &reduce), x, None, w, dims, 3)
-                .unwrap_or_else(|e| panic!("{tokens}×{n}×{k}, 3 splits: {e}"));
-            close(&split.to_f32().unwrap(), &want, 1e-5, &format!("{what}, 3 splits"));
-        }
+    for (i, tile) in tiles.into_iter().enumerate() {
+        tma_gemm_matches_reference(
+            &gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm", "test", tile),
+            29 + i as u64,
+        );
     }
 }
 
-/// Blackwell's TMA GEMM (tcgen05 into tensor memory) on the same cases as Hopper's: tiles of
-/// 64, 128 and 256 tokens, rings of 2 (refilled every other step) and 4 buffers, ragged
-/// tokens, rows and last K step, in one piece and with K split.
+/// Blackwell's TMA GEMM (tcgen05 into tensor memory): tiles of 64, 128 and 256 tokens, rings
+/// of 2 (refilled every other step), 3 and 4 buffers.
 #[test]
 fn blackwell_tma_gemm_matches_reference_on_bf16_inputs() {
-    let mut rng = Rng(37);
-    let reduce = split_k::reduce("reduce", "test", 16, None, None);
     let tiles = [
         gemm_tma_tcgen05::TcgenTile {
             tile_tokens: 64,
@@ -1303,51 +1313,19 @@ fn blackwell_tma_gemm_matches_reference_on_bf16_inputs() {
             stages: 3,
         },
     ];
-    for tile in tiles {
-        let gemm = gemm_tma_tcgen05::gemm_tma_tcgen05_bf16("gemm", "test", tile);
-        for (tokens, n, k, pad) in [(20, 13, 40, 0), (130, 140, 264, 8), (17, 300, 136, 0)] {
-            let x_stride = k + pad;
-            let (x, w) = (rng.vec(tokens * x_stride), rng.vec(n * k));
-            let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
-            let dense_x: Vec<f32> = x.chunks(x_stride).flat_map(|row| round(&row[..k])).collect();
-            let mut want = vec![0f32; tokens * n];
-            ops::matmul(&dense_x, &round(&w), k, &mut want);
-            let (x, w) = (bf16_array(&x), bf16_array(&w));
-            let dims = (tokens, n, k, x_stride);
-            let what = format!("{tokens}×{n}×{k}\n{}", gemm.origin);
-            let whole =
-                try_run_matmul(&gemm, x.clone(), None, w.clone(), dims).unwrap_or_else(|e| panic!("{what}: {e}"));
-            close(&whole.to_f32().unwrap(), &want, 1e-5, &what);
-            let split = try_run_split_matmul((&gemm, &reduce), x, None, w, dims, 3)
-                .unwrap_or_else(|e| panic!("{what}, 3 splits: {e}"));
-            close(&split.to_f32().unwrap(), &want, 1e-5, &format!("{what}, 3 splits"));
-        }
+    for (i, tile) in tiles.into_iter().enumerate() {
+        tma_gemm_matches_reference(
+            &gemm_tma_tcgen05::gemm_tma_tcgen05_bf16("gemm", "test", tile),
+            37 + i as u64,
+        );
     }
 }
 
-/// The TMA-fed `mma.sync` GEMM (the RTX PRO 6000's) on the same cases: fragments read from
-/// swizzled boxes, a ring of 3 refilled from the fourth step, ragged edges, K split.
+/// The TMA-fed `mma.sync` GEMM (the RTX PRO 6000's): fragments read from swizzled boxes, a
+/// ring of 3 refilled from the fourth step.
 #[test]
 fn tma_mma_gemm_matches_reference_on_bf16_inputs() {
-    let mut rng = Rng(47);
-    let reduce = split_k::reduce("reduce", "test", 16, None, None);
-    let gemm = gemm_tma_mma::gemm_tma_mma_bf16("gemm", "test");
-    for (tokens, n, k, pad) in [(20, 13, 40, 0), (130, 140, 264, 8), (17, 300, 136, 0)] {
-        let x_stride = k + pad;
-        let (x, w) = (rng.vec(tokens * x_stride), rng.vec(n * k));
-        let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
-        let dense_x: Vec<f32> = x.chunks(x_stride).flat_map(|row| round(&row[..k])).collect();
-        let mut want = vec![0f32; tokens * n];
-        ops::matmul(&dense_x, &round(&w), k, &mut want);
-        let (x, w) = (bf16_array(&x), bf16_array(&w));
-        let dims = (tokens, n, k, x_stride);
-        let what = format!("{tokens}×{n}×{k}");
-        let whole = try_run_matmul(&gemm, x.clone(), None, w.clone(), dims).unwrap_or_else(|e| panic!("{what}: {e}"));
-        close(&whole.to_f32().unwrap(), &want, 1e-5, &what);
-        let split = try_run_split_matmul((&gemm, &reduce), x, None, w, dims, 3)
-            .unwrap_or_else(|e| panic!("{what}, 3 splits: {e}"));
-        close(&split.to_f32().unwrap(), &want, 1e-5, &format!("{what}, 3 splits"));
-    }
+    tma_gemm_matches_reference(&gemm_tma_mma::gemm_tma_mma_bf16("gemm", "test"), 47);
 }
 
 /// Blackwell's TMA GEMM without its wait for the previous step's MMAs before refilling their
