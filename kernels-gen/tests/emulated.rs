@@ -1328,48 +1328,54 @@ fn tma_mma_gemm_matches_reference_on_bf16_inputs() {
     tma_gemm_matches_reference(&gemm_tma_mma::gemm_tma_mma_bf16("gemm", "test"), 47);
 }
 
+/// `body` with every statement, nested ones included, passed through `edit` (`None` drops
+/// it): a template mutated to show the emulator catches what the mutation breaks.
+fn edited(body: &[Stmt], edit: &dyn Fn(&Stmt) -> Option<Stmt>) -> Vec<Stmt> {
+    body.iter()
+        .filter_map(|s| match edit(s)? {
+            Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body,
+            } => Some(Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body: edited(&body, edit),
+            }),
+            Stmt::If { cond, then, otherwise } => Some(Stmt::If {
+                cond,
+                then: edited(&then, edit),
+                otherwise: edited(&otherwise, edit),
+            }),
+            other => Some(other),
+        })
+        .collect()
+}
+
 /// Blackwell's TMA GEMM without its wait for the previous step's MMAs before refilling their
 /// buffer, or without the wait for the last MMAs before reading tensor memory, fails with the
 /// reason.
 #[test]
 fn the_blackwell_tma_gemm_fails_without_its_waits() {
-    fn without_waits_on(body: &[Stmt], slot_is_last: bool) -> Vec<Stmt> {
-        let drop = |s: &Stmt| match s {
+    // The final wait's slot is `(steps - 1) % stages`, the refill's `(step - 1) % stages`:
+    // told apart by the loop variable.
+    let without_waits_on = |body: &[Stmt], slot_is_last: bool| {
+        edited(body, &|s| match s {
             Stmt::Mbarrier(m) => match &**m {
-                Mbarrier::Wait { barrier, .. } if barrier.array == "done" => {
-                    // The final wait's slot is `(steps - 1) % stages`, the refill's
-                    // `(step - 1) % stages`: told apart by the loop variable.
-                    format!("{:?}", barrier.slot).contains("steps") == slot_is_last
+                Mbarrier::Wait { barrier, .. }
+                    if barrier.array == "done" && format!("{:?}", barrier.slot).contains("steps") == slot_is_last =>
+                {
+                    None
                 }
-                _ => false,
+                _ => Some(s.clone()),
             },
-            _ => false,
-        };
-        body.iter()
-            .filter(|s| !drop(s))
-            .map(|s| match s {
-                Stmt::For {
-                    var,
-                    start,
-                    end,
-                    step,
-                    body,
-                } => Stmt::For {
-                    var: var.clone(),
-                    start: start.clone(),
-                    end: end.clone(),
-                    step: step.clone(),
-                    body: without_waits_on(body, slot_is_last),
-                },
-                Stmt::If { cond, then, otherwise } => Stmt::If {
-                    cond: cond.clone(),
-                    then: without_waits_on(then, slot_is_last),
-                    otherwise: without_waits_on(otherwise, slot_is_last),
-                },
-                other => other.clone(),
-            })
-            .collect()
-    }
+            _ => Some(s.clone()),
+        })
+    };
     let tile = gemm_tma_tcgen05::TcgenTile {
         tile_tokens: 64,
         stages: 2,
@@ -1399,27 +1405,7 @@ fn the_blackwell_tma_gemm_fails_without_its_waits() {
 /// waiting for all but the last MMA group, it refills the buffer those MMAs still read.
 #[test]
 fn the_tma_gemm_fails_without_any_of_its_synchronisations() {
-    fn strip(body: &[Stmt], drop: &dyn Fn(&Stmt) -> bool) -> Vec<Stmt> {
-        body.iter()
-            .filter(|s| !drop(s))
-            .map(|s| match s {
-                Stmt::For {
-                    var,
-                    start,
-                    end,
-                    step,
-                    body,
-                } => Stmt::For {
-                    var: var.clone(),
-                    start: start.clone(),
-                    end: end.clone(),
-                    step: step.clone(),
-                    body: strip(body, drop),
-                },
-                other => other.clone(),
-            })
-            .collect()
-    }
+    let strip = |body: &[Stmt], drop: &dyn Fn(&Stmt) -> bool| edited(body, &|s| (!drop(s)).then(|| s.clone()));
     let tile = gemm_tma_wgmma::TmaTile {
         tile_n: 128,
         stages: 2,
@@ -1455,32 +1441,12 @@ fn the_tma_gemm_fails_without_any_of_its_synchronisations() {
         assert!(message.contains(expected), "without {what}: {message}");
     }
     // Leaving a step's MMAs in flight while refilling the buffer they read.
-    fn early(body: &[Stmt]) -> Vec<Stmt> {
-        body.iter()
-            .map(|s| match s {
-                Stmt::For {
-                    var,
-                    start,
-                    end,
-                    step,
-                    body,
-                } => Stmt::For {
-                    var: var.clone(),
-                    start: start.clone(),
-                    end: end.clone(),
-                    step: step.clone(),
-                    body: body
-                        .iter()
-                        .map(|s| match s {
-                            Stmt::WgmmaWait(0) => Stmt::WgmmaWait(1),
-                            other => other.clone(),
-                        })
-                        .collect(),
-                },
-                other => other.clone(),
-            })
-            .collect()
-    }
+    let early = |body: &[Stmt]| {
+        edited(body, &|s| match s {
+            Stmt::WgmmaWait(0) => Some(Stmt::WgmmaWait(1)),
+            other => Some(other.clone()),
+        })
+    };
     let mut broken = gemm.clone();
     broken.body = early(&gemm.body);
     let message = try_run_matmul(&broken, x, None, w, (tokens, n, k, k))
