@@ -105,6 +105,18 @@ fn lockstep(name: &str, model: &Model, target: Target, arch: &str) -> Result<f64
     Ok(worst)
 }
 
+/// `count` pseudo-random values uniform in ±`range`, each exactly a bf16 (the operands the
+/// unplanned kernels' checks upload), from the generator state `seed`.
+fn random_bf16_values(seed: &mut u32, count: usize, range: f32) -> Vec<f32> {
+    (0..count)
+        .map(|_| {
+            *seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            let unit = (*seed >> 8) as f32 / (1u32 << 24) as f32;
+            half::bf16::from_f32(range * (2.0 * unit - 1.0)).to_f32()
+        })
+        .collect()
+}
+
 /// The shape the TMA GEMMs are checked on: 130 tokens, 300 weight rows, K 264 with
 /// activation rows 272 apart (partial tiles and a partial last K step, which TMA fills with
 /// zeros).
@@ -163,14 +175,7 @@ fn flash_attention_kernels() -> Vec<Kernel> {
 fn run_flash_attention<D: PlanDevice>(device: &mut D) -> Result<Vec<[Vec<f32>; 4]>> {
     let mut results = Vec::new();
     let mut seed = 0x2545_f491_u32;
-    let mut random = |count: usize| -> Vec<f32> {
-        (0..count)
-            .map(|_| {
-                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                half::bf16::from_f32((seed >> 8) as f32 / (1u32 << 23) as f32 - 1.0).to_f32()
-            })
-            .collect()
-    };
+    let mut random = |count: usize| random_bf16_values(&mut seed, count, 1.0);
     let f32_bytes = |v: &[f32]| v.iter().flat_map(|e| e.to_le_bytes()).collect::<Vec<u8>>();
     let bf16_bytes = |v: &[f32]| {
         v.iter()
@@ -276,16 +281,13 @@ fn tma_gemm_kernels(arch: &str) -> Vec<Kernel> {
 fn run_tma_gemms<D: PlanDevice>(device: &mut D, kernels: &[Kernel]) -> Result<[Vec<f32>; 3]> {
     let (tokens, n, k, x_stride) = TMA_CHECK;
     let mut seed = 0x9e37_79b9_u32;
-    let mut random_bf16 = |count: usize| -> Vec<half::bf16> {
-        (0..count)
-            .map(|_| {
-                seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                half::bf16::from_f32((seed >> 8) as f32 / (1u32 << 24) as f32 - 0.5)
-            })
-            .collect()
+    let mut random = |count: usize| random_bf16_values(&mut seed, count, 0.5);
+    let bytes = |v: &[f32]| {
+        v.iter()
+            .flat_map(|&e| half::bf16::from_f32(e).to_le_bytes())
+            .collect::<Vec<u8>>()
     };
-    let bytes = |v: &[half::bf16]| v.iter().flat_map(|e| e.to_le_bytes()).collect::<Vec<u8>>();
-    let (x_values, w_values) = (random_bf16(tokens * x_stride), random_bf16(n * k));
+    let (x_values, w_values) = (random(tokens * x_stride), random(n * k));
     let x = device.upload(&bytes(&x_values))?;
     let w = device.upload(&bytes(&w_values))?;
     let out = device.alloc(tokens * n * 4)?;
@@ -324,10 +326,9 @@ fn run_tma_gemms<D: PlanDevice>(device: &mut D, kernels: &[Kernel]) -> Result<[V
         }
     }
     let result = device.read(&out, 0..tokens * n * 4)?;
-    let widen = |v: &[half::bf16]| v.iter().map(|e| e.to_f32()).collect();
     Ok([
-        widen(&x_values),
-        widen(&w_values),
+        x_values,
+        w_values,
         result
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
