@@ -1589,58 +1589,97 @@ fn serve_all<B: runtime::serving::PagedBackend>(
         .tokens
 }
 
-/// A model whose plan regroups the rows of some weights (GLM-5's MLA projections, taken in
-/// transposed row groups): those are made from the same values on the host and uploaded, the
-/// others filled on the device, and the plan computes bit for bit what it computes on all of
-/// them uploaded.
-#[test]
-fn regrouped_weights_made_for_the_device_equal_their_host_values_uploaded() {
-    use runtime::kv::BlockId;
+/// A tiny family's shape lowered without weights for the H200, its batched plan (room for
+/// `sequences`) on the emulator twice: with weights made on the device from a seed, and with
+/// the same values written as a checkpoint (matrices bf16, norm gains f32) and uploaded.
+struct GeneratedAndUploaded {
+    config: models::ModelConfig,
+    graph: ir::Graph,
+    plan: gpu::GpuPlan,
+    generated: PlanExecutor<EmulatorDevice>,
+    uploaded: EmulatorBackend,
+}
+
+fn generated_and_uploaded(family: &str, seed: u32, sequences: usize) -> GeneratedAndUploaded {
     use runtime::random_weights::fill_kernels;
-    let glm = fixture("hf-tiny/glm_moe_dsa");
-    let config = open("glm_moe_dsa", ComputeDtype::Bf16).config;
+    let config = open(family, ComputeDtype::Bf16).config;
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,
         compute: ComputeDtype::Bf16,
         kv_cache: models::KvCacheDtype::Auto,
     };
     let graph = fused_for(&models::lower_without_weights(&config, options).unwrap(), Target::H200);
-    let seed = 11;
     let scratch = tempfile::Builder::new().prefix("bbc-generated-").tempdir().unwrap();
     let dir = scratch.path();
-    std::fs::copy(glm.join("config.json"), dir.join("config.json")).unwrap();
+    std::fs::copy(
+        fixture(&format!("hf-tiny/{family}/config.json")),
+        dir.join("config.json"),
+    )
+    .unwrap();
     runtime::random_weights::write_checkpoint(&graph, seed, &dir.join("model.safetensors")).unwrap();
     let written = open_at(dir, ComputeDtype::Bf16);
-    drop(scratch);
     let cache = gpu::BatchedCache {
         blocks: 8,
         block_size: 8,
-        sequences: 2,
+        sequences,
     };
     let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
-    let regrouped = |w: &gpu::WeightUse| !w.parts.iter().all(|p| matches!(p, gpu::WeightPart::Whole(_)));
-    assert!(plan.weights.iter().any(regrouped), "the plan regroups some weights");
     let device = EmulatorDevice::new(kernels.iter().cloned().chain(fill_kernels()).collect());
     let generated = PlanExecutor::with_generated_weights(device, plan.clone(), graph.clone(), seed, 64).unwrap();
-    let uploaded = EmulatorBackend::emulated(plan, kernels, graph, &written.weights, &[], 64).unwrap();
-    let tables = [
+    let uploaded = EmulatorBackend::emulated(plan.clone(), kernels, graph.clone(), &written.weights, &[], 64).unwrap();
+    GeneratedAndUploaded {
+        config,
+        graph,
+        plan,
+        generated,
+        uploaded,
+    }
+}
+
+/// The block tables of the two sequences the generated-weights tests step.
+const GENERATED_TABLES: [[runtime::kv::BlockId; 3]; 2] = {
+    use runtime::kv::BlockId;
+    [
         [BlockId(3), BlockId(0), BlockId(6)],
         [BlockId(5), BlockId(1), BlockId(2)],
-    ];
+    ]
+};
+
+/// Two sequences' prompts (one past the tensor-core GEMM's rows), then a decode row each, on
+/// both sides: their logits equal bit for bit, and finite. The longer prompt.
+fn generated_steps_agree(both: &GeneratedAndUploaded) -> Vec<u32> {
     let prompt: Vec<u32> = (0..PREFILL_TOKENS as u32 + 2).map(|i| (5 + 11 * i) % 300).collect();
-    for segments in [
+    let steps: [[(usize, Vec<u32>); 2]; 2] = [
         [(0, prompt.clone()), (0, vec![9, 8, 7])],
         [(prompt.len(), vec![42]), (3, vec![17])],
-    ] {
-        let batch = batch_of(&segments, &tables);
+    ];
+    for segments in &steps {
+        let batch = batch_of(segments, &GENERATED_TABLES);
         let (got, want) = (
-            generated.step_batch(&batch).unwrap(),
-            uploaded.step_batch(&batch).unwrap(),
+            both.generated.step_batch(&batch).unwrap(),
+            both.uploaded.step_batch(&batch).unwrap(),
         );
         for (g, w) in got.iter().zip(&want) {
             assert_eq!(g["logits"].data, w["logits"].data);
+            assert!(g["logits"].data.iter().all(|v| v.is_finite()));
         }
     }
+    prompt
+}
+
+/// A model whose plan regroups the rows of some weights (GLM-5's MLA projections, taken in
+/// transposed row groups): those are made from the same values on the host and uploaded, the
+/// others filled on the device, and the plan computes bit for bit what it computes on all of
+/// them uploaded.
+#[test]
+fn regrouped_weights_made_for_the_device_equal_their_host_values_uploaded() {
+    let both = generated_and_uploaded("glm_moe_dsa", 11, 2);
+    let regrouped = |w: &gpu::WeightUse| !w.parts.iter().all(|p| matches!(p, gpu::WeightPart::Whole(_)));
+    assert!(
+        both.plan.weights.iter().any(regrouped),
+        "the plan regroups some weights"
+    );
+    generated_steps_agree(&both);
 }
 
 /// Weights made on the device (`PlanExecutor::with_generated_weights`, for models lowered
@@ -1650,57 +1689,13 @@ fn regrouped_weights_made_for_the_device_equal_their_host_values_uploaded() {
 /// counts the weights each reads: every matrix once per step, one table row per token.
 #[test]
 fn weights_made_on_the_device_equal_their_host_values_uploaded() {
-    use runtime::kv::BlockId;
-    use runtime::random_weights::fill_kernels;
-    let llama = fixture("hf-tiny/llama");
-    let config = open("llama", ComputeDtype::Bf16).config;
-    let options = models::LowerOptions {
-        logits: LogitsFor::LastToken,
-        compute: ComputeDtype::Bf16,
-        kv_cache: models::KvCacheDtype::Auto,
-    };
-    let graph = fused_for(&models::lower_without_weights(&config, options).unwrap(), Target::H200);
-    let seed = 7;
-    // The same values as a model directory: matrices stored bf16, norm gains f32.
-    let scratch = tempfile::Builder::new().prefix("bbc-generated-").tempdir().unwrap();
-    let dir = scratch.path();
-    std::fs::copy(llama.join("config.json"), dir.join("config.json")).unwrap();
-    runtime::random_weights::write_checkpoint(&graph, seed, &dir.join("model.safetensors")).unwrap();
-    let written = open_at(dir, ComputeDtype::Bf16);
-    drop(scratch);
-
-    let cache = gpu::BatchedCache {
-        blocks: 8,
-        block_size: 8,
-        sequences: 8,
-    };
-    let (plan, kernels) = gpu::build_batched(&graph, Target::H200, 32, cache).unwrap();
-    let device = EmulatorDevice::new(kernels.iter().cloned().chain(fill_kernels()).collect());
-    let generated = PlanExecutor::with_generated_weights(device, plan.clone(), graph.clone(), seed, 64).unwrap();
-    let uploaded = EmulatorBackend::emulated(plan.clone(), kernels, graph.clone(), &written.weights, &[], 64).unwrap();
-    let tables = [
-        [BlockId(3), BlockId(0), BlockId(6)],
-        [BlockId(5), BlockId(1), BlockId(2)],
-    ];
-    let prompt: Vec<u32> = (0..PREFILL_TOKENS as u32 + 2).map(|i| (5 + 11 * i) % 300).collect();
-    let steps: [[(usize, Vec<u32>); 2]; 2] = [
-        [(0, prompt.clone()), (0, vec![9, 8, 7])],
-        [(prompt.len(), vec![42]), (3, vec![17])],
-    ];
-    for segments in &steps {
-        let batch = batch_of(segments, &tables);
-        let (got, want) = (
-            generated.step_batch(&batch).unwrap(),
-            uploaded.step_batch(&batch).unwrap(),
-        );
-        for (g, w) in got.iter().zip(&want) {
-            assert_eq!(g["logits"].data, w["logits"].data);
-            assert!(g["logits"].data.iter().all(|v| v.is_finite()));
-        }
-    }
-    // A decode step, profiled: every launch of the plan that has work, timed.
+    let both = generated_and_uploaded("llama", 7, 8);
+    let prompt = generated_steps_agree(&both);
+    let (config, graph, plan, generated) = (&both.config, &both.graph, &both.plan, &both.generated);
     let decode = [(prompt.len() + 1, vec![1]), (4, vec![2])];
-    let profile = generated.profile_step_batch(&batch_of(&decode, &tables)).unwrap();
+    let profile = generated
+        .profile_step_batch(&batch_of(&decode, &GENERATED_TABLES))
+        .unwrap();
     assert!(profile.iter().all(|p| p.seconds.is_some_and(|s| s > 0.0)));
     let kernels_launched: std::collections::BTreeSet<&str> = profile.iter().map(|p| p.kernel.as_str()).collect();
     assert!(kernels_launched.len() > 5 && !kernels_launched.iter().any(|k| k.starts_with("fill")));
