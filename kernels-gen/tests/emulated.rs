@@ -514,27 +514,7 @@ fn attention_matches_reference_with_windows_groups_and_long_caches() {
             rng.vec(len * kv_heads * head_dim),
             rng.vec(len * kv_heads * head_dim),
         );
-        let spec = ir::AttentionSpec {
-            heads,
-            kv_heads,
-            head_dim,
-            scale: 0.3,
-            window: (window > 0).then_some(window),
-            cache_slot: 0,
-            cache_dtype: ir::DType::F32,
-        };
-        let slot = ir::reference::KvSlot {
-            positions: (0..len).collect(),
-            k: k.clone(),
-            v: v.clone(),
-        };
-        let positions: Vec<usize> = (first..len).collect();
-        let want = ir::reference::attention_over_slot(
-            &spec,
-            &ir::Tensor::new(vec![tokens, heads * head_dim], q.clone()),
-            &slot,
-            &positions,
-        );
+        let want = attention_reference((&q, &k, &v), (first, heads, kv_heads, head_dim, window));
         let mut scalars = ints(&[
             ("tokens", tokens as i64),
             ("q_stride", (heads * head_dim + 5) as i64),
@@ -566,7 +546,7 @@ fn attention_matches_reference_with_windows_groups_and_long_caches() {
             let out = run_attention(&kernel, &mut bufs, &scalars, (tokens, heads, head_dim), splits);
             close(
                 &out,
-                &want.data,
+                &want,
                 1e-5,
                 &format!("attention, {splits} splits, {group} heads a block"),
             );
@@ -597,27 +577,7 @@ fn flash_attention_matches_reference() {
             round(&rng.vec(len * kv_heads * head_dim)),
             round(&rng.vec(len * kv_heads * head_dim)),
         );
-        let spec = ir::AttentionSpec {
-            heads,
-            kv_heads,
-            head_dim,
-            scale: 0.3,
-            window: (window > 0).then_some(window),
-            cache_slot: 0,
-            cache_dtype: ir::DType::BF16,
-        };
-        let slot = ir::reference::KvSlot {
-            positions: (0..len).collect(),
-            k: k.clone(),
-            v: v.clone(),
-        };
-        let positions: Vec<usize> = (first..len).collect();
-        let want = ir::reference::attention_over_slot(
-            &spec,
-            &ir::Tensor::new(vec![tokens, heads * head_dim], q.clone()),
-            &slot,
-            &positions,
-        );
+        let want = attention_reference((&q, &k, &v), (first, heads, kv_heads, head_dim, window));
         let q_stride = heads * head_dim + 8;
         let q_rows: Vec<f32> = q
             .chunks(heads * head_dim)
@@ -666,7 +626,7 @@ fn flash_attention_matches_reference() {
             run(&kernel, &mut bufs, &scalars).unwrap_or_else(|e| panic!("{tokens}×{head_dim} {layout:?}: {e}"));
             close(
                 &bufs["out"].to_f32().unwrap(),
-                &want.data,
+                &want,
                 2e-3,
                 &format!(
                     "flash attention {tokens} rows from {first}, head_dim {head_dim}, window {window}, {layout:?}"
@@ -674,6 +634,33 @@ fn flash_attention_matches_reference() {
             );
         }
     }
+}
+
+/// The IR reference's causal attention (scale 0.3) of the rows `first..` of one sequence, its
+/// cache `k`/`v` holding positions `0..first + rows`; `window` 0 for none.
+fn attention_reference(
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    (first, heads, kv_heads, head_dim, window): (usize, usize, usize, usize, usize),
+) -> Vec<f32> {
+    let spec = ir::AttentionSpec {
+        heads,
+        kv_heads,
+        head_dim,
+        scale: 0.3,
+        window: (window > 0).then_some(window),
+        cache_slot: 0,
+        cache_dtype: ir::DType::F32,
+    };
+    let len = k.len() / (kv_heads * head_dim);
+    let slot = ir::reference::KvSlot {
+        positions: (0..len).collect(),
+        k: k.to_vec(),
+        v: v.to_vec(),
+    };
+    let positions: Vec<usize> = (first..len).collect();
+    let rows = positions.len();
+    let q = ir::Tensor::new(vec![rows, heads * head_dim], q.to_vec());
+    ir::reference::attention_over_slot(&spec, &q, &slot, &positions).data
 }
 
 /// Run attention's split pass (`split`, over `bufs` and `scalars`, which lack the partials and
