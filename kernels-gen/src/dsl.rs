@@ -325,6 +325,30 @@ pub struct TensorMap {
     pub swizzle: Swizzle,
 }
 
+impl TensorMap {
+    /// Its (rows, cols, row stride) from the scalar arguments (`var`, as [`Expr::eval_int`]
+    /// reads them), or why the driver would refuse them: an empty tensor, rows overlapping,
+    /// or a row pitch that is not a multiple of 16 bytes. What the launcher encodes and the
+    /// emulator resolves alike.
+    pub fn sizes(&self, var: &dyn Fn(&str) -> Option<i64>) -> Result<(i64, i64, i64), String> {
+        let name = &self.name;
+        let size = |e: &Expr| e.eval_int(var).map_err(|e| format!("tensor map `{name}`: {e}"));
+        let (rows, cols, stride) = (size(&self.rows)?, size(&self.cols)?, size(&self.stride)?);
+        if rows < 1 || cols < 1 || stride < cols {
+            return Err(format!(
+                "tensor map `{name}` of {rows}×{cols} elements, rows {stride} apart"
+            ));
+        }
+        if stride % 8 != 0 {
+            return Err(format!(
+                "tensor map `{name}`: rows {} bytes apart, not a multiple of 16",
+                2 * stride
+            ));
+        }
+        Ok((rows, cols, stride))
+    }
+}
+
 /// `cp.async.bulk.tensor.2d` (TMA, sm_90 and later), issued by each active thread (kernels
 /// issue it from one): the box of `map` whose first element is (`row`, `col`) lands in the shared `dst` from element `dst_index`
 /// (box row after box row, in the map's swizzle; 1024-byte aligned with `B128`, 128-byte

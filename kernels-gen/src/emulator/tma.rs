@@ -8,7 +8,7 @@
 //! MMA in flight still reads, and reads of never-written sources.
 
 use super::{Array, Block, Fault, Scalar};
-use crate::dsl::{Expr, Kernel, Swizzle, TmaLoad};
+use crate::dsl::{Kernel, Swizzle, TmaLoad};
 use std::collections::HashMap;
 
 /// A tensor map as the launcher encodes it: sizes evaluated.
@@ -34,22 +34,10 @@ pub(super) fn resolve_maps(
         Some(Scalar::Int(v)) => Some(*v),
         _ => None,
     };
-    let size = |e: &Expr| e.eval_int(&var);
     let mut out = HashMap::new();
     for map in kernel.tensor_maps() {
-        let (rows, cols, stride) = (size(&map.rows)?, size(&map.cols)?, size(&map.stride)?);
+        let (rows, cols, stride) = map.sizes(&var)?;
         let name = &map.name;
-        if rows < 1 || cols < 1 || stride < cols {
-            return Err(format!(
-                "tensor map `{name}` of {rows}×{cols} elements, rows {stride} apart"
-            ));
-        }
-        if stride % 8 != 0 {
-            return Err(format!(
-                "tensor map `{name}`: rows {} bytes apart, not a multiple of 16",
-                2 * stride
-            ));
-        }
         let buffer = &buffers[&map.buffer];
         if !buffer.start.is_multiple_of(8) {
             return Err(format!(

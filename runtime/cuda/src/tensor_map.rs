@@ -109,15 +109,7 @@ pub(crate) struct Encoding {
 /// The encoding of `map` with its sizes evaluated from the launch's scalars, or why the
 /// driver would refuse it.
 pub(crate) fn encoding(map: &TensorMap, scalar: &dyn Fn(&str) -> Option<i64>) -> Result<Encoding> {
-    let refuse = |why: String| RuntimeError::Artifact(format!("tensor map `{}`: {why}", map.name));
-    let size = |e: &kernels_gen::dsl::Expr| e.eval_int(scalar).map_err(refuse);
-    let (rows, cols, stride) = (size(&map.rows)?, size(&map.cols)?, size(&map.stride)?);
-    if rows < 1 || cols < 1 || stride < cols {
-        return Err(refuse(format!("{rows}×{cols} elements, rows {stride} apart")));
-    }
-    if stride % 8 != 0 {
-        return Err(refuse(format!("rows {} bytes apart, not a multiple of 16", 2 * stride)));
-    }
+    let (rows, cols, stride) = map.sizes(scalar).map_err(RuntimeError::Artifact)?;
     Ok(Encoding {
         dims: [cols as u64, rows as u64],
         row_pitch: 2 * stride as u64,
