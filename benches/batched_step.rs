@@ -68,6 +68,7 @@ fn main() {
         let prompt: Vec<u32> = (0..context as u32).map(|i| 100 + 7 * i % 20000).collect();
         for (i, table) in tables.iter().enumerate() {
             let fill = Segment {
+                hidden_states: &[],
                 table,
                 start: 0,
                 ids: &prompt,
@@ -83,6 +84,7 @@ fn main() {
             .iter()
             .enumerate()
             .map(|(i, table)| Segment {
+                hidden_states: &[],
                 table,
                 start: context,
                 ids: &next,
@@ -111,6 +113,7 @@ fn main() {
     let mut pages = backend.new_pages(BLOCK);
     let seconds = time(|| {
         let prefill = Segment {
+            hidden_states: &[],
             table: &table,
             start: 0,
             ids: &chunk,

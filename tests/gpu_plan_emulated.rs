@@ -240,6 +240,7 @@ fn check_plan_against_hf(reference: &Reference, name: &str, target: Target, chun
     let table: Vec<BlockId> = (0..cache.blocks as u32).rev().map(BlockId).collect();
     let step = |start: usize, ids: &[u32]| -> Vec<f32> {
         let segment = Segment {
+            hidden_states: &[],
             table: &table,
             start,
             ids,
@@ -633,6 +634,7 @@ fn batch_of<'a>(
         .zip(tables)
         .enumerate()
         .map(|(i, ((start, ids), table))| runtime::kv::Segment {
+            hidden_states: &[],
             table,
             start: *start,
             ids,
@@ -705,6 +707,7 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
         let short = [BlockId(0)];
         let ids = [1u32; 6];
         let too_long = Segment {
+            hidden_states: &[],
             table: &short,
             start: 0,
             ids: &ids,
@@ -717,6 +720,7 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
         let outside = [BlockId(99)];
         assert!(gpu
             .step_batch(&[Segment {
+                hidden_states: &[],
                 table: &outside,
                 start: 0,
                 ids: &ids[..1],
@@ -733,6 +737,7 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
             snapshot: 0,
         }];
         let snapshotting = Segment {
+            hidden_states: &[],
             table: &table,
             start: 0,
             ids: &ids[..1],
@@ -1304,6 +1309,7 @@ fn a_rewound_state_on_the_device_continues_like_one_that_never_saw_the_refused_d
         let tables: [Vec<BlockId>; 2] = [(0..4).map(BlockId).collect(), (4..8).map(BlockId).collect()];
         let step = |slot: usize, start: usize, ids: &[u32], sampled_rows: usize| {
             let segment = Segment {
+                hidden_states: &[],
                 table: &tables[slot],
                 start,
                 ids,
@@ -1890,6 +1896,7 @@ fn a_kv_pool_sized_by_memory_takes_the_share_the_model_leaves() {
     let table = [BlockId(blocks as u32 - 1)];
     let ids: Vec<u32> = (0..9).map(|i| 3 + 17 * i).collect();
     let segment = Segment {
+        hidden_states: &[],
         table: &table,
         start: 0,
         ids: &ids,

@@ -698,6 +698,7 @@ fn a_rewound_state_continues_like_one_that_never_saw_the_refused_drafts() {
         let all = [&prompt[..], &drafts[..]].concat();
         let step = |pages: &mut runtime::KvPages, start: usize, ids: &[u32], sampled_rows: usize| {
             let segment = Segment {
+                hidden_states: &[],
                 table: &table,
                 start,
                 ids,

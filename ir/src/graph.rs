@@ -86,6 +86,12 @@ impl Graph {
         self.push(Op::Input(kind), vec![], Shape::new([crate::TOKENS]), DType::I32)
     }
 
+    /// The `HiddenStates` input: `f32[tokens, width]`.
+    pub fn hidden_states_input(&mut self, width: usize) -> NodeId {
+        let shape = Shape::new([crate::TOKENS, Dim::Const(width)]);
+        self.push(Op::Input(InputKind::HiddenStates), vec![], shape, DType::F32)
+    }
+
     pub fn weight(&mut self, name: impl Into<String>, shape: &[usize], dtype: DType) -> NodeId {
         let shape = Shape::new(shape.iter().map(|&d| Dim::Const(d)));
         self.push(Op::Weight { name: name.into() }, vec![], shape, dtype)
@@ -265,5 +271,41 @@ mod tests {
         g.validate().unwrap();
         assert_eq!(g.nodes().len(), 4);
         assert_eq!(g.node(g.output("y").unwrap()).op, Op::Scale { factor: 2.0 });
+    }
+
+    /// Hidden states are `f32[tokens, width]`; joining columns needs the same rows, and
+    /// gives both widths; the reference interpreter joins each row and refuses hidden states
+    /// that do not cover the step's tokens.
+    #[test]
+    fn hidden_states_join_an_embedding_side_by_side() {
+        use crate::reference::{Interpreter, WeightProvider};
+        struct Table;
+        impl WeightProvider for Table {
+            fn weight_f32(&self, _: &str) -> Result<std::sync::Arc<crate::Tensor>, String> {
+                Ok(std::sync::Arc::new(crate::Tensor::new(
+                    vec![3, 2],
+                    vec![0., 1., 10., 11., 20., 21.],
+                )))
+            }
+        }
+        let mut g = Graph::new("t");
+        let ids = g.input(InputKind::TokenIds);
+        let hidden = g.hidden_states_input(3);
+        let table = g.weight("emb", &[3, 2], DType::F32);
+        let e = g.add(Op::Embedding, &[table, ids]).unwrap();
+        let joined = g.add(Op::ConcatColumns, &[e, hidden]).unwrap();
+        assert_eq!(g.node(joined).shape, Shape::new([TOKENS, Dim::Const(5)]));
+        let last = g.add(Op::LastToken, &[e]).unwrap();
+        let err = g.add(Op::ConcatColumns, &[last, hidden]).unwrap_err().to_string();
+        assert!(err.contains("concat_columns"), "{err}");
+        g.set_output("joined", joined);
+        let _positions = g.input(InputKind::Positions);
+        let mut interp = Interpreter::new(&Table);
+        let out = interp
+            .step_with_hidden_states(&g, &[2, 0], &[0, 1], &[1., 2., 3., 4., 5., 6.])
+            .unwrap();
+        assert_eq!(out["joined"].data, [20., 21., 1., 2., 3., 0., 1., 4., 5., 6.]);
+        let err = interp.step(&g, &[2, 0], &[0, 1]).unwrap_err().to_string();
+        assert!(err.contains("0 hidden-state values for 2 tokens"), "{err}");
     }
 }

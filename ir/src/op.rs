@@ -9,6 +9,9 @@ pub enum InputKind {
     TokenIds,
     /// `i32[tokens]`: their absolute positions in the sequence.
     Positions,
+    /// `f32[tokens, width]`: another model's hidden state at each token (a multi-token
+    /// prediction head reads its target's, `Graph::hidden_states_input`).
+    HiddenStates,
 }
 
 impl InputKind {
@@ -16,6 +19,7 @@ impl InputKind {
         match self {
             Self::TokenIds => "token_ids",
             Self::Positions => "positions",
+            Self::HiddenStates => "hidden_states",
         }
     }
 }
@@ -477,6 +481,9 @@ pub enum Op {
         start: usize,
         len: usize,
     },
+    /// `(a [t, m], b [t, n]) -> [t, m + n]`: each row of `a` followed by the same row of `b`
+    /// (a multi-token prediction head joins a token's embedding and a hidden state).
+    ConcatColumns,
     /// Weights `[n_i, k]` of one storage dtype stacked to `[Σn_i, k]`: a compile-time weight
     /// transform, so one matmul computes several projections of the same activation.
     ConcatRows,
@@ -578,6 +585,7 @@ impl Op {
             Self::Moe(_) => "moe",
             Self::Slice { .. } => "slice",
             Self::ConcatRows => "concat_rows",
+            Self::ConcatColumns => "concat_columns",
             Self::RowGroupSlice { .. } => "row_group_slice",
             Self::TransposeRowGroups { .. } => "transpose_row_groups",
             Self::AddRmsNorm { .. } => "add_rms_norm",
@@ -646,7 +654,7 @@ impl Op {
             Self::GatedDeltaNet(_) => 6,
             Self::Slice { .. } | Self::Glu { .. } | Self::TopK { .. } => 1,
             Self::Embedding | Self::MatMul | Self::RmsNorm { .. } | Self::Rope(_) | Self::Add | Self::Mul => 2,
-            Self::AddBias | Self::ScaleRows => 2,
+            Self::AddBias | Self::ScaleRows | Self::ConcatColumns => 2,
             Self::LayerNorm { .. } => 3,
             Self::SparseMla(spec) => spec.arity(),
             Self::Moe(spec) if spec.has_expert_vector() => 5,
@@ -852,6 +860,15 @@ impl Op {
                     }
                 }
                 Ok((Shape::new([Dim::Const(rows), k]), *dtype))
+            }
+            Self::ConcatColumns => {
+                let ((t, m), (u, n)) = (f32_rows(inputs[0].0)?, f32_rows(inputs[1].0)?);
+                match (t == u, m.as_const(), n.as_const(), inputs[0].1, inputs[1].1) {
+                    (true, Some(m), Some(n), DType::F32, DType::F32) => {
+                        Ok((Shape::new([t, Dim::Const(m + n)]), DType::F32))
+                    }
+                    _ => Err(format!("concat_columns: {} beside {}", inputs[0].0, inputs[1].0)),
+                }
             }
             Self::AddRmsNorm { .. } => {
                 let (t, d) = f32_rows(inputs[0].0)?;

@@ -37,6 +37,7 @@ define_language! {
         "moe" = Moe(Box<[Id]>),
         "slice" = Slice([Id; 2]),
         "concat_rows" = ConcatRows(Box<[Id]>),
+        "concat_columns" = ConcatColumns([Id; 3]),
         "row_group_slice" = RowGroupSlice([Id; 2]),
         "transpose_row_groups" = TransposeRowGroups([Id; 2]),
         "add_rms_norm" = AddRmsNorm([Id; 4]),
@@ -122,6 +123,7 @@ pub fn make_node(op: &Op, attr: Id, children: &[Id]) -> Node {
         Op::Moe(_) => Node::Moe(with(children.len()).into_boxed_slice()),
         Op::Slice { .. } => Node::Slice(arr2(with(1))),
         Op::ConcatRows => Node::ConcatRows(with(children.len()).into_boxed_slice()),
+        Op::ConcatColumns => Node::ConcatColumns(arr3(with(2))),
         Op::RowGroupSlice { .. } => Node::RowGroupSlice(arr2(with(1))),
         Op::TransposeRowGroups { .. } => Node::TransposeRowGroups(arr2(with(1))),
         Op::AddRmsNorm { .. } => Node::AddRmsNorm(arr4(with(3))),
@@ -165,6 +167,14 @@ pub fn add_to_graph(
     inputs: &[NodeId],
 ) -> Result<NodeId, ir::GraphError> {
     match (&op, leaf) {
+        (Op::Input(ir::InputKind::HiddenStates), Some((shape, _))) => {
+            let width = shape
+                .0
+                .get(1)
+                .and_then(|d| d.as_const())
+                .expect("hidden states have a constant width");
+            Ok(graph.hidden_states_input(width))
+        }
         (Op::Input(kind), _) => Ok(graph.input(*kind)),
         (Op::Weight { name }, Some((shape, dtype))) => {
             let dims: Vec<usize> = shape

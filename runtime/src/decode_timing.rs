@@ -140,6 +140,7 @@ pub fn time_decode<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) -
                 .collect();
             let segments: Vec<Segment> = (0..batch)
                 .map(|s| Segment {
+                    hidden_states: &[],
                     table: &tables[s],
                     start: lengths[s],
                     ids: &ids[s],
@@ -221,6 +222,7 @@ fn prefill<D: PlanDevice>(
         for start in (0..prompt).step_by(chunk) {
             let ids: Vec<u32> = (start..prompt.min(start + chunk)).map(|p| id(s, p)).collect();
             executor.step_batch_last_rows(&[Segment {
+                hidden_states: &[],
                 table,
                 start,
                 ids: &ids,

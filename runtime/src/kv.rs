@@ -30,6 +30,9 @@ pub struct Segment<'a> {
     /// Where its recurrent state starts from and where copies of it are kept (the prefix
     /// cache of models with recurrent state); [`StateSnapshots::NONE`] elsewhere.
     pub snapshots: StateSnapshots<'a>,
+    /// Another model's hidden state at each of its tokens, row after row, for a graph that
+    /// reads them (a multi-token prediction head); empty for every other graph.
+    pub hidden_states: &'a [f32],
 }
 
 /// A segment's use of recurrent-state snapshots: copies of a sequence's state after a number
@@ -196,6 +199,7 @@ mod tests {
     /// Positions 8..12 of a sequence, the last two rows verifying one drafted token.
     fn segment<'a>(restore: Option<usize>, save: &'a [StateSave], start: usize) -> Segment<'a> {
         Segment {
+            hidden_states: &[],
             table: &[],
             start,
             ids: &[1, 2, 3, 4],

@@ -393,6 +393,7 @@ pub fn graph_check(target: Target, arch: &str, fixtures: &Path) -> Result<()> {
                 .collect();
             let batch: Vec<Segment> = (0..sequences)
                 .map(|s| Segment {
+                    hidden_states: &[],
                     table: &tables[s],
                     start,
                     ids: &ids[s],

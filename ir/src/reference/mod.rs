@@ -83,6 +83,18 @@ impl<'w> Interpreter<'w> {
         token_ids: &[u32],
         positions: &[usize],
     ) -> Result<HashMap<String, Tensor>, InterpError> {
+        self.step_with_hidden_states(graph, token_ids, positions, &[])
+    }
+
+    /// Like [`step`](Self::step), for a graph that also reads a hidden state per token (its
+    /// `HiddenStates` input): `hidden_states` holds them row after row.
+    pub fn step_with_hidden_states(
+        &mut self,
+        graph: &Graph,
+        token_ids: &[u32],
+        positions: &[usize],
+        hidden_states: &[f32],
+    ) -> Result<HashMap<String, Tensor>, InterpError> {
         if token_ids.len() != positions.len() || token_ids.is_empty() {
             return Err(InterpError::Input(format!(
                 "{} token ids with {} positions",
@@ -101,6 +113,17 @@ impl<'w> Interpreter<'w> {
             let value = match &node.op {
                 Op::Input(InputKind::TokenIds) => Value::Ids(token_ids.iter().map(|&t| t as usize).collect()),
                 Op::Input(InputKind::Positions) => Value::Ids(positions.to_vec()),
+                Op::Input(InputKind::HiddenStates) => {
+                    let width = node.shape.resolve(token_ids.len(), 0)[1];
+                    if hidden_states.len() != token_ids.len() * width {
+                        return Err(InterpError::Input(format!(
+                            "{} hidden-state values for {} tokens of {width}",
+                            hidden_states.len(),
+                            token_ids.len()
+                        )));
+                    }
+                    Value::F32(Tensor::new(vec![token_ids.len(), width], hidden_states.to_vec()))
+                }
                 Op::Weight { name } => {
                     let t = self.weights.weight_f32(name).map_err(|message| InterpError::Weight {
                         name: name.clone(),
@@ -289,6 +312,16 @@ impl<'w> Interpreter<'w> {
                     vec![x.rows(), *len],
                     ops::slice_columns(&x.data, x.row_len(), *start, *len),
                 )
+            }
+            Op::ConcatColumns => {
+                let (a, b) = (args[0].tensor(), args[1].tensor());
+                let data = a
+                    .data
+                    .chunks(a.row_len())
+                    .zip(b.data.chunks(b.row_len()))
+                    .flat_map(|(x, y)| x.iter().chain(y).copied())
+                    .collect();
+                Tensor::new(vec![a.rows(), a.row_len() + b.row_len()], data)
             }
             Op::ConcatRows => {
                 let k = args[0].tensor().row_len();

@@ -128,6 +128,9 @@ impl ModelConfig {
             final_logit_softcap: file
                 .optional_f64(&key("final_logit_softcapping"))?
                 .map(|cap| cap as f32),
+            // llama.cpp keeps multi-token prediction layers among the blocks; bbc reads them
+            // from HF checkpoints only.
+            mtp_layers: 0,
         };
         config.check(&file.path)
     }

@@ -106,6 +106,7 @@ pub(super) fn read(file: &GgufFile) -> Result<ModelConfig> {
         final_logit_softcap: file
             .optional_f64(&meta.key("final_logit_softcapping"))?
             .map(|cap| cap as f32),
+        mtp_layers: 0,
     };
     config.check(&file.path)
 }

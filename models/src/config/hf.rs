@@ -113,6 +113,10 @@ impl ModelConfig {
                 _ => None,
             },
             final_logit_softcap: cfg.opt_f64("final_logit_softcapping")?.map(|cap| cap as f32),
+            mtp_layers: match cfg.opt_usize("mtp_num_hidden_layers")? {
+                Some(n) => n,
+                None => cfg.opt_usize("num_nextn_predict_layers")?.unwrap_or(0),
+            },
         };
         config.check(path)
     }

@@ -119,6 +119,10 @@ pub struct ModelConfig {
     pub mla: Option<MlaConfig>,
     /// Logits are soft-capped, `cap · tanh(logits / cap)` (`final_logit_softcapping`).
     pub final_logit_softcap: Option<f32>,
+    /// Multi-token prediction layers the checkpoint carries after its decoder layers
+    /// (`mtp_num_hidden_layers`, `num_nextn_predict_layers`): a draft head that predicts the
+    /// token after next from a token and the model's hidden state before it.
+    pub mtp_layers: usize,
 }
 
 /// Multi-head latent attention with DeepSeek's sparse indexer (GLM-5; HF names).
@@ -308,6 +312,7 @@ impl ModelConfig {
             gemma4: None,
             mla: None,
             final_logit_softcap: None,
+            mtp_layers: 0,
         }
     }
 
@@ -354,6 +359,7 @@ impl ModelConfig {
             gemma4: None,
             mla: None,
             final_logit_softcap: None,
+            mtp_layers: 0,
         }
     }
 

@@ -150,17 +150,7 @@ fn build(config: &ModelConfig, weights: Catalog<'_>, options: LowerOptions) -> R
         Catalog::Source(source) => Naming::detect(source),
         Catalog::Implied => Naming::Hf(HfPrefix::Text),
     };
-    let matrices = match weights {
-        Catalog::Source(source) => source.matrix_storage().unwrap_or(GgmlType::F32),
-        Catalog::Implied => Catalog::IMPLIED_STORAGE,
-    };
-    let mut b = Builder {
-        graph: Graph::new(config.family.name()),
-        weights,
-        naming,
-        cache_dtype: options.kv_cache.resolve(options.compute, matrices),
-        options,
-    };
+    let mut b = Builder::new(config.family.name(), weights, naming, options);
     match config.family {
         Family::Llama => llama::lower(config, &mut b)?,
         Family::Gemma3 => gemma3::lower(config, &mut b)?,
@@ -171,6 +161,73 @@ fn build(config: &ModelConfig, weights: Catalog<'_>, options: LowerOptions) -> R
     }
     b.graph.validate().map_err(graph_error)?;
     Ok(b.graph)
+}
+
+/// Lower the checkpoint's multi-token prediction layers (`ModelConfig::mtp_layers`) to the
+/// graph of one draft step: from each token's id and the target's `hidden` state at the
+/// position before it (the `HiddenStates` input), the logits of the token after it, through
+/// the target's embedding and LM head. Its own attention layers keep their caches in slots
+/// from 0; its `hidden` output (the normed state its head reads) is the hidden state its
+/// next chained step reads.
+pub fn lower_mtp(config: &ModelConfig, weights: &WeightSource, options: LowerOptions) -> Result<Graph> {
+    let unsupported = |what: String| ModelError::TensorShape {
+        name: "mtp".into(),
+        what,
+    };
+    if config.mtp_layers == 0 {
+        return Err(unsupported(format!(
+            "this {} checkpoint has no multi-token prediction layers",
+            config.family.name()
+        )));
+    }
+    let naming = match Naming::detect(weights) {
+        Naming::Hf(prefix) => Naming::Hf(HfPrefix::Mtp(prefix.text())),
+        Naming::Gguf => {
+            return Err(unsupported(
+                "multi-token prediction layers are read from HF checkpoints, not GGUF files".into(),
+            ))
+        }
+    };
+    let name = format!("{}-mtp", config.family.name());
+    let mut b = Builder::new(&name, Catalog::Source(weights), naming, options);
+    match config.family {
+        Family::Qwen35 | Family::Qwen3Next => qwen3_5::lower_mtp(config, &mut b)?,
+        family => {
+            return Err(unsupported(format!(
+                "bbc reads multi-token prediction layers of qwen3_5 and qwen3_next checkpoints, not {}",
+                family.name()
+            )))
+        }
+    }
+    b.graph.validate().map_err(graph_error)?;
+    Ok(b.graph)
+}
+
+/// `graph` whose `hidden` output (the normed state its LM head reads) is also output for
+/// every row of a step as `hidden_states`: what a multi-token prediction head drafting for the
+/// model reads at each position it computed.
+pub fn with_hidden_states(graph: &Graph) -> Result<Graph> {
+    let mut g = graph.clone();
+    let missing = || ModelError::TensorShape {
+        name: "graph".into(),
+        what: "has no `hidden` output of a final norm".into(),
+    };
+    let hidden = g.output("hidden").ok_or_else(missing)?;
+    let norm = g.node(hidden).clone();
+    if !matches!(norm.op, Op::RmsNorm { .. }) {
+        return Err(missing());
+    }
+    let rows = g.node(norm.inputs[0]);
+    let every_row = match rows.op {
+        Op::LastToken => rows.inputs[0],
+        _ => norm.inputs[0],
+    };
+    let all = g
+        .add(norm.op.clone(), &[every_row, norm.inputs[1]])
+        .map_err(graph_error)?;
+    g.set_output("hidden_states", all);
+    g.validate().map_err(graph_error)?;
+    Ok(g)
 }
 
 /// `graph` (with a `logits` output) that also outputs `next_token`, the argmax of each logits
@@ -210,6 +267,17 @@ pub(crate) enum HfPrefix {
     Text,
     LanguageModel,
     LegacyLanguageModel,
+    /// The multi-token prediction layers (`mtp.`) beside a language model at the given
+    /// prefix, whose embedding and head they share.
+    Mtp(TextPrefix),
+}
+
+/// Where a checkpoint keeps its language model (an [`HfPrefix`] other than `Mtp`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TextPrefix {
+    Text,
+    LanguageModel,
+    LegacyLanguageModel,
 }
 
 impl HfPrefix {
@@ -218,6 +286,7 @@ impl HfPrefix {
             Self::Text => "model.",
             Self::LanguageModel => "model.language_model.",
             Self::LegacyLanguageModel => "language_model.model.",
+            Self::Mtp(_) => "mtp.",
         }
     }
 
@@ -225,6 +294,27 @@ impl HfPrefix {
         match self {
             Self::Text | Self::LanguageModel => "lm_head.weight",
             Self::LegacyLanguageModel => "language_model.lm_head.weight",
+            Self::Mtp(target) => Self::from(target).head(),
+        }
+    }
+
+    /// The language model's own prefix (for `Mtp`, the one it shares tensors with).
+    fn text(self) -> TextPrefix {
+        match self {
+            Self::Text => TextPrefix::Text,
+            Self::LanguageModel => TextPrefix::LanguageModel,
+            Self::LegacyLanguageModel => TextPrefix::LegacyLanguageModel,
+            Self::Mtp(target) => target,
+        }
+    }
+}
+
+impl From<TextPrefix> for HfPrefix {
+    fn from(p: TextPrefix) -> Self {
+        match p {
+            TextPrefix::Text => Self::Text,
+            TextPrefix::LanguageModel => Self::LanguageModel,
+            TextPrefix::LegacyLanguageModel => Self::LegacyLanguageModel,
         }
     }
 }
@@ -274,8 +364,12 @@ impl Naming {
         Self::Hf(prefix)
     }
 
+    /// The token embedding (the language model's, for its multi-token prediction layers).
     pub(crate) fn embedding(self) -> String {
-        self.model_tensor("embed_tokens.weight", "token_embd.weight")
+        match self {
+            Self::Hf(p) => format!("{}embed_tokens.weight", HfPrefix::from(p.text()).model()),
+            Self::Gguf => "token_embd.weight".into(),
+        }
     }
 
     pub(crate) fn output_norm(self) -> String {
@@ -412,7 +506,21 @@ pub(crate) struct Builder<'w> {
     cache_dtype: DType,
 }
 
-impl Builder<'_> {
+impl<'w> Builder<'w> {
+    fn new(name: &str, weights: Catalog<'w>, naming: Naming, options: LowerOptions) -> Self {
+        let matrices = match weights {
+            Catalog::Source(source) => source.matrix_storage().unwrap_or(GgmlType::F32),
+            Catalog::Implied => Catalog::IMPLIED_STORAGE,
+        };
+        Self {
+            graph: Graph::new(name),
+            weights,
+            naming,
+            cache_dtype: options.kv_cache.resolve(options.compute, matrices),
+            options,
+        }
+    }
+
     /// A matrix weight `[rows, cols]`, typed as the compute dtype asks.
     pub fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<NodeId> {
         let storage = self.weights.storage(name, &[rows, cols])?;

@@ -26,7 +26,8 @@
 //! projections, the convolution's value channels, `A`, `dt_bias` and the output projection's
 //! columns all reordered alike); for Qwen3-Next, `in_proj_qkvz` split into Qwen3.5's
 //! `attn_qkv` and `attn_gate` (value heads left grouped) and `in_proj_ba` kept as `ssm_ba`.
-//! The multi-token-prediction weights (`mtp.*`, or layers past `block_count`) are not used.
+//! The multi-token prediction layers (`mtp.*` in HF checkpoints) lower to a draft graph of
+//! their own ([`lower_mtp`]); llama.cpp's files keep them among the blocks, unread.
 
 use super::moe::{mlp, SharedNames};
 use super::{Builder, LayerTensor, Naming};
@@ -46,26 +47,65 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     let offset = norm_offset(b.naming);
     let (_, positions, mut x) = b.token_embeddings(c)?;
     for i in 0..c.layers {
-        let norm = b.naming.layer(i, LayerTensor::AttnNorm);
-        let h = b.rms_norm(x, &norm, c.hidden, c.rms_eps, offset)?;
-        let mixed = match c.layer_attention[i] {
-            LayerAttention::Linear => {
-                let shapes = c.linear_attention.ok_or_else(|| ModelError::TensorShape {
-                    name: "config".into(),
-                    what: "linear_attention layers need their linear_* shapes".into(),
-                })?;
-                delta_net(c, &shapes, b, i, h)?
-            }
-            LayerAttention::Full | LayerAttention::Sliding => gated_attention(c, b, i, h, positions)?,
-        };
-        x = b.add(x, mixed)?;
-        // HF's `post_attention_layernorm`: the norm before the MLP.
-        let norm = b.naming.layer(i, LayerTensor::PostAttnNorm);
-        let h = b.rms_norm(x, &norm, c.hidden, c.rms_eps, offset)?;
-        let m = mlp(c, b, i, h, SharedNames::Expert)?;
-        x = b.add(x, m)?;
+        x = decoder_layer(c, b, i, c.layer_attention[i], x, positions)?;
     }
     b.lm_head(c, x, offset)
+}
+
+/// The multi-token prediction layers (vLLM's `Qwen3NextMTP`): the token's embedding and the
+/// target's hidden state each normed (`pre_fc_norm_embedding`, `pre_fc_norm_hidden`), joined
+/// side by side and projected back to the hidden size (`fc`), then full-attention decoder
+/// layers, the final norm (`mtp.norm`) and the target's head. `b` names `mtp.` tensors.
+pub(super) fn lower_mtp(c: &ModelConfig, b: &mut Builder) -> Result<()> {
+    let offset = norm_offset(b.naming);
+    let (_, positions, embedded) = b.token_embeddings(c)?;
+    let hidden = b.graph.hidden_states_input(c.hidden);
+    let embedded = b.rms_norm(
+        embedded,
+        "mtp.pre_fc_norm_embedding.weight",
+        c.hidden,
+        c.rms_eps,
+        offset,
+    )?;
+    let hidden = b.rms_norm(hidden, "mtp.pre_fc_norm_hidden.weight", c.hidden, c.rms_eps, offset)?;
+    let joined = b.op(Op::ConcatColumns, &[embedded, hidden])?;
+    let fc = b.matrix("mtp.fc.weight", c.hidden, 2 * c.hidden)?;
+    let mut x = b.matmul(joined, fc)?;
+    for i in 0..c.mtp_layers {
+        x = decoder_layer(c, b, i, LayerAttention::Full, x, positions)?;
+    }
+    b.lm_head(c, x, offset)
+}
+
+/// Decoder layer `i` over the residual stream `x`: its token mixer (`attention`), then its MLP,
+/// each normed before and added back.
+fn decoder_layer(
+    c: &ModelConfig,
+    b: &mut Builder,
+    i: usize,
+    attention: LayerAttention,
+    x: NodeId,
+    positions: NodeId,
+) -> Result<NodeId> {
+    let offset = norm_offset(b.naming);
+    let norm = b.naming.layer(i, LayerTensor::AttnNorm);
+    let h = b.rms_norm(x, &norm, c.hidden, c.rms_eps, offset)?;
+    let mixed = match attention {
+        LayerAttention::Linear => {
+            let shapes = c.linear_attention.ok_or_else(|| ModelError::TensorShape {
+                name: "config".into(),
+                what: "linear_attention layers need their linear_* shapes".into(),
+            })?;
+            delta_net(c, &shapes, b, i, h)?
+        }
+        LayerAttention::Full | LayerAttention::Sliding => gated_attention(c, b, i, h, positions)?,
+    };
+    let x = b.add(x, mixed)?;
+    // HF's `post_attention_layernorm`: the norm before the MLP.
+    let norm = b.naming.layer(i, LayerTensor::PostAttnNorm);
+    let h = b.rms_norm(x, &norm, c.hidden, c.rms_eps, offset)?;
+    let m = mlp(c, b, i, h, SharedNames::Expert)?;
+    b.add(x, m)
 }
 
 /// The tensors of a DeltaNet layer.

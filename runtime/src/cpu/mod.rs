@@ -324,6 +324,7 @@ impl CpuBackend {
             seq.table.push(BlockId(seq.table.len() as u32));
         }
         let segment = Segment {
+            hidden_states: &[],
             table: &seq.table,
             start: seq.len,
             ids,
@@ -351,6 +352,18 @@ impl CpuBackend {
             let value = match &node.op {
                 Op::Input(InputKind::TokenIds) => Some(Value::Ids(ids.clone())),
                 Op::Input(InputKind::Positions) => Some(Value::Ids(rows.rope.positions().to_vec())),
+                Op::Input(InputKind::HiddenStates) => {
+                    let hidden: Vec<f32> = batch.iter().flat_map(|s| s.hidden_states).copied().collect();
+                    let width = node.shape.resolve(ids.len(), 0)[1];
+                    if hidden.len() != ids.len() * width {
+                        return Err(RuntimeError::Input(format!(
+                            "{} hidden-state values for a step of {} tokens of {width}",
+                            hidden.len(),
+                            ids.len()
+                        )));
+                    }
+                    Some(Value::F32(Tensor::new(vec![ids.len(), width], hidden)))
+                }
                 Op::Weight { .. } => None,
                 op if op.is_weight_transform() => None,
                 // The positions of the sampled rows, for what runs on those rows only.
@@ -563,6 +576,20 @@ impl CpuBackend {
                 let mut out = spares.take(x.rows() * len);
                 rows::slice_columns(&x.data, x.row_len(), *start..*start + *len, &mut out);
                 Tensor::new(vec![x.rows(), *len], out)
+            }
+            Op::ConcatColumns => {
+                let (a, b) = (args[0].value().tensor(), args[1].value().tensor());
+                let width = a.row_len() + b.row_len();
+                let mut out = spares.take(a.rows() * width);
+                for ((row, x), y) in out
+                    .chunks_exact_mut(width)
+                    .zip(a.data.chunks_exact(a.row_len()))
+                    .zip(b.data.chunks_exact(b.row_len()))
+                {
+                    row[..x.len()].copy_from_slice(x);
+                    row[x.len()..].copy_from_slice(y);
+                }
+                Tensor::new(vec![a.rows(), width], out)
             }
             Op::AddRmsNorm { eps, weight_offset } => {
                 let (a, b) = (args[0].value().tensor(), args[1].value().tensor());

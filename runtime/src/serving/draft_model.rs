@@ -35,6 +35,14 @@ pub trait Drafter: Send {
     fn propose(&mut self, requests: &[DraftRequest<'_>]) -> Result<BTreeMap<SeqId, Vec<u32>>>;
     /// Let go of what it keeps for sequences `keep` says are gone.
     fn retain(&mut self, keep: &mut dyn FnMut(SeqId) -> bool);
+    /// The output of the target's steps it reads (a multi-token prediction head reads the
+    /// target's hidden states), where it reads one; the target's graph must then have it.
+    fn reads_target_output(&self) -> Option<&'static str> {
+        None
+    }
+    /// That output's rows for positions `first..first + rows.rows()` of sequence `seq`,
+    /// which it now holds (its refused drafts' rows left out), after each step computing them.
+    fn observe(&mut self, _seq: SeqId, _first: usize, _rows: &ir::Tensor) {}
 }
 
 /// A draft model on a paged backend, with the cache it keeps per sequence.
@@ -245,6 +253,7 @@ impl<B: PagedBackend> DraftModel<B> {
                     },
                 };
                 Segment {
+                    hidden_states: &[],
                     table: &seq.table,
                     start: s.start,
                     ids: &s.ids,

@@ -388,6 +388,7 @@ impl<B: PagedBackend> ServingEngine<B> {
             .map(|(w, scored)| {
                 let sampled = if w.samples { w.drafts + 1 } else { 1 };
                 Segment {
+                    hidden_states: &[],
                     table: &w.table,
                     start: w.start,
                     ids: &w.tokens,
@@ -477,6 +478,9 @@ impl<B: PagedBackend> ServingEngine<B> {
                 // go of the states the step kept for that, all drafts accepted or not).
                 self.backend
                     .rewind_state(&mut self.pages, work.state_slot, work.drafts + 1, accepted + 1)?;
+            }
+            if let (Some(drafter), Some(outputs)) = (self.drafter.as_mut(), outputs.get(i)) {
+                show_target_rows(drafter.as_mut(), work, accepted, outputs);
             }
             out.drafted += work.drafts;
             out.accepted += accepted;
@@ -599,6 +603,23 @@ impl<B: PagedBackend> ServingEngine<B> {
         }
         Ok(out)
     }
+}
+
+/// Give `drafter` the rows of the output it reads (where it reads one) of the positions `work`'s
+/// sequence keeps: all of a prompt chunk's, and of a sampled work's, those before its drafts
+/// and the `accepted` drafts.
+fn show_target_rows(drafter: &mut dyn Drafter, work: &Work, accepted: usize, outputs: &HashMap<String, Tensor>) {
+    let output = drafter.reads_target_output().and_then(|name| outputs.get(name));
+    let Some(rows) = output.filter(|rows| rows.rows() == work.tokens.len()) else {
+        return;
+    };
+    let kept = match work.samples {
+        true => work.tokens.len() - work.drafts + accepted,
+        false => work.tokens.len(),
+    };
+    let width = rows.row_len();
+    let kept_rows = Tensor::new(vec![kept, width], rows.data[..kept * width].to_vec());
+    drafter.observe(work.seq, work.start, &kept_rows);
 }
 
 /// The tokens a greedy sequence takes from the argmax `ids` of its sampled rows (one per

@@ -5,6 +5,7 @@ pub mod block_manager;
 pub mod cpu_greedy;
 pub mod draft_model;
 pub mod engine;
+pub mod mtp;
 pub mod ngram;
 pub mod scheduler;
 pub mod state_cache;
@@ -14,6 +15,7 @@ pub use block_manager::{BlockId, BlockManager, OutOfBlocks};
 pub use cpu_greedy::CpuGreedyServing;
 pub use draft_model::{DraftModel, Drafter};
 pub use engine::{PagedBackend, Sampled, ServingEngine, StateSnapshotting, StepOutput};
+pub use mtp::{MtpDrafter, TARGET_HIDDEN_STATES};
 pub use ngram::{NgramConfig, NgramIndex};
 pub use scheduler::{
     AddError, DraftRequest, FinishReason, Finished, PrefixCacheStats, Schedule, Scheduler, SchedulerConfig,

@@ -157,6 +157,11 @@ pub(crate) fn select(
                 match kind {
                     InputKind::TokenIds => s.token_ids = Some(i),
                     InputKind::Positions => s.positions = Some(i),
+                    InputKind::HiddenStates => {
+                        return Err(unsupported(
+                            "another model's hidden states as an input (multi-token prediction heads run on the CPU backend)".into(),
+                        ))
+                    }
                 }
                 s.views.insert(i, own);
             }

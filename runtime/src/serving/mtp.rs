@@ -1,0 +1,313 @@
+//! Drafting with the target's own multi-token prediction head (vLLM's `method: mtp`): a
+//! small graph that reads a token and the target's hidden state at the position before it
+//! and predicts the token after it, through the target's embedding and head.
+//!
+//! The head's row for position `p` reads token `p + 1` and the target's hidden state at `p`,
+//! and its argmax is a guess at token `p + 2`. So once the target has computed a sequence's
+//! positions up to `n − 2` and sampled token `n − 1`, the head's row at `n − 2` gives the
+//! first draft (for position `n`); each further draft is a row one position on that reads the
+//! draft before it and, in place of the target's state (which the target has not computed
+//! yet), the hidden state the head's own previous row left.
+//!
+//! The head keeps its own paged KV cache per sequence. Its rows up to `n − 2` read the
+//! target's states and stay; its drafting rows past them are written over by the next
+//! proposal's catch-up, which starts where the kept rows end. The target's states come from
+//! the serving engine after each step ([`Drafter::observe`]): rows of the positions a sequence
+//! keeps, refused drafts' left out. A sequence whose earlier positions the target never
+//! computed (they came from the prefix cache) has no states for them: the head cannot
+//! attend over them, so it drafts nothing for that sequence.
+
+use super::block_manager::BlockManager;
+use super::draft_model::Drafter;
+use super::engine::PagedBackend;
+use super::scheduler::{DraftRequest, SeqId};
+use crate::error::{Result, RuntimeError};
+use crate::kv::{BlockId, Segment, StateSnapshots};
+use ir::Tensor;
+use std::collections::{BTreeMap, HashMap};
+
+/// The target output a multi-token prediction head reads: the target's normed hidden state at
+/// every row it computes (`models::with_hidden_states`).
+pub const TARGET_HIDDEN_STATES: &str = "hidden_states";
+
+/// A multi-token prediction head on a paged backend (its graph reads `HiddenStates` and has
+/// `logits` and `hidden` outputs of its last row), with the cache it keeps per sequence.
+pub struct MtpDrafter<B: PagedBackend> {
+    backend: B,
+    pages: B::Pages,
+    blocks: BlockManager,
+    /// Rows one pass computes at most (catch-up is cut to it).
+    token_budget: usize,
+    context_length: usize,
+    /// The target's hidden size.
+    width: usize,
+    seqs: HashMap<SeqId, MtpSeq>,
+}
+
+/// A sequence's share of the head's cache, and the target's states it has not read yet.
+struct MtpSeq {
+    table: Vec<BlockId>,
+    /// Rows computed from the target's states: positions `0..computed`.
+    computed: usize,
+    /// The target's states at positions `states_from..`, row after row: those not computed
+    /// yet, and the last one computed (a proposal whose sequence a step left out computes
+    /// that row again for its first draft).
+    states: Vec<f32>,
+    states_from: usize,
+    /// The target's states skip positions (they came from its prefix cache): it drafts nothing.
+    broken: bool,
+}
+
+impl MtpSeq {
+    /// Positions up to which the target's states are known.
+    fn states_end(&self, width: usize) -> usize {
+        self.states_from + self.states.len() / width
+    }
+}
+
+/// One sequence's share of a pass.
+struct PassRow {
+    seq: SeqId,
+    start: usize,
+    ids: Vec<u32>,
+    /// A hidden state per id.
+    states: Vec<f32>,
+}
+
+/// What a pass gives each segment: its greedy token and the hidden state of its last row.
+struct PassResult {
+    token: u32,
+    hidden: Vec<f32>,
+}
+
+impl<B: PagedBackend> MtpDrafter<B> {
+    /// A drafter over `backend` (the head's graph) for a target of hidden size `width`,
+    /// holding at most `blocks` cache blocks of `block_size` positions, computing at most
+    /// `token_budget` rows a pass, over contexts of `context_length`.
+    pub fn new(
+        backend: B,
+        width: usize,
+        blocks: usize,
+        block_size: usize,
+        token_budget: usize,
+        context_length: usize,
+    ) -> Result<Self> {
+        if block_size == 0 || blocks == 0 || token_budget == 0 || width == 0 {
+            return Err(RuntimeError::Graph(
+                "a multi-token prediction head needs blocks, a block size, a token budget and a hidden size".into(),
+            ));
+        }
+        if backend.has_recurrent_state() {
+            return Err(RuntimeError::Graph(
+                "a multi-token prediction head has attention layers only; this one keeps a recurrent state".into(),
+            ));
+        }
+        let token_budget = backend
+            .max_step_tokens()
+            .map_or(token_budget, |most| token_budget.min(most));
+        Ok(Self {
+            pages: backend.new_pages(block_size),
+            backend,
+            blocks: BlockManager::new(blocks, block_size),
+            token_budget,
+            context_length,
+            width,
+            seqs: HashMap::new(),
+        })
+    }
+
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Blocks held by sequences now.
+    pub fn used_blocks(&self) -> usize {
+        self.blocks.used_blocks()
+    }
+
+    /// Run one pass over `rows`, one segment each.
+    fn pass(&mut self, rows: &[PassRow]) -> Result<Vec<PassResult>> {
+        let batch: Vec<Segment> = rows
+            .iter()
+            .map(|r| Segment {
+                table: &self.seqs[&r.seq].table,
+                start: r.start,
+                ids: &r.ids,
+                state_slot: 0,
+                sampled_rows: 1,
+                drafts: 0,
+                snapshots: StateSnapshots::NONE,
+                hidden_states: &r.states,
+            })
+            .collect();
+        let outputs = self.backend.step_batch(&mut self.pages, &batch)?;
+        if outputs.len() != rows.len() {
+            return Err(missing("a result per segment"));
+        }
+        outputs
+            .iter()
+            .map(|out| {
+                let last = |name: &str| -> Result<&[f32]> {
+                    let t = out.get(name).ok_or_else(|| missing(&format!("`{name}` output")))?;
+                    match t.rows() {
+                        0 => Err(missing(&format!("row of `{name}`"))),
+                        rows => Ok(t.row(rows - 1)),
+                    }
+                };
+                Ok(PassResult {
+                    token: crate::sampling::argmax(last("logits")?),
+                    hidden: last("hidden")?.to_vec(),
+                })
+            })
+            .collect()
+    }
+}
+
+/// One sequence's proposal in the making.
+struct Proposal {
+    seq: SeqId,
+    /// The sequence's length (its last token not computed by the target yet).
+    len: usize,
+    limit: usize,
+    drafts: Vec<u32>,
+    /// The hidden state of the head's last row, which the next draft's row reads.
+    hidden: Vec<f32>,
+}
+
+impl<B: PagedBackend + Send> Drafter for MtpDrafter<B>
+where
+    B::Pages: Send,
+{
+    fn propose(&mut self, requests: &[DraftRequest<'_>]) -> Result<BTreeMap<SeqId, Vec<u32>>> {
+        let width = self.width;
+        let mut budget = self.token_budget;
+        let mut proposals = Vec::new();
+        let mut rows = Vec::new();
+        for r in requests {
+            let len = r.tokens.len();
+            let Some(seq) = self.seqs.get_mut(&r.seq) else {
+                continue;
+            };
+            // The target's states must reach position `len − 2` (the row of the first draft).
+            if seq.broken || len < 2 || seq.states_end(width) < len - 1 || budget == 0 {
+                continue;
+            }
+            // Drafting rows reach position `len − 2 + limit − 1`; the last draft's own row is
+            // never computed.
+            let limit = r.limit.min(self.context_length.saturating_sub(len));
+            if limit == 0 || self.blocks.grow(&mut seq.table, len - 2 + limit).is_err() {
+                continue;
+            }
+            let start = seq.computed.min(len - 2).max(seq.states_from);
+            let end = (len - 1).min(start + budget);
+            budget -= end - start;
+            let states = &seq.states[(start - seq.states_from) * width..(end - seq.states_from) * width];
+            rows.push(PassRow {
+                seq: r.seq,
+                start,
+                ids: r.tokens[start + 1..end + 1].to_vec(),
+                states: states.to_vec(),
+            });
+            proposals.push(Proposal {
+                seq: r.seq,
+                len,
+                // A catch-up cut short by the budget drafts nothing this step.
+                limit: if end == len - 1 { limit } else { 0 },
+                drafts: Vec::new(),
+                hidden: Vec::new(),
+            });
+        }
+        if rows.is_empty() {
+            return Ok(BTreeMap::new());
+        }
+        let results = self.pass(&rows)?;
+        for ((p, row), result) in proposals.iter_mut().zip(&rows).zip(results) {
+            let seq = self.seqs.get_mut(&p.seq).expect("proposing");
+            let end = row.start + row.ids.len();
+            seq.computed = end;
+            // Keep the states from the last row computed on.
+            let keep_from = end - 1;
+            seq.states.drain(..(keep_from - seq.states_from) * width);
+            seq.states_from = keep_from;
+            if p.limit > 0 {
+                p.drafts.push(result.token);
+                p.hidden = result.hidden;
+            }
+        }
+        loop {
+            let growing: Vec<usize> = (0..proposals.len())
+                .filter(|&i| !proposals[i].drafts.is_empty() && proposals[i].drafts.len() < proposals[i].limit)
+                .collect();
+            if growing.is_empty() {
+                break;
+            }
+            let rows: Vec<PassRow> = growing
+                .iter()
+                .map(|&i| {
+                    let p = &proposals[i];
+                    PassRow {
+                        seq: p.seq,
+                        start: p.len - 2 + p.drafts.len(),
+                        ids: vec![*p.drafts.last().expect("drafting")],
+                        states: p.hidden.clone(),
+                    }
+                })
+                .collect();
+            let results = self.pass(&rows)?;
+            for (i, result) in growing.into_iter().zip(results) {
+                proposals[i].drafts.push(result.token);
+                proposals[i].hidden = result.hidden;
+            }
+        }
+        Ok(proposals
+            .into_iter()
+            .filter(|p| !p.drafts.is_empty())
+            .map(|p| (p.seq, p.drafts))
+            .collect())
+    }
+
+    fn retain(&mut self, keep: &mut dyn FnMut(SeqId) -> bool) {
+        let gone: Vec<SeqId> = self.seqs.keys().copied().filter(|&id| !keep(id)).collect();
+        for id in gone {
+            let mut seq = self.seqs.remove(&id).expect("listed");
+            self.blocks.release(&mut seq.table);
+        }
+    }
+
+    fn reads_target_output(&self) -> Option<&'static str> {
+        Some(TARGET_HIDDEN_STATES)
+    }
+
+    fn observe(&mut self, id: SeqId, first: usize, rows: &Tensor) {
+        let width = self.width;
+        let seq = self.seqs.entry(id).or_insert_with(|| MtpSeq::starting_at(first));
+        // Rows of another width are not of the target this head was made for.
+        if rows.row_len() != width || first > seq.states_end(width) {
+            seq.broken = true;
+        }
+        if seq.broken {
+            return;
+        }
+        // Positions already known (computed again after a preemption) keep their states.
+        let skip = (seq.states_end(width) - first).min(rows.rows());
+        seq.states.extend_from_slice(&rows.data[skip * width..]);
+    }
+}
+
+impl MtpSeq {
+    /// A sequence whose first target states are of position `first`: one that starts past 0
+    /// found its beginning in the target's prefix cache, and never drafts.
+    fn starting_at(first: usize) -> Self {
+        Self {
+            table: Vec::new(),
+            computed: 0,
+            states: Vec::new(),
+            states_from: first,
+            broken: first > 0,
+        }
+    }
+}
+
+fn missing(what: &str) -> RuntimeError {
+    RuntimeError::Graph(format!("the multi-token prediction head's step returned no {what}"))
+}

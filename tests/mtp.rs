@@ -1,0 +1,394 @@
+//! Multi-token prediction heads: the tiny Qwen3.5 and Qwen3-Next models given MTP layers (in
+//! the checkpoints' `mtp.*` layout) draft for themselves on the CPU backend, and whatever the
+//! head guesses, the served tokens are the target's own: greedy and sampled, with drafts
+//! accepted and refused, across preemption and prefix-cache hits. The head's graph (its
+//! hidden-state input, its joined projection) runs on the CPU backend as the IR's reference
+//! interpreter runs it.
+
+mod common;
+
+use ir::reference::Interpreter;
+use models::weights::{MemoryTensors, Tensors};
+use models::{LogitsFor, LowerOptions, MemoryTensor, Model, ModelSpec, WeightSource};
+use runtime::serving::{MtpDrafter, NgramConfig, SchedulerConfig, SeqId, ServingEngine, StepOutput};
+use runtime::{CpuBackend, SamplingParams};
+use std::collections::HashMap;
+
+/// How the test's MTP layers are drawn.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Head {
+    /// For a target whose layers add nothing ([`bigram`]: its next token a function of its
+    /// last), a head that computes that function of its input token: `fc` keeps the embedding
+    /// half, the layer adds nothing, and the final norm is the target's. Every greedy draft
+    /// is the target's own choice.
+    Exact,
+    /// The target's full-attention layer copied as the MTP layer, a random `fc` and norms:
+    /// guesses the target mostly refuses.
+    Copied,
+}
+
+/// Whether `name` is a projection whose output a layer adds to the residual stream.
+fn adds_to_the_residual(name: &str) -> bool {
+    ["o_proj.weight", "down_proj.weight", "out_proj.weight"]
+        .iter()
+        .any(|end| name.ends_with(end))
+}
+
+/// `model` with every layer's contribution to the residual stream zeroed: its logits at a
+/// position are a function of that position's token alone (its attention and DeltaNet layers
+/// still run, their outputs multiplied away).
+fn bigram(mut model: Model) -> Model {
+    let WeightSource::Memory(tensors) = &mut model.weights else {
+        panic!("weights in memory")
+    };
+    for (name, t) in tensors.iter_mut() {
+        if name.starts_with("model.") && adds_to_the_residual(name) {
+            t.bytes.fill(0);
+        }
+    }
+    model
+}
+
+/// A deterministic stream of values in (−scale, scale).
+fn noise(seed: u64, len: usize, scale: f32) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+fn f32_tensor(shape: &[usize], values: &[f32]) -> MemoryTensor {
+    assert_eq!(shape.iter().product::<usize>(), values.len());
+    MemoryTensor {
+        shape: shape.to_vec(),
+        dtype: models::quant::GgmlType::F32,
+        bytes: values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+    }
+}
+
+/// The tiny `family` model with one MTP layer drawn as `head`, its weights in memory.
+fn with_mtp(family: &str, head: Head) -> Model {
+    let mut model = Model::open(ModelSpec::for_weights(&common::fixture(&format!("hf-tiny/{family}")))).unwrap();
+    let c = &model.config;
+    let h = c.hidden;
+    let mut tensors = MemoryTensors::new();
+    for name in model.weights.names() {
+        let view = model.weights.tensor(name).unwrap();
+        tensors.insert(
+            name.to_string(),
+            MemoryTensor {
+                shape: view.shape.to_vec(),
+                dtype: view.dtype,
+                bytes: view.bytes.to_vec(),
+            },
+        );
+    }
+    // The MTP layer has the shapes of the target's full-attention layers.
+    let full = (0..c.layers)
+        .find(|&i| c.layer_attention[i] == models::LayerAttention::Full)
+        .unwrap();
+    let prefix = format!("model.layers.{full}.");
+    let layer: Vec<(String, MemoryTensor)> = tensors
+        .iter()
+        .filter_map(|(name, t)| Some((format!("mtp.layers.0.{}", name.strip_prefix(&prefix)?), t.clone())))
+        .collect();
+    for (i, (name, mut t)) in layer.into_iter().enumerate() {
+        if head == Head::Exact && adds_to_the_residual(&name) {
+            t.bytes.fill(0);
+        }
+        if head == Head::Copied && name.contains("norm") {
+            let n = t.shape.iter().product();
+            t = f32_tensor(&t.shape, &noise(i as u64, n, 0.3));
+        }
+        tensors.insert(name, t);
+    }
+    let fc = match head {
+        // [I | 0]: the normed embedding alone.
+        Head::Exact => (0..h * 2 * h)
+            .map(|k| ((k % (2 * h)) == k / (2 * h)) as u8 as f32)
+            .collect(),
+        Head::Copied => noise(99, h * 2 * h, 0.2),
+    };
+    tensors.insert("mtp.fc.weight".into(), f32_tensor(&[h, 2 * h], &fc));
+    for (k, norm) in ["pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"]
+        .iter()
+        .enumerate()
+    {
+        let t = match head {
+            Head::Exact if *norm == "norm" => tensors["model.norm.weight"].clone(),
+            Head::Exact => f32_tensor(&[h], &vec![0.0; h]),
+            Head::Copied => f32_tensor(&[h], &noise(7 + k as u64, h, 0.3)),
+        };
+        tensors.insert(format!("mtp.{norm}.weight"), t);
+    }
+    model.weights = WeightSource::Memory(tensors);
+    model.config.mtp_layers = 1;
+    model
+}
+
+fn options(model: &Model) -> LowerOptions {
+    LowerOptions {
+        logits: LogitsFor::LastToken,
+        compute: model.spec.dtype,
+        kv_cache: model.spec.kv_cache_dtype,
+    }
+}
+
+/// The target on the CPU backend, its hidden states output at every row where `mtp` reads them.
+fn target(model: &Model, mtp: bool) -> CpuBackend {
+    let mut graph = model.lower(LogitsFor::LastToken).unwrap();
+    if mtp {
+        graph = models::with_hidden_states(&graph).unwrap();
+    }
+    let graph = passes::optimized(&graph, passes::CostModel::CPU).unwrap();
+    CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap()
+}
+
+fn head_graph(model: &Model) -> ir::Graph {
+    models::lower_mtp(&model.config, &model.weights, options(model)).unwrap()
+}
+
+fn drafter(model: &Model, blocks: usize) -> MtpDrafter<CpuBackend> {
+    let graph = passes::optimized(&head_graph(model), passes::CostModel::CPU).unwrap();
+    let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
+    MtpDrafter::new(backend, model.config.hidden, blocks, 8, 64, model.config.context_length).unwrap()
+}
+
+/// Four sequences at once in `kv_blocks` blocks of 8, drafting `drafts` a step, the prefix
+/// cache on.
+fn config(kv_blocks: usize, drafts: usize) -> SchedulerConfig {
+    SchedulerConfig {
+        max_waiting: 32,
+        max_running: 4,
+        token_budget: 64,
+        kv_blocks,
+        block_size: 8,
+        context_length: 2048,
+        prefix_caching: true,
+        speculation: NgramConfig {
+            tokens: drafts,
+            min: 1,
+            max: 3,
+        },
+        recurrent_state: false,
+        // Snapshots of the recurrent states, so that the prefix cache serves hybrid models.
+        state_cache: runtime::serving::StateCacheConfig::every(8, 32),
+    }
+}
+
+/// What serving `requests` gave: each one's tokens, drafts made and accepted, whether any
+/// step found the cache full, and the prompt positions the prefix cache served.
+struct Served {
+    tokens: Vec<Vec<u32>>,
+    drafted: usize,
+    accepted: usize,
+    cache_full: bool,
+    prefix_hits: usize,
+}
+
+fn serve(
+    model: &Model,
+    mtp: bool,
+    config: SchedulerConfig,
+    requests: &[(Vec<u32>, SamplingParams)],
+    max_tokens: usize,
+) -> Served {
+    let mut engine = ServingEngine::new(target(model, mtp), config);
+    if mtp {
+        assert!(engine.use_drafter(Box::new(drafter(model, 256))));
+    }
+    let kv_blocks = config.kv_blocks;
+    let mut ids = Vec::new();
+    let mut got: HashMap<SeqId, Vec<u32>> = HashMap::new();
+    let (mut drafted, mut accepted, mut cache_full) = (0, 0, false);
+    // The later half of the requests come once the first have finished, so that their shared
+    // prefixes are in the prefix cache.
+    let (first, later) = requests.split_at(requests.len() / 2);
+    for batch in [first, later] {
+        for (prompt, sampling) in batch {
+            ids.push(engine.add(prompt.clone(), max_tokens, vec![], *sampling).unwrap());
+        }
+        while !engine.scheduler().is_idle() {
+            let out: StepOutput = engine.step().unwrap();
+            assert_eq!(engine.scheduler().check(), Ok(()));
+            cache_full |= engine.scheduler().used_blocks() == kv_blocks;
+            drafted += out.drafted;
+            accepted += out.accepted;
+            got.extend(out.finished.into_iter().map(|d| (d.seq, d.generated)));
+        }
+    }
+    Served {
+        tokens: ids.iter().map(|id| got[id].clone()).collect(),
+        drafted,
+        accepted,
+        cache_full,
+        prefix_hits: engine.scheduler().prefix_cache_stats().hit as usize,
+    }
+}
+
+/// Prompts of a few lengths, the later half each an earlier one and a token more (so its
+/// beginning is in the prefix cache); greedy, but for a seeded sampled one where `sampled`.
+fn requests(vocab: u32, sampled: bool) -> Vec<(Vec<u32>, SamplingParams)> {
+    let sampling = match sampled {
+        true => SamplingParams {
+            temperature: 0.8,
+            seed: 3,
+            top_p: 0.9,
+            ..SamplingParams::default()
+        },
+        false => SamplingParams::default(),
+    };
+    let prompt = |base: u32, len: u32| -> Vec<u32> { (0..len).map(|j| (base + 29 * j) % vocab).collect() };
+    let mut first = vec![
+        (prompt(11, 19), SamplingParams::default()),
+        (prompt(40, 6), SamplingParams::default()),
+        (prompt(7, 30), sampling),
+        (prompt(90, 12), SamplingParams::default()),
+    ];
+    let later: Vec<_> = first
+        .iter()
+        .map(|(p, s)| {
+            let mut p = p.clone();
+            p.push(5);
+            (p, *s)
+        })
+        .collect();
+    first.extend(later);
+    first
+}
+
+/// A head drafting three tokens a step whose guesses the target mostly refuses changes no
+/// token: greedy and sampled requests, with the cache too small for every sequence at once
+/// (preemption) or not, the later requests finding their prompts' beginnings in the prefix
+/// cache, and the hybrid targets' refused drafts taken back out of their recurrent states.
+#[test]
+fn refused_mtp_drafts_change_no_token() {
+    for family in ["qwen3_5", "qwen3_next"] {
+        let model = with_mtp(family, Head::Copied);
+        let requests = requests(model.config.vocab_size as u32, true);
+        for kv_blocks in [64, 9] {
+            let what = format!("{family}, {kv_blocks} blocks");
+            let plain = serve(&model, false, config(kv_blocks, 0), &requests, 24);
+            let drafting = serve(&model, true, config(kv_blocks, 3), &requests, 24);
+            assert_eq!(drafting.tokens, plain.tokens, "{what}");
+            assert_eq!(plain.drafted, 0);
+            assert!(drafting.drafted > 0, "{what}: no drafts");
+            assert!(drafting.accepted < drafting.drafted, "{what}: every draft accepted");
+            assert!(drafting.prefix_hits > 0, "{what}: the prefix cache served nothing");
+            assert_eq!(drafting.cache_full, kv_blocks == 9, "{what}");
+        }
+    }
+}
+
+/// A head that guesses exactly what the target chooses (see [`Head::Exact`]) has every
+/// greedy draft accepted, three a step, and changes no token beside sampled requests, with
+/// preemption and prefix-cache hits as above.
+#[test]
+fn accepted_mtp_drafts_change_no_token() {
+    for family in ["qwen3_5", "qwen3_next"] {
+        let model = bigram(with_mtp(family, Head::Exact));
+        let vocab = model.config.vocab_size as u32;
+        for kv_blocks in [64, 9] {
+            let what = format!("{family}, {kv_blocks} blocks");
+            let mixed = requests(vocab, true);
+            let plain = serve(&model, false, config(kv_blocks, 0), &mixed, 24);
+            let drafting = serve(&model, true, config(kv_blocks, 3), &mixed, 24);
+            assert_eq!(drafting.tokens, plain.tokens, "{what}");
+            assert!(drafting.prefix_hits > 0, "{what}: the prefix cache served nothing");
+            assert_eq!(drafting.cache_full, kv_blocks == 9, "{what}");
+            let greedy = serve(&model, true, config(kv_blocks, 3), &requests(vocab, false), 24);
+            assert!(greedy.drafted > 0, "{what}: no drafts");
+            assert_eq!(greedy.accepted, greedy.drafted, "{what}: a draft refused");
+        }
+    }
+}
+
+/// The head's graph (hidden states in, embedding and hidden state joined side by side),
+/// optimized, gives on the CPU backend what the IR's reference interpreter gives unoptimized: logits and hidden states of
+/// the last row, over two steps whose second attends over the first's cache.
+#[test]
+fn the_mtp_graph_runs_on_the_cpu_backend_as_the_reference_runs_it() {
+    for family in ["qwen3_5", "qwen3_next"] {
+        let model = with_mtp(family, Head::Copied);
+        let graph = head_graph(&model);
+        let h = model.config.hidden;
+        let steps: [(Vec<u32>, usize); 2] = [(vec![3, 77, 150, 9, 41], 0), (vec![200, 12], 5)];
+        let states = |rows: usize, seed: u64| noise(seed, rows * h, 1.5);
+        let weights = models::weights::DequantizedWeights::new(&model.weights);
+        let mut reference = Interpreter::new(&weights);
+        // Optimized, as served (the joined input through the e-graph and back).
+        let optimized = passes::optimized(&graph, passes::CostModel::CPU).unwrap();
+        let backend = CpuBackend::new(optimized, &model.weights, 256).unwrap();
+        let mut pages = backend.new_pages(8);
+        let table: Vec<runtime::kv::BlockId> = (0..2).map(runtime::kv::BlockId).collect();
+        for (k, (ids, start)) in steps.iter().enumerate() {
+            let hidden = states(ids.len(), k as u64);
+            let positions: Vec<usize> = (*start..start + ids.len()).collect();
+            let want = reference
+                .step_with_hidden_states(&graph, ids, &positions, &hidden)
+                .unwrap();
+            let segment = runtime::kv::Segment {
+                table: &table,
+                start: *start,
+                ids,
+                state_slot: 0,
+                sampled_rows: 1,
+                drafts: 0,
+                snapshots: runtime::kv::StateSnapshots::NONE,
+                hidden_states: &hidden,
+            };
+            let got = &backend.step_batch(&mut pages, &[segment]).unwrap()[0];
+            for output in ["logits", "hidden"] {
+                let (w, g) = (&want[output], &got[output]);
+                assert_eq!(w.shape, g.shape, "{family} step {k} {output}");
+                let worst = w
+                    .data
+                    .iter()
+                    .zip(&g.data)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                assert!(worst < 1e-4, "{family} step {k} {output}: off by {worst}");
+            }
+        }
+        // A step whose hidden states do not cover its tokens is refused.
+        let short = runtime::kv::Segment {
+            table: &table,
+            start: 0,
+            ids: &[1, 2],
+            state_slot: 0,
+            sampled_rows: 1,
+            drafts: 0,
+            snapshots: runtime::kv::StateSnapshots::NONE,
+            hidden_states: &states(1, 9),
+        };
+        let refused = backend.step_batch(&mut pages, &[short]).unwrap_err().to_string();
+        assert!(refused.contains("hidden-state values"), "{refused}");
+    }
+}
+
+/// Lowering a head that is not there says so: a model without MTP layers, a GGUF file.
+#[test]
+fn lowering_a_missing_mtp_head_is_refused() {
+    let model = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/qwen3_5"))).unwrap();
+    let err = models::lower_mtp(&model.config, &model.weights, options(&model))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("no multi-token prediction layers"), "{err}");
+    let llama = with_mtp_config("llama");
+    let err = models::lower_mtp(&llama.config, &llama.weights, options(&llama))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("qwen3_5 and qwen3_next"), "{err}");
+}
+
+/// The tiny Llama claiming an MTP layer it does not have.
+fn with_mtp_config(family: &str) -> Model {
+    let mut model = Model::open(ModelSpec::for_weights(&common::fixture(&format!("hf-tiny/{family}")))).unwrap();
+    model.config.mtp_layers = 1;
+    model
+}
