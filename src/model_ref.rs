@@ -105,7 +105,14 @@ fn open_model(spec: ModelSpec, host_weights: bool) -> Result<Model> {
     let weights = match host_weights {
         true => {
             let skeleton = models::lower_without_weights(&config, options)?;
-            runtime::random_weights::host_weights(&skeleton, seed)
+            let mut weights = runtime::random_weights::host_weights(&skeleton, seed);
+            // The multi-token prediction layers' own tensors (the ones they share are the
+            // same by name).
+            if config.mtp_layers > 0 {
+                let head = models::lower_mtp_without_weights(&config, options)?;
+                weights.extend(runtime::random_weights::host_weights(&head, seed));
+            }
+            weights
         }
         false => Default::default(),
     };
@@ -168,9 +175,11 @@ pub struct Loaded {
     /// seed its plans make the weights from on the device (the model's own weights are then
     /// empty: nothing is made on the host).
     pub generated_weights: Option<u32>,
-    /// A model.toml's `[speculative]` section: prompt lookup, or a draft model.
+    /// A model.toml's `[speculative]` section: prompt lookup, a draft model, or the model's
+    /// multi-token prediction layers (the tokens they draft a step).
     pub speculative: Option<models::NgramSpec>,
     pub draft_model: Option<models::DraftModelSpec>,
+    pub mtp: Option<usize>,
 }
 
 impl Loaded {
@@ -308,7 +317,7 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
             if let Some(arg) = &options.tokenizer {
                 spec.tokenizer = Some(tokenizer_file(arg)?);
             }
-            let (speculative, draft_model) = (spec.speculative, spec.draft_model.clone());
+            let (speculative, draft_model, mtp) = (spec.speculative, spec.draft_model.clone(), spec.mtp);
             let model = match options.max_model_len {
                 Some(n) => open_model(spec, true).with_context(|| format!("--max-model-len {n}"))?,
                 None => open_model(spec, true)?,
@@ -334,6 +343,7 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
                 generated_weights: None,
                 speculative,
                 draft_model,
+                mtp,
             })
         }
         None => {
@@ -390,6 +400,7 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
         tokenizer: manifest.tokenizer.clone(),
         speculative: None,
         draft_model: None,
+        mtp: None,
         random_weights: manifest.random_weights,
     };
     let on_device = manifest
@@ -416,5 +427,6 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
         generated_weights: on_device,
         speculative: None,
         draft_model: None,
+        mtp: None,
     })
 }

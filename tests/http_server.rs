@@ -935,6 +935,72 @@ fn answers_as_without_drafts(server: &Server, body: &Value, want: &Value) {
     server.wait_for_free_blocks();
 }
 
+/// `--speculative-config` method `mtp`: a model with random weights whose config gives it a
+/// multi-token prediction layer (the tiny Qwen3.5's config, its vocabulary widened to SmolLM2's
+/// tokenizer) answers a greedy request as it does without drafting, whole and streamed, and the
+/// metrics count the drafts; a model without such layers is refused by name, asked for it by
+/// the flag or by a model.toml.
+#[test]
+fn mtp_drafting_keeps_the_text_and_counts_drafts() {
+    let scratch = common::scratch_dir("bbc-mtp-");
+    let tokenizer = common::real_model("smollm2");
+    let tokenizer = tokenizer.to_str().unwrap();
+    let config_of = |family: &str, mtp_layers: usize| {
+        let path = common::fixture(&format!("hf-tiny/{family}/config.json"));
+        let mut config: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        config["vocab_size"] = 49152.into();
+        config["mtp_num_hidden_layers"] = mtp_layers.into();
+        let dir = scratch.path().join(family);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        dir.join("config.json").to_str().unwrap().to_string()
+    };
+    let qwen = config_of("qwen3_5", 1);
+    let body = json!({"prompt": "Once upon a time, in a small village,", "max_tokens": 24, "temperature": 0});
+    let plain = Server::start_model(&qwen, &["--tokenizer", tokenizer]);
+    let (status, want) = plain.post("/v1/completions", &body);
+    assert_eq!(status, 200, "{want}");
+    drop(plain);
+    let mtp = r#"{"method": "mtp", "num_speculative_tokens": 3}"#;
+    let server = Server::start_model(&qwen, &["--tokenizer", tokenizer, "--speculative-config", mtp]);
+    let (_, got) = server.post("/v1/completions", &body);
+    assert_eq!(got["choices"][0]["text"], want["choices"][0]["text"]);
+    assert_eq!(got["usage"], want["usage"]);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let (_, chunks) = server.stream("/v1/completions", &streamed);
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    assert_eq!(text, want["choices"][0]["text"].as_str().unwrap());
+    assert!(server.metric("bbc_spec_decode_draft_tokens_total") > 0.0);
+    server.wait_for_free_blocks();
+    drop(server);
+    // A model without the layers, asked by the flag and by a model.toml.
+    let without = config_of("llama", 0);
+    let toml = scratch.path().join("model.toml");
+    let llama = common::fixture("hf-tiny/llama");
+    let section = "[speculative]\nmethod = \"mtp\"\nnum_speculative_tokens = 2\n";
+    std::fs::write(
+        &toml,
+        format!("[model]\nweights = {llama:?}\ntokenizer = {tokenizer:?}\n{section}"),
+    )
+    .unwrap();
+    for args in [
+        vec![without.as_str(), "--tokenizer", tokenizer, "--speculative-config", mtp],
+        vec![toml.to_str().unwrap()],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_bbc"))
+            .args(["serve", "--port", "0"])
+            .args(&args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains("has none"),
+            "{args:?}: {stderr}"
+        );
+    }
+}
+
 /// A draft model: SmolLM2 computing in f32, drafted for by SmolLM2 in its file's
 /// quantization (the same tokenizer), answers as it does without a draft model, whole and
 /// streamed, and the metrics count drafts accepted.

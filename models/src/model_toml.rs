@@ -12,7 +12,8 @@
 //! tokenizer = "tokenizer.json"                 # optional: overrides the weights' tokenizer
 //!
 //! [speculative]                                # optional: speculative decoding in `bbc serve`
-//! method = "ngram"                             # prompt lookup, or "draft_model"
+//! method = "ngram"                             # prompt lookup, "draft_model", or "mtp" (the
+//!                                              # checkpoint's multi-token prediction layers)
 //! num_speculative_tokens = 4                   # drafted tokens a step at most
 //! prompt_lookup_min = 2                        # optional (ngram): shortest match (default 2)
 //! prompt_lookup_max = 4                        # optional (ngram): longest match (default 4)
@@ -105,6 +106,9 @@ pub struct ModelSpec {
     pub speculative: Option<NgramSpec>,
     /// `[speculative]` with `method = "draft_model"`.
     pub draft_model: Option<DraftModelSpec>,
+    /// `[speculative]` with `method = "mtp"`: the tokens the model's own multi-token
+    /// prediction layers draft a step.
+    pub mtp: Option<usize>,
     /// Where `weights` is a `config.json`: the model runs with random weights made from this
     /// seed (vLLM's `--load-format dummy`), not read from a file.
     pub random_weights: Option<u32>,
@@ -151,7 +155,7 @@ impl ModelSpec {
         if m.context_length == Some(0) {
             return Err(bad("model.context_length must be at least 1".into()));
         }
-        let (mut speculative, mut draft_model) = (None, None);
+        let (mut speculative, mut draft_model, mut mtp) = (None, None, None);
         match parsed.speculative {
             None => {}
             Some(s) if s.method == "ngram" => {
@@ -186,9 +190,20 @@ impl ModelSpec {
                     tokens: s.num_speculative_tokens,
                 });
             }
+            Some(s) if s.method == "mtp" => {
+                if s.model.is_some() || s.prompt_lookup_min.is_some() || s.prompt_lookup_max.is_some() {
+                    return Err(bad(
+                        "speculative.method `mtp` drafts with the model's own layers: it takes no model or prompt_lookup_min/max".into(),
+                    ));
+                }
+                if s.num_speculative_tokens == 0 {
+                    return Err(bad("speculative.num_speculative_tokens must be at least 1".into()));
+                }
+                mtp = Some(s.num_speculative_tokens);
+            }
             Some(s) => {
                 return Err(bad(format!(
-                    "speculative.method `{}` is not one of: ngram, draft_model",
+                    "speculative.method `{}` is not one of: ngram, draft_model, mtp",
                     s.method
                 )))
             }
@@ -202,6 +217,7 @@ impl ModelSpec {
             tokenizer: m.tokenizer.map(|t| base.join(t)),
             speculative,
             draft_model,
+            mtp,
             random_weights: None,
         })
     }
@@ -217,6 +233,7 @@ impl ModelSpec {
             tokenizer: None,
             speculative: None,
             draft_model: None,
+            mtp: None,
             random_weights: None,
         }
     }
@@ -273,6 +290,21 @@ mod tests {
             assert!(err.contains(needle), "{err}");
         }
         assert_eq!(parse("[model]\nweights = \"w.gguf\"\n").unwrap().speculative, None);
+    }
+
+    #[test]
+    fn mtp_is_read_and_checked() {
+        let base = "[model]\nweights = \"w\"\n[speculative]\nmethod = \"mtp\"\nnum_speculative_tokens = 3\n";
+        let spec = parse(base).unwrap();
+        assert_eq!((spec.mtp, spec.speculative, spec.draft_model), (Some(3), None, None));
+        for (text, needle) in [
+            (format!("{base}model = \"d\"\n"), "takes no model"),
+            (format!("{base}prompt_lookup_max = 3\n"), "takes no model"),
+            (base.replace("= 3", "= 0"), "at least 1"),
+        ] {
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err}");
+        }
     }
 
     #[test]

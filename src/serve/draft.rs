@@ -9,6 +9,7 @@ use runtime::serving::{DraftModel, Drafter, PagedBackend};
 
 /// Cache blocks, block size, token budget and sequences at once for the draft model's own
 /// cache and passes.
+#[derive(Debug, Clone, Copy)]
 pub struct DraftCache {
     pub blocks: usize,
     pub block_size: usize,

@@ -4,6 +4,7 @@
 
 mod draft;
 mod generation_config;
+mod mtp;
 mod speculation;
 
 use crate::model_ref;
@@ -104,7 +105,9 @@ pub struct ServeArgs {
     pub num_speculative_tokens: Option<usize>,
     /// vLLM's `--speculative-config`, a JSON object in place of the flags above and below:
     /// `{"model": "draft.gguf", "num_speculative_tokens": 4}` (method `draft_model`, implied
-    /// by `model`) or `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}`.
+    /// by `model`), `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}`,
+    /// or `{"method": "mtp", "num_speculative_tokens": 3}` (the checkpoint's multi-token
+    /// prediction layers draft, on the CPU backend; tokens default to their number).
     #[arg(long)]
     pub speculative_config: Option<String>,
     /// Shortest match prompt lookup tries (default 2, or model.toml's).
@@ -196,7 +199,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let tokenizer = Arc::new(tokenizer);
     let context_length = loaded.model.config.context_length;
     let family = loaded.model.config.family;
-    let (speculation, draft_model) = speculation_flags.resolve(&loaded)?;
+    let (speculation, drafting) = speculation_flags.resolve(&loaded)?;
     let generation_defaults = generation_config::resolve(
         &args.generation_config,
         args.override_generation_config.as_deref(),
@@ -224,18 +227,24 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         state_cache: runtime::serving::StateCacheConfig::every(args.state_snapshot_interval, args.state_snapshots),
     };
 
-    let drafter = match &draft_model {
-        Some(arg) => {
-            let cache = draft::DraftCache {
-                blocks: args.kv_blocks.unwrap_or(DRAFT_KV_BLOCKS),
-                block_size: args.block_size,
-                token_budget: args.token_budget.unwrap_or(CPU_TOKEN_BUDGET),
-                sequences: args.max_num_seqs,
-            };
-            let (drafter, place) = draft::load(arg, &tokenizer, cache)?;
-            Some((format!("{arg} ({place})"), drafter))
+    let draft_cache = draft::DraftCache {
+        blocks: args.kv_blocks.unwrap_or(DRAFT_KV_BLOCKS),
+        block_size: args.block_size,
+        token_budget: args.token_budget.unwrap_or(CPU_TOKEN_BUDGET),
+        sequences: args.max_num_seqs,
+    };
+    // The multi-token prediction head, built beside the target on the CPU backend.
+    let mut mtp_head = None;
+    let drafter = match &drafting {
+        speculation::Drafting::Model(arg) => {
+            let (drafter, place) = draft::load(arg, &tokenizer, draft_cache)?;
+            Some((format!("the draft model {arg} ({place})"), drafter))
         }
-        None => None,
+        speculation::Drafting::Mtp => {
+            mtp_head = Some(mtp::prepare(&mut loaded)?);
+            None
+        }
+        speculation::Drafting::PromptLookup => None,
     };
 
     let metrics = Arc::new(metrics::Metrics::default());
@@ -288,7 +297,15 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             http_server::start_engine(backend, engine)?;
         }
         None => {
-            let backend = cpu_serving(loaded)?;
+            let hidden = loaded.model.config.hidden;
+            let (backend, head) = cpu_serving_with_head(loaded, mtp_head)?;
+            let drafter = match head {
+                Some(head) => Some((
+                    "the model's multi-token prediction layers (on the CPU backend)".to_string(),
+                    mtp::drafter(head, hidden, context_length, &draft_cache)?,
+                )),
+                None => drafter,
+            };
             let logits = backend.logits();
             let block_bytes = block_size * logits.kv_bytes_per_position();
             config.kv_blocks = args.kv_blocks.unwrap_or_else(|| {
@@ -342,10 +359,28 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
 /// graph beside the logits graph where that graph's head is the INT8-bound one (an f32 or
 /// bf16 head, which it reads a fraction of the bytes of); a quantized head's greedy graph
 /// computes what the logits graph does, so then the logits graph alone.
-pub(crate) fn cpu_serving(mut loaded: model_ref::Loaded) -> Result<runtime::serving::CpuGreedyServing> {
+pub(crate) fn cpu_serving(loaded: model_ref::Loaded) -> Result<runtime::serving::CpuGreedyServing> {
+    Ok(cpu_serving_with_head(loaded, None)?.0)
+}
+
+/// [`cpu_serving`], and a backend of `head` (a graph over the same weights, a multi-token
+/// prediction head's) sharing the weights both read.
+fn cpu_serving_with_head(
+    mut loaded: model_ref::Loaded,
+    head: Option<ir::Graph>,
+) -> Result<(runtime::serving::CpuGreedyServing, Option<runtime::CpuBackend>)> {
     let context_length = loaded.model.config.context_length;
     let mut cache = loaded.weight_cache();
     let weights = &loaded.model.weights;
+    let head = match head {
+        Some(graph) => Some(runtime::CpuBackend::with_cache(
+            graph,
+            weights,
+            context_length,
+            &mut cache,
+        )?),
+        None => None,
+    };
     let logits = runtime::CpuBackend::with_cache(loaded.graph, weights, context_length, &mut cache)?;
     let greedy = match loaded.greedy.take().filter(has_int8_head) {
         Some(graph) => Some(runtime::CpuBackend::with_cache(
@@ -356,7 +391,7 @@ pub(crate) fn cpu_serving(mut loaded: model_ref::Loaded) -> Result<runtime::serv
         )?),
         None => None,
     };
-    Ok(runtime::serving::CpuGreedyServing::new(logits, greedy)?)
+    Ok((runtime::serving::CpuGreedyServing::new(logits, greedy)?, head))
 }
 
 fn has_int8_head(graph: &ir::Graph) -> bool {

@@ -31,6 +31,20 @@ pub struct SpeculationFlags {
     /// The draft model (`--speculative-model`) and its tokens a step.
     model: Option<String>,
     tokens: Option<usize>,
+    /// The model's own multi-token prediction layers draft (`--speculative-config` method
+    /// `mtp`), `tokens` a step.
+    mtp: bool,
+}
+
+/// Where drafts come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Drafting {
+    /// Prompt lookup, or nowhere (its config's `tokens` 0).
+    PromptLookup,
+    /// A draft model: what names it.
+    Model(String),
+    /// The served model's multi-token prediction layers.
+    Mtp,
 }
 
 impl SpeculationFlags {
@@ -41,6 +55,7 @@ impl SpeculationFlags {
             lookup_max: args.prompt_lookup_max,
             model: args.speculative_model.clone(),
             tokens: args.num_speculative_tokens,
+            mtp: false,
         };
         let flags = match &args.speculative_config {
             None => given,
@@ -58,9 +73,31 @@ impl SpeculationFlags {
         Ok(flags)
     }
 
-    /// The drafting config, and the draft model where one drafts (prompt lookup's match
-    /// lengths are then unused): the flags first, then `loaded`'s model.toml.
-    pub fn resolve(&self, loaded: &Loaded) -> Result<(NgramConfig, Option<String>)> {
+    /// The drafting config, and where drafts come from (prompt lookup's match lengths are
+    /// unused by the others): the flags first, then `loaded`'s model.toml. The multi-token
+    /// prediction layers draft as many tokens a step as the model has of them unless told.
+    pub fn resolve(&self, loaded: &Loaded) -> Result<(NgramConfig, Drafting)> {
+        let other_flags = self.model.is_some() || self.ngram.is_some();
+        let mtp = match (self.mtp, loaded.mtp) {
+            (true, toml) => Some(self.tokens.or(toml)),
+            (false, Some(toml)) if !other_flags => Some(Some(self.tokens.unwrap_or(toml))),
+            _ => None,
+        };
+        if let Some(tokens) = mtp {
+            let layers = loaded.model.config.mtp_layers;
+            if layers == 0 {
+                bail!(
+                    "method `mtp` drafts with the model's multi-token prediction layers, and this {} checkpoint has none",
+                    loaded.model.config.family.name()
+                );
+            }
+            let config = NgramConfig {
+                tokens: tokens.unwrap_or(layers),
+                min: DEFAULT_LOOKUP_MIN,
+                max: DEFAULT_LOOKUP_MAX,
+            };
+            return Ok((config, Drafting::Mtp));
+        }
         let draft = match (&self.model, &loaded.draft_model) {
             (Some(model), toml) => Some((model.clone(), toml.as_ref().map(|t| t.tokens))),
             // A prompt-lookup flag overrides the file's draft model.
@@ -73,7 +110,7 @@ impl SpeculationFlags {
                 min: DEFAULT_LOOKUP_MIN,
                 max: DEFAULT_LOOKUP_MAX,
             };
-            return Ok((config, Some(model)));
+            return Ok((config, Drafting::Model(model)));
         }
         if self.tokens.is_some() {
             bail!("--num-speculative-tokens is the draft model's, and there is none: give --speculative-model (or --speculative-ngram N for prompt lookup)");
@@ -89,13 +126,14 @@ impl SpeculationFlags {
             min: spec.min,
             max: spec.max,
         };
-        Ok((config, None))
+        Ok((config, Drafting::PromptLookup))
     }
 }
 
 /// vLLM's `--speculative-config` JSON as the flags it stands for: method `ngram` (with
-/// `num_speculative_tokens` and the lookup lengths) or `draft_model` (with `model`, implied
-/// where the method is not given); other methods and keys refused by name.
+/// `num_speculative_tokens` and the lookup lengths), `draft_model` (with `model`, implied
+/// where the method is not given) or `mtp` (with `num_speculative_tokens`); other methods and
+/// keys refused by name.
 fn from_config(json: &str) -> Result<SpeculationFlags> {
     let value: Value = serde_json::from_str(json).context("not JSON")?;
     let config = value
@@ -145,7 +183,15 @@ fn from_config(json: &str) -> Result<SpeculationFlags> {
             tokens: count("num_speculative_tokens")?,
             ..SpeculationFlags::default()
         }),
-        other => bail!("method `{other}` is not one bbc serves (ngram, draft_model)"),
+        "mtp" if model.is_some() || lookup != (None, None) => {
+            bail!("method `mtp` drafts with the model's own layers: it takes no `model` or `prompt_lookup_min`/`prompt_lookup_max`")
+        }
+        "mtp" => Ok(SpeculationFlags {
+            mtp: true,
+            tokens: count("num_speculative_tokens")?,
+            ..SpeculationFlags::default()
+        }),
+        other => bail!("method `{other}` is not one bbc serves (ngram, draft_model, mtp)"),
     }
 }
 
@@ -204,6 +250,15 @@ mod tests {
             Some("d")
         );
         assert_eq!(flags(&[]).unwrap(), SpeculationFlags::default());
+        let config = r#"{"method": "mtp", "num_speculative_tokens": 3}"#;
+        assert_eq!(
+            flags(&["--speculative-config", config]).unwrap(),
+            SpeculationFlags {
+                mtp: true,
+                tokens: Some(3),
+                ..Default::default()
+            }
+        );
     }
 
     #[test]
@@ -257,6 +312,17 @@ mod tests {
                 "at least 1",
             ),
             (vec!["--speculative-config", "{}"], "give `method`"),
+            (
+                vec!["--speculative-config", r#"{"method": "mtp", "model": "d"}"#],
+                "takes no `model`",
+            ),
+            (
+                vec![
+                    "--speculative-config",
+                    r#"{"method": "mtp", "num_speculative_tokens": 0}"#,
+                ],
+                "at least 1",
+            ),
             (
                 vec!["--speculative-config", r#"{"model": "d"}"#, "--speculative-ngram", "2"],
                 "says all of it",

@@ -170,30 +170,43 @@ fn build(config: &ModelConfig, weights: Catalog<'_>, options: LowerOptions) -> R
 /// from 0; its `hidden` output (the normed state its head reads) is the hidden state its
 /// next chained step reads.
 pub fn lower_mtp(config: &ModelConfig, weights: &WeightSource, options: LowerOptions) -> Result<Graph> {
-    let unsupported = |what: String| ModelError::TensorShape {
-        name: "mtp".into(),
-        what,
-    };
-    if config.mtp_layers == 0 {
-        return Err(unsupported(format!(
-            "this {} checkpoint has no multi-token prediction layers",
-            config.family.name()
-        )));
-    }
     let naming = match Naming::detect(weights) {
         Naming::Hf(prefix) => Naming::Hf(HfPrefix::Mtp(prefix.text())),
         Naming::Gguf => {
-            return Err(unsupported(
+            return Err(mtp_unsupported(
                 "multi-token prediction layers are read from HF checkpoints, not GGUF files".into(),
             ))
         }
     };
+    build_mtp(config, Catalog::Source(weights), naming, options)
+}
+
+/// [`lower_mtp`] of a model without weights (see [`lower_without_weights`]): HF names.
+pub fn lower_mtp_without_weights(config: &ModelConfig, options: LowerOptions) -> Result<Graph> {
+    let naming = Naming::Hf(HfPrefix::Mtp(TextPrefix::Text));
+    build_mtp(config, Catalog::Implied, naming, options)
+}
+
+fn mtp_unsupported(what: String) -> ModelError {
+    ModelError::TensorShape {
+        name: "mtp".into(),
+        what,
+    }
+}
+
+fn build_mtp(config: &ModelConfig, weights: Catalog<'_>, naming: Naming, options: LowerOptions) -> Result<Graph> {
+    if config.mtp_layers == 0 {
+        return Err(mtp_unsupported(format!(
+            "this {} checkpoint has no multi-token prediction layers",
+            config.family.name()
+        )));
+    }
     let name = format!("{}-mtp", config.family.name());
-    let mut b = Builder::new(&name, Catalog::Source(weights), naming, options);
+    let mut b = Builder::new(&name, weights, naming, options);
     match config.family {
         Family::Qwen35 | Family::Qwen3Next => qwen3_5::lower_mtp(config, &mut b)?,
         family => {
-            return Err(unsupported(format!(
+            return Err(mtp_unsupported(format!(
                 "bbc reads multi-token prediction layers of qwen3_5 and qwen3_next checkpoints, not {}",
                 family.name()
             )))

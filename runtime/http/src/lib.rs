@@ -47,7 +47,8 @@ pub fn request_channel() -> (
 pub struct EngineSetup {
     pub config: SchedulerConfig,
     pub policy: runtime::serving::SchedulingPolicy,
-    /// A draft model's drafter, with a name to say it by.
+    /// A drafter other than prompt lookup (a draft model, multi-token prediction layers), with
+    /// words to say it by ("the draft model …").
     pub drafter: Option<(String, Box<dyn runtime::serving::Drafter>)>,
     /// Where the server's requests come in.
     pub inbox: tokio::sync::mpsc::UnboundedReceiver<worker::NewRequest>,
@@ -75,7 +76,7 @@ where
     match (config.speculation.is_on(), on.is_on()) {
         (_, true) => match draft_model {
             Some(name) => eprintln!(
-                "speculative decoding: draft model {name}, up to {} drafted tokens a step",
+                "speculative decoding: drafts from {name}, up to {} drafted tokens a step",
                 on.tokens
             ),
             None => eprintln!(
