@@ -108,7 +108,7 @@ fn open_model(spec: ModelSpec, host_weights: bool) -> Result<Model> {
             let mut weights = runtime::random_weights::host_weights(&skeleton, seed);
             // The multi-token prediction layers' own tensors (the ones they share are the
             // same by name).
-            if config.mtp_layers > 0 {
+            if config.mtp_layers > 0 && config.family.lowers_mtp() {
                 let head = models::lower_mtp_without_weights(&config, options)?;
                 weights.extend(runtime::random_weights::host_weights(&head, seed));
             }

@@ -938,8 +938,8 @@ fn answers_as_without_drafts(server: &Server, body: &Value, want: &Value) {
 /// `--speculative-config` method `mtp`: a model with random weights whose config gives it a
 /// multi-token prediction layer (the tiny Qwen3.5's config, its vocabulary widened to SmolLM2's
 /// tokenizer) answers a greedy request as it does without drafting, whole and streamed, and the
-/// metrics count the drafts; a model without such layers is refused by name, asked for it by
-/// the flag or by a model.toml.
+/// metrics count the drafts (its head's guesses by a 4-bit shortlist, and exact); a model
+/// without such layers is refused by name, asked for it by the flag or by a model.toml.
 #[test]
 fn mtp_drafting_keeps_the_text_and_counts_drafts() {
     let scratch = common::scratch_dir("bbc-mtp-");
@@ -973,6 +973,20 @@ fn mtp_drafting_keeps_the_text_and_counts_drafts() {
     assert_eq!(text, want["choices"][0]["text"].as_str().unwrap());
     assert!(server.metric("bbc_spec_decode_draft_tokens_total") > 0.0);
     server.wait_for_free_blocks();
+    drop(server);
+    // The head's exact greedy token in place of its 4-bit shortlist's.
+    let exact_head = [
+        "--tokenizer",
+        tokenizer,
+        "--speculative-config",
+        mtp,
+        "--draft-head",
+        "full",
+    ];
+    let server = Server::start_model(&qwen, &exact_head);
+    let (_, got) = server.post("/v1/completions", &body);
+    assert_eq!(got["choices"][0]["text"], want["choices"][0]["text"]);
+    assert!(server.metric("bbc_spec_decode_draft_tokens_total") > 0.0);
     drop(server);
     // A model without the layers, asked by the flag and by a model.toml.
     let without = config_of("llama", 0);

@@ -1,5 +1,6 @@
-//! Multi-token prediction heads: the tiny Qwen3.5 and Qwen3-Next models given MTP layers (in
-//! the checkpoints' `mtp.*` layout) draft for themselves on the CPU backend, and whatever the
+//! Multi-token prediction heads: the tiny Qwen3.5, Qwen3-Next and GLM-4.5 models given MTP
+//! layers (in their checkpoints' layouts: `mtp.*`, or GLM's layer after its last) draft for
+//! themselves on the CPU backend, and whatever the
 //! head guesses, the served tokens are the target's own: greedy and sampled, with drafts
 //! accepted and refused, across preemption and prefix-cache hits. The head's graph (its
 //! hidden-state input, its joined projection) runs on the CPU backend as the IR's reference
@@ -71,11 +72,50 @@ fn f32_tensor(shape: &[usize], values: &[f32]) -> MemoryTensor {
     }
 }
 
-/// The tiny `family` model with one MTP layer drawn as `head`, its weights in memory.
+/// Where a family keeps its MTP layer's tensors: the layer's prefix; its embedding norm,
+/// hidden-state norm, joining projection and final norm; and the weight of a norm that
+/// leaves its input as it is (Qwen's norms multiply by `1 + w`).
+struct MtpNames {
+    layer: String,
+    enorm: String,
+    hnorm: String,
+    fc: String,
+    norm: String,
+    unit: f32,
+}
+
+fn mtp_names(config: &models::ModelConfig) -> MtpNames {
+    match config.family {
+        models::Family::Glm4Moe => {
+            let layer = format!("model.layers.{}.", config.layers);
+            let name = |rest: &str| format!("{layer}{rest}.weight");
+            MtpNames {
+                enorm: name("enorm"),
+                hnorm: name("hnorm"),
+                fc: name("eh_proj"),
+                norm: name("shared_head.norm"),
+                layer,
+                unit: 1.0,
+            }
+        }
+        _ => MtpNames {
+            layer: "mtp.layers.0.".into(),
+            enorm: "mtp.pre_fc_norm_embedding.weight".into(),
+            hnorm: "mtp.pre_fc_norm_hidden.weight".into(),
+            fc: "mtp.fc.weight".into(),
+            norm: "mtp.norm.weight".into(),
+            unit: 0.0,
+        },
+    }
+}
+
+/// The tiny `family` model with one MTP layer drawn as `head` in its checkpoints' layout, its
+/// weights in memory.
 fn with_mtp(family: &str, head: Head) -> Model {
     let mut model = Model::open(ModelSpec::for_weights(&common::fixture(&format!("hf-tiny/{family}")))).unwrap();
     let c = &model.config;
     let h = c.hidden;
+    let names = mtp_names(c);
     let mut tensors = MemoryTensors::new();
     for name in model.weights.names() {
         let view = model.weights.tensor(name).unwrap();
@@ -88,22 +128,23 @@ fn with_mtp(family: &str, head: Head) -> Model {
             },
         );
     }
-    // The MTP layer has the shapes of the target's full-attention layers.
+    // The MTP layer has the shapes of the target's last full-attention layer.
     let full = (0..c.layers)
-        .find(|&i| c.layer_attention[i] == models::LayerAttention::Full)
+        .rfind(|&i| c.layer_attention[i] == models::LayerAttention::Full)
         .unwrap();
     let prefix = format!("model.layers.{full}.");
     let layer: Vec<(String, MemoryTensor)> = tensors
         .iter()
-        .filter_map(|(name, t)| Some((format!("mtp.layers.0.{}", name.strip_prefix(&prefix)?), t.clone())))
+        .filter_map(|(name, t)| Some((format!("{}{}", names.layer, name.strip_prefix(&prefix)?), t.clone())))
         .collect();
     for (i, (name, mut t)) in layer.into_iter().enumerate() {
         if head == Head::Exact && adds_to_the_residual(&name) {
             t.bytes.fill(0);
         }
         if head == Head::Copied && name.contains("norm") {
-            let n = t.shape.iter().product();
-            t = f32_tensor(&t.shape, &noise(i as u64, n, 0.3));
+            let n: usize = t.shape.iter().product();
+            let values: Vec<f32> = noise(i as u64, n, 0.3).iter().map(|v| v + names.unit).collect();
+            t = f32_tensor(&t.shape, &values);
         }
         tensors.insert(name, t);
     }
@@ -114,17 +155,17 @@ fn with_mtp(family: &str, head: Head) -> Model {
             .collect(),
         Head::Copied => noise(99, h * 2 * h, 0.2),
     };
-    tensors.insert("mtp.fc.weight".into(), f32_tensor(&[h, 2 * h], &fc));
-    for (k, norm) in ["pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"]
-        .iter()
-        .enumerate()
-    {
+    tensors.insert(names.fc.clone(), f32_tensor(&[h, 2 * h], &fc));
+    for (k, norm) in [&names.enorm, &names.hnorm, &names.norm].into_iter().enumerate() {
         let t = match head {
-            Head::Exact if *norm == "norm" => tensors["model.norm.weight"].clone(),
-            Head::Exact => f32_tensor(&[h], &vec![0.0; h]),
-            Head::Copied => f32_tensor(&[h], &noise(7 + k as u64, h, 0.3)),
+            Head::Exact if *norm == names.norm => tensors["model.norm.weight"].clone(),
+            Head::Exact => f32_tensor(&[h], &vec![names.unit; h]),
+            Head::Copied => {
+                let values: Vec<f32> = noise(7 + k as u64, h, 0.3).iter().map(|v| v + names.unit).collect();
+                f32_tensor(&[h], &values)
+            }
         };
-        tensors.insert(format!("mtp.{norm}.weight"), t);
+        tensors.insert(norm.clone(), t);
     }
     model.weights = WeightSource::Memory(tensors);
     model.config.mtp_layers = 1;
@@ -153,10 +194,43 @@ fn head_graph(model: &Model) -> ir::Graph {
     models::lower_mtp(&model.config, &model.weights, options(model)).unwrap()
 }
 
-fn drafter(model: &Model, blocks: usize) -> MtpDrafter<CpuBackend> {
-    let graph = passes::optimized(&head_graph(model), passes::CostModel::CPU).unwrap();
+/// How the head's vocabulary projection is computed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum DraftHead {
+    /// Logits, their argmax taken by the drafter.
+    Logits,
+    /// The greedy token by the exact INT8-bound head.
+    Exact,
+    /// The greedy token of a 4-bit shortlist rescored in full precision.
+    Shortlisted,
+}
+
+const DRAFT_HEADS: [DraftHead; 3] = [DraftHead::Logits, DraftHead::Exact, DraftHead::Shortlisted];
+
+fn drafter(model: &Model, head: DraftHead) -> MtpDrafter<CpuBackend> {
+    let greedy = LowerOptions {
+        logits: LogitsFor::GreedyToken,
+        ..options(model)
+    };
+    let graph = match head {
+        DraftHead::Logits => head_graph(model),
+        DraftHead::Exact => models::lower_mtp(&model.config, &model.weights, greedy).unwrap(),
+        DraftHead::Shortlisted => {
+            let graph = models::lower_mtp(&model.config, &model.weights, greedy).unwrap();
+            passes::shortlisted_draft_head(&graph).unwrap()
+        }
+    };
+    let graph = passes::optimized(&graph, passes::CostModel::CPU).unwrap();
+    let fused = match head {
+        DraftHead::Logits => None,
+        DraftHead::Exact => Some("int8_bound_top_k"),
+        DraftHead::Shortlisted => Some("shortlist_top_k"),
+    };
+    if let Some(op) = fused {
+        assert!(graph.nodes().iter().any(|n| n.op.name() == op), "{head:?}: no {op}");
+    }
     let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
-    MtpDrafter::new(backend, model.config.hidden, blocks, 8, 64, model.config.context_length).unwrap()
+    MtpDrafter::new(backend, model.config.hidden, 256, 8, 64, model.config.context_length).unwrap()
 }
 
 /// Four sequences at once in `kv_blocks` blocks of 8, drafting `drafts` a step, the prefix
@@ -193,14 +267,14 @@ struct Served {
 
 fn serve(
     model: &Model,
-    mtp: bool,
+    head: Option<DraftHead>,
     config: SchedulerConfig,
     requests: &[(Vec<u32>, SamplingParams)],
     max_tokens: usize,
 ) -> Served {
-    let mut engine = ServingEngine::new(target(model, mtp), config);
-    if mtp {
-        assert!(engine.use_drafter(Box::new(drafter(model, 256))));
+    let mut engine = ServingEngine::new(target(model, head.is_some()), config);
+    if let Some(head) = head {
+        assert!(engine.use_drafter(Box::new(drafter(model, head))));
     }
     let kv_blocks = config.kv_blocks;
     let mut ids = Vec::new();
@@ -265,113 +339,139 @@ fn requests(vocab: u32, sampled: bool) -> Vec<(Vec<u32>, SamplingParams)> {
 /// A head drafting three tokens a step whose guesses the target mostly refuses changes no
 /// token: greedy and sampled requests, with the cache too small for every sequence at once
 /// (preemption) or not, the later requests finding their prompts' beginnings in the prefix
-/// cache, and the hybrid targets' refused drafts taken back out of their recurrent states.
+/// cache, and the hybrid targets' refused drafts taken back out of their recurrent states;
+/// whether the head gives logits, the exact greedy token, or a 4-bit shortlist's.
 #[test]
 fn refused_mtp_drafts_change_no_token() {
-    for family in ["qwen3_5", "qwen3_next"] {
+    for family in ["qwen3_5", "qwen3_next", "glm4_moe"] {
         let model = with_mtp(family, Head::Copied);
         let requests = requests(model.config.vocab_size as u32, true);
         for kv_blocks in [64, 9] {
-            let what = format!("{family}, {kv_blocks} blocks");
-            let plain = serve(&model, false, config(kv_blocks, 0), &requests, 24);
-            let drafting = serve(&model, true, config(kv_blocks, 3), &requests, 24);
-            assert_eq!(drafting.tokens, plain.tokens, "{what}");
+            let plain = serve(&model, None, config(kv_blocks, 0), &requests, 24);
             assert_eq!(plain.drafted, 0);
-            assert!(drafting.drafted > 0, "{what}: no drafts");
-            assert!(drafting.accepted < drafting.drafted, "{what}: every draft accepted");
-            assert!(drafting.prefix_hits > 0, "{what}: the prefix cache served nothing");
-            assert_eq!(drafting.cache_full, kv_blocks == 9, "{what}");
+            for head in DRAFT_HEADS {
+                let what = format!("{family}, {kv_blocks} blocks, {head:?}");
+                let drafting = serve(&model, Some(head), config(kv_blocks, 3), &requests, 24);
+                assert_eq!(drafting.tokens, plain.tokens, "{what}");
+                assert!(drafting.drafted > 0, "{what}: no drafts");
+                assert!(drafting.accepted < drafting.drafted, "{what}: every draft accepted");
+                assert!(drafting.prefix_hits > 0, "{what}: the prefix cache served nothing");
+                assert_eq!(drafting.cache_full, kv_blocks == 9, "{what}");
+            }
         }
     }
 }
 
 /// A head that guesses exactly what the target chooses (see [`Head::Exact`]) has every
 /// greedy draft accepted, three a step, and changes no token beside sampled requests, with
-/// preemption and prefix-cache hits as above.
+/// preemption and prefix-cache hits as above; its 4-bit shortlist (64 of 320 rows) keeps
+/// every guess.
 #[test]
 fn accepted_mtp_drafts_change_no_token() {
-    for family in ["qwen3_5", "qwen3_next"] {
+    for family in ["qwen3_5", "qwen3_next", "glm4_moe"] {
         let model = bigram(with_mtp(family, Head::Exact));
         let vocab = model.config.vocab_size as u32;
         for kv_blocks in [64, 9] {
-            let what = format!("{family}, {kv_blocks} blocks");
             let mixed = requests(vocab, true);
-            let plain = serve(&model, false, config(kv_blocks, 0), &mixed, 24);
-            let drafting = serve(&model, true, config(kv_blocks, 3), &mixed, 24);
-            assert_eq!(drafting.tokens, plain.tokens, "{what}");
-            assert!(drafting.prefix_hits > 0, "{what}: the prefix cache served nothing");
-            assert_eq!(drafting.cache_full, kv_blocks == 9, "{what}");
-            let greedy = serve(&model, true, config(kv_blocks, 3), &requests(vocab, false), 24);
-            assert!(greedy.drafted > 0, "{what}: no drafts");
-            assert_eq!(greedy.accepted, greedy.drafted, "{what}: a draft refused");
+            let plain = serve(&model, None, config(kv_blocks, 0), &mixed, 24);
+            for head in DRAFT_HEADS {
+                let what = format!("{family}, {kv_blocks} blocks, {head:?}");
+                let drafting = serve(&model, Some(head), config(kv_blocks, 3), &mixed, 24);
+                assert_eq!(drafting.tokens, plain.tokens, "{what}");
+                assert!(drafting.prefix_hits > 0, "{what}: the prefix cache served nothing");
+                assert_eq!(drafting.cache_full, kv_blocks == 9, "{what}");
+                let greedy = serve(&model, Some(head), config(kv_blocks, 3), &requests(vocab, false), 24);
+                assert!(greedy.drafted > 0, "{what}: no drafts");
+                assert_eq!(greedy.accepted, greedy.drafted, "{what}: a draft refused");
+            }
         }
     }
 }
 
 /// The head's graph (hidden states in, embedding and hidden state joined side by side),
-/// optimized, gives on the CPU backend what the IR's reference interpreter gives unoptimized: logits and hidden states of
-/// the last row, over two steps whose second attends over the first's cache.
+/// optimized, gives on the CPU backend what the IR's reference interpreter gives unoptimized:
+/// the last row's logits, or its token from a 4-bit shortlist (of 64 rows of 320: the exact
+/// best is among them), and its hidden state.
 #[test]
 fn the_mtp_graph_runs_on_the_cpu_backend_as_the_reference_runs_it() {
-    for family in ["qwen3_5", "qwen3_next"] {
+    for family in ["qwen3_5", "qwen3_next", "glm4_moe"] {
         let model = with_mtp(family, Head::Copied);
-        let graph = head_graph(&model);
-        let h = model.config.hidden;
-        let steps: [(Vec<u32>, usize); 2] = [(vec![3, 77, 150, 9, 41], 0), (vec![200, 12], 5)];
-        let states = |rows: usize, seed: u64| noise(seed, rows * h, 1.5);
-        let weights = models::weights::DequantizedWeights::new(&model.weights);
-        let mut reference = Interpreter::new(&weights);
-        // Optimized, as served (the joined input through the e-graph and back).
-        let optimized = passes::optimized(&graph, passes::CostModel::CPU).unwrap();
-        let backend = CpuBackend::new(optimized, &model.weights, 256).unwrap();
-        let mut pages = backend.new_pages(8);
-        let table: Vec<runtime::kv::BlockId> = (0..2).map(runtime::kv::BlockId).collect();
-        for (k, (ids, start)) in steps.iter().enumerate() {
-            let hidden = states(ids.len(), k as u64);
-            let positions: Vec<usize> = (*start..start + ids.len()).collect();
-            let want = reference
-                .step_with_hidden_states(&graph, ids, &positions, &hidden)
-                .unwrap();
-            let segment = runtime::kv::Segment {
-                table: &table,
-                start: *start,
-                ids,
-                state_slot: 0,
-                sampled_rows: 1,
-                drafts: 0,
-                snapshots: runtime::kv::StateSnapshots::NONE,
-                hidden_states: &hidden,
-            };
-            let got = &backend.step_batch(&mut pages, &[segment]).unwrap()[0];
-            for output in ["logits", "hidden"] {
-                let (w, g) = (&want[output], &got[output]);
-                assert_eq!(w.shape, g.shape, "{family} step {k} {output}");
-                let worst = w
-                    .data
-                    .iter()
-                    .zip(&g.data)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0f32, f32::max);
-                assert!(worst < 1e-4, "{family} step {k} {output}: off by {worst}");
-            }
-        }
-        // A step whose hidden states do not cover its tokens is refused.
-        let short = runtime::kv::Segment {
-            table: &table,
-            start: 0,
-            ids: &[1, 2],
-            state_slot: 0,
-            sampled_rows: 1,
-            drafts: 0,
-            snapshots: runtime::kv::StateSnapshots::NONE,
-            hidden_states: &states(1, 9),
+        let greedy = LowerOptions {
+            logits: LogitsFor::GreedyToken,
+            ..options(&model)
         };
-        let refused = backend.step_batch(&mut pages, &[short]).unwrap_err().to_string();
-        assert!(refused.contains("hidden-state values"), "{refused}");
+        let shortlisted =
+            passes::shortlisted_draft_head(&models::lower_mtp(&model.config, &model.weights, greedy).unwrap()).unwrap();
+        for (graph, outputs) in [
+            (head_graph(&model), ["logits", ir::multi_token::DRAFT_HIDDEN_STATE]),
+            (shortlisted, ["next_token", ir::multi_token::DRAFT_HIDDEN_STATE]),
+        ] {
+            runs_as_the_reference_runs_it(&model, &graph, &outputs, family);
+        }
     }
 }
 
-/// Lowering a head that is not there says so: a model without MTP layers, a GGUF file.
+/// Two steps of `graph` (the second attending over the first's cache) give `outputs` on the
+/// CPU backend, the graph optimized as served, as the reference gives them; a step whose hidden
+/// states do not cover its tokens is refused.
+fn runs_as_the_reference_runs_it(model: &Model, graph: &ir::Graph, outputs: &[&str], family: &str) {
+    let h = model.config.hidden;
+    let steps: [(Vec<u32>, usize); 2] = [(vec![3, 77, 150, 9, 41], 0), (vec![200, 12], 5)];
+    let states = |rows: usize, seed: u64| noise(seed, rows * h, 1.5);
+    let weights = models::weights::DequantizedWeights::new(&model.weights);
+    let mut reference = Interpreter::new(&weights);
+    // Optimized, as served (the joined input through the e-graph and back).
+    let optimized = passes::optimized(graph, passes::CostModel::CPU).unwrap();
+    let backend = CpuBackend::new(optimized, &model.weights, 256).unwrap();
+    let mut pages = backend.new_pages(8);
+    let table: Vec<runtime::kv::BlockId> = (0..2).map(runtime::kv::BlockId).collect();
+    for (k, (ids, start)) in steps.iter().enumerate() {
+        let hidden = states(ids.len(), k as u64);
+        let positions: Vec<usize> = (*start..start + ids.len()).collect();
+        let want = reference
+            .step_with_hidden_states(graph, ids, &positions, &hidden)
+            .unwrap();
+        let step = segment(&table, *start, ids, &hidden);
+        let got = &backend.step_batch(&mut pages, &[step]).unwrap()[0];
+        for output in outputs {
+            let (w, g) = (&want[*output], &got[*output]);
+            assert_eq!(w.shape, g.shape, "{family} step {k} {output}");
+            let worst = w
+                .data
+                .iter()
+                .zip(&g.data)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(worst < 1e-4, "{family} step {k} {output}: off by {worst}");
+        }
+    }
+    let short_states = states(1, 9);
+    let short = segment(&table, 0, &[1, 2], &short_states);
+    let refused = backend.step_batch(&mut pages, &[short]).unwrap_err().to_string();
+    assert!(refused.contains("hidden-state values"), "{refused}");
+}
+
+/// One sequence's step of `ids` from `start` with a hidden state per id.
+fn segment<'a>(
+    table: &'a [runtime::kv::BlockId],
+    start: usize,
+    ids: &'a [u32],
+    hidden_states: &'a [f32],
+) -> runtime::kv::Segment<'a> {
+    runtime::kv::Segment {
+        table,
+        start,
+        ids,
+        state_slot: 0,
+        sampled_rows: 1,
+        drafts: 0,
+        snapshots: runtime::kv::StateSnapshots::NONE,
+        hidden_states,
+    }
+}
+
+/// Lowering a head that is not there says so: a model without MTP layers, a family whose
+/// layers bbc does not read.
 #[test]
 fn lowering_a_missing_mtp_head_is_refused() {
     let model = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/qwen3_5"))).unwrap();
@@ -383,7 +483,14 @@ fn lowering_a_missing_mtp_head_is_refused() {
     let err = models::lower_mtp(&llama.config, &llama.weights, options(&llama))
         .unwrap_err()
         .to_string();
-    assert!(err.contains("qwen3_5 and qwen3_next"), "{err}");
+    assert!(err.contains("qwen3_5, qwen3_next and glm4_moe"), "{err}");
+    // The tiny GLM-4.5's config names a layer its weights do not hold.
+    let glm = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/glm4_moe"))).unwrap();
+    assert_eq!(glm.config.mtp_layers, 1);
+    let err = models::lower_mtp(&glm.config, &glm.weights, options(&glm))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("model.layers.3.enorm.weight"), "{err}");
 }
 
 /// The tiny Llama claiming an MTP layer it does not have.

@@ -581,7 +581,8 @@ fn draft_model_proposes_its_greedy_continuation(draft: &Model) {
 }
 
 /// A draft model served as `bbc serve` serves it on the CPU (`CpuGreedyServing`: its passes
-/// on the greedy graph, whose head is the INT8-bound one) proposes what it proposes on the
+/// on the greedy graph, whose head is the INT8-bound one, or `--draft-head shortlist`'s 4-bit
+/// shortlist, 64 of 320 rows, among which the best is here) proposes what it proposes on the
 /// logits graph, round after round of partly kept drafts, with and without recurrent state
 /// (whose snapshots the greedy graph saves and restores in the same pages).
 #[test]
@@ -589,14 +590,29 @@ fn a_draft_model_on_its_greedy_graph_proposes_as_on_its_logits_graph() {
     use runtime::serving::{CpuGreedyServing, DraftModel};
     for fixture in ["hf-tiny/llama_rope_yarn", "hf-tiny/qwen3_5_rope_yarn"] {
         let draft = Model::open(ModelSpec::for_weights(&common::fixture(fixture))).unwrap();
-        let greedy_graph =
-            passes::optimized(&draft.lower(LogitsFor::GreedyToken).unwrap(), passes::CostModel::CPU).unwrap();
-        let greedy = CpuBackend::new(greedy_graph, &draft.weights, draft.config.context_length).unwrap();
-        let serving = CpuGreedyServing::new(backend(&draft), Some(greedy)).unwrap();
-        let mut on_greedy = DraftModel::new(serving, 64, 4, 16, 2048).unwrap();
-        let mut on_logits = DraftModel::new(backend(&draft), 64, 4, 16, 2048).unwrap();
-        let sequences = vec![(0..13u32).map(|j| 5 + 11 * j).collect(), vec![3, 1, 4]];
-        common::drafting::propose_alike(&mut on_logits, &mut on_greedy, sequences, 5, fixture);
+        let greedy = draft.lower(LogitsFor::GreedyToken).unwrap();
+        for (graph, head) in [
+            (greedy.clone(), "int8_bound_top_k"),
+            (passes::shortlisted_draft_head(&greedy).unwrap(), "shortlist_top_k"),
+        ] {
+            let graph = passes::optimized(&graph, passes::CostModel::CPU).unwrap();
+            assert!(
+                graph.nodes().iter().any(|n| n.op.name() == head),
+                "{fixture}: no {head}"
+            );
+            let greedy = CpuBackend::new(graph, &draft.weights, draft.config.context_length).unwrap();
+            let serving = CpuGreedyServing::new(backend(&draft), Some(greedy)).unwrap();
+            let mut on_greedy = DraftModel::new(serving, 64, 4, 16, 2048).unwrap();
+            let mut on_logits = DraftModel::new(backend(&draft), 64, 4, 16, 2048).unwrap();
+            let sequences = vec![(0..13u32).map(|j| 5 + 11 * j).collect(), vec![3, 1, 4]];
+            common::drafting::propose_alike(
+                &mut on_logits,
+                &mut on_greedy,
+                sequences,
+                5,
+                &format!("{fixture} {head}"),
+            );
+        }
     }
 }
 

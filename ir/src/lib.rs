@@ -10,6 +10,7 @@ mod dtype;
 mod expr;
 pub mod float8;
 mod graph;
+pub mod multi_token;
 mod op;
 pub mod reference;
 mod shape;

@@ -546,6 +546,15 @@ pub enum Op {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         soft_cap: Option<f32>,
     },
+    /// `(h [t, d], W [v, d]) -> i32[t, k]`: a draft head's top k, approximately: the
+    /// `candidates` rows of `W` scoring highest under a 4-bit copy of `W` (blocks of 32 along
+    /// each row, one scale a block), rescored in `W`'s own precision, and their k best (ties to
+    /// the lowest id). Exactly `TopK(h · Wᵀ)` wherever those k are among the candidates: for
+    /// drafters, whose guesses the target verifies.
+    ShortlistTopK {
+        k: usize,
+        candidates: usize,
+    },
 }
 
 /// The activation of a gated linear unit.
@@ -596,6 +605,7 @@ impl Op {
             Self::Elementwise { .. } => "elementwise",
             Self::TopK { .. } => "top_k",
             Self::Int8BoundTopK { .. } => "int8_bound_top_k",
+            Self::ShortlistTopK { .. } => "shortlist_top_k",
         }
     }
 
@@ -659,7 +669,7 @@ impl Op {
             Self::SparseMla(spec) => spec.arity(),
             Self::Moe(spec) if spec.has_expert_vector() => 5,
             Self::Moe(_) => 4,
-            Self::Int8BoundTopK { .. } => 2,
+            Self::Int8BoundTopK { .. } | Self::ShortlistTopK { .. } => 2,
             Self::Attention(_) | Self::AddRmsNorm { .. } | Self::RmsNormMatMul { .. } => 3,
             Self::AddRmsNormMatMul { .. } | Self::RopeAttention { .. } => 4,
             Self::ConcatRows | Self::Elementwise { .. } => return None,
@@ -943,6 +953,18 @@ impl Op {
                 }
                 Ok((Shape::new([t, Dim::Const(*k)]), DType::I32))
             }
+            Self::ShortlistTopK { k, candidates } => {
+                let (t, d) = f32_rows(inputs[0].0)?;
+                let (v, wd) = f32_rows(inputs[1].0)?;
+                let blocks = d.as_const().is_some_and(|d| d % 32 == 0);
+                if wd != d || !blocks || *k == 0 || candidates < k || v.as_const().is_none_or(|v| *k > v) {
+                    return Err(format!(
+                        "shortlist_top_k {k} of {candidates}: h {} W {} (rows of whole blocks of 32)",
+                        inputs[0].0, inputs[1].0
+                    ));
+                }
+                Ok((Shape::new([t, Dim::Const(*k)]), DType::I32))
+            }
         }
     }
 
@@ -987,6 +1009,7 @@ impl Op {
             Self::Elementwise { expr } => format!("{expr}"),
             Self::TopK { k } | Self::Int8BoundTopK { k, soft_cap: None } => format!("k={k}"),
             Self::Int8BoundTopK { k, soft_cap: Some(cap) } => format!("k={k}, soft_cap={cap}"),
+            Self::ShortlistTopK { k, candidates } => format!("k={k}, candidates={candidates}"),
             Self::UnitRmsNorm { eps, group } => format!("eps={eps:e}, group={group}"),
             Self::LayerNorm { eps } => format!("eps={eps:e}"),
             Self::SparseMla(s) => {

@@ -278,6 +278,11 @@ impl<'a> TargetCost<'a> {
                 let head = types[1].shape.0.iter().filter_map(|d| d.as_const()).product::<usize>() as f64;
                 return m.launch_us + head / m.bytes_per_us + 2.0 * head / m.flops_per_us;
             }
+            // The 4-bit pass reads half of that.
+            Op::ShortlistTopK { .. } => {
+                let head = types[1].shape.0.iter().filter_map(|d| d.as_const()).product::<usize>() as f64;
+                return m.launch_us + head / (2.0 * m.bytes_per_us) + 2.0 * head / m.flops_per_us;
+            }
             _ => 0.0,
         };
         let kv_bytes = match op.attention() {

@@ -47,6 +47,7 @@ define_language! {
         "elementwise" = Elementwise(Box<[Id]>),
         "top_k" = TopK([Id; 2]),
         "int8_bound_top_k" = Int8BoundTopK([Id; 3]),
+        "shortlist_top_k" = ShortlistTopK([Id; 3]),
         Attr(Symbol),
     }
 }
@@ -133,6 +134,7 @@ pub fn make_node(op: &Op, attr: Id, children: &[Id]) -> Node {
         Op::Elementwise { .. } => Node::Elementwise(with(children.len()).into_boxed_slice()),
         Op::TopK { .. } => Node::TopK(arr2(with(1))),
         Op::Int8BoundTopK { .. } => Node::Int8BoundTopK(arr3(with(2))),
+        Op::ShortlistTopK { .. } => Node::ShortlistTopK(arr3(with(2))),
     }
 }
 

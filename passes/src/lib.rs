@@ -84,6 +84,25 @@ pub const PIPELINE: &[Pass] = &[
     },
 ];
 
+/// A drafter's head, outside the pipeline (drafters' graphs only): see
+/// [`rules::draft_head`]. Run before [`optimized`], which would take the same `top_k` into
+/// the exact INT8-bound head.
+pub const SHORTLIST_DRAFT_HEAD: Pass = Pass {
+    name: "shortlist_draft_head",
+    rules: || {
+        vec![
+            rules::draft_head::shortlist(),
+            rules::draft_head::shortlist_soft_capped(),
+        ]
+    },
+};
+
+/// `graph` with its greedy head shortlisted in 4 bits ([`SHORTLIST_DRAFT_HEAD`]), where it
+/// has a head that qualifies; unchanged elsewhere.
+pub fn shortlisted_draft_head(graph: &Graph) -> Result<Graph, PassError> {
+    Ok(run_pass(graph, &SHORTLIST_DRAFT_HEAD, CostModel::CPU)?.0)
+}
+
 pub fn pass(name: &str) -> Option<&'static Pass> {
     PIPELINE.iter().find(|p| p.name == name)
 }

@@ -368,6 +368,46 @@ proptest! {
         let rules = vec![lm_head::int8_bound_top_k_soft_capped()];
         check(&g, &w, rules, "int8-bound-top-k-soft-capped", "int8_bound_top_k", CostModel::CPU);
     }
+
+    /// With fewer rows than the shortlist's candidates every row is rescored: the exact top k,
+    /// over plain and soft-capped logits (capping keeps the order).
+    #[test]
+    fn a_shortlisted_draft_head_keeps_the_top_k(blocks in 1usize..3, vocab in 2usize..60, k in 1usize..5, capped in any::<bool>(), seed in any::<u64>()) {
+        let (d, k) = (32 * blocks, k.min(vocab));
+        let mut g = Graph::new("draft_head");
+        let mut w = Weights { seed, ..Default::default() };
+        let x = activation(&mut g, &mut w, d);
+        let head = w.add(&mut g, "head", &[vocab, d]);
+        let mut logits = g.add(Op::MatMul, &[x, head]).unwrap();
+        if capped {
+            logits = g.add(Op::SoftCap { cap: 3.0 }, &[logits]).unwrap();
+        }
+        let top = g.add(Op::TopK { k }, &[logits]).unwrap();
+        g.set_output("top", top);
+        let (rule, rules) = match capped {
+            false => ("shortlist-draft-head", vec![draft_head::shortlist()]),
+            true => ("shortlist-draft-head-soft-capped", vec![draft_head::shortlist_soft_capped()]),
+        };
+        check(&g, &w, rules, rule, "shortlist_top_k", CostModel::CPU);
+    }
+}
+
+/// A head whose rows are not whole blocks of 32 is left as it is.
+#[test]
+fn a_draft_head_of_partial_blocks_is_not_shortlisted() {
+    let mut g = Graph::new("draft_head");
+    let mut w = Weights::default();
+    let x = activation(&mut g, &mut w, 40);
+    let head = w.add(&mut g, "head", &[50, 40]);
+    let logits = g.add(Op::MatMul, &[x, head]).unwrap();
+    let top = g.add(Op::TopK { k: 1 }, &[logits]).unwrap();
+    g.set_output("top", top);
+    let after = passes::shortlisted_draft_head(&g).unwrap();
+    assert!(
+        after.nodes().iter().all(|n| n.op.name() != "shortlist_top_k"),
+        "{}",
+        after.to_text()
+    );
 }
 
 #[test]

@@ -20,8 +20,13 @@ pub struct DraftCache {
 /// The draft model `arg` names (an artifact, a model.toml, weights or a model name), ready
 /// to draft for a target whose tokenizer is `target`, and where it runs: a GPU artifact on
 /// its batched serving plan (decode passes replayed as CUDA graphs), anything else on the CPU
-/// backend.
-pub fn load(arg: &str, target: &Tokenizer, cache: DraftCache) -> Result<(Box<dyn Drafter>, &'static str)> {
+/// backend, whose greedy passes take its head as `head` says.
+pub fn load(
+    arg: &str,
+    target: &Tokenizer,
+    cache: DraftCache,
+    head: super::DraftHead,
+) -> Result<(Box<dyn Drafter>, &'static str)> {
     let options = model_ref::LoadOptions {
         greedy: true,
         ..model_ref::LoadOptions::default()
@@ -52,10 +57,15 @@ pub fn load(arg: &str, target: &Tokenizer, cache: DraftCache) -> Result<(Box<dyn
                     .keep_state_snapshots(cache.sequences)?;
             Ok((drafter(backend, &cache, context_length, arg)?, "on the GPU"))
         }
-        None => Ok((
-            drafter(super::cpu_serving(loaded)?, &cache, context_length, arg)?,
-            "on the CPU backend",
-        )),
+        None => {
+            // Its greedy steps (every drafting pass) through the head as asked.
+            let greedy = loaded.model.lower(models::LogitsFor::GreedyToken)?;
+            loaded.greedy = Some(head.optimized(&greedy)?);
+            Ok((
+                drafter(super::cpu_serving(loaded)?, &cache, context_length, arg)?,
+                "on the CPU backend",
+            ))
+        }
     }
 }
 

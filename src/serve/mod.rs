@@ -116,6 +116,12 @@ pub struct ServeArgs {
     /// Longest match prompt lookup tries (default 4, or model.toml's).
     #[arg(long)]
     pub prompt_lookup_max: Option<usize>,
+    /// How a drafter on the CPU backend (a draft model, MTP layers) picks its guesses from the
+    /// vocabulary: `shortlist` scores every row with a 4-bit copy of its head and rescores the
+    /// best 64 in full precision; `full` finds the exact best (the INT8-bound head). The target
+    /// verifies every guess either way.
+    #[arg(long, value_enum, default_value_t = DraftHead::Shortlist)]
+    pub draft_head: DraftHead,
     /// Chat responses split the model's reasoning from its answer (`reasoning_content` beside
     /// `content`) at the markers of: the model's family (`auto`: `<think>…</think>` for
     /// Qwen3.5, Qwen3-Next, GLM-4.5 and GLM-5, `<|channel>thought\n…<channel|>` for Gemma 4),
@@ -146,6 +152,25 @@ pub struct ServeArgs {
     /// priority other than 0 is refused.
     #[arg(long, value_enum, default_value_t = SchedulingPolicyArg::Fcfs)]
     pub scheduling_policy: SchedulingPolicyArg,
+}
+
+/// `--draft-head`'s values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DraftHead {
+    Shortlist,
+    Full,
+}
+
+impl DraftHead {
+    /// `greedy` (a drafter's graph giving its greedy token) with its head as chosen, optimized
+    /// for the CPU.
+    fn optimized(self, greedy: &ir::Graph) -> Result<ir::Graph> {
+        let graph = match self {
+            Self::Shortlist => passes::shortlisted_draft_head(greedy)?,
+            Self::Full => greedy.clone(),
+        };
+        Ok(passes::optimized(&graph, passes::CostModel::CPU)?)
+    }
 }
 
 /// `--scheduling-policy`'s values.
@@ -237,11 +262,11 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let mut mtp_head = None;
     let drafter = match &drafting {
         speculation::Drafting::Model(arg) => {
-            let (drafter, place) = draft::load(arg, &tokenizer, draft_cache)?;
+            let (drafter, place) = draft::load(arg, &tokenizer, draft_cache, args.draft_head)?;
             Some((format!("the draft model {arg} ({place})"), drafter))
         }
         speculation::Drafting::Mtp => {
-            mtp_head = Some(mtp::prepare(&mut loaded)?);
+            mtp_head = Some(mtp::prepare(&mut loaded, args.draft_head)?);
             None
         }
         speculation::Drafting::PromptLookup => None,
@@ -382,7 +407,7 @@ fn cpu_serving_with_head(
         None => None,
     };
     let logits = runtime::CpuBackend::with_cache(loaded.graph, weights, context_length, &mut cache)?;
-    let greedy = match loaded.greedy.take().filter(has_int8_head) {
+    let greedy = match loaded.greedy.take().filter(has_cheap_head) {
         Some(graph) => Some(runtime::CpuBackend::with_cache(
             graph,
             weights,
@@ -394,11 +419,13 @@ fn cpu_serving_with_head(
     Ok((runtime::serving::CpuGreedyServing::new(logits, greedy)?, head))
 }
 
-fn has_int8_head(graph: &ir::Graph) -> bool {
+/// Whether a greedy graph's head is cheaper than the logits graph's (the INT8-bound head, or
+/// a drafter's 4-bit shortlist), so that greedy steps are worth running on it.
+fn has_cheap_head(graph: &ir::Graph) -> bool {
     graph
         .nodes()
         .iter()
-        .any(|n| matches!(n.op, ir::Op::Int8BoundTopK { .. }))
+        .any(|n| matches!(n.op, ir::Op::Int8BoundTopK { .. } | ir::Op::ShortlistTopK { .. }))
 }
 
 /// Say what the prefix cache keeps of a model's recurrent states: `places` snapshots of

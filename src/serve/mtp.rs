@@ -11,8 +11,9 @@ use runtime::serving::{Drafter, MtpDrafter};
 
 /// Make `loaded` ready to be drafted for by its multi-token prediction layers: its logits
 /// graph outputs the hidden states the head reads, and it has no greedy graph (whose steps
-/// return ids alone, not the hidden states). The head's graph, optimized for the CPU.
-pub fn prepare(loaded: &mut Loaded) -> Result<ir::Graph> {
+/// return ids alone, not the hidden states). The head's graph, giving its greedy token from
+/// `head`, optimized for the CPU.
+pub fn prepare(loaded: &mut Loaded, head: super::DraftHead) -> Result<ir::Graph> {
     if loaded.gpu_plan.is_some() {
         bail!(
             "method `mtp` drafts on the CPU backend: serve the model's weights or a CPU artifact, not a GPU artifact"
@@ -20,15 +21,16 @@ pub fn prepare(loaded: &mut Loaded) -> Result<ir::Graph> {
     }
     let model = &loaded.model;
     let options = LowerOptions {
-        logits: LogitsFor::LastToken,
+        logits: LogitsFor::GreedyToken,
         compute: model.spec.dtype,
         kv_cache: model.spec.kv_cache_dtype,
     };
-    let head = models::lower_mtp(&model.config, &model.weights, options).context("method `mtp`")?;
+    let greedy = models::lower_mtp(&model.config, &model.weights, options).context("method `mtp`")?;
     let target = models::with_hidden_states(&model.lower(LogitsFor::LastToken)?)?;
+    let graph = head.optimized(&greedy)?;
     loaded.graph = passes::optimized(&target, passes::CostModel::CPU)?;
     loaded.greedy = None;
-    Ok(passes::optimized(&head, passes::CostModel::CPU)?)
+    Ok(graph)
 }
 
 /// The drafter over the head's backend, with `cache`'s room.

@@ -389,6 +389,29 @@ impl<'w> Interpreter<'w> {
                 }
                 top_k_rows(&logits, *k)
             }
+            Op::ShortlistTopK { k, candidates } => {
+                let (h, w) = (args[0].tensor(), args[1].tensor());
+                let d = w.row_len();
+                let coarse: Vec<f32> = w.data.chunks(d).flat_map(ops::four_bit_row).collect();
+                let data = (0..h.rows())
+                    .flat_map(|r| {
+                        let row = h.row(r);
+                        let scores = |w: &[f32]| -> Vec<f32> { w.chunks(d).map(|v| ops::dot(row, v) as f32).collect() };
+                        let shortlist = ops::top_k(&scores(&coarse), (*candidates).min(w.rows()));
+                        let exact: Vec<f32> = shortlist.iter().map(|&v| ops::dot(row, w.row(v)) as f32).collect();
+                        // The shortlist's own order is by coarse score: rank by exact score,
+                        // ties to the lowest id.
+                        let mut ranked: Vec<usize> = (0..shortlist.len()).collect();
+                        ranked.sort_by(|&a, &b| exact[b].total_cmp(&exact[a]).then(shortlist[a].cmp(&shortlist[b])));
+                        ranked
+                            .into_iter()
+                            .take(*k)
+                            .map(|i| shortlist[i] as f32)
+                            .collect::<Vec<_>>()
+                    })
+                    .collect();
+                Tensor::new(vec![h.rows(), *k], data)
+            }
             Op::Input(_) | Op::Weight { .. } => unreachable!("handled by step"),
         })
     }

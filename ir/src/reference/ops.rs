@@ -175,6 +175,23 @@ pub fn matmul(x: &[f32], w: &[f32], k: usize, out: &mut [f32]) {
     }
 }
 
+/// `row` (whole blocks of 32) through a 4-bit copy and back, as llama.cpp's Q4_0 keeps it:
+/// per block the value of largest magnitude `m` sets the scale `d = m / −8` (an f16), and each
+/// value becomes `d·(q − 8)` for `q = ⌊x/d + 8.5⌋` within 0..=15.
+pub fn four_bit_row(row: &[f32]) -> Vec<f32> {
+    let mut out = Vec::with_capacity(row.len());
+    for block in row.chunks(32) {
+        let m = block.iter().fold(0f32, |m, &x| if x.abs() > m.abs() { x } else { m });
+        let d = half::f16::from_f32(m / -8.0).to_f32();
+        let inverse = if d != 0.0 { 1.0 / d } else { 0.0 };
+        out.extend(block.iter().map(|&x| {
+            let q = ((x * inverse + 8.5) as i32).clamp(0, 15);
+            d * (q - 8) as f32
+        }));
+    }
+    out
+}
+
 /// Whether a query at `q_pos` may attend to a key at `k_pos` (causal, optional sliding window).
 pub fn attends(q_pos: usize, k_pos: usize, window: Option<usize>) -> bool {
     k_pos <= q_pos && window.is_none_or(|w| q_pos - k_pos < w)
@@ -572,7 +589,8 @@ pub fn sparse_index_kept(
     kept
 }
 
-fn dot(a: &[f32], b: &[f32]) -> f64 {
+/// `Σ a·b`, accumulated in f64 (as [`matmul`]).
+pub fn dot(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
 }
 

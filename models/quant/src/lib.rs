@@ -11,7 +11,7 @@ pub mod int8_rows;
 pub mod iq4;
 pub mod q2_k;
 pub mod q3_k;
-mod q4_0;
+pub mod q4_0;
 mod q4_1;
 pub mod q4_k;
 mod q5_0;

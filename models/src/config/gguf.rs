@@ -23,7 +23,8 @@ impl ModelConfig {
         let hidden = u("embedding_length")?;
         let heads = u("attention.head_count")?;
         // Multi-token-prediction layers (llama.cpp's converter keeps a checkpoint's MTP layers
-        // as blocks after the model's own) are counted in `block_count`; bbc does not run them.
+        // as blocks after the model's own) are counted in `block_count`; they are no decoder
+        // layers (`mtp_layers`, `lower_mtp`).
         let blocks = u("block_count")?;
         let mtp = file.optional_u64(&key("nextn_predict_layers"))?.unwrap_or(0) as usize;
         let layers = blocks
@@ -128,9 +129,7 @@ impl ModelConfig {
             final_logit_softcap: file
                 .optional_f64(&key("final_logit_softcapping"))?
                 .map(|cap| cap as f32),
-            // llama.cpp keeps multi-token prediction layers among the blocks; bbc reads them
-            // from HF checkpoints only.
-            mtp_layers: 0,
+            mtp_layers: mtp,
         };
         config.check(&file.path)
     }

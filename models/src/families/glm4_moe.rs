@@ -19,21 +19,55 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     })?;
     let (_, positions, mut x) = b.token_embeddings(c)?;
     for i in 0..c.layers {
-        let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::AttnNorm), c.hidden, c.rms_eps, 0.0)?;
-        let a = attention(c, b, i, h, positions)?;
-        x = b.add(x, a)?;
-        // HF's `post_attention_layernorm`: the norm before the MLP.
-        let h = b.rms_norm(
-            x,
-            &b.naming.layer(i, LayerTensor::PostAttnNorm),
-            c.hidden,
-            c.rms_eps,
-            0.0,
-        )?;
-        let m = mlp(c, b, i, h, SharedNames::Experts)?;
-        x = b.add(x, m)?;
+        x = decoder_layer(c, b, i, x, positions)?;
     }
     b.lm_head(c, x, 0.0)
+}
+
+/// The first multi-token prediction layer (DeepSeek-V3's layout, vLLM's `Glm4MoeMTP`), layer
+/// `layers` of the checkpoint: the token's embedding and the target's hidden state each normed
+/// (`enorm`, `hnorm`), joined side by side and projected back (`eh_proj`), a decoder layer, then
+/// its own final norm (`shared_head.norm`) and head (`shared_head.head`, else the model's).
+/// Its next chained step reads the decoder layer's output before that norm.
+pub(super) fn lower_mtp(c: &ModelConfig, b: &mut Builder) -> Result<()> {
+    let i = c.layers;
+    let named = |b: &Builder, (hf, gguf): (&'static str, &'static str)| b.naming.layer_named(i, (hf, gguf));
+    let (_, positions, embedded) = b.token_embeddings(c)?;
+    let hidden = b.graph.hidden_states_input(c.hidden);
+    let enorm = named(b, ("enorm.weight", "nextn.enorm.weight"));
+    let hnorm = named(b, ("hnorm.weight", "nextn.hnorm.weight"));
+    let embedded = b.rms_norm(embedded, &enorm, c.hidden, c.rms_eps, 0.0)?;
+    let hidden = b.rms_norm(hidden, &hnorm, c.hidden, c.rms_eps, 0.0)?;
+    let joined = b.op(ir::Op::ConcatColumns, &[embedded, hidden])?;
+    let eh = b.matrix(
+        &named(b, ("eh_proj.weight", "nextn.eh_proj.weight")),
+        c.hidden,
+        2 * c.hidden,
+    )?;
+    let x = b.matmul(joined, eh)?;
+    b.first_cached_layer = i;
+    let x = decoder_layer(c, b, i, x, positions)?;
+    let last = match b.options.logits {
+        crate::LogitsFor::AllTokens => x,
+        _ => b.op(ir::Op::LastToken, &[x])?,
+    };
+    b.graph.set_output(ir::multi_token::DRAFT_HIDDEN_STATE, last);
+    let norm = named(b, ("shared_head.norm.weight", "nextn.shared_head_norm.weight"));
+    let head = named(b, ("shared_head.head.weight", "nextn.shared_head_head.weight"));
+    b.lm_head_named(c, last, &norm, Some(&head), 0.0)
+}
+
+/// Decoder layer `i` over the residual stream `x`: attention, then the MLP, each normed
+/// before and added back.
+fn decoder_layer(c: &ModelConfig, b: &mut Builder, i: usize, x: NodeId, positions: NodeId) -> Result<NodeId> {
+    let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::AttnNorm), c.hidden, c.rms_eps, 0.0)?;
+    let a = attention(c, b, i, h, positions)?;
+    let x = b.add(x, a)?;
+    // HF's `post_attention_layernorm`: the norm before the MLP.
+    let norm = b.naming.layer(i, LayerTensor::PostAttnNorm);
+    let h = b.rms_norm(x, &norm, c.hidden, c.rms_eps, 0.0)?;
+    let m = mlp(c, b, i, h, SharedNames::Experts)?;
+    b.add(x, m)
 }
 
 /// Self-attention of layer `i` over the normed `h`, through the output projection.

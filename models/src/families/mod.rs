@@ -167,15 +167,18 @@ fn build(config: &ModelConfig, weights: Catalog<'_>, options: LowerOptions) -> R
 /// graph of one draft step: from each token's id and the target's `hidden` state at the
 /// position before it (the `HiddenStates` input), the logits of the token after it, through
 /// the target's embedding and LM head. Its own attention layers keep their caches in slots
-/// from 0; its `hidden` output (the normed state its head reads) is the hidden state its
-/// next chained step reads.
+/// from 0; it outputs the hidden state its next chained step reads
+/// (`ir::multi_token::DRAFT_HIDDEN_STATE`).
 pub fn lower_mtp(config: &ModelConfig, weights: &WeightSource, options: LowerOptions) -> Result<Graph> {
-    let naming = match Naming::detect(weights) {
-        Naming::Hf(prefix) => Naming::Hf(HfPrefix::Mtp(prefix.text())),
-        Naming::Gguf => {
-            return Err(mtp_unsupported(
-                "multi-token prediction layers are read from HF checkpoints, not GGUF files".into(),
-            ))
+    let naming = match (Naming::detect(weights), config.family) {
+        // GLM's layers are numbered after the model's, under its own prefix.
+        (naming, Family::Glm4Moe) => naming,
+        (Naming::Hf(prefix), _) => Naming::Hf(HfPrefix::Mtp(prefix.text())),
+        (Naming::Gguf, family) => {
+            return Err(mtp_unsupported(format!(
+                "llama.cpp's {} files carry no multi-token prediction layers bbc reads",
+                family.name()
+            )))
         }
     };
     build_mtp(config, Catalog::Source(weights), naming, options)
@@ -183,8 +186,18 @@ pub fn lower_mtp(config: &ModelConfig, weights: &WeightSource, options: LowerOpt
 
 /// [`lower_mtp`] of a model without weights (see [`lower_without_weights`]): HF names.
 pub fn lower_mtp_without_weights(config: &ModelConfig, options: LowerOptions) -> Result<Graph> {
-    let naming = Naming::Hf(HfPrefix::Mtp(TextPrefix::Text));
+    let naming = match config.family {
+        Family::Glm4Moe => Naming::Hf(HfPrefix::Text),
+        _ => Naming::Hf(HfPrefix::Mtp(TextPrefix::Text)),
+    };
     build_mtp(config, Catalog::Implied, naming, options)
+}
+
+impl Family {
+    /// Whether bbc lowers this family's multi-token prediction layers ([`lower_mtp`]).
+    pub fn lowers_mtp(self) -> bool {
+        matches!(self, Self::Qwen35 | Self::Qwen3Next | Self::Glm4Moe)
+    }
 }
 
 fn mtp_unsupported(what: String) -> ModelError {
@@ -205,9 +218,10 @@ fn build_mtp(config: &ModelConfig, weights: Catalog<'_>, naming: Naming, options
     let mut b = Builder::new(&name, weights, naming, options);
     match config.family {
         Family::Qwen35 | Family::Qwen3Next => qwen3_5::lower_mtp(config, &mut b)?,
+        Family::Glm4Moe => glm4_moe::lower_mtp(config, &mut b)?,
         family => {
             return Err(mtp_unsupported(format!(
-                "bbc reads multi-token prediction layers of qwen3_5 and qwen3_next checkpoints, not {}",
+                "bbc reads multi-token prediction layers of qwen3_5, qwen3_next and glm4_moe checkpoints, not {}",
                 family.name()
             )))
         }
@@ -217,8 +231,8 @@ fn build_mtp(config: &ModelConfig, weights: Catalog<'_>, naming: Naming, options
 }
 
 /// `graph` whose `hidden` output (the normed state its LM head reads) is also output for
-/// every row of a step as `hidden_states`: what a multi-token prediction head drafting for the
-/// model reads at each position it computed.
+/// every row of a step (`ir::multi_token::TARGET_HIDDEN_STATES`): what a multi-token
+/// prediction head drafting for the model reads at each position it computed.
 pub fn with_hidden_states(graph: &Graph) -> Result<Graph> {
     let mut g = graph.clone();
     let missing = || ModelError::TensorShape {
@@ -517,6 +531,9 @@ pub(crate) struct Builder<'w> {
     pub options: LowerOptions,
     /// What the KV caches store (`LowerOptions::kv_cache` resolved for these weights).
     cache_dtype: DType,
+    /// The first layer whose attention has a cache slot (slot 0): a multi-token prediction
+    /// graph of layers numbered after the model's keeps its caches from slot 0.
+    pub first_cached_layer: usize,
 }
 
 impl<'w> Builder<'w> {
@@ -531,6 +548,7 @@ impl<'w> Builder<'w> {
             naming,
             cache_dtype: options.kv_cache.resolve(options.compute, matrices),
             options,
+            first_cached_layer: 0,
         }
     }
 
@@ -624,22 +642,16 @@ impl<'w> Builder<'w> {
         self.op(Op::AddBias, &[y, bias])
     }
 
-    /// Causal attention over everything cached, scaled by `head_dim^−½`, in layer
-    /// `cache_slot`'s cache (of the model's cache dtype).
-    pub fn causal_attention(
-        &self,
-        heads: usize,
-        kv_heads: usize,
-        head_dim: usize,
-        cache_slot: usize,
-    ) -> ir::AttentionSpec {
+    /// Causal attention over everything cached, scaled by `head_dim^−½`, in layer `layer`'s
+    /// cache (of the model's cache dtype).
+    pub fn causal_attention(&self, heads: usize, kv_heads: usize, head_dim: usize, layer: usize) -> ir::AttentionSpec {
         ir::AttentionSpec {
             heads,
             kv_heads,
             head_dim,
             scale: 1.0 / (head_dim as f64).sqrt(),
             window: None,
-            cache_slot,
+            cache_slot: layer - self.first_cached_layer,
             cache_dtype: self.cache_dtype(),
         }
     }
@@ -694,22 +706,35 @@ impl<'w> Builder<'w> {
     /// Final norm, optional last-token selection, and the (possibly tied) LM head. Outputs
     /// `hidden` (the normed state the head reads) and `logits`, or `next_token` for greedy.
     pub fn lm_head(&mut self, config: &ModelConfig, x: NodeId, norm_offset: f32) -> Result<()> {
+        let norm = self.naming.output_norm();
+        self.lm_head_named(config, x, &norm, None, norm_offset)
+    }
+
+    /// [`lm_head`](Self::lm_head) through the final norm `norm` and the head `head` where
+    /// given and present (a multi-token prediction layer's own), else the model's.
+    pub fn lm_head_named(
+        &mut self,
+        config: &ModelConfig,
+        x: NodeId,
+        norm: &str,
+        head: Option<&str>,
+        norm_offset: f32,
+    ) -> Result<()> {
         let mut x = x;
         if self.options.logits != LogitsFor::AllTokens && !self.is_last_rows(x) {
             x = self.op(Op::LastToken, &[x])?;
         }
-        let name = self.naming.output_norm();
-        let x = self.rms_norm(x, &name, config.hidden, config.rms_eps, norm_offset)?;
+        let x = self.rms_norm(x, norm, config.hidden, config.rms_eps, norm_offset)?;
         // A file may leave the head out and mean the embedding; implied weights have every
         // tensor the config names.
-        let has_head = match self.weights {
-            Catalog::Source(weights) => weights.contains(&self.naming.lm_head()),
+        let has = |b: &Self, name: &str| match b.weights {
+            Catalog::Source(weights) => weights.contains(name),
             Catalog::Implied => true,
         };
-        let head = if config.tied_embeddings || !has_head {
-            self.naming.embedding()
-        } else {
-            self.naming.lm_head()
+        let head = match head.filter(|h| has(self, h)) {
+            Some(own) => own.to_string(),
+            None if config.tied_embeddings || !has(self, &self.naming.lm_head()) => self.naming.embedding(),
+            None => self.naming.lm_head(),
         };
         let w = self.matrix(&head, config.vocab_size, config.hidden)?;
         self.graph.set_output("hidden", x);

@@ -37,11 +37,13 @@ impl SharedNames {
     }
 }
 
-/// Layer `i`'s MLP over the normed `h`: the MoE one where the model has one in that layer,
-/// else the dense SwiGLU.
+/// Layer `i`'s MLP over the normed `h`: the MoE one where the model has one in that layer
+/// (layers after the model's, its multi-token prediction layers, as its last), else the dense
+/// SwiGLU.
 pub(super) fn mlp(c: &ModelConfig, b: &mut Builder, i: usize, h: NodeId, shared: SharedNames) -> Result<NodeId> {
+    let sparse = |moe: &crate::config::MoeConfig| moe.sparse_layers.get(i).or(moe.sparse_layers.last()) == Some(&true);
     match &c.moe {
-        Some(moe) if moe.sparse_layers[i] => moe_mlp(c, moe, b, i, h, shared),
+        Some(moe) if sparse(moe) => moe_mlp(c, moe, b, i, h, shared),
         _ => {
             let names = [LayerTensor::Gate, LayerTensor::Up, LayerTensor::Down].map(|t| b.naming.layer(i, t));
             b.gated_mlp(h, &names, c.hidden, c.intermediate, GluAct::Silu)

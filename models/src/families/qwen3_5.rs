@@ -74,7 +74,11 @@ pub(super) fn lower_mtp(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     for i in 0..c.mtp_layers {
         x = decoder_layer(c, b, i, LayerAttention::Full, x, positions)?;
     }
-    b.lm_head(c, x, offset)
+    b.lm_head(c, x, offset)?;
+    // Its next chained step reads the normed state, as vLLM's `Qwen3NextMTP` passes it on.
+    let normed = b.graph.output("hidden").expect("the head's norm");
+    b.graph.set_output(ir::multi_token::DRAFT_HIDDEN_STATE, normed);
+    Ok(())
 }
 
 /// Decoder layer `i` over the residual stream `x`: its token mixer (`attention`), then its MLP,

@@ -2,6 +2,7 @@
 //! citing what it implements, and a property test (in `tests/`) that runs the graph before and
 //! after it in the IR interpreter on random shapes and values.
 
+pub mod draft_head;
 pub mod elementwise;
 pub mod gated_mlp;
 pub mod joined_projections;

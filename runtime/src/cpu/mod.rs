@@ -23,6 +23,7 @@ mod pool;
 pub mod quant;
 mod rope;
 mod rows;
+pub mod shortlist_head;
 pub mod simd;
 mod spares;
 
@@ -52,6 +53,8 @@ pub struct CpuBackend {
     weights: Vec<Option<Arc<CpuWeight>>>,
     /// Per `Int8BoundTopK` node: its head, quantized at load time.
     int8_heads: HashMap<usize, Int8Head>,
+    /// Per `ShortlistTopK` node: its head's 4-bit copy, made at load time.
+    shortlist_heads: HashMap<usize, shortlist_head::ShortlistHead>,
     /// Per node: the index of the last node reading it (values are freed after).
     last_use: Vec<usize>,
     /// Per attention cache slot: what a position is cached as.
@@ -201,6 +204,7 @@ impl CpuBackend {
         fold_weight_transforms(&graph, &mut weights, cache)?;
         widen_conv_weights(&graph, &mut weights)?;
         let int8_heads = prepare_int8_heads(&graph, &weights, cache)?;
+        let shortlist_heads = prepare_shortlist_heads(&graph, &weights)?;
         release_folded_sources(&graph, &mut weights);
         let mut last_use = vec![0; graph.nodes().len()];
         let mut kv_layouts = Vec::new();
@@ -243,6 +247,7 @@ impl CpuBackend {
             graph,
             weights,
             int8_heads,
+            shortlist_heads,
             last_use,
             kv_layouts,
             state_lens,
@@ -679,6 +684,13 @@ impl CpuBackend {
                     .collect();
                 Tensor::new(vec![h.rows(), *k], data)
             }
+            Op::ShortlistTopK { k, candidates } => {
+                let h = args[0].value().tensor();
+                let head = &self.shortlist_heads[&node];
+                let full = args[1].matrix();
+                let ids = head.top_k(&h.data, h.rows(), *k, *candidates, full);
+                Tensor::new(vec![h.rows(), *k], ids.into_iter().map(|i| i as f32).collect())
+            }
             Op::ConcatRows | Op::RowGroupSlice { .. } | Op::TransposeRowGroups { .. } => {
                 unreachable!("weight transforms are folded at load time")
             }
@@ -986,6 +998,27 @@ fn fold_weight_transforms(
         weights[i] = Some(stacked);
     }
     Ok(())
+}
+
+/// The 4-bit copy of every `ShortlistTopK`'s head.
+fn prepare_shortlist_heads(
+    graph: &Graph,
+    weights: &[Option<Arc<CpuWeight>>],
+) -> Result<HashMap<usize, shortlist_head::ShortlistHead>> {
+    let mut heads = HashMap::new();
+    for (i, node) in graph.nodes().iter().enumerate() {
+        if let Op::ShortlistTopK { .. } = node.op {
+            let Some(CpuWeight::Matrix(w)) = weights[node.inputs[1].0].as_deref() else {
+                return Err(RuntimeError::Graph(format!(
+                    "shortlist_top_k %{i} needs a weight matrix"
+                )));
+            };
+            let head = shortlist_head::ShortlistHead::prepare(w)
+                .map_err(|e| RuntimeError::Graph(format!("shortlist_top_k %{i}: {e}")))?;
+            heads.insert(i, head);
+        }
+    }
+    Ok(heads)
 }
 
 /// The head of every `Int8BoundTopK`: quantized at compile time when the cache has it, else now.

@@ -15,7 +15,7 @@ pub use block_manager::{BlockId, BlockManager, OutOfBlocks};
 pub use cpu_greedy::CpuGreedyServing;
 pub use draft_model::{DraftModel, Drafter};
 pub use engine::{PagedBackend, Sampled, ServingEngine, StateSnapshotting, StepOutput};
-pub use mtp::{MtpDrafter, TARGET_HIDDEN_STATES};
+pub use mtp::MtpDrafter;
 pub use ngram::{NgramConfig, NgramIndex};
 pub use scheduler::{
     AddError, DraftRequest, FinishReason, Finished, PrefixCacheStats, Schedule, Scheduler, SchedulerConfig,

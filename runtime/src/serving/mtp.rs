@@ -26,12 +26,11 @@ use crate::kv::{BlockId, Segment, StateSnapshots};
 use ir::Tensor;
 use std::collections::{BTreeMap, HashMap};
 
-/// The target output a multi-token prediction head reads: the target's normed hidden state at
-/// every row it computes (`models::with_hidden_states`).
-pub const TARGET_HIDDEN_STATES: &str = "hidden_states";
+use ir::multi_token::{DRAFT_HIDDEN_STATE, TARGET_HIDDEN_STATES};
 
 /// A multi-token prediction head on a paged backend (its graph reads `HiddenStates` and has
-/// `logits` and `hidden` outputs of its last row), with the cache it keeps per sequence.
+/// `next_token` or `logits`, and [`DRAFT_HIDDEN_STATE`], outputs of its last row), with the
+/// cache it keeps per sequence.
 pub struct MtpDrafter<B: PagedBackend> {
     backend: B,
     pages: B::Pages,
@@ -154,9 +153,15 @@ impl<B: PagedBackend> MtpDrafter<B> {
                         rows => Ok(t.row(rows - 1)),
                     }
                 };
+                // A head lowered for greedy drafting gives its token (`next_token`, from a
+                // shortlisted or INT8-bound head); else its logits' argmax.
+                let token = match out.contains_key("next_token") {
+                    true => last("next_token")?[0] as u32,
+                    false => crate::sampling::argmax(last("logits")?),
+                };
                 Ok(PassResult {
-                    token: crate::sampling::argmax(last("logits")?),
-                    hidden: last("hidden")?.to_vec(),
+                    token,
+                    hidden: last(DRAFT_HIDDEN_STATE)?.to_vec(),
                 })
             })
             .collect()
