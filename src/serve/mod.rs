@@ -381,9 +381,10 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
 }
 
 /// `loaded` (loaded with its greedy graph) on the CPU backend as serving runs it: its greedy
-/// graph beside the logits graph where that graph's head is the INT8-bound one (an f32 or
-/// bf16 head, which it reads a fraction of the bytes of); a quantized head's greedy graph
-/// computes what the logits graph does, so then the logits graph alone.
+/// graph beside the logits graph where that graph's head is a cheaper one (the INT8-bound
+/// head of an f32 or bf16 head, which it reads a fraction of the bytes of, or a drafter's
+/// 4-bit shortlist); a quantized head's greedy graph computes what the logits graph does, so
+/// then the logits graph alone.
 pub(crate) fn cpu_serving(loaded: model_ref::Loaded) -> Result<runtime::serving::CpuGreedyServing> {
     Ok(cpu_serving_with_head(loaded, None)?.0)
 }

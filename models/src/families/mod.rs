@@ -252,7 +252,7 @@ pub fn with_hidden_states(graph: &Graph) -> Result<Graph> {
     let all = g
         .add(norm.op.clone(), &[every_row, norm.inputs[1]])
         .map_err(graph_error)?;
-    g.set_output("hidden_states", all);
+    g.set_output(ir::multi_token::TARGET_HIDDEN_STATES, all);
     g.validate().map_err(graph_error)?;
     Ok(g)
 }

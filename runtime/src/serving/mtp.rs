@@ -23,10 +23,9 @@ use super::engine::PagedBackend;
 use super::scheduler::{DraftRequest, SeqId};
 use crate::error::{Result, RuntimeError};
 use crate::kv::{BlockId, Segment, StateSnapshots};
+use ir::multi_token::{DRAFT_HIDDEN_STATE, TARGET_HIDDEN_STATES};
 use ir::Tensor;
 use std::collections::{BTreeMap, HashMap};
-
-use ir::multi_token::{DRAFT_HIDDEN_STATE, TARGET_HIDDEN_STATES};
 
 /// A multi-token prediction head on a paged backend (its graph reads `HiddenStates` and has
 /// `next_token` or `logits`, and [`DRAFT_HIDDEN_STATE`], outputs of its last row), with the
