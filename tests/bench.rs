@@ -384,6 +384,68 @@ fn every_family_serves_random_weights_and_is_benchmarked() {
     }
 }
 
+/// Against a server drafting with a model's MTP layers (the tiny Qwen3.5's config with one, its
+/// vocabulary widened to SmolLM2's tokenizer, random weights), the report says how many drafted
+/// tokens were accepted and the mean accepted length, from the server's counters over the
+/// measured requests alone; against one that does not draft, it says nothing of them.
+#[test]
+fn the_report_measures_draft_acceptance() {
+    let scratch = common::scratch_dir("bbc-bench-mtp-");
+    let path = common::fixture("hf-tiny/qwen3_5/config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    config["vocab_size"] = 49152.into();
+    config["mtp_num_hidden_layers"] = 1.into();
+    let model = scratch.path().join("config.json");
+    std::fs::write(&model, config.to_string()).unwrap();
+    let tokenizer = common::real_model("smollm2");
+    let mtp = r#"{"method": "mtp", "num_speculative_tokens": 2}"#;
+    let args = [
+        "--input-len",
+        "16",
+        "--output-len",
+        "8",
+        "--range-ratio",
+        "1",
+        "--num-prompts",
+        "3",
+    ];
+    for drafting in [true, false] {
+        let mut serve = vec!["--tokenizer", tokenizer.to_str().unwrap()];
+        if drafting {
+            serve.extend(["--speculative-config", mtp]);
+        }
+        let server = Server::start_model(model.to_str().unwrap(), &serve);
+        let before = metric(&server, "bbc_spec_decode_draft_tokens_total");
+        let (ok, document, text) = bench(&server, &args);
+        assert!(ok, "{text}");
+        let run = only_run(&document);
+        let measured = metric(&server, "bbc_spec_decode_draft_tokens_total") - before;
+        if !drafting {
+            assert!(run.get("speculation").is_none(), "{run}");
+            assert!(!text.contains("draft acceptance"), "{text}");
+            continue;
+        }
+        let s = &run["speculation"];
+        let (drafted, accepted, drafts) = (
+            s["draft_tokens"].as_u64().unwrap(),
+            s["accepted_tokens"].as_u64().unwrap(),
+            s["drafts"].as_u64().unwrap(),
+        );
+        // Warm-up requests drafted too, before the measured run.
+        assert!(
+            drafted > 0 && (drafted as f64) < measured,
+            "{drafted} of {measured}: {run}"
+        );
+        assert!(accepted <= drafted && drafts <= drafted, "{run}");
+        let length = s["mean_accepted_length"].as_f64().unwrap();
+        assert!((length - (1.0 + accepted as f64 / drafts as f64)).abs() < 1e-9, "{run}");
+        assert!(
+            text.contains("draft acceptance") && text.contains("mean accepted length"),
+            "{text}"
+        );
+    }
+}
+
 /// The GPU check's serve section, run here against a CPU server: `bbc serve` started as its own
 /// process, the sweep's runs against it (quick: one wave a run), each (ISL, OSL)'s reports and
 /// chart written, the server stopped after.

@@ -55,13 +55,23 @@ impl Server {
 
     /// GET `path` and parse the JSON answer.
     pub async fn get_json(&self, path: &str) -> Result<Value> {
+        let body = self.get(path).await?;
+        serde_json::from_slice(&body).with_context(|| format!("GET {path}: the answer is not JSON"))
+    }
+
+    /// GET `path`'s text.
+    pub async fn get_text(&self, path: &str) -> Result<String> {
+        Ok(String::from_utf8_lossy(&self.get(path).await?).into_owned())
+    }
+
+    async fn get(&self, path: &str) -> Result<Bytes> {
         let response = self.send("GET", path, Bytes::new()).await?;
         let status = response.status();
         let body = response.into_body().collect().await?.to_bytes();
         if !status.is_success() {
             bail!("GET {path}: HTTP {status}: {}", String::from_utf8_lossy(&body));
         }
-        serde_json::from_slice(&body).with_context(|| format!("GET {path}: the answer is not JSON"))
+        Ok(body)
     }
 
     /// POST `body` to `path` as a streamed request and time its chunks.

@@ -222,6 +222,11 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             _ => 1,
         };
         runtime.block_on(load::closed_loop(&server, path, bodies(&requests), warmup_concurrency));
+        let speculation = || {
+            let page = runtime.block_on(server.get_text("/metrics")).ok()?;
+            report::Speculation::counters(&page)
+        };
+        let before = speculation();
         let (outcomes, wall): (Vec<Outcome>, Duration) = match (&arrivals, load) {
             (Some(arrivals), _) => {
                 runtime.block_on(load::open_loop(&server, path, bodies(&measured_requests), arrivals))
@@ -234,11 +239,15 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
             )),
             (None, _) => unreachable!("rate and burst runs have arrivals"),
         };
+        let mut report = Report::new(&outcomes, wall);
+        report.speculation = before
+            .zip(speculation())
+            .and_then(|(b, a)| report::Speculation::between(b, a));
         let run = Run {
             input_len,
             output_len,
             load,
-            report: Report::new(&outcomes, wall),
+            report,
         };
         println!("ISL {input_len}, OSL {output_len}, {}", describe(load));
         print!("{}", run.report);

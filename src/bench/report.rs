@@ -1,6 +1,7 @@
 //! The numbers InferenceX reports: output and request throughput over the measured run, and
-//! TTFT, TPOT, ITL and end-to-end latency at mean, median, p90 and p99 across requests; and
-//! each request's own timings, for latency over time.
+//! TTFT, TPOT, ITL and end-to-end latency at mean, median, p90 and p99 across requests; each
+//! request's own timings, for latency over time; and, where the server speculates, how many of
+//! its drafted tokens were accepted (from its `/metrics`, bbc's or vLLM's).
 
 use super::client::Measured;
 use super::load::Outcome;
@@ -57,6 +58,69 @@ pub struct Report {
     pub errors: Vec<String>,
     /// Every request, in the order they were made.
     pub requests: Vec<RequestTiming>,
+    /// Where the server drafted tokens during the run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub speculation: Option<Speculation>,
+}
+
+/// Speculative decoding over a run: the server's counters' growth across it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Speculation {
+    pub draft_tokens: u64,
+    pub accepted_tokens: u64,
+    /// Sequences' steps that carried drafts.
+    pub drafts: u64,
+    /// Accepted over drafted tokens.
+    pub acceptance_rate: f64,
+    /// Tokens a step carrying drafts gives a sequence: 1 + accepted / drafts (vLLM's mean
+    /// acceptance length).
+    pub mean_accepted_length: f64,
+}
+
+/// The counters speculation is measured by, bbc's names and then vLLM's: drafted tokens,
+/// accepted tokens, drafts.
+const SPECULATION_COUNTERS: [[&str; 3]; 2] = [
+    [
+        "bbc_spec_decode_draft_tokens_total",
+        "bbc_spec_decode_accepted_tokens_total",
+        "bbc_spec_decode_drafts_total",
+    ],
+    [
+        "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total",
+        "vllm:spec_decode_num_drafts_total",
+    ],
+];
+
+impl Speculation {
+    /// The speculation counters of a Prometheus `/metrics` page (each summed over its labels),
+    /// where it has them.
+    pub fn counters(metrics: &str) -> Option<[f64; 3]> {
+        let value = |name: &str| -> Option<f64> {
+            let samples = metrics.lines().filter(|l| !l.starts_with('#')).filter_map(|l| {
+                let (series, value) = l.rsplit_once(' ')?;
+                let metric = series.split('{').next()?;
+                (metric == name).then(|| value.trim().parse::<f64>().ok()).flatten()
+            });
+            samples.fold(None, |sum, v| Some(sum.unwrap_or(0.0) + v))
+        };
+        SPECULATION_COUNTERS.iter().find_map(|names| {
+            let [drafted, accepted, drafts] = names.map(value);
+            Some([drafted?, accepted?, drafts?])
+        })
+    }
+
+    /// The run between counters `before` and `after`; none where nothing was drafted.
+    pub fn between(before: [f64; 3], after: [f64; 3]) -> Option<Self> {
+        let [drafted, accepted, drafts] = [0, 1, 2].map(|i| (after[i] - before[i]).max(0.0) as u64);
+        (drafted > 0 && drafts > 0).then(|| Self {
+            draft_tokens: drafted,
+            accepted_tokens: accepted,
+            drafts,
+            acceptance_rate: accepted as f64 / drafted as f64,
+            mean_accepted_length: 1.0 + accepted as f64 / drafts as f64,
+        })
+    }
 }
 
 /// One request: when it was sent (seconds from the run's start) and, where it completed, its
@@ -113,6 +177,7 @@ impl Report {
                     }
                 })
                 .collect(),
+            speculation: None,
         }
     }
 
@@ -160,6 +225,16 @@ impl fmt::Display for Report {
                 d.mean, d.p50, d.p90, d.p99
             )?;
         }
+        if let Some(s) = &self.speculation {
+            writeln!(
+                f,
+                "draft acceptance       {:.1}% ({} of {} drafted tokens)",
+                100.0 * s.acceptance_rate,
+                s.accepted_tokens,
+                s.draft_tokens
+            )?;
+            writeln!(f, "mean accepted length   {:.2}", s.mean_accepted_length)?;
+        }
         for e in &self.errors {
             writeln!(f, "failed: {e}")?;
         }
@@ -170,6 +245,25 @@ impl fmt::Display for Report {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// bbc's counters, or vLLM's summed over their labels; a run's share of them; none where
+    /// the page has neither or nothing was drafted.
+    #[test]
+    fn speculation_is_read_from_either_servers_counters() {
+        let bbc = "# HELP bbc_spec_decode_draft_tokens_total x\nbbc_spec_decode_draft_tokens_total 40\n\
+                   bbc_spec_decode_accepted_tokens_total 30\nbbc_spec_decode_drafts_total 10\n";
+        assert_eq!(Speculation::counters(bbc), Some([40.0, 30.0, 10.0]));
+        let vllm = "vllm:spec_decode_num_draft_tokens_total{engine=\"0\",model_name=\"m\"} 12.0\n\
+                    vllm:spec_decode_num_draft_tokens_total{engine=\"1\",model_name=\"m\"} 6.0\n\
+                    vllm:spec_decode_num_accepted_tokens_total{engine=\"0\",model_name=\"m\"} 9.0\n\
+                    vllm:spec_decode_num_drafts_total{engine=\"0\",model_name=\"m\"} 6.0\n";
+        assert_eq!(Speculation::counters(vllm), Some([18.0, 9.0, 6.0]));
+        assert_eq!(Speculation::counters("bbc_spec_decode_draft_tokens_total 4\n"), None);
+        let run = Speculation::between([40.0, 30.0, 10.0], [100.0, 75.0, 30.0]).unwrap();
+        assert_eq!((run.draft_tokens, run.accepted_tokens, run.drafts), (60, 45, 20));
+        assert_eq!((run.acceptance_rate, run.mean_accepted_length), (0.75, 3.25));
+        assert_eq!(Speculation::between([4.0, 1.0, 2.0], [4.0, 1.0, 2.0]), None);
+    }
 
     #[test]
     fn percentiles_interpolate_like_numpy() {

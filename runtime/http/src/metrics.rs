@@ -53,6 +53,8 @@ pub struct Metrics {
     pub prefix_cache_hits: AtomicU64,
     pub draft_tokens: AtomicU64,
     pub accepted_draft_tokens: AtomicU64,
+    /// Sequences' steps that verified drafted tokens.
+    pub drafts: AtomicU64,
     pub ttft: Histogram,
     pub tpot: Histogram,
     pub e2e: Histogram,
@@ -95,8 +97,13 @@ impl Metrics {
             ),
             (
                 "bbc_spec_decode_draft_tokens_total",
-                "Tokens drafted by prompt lookup and verified.",
+                "Drafted tokens verified (prompt lookup, a draft model, MTP layers, forced text).",
                 &self.draft_tokens,
+            ),
+            (
+                "bbc_spec_decode_drafts_total",
+                "Sequences' steps that verified drafted tokens (mean accepted length: 1 + accepted / drafts).",
+                &self.drafts,
             ),
             (
                 "bbc_spec_decode_accepted_tokens_total",

@@ -110,6 +110,7 @@ fn step<B: PagedBackend>(
             metrics.generation_tokens.fetch_add(out.tokens.len() as u64, Relaxed);
             metrics.draft_tokens.fetch_add(out.drafted as u64, Relaxed);
             metrics.accepted_draft_tokens.fetch_add(out.accepted as u64, Relaxed);
+            metrics.drafts.fetch_add(out.verified as u64, Relaxed);
             let scores = out
                 .prompt_logprobs
                 .into_iter()

@@ -173,6 +173,8 @@ pub struct StepOutput {
     /// Tokens drafted for this step's sequences, and of those the ones accepted.
     pub drafted: usize,
     pub accepted: usize,
+    /// This step's sequences that carried drafts.
+    pub verified: usize,
 }
 
 pub struct ServingEngine<B: PagedBackend> {
@@ -484,6 +486,7 @@ impl<B: PagedBackend> ServingEngine<B> {
             }
             out.drafted += work.drafts;
             out.accepted += accepted;
+            out.verified += usize::from(work.drafts > 0);
             out.tokens.extend(sampled.into_iter().take(taken));
             if let Some(done) = done {
                 self.samplers.remove(&done.seq);
