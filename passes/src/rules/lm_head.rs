@@ -11,22 +11,44 @@ use egg::{Applier, Id, Pattern, PatternAst, Rewrite, Subst, Symbol};
 use ir::{DType, Op};
 
 pub fn int8_bound_top_k() -> Rewrite<Node, TypeAnalysis> {
-    let searcher: Pattern<Node> = "(top_k ?k (matmul ?m ?h ?W))".parse().expect("valid pattern");
-    Rewrite::new("int8-bound-top-k", searcher, Int8BoundTopK).expect("valid rule")
+    Rewrite::new("int8-bound-top-k", head_top_k(), HeadTopK(int8_bound)).expect("valid rule")
 }
 
 /// The same over soft-capped logits (Gemma's `final_logit_softcapping`): the op ranks the
 /// capped values.
 pub fn int8_bound_top_k_soft_capped() -> Rewrite<Node, TypeAnalysis> {
-    let searcher: Pattern<Node> = "(top_k ?k (soft_cap ?c (matmul ?m ?h ?W)))"
-        .parse()
-        .expect("valid pattern");
-    Rewrite::new("int8-bound-top-k-soft-capped", searcher, Int8BoundTopK).expect("valid rule")
+    Rewrite::new(
+        "int8-bound-top-k-soft-capped",
+        capped_head_top_k(),
+        HeadTopK(int8_bound),
+    )
+    .expect("valid rule")
 }
 
-struct Int8BoundTopK;
+/// The INT8-bound head for a full-precision head `w`.
+fn int8_bound(egraph: &BbcGraph, w: Id, k: usize, soft_cap: Option<f32>) -> Option<Op> {
+    let head = ty(egraph, w);
+    (head.constant && matches!(head.dtype, DType::F32 | DType::BF16)).then_some(Op::Int8BoundTopK { k, soft_cap })
+}
 
-impl Applier<Node, TypeAnalysis> for Int8BoundTopK {
+/// `top_k(h·Wᵀ)`, binding `?k`, `?h` and `?W`.
+pub(crate) fn head_top_k() -> Pattern<Node> {
+    "(top_k ?k (matmul ?m ?h ?W))".parse().expect("valid pattern")
+}
+
+/// `top_k(soft_cap(h·Wᵀ))`, binding `?c` besides.
+pub(crate) fn capped_head_top_k() -> Pattern<Node> {
+    "(top_k ?k (soft_cap ?c (matmul ?m ?h ?W)))"
+        .parse()
+        .expect("valid pattern")
+}
+
+/// A head's top k (matched by [`head_top_k`] or [`capped_head_top_k`]) as one op over `(h, W)`:
+/// the op the function makes of the head `W`, `k` and the soft cap where the logits are capped;
+/// none where the head does not qualify.
+pub(crate) struct HeadTopK(pub fn(&BbcGraph, Id, usize, Option<f32>) -> Option<Op>);
+
+impl Applier<Node, TypeAnalysis> for HeadTopK {
     fn apply_one(
         &self,
         egraph: &mut BbcGraph,
@@ -38,11 +60,6 @@ impl Applier<Node, TypeAnalysis> for Int8BoundTopK {
         let Op::TopK { k } = attr_op(egraph, subst, "?k") else {
             return vec![];
         };
-        let w = var(subst, "?W");
-        let head = ty(egraph, w);
-        if !head.constant || !matches!(head.dtype, DType::F32 | DType::BF16) {
-            return vec![];
-        }
         // `?c` is bound by the soft-capping pattern only.
         let capped = "?c".parse::<egg::Var>().ok().and_then(|c| subst.get(c)).is_some();
         let soft_cap = match capped {
@@ -52,7 +69,11 @@ impl Applier<Node, TypeAnalysis> for Int8BoundTopK {
                 _ => return vec![],
             },
         };
-        let fused = add_op(egraph, &Op::Int8BoundTopK { k, soft_cap }, &[var(subst, "?h"), w]);
+        let w = var(subst, "?W");
+        let Some(op) = (self.0)(egraph, w, k, soft_cap) else {
+            return vec![];
+        };
+        let fused = add_op(egraph, &op, &[var(subst, "?h"), w]);
         unite(egraph, &[(eclass, fused)])
     }
 }
