@@ -45,16 +45,52 @@ pub trait Drafter: Send {
     fn observe(&mut self, _seq: SeqId, _first: usize, _rows: &ir::Tensor) {}
 }
 
-/// A draft model on a paged backend, with the cache it keeps per sequence.
+/// What a drafter runs its passes on: its graph's backend with a paged cache of its own, the
+/// most tokens a pass computes (catch-up is cut to it), and the contexts it drafts within.
+pub(super) struct DraftRoom<B: PagedBackend> {
+    pub backend: B,
+    pub pages: B::Pages,
+    /// The cache's blocks (low ids and released ones first, so the pages grow only to the
+    /// most ever held at once).
+    pub blocks: BlockManager,
+    pub token_budget: usize,
+    pub context_length: usize,
+}
+
+impl<B: PagedBackend> DraftRoom<B> {
+    /// `blocks` blocks of `block_size` positions, passes of at most `token_budget` tokens
+    /// (and what the backend takes in a step); `drafter` names it in the error where one of
+    /// them is 0.
+    pub fn new(
+        backend: B,
+        blocks: usize,
+        block_size: usize,
+        token_budget: usize,
+        context_length: usize,
+        drafter: &str,
+    ) -> Result<Self> {
+        if block_size == 0 || blocks == 0 || token_budget == 0 {
+            return Err(RuntimeError::Graph(format!(
+                "{drafter} needs blocks, a block size and a token budget"
+            )));
+        }
+        let token_budget = backend
+            .max_step_tokens()
+            .map_or(token_budget, |most| token_budget.min(most));
+        Ok(Self {
+            pages: backend.new_pages(block_size),
+            backend,
+            blocks: BlockManager::new(blocks, block_size),
+            token_budget,
+            context_length,
+        })
+    }
+}
+
+/// A draft model on a paged backend, with the cache it keeps per sequence (full blocks of
+/// sequences' own tokens registered for its prefix cache).
 pub struct DraftModel<B: PagedBackend> {
-    backend: B,
-    pages: B::Pages,
-    /// Its cache's blocks, full blocks of sequences' own tokens registered (low ids and
-    /// released ones first, so the pages grow only to the most ever held at once).
-    blocks: BlockManager,
-    /// Tokens a pass computes at most (catch-up chunks are cut to it).
-    token_budget: usize,
-    context_length: usize,
+    room: DraftRoom<B>,
     seqs: HashMap<SeqId, DraftSeq>,
     /// Where the model keeps recurrent states: the most sequences it can keep them for at
     /// once (state slots, each with a snapshot place of the same number); `None` for a model
@@ -146,32 +182,27 @@ impl<B: PagedBackend> DraftModel<B> {
                 ))
             }
         };
-        if block_size == 0 || blocks == 0 || token_budget == 0 {
-            return Err(RuntimeError::Graph(
-                "a draft model needs blocks, a block size and a token budget".into(),
-            ));
-        }
-        let token_budget = backend
-            .max_step_tokens()
-            .map_or(token_budget, |most| token_budget.min(most));
         Ok(Self {
-            pages: backend.new_pages(block_size),
-            backend,
-            blocks: BlockManager::new(blocks, block_size),
-            token_budget,
-            context_length,
+            room: DraftRoom::new(
+                backend,
+                blocks,
+                block_size,
+                token_budget,
+                context_length,
+                "a draft model",
+            )?,
             seqs: HashMap::new(),
             state_slots,
         })
     }
 
     pub fn backend(&self) -> &B {
-        &self.backend
+        &self.room.backend
     }
 
     /// Blocks held by sequences now.
     pub fn used_blocks(&self) -> usize {
-        self.blocks.used_blocks()
+        self.room.blocks.used_blocks()
     }
 
     /// Whether the sequence has a share of the cache, given one in the lowest free slot if
@@ -189,11 +220,11 @@ impl<B: PagedBackend> DraftModel<B> {
         }
         let mut table = Vec::new();
         let serials = match self.state_slots {
-            None => self.blocks.share_prefix(&mut table, &tokens[..tokens.len() - 1]),
+            None => self.room.blocks.share_prefix(&mut table, &tokens[..tokens.len() - 1]),
             Some(_) => Vec::new(),
         };
         let seq = DraftSeq {
-            computed: tokens[..serials.len() * self.blocks.block_size()].to_vec(),
+            computed: tokens[..serials.len() * self.room.blocks.block_size()].to_vec(),
             table,
             serials,
             slot,
@@ -211,13 +242,14 @@ impl<B: PagedBackend> DraftModel<B> {
             return;
         }
         let seq = self.seqs.get_mut(&id).expect("proposing");
-        let block_size = self.blocks.block_size();
+        let block_size = self.room.blocks.block_size();
         // A catch-up leaves the cache holding a prefix of `tokens` exactly.
         debug_assert!(tokens.starts_with(&seq.computed));
         let own = seq.computed.len().min(tokens.len() - 1);
         for b in seq.serials.len()..own / block_size {
             let parent = seq.serials.last().copied();
             let serial = self
+                .room
                 .blocks
                 .register(seq.table[b], parent, &tokens[b * block_size..(b + 1) * block_size]);
             seq.serials.push(serial);
@@ -264,13 +296,13 @@ impl<B: PagedBackend> DraftModel<B> {
                 }
             })
             .collect();
-        if let Some(tokens) = self.backend.step_batch_greedy(&mut self.pages, &batch) {
+        if let Some(tokens) = self.room.backend.step_batch_greedy(&mut self.room.pages, &batch) {
             return tokens?
                 .into_iter()
                 .map(|t| t.last().copied().ok_or_else(|| missing("a greedy token")))
                 .collect();
         }
-        let outputs = self.backend.step_batch(&mut self.pages, &batch)?;
+        let outputs = self.room.backend.step_batch(&mut self.room.pages, &batch)?;
         if outputs.len() != segments.len() {
             return Err(missing("a result per segment"));
         }
@@ -293,7 +325,7 @@ impl<B: PagedBackend> DraftModel<B> {
     /// and goes on from there in the next, so no step waits on more than a budget's worth of
     /// the draft model's prefill.
     fn catch_up(&mut self, proposals: &mut [Proposal<'_>]) -> Result<()> {
-        let mut budget = self.token_budget;
+        let mut budget = self.room.token_budget;
         let mut segments = Vec::new();
         let mut finishing = Vec::new();
         for (i, p) in proposals.iter().enumerate() {
@@ -383,20 +415,25 @@ where
 {
     fn propose(&mut self, requests: &[DraftRequest<'_>]) -> Result<BTreeMap<SeqId, Vec<u32>>> {
         // Prefixes whose blocks were evicted are simply not found again.
-        self.blocks.take_evicted();
+        self.room.blocks.take_evicted();
         let mut proposals = Vec::new();
         for r in requests {
             if r.limit == 0 || r.tokens.is_empty() {
                 continue;
             }
             // Positions up to the last draft but one (the last is never computed).
-            let limit = r.limit.min(self.context_length.saturating_sub(r.tokens.len()));
+            let limit = r.limit.min(self.room.context_length.saturating_sub(r.tokens.len()));
             if limit == 0 || !self.admit(r.seq, r.tokens) {
                 continue;
             }
             let seq = self.seqs.get_mut(&r.seq).expect("admitted");
             // Where the blocks are not to be had, no drafts (the table stays as it was).
-            if self.blocks.grow(&mut seq.table, r.tokens.len() + limit - 1).is_err() {
+            if self
+                .room
+                .blocks
+                .grow(&mut seq.table, r.tokens.len() + limit - 1)
+                .is_err()
+            {
                 continue;
             }
             let (start, restore, drafts) = match resume_at(seq, r.tokens, self.state_slots.is_some()) {
@@ -421,7 +458,7 @@ where
         let gone: Vec<SeqId> = self.seqs.keys().copied().filter(|&id| !keep(id)).collect();
         for id in gone {
             let mut seq = self.seqs.remove(&id).expect("listed");
-            self.blocks.release(&mut seq.table);
+            self.room.blocks.release(&mut seq.table);
         }
     }
 }

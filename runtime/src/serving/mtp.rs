@@ -17,8 +17,7 @@
 //! computed (they came from the prefix cache) has no states for them: the head cannot
 //! attend over them, so it drafts nothing for that sequence.
 
-use super::block_manager::BlockManager;
-use super::draft_model::Drafter;
+use super::draft_model::{DraftRoom, Drafter};
 use super::engine::PagedBackend;
 use super::scheduler::{DraftRequest, SeqId};
 use crate::error::{Result, RuntimeError};
@@ -31,12 +30,7 @@ use std::collections::{BTreeMap, HashMap};
 /// `next_token` or `logits`, and [`DRAFT_HIDDEN_STATE`], outputs of its last row), with the
 /// cache it keeps per sequence.
 pub struct MtpDrafter<B: PagedBackend> {
-    backend: B,
-    pages: B::Pages,
-    blocks: BlockManager,
-    /// Rows one pass computes at most (catch-up is cut to it).
-    token_budget: usize,
-    context_length: usize,
+    room: DraftRoom<B>,
     /// The target's hidden size.
     width: usize,
     seqs: HashMap<SeqId, MtpSeq>,
@@ -90,9 +84,9 @@ impl<B: PagedBackend> MtpDrafter<B> {
         token_budget: usize,
         context_length: usize,
     ) -> Result<Self> {
-        if block_size == 0 || blocks == 0 || token_budget == 0 || width == 0 {
+        if width == 0 {
             return Err(RuntimeError::Graph(
-                "a multi-token prediction head needs blocks, a block size, a token budget and a hidden size".into(),
+                "a multi-token prediction head needs a hidden size".into(),
             ));
         }
         if backend.has_recurrent_state() {
@@ -100,27 +94,27 @@ impl<B: PagedBackend> MtpDrafter<B> {
                 "a multi-token prediction head has attention layers only; this one keeps a recurrent state".into(),
             ));
         }
-        let token_budget = backend
-            .max_step_tokens()
-            .map_or(token_budget, |most| token_budget.min(most));
         Ok(Self {
-            pages: backend.new_pages(block_size),
-            backend,
-            blocks: BlockManager::new(blocks, block_size),
-            token_budget,
-            context_length,
+            room: DraftRoom::new(
+                backend,
+                blocks,
+                block_size,
+                token_budget,
+                context_length,
+                "a multi-token prediction head",
+            )?,
             width,
             seqs: HashMap::new(),
         })
     }
 
     pub fn backend(&self) -> &B {
-        &self.backend
+        &self.room.backend
     }
 
     /// Blocks held by sequences now.
     pub fn used_blocks(&self) -> usize {
-        self.blocks.used_blocks()
+        self.room.blocks.used_blocks()
     }
 
     /// Run one pass over `rows`, one segment each.
@@ -138,7 +132,7 @@ impl<B: PagedBackend> MtpDrafter<B> {
                 hidden_states: &r.states,
             })
             .collect();
-        let outputs = self.backend.step_batch(&mut self.pages, &batch)?;
+        let outputs = self.room.backend.step_batch(&mut self.room.pages, &batch)?;
         if outputs.len() != rows.len() {
             return Err(missing("a result per segment"));
         }
@@ -184,7 +178,7 @@ where
 {
     fn propose(&mut self, requests: &[DraftRequest<'_>]) -> Result<BTreeMap<SeqId, Vec<u32>>> {
         let width = self.width;
-        let mut budget = self.token_budget;
+        let mut budget = self.room.token_budget;
         let mut proposals = Vec::new();
         let mut rows = Vec::new();
         for r in requests {
@@ -198,8 +192,8 @@ where
             }
             // Drafting rows reach position `len − 2 + limit − 1`; the last draft's own row is
             // never computed.
-            let limit = r.limit.min(self.context_length.saturating_sub(len));
-            if limit == 0 || self.blocks.grow(&mut seq.table, len - 2 + limit).is_err() {
+            let limit = r.limit.min(self.room.context_length.saturating_sub(len));
+            if limit == 0 || self.room.blocks.grow(&mut seq.table, len - 2 + limit).is_err() {
                 continue;
             }
             let start = seq.computed.min(len - 2).max(seq.states_from);
@@ -274,7 +268,7 @@ where
         let gone: Vec<SeqId> = self.seqs.keys().copied().filter(|&id| !keep(id)).collect();
         for id in gone {
             let mut seq = self.seqs.remove(&id).expect("listed");
-            self.blocks.release(&mut seq.table);
+            self.room.blocks.release(&mut seq.table);
         }
     }
 
