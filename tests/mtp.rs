@@ -1,6 +1,6 @@
-//! Multi-token prediction heads: the tiny Qwen3.5, Qwen3-Next and GLM-4.5 models given MTP
-//! layers (in their checkpoints' layouts: `mtp.*`, or GLM's layer after its last) draft for
-//! themselves on the CPU backend, and whatever the
+//! Multi-token prediction heads: the tiny Qwen3.5, Qwen3-Next, GLM-4.5 and GLM-5 models given
+//! MTP layers (in their checkpoints' layouts: `mtp.*`, or GLM's NextN layer after its last)
+//! draft for themselves on the CPU backend, and whatever the
 //! head guesses, the served tokens are the target's own: greedy and sampled, with drafts
 //! accepted and refused, across preemption and prefix-cache hits. The head's graph (its
 //! hidden-state input, its joined projection) runs on the CPU backend as the IR's reference
@@ -86,7 +86,7 @@ struct MtpNames {
 
 fn mtp_names(config: &models::ModelConfig) -> MtpNames {
     match config.family {
-        models::Family::Glm4Moe => {
+        models::Family::Glm4Moe | models::Family::GlmMoeDsa => {
             let layer = format!("model.layers.{}.", config.layers);
             let name = |rest: &str| format!("{layer}{rest}.weight");
             MtpNames {
@@ -343,7 +343,7 @@ fn requests(vocab: u32, sampled: bool) -> Vec<(Vec<u32>, SamplingParams)> {
 /// whether the head gives logits, the exact greedy token, or a 4-bit shortlist's.
 #[test]
 fn refused_mtp_drafts_change_no_token() {
-    for family in ["qwen3_5", "qwen3_next", "glm4_moe"] {
+    for family in ["qwen3_5", "qwen3_next", "glm4_moe", "glm_moe_dsa"] {
         let model = with_mtp(family, Head::Copied);
         let requests = requests(model.config.vocab_size as u32, true);
         for kv_blocks in [64, 9] {
@@ -368,7 +368,7 @@ fn refused_mtp_drafts_change_no_token() {
 /// every guess.
 #[test]
 fn accepted_mtp_drafts_change_no_token() {
-    for family in ["qwen3_5", "qwen3_next", "glm4_moe"] {
+    for family in ["qwen3_5", "qwen3_next", "glm4_moe", "glm_moe_dsa"] {
         let model = bigram(with_mtp(family, Head::Exact));
         let vocab = model.config.vocab_size as u32;
         for kv_blocks in [64, 9] {
@@ -394,7 +394,7 @@ fn accepted_mtp_drafts_change_no_token() {
 /// best is among them), and its hidden state.
 #[test]
 fn the_mtp_graph_runs_on_the_cpu_backend_as_the_reference_runs_it() {
-    for family in ["qwen3_5", "qwen3_next", "glm4_moe"] {
+    for family in ["qwen3_5", "qwen3_next", "glm4_moe", "glm_moe_dsa"] {
         let model = with_mtp(family, Head::Copied);
         let greedy = LowerOptions {
             logits: LogitsFor::GreedyToken,
@@ -483,7 +483,7 @@ fn lowering_a_missing_mtp_head_is_refused() {
     let err = models::lower_mtp(&llama.config, &llama.weights, options(&llama))
         .unwrap_err()
         .to_string();
-    assert!(err.contains("qwen3_5, qwen3_next and glm4_moe"), "{err}");
+    assert!(err.contains("qwen3_5, qwen3_next, glm4_moe and glm_moe_dsa"), "{err}");
     // The tiny GLM-4.5's config names a layer its weights do not hold.
     let glm = Model::open(ModelSpec::for_weights(&common::fixture("hf-tiny/glm4_moe"))).unwrap();
     assert_eq!(glm.config.mtp_layers, 1);

@@ -4,7 +4,8 @@
 //! `first_k_dense_replace` layers and mixture-of-experts layers after them: DeepSeek-V3's
 //! sigmoid router with grouped choice and a score-correction bias, routed SwiGLU experts
 //! (`Op::Moe`) plus always-on shared experts. From HF safetensors, and from llama.cpp's GGUF
-//! files (`glm4moe`: experts stacked, read by `moe::experts_stacked`).
+//! files (`glm4moe`: experts stacked, read by `moe::experts_stacked`). The NextN
+//! (multi-token prediction) layer after the last lowers to a draft graph ([`lower_mtp`]).
 
 use super::moe::{mlp, SharedNames};
 use super::{Builder, LayerTensor};
@@ -24,12 +25,21 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     b.lm_head(c, x, 0.0)
 }
 
-/// The first multi-token prediction layer (DeepSeek-V3's layout, vLLM's `Glm4MoeMTP`), layer
-/// `layers` of the checkpoint: the token's embedding and the target's hidden state each normed
-/// (`enorm`, `hnorm`), joined side by side and projected back (`eh_proj`), a decoder layer, then
-/// its own final norm (`shared_head.norm`) and head (`shared_head.head`, else the model's).
-/// Its next chained step reads the decoder layer's output before that norm.
+/// The first multi-token prediction layer (DeepSeek-V3's layout, vLLM's `Glm4MoeMTP`).
 pub(super) fn lower_mtp(c: &ModelConfig, b: &mut Builder) -> Result<()> {
+    lower_nextn(c, b, &mut |b, i, x, positions| decoder_layer(c, b, i, x, positions))
+}
+
+/// A NextN layer, layer `layers` of the checkpoint, its decoder layer by `layer`: the token's
+/// embedding and the target's hidden state each normed (`enorm`, `hnorm`), joined side by side
+/// and projected back (`eh_proj`), the decoder layer, then its own final norm
+/// (`shared_head.norm`) and head (`shared_head.head`, else the model's). Its next chained step
+/// reads the decoder layer's output before that norm.
+pub(super) fn lower_nextn(
+    c: &ModelConfig,
+    b: &mut Builder,
+    layer: &mut dyn FnMut(&mut Builder, usize, NodeId, NodeId) -> Result<NodeId>,
+) -> Result<()> {
     let i = c.layers;
     let named = |b: &Builder, (hf, gguf): (&'static str, &'static str)| b.naming.layer_named(i, (hf, gguf));
     let (_, positions, embedded) = b.token_embeddings(c)?;
@@ -46,7 +56,7 @@ pub(super) fn lower_mtp(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     )?;
     let x = b.matmul(joined, eh)?;
     b.first_cached_layer = i;
-    let x = decoder_layer(c, b, i, x, positions)?;
+    let x = layer(b, i, x, positions)?;
     let last = match b.options.logits {
         crate::LogitsFor::AllTokens => x,
         _ => b.op(ir::Op::LastToken, &[x])?,

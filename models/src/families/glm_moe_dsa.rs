@@ -14,7 +14,7 @@
 //! scores `relu(q·k)` per head. The latent norms use HF's default eps (1e-6), not
 //! `rms_norm_eps`. From HF safetensors, and from llama.cpp's GGUF files (`glm-dsa`: the same
 //! tensors under its names, `kv_b_proj` split by its converter into `attn_k_b`, each head's
-//! `W_UK` transposed, and `attn_v_b`); `mtp` layers are not used.
+//! `W_UK` transposed, and `attn_v_b`). Its NextN layer lowers as GLM-4.5's ([`lower_mtp`]).
 
 use super::moe::{mlp, SharedNames};
 use super::{Builder, LayerTensor, Naming, TensorNames};
@@ -49,14 +49,41 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
     let (_, positions, mut x) = b.token_embeddings(c)?;
     let mut indexer = None;
     for i in 0..c.layers {
-        let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::AttnNorm), c.hidden, c.rms_eps, 0.0)?;
-        let a = attention(c, mla, b, i, h, positions, &mut indexer)?;
-        x = b.add(x, a)?;
-        let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::FfnNorm), c.hidden, c.rms_eps, 0.0)?;
-        let m = mlp(c, b, i, h, SharedNames::Experts)?;
-        x = b.add(x, m)?;
+        x = decoder_layer(c, mla, b, i, x, positions, &mut indexer)?;
     }
     b.lm_head(c, x, 0.0)
+}
+
+/// The first NextN layer, as GLM-4.5's (`glm4_moe::lower_nextn`), its attention with an
+/// indexer of its own.
+pub(super) fn lower_mtp(c: &ModelConfig, b: &mut Builder) -> Result<()> {
+    let mla = c.mla.as_ref().ok_or_else(|| ModelError::TensorShape {
+        name: "config".into(),
+        what: "a glm_moe_dsa model needs its latent attention settings".into(),
+    })?;
+    let mut indexer = None;
+    super::glm4_moe::lower_nextn(c, b, &mut |b, i, x, positions| {
+        decoder_layer(c, mla, b, i, x, positions, &mut indexer)
+    })
+}
+
+/// Decoder layer `i` over the residual stream `x`: latent attention (ranking with `indexer`
+/// where the layer shares one), then the MLP, each normed before and added back.
+fn decoder_layer(
+    c: &ModelConfig,
+    mla: &MlaConfig,
+    b: &mut Builder,
+    i: usize,
+    x: NodeId,
+    positions: NodeId,
+    indexer: &mut Option<Indexer>,
+) -> Result<NodeId> {
+    let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::AttnNorm), c.hidden, c.rms_eps, 0.0)?;
+    let a = attention(c, mla, b, i, h, positions, indexer)?;
+    let x = b.add(x, a)?;
+    let h = b.rms_norm(x, &b.naming.layer(i, LayerTensor::FfnNorm), c.hidden, c.rms_eps, 0.0)?;
+    let m = mlp(c, b, i, h, SharedNames::Experts)?;
+    b.add(x, m)
 }
 
 /// The last full layer's indexer, which the layers sharing it rank positions with: its cache
@@ -114,7 +141,9 @@ fn attention(
     let norm = b.naming.layer_named(i, KV_A_NORM);
     let kv_latent = b.rms_norm(kv_latent, &norm, m.kv_rank, LATENT_NORM_EPS, 0.0)?;
     let (k_b, v_b) = up_projections(b, m, heads, i)?;
-    let (ranking, own_index_key) = match (m.shared_indexer[i], *indexer) {
+    // Layers past the model's (its NextN layers) have indexers of their own.
+    let shares = m.shared_indexer.get(i).copied().unwrap_or(false);
+    let (ranking, own_index_key) = match (shares, *indexer) {
         (true, Some(last_full)) => (last_full, None),
         (true, None) => {
             return Err(ModelError::TensorShape {
@@ -149,7 +178,7 @@ fn attention(
         index_heads: m.index_heads,
         index_dim: m.index_dim,
         index_topk: m.index_topk,
-        cache_slot: i,
+        cache_slot: i - b.first_cached_layer,
         index_slot: ranking.slot,
     };
     let a = b.op(Op::SparseMla(spec), &inputs)?;
@@ -178,7 +207,7 @@ fn own_indexer(
     let index_k = b.op(Op::LayerNorm { eps: LATENT_NORM_EPS }, &[index_k, norm_w, norm_b])?;
     let index_k = b.op(interleaved_rope(c, m, 1, id), &[index_k, positions])?;
     let own = Indexer {
-        slot: i,
+        slot: i - b.first_cached_layer,
         queries: index_q,
         weights: linear(b, i, h, INDEX_WEIGHTS, ih, c.hidden)?,
     };

@@ -1,7 +1,9 @@
 //! The multi-token prediction layers a checkpoint carries after its decoder layers, lowered
 //! to a draft graph of their own, and the target's graph made to output what they read.
 
-use super::{glm4_moe, graph_error, qwen3_5, Builder, Catalog, HfPrefix, LowerOptions, Naming, TextPrefix};
+use super::{
+    glm4_moe, glm_moe_dsa, graph_error, qwen3_5, Builder, Catalog, HfPrefix, LowerOptions, Naming, TextPrefix,
+};
 use crate::config::{Family, ModelConfig};
 use crate::error::{ModelError, Result};
 use crate::weights::WeightSource;
@@ -16,7 +18,7 @@ use ir::{Graph, Op};
 pub fn lower_mtp(config: &ModelConfig, weights: &WeightSource, options: LowerOptions) -> Result<Graph> {
     let naming = match (Naming::detect(weights), config.family) {
         // GLM's layers are numbered after the model's, under its own prefix.
-        (naming, Family::Glm4Moe) => naming,
+        (naming, Family::Glm4Moe | Family::GlmMoeDsa) => naming,
         (Naming::Hf(prefix), _) => Naming::Hf(HfPrefix::Mtp(prefix.text())),
         (Naming::Gguf, family) => {
             return Err(mtp_unsupported(format!(
@@ -31,7 +33,7 @@ pub fn lower_mtp(config: &ModelConfig, weights: &WeightSource, options: LowerOpt
 /// [`lower_mtp`] of a model without weights (see [`lower_without_weights`]): HF names.
 pub fn lower_mtp_without_weights(config: &ModelConfig, options: LowerOptions) -> Result<Graph> {
     let naming = match config.family {
-        Family::Glm4Moe => Naming::Hf(HfPrefix::Text),
+        Family::Glm4Moe | Family::GlmMoeDsa => Naming::Hf(HfPrefix::Text),
         _ => Naming::Hf(HfPrefix::Mtp(TextPrefix::Text)),
     };
     build_mtp(config, Catalog::Implied, naming, options)
@@ -40,7 +42,7 @@ pub fn lower_mtp_without_weights(config: &ModelConfig, options: LowerOptions) ->
 impl Family {
     /// Whether bbc lowers this family's multi-token prediction layers ([`lower_mtp`]).
     pub fn lowers_mtp(self) -> bool {
-        matches!(self, Self::Qwen35 | Self::Qwen3Next | Self::Glm4Moe)
+        matches!(self, Self::Qwen35 | Self::Qwen3Next | Self::Glm4Moe | Self::GlmMoeDsa)
     }
 }
 
@@ -63,9 +65,10 @@ fn build_mtp(config: &ModelConfig, weights: Catalog<'_>, naming: Naming, options
     match config.family {
         Family::Qwen35 | Family::Qwen3Next => qwen3_5::lower_mtp(config, &mut b)?,
         Family::Glm4Moe => glm4_moe::lower_mtp(config, &mut b)?,
+        Family::GlmMoeDsa => glm_moe_dsa::lower_mtp(config, &mut b)?,
         family => {
             return Err(mtp_unsupported(format!(
-                "bbc reads multi-token prediction layers of qwen3_5, qwen3_next and glm4_moe checkpoints, not {}",
+                "bbc reads multi-token prediction layers of qwen3_5, qwen3_next, glm4_moe and glm_moe_dsa checkpoints, not {}",
                 family.name()
             )))
         }
