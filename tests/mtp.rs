@@ -1,10 +1,9 @@
 //! Multi-token prediction heads: the tiny Qwen3.5, Qwen3-Next, GLM-4.5 and GLM-5 models given
 //! MTP layers (in their checkpoints' layouts: `mtp.*`, or GLM's NextN layer after its last)
-//! draft for themselves on the CPU backend, and whatever the
-//! head guesses, the served tokens are the target's own: greedy and sampled, with drafts
-//! accepted and refused, across preemption and prefix-cache hits. The head's graph (its
-//! hidden-state input, its joined projection) runs on the CPU backend as the IR's reference
-//! interpreter runs it.
+//! draft for themselves on the CPU backend, and whatever the head guesses, the served tokens
+//! are the target's own: greedy and sampled, with drafts accepted and refused, across
+//! preemption and prefix-cache hits. The head's graph (its hidden-state input, its joined
+//! projection) runs on the CPU backend as the IR's reference interpreter runs it.
 
 mod common;
 
