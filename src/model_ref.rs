@@ -176,10 +176,8 @@ pub struct Loaded {
     /// empty: nothing is made on the host).
     pub generated_weights: Option<u32>,
     /// A model.toml's `[speculative]` section: prompt lookup, a draft model, or the model's
-    /// multi-token prediction layers (the tokens they draft a step).
-    pub speculative: Option<models::NgramSpec>,
-    pub draft_model: Option<models::DraftModelSpec>,
-    pub mtp: Option<usize>,
+    /// multi-token prediction layers.
+    pub speculative: Option<models::Speculative>,
 }
 
 impl Loaded {
@@ -317,7 +315,7 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
             if let Some(arg) = &options.tokenizer {
                 spec.tokenizer = Some(tokenizer_file(arg)?);
             }
-            let (speculative, draft_model, mtp) = (spec.speculative, spec.draft_model.clone(), spec.mtp);
+            let speculative = spec.speculative.clone();
             let model = match options.max_model_len {
                 Some(n) => open_model(spec, true).with_context(|| format!("--max-model-len {n}"))?,
                 None => open_model(spec, true)?,
@@ -342,8 +340,6 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
                 gpu_plan: None,
                 generated_weights: None,
                 speculative,
-                draft_model,
-                mtp,
             })
         }
         None => {
@@ -399,8 +395,6 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
         context_length: Some(manifest.context_length),
         tokenizer: manifest.tokenizer.clone(),
         speculative: None,
-        draft_model: None,
-        mtp: None,
         random_weights: manifest.random_weights,
     };
     let on_device = manifest
@@ -426,7 +420,5 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
             }),
         generated_weights: on_device,
         speculative: None,
-        draft_model: None,
-        mtp: None,
     })
 }

@@ -21,7 +21,7 @@ pub use families::{
     ComputeDtype, KvCacheDtype, LogitsFor, LowerOptions,
 };
 pub use generation_defaults::GenerationDefaults;
-pub use model_toml::{DraftModelSpec, ModelSpec, NgramSpec};
+pub use model_toml::{DraftModelSpec, ModelSpec, NgramSpec, Speculative};
 pub use tokenizer::{ChatMessage, ChatTemplate, StreamDecoder, Tokenizer};
 pub use weights::{MemoryTensor, TensorView, WeightSource};
 

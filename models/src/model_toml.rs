@@ -47,6 +47,17 @@ pub struct SpeculativeSection {
     pub model: Option<String>,
 }
 
+/// How `[speculative]` asks `bbc serve` to draft.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Speculative {
+    /// Prompt lookup.
+    Ngram(NgramSpec),
+    /// A draft model.
+    DraftModel(DraftModelSpec),
+    /// The model's own multi-token prediction layers, `tokens` a step.
+    Mtp { tokens: usize },
+}
+
 /// Drafting with a draft model, as `[speculative]` asks for it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DraftModelSpec {
@@ -102,13 +113,8 @@ pub struct ModelSpec {
     pub kv_cache_dtype: KvCacheDtype,
     pub context_length: Option<usize>,
     pub tokenizer: Option<PathBuf>,
-    /// `[speculative]` with `method = "ngram"`, where the file has it.
-    pub speculative: Option<NgramSpec>,
-    /// `[speculative]` with `method = "draft_model"`.
-    pub draft_model: Option<DraftModelSpec>,
-    /// `[speculative]` with `method = "mtp"`: the tokens the model's own multi-token
-    /// prediction layers draft a step.
-    pub mtp: Option<usize>,
+    /// `[speculative]`, where the file has it.
+    pub speculative: Option<Speculative>,
     /// Where `weights` is a `config.json`: the model runs with random weights made from this
     /// seed (vLLM's `--load-format dummy`), not read from a file.
     pub random_weights: Option<u32>,
@@ -155,9 +161,8 @@ impl ModelSpec {
         if m.context_length == Some(0) {
             return Err(bad("model.context_length must be at least 1".into()));
         }
-        let (mut speculative, mut draft_model, mut mtp) = (None, None, None);
-        match parsed.speculative {
-            None => {}
+        let speculative = match parsed.speculative {
+            None => None,
             Some(s) if s.method == "ngram" => {
                 if s.model.is_some() {
                     return Err(bad("speculative.model is the draft_model method's, not ngram's".into()));
@@ -167,7 +172,7 @@ impl ModelSpec {
                     s.prompt_lookup_min.unwrap_or(DEFAULT_LOOKUP_MIN),
                     s.prompt_lookup_max.unwrap_or(DEFAULT_LOOKUP_MAX),
                 );
-                speculative = Some(spec.map_err(|e| bad(format!("speculative: {e}")))?);
+                Some(Speculative::Ngram(spec.map_err(|e| bad(format!("speculative: {e}")))?))
             }
             Some(s) if s.method == "draft_model" => {
                 if s.prompt_lookup_min.is_some() || s.prompt_lookup_max.is_some() {
@@ -182,13 +187,13 @@ impl ModelSpec {
                     return Err(bad("speculative.num_speculative_tokens must be at least 1".into()));
                 }
                 let local = base.join(&model);
-                draft_model = Some(DraftModelSpec {
+                Some(Speculative::DraftModel(DraftModelSpec {
                     model: match local.exists() {
                         true => local.to_string_lossy().into_owned(),
                         false => model,
                     },
                     tokens: s.num_speculative_tokens,
-                });
+                }))
             }
             Some(s) if s.method == "mtp" => {
                 if s.model.is_some() || s.prompt_lookup_min.is_some() || s.prompt_lookup_max.is_some() {
@@ -199,7 +204,9 @@ impl ModelSpec {
                 if s.num_speculative_tokens == 0 {
                     return Err(bad("speculative.num_speculative_tokens must be at least 1".into()));
                 }
-                mtp = Some(s.num_speculative_tokens);
+                Some(Speculative::Mtp {
+                    tokens: s.num_speculative_tokens,
+                })
             }
             Some(s) => {
                 return Err(bad(format!(
@@ -207,7 +214,7 @@ impl ModelSpec {
                     s.method
                 )))
             }
-        }
+        };
         Ok(Self {
             weights: base.join(m.weights),
             architecture,
@@ -216,8 +223,6 @@ impl ModelSpec {
             context_length: m.context_length,
             tokenizer: m.tokenizer.map(|t| base.join(t)),
             speculative,
-            draft_model,
-            mtp,
             random_weights: None,
         })
     }
@@ -232,8 +237,6 @@ impl ModelSpec {
             context_length: None,
             tokenizer: None,
             speculative: None,
-            draft_model: None,
-            mtp: None,
             random_weights: None,
         }
     }
@@ -263,20 +266,20 @@ mod tests {
         let base = "[model]\nweights = \"w.gguf\"\n[speculative]\nmethod = \"ngram\"\nnum_speculative_tokens = 4\n";
         assert_eq!(
             parse(base).unwrap().speculative,
-            Some(NgramSpec {
+            Some(Speculative::Ngram(NgramSpec {
                 tokens: 4,
                 min: 2,
                 max: 4
-            })
+            }))
         );
         let ranged = format!("{base}prompt_lookup_min = 2\nprompt_lookup_max = 5\n");
         assert_eq!(
             parse(&ranged).unwrap().speculative,
-            Some(NgramSpec {
+            Some(Speculative::Ngram(NgramSpec {
                 tokens: 4,
                 min: 2,
                 max: 5
-            })
+            }))
         );
         for (text, needle) in [
             (base.replace("ngram", "eagle"), "eagle"),
@@ -295,8 +298,7 @@ mod tests {
     #[test]
     fn mtp_is_read_and_checked() {
         let base = "[model]\nweights = \"w\"\n[speculative]\nmethod = \"mtp\"\nnum_speculative_tokens = 3\n";
-        let spec = parse(base).unwrap();
-        assert_eq!((spec.mtp, spec.speculative, spec.draft_model), (Some(3), None, None));
+        assert_eq!(parse(base).unwrap().speculative, Some(Speculative::Mtp { tokens: 3 }));
         for (text, needle) in [
             (format!("{base}model = \"d\"\n"), "takes no model"),
             (format!("{base}prompt_lookup_max = 3\n"), "takes no model"),
@@ -317,15 +319,17 @@ mod tests {
         let parse_here = |text: &str| ModelSpec::parse(text, &toml);
         let local = parse_here(&format!("{base}model = \"draft.gguf\"\n")).unwrap();
         assert_eq!(
-            local.draft_model,
-            Some(DraftModelSpec {
+            local.speculative,
+            Some(Speculative::DraftModel(DraftModelSpec {
                 model: dir.path().join("draft.gguf").to_string_lossy().into_owned(),
                 tokens: 3
-            })
+            }))
         );
-        assert_eq!(local.speculative, None);
         let named = parse_here(&format!("{base}model = \"smollm2\"\n")).unwrap();
-        assert_eq!(named.draft_model.unwrap().model, "smollm2", "a name, not a file here");
+        let Some(Speculative::DraftModel(named)) = named.speculative else {
+            panic!("a draft model")
+        };
+        assert_eq!(named.model, "smollm2", "a name, not a file here");
         for (text, needle) in [
             (base.to_string(), "needs speculative.model"),
             (

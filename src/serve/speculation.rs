@@ -5,6 +5,7 @@ use super::ServeArgs;
 use crate::model_ref::Loaded;
 use anyhow::{bail, Context, Result};
 use models::model_toml::{DEFAULT_LOOKUP_MAX, DEFAULT_LOOKUP_MIN};
+use models::Speculative;
 use runtime::serving::NgramConfig;
 use serde_json::Value;
 
@@ -77,8 +78,15 @@ impl SpeculationFlags {
     /// unused by the others): the flags first, then `loaded`'s model.toml. The multi-token
     /// prediction layers draft as many tokens a step as the model has of them unless told.
     pub fn resolve(&self, loaded: &Loaded) -> Result<(NgramConfig, Drafting)> {
+        // What the model.toml asks for, by method.
+        let (toml_ngram, toml_draft, toml_mtp) = match &loaded.speculative {
+            Some(Speculative::Ngram(spec)) => (Some(*spec), None, None),
+            Some(Speculative::DraftModel(spec)) => (None, Some(spec), None),
+            Some(Speculative::Mtp { tokens }) => (None, None, Some(*tokens)),
+            None => (None, None, None),
+        };
         let other_flags = self.model.is_some() || self.ngram.is_some();
-        let mtp = match (self.mtp, loaded.mtp) {
+        let mtp = match (self.mtp, toml_mtp) {
             (true, toml) => Some(self.tokens.or(toml)),
             (false, Some(toml)) if !other_flags => Some(Some(self.tokens.unwrap_or(toml))),
             _ => None,
@@ -98,7 +106,7 @@ impl SpeculationFlags {
             };
             return Ok((config, Drafting::Mtp));
         }
-        let draft = match (&self.model, &loaded.draft_model) {
+        let draft = match (&self.model, toml_draft) {
             (Some(model), toml) => Some((model.clone(), toml.as_ref().map(|t| t.tokens))),
             // A prompt-lookup flag overrides the file's draft model.
             (None, Some(toml)) if self.ngram.is_none() => Some((toml.model.clone(), Some(toml.tokens))),
@@ -115,7 +123,7 @@ impl SpeculationFlags {
         if self.tokens.is_some() {
             bail!("--num-speculative-tokens is the draft model's, and there is none: give --speculative-model (or --speculative-ngram N for prompt lookup)");
         }
-        let toml = loaded.speculative;
+        let toml = toml_ngram;
         let tokens = self.ngram.or(toml.map(|t| t.tokens)).unwrap_or(0);
         let min = self.lookup_min.or(toml.map(|t| t.min)).unwrap_or(DEFAULT_LOOKUP_MIN);
         let max = self.lookup_max.or(toml.map(|t| t.max)).unwrap_or(DEFAULT_LOOKUP_MAX);
