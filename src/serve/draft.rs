@@ -27,11 +27,9 @@ pub fn load(
     cache: DraftCache,
     head: super::DraftHead,
 ) -> Result<(Box<dyn Drafter>, &'static str)> {
-    let options = model_ref::LoadOptions {
-        greedy: true,
-        ..model_ref::LoadOptions::default()
-    };
-    let mut loaded = model_ref::load(arg, options).with_context(|| format!("--speculative-model {arg}"))?;
+    // Its greedy graph is lowered below, with the head asked for (none on a GPU plan).
+    let mut loaded = model_ref::load(arg, model_ref::LoadOptions::default())
+        .with_context(|| format!("--speculative-model {arg}"))?;
     let draft_tokenizer = loaded.model.tokenizer.as_ref().with_context(|| {
         format!("--speculative-model {arg}: the model has no tokenizer to check against the target's")
     })?;

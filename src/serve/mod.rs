@@ -398,25 +398,16 @@ fn cpu_serving_with_head(
     let context_length = loaded.model.config.context_length;
     let mut cache = loaded.weight_cache();
     let weights = &loaded.model.weights;
-    let head = match head {
-        Some(graph) => Some(runtime::CpuBackend::with_cache(
-            graph,
-            weights,
-            context_length,
-            &mut cache,
-        )?),
-        None => None,
-    };
-    let logits = runtime::CpuBackend::with_cache(loaded.graph, weights, context_length, &mut cache)?;
-    let greedy = match loaded.greedy.take().filter(has_cheap_head) {
-        Some(graph) => Some(runtime::CpuBackend::with_cache(
-            graph,
-            weights,
-            context_length,
-            &mut cache,
-        )?),
-        None => None,
-    };
+    // Every graph's weights through the one cache, so those they share are loaded once.
+    let mut backend = |graph| runtime::CpuBackend::with_cache(graph, weights, context_length, &mut cache);
+    let head = head.map(&mut backend).transpose()?;
+    let logits = backend(loaded.graph)?;
+    let greedy = loaded
+        .greedy
+        .take()
+        .filter(has_cheap_head)
+        .map(&mut backend)
+        .transpose()?;
     Ok((runtime::serving::CpuGreedyServing::new(logits, greedy)?, head))
 }
 

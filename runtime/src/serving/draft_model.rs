@@ -26,6 +26,7 @@ use super::engine::{PagedBackend, StateSnapshotting};
 use super::scheduler::{DraftRequest, SeqId};
 use crate::error::{Result, RuntimeError};
 use crate::kv::{BlockId, Segment, StateSave, StateSnapshots};
+use ir::Tensor;
 use std::collections::{BTreeMap, HashMap};
 
 /// What the serving engine asks of a drafter.
@@ -55,6 +56,8 @@ pub(super) struct DraftRoom<B: PagedBackend> {
     pub blocks: BlockManager,
     pub token_budget: usize,
     pub context_length: usize,
+    /// What the drafter is, for errors ("a draft model").
+    drafter: &'static str,
 }
 
 impl<B: PagedBackend> DraftRoom<B> {
@@ -67,7 +70,7 @@ impl<B: PagedBackend> DraftRoom<B> {
         block_size: usize,
         token_budget: usize,
         context_length: usize,
-        drafter: &str,
+        drafter: &'static str,
     ) -> Result<Self> {
         if block_size == 0 || blocks == 0 || token_budget == 0 {
             return Err(RuntimeError::Graph(format!(
@@ -83,7 +86,33 @@ impl<B: PagedBackend> DraftRoom<B> {
             blocks: BlockManager::new(blocks, block_size),
             token_budget,
             context_length,
+            drafter,
         })
+    }
+
+    /// One pass over `batch`: each segment's outputs.
+    pub fn step(&mut self, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
+        let outputs = self.backend.step_batch(&mut self.pages, batch)?;
+        match outputs.len() == batch.len() {
+            true => Ok(outputs),
+            false => Err(self.missing("a result per segment")),
+        }
+    }
+
+    /// The last row of a segment's output `name`.
+    pub fn last_row<'o>(&self, outputs: &'o HashMap<String, Tensor>, name: &str) -> Result<&'o [f32]> {
+        let t = outputs
+            .get(name)
+            .ok_or_else(|| self.missing(&format!("`{name}` output")))?;
+        match t.rows() {
+            0 => Err(self.missing(&format!("row of `{name}`"))),
+            rows => Ok(t.row(rows - 1)),
+        }
+    }
+
+    /// The error of a pass that returned no `what`.
+    pub fn missing(&self, what: &str) -> RuntimeError {
+        RuntimeError::Graph(format!("{}'s step returned no {what}", self.drafter))
     }
 }
 
@@ -299,23 +328,13 @@ impl<B: PagedBackend> DraftModel<B> {
         if let Some(tokens) = self.room.backend.step_batch_greedy(&mut self.room.pages, &batch) {
             return tokens?
                 .into_iter()
-                .map(|t| t.last().copied().ok_or_else(|| missing("a greedy token")))
+                .map(|t| t.last().copied().ok_or_else(|| self.room.missing("greedy token")))
                 .collect();
         }
-        let outputs = self.room.backend.step_batch(&mut self.room.pages, &batch)?;
-        if outputs.len() != segments.len() {
-            return Err(missing("a result per segment"));
-        }
+        let outputs = self.room.step(&batch)?;
         outputs
             .iter()
-            .map(|out| {
-                let logits = out.get("logits").ok_or_else(|| missing("the `logits` output"))?;
-                let rows = logits.rows();
-                match rows {
-                    0 => Err(missing("a row of logits")),
-                    _ => Ok(crate::sampling::argmax(logits.row(rows - 1))),
-                }
-            })
+            .map(|out| Ok(crate::sampling::argmax(self.room.last_row(out, "logits")?)))
             .collect()
     }
 
@@ -494,8 +513,4 @@ fn resume_at(seq: &DraftSeq, tokens: &[u32], recurrent: bool) -> Resume {
 
 fn common_prefix(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
-}
-
-fn missing(what: &str) -> RuntimeError {
-    RuntimeError::Graph(format!("the draft model's step returned no {what}"))
 }

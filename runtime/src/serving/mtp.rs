@@ -132,20 +132,11 @@ impl<B: PagedBackend> MtpDrafter<B> {
                 hidden_states: &r.states,
             })
             .collect();
-        let outputs = self.room.backend.step_batch(&mut self.room.pages, &batch)?;
-        if outputs.len() != rows.len() {
-            return Err(missing("a result per segment"));
-        }
+        let outputs = self.room.step(&batch)?;
         outputs
             .iter()
             .map(|out| {
-                let last = |name: &str| -> Result<&[f32]> {
-                    let t = out.get(name).ok_or_else(|| missing(&format!("`{name}` output")))?;
-                    match t.rows() {
-                        0 => Err(missing(&format!("row of `{name}`"))),
-                        rows => Ok(t.row(rows - 1)),
-                    }
-                };
+                let last = |name: &str| self.room.last_row(out, name);
                 // A head lowered for greedy drafting gives its token (`next_token`, from a
                 // shortlisted or INT8-bound head); else its logits' argmax.
                 let token = match out.contains_key("next_token") {
@@ -304,8 +295,4 @@ impl MtpSeq {
             broken: first > 0,
         }
     }
-}
-
-fn missing(what: &str) -> RuntimeError {
-    RuntimeError::Graph(format!("the multi-token prediction head's step returned no {what}"))
 }
