@@ -200,6 +200,9 @@ pub struct GpuPlanFiles {
     pub greedy: Option<String>,
     /// The batched serving plan and its graph, when the artifact has them.
     pub serving: Option<(String, Graph)>,
+    /// The multi-token prediction head's batched plan and its graph, when the checkpoint
+    /// carries one (the serving plan then outputs the hidden states it reads).
+    pub mtp: Option<(String, Graph)>,
 }
 
 impl Loaded {
@@ -370,6 +373,7 @@ fn carries_fill_kernels(dir: &Path, manifest: &codegen::Manifest) -> bool {
         Some(&manifest.plan),
         Some(&manifest.greedy_plan),
         Some(&manifest.serving_plan),
+        Some(&manifest.mtp_plan),
     ];
     plans.into_iter().flatten().flatten().all(|file| {
         let Ok(text) = std::fs::read_to_string(dir.join(file)) else {
@@ -417,6 +421,7 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
                 logits,
                 greedy: manifest.greedy_plan.clone(),
                 serving: manifest.serving_plan.clone().zip(graphs.serving),
+                mtp: manifest.mtp_plan.clone().zip(graphs.mtp),
             }),
         generated_weights: on_device,
         speculative: None,

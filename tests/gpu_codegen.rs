@@ -31,6 +31,7 @@ fn graphs(logits: &ir::Graph) -> codegen::CompiledGraphs<'_> {
         logits,
         greedy: None,
         serving: None,
+        mtp: None,
     }
 }
 
@@ -440,6 +441,7 @@ fn gpu_artifacts_carry_the_batched_serving_plan() {
         logits: &graph,
         greedy: None,
         serving: Some(&serving),
+        mtp: None,
     };
     let manifest = codegen::compile(&model, all, Target::H200, dir).unwrap();
     assert_eq!(manifest.serving_plan.as_deref(), Some("serving_plan.json"));
@@ -539,6 +541,7 @@ fn running_a_gpu_artifact_without_a_driver_says_so() {
         logits: &graph,
         greedy: None,
         serving: Some(&serving),
+        mtp: None,
     };
     codegen::compile(&model, all, Target::H200, dir).unwrap();
     // `bbc run` and `bbc serve` both say what is missing, and neither panics.

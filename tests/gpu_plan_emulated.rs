@@ -1530,8 +1530,9 @@ impl<B: runtime::serving::PagedBackend> runtime::serving::PagedBackend for Count
         &self,
         pages: &mut B::Pages,
         batch: &[runtime::kv::Segment],
-    ) -> Option<runtime::Result<Vec<Vec<u32>>>> {
-        let tokens = self.inner.step_batch_greedy(pages, batch);
+        also: &[&str],
+    ) -> Option<runtime::Result<Vec<std::collections::HashMap<String, ir::Tensor>>>> {
+        let tokens = self.inner.step_batch_greedy(pages, batch, also);
         if tokens.is_some() {
             self.greedy.set(self.greedy.get() + 1);
             self.count_starts(batch);

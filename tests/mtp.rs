@@ -7,10 +7,15 @@
 
 mod common;
 
+use codegen::gpu;
+use codegen::Target;
 use ir::reference::Interpreter;
 use models::weights::{MemoryTensors, Tensors};
 use models::{LogitsFor, LowerOptions, MemoryTensor, Model, ModelSpec, WeightSource};
-use runtime::serving::{MtpDrafter, NgramConfig, SchedulerConfig, SeqId, ServingEngine, StepOutput};
+use runtime::emulator_device::EmulatorBackend;
+use runtime::serving::{
+    Drafter, MtpDrafter, NgramConfig, PagedBackend, SchedulerConfig, SeqId, ServingEngine, StepOutput,
+};
 use runtime::{CpuBackend, SamplingParams};
 use std::collections::HashMap;
 
@@ -271,9 +276,21 @@ fn serve(
     requests: &[(Vec<u32>, SamplingParams)],
     max_tokens: usize,
 ) -> Served {
-    let mut engine = ServingEngine::new(target(model, head.is_some()), config);
+    let head = head.map(|head| Box::new(drafter(model, head)) as Box<dyn Drafter>);
+    serve_on(target(model, head.is_some()), head, config, requests, max_tokens)
+}
+
+/// What `requests` gave served on `target`, drafted for by `head` where there is one.
+fn serve_on<B: PagedBackend>(
+    target: B,
+    head: Option<Box<dyn Drafter>>,
+    config: SchedulerConfig,
+    requests: &[(Vec<u32>, SamplingParams)],
+    max_tokens: usize,
+) -> Served {
+    let mut engine = ServingEngine::new(target, config);
     if let Some(head) = head {
-        assert!(engine.use_drafter(Box::new(drafter(model, head))));
+        assert!(engine.use_drafter(head));
     }
     let kv_blocks = config.kv_blocks;
     let mut ids = Vec::new();
@@ -307,6 +324,11 @@ fn serve(
 /// Prompts of a few lengths, the later half each an earlier one and a token more (so its
 /// beginning is in the prefix cache); greedy, but for a seeded sampled one where `sampled`.
 fn requests(vocab: u32, sampled: bool) -> Vec<(Vec<u32>, SamplingParams)> {
+    requests_of_lengths(vocab, sampled, [19, 6, 30, 12])
+}
+
+/// [`requests`] whose first four prompts have `lengths`.
+fn requests_of_lengths(vocab: u32, sampled: bool, lengths: [u32; 4]) -> Vec<(Vec<u32>, SamplingParams)> {
     let sampling = match sampled {
         true => SamplingParams {
             temperature: 0.8,
@@ -318,10 +340,10 @@ fn requests(vocab: u32, sampled: bool) -> Vec<(Vec<u32>, SamplingParams)> {
     };
     let prompt = |base: u32, len: u32| -> Vec<u32> { (0..len).map(|j| (base + 29 * j) % vocab).collect() };
     let mut first = vec![
-        (prompt(11, 19), SamplingParams::default()),
-        (prompt(40, 6), SamplingParams::default()),
-        (prompt(7, 30), sampling),
-        (prompt(90, 12), SamplingParams::default()),
+        (prompt(11, lengths[0]), SamplingParams::default()),
+        (prompt(40, lengths[1]), SamplingParams::default()),
+        (prompt(7, lengths[2]), sampling),
+        (prompt(90, lengths[3]), SamplingParams::default()),
     ];
     let later: Vec<_> = first
         .iter()
@@ -414,14 +436,25 @@ fn the_mtp_graph_runs_on_the_cpu_backend_as_the_reference_runs_it() {
 /// CPU backend, the graph optimized as served, as the reference gives them; a step whose hidden
 /// states do not cover its tokens is refused.
 fn runs_as_the_reference_runs_it(model: &Model, graph: &ir::Graph, outputs: &[&str], family: &str) {
+    // Optimized, as served (the joined input through the e-graph and back).
+    let optimized = passes::optimized(graph, passes::CostModel::CPU).unwrap();
+    let backend = CpuBackend::new(optimized, &model.weights, 256).unwrap();
+    backend_runs_as_the_reference_runs_it(model, graph, &backend, outputs, family);
+}
+
+/// [`runs_as_the_reference_runs_it`] on `backend`, which runs `graph` as it was made for it.
+fn backend_runs_as_the_reference_runs_it<B: PagedBackend>(
+    model: &Model,
+    graph: &ir::Graph,
+    backend: &B,
+    outputs: &[&str],
+    family: &str,
+) {
     let h = model.config.hidden;
     let steps: [(Vec<u32>, usize); 2] = [(vec![3, 77, 150, 9, 41], 0), (vec![200, 12], 5)];
     let states = |rows: usize, seed: u64| noise(seed, rows * h, 1.5);
     let weights = models::weights::DequantizedWeights::new(&model.weights);
     let mut reference = Interpreter::new(&weights);
-    // Optimized, as served (the joined input through the e-graph and back).
-    let optimized = passes::optimized(graph, passes::CostModel::CPU).unwrap();
-    let backend = CpuBackend::new(optimized, &model.weights, 256).unwrap();
     let mut pages = backend.new_pages(8);
     let table: Vec<runtime::kv::BlockId> = (0..2).map(runtime::kv::BlockId).collect();
     for (k, (ids, start)) in steps.iter().enumerate() {
@@ -497,4 +530,126 @@ fn with_mtp_config(family: &str) -> Model {
     let mut model = Model::open(ModelSpec::for_weights(&common::fixture(&format!("hf-tiny/{family}")))).unwrap();
     model.config.mtp_layers = 1;
     model
+}
+
+/// Rows a step of the emulated plans takes, and the positions a sequence may hold there.
+const PLAN_ROWS: usize = 64;
+const PLAN_CONTEXT: usize = 128;
+
+/// `graph` through the pipeline for the H200, as `bbc compile --target h200` fuses it.
+fn fused_for_h200(graph: &ir::Graph) -> ir::Graph {
+    passes::optimized(graph, bbc::model_ref::cost_model(Target::H200)).unwrap()
+}
+
+/// `graph`'s batched plan for the H200 on the emulator over `model`'s weights (and the INT8
+/// rows of its head where it takes the INT8-bound one): `blocks` blocks of 8, 4 sequences.
+fn emulated(model: &Model, graph: ir::Graph, blocks: usize) -> EmulatorBackend {
+    let int8 = codegen::int8_heads(&graph, &model.weights).unwrap();
+    let cache = gpu::BatchedCache {
+        blocks,
+        block_size: 8,
+        sequences: 4,
+    };
+    let (plan, kernels) = gpu::build_batched(&graph, Target::H200, PLAN_ROWS, cache).unwrap();
+    EmulatorBackend::emulated(plan, kernels, graph, &model.weights, &int8, PLAN_CONTEXT).unwrap()
+}
+
+/// The serving plan `bbc compile` writes for `model` on the emulator (each sequence's argmax
+/// beside its logits), outputting its hidden state at every row where `mtp`, with snapshots of
+/// its recurrent states for the prefix cache and checkpoints for three drafts.
+fn target_plan(model: &Model, mtp: bool, kv_blocks: usize) -> EmulatorBackend {
+    let mut graph = model.lower(LogitsFor::LastToken).unwrap();
+    if mtp {
+        graph = models::with_hidden_states(&graph).unwrap();
+    }
+    let graph = models::with_greedy_token(&fused_for_h200(&graph)).unwrap();
+    emulated(model, graph, kv_blocks)
+        .capture_graphs_up_to(16)
+        .keep_state_snapshots(32)
+        .unwrap()
+        .verify_drafts_up_to(3)
+        .unwrap()
+}
+
+/// The head's plan as `bbc compile` writes it (its argmax beside its logits), drafting on the
+/// emulator.
+fn head_plan(model: &Model) -> MtpDrafter<EmulatorBackend> {
+    let graph = models::with_greedy_token(&fused_for_h200(&head_graph(model))).unwrap();
+    let backend = emulated(model, graph, 256).capture_graphs_up_to(4);
+    MtpDrafter::new(backend, model.config.hidden, 256, 8, PLAN_ROWS, PLAN_CONTEXT).unwrap()
+}
+
+/// The head's batched plan for the H200 (its logits and their argmax) gives on the emulator,
+/// step after step over its paged cache, what the IR's reference interpreter gives
+/// unoptimized: the last row's logits and token, and its hidden state; a step whose hidden
+/// states do not cover its tokens is refused.
+#[test]
+fn the_mtp_plans_run_on_the_emulator_as_the_reference_runs_them() {
+    for family in ["qwen3_5", "qwen3_next", "glm4_moe", "glm_moe_dsa"] {
+        let model = with_mtp(family, Head::Copied);
+        let graph = models::with_greedy_token(&head_graph(&model)).unwrap();
+        let outputs = ["logits", "next_token", ir::multi_token::DRAFT_HIDDEN_STATE];
+        let plan = emulated(
+            &model,
+            models::with_greedy_token(&fused_for_h200(&head_graph(&model))).unwrap(),
+            4,
+        );
+        backend_runs_as_the_reference_runs_it(&model, &graph, &plan, &outputs, family);
+    }
+    // The INT8-bound head scores one row: a batched plan of it is refused, not run wrong.
+    let model = with_mtp("qwen3_5", Head::Copied);
+    let greedy = LowerOptions {
+        logits: LogitsFor::GreedyToken,
+        ..options(&model)
+    };
+    let greedy = fused_for_h200(&models::lower_mtp(&model.config, &model.weights, greedy).unwrap());
+    assert!(greedy.nodes().iter().any(|n| n.op.name() == "int8_bound_top_k"));
+    let cache = gpu::BatchedCache {
+        blocks: 4,
+        block_size: 8,
+        sequences: 4,
+    };
+    let refused = gpu::build_batched(&greedy, Target::H200, PLAN_ROWS, cache)
+        .expect_err("refused")
+        .to_string();
+    assert!(refused.contains("scores one row a step"), "{refused}");
+}
+
+/// On the serving and head plans `bbc compile` writes (run by the emulator), drafting with
+/// the head generates the tokens the CPU backend generates without it (as the plans do without
+/// it: `gpu_plan_emulated`), for every family with MTP layers, with preemption and
+/// prefix-cache hits: drafts refused (a copied layer; greedy and sampled requests, the hybrid
+/// targets' refused drafts rewound out of their recurrent states) and all accepted (the exact
+/// head; greedy requests). Shorter prompts than the CPU tests': the emulator computes a few
+/// thousand positions a second.
+#[test]
+fn mtp_drafts_on_gpu_plans_change_no_token() {
+    for family in ["qwen3_5", "qwen3_next", "glm4_moe", "glm_moe_dsa"] {
+        for head in [Head::Copied, Head::Exact] {
+            let model = match head {
+                Head::Exact => bigram(with_mtp(family, head)),
+                Head::Copied => with_mtp(family, head),
+            };
+            let what = format!("{family}, {head:?}");
+            let vocab = model.config.vocab_size as u32;
+            let requests = requests_of_lengths(vocab, head == Head::Copied, [9, 4, 13, 6]);
+            let kv_blocks = 6;
+            let on_plans = |drafts: usize| SchedulerConfig {
+                context_length: PLAN_CONTEXT,
+                ..config(kv_blocks, drafts)
+            };
+            let plain = serve(&model, None, on_plans(0), &requests, 8);
+            let head_drafting = Box::new(head_plan(&model)) as Box<dyn Drafter>;
+            let target = target_plan(&model, true, kv_blocks);
+            let drafting = serve_on(target, Some(head_drafting), on_plans(3), &requests, 8);
+            assert_eq!(drafting.tokens, plain.tokens, "{what}");
+            assert!(drafting.drafted > 0, "{what}: no drafts");
+            assert!(drafting.cache_full, "{what}: never preempted");
+            assert!(drafting.prefix_hits > 0, "{what}: the prefix cache served nothing");
+            match head {
+                Head::Exact => assert_eq!(drafting.accepted, drafting.drafted, "{what}: a draft refused"),
+                Head::Copied => assert!(drafting.accepted < drafting.drafted, "{what}: every draft accepted"),
+            }
+        }
+    }
 }

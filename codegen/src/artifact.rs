@@ -1,7 +1,9 @@
 //! The artifact directory: `manifest.json`, `graph.ir` (canonical text), `graph.json` (what the
 //! runtime loads), the greedy graph (`greedy.*`), a reference to the weights file(s), and for
 //! GPU targets the plans with their kernels: `plan.json` (`bbc run`), `greedy_plan.json`, and
-//! `serving_plan.json` with its graph `serving.*` (`bbc serve`: batched steps).
+//! `serving_plan.json` with its graph `serving.*` (`bbc serve`: batched steps), and where the
+//! checkpoint carries multi-token prediction layers, `mtp_plan.json` with its graph `mtp.*`
+//! (their drafts for the serving plan).
 
 use crate::target::Target;
 use ir::Graph;
@@ -18,6 +20,8 @@ const GREEDY_GRAPH_TEXT: &str = "greedy.ir";
 const GREEDY_GRAPH_JSON: &str = "greedy.json";
 const SERVING_GRAPH_TEXT: &str = "serving.ir";
 const SERVING_GRAPH_JSON: &str = "serving.json";
+const MTP_GRAPH_TEXT: &str = "mtp.ir";
+const MTP_GRAPH_JSON: &str = "mtp.json";
 /// The KV pool a serving plan is written with; `bbc serve` sets its own (`--kv-blocks`,
 /// `--block-size`): the kernels take the block size at run time.
 const DEFAULT_SERVING_CACHE: crate::gpu::BatchedCache = crate::gpu::BatchedCache {
@@ -94,6 +98,14 @@ pub struct Manifest {
     /// sequences over one paged KV pool).
     #[serde(default)]
     pub serving_plan: Option<String>,
+    /// GPU targets, a model whose checkpoint carries multi-token prediction layers: their
+    /// graph (`mtp.*`: a draft step, its greedy token and the hidden state the next one reads),
+    /// whose batched plan (`mtp_plan.json`) drafts for the serving plan, which then also
+    /// outputs its hidden state at every row.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtp_graph_json: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mtp_plan: Option<String>,
     /// sha256 over the graph, the weights hash and every field above: the artifact's identity.
     pub hash: String,
 }
@@ -108,6 +120,8 @@ pub struct CompiledGraphs<'a> {
     /// The batched serving plan's graph (GPU targets only): logits of each sequence's last row
     /// (`last_token` gathers them in a batched step), or of every row.
     pub serving: Option<&'a Graph>,
+    /// The multi-token prediction head's graph (GPU targets only), drafting for `serving`.
+    pub mtp: Option<&'a Graph>,
 }
 
 /// Write the artifact for `graphs` of `model` into `dir`.
@@ -117,13 +131,15 @@ pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path
         logits: graph,
         greedy,
         serving,
+        mtp,
     } = graphs;
     let serving = serving.filter(|_| target != Target::Cpu);
+    let mtp = mtp.filter(|_| serving.is_some());
     // A model with random weights has them made where its plans run: each plan carries the
     // fill kernels.
     let fills = model.spec.random_weights.is_some();
-    let (plan, greedy_plan, serving_plan) = match target {
-        Target::Cpu => (None, None, None),
+    let (plan, greedy_plan, serving_plan, mtp_plan) = match target {
+        Target::Cpu => (None, None, None, None),
         gpu => (
             Some(write_gpu_program(
                 graph,
@@ -142,6 +158,11 @@ pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path
                     write_gpu_program(g, gpu, dir, ("kernels/serving", "serving_plan.json"), cache, fills)
                 })
                 .transpose()?,
+            mtp.map(|g| {
+                let cache = Some(DEFAULT_SERVING_CACHE);
+                write_gpu_program(g, gpu, dir, ("kernels/mtp", "mtp_plan.json"), cache, fills)
+            })
+            .transpose()?,
         ),
     };
     let weights = std::fs::canonicalize(&model.spec.weights).map_err(io(&model.spec.weights))?;
@@ -149,6 +170,19 @@ pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path
     let graph_json = serde_json::to_string(graph).expect("graphs serialise");
     let greedy_json = greedy.map(|g| serde_json::to_string(g).expect("graphs serialise"));
     let serving_json = serving.map(|g| serde_json::to_string(g).expect("graphs serialise"));
+    let mtp_json = mtp.map(|g| serde_json::to_string(g).expect("graphs serialise"));
+    // The INT8 rows of every head a greedy `int8_bound_top_k` reads, once each.
+    let mut int8_heads = Vec::new();
+    for g in [greedy, mtp].into_iter().flatten() {
+        for head in crate::derived::write_int8_heads(g, &model.weights, dir)? {
+            if !int8_heads
+                .iter()
+                .any(|h: &crate::derived::DerivedWeight| h.weight == head.weight)
+            {
+                int8_heads.push(head);
+            }
+        }
+    }
     let mut manifest = Manifest {
         format_version: FORMAT_VERSION,
         bbc_version: env!("CARGO_PKG_VERSION").to_string(),
@@ -167,16 +201,15 @@ pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path
         greedy_plan,
         serving_graph_json: serving.map(|_| SERVING_GRAPH_JSON.into()),
         serving_plan,
-        int8_heads: match greedy {
-            Some(g) => crate::derived::write_int8_heads(g, &model.weights, dir)?,
-            None => Vec::new(),
-        },
+        mtp_graph_json: mtp.map(|_| MTP_GRAPH_JSON.into()),
+        mtp_plan,
+        int8_heads,
         hash: String::new(),
     };
     manifest.hash = identity(
         &manifest,
         &graph_json,
-        &[greedy_json.as_deref(), serving_json.as_deref()],
+        &[greedy_json.as_deref(), serving_json.as_deref(), mtp_json.as_deref()],
     );
     write(dir, GRAPH_TEXT, graph.to_text().as_bytes())?;
     write(dir, GRAPH_JSON, graph_json.as_bytes())?;
@@ -187,6 +220,10 @@ pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path
     if let (Some(g), Some(json)) = (serving, &serving_json) {
         write(dir, SERVING_GRAPH_TEXT, g.to_text().as_bytes())?;
         write(dir, SERVING_GRAPH_JSON, json.as_bytes())?;
+    }
+    if let (Some(g), Some(json)) = (mtp, &mtp_json) {
+        write(dir, MTP_GRAPH_TEXT, g.to_text().as_bytes())?;
+        write(dir, MTP_GRAPH_JSON, json.as_bytes())?;
     }
     write(
         dir,
@@ -350,6 +387,8 @@ pub struct ArtifactGraphs {
     pub greedy: Option<Graph>,
     /// GPU targets: the graph of the batched serving plan.
     pub serving: Option<Graph>,
+    /// GPU targets: the graph of the multi-token prediction head's plan.
+    pub mtp: Option<Graph>,
 }
 
 /// Read the graphs an artifact holds, checking them against the manifest hash and the IR's rules.
@@ -361,10 +400,11 @@ pub fn read_graphs(dir: &Path, manifest: &Manifest) -> Result<ArtifactGraphs, Ar
     let logits_text = read(&manifest.graph_json)?;
     let greedy_text = manifest.greedy_graph_json.as_deref().map(read).transpose()?;
     let serving_text = manifest.serving_graph_json.as_deref().map(read).transpose()?;
+    let mtp_text = manifest.mtp_graph_json.as_deref().map(read).transpose()?;
     if identity(
         manifest,
         &logits_text,
-        &[greedy_text.as_deref(), serving_text.as_deref()],
+        &[greedy_text.as_deref(), serving_text.as_deref(), mtp_text.as_deref()],
     ) != manifest.hash
     {
         return Err(ArtifactError::Invalid {
@@ -391,6 +431,10 @@ pub fn read_graphs(dir: &Path, manifest: &Manifest) -> Result<ArtifactGraphs, Ar
             _ => None,
         },
         serving: match (&serving_text, &manifest.serving_graph_json) {
+            (Some(text), Some(name)) => Some(parse(text, name)?),
+            _ => None,
+        },
+        mtp: match (&mtp_text, &manifest.mtp_graph_json) {
             (Some(text), Some(name)) => Some(parse(text, name)?),
             _ => None,
         },

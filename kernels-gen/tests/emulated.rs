@@ -467,6 +467,40 @@ fn gather_column_groups_matches_group_slice() {
     }
 }
 
+/// Two strided sources' rows side by side: the reference's `concat_columns` of each one's
+/// rows (slices of wider rows, as the plan's views hand them over).
+#[test]
+fn concat_columns_matches_the_reference() {
+    let mut rng = Rng(23);
+    for (rows, a_width, b_width, a_stride, b_stride) in [(1, 64, 64, 64, 64), (5, 7, 12, 9, 40)] {
+        let (a, b) = (rng.vec(rows * a_stride), rng.vec(rows * b_stride));
+        let width = a_width + b_width;
+        let mut bufs = HashMap::from([
+            ("a".into(), Array::f32(&a)),
+            ("b".into(), Array::f32(&b)),
+            ("out".into(), Array::poisoned(Ty::F32, rows * width)),
+        ]);
+        let scalars = ints(&[
+            ("rows", rows as i64),
+            ("width", width as i64),
+            ("a_width", a_width as i64),
+            ("a_stride", a_stride as i64),
+            ("b_stride", b_stride as i64),
+        ]);
+        run(&gather::concat_columns("concat", "test"), &mut bufs, &scalars).unwrap();
+        let rows_of = |x: &[f32], stride: usize, len: usize| -> Vec<f32> {
+            x.chunks(stride).flat_map(|r| r[..len].to_vec()).collect()
+        };
+        let want = ops::concat_columns(
+            &rows_of(&a, a_stride, a_width),
+            a_width,
+            &rows_of(&b, b_stride, b_width),
+            b_width,
+        );
+        assert_eq!(bufs["out"].to_f32().unwrap(), want);
+    }
+}
+
 #[test]
 fn fill_uniform_makes_the_hosts_values_from_any_base() {
     let (n, base, seed, offset, scale) = (1000usize, 7_000_000i64, 42i64, 0.5f32, 0.25f32);

@@ -77,14 +77,26 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     // step its `last_token` gathers each sequence's last row before the final norm and head.
     // It also outputs each sequence's argmax, read back instead of the logits when every
     // request of a step decodes greedily.
-    let serving = match target {
+    // A checkpoint with multi-token prediction layers also gets their plan, to draft with:
+    // the serving plan then outputs its hidden state at every row, which they read.
+    let mtp = match target {
         Target::Cpu => None,
-        _ => Some(models::with_greedy_token(fused)?),
+        _ => mtp_head(&loaded, target),
+    };
+    let serving = match (target, &mtp) {
+        (Target::Cpu, _) => None,
+        (_, None) => Some(models::with_greedy_token(fused)?),
+        (_, Some(_)) => {
+            let target_graph = models::with_hidden_states(&loaded.graph)?;
+            let fused = passes::optimized(&target_graph, model_ref::cost_model(target))?;
+            Some(models::with_greedy_token(&fused)?)
+        }
     };
     let graphs = codegen::CompiledGraphs {
         logits: fused,
         greedy: greedy.as_ref(),
         serving: serving.as_ref(),
+        mtp: mtp.as_ref(),
     };
     if target != Target::Cpu {
         crate::fetch::ensure_nvrtc(false)?;
@@ -103,6 +115,35 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         args.output.display()
     );
     Ok(())
+}
+
+/// The draft step of the model's multi-token prediction layers, fused for `target`, its
+/// argmax beside its logits (as the serving plan's: a batched step computes it from each
+/// sequence's logits row), where its checkpoint carries layers bbc lowers; where it carries
+/// some bbc cannot lower (llama.cpp's Qwen files), why not, said on stderr, and none.
+fn mtp_head(loaded: &model_ref::Loaded, target: Target) -> Option<ir::Graph> {
+    let model = &loaded.model;
+    if model.config.mtp_layers == 0 || !model.config.family.lowers_mtp() {
+        return None;
+    }
+    let options = models::LowerOptions {
+        logits: models::LogitsFor::LastToken,
+        compute: model.spec.dtype,
+        kv_cache: model.spec.kv_cache_dtype,
+    };
+    let head = models::lower_mtp(&model.config, &model.weights, options)
+        .map_err(anyhow::Error::from)
+        .and_then(|graph| {
+            let fused = passes::optimized(&graph, model_ref::cost_model(target))?;
+            Ok(models::with_greedy_token(&fused)?)
+        });
+    match head {
+        Ok(graph) => Some(graph),
+        Err(e) => {
+            eprintln!("multi-token prediction layers not compiled (no `method: mtp` drafts): {e:#}");
+            None
+        }
+    }
 }
 
 /// One line per generated kernel: registers per thread on the target, launches per step.

@@ -83,6 +83,7 @@ fn engines(model: &Path, target: Target) -> Result<(Engine<CudaBackend>, Engine)
         logits: &gpu_graph,
         greedy: Some(&greedy_graph),
         serving: None,
+        mtp: None,
     };
     let manifest = codegen::compile(&model, graphs, target, dir)?;
     let int8 = codegen::read_int8_heads(dir, &manifest.int8_heads)?;

@@ -265,6 +265,8 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             let (drafter, place) = draft::load(arg, &tokenizer, draft_cache, args.draft_head)?;
             Some((format!("the draft model {arg} ({place})"), drafter))
         }
+        // A GPU artifact's head is a plan of its own, loaded beside the target's below.
+        speculation::Drafting::Mtp if loaded.gpu_plan.is_some() => None,
         speculation::Drafting::Mtp => {
             mtp_head = Some(mtp::prepare(&mut loaded, args.draft_head)?);
             None
@@ -280,7 +282,12 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             // A GPU artifact: its batched serving plan, with the KV pool sized here.
             let (plan, graph) = plans
                 .serving
+                .clone()
                 .context("this GPU artifact has no serving plan (an older bbc compiled it); compile it again")?;
+            let mtp_plan = match drafting {
+                speculation::Drafting::Mtp => Some(mtp::gpu_plan(&plans, &graph)?),
+                _ => None,
+            };
             let cache = codegen::gpu::BatchedCache {
                 // Sized to the device's memory below unless given.
                 blocks: args.kv_blocks.unwrap_or(1),
@@ -318,6 +325,21 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             );
             announce_checkpoints(&backend, args.max_num_seqs);
             eprintln!("steps of up to {} tokens", config.token_budget);
+            let drafter = match mtp_plan {
+                Some((plan, graph)) => {
+                    // Its catch-up passes go through prompts as fast as the target's steps do.
+                    let cache = draft::DraftCache {
+                        token_budget: config.token_budget,
+                        ..draft_cache
+                    };
+                    let head = mtp::gpu_drafter(&plans.dir, &plan, graph, &loaded, &cache)?;
+                    Some((
+                        "the model's multi-token prediction layers (on the GPU)".to_string(),
+                        head,
+                    ))
+                }
+                None => drafter,
+            };
             let engine = engine_setup(config, args, drafter, inbox, &metrics);
             http_server::start_engine(backend, engine)?;
         }

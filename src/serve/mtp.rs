@@ -1,45 +1,82 @@
 //! `bbc serve` with `method: mtp`: the served model's multi-token prediction layers draft for
-//! it on the CPU backend. The target's graph is lowered again to also output its hidden state
-//! at every row, which the head reads; the head's graph shares the target's weights (its
-//! embedding and LM head are the target's own, loaded once).
+//! it. On the CPU backend the target's graphs are lowered again to also output its hidden
+//! state at every row, which the head reads, and the head's graph shares the target's weights
+//! (its embedding and LM head are the target's own, loaded once). A GPU artifact carries both
+//! plans as `bbc compile` made them (its serving plan outputs the hidden states); the head's
+//! plan runs beside the target's on the device.
 
 use super::draft::DraftCache;
-use crate::model_ref::Loaded;
+use crate::model_ref::{GpuPlanFiles, Loaded};
 use anyhow::{bail, Context, Result};
+use ir::multi_token::TARGET_HIDDEN_STATES;
 use models::{LogitsFor, LowerOptions};
-use runtime::serving::{Drafter, MtpDrafter};
+use runtime::serving::{Drafter, MtpDrafter, PagedBackend};
 
-/// Make `loaded` ready to be drafted for by its multi-token prediction layers: its logits
-/// graph outputs the hidden states the head reads, and it has no greedy graph (whose steps
-/// return ids alone, not the hidden states). The head's graph, giving its greedy token from
-/// `head`, optimized for the CPU.
+/// Make `loaded` (on the CPU backend) ready to be drafted for by its multi-token prediction
+/// layers: its logits and greedy graphs output the hidden states the head reads. The head's
+/// graph, giving its greedy token from `head`, optimized for the CPU.
 pub fn prepare(loaded: &mut Loaded, head: super::DraftHead) -> Result<ir::Graph> {
-    if loaded.gpu_plan.is_some() {
-        bail!(
-            "method `mtp` drafts on the CPU backend: serve the model's weights or a CPU artifact, not a GPU artifact"
-        );
-    }
     let model = &loaded.model;
     let options = LowerOptions {
         logits: LogitsFor::GreedyToken,
         compute: model.spec.dtype,
         kv_cache: model.spec.kv_cache_dtype,
     };
-    let greedy = models::lower_mtp(&model.config, &model.weights, options).context("method `mtp`")?;
-    let target = models::with_hidden_states(&model.lower(LogitsFor::LastToken)?)?;
-    let graph = head.optimized(&greedy)?;
-    loaded.graph = passes::optimized(&target, passes::CostModel::CPU)?;
-    loaded.greedy = None;
-    Ok(graph)
+    let greedy_head = models::lower_mtp(&model.config, &model.weights, options).context("method `mtp`")?;
+    let with_states = |logits| -> Result<ir::Graph> {
+        let graph = models::with_hidden_states(&model.lower(logits)?)?;
+        Ok(passes::optimized(&graph, passes::CostModel::CPU)?)
+    };
+    loaded.graph = with_states(LogitsFor::LastToken)?;
+    if loaded.greedy.is_some() {
+        loaded.greedy = Some(with_states(LogitsFor::GreedyToken)?);
+    }
+    head.optimized(&greedy_head)
+}
+
+/// A GPU artifact's multi-token prediction plan and graph, checked to draft for its serving
+/// plan's graph `serving` (which outputs the hidden states the head reads).
+pub fn gpu_plan(plans: &GpuPlanFiles, serving: &ir::Graph) -> Result<(String, ir::Graph)> {
+    let Some(mtp) = plans.mtp.clone() else {
+        bail!(
+            "method `mtp`: this GPU artifact has no multi-token prediction plan (its checkpoint carries no MTP layers bbc reads, or an older bbc compiled it)"
+        );
+    };
+    if serving.output(TARGET_HIDDEN_STATES).is_none() {
+        bail!("method `mtp`: this GPU artifact's serving plan does not output the hidden states its MTP plan reads; compile it again");
+    }
+    Ok(mtp)
+}
+
+/// The drafter over a GPU artifact's multi-token prediction plan (`plan` in `dir`, its
+/// `graph`), over `loaded`'s weights, with `cache`'s room: its decode passes (a row per
+/// sequence) replayed as CUDA graphs.
+pub fn gpu_drafter(
+    dir: &std::path::Path,
+    plan: &str,
+    graph: ir::Graph,
+    loaded: &Loaded,
+    cache: &DraftCache,
+) -> Result<Box<dyn Drafter>> {
+    let context_length = loaded.model.config.context_length;
+    let plan_cache = codegen::gpu::BatchedCache {
+        blocks: cache.blocks,
+        block_size: cache.block_size,
+        sequences: cache.sequences,
+    };
+    let (weights, int8) = (loaded.plan_weights(), &loaded.int8_heads);
+    let head = runtime_cuda::load_batched_plan(dir, plan, graph, weights, int8, context_length, plan_cache)
+        .context("method `mtp`")?
+        .capture_graphs_up_to(cache.sequences);
+    drafter(head, loaded.model.config.hidden, context_length, cache)
 }
 
 /// The drafter over the head's backend, with `cache`'s room.
-pub fn drafter(
-    head: runtime::CpuBackend,
-    hidden: usize,
-    context_length: usize,
-    cache: &DraftCache,
-) -> Result<Box<dyn Drafter>> {
+pub fn drafter<B>(head: B, hidden: usize, context_length: usize, cache: &DraftCache) -> Result<Box<dyn Drafter>>
+where
+    B: PagedBackend + Send + 'static,
+    B::Pages: Send,
+{
     let drafter = MtpDrafter::new(
         head,
         hidden,

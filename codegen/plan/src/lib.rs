@@ -299,6 +299,10 @@ pub struct GpuPlan {
     pub memory: MemoryPlan,
     pub token_ids: Option<usize>,
     pub positions: Option<usize>,
+    /// The `HiddenStates` input of a multi-token prediction head's plan: a row per token, the
+    /// host's `Segment::hidden_states`, written before each step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hidden_states: Option<usize>,
     pub outputs: Vec<(String, usize)>,
     pub weights: Vec<WeightUse>,
     pub kv_cache: Vec<KvLayout>,

@@ -169,6 +169,7 @@ fn build_program(
         memory,
         token_ids: selected.token_ids,
         positions: selected.positions,
+        hidden_states: selected.hidden_states,
         outputs: graph
             .outputs()
             .iter()

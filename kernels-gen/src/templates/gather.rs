@@ -6,6 +6,9 @@
 //! - Column groups (the IR's `group_slice`): columns `start..start + len` of every group of
 //!   `group` columns, side by side; Qwen3.5's query projection interleaves each head's query
 //!   and output gate, and this splits them.
+//! - Columns side by side (the IR's `concat_columns`): two values' rows joined into one
+//!   wider row, as a multi-token prediction head joins a token's embedding and the target's
+//!   hidden state before projecting them.
 
 use super::{blocks_for, per_row_element, BLOCK};
 use crate::dsl::*;
@@ -70,6 +73,40 @@ pub fn gather_column_groups(name: &str, origin: &str) -> Kernel {
                 ),
                 store("out", var("i"), load("src", var("t") * var("src_stride") + var("col"))),
             ],
+        ),
+    }
+}
+
+/// `out[t, j] = a[t·a_stride + j]` for `j < a_width`, else `b[t·b_stride + j − a_width]`, for
+/// `rows` rows of `width` (`a_width` + `b`'s width) columns.
+pub fn concat_columns(name: &str, origin: &str) -> Kernel {
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: concatenate columns"),
+        params: vec![
+            buffer("a", Ty::F32, false),
+            buffer("b", Ty::F32, false),
+            buffer("out", Ty::F32, true),
+            scalar("rows", Ty::I32),
+            scalar("width", Ty::I32),
+            scalar("a_width", Ty::I32),
+            scalar("a_stride", Ty::I32),
+            scalar("b_stride", Ty::I32),
+        ],
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(var("rows") * var("width"), BLOCK as i64),
+        body: per_row_element(
+            var("rows") * var("width"),
+            vec![if_else(
+                lt(var("j"), var("a_width")),
+                vec![store("out", var("i"), load("a", var("t") * var("a_stride") + var("j")))],
+                vec![store(
+                    "out",
+                    var("i"),
+                    load("b", var("t") * var("b_stride") + var("j") - var("a_width")),
+                )],
+            )],
         ),
     }
 }

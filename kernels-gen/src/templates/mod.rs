@@ -702,6 +702,7 @@ pub fn catalog() -> Vec<Kernel> {
             rope::Rotation::plain(RopeLayout::RotateHalf),
         ),
         gather::gather_column_groups("gather_column_groups", "catalog"),
+        gather::concat_columns("concat_columns", "catalog"),
         // Qwen3.5-27B's linear-attention layers in a bf16 serving plan.
         delta_net::conv(
             "delta_net_conv_batched",

@@ -7,6 +7,7 @@ use crate::error::{Result, RuntimeError};
 use crate::kv::Segment;
 use gpu_plan::expr::Value;
 use gpu_plan::LaunchArg;
+use ir::multi_token::TARGET_HIDDEN_STATES;
 use ir::Tensor;
 use std::collections::HashMap;
 use std::ops::Range;
@@ -64,7 +65,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         if !self.has_greedy_tokens() {
             return None;
         }
-        let read = self.step_batch_reading(batch, Rows::LastOfEachSegment, Some("next_token"));
+        let read = self.step_batch_reading(batch, Rows::LastOfEachSegment, Some(&["next_token"]));
         Some(read.map(|outputs| {
             outputs
                 .iter()
@@ -216,12 +217,12 @@ impl<D: PlanDevice> PlanExecutor<D> {
         Ok(())
     }
 
-    /// A batched step, reading back `rows` of every output, or of `only` that one.
+    /// A batched step, reading back `rows` of every output, or of `only` those.
     fn step_batch_reading(
         &self,
         batch: &[Segment],
         rows: Rows,
-        only: Option<&str>,
+        only: Option<&[&str]>,
     ) -> Result<Vec<HashMap<String, Tensor>>> {
         let mut state = self.lock()?;
         let (device, buffers) = &mut *state;
@@ -234,7 +235,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         self.save_snapshots(device, buffers, batch)?;
         // The rows read back: each segment's, or those it samples from.
         let wanted: Vec<Range<usize>> = match rows {
-            Rows::All => segment_rows,
+            Rows::All => segment_rows.clone(),
             Rows::LastOfEachSegment => segment_rows
                 .iter()
                 .zip(batch)
@@ -244,11 +245,14 @@ impl<D: PlanDevice> PlanExecutor<D> {
         let one_each = sampled;
         let mut per_segment = vec![HashMap::new(); batch.len()];
         for (name, node) in &self.plan.outputs {
-            if only.is_some_and(|o| o != name) {
+            if only.is_some_and(|only| !only.contains(&name.as_str())) {
                 continue;
             }
+            // A multi-token prediction head drafting for this model reads its hidden state at
+            // every position.
             let wanted = match self.per_sequence.contains(node) {
                 true => &one_each,
+                false if name == TARGET_HIDDEN_STATES => &segment_rows,
                 false => &wanted,
             };
             let width = self.graph.nodes()[*node]
@@ -324,7 +328,11 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 self.copy_states(device, buffers, seg.state_slot, place, Direction::Restore)?;
             }
         }
-        self.write_inputs(device, buffers, &ids, &positions)?;
+        let hidden_states: Vec<f32> = match self.plan.hidden_states {
+            Some(_) => batch.iter().flat_map(|s| s.hidden_states).copied().collect(),
+            None => Vec::new(),
+        };
+        self.write_inputs(device, buffers, &ids, &positions, &hidden_states)?;
         let row_pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
         // Each segment's last row, and the rows per-sequence values (`last_token` on) gather
         // from: its last `sampled_rows`.
@@ -529,11 +537,21 @@ impl<D: PlanDevice> crate::serving::PagedBackend for PlanExecutor<D> {
         }
     }
 
-    fn step_batch_greedy(&self, pages: &mut usize, batch: &[Segment]) -> Option<Result<Vec<Vec<u32>>>> {
+    fn step_batch_greedy(
+        &self,
+        pages: &mut usize,
+        batch: &[Segment],
+        also: &[&str],
+    ) -> Option<Result<Vec<HashMap<String, Tensor>>>> {
+        let outputs = |name: &str| self.plan.outputs.iter().any(|(n, _)| n == name);
+        if !self.has_greedy_tokens() || !also.iter().all(|name| outputs(name)) {
+            return None;
+        }
         if let Err(e) = self.check_block_size(*pages) {
             return Some(Err(e));
         }
-        self.step_batch_greedy_tokens(batch)
+        let read: Vec<&str> = std::iter::once("next_token").chain(also.iter().copied()).collect();
+        Some(self.step_batch_reading(batch, Rows::LastOfEachSegment, Some(&read)))
     }
 }
 

@@ -580,7 +580,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         let mut state = self.lock()?;
         let (device, buffers) = &mut *state;
         let positions: Vec<usize> = (seq.len..seq.len + tokens).collect();
-        self.write_inputs(device, buffers, ids, &positions)?;
+        self.write_inputs(device, buffers, ids, &positions, &[])?;
         let vars = HashMap::from([
             ("tokens", Value::Int(tokens as i64)),
             ("first", Value::Int(seq.len as i64)),
@@ -608,20 +608,43 @@ impl<D: PlanDevice> PlanExecutor<D> {
             .map_err(|_| RuntimeError::Cuda("device state poisoned".into()))
     }
 
-    /// Token ids and positions as i32 at their planned offsets.
+    /// Token ids and positions as i32, and the hidden states a multi-token prediction head
+    /// reads (a row per token, as f32), at their planned offsets.
     fn write_inputs(
         &self,
         device: &mut D,
         buffers: &Buffers<D::Buffer>,
         ids: &[u32],
         positions: &[usize],
+        hidden_states: &[f32],
     ) -> Result<()> {
         let ids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
         let positions: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-        for (node, values) in [(self.plan.token_ids, &ids), (self.plan.positions, &positions)] {
+        let as_bytes = |values: &[i32]| -> Vec<u8> { values.iter().flat_map(|v| v.to_le_bytes()).collect() };
+        let mut inputs = vec![
+            (self.plan.token_ids, as_bytes(&ids)),
+            (self.plan.positions, as_bytes(&positions)),
+        ];
+        if let Some(node) = self.plan.hidden_states {
+            let width = self.graph.nodes()[node]
+                .shape
+                .resolve(ids.len(), 0)
+                .last()
+                .copied()
+                .unwrap_or(1);
+            if hidden_states.len() != ids.len() * width {
+                return Err(RuntimeError::Input(format!(
+                    "{} hidden-state values for a step of {} tokens of {width}",
+                    hidden_states.len(),
+                    ids.len()
+                )));
+            }
+            let bytes = hidden_states.iter().flat_map(|v| v.to_le_bytes()).collect();
+            inputs.push((Some(node), bytes));
+        }
+        for (node, bytes) in inputs {
             if let Some(node) = node {
                 let at = self.buffer(node, None)?.start;
-                let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
                 device.write(&buffers.arena, at, &bytes)?;
             }
         }

@@ -75,29 +75,18 @@ impl PagedBackend for CpuGreedyServing {
     fn step_batch(&self, pages: &mut KvPages, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>> {
         self.logits.step_batch(pages, batch)
     }
-    fn step_batch_greedy(&self, pages: &mut KvPages, batch: &[Segment]) -> Option<Result<Vec<Vec<u32>>>> {
-        let ids = |(outputs, segment): (&HashMap<String, Tensor>, &Segment)| {
-            let next = outputs
-                .get("next_token")
-                .ok_or_else(|| RuntimeError::Graph("the greedy graph returned no `next_token`".into()))?;
-            let rows = next.data.len();
-            if rows < segment.sampled_rows {
-                return Err(RuntimeError::Graph(format!(
-                    "{rows} greedy tokens for a segment sampling {} rows",
-                    segment.sampled_rows
-                )));
-            }
-            // Its sampled rows are the last ones.
-            Ok(next.data[rows - segment.sampled_rows..]
-                .iter()
-                .map(|&id| id as u32)
-                .collect())
-        };
+    /// The greedy graph's outputs: `next_token` of each sampled row, and every other output
+    /// it has (those in `also` among them, or the step is not the greedy graph's to take).
+    fn step_batch_greedy(
+        &self,
+        pages: &mut KvPages,
+        batch: &[Segment],
+        also: &[&str],
+    ) -> Option<Result<Vec<HashMap<String, Tensor>>>> {
         let greedy = self.greedy.as_ref()?;
-        Some(
-            greedy
-                .step_batch(pages, batch)
-                .and_then(|outputs| outputs.iter().zip(batch).map(ids).collect()),
-        )
+        if also.iter().any(|name| greedy.graph().output(name).is_none()) {
+            return None;
+        }
+        Some(greedy.step_batch(pages, batch))
     }
 }

@@ -99,6 +99,20 @@ impl<B: PagedBackend> DraftRoom<B> {
         }
     }
 
+    /// One pass over `batch` giving each segment's greedy tokens (`next_token`) and the
+    /// outputs in `also` in place of its logits, where the backend computes them itself
+    /// ([`PagedBackend::step_batch_greedy`]); `None`, running nothing, where it does not.
+    pub fn step_greedy(&mut self, batch: &[Segment], also: &[&str]) -> Result<Option<Vec<HashMap<String, Tensor>>>> {
+        match self
+            .backend
+            .step_batch_greedy(&mut self.pages, batch, also)
+            .transpose()?
+        {
+            Some(outputs) if outputs.len() != batch.len() => Err(self.missing("a result per segment")),
+            outputs => Ok(outputs),
+        }
+    }
+
     /// The last row of a segment's output `name`.
     pub fn last_row<'o>(&self, outputs: &'o HashMap<String, Tensor>, name: &str) -> Result<&'o [f32]> {
         let t = outputs
@@ -325,10 +339,10 @@ impl<B: PagedBackend> DraftModel<B> {
                 }
             })
             .collect();
-        if let Some(tokens) = self.room.backend.step_batch_greedy(&mut self.room.pages, &batch) {
-            return tokens?
-                .into_iter()
-                .map(|t| t.last().copied().ok_or_else(|| self.room.missing("greedy token")))
+        if let Some(outputs) = self.room.step_greedy(&batch, &[])? {
+            return outputs
+                .iter()
+                .map(|out| Ok(super::engine::greedy_ids(out, 1)?[0]))
                 .collect();
         }
         let outputs = self.room.step(&batch)?;

@@ -70,14 +70,36 @@ pub trait PagedBackend {
     /// Process every segment's tokens in one pass; each segment's outputs by name, in order:
     /// per-token outputs with at least the segment's last row (the one sampled from).
     fn step_batch(&self, pages: &mut Self::Pages, batch: &[Segment]) -> Result<Vec<HashMap<String, Tensor>>>;
-    /// Like `step_batch`, but only each segment's greedy tokens (the argmax of each row it
-    /// samples, by [`crate::sampling::argmax`]'s rule) come back, where the backend computes
-    /// them itself (a GPU serving plan with a `next_token` output: ids cross to the host rather
-    /// than vocabulary-wide rows, and no host thread scans them); `None`, running nothing,
-    /// where it does not.
-    fn step_batch_greedy(&self, _pages: &mut Self::Pages, _batch: &[Segment]) -> Option<Result<Vec<Vec<u32>>>> {
+    /// Like `step_batch`, but each segment's greedy tokens come back in place of its logits
+    /// (`next_token`: the argmax of each row it samples, by [`crate::sampling::argmax`]'s
+    /// rule, at least its sampled rows'; see [`greedy_ids`]), with the per-token outputs
+    /// named in `also` (a multi-token prediction head's hidden states), where the backend
+    /// computes them itself (a GPU serving plan with a `next_token` output: ids cross to the
+    /// host rather than vocabulary-wide rows, and no host thread scans them); `None`, running
+    /// nothing, where it does not.
+    fn step_batch_greedy(
+        &self,
+        _pages: &mut Self::Pages,
+        _batch: &[Segment],
+        _also: &[&str],
+    ) -> Option<Result<Vec<HashMap<String, Tensor>>>> {
         None
     }
+}
+
+/// A segment's greedy tokens from the outputs [`PagedBackend::step_batch_greedy`] gave it: the
+/// last `sampled_rows` of its `next_token`.
+pub fn greedy_ids(outputs: &HashMap<String, Tensor>, sampled_rows: usize) -> Result<Vec<u32>> {
+    let next = outputs
+        .get("next_token")
+        .ok_or_else(|| RuntimeError::Graph("a greedy step returned no `next_token`".into()))?;
+    let rows = next.data.len();
+    if rows < sampled_rows {
+        return Err(RuntimeError::Graph(format!(
+            "{rows} greedy tokens for a segment sampling {sampled_rows} rows"
+        )));
+    }
+    Ok(next.data[rows - sampled_rows..].iter().map(|&id| id as u32).collect())
 }
 
 impl PagedBackend for crate::CpuBackend {
@@ -417,12 +439,23 @@ impl<B: PagedBackend> ServingEngine<B> {
                     && !self.processors.contains_key(&w.seq)
                     && !self.returning_logits.contains(&w.seq)
             });
-        let greedy_tokens = match greedy {
-            true => self.backend.step_batch_greedy(&mut self.pages, &batch).transpose()?,
+        // What the drafter reads of the target's rows comes back with greedy tokens too.
+        let also: Vec<&str> = self
+            .drafter
+            .as_ref()
+            .and_then(|d| d.reads_target_output())
+            .into_iter()
+            .collect();
+        let greedy_outputs = match greedy {
+            true => self
+                .backend
+                .step_batch_greedy(&mut self.pages, &batch, &also)
+                .transpose()?,
             false => None,
         };
-        let outputs = match greedy_tokens {
-            Some(_) => Vec::new(),
+        let greedy_tokens = greedy_outputs.is_some();
+        let outputs = match greedy_outputs {
+            Some(outputs) => outputs,
             None => {
                 // The processors of the sequences sampled this step get ready for their first
                 // row while the backend computes it (a grammar's mask takes milliseconds with a
@@ -459,18 +492,21 @@ impl<B: PagedBackend> ServingEngine<B> {
             }
         }
         for (i, work) in schedule.work.iter().enumerate() {
-            let sampled = match (work.samples, &greedy_tokens) {
+            let sampled = match (work.samples, greedy_tokens) {
                 (false, _) => Vec::new(),
-                (true, Some(tokens)) => accept_greedy(work.drafted(), tokens.get(i).ok_or_else(missing)?)?
-                    .into_iter()
-                    .map(|token| Sampled {
-                        seq: work.seq,
-                        token,
-                        logprobs: None,
-                        logits: None,
-                    })
-                    .collect(),
-                (true, None) => self.sample(work, outputs.get(i).ok_or_else(missing)?)?,
+                (true, true) => accept_greedy(
+                    work.drafted(),
+                    &greedy_ids(outputs.get(i).ok_or_else(missing)?, work.drafts + 1)?,
+                )?
+                .into_iter()
+                .map(|token| Sampled {
+                    seq: work.seq,
+                    token,
+                    logprobs: None,
+                    logits: None,
+                })
+                .collect(),
+                (true, false) => self.sample(work, outputs.get(i).ok_or_else(missing)?)?,
             };
             let tokens: Vec<u32> = sampled.iter().map(|s| s.token).collect();
             let (taken, done) = self.scheduler.complete(work, &tokens);

@@ -132,13 +132,18 @@ impl<B: PagedBackend> MtpDrafter<B> {
                 hidden_states: &r.states,
             })
             .collect();
-        let outputs = self.room.step(&batch)?;
+        // Its greedy token and hidden state alone where the backend reads back just those (a
+        // GPU plan); else every output.
+        let outputs = match self.room.step_greedy(&batch, &[DRAFT_HIDDEN_STATE])? {
+            Some(outputs) => outputs,
+            None => self.room.step(&batch)?,
+        };
         outputs
             .iter()
             .map(|out| {
                 let last = |name: &str| self.room.last_row(out, name);
                 // A head lowered for greedy drafting gives its token (`next_token`, from a
-                // shortlisted or INT8-bound head); else its logits' argmax.
+                // shortlisted or INT8-bound head, or a plan's argmax); else its logits' argmax.
                 let token = match out.contains_key("next_token") {
                     true => last("next_token")?[0] as u32,
                     false => crate::sampling::argmax(last("logits")?),

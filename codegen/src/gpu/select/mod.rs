@@ -30,6 +30,8 @@ pub(crate) struct Selected {
     pub constants: BTreeMap<String, Vec<f32>>,
     pub token_ids: Option<usize>,
     pub positions: Option<usize>,
+    /// The `HiddenStates` input (a row per token, written by the host each step).
+    pub hidden_states: Option<usize>,
     /// Whether a launch ranks cached positions through the plan's position scores.
     pub position_scores: bool,
 }
@@ -133,8 +135,10 @@ pub(crate) fn select(
         constants: BTreeMap::new(),
         token_ids: None,
         positions: None,
+        hidden_states: None,
         position_scores: false,
     };
+    let outputs: BTreeSet<usize> = graph.outputs().iter().map(|(_, id)| id.0).collect();
     for (i, node) in graph.nodes().iter().enumerate() {
         let unsupported = |what: String| GpuCodegenError::Unsupported {
             node: i,
@@ -157,11 +161,7 @@ pub(crate) fn select(
                 match kind {
                     InputKind::TokenIds => s.token_ids = Some(i),
                     InputKind::Positions => s.positions = Some(i),
-                    InputKind::HiddenStates => {
-                        return Err(unsupported(
-                            "another model's hidden states as an input (multi-token prediction heads run on the CPU backend)".into(),
-                        ))
-                    }
+                    InputKind::HiddenStates => s.hidden_states = Some(i),
                 }
                 s.views.insert(i, own);
             }
@@ -188,7 +188,9 @@ pub(crate) fn select(
                     shape: node.shape.resolve(0, 0),
                 });
             }
-            Op::Slice { start, .. } => {
+            // Read in place, but for an output: the host reads outputs as whole rows of a
+            // buffer of their own (copied below).
+            Op::Slice { start, .. } if !outputs.contains(&i) => {
                 let v = s.views[&input(0)].clone();
                 s.views.insert(
                     i,
@@ -407,6 +409,20 @@ pub(crate) fn select(
                         (elementwise::scale_rows("scale_rows", &graph.name), args)
                     }
                     Op::Moe(spec) => moe::launches(&mut s, &operands, spec, &rows, max_tokens)?,
+                    Op::Slice { start, len } => {
+                        let (x, stride) = act(&s, 0);
+                        let args = vec![
+                            x,
+                            out,
+                            scalar("rows", &rows),
+                            scalar("width", len),
+                            scalar("src_stride", stride),
+                            scalar("group", stride),
+                            scalar("start", start),
+                            scalar("len", len),
+                        ];
+                        (gather::gather_column_groups("slice", &graph.name), args)
+                    }
                     Op::GroupSlice { group, start, len } => {
                         let (x, stride) = act(&s, 0);
                         let args = vec![
@@ -421,6 +437,20 @@ pub(crate) fn select(
                         ];
                         (gather::gather_column_groups("group_slice", &graph.name), args)
                     }
+                    Op::ConcatColumns => {
+                        let ((a, a_stride), (b, b_stride)) = (act(&s, 0), act(&s, 1));
+                        let args = vec![
+                            a,
+                            b,
+                            out,
+                            scalar("rows", &rows),
+                            scalar("width", width(graph, i)),
+                            scalar("a_width", width(graph, input(0))),
+                            scalar("a_stride", a_stride),
+                            scalar("b_stride", b_stride),
+                        ];
+                        (gather::concat_columns("concat_columns", &graph.name), args)
+                    }
                     Op::GatedDeltaNet(spec) => delta_net::launches(&mut s, &operands, spec, layout, &rows, max_tokens)?,
                     Op::Glu { act: a } => {
                         let (x, stride) = act(&s, 0);
@@ -432,6 +462,12 @@ pub(crate) fn select(
                             scalar("x_stride", stride),
                         ];
                         (glu::glu("glu", &graph.name, *a), args)
+                    }
+                    // Its kernels score one row: a batched step takes the logits' top-k instead.
+                    Op::Int8BoundTopK { .. } if layout == CacheLayout::Batched => {
+                        return Err(unsupported(
+                            "the INT8-bound head scores one row a step; a batched plan takes `top_k` of the logits (`models::with_greedy_token`)".into(),
+                        ))
                     }
                     Op::Int8BoundTopK { k: 1, soft_cap } => {
                         let head_name = match &graph.nodes()[input(1)].op {
