@@ -658,6 +658,10 @@ fn a_random_weight_model_compiled_for_the_gpu_makes_its_weights_there() {
             .unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let manifest = codegen::read_manifest(&artifact).unwrap();
+        assert!(
+            manifest.mtp_plan.is_none(),
+            "Llama has no multi-token prediction layers"
+        );
         let plans = [&manifest.plan, &manifest.greedy_plan, &manifest.serving_plan];
         for file in plans.into_iter().flatten() {
             let plan: gpu::GpuPlan =
@@ -678,4 +682,58 @@ fn a_random_weight_model_compiled_for_the_gpu_makes_its_weights_there() {
             false => assert!(loaded.generated_weights.is_none() && held, "{target}"),
         }
     }
+}
+
+/// A checkpoint with multi-token prediction layers (here the tiny Qwen3.5's shape with one,
+/// random weights) compiled for a GPU carries its head's batched plan beside the serving plan,
+/// which then outputs the hidden states the head reads; both load back. The head's plan takes
+/// those states as a step input, joins them to the embedding with a `concat_columns` kernel
+/// and makes its weights on the device as the others do.
+#[test]
+fn a_checkpoint_with_mtp_layers_compiles_its_head_plan_for_the_gpu() {
+    if !nvrtc_present() {
+        return;
+    }
+    let scratch = common::scratch_dir("bbc-gpu-mtp-");
+    let fixture = std::fs::read_to_string(common::fixture("hf-tiny/qwen3_5/config.json")).unwrap();
+    let mut config: serde_json::Value = serde_json::from_str(&fixture).unwrap();
+    config["mtp_num_hidden_layers"] = 1.into();
+    let path = scratch.path().join("config.json");
+    std::fs::write(&path, config.to_string()).unwrap();
+    let artifact = scratch.path().join("h200");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"))
+        .args(["compile", path.to_str().unwrap(), "--target", "h200", "-o"])
+        .arg(&artifact)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let manifest = codegen::read_manifest(&artifact).unwrap();
+    assert_eq!(manifest.mtp_plan.as_deref(), Some("mtp_plan.json"));
+    assert!(artifact.join("mtp.ir").is_file());
+    let graphs = codegen::read_graphs(&artifact, &manifest).unwrap();
+    let serving = graphs.serving.unwrap();
+    assert!(serving.output(ir::multi_token::TARGET_HIDDEN_STATES).is_some());
+    let head = graphs.mtp.unwrap();
+    for output in ["next_token", ir::multi_token::DRAFT_HIDDEN_STATE] {
+        assert!(head.output(output).is_some(), "{output}");
+    }
+    let plan: gpu::GpuPlan =
+        serde_json::from_str(&std::fs::read_to_string(artifact.join("mtp_plan.json")).unwrap()).unwrap();
+    let input = plan.hidden_states.expect("the hidden states a step input");
+    assert_eq!(head.nodes()[input].op, ir::Op::Input(ir::InputKind::HiddenStates));
+    assert!(plan.batched.is_some());
+    let kernel_of = |name: &str| plan.kernels.iter().find(|k| k.name.starts_with(name));
+    assert!(kernel_of("concat_columns").and_then(|k| k.cubin.as_ref()).is_some());
+    for fill in runtime::random_weights::fill_kernels() {
+        assert!(kernel_of(&fill.name).is_some(), "{}", fill.name);
+    }
+    let options = bbc::model_ref::LoadOptions {
+        greedy: true,
+        fuse: false,
+        quiet: true,
+        ..bbc::model_ref::LoadOptions::default()
+    };
+    let loaded = bbc::model_ref::load(artifact.to_str().unwrap(), options).unwrap();
+    let plans = loaded.gpu_plan.unwrap();
+    assert_eq!(plans.mtp.map(|(file, _)| file).as_deref(), Some("mtp_plan.json"));
 }
