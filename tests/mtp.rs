@@ -409,6 +409,63 @@ fn accepted_mtp_drafts_change_no_token() {
     }
 }
 
+/// A sequence whose prompt began in the target's prefix cache drafts from the head's own
+/// cached rows of those positions, every greedy draft accepted with the exact head, where the
+/// token after them is the one the rows were computed with (the target's hit ends inside the
+/// prompt both share); where it is not (the hit ends where the prompts part), the sequence
+/// drafts nothing. The tokens are the target's either way.
+#[test]
+fn a_sequence_whose_prompt_began_in_the_prefix_cache_drafts_from_the_heads_cache() {
+    for family in ["qwen3_5", "qwen3_next", "glm4_moe", "glm_moe_dsa"] {
+        let model = bigram(with_mtp(family, Head::Exact));
+        let vocab = model.config.vocab_size as u32;
+        let base: Vec<u32> = (0..19).map(|j| (11 + 29 * j) % vocab).collect();
+        let greedy = SamplingParams::default();
+        // The second prompt: the first's and one more token (the hit, 16 positions, ends inside
+        // what both share), or the first's 16 tokens and another than the one the first went on
+        // with (it ends where they part).
+        for shared in [true, false] {
+            let what = format!("{family}, {}", if shared { "within" } else { "at the end of" });
+            let mut engine = ServingEngine::new(target(&model, true), config(64, 3));
+            assert!(engine.use_drafter(Box::new(drafter(&model, DraftHead::Logits))));
+            let run = |engine: &mut ServingEngine<CpuBackend>, prompt: &[u32]| {
+                let id = engine.add(prompt.to_vec(), 8, vec![], greedy).unwrap();
+                let (mut drafted, mut accepted, mut tokens) = (0, 0, Vec::new());
+                while !engine.scheduler().is_idle() {
+                    let out = engine.step().unwrap();
+                    drafted += out.drafted;
+                    accepted += out.accepted;
+                    tokens.extend(out.finished.into_iter().filter(|d| d.seq == id).map(|d| d.generated));
+                }
+                (tokens.concat(), drafted, accepted)
+            };
+            let first = match shared {
+                true => &base[..],
+                false => &base[..16],
+            };
+            let (generated, _, _) = run(&mut engine, first);
+            let mut second = first.to_vec();
+            second.push(match shared {
+                true => 5,
+                false => (generated[0] + 1) % vocab,
+            });
+            let hits_before = engine.scheduler().prefix_cache_stats().hit;
+            let (tokens, drafted, accepted) = run(&mut engine, &second);
+            let hit = engine.scheduler().prefix_cache_stats().hit - hits_before;
+            assert_eq!(hit, 16, "{what}: positions from the prefix cache");
+            let plain = serve(&model, None, config(64, 0), &[(second.clone(), greedy)], 8);
+            assert_eq!(tokens, plain.tokens[0], "{what}");
+            match shared {
+                true => {
+                    assert!(drafted > 0, "{what}: no drafts");
+                    assert_eq!(accepted, drafted, "{what}: a draft refused");
+                }
+                false => assert_eq!(drafted, 0, "{what}: drafted from rows of another next token"),
+            }
+        }
+    }
+}
+
 /// The head's graph (hidden states in, embedding and hidden state joined side by side),
 /// optimized, gives on the CPU backend what the IR's reference interpreter gives unoptimized:
 /// the last row's logits, or its token from a 4-bit shortlist (of 64 rows of 320: the exact

@@ -89,7 +89,7 @@ pub trait PagedBackend {
 
 /// A segment's greedy tokens from the outputs [`PagedBackend::step_batch_greedy`] gave it: the
 /// last `sampled_rows` of its `next_token`.
-pub fn greedy_ids(outputs: &HashMap<String, Tensor>, sampled_rows: usize) -> Result<Vec<u32>> {
+pub(crate) fn greedy_ids(outputs: &HashMap<String, Tensor>, sampled_rows: usize) -> Result<Vec<u32>> {
     let next = outputs
         .get("next_token")
         .ok_or_else(|| RuntimeError::Graph("a greedy step returned no `next_token`".into()))?;

@@ -14,7 +14,7 @@ pub use crate::logits_processor::{AllowedTokens, BadWords, LogitBias, LogitsProc
 pub use block_manager::{BlockId, BlockManager, OutOfBlocks};
 pub use cpu_greedy::CpuGreedyServing;
 pub use draft_model::{DraftModel, Drafter};
-pub use engine::{greedy_ids, PagedBackend, Sampled, ServingEngine, StateSnapshotting, StepOutput};
+pub use engine::{PagedBackend, Sampled, ServingEngine, StateSnapshotting, StepOutput};
 pub use mtp::MtpDrafter;
 pub use ngram::{NgramConfig, NgramIndex};
 pub use scheduler::{

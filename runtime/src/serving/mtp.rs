@@ -13,10 +13,18 @@
 //! target's states and stay; its drafting rows past them are written over by the next
 //! proposal's catch-up, which starts where the kept rows end. The target's states come from
 //! the serving engine after each step ([`Drafter::observe`]): rows of the positions a sequence
-//! keeps, refused drafts' left out. A sequence whose earlier positions the target never
-//! computed (they came from the prefix cache) has no states for them: the head cannot
-//! attend over them, so it drafts nothing for that sequence.
+//! keeps, refused drafts' left out.
+//!
+//! A sequence whose first positions came from the target's prefix cache has no states for
+//! them: its rows of them come from the head's own prefix cache. Full blocks of rows it
+//! computed are registered under the sequence's tokens there, as the target's are. A block's
+//! last row read the token after the block too, so each registration also records that
+//! token, and a sequence takes the cached rows only where its own token there is the same
+//! (where the target's hit ends inside a shared prompt, it is): then its rows are the ones it
+//! would have computed. Where the head does not hold them all, it drafts nothing for the
+//! sequence.
 
+use super::block_manager::Serial;
 use super::draft_model::{DraftRoom, Drafter};
 use super::engine::PagedBackend;
 use super::scheduler::{DraftRequest, SeqId};
@@ -34,11 +42,15 @@ pub struct MtpDrafter<B: PagedBackend> {
     /// The target's hidden size.
     width: usize,
     seqs: HashMap<SeqId, MtpSeq>,
+    /// The token after each registered block of rows (its last row read it).
+    next_tokens: HashMap<Serial, u32>,
 }
 
 /// A sequence's share of the head's cache, and the target's states it has not read yet.
 struct MtpSeq {
     table: Vec<BlockId>,
+    /// The registrations of its table's first blocks, in order.
+    serials: Vec<Serial>,
     /// Rows computed from the target's states: positions `0..computed`.
     computed: usize,
     /// The target's states at positions `states_from..`, row after row: those not computed
@@ -46,7 +58,8 @@ struct MtpSeq {
     /// that row again for its first draft).
     states: Vec<f32>,
     states_from: usize,
-    /// The target's states skip positions (they came from its prefix cache): it drafts nothing.
+    /// The target's states skip positions the head's prefix cache does not hold: it drafts
+    /// nothing.
     broken: bool,
 }
 
@@ -105,6 +118,7 @@ impl<B: PagedBackend> MtpDrafter<B> {
             )?,
             width,
             seqs: HashMap::new(),
+            next_tokens: HashMap::new(),
         })
     }
 
@@ -158,9 +172,11 @@ impl<B: PagedBackend> MtpDrafter<B> {
 }
 
 /// One sequence's proposal in the making.
-struct Proposal {
+struct Proposal<'a> {
     seq: SeqId,
-    /// The sequence's length (its last token not computed by the target yet).
+    /// The sequence's tokens (its last not computed by the target yet).
+    tokens: &'a [u32],
+    /// Their number.
     len: usize,
     limit: usize,
     drafts: Vec<u32>,
@@ -179,6 +195,9 @@ where
         let mut rows = Vec::new();
         for r in requests {
             let len = r.tokens.len();
+            if !self.rows_before_states(r.seq, r.tokens) {
+                continue;
+            }
             let Some(seq) = self.seqs.get_mut(&r.seq) else {
                 continue;
             };
@@ -204,6 +223,7 @@ where
             });
             proposals.push(Proposal {
                 seq: r.seq,
+                tokens: r.tokens,
                 len,
                 // A catch-up cut short by the budget drafts nothing this step.
                 limit: if end == len - 1 { limit } else { 0 },
@@ -216,8 +236,9 @@ where
         }
         let results = self.pass(&rows)?;
         for ((p, row), result) in proposals.iter_mut().zip(&rows).zip(results) {
-            let seq = self.seqs.get_mut(&p.seq).expect("proposing");
             let end = row.start + row.ids.len();
+            self.register_full_blocks(p.seq, end, p.tokens);
+            let seq = self.seqs.get_mut(&p.seq).expect("proposing");
             seq.computed = end;
             // Keep the states from the last row computed on.
             let keep_from = end - 1;
@@ -288,16 +309,67 @@ where
     }
 }
 
+impl<B: PagedBackend> MtpDrafter<B> {
+    /// Whether sequence `id` (its `tokens`) has the head's rows of every position before the
+    /// target's first state it holds: a sequence whose states start past 0 takes them from
+    /// the head's prefix cache when it first proposes, or is marked broken.
+    fn rows_before_states(&mut self, id: SeqId, tokens: &[u32]) -> bool {
+        let Some(seq) = self.seqs.get_mut(&id) else {
+            return false;
+        };
+        if seq.broken || seq.computed >= seq.states_from {
+            return !seq.broken;
+        }
+        let from = seq.states_from;
+        let serials = self
+            .room
+            .blocks
+            .share_prefix(&mut seq.table, &tokens[..from.min(tokens.len())]);
+        // The last shared block's last row read the token after it.
+        let same_next = serials
+            .last()
+            .is_some_and(|s| self.next_tokens.get(s) == tokens.get(from));
+        if serials.len() * self.room.blocks.block_size() == from && same_next {
+            seq.computed = from;
+            seq.serials = serials;
+        } else {
+            self.room.blocks.release(&mut seq.table);
+            seq.broken = true;
+        }
+        !seq.broken
+    }
+
+    /// After a catch-up that computed sequence `id`'s rows up to `end` (each reading the
+    /// token after its position in `tokens`): register its blocks those rows now fill, each
+    /// with the token after it.
+    fn register_full_blocks(&mut self, id: SeqId, end: usize, tokens: &[u32]) {
+        for serial in self.room.blocks.take_evicted() {
+            self.next_tokens.remove(&serial);
+        }
+        let block_size = self.room.blocks.block_size();
+        let seq = self.seqs.get_mut(&id).expect("proposing");
+        for b in seq.serials.len()..end / block_size {
+            let parent = seq.serials.last().copied();
+            let block = &tokens[b * block_size..(b + 1) * block_size];
+            let serial = self.room.blocks.register(seq.table[b], parent, block);
+            // A twin registered first keeps the token it recorded.
+            self.next_tokens.entry(serial).or_insert(tokens[(b + 1) * block_size]);
+            seq.serials.push(serial);
+        }
+    }
+}
+
 impl MtpSeq {
-    /// A sequence whose first target states are of position `first`: one that starts past 0
-    /// found its beginning in the target's prefix cache, and never drafts.
+    /// A sequence whose first target states are of position `first` (past 0: its beginning
+    /// came from the target's prefix cache).
     fn starting_at(first: usize) -> Self {
         Self {
             table: Vec::new(),
+            serials: Vec::new(),
             computed: 0,
             states: Vec::new(),
             states_from: first,
-            broken: first > 0,
+            broken: false,
         }
     }
 }
