@@ -198,6 +198,15 @@ fn head_graph(model: &Model) -> ir::Graph {
     models::lower_mtp(&model.config, &model.weights, options(model)).unwrap()
 }
 
+/// The head's graph giving its greedy token from a 4-bit shortlist of its head.
+fn shortlisted_head_graph(model: &Model) -> ir::Graph {
+    let greedy = LowerOptions {
+        logits: LogitsFor::GreedyToken,
+        ..options(model)
+    };
+    passes::shortlisted_draft_head(&models::lower_mtp(&model.config, &model.weights, greedy).unwrap()).unwrap()
+}
+
 /// How the head's vocabulary projection is computed.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum DraftHead {
@@ -628,18 +637,22 @@ fn target_plan(model: &Model, mtp: bool, kv_blocks: usize) -> EmulatorBackend {
         .unwrap()
 }
 
-/// The head's plan as `bbc compile` writes it (its argmax beside its logits), drafting on the
-/// emulator.
-fn head_plan(model: &Model) -> MtpDrafter<EmulatorBackend> {
-    let graph = models::with_greedy_token(&fused_for_h200(&head_graph(model))).unwrap();
+/// The head's plan drafting on the emulator: as `bbc compile` writes it (its argmax beside its
+/// logits), or its greedy token from a 4-bit shortlist of its head where `shortlisted`.
+fn head_plan(model: &Model, shortlisted: bool) -> MtpDrafter<EmulatorBackend> {
+    let graph = match shortlisted {
+        true => fused_for_h200(&shortlisted_head_graph(model)),
+        false => models::with_greedy_token(&fused_for_h200(&head_graph(model))).unwrap(),
+    };
     let backend = emulated(model, graph, 256).capture_graphs_up_to(4);
     MtpDrafter::new(backend, model.config.hidden, 256, 8, PLAN_ROWS, PLAN_CONTEXT).unwrap()
 }
 
-/// The head's batched plan for the H200 (its logits and their argmax) gives on the emulator,
-/// step after step over its paged cache, what the IR's reference interpreter gives
-/// unoptimized: the last row's logits and token, and its hidden state; a step whose hidden
-/// states do not cover its tokens is refused.
+/// The head's batched plans for the H200 (its logits and their argmax; its greedy token from a
+/// 4-bit shortlist of its head, 64 of 320 rows, the copy made where the plan loads) give on
+/// the emulator, step after step over their paged cache, what the IR's reference interpreter
+/// gives unoptimized: the last row's logits and token, and its hidden state; a step whose
+/// hidden states do not cover its tokens is refused.
 #[test]
 fn the_mtp_plans_run_on_the_emulator_as_the_reference_runs_them() {
     for family in ["qwen3_5", "qwen3_next", "glm4_moe", "glm_moe_dsa"] {
@@ -652,6 +665,10 @@ fn the_mtp_plans_run_on_the_emulator_as_the_reference_runs_them() {
             4,
         );
         backend_runs_as_the_reference_runs_it(&model, &graph, &plan, &outputs, family);
+        let shortlisted = shortlisted_head_graph(&model);
+        let plan = emulated(&model, fused_for_h200(&shortlisted), 4);
+        let outputs = ["next_token", ir::multi_token::DRAFT_HIDDEN_STATE];
+        backend_runs_as_the_reference_runs_it(&model, &shortlisted, &plan, &outputs, family);
     }
     // The INT8-bound head scores one row: a batched plan of it is refused, not run wrong.
     let model = with_mtp("qwen3_5", Head::Copied);
@@ -696,7 +713,8 @@ fn mtp_drafts_on_gpu_plans_change_no_token() {
                 ..config(kv_blocks, drafts)
             };
             let plain = serve(&model, None, on_plans(0), &requests, 8);
-            let head_drafting = Box::new(head_plan(&model)) as Box<dyn Drafter>;
+            // The exact head's guesses through the 4-bit shortlist: each still the argmax.
+            let head_drafting = Box::new(head_plan(&model, head == Head::Exact)) as Box<dyn Drafter>;
             let target = target_plan(&model, true, kv_blocks);
             let drafting = serve_on(target, Some(head_drafting), on_plans(3), &requests, 8);
             assert_eq!(drafting.tokens, plain.tokens, "{what}");

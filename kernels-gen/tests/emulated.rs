@@ -501,6 +501,58 @@ fn concat_columns_matches_the_reference() {
     }
 }
 
+/// A shortlist's candidates rescored with the full head (bf16 rows): each the f32 dot of its
+/// row's `h` (a strided source) and the head's row; then each row's best candidate, ties to
+/// the lowest id whatever their order.
+#[test]
+fn shortlist_rescores_candidates_and_picks_the_best_lowest_id_first() {
+    let mut rng = Rng(24);
+    let (rows, c, k, vocab, h_stride) = (3usize, 5usize, 64usize, 20usize, 70usize);
+    let h = rng.vec(rows * h_stride);
+    let head: Vec<bf16> = rng.vec(vocab * k).into_iter().map(bf16::from_f32).collect();
+    let candidates: Vec<i64> = (0..rows * c).map(|t| ((t * 7 + 3) % vocab) as i64).collect();
+    let mut bufs = HashMap::from([
+        ("h".into(), Array::f32(&h)),
+        ("w".into(), Array::bf16(&head)),
+        ("candidates".into(), Array::ints(Ty::I32, &candidates)),
+        ("out".into(), Array::poisoned(Ty::F32, rows * c)),
+    ]);
+    let scalars = ints(&[
+        ("items", (rows * c) as i64),
+        ("c", c as i64),
+        ("k", k as i64),
+        ("h_stride", h_stride as i64),
+    ]);
+    let rescore = shortlist::rescore("rescore", "test", quant::WeightFormat::Dense(Ty::Bf16));
+    run(&rescore, &mut bufs, &scalars).unwrap();
+    let got = bufs["out"].to_f32().unwrap();
+    for (t, &id) in candidates.iter().enumerate() {
+        let x = &h[t / c * h_stride..][..k];
+        let w: Vec<f32> = head[id as usize * k..][..k].iter().map(|v| v.to_f32()).collect();
+        let want = ops::dot(x, &w) as f32;
+        assert!(
+            (got[t] - want).abs() <= 1e-5 * want.abs().max(1.0),
+            "candidate {t}: {} vs {want}",
+            got[t]
+        );
+    }
+    // Row 0 ties at its best between ids 9 and 4 (in that order); row 1's best is alone.
+    let scores = [1.0, 3.0, 3.0, 2.0, 0.0, -1.0, -5.0, -0.5, -2.0, -0.75];
+    let ids = [7i64, 9, 4, 1, 2, 3, 8, 6, 0, 5];
+    let mut bufs = HashMap::from([
+        ("scores".into(), Array::f32(&scores)),
+        ("candidates".into(), Array::ints(Ty::I32, &ids)),
+        ("out".into(), Array::poisoned(Ty::I32, 2)),
+    ]);
+    run(
+        &shortlist::best("best", "test"),
+        &mut bufs,
+        &ints(&[("rows", 2), ("c", 5)]),
+    )
+    .unwrap();
+    assert_eq!(bufs["out"].to_i64().unwrap(), vec![4, 6]);
+}
+
 #[test]
 fn fill_uniform_makes_the_hosts_values_from_any_base() {
     let (n, base, seed, offset, scale) = (1000usize, 7_000_000i64, 42i64, 0.5f32, 0.25f32);

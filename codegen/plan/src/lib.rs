@@ -123,6 +123,11 @@ pub const PREFILL_TOKENS: usize = 16;
 /// From this many rows a step's matmuls take their few-rows kernel, if any.
 pub const FEW_ROWS: usize = 2;
 
+/// The derived tensor holding a head's Q4_0 copy (`LaunchArg::Derived`), which a drafter's
+/// `shortlist_top_k` scores every vocabulary row with: made from the head where the plan
+/// loads.
+pub const SHORTLIST_TENSOR: &str = "q4_0";
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KernelEntry {
     pub name: String,

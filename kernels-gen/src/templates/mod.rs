@@ -25,6 +25,7 @@ pub mod quant;
 pub mod rms_norm;
 pub mod rope;
 pub mod sample;
+pub mod shortlist;
 pub mod sparse_mla;
 pub mod split_k;
 pub mod tma_gemm;
@@ -703,6 +704,13 @@ pub fn catalog() -> Vec<Kernel> {
         ),
         gather::gather_column_groups("gather_column_groups", "catalog"),
         gather::concat_columns("concat_columns", "catalog"),
+        // A drafter's 4-bit shortlist rescored against a bf16 head.
+        shortlist::rescore(
+            "shortlist_rescore_bf16",
+            "catalog",
+            quant::WeightFormat::Dense(Ty::Bf16),
+        ),
+        shortlist::best("shortlist_best", "catalog"),
         // Qwen3.5-27B's linear-attention layers in a bf16 serving plan.
         delta_net::conv(
             "delta_net_conv_batched",

@@ -238,6 +238,9 @@ fn held<'b, B>(buffers: &'b Buffers<B>, key: &BufferKey) -> Result<DeviceArg<'b,
             BufferKey::Snapshots(slot) => format!("snapshots of recurrent state {slot} missing"),
             BufferKey::Checkpoints(slot) => format!("checkpoints of recurrent state {slot} missing"),
             BufferKey::Constant(name) => format!("constant `{name}` missing"),
+            BufferKey::Derived(weight, tensor) if tensor == gpu_plan::SHORTLIST_TENSOR => {
+                format!("the 4-bit copy of `{weight}` (made from the plan's weight) missing")
+            }
             BufferKey::Derived(weight, _) => format!("INT8 rows of `{weight}` (from the artifact) missing"),
             BufferKey::StepInput(name) => format!("step input `{name}` (the plan is not batched) missing"),
             BufferKey::PositionScores => "position scores (the plan does not say it ranks positions) missing".into(),

@@ -287,6 +287,14 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 )?;
             }
         }
+        for (name, w) in shortlisted_heads(&plan) {
+            let bytes = four_bit_copy(w, &weights)?;
+            upload(
+                &mut device,
+                BufferKey::Derived(name, gpu_plan::SHORTLIST_TENSOR.into()),
+                &bytes,
+            )?;
+        }
         for (name, values) in &plan.constants {
             let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
             upload(&mut device, BufferKey::Constant(name.clone()), &bytes)?;
@@ -706,6 +714,52 @@ fn int8_tensors(rows: &Int8Rows) -> [(&'static str, Vec<u8>); 5] {
         ("quant_norm", f32s(&rows.quant_norm)),
         ("norm", f32s(&rows.norm)),
     ]
+}
+
+/// The heads whose Q4_0 copy a launch reads (a drafter's `shortlist_top_k`), by name, with
+/// their use in the plan.
+fn shortlisted_heads(plan: &GpuPlan) -> Vec<(String, &gpu_plan::WeightUse)> {
+    let mut heads: Vec<(String, &gpu_plan::WeightUse)> = Vec::new();
+    for arg in plan.launches.iter().flat_map(|l| &l.args) {
+        let gpu_plan::LaunchArg::Derived { weight, tensor } = arg else {
+            continue;
+        };
+        let whole = |w: &&gpu_plan::WeightUse| matches!(&w.parts[..], [WeightPart::Whole(name)] if name == weight);
+        if tensor == gpu_plan::SHORTLIST_TENSOR && heads.iter().all(|(name, _)| name != weight) {
+            if let Some(w) = plan.weights.iter().find(whole) {
+                heads.push((weight.clone(), w));
+            }
+        }
+    }
+    heads
+}
+
+/// The Q4_0 blocks of head `w`'s rows, as the plan holds its values (`ops::four_bit_row`'s
+/// rounding): from the host's weights, or the values the device makes for it.
+fn four_bit_copy(w: &gpu_plan::WeightUse, weights: &PlanWeights<'_>) -> Result<Vec<u8>> {
+    let values: Vec<f32> = match weights {
+        PlanWeights::Host(source) => weight_bytes(DType::F32, &w.parts, *source)?
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        PlanWeights::Generated { seed } => {
+            let name = w.parts.first().map_or("", |p| p.name());
+            let values = crate::random_weights::host_values(*seed, name, &w.shape);
+            match w.dtype {
+                DType::BF16 => values.into_iter().map(|v| bf16::from_f32(v).to_f32()).collect(),
+                DType::F16 => values.into_iter().map(|v| half::f16::from_f32(v).to_f32()).collect(),
+                _ => values,
+            }
+        }
+    };
+    let d = w.shape.last().copied().unwrap_or(0);
+    if d == 0 || !d.is_multiple_of(32) || !values.len().is_multiple_of(d) {
+        return Err(RuntimeError::Weight(format!(
+            "a 4-bit copy of {:?} needs rows of whole blocks of 32 (shape {:?})",
+            w.parts, w.shape
+        )));
+    }
+    Ok(values.chunks(d).flat_map(quant::q4_0::quantize_row).collect())
 }
 
 /// A weight as the kernels read it: the parts (their rows) stacked by rows, converted to

@@ -564,6 +564,72 @@ pub(crate) fn select(
                         ];
                         (top_k::top_k("argmax", &graph.name), args)
                     }
+                    // A 4-bit copy of the head (made where the plan loads) scores every row,
+                    // `top_k` keeps the best `candidates`, the full head rescores those.
+                    Op::ShortlistTopK { k: 1, candidates } => {
+                        let head_name = match &graph.nodes()[input(1)].op {
+                            Op::Weight { name } => name.clone(),
+                            _ => {
+                                return Err(unsupported(
+                                    "the head must be a plain weight (its 4-bit copy is made from it)".into(),
+                                ))
+                            }
+                        };
+                        let w = weight_format(graph.nodes()[input(1)].dtype, i, op.name())?;
+                        let (h, h_stride) = act(&s, 0);
+                        let d = width(graph, input(0));
+                        let vocab = graph.nodes()[input(1)].shape.resolve(0, 0)[0];
+                        let c = (*candidates).min(vocab);
+                        let scores = operands.scratch("coarse", vocab, max_tokens);
+                        let shortlist = operands.scratch("candidates", c, max_tokens);
+                        let exact = operands.scratch("exact", c, max_tokens);
+                        let coarse = gemv::GemvSpec::decode(WeightFormat::Blocks(DType::Q4_0), d);
+                        let steps: Vec<(Kernel, Vec<LaunchArg>)> = vec![
+                            (
+                                gemv::gemv("shortlist_coarse", &graph.name, coarse),
+                                vec![
+                                    h.clone(),
+                                    LaunchArg::Derived {
+                                        weight: head_name,
+                                        tensor: gpu_plan::SHORTLIST_TENSOR.into(),
+                                    },
+                                    scores.clone(),
+                                    scalar("tokens", &rows),
+                                    scalar("n", vocab),
+                                    scalar("k", d),
+                                    scalar("x_stride", h_stride),
+                                ],
+                            ),
+                            (
+                                top_k::top_k("shortlist_top_k", &graph.name),
+                                vec![
+                                    scores,
+                                    shortlist.clone(),
+                                    scalar("rows", &rows),
+                                    scalar("v", vocab),
+                                    scalar("k", c),
+                                ],
+                            ),
+                            (
+                                shortlist::rescore("shortlist_rescore", &graph.name, w),
+                                vec![
+                                    h,
+                                    weight(1),
+                                    shortlist.clone(),
+                                    exact.clone(),
+                                    scalar("items", format!("({rows})*{c}")),
+                                    scalar("c", c),
+                                    scalar("k", d),
+                                    scalar("h_stride", h_stride),
+                                ],
+                            ),
+                        ];
+                        for (kernel, args) in steps {
+                            s.launches.push((i, kernel, Alternatives::default(), args));
+                        }
+                        let args = vec![exact, shortlist, out, scalar("rows", &rows), scalar("c", c)];
+                        (shortlist::best("shortlist_best", &graph.name), args)
+                    }
                     Op::TopK { k } => {
                         let (logits, _) = act(&s, 0);
                         let args = vec![
