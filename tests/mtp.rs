@@ -689,6 +689,19 @@ fn the_mtp_plans_run_on_the_emulator_as_the_reference_runs_them() {
     assert!(refused.contains("scores one row a step"), "{refused}");
 }
 
+/// `bbc gpu-check`'s lockstep of the MTP head's plans (argmax and 4-bit shortlist, a tiny
+/// Qwen3.5 with random MTP weights, hidden states read every row) runs its steps end to end;
+/// with the emulator standing in for the GPU every kernel agrees exactly.
+#[test]
+fn the_gpu_checks_mtp_lockstep_runs_on_the_emulator() {
+    let fixtures = common::fixture("hf-tiny");
+    let worst = bbc::gpu_check::kernels::mtp_kernel_errors(Target::H200, &fixtures, |kernels| {
+        Ok(runtime::emulator_device::EmulatorDevice::new(kernels.to_vec()))
+    })
+    .unwrap();
+    assert_eq!(worst, 0.0);
+}
+
 /// On the serving and head plans `bbc compile` writes (run by the emulator), drafting with
 /// the head generates the tokens the CPU backend generates without it (as the plans do without
 /// it: `gpu_plan_emulated`), for every family with MTP layers, with preemption and

@@ -1,6 +1,6 @@
 //! The generated kernels on the GPU: every kernel of the tiny Llama, Gemma 3, Gemma 4 (also
-//! with KV-shared layers and with its MoE block), Qwen3.5, GLM-4.5 and Qwen3-Next plans in
-//! lockstep with the emulator, batched decode steps replayed from CUDA graphs against the
+//! with KV-shared layers and with its MoE block), Qwen3.5 (also its multi-token prediction
+//! head's plans), GLM-4.5 and Qwen3-Next plans in lockstep with the emulator, batched decode steps replayed from CUDA graphs against the
 //! same steps launched one kernel at a time, and requests served from snapshots of recurrent
 //! states kept on the device, or speculating with their states rewound past refused drafts,
 //! against the CPU backend.
@@ -63,6 +63,9 @@ pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64>
             arch,
         )?);
     }
+    worst = worst.max(mtp_kernel_errors(target, fixtures, |kernels| {
+        super::compile_device(kernels, arch)
+    })?);
     let scratch = super::scratch_dir("bbc-gpu-check-gguf-")?;
     for (name, path) in [
         ("llama Q8_0/Q4_0", super::tiny_gguf::quantized_llama(scratch.path())?),
@@ -101,6 +104,91 @@ fn lockstep(name: &str, model: &Model, target: Target, arch: &str) -> Result<f64
     for (kernel, error) in exec.with_device(|d| d.errors().clone())? {
         println!("| {name} | {kernel} | {} | {:.2e} |", error.launches, error.relative);
         worst = worst.max(error.relative);
+    }
+    Ok(worst)
+}
+
+/// The tiny Qwen3.5 with one multi-token prediction layer (random weights from its config):
+/// its head's batched plans for `target` (the argmax beside its logits, and the 4-bit
+/// shortlist) in lockstep on the device `device` makes for their kernels and on the emulator,
+/// over two sequences' catch-up step and three one-row drafting steps, each row reading a
+/// hidden state; prints each kernel's max relative error and returns the worst.
+pub fn mtp_kernel_errors<D: PlanDevice>(
+    target: Target,
+    fixtures: &Path,
+    mut device: impl FnMut(&[Kernel]) -> Result<D>,
+) -> Result<f64> {
+    let scratch = super::scratch_dir("bbc-gpu-check-mtp-")?;
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures.join("qwen3_5/config.json"))?)?;
+    config["mtp_num_hidden_layers"] = 1.into();
+    let path = scratch.path().join("config.json");
+    std::fs::write(&path, config.to_string())?;
+    let options = crate::model_ref::LoadOptions {
+        fuse: false,
+        quiet: true,
+        ..crate::model_ref::LoadOptions::default()
+    };
+    let model = crate::model_ref::load(path.to_str().unwrap_or_default(), options)?.model;
+    let lower = |logits| {
+        let options = models::LowerOptions {
+            logits,
+            compute: model.spec.dtype,
+            kv_cache: model.spec.kv_cache_dtype,
+        };
+        models::lower_mtp(&model.config, &model.weights, options)
+    };
+    let cost = crate::model_ref::cost_model(target);
+    let argmax = models::with_greedy_token(&passes::optimized(&lower(LogitsFor::LastToken)?, cost)?)?;
+    let shortlisted = passes::optimized(&passes::shortlisted_draft_head(&lower(LogitsFor::GreedyToken)?)?, cost)?;
+    let mut worst = 0f64;
+    for (name, graph) in [
+        ("qwen3_5 MTP head", argmax),
+        ("qwen3_5 MTP head, 4-bit shortlist", shortlisted),
+    ] {
+        let cache = gpu::BatchedCache {
+            blocks: 8,
+            block_size: 8,
+            sequences: 2,
+        };
+        let (plan, kernels) = gpu::build_batched(&graph, target, 64, cache)?;
+        let compared = CompareDevice::new(device(&kernels)?, EmulatorDevice::new(kernels.clone()), &kernels);
+        let exec = PlanExecutor::new(compared, plan, graph, &model.weights, &[], 64)?;
+        let tables = [[0, 1, 2].map(runtime::kv::BlockId), [3, 4, 5].map(runtime::kv::BlockId)];
+        let mut seed = 11;
+        let mut starts = [0usize, 0];
+        for (step, lens) in [[11usize, 5], [1, 1], [1, 1], [1, 1]].into_iter().enumerate() {
+            let ids: Vec<Vec<u32>> = (0..2)
+                .map(|s| {
+                    (0..lens[s] as u32)
+                        .map(|j| (7 + 13 * j + 31 * step as u32 + s as u32) % 300)
+                        .collect()
+                })
+                .collect();
+            let states: Vec<Vec<f32>> = (0..2)
+                .map(|s| random_bf16_values(&mut seed, lens[s] * model.config.hidden, 2.0))
+                .collect();
+            let batch: Vec<runtime::kv::Segment> = (0..2)
+                .map(|s| runtime::kv::Segment {
+                    table: &tables[s],
+                    start: starts[s],
+                    ids: &ids[s],
+                    state_slot: s,
+                    sampled_rows: 1,
+                    drafts: 0,
+                    snapshots: runtime::kv::StateSnapshots::NONE,
+                    hidden_states: &states[s],
+                })
+                .collect();
+            exec.step_batch(&batch)?;
+            for (start, len) in starts.iter_mut().zip(lens) {
+                *start += len;
+            }
+        }
+        for (kernel, error) in exec.with_device(|d| d.errors().clone())? {
+            println!("| {name} | {kernel} | {} | {:.2e} |", error.launches, error.relative);
+            worst = worst.max(error.relative);
+        }
     }
     Ok(worst)
 }
