@@ -15,7 +15,7 @@
 //!    logit written (as the runtime's CPU head does it, there argued exact).
 
 use super::quant::WeightFormat;
-use super::{blocks_for, warp_sum, BLOCK};
+use super::{blocks_for, warp_row_dot, warp_sum, BLOCK};
 use crate::dsl::*;
 
 const BLOCK_ELEMS: i64 = 32;
@@ -282,19 +282,7 @@ pub fn rescore(name: &str, origin: &str, weight: WeightFormat, soft_cap: Option<
                     bin(BinOp::Ge, capped(load("upper", var("r"))), capped(load("tau", int(0)))),
                     // Exactly the GEMV's arithmetic for this row.
                     [
-                        vec![let_("acc", Ty::F32, f(0.0))],
-                        vec![for_(
-                            "i",
-                            lane(),
-                            var("k"),
-                            int(32),
-                            [
-                                weight.element("wi", var("r"), var("k"), var("i")),
-                                vec![assign("acc", var("acc") + load("h", var("i")) * var("wi"))],
-                            ]
-                            .concat(),
-                        )],
-                        warp_sum("acc"),
+                        warp_row_dot(weight, var("r"), None),
                         vec![if_(
                             bin(BinOp::Eq, lane(), int(0)),
                             vec![store("out", var("r"), capped(var("acc")))],

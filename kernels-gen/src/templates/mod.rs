@@ -453,6 +453,32 @@ pub fn warp_sum(value: &str) -> Vec<Stmt> {
         .collect()
 }
 
+/// A warp's dot product of activations `h` (from element `x` on, where given) with row `r` of
+/// the `k`-wide matrix `w` stored as `weight`: `acc` declared, lanes striding along the row,
+/// then summed across the warp, as the GEMV sums a row (every lane ends with it).
+pub fn warp_row_dot(weight: quant::WeightFormat, r: Expr, x: Option<Expr>) -> Vec<Stmt> {
+    let h = |i: Expr| match &x {
+        Some(x) => load("h", x.clone() + i),
+        None => load("h", i),
+    };
+    [
+        vec![let_("acc", Ty::F32, f(0.0))],
+        vec![for_(
+            "i",
+            lane(),
+            var("k"),
+            int(32),
+            [
+                weight.element("wi", r, var("k"), var("i")),
+                vec![assign("acc", var("acc") + h(var("i")) * var("wi"))],
+            ]
+            .concat(),
+        )],
+        warp_sum("acc"),
+    ]
+    .concat()
+}
+
 /// Sum `value` across the whole block: per-warp sums through `scratch` (one slot per warp),
 /// then the first warp sums those; every thread ends with the total in `value`.
 pub fn block_sum(value: &str, scratch: &str, warps: u32) -> Vec<Stmt> {

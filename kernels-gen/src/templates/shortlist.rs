@@ -11,7 +11,7 @@
 //! guesses are verified by its target, so a miss costs a refused draft, never a token.
 
 use super::quant::WeightFormat;
-use super::{blocks_for, warp_sum, BLOCK};
+use super::{blocks_for, warp_row_dot, BLOCK};
 use crate::dsl::*;
 
 /// (1): `out[t] = h[t / c] · w[candidates[t]]` for the `items` (rows × `c`) candidates, `h`'s
@@ -46,20 +46,8 @@ pub fn rescore(name: &str, origin: &str, weight: WeightFormat) -> Kernel {
                     vec![
                         let_("r", Ty::I32, load("candidates", var("t"))),
                         let_("x", Ty::I32, var("t") / var("c") * var("h_stride")),
-                        let_("acc", Ty::F32, f(0.0)),
                     ],
-                    vec![for_(
-                        "i",
-                        lane(),
-                        var("k"),
-                        int(32),
-                        [
-                            weight.element("wi", var("r"), var("k"), var("i")),
-                            vec![assign("acc", var("acc") + load("h", var("x") + var("i")) * var("wi"))],
-                        ]
-                        .concat(),
-                    )],
-                    warp_sum("acc"),
+                    warp_row_dot(weight, var("r"), Some(var("x"))),
                     vec![if_(
                         bin(BinOp::Eq, lane(), int(0)),
                         vec![store("out", var("t"), var("acc"))],

@@ -88,6 +88,14 @@ fn weight_format(dtype: DType, node: usize, op: &'static str) -> Result<WeightFo
     })
 }
 
+/// The name of head `node`, a plain weight (`derived`: what is made from it), or why not.
+fn plain_weight(graph: &Graph, node: usize, derived: &str) -> Result<String, String> {
+    match &graph.nodes()[node].op {
+        Op::Weight { name } => Ok(name.clone()),
+        _ => Err(format!("the head must be a plain weight ({derived})")),
+    }
+}
+
 /// The single-op expression of an elementwise op.
 fn as_expr(op: &Op) -> Option<IrExpr> {
     let x = || Box::new(IrExpr::Input(0));
@@ -470,14 +478,8 @@ pub(crate) fn select(
                         ))
                     }
                     Op::Int8BoundTopK { k: 1, soft_cap } => {
-                        let head_name = match &graph.nodes()[input(1)].op {
-                            Op::Weight { name } => name.clone(),
-                            _ => {
-                                return Err(unsupported(
-                                    "the head must be a plain weight (its INT8 rows are derived from it)".into(),
-                                ))
-                            }
-                        };
+                        let head_name = plain_weight(graph, input(1), "its INT8 rows are derived from it")
+                            .map_err(unsupported)?;
                         let w = weight_format(graph.nodes()[input(1)].dtype, i, op.name())?;
                         let (h, _) = act(&s, 0);
                         let d = width(graph, input(0));
@@ -567,14 +569,8 @@ pub(crate) fn select(
                     // A 4-bit copy of the head (made where the plan loads) scores every row,
                     // `top_k` keeps the best `candidates`, the full head rescores those.
                     Op::ShortlistTopK { k: 1, candidates } => {
-                        let head_name = match &graph.nodes()[input(1)].op {
-                            Op::Weight { name } => name.clone(),
-                            _ => {
-                                return Err(unsupported(
-                                    "the head must be a plain weight (its 4-bit copy is made from it)".into(),
-                                ))
-                            }
-                        };
+                        let head_name =
+                            plain_weight(graph, input(1), "its 4-bit copy is made from it").map_err(unsupported)?;
                         let w = weight_format(graph.nodes()[input(1)].dtype, i, op.name())?;
                         let (h, h_stride) = act(&s, 0);
                         let d = width(graph, input(0));
