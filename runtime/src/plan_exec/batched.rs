@@ -62,16 +62,24 @@ impl<D: PlanDevice> PlanExecutor<D> {
     /// back: a serving plan from `models::with_greedy_token`. `None` for a plan without a
     /// per-sequence `next_token`.
     pub fn step_batch_greedy_tokens(&self, batch: &[Segment]) -> Option<Result<Vec<Vec<u32>>>> {
-        if !self.has_greedy_tokens() {
-            return None;
-        }
-        let read = self.step_batch_reading(batch, Rows::LastOfEachSegment, Some(&["next_token"]));
-        Some(read.map(|outputs| {
+        let read = self.greedy_reads(&[])?;
+        let outputs = self.step_batch_reading(batch, Rows::LastOfEachSegment, Some(&read));
+        Some(outputs.map(|outputs| {
             outputs
                 .iter()
                 .map(|o| o["next_token"].data.iter().map(|&id| id as u32).collect())
                 .collect()
         }))
+    }
+
+    /// The outputs a greedy step reads back: `next_token` and those in `also`; `None` for a
+    /// plan without a per-sequence `next_token` or without one of them.
+    fn greedy_reads<'a>(&self, also: &[&'a str]) -> Option<Vec<&'a str>> {
+        let outputs = |name: &str| self.plan.outputs.iter().any(|(n, _)| n == name);
+        if !self.has_greedy_tokens() || !also.iter().all(|name| outputs(name)) {
+            return None;
+        }
+        Some(std::iter::once("next_token").chain(also.iter().copied()).collect())
     }
 
     /// Whether a segment may sample several rows (`Segment::sampled_rows`: to verify drafted
@@ -543,14 +551,10 @@ impl<D: PlanDevice> crate::serving::PagedBackend for PlanExecutor<D> {
         batch: &[Segment],
         also: &[&str],
     ) -> Option<Result<Vec<HashMap<String, Tensor>>>> {
-        let outputs = |name: &str| self.plan.outputs.iter().any(|(n, _)| n == name);
-        if !self.has_greedy_tokens() || !also.iter().all(|name| outputs(name)) {
-            return None;
-        }
+        let read = self.greedy_reads(also)?;
         if let Err(e) = self.check_block_size(*pages) {
             return Some(Err(e));
         }
-        let read: Vec<&str> = std::iter::once("next_token").chain(also.iter().copied()).collect();
         Some(self.step_batch_reading(batch, Rows::LastOfEachSegment, Some(&read)))
     }
 }

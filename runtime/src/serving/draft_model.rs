@@ -113,6 +113,20 @@ impl<B: PagedBackend> DraftRoom<B> {
         }
     }
 
+    /// Register the blocks of `table` that its first `positions` fill with `tokens`, past the
+    /// ones `serials` already names (each block under the prefix before it); their serials
+    /// appended to `serials`, a twin's where another block held that prefix first.
+    pub fn register_blocks(&mut self, table: &[BlockId], serials: &mut Vec<Serial>, tokens: &[u32], positions: usize) {
+        let block_size = self.blocks.block_size();
+        for b in serials.len()..positions / block_size {
+            let parent = serials.last().copied();
+            let serial = self
+                .blocks
+                .register(table[b], parent, &tokens[b * block_size..(b + 1) * block_size]);
+            serials.push(serial);
+        }
+    }
+
     /// The last row of a segment's output `name`.
     pub fn last_row<'o>(&self, outputs: &'o HashMap<String, Tensor>, name: &str) -> Result<&'o [f32]> {
         let t = outputs
@@ -285,18 +299,10 @@ impl<B: PagedBackend> DraftModel<B> {
             return;
         }
         let seq = self.seqs.get_mut(&id).expect("proposing");
-        let block_size = self.room.blocks.block_size();
         // A catch-up leaves the cache holding a prefix of `tokens` exactly.
         debug_assert!(tokens.starts_with(&seq.computed));
         let own = seq.computed.len().min(tokens.len() - 1);
-        for b in seq.serials.len()..own / block_size {
-            let parent = seq.serials.last().copied();
-            let serial = self
-                .room
-                .blocks
-                .register(seq.table[b], parent, &tokens[b * block_size..(b + 1) * block_size]);
-            seq.serials.push(serial);
-        }
+        self.room.register_blocks(&seq.table, &mut seq.serials, tokens, own);
     }
 
     /// Run one pass over `segments`; each one's greedy token after its last row.

@@ -348,13 +348,11 @@ impl<B: PagedBackend> MtpDrafter<B> {
         }
         let block_size = self.room.blocks.block_size();
         let seq = self.seqs.get_mut(&id).expect("proposing");
-        for b in seq.serials.len()..end / block_size {
-            let parent = seq.serials.last().copied();
-            let block = &tokens[b * block_size..(b + 1) * block_size];
-            let serial = self.room.blocks.register(seq.table[b], parent, block);
+        let registered = seq.serials.len();
+        self.room.register_blocks(&seq.table, &mut seq.serials, tokens, end);
+        for (b, serial) in seq.serials.iter().enumerate().skip(registered) {
             // A twin registered first keeps the token it recorded.
-            self.next_tokens.entry(serial).or_insert(tokens[(b + 1) * block_size]);
-            seq.serials.push(serial);
+            self.next_tokens.entry(*serial).or_insert(tokens[(b + 1) * block_size]);
         }
     }
 }
