@@ -30,6 +30,7 @@ pub mod sparse_mla;
 pub mod split_k;
 pub mod tma_gemm;
 pub mod top_k;
+pub mod top_k_sort;
 pub mod weight_prefetch;
 
 use crate::dsl::*;
@@ -638,6 +639,8 @@ pub fn catalog() -> Vec<Kernel> {
         ),
         embedding::embedding("embedding_bf16", "catalog", Dense(Ty::Bf16)),
         top_k::top_k("top_k", "catalog"),
+        top_k_sort::chunks("top_k_chunks", "catalog", top_k_sort::CHUNK),
+        top_k_sort::merge("top_k_merge", "catalog", top_k_sort::MERGE),
         gather::gather_rows("gather_rows", "catalog"),
         fill::fill_uniform("fill_uniform_bf16", "catalog", Ty::Bf16),
         sample::sample("sample", "catalog"),

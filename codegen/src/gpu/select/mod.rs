@@ -7,6 +7,7 @@ mod gemv_tuning;
 mod kv_attention;
 mod moe;
 mod sparse_mla;
+mod top_k_rows;
 
 use super::{rows, width, GpuCodegenError, KvLayout, LaunchArg, StateLayout, View, WeightUse};
 use ir::reference::ops::rope_inv_freq;
@@ -567,7 +568,8 @@ pub(crate) fn select(
                         (top_k::top_k("argmax", &graph.name), args)
                     }
                     // A 4-bit copy of the head (made where the plan loads) scores every row,
-                    // `top_k` keeps the best `candidates`, the full head rescores those.
+                    // the best `candidates` are picked in one pass over the scores, the full
+                    // head rescores those.
                     Op::ShortlistTopK { k: 1, candidates } => {
                         let head_name =
                             plain_weight(graph, input(1), "its 4-bit copy is made from it").map_err(unsupported)?;
@@ -580,47 +582,43 @@ pub(crate) fn select(
                         let shortlist = operands.scratch("candidates", c, max_tokens);
                         let exact = operands.scratch("exact", c, max_tokens);
                         let coarse = gemv::GemvSpec::decode(WeightFormat::Blocks(DType::Q4_0), d);
-                        let steps: Vec<(Kernel, Vec<LaunchArg>)> = vec![
-                            (
-                                gemv::gemv("shortlist_coarse", &graph.name, coarse),
-                                vec![
-                                    h.clone(),
-                                    LaunchArg::Derived {
-                                        weight: head_name,
-                                        tensor: gpu_plan::SHORTLIST_TENSOR.into(),
-                                    },
-                                    scores.clone(),
-                                    scalar("tokens", &rows),
-                                    scalar("n", vocab),
-                                    scalar("k", d),
-                                    scalar("x_stride", h_stride),
-                                ],
-                            ),
-                            (
-                                top_k::top_k("shortlist_top_k", &graph.name),
-                                vec![
-                                    scores,
-                                    shortlist.clone(),
-                                    scalar("rows", &rows),
-                                    scalar("v", vocab),
-                                    scalar("k", c),
-                                ],
-                            ),
-                            (
-                                shortlist::rescore("shortlist_rescore", &graph.name, w),
-                                vec![
-                                    h,
-                                    weight(1),
-                                    shortlist.clone(),
-                                    exact.clone(),
-                                    scalar("items", format!("({rows})*{c}")),
-                                    scalar("c", c),
-                                    scalar("k", d),
-                                    scalar("h_stride", h_stride),
-                                ],
-                            ),
-                        ];
-                        for (kernel, args) in steps {
+                        let coarse_scores = (
+                            gemv::gemv("shortlist_coarse", &graph.name, coarse),
+                            vec![
+                                h.clone(),
+                                LaunchArg::Derived {
+                                    weight: head_name,
+                                    tensor: gpu_plan::SHORTLIST_TENSOR.into(),
+                                },
+                                scores.clone(),
+                                scalar("tokens", &rows),
+                                scalar("n", vocab),
+                                scalar("k", d),
+                                scalar("x_stride", h_stride),
+                            ],
+                        );
+                        let pick = top_k_rows::launches(
+                            "shortlist_top_k",
+                            &graph.name,
+                            (scores, shortlist.clone()),
+                            &rows,
+                            (vocab, c),
+                            &|name, per_row| operands.scratch(name, per_row, max_tokens),
+                        );
+                        let rescore = (
+                            shortlist::rescore("shortlist_rescore", &graph.name, w),
+                            vec![
+                                h,
+                                weight(1),
+                                shortlist.clone(),
+                                exact.clone(),
+                                scalar("items", format!("({rows})*{c}")),
+                                scalar("c", c),
+                                scalar("k", d),
+                                scalar("h_stride", h_stride),
+                            ],
+                        );
+                        for (kernel, args) in std::iter::once(coarse_scores).chain(pick).chain([rescore]) {
                             s.launches.push((i, kernel, Alternatives::default(), args));
                         }
                         let args = vec![exact, shortlist, out, scalar("rows", &rows), scalar("c", c)];
@@ -628,14 +626,20 @@ pub(crate) fn select(
                     }
                     Op::TopK { k } => {
                         let (logits, _) = act(&s, 0);
-                        let args = vec![
-                            logits,
-                            out,
-                            scalar("rows", &rows),
-                            scalar("v", width(graph, input(0))),
-                            scalar("k", k),
-                        ];
-                        (top_k::top_k("top_k", &graph.name), args)
+                        let v = width(graph, input(0));
+                        let mut launches = top_k_rows::launches(
+                            "top_k",
+                            &graph.name,
+                            (logits, out),
+                            &rows,
+                            (v, *k),
+                            &|name, per_row| operands.scratch(name, per_row, max_tokens),
+                        );
+                        let own = launches.pop().expect("at least one launch");
+                        for (kernel, args) in launches {
+                            s.launches.push((i, kernel, Alternatives::default(), args));
+                        }
+                        own
                     }
                     op => match as_expr(op) {
                         Some(expr) => {
