@@ -15,12 +15,13 @@
 #      against the emulator, SmolLM2 bf16 greedy tokens against the CPU backend and both timed,
 #      CUDA graphs against kernel-by-kernel launches, the 8B-shaped matmuls and attention, the
 #      Llama-8B-shaped decode table (run again with its prompts through the GEMV if it fails,
-#      in case the tensor-core GEMM is what failed), the Qwen3.5-27B-shaped hybrid's, and last
+#      in case the tensor-core GEMM is what failed), the Qwen3.5-27B-shaped hybrid's, draft
+#      heads (the full bf16 head against the 4-bit shortlist), and last
 #      the Llama-3-8B shape served with random weights under the InferenceX sweep (quick unless
 #      BBC_FULL_SWEEP=1; reports and charts in gpu-check-results/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-sections="kernels,smollm2,graphs,matmuls,attention,decode,hybrid,serve"
+sections="kernels,smollm2,graphs,matmuls,attention,decode,hybrid,draft-heads,serve"
 if [ "${1:-}" = "--sections" ]; then sections="$2"; fi
 export BBC_HOME="${BBC_HOME:-$HOME/.cache/bbc}"
 target="${BBC_GPU_TARGET:-h200}"

@@ -21,7 +21,9 @@
 //!    tokens on the tensor cores and as the plans run it, and a paged decode step of 64
 //!    sequences at 4 096 positions against the copy bandwidth (`attention`);
 //! 7. a Qwen3.5-27B-shaped hybrid the same way at batch 1 and 16 (`hybrid`);
-//! 8. the Llama-3-8B shape with random weights served as `bbc serve` serves it, and the
+//! 8. a drafter's vocabulary projection: the full bf16 head against the 4-bit shortlist, at
+//!    three vocabularies (`draft-heads`, [`draft_head`]);
+//! 9. the Llama-3-8B shape with random weights served as `bbc serve` serves it, and the
 //!    InferenceX sweep run against it (`serve`, [`serve`]).
 //!
 //! Every section runs even when an earlier one fails (a GPU run is rare: it should say all it
@@ -29,6 +31,7 @@
 
 pub mod attention;
 pub mod decode;
+pub mod draft_head;
 pub mod kernels;
 pub mod llama_8b;
 pub mod serve;
@@ -62,7 +65,7 @@ pub struct GpuCheckArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "kernels,smollm2,graphs,matmuls,attention,decode,hybrid,serve"
+        default_value = "kernels,smollm2,graphs,matmuls,attention,decode,hybrid,draft-heads,serve"
     )]
     pub sections: Vec<Section>,
     /// Prompt rows per prefill step of the decode sections (at most 512); under 16 the
@@ -87,6 +90,7 @@ pub enum Section {
     Attention,
     Decode,
     Hybrid,
+    DraftHeads,
     Serve,
 }
 
@@ -140,6 +144,7 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
             Section::Attention => attention::attention_timings(arch, bandwidth).map(|table| println!("\n{table}")),
             Section::Decode => llama_8b::decode(target, arch, bandwidth, args.decode_prefill_chunk),
             Section::Hybrid => decode::hybrid(target, arch, bandwidth, args.decode_prefill_chunk),
+            Section::DraftHeads => draft_head::draft_head_timings(arch).map(|table| println!("\n{table}")),
             Section::Serve => smollm2_weights(&args.model).and_then(|tokenizer| {
                 let size = match args.quick {
                     true => serve::SweepSize::Quick,

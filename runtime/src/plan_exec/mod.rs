@@ -108,6 +108,17 @@ pub enum DeviceArg<'a, B> {
     F32(f32),
 }
 
+// By hand: the buffer is borrowed, so an argument clones whatever the buffer's type.
+impl<B> Clone for DeviceArg<'_, B> {
+    fn clone(&self) -> Self {
+        match self {
+            Self::Buffer(buffer, range) => Self::Buffer(buffer, range.clone()),
+            Self::I32(v) => Self::I32(*v),
+            Self::F32(v) => Self::F32(*v),
+        }
+    }
+}
+
 /// Where a plan's weights come from.
 #[derive(Clone, Copy)]
 pub enum PlanWeights<'a> {
