@@ -49,6 +49,11 @@ enum Command {
         /// tokenizer.json, a directory holding one, or a model name such as `smollm2`.
         #[arg(long)]
         tokenizer: Option<String>,
+        /// GPU targets, a checkpoint with multi-token prediction layers: how their plan picks
+        /// its guesses from the vocabulary: `full`, the argmax of the full head; `shortlist`,
+        /// every row scored with a 4-bit copy of the head and the best 64 rescored in full.
+        #[arg(long, value_enum, default_value_t = bbc::serve::DraftHead::Full)]
+        draft_head: bbc::serve::DraftHead,
     },
     /// Generate text from an artifact, a model.toml, a weights path or a model name.
     Run(commands::run::RunArgs),
@@ -101,6 +106,7 @@ fn run(cli: Cli) -> Result<()> {
             emit_after,
             verify,
             tokenizer,
+            draft_head,
         } => commands::compile::compile(&commands::compile::CompileArgs {
             model: &model,
             target: &target,
@@ -109,6 +115,7 @@ fn run(cli: Cli) -> Result<()> {
             emit_after: emit_after.as_deref(),
             verify,
             tokenizer: tokenizer.as_deref(),
+            draft_head,
         }),
         Command::Run(args) => commands::run::run(&args),
         Command::Perplexity(args) => commands::perplexity::perplexity(&args),

@@ -263,6 +263,7 @@ fn compile_every_plan(model: &std::path::Path, target: Target, output: &std::pat
         emit_after: None,
         verify: false,
         tokenizer: None,
+        draft_head: bbc::serve::DraftHead::Full,
     };
     bbc::commands::compile::compile(&args)
         .unwrap_or_else(|e| panic!("{} on {}: {e:#}", model.display(), target.name()));
@@ -736,4 +737,57 @@ fn a_checkpoint_with_mtp_layers_compiles_its_head_plan_for_the_gpu() {
     let loaded = bbc::model_ref::load(artifact.to_str().unwrap(), options).unwrap();
     let plans = loaded.gpu_plan.unwrap();
     assert_eq!(plans.mtp.map(|(file, _)| file).as_deref(), Some("mtp_plan.json"));
+    assert!(!head.nodes().iter().any(|n| n.op.name() == "shortlist_top_k"));
+}
+
+/// `--draft-head shortlist` gives the head's plan the 4-bit shortlist in place of the full
+/// head's argmax: the Q4_0 GEMV over its derived copy, the one-pass top 64, the rescoring;
+/// a head whose rows are not whole blocks of 32 is refused by name.
+#[test]
+fn the_mtp_head_plan_takes_the_four_bit_shortlist_when_asked() {
+    if !nvrtc_present() {
+        return;
+    }
+    let scratch = common::scratch_dir("bbc-gpu-mtp-shortlist-");
+    let compile = |hidden: usize, dir: &str| {
+        let fixture = std::fs::read_to_string(common::fixture("hf-tiny/qwen3_5/config.json")).unwrap();
+        let mut config: serde_json::Value = serde_json::from_str(&fixture).unwrap();
+        config["mtp_num_hidden_layers"] = 1.into();
+        config["hidden_size"] = hidden.into();
+        let path = scratch.path().join(format!("{dir}.json"));
+        std::fs::write(&path, config.to_string()).unwrap();
+        let artifact = scratch.path().join(dir);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"))
+            .args(["compile", path.to_str().unwrap(), "--target", "h200"])
+            .args(["--draft-head", "shortlist", "-o"])
+            .arg(&artifact)
+            .output()
+            .unwrap();
+        (out, artifact)
+    };
+    let (out, artifact) = compile(64, "shortlist");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let manifest = codegen::read_manifest(&artifact).unwrap();
+    let head = codegen::read_graphs(&artifact, &manifest).unwrap().mtp.unwrap();
+    assert!(head.nodes().iter().any(|n| n.op.name() == "shortlist_top_k"));
+    assert!(head.output("next_token").is_some());
+    let plan: gpu::GpuPlan =
+        serde_json::from_str(&std::fs::read_to_string(artifact.join("mtp_plan.json")).unwrap()).unwrap();
+    for kernel in [
+        "shortlist_coarse",
+        "shortlist_top_k_chunks",
+        "shortlist_rescore",
+        "shortlist_best",
+    ] {
+        assert!(
+            plan.kernels
+                .iter()
+                .any(|k| k.name.starts_with(kernel) && k.cubin.is_some()),
+            "{kernel}"
+        );
+    }
+    let (out, _) = compile(48, "ragged");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("not whole blocks of 32"), "{stderr}");
 }

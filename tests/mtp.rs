@@ -637,8 +637,8 @@ fn target_plan(model: &Model, mtp: bool, kv_blocks: usize) -> EmulatorBackend {
         .unwrap()
 }
 
-/// The head's plan drafting on the emulator: as `bbc compile` writes it (its argmax beside its
-/// logits), or its greedy token from a 4-bit shortlist of its head where `shortlisted`.
+/// The head's plan drafting on the emulator, as `bbc compile` writes it: its argmax beside its
+/// logits, or (`--draft-head shortlist`) its greedy token from a 4-bit shortlist of its head.
 fn head_plan(model: &Model, shortlisted: bool) -> MtpDrafter<EmulatorBackend> {
     let graph = match shortlisted {
         true => fused_for_h200(&shortlisted_head_graph(model)),

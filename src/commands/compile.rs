@@ -1,6 +1,7 @@
 //! `bbc compile MODEL --target T -o DIR [--emit ir|fused-ir] [--emit-after PASS] [--verify]`.
 
 use crate::model_ref::{self, ModelRef};
+use crate::serve::DraftHead;
 use anyhow::{bail, Result};
 use codegen::Target;
 use std::path::Path;
@@ -17,6 +18,8 @@ pub struct CompileArgs<'a> {
     pub verify: bool,
     /// The tokenizer to use instead of the model's (`model_ref::tokenizer_file`).
     pub tokenizer: Option<&'a str>,
+    /// The head of the multi-token prediction layers' plan (GPU targets).
+    pub draft_head: DraftHead,
 }
 
 pub fn compile(args: &CompileArgs) -> Result<()> {
@@ -81,7 +84,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     // the serving plan then outputs its hidden state at every row, which they read.
     let mtp = match target {
         Target::Cpu => None,
-        _ => mtp_head(&loaded, target),
+        _ => mtp_head(&loaded, target, args.draft_head)?,
     };
     let serving = match (target, &mtp) {
         (Target::Cpu, _) => None,
@@ -117,33 +120,52 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     Ok(())
 }
 
-/// The draft step of the model's multi-token prediction layers, fused for `target`, its
-/// argmax beside its logits (as the serving plan's: a batched step computes it from each
-/// sequence's logits row), where its checkpoint carries layers bbc lowers; where it carries
-/// some bbc cannot lower (llama.cpp's Qwen files), why not, said on stderr, and none.
-fn mtp_head(loaded: &model_ref::Loaded, target: Target) -> Option<ir::Graph> {
+/// The draft step of the model's multi-token prediction layers, fused for `target`, where
+/// its checkpoint carries layers bbc lowers: with the full head, its argmax beside its logits
+/// (as the serving plan's: a batched step computes it from each sequence's logits row); with
+/// the shortlist, its token alone. Where the checkpoint carries layers bbc cannot lower
+/// (llama.cpp's Qwen files), why not, said on stderr, and none; a head that cannot be
+/// shortlisted (rows not whole blocks of 32) is an error.
+fn mtp_head(loaded: &model_ref::Loaded, target: Target, draft_head: DraftHead) -> Result<Option<ir::Graph>> {
     let model = &loaded.model;
     if model.config.mtp_layers == 0 || !model.config.family.lowers_mtp() {
-        return None;
+        return Ok(None);
     }
+    let logits = match draft_head {
+        DraftHead::Full => models::LogitsFor::LastToken,
+        DraftHead::Shortlist => models::LogitsFor::GreedyToken,
+    };
     let options = models::LowerOptions {
-        logits: models::LogitsFor::LastToken,
+        logits,
         compute: model.spec.dtype,
         kv_cache: model.spec.kv_cache_dtype,
     };
-    let head = models::lower_mtp(&model.config, &model.weights, options)
-        .map_err(anyhow::Error::from)
-        .and_then(|graph| {
-            let fused = passes::optimized(&graph, model_ref::cost_model(target))?;
-            Ok(models::with_greedy_token(&fused)?)
-        });
-    match head {
-        Ok(graph) => Some(graph),
+    let graph = match models::lower_mtp(&model.config, &model.weights, options) {
+        Ok(graph) => graph,
         Err(e) => {
             eprintln!("multi-token prediction layers not compiled (no `method: mtp` drafts): {e:#}");
-            None
+            return Ok(None);
         }
-    }
+    };
+    let cost = model_ref::cost_model(target);
+    Ok(Some(match draft_head {
+        DraftHead::Full => models::with_greedy_token(&passes::optimized(&graph, cost)?)?,
+        DraftHead::Shortlist => {
+            let shortlisted = passes::shortlisted_draft_head(&graph)?;
+            if !shortlisted
+                .nodes()
+                .iter()
+                .any(|n| matches!(n.op, ir::Op::ShortlistTopK { .. }))
+            {
+                bail!(
+                    "--draft-head shortlist: the head's rows ({} wide) are not whole blocks of 32, \
+                     which its 4-bit copy needs; `--draft-head full` compiles the full head",
+                    model.config.hidden
+                );
+            }
+            passes::optimized(&shortlisted, cost)?
+        }
+    }))
 }
 
 /// One line per generated kernel: registers per thread on the target, launches per step.

@@ -39,6 +39,7 @@ pub fn check(target: codegen::Target, tokenizer: &Path, size: SweepSize, results
         emit_after: None,
         verify: false,
         tokenizer: tokenizer.to_str(),
+        draft_head: crate::serve::DraftHead::Full,
     })?;
     println!(
         "compiled the llama3-8b shape in {:.1} s",

@@ -119,7 +119,8 @@ pub struct ServeArgs {
     /// How a drafter on the CPU backend (a draft model, MTP layers) picks its guesses from the
     /// vocabulary: `shortlist` scores every row with a 4-bit copy of its head and rescores the
     /// best 64 in full precision; `full` finds the exact best (the INT8-bound head). The target
-    /// verifies every guess either way. A drafter's GPU plan takes the argmax of its full head.
+    /// verifies every guess either way. A drafter's GPU plan takes the head it was compiled
+    /// with (`bbc compile --draft-head`).
     #[arg(long, value_enum, default_value_t = DraftHead::Shortlist)]
     pub draft_head: DraftHead,
     /// Chat responses split the model's reasoning from its answer (`reasoning_content` beside
