@@ -16,6 +16,7 @@
 
 mod batched;
 mod launch;
+mod weight_bytes;
 
 use crate::error::{Result, RuntimeError};
 use gpu_plan::expr::Value;
@@ -27,6 +28,7 @@ use quant::tensor::Tensors;
 use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
 use std::sync::Mutex;
+pub(crate) use weight_bytes::weight_bytes;
 
 /// Memory and launches on one device.
 pub trait PlanDevice {
@@ -275,15 +277,14 @@ impl<D: PlanDevice> PlanExecutor<D> {
             )));
         }
         let mut held = HashMap::new();
-        for w in &plan.weights {
-            let weight = match weights {
-                PlanWeights::Host(source) => {
-                    let bytes = weight_bytes(w.dtype, &w.parts, source)?;
-                    (device.upload(&bytes)?, bytes.len())
+        match weights {
+            PlanWeights::Host(source) => upload_weights(&mut device, &plan.weights, source, &mut held)?,
+            PlanWeights::Generated { seed } => {
+                for w in &plan.weights {
+                    let weight = crate::random_weights::make_weight(&mut device, &graph, w, seed)?;
+                    held.insert(BufferKey::Weight(w.node), weight);
                 }
-                PlanWeights::Generated { seed } => crate::random_weights::make_weight(&mut device, &graph, w, seed)?,
-            };
-            held.insert(BufferKey::Weight(w.node), weight);
+            }
         }
         let mut upload = |device: &mut D, key: BufferKey, bytes: &[u8]| -> Result<()> {
             held.insert(key, (device.upload(bytes)?, bytes.len()));
@@ -773,8 +774,32 @@ fn four_bit_copy(w: &gpu_plan::WeightUse, weights: &PlanWeights<'_>) -> Result<V
     Ok(values.chunks(d).flat_map(quant::q4_0::quantize_row).collect())
 }
 
-/// A weight as the kernels read it: the parts (their rows) stacked by rows, converted to
-/// `dtype` (f32, bf16) or kept as GGUF blocks.
+/// Every weight of `weights` from `source` onto `device`, into `held`: each weight's bytes
+/// made (on other threads) while the one before it uploads.
+fn upload_weights<D: PlanDevice>(
+    device: &mut D,
+    weights: &[gpu_plan::WeightUse],
+    source: &dyn Tensors,
+    held: &mut HashMap<BufferKey, (D::Buffer, usize)>,
+) -> Result<()> {
+    std::thread::scope(|scope| {
+        let make = |w: &gpu_plan::WeightUse| {
+            let (dtype, parts) = (w.dtype, w.parts.clone());
+            scope.spawn(move || weight_bytes(dtype, &parts, source))
+        };
+        let mut next = weights.first().map(make);
+        for (i, w) in weights.iter().enumerate() {
+            let Some(making) = next.take() else { break };
+            let bytes = making
+                .join()
+                .map_err(|_| RuntimeError::Weight(format!("making weight %{} panicked", w.node)))??;
+            next = weights.get(i + 1).map(make);
+            held.insert(BufferKey::Weight(w.node), (device.upload(&bytes)?, bytes.len()));
+        }
+        Ok(())
+    })
+}
+
 /// Every layer's key and value caches for `rows` positions, zeroed, into `held`.
 fn alloc_kv_cache<D: PlanDevice>(
     device: &mut D,
@@ -789,59 +814,4 @@ fn alloc_kv_cache<D: PlanDevice>(
         }
     }
     Ok(())
-}
-
-pub(crate) fn weight_bytes(dtype: DType, parts: &[WeightPart], source: &dyn Tensors) -> Result<Vec<u8>> {
-    let mut out = Vec::new();
-    for part in parts {
-        let name = part.name();
-        let view = source
-            .tensor(name)
-            .ok_or_else(|| RuntimeError::Weight(format!("`{name}` is not in the weights")))?;
-        let rows = view.shape.first().copied().unwrap_or(1).max(1);
-        let selected = part.rows(rows);
-        if selected.last().is_some_and(|r| r.end > rows) {
-            return Err(RuntimeError::Weight(format!("{part}: `{name}` has {rows} rows")));
-        }
-        // Each selected row's units (f32 values, or bytes of blocks) of `units` per row.
-        let pick = |units: usize| selected.iter().flat_map(move |r| r.start * units..r.end * units);
-        let cols = view.shape.iter().skip(1).product::<usize>();
-        let transposed = part.transposed_elements(rows, cols);
-        match dtype {
-            DType::F32 | DType::BF16 => {
-                let values = view.to_f32().data;
-                let order: Box<dyn Iterator<Item = usize>> = match transposed {
-                    Some(order) => Box::new(order.into_iter()),
-                    None => Box::new(pick(values.len() / rows)),
-                };
-                let values = order.map(|i| values[i]);
-                match dtype {
-                    DType::F32 => out.extend(values.flat_map(f32::to_le_bytes)),
-                    _ => out.extend(values.flat_map(|v| bf16::from_f32(v).to_le_bytes())),
-                }
-            }
-            // Kept as stored: f16 values, or GGUF blocks (whose rows are cut whole only).
-            stored if quant::tensor::ir_dtype(view.dtype) == stored => match (transposed, stored) {
-                (None, _) => out.extend(pick(view.bytes.len() / rows).map(|i| view.bytes[i])),
-                (Some(order), DType::F16) => out.extend(
-                    order
-                        .into_iter()
-                        .flat_map(|i| [view.bytes[2 * i], view.bytes[2 * i + 1]]),
-                ),
-                (Some(_), _) => {
-                    return Err(RuntimeError::Weight(format!(
-                        "{part}: GGUF blocks do not transpose (`{name}` is {})",
-                        view.dtype.name()
-                    )))
-                }
-            },
-            other => {
-                return Err(RuntimeError::Weight(format!(
-                    "`{name}` is {} but the plan wants {other}",
-                    view.dtype.name()
-                )))
-            }
-        }
-    }
-    Ok(out)
 }

@@ -1,0 +1,366 @@
+//! A weight as a plan's kernels read it: its parts (their rows) stacked by rows, converted to
+//! the plan's dtype (f32, bf16) or kept as stored (f16 values, GGUF blocks).
+//!
+//! Loading is most of the time from `bbc serve` to a first answer, so: a weight already in
+//! the plan's form and taken whole (a bf16 checkpoint's tensors into a bf16 plan, GGUF
+//! blocks) is handed to the upload as it lies in the file's mapping, with no copy on the
+//! host; every other is written straight into its buffer, its rows converted a chunk at a
+//! time on every core.
+
+use crate::{Result, RuntimeError};
+use gpu_plan::WeightPart;
+use half::bf16;
+use ir::DType;
+use quant::tensor::{TensorView, Tensors};
+use quant::GgmlType;
+use rayon::prelude::*;
+use std::borrow::Cow;
+use std::ops::Range;
+
+/// Output bytes one task converts: large enough that scheduling it costs nothing, small
+/// enough that its f32 values stay in cache.
+const CHUNK_BYTES: usize = 1 << 18;
+
+thread_local! {
+    /// A task's rows as f32 values, between decoding and encoding; kept by each thread.
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// One part as read: its tensor, the rows it takes, and its rows' geometry.
+struct PartView<'s> {
+    view: TensorView<'s>,
+    rows: Vec<Range<usize>>,
+    /// Source bytes and elements of a row.
+    row_bytes: usize,
+    row_elements: usize,
+    /// The source elements in the part's order, where it transposes row groups.
+    transposed: Option<Vec<usize>>,
+}
+
+/// How the plan's dtype stores a source tensor: converted to f32 or bf16 (element widths),
+/// or kept as stored.
+#[derive(Clone, Copy, PartialEq)]
+enum Encoding {
+    F32,
+    Bf16,
+    Stored,
+}
+
+impl Encoding {
+    fn of(plan: DType, stored: GgmlType, name: &str) -> Result<Self> {
+        match plan {
+            DType::F32 if stored == GgmlType::F32 => Ok(Self::Stored),
+            DType::F32 => Ok(Self::F32),
+            DType::BF16 if stored == GgmlType::BF16 => Ok(Self::Stored),
+            DType::BF16 => Ok(Self::Bf16),
+            _ if quant::tensor::ir_dtype(stored) == plan => Ok(Self::Stored),
+            other => Err(RuntimeError::Weight(format!(
+                "`{name}` is {} but the plan wants {other}",
+                stored.name()
+            ))),
+        }
+    }
+
+    /// Output bytes of a source row.
+    fn row_bytes(self, part: &PartView<'_>) -> usize {
+        match self {
+            Self::F32 => part.row_elements * 4,
+            Self::Bf16 => part.row_elements * 2,
+            Self::Stored => part.row_bytes,
+        }
+    }
+}
+
+/// The bytes of a weight made of `parts` as a plan of `dtype` holds it (see the module's
+/// doc): borrowed from `source` where they lie there already.
+pub(crate) fn weight_bytes<'s>(dtype: DType, parts: &[WeightPart], source: &'s dyn Tensors) -> Result<Cow<'s, [u8]>> {
+    let views = parts
+        .iter()
+        .map(|part| part_view(part, source))
+        .collect::<Result<Vec<_>>>()?;
+    let encodings = parts
+        .iter()
+        .zip(&views)
+        .map(|(part, v)| Encoding::of(dtype, v.view.dtype, part.name()))
+        .collect::<Result<Vec<_>>>()?;
+    if let ([view], [Encoding::Stored]) = (views.as_slice(), encodings.as_slice()) {
+        if let ([rows], None) = (view.rows.as_slice(), &view.transposed) {
+            return Ok(Cow::Borrowed(
+                &view.view.bytes[rows.start * view.row_bytes..rows.end * view.row_bytes],
+            ));
+        }
+    }
+    let total: usize = views
+        .iter()
+        .zip(&encodings)
+        .map(|(v, e)| v.rows.iter().map(|r| r.len()).sum::<usize>() * e.row_bytes(v))
+        .sum();
+    let mut out = vec![0u8; total];
+    let mut rest = out.as_mut_slice();
+    for ((part, view), &encoding) in parts.iter().zip(&views).zip(&encodings) {
+        if let Some(order) = &view.transposed {
+            let len = order.len() * encoding.row_bytes(view) / view.row_elements.max(1);
+            let (here, after) = rest.split_at_mut(len);
+            transposed(view, order, encoding, here, part)?;
+            rest = after;
+            continue;
+        }
+        for rows in &view.rows {
+            let (here, after) = rest.split_at_mut(rows.len() * encoding.row_bytes(view));
+            let from = &view.view.bytes[rows.start * view.row_bytes..rows.end * view.row_bytes];
+            convert_rows(view, encoding, from, here);
+            rest = after;
+        }
+    }
+    Ok(Cow::Owned(out))
+}
+
+fn part_view<'s>(part: &WeightPart, source: &'s dyn Tensors) -> Result<PartView<'s>> {
+    let name = part.name();
+    let view = source
+        .tensor(name)
+        .ok_or_else(|| RuntimeError::Weight(format!("`{name}` is not in the weights")))?;
+    let rows = view.shape.first().copied().unwrap_or(1).max(1);
+    let selected = part.rows(rows);
+    if selected.last().is_some_and(|r| r.end > rows) {
+        return Err(RuntimeError::Weight(format!("{part}: `{name}` has {rows} rows")));
+    }
+    let row_elements = view.elements() / rows;
+    Ok(PartView {
+        rows: selected,
+        row_bytes: view.bytes.len() / rows,
+        row_elements,
+        transposed: part.transposed_elements(rows, row_elements),
+        view,
+    })
+}
+
+/// Source rows `from` (whole rows of `part`'s tensor) into `out`, encoded, a chunk of rows a
+/// task.
+fn convert_rows(part: &PartView<'_>, encoding: Encoding, from: &[u8], out: &mut [u8]) {
+    let out_row = encoding.row_bytes(part);
+    let rows_per_chunk = (CHUNK_BYTES / out_row.max(1)).max(1);
+    out.par_chunks_mut(rows_per_chunk * out_row)
+        .zip(from.par_chunks(rows_per_chunk * part.row_bytes))
+        .for_each(|(out, from)| match encoding {
+            Encoding::Stored => out.copy_from_slice(from),
+            Encoding::F32 | Encoding::Bf16 => SCRATCH.with_borrow_mut(|values| {
+                values.resize(out.len() / out_row * part.row_elements, 0.0);
+                part.view.dtype.dequantize(from, values);
+                encode(values, encoding, out);
+            }),
+        });
+}
+
+/// f32 `values` into `out` as `encoding` (f32 or bf16) stores them.
+fn encode(values: &[f32], encoding: Encoding, out: &mut [u8]) {
+    match encoding {
+        Encoding::F32 => {
+            for (o, v) in out.chunks_exact_mut(4).zip(values) {
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        _ => {
+            for (o, v) in out.chunks_exact_mut(2).zip(values) {
+                o.copy_from_slice(&bf16::from_f32(*v).to_le_bytes());
+            }
+        }
+    }
+}
+
+/// A part that transposes row groups: its elements in `order`, into `out`. Small (GLM-5's
+/// `W_UK`), so on one thread, from the whole tensor's values.
+fn transposed(
+    part: &PartView<'_>,
+    order: &[usize],
+    encoding: Encoding,
+    out: &mut [u8],
+    which: &WeightPart,
+) -> Result<()> {
+    match (encoding, part.view.dtype) {
+        (Encoding::Stored, GgmlType::F16 | GgmlType::BF16 | GgmlType::F32) => {
+            let width = part.row_bytes / part.row_elements.max(1);
+            for (o, &i) in out.chunks_exact_mut(width).zip(order) {
+                o.copy_from_slice(&part.view.bytes[i * width..(i + 1) * width]);
+            }
+            Ok(())
+        }
+        (Encoding::Stored, stored) => Err(RuntimeError::Weight(format!(
+            "{which}: GGUF blocks do not transpose (`{}` is {})",
+            which.name(),
+            stored.name()
+        ))),
+        _ => {
+            let values = part.view.to_f32().data;
+            let picked: Vec<f32> = order.iter().map(|&i| values[i]).collect();
+            encode(&picked, encoding, out);
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gpu_plan::Transposed;
+    use proptest::prelude::*;
+    use quant::tensor::{MemoryTensor, MemoryTensors};
+
+    /// The definition the fast paths must meet, element by element: every source element in
+    /// the part's order (its rows, or its transposed row groups), decoded to f32 and encoded
+    /// as the plan's dtype; or, kept as stored, the bytes of its rows.
+    fn reference(dtype: DType, parts: &[WeightPart], source: &MemoryTensors) -> Vec<u8> {
+        let mut out = Vec::new();
+        for part in parts {
+            let t = &source[part.name()];
+            let view = source.tensor(part.name()).unwrap();
+            let rows = t.shape[0];
+            let cols = view.elements() / rows;
+            let order: Vec<usize> = part.transposed_elements(rows, cols).unwrap_or_else(|| {
+                part.rows(rows)
+                    .into_iter()
+                    .flat_map(|r| r.start * cols..r.end * cols)
+                    .collect()
+            });
+            let stored = quant::tensor::ir_dtype(t.dtype) == dtype;
+            if stored && !matches!(t.dtype, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
+                let row_bytes = t.bytes.len() / rows;
+                for r in part.rows(rows) {
+                    out.extend_from_slice(&t.bytes[r.start * row_bytes..r.end * row_bytes]);
+                }
+                continue;
+            }
+            let width = t.bytes.len() / view.elements();
+            if stored {
+                for i in order {
+                    out.extend_from_slice(&t.bytes[i * width..(i + 1) * width]);
+                }
+                continue;
+            }
+            let values = view.to_f32().data;
+            for i in order {
+                match dtype {
+                    DType::F32 => out.extend_from_slice(&values[i].to_le_bytes()),
+                    _ => out.extend_from_slice(&bf16::from_f32(values[i]).to_le_bytes()),
+                }
+            }
+        }
+        out
+    }
+
+    /// A `rows` × `cols` tensor of `dtype` from `values` (NaN and signed zeros among them
+    /// where it stores floats).
+    fn tensor(dtype: GgmlType, rows: usize, cols: usize, values: &[f32]) -> MemoryTensor {
+        let bytes = match dtype {
+            GgmlType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            GgmlType::F16 => values
+                .iter()
+                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                .collect(),
+            GgmlType::BF16 => values.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect(),
+            _ => values.chunks(cols).flat_map(quant::q4_0::quantize_row).collect(),
+        };
+        MemoryTensor {
+            shape: vec![rows, cols],
+            dtype,
+            bytes,
+        }
+    }
+
+    fn part(name: &str, shape: usize, group: usize, start: usize, len: usize) -> WeightPart {
+        match shape {
+            0 => WeightPart::Whole(name.into()),
+            1 => WeightPart::RowGroups {
+                name: name.into(),
+                group,
+                start,
+                len,
+            },
+            _ => WeightPart::TransposedRowGroups {
+                name: name.into(),
+                group,
+                start,
+                len,
+                transposed: Transposed::YES,
+            },
+        }
+    }
+
+    proptest! {
+        /// Every source dtype into every plan dtype it converts to, whole or by row groups
+        /// (transposed where the source holds floats), two parts stacked, rows enough for
+        /// several tasks: the bytes the definition gives.
+        #[test]
+        fn weight_bytes_are_the_definitions(
+            source in prop::sample::select(vec![GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q4_0]),
+            plan in prop::sample::select(vec![DType::F32, DType::BF16, DType::F16, DType::Q4_0]),
+            shapes in (0usize..3, 0usize..3),
+            groups in 1usize..4,
+            tall in any::<bool>(),
+            seed in any::<u32>(),
+        ) {
+            let stored = quant::tensor::ir_dtype(source);
+            prop_assume!(matches!(plan, DType::F32 | DType::BF16) || plan == stored);
+            let blocks = !matches!(source, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+            let (group, cols) = (4, 64);
+            // Tall enough for several tasks of CHUNK_BYTES.
+            let rows = group * groups * if tall { 600 } else { 1 };
+            let mut x = seed;
+            let mut values: Vec<f32> = (0..rows * cols)
+                .map(|_| {
+                    x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    (x >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
+                })
+                .collect();
+            if !blocks {
+                values[1] = f32::NAN;
+                values[2] = -0.0;
+            }
+            let source_tensors: MemoryTensors = ["a", "b"]
+                .into_iter()
+                .map(|name| (name.to_string(), tensor(source, rows, cols, &values)))
+                .collect();
+            let transposes = |s: usize| if blocks && plan == stored { s.min(1) } else { s };
+            let parts = [
+                part("a", transposes(shapes.0), group, 1, 2),
+                part("b", transposes(shapes.1), group, 0, 3),
+            ];
+            let got = weight_bytes(plan, &parts, &source_tensors).unwrap();
+            prop_assert!(got.as_ref() == reference(plan, &parts, &source_tensors).as_slice());
+        }
+    }
+
+    /// A whole tensor already in the plan's form is the source's bytes themselves, not a
+    /// copy: what goes straight to the device.
+    #[test]
+    fn a_tensor_in_the_plans_form_is_not_copied() {
+        let values: Vec<f32> = (0..256).map(|i| i as f32).collect();
+        for (stored, plan) in [
+            (GgmlType::BF16, DType::BF16),
+            (GgmlType::F32, DType::F32),
+            (GgmlType::Q4_0, DType::Q4_0),
+        ] {
+            let source: MemoryTensors = [("w".to_string(), tensor(stored, 4, 64, &values))].into();
+            let got = weight_bytes(plan, &[WeightPart::Whole("w".into())], &source).unwrap();
+            match got {
+                Cow::Borrowed(bytes) => assert_eq!(bytes.as_ptr(), source["w"].bytes.as_ptr()),
+                Cow::Owned(_) => panic!("{stored:?} into {plan} was copied"),
+            }
+        }
+    }
+
+    #[test]
+    fn what_cannot_be_made_is_refused_by_name() {
+        let values = vec![0.5f32; 256];
+        let source: MemoryTensors = [
+            ("w".to_string(), tensor(GgmlType::BF16, 4, 64, &values)),
+            ("q".to_string(), tensor(GgmlType::Q4_0, 4, 64, &values)),
+        ]
+        .into();
+        let error = |dtype, part: WeightPart| weight_bytes(dtype, &[part], &source).unwrap_err().to_string();
+        assert!(error(DType::BF16, WeightPart::Whole("x".into())).contains("`x` is not in the weights"));
+        assert!(error(DType::F16, WeightPart::Whole("w".into())).contains("the plan wants f16"));
+        assert!(error(DType::BF16, part("w", 1, 2, 3, 2)).contains("has 4 rows"));
+        assert!(error(DType::Q4_0, part("q", 2, 2, 0, 1)).contains("GGUF blocks do not transpose"));
+    }
+}
