@@ -741,3 +741,71 @@ fn mtp_drafts_on_gpu_plans_change_no_token() {
         }
     }
 }
+
+/// With an MTP head on the GPU, the target's KV pool sized to memory also pays, block for
+/// block, for the head's pool beside it (`size_kv_pool_beside`), which is then given as many
+/// blocks (`resize_kv_pool`): the two take the share the models leave. The head steps over
+/// its last block and is refused past it; a resize to no blocks, past the kernels' indices or
+/// once a step is captured as a graph is refused.
+#[test]
+fn an_mtp_heads_pool_is_sized_beside_its_targets() {
+    use runtime::emulator_device::EmulatorDevice;
+    use runtime::kv::{BlockId, Segment, StateSnapshots};
+    use runtime::kv_sizing::GPU_HEADROOM;
+    use runtime::plan_exec::PlanExecutor;
+    let model = with_mtp("qwen3_5", Head::Copied);
+    let capacity = 1 << 30;
+    let load = |graph: ir::Graph| {
+        let cache = gpu::BatchedCache {
+            blocks: 1,
+            block_size: 8,
+            sequences: 4,
+        };
+        let (plan, kernels) = gpu::build_batched(&graph, Target::H200, PLAN_ROWS, cache).unwrap();
+        let device = EmulatorDevice::new(kernels).with_memory(capacity);
+        PlanExecutor::new(device, plan, graph, &model.weights, &[], PLAN_CONTEXT).unwrap()
+    };
+    let target_graph = models::with_hidden_states(&model.lower(LogitsFor::LastToken).unwrap()).unwrap();
+    let target = load(models::with_greedy_token(&fused_for_h200(&target_graph)).unwrap());
+    let head = load(models::with_greedy_token(&fused_for_h200(&head_graph(&model))).unwrap());
+    let head_block = 8 * head.kv_bytes_per_position();
+    let target = target.size_kv_pool_beside(0.75, head_block).unwrap();
+    let blocks = target.batched_cache().unwrap().blocks;
+    let target_block = 8 * target.kv_bytes_per_position();
+    let model_bytes = target.with_device(|d| d.bytes_held()).unwrap() - blocks * target_block;
+    // The emulated devices are apart, so the target's counts only its own model.
+    let budget = (0.75 * capacity as f64) as usize - model_bytes - GPU_HEADROOM;
+    assert_eq!(blocks, budget / (target_block + head_block));
+    assert!(blocks > 1000 && head_block > 0, "{blocks} blocks");
+
+    let head = head.resize_kv_pool(blocks).unwrap().capture_graphs_up_to(1);
+    assert_eq!(head.batched_cache().unwrap().blocks, blocks);
+    let head_bytes = head.with_device(|d| d.bytes_held()).unwrap();
+    assert!(head_bytes >= blocks * head_block, "the head holds its pool");
+    let hidden = vec![0.5f32; model.config.hidden];
+    let step = |table: &[BlockId]| {
+        head.step_batch(&[Segment {
+            hidden_states: &hidden,
+            table,
+            start: 0,
+            ids: &[7],
+            state_slot: 0,
+            sampled_rows: 1,
+            drafts: 0,
+            snapshots: StateSnapshots::NONE,
+        }])
+    };
+    step(&[BlockId(blocks as u32 - 1)]).expect("a step over the head's last block");
+    assert!(step(&[BlockId(blocks as u32)]).is_err(), "a block past the pool");
+    let refused = head
+        .resize_kv_pool(blocks)
+        .err()
+        .expect("refused once captured")
+        .to_string();
+    assert!(refused.contains("captured"), "{refused}");
+    let fresh = || load(models::with_greedy_token(&fused_for_h200(&head_graph(&model))).unwrap());
+    for wrong in [0, usize::MAX / 2] {
+        let refused = fresh().resize_kv_pool(wrong).err().expect("refused").to_string();
+        assert!(refused.contains("32-bit indices"), "{wrong}: {refused}");
+    }
+}

@@ -306,11 +306,29 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                     // The scheduler files no more than one a block.
                     .keep_state_snapshots(args.state_snapshots.min(args.kv_blocks.unwrap_or(usize::MAX)))?
                     .verify_drafts_up_to(config.speculation.tokens)?;
+            // An MTP head's plan loads before the pools are sized: each block of the target's
+            // also pays for the head's block beside it, and the head gets as many blocks.
+            let head = match mtp_plan {
+                Some((plan, graph)) => {
+                    // One block until the pools are sized, unless they are given.
+                    let placeholder = draft::DraftCache {
+                        blocks: cache.blocks,
+                        ..draft_cache
+                    };
+                    Some(mtp::gpu_head(&plans.dir, &plan, graph, &loaded, &placeholder)?)
+                }
+                None => None,
+            };
+            let head_block_bytes = head.as_ref().map_or(0, |h| block_size * h.kv_bytes_per_position());
             let backend = match args.kv_blocks {
                 Some(_) => backend,
-                None => backend.size_kv_pool(args.gpu_memory_utilization)?,
+                None => backend.size_kv_pool_beside(args.gpu_memory_utilization, head_block_bytes)?,
             };
             config.kv_blocks = backend.batched_cache().map_or(cache.blocks, |c| c.blocks);
+            let head = match (head, args.kv_blocks) {
+                (Some(head), None) => Some(head.resize_kv_pool(config.kv_blocks)?),
+                (head, _) => head,
+            };
             config.token_budget = args.token_budget.unwrap_or_else(|| {
                 runtime::serving::PagedBackend::max_step_tokens(&backend).unwrap_or(CPU_TOKEN_BUDGET)
             });
@@ -326,17 +344,18 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             );
             announce_checkpoints(&backend, args.max_num_seqs);
             eprintln!("steps of up to {} tokens", config.token_budget);
-            let drafter = match mtp_plan {
-                Some((plan, graph)) => {
+            let drafter = match head {
+                Some(head) => {
                     // Its catch-up passes go through prompts as fast as the target's steps do.
                     let cache = draft::DraftCache {
                         token_budget: config.token_budget,
+                        blocks: config.kv_blocks,
                         ..draft_cache
                     };
-                    let head = mtp::gpu_drafter(&plans.dir, &plan, graph, &loaded, &cache)?;
+                    let drafter = mtp::drafter(head, loaded.model.config.hidden, context_length, &cache)?;
                     Some((
                         "the model's multi-token prediction layers (on the GPU)".to_string(),
-                        head,
+                        drafter,
                     ))
                 }
                 None => drafter,

@@ -48,27 +48,28 @@ pub fn gpu_plan(plans: &GpuPlanFiles, serving: &ir::Graph) -> Result<(String, ir
     Ok(mtp)
 }
 
-/// The drafter over a GPU artifact's multi-token prediction plan (`plan` in `dir`, its
-/// `graph`), over `loaded`'s weights, with `cache`'s room: its decode passes (a row per
-/// sequence) replayed as CUDA graphs.
-pub fn gpu_drafter(
+/// A GPU artifact's multi-token prediction plan (`plan` in `dir`, its `graph`) loaded over
+/// `loaded`'s weights with a pool of `cache`'s blocks (to be resized beside the target's), its
+/// decode passes (a row per sequence) replayed as CUDA graphs.
+pub fn gpu_head(
     dir: &std::path::Path,
     plan: &str,
     graph: ir::Graph,
     loaded: &Loaded,
     cache: &DraftCache,
-) -> Result<Box<dyn Drafter>> {
-    let context_length = loaded.model.config.context_length;
+) -> Result<runtime_cuda::CudaBackend> {
     let plan_cache = codegen::gpu::BatchedCache {
         blocks: cache.blocks,
         block_size: cache.block_size,
         sequences: cache.sequences,
     };
     let (weights, int8) = (loaded.plan_weights(), &loaded.int8_heads);
-    let head = runtime_cuda::load_batched_plan(dir, plan, graph, weights, int8, context_length, plan_cache)
-        .context("method `mtp`")?
-        .capture_graphs_up_to(cache.sequences);
-    drafter(head, loaded.model.config.hidden, context_length, cache)
+    let context_length = loaded.model.config.context_length;
+    Ok(
+        runtime_cuda::load_batched_plan(dir, plan, graph, weights, int8, context_length, plan_cache)
+            .context("method `mtp`")?
+            .capture_graphs_up_to(cache.sequences),
+    )
 }
 
 /// The drafter over the head's backend, with `cache`'s room.

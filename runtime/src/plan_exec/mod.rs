@@ -411,8 +411,58 @@ impl<D: PlanDevice> PlanExecutor<D> {
     /// [`verify_drafts_up_to`](Self::verify_drafts_up_to), and before the first step is
     /// captured as a graph (which holds the pool's address). Refused where the pool would not
     /// hold one request of the full context.
-    pub fn size_kv_pool(mut self, share: f64) -> Result<Self> {
-        let Some(mut cache) = self.plan.batched else {
+    pub fn size_kv_pool(self, share: f64) -> Result<Self> {
+        self.size_kv_pool_beside(share, 0)
+    }
+
+    /// [`size_kv_pool`](Self::size_kv_pool), each block of the share also paying for
+    /// `beside` bytes of another pool on the same device that gets as many blocks (an MTP
+    /// head's: [`resize_kv_pool`](Self::resize_kv_pool) to this pool's blocks after).
+    pub fn size_kv_pool_beside(mut self, share: f64, beside: usize) -> Result<Self> {
+        let cache = self.release_kv_pool()?;
+        let block_bytes = cache.block_size * self.kv_bytes_per_position();
+        let context = self.context_length;
+        let most = self.most_kv_blocks(cache.block_size);
+        let device = &mut self.lock_mut()?.0;
+        let memory = device.memory().ok_or_else(|| {
+            RuntimeError::Input("this device does not report its memory: give the KV pool's blocks".into())
+        })?;
+        let per_block = block_bytes + beside;
+        let blocks = crate::kv_sizing::gpu_kv_blocks(memory, share, per_block)
+            .map_err(RuntimeError::Input)?
+            .min(most);
+        if blocks * cache.block_size < context {
+            let gib = |b: usize| b as f64 / f64::from(1 << 30);
+            return Err(RuntimeError::Input(format!(
+                "{share} of this device's {:.1} GiB leaves {:.2} GiB for the KV cache once the model is loaded ({:.1} GiB free): {} positions, less than one request of the model's context ({context}); raise --gpu-memory-utilization, lower --max-model-len, or free the device",
+                gib(memory.total),
+                gib(blocks * per_block),
+                gib(memory.free),
+                blocks * cache.block_size
+            )));
+        }
+        self.alloc_kv_pool(cache, blocks)?;
+        Ok(self)
+    }
+
+    /// Replace a batched plan's KV pool with one of `blocks` blocks (an MTP head's, as many as
+    /// its target's pool was sized to), before the first step is captured as a graph.
+    pub fn resize_kv_pool(mut self, blocks: usize) -> Result<Self> {
+        let cache = self.release_kv_pool()?;
+        let most = self.most_kv_blocks(cache.block_size);
+        if blocks == 0 || blocks > most {
+            return Err(RuntimeError::Input(format!(
+                "a KV pool of {blocks} blocks: it takes 1 to {most} (the kernels' 32-bit indices)"
+            )));
+        }
+        self.alloc_kv_pool(cache, blocks)?;
+        Ok(self)
+    }
+
+    /// The batched plan's cache, its pool's buffers given back to the device; refused for a
+    /// plan that is not batched or once a step holds the pool's address in a graph.
+    fn release_kv_pool(&mut self) -> Result<gpu_plan::BatchedCache> {
+        let Some(cache) = self.plan.batched else {
             return Err(RuntimeError::Input(
                 "only a batched plan's KV pool is sized to memory".into(),
             ));
@@ -422,12 +472,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 "the KV pool is sized before the first step captured as a graph (it holds the pool's address)".into(),
             ));
         }
-        let block_bytes = cache.block_size * self.kv_bytes_per_position();
-        let context = self.context_length;
-        let (device, buffers) = self
-            .state
-            .get_mut()
-            .map_err(|_| RuntimeError::Cuda("device state poisoned".into()))?;
+        let (device, buffers) = self.lock_mut()?;
         let loaded: Vec<BufferKey> = buffers
             .held
             .keys()
@@ -439,23 +484,15 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 device.release(buffer);
             }
         }
-        let memory = device.memory().ok_or_else(|| {
-            RuntimeError::Input("this device does not report its memory: give the KV pool's blocks".into())
-        })?;
-        let mut blocks = crate::kv_sizing::gpu_kv_blocks(memory, share, block_bytes).map_err(RuntimeError::Input)?;
-        // The kernels index the cache with 32-bit integers (f32 elements).
-        let widest = self.plan.kv_cache.iter().map(|l| l.widest_row()).max().unwrap_or(1);
-        blocks = blocks.min(i32::MAX as usize / widest / cache.block_size);
-        if blocks * cache.block_size < context {
-            let gib = |b: usize| b as f64 / f64::from(1 << 30);
-            return Err(RuntimeError::Input(format!(
-                "{share} of this device's {:.1} GiB leaves {:.2} GiB for the KV cache once the model is loaded ({:.1} GiB free): {} positions, less than one request of the model's context ({context}); raise --gpu-memory-utilization, lower --max-model-len, or free the device",
-                gib(memory.total),
-                gib(blocks * block_bytes),
-                gib(memory.free),
-                blocks * cache.block_size
-            )));
-        }
+        Ok(cache)
+    }
+
+    /// A pool of `blocks` blocks of `cache`'s size, allocated and recorded as the plan's.
+    fn alloc_kv_pool(&mut self, mut cache: gpu_plan::BatchedCache, blocks: usize) -> Result<()> {
+        let (device, buffers) = self
+            .state
+            .get_mut()
+            .map_err(|_| RuntimeError::Cuda("device state poisoned".into()))?;
         alloc_kv_cache(
             device,
             &mut buffers.held,
@@ -464,7 +501,22 @@ impl<D: PlanDevice> PlanExecutor<D> {
         )?;
         cache.blocks = blocks;
         self.plan.batched = Some(cache);
-        Ok(self)
+        Ok(())
+    }
+
+    /// The most blocks of `block_size` positions the kernels index (32-bit, f32 elements).
+    fn most_kv_blocks(&self, block_size: usize) -> usize {
+        let widest = self.plan.kv_cache.iter().map(|l| l.widest_row()).max().unwrap_or(1);
+        i32::MAX as usize / widest / block_size
+    }
+
+    /// The device and buffers, held by this executor alone.
+    fn lock_mut(&mut self) -> Result<(&mut D, &mut Buffers<D::Buffer>)> {
+        let (device, buffers) = self
+            .state
+            .get_mut()
+            .map_err(|_| RuntimeError::Cuda("device state poisoned".into()))?;
+        Ok((device, buffers))
     }
 
     /// Bytes a cached position takes, keys and values of every layer.
