@@ -137,7 +137,8 @@ fn racing_stores_are_reported() {
 }
 
 /// Signed overflow is undefined in CUDA C++ (and usually an index gone wrong); so is a shift by
-/// a negative count or by 32 or more, even on the side of a select that is not taken.
+/// a negative count or by 32 or more, even on the side of a select that is not taken, and an
+/// integer division by zero.
 #[test]
 fn signed_overflow_and_out_of_range_shifts_are_reported() {
     let k = kernel(
@@ -154,6 +155,13 @@ fn signed_overflow_and_out_of_range_shifts_are_reported() {
             vec![],
         );
         assert!(fault(&k, 64).contains("a shift by"));
+    }
+    for op in [BinOp::Div, BinOp::Rem] {
+        let k = kernel(
+            vec![store("out", tid(), cast(Ty::F32, bin(op, int(8), tid() - int(3))))],
+            vec![],
+        );
+        assert!(fault(&k, 64).contains("integer division by zero"));
     }
 }
 

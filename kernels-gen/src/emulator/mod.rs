@@ -769,7 +769,7 @@ impl<'k> Block<'k> {
             Expr::Var(name) => {
                 self.touch(name, mask)?;
                 let vals = self.vars.get(name).ok_or((0, format!("`{name}` has no value")))?;
-                if let Some(t) = (0..n).find(|&t| mask[t] && vals[t] == Val::Undef) {
+                if let Some(t) = vals.iter().zip(mask).position(|(v, &m)| m && *v == Val::Undef) {
                     return Err((t, format!("`{name}` read before it was set on this thread")));
                 }
                 let ty = self.scope.vars.get(name).copied().unwrap_or(Ty::I32);
@@ -792,8 +792,10 @@ impl<'k> Block<'k> {
             Expr::Bin(op, a, b) => {
                 let ((x, ty), y) = (self.eval_typed(a, mask, global)?, self.eval(b, mask, global)?);
                 let mut out = vec![Val::Undef; n];
-                for t in (0..n).filter(|&t| mask[t]) {
-                    out[t] = binop(*op, x[t], y[t], ty).map_err(|m| (t, m))?;
+                // Zipped, not indexed: no bounds checks in the loop every operator runs.
+                let lanes = out.iter_mut().zip(mask).zip(x.iter().zip(&y)).enumerate();
+                for (t, ((out, _), (&x, &y))) in lanes.filter(|(_, ((_, &m), _))| m) {
+                    *out = binop(*op, x, y, ty).ok_or_else(|| (t, binop_fault(*op, x, y, ty)))?;
                 }
                 let result = match op {
                     BinOp::Lt | BinOp::Le | BinOp::Gt | BinOp::Ge | BinOp::Eq | BinOp::Ne => Ty::Bool,
@@ -873,65 +875,93 @@ impl<'k> Block<'k> {
 }
 
 /// `x op y` for operands of type `ty`. Integer results are those of 32-bit hardware: `u32`
-/// arithmetic wraps (defined in C++), and an `i32` result that does not fit is reported, since
-/// signed overflow is undefined in CUDA C++ (and in practice an index that went wrong).
-fn binop(op: BinOp, x: Val, y: Val, ty: Ty) -> Result<Val, String> {
+/// arithmetic wraps (defined in C++), and an `i32` result that does not fit is `None`, since
+/// signed overflow is undefined in CUDA C++ (and in practice an index that went wrong); so
+/// are the other faults [`binop_fault`] names. `Option` rather than a message: this runs for
+/// every thread of every operator, and a small result comes back in registers.
+#[inline]
+fn binop(op: BinOp, x: Val, y: Val, ty: Ty) -> Option<Val> {
     if x == Val::Undef || y == Val::Undef {
-        return Ok(Val::Undef);
+        return Some(Val::Undef);
     }
     if let (Val::B(a), Val::B(b)) = (x, y) {
-        return Ok(Val::B(match op {
+        return Some(Val::B(match op {
             BinOp::And => a && b,
             BinOp::Or => a || b,
             BinOp::Eq => a == b,
             BinOp::Ne => a != b,
-            _ => return Err(format!("{op:?} of bools")),
+            _ => return None,
         }));
     }
     if ty == Ty::F32 {
         let (a, b) = (x.f(), y.f());
         if let Some(c) = compare(op, a, b) {
-            return Ok(Val::B(c));
+            return Some(Val::B(c));
         }
-        return Ok(match op {
+        return Some(match op {
             BinOp::Add => Val::F(a + b),
             BinOp::Sub => Val::F(a - b),
             BinOp::Mul => Val::F(a * b),
             BinOp::Div => Val::F(a / b),
             BinOp::Min => Val::F(a.min(b)),
             BinOp::Max => Val::F(a.max(b)),
-            _ => return Err(format!("{op:?} of floats")),
+            _ => return None,
         });
     }
     let (a, b) = (x.i(), y.i());
     if let Some(c) = compare(op, a, b) {
-        return Ok(Val::B(c));
+        return Some(Val::B(c));
     }
     let v = match op {
-        BinOp::Add => Val::I(a.wrapping_add(b)),
-        BinOp::Sub => Val::I(a.wrapping_sub(b)),
-        BinOp::Mul => Val::I(a.wrapping_mul(b)),
-        BinOp::Div | BinOp::Rem if b == 0 => return Err("integer division by zero".into()),
-        BinOp::Div => Val::I(a / b),
-        BinOp::Rem => Val::I(a % b),
-        BinOp::Min => Val::I(a.min(b)),
-        BinOp::Max => Val::I(a.max(b)),
-        BinOp::Shl | BinOp::Shr if !(0..32).contains(&b) => return Err(format!("a shift by {b} bits")),
+        BinOp::Add => a.wrapping_add(b),
+        BinOp::Sub => a.wrapping_sub(b),
+        BinOp::Mul => a.wrapping_mul(b),
+        BinOp::Div | BinOp::Rem if b == 0 => return None,
+        BinOp::Div => a / b,
+        BinOp::Rem => a % b,
+        BinOp::Min => a.min(b),
+        BinOp::Max => a.max(b),
+        BinOp::Shl | BinOp::Shr if !(0..32).contains(&b) => return None,
         // A left shift keeps the low 32 bits in both types (C++20 defines it for signed too).
-        BinOp::Shl if ty == Ty::U32 => Val::I(((a as u32) << b) as i64),
-        BinOp::Shl => Val::I(((a as i32) << b) as i64),
-        BinOp::Shr if ty == Ty::U32 => Val::I(((a as u32) >> b) as i64),
-        BinOp::Shr => Val::I(((a as i32) >> b) as i64),
-        BinOp::BitAnd => Val::I(a & b),
-        BinOp::BitXor => Val::I(a ^ b),
-        _ => return Err(format!("{op:?} of integers")),
+        BinOp::Shl if ty == Ty::U32 => ((a as u32) << b) as i64,
+        BinOp::Shl => ((a as i32) << b) as i64,
+        BinOp::Shr if ty == Ty::U32 => ((a as u32) >> b) as i64,
+        BinOp::Shr => ((a as i32) >> b) as i64,
+        BinOp::BitAnd => a & b,
+        BinOp::BitXor => a ^ b,
+        _ => return None,
     };
-    match (ty, v) {
-        (Ty::U32, Val::I(r)) => Ok(Val::I(r as u32 as i64)),
-        (Ty::I32, Val::I(r)) if i32::try_from(r).is_err() => {
-            Err(format!("{a} {op:?} {b} overflows i32 (undefined in CUDA C++)"))
+    match ty {
+        Ty::U32 => Some(Val::I(v as u32 as i64)),
+        Ty::I32 if i32::try_from(v).is_err() => None,
+        _ => Some(Val::I(v)),
+    }
+}
+
+/// Why [`binop`] gave no value for `x op y`.
+fn binop_fault(op: BinOp, x: Val, y: Val, ty: Ty) -> String {
+    match (x, y) {
+        (Val::B(_), Val::B(_)) => format!("{op:?} of bools"),
+        _ if ty == Ty::F32 => format!("{op:?} of floats"),
+        _ => {
+            let (a, b) = (x.i(), y.i());
+            match op {
+                BinOp::Div | BinOp::Rem if b == 0 => "integer division by zero".into(),
+                BinOp::Shl | BinOp::Shr if !(0..32).contains(&b) => format!("a shift by {b} bits"),
+                BinOp::Add
+                | BinOp::Sub
+                | BinOp::Mul
+                | BinOp::Div
+                | BinOp::Rem
+                | BinOp::Min
+                | BinOp::Max
+                | BinOp::Shl
+                | BinOp::Shr
+                | BinOp::BitAnd
+                | BinOp::BitXor => format!("{a} {op:?} {b} overflows i32 (undefined in CUDA C++)"),
+                _ => format!("{op:?} of integers"),
+            }
         }
-        _ => Ok(v),
     }
 }
 

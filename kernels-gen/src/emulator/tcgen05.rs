@@ -46,10 +46,12 @@ pub(super) struct TensorMemory {
 }
 
 impl TensorMemory {
+    /// Its cells are made at the first allocation: most kernels never allocate, and every
+    /// block of every launch makes its tensor memory.
     pub(super) fn new(threads: usize) -> Self {
         Self {
-            cells: vec![0.0; LANES * COLUMNS],
-            ready: vec![None; LANES * COLUMNS],
+            cells: Vec::new(),
+            ready: Vec::new(),
             allocations: Vec::new(),
             uncommitted: (0..threads).map(|_| Vec::new()).collect(),
             loading: HashSet::new(),
@@ -135,6 +137,10 @@ impl Block<'_> {
                 s + columns <= COLUMNS && !self.tmem.allocations.iter().any(|&(a, c)| s < a + c && a < s + columns)
             })
             .ok_or((t, format!("no {columns} free TMEM columns")))?;
+        if self.tmem.cells.is_empty() {
+            self.tmem.cells = vec![0.0; LANES * COLUMNS];
+            self.tmem.ready = vec![None; LANES * COLUMNS];
+        }
         self.tmem.allocations.push((start, columns));
         // The address lands in shared memory, written by the warp: readers need a barrier.
         self.asynch.note_write(slot, 0, t)?;
