@@ -189,7 +189,7 @@ fn a_shuffle_with_inactive_lanes_is_reported() {
         )],
         vec![],
     );
-    assert!(fault(&k, 64).contains("inactive"));
+    assert!(fault(&k, 64).contains("lane 16 of the warp inactive"));
 }
 
 #[test]

@@ -848,13 +848,15 @@ impl<'k> Block<'k> {
             }
             Expr::ShflXor(a, m) => {
                 let (x, ty) = self.eval_typed(a, mask, global)?;
+                // A shuffle is the whole warp's: each warp with a lane here has all of them.
+                for (w, lanes) in mask.chunks(32).enumerate() {
+                    if let (Some(first), Some(off)) = (lanes.iter().position(|&m| m), lanes.iter().position(|&m| !m)) {
+                        return Err((w * 32 + first, format!("shuffle with lane {off} of the warp inactive")));
+                    }
+                }
                 let mut out = vec![Val::Undef; n];
                 for t in (0..n).filter(|&t| mask[t]) {
                     let src = t ^ *m as usize;
-                    let warp_start = t / 32 * 32;
-                    if let Some(off) = (warp_start..(warp_start + 32).min(n)).find(|&l| !mask[l]) {
-                        return Err((t, format!("shuffle with lane {} of the warp inactive", off % 32)));
-                    }
                     if src >= n {
                         return Err((t, format!("shuffle from lane {src} outside the block")));
                     }
