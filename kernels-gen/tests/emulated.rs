@@ -13,7 +13,7 @@ use std::collections::HashMap;
 
 mod common;
 use common::{
-    bf16_array, close, ints, residual_reference, rows_of, run_gemv, run_norm_gemv, try_run_matmul,
+    bf16_array, close, edited, ints, residual_reference, rows_of, run_gemv, run_norm_gemv, try_run_matmul,
     try_run_residual_matmul, try_run_split_matmul, Residual, Rng,
 };
 
@@ -1399,34 +1399,6 @@ fn blackwell_tma_gemm_matches_reference_on_bf16_inputs() {
 #[test]
 fn tma_mma_gemm_matches_reference_on_bf16_inputs() {
     tma_gemm_matches_reference(&gemm_tma_mma::gemm_tma_mma_bf16("gemm", "test"), 47);
-}
-
-/// `body` with every statement, nested ones included, passed through `edit` (`None` drops
-/// it): a template mutated to show the emulator catches what the mutation breaks.
-fn edited(body: &[Stmt], edit: &dyn Fn(&Stmt) -> Option<Stmt>) -> Vec<Stmt> {
-    body.iter()
-        .filter_map(|s| match edit(s)? {
-            Stmt::For {
-                var,
-                start,
-                end,
-                step,
-                body,
-            } => Some(Stmt::For {
-                var,
-                start,
-                end,
-                step,
-                body: edited(&body, edit),
-            }),
-            Stmt::If { cond, then, otherwise } => Some(Stmt::If {
-                cond,
-                then: edited(&then, edit),
-                otherwise: edited(&otherwise, edit),
-            }),
-            other => Some(other),
-        })
-        .collect()
 }
 
 /// Blackwell's TMA GEMM without its wait for the previous step's MMAs before refilling their

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{ints, Rng};
+use common::{edited, ints, Rng};
 use ir::reference::ops;
 use kernels_gen::dsl::{Kernel, Stmt, Ty};
 use kernels_gen::emulator::{run, Array, EmuError, Scalar};
@@ -149,8 +149,7 @@ fn every_barrier_of_the_sort_is_needed() {
     assert_eq!(barriers, 2, "one after the loads, one after each sorting stage");
     for drop in 0..barriers {
         let mut mutant = kernel.clone();
-        let mut seen = 0;
-        mutant.body = without_barrier(&kernel.body, drop, &mut seen);
+        mutant.body = without_barrier(&kernel.body, drop);
         let outcome = run_chain(&logits, 1, v, k, &[mutant]);
         assert!(
             outcome.as_ref().map_or(true, |got| *got != reference(&logits, 1, v, k)),
@@ -169,32 +168,14 @@ fn count_barriers(body: &[Stmt]) -> usize {
         .sum()
 }
 
-/// `body` without its `drop`th barrier (in order of appearance; `seen` counts them).
-fn without_barrier(body: &[Stmt], drop: usize, seen: &mut usize) -> Vec<Stmt> {
-    let mut out = Vec::new();
-    for s in body {
-        match s {
-            Stmt::SyncThreads => {
-                *seen += 1;
-                if *seen - 1 != drop {
-                    out.push(s.clone());
-                }
-            }
-            Stmt::For {
-                var,
-                start,
-                end,
-                step,
-                body,
-            } => out.push(Stmt::For {
-                var: var.clone(),
-                start: start.clone(),
-                end: end.clone(),
-                step: step.clone(),
-                body: without_barrier(body, drop, seen),
-            }),
-            s => out.push(s.clone()),
+/// `body` without its `drop`th barrier, in order of appearance.
+fn without_barrier(body: &[Stmt], drop: usize) -> Vec<Stmt> {
+    let seen = std::cell::Cell::new(0);
+    edited(body, &|s| match s {
+        Stmt::SyncThreads => {
+            seen.set(seen.get() + 1);
+            (seen.get() - 1 != drop).then(|| s.clone())
         }
-    }
-    out
+        s => Some(s.clone()),
+    })
 }

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use half::bf16;
-use kernels_gen::dsl::{Kernel, Ty};
+use kernels_gen::dsl::{Kernel, Stmt, Ty};
 use kernels_gen::emulator::{run, Array, EmuError, Scalar};
 use kernels_gen::templates::prologue_norms;
 use std::collections::HashMap;
@@ -232,4 +232,32 @@ pub fn residual_reference(
         }
     }
     want
+}
+
+/// `body` with every statement, nested ones included, passed through `edit` (`None` drops
+/// it): a template mutated to show the emulator catches what the mutation breaks.
+pub fn edited(body: &[Stmt], edit: &dyn Fn(&Stmt) -> Option<Stmt>) -> Vec<Stmt> {
+    body.iter()
+        .filter_map(|s| match edit(s)? {
+            Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body,
+            } => Some(Stmt::For {
+                var,
+                start,
+                end,
+                step,
+                body: edited(&body, edit),
+            }),
+            Stmt::If { cond, then, otherwise } => Some(Stmt::If {
+                cond,
+                then: edited(&then, edit),
+                otherwise: edited(&otherwise, edit),
+            }),
+            other => Some(other),
+        })
+        .collect()
 }
