@@ -84,13 +84,13 @@ impl AsyncState {
 
     /// Thread `t` accesses shared `array[index]` with an ordinary load or store.
     pub(super) fn check_shared(&self, array: &str, index: usize, t: usize) -> Result<(), Fault> {
-        if self.copy_targets.get(array).is_some_and(|c| c[index]) {
-            return Err((
-                t,
-                format!("touches {array}[{index}] while a cp.async into it is in flight"),
-            ));
-        }
-        Ok(())
+        check_copy_target(self.copy_targets(array), array, index, t)
+    }
+
+    /// Which elements of shared `array` a `cp.async` in flight writes (for checks of many
+    /// threads' accesses, looked up once).
+    pub(super) fn copy_targets(&self, array: &str) -> Option<&[bool]> {
+        self.copy_targets.get(array).map(Vec::as_slice)
     }
 
     /// Thread `t` writes shared `array[index]` (a store or a landed copy).
@@ -525,4 +525,15 @@ fn accumulator_position(warp: usize, lane: usize, i: usize) -> (usize, usize) {
         16 * warp + g + if i % 4 >= 2 { 8 } else { 0 },
         8 * (i / 4) + 2 * t + (i % 2),
     )
+}
+
+/// [`AsyncState::check_shared`] over `targets`, the array's [`AsyncState::copy_targets`].
+pub(super) fn check_copy_target(targets: Option<&[bool]>, array: &str, index: usize, t: usize) -> Result<(), Fault> {
+    if targets.is_some_and(|c| c[index]) {
+        return Err((
+            t,
+            format!("touches {array}[{index}] while a cp.async into it is in flight"),
+        ));
+    }
+    Ok(())
 }

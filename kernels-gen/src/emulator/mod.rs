@@ -259,6 +259,26 @@ struct Block<'k> {
     landings: Landings,
 }
 
+/// A hasher for element indices: one multiply (Fibonacci hashing).
+#[derive(Default)]
+struct IndexHasher(u64);
+
+impl std::hash::Hasher for IndexHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 << 8 | b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_usize(&mut self, i: usize) {
+        self.0 = (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
 /// The threads that read a shared element since the last barrier.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Readers {
@@ -647,12 +667,15 @@ impl<'k> Block<'k> {
         global: &mut HashMap<String, Array>,
     ) -> Result<(), Fault> {
         let is_shared = self.shared.contains_key(buf);
-        let mut this_stmt: HashMap<usize, (usize, f64)> = HashMap::new();
+        let (len, ty) = match is_shared {
+            true => (self.shared[buf].len(), self.shared[buf].ty),
+            false => (global[buf].len(), global[buf].ty),
+        };
+        // Each index this statement stored to: (thread, value). Keyed by small integers, so
+        // hashed by a multiply, not SipHash: every thread of every store looks itself up.
+        let mut this_stmt: HashMap<usize, (usize, f64), std::hash::BuildHasherDefault<IndexHasher>> =
+            HashMap::default();
         for t in (0..mask.len()).filter(|&t| mask[t]) {
-            let (len, ty) = match is_shared {
-                true => (self.shared[buf].len(), self.shared[buf].ty),
-                false => (global[buf].len(), global[buf].ty),
-            };
             let i = idx[t].i();
             if i < 0 || i as usize >= len {
                 return Err((t, format!("store to {buf}[{i}] out of bounds (length {len})")));
@@ -708,6 +731,10 @@ impl<'k> Block<'k> {
             Some(a) => (a, self.shared_writer.get(buf)),
             None => (global.get(buf).expect("type-checked"), None),
         };
+        // A shared array's bookkeeping, looked up once for all the threads.
+        let in_flight = writers.map(|_| (self.asynch.copy_targets(buf), self.landed_copies(buf)));
+        let mut all_readers = writers.map(|_| self.shared_readers.borrow_mut());
+        let mut readers = all_readers.as_mut().map(|r| r.get_mut(buf).expect("shared"));
         let mut out = vec![Val::Undef; n];
         for t in (0..n).filter(|&t| mask[t]) {
             let i = idx[t].i();
@@ -715,9 +742,9 @@ impl<'k> Block<'k> {
                 return Err((t, format!("load of {buf}[{i}] out of bounds (length {})", array.len())));
             }
             let i = i as usize;
-            if writers.is_some() {
-                self.asynch.check_shared(buf, i, t)?;
-                self.check_landed(buf, i, t, "reads")?;
+            if let Some((targets, copies)) = in_flight {
+                asynchronous::check_copy_target(targets, buf, i, t)?;
+                self.check_landed_in(copies, buf, i, t, "reads")?;
             }
             if !array.init[i] {
                 return Err((t, format!("load of {buf}[{i}], which was never written")));
@@ -730,9 +757,8 @@ impl<'k> Block<'k> {
                     ));
                 }
             }
-            if writers.is_some() {
-                let mut readers = self.shared_readers.borrow_mut();
-                let r = &mut readers.get_mut(buf).expect("shared")[i];
+            if let Some(readers) = readers.as_mut() {
+                let r = &mut readers[i];
                 *r = r.add(t);
             }
             out[t] = widen(array.ty, array.values[i]);

@@ -100,7 +100,26 @@ impl Block<'_> {
     /// Thread `t` is about to `what` (read or overwrite) shared `array[i]`: if a TMA copy wrote
     /// it, `t` must have waited for the barrier phase that copy completed.
     pub(super) fn check_landed(&self, array: &str, i: usize, t: usize, what: &str) -> Result<(), Fault> {
-        match self.landings.copies.get(array).and_then(|l| l[i].as_ref()) {
+        self.check_landed_in(self.landed_copies(array), array, i, t, what)
+    }
+
+    /// Which TMA copy (barrier, phase) wrote each element of shared `array` (for checks of
+    /// many threads' accesses, looked up once).
+    pub(super) fn landed_copies(&self, array: &str) -> Option<&[Option<(String, u64)>]> {
+        self.landings.copies.get(array).map(Vec::as_slice)
+    }
+
+    /// [`check_landed`](Self::check_landed) over `copies`, the array's
+    /// [`landed_copies`](Self::landed_copies).
+    pub(super) fn check_landed_in(
+        &self,
+        copies: Option<&[Option<(String, u64)>]>,
+        array: &str,
+        i: usize,
+        t: usize,
+        what: &str,
+    ) -> Result<(), Fault> {
+        match copies.and_then(|l| l[i].as_ref()) {
             Some((key, phase)) if !self.barriers.seen(t, key, *phase) => Err((
                 t,
                 format!("{what} {array}[{i}] before waiting for phase {phase} of mbarrier {key}, which completes the TMA copy into it"),
