@@ -480,3 +480,44 @@ fn the_serve_sweep_serves_and_measures_every_run() {
         assert!(results.path().join(format!("{name}.svg")).is_file());
     }
 }
+
+/// The GPU check's speculation runs, here with a CPU target: a tiny Llama of random weights
+/// (SmolLM2's vocabulary, so its tokenizer serves it) served without drafts, drafting for
+/// itself (every draft accepted) and drafted for by its first layer; each run's report written,
+/// with drafts only where there is a drafter.
+#[test]
+fn the_speculation_runs_serve_with_each_drafter() {
+    let results = common::scratch_dir("bbc-speculation-runs-");
+    let smollm2 = common::real_model("smollm2");
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(common::fixture("hf-tiny/llama/config.json")).unwrap()).unwrap();
+    config["vocab_size"] = 49_152.into();
+    let sweep: [(usize, usize, &[usize]); 1] = [(16, 8, &[1, 2])];
+    bbc::gpu_check::serve::speculation_runs(
+        std::path::Path::new(env!("CARGO_BIN_EXE_bbc")),
+        &config,
+        codegen::Target::Cpu,
+        &smollm2,
+        &sweep,
+        results.path(),
+    )
+    .unwrap();
+    for run in ["no-drafts", "drafts-accepted", "drafts-refused"] {
+        let path = results.path().join(format!("speculation-{run}/sweep-isl16-osl8.json"));
+        let report: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let runs = report["runs"].as_array().unwrap();
+        assert_eq!(runs.len(), 2, "{run}: {report}");
+        for r in runs {
+            assert!(r["completed"].as_u64().unwrap() >= 2, "{run}: {r}");
+            let drafted = r["speculation"]["draft_tokens"].as_u64();
+            match run {
+                "no-drafts" => assert!(drafted.is_none(), "{r}"),
+                "drafts-accepted" => {
+                    assert!(drafted.unwrap() > 0, "{r}");
+                    assert_eq!(r["speculation"]["accepted_tokens"].as_u64(), drafted, "{r}");
+                }
+                _ => assert!(drafted.unwrap() > 0, "{r}"),
+            }
+        }
+    }
+}

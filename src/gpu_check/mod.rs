@@ -25,6 +25,9 @@
 //!    three vocabularies (`draft-heads`, [`draft_head`]);
 //! 9. the Llama-3-8B shape with random weights served as `bbc serve` serves it, and the
 //!    InferenceX sweep run against it (`serve`, [`serve`]).
+//! 10. outside the default sections: the Llama-3-8B shape served with a draft model drafting
+//!     3 tokens a step, itself (every draft accepted) and its first layer (drafts refused),
+//!     against no drafts (`speculation`, [`serve::speculation`]).
 //!
 //! Every section runs even when an earlier one fails (a GPU run is rare: it should say all it
 //! can); the command fails if any did.
@@ -92,6 +95,7 @@ pub enum Section {
     Hybrid,
     DraftHeads,
     Serve,
+    Speculation,
 }
 
 pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
@@ -152,6 +156,9 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
                 };
                 serve::check(target, &tokenizer, size, &args.results)
             }),
+            Section::Speculation => {
+                smollm2_weights(&args.model).and_then(|tokenizer| serve::speculation(target, &tokenizer, &args.results))
+            }
         };
         if let Err(e) = result {
             println!("\n{section:?} FAILED: {}", crate::report::error_report(&e));

@@ -29,10 +29,89 @@ pub enum SweepSize {
 /// the sweep against it; the reports and charts go to `results`.
 pub fn check(target: codegen::Target, tokenizer: &Path, size: SweepSize, results: &Path) -> Result<()> {
     let scratch = super::scratch_dir("bbc-gpu-check-serve-")?;
-    let artifact = scratch.path().join("llama3-8b");
+    let artifact = compile_shape("llama3-8b", target, tokenizer, scratch.path())?;
+    let bbc = std::env::current_exe().context("finding the bbc binary")?;
+    serve_and_sweep(&bbc, &artifact, &[], tokenizer, &SWEEP, size, results)
+}
+
+/// The speculation runs: ISL 1 024, OSL 256, at concurrency 1 and 16.
+pub const SPECULATION_SWEEP: [(usize, usize, &[usize]); 1] = [(1024, 256, &[1, 16])];
+/// Drafted tokens a step in the speculation runs (vLLM's and the seeds' MTP setting).
+const DRAFTS: &str = "3";
+
+/// `bbc gpu-check --sections speculation`: the `llama3-8b` shape through
+/// [`speculation_runs`] at [`SPECULATION_SWEEP`].
+pub fn speculation(target: codegen::Target, tokenizer: &Path, results: &Path) -> Result<()> {
+    let config = models::config::shapes::config_json("llama3-8b").context("the llama3-8b shape")?;
+    let bbc = std::env::current_exe().context("finding the bbc binary")?;
+    speculation_runs(&bbc, &config, target, tokenizer, &SPECULATION_SWEEP, results)
+}
+
+/// The model of HF `config` (random weights) compiled for `target` and served by `bbc` three
+/// ways, `sweep` run against each (one wave a run; `bbc bench` reports the acceptance):
+/// without drafts (`no-drafts`); drafting 3 tokens a step for itself, a draft model equal to
+/// the target (`drafts-accepted`: every draft accepted, the mechanism's ceiling); and drafted
+/// for by the same config cut to its first layer (`drafts-refused`: guesses the target
+/// mostly refuses, the mechanism's cost). Reports in `results/speculation-{run}/`.
+pub fn speculation_runs(
+    bbc: &Path,
+    config: &serde_json::Value,
+    target: codegen::Target,
+    tokenizer: &Path,
+    sweep: &[(usize, usize, &[usize])],
+    results: &Path,
+) -> Result<()> {
+    let scratch = super::scratch_dir("bbc-gpu-check-speculation-")?;
+    let write = |name: &str, config: &serde_json::Value| -> Result<String> {
+        let path = scratch.path().join(name);
+        std::fs::write(&path, config.to_string())?;
+        Ok(path.display().to_string())
+    };
+    let model = compile_shape(&write("model.json", config)?, target, tokenizer, scratch.path())?;
+    let drafter = compile_shape(
+        &write("first-layer.json", &first_layer(config))?,
+        target,
+        tokenizer,
+        scratch.path(),
+    )?;
+    let (own, cut) = (model.display().to_string(), drafter.display().to_string());
+    let runs: [(&str, Vec<&str>); 3] = [
+        ("no-drafts", vec![]),
+        (
+            "drafts-accepted",
+            vec!["--speculative-model", &own, "--num-speculative-tokens", DRAFTS],
+        ),
+        (
+            "drafts-refused",
+            vec!["--speculative-model", &cut, "--num-speculative-tokens", DRAFTS],
+        ),
+    ];
+    for (name, args) in runs {
+        println!("\nspeculation, {name}:");
+        let results = results.join(format!("speculation-{name}"));
+        serve_and_sweep(bbc, &model, &args, tokenizer, sweep, SweepSize::Quick, &results)?;
+    }
+    Ok(())
+}
+
+/// `config` with only its first layer: a drafter whose embedding, head and first layer are
+/// the full model's (random weights come from each tensor's name), so only its depth differs.
+fn first_layer(config: &serde_json::Value) -> serde_json::Value {
+    let mut cut = config.clone();
+    cut["num_hidden_layers"] = 1.into();
+    cut
+}
+
+/// `bbc compile MODEL --target T` of a shape (a name or a `config.json`) into `dir`, its
+/// tokenizer from `tokenizer`, timed; the artifact's path.
+fn compile_shape(model: &str, target: codegen::Target, tokenizer: &Path, dir: &Path) -> Result<std::path::PathBuf> {
+    let stem = Path::new(model)
+        .file_stem()
+        .map_or(model.into(), |s| s.to_string_lossy());
+    let artifact = dir.join(format!("{stem}.artifact"));
     let started = Instant::now();
     crate::commands::compile::compile(&crate::commands::compile::CompileArgs {
-        model: "llama3-8b",
+        model,
         target: target.name(),
         output: &artifact,
         emit: None,
@@ -41,12 +120,8 @@ pub fn check(target: codegen::Target, tokenizer: &Path, size: SweepSize, results
         tokenizer: tokenizer.to_str(),
         draft_head: crate::serve::DraftHead::Full,
     })?;
-    println!(
-        "compiled the llama3-8b shape in {:.1} s",
-        started.elapsed().as_secs_f64()
-    );
-    let bbc = std::env::current_exe().context("finding the bbc binary")?;
-    serve_and_sweep(&bbc, &artifact, &[], tokenizer, &SWEEP, size, results)
+    println!("compiled {stem} in {:.1} s", started.elapsed().as_secs_f64());
+    Ok(artifact)
 }
 
 /// Serve `model` with the `bbc` binary at `bbc` (and `serve_args`), run `sweep` against it
@@ -161,5 +236,23 @@ impl Drop for ServerProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The drafter's config reads as the full shape's but for its depth.
+    #[test]
+    fn the_cut_drafter_is_the_shape_with_one_layer() {
+        let read = |value| models::ModelConfig::from_hf_json(value, Path::new("config.json")).unwrap();
+        let shape = models::config::shapes::config_json("llama3-8b").unwrap();
+        let (full, cut) = (read(shape.clone()), read(first_layer(&shape)));
+        assert_eq!((full.layers, cut.layers), (32, 1));
+        assert_eq!(
+            (cut.vocab_size, cut.hidden, cut.intermediate, cut.heads),
+            (full.vocab_size, full.hidden, full.intermediate, full.heads)
+        );
     }
 }
