@@ -148,19 +148,20 @@ fn ways<'a, B>(head: &Head, kernels: &[Kernel], b: &'a Buffers<B>, batch: usize)
         ];
         launch(kernels, name, args)
     };
+    // `top_k`'s rounds: the best `k` of each row of `scores` into `out`.
+    let rounds = |name: &str, scores: &'a B, out: &'a B, k: usize| {
+        let args = vec![
+            ("logits", whole(scores, batch * vocab * 4)),
+            ("out", whole(out, batch * k * 4)),
+            ("rows", int(batch)),
+            ("v", int(vocab)),
+            ("k", int(k)),
+        ];
+        launch(kernels, name, args)
+    };
     let full = vec![
         matmul(gemv_name, whole(&b.w, vocab * d * 2), &b.logits)?,
-        launch(
-            kernels,
-            "argmax",
-            vec![
-                ("logits", whole(&b.logits, batch * vocab * 4)),
-                ("out", whole(&b.tokens, batch * 4)),
-                ("rows", int(batch)),
-                ("v", int(vocab)),
-                ("k", int(1)),
-            ],
-        )?,
+        rounds("argmax", &b.logits, &b.tokens, 1)?,
     ];
     let coarse = matmul("shortlist_coarse", whole(&b.w4, head.q4_bytes()), &b.coarse)?;
     let passes = top_k_sort::passes(vocab, c);
@@ -188,17 +189,7 @@ fn ways<'a, B>(head: &Head, kernels: &[Kernel], b: &'a Buffers<B>, batch: usize)
         });
         sort_alone.push(launch(kernels, &sort_kernel(n), args)?);
     }
-    let rounds_alone = vec![launch(
-        kernels,
-        "top_k_rounds",
-        vec![
-            ("logits", whole(&b.coarse, batch * vocab * 4)),
-            ("out", whole(&b.candidates, batch * c * 4)),
-            ("rows", int(batch)),
-            ("v", int(vocab)),
-            ("k", int(c)),
-        ],
-    )?];
+    let rounds_alone = vec![rounds("top_k_rounds", &b.coarse, &b.candidates, c)?];
     let rescore_and_pick = vec![
         launch(
             kernels,
