@@ -18,6 +18,7 @@ use crate::types::{check, Scope};
 use asynchronous::AsyncState;
 use half::bf16;
 use mbarrier::Barriers;
+use std::borrow::Cow;
 use std::collections::HashMap;
 use tcgen05::TensorMemory;
 use tma::{Landings, ResolvedMap};
@@ -767,14 +768,25 @@ impl<'k> Block<'k> {
     }
 
     fn eval(&self, e: &Expr, mask: &[bool], global: &HashMap<String, Array>) -> Result<Vec<Val>, Fault> {
+        Ok(self.eval_typed(e, mask, global)?.0.into_owned())
+    }
+
+    /// [`eval_typed`](Self::eval_typed)'s values alone, a local's borrowed.
+    fn operand(&self, e: &Expr, mask: &[bool], global: &HashMap<String, Array>) -> Result<Cow<'_, [Val]>, Fault> {
         Ok(self.eval_typed(e, mask, global)?.0)
     }
 
     /// `e`'s values on the active threads and its compute type (`Scope::type_of`'s, found
     /// on the way up rather than by walking each operand again: the kernel is type-checked).
-    fn eval_typed(&self, e: &Expr, mask: &[bool], global: &HashMap<String, Array>) -> Result<(Vec<Val>, Ty), Fault> {
+    /// A local's values are borrowed, not copied: most operands are locals.
+    fn eval_typed(
+        &self,
+        e: &Expr,
+        mask: &[bool],
+        global: &HashMap<String, Array>,
+    ) -> Result<(Cow<'_, [Val]>, Ty), Fault> {
         let n = mask.len();
-        Ok(match e {
+        let (values, ty) = match e {
             Expr::F32(v) => (vec![Val::F(*v); n], Ty::F32),
             Expr::Int(v) => (vec![Val::I(*v); n], Ty::I32),
             Expr::Bool(b) => (vec![Val::B(*b); n], Ty::Bool),
@@ -799,27 +811,27 @@ impl<'k> Block<'k> {
                     return Err((t, format!("`{name}` read before it was set on this thread")));
                 }
                 let ty = self.scope.vars.get(name).copied().unwrap_or(Ty::I32);
-                (vals.clone(), ty)
+                return Ok((Cow::Borrowed(vals), ty));
             }
             Expr::Load { buf, index } => {
-                let idx = self.eval(index, mask, global)?;
+                let idx = self.operand(index, mask, global)?;
                 (self.load_at(buf, &idx, mask, global)?, self.array_type(buf, global))
             }
             Expr::LoadRow { buf, row, width, col } => {
                 let (r, w, c) = (
-                    self.eval(row, mask, global)?,
-                    self.eval(width, mask, global)?,
-                    self.eval(col, mask, global)?,
+                    self.operand(row, mask, global)?,
+                    self.operand(width, mask, global)?,
+                    self.operand(col, mask, global)?,
                 );
                 // In 64 bits, as the emitted `(long long)` product is.
                 let idx: Vec<Val> = (0..n).map(|t| Val::I(r[t].i() * w[t].i() + c[t].i())).collect();
                 (self.load_at(buf, &idx, mask, global)?, self.array_type(buf, global))
             }
             Expr::Bin(op, a, b) => {
-                let ((x, ty), y) = (self.eval_typed(a, mask, global)?, self.eval(b, mask, global)?);
+                let ((x, ty), y) = (self.eval_typed(a, mask, global)?, self.operand(b, mask, global)?);
                 let mut out = vec![Val::Undef; n];
                 // Zipped, not indexed: no bounds checks in the loop every operator runs.
-                let lanes = out.iter_mut().zip(mask).zip(x.iter().zip(&y)).enumerate();
+                let lanes = out.iter_mut().zip(mask).zip(x.iter().zip(y.iter())).enumerate();
                 for (t, ((out, _), (&x, &y))) in lanes.filter(|(_, ((_, &m), _))| m) {
                     *out = binop(*op, x, y, ty).ok_or_else(|| (t, binop_fault(*op, x, y, ty)))?;
                 }
@@ -832,8 +844,8 @@ impl<'k> Block<'k> {
             Expr::Un(op, a) => {
                 let (x, ty) = self.eval_typed(a, mask, global)?;
                 let values = x
-                    .into_iter()
-                    .map(|v| match (op, v) {
+                    .iter()
+                    .map(|&v| match (op, v) {
                         (_, Val::Undef) => Val::Undef,
                         (UnOp::Neg, Val::I(i)) => Val::I(-i),
                         (UnOp::Abs, Val::I(i)) => Val::I(i.abs()),
@@ -854,10 +866,10 @@ impl<'k> Block<'k> {
                 (values, result)
             }
             Expr::Cast(ty, a) => {
-                let x = self.eval(a, mask, global)?;
+                let x = self.operand(a, mask, global)?;
                 let values = x
-                    .into_iter()
-                    .map(|v| match v {
+                    .iter()
+                    .map(|&v| match v {
                         Val::Undef => Val::Undef,
                         v => widen(*ty, narrow(*ty, v)),
                     })
@@ -866,9 +878,9 @@ impl<'k> Block<'k> {
             }
             Expr::Select(c, a, b) => {
                 let (c, (x, ty), y) = (
-                    self.eval(c, mask, global)?,
+                    self.operand(c, mask, global)?,
                     self.eval_typed(a, mask, global)?,
-                    self.eval(b, mask, global)?,
+                    self.operand(b, mask, global)?,
                 );
                 ((0..n).map(|t| if c[t].b() { x[t] } else { y[t] }).collect(), ty)
             }
@@ -890,7 +902,8 @@ impl<'k> Block<'k> {
                 }
                 (out, ty)
             }
-        })
+        };
+        Ok((Cow::Owned(values), ty))
     }
 
     /// The compute type of array `buf`'s elements (shared or global).
