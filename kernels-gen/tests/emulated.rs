@@ -488,13 +488,10 @@ fn concat_columns_matches_the_reference() {
             ("b_stride", b_stride as i64),
         ]);
         run(&gather::concat_columns("concat", "test"), &mut bufs, &scalars).unwrap();
-        let rows_of = |x: &[f32], stride: usize, len: usize| -> Vec<f32> {
-            x.chunks(stride).flat_map(|r| r[..len].to_vec()).collect()
-        };
         let want = ops::concat_columns(
-            &rows_of(&a, a_stride, a_width),
+            &rows_of(&a, rows, a_width, a_stride),
             a_width,
-            &rows_of(&b, b_stride, b_width),
+            &rows_of(&b, rows, b_width, b_stride),
             b_width,
         );
         assert_eq!(bufs["out"].to_f32().unwrap(), want);
