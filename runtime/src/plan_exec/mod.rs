@@ -835,17 +835,18 @@ fn upload_weights<D: PlanDevice>(
     held: &mut HashMap<BufferKey, (D::Buffer, usize)>,
 ) -> Result<()> {
     std::thread::scope(|scope| {
-        let make = |w: &gpu_plan::WeightUse| {
-            let (dtype, parts) = (w.dtype, w.parts.clone());
-            scope.spawn(move || weight_bytes(dtype, &parts, source))
+        // Weight `i`'s bytes, made on a thread of the scope (borrowing the plan's parts).
+        let make = |i: usize| {
+            let w = weights.get(i)?;
+            Some(scope.spawn(move || weight_bytes(w.dtype, &w.parts, source)))
         };
-        let mut next = weights.first().map(make);
+        let mut next = make(0);
         for (i, w) in weights.iter().enumerate() {
             let Some(making) = next.take() else { break };
             let bytes = making
                 .join()
                 .map_err(|_| RuntimeError::Weight(format!("making weight %{} panicked", w.node)))??;
-            next = weights.get(i + 1).map(make);
+            next = make(i + 1);
             held.insert(BufferKey::Weight(w.node), (device.upload(&bytes)?, bytes.len()));
         }
         Ok(())

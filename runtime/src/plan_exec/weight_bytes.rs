@@ -26,10 +26,12 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// One part as read: its tensor, the rows it takes, and its rows' geometry.
+/// One part as read: its tensor, the rows it takes, how the plan holds them, and its rows'
+/// geometry.
 struct PartView<'s> {
     view: TensorView<'s>,
     rows: Vec<Range<usize>>,
+    encoding: Encoding,
     /// Source bytes and elements of a row.
     row_bytes: usize,
     row_elements: usize,
@@ -60,14 +62,21 @@ impl Encoding {
             ))),
         }
     }
+}
 
+impl<'s> PartView<'s> {
     /// Output bytes of a source row.
-    fn row_bytes(self, part: &PartView<'_>) -> usize {
-        match self {
-            Self::F32 => part.row_elements * 4,
-            Self::Bf16 => part.row_elements * 2,
-            Self::Stored => part.row_bytes,
+    fn out_row_bytes(&self) -> usize {
+        match self.encoding {
+            Encoding::F32 => self.row_elements * 4,
+            Encoding::Bf16 => self.row_elements * 2,
+            Encoding::Stored => self.row_bytes,
         }
+    }
+
+    /// The source bytes of `rows`.
+    fn bytes(&self, rows: &Range<usize>) -> &'s [u8] {
+        &self.view.bytes[rows.start * self.row_bytes..rows.end * self.row_bytes]
     }
 }
 
@@ -76,46 +85,37 @@ impl Encoding {
 pub(crate) fn weight_bytes<'s>(dtype: DType, parts: &[WeightPart], source: &'s dyn Tensors) -> Result<Cow<'s, [u8]>> {
     let views = parts
         .iter()
-        .map(|part| part_view(part, source))
+        .map(|part| part_view(part, dtype, source))
         .collect::<Result<Vec<_>>>()?;
-    let encodings = parts
-        .iter()
-        .zip(&views)
-        .map(|(part, v)| Encoding::of(dtype, v.view.dtype, part.name()))
-        .collect::<Result<Vec<_>>>()?;
-    if let ([view], [Encoding::Stored]) = (views.as_slice(), encodings.as_slice()) {
-        if let ([rows], None) = (view.rows.as_slice(), &view.transposed) {
-            return Ok(Cow::Borrowed(
-                &view.view.bytes[rows.start * view.row_bytes..rows.end * view.row_bytes],
-            ));
+    if let [view] = views.as_slice() {
+        if let (Encoding::Stored, [rows], None) = (view.encoding, view.rows.as_slice(), &view.transposed) {
+            return Ok(Cow::Borrowed(view.bytes(rows)));
         }
     }
     let total: usize = views
         .iter()
-        .zip(&encodings)
-        .map(|(v, e)| v.rows.iter().map(|r| r.len()).sum::<usize>() * e.row_bytes(v))
+        .map(|v| v.rows.iter().map(|r| r.len()).sum::<usize>() * v.out_row_bytes())
         .sum();
     let mut out = vec![0u8; total];
     let mut rest = out.as_mut_slice();
-    for ((part, view), &encoding) in parts.iter().zip(&views).zip(&encodings) {
+    for (part, view) in parts.iter().zip(&views) {
         if let Some(order) = &view.transposed {
-            let len = order.len() * encoding.row_bytes(view) / view.row_elements.max(1);
+            let len = order.len() * view.out_row_bytes() / view.row_elements.max(1);
             let (here, after) = rest.split_at_mut(len);
-            transposed(view, order, encoding, here, part)?;
+            transposed(view, order, here, part)?;
             rest = after;
             continue;
         }
         for rows in &view.rows {
-            let (here, after) = rest.split_at_mut(rows.len() * encoding.row_bytes(view));
-            let from = &view.view.bytes[rows.start * view.row_bytes..rows.end * view.row_bytes];
-            convert_rows(view, encoding, from, here);
+            let (here, after) = rest.split_at_mut(rows.len() * view.out_row_bytes());
+            convert_rows(view, view.bytes(rows), here);
             rest = after;
         }
     }
     Ok(Cow::Owned(out))
 }
 
-fn part_view<'s>(part: &WeightPart, source: &'s dyn Tensors) -> Result<PartView<'s>> {
+fn part_view<'s>(part: &WeightPart, dtype: DType, source: &'s dyn Tensors) -> Result<PartView<'s>> {
     let name = part.name();
     let view = source
         .tensor(name)
@@ -127,6 +127,7 @@ fn part_view<'s>(part: &WeightPart, source: &'s dyn Tensors) -> Result<PartView<
     }
     let row_elements = view.elements() / rows;
     Ok(PartView {
+        encoding: Encoding::of(dtype, view.dtype, name)?,
         rows: selected,
         row_bytes: view.bytes.len() / rows,
         row_elements,
@@ -137,8 +138,8 @@ fn part_view<'s>(part: &WeightPart, source: &'s dyn Tensors) -> Result<PartView<
 
 /// Source rows `from` (whole rows of `part`'s tensor) into `out`, encoded, a chunk of rows a
 /// task.
-fn convert_rows(part: &PartView<'_>, encoding: Encoding, from: &[u8], out: &mut [u8]) {
-    let out_row = encoding.row_bytes(part);
+fn convert_rows(part: &PartView<'_>, from: &[u8], out: &mut [u8]) {
+    let (encoding, out_row) = (part.encoding, part.out_row_bytes());
     let rows_per_chunk = (CHUNK_BYTES / out_row.max(1)).max(1);
     out.par_chunks_mut(rows_per_chunk * out_row)
         .zip(from.par_chunks(rows_per_chunk * part.row_bytes))
@@ -170,14 +171,8 @@ fn encode(values: &[f32], encoding: Encoding, out: &mut [u8]) {
 
 /// A part that transposes row groups: its elements in `order`, into `out`. Small (GLM-5's
 /// `W_UK`), so on one thread, from the whole tensor's values.
-fn transposed(
-    part: &PartView<'_>,
-    order: &[usize],
-    encoding: Encoding,
-    out: &mut [u8],
-    which: &WeightPart,
-) -> Result<()> {
-    match (encoding, part.view.dtype) {
+fn transposed(part: &PartView<'_>, order: &[usize], out: &mut [u8], which: &WeightPart) -> Result<()> {
+    match (part.encoding, part.view.dtype) {
         (Encoding::Stored, GgmlType::F16 | GgmlType::BF16 | GgmlType::F32) => {
             let width = part.row_bytes / part.row_elements.max(1);
             for (o, &i) in out.chunks_exact_mut(width).zip(order) {
@@ -193,7 +188,7 @@ fn transposed(
         _ => {
             let values = part.view.to_f32().data;
             let picked: Vec<f32> = order.iter().map(|&i| values[i]).collect();
-            encode(&picked, encoding, out);
+            encode(&picked, part.encoding, out);
             Ok(())
         }
     }
