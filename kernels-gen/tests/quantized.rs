@@ -1,5 +1,6 @@
-//! The quantized GEMV and embedding gather, on the emulator, against the `quant` crate's
-//! dequantization (itself checked against gguf-py) on the real blocks in the fixtures.
+//! The quantized GEMV, embedding gather and weight conversion, on the emulator, against the
+//! `quant` crate's dequantization (itself checked against gguf-py) on the real blocks in the
+//! fixtures.
 
 use ir::DType;
 use kernels_gen::dsl::Ty;
@@ -7,6 +8,7 @@ use kernels_gen::emulator::{run, Array, Scalar};
 use kernels_gen::templates::embedding::embedding;
 use kernels_gen::templates::gemv::{gemv, GemvSpec, NormPrologue};
 use kernels_gen::templates::quant::{block_layout, WeightFormat};
+use kernels_gen::templates::weight_convert::{convert_kernel, CONVERTED_TO};
 use kernels_gen::templates::QUANT_FORMATS;
 use models::quant::GgmlType;
 use std::collections::HashMap;
@@ -185,5 +187,76 @@ fn quantized_embedding_gathers_dequantized_rows() {
             .flat_map(|&i| table[i as usize * d..(i as usize + 1) * d].to_vec())
             .collect();
         assert_eq!(bufs["out"].to_f32().unwrap(), want, "{format}");
+    }
+}
+
+/// A value's bits, every NaN as one: the emulator holds values, not bit patterns, so a NaN's
+/// payload is not compared (the CUDA rounding keeps it as the host's does: `bbc_f32_to_bf16`).
+fn bits(v: f32) -> u32 {
+    if v.is_nan() {
+        f32::NAN.to_bits()
+    } else {
+        v.to_bits()
+    }
+}
+
+/// The values a converted weight holds: `values` rounded to `to` as the host rounds them.
+fn held_as(to: DType, values: &[f32]) -> Vec<u32> {
+    values
+        .iter()
+        .map(|&v| match to {
+            DType::BF16 => bits(half::bf16::from_f32(v).to_f32()),
+            _ => bits(v),
+        })
+        .collect()
+}
+
+/// Run the conversion from `from` to `to` over `w`, `n` elements; the values as bits.
+fn converted(from: DType, to: DType, w: Array, n: usize) -> Vec<u32> {
+    let kernel = convert_kernel(from, to).unwrap();
+    let out_ty = if to == DType::BF16 { Ty::Bf16 } else { Ty::F32 };
+    let mut bufs = HashMap::from([("w".into(), w), ("out".into(), Array::poisoned(out_ty, n))]);
+    run(&kernel, &mut bufs, &ints(&[("n", n as i64)])).unwrap();
+    bufs["out"].to_f32().unwrap().into_iter().map(bits).collect()
+}
+
+#[test]
+fn block_weights_convert_on_the_device_to_the_hosts_values() {
+    for format in QUANT_FORMATS {
+        // The fixture's blocks as one run of rows: blocks lie back to back across rows.
+        let data = blocks(format);
+        let (be, bb) = block_layout(format).unwrap();
+        let n = data.len() / bb as usize * be as usize;
+        let mut want = vec![0f32; n];
+        ggml(format).dequantize(&data, &mut want);
+        for to in CONVERTED_TO {
+            let got = converted(format, to, Array::u8(&data), n);
+            assert_eq!(got, held_as(to, &want), "{format} to {to}");
+        }
+    }
+}
+
+#[test]
+fn half_weights_convert_on_the_device_as_the_host_rounds() {
+    // Every f16 and bf16 value: zeros of both signs, subnormals, infinities, NaNs.
+    let f16s: Vec<half::f16> = (0..=u16::MAX).map(half::f16::from_bits).collect();
+    let bf16s: Vec<half::bf16> = (0..=u16::MAX).map(half::bf16::from_bits).collect();
+    for to in CONVERTED_TO {
+        let want: Vec<f32> = f16s.iter().map(|v| v.to_f32()).collect();
+        let got = converted(DType::F16, to, Array::f16(&f16s), f16s.len());
+        assert_eq!(got, held_as(to, &want), "f16 to {to}");
+        let want: Vec<f32> = bf16s.iter().map(|v| v.to_f32()).collect();
+        let got = converted(DType::BF16, to, Array::bf16(&bf16s), bf16s.len());
+        assert_eq!(got, held_as(to, &want), "bf16 to {to}");
+    }
+}
+
+#[test]
+fn only_stored_formats_have_conversions() {
+    for from in [DType::F32, DType::I32, DType::F8E4M3] {
+        assert!(convert_kernel(from, DType::BF16).is_none(), "{from}");
+    }
+    for to in [DType::F16, DType::Q4_0] {
+        assert!(convert_kernel(DType::F16, to).is_none(), "to {to}");
     }
 }

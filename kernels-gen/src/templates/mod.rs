@@ -31,6 +31,7 @@ pub mod split_k;
 pub mod tma_gemm;
 pub mod top_k;
 pub mod top_k_sort;
+pub mod weight_convert;
 pub mod weight_prefetch;
 
 use crate::dsl::*;
@@ -995,5 +996,13 @@ pub fn catalog() -> Vec<Kernel> {
             embedding::embedding(&format!("embedding_{name}"), "catalog", Blocks(f)),
         ]
     }))
+    // Every stored format a weight is converted from on the device, to bf16; and one to f32.
+    .chain(
+        [ir::DType::F16, ir::DType::BF16]
+            .into_iter()
+            .chain(QUANT_FORMATS)
+            .filter_map(|f| weight_convert::convert_kernel(f, ir::DType::BF16)),
+    )
+    .chain(weight_convert::convert_kernel(ir::DType::Q4K, ir::DType::F32))
     .collect()
 }
