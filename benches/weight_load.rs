@@ -1,8 +1,9 @@
 //! Loading a GPU plan's weights from host tensors, as `bbc serve` loads an artifact's:
 //! `PlanExecutor::new` on a device whose uploads copy the bytes into host memory (what the
 //! driver's copy reads; the memory touched beforehand, as a device's is there), for a
-//! Llama-shaped model of about 0.4 B parameters held as a bf16 checkpoint, an f16 GGUF file
-//! and an f32 one, into a bf16 plan. Each beside a plain copy of the plan's weight bytes
+//! Llama-shaped model of about 0.4 B parameters held as a bf16 checkpoint, an f16 GGUF file,
+//! a Q4_0 one and an f32 checkpoint, into a bf16 plan; the GGUFs also converted on the device
+//! (what the host does then: upload the stored bytes). Each beside a plain copy of the plan's weight bytes
 //! into the same memory (the yardstick a load cannot beat: every byte read once and written
 //! once). `cargo bench --bench weight_load`.
 
@@ -59,12 +60,20 @@ impl PlanDevice for CopyingDevice {
     }
 }
 
-/// `tensors` with every bf16 matrix stored as `to` (f16 or f32) instead.
+/// `tensors` with every bf16 matrix stored as `to` (f16, f32 or Q4_0 blocks) instead.
 fn stored_as(tensors: &MemoryTensors, to: GgmlType) -> MemoryTensors {
     tensors
         .iter()
         .map(|(name, t)| {
             let bytes = match t.dtype {
+                GgmlType::BF16 if to == GgmlType::Q4_0 => {
+                    let values: Vec<f32> = t
+                        .bytes
+                        .chunks_exact(2)
+                        .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                        .collect();
+                    values.chunks(t.shape[1]).flat_map(quant::q4_0::quantize_row).collect()
+                }
                 GgmlType::BF16 if to != GgmlType::BF16 => t
                     .bytes
                     .chunks_exact(2)
@@ -112,14 +121,21 @@ fn main() {
     let graph = passes::optimized(&graph, bbc::model_ref::cost_model(target)).unwrap();
     let plan = codegen::gpu::build(&graph, target, 64).unwrap();
     let bf16 = runtime::random_weights::host_weights(&graph, 3);
+    let (f16, q4_0) = (stored_as(&bf16, GgmlType::F16), stored_as(&bf16, GgmlType::Q4_0));
+    // Converted on the device: the plan carries the conversion kernels, and the host only
+    // uploads the stored bytes (this device's launches do nothing; a GPU converts a GB in a
+    // few milliseconds).
     let sources = [
-        ("bf16 checkpoint", stored_as(&bf16, GgmlType::BF16)),
-        ("f16 GGUF", stored_as(&bf16, GgmlType::F16)),
-        ("f32 checkpoint", stored_as(&bf16, GgmlType::F32)),
+        ("bf16 checkpoint", &stored_as(&bf16, GgmlType::BF16), false),
+        ("f16 GGUF", &f16, false),
+        ("f16 GGUF, device", &f16, true),
+        ("Q4_0 GGUF", &q4_0, false),
+        ("Q4_0 GGUF, device", &q4_0, true),
+        ("f32 checkpoint", &stored_as(&bf16, GgmlType::F32), false),
     ];
     println!(
-        "{:>16} {:>12} {:>10} {:>10} {:>12}",
-        "source", "plan bytes", "load s", "GB/s", "copy / load"
+        "{:>18} {:>12} {:>10} {:>10} {:>12}",
+        "source", "bytes up", "load s", "GB/s", "copy / load"
     );
     let largest = plan
         .weights
@@ -127,12 +143,16 @@ fn main() {
         .map(|w| w.shape.iter().product::<usize>() * 4)
         .max()
         .unwrap_or(0);
-    for (what, tensors) in &sources {
+    for (what, tensors, on_device) in sources {
         let device = CopyingDevice {
             memory: vec![1; largest],
             uploaded: 0,
         };
-        let (plan, graph) = (plan.clone(), graph.clone());
+        let (mut plan, graph) = (plan.clone(), graph.clone());
+        if on_device {
+            let conversions = codegen::gpu::weight_conversions(&plan, tensors);
+            plan.kernels.extend(conversions.iter().map(codegen::gpu::kernel_entry));
+        }
         let started = Instant::now();
         let exec = PlanExecutor::new(device, plan, graph, tensors, &[], 256).unwrap();
         let seconds = started.elapsed().as_secs_f64();
@@ -153,7 +173,7 @@ fn main() {
             })
             .unwrap();
         println!(
-            "{what:>16} {:>12} {seconds:>10.3} {:>10.2} {:>12.2}",
+            "{what:>18} {:>12} {seconds:>10.3} {:>10.2} {:>12.2}",
             bytes,
             bytes as f64 / seconds / 1e9,
             copy / seconds

@@ -252,6 +252,42 @@ fn a_quantized_moe_gguf_compiles_for_every_gpu_target() {
     }
 }
 
+/// `bbc compile` of a GGUF into bf16 plans: each plan carries the kernels that convert the
+/// file's block formats on the device where it loads (with their cubins); kept in its blocks,
+/// none.
+#[test]
+fn gguf_blocks_compiled_to_bf16_carry_their_conversions() {
+    if !nvrtc_present() {
+        return;
+    }
+    let scratch = common::scratch_dir("bbc-gpu-convert-");
+    let weights = bbc::gpu_check::tiny_gguf::quantized_llama(scratch.path()).unwrap();
+    for (dtype, conversions) in [
+        ("bf16", ["convert_q8_0_to_bf16", "convert_q4_0_to_bf16"].as_slice()),
+        ("native", &[]),
+    ] {
+        let toml = scratch.path().join(format!("{dtype}.toml"));
+        std::fs::write(&toml, format!("[model]\nweights = {weights:?}\ndtype = \"{dtype}\"\n")).unwrap();
+        let output = scratch.path().join(dtype);
+        compile_every_plan(&toml, Target::H200, &output);
+        let manifest = codegen::read_manifest(&output).unwrap();
+        for file in [manifest.plan, manifest.greedy_plan, manifest.serving_plan]
+            .iter()
+            .flatten()
+        {
+            let plan: gpu::GpuPlan =
+                serde_json::from_str(&std::fs::read_to_string(output.join(file)).unwrap()).unwrap();
+            let carried: Vec<&str> = plan
+                .kernels
+                .iter()
+                .map(|k| k.name.as_str())
+                .filter(|name| name.starts_with("convert_"))
+                .collect();
+            assert_eq!(carried, conversions, "{dtype}: {file}");
+        }
+    }
+}
+
 /// `bbc compile` of `model` (weights or a model.toml) for `target` into `output`: every plan
 /// there, each kernel with its cubin and register count (ptxas built it without spills).
 fn compile_every_plan(model: &std::path::Path, target: Target, output: &std::path::Path) {

@@ -428,6 +428,51 @@ fn tiny_f16_llama_plans_agree_with_the_cpu_backend() {
     check_gguf("f16 llama", tiny_gguf::f16_llama);
 }
 
+/// A GGUF's blocks and an f16 file loaded into bf16 plans: the plan carries the kernels that
+/// convert their stored forms (`gpu::weight_conversions`, as `bbc compile` adds them), the
+/// executor uploads the stored bytes and converts them on the device, and the plan computes
+/// bit for bit what it computes on weights converted on the host.
+#[test]
+fn weights_converted_on_the_device_equal_those_converted_on_the_host() {
+    for (name, make, stored) in [
+        (
+            "quantized",
+            tiny_gguf::quantized_llama as fn(&std::path::Path) -> _,
+            ["q8_0", "q4_0"].as_slice(),
+        ),
+        ("f16", tiny_gguf::f16_llama, ["f16"].as_slice()),
+    ] {
+        let scratch = tempfile::Builder::new().prefix("bbc-converted-").tempdir().unwrap();
+        let model = open_at(&make(scratch.path()).unwrap(), ComputeDtype::Bf16);
+        let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
+        let (plan, kernels) = gpu::build_with_kernels(&graph, Target::H200, 32).unwrap();
+        let conversions = gpu::weight_conversions(&plan, &model.weights);
+        let names: Vec<&str> = conversions.iter().map(|k| k.name.as_str()).collect();
+        let expected: Vec<String> = stored.iter().map(|s| format!("convert_{s}_to_bf16")).collect();
+        assert_eq!(names, expected, "{name}");
+        let mut converting = plan.clone();
+        converting.kernels.extend(conversions.iter().map(gpu::kernel_entry));
+        let on_host = EmulatorBackend::emulated(plan, kernels.clone(), graph.clone(), &model.weights, &[], 64).unwrap();
+        let with_conversions = [kernels, conversions].concat();
+        let on_device =
+            EmulatorBackend::emulated(converting, with_conversions, graph, &model.weights, &[], 64).unwrap();
+        for kernel in &expected {
+            let launched = on_device.with_device(|d| d.launches_of(kernel)).unwrap();
+            assert!(launched > 0, "{name}: {kernel} never ran");
+        }
+        // A prompt through the tensor-core GEMM, then a decode step.
+        let (mut a, mut b) = (on_host.new_sequence(), on_device.new_sequence());
+        let prompt: Vec<u32> = (0..PREFILL_TOKENS as u32 + 1).map(|i| (3 + 17 * i) % 300).collect();
+        for ids in [prompt, vec![5]] {
+            let (want, got) = (
+                on_host.step(&mut a, &ids).unwrap(),
+                on_device.step(&mut b, &ids).unwrap(),
+            );
+            assert_eq!(got["logits"].data, want["logits"].data, "{name}");
+        }
+    }
+}
+
 /// Half KV caches (`kv_cache_dtype = "f16"`, llama.cpp's default): the plans' appends round
 /// keys and values to IEEE half as the CPU backend's pages do, and attention reads them back
 /// exactly, on every target. Keys a last f32 bit apart (GPU and CPU sum in different orders)

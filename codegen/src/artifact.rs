@@ -136,8 +136,11 @@ pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path
     let serving = serving.filter(|_| target != Target::Cpu);
     let mtp = mtp.filter(|_| serving.is_some());
     // A model with random weights has them made where its plans run: each plan carries the
-    // fill kernels.
-    let fills = model.spec.random_weights.is_some();
+    // fill kernels. Stored weights the device converts: the conversion kernels.
+    let loading = (
+        model.spec.random_weights.is_some(),
+        &model.weights as &dyn quant::tensor::Tensors,
+    );
     let (plan, greedy_plan, serving_plan, mtp_plan) = match target {
         Target::Cpu => (None, None, None, None),
         gpu => (
@@ -147,20 +150,20 @@ pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path
                 dir,
                 ("kernels", "plan.json"),
                 None,
-                fills,
+                loading,
             )?),
             greedy
-                .map(|g| write_gpu_program(g, gpu, dir, ("kernels/greedy", "greedy_plan.json"), None, fills))
+                .map(|g| write_gpu_program(g, gpu, dir, ("kernels/greedy", "greedy_plan.json"), None, loading))
                 .transpose()?,
             serving
                 .map(|g| {
                     let cache = Some(DEFAULT_SERVING_CACHE);
-                    write_gpu_program(g, gpu, dir, ("kernels/serving", "serving_plan.json"), cache, fills)
+                    write_gpu_program(g, gpu, dir, ("kernels/serving", "serving_plan.json"), cache, loading)
                 })
                 .transpose()?,
             mtp.map(|g| {
                 let cache = Some(DEFAULT_SERVING_CACHE);
-                write_gpu_program(g, gpu, dir, ("kernels/mtp", "mtp_plan.json"), cache, fills)
+                write_gpu_program(g, gpu, dir, ("kernels/mtp", "mtp_plan.json"), cache, loading)
             })
             .transpose()?,
         ),
@@ -244,14 +247,16 @@ pub const GPU_MAX_TOKENS: usize = 2048;
 /// architecture: see [`crate::spill_free`]) and the plan (`plan_file`); returns the plan's
 /// file name. Each plan's kernels go to their own directory: names are unique within a plan,
 /// not across plans. With `fills`, the plan also carries the fill kernels that make random
-/// weights on the device (`kernels_gen::templates::fill`).
+/// weights on the device (`kernels_gen::templates::fill`); and it carries the kernels that
+/// convert the stored forms of `weights` it converts on the device
+/// ([`crate::gpu::weight_conversions`]).
 fn write_gpu_program(
     graph: &Graph,
     target: Target,
     dir: &Path,
     (kernel_dir, plan_file): (&str, &str),
     batched: Option<crate::gpu::BatchedCache>,
-    fills: bool,
+    (fills, weights): (bool, &dyn quant::tensor::Tensors),
 ) -> Result<String, ArtifactError> {
     let name = target.name();
     let built = match batched {
@@ -263,6 +268,8 @@ fn write_gpu_program(
         let kernels = kernels_gen::templates::fill::fill_kernels();
         plan.kernels.extend(kernels.iter().map(crate::gpu::kernel_entry));
     }
+    let conversions = crate::gpu::weight_conversions(&plan, weights);
+    plan.kernels.extend(conversions.iter().map(crate::gpu::kernel_entry));
     let kernels = dir.join(kernel_dir);
     std::fs::create_dir_all(&kernels).map_err(io(&kernels))?;
     for k in &mut plan.kernels {

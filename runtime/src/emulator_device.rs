@@ -26,6 +26,8 @@ pub struct EmulatorDevice {
     recording: Option<Vec<RecordedLaunch>>,
     graphs: HashMap<usize, Vec<RecordedLaunch>>,
     replays: usize,
+    /// Launches run, by kernel.
+    launched: HashMap<String, usize>,
     /// The memory it says it has, where it is to say (see [`with_memory`](Self::with_memory)).
     capacity: Option<usize>,
 }
@@ -52,6 +54,7 @@ impl EmulatorDevice {
             recording: None,
             graphs: HashMap::new(),
             replays: 0,
+            launched: HashMap::new(),
             capacity: None,
         }
     }
@@ -73,8 +76,17 @@ impl EmulatorDevice {
         (self.replays, self.graphs.len())
     }
 
+    /// How many launches of `kernel` have run (replayed ones included).
+    pub fn launches_of(&self, kernel: &str) -> usize {
+        self.launched.get(kernel).copied().unwrap_or(0)
+    }
+
     /// Run one launch on the emulator.
     fn run(&mut self, kernel: &str, block: u32, args: &[DeviceArg<'_, usize>]) -> Result<()> {
+        match self.launched.get_mut(kernel) {
+            Some(count) => *count += 1,
+            None => drop(self.launched.insert(kernel.to_string(), 1)),
+        }
         let k = self
             .kernels
             .get(kernel)

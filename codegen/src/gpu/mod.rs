@@ -217,6 +217,31 @@ pub fn kernel_entry(k: &Kernel) -> KernelEntry {
     }
 }
 
+/// The kernels that make `plan`'s weights on the device from their stored form in `weights`
+/// (`kernels_gen::templates::weight_convert`): one per stored format a weight converts from,
+/// and dtype it converts to, once each. A part the host makes anyway (transposed row groups)
+/// needs none.
+pub fn weight_conversions(plan: &GpuPlan, weights: &dyn quant::tensor::Tensors) -> Vec<Kernel> {
+    use kernels_gen::templates::weight_convert::{convert_kernel, converts};
+    let mut pairs = Vec::new();
+    for w in &plan.weights {
+        for part in &w.parts {
+            let Some(tensor) = weights.tensor(part.name()) else {
+                continue;
+            };
+            let stored = quant::tensor::ir_dtype(tensor.dtype);
+            let transposed = matches!(part, WeightPart::TransposedRowGroups { .. });
+            if stored != w.dtype && converts(stored) && !transposed && !pairs.contains(&(stored, w.dtype)) {
+                pairs.push((stored, w.dtype));
+            }
+        }
+    }
+    pairs
+        .into_iter()
+        .filter_map(|(stored, to)| convert_kernel(stored, to))
+        .collect()
+}
+
 /// The weight nodes `launches` read.
 pub fn weights_read(launches: &[Launch]) -> BTreeSet<usize> {
     launches

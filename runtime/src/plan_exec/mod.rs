@@ -12,9 +12,11 @@
 //!
 //! This file: the device interface, loading a plan, one-sequence steps. `batched`: batched
 //! steps over the paged pool (and graphs of them), serving. `launch`: a step's launches with
-//! their arguments resolved.
+//! their arguments resolved. `weight_bytes`: weights as the kernels read them, made on the
+//! host; `device_convert`: made on the device from their stored form.
 
 mod batched;
+mod device_convert;
 mod launch;
 mod weight_bytes;
 
@@ -23,6 +25,7 @@ use gpu_plan::expr::Value;
 use gpu_plan::{GpuPlan, WeightPart};
 use half::bf16;
 use ir::{DType, Graph, Tensor};
+use kernels_gen::templates::weight_convert::convert_kernel_name;
 use quant::int8_rows::Int8Rows;
 use quant::tensor::Tensors;
 use std::collections::{BTreeSet, HashMap};
@@ -278,7 +281,12 @@ impl<D: PlanDevice> PlanExecutor<D> {
         }
         let mut held = HashMap::new();
         match weights {
-            PlanWeights::Host(source) => upload_weights(&mut device, &plan.weights, source, &mut held)?,
+            PlanWeights::Host(source) => {
+                // The conversions the plan carries kernels for.
+                let kernels: BTreeSet<&str> = plan.kernels.iter().map(|k| k.name.as_str()).collect();
+                let converts = |stored: DType, to: DType| kernels.contains(convert_kernel_name(stored, to).as_str());
+                upload_weights(&mut device, &plan.weights, source, &converts, &mut held)?
+            }
             PlanWeights::Generated { seed } => {
                 for w in &plan.weights {
                     let weight = crate::random_weights::make_weight(&mut device, &graph, w, seed)?;
@@ -826,31 +834,55 @@ fn four_bit_copy(w: &gpu_plan::WeightUse, weights: &PlanWeights<'_>) -> Result<V
     Ok(values.chunks(d).flat_map(quant::q4_0::quantize_row).collect())
 }
 
-/// Every weight of `weights` from `source` onto `device`, into `held`: each weight's bytes
-/// made (on other threads) while the one before it uploads.
+/// Every weight of `weights` from `source` onto `device`, into `held`: each weight converted
+/// on the device where its stored form needs converting and the device has the kernel
+/// (`converts(stored, plan dtype)`, see `device_convert`), else its bytes made on the host (on
+/// other threads) while the weight before it uploads.
 fn upload_weights<D: PlanDevice>(
     device: &mut D,
     weights: &[gpu_plan::WeightUse],
     source: &dyn Tensors,
+    converts: &dyn Fn(DType, DType) -> bool,
     held: &mut HashMap<BufferKey, (D::Buffer, usize)>,
 ) -> Result<()> {
     std::thread::scope(|scope| {
-        // Weight `i`'s bytes, made on a thread of the scope (borrowing the plan's parts).
-        let make = |i: usize| {
-            let w = weights.get(i)?;
-            Some(scope.spawn(move || weight_bytes(w.dtype, &w.parts, source)))
+        // How weight `i` is made: its stored runs, or its bytes on a thread of the scope.
+        let make = |i: usize| -> Result<Option<Making<'_, '_>>> {
+            let Some(w) = weights.get(i) else { return Ok(None) };
+            let on_device = |stored: DType| converts(stored, w.dtype);
+            Ok(Some(
+                match weight_bytes::stored_runs(w.dtype, &w.parts, source, &on_device)? {
+                    Some(runs) => Making::OnDevice(runs),
+                    None => Making::OnHost(scope.spawn(move || weight_bytes(w.dtype, &w.parts, source))),
+                },
+            ))
         };
-        let mut next = make(0);
+        let mut next = make(0)?;
         for (i, w) in weights.iter().enumerate() {
             let Some(making) = next.take() else { break };
-            let bytes = making
-                .join()
-                .map_err(|_| RuntimeError::Weight(format!("making weight %{} panicked", w.node)))??;
-            next = make(i + 1);
-            held.insert(BufferKey::Weight(w.node), (device.upload(&bytes)?, bytes.len()));
+            let made = match making {
+                Making::OnDevice(runs) => {
+                    next = make(i + 1)?;
+                    device_convert::make_on_device(device, w.dtype, &runs, device_convert::CONVERT_CHUNK)?
+                }
+                Making::OnHost(thread) => {
+                    let bytes = thread
+                        .join()
+                        .map_err(|_| RuntimeError::Weight(format!("making weight %{} panicked", w.node)))??;
+                    next = make(i + 1)?;
+                    (device.upload(&bytes)?, bytes.len())
+                }
+            };
+            held.insert(BufferKey::Weight(w.node), made);
         }
         Ok(())
     })
+}
+
+/// How a weight is being made: from its stored bytes on the device, or on a host thread.
+enum Making<'s, 'scope> {
+    OnDevice(Vec<weight_bytes::StoredRun<'s>>),
+    OnHost(std::thread::ScopedJoinHandle<'scope, Result<std::borrow::Cow<'s, [u8]>>>),
 }
 
 /// Every layer's key and value caches for `rows` positions, zeroed, into `held`.

@@ -5,7 +5,8 @@
 //! the plan's form and taken whole (a bf16 checkpoint's tensors into a bf16 plan, GGUF
 //! blocks) is handed to the upload as it lies in the file's mapping, with no copy on the
 //! host; every other is written straight into its buffer, its rows converted a chunk at a
-//! time on every core.
+//! time on every core. Where the device converts a weight's stored form instead
+//! (`device_convert`), [`stored_runs`] gives its rows as stored.
 
 use crate::{Result, RuntimeError};
 use gpu_plan::WeightPart;
@@ -113,6 +114,54 @@ pub(crate) fn weight_bytes<'s>(dtype: DType, parts: &[WeightPart], source: &'s d
         }
     }
     Ok(Cow::Owned(out))
+}
+
+/// A run of a part's rows that goes to the device as stored: converted there to the plan's
+/// dtype, or copied into place where the plan keeps it as stored.
+pub(crate) struct StoredRun<'s> {
+    /// The rows' stored bytes.
+    pub bytes: &'s [u8],
+    /// How they are stored.
+    pub stored: DType,
+    /// Whether the device converts them (else they are the plan's already).
+    pub converted: bool,
+    pub rows: usize,
+    /// Stored bytes and elements of a row.
+    pub row_bytes: usize,
+    pub row_elements: usize,
+}
+
+/// The rows of a weight made of `parts` as runs of stored bytes, where the device can make the
+/// plan's weight from them: no part transposes row groups, the device converts the stored
+/// dtype of every part that needs converting (`converts`), and there is something to do
+/// (a conversion, or several runs to stack: copies into place on the device, where the host
+/// would first write the stacked weight into fresh memory). `None` where the host makes it
+/// ([`weight_bytes`]): one run already in the plan's form (uploaded from the source as it
+/// lies), or something the device cannot do.
+pub(crate) fn stored_runs<'s>(
+    dtype: DType,
+    parts: &[WeightPart],
+    source: &'s dyn Tensors,
+    converts: &dyn Fn(DType) -> bool,
+) -> Result<Option<Vec<StoredRun<'s>>>> {
+    let mut runs = Vec::new();
+    for part in parts {
+        let view = part_view(part, dtype, source)?;
+        let stored = quant::tensor::ir_dtype(view.view.dtype);
+        let converted = view.encoding != Encoding::Stored;
+        if view.transposed.is_some() || (converted && !converts(stored)) {
+            return Ok(None);
+        }
+        runs.extend(view.rows.iter().map(|rows| StoredRun {
+            bytes: view.bytes(rows),
+            stored,
+            converted,
+            rows: rows.len(),
+            row_bytes: view.row_bytes,
+            row_elements: view.row_elements,
+        }));
+    }
+    Ok((runs.len() > 1 || runs.iter().any(|r| r.converted)).then_some(runs))
 }
 
 fn part_view<'s>(part: &WeightPart, dtype: DType, source: &'s dyn Tensors) -> Result<PartView<'s>> {
