@@ -17,22 +17,24 @@ use kernels_gen::templates::BLOCK;
 /// own): keeps the staging upload a few tens of MB and the kernel's indices inside `i32`.
 pub(super) const CONVERT_CHUNK: usize = 1 << 24;
 
-/// The weight of `dtype` (f32 or bf16) that `runs` make, in order, on `device`: each run's
-/// rows uploaded `chunk` elements at a time, then converted or copied into place.
+/// The weight of `dtype` that `runs` make, in order, on `device`: each run's rows uploaded
+/// `chunk` elements at a time, then converted (to f32 or bf16) or copied into place.
 pub(super) fn make_on_device<D: PlanDevice>(
     device: &mut D,
     dtype: DType,
     runs: &[StoredRun<'_>],
     chunk: usize,
 ) -> Result<(D::Buffer, usize)> {
+    // Bytes of a converted element (runs kept as stored need none: a stack of GGUF blocks).
     let width = match dtype {
         DType::F32 => 4,
         DType::BF16 => 2,
-        other => {
+        other if runs.iter().any(|r| r.converted) => {
             return Err(RuntimeError::Weight(format!(
                 "weights converted on the device are f32 or bf16, not {other}"
             )))
         }
+        _ => 0,
     };
     let out_bytes = |run: &StoredRun<'_>, rows: usize| match run.converted {
         true => rows * run.row_elements * width,
@@ -122,7 +124,7 @@ mod tests {
         }
     }
 
-    /// A device with every conversion kernel to `to`.
+    /// A device with every conversion kernel to `to` (none where `to` is no converted form).
     fn converting_device(to: DType) -> EmulatorDevice {
         let formats = [DType::F16, DType::BF16, DType::Q4_0, DType::Q8_0];
         EmulatorDevice::new(formats.iter().filter_map(|&f| convert_kernel(f, to)).collect())
@@ -130,17 +132,21 @@ mod tests {
 
     proptest! {
         /// Two parts (whole, or row groups), each stored in any form the device converts or
-        /// the plan keeps, into an f32 or bf16 plan, in launches of one to three rows: the
-        /// device makes the bytes the host makes, converting and stacking them in place.
+        /// the plan keeps, into an f32 or bf16 plan (or f16 or Q4_0 parts into a plan of
+        /// their own form), in launches of one to three rows: the device makes the bytes the
+        /// host makes, converting and stacking them in place.
         #[test]
         fn the_device_makes_what_the_host_makes(
             stored in (0usize..4, 0usize..4),
-            plan in prop::sample::select(vec![DType::F32, DType::BF16]),
+            plan in prop::sample::select(vec![DType::F32, DType::BF16, DType::F16, DType::Q4_0]),
             grouped in (any::<bool>(), any::<bool>()),
             chunk_rows in 1usize..4,
             seed in any::<u32>(),
         ) {
             let dtypes = [GgmlType::F16, GgmlType::BF16, GgmlType::Q4_0, GgmlType::Q8_0];
+            // A plan of f16 values or Q4_0 blocks takes only its own form, stacked.
+            let kept = |s: usize| quant::tensor::ir_dtype(dtypes[s]) == plan;
+            prop_assume!(matches!(plan, DType::F32 | DType::BF16) || (kept(stored.0) && kept(stored.1)));
             let source: MemoryTensors = [
                 ("a".to_string(), tensor(dtypes[stored.0], 12, seed)),
                 ("b".to_string(), tensor(dtypes[stored.1], 8, seed ^ 1)),
