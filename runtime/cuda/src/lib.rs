@@ -1,7 +1,7 @@
 //! The CUDA backend: a GPU artifact's plan (see [`runtime::plan_exec`]) on an NVIDIA GPU through
 //! cudarc (the driver is loaded at run time, so this builds and links everywhere): every
-//! kernel's cubin (or PTX) loaded as a module, buffers as device allocations, launches on one
-//! stream.
+//! kernel's cubin (or PTX) loaded as a module on a thread of its own while the weights upload
+//! (`modules`), buffers as device allocations, launches on one stream.
 //!
 //! Decode steps of `bbc serve` (a row per sequence) up to a chosen batch size run as CUDA
 //! graphs, one per size, captured on first use (see `PlanExecutor::capture_graphs_up_to`).
@@ -13,14 +13,16 @@
 
 mod cublaslt;
 mod launch;
+mod modules;
 mod tensor_map;
 
 pub use cublaslt::{CublasGemm, CublasLt};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaContext, CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use cudarc::nvrtc::Ptx;
 use gpu_plan::GpuPlan;
 use ir::Graph;
+use modules::{Image, KernelImage, Kernels};
 use quant::int8_rows::Int8Rows;
 use runtime::plan_exec::{DeviceArg, PlanDevice, PlanExecutor, PlanWeights};
 use runtime::{Result, RuntimeError};
@@ -42,7 +44,8 @@ fn driver(e: cudarc::driver::DriverError) -> RuntimeError {
 /// GPU 0: its stream and the plan's kernels, loaded from the artifact's PTX.
 pub struct CudaDevice {
     stream: Arc<CudaStream>,
-    functions: HashMap<String, LoadedKernel>,
+    /// The plan's kernels, loading while the weights upload.
+    kernels: Kernels,
     /// Whether kernels that wait for the prior kernel are launched before it finishes
     /// (programmatic dependent launch, `launch`): on Hopper and newer, unless `BBC_PDL=0`.
     programmatic_launch: bool,
@@ -57,28 +60,6 @@ pub struct CudaDevice {
     weight_prefetch: bool,
     /// Instantiated graphs by key (a batched step's row count).
     graphs: HashMap<usize, OwnedGraph>,
-}
-
-/// A kernel loaded from its module.
-struct LoadedKernel {
-    function: CudaFunction,
-    /// What fills its parameters: a launch must give exactly its arguments (the driver would
-    /// read whatever lies past the arguments given); tensor maps are derived from them.
-    params: tensor_map::KernelParams,
-    /// Bytes of dynamic shared memory it is launched with.
-    shared_bytes: u32,
-    /// Whether it waits for the kernel before it (`kernels_gen::cuda::awaits_prior_kernel`).
-    awaits_prior_kernel: bool,
-}
-
-/// A kernel to load.
-struct KernelImage {
-    name: String,
-    image: Ptx,
-    params: tensor_map::KernelParams,
-    /// Whether it waits for the kernel before it.
-    awaits_prior_kernel: bool,
-    shared_bytes: u32,
 }
 
 /// An on/off environment switch, on unless set to `0` (`BBC_PDL`, `BBC_WEIGHT_PREFETCH`: to
@@ -98,21 +79,27 @@ unsafe impl Send for OwnedGraph {}
 impl CudaDevice {
     /// Load every kernel of `plan` from its files under `dir`: the cubin where the artifact has
     /// one (nothing for the driver to compile, and no PTX version it could refuse), else PTX.
+    /// The kernels no step launches (those that make weights) load first: they run while the
+    /// rest load.
     pub fn new(dir: &Path, plan: &GpuPlan) -> Result<Self> {
-        let modules = plan.kernels.iter().map(|k| {
-            let read = |path: &String| {
-                std::fs::read(dir.join(path)).map_err(|e| RuntimeError::Artifact(format!("{path}: {e}")))
-            };
-            let module = match (&k.cubin, &k.ptx) {
-                (Some(cubin), _) => Ptx::from_binary(read(cubin)?),
-                (None, Some(ptx)) => Ptx::from_src(
-                    String::from_utf8(read(ptx)?).map_err(|e| RuntimeError::Artifact(format!("{ptx}: {e}")))?,
-                ),
+        let launched: std::collections::HashSet<&str> = plan
+            .launches
+            .iter()
+            .flat_map(|l| [Some(&l.kernel), l.prefill_kernel.as_ref(), l.few_rows_kernel.as_ref()])
+            .flatten()
+            .map(String::as_str)
+            .collect();
+        let mut kernels: Vec<&gpu_plan::KernelEntry> = plan.kernels.iter().collect();
+        kernels.sort_by_key(|k| launched.contains(k.name.as_str()));
+        let modules = kernels.into_iter().map(|k| {
+            let image = match (&k.cubin, &k.ptx) {
+                (Some(cubin), _) => Image::Cubin(dir.join(cubin)),
+                (None, Some(ptx)) => Image::Ptx(dir.join(ptx)),
                 (None, None) => return Err(RuntimeError::Artifact(format!("kernel {} has no cubin or PTX", k.name))),
             };
             Ok(KernelImage {
                 name: k.name.clone(),
-                image: module,
+                image,
                 params: tensor_map::KernelParams::plain(k.params.len()),
                 awaits_prior_kernel: kernels_gen::cuda::awaits_prior_kernel(&k.source),
                 shared_bytes: k.shared_bytes,
@@ -135,7 +122,7 @@ impl CudaDevice {
             let layout = k.shared_layout();
             Ok(KernelImage {
                 name: k.name.clone(),
-                image: Ptx::from_binary(cubin),
+                image: Image::Loaded(Ptx::from_binary(cubin)),
                 params: tensor_map::KernelParams::of(k)?,
                 awaits_prior_kernel: kernels_gen::cuda::awaits_prior_kernel(&kernels_gen::cuda::emit(k)),
                 shared_bytes: if layout.dynamic { layout.bytes as u32 } else { 0 },
@@ -155,31 +142,12 @@ impl CudaDevice {
         unsafe { ctx.disable_event_tracking() };
         // Graphs are captured from a stream of our own: the legacy default stream cannot be.
         let stream = ctx.new_stream().map_err(driver)?;
-        let mut functions = HashMap::new();
-        for kernel in modules {
-            let module = ctx.load_module(kernel.image).map_err(driver)?;
-            let function = module.load_function(&kernel.name).map_err(driver)?;
-            if kernel.shared_bytes as usize > kernels_gen::dsl::STATIC_SHARED_LIMIT {
-                // Past 48 KiB a kernel must be allowed its dynamic shared memory first.
-                let attribute =
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-                function
-                    .set_attribute(attribute, kernel.shared_bytes as i32)
-                    .map_err(driver)?;
-            }
-            let loaded = LoadedKernel {
-                function,
-                params: kernel.params,
-                shared_bytes: kernel.shared_bytes,
-                awaits_prior_kernel: kernel.awaits_prior_kernel,
-            };
-            functions.insert(kernel.name, loaded);
-        }
+        let kernels = Kernels::load(&ctx, modules)?;
         let programmatic_launch_works =
             ctx.compute_capability().map_err(driver)?.0 >= 9 && launch::programmatic_launch_works(&ctx, &stream);
         Ok(Self {
             stream,
-            functions,
+            kernels,
             programmatic_launch: programmatic_launch_works && switched_on("BBC_PDL"),
             programmatic_launch_works,
             after_launch: false,
@@ -323,10 +291,7 @@ impl PlanDevice for CudaDevice {
     }
 
     fn launch(&mut self, kernel: &str, grid: u32, block: u32, args: &[DeviceArg<'_, Self::Buffer>]) -> Result<()> {
-        let loaded = self
-            .functions
-            .get(kernel)
-            .ok_or_else(|| RuntimeError::Artifact(format!("no kernel {kernel}")))?;
+        let loaded = self.kernels.get(kernel)?;
         if args.len() != loaded.params.arguments() {
             return Err(RuntimeError::Artifact(format!(
                 "kernel {kernel} takes {} arguments, given {}",
@@ -374,8 +339,14 @@ impl PlanDevice for CudaDevice {
         block: u32,
         args: &[DeviceArg<'_, Self::Buffer>],
     ) -> Result<Option<f64>> {
+        // Loaded before the clock starts: the time is the kernel's alone.
+        self.kernels.get(kernel)?;
         self.elapsed(|device| device.launch(kernel, grid, block, args))
             .map(Some)
+    }
+
+    fn kernels_loaded(&mut self) -> Result<()> {
+        self.kernels.all_loaded()
     }
 
     fn records_graphs(&self) -> bool {

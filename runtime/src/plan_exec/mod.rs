@@ -98,6 +98,12 @@ pub trait PlanDevice {
         None
     }
 
+    /// Wait until every kernel can be launched, for a device that loads them while weights
+    /// upload; the error of one that failed to load.
+    fn kernels_loaded(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Give `buffer`'s memory back to the device.
     fn release(&mut self, buffer: Self::Buffer) {
         drop(buffer);
@@ -363,6 +369,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             }
         }
         let arena = device.alloc(plan.memory.arena_bytes.max(1))?;
+        device.kernels_loaded()?;
         let buffers = Buffers { arena, held };
         let per_sequence = match plan.batched {
             Some(_) => gpu_plan::per_sequence_nodes(&graph),
