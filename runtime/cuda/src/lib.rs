@@ -97,6 +97,12 @@ impl CudaDevice {
                 (None, Some(ptx)) => Image::Ptx(dir.join(ptx)),
                 (None, None) => return Err(RuntimeError::Artifact(format!("kernel {} has no cubin or PTX", k.name))),
             };
+            // A missing file is refused now, not after the weights have uploaded.
+            if let Image::Cubin(path) | Image::Ptx(path) = &image {
+                if !path.is_file() {
+                    return Err(RuntimeError::Artifact(format!("{}: no such file", path.display())));
+                }
+            }
             Ok(KernelImage {
                 name: k.name.clone(),
                 image,
