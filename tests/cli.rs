@@ -4,6 +4,7 @@
 mod common;
 
 use common::{ids, read_json, real_model};
+use sha2::Digest;
 use std::process::Command;
 
 fn bbc(args: &[&str]) -> String {
@@ -268,6 +269,11 @@ fn a_compiled_artifact_runs_like_the_model() {
         "graph.ir is the fused graph"
     );
     assert!(ir.contains("add_rms_norm") && ir.contains("swiglu") && ir.contains("concat_rows"));
+    // The manifest names the weights by the file's sha256 (hashed while the kernels compile).
+    let manifest = codegen::read_manifest(&dir).unwrap();
+    let digest = sha2::Sha256::digest(std::fs::read(&model).unwrap());
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(manifest.weights_sha256, hex);
     let args = |m: &str| {
         json(&[
             "run",

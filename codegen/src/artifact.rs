@@ -135,6 +135,13 @@ pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path
     } = graphs;
     let serving = serving.filter(|_| target != Target::Cpu);
     let mtp = mtp.filter(|_| serving.is_some());
+    // The weights' hash reads the whole file (gigabytes): on a thread of its own, while the
+    // kernels compile.
+    let weights = std::fs::canonicalize(&model.spec.weights).map_err(io(&model.spec.weights))?;
+    let hashing = {
+        let weights = weights.clone();
+        std::thread::spawn(move || hash_weights(&weights))
+    };
     // A model with random weights has them made where its plans run: each plan carries the
     // fill kernels. Stored weights the device converts: the conversion kernels.
     let loading = (
@@ -168,8 +175,10 @@ pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path
             .transpose()?,
         ),
     };
-    let weights = std::fs::canonicalize(&model.spec.weights).map_err(io(&model.spec.weights))?;
-    let weights_sha256 = hash_weights(&weights)?;
+    let weights_sha256 = hashing.join().map_err(|_| ArtifactError::Invalid {
+        path: weights.clone(),
+        what: "hashing the weights panicked".into(),
+    })??;
     let graph_json = serde_json::to_string(graph).expect("graphs serialise");
     let greedy_json = greedy.map(|g| serde_json::to_string(g).expect("graphs serialise"));
     let serving_json = serving.map(|g| serde_json::to_string(g).expect("graphs serialise"));
