@@ -521,3 +521,29 @@ fn the_speculation_runs_serve_with_each_drafter() {
         }
     }
 }
+
+/// The GPU check's load runs, here with a CPU target: a tiny Llama of random weights (SmolLM2's
+/// vocabulary) written as a bf16 safetensors checkpoint and as an f16 GGUF, each compiled and
+/// served until its first completion has answered, in that order of events.
+#[test]
+fn the_load_runs_serve_both_files_to_a_first_answer() {
+    let smollm2 = common::real_model("smollm2");
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(common::fixture("hf-tiny/llama/config.json")).unwrap()).unwrap();
+    config["vocab_size"] = 49_152.into();
+    let runs = bbc::gpu_check::load::load_runs(
+        std::path::Path::new(env!("CARGO_BIN_EXE_bbc")),
+        &config,
+        codegen::Target::Cpu,
+        &smollm2,
+    )
+    .unwrap();
+    let what: Vec<&str> = runs.iter().map(|r| r.what).collect();
+    assert_eq!(what, ["bf16 safetensors", "f16 GGUF to bf16"]);
+    for run in &runs {
+        assert!(
+            run.compile > 0.0 && 0.0 < run.listening && run.listening <= run.answered,
+            "{run:?}"
+        );
+    }
+}

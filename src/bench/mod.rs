@@ -439,6 +439,30 @@ fn body(args: &BenchArgs, model: &str, r: &BenchRequest) -> Value {
     body
 }
 
+/// One streamed, greedy completion of `max_tokens` for `prompt` from the server at `url` (its
+/// first listed model): the time to its first token and to its end.
+pub fn one_completion(url: &str, prompt: &str, max_tokens: usize) -> Result<(Duration, Duration)> {
+    let server = Server::parse(url, None)?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async {
+        let model = first_model(&server).await?;
+        let body = json!({
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+            "ignore_eos": true,
+        });
+        let measured = server.stream("/v1/completions", &body).await?;
+        Ok((measured.ttft, measured.e2e))
+    })
+}
+
 async fn first_model(server: &Server) -> Result<String> {
     let models = server.get_json("/v1/models").await?;
     models["data"][0]["id"]

@@ -27,7 +27,10 @@
 //!    InferenceX sweep run against it (`serve`, [`serve`]).
 //! 10. outside the default sections: the Llama-3-8B shape served with a draft model drafting
 //!     3 tokens a step, itself (every draft accepted) and its first layer (drafts refused),
-//!     against no drafts (`speculation`, [`serve::speculation`]).
+//!     against no drafts (`speculation`, [`serve::speculation`]);
+//! 11. outside the default sections: the Llama-3-8B shape written as a bf16 safetensors
+//!     checkpoint and as an f16 GGUF, each compiled and served, timed from `bbc serve` to its
+//!     first answer (`load`, [`load`]).
 //!
 //! Every section runs even when an earlier one fails (a GPU run is rare: it should say all it
 //! can); the command fails if any did.
@@ -37,6 +40,7 @@ pub mod decode;
 pub mod draft_head;
 pub mod kernels;
 pub mod llama_8b;
+pub mod load;
 pub mod serve;
 pub mod smollm2;
 pub mod tiny_gguf;
@@ -96,6 +100,7 @@ pub enum Section {
     DraftHeads,
     Serve,
     Speculation,
+    Load,
 }
 
 pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
@@ -159,6 +164,7 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
             Section::Speculation => {
                 smollm2_weights(&args.model).and_then(|tokenizer| serve::speculation(target, &tokenizer, &args.results))
             }
+            Section::Load => smollm2_weights(&args.model).and_then(|tokenizer| load::check(target, &tokenizer)),
         };
         if let Err(e) = result {
             println!("\n{section:?} FAILED: {}", crate::report::error_report(&e));

@@ -104,7 +104,12 @@ fn first_layer(config: &serde_json::Value) -> serde_json::Value {
 
 /// `bbc compile MODEL --target T` of a shape (a name or a `config.json`) into `dir`, its
 /// tokenizer from `tokenizer`, timed; the artifact's path.
-fn compile_shape(model: &str, target: codegen::Target, tokenizer: &Path, dir: &Path) -> Result<std::path::PathBuf> {
+pub(super) fn compile_shape(
+    model: &str,
+    target: codegen::Target,
+    tokenizer: &Path,
+    dir: &Path,
+) -> Result<std::path::PathBuf> {
     let stem = Path::new(model)
         .file_stem()
         .map_or(model.into(), |s| s.to_string_lossy());
@@ -184,15 +189,15 @@ pub fn serve_and_sweep(
 }
 
 /// `bbc serve` as a child process on a free port, stopped when dropped.
-struct ServerProcess {
+pub(super) struct ServerProcess {
     child: Child,
-    address: String,
+    pub address: String,
 }
 
 impl ServerProcess {
     /// Start it and wait (at most 10 minutes: an 8B model's weights are made and uploaded
     /// first) until it listens; its output goes on to this process's stderr.
-    fn start(bbc: &Path, model: &Path, extra: &[&str]) -> Result<Self> {
+    pub fn start(bbc: &Path, model: &Path, extra: &[&str]) -> Result<Self> {
         let mut child = Command::new(bbc)
             .arg("serve")
             .arg(model)

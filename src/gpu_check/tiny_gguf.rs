@@ -54,11 +54,72 @@ pub fn f16_values(bytes: &mut Bytes, rows: u64, cols: u64) -> (u32, Vec<u8>) {
     (1, data)
 }
 
-/// A tiny Llama (3 layers, hidden 64, MLP 160, 320 tokens) as a GGUF file at `path`, no
-/// tokenizer, norms in f32: attention matrices and the embedding made by `attention`, the
-/// MLP's by `mlp`.
+/// IEEE half values within ±0.25, a pool of 64 Ki random ones repeated: an 8B model's 16 GB
+/// made at copying speed (what loading it costs does not depend on the values).
+pub fn f16_tiled(bytes: &mut Bytes, rows: u64, cols: u64) -> (u32, Vec<u8>) {
+    let (_, pool) = f16_values(bytes, 1, 1 << 16);
+    let len = (rows * cols * 2) as usize;
+    let data = pool.iter().copied().cycle().take(len).collect();
+    (1, data)
+}
+
+/// A Llama's shape as a GGUF file states it.
+#[derive(Debug, Clone, Copy)]
+pub struct LlamaShape {
+    pub hidden: u64,
+    pub ffn: u64,
+    pub layers: u32,
+    pub vocab: u64,
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u64,
+    pub context: u32,
+    pub rope_base: f32,
+}
+
+impl LlamaShape {
+    /// 3 layers, hidden 64 (4 heads of 16, 2 KV heads), MLP 160, 320 tokens.
+    pub const TINY: Self = Self {
+        hidden: 64,
+        ffn: 160,
+        layers: 3,
+        vocab: 320,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        context: 256,
+        rope_base: 10_000.0,
+    };
+
+    /// The shape of a Llama `config`.
+    pub fn of(config: &models::ModelConfig) -> Self {
+        Self {
+            hidden: config.hidden as u64,
+            ffn: config.intermediate as u64,
+            layers: config.layers as u32,
+            vocab: config.vocab_size as u64,
+            heads: config.heads as u32,
+            kv_heads: config.kv_heads as u32,
+            head_dim: config.head_dim as u64,
+            context: config.context_length as u32,
+            rope_base: config.rope_theta as f32,
+        }
+    }
+}
+
+/// A tiny Llama ([`LlamaShape::TINY`]) as a GGUF file at `path`, no tokenizer, norms in f32:
+/// attention matrices and the embedding made by `attention`, the MLP's by `mlp`.
 pub fn tiny_gguf_llama(path: &Path, attention: Matrix, mlp: Matrix) -> std::io::Result<()> {
-    let (hidden, ffn, layers, vocab) = (64u64, 160u64, 3, 320u64);
+    gguf_llama(path, &LlamaShape::TINY, attention, mlp)
+}
+
+/// A Llama of `shape` as a GGUF file at `path`, as [`tiny_gguf_llama`] makes it.
+pub fn gguf_llama(path: &Path, shape: &LlamaShape, attention: Matrix, mlp: Matrix) -> std::io::Result<()> {
+    let (hidden, ffn, vocab) = (shape.hidden, shape.ffn, shape.vocab);
+    let (q_rows, kv_rows) = (
+        shape.heads as u64 * shape.head_dim,
+        shape.kv_heads as u64 * shape.head_dim,
+    );
     let mut bytes = Bytes(0x2545_f491_4f6c_dd1d);
     let norm = |len: u64| -> Vec<u8> {
         (0..len)
@@ -71,23 +132,25 @@ pub fn tiny_gguf_llama(path: &Path, attention: Matrix, mlp: Matrix) -> std::io::
         .meta("general.architecture", MetaValue::String("llama".into()))
         .meta(&meta("embedding_length"), MetaValue::U32(hidden as u32))
         .meta(&meta("feed_forward_length"), MetaValue::U32(ffn as u32))
-        .meta(&meta("block_count"), MetaValue::U32(layers))
-        .meta(&meta("attention.head_count"), MetaValue::U32(4))
-        .meta(&meta("attention.head_count_kv"), MetaValue::U32(2))
+        .meta(&meta("block_count"), MetaValue::U32(shape.layers))
+        .meta(&meta("attention.head_count"), MetaValue::U32(shape.heads))
+        .meta(&meta("attention.head_count_kv"), MetaValue::U32(shape.kv_heads))
+        .meta(&meta("attention.key_length"), MetaValue::U32(shape.head_dim as u32))
+        .meta(&meta("attention.value_length"), MetaValue::U32(shape.head_dim as u32))
         .meta(&meta("attention.layer_norm_rms_epsilon"), MetaValue::F32(1e-5))
-        .meta(&meta("context_length"), MetaValue::U32(256))
+        .meta(&meta("context_length"), MetaValue::U32(shape.context))
         .meta(&meta("vocab_size"), MetaValue::U32(vocab as u32))
-        .meta(&meta("rope.freq_base"), MetaValue::F32(10_000.0))
+        .meta(&meta("rope.freq_base"), MetaValue::F32(shape.rope_base))
         .tensor("token_embd.weight", &[hidden, vocab], embedding_type, embedding)
         .tensor("output_norm.weight", &[hidden], 0, norm(hidden));
-    for l in 0..layers {
+    for l in 0..shape.layers {
         let t = |name: &str| format!("blk.{l}.{name}.weight");
         // (name, rows, cols, from the attention's maker or the MLP's)
         let matrices = [
-            ("attn_q", hidden, hidden, true),
-            ("attn_k", 32, hidden, true),
-            ("attn_v", 32, hidden, true),
-            ("attn_output", hidden, hidden, true),
+            ("attn_q", q_rows, hidden, true),
+            ("attn_k", kv_rows, hidden, true),
+            ("attn_v", kv_rows, hidden, true),
+            ("attn_output", hidden, q_rows, true),
             ("ffn_gate", ffn, hidden, false),
             ("ffn_up", ffn, hidden, false),
             ("ffn_down", hidden, ffn, false),
@@ -101,7 +164,9 @@ pub fn tiny_gguf_llama(path: &Path, attention: Matrix, mlp: Matrix) -> std::io::
             file = file.tensor(&t(name), &[cols, rows], type_id, data);
         }
     }
-    std::fs::write(path, file.to_bytes())
+    let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+    file.write_to(&mut out)?;
+    std::io::Write::flush(&mut out)
 }
 
 /// `dir/tiny-quantized-llama.gguf`: Q8_0 attention and embedding, Q4_0 MLP.

@@ -26,33 +26,43 @@ impl GgufWriter {
     }
 
     pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        self.write_to(&mut out).expect("writing to memory cannot fail");
+        out
+    }
+
+    /// The file written to `to` as it is made: a large model's tensors are not copied into
+    /// one buffer first.
+    pub fn write_to(&self, to: &mut impl std::io::Write) -> std::io::Result<()> {
         const ALIGN: usize = 32;
-        let mut out = b"GGUF".to_vec();
-        out.extend(3u32.to_le_bytes());
-        out.extend((self.tensors.len() as u64).to_le_bytes());
-        out.extend((self.metadata.len() as u64).to_le_bytes());
+        let mut head = b"GGUF".to_vec();
+        head.extend(3u32.to_le_bytes());
+        head.extend((self.tensors.len() as u64).to_le_bytes());
+        head.extend((self.metadata.len() as u64).to_le_bytes());
         for (key, value) in &self.metadata {
-            put_string(&mut out, key);
-            out.extend(value_type(value).to_le_bytes());
-            put_value(&mut out, value);
+            put_string(&mut head, key);
+            head.extend(value_type(value).to_le_bytes());
+            put_value(&mut head, value);
         }
         let mut offset = 0usize;
         for (name, dims, type_id, data) in &self.tensors {
-            put_string(&mut out, name);
-            out.extend((dims.len() as u32).to_le_bytes());
+            put_string(&mut head, name);
+            head.extend((dims.len() as u32).to_le_bytes());
             for d in dims {
-                out.extend(d.to_le_bytes());
+                head.extend(d.to_le_bytes());
             }
-            out.extend(type_id.to_le_bytes());
-            out.extend((offset as u64).to_le_bytes());
+            head.extend(type_id.to_le_bytes());
+            head.extend((offset as u64).to_le_bytes());
             offset += data.len().div_ceil(ALIGN) * ALIGN;
         }
-        out.resize(out.len().div_ceil(ALIGN) * ALIGN, 0);
+        head.resize(head.len().div_ceil(ALIGN) * ALIGN, 0);
+        to.write_all(&head)?;
+        let padding = [0u8; ALIGN];
         for (_, _, _, data) in &self.tensors {
-            out.extend(data);
-            out.resize(out.len().div_ceil(ALIGN) * ALIGN, 0);
+            to.write_all(data)?;
+            to.write_all(&padding[..data.len().div_ceil(ALIGN) * ALIGN - data.len()])?;
         }
-        out
+        Ok(())
     }
 }
 
