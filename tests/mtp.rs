@@ -13,6 +13,7 @@ use ir::reference::Interpreter;
 use models::weights::{MemoryTensors, Tensors};
 use models::{LogitsFor, LowerOptions, MemoryTensor, Model, ModelSpec, WeightSource};
 use runtime::emulator_device::EmulatorBackend;
+use runtime::plan_exec::PlanExecutor;
 use runtime::serving::{
     Drafter, MtpDrafter, NgramConfig, PagedBackend, SchedulerConfig, SeqId, ServingEngine, StepOutput,
 };
@@ -637,14 +638,34 @@ fn target_plan(model: &Model, mtp: bool, kv_blocks: usize) -> EmulatorBackend {
         .unwrap()
 }
 
-/// The head's plan drafting on the emulator, as `bbc compile` writes it: its argmax beside its
-/// logits, or (`--draft-head shortlist`) its greedy token from a 4-bit shortlist of its head.
-fn head_plan(model: &Model, shortlisted: bool) -> MtpDrafter<EmulatorBackend> {
-    let graph = match shortlisted {
+/// `graph`'s batched plan as [`emulated`] loads it, on `target`'s emulated memory, reading the
+/// weights `target` holds already from its buffers (as `bbc serve` loads an MTP head).
+fn emulated_beside(model: &Model, graph: ir::Graph, blocks: usize, target: &EmulatorBackend) -> EmulatorBackend {
+    let cache = gpu::BatchedCache {
+        blocks,
+        block_size: 8,
+        sequences: 4,
+    };
+    let (plan, kernels) = gpu::build_batched(&graph, Target::H200, PLAN_ROWS, cache).unwrap();
+    let device = target.with_device(|d| d.beside(kernels)).unwrap();
+    let shared = target.shared_weights().unwrap();
+    let weights = runtime::plan_exec::PlanWeights::Host(&model.weights);
+    PlanExecutor::with_weights_beside(device, plan, graph, weights, &[], PLAN_CONTEXT, &shared).unwrap()
+}
+
+/// The head's graph as `bbc compile` fuses it: its argmax beside its logits, or
+/// (`--draft-head shortlist`) its greedy token from a 4-bit shortlist of its head.
+fn compiled_head_graph(model: &Model, shortlisted: bool) -> ir::Graph {
+    match shortlisted {
         true => fused_for_h200(&shortlisted_head_graph(model)),
         false => models::with_greedy_token(&fused_for_h200(&head_graph(model))).unwrap(),
-    };
-    let backend = emulated(model, graph, 256).capture_graphs_up_to(4);
+    }
+}
+
+/// The head's plan drafting on the emulator beside `target`'s, as `bbc serve` loads it.
+fn head_plan(model: &Model, shortlisted: bool, target: &EmulatorBackend) -> MtpDrafter<EmulatorBackend> {
+    let graph = compiled_head_graph(model, shortlisted);
+    let backend = emulated_beside(model, graph, 256, target).capture_graphs_up_to(4);
     MtpDrafter::new(backend, model.config.hidden, 256, 8, PLAN_ROWS, PLAN_CONTEXT).unwrap()
 }
 
@@ -702,8 +723,8 @@ fn the_gpu_checks_mtp_lockstep_runs_on_the_emulator() {
     assert_eq!(worst, 0.0);
 }
 
-/// On the serving and head plans `bbc compile` writes (run by the emulator), drafting with
-/// the head generates the tokens the CPU backend generates without it (as the plans do without
+/// On the serving and head plans `bbc compile` writes (run by the emulator, the head loaded
+/// beside the target as `bbc serve` loads it), drafting with the head generates the tokens the CPU backend generates without it (as the plans do without
 /// it: `gpu_plan_emulated`), for every family with MTP layers, with preemption and
 /// prefix-cache hits: drafts refused (a copied layer; greedy and sampled requests, the hybrid
 /// targets' refused drafts rewound out of their recurrent states) and all accepted (the exact
@@ -727,8 +748,8 @@ fn mtp_drafts_on_gpu_plans_change_no_token() {
             };
             let plain = serve(&model, None, on_plans(0), &requests, 8);
             // The exact head's guesses through the 4-bit shortlist: each still the argmax.
-            let head_drafting = Box::new(head_plan(&model, head == Head::Exact)) as Box<dyn Drafter>;
             let target = target_plan(&model, true, kv_blocks);
+            let head_drafting = Box::new(head_plan(&model, head == Head::Exact, &target)) as Box<dyn Drafter>;
             let drafting = serve_on(target, Some(head_drafting), on_plans(3), &requests, 8);
             assert_eq!(drafting.tokens, plain.tokens, "{what}");
             assert!(drafting.drafted > 0, "{what}: no drafts");
@@ -742,6 +763,71 @@ fn mtp_drafts_on_gpu_plans_change_no_token() {
     }
 }
 
+/// Loaded beside its target on the same device memory (as `bbc serve` loads it), the head reads
+/// the weights the target holds in the same form (its embedding and LM head) from the
+/// target's buffers: its load adds only its own, and it computes what it computes loaded
+/// apart, bit for bit.
+#[test]
+fn an_mtp_head_beside_its_target_uploads_no_second_embedding_or_head() {
+    use runtime::kv::{BlockId, Segment, StateSnapshots};
+    let model = with_mtp("qwen3_5", Head::Copied);
+    let target = target_plan(&model, true, 4);
+    let graph = compiled_head_graph(&model, false);
+    let apart = emulated(&model, graph.clone(), 4);
+    let held = |backend: &EmulatorBackend| backend.with_device(|d| d.bytes_held()).unwrap();
+    let before = held(&target);
+    let beside = emulated_beside(&model, graph.clone(), 4, &target);
+    let added = held(&target) - before;
+    // What the two plans hold alike: the same tensors in the same form.
+    let cache = gpu::BatchedCache {
+        blocks: 4,
+        block_size: 8,
+        sequences: 4,
+    };
+    let target_graph = models::with_hidden_states(&model.lower(LogitsFor::LastToken).unwrap()).unwrap();
+    let target_graph = models::with_greedy_token(&fused_for_h200(&target_graph)).unwrap();
+    let (target_plan, _) = gpu::build_batched(&target_graph, Target::H200, PLAN_ROWS, cache).unwrap();
+    let (head_plan, _) = gpu::build_batched(&graph, Target::H200, PLAN_ROWS, cache).unwrap();
+    let alike: Vec<&gpu::WeightUse> = head_plan
+        .weights
+        .iter()
+        .filter(|w| {
+            target_plan
+                .weights
+                .iter()
+                .any(|t| t.parts == w.parts && t.dtype == w.dtype)
+        })
+        .collect();
+    let names: Vec<&str> = alike.iter().flat_map(|w| w.parts.iter().map(|p| p.name())).collect();
+    assert!(names.iter().any(|n| n.contains("embed_tokens")), "{names:?}");
+    let width = |d: ir::DType| if d == ir::DType::BF16 { 2 } else { 4 };
+    let shared: usize = alike
+        .iter()
+        .map(|w| w.shape.iter().product::<usize>() * width(w.dtype))
+        .sum();
+    assert_eq!(added, held(&apart) - shared, "the head added {added} bytes");
+    let hidden: Vec<f32> = (0..2 * model.config.hidden)
+        .map(|i| (i % 7) as f32 / 7.0 - 0.4)
+        .collect();
+    let step = |head: &EmulatorBackend| {
+        head.step_batch(&[Segment {
+            hidden_states: &hidden,
+            table: &[BlockId(1)],
+            start: 0,
+            ids: &[7, 11],
+            state_slot: 0,
+            sampled_rows: 1,
+            drafts: 0,
+            snapshots: StateSnapshots::NONE,
+        }])
+        .unwrap()
+    };
+    let (got, want) = (step(&beside), step(&apart));
+    for name in ["logits", "next_token", ir::multi_token::DRAFT_HIDDEN_STATE] {
+        assert_eq!(got[0][name].data, want[0][name].data, "{name}");
+    }
+}
+
 /// With an MTP head on the GPU, the target's KV pool sized to memory also pays, block for
 /// block, for the head's pool beside it (`size_kv_pool_beside`), which is then given as many
 /// blocks (`resize_kv_pool`): the two take the share the models leave. The head steps over
@@ -752,7 +838,6 @@ fn an_mtp_heads_pool_is_sized_beside_its_targets() {
     use runtime::emulator_device::EmulatorDevice;
     use runtime::kv::{BlockId, Segment, StateSnapshots};
     use runtime::kv_sizing::GPU_HEADROOM;
-    use runtime::plan_exec::PlanExecutor;
     let model = with_mtp("qwen3_5", Head::Copied);
     let capacity = 1 << 30;
     let load = |graph: ir::Graph| {

@@ -17,11 +17,14 @@ use quant::int8_rows::Int8Rows;
 use quant::tensor::Tensors;
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 /// Device memory and the plan's kernels as DSL programs.
 pub struct EmulatorDevice {
     kernels: HashMap<String, Kernel>,
-    memory: Vec<Vec<u8>>,
+    /// Buffers by index; shared with the devices made [`beside`](Self::beside) this one, as two
+    /// plans on one GPU share its memory.
+    memory: Arc<Mutex<Vec<Vec<u8>>>>,
     /// Graphs as CUDA keeps them: launches recorded during a capture, by key.
     recording: Option<Vec<RecordedLaunch>>,
     graphs: HashMap<usize, Vec<RecordedLaunch>>,
@@ -50,7 +53,7 @@ impl EmulatorDevice {
     pub fn new(kernels: Vec<Kernel>) -> Self {
         Self {
             kernels: kernels.into_iter().map(|k| (k.name.clone(), k)).collect(),
-            memory: Vec::new(),
+            memory: Arc::default(),
             recording: None,
             graphs: HashMap::new(),
             replays: 0,
@@ -66,9 +69,25 @@ impl EmulatorDevice {
         self
     }
 
-    /// Bytes its buffers hold.
+    /// A device running `kernels` on this one's memory (and saying it has as much): another
+    /// plan on the same GPU, which may read this one's buffers (an MTP head its target's
+    /// embedding and head, `PlanExecutor::with_weights_beside`).
+    pub fn beside(&self, kernels: Vec<Kernel>) -> Self {
+        Self {
+            memory: self.memory.clone(),
+            capacity: self.capacity,
+            ..Self::new(kernels)
+        }
+    }
+
+    /// Bytes its buffers hold (with those of the devices beside it).
     pub fn bytes_held(&self) -> usize {
-        self.memory.iter().map(Vec::len).sum()
+        self.buffers().iter().map(Vec::len).sum()
+    }
+
+    fn buffers(&self) -> std::sync::MutexGuard<'_, Vec<Vec<u8>>> {
+        // A launch that panicked mid-write leaves bytes no worse than a faulting kernel would.
+        self.memory.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// How many steps ran as a replayed graph, and how many graphs were recorded.
@@ -106,7 +125,7 @@ impl EmulatorDevice {
                     // Buffers start aligned, as device allocations do; the range may not.
                     arrays.insert(
                         name.clone(),
-                        Array::from_le_bytes(*ty, &self.memory[buffer][range.clone()])
+                        Array::from_le_bytes(*ty, &self.buffers()[buffer][range.clone()])
                             .placed_at(range.start / ty.bytes()),
                     );
                     if *writable {
@@ -131,7 +150,7 @@ impl EmulatorDevice {
         emulator::run(k, &mut arrays, &scalars).map_err(fault)?;
         for (name, buffer, range) in written {
             let bytes = arrays[&name].to_le_bytes();
-            self.memory[buffer][range.start..range.start + bytes.len()].copy_from_slice(&bytes);
+            self.buffers()[buffer][range.start..range.start + bytes.len()].copy_from_slice(&bytes);
         }
         Ok(())
     }
@@ -151,13 +170,15 @@ impl PlanDevice for EmulatorDevice {
     }
 
     fn alloc(&mut self, bytes: usize) -> Result<usize> {
-        self.memory.push(vec![0; bytes]);
-        Ok(self.memory.len() - 1)
+        let mut memory = self.buffers();
+        memory.push(vec![0; bytes]);
+        Ok(memory.len() - 1)
     }
 
     fn upload(&mut self, bytes: &[u8]) -> Result<usize> {
-        self.memory.push(bytes.to_vec());
-        Ok(self.memory.len() - 1)
+        let mut memory = self.buffers();
+        memory.push(bytes.to_vec());
+        Ok(memory.len() - 1)
     }
 
     fn memory(&self) -> Option<crate::kv_sizing::DeviceMemory> {
@@ -168,24 +189,25 @@ impl PlanDevice for EmulatorDevice {
     }
 
     fn release(&mut self, buffer: usize) {
-        self.memory[buffer] = Vec::new();
+        self.buffers()[buffer] = Vec::new();
     }
 
     fn write(&mut self, buffer: &usize, at: usize, bytes: &[u8]) -> Result<()> {
-        self.memory[*buffer][at..at + bytes.len()].copy_from_slice(bytes);
+        self.buffers()[*buffer][at..at + bytes.len()].copy_from_slice(bytes);
         Ok(())
     }
 
     fn read(&mut self, buffer: &usize, range: Range<usize>) -> Result<Vec<u8>> {
-        Ok(self.memory[*buffer][range].to_vec())
+        Ok(self.buffers()[*buffer][range].to_vec())
     }
 
     fn copy(&mut self, from: &usize, from_at: usize, to: &usize, to_at: usize, bytes: usize) -> Result<()> {
-        let source = self.memory[*from]
+        let mut memory = self.buffers();
+        let source = memory[*from]
             .get(from_at..from_at + bytes)
             .ok_or_else(|| fault("a copy reads past its buffer"))?
             .to_vec();
-        self.memory[*to]
+        memory[*to]
             .get_mut(to_at..to_at + bytes)
             .ok_or_else(|| fault("a copy writes past its buffer"))?
             .copy_from_slice(&source);

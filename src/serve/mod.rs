@@ -315,7 +315,14 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                         blocks: cache.blocks,
                         ..draft_cache
                     };
-                    Some(mtp::gpu_head(&plans.dir, &plan, graph, &loaded, &placeholder)?)
+                    Some(mtp::gpu_head(
+                        &plans.dir,
+                        &plan,
+                        graph,
+                        &loaded,
+                        &placeholder,
+                        &backend,
+                    )?)
                 }
                 None => None,
             };

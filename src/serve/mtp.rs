@@ -49,7 +49,8 @@ pub fn gpu_plan(plans: &GpuPlanFiles, serving: &ir::Graph) -> Result<(String, ir
 }
 
 /// A GPU artifact's multi-token prediction plan (`plan` in `dir`, its `graph`) loaded over
-/// `loaded`'s weights with a pool of `cache`'s blocks (to be resized beside the target's), its
+/// `loaded`'s weights beside `target`'s plan (the embedding and LM head read from its buffers,
+/// not uploaded again) with a pool of `cache`'s blocks (to be resized beside the target's), its
 /// decode passes (a row per sequence) replayed as CUDA graphs.
 pub fn gpu_head(
     dir: &std::path::Path,
@@ -57,19 +58,26 @@ pub fn gpu_head(
     graph: ir::Graph,
     loaded: &Loaded,
     cache: &DraftCache,
+    target: &runtime_cuda::CudaBackend,
 ) -> Result<runtime_cuda::CudaBackend> {
     let plan_cache = codegen::gpu::BatchedCache {
         blocks: cache.blocks,
         block_size: cache.block_size,
         sequences: cache.sequences,
     };
-    let (weights, int8) = (loaded.plan_weights(), &loaded.int8_heads);
     let context_length = loaded.model.config.context_length;
-    Ok(
-        runtime_cuda::load_batched_plan(dir, plan, graph, weights, int8, context_length, plan_cache)
-            .context("method `mtp`")?
-            .capture_graphs_up_to(cache.sequences),
+    let beside = target.shared_weights()?;
+    Ok(runtime_cuda::load_batched_plan_beside(
+        dir,
+        plan,
+        graph,
+        loaded.plan_weights(),
+        context_length,
+        plan_cache,
+        &beside,
     )
+    .context("method `mtp`")?
+    .capture_graphs_up_to(cache.sequences))
 }
 
 /// The drafter over the head's backend, with `cache`'s room.

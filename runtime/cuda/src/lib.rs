@@ -24,7 +24,7 @@ use gpu_plan::GpuPlan;
 use ir::Graph;
 use modules::{Image, KernelImage, Kernels};
 use quant::int8_rows::Int8Rows;
-use runtime::plan_exec::{DeviceArg, PlanDevice, PlanExecutor, PlanWeights};
+use runtime::plan_exec::{DeviceArg, PlanDevice, PlanExecutor, PlanWeights, SharedWeights};
 use runtime::{Result, RuntimeError};
 use std::collections::HashMap;
 use std::ops::Range;
@@ -209,16 +209,18 @@ impl CudaDevice {
     /// Device-to-device copy bandwidth in bytes per second (bytes read plus bytes written),
     /// over a buffer of `bytes`.
     pub fn copy_bandwidth(&mut self, bytes: usize) -> Result<f64> {
-        let src = self.alloc(bytes)?;
-        let mut dst = self.alloc(bytes)?;
         let stream = self.stream.clone();
+        let src = stream.alloc_zeros::<u8>(bytes.max(1)).map_err(driver)?;
+        let mut dst = stream.alloc_zeros::<u8>(bytes.max(1)).map_err(driver)?;
         let seconds = self.time(20, |_| stream.memcpy_dtod(&src, &mut dst).map_err(driver))?;
         Ok(2.0 * bytes as f64 / seconds)
     }
 }
 
 impl PlanDevice for CudaDevice {
-    type Buffer = CudaSlice<u8>;
+    /// Shared: a plan loaded beside another on the GPU reads some of its weights
+    /// (`PlanExecutor::with_weights_beside`); the memory is freed with the last handle.
+    type Buffer = Arc<CudaSlice<u8>>;
 
     fn prefetches_weights(&self) -> bool {
         self.weight_prefetch
@@ -226,7 +228,14 @@ impl PlanDevice for CudaDevice {
 
     fn alloc(&mut self, bytes: usize) -> Result<Self::Buffer> {
         self.after_launch = false;
-        self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(driver)
+        self.stream
+            .alloc_zeros::<u8>(bytes.max(1))
+            .map(Arc::new)
+            .map_err(driver)
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        self.stream.synchronize().map_err(driver)
     }
 
     fn memory(&self) -> Option<runtime::kv_sizing::DeviceMemory> {
@@ -238,7 +247,7 @@ impl PlanDevice for CudaDevice {
 
     fn upload(&mut self, bytes: &[u8]) -> Result<Self::Buffer> {
         self.after_launch = false;
-        self.stream.clone_htod(bytes).map_err(driver)
+        self.stream.clone_htod(bytes).map(Arc::new).map_err(driver)
     }
 
     fn write(&mut self, buffer: &Self::Buffer, at: usize, bytes: &[u8]) -> Result<()> {
@@ -433,13 +442,36 @@ pub fn load_batched_plan(
     context_length: usize,
     cache: gpu_plan::BatchedCache,
 ) -> Result<CudaBackend> {
+    let plan = read_batched_plan(dir, plan_file, cache)?;
+    let device = CudaDevice::new(dir, &plan)?;
+    PlanExecutor::with_weights(device, plan, graph, weights, int8, context_length)
+}
+
+/// [`load_batched_plan`] beside another plan on the GPU (no INT8 rows: a drafter's plan),
+/// the weights it holds already read from its buffers (an MTP head's embedding and LM head).
+pub fn load_batched_plan_beside(
+    dir: &Path,
+    plan_file: &str,
+    graph: Graph,
+    weights: PlanWeights<'_>,
+    context_length: usize,
+    cache: gpu_plan::BatchedCache,
+    beside: &SharedWeights<Arc<CudaSlice<u8>>>,
+) -> Result<CudaBackend> {
+    let plan = read_batched_plan(dir, plan_file, cache)?;
+    let device = CudaDevice::new(dir, &plan)?;
+    PlanExecutor::with_weights_beside(device, plan, graph, weights, &[], context_length, beside)
+}
+
+/// The batched plan `plan_file` of the artifact in `dir`, its pool sized as `cache` says.
+fn read_batched_plan(dir: &Path, plan_file: &str, cache: gpu_plan::BatchedCache) -> Result<GpuPlan> {
     let mut plan = read_plan(dir, plan_file)?;
     if plan.batched.is_none() {
         return Err(RuntimeError::Artifact(format!("{plan_file} is not a batched plan")));
     }
     // The pool is sized at run time; the kernels take the block size as a scalar.
     plan.batched = Some(cache);
-    PlanExecutor::with_weights(CudaDevice::new(dir, &plan)?, plan, graph, weights, int8, context_length)
+    Ok(plan)
 }
 
 #[cfg(test)]

@@ -98,6 +98,11 @@ pub trait PlanDevice {
         None
     }
 
+    /// Wait until everything issued has finished (uploads and launches).
+    fn synchronize(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// Wait until every kernel can be launched, for a device that loads them while weights
     /// upload; the error of one that failed to load.
     fn kernels_loaded(&mut self) -> Result<()> {
@@ -255,12 +260,44 @@ impl<D: PlanDevice> PlanExecutor<D> {
 
     /// Like [`new`](Self::new), the weights from wherever `weights` says.
     pub fn with_weights(
+        device: D,
+        plan: GpuPlan,
+        graph: Graph,
+        weights: PlanWeights<'_>,
+        int8: &[(String, Int8Rows)],
+        context_length: usize,
+    ) -> Result<Self> {
+        Self::load(device, plan, graph, weights, int8, context_length, &|_| None)
+    }
+
+    /// Like [`with_weights`](Self::with_weights) on a `device` sharing memory with `beside`'s
+    /// (another plan on the same GPU): each weight `beside` holds already, the same tensors
+    /// in the same form, is read from its buffer instead of uploaded again (an MTP head's
+    /// embedding and LM head are its target's).
+    pub fn with_weights_beside(
+        device: D,
+        plan: GpuPlan,
+        graph: Graph,
+        weights: PlanWeights<'_>,
+        int8: &[(String, Int8Rows)],
+        context_length: usize,
+        beside: &SharedWeights<D::Buffer>,
+    ) -> Result<Self>
+    where
+        D::Buffer: Clone,
+    {
+        Self::load(device, plan, graph, weights, int8, context_length, &|w| beside.find(w))
+    }
+
+    /// Load the plan, each weight `shared` gives a buffer for taken from it.
+    fn load(
         mut device: D,
         plan: GpuPlan,
         graph: Graph,
         weights: PlanWeights<'_>,
         int8: &[(String, Int8Rows)],
         context_length: usize,
+        shared: FindShared<'_, D::Buffer>,
     ) -> Result<Self> {
         // Before anything is uploaded: an artifact whose launches do not resolve is refused.
         let launches = launch::prepare(&plan)?;
@@ -286,15 +323,23 @@ impl<D: PlanDevice> PlanExecutor<D> {
             )));
         }
         let mut held = HashMap::new();
+        // Those the plan beside this one holds already; the rest made here.
+        let mut own = Vec::new();
+        for w in &plan.weights {
+            match shared(w) {
+                Some(buffer) => drop(held.insert(BufferKey::Weight(w.node), buffer)),
+                None => own.push(w.clone()),
+            }
+        }
         match weights {
             PlanWeights::Host(source) => {
                 // The conversions the plan carries kernels for.
                 let kernels: BTreeSet<&str> = plan.kernels.iter().map(|k| k.name.as_str()).collect();
                 let converts = |stored: DType, to: DType| kernels.contains(convert_kernel_name(stored, to).as_str());
-                upload_weights(&mut device, &plan.weights, source, &converts, &mut held)?
+                upload_weights(&mut device, &own, source, &converts, &mut held)?
             }
             PlanWeights::Generated { seed } => {
-                for w in &plan.weights {
+                for w in &own {
                     let weight = crate::random_weights::make_weight(&mut device, &graph, w, seed)?;
                     held.insert(BufferKey::Weight(w.node), weight);
                 }
@@ -793,6 +838,53 @@ fn int8_tensors(rows: &Int8Rows) -> [(&'static str, Vec<u8>); 5] {
         ("quant_norm", f32s(&rows.quant_norm)),
         ("norm", f32s(&rows.norm)),
     ]
+}
+
+/// The buffer (and its bytes) of a weight another plan holds already, if it does.
+type FindShared<'a, B> = &'a dyn Fn(&gpu_plan::WeightUse) -> Option<(B, usize)>;
+
+/// A loaded plan's weights as another plan on the same device memory may read them
+/// ([`PlanExecutor::shared_weights`], [`PlanExecutor::with_weights_beside`]): each weight's
+/// tensors and form, with its buffer.
+pub struct SharedWeights<B> {
+    weights: Vec<(Vec<WeightPart>, DType, B, usize)>,
+}
+
+impl<B: Clone> SharedWeights<B> {
+    /// The buffer of the weight made of `w`'s tensors, in `w`'s form, if there is one.
+    fn find(&self, w: &gpu_plan::WeightUse) -> Option<(B, usize)> {
+        self.weights
+            .iter()
+            .find(|(parts, dtype, _, _)| *parts == w.parts && *dtype == w.dtype)
+            .map(|(_, _, buffer, bytes)| (buffer.clone(), *bytes))
+    }
+}
+
+impl<D: PlanDevice> PlanExecutor<D>
+where
+    D::Buffer: Clone,
+{
+    /// This plan's weights for a plan loaded beside it on the same memory
+    /// ([`with_weights_beside`](Self::with_weights_beside)), once every upload and conversion
+    /// has landed (the other plan's kernels run on a stream of their own).
+    pub fn shared_weights(&self) -> Result<SharedWeights<D::Buffer>> {
+        let mut state = self
+            .state
+            .lock()
+            .map_err(|_| RuntimeError::Cuda("device state poisoned".into()))?;
+        let (device, buffers) = &mut *state;
+        device.synchronize()?;
+        let weights = self
+            .plan
+            .weights
+            .iter()
+            .filter_map(|w| {
+                let (buffer, bytes) = buffers.held.get(&BufferKey::Weight(w.node))?;
+                Some((w.parts.clone(), w.dtype, buffer.clone(), *bytes))
+            })
+            .collect();
+        Ok(SharedWeights { weights })
+    }
 }
 
 /// The heads whose Q4_0 copy a launch reads (a drafter's `shortlist_top_k`), by name, with
