@@ -74,6 +74,7 @@ pub(super) fn make_on_device<D: PlanDevice>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::weight_bytes::tests::spread_values;
     use super::super::weight_bytes::{stored_runs, weight_bytes};
     use super::*;
     use crate::emulator_device::EmulatorDevice;
@@ -86,42 +87,11 @@ mod tests {
     /// A `rows` × 64 tensor stored as `dtype`, of values spread over ±2 (NaN, infinity and
     /// signed zeros among them where it holds floats).
     fn tensor(dtype: GgmlType, rows: usize, seed: u32) -> MemoryTensor {
-        let cols = 64;
-        let mut x = seed;
-        let mut values: Vec<f32> = (0..rows * cols)
-            .map(|_| {
-                x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                (x >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
-            })
-            .collect();
+        let mut values = spread_values(seed, rows * 64);
         if matches!(dtype, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16) {
             values[..4].copy_from_slice(&[f32::NAN, f32::INFINITY, -0.0, 0.0]);
         }
-        let bytes = match dtype {
-            GgmlType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-            GgmlType::F16 => values
-                .iter()
-                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-                .collect(),
-            GgmlType::BF16 => values
-                .iter()
-                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-                .collect(),
-            // A block: its half scale, then 32 signed bytes (the values' bits, any will do).
-            GgmlType::Q8_0 => values
-                .chunks(32)
-                .flat_map(|block| {
-                    let scale = half::f16::from_f32(block[0] / 64.0).to_le_bytes();
-                    scale.into_iter().chain(block.iter().map(|v| v.to_bits() as u8))
-                })
-                .collect(),
-            _ => values.chunks(cols).flat_map(quant::q4_0::quantize_row).collect(),
-        };
-        MemoryTensor {
-            shape: vec![rows, cols],
-            dtype,
-            bytes,
-        }
+        super::super::weight_bytes::tests::tensor(dtype, rows, 64, &values)
     }
 
     /// A device with every conversion kernel to `to` (none where `to` is no converted form).

@@ -244,7 +244,7 @@ fn transposed(part: &PartView<'_>, order: &[usize], out: &mut [u8], which: &Weig
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use gpu_plan::Transposed;
     use proptest::prelude::*;
@@ -292,9 +292,21 @@ mod tests {
         out
     }
 
+    /// `n` values spread over ±2, from `seed`.
+    pub(in crate::plan_exec) fn spread_values(seed: u32, n: usize) -> Vec<f32> {
+        let mut x = seed;
+        (0..n)
+            .map(|_| {
+                x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (x >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
+            })
+            .collect()
+    }
+
     /// A `rows` × `cols` tensor of `dtype` from `values` (NaN and signed zeros among them
-    /// where it stores floats).
-    fn tensor(dtype: GgmlType, rows: usize, cols: usize, values: &[f32]) -> MemoryTensor {
+    /// where it stores floats): Q4_0 blocks quantized from them, Q8_0 blocks a half scale
+    /// and 32 signed bytes from the values' bits (any will do).
+    pub(in crate::plan_exec) fn tensor(dtype: GgmlType, rows: usize, cols: usize, values: &[f32]) -> MemoryTensor {
         let bytes = match dtype {
             GgmlType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
             GgmlType::F16 => values
@@ -302,6 +314,13 @@ mod tests {
                 .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
                 .collect(),
             GgmlType::BF16 => values.iter().flat_map(|v| bf16::from_f32(*v).to_le_bytes()).collect(),
+            GgmlType::Q8_0 => values
+                .chunks(32)
+                .flat_map(|block| {
+                    let scale = half::f16::from_f32(block[0] / 64.0).to_le_bytes();
+                    scale.into_iter().chain(block.iter().map(|v| v.to_bits() as u8))
+                })
+                .collect(),
             _ => values.chunks(cols).flat_map(quant::q4_0::quantize_row).collect(),
         };
         MemoryTensor {
@@ -349,13 +368,7 @@ mod tests {
             let (group, cols) = (4, 64);
             // Tall enough for several tasks of CHUNK_BYTES.
             let rows = group * groups * if tall { 600 } else { 1 };
-            let mut x = seed;
-            let mut values: Vec<f32> = (0..rows * cols)
-                .map(|_| {
-                    x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-                    (x >> 8) as f32 / (1u32 << 24) as f32 * 4.0 - 2.0
-                })
-                .collect();
+            let mut values = spread_values(seed, rows * cols);
             if !blocks {
                 values[1] = f32::NAN;
                 values[2] = -0.0;
