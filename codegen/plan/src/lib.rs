@@ -146,6 +146,25 @@ pub struct KernelEntry {
     /// Bytes of dynamic shared memory each block is launched with (0: static only).
     #[serde(default)]
     pub shared_bytes: u32,
+    /// The TMA tensor maps it takes after its launch parameters, in order: derived by the
+    /// launcher from the arguments (a TMA GEMM's operands).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tensor_maps: Vec<TensorMapEntry>,
+}
+
+/// A 2-D bf16 TMA tensor map a kernel takes: over the launch argument `buffer`, its `rows`,
+/// `cols` and row `stride` (elements) the launch's scalar arguments of those names, copied
+/// in boxes of `box_rows` × `box_cols`, 128-byte swizzled or not.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TensorMapEntry {
+    pub name: String,
+    pub buffer: String,
+    pub rows: String,
+    pub cols: String,
+    pub stride: String,
+    pub box_rows: u32,
+    pub box_cols: u32,
+    pub swizzle_128b: bool,
 }
 
 /// A kernel parameter as the launcher needs it.

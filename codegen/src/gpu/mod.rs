@@ -214,7 +214,35 @@ pub fn kernel_entry(k: &Kernel) -> KernelEntry {
                 kernels_gen::dsl::Param::TensorMap(_) => unreachable!("not a launch parameter"),
             })
             .collect(),
+        tensor_maps: tensor_map_entries(k),
     }
+}
+
+/// `k`'s tensor maps as its plan entry states them. The templates put them after the launch
+/// parameters and size them by scalar parameters, which the entry names.
+fn tensor_map_entries(k: &Kernel) -> Vec<gpu_plan::TensorMapEntry> {
+    use kernels_gen::dsl::{Expr, Param, Swizzle};
+    let first_map = k.params.iter().position(|p| matches!(p, Param::TensorMap(_)));
+    let maps = &k.params[first_map.unwrap_or(k.params.len())..];
+    let scalar = |e: &Expr| match e {
+        Expr::Var(name) => name.clone(),
+        other => panic!("{}: a tensor map sized by {other:?}, not a scalar parameter", k.name),
+    };
+    maps.iter()
+        .map(|p| match p {
+            Param::TensorMap(map) => gpu_plan::TensorMapEntry {
+                name: map.name.clone(),
+                buffer: map.buffer.clone(),
+                rows: scalar(&map.rows),
+                cols: scalar(&map.cols),
+                stride: scalar(&map.stride),
+                box_rows: map.box_rows,
+                box_cols: map.box_cols,
+                swizzle_128b: map.swizzle == Swizzle::B128,
+            },
+            _ => panic!("{}: a launch parameter after a tensor map", k.name),
+        })
+        .collect()
 }
 
 /// The kernels that make `plan`'s weights on the device from their stored form in `weights`

@@ -106,7 +106,7 @@ impl CudaDevice {
             Ok(KernelImage {
                 name: k.name.clone(),
                 image,
-                params: tensor_map::KernelParams::plain(k.params.len()),
+                params: tensor_map::KernelParams::of_entry(k)?,
                 awaits_prior_kernel: kernels_gen::cuda::awaits_prior_kernel(&k.source),
                 shared_bytes: k.shared_bytes,
             })

@@ -28,15 +28,6 @@ pub(crate) struct KernelParams {
 }
 
 impl KernelParams {
-    /// `count` launch arguments and nothing derived (a kernel loaded from an artifact).
-    pub(crate) fn plain(count: usize) -> Self {
-        Self {
-            slots: (0..count).map(Slot::Argument).collect(),
-            names: Vec::new(),
-            maps: Vec::new(),
-        }
-    }
-
     pub(crate) fn of(kernel: &Kernel) -> Result<Self> {
         let names: Vec<String> = kernel.launch_params().map(|p| p.name().to_string()).collect();
         let (mut slots, mut maps) = (Vec::new(), Vec::new());
@@ -51,6 +42,32 @@ impl KernelParams {
                 }
                 _ => slots.push(Slot::Argument(slots.len() - maps.len())),
             }
+        }
+        Ok(Self { slots, names, maps })
+    }
+
+    /// From a plan's entry (its launch parameters, then its tensor maps).
+    pub(crate) fn of_entry(entry: &gpu_plan::KernelEntry) -> Result<Self> {
+        let names: Vec<String> = entry.params.iter().map(|p| p.name.clone()).collect();
+        let mut slots: Vec<Slot> = (0..names.len()).map(Slot::Argument).collect();
+        let mut maps = Vec::new();
+        for map in &entry.tensor_maps {
+            let buffer = names.iter().position(|n| *n == map.buffer).ok_or_else(|| {
+                RuntimeError::Artifact(format!("{}: tensor map `{}` over no buffer", entry.name, map.name))
+            })?;
+            let var = |name: &str| kernels_gen::dsl::Expr::Var(name.to_string());
+            let map = TensorMap {
+                name: map.name.clone(),
+                buffer: map.buffer.clone(),
+                rows: var(&map.rows),
+                cols: var(&map.cols),
+                stride: var(&map.stride),
+                box_rows: map.box_rows,
+                box_cols: map.box_cols,
+                swizzle: if map.swizzle_128b { Swizzle::B128 } else { Swizzle::None },
+            };
+            slots.push(Slot::Map(maps.len()));
+            maps.push((map, buffer));
         }
         Ok(Self { slots, names, maps })
     }
@@ -160,6 +177,27 @@ pub(crate) fn encode(encoding: &Encoding, address: u64) -> Result<sys::CUtensorM
 mod tests {
     use super::*;
     use kernels_gen::templates::gemm_tma_wgmma::{gemm_tma_wgmma_bf16, TmaTile};
+
+    /// A plan's entry of a kernel says what the kernel itself says: its arguments, its maps
+    /// after them, over the same buffers, sized by the same scalars; for every TMA GEMM and
+    /// for a kernel without maps.
+    #[test]
+    fn a_plan_entry_gives_the_kernels_own_parameters() {
+        use kernels_gen::templates::{gemm_tma_mma, gemm_tma_tcgen05};
+        let kernels = [
+            gemm_tma_wgmma_bf16("gemm", "test", TmaTile::WIDEST),
+            gemm_tma_tcgen05::gemm_tma_tcgen05_bf16("gemm", "test", gemm_tma_tcgen05::TcgenTile::WIDE),
+            gemm_tma_mma::gemm_tma_mma_bf16("gemm", "test"),
+            kernels_gen::templates::fill::fill_kernels().remove(0),
+        ];
+        for kernel in kernels {
+            let entry = codegen::gpu::kernel_entry(&kernel);
+            assert_eq!(
+                KernelParams::of_entry(&entry).unwrap(),
+                KernelParams::of(&kernel).unwrap()
+            );
+        }
+    }
 
     #[test]
     fn the_tma_gemm_takes_its_maps_after_its_arguments_from_their_buffers() {
