@@ -233,10 +233,11 @@ const EARLIER_HOPPER_SCHEDULES: [(&str, Schedule); 2] = [
 ];
 
 /// The tensor-core GEMMs the table times on `arch`, each with its tiles (for the K splits):
-/// the target's (`gemm`: wgmma on sm_90a, tcgen05 on sm_100a, mma.sync on sm_120a); on
-/// Hopper also the schedules earlier runs timed ([`EARLIER_HOPPER_SCHEDULES`]) and the TMA
-/// GEMMs on bf16 activations: 128-row weight tiles with each step's MMAs overlapping the next
-/// step or waited for in their step, and 256-row tiles; on Blackwell the TMA-fed tcgen05 GEMM,
+/// `gemm` (wgmma with activations in registers on sm_90a, tcgen05 on sm_100a, mma.sync on
+/// sm_120a: the plans' but on Hopper); on Hopper also the schedules earlier runs timed
+/// ([`EARLIER_HOPPER_SCHEDULES`]) and the TMA GEMMs on bf16 activations: 128-row weight
+/// tiles with each step's MMAs overlapping the next step (`gemm_tma`, the plans') or waited
+/// for in their step, and 256-row tiles; on Blackwell the TMA-fed tcgen05 GEMM,
 /// and on the RTX PRO 6000 the TMA-fed `mma.sync` GEMM, on bf16 activations.
 fn tensor_core_gemms(arch: &str, gemm: (Kernel, (usize, usize, usize))) -> Vec<(Kernel, (usize, usize, usize))> {
     let mut out = vec![gemm];

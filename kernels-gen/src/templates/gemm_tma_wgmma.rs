@@ -25,8 +25,10 @@
 //! multiple of 8, as TMA needs 16-byte row pitches), the weights' `k` (so `k` is a multiple of
 //! 8).
 
+use super::gemv::NormPrologue;
 use super::tma_gemm::{self, barrier, swizzled_operand, TILE_K};
 use crate::dsl::*;
+use ir::GluAct;
 
 const THREADS: i64 = 256;
 /// Tokens per block tile: two warpgroups of wgmma's M = 64.
@@ -106,20 +108,50 @@ fn multiply(tile: TmaTile) -> Vec<Stmt> {
     out
 }
 
-/// Store the accumulators where they fall inside the result (layout in `WgmmaOp`): `out`, or
-/// with several K splits this split's partial tile.
-fn store_accumulators(tile: TmaTile) -> Vec<Stmt> {
+/// Store the accumulators where they fall inside the result (layout in `WgmmaOp`): `out` (its
+/// rows laid out for `form`'s prologue and epilogue), or with several K splits, or a GLU
+/// epilogue, this split's partial tile.
+fn store_accumulators(tile: TmaTile, form: Form) -> Vec<Stmt> {
     (0..tile.tile_n as usize / 2)
         .map(|i| {
             let upper = i % 4 >= 2;
             let row = var("m0") + var("wg") * int(64) + var("wrow") + var("gr") + int(if upper { 8 } else { 0 });
             let col = var("n0") + int(8 * (i / 4) as i64 + (i % 2) as i64) + var("t2");
-            super::store_gemm_result(None, None, row, col, var(&d_name(i)))
+            super::store_gemm_result(form.0, form.1, row, col, var(&d_name(i)))
         })
         .collect()
 }
 
+/// The prologue and epilogue whose result layout a GEMM stores in (`gemv::out_index`).
+type Form = (Option<NormPrologue>, Option<GluAct>);
+
+/// The GEMM on bf16 `x` and `w`, its own tensor maps (`tma_gemm::params`).
 pub fn gemm_tma_wgmma_bf16(name: &str, origin: &str, tile: TmaTile) -> Kernel {
+    gemm(
+        name,
+        origin,
+        tile,
+        tma_gemm::params(TILE_M, tile.tile_n as i64),
+        (None, None),
+    )
+}
+
+/// The GEMM as a plan launches it in place of the GEMV of a matmul of form `(prologue, glu)`:
+/// the GEMV's parameters first, then its activations as the `bf16_rows` kernel made them
+/// (prologue applied), its result laid out as the GEMV's (`tma_gemm::prologued_params`); a
+/// GLU epilogue (and the sums of several K splits) left to the `split_k` reduction.
+pub fn gemm_tma_wgmma_bf16_prologued(
+    name: &str,
+    origin: &str,
+    tile: TmaTile,
+    prologue: Option<NormPrologue>,
+    glu: Option<GluAct>,
+) -> Kernel {
+    let params = tma_gemm::prologued_params(prologue, TILE_M, tile.tile_n as i64);
+    gemm(name, origin, tile, params, (prologue, glu))
+}
+
+fn gemm(name: &str, origin: &str, tile: TmaTile, params: Vec<Param>, form: Form) -> Kernel {
     assert!(matches!(tile.tile_n, 128 | 256), "tile_n {}", tile.tile_n);
     assert!((2..=8).contains(&tile.stages), "stages {}", tile.stages);
     let stages = tile.stages as i64;
@@ -177,7 +209,7 @@ pub fn gemm_tma_wgmma_bf16(name: &str, origin: &str, tile: TmaTile) -> Kernel {
             .collect(),
         // The last step's MMAs, where they overlapped.
         vec![for_("step", int(0), var("steps"), int(1), step), Stmt::WgmmaWait(0)],
-        store_accumulators(tile),
+        store_accumulators(tile, form),
     ]
     .concat();
     Kernel {
@@ -187,7 +219,7 @@ pub fn gemm_tma_wgmma_bf16(name: &str, origin: &str, tile: TmaTile) -> Kernel {
              from shared memory, fed by TMA through a {stages}-buffer ring of 128-byte-swizzled \
              {TILE_M}×{TILE_K} and {tile_n}×{TILE_K} boxes with mbarrier transaction counts, K split in `splits`)"
         ),
-        params: tma_gemm::params(TILE_M, tile_n),
+        params,
         shared: vec![
             SharedArray {
                 name: "xs".into(),

@@ -2,6 +2,7 @@
 //! holds one op family with its launch shape and the reasoning behind it.
 
 pub mod attention;
+pub mod bf16_rows;
 pub mod cache_layout;
 pub mod delta_net;
 pub mod elementwise;
@@ -818,6 +819,22 @@ pub fn catalog() -> Vec<Kernel> {
         gemm_tcgen05::gemm_tcgen05_bf16("gemm_tcgen05_bf16", "catalog"),
         gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm_tma_wgmma_bf16", "catalog", gemm_tma_wgmma::TmaTile::WIDE),
         gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm_tma_wgmma_n256_bf16", "catalog", gemm_tma_wgmma::TmaTile::WIDEST),
+        // As plans launch it: the residual add and norm done by the rows' kernel, the GLU by
+        // the reduction, the result laid out as the GEMV's.
+        gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(
+            "add_rms_norm_swiglu_gemm_tma",
+            "catalog",
+            gemm_tma_wgmma::TmaTile::WIDE,
+            Some(gemv::NormPrologue::new(1e-5, 0.0).with_residual()),
+            Some(ir::GluAct::Silu),
+        ),
+        bf16_rows::bf16_rows("bf16_rows", "catalog", None, 16),
+        bf16_rows::bf16_rows(
+            "add_rms_norm_bf16_rows",
+            "catalog",
+            Some(gemv::NormPrologue::new(1e-6, 1.0).with_residual()),
+            16,
+        ),
         gemm_tma_tcgen05::gemm_tma_tcgen05_bf16("gemm_tma_tcgen05_bf16", "catalog", gemm_tma_tcgen05::TcgenTile::WIDE),
         gemm_tma_mma::gemm_tma_mma_bf16("gemm_tma_mma_bf16", "catalog"),
         flash_attention::flash_attention("flash_attention_d128", "catalog", cache_layout::CacheLayout::Paged, 128),

@@ -11,22 +11,52 @@ pub const TILE_K: i64 = 64;
 /// Bytes between 8-row atoms of a swizzled box: the operand descriptors' stride byte offset.
 pub const ATOM_BYTES: u32 = 1024;
 
+/// A tensor map of `rows` × `k` bf16 over `buffer`, rows `stride` apart, in 128-byte-swizzled
+/// boxes of `box_rows` × [`TILE_K`].
+fn map(name: &str, buffer: &str, rows: &str, stride: &str, box_rows: i64) -> Param {
+    Param::TensorMap(Box::new(TensorMap {
+        name: name.into(),
+        buffer: buffer.into(),
+        rows: var(rows),
+        cols: var("k"),
+        stride: var(stride),
+        box_rows: box_rows as u32,
+        box_cols: TILE_K as u32,
+        swizzle: Swizzle::B128,
+    }))
+}
+
+/// As a plan launches a TMA GEMM in place of a GEMV (`prologue`'s form: plain, norm, or
+/// residual add and norm): the GEMV's parameters first (which it does not read but for `w`,
+/// `out` and the sizes), the K splits' partials, then `xb`, the rows the
+/// `bf16_rows` kernel made (`xb_stride` apart), which the `x_map` reads.
+pub fn prologued_params(prologue: Option<super::gemv::NormPrologue>, x_box_rows: i64, w_box_rows: i64) -> Vec<Param> {
+    let mut params = super::gemv::prologue_params(prologue);
+    params.extend([
+        buffer("w", Ty::Bf16, false),
+        buffer("out", Ty::F32, true),
+        scalar("tokens", Ty::I32),
+        scalar("n", Ty::I32),
+        scalar("k", Ty::I32),
+        scalar("x_stride", Ty::I32),
+    ]);
+    if super::gemv::residual(prologue) {
+        params.push(scalar("b_stride", Ty::I32));
+    }
+    params.extend(split_k::params());
+    params.extend([
+        buffer("xb", Ty::Bf16, false),
+        scalar("xb_stride", Ty::I32),
+        map("x_map", "xb", "tokens", "xb_stride", x_box_rows),
+        map("w_map", "w", "n", "k", w_box_rows),
+    ]);
+    params
+}
+
 /// `x` `[tokens, k]` (rows `x_stride` apart) and `w` `[n, k]`, bf16, into `out` `[tokens, n]`
 /// f32, with the K splits' partials; the tensor maps over `x` and `w` with boxes of
 /// `x_box_rows` and `w_box_rows` rows.
 pub fn params(x_box_rows: i64, w_box_rows: i64) -> Vec<Param> {
-    let map = |name: &str, buffer: &str, rows: &str, stride: &str, box_rows: i64| {
-        Param::TensorMap(Box::new(TensorMap {
-            name: name.into(),
-            buffer: buffer.into(),
-            rows: var(rows),
-            cols: var("k"),
-            stride: var(stride),
-            box_rows: box_rows as u32,
-            box_cols: TILE_K as u32,
-            swizzle: Swizzle::B128,
-        }))
-    };
     [
         vec![
             buffer("x", Ty::Bf16, false),

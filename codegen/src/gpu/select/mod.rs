@@ -21,9 +21,12 @@ use std::collections::{BTreeMap, BTreeSet};
 /// A GEMM's tiles: (tokens, weight rows, K step).
 type Tiles = (usize, usize, usize);
 
+/// A launch as selected: its node, kernel, alternatives and arguments.
+pub(crate) type Launched = (usize, Kernel, Alternatives, Vec<LaunchArg>);
+
 pub(crate) struct Selected {
     /// (node, kernel, its alternatives for steps of several rows, arguments).
-    pub launches: Vec<(usize, Kernel, Alternatives, Vec<LaunchArg>)>,
+    pub launches: Vec<Launched>,
     pub views: BTreeMap<usize, View>,
     pub weights: Vec<WeightUse>,
     pub kv_cache: Vec<KvLayout>,
@@ -827,23 +830,38 @@ impl MatMul {
         let cols = if self.glu.is_some() { self.n / 2 } else { self.n };
         let few_rows = gemv::gemv(&gemv_name, origin, gemv_tuning::shaped(spec.prefill(), cols, sms));
         let gemm_name = format!("{}gemm", self.stem());
-        let (prefill, tiles) =
+        let (prefill, tiles) = if self.takes_tma(arch) {
+            let tile = gemm_tma_wgmma::TmaTile::WIDE;
+            let name = format!("{gemm_name}_tma");
+            let gemm = gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(&name, origin, tile, self.norm, self.glu);
+            (gemm, Some(tile.tiles()))
+        } else {
             match templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin) {
                 Some(gemm) => (gemm.kernel, Some(gemm.tiles)),
                 None => (few_rows.clone(), None),
-            };
+            }
+        };
         let decode = gemv::gemv(&gemv_name, origin, gemv_tuning::shaped(spec, cols, sms));
         (decode, few_rows, prefill, tiles)
+    }
+
+    /// Whether its prefill GEMM is Hopper's TMA GEMM (bf16 weights, rows of whole 16-byte
+    /// chunks), its activation rows made bf16, prologue applied, by a `bf16_rows` launch
+    /// before it.
+    fn takes_tma(&self, arch: &str) -> bool {
+        arch == "sm_90a" && self.weights == WeightFormat::Dense(Ty::Bf16) && self.k.is_multiple_of(8)
     }
 
     /// Its launches: the GEMV with its alternatives for steps of a few and of many rows, and
     /// after a GEMM that splits K the reduction of its partials. The GEMM
     /// takes the partials and the split count after the GEMV's arguments (which the GEMV does
-    /// not read).
+    /// not read); the TMA GEMM then its bf16 rows, which a launch before it makes at steps
+    /// of its rows (the prologue's work, which the GEMM then does not do).
     fn push(self, s: &mut Selected, args: Vec<LaunchArg>, aligned: bool, rows: &str, plan: &PlanTarget) {
         let i = self.node;
         let arch = plan.target.cuda_arch().unwrap_or_default();
         let sms = plan.target.multiprocessors();
+        let tma = self.takes_tma(arch);
         let (kernel, few_rows, prefill, tiles) = self.kernels(arch, sms, aligned, plan.origin);
         let alternatives = Alternatives {
             few_rows: Some(few_rows),
@@ -859,7 +877,9 @@ impl MatMul {
             // Every product goes through the partials, in one split too: room for every row.
             partial_len = partial_len.max(plan.max_tokens * n);
         }
-        if self.norm.is_some() {
+        // The norm the GEMM's splits still scale by (the TMA GEMM's rows come normalised).
+        let norm = self.norm.filter(|_| !tma);
+        if norm.is_some() {
             // The splits' sums of squares after the products.
             partial_len = prologue_norms::partial_len(partial_len, n);
         }
@@ -869,7 +889,12 @@ impl MatMul {
             bytes: partial_len * 4,
         };
         let splits = split_k::splits_expr(rows, n, k, tiles, sms);
-        let args = [args, vec![partial.clone(), scalar("splits", &splits)]].concat();
+        let mut args = [args, vec![partial.clone(), scalar("splits", &splits)]].concat();
+        if tma {
+            let (rows_launch, bf16_rows) = self.bf16_rows_launch(&args, rows, plan);
+            s.launches.push(rows_launch);
+            args.extend(bf16_rows);
+        }
         s.launches.push((i, kernel, alternatives, args));
         if split_k::most_splits(n, k, tiles, sms) == 1 && self.glu.is_none() {
             return;
@@ -892,17 +917,54 @@ impl MatMul {
             scalar("out_stride", cols),
             scalar("out_col", out_col),
         ];
-        if self.norm.is_some() {
+        if norm.is_some() {
             reduce_args.push(scalar("k", k));
         }
-        let reduce = split_k::reduce(
-            "split_k_reduce",
-            plan.origin,
-            super::PREFILL_TOKENS,
-            self.glu,
-            self.norm,
-        );
+        let reduce = split_k::reduce("split_k_reduce", plan.origin, super::PREFILL_TOKENS, self.glu, norm);
         s.launches.push((i, reduce, Alternatives::default(), reduce_args));
+    }
+
+    /// The launch making the TMA GEMM's bf16 rows from the matmul's arguments `args` (the
+    /// GEMV's: activations, the norm's weight, the matrix, `out`, the sizes and strides), and
+    /// the arguments that hand them to the GEMM (the rows and their stride).
+    fn bf16_rows_launch(&self, args: &[LaunchArg], rows: &str, plan: &PlanTarget) -> (Launched, [LaunchArg; 2]) {
+        let residual = gemv::residual(self.norm);
+        // The activations, then the norm's weight: before the matrix.
+        let before_matrix = 1 + usize::from(residual) + usize::from(self.norm.is_some());
+        let matrix = before_matrix;
+        let (out, x_stride) = (&args[matrix + 1], &args[matrix + 5]);
+        let xb_stride = self.k.next_multiple_of(8);
+        let xb = LaunchArg::Scratch {
+            node: self.node,
+            name: "xb".into(),
+            bytes: plan.max_tokens * xb_stride * 2,
+        };
+        let mut launch_args: Vec<LaunchArg> = args[..before_matrix].to_vec();
+        launch_args.push(xb.clone());
+        if residual {
+            launch_args.push(out.clone());
+        }
+        launch_args.extend([
+            scalar("tokens", rows),
+            scalar("k", self.k),
+            x_stride.clone(),
+            scalar("xb_stride", xb_stride),
+        ]);
+        if residual {
+            launch_args.extend([
+                args[matrix + 6].clone(),
+                scalar("out_stride", self.k + self.product_cols()),
+            ]);
+        }
+        // Named for the prologue alone: the rows do not depend on the epilogue.
+        let name = match self.norm {
+            Some(norm) if norm.residual => "add_rms_norm_bf16_rows",
+            Some(_) => "rms_norm_bf16_rows",
+            None => "bf16_rows",
+        };
+        let kernel = bf16_rows::bf16_rows(name, plan.origin, self.norm, super::PREFILL_TOKENS);
+        let launch = (self.node, kernel, Alternatives::default(), launch_args);
+        (launch, [xb, scalar("xb_stride", xb_stride)])
     }
 
     /// The product's columns.
