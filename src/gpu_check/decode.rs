@@ -13,14 +13,15 @@ use runtime::plan_exec::PlanExecutor;
 use runtime_cuda::CudaDevice;
 
 /// `config`'s serving plan for `target` (as `bbc compile` writes it: each sequence's argmax
-/// beside its logits), on this GPU with bf16 weights made there and a KV pool (and recurrent
-/// state slots) for `run`, decode steps of up to 64 rows replayed as graphs.
+/// beside its logits; on Hopper prefilling through `prefill`), on this GPU with bf16 weights
+/// made there and a KV pool (and recurrent state slots) for `run`, decode steps of up to 64
+/// rows replayed as graphs.
 pub(super) fn serving_executor(
     name: &str,
     config: &models::ModelConfig,
-    target: Target,
-    arch: &str,
+    (target, arch): (Target, &str),
     run: &DecodeRun,
+    prefill: gpu::PrefillGemm,
 ) -> Result<PlanExecutor<CudaDevice>> {
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,
@@ -37,7 +38,7 @@ pub(super) fn serving_executor(
         sequences: run.sequences(),
     };
     let started = std::time::Instant::now();
-    let (plan, kernels) = gpu::build_batched(&graph, target, 512, cache)?;
+    let (plan, kernels) = gpu::build_batched_with(&graph, target, 512, cache, prefill)?;
     let kernels: Vec<Kernel> = kernels
         .into_iter()
         .chain(runtime::random_weights::fill_kernels())
@@ -154,7 +155,8 @@ pub fn hybrid(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
         ..run.clone()
     };
     // Sized for the verifying run, the larger.
-    let exec = serving_executor(name, &models::ModelConfig::qwen3_5_27b(), target, arch, &verifying)?;
+    let config = models::ModelConfig::qwen3_5_27b();
+    let exec = serving_executor(name, &config, (target, arch), &verifying, gpu::PrefillGemm::default())?;
     print_prefill(name, &exec, &run)?;
     let timings = time_decode(&exec, &run)?;
     print_steps(name, &run, &timings, bandwidth)?;

@@ -32,8 +32,19 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
         prefill_chunk,
         drafts: 0,
     };
-    let exec = serving_executor(name, &models::ModelConfig::llama3_8b(), target, arch, &run)?;
+    let config = models::ModelConfig::llama3_8b();
+    let exec = serving_executor(name, &config, (target, arch), &run, codegen::gpu::PrefillGemm::Tma)?;
     print_prefill(name, &exec, &run)?;
+    if arch == "sm_90a" {
+        // Beside it, the GEMM Hopper plans prefilled through before the TMA GEMM.
+        let name = "Llama-8B-shaped, pipelined wgmma GEMM";
+        let pipelined = codegen::gpu::PrefillGemm::Pipelined;
+        print_prefill(
+            name,
+            &serving_executor(name, &config, (target, arch), &run, pipelined)?,
+            &run,
+        )?;
+    }
     let timings = time_decode(&exec, &run)?;
     // Batch 1 again without each of the two ways a step overlaps its kernels, side by side in
     // one run: without the weight prefetch during attention (`templates::weight_prefetch`),

@@ -81,7 +81,20 @@ pub fn build_with_kernels(
     target: Target,
     max_tokens: usize,
 ) -> Result<(GpuPlan, Vec<Kernel>), GpuCodegenError> {
-    build_program(graph, target, max_tokens, None)
+    build_program(graph, target, max_tokens, None, PrefillGemm::default())
+}
+
+/// The tensor-core GEMM a plan's bf16 matmuls prefill through on Hopper.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefillGemm {
+    /// TMA-fed `wgmma`, both operands from shared memory, after a launch making the rows bf16
+    /// (`templates::gemm_tma_wgmma`, `templates::bf16_rows`).
+    #[default]
+    Tma,
+    /// `wgmma` with the activations in registers, the weights through a `cp.async` pipeline,
+    /// the prologue in the GEMM (`templates::gemm_wgmma`): what plans took before, kept to
+    /// time beside it.
+    Pipelined,
 }
 
 /// The plan of a batched step (continuous batching: rows of many sequences over one paged KV
@@ -95,7 +108,18 @@ pub fn build_batched(
     max_tokens: usize,
     cache: BatchedCache,
 ) -> Result<(GpuPlan, Vec<Kernel>), GpuCodegenError> {
-    build_program(graph, target, max_tokens, Some(cache))
+    build_program(graph, target, max_tokens, Some(cache), PrefillGemm::default())
+}
+
+/// [`build_batched`], Hopper's matmuls prefilling through `prefill`.
+pub fn build_batched_with(
+    graph: &Graph,
+    target: Target,
+    max_tokens: usize,
+    cache: BatchedCache,
+    prefill: PrefillGemm,
+) -> Result<(GpuPlan, Vec<Kernel>), GpuCodegenError> {
+    build_program(graph, target, max_tokens, Some(cache), prefill)
 }
 
 fn build_program(
@@ -103,6 +127,7 @@ fn build_program(
     target: Target,
     max_tokens: usize,
     batched: Option<BatchedCache>,
+    prefill: PrefillGemm,
 ) -> Result<(GpuPlan, Vec<Kernel>), GpuCodegenError> {
     let layout = match batched {
         Some(_) => kernels_gen::templates::cache_layout::CacheLayout::Batched,
@@ -112,7 +137,7 @@ fn build_program(
         Some(_) => per_sequence_nodes(graph),
         None => BTreeSet::new(),
     };
-    let selected = select::select(graph, layout, target, &per_sequence, max_tokens)?;
+    let selected = select::select(graph, layout, target, &per_sequence, max_tokens, prefill)?;
     // One file per distinct kernel source, named in order of first use.
     let mut kernels: Vec<(Kernel, String)> = Vec::new();
     let mut launches = Vec::new();

@@ -132,11 +132,13 @@ pub(crate) fn select(
     target: crate::Target,
     per_sequence: &BTreeSet<usize>,
     max_tokens: usize,
+    prefill: super::PrefillGemm,
 ) -> Result<Selected, GpuCodegenError> {
     let plan = PlanTarget {
         target,
         max_tokens,
         origin: &graph.name,
+        prefill,
     };
     let mut s = Selected {
         launches: Vec::new(),
@@ -755,6 +757,8 @@ struct PlanTarget<'a> {
     max_tokens: usize,
     /// The graph's name, for the kernels' origin lines.
     origin: &'a str,
+    /// Hopper's prefill GEMM.
+    prefill: super::PrefillGemm,
 }
 
 /// A matmul node as its kernels see it: the weights, the prologue (a norm, perhaps after a
@@ -815,7 +819,9 @@ impl MatMul {
     /// the GEMV carrying 4 rows a pass, and for prefill the target's tensor-core GEMM (with
     /// the tiles its K splits count in) where it has one for these weights (and this prologue
     /// and epilogue), else that GEMV.
-    fn kernels(&self, arch: &str, sms: usize, aligned: bool, origin: &str) -> (Kernel, Kernel, Kernel, Option<Tiles>) {
+    fn kernels(&self, plan: &PlanTarget, aligned: bool) -> (Kernel, Kernel, Kernel, Option<Tiles>) {
+        let (arch, origin) = (plan.target.cuda_arch().unwrap_or_default(), plan.origin);
+        let sms = plan.target.multiprocessors();
         let mut spec = gemv::GemvSpec::decode(self.weights, self.k);
         if let Some(norm) = self.norm {
             spec = spec.with_norm(norm).with_prefetch_steps(gemv_tuning::prefetch_steps());
@@ -830,7 +836,7 @@ impl MatMul {
         let cols = if self.glu.is_some() { self.n / 2 } else { self.n };
         let few_rows = gemv::gemv(&gemv_name, origin, gemv_tuning::shaped(spec.prefill(), cols, sms));
         let gemm_name = format!("{}gemm", self.stem());
-        let (prefill, tiles) = if self.takes_tma(arch) {
+        let (prefill, tiles) = if self.takes_tma(plan) {
             let tile = gemm_tma_wgmma::TmaTile::WIDE;
             let name = format!("{gemm_name}_tma");
             let gemm = gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(&name, origin, tile, self.norm, self.glu);
@@ -848,8 +854,11 @@ impl MatMul {
     /// Whether its prefill GEMM is Hopper's TMA GEMM (bf16 weights, rows of whole 16-byte
     /// chunks), its activation rows made bf16, prologue applied, by a `bf16_rows` launch
     /// before it.
-    fn takes_tma(&self, arch: &str) -> bool {
-        arch == "sm_90a" && self.weights == WeightFormat::Dense(Ty::Bf16) && self.k.is_multiple_of(8)
+    fn takes_tma(&self, plan: &PlanTarget) -> bool {
+        plan.prefill == super::PrefillGemm::Tma
+            && plan.target.cuda_arch() == Some("sm_90a")
+            && self.weights == WeightFormat::Dense(Ty::Bf16)
+            && self.k.is_multiple_of(8)
     }
 
     /// Its launches: the GEMV with its alternatives for steps of a few and of many rows, and
@@ -859,10 +868,9 @@ impl MatMul {
     /// of its rows (the prologue's work, which the GEMM then does not do).
     fn push(self, s: &mut Selected, args: Vec<LaunchArg>, aligned: bool, rows: &str, plan: &PlanTarget) {
         let i = self.node;
-        let arch = plan.target.cuda_arch().unwrap_or_default();
         let sms = plan.target.multiprocessors();
-        let tma = self.takes_tma(arch);
-        let (kernel, few_rows, prefill, tiles) = self.kernels(arch, sms, aligned, plan.origin);
+        let tma = self.takes_tma(plan);
+        let (kernel, few_rows, prefill, tiles) = self.kernels(plan, aligned);
         let alternatives = Alternatives {
             few_rows: Some(few_rows),
             prefill: Some(prefill),
