@@ -408,45 +408,16 @@ fn only_embedding_lookups_read_tables_past_32_bit_indices() {
     );
 }
 
-/// The 8B-shaped serving plan on Hopper prefills every matmul (four a layer and the head)
-/// through the TMA GEMM, each after the launch making its bf16 rows; asked for the pipelined
-/// GEMM, or on another target, none; decode steps take the same GEMVs either way.
+/// The 8B-shaped serving plan prefills every matmul (four a layer and the head) through the
+/// target's TMA GEMM, each after the launch making its bf16 rows; asked for the pipelined
+/// GEMM, none; decode steps take the same GEMVs either way.
 #[test]
-fn hopper_plans_prefill_through_the_tma_gemm_unless_asked_otherwise() {
-    let fused = passes::optimized(&llama_8b_graph(), bbc::model_ref::cost_model(Target::H200)).unwrap();
-    let serving = models::with_greedy_token(&fused).unwrap();
-    let cache = gpu::BatchedCache {
-        blocks: 64,
-        block_size: 16,
-        sequences: 64,
-    };
-    let plan = |target, prefill| {
-        gpu::build_batched_with(&serving, target, 512, cache, prefill)
-            .unwrap()
-            .0
-    };
-    let tma_gemms = |plan: &gpu::GpuPlan| {
-        let prefill = |l: &gpu::Launch| l.prefill_kernel.as_deref().unwrap_or("").contains("gemm_tma");
-        let after_rows = (1..plan.launches.len())
-            .filter(|&i| prefill(&plan.launches[i]))
-            .all(|i| plan.launches[i - 1].kernel.contains("bf16_rows"));
-        (plan.launches.iter().filter(|l| prefill(l)).count(), after_rows)
-    };
-    let tma = plan(Target::H200, gpu::PrefillGemm::Tma);
-    assert_eq!(tma_gemms(&tma), (4 * 32 + 1, true));
-    let pipelined = plan(Target::H200, gpu::PrefillGemm::Pipelined);
-    assert_eq!(tma_gemms(&pipelined).0, 0);
-    assert!(!pipelined.launches.iter().any(|l| l.kernel.contains("bf16_rows")));
-    assert_eq!(tma_gemms(&plan(Target::B200, gpu::PrefillGemm::Tma)).0, 0);
+fn plans_prefill_through_the_tma_gemm_unless_asked_otherwise() {
     // Each decode launch's kernel source (its plan-given name taken out) and arguments.
-    let decode = |plan: &gpu::GpuPlan| -> Vec<(String, Vec<gpu::LaunchArg>)> {
+    fn decode(plan: &gpu::GpuPlan) -> Vec<(String, Vec<gpu::LaunchArg>)> {
         let source = |name: &str| {
-            plan.kernels
-                .iter()
-                .find(|k| k.name == name)
-                .unwrap()
-                .source
-                .replace(name, "")
+            let kernel = plan.kernels.iter().find(|k| k.name == name).unwrap();
+            kernel.source.replace(name, "")
         };
         plan.launches
             .iter()
@@ -459,8 +430,38 @@ fn hopper_plans_prefill_through_the_tma_gemm_unless_asked_otherwise() {
                 (source(&l.kernel), gemv_args.cloned().collect())
             })
             .collect()
+    }
+    let cache = gpu::BatchedCache {
+        blocks: 64,
+        block_size: 16,
+        sequences: 64,
     };
-    assert!(decode(&tma) == decode(&pipelined), "decode launches differ");
+    let plan = |target, prefill| {
+        let fused = passes::optimized(&llama_8b_graph(), bbc::model_ref::cost_model(target)).unwrap();
+        let serving = models::with_greedy_token(&fused).unwrap();
+        gpu::build_batched_with(&serving, target, 512, cache, prefill)
+            .unwrap()
+            .0
+    };
+    let tma_gemms = |plan: &gpu::GpuPlan| {
+        let prefill = |l: &gpu::Launch| l.prefill_kernel.as_deref().unwrap_or("").contains("gemm_tma");
+        let after_rows = (1..plan.launches.len())
+            .filter(|&i| prefill(&plan.launches[i]))
+            .all(|i| plan.launches[i - 1].kernel.contains("bf16_rows"));
+        (plan.launches.iter().filter(|l| prefill(l)).count(), after_rows)
+    };
+    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+        let tma = plan(target, gpu::PrefillGemm::Tma);
+        assert_eq!(tma_gemms(&tma), (4 * 32 + 1, true), "{}", target.name());
+        let pipelined = plan(target, gpu::PrefillGemm::Pipelined);
+        assert_eq!(tma_gemms(&pipelined).0, 0, "{}", target.name());
+        assert!(!pipelined.launches.iter().any(|l| l.kernel.contains("bf16_rows")));
+        assert!(
+            decode(&tma) == decode(&pipelined),
+            "{}: decode launches differ",
+            target.name()
+        );
+    }
 }
 
 /// In the 8B-shaped serving plan every attention split pass prefetches the weights of the

@@ -92,18 +92,15 @@ fn check_within(
     let gpu_graph = fused_for(&graph, target);
     let (plan, kernels) = gpu::build_with_kernels(&gpu_graph, target, 64).unwrap();
     if dtype == ComputeDtype::Bf16 {
-        // bf16 prefill runs the target's own tensor-core GEMM: the TMA-fed wgmma on Hopper
-        // and tcgen05 on B200 (each only there; plain, with the norm prologue, with the
-        // residual add before the norm, and that with the gated MLP's GLU after), mma.sync
-        // with cp.async weights on the RTX PRO 6000.
+        // bf16 prefill runs the target's own TMA-fed tensor-core GEMM: wgmma on Hopper and
+        // tcgen05 on B200 (each only there; plain, with the norm prologue, with the residual
+        // add before the norm, and that with the gated MLP's GLU after), mma.sync on the RTX
+        // PRO 6000.
         // Qwen3-Next's MLPs are MoE layers (no GLU epilogue GEMM); no Gemma 4 layer adds the
         // residual before a norm without a GLU after it (no plain residual-prologue GEMM).
         let special: Vec<_> = kernels.iter().filter_map(kernels_gen::cuda::required_arch).collect();
         let variants = match family {
             "qwen3_next" | "gemma4" | "gemma4_kv_shared" | "gemma4_moe" => 3,
-            // GLM-5's latent projections add a norm-prologue GEMM of their own width class,
-            // but on Hopper, whose TMA GEMM takes every width.
-            "glm_moe_dsa" | "glm_moe_dsa_shared" if target != Target::H200 => 5,
             _ => 4,
         };
         let expected = match target {

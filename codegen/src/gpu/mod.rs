@@ -84,16 +84,17 @@ pub fn build_with_kernels(
     build_program(graph, target, max_tokens, None, PrefillGemm::default())
 }
 
-/// The tensor-core GEMM a plan's bf16 matmuls prefill through on Hopper.
+/// The tensor-core GEMM a plan's bf16 matmuls prefill through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PrefillGemm {
-    /// TMA-fed `wgmma`, both operands from shared memory, after a launch making the rows bf16
-    /// (`templates::gemm_tma_wgmma`, `templates::bf16_rows`).
+    /// The target's TMA-fed GEMM (`templates::tma_prefill_gemm`), both operands through
+    /// shared memory, after a launch making the rows bf16 (`templates::bf16_rows`).
     #[default]
     Tma,
-    /// `wgmma` with the activations in registers, the weights through a `cp.async` pipeline,
-    /// the prologue in the GEMM (`templates::gemm_wgmma`): what plans took before, kept to
-    /// time beside it.
+    /// The GEMM with the prologue inside, its weights through a `cp.async` pipeline
+    /// (`templates::prefill_gemm`: `wgmma` with activations in registers on Hopper,
+    /// `tcgen05` on the B200, `mma.sync` on the RTX PRO 6000): what plans took before, kept
+    /// to time beside it.
     Pipelined,
 }
 
@@ -111,7 +112,7 @@ pub fn build_batched(
     build_program(graph, target, max_tokens, Some(cache), PrefillGemm::default())
 }
 
-/// [`build_batched`], Hopper's matmuls prefilling through `prefill`.
+/// [`build_batched`], the bf16 matmuls prefilling through `prefill`.
 pub fn build_batched_with(
     graph: &Graph,
     target: Target,

@@ -65,7 +65,7 @@ fn multiply() -> Vec<Stmt> {
     for slice in 0..(TILE_K / 16) as usize {
         for mi in 0..WARP_M_TILES {
             for i in 0..8 {
-                let row = var("wm") + int(16 * mi as i64 + if i % 4 >= 2 { 8 } else { 0 }) + var("g");
+                let row = var("wm") + int(16 * mi as i64 + if i % 4 >= 2 { 8 } else { 0 }) + var("group");
                 let kk = int(16 * slice as i64 + (i % 2) as i64 + if i >= 4 { 8 } else { 0 }) + var("t2");
                 let at = var("s") * int(BOX) + swizzled(row * int(TILE_K) + kk);
                 out.push(assign(&format!("a{mi}_{i}"), load("xs", at)));
@@ -73,7 +73,7 @@ fn multiply() -> Vec<Stmt> {
         }
         for ni in 0..WARP_N_TILES {
             for i in 0..4 {
-                let row = var("wn") + int(8 * ni as i64) + var("g");
+                let row = var("wn") + int(8 * ni as i64) + var("group");
                 let kk = int(16 * slice as i64 + (i % 2) as i64 + if i >= 2 { 8 } else { 0 }) + var("t2");
                 let at = var("s") * int(BOX) + swizzled(row * int(TILE_K) + kk);
                 out.push(assign(&format!("b{ni}_{i}"), load("ws", at)));
@@ -92,7 +92,28 @@ fn multiply() -> Vec<Stmt> {
     out
 }
 
+/// The GEMM on bf16 `x` and `w`, its own tensor maps (`tma_gemm::params`).
 pub fn gemm_tma_mma_bf16(name: &str, origin: &str) -> Kernel {
+    gemm(name, origin, tma_gemm::params(TILE_M, TILE_N), (None, None))
+}
+
+/// The GEMM as a plan launches it in place of the GEMV of a matmul of form `(prologue, glu)`
+/// (`tma_gemm::prologued_params`; see `gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued`).
+pub fn gemm_tma_mma_bf16_prologued(
+    name: &str,
+    origin: &str,
+    prologue: Option<super::gemv::NormPrologue>,
+    glu: Option<ir::GluAct>,
+) -> Kernel {
+    gemm(
+        name,
+        origin,
+        tma_gemm::prologued_params(prologue, TILE_M, TILE_N),
+        (prologue, glu),
+    )
+}
+
+fn gemm(name: &str, origin: &str, params: Vec<Param>, form: tma_gemm::ResultForm) -> Kernel {
     let first_thread = eq(tid(), int(0));
     let locals = (0..WARP_M_TILES)
         .flat_map(|mi| (0..WARP_N_TILES).flat_map(move |ni| (0..4).map(move |i| acc(mi, ni, i))))
@@ -121,9 +142,9 @@ pub fn gemm_tma_mma_bf16(name: &str, origin: &str) -> Kernel {
     let stores = (0..WARP_M_TILES).flat_map(|mi| {
         (0..WARP_N_TILES).flat_map(move |ni| {
             (0..4).map(move |i| {
-                let token = var("m0") + var("wm") + int(16 * mi as i64 + if i >= 2 { 8 } else { 0 }) + var("g");
+                let token = var("m0") + var("wm") + int(16 * mi as i64 + if i >= 2 { 8 } else { 0 }) + var("group");
                 let row = var("n0") + var("wn") + int(8 * ni as i64 + (i % 2) as i64) + var("t2");
-                super::store_gemm_result(None, None, token, row, var(&acc(mi, ni, i)))
+                super::store_gemm_result(form.0, form.1, token, row, var(&acc(mi, ni, i)))
             })
         })
     });
@@ -132,7 +153,7 @@ pub fn gemm_tma_mma_bf16(name: &str, origin: &str) -> Kernel {
         vec![
             let_("wm", Ty::I32, warp() / int(4) * int(64)),
             let_("wn", Ty::I32, rem(warp(), int(4)) * int(32)),
-            let_("g", Ty::I32, lane() / int(4)),
+            let_("group", Ty::I32, lane() / int(4)),
             let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
             tma_gemm::init_barriers(&["full"], STAGES),
             // The barriers are initialised before anyone waits on them.
@@ -150,7 +171,7 @@ pub fn gemm_tma_mma_bf16(name: &str, origin: &str) -> Kernel {
             "{origin}: matmul x·Wᵀ on tensor cores (mma.sync m16n8k16 bf16, {TILE_M}×{TILE_N} tiles of 8 warps, \
              fed by TMA through a {STAGES}-buffer ring of 128-byte-swizzled {TILE_M}×{TILE_K} boxes, K split in `splits`)"
         ),
-        params: tma_gemm::params(TILE_M, TILE_N),
+        params,
         shared: vec![
             SharedArray {
                 name: "xs".into(),

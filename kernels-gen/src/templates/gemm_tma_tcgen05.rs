@@ -123,7 +123,7 @@ fn step(tile: TcgenTile) -> Vec<Stmt> {
 /// Each warp reads its 32 lanes (weight rows; this thread's is `row`) 8 tokens at a time and
 /// stores them where they fall in the result; a split past the end of K (no MMA, nothing in
 /// tensor memory) stores zeros.
-fn epilogue(tile: TcgenTile) -> Vec<Stmt> {
+fn epilogue(tile: TcgenTile, form: tma_gemm::ResultForm) -> Vec<Stmt> {
     let names: Vec<String> = (0..8).map(|j| format!("acc{j}")).collect();
     let stores = |values: Vec<Expr>| -> Vec<Stmt> {
         values
@@ -131,7 +131,7 @@ fn epilogue(tile: TcgenTile) -> Vec<Stmt> {
             .enumerate()
             .map(|(j, value)| {
                 let token = var("m0") + var("c") * int(8) + int(j as i64);
-                super::store_gemm_result(None, None, token, var("row"), value)
+                super::store_gemm_result(form.0, form.1, token, var("row"), value)
             })
             .collect()
     };
@@ -163,7 +163,26 @@ fn epilogue(tile: TcgenTile) -> Vec<Stmt> {
     ]
 }
 
+/// The GEMM on bf16 `x` and `w`, its own tensor maps (`tma_gemm::params`).
 pub fn gemm_tma_tcgen05_bf16(name: &str, origin: &str, tile: TcgenTile) -> Kernel {
+    let params = tma_gemm::params(tile.tile_tokens as i64, TILE_ROWS);
+    gemm(name, origin, tile, params, (None, None))
+}
+
+/// The GEMM as a plan launches it in place of the GEMV of a matmul of form `(prologue, glu)`
+/// (`tma_gemm::prologued_params`; see `gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued`).
+pub fn gemm_tma_tcgen05_bf16_prologued(
+    name: &str,
+    origin: &str,
+    tile: TcgenTile,
+    prologue: Option<super::gemv::NormPrologue>,
+    glu: Option<ir::GluAct>,
+) -> Kernel {
+    let params = tma_gemm::prologued_params(prologue, tile.tile_tokens as i64, TILE_ROWS);
+    gemm(name, origin, tile, params, (prologue, glu))
+}
+
+fn gemm(name: &str, origin: &str, tile: TcgenTile, params: Vec<Param>, form: tma_gemm::ResultForm) -> Kernel {
     assert!(
         matches!(tile.tile_tokens, 64 | 128 | 256),
         "tile_tokens {}",
@@ -200,7 +219,7 @@ pub fn gemm_tma_tcgen05_bf16(name: &str, origin: &str, tile: TcgenTile) -> Kerne
             ),
             tc(Tcgen05::FenceAfterSync),
         ],
-        epilogue(tile),
+        epilogue(tile, form),
         vec![
             // Every warp has read its lanes before warp 0 frees the columns.
             tc(Tcgen05::FenceBeforeSync),
@@ -227,7 +246,7 @@ pub fn gemm_tma_tcgen05_bf16(name: &str, origin: &str, tile: TcgenTile) -> Kerne
              tensor memory, both operands fed by TMA through a {stages}-buffer ring of 128-byte-swizzled \
              {TILE_ROWS}×{TILE_K} and {tokens_per_tile}×{TILE_K} boxes, K split in `splits`)"
         ),
-        params: tma_gemm::params(tokens_per_tile, TILE_ROWS),
+        params,
         shared: vec![
             shared("ws", Ty::Bf16, stages * tile.w_elements()),
             shared("xs", Ty::Bf16, stages * tile.x_elements()),

@@ -111,7 +111,7 @@ fn multiply(tile: TmaTile) -> Vec<Stmt> {
 /// Store the accumulators where they fall inside the result (layout in `WgmmaOp`): `out` (its
 /// rows laid out for `form`'s prologue and epilogue), or with several K splits, or a GLU
 /// epilogue, this split's partial tile.
-fn store_accumulators(tile: TmaTile, form: Form) -> Vec<Stmt> {
+fn store_accumulators(tile: TmaTile, form: tma_gemm::ResultForm) -> Vec<Stmt> {
     (0..tile.tile_n as usize / 2)
         .map(|i| {
             let upper = i % 4 >= 2;
@@ -121,9 +121,6 @@ fn store_accumulators(tile: TmaTile, form: Form) -> Vec<Stmt> {
         })
         .collect()
 }
-
-/// The prologue and epilogue whose result layout a GEMM stores in (`gemv::out_index`).
-type Form = (Option<NormPrologue>, Option<GluAct>);
 
 /// The GEMM on bf16 `x` and `w`, its own tensor maps (`tma_gemm::params`).
 pub fn gemm_tma_wgmma_bf16(name: &str, origin: &str, tile: TmaTile) -> Kernel {
@@ -151,7 +148,7 @@ pub fn gemm_tma_wgmma_bf16_prologued(
     gemm(name, origin, tile, params, (prologue, glu))
 }
 
-fn gemm(name: &str, origin: &str, tile: TmaTile, params: Vec<Param>, form: Form) -> Kernel {
+fn gemm(name: &str, origin: &str, tile: TmaTile, params: Vec<Param>, form: tma_gemm::ResultForm) -> Kernel {
     assert!(matches!(tile.tile_n, 128 | 256), "tile_n {}", tile.tile_n);
     assert!((2..=8).contains(&tile.stages), "stages {}", tile.stages);
     let stages = tile.stages as i64;

@@ -101,6 +101,37 @@ pub fn prefill_gemm(
     Some(PrefillGemm { kernel, tiles })
 }
 
+/// The target's TMA-fed GEMM as a plan launches it for a bf16 matmul of form `(norm, glu)`,
+/// after the `bf16_rows` launch making its rows (`tma_gemm::prologued_params`), with its
+/// tiles: Hopper's `wgmma`, the B200's `tcgen05`, the RTX PRO 6000's `mma.sync`; none on
+/// other architectures.
+pub fn tma_prefill_gemm(
+    arch: &str,
+    norm: Option<gemv::NormPrologue>,
+    glu: Option<ir::GluAct>,
+    name: &str,
+    origin: &str,
+) -> Option<PrefillGemm> {
+    let (kernel, tiles) = match arch {
+        "sm_90a" => {
+            let tile = gemm_tma_wgmma::TmaTile::WIDE;
+            let kernel = gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(name, origin, tile, norm, glu);
+            (kernel, tile.tiles())
+        }
+        "sm_100a" => {
+            let tile = gemm_tma_tcgen05::TcgenTile::WIDE;
+            let kernel = gemm_tma_tcgen05::gemm_tma_tcgen05_bf16_prologued(name, origin, tile, norm, glu);
+            (kernel, tile.tiles())
+        }
+        "sm_120a" => (
+            gemm_tma_mma::gemm_tma_mma_bf16_prologued(name, origin, norm, glu),
+            gemm_tma_mma::TILES,
+        ),
+        _ => return None,
+    };
+    Some(PrefillGemm { kernel, tiles })
+}
+
 /// A prefill GEMM and its tiles (tokens, weight rows, K step), which its K splits are
 /// counted in (`split_k::splits_expr`).
 #[derive(Debug, Clone)]
@@ -827,6 +858,19 @@ pub fn catalog() -> Vec<Kernel> {
             gemm_tma_wgmma::TmaTile::WIDE,
             Some(gemv::NormPrologue::new(1e-5, 0.0).with_residual()),
             Some(ir::GluAct::Silu),
+        ),
+        gemm_tma_tcgen05::gemm_tma_tcgen05_bf16_prologued(
+            "rms_norm_gemm_tma_tcgen05",
+            "catalog",
+            gemm_tma_tcgen05::TcgenTile::WIDE,
+            Some(gemv::NormPrologue::new(1e-5, 0.0)),
+            None,
+        ),
+        gemm_tma_mma::gemm_tma_mma_bf16_prologued(
+            "add_rms_norm_gemm_tma_mma",
+            "catalog",
+            Some(gemv::NormPrologue::new(1e-5, 0.0).with_residual()),
+            None,
         ),
         bf16_rows::bf16_rows("bf16_rows", "catalog", None, 16),
         bf16_rows::bf16_rows(

@@ -11,6 +11,10 @@ pub const TILE_K: i64 = 64;
 /// Bytes between 8-row atoms of a swizzled box: the operand descriptors' stride byte offset.
 pub const ATOM_BYTES: u32 = 1024;
 
+/// The prologue and epilogue of the matmul whose result layout a GEMM stores in
+/// (`gemv::out_index`; a GLU's products always through the partials).
+pub type ResultForm = (Option<super::gemv::NormPrologue>, Option<ir::GluAct>);
+
 /// A tensor map of `rows` × `k` bf16 over `buffer`, rows `stride` apart, in 128-byte-swizzled
 /// boxes of `box_rows` × [`TILE_K`].
 fn map(name: &str, buffer: &str, rows: &str, stride: &str, box_rows: i64) -> Param {

@@ -836,27 +836,24 @@ impl MatMul {
         let cols = if self.glu.is_some() { self.n / 2 } else { self.n };
         let few_rows = gemv::gemv(&gemv_name, origin, gemv_tuning::shaped(spec.prefill(), cols, sms));
         let gemm_name = format!("{}gemm", self.stem());
-        let (prefill, tiles) = if self.takes_tma(plan) {
-            let tile = gemm_tma_wgmma::TmaTile::WIDE;
-            let name = format!("{gemm_name}_tma");
-            let gemm = gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(&name, origin, tile, self.norm, self.glu);
-            (gemm, Some(tile.tiles()))
-        } else {
-            match templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin) {
-                Some(gemm) => (gemm.kernel, Some(gemm.tiles)),
-                None => (few_rows.clone(), None),
-            }
+        let gemm = match self.takes_tma(plan) {
+            true => templates::tma_prefill_gemm(arch, self.norm, self.glu, &format!("{gemm_name}_tma"), origin),
+            false => templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin),
+        };
+        let (prefill, tiles) = match gemm {
+            Some(gemm) => (gemm.kernel, Some(gemm.tiles)),
+            None => (few_rows.clone(), None),
         };
         let decode = gemv::gemv(&gemv_name, origin, gemv_tuning::shaped(spec, cols, sms));
         (decode, few_rows, prefill, tiles)
     }
 
-    /// Whether its prefill GEMM is Hopper's TMA GEMM (bf16 weights, rows of whole 16-byte
-    /// chunks), its activation rows made bf16, prologue applied, by a `bf16_rows` launch
-    /// before it.
+    /// Whether its prefill GEMM is the target's TMA GEMM (bf16 weights, rows of whole
+    /// 16-byte chunks), its activation rows made bf16, prologue applied, by a `bf16_rows`
+    /// launch before it.
     fn takes_tma(&self, plan: &PlanTarget) -> bool {
         plan.prefill == super::PrefillGemm::Tma
-            && plan.target.cuda_arch() == Some("sm_90a")
+            && plan.target.cuda_arch().is_some()
             && self.weights == WeightFormat::Dense(Ty::Bf16)
             && self.k.is_multiple_of(8)
     }
