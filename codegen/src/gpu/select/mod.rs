@@ -757,7 +757,7 @@ struct PlanTarget<'a> {
     max_tokens: usize,
     /// The graph's name, for the kernels' origin lines.
     origin: &'a str,
-    /// Hopper's prefill GEMM.
+    /// The GEMM bf16 matmuls prefill through.
     prefill: super::PrefillGemm,
 }
 
@@ -934,9 +934,8 @@ impl MatMul {
     /// the arguments that hand them to the GEMM (the rows and their stride).
     fn bf16_rows_launch(&self, args: &[LaunchArg], rows: &str, plan: &PlanTarget) -> (Launched, [LaunchArg; 2]) {
         let residual = gemv::residual(self.norm);
-        // The activations, then the norm's weight: before the matrix.
-        let before_matrix = 1 + usize::from(residual) + usize::from(self.norm.is_some());
-        let matrix = before_matrix;
+        // The activations, then the norm's weight, then the matrix (`gemv`'s parameters).
+        let matrix = 1 + usize::from(residual) + usize::from(self.norm.is_some());
         let (out, x_stride) = (&args[matrix + 1], &args[matrix + 5]);
         let xb_stride = self.k.next_multiple_of(8);
         let xb = LaunchArg::Scratch {
@@ -944,7 +943,7 @@ impl MatMul {
             name: "xb".into(),
             bytes: plan.max_tokens * xb_stride * 2,
         };
-        let mut launch_args: Vec<LaunchArg> = args[..before_matrix].to_vec();
+        let mut launch_args: Vec<LaunchArg> = args[..matrix].to_vec();
         launch_args.push(xb.clone());
         if residual {
             launch_args.push(out.clone());
