@@ -54,6 +54,11 @@ enum Command {
         /// every row scored with a 4-bit copy of the head and the best 64 rescored in full.
         #[arg(long, value_enum, default_value_t = bbc::serve::DraftHead::Full)]
         draft_head: bbc::serve::DraftHead,
+        /// GPU targets: the tensor-core GEMM bf16 matmuls prefill through: `tma`, the
+        /// target's TMA-fed GEMM after a launch making the rows bf16; `pipelined`, the GEMM
+        /// with the norm inside and its weights through a `cp.async` pipeline.
+        #[arg(long, value_enum, default_value_t = commands::compile::PrefillGemm::Tma)]
+        prefill_gemm: commands::compile::PrefillGemm,
     },
     /// Generate text from an artifact, a model.toml, a weights path or a model name.
     Run(commands::run::RunArgs),
@@ -107,6 +112,7 @@ fn run(cli: Cli) -> Result<()> {
             verify,
             tokenizer,
             draft_head,
+            prefill_gemm,
         } => commands::compile::compile(&commands::compile::CompileArgs {
             model: &model,
             target: &target,
@@ -116,6 +122,7 @@ fn run(cli: Cli) -> Result<()> {
             verify,
             tokenizer: tokenizer.as_deref(),
             draft_head,
+            prefill_gemm,
         }),
         Command::Run(args) => commands::run::run(&args),
         Command::Perplexity(args) => commands::perplexity::perplexity(&args),

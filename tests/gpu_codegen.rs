@@ -300,6 +300,7 @@ fn compile_every_plan(model: &std::path::Path, target: Target, output: &std::pat
         verify: false,
         tokenizer: None,
         draft_head: bbc::serve::DraftHead::Full,
+        prefill_gemm: Default::default(),
     };
     bbc::commands::compile::compile(&args)
         .unwrap_or_else(|e| panic!("{} on {}: {e:#}", model.display(), target.name()));
@@ -439,7 +440,7 @@ fn plans_prefill_through_the_tma_gemm_unless_asked_otherwise() {
     let plan = |target, prefill| {
         let fused = passes::optimized(&llama_8b_graph(), bbc::model_ref::cost_model(target)).unwrap();
         let serving = models::with_greedy_token(&fused).unwrap();
-        gpu::build_batched_with(&serving, target, 512, cache, prefill)
+        gpu::build_program(&serving, target, 512, Some(cache), prefill)
             .unwrap()
             .0
     };
@@ -462,6 +463,58 @@ fn plans_prefill_through_the_tma_gemm_unless_asked_otherwise() {
             target.name()
         );
     }
+}
+
+/// `bbc compile --prefill-gemm`: by default a bf16 model's plans carry the TMA GEMMs (their
+/// entries stating their tensor maps) and the launches making their rows; `pipelined`, none.
+#[test]
+fn compile_chooses_the_prefill_gemm() {
+    if !nvrtc_present() {
+        return;
+    }
+    let scratch = common::scratch_dir("bbc-gpu-prefill-gemm-");
+    let weights = common::fixture("hf-tiny/llama");
+    let toml = scratch.path().join("llama-bf16.toml");
+    std::fs::write(&toml, format!("[model]\nweights = {weights:?}\ndtype = \"bf16\"\n")).unwrap();
+    for (choice, tma) in [(None, true), (Some("pipelined"), false)] {
+        let artifact = scratch.path().join(choice.unwrap_or("default"));
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"));
+        command
+            .args(["compile", toml.to_str().unwrap(), "--target", "h200", "-o"])
+            .arg(&artifact);
+        if let Some(choice) = choice {
+            command.args(["--prefill-gemm", choice]);
+        }
+        let out = command.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let manifest = codegen::read_manifest(&artifact).unwrap();
+        for file in [manifest.plan, manifest.serving_plan].iter().flatten() {
+            let plan: gpu::GpuPlan =
+                serde_json::from_str(&std::fs::read_to_string(artifact.join(file)).unwrap()).unwrap();
+            let gemms: Vec<&gpu::KernelEntry> = plan.kernels.iter().filter(|k| k.name.contains("gemm_tma")).collect();
+            let rows = plan.kernels.iter().any(|k| k.name.contains("bf16_rows"));
+            assert_eq!((!gemms.is_empty(), rows), (tma, tma), "{choice:?}: {file}");
+            assert!(gemms.iter().all(|k| k.tensor_maps.len() == 2 && k.cubin.is_some()));
+        }
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"))
+        .args([
+            "compile",
+            toml.to_str().unwrap(),
+            "--target",
+            "h200",
+            "--prefill-gemm",
+            "fast",
+            "-o",
+        ])
+        .arg(scratch.path().join("refused"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("tma") && stderr.contains("pipelined"),
+        "{stderr}"
+    );
 }
 
 /// In the 8B-shaped serving plan every attention split pass prefetches the weights of the

@@ -126,6 +126,17 @@ pub struct CompiledGraphs<'a> {
 
 /// Write the artifact for `graphs` of `model` into `dir`.
 pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path) -> Result<Manifest, ArtifactError> {
+    compile_with(model, graphs, target, dir, crate::gpu::PrefillGemm::default())
+}
+
+/// [`compile`], the GPU plans' bf16 matmuls prefilling through `prefill`.
+pub fn compile_with(
+    model: &Model,
+    graphs: CompiledGraphs,
+    target: Target,
+    dir: &Path,
+    prefill: crate::gpu::PrefillGemm,
+) -> Result<Manifest, ArtifactError> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let CompiledGraphs {
         logits: graph,
@@ -144,10 +155,11 @@ pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path
     };
     // A model with random weights has them made where its plans run: each plan carries the
     // fill kernels. Stored weights the device converts: the conversion kernels.
-    let loading = (
-        model.spec.random_weights.is_some(),
-        &model.weights as &dyn quant::tensor::Tensors,
-    );
+    let loading = Loading {
+        fills: model.spec.random_weights.is_some(),
+        weights: &model.weights,
+        prefill,
+    };
     let (plan, greedy_plan, serving_plan, mtp_plan) = match target {
         Target::Cpu => (None, None, None, None),
         gpu => (
@@ -247,6 +259,15 @@ pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path
     Ok(manifest)
 }
 
+/// What a GPU plan is built with beside its graph: whether it makes random weights on the
+/// device, the weights whose stored forms it may convert there, its prefill GEMM.
+#[derive(Clone, Copy)]
+struct Loading<'a> {
+    fills: bool,
+    weights: &'a dyn quant::tensor::Tensors,
+    prefill: crate::gpu::PrefillGemm,
+}
+
 /// Rows a step of a GPU plan takes, which its activation buffers are sized for: the serving
 /// engine's default token budget on a GPU (vLLM's is 2048 to 8192), so a long prompt prefills
 /// in a few large chunks.
@@ -255,9 +276,9 @@ pub const GPU_MAX_TOKENS: usize = 2048;
 /// `kernels/*.cu`, `kernels/*.ptx` and `kernels/*.cubin` (NVRTC; no spills allowed on the real
 /// architecture: see [`crate::spill_free`]) and the plan (`plan_file`); returns the plan's
 /// file name. Each plan's kernels go to their own directory: names are unique within a plan,
-/// not across plans. With `fills`, the plan also carries the fill kernels that make random
-/// weights on the device (`kernels_gen::templates::fill`); and it carries the kernels that
-/// convert the stored forms of `weights` it converts on the device
+/// not across plans. With `loading.fills`, the plan also carries the fill kernels that make
+/// random weights on the device (`kernels_gen::templates::fill`); and it carries the kernels
+/// that convert the stored forms of `loading.weights` it converts on the device
 /// ([`crate::gpu::weight_conversions`]).
 fn write_gpu_program(
     graph: &Graph,
@@ -265,15 +286,13 @@ fn write_gpu_program(
     dir: &Path,
     (kernel_dir, plan_file): (&str, &str),
     batched: Option<crate::gpu::BatchedCache>,
-    (fills, weights): (bool, &dyn quant::tensor::Tensors),
+    loading: Loading,
 ) -> Result<String, ArtifactError> {
     let name = target.name();
-    let built = match batched {
-        Some(cache) => crate::gpu::build_batched(graph, target, GPU_MAX_TOKENS, cache).map(|(plan, _)| plan),
-        None => crate::gpu::build(graph, target, GPU_MAX_TOKENS),
-    };
-    let mut plan = built.map_err(|source| ArtifactError::Gpu { target: name, source })?;
-    if fills {
+    let built = crate::gpu::build_program(graph, target, GPU_MAX_TOKENS, batched, loading.prefill);
+    let (mut plan, _) = built.map_err(|source| ArtifactError::Gpu { target: name, source })?;
+    let weights = loading.weights;
+    if loading.fills {
         let kernels = kernels_gen::templates::fill::fill_kernels();
         plan.kernels.extend(kernels.iter().map(crate::gpu::kernel_entry));
     }

@@ -20,6 +20,27 @@ pub struct CompileArgs<'a> {
     pub tokenizer: Option<&'a str>,
     /// The head of the multi-token prediction layers' plan (GPU targets).
     pub draft_head: DraftHead,
+    /// The tensor-core GEMM the GPU plans' bf16 matmuls prefill through.
+    pub prefill_gemm: PrefillGemm,
+}
+
+/// The tensor-core GEMM GPU plans prefill bf16 matmuls through (`codegen::gpu::PrefillGemm`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PrefillGemm {
+    /// The target's TMA-fed GEMM, after a launch making the rows bf16.
+    #[default]
+    Tma,
+    /// The GEMM with the norm inside and its weights through a `cp.async` pipeline.
+    Pipelined,
+}
+
+impl From<PrefillGemm> for codegen::gpu::PrefillGemm {
+    fn from(gemm: PrefillGemm) -> Self {
+        match gemm {
+            PrefillGemm::Tma => Self::Tma,
+            PrefillGemm::Pipelined => Self::Pipelined,
+        }
+    }
 }
 
 pub fn compile(args: &CompileArgs) -> Result<()> {
@@ -104,7 +125,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     if target != Target::Cpu {
         crate::fetch::ensure_nvrtc(false)?;
     }
-    let manifest = codegen::compile(&loaded.model, graphs, target, args.output)?;
+    let manifest = codegen::compile_with(&loaded.model, graphs, target, args.output, args.prefill_gemm.into())?;
     if args.emit == Some("kernel-report") {
         print_kernel_report(&args.output.join("plan.json"))?;
     }

@@ -38,7 +38,7 @@ pub(super) fn serving_executor(
         sequences: run.sequences(),
     };
     let started = std::time::Instant::now();
-    let (plan, kernels) = gpu::build_batched_with(&graph, target, 512, cache, prefill)?;
+    let (plan, kernels) = gpu::build_program(&graph, target, 512, Some(cache), prefill)?;
     let kernels: Vec<Kernel> = kernels
         .into_iter()
         .chain(runtime::random_weights::fill_kernels())

@@ -112,18 +112,9 @@ pub fn build_batched(
     build_program(graph, target, max_tokens, Some(cache), PrefillGemm::default())
 }
 
-/// [`build_batched`], the bf16 matmuls prefilling through `prefill`.
-pub fn build_batched_with(
-    graph: &Graph,
-    target: Target,
-    max_tokens: usize,
-    cache: BatchedCache,
-    prefill: PrefillGemm,
-) -> Result<(GpuPlan, Vec<Kernel>), GpuCodegenError> {
-    build_program(graph, target, max_tokens, Some(cache), prefill)
-}
-
-fn build_program(
+/// [`build_with_kernels`] or (with `batched`) [`build_batched`], the bf16 matmuls
+/// prefilling through `prefill`.
+pub fn build_program(
     graph: &Graph,
     target: Target,
     max_tokens: usize,
