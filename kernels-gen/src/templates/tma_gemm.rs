@@ -30,20 +30,25 @@ fn map(name: &str, buffer: &str, rows: &str, stride: &str, box_rows: i64) -> Par
     }))
 }
 
-/// As a plan launches a TMA GEMM in place of a GEMV (`prologue`'s form: plain, norm, or
-/// residual add and norm): the GEMV's parameters first (which it does not read but for `w`,
-/// `out` and the sizes), the K splits' partials, then `xb`, the rows the
-/// `bf16_rows` kernel made (`xb_stride` apart), which the `x_map` reads.
-pub fn prologued_params(prologue: Option<super::gemv::NormPrologue>, x_box_rows: i64, w_box_rows: i64) -> Vec<Param> {
-    let mut params = super::gemv::prologue_params(prologue);
-    params.extend([
+/// What every TMA GEMM takes after its activations: `w`, `out` and the sizes.
+fn weights_and_sizes() -> [Param; 6] {
+    [
         buffer("w", Ty::Bf16, false),
         buffer("out", Ty::F32, true),
         scalar("tokens", Ty::I32),
         scalar("n", Ty::I32),
         scalar("k", Ty::I32),
         scalar("x_stride", Ty::I32),
-    ]);
+    ]
+}
+
+/// As a plan launches a TMA GEMM in place of a GEMV (`prologue`'s form: plain, norm, or
+/// residual add and norm): the GEMV's parameters first (which it does not read but for `w`,
+/// `out` and the sizes), the K splits' partials, then `xb`, the rows the
+/// `bf16_rows` kernel made (`xb_stride` apart), which the `x_map` reads.
+pub fn prologued_params(prologue: Option<super::gemv::NormPrologue>, x_box_rows: i64, w_box_rows: i64) -> Vec<Param> {
+    let mut params = super::gemv::prologue_params(prologue);
+    params.extend(weights_and_sizes());
     if super::gemv::residual(prologue) {
         params.push(scalar("b_stride", Ty::I32));
     }
@@ -62,15 +67,8 @@ pub fn prologued_params(prologue: Option<super::gemv::NormPrologue>, x_box_rows:
 /// `x_box_rows` and `w_box_rows` rows.
 pub fn params(x_box_rows: i64, w_box_rows: i64) -> Vec<Param> {
     [
-        vec![
-            buffer("x", Ty::Bf16, false),
-            buffer("w", Ty::Bf16, false),
-            buffer("out", Ty::F32, true),
-            scalar("tokens", Ty::I32),
-            scalar("n", Ty::I32),
-            scalar("k", Ty::I32),
-            scalar("x_stride", Ty::I32),
-        ],
+        vec![buffer("x", Ty::Bf16, false)],
+        weights_and_sizes().to_vec(),
         split_k::params(),
         vec![
             map("x_map", "x", "tokens", "x_stride", x_box_rows),
