@@ -667,6 +667,82 @@ fn the_lockstep_comparison_names_exactly_the_wrong_kernel() {
     }
 }
 
+/// A batched bf16 plan's prompts attend on the tensor cores over the paged pool: a step of
+/// three prompts (one longer than a query tile, one a tile's rows, one of a few), then one
+/// continuing the long prompt past its cached rows beside the second's first decode row (a
+/// tile of one row), then a decode step (the split attention); every row's logits against the
+/// CPU backend, each sequence in blocks of its own, shuffled. Gemma 3's sliding windows cut
+/// the tiles' keys. The tolerance is the bf16 prefill's, widened for these longer prompts:
+/// the rows the tensor-core GEMMs round to bf16 leave Gemma 3's logits up to 2.1e-2 from the
+/// CPU's (which keeps f32 activations) with the split attention as well, and 1.8e-2 with this
+/// one; the attention kernel's own precision is checked to 2e-3 on the emulator
+/// (kernels-gen), and a plan passing it a wrong window is off by 1.4.
+#[test]
+fn batched_bf16_plans_attend_over_prompts_on_tensor_cores_like_the_cpu_backend() {
+    use runtime::kv::{BlockId, Segment};
+    for family in ["llama", "gemma3"] {
+        let model = open(family, ComputeDtype::Bf16);
+        let graph = model.lower(LogitsFor::AllTokens).unwrap();
+        let gpu_graph = fused_for(&graph, Target::H200);
+        let cache = gpu::BatchedCache {
+            blocks: 24,
+            block_size: 16,
+            sequences: 3,
+        };
+        let (plan, kernels) = gpu::build_batched(&gpu_graph, Target::H200, 144, cache).unwrap();
+        let flash: Vec<String> = plan
+            .kernels
+            .iter()
+            .filter(|k| k.name.starts_with("flash_attention"))
+            .map(|k| k.name.clone())
+            .collect();
+        assert!(!flash.is_empty(), "{family}: no tensor-core attention in the plan");
+        let gpu = EmulatorBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 128).unwrap();
+        let cpu = CpuBackend::new(graph, &model.weights, 128).unwrap();
+        let mut pages = cpu.new_pages(cache.block_size);
+        let tables: Vec<Vec<BlockId>> = (0..3u32)
+            .map(|s| (0..8).rev().map(|b| BlockId(3 * b + s)).collect())
+            .collect();
+        let prompt = |len: u32, seed: u32| -> Vec<u32> { (0..len).map(|i| (seed + 37 * i) % 300).collect() };
+        let steps: [Vec<(usize, usize, Vec<u32>)>; 3] = [
+            vec![(0, 0, prompt(70, 5)), (1, 0, prompt(64, 11)), (2, 0, prompt(3, 17))],
+            vec![(0, 70, prompt(40, 23)), (1, 64, vec![42])],
+            vec![(0, 110, vec![7]), (1, 65, vec![9]), (2, 3, vec![4])],
+        ];
+        // Whether each step attends on the tensor cores: sequences averaging 16 rows or more.
+        let on_tensor_cores = [true, true, false];
+        for (step, (segments, flash_step)) in steps.iter().zip(on_tensor_cores).enumerate() {
+            let batch: Vec<Segment> = segments
+                .iter()
+                .map(|(s, start, ids)| Segment {
+                    hidden_states: &[],
+                    table: &tables[*s],
+                    start: *start,
+                    ids,
+                    state_slot: *s,
+                    sampled_rows: 1,
+                    drafts: 0,
+                    snapshots: runtime::kv::StateSnapshots::NONE,
+                })
+                .collect();
+            let launched = || -> usize {
+                flash
+                    .iter()
+                    .map(|k| gpu.with_device(|d| d.launches_of(k)).unwrap())
+                    .sum()
+            };
+            let before = launched();
+            let got = gpu.step_batch(&batch).unwrap();
+            assert_eq!(launched() > before, flash_step, "{family}: step {step}");
+            let want = cpu.step_batch(&mut pages, &batch).unwrap();
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let error = relative_error(&g["logits"].data, &w["logits"].data);
+                assert!(error <= 3e-2, "{family}: step {step}, sequence {i}: error {error}");
+            }
+        }
+    }
+}
+
 /// A batched step's segments: each sequence's (first position, ids) with its block table.
 fn batch_of<'a>(
     segments: &'a [(usize, Vec<u32>)],
@@ -1834,6 +1910,19 @@ fn decode_timing_runs(family: &str) {
         .unwrap()
         .capture_graphs_up_to(3);
     assert!(runtime::decode_timing::time_prefill(&exec, &run).unwrap() > 0.0);
+    // A prefill profiled 16 rows a step: its first step attends on the tensor cores, the 4
+    // rows after it split each row's keys and merge the splits; every launch timed.
+    let chunked = DecodeRun {
+        prefill_chunk: PREFILL_TOKENS,
+        ..run.clone()
+    };
+    let launches = runtime::decode_timing::profile_prefill(&exec, &chunked).unwrap();
+    let launched = |stem: &str| launches.iter().filter(|l| l.kernel.starts_with(stem)).count();
+    let attention_layers = graph.nodes().iter().filter(|n| n.op.attention().is_some()).count();
+    assert!(attention_layers > 0);
+    assert_eq!(launched("flash_attention"), attention_layers, "{family}");
+    assert_eq!(launched("attention_combine"), attention_layers, "{family}");
+    assert!(launches.iter().all(|l| l.seconds.is_some_and(|s| s > 0.0)));
     let timings = time_decode(&exec, &run).unwrap();
     assert_eq!(timings.iter().map(|t| t.batch).collect::<Vec<_>>(), run.batches);
     // Per batch size: one graph recorded, replayed for the untimed and the timed steps, those

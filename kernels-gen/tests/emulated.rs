@@ -719,6 +719,90 @@ fn flash_attention_matches_reference() {
     }
 }
 
+/// The tensor-core attention over a batched step (the serving plans' paged pool): sequences
+/// with a cached prefix and without, one of a single row (a decode row beside prompt chunks),
+/// one longer than a query tile, each with its own shuffled blocks in one pool; the rows
+/// concatenated as a step orders them. Each sequence's rows against the reference over its own
+/// cache; the spare tiles of the grid write nothing (the output starts poisoned but for the
+/// rows, which all must be written).
+#[test]
+fn flash_attention_over_a_batched_step_matches_reference() {
+    use kernels_gen::templates::cache_layout::CacheLayout;
+    let mut rng = Rng(43);
+    let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+    // (rows this step, positions cached before them)
+    let sequences = [(70usize, 37usize), (1, 20), (16, 0), (5, 100)];
+    for (heads, kv_heads, head_dim, window) in [(4, 2, 32, 0), (2, 1, 16, 24)] {
+        let row = kv_heads * head_dim;
+        let block_size = 16;
+        let (mut pool_k, mut pool_v) = (Vec::new(), Vec::new());
+        let (mut tables, mut row_table, mut row_pos) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut q_rows, mut want) = (Vec::new(), Vec::new());
+        for &(rows, first) in &sequences {
+            let len = first + rows;
+            let (q, k, v) = (
+                round(&rng.vec(rows * heads * head_dim)),
+                round(&rng.vec(len * row)),
+                round(&rng.vec(len * row)),
+            );
+            want.extend(attention_reference(
+                (&q, &k, &v),
+                (first, heads, kv_heads, head_dim, window),
+            ));
+            q_rows.extend(q);
+            // This sequence's blocks: fresh ones at the pool's end, in reverse order.
+            let blocks = len.div_ceil(block_size);
+            let base = pool_k.len() / (block_size * row);
+            let table: Vec<usize> = (0..blocks).map(|b| base + blocks - 1 - b).collect();
+            pool_k.resize((base + blocks) * block_size * row, 0.0);
+            pool_v.resize((base + blocks) * block_size * row, 0.0);
+            for p in 0..len {
+                let at = (table[p / block_size] * block_size + p % block_size) * row;
+                pool_k[at..at + row].copy_from_slice(&k[p * row..(p + 1) * row]);
+                pool_v[at..at + row].copy_from_slice(&v[p * row..(p + 1) * row]);
+            }
+            row_table.extend(std::iter::repeat_n(tables.len() as i64, rows));
+            row_pos.extend((first..len).map(|p| p as i64));
+            tables.extend(table.iter().map(|&b| b as i64));
+        }
+        let tokens: usize = sequences.iter().map(|s| s.0).sum();
+        let segment_rows: Vec<usize> = sequences.iter().map(|s| s.0).collect();
+        let tiles: Vec<i64> = flash_attention::query_tiles(&segment_rows)
+            .iter()
+            .map(|&t| t as i64)
+            .collect();
+        let mut bufs = HashMap::from([
+            ("q".into(), Array::f32(&q_rows)),
+            ("k".into(), bf16_array(&pool_k)),
+            ("v".into(), bf16_array(&pool_v)),
+            ("out".into(), Array::poisoned(Ty::F32, tokens * heads * head_dim)),
+            ("block_tables".into(), Array::ints(Ty::I32, &tables)),
+            ("row_table".into(), Array::ints(Ty::I32, &row_table)),
+            ("row_pos".into(), Array::ints(Ty::I32, &row_pos)),
+            ("query_tiles".into(), Array::ints(Ty::I32, &tiles)),
+        ]);
+        let mut scalars = ints(&[
+            ("tokens", tokens as i64),
+            ("q_stride", (heads * head_dim) as i64),
+            ("first", 0),
+            ("heads", heads as i64),
+            ("kv_heads", kv_heads as i64),
+            ("window", window as i64),
+            ("block_size", block_size as i64),
+            ("seqs", sequences.len() as i64),
+        ]);
+        scalars.insert("scale".into(), Scalar::F32(0.3));
+        let kernel = flash_attention::flash_attention("flash", "test", CacheLayout::Batched, head_dim);
+        run(&kernel, &mut bufs, &scalars).unwrap_or_else(|e| panic!("head_dim {head_dim}: {e}"));
+        close(
+            &bufs["out"].to_f32().unwrap(),
+            &want,
+            2e-3,
+            &format!("batched flash attention, head_dim {head_dim}, window {window}"),
+        );
+    }
+}
+
 /// The IR reference's causal attention (scale 0.3) of the rows `first..` of one sequence, its
 /// cache `k`/`v` holding positions `0..first + rows`; `window` 0 for none.
 fn attention_reference(

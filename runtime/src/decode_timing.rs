@@ -74,24 +74,29 @@ impl DecodeTiming {
 
     /// The step's launches summed per kernel, in order of first launch.
     pub fn by_kernel(&self) -> Vec<KernelTotal> {
-        let mut rows: Vec<KernelTotal> = Vec::new();
-        for l in &self.launches {
-            match rows.iter_mut().find(|r| r.kernel == l.kernel) {
-                Some(row) => {
-                    row.launches += 1;
-                    row.seconds = row.seconds.zip(l.seconds).map(|(a, b)| a + b);
-                    row.weight_bytes += l.weight_bytes;
-                }
-                None => rows.push(KernelTotal {
-                    kernel: l.kernel.clone(),
-                    launches: 1,
-                    seconds: l.seconds,
-                    weight_bytes: l.weight_bytes,
-                }),
-            }
-        }
-        rows
+        kernel_totals(&self.launches)
     }
+}
+
+/// `launches` summed per kernel, in order of first launch.
+pub fn kernel_totals(launches: &[LaunchProfile]) -> Vec<KernelTotal> {
+    let mut rows: Vec<KernelTotal> = Vec::new();
+    for l in launches {
+        match rows.iter_mut().find(|r| r.kernel == l.kernel) {
+            Some(row) => {
+                row.launches += 1;
+                row.seconds = row.seconds.zip(l.seconds).map(|(a, b)| a + b);
+                row.weight_bytes += l.weight_bytes;
+            }
+            None => rows.push(KernelTotal {
+                kernel: l.kernel.clone(),
+                launches: 1,
+                seconds: l.seconds,
+                weight_bytes: l.weight_bytes,
+            }),
+        }
+    }
+    rows
 }
 
 /// One kernel's launches in a step, summed.
@@ -190,21 +195,11 @@ fn id(s: usize, p: usize) -> u32 {
     ((7 + 13 * s + 31 * p) % 251) as u32
 }
 
-/// `prompt` tokens into each sequence (one per table), `chunk` rows a step.
 /// Wall seconds to prefill one sequence's `run.prompt` tokens, `run.prefill_chunk` rows a
 /// step, results read back (into the first sequence's blocks and state slot, which
 /// [`time_decode`] prefills again).
 pub fn time_prefill<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) -> Result<f64> {
-    let cache = executor
-        .batched_cache()
-        .ok_or_else(|| RuntimeError::Artifact("prefill timing needs a batched plan".into()))?;
-    let blocks = run.prompt.div_ceil(cache.block_size);
-    if blocks > cache.blocks || run.prompt > executor.context_length() {
-        return Err(RuntimeError::Input(format!(
-            "a prompt of {} positions does not fit {} blocks of {}",
-            run.prompt, cache.blocks, cache.block_size
-        )));
-    }
+    let blocks = prefill_blocks(executor, run)?;
     let table: Vec<BlockId> = (0..blocks).map(|b| BlockId(b as u32)).collect();
     let max_rows = executor.max_step_tokens().unwrap_or(1).min(run.prefill_chunk).max(1);
     let started = std::time::Instant::now();
@@ -212,16 +207,63 @@ pub fn time_prefill<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) 
     Ok(started.elapsed().as_secs_f64())
 }
 
+/// The blocks one sequence's prompt of `run.prompt` tokens takes in `executor`'s pool (its
+/// first), or why it does not fit.
+fn prefill_blocks<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) -> Result<usize> {
+    let cache = executor
+        .batched_cache()
+        .ok_or_else(|| RuntimeError::Artifact("prefill timing needs a batched plan".into()))?;
+    let blocks = run.prompt.div_ceil(cache.block_size);
+    if blocks > cache.blocks || run.prompt > executor.context_length() {
+        return Err(RuntimeError::Input(format!(
+            "a prompt of {} positions does not fit {} blocks of {} (context {})",
+            run.prompt,
+            cache.blocks,
+            cache.block_size,
+            executor.context_length()
+        )));
+    }
+    Ok(blocks)
+}
+
+/// Each launch of one sequence's prefill of `run.prompt` tokens as [`time_prefill`] runs it,
+/// timed one by one: what each kernel's share of a prefill is.
+pub fn profile_prefill<D: PlanDevice>(executor: &PlanExecutor<D>, run: &DecodeRun) -> Result<Vec<LaunchProfile>> {
+    let blocks = prefill_blocks(executor, run)?;
+    let table: Vec<BlockId> = (0..blocks).map(|b| BlockId(b as u32)).collect();
+    let max_rows = executor.max_step_tokens().unwrap_or(1).min(run.prefill_chunk).max(1);
+    let mut launches = Vec::new();
+    prefill_steps(&[table], run.prompt, max_rows, |segment| {
+        launches.extend(executor.profile_step_batch(&[segment])?);
+        Ok(())
+    })?;
+    Ok(launches)
+}
+
+/// `prompt` tokens into each sequence (one per table), `chunk` rows a step.
 fn prefill<D: PlanDevice>(
     executor: &PlanExecutor<D>,
     tables: &[Vec<BlockId>],
     prompt: usize,
     chunk: usize,
 ) -> Result<()> {
+    prefill_steps(tables, prompt, chunk, |segment| {
+        executor.step_batch_last_rows(&[segment]).map(|_| ())
+    })
+}
+
+/// Each prefill step's segment of `prompt` tokens into each sequence (one per table),
+/// `chunk` rows a step, handed to `step`.
+fn prefill_steps(
+    tables: &[Vec<BlockId>],
+    prompt: usize,
+    chunk: usize,
+    mut step: impl FnMut(Segment) -> Result<()>,
+) -> Result<()> {
     for (s, table) in tables.iter().enumerate() {
         for start in (0..prompt).step_by(chunk) {
             let ids: Vec<u32> = (start..prompt.min(start + chunk)).map(|p| id(s, p)).collect();
-            executor.step_batch_last_rows(&[Segment {
+            step(Segment {
                 hidden_states: &[],
                 table,
                 start,
@@ -230,7 +272,7 @@ fn prefill<D: PlanDevice>(
                 sampled_rows: 1,
                 drafts: 0,
                 snapshots: StateSnapshots::NONE,
-            }])?;
+            })?;
         }
     }
     Ok(())

@@ -8,19 +8,20 @@ use codegen::gpu;
 use codegen::Target;
 use kernels_gen::dsl::Kernel;
 use models::{ComputeDtype, LogitsFor};
-use runtime::decode_timing::{time_decode, time_prefill, DecodeRun, DecodeTiming};
+use runtime::decode_timing::{kernel_totals, profile_prefill, time_decode, time_prefill, DecodeRun, DecodeTiming};
 use runtime::plan_exec::PlanExecutor;
+use runtime::serving::PagedBackend;
 use runtime_cuda::CudaDevice;
 
 /// `config`'s serving plan for `target` (as `bbc compile` writes it: each sequence's argmax
-/// beside its logits; on Hopper prefilling through `prefill`), on this GPU with bf16 weights
-/// made there and a KV pool (and recurrent state slots) for `run`, decode steps of up to 64
-/// rows replayed as graphs.
+/// beside its logits; prefilling through `prefill`), on this GPU with bf16 weights made there
+/// and a KV pool (and recurrent state slots) for `run`, decode steps of up to 64 rows replayed
+/// as graphs. Sequences hold up to `context` positions (at least `run`'s, and 1 024).
 pub(super) fn serving_executor(
     name: &str,
     config: &models::ModelConfig,
     (target, arch): (Target, &str),
-    run: &DecodeRun,
+    (run, context): (&DecodeRun, usize),
     prefill: gpu::PrefillGemm,
 ) -> Result<PlanExecutor<CudaDevice>> {
     let options = models::LowerOptions {
@@ -32,8 +33,10 @@ pub(super) fn serving_executor(
     let graph = passes::optimized(&graph, crate::model_ref::cost_model(target))?;
     let graph = models::with_greedy_token(&graph)?;
     let block_size = 16;
+    let context = context.max(run.positions_per_sequence()).max(1024);
     let cache = gpu::BatchedCache {
-        blocks: run.sequences() * run.positions_per_sequence().div_ceil(block_size),
+        // Room for the run's sequences, or for one of the whole context.
+        blocks: (run.sequences() * run.positions_per_sequence().div_ceil(block_size)).max(context.div_ceil(block_size)),
         block_size,
         sequences: run.sequences(),
     };
@@ -44,7 +47,7 @@ pub(super) fn serving_executor(
         .chain(runtime::random_weights::fill_kernels())
         .collect();
     let device = super::compile_device(&kernels, arch)?;
-    let exec = PlanExecutor::with_generated_weights(device, plan, graph, 8, 1024)?
+    let exec = PlanExecutor::with_generated_weights(device, plan, graph, 8, context)?
         .capture_graphs_up_to(64)
         .verify_drafts_up_to(run.drafts)?;
     println!(
@@ -104,6 +107,77 @@ pub(super) fn print_steps(name: &str, run: &DecodeRun, timings: &[DecodeTiming],
     Ok(())
 }
 
+/// A prompt long enough that attention is much of its prefill.
+pub(super) const LONG_PROMPT: usize = 8192;
+
+/// One sequence's prefill of a [`LONG_PROMPT`]-token prompt, `run.prefill_chunk` rows a step
+/// as served (after an untimed one): its wall time, then a run timing each launch: each
+/// kernel's share, and attention's (its kernels: tensor-core, split and merge) with its rate
+/// against the causal attention's FLOPs (`config`'s attention layers, QKᵀ and PV).
+pub(super) fn print_long_prefill(
+    name: &str,
+    exec: &PlanExecutor<CudaDevice>,
+    run: &DecodeRun,
+    config: &models::ModelConfig,
+) -> Result<()> {
+    let long = DecodeRun {
+        prompt: LONG_PROMPT,
+        batches: Vec::new(),
+        ..run.clone()
+    };
+    time_prefill(exec, &long)?;
+    let seconds = time_prefill(exec, &long)?;
+    let launches = profile_prefill(exec, &long)?;
+    let totals = kernel_totals(&launches);
+    let device: f64 = totals.iter().filter_map(|k| k.seconds).sum();
+    let attention: f64 = totals
+        .iter()
+        .filter(|k| k.kernel.starts_with("flash_attention") || k.kernel.starts_with("attention"))
+        .filter_map(|k| k.seconds)
+        .sum();
+    let flops = causal_attention_flops(config, LONG_PROMPT);
+    println!(
+        "\n{name} prefill of a {LONG_PROMPT}-token prompt, {} rows a step: {:.1} ms wall ({:.0} tok/s); \
+         launches timed one by one {:.1} ms, attention {:.1} ms of them ({:.0}%), {:.0} TFLOP/s",
+        long.prefill_chunk.min(PagedBackend::max_step_tokens(exec).unwrap_or(1)),
+        seconds * 1e3,
+        LONG_PROMPT as f64 / seconds,
+        device * 1e3,
+        attention * 1e3,
+        100.0 * attention / device,
+        flops / attention / 1e12
+    );
+    println!("\n| kernel (long prefill) | launches | ms | % of the launches' time |\n|---|---|---|---|");
+    for k in &totals {
+        let seconds = k.seconds.unwrap_or(0.0);
+        println!(
+            "| {} | {} | {:.2} | {:.1}% |",
+            k.kernel,
+            k.launches,
+            seconds * 1e3,
+            100.0 * seconds / device
+        );
+    }
+    Ok(())
+}
+
+/// FLOPs of causal attention over a prompt of `tokens` in `config`'s softmax-attention
+/// layers: row p's query against its keys (p + 1, or the window's), QKᵀ and PV each
+/// `2 · head_dim` FLOPs a key and head.
+pub(super) fn causal_attention_flops(config: &models::ModelConfig, tokens: usize) -> f64 {
+    let keys = |window: usize| -> f64 { (0..tokens).map(|p| (p + 1).min(window) as f64).sum() };
+    let pairs: f64 = config
+        .layer_attention
+        .iter()
+        .map(|a| match a {
+            models::LayerAttention::Full => keys(usize::MAX),
+            models::LayerAttention::Sliding => keys(config.sliding_window.unwrap_or(usize::MAX)),
+            models::LayerAttention::Linear => 0.0,
+        })
+        .sum();
+    pairs * config.heads as f64 * 4.0 * config.head_dim as f64
+}
+
 /// Each batch size's profiled step, by kernel: launches, time, share, weight rate.
 pub(super) fn print_profiles(timings: &[DecodeTiming], bandwidth: f64) {
     for t in timings {
@@ -156,7 +230,13 @@ pub fn hybrid(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
     };
     // Sized for the verifying run, the larger.
     let config = models::ModelConfig::qwen3_5_27b();
-    let exec = serving_executor(name, &config, (target, arch), &verifying, gpu::PrefillGemm::default())?;
+    let exec = serving_executor(
+        name,
+        &config,
+        (target, arch),
+        (&verifying, 0),
+        gpu::PrefillGemm::default(),
+    )?;
     print_prefill(name, &exec, &run)?;
     let timings = time_decode(&exec, &run)?;
     print_steps(name, &run, &timings, bandwidth)?;
@@ -186,5 +266,22 @@ fn print_verifying(run: &DecodeRun, decoding: &[DecodeTiming], verifying: &[Deco
             verify * 1e3,
             verify / plain
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::causal_attention_flops;
+
+    #[test]
+    fn attention_flops_count_each_rows_keys_within_its_window() {
+        let mut config = models::ModelConfig::llama3_8b();
+        // Llama-3-8B at 8 192 tokens: 32 layers × 32 heads × 4 × 128 × (8 192 · 8 193 / 2).
+        let full = 32.0 * 32.0 * 4.0 * 128.0 * (8192.0 * 8193.0 / 2.0);
+        assert_eq!(causal_attention_flops(&config, 8192), full);
+        // Rows past a window of 4 see 4 keys: 1 + 2 + 3 + 4 + 4 + 4 for 6 rows.
+        config.layer_attention = vec![models::LayerAttention::Sliding, models::LayerAttention::Linear];
+        config.sliding_window = Some(4);
+        assert_eq!(causal_attention_flops(&config, 6), 18.0 * 32.0 * 4.0 * 128.0);
     }
 }

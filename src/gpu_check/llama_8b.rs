@@ -21,7 +21,9 @@ use runtime::random_weights::{fill_kernels, fill_on_device, Fill};
 /// serving plan `bbc compile` writes for `target`, run as `bbc serve` runs it; batch 1 also
 /// without each of the two ways a step overlaps its kernels.
 pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) -> Result<()> {
-    use super::decode::{print_prefill, print_profiles, print_steps, serving_executor};
+    use super::decode::{
+        print_long_prefill, print_prefill, print_profiles, print_steps, serving_executor, LONG_PROMPT,
+    };
     use runtime::decode_timing::{time_decode, DecodeRun};
     let name = "Llama-8B-shaped";
     let run = DecodeRun {
@@ -33,15 +35,18 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
         drafts: 0,
     };
     let config = models::ModelConfig::llama3_8b();
-    let exec = serving_executor(name, &config, (target, arch), &run, codegen::gpu::PrefillGemm::Tma)?;
+    // Sequences as long as the long prompt: its prefill runs in the same plan.
+    let served = (&run, LONG_PROMPT);
+    let exec = serving_executor(name, &config, (target, arch), served, codegen::gpu::PrefillGemm::Tma)?;
     print_prefill(name, &exec, &run)?;
     {
         // Beside it, the GEMM plans prefilled through before the TMA GEMM.
         let name = "Llama-8B-shaped, pipelined GEMM";
         let pipelined = codegen::gpu::PrefillGemm::Pipelined;
-        let earlier = serving_executor(name, &config, (target, arch), &run, pipelined)?;
+        let earlier = serving_executor(name, &config, (target, arch), (&run, 0), pipelined)?;
         print_prefill(name, &earlier, &run)?;
     }
+    print_long_prefill(name, &exec, &run, &config)?;
     let timings = time_decode(&exec, &run)?;
     // Batch 1 again without each of the two ways a step overlaps its kernels, side by side in
     // one run: without the weight prefetch during attention (`templates::weight_prefetch`),

@@ -20,8 +20,12 @@
 //! between two blocks, each computing the scores itself: what keeps the registers of a thread
 //! within 255 without spilling.
 //!
+//! The rows are one sequence's (contiguous or paged cache), or a batched step's rows of many
+//! sequences (the serving plans' paged pool): each block then takes a tile of one sequence's
+//! rows from the step's `query_tiles`, so no tile mixes sequences.
+//!
 //! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 256; the cache
-//! bf16; every row of the launch one sequence's (the contiguous and paged layouts).
+//! bf16.
 
 use super::cache_layout::CacheLayout;
 use crate::dsl::*;
@@ -29,6 +33,8 @@ use crate::dsl::*;
 const THREADS: i64 = 128;
 /// Query rows per block: 4 warps of mma's M = 16.
 const TILE_Q: i64 = 64;
+/// Query rows per block, as batched steps' `query_tiles` cut them.
+pub const QUERY_TILE_ROWS: usize = TILE_Q as usize;
 /// Keys per tile.
 const TILE_KEYS: i64 = 64;
 /// bf16 elements per 16-byte copy.
@@ -59,9 +65,9 @@ fn q_name(step: usize, i: usize) -> String {
     format!("q{step}_{i}")
 }
 
-/// Whether the flash kernel takes a head of `head_dim` over `layout`.
-pub fn supports(head_dim: usize, layout: CacheLayout) -> bool {
-    head_dim.is_multiple_of(16) && head_dim <= MAX_HEAD_DIM && layout != CacheLayout::Batched
+/// Whether the flash kernel takes a head of `head_dim` (over any layout).
+pub fn supports(head_dim: usize) -> bool {
+    head_dim.is_multiple_of(16) && head_dim <= MAX_HEAD_DIM
 }
 
 /// Key and value tiles a block keeps: two (the next tile's copies in flight while the warps
@@ -172,7 +178,7 @@ fn load_queries(head_dim: usize) -> Vec<Stmt> {
                     let_("row", Ty::I32, var("q0") + var("e") / hd.clone()),
                     let_("value", Ty::F32, f(0.0)),
                     if_(
-                        lt(var("row"), var("tokens")),
+                        lt(var("row"), var("rows_end")),
                         vec![assign("value", load("q", at(var("row"), rem(var("e"), hd.clone()))))],
                     ),
                     store("qs", var("e"), var("value")),
@@ -187,7 +193,7 @@ fn load_queries(head_dim: usize) -> Vec<Stmt> {
             let (row, dim) = query_element(head_dim, step, i);
             out.push(let_(&q_name(step, i), Ty::F32, f(0.0)));
             out.push(if_(
-                lt(row.clone(), var("tokens")),
+                lt(row.clone(), var("rows_end")),
                 vec![assign(&q_name(step, i), load("q", at(row, dim)))],
             ));
         }
@@ -245,7 +251,7 @@ fn online_softmax() -> Vec<Stmt> {
         for i in 0..4 {
             let (half, row_offset) = if i >= 2 { ("hi", 8) } else { ("lo", 0) };
             let key = var("j0") + int(8 * j as i64 + (i % 2) as i64) + var("t2");
-            let query = var("first") + var("r0") + int(row_offset);
+            let query = var("pos0") + var("r0") + int(row_offset);
             let visible = and(
                 and(lt(key.clone(), var("hi")), bin(BinOp::Le, key.clone(), query.clone())),
                 or(
@@ -354,7 +360,7 @@ fn store_outputs(head_dim: usize) -> Vec<Stmt> {
             let dim = var("d0") + int(8 * v as i64 + (i % 2) as i64) + var("t2");
             let at = (row.clone() * var("heads") + var("h")) * int(head_dim as i64) + dim;
             out.push(if_(
-                lt(row, var("tokens")),
+                lt(row, var("rows_end")),
                 vec![store("out", at, var(&o_name(v, i)) / var(&format!("l_{half}")))],
             ));
         }
@@ -362,13 +368,84 @@ fn store_outputs(head_dim: usize) -> Vec<Stmt> {
     out
 }
 
-/// The kernel over a cache in `layout` (contiguous, or paged through one block table): `out`
-/// `[tokens, heads·head_dim]` from `q` (rows `q_stride` apart, query rows `first..` of the
-/// sequence) and the bf16 cache `k`/`v` (`[position][kv head][dim]` rows), which holds the
-/// chunk's keys already. `window` ≤ 0 means none; `scale` multiplies q·k.
+/// Which rows a block takes and where they sit: `q0` (its first step row), `rows_end` (past
+/// its last row of the chunk), `pos0` (the position of step row 0 of that sequence: row `r`
+/// is at `pos0 + r`), `h` and `d0`. One sequence's chunk (contiguous or paged cache) is cut
+/// into tiles of [`QUERY_TILE_ROWS`]; a batched step's tiles come from its `query_tiles`.
+fn block_rows(layout: CacheLayout, head_dim: usize, parts: i64) -> Vec<Stmt> {
+    let tiles = query_tiles_expr(layout);
+    let tile = rem(bid() / int(parts), tiles.clone());
+    let mut out = vec![
+        // Parts of one tile of rows vary fastest (they read the same keys), then the tiles,
+        // then the heads.
+        let_("d0", Ty::I32, rem(bid(), int(parts)) * int(head_dim as i64 / parts)),
+        let_("h", Ty::I32, bid() / int(parts) / tiles),
+    ];
+    match layout {
+        CacheLayout::Batched => {
+            out.extend([
+                let_("tile", Ty::I32, tile),
+                let_("q0", Ty::I32, load("query_tiles", var("tile") * int(2))),
+                let_(
+                    "rows_end",
+                    Ty::I32,
+                    var("q0") + load("query_tiles", var("tile") * int(2) + int(1)),
+                ),
+            ]);
+            out.extend(layout.prologue(var("q0")));
+            out.push(let_("pos0", Ty::I32, layout.position(var("q0")) - var("q0")));
+        }
+        _ => out.extend([
+            let_("q0", Ty::I32, tile * int(TILE_Q)),
+            let_("rows_end", Ty::I32, var("tokens")),
+            let_("pos0", Ty::I32, var("first")),
+        ]),
+    }
+    out
+}
+
+/// The blocks' tiles of query rows: the chunk's tiles, or for a batched step the most its
+/// sequences' rows can make ([`max_query_tiles`]).
+fn query_tiles_expr(layout: CacheLayout) -> Expr {
+    match layout {
+        CacheLayout::Batched => var("tokens") / int(TILE_Q) + var("seqs"),
+        _ => (var("tokens") + int(TILE_Q - 1)) / int(TILE_Q),
+    }
+}
+
+/// The most tiles of query rows a batched step of `rows` rows of `seqs` sequences makes: each
+/// sequence's rows in tiles of [`QUERY_TILE_ROWS`], the last one partial.
+pub fn max_query_tiles(rows: usize, seqs: usize) -> usize {
+    rows / QUERY_TILE_ROWS + seqs
+}
+
+/// A batched step's `query_tiles` input for sequences of `segment_rows` rows each (in the
+/// step's row order): each tile's first row and row count, a sequence's rows cut into tiles of
+/// [`QUERY_TILE_ROWS`], then empty tiles (count 0) up to [`max_query_tiles`], which the
+/// kernel's grid covers.
+pub fn query_tiles(segment_rows: &[usize]) -> Vec<i32> {
+    let rows: usize = segment_rows.iter().sum();
+    let mut tiles = Vec::with_capacity(2 * max_query_tiles(rows, segment_rows.len()));
+    let mut first = 0;
+    for &len in segment_rows {
+        for start in (0..len).step_by(QUERY_TILE_ROWS) {
+            tiles.extend([(first + start) as i32, (len - start).min(QUERY_TILE_ROWS) as i32]);
+        }
+        first += len;
+    }
+    tiles.resize(2 * max_query_tiles(rows, segment_rows.len()), 0);
+    tiles
+}
+
+/// The kernel over a cache in `layout`: `out` `[tokens, heads·head_dim]` from `q` (rows
+/// `q_stride` apart) and the bf16 cache `k`/`v` (`[position][kv head][dim]` rows), which holds
+/// the step's keys already. Contiguous or paged (one block table), the rows are one
+/// sequence's, at positions `first..`; batched (the serving plans' paged pool), the rows of
+/// `seqs` sequences, each sequence's consecutive, cut into the tiles `query_tiles` lists (see
+/// [`query_tiles`]), each row's table and position from `row_table`/`row_pos`. `window` ≤ 0
+/// means none; `scale` multiplies q·k.
 pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: usize) -> Kernel {
-    assert!(supports(head_dim, layout), "head_dim {head_dim} over {layout:?}");
-    let tiles_q = (var("tokens") + int(TILE_Q - 1)) / int(TILE_Q);
+    assert!(supports(head_dim), "head_dim {head_dim}");
     let parts = parts(head_dim) as i64;
     let locals = (0..head_dim / parts as usize / 8)
         .flat_map(|v| (0..4).map(move |i| o_name(v, i)))
@@ -387,13 +464,8 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         vec![Stmt::SyncThreads],
     ]
     .concat();
-    let body = [
+    let rows = [
         vec![
-            // Parts of one tile of rows vary fastest (they read the same keys), then the
-            // tiles, then the heads.
-            let_("d0", Ty::I32, rem(bid(), int(parts)) * int(head_dim as i64 / parts)),
-            let_("h", Ty::I32, bid() / int(parts) / tiles_q.clone()),
-            let_("q0", Ty::I32, rem(bid() / int(parts), tiles_q) * int(TILE_Q)),
             let_("kvh", Ty::I32, var("h") / (var("heads") / var("kv_heads"))),
             let_("g", Ty::I32, lane() / int(4)),
             let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
@@ -403,14 +475,14 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
             let_(
                 "hi",
                 Ty::I32,
-                var("first") + bin(BinOp::Min, var("tokens"), var("q0") + int(TILE_Q)),
+                var("pos0") + bin(BinOp::Min, var("rows_end"), var("q0") + int(TILE_Q)),
             ),
             let_(
                 "lo",
                 Ty::I32,
                 select(
                     bin(BinOp::Gt, var("window"), int(0)),
-                    bin(BinOp::Max, int(0), var("first") + var("q0") - var("window") + int(1)),
+                    bin(BinOp::Max, int(0), var("pos0") + var("q0") - var("window") + int(1)),
                     int(0),
                 ),
             ),
@@ -430,12 +502,26 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         store_outputs(head_dim),
     ]
     .concat();
+    let body = [
+        block_rows(layout, head_dim, parts),
+        // A batched step's spare tiles (past its sequences') hold no rows: the whole block
+        // skips them.
+        match layout {
+            CacheLayout::Batched => vec![if_(lt(var("q0"), var("rows_end")), rows)],
+            _ => rows,
+        },
+    ]
+    .concat();
     let tile_elements = (TILE_KEYS as usize) * head_dim * tile_buffers(head_dim) as usize;
     let queries = (head_dim > QUERIES_IN_REGISTERS).then(|| SharedArray {
         name: "qs".into(),
         ty: Ty::Bf16,
         len: TILE_Q as usize * head_dim,
     });
+    let tiles_input = match layout {
+        CacheLayout::Batched => vec![buffer("query_tiles", Ty::I32, false), scalar("seqs", Ty::I32)],
+        _ => vec![],
+    };
     Kernel {
         name: name.into(),
         origin: format!(
@@ -459,6 +545,7 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
                 scalar("scale", Ty::F32),
             ],
             layout.params(),
+            tiles_input,
         ]
         .concat(),
         shared: [
@@ -477,7 +564,39 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         .chain(queries)
         .collect(),
         block_dim: THREADS as u32,
-        grid: var("heads") * ((var("tokens") + int(TILE_Q - 1)) / int(TILE_Q)) * int(parts),
+        grid: var("heads") * query_tiles_expr(layout) * int(parts),
         body,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Every row of the step lies in exactly one tile, of its own sequence's rows, at most
+        /// a tile's rows long; the tiles fill the grid's count, spare ones empty.
+        #[test]
+        fn query_tiles_cover_each_sequences_rows_once(segments in prop::collection::vec(1usize..200, 1..12)) {
+            let tiles = query_tiles(&segments);
+            let rows: usize = segments.iter().sum();
+            prop_assert_eq!(tiles.len(), 2 * max_query_tiles(rows, segments.len()));
+            let sequence_of: Vec<usize> = segments
+                .iter()
+                .enumerate()
+                .flat_map(|(s, &len)| std::iter::repeat_n(s, len))
+                .collect();
+            let mut covered = vec![0; rows];
+            for tile in tiles.chunks(2) {
+                let (first, count) = (tile[0] as usize, tile[1] as usize);
+                prop_assert!(count <= QUERY_TILE_ROWS);
+                for row in first..first + count {
+                    covered[row] += 1;
+                    prop_assert_eq!(sequence_of[row], sequence_of[first]);
+                }
+            }
+            prop_assert!(covered.iter().all(|&c| c == 1));
+        }
     }
 }

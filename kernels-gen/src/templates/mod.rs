@@ -29,6 +29,7 @@ pub mod sample;
 pub mod shortlist;
 pub mod sparse_mla;
 pub mod split_k;
+pub mod step_gate;
 pub mod tma_gemm;
 pub mod top_k;
 pub mod top_k_sort;
@@ -881,7 +882,12 @@ pub fn catalog() -> Vec<Kernel> {
         ),
         gemm_tma_tcgen05::gemm_tma_tcgen05_bf16("gemm_tma_tcgen05_bf16", "catalog", gemm_tma_tcgen05::TcgenTile::WIDE),
         gemm_tma_mma::gemm_tma_mma_bf16("gemm_tma_mma_bf16", "catalog"),
-        flash_attention::flash_attention("flash_attention_d128", "catalog", cache_layout::CacheLayout::Paged, 128),
+        flash_attention::flash_attention(
+            "flash_attention_d128",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            128,
+        ),
         flash_attention::flash_attention(
             "flash_attention_d256",
             "catalog",

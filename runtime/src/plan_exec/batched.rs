@@ -372,6 +372,15 @@ impl<D: PlanDevice> PlanExecutor<D> {
             let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
             device.write(buffer, 0, &bytes)?;
         }
+        if self.attends_by_query_tiles {
+            let lens: Vec<usize> = segment_rows.iter().map(|r| r.len()).collect();
+            let tiles = kernels_gen::templates::flash_attention::query_tiles(&lens);
+            let (buffer, _) = buffers
+                .whole(&BufferKey::StepInput("query_tiles".into()))
+                .ok_or_else(|| RuntimeError::Artifact("no step input `query_tiles`".into()))?;
+            let bytes: Vec<u8> = tiles.iter().flat_map(|v| v.to_le_bytes()).collect();
+            device.write(buffer, 0, &bytes)?;
+        }
         let vars = HashMap::from([
             ("tokens", Value::Int(tokens as i64)),
             ("seqs", Value::Int(batch.len() as i64)),
@@ -468,7 +477,7 @@ pub(super) fn keeps_draft_checkpoints(plan: &gpu_plan::GpuPlan) -> bool {
     plan.recurrent_states.is_empty() || takes_step_input(plan, "row_checkpoint")
 }
 
-fn takes_step_input(plan: &gpu_plan::GpuPlan, input: &str) -> bool {
+pub(super) fn takes_step_input(plan: &gpu_plan::GpuPlan, input: &str) -> bool {
     plan.launches
         .iter()
         .flat_map(|l| &l.args)

@@ -1,6 +1,8 @@
-//! An attention node's launches (`templates::kv_append`, `templates::attention`): the step's
-//! keys and values appended to the node's cache slot (rotating q and k on the way for
-//! `rope_attention`), then the attention over the cache, split across blocks and merged. A
+//! An attention node's launches (`templates::kv_append`, `templates::attention`,
+//! `templates::flash_attention`): the step's keys and values appended to the node's cache slot
+//! (rotating q and k on the way for `rope_attention`), then the attention over the cache:
+//! split across blocks and merged, or, in steps of prompts over a bf16 cache, on the tensor
+//! cores, a tile of 64 query rows a block (see [`FLASH_ROWS_PER_SEQUENCE`]). A
 //! `shared_kv_attention` appends nothing: it attends over the slot an earlier layer filled, and
 //! may do so for the sampled rows only (each sequence's last, after `last_token`): their
 //! tables and positions are then the step's `sampled_row_table` and `sampled_row_pos` (a
@@ -11,7 +13,17 @@ use crate::gpu::{GpuCodegenError, KvLayout, LaunchArg};
 use ir::{AttentionSpec, DType, Op};
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::cache_layout::CacheLayout;
-use kernels_gen::templates::{attention, kv_append, rope, weight_prefetch};
+use kernels_gen::templates::{attention, flash_attention, kv_append, rope, step_gate, weight_prefetch};
+
+/// Steps whose sequences average this many rows or more attend on the tensor cores
+/// (`templates::flash_attention`): prompts being prefilled, whose 64-row query tiles read each
+/// key and value once a tile. Other steps (decode rows, drafts being verified: a few rows a
+/// sequence) split each row's keys across blocks, as a tile of one row would leave the tensor
+/// cores idle. Where prompts dominate a step, its short sequences take a tile each.
+pub const FLASH_ROWS_PER_SEQUENCE: usize = 16;
+
+/// The scalar gating a launch to some steps only (`templates::step_gate`).
+const GATE: &str = "active";
 
 /// Pushes the append (where the op appends) and the split attention; returns the merge of the
 /// splits for the caller to push as the node's own launch.
@@ -231,7 +243,7 @@ fn attend(
     let splits = attention::splits_expr(rows);
     let partial = split_partials(i, spec.heads, spec.head_dim, max_tokens);
     let args = vec![
-        q,
+        q.clone(),
         cache.slot(false),
         cache.slot(true),
         partial.clone(),
@@ -254,6 +266,62 @@ fn attend(
             scalar("prefetch_bytes", prefetch_bytes(rows, bytes)),
         ]);
     }
-    s.launches.push((i, split, Alternatives::default(), args));
-    merge_splits(operands, partial, operands.out(), rows, spec.heads, spec.head_dim)
+    let merge = merge_splits(operands, partial, operands.out(), rows, spec.heads, spec.head_dim);
+    let Some(flash) = flash_step(cache, rows) else {
+        s.launches.push((i, split, Alternatives::default(), args));
+        return merge;
+    };
+    // Either the split pass and its merge run, or the flash kernel does, by the step's shape.
+    let split_step = format!("1-{flash}");
+    args.push(scalar(GATE, &split_step));
+    s.launches
+        .push((i, step_gate::gated(split, GATE), Alternatives::default(), args));
+    let flash_args = [
+        vec![
+            q,
+            cache.slot(false),
+            cache.slot(true),
+            operands.out(),
+            scalar("tokens", rows),
+            scalar("q_stride", q_stride),
+            scalar("first", cache.first),
+            scalar("heads", spec.heads),
+            scalar("kv_heads", spec.kv_heads),
+            scalar("window", spec.window.unwrap_or(0)),
+            scalar("scale", spec.scale as f32),
+        ],
+        cache.layout_args.clone(),
+        match cache.layout {
+            CacheLayout::Batched => vec![
+                LaunchArg::StepInput {
+                    name: "query_tiles".into(),
+                },
+                scalar("seqs", "seqs"),
+            ],
+            _ => vec![],
+        },
+        vec![scalar(GATE, &flash)],
+    ]
+    .concat();
+    let kernel = flash_attention::flash_attention("flash_attention", &graph.name, cache.layout, spec.head_dim);
+    s.launches
+        .push((i, step_gate::gated(kernel, GATE), Alternatives::default(), flash_args));
+    let (merge, mut merge_args) = merge;
+    merge_args.push(scalar(GATE, split_step));
+    (step_gate::gated(merge, GATE), merge_args)
+}
+
+/// Where the attention over `cache` can run on the tensor cores (a bf16 cache, a head the
+/// flash kernel takes, every row attending rather than the sampled alone), the expression
+/// that is 1 in the steps that take it and 0 in the others (see [`FLASH_ROWS_PER_SEQUENCE`]).
+fn flash_step(cache: &Cache, rows: &str) -> Option<String> {
+    let sampled_alone = cache.first != "first";
+    if cache.ty != Ty::Bf16 || !flash_attention::supports(cache.spec.head_dim) || sampled_alone {
+        return None;
+    }
+    let per_sequence = FLASH_ROWS_PER_SEQUENCE;
+    Some(match cache.layout {
+        CacheLayout::Batched => format!("min(1,({rows})/({per_sequence}*seqs))"),
+        _ => format!("min(1,({rows})/{per_sequence})"),
+    })
 }
