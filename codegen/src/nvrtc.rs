@@ -36,8 +36,9 @@ pub struct Resources {
     pub registers: u32,
     pub spill_stores: u32,
     pub spill_loads: u32,
-    /// ptxas's warnings, such as `wgmma` serialised because the compiler touched its
-    /// registers in flight: correct code, lost overlap.
+    /// ptxas's warnings, and its notes of a performance loss, such as `wgmma` serialised
+    /// because the compiler touched its registers in flight or met it on a path it cannot
+    /// prove the whole warpgroup takes: correct code, lost overlap.
     pub warnings: Vec<String>,
 }
 
@@ -235,7 +236,7 @@ pub fn parse_resources(arch: &str, log: &str) -> Option<Resources> {
         spill_loads: number_before(spills, "bytes spill loads")?,
         warnings: log
             .lines()
-            .filter(|l| l.starts_with("ptxas warning"))
+            .filter(|l| l.starts_with("ptxas warning") || l.contains("Potential Performance Loss"))
             .map(str::to_string)
             .collect(),
     })
@@ -279,7 +280,7 @@ mod tests {
 
     #[test]
     fn parses_the_ptxas_report() {
-        let log = "ptxas info    : Compiling entry function 'k' for 'sm_90a'\nptxas info    : Function properties for k\n    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\nptxas info    : Used 16 registers, used 0 barriers, 360 bytes cmem[0]\nptxas warning : something slow\n";
+        let log = "ptxas info    : Compiling entry function 'k' for 'sm_90a'\nptxas info    : Function properties for k\n    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\nptxas info    : Used 16 registers, used 0 barriers, 360 bytes cmem[0]\nptxas warning : something slow\nptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized\n";
         assert_eq!(
             parse_resources("sm_90a", log),
             Some(Resources {
@@ -287,7 +288,11 @@ mod tests {
                 registers: 16,
                 spill_stores: 0,
                 spill_loads: 0,
-                warnings: vec!["ptxas warning : something slow".into()],
+                warnings: vec![
+                    "ptxas warning : something slow".into(),
+                    "ptxas info    : (C7518) Potential Performance Loss: wgmma.mma_async instructions are serialized"
+                        .into()
+                ],
             })
         );
         assert_eq!(parse_resources("sm_90a", "nothing"), None);

@@ -1428,7 +1428,9 @@ fn tma_gemm_matches_reference(gemm: &Kernel, seed: u64) {
 }
 
 /// Hopper's TMA GEMM: tiles of 128 and 256 weight rows, rings of 2 buffers (refilled every
-/// other step), 3 and 4, each step's MMAs waited for in the step or overlapping the next.
+/// other step), 3 and 4, each step's MMAs waited for in the step or overlapping the next; the
+/// block's first thread refilling after a block barrier, or a producer warp as the consumer
+/// warps release each buffer (warp specialisation).
 #[test]
 fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
     let tiles = [
@@ -1436,13 +1438,26 @@ fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
             tile_n: 128,
             stages: 2,
             overlapped: false,
+            specialised: false,
         },
         gemm_tma_wgmma::TmaTile {
             tile_n: 128,
             stages: 3,
             overlapped: true,
+            specialised: false,
         },
         gemm_tma_wgmma::TmaTile::WIDEST,
+        gemm_tma_wgmma::TmaTile {
+            tile_n: 128,
+            stages: 2,
+            overlapped: false,
+            specialised: true,
+        },
+        gemm_tma_wgmma::TmaTile {
+            stages: 3,
+            ..gemm_tma_wgmma::TmaTile::SPECIALISED
+        },
+        gemm_tma_wgmma::TmaTile::SPECIALISED_WIDEST,
     ];
     for (i, tile) in tiles.into_iter().enumerate() {
         tma_gemm_matches_reference(
@@ -1536,6 +1551,7 @@ fn the_tma_gemm_fails_without_any_of_its_synchronisations() {
         tile_n: 128,
         stages: 2,
         overlapped: false,
+        specialised: false,
     };
     let gemm = gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm", "test", tile);
     let mut rng = Rng(31);
@@ -1551,7 +1567,7 @@ fn the_tma_gemm_fails_without_any_of_its_synchronisations() {
         (
             "the barrier before a refill",
             &|s: &Stmt| matches!(s, Stmt::SyncThreads),
-            "read by thread 128 without a __syncthreads()",
+            "read by warpgroup 1's tensor cores without a __syncthreads()",
         ),
     ] {
         let mut broken = gemm.clone();
@@ -1582,6 +1598,54 @@ fn the_tma_gemm_fails_without_any_of_its_synchronisations() {
         message.contains("while a tensor-core MMA reading it is in flight"),
         "{message}"
     );
+}
+
+/// The warp-specialised TMA GEMM needs each of its synchronisations, and the emulator says
+/// why when one is missing: without the producer's wait on a buffer's `empty` barrier it
+/// refills a buffer the consumer warpgroups' tensor cores read, ordered by nothing; with the
+/// consumers releasing a buffer before their MMAs reading it retire, the refill overwrites
+/// it under MMAs in flight; without the consumers' wait on `full`, the tensor cores read a
+/// buffer before its copy is known to have landed.
+#[test]
+fn the_specialised_tma_gemm_fails_without_any_of_its_synchronisations() {
+    let tile = gemm_tma_wgmma::TmaTile {
+        stages: 2,
+        ..gemm_tma_wgmma::TmaTile::SPECIALISED
+    };
+    let gemm = gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm", "test", tile);
+    let mut rng = Rng(33);
+    let (tokens, n, k) = (20, 16, 320);
+    let (x, w) = (bf16_array(&rng.vec(tokens * k)), bf16_array(&rng.vec(n * k)));
+    let waits_on = |s: &Stmt, array: &str| matches!(s, Stmt::Mbarrier(m) if matches!(&**m, Mbarrier::Wait { barrier, .. } if barrier.array == array));
+    let early_release = |s: &Stmt| match s {
+        Stmt::WgmmaWait(1) => Some(Stmt::WgmmaWait(2)),
+        other => Some(other.clone()),
+    };
+    for (what, edit, expected) in [
+        (
+            "the producer's wait",
+            &(|s: &Stmt| (!waits_on(s, "empty")).then(|| s.clone())) as &dyn Fn(&Stmt) -> Option<Stmt>,
+            "read by warpgroup 0's tensor cores without a __syncthreads() between",
+        ),
+        (
+            "the MMAs retired before the release",
+            &early_release,
+            "while a tensor-core MMA reading it is in flight",
+        ),
+        (
+            "the consumers' wait",
+            &|s: &Stmt| (!waits_on(s, "full")).then(|| s.clone()),
+            "before waiting for phase 0 of mbarrier full[0]",
+        ),
+    ] {
+        let mut broken = gemm.clone();
+        broken.body = edited(&gemm.body, edit);
+        assert_ne!(broken.body, gemm.body, "{what}");
+        let message = try_run_matmul(&broken, x.clone(), None, w.clone(), (tokens, n, k, k))
+            .unwrap_err()
+            .to_string();
+        assert!(message.contains(expected), "without {what}: {message}");
+    }
 }
 
 /// The Hopper and Blackwell GEMMs with an RMSNorm prologue (`rms_norm_matmul` at many rows):

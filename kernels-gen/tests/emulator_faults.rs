@@ -945,3 +945,44 @@ fn shared_memory_past_what_a_block_may_have_is_refused() {
     }
     assert!(k.shared_layout().dynamic);
 }
+
+/// Warp-specialised roles each run their loop: every iteration each role's threads store,
+/// the second role's setup declaring what its body and finish use. Roles take whole warps
+/// and a thread one role: a warp split between roles, or a thread in two, is refused.
+#[test]
+fn roles_take_whole_warps_one_role_a_thread() {
+    let roles = |first: Expr, second: Expr| {
+        Stmt::Roles(Box::new(Roles {
+            var: "i".into(),
+            start: int(0),
+            end: int(2),
+            roles: vec![
+                Role {
+                    cond: first,
+                    setup: vec![],
+                    body: vec![store("out", tid() + int(64) * var("i"), f(1.0))],
+                    finish: vec![],
+                },
+                Role {
+                    cond: second,
+                    setup: vec![let_("kept", Ty::F32, f(2.0))],
+                    body: vec![store("out", tid() + int(64) * var("i"), var("kept"))],
+                    finish: vec![assign("kept", f(3.0))],
+                },
+            ],
+        }))
+    };
+    let whole_warps = kernel(vec![roles(lt(tid(), int(32)), bin(BinOp::Ge, tid(), int(32)))], vec![]);
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&[1.0; 64])),
+        ("out".into(), Array::poisoned(Ty::F32, 128)),
+    ]);
+    run(&whole_warps, &mut bufs, &HashMap::new()).unwrap();
+    let out = bufs["out"].to_f32().unwrap();
+    let want: Vec<f32> = (0..128).map(|i| if i % 64 < 32 { 1.0 } else { 2.0 }).collect();
+    assert_eq!(out, want);
+    let split = kernel(vec![roles(lt(tid(), int(16)), bin(BinOp::Ge, tid(), int(16)))], vec![]);
+    assert!(fault(&split, 128).contains("roles take whole warps"));
+    let both = kernel(vec![roles(lt(tid(), int(64)), bin(BinOp::Ge, tid(), int(32)))], vec![]);
+    assert!(fault(&both, 128).contains("is in roles 0 and 1 at once"));
+}

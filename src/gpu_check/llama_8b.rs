@@ -274,6 +274,8 @@ fn tensor_core_gemms(arch: &str, gemm: (Kernel, (usize, usize, usize))) -> Vec<(
             ("gemm_tma", TmaTile::WIDE),
             ("gemm_tma_in_step", in_step),
             ("gemm_tma_n256", TmaTile::WIDEST),
+            ("gemm_tma_specialised", TmaTile::SPECIALISED),
+            ("gemm_tma_specialised_n256", TmaTile::SPECIALISED_WIDEST),
         ];
         for (name, tile) in tma {
             out.push((gemm_tma_wgmma_bf16(name, "gpu-check", tile), tile.tiles()));
@@ -569,7 +571,7 @@ mod tests {
             ));
             let gemms = tensor_core_gemms(arch, (gemm, (0, 0, 0)));
             let expected = match arch {
-                "sm_90a" => 6,
+                "sm_90a" => 8,
                 _ => 2,
             };
             assert_eq!(gemms.len(), expected, "{arch}");

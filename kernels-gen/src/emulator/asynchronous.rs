@@ -15,7 +15,7 @@ use half::bf16;
 use std::collections::{HashMap, HashSet, VecDeque};
 
 /// Threads in a warpgroup, the unit that issues `wgmma`.
-const WARPGROUP: usize = 128;
+pub(super) const WARPGROUP: usize = 128;
 /// Elements of one 16-byte `cp.async` of bf16.
 const COPY_ELEMENTS: usize = 8;
 
@@ -185,7 +185,8 @@ impl Block<'_> {
             }
             let d = d as usize;
             for i in d..d + COPY_ELEMENTS {
-                if let Some(reader) = self.shared_readers.get_mut()[&copy.dst][i].other_than(t) {
+                let knows = self.barriers.knowledge(t);
+                if let Some(reader) = self.shared_readers.get_mut()[&copy.dst][i].unordered_before(t, knows) {
                     return Err((
                         t,
                         format!(
@@ -302,14 +303,16 @@ impl Block<'_> {
                 for r in &done.registers {
                     self.asynch.busy_registers.remove(r);
                 }
-                // Retired, its operands count as read by the warpgroup (its first thread) until
-                // the next barrier: another warpgroup must not refill them before one, as it
-                // could on the device, where warpgroups do not run in lockstep.
+                // Retired, its operands count as read by the warpgroup until the next barrier
+                // or until the writer acquires the warpgroup's next release (an mbarrier it
+                // arrives on): another warpgroup must not refill them before, as it could on
+                // the device, where warpgroups do not run in lockstep.
                 let readers = self.shared_readers.get_mut();
+                let clock = self.barriers.clock;
                 for (array, i) in &done.shared {
                     self.asynch.busy_shared.get_mut(array).expect("shared")[*i] -= 1;
                     let r = &mut readers.get_mut(array).expect("shared")[*i];
-                    *r = r.add(wg * WARPGROUP);
+                    *r = r.add_warpgroup(wg, clock);
                 }
             }
             self.asynch.wgmma_fenced[wg] = false;

@@ -5,6 +5,12 @@
 //! barrier before its `mbarrier.init` or initialising it twice, a wait on a phase that can
 //! never complete (the arrivals or bytes it still lacks named), an arrival on a phase that
 //! already has all its arrivals, and bytes delivered beyond those announced.
+//!
+//! An arrival releases and a wait acquires, as on the device: a thread that waited for a
+//! phase knows what each thread arriving on it knew (the phases it had seen complete, and the
+//! tensor-core reads its warpgroup had retired), so a producer warp may refill a buffer the
+//! consumers' `wgmma`s read once it has waited on the barrier they arrive on after retiring
+//! them, with no `__syncthreads()` between (warp specialisation).
 
 use super::{Block, Fault};
 use crate::dsl::{Expr, Mbarrier, MbarrierRef};
@@ -21,13 +27,38 @@ pub(super) struct Barrier {
     /// Shared elements read by tensor-core MMAs committed to the current phase: off limits
     /// until it completes.
     held: Vec<(String, usize)>,
+    /// What the current phase's arrivals knew (see [`Barriers::knowledge`]), and what those
+    /// of every completed phase did, which a waiter comes to know.
+    releasing: Knowledge,
+    released: Knowledge,
+}
+
+/// What a thread knows has happened: per barrier key, the phases it has seen complete; per
+/// warpgroup (`@wg{n}`), the clock of its latest release, every tensor-core read the
+/// warpgroup retired before that being over.
+type Knowledge = HashMap<String, u64>;
+
+/// Max-merge `from` into `into`.
+fn merge(into: &mut Knowledge, from: &Knowledge) {
+    for (key, &value) in from {
+        let entry = into.entry(key.clone()).or_insert(0);
+        *entry = (*entry).max(value);
+    }
+}
+
+/// The knowledge key of warpgroup `wg`'s releases.
+pub(super) fn warpgroup_key(wg: usize) -> String {
+    format!("@wg{wg}")
 }
 
 #[derive(Default)]
 pub(super) struct Barriers {
     barriers: HashMap<String, Barrier>,
-    /// Per thread: how many phases of each barrier it has seen complete.
-    observed: Vec<HashMap<String, u64>>,
+    /// Per thread: how many phases of each barrier it has seen complete, directly or through
+    /// the arrivals of a phase it waited for, and the warpgroups' releases it has acquired.
+    observed: Vec<Knowledge>,
+    /// Counts arrivals: what orders a warpgroup's tensor-core reads against its releases.
+    pub(super) clock: u64,
 }
 
 impl Barriers {
@@ -35,7 +66,13 @@ impl Barriers {
         Self {
             barriers: HashMap::new(),
             observed: vec![HashMap::new(); threads],
+            clock: 0,
         }
+    }
+
+    /// What thread `t` knows (see [`Knowledge`]).
+    pub(super) fn knowledge(&self, t: usize) -> &Knowledge {
+        &self.observed[t]
     }
 
     /// Whether thread `t` has waited for phase `phase` of barrier `key` (or a later one).
@@ -96,6 +133,8 @@ impl Block<'_> {
                     pending_bytes: 0,
                     completed: 0,
                     held: Vec::new(),
+                    releasing: Knowledge::new(),
+                    released: Knowledge::new(),
                 };
                 if self.barriers.barriers.insert(key.clone(), fresh).is_some() {
                     return Err((t, format!("mbarrier {key} initialised twice")));
@@ -128,9 +167,14 @@ impl Block<'_> {
             .ok_or_else(|| (t, format!("uses mbarrier {key} before mbarrier.init")))
     }
 
-    /// Thread `t` arrives on `key`; `held` are shared elements the phase's completion frees.
+    /// Thread `t` arrives on `key`, releasing what it knows, its warpgroup's tensor-core reads
+    /// retired so far among it; `held` are shared elements the phase's completion frees.
     pub(super) fn arrive(&mut self, key: &str, t: usize, held: Vec<(String, usize)>) -> Result<(), Fault> {
+        self.barriers.clock += 1;
+        let mut knows = self.barriers.observed[t].clone();
+        knows.insert(warpgroup_key(t / super::asynchronous::WARPGROUP), self.barriers.clock);
         let b = self.barrier_mut(key, t)?;
+        merge(&mut b.releasing, &knows);
         if b.arrivals == b.count {
             return Err((
                 t,
@@ -171,6 +215,8 @@ impl Block<'_> {
         }
         b.arrivals = 0;
         b.completed += 1;
+        let releasing = std::mem::take(&mut b.releasing);
+        merge(&mut b.released, &releasing);
         for (array, i) in std::mem::take(&mut b.held) {
             self.hold_shared(&array, &[i], -1);
         }
@@ -203,8 +249,10 @@ impl Block<'_> {
                     ),
                 ));
             }
-            let completed = b.completed;
-            self.barriers.observed[t].insert(key.clone(), completed);
+            let (completed, released) = (b.completed, b.released.clone());
+            let observed = &mut self.barriers.observed[t];
+            merge(observed, &released);
+            observed.insert(key.clone(), completed);
         }
         Ok(())
     }

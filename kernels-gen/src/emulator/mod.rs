@@ -286,6 +286,12 @@ enum Readers {
     None,
     One(usize),
     Many,
+    /// Only tensor cores, for the warpgroups in `mask` (bit n: warpgroup n), the latest of
+    /// their reads retired at barrier clock `clock` (see `Barriers::clock`).
+    Warpgroups {
+        mask: u32,
+        clock: u64,
+    },
 }
 
 impl Readers {
@@ -297,11 +303,33 @@ impl Readers {
         }
     }
 
-    /// A reader other than `t`, if any.
-    fn other_than(self, t: usize) -> Option<String> {
+    /// A `wgmma` of warpgroup `wg` that read the element retired at barrier clock `clock`.
+    fn add_warpgroup(self, wg: usize, clock: u64) -> Self {
+        match self {
+            Readers::None => Readers::Warpgroups { mask: 1 << wg, clock },
+            Readers::Warpgroups { mask, .. } => Readers::Warpgroups {
+                mask: mask | 1 << wg,
+                clock,
+            },
+            _ => Readers::Many,
+        }
+    }
+
+    /// A read that thread `t`, knowing `knows` (`Barriers::knowledge`), cannot be sure is
+    /// over: by another thread, or by another warpgroup's tensor cores after its last release
+    /// that `t` acquired.
+    fn unordered_before(self, t: usize, knows: &HashMap<String, u64>) -> Option<String> {
         match self {
             Readers::One(r) if r != t => Some(format!("thread {r}")),
             Readers::Many => Some("other threads".into()),
+            Readers::Warpgroups { mask, clock } => (0..32)
+                .filter(|wg| mask & 1 << wg != 0 && *wg != t / asynchronous::WARPGROUP)
+                .find(|&wg| {
+                    knows
+                        .get(&mbarrier::warpgroup_key(wg))
+                        .is_none_or(|&released| released <= clock)
+                })
+                .map(|wg| format!("warpgroup {wg}'s tensor cores")),
             _ => None,
         }
     }
@@ -449,6 +477,64 @@ impl<'k> Block<'k> {
         Ok(())
     }
 
+    /// Warp-specialised roles (`Stmt::Roles`): each role's threads, whole warps and in one
+    /// role each; every role's setup, then the iterations, each role's body in turn within
+    /// one, then every role's finish.
+    fn roles(&mut self, r: &Roles, mask: &[bool], global: &mut HashMap<String, Array>) -> Result<(), Fault> {
+        let mut masks = Vec::with_capacity(r.roles.len());
+        let mut role_of: Vec<Option<usize>> = vec![None; mask.len()];
+        for (i, role) in r.roles.iter().enumerate() {
+            let c = self.eval(&role.cond, mask, global)?;
+            let m: Vec<bool> = (0..mask.len()).map(|t| mask[t] && c[t].b()).collect();
+            for t in (0..mask.len()).filter(|&t| m[t]) {
+                if let Some(other) = role_of[t] {
+                    return Err((t, format!("is in roles {other} and {i} at once")));
+                }
+                role_of[t] = Some(i);
+            }
+            masks.push(m);
+        }
+        for warp in mask.chunks(32).enumerate().map(|(w, _)| w * 32) {
+            let lanes = warp..(warp + 32).min(mask.len());
+            if let Some(t) = lanes.clone().find(|&t| mask[t] && role_of[t] != role_of[lanes.start]) {
+                return Err((t, "a warp split between roles (or none): roles take whole warps".into()));
+            }
+        }
+        for (role, m) in r.roles.iter().zip(&masks) {
+            self.exec(&role.setup, m, global)?;
+        }
+        let start = self.eval(&r.start, mask, global)?;
+        let previous = self.vars.insert(r.var.clone(), start);
+        self.scope.vars.insert(r.var.clone(), Ty::I32);
+        loop {
+            let end = self.eval(&r.end, mask, global)?;
+            let cur = self.vars[&r.var].clone();
+            let mut any = false;
+            for (role, m) in r.roles.iter().zip(&masks) {
+                let live: Vec<bool> = (0..mask.len()).map(|t| m[t] && cur[t].i() < end[t].i()).collect();
+                if live.iter().any(|&l| l) {
+                    any = true;
+                    self.exec(&role.body, &live, global)?;
+                }
+            }
+            if !any {
+                break;
+            }
+            let slot = self.vars.get_mut(&r.var).expect("loop variable");
+            for t in (0..mask.len()).filter(|&t| mask[t] && cur[t].i() < end[t].i()) {
+                slot[t] = Val::I(slot[t].i() + 1);
+            }
+        }
+        match previous {
+            Some(p) => self.vars.insert(r.var.clone(), p),
+            None => self.vars.remove(&r.var),
+        };
+        for (role, m) in r.roles.iter().zip(&masks) {
+            self.exec(&role.finish, m, global)?;
+        }
+        Ok(())
+    }
+
     fn stmt(&mut self, s: &Stmt, mask: &[bool], global: &mut HashMap<String, Array>) -> Result<(), Fault> {
         match s {
             Stmt::Let { name, ty, value } => {
@@ -537,6 +623,7 @@ impl<'k> Block<'k> {
                 self.exec(then, &yes, global)?;
                 self.exec(otherwise, &no, global)?;
             }
+            Stmt::Roles(r) => self.roles(r, mask, global)?,
             Stmt::SyncThreads => {
                 if let Some(t) = mask.iter().position(|&m| !m) {
                     return Err((
@@ -694,7 +781,7 @@ impl<'k> Block<'k> {
             this_stmt.insert(i, (t, value));
             if is_shared {
                 let readers = self.shared_readers.get_mut().get(buf).expect("shared")[i];
-                if let Some(reader) = readers.other_than(t) {
+                if let Some(reader) = readers.unordered_before(t, self.barriers.knowledge(t)) {
                     return Err((
                         t,
                         format!("overwrites {buf}[{i}], read by {reader} without a __syncthreads() between"),

@@ -215,7 +215,8 @@ impl Block<'_> {
 
     /// One element of a TMA copy by thread `t`, completing with `landing`.
     fn tma_write(&mut self, array: &str, i: usize, value: f64, t: usize, landing: (&str, u64)) -> Result<(), Fault> {
-        if let Some(reader) = self.shared_readers.get_mut()[array][i].other_than(t) {
+        let knows = self.barriers.knowledge(t);
+        if let Some(reader) = self.shared_readers.get_mut()[array][i].unordered_before(t, knows) {
             return Err((
                 t,
                 format!("TMA copy overwrites {array}[{i}], read by {reader} without a __syncthreads() between"),

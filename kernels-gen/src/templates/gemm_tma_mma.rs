@@ -155,10 +155,10 @@ fn gemm(name: &str, origin: &str, params: Vec<Param>, form: tma_gemm::ResultForm
             let_("wn", Ty::I32, rem(warp(), int(4)) * int(32)),
             let_("group", Ty::I32, lane() / int(4)),
             let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
-            tma_gemm::init_barriers(&["full"], STAGES),
+            tma_gemm::init_barriers(&[("full", 1)], STAGES),
             // The barriers are initialised before anyone waits on them.
             Stmt::SyncThreads,
-            tma_gemm::fill_ring(STAGES, BOX, BOX),
+            tma_gemm::fill_ring(0, STAGES, BOX, BOX),
         ],
         locals.collect(),
         vec![for_("step", int(0), var("steps"), int(1), step)],

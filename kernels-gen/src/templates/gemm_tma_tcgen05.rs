@@ -202,12 +202,12 @@ fn gemm(name: &str, origin: &str, tile: TcgenTile, params: Vec<Param>, form: tma
                     slot: "tmem_slot".into(),
                 })],
             ),
-            tma_gemm::init_barriers(&["full", "done"], stages),
+            tma_gemm::init_barriers(&[("full", 1), ("done", 1)], stages),
             tc(Tcgen05::FenceBeforeSync),
             Stmt::SyncThreads,
             tc(Tcgen05::FenceAfterSync),
             let_("tmem", Ty::I32, load("tmem_slot", int(0))),
-            tma_gemm::fill_ring(stages, tile.x_elements(), tile.w_elements()),
+            tma_gemm::fill_ring(0, stages, tile.x_elements(), tile.w_elements()),
             for_("step", int(0), var("steps"), int(1), step(tile)),
             // Everyone waits for the last step's MMAs before reading tensor memory.
             if_(

@@ -20,6 +20,14 @@
 //! tensor cores work, and no thread spends registers or instructions on moving operands: a
 //! copy is one instruction for 16–48 KiB.
 //!
+//! Warp-specialised ([`TmaTile::specialised`]), a ninth warp produces: its first thread
+//! issues every copy, and the two consumer warpgroups never meet at a block barrier. Each
+//! buffer has a second mbarrier, `empty`, on which each consumer warp arrives once its MMAs
+//! reading the buffer have retired; the producer waits for a buffer's `empty` phase before
+//! refilling it. A warpgroup slowed (by a late copy, or the other's memory traffic) no longer
+//! stalls the other, and the refill of a buffer goes out as soon as both have finished with
+//! it rather than at the next `__syncthreads()`.
+//!
 //! K splits (`split_k`) as the other GEMMs: each block takes a span of whole steps and with
 //! several splits writes its partial tile. The activations' rows are `x_stride` apart (a
 //! multiple of 8, as TMA needs 16-byte row pitches), the weights' `k` (so `k` is a multiple of
@@ -30,7 +38,10 @@ use super::tma_gemm::{self, barrier, swizzled_operand, TILE_K};
 use crate::dsl::*;
 use ir::GluAct;
 
-const THREADS: i64 = 256;
+/// The consumer warpgroups' threads; a warp-specialised block has a producer warp after them.
+const CONSUMERS: i64 = 256;
+/// Consumer warps: the arrivals each `empty` barrier's phase waits for.
+const CONSUMER_WARPS: u32 = CONSUMERS as u32 / 32;
 /// Tokens per block tile: two warpgroups of wgmma's M = 64.
 const TILE_M: i64 = 128;
 /// 16-wide k slices per step.
@@ -48,6 +59,9 @@ pub struct TmaTile {
     /// refills that step's buffer, so the tensor cores run through the barrier and the wait
     /// for the next buffer; otherwise a step waits for its own and refills its buffer.
     pub overlapped: bool,
+    /// Whether a producer warp refills the buffers as the consumer warpgroups release them
+    /// through `empty` mbarriers, or the block's first thread does after a `__syncthreads()`.
+    pub specialised: bool,
 }
 
 impl TmaTile {
@@ -57,12 +71,24 @@ impl TmaTile {
         tile_n: 128,
         stages: 4,
         overlapped: true,
+        specialised: false,
     };
     /// 128×256 tiles, four buffers (192 KiB), for GEMMs with tiles enough for every SM.
     pub const WIDEST: TmaTile = TmaTile {
         tile_n: 256,
         stages: 4,
         overlapped: true,
+        specialised: false,
+    };
+    /// [`Self::WIDE`] with a producer warp (warp specialisation).
+    pub const SPECIALISED: TmaTile = TmaTile {
+        specialised: true,
+        ..Self::WIDE
+    };
+    /// [`Self::WIDEST`] with a producer warp.
+    pub const SPECIALISED_WIDEST: TmaTile = TmaTile {
+        specialised: true,
+        ..Self::WIDEST
     };
 
     /// The tile sizes, for the split-K expression: (tokens, weight rows, K step).
@@ -76,6 +102,11 @@ impl TmaTile {
 
     fn w_elements(self) -> i64 {
         self.tile_n as i64 * TILE_K
+    }
+
+    /// Threads a block: the consumers, and a producer warp where specialised.
+    fn threads(self) -> i64 {
+        CONSUMERS + 32 * self.specialised as i64
     }
 }
 
@@ -153,8 +184,9 @@ fn gemm(name: &str, origin: &str, tile: TmaTile, params: Vec<Param>, form: tma_g
     assert!((2..=8).contains(&tile.stages), "stages {}", tile.stages);
     let stages = tile.stages as i64;
     let tile_n = tile.tile_n as i64;
-    let first_thread = eq(tid(), int(0));
-    let step = vec![
+    // The thread issuing the copies: the producer warp's first where specialised.
+    let producer = CONSUMERS * tile.specialised as i64;
+    let consume = vec![
         let_("s", Ty::I32, rem(var("step"), int(stages))),
         Stmt::Mbarrier(Box::new(Mbarrier::Wait {
             barrier: barrier("full", var("s")),
@@ -163,32 +195,76 @@ fn gemm(name: &str, origin: &str, tile: TmaTile, params: Vec<Param>, form: tma_g
         Stmt::Comment("the tensor cores read the buffer straight from the TMA copies".into()),
     ]
     .into_iter()
-    .chain(multiply(tile))
-    .chain(match tile.overlapped {
-        // Every warpgroup is done with the previous step's buffer: refill it.
-        true => {
-            let previous = var("step") - int(1);
-            vec![
-                Stmt::SyncThreads,
-                if_(
-                    and(
-                        and(first_thread.clone(), lt(int(0), var("step"))),
-                        lt(previous.clone() + int(stages), var("steps")),
-                    ),
-                    fill(tile, rem(previous.clone(), int(stages)), previous + int(stages)),
-                ),
+    .chain(multiply(tile));
+    // The step whose buffer every MMA reading it has retired after this step's wait: the
+    // previous one where the MMAs overlap the next step, else this one. It is refilled with
+    // the step a ring later, where the split has one.
+    let (done, done_exists) = match tile.overlapped {
+        true => (var("step") - int(1), lt(int(0), var("step"))),
+        false => (var("step"), lt(int(-1), var("step"))),
+    };
+    let refill = and(done_exists.clone(), lt(done.clone() + int(stages), var("steps")));
+    let refill_done = fill(tile, rem(done.clone(), int(stages)), done.clone() + int(stages));
+    let accumulators: Vec<Stmt> = (0..tile.tile_n as usize / 2)
+        .map(|i| let_(&d_name(i), Ty::F32, f(0.0)))
+        .collect();
+    // The last step's MMAs, where they overlapped; then the results, by the consumers.
+    let finish = [vec![Stmt::WgmmaWait(0)], store_accumulators(tile, form)].concat();
+    let main_loop = match tile.specialised {
+        // Every warpgroup is done with the buffer once past the block barrier.
+        false => {
+            let step = consume
+                .chain([
+                    Stmt::SyncThreads,
+                    if_(and(eq(tid(), int(producer)), refill), refill_done),
+                ])
+                .collect();
+            [
+                accumulators,
+                vec![for_("step", int(0), var("steps"), int(1), step)],
+                finish,
             ]
+            .concat()
         }
-        // Every warpgroup is done with buffer s: refill it.
-        false => vec![
-            Stmt::SyncThreads,
-            if_(
-                and(first_thread.clone(), lt(var("step") + int(stages), var("steps"))),
-                fill(tile, var("s"), var("step") + int(stages)),
-            ),
-        ],
-    })
-    .collect();
+        // Each consumer warp releases the buffer; the producer waits for all eight. The
+        // roles loop apart, the accumulators the consumers' own.
+        true => {
+            let release = Stmt::Mbarrier(Box::new(Mbarrier::Arrive {
+                barrier: barrier("empty", rem(done.clone(), int(stages))),
+            }));
+            let wait_released = Stmt::Mbarrier(Box::new(Mbarrier::Wait {
+                barrier: barrier("empty", rem(done.clone(), int(stages))),
+                parity: rem(done / int(stages), int(2)),
+            }));
+            let consumers = Role {
+                cond: lt(tid(), int(CONSUMERS)),
+                setup: accumulators,
+                body: consume
+                    .chain([if_(and(done_exists, eq(lane(), int(0))), vec![release])])
+                    .collect(),
+                finish,
+            };
+            let producer = Role {
+                cond: eq(warp(), int(CONSUMERS / 32)),
+                setup: vec![],
+                body: vec![if_(
+                    and(eq(tid(), int(producer)), refill),
+                    [vec![wait_released], refill_done].concat(),
+                )],
+                finish: vec![],
+            };
+            vec![Stmt::Roles(Box::new(Roles {
+                var: "step".into(),
+                start: int(0),
+                end: var("steps"),
+                roles: vec![consumers, producer],
+            }))]
+        }
+    };
+    let barriers: &[(&str, u32)] = match tile.specialised {
+        true => &[("full", 1), ("empty", CONSUMER_WARPS)],
+        false => &[("full", 1)],
+    };
     let body = [
         tma_gemm::tile_coordinates(TILE_M, tile_n),
         vec![
@@ -196,25 +272,30 @@ fn gemm(name: &str, origin: &str, tile: TmaTile, params: Vec<Param>, form: tma_g
             let_("wrow", Ty::I32, rem(warp(), int(4)) * int(16)),
             let_("gr", Ty::I32, lane() / int(4)),
             let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
-            tma_gemm::init_barriers(&["full"], stages),
+            tma_gemm::init_barriers(barriers, stages),
             // The barriers are initialised before anyone waits on them.
             Stmt::SyncThreads,
-            tma_gemm::fill_ring(stages, tile.x_elements(), tile.w_elements()),
+            tma_gemm::fill_ring(producer, stages, tile.x_elements(), tile.w_elements()),
         ],
-        (0..tile.tile_n as usize / 2)
-            .map(|i| let_(&d_name(i), Ty::F32, f(0.0)))
-            .collect(),
-        // The last step's MMAs, where they overlapped.
-        vec![for_("step", int(0), var("steps"), int(1), step), Stmt::WgmmaWait(0)],
-        store_accumulators(tile, form),
+        main_loop,
     ]
     .concat();
+    let empty = tile.specialised.then(|| SharedArray {
+        name: "empty".into(),
+        ty: Ty::U32,
+        len: 2 * stages as usize,
+    });
+    let specialisation = match tile.specialised {
+        true => ", a producer warp refilling each buffer as the consumer warps release it",
+        false => "",
+    };
     Kernel {
         name: name.into(),
         origin: format!(
             "{origin}: matmul x·Wᵀ on Hopper tensor cores (wgmma m64n{tile_n}k16 bf16, both operands \
              from shared memory, fed by TMA through a {stages}-buffer ring of 128-byte-swizzled \
-             {TILE_M}×{TILE_K} and {tile_n}×{TILE_K} boxes with mbarrier transaction counts, K split in `splits`)"
+             {TILE_M}×{TILE_K} and {tile_n}×{TILE_K} boxes with mbarrier transaction counts{specialisation}, \
+             K split in `splits`)"
         ),
         params,
         shared: vec![
@@ -233,8 +314,11 @@ fn gemm(name: &str, origin: &str, tile: TmaTile, params: Vec<Param>, form: tma_g
                 ty: Ty::U32,
                 len: 2 * stages as usize,
             },
-        ],
-        block_dim: THREADS as u32,
+        ]
+        .into_iter()
+        .chain(empty)
+        .collect(),
+        block_dim: tile.threads() as u32,
         grid: tma_gemm::grid(TILE_M, tile_n),
         body,
     }

@@ -851,6 +851,11 @@ pub fn catalog() -> Vec<Kernel> {
         gemm_tcgen05::gemm_tcgen05_bf16("gemm_tcgen05_bf16", "catalog"),
         gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm_tma_wgmma_bf16", "catalog", gemm_tma_wgmma::TmaTile::WIDE),
         gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm_tma_wgmma_n256_bf16", "catalog", gemm_tma_wgmma::TmaTile::WIDEST),
+        gemm_tma_wgmma::gemm_tma_wgmma_bf16(
+            "gemm_tma_wgmma_specialised_n256_bf16",
+            "catalog",
+            gemm_tma_wgmma::TmaTile::SPECIALISED_WIDEST,
+        ),
         // As plans launch it: the residual add and norm done by the rows' kernel, the GLU by
         // the reduction, the result laid out as the GEMV's.
         gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(

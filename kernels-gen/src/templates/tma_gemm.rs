@@ -119,13 +119,14 @@ pub fn barrier(array: &str, slot: Expr) -> MbarrierRef {
     }
 }
 
-/// Thread 0 initialises `stages` barriers (one arrival a phase) in each of `arrays`.
-pub fn init_barriers(arrays: &[&str], stages: i64) -> Stmt {
+/// Thread 0 initialises `stages` barriers in each of `arrays`, each `(array, arrivals a
+/// phase)`.
+pub fn init_barriers(arrays: &[(&str, u32)], stages: i64) -> Stmt {
     let inits = (0..stages).flat_map(|s| {
-        arrays.iter().map(move |array| {
+        arrays.iter().map(move |&(array, count)| {
             Stmt::Mbarrier(Box::new(Mbarrier::Init {
                 barrier: barrier(array, int(s)),
-                count: 1,
+                count,
             }))
         })
     });
@@ -158,10 +159,10 @@ pub fn fill(s: Expr, step: Expr, x_elements: i64, w_elements: i64) -> Vec<Stmt> 
     ]
 }
 
-/// Thread 0 fills the first `stages` buffers (those the split has steps for).
-pub fn fill_ring(stages: i64, x_elements: i64, w_elements: i64) -> Stmt {
+/// Thread `producer` fills the first `stages` buffers (those the split has steps for).
+pub fn fill_ring(producer: i64, stages: i64, x_elements: i64, w_elements: i64) -> Stmt {
     if_(
-        eq(tid(), int(0)),
+        eq(tid(), int(producer)),
         (0..stages)
             .map(|s| if_(lt(int(s), var("steps")), fill(int(s), int(s), x_elements, w_elements)))
             .collect(),

@@ -3,7 +3,7 @@
 #![allow(dead_code)]
 
 use half::bf16;
-use kernels_gen::dsl::{Kernel, Stmt, Ty};
+use kernels_gen::dsl::{Kernel, Role, Roles, Stmt, Ty};
 use kernels_gen::emulator::{run, Array, EmuError, Scalar};
 use kernels_gen::templates::prologue_norms;
 use std::collections::HashMap;
@@ -257,6 +257,19 @@ pub fn edited(body: &[Stmt], edit: &dyn Fn(&Stmt) -> Option<Stmt>) -> Vec<Stmt> 
                 then: edited(&then, edit),
                 otherwise: edited(&otherwise, edit),
             }),
+            Stmt::Roles(r) => Some(Stmt::Roles(Box::new(Roles {
+                roles: r
+                    .roles
+                    .iter()
+                    .map(|role| Role {
+                        cond: role.cond.clone(),
+                        setup: edited(&role.setup, edit),
+                        body: edited(&role.body, edit),
+                        finish: edited(&role.finish, edit),
+                    })
+                    .collect(),
+                ..*r
+            }))),
             other => Some(other),
         })
         .collect()
