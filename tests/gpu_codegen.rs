@@ -469,11 +469,27 @@ fn plans_prefill_through_the_tma_gemm_unless_asked_otherwise() {
             "{}: decode launches differ",
             target.name()
         );
+        // Warp-specialised: Hopper's GEMMs gain a producer warp (9 warps a block); the other
+        // targets have no such form and plan as with `Tma`.
+        let specialised = plan(target, gpu::PrefillGemm::Specialised);
+        assert_eq!(tma_gemms(&specialised), (4 * 32 + 1, true), "{}", target.name());
+        let blocks: std::collections::BTreeSet<u32> = specialised
+            .kernels
+            .iter()
+            .filter(|k| k.name.contains("gemm_tma"))
+            .map(|k| k.block)
+            .collect();
+        match target {
+            Target::H200 => assert_eq!(blocks, [288].into()),
+            _ => assert!(specialised == tma, "{}", target.name()),
+        }
+        assert!(decode(&specialised) == decode(&tma), "{}", target.name());
     }
 }
 
 /// `bbc compile --prefill-gemm`: by default a bf16 model's plans carry the TMA GEMMs (their
-/// entries stating their tensor maps) and the launches making their rows; `pipelined`, none.
+/// entries stating their tensor maps) and the launches making their rows; `specialised`, the
+/// warp-specialised TMA GEMMs (a ninth warp); `pipelined`, none.
 #[test]
 fn compile_chooses_the_prefill_gemm() {
     if !nvrtc_present() {
@@ -483,7 +499,12 @@ fn compile_chooses_the_prefill_gemm() {
     let weights = common::fixture("hf-tiny/llama");
     let toml = scratch.path().join("llama-bf16.toml");
     std::fs::write(&toml, format!("[model]\nweights = {weights:?}\ndtype = \"bf16\"\n")).unwrap();
-    for (choice, tma) in [(None, true), (Some("pipelined"), false)] {
+    // (choice, TMA GEMMs, their threads a block)
+    for (choice, tma, block) in [
+        (None, true, 256),
+        (Some("specialised"), true, 288),
+        (Some("pipelined"), false, 0),
+    ] {
         let artifact = scratch.path().join(choice.unwrap_or("default"));
         let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"));
         command
@@ -501,7 +522,9 @@ fn compile_chooses_the_prefill_gemm() {
             let gemms: Vec<&gpu::KernelEntry> = plan.kernels.iter().filter(|k| k.name.contains("gemm_tma")).collect();
             let rows = plan.kernels.iter().any(|k| k.name.contains("bf16_rows"));
             assert_eq!((!gemms.is_empty(), rows), (tma, tma), "{choice:?}: {file}");
-            assert!(gemms.iter().all(|k| k.tensor_maps.len() == 2 && k.cubin.is_some()));
+            assert!(gemms
+                .iter()
+                .all(|k| k.tensor_maps.len() == 2 && k.cubin.is_some() && k.block == block));
         }
     }
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"))

@@ -2121,3 +2121,27 @@ fn a_plan_whose_launches_do_not_resolve_is_refused_at_load() {
     // The plan as built loads.
     assert!(EmulatorBackend::emulated(plan, kernels, graph, &model.weights, &[], 64).is_ok());
 }
+
+/// A Hopper plan prefilling through the warp-specialised TMA GEMM (`--prefill-gemm
+/// specialised`) computes what the plan on the block-barrier TMA GEMM does, bit for bit: the
+/// same MMAs in the same order, only who refills the buffers and how the warps wait differ.
+#[test]
+fn warp_specialised_prefill_gemms_compute_what_the_others_do() {
+    let model = open("llama", ComputeDtype::Bf16);
+    let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
+    let prompt: Vec<u32> = (0..PREFILL_TOKENS as u32 + 3).map(|i| (7 + 13 * i) % 300).collect();
+    let logits = |prefill: gpu::PrefillGemm| {
+        let (plan, kernels) = gpu::build_program(&graph, Target::H200, 64, None, prefill).unwrap();
+        let specialised = plan
+            .kernels
+            .iter()
+            .filter(|k| k.name.contains("gemm_tma") && k.block == 288);
+        assert_eq!(specialised.count() > 0, prefill == gpu::PrefillGemm::Specialised);
+        let gpu = EmulatorBackend::emulated(plan, kernels, graph.clone(), &model.weights, &[], 64).unwrap();
+        let mut sequence = gpu.new_sequence();
+        let first = gpu.step(&mut sequence, &prompt).unwrap()["logits"].data.clone();
+        let next = gpu.step(&mut sequence, &[5]).unwrap()["logits"].data.clone();
+        [first, next]
+    };
+    assert_eq!(logits(gpu::PrefillGemm::Specialised), logits(gpu::PrefillGemm::Tma));
+}

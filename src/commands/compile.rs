@@ -30,6 +30,9 @@ pub enum PrefillGemm {
     /// The target's TMA-fed GEMM, after a launch making the rows bf16.
     #[default]
     Tma,
+    /// The TMA-fed GEMM with a producer warp feeding the tensor cores (Hopper; elsewhere as
+    /// `tma`).
+    Specialised,
     /// The GEMM with the norm inside and its weights through a `cp.async` pipeline.
     Pipelined,
 }
@@ -38,6 +41,7 @@ impl From<PrefillGemm> for codegen::gpu::PrefillGemm {
     fn from(gemm: PrefillGemm) -> Self {
         match gemm {
             PrefillGemm::Tma => Self::Tma,
+            PrefillGemm::Specialised => Self::Specialised,
             PrefillGemm::Pipelined => Self::Pipelined,
         }
     }

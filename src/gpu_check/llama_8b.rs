@@ -39,12 +39,18 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
     let served = (&run, LONG_PROMPT);
     let exec = serving_executor(name, &config, (target, arch), served, codegen::gpu::PrefillGemm::Tma)?;
     print_prefill(name, &exec, &run)?;
-    {
-        // Beside it, the GEMM plans prefilled through before the TMA GEMM.
-        let name = "Llama-8B-shaped, pipelined GEMM";
-        let pipelined = codegen::gpu::PrefillGemm::Pipelined;
-        let earlier = serving_executor(name, &config, (target, arch), (&run, 0), pipelined)?;
-        print_prefill(name, &earlier, &run)?;
+    // Beside it, the GEMM plans prefilled through before the TMA GEMM, and on Hopper the
+    // warp-specialised TMA GEMM; one plan loaded at a time beside the served one.
+    let mut others = vec![("Llama-8B-shaped, pipelined GEMM", codegen::gpu::PrefillGemm::Pipelined)];
+    if arch == "sm_90a" {
+        others.push((
+            "Llama-8B-shaped, warp-specialised TMA GEMM",
+            codegen::gpu::PrefillGemm::Specialised,
+        ));
+    }
+    for (name, prefill) in others {
+        let other = serving_executor(name, &config, (target, arch), (&run, 0), prefill)?;
+        print_prefill(name, &other, &run)?;
     }
     print_long_prefill(name, &exec, &run, &config)?;
     let timings = time_decode(&exec, &run)?;

@@ -91,6 +91,10 @@ pub enum PrefillGemm {
     /// shared memory, after a launch making the rows bf16 (`templates::bf16_rows`).
     #[default]
     Tma,
+    /// The TMA-fed GEMM, warp-specialised where the target has such a form (Hopper: a
+    /// producer warp refilling the ring as the consumer warpgroups release it); the others'
+    /// as `Tma`.
+    Specialised,
     /// The GEMM with the prologue inside, its weights through a `cp.async` pipeline
     /// (`templates::prefill_gemm`: `wgmma` with activations in registers on Hopper,
     /// `tcgen05` on the B200, `mma.sync` on the RTX PRO 6000): what plans took before, kept

@@ -104,18 +104,21 @@ pub fn prefill_gemm(
 
 /// The target's TMA-fed GEMM as a plan launches it for a bf16 matmul of form `(norm, glu)`,
 /// after the `bf16_rows` launch making its rows (`tma_gemm::prologued_params`), with its
-/// tiles: Hopper's `wgmma`, the B200's `tcgen05`, the RTX PRO 6000's `mma.sync`; none on
-/// other architectures.
+/// tiles: Hopper's `wgmma` (warp-specialised where `specialised`), the B200's `tcgen05`, the
+/// RTX PRO 6000's `mma.sync`; none on other architectures.
 pub fn tma_prefill_gemm(
     arch: &str,
-    norm: Option<gemv::NormPrologue>,
-    glu: Option<ir::GluAct>,
+    (norm, glu): (Option<gemv::NormPrologue>, Option<ir::GluAct>),
+    specialised: bool,
     name: &str,
     origin: &str,
 ) -> Option<PrefillGemm> {
     let (kernel, tiles) = match arch {
         "sm_90a" => {
-            let tile = gemm_tma_wgmma::TmaTile::WIDE;
+            let tile = match specialised {
+                true => gemm_tma_wgmma::TmaTile::SPECIALISED,
+                false => gemm_tma_wgmma::TmaTile::WIDE,
+            };
             let kernel = gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(name, origin, tile, norm, glu);
             (kernel, tile.tiles())
         }

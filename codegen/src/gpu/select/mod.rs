@@ -837,7 +837,13 @@ impl MatMul {
         let few_rows = gemv::gemv(&gemv_name, origin, gemv_tuning::shaped(spec.prefill(), cols, sms));
         let gemm_name = format!("{}gemm", self.stem());
         let gemm = match self.takes_tma(plan) {
-            true => templates::tma_prefill_gemm(arch, self.norm, self.glu, &format!("{gemm_name}_tma"), origin),
+            true => templates::tma_prefill_gemm(
+                arch,
+                (self.norm, self.glu),
+                plan.prefill == super::PrefillGemm::Specialised,
+                &format!("{gemm_name}_tma"),
+                origin,
+            ),
             false => templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin),
         };
         let (prefill, tiles) = match gemm {
@@ -852,7 +858,7 @@ impl MatMul {
     /// 16-byte chunks), its activation rows made bf16, prologue applied, by a `bf16_rows`
     /// launch before it.
     fn takes_tma(&self, plan: &PlanTarget) -> bool {
-        plan.prefill == super::PrefillGemm::Tma
+        matches!(plan.prefill, super::PrefillGemm::Tma | super::PrefillGemm::Specialised)
             && plan.target.cuda_arch().is_some()
             && self.weights == WeightFormat::Dense(Ty::Bf16)
             && self.k.is_multiple_of(8)
