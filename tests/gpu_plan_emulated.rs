@@ -2145,3 +2145,27 @@ fn warp_specialised_prefill_gemms_compute_what_the_others_do() {
     };
     assert_eq!(logits(gpu::PrefillGemm::Specialised), logits(gpu::PrefillGemm::Tma));
 }
+
+/// `bbc gpu-check`'s lockstep of a serving plan (two prompts in one step, then decode steps)
+/// runs end to end: with the emulator standing in for the GPU every kernel agrees exactly,
+/// the prompts' step attending on the tensor cores (a launch a layer) and the decode steps
+/// through the split attention and its merge.
+#[test]
+fn the_gpu_checks_batched_lockstep_runs_on_the_emulator() {
+    let model = open("llama", ComputeDtype::Bf16);
+    let errors = bbc::gpu_check::kernels::batched_kernel_errors(&model, Target::H200, |kernels| {
+        Ok(EmulatorDevice::new(kernels.to_vec()))
+    })
+    .unwrap();
+    assert!(errors.iter().all(|(_, _, error)| *error == 0.0), "{errors:?}");
+    let layers = model.config.layers;
+    let launches = |stem: &str| -> usize {
+        errors
+            .iter()
+            .filter(|(kernel, ..)| kernel.starts_with(stem))
+            .map(|(_, launches, _)| launches)
+            .sum()
+    };
+    assert_eq!(launches("flash_attention"), layers, "{errors:?}");
+    assert_eq!(launches("attention_combine"), 3 * layers, "{errors:?}");
+}

@@ -1,6 +1,8 @@
 //! The generated kernels on the GPU: every kernel of the tiny Llama, Gemma 3, Gemma 4 (also
 //! with KV-shared layers and with its MoE block), Qwen3.5 (also its multi-token prediction
-//! head's plans), GLM-4.5 and Qwen3-Next plans in lockstep with the emulator, batched decode steps replayed from CUDA graphs against the
+//! head's plans), GLM-4.5 and Qwen3-Next plans in lockstep with the emulator (the Llama's and
+//! Gemma 3's serving plans too, prompts attending on the tensor cores over the paged pool),
+//! batched decode steps replayed from CUDA graphs against the
 //! same steps launched one kernel at a time, and requests served from snapshots of recurrent
 //! states kept on the device, or speculating with their states rewound past refused drafts,
 //! against the CPU backend.
@@ -49,6 +51,20 @@ pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64>
                 target,
                 arch,
             )?);
+        }
+    }
+    // Serving plans over the paged pool: prompts of two sequences in one step (attention on
+    // the tensor cores, each sequence's tiles), then decode steps (the split attention).
+    for family in ["llama", "gemma3"] {
+        let mut spec = ModelSpec::for_weights(&fixtures.join(family));
+        spec.dtype = ComputeDtype::Bf16;
+        let name = format!("{family} Bf16, batched");
+        let errors = batched_kernel_errors(&Model::open(spec)?, target, |kernels| {
+            super::compile_device(kernels, arch)
+        })?;
+        for (kernel, launches, error) in errors {
+            println!("| {name} | {kernel} | {launches} | {error:.2e} |");
+            worst = worst.max(error);
         }
     }
     // Half caches: the appends' f32 -> half stores and attention's half loads on hardware.
@@ -106,6 +122,60 @@ fn lockstep(name: &str, model: &Model, target: Target, arch: &str) -> Result<f64
         worst = worst.max(error.relative);
     }
     Ok(worst)
+}
+
+/// `model`'s serving plan (paged pool, rows of many sequences) for `target` on the device
+/// `device` makes for its kernels and on the emulator in lockstep: two prompts of 20 and 17
+/// tokens in one step, then three decode steps of both; each kernel's launches and max
+/// relative error.
+pub fn batched_kernel_errors<D: PlanDevice>(
+    model: &Model,
+    target: Target,
+    mut device: impl FnMut(&[Kernel]) -> Result<D>,
+) -> Result<Vec<(String, usize, f64)>> {
+    use runtime::kv::{BlockId, Segment, StateSnapshots};
+    let graph = model.lower(LogitsFor::LastToken)?;
+    let graph = passes::optimized(&graph, crate::model_ref::cost_model(target))?;
+    let cache = gpu::BatchedCache {
+        blocks: 8,
+        block_size: 16,
+        sequences: 2,
+    };
+    let (plan, kernels) = gpu::build_batched(&graph, target, 64, cache)?;
+    let device = CompareDevice::new(device(&kernels)?, EmulatorDevice::new(kernels.clone()), &kernels);
+    let exec = PlanExecutor::new(device, plan, graph, &model.weights, &[], 64)?;
+    // Each sequence's blocks, in reverse order.
+    let tables: [Vec<BlockId>; 2] = [(0..4).rev().map(BlockId).collect(), (4..8).rev().map(BlockId).collect()];
+    let prompts: [Vec<u32>; 2] = [
+        (0..20).map(|i| (7 + 13 * i) % 300).collect(),
+        (0..17).map(|i| (11 + 29 * i) % 300).collect(),
+    ];
+    let mut starts = [0usize; 2];
+    let mut ids = prompts;
+    for step in 0..4 {
+        let batch: Vec<Segment> = (0..2)
+            .map(|s| Segment {
+                hidden_states: &[],
+                table: &tables[s],
+                start: starts[s],
+                ids: &ids[s],
+                state_slot: s,
+                sampled_rows: 1,
+                drafts: 0,
+                snapshots: StateSnapshots::NONE,
+            })
+            .collect();
+        exec.step_batch_last_rows(&batch)?;
+        for s in 0..2 {
+            starts[s] += ids[s].len();
+        }
+        ids = [vec![5 + step], vec![77 + step]];
+    }
+    let errors = exec.with_device(|d| d.errors().clone())?;
+    Ok(errors
+        .into_iter()
+        .map(|(kernel, error)| (kernel, error.launches, error.relative))
+        .collect())
 }
 
 /// The tiny Qwen3.5 with one multi-token prediction layer (random weights from its config):
