@@ -494,9 +494,10 @@ impl<'k> Block<'k> {
             }
             masks.push(m);
         }
-        for warp in mask.chunks(32).enumerate().map(|(w, _)| w * 32) {
-            let lanes = warp..(warp + 32).min(mask.len());
-            if let Some(t) = lanes.clone().find(|&t| mask[t] && role_of[t] != role_of[lanes.start]) {
+        for warp in (0..mask.len()).step_by(32) {
+            let mut active = (warp..(warp + 32).min(mask.len())).filter(|&t| mask[t]);
+            let Some(first) = active.next() else { continue };
+            if let Some(t) = active.find(|&t| role_of[t] != role_of[first]) {
                 return Err((t, "a warp split between roles (or none): roles take whole warps".into()));
             }
         }

@@ -77,6 +77,7 @@ pub(super) fn launches(
             true => "first+tokens-1",
             false => "first",
         },
+        sampled,
     };
     let q = match op {
         Op::SharedKvAttention(_) => operands.activation(s, 0),
@@ -150,6 +151,8 @@ struct Cache<'a> {
     layout_args: Vec<LaunchArg>,
     /// The position of the attention's first query row, past the rows of a batched step.
     first: &'static str,
+    /// Whether it attends for the sampled rows alone.
+    sampled: bool,
 }
 
 impl Cache<'_> {
@@ -315,8 +318,7 @@ fn attend(
 /// flash kernel takes, every row attending rather than the sampled alone), the expression
 /// that is 1 in the steps that take it and 0 in the others (see [`FLASH_ROWS_PER_SEQUENCE`]).
 fn flash_step(cache: &Cache, rows: &str) -> Option<String> {
-    let sampled_alone = cache.first != "first";
-    if cache.ty != Ty::Bf16 || !flash_attention::supports(cache.spec.head_dim) || sampled_alone {
+    if cache.ty != Ty::Bf16 || !flash_attention::supports(cache.spec.head_dim) || cache.sampled {
         return None;
     }
     let per_sequence = FLASH_ROWS_PER_SEQUENCE;
