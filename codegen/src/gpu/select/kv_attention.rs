@@ -245,21 +245,29 @@ fn attend(
     let (spec, graph, i) = (cache.spec, operands.graph, operands.node);
     let splits = attention::splits_expr(rows);
     let partial = split_partials(i, spec.heads, spec.head_dim, max_tokens);
-    let args = vec![
-        q.clone(),
-        cache.slot(false),
-        cache.slot(true),
-        partial.clone(),
-        scalar("tokens", rows),
-        scalar("q_stride", q_stride),
-        scalar("first", cache.first),
-        scalar("heads", spec.heads),
-        scalar("kv_heads", spec.kv_heads),
-        scalar("window", spec.window.unwrap_or(0)),
-        scalar("scale", spec.scale as f32),
-        scalar("splits", &splits),
-    ];
-    let mut args = [args, cache.layout_args.clone()].concat();
+    // What both attention kernels take first, writing `out`: the queries, the cache, the
+    // rows and the head's shape.
+    let common = |out: LaunchArg| {
+        vec![
+            q.clone(),
+            cache.slot(false),
+            cache.slot(true),
+            out,
+            scalar("tokens", rows),
+            scalar("q_stride", q_stride),
+            scalar("first", cache.first),
+            scalar("heads", spec.heads),
+            scalar("kv_heads", spec.kv_heads),
+            scalar("window", spec.window.unwrap_or(0)),
+            scalar("scale", spec.scale as f32),
+        ]
+    };
+    let mut args = [
+        common(partial.clone()),
+        vec![scalar("splits", &splits)],
+        cache.layout_args.clone(),
+    ]
+    .concat();
     let group = attention::heads_per_block(spec.heads, spec.kv_heads, spec.head_dim);
     let mut split = attention::attention_split("attention", &graph.name, cache.layout, spec.head_dim, group, cache.ty);
     if let Some((weights, bytes)) = next_matmul_weights(graph, i) {
@@ -280,19 +288,7 @@ fn attend(
     s.launches
         .push((i, step_gate::gated(split, GATE), Alternatives::default(), args));
     let flash_args = [
-        vec![
-            q,
-            cache.slot(false),
-            cache.slot(true),
-            operands.out(),
-            scalar("tokens", rows),
-            scalar("q_stride", q_stride),
-            scalar("first", cache.first),
-            scalar("heads", spec.heads),
-            scalar("kv_heads", spec.kv_heads),
-            scalar("window", spec.window.unwrap_or(0)),
-            scalar("scale", spec.scale as f32),
-        ],
+        common(operands.out()),
         cache.layout_args.clone(),
         match cache.layout {
             CacheLayout::Batched => vec![
