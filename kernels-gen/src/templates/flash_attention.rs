@@ -457,9 +457,12 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         .map(|n| let_(&n, Ty::F32, f(0.0)));
     let tile = [
         tile_head(layout, head_dim),
-        scores(head_dim),
-        online_softmax(),
-        accumulate(head_dim),
+        // A warp whose 16 rows all lie past the tile's (a short sequence's tile, a chunk's
+        // last) only helps copy the keys and values.
+        vec![if_(
+            lt(var("q0") + warp() * int(16), var("rows_end")),
+            [scores(head_dim), online_softmax(), accumulate(head_dim)].concat(),
+        )],
         // Nobody refills the tiles before every warp is done with them.
         vec![Stmt::SyncThreads],
     ]
