@@ -274,6 +274,8 @@ fn a_compiled_artifact_runs_like_the_model() {
     let digest = sha2::Sha256::digest(std::fs::read(&model).unwrap());
     let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
     assert_eq!(manifest.weights_sha256, hex);
+    // A CPU artifact has no GPU plans, so no prefill GEMM.
+    assert_eq!(manifest.prefill_gemm, None);
     let args = |m: &str| {
         json(&[
             "run",

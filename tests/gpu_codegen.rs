@@ -516,6 +516,8 @@ fn compile_chooses_the_prefill_gemm() {
         let out = command.output().unwrap();
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let manifest = codegen::read_manifest(&artifact).unwrap();
+        let recorded = serde_json::to_value(manifest.prefill_gemm).unwrap();
+        assert_eq!(recorded, serde_json::json!(choice.unwrap_or("tma")), "{choice:?}");
         for file in [manifest.plan, manifest.serving_plan].iter().flatten() {
             let plan: gpu::GpuPlan =
                 serde_json::from_str(&std::fs::read_to_string(artifact.join(file)).unwrap()).unwrap();

@@ -98,6 +98,9 @@ pub struct Manifest {
     /// sequences over one paged KV pool).
     #[serde(default)]
     pub serving_plan: Option<String>,
+    /// GPU targets: the tensor-core GEMM the plans' bf16 matmuls prefill through.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_gemm: Option<crate::gpu::PrefillGemm>,
     /// GPU targets, a model whose checkpoint carries multi-token prediction layers: their
     /// graph (`mtp.*`: a draft step, its greedy token and the hidden state the next one reads),
     /// whose batched plan (`mtp_plan.json`) drafts for the serving plan, which then also
@@ -225,6 +228,7 @@ pub fn compile_with(
         greedy_plan,
         serving_graph_json: serving.map(|_| SERVING_GRAPH_JSON.into()),
         serving_plan,
+        prefill_gemm: target.cuda_arch().is_some().then_some(prefill),
         mtp_graph_json: mtp.map(|_| MTP_GRAPH_JSON.into()),
         mtp_plan,
         int8_heads,

@@ -85,7 +85,8 @@ pub fn build_with_kernels(
 }
 
 /// The tensor-core GEMM a plan's bf16 matmuls prefill through.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum PrefillGemm {
     /// The target's TMA-fed GEMM (`templates::tma_prefill_gemm`), both operands through
     /// shared memory, after a launch making the rows bf16 (`templates::bf16_rows`).
