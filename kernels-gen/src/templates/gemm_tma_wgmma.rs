@@ -197,13 +197,17 @@ fn gemm(name: &str, origin: &str, tile: TmaTile, params: Vec<Param>, form: tma_g
     .into_iter()
     .chain(multiply(tile));
     // The step whose buffer every MMA reading it has retired after this step's wait: the
-    // previous one where the MMAs overlap the next step, else this one. It is refilled with
-    // the step a ring later, where the split has one.
+    // previous one (from the second step on) where the MMAs overlap the next step, else this
+    // one. It is refilled with the step a ring later, where the split has one.
     let (done, done_exists) = match tile.overlapped {
-        true => (var("step") - int(1), lt(int(0), var("step"))),
-        false => (var("step"), lt(int(-1), var("step"))),
+        true => (var("step") - int(1), Some(lt(int(0), var("step")))),
+        false => (var("step"), None),
     };
-    let refill = and(done_exists.clone(), lt(done.clone() + int(stages), var("steps")));
+    let once_done = |cond: Expr| match &done_exists {
+        Some(exists) => and(exists.clone(), cond),
+        None => cond,
+    };
+    let refill = once_done(lt(done.clone() + int(stages), var("steps")));
     let refill_done = fill(tile, rem(done.clone(), int(stages)), done.clone() + int(stages));
     let accumulators: Vec<Stmt> = (0..tile.tile_n as usize / 2)
         .map(|i| let_(&d_name(i), Ty::F32, f(0.0)))
@@ -240,7 +244,7 @@ fn gemm(name: &str, origin: &str, tile: TmaTile, params: Vec<Param>, form: tma_g
                 cond: lt(tid(), int(CONSUMERS)),
                 setup: accumulators,
                 body: consume
-                    .chain([if_(and(done_exists, eq(lane(), int(0))), vec![release])])
+                    .chain([if_(once_done(eq(lane(), int(0))), vec![release])])
                     .collect(),
                 finish,
             };
