@@ -1,9 +1,10 @@
 //! Attention alone on the GPU, a Llama-8B-shaped layer (32 query heads, 8 KV heads of 128
 //! dims, bf16 cache with random contents made on the device): one sequence's prefill at 512,
-//! 2 048 and 8 192 tokens by the tensor-core kernel (`flash_attention`) and by the split
-//! attention the plans launch (split pass and merge), in µs and TFLOP/s; and a decode step of
-//! 64 sequences at 4 096 positions over the paged pool, as the serving plan runs it, in GB/s
-//! of cache read and its share of the copy bandwidth.
+//! 2 048 and 8 192 tokens by the tensor-core kernel (`flash_attention`) over a contiguous cache
+//! and over the paged pool as the serving plans launch it (the step's query tiles), and by
+//! the split attention (split pass and merge, what decode steps take), in µs and TFLOP/s; and
+//! a decode step of 64 sequences at 4 096 positions over the paged pool, as the serving plan
+//! runs it, in GB/s of cache read and its share of the copy bandwidth.
 
 use anyhow::{anyhow, Result};
 use kernels_gen::dsl::{Kernel, Ty};
@@ -23,12 +24,13 @@ const DECODE: (usize, usize) = (64, 4096);
 /// Positions a block of the paged pool holds.
 const BLOCK_SIZE: usize = 16;
 
-/// The kernels timed: the tensor-core prefill, the split pass over a contiguous cache and over
-/// the batched paged pool, and the merge.
+/// The kernels timed: the tensor-core prefill over a contiguous cache and over the batched
+/// paged pool, the split pass over both, and the merge.
 fn kernels() -> Vec<Kernel> {
     let group = attention::heads_per_block(HEADS, KV_HEADS, HEAD_DIM);
     vec![
         flash_attention("flash_attention", "gpu-check", CacheLayout::Contiguous, HEAD_DIM),
+        flash_attention("flash_attention_pool", "gpu-check", CacheLayout::Batched, HEAD_DIM),
         attention_split(
             "attention",
             "gpu-check",
@@ -60,8 +62,9 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
             .find(|k| k.name == name)
             .ok_or_else(|| anyhow!("no kernel {name}"))
     };
-    let (flash, split, batched, combine) = (
+    let (flash, flash_pool, split, batched, combine) = (
         find("flash_attention")?,
+        find("flash_attention_pool")?,
         find("attention")?,
         find("attention_batched")?,
         find("attention_combine")?,
@@ -108,6 +111,10 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
     let tables = device.upload(&ints((0..(sequences * per_sequence) as i32).collect()))?;
     let row_table = device.upload(&ints((0..sequences as i32).map(|s| s * per_sequence as i32).collect()))?;
     let row_pos = device.upload(&ints(vec![positions as i32 - 1; sequences]))?;
+    // The prompt over the pool: one sequence in blocks 0.., its rows at positions 0...
+    let prompt_tables = device.upload(&ints((0..most.div_ceil(BLOCK_SIZE) as i32).collect()))?;
+    let prompt_row_table = device.upload(&ints(vec![0; most]))?;
+    let prompt_row_pos = device.upload(&ints((0..most as i32).collect()))?;
     let buffers = AttentionBuffers {
         q: (&q, q_len * 4),
         k: (&k, kv * 2),
@@ -117,6 +124,8 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
         block_tables: (&tables, sequences * per_sequence * 4),
         row_table: (&row_table, sequences * 4),
         row_pos: (&row_pos, sequences * 4),
+        query_tiles: None,
+        seqs: sequences,
     };
     let mut table = String::from(
         "| attention | rows | kernel | µs | TFLOP/s | cache GB/s | % of copy bandwidth |\n|---|---|---|---|---|---|---|\n",
@@ -125,12 +134,29 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
         let value = |name: &str| buffers.value(name, tokens);
         // Causal: row t sees t + 1 keys; two matmuls of 2·head_dim flops a (row, key, head).
         let flops = 4.0 * (HEADS * HEAD_DIM) as f64 * (tokens * (tokens + 1) / 2) as f64;
-        let launches: [(&str, Vec<&Kernel>); 2] = [
-            ("tensor cores (flash_attention)", vec![flash]),
-            ("split pass + merge (the plans')", vec![split, combine]),
+        let tiles = kernels_gen::templates::flash_attention::query_tiles(&[tokens]);
+        let tiles_bytes = ints(tiles);
+        let query_tiles = device.upload(&tiles_bytes)?;
+        let pool = AttentionBuffers {
+            block_tables: (&prompt_tables, most.div_ceil(BLOCK_SIZE) * 4),
+            row_table: (&prompt_row_table, most * 4),
+            row_pos: (&prompt_row_pos, most * 4),
+            query_tiles: Some((&query_tiles, tiles_bytes.len())),
+            seqs: 1,
+            ..buffers
+        };
+        let over_pool = |name: &str| pool.value(name, tokens);
+        // (label, kernels, whether over the pool)
+        let launches: [(&str, Vec<&Kernel>, bool); 3] = [
+            ("tensor cores (flash_attention)", vec![flash], false),
+            ("tensor cores over the pool (the plans')", vec![flash_pool], true),
+            ("split pass + merge (decode steps')", vec![split, combine], false),
         ];
-        for (label, launched) in launches {
-            let seconds = time_launches(&mut device, &launched, &value)?;
+        for (label, launched, pooled) in launches {
+            let seconds = match pooled {
+                true => time_launches(&mut device, &launched, &over_pool)?,
+                false => time_launches(&mut device, &launched, &value)?,
+            };
             table += &format!(
                 "| prefill, one sequence | {tokens} | {label} | {:.1} | {:.1} | – | – |\n",
                 seconds * 1e6,
@@ -151,7 +177,10 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
     Ok(table)
 }
 
-/// The buffers the timed attentions read and write, each with its length in bytes.
+/// The buffers the timed attentions read and write, each with its length in bytes (the
+/// query tiles where a step over the pool is timed on the tensor cores), and the sequences of
+/// a step over the pool.
+#[derive(Clone, Copy)]
 struct AttentionBuffers<'a, B> {
     q: (&'a B, usize),
     k: (&'a B, usize),
@@ -161,6 +190,8 @@ struct AttentionBuffers<'a, B> {
     block_tables: (&'a B, usize),
     row_table: (&'a B, usize),
     row_pos: (&'a B, usize),
+    query_tiles: Option<(&'a B, usize)>,
+    seqs: usize,
 }
 
 impl<'a, B> AttentionBuffers<'a, B> {
@@ -178,6 +209,8 @@ impl<'a, B> AttentionBuffers<'a, B> {
             "block_tables" => buffer(self.block_tables),
             "row_table" => buffer(self.row_table),
             "row_pos" => buffer(self.row_pos),
+            "query_tiles" => buffer(self.query_tiles?),
+            "seqs" => int(self.seqs),
             "block_size" => int(BLOCK_SIZE),
             "tokens" => int(rows),
             "q_stride" => int(HEADS * HEAD_DIM),
@@ -234,6 +267,8 @@ mod tests {
             block_tables: (&b, 4),
             row_table: (&b, 4),
             row_pos: (&b, 4),
+            query_tiles: Some((&b, 4)),
+            seqs: 1,
         };
         for kernel in kernels() {
             let value = |name: &str| buffers.value(name, 512);
