@@ -679,7 +679,7 @@ fn the_lockstep_comparison_names_exactly_the_wrong_kernel() {
 /// (kernels-gen), and a plan passing it a wrong window is off by 1.4.
 #[test]
 fn batched_bf16_plans_attend_over_prompts_on_tensor_cores_like_the_cpu_backend() {
-    use runtime::kv::{BlockId, Segment};
+    use runtime::kv::BlockId;
     for family in ["llama", "gemma3"] {
         let model = open(family, ComputeDtype::Bf16);
         let graph = model.lower(LogitsFor::AllTokens).unwrap();
@@ -704,27 +704,16 @@ fn batched_bf16_plans_attend_over_prompts_on_tensor_cores_like_the_cpu_backend()
             .map(|s| (0..8).rev().map(|b| BlockId(3 * b + s)).collect())
             .collect();
         let prompt = |len: u32, seed: u32| -> Vec<u32> { (0..len).map(|i| (seed + 37 * i) % 300).collect() };
-        let steps: [Vec<(usize, usize, Vec<u32>)>; 3] = [
-            vec![(0, 0, prompt(70, 5)), (1, 0, prompt(64, 11)), (2, 0, prompt(3, 17))],
-            vec![(0, 70, prompt(40, 23)), (1, 64, vec![42])],
-            vec![(0, 110, vec![7]), (1, 65, vec![9]), (2, 3, vec![4])],
+        // Each sequence's (first position, ids), in table order.
+        let steps: [Vec<(usize, Vec<u32>)>; 3] = [
+            vec![(0, prompt(70, 5)), (0, prompt(64, 11)), (0, prompt(3, 17))],
+            vec![(70, prompt(40, 23)), (64, vec![42])],
+            vec![(110, vec![7]), (65, vec![9]), (3, vec![4])],
         ];
         // Whether each step attends on the tensor cores: sequences averaging 16 rows or more.
         let on_tensor_cores = [true, true, false];
         for (step, (segments, flash_step)) in steps.iter().zip(on_tensor_cores).enumerate() {
-            let batch: Vec<Segment> = segments
-                .iter()
-                .map(|(s, start, ids)| Segment {
-                    hidden_states: &[],
-                    table: &tables[*s],
-                    start: *start,
-                    ids,
-                    state_slot: *s,
-                    sampled_rows: 1,
-                    drafts: 0,
-                    snapshots: runtime::kv::StateSnapshots::NONE,
-                })
-                .collect();
+            let batch = batch_of(segments, &tables);
             let launched = || -> usize {
                 flash
                     .iter()
@@ -744,9 +733,9 @@ fn batched_bf16_plans_attend_over_prompts_on_tensor_cores_like_the_cpu_backend()
 }
 
 /// A batched step's segments: each sequence's (first position, ids) with its block table.
-fn batch_of<'a>(
+fn batch_of<'a, T: AsRef<[runtime::kv::BlockId]>>(
     segments: &'a [(usize, Vec<u32>)],
-    tables: &'a [[runtime::kv::BlockId; 3]],
+    tables: &'a [T],
 ) -> Vec<runtime::kv::Segment<'a>> {
     segments
         .iter()
@@ -754,7 +743,7 @@ fn batch_of<'a>(
         .enumerate()
         .map(|(i, ((start, ids), table))| runtime::kv::Segment {
             hidden_states: &[],
-            table,
+            table: table.as_ref(),
             start: *start,
             ids,
             state_slot: i,
