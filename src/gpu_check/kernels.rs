@@ -141,9 +141,7 @@ pub fn batched_kernel_errors<D: PlanDevice>(
         block_size: 16,
         sequences: 2,
     };
-    let (plan, kernels) = gpu::build_batched(&graph, target, 64, cache)?;
-    let device = CompareDevice::new(device(&kernels)?, EmulatorDevice::new(kernels.clone()), &kernels);
-    let exec = PlanExecutor::new(device, plan, graph, &model.weights, &[], 64)?;
+    let exec = compared_serving_executor(graph, &model.weights, (target, cache), &mut device)?;
     // Each sequence's blocks, in reverse order.
     let tables: [Vec<BlockId>; 2] = [(0..4).rev().map(BlockId).collect(), (4..8).rev().map(BlockId).collect()];
     let prompts: [Vec<u32>; 2] = [
@@ -176,6 +174,20 @@ pub fn batched_kernel_errors<D: PlanDevice>(
         .into_iter()
         .map(|(kernel, error)| (kernel, error.launches, error.relative))
         .collect())
+}
+
+/// `graph`'s batched plan (steps of up to 64 rows over `cache`, sequences of up to 64
+/// positions) for `target` with `weights`, on the device `device` makes for its kernels and
+/// on the emulator in lockstep.
+fn compared_serving_executor<D: PlanDevice>(
+    graph: ir::Graph,
+    weights: &dyn quant::tensor::Tensors,
+    (target, cache): (Target, gpu::BatchedCache),
+    device: &mut impl FnMut(&[Kernel]) -> Result<D>,
+) -> Result<PlanExecutor<CompareDevice<D, EmulatorDevice>>> {
+    let (plan, kernels) = gpu::build_batched(&graph, target, 64, cache)?;
+    let compared = CompareDevice::new(device(&kernels)?, EmulatorDevice::new(kernels.clone()), &kernels);
+    Ok(PlanExecutor::new(compared, plan, graph, weights, &[], 64)?)
 }
 
 /// The tiny Qwen3.5 with one multi-token prediction layer (random weights from its config):
@@ -221,9 +233,7 @@ pub fn mtp_kernel_errors<D: PlanDevice>(
             block_size: 8,
             sequences: 2,
         };
-        let (plan, kernels) = gpu::build_batched(&graph, target, 64, cache)?;
-        let compared = CompareDevice::new(device(&kernels)?, EmulatorDevice::new(kernels.clone()), &kernels);
-        let exec = PlanExecutor::new(compared, plan, graph, &model.weights, &[], 64)?;
+        let exec = compared_serving_executor(graph, &model.weights, (target, cache), &mut device)?;
         let tables = [[0, 1, 2].map(runtime::kv::BlockId), [3, 4, 5].map(runtime::kv::BlockId)];
         let mut seed = 11;
         let mut starts = [0usize, 0];
