@@ -484,12 +484,28 @@ fn plans_prefill_through_the_tma_gemm_unless_asked_otherwise() {
             _ => assert!(specialised == tma, "{}", target.name()),
         }
         assert!(decode(&specialised) == decode(&tma), "{}", target.name());
+        // Persistent: Hopper's GEMMs are the warp-specialised ones in at most a block a
+        // multiprocessor, named for it; the other targets plan as with `Tma`.
+        let persistent = plan(target, gpu::PrefillGemm::Persistent);
+        assert_eq!(tma_gemms(&persistent), (4 * 32 + 1, true), "{}", target.name());
+        let gemms: Vec<&gpu::KernelEntry> = persistent
+            .kernels
+            .iter()
+            .filter(|k| k.name.contains("gemm_tma"))
+            .collect();
+        match target {
+            Target::H200 => assert!(gemms
+                .iter()
+                .all(|k| k.block == 288 && k.name.contains("_tma_persistent"))),
+            _ => assert!(persistent == tma, "{}", target.name()),
+        }
+        assert!(decode(&persistent) == decode(&tma), "{}", target.name());
     }
 }
 
 /// `bbc compile --prefill-gemm`: by default a bf16 model's plans carry the TMA GEMMs (their
-/// entries stating their tensor maps) and the launches making their rows; `specialised`, the
-/// warp-specialised TMA GEMMs (a ninth warp); `pipelined`, none.
+/// entries stating their tensor maps) and the launches making their rows; `specialised` and
+/// `persistent`, the warp-specialised TMA GEMMs (a ninth warp); `pipelined`, none.
 #[test]
 fn compile_chooses_the_prefill_gemm() {
     if !nvrtc_present() {
@@ -503,6 +519,7 @@ fn compile_chooses_the_prefill_gemm() {
     for (choice, tma, block) in [
         (None, true, 256),
         (Some("specialised"), true, 288),
+        (Some("persistent"), true, 288),
         (Some("pipelined"), false, 0),
     ] {
         let artifact = scratch.path().join(choice.unwrap_or("default"));

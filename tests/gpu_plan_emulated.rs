@@ -2112,8 +2112,9 @@ fn a_plan_whose_launches_do_not_resolve_is_refused_at_load() {
 }
 
 /// A Hopper plan prefilling through the warp-specialised TMA GEMM (`--prefill-gemm
-/// specialised`) computes what the plan on the block-barrier TMA GEMM does, bit for bit: the
-/// same MMAs in the same order, only who refills the buffers and how the warps wait differ.
+/// specialised`, and `persistent`, its blocks taking tiles in turn) computes what the plan on
+/// the block-barrier TMA GEMM does, bit for bit: the same MMAs in the same order, only who
+/// refills the buffers, how the warps wait and which block takes a tile differ.
 #[test]
 fn warp_specialised_prefill_gemms_compute_what_the_others_do() {
     let model = open("llama", ComputeDtype::Bf16);
@@ -2125,14 +2126,18 @@ fn warp_specialised_prefill_gemms_compute_what_the_others_do() {
             .kernels
             .iter()
             .filter(|k| k.name.contains("gemm_tma") && k.block == 288);
-        assert_eq!(specialised.count() > 0, prefill == gpu::PrefillGemm::Specialised);
+        assert_eq!(specialised.count() > 0, prefill != gpu::PrefillGemm::Tma);
+        let persistent = plan.kernels.iter().filter(|k| k.name.contains("_tma_persistent"));
+        assert_eq!(persistent.count() > 0, prefill == gpu::PrefillGemm::Persistent);
         let gpu = EmulatorBackend::emulated(plan, kernels, graph.clone(), &model.weights, &[], 64).unwrap();
         let mut sequence = gpu.new_sequence();
         let first = gpu.step(&mut sequence, &prompt).unwrap()["logits"].data.clone();
         let next = gpu.step(&mut sequence, &[5]).unwrap()["logits"].data.clone();
         [first, next]
     };
-    assert_eq!(logits(gpu::PrefillGemm::Specialised), logits(gpu::PrefillGemm::Tma));
+    let tma = logits(gpu::PrefillGemm::Tma);
+    assert_eq!(logits(gpu::PrefillGemm::Specialised), tma);
+    assert_eq!(logits(gpu::PrefillGemm::Persistent), tma);
 }
 
 /// `bbc gpu-check`'s lockstep of a serving plan (two prompts in one step, then decode steps)

@@ -327,9 +327,7 @@ fn uses_op(body: &[Stmt], op: UnOp) -> bool {
         Stmt::Store { index, value, .. } => in_expr(index, op) || in_expr(value, op),
         Stmt::For { start, end, step, .. } => [start, end, step].iter().any(|e| in_expr(e, op)),
         Stmt::If { cond, .. } => in_expr(cond, op),
-        Stmt::Roles(r) => {
-            in_expr(&r.start, op) || in_expr(&r.end, op) || r.roles.iter().any(|role| in_expr(&role.cond, op))
-        }
+        Stmt::Roles(r) => r.roles.iter().any(|role| in_expr(&role.cond, op)),
         _ => false,
     })
 }
@@ -417,22 +415,7 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
                         indent(out, depth);
                     }
                     let _ = writeln!(out, "if ({}) {{", expr(&role.cond, scope));
-                    let mut inner = scope.clone();
-                    block(out, &role.setup, &mut inner, depth + 1);
-                    indent(out, depth + 1);
-                    let var = &r.var;
-                    let _ = writeln!(
-                        out,
-                        "for (int {var} = {}; {var} < {}; {var} += 1) {{",
-                        expr(&r.start, &inner),
-                        expr(&r.end, &inner)
-                    );
-                    let mut looping = inner.clone();
-                    looping.vars.insert(var.clone(), Ty::I32);
-                    block(out, &role.body, &mut looping, depth + 2);
-                    indent(out, depth + 1);
-                    out.push_str("}\n");
-                    block(out, &role.finish, &mut inner, depth + 1);
+                    block(out, &role.body, &mut scope.clone(), depth + 1);
                     indent(out, depth);
                     out.push_str("}\n");
                 }

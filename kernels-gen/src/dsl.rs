@@ -197,8 +197,8 @@ pub enum Stmt {
     /// B[2t+8, 2t+9][g]; `c[0..2]` = C[g][2t, 2t+1], `c[2..4]` = C[g+8][2t, 2t+1]. Every lane of
     /// the warp must execute it together.
     MmaBf16(Box<MmaFragments>),
-    /// Warp specialisation: the block's threads split into roles that each loop on their
-    /// own, meeting only at mbarriers (see [`Roles`]).
+    /// Warp specialisation: the block's threads split into roles that each run on their own,
+    /// meeting only at mbarriers (see [`Roles`]).
     Roles(Box<Roles>),
     /// Declare f32 locals `names[j] = buf[index + j]`, read as one 4-, 8- or 16-byte load (2, 4
     /// or 8 bf16; 2 or 4 f32). `index` must be a multiple of `names.len()`: buffers start
@@ -462,19 +462,18 @@ pub struct TmemMma {
     pub accumulate: Expr,
 }
 
-/// Roles of a warp-specialised loop: each role's threads (those for which `cond` holds, whole
-/// warps) run its `setup`, then its `body` for `var` in `start..end`, then its `finish`. On the
-/// device the roles run apart (`if (cond) { setup; for (…) { body } finish }` each), so
-/// nothing but mbarriers orders one role's iteration against another's, and registers a role
-/// declares (a consumer's accumulators) are its own: what lets `ptxas` keep a role's `wgmma`s
-/// asynchronous. The emulator runs the roles' iterations interleaved, role by role within an
-/// iteration (a schedule the device may take); every order the device may take is checked
-/// through the mbarriers' releases and acquisitions.
+/// The roles of a warp-specialised block: each role's threads (those for which `cond` holds,
+/// whole warps, one role a thread) run its `body`. On the device the roles run apart (`if
+/// (cond) { body }` each), so nothing but mbarriers orders one role's work against another's,
+/// and registers a role declares (a consumer's accumulators) are its own: what lets `ptxas`
+/// keep a role's `wgmma`s asynchronous. A role loops as it needs (a producer over K steps, a
+/// persistent consumer over tiles and, inside, their K steps). The emulator runs the roles as
+/// coroutines: each runs until it begins a loop iteration or reaches an mbarrier wait whose
+/// phase has not completed, then the next takes its turn (a schedule the device may take);
+/// every order the device may take is checked through the mbarriers' releases and
+/// acquisitions, and roles that all wait on phases nothing can complete are reported.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Roles {
-    pub var: String,
-    pub start: Expr,
-    pub end: Expr,
     pub roles: Vec<Role>,
 }
 
@@ -482,9 +481,7 @@ pub struct Roles {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Role {
     pub cond: Expr,
-    pub setup: Vec<Stmt>,
     pub body: Vec<Stmt>,
-    pub finish: Vec<Stmt>,
 }
 
 /// The fragment locals of one `mma.sync` (see `Stmt::MmaBf16`).
@@ -554,9 +551,7 @@ pub fn any_stmt(body: &[Stmt], pred: &dyn Fn(&Stmt) -> bool) -> bool {
             || match s {
                 Stmt::For { body, .. } => any_stmt(body, pred),
                 Stmt::If { then, otherwise, .. } => any_stmt(then, pred) || any_stmt(otherwise, pred),
-                Stmt::Roles(r) => r.roles.iter().any(|role| {
-                    any_stmt(&role.setup, pred) || any_stmt(&role.body, pred) || any_stmt(&role.finish, pred)
-                }),
+                Stmt::Roles(r) => r.roles.iter().any(|role| any_stmt(&role.body, pred)),
                 _ => false,
             }
     })

@@ -304,19 +304,13 @@ fn check_block_declaring<'a>(
                 check_block(then, &mut scope.clone())?;
                 check_block(otherwise, &mut scope.clone())?;
             }
-            // Each role as it is emitted: its block of setup, loop and finish.
+            // Each role as it is emitted: a block of its own.
             Stmt::Roles(r) => {
                 for role in &r.roles {
                     if scope.type_of(&role.cond)? != Ty::Bool {
                         return Err("a role needs a bool condition".into());
                     }
-                    let block = [
-                        role.setup.clone(),
-                        vec![for_(&r.var, r.start.clone(), r.end.clone(), int(1), role.body.clone())],
-                        role.finish.clone(),
-                    ]
-                    .concat();
-                    check_block(&block, &mut scope.clone())?;
+                    check_block(&role.body, &mut scope.clone())?;
                 }
             }
             Stmt::MmaBf16(m) => scope.f32_locals("mma fragment", m.a.iter().chain(&m.b).chain(&m.c))?,

@@ -5,7 +5,7 @@
 use half::bf16;
 use ir::reference::ops;
 use ir::{GluAct, RopeLayout, RopeSpec};
-use kernels_gen::dsl::{Kernel, Mbarrier, Stmt, Ty};
+use kernels_gen::dsl::{self, Kernel, Mbarrier, Stmt, Ty};
 use kernels_gen::emulator::{run, Array, Scalar};
 use kernels_gen::templates::gemv::GemvSpec;
 use kernels_gen::templates::*;
@@ -1430,7 +1430,9 @@ fn tma_gemm_matches_reference(gemm: &Kernel, seed: u64) {
 /// Hopper's TMA GEMM: tiles of 128 and 256 weight rows, rings of 2 buffers (refilled every
 /// other step), 3 and 4, each step's MMAs waited for in the step or overlapping the next; the
 /// block's first thread refilling after a block barrier, or a producer warp as the consumer
-/// warps release each buffer (warp specialisation).
+/// warps release each buffer (warp specialisation), a block a tile or in persistent schedules
+/// of 2 and 3 blocks taking up to four tiles each through one ring (which wraps inside a
+/// tile and across tiles).
 #[test]
 fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
     let tiles = [
@@ -1439,12 +1441,14 @@ fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
             stages: 2,
             overlapped: false,
             specialised: false,
+            persistent: None,
         },
         gemm_tma_wgmma::TmaTile {
             tile_n: 128,
             stages: 3,
             overlapped: true,
             specialised: false,
+            persistent: None,
         },
         gemm_tma_wgmma::TmaTile::WIDEST,
         gemm_tma_wgmma::TmaTile {
@@ -1452,12 +1456,26 @@ fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
             stages: 2,
             overlapped: false,
             specialised: true,
+            persistent: None,
         },
         gemm_tma_wgmma::TmaTile {
             stages: 3,
             ..gemm_tma_wgmma::TmaTile::SPECIALISED
         },
         gemm_tma_wgmma::TmaTile::SPECIALISED_WIDEST,
+        gemm_tma_wgmma::TmaTile {
+            tile_n: 128,
+            stages: 3,
+            overlapped: false,
+            specialised: true,
+            persistent: Some(2),
+        },
+        gemm_tma_wgmma::TmaTile {
+            stages: 2,
+            ..gemm_tma_wgmma::TmaTile::SPECIALISED
+        }
+        .persistent(3),
+        gemm_tma_wgmma::TmaTile::SPECIALISED_WIDEST.persistent(2),
     ];
     for (i, tile) in tiles.into_iter().enumerate() {
         tma_gemm_matches_reference(
@@ -1552,6 +1570,7 @@ fn the_tma_gemm_fails_without_any_of_its_synchronisations() {
         stages: 2,
         overlapped: false,
         specialised: false,
+        persistent: None,
     };
     let gemm = gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm", "test", tile);
     let mut rng = Rng(31);
@@ -1645,6 +1664,63 @@ fn the_specialised_tma_gemm_fails_without_any_of_its_synchronisations() {
             .unwrap_err()
             .to_string();
         assert!(message.contains(expected), "without {what}: {message}");
+    }
+}
+
+/// In a persistent schedule a block's ring runs on from one tile into the next, so the
+/// consumers' release of a tile's last buffer is needed, and the producer must wait for the
+/// release of a buffer's previous use: without that release, or waiting on the wrong phase,
+/// the producer waits for a phase nothing completes, and the emulator says which.
+#[test]
+fn the_persistent_tma_gemm_fails_without_its_ring_across_tiles() {
+    let tile = gemm_tma_wgmma::TmaTile {
+        stages: 2,
+        ..gemm_tma_wgmma::TmaTile::SPECIALISED
+    }
+    .persistent(2);
+    let gemm = gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm", "test", tile);
+    let mut rng = Rng(35);
+    // Three tiles of three steps: the first block takes two of them through its ring of 2.
+    let (tokens, n, k) = (3, 300, 136);
+    let (x, w) = (bf16_array(&rng.vec(tokens * k)), bf16_array(&rng.vec(n * k)));
+    let last_release = |s: &Stmt| match s {
+        Stmt::If { cond, then, .. }
+            if format!("{cond:?}").contains("\"steps\"")
+                && matches!(&then[..], [Stmt::Mbarrier(m)] if matches!(&**m, Mbarrier::Arrive { .. })) =>
+        {
+            None
+        }
+        other => Some(other.clone()),
+    };
+    let this_phase = |s: &Stmt| match s {
+        Stmt::Mbarrier(m) => match &**m {
+            Mbarrier::Wait { barrier, .. } if barrier.array == "empty" => {
+                Some(Stmt::Mbarrier(Box::new(Mbarrier::Wait {
+                    barrier: barrier.clone(),
+                    parity: dsl::rem(dsl::var("it") / dsl::int(2), dsl::int(2)),
+                })))
+            }
+            _ => Some(s.clone()),
+        },
+        other => Some(other.clone()),
+    };
+    for (what, edit) in [
+        (
+            "the release of a tile's last buffer",
+            &last_release as &dyn Fn(&Stmt) -> Option<Stmt>,
+        ),
+        ("the wait for the previous use", &this_phase),
+    ] {
+        let mut broken = gemm.clone();
+        broken.body = edited(&gemm.body, edit);
+        assert_ne!(broken.body, gemm.body, "{what}");
+        let message = try_run_matmul(&broken, x.clone(), None, w.clone(), (tokens, n, k, k))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.contains("of mbarrier empty[0], which never completes"),
+            "without {what}: {message}"
+        );
     }
 }
 

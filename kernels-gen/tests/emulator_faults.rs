@@ -946,28 +946,38 @@ fn shared_memory_past_what_a_block_may_have_is_refused() {
     assert!(k.shared_layout().dynamic);
 }
 
-/// Warp-specialised roles each run their loop: every iteration each role's threads store,
-/// the second role's setup declaring what its body and finish use. Roles take whole warps
-/// and a thread one role: a warp split between roles, or a thread in two, is refused.
+/// Warp-specialised roles each run their body: each role's threads store every iteration of
+/// their loop, the second role declaring before its loop what the loop and what follows use.
+/// Roles take whole warps and a thread one role: a warp split between roles, or a thread in
+/// two, is refused.
 #[test]
 fn roles_take_whole_warps_one_role_a_thread() {
     let roles = |first: Expr, second: Expr| {
         Stmt::Roles(Box::new(Roles {
-            var: "i".into(),
-            start: int(0),
-            end: int(2),
             roles: vec![
                 Role {
                     cond: first,
-                    setup: vec![],
-                    body: vec![store("out", tid() + int(64) * var("i"), f(1.0))],
-                    finish: vec![],
+                    body: vec![for_(
+                        "i",
+                        int(0),
+                        int(2),
+                        int(1),
+                        vec![store("out", tid() + int(64) * var("i"), f(1.0))],
+                    )],
                 },
                 Role {
                     cond: second,
-                    setup: vec![let_("kept", Ty::F32, f(2.0))],
-                    body: vec![store("out", tid() + int(64) * var("i"), var("kept"))],
-                    finish: vec![assign("kept", f(3.0))],
+                    body: vec![
+                        let_("kept", Ty::F32, f(2.0)),
+                        for_(
+                            "i",
+                            int(0),
+                            int(2),
+                            int(1),
+                            vec![store("out", tid() + int(64) * var("i"), var("kept"))],
+                        ),
+                        assign("kept", f(3.0)),
+                    ],
                 },
             ],
         }))
@@ -985,4 +995,91 @@ fn roles_take_whole_warps_one_role_a_thread() {
     assert!(fault(&split, 128).contains("roles take whole warps"));
     let both = kernel(vec![roles(lt(tid(), int(64)), bin(BinOp::Ge, tid(), int(32)))], vec![]);
     assert!(fault(&both, 128).contains("is in roles 0 and 1 at once"));
+}
+
+/// Roles run as coroutines, so their loops need not match: the first warp waits each round
+/// for a phase the second completes only after a loop of its own, and goes on once it has
+/// (lockstep would report the first wait as never completing). Roles that each wait for the
+/// other's arrival are reported with the wait that never completes.
+#[test]
+fn roles_meet_at_mbarriers_however_their_loops_nest() {
+    let (ready, answer) = (MbarrierRef::whole("ready"), MbarrierRef::whole("answer"));
+    let on_first = |body: Vec<Stmt>| if_(eq(lane(), int(0)), body);
+    let program = |waits_for_answer: bool| {
+        let waiter = [
+            vec![mbarrier(Mbarrier::Wait {
+                barrier: ready.clone(),
+                parity: rem(var("round"), int(2)),
+            })],
+            vec![store(
+                "out",
+                tid() + int(64) * var("round"),
+                cast(Ty::F32, var("round")),
+            )],
+            vec![on_first(vec![mbarrier(Mbarrier::Arrive {
+                barrier: answer.clone(),
+            })])],
+        ]
+        .concat();
+        let mut worker = vec![for_(
+            "i",
+            int(0),
+            int(3),
+            int(1),
+            vec![store("out", tid() + int(64) * var("round"), cast(Ty::F32, var("i")))],
+        )];
+        if waits_for_answer {
+            worker.push(mbarrier(Mbarrier::Wait {
+                barrier: answer.clone(),
+                parity: rem(var("round"), int(2)),
+            }));
+        }
+        worker.push(on_first(vec![mbarrier(Mbarrier::Arrive { barrier: ready.clone() })]));
+        let rounds = |body| vec![for_("round", int(0), int(2), int(1), body)];
+        kernel(
+            vec![
+                if_(
+                    eq(tid(), int(0)),
+                    vec![
+                        mbarrier(Mbarrier::Init {
+                            barrier: ready.clone(),
+                            count: 1,
+                        }),
+                        mbarrier(Mbarrier::Init {
+                            barrier: answer.clone(),
+                            count: 1,
+                        }),
+                    ],
+                ),
+                Stmt::SyncThreads,
+                Stmt::Roles(Box::new(Roles {
+                    roles: vec![
+                        Role {
+                            cond: lt(warp(), int(1)),
+                            body: rounds(waiter),
+                        },
+                        Role {
+                            cond: eq(warp(), int(1)),
+                            body: rounds(worker),
+                        },
+                    ],
+                })),
+            ],
+            vec![shared("ready", Ty::U32, 2), shared("answer", Ty::U32, 2)],
+        )
+    };
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&[1.0; 64])),
+        ("out".into(), Array::poisoned(Ty::F32, 128)),
+    ]);
+    run(&program(false), &mut bufs, &HashMap::new()).unwrap();
+    let want: Vec<f32> = (0..128)
+        .map(|i| if i % 64 < 32 { (i / 64) as f32 } else { 2.0 })
+        .collect();
+    assert_eq!(bufs["out"].to_f32().unwrap(), want);
+    let message = fault(&program(true), 128);
+    assert!(
+        message.contains("waits on phase parity 0 of mbarrier ready[0], which never completes"),
+        "{message}"
+    );
 }

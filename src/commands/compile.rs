@@ -33,6 +33,9 @@ pub enum PrefillGemm {
     /// The TMA-fed GEMM with a producer warp feeding the tensor cores (Hopper; elsewhere as
     /// `tma`).
     Specialised,
+    /// The producer-warp GEMM with as many blocks as multiprocessors, each taking tiles in
+    /// turn (Hopper; elsewhere as `tma`).
+    Persistent,
     /// The GEMM with the norm inside and its weights through a `cp.async` pipeline.
     Pipelined,
 }
@@ -42,6 +45,7 @@ impl From<PrefillGemm> for codegen::gpu::PrefillGemm {
         match gemm {
             PrefillGemm::Tma => Self::Tma,
             PrefillGemm::Specialised => Self::Specialised,
+            PrefillGemm::Persistent => Self::Persistent,
             PrefillGemm::Pipelined => Self::Pipelined,
         }
     }

@@ -414,7 +414,7 @@ fn run_flash_attention<D: PlanDevice>(device: &mut D) -> Result<Vec<[Vec<f32>; 4
 }
 
 /// The TMA GEMMs [`unplanned_kernel_errors`] checks on `arch` (Hopper's two tiles, each also
-/// warp-specialised; B200's tcgen05 one, the RTX PRO 6000's `mma.sync` one), then the split-K
+/// warp-specialised, and the persistent schedule; B200's tcgen05 one, the RTX PRO 6000's `mma.sync` one), then the split-K
 /// reduction.
 fn tma_gemm_kernels(arch: &str) -> Vec<Kernel> {
     use kernels_gen::templates::gemm_tma_tcgen05::{gemm_tma_tcgen05_bf16, TcgenTile};
@@ -425,6 +425,8 @@ fn tma_gemm_kernels(arch: &str) -> Vec<Kernel> {
             gemm_tma_wgmma_bf16("gemm_tma_n256", "gpu-check", TmaTile::WIDEST),
             gemm_tma_wgmma_bf16("gemm_tma_specialised", "gpu-check", TmaTile::SPECIALISED),
             gemm_tma_wgmma_bf16("gemm_tma_specialised_n256", "gpu-check", TmaTile::SPECIALISED_WIDEST),
+            // Two blocks: each takes three of the check's six tiles through its ring.
+            gemm_tma_wgmma_bf16("gemm_tma_persistent", "gpu-check", TmaTile::SPECIALISED.persistent(2)),
         ],
         "sm_100a" => vec![gemm_tma_tcgen05_bf16("gemm_tma", "gpu-check", TcgenTile::WIDE)],
         "sm_120a" => vec![kernels_gen::templates::gemm_tma_mma::gemm_tma_mma_bf16(

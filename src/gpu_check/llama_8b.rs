@@ -40,13 +40,20 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
     let exec = serving_executor(name, &config, (target, arch), served, codegen::gpu::PrefillGemm::Tma)?;
     print_prefill(name, &exec, &run)?;
     // Beside it, the GEMM plans prefilled through before the TMA GEMM, and on Hopper the
-    // warp-specialised TMA GEMM; one plan loaded at a time beside the served one.
+    // warp-specialised TMA GEMM, a block a tile and persistent; one plan loaded at a time
+    // beside the served one.
     let mut others = vec![("Llama-8B-shaped, pipelined GEMM", codegen::gpu::PrefillGemm::Pipelined)];
     if arch == "sm_90a" {
-        others.push((
-            "Llama-8B-shaped, warp-specialised TMA GEMM",
-            codegen::gpu::PrefillGemm::Specialised,
-        ));
+        others.extend([
+            (
+                "Llama-8B-shaped, warp-specialised TMA GEMM",
+                codegen::gpu::PrefillGemm::Specialised,
+            ),
+            (
+                "Llama-8B-shaped, persistent warp-specialised TMA GEMM",
+                codegen::gpu::PrefillGemm::Persistent,
+            ),
+        ]);
     }
     for (name, prefill) in others {
         let other = serving_executor(name, &config, (target, arch), (&run, 0), prefill)?;
@@ -256,9 +263,15 @@ const EARLIER_HOPPER_SCHEDULES: [(&str, Schedule); 2] = [
 /// sm_120a: the plans' but on Hopper); on Hopper also the schedules earlier runs timed
 /// ([`EARLIER_HOPPER_SCHEDULES`]) and the TMA GEMMs on bf16 activations: 128-row weight
 /// tiles with each step's MMAs overlapping the next step (`gemm_tma`, the plans') or waited
-/// for in their step, and 256-row tiles; on Blackwell the TMA-fed tcgen05 GEMM,
-/// and on the RTX PRO 6000 the TMA-fed `mma.sync` GEMM, on bf16 activations.
-fn tensor_core_gemms(arch: &str, gemm: (Kernel, (usize, usize, usize))) -> Vec<(Kernel, (usize, usize, usize))> {
+/// for in their step, and 256-row tiles, each also warp-specialised, a block a tile and in a
+/// persistent schedule of a block for each of the `sms` multiprocessors; on Blackwell the
+/// TMA-fed tcgen05 GEMM, and on the RTX PRO 6000 the TMA-fed `mma.sync` GEMM, on bf16
+/// activations.
+fn tensor_core_gemms(
+    arch: &str,
+    sms: u32,
+    gemm: (Kernel, (usize, usize, usize)),
+) -> Vec<(Kernel, (usize, usize, usize))> {
     let mut out = vec![gemm];
     if arch == "sm_100a" {
         let tile = TcgenTile::WIDE;
@@ -282,6 +295,8 @@ fn tensor_core_gemms(arch: &str, gemm: (Kernel, (usize, usize, usize))) -> Vec<(
             ("gemm_tma_n256", TmaTile::WIDEST),
             ("gemm_tma_specialised", TmaTile::SPECIALISED),
             ("gemm_tma_specialised_n256", TmaTile::SPECIALISED_WIDEST),
+            ("gemm_tma_persistent", TmaTile::SPECIALISED.persistent(sms)),
+            ("gemm_tma_persistent_n256", TmaTile::SPECIALISED_WIDEST.persistent(sms)),
         ];
         for (name, tile) in tma {
             out.push((gemm_tma_wgmma_bf16(name, "gpu-check", tile), tile.tiles()));
@@ -313,7 +328,8 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
         let gemvs = [plain_gemvs(k), fused_gemvs(name, k)].concat();
         let gemm = prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), k, None, None, "gemm", "gpu-check")
             .ok_or_else(|| anyhow!("a bf16 GEMM"))?;
-        let gemms = tensor_core_gemms(arch, (gemm.kernel.clone(), gemm.tiles));
+        let sms = target.multiprocessors() as u32;
+        let gemms = tensor_core_gemms(arch, sms, (gemm.kernel.clone(), gemm.tiles));
         // A kernel timed at several batches is compiled once.
         let mut names = std::collections::HashSet::new();
         let mut kernels: Vec<Kernel> = gemvs
@@ -575,9 +591,9 @@ mod tests {
                 None,
                 None,
             ));
-            let gemms = tensor_core_gemms(arch, (gemm, (0, 0, 0)));
+            let gemms = tensor_core_gemms(arch, 132, (gemm, (0, 0, 0)));
             let expected = match arch {
-                "sm_90a" => 8,
+                "sm_90a" => 10,
                 _ => 2,
             };
             assert_eq!(gemms.len(), expected, "{arch}");

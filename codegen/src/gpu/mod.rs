@@ -96,6 +96,11 @@ pub enum PrefillGemm {
     /// producer warp refilling the ring as the consumer warpgroups release it); the others'
     /// as `Tma`.
     Specialised,
+    /// The warp-specialised TMA-fed GEMM in a persistent schedule where the target has one
+    /// (Hopper: as many blocks as multiprocessors, each taking tiles in turn through one
+    /// ring, a tile's copies going out while the one before stores its results); the others'
+    /// as `Tma`.
+    Persistent,
     /// The GEMM with the prologue inside, its weights through a `cp.async` pipeline
     /// (`templates::prefill_gemm`: `wgmma` with activations in registers on Hopper,
     /// `tcgen05` on the B200, `mma.sync` on the RTX PRO 6000): what plans took before, kept

@@ -235,8 +235,9 @@ impl Block<'_> {
         for t in (0..mask.len()).filter(|&t| mask[t]) {
             let key = &keys[t];
             let b = self.barrier_mut(key, t)?;
-            // A parity's phase is complete once the current phase has the other parity; in
-            // lockstep nothing can arrive while every thread waits, so otherwise it never is.
+            // A parity's phase is complete once the current phase has the other parity; a wait
+            // is run only once it is or nothing else can arrive (every thread in lockstep
+            // code, every role of warp-specialised code waits), so otherwise it never is.
             if b.completed % 2 == parity[t].i() as u64 % 2 {
                 return Err((
                     t,
@@ -255,6 +256,26 @@ impl Block<'_> {
             observed.insert(key.clone(), completed);
         }
         Ok(())
+    }
+
+    /// Whether the phase each thread of `mask` waits for has completed.
+    pub(super) fn wait_completes(
+        &self,
+        barrier: &MbarrierRef,
+        parity: &Expr,
+        mask: &[bool],
+        global: &HashMap<String, super::Array>,
+    ) -> Result<bool, Fault> {
+        let parity = self.eval(parity, mask, global)?;
+        let keys = self.barrier_keys(barrier, mask, global)?;
+        for t in (0..mask.len()).filter(|&t| mask[t]) {
+            let b = self.barriers.barriers.get(&keys[t]);
+            let b = b.ok_or_else(|| (t, format!("uses mbarrier {} before mbarrier.init", keys[t])))?;
+            if b.completed % 2 == parity[t].i() as u64 % 2 {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// The one active thread of a single-thread instruction.

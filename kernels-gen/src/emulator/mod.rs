@@ -10,6 +10,7 @@
 
 mod asynchronous;
 mod mbarrier;
+mod roles;
 mod tcgen05;
 mod tma;
 
@@ -473,65 +474,6 @@ impl<'k> Block<'k> {
                 return Ok(());
             }
             self.stmt(s, mask, global)?;
-        }
-        Ok(())
-    }
-
-    /// Warp-specialised roles (`Stmt::Roles`): each role's threads, whole warps and in one
-    /// role each; every role's setup, then the iterations, each role's body in turn within
-    /// one, then every role's finish.
-    fn roles(&mut self, r: &Roles, mask: &[bool], global: &mut HashMap<String, Array>) -> Result<(), Fault> {
-        let mut masks = Vec::with_capacity(r.roles.len());
-        let mut role_of: Vec<Option<usize>> = vec![None; mask.len()];
-        for (i, role) in r.roles.iter().enumerate() {
-            let c = self.eval(&role.cond, mask, global)?;
-            let m: Vec<bool> = (0..mask.len()).map(|t| mask[t] && c[t].b()).collect();
-            for t in (0..mask.len()).filter(|&t| m[t]) {
-                if let Some(other) = role_of[t] {
-                    return Err((t, format!("is in roles {other} and {i} at once")));
-                }
-                role_of[t] = Some(i);
-            }
-            masks.push(m);
-        }
-        for warp in (0..mask.len()).step_by(32) {
-            let mut active = (warp..(warp + 32).min(mask.len())).filter(|&t| mask[t]);
-            let Some(first) = active.next() else { continue };
-            if let Some(t) = active.find(|&t| role_of[t] != role_of[first]) {
-                return Err((t, "a warp split between roles (or none): roles take whole warps".into()));
-            }
-        }
-        for (role, m) in r.roles.iter().zip(&masks) {
-            self.exec(&role.setup, m, global)?;
-        }
-        let start = self.eval(&r.start, mask, global)?;
-        let previous = self.vars.insert(r.var.clone(), start);
-        self.scope.vars.insert(r.var.clone(), Ty::I32);
-        loop {
-            let end = self.eval(&r.end, mask, global)?;
-            let cur = self.vars[&r.var].clone();
-            let mut any = false;
-            for (role, m) in r.roles.iter().zip(&masks) {
-                let live: Vec<bool> = (0..mask.len()).map(|t| m[t] && cur[t].i() < end[t].i()).collect();
-                if live.iter().any(|&l| l) {
-                    any = true;
-                    self.exec(&role.body, &live, global)?;
-                }
-            }
-            if !any {
-                break;
-            }
-            let slot = self.vars.get_mut(&r.var).expect("loop variable");
-            for t in (0..mask.len()).filter(|&t| mask[t] && cur[t].i() < end[t].i()) {
-                slot[t] = Val::I(slot[t].i() + 1);
-            }
-        }
-        match previous {
-            Some(p) => self.vars.insert(r.var.clone(), p),
-            None => self.vars.remove(&r.var),
-        };
-        for (role, m) in r.roles.iter().zip(&masks) {
-            self.exec(&role.finish, m, global)?;
         }
         Ok(())
     }

@@ -149,7 +149,7 @@ fn gemm(name: &str, origin: &str, params: Vec<Param>, form: tma_gemm::ResultForm
         })
     });
     let body = [
-        tma_gemm::tile_coordinates(TILE_M, TILE_N),
+        tma_gemm::tile_coordinates(TILE_M, TILE_N, bid()),
         vec![
             let_("wm", Ty::I32, warp() / int(4) * int(64)),
             let_("wn", Ty::I32, rem(warp(), int(4)) * int(32)),

@@ -193,7 +193,7 @@ fn gemm(name: &str, origin: &str, tile: TcgenTile, params: Vec<Param>, form: tma
     let tokens_per_tile = tile.tile_tokens as i64;
     let last = var("steps") - int(1);
     let body = [
-        tma_gemm::tile_coordinates(tokens_per_tile, TILE_ROWS),
+        tma_gemm::tile_coordinates(tokens_per_tile, TILE_ROWS, bid()),
         vec![
             if_(
                 eq(warp(), int(0)),

@@ -26,7 +26,13 @@
 //! reading the buffer have retired; the producer waits for a buffer's `empty` phase before
 //! refilling it. A warpgroup slowed (by a late copy, or the other's memory traffic) no longer
 //! stalls the other, and the refill of a buffer goes out as soon as both have finished with
-//! it rather than at the next `__syncthreads()`.
+//! it rather than at the next `__syncthreads()`. Each role loops over its tiles, then their K
+//! steps (CUTLASS's shape: with a tile's epilogue under a condition inside one flat loop,
+//! `ptxas` serialises the `wgmma`s), counting the steps it has taken through the ring.
+//! In a persistent schedule ([`TmaTile::persistent`]) a block for each multiprocessor takes
+//! the tiles `gridDim` apart in turn: the producer fills the ring with the next tile's steps
+//! while the consumers store the last tile's results, and a block initialises its barriers
+//! once for all its tiles.
 //!
 //! K splits (`split_k`) as the other GEMMs: each block takes a span of whole steps and with
 //! several splits writes its partial tile. The activations' rows are `x_stride` apart (a
@@ -62,6 +68,12 @@ pub struct TmaTile {
     /// Whether a producer warp refills the buffers as the consumer warpgroups release them
     /// through `empty` mbarriers, or the block's first thread does after a `__syncthreads()`.
     pub specialised: bool,
+    /// Where specialised, `Some(blocks)` launches at most `blocks` blocks (the GPU's
+    /// multiprocessors), each taking the tiles `blocks` apart in turn through one ring: a
+    /// persistent schedule, where a tile's copies go out while the previous tile's results
+    /// are stored, and a block launches, initialises its barriers and fills its ring once.
+    /// `None`: a block a tile.
+    pub persistent: Option<u32>,
 }
 
 impl TmaTile {
@@ -72,6 +84,7 @@ impl TmaTile {
         stages: 4,
         overlapped: true,
         specialised: false,
+        persistent: None,
     };
     /// 128×256 tiles, four buffers (192 KiB), for GEMMs with tiles enough for every SM.
     pub const WIDEST: TmaTile = TmaTile {
@@ -79,6 +92,7 @@ impl TmaTile {
         stages: 4,
         overlapped: true,
         specialised: false,
+        persistent: None,
     };
     /// [`Self::WIDE`] with a producer warp (warp specialisation).
     pub const SPECIALISED: TmaTile = TmaTile {
@@ -90,6 +104,15 @@ impl TmaTile {
         specialised: true,
         ..Self::WIDEST
     };
+
+    /// `self`, warp-specialised, in a persistent schedule of at most `blocks` blocks.
+    pub fn persistent(self, blocks: u32) -> Self {
+        Self {
+            specialised: true,
+            persistent: Some(blocks),
+            ..self
+        }
+    }
 
     /// The tile sizes, for the split-K expression: (tokens, weight rows, K step).
     pub fn tiles(self) -> (usize, usize, usize) {
@@ -182,116 +205,46 @@ pub fn gemm_tma_wgmma_bf16_prologued(
 fn gemm(name: &str, origin: &str, tile: TmaTile, params: Vec<Param>, form: tma_gemm::ResultForm) -> Kernel {
     assert!(matches!(tile.tile_n, 128 | 256), "tile_n {}", tile.tile_n);
     assert!((2..=8).contains(&tile.stages), "stages {}", tile.stages);
+    assert!(
+        tile.specialised || tile.persistent.is_none(),
+        "a persistent schedule needs a producer warp"
+    );
     let stages = tile.stages as i64;
     let tile_n = tile.tile_n as i64;
-    // The thread issuing the copies: the producer warp's first where specialised.
-    let producer = CONSUMERS * tile.specialised as i64;
-    let consume = vec![
-        let_("s", Ty::I32, rem(var("step"), int(stages))),
-        Stmt::Mbarrier(Box::new(Mbarrier::Wait {
-            barrier: barrier("full", var("s")),
-            parity: rem(var("step") / int(stages), int(2)),
-        })),
-        Stmt::Comment("the tensor cores read the buffer straight from the TMA copies".into()),
-    ]
-    .into_iter()
-    .chain(multiply(tile));
-    // The step whose buffer every MMA reading it has retired after this step's wait: the
-    // previous one (from the second step on) where the MMAs overlap the next step, else this
-    // one. It is refilled with the step a ring later, where the split has one.
-    let (done, done_exists) = match tile.overlapped {
-        true => (var("step") - int(1), Some(lt(int(0), var("step")))),
-        false => (var("step"), None),
-    };
-    let once_done = |cond: Expr| match &done_exists {
-        Some(exists) => and(exists.clone(), cond),
-        None => cond,
-    };
-    let refill = once_done(lt(done.clone() + int(stages), var("steps")));
-    let refill_done = fill(tile, rem(done.clone(), int(stages)), done.clone() + int(stages));
-    let accumulators: Vec<Stmt> = (0..tile.tile_n as usize / 2)
-        .map(|i| let_(&d_name(i), Ty::F32, f(0.0)))
-        .collect();
-    // The last step's MMAs, where they overlapped; then the results, by the consumers.
-    let finish = [vec![Stmt::WgmmaWait(0)], store_accumulators(tile, form)].concat();
-    let main_loop = match tile.specialised {
-        // Every warpgroup is done with the buffer once past the block barrier.
-        false => {
-            let step = consume
-                .chain([
-                    Stmt::SyncThreads,
-                    if_(and(eq(tid(), int(producer)), refill), refill_done),
-                ])
-                .collect();
-            [
-                accumulators,
-                vec![for_("step", int(0), var("steps"), int(1), step)],
-                finish,
-            ]
-            .concat()
-        }
-        // Each consumer warp releases the buffer; the producer waits for all eight. The
-        // roles loop apart, the accumulators the consumers' own.
-        true => {
-            let release = Stmt::Mbarrier(Box::new(Mbarrier::Arrive {
-                barrier: barrier("empty", rem(done.clone(), int(stages))),
-            }));
-            let wait_released = Stmt::Mbarrier(Box::new(Mbarrier::Wait {
-                barrier: barrier("empty", rem(done.clone(), int(stages))),
-                parity: rem(done / int(stages), int(2)),
-            }));
-            let consumers = Role {
-                cond: lt(tid(), int(CONSUMERS)),
-                setup: accumulators,
-                body: consume
-                    .chain([if_(once_done(eq(lane(), int(0))), vec![release])])
-                    .collect(),
-                finish,
-            };
-            let producer = Role {
-                cond: eq(warp(), int(CONSUMERS / 32)),
-                setup: vec![],
-                body: vec![if_(
-                    and(eq(tid(), int(producer)), refill),
-                    [vec![wait_released], refill_done].concat(),
-                )],
-                finish: vec![],
-            };
-            vec![Stmt::Roles(Box::new(Roles {
-                var: "step".into(),
-                start: int(0),
-                end: var("steps"),
-                roles: vec![consumers, producer],
-            }))]
-        }
-    };
-    let barriers: &[(&str, u32)] = match tile.specialised {
-        true => &[("full", 1), ("empty", CONSUMER_WARPS)],
-        false => &[("full", 1)],
-    };
-    let body = [
-        tma_gemm::tile_coordinates(TILE_M, tile_n),
+    // What both forms begin with, once their tile coordinates are known or before the loop
+    // taking them: each thread's place in the accumulator layout, the barriers, initialised
+    // before anyone waits on them.
+    let setup = |barriers: &[(&str, u32)]| {
         vec![
             let_("wg", Ty::I32, warp() / int(4)),
             let_("wrow", Ty::I32, rem(warp(), int(4)) * int(16)),
             let_("gr", Ty::I32, lane() / int(4)),
             let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
             tma_gemm::init_barriers(barriers, stages),
-            // The barriers are initialised before anyone waits on them.
             Stmt::SyncThreads,
-            tma_gemm::fill_ring(producer, stages, tile.x_elements(), tile.w_elements()),
-        ],
-        main_loop,
-    ]
-    .concat();
+        ]
+    };
+    let body = match tile.specialised {
+        false => block_synchronised(tile, form, setup(&[("full", 1)])),
+        true => specialised(tile, form, setup(&[("full", 1), ("empty", CONSUMER_WARPS)])),
+    };
     let empty = tile.specialised.then(|| SharedArray {
         name: "empty".into(),
         ty: Ty::U32,
         len: 2 * stages as usize,
     });
-    let specialisation = match tile.specialised {
-        true => ", a producer warp refilling each buffer as the consumer warps release it",
-        false => "",
+    let specialisation = match (tile.specialised, tile.persistent) {
+        (true, Some(blocks)) => format!(
+            ", a producer warp refilling each buffer as the consumer warps release it, at most \
+             {blocks} blocks each taking tiles in turn"
+        ),
+        (true, None) => ", a producer warp refilling each buffer as the consumer warps release it".into(),
+        (false, _) => String::new(),
+    };
+    let tiles = tma_gemm::grid(TILE_M, tile_n);
+    let grid = match tile.persistent {
+        Some(blocks) => bin(BinOp::Min, tiles, int(blocks as i64)),
+        None => tiles,
     };
     Kernel {
         name: name.into(),
@@ -323,7 +276,180 @@ fn gemm(name: &str, origin: &str, tile: TmaTile, params: Vec<Param>, form: tma_g
         .chain(empty)
         .collect(),
         block_dim: tile.threads() as u32,
-        grid: tma_gemm::grid(TILE_M, tile_n),
+        grid,
         body,
     }
+}
+
+/// The block's tile on a ring its first thread refills after the block barrier that follows
+/// the step retiring the MMAs reading a buffer.
+fn block_synchronised(tile: TmaTile, form: tma_gemm::ResultForm, setup: Vec<Stmt>) -> Vec<Stmt> {
+    let stages = tile.stages as i64;
+    let consume = [
+        vec![
+            let_("s", Ty::I32, rem(var("step"), int(stages))),
+            wait_full(var("step"), stages),
+            Stmt::Comment("the tensor cores read the buffer straight from the TMA copies".into()),
+        ],
+        multiply(tile),
+    ]
+    .concat();
+    // The step whose buffer every MMA reading it has retired after this step's wait: the
+    // previous one (from the second step on) where the MMAs overlap the next step, else this
+    // one. It is refilled with the step a ring later, where the split has one.
+    let (done, refill) = match tile.overlapped {
+        true => (
+            var("step") - int(1),
+            and(
+                lt(int(0), var("step")),
+                lt(var("step") - int(1) + int(stages), var("steps")),
+            ),
+        ),
+        false => (var("step"), lt(var("step") + int(stages), var("steps"))),
+    };
+    let step = [
+        consume,
+        vec![
+            Stmt::SyncThreads,
+            if_(
+                and(eq(tid(), int(0)), refill),
+                fill(tile, rem(done.clone(), int(stages)), done + int(stages)),
+            ),
+        ],
+    ]
+    .concat();
+    [
+        tma_gemm::tile_coordinates(TILE_M, tile.tile_n as i64, bid()),
+        setup,
+        vec![tma_gemm::fill_ring(0, stages, tile.x_elements(), tile.w_elements())],
+        zeroed_accumulators(tile),
+        vec![for_("step", int(0), var("steps"), int(1), step)],
+        vec![Stmt::WgmmaWait(0)],
+        store_accumulators(tile, form),
+    ]
+    .concat()
+}
+
+/// Warp-specialised: a producer warp and the consumer warpgroups each loop over the block's
+/// tiles (its own, or with a persistent schedule those `gridDim` apart) and their K steps,
+/// counting the steps they have taken (`it`) through one ring: step `it` takes buffer
+/// `it % stages`, its `it / stages`-th use. The producer refills a buffer once every consumer
+/// warp has released its previous use on `empty`; the consumers release it once the MMAs
+/// reading it retire, and store a tile's results while the producer loads the next.
+fn specialised(tile: TmaTile, form: tma_gemm::ResultForm, setup: Vec<Stmt>) -> Vec<Stmt> {
+    let stages = tile.stages as i64;
+    let tiles = tma_gemm::grid(TILE_M, tile.tile_n as i64);
+    let launched = match tile.persistent {
+        Some(blocks) => bin(BinOp::Min, tiles.clone(), int(blocks as i64)),
+        None => tiles.clone(),
+    };
+    let each_tile = |body: Vec<Stmt>| {
+        vec![
+            let_("it", Ty::I32, int(0)),
+            for_(
+                "tile",
+                bid(),
+                var("tiles"),
+                var("launched"),
+                [
+                    tma_gemm::tile_coordinates(TILE_M, tile.tile_n as i64, var("tile")),
+                    body,
+                ]
+                .concat(),
+            ),
+        ]
+    };
+    let slot = |it: Expr| rem(it, int(stages));
+    let advance = assign("it", var("it") + int(1));
+    // The producer's first thread: a use of a buffer after the first waits for the release
+    // of the use before (phase `it / stages - 1` of its `empty` barrier).
+    let produce = vec![
+        let_("s", Ty::I32, slot(var("it"))),
+        if_(
+            bin(BinOp::Ge, var("it"), int(stages)),
+            vec![Stmt::Mbarrier(Box::new(Mbarrier::Wait {
+                barrier: barrier("empty", var("s")),
+                parity: rem(var("it") / int(stages) + int(1), int(2)),
+            }))],
+        ),
+        Stmt::Comment("refill the buffer its consumers released".into()),
+    ]
+    .into_iter()
+    .chain(fill(tile, var("s"), var("step")))
+    .chain([advance.clone()])
+    .collect();
+    let producer = Role {
+        cond: eq(warp(), int(CONSUMERS / 32)),
+        body: vec![if_(
+            eq(lane(), int(0)),
+            each_tile(vec![for_("step", int(0), var("steps"), int(1), produce)]),
+        )],
+    };
+    // Each consumer warp's first lane releases the use of step `it` (after its MMAs retired).
+    let release = |it: Expr| {
+        Stmt::Mbarrier(Box::new(Mbarrier::Arrive {
+            barrier: barrier("empty", slot(it)),
+        }))
+    };
+    // The step whose MMAs have retired after this step's wait: the previous one (from the
+    // tile's second step on) where the MMAs overlap the next step, else this one.
+    let (retired, any_retired) = match tile.overlapped {
+        true => (var("it") - int(1), lt(int(0), var("step"))),
+        false => (var("it"), Expr::Bool(true)),
+    };
+    let consume = [
+        vec![let_("s", Ty::I32, slot(var("it"))), wait_full(var("it"), stages)],
+        multiply(tile),
+        vec![
+            if_(and(any_retired, eq(lane(), int(0))), vec![release(retired)]),
+            advance,
+        ],
+    ]
+    .concat();
+    // The tile's last MMAs, where they overlapped; then its results.
+    let last_release = match tile.overlapped {
+        true => vec![if_(
+            and(lt(int(0), var("steps")), eq(lane(), int(0))),
+            vec![release(var("it") - int(1))],
+        )],
+        false => vec![],
+    };
+    let consumers = Role {
+        cond: lt(tid(), int(CONSUMERS)),
+        body: each_tile(
+            [
+                zeroed_accumulators(tile),
+                vec![for_("step", int(0), var("steps"), int(1), consume), Stmt::WgmmaWait(0)],
+                last_release,
+                store_accumulators(tile, form),
+            ]
+            .concat(),
+        ),
+    };
+    [
+        setup,
+        vec![
+            let_("tiles", Ty::I32, tiles),
+            let_("launched", Ty::I32, launched),
+            Stmt::Roles(Box::new(Roles {
+                roles: vec![producer, consumers],
+            })),
+        ],
+    ]
+    .concat()
+}
+
+/// The consumers wait for the copies of step `it` to land in its buffer `s` (the `it /
+/// stages`-th phase of its `full` barrier), which the tensor cores then read.
+fn wait_full(it: Expr, stages: i64) -> Stmt {
+    Stmt::Mbarrier(Box::new(Mbarrier::Wait {
+        barrier: barrier("full", var("s")),
+        parity: rem(it / int(stages), int(2)),
+    }))
+}
+
+fn zeroed_accumulators(tile: TmaTile) -> Vec<Stmt> {
+    (0..tile.tile_n as usize / 2)
+        .map(|i| let_(&d_name(i), Ty::F32, f(0.0)))
+        .collect()
 }

@@ -104,21 +104,18 @@ pub fn prefill_gemm(
 
 /// The target's TMA-fed GEMM as a plan launches it for a bf16 matmul of form `(norm, glu)`,
 /// after the `bf16_rows` launch making its rows (`tma_gemm::prologued_params`), with its
-/// tiles: Hopper's `wgmma` (warp-specialised where `specialised`), the B200's `tcgen05`, the
-/// RTX PRO 6000's `mma.sync`; none on other architectures.
+/// tiles: Hopper's `wgmma` on `hopper`'s tile and schedule, the B200's `tcgen05`, the RTX
+/// PRO 6000's `mma.sync`; none on other architectures.
 pub fn tma_prefill_gemm(
     arch: &str,
     (norm, glu): (Option<gemv::NormPrologue>, Option<ir::GluAct>),
-    specialised: bool,
+    hopper: gemm_tma_wgmma::TmaTile,
     name: &str,
     origin: &str,
 ) -> Option<PrefillGemm> {
     let (kernel, tiles) = match arch {
         "sm_90a" => {
-            let tile = match specialised {
-                true => gemm_tma_wgmma::TmaTile::SPECIALISED,
-                false => gemm_tma_wgmma::TmaTile::WIDE,
-            };
+            let tile = hopper;
             let kernel = gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(name, origin, tile, norm, glu);
             (kernel, tile.tiles())
         }
@@ -858,6 +855,11 @@ pub fn catalog() -> Vec<Kernel> {
             "gemm_tma_wgmma_specialised_n256_bf16",
             "catalog",
             gemm_tma_wgmma::TmaTile::SPECIALISED_WIDEST,
+        ),
+        gemm_tma_wgmma::gemm_tma_wgmma_bf16(
+            "gemm_tma_wgmma_persistent_n256_bf16",
+            "catalog",
+            gemm_tma_wgmma::TmaTile::SPECIALISED_WIDEST.persistent(132),
         ),
         // As plans launch it: the residual add and norm done by the rows' kernel, the GLU by
         // the reduction, the result laid out as the GEMV's.

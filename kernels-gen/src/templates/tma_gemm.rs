@@ -78,17 +78,18 @@ pub fn params(x_box_rows: i64, w_box_rows: i64) -> Vec<Param> {
     .concat()
 }
 
-/// The block's tile: `m0` (tokens, `tile_m` a tile), `split` and `n0` (weight rows, `tile_n` a
-/// tile). Token tiles vary fastest, so neighbouring blocks share a weight tile; then the K
-/// splits of one weight tile, then the weight tiles. Then the split's K span (`k_begin`,
-/// `k_end`) and its `steps` of [`TILE_K`] (none past the end of K).
-pub fn tile_coordinates(tile_m: i64, tile_n: i64) -> Vec<Stmt> {
+/// Tile `index`'s coordinates (a block's own tile is its index): `m0` (tokens, `tile_m` a
+/// tile), `split` and `n0` (weight rows, `tile_n` a tile). Token tiles vary fastest, so
+/// neighbouring tiles share a weight tile; then the K splits of one weight tile, then the
+/// weight tiles. Then the split's K span (`k_begin`, `k_end`) and its `steps` of [`TILE_K`]
+/// (none past the end of K).
+pub fn tile_coordinates(tile_m: i64, tile_n: i64, index: Expr) -> Vec<Stmt> {
     let tiles_m = (var("tokens") + int(tile_m - 1)) / int(tile_m);
     [
         vec![
-            let_("m0", Ty::I32, rem(bid(), tiles_m.clone()) * int(tile_m)),
-            let_("split", Ty::I32, rem(bid() / tiles_m.clone(), var("splits"))),
-            let_("n0", Ty::I32, bid() / tiles_m / var("splits") * int(tile_n)),
+            let_("m0", Ty::I32, rem(index.clone(), tiles_m.clone()) * int(tile_m)),
+            let_("split", Ty::I32, rem(index.clone() / tiles_m.clone(), var("splits"))),
+            let_("n0", Ty::I32, index / tiles_m / var("splits") * int(tile_n)),
         ],
         split_k::k_span(var("split"), TILE_K),
         vec![let_(
@@ -104,7 +105,8 @@ pub fn tile_coordinates(tile_m: i64, tile_n: i64) -> Vec<Stmt> {
     .concat()
 }
 
-/// Blocks of a GEMM with `tile_m` × `tile_n` tiles: the launch grid.
+/// The tiles of a GEMM with `tile_m` × `tile_n` tiles, K splits counted apart: the launch grid
+/// of a block a tile.
 pub fn grid(tile_m: i64, tile_n: i64) -> Expr {
     let tiles_m = (var("tokens") + int(tile_m - 1)) / int(tile_m);
     let tiles_n = (var("n") + int(tile_n - 1)) / int(tile_n);

@@ -263,12 +263,9 @@ pub fn edited(body: &[Stmt], edit: &dyn Fn(&Stmt) -> Option<Stmt>) -> Vec<Stmt> 
                     .iter()
                     .map(|role| Role {
                         cond: role.cond.clone(),
-                        setup: edited(&role.setup, edit),
                         body: edited(&role.body, edit),
-                        finish: edited(&role.finish, edit),
                     })
                     .collect(),
-                ..*r
             }))),
             other => Some(other),
         })

@@ -837,13 +837,18 @@ impl MatMul {
         let few_rows = gemv::gemv(&gemv_name, origin, gemv_tuning::shaped(spec.prefill(), cols, sms));
         let gemm_name = format!("{}gemm", self.stem());
         let gemm = match self.takes_tma(plan) {
-            true => templates::tma_prefill_gemm(
-                arch,
-                (self.norm, self.glu),
-                plan.prefill == super::PrefillGemm::Specialised,
-                &format!("{gemm_name}_tma"),
-                origin,
-            ),
+            true => {
+                use templates::gemm_tma_wgmma::TmaTile;
+                let (hopper, schedule) = match plan.prefill {
+                    super::PrefillGemm::Specialised => (TmaTile::SPECIALISED, ""),
+                    super::PrefillGemm::Persistent => (TmaTile::SPECIALISED.persistent(sms as u32), "_persistent"),
+                    _ => (TmaTile::WIDE, ""),
+                };
+                // Only Hopper's GEMM has a persistent form: the name says which ran.
+                let schedule = if arch == "sm_90a" { schedule } else { "" };
+                let name = format!("{gemm_name}_tma{schedule}");
+                templates::tma_prefill_gemm(arch, (self.norm, self.glu), hopper, &name, origin)
+            }
             false => templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin),
         };
         let (prefill, tiles) = match gemm {
@@ -858,8 +863,10 @@ impl MatMul {
     /// 16-byte chunks), its activation rows made bf16, prologue applied, by a `bf16_rows`
     /// launch before it.
     fn takes_tma(&self, plan: &PlanTarget) -> bool {
-        matches!(plan.prefill, super::PrefillGemm::Tma | super::PrefillGemm::Specialised)
-            && plan.target.cuda_arch().is_some()
+        matches!(
+            plan.prefill,
+            super::PrefillGemm::Tma | super::PrefillGemm::Specialised | super::PrefillGemm::Persistent
+        ) && plan.target.cuda_arch().is_some()
             && self.weights == WeightFormat::Dense(Ty::Bf16)
             && self.k.is_multiple_of(8)
     }
