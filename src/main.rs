@@ -56,9 +56,9 @@ enum Command {
         draft_head: bbc::serve::DraftHead,
         /// GPU targets: the tensor-core GEMM bf16 matmuls prefill through: `tma`, the
         /// target's TMA-fed GEMM after a launch making the rows bf16; `specialised`, that GEMM
-        /// with a producer warp (Hopper); `persistent`, that one with a block a multiprocessor
-        /// taking tiles in turn (Hopper); `pipelined`, the GEMM with the norm inside and its
-        /// weights through a `cp.async` pipeline.
+        /// with a producer warp (Hopper, B200); `persistent`, that one with a block a
+        /// multiprocessor taking tiles in turn (Hopper, B200); `pipelined`, the GEMM with the
+        /// norm inside and its weights through a `cp.async` pipeline.
         #[arg(long, value_enum, default_value_t = commands::compile::PrefillGemm::Tma)]
         prefill_gemm: commands::compile::PrefillGemm,
     },

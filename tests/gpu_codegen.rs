@@ -469,8 +469,9 @@ fn plans_prefill_through_the_tma_gemm_unless_asked_otherwise() {
             "{}: decode launches differ",
             target.name()
         );
-        // Warp-specialised: Hopper's GEMMs gain a producer warp (9 warps a block); the other
-        // targets have no such form and plan as with `Tma`.
+        // Warp-specialised: Hopper's GEMMs gain a producer warp (9 warps a block), the B200's
+        // a producer and an MMA warp (6); the RTX PRO 6000 has no such form and plans as with
+        // `Tma`.
         let specialised = plan(target, gpu::PrefillGemm::Specialised);
         assert_eq!(tma_gemms(&specialised), (4 * 32 + 1, true), "{}", target.name());
         let blocks: std::collections::BTreeSet<u32> = specialised
@@ -481,11 +482,12 @@ fn plans_prefill_through_the_tma_gemm_unless_asked_otherwise() {
             .collect();
         match target {
             Target::H200 => assert_eq!(blocks, [288].into()),
+            Target::B200 => assert_eq!(blocks, [192].into()),
             _ => assert!(specialised == tma, "{}", target.name()),
         }
         assert!(decode(&specialised) == decode(&tma), "{}", target.name());
-        // Persistent: Hopper's GEMMs are the warp-specialised ones in at most a block a
-        // multiprocessor, named for it; the other targets plan as with `Tma`.
+        // Persistent: Hopper's and the B200's GEMMs are the warp-specialised ones in at most a
+        // block a multiprocessor, named for it; the RTX PRO 6000 plans as with `Tma`.
         let persistent = plan(target, gpu::PrefillGemm::Persistent);
         assert_eq!(tma_gemms(&persistent), (4 * 32 + 1, true), "{}", target.name());
         let gemms: Vec<&gpu::KernelEntry> = persistent
@@ -493,10 +495,14 @@ fn plans_prefill_through_the_tma_gemm_unless_asked_otherwise() {
             .iter()
             .filter(|k| k.name.contains("gemm_tma"))
             .collect();
-        match target {
-            Target::H200 => assert!(gemms
+        let persistent_with = |block| {
+            gemms
                 .iter()
-                .all(|k| k.block == 288 && k.name.contains("_tma_persistent"))),
+                .all(|k| k.block == block && k.name.contains("_tma_persistent"))
+        };
+        match target {
+            Target::H200 => assert!(persistent_with(288)),
+            Target::B200 => assert!(persistent_with(192)),
             _ => assert!(persistent == tma, "{}", target.name()),
         }
         assert!(decode(&persistent) == decode(&tma), "{}", target.name());

@@ -2111,33 +2111,36 @@ fn a_plan_whose_launches_do_not_resolve_is_refused_at_load() {
     assert!(EmulatorBackend::emulated(plan, kernels, graph, &model.weights, &[], 64).is_ok());
 }
 
-/// A Hopper plan prefilling through the warp-specialised TMA GEMM (`--prefill-gemm
-/// specialised`, and `persistent`, its blocks taking tiles in turn) computes what the plan on
-/// the block-barrier TMA GEMM does, bit for bit: the same MMAs in the same order, only who
+/// Hopper and B200 plans prefilling through the warp-specialised TMA GEMM (`--prefill-gemm
+/// specialised`, and `persistent`, its blocks taking tiles in turn) compute what the plan on
+/// the block-driven TMA GEMM does, bit for bit: the same MMAs in the same order, only who
 /// refills the buffers, how the warps wait and which block takes a tile differ.
 #[test]
 fn warp_specialised_prefill_gemms_compute_what_the_others_do() {
     let model = open("llama", ComputeDtype::Bf16);
-    let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
     let prompt: Vec<u32> = (0..PREFILL_TOKENS as u32 + 3).map(|i| (7 + 13 * i) % 300).collect();
-    let logits = |prefill: gpu::PrefillGemm| {
-        let (plan, kernels) = gpu::build_program(&graph, Target::H200, 64, None, prefill).unwrap();
-        let specialised = plan
-            .kernels
-            .iter()
-            .filter(|k| k.name.contains("gemm_tma") && k.block == 288);
-        assert_eq!(specialised.count() > 0, prefill != gpu::PrefillGemm::Tma);
-        let persistent = plan.kernels.iter().filter(|k| k.name.contains("_tma_persistent"));
-        assert_eq!(persistent.count() > 0, prefill == gpu::PrefillGemm::Persistent);
-        let gpu = EmulatorBackend::emulated(plan, kernels, graph.clone(), &model.weights, &[], 64).unwrap();
-        let mut sequence = gpu.new_sequence();
-        let first = gpu.step(&mut sequence, &prompt).unwrap()["logits"].data.clone();
-        let next = gpu.step(&mut sequence, &[5]).unwrap()["logits"].data.clone();
-        [first, next]
-    };
-    let tma = logits(gpu::PrefillGemm::Tma);
-    assert_eq!(logits(gpu::PrefillGemm::Specialised), tma);
-    assert_eq!(logits(gpu::PrefillGemm::Persistent), tma);
+    // (target, threads a block of its warp-specialised GEMM)
+    for (target, block) in [(Target::H200, 288), (Target::B200, 192)] {
+        let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), target);
+        let logits = |prefill: gpu::PrefillGemm| {
+            let (plan, kernels) = gpu::build_program(&graph, target, 64, None, prefill).unwrap();
+            let specialised = plan
+                .kernels
+                .iter()
+                .filter(|k| k.name.contains("gemm_tma") && k.block == block);
+            assert_eq!(specialised.count() > 0, prefill != gpu::PrefillGemm::Tma);
+            let persistent = plan.kernels.iter().filter(|k| k.name.contains("_tma_persistent"));
+            assert_eq!(persistent.count() > 0, prefill == gpu::PrefillGemm::Persistent);
+            let gpu = EmulatorBackend::emulated(plan, kernels, graph.clone(), &model.weights, &[], 64).unwrap();
+            let mut sequence = gpu.new_sequence();
+            let first = gpu.step(&mut sequence, &prompt).unwrap()["logits"].data.clone();
+            let next = gpu.step(&mut sequence, &[5]).unwrap()["logits"].data.clone();
+            [first, next]
+        };
+        let tma = logits(gpu::PrefillGemm::Tma);
+        assert_eq!(logits(gpu::PrefillGemm::Specialised), tma, "{}", target.name());
+        assert_eq!(logits(gpu::PrefillGemm::Persistent), tma, "{}", target.name());
+    }
 }
 
 /// `bbc gpu-check`'s lockstep of a serving plan (two prompts in one step, then decode steps)

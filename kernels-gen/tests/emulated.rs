@@ -1486,19 +1486,37 @@ fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
 }
 
 /// Blackwell's TMA GEMM (tcgen05 into tensor memory): tiles of 64, 128 and 256 tokens, rings
-/// of 2 (refilled every other step), 3 and 4 buffers.
+/// of 2 (refilled every other step), 3 and 4 buffers; one thread driving the ring, or a
+/// producer, an MMA and four epilogue warps (warp specialisation), a block a tile or in
+/// persistent schedules of 2 and 3 blocks taking up to four tiles each through one ring and
+/// two accumulators.
 #[test]
 fn blackwell_tma_gemm_matches_reference_on_bf16_inputs() {
+    use gemm_tma_tcgen05::TcgenTile;
     let tiles = [
-        gemm_tma_tcgen05::TcgenTile {
+        TcgenTile {
             tile_tokens: 64,
             stages: 2,
+            ..TcgenTile::WIDE
         },
-        gemm_tma_tcgen05::TcgenTile::WIDE,
-        gemm_tma_tcgen05::TcgenTile {
+        TcgenTile::WIDE,
+        TcgenTile {
             tile_tokens: 256,
             stages: 3,
+            ..TcgenTile::WIDE
         },
+        TcgenTile::SPECIALISED,
+        TcgenTile {
+            tile_tokens: 64,
+            stages: 2,
+            ..TcgenTile::WIDE
+        }
+        .persistent(2),
+        TcgenTile {
+            stages: 3,
+            ..TcgenTile::WIDE
+        }
+        .persistent(3),
     ];
     for (i, tile) in tiles.into_iter().enumerate() {
         tma_gemm_matches_reference(
@@ -1538,6 +1556,7 @@ fn the_blackwell_tma_gemm_fails_without_its_waits() {
     let tile = gemm_tma_tcgen05::TcgenTile {
         tile_tokens: 64,
         stages: 2,
+        ..gemm_tma_tcgen05::TcgenTile::WIDE
     };
     let gemm = gemm_tma_tcgen05::gemm_tma_tcgen05_bf16("gemm", "test", tile);
     let mut rng = Rng(43);
@@ -1554,6 +1573,65 @@ fn the_blackwell_tma_gemm_fails_without_its_waits() {
             .unwrap_err()
             .to_string();
         assert!(message.contains(expected), "{message}");
+    }
+}
+
+/// The warp-specialised Blackwell GEMM needs each of its hand-overs, and the emulator says why
+/// when one is missing (a persistent schedule of two blocks, each taking three tiles through
+/// a ring of 2 and two accumulators): without the MMA warp's wait for the epilogue to hand an
+/// accumulator back, its MMAs overwrite what an epilogue warp read, ordered by nothing;
+/// without the epilogue's wait for the accumulator, it reads tensor memory before the MMAs'
+/// commit is known complete; without the producer's wait for the MMAs' commit, it refills a
+/// buffer ordered after nothing (neither the MMAs reading it nor the copy before).
+#[test]
+fn the_specialised_blackwell_gemm_fails_without_any_of_its_hand_overs() {
+    let tile = gemm_tma_tcgen05::TcgenTile {
+        tile_tokens: 64,
+        stages: 2,
+        ..gemm_tma_tcgen05::TcgenTile::WIDE
+    }
+    .persistent(2);
+    let gemm = gemm_tma_tcgen05::gemm_tma_tcgen05_bf16("gemm", "test", tile);
+    let mut rng = Rng(45);
+    // Six tiles (three of tokens, two of weight rows) of three K steps.
+    let (tokens, n, k) = (150, 200, 136);
+    let (x, w) = (bf16_array(&rng.vec(tokens * k)), bf16_array(&rng.vec(n * k)));
+    let whole = try_run_matmul(&gemm, x.clone(), None, w.clone(), (tokens, n, k, k)).unwrap();
+    let mut want = vec![0f32; tokens * n];
+    let round = |v: &Array| v.to_f32().unwrap();
+    ops::matmul(&round(&x), &round(&w), k, &mut want);
+    close(&whole.to_f32().unwrap(), &want, 1e-5, "the unbroken GEMM");
+    let waits_on = |array: &'static str| {
+        move |s: &Stmt| match s {
+            Stmt::Mbarrier(m) if matches!(&**m, Mbarrier::Wait { barrier, .. } if barrier.array == array) => None,
+            other => Some(other.clone()),
+        }
+    };
+    let (acc_empty, acc_full, empty) = (waits_on("acc_empty"), waits_on("acc_full"), waits_on("empty"));
+    for (what, edit, expected) in [
+        (
+            "the MMA warp's wait for the accumulator",
+            &acc_empty as &dyn Fn(&Stmt) -> Option<Stmt>,
+            "that warp 0 read (tcgen05.ld), with no mbarrier it arrived on after the read waited on first",
+        ),
+        (
+            "the epilogue's wait",
+            &acc_full,
+            "tcgen05.ld of TMEM before waiting on the",
+        ),
+        (
+            "the producer's wait",
+            &empty,
+            "TMA copy overwrites xs[0] before waiting",
+        ),
+    ] {
+        let mut broken = gemm.clone();
+        broken.body = edited(&gemm.body, edit);
+        assert_ne!(broken.body, gemm.body, "{what}");
+        let message = try_run_matmul(&broken, x.clone(), None, w.clone(), (tokens, n, k, k))
+            .unwrap_err()
+            .to_string();
+        assert!(message.contains(expected), "without {what}: {message}");
     }
 }
 

@@ -30,11 +30,11 @@ pub enum PrefillGemm {
     /// The target's TMA-fed GEMM, after a launch making the rows bf16.
     #[default]
     Tma,
-    /// The TMA-fed GEMM with a producer warp feeding the tensor cores (Hopper; elsewhere as
-    /// `tma`).
+    /// The TMA-fed GEMM with a producer warp feeding the tensor cores (Hopper, B200;
+    /// elsewhere as `tma`).
     Specialised,
     /// The producer-warp GEMM with as many blocks as multiprocessors, each taking tiles in
-    /// turn (Hopper; elsewhere as `tma`).
+    /// turn (Hopper, B200; elsewhere as `tma`).
     Persistent,
     /// The GEMM with the norm inside and its weights through a `cp.async` pipeline.
     Pipelined,

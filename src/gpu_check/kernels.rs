@@ -414,8 +414,8 @@ fn run_flash_attention<D: PlanDevice>(device: &mut D) -> Result<Vec<[Vec<f32>; 4
 }
 
 /// The TMA GEMMs [`unplanned_kernel_errors`] checks on `arch` (Hopper's two tiles, each also
-/// warp-specialised, and the persistent schedule; B200's tcgen05 one, the RTX PRO 6000's `mma.sync` one), then the split-K
-/// reduction.
+/// warp-specialised, and the persistent schedule; B200's tcgen05 one, also warp-specialised
+/// and persistent; the RTX PRO 6000's `mma.sync` one), then the split-K reduction.
 fn tma_gemm_kernels(arch: &str) -> Vec<Kernel> {
     use kernels_gen::templates::gemm_tma_tcgen05::{gemm_tma_tcgen05_bf16, TcgenTile};
     use kernels_gen::templates::gemm_tma_wgmma::{gemm_tma_wgmma_bf16, TmaTile};
@@ -428,7 +428,12 @@ fn tma_gemm_kernels(arch: &str) -> Vec<Kernel> {
             // Two blocks: each takes three of the check's six tiles through its ring.
             gemm_tma_wgmma_bf16("gemm_tma_persistent", "gpu-check", TmaTile::SPECIALISED.persistent(2)),
         ],
-        "sm_100a" => vec![gemm_tma_tcgen05_bf16("gemm_tma", "gpu-check", TcgenTile::WIDE)],
+        "sm_100a" => vec![
+            gemm_tma_tcgen05_bf16("gemm_tma", "gpu-check", TcgenTile::WIDE),
+            gemm_tma_tcgen05_bf16("gemm_tma_specialised", "gpu-check", TcgenTile::SPECIALISED),
+            // Two blocks: each takes three of the check's six tiles, two accumulators in turn.
+            gemm_tma_tcgen05_bf16("gemm_tma_persistent", "gpu-check", TcgenTile::WIDE.persistent(2)),
+        ],
         "sm_120a" => vec![kernels_gen::templates::gemm_tma_mma::gemm_tma_mma_bf16(
             "gemm_tma",
             "gpu-check",

@@ -39,11 +39,11 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
     let served = (&run, LONG_PROMPT);
     let exec = serving_executor(name, &config, (target, arch), served, codegen::gpu::PrefillGemm::Tma)?;
     print_prefill(name, &exec, &run)?;
-    // Beside it, the GEMM plans prefilled through before the TMA GEMM, and on Hopper the
-    // warp-specialised TMA GEMM, a block a tile and persistent; one plan loaded at a time
-    // beside the served one.
+    // Beside it, the GEMM plans prefilled through before the TMA GEMM, and on Hopper and the
+    // B200 the warp-specialised TMA GEMM, a block a tile and persistent; one plan loaded at a
+    // time beside the served one.
     let mut others = vec![("Llama-8B-shaped, pipelined GEMM", codegen::gpu::PrefillGemm::Pipelined)];
-    if arch == "sm_90a" {
+    if kernels_gen::templates::TmaSchedule::has_forms(arch) {
         others.extend([
             (
                 "Llama-8B-shaped, warp-specialised TMA GEMM",
@@ -265,8 +265,8 @@ const EARLIER_HOPPER_SCHEDULES: [(&str, Schedule); 2] = [
 /// tiles with each step's MMAs overlapping the next step (`gemm_tma`, the plans') or waited
 /// for in their step, and 256-row tiles, each also warp-specialised, a block a tile and in a
 /// persistent schedule of a block for each of the `sms` multiprocessors; on Blackwell the
-/// TMA-fed tcgen05 GEMM, and on the RTX PRO 6000 the TMA-fed `mma.sync` GEMM, on bf16
-/// activations.
+/// TMA-fed tcgen05 GEMM, also warp-specialised and persistent, and on the RTX PRO 6000 the
+/// TMA-fed `mma.sync` GEMM, on bf16 activations.
 fn tensor_core_gemms(
     arch: &str,
     sms: u32,
@@ -274,8 +274,14 @@ fn tensor_core_gemms(
 ) -> Vec<(Kernel, (usize, usize, usize))> {
     let mut out = vec![gemm];
     if arch == "sm_100a" {
-        let tile = TcgenTile::WIDE;
-        out.push((gemm_tma_tcgen05_bf16("gemm_tma", "gpu-check", tile), tile.tiles()));
+        let tiles = [
+            ("gemm_tma", TcgenTile::WIDE),
+            ("gemm_tma_specialised", TcgenTile::SPECIALISED),
+            ("gemm_tma_persistent", TcgenTile::WIDE.persistent(sms)),
+        ];
+        for (name, tile) in tiles {
+            out.push((gemm_tma_tcgen05_bf16(name, "gpu-check", tile), tile.tiles()));
+        }
     }
     if arch == "sm_120a" {
         out.push((gemm_tma_mma_bf16("gemm_tma", "gpu-check"), gemm_tma_mma::TILES));
@@ -594,6 +600,7 @@ mod tests {
             let gemms = tensor_core_gemms(arch, 132, (gemm, (0, 0, 0)));
             let expected = match arch {
                 "sm_90a" => 10,
+                "sm_100a" => 4,
                 _ => 2,
             };
             assert_eq!(gemms.len(), expected, "{arch}");

@@ -93,13 +93,13 @@ pub enum PrefillGemm {
     #[default]
     Tma,
     /// The TMA-fed GEMM, warp-specialised where the target has such a form (Hopper: a
-    /// producer warp refilling the ring as the consumer warpgroups release it); the others'
-    /// as `Tma`.
+    /// producer warp refilling the ring as the consumer warpgroups release it; the B200: a
+    /// producer warp, an MMA warp and epilogue warps); the RTX PRO 6000's as `Tma`.
     Specialised,
     /// The warp-specialised TMA-fed GEMM in a persistent schedule where the target has one
-    /// (Hopper: as many blocks as multiprocessors, each taking tiles in turn through one
-    /// ring, a tile's copies going out while the one before stores its results); the others'
-    /// as `Tma`.
+    /// (Hopper and the B200: as many blocks as multiprocessors, each taking tiles in turn
+    /// through one ring, a tile's copies going out while the one before stores its results,
+    /// on the B200 from a second accumulator in tensor memory); the RTX PRO 6000's as `Tma`.
     Persistent,
     /// The GEMM with the prologue inside, its weights through a `cp.async` pipeline
     /// (`templates::prefill_gemm`: `wgmma` with activations in registers on Hopper,

@@ -35,7 +35,8 @@ pub(super) struct Barrier {
 
 /// What a thread knows has happened: per barrier key, the phases it has seen complete; per
 /// warpgroup (`@wg{n}`), the clock of its latest release, every tensor-core read the
-/// warpgroup retired before that being over.
+/// warpgroup retired before that being over; per warp (`@warp{n}`), likewise, every
+/// `tcgen05.ld` the warp issued before it being over.
 type Knowledge = HashMap<String, u64>;
 
 /// Max-merge `from` into `into`.
@@ -49,6 +50,11 @@ fn merge(into: &mut Knowledge, from: &Knowledge) {
 /// The knowledge key of warpgroup `wg`'s releases.
 pub(super) fn warpgroup_key(wg: usize) -> String {
     format!("@wg{wg}")
+}
+
+/// The knowledge key of warp `warp`'s releases.
+pub(super) fn warp_key(warp: usize) -> String {
+    format!("@warp{warp}")
 }
 
 #[derive(Default)]
@@ -173,6 +179,7 @@ impl Block<'_> {
         self.barriers.clock += 1;
         let mut knows = self.barriers.observed[t].clone();
         knows.insert(warpgroup_key(t / super::asynchronous::WARPGROUP), self.barriers.clock);
+        knows.insert(warp_key(t / 32), self.barriers.clock);
         let b = self.barrier_mut(key, t)?;
         merge(&mut b.releasing, &knows);
         if b.arrivals == b.count {

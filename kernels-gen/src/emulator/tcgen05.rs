@@ -2,11 +2,14 @@
 //! bits per block), its allocation by whole warps, and MMAs issued by one thread that complete
 //! asynchronously, signalled through an mbarrier (`mbarrier.rs`). An MMA is computed at issue
 //! but its TMEM cells only become readable to a thread that has waited on the mbarrier phase
-//! its commit completed; its shared operands stay off limits until that phase completes.
-//! Reported: reading TMEM an MMA is still writing (no commit, or no wait), touching
-//! `tcgen05.ld` results before `tcgen05.wait::ld`, a warp reading lanes outside its quarter,
-//! MMAs outside allocated columns, an allocation never freed, and every shared-memory rule
-//! `wgmma` has. The `tcgen05.fence` instructions order work around barriers on the device;
+//! of a commit by its issuer at or after it (a commit tracks every earlier MMA of the
+//! thread); its shared operands stay off limits until its first commit's phase completes.
+//! Reported: reading TMEM an MMA is still writing (no commit, or no wait), an MMA writing
+//! TMEM another warp read with nothing ordering the read first (the reader's arrival on an
+//! mbarrier after it, which the issuer waited on: how an epilogue hands an accumulator back),
+//! touching `tcgen05.ld` results before `tcgen05.wait::ld`, a warp reading lanes outside its
+//! quarter, MMAs outside allocated columns, an allocation never freed, and every
+//! shared-memory rule `wgmma` has. The `tcgen05.fence` instructions order work around barriers on the device;
 //! lockstep execution has nothing to reorder, so they are accepted as written.
 use super::{Block, Fault, Val};
 use crate::dsl::{Expr, Tcgen05, TmemMma};
@@ -23,8 +26,9 @@ const M: usize = 128;
 enum Ready {
     /// Issued by this thread, not yet committed.
     Uncommitted(usize),
-    /// Committed to `barrier`, whose phase `phase` completes it.
-    Committed { barrier: String, phase: u64 },
+    /// Committed by `thread`, first in its commit `seq`: the phase of that commit or of any
+    /// later one of the thread completes it.
+    Committed { thread: usize, seq: usize },
 }
 
 #[derive(Default)]
@@ -41,6 +45,11 @@ pub(super) struct TensorMemory {
     allocations: Vec<(usize, usize)>,
     /// Per thread: MMAs issued and not yet committed.
     uncommitted: Vec<Vec<Footprint>>,
+    /// Per thread: its commits in order, each the (barrier, phase) it arrives on.
+    commits: Vec<Vec<(String, u64)>>,
+    /// Per cell: the warp that last read it with `tcgen05.ld`, and the barriers' clock then
+    /// (`Barriers::clock`), until an MMA ordered after the read writes it.
+    read_by: Vec<Option<(usize, u64)>>,
     /// (thread, local) written by a `tcgen05.ld` not yet waited for.
     loading: HashSet<(usize, String)>,
 }
@@ -54,6 +63,8 @@ impl TensorMemory {
             ready: Vec::new(),
             allocations: Vec::new(),
             uncommitted: (0..threads).map(|_| Vec::new()).collect(),
+            commits: vec![Vec::new(); threads],
+            read_by: Vec::new(),
             loading: HashSet::new(),
         }
     }
@@ -140,6 +151,7 @@ impl Block<'_> {
         if self.tmem.cells.is_empty() {
             self.tmem.cells = vec![0.0; LANES * COLUMNS];
             self.tmem.ready = vec![None; LANES * COLUMNS];
+            self.tmem.read_by = vec![None; LANES * COLUMNS];
         }
         self.tmem.allocations.push((start, columns));
         // The address lands in shared memory, written by the warp: readers need a barrier.
@@ -172,6 +184,7 @@ impl Block<'_> {
                 return Err((t, "tcgen05.dealloc while an MMA into those columns is in flight".into()));
             }
             self.tmem.ready[cell] = None;
+            self.tmem.read_by[cell] = None;
         }
         self.tmem.allocations.remove(i);
         Ok(())
@@ -223,6 +236,7 @@ impl Block<'_> {
         for (row, a_row) in a_values.iter().enumerate() {
             for (col, b_row) in b_values.iter().enumerate() {
                 let cell = row * COLUMNS + column + col;
+                self.check_read_before(cell, t)?;
                 let before = match (accumulate, &self.tmem.ready[cell]) {
                     (false, _) => 0.0,
                     (true, Some(_)) => self.tmem.cells[cell],
@@ -244,8 +258,30 @@ impl Block<'_> {
         Ok(())
     }
 
+    /// An MMA issued by thread `t` may write `cell` only once any other warp's read of it is
+    /// known to `t` to be over: the reader arrived on an mbarrier after it, and `t` waited on
+    /// that phase (the warp's release in `t`'s knowledge is later than the read).
+    fn check_read_before(&mut self, cell: usize, t: usize) -> Result<(), Fault> {
+        if let Some((warp, clock)) = self.tmem.read_by[cell] {
+            let released = self.barriers.knowledge(t).get(&super::mbarrier::warp_key(warp));
+            if warp != t / 32 && released.is_none_or(|&r| r <= clock) {
+                return Err((
+                    t,
+                    format!(
+                        "tcgen05.mma writes TMEM lane {}, column {} that warp {warp} read (tcgen05.ld), \
+                         with no mbarrier it arrived on after the read waited on first",
+                        cell / COLUMNS,
+                        cell % COLUMNS
+                    ),
+                ));
+            }
+            self.tmem.read_by[cell] = None;
+        }
+        Ok(())
+    }
+
     /// `tcgen05.commit`: the thread's uncommitted MMAs complete with the barrier's current
-    /// phase, and the thread arrives on it.
+    /// phase (as its earlier ones, which the commit tracks too), and the thread arrives on it.
     fn commit(
         &mut self,
         barrier: &crate::dsl::MbarrierRef,
@@ -255,13 +291,12 @@ impl Block<'_> {
         let t = self.one_thread("tcgen05.commit", mask)?;
         let key = self.barrier_keys(barrier, mask, global)?.swap_remove(t);
         let phase = self.barriers.current_phase(&key, t)?;
+        let seq = self.tmem.commits[t].len();
+        self.tmem.commits[t].push((key.clone(), phase));
         let mut held = Vec::new();
         for footprint in std::mem::take(&mut self.tmem.uncommitted[t]) {
             for &cell in &footprint.cells {
-                self.tmem.ready[cell] = Some(Ready::Committed {
-                    barrier: key.clone(),
-                    phase,
-                });
+                self.tmem.ready[cell] = Some(Ready::Committed { thread: t, seq });
             }
             for (array, i) in &footprint.shared {
                 self.landings.note_mma_read(array, *i, &key, phase);
@@ -334,16 +369,25 @@ impl Block<'_> {
                         Some(Ready::Uncommitted(_)) => {
                             return Err((t, "tcgen05.ld of TMEM an MMA is still writing (not committed)".into()))
                         }
-                        Some(Ready::Committed { barrier, phase }) => {
-                            if !self.barriers.seen(t, barrier, *phase) {
+                        Some(Ready::Committed { thread, seq }) => {
+                            let commits = &self.tmem.commits[*thread][*seq..];
+                            if !commits
+                                .iter()
+                                .any(|(barrier, phase)| self.barriers.seen(t, barrier, *phase))
+                            {
                                 return Err((
                                     t,
-                                    format!("tcgen05.ld of TMEM before waiting on the `{barrier}` phase that completes its MMA"),
+                                    format!(
+                                        "tcgen05.ld of TMEM before waiting on the `{}` phase that completes its MMA \
+                                         (or a later commit's)",
+                                        commits[0].0
+                                    ),
                                 ));
                             }
                         }
                     }
                     out[t] = Val::F(self.tmem.cells[cell]);
+                    self.tmem.read_by[cell] = Some((t / 32, self.barriers.clock));
                 }
             }
         }

@@ -16,6 +16,16 @@
 //! its 32 TMEM lanes (weight rows) 8 tokens at a time and stores them (`out`, or with several
 //! K splits the split's partial tile).
 //!
+//! Warp-specialised ([`TcgenTile::SPECIALISED`]), six warps split the work: a producer warp's
+//! first thread issues the copies, refilling a buffer once the commit of the MMAs reading it
+//! (on the buffer's `empty` barrier) completes; an MMA warp's first thread issues each step's
+//! MMAs once its copies land and commits them; four epilogue warps read the accumulators out.
+//! Each role loops over its tiles, then their K steps. In a persistent schedule
+//! ([`TcgenTile::persistent`]) a block for each multiprocessor takes the tiles `gridDim` apart
+//! in turn, with two accumulators in tensor memory: the MMAs of one tile run while the
+//! epilogue reads the tile before, handed over through `acc_full` (the MMA warp's commit of a
+//! tile's last MMAs) and `acc_empty` (each epilogue warp's arrival once its reads are over).
+//!
 //! Requirements, checked by the caller: `k` and `x_stride` multiples of 8 (TMA's 16-byte row
 //! pitches).
 
@@ -23,6 +33,11 @@ use super::tma_gemm::{self, barrier, swizzled_operand, TILE_K};
 use crate::dsl::*;
 
 const THREADS: i64 = 128;
+/// The warp-specialised block's warps: four reading the accumulators out (each its quarter
+/// of TMEM's lanes), then the producer and the MMA issuer.
+const EPILOGUE_WARPS: i64 = 4;
+const PRODUCER_WARP: i64 = 4;
+const MMA_WARP: i64 = 5;
 /// Weight rows per tile: the MMA's M, and TMEM lanes.
 const TILE_ROWS: i64 = 128;
 /// 16-wide k slices per step.
@@ -35,6 +50,13 @@ pub struct TcgenTile {
     pub tile_tokens: u32,
     /// 2..=8 buffers of `(128 + tile_tokens) × 128` bytes.
     pub stages: u32,
+    /// Whether a producer warp, an MMA warp and epilogue warps split the work, meeting at
+    /// mbarriers, or one thread drives the ring and everyone reads out at the end.
+    pub specialised: bool,
+    /// Where specialised, `Some(blocks)`: at most `blocks` blocks (the GPU's multiprocessors),
+    /// each taking tiles in turn with two accumulators in tensor memory; `None`: a block a
+    /// tile.
+    pub persistent: Option<u32>,
 }
 
 impl TcgenTile {
@@ -42,7 +64,34 @@ impl TcgenTile {
     pub const WIDE: TcgenTile = TcgenTile {
         tile_tokens: 128,
         stages: 4,
+        specialised: false,
+        persistent: None,
     };
+    /// [`Self::WIDE`], warp-specialised.
+    pub const SPECIALISED: TcgenTile = TcgenTile {
+        specialised: true,
+        ..Self::WIDE
+    };
+
+    /// `self`, warp-specialised, in a persistent schedule of at most `blocks` blocks.
+    pub fn persistent(self, blocks: u32) -> Self {
+        Self {
+            specialised: true,
+            persistent: Some(blocks),
+            ..self
+        }
+    }
+
+    /// Accumulators in tensor memory: two where a block takes tiles in turn (one read out
+    /// while the next one's MMAs run), else one.
+    fn accumulators(self) -> i64 {
+        1 + self.persistent.is_some() as i64
+    }
+
+    /// TMEM columns allocated: an accumulator is a column a token.
+    fn columns(self) -> u32 {
+        self.tile_tokens * self.accumulators() as u32
+    }
 
     /// The tile sizes, for the split-K expression: (tokens, weight rows, K step).
     pub fn tiles(self) -> (usize, usize, usize) {
@@ -120,10 +169,11 @@ fn step(tile: TcgenTile) -> Vec<Stmt> {
     ]
 }
 
-/// Each warp reads its 32 lanes (weight rows; this thread's is `row`) 8 tokens at a time and
-/// stores them where they fall in the result; a split past the end of K (no MMA, nothing in
-/// tensor memory) stores zeros.
-fn epilogue(tile: TcgenTile, form: tma_gemm::ResultForm) -> Vec<Stmt> {
+/// Each warp reads its 32 lanes (weight rows; this thread's is `row`) 8 tokens at a time from
+/// the accumulator at column `first_column` (the first, if none) and stores them where they
+/// fall in the result; a split past the end of K (no MMA, nothing in tensor memory) stores
+/// zeros.
+fn epilogue(tile: TcgenTile, form: tma_gemm::ResultForm, first_column: Option<Expr>) -> Vec<Stmt> {
     let names: Vec<String> = (0..8).map(|j| format!("acc{j}")).collect();
     let stores = |values: Vec<Expr>| -> Vec<Stmt> {
         values
@@ -135,10 +185,14 @@ fn epilogue(tile: TcgenTile, form: tma_gemm::ResultForm) -> Vec<Stmt> {
             })
             .collect()
     };
+    let accumulator = match first_column {
+        Some(column) => var("tmem") + column,
+        None => var("tmem"),
+    };
     let loaded = [
         vec![
             tc(Tcgen05::Load {
-                address: var("tmem") + bin(BinOp::Shl, warp() * int(32), int(16)) + var("c") * int(8),
+                address: accumulator + bin(BinOp::Shl, warp() * int(32), int(16)) + var("c") * int(8),
                 names: names.clone(),
             }),
             tc(Tcgen05::WaitLd),
@@ -189,24 +243,123 @@ fn gemm(name: &str, origin: &str, tile: TcgenTile, params: Vec<Param>, form: tma
         tile.tile_tokens
     );
     assert!((2..=8).contains(&tile.stages), "stages {}", tile.stages);
+    assert!(
+        tile.specialised || tile.persistent.is_none(),
+        "a persistent schedule needs its roles"
+    );
     let stages = tile.stages as i64;
     let tokens_per_tile = tile.tile_tokens as i64;
-    let last = var("steps") - int(1);
-    let body = [
-        tma_gemm::tile_coordinates(tokens_per_tile, TILE_ROWS, bid()),
-        vec![
-            if_(
+    let accumulators = tile.accumulators();
+    // The columns, and the barriers, before anyone uses them.
+    let setup = |barriers: Vec<Stmt>| {
+        [
+            vec![if_(
                 eq(warp(), int(0)),
                 vec![tc(Tcgen05::Alloc {
-                    columns: tile.tile_tokens,
+                    columns: tile.columns(),
                     slot: "tmem_slot".into(),
                 })],
-            ),
-            tma_gemm::init_barriers(&[("full", 1), ("done", 1)], stages),
+            )],
+            barriers,
+            vec![
+                tc(Tcgen05::FenceBeforeSync),
+                Stmt::SyncThreads,
+                tc(Tcgen05::FenceAfterSync),
+                let_("tmem", Ty::I32, load("tmem_slot", int(0))),
+            ],
+        ]
+        .concat()
+    };
+    let (body, barriers) = match tile.specialised {
+        false => {
+            let barriers = vec![tma_gemm::init_barriers(&[("full", 1), ("done", 1)], stages)];
+            (one_thread_driven(tile, form, setup(barriers)), vec![("done", stages)])
+        }
+        true => {
+            let barriers = vec![
+                tma_gemm::init_barriers(&[("full", 1), ("empty", 1)], stages),
+                tma_gemm::init_barriers(&[("acc_full", 1), ("acc_empty", EPILOGUE_WARPS as u32)], accumulators),
+            ];
+            let arrays = vec![
+                ("empty", stages),
+                ("acc_full", accumulators),
+                ("acc_empty", accumulators),
+            ];
+            (specialised(tile, form, setup(barriers)), arrays)
+        }
+    };
+    let body = [
+        body,
+        vec![
+            // Every warp has read its lanes before warp 0 frees the columns.
             tc(Tcgen05::FenceBeforeSync),
             Stmt::SyncThreads,
-            tc(Tcgen05::FenceAfterSync),
-            let_("tmem", Ty::I32, load("tmem_slot", int(0))),
+            if_(
+                eq(warp(), int(0)),
+                vec![tc(Tcgen05::Dealloc {
+                    columns: tile.columns(),
+                    address: var("tmem"),
+                })],
+            ),
+        ],
+    ]
+    .concat();
+    let shared = |name: &str, ty: Ty, len: i64| SharedArray {
+        name: name.into(),
+        ty,
+        len: len as usize,
+    };
+    let specialisation = match (tile.specialised, tile.persistent) {
+        (true, Some(blocks)) => format!(
+            ", a producer, an MMA and four epilogue warps, at most {blocks} blocks each taking tiles in \
+             turn with two accumulators"
+        ),
+        (true, None) => ", a producer, an MMA and four epilogue warps".into(),
+        (false, _) => String::new(),
+    };
+    let tiles = tma_gemm::grid(tokens_per_tile, TILE_ROWS);
+    let grid = match tile.persistent {
+        Some(blocks) => bin(BinOp::Min, tiles, int(blocks as i64)),
+        None => tiles,
+    };
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: matmul x·Wᵀ on Blackwell tensor cores (tcgen05.mma M=128 N={tokens_per_tile} bf16 into \
+             tensor memory, both operands fed by TMA through a {stages}-buffer ring of 128-byte-swizzled \
+             {TILE_ROWS}×{TILE_K} and {tokens_per_tile}×{TILE_K} boxes{specialisation}, K split in `splits`)"
+        ),
+        params,
+        shared: [
+            vec![
+                shared("ws", Ty::Bf16, stages * tile.w_elements()),
+                shared("xs", Ty::Bf16, stages * tile.x_elements()),
+                shared("full", Ty::U32, 2 * stages),
+            ],
+            barriers
+                .into_iter()
+                .map(|(name, slots)| shared(name, Ty::U32, 2 * slots))
+                .collect(),
+            vec![shared("tmem_slot", Ty::I32, 1)],
+        ]
+        .concat(),
+        block_dim: match tile.specialised {
+            true => 32 * (MMA_WARP + 1) as u32,
+            false => THREADS as u32,
+        },
+        grid,
+        body,
+    }
+}
+
+/// The block's tile, one thread driving the ring ([`step`]), then every warp reading out.
+fn one_thread_driven(tile: TcgenTile, form: tma_gemm::ResultForm, setup: Vec<Stmt>) -> Vec<Stmt> {
+    let stages = tile.stages as i64;
+    let last = var("steps") - int(1);
+    [
+        tma_gemm::tile_coordinates(tile.tile_tokens as i64, TILE_ROWS, bid()),
+        setup,
+        vec![
             tma_gemm::fill_ring(0, stages, tile.x_elements(), tile.w_elements()),
             for_("step", int(0), var("steps"), int(1), step(tile)),
             // Everyone waits for the last step's MMAs before reading tensor memory.
@@ -219,43 +372,153 @@ fn gemm(name: &str, origin: &str, tile: TcgenTile, params: Vec<Param>, form: tma
             ),
             tc(Tcgen05::FenceAfterSync),
         ],
-        epilogue(tile, form),
+        epilogue(tile, form, None),
+    ]
+    .concat()
+}
+
+/// Warp-specialised: the producer, the MMA issuer and the epilogue warps each loop over the
+/// block's tiles (its own, or in a persistent schedule those `gridDim` apart) and their K
+/// steps, counting steps (`it`, buffer `it % stages`, its `it / stages`-th use) and tiles
+/// (`t`, accumulator `t % accumulators`, likewise) through the rings.
+fn specialised(tile: TcgenTile, form: tma_gemm::ResultForm, setup: Vec<Stmt>) -> Vec<Stmt> {
+    let stages = tile.stages as i64;
+    let accumulators = tile.accumulators();
+    let tokens_per_tile = tile.tile_tokens as i64;
+    let tiles = tma_gemm::grid(tokens_per_tile, TILE_ROWS);
+    let launched = match tile.persistent {
+        Some(blocks) => bin(BinOp::Min, tiles.clone(), int(blocks as i64)),
+        None => tiles.clone(),
+    };
+    let each_tile = |counters: &[&str], body: Vec<Stmt>| -> Vec<Stmt> {
+        let tile_loop = for_(
+            "tile",
+            bid(),
+            var("tiles"),
+            var("launched"),
+            [
+                tma_gemm::tile_coordinates(tokens_per_tile, TILE_ROWS, var("tile")),
+                body,
+            ]
+            .concat(),
+        );
+        counters
+            .iter()
+            .map(|c| let_(c, Ty::I32, int(0)))
+            .chain([tile_loop])
+            .collect()
+    };
+    let count = |counter: &str| assign(counter, var(counter) + int(1));
+    // The `n`-th use of a slot of a ring of `slots` waits for the phase of `array`'s slot
+    // that ended the use before (phase `n / slots - 1`), from the second round on.
+    let wait_previous_use = |array: &str, n: &str, slot: &str, slots: i64| {
+        if_(
+            bin(BinOp::Ge, var(n), int(slots)),
+            vec![mbarrier(Mbarrier::Wait {
+                barrier: barrier(array, var(slot)),
+                parity: rem(var(n) / int(slots) + int(1), int(2)),
+            })],
+        )
+    };
+    let on_first_lane = |body: Vec<Stmt>| vec![if_(eq(lane(), int(0)), body)];
+    let produce = [
         vec![
-            // Every warp has read its lanes before warp 0 frees the columns.
-            tc(Tcgen05::FenceBeforeSync),
-            Stmt::SyncThreads,
-            if_(
-                eq(warp(), int(0)),
-                vec![tc(Tcgen05::Dealloc {
-                    columns: tile.tile_tokens,
-                    address: var("tmem"),
-                })],
-            ),
+            let_("s", Ty::I32, rem(var("it"), int(stages))),
+            wait_previous_use("empty", "it", "s", stages),
         ],
+        fill(tile, var("s"), var("step")),
+        vec![count("it")],
     ]
     .concat();
-    let shared = |name: &str, ty: Ty, len: i64| SharedArray {
-        name: name.into(),
-        ty,
-        len: len as usize,
+    let producer = Role {
+        cond: eq(warp(), int(PRODUCER_WARP)),
+        body: on_first_lane(each_tile(
+            &["it"],
+            vec![for_("step", int(0), var("steps"), int(1), produce)],
+        )),
     };
-    Kernel {
-        name: name.into(),
-        origin: format!(
-            "{origin}: matmul x·Wᵀ on Blackwell tensor cores (tcgen05.mma M=128 N={tokens_per_tile} bf16 into \
-             tensor memory, both operands fed by TMA through a {stages}-buffer ring of 128-byte-swizzled \
-             {TILE_ROWS}×{TILE_K} and {tokens_per_tile}×{TILE_K} boxes, K split in `splits`)"
-        ),
-        params,
-        shared: vec![
-            shared("ws", Ty::Bf16, stages * tile.w_elements()),
-            shared("xs", Ty::Bf16, stages * tile.x_elements()),
-            shared("full", Ty::U32, 2 * stages),
-            shared("done", Ty::U32, 2 * stages),
-            shared("tmem_slot", Ty::I32, 1),
-        ],
-        block_dim: THREADS as u32,
-        grid: tma_gemm::grid(tokens_per_tile, TILE_ROWS),
-        body,
+    let swizzled = swizzled_operand;
+    let mut issue = vec![
+        let_("s", Ty::I32, rem(var("it"), int(stages))),
+        mbarrier(Mbarrier::Wait {
+            barrier: barrier("full", var("s")),
+            parity: rem(var("it") / int(stages), int(2)),
+        }),
+        tc(Tcgen05::FenceAfterSync),
+    ];
+    for slice in 0..K_SLICES {
+        issue.push(tc(Tcgen05::Mma(Box::new(TmemMma {
+            tmem: var("tmem") + var("a") * int(tokens_per_tile),
+            a: swizzled("ws", var("s") * int(tile.w_elements()) + int(16 * slice)),
+            b: swizzled("xs", var("s") * int(tile.x_elements()) + int(16 * slice)),
+            n: tile.tile_tokens,
+            // The tile's first MMA starts its sum.
+            accumulate: match slice {
+                0 => lt(int(0), var("step")),
+                _ => Expr::Bool(true),
+            },
+        }))));
     }
+    issue.extend([
+        // The buffer is free once these MMAs complete.
+        tc(Tcgen05::Commit {
+            barrier: barrier("empty", var("s")),
+        }),
+        count("it"),
+    ]);
+    let multiply = vec![
+        let_("a", Ty::I32, rem(var("t"), int(accumulators))),
+        wait_previous_use("acc_empty", "t", "a", accumulators),
+        tc(Tcgen05::FenceAfterSync),
+        for_("step", int(0), var("steps"), int(1), issue),
+        // The accumulator is the epilogue's once the tile's MMAs complete (at once where a
+        // split past the end of K has none).
+        if_else(
+            lt(int(0), var("steps")),
+            vec![tc(Tcgen05::Commit {
+                barrier: barrier("acc_full", var("a")),
+            })],
+            vec![mbarrier(Mbarrier::Arrive {
+                barrier: barrier("acc_full", var("a")),
+            })],
+        ),
+        count("t"),
+    ];
+    let mma = Role {
+        cond: eq(warp(), int(MMA_WARP)),
+        body: on_first_lane(each_tile(&["it", "t"], multiply)),
+    };
+    let read_out = [
+        vec![
+            let_("a", Ty::I32, rem(var("t"), int(accumulators))),
+            mbarrier(Mbarrier::Wait {
+                barrier: barrier("acc_full", var("a")),
+                parity: rem(var("t") / int(accumulators), int(2)),
+            }),
+            tc(Tcgen05::FenceAfterSync),
+        ],
+        epilogue(tile, form, Some(var("a") * int(tokens_per_tile))),
+        vec![tc(Tcgen05::FenceBeforeSync)],
+        // Each warp hands the accumulator back once its reads are over.
+        on_first_lane(vec![mbarrier(Mbarrier::Arrive {
+            barrier: barrier("acc_empty", var("a")),
+        })]),
+        vec![count("t")],
+    ]
+    .concat();
+    let epilogue_warps = Role {
+        cond: lt(warp(), int(EPILOGUE_WARPS)),
+        body: each_tile(&["t"], read_out),
+    };
+    [
+        setup,
+        vec![
+            let_("tiles", Ty::I32, tiles),
+            let_("launched", Ty::I32, launched),
+            Stmt::Roles(Box::new(Roles {
+                roles: vec![producer, mma, epilogue_warps],
+            })),
+        ],
+    ]
+    .concat()
 }

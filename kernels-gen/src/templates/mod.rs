@@ -104,23 +104,33 @@ pub fn prefill_gemm(
 
 /// The target's TMA-fed GEMM as a plan launches it for a bf16 matmul of form `(norm, glu)`,
 /// after the `bf16_rows` launch making its rows (`tma_gemm::prologued_params`), with its
-/// tiles: Hopper's `wgmma` on `hopper`'s tile and schedule, the B200's `tcgen05`, the RTX
-/// PRO 6000's `mma.sync`; none on other architectures.
+/// tiles: Hopper's `wgmma` and the B200's `tcgen05` on `schedule`, the RTX PRO 6000's
+/// `mma.sync` (which has one); none on other architectures.
 pub fn tma_prefill_gemm(
     arch: &str,
     (norm, glu): (Option<gemv::NormPrologue>, Option<ir::GluAct>),
-    hopper: gemm_tma_wgmma::TmaTile,
+    schedule: TmaSchedule,
     name: &str,
     origin: &str,
 ) -> Option<PrefillGemm> {
     let (kernel, tiles) = match arch {
         "sm_90a" => {
-            let tile = hopper;
+            use gemm_tma_wgmma::TmaTile;
+            let tile = match schedule {
+                TmaSchedule::BlockDriven => TmaTile::WIDE,
+                TmaSchedule::Specialised => TmaTile::SPECIALISED,
+                TmaSchedule::Persistent { blocks } => TmaTile::SPECIALISED.persistent(blocks),
+            };
             let kernel = gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(name, origin, tile, norm, glu);
             (kernel, tile.tiles())
         }
         "sm_100a" => {
-            let tile = gemm_tma_tcgen05::TcgenTile::WIDE;
+            use gemm_tma_tcgen05::TcgenTile;
+            let tile = match schedule {
+                TmaSchedule::BlockDriven => TcgenTile::WIDE,
+                TmaSchedule::Specialised => TcgenTile::SPECIALISED,
+                TmaSchedule::Persistent { blocks } => TcgenTile::WIDE.persistent(blocks),
+            };
             let kernel = gemm_tma_tcgen05::gemm_tma_tcgen05_bf16_prologued(name, origin, tile, norm, glu);
             (kernel, tile.tiles())
         }
@@ -131,6 +141,27 @@ pub fn tma_prefill_gemm(
         _ => return None,
     };
     Some(PrefillGemm { kernel, tiles })
+}
+
+/// How a TMA GEMM's warps share its work, where the target's GEMM has the forms (Hopper's and
+/// the B200's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TmaSchedule {
+    /// A block a tile, its ring refilled by one thread (after a block barrier on Hopper).
+    BlockDriven,
+    /// A block a tile, warp-specialised: a producer warp refills the ring as the tensor cores
+    /// release it.
+    Specialised,
+    /// Warp-specialised, at most `blocks` blocks (the GPU's multiprocessors) each taking tiles
+    /// in turn.
+    Persistent { blocks: u32 },
+}
+
+impl TmaSchedule {
+    /// Whether `arch`'s TMA GEMM takes this schedule as asked, rather than its one form.
+    pub fn has_forms(arch: &str) -> bool {
+        matches!(arch, "sm_90a" | "sm_100a")
+    }
 }
 
 /// A prefill GEMM and its tiles (tokens, weight rows, K step), which its K splits are
@@ -869,6 +900,11 @@ pub fn catalog() -> Vec<Kernel> {
             gemm_tma_wgmma::TmaTile::WIDE,
             Some(gemv::NormPrologue::new(1e-5, 0.0).with_residual()),
             Some(ir::GluAct::Silu),
+        ),
+        gemm_tma_tcgen05::gemm_tma_tcgen05_bf16(
+            "gemm_tma_tcgen05_persistent_bf16",
+            "catalog",
+            gemm_tma_tcgen05::TcgenTile::WIDE.persistent(148),
         ),
         gemm_tma_tcgen05::gemm_tma_tcgen05_bf16_prologued(
             "rms_norm_gemm_tma_tcgen05",

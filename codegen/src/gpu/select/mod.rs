@@ -838,16 +838,16 @@ impl MatMul {
         let gemm_name = format!("{}gemm", self.stem());
         let gemm = match self.takes_tma(plan) {
             true => {
-                use templates::gemm_tma_wgmma::TmaTile;
-                let (hopper, schedule) = match plan.prefill {
-                    super::PrefillGemm::Specialised => (TmaTile::SPECIALISED, ""),
-                    super::PrefillGemm::Persistent => (TmaTile::SPECIALISED.persistent(sms as u32), "_persistent"),
-                    _ => (TmaTile::WIDE, ""),
+                use templates::TmaSchedule;
+                let schedule = match plan.prefill {
+                    super::PrefillGemm::Specialised => TmaSchedule::Specialised,
+                    super::PrefillGemm::Persistent => TmaSchedule::Persistent { blocks: sms as u32 },
+                    _ => TmaSchedule::BlockDriven,
                 };
-                // Only Hopper's GEMM has a persistent form: the name says which ran.
-                let schedule = if arch == "sm_90a" { schedule } else { "" };
-                let name = format!("{gemm_name}_tma{schedule}");
-                templates::tma_prefill_gemm(arch, (self.norm, self.glu), hopper, &name, origin)
+                // The name says where a block takes tiles in turn.
+                let persistent = matches!(schedule, TmaSchedule::Persistent { .. }) && TmaSchedule::has_forms(arch);
+                let name = format!("{gemm_name}_tma{}", if persistent { "_persistent" } else { "" });
+                templates::tma_prefill_gemm(arch, (self.norm, self.glu), schedule, &name, origin)
             }
             false => templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin),
         };
