@@ -1485,6 +1485,61 @@ fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
     }
 }
 
+/// Hopper's TMA GEMM with a GLU epilogue, on every schedule: each tile's weights are half gate
+/// rows, half the same outputs' up rows, so with one split it stores `act(gate)·up` itself
+/// (the reduction after it launching no blocks) and with several it stores both for the
+/// reduction to sum and gate. Outputs past a tile's half (`n / 2` not a multiple of it) and
+/// ragged tokens and K included.
+#[test]
+fn hopper_tma_gemm_gates_its_own_products() {
+    use gemm_tma_wgmma::TmaTile;
+    let mut rng = Rng(49);
+    for (act, tile) in [
+        (GluAct::Silu, TmaTile::WIDE),
+        (
+            GluAct::GeluTanh,
+            TmaTile {
+                stages: 2,
+                ..TmaTile::SPECIALISED
+            },
+        ),
+        (GluAct::Silu, TmaTile::SPECIALISED_WIDEST.persistent(2)),
+    ] {
+        let gemm = gemm_tma_wgmma::gemm_tma_wgmma_bf16_gated("gemm", "test", tile, act);
+        let reduce = split_k::reduce_after_gating("reduce", "test", 16, act);
+        for (tokens, n, k, pad) in [(20, 300, 136, 8), (130, 140, 72, 0)] {
+            let x_stride = k + pad;
+            let (x, w) = (rng.vec(tokens * x_stride), rng.vec(n * k));
+            let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+            let dense_x: Vec<f32> = x.chunks(x_stride).flat_map(|row| round(&row[..k])).collect();
+            let mut products = vec![0f32; tokens * n];
+            ops::matmul(&dense_x, &round(&w), k, &mut products);
+            let want: Vec<f32> = products.chunks(n).flat_map(|row| ops::glu(row, n, act)).collect();
+            for splits in [1, 3] {
+                let mut bufs = HashMap::from([
+                    ("x".into(), bf16_array(&x)),
+                    ("w".into(), bf16_array(&w)),
+                    ("out".into(), Array::poisoned(Ty::F32, tokens * n / 2)),
+                    ("partial".into(), Array::poisoned(Ty::F32, splits * tokens * n)),
+                ]);
+                let scalars = ints(&[
+                    ("tokens", tokens as i64),
+                    ("n", n as i64),
+                    ("k", k as i64),
+                    ("x_stride", x_stride as i64),
+                    ("splits", splits as i64),
+                    ("out_stride", n as i64 / 2),
+                    ("out_col", 0),
+                ]);
+                let what = format!("{tokens}×{n}×{k}, {splits} splits\n{}", gemm.origin);
+                run(&gemm, &mut bufs, &scalars).unwrap_or_else(|e| panic!("{what}: {e}"));
+                run(&reduce, &mut bufs, &scalars).unwrap_or_else(|e| panic!("{what}: {e}"));
+                close(&bufs["out"].to_f32().unwrap(), &want, 1e-5, &what);
+            }
+        }
+    }
+}
+
 /// Blackwell's TMA GEMM (tcgen05 into tensor memory): tiles of 64, 128 and 256 tokens, rings
 /// of 2 (refilled every other step), 3 and 4 buffers; one thread driving the ring, or a
 /// producer, an MMA and four epilogue warps (warp specialisation), a block a tile or in

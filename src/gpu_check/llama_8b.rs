@@ -9,7 +9,7 @@ use codegen::Target;
 use kernels_gen::dsl::{Kernel, Param, Ty};
 use kernels_gen::templates::gemm_tma_mma::{self, gemm_tma_mma_bf16};
 use kernels_gen::templates::gemm_tma_tcgen05::{gemm_tma_tcgen05_bf16, TcgenTile};
-use kernels_gen::templates::gemm_tma_wgmma::{gemm_tma_wgmma_bf16, TmaTile};
+use kernels_gen::templates::gemm_tma_wgmma::{self, gemm_tma_wgmma_bf16, TmaTile};
 use kernels_gen::templates::gemm_wgmma::{self, Schedule};
 use kernels_gen::templates::gemv::{self, gemv, GemvSpec, NormPrologue};
 use kernels_gen::templates::quant::WeightFormat;
@@ -311,6 +311,29 @@ fn tensor_core_gemms(
     out
 }
 
+/// The Hopper TMA GEMM with the SwiGLU epilogue (its tile half gates, half their ups), timed
+/// for the gate/up shape beside the plain GEMMs over the same weights.
+const GATED_GEMM: &str = "gemm_tma_gated";
+/// The reduction after it where K splits.
+const GATED_REDUCE: &str = "split_k_reduce_gated";
+
+/// On Hopper, for the gate/up shape, the TMA GEMM gating its own products ([`GATED_GEMM`]).
+fn gated_gemm(shape: &str, arch: &str) -> Option<(Kernel, (usize, usize, usize))> {
+    (shape == "gate_up" && arch == "sm_90a").then(|| {
+        let tile = TmaTile::WIDE;
+        let kernel = gemm_tma_wgmma::gemm_tma_wgmma_bf16_gated(GATED_GEMM, "gpu-check", tile, ir::GluAct::Silu);
+        (kernel, tile.tiles())
+    })
+}
+
+/// The reductions after the table's GEMMs' K splits: the plain sum, and the gated one.
+fn reductions() -> [Kernel; 2] {
+    [
+        split_k::reduce("split_k_reduce", "gpu-check", gpu::PREFILL_TOKENS, None, None),
+        split_k::reduce_after_gating(GATED_REDUCE, "gpu-check", gpu::PREFILL_TOKENS, ir::GluAct::Silu),
+    ]
+}
+
 /// Whether `kernel` takes its activations in bf16 (the TMA GEMMs) rather than f32.
 fn takes_bf16_activations(kernel: &Kernel) -> bool {
     matches!(kernel.param("x"), Some(Param::Buffer { ty: Ty::Bf16, .. }))
@@ -335,7 +358,8 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
         let gemm = prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), k, None, None, "gemm", "gpu-check")
             .ok_or_else(|| anyhow!("a bf16 GEMM"))?;
         let sms = target.multiprocessors() as u32;
-        let gemms = tensor_core_gemms(arch, sms, (gemm.kernel.clone(), gemm.tiles));
+        let mut gemms = tensor_core_gemms(arch, sms, (gemm.kernel.clone(), gemm.tiles));
+        gemms.extend(gated_gemm(name, arch));
         // A kernel timed at several batches is compiled once.
         let mut names = std::collections::HashSet::new();
         let mut kernels: Vec<Kernel> = gemvs
@@ -344,13 +368,7 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
             .map(|(_, kernel)| kernel.clone())
             .collect();
         kernels.extend(gemms.iter().map(|(kernel, _)| kernel.clone()));
-        kernels.push(split_k::reduce(
-            "split_k_reduce",
-            "gpu-check",
-            gpu::PREFILL_TOKENS,
-            None,
-            None,
-        ));
+        kernels.extend(reductions());
         let mut device = super::compile_device(&[kernels.clone(), fill_kernels()].concat(), arch)?;
         // Each kernel's own time, as the first run measured it: with programmatic launches the
         // repeated launches would overlap (what they gain is the decode section's to show).
@@ -418,10 +436,6 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
                 100.0 * rate / bandwidth
             );
         }
-        let reduce = kernels
-            .iter()
-            .find(|kk| kk.name == "split_k_reduce")
-            .ok_or_else(|| anyhow!("the split-K reduction"))?;
         for (batch, program, tiles) in cases {
             let kernel = program.name.as_str();
             let splits = match program.param("splits").is_some() {
@@ -450,17 +464,21 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
             };
             let value = |param: &str| case.value(param);
             let args = bind(program, value)?;
-            let reduce_args = bind(reduce, value)?;
-            let reduce_grid = (batch * n).div_ceil(kernels_gen::templates::BLOCK as usize) as u32;
+            // A gated GEMM's splits are summed and gated over half the columns.
+            let (reduce, columns) = match kernel == GATED_GEMM {
+                true => (GATED_REDUCE, n / 2),
+                false => ("split_k_reduce", n),
+            };
+            let reduce_kernel = kernels
+                .iter()
+                .find(|kk| kk.name == reduce)
+                .ok_or_else(|| anyhow!("the split-K reduction {reduce}"))?;
+            let reduce_args = bind(reduce_kernel, value)?;
+            let reduce_grid = (batch * columns).div_ceil(kernels_gen::templates::BLOCK as usize) as u32;
             let seconds = device.time(20, |d| {
                 d.launch(kernel, grid, program.block_dim, &args)?;
                 match splits > 1 {
-                    true => d.launch(
-                        "split_k_reduce",
-                        reduce_grid,
-                        kernels_gen::templates::BLOCK,
-                        &reduce_args,
-                    ),
+                    true => d.launch(reduce, reduce_grid, kernels_gen::templates::BLOCK, &reduce_args),
                     false => Ok(()),
                 }
             })?;
@@ -590,13 +608,9 @@ mod tests {
             ]
             .concat();
             let mut kernels: Vec<Kernel> = gemvs.into_iter().map(|(_, kernel)| kernel).collect();
-            kernels.push(split_k::reduce(
-                "split_k_reduce",
-                "test",
-                gpu::PREFILL_TOKENS,
-                None,
-                None,
-            ));
+            kernels.extend(reductions());
+            kernels.extend(gated_gemm("gate_up", arch).map(|(kernel, _)| kernel));
+            assert_eq!(gated_gemm("gate_up", arch).is_some(), arch == "sm_90a");
             let gemms = tensor_core_gemms(arch, 132, (gemm, (0, 0, 0)));
             let expected = match arch {
                 "sm_90a" => 10,

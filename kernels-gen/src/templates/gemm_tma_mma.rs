@@ -55,7 +55,7 @@ fn acc(mi: usize, ni: usize, i: usize) -> String {
 
 /// Thread 0's part of filling buffer `s` with step `step`.
 fn fill(s: Expr, step: Expr) -> Vec<Stmt> {
-    tma_gemm::fill(s, step, BOX, BOX)
+    tma_gemm::fill(s, step, BOX, BOX, tma_gemm::WeightBoxes::Rows)
 }
 
 /// The warp's multiplies of buffer `s`: per 16-wide k slice, its A fragments (4 token tiles)
@@ -158,7 +158,7 @@ fn gemm(name: &str, origin: &str, params: Vec<Param>, form: tma_gemm::ResultForm
             tma_gemm::init_barriers(&[("full", 1)], STAGES),
             // The barriers are initialised before anyone waits on them.
             Stmt::SyncThreads,
-            tma_gemm::fill_ring(0, STAGES, BOX, BOX),
+            tma_gemm::fill_ring(0, STAGES, BOX, BOX, tma_gemm::WeightBoxes::Rows),
         ],
         locals.collect(),
         vec![for_("step", int(0), var("steps"), int(1), step)],

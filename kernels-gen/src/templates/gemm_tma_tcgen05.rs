@@ -117,7 +117,13 @@ fn tc(op: Tcgen05) -> Stmt {
 
 /// Thread 0's part of filling buffer `s` with step `step`.
 fn fill(tile: TcgenTile, s: Expr, step: Expr) -> Vec<Stmt> {
-    tma_gemm::fill(s, step, tile.x_elements(), tile.w_elements())
+    tma_gemm::fill(
+        s,
+        step,
+        tile.x_elements(),
+        tile.w_elements(),
+        tma_gemm::WeightBoxes::Rows,
+    )
 }
 
 /// Thread 0's step: wait for the buffer, issue its MMAs and commit them; then refill the
@@ -360,7 +366,13 @@ fn one_thread_driven(tile: TcgenTile, form: tma_gemm::ResultForm, setup: Vec<Stm
         tma_gemm::tile_coordinates(tile.tile_tokens as i64, TILE_ROWS, bid()),
         setup,
         vec![
-            tma_gemm::fill_ring(0, stages, tile.x_elements(), tile.w_elements()),
+            tma_gemm::fill_ring(
+                0,
+                stages,
+                tile.x_elements(),
+                tile.w_elements(),
+                tma_gemm::WeightBoxes::Rows,
+            ),
             for_("step", int(0), var("steps"), int(1), step(tile)),
             // Everyone waits for the last step's MMAs before reading tensor memory.
             if_(

@@ -137,9 +137,18 @@ fn d_name(i: usize) -> String {
     format!("d{i}")
 }
 
+/// The weight boxes of a GEMM of result form `form`: a GLU's tile is half gate rows, half
+/// the same outputs' up rows, so that the epilogue gates its own products.
+fn weight_boxes(form: tma_gemm::ResultForm) -> tma_gemm::WeightBoxes {
+    match form.1 {
+        Some(_) => tma_gemm::WeightBoxes::GateAndUp,
+        None => tma_gemm::WeightBoxes::Rows,
+    }
+}
+
 /// Thread 0's part of filling buffer `s` with step `step`.
-fn fill(tile: TmaTile, s: Expr, step: Expr) -> Vec<Stmt> {
-    tma_gemm::fill(s, step, tile.x_elements(), tile.w_elements())
+fn fill(tile: TmaTile, form: tma_gemm::ResultForm, s: Expr, step: Expr) -> Vec<Stmt> {
+    tma_gemm::fill(s, step, tile.x_elements(), tile.w_elements(), weight_boxes(form))
 }
 
 /// The step's four k slices on the tensor cores, then the wait for them (or, overlapped, for
@@ -163,15 +172,51 @@ fn multiply(tile: TmaTile) -> Vec<Stmt> {
 }
 
 /// Store the accumulators where they fall inside the result (layout in `WgmmaOp`): `out` (its
-/// rows laid out for `form`'s prologue and epilogue), or with several K splits, or a GLU
-/// epilogue, this split's partial tile.
+/// rows laid out for `form`'s prologue and epilogue), or with several K splits this split's
+/// partial tile. A GLU's tile holds gate columns then their up columns (`WeightBoxes`), so
+/// accumulator `i` of the first half and `i` of the second are one output's gate and up, in
+/// the same thread: with one split it stores `act(gate)·up`, with several both in the
+/// partials where the joined rows put them, for the reduction to sum and gate.
 fn store_accumulators(tile: TmaTile, form: tma_gemm::ResultForm) -> Vec<Stmt> {
-    (0..tile.tile_n as usize / 2)
+    // Accumulator `i`'s token, and its column from the tile's first, `first`.
+    let place = |i: usize, first: Expr| {
+        let upper = i % 4 >= 2;
+        let row = var("m0") + var("wg") * int(64) + var("wrow") + var("gr") + int(if upper { 8 } else { 0 });
+        (row, first + int(8 * (i / 4) as i64 + (i % 2) as i64) + var("t2"))
+    };
+    let accumulators = tile.tile_n as usize / 2;
+    let Some(act) = form.1 else {
+        return (0..accumulators)
+            .map(|i| {
+                let (row, col) = place(i, var("n0"));
+                super::store_gemm_result(form.0, form.1, row, col, var(&d_name(i)))
+            })
+            .collect();
+    };
+    let half = var("n") / int(2);
+    (0..accumulators / 2)
         .map(|i| {
-            let upper = i % 4 >= 2;
-            let row = var("m0") + var("wg") * int(64) + var("wrow") + var("gr") + int(if upper { 8 } else { 0 });
-            let col = var("n0") + int(8 * (i / 4) as i64 + (i % 2) as i64) + var("t2");
-            super::store_gemm_result(form.0, form.1, row, col, var(&d_name(i)))
+            let (row, col) = place(i, var("n0") / int(2));
+            let (gate, up) = (var(&d_name(i)), var(&d_name(i + accumulators / 2)));
+            let partial = |col: Expr, value: Expr| {
+                store(
+                    "partial",
+                    (var("split") * var("tokens") + row.clone()) * var("n") + col,
+                    value,
+                )
+            };
+            if_(
+                and(lt(row.clone(), var("tokens")), lt(col.clone(), half.clone())),
+                vec![if_else(
+                    eq(var("splits"), int(1)),
+                    vec![store(
+                        "out",
+                        super::gemv::out_index(form.0, form.1, row.clone(), col.clone()),
+                        super::gemv::gated(act, gate.clone(), up.clone()),
+                    )],
+                    vec![partial(col.clone(), gate), partial(half.clone() + col, up)],
+                )],
+            )
         })
         .collect()
 }
@@ -187,10 +232,24 @@ pub fn gemm_tma_wgmma_bf16(name: &str, origin: &str, tile: TmaTile) -> Kernel {
     )
 }
 
+/// The GEMM with a GLU epilogue on bf16 `x` and a joined gate/up `w` (`n` rows, gates first),
+/// its own tensor maps: `out[t, c] = act(x·gate_c)·(x·up_c)` for the `n / 2` columns with one
+/// split, else the splits' products in the partials (`split_k::reduce_after_gating`).
+pub fn gemm_tma_wgmma_bf16_gated(name: &str, origin: &str, tile: TmaTile, act: GluAct) -> Kernel {
+    gemm(
+        name,
+        origin,
+        tile,
+        tma_gemm::params(TILE_M, tile.tile_n as i64 / 2),
+        (None, Some(act)),
+    )
+}
+
 /// The GEMM as a plan launches it in place of the GEMV of a matmul of form `(prologue, glu)`:
 /// the GEMV's parameters first, then its activations as the `bf16_rows` kernel made them
 /// (prologue applied), its result laid out as the GEMV's (`tma_gemm::prologued_params`); a
-/// GLU epilogue (and the sums of several K splits) left to the `split_k` reduction.
+/// GLU epilogue its own with one split (the reduction's with several,
+/// `split_k::reduce_after_gating`), the sums of several K splits the reduction's.
 pub fn gemm_tma_wgmma_bf16_prologued(
     name: &str,
     origin: &str,
@@ -198,7 +257,9 @@ pub fn gemm_tma_wgmma_bf16_prologued(
     prologue: Option<NormPrologue>,
     glu: Option<GluAct>,
 ) -> Kernel {
-    let params = tma_gemm::prologued_params(prologue, TILE_M, tile.tile_n as i64);
+    // A GLU's weight tile is two boxes of half its rows (`WeightBoxes::GateAndUp`).
+    let w_box_rows = tile.tile_n as i64 / (1 + glu.is_some() as i64);
+    let params = tma_gemm::prologued_params(prologue, TILE_M, w_box_rows);
     gemm(name, origin, tile, params, (prologue, glu))
 }
 
@@ -241,6 +302,13 @@ fn gemm(name: &str, origin: &str, tile: TmaTile, params: Vec<Param>, form: tma_g
         (true, None) => ", a producer warp refilling each buffer as the consumer warps release it".into(),
         (false, _) => String::new(),
     };
+    let gating = match form.1 {
+        Some(act) => format!(
+            "; a tile's weights half gates, half their ups, the {act:?} GLU applied to its own \
+             products with one split"
+        ),
+        None => String::new(),
+    };
     let tiles = tma_gemm::grid(TILE_M, tile_n);
     let grid = match tile.persistent {
         Some(blocks) => bin(BinOp::Min, tiles, int(blocks as i64)),
@@ -252,7 +320,7 @@ fn gemm(name: &str, origin: &str, tile: TmaTile, params: Vec<Param>, form: tma_g
             "{origin}: matmul x·Wᵀ on Hopper tensor cores (wgmma m64n{tile_n}k16 bf16, both operands \
              from shared memory, fed by TMA through a {stages}-buffer ring of 128-byte-swizzled \
              {TILE_M}×{TILE_K} and {tile_n}×{TILE_K} boxes with mbarrier transaction counts{specialisation}, \
-             K split in `splits`)"
+             K split in `splits`{gating})"
         ),
         params,
         shared: vec![
@@ -313,7 +381,7 @@ fn block_synchronised(tile: TmaTile, form: tma_gemm::ResultForm, setup: Vec<Stmt
             Stmt::SyncThreads,
             if_(
                 and(eq(tid(), int(0)), refill),
-                fill(tile, rem(done.clone(), int(stages)), done + int(stages)),
+                fill(tile, form, rem(done.clone(), int(stages)), done + int(stages)),
             ),
         ],
     ]
@@ -321,7 +389,13 @@ fn block_synchronised(tile: TmaTile, form: tma_gemm::ResultForm, setup: Vec<Stmt
     [
         tma_gemm::tile_coordinates(TILE_M, tile.tile_n as i64, bid()),
         setup,
-        vec![tma_gemm::fill_ring(0, stages, tile.x_elements(), tile.w_elements())],
+        vec![tma_gemm::fill_ring(
+            0,
+            stages,
+            tile.x_elements(),
+            tile.w_elements(),
+            weight_boxes(form),
+        )],
         zeroed_accumulators(tile),
         vec![for_("step", int(0), var("steps"), int(1), step)],
         vec![Stmt::WgmmaWait(0)],
@@ -375,7 +449,7 @@ fn specialised(tile: TmaTile, form: tma_gemm::ResultForm, setup: Vec<Stmt>) -> V
         Stmt::Comment("refill the buffer its consumers released".into()),
     ]
     .into_iter()
-    .chain(fill(tile, var("s"), var("step")))
+    .chain(fill(tile, form, var("s"), var("step")))
     .chain([advance.clone()])
     .collect();
     let producer = Role {

@@ -99,7 +99,11 @@ pub fn prefill_gemm(
         (WeightFormat::Blocks(format), _) if glu.is_none() => mma(WeightStaging::Dequantize(format)),
         _ => return None,
     };
-    Some(PrefillGemm { kernel, tiles })
+    Some(PrefillGemm {
+        kernel,
+        tiles,
+        gates: false,
+    })
 }
 
 /// The target's TMA-fed GEMM as a plan launches it for a bf16 matmul of form `(norm, glu)`,
@@ -140,7 +144,9 @@ pub fn tma_prefill_gemm(
         ),
         _ => return None,
     };
-    Some(PrefillGemm { kernel, tiles })
+    // Hopper's gates a GLU's products itself (a tile's weights half gates, half their ups).
+    let gates = arch == "sm_90a" && glu.is_some();
+    Some(PrefillGemm { kernel, tiles, gates })
 }
 
 /// How a TMA GEMM's warps share its work, where the target's GEMM has the forms (Hopper's and
@@ -170,6 +176,10 @@ impl TmaSchedule {
 pub struct PrefillGemm {
     pub kernel: Kernel,
     pub tiles: (usize, usize, usize),
+    /// Whether, with one K split, it applies its GLU epilogue itself (the reduction after it
+    /// then `split_k::reduce_after_gating`, launching no blocks), rather than leaving every
+    /// product to the reduction in the partials.
+    pub gates: bool,
 }
 
 /// The parameters of every prefill GEMM, in the order of the plain GEMV's (whose launch

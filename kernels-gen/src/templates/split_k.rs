@@ -57,12 +57,29 @@ pub fn partial_len(n: usize, k: usize, tiles: (usize, usize, usize), multiproces
 /// GEMM) and several splits, the sums are scaled by the token's `1/rms` first, from the
 /// splits' sums of squares after the products (`prologue_norms`); one split scaled its own.
 pub fn reduce(name: &str, origin: &str, min_tokens: usize, glu: Option<GluAct>, norm: Option<NormPrologue>) -> Kernel {
+    reduction(name, origin, min_tokens, glu, norm, false)
+}
+
+/// [`reduce`] with the `act` GLU after a GEMM that gates its own products with one split
+/// (Hopper's TMA GEMM): then nothing is in the partials, and it launches no blocks.
+pub fn reduce_after_gating(name: &str, origin: &str, min_tokens: usize, act: GluAct) -> Kernel {
+    reduction(name, origin, min_tokens, Some(act), None, true)
+}
+
+fn reduction(
+    name: &str,
+    origin: &str,
+    min_tokens: usize,
+    glu: Option<GluAct>,
+    norm: Option<NormPrologue>,
+    gated_by_one_split: bool,
+) -> Kernel {
     let cols = super::gemv::product_cols(glu);
     let count = var("tokens") * cols.clone();
     let ran = bin(BinOp::Min, int(1), var("tokens") / int(min_tokens as i64));
-    let runs = match glu {
-        Some(_) => ran,
-        None => ran * bin(BinOp::Min, int(1), var("splits") - int(1)),
+    let runs = match glu.is_some() && !gated_by_one_split {
+        true => ran,
+        false => ran * bin(BinOp::Min, int(1), var("splits") - int(1)),
     };
     let summed = |name: &str, col: Expr| {
         for_(
@@ -108,6 +125,9 @@ pub fn reduce(name: &str, origin: &str, min_tokens: usize, glu: Option<GluAct>, 
     };
     if let Some(act) = glu {
         epilogue += &format!(", then the {act:?} GLU");
+    }
+    if gated_by_one_split {
+        epilogue += " (no blocks with one split: the GEMM gated its own products)";
     }
     let mut params = vec![
         buffer("partial", Ty::F32, false),

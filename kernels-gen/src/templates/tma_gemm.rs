@@ -135,38 +135,67 @@ pub fn init_barriers(arrays: &[(&str, u32)], stages: i64) -> Stmt {
     if_(eq(tid(), int(0)), inits.collect())
 }
 
+/// The weight rows of a tile's buffer: the tile's rows from `n0` (one box), or, for a GLU
+/// whose GEMM gates its own products, half of them gate rows from `n0 / 2` and half the up
+/// rows from `n / 2 + n0 / 2` (two boxes of half as many rows; the tile's `n0 / 2` onwards are
+/// its columns of the gated product).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightBoxes {
+    Rows,
+    GateAndUp,
+}
+
 /// Thread 0's part of filling ring buffer `s` with step `step` (relative to `k_begin`): the
-/// bytes of both boxes announced on `full[s]`, then the activations' box (`x_elements` a
-/// buffer of `xs`, from token `m0`) and the weights' (`w_elements` a buffer of `ws`, from row
-/// `n0`) copied.
-pub fn fill(s: Expr, step: Expr, x_elements: i64, w_elements: i64) -> Vec<Stmt> {
+/// bytes of both operands announced on `full[s]`, then the activations' box (`x_elements` a
+/// buffer of `xs`, from token `m0`) and the weights' (`w_elements` a buffer of `ws`, in
+/// `weights`' boxes) copied.
+pub fn fill(s: Expr, step: Expr, x_elements: i64, w_elements: i64, weights: WeightBoxes) -> Vec<Stmt> {
     let k0 = var("k_begin") + step * int(TILE_K);
-    let copy = |map: &str, dst: &str, elements: i64, row: Expr| {
+    let copy = |map: &str, dst: &str, dst_index: Expr, row: Expr| {
         Stmt::TmaLoad(Box::new(TmaLoad {
             map: map.into(),
             dst: dst.into(),
-            dst_index: s.clone() * int(elements),
+            dst_index,
             row,
             col: k0.clone(),
             barrier: barrier("full", s.clone()),
         }))
     };
-    vec![
-        Stmt::Mbarrier(Box::new(Mbarrier::ArriveExpectTx {
-            barrier: barrier("full", s.clone()),
-            bytes: 2 * (x_elements + w_elements) as u32,
-        })),
-        copy("x_map", "xs", x_elements, var("m0")),
-        copy("w_map", "ws", w_elements, var("n0")),
+    let w_start = s.clone() * int(w_elements);
+    let weight_copies = match weights {
+        WeightBoxes::Rows => vec![copy("w_map", "ws", w_start, var("n0"))],
+        WeightBoxes::GateAndUp => {
+            let gate = var("n0") / int(2);
+            vec![
+                copy("w_map", "ws", w_start.clone(), gate.clone()),
+                copy("w_map", "ws", w_start + int(w_elements / 2), var("n") / int(2) + gate),
+            ]
+        }
+    };
+    [
+        vec![
+            Stmt::Mbarrier(Box::new(Mbarrier::ArriveExpectTx {
+                barrier: barrier("full", s.clone()),
+                bytes: 2 * (x_elements + w_elements) as u32,
+            })),
+            copy("x_map", "xs", s.clone() * int(x_elements), var("m0")),
+        ],
+        weight_copies,
     ]
+    .concat()
 }
 
 /// Thread `producer` fills the first `stages` buffers (those the split has steps for).
-pub fn fill_ring(producer: i64, stages: i64, x_elements: i64, w_elements: i64) -> Stmt {
+pub fn fill_ring(producer: i64, stages: i64, x_elements: i64, w_elements: i64, weights: WeightBoxes) -> Stmt {
     if_(
         eq(tid(), int(producer)),
         (0..stages)
-            .map(|s| if_(lt(int(s), var("steps")), fill(int(s), int(s), x_elements, w_elements)))
+            .map(|s| {
+                if_(
+                    lt(int(s), var("steps")),
+                    fill(int(s), int(s), x_elements, w_elements, weights),
+                )
+            })
             .collect(),
     )
 }

@@ -817,9 +817,9 @@ impl MatMul {
 
     /// The decode GEMV (16-byte activation loads where every activation row is `aligned`),
     /// the GEMV carrying 4 rows a pass, and for prefill the target's tensor-core GEMM (with
-    /// the tiles its K splits count in) where it has one for these weights (and this prologue
-    /// and epilogue), else that GEMV.
-    fn kernels(&self, plan: &PlanTarget, aligned: bool) -> (Kernel, Kernel, Kernel, Option<Tiles>) {
+    /// the tiles its K splits count in, and whether it gates a GLU's products itself) where it
+    /// has one for these weights (and this prologue and epilogue), else that GEMV.
+    fn kernels(&self, plan: &PlanTarget, aligned: bool) -> (Kernel, Kernel, Kernel, Option<(Tiles, bool)>) {
         let (arch, origin) = (plan.target.cuda_arch().unwrap_or_default(), plan.origin);
         let sms = plan.target.multiprocessors();
         let mut spec = gemv::GemvSpec::decode(self.weights, self.k);
@@ -852,7 +852,7 @@ impl MatMul {
             false => templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin),
         };
         let (prefill, tiles) = match gemm {
-            Some(gemm) => (gemm.kernel, Some(gemm.tiles)),
+            Some(gemm) => (gemm.kernel, Some((gemm.tiles, gemm.gates))),
             None => (few_rows.clone(), None),
         };
         let decode = gemv::gemv(&gemv_name, origin, gemv_tuning::shaped(spec, cols, sms));
@@ -885,13 +885,13 @@ impl MatMul {
             few_rows: Some(few_rows),
             prefill: Some(prefill),
         };
-        let Some(tiles) = tiles else {
+        let Some((tiles, gates)) = tiles else {
             s.launches.push((i, kernel, alternatives, args));
             return;
         };
         let (n, k) = (self.n, self.k);
         let mut partial_len = split_k::partial_len(n, k, tiles, sms);
-        if self.glu.is_some() {
+        if self.glu.is_some() && !gates {
             // Every product goes through the partials, in one split too: room for every row.
             partial_len = partial_len.max(plan.max_tokens * n);
         }
@@ -938,7 +938,12 @@ impl MatMul {
         if norm.is_some() {
             reduce_args.push(scalar("k", k));
         }
-        let reduce = split_k::reduce("split_k_reduce", plan.origin, super::PREFILL_TOKENS, self.glu, norm);
+        let reduce = match (self.glu, gates) {
+            (Some(act), true) => {
+                split_k::reduce_after_gating("split_k_reduce", plan.origin, super::PREFILL_TOKENS, act)
+            }
+            _ => split_k::reduce("split_k_reduce", plan.origin, super::PREFILL_TOKENS, self.glu, norm),
+        };
         s.launches.push((i, reduce, Alternatives::default(), reduce_args));
     }
 
