@@ -511,7 +511,7 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
 
 /// One `wgmma.mma_async`, A from registers (packed to bf16 pairs) or through a descriptor, B
 /// through a descriptor; the accumulators are read-write operands. scale-d is 1 (accumulate),
-/// so is the scale of A and B; the transpose flags are 0 (shared operands are K-major).
+/// so is the scale of A and B; A from shared memory is K-major, B as `b_major` says.
 fn wgmma(out: &mut String, w: &WgmmaOp, scope: &Scope, depth: usize) {
     let accumulators = w.d.len();
     let registers = |from: usize, count: usize| (from..from + count).map(|i| format!("%{i}")).collect::<Vec<_>>();
@@ -521,6 +521,10 @@ fn wgmma(out: &mut String, w: &WgmmaOp, scope: &Scope, depth: usize) {
         .map(|c| c.join(", "))
         .collect::<Vec<_>>()
         .join(&format!(",\\n\"\n{pad}    \""));
+    let trans_b = match w.b_major {
+        Major::K => 0,
+        Major::MN => 1,
+    };
     let (a_operand, a_inputs, a_count, transposes) = match &w.a {
         WgmmaA::Registers(a) => (
             format!("{{{}}}", registers(accumulators, 4).join(", ")),
@@ -529,13 +533,13 @@ fn wgmma(out: &mut String, w: &WgmmaOp, scope: &Scope, depth: usize) {
                 a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
             ),
             4,
-            "0",
+            format!("{trans_b}"),
         ),
         WgmmaA::Shared(a) => (
             format!("%{accumulators}"),
             format!("\"l\"({}),", descriptor(a, scope)),
             1,
-            "0, 0",
+            format!("0, {trans_b}"),
         ),
     };
     let (desc, one) = (accumulators + a_count, accumulators + a_count + 1);

@@ -424,6 +424,17 @@ pub struct SmemMatrix {
     pub swizzle: Swizzle,
 }
 
+/// How a `wgmma`'s B lies in its core matrices (8×8 elements, 128 contiguous bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Major {
+    /// Each core matrix 8 rows (N) of 8 consecutive k: `SmemMatrix`'s offsets as written there.
+    K,
+    /// Each core matrix 8 rows (k) of 8 consecutive N (`imm-trans-b` = 1): a row-major K×N
+    /// matrix copied 16 bytes at a time. The leading byte offset steps 8 k, the stride byte
+    /// offset 8 N. Unswizzled only.
+    MN,
+}
+
 /// Where a `wgmma` takes A from.
 #[derive(Debug, Clone, PartialEq)]
 pub enum WgmmaA {
@@ -439,12 +450,13 @@ pub enum WgmmaA {
 /// `d += a·b`. Warp w of the group holds rows 16w..16w+16 of D (and of A, from registers).
 /// Per lane (g = lane / 4, t = lane % 4, rows relative to 16w): `d[4j..4j+2]` =
 /// D[g][8j+2t, +1], `d[4j+2..4j+4]` = D[g+8][8j+2t, +1]. B comes from shared memory: B[k][col]
-/// is element (col, k) of `b`.
+/// is element (col, k) of `b`, laid out as `b_major` says.
 #[derive(Debug, Clone, PartialEq)]
 pub struct WgmmaOp {
     pub n: u32,
     pub a: WgmmaA,
     pub b: SmemMatrix,
+    pub b_major: Major,
     /// N/2 f32 accumulator locals.
     pub d: Vec<String>,
 }

@@ -639,9 +639,10 @@ fn attention_matches_reference_with_windows_groups_and_long_caches() {
 
 /// The tensor-core prefill attention against the reference on bf16-rounded queries, keys and
 /// values: one and several query tiles (ragged), a cached prefix before the chunk, grouped KV
-/// heads, a window, head dims 16 to 256, the cache contiguous and paged (blocks shuffled).
-/// Its probabilities meet the values rounded to bf16 (the tensor cores' operand), so it agrees
-/// to bf16's precision (errors up to 1.2e-3 of the largest output here), not f32's.
+/// heads, a window, head dims 16 to 256, the cache contiguous and paged (blocks shuffled); on
+/// `mma.sync` and, for heads up to 128 dims, on Hopper's `wgmma`. Its probabilities meet the
+/// values rounded to bf16 (the tensor cores' operand), so it agrees to bf16's precision
+/// (errors up to 1.2e-3 of the largest output here), not f32's.
 #[test]
 fn flash_attention_matches_reference() {
     use kernels_gen::templates::cache_layout::CacheLayout;
@@ -675,8 +676,10 @@ fn flash_attention_matches_reference() {
             ("window", window as i64),
         ]);
         scalars.insert("scale".into(), Scalar::F32(0.3));
-        for layout in [CacheLayout::Contiguous, CacheLayout::Paged] {
-            let kernel = flash_attention::flash_attention("flash", "test", layout, head_dim);
+        for (layout, kernel) in [CacheLayout::Contiguous, CacheLayout::Paged]
+            .into_iter()
+            .flat_map(|layout| flash_kernels(layout, head_dim).into_iter().map(move |k| (layout, k)))
+        {
             let row = kv_heads * head_dim;
             let mut bufs = HashMap::from([
                 ("q".into(), Array::f32(&q_rows)),
@@ -706,13 +709,15 @@ fn flash_attention_matches_reference() {
                     bufs.insert("v".into(), bf16_array(&v));
                 }
             }
-            run(&kernel, &mut bufs, &scalars).unwrap_or_else(|e| panic!("{tokens}×{head_dim} {layout:?}: {e}"));
+            run(&kernel, &mut bufs, &scalars)
+                .unwrap_or_else(|e| panic!("{tokens}×{head_dim} {layout:?}: {e}\n{}", kernel.origin));
             close(
                 &bufs["out"].to_f32().unwrap(),
                 &want,
                 2e-3,
                 &format!(
-                    "flash attention {tokens} rows from {first}, head_dim {head_dim}, window {window}, {layout:?}"
+                    "flash attention {tokens} rows from {first}, head_dim {head_dim}, window {window}, {layout:?}\n{}",
+                    kernel.origin
                 ),
             );
         }
@@ -724,7 +729,7 @@ fn flash_attention_matches_reference() {
 /// one longer than a query tile, each with its own shuffled blocks in one pool; the rows
 /// concatenated as a step orders them. Each sequence's rows against the reference over its own
 /// cache; the spare tiles of the grid write nothing (the output starts poisoned but for the
-/// rows, which all must be written).
+/// rows, which all must be written). On `mma.sync` and Hopper's `wgmma`.
 #[test]
 fn flash_attention_over_a_batched_step_matches_reference() {
     use kernels_gen::templates::cache_layout::CacheLayout;
@@ -771,7 +776,7 @@ fn flash_attention_over_a_batched_step_matches_reference() {
             .iter()
             .map(|&t| t as i64)
             .collect();
-        let mut bufs = HashMap::from([
+        let bufs = HashMap::from([
             ("q".into(), Array::f32(&q_rows)),
             ("k".into(), bf16_array(&pool_k)),
             ("v".into(), bf16_array(&pool_v)),
@@ -792,15 +797,87 @@ fn flash_attention_over_a_batched_step_matches_reference() {
             ("seqs", sequences.len() as i64),
         ]);
         scalars.insert("scale".into(), Scalar::F32(0.3));
-        let kernel = flash_attention::flash_attention("flash", "test", CacheLayout::Batched, head_dim);
-        run(&kernel, &mut bufs, &scalars).unwrap_or_else(|e| panic!("head_dim {head_dim}: {e}"));
-        close(
-            &bufs["out"].to_f32().unwrap(),
-            &want,
-            2e-3,
-            &format!("batched flash attention, head_dim {head_dim}, window {window}"),
-        );
+        for kernel in flash_kernels(CacheLayout::Batched, head_dim) {
+            let mut bufs = bufs.clone();
+            run(&kernel, &mut bufs, &scalars).unwrap_or_else(|e| panic!("head_dim {head_dim}: {e}\n{}", kernel.origin));
+            close(
+                &bufs["out"].to_f32().unwrap(),
+                &want,
+                2e-3,
+                &format!(
+                    "batched flash attention, head_dim {head_dim}, window {window}\n{}",
+                    kernel.origin
+                ),
+            );
+        }
     }
+}
+
+/// The `wgmma` flash attention needs its fences and waits, and the emulator says why when one
+/// is missing: without `fence.proxy.async` the tensor cores read keys and transposed values
+/// the generic proxy wrote; without the waits the next step touches accumulators the tensor
+/// cores still write (the scores in the softmax, the outputs in the next tile's rescaling).
+#[test]
+fn the_wgmma_flash_attention_fails_without_its_fences_and_waits() {
+    use kernels_gen::templates::cache_layout::CacheLayout;
+    let mut rng = Rng(53);
+    let (tokens, heads, head_dim) = (70, 1, 32);
+    let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+    let (q, k, v) = (
+        round(&rng.vec(tokens * heads * head_dim)),
+        round(&rng.vec(tokens * head_dim)),
+        round(&rng.vec(tokens * head_dim)),
+    );
+    let mut scalars = ints(&[
+        ("tokens", tokens as i64),
+        ("q_stride", (heads * head_dim) as i64),
+        ("first", 0),
+        ("heads", heads as i64),
+        ("kv_heads", 1),
+        ("window", 0),
+    ]);
+    scalars.insert("scale".into(), Scalar::F32(0.3));
+    let kernel = flash_attention::flash_attention_wgmma("flash", "test", CacheLayout::Contiguous, head_dim);
+    let run_with = |body: Vec<Stmt>| {
+        let mut broken = kernel.clone();
+        broken.body = body;
+        let mut bufs = HashMap::from([
+            ("q".into(), Array::f32(&q)),
+            ("k".into(), bf16_array(&k)),
+            ("v".into(), bf16_array(&v)),
+            ("out".into(), Array::poisoned(Ty::F32, tokens * heads * head_dim)),
+        ]);
+        run(&broken, &mut bufs, &scalars).map_err(|e| e.to_string())
+    };
+    run_with(kernel.body.clone()).unwrap();
+    for (what, drop, expected) in [
+        (
+            "the fences",
+            &(|s: &Stmt| matches!(s, Stmt::FenceProxyAsync)) as &dyn Fn(&Stmt) -> bool,
+            "without fence.proxy.async",
+        ),
+        (
+            "the waits",
+            &|s: &Stmt| matches!(s, Stmt::WgmmaWait(_)),
+            "while a wgmma",
+        ),
+    ] {
+        let body = edited(&kernel.body, &|s| (!drop(s)).then(|| s.clone()));
+        assert_ne!(body, kernel.body, "{what}");
+        let message = run_with(body).unwrap_err();
+        assert!(message.contains(expected), "without {what}: {message}");
+    }
+}
+
+/// The tensor-core prefill attention kernels for `head_dim` over `layout`: on `mma.sync`, and
+/// on `wgmma` where it takes the head.
+fn flash_kernels(layout: kernels_gen::templates::cache_layout::CacheLayout, head_dim: usize) -> Vec<Kernel> {
+    let wgmma = flash_attention::wgmma_supports(head_dim)
+        .then(|| flash_attention::flash_attention_wgmma("flash_wgmma", "test", layout, head_dim));
+    [flash_attention::flash_attention("flash", "test", layout, head_dim)]
+        .into_iter()
+        .chain(wgmma)
+        .collect()
 }
 
 /// The IR reference's causal attention (scale 0.3) of the rows `first..` of one sequence, its

@@ -284,6 +284,7 @@ fn wgmma_program() -> Vec<(&'static str, Stmt)> {
                     sbo: 256,
                     swizzle: Swizzle::None,
                 },
+                b_major: Major::K,
                 d: d.clone(),
             })),
         ),
@@ -350,6 +351,44 @@ fn without(label: &str) -> Vec<(&'static str, Stmt)> {
 fn the_complete_wgmma_program_runs() {
     // Every product is 1 · 0.5 summed over k = 16.
     assert_eq!(run_wgmma(wgmma_program()).unwrap(), vec![8.0; 512]);
+}
+
+/// B read MN-major (`imm-trans-b`) runs (the uniform operand gives the K-major product; the
+/// flash attention's values check the layout itself); under a swizzle the type checker
+/// refuses it: only the unswizzled layout is built and modelled.
+#[test]
+fn mn_major_operands_are_unswizzled() {
+    let with = |swizzle: Swizzle| -> Vec<(&'static str, Stmt)> {
+        wgmma_program()
+            .into_iter()
+            .map(|(label, s)| match s {
+                Stmt::Wgmma(mut w) => {
+                    w.b_major = Major::MN;
+                    w.b.swizzle = swizzle;
+                    (label, Stmt::Wgmma(w))
+                }
+                other => (label, other),
+            })
+            .collect()
+    };
+    assert_eq!(run_wgmma(with(Swizzle::None)).unwrap(), vec![8.0; 512]);
+    let k = Kernel {
+        name: "k".into(),
+        origin: "test".into(),
+        params: vec![buffer("w", Ty::Bf16, false), buffer("out", Ty::F32, true)],
+        shared: vec![shared("ws", Ty::Bf16, 1024)],
+        block_dim: 128,
+        grid: int(1),
+        body: with(Swizzle::B128).into_iter().map(|(_, s)| s).collect(),
+    };
+    let mut bufs = HashMap::from([
+        ("w".into(), Array::bf16(&[half::bf16::from_f32(0.5); 1024])),
+        ("out".into(), Array::poisoned(Ty::F32, 512)),
+    ]);
+    match run(&k, &mut bufs, &HashMap::new()) {
+        Err(EmuError::Type(e)) => assert!(e.to_string().contains("MN-major wgmma operand under a swizzle"), "{e}"),
+        other => panic!("{other:?}"),
+    }
 }
 
 #[test]
@@ -701,6 +740,7 @@ fn tma_program() -> Vec<(&'static str, Stmt)> {
                 n: 8,
                 a: WgmmaA::Shared(swizzled(0)),
                 b: swizzled(0),
+                b_major: Major::K,
                 d: d.clone(),
             })),
         ),
@@ -802,6 +842,7 @@ fn a_tma_copy_feeds_a_swizzled_wgmma() {
             n: 8,
             a: WgmmaA::Shared(swizzled(start)),
             b: swizzled(start),
+            b_major: Major::K,
             d: (0..4).map(|j| format!("d{j}")).collect(),
         }))
     };

@@ -1,7 +1,8 @@
 //! Attention alone on the GPU, a Llama-8B-shaped layer (32 query heads, 8 KV heads of 128
 //! dims, bf16 cache with random contents made on the device): one sequence's prefill at 512,
 //! 2 048 and 8 192 tokens by the tensor-core kernel (`flash_attention`) over a contiguous cache
-//! and over the paged pool as the serving plans launch it (the step's query tiles), and by
+//! and over the paged pool as the serving plans launch it (the step's query tiles), on Hopper
+//! also on `wgmma` (`flash_attention_wgmma`) both ways, and by
 //! the split attention (split pass and merge, what decode steps take), in µs and TFLOP/s; and
 //! a decode step of 64 sequences at 4 096 positions over the paged pool, as the serving plan
 //! runs it, in GB/s of cache read and its share of the copy bandwidth.
@@ -10,7 +11,7 @@ use anyhow::{anyhow, Result};
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::attention::{self, attention_combine, attention_split};
 use kernels_gen::templates::cache_layout::CacheLayout;
-use kernels_gen::templates::flash_attention::flash_attention;
+use kernels_gen::templates::flash_attention::{flash_attention, flash_attention_wgmma};
 use runtime::plan_exec::{DeviceArg, PlanDevice};
 use runtime::random_weights::{fill_kernels, fill_on_device, Fill};
 
@@ -24,11 +25,21 @@ const DECODE: (usize, usize) = (64, 4096);
 /// Positions a block of the paged pool holds.
 const BLOCK_SIZE: usize = 16;
 
-/// The kernels timed: the tensor-core prefill over a contiguous cache and over the batched
-/// paged pool, the split pass over both, and the merge.
-fn kernels() -> Vec<Kernel> {
+/// The `wgmma` prefill's kernels, over a contiguous cache and over the pool (Hopper).
+const WGMMA_FLASH: [&str; 2] = ["flash_attention_wgmma", "flash_attention_wgmma_pool"];
+
+/// The kernels timed on `arch`: the tensor-core prefill over a contiguous cache and over the
+/// batched paged pool (on Hopper also on `wgmma`), the split pass over both, and the merge.
+fn kernels(arch: &str) -> Vec<Kernel> {
     let group = attention::heads_per_block(HEADS, KV_HEADS, HEAD_DIM);
-    vec![
+    let wgmma = match arch {
+        "sm_90a" => vec![
+            flash_attention_wgmma(WGMMA_FLASH[0], "gpu-check", CacheLayout::Contiguous, HEAD_DIM),
+            flash_attention_wgmma(WGMMA_FLASH[1], "gpu-check", CacheLayout::Batched, HEAD_DIM),
+        ],
+        _ => vec![],
+    };
+    let mut kernels = vec![
         flash_attention("flash_attention", "gpu-check", CacheLayout::Contiguous, HEAD_DIM),
         flash_attention("flash_attention_pool", "gpu-check", CacheLayout::Batched, HEAD_DIM),
         attention_split(
@@ -48,12 +59,14 @@ fn kernels() -> Vec<Kernel> {
             Ty::Bf16,
         ),
         attention_combine("attention_combine", "gpu-check", HEAD_DIM),
-    ]
+    ];
+    kernels.extend(wgmma);
+    kernels
 }
 
 /// The timings as markdown.
 pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
-    let kernels = kernels();
+    let kernels = kernels(arch);
     let mut device = super::compile_device(&[kernels.clone(), fill_kernels()].concat(), arch)?;
     device.set_programmatic_launch(false);
     let find = |name: &str| {
@@ -147,11 +160,17 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
         };
         let over_pool = |name: &str| pool.value(name, tokens);
         // (label, kernels, whether over the pool)
-        let launches: [(&str, Vec<&Kernel>, bool); 3] = [
+        let mut launches: Vec<(&str, Vec<&Kernel>, bool)> = vec![
             ("tensor cores (flash_attention)", vec![flash], false),
             ("tensor cores over the pool (the plans')", vec![flash_pool], true),
             ("split pass + merge (decode steps')", vec![split, combine], false),
         ];
+        if let (Ok(wgmma), Ok(wgmma_pool)) = (find(WGMMA_FLASH[0]), find(WGMMA_FLASH[1])) {
+            launches.extend([
+                ("wgmma (flash_attention_wgmma)", vec![wgmma], false),
+                ("wgmma over the pool", vec![wgmma_pool], true),
+            ]);
+        }
         for (label, launched, pooled) in launches {
             let seconds = match pooled {
                 true => time_launches(&mut device, &launched, &over_pool)?,
@@ -270,7 +289,9 @@ mod tests {
             query_tiles: Some((&b, 4)),
             seqs: 1,
         };
-        for kernel in kernels() {
+        let hopper = kernels("sm_90a");
+        assert_eq!(hopper.len(), kernels("sm_100a").len() + WGMMA_FLASH.len());
+        for kernel in hopper {
             let value = |name: &str| buffers.value(name, 512);
             if let Err(e) = super::super::llama_8b::bind(&kernel, value) {
                 panic!("{e}");

@@ -292,10 +292,12 @@ const TMA_CHECK: (usize, usize, usize, usize) = (130, 300, 264, 272);
 
 /// The kernels no plan launches yet, in lockstep with the emulator: the target's TMA GEMMs ([`tma_gemm_kernels`]) on [`TMA_CHECK`]'s shape, in one piece and K split in
 /// three with the reduction; on every target the tensor-core prefill attention
-/// ([`FLASH_CHECKS`]). Prints each kernel's max relative error and returns the worst.
+/// ([`FLASH_CHECKS`]), on Hopper also on `wgmma`. Prints each kernel's max relative error
+/// and returns the worst.
 pub fn unplanned_kernel_errors(arch: &str) -> Result<f64> {
     let gemms = tma_gemm_kernels(arch);
-    let kernels = [gemms.clone(), flash_attention_kernels()].concat();
+    let flash = flash_attention_kernels(arch);
+    let kernels = [gemms.clone(), flash.iter().map(|(kernel, _)| kernel.clone()).collect()].concat();
     let mut device = CompareDevice::new(
         super::compile_device(&kernels, arch)?,
         EmulatorDevice::new(kernels.clone()),
@@ -304,7 +306,7 @@ pub fn unplanned_kernel_errors(arch: &str) -> Result<f64> {
     if !gemms.is_empty() {
         run_tma_gemms(&mut device, &gemms)?;
     }
-    run_flash_attention(&mut device)?;
+    run_flash_attention(&mut device, &flash)?;
     let mut worst = 0f64;
     println!("| kernel no plan launches yet | launches | max relative error |\n|---|---|---|");
     for (kernel, error) in device.errors() {
@@ -316,43 +318,56 @@ pub fn unplanned_kernel_errors(arch: &str) -> Result<f64> {
 
 /// The shapes the prefill attention is checked on: (rows, cached positions before them,
 /// query heads, KV heads, head dim, paged); ragged tiles, grouped heads, the split head.
-const FLASH_CHECKS: [(usize, usize, usize, usize, usize, bool); 2] =
-    [(100, 30, 4, 2, 128, true), (70, 0, 2, 1, 256, false)];
+const FLASH_CHECKS: [FlashCheck; 2] = [(100, 30, 4, 2, 128, true), (70, 0, 2, 1, 256, false)];
+
+/// One prefill attention check's shape (see [`FLASH_CHECKS`]).
+type FlashCheck = (usize, usize, usize, usize, usize, bool);
 /// Positions a block of the paged check's cache holds.
 const FLASH_BLOCK: usize = 16;
 
-fn flash_attention_kernels() -> Vec<Kernel> {
+/// The prefill attention kernels checked on `arch`, each with its check: every
+/// [`FLASH_CHECKS`] shape on `mma.sync`, and on Hopper those `wgmma` takes on it too.
+fn flash_attention_kernels(arch: &str) -> Vec<(Kernel, FlashCheck)> {
     use kernels_gen::templates::cache_layout::CacheLayout;
-    use kernels_gen::templates::flash_attention::flash_attention;
-    FLASH_CHECKS
+    use kernels_gen::templates::flash_attention::{flash_attention, flash_attention_wgmma, wgmma_supports};
+    let layout = |paged: bool| match paged {
+        true => CacheLayout::Paged,
+        false => CacheLayout::Contiguous,
+    };
+    let mma = FLASH_CHECKS.iter().map(|&check| {
+        let (head_dim, paged) = (check.4, check.5);
+        let name = format!("flash_attention_{head_dim}");
+        (flash_attention(&name, "gpu-check", layout(paged), head_dim), check)
+    });
+    let wgmma = FLASH_CHECKS
         .iter()
-        .map(|&(_, _, _, _, head_dim, paged)| {
-            let layout = if paged {
-                CacheLayout::Paged
-            } else {
-                CacheLayout::Contiguous
-            };
-            flash_attention(&format!("flash_attention_{head_dim}"), "gpu-check", layout, head_dim)
-        })
-        .collect()
+        .filter(|check| arch == "sm_90a" && wgmma_supports(check.4))
+        .map(|&check| {
+            let (head_dim, paged) = (check.4, check.5);
+            let name = format!("flash_attention_wgmma_{head_dim}");
+            (
+                flash_attention_wgmma(&name, "gpu-check", layout(paged), head_dim),
+                check,
+            )
+        });
+    mma.chain(wgmma).collect()
 }
 
-/// [`FLASH_CHECKS`]'s attentions on `device` over random bf16 queries, keys and values (the
-/// paged cache's blocks in reverse order): for each, the queries, keys, values (as f32, keys
+/// The `checks`' attentions on `device` over random bf16 queries, keys and values, the same
+/// for each kernel of a shape (the paged cache's blocks in reverse order): for each, the queries, keys, values (as f32, keys
 /// and values by position) and the output read back.
-fn run_flash_attention<D: PlanDevice>(device: &mut D) -> Result<Vec<[Vec<f32>; 4]>> {
+fn run_flash_attention<D: PlanDevice>(device: &mut D, checks: &[(Kernel, FlashCheck)]) -> Result<Vec<[Vec<f32>; 4]>> {
     let mut results = Vec::new();
-    let mut seed = 0x2545_f491_u32;
-    let mut random = |count: usize| random_bf16_values(&mut seed, count, 1.0);
     let f32_bytes = |v: &[f32]| v.iter().flat_map(|e| e.to_le_bytes()).collect::<Vec<u8>>();
     let bf16_bytes = |v: &[f32]| {
         v.iter()
             .flat_map(|&e| half::bf16::from_f32(e).to_le_bytes())
             .collect::<Vec<u8>>()
     };
-    for (kernel, &(tokens, first, heads, kv_heads, head_dim, paged)) in
-        flash_attention_kernels().iter().zip(&FLASH_CHECKS)
-    {
+    for (kernel, (tokens, first, heads, kv_heads, head_dim, paged)) in checks.iter().map(|(k, c)| (k, *c)) {
+        // The same inputs for each kernel checked on a shape.
+        let mut seed = 0x2545_f491_u32 ^ (tokens * 1000 + head_dim) as u32;
+        let mut random = |count: usize| random_bf16_values(&mut seed, count, 1.0);
         let (len, row) = (first + tokens, kv_heads * head_dim);
         let (q, k, v) = (random(tokens * heads * head_dim), random(len * row), random(len * row));
         let blocks = len.div_ceil(FLASH_BLOCK);
@@ -797,14 +812,19 @@ pub fn serve_first_then_rest<B: runtime::serving::PagedBackend>(
 mod tests {
     use super::*;
 
-    /// What the prefill attention check launches binds and runs on the emulator, and gives
-    /// the reference's attention (to bf16's precision: probabilities meet values in bf16).
+    /// What the prefill attention check launches on Hopper (`mma.sync` and `wgmma`) binds and
+    /// runs on the emulator, and gives the reference's attention (to bf16's precision:
+    /// probabilities meet values in bf16), the two forms the same on the same inputs.
     #[test]
     fn the_flash_attention_check_runs_its_launches() {
-        let kernels = flash_attention_kernels();
-        let mut device = EmulatorDevice::new(kernels);
-        let results = run_flash_attention(&mut device).unwrap();
-        for ([q, k, v, out], &(tokens, first, heads, kv_heads, head_dim, _)) in results.iter().zip(&FLASH_CHECKS) {
+        let checks = flash_attention_kernels("sm_90a");
+        assert_eq!(checks.len(), FLASH_CHECKS.len() + 1);
+        let mut device = EmulatorDevice::new(checks.iter().map(|(kernel, _)| kernel.clone()).collect());
+        let results = run_flash_attention(&mut device, &checks).unwrap();
+        // On the same inputs the `wgmma` form computes what the `mma.sync` one does.
+        assert_eq!(results[FLASH_CHECKS.len()], results[0]);
+        for ([q, k, v, out], (_, (tokens, first, heads, kv_heads, head_dim, _))) in results.iter().zip(&checks) {
+            let (tokens, first, heads, kv_heads, head_dim) = (*tokens, *first, *heads, *kv_heads, *head_dim);
             let spec = ir::AttentionSpec {
                 heads,
                 kv_heads,

@@ -10,7 +10,7 @@
 //! by another warpgroup with no barrier since it retired.
 
 use super::{Block, Fault, Val};
-use crate::dsl::{AsyncCopy, SmemMatrix, Swizzle, WgmmaA, WgmmaOp};
+use crate::dsl::{AsyncCopy, Major, SmemMatrix, Swizzle, WgmmaA, WgmmaOp};
 use half::bf16;
 use std::collections::{HashMap, HashSet, VecDeque};
 
@@ -345,7 +345,7 @@ impl Block<'_> {
                 }
                 WgmmaA::Shared(matrix) => {
                     let start = self.operand_start(matrix, mask, global, first)?;
-                    let (values, indices) = self.read_operand("wgmma", matrix, start, 64, first)?;
+                    let (values, indices) = self.read_operand("wgmma", matrix, Major::K, start, 64, first)?;
                     footprint
                         .shared
                         .extend(indices.into_iter().map(|i| (matrix.array.clone(), i)));
@@ -357,7 +357,7 @@ impl Block<'_> {
                 }
             };
             let start = self.operand_start(&op.b, mask, global, first)?;
-            let (b, b_indices) = self.read_operand("wgmma", &op.b, start, n, first)?;
+            let (b, b_indices) = self.read_operand("wgmma", &op.b, op.b_major, start, n, first)?;
             footprint
                 .shared
                 .extend(b_indices.into_iter().map(|i| (op.b.array.clone(), i)));
@@ -463,6 +463,7 @@ impl Block<'_> {
         &mut self,
         what: &str,
         matrix: &SmemMatrix,
+        major: Major,
         start: usize,
         rows: usize,
         thread: usize,
@@ -474,7 +475,7 @@ impl Block<'_> {
         let array = &self.shared[name];
         for (row, out) in values.iter_mut().enumerate() {
             for (k, out) in out.iter_mut().enumerate() {
-                let i = operand_element(matrix, start, row, k);
+                let i = operand_element(matrix, major, start, row, k);
                 if i >= array.len() {
                     let len = array.len();
                     return Err((thread, format!("{what} reads {name}[{i}] out of bounds (length {len})")));
@@ -512,12 +513,15 @@ impl Block<'_> {
     }
 }
 
-/// The element of row `row`, column `k` of a K-major shared operand (see `SmemMatrix`).
-fn operand_element(matrix: &SmemMatrix, start: usize, row: usize, k: usize) -> usize {
+/// The element of row `row` (M or N), column `k` of a shared operand laid out as `major`
+/// says (see `SmemMatrix`, `Major`).
+fn operand_element(matrix: &SmemMatrix, major: Major, start: usize, row: usize, k: usize) -> usize {
     let (lbo, sbo) = (matrix.lbo as usize / 2, matrix.sbo as usize / 2);
-    match matrix.swizzle {
-        Swizzle::None => start + (row / 8) * sbo + (k / 8) * lbo + (row % 8) * 8 + k % 8,
-        Swizzle::B128 => Swizzle::B128.bf16_element(start + (row / 8) * sbo + (row % 8) * 64 + k),
+    match (major, matrix.swizzle) {
+        (Major::K, Swizzle::None) => start + (row / 8) * sbo + (k / 8) * lbo + (row % 8) * 8 + k % 8,
+        (Major::K, Swizzle::B128) => Swizzle::B128.bf16_element(start + (row / 8) * sbo + (row % 8) * 64 + k),
+        // The type checker refuses a swizzled MN-major operand.
+        (Major::MN, _) => start + (row / 8) * sbo + (k / 8) * lbo + (k % 8) * 8 + row % 8,
     }
 }
 

@@ -12,7 +12,7 @@
 //! shared-memory rule `wgmma` has. The `tcgen05.fence` instructions order work around barriers on the device;
 //! lockstep execution has nothing to reorder, so they are accepted as written.
 use super::{Block, Fault, Val};
-use crate::dsl::{Expr, Tcgen05, TmemMma};
+use crate::dsl::{Expr, Major, Tcgen05, TmemMma};
 use half::bf16;
 use std::collections::{HashMap, HashSet};
 
@@ -229,8 +229,8 @@ impl Block<'_> {
             }
             starts.push(s as usize);
         }
-        let (a_values, a_indices) = self.read_operand("tcgen05.mma", a, starts[0], M, t)?;
-        let (b_values, b_indices) = self.read_operand("tcgen05.mma", b, starts[1], n, t)?;
+        let (a_values, a_indices) = self.read_operand("tcgen05.mma", a, Major::K, starts[0], M, t)?;
+        let (b_values, b_indices) = self.read_operand("tcgen05.mma", b, Major::K, starts[1], n, t)?;
         let round = |v: f32| bf16::from_f32(v).to_f32();
         let mut footprint = Footprint::default();
         for (row, a_row) in a_values.iter().enumerate() {

@@ -24,8 +24,17 @@
 //! sequences (the serving plans' paged pool): each block then takes a tile of one sequence's
 //! rows from the step's `query_tiles`, so no tile mixes sequences.
 //!
-//! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 256; the cache
-//! bf16.
+//! On Hopper ([`flash_attention_wgmma`], FlashAttention-3's instruction) the warpgroup does
+//! both products with `wgmma`: the scores as m64n64k16 with the queries' fragments as A from
+//! registers and the key tile as B from shared memory; `P·V` as m64n{head_dim}k16 with P's
+//! fragments as A and the value tile as an MN-major B. Both tiles land by their 16-byte
+//! copies in 8×8 core matrices (a copy is a core matrix's row: 8 dims of one key), which the
+//! keys' descriptor reads K-major and the values' MN-major, so nothing is transposed. One
+//! instruction a 16-wide slice for the whole 64×64 scores (32 `mma.sync`s), the operands read
+//! from shared memory by the tensor cores themselves. Heads up to 128 dims.
+//!
+//! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 256 (128 on
+//! `wgmma`); the cache bf16.
 
 use super::cache_layout::CacheLayout;
 use crate::dsl::*;
@@ -70,6 +79,39 @@ pub fn supports(head_dim: usize) -> bool {
     head_dim.is_multiple_of(16) && head_dim <= MAX_HEAD_DIM
 }
 
+/// Whether the `wgmma` flash kernel takes a head of `head_dim`: its queries in registers and
+/// its output whole in one block.
+pub fn wgmma_supports(head_dim: usize) -> bool {
+    supports(head_dim) && head_dim <= QUERIES_IN_REGISTERS
+}
+
+/// The tensor-core instruction a flash kernel computes with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TensorCores {
+    /// `mma.sync.m16n8k16`, each warp its 16 rows (every target).
+    MmaSync,
+    /// `wgmma.m64nNk16`, the warpgroup all 64 rows (Hopper).
+    Wgmma,
+}
+
+/// Elements of one 8×8 core matrix of bf16: the unit `wgmma` reads from shared memory, 8 rows
+/// of 16 bytes.
+const CORE: i64 = 64;
+/// Its bytes.
+const CORE_BYTES: u32 = 128;
+
+/// Where element (`row`, `col`) of a `cols`-wide row-major tile (a key or value tile: `row` the
+/// key, `col` the dim) lies with its 16-byte chunks placed as 8×8 core matrices: those of an
+/// 8-row group adjacent along the columns (128 bytes apart), the groups `cols × 16` bytes
+/// apart. Read K-major it is the keys' B (N keys, K dims); MN-major, the values' (K keys, N
+/// dims).
+fn core_matrix_index(row: Expr, col: Expr, cols: i64) -> Expr {
+    row.clone() / int(8) * int(8 * cols)
+        + col.clone() / int(8) * int(CORE)
+        + rem(row, int(8)) * int(8)
+        + rem(col, int(8))
+}
+
 /// Key and value tiles a block keeps: two (the next tile's copies in flight while the warps
 /// work on one) where the head fits, one for heads past 128 dims (whose queries take shared
 /// memory too: 96 KiB in all, within the RTX PRO 6000's 99 KiB a block).
@@ -82,14 +124,23 @@ fn tile_buffers(head_dim: usize) -> i64 {
 
 /// The cooperative copy of the key tile at `j0` into buffer `buffer` of `ks` and the value
 /// tile into `vs` (zeros past `hi`): 16-byte chunks, `64 × head_dim / 8` of each, strided
-/// over the block; committed as one group.
-fn copy_tile(layout: CacheLayout, head_dim: usize, j0: Expr, buffer: Expr) -> Vec<Stmt> {
+/// over the block; committed as one group. For `wgmma` both land in core matrices (a chunk is
+/// a core matrix's row), the operand layout it reads.
+fn copy_tile(layout: CacheLayout, head_dim: usize, cores: TensorCores, j0: Expr, buffer: Expr) -> Vec<Stmt> {
     let chunks_per_row = head_dim as i64 / CHUNK;
     let tile = TILE_KEYS * head_dim as i64;
+    let within = match cores {
+        TensorCores::Wgmma => core_matrix_index(
+            var("c") / int(chunks_per_row),
+            var("chunk") * int(CHUNK),
+            head_dim as i64,
+        ),
+        TensorCores::MmaSync => var("c") * int(CHUNK),
+    };
     let copy = |dst: &str, src: &str| {
         Stmt::CpAsync(Box::new(AsyncCopy {
             dst: dst.into(),
-            dst_index: buffer.clone() * int(tile) + var("c") * int(CHUNK),
+            dst_index: buffer.clone() * int(tile) + within.clone(),
             src: src.into(),
             src_index: var("base") + var("chunk") * int(CHUNK),
             valid: lt(var("key"), var("hi")),
@@ -122,7 +173,7 @@ fn copy_tile(layout: CacheLayout, head_dim: usize, j0: Expr, buffer: Expr) -> Ve
 /// The start of a key tile's loop step: its tile in shared memory, landed and published
 /// (`kv0`: its buffer's first element). With two buffers the next tile's copies are issued
 /// first (the first tile's went before the loop) and stay in flight.
-fn tile_head(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
+fn tile_head(layout: CacheLayout, head_dim: usize, cores: TensorCores) -> Vec<Stmt> {
     let tile = TILE_KEYS * head_dim as i64;
     let mut out = vec![let_(
         "buf",
@@ -134,19 +185,23 @@ fn tile_head(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
     )];
     match tile_buffers(head_dim) {
         1 => {
-            out.extend(copy_tile(layout, head_dim, var("j0"), int(0)));
+            out.extend(copy_tile(layout, head_dim, cores, var("j0"), int(0)));
             out.push(Stmt::CpAsyncWait(0));
         }
         _ => {
             let next = var("j0") + int(TILE_KEYS);
             out.push(if_(
                 lt(next.clone(), var("hi")),
-                copy_tile(layout, head_dim, next, int(1) - var("buf")),
+                copy_tile(layout, head_dim, cores, next, int(1) - var("buf")),
             ));
             // An empty group past the last tile keeps the count the wait below relies on.
             out.push(Stmt::CpAsyncCommit);
             out.push(Stmt::CpAsyncWait(1));
         }
+    }
+    if cores == TensorCores::Wgmma {
+        // The landed keys and values are the tensor cores' to read (the async proxy's).
+        out.push(Stmt::FenceProxyAsync);
     }
     out.push(Stmt::SyncThreads);
     out.push(let_("kv0", Ty::I32, var("buf") * int(tile)));
@@ -344,6 +399,67 @@ fn accumulate(head_dim: usize) -> Vec<Stmt> {
     out
 }
 
+/// The block's 64×64 scores on `wgmma`: A the queries' fragments (registers), B the key
+/// tile's 16-dim slices (core matrices in `ks`); the warpgroup waits for them.
+fn scores_wgmma(head_dim: usize) -> Vec<Stmt> {
+    let blocks = (TILE_KEYS / 8) as usize;
+    let mut out: Vec<Stmt> = (0..blocks)
+        .flat_map(|j| (0..4).map(move |i| assign(&s_name(j, i), f(0.0))))
+        .collect();
+    out.push(Stmt::WgmmaFence);
+    for step in 0..head_dim / 16 {
+        out.push(Stmt::Wgmma(Box::new(WgmmaOp {
+            n: TILE_KEYS as u32,
+            a: WgmmaA::Registers(std::array::from_fn(|i| q_name(step, i))),
+            b: SmemMatrix {
+                array: "ks".into(),
+                start: var("kv0") + int(2 * CORE * step as i64),
+                lbo: CORE_BYTES,
+                sbo: 16 * head_dim as u32,
+                swizzle: Swizzle::None,
+            },
+            b_major: Major::K,
+            d: (0..blocks).flat_map(|j| (0..4).map(move |i| s_name(j, i))).collect(),
+        })));
+    }
+    out.extend([Stmt::WgmmaCommit, Stmt::WgmmaWait(0)]);
+    out
+}
+
+/// Rescale the output accumulators by `c_lo`/`c_hi`, then add `P·V` on `wgmma`: the keys in 4
+/// slices of 16, A P's fragments (the scores' accumulators), B the value tile read MN-major
+/// (a core matrix 8 keys of 8 dims: the next 8 keys `8 × head_dim` elements on, the next 8
+/// dims a core matrix on).
+fn accumulate_wgmma(head_dim: usize) -> Vec<Stmt> {
+    let mut out = Vec::new();
+    for v in 0..head_dim / 8 {
+        for i in 0..4 {
+            let c = if i >= 2 { "c_hi" } else { "c_lo" };
+            out.push(assign(&o_name(v, i), var(&o_name(v, i)) * var(c)));
+        }
+    }
+    out.push(Stmt::WgmmaFence);
+    for u in 0..(TILE_KEYS / 16) as usize {
+        out.push(Stmt::Wgmma(Box::new(WgmmaOp {
+            n: head_dim as u32,
+            a: WgmmaA::Registers(std::array::from_fn(|i| s_name(2 * u + i / 4, i % 4))),
+            b: SmemMatrix {
+                array: "vs".into(),
+                start: var("kv0") + int(16 * (head_dim * u) as i64),
+                lbo: 16 * head_dim as u32,
+                sbo: CORE_BYTES,
+                swizzle: Swizzle::None,
+            },
+            b_major: Major::MN,
+            d: (0..head_dim / 8)
+                .flat_map(|v| (0..4).map(move |i| o_name(v, i)))
+                .collect(),
+        })));
+    }
+    out.extend([Stmt::WgmmaCommit, Stmt::WgmmaWait(0)]);
+    out
+}
+
 /// The rows' sums over their quads, and the outputs divided by them where the row is inside.
 fn store_outputs(head_dim: usize) -> Vec<Stmt> {
     let mut out = Vec::new();
@@ -446,23 +562,45 @@ pub fn query_tiles(segment_rows: &[usize]) -> Vec<i32> {
 /// means none; `scale` multiplies q·k.
 pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: usize) -> Kernel {
     assert!(supports(head_dim), "head_dim {head_dim}");
+    kernel(name, origin, layout, head_dim, TensorCores::MmaSync)
+}
+
+/// [`flash_attention`] on Hopper's `wgmma` (sm_90a), heads up to 128 dims
+/// ([`wgmma_supports`]): the same parameters, rows and results.
+pub fn flash_attention_wgmma(name: &str, origin: &str, layout: CacheLayout, head_dim: usize) -> Kernel {
+    assert!(wgmma_supports(head_dim), "head_dim {head_dim}");
+    kernel(name, origin, layout, head_dim, TensorCores::Wgmma)
+}
+
+fn kernel(name: &str, origin: &str, layout: CacheLayout, head_dim: usize, cores: TensorCores) -> Kernel {
     let parts = parts(head_dim) as i64;
+    let fragments = match cores {
+        TensorCores::MmaSync => (0..4)
+            .map(|i| format!("kb{i}"))
+            .chain((0..4).map(|i| format!("vb{i}")))
+            .collect(),
+        TensorCores::Wgmma => vec![],
+    };
     let locals = (0..head_dim / parts as usize / 8)
         .flat_map(|v| (0..4).map(move |i| o_name(v, i)))
         .chain((0..(TILE_KEYS / 8) as usize).flat_map(|j| (0..4).map(move |i| s_name(j, i))))
-        .chain((0..4).map(|i| format!("kb{i}")))
-        .chain((0..4).map(|i| format!("vb{i}")))
+        .chain(fragments)
         // Large heads: one step's query fragments at a time, from `qs`.
         .chain((0..8).map(|i| q_name(0, i)).filter(|_| head_dim > QUERIES_IN_REGISTERS))
         .map(|n| let_(&n, Ty::F32, f(0.0)));
-    let tile = [
-        tile_head(layout, head_dim),
+    let work = match cores {
         // A warp whose 16 rows all lie past the tile's (a short sequence's tile, a chunk's
         // last) only helps copy the keys and values.
-        vec![if_(
+        TensorCores::MmaSync => vec![if_(
             lt(var("q0") + warp() * int(16), var("rows_end")),
             [scores(head_dim), online_softmax(), accumulate(head_dim)].concat(),
         )],
+        // The warpgroup multiplies together, its rows past the tile's masked at the store.
+        TensorCores::Wgmma => [scores_wgmma(head_dim), online_softmax(), accumulate_wgmma(head_dim)].concat(),
+    };
+    let tile = [
+        tile_head(layout, head_dim, cores),
+        work,
         // Nobody refills the tiles before every warp is done with them.
         vec![Stmt::SyncThreads],
     ]
@@ -499,7 +637,7 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         vec![let_("first_tile", Ty::I32, var("lo") / int(TILE_KEYS) * int(TILE_KEYS))],
         match tile_buffers(head_dim) {
             1 => vec![],
-            _ => copy_tile(layout, head_dim, var("first_tile"), int(0)),
+            _ => copy_tile(layout, head_dim, cores, var("first_tile"), int(0)),
         },
         vec![for_("j0", var("first_tile"), var("hi"), int(TILE_KEYS), tile)],
         store_outputs(head_dim),
@@ -521,6 +659,12 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         ty: Ty::Bf16,
         len: TILE_Q as usize * head_dim,
     });
+    let instruction = match cores {
+        TensorCores::MmaSync => "mma.sync m16n8k16 bf16, FlashAttention-2's schedule",
+        TensorCores::Wgmma => {
+            "wgmma m64n64k16 and m64nNk16 bf16 from registers and shared memory, FlashAttention-2's schedule"
+        }
+    };
     let tiles_input = match layout {
         CacheLayout::Batched => vec![buffer("query_tiles", Ty::I32, false), scalar("seqs", Ty::I32)],
         _ => vec![],
@@ -528,7 +672,7 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: causal prefill attention on tensor cores (mma.sync m16n8k16 bf16, FlashAttention-2's schedule: \
+            "{origin}: causal prefill attention on tensor cores ({instruction}: \
              {TILE_Q} query rows a block, {TILE_KEYS}-key tiles through shared memory, online softmax in f32), \
              head_dim {head_dim}, bf16 {}",
             layout.describe()

@@ -164,6 +164,7 @@ fn multiply(tile: TmaTile) -> Vec<Stmt> {
                 var("s") * int(tile.x_elements()) + var("wg") * int(64 * TILE_K) + int(16 * slice),
             )),
             b: swizzled("ws", var("s") * int(tile.w_elements()) + int(16 * slice)),
+            b_major: Major::K,
             d: (0..tile.tile_n as usize / 2).map(d_name).collect(),
         })));
     }

@@ -178,6 +178,7 @@ fn multiply_stage() -> Vec<Stmt> {
                 sbo: STRIDE_BYTES,
                 swizzle: Swizzle::None,
             },
+            b_major: Major::K,
             d: (0..TILE_N as usize / 2).map(d_name).collect(),
         })));
     }

@@ -944,6 +944,12 @@ pub fn catalog() -> Vec<Kernel> {
             cache_layout::CacheLayout::Batched,
             128,
         ),
+        flash_attention::flash_attention_wgmma(
+            "flash_attention_wgmma_d128",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            128,
+        ),
         flash_attention::flash_attention(
             "flash_attention_d256",
             "catalog",
