@@ -100,18 +100,6 @@ const CORE: i64 = 64;
 /// Its bytes.
 const CORE_BYTES: u32 = 128;
 
-/// Where element (`row`, `col`) of a `cols`-wide row-major tile (a key or value tile: `row` the
-/// key, `col` the dim) lies with its 16-byte chunks placed as 8×8 core matrices: those of an
-/// 8-row group adjacent along the columns (128 bytes apart), the groups `cols × 16` bytes
-/// apart. Read K-major it is the keys' B (N keys, K dims); MN-major, the values' (K keys, N
-/// dims).
-fn core_matrix_index(row: Expr, col: Expr, cols: i64) -> Expr {
-    row.clone() / int(8) * int(8 * cols)
-        + col.clone() / int(8) * int(CORE)
-        + rem(row, int(8)) * int(8)
-        + rem(col, int(8))
-}
-
 /// Key and value tiles a block keeps: two (the next tile's copies in flight while the warps
 /// work on one) where the head fits, one for heads past 128 dims (whose queries take shared
 /// memory too: 96 KiB in all, within the RTX PRO 6000's 99 KiB a block).
@@ -124,23 +112,27 @@ fn tile_buffers(head_dim: usize) -> i64 {
 
 /// The cooperative copy of the key tile at `j0` into buffer `buffer` of `ks` and the value
 /// tile into `vs` (zeros past `hi`): 16-byte chunks, `64 × head_dim / 8` of each, strided
-/// over the block; committed as one group. For `wgmma` both land in core matrices (a chunk is
-/// a core matrix's row), the operand layout it reads.
+/// over the block; committed as one group. Copy `c` writes the tile's `c`-th 16 bytes. For
+/// `mma.sync` the tile is row-major: a key's chunks in turn. For `wgmma` it is laid out in 8×8
+/// core matrices, a chunk a core matrix's row (8 dims of one key): key `k`, dim `d` at element
+/// `k / 8 · 8·head_dim + d / 8 · 64 + k % 8 · 8 + d % 8`, the 8-key groups `16 · head_dim`
+/// bytes apart and a group's core matrices adjacent along the dims, which the keys' B reads
+/// K-major and the values' MN-major. So copy `c` takes key `c % 8` of its group: a warp's
+/// copies fill 512 contiguous bytes (no bank conflicts) from 8 keys' 64-byte runs.
 fn copy_tile(layout: CacheLayout, head_dim: usize, cores: TensorCores, j0: Expr, buffer: Expr) -> Vec<Stmt> {
     let chunks_per_row = head_dim as i64 / CHUNK;
     let tile = TILE_KEYS * head_dim as i64;
-    let within = match cores {
-        TensorCores::Wgmma => core_matrix_index(
-            var("c") / int(chunks_per_row),
-            var("chunk") * int(CHUNK),
-            head_dim as i64,
+    let (key, chunk) = match cores {
+        TensorCores::MmaSync => (var("c") / int(chunks_per_row), rem(var("c"), int(chunks_per_row))),
+        TensorCores::Wgmma => (
+            var("c") / int(head_dim as i64) * int(8) + rem(var("c"), int(8)),
+            rem(var("c") / int(8), int(chunks_per_row)),
         ),
-        TensorCores::MmaSync => var("c") * int(CHUNK),
     };
     let copy = |dst: &str, src: &str| {
         Stmt::CpAsync(Box::new(AsyncCopy {
             dst: dst.into(),
-            dst_index: buffer.clone() * int(tile) + within.clone(),
+            dst_index: buffer.clone() * int(tile) + var("c") * int(CHUNK),
             src: src.into(),
             src_index: var("base") + var("chunk") * int(CHUNK),
             valid: lt(var("key"), var("hi")),
@@ -153,8 +145,8 @@ fn copy_tile(layout: CacheLayout, head_dim: usize, cores: TensorCores, j0: Expr,
             int(TILE_KEYS * chunks_per_row),
             int(THREADS),
             vec![
-                let_("key", Ty::I32, j0 + var("c") / int(chunks_per_row)),
-                let_("chunk", Ty::I32, rem(var("c"), int(chunks_per_row))),
+                let_("key", Ty::I32, j0 + key),
+                let_("chunk", Ty::I32, chunk),
                 // Clamped inside the cache where the key is past the end (its copy reads nothing).
                 let_(
                     "base",
