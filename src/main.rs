@@ -61,6 +61,11 @@ enum Command {
         /// norm inside and its weights through a `cp.async` pipeline.
         #[arg(long, value_enum, default_value_t = commands::compile::PrefillGemm::Tma)]
         prefill_gemm: commands::compile::PrefillGemm,
+        /// GPU targets: the tensor-core attention prompts attend with: `mma`,
+        /// FlashAttention-2's schedule on `mma.sync`; `wgmma`, both products on `wgmma`
+        /// (Hopper, heads up to 128 dims; elsewhere as `mma`).
+        #[arg(long, value_enum, default_value_t = commands::compile::PrefillAttention::Mma)]
+        prefill_attention: commands::compile::PrefillAttention,
     },
     /// Generate text from an artifact, a model.toml, a weights path or a model name.
     Run(commands::run::RunArgs),
@@ -115,6 +120,7 @@ fn run(cli: Cli) -> Result<()> {
             tokenizer,
             draft_head,
             prefill_gemm,
+            prefill_attention,
         } => commands::compile::compile(&commands::compile::CompileArgs {
             model: &model,
             target: &target,
@@ -125,6 +131,7 @@ fn run(cli: Cli) -> Result<()> {
             tokenizer: tokenizer.as_deref(),
             draft_head,
             prefill_gemm,
+            prefill_attention,
         }),
         Command::Run(args) => commands::run::run(&args),
         Command::Perplexity(args) => commands::perplexity::perplexity(&args),

@@ -301,6 +301,7 @@ fn compile_every_plan(model: &std::path::Path, target: Target, output: &std::pat
         tokenizer: None,
         draft_head: bbc::serve::DraftHead::Full,
         prefill_gemm: Default::default(),
+        prefill_attention: Default::default(),
     };
     bbc::commands::compile::compile(&args)
         .unwrap_or_else(|e| panic!("{} on {}: {e:#}", model.display(), target.name()));
@@ -568,6 +569,74 @@ fn compile_chooses_the_prefill_gemm() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && stderr.contains("tma") && stderr.contains("pipelined"),
+        "{stderr}"
+    );
+}
+
+/// `bbc compile --prefill-attention`: by default (`mma`) the plans' prompts attend with the
+/// `mma.sync` flash kernel; `wgmma`, on Hopper with the `wgmma` one (the B200 keeps the
+/// `mma.sync` one); the manifest records the choice, and an unknown one is refused.
+#[test]
+fn compile_chooses_the_prefill_attention() {
+    if !nvrtc_present() {
+        return;
+    }
+    let scratch = common::scratch_dir("bbc-gpu-prefill-attention-");
+    let weights = common::fixture("hf-tiny/llama");
+    let toml = scratch.path().join("llama-bf16.toml");
+    std::fs::write(&toml, format!("[model]\nweights = {weights:?}\ndtype = \"bf16\"\n")).unwrap();
+    let compile = |target: &str, choice: Option<&str>| {
+        let artifact = scratch.path().join(format!("{target}-{}", choice.unwrap_or("default")));
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"));
+        command
+            .args(["compile", toml.to_str().unwrap(), "--target", target, "-o"])
+            .arg(&artifact);
+        if let Some(choice) = choice {
+            command.args(["--prefill-attention", choice]);
+        }
+        let out = command.output().unwrap();
+        (artifact, out)
+    };
+    // (target, choice, the flash kernel its plans launch)
+    for (target, choice, flash) in [
+        ("h200", None, "flash_attention"),
+        ("h200", Some("wgmma"), "flash_attention_wgmma"),
+        ("b200", Some("wgmma"), "flash_attention"),
+    ] {
+        let (artifact, out) = compile(target, choice);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let manifest = codegen::read_manifest(&artifact).unwrap();
+        let recorded = serde_json::to_value(manifest.prefill_attention).unwrap();
+        assert_eq!(
+            recorded,
+            serde_json::json!(choice.unwrap_or("mma")),
+            "{target} {choice:?}"
+        );
+        for file in [manifest.plan, manifest.serving_plan].iter().flatten() {
+            let plan: gpu::GpuPlan =
+                serde_json::from_str(&std::fs::read_to_string(artifact.join(file)).unwrap()).unwrap();
+            let kernels: Vec<&str> = plan
+                .launches
+                .iter()
+                .map(|l| l.kernel.as_str())
+                .filter(|k| k.starts_with("flash_attention"))
+                .collect();
+            let wgmma = kernels
+                .iter()
+                .filter(|k| k.starts_with("flash_attention_wgmma"))
+                .count();
+            assert_eq!(kernels.len(), 3, "{target} {choice:?} {file}: a launch a layer");
+            assert_eq!(
+                wgmma,
+                if flash == "flash_attention_wgmma" { 3 } else { 0 },
+                "{target} {choice:?} {file}"
+            );
+        }
+    }
+    let (_, out) = compile("h200", Some("fast"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("mma") && stderr.contains("wgmma"),
         "{stderr}"
     );
 }

@@ -2143,6 +2143,34 @@ fn warp_specialised_prefill_gemms_compute_what_the_others_do() {
     }
 }
 
+/// A Hopper plan whose prompts attend on `wgmma` (`--prefill-attention wgmma`) computes what
+/// the plan on the `mma.sync` flash kernel does, bit for bit, in one piece and over the
+/// serving pool: the same products of bf16 operands summed in f32, on other tensor cores.
+#[test]
+fn wgmma_prefill_attention_computes_what_the_mma_sync_one_does() {
+    let model = open("llama", ComputeDtype::Bf16);
+    let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
+    let prompt: Vec<u32> = (0..PREFILL_TOKENS as u32 + 3).map(|i| (7 + 13 * i) % 300).collect();
+    let logits = |attention: gpu::PrefillAttention| {
+        let kernels = gpu::PrefillKernels {
+            gemm: gpu::PrefillGemm::Tma,
+            attention,
+        };
+        let (plan, kernels) = gpu::build_program(&graph, Target::H200, 64, None, kernels).unwrap();
+        let wgmma = plan
+            .launches
+            .iter()
+            .filter(|l| l.kernel.starts_with("flash_attention_wgmma"));
+        assert_eq!(wgmma.count() > 0, attention == gpu::PrefillAttention::Wgmma);
+        let gpu = EmulatorBackend::emulated(plan, kernels, graph.clone(), &model.weights, &[], 64).unwrap();
+        let mut sequence = gpu.new_sequence();
+        let first = gpu.step(&mut sequence, &prompt).unwrap()["logits"].data.clone();
+        let next = gpu.step(&mut sequence, &[5]).unwrap()["logits"].data.clone();
+        [first, next]
+    };
+    assert_eq!(logits(gpu::PrefillAttention::Wgmma), logits(gpu::PrefillAttention::Mma));
+}
+
 /// `bbc gpu-check`'s lockstep of a serving plan (two prompts in one step, then decode steps)
 /// runs end to end: with the emulator standing in for the GPU every kernel agrees exactly,
 /// the prompts' step attending on the tensor cores (a launch a layer) and the decode steps

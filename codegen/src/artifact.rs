@@ -101,6 +101,9 @@ pub struct Manifest {
     /// GPU targets: the tensor-core GEMM the plans' bf16 matmuls prefill through.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_gemm: Option<crate::gpu::PrefillGemm>,
+    /// GPU targets: the tensor-core attention the plans' prompts attend with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_attention: Option<crate::gpu::PrefillAttention>,
     /// GPU targets, a model whose checkpoint carries multi-token prediction layers: their
     /// graph (`mtp.*`: a draft step, its greedy token and the hidden state the next one reads),
     /// whose batched plan (`mtp_plan.json`) drafts for the serving plan, which then also
@@ -129,16 +132,16 @@ pub struct CompiledGraphs<'a> {
 
 /// Write the artifact for `graphs` of `model` into `dir`.
 pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path) -> Result<Manifest, ArtifactError> {
-    compile_with(model, graphs, target, dir, crate::gpu::PrefillGemm::default())
+    compile_with(model, graphs, target, dir, crate::gpu::PrefillKernels::default())
 }
 
-/// [`compile`], the GPU plans' bf16 matmuls prefilling through `prefill`.
+/// [`compile`], the GPU plans' prefill steps taking `prefill`'s kernels.
 pub fn compile_with(
     model: &Model,
     graphs: CompiledGraphs,
     target: Target,
     dir: &Path,
-    prefill: crate::gpu::PrefillGemm,
+    prefill: crate::gpu::PrefillKernels,
 ) -> Result<Manifest, ArtifactError> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let CompiledGraphs {
@@ -228,7 +231,8 @@ pub fn compile_with(
         greedy_plan,
         serving_graph_json: serving.map(|_| SERVING_GRAPH_JSON.into()),
         serving_plan,
-        prefill_gemm: target.cuda_arch().is_some().then_some(prefill),
+        prefill_gemm: target.cuda_arch().is_some().then_some(prefill.gemm),
+        prefill_attention: target.cuda_arch().is_some().then_some(prefill.attention),
         mtp_graph_json: mtp.map(|_| MTP_GRAPH_JSON.into()),
         mtp_plan,
         int8_heads,
@@ -264,12 +268,12 @@ pub fn compile_with(
 }
 
 /// What a GPU plan is built with beside its graph: whether it makes random weights on the
-/// device, the weights whose stored forms it may convert there, its prefill GEMM.
+/// device, the weights whose stored forms it may convert there, its prefill kernels.
 #[derive(Clone, Copy)]
 struct Loading<'a> {
     fills: bool,
     weights: &'a dyn quant::tensor::Tensors,
-    prefill: crate::gpu::PrefillGemm,
+    prefill: crate::gpu::PrefillKernels,
 }
 
 /// Rows a step of a GPU plan takes, which its activation buffers are sized for: the serving

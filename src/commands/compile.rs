@@ -22,6 +22,28 @@ pub struct CompileArgs<'a> {
     pub draft_head: DraftHead,
     /// The tensor-core GEMM the GPU plans' bf16 matmuls prefill through.
     pub prefill_gemm: PrefillGemm,
+    /// The tensor-core attention the GPU plans' prompts attend with.
+    pub prefill_attention: PrefillAttention,
+}
+
+/// The tensor-core attention GPU plans' prompts attend with
+/// (`codegen::gpu::PrefillAttention`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PrefillAttention {
+    /// FlashAttention-2's schedule on `mma.sync` (every target).
+    #[default]
+    Mma,
+    /// Both products on `wgmma` (Hopper, heads up to 128 dims; elsewhere as `mma`).
+    Wgmma,
+}
+
+impl From<PrefillAttention> for codegen::gpu::PrefillAttention {
+    fn from(attention: PrefillAttention) -> Self {
+        match attention {
+            PrefillAttention::Mma => Self::Mma,
+            PrefillAttention::Wgmma => Self::Wgmma,
+        }
+    }
 }
 
 /// The tensor-core GEMM GPU plans prefill bf16 matmuls through (`codegen::gpu::PrefillGemm`).
@@ -133,7 +155,11 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     if target != Target::Cpu {
         crate::fetch::ensure_nvrtc(false)?;
     }
-    let manifest = codegen::compile_with(&loaded.model, graphs, target, args.output, args.prefill_gemm.into())?;
+    let prefill = codegen::gpu::PrefillKernels {
+        gemm: args.prefill_gemm.into(),
+        attention: args.prefill_attention.into(),
+    };
+    let manifest = codegen::compile_with(&loaded.model, graphs, target, args.output, prefill)?;
     if args.emit == Some("kernel-report") {
         print_kernel_report(&args.output.join("plan.json"))?;
     }

@@ -22,7 +22,7 @@ pub(super) fn serving_executor(
     config: &models::ModelConfig,
     (target, arch): (Target, &str),
     (run, context): (&DecodeRun, usize),
-    prefill: gpu::PrefillGemm,
+    prefill: impl Into<gpu::PrefillKernels>,
 ) -> Result<PlanExecutor<CudaDevice>> {
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,

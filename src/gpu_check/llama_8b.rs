@@ -60,6 +60,18 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
         print_prefill(name, &other, &run)?;
     }
     print_long_prefill(name, &exec, &run, &config)?;
+    // On Hopper, prompts attending on `wgmma` too: the 8 192-token prefill where attention
+    // weighs most.
+    if arch == "sm_90a" {
+        let name = "Llama-8B-shaped, wgmma prefill attention";
+        let prefill = codegen::gpu::PrefillKernels {
+            gemm: codegen::gpu::PrefillGemm::Tma,
+            attention: codegen::gpu::PrefillAttention::Wgmma,
+        };
+        let wgmma = serving_executor(name, &config, (target, arch), served, prefill)?;
+        print_prefill(name, &wgmma, &run)?;
+        print_long_prefill(name, &wgmma, &run, &config)?;
+    }
     let timings = time_decode(&exec, &run)?;
     // Batch 1 again without each of the two ways a step overlaps its kernels, side by side in
     // one run: without the weight prefetch during attention (`templates::weight_prefetch`),

@@ -108,6 +108,35 @@ pub enum PrefillGemm {
     Pipelined,
 }
 
+/// The tensor-core attention a plan's prompts attend with (steps whose sequences average 16
+/// rows or more; see `select::kv_attention`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefillAttention {
+    /// `templates::flash_attention`: FlashAttention-2's schedule on `mma.sync`, every target.
+    #[default]
+    Mma,
+    /// `templates::flash_attention::flash_attention_wgmma` on Hopper, for heads up to 128
+    /// dims (the others, and other targets, as `Mma`).
+    Wgmma,
+}
+
+/// The tensor-core kernels a plan's prefill steps take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefillKernels {
+    pub gemm: PrefillGemm,
+    pub attention: PrefillAttention,
+}
+
+impl From<PrefillGemm> for PrefillKernels {
+    fn from(gemm: PrefillGemm) -> Self {
+        Self {
+            gemm,
+            ..Self::default()
+        }
+    }
+}
+
 /// The plan of a batched step (continuous batching: rows of many sequences over one paged KV
 /// cache), and its kernels. With `LogitsFor::LastToken` (what `bbc compile` writes), the
 /// graph's `last_token` gathers the rows sampled from (step input `sampled_rows`: each
@@ -122,15 +151,16 @@ pub fn build_batched(
     build_program(graph, target, max_tokens, Some(cache), PrefillGemm::default())
 }
 
-/// [`build_with_kernels`] or (with `batched`) [`build_batched`], the bf16 matmuls
-/// prefilling through `prefill`.
+/// [`build_with_kernels`] or (with `batched`) [`build_batched`], prefill steps taking
+/// `prefill`'s kernels (a [`PrefillGemm`] alone: with the default attention).
 pub fn build_program(
     graph: &Graph,
     target: Target,
     max_tokens: usize,
     batched: Option<BatchedCache>,
-    prefill: PrefillGemm,
+    prefill: impl Into<PrefillKernels>,
 ) -> Result<(GpuPlan, Vec<Kernel>), GpuCodegenError> {
+    let prefill = prefill.into();
     let layout = match batched {
         Some(_) => kernels_gen::templates::cache_layout::CacheLayout::Batched,
         None => kernels_gen::templates::cache_layout::CacheLayout::Contiguous,

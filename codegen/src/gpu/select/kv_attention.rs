@@ -25,14 +25,15 @@ pub const FLASH_ROWS_PER_SEQUENCE: usize = 16;
 /// The scalar gating a launch to some steps only (`templates::step_gate`).
 const GATE: &str = "active";
 
-/// Pushes the append (where the op appends) and the split attention; returns the merge of the
-/// splits for the caller to push as the node's own launch.
+/// Pushes the append (where the op appends) and the split attention (and the tensor-core
+/// attention prompts take, on `wgmma` where `wgmma_flash` and the head fits); returns the
+/// merge of the splits for the caller to push as the node's own launch.
 pub(super) fn launches(
     s: &mut Selected,
     operands: &Operands,
     layout: CacheLayout,
     rows: &str,
-    max_tokens: usize,
+    (max_tokens, wgmma_flash): (usize, bool),
 ) -> Result<(Kernel, Vec<LaunchArg>), GpuCodegenError> {
     let node = &operands.graph.nodes()[operands.node];
     let op = &node.op;
@@ -83,7 +84,7 @@ pub(super) fn launches(
         Op::SharedKvAttention(_) => operands.activation(s, 0),
         _ => append(s, operands, &cache, rows, max_tokens),
     };
-    Ok(attend(s, operands, &cache, q, rows, max_tokens))
+    Ok(attend(s, operands, &cache, q, rows, (max_tokens, wgmma_flash)))
 }
 
 /// What a cache `layout` adds to the arguments of a kernel reading it (`CacheLayout::params`):
@@ -240,7 +241,7 @@ fn attend(
     cache: &Cache,
     (q, q_stride): (LaunchArg, usize),
     rows: &str,
-    max_tokens: usize,
+    (max_tokens, wgmma_flash): (usize, bool),
 ) -> (Kernel, Vec<LaunchArg>) {
     let (spec, graph, i) = (cache.spec, operands.graph, operands.node);
     let splits = attention::splits_expr(rows);
@@ -302,7 +303,12 @@ fn attend(
         vec![scalar(GATE, &flash)],
     ]
     .concat();
-    let kernel = flash_attention::flash_attention("flash_attention", &graph.name, cache.layout, spec.head_dim);
+    let kernel = match wgmma_flash && flash_attention::wgmma_supports(spec.head_dim) {
+        true => {
+            flash_attention::flash_attention_wgmma("flash_attention_wgmma", &graph.name, cache.layout, spec.head_dim)
+        }
+        false => flash_attention::flash_attention("flash_attention", &graph.name, cache.layout, spec.head_dim),
+    };
     s.launches
         .push((i, step_gate::gated(kernel, GATE), Alternatives::default(), flash_args));
     let (merge, mut merge_args) = merge;

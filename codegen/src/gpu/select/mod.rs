@@ -132,14 +132,16 @@ pub(crate) fn select(
     target: crate::Target,
     per_sequence: &BTreeSet<usize>,
     max_tokens: usize,
-    prefill: super::PrefillGemm,
+    prefill: super::PrefillKernels,
 ) -> Result<Selected, GpuCodegenError> {
     let plan = PlanTarget {
         target,
         max_tokens,
         origin: &graph.name,
-        prefill,
+        prefill: prefill.gemm,
     };
+    // Hopper's `wgmma` flash attention where asked for.
+    let wgmma_flash = prefill.attention == super::PrefillAttention::Wgmma && target.cuda_arch() == Some("sm_90a");
     let mut s = Selected {
         launches: Vec::new(),
         views: BTreeMap::new(),
@@ -388,7 +390,7 @@ pub(crate) fn select(
                         (rope::rope("rope", &graph.name, rope::Rotation::of(spec)), args)
                     }
                     Op::Attention(_) | Op::RopeAttention { .. } | Op::SharedKvAttention(_) => {
-                        kv_attention::launches(&mut s, &operands, layout, &rows, max_tokens)?
+                        kv_attention::launches(&mut s, &operands, layout, &rows, (max_tokens, wgmma_flash))?
                     }
                     Op::AddBias => {
                         let (x, stride) = act(&s, 0);
