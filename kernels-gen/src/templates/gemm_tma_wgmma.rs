@@ -38,6 +38,13 @@
 //! several splits writes its partial tile. The activations' rows are `x_stride` apart (a
 //! multiple of 8, as TMA needs 16-byte row pitches), the weights' `k` (so `k` is a multiple of
 //! 8).
+//!
+//! With a GLU epilogue (the weights a joined gate/up, `n` rows, gates first) a tile's weight
+//! buffer is two boxes: `tile_n / 2` gate rows from `n0 / 2` and the same outputs' up rows
+//! from `n / 2 + n0 / 2` (`tma_gemm::WeightBoxes::GateAndUp`). In `wgmma`'s accumulator layout
+//! column c and column c + `tile_n / 2` are accumulators i and i + `tile_n / 4` of one thread,
+//! so the thread gates its own products: `act(gate)·up` into `out` with one split, both into
+//! the partials (where the joined rows put them) for the reduction with several.
 
 use super::gemv::NormPrologue;
 use super::tma_gemm::{self, barrier, swizzled_operand, TILE_K};
