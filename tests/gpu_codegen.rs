@@ -512,7 +512,8 @@ fn plans_prefill_through_the_tma_gemm_unless_asked_otherwise() {
 
 /// `bbc compile --prefill-gemm`: by default a bf16 model's plans carry the TMA GEMMs (their
 /// entries stating their tensor maps) and the launches making their rows; `specialised` and
-/// `persistent`, the warp-specialised TMA GEMMs (a ninth warp); `pipelined`, none.
+/// `persistent`, the warp-specialised TMA GEMMs (Hopper's a ninth warp, the B200's a producer
+/// and an MMA warp beside four epilogue warps), built spill-free; `pipelined`, none.
 #[test]
 fn compile_chooses_the_prefill_gemm() {
     if !nvrtc_present() {
@@ -522,17 +523,19 @@ fn compile_chooses_the_prefill_gemm() {
     let weights = common::fixture("hf-tiny/llama");
     let toml = scratch.path().join("llama-bf16.toml");
     std::fs::write(&toml, format!("[model]\nweights = {weights:?}\ndtype = \"bf16\"\n")).unwrap();
-    // (choice, TMA GEMMs, their threads a block)
-    for (choice, tma, block) in [
-        (None, true, 256),
-        (Some("specialised"), true, 288),
-        (Some("persistent"), true, 288),
-        (Some("pipelined"), false, 0),
+    // (target, choice, TMA GEMMs, their threads a block)
+    for (target, choice, tma, block) in [
+        ("h200", None, true, 256),
+        ("h200", Some("specialised"), true, 288),
+        ("h200", Some("persistent"), true, 288),
+        ("h200", Some("pipelined"), false, 0),
+        ("b200", Some("specialised"), true, 192),
+        ("b200", Some("persistent"), true, 192),
     ] {
-        let artifact = scratch.path().join(choice.unwrap_or("default"));
+        let artifact = scratch.path().join(format!("{target}-{}", choice.unwrap_or("default")));
         let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"));
         command
-            .args(["compile", toml.to_str().unwrap(), "--target", "h200", "-o"])
+            .args(["compile", toml.to_str().unwrap(), "--target", target, "-o"])
             .arg(&artifact);
         if let Some(choice) = choice {
             command.args(["--prefill-gemm", choice]);
@@ -541,13 +544,17 @@ fn compile_chooses_the_prefill_gemm() {
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let manifest = codegen::read_manifest(&artifact).unwrap();
         let recorded = serde_json::to_value(manifest.prefill_gemm).unwrap();
-        assert_eq!(recorded, serde_json::json!(choice.unwrap_or("tma")), "{choice:?}");
+        assert_eq!(
+            recorded,
+            serde_json::json!(choice.unwrap_or("tma")),
+            "{target} {choice:?}"
+        );
         for file in [manifest.plan, manifest.serving_plan].iter().flatten() {
             let plan: gpu::GpuPlan =
                 serde_json::from_str(&std::fs::read_to_string(artifact.join(file)).unwrap()).unwrap();
             let gemms: Vec<&gpu::KernelEntry> = plan.kernels.iter().filter(|k| k.name.contains("gemm_tma")).collect();
             let rows = plan.kernels.iter().any(|k| k.name.contains("bf16_rows"));
-            assert_eq!((!gemms.is_empty(), rows), (tma, tma), "{choice:?}: {file}");
+            assert_eq!((!gemms.is_empty(), rows), (tma, tma), "{target} {choice:?}: {file}");
             assert!(gemms
                 .iter()
                 .all(|k| k.tensor_maps.len() == 2 && k.cubin.is_some() && k.block == block));
