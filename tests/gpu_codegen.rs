@@ -510,6 +510,26 @@ fn plans_prefill_through_the_tma_gemm_unless_asked_otherwise() {
     }
 }
 
+/// `bbc compile` of `toml` for `target` into a directory of `scratch` named for the choice,
+/// with `flag` set to `choice` where one is given: the artifact's path and the command's
+/// output.
+fn compile_choosing(
+    toml: &std::path::Path,
+    target: &str,
+    scratch: &std::path::Path,
+    (flag, choice): (&str, Option<&str>),
+) -> (std::path::PathBuf, std::process::Output) {
+    let artifact = scratch.join(format!("{target}-{}", choice.unwrap_or("default")));
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"));
+    command
+        .args(["compile", toml.to_str().unwrap(), "--target", target, "-o"])
+        .arg(&artifact);
+    if let Some(choice) = choice {
+        command.args([flag, choice]);
+    }
+    (artifact, command.output().unwrap())
+}
+
 /// `bbc compile --prefill-gemm`: by default a bf16 model's plans carry the TMA GEMMs (their
 /// entries stating their tensor maps) and the launches making their rows; `specialised` and
 /// `persistent`, the warp-specialised TMA GEMMs (Hopper's a ninth warp, the B200's a producer
@@ -532,15 +552,7 @@ fn compile_chooses_the_prefill_gemm() {
         ("b200", Some("specialised"), true, 192),
         ("b200", Some("persistent"), true, 192),
     ] {
-        let artifact = scratch.path().join(format!("{target}-{}", choice.unwrap_or("default")));
-        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"));
-        command
-            .args(["compile", toml.to_str().unwrap(), "--target", target, "-o"])
-            .arg(&artifact);
-        if let Some(choice) = choice {
-            command.args(["--prefill-gemm", choice]);
-        }
-        let out = command.output().unwrap();
+        let (artifact, out) = compile_choosing(&toml, target, scratch.path(), ("--prefill-gemm", choice));
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let manifest = codegen::read_manifest(&artifact).unwrap();
         let recorded = serde_json::to_value(manifest.prefill_gemm).unwrap();
@@ -560,19 +572,7 @@ fn compile_chooses_the_prefill_gemm() {
                 .all(|k| k.tensor_maps.len() == 2 && k.cubin.is_some() && k.block == block));
         }
     }
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"))
-        .args([
-            "compile",
-            toml.to_str().unwrap(),
-            "--target",
-            "h200",
-            "--prefill-gemm",
-            "fast",
-            "-o",
-        ])
-        .arg(scratch.path().join("refused"))
-        .output()
-        .unwrap();
+    let (_, out) = compile_choosing(&toml, "h200", scratch.path(), ("--prefill-gemm", Some("fast")));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && stderr.contains("tma") && stderr.contains("pipelined"),
@@ -593,16 +593,7 @@ fn compile_chooses_the_prefill_attention() {
     let toml = scratch.path().join("llama-bf16.toml");
     std::fs::write(&toml, format!("[model]\nweights = {weights:?}\ndtype = \"bf16\"\n")).unwrap();
     let compile = |target: &str, choice: Option<&str>| {
-        let artifact = scratch.path().join(format!("{target}-{}", choice.unwrap_or("default")));
-        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"));
-        command
-            .args(["compile", toml.to_str().unwrap(), "--target", target, "-o"])
-            .arg(&artifact);
-        if let Some(choice) = choice {
-            command.args(["--prefill-attention", choice]);
-        }
-        let out = command.output().unwrap();
-        (artifact, out)
+        compile_choosing(&toml, target, scratch.path(), ("--prefill-attention", choice))
     };
     // (target, choice, the flash kernel its plans launch)
     for (target, choice, flash) in [

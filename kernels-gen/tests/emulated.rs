@@ -1757,13 +1757,7 @@ fn the_specialised_blackwell_gemm_fails_without_any_of_its_hand_overs() {
             "TMA copy overwrites xs[0] before waiting",
         ),
     ] {
-        let mut broken = gemm.clone();
-        broken.body = edited(&gemm.body, edit);
-        assert_ne!(broken.body, gemm.body, "{what}");
-        let message = try_run_matmul(&broken, x.clone(), None, w.clone(), (tokens, n, k, k))
-            .unwrap_err()
-            .to_string();
-        assert!(message.contains(expected), "without {what}: {message}");
+        fails_without(&gemm, (&x, &w), (tokens, n, k), (what, edit, expected));
     }
 }
 
@@ -1867,13 +1861,7 @@ fn the_specialised_tma_gemm_fails_without_any_of_its_synchronisations() {
             "before waiting for phase 0 of mbarrier full[0]",
         ),
     ] {
-        let mut broken = gemm.clone();
-        broken.body = edited(&gemm.body, edit);
-        assert_ne!(broken.body, gemm.body, "{what}");
-        let message = try_run_matmul(&broken, x.clone(), None, w.clone(), (tokens, n, k, k))
-            .unwrap_err()
-            .to_string();
-        assert!(message.contains(expected), "without {what}: {message}");
+        fails_without(&gemm, (&x, &w), (tokens, n, k), (what, edit, expected));
     }
 }
 
@@ -1921,17 +1909,29 @@ fn the_persistent_tma_gemm_fails_without_its_ring_across_tiles() {
         ),
         ("the wait for the previous use", &this_phase),
     ] {
-        let mut broken = gemm.clone();
-        broken.body = edited(&gemm.body, edit);
-        assert_ne!(broken.body, gemm.body, "{what}");
-        let message = try_run_matmul(&broken, x.clone(), None, w.clone(), (tokens, n, k, k))
-            .unwrap_err()
-            .to_string();
-        assert!(
-            message.contains("of mbarrier empty[0], which never completes"),
-            "without {what}: {message}"
-        );
+        let expected = "of mbarrier empty[0], which never completes";
+        fails_without(&gemm, (&x, &w), (tokens, n, k), (what, edit, expected));
     }
+}
+
+/// A statement-by-statement edit of a kernel's body (`None` drops the statement).
+type Edit<'a> = &'a dyn Fn(&Stmt) -> Option<Stmt>;
+
+/// `gemm`'s body with `edit` applied (leaving out `what`) runs on `x` and `w` (`tokens × k`,
+/// `n × k`) into a fault whose message contains `expected`.
+fn fails_without(
+    gemm: &Kernel,
+    (x, w): (&Array, &Array),
+    (tokens, n, k): (usize, usize, usize),
+    (what, edit, expected): (&str, Edit, &str),
+) {
+    let mut broken = gemm.clone();
+    broken.body = edited(&gemm.body, edit);
+    assert_ne!(broken.body, gemm.body, "{what}");
+    let message = try_run_matmul(&broken, x.clone(), None, w.clone(), (tokens, n, k, k))
+        .unwrap_err()
+        .to_string();
+    assert!(message.contains(expected), "without {what}: {message}");
 }
 
 /// The Hopper and Blackwell GEMMs with an RMSNorm prologue (`rms_norm_matmul` at many rows):

@@ -126,31 +126,39 @@ fn fill(tile: TcgenTile, s: Expr, step: Expr) -> Vec<Stmt> {
     )
 }
 
-/// Thread 0's step: wait for the buffer, issue its MMAs and commit them; then refill the
-/// previous step's buffer once its MMAs are done.
-fn step(tile: TcgenTile) -> Vec<Stmt> {
+/// Wait for the copies of the ring's step `index` into buffer `s` (the `index / stages`-th
+/// phase of its `full` barrier), then issue the K step's four k16 MMAs into the accumulator
+/// at `tmem`, the tile's first (`step` 0) starting its sum.
+fn multiply(tile: TcgenTile, index: &str, tmem: Expr) -> Vec<Stmt> {
     let stages = tile.stages as i64;
     let swizzled = swizzled_operand;
-    let mut issue = vec![
+    let mut out = vec![
         mbarrier(Mbarrier::Wait {
             barrier: barrier("full", var("s")),
-            parity: rem(var("step") / int(stages), int(2)),
+            parity: rem(var(index) / int(stages), int(2)),
         }),
         tc(Tcgen05::FenceAfterSync),
     ];
     for slice in 0..K_SLICES {
-        issue.push(tc(Tcgen05::Mma(Box::new(TmemMma {
-            tmem: var("tmem"),
+        out.push(tc(Tcgen05::Mma(Box::new(TmemMma {
+            tmem: tmem.clone(),
             a: swizzled("ws", var("s") * int(tile.w_elements()) + int(16 * slice)),
             b: swizzled("xs", var("s") * int(tile.x_elements()) + int(16 * slice)),
             n: tile.tile_tokens,
-            // The first MMA of the split starts the sum.
             accumulate: match slice {
                 0 => lt(int(0), var("step")),
                 _ => Expr::Bool(true),
             },
         }))));
     }
+    out
+}
+
+/// Thread 0's step: wait for the buffer, issue its MMAs and commit them; then refill the
+/// previous step's buffer once its MMAs are done.
+fn step(tile: TcgenTile) -> Vec<Stmt> {
+    let stages = tile.stages as i64;
+    let mut issue = multiply(tile, "step", var("tmem"));
     issue.push(tc(Tcgen05::Commit {
         barrier: barrier("done", var("s")),
     }));
@@ -449,28 +457,11 @@ fn specialised(tile: TcgenTile, form: tma_gemm::ResultForm, setup: Vec<Stmt>) ->
             vec![for_("step", int(0), var("steps"), int(1), produce)],
         )),
     };
-    let swizzled = swizzled_operand;
-    let mut issue = vec![
-        let_("s", Ty::I32, rem(var("it"), int(stages))),
-        mbarrier(Mbarrier::Wait {
-            barrier: barrier("full", var("s")),
-            parity: rem(var("it") / int(stages), int(2)),
-        }),
-        tc(Tcgen05::FenceAfterSync),
-    ];
-    for slice in 0..K_SLICES {
-        issue.push(tc(Tcgen05::Mma(Box::new(TmemMma {
-            tmem: var("tmem") + var("a") * int(tokens_per_tile),
-            a: swizzled("ws", var("s") * int(tile.w_elements()) + int(16 * slice)),
-            b: swizzled("xs", var("s") * int(tile.x_elements()) + int(16 * slice)),
-            n: tile.tile_tokens,
-            // The tile's first MMA starts its sum.
-            accumulate: match slice {
-                0 => lt(int(0), var("step")),
-                _ => Expr::Bool(true),
-            },
-        }))));
-    }
+    let mut issue = [
+        vec![let_("s", Ty::I32, rem(var("it"), int(stages)))],
+        multiply(tile, "it", var("tmem") + var("a") * int(tokens_per_tile)),
+    ]
+    .concat();
     issue.extend([
         // The buffer is free once these MMAs complete.
         tc(Tcgen05::Commit {
