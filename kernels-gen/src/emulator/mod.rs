@@ -532,27 +532,16 @@ impl<'k> Block<'k> {
                 step,
                 body,
             } => {
-                let start = self.eval(start, mask, global)?;
-                let step = self.eval(step, mask, global)?;
-                if let Some(t) = (0..mask.len()).find(|&t| mask[t] && step[t].i() <= 0) {
-                    return Err((t, format!("loop `{var}` has step {}", step[t].i())));
-                }
+                let (start, step) = self.loop_start(var, (start, step), mask, global)?;
                 let previous = self.vars.insert(var.clone(), start);
                 self.scope.vars.insert(var.clone(), Ty::I32);
                 loop {
-                    let end_v = self.eval(end, mask, global)?;
-                    let cur = self.vars[var].clone();
-                    let live: Vec<bool> = (0..mask.len()).map(|t| mask[t] && cur[t].i() < end_v[t].i()).collect();
+                    let live = self.loop_live(var, end, mask, global)?;
                     if !live.iter().any(|&l| l) {
                         break;
                     }
                     self.exec(body, &live, global)?;
-                    let slot = self.vars.get_mut(var).expect("loop variable");
-                    for t in 0..mask.len() {
-                        if live[t] {
-                            slot[t] = Val::I(slot[t].i() + step[t].i());
-                        }
-                    }
+                    self.loop_step(var, &step, &live);
                 }
                 match previous {
                     Some(p) => self.vars.insert(var.clone(), p),
@@ -607,6 +596,43 @@ impl<'k> Block<'k> {
             Stmt::Comment(_) => {}
         }
         Ok(())
+    }
+
+    /// A `for` loop's start and step on `mask`'s threads, the step checked positive.
+    fn loop_start(
+        &self,
+        var: &str,
+        (start, step): (&Expr, &Expr),
+        mask: &[bool],
+        global: &HashMap<String, Array>,
+    ) -> Result<(Vec<Val>, Vec<Val>), Fault> {
+        let start = self.eval(start, mask, global)?;
+        let step = self.eval(step, mask, global)?;
+        if let Some(t) = (0..mask.len()).find(|&t| mask[t] && step[t].i() <= 0) {
+            return Err((t, format!("loop `{var}` has step {}", step[t].i())));
+        }
+        Ok((start, step))
+    }
+
+    /// The threads of `mask` whose loop variable `var` is still below `end`.
+    fn loop_live(
+        &self,
+        var: &str,
+        end: &Expr,
+        mask: &[bool],
+        global: &HashMap<String, Array>,
+    ) -> Result<Vec<bool>, Fault> {
+        let end = self.eval(end, mask, global)?;
+        let cur = &self.vars[var];
+        Ok((0..mask.len()).map(|t| mask[t] && cur[t].i() < end[t].i()).collect())
+    }
+
+    /// The `live` threads' loop variable `var` advanced by their `step`.
+    fn loop_step(&mut self, var: &str, step: &[Val], live: &[bool]) {
+        let slot = self.vars.get_mut(var).expect("loop variable");
+        for t in (0..live.len()).filter(|&t| live[t]) {
+            slot[t] = Val::I(slot[t].i() + step[t].i());
+        }
     }
 
     /// The active threads access local `name`: not while a wgmma uses it or a tcgen05.ld fills it.

@@ -200,13 +200,10 @@ impl<'k> Block<'k> {
                 } => {
                     run.paused = false;
                     progressed = true;
-                    let slot = self.vars.get_mut(*var).expect("loop variable");
-                    for t in live.iter().flat_map(|l| (0..l.len()).filter(|&t| l[t])) {
-                        slot[t] = Val::I(slot[t].i() + step[t].i());
+                    if let Some(live) = live {
+                        self.loop_step(var, step, live);
                     }
-                    let end = self.eval(end, mask, global)?;
-                    let cur = &self.vars[*var];
-                    let now: Vec<bool> = (0..mask.len()).map(|t| mask[t] && cur[t].i() < end[t].i()).collect();
+                    let now = self.loop_live(var, end, mask, global)?;
                     if now.iter().any(|&l| l) {
                         let body: &'s [Stmt] = body;
                         *live = Some(now.clone());
@@ -237,11 +234,7 @@ impl<'k> Block<'k> {
         mask: Vec<bool>,
         global: &HashMap<String, Array>,
     ) -> Result<Frame<'s>, Fault> {
-        let start = self.eval(start, &mask, global)?;
-        let step = self.eval(step, &mask, global)?;
-        if let Some(t) = (0..mask.len()).find(|&t| mask[t] && step[t].i() <= 0) {
-            return Err((t, format!("loop `{var}` has step {}", step[t].i())));
-        }
+        let (start, step) = self.loop_start(var, (start, step), &mask, global)?;
         let previous = self.vars.get(var).cloned();
         let slot = self
             .vars
