@@ -2171,6 +2171,52 @@ fn wgmma_prefill_attention_computes_what_the_mma_sync_one_does() {
     assert_eq!(logits(gpu::PrefillAttention::Wgmma), logits(gpu::PrefillAttention::Mma));
 }
 
+/// A batched Hopper plan attending on `wgmma` computes what the one on `mma.sync` does, bit for
+/// bit, its prompts cut into the wgmma kernel's tiles of 128 rows (the step input the runtime
+/// writes for it): a prompt longer than a tile beside a short one, then both continued past
+/// their cached rows, then a decode step (the split attention).
+#[test]
+fn batched_plans_attend_on_wgmma_as_on_mma_sync() {
+    use runtime::kv::BlockId;
+    let model = open("llama", ComputeDtype::Bf16);
+    let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
+    let cache = gpu::BatchedCache {
+        blocks: 24,
+        block_size: 16,
+        sequences: 2,
+    };
+    let tables: Vec<Vec<BlockId>> = (0..2u32)
+        .map(|s| (0..12).rev().map(|b| BlockId(2 * b + s)).collect())
+        .collect();
+    let prompt = |len: u32, seed: u32| -> Vec<u32> { (0..len).map(|i| (seed + 37 * i) % 300).collect() };
+    let steps: [Vec<(usize, Vec<u32>)>; 3] = [
+        vec![(0, prompt(130, 5)), (0, prompt(9, 11))],
+        vec![(130, prompt(40, 23)), (9, prompt(20, 29))],
+        vec![(170, vec![7]), (29, vec![9])],
+    ];
+    let logits = |attention: gpu::PrefillAttention| {
+        let kernels = gpu::PrefillKernels {
+            gemm: gpu::PrefillGemm::Tma,
+            attention,
+        };
+        let (plan, kernels) = gpu::build_program(&graph, Target::H200, 176, Some(cache), kernels).unwrap();
+        let wgmma = plan
+            .kernels
+            .iter()
+            .filter(|k| k.name.starts_with("flash_attention_wgmma"))
+            .count();
+        assert_eq!(wgmma > 0, attention == gpu::PrefillAttention::Wgmma);
+        let gpu = EmulatorBackend::emulated(plan, kernels, graph.clone(), &model.weights, &[], 256).unwrap();
+        let got: Vec<Vec<f32>> = steps
+            .iter()
+            .flat_map(|segments| gpu.step_batch(&batch_of(segments, &tables)).unwrap())
+            .map(|outputs| outputs["logits"].data.clone())
+            .collect();
+        got
+    };
+    assert_eq!(logits(gpu::PrefillAttention::Wgmma), logits(gpu::PrefillAttention::Mma));
+}
+
 /// `bbc gpu-check`'s lockstep of a serving plan (two prompts in one step, then decode steps)
 /// runs end to end: with the emulator standing in for the GPU every kernel agrees exactly,
 /// the prompts' step attending on the tensor cores (a launch a layer) and the decode steps

@@ -676,7 +676,7 @@ fn flash_attention_matches_reference() {
             ("window", window as i64),
         ]);
         scalars.insert("scale".into(), Scalar::F32(0.3));
-        for (layout, kernel) in [CacheLayout::Contiguous, CacheLayout::Paged]
+        for (layout, (kernel, _)) in [CacheLayout::Contiguous, CacheLayout::Paged]
             .into_iter()
             .flat_map(|layout| flash_kernels(layout, head_dim).into_iter().map(move |k| (layout, k)))
         {
@@ -726,17 +726,17 @@ fn flash_attention_matches_reference() {
 
 /// The tensor-core attention over a batched step (the serving plans' paged pool): sequences
 /// with a cached prefix and without, one of a single row (a decode row beside prompt chunks),
-/// one longer than a query tile, each with its own shuffled blocks in one pool; the rows
-/// concatenated as a step orders them. Each sequence's rows against the reference over its own
-/// cache; the spare tiles of the grid write nothing (the output starts poisoned but for the
-/// rows, which all must be written). On `mma.sync` and Hopper's `wgmma`.
+/// one longer than a query tile (of either kernel), each with its own shuffled blocks in one
+/// pool; the rows concatenated as a step orders them. Each sequence's rows against the
+/// reference over its own cache; the spare tiles of the grid write nothing (the output starts
+/// poisoned but for the rows, which all must be written). On `mma.sync` and Hopper's `wgmma`.
 #[test]
 fn flash_attention_over_a_batched_step_matches_reference() {
     use kernels_gen::templates::cache_layout::CacheLayout;
     let mut rng = Rng(43);
     let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
     // (rows this step, positions cached before them)
-    let sequences = [(70usize, 37usize), (1, 20), (16, 0), (5, 100)];
+    let sequences = [(150usize, 37usize), (1, 20), (16, 0), (5, 100)];
     for (heads, kv_heads, head_dim, window) in [(4, 2, 32, 0), (2, 1, 16, 24)] {
         let row = kv_heads * head_dim;
         let block_size = 16;
@@ -772,10 +772,6 @@ fn flash_attention_over_a_batched_step_matches_reference() {
         }
         let tokens: usize = sequences.iter().map(|s| s.0).sum();
         let segment_rows: Vec<usize> = sequences.iter().map(|s| s.0).collect();
-        let tiles: Vec<i64> = flash_attention::query_tiles(&segment_rows)
-            .iter()
-            .map(|&t| t as i64)
-            .collect();
         let bufs = HashMap::from([
             ("q".into(), Array::f32(&q_rows)),
             ("k".into(), bf16_array(&pool_k)),
@@ -784,7 +780,6 @@ fn flash_attention_over_a_batched_step_matches_reference() {
             ("block_tables".into(), Array::ints(Ty::I32, &tables)),
             ("row_table".into(), Array::ints(Ty::I32, &row_table)),
             ("row_pos".into(), Array::ints(Ty::I32, &row_pos)),
-            ("query_tiles".into(), Array::ints(Ty::I32, &tiles)),
         ]);
         let mut scalars = ints(&[
             ("tokens", tokens as i64),
@@ -797,8 +792,13 @@ fn flash_attention_over_a_batched_step_matches_reference() {
             ("seqs", sequences.len() as i64),
         ]);
         scalars.insert("scale".into(), Scalar::F32(0.3));
-        for kernel in flash_kernels(CacheLayout::Batched, head_dim) {
+        for (kernel, tile_rows) in flash_kernels(CacheLayout::Batched, head_dim) {
             let mut bufs = bufs.clone();
+            let tiles: Vec<i64> = flash_attention::query_tiles(&segment_rows, tile_rows)
+                .iter()
+                .map(|&t| t as i64)
+                .collect();
+            bufs.insert("query_tiles".into(), Array::ints(Ty::I32, &tiles));
             run(&kernel, &mut bufs, &scalars).unwrap_or_else(|e| panic!("head_dim {head_dim}: {e}\n{}", kernel.origin));
             close(
                 &bufs["out"].to_f32().unwrap(),
@@ -813,15 +813,17 @@ fn flash_attention_over_a_batched_step_matches_reference() {
     }
 }
 
-/// The `wgmma` flash attention needs its fences and waits, and the emulator says why when one
-/// is missing: without `fence.proxy.async` the tensor cores read keys and transposed values
-/// the generic proxy wrote; without the waits the next step touches accumulators the tensor
-/// cores still write (the scores in the softmax, the outputs in the next tile's rescaling).
+/// The `wgmma` flash attention needs its fences, waits and barriers, and the emulator says why
+/// when one is missing: without `fence.proxy.async` the tensor cores read queries, keys and
+/// values the generic proxy wrote; without the waits the next step touches registers the
+/// tensor cores still use; waiting for one group too few, the softmax reads scores still
+/// being computed, or the rescaling outputs `P·V` still adds to; without the barrier a warp
+/// reads tiles other threads copied. Long enough (4 key tiles) for the ring to wrap.
 #[test]
 fn the_wgmma_flash_attention_fails_without_its_fences_and_waits() {
     use kernels_gen::templates::cache_layout::CacheLayout;
     let mut rng = Rng(53);
-    let (tokens, heads, head_dim) = (70, 1, 32);
+    let (tokens, heads, head_dim) = (200, 1, 32);
     let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
     let (q, k, v) = (
         round(&rng.vec(tokens * heads * head_dim)),
@@ -837,7 +839,7 @@ fn the_wgmma_flash_attention_fails_without_its_fences_and_waits() {
         ("window", 0),
     ]);
     scalars.insert("scale".into(), Scalar::F32(0.3));
-    let kernel = flash_attention::flash_attention_wgmma("flash", "test", CacheLayout::Contiguous, head_dim);
+    let kernel = flash_attention_wgmma::flash_attention_wgmma("flash", "test", CacheLayout::Contiguous, head_dim);
     let run_with = |body: Vec<Stmt>| {
         let mut broken = kernel.clone();
         broken.body = body;
@@ -850,34 +852,56 @@ fn the_wgmma_flash_attention_fails_without_its_fences_and_waits() {
         run(&broken, &mut bufs, &scalars).map_err(|e| e.to_string())
     };
     run_with(kernel.body.clone()).unwrap();
-    for (what, drop, expected) in [
+    type Edit = dyn Fn(&Stmt) -> Option<Stmt>;
+    let dropping = |drop: fn(&Stmt) -> bool| move |s: &Stmt| (!drop(s)).then(|| s.clone());
+    let waiting = |from: u32, to: u32| {
+        move |s: &Stmt| match s {
+            Stmt::WgmmaWait(n) if *n == from => Some(Stmt::WgmmaWait(to)),
+            other => Some(other.clone()),
+        }
+    };
+    for (what, edit, expected) in [
         (
             "the fences",
-            &(|s: &Stmt| matches!(s, Stmt::FenceProxyAsync)) as &dyn Fn(&Stmt) -> bool,
+            &dropping(|s| matches!(s, Stmt::FenceProxyAsync)) as &Edit,
             "without fence.proxy.async",
         ),
         (
             "the waits",
-            &|s: &Stmt| matches!(s, Stmt::WgmmaWait(_)),
+            &dropping(|s| matches!(s, Stmt::WgmmaWait(_))),
             "while a wgmma",
         ),
+        ("the scores' wait", &waiting(1, 2), "touches `s0_0` while a wgmma"),
+        ("the values' wait", &waiting(0, 1), "touches `o0_0` while a wgmma"),
+        (
+            "the barriers",
+            &dropping(|s| matches!(s, Stmt::SyncThreads)),
+            "without a __syncthreads() between",
+        ),
     ] {
-        let body = edited(&kernel.body, &|s| (!drop(s)).then(|| s.clone()));
+        let body = edited(&kernel.body, edit);
         assert_ne!(body, kernel.body, "{what}");
         let message = run_with(body).unwrap_err();
         assert!(message.contains(expected), "without {what}: {message}");
     }
 }
 
-/// The tensor-core prefill attention kernels for `head_dim` over `layout`: on `mma.sync`, and
-/// on `wgmma` where it takes the head.
-fn flash_kernels(layout: kernels_gen::templates::cache_layout::CacheLayout, head_dim: usize) -> Vec<Kernel> {
-    let wgmma = flash_attention::wgmma_supports(head_dim)
-        .then(|| flash_attention::flash_attention_wgmma("flash_wgmma", "test", layout, head_dim));
-    [flash_attention::flash_attention("flash", "test", layout, head_dim)]
-        .into_iter()
-        .chain(wgmma)
-        .collect()
+/// The tensor-core prefill attention kernels for `head_dim` over `layout`, each with the rows
+/// of its query tiles: on `mma.sync`, and on `wgmma` where it takes the head.
+fn flash_kernels(layout: kernels_gen::templates::cache_layout::CacheLayout, head_dim: usize) -> Vec<(Kernel, usize)> {
+    let wgmma = flash_attention_wgmma::supports(head_dim).then(|| {
+        (
+            flash_attention_wgmma::flash_attention_wgmma("flash_wgmma", "test", layout, head_dim),
+            flash_attention_wgmma::QUERY_TILE_ROWS,
+        )
+    });
+    [(
+        flash_attention::flash_attention("flash", "test", layout, head_dim),
+        flash_attention::QUERY_TILE_ROWS,
+    )]
+    .into_iter()
+    .chain(wgmma)
+    .collect()
 }
 
 /// The IR reference's causal attention (scale 0.3) of the rows `first..` of one sequence, its

@@ -33,7 +33,7 @@ pub enum PrefillAttention {
     /// FlashAttention-2's schedule on `mma.sync` (every target).
     #[default]
     Mma,
-    /// Both products on `wgmma` (Hopper, heads up to 128 dims; elsewhere as `mma`).
+    /// FlashAttention-3's schedule on `wgmma` (Hopper, heads up to 128 dims; elsewhere as `mma`).
     Wgmma,
 }
 

@@ -11,7 +11,8 @@ use anyhow::{anyhow, Result};
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::attention::{self, attention_combine, attention_split};
 use kernels_gen::templates::cache_layout::CacheLayout;
-use kernels_gen::templates::flash_attention::{flash_attention, flash_attention_wgmma};
+use kernels_gen::templates::flash_attention::{self, flash_attention};
+use kernels_gen::templates::flash_attention_wgmma::{self, flash_attention_wgmma};
 use runtime::plan_exec::{DeviceArg, PlanDevice};
 use runtime::random_weights::{fill_kernels, fill_on_device, Fill};
 
@@ -147,35 +148,43 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
         let value = |name: &str| buffers.value(name, tokens);
         // Causal: row t sees t + 1 keys; two matmuls of 2·head_dim flops a (row, key, head).
         let flops = 4.0 * (HEADS * HEAD_DIM) as f64 * (tokens * (tokens + 1) / 2) as f64;
-        let tiles = kernels_gen::templates::flash_attention::query_tiles(&[tokens]);
-        let tiles_bytes = ints(tiles);
-        let query_tiles = device.upload(&tiles_bytes)?;
-        let pool = AttentionBuffers {
+        // The step's query tiles as each tensor-core kernel over the pool cuts them.
+        let tiles_bytes = |tile_rows| ints(flash_attention::query_tiles(&[tokens], tile_rows));
+        let (tiles, wgmma_tiles) = (
+            tiles_bytes(flash_attention::QUERY_TILE_ROWS),
+            tiles_bytes(flash_attention_wgmma::QUERY_TILE_ROWS),
+        );
+        let (query_tiles, wgmma_query_tiles) = (device.upload(&tiles)?, device.upload(&wgmma_tiles)?);
+        let pool = |query_tiles| AttentionBuffers {
             block_tables: (&prompt_tables, most.div_ceil(BLOCK_SIZE) * 4),
             row_table: (&prompt_row_table, most * 4),
             row_pos: (&prompt_row_pos, most * 4),
-            query_tiles: Some((&query_tiles, tiles_bytes.len())),
+            query_tiles: Some(query_tiles),
             seqs: 1,
             ..buffers
         };
+        let (pool, wgmma_pool) = (
+            pool((&query_tiles, tiles.len())),
+            pool((&wgmma_query_tiles, wgmma_tiles.len())),
+        );
         let over_pool = |name: &str| pool.value(name, tokens);
-        // (label, kernels, whether over the pool)
-        let mut launches: Vec<(&str, Vec<&Kernel>, bool)> = vec![
-            ("tensor cores (flash_attention)", vec![flash], false),
-            ("tensor cores over the pool (the plans')", vec![flash_pool], true),
-            ("split pass + merge (decode steps')", vec![split, combine], false),
+        let over_wgmma_pool = |name: &str| wgmma_pool.value(name, tokens);
+        type Value<'a, 'b> =
+            &'b dyn Fn(&str) -> Option<DeviceArg<'a, <runtime_cuda::CudaDevice as PlanDevice>::Buffer>>;
+        // (label, kernels, their arguments)
+        let mut launches: Vec<(&str, Vec<&Kernel>, Value)> = vec![
+            ("tensor cores (flash_attention)", vec![flash], &value),
+            ("tensor cores over the pool (the plans')", vec![flash_pool], &over_pool),
+            ("split pass + merge (decode steps')", vec![split, combine], &value),
         ];
-        if let (Ok(wgmma), Ok(wgmma_pool)) = (find(WGMMA_FLASH[0]), find(WGMMA_FLASH[1])) {
+        if let (Ok(wgmma), Ok(wgmma_over_pool)) = (find(WGMMA_FLASH[0]), find(WGMMA_FLASH[1])) {
             launches.extend([
-                ("wgmma (flash_attention_wgmma)", vec![wgmma], false),
-                ("wgmma over the pool", vec![wgmma_pool], true),
+                ("wgmma (flash_attention_wgmma)", vec![wgmma], &value as Value),
+                ("wgmma over the pool", vec![wgmma_over_pool], &over_wgmma_pool),
             ]);
         }
-        for (label, launched, pooled) in launches {
-            let seconds = match pooled {
-                true => time_launches(&mut device, &launched, &over_pool)?,
-                false => time_launches(&mut device, &launched, &value)?,
-            };
+        for (label, launched, value) in launches {
+            let seconds = time_launches(&mut device, &launched, value)?;
             table += &format!(
                 "| prefill, one sequence | {tokens} | {label} | {:.1} | {:.1} | – | – |\n",
                 seconds * 1e6,

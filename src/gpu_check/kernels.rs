@@ -329,7 +329,8 @@ const FLASH_BLOCK: usize = 16;
 /// [`FLASH_CHECKS`] shape on `mma.sync`, and on Hopper those `wgmma` takes on it too.
 fn flash_attention_kernels(arch: &str) -> Vec<(Kernel, FlashCheck)> {
     use kernels_gen::templates::cache_layout::CacheLayout;
-    use kernels_gen::templates::flash_attention::{flash_attention, flash_attention_wgmma, wgmma_supports};
+    use kernels_gen::templates::flash_attention::flash_attention;
+    use kernels_gen::templates::flash_attention_wgmma::{flash_attention_wgmma, supports as wgmma_supports};
     let layout = |paged: bool| match paged {
         true => CacheLayout::Paged,
         false => CacheLayout::Contiguous,

@@ -116,8 +116,8 @@ pub enum PrefillAttention {
     /// `templates::flash_attention`: FlashAttention-2's schedule on `mma.sync`, every target.
     #[default]
     Mma,
-    /// `templates::flash_attention::flash_attention_wgmma` on Hopper, for heads up to 128
-    /// dims (the others, and other targets, as `Mma`).
+    /// `templates::flash_attention_wgmma`: FlashAttention-3's schedule on Hopper, for heads up
+    /// to 128 dims (the others, and other targets, as `Mma`).
     Wgmma,
 }
 

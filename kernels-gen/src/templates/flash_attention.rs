@@ -24,17 +24,10 @@
 //! sequences (the serving plans' paged pool): each block then takes a tile of one sequence's
 //! rows from the step's `query_tiles`, so no tile mixes sequences.
 //!
-//! On Hopper ([`flash_attention_wgmma`], FlashAttention-3's instruction) the warpgroup does
-//! both products with `wgmma`: the scores as m64n64k16 with the queries' fragments as A from
-//! registers and the key tile as B from shared memory; `P·V` as m64n{head_dim}k16 with P's
-//! fragments as A and the value tile as an MN-major B. Both tiles land by their 16-byte
-//! copies in 8×8 core matrices (a copy is a core matrix's row: 8 dims of one key), which the
-//! keys' descriptor reads K-major and the values' MN-major, so nothing is transposed. One
-//! instruction a 16-wide slice for the whole 64×64 scores (32 `mma.sync`s), the operands read
-//! from shared memory by the tensor cores themselves. Heads up to 128 dims.
+//! Hopper's kernel (`flash_attention_wgmma`) shares this one's copies, masks, online softmax
+//! and stores, and does the products on `wgmma`, two warpgroups a block.
 //!
-//! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 256 (128 on
-//! `wgmma`); the cache bf16.
+//! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 256; the cache bf16.
 
 use super::cache_layout::CacheLayout;
 use crate::dsl::*;
@@ -45,7 +38,7 @@ const TILE_Q: i64 = 64;
 /// Query rows per block, as batched steps' `query_tiles` cut them.
 pub const QUERY_TILE_ROWS: usize = TILE_Q as usize;
 /// Keys per tile.
-const TILE_KEYS: i64 = 64;
+pub(super) const TILE_KEYS: i64 = 64;
 /// bf16 elements per 16-byte copy.
 const CHUNK: i64 = 8;
 
@@ -55,18 +48,18 @@ pub const MAX_HEAD_DIM: usize = 256;
 /// block accumulates whole. Larger heads keep the block's queries in shared memory and split
 /// the output's dims between two blocks, each computing the scores itself (at 256 the
 /// fragments and the accumulators would take 256 registers a thread, and spill).
-const QUERIES_IN_REGISTERS: usize = 128;
+pub(super) const QUERIES_IN_REGISTERS: usize = 128;
 
 /// Blocks sharing one tile of query rows, each accumulating a part of the output's dims.
 fn parts(head_dim: usize) -> usize {
     head_dim.div_ceil(QUERIES_IN_REGISTERS)
 }
 
-fn s_name(j: usize, i: usize) -> String {
+pub(super) fn s_name(j: usize, i: usize) -> String {
     format!("s{j}_{i}")
 }
 
-fn o_name(v: usize, i: usize) -> String {
+pub(super) fn o_name(v: usize, i: usize) -> String {
     format!("o{v}_{i}")
 }
 
@@ -79,26 +72,15 @@ pub fn supports(head_dim: usize) -> bool {
     head_dim.is_multiple_of(16) && head_dim <= MAX_HEAD_DIM
 }
 
-/// Whether the `wgmma` flash kernel takes a head of `head_dim`: its queries in registers and
-/// its output whole in one block.
-pub fn wgmma_supports(head_dim: usize) -> bool {
-    supports(head_dim) && head_dim <= QUERIES_IN_REGISTERS
-}
-
-/// The tensor-core instruction a flash kernel computes with.
+/// How a key or value tile lies in shared memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum TensorCores {
-    /// `mma.sync.m16n8k16`, each warp its 16 rows (every target).
-    MmaSync,
-    /// `wgmma.m64nNk16`, the warpgroup all 64 rows (Hopper).
-    Wgmma,
+pub(super) enum TileOrder {
+    /// A key's dims in turn (`mma.sync` loads its fragments itself).
+    RowMajor,
+    /// 8×8 core matrices (`wgmma`'s unit): key `k`, dim `d` at element
+    /// `k / 8 · 8·head_dim + d / 8 · 64 + k % 8 · 8 + d % 8`.
+    CoreMatrices,
 }
-
-/// Elements of one 8×8 core matrix of bf16: the unit `wgmma` reads from shared memory, 8 rows
-/// of 16 bytes.
-const CORE: i64 = 64;
-/// Its bytes.
-const CORE_BYTES: u32 = 128;
 
 /// Key and value tiles a block keeps: two (the next tile's copies in flight while the warps
 /// work on one) where the head fits, one for heads past 128 dims (whose queries take shared
@@ -110,21 +92,25 @@ fn tile_buffers(head_dim: usize) -> i64 {
     }
 }
 
-/// The cooperative copy of the key tile at `j0` into buffer `buffer` of `ks` and the value
-/// tile into `vs` (zeros past `hi`): 16-byte chunks, `64 × head_dim / 8` of each, strided
-/// over the block; committed as one group. Copy `c` writes the tile's `c`-th 16 bytes. For
-/// `mma.sync` the tile is row-major: a key's chunks in turn. For `wgmma` it is laid out in 8×8
-/// core matrices, a chunk a core matrix's row (8 dims of one key): key `k`, dim `d` at element
-/// `k / 8 · 8·head_dim + d / 8 · 64 + k % 8 · 8 + d % 8`, the 8-key groups `16 · head_dim`
-/// bytes apart and a group's core matrices adjacent along the dims, which the keys' B reads
-/// K-major and the values' MN-major. So copy `c` takes key `c % 8` of its group: a warp's
-/// copies fill 512 contiguous bytes (no bank conflicts) from 8 keys' 64-byte runs.
-fn copy_tile(layout: CacheLayout, head_dim: usize, cores: TensorCores, j0: Expr, buffer: Expr) -> Vec<Stmt> {
+/// The cooperative copy of the key tile at `j0` into `ks` and the value tile into `vs` from
+/// element `at` on (zeros past `hi`): 16-byte chunks, `64 × head_dim / 8` of each, strided
+/// over the block's `threads`; committed as one group. Copy `c` writes the tile's `c`-th 16
+/// bytes. Row-major, a key's chunks go in turn. In core matrices a chunk is a core matrix's
+/// row (8 dims of one key), the 8-key groups `16 · head_dim` bytes apart and a group's core
+/// matrices adjacent along the dims, which `wgmma` reads K-major for the keys and MN-major for
+/// the values; copy `c` takes key `c % 8` of its group, so a warp's copies fill 512
+/// contiguous bytes (no bank conflicts) from 8 keys' 64-byte runs.
+pub(super) fn copy_tile(
+    layout: CacheLayout,
+    (head_dim, order): (usize, TileOrder),
+    threads: i64,
+    j0: Expr,
+    at: Expr,
+) -> Vec<Stmt> {
     let chunks_per_row = head_dim as i64 / CHUNK;
-    let tile = TILE_KEYS * head_dim as i64;
-    let (key, chunk) = match cores {
-        TensorCores::MmaSync => (var("c") / int(chunks_per_row), rem(var("c"), int(chunks_per_row))),
-        TensorCores::Wgmma => (
+    let (key, chunk) = match order {
+        TileOrder::RowMajor => (var("c") / int(chunks_per_row), rem(var("c"), int(chunks_per_row))),
+        TileOrder::CoreMatrices => (
             var("c") / int(head_dim as i64) * int(8) + rem(var("c"), int(8)),
             rem(var("c") / int(8), int(chunks_per_row)),
         ),
@@ -132,7 +118,7 @@ fn copy_tile(layout: CacheLayout, head_dim: usize, cores: TensorCores, j0: Expr,
     let copy = |dst: &str, src: &str| {
         Stmt::CpAsync(Box::new(AsyncCopy {
             dst: dst.into(),
-            dst_index: buffer.clone() * int(tile) + var("c") * int(CHUNK),
+            dst_index: at.clone() + var("c") * int(CHUNK),
             src: src.into(),
             src_index: var("base") + var("chunk") * int(CHUNK),
             valid: lt(var("key"), var("hi")),
@@ -143,7 +129,7 @@ fn copy_tile(layout: CacheLayout, head_dim: usize, cores: TensorCores, j0: Expr,
             "c",
             tid(),
             int(TILE_KEYS * chunks_per_row),
-            int(THREADS),
+            int(threads),
             vec![
                 let_("key", Ty::I32, j0 + key),
                 let_("chunk", Ty::I32, chunk),
@@ -165,7 +151,7 @@ fn copy_tile(layout: CacheLayout, head_dim: usize, cores: TensorCores, j0: Expr,
 /// The start of a key tile's loop step: its tile in shared memory, landed and published
 /// (`kv0`: its buffer's first element). With two buffers the next tile's copies are issued
 /// first (the first tile's went before the loop) and stay in flight.
-fn tile_head(layout: CacheLayout, head_dim: usize, cores: TensorCores) -> Vec<Stmt> {
+fn tile_head(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
     let tile = TILE_KEYS * head_dim as i64;
     let mut out = vec![let_(
         "buf",
@@ -177,23 +163,31 @@ fn tile_head(layout: CacheLayout, head_dim: usize, cores: TensorCores) -> Vec<St
     )];
     match tile_buffers(head_dim) {
         1 => {
-            out.extend(copy_tile(layout, head_dim, cores, var("j0"), int(0)));
+            out.extend(copy_tile(
+                layout,
+                (head_dim, TileOrder::RowMajor),
+                THREADS,
+                var("j0"),
+                int(0),
+            ));
             out.push(Stmt::CpAsyncWait(0));
         }
         _ => {
             let next = var("j0") + int(TILE_KEYS);
             out.push(if_(
                 lt(next.clone(), var("hi")),
-                copy_tile(layout, head_dim, cores, next, int(1) - var("buf")),
+                copy_tile(
+                    layout,
+                    (head_dim, TileOrder::RowMajor),
+                    THREADS,
+                    next,
+                    (int(1) - var("buf")) * int(tile),
+                ),
             ));
             // An empty group past the last tile keeps the count the wait below relies on.
             out.push(Stmt::CpAsyncCommit);
             out.push(Stmt::CpAsyncWait(1));
         }
-    }
-    if cores == TensorCores::Wgmma {
-        // The landed keys and values are the tensor cores' to read (the async proxy's).
-        out.push(Stmt::FenceProxyAsync);
     }
     out.push(Stmt::SyncThreads);
     out.push(let_("kv0", Ty::I32, var("buf") * int(tile)));
@@ -289,7 +283,7 @@ fn scores(head_dim: usize) -> Vec<Stmt> {
 /// Scale and mask the scores, and update the running max `m_lo`/`m_hi` of the lane's two
 /// rows; `c_lo`/`c_hi` what the earlier accumulators and sums are rescaled by; the scores
 /// become `exp(s − max)` (P), their sums added to `l_lo`/`l_hi`.
-fn online_softmax() -> Vec<Stmt> {
+pub(super) fn online_softmax() -> Vec<Stmt> {
     let mut out = Vec::new();
     for half in ["lo", "hi"] {
         out.push(let_(&format!("tile_max_{half}"), Ty::F32, f(f32::NEG_INFINITY)));
@@ -391,69 +385,8 @@ fn accumulate(head_dim: usize) -> Vec<Stmt> {
     out
 }
 
-/// The block's 64×64 scores on `wgmma`: A the queries' fragments (registers), B the key
-/// tile's 16-dim slices (core matrices in `ks`); the warpgroup waits for them.
-fn scores_wgmma(head_dim: usize) -> Vec<Stmt> {
-    let blocks = (TILE_KEYS / 8) as usize;
-    let mut out: Vec<Stmt> = (0..blocks)
-        .flat_map(|j| (0..4).map(move |i| assign(&s_name(j, i), f(0.0))))
-        .collect();
-    out.push(Stmt::WgmmaFence);
-    for step in 0..head_dim / 16 {
-        out.push(Stmt::Wgmma(Box::new(WgmmaOp {
-            n: TILE_KEYS as u32,
-            a: WgmmaA::Registers(std::array::from_fn(|i| q_name(step, i))),
-            b: SmemMatrix {
-                array: "ks".into(),
-                start: var("kv0") + int(2 * CORE * step as i64),
-                lbo: CORE_BYTES,
-                sbo: 16 * head_dim as u32,
-                swizzle: Swizzle::None,
-            },
-            b_major: Major::K,
-            d: (0..blocks).flat_map(|j| (0..4).map(move |i| s_name(j, i))).collect(),
-        })));
-    }
-    out.extend([Stmt::WgmmaCommit, Stmt::WgmmaWait(0)]);
-    out
-}
-
-/// Rescale the output accumulators by `c_lo`/`c_hi`, then add `P·V` on `wgmma`: the keys in 4
-/// slices of 16, A P's fragments (the scores' accumulators), B the value tile read MN-major
-/// (a core matrix 8 keys of 8 dims: the next 8 keys `8 × head_dim` elements on, the next 8
-/// dims a core matrix on).
-fn accumulate_wgmma(head_dim: usize) -> Vec<Stmt> {
-    let mut out = Vec::new();
-    for v in 0..head_dim / 8 {
-        for i in 0..4 {
-            let c = if i >= 2 { "c_hi" } else { "c_lo" };
-            out.push(assign(&o_name(v, i), var(&o_name(v, i)) * var(c)));
-        }
-    }
-    out.push(Stmt::WgmmaFence);
-    for u in 0..(TILE_KEYS / 16) as usize {
-        out.push(Stmt::Wgmma(Box::new(WgmmaOp {
-            n: head_dim as u32,
-            a: WgmmaA::Registers(std::array::from_fn(|i| s_name(2 * u + i / 4, i % 4))),
-            b: SmemMatrix {
-                array: "vs".into(),
-                start: var("kv0") + int(16 * (head_dim * u) as i64),
-                lbo: 16 * head_dim as u32,
-                sbo: CORE_BYTES,
-                swizzle: Swizzle::None,
-            },
-            b_major: Major::MN,
-            d: (0..head_dim / 8)
-                .flat_map(|v| (0..4).map(move |i| o_name(v, i)))
-                .collect(),
-        })));
-    }
-    out.extend([Stmt::WgmmaCommit, Stmt::WgmmaWait(0)]);
-    out
-}
-
 /// The rows' sums over their quads, and the outputs divided by them where the row is inside.
-fn store_outputs(head_dim: usize) -> Vec<Stmt> {
+pub(super) fn store_outputs(head_dim: usize) -> Vec<Stmt> {
     let mut out = Vec::new();
     for half in ["lo", "hi"] {
         let l = format!("l_{half}");
@@ -479,9 +412,9 @@ fn store_outputs(head_dim: usize) -> Vec<Stmt> {
 /// Which rows a block takes and where they sit: `q0` (its first step row), `rows_end` (past
 /// its last row of the chunk), `pos0` (the position of step row 0 of that sequence: row `r`
 /// is at `pos0 + r`), `h` and `d0`. One sequence's chunk (contiguous or paged cache) is cut
-/// into tiles of [`QUERY_TILE_ROWS`]; a batched step's tiles come from its `query_tiles`.
-fn block_rows(layout: CacheLayout, head_dim: usize, parts: i64) -> Vec<Stmt> {
-    let tiles = query_tiles_expr(layout);
+/// into tiles of `tile_rows`; a batched step's tiles come from its `query_tiles`.
+pub(super) fn block_rows(layout: CacheLayout, (head_dim, parts): (usize, i64), tile_rows: i64) -> Vec<Stmt> {
+    let tiles = query_tiles_expr(layout, tile_rows);
     let tile = rem(bid() / int(parts), tiles.clone());
     let mut out = vec![
         // Parts of one tile of rows vary fastest (they read the same keys), then the tiles,
@@ -504,7 +437,7 @@ fn block_rows(layout: CacheLayout, head_dim: usize, parts: i64) -> Vec<Stmt> {
             out.push(let_("pos0", Ty::I32, layout.position(var("q0")) - var("q0")));
         }
         _ => out.extend([
-            let_("q0", Ty::I32, tile * int(TILE_Q)),
+            let_("q0", Ty::I32, tile * int(tile_rows)),
             let_("rows_end", Ty::I32, var("tokens")),
             let_("pos0", Ty::I32, var("first")),
         ]),
@@ -512,37 +445,129 @@ fn block_rows(layout: CacheLayout, head_dim: usize, parts: i64) -> Vec<Stmt> {
     out
 }
 
+/// What each thread knows of its block's rows before the key tiles: its KV head `kvh`, its
+/// lane's place in the fragments (`g`, `t2`), its first row `r0` (warp w's rows are
+/// 16w..16w + 16 of the block's), the keys the block's rows see (`lo..hi`: up to its last
+/// row's position, from its first row's window on) and its rows' running max and sum.
+pub(super) fn row_state(tile_rows: i64) -> Vec<Stmt> {
+    vec![
+        let_("kvh", Ty::I32, var("h") / (var("heads") / var("kv_heads"))),
+        let_("g", Ty::I32, lane() / int(4)),
+        let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
+        let_("r0", Ty::I32, var("q0") + warp() * int(16) + var("g")),
+        let_(
+            "hi",
+            Ty::I32,
+            var("pos0") + bin(BinOp::Min, var("rows_end"), var("q0") + int(tile_rows)),
+        ),
+        let_(
+            "lo",
+            Ty::I32,
+            select(
+                bin(BinOp::Gt, var("window"), int(0)),
+                bin(BinOp::Max, int(0), var("pos0") + var("q0") - var("window") + int(1)),
+                int(0),
+            ),
+        ),
+        let_("m_lo", Ty::F32, f(f32::NEG_INFINITY)),
+        let_("m_hi", Ty::F32, f(f32::NEG_INFINITY)),
+        let_("l_lo", Ty::F32, f(0.0)),
+        let_("l_hi", Ty::F32, f(0.0)),
+        let_("first_tile", Ty::I32, var("lo") / int(TILE_KEYS) * int(TILE_KEYS)),
+    ]
+}
+
 /// The blocks' tiles of query rows: the chunk's tiles, or for a batched step the most its
 /// sequences' rows can make ([`max_query_tiles`]).
-fn query_tiles_expr(layout: CacheLayout) -> Expr {
+pub(super) fn query_tiles_expr(layout: CacheLayout, tile_rows: i64) -> Expr {
     match layout {
-        CacheLayout::Batched => var("tokens") / int(TILE_Q) + var("seqs"),
-        _ => (var("tokens") + int(TILE_Q - 1)) / int(TILE_Q),
+        CacheLayout::Batched => var("tokens") / int(tile_rows) + var("seqs"),
+        _ => (var("tokens") + int(tile_rows - 1)) / int(tile_rows),
     }
 }
 
-/// The most tiles of query rows a batched step of `rows` rows of `seqs` sequences makes: each
-/// sequence's rows in tiles of [`QUERY_TILE_ROWS`], the last one partial.
-pub fn max_query_tiles(rows: usize, seqs: usize) -> usize {
-    rows / QUERY_TILE_ROWS + seqs
+/// The most tiles of `tile_rows` query rows a batched step of `rows` rows of `seqs` sequences
+/// makes: each sequence's rows in tiles, the last one partial.
+pub fn max_query_tiles(rows: usize, seqs: usize, tile_rows: usize) -> usize {
+    rows / tile_rows + seqs
 }
 
 /// A batched step's `query_tiles` input for sequences of `segment_rows` rows each (in the
 /// step's row order): each tile's first row and row count, a sequence's rows cut into tiles of
-/// [`QUERY_TILE_ROWS`], then empty tiles (count 0) up to [`max_query_tiles`], which the
-/// kernel's grid covers.
-pub fn query_tiles(segment_rows: &[usize]) -> Vec<i32> {
+/// `tile_rows`, then empty tiles (count 0) up to [`max_query_tiles`], which the kernel's grid
+/// covers.
+pub fn query_tiles(segment_rows: &[usize], tile_rows: usize) -> Vec<i32> {
     let rows: usize = segment_rows.iter().sum();
-    let mut tiles = Vec::with_capacity(2 * max_query_tiles(rows, segment_rows.len()));
+    let count = max_query_tiles(rows, segment_rows.len(), tile_rows);
+    let mut tiles = Vec::with_capacity(2 * count);
     let mut first = 0;
     for &len in segment_rows {
-        for start in (0..len).step_by(QUERY_TILE_ROWS) {
-            tiles.extend([(first + start) as i32, (len - start).min(QUERY_TILE_ROWS) as i32]);
+        for start in (0..len).step_by(tile_rows) {
+            tiles.extend([(first + start) as i32, (len - start).min(tile_rows) as i32]);
         }
         first += len;
     }
-    tiles.resize(2 * max_query_tiles(rows, segment_rows.len()), 0);
+    tiles.resize(2 * count, 0);
     tiles
+}
+
+/// The name of a batched plan's step input listing query tiles of `tile_rows` rows (the
+/// `query_tiles` argument of the flash kernels taking such tiles).
+pub fn query_tiles_input(tile_rows: usize) -> String {
+    match tile_rows {
+        QUERY_TILE_ROWS => "query_tiles".into(),
+        rows => format!("query_tiles_{rows}"),
+    }
+}
+
+/// The rows of a tile of the step input `name`, where it lists query tiles
+/// ([`query_tiles_input`]'s inverse).
+pub fn query_tile_rows(name: &str) -> Option<usize> {
+    match name.strip_prefix("query_tiles")? {
+        "" => Some(QUERY_TILE_ROWS),
+        rows => rows.strip_prefix('_')?.parse().ok().filter(|&r| r > 0),
+    }
+}
+
+/// The parameters every flash kernel over `layout` takes: `out` `[tokens, heads·head_dim]`
+/// from `q` (rows `q_stride` apart) and the bf16 cache `k`/`v`, the rows and the head's
+/// shape, the cache's layout, and a batched step's `query_tiles` and `seqs`.
+pub(super) fn params(layout: CacheLayout) -> Vec<Param> {
+    let tiles_input = match layout {
+        CacheLayout::Batched => vec![buffer("query_tiles", Ty::I32, false), scalar("seqs", Ty::I32)],
+        _ => vec![],
+    };
+    [
+        vec![
+            buffer("q", Ty::F32, false),
+            buffer("k", Ty::Bf16, false),
+            buffer("v", Ty::Bf16, false),
+            buffer("out", Ty::F32, true),
+            scalar("tokens", Ty::I32),
+            scalar("q_stride", Ty::I32),
+            scalar("first", Ty::I32),
+            scalar("heads", Ty::I32),
+            scalar("kv_heads", Ty::I32),
+            scalar("window", Ty::I32),
+            scalar("scale", Ty::F32),
+        ],
+        layout.params(),
+        tiles_input,
+    ]
+    .concat()
+}
+
+/// A block's rows (`block_rows`), then its work where it has rows: a batched step's spare
+/// tiles (past its sequences') hold none, and the whole block skips them.
+pub(super) fn guarded_by_rows(layout: CacheLayout, block_rows: Vec<Stmt>, work: Vec<Stmt>) -> Vec<Stmt> {
+    [
+        block_rows,
+        match layout {
+            CacheLayout::Batched => vec![if_(lt(var("q0"), var("rows_end")), work)],
+            _ => work,
+        },
+    ]
+    .concat()
 }
 
 /// The kernel over a cache in `layout`: `out` `[tokens, heads·head_dim]` from `q` (rows
@@ -550,99 +575,47 @@ pub fn query_tiles(segment_rows: &[usize]) -> Vec<i32> {
 /// the step's keys already. Contiguous or paged (one block table), the rows are one
 /// sequence's, at positions `first..`; batched (the serving plans' paged pool), the rows of
 /// `seqs` sequences, each sequence's consecutive, cut into the tiles `query_tiles` lists (see
-/// [`query_tiles`]), each row's table and position from `row_table`/`row_pos`. `window` ≤ 0
-/// means none; `scale` multiplies q·k.
+/// [`query_tiles`], tiles of [`QUERY_TILE_ROWS`]), each row's table and position from
+/// `row_table`/`row_pos`. `window` ≤ 0 means none; `scale` multiplies q·k.
 pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: usize) -> Kernel {
     assert!(supports(head_dim), "head_dim {head_dim}");
-    kernel(name, origin, layout, head_dim, TensorCores::MmaSync)
-}
-
-/// [`flash_attention`] on Hopper's `wgmma` (sm_90a), heads up to 128 dims
-/// ([`wgmma_supports`]): the same parameters, rows and results.
-pub fn flash_attention_wgmma(name: &str, origin: &str, layout: CacheLayout, head_dim: usize) -> Kernel {
-    assert!(wgmma_supports(head_dim), "head_dim {head_dim}");
-    kernel(name, origin, layout, head_dim, TensorCores::Wgmma)
-}
-
-fn kernel(name: &str, origin: &str, layout: CacheLayout, head_dim: usize, cores: TensorCores) -> Kernel {
     let parts = parts(head_dim) as i64;
-    let fragments = match cores {
-        TensorCores::MmaSync => (0..4)
-            .map(|i| format!("kb{i}"))
-            .chain((0..4).map(|i| format!("vb{i}")))
-            .collect(),
-        TensorCores::Wgmma => vec![],
-    };
     let locals = (0..head_dim / parts as usize / 8)
         .flat_map(|v| (0..4).map(move |i| o_name(v, i)))
         .chain((0..(TILE_KEYS / 8) as usize).flat_map(|j| (0..4).map(move |i| s_name(j, i))))
-        .chain(fragments)
+        .chain((0..4).map(|i| format!("kb{i}")))
+        .chain((0..4).map(|i| format!("vb{i}")))
         // Large heads: one step's query fragments at a time, from `qs`.
         .chain((0..8).map(|i| q_name(0, i)).filter(|_| head_dim > QUERIES_IN_REGISTERS))
         .map(|n| let_(&n, Ty::F32, f(0.0)));
-    let work = match cores {
+    let tile = [
+        tile_head(layout, head_dim),
         // A warp whose 16 rows all lie past the tile's (a short sequence's tile, a chunk's
         // last) only helps copy the keys and values.
-        TensorCores::MmaSync => vec![if_(
+        vec![if_(
             lt(var("q0") + warp() * int(16), var("rows_end")),
             [scores(head_dim), online_softmax(), accumulate(head_dim)].concat(),
         )],
-        // The warpgroup multiplies together, its rows past the tile's masked at the store.
-        TensorCores::Wgmma => [scores_wgmma(head_dim), online_softmax(), accumulate_wgmma(head_dim)].concat(),
-    };
-    let tile = [
-        tile_head(layout, head_dim, cores),
-        work,
         // Nobody refills the tiles before every warp is done with them.
         vec![Stmt::SyncThreads],
     ]
     .concat();
     let rows = [
-        vec![
-            let_("kvh", Ty::I32, var("h") / (var("heads") / var("kv_heads"))),
-            let_("g", Ty::I32, lane() / int(4)),
-            let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
-            let_("r0", Ty::I32, var("q0") + warp() * int(16) + var("g")),
-            // Keys the block's rows see: up to its last row's position, from its first row's
-            // window on.
-            let_(
-                "hi",
-                Ty::I32,
-                var("pos0") + bin(BinOp::Min, var("rows_end"), var("q0") + int(TILE_Q)),
-            ),
-            let_(
-                "lo",
-                Ty::I32,
-                select(
-                    bin(BinOp::Gt, var("window"), int(0)),
-                    bin(BinOp::Max, int(0), var("pos0") + var("q0") - var("window") + int(1)),
-                    int(0),
-                ),
-            ),
-            let_("m_lo", Ty::F32, f(f32::NEG_INFINITY)),
-            let_("m_hi", Ty::F32, f(f32::NEG_INFINITY)),
-            let_("l_lo", Ty::F32, f(0.0)),
-            let_("l_hi", Ty::F32, f(0.0)),
-        ],
+        row_state(TILE_Q),
         load_queries(head_dim),
         locals.collect(),
-        vec![let_("first_tile", Ty::I32, var("lo") / int(TILE_KEYS) * int(TILE_KEYS))],
         match tile_buffers(head_dim) {
             1 => vec![],
-            _ => copy_tile(layout, head_dim, cores, var("first_tile"), int(0)),
+            _ => copy_tile(
+                layout,
+                (head_dim, TileOrder::RowMajor),
+                THREADS,
+                var("first_tile"),
+                int(0),
+            ),
         },
         vec![for_("j0", var("first_tile"), var("hi"), int(TILE_KEYS), tile)],
         store_outputs(head_dim),
-    ]
-    .concat();
-    let body = [
-        block_rows(layout, head_dim, parts),
-        // A batched step's spare tiles (past its sequences') hold no rows: the whole block
-        // skips them.
-        match layout {
-            CacheLayout::Batched => vec![if_(lt(var("q0"), var("rows_end")), rows)],
-            _ => rows,
-        },
     ]
     .concat();
     let tile_elements = (TILE_KEYS as usize) * head_dim * tile_buffers(head_dim) as usize;
@@ -651,42 +624,15 @@ fn kernel(name: &str, origin: &str, layout: CacheLayout, head_dim: usize, cores:
         ty: Ty::Bf16,
         len: TILE_Q as usize * head_dim,
     });
-    let instruction = match cores {
-        TensorCores::MmaSync => "mma.sync m16n8k16 bf16, FlashAttention-2's schedule",
-        TensorCores::Wgmma => {
-            "wgmma m64n64k16 and m64nNk16 bf16 from registers and shared memory, FlashAttention-2's schedule"
-        }
-    };
-    let tiles_input = match layout {
-        CacheLayout::Batched => vec![buffer("query_tiles", Ty::I32, false), scalar("seqs", Ty::I32)],
-        _ => vec![],
-    };
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: causal prefill attention on tensor cores ({instruction}: \
+            "{origin}: causal prefill attention on tensor cores (mma.sync m16n8k16 bf16, FlashAttention-2's schedule: \
              {TILE_Q} query rows a block, {TILE_KEYS}-key tiles through shared memory, online softmax in f32), \
              head_dim {head_dim}, bf16 {}",
             layout.describe()
         ),
-        params: [
-            vec![
-                buffer("q", Ty::F32, false),
-                buffer("k", Ty::Bf16, false),
-                buffer("v", Ty::Bf16, false),
-                buffer("out", Ty::F32, true),
-                scalar("tokens", Ty::I32),
-                scalar("q_stride", Ty::I32),
-                scalar("first", Ty::I32),
-                scalar("heads", Ty::I32),
-                scalar("kv_heads", Ty::I32),
-                scalar("window", Ty::I32),
-                scalar("scale", Ty::F32),
-            ],
-            layout.params(),
-            tiles_input,
-        ]
-        .concat(),
+        params: params(layout),
         shared: [
             SharedArray {
                 name: "ks".into(),
@@ -703,8 +649,8 @@ fn kernel(name: &str, origin: &str, layout: CacheLayout, head_dim: usize, cores:
         .chain(queries)
         .collect(),
         block_dim: THREADS as u32,
-        grid: var("heads") * query_tiles_expr(layout) * int(parts),
-        body,
+        grid: var("heads") * query_tiles_expr(layout, TILE_Q) * int(parts),
+        body: guarded_by_rows(layout, block_rows(layout, (head_dim, parts), TILE_Q), rows),
     }
 }
 
@@ -713,14 +659,35 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// A query-tiles step input's name gives back the rows it was named for; other step
+    /// inputs are not query tiles.
+    #[test]
+    fn query_tile_inputs_are_named_by_their_rows() {
+        for rows in [QUERY_TILE_ROWS, 128, 256] {
+            assert_eq!(query_tile_rows(&query_tiles_input(rows)), Some(rows));
+        }
+        for other in [
+            "row_table",
+            "query_tiles_",
+            "query_tiles_0",
+            "query_tiles_x",
+            "query_tiles128",
+        ] {
+            assert_eq!(query_tile_rows(other), None, "{other}");
+        }
+    }
+
     proptest! {
         /// Every row of the step lies in exactly one tile, of its own sequence's rows, at most
         /// a tile's rows long; the tiles fill the grid's count, spare ones empty.
         #[test]
-        fn query_tiles_cover_each_sequences_rows_once(segments in prop::collection::vec(1usize..200, 1..12)) {
-            let tiles = query_tiles(&segments);
+        fn query_tiles_cover_each_sequences_rows_once(
+            segments in prop::collection::vec(1usize..300, 1..12),
+            tile_rows in prop::sample::select(vec![QUERY_TILE_ROWS, 128]),
+        ) {
+            let tiles = query_tiles(&segments, tile_rows);
             let rows: usize = segments.iter().sum();
-            prop_assert_eq!(tiles.len(), 2 * max_query_tiles(rows, segments.len()));
+            prop_assert_eq!(tiles.len(), 2 * max_query_tiles(rows, segments.len(), tile_rows));
             let sequence_of: Vec<usize> = segments
                 .iter()
                 .enumerate()
@@ -729,7 +696,7 @@ mod tests {
             let mut covered = vec![0; rows];
             for tile in tiles.chunks(2) {
                 let (first, count) = (tile[0] as usize, tile[1] as usize);
-                prop_assert!(count <= QUERY_TILE_ROWS);
+                prop_assert!(count <= tile_rows);
                 for row in first..first + count {
                     covered[row] += 1;
                     prop_assert_eq!(sequence_of[row], sequence_of[first]);

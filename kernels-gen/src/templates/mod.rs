@@ -9,6 +9,7 @@ pub mod elementwise;
 pub mod embedding;
 pub mod fill;
 pub mod flash_attention;
+pub mod flash_attention_wgmma;
 pub mod gather;
 pub mod gemm_mma;
 pub mod gemm_tcgen05;
@@ -944,7 +945,7 @@ pub fn catalog() -> Vec<Kernel> {
             cache_layout::CacheLayout::Batched,
             128,
         ),
-        flash_attention::flash_attention_wgmma(
+        flash_attention_wgmma::flash_attention_wgmma(
             "flash_attention_wgmma_d128",
             "catalog",
             cache_layout::CacheLayout::Batched,

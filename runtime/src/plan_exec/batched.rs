@@ -372,12 +372,12 @@ impl<D: PlanDevice> PlanExecutor<D> {
             let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
             device.write(buffer, 0, &bytes)?;
         }
-        if self.attends_by_query_tiles {
-            let lens: Vec<usize> = segment_rows.iter().map(|r| r.len()).collect();
-            let tiles = kernels_gen::templates::flash_attention::query_tiles(&lens);
+        let lens: Vec<usize> = segment_rows.iter().map(|r| r.len()).collect();
+        for (name, tile_rows) in &self.query_tile_inputs {
+            let tiles = kernels_gen::templates::flash_attention::query_tiles(&lens, *tile_rows);
             let (buffer, _) = buffers
-                .whole(&BufferKey::StepInput("query_tiles".into()))
-                .ok_or_else(|| RuntimeError::Artifact("no step input `query_tiles`".into()))?;
+                .whole(&BufferKey::StepInput(name.clone()))
+                .ok_or_else(|| RuntimeError::Artifact(format!("no step input `{name}`")))?;
             let bytes: Vec<u8> = tiles.iter().flat_map(|v| v.to_le_bytes()).collect();
             device.write(buffer, 0, &bytes)?;
         }
@@ -482,6 +482,26 @@ pub(super) fn takes_step_input(plan: &gpu_plan::GpuPlan, input: &str) -> bool {
         .iter()
         .flat_map(|l| &l.args)
         .any(|a| matches!(a, LaunchArg::StepInput { name } if name == input))
+}
+
+/// The step inputs listing query tiles that `plan` reads (see
+/// `kernels_gen::templates::flash_attention::query_tiles_input`), each with its tiles' rows.
+pub(super) fn query_tile_inputs(plan: &gpu_plan::GpuPlan) -> Vec<(String, usize)> {
+    let inputs: std::collections::BTreeSet<&str> = plan
+        .launches
+        .iter()
+        .flat_map(|l| &l.args)
+        .filter_map(|a| match a {
+            LaunchArg::StepInput { name } => Some(name.as_str()),
+            _ => None,
+        })
+        .collect();
+    inputs
+        .into_iter()
+        .filter_map(|name| {
+            kernels_gen::templates::flash_attention::query_tile_rows(name).map(|rows| (name.to_string(), rows))
+        })
+        .collect()
 }
 
 /// A batched plan serves like the CPU backend: the KV pool lives on the device, addressed by

@@ -208,9 +208,9 @@ pub struct PlanExecutor<D: PlanDevice> {
     /// Whether the kernels keep the recurrent states a refused draft is rewound to, where the
     /// model has any (see `keeps_draft_checkpoints`).
     draft_checkpoint_kernels: bool,
-    /// Whether a batched plan's attention reads the step's tiles of query rows (the step
-    /// input `query_tiles`, written each step only where read).
-    attends_by_query_tiles: bool,
+    /// The step inputs listing the step's tiles of query rows that a batched plan's attention
+    /// reads, each with its tiles' rows (written each step only where read).
+    query_tile_inputs: Vec<(String, usize)>,
     /// Places for snapshots of recurrent states (0: none kept).
     snapshot_places: usize,
     /// Drafts a sequence's recurrent state can be rewound past: a checkpoint each (0: none).
@@ -408,17 +408,15 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 ("row_seq", rows),
                 ("state_slots", rows),
                 ("row_checkpoint", rows),
-                // Two entries a tile: one tile a sequence at most, and one more a 64 rows.
-                (
-                    "query_tiles",
-                    2 * kernels_gen::templates::flash_attention::max_query_tiles(rows, rows),
-                ),
-            ];
-            for (name, entries) in inputs {
-                held.insert(
-                    BufferKey::StepInput(name.into()),
-                    (device.alloc(4 * entries)?, 4 * entries),
-                );
+            ]
+            .map(|(name, entries)| (name.to_string(), entries));
+            // Two entries a tile: one tile a sequence at most, and one more a tile's rows.
+            let query_tiles = batched::query_tile_inputs(&plan).into_iter().map(|(name, tile_rows)| {
+                let tiles = kernels_gen::templates::flash_attention::max_query_tiles(rows, rows, tile_rows);
+                (name, 2 * tiles)
+            });
+            for (name, entries) in inputs.into_iter().chain(query_tiles) {
+                held.insert(BufferKey::StepInput(name), (device.alloc(4 * entries)?, 4 * entries));
             }
         }
         let arena = device.alloc(plan.memory.arena_bytes.max(1))?;
@@ -430,7 +428,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
         };
         let several_rows = batched::samples_several_rows(&plan, &per_sequence);
         let draft_checkpoint_kernels = batched::keeps_draft_checkpoints(&plan);
-        let attends_by_query_tiles = batched::takes_step_input(&plan, "query_tiles");
+        let query_tile_inputs = batched::query_tile_inputs(&plan);
         Ok(Self {
             launches,
             plan,
@@ -440,7 +438,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             per_sequence,
             several_rows,
             draft_checkpoint_kernels,
-            attends_by_query_tiles,
+            query_tile_inputs,
             snapshot_places: 0,
             draft_checkpoints: 0,
             captured: Default::default(),

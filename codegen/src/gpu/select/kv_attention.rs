@@ -2,7 +2,8 @@
 //! `templates::flash_attention`): the step's keys and values appended to the node's cache slot
 //! (rotating q and k on the way for `rope_attention`), then the attention over the cache:
 //! split across blocks and merged, or, in steps of prompts over a bf16 cache, on the tensor
-//! cores, a tile of 64 query rows a block (see [`FLASH_ROWS_PER_SEQUENCE`]). A
+//! cores, a tile of 64 query rows a block (128 on Hopper's `wgmma`; see
+//! [`FLASH_ROWS_PER_SEQUENCE`]). A
 //! `shared_kv_attention` appends nothing: it attends over the slot an earlier layer filled, and
 //! may do so for the sampled rows only (each sequence's last, after `last_token`): their
 //! tables and positions are then the step's `sampled_row_table` and `sampled_row_pos` (a
@@ -13,7 +14,9 @@ use crate::gpu::{GpuCodegenError, KvLayout, LaunchArg};
 use ir::{AttentionSpec, DType, Op};
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::cache_layout::CacheLayout;
-use kernels_gen::templates::{attention, flash_attention, kv_append, rope, step_gate, weight_prefetch};
+use kernels_gen::templates::{
+    attention, flash_attention, flash_attention_wgmma, kv_append, rope, step_gate, weight_prefetch,
+};
 
 /// Steps whose sequences average this many rows or more attend on the tensor cores
 /// (`templates::flash_attention`): prompts being prefilled, whose 64-row query tiles read each
@@ -288,13 +291,28 @@ fn attend(
     args.push(scalar(GATE, &split_step));
     s.launches
         .push((i, step_gate::gated(split, GATE), Alternatives::default(), args));
+    let (kernel, tile_rows) = match wgmma_flash && flash_attention_wgmma::supports(spec.head_dim) {
+        true => (
+            flash_attention_wgmma::flash_attention_wgmma(
+                "flash_attention_wgmma",
+                &graph.name,
+                cache.layout,
+                spec.head_dim,
+            ),
+            flash_attention_wgmma::QUERY_TILE_ROWS,
+        ),
+        false => (
+            flash_attention::flash_attention("flash_attention", &graph.name, cache.layout, spec.head_dim),
+            flash_attention::QUERY_TILE_ROWS,
+        ),
+    };
     let flash_args = [
         common(operands.out()),
         cache.layout_args.clone(),
         match cache.layout {
             CacheLayout::Batched => vec![
                 LaunchArg::StepInput {
-                    name: "query_tiles".into(),
+                    name: flash_attention::query_tiles_input(tile_rows),
                 },
                 scalar("seqs", "seqs"),
             ],
@@ -303,12 +321,6 @@ fn attend(
         vec![scalar(GATE, &flash)],
     ]
     .concat();
-    let kernel = match wgmma_flash && flash_attention::wgmma_supports(spec.head_dim) {
-        true => {
-            flash_attention::flash_attention_wgmma("flash_attention_wgmma", &graph.name, cache.layout, spec.head_dim)
-        }
-        false => flash_attention::flash_attention("flash_attention", &graph.name, cache.layout, spec.head_dim),
-    };
     s.launches
         .push((i, step_gate::gated(kernel, GATE), Alternatives::default(), flash_args));
     let (merge, mut merge_args) = merge;
