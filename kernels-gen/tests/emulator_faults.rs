@@ -1124,3 +1124,127 @@ fn roles_meet_at_mbarriers_however_their_loops_nest() {
         "{message}"
     );
 }
+
+/// How the producer warp of [`a_producer_warp_hands_over_shared_memory_through_mbarriers`]
+/// fills its buffer and publishes it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Handover {
+    /// Each lane stores, then arrives.
+    Stores,
+    /// Each lane copies (`cp.async`), waits for its copy, then arrives.
+    Copies,
+    /// Each lane arrives, then stores.
+    ArrivesFirst,
+    /// Each lane copies and arrives without waiting for its copy.
+    CopiesInFlight,
+    /// Each lane stores; lane 0 alone arrives (a barrier of one arrival).
+    OneLaneArrives,
+    /// Each lane stores and arrives; the consumers read without waiting.
+    ConsumersDoNotWait,
+}
+
+/// A producer warp hands what it writes to a consumer warp through an mbarrier, with no
+/// `__syncthreads()` between: each round it stores or copies into a fresh part of a shared
+/// buffer and arrives; the consumers wait on the phase and each reads what another lane
+/// wrote. An arrival releases its thread's writes (stores, and copies once landed), a wait
+/// acquires them; so arriving before writing, before a copy has landed, or from one lane for
+/// the warp, and reading without the wait, are each reported.
+#[test]
+fn a_producer_warp_hands_over_shared_memory_through_mbarriers() {
+    let full = MbarrierRef::whole("full");
+    let program = |handover: Handover| {
+        // A lane's 16 bytes: 8 bf16 elements.
+        let at = var("round") * int(256) + lane() * int(8);
+        let write = match handover {
+            Handover::Copies | Handover::CopiesInFlight => vec![
+                Stmt::CpAsync(Box::new(AsyncCopy {
+                    dst: "buf".into(),
+                    dst_index: at.clone(),
+                    src: "x".into(),
+                    src_index: lane() * int(0),
+                    valid: Expr::Bool(true),
+                })),
+                Stmt::CpAsyncCommit,
+            ],
+            _ => vec![store("buf", at, cast(Ty::F32, lane() + var("round") * int(32)))],
+        };
+        let arrive = mbarrier(Mbarrier::Arrive { barrier: full.clone() });
+        let producer = match handover {
+            Handover::Copies => [write, vec![Stmt::CpAsyncWait(0), arrive]].concat(),
+            Handover::ArrivesFirst => [vec![arrive], write].concat(),
+            Handover::OneLaneArrives => [write, vec![if_(eq(lane(), int(0)), vec![arrive])]].concat(),
+            _ => [write, vec![arrive]].concat(),
+        };
+        let wait = mbarrier(Mbarrier::Wait {
+            barrier: full.clone(),
+            parity: rem(var("round"), int(2)),
+        });
+        let read = store(
+            "out",
+            var("round") * int(32) + lane(),
+            load("buf", var("round") * int(256) + rem(lane() + int(1), int(32)) * int(8)),
+        );
+        let consumer = match handover {
+            Handover::ConsumersDoNotWait => vec![read],
+            _ => vec![wait, read],
+        };
+        let rounds = |body| vec![for_("round", int(0), int(2), int(1), body)];
+        let arrivals = match handover {
+            Handover::OneLaneArrives => 1,
+            _ => 32,
+        };
+        let mut k = kernel(
+            vec![
+                if_(
+                    eq(tid(), int(0)),
+                    vec![mbarrier(Mbarrier::Init {
+                        barrier: full.clone(),
+                        count: arrivals,
+                    })],
+                ),
+                Stmt::SyncThreads,
+                Stmt::Roles(Box::new(Roles {
+                    roles: vec![
+                        Role {
+                            cond: eq(warp(), int(0)),
+                            body: rounds(consumer),
+                        },
+                        Role {
+                            cond: eq(warp(), int(1)),
+                            body: rounds(producer),
+                        },
+                    ],
+                })),
+            ],
+            vec![shared("full", Ty::U32, 2), shared("buf", Ty::Bf16, 512)],
+        );
+        k.params[0] = buffer("x", Ty::Bf16, false);
+        k
+    };
+    let x = Array::ints(Ty::Bf16, &[7; 64]);
+    for handover in [Handover::Stores, Handover::Copies] {
+        let mut bufs = HashMap::from([("x".into(), x.clone()), ("out".into(), Array::poisoned(Ty::F32, 64))]);
+        run(&program(handover), &mut bufs, &HashMap::new()).unwrap_or_else(|e| panic!("{handover:?}: {e}"));
+        let want: Vec<f32> = match handover {
+            Handover::Copies => vec![7.0; 64],
+            _ => (0..64).map(|i| (i / 32 * 32 + (i + 1) % 32) as f32).collect(),
+        };
+        assert_eq!(bufs["out"].to_f32().unwrap(), want, "{handover:?}");
+    }
+    for (handover, expected) in [
+        (Handover::ArrivesFirst, "without a __syncthreads() between"),
+        (Handover::CopiesInFlight, "while a cp.async into it is in flight"),
+        (
+            Handover::OneLaneArrives,
+            "written by thread 33 without a __syncthreads() between",
+        ),
+        (Handover::ConsumersDoNotWait, "never written"),
+    ] {
+        let mut bufs = HashMap::from([("x".into(), x.clone()), ("out".into(), Array::poisoned(Ty::F32, 64))]);
+        let message = match run(&program(handover), &mut bufs, &HashMap::new()) {
+            Err(EmuError::Fault { message, .. }) => message,
+            other => panic!("{handover:?}: expected a fault, got {other:?}"),
+        };
+        assert!(message.contains(expected), "{handover:?}: {message}");
+    }
+}

@@ -244,7 +244,8 @@ impl Block<'_> {
             self.asynch.copy_targets.get_mut(&copy.array).expect("shared")[i] = false;
             self.asynch.note_write(&copy.array, i, t)?;
             self.forget_landing(&copy.array, i);
-            self.shared_writer.get_mut(&copy.array).expect("shared")[i] = Some(t);
+            let write = self.shared_write(t);
+            self.shared_writer.get_mut(&copy.array).expect("shared")[i] = Some(write);
             let array = self.shared.get_mut(&copy.array).expect("shared");
             array.values[i] = value;
             array.init[i] = true;
@@ -485,11 +486,17 @@ impl Block<'_> {
                 if !array.init[i] {
                     return Err((thread, format!("{what} reads {name}[{i}], which was never written")));
                 }
-                if let Some(w) = self.shared_writer[name][i] {
-                    return Err((
-                        thread,
-                        format!("{what} reads {name}[{i}] written by thread {w} without a __syncthreads() between"),
-                    ));
+                match self.shared_writer[name][i] {
+                    Some(w) if !w.released_to(self.barriers.knowledge(thread)) => {
+                        return Err((
+                            thread,
+                            format!(
+                                "{what} reads {name}[{i}] written by thread {} without a __syncthreads() between",
+                                w.thread
+                            ),
+                        ));
+                    }
+                    _ => {}
                 }
                 if let Some(w) = self.asynch.unfenced[name][i] {
                     return Err((

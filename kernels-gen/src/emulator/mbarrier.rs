@@ -7,10 +7,12 @@
 //! already has all its arrivals, and bytes delivered beyond those announced.
 //!
 //! An arrival releases and a wait acquires, as on the device: a thread that waited for a
-//! phase knows what each thread arriving on it knew (the phases it had seen complete, and the
-//! tensor-core reads its warpgroup had retired), so a producer warp may refill a buffer the
-//! consumers' `wgmma`s read once it has waited on the barrier they arrive on after retiring
-//! them, with no `__syncthreads()` between (warp specialisation).
+//! phase knows what each thread arriving on it knew (the phases it had seen complete, the
+//! tensor-core reads its warpgroup had retired, and its own writes of shared memory), so a
+//! producer warp may refill a buffer the consumers' `wgmma`s read once it has waited on the
+//! barrier they arrive on after retiring them, and consumers may read what a producer stored
+//! or copied (`st.shared`, landed `cp.async`) once they waited on the phase it arrived on
+//! after, with no `__syncthreads()` between (warp specialisation).
 
 use super::{Block, Fault};
 use crate::dsl::{Expr, Mbarrier, MbarrierRef};
@@ -36,7 +38,8 @@ pub(super) struct Barrier {
 /// What a thread knows has happened: per barrier key, the phases it has seen complete; per
 /// warpgroup (`@wg{n}`), the clock of its latest release, every tensor-core read the
 /// warpgroup retired before that being over; per warp (`@warp{n}`), likewise, every
-/// `tcgen05.ld` the warp issued before it being over.
+/// `tcgen05.ld` the warp issued before it being over; per thread (`@t{n}`), the clock of its
+/// latest release after a write of shared memory, every write before it being visible.
 type Knowledge = HashMap<String, u64>;
 
 /// Max-merge `from` into `into`.
@@ -57,14 +60,23 @@ pub(super) fn warp_key(warp: usize) -> String {
     format!("@warp{warp}")
 }
 
+/// The knowledge key of thread `t`'s releases of its shared-memory writes.
+pub(super) fn thread_key(t: usize) -> String {
+    format!("@t{t}")
+}
+
 #[derive(Default)]
 pub(super) struct Barriers {
     barriers: HashMap<String, Barrier>,
     /// Per thread: how many phases of each barrier it has seen complete, directly or through
     /// the arrivals of a phase it waited for, and the warpgroups' releases it has acquired.
     observed: Vec<Knowledge>,
-    /// Counts arrivals: what orders a warpgroup's tensor-core reads against its releases.
+    /// Counts arrivals: what orders a warpgroup's tensor-core reads and a thread's writes
+    /// against their releases.
     pub(super) clock: u64,
+    /// Per thread: whether it wrote shared memory since its last arrival (only then does an
+    /// arrival release a write, and only then is its key worth carrying).
+    unreleased_writes: Vec<bool>,
 }
 
 impl Barriers {
@@ -73,7 +85,13 @@ impl Barriers {
             barriers: HashMap::new(),
             observed: vec![HashMap::new(); threads],
             clock: 0,
+            unreleased_writes: vec![false; threads],
         }
+    }
+
+    /// Thread `t` wrote shared memory: its next arrival releases it.
+    pub(super) fn note_write(&mut self, t: usize) {
+        self.unreleased_writes[t] = true;
     }
 
     /// What thread `t` knows (see [`Knowledge`]).
@@ -180,6 +198,9 @@ impl Block<'_> {
         let mut knows = self.barriers.observed[t].clone();
         knows.insert(warpgroup_key(t / super::asynchronous::WARPGROUP), self.barriers.clock);
         knows.insert(warp_key(t / 32), self.barriers.clock);
+        if std::mem::take(&mut self.barriers.unreleased_writes[t]) {
+            knows.insert(thread_key(t), self.barriers.clock);
+        }
         let b = self.barrier_mut(key, t)?;
         merge(&mut b.releasing, &knows);
         if b.arrivals == b.count {

@@ -245,8 +245,8 @@ struct Block<'k> {
     scope: Scope,
     vars: HashMap<String, Vec<Val>>,
     shared: HashMap<String, Array>,
-    /// For each shared element: the thread that wrote it since the last barrier.
-    shared_writer: HashMap<String, Vec<Option<usize>>>,
+    /// For each shared element: its write since the last barrier.
+    shared_writer: HashMap<String, Vec<Option<SharedWrite>>>,
     /// For each shared element: who read it since the last barrier (loads only see `&self`).
     shared_readers: std::cell::RefCell<HashMap<String, Vec<Readers>>>,
     /// cp.async copies and wgmma operations in flight.
@@ -278,6 +278,24 @@ impl std::hash::Hasher for IndexHasher {
 
     fn finish(&self) -> u64 {
         self.0
+    }
+}
+
+/// A generic write of a shared element since the last barrier: by whom, and when (the
+/// mbarriers' clock, which counts arrivals).
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct SharedWrite {
+    thread: usize,
+    clock: u64,
+}
+
+impl SharedWrite {
+    /// Whether a thread knowing `knows` (`Barriers::knowledge`) acquired an arrival its writer
+    /// made after it: an mbarrier orders it before the thread's reads, as a barrier would.
+    fn released_to(self, knows: &HashMap<String, u64>) -> bool {
+        knows
+            .get(&mbarrier::thread_key(self.thread))
+            .is_some_and(|&released| released > self.clock)
     }
 }
 
@@ -715,6 +733,15 @@ impl<'k> Block<'k> {
         Ok(())
     }
 
+    /// A generic write of shared memory by thread `t`, now.
+    fn shared_write(&mut self, t: usize) -> SharedWrite {
+        self.barriers.note_write(t);
+        SharedWrite {
+            thread: t,
+            clock: self.barriers.clock,
+        }
+    }
+
     fn store(
         &mut self,
         buf: &str,
@@ -761,7 +788,8 @@ impl<'k> Block<'k> {
                 self.check_mma_read(buf, i, t)?;
                 self.asynch.note_write(buf, i, t)?;
                 self.forget_landing(buf, i);
-                self.shared_writer.get_mut(buf).expect("shared")[i] = Some(t);
+                let write = self.shared_write(t);
+                self.shared_writer.get_mut(buf).expect("shared")[i] = Some(write);
             }
             let array = match is_shared {
                 true => self.shared.get_mut(buf),
@@ -807,10 +835,13 @@ impl<'k> Block<'k> {
                 return Err((t, format!("load of {buf}[{i}], which was never written")));
             }
             if let Some(Some(w)) = writers.map(|w| w[i]) {
-                if w != t {
+                if w.thread != t && !w.released_to(self.barriers.knowledge(t)) {
                     return Err((
                         t,
-                        format!("reads {buf}[{i}] written by thread {w} without a __syncthreads() between"),
+                        format!(
+                            "reads {buf}[{i}] written by thread {} without a __syncthreads() between",
+                            w.thread
+                        ),
                     ));
                 }
             }

@@ -156,7 +156,8 @@ impl Block<'_> {
         self.tmem.allocations.push((start, columns));
         // The address lands in shared memory, written by the warp: readers need a barrier.
         self.asynch.note_write(slot, 0, t)?;
-        self.shared_writer.get_mut(slot).expect("shared")[0] = Some(t);
+        let write = self.shared_write(t);
+        self.shared_writer.get_mut(slot).expect("shared")[0] = Some(write);
         let array = self.shared.get_mut(slot).expect("shared");
         array.values[0] = start as f64;
         array.init[0] = true;
