@@ -2143,9 +2143,9 @@ fn warp_specialised_prefill_gemms_compute_what_the_others_do() {
     }
 }
 
-/// A Hopper plan whose prompts attend on `wgmma` (`--prefill-attention wgmma`) computes what
-/// the plan on the `mma.sync` flash kernel does, bit for bit, in one piece and over the
-/// serving pool: the same products of bf16 operands summed in f32, on other tensor cores.
+/// A Hopper plan whose prompts attend on `wgmma` (`--prefill-attention wgmma` and
+/// `wgmma-specialised`) computes what the plan on the `mma.sync` flash kernel does, bit for
+/// bit: the same products of bf16 operands summed in f32, on other tensor cores.
 #[test]
 fn wgmma_prefill_attention_computes_what_the_mma_sync_one_does() {
     let model = open("llama", ComputeDtype::Bf16);
@@ -2161,18 +2161,20 @@ fn wgmma_prefill_attention_computes_what_the_mma_sync_one_does() {
             .launches
             .iter()
             .filter(|l| l.kernel.starts_with("flash_attention_wgmma"));
-        assert_eq!(wgmma.count() > 0, attention == gpu::PrefillAttention::Wgmma);
+        assert_eq!(wgmma.count() > 0, attention != gpu::PrefillAttention::Mma);
         let gpu = EmulatorBackend::emulated(plan, kernels, graph.clone(), &model.weights, &[], 64).unwrap();
         let mut sequence = gpu.new_sequence();
         let first = gpu.step(&mut sequence, &prompt).unwrap()["logits"].data.clone();
         let next = gpu.step(&mut sequence, &[5]).unwrap()["logits"].data.clone();
         [first, next]
     };
-    assert_eq!(logits(gpu::PrefillAttention::Wgmma), logits(gpu::PrefillAttention::Mma));
+    let mma = logits(gpu::PrefillAttention::Mma);
+    assert_eq!(logits(gpu::PrefillAttention::Wgmma), mma);
+    assert_eq!(logits(gpu::PrefillAttention::WgmmaSpecialised), mma);
 }
 
-/// A batched Hopper plan attending on `wgmma` computes what the one on `mma.sync` does, bit for
-/// bit, its prompts cut into the wgmma kernel's tiles of 128 rows (the step input the runtime
+/// A batched Hopper plan attending on `wgmma` (either schedule) computes what the one on
+/// `mma.sync` does, bit for bit, its prompts cut into the wgmma kernel's tiles of 128 rows (the step input the runtime
 /// writes for it): a prompt longer than a tile beside a short one, then both continued past
 /// their cached rows, then a decode step (the split attention).
 #[test]
@@ -2205,7 +2207,7 @@ fn batched_plans_attend_on_wgmma_as_on_mma_sync() {
             .iter()
             .filter(|k| k.name.starts_with("flash_attention_wgmma"))
             .count();
-        assert_eq!(wgmma > 0, attention == gpu::PrefillAttention::Wgmma);
+        assert_eq!(wgmma > 0, attention != gpu::PrefillAttention::Mma);
         let gpu = EmulatorBackend::emulated(plan, kernels, graph.clone(), &model.weights, &[], 256).unwrap();
         let got: Vec<Vec<f32>> = steps
             .iter()
@@ -2214,7 +2216,9 @@ fn batched_plans_attend_on_wgmma_as_on_mma_sync() {
             .collect();
         got
     };
-    assert_eq!(logits(gpu::PrefillAttention::Wgmma), logits(gpu::PrefillAttention::Mma));
+    let mma = logits(gpu::PrefillAttention::Mma);
+    assert_eq!(logits(gpu::PrefillAttention::Wgmma), mma);
+    assert_eq!(logits(gpu::PrefillAttention::WgmmaSpecialised), mma);
 }
 
 /// `bbc gpu-check`'s lockstep of a serving plan (two prompts in one step, then decode steps)

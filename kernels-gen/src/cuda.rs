@@ -414,7 +414,14 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
                     if i > 0 {
                         indent(out, depth);
                     }
-                    let _ = writeln!(out, "if ({}) {{", expr(&role.cond, scope));
+                    // A role takes whole warps, so its condition is the same across a warp:
+                    // broadcast from lane 0, the compiler knows it too, and `wgmma`s inside are
+                    // not serialised as if in a divergent branch.
+                    let _ = writeln!(
+                        out,
+                        "if (__shfl_sync(0xffffffffu, (int)({}), 0)) {{",
+                        expr(&role.cond, scope)
+                    );
                     block(out, &role.body, &mut scope.clone(), depth + 1);
                     indent(out, depth);
                     out.push_str("}\n");

@@ -476,7 +476,8 @@ pub struct TmemMma {
 
 /// The roles of a warp-specialised block: each role's threads (those for which `cond` holds,
 /// whole warps, one role a thread) run its `body`. On the device the roles run apart (`if
-/// (cond) { body }` each), so nothing but mbarriers orders one role's work against another's,
+/// (cond) { body }` each, `cond` broadcast from lane 0 so the compiler knows it the same
+/// across a warp), so nothing but mbarriers orders one role's work against another's,
 /// and registers a role declares (a consumer's accumulators) are its own: what lets `ptxas`
 /// keep a role's `wgmma`s asynchronous. A role loops as it needs (a producer over K steps, a
 /// persistent consumer over tiles and, inside, their K steps). The emulator runs the roles as

@@ -818,41 +818,10 @@ fn flash_attention_over_a_batched_step_matches_reference() {
 /// values the generic proxy wrote; without the waits the next step touches registers the
 /// tensor cores still use; waiting for one group too few, the softmax reads scores still
 /// being computed, or the rescaling outputs `P·V` still adds to; without the barrier a warp
-/// reads tiles other threads copied. Long enough (4 key tiles) for the ring to wrap.
+/// reads tiles other threads copied.
 #[test]
 fn the_wgmma_flash_attention_fails_without_its_fences_and_waits() {
-    use kernels_gen::templates::cache_layout::CacheLayout;
-    let mut rng = Rng(53);
-    let (tokens, heads, head_dim) = (200, 1, 32);
-    let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
-    let (q, k, v) = (
-        round(&rng.vec(tokens * heads * head_dim)),
-        round(&rng.vec(tokens * head_dim)),
-        round(&rng.vec(tokens * head_dim)),
-    );
-    let mut scalars = ints(&[
-        ("tokens", tokens as i64),
-        ("q_stride", (heads * head_dim) as i64),
-        ("first", 0),
-        ("heads", heads as i64),
-        ("kv_heads", 1),
-        ("window", 0),
-    ]);
-    scalars.insert("scale".into(), Scalar::F32(0.3));
-    let kernel = flash_attention_wgmma::flash_attention_wgmma("flash", "test", CacheLayout::Contiguous, head_dim);
-    let run_with = |body: Vec<Stmt>| {
-        let mut broken = kernel.clone();
-        broken.body = body;
-        let mut bufs = HashMap::from([
-            ("q".into(), Array::f32(&q)),
-            ("k".into(), bf16_array(&k)),
-            ("v".into(), bf16_array(&v)),
-            ("out".into(), Array::poisoned(Ty::F32, tokens * heads * head_dim)),
-        ]);
-        run(&broken, &mut bufs, &scalars).map_err(|e| e.to_string())
-    };
-    run_with(kernel.body.clone()).unwrap();
-    type Edit = dyn Fn(&Stmt) -> Option<Stmt>;
+    let kernel = wgmma_flash_for_faults(flash_attention_wgmma::Schedule::Lockstep);
     let dropping = |drop: fn(&Stmt) -> bool| move |s: &Stmt| (!drop(s)).then(|| s.clone());
     let waiting = |from: u32, to: u32| {
         move |s: &Stmt| match s {
@@ -863,7 +832,7 @@ fn the_wgmma_flash_attention_fails_without_its_fences_and_waits() {
     for (what, edit, expected) in [
         (
             "the fences",
-            &dropping(|s| matches!(s, Stmt::FenceProxyAsync)) as &Edit,
+            &dropping(|s| matches!(s, Stmt::FenceProxyAsync)) as Edit,
             "without fence.proxy.async",
         ),
         (
@@ -879,22 +848,119 @@ fn the_wgmma_flash_attention_fails_without_its_fences_and_waits() {
             "without a __syncthreads() between",
         ),
     ] {
-        let body = edited(&kernel.body, edit);
-        assert_ne!(body, kernel.body, "{what}");
-        let message = run_with(body).unwrap_err();
-        assert!(message.contains(expected), "without {what}: {message}");
+        wgmma_flash_fails_without(&kernel, (what, edit, expected));
     }
 }
 
-/// The tensor-core prefill attention kernels for `head_dim` over `layout`, each with the rows
-/// of its query tiles: on `mma.sync`, and on `wgmma` where it takes the head.
-fn flash_kernels(layout: kernels_gen::templates::cache_layout::CacheLayout, head_dim: usize) -> Vec<(Kernel, usize)> {
-    let wgmma = flash_attention_wgmma::supports(head_dim).then(|| {
+/// The warp-specialised `wgmma` flash attention hands its tiles over through mbarriers, and
+/// the emulator says why when a hand-over is missing: without the consumers' wait on `full`
+/// their tensor cores read a buffer before its copies; without the producer's wait for
+/// its copies, or its fence, it hands over what has not landed or what the async proxy may
+/// not see; without its wait on `empty` it refills a buffer the consumers' tensor cores read,
+/// ordered by nothing; without the consumers' release on `empty` both roles wait forever.
+#[test]
+fn the_specialised_wgmma_flash_attention_fails_without_its_hand_overs() {
+    let kernel = wgmma_flash_for_faults(flash_attention_wgmma::Schedule::Specialised);
+    fn barrier_op(s: &Stmt, array: &str, wait: bool) -> bool {
+        matches!(s, Stmt::Mbarrier(m) if match &**m {
+            Mbarrier::Wait { barrier, .. } => wait && barrier.array == array,
+            Mbarrier::Arrive { barrier } => !wait && barrier.array == array,
+            _ => false,
+        })
+    }
+    let dropping = |drop: fn(&Stmt) -> bool| move |s: &Stmt| (!drop(s)).then(|| s.clone());
+    let consumers_wait = dropping(|s| barrier_op(s, "full", true));
+    let producers_wait = dropping(|s| barrier_op(s, "empty", true));
+    let release = dropping(|s| barrier_op(s, "empty", false));
+    let landing = dropping(|s| matches!(s, Stmt::CpAsyncWait(_)));
+    let fence = dropping(|s| matches!(s, Stmt::FenceProxyAsync));
+    for (what, edit, expected) in [
+        // The consumers run ahead of the producer's first copy.
         (
-            flash_attention_wgmma::flash_attention_wgmma("flash_wgmma", "test", layout, head_dim),
-            flash_attention_wgmma::QUERY_TILE_ROWS,
-        )
-    });
+            "the consumers' wait",
+            &consumers_wait as Edit,
+            "wgmma reads ks[0], which was never written",
+        ),
+        (
+            "the producer's wait for its copies",
+            &landing,
+            "while a cp.async into it is in flight",
+        ),
+        ("the producer's fence", &fence, "without fence.proxy.async"),
+        (
+            "the producer's wait for a buffer",
+            &producers_wait,
+            "read by warpgroup 0's tensor cores without a __syncthreads() between",
+        ),
+        // Reported with the consumers' wait for the tile the waiting producer would copy.
+        (
+            "the consumers' release",
+            &release,
+            "of mbarrier full[2], which never completes",
+        ),
+    ] {
+        wgmma_flash_fails_without(&kernel, (what, edit, expected));
+    }
+}
+
+/// The `wgmma` flash attention on `schedule` for the fault tests: one head of 32 dims over a
+/// contiguous cache, long enough (4 key tiles) for the ring to wrap.
+fn wgmma_flash_for_faults(schedule: flash_attention_wgmma::Schedule) -> Kernel {
+    use kernels_gen::templates::cache_layout::CacheLayout;
+    flash_attention_wgmma::flash_attention_wgmma("flash", "test", CacheLayout::Contiguous, 32, schedule)
+}
+
+/// `kernel` (from [`wgmma_flash_for_faults`]) runs as it is, and with `edit` applied (leaving
+/// out `what`) into a fault whose message contains `expected`.
+fn wgmma_flash_fails_without(kernel: &Kernel, (what, edit, expected): (&str, Edit, &str)) {
+    let mut rng = Rng(53);
+    let (tokens, head_dim) = (200, 32);
+    let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+    let (q, k, v) = (
+        round(&rng.vec(tokens * head_dim)),
+        round(&rng.vec(tokens * head_dim)),
+        round(&rng.vec(tokens * head_dim)),
+    );
+    let mut scalars = ints(&[
+        ("tokens", tokens as i64),
+        ("q_stride", head_dim as i64),
+        ("first", 0),
+        ("heads", 1),
+        ("kv_heads", 1),
+        ("window", 0),
+    ]);
+    scalars.insert("scale".into(), Scalar::F32(0.3));
+    let run_with = |body: Vec<Stmt>| {
+        let mut broken = kernel.clone();
+        broken.body = body;
+        let mut bufs = HashMap::from([
+            ("q".into(), Array::f32(&q)),
+            ("k".into(), bf16_array(&k)),
+            ("v".into(), bf16_array(&v)),
+            ("out".into(), Array::poisoned(Ty::F32, tokens * head_dim)),
+        ]);
+        run(&broken, &mut bufs, &scalars).map_err(|e| e.to_string())
+    };
+    run_with(kernel.body.clone()).unwrap();
+    let body = edited(&kernel.body, edit);
+    assert_ne!(body, kernel.body, "{what}");
+    let message = run_with(body).unwrap_err();
+    assert!(message.contains(expected), "without {what}: {message}");
+}
+
+/// The tensor-core prefill attention kernels for `head_dim` over `layout`, each with the rows
+/// of its query tiles: on `mma.sync`, and on `wgmma` (both schedules) where it takes the head.
+fn flash_kernels(layout: kernels_gen::templates::cache_layout::CacheLayout, head_dim: usize) -> Vec<(Kernel, usize)> {
+    use flash_attention_wgmma::Schedule;
+    let wgmma = [Schedule::Lockstep, Schedule::Specialised]
+        .into_iter()
+        .filter(|_| flash_attention_wgmma::supports(head_dim))
+        .map(|schedule| {
+            (
+                flash_attention_wgmma::flash_attention_wgmma("flash_wgmma", "test", layout, head_dim, schedule),
+                flash_attention_wgmma::QUERY_TILE_ROWS,
+            )
+        });
     [(
         flash_attention::flash_attention("flash", "test", layout, head_dim),
         flash_attention::QUERY_TILE_ROWS,

@@ -35,6 +35,8 @@ pub enum PrefillAttention {
     Mma,
     /// FlashAttention-3's schedule on `wgmma` (Hopper, heads up to 128 dims; elsewhere as `mma`).
     Wgmma,
+    /// The same, a producer warp copying the tiles for the two consumer warpgroups.
+    WgmmaSpecialised,
 }
 
 impl From<PrefillAttention> for codegen::gpu::PrefillAttention {
@@ -42,6 +44,7 @@ impl From<PrefillAttention> for codegen::gpu::PrefillAttention {
         match attention {
             PrefillAttention::Mma => Self::Mma,
             PrefillAttention::Wgmma => Self::Wgmma,
+            PrefillAttention::WgmmaSpecialised => Self::WgmmaSpecialised,
         }
     }
 }

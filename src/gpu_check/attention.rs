@@ -12,7 +12,7 @@ use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::attention::{self, attention_combine, attention_split};
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::flash_attention::{self, flash_attention};
-use kernels_gen::templates::flash_attention_wgmma::{self, flash_attention_wgmma};
+use kernels_gen::templates::flash_attention_wgmma::{self, flash_attention_wgmma, Schedule};
 use runtime::plan_exec::{DeviceArg, PlanDevice};
 use runtime::random_weights::{fill_kernels, fill_on_device, Fill};
 
@@ -26,20 +26,49 @@ const DECODE: (usize, usize) = (64, 4096);
 /// Positions a block of the paged pool holds.
 const BLOCK_SIZE: usize = 16;
 
-/// The `wgmma` prefill's kernels, over a contiguous cache and over the pool (Hopper).
-const WGMMA_FLASH: [&str; 2] = ["flash_attention_wgmma", "flash_attention_wgmma_pool"];
+/// The `wgmma` prefill's kernels (Hopper): each schedule's over a contiguous cache and over
+/// the pool, with the table's label.
+const WGMMA_FLASH: [(&str, &str, Schedule, bool); 4] = [
+    (
+        "flash_attention_wgmma",
+        "wgmma (flash_attention_wgmma)",
+        Schedule::Lockstep,
+        false,
+    ),
+    (
+        "flash_attention_wgmma_pool",
+        "wgmma over the pool",
+        Schedule::Lockstep,
+        true,
+    ),
+    (
+        "flash_attention_wgmma_specialised",
+        "wgmma, warp-specialised",
+        Schedule::Specialised,
+        false,
+    ),
+    (
+        "flash_attention_wgmma_specialised_pool",
+        "wgmma, warp-specialised, over the pool",
+        Schedule::Specialised,
+        true,
+    ),
+];
 
 /// The kernels timed on `arch`: the tensor-core prefill over a contiguous cache and over the
 /// batched paged pool (on Hopper also on `wgmma`), the split pass over both, and the merge.
 fn kernels(arch: &str) -> Vec<Kernel> {
     let group = attention::heads_per_block(HEADS, KV_HEADS, HEAD_DIM);
-    let wgmma = match arch {
-        "sm_90a" => vec![
-            flash_attention_wgmma(WGMMA_FLASH[0], "gpu-check", CacheLayout::Contiguous, HEAD_DIM),
-            flash_attention_wgmma(WGMMA_FLASH[1], "gpu-check", CacheLayout::Batched, HEAD_DIM),
-        ],
-        _ => vec![],
-    };
+    let wgmma = WGMMA_FLASH
+        .iter()
+        .filter(|_| arch == "sm_90a")
+        .map(|&(name, _, schedule, pooled)| {
+            let layout = match pooled {
+                true => CacheLayout::Batched,
+                false => CacheLayout::Contiguous,
+            };
+            flash_attention_wgmma(name, "gpu-check", layout, HEAD_DIM, schedule)
+        });
     let mut kernels = vec![
         flash_attention("flash_attention", "gpu-check", CacheLayout::Contiguous, HEAD_DIM),
         flash_attention("flash_attention_pool", "gpu-check", CacheLayout::Batched, HEAD_DIM),
@@ -177,11 +206,14 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
             ("tensor cores over the pool (the plans')", vec![flash_pool], &over_pool),
             ("split pass + merge (decode steps')", vec![split, combine], &value),
         ];
-        if let (Ok(wgmma), Ok(wgmma_over_pool)) = (find(WGMMA_FLASH[0]), find(WGMMA_FLASH[1])) {
-            launches.extend([
-                ("wgmma (flash_attention_wgmma)", vec![wgmma], &value as Value),
-                ("wgmma over the pool", vec![wgmma_over_pool], &over_wgmma_pool),
-            ]);
+        for &(name, label, _, pooled) in &WGMMA_FLASH {
+            if let Ok(kernel) = find(name) {
+                let value: Value = match pooled {
+                    true => &over_wgmma_pool,
+                    false => &value,
+                };
+                launches.push((label, vec![kernel], value));
+            }
         }
         for (label, launched, value) in launches {
             let seconds = time_launches(&mut device, &launched, value)?;

@@ -290,10 +290,11 @@ fn random_bf16_values(seed: &mut u32, count: usize, range: f32) -> Vec<f32> {
 /// zeros).
 const TMA_CHECK: (usize, usize, usize, usize) = (130, 300, 264, 272);
 
-/// The kernels no plan launches yet, in lockstep with the emulator: the target's TMA GEMMs ([`tma_gemm_kernels`]) on [`TMA_CHECK`]'s shape, in one piece and K split in
-/// three with the reduction; on every target the tensor-core prefill attention
-/// ([`FLASH_CHECKS`]), on Hopper also on `wgmma`. Prints each kernel's max relative error
-/// and returns the worst.
+/// The kernels no plan launches yet, in lockstep with the emulator: the target's TMA GEMMs
+/// ([`tma_gemm_kernels`]) on [`TMA_CHECK`]'s shape, in one piece and K split in three with the
+/// reduction; on every target the tensor-core prefill attention ([`FLASH_CHECKS`]), on Hopper
+/// also on `wgmma` (both schedules). Prints each kernel's max relative error and returns the
+/// worst.
 pub fn unplanned_kernel_errors(arch: &str) -> Result<f64> {
     let gemms = tma_gemm_kernels(arch);
     let flash = flash_attention_kernels(arch);
@@ -326,11 +327,12 @@ type FlashCheck = (usize, usize, usize, usize, usize, bool);
 const FLASH_BLOCK: usize = 16;
 
 /// The prefill attention kernels checked on `arch`, each with its check: every
-/// [`FLASH_CHECKS`] shape on `mma.sync`, and on Hopper those `wgmma` takes on it too.
+/// [`FLASH_CHECKS`] shape on `mma.sync`, and on Hopper those `wgmma` takes on it too, in both
+/// schedules.
 fn flash_attention_kernels(arch: &str) -> Vec<(Kernel, FlashCheck)> {
     use kernels_gen::templates::cache_layout::CacheLayout;
     use kernels_gen::templates::flash_attention::flash_attention;
-    use kernels_gen::templates::flash_attention_wgmma::{flash_attention_wgmma, supports as wgmma_supports};
+    use kernels_gen::templates::flash_attention_wgmma::{flash_attention_wgmma, supports as wgmma_supports, Schedule};
     let layout = |paged: bool| match paged {
         true => CacheLayout::Paged,
         false => CacheLayout::Contiguous,
@@ -343,13 +345,15 @@ fn flash_attention_kernels(arch: &str) -> Vec<(Kernel, FlashCheck)> {
     let wgmma = FLASH_CHECKS
         .iter()
         .filter(|check| arch == "sm_90a" && wgmma_supports(check.4))
-        .map(|&check| {
+        .flat_map(|&check| {
             let (head_dim, paged) = (check.4, check.5);
-            let name = format!("flash_attention_wgmma_{head_dim}");
-            (
-                flash_attention_wgmma(&name, "gpu-check", layout(paged), head_dim),
-                check,
-            )
+            [("", Schedule::Lockstep), ("_specialised", Schedule::Specialised)].map(|(form, schedule)| {
+                let name = format!("flash_attention_wgmma{form}_{head_dim}");
+                (
+                    flash_attention_wgmma(&name, "gpu-check", layout(paged), head_dim, schedule),
+                    check,
+                )
+            })
         });
     mma.chain(wgmma).collect()
 }
@@ -813,17 +817,19 @@ pub fn serve_first_then_rest<B: runtime::serving::PagedBackend>(
 mod tests {
     use super::*;
 
-    /// What the prefill attention check launches on Hopper (`mma.sync` and `wgmma`) binds and
-    /// runs on the emulator, and gives the reference's attention (to bf16's precision:
-    /// probabilities meet values in bf16), the two forms the same on the same inputs.
+    /// What the prefill attention check launches on Hopper (`mma.sync` and `wgmma` in both
+    /// schedules) binds and runs on the emulator, and gives the reference's attention (to
+    /// bf16's precision: probabilities meet values in bf16), the forms the same on the same
+    /// inputs.
     #[test]
     fn the_flash_attention_check_runs_its_launches() {
         let checks = flash_attention_kernels("sm_90a");
-        assert_eq!(checks.len(), FLASH_CHECKS.len() + 1);
+        assert_eq!(checks.len(), FLASH_CHECKS.len() + 2);
         let mut device = EmulatorDevice::new(checks.iter().map(|(kernel, _)| kernel.clone()).collect());
         let results = run_flash_attention(&mut device, &checks).unwrap();
-        // On the same inputs the `wgmma` form computes what the `mma.sync` one does.
+        // On the same inputs the `wgmma` forms compute what the `mma.sync` one does.
         assert_eq!(results[FLASH_CHECKS.len()], results[0]);
+        assert_eq!(results[FLASH_CHECKS.len() + 1], results[0]);
         for ([q, k, v, out], (_, (tokens, first, heads, kv_heads, head_dim, _))) in results.iter().zip(&checks) {
             let (tokens, first, heads, kv_heads, head_dim) = (*tokens, *first, *heads, *kv_heads, *head_dim);
             let spec = ir::AttentionSpec {

@@ -60,13 +60,22 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
         print_prefill(name, &other, &run)?;
     }
     print_long_prefill(name, &exec, &run, &config)?;
-    // On Hopper, prompts attending on `wgmma` too: the 8 192-token prefill where attention
-    // weighs most.
-    if arch == "sm_90a" {
-        let name = "Llama-8B-shaped, wgmma prefill attention";
+    // On Hopper, prompts attending on `wgmma` too, in both its schedules: the 8 192-token
+    // prefill where attention weighs most.
+    let wgmma = [
+        (
+            "Llama-8B-shaped, wgmma prefill attention",
+            codegen::gpu::PrefillAttention::Wgmma,
+        ),
+        (
+            "Llama-8B-shaped, warp-specialised wgmma prefill attention",
+            codegen::gpu::PrefillAttention::WgmmaSpecialised,
+        ),
+    ];
+    for (name, attention) in wgmma.into_iter().filter(|_| arch == "sm_90a") {
         let prefill = codegen::gpu::PrefillKernels {
             gemm: codegen::gpu::PrefillGemm::Tma,
-            attention: codegen::gpu::PrefillAttention::Wgmma,
+            attention,
         };
         let wgmma = serving_executor(name, &config, (target, arch), served, prefill)?;
         print_prefill(name, &wgmma, &run)?;

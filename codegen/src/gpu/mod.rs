@@ -117,8 +117,25 @@ pub enum PrefillAttention {
     #[default]
     Mma,
     /// `templates::flash_attention_wgmma`: FlashAttention-3's schedule on Hopper, for heads up
-    /// to 128 dims (the others, and other targets, as `Mma`).
+    /// to 128 dims (the others, and other targets, as `Mma`), every thread copying the tiles.
     Wgmma,
+    /// The same with warp specialisation: a producer warp copies the tiles for the two
+    /// consumer warpgroups through mbarriers.
+    #[serde(rename = "wgmma-specialised")]
+    WgmmaSpecialised,
+}
+
+impl PrefillAttention {
+    /// The schedule of the `wgmma` flash kernel this choice takes on `target` (Hopper's
+    /// `wgmma` forms), or `None` for the `mma.sync` one.
+    pub fn wgmma_schedule(self, target: Target) -> Option<kernels_gen::templates::flash_attention_wgmma::Schedule> {
+        use kernels_gen::templates::flash_attention_wgmma::Schedule;
+        match (self, target.cuda_arch()) {
+            (PrefillAttention::Wgmma, Some("sm_90a")) => Some(Schedule::Lockstep),
+            (PrefillAttention::WgmmaSpecialised, Some("sm_90a")) => Some(Schedule::Specialised),
+            _ => None,
+        }
+    }
 }
 
 /// The tensor-core kernels a plan's prefill steps take.

@@ -93,8 +93,8 @@ fn tile_buffers(head_dim: usize) -> i64 {
 }
 
 /// The cooperative copy of the key tile at `j0` into `ks` and the value tile into `vs` from
-/// element `at` on (zeros past `hi`): 16-byte chunks, `64 × head_dim / 8` of each, strided
-/// over the block's `threads`; committed as one group. Copy `c` writes the tile's `c`-th 16
+/// element `at` on (zeros past `hi`): 16-byte chunks, `64 × head_dim / 8` of each, `threads`
+/// copying, each from chunk `first` (its index among them) on; committed as one group. Copy `c` writes the tile's `c`-th 16
 /// bytes. Row-major, a key's chunks go in turn. In core matrices a chunk is a core matrix's
 /// row (8 dims of one key), the 8-key groups `16 · head_dim` bytes apart and a group's core
 /// matrices adjacent along the dims, which `wgmma` reads K-major for the keys and MN-major for
@@ -103,7 +103,7 @@ fn tile_buffers(head_dim: usize) -> i64 {
 pub(super) fn copy_tile(
     layout: CacheLayout,
     (head_dim, order): (usize, TileOrder),
-    threads: i64,
+    (first, threads): (Expr, i64),
     j0: Expr,
     at: Expr,
 ) -> Vec<Stmt> {
@@ -127,7 +127,7 @@ pub(super) fn copy_tile(
     vec![
         for_(
             "c",
-            tid(),
+            first,
             int(TILE_KEYS * chunks_per_row),
             int(threads),
             vec![
@@ -166,7 +166,7 @@ fn tile_head(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
             out.extend(copy_tile(
                 layout,
                 (head_dim, TileOrder::RowMajor),
-                THREADS,
+                (tid(), THREADS),
                 var("j0"),
                 int(0),
             ));
@@ -179,7 +179,7 @@ fn tile_head(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
                 copy_tile(
                     layout,
                     (head_dim, TileOrder::RowMajor),
-                    THREADS,
+                    (tid(), THREADS),
                     next,
                     (int(1) - var("buf")) * int(tile),
                 ),
@@ -609,7 +609,7 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
             _ => copy_tile(
                 layout,
                 (head_dim, TileOrder::RowMajor),
-                THREADS,
+                (tid(), THREADS),
                 var("first_tile"),
                 int(0),
             ),

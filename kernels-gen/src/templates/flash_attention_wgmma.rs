@@ -26,10 +26,11 @@ use super::flash_attention::{
     self as flash, block_rows, copy_tile, guarded_by_rows, o_name, online_softmax, query_tiles_expr, row_state, s_name,
     store_outputs, TileOrder, TILE_KEYS,
 };
+use super::tma_gemm;
 use crate::dsl::*;
 
-/// Two warpgroups.
-const THREADS: i64 = 256;
+/// The two consumer warpgroups' threads.
+const CONSUMERS: i64 = 256;
 /// Query rows per block: a warpgroup's 64 rows (wgmma's M) each.
 const TILE_Q: i64 = 128;
 /// Query rows per block, as batched steps' `query_tiles` cut them.
@@ -70,14 +71,15 @@ fn output_registers(head_dim: usize) -> Vec<String> {
 
 /// The block's queries, zero past `rows_end`, rounded to bf16 into `qs` in core matrices
 /// (row `r`, dim `d` at `r / 8 · 8·head_dim + d / 8 · 64 + r % 8 · 8 + d % 8`): each thread
-/// a run of 8 dims of one row, 8 rows of the same dims a warp's neighbours.
-fn load_queries(head_dim: usize) -> Vec<Stmt> {
+/// a run of 8 dims of one row, 8 rows of the same dims a warp's neighbours; the block's
+/// `threads` share them.
+fn load_queries(head_dim: usize, threads: i64) -> Vec<Stmt> {
     let hd = head_dim as i64;
     vec![for_(
         "c",
         tid(),
         int(TILE_Q * hd / 8),
-        int(THREADS),
+        int(threads),
         vec![
             let_("row", Ty::I32, var("c") / int(hd) * int(8) + rem(var("c"), int(8))),
             let_("dim", Ty::I32, rem(var("c") / int(8), int(hd / 8)) * int(8)),
@@ -162,121 +164,276 @@ fn issue_values(head_dim: usize) -> Vec<Stmt> {
     out
 }
 
-/// One key tile's step (the tile at `j0`, in buffer `kv0`; the previous one's values at `v0`).
-fn tile_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
-    let tile = TILE_KEYS * head_dim as i64;
-    let next = var("j0") + int(TILE_KEYS);
-    let mut out = vec![
-        let_(
-            "buf",
-            Ty::I32,
-            rem((var("j0") - var("first_tile")) / int(TILE_KEYS), int(BUFFERS)),
-        ),
-        let_("kv0", Ty::I32, var("buf") * int(tile)),
-        // This tile's copies (the only group in flight) landed and are every thread's; the
-        // queries' stores too, the first time. The tensor cores read them: the async proxy.
-        Stmt::CpAsyncWait(0),
-        Stmt::FenceProxyAsync,
-        // Past it every warpgroup is done with the previous step, so with the tile two back
-        // (its values were multiplied there): the next tile takes its buffer.
-        Stmt::SyncThreads,
-        if_(
-            lt(next.clone(), var("hi")),
-            copy_tile(
-                layout,
-                (head_dim, TileOrder::CoreMatrices),
-                THREADS,
-                next,
-                rem(var("buf") + int(1), int(BUFFERS)) * int(tile),
-            ),
-        ),
-    ];
-    out.extend(issue_scores(head_dim));
-    out.push(if_(
-        bin(BinOp::Gt, var("j0"), var("first_tile")),
-        issue_values(head_dim),
-    ));
-    // A group even where the first tile has no values to multiply: the wait below counts
-    // groups.
-    out.push(Stmt::WgmmaCommit);
-    // The scores are the older group: they are done while `P·V` runs on.
-    out.push(Stmt::WgmmaWait(1));
-    out.extend(online_softmax());
-    out.push(Stmt::WgmmaWait(0));
+/// How a block's warps share the work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Schedule {
+    /// Every thread copies the tiles, and the warpgroups meet at a `__syncthreads()` a tile.
+    #[default]
+    Lockstep,
+    /// Warp specialisation (FlashAttention-3's): a producer warp copies the tiles into the
+    /// ring, handing each to the consumer warpgroups through an mbarrier (`full`) and taking
+    /// its buffer back through another (`empty`) once both are done with it; the warpgroups
+    /// never wait for each other, nor spend issue slots on copies.
+    Specialised,
+}
+
+impl Schedule {
+    /// The block's threads: two warpgroups, and a producer warp where specialised.
+    fn threads(self) -> i64 {
+        match self {
+            Schedule::Lockstep => CONSUMERS,
+            Schedule::Specialised => CONSUMERS + 32,
+        }
+    }
+}
+
+/// The buffer of tile `i` in the ring, as its first element.
+fn ring_buffer(head_dim: usize, i: Expr) -> Expr {
+    rem(i, int(BUFFERS)) * int(TILE_KEYS * head_dim as i64)
+}
+
+/// The key tile at `j0` in `kv0`: its products and softmax, and the previous tile's values
+/// from `v0` multiplied. Issues the scores and then the values' product, waits for the scores
+/// alone (the older group) and runs the softmax while `P·V` runs, then waits for that and
+/// rescales the outputs; the probabilities wait in `p…` for the next tile's step, and `v0`
+/// becomes this tile's buffer. The first tile multiplies zero probabilities (`p…` start at
+/// zero) by its own values, adding nothing: a `wgmma` under a branch would be serialised by
+/// ptxas.
+fn tile_products(head_dim: usize) -> (Vec<Stmt>, Vec<Stmt>) {
+    let mut products = issue_scores(head_dim);
+    products.extend(issue_values(head_dim));
+    products.extend([Stmt::WgmmaCommit, Stmt::WgmmaWait(1)]);
+    products.extend(online_softmax());
+    products.push(Stmt::WgmmaWait(0));
     for v in 0..head_dim / 8 {
         for i in 0..4 {
             let c = if i >= 2 { "c_hi" } else { "c_lo" };
-            out.push(assign(&o_name(v, i), var(&o_name(v, i)) * var(c)));
+            products.push(assign(&o_name(v, i), var(&o_name(v, i)) * var(c)));
         }
     }
-    out.extend(
-        tile_registers(p_name)
-            .iter()
-            .zip(tile_registers(s_name))
-            .map(|(p, s)| assign(p, var(&s))),
-    );
-    out.push(assign("v0", var("kv0")));
-    out
+    let hand_on = tile_registers(p_name)
+        .iter()
+        .zip(tile_registers(s_name))
+        .map(|(p, s)| assign(p, var(&s)))
+        .chain([assign("v0", var("kv0"))])
+        .collect();
+    (products, hand_on)
 }
 
-/// [`flash::flash_attention`] on `wgmma`, heads up to 128 dims ([`supports`]): the same
-/// parameters, rows and results, a batched step's `query_tiles` cut in tiles of
-/// [`QUERY_TILE_ROWS`].
-pub fn flash_attention_wgmma(name: &str, origin: &str, layout: CacheLayout, head_dim: usize) -> Kernel {
+/// The key tile at index `i` of the block's (at `j0`), every thread of the block copying:
+/// this tile landed (its copies the only group in flight), a barrier, then the next tile's
+/// copies issued into the ring before the products.
+fn lockstep_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
+    let next = var("j0") + int(TILE_KEYS);
+    let (products, hand_on) = tile_products(head_dim);
+    [
+        vec![
+            let_("j0", Ty::I32, var("first_tile") + var("i") * int(TILE_KEYS)),
+            let_("kv0", Ty::I32, ring_buffer(head_dim, var("i"))),
+            // The tensor cores read the landed copies (and the queries' stores, the first
+            // time): the async proxy.
+            Stmt::CpAsyncWait(0),
+            Stmt::FenceProxyAsync,
+            // Past it every warpgroup is done with the previous step, so with the tile two
+            // back (its values were multiplied there): the next tile takes its buffer.
+            Stmt::SyncThreads,
+            if_(
+                lt(next.clone(), var("hi")),
+                copy_tile(
+                    layout,
+                    (head_dim, TileOrder::CoreMatrices),
+                    (tid(), CONSUMERS),
+                    next,
+                    ring_buffer(head_dim, var("i") + int(1)),
+                ),
+            ),
+        ],
+        products,
+        hand_on,
+    ]
+    .concat()
+}
+
+/// The producer warp's loop: tile i's copies go into its buffer once the consumers gave it
+/// back (from the fourth tile on: `empty`'s phase for tile i − 3), then tile i − 1's, issued a
+/// step before, are waited for and handed over (`full`), so two tiles' copies are in flight
+/// while the consumers work. Each lane arrives for its own copies.
+fn producer(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
+    let hand_over = |i: Expr, pending: u32| {
+        vec![
+            Stmt::CpAsyncWait(pending),
+            // The consumers' tensor cores read the copies: the async proxy.
+            Stmt::FenceProxyAsync,
+            Stmt::Mbarrier(Box::new(Mbarrier::Arrive {
+                barrier: tma_gemm::barrier("full", rem(i, int(BUFFERS))),
+            })),
+        ]
+    };
+    let step = [
+        vec![if_(
+            bin(BinOp::Ge, var("i"), int(BUFFERS)),
+            vec![Stmt::Mbarrier(Box::new(Mbarrier::Wait {
+                barrier: tma_gemm::barrier("empty", rem(var("i"), int(BUFFERS))),
+                parity: rem(var("i") / int(BUFFERS) + int(1), int(2)),
+            }))],
+        )],
+        copy_tile(
+            layout,
+            (head_dim, TileOrder::CoreMatrices),
+            (lane(), 32),
+            var("first_tile") + var("i") * int(TILE_KEYS),
+            ring_buffer(head_dim, var("i")),
+        ),
+        vec![if_(bin(BinOp::Gt, var("i"), int(0)), hand_over(var("i") - int(1), 1))],
+    ]
+    .concat();
+    [
+        vec![for_("i", int(0), var("tiles"), int(1), step)],
+        hand_over(var("tiles") - int(1), 0),
+    ]
+    .concat()
+}
+
+/// A consumer warpgroup's step for tile i: its buffer handed over (`full`), the products,
+/// and the previous tile's buffer given back (`empty`) once its values' product is done.
+fn consumer_step(head_dim: usize) -> Vec<Stmt> {
+    let (products, hand_on) = tile_products(head_dim);
+    [
+        vec![
+            let_("j0", Ty::I32, var("first_tile") + var("i") * int(TILE_KEYS)),
+            let_("kv0", Ty::I32, ring_buffer(head_dim, var("i"))),
+            Stmt::Mbarrier(Box::new(Mbarrier::Wait {
+                barrier: tma_gemm::barrier("full", rem(var("i"), int(BUFFERS))),
+                parity: rem(var("i") / int(BUFFERS), int(2)),
+            })),
+        ],
+        products,
+        vec![if_(
+            bin(BinOp::Gt, var("i"), int(0)),
+            vec![Stmt::Mbarrier(Box::new(Mbarrier::Arrive {
+                barrier: tma_gemm::barrier("empty", rem(var("i") + int(BUFFERS - 1), int(BUFFERS))),
+            }))],
+        )],
+        hand_on,
+    ]
+    .concat()
+}
+
+/// [`flash::flash_attention`] on `wgmma`, heads up to 128 dims ([`supports`]), its warps
+/// working to `schedule`: the same parameters, rows and results, a batched step's
+/// `query_tiles` cut in tiles of [`QUERY_TILE_ROWS`].
+pub fn flash_attention_wgmma(
+    name: &str,
+    origin: &str,
+    layout: CacheLayout,
+    head_dim: usize,
+    schedule: Schedule,
+) -> Kernel {
     assert!(supports(head_dim), "head_dim {head_dim}");
+    let threads = schedule.threads();
     let locals = output_registers(head_dim)
         .into_iter()
         .chain(tile_registers(s_name))
         .chain(tile_registers(p_name))
         .map(|n| let_(&n, Ty::F32, f(0.0)));
-    let rows = [
-        row_state(TILE_Q),
-        load_queries(head_dim),
-        locals.collect(),
-        vec![let_("v0", Ty::I32, int(0))],
-        copy_tile(
-            layout,
-            (head_dim, TileOrder::CoreMatrices),
-            THREADS,
-            var("first_tile"),
-            int(0),
-        ),
-        vec![for_(
-            "j0",
-            var("first_tile"),
-            var("hi"),
-            int(TILE_KEYS),
-            tile_step(layout, head_dim),
-        )],
-        // The last tile's probabilities by its values.
+    // The last tile's probabilities by its values, and the outputs stored.
+    let finish = [
         issue_values(head_dim),
         vec![Stmt::WgmmaCommit, Stmt::WgmmaWait(0)],
         store_outputs(head_dim),
     ]
     .concat();
+    let prologue = [
+        row_state(TILE_Q),
+        vec![let_(
+            "tiles",
+            Ty::I32,
+            (var("hi") - var("first_tile") + int(TILE_KEYS - 1)) / int(TILE_KEYS),
+        )],
+        load_queries(head_dim, threads),
+        locals.collect(),
+        // The first tile's step multiplies its own values by the zero probabilities.
+        vec![let_("v0", Ty::I32, int(0))],
+    ]
+    .concat();
+    let work = match schedule {
+        Schedule::Lockstep => [
+            copy_tile(
+                layout,
+                (head_dim, TileOrder::CoreMatrices),
+                (tid(), CONSUMERS),
+                var("first_tile"),
+                int(0),
+            ),
+            vec![for_("i", int(0), var("tiles"), int(1), lockstep_step(layout, head_dim))],
+            finish,
+        ]
+        .concat(),
+        Schedule::Specialised => vec![
+            tma_gemm::init_barriers(&[("full", 32), ("empty", CONSUMERS as u32)], BUFFERS),
+            // The queries' stores, for the tensor cores; the barriers, for every warp.
+            Stmt::FenceProxyAsync,
+            Stmt::SyncThreads,
+            Stmt::Roles(Box::new(Roles {
+                roles: vec![
+                    Role {
+                        cond: lt(tid(), int(CONSUMERS)),
+                        body: [
+                            vec![for_("i", int(0), var("tiles"), int(1), consumer_step(head_dim))],
+                            finish,
+                        ]
+                        .concat(),
+                    },
+                    Role {
+                        cond: bin(BinOp::Ge, tid(), int(CONSUMERS)),
+                        body: producer(layout, head_dim),
+                    },
+                ],
+            })),
+        ],
+    };
     let tile_elements = (BUFFERS * TILE_KEYS) as usize * head_dim;
-    let shared = |name: &str, len: usize| SharedArray {
+    let shared = |name: &str, ty: Ty, len: usize| SharedArray {
         name: name.into(),
-        ty: Ty::Bf16,
+        ty,
         len,
+    };
+    let barriers = match schedule {
+        Schedule::Lockstep => vec![],
+        Schedule::Specialised => vec![
+            shared("full", Ty::U32, 2 * BUFFERS as usize),
+            shared("empty", Ty::U32, 2 * BUFFERS as usize),
+        ],
+    };
+    let warps = match schedule {
+        Schedule::Lockstep => "two warpgroups copying and computing",
+        Schedule::Specialised => "two consumer warpgroups and a producer warp",
     };
     Kernel {
         name: name.into(),
         origin: format!(
             "{origin}: causal prefill attention on wgmma (m64n64k16 scores from shared memory, m64n{head_dim}k16 \
-             P·V from registers, FlashAttention-3's intra-warpgroup overlap: {TILE_Q} query rows a block of two \
-             warpgroups, {TILE_KEYS}-key tiles through a ring of {BUFFERS}, online softmax in f32), head_dim \
+             P·V from registers, FlashAttention-3's intra-warpgroup overlap: {TILE_Q} query rows a block of \
+             {warps}, {TILE_KEYS}-key tiles through a ring of {BUFFERS}, online softmax in f32), head_dim \
              {head_dim}, bf16 {}",
             layout.describe()
         ),
         params: flash::params(layout),
-        shared: vec![
-            shared("qs", TILE_Q as usize * head_dim),
-            shared("ks", tile_elements),
-            shared("vs", tile_elements),
-        ],
-        block_dim: THREADS as u32,
+        shared: [
+            vec![
+                shared("qs", Ty::Bf16, TILE_Q as usize * head_dim),
+                shared("ks", Ty::Bf16, tile_elements),
+                shared("vs", Ty::Bf16, tile_elements),
+            ],
+            barriers,
+        ]
+        .concat(),
+        block_dim: threads as u32,
         grid: var("heads") * query_tiles_expr(layout, TILE_Q),
-        body: guarded_by_rows(layout, block_rows(layout, (head_dim, 1), TILE_Q), rows),
+        body: guarded_by_rows(
+            layout,
+            block_rows(layout, (head_dim, 1), TILE_Q),
+            [prologue, work].concat(),
+        ),
     }
 }

@@ -950,6 +950,14 @@ pub fn catalog() -> Vec<Kernel> {
             "catalog",
             cache_layout::CacheLayout::Batched,
             128,
+            flash_attention_wgmma::Schedule::Lockstep,
+        ),
+        flash_attention_wgmma::flash_attention_wgmma(
+            "flash_attention_wgmma_specialised_d128",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            128,
+            flash_attention_wgmma::Schedule::Specialised,
         ),
         flash_attention::flash_attention(
             "flash_attention_d256",

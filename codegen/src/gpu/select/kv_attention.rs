@@ -29,14 +29,14 @@ pub const FLASH_ROWS_PER_SEQUENCE: usize = 16;
 const GATE: &str = "active";
 
 /// Pushes the append (where the op appends) and the split attention (and the tensor-core
-/// attention prompts take, on `wgmma` where `wgmma_flash` and the head fits); returns the
-/// merge of the splits for the caller to push as the node's own launch.
+/// attention prompts take, on `wgmma` in `wgmma_flash`'s schedule where the head fits);
+/// returns the merge of the splits for the caller to push as the node's own launch.
 pub(super) fn launches(
     s: &mut Selected,
     operands: &Operands,
     layout: CacheLayout,
     rows: &str,
-    (max_tokens, wgmma_flash): (usize, bool),
+    (max_tokens, wgmma_flash): (usize, Option<flash_attention_wgmma::Schedule>),
 ) -> Result<(Kernel, Vec<LaunchArg>), GpuCodegenError> {
     let node = &operands.graph.nodes()[operands.node];
     let op = &node.op;
@@ -244,7 +244,7 @@ fn attend(
     cache: &Cache,
     (q, q_stride): (LaunchArg, usize),
     rows: &str,
-    (max_tokens, wgmma_flash): (usize, bool),
+    (max_tokens, wgmma_flash): (usize, Option<flash_attention_wgmma::Schedule>),
 ) -> (Kernel, Vec<LaunchArg>) {
     let (spec, graph, i) = (cache.spec, operands.graph, operands.node);
     let splits = attention::splits_expr(rows);
@@ -291,17 +291,22 @@ fn attend(
     args.push(scalar(GATE, &split_step));
     s.launches
         .push((i, step_gate::gated(split, GATE), Alternatives::default(), args));
-    let (kernel, tile_rows) = match wgmma_flash && flash_attention_wgmma::supports(spec.head_dim) {
-        true => (
+    let wgmma = wgmma_flash.filter(|_| flash_attention_wgmma::supports(spec.head_dim));
+    let (kernel, tile_rows) = match wgmma {
+        Some(schedule) => (
             flash_attention_wgmma::flash_attention_wgmma(
-                "flash_attention_wgmma",
+                match schedule {
+                    flash_attention_wgmma::Schedule::Lockstep => "flash_attention_wgmma",
+                    flash_attention_wgmma::Schedule::Specialised => "flash_attention_wgmma_specialised",
+                },
                 &graph.name,
                 cache.layout,
                 spec.head_dim,
+                schedule,
             ),
             flash_attention_wgmma::QUERY_TILE_ROWS,
         ),
-        false => (
+        None => (
             flash_attention::flash_attention("flash_attention", &graph.name, cache.layout, spec.head_dim),
             flash_attention::QUERY_TILE_ROWS,
         ),

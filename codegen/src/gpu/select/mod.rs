@@ -141,7 +141,7 @@ pub(crate) fn select(
         prefill: prefill.gemm,
     };
     // Hopper's `wgmma` flash attention where asked for.
-    let wgmma_flash = prefill.attention == super::PrefillAttention::Wgmma && target.cuda_arch() == Some("sm_90a");
+    let wgmma_flash = prefill.attention.wgmma_schedule(target);
     let mut s = Selected {
         launches: Vec::new(),
         views: BTreeMap::new(),
