@@ -857,7 +857,8 @@ fn the_wgmma_flash_attention_fails_without_its_fences_and_waits() {
 /// their tensor cores read a buffer before its copies; without the producer's wait for
 /// its copies, or its fence, it hands over what has not landed or what the async proxy may
 /// not see; without its wait on `empty` it refills a buffer the consumers' tensor cores read,
-/// ordered by nothing; without the consumers' release on `empty` both roles wait forever.
+/// ordered by nothing; without the consumers' release on `empty` both roles wait forever, and
+/// without a warpgroup passing the turn on, the other waits forever for its turn.
 #[test]
 fn the_specialised_wgmma_flash_attention_fails_without_its_hand_overs() {
     let kernel = wgmma_flash_for_faults(flash_attention_wgmma::Schedule::Specialised);
@@ -872,6 +873,7 @@ fn the_specialised_wgmma_flash_attention_fails_without_its_hand_overs() {
     let consumers_wait = dropping(|s| barrier_op(s, "full", true));
     let producers_wait = dropping(|s| barrier_op(s, "empty", true));
     let release = dropping(|s| barrier_op(s, "empty", false));
+    let turn_passed = dropping(|s| barrier_op(s, "turn", false));
     let landing = dropping(|s| matches!(s, Stmt::CpAsyncWait(_)));
     let fence = dropping(|s| matches!(s, Stmt::FenceProxyAsync));
     for (what, edit, expected) in [
@@ -897,6 +899,11 @@ fn the_specialised_wgmma_flash_attention_fails_without_its_hand_overs() {
             "the consumers' release",
             &release,
             "of mbarrier full[2], which never completes",
+        ),
+        (
+            "the turn passed on",
+            &turn_passed,
+            "of mbarrier turn[0], which never completes",
         ),
     ] {
         wgmma_flash_fails_without(&kernel, (what, edit, expected));

@@ -1248,3 +1248,88 @@ fn a_producer_warp_hands_over_shared_memory_through_mbarriers() {
         assert!(message.contains(expected), "{handover:?}: {message}");
     }
 }
+
+/// A role's warpgroups run apart, as on the device: the two warpgroups of one role take turns
+/// through mbarriers of their own (warpgroup 0 first, each passing the turn to the other once
+/// it wrote its round), which lockstep execution of the role would report as a wait that
+/// never completes. Each turn counts the turns before it: a thread reads what its partner in
+/// the other warpgroup wrote in the turn before (in shared memory, ordered by the turn's
+/// mbarrier alone) and writes one more.
+#[test]
+fn a_roles_warpgroups_take_turns_through_mbarriers() {
+    let turn = |wg: Expr| MbarrierRef {
+        array: "turn".into(),
+        slot: wg,
+    };
+    let rounds = 3;
+    let body = vec![
+        let_("wg", Ty::I32, tid() / int(128)),
+        for_(
+            "round",
+            int(0),
+            int(rounds),
+            int(1),
+            vec![
+                if_(
+                    lt(int(0), var("round") + var("wg")),
+                    vec![mbarrier(Mbarrier::Wait {
+                        barrier: turn(var("wg")),
+                        parity: rem(var("round") + int(1) + var("wg"), int(2)),
+                    })],
+                ),
+                let_("count", Ty::F32, f(0.0)),
+                if_(
+                    lt(int(0), var("round") + var("wg")),
+                    vec![assign(
+                        "count",
+                        load(
+                            "log",
+                            (var("round") - int(1) + var("wg")) * int(256) + rem(tid() + int(128), int(256)),
+                        ) + f(1.0),
+                    )],
+                ),
+                store("log", var("round") * int(256) + tid(), var("count")),
+                store("out", var("round") * int(256) + tid(), var("count")),
+                mbarrier(Mbarrier::Arrive {
+                    barrier: turn(int(1) - var("wg")),
+                }),
+            ],
+        ),
+    ];
+    let mut k = kernel(
+        vec![
+            if_(
+                eq(tid(), int(0)),
+                (0..2)
+                    .map(|wg| {
+                        mbarrier(Mbarrier::Init {
+                            barrier: turn(int(wg)),
+                            count: 128,
+                        })
+                    })
+                    .collect(),
+            ),
+            Stmt::SyncThreads,
+            Stmt::Roles(Box::new(Roles {
+                roles: vec![Role {
+                    cond: lt(tid(), int(256)),
+                    body,
+                }],
+            })),
+        ],
+        vec![
+            shared("turn", Ty::U32, 4),
+            shared("log", Ty::F32, 256 * rounds as usize),
+        ],
+    );
+    k.block_dim = 256;
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&[1.0; 64])),
+        ("out".into(), Array::poisoned(Ty::F32, 256 * rounds as usize)),
+    ]);
+    run(&k, &mut bufs, &HashMap::new()).unwrap();
+    let want: Vec<f32> = (0..256 * rounds as usize)
+        .map(|i| (i / 256 * 2 + i % 256 / 128) as f32)
+        .collect();
+    assert_eq!(bufs["out"].to_f32().unwrap(), want);
+}

@@ -305,13 +305,16 @@ enum Readers {
     None,
     One(usize),
     Many,
-    /// Only tensor cores, for the warpgroups in `mask` (bit n: warpgroup n), the latest of
-    /// their reads retired at barrier clock `clock` (see `Barriers::clock`).
+    /// Only tensor cores: per warpgroup n of the block, `retired[n]` − 1 the barrier clock at
+    /// which the latest of its reads retired (see `Barriers::clock`), 0 where it read none.
+    /// Kept per warpgroup: a block's warpgroups retire their reads apart.
     Warpgroups {
-        mask: u32,
-        clock: u64,
+        retired: [u32; MAX_WARPGROUPS],
     },
 }
+
+/// The most warpgroups a block holds (1 024 threads).
+const MAX_WARPGROUPS: usize = 8;
 
 impl Readers {
     fn add(self, t: usize) -> Self {
@@ -324,14 +327,13 @@ impl Readers {
 
     /// A `wgmma` of warpgroup `wg` that read the element retired at barrier clock `clock`.
     fn add_warpgroup(self, wg: usize, clock: u64) -> Self {
-        match self {
-            Readers::None => Readers::Warpgroups { mask: 1 << wg, clock },
-            Readers::Warpgroups { mask, .. } => Readers::Warpgroups {
-                mask: mask | 1 << wg,
-                clock,
-            },
-            _ => Readers::Many,
-        }
+        let mut retired = match self {
+            Readers::None => [0; MAX_WARPGROUPS],
+            Readers::Warpgroups { retired } => retired,
+            _ => return Readers::Many,
+        };
+        retired[wg] = u32::try_from(clock + 1).expect("fewer than 2^32 mbarrier arrivals a block");
+        Readers::Warpgroups { retired }
     }
 
     /// A read that thread `t`, knowing `knows` (`Barriers::knowledge`), cannot be sure is
@@ -341,12 +343,12 @@ impl Readers {
         match self {
             Readers::One(r) if r != t => Some(format!("thread {r}")),
             Readers::Many => Some("other threads".into()),
-            Readers::Warpgroups { mask, clock } => (0..32)
-                .filter(|wg| mask & 1 << wg != 0 && *wg != t / asynchronous::WARPGROUP)
+            Readers::Warpgroups { retired } => (0..MAX_WARPGROUPS)
+                .filter(|&wg| retired[wg] > 0 && wg != t / asynchronous::WARPGROUP)
                 .find(|&wg| {
                     knows
                         .get(&mbarrier::warpgroup_key(wg))
-                        .is_none_or(|&released| released <= clock)
+                        .is_none_or(|&released| released < u64::from(retired[wg]))
                 })
                 .map(|wg| format!("warpgroup {wg}'s tensor cores")),
             _ => None,

@@ -1,6 +1,8 @@
-//! Warp-specialised roles (`Stmt::Roles`) on the emulator. Each role runs its body as a
-//! coroutine: until it begins a loop iteration, or reaches an mbarrier wait whose phase has
-//! not completed; then the next role takes its turn. So roles whose loops nest differently (a
+//! Warp-specialised roles (`Stmt::Roles`) on the emulator. Each warpgroup of a role runs the
+//! role's body as a coroutine of its own (warpgroups run apart on the device, and a role's two
+//! consumer warpgroups may take turns through mbarriers of their own): until it begins a loop
+//! iteration, or reaches an mbarrier wait whose phase has not completed; then the next takes
+//! its turn. So roles whose loops nest differently (a
 //! producer over every K step of every tile, consumers over tiles and their K steps with an
 //! epilogue between) run as the device may run them, a wait resuming once another role's
 //! arrivals or copies complete its phase. Lockstep iterations (a step of each role in turn)
@@ -11,6 +13,20 @@
 use super::{Array, Block, Fault, Val};
 use crate::dsl::{Expr, Mbarrier, Roles, Stmt, Ty};
 use std::collections::HashMap;
+
+/// `mask`'s threads a warpgroup at a time, the warpgroups holding none left out.
+fn by_warpgroup(mask: &[bool]) -> Vec<Vec<bool>> {
+    let warpgroup = super::asynchronous::WARPGROUP;
+    (0..mask.len())
+        .step_by(warpgroup)
+        .filter(|&first| mask[first..(first + warpgroup).min(mask.len())].iter().any(|&m| m))
+        .map(|first| {
+            (0..mask.len())
+                .map(|t| mask[t] && t / warpgroup == first / warpgroup)
+                .collect()
+        })
+        .collect()
+}
 
 /// Where one role's run stands.
 struct Run<'s> {
@@ -50,20 +66,23 @@ enum Turn {
 }
 
 impl<'k> Block<'k> {
-    /// Runs the roles to their ends, a turn each in order until all have finished.
+    /// Runs the roles to their ends, a turn each of every role's warpgroups in order until all
+    /// have finished.
     pub(super) fn roles(&mut self, r: &Roles, mask: &[bool], global: &mut HashMap<String, Array>) -> Result<(), Fault> {
         let masks = self.role_masks(r, mask, global)?;
         let mut runs: Vec<Run> = r
             .roles
             .iter()
             .zip(masks)
-            .map(|(role, mask)| Run {
-                frames: vec![Frame::Seq {
-                    stmts: &role.body,
-                    next: 0,
-                    mask,
-                }],
-                paused: false,
+            .flat_map(|(role, mask)| {
+                by_warpgroup(&mask).into_iter().map(|mask| Run {
+                    frames: vec![Frame::Seq {
+                        stmts: &role.body,
+                        next: 0,
+                        mask,
+                    }],
+                    paused: false,
+                })
             })
             .collect();
         loop {

@@ -18,6 +18,11 @@
 //! tile's probabilities wait a tile in registers (`p…`) for their product with the values;
 //! the last tile's get it after the loop.
 //!
+//! Two schedules ([`Schedule`]): every thread copying, a `__syncthreads()` a tile; or
+//! FlashAttention-3's warp specialisation, a producer warp filling the ring through mbarriers
+//! while the two warpgroups ping-pong, each issuing its products only once the other has
+//! issued its own, so one's softmax runs under the other's products.
+//!
 //! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 128 ([`supports`]);
 //! the cache bf16.
 
@@ -29,8 +34,10 @@ use super::flash_attention::{
 use super::tma_gemm;
 use crate::dsl::*;
 
+/// A warpgroup's threads.
+const WARPGROUP: i64 = 128;
 /// The two consumer warpgroups' threads.
-const CONSUMERS: i64 = 256;
+const CONSUMERS: i64 = 2 * WARPGROUP;
 /// Query rows per block: a warpgroup's 64 rows (wgmma's M) each.
 const TILE_Q: i64 = 128;
 /// Query rows per block, as batched steps' `query_tiles` cut them.
@@ -198,11 +205,16 @@ fn ring_buffer(head_dim: usize, i: Expr) -> Expr {
 /// rescales the outputs; the probabilities wait in `p…` for the next tile's step, and `v0`
 /// becomes this tile's buffer. The first tile multiplies zero probabilities (`p…` start at
 /// zero) by its own values, adding nothing: a `wgmma` under a branch would be serialised by
-/// ptxas.
-fn tile_products(head_dim: usize) -> (Vec<Stmt>, Vec<Stmt>) {
-    let mut products = issue_scores(head_dim);
-    products.extend(issue_values(head_dim));
-    products.extend([Stmt::WgmmaCommit, Stmt::WgmmaWait(1)]);
+/// ptxas. With `turns`, the warpgroups issue in turn (see [`take_turn`]).
+fn tile_products(head_dim: usize, turns: bool) -> (Vec<Stmt>, Vec<Stmt>) {
+    let (take, pass) = match turns {
+        true => take_turn(),
+        false => (vec![], vec![]),
+    };
+    let mut products = [take, issue_scores(head_dim), issue_values(head_dim)].concat();
+    products.push(Stmt::WgmmaCommit);
+    products.extend(pass);
+    products.push(Stmt::WgmmaWait(1));
     products.extend(online_softmax());
     products.push(Stmt::WgmmaWait(0));
     for v in 0..head_dim / 8 {
@@ -220,12 +232,32 @@ fn tile_products(head_dim: usize) -> (Vec<Stmt>, Vec<Stmt>) {
     (products, hand_on)
 }
 
+/// FlashAttention-3's ping-pong of the two consumer warpgroups (warpgroup `wg`): each issues
+/// a tile's products only once the other has issued its previous ones (`turn[wg]`), and
+/// passes the turn on (`turn[1 − wg]`, every thread arriving) once issued, so while one
+/// warpgroup's softmax runs on the CUDA cores the tensor cores run the other's products.
+/// Warpgroup 0 goes first: its tile i waits for warpgroup 1's tile i − 1 (phase i − 1 of
+/// `turn[0]`), warpgroup 1's tile i for warpgroup 0's tile i (phase i of `turn[1]`).
+fn take_turn() -> (Vec<Stmt>, Vec<Stmt>) {
+    let take = if_(
+        lt(int(0), var("i") + var("wg")),
+        vec![Stmt::Mbarrier(Box::new(Mbarrier::Wait {
+            barrier: tma_gemm::barrier("turn", var("wg")),
+            parity: rem(var("i") + int(1) + var("wg"), int(2)),
+        }))],
+    );
+    let pass = Stmt::Mbarrier(Box::new(Mbarrier::Arrive {
+        barrier: tma_gemm::barrier("turn", int(1) - var("wg")),
+    }));
+    (vec![take], vec![pass])
+}
+
 /// The key tile at index `i` of the block's (at `j0`), every thread of the block copying:
 /// this tile landed (its copies the only group in flight), a barrier, then the next tile's
 /// copies issued into the ring before the products.
 fn lockstep_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
     let next = var("j0") + int(TILE_KEYS);
-    let (products, hand_on) = tile_products(head_dim);
+    let (products, hand_on) = tile_products(head_dim, false);
     [
         vec![
             let_("j0", Ty::I32, var("first_tile") + var("i") * int(TILE_KEYS)),
@@ -297,7 +329,7 @@ fn producer(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
 /// A consumer warpgroup's step for tile i: its buffer handed over (`full`), the products,
 /// and the previous tile's buffer given back (`empty`) once its values' product is done.
 fn consumer_step(head_dim: usize) -> Vec<Stmt> {
-    let (products, hand_on) = tile_products(head_dim);
+    let (products, hand_on) = tile_products(head_dim, true);
     [
         vec![
             let_("j0", Ty::I32, var("first_tile") + var("i") * int(TILE_KEYS)),
@@ -371,6 +403,7 @@ pub fn flash_attention_wgmma(
         .concat(),
         Schedule::Specialised => vec![
             tma_gemm::init_barriers(&[("full", 32), ("empty", CONSUMERS as u32)], BUFFERS),
+            tma_gemm::init_barriers(&[("turn", WARPGROUP as u32)], 2),
             // The queries' stores, for the tensor cores; the barriers, for every warp.
             Stmt::FenceProxyAsync,
             Stmt::SyncThreads,
@@ -379,7 +412,10 @@ pub fn flash_attention_wgmma(
                     Role {
                         cond: lt(tid(), int(CONSUMERS)),
                         body: [
-                            vec![for_("i", int(0), var("tiles"), int(1), consumer_step(head_dim))],
+                            vec![
+                                let_("wg", Ty::I32, warp() / int(WARPGROUP / 32)),
+                                for_("i", int(0), var("tiles"), int(1), consumer_step(head_dim)),
+                            ],
                             finish,
                         ]
                         .concat(),
@@ -403,11 +439,12 @@ pub fn flash_attention_wgmma(
         Schedule::Specialised => vec![
             shared("full", Ty::U32, 2 * BUFFERS as usize),
             shared("empty", Ty::U32, 2 * BUFFERS as usize),
+            shared("turn", Ty::U32, 4),
         ],
     };
     let warps = match schedule {
         Schedule::Lockstep => "two warpgroups copying and computing",
-        Schedule::Specialised => "two consumer warpgroups and a producer warp",
+        Schedule::Specialised => "two consumer warpgroups taking turns and a producer warp",
     };
     Kernel {
         name: name.into(),
