@@ -1659,27 +1659,51 @@ fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
     }
 }
 
-/// Hopper's TMA GEMM with a GLU epilogue, on every schedule: each tile's weights are half gate
-/// rows, half the same outputs' up rows, so with one split it stores `act(gate)·up` itself
-/// (the reduction after it launching no blocks) and with several it stores both for the
-/// reduction to sum and gate. Outputs past a tile's half (`n / 2` not a multiple of it) and
-/// ragged tokens and K included.
+/// Hopper's and the B200's TMA GEMMs with a GLU epilogue, on every schedule: each tile's
+/// weights are half gate rows, half the same outputs' up rows (on the B200 in boxes of 16, so
+/// each warp's TMEM lanes hold both of 16 outputs), so with one split it stores `act(gate)·up`
+/// itself (the reduction after it launching no blocks) and with several it stores both for
+/// the reduction to sum and gate. Outputs past a tile's half (`n / 2` not a multiple of it)
+/// and ragged tokens and K included.
 #[test]
-fn hopper_tma_gemm_gates_its_own_products() {
+fn tma_gemms_gate_their_own_products() {
+    use gemm_tma_tcgen05::TcgenTile;
     use gemm_tma_wgmma::TmaTile;
     let mut rng = Rng(49);
-    for (act, tile) in [
-        (GluAct::Silu, TmaTile::WIDE),
+    let hopper = |tile, act| {
         (
-            GluAct::GeluTanh,
+            act,
+            gemm_tma_wgmma::gemm_tma_wgmma_bf16_gated("gemm", "test", tile, act),
+        )
+    };
+    let b200 = |tile, act| {
+        (
+            act,
+            gemm_tma_tcgen05::gemm_tma_tcgen05_bf16_gated("gemm", "test", tile, act),
+        )
+    };
+    let gemms = [
+        hopper(TmaTile::WIDE, GluAct::Silu),
+        hopper(
             TmaTile {
                 stages: 2,
                 ..TmaTile::SPECIALISED
             },
+            GluAct::GeluTanh,
         ),
-        (GluAct::Silu, TmaTile::SPECIALISED_WIDEST.persistent(2)),
-    ] {
-        let gemm = gemm_tma_wgmma::gemm_tma_wgmma_bf16_gated("gemm", "test", tile, act);
+        hopper(TmaTile::SPECIALISED_WIDEST.persistent(2), GluAct::Silu),
+        b200(
+            TcgenTile {
+                tile_tokens: 64,
+                stages: 2,
+                ..TcgenTile::WIDE
+            },
+            GluAct::GeluTanh,
+        ),
+        b200(TcgenTile::SPECIALISED, GluAct::Silu),
+        b200(TcgenTile::WIDE.persistent(2), GluAct::Silu),
+    ];
+    for (act, gemm) in gemms {
         let reduce = split_k::reduce_after_gating("reduce", "test", 16, act);
         for (tokens, n, k, pad) in [(20, 300, 136, 8), (130, 140, 72, 0)] {
             let x_stride = k + pad;

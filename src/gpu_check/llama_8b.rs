@@ -332,19 +332,29 @@ fn tensor_core_gemms(
     out
 }
 
-/// The Hopper TMA GEMM with the SwiGLU epilogue (its tile half gates, half their ups), timed
-/// for the gate/up shape beside the plain GEMMs over the same weights.
+/// The TMA GEMM with the SwiGLU epilogue (its tile half gates, half their ups), timed for the
+/// gate/up shape beside the plain GEMMs over the same weights.
 const GATED_GEMM: &str = "gemm_tma_gated";
 /// The reduction after it where K splits.
 const GATED_REDUCE: &str = "split_k_reduce_gated";
 
-/// On Hopper, for the gate/up shape, the TMA GEMM gating its own products ([`GATED_GEMM`]).
+/// On Hopper and the B200, for the gate/up shape, the TMA GEMM gating its own products
+/// ([`GATED_GEMM`]), in the tile the plans take.
 fn gated_gemm(shape: &str, arch: &str) -> Option<(Kernel, (usize, usize, usize))> {
-    (shape == "gate_up" && arch == "sm_90a").then(|| {
-        let tile = TmaTile::WIDE;
-        let kernel = gemm_tma_wgmma::gemm_tma_wgmma_bf16_gated(GATED_GEMM, "gpu-check", tile, ir::GluAct::Silu);
-        (kernel, tile.tiles())
-    })
+    let act = ir::GluAct::Silu;
+    match (shape, arch) {
+        ("gate_up", "sm_90a") => {
+            let tile = TmaTile::WIDE;
+            let kernel = gemm_tma_wgmma::gemm_tma_wgmma_bf16_gated(GATED_GEMM, "gpu-check", tile, act);
+            Some((kernel, tile.tiles()))
+        }
+        ("gate_up", "sm_100a") => {
+            use kernels_gen::templates::gemm_tma_tcgen05::{gemm_tma_tcgen05_bf16_gated, TcgenTile};
+            let tile = TcgenTile::WIDE;
+            Some((gemm_tma_tcgen05_bf16_gated(GATED_GEMM, "gpu-check", tile, act), tile.tiles()))
+        }
+        _ => None,
+    }
 }
 
 /// The reductions after the table's GEMMs' K splits: the plain sum, and the gated one.
@@ -631,7 +641,7 @@ mod tests {
             let mut kernels: Vec<Kernel> = gemvs.into_iter().map(|(_, kernel)| kernel).collect();
             kernels.extend(reductions());
             kernels.extend(gated_gemm("gate_up", arch).map(|(kernel, _)| kernel));
-            assert_eq!(gated_gemm("gate_up", arch).is_some(), arch == "sm_90a");
+            assert_eq!(gated_gemm("gate_up", arch).is_some(), arch != "sm_120a");
             let gemms = tensor_core_gemms(arch, 132, (gemm, (0, 0, 0)));
             let expected = match arch {
                 "sm_90a" => 10,

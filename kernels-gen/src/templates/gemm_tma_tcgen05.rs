@@ -26,6 +26,13 @@
 //! epilogue reads the tile before, handed over through `acc_full` (the MMA warp's commit of a
 //! tile's last MMAs) and `acc_empty` (each epilogue warp's arrival once its reads are over).
 //!
+//! With a GLU epilogue (the weights a joined gate/up, `n` rows, gates first) a tile's weight
+//! buffer is eight boxes of 16 rows: 16 outputs' gate rows from `n0 / 2`, their up rows from
+//! `n / 2 + n0 / 2`, the next 16 outputs' gates, and so on (`tma_gemm::WeightBoxes::GateAndUp`),
+//! so each epilogue warp's 32 TMEM lanes hold the gate and the up of 16 outputs: lane l takes
+//! lane l + 16's product by a shuffle and stores `act(gate)·up` with one split; with several
+//! each lane stores its own in the partials for the reduction to sum and gate.
+//!
 //! Requirements, checked by the caller: `k` and `x_stride` multiples of 8 (TMA's 16-byte row
 //! pitches).
 
@@ -42,6 +49,10 @@ const MMA_WARP: i64 = 5;
 const TILE_ROWS: i64 = 128;
 /// 16-wide k slices per step.
 const K_SLICES: i64 = TILE_K / 16;
+/// A GLU's tile: its weight rows in boxes of this many, gate rows then the same outputs' up
+/// rows, so each warp's 32 TMEM lanes hold both products of 16 outputs
+/// (`tma_gemm::WeightBoxes::GateAndUp`).
+const GLU_GROUP: i64 = 16;
 
 /// The shape of one TMA tcgen05 GEMM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,15 +126,17 @@ fn tc(op: Tcgen05) -> Stmt {
     Stmt::Tcgen05(Box::new(op))
 }
 
+/// The weight boxes of a GEMM with a GLU epilogue (`glu`) or without.
+fn weight_boxes(glu: bool) -> tma_gemm::WeightBoxes {
+    match glu {
+        true => tma_gemm::WeightBoxes::GateAndUp { group: GLU_GROUP },
+        false => tma_gemm::WeightBoxes::Rows,
+    }
+}
+
 /// Thread 0's part of filling buffer `s` with step `step`.
-fn fill(tile: TcgenTile, s: Expr, step: Expr) -> Vec<Stmt> {
-    tma_gemm::fill(
-        s,
-        step,
-        tile.x_elements(),
-        tile.w_elements(),
-        tma_gemm::WeightBoxes::Rows,
-    )
+fn fill(tile: TcgenTile, glu: bool, s: Expr, step: Expr) -> Vec<Stmt> {
+    tma_gemm::fill(s, step, tile.x_elements(), tile.w_elements(), weight_boxes(glu))
 }
 
 /// Wait for the copies of the ring's step `index` into buffer `s` (the `index / stages`-th
@@ -156,7 +169,7 @@ fn multiply(tile: TcgenTile, index: &str, tmem: Expr) -> Vec<Stmt> {
 
 /// Thread 0's step: wait for the buffer, issue its MMAs and commit them; then refill the
 /// previous step's buffer once its MMAs are done.
-fn step(tile: TcgenTile) -> Vec<Stmt> {
+fn step(tile: TcgenTile, glu: bool) -> Vec<Stmt> {
     let stages = tile.stages as i64;
     let mut issue = multiply(tile, "step", var("tmem"));
     issue.push(tc(Tcgen05::Commit {
@@ -173,7 +186,7 @@ fn step(tile: TcgenTile) -> Vec<Stmt> {
                 barrier: barrier("done", rem(previous.clone(), int(stages))),
                 parity: rem(previous.clone() / int(stages), int(2)),
             })],
-            fill(tile, rem(previous.clone(), int(stages)), previous + int(stages)),
+            fill(tile, glu, rem(previous.clone(), int(stages)), previous + int(stages)),
         ]
         .concat(),
     ));
@@ -186,18 +199,36 @@ fn step(tile: TcgenTile) -> Vec<Stmt> {
 /// Each warp reads its 32 lanes (weight rows; this thread's is `row`) 8 tokens at a time from
 /// the accumulator at column `first_column` (the first, if none) and stores them where they
 /// fall in the result; a split past the end of K (no MMA, nothing in tensor memory) stores
-/// zeros.
+/// zeros. A GLU's tile (`GLU_GROUP`) puts in each warp's lanes 16 outputs' gate rows, then
+/// their up rows: lane l < 16 takes its up from lane l + 16 and, with one split, stores
+/// `act(gate)·up` for output `output`; with several each lane stores its own in the
+/// partials, where the joined rows put it.
 fn epilogue(tile: TcgenTile, form: tma_gemm::ResultForm, first_column: Option<Expr>) -> Vec<Stmt> {
     let names: Vec<String> = (0..8).map(|j| format!("acc{j}")).collect();
-    let stores = |values: Vec<Expr>| -> Vec<Stmt> {
+    let token = |j: usize| var("m0") + var("c") * int(8) + int(j as i64);
+    // Each token's value of this lane, and (a GLU's) of its partner lane.
+    let stores = |values: Vec<(Expr, Expr)>| -> Vec<Stmt> {
         values
             .into_iter()
             .enumerate()
-            .map(|(j, value)| {
-                let token = var("m0") + var("c") * int(8) + int(j as i64);
-                super::store_gemm_result(form.0, form.1, token, var("row"), value)
+            .map(|(j, (value, partner))| match form.1 {
+                None => super::store_gemm_result(form.0, form.1, token(j), var("row"), value),
+                Some(act) => gated_store(form, act, token(j), (value, partner)),
             })
             .collect()
+    };
+    let partners = |names: &[String]| -> Vec<Stmt> {
+        match form.1 {
+            Some(_) => names
+                .iter()
+                .map(|n| let_(&format!("{n}_partner"), Ty::F32, shfl_xor(var(n), GLU_GROUP as u32)))
+                .collect(),
+            None => vec![],
+        }
+    };
+    let partner = |n: &String| match form.1 {
+        Some(_) => var(&format!("{n}_partner")),
+        None => f(0.0),
     };
     let accumulator = match first_column {
         Some(column) => var("tmem") + column,
@@ -211,11 +242,17 @@ fn epilogue(tile: TcgenTile, form: tma_gemm::ResultForm, first_column: Option<Ex
             }),
             tc(Tcgen05::WaitLd),
         ],
-        stores(names.iter().map(|n| var(n)).collect()),
+        partners(&names),
+        stores(names.iter().map(|n| (var(n), partner(n))).collect()),
     ]
     .concat();
     vec![
         let_("row", Ty::I32, var("n0") + warp() * int(32) + lane()),
+        let_(
+            "output",
+            Ty::I32,
+            var("n0") / int(2) + warp() * int(GLU_GROUP) + rem(lane(), int(GLU_GROUP)),
+        ),
         for_(
             "c",
             int(0),
@@ -225,16 +262,51 @@ fn epilogue(tile: TcgenTile, form: tma_gemm::ResultForm, first_column: Option<Ex
             vec![if_else(
                 lt(int(0), var("steps")),
                 loaded,
-                stores(vec![f(0.0); names.len()]),
+                stores(vec![(f(0.0), f(0.0)); names.len()]),
             )],
         ),
     ]
+}
+
+/// A GLU's result for `token` and this lane's `output` where it lies inside the result, from
+/// this lane's product and its partner's (see [`epilogue`]).
+fn gated_store(form: tma_gemm::ResultForm, act: ir::GluAct, token: Expr, (value, partner): (Expr, Expr)) -> Stmt {
+    let gate_lane = lt(lane(), int(GLU_GROUP));
+    let half = var("n") / int(2);
+    let column = select(gate_lane.clone(), var("output"), half.clone() + var("output"));
+    if_(
+        and(lt(token.clone(), var("tokens")), lt(var("output"), half)),
+        vec![if_else(
+            eq(var("splits"), int(1)),
+            vec![if_(
+                gate_lane,
+                vec![store(
+                    "out",
+                    super::gemv::out_index(form.0, form.1, token.clone(), var("output")),
+                    super::gemv::gated(act, value.clone(), partner),
+                )],
+            )],
+            vec![store(
+                "partial",
+                (var("split") * var("tokens") + token) * var("n") + column,
+                value,
+            )],
+        )],
+    )
 }
 
 /// The GEMM on bf16 `x` and `w`, its own tensor maps (`tma_gemm::params`).
 pub fn gemm_tma_tcgen05_bf16(name: &str, origin: &str, tile: TcgenTile) -> Kernel {
     let params = tma_gemm::params(tile.tile_tokens as i64, TILE_ROWS);
     gemm(name, origin, tile, params, (None, None))
+}
+
+/// The GEMM on bf16 `x` and joined gate/up weights `w` (`n` rows, gates first), gating its own
+/// products with `act` into `out` `[tokens, n / 2]` with one split (`split_k::reduce_after_gating`
+/// after it, launching no blocks), or leaving both to the reduction with several.
+pub fn gemm_tma_tcgen05_bf16_gated(name: &str, origin: &str, tile: TcgenTile, act: ir::GluAct) -> Kernel {
+    let params = tma_gemm::params(tile.tile_tokens as i64, GLU_GROUP);
+    gemm(name, origin, tile, params, (None, Some(act)))
 }
 
 /// The GEMM as a plan launches it in place of the GEMV of a matmul of form `(prologue, glu)`
@@ -246,7 +318,11 @@ pub fn gemm_tma_tcgen05_bf16_prologued(
     prologue: Option<super::gemv::NormPrologue>,
     glu: Option<ir::GluAct>,
 ) -> Kernel {
-    let params = tma_gemm::prologued_params(prologue, tile.tile_tokens as i64, TILE_ROWS);
+    let w_box_rows = match glu {
+        Some(_) => GLU_GROUP,
+        None => TILE_ROWS,
+    };
+    let params = tma_gemm::prologued_params(prologue, tile.tile_tokens as i64, w_box_rows);
     gemm(name, origin, tile, params, (prologue, glu))
 }
 
@@ -318,6 +394,13 @@ fn gemm(name: &str, origin: &str, tile: TcgenTile, params: Vec<Param>, form: tma
         ],
     ]
     .concat();
+    let gating = match form.1 {
+        Some(act) => format!(
+            "; a tile's weights 16 outputs' gates, then their ups, over again, the {act:?} GLU applied \
+             to its own products with one split"
+        ),
+        None => String::new(),
+    };
     let shared = |name: &str, ty: Ty, len: i64| SharedArray {
         name: name.into(),
         ty,
@@ -341,7 +424,8 @@ fn gemm(name: &str, origin: &str, tile: TcgenTile, params: Vec<Param>, form: tma
         origin: format!(
             "{origin}: matmul x·Wᵀ on Blackwell tensor cores (tcgen05.mma M=128 N={tokens_per_tile} bf16 into \
              tensor memory, both operands fed by TMA through a {stages}-buffer ring of 128-byte-swizzled \
-             {TILE_ROWS}×{TILE_K} and {tokens_per_tile}×{TILE_K} boxes{specialisation}, K split in `splits`)"
+             {TILE_ROWS}×{TILE_K} and {tokens_per_tile}×{TILE_K} boxes{specialisation}, K split in \
+             `splits`{gating})"
         ),
         params,
         shared: [
@@ -379,9 +463,9 @@ fn one_thread_driven(tile: TcgenTile, form: tma_gemm::ResultForm, setup: Vec<Stm
                 stages,
                 tile.x_elements(),
                 tile.w_elements(),
-                tma_gemm::WeightBoxes::Rows,
+                weight_boxes(form.1.is_some()),
             ),
-            for_("step", int(0), var("steps"), int(1), step(tile)),
+            for_("step", int(0), var("steps"), int(1), step(tile, form.1.is_some())),
             // Everyone waits for the last step's MMAs before reading tensor memory.
             if_(
                 lt(int(0), var("steps")),
@@ -446,7 +530,7 @@ fn specialised(tile: TcgenTile, form: tma_gemm::ResultForm, setup: Vec<Stmt>) ->
             let_("s", Ty::I32, rem(var("it"), int(stages))),
             wait_previous_use("empty", "it", "s", stages),
         ],
-        fill(tile, var("s"), var("step")),
+        fill(tile, form.1.is_some(), var("s"), var("step")),
         vec![count("it")],
     ]
     .concat();

@@ -146,16 +146,18 @@ fn d_name(i: usize) -> String {
 
 /// The weight boxes of a GEMM of result form `form`: a GLU's tile is half gate rows, half
 /// the same outputs' up rows, so that the epilogue gates its own products.
-fn weight_boxes(form: tma_gemm::ResultForm) -> tma_gemm::WeightBoxes {
+fn weight_boxes(tile: TmaTile, form: tma_gemm::ResultForm) -> tma_gemm::WeightBoxes {
     match form.1 {
-        Some(_) => tma_gemm::WeightBoxes::GateAndUp,
+        Some(_) => tma_gemm::WeightBoxes::GateAndUp {
+            group: tile.tile_n as i64 / 2,
+        },
         None => tma_gemm::WeightBoxes::Rows,
     }
 }
 
 /// Thread 0's part of filling buffer `s` with step `step`.
 fn fill(tile: TmaTile, form: tma_gemm::ResultForm, s: Expr, step: Expr) -> Vec<Stmt> {
-    tma_gemm::fill(s, step, tile.x_elements(), tile.w_elements(), weight_boxes(form))
+    tma_gemm::fill(s, step, tile.x_elements(), tile.w_elements(), weight_boxes(tile, form))
 }
 
 /// The step's four k slices on the tensor cores, then the wait for them (or, overlapped, for
@@ -402,7 +404,7 @@ fn block_synchronised(tile: TmaTile, form: tma_gemm::ResultForm, setup: Vec<Stmt
             stages,
             tile.x_elements(),
             tile.w_elements(),
-            weight_boxes(form),
+            weight_boxes(tile, form),
         )],
         zeroed_accumulators(tile),
         vec![for_("step", int(0), var("steps"), int(1), step)],

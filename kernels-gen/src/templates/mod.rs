@@ -145,8 +145,9 @@ pub fn tma_prefill_gemm(
         ),
         _ => return None,
     };
-    // Hopper's gates a GLU's products itself (a tile's weights half gates, half their ups).
-    let gates = arch == "sm_90a" && glu.is_some();
+    // Hopper's and the B200's gate a GLU's products themselves (a tile's weights half gates,
+    // half the same outputs' ups).
+    let gates = matches!(arch, "sm_90a" | "sm_100a") && glu.is_some();
     Some(PrefillGemm { kernel, tiles, gates })
 }
 
@@ -904,11 +905,19 @@ pub fn catalog() -> Vec<Kernel> {
             gemm_tma_wgmma::TmaTile::SPECIALISED_WIDEST.persistent(132),
         ),
         // As plans launch it: the residual add and norm done by the rows' kernel, the GLU by
-        // the reduction, the result laid out as the GEMV's.
+        // the GEMM with one split (by the reduction with several), the result laid out as the
+        // GEMV's.
         gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(
             "add_rms_norm_swiglu_gemm_tma",
             "catalog",
             gemm_tma_wgmma::TmaTile::WIDE,
+            Some(gemv::NormPrologue::new(1e-5, 0.0).with_residual()),
+            Some(ir::GluAct::Silu),
+        ),
+        gemm_tma_tcgen05::gemm_tma_tcgen05_bf16_prologued(
+            "add_rms_norm_swiglu_gemm_tma_tcgen05",
+            "catalog",
+            gemm_tma_tcgen05::TcgenTile::WIDE.persistent(148),
             Some(gemv::NormPrologue::new(1e-5, 0.0).with_residual()),
             Some(ir::GluAct::Silu),
         ),

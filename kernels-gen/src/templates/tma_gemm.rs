@@ -136,13 +136,14 @@ pub fn init_barriers(arrays: &[(&str, u32)], stages: i64) -> Stmt {
 }
 
 /// The weight rows of a tile's buffer: the tile's rows from `n0` (one box), or, for a GLU
-/// whose GEMM gates its own products, half of them gate rows from `n0 / 2` and half the up
-/// rows from `n / 2 + n0 / 2` (two boxes of half as many rows; the tile's `n0 / 2` onwards are
-/// its columns of the gated product).
+/// whose GEMM gates its own products, half of them gate rows from `n0 / 2` and half the same
+/// outputs' up rows from `n / 2 + n0 / 2` (the tile's `n0 / 2` onwards are its columns of the
+/// gated product), in boxes of `group` rows: `group` gate rows, then their `group` up rows,
+/// and so on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightBoxes {
     Rows,
-    GateAndUp,
+    GateAndUp { group: i64 },
 }
 
 /// Thread 0's part of filling ring buffer `s` with step `step` (relative to `k_begin`): the
@@ -164,12 +165,19 @@ pub fn fill(s: Expr, step: Expr, x_elements: i64, w_elements: i64, weights: Weig
     let w_start = s.clone() * int(w_elements);
     let weight_copies = match weights {
         WeightBoxes::Rows => vec![copy("w_map", "ws", w_start, var("n0"))],
-        WeightBoxes::GateAndUp => {
-            let gate = var("n0") / int(2);
-            vec![
-                copy("w_map", "ws", w_start.clone(), gate.clone()),
-                copy("w_map", "ws", w_start + int(w_elements / 2), var("n") / int(2) + gate),
-            ]
+        WeightBoxes::GateAndUp { group } => {
+            // Rows of a box, the buffer's elements it fills, and the pairs of boxes.
+            let box_elements = group * TILE_K;
+            (0..w_elements / box_elements / 2)
+                .flat_map(|pair| {
+                    let gate = var("n0") / int(2) + int(pair * group);
+                    let at = w_start.clone() + int(2 * pair * box_elements);
+                    [
+                        copy("w_map", "ws", at.clone(), gate.clone()),
+                        copy("w_map", "ws", at + int(box_elements), var("n") / int(2) + gate),
+                    ]
+                })
+                .collect()
         }
     };
     [
