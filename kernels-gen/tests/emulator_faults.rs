@@ -1133,6 +1133,9 @@ enum Handover {
     Stores,
     /// Each lane copies (`cp.async`), waits for its copy, then arrives.
     Copies,
+    /// Each lane stores, arrives on another barrier, then on the consumers' with no store
+    /// between (an arrival releases every write before it, not only those since the last).
+    ArrivesTwice,
     /// Each lane arrives, then stores.
     ArrivesFirst,
     /// Each lane copies and arrives without waiting for its copy.
@@ -1146,9 +1149,10 @@ enum Handover {
 /// A producer warp hands what it writes to a consumer warp through an mbarrier, with no
 /// `__syncthreads()` between: each round it stores or copies into a fresh part of a shared
 /// buffer and arrives; the consumers wait on the phase and each reads what another lane
-/// wrote. An arrival releases its thread's writes (stores, and copies once landed), a wait
-/// acquires them; so arriving before writing, before a copy has landed, or from one lane for
-/// the warp, and reading without the wait, are each reported.
+/// wrote. An arrival releases its thread's writes (stores, and copies once landed; every
+/// write before it, even one an arrival on another barrier released), a wait acquires them;
+/// so arriving before writing, before a copy has landed, or from one lane for the warp, and
+/// reading without the wait, are each reported.
 #[test]
 fn a_producer_warp_hands_over_shared_memory_through_mbarriers() {
     let full = MbarrierRef::whole("full");
@@ -1171,6 +1175,16 @@ fn a_producer_warp_hands_over_shared_memory_through_mbarriers() {
         let arrive = mbarrier(Mbarrier::Arrive { barrier: full.clone() });
         let producer = match handover {
             Handover::Copies => [write, vec![Stmt::CpAsyncWait(0), arrive]].concat(),
+            Handover::ArrivesTwice => [
+                write,
+                vec![
+                    mbarrier(Mbarrier::Arrive {
+                        barrier: MbarrierRef::whole("other"),
+                    }),
+                    arrive,
+                ],
+            ]
+            .concat(),
             Handover::ArrivesFirst => [vec![arrive], write].concat(),
             Handover::OneLaneArrives => [write, vec![if_(eq(lane(), int(0)), vec![arrive])]].concat(),
             _ => [write, vec![arrive]].concat(),
@@ -1197,10 +1211,16 @@ fn a_producer_warp_hands_over_shared_memory_through_mbarriers() {
             vec![
                 if_(
                     eq(tid(), int(0)),
-                    vec![mbarrier(Mbarrier::Init {
-                        barrier: full.clone(),
-                        count: arrivals,
-                    })],
+                    vec![
+                        mbarrier(Mbarrier::Init {
+                            barrier: full.clone(),
+                            count: arrivals,
+                        }),
+                        mbarrier(Mbarrier::Init {
+                            barrier: MbarrierRef::whole("other"),
+                            count: 32,
+                        }),
+                    ],
                 ),
                 Stmt::SyncThreads,
                 Stmt::Roles(Box::new(Roles {
@@ -1216,13 +1236,17 @@ fn a_producer_warp_hands_over_shared_memory_through_mbarriers() {
                     ],
                 })),
             ],
-            vec![shared("full", Ty::U32, 2), shared("buf", Ty::Bf16, 512)],
+            vec![
+                shared("full", Ty::U32, 2),
+                shared("other", Ty::U32, 2),
+                shared("buf", Ty::Bf16, 512),
+            ],
         );
         k.params[0] = buffer("x", Ty::Bf16, false);
         k
     };
     let x = Array::ints(Ty::Bf16, &[7; 64]);
-    for handover in [Handover::Stores, Handover::Copies] {
+    for handover in [Handover::Stores, Handover::Copies, Handover::ArrivesTwice] {
         let mut bufs = HashMap::from([("x".into(), x.clone()), ("out".into(), Array::poisoned(Ty::F32, 64))]);
         run(&program(handover), &mut bufs, &HashMap::new()).unwrap_or_else(|e| panic!("{handover:?}: {e}"));
         let want: Vec<f32> = match handover {

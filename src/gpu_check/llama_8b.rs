@@ -351,7 +351,10 @@ fn gated_gemm(shape: &str, arch: &str) -> Option<(Kernel, (usize, usize, usize))
         ("gate_up", "sm_100a") => {
             use kernels_gen::templates::gemm_tma_tcgen05::{gemm_tma_tcgen05_bf16_gated, TcgenTile};
             let tile = TcgenTile::WIDE;
-            Some((gemm_tma_tcgen05_bf16_gated(GATED_GEMM, "gpu-check", tile, act), tile.tiles()))
+            Some((
+                gemm_tma_tcgen05_bf16_gated(GATED_GEMM, "gpu-check", tile, act),
+                tile.tiles(),
+            ))
         }
         _ => None,
     }

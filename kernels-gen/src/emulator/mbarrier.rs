@@ -74,9 +74,9 @@ pub(super) struct Barriers {
     /// Counts arrivals: what orders a warpgroup's tensor-core reads and a thread's writes
     /// against their releases.
     pub(super) clock: u64,
-    /// Per thread: whether it wrote shared memory since its last arrival (only then does an
-    /// arrival release a write, and only then is its key worth carrying).
-    unreleased_writes: Vec<bool>,
+    /// Per thread: whether it wrote shared memory since the last `__syncthreads()` (only then
+    /// is its key worth carrying: an arrival releases every write before it).
+    wrote_shared: Vec<bool>,
 }
 
 impl Barriers {
@@ -85,13 +85,18 @@ impl Barriers {
             barriers: HashMap::new(),
             observed: vec![HashMap::new(); threads],
             clock: 0,
-            unreleased_writes: vec![false; threads],
+            wrote_shared: vec![false; threads],
         }
     }
 
-    /// Thread `t` wrote shared memory: its next arrival releases it.
+    /// Thread `t` wrote shared memory: its arrivals release it.
     pub(super) fn note_write(&mut self, t: usize) {
-        self.unreleased_writes[t] = true;
+        self.wrote_shared[t] = true;
+    }
+
+    /// A `__syncthreads()`: every write is everyone's, and no arrival need release one.
+    pub(super) fn writes_synchronised(&mut self) {
+        self.wrote_shared.fill(false);
     }
 
     /// What thread `t` knows (see [`Knowledge`]).
@@ -198,7 +203,7 @@ impl Block<'_> {
         let mut knows = self.barriers.observed[t].clone();
         knows.insert(warpgroup_key(t / super::asynchronous::WARPGROUP), self.barriers.clock);
         knows.insert(warp_key(t / 32), self.barriers.clock);
-        if std::mem::take(&mut self.barriers.unreleased_writes[t]) {
+        if self.barriers.wrote_shared[t] {
             knows.insert(thread_key(t), self.barriers.clock);
         }
         let b = self.barrier_mut(key, t)?;

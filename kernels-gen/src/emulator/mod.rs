@@ -586,6 +586,7 @@ impl<'k> Block<'k> {
                 for w in self.shared_writer.values_mut() {
                     w.fill(None);
                 }
+                self.barriers.writes_synchronised();
                 for r in self.shared_readers.get_mut().values_mut() {
                     r.fill(Readers::None);
                 }

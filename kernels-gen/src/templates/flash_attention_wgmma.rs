@@ -172,15 +172,15 @@ fn issue_values(head_dim: usize) -> Vec<Stmt> {
 }
 
 /// How a block's warps share the work.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Schedule {
     /// Every thread copies the tiles, and the warpgroups meet at a `__syncthreads()` a tile.
-    #[default]
     Lockstep,
     /// Warp specialisation (FlashAttention-3's): a producer warp copies the tiles into the
     /// ring, handing each to the consumer warpgroups through an mbarrier (`full`) and taking
-    /// its buffer back through another (`empty`) once both are done with it; the warpgroups
-    /// never wait for each other, nor spend issue slots on copies.
+    /// its buffer back through another (`empty`) once both are done with it, so no warpgroup
+    /// spends issue slots on copies; the warpgroups take turns issuing their products
+    /// ([`take_turn`]).
     Specialised,
 }
 
