@@ -2168,15 +2168,14 @@ fn wgmma_prefill_attention_computes_what_the_mma_sync_one_does() {
         let next = gpu.step(&mut sequence, &[5]).unwrap()["logits"].data.clone();
         [first, next]
     };
-    let mma = logits(gpu::PrefillAttention::Mma);
-    assert_eq!(logits(gpu::PrefillAttention::Wgmma), mma);
-    assert_eq!(logits(gpu::PrefillAttention::WgmmaSpecialised), mma);
+    each_wgmma_attention_gives_the_mma_ones(logits);
 }
 
 /// A batched Hopper plan attending on `wgmma` (either schedule) computes what the one on
-/// `mma.sync` does, bit for bit, its prompts cut into the wgmma kernel's tiles of 128 rows (the step input the runtime
-/// writes for it): a prompt longer than a tile beside a short one, then both continued past
-/// their cached rows, then a decode step (the split attention).
+/// `mma.sync` does, bit for bit, its prompts cut into the wgmma kernel's tiles of 128 rows
+/// (the step input the runtime writes for it): a prompt longer than a tile beside a short
+/// one, then both continued past their cached rows, then a decode step (the split
+/// attention).
 #[test]
 fn batched_plans_attend_on_wgmma_as_on_mma_sync() {
     use runtime::kv::BlockId;
@@ -2216,9 +2215,17 @@ fn batched_plans_attend_on_wgmma_as_on_mma_sync() {
             .collect();
         got
     };
+    each_wgmma_attention_gives_the_mma_ones(logits);
+}
+
+/// `logits` of a Hopper plan attending on each `wgmma` form equal to those on `mma.sync`.
+fn each_wgmma_attention_gives_the_mma_ones<T: PartialEq + std::fmt::Debug>(
+    logits: impl Fn(gpu::PrefillAttention) -> T,
+) {
     let mma = logits(gpu::PrefillAttention::Mma);
-    assert_eq!(logits(gpu::PrefillAttention::Wgmma), mma);
-    assert_eq!(logits(gpu::PrefillAttention::WgmmaSpecialised), mma);
+    for attention in [gpu::PrefillAttention::Wgmma, gpu::PrefillAttention::WgmmaSpecialised] {
+        assert_eq!(logits(attention), mma, "{attention:?}");
+    }
 }
 
 /// `bbc gpu-check`'s lockstep of a serving plan (two prompts in one step, then decode steps)
