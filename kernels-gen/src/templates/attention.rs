@@ -41,6 +41,26 @@ pub fn splits_for(rows: usize) -> usize {
     1 + (MAX_SPLITS - 1) / rows.max(1)
 }
 
+/// What every attention over a cache takes first: the queries `q` (rows `q_stride` apart), the
+/// cache's keys and values (`cache` elements), the f32 result `out`, the rows (`tokens` of
+/// them from position `first`), the head's shape, the window (≤ 0: none) and the scale of
+/// q·k.
+pub(crate) fn rows_and_cache_params(cache: Ty, out: &str) -> Vec<Param> {
+    vec![
+        buffer("q", Ty::F32, false),
+        buffer("k", cache, false),
+        buffer("v", cache, false),
+        buffer(out, Ty::F32, true),
+        scalar("tokens", Ty::I32),
+        scalar("q_stride", Ty::I32),
+        scalar("first", Ty::I32),
+        scalar("heads", Ty::I32),
+        scalar("kv_heads", Ty::I32),
+        scalar("window", Ty::I32),
+        scalar("scale", Ty::F32),
+    ]
+}
+
 /// f32 elements of the partials of a step of at most `max_rows` rows: `rows × splits` is at
 /// most `rows + MAX_SPLITS - 1`, and each (row, head, split) keeps `head_dim + 2` floats.
 pub fn partial_len(max_rows: usize, heads: usize, head_dim: usize) -> usize {
@@ -199,20 +219,8 @@ pub fn attention_split(
             layout.describe()
         ),
         params: [
-            vec![
-                buffer("q", Ty::F32, false),
-                buffer("k", cache, false),
-                buffer("v", cache, false),
-                buffer("partial", Ty::F32, true),
-                scalar("tokens", Ty::I32),
-                scalar("q_stride", Ty::I32),
-                scalar("first", Ty::I32),
-                scalar("heads", Ty::I32),
-                scalar("kv_heads", Ty::I32),
-                scalar("window", Ty::I32),
-                scalar("scale", Ty::F32),
-                scalar("splits", Ty::I32),
-            ],
+            rows_and_cache_params(cache, "partial"),
+            vec![scalar("splits", Ty::I32)],
             layout.params(),
         ]
         .concat(),

@@ -538,19 +538,7 @@ pub(super) fn params(layout: CacheLayout) -> Vec<Param> {
         _ => vec![],
     };
     [
-        vec![
-            buffer("q", Ty::F32, false),
-            buffer("k", Ty::Bf16, false),
-            buffer("v", Ty::Bf16, false),
-            buffer("out", Ty::F32, true),
-            scalar("tokens", Ty::I32),
-            scalar("q_stride", Ty::I32),
-            scalar("first", Ty::I32),
-            scalar("heads", Ty::I32),
-            scalar("kv_heads", Ty::I32),
-            scalar("window", Ty::I32),
-            scalar("scale", Ty::F32),
-        ],
+        super::attention::rows_and_cache_params(Ty::Bf16, "out"),
         layout.params(),
         tiles_input,
     ]
