@@ -63,9 +63,16 @@ enum Command {
         prefill_gemm: commands::compile::PrefillGemm,
         /// GPU targets: the tensor-core attention prompts attend with: `mma`,
         /// FlashAttention-2's schedule on `mma.sync`; `wgmma`, both products on `wgmma`
-        /// (Hopper, heads up to 128 dims; elsewhere as `mma`).
+        /// (Hopper, heads up to 128 dims; elsewhere as `mma`); `wgmma-specialised`, that one
+        /// with a producer warp copying the tiles.
         #[arg(long, value_enum, default_value_t = commands::compile::PrefillAttention::Mma)]
         prefill_attention: commands::compile::PrefillAttention,
+        /// GPU targets: the split attention decode steps attend with: `scalar`, a warp
+        /// taking a key at a time, an element of it a lane; `vector`, 16 bytes of a row a
+        /// lane, several keys a warp at once (heads a power of two of 16-byte loads;
+        /// others as `scalar`).
+        #[arg(long, value_enum, default_value_t = commands::compile::DecodeAttention::Scalar)]
+        decode_attention: commands::compile::DecodeAttention,
     },
     /// Generate text from an artifact, a model.toml, a weights path or a model name.
     Run(commands::run::RunArgs),
@@ -121,6 +128,7 @@ fn run(cli: Cli) -> Result<()> {
             draft_head,
             prefill_gemm,
             prefill_attention,
+            decode_attention,
         } => commands::compile::compile(&commands::compile::CompileArgs {
             model: &model,
             target: &target,
@@ -132,6 +140,7 @@ fn run(cli: Cli) -> Result<()> {
             draft_head,
             prefill_gemm,
             prefill_attention,
+            decode_attention,
         }),
         Command::Run(args) => commands::run::run(&args),
         Command::Perplexity(args) => commands::perplexity::perplexity(&args),

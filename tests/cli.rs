@@ -274,9 +274,10 @@ fn a_compiled_artifact_runs_like_the_model() {
     let digest = sha2::Sha256::digest(std::fs::read(&model).unwrap());
     let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
     assert_eq!(manifest.weights_sha256, hex);
-    // A CPU artifact has no GPU plans, so no prefill GEMM or attention.
+    // A CPU artifact has no GPU plans, so no prefill GEMM or attention, nor decode attention.
     assert_eq!(manifest.prefill_gemm, None);
     assert_eq!(manifest.prefill_attention, None);
+    assert_eq!(manifest.decode_attention, None);
     let args = |m: &str| {
         json(&[
             "run",

@@ -302,6 +302,7 @@ fn compile_every_plan(model: &std::path::Path, target: Target, output: &std::pat
         draft_head: bbc::serve::DraftHead::Full,
         prefill_gemm: Default::default(),
         prefill_attention: Default::default(),
+        decode_attention: Default::default(),
     };
     bbc::commands::compile::compile(&args)
         .unwrap_or_else(|e| panic!("{} on {}: {e:#}", model.display(), target.name()));
@@ -641,6 +642,51 @@ fn compile_chooses_the_prefill_attention() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && stderr.contains("mma") && stderr.contains("wgmma"),
+        "{stderr}"
+    );
+}
+
+/// `bbc compile --decode-attention`: by default (`scalar`) the plans' split attention takes a
+/// key a warp at a time; `vector`, 16 bytes of a row a lane (its kernel built spill-free with
+/// the others); the manifest records the choice, and an unknown one is refused.
+#[test]
+fn compile_chooses_the_decode_attention() {
+    if !nvrtc_present() {
+        return;
+    }
+    let scratch = common::scratch_dir("bbc-gpu-decode-attention-");
+    let weights = common::fixture("hf-tiny/llama");
+    let toml = scratch.path().join("llama-bf16.toml");
+    std::fs::write(&toml, format!("[model]\nweights = {weights:?}\ndtype = \"bf16\"\n")).unwrap();
+    let compile =
+        |choice: Option<&str>| compile_choosing(&toml, "h200", scratch.path(), ("--decode-attention", choice));
+    for (choice, vector) in [(None, false), (Some("vector"), true)] {
+        let (artifact, out) = compile(choice);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let manifest = codegen::read_manifest(&artifact).unwrap();
+        let recorded = serde_json::to_value(manifest.decode_attention).unwrap();
+        assert_eq!(recorded, serde_json::json!(choice.unwrap_or("scalar")), "{choice:?}");
+        for file in [manifest.plan, manifest.serving_plan].iter().flatten() {
+            let plan: gpu::GpuPlan =
+                serde_json::from_str(&std::fs::read_to_string(artifact.join(file)).unwrap()).unwrap();
+            // The split passes: every attention launch but the merge and the tensor-core one.
+            let splits: Vec<&str> = plan
+                .launches
+                .iter()
+                .map(|l| l.kernel.as_str())
+                .filter(|k| k.starts_with("attention") && !k.starts_with("attention_combine"))
+                .collect();
+            assert_eq!(splits.len(), 3, "{choice:?} {file}: a launch a layer: {splits:?}");
+            assert!(
+                splits.iter().all(|k| k.starts_with("attention_vector") == vector),
+                "{choice:?} {file}: {splits:?}"
+            );
+        }
+    }
+    let (_, out) = compile(Some("wide"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("scalar") && stderr.contains("vector"),
         "{stderr}"
     );
 }

@@ -2152,9 +2152,9 @@ fn wgmma_prefill_attention_computes_what_the_mma_sync_one_does() {
     let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
     let prompt: Vec<u32> = (0..PREFILL_TOKENS as u32 + 3).map(|i| (7 + 13 * i) % 300).collect();
     let logits = |attention: gpu::PrefillAttention| {
-        let kernels = gpu::PrefillKernels {
-            gemm: gpu::PrefillGemm::Tma,
-            attention,
+        let kernels = gpu::PlanKernels {
+            prefill_attention: attention,
+            ..Default::default()
         };
         let (plan, kernels) = gpu::build_program(&graph, Target::H200, 64, None, kernels).unwrap();
         let wgmma = plan
@@ -2196,9 +2196,9 @@ fn batched_plans_attend_on_wgmma_as_on_mma_sync() {
         vec![(170, vec![7]), (29, vec![9])],
     ];
     let logits = |attention: gpu::PrefillAttention| {
-        let kernels = gpu::PrefillKernels {
-            gemm: gpu::PrefillGemm::Tma,
-            attention,
+        let kernels = gpu::PlanKernels {
+            prefill_attention: attention,
+            ..Default::default()
         };
         let (plan, kernels) = gpu::build_program(&graph, Target::H200, 176, Some(cache), kernels).unwrap();
         let wgmma = plan
@@ -2216,6 +2216,60 @@ fn batched_plans_attend_on_wgmma_as_on_mma_sync() {
         got
     };
     each_wgmma_attention_gives_the_mma_ones(logits);
+}
+
+/// Batched plans whose decode steps attend with the vector split pass (`--decode-attention
+/// vector`) compute what those on the scalar one do, within f32 rounding (the same products
+/// summed in another order: 16-byte loads of 2 to 8 lanes a row, several keys a warp): heads
+/// of 16 and 32 dims over f32 and bf16 caches, a prompt step (on the tensor cores where the
+/// cache is bf16, through the split pass where it is f32), then decode steps over caches
+/// whose blocks lie in reverse order.
+#[test]
+fn batched_plans_decode_with_the_vector_split_pass_as_with_the_scalar_one() {
+    use runtime::kv::BlockId;
+    let cache = gpu::BatchedCache {
+        blocks: 24,
+        block_size: 16,
+        sequences: 2,
+    };
+    let tables: Vec<Vec<BlockId>> = (0..2u32)
+        .map(|s| (0..12).rev().map(|b| BlockId(2 * b + s)).collect())
+        .collect();
+    let prompt = |len: u32, seed: u32| -> Vec<u32> { (0..len).map(|i| (seed + 37 * i) % 300).collect() };
+    let steps: [Vec<(usize, Vec<u32>)>; 3] = [
+        vec![(0, prompt(40, 5)), (0, prompt(9, 11))],
+        vec![(40, vec![7]), (9, vec![9])],
+        vec![(41, vec![3]), (10, vec![4])],
+    ];
+    for (family, dtype) in [
+        ("llama", ComputeDtype::F32),
+        ("llama", ComputeDtype::Bf16),
+        ("gemma3", ComputeDtype::Bf16),
+    ] {
+        let model = open(family, dtype);
+        let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
+        let logits = |decode_attention: gpu::DecodeAttention| {
+            let kernels = gpu::PlanKernels {
+                decode_attention,
+                ..Default::default()
+            };
+            let (plan, kernels) = gpu::build_program(&graph, Target::H200, 64, Some(cache), kernels).unwrap();
+            let vector = plan.kernels.iter().filter(|k| k.name.starts_with("attention_vector"));
+            assert_eq!(vector.count() > 0, decode_attention == gpu::DecodeAttention::Vector);
+            let gpu = EmulatorBackend::emulated(plan, kernels, graph.clone(), &model.weights, &[], 64).unwrap();
+            steps
+                .iter()
+                .flat_map(|segments| gpu.step_batch(&batch_of(segments, &tables)).unwrap())
+                .map(|outputs| outputs["logits"].data.clone())
+                .collect::<Vec<_>>()
+        };
+        let scalar = logits(gpu::DecodeAttention::Scalar);
+        let vector = logits(gpu::DecodeAttention::Vector);
+        for (i, (v, s)) in vector.iter().zip(&scalar).enumerate() {
+            let error = relative_error(v, s);
+            assert!(error <= 1e-5, "{family} {dtype:?}: output {i}: error {error}");
+        }
+    }
 }
 
 /// `logits` of a Hopper plan attending on each `wgmma` form equal to those on `mma.sync`.

@@ -104,6 +104,9 @@ pub struct Manifest {
     /// GPU targets: the tensor-core attention the plans' prompts attend with.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_attention: Option<crate::gpu::PrefillAttention>,
+    /// GPU targets: the split attention the plans' other steps attend with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_attention: Option<crate::gpu::DecodeAttention>,
     /// GPU targets, a model whose checkpoint carries multi-token prediction layers: their
     /// graph (`mtp.*`: a draft step, its greedy token and the hidden state the next one reads),
     /// whose batched plan (`mtp_plan.json`) drafts for the serving plan, which then also
@@ -132,16 +135,16 @@ pub struct CompiledGraphs<'a> {
 
 /// Write the artifact for `graphs` of `model` into `dir`.
 pub fn compile(model: &Model, graphs: CompiledGraphs, target: Target, dir: &Path) -> Result<Manifest, ArtifactError> {
-    compile_with(model, graphs, target, dir, crate::gpu::PrefillKernels::default())
+    compile_with(model, graphs, target, dir, crate::gpu::PlanKernels::default())
 }
 
-/// [`compile`], the GPU plans' prefill steps taking `prefill`'s kernels.
+/// [`compile`], the GPU plans' steps taking `kernels`.
 pub fn compile_with(
     model: &Model,
     graphs: CompiledGraphs,
     target: Target,
     dir: &Path,
-    prefill: crate::gpu::PrefillKernels,
+    kernels: crate::gpu::PlanKernels,
 ) -> Result<Manifest, ArtifactError> {
     std::fs::create_dir_all(dir).map_err(io(dir))?;
     let CompiledGraphs {
@@ -164,7 +167,7 @@ pub fn compile_with(
     let loading = Loading {
         fills: model.spec.random_weights.is_some(),
         weights: &model.weights,
-        prefill,
+        kernels,
     };
     let (plan, greedy_plan, serving_plan, mtp_plan) = match target {
         Target::Cpu => (None, None, None, None),
@@ -231,8 +234,9 @@ pub fn compile_with(
         greedy_plan,
         serving_graph_json: serving.map(|_| SERVING_GRAPH_JSON.into()),
         serving_plan,
-        prefill_gemm: target.cuda_arch().is_some().then_some(prefill.gemm),
-        prefill_attention: target.cuda_arch().is_some().then_some(prefill.attention),
+        prefill_gemm: target.cuda_arch().is_some().then_some(kernels.prefill_gemm),
+        prefill_attention: target.cuda_arch().is_some().then_some(kernels.prefill_attention),
+        decode_attention: target.cuda_arch().is_some().then_some(kernels.decode_attention),
         mtp_graph_json: mtp.map(|_| MTP_GRAPH_JSON.into()),
         mtp_plan,
         int8_heads,
@@ -268,12 +272,13 @@ pub fn compile_with(
 }
 
 /// What a GPU plan is built with beside its graph: whether it makes random weights on the
-/// device, the weights whose stored forms it may convert there, its prefill kernels.
+/// device, the weights whose stored forms it may convert there, the kernels it takes where it
+/// has a choice.
 #[derive(Clone, Copy)]
 struct Loading<'a> {
     fills: bool,
     weights: &'a dyn quant::tensor::Tensors,
-    prefill: crate::gpu::PrefillKernels,
+    kernels: crate::gpu::PlanKernels,
 }
 
 /// Rows a step of a GPU plan takes, which its activation buffers are sized for: the serving
@@ -297,7 +302,7 @@ fn write_gpu_program(
     loading: Loading,
 ) -> Result<String, ArtifactError> {
     let name = target.name();
-    let built = crate::gpu::build_program(graph, target, GPU_MAX_TOKENS, batched, loading.prefill);
+    let built = crate::gpu::build_program(graph, target, GPU_MAX_TOKENS, batched, loading.kernels);
     let (mut plan, _) = built.map_err(|source| ArtifactError::Gpu { target: name, source })?;
     let weights = loading.weights;
     if loading.fills {

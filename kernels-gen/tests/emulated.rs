@@ -624,15 +624,10 @@ fn attention_matches_reference_with_windows_groups_and_long_caches() {
                 ("k".into(), Array::f32(&k)),
                 ("v".into(), Array::f32(&v)),
             ]);
-            let kernel =
-                attention::attention_split("attention", "test", CacheLayout::Contiguous, head_dim, group, Ty::F32);
-            let out = run_attention(&kernel, &mut bufs, &scalars, (tokens, heads, head_dim), splits);
-            close(
-                &out,
-                &want,
-                1e-5,
-                &format!("attention, {splits} splits, {group} heads a block"),
-            );
+            for kernel in split_passes(CacheLayout::Contiguous, head_dim, group, Ty::F32) {
+                let out = run_attention(&kernel, &mut bufs, &scalars, (tokens, heads, head_dim), splits);
+                close(&out, &want, 1e-5, &format!("{}, {splits} splits", kernel.origin));
+            }
         }
     }
 }
@@ -1002,6 +997,111 @@ fn attention_reference(
     let rows = positions.len();
     let q = ir::Tensor::new(vec![rows, heads * head_dim], q.to_vec());
     ir::reference::attention_over_slot(&spec, &q, &slot, &positions).data
+}
+
+/// The split passes over a cache in `layout`: one element a lane, and 16 bytes a lane where
+/// the head allows (`attention_vector`); their partials are the same.
+fn split_passes(
+    layout: kernels_gen::templates::cache_layout::CacheLayout,
+    head_dim: usize,
+    group: usize,
+    cache: Ty,
+) -> Vec<Kernel> {
+    let mut passes = vec![attention::attention_split(
+        "attention",
+        "test",
+        layout,
+        head_dim,
+        group,
+        cache,
+    )];
+    if attention_vector::supports(head_dim, cache) {
+        passes.push(attention_vector::attention_split_vector(
+            "attention_vector",
+            "test",
+            layout,
+            head_dim,
+            group,
+            cache,
+        ));
+    }
+    passes
+}
+
+/// The vector split pass over bf16 caches of every head size it takes (a 16-byte load a lane
+/// covering 8 to 64 dims of a row of 64 to 512; several keys a warp at once, one a lane at
+/// 512), paged with its blocks in reverse order, against the reference on the rounded keys
+/// and values: decode rows after caches whose spans end mid-iteration, a window, one split,
+/// the plans' count and more, and the block's heads as the plans group them. Keys past a
+/// span's end reload its last row and must not count.
+#[test]
+fn vector_split_attention_matches_reference_on_bf16_caches() {
+    use kernels_gen::templates::cache_layout::CacheLayout;
+    let mut rng = Rng(44);
+    let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+    let block_size = 16;
+    for (tokens, first, heads, kv_heads, head_dim, window) in [
+        (1, 300, 8, 2, 64, 0),
+        (2, 211, 8, 2, 128, 0),
+        (1, 130, 4, 2, 128, 37),
+        (1, 97, 4, 1, 256, 0),
+        (2, 45, 2, 1, 512, 0),
+    ] {
+        assert!(attention_vector::supports(head_dim, Ty::Bf16));
+        let len = first + tokens;
+        let row = kv_heads * head_dim;
+        let (q, k, v) = (
+            rng.vec(tokens * heads * head_dim),
+            round(&rng.vec(len * row)),
+            round(&rng.vec(len * row)),
+        );
+        let want = attention_reference((&q, &k, &v), (first, heads, kv_heads, head_dim, window));
+        let blocks = len.div_ceil(block_size);
+        let table: Vec<i64> = (0..blocks).map(|b| (blocks - b) as i64).collect();
+        let (mut paged_k, mut paged_v) = (
+            vec![0f32; (blocks + 1) * block_size * row],
+            vec![0f32; (blocks + 1) * block_size * row],
+        );
+        for p in 0..len {
+            let at = (table[p / block_size] as usize * block_size + p % block_size) * row;
+            paged_k[at..at + row].copy_from_slice(&k[p * row..(p + 1) * row]);
+            paged_v[at..at + row].copy_from_slice(&v[p * row..(p + 1) * row]);
+        }
+        let mut scalars = ints(&[
+            ("tokens", tokens as i64),
+            ("q_stride", (heads * head_dim) as i64),
+            ("first", first as i64),
+            ("heads", heads as i64),
+            ("kv_heads", kv_heads as i64),
+            ("window", window as i64),
+            ("block_size", block_size as i64),
+        ]);
+        scalars.insert("scale".into(), Scalar::F32(0.3));
+        let group = attention_vector::heads_per_block(heads, kv_heads, head_dim, Ty::Bf16);
+        let kernel = attention_vector::attention_split_vector(
+            "attention_vector",
+            "test",
+            CacheLayout::Paged,
+            head_dim,
+            group,
+            Ty::Bf16,
+        );
+        for splits in [1, attention::splits_for(tokens), 7] {
+            let mut bufs = HashMap::from([
+                ("q".into(), Array::f32(&q)),
+                ("k".into(), bf16_array(&paged_k)),
+                ("v".into(), bf16_array(&paged_v)),
+                ("block_table".into(), Array::ints(Ty::I32, &table)),
+            ]);
+            let out = run_attention(&kernel, &mut bufs, &scalars, (tokens, heads, head_dim), splits);
+            close(
+                &out,
+                &want,
+                1e-5,
+                &format!("{tokens} rows after {first}, {splits} splits: {}", kernel.origin),
+            );
+        }
+    }
 }
 
 /// Run attention's split pass (`split`, over `bufs` and `scalars`, which lack the partials and
@@ -2231,13 +2331,18 @@ fn paged_attention_and_append_match_the_contiguous_cache() {
     bufs.insert("v".into(), v_pool);
     bufs.insert("q".into(), Array::f32(&q));
     let spec = cache_test_spec(heads, kv_heads, head_dim);
-    let out = run_attention(
-        &attention::attention_split("paged", "test", CacheLayout::Paged, head_dim, 2, Ty::F32),
-        &mut bufs,
-        &attention_scalars(&spec, tokens, first, block_size),
-        (tokens, heads, head_dim),
-        3,
-    );
+    let outs: Vec<Vec<f32>> = split_passes(CacheLayout::Paged, head_dim, 2, Ty::F32)
+        .iter()
+        .map(|pass| {
+            run_attention(
+                pass,
+                &mut bufs,
+                &attention_scalars(&spec, tokens, first, block_size),
+                (tokens, heads, head_dim),
+                3,
+            )
+        })
+        .collect();
     let slot = ir::reference::KvSlot {
         positions: (0..len).collect(),
         k,
@@ -2250,7 +2355,10 @@ fn paged_attention_and_append_match_the_contiguous_cache() {
         &slot,
         &positions,
     );
-    close(&out, &want.data, 1e-5, "paged attention");
+    assert_eq!(outs.len(), 2, "both split passes");
+    for out in outs {
+        close(&out, &want.data, 1e-5, "paged attention");
+    }
 }
 
 /// A batched step: rows of two sequences (one decoding after 9 cached positions, one starting
@@ -2340,13 +2448,20 @@ fn batched_step_matches_reference(cache: Ty) {
         cache_dtype: dtype,
         ..cache_test_spec(heads, kv_heads, head_dim)
     };
-    let out = run_attention(
-        &attention::attention_split("batched", "test", CacheLayout::Batched, head_dim, 2, cache),
-        &mut bufs,
-        &attention_scalars(&spec, tokens, 0, block_size),
-        (tokens, heads, head_dim),
-        attention::splits_for(tokens),
-    );
+    let passes = split_passes(CacheLayout::Batched, head_dim, 2, cache);
+    assert_eq!(passes.len(), 2, "both split passes");
+    let outs: Vec<Vec<f32>> = passes
+        .iter()
+        .map(|pass| {
+            run_attention(
+                pass,
+                &mut bufs,
+                &attention_scalars(&spec, tokens, 0, block_size),
+                (tokens, heads, head_dim),
+                attention::splits_for(tokens),
+            )
+        })
+        .collect();
     let mut want = Vec::new();
     let stored = |x: Vec<f32>| x.into_iter().map(|e| ops::stored_as(e, dtype)).collect();
     for (k, v, qs, first, len) in per_seq {
@@ -2359,7 +2474,9 @@ fn batched_step_matches_reference(cache: Ty) {
         let q = ir::Tensor::new(vec![len - first, heads * head_dim], qs);
         want.extend(ir::reference::attention_over_slot(&spec, &q, &slot, &positions).data);
     }
-    close(&out, &want, 1e-5, &format!("batched attention, {cache:?} cache"));
+    for (out, pass) in outs.iter().zip(&passes) {
+        close(out, &want, 1e-5, &format!("batched attention: {}", pass.origin));
+    }
 }
 
 /// The sampler picks the token whose cumulative probability interval holds `u` (computed here

@@ -24,6 +24,28 @@ pub struct CompileArgs<'a> {
     pub prefill_gemm: PrefillGemm,
     /// The tensor-core attention the GPU plans' prompts attend with.
     pub prefill_attention: PrefillAttention,
+    /// The split attention the GPU plans' decode steps attend with.
+    pub decode_attention: DecodeAttention,
+}
+
+/// The split attention GPU plans' decode steps attend with (`codegen::gpu::DecodeAttention`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DecodeAttention {
+    /// A warp takes a key at a time, each lane an element of its rows.
+    #[default]
+    Scalar,
+    /// Each lane loads 16 bytes of a row, a warp several keys at once (heads a power of two
+    /// of 16-byte loads; others as `scalar`).
+    Vector,
+}
+
+impl From<DecodeAttention> for codegen::gpu::DecodeAttention {
+    fn from(attention: DecodeAttention) -> Self {
+        match attention {
+            DecodeAttention::Scalar => Self::Scalar,
+            DecodeAttention::Vector => Self::Vector,
+        }
+    }
 }
 
 /// The tensor-core attention GPU plans' prompts attend with
@@ -158,11 +180,12 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
     if target != Target::Cpu {
         crate::fetch::ensure_nvrtc(false)?;
     }
-    let prefill = codegen::gpu::PrefillKernels {
-        gemm: args.prefill_gemm.into(),
-        attention: args.prefill_attention.into(),
+    let kernels = codegen::gpu::PlanKernels {
+        prefill_gemm: args.prefill_gemm.into(),
+        prefill_attention: args.prefill_attention.into(),
+        decode_attention: args.decode_attention.into(),
     };
-    let manifest = codegen::compile_with(&loaded.model, graphs, target, args.output, prefill)?;
+    let manifest = codegen::compile_with(&loaded.model, graphs, target, args.output, kernels)?;
     if args.emit == Some("kernel-report") {
         print_kernel_report(&args.output.join("plan.json"))?;
     }

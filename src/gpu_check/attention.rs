@@ -3,13 +3,15 @@
 //! 2 048 and 8 192 tokens by the tensor-core kernel (`flash_attention`) over a contiguous cache
 //! and over the paged pool as the serving plans launch it (the step's query tiles), on Hopper
 //! also on `wgmma` (`flash_attention_wgmma`) both ways, and by
-//! the split attention (split pass and merge, what decode steps take), in µs and TFLOP/s; and
-//! a decode step of 64 sequences at 4 096 positions over the paged pool, as the serving plan
-//! runs it, in GB/s of cache read and its share of the copy bandwidth.
+//! the split attention (split pass and merge, what decode steps take; the scalar pass and the
+//! vector one), in µs and TFLOP/s; and a decode step of 64 sequences at 4 096 positions over
+//! the paged pool, as the serving plans run it (either pass), in GB/s of cache read and its
+//! share of the copy bandwidth.
 
 use anyhow::{anyhow, Result};
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::attention::{self, attention_combine, attention_split};
+use kernels_gen::templates::attention_vector::{self, attention_split_vector};
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::flash_attention::{self, flash_attention};
 use kernels_gen::templates::flash_attention_wgmma::{self, flash_attention_wgmma, Schedule};
@@ -56,9 +58,10 @@ const WGMMA_FLASH: [(&str, &str, Schedule, bool); 4] = [
 ];
 
 /// The kernels timed on `arch`: the tensor-core prefill over a contiguous cache and over the
-/// batched paged pool (on Hopper also on `wgmma`), the split pass over both, and the merge.
+/// batched paged pool (on Hopper also on `wgmma`), both split passes over both, and the merge.
 fn kernels(arch: &str) -> Vec<Kernel> {
     let group = attention::heads_per_block(HEADS, KV_HEADS, HEAD_DIM);
+    let vector_group = attention_vector::heads_per_block(HEADS, KV_HEADS, HEAD_DIM, Ty::Bf16);
     let wgmma = WGMMA_FLASH
         .iter()
         .filter(|_| arch == "sm_90a")
@@ -88,6 +91,22 @@ fn kernels(arch: &str) -> Vec<Kernel> {
             group,
             Ty::Bf16,
         ),
+        attention_split_vector(
+            "attention_vector",
+            "gpu-check",
+            CacheLayout::Contiguous,
+            HEAD_DIM,
+            vector_group,
+            Ty::Bf16,
+        ),
+        attention_split_vector(
+            "attention_vector_batched",
+            "gpu-check",
+            CacheLayout::Batched,
+            HEAD_DIM,
+            vector_group,
+            Ty::Bf16,
+        ),
         attention_combine("attention_combine", "gpu-check", HEAD_DIM),
     ];
     kernels.extend(wgmma);
@@ -105,11 +124,11 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
             .find(|k| k.name == name)
             .ok_or_else(|| anyhow!("no kernel {name}"))
     };
-    let (flash, flash_pool, split, batched, combine) = (
+    let (flash, flash_pool, split, vector, combine) = (
         find("flash_attention")?,
         find("flash_attention_pool")?,
         find("attention")?,
-        find("attention_batched")?,
+        find("attention_vector")?,
         find("attention_combine")?,
     );
     let most = *PROMPTS.iter().max().expect("prompt lengths");
@@ -205,6 +224,7 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
             ("tensor cores (flash_attention)", vec![flash], &value),
             ("tensor cores over the pool (the plans')", vec![flash_pool], &over_pool),
             ("split pass + merge (decode steps')", vec![split, combine], &value),
+            ("vector split pass + merge", vec![vector, combine], &value),
         ];
         for &(name, label, _, pooled) in &WGMMA_FLASH {
             if let Ok(kernel) = find(name) {
@@ -225,15 +245,20 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
         }
     }
     let value = |name: &str| buffers.value(name, sequences);
-    let seconds = time_launches(&mut device, &[batched, combine], &value)?;
     // Every sequence's keys and values, once.
     let bytes = (sequences * positions * KV_HEADS * HEAD_DIM * 2 * 2) as f64;
-    table += &format!(
-        "| decode, {sequences} sequences × {positions} positions, paged | {sequences} | split pass + merge (the plans') | {:.1} | – | {:.0} | {:.0}% |\n",
-        seconds * 1e6,
-        bytes / seconds / 1e9,
-        100.0 * bytes / seconds / bandwidth
-    );
+    for (label, pass) in [
+        ("split pass + merge (the plans')", "attention_batched"),
+        ("vector split pass + merge", "attention_vector_batched"),
+    ] {
+        let seconds = time_launches(&mut device, &[find(pass)?, combine], &value)?;
+        table += &format!(
+            "| decode, {sequences} sequences × {positions} positions, paged | {sequences} | {label} | {:.1} | – | {:.0} | {:.0}% |\n",
+            seconds * 1e6,
+            bytes / seconds / 1e9,
+            100.0 * bytes / seconds / bandwidth
+        );
+    }
     Ok(table)
 }
 

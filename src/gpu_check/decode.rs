@@ -14,7 +14,7 @@ use runtime::serving::PagedBackend;
 use runtime_cuda::CudaDevice;
 
 /// `config`'s serving plan for `target` (as `bbc compile` writes it: each sequence's argmax
-/// beside its logits; prefilling through `prefill`), on this GPU with bf16 weights made there
+/// beside its logits; taking `kernels` where it has a choice), on this GPU with bf16 weights made there
 /// and a KV pool (and recurrent state slots) for `run`, decode steps of up to 64 rows replayed
 /// as graphs. Sequences hold up to `context` positions (at least `run`'s, and 1 024).
 pub(super) fn serving_executor(
@@ -22,7 +22,7 @@ pub(super) fn serving_executor(
     config: &models::ModelConfig,
     (target, arch): (Target, &str),
     (run, context): (&DecodeRun, usize),
-    prefill: impl Into<gpu::PrefillKernels>,
+    kernels: impl Into<gpu::PlanKernels>,
 ) -> Result<PlanExecutor<CudaDevice>> {
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,
@@ -41,7 +41,7 @@ pub(super) fn serving_executor(
         sequences: run.sequences(),
     };
     let started = std::time::Instant::now();
-    let (plan, kernels) = gpu::build_program(&graph, target, 512, Some(cache), prefill)?;
+    let (plan, kernels) = gpu::build_program(&graph, target, 512, Some(cache), kernels)?;
     let kernels: Vec<Kernel> = kernels
         .into_iter()
         .chain(runtime::random_weights::fill_kernels())

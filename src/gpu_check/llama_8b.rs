@@ -73,11 +73,11 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
         ),
     ];
     for (name, attention) in wgmma.into_iter().filter(|_| arch == "sm_90a") {
-        let prefill = codegen::gpu::PrefillKernels {
-            gemm: codegen::gpu::PrefillGemm::Tma,
-            attention,
+        let kernels = codegen::gpu::PlanKernels {
+            prefill_attention: attention,
+            ..Default::default()
         };
-        let wgmma = serving_executor(name, &config, (target, arch), served, prefill)?;
+        let wgmma = serving_executor(name, &config, (target, arch), served, kernels)?;
         print_prefill(name, &wgmma, &run)?;
         print_long_prefill(name, &wgmma, &run, &config)?;
     }
@@ -142,6 +142,16 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
         );
     }
     print_profiles(&timings, bandwidth);
+    // The steps again attending with the vector split pass (`--decode-attention vector`), its
+    // plan loaded once the served one is gone.
+    drop(exec);
+    let name = "Llama-8B-shaped, vector decode attention";
+    let kernels = codegen::gpu::PlanKernels {
+        decode_attention: codegen::gpu::DecodeAttention::Vector,
+        ..Default::default()
+    };
+    let vector = serving_executor(name, &config, (target, arch), served, kernels)?;
+    print_steps(name, &run, &time_decode(&vector, &run)?, bandwidth)?;
     Ok(())
 }
 

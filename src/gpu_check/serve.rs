@@ -126,6 +126,7 @@ pub(super) fn compile_shape(
         draft_head: crate::serve::DraftHead::Full,
         prefill_gemm: Default::default(),
         prefill_attention: Default::default(),
+        decode_attention: Default::default(),
     })?;
     println!("compiled {stem} in {:.1} s", started.elapsed().as_secs_f64());
     Ok(artifact)

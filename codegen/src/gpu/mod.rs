@@ -138,17 +138,34 @@ impl PrefillAttention {
     }
 }
 
-/// The tensor-core kernels a plan's prefill steps take.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct PrefillKernels {
-    pub gemm: PrefillGemm,
-    pub attention: PrefillAttention,
+/// The split pass a plan's other steps attend with (decode rows, drafts being verified: steps
+/// whose sequences average under 16 rows, and every step where no tensor-core attention
+/// applies; see `select::kv_attention`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DecodeAttention {
+    /// `templates::attention::attention_split`: a warp takes one key at a time, each lane an
+    /// element of its rows.
+    #[default]
+    Scalar,
+    /// `templates::attention_vector`: each lane loads 16 bytes of a row, a warp several keys
+    /// at once, for heads that are a power of two of 16-byte loads (the others as `Scalar`).
+    Vector,
 }
 
-impl From<PrefillGemm> for PrefillKernels {
-    fn from(gemm: PrefillGemm) -> Self {
+/// The kernels a plan's steps take where it has a choice: its prefill steps' tensor-core GEMM
+/// and attention, and its other steps' split attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PlanKernels {
+    pub prefill_gemm: PrefillGemm,
+    pub prefill_attention: PrefillAttention,
+    pub decode_attention: DecodeAttention,
+}
+
+impl From<PrefillGemm> for PlanKernels {
+    fn from(prefill_gemm: PrefillGemm) -> Self {
         Self {
-            gemm,
+            prefill_gemm,
             ..Self::default()
         }
     }
@@ -168,16 +185,16 @@ pub fn build_batched(
     build_program(graph, target, max_tokens, Some(cache), PrefillGemm::default())
 }
 
-/// [`build_with_kernels`] or (with `batched`) [`build_batched`], prefill steps taking
-/// `prefill`'s kernels (a [`PrefillGemm`] alone: with the default attention).
+/// [`build_with_kernels`] or (with `batched`) [`build_batched`], steps taking `kernels`
+/// (a [`PrefillGemm`] alone: with the default attention).
 pub fn build_program(
     graph: &Graph,
     target: Target,
     max_tokens: usize,
     batched: Option<BatchedCache>,
-    prefill: impl Into<PrefillKernels>,
+    kernels: impl Into<PlanKernels>,
 ) -> Result<(GpuPlan, Vec<Kernel>), GpuCodegenError> {
-    let prefill = prefill.into();
+    let chosen = kernels.into();
     let layout = match batched {
         Some(_) => kernels_gen::templates::cache_layout::CacheLayout::Batched,
         None => kernels_gen::templates::cache_layout::CacheLayout::Contiguous,
@@ -186,7 +203,7 @@ pub fn build_program(
         Some(_) => per_sequence_nodes(graph),
         None => BTreeSet::new(),
     };
-    let selected = select::select(graph, layout, target, &per_sequence, max_tokens, prefill)?;
+    let selected = select::select(graph, layout, target, &per_sequence, max_tokens, chosen)?;
     // One file per distinct kernel source, named in order of first use.
     let mut kernels: Vec<(Kernel, String)> = Vec::new();
     let mut launches = Vec::new();

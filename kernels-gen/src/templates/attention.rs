@@ -99,8 +99,13 @@ pub(crate) fn guarded(head_dim: usize, i: usize, body: Vec<Stmt>) -> Vec<Stmt> {
 /// loads, so a block takes as many of them as registers allow (`heads_per_block × dims per
 /// lane` ≤ 32 of each of queries and accumulators).
 pub fn heads_per_block(heads: usize, kv_heads: usize, head_dim: usize) -> usize {
+    largest_group(heads, kv_heads, dims_per_lane(head_dim))
+}
+
+/// The most query heads of one KV head (a divisor of their number) whose queries and
+/// accumulators, `per_lane` dims each, fit 32 registers of each a lane.
+pub(crate) fn largest_group(heads: usize, kv_heads: usize, per_lane: usize) -> usize {
     let group = heads / kv_heads.max(1);
-    let per_lane = dims_per_lane(head_dim);
     (1..=group)
         .rev()
         .find(|g| group.is_multiple_of(*g) && g * per_lane <= 32)
@@ -132,39 +137,7 @@ pub fn attention_split(
         |g: usize| format!("l{g}"),
         |g: usize| format!("s{g}"),
     );
-    let mut body = vec![
-        let_("pair", Ty::I32, bid() / var("splits")),
-        let_("split", Ty::I32, bin(BinOp::Rem, bid(), var("splits"))),
-        let_("blocks_per_row", Ty::I32, var("heads") / int(group as i64)),
-        let_("t", Ty::I32, var("pair") / var("blocks_per_row")),
-    ];
-    body.extend(layout.prologue(var("t")));
-    body.extend([
-        let_(
-            "h0",
-            Ty::I32,
-            bin(BinOp::Rem, var("pair"), var("blocks_per_row")) * int(group as i64),
-        ),
-        let_("kvh", Ty::I32, var("h0") / (var("heads") / var("kv_heads"))),
-        let_("pos", Ty::I32, layout.position(var("t"))),
-        let_("hi", Ty::I32, var("pos") + int(1)),
-        let_(
-            "lo",
-            Ty::I32,
-            select(
-                bin(BinOp::Gt, var("window"), int(0)),
-                bin(BinOp::Max, int(0), var("hi") - var("window")),
-                int(0),
-            ),
-        ),
-        let_(
-            "span",
-            Ty::I32,
-            (var("hi") - var("lo") + var("splits") - int(1)) / var("splits"),
-        ),
-        let_("start", Ty::I32, var("lo") + var("split") * var("span")),
-        let_("end", Ty::I32, bin(BinOp::Min, var("hi"), var("start") + var("span"))),
-    ]);
+    let mut body = split_keys(layout, group);
     // The queries, pre-scaled, in registers.
     for g in 0..group {
         for i in 0..per_lane {
@@ -235,6 +208,47 @@ pub fn attention_split(
     }
 }
 
+/// The block's share of the keys: it takes row `t` (declaring the layout's prologue), query
+/// heads `h0..h0 + group` of KV head `kvh`, and keys `start..end` of the row's `lo..hi`
+/// (the window's keys up to the row's position `pos`), the span of split `split` of
+/// `splits`.
+pub(crate) fn split_keys(layout: CacheLayout, group: usize) -> Vec<Stmt> {
+    let mut body = vec![
+        let_("pair", Ty::I32, bid() / var("splits")),
+        let_("split", Ty::I32, bin(BinOp::Rem, bid(), var("splits"))),
+        let_("blocks_per_row", Ty::I32, var("heads") / int(group as i64)),
+        let_("t", Ty::I32, var("pair") / var("blocks_per_row")),
+    ];
+    body.extend(layout.prologue(var("t")));
+    body.extend([
+        let_(
+            "h0",
+            Ty::I32,
+            bin(BinOp::Rem, var("pair"), var("blocks_per_row")) * int(group as i64),
+        ),
+        let_("kvh", Ty::I32, var("h0") / (var("heads") / var("kv_heads"))),
+        let_("pos", Ty::I32, layout.position(var("t"))),
+        let_("hi", Ty::I32, var("pos") + int(1)),
+        let_(
+            "lo",
+            Ty::I32,
+            select(
+                bin(BinOp::Gt, var("window"), int(0)),
+                bin(BinOp::Max, int(0), var("hi") - var("window")),
+                int(0),
+            ),
+        ),
+        let_(
+            "span",
+            Ty::I32,
+            (var("hi") - var("lo") + var("splits") - int(1)) / var("splits"),
+        ),
+        let_("start", Ty::I32, var("lo") + var("split") * var("span")),
+        let_("end", Ty::I32, bin(BinOp::Min, var("hi"), var("start") + var("span"))),
+    ]);
+    body
+}
+
 /// Head `g`'s online softmax (FlashAttention's recurrence) over one more key, whose score is
 /// `s{g}` and whose value row this lane holds in `v0..v{value_dims}`: the running max `m{g}`
 /// and sum `l{g}` updated, the accumulators `acc{g}_i` rescaled and the value added with the
@@ -267,7 +281,7 @@ pub(crate) fn shared_f32(name: &str, len: usize) -> SharedArray {
 /// The weight of a state whose max is `m` against the overall max `top`: `exp(m − top)`, and 0
 /// for a state that saw no key (`m` = −∞; also when every state is empty, where the exponent
 /// would be NaN).
-fn weight_of(m: Expr, top: Expr) -> Expr {
+pub(crate) fn weight_of(m: Expr, top: Expr) -> Expr {
     select(
         bin(BinOp::Gt, m.clone(), f(f32::NEG_INFINITY)),
         un(UnOp::Exp, m - top),
@@ -276,7 +290,7 @@ fn weight_of(m: Expr, top: Expr) -> Expr {
 }
 
 /// The warps' (max, sum, accumulator) of each of the block's `group` heads merged into the
-/// heads' partials; a thread per (head, dim) pair, the block striding over them.
+/// heads' partials, lane `l` holding dims `l, l + 32, …` of each accumulator.
 pub(crate) fn merge_warps(head_dim: usize, group: usize) -> Vec<Stmt> {
     let hd = int(head_dim as i64);
     let slot = |g: usize| warp() * int(group as i64) + int(g as i64);
@@ -301,60 +315,70 @@ pub(crate) fn merge_warps(head_dim: usize, group: usize) -> Vec<Stmt> {
             ));
         }
     }
-    s.push(Stmt::SyncThreads);
-    let at_w = |w: Expr| w * int(group as i64) + var("g");
-    s.push(for_(
-        "e",
-        tid(),
-        int((group * head_dim) as i64),
-        int(BLOCK as i64),
-        vec![
-            let_("g", Ty::I32, var("e") / hd.clone()),
-            let_("d", Ty::I32, rem(var("e"), hd.clone())),
-            let_("top", Ty::F32, f(f32::NEG_INFINITY)),
-            for_(
-                "w",
-                int(0),
-                int(WARPS as i64),
-                int(1),
-                vec![assign(
-                    "top",
-                    bin(BinOp::Max, var("top"), load("warp_m", at_w(var("w")))),
-                )],
-            ),
-            let_("sum", Ty::F32, f(0.0)),
-            let_("out", Ty::F32, f(0.0)),
-            for_(
-                "w",
-                int(0),
-                int(WARPS as i64),
-                int(1),
-                vec![
-                    let_("wt", Ty::F32, weight_of(load("warp_m", at_w(var("w"))), var("top"))),
-                    assign("sum", var("sum") + load("warp_l", at_w(var("w"))) * var("wt")),
-                    assign(
-                        "out",
-                        var("out") + load("warp_acc", at_w(var("w")) * hd.clone() + var("d")) * var("wt"),
-                    ),
-                ],
-            ),
-            let_(
-                "at",
-                Ty::I32,
-                ((var("t") * var("heads") + var("h0") + var("g")) * var("splits") + var("split"))
-                    * int(head_dim as i64 + 2),
-            ),
-            store("partial", var("at") + var("d"), var("out")),
-            if_(
-                eq(var("d"), int(0)),
-                vec![
-                    store("partial", var("at") + hd.clone(), var("top")),
-                    store("partial", var("at") + hd + int(1), var("sum")),
-                ],
-            ),
-        ],
-    ));
+    s.extend(merge_warp_states(head_dim, group));
     s
+}
+
+/// What follows each warp's storing its state of each head `g` (max in `warp_m`, sum in
+/// `warp_l`, accumulator in `warp_acc`, at slot `warp · group + g`): the warps' states merged
+/// into the heads' partials, a thread per (head, dim) pair, the block striding over them.
+pub(crate) fn merge_warp_states(head_dim: usize, group: usize) -> Vec<Stmt> {
+    let hd = int(head_dim as i64);
+    let at_w = |w: Expr| w * int(group as i64) + var("g");
+    vec![
+        Stmt::SyncThreads,
+        for_(
+            "e",
+            tid(),
+            int((group * head_dim) as i64),
+            int(BLOCK as i64),
+            vec![
+                let_("g", Ty::I32, var("e") / hd.clone()),
+                let_("d", Ty::I32, rem(var("e"), hd.clone())),
+                let_("top", Ty::F32, f(f32::NEG_INFINITY)),
+                for_(
+                    "w",
+                    int(0),
+                    int(WARPS as i64),
+                    int(1),
+                    vec![assign(
+                        "top",
+                        bin(BinOp::Max, var("top"), load("warp_m", at_w(var("w")))),
+                    )],
+                ),
+                let_("sum", Ty::F32, f(0.0)),
+                let_("out", Ty::F32, f(0.0)),
+                for_(
+                    "w",
+                    int(0),
+                    int(WARPS as i64),
+                    int(1),
+                    vec![
+                        let_("wt", Ty::F32, weight_of(load("warp_m", at_w(var("w"))), var("top"))),
+                        assign("sum", var("sum") + load("warp_l", at_w(var("w"))) * var("wt")),
+                        assign(
+                            "out",
+                            var("out") + load("warp_acc", at_w(var("w")) * hd.clone() + var("d")) * var("wt"),
+                        ),
+                    ],
+                ),
+                let_(
+                    "at",
+                    Ty::I32,
+                    ((var("t") * var("heads") + var("h0") + var("g")) * var("splits") + var("split"))
+                        * int(head_dim as i64 + 2),
+                ),
+                store("partial", var("at") + var("d"), var("out")),
+                if_(
+                    eq(var("d"), int(0)),
+                    vec![
+                        store("partial", var("at") + hd.clone(), var("top")),
+                        store("partial", var("at") + hd + int(1), var("sum")),
+                    ],
+                ),
+            ],
+        ),
+    ]
 }
 
 /// Partials the combine pass loads before it merges them: a batch-1 step splits each row's

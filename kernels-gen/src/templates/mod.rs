@@ -2,6 +2,7 @@
 //! holds one op family with its launch shape and the reasoning behind it.
 
 pub mod attention;
+pub mod attention_vector;
 pub mod bf16_rows;
 pub mod cache_layout;
 pub mod delta_net;
@@ -795,6 +796,33 @@ pub fn catalog() -> Vec<Kernel> {
             4,
             Ty::Bf16,
         )),
+        // The same with 16-byte loads, several keys a warp (Llama 3 8B's heads).
+        weight_prefetch::prefetching_next_weights(attention_vector::attention_split_vector(
+            "attention_vector_batched_prefetching",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            128,
+            4,
+            Ty::Bf16,
+        )),
+        // Gemma 4's global heads of 512: two 16-byte loads a lane per row, a key a lane.
+        attention_vector::attention_split_vector(
+            "attention_vector_batched_512",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            512,
+            2,
+            Ty::Bf16,
+        ),
+        // An f32 cache (an f32 model's plan), Gemma 3's heads of 256.
+        attention_vector::attention_split_vector(
+            "attention_vector_256",
+            "catalog",
+            cache_layout::CacheLayout::Contiguous,
+            256,
+            4,
+            Ty::F32,
+        ),
         kv_append::kv_append_with(
             "kv_append_batched",
             "catalog",

@@ -10,12 +10,12 @@
 //! batched step), or the step's last position (one sequence's).
 
 use super::{next_matmul_weights, prefetch_bytes, scalar, Alternatives, Operands, Selected};
-use crate::gpu::{GpuCodegenError, KvLayout, LaunchArg};
+use crate::gpu::{DecodeAttention, GpuCodegenError, KvLayout, LaunchArg};
 use ir::{AttentionSpec, DType, Op};
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::{
-    attention, flash_attention, flash_attention_wgmma, kv_append, rope, step_gate, weight_prefetch,
+    attention, attention_vector, flash_attention, flash_attention_wgmma, kv_append, rope, step_gate, weight_prefetch,
 };
 
 /// Steps whose sequences average this many rows or more attend on the tensor cores
@@ -28,15 +28,25 @@ pub const FLASH_ROWS_PER_SEQUENCE: usize = 16;
 /// The scalar gating a launch to some steps only (`templates::step_gate`).
 const GATE: &str = "active";
 
+/// The attention kernels a plan takes where it has a choice.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct AttentionKernels {
+    /// The split pass's form (the vector one where the head and cache allow).
+    pub split: DecodeAttention,
+    /// Hopper's `wgmma` flash kernel's schedule, where prompts attend on it (for heads it
+    /// takes); `None`: the `mma.sync` one.
+    pub wgmma_flash: Option<flash_attention_wgmma::Schedule>,
+}
+
 /// Pushes the append (where the op appends) and the split attention (and the tensor-core
-/// attention prompts take, on `wgmma` in `wgmma_flash`'s schedule where the head fits);
-/// returns the merge of the splits for the caller to push as the node's own launch.
+/// attention prompts take), of the forms `kernels` names; returns the merge of the splits
+/// for the caller to push as the node's own launch.
 pub(super) fn launches(
     s: &mut Selected,
     operands: &Operands,
     layout: CacheLayout,
     rows: &str,
-    (max_tokens, wgmma_flash): (usize, Option<flash_attention_wgmma::Schedule>),
+    (max_tokens, kernels): (usize, AttentionKernels),
 ) -> Result<(Kernel, Vec<LaunchArg>), GpuCodegenError> {
     let node = &operands.graph.nodes()[operands.node];
     let op = &node.op;
@@ -87,7 +97,7 @@ pub(super) fn launches(
         Op::SharedKvAttention(_) => operands.activation(s, 0),
         _ => append(s, operands, &cache, rows, max_tokens),
     };
-    Ok(attend(s, operands, &cache, q, rows, (max_tokens, wgmma_flash)))
+    Ok(attend(s, operands, &cache, q, rows, (max_tokens, kernels)))
 }
 
 /// What a cache `layout` adds to the arguments of a kernel reading it (`CacheLayout::params`):
@@ -235,6 +245,30 @@ fn append(s: &mut Selected, operands: &Operands, cache: &Cache, rows: &str, max_
     q
 }
 
+/// The split pass of `form` over `cache` (its heads grouped as the form's registers allow):
+/// the vector one where asked for and the head and cache allow, else the scalar one. Both take
+/// the same arguments and write the same partials.
+fn split_pass(form: DecodeAttention, cache: &Cache, origin: &str) -> Kernel {
+    let spec = cache.spec;
+    match form == DecodeAttention::Vector && attention_vector::supports(spec.head_dim, cache.ty) {
+        true => {
+            let group = attention_vector::heads_per_block(spec.heads, spec.kv_heads, spec.head_dim, cache.ty);
+            attention_vector::attention_split_vector(
+                "attention_vector",
+                origin,
+                cache.layout,
+                spec.head_dim,
+                group,
+                cache.ty,
+            )
+        }
+        false => {
+            let group = attention::heads_per_block(spec.heads, spec.kv_heads, spec.head_dim);
+            attention::attention_split("attention", origin, cache.layout, spec.head_dim, group, cache.ty)
+        }
+    }
+}
+
 /// Pushes the attention's first pass, the keys split across blocks into partials that are
 /// scratch of the node (see `templates::attention`), prefetching the output projection's
 /// weights into L2 where it can; returns the merge of the splits.
@@ -244,7 +278,7 @@ fn attend(
     cache: &Cache,
     (q, q_stride): (LaunchArg, usize),
     rows: &str,
-    (max_tokens, wgmma_flash): (usize, Option<flash_attention_wgmma::Schedule>),
+    (max_tokens, kernels): (usize, AttentionKernels),
 ) -> (Kernel, Vec<LaunchArg>) {
     let (spec, graph, i) = (cache.spec, operands.graph, operands.node);
     let splits = attention::splits_expr(rows);
@@ -272,8 +306,7 @@ fn attend(
         cache.layout_args.clone(),
     ]
     .concat();
-    let group = attention::heads_per_block(spec.heads, spec.kv_heads, spec.head_dim);
-    let mut split = attention::attention_split("attention", &graph.name, cache.layout, spec.head_dim, group, cache.ty);
+    let mut split = split_pass(kernels.split, cache, &graph.name);
     if let Some((weights, bytes)) = next_matmul_weights(graph, i) {
         split = weight_prefetch::prefetching_next_weights(split);
         args.extend([
@@ -291,7 +324,9 @@ fn attend(
     args.push(scalar(GATE, &split_step));
     s.launches
         .push((i, step_gate::gated(split, GATE), Alternatives::default(), args));
-    let wgmma = wgmma_flash.filter(|_| flash_attention_wgmma::supports(spec.head_dim));
+    let wgmma = kernels
+        .wgmma_flash
+        .filter(|_| flash_attention_wgmma::supports(spec.head_dim));
     let (kernel, tile_rows) = match wgmma {
         Some(schedule) => (
             flash_attention_wgmma::flash_attention_wgmma(

@@ -132,16 +132,19 @@ pub(crate) fn select(
     target: crate::Target,
     per_sequence: &BTreeSet<usize>,
     max_tokens: usize,
-    prefill: super::PrefillKernels,
+    chosen: super::PlanKernels,
 ) -> Result<Selected, GpuCodegenError> {
     let plan = PlanTarget {
         target,
         max_tokens,
         origin: &graph.name,
-        prefill: prefill.gemm,
+        prefill: chosen.prefill_gemm,
     };
-    // Hopper's `wgmma` flash attention where asked for.
-    let wgmma_flash = prefill.attention.wgmma_schedule(target);
+    let attention = kv_attention::AttentionKernels {
+        split: chosen.decode_attention,
+        // Hopper's `wgmma` flash attention where asked for.
+        wgmma_flash: chosen.prefill_attention.wgmma_schedule(target),
+    };
     let mut s = Selected {
         launches: Vec::new(),
         views: BTreeMap::new(),
@@ -390,7 +393,7 @@ pub(crate) fn select(
                         (rope::rope("rope", &graph.name, rope::Rotation::of(spec)), args)
                     }
                     Op::Attention(_) | Op::RopeAttention { .. } | Op::SharedKvAttention(_) => {
-                        kv_attention::launches(&mut s, &operands, layout, &rows, (max_tokens, wgmma_flash))?
+                        kv_attention::launches(&mut s, &operands, layout, &rows, (max_tokens, attention))?
                     }
                     Op::AddBias => {
                         let (x, stride) = act(&s, 0);
