@@ -2285,23 +2285,46 @@ fn each_wgmma_attention_gives_the_mma_ones<T: PartialEq + std::fmt::Debug>(
 /// `bbc gpu-check`'s lockstep of a serving plan (two prompts in one step, then decode steps)
 /// runs end to end: with the emulator standing in for the GPU every kernel agrees exactly,
 /// the prompts' step attending on the tensor cores (a launch a layer) and the decode steps
-/// through the split attention and its merge.
+/// through the split attention (either form) and its merge.
 #[test]
 fn the_gpu_checks_batched_lockstep_runs_on_the_emulator() {
     let model = open("llama", ComputeDtype::Bf16);
-    let errors = bbc::gpu_check::kernels::batched_kernel_errors(&model, Target::H200, |kernels| {
-        Ok(EmulatorDevice::new(kernels.to_vec()))
-    })
-    .unwrap();
-    assert!(errors.iter().all(|(_, _, error)| *error == 0.0), "{errors:?}");
-    let layers = model.config.layers;
-    let launches = |stem: &str| -> usize {
-        errors
+    for decode_attention in [gpu::DecodeAttention::Scalar, gpu::DecodeAttention::Vector] {
+        let kernels = gpu::PlanKernels {
+            decode_attention,
+            ..Default::default()
+        };
+        let errors = bbc::gpu_check::kernels::batched_kernel_errors(&model, (Target::H200, kernels), |kernels| {
+            Ok(EmulatorDevice::new(kernels.to_vec()))
+        })
+        .unwrap();
+        assert!(errors.iter().all(|(_, _, error)| *error == 0.0), "{errors:?}");
+        let layers = model.config.layers;
+        let launches = |stem: &str| -> usize {
+            errors
+                .iter()
+                .filter(|(kernel, ..)| kernel.starts_with(stem))
+                .map(|(_, launches, _)| launches)
+                .sum()
+        };
+        assert_eq!(launches("flash_attention"), layers, "{errors:?}");
+        assert_eq!(launches("attention_combine"), 3 * layers, "{errors:?}");
+        // The split passes, a launch a layer each decode step, all of the chosen form.
+        let splits: Vec<&(String, usize, f64)> = errors
             .iter()
-            .filter(|(kernel, ..)| kernel.starts_with(stem))
-            .map(|(_, launches, _)| launches)
-            .sum()
-    };
-    assert_eq!(launches("flash_attention"), layers, "{errors:?}");
-    assert_eq!(launches("attention_combine"), 3 * layers, "{errors:?}");
+            .filter(|(kernel, ..)| kernel.starts_with("attention") && !kernel.starts_with("attention_combine"))
+            .collect();
+        assert_eq!(
+            splits.iter().map(|(_, n, _)| n).sum::<usize>(),
+            3 * layers,
+            "{errors:?}"
+        );
+        let vector = decode_attention == gpu::DecodeAttention::Vector;
+        assert!(
+            splits
+                .iter()
+                .all(|(kernel, ..)| kernel.starts_with("attention_vector") == vector),
+            "{decode_attention:?}: {splits:?}"
+        );
+    }
 }

@@ -54,17 +54,25 @@ pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64>
         }
     }
     // Serving plans over the paged pool: prompts of two sequences in one step (attention on
-    // the tensor cores, each sequence's tiles), then decode steps (the split attention).
+    // the tensor cores, each sequence's tiles), then decode steps (the split attention, in
+    // either form).
+    let vector = gpu::PlanKernels {
+        decode_attention: gpu::DecodeAttention::Vector,
+        ..Default::default()
+    };
     for family in ["llama", "gemma3"] {
         let mut spec = ModelSpec::for_weights(&fixtures.join(family));
         spec.dtype = ComputeDtype::Bf16;
-        let name = format!("{family} Bf16, batched");
-        let errors = batched_kernel_errors(&Model::open(spec)?, target, |kernels| {
-            super::compile_device(kernels, arch)
-        })?;
-        for (kernel, launches, error) in errors {
-            println!("| {name} | {kernel} | {launches} | {error:.2e} |");
-            worst = worst.max(error);
+        let model = Model::open(spec)?;
+        for (how, kernels) in [("", gpu::PlanKernels::default()), (", vector decode attention", vector)] {
+            let name = format!("{family} Bf16, batched{how}");
+            let errors = batched_kernel_errors(&model, (target, kernels), |kernels| {
+                super::compile_device(kernels, arch)
+            })?;
+            for (kernel, launches, error) in errors {
+                println!("| {name} | {kernel} | {launches} | {error:.2e} |");
+                worst = worst.max(error);
+            }
         }
     }
     // Half caches: the appends' f32 -> half stores and attention's half loads on hardware.
@@ -124,13 +132,13 @@ fn lockstep(name: &str, model: &Model, target: Target, arch: &str) -> Result<f64
     Ok(worst)
 }
 
-/// `model`'s serving plan (paged pool, rows of many sequences) for `target` on the device
-/// `device` makes for its kernels and on the emulator in lockstep: two prompts of 20 and 17
-/// tokens in one step, then three decode steps of both; each kernel's launches and max
-/// relative error.
+/// `model`'s serving plan (paged pool, rows of many sequences) for `target`, taking `chosen`
+/// kernels, on the device `device` makes for its kernels and on the emulator in lockstep: two
+/// prompts of 20 and 17 tokens in one step, then three decode steps of both; each kernel's
+/// launches and max relative error.
 pub fn batched_kernel_errors<D: PlanDevice>(
     model: &Model,
-    target: Target,
+    (target, chosen): (Target, gpu::PlanKernels),
     mut device: impl FnMut(&[Kernel]) -> Result<D>,
 ) -> Result<Vec<(String, usize, f64)>> {
     use runtime::kv::{BlockId, Segment, StateSnapshots};
@@ -141,7 +149,7 @@ pub fn batched_kernel_errors<D: PlanDevice>(
         block_size: 16,
         sequences: 2,
     };
-    let exec = compared_serving_executor(graph, &model.weights, (target, cache), &mut device)?;
+    let exec = compared_serving_executor(graph, &model.weights, (target, cache, chosen), &mut device)?;
     // Each sequence's blocks, in reverse order.
     let tables: [Vec<BlockId>; 2] = [(0..4).rev().map(BlockId).collect(), (4..8).rev().map(BlockId).collect()];
     let prompts: [Vec<u32>; 2] = [
@@ -177,15 +185,15 @@ pub fn batched_kernel_errors<D: PlanDevice>(
 }
 
 /// `graph`'s batched plan (steps of up to 64 rows over `cache`, sequences of up to 64
-/// positions) for `target` with `weights`, on the device `device` makes for its kernels and
-/// on the emulator in lockstep.
+/// positions) for `target` with `weights`, taking `chosen` kernels, on the device `device`
+/// makes for its kernels and on the emulator in lockstep.
 fn compared_serving_executor<D: PlanDevice>(
     graph: ir::Graph,
     weights: &dyn quant::tensor::Tensors,
-    (target, cache): (Target, gpu::BatchedCache),
+    (target, cache, chosen): (Target, gpu::BatchedCache, gpu::PlanKernels),
     device: &mut impl FnMut(&[Kernel]) -> Result<D>,
 ) -> Result<PlanExecutor<CompareDevice<D, EmulatorDevice>>> {
-    let (plan, kernels) = gpu::build_batched(&graph, target, 64, cache)?;
+    let (plan, kernels) = gpu::build_program(&graph, target, 64, Some(cache), chosen)?;
     let compared = CompareDevice::new(device(&kernels)?, EmulatorDevice::new(kernels.clone()), &kernels);
     Ok(PlanExecutor::new(compared, plan, graph, weights, &[], 64)?)
 }
@@ -233,7 +241,12 @@ pub fn mtp_kernel_errors<D: PlanDevice>(
             block_size: 8,
             sequences: 2,
         };
-        let exec = compared_serving_executor(graph, &model.weights, (target, cache), &mut device)?;
+        let exec = compared_serving_executor(
+            graph,
+            &model.weights,
+            (target, cache, gpu::PlanKernels::default()),
+            &mut device,
+        )?;
         let tables = [[0, 1, 2].map(runtime::kv::BlockId), [3, 4, 5].map(runtime::kv::BlockId)];
         let mut seed = 11;
         let mut starts = [0usize, 0];
