@@ -128,12 +128,14 @@ pub fn required_arch(kernel: &Kernel) -> Option<&'static str> {
     }
 }
 
-/// The `tcgen05.mma` instruction descriptor for bf16 A and B (both K-major), f32 D, M = 128:
-/// D type at bits 4-5, A and B types at 7-9 and 10-12, N >> 3 at 17-22, M >> 4 at 24-28.
-pub fn tcgen05_instruction_descriptor(n: u32) -> u32 {
+/// The `tcgen05.mma` instruction descriptor for bf16 A (K-major) and B (`b_major`), f32 D,
+/// M = 128: D type at bits 4-5, A and B types at 7-9 and 10-12, B transposed (MN-major) at
+/// bit 16, N >> 3 at 17-22, M >> 4 at 24-28.
+pub fn tcgen05_instruction_descriptor(n: u32, b_major: Major) -> u32 {
     const F32: u32 = 1;
     const BF16: u32 = 1;
-    (F32 << 4) | (BF16 << 7) | (BF16 << 10) | ((n >> 3) << 17) | ((128 >> 4) << 24)
+    let transpose_b = u32::from(b_major == Major::MN);
+    (F32 << 4) | (BF16 << 7) | (BF16 << 10) | (transpose_b << 16) | ((n >> 3) << 17) | ((128 >> 4) << 24)
 }
 
 /// The first statements of every kernel, for programmatic dependent launch (sm_90 and newer;
@@ -657,18 +659,24 @@ fn tcgen05(out: &mut String, op: &Tcgen05, scope: &mut Scope, depth: usize) {
                 tmem,
                 a,
                 b,
+                b_major,
                 n,
                 accumulate,
-            } = &**mma; format!(
+            } = &**mma;
+            let majors = match b_major {
+                Major::K => "both K-major",
+                Major::MN => "A K-major, B MN-major",
+            };
+            format!(
             "asm volatile(\"{{\\n.reg .pred accumulate;\\nsetp.ne.b32 accumulate, %4, 0;\\n\"\n\
              {pad}    \"tcgen05.mma.cta_group::1.kind::f16 [%0], %1, %2, %3, accumulate;\\n}}\\n\"\n\
              {pad}    :: \"r\"({}), \"l\"({}), \"l\"({}),\n\
-             {pad}       \"r\"({:#010x}u /* bf16 x bf16 -> f32, M = 128, N = {n}, both K-major */), \"r\"((int)({}))\n\
+             {pad}       \"r\"({:#010x}u /* bf16 x bf16 -> f32, M = 128, N = {n}, {majors} */), \"r\"((int)({}))\n\
              {pad}    : \"memory\");",
             expr(tmem, scope),
             desc(a, scope),
             desc(b, scope),
-            tcgen05_instruction_descriptor(*n),
+            tcgen05_instruction_descriptor(*n, *b_major),
             expr(accumulate, scope)
         )
         }
@@ -859,6 +867,19 @@ mod tests {
             );
         }
         assert!(!awaits_prior_kernel("extern \"C\" __global__ void k() {}"));
+    }
+
+    /// The `tcgen05.mma` instruction descriptor's fields where the PTX ISA puts them (kind::f16):
+    /// f32 D at bit 4, bf16 A and B at 7 and 10, B transposed (MN-major) at 16, N / 8 from bit 17
+    /// and M / 16 from 24.
+    #[test]
+    fn the_tcgen05_instruction_descriptor_has_the_ptx_fields() {
+        let common = (1 << 4) | (1 << 7) | (1 << 10) | ((128 / 16) << 24);
+        assert_eq!(tcgen05_instruction_descriptor(64, Major::K), common | ((64 / 8) << 17));
+        assert_eq!(
+            tcgen05_instruction_descriptor(128, Major::MN),
+            common | (1 << 16) | ((128 / 8) << 17)
+        );
     }
 
     #[test]

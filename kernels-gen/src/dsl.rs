@@ -462,14 +462,15 @@ pub struct WgmmaOp {
 }
 
 /// `tcgen05.mma.cta_group::1.kind::f16`: D (f32, in TMEM at `tmem`) = A·B, plus D when
-/// `accumulate`; A is 128×16 and B is N×16 (the transpose of the K×N operand), both K-major
-/// bf16 in shared memory (`SmemMatrix`). Row i of D is TMEM lane i, column j is column
-/// `tmem + j`.
+/// `accumulate`; A is 128×16 and B is N×16 (the transpose of the K×N operand), bf16 in shared
+/// memory (`SmemMatrix`), A K-major and B laid out as `b_major` says (as `wgmma`'s B: MN-major
+/// unswizzled only). Row i of D is TMEM lane i, column j is column `tmem + j`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TmemMma {
     pub tmem: Expr,
     pub a: SmemMatrix,
     pub b: SmemMatrix,
+    pub b_major: Major,
     pub n: u32,
     pub accumulate: Expr,
 }

@@ -843,7 +843,7 @@ fn the_wgmma_flash_attention_fails_without_its_fences_and_waits() {
             "without a __syncthreads() between",
         ),
     ] {
-        wgmma_flash_fails_without(&kernel, (what, edit, expected));
+        flash_fails_without(&kernel, (what, edit, expected));
     }
 }
 
@@ -901,7 +901,7 @@ fn the_specialised_wgmma_flash_attention_fails_without_its_hand_overs() {
             "of mbarrier turn[0], which never completes",
         ),
     ] {
-        wgmma_flash_fails_without(&kernel, (what, edit, expected));
+        flash_fails_without(&kernel, (what, edit, expected));
     }
 }
 
@@ -912,9 +912,67 @@ fn wgmma_flash_for_faults(schedule: flash_attention_wgmma::Schedule) -> Kernel {
     flash_attention_wgmma::flash_attention_wgmma("flash", "test", CacheLayout::Contiguous, 32, schedule)
 }
 
-/// `kernel` (from [`wgmma_flash_for_faults`]) runs as it is, and with `edit` applied (leaving
-/// out `what`) into a fault whose message contains `expected`.
-fn wgmma_flash_fails_without(kernel: &Kernel, (what, edit, expected): (&str, Edit, &str)) {
+/// The `tcgen05` flash attention hands its tensor memory and shared buffers between thread 0's
+/// MMAs and the block's threads through mbarriers and barriers, and the emulator says why when
+/// one is missing: without thread 0's wait on `free` the next tile's scores overwrite what
+/// other warps were reading; without the waits on `scores` or `values` a warp reads TMEM an MMA
+/// is still writing; without `tcgen05.wait::ld` a thread uses registers still loading; without
+/// the proxy fences the tensor cores read copies or probabilities the async proxy may not see;
+/// without the barriers thread 0 multiplies probabilities other threads are still storing; and
+/// without the deallocation the block exits holding its columns.
+#[test]
+fn the_tcgen05_flash_attention_fails_without_its_hand_overs() {
+    use kernels_gen::templates::cache_layout::CacheLayout;
+    let kernel = flash_attention_tcgen05::flash_attention_tcgen05("flash", "test", CacheLayout::Contiguous, 32);
+    fn waits_on(s: &Stmt, array: &str) -> bool {
+        matches!(s, Stmt::Mbarrier(m) if matches!(&**m, Mbarrier::Wait { barrier, .. } if barrier.array == array))
+    }
+    let dropping = |drop: fn(&Stmt) -> bool| move |s: &Stmt| (!drop(s)).then(|| s.clone());
+    for (what, edit, expected) in [
+        (
+            "the wait on `free`",
+            &dropping(|s| waits_on(s, "free")) as Edit,
+            "tcgen05.mma writes TMEM lane 0, column 0 that warp 4 read",
+        ),
+        (
+            "the wait on `scores`",
+            &dropping(|s| waits_on(s, "scores")),
+            "tcgen05.ld of TMEM before waiting on the `scores",
+        ),
+        (
+            "the wait on `values`",
+            &dropping(|s| waits_on(s, "values")),
+            "tcgen05.ld of TMEM before waiting on the `values",
+        ),
+        (
+            "the waits for TMEM loads",
+            &dropping(|s| matches!(s, Stmt::Tcgen05(op) if matches!(&**op, dsl::Tcgen05::WaitLd))),
+            "before tcgen05.wait::ld",
+        ),
+        (
+            "the proxy fences",
+            &dropping(|s| matches!(s, Stmt::FenceProxyAsync)),
+            "without fence.proxy.async",
+        ),
+        (
+            "the barriers",
+            &dropping(|s| matches!(s, Stmt::SyncThreads)),
+            "without a __syncthreads() between",
+        ),
+        (
+            "the deallocation",
+            &dropping(|s| matches!(s, Stmt::Tcgen05(op) if matches!(&**op, dsl::Tcgen05::Dealloc { .. }))),
+            "still allocated when the block exits",
+        ),
+    ] {
+        flash_fails_without(&kernel, (what, edit, expected));
+    }
+}
+
+/// `kernel` (a flash attention over a contiguous cache, one head of 32 dims) runs as it is,
+/// and with `edit` applied (leaving out `what`) into a fault whose message contains `expected`:
+/// 200 rows, so two tiles of 128 rows and four key tiles, enough for a ring to wrap.
+fn flash_fails_without(kernel: &Kernel, (what, edit, expected): (&str, Edit, &str)) {
     let mut rng = Rng(53);
     let (tokens, head_dim) = (200, 32);
     let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
@@ -951,7 +1009,8 @@ fn wgmma_flash_fails_without(kernel: &Kernel, (what, edit, expected): (&str, Edi
 }
 
 /// The tensor-core prefill attention kernels for `head_dim` over `layout`, each with the rows
-/// of its query tiles: on `mma.sync`, and on `wgmma` (both schedules) where it takes the head.
+/// of its query tiles: on `mma.sync`, and on `wgmma` (both schedules) and `tcgen05` where they
+/// take the head.
 fn flash_kernels(layout: kernels_gen::templates::cache_layout::CacheLayout, head_dim: usize) -> Vec<(Kernel, usize)> {
     use flash_attention_wgmma::Schedule;
     let wgmma = [Schedule::Lockstep, Schedule::Specialised]
@@ -963,12 +1022,19 @@ fn flash_kernels(layout: kernels_gen::templates::cache_layout::CacheLayout, head
                 flash_attention_wgmma::QUERY_TILE_ROWS,
             )
         });
+    let tcgen05 = flash_attention_tcgen05::supports(head_dim).then(|| {
+        (
+            flash_attention_tcgen05::flash_attention_tcgen05("flash_tcgen05", "test", layout, head_dim),
+            flash_attention_tcgen05::QUERY_TILE_ROWS,
+        )
+    });
     [(
         flash_attention::flash_attention("flash", "test", layout, head_dim),
         flash_attention::QUERY_TILE_ROWS,
     )]
     .into_iter()
     .chain(wgmma)
+    .chain(tcgen05)
     .collect()
 }
 

@@ -484,6 +484,7 @@ fn tcgen05_program() -> Vec<(&'static str, Stmt)> {
         tmem: var("tmem"),
         a: k_major("as", 128),
         b: k_major("bs", 16),
+        b_major: Major::K,
         n: 16,
         accumulate: Expr::Bool(false),
     })));

@@ -196,6 +196,7 @@ impl Block<'_> {
             tmem,
             a,
             b,
+            b_major,
             n,
             accumulate,
         } = mma;
@@ -231,7 +232,7 @@ impl Block<'_> {
             starts.push(s as usize);
         }
         let (a_values, a_indices) = self.read_operand("tcgen05.mma", a, Major::K, starts[0], M, t)?;
-        let (b_values, b_indices) = self.read_operand("tcgen05.mma", b, Major::K, starts[1], n, t)?;
+        let (b_values, b_indices) = self.read_operand("tcgen05.mma", b, *b_major, starts[1], n, t)?;
         let round = |v: f32| bf16::from_f32(v).to_f32();
         let mut footprint = Footprint::default();
         for (row, a_row) in a_values.iter().enumerate() {

@@ -25,7 +25,8 @@
 //! rows from the step's `query_tiles`, so no tile mixes sequences.
 //!
 //! Hopper's kernel (`flash_attention_wgmma`) shares this one's copies, masks, online softmax
-//! and stores, and does the products on `wgmma`, two warpgroups a block.
+//! and stores, and does the products on `wgmma`, two warpgroups a block; the B200's
+//! (`flash_attention_tcgen05`) shares its copies and the block's keys.
 //!
 //! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 256; the cache bf16.
 
@@ -445,16 +446,30 @@ pub(super) fn block_rows(layout: CacheLayout, (head_dim, parts): (usize, i64), t
     out
 }
 
-/// What each thread knows of its block's rows before the key tiles: its KV head `kvh`, its
-/// lane's place in the fragments (`g`, `t2`), its first row `r0` (warp w's rows are
-/// 16w..16w + 16 of the block's), the keys the block's rows see (`lo..hi`: up to its last
-/// row's position, from its first row's window on) and its rows' running max and sum.
+/// What each thread knows of its block's rows before the key tiles: its KV head and the keys
+/// the block's rows see ([`block_keys`]), its lane's place in the fragments (`g`, `t2`), its
+/// first row `r0` (warp w's rows are 16w..16w + 16 of the block's) and its rows' running max
+/// and sum.
 pub(super) fn row_state(tile_rows: i64) -> Vec<Stmt> {
-    vec![
-        let_("kvh", Ty::I32, var("h") / (var("heads") / var("kv_heads"))),
+    let mut out = block_keys(tile_rows);
+    out.extend([
         let_("g", Ty::I32, lane() / int(4)),
         let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
         let_("r0", Ty::I32, var("q0") + warp() * int(16) + var("g")),
+        let_("m_lo", Ty::F32, f(f32::NEG_INFINITY)),
+        let_("m_hi", Ty::F32, f(f32::NEG_INFINITY)),
+        let_("l_lo", Ty::F32, f(0.0)),
+        let_("l_hi", Ty::F32, f(0.0)),
+    ]);
+    out
+}
+
+/// The block's KV head `kvh` and the keys its rows see: `lo..hi`, up to its last row's
+/// position, from its first row's window on, the tiles from `first_tile` (`lo` rounded down
+/// to a tile).
+pub(super) fn block_keys(tile_rows: i64) -> Vec<Stmt> {
+    vec![
+        let_("kvh", Ty::I32, var("h") / (var("heads") / var("kv_heads"))),
         let_(
             "hi",
             Ty::I32,
@@ -469,10 +484,6 @@ pub(super) fn row_state(tile_rows: i64) -> Vec<Stmt> {
                 int(0),
             ),
         ),
-        let_("m_lo", Ty::F32, f(f32::NEG_INFINITY)),
-        let_("m_hi", Ty::F32, f(f32::NEG_INFINITY)),
-        let_("l_lo", Ty::F32, f(0.0)),
-        let_("l_hi", Ty::F32, f(0.0)),
         let_("first_tile", Ty::I32, var("lo") / int(TILE_KEYS) * int(TILE_KEYS)),
     ]
 }

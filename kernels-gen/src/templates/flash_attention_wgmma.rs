@@ -80,7 +80,7 @@ fn output_registers(head_dim: usize) -> Vec<String> {
 /// (row `r`, dim `d` at `r / 8 · 8·head_dim + d / 8 · 64 + r % 8 · 8 + d % 8`): each thread
 /// a run of 8 dims of one row, 8 rows of the same dims a warp's neighbours; the block's
 /// `threads` share them.
-fn load_queries(head_dim: usize, threads: i64) -> Vec<Stmt> {
+pub(super) fn load_queries(head_dim: usize, threads: i64) -> Vec<Stmt> {
     let hd = head_dim as i64;
     vec![for_(
         "c",

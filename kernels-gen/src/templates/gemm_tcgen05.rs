@@ -147,6 +147,7 @@ fn multiply_stage() -> Stmt {
                     sbo: STRIDE_BYTES,
                     swizzle: Swizzle::None,
                 },
+                b_major: Major::K,
                 n: TILE_TOKENS as u32,
                 // The first MMA of the split's first step starts the sum.
                 accumulate: match slice {

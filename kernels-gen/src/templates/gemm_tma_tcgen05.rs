@@ -157,6 +157,7 @@ fn multiply(tile: TcgenTile, index: &str, tmem: Expr) -> Vec<Stmt> {
             tmem: tmem.clone(),
             a: swizzled("ws", var("s") * int(tile.w_elements()) + int(16 * slice)),
             b: swizzled("xs", var("s") * int(tile.x_elements()) + int(16 * slice)),
+            b_major: Major::K,
             n: tile.tile_tokens,
             accumulate: match slice {
                 0 => lt(int(0), var("step")),

@@ -10,6 +10,7 @@ pub mod elementwise;
 pub mod embedding;
 pub mod fill;
 pub mod flash_attention;
+pub mod flash_attention_tcgen05;
 pub mod flash_attention_wgmma;
 pub mod gather;
 pub mod gemm_mma;
@@ -995,6 +996,12 @@ pub fn catalog() -> Vec<Kernel> {
             cache_layout::CacheLayout::Batched,
             128,
             flash_attention_wgmma::Schedule::Specialised,
+        ),
+        flash_attention_tcgen05::flash_attention_tcgen05(
+            "flash_attention_tcgen05_d128",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            128,
         ),
         flash_attention::flash_attention(
             "flash_attention_d256",

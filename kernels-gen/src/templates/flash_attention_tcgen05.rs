@@ -1,0 +1,402 @@
+//! Prefill attention on Blackwell's `tcgen05` (sm_100a): the rows, parameters and results of
+//! `flash_attention`, heads up to 128 dims.
+//!
+//! A block of two warpgroups takes 128 query rows of one head, tcgen05.mma's M: row r of the
+//! block is lane r of tensor memory, which warps w and w + 4 read (warp w reads lanes
+//! 32·(w % 4)..+32), so each row has a thread in each warpgroup. The queries, rounded to
+//! bf16, sit in shared memory in 8×8 core matrices; the key and value tiles land there by
+//! 16-byte `cp.async` copies in a ring of two, the next tile's in flight while the block works
+//! on this one. For each 64-key tile:
+//!
+//! 1. thread 0 issues the scores `S = Q·K` (m128n64, a `tcgen05.mma` a 16-dim slice, both
+//!    operands K-major) into TMEM columns 0..64 and commits them (`scores`);
+//! 2. every thread loads its row's 64 scores and runs the online softmax over the whole row
+//!    (both of a row's threads alike), then stores its half of the row's probabilities, bf16,
+//!    into shared memory as the next product's A;
+//! 3. past a barrier thread 0 issues `P·V` (m128n{head_dim}, the value tile MN-major) into a
+//!    fresh accumulator at columns 64.. and commits it (`values`);
+//! 4. every thread loads its half of its row's dims of that product and folds them into its
+//!    output registers, the earlier ones rescaled by the softmax's correction, then arrives on
+//!    `free`, which thread 0 waits on before the next tile's products overwrite what it read.
+//!
+//! The output accumulates in registers, tensor memory holding one tile's products: rescaling
+//! an accumulator kept there would need `tcgen05.st`, which the DSL does not have.
+//!
+//! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 128 ([`supports`]);
+//! the cache bf16.
+
+use super::cache_layout::CacheLayout;
+use super::flash_attention::{
+    self as flash, block_keys, block_rows, copy_tile, guarded_by_rows, query_tiles_expr, TileOrder, TILE_KEYS,
+};
+use super::flash_attention_wgmma::load_queries;
+use super::tma_gemm;
+use crate::dsl::*;
+
+/// Two warpgroups: a thread of each for every row.
+const THREADS: i64 = 256;
+/// Query rows per block: tcgen05.mma's M.
+const TILE_Q: i64 = 128;
+/// Query rows per block, as batched steps' `query_tiles` cut them.
+pub const QUERY_TILE_ROWS: usize = TILE_Q as usize;
+/// Key and value tiles in the ring.
+const BUFFERS: i64 = 2;
+/// Elements of one 8×8 core matrix of bf16 (8 rows of 16 bytes) and its bytes.
+const CORE: i64 = 64;
+const CORE_BYTES: u32 = 128;
+/// TMEM columns allocated: the scores' 64, then a tile's `P·V` (up to 128).
+const TMEM_COLUMNS: u32 = 256;
+/// Where a tile's products sit in the block's TMEM columns.
+const SCORES_COLUMN: i64 = 0;
+const VALUES_COLUMN: i64 = TILE_KEYS;
+/// TMEM columns a `tcgen05.ld` takes at once.
+const LOAD_COLUMNS: usize = 8;
+
+/// Whether the kernel takes a head of `head_dim`: half its dims in each thread's registers.
+pub fn supports(head_dim: usize) -> bool {
+    flash::supports(head_dim) && head_dim <= flash::QUERIES_IN_REGISTERS
+}
+
+fn score(k: usize) -> String {
+    format!("s{k}")
+}
+
+fn output(d: usize) -> String {
+    format!("o{d}")
+}
+
+fn tc(op: Tcgen05) -> Stmt {
+    Stmt::Tcgen05(Box::new(op))
+}
+
+/// This thread's row's TMEM cells from column `column` on, `names.len()` of them, 8 a load,
+/// waited for.
+fn load_row(column: Expr, names: &[String]) -> Vec<Stmt> {
+    let mut out: Vec<Stmt> = names
+        .chunks(LOAD_COLUMNS)
+        .enumerate()
+        .map(|(c, chunk)| {
+            tc(Tcgen05::Load {
+                address: var("tmem")
+                    + bin(BinOp::Shl, rem(warp(), int(4)) * int(32), int(16))
+                    + column.clone()
+                    + int((c * LOAD_COLUMNS) as i64),
+                names: chunk.to_vec(),
+            })
+        })
+        .collect();
+    out.push(tc(Tcgen05::WaitLd));
+    out
+}
+
+/// The buffer of tile `i` in the ring, as its first element.
+fn ring_buffer(head_dim: usize, i: Expr) -> Expr {
+    rem(i, int(BUFFERS)) * int(TILE_KEYS * head_dim as i64)
+}
+
+/// Thread 0 issues the scores of the key tile at `kv0` into the scores' columns once every
+/// thread is done with the previous tile's products (`free`), and commits them.
+fn issue_scores(head_dim: usize) -> Stmt {
+    let hd = head_dim as u32;
+    let mut issue = vec![
+        if_(
+            bin(BinOp::Gt, var("i"), int(0)),
+            vec![Stmt::Mbarrier(Box::new(Mbarrier::Wait {
+                barrier: tma_gemm::barrier("free", int(0)),
+                parity: rem(var("i") + int(1), int(2)),
+            }))],
+        ),
+        tc(Tcgen05::FenceAfterSync),
+    ];
+    for step in 0..head_dim as i64 / 16 {
+        let slice = int(2 * CORE * step);
+        let operand = |array: &str, start: Expr| SmemMatrix {
+            array: array.into(),
+            start,
+            lbo: CORE_BYTES,
+            sbo: 16 * hd,
+            swizzle: Swizzle::None,
+        };
+        issue.push(tc(Tcgen05::Mma(Box::new(TmemMma {
+            tmem: var("tmem") + int(SCORES_COLUMN),
+            a: operand("qs", slice.clone()),
+            b: operand("ks", var("kv0") + slice),
+            b_major: Major::K,
+            n: TILE_KEYS as u32,
+            accumulate: Expr::Bool(step > 0),
+        }))));
+    }
+    issue.push(tc(Tcgen05::Commit {
+        barrier: tma_gemm::barrier("scores", int(0)),
+    }));
+    if_(eq(tid(), int(0)), issue)
+}
+
+/// Thread 0 issues `P·V` for the value tile at `kv0` into the values' columns, the keys in 4
+/// slices of 16: A the probabilities in `ps` (K-major, 8-row groups 1 KiB apart), B the value
+/// tile MN-major (a core matrix 8 keys of 8 dims: the next 8 keys `8 × head_dim` elements on,
+/// the next 8 dims a core matrix on); committed.
+fn issue_values(head_dim: usize) -> Stmt {
+    let mut issue = vec![tc(Tcgen05::FenceAfterSync)];
+    for u in 0..TILE_KEYS / 16 {
+        issue.push(tc(Tcgen05::Mma(Box::new(TmemMma {
+            tmem: var("tmem") + int(VALUES_COLUMN),
+            a: SmemMatrix {
+                array: "ps".into(),
+                start: int(2 * CORE * u),
+                lbo: CORE_BYTES,
+                sbo: (2 * 8 * TILE_KEYS) as u32,
+                swizzle: Swizzle::None,
+            },
+            b: SmemMatrix {
+                array: "vs".into(),
+                start: var("kv0") + int(16 * head_dim as i64 * u),
+                lbo: 16 * head_dim as u32,
+                sbo: CORE_BYTES,
+                swizzle: Swizzle::None,
+            },
+            b_major: Major::MN,
+            n: head_dim as u32,
+            accumulate: Expr::Bool(u > 0),
+        }))));
+    }
+    issue.push(tc(Tcgen05::Commit {
+        barrier: tma_gemm::barrier("values", int(0)),
+    }));
+    if_(eq(tid(), int(0)), issue)
+}
+
+/// Scale and mask the row's scores (keys past the block's, after the row's position, or
+/// before its window: −∞), update its running max `m` (the `correction` the earlier sums and
+/// outputs take) and make the scores `exp(s − max)` (P), their sum added to `l`; as
+/// `flash_attention`'s softmax does for its rows.
+fn online_softmax() -> Vec<Stmt> {
+    let query = var("pos0") + var("query_row");
+    let mut out = vec![let_("tile_max", Ty::F32, f(f32::NEG_INFINITY))];
+    for k in 0..TILE_KEYS as usize {
+        let key = var("j0") + int(k as i64);
+        let visible = and(
+            and(lt(key.clone(), var("hi")), bin(BinOp::Le, key.clone(), query.clone())),
+            or(
+                bin(BinOp::Le, var("window"), int(0)),
+                bin(BinOp::Gt, key, query.clone() - var("window")),
+            ),
+        );
+        let s = score(k);
+        out.push(assign(
+            &s,
+            select(visible, var(&s) * var("scale"), f(f32::NEG_INFINITY)),
+        ));
+        out.push(assign("tile_max", bin(BinOp::Max, var("tile_max"), var(&s))));
+    }
+    out.extend([
+        let_("m_new", Ty::F32, bin(BinOp::Max, var("m"), var("tile_max"))),
+        // A row with no visible key yet keeps max −∞: exponents against 0 give zeros, not NaN.
+        let_(
+            "m_use",
+            Ty::F32,
+            select(eq(var("m_new"), f(f32::NEG_INFINITY)), f(0.0), var("m_new")),
+        ),
+        let_("correction", Ty::F32, un(UnOp::Exp, var("m") - var("m_use"))),
+        assign("m", var("m_new")),
+        assign("l", var("l") * var("correction")),
+    ]);
+    for k in 0..TILE_KEYS as usize {
+        let s = score(k);
+        out.push(assign(&s, un(UnOp::Exp, var(&s) - var("m_use"))));
+        out.push(assign("l", var("l") + var(&s)));
+    }
+    out
+}
+
+/// This thread's half of its row's probabilities (keys `32·half..+32`) into `ps`, row r, key
+/// k at `r / 8 · 512 + k / 8 · 64 + r % 8 · 8 + k % 8`.
+fn store_probabilities() -> Vec<Stmt> {
+    let half_keys = TILE_KEYS as usize / 2;
+    (0..half_keys)
+        .map(|k| {
+            let key = var("half") * int(half_keys as i64) + int(k as i64);
+            let at = var("row_in_tile") / int(8) * int(8 * TILE_KEYS)
+                + key.clone() / int(8) * int(CORE)
+                + rem(var("row_in_tile"), int(8)) * int(8)
+                + rem(key, int(8));
+            let value = select(eq(var("half"), int(0)), var(&score(k)), var(&score(k + half_keys)));
+            store("ps", at, value)
+        })
+        .collect()
+}
+
+/// The key tile at index `i` of the block's (at `j0`), every thread copying: this tile landed
+/// (its copies the only group in flight), a barrier, the next tile's copies issued into the
+/// other buffer (whose products completed last step), then the products and the softmax.
+fn tile_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
+    let next = var("j0") + int(TILE_KEYS);
+    let dims = head_dim / 2;
+    let products: Vec<String> = (0..dims).map(|d| format!("pv{d}")).collect();
+    let scores: Vec<String> = (0..TILE_KEYS as usize).map(score).collect();
+    let parity = rem(var("i"), int(2));
+    let wait = |barrier: &str| {
+        vec![
+            Stmt::Mbarrier(Box::new(Mbarrier::Wait {
+                barrier: tma_gemm::barrier(barrier, int(0)),
+                parity: parity.clone(),
+            })),
+            tc(Tcgen05::FenceAfterSync),
+        ]
+    };
+    [
+        vec![
+            let_("j0", Ty::I32, var("first_tile") + var("i") * int(TILE_KEYS)),
+            let_("kv0", Ty::I32, ring_buffer(head_dim, var("i"))),
+            // The tensor cores read the landed copies (and the queries' stores, the first
+            // time): the async proxy.
+            Stmt::CpAsyncWait(0),
+            Stmt::FenceProxyAsync,
+            Stmt::SyncThreads,
+            if_(
+                lt(next.clone(), var("hi")),
+                copy_tile(
+                    layout,
+                    (head_dim, TileOrder::CoreMatrices),
+                    (tid(), THREADS),
+                    next,
+                    ring_buffer(head_dim, var("i") + int(1)),
+                ),
+            ),
+            issue_scores(head_dim),
+        ],
+        wait("scores"),
+        load_row(int(SCORES_COLUMN), &scores),
+        online_softmax(),
+        store_probabilities(),
+        vec![
+            // The probabilities, for the tensor cores; every thread's, for thread 0.
+            Stmt::FenceProxyAsync,
+            tc(Tcgen05::FenceBeforeSync),
+            Stmt::SyncThreads,
+            issue_values(head_dim),
+        ],
+        wait("values"),
+        load_row(int(VALUES_COLUMN) + var("half") * int(dims as i64), &products),
+        (0..dims)
+            .map(|d| assign(&output(d), var(&output(d)) * var("correction") + var(&products[d])))
+            .collect(),
+        vec![
+            tc(Tcgen05::FenceBeforeSync),
+            Stmt::Mbarrier(Box::new(Mbarrier::Arrive {
+                barrier: tma_gemm::barrier("free", int(0)),
+            })),
+        ],
+    ]
+    .concat()
+}
+
+/// [`flash::flash_attention`] on `tcgen05`, heads up to 128 dims ([`supports`]): the same
+/// parameters, rows and results, a batched step's `query_tiles` cut in tiles of
+/// [`QUERY_TILE_ROWS`].
+pub fn flash_attention_tcgen05(name: &str, origin: &str, layout: CacheLayout, head_dim: usize) -> Kernel {
+    assert!(supports(head_dim), "head_dim {head_dim}");
+    let dims = head_dim / 2;
+    let setup = vec![
+        if_(
+            eq(warp(), int(0)),
+            vec![tc(Tcgen05::Alloc {
+                columns: TMEM_COLUMNS,
+                slot: "tmem_slot".into(),
+            })],
+        ),
+        tma_gemm::init_barriers(&[("scores", 1), ("values", 1), ("free", THREADS as u32)], 1),
+        tc(Tcgen05::FenceBeforeSync),
+        Stmt::SyncThreads,
+        tc(Tcgen05::FenceAfterSync),
+        let_("tmem", Ty::I32, load("tmem_slot", int(0))),
+    ];
+    let rows = vec![
+        let_("half", Ty::I32, warp() / int(4)),
+        let_("row_in_tile", Ty::I32, rem(warp(), int(4)) * int(32) + lane()),
+        let_("query_row", Ty::I32, var("q0") + var("row_in_tile")),
+        let_("m", Ty::F32, f(f32::NEG_INFINITY)),
+        let_("l", Ty::F32, f(0.0)),
+        let_(
+            "tiles",
+            Ty::I32,
+            (var("hi") - var("first_tile") + int(TILE_KEYS - 1)) / int(TILE_KEYS),
+        ),
+    ];
+    let locals = (0..dims)
+        .map(|d| let_(&output(d), Ty::F32, f(0.0)))
+        .chain((0..TILE_KEYS as usize).map(|k| let_(&score(k), Ty::F32, f(0.0))))
+        .collect();
+    let store_outputs = vec![if_(
+        lt(var("query_row"), var("rows_end")),
+        (0..dims)
+            .map(|d| {
+                let dim = var("half") * int(dims as i64) + int(d as i64);
+                let at = (var("query_row") * var("heads") + var("h")) * int(head_dim as i64) + dim;
+                store("out", at, var(&output(d)) / var("l"))
+            })
+            .collect(),
+    )];
+    let teardown = vec![
+        tc(Tcgen05::FenceBeforeSync),
+        Stmt::SyncThreads,
+        if_(
+            eq(warp(), int(0)),
+            vec![
+                tc(Tcgen05::FenceAfterSync),
+                tc(Tcgen05::Dealloc {
+                    columns: TMEM_COLUMNS,
+                    address: var("tmem"),
+                }),
+            ],
+        ),
+    ];
+    let work = [
+        block_keys(TILE_Q),
+        rows,
+        setup,
+        load_queries(head_dim, THREADS),
+        locals,
+        copy_tile(
+            layout,
+            (head_dim, TileOrder::CoreMatrices),
+            (tid(), THREADS),
+            var("first_tile"),
+            int(0),
+        ),
+        vec![for_("i", int(0), var("tiles"), int(1), tile_step(layout, head_dim))],
+        store_outputs,
+        teardown,
+    ]
+    .concat();
+    let tile_elements = (BUFFERS * TILE_KEYS) as usize * head_dim;
+    let shared = |name: &str, ty: Ty, len: usize| SharedArray {
+        name: name.into(),
+        ty,
+        len,
+    };
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: causal prefill attention on tcgen05 (m128n64 scores and m128n{head_dim} P·V into tensor \
+             memory, both operands from shared memory; {TILE_Q} query rows a block of two warpgroups, a thread of \
+             each a row; {TILE_KEYS}-key tiles through a ring of {BUFFERS}; online softmax in f32, the output in \
+             registers), head_dim {head_dim}, bf16 {}",
+            layout.describe()
+        ),
+        params: flash::params(layout),
+        shared: vec![
+            shared("qs", Ty::Bf16, TILE_Q as usize * head_dim),
+            shared("ks", Ty::Bf16, tile_elements),
+            shared("vs", Ty::Bf16, tile_elements),
+            shared("ps", Ty::Bf16, (TILE_Q * TILE_KEYS) as usize),
+            shared("scores", Ty::U32, 2),
+            shared("values", Ty::U32, 2),
+            shared("free", Ty::U32, 2),
+            shared("tmem_slot", Ty::I32, 1),
+        ],
+        block_dim: THREADS as u32,
+        grid: var("heads") * query_tiles_expr(layout, TILE_Q),
+        body: guarded_by_rows(layout, block_rows(layout, (head_dim, 1), TILE_Q), work),
+    }
+}
