@@ -583,7 +583,8 @@ fn compile_chooses_the_prefill_gemm() {
 
 /// `bbc compile --prefill-attention`: by default (`mma`) the plans' prompts attend with the
 /// `mma.sync` flash kernel; `wgmma`, on Hopper with the `wgmma` one (the B200 keeps the
-/// `mma.sync` one); the manifest records the choice, and an unknown one is refused.
+/// `mma.sync` one); `tcgen05`, on the B200 with the `tcgen05` one (Hopper keeps `mma.sync`);
+/// the manifest records the choice, and an unknown one is refused.
 #[test]
 fn compile_chooses_the_prefill_attention() {
     if !nvrtc_present() {
@@ -602,6 +603,8 @@ fn compile_chooses_the_prefill_attention() {
         ("h200", Some("wgmma"), "flash_attention_wgmma"),
         ("h200", Some("wgmma-specialised"), "flash_attention_wgmma_specialised"),
         ("b200", Some("wgmma"), "flash_attention"),
+        ("b200", Some("tcgen05"), "flash_attention_tcgen05"),
+        ("h200", Some("tcgen05"), "flash_attention"),
     ] {
         let (artifact, out) = compile(target, choice);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -626,6 +629,7 @@ fn compile_chooses_the_prefill_attention() {
                 [
                     "flash_attention_wgmma_specialised",
                     "flash_attention_wgmma",
+                    "flash_attention_tcgen05",
                     "flash_attention",
                 ]
                 .into_iter()

@@ -2218,6 +2218,77 @@ fn batched_plans_attend_on_wgmma_as_on_mma_sync() {
     each_wgmma_attention_gives_the_mma_ones(logits);
 }
 
+/// B200 plans whose prompts attend on `tcgen05` (`--prefill-attention tcgen05`) compute what
+/// those on the `mma.sync` flash kernel do, within f32 rounding: the same bf16 products, each
+/// tile's `P·V` summed into a fresh accumulator and added to the rescaled output, where
+/// `mma.sync` adds it to the output directly, and each row's sum taken in another order (the
+/// bf16 rounding of the activations after attention absorbs that here: the logits agree
+/// exactly on this model). One
+/// sequence's prompt (and a decode step after it), and a batched step of a prompt longer than
+/// a tile of 128 rows beside a short one, continued past their cached rows.
+#[test]
+fn tcgen05_prefill_attention_computes_what_the_mma_sync_one_does() {
+    use runtime::kv::BlockId;
+    let model = open("llama", ComputeDtype::Bf16);
+    let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::B200);
+    let kernels = |prefill_attention| gpu::PlanKernels {
+        prefill_attention,
+        ..Default::default()
+    };
+    let prompt: Vec<u32> = (0..PREFILL_TOKENS as u32 + 3).map(|i| (7 + 13 * i) % 300).collect();
+    let one_sequence = |attention: gpu::PrefillAttention| {
+        let (plan, compiled) = gpu::build_program(&graph, Target::B200, 64, None, kernels(attention)).unwrap();
+        let tcgen05 = plan
+            .launches
+            .iter()
+            .filter(|l| l.kernel.starts_with("flash_attention_tcgen05"));
+        assert_eq!(tcgen05.count() > 0, attention == gpu::PrefillAttention::Tcgen05);
+        let gpu = EmulatorBackend::emulated(plan, compiled, graph.clone(), &model.weights, &[], 64).unwrap();
+        let mut sequence = gpu.new_sequence();
+        let first = gpu.step(&mut sequence, &prompt).unwrap()["logits"].data.clone();
+        let next = gpu.step(&mut sequence, &[5]).unwrap()["logits"].data.clone();
+        vec![first, next]
+    };
+    let cache = gpu::BatchedCache {
+        blocks: 24,
+        block_size: 16,
+        sequences: 2,
+    };
+    let tables: Vec<Vec<BlockId>> = (0..2u32)
+        .map(|s| (0..12).rev().map(|b| BlockId(2 * b + s)).collect())
+        .collect();
+    let batch_prompt = |len: u32, seed: u32| -> Vec<u32> { (0..len).map(|i| (seed + 37 * i) % 300).collect() };
+    let steps: [Vec<(usize, Vec<u32>)>; 2] = [
+        vec![(0, batch_prompt(130, 5)), (0, batch_prompt(9, 11))],
+        vec![(130, batch_prompt(40, 23)), (9, batch_prompt(20, 29))],
+    ];
+    let batched = |attention: gpu::PrefillAttention| {
+        let (plan, compiled) = gpu::build_program(&graph, Target::B200, 176, Some(cache), kernels(attention)).unwrap();
+        let tcgen05 = plan
+            .kernels
+            .iter()
+            .filter(|k| k.name.starts_with("flash_attention_tcgen05"));
+        assert_eq!(tcgen05.count() > 0, attention == gpu::PrefillAttention::Tcgen05);
+        let gpu = EmulatorBackend::emulated(plan, compiled, graph.clone(), &model.weights, &[], 256).unwrap();
+        steps
+            .iter()
+            .flat_map(|segments| gpu.step_batch(&batch_of(segments, &tables)).unwrap())
+            .map(|outputs| outputs["logits"].data.clone())
+            .collect::<Vec<_>>()
+    };
+    for run in [
+        &one_sequence as &dyn Fn(gpu::PrefillAttention) -> Vec<Vec<f32>>,
+        &batched,
+    ] {
+        let mma = run(gpu::PrefillAttention::Mma);
+        let tcgen05 = run(gpu::PrefillAttention::Tcgen05);
+        for (i, (t, m)) in tcgen05.iter().zip(&mma).enumerate() {
+            let error = relative_error(t, m);
+            assert!(error <= 1e-5, "output {i}: error {error}");
+        }
+    }
+}
+
 /// Batched plans whose decode steps attend with the vector split pass (`--decode-attention
 /// vector`) compute what those on the scalar one do, within f32 rounding (the same products
 /// summed in another order: 16-byte loads of 2 to 8 lanes a row, several keys a warp): heads

@@ -59,6 +59,9 @@ pub enum PrefillAttention {
     Wgmma,
     /// The same, a producer warp copying the tiles for the two consumer warpgroups.
     WgmmaSpecialised,
+    /// Both products on `tcgen05` into tensor memory (B200, heads up to 128 dims; elsewhere
+    /// as `mma`).
+    Tcgen05,
 }
 
 impl From<PrefillAttention> for codegen::gpu::PrefillAttention {
@@ -67,6 +70,7 @@ impl From<PrefillAttention> for codegen::gpu::PrefillAttention {
             PrefillAttention::Mma => Self::Mma,
             PrefillAttention::Wgmma => Self::Wgmma,
             PrefillAttention::WgmmaSpecialised => Self::WgmmaSpecialised,
+            PrefillAttention::Tcgen05 => Self::Tcgen05,
         }
     }
 }

@@ -2,7 +2,8 @@
 //! dims, bf16 cache with random contents made on the device): one sequence's prefill at 512,
 //! 2 048 and 8 192 tokens by the tensor-core kernel (`flash_attention`) over a contiguous cache
 //! and over the paged pool as the serving plans launch it (the step's query tiles), on Hopper
-//! also on `wgmma` (`flash_attention_wgmma`) both ways, and by
+//! also on `wgmma` (`flash_attention_wgmma`) both ways, on the B200 also on `tcgen05`
+//! (`flash_attention_tcgen05`) both ways, and by
 //! the split attention (split pass and merge, what decode steps take; the scalar pass and the
 //! vector one), in µs and TFLOP/s; and a decode step of 64 sequences at 4 096 positions over
 //! the paged pool, as the serving plans run it (either pass), in GB/s of cache read and its
@@ -14,6 +15,7 @@ use kernels_gen::templates::attention::{self, attention_combine, attention_split
 use kernels_gen::templates::attention_vector::{self, attention_split_vector};
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::flash_attention::{self, flash_attention};
+use kernels_gen::templates::flash_attention_tcgen05::flash_attention_tcgen05;
 use kernels_gen::templates::flash_attention_wgmma::{self, flash_attention_wgmma, Schedule};
 use runtime::plan_exec::{DeviceArg, PlanDevice};
 use runtime::random_weights::{fill_kernels, fill_on_device, Fill};
@@ -57,8 +59,20 @@ const WGMMA_FLASH: [(&str, &str, Schedule, bool); 4] = [
     ),
 ];
 
+/// The query rows a block of the `wgmma` and `tcgen05` prefills takes.
+const WIDE_TILE_ROWS: usize = flash_attention_wgmma::QUERY_TILE_ROWS;
+const _: () = assert!(kernels_gen::templates::flash_attention_tcgen05::QUERY_TILE_ROWS == WIDE_TILE_ROWS);
+
+/// The `tcgen05` prefill's kernels (the B200): over a contiguous cache and over the pool, with
+/// the table's label.
+const TCGEN05_FLASH: [(&str, &str, bool); 2] = [
+    ("flash_attention_tcgen05", "tcgen05 (flash_attention_tcgen05)", false),
+    ("flash_attention_tcgen05_pool", "tcgen05 over the pool", true),
+];
+
 /// The kernels timed on `arch`: the tensor-core prefill over a contiguous cache and over the
-/// batched paged pool (on Hopper also on `wgmma`), both split passes over both, and the merge.
+/// batched paged pool (on Hopper also on `wgmma`, on the B200 on `tcgen05`), both split passes
+/// over both, and the merge.
 fn kernels(arch: &str) -> Vec<Kernel> {
     let group = attention::heads_per_block(HEADS, KV_HEADS, HEAD_DIM);
     let vector_group = attention_vector::heads_per_block(HEADS, KV_HEADS, HEAD_DIM, Ty::Bf16);
@@ -66,12 +80,12 @@ fn kernels(arch: &str) -> Vec<Kernel> {
         .iter()
         .filter(|_| arch == "sm_90a")
         .map(|&(name, _, schedule, pooled)| {
-            let layout = match pooled {
-                true => CacheLayout::Batched,
-                false => CacheLayout::Contiguous,
-            };
-            flash_attention_wgmma(name, "gpu-check", layout, HEAD_DIM, schedule)
+            flash_attention_wgmma(name, "gpu-check", pool_or_not(pooled), HEAD_DIM, schedule)
         });
+    let tcgen05 = TCGEN05_FLASH
+        .iter()
+        .filter(|_| arch == "sm_100a")
+        .map(|&(name, _, pooled)| flash_attention_tcgen05(name, "gpu-check", pool_or_not(pooled), HEAD_DIM));
     let mut kernels = vec![
         flash_attention("flash_attention", "gpu-check", CacheLayout::Contiguous, HEAD_DIM),
         flash_attention("flash_attention_pool", "gpu-check", CacheLayout::Batched, HEAD_DIM),
@@ -110,7 +124,16 @@ fn kernels(arch: &str) -> Vec<Kernel> {
         attention_combine("attention_combine", "gpu-check", HEAD_DIM),
     ];
     kernels.extend(wgmma);
+    kernels.extend(tcgen05);
     kernels
+}
+
+/// The batched pool's layout, or a contiguous cache.
+fn pool_or_not(pooled: bool) -> CacheLayout {
+    match pooled {
+        true => CacheLayout::Batched,
+        false => CacheLayout::Contiguous,
+    }
 }
 
 /// The timings as markdown.
@@ -196,13 +219,14 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
         let value = |name: &str| buffers.value(name, tokens);
         // Causal: row t sees t + 1 keys; two matmuls of 2·head_dim flops a (row, key, head).
         let flops = 4.0 * (HEADS * HEAD_DIM) as f64 * (tokens * (tokens + 1) / 2) as f64;
-        // The step's query tiles as each tensor-core kernel over the pool cuts them.
+        // The step's query tiles as each tensor-core kernel over the pool cuts them: 64 rows
+        // on `mma.sync`, 128 on `wgmma` and `tcgen05`.
         let tiles_bytes = |tile_rows| ints(flash_attention::query_tiles(&[tokens], tile_rows));
-        let (tiles, wgmma_tiles) = (
+        let (tiles, wide_tiles) = (
             tiles_bytes(flash_attention::QUERY_TILE_ROWS),
-            tiles_bytes(flash_attention_wgmma::QUERY_TILE_ROWS),
+            tiles_bytes(WIDE_TILE_ROWS),
         );
-        let (query_tiles, wgmma_query_tiles) = (device.upload(&tiles)?, device.upload(&wgmma_tiles)?);
+        let (query_tiles, wide_query_tiles) = (device.upload(&tiles)?, device.upload(&wide_tiles)?);
         let pool = |query_tiles| AttentionBuffers {
             block_tables: (&prompt_tables, most.div_ceil(BLOCK_SIZE) * 4),
             row_table: (&prompt_row_table, most * 4),
@@ -211,12 +235,12 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
             seqs: 1,
             ..buffers
         };
-        let (pool, wgmma_pool) = (
+        let (pool, wide_pool) = (
             pool((&query_tiles, tiles.len())),
-            pool((&wgmma_query_tiles, wgmma_tiles.len())),
+            pool((&wide_query_tiles, wide_tiles.len())),
         );
         let over_pool = |name: &str| pool.value(name, tokens);
-        let over_wgmma_pool = |name: &str| wgmma_pool.value(name, tokens);
+        let over_wide_pool = |name: &str| wide_pool.value(name, tokens);
         type Value<'a, 'b> =
             &'b dyn Fn(&str) -> Option<DeviceArg<'a, <runtime_cuda::CudaDevice as PlanDevice>::Buffer>>;
         // (label, kernels, their arguments)
@@ -226,10 +250,14 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
             ("split pass + merge (decode steps')", vec![split, combine], &value),
             ("vector split pass + merge", vec![vector, combine], &value),
         ];
-        for &(name, label, _, pooled) in &WGMMA_FLASH {
+        let wide = WGMMA_FLASH
+            .iter()
+            .map(|&(name, label, _, pooled)| (name, label, pooled))
+            .chain(TCGEN05_FLASH);
+        for (name, label, pooled) in wide {
             if let Ok(kernel) = find(name) {
                 let value: Value = match pooled {
-                    true => &over_wgmma_pool,
+                    true => &over_wide_pool,
                     false => &value,
                 };
                 launches.push((label, vec![kernel], value));
@@ -355,9 +383,10 @@ mod tests {
             query_tiles: Some((&b, 4)),
             seqs: 1,
         };
-        let hopper = kernels("sm_90a");
-        assert_eq!(hopper.len(), kernels("sm_100a").len() + WGMMA_FLASH.len());
-        for kernel in hopper {
+        let (hopper, blackwell) = (kernels("sm_90a"), kernels("sm_100a"));
+        assert_eq!(hopper.len(), kernels("sm_120a").len() + WGMMA_FLASH.len());
+        assert_eq!(blackwell.len(), kernels("sm_120a").len() + TCGEN05_FLASH.len());
+        for kernel in [hopper, blackwell].concat() {
             let value = |name: &str| buffers.value(name, 512);
             if let Err(e) = super::super::llama_8b::bind(&kernel, value) {
                 panic!("{e}");

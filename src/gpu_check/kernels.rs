@@ -306,8 +306,8 @@ const TMA_CHECK: (usize, usize, usize, usize) = (130, 300, 264, 272);
 /// The kernels no plan launches yet, in lockstep with the emulator: the target's TMA GEMMs
 /// ([`tma_gemm_kernels`]) on [`TMA_CHECK`]'s shape, in one piece and K split in three with the
 /// reduction; on every target the tensor-core prefill attention ([`FLASH_CHECKS`]), on Hopper
-/// also on `wgmma` (both schedules). Prints each kernel's max relative error and returns the
-/// worst.
+/// also on `wgmma` (both schedules), on the B200 on `tcgen05`. Prints each kernel's max
+/// relative error and returns the worst.
 pub fn unplanned_kernel_errors(arch: &str) -> Result<f64> {
     let gemms = tma_gemm_kernels(arch);
     let flash = flash_attention_kernels(arch);
@@ -341,10 +341,11 @@ const FLASH_BLOCK: usize = 16;
 
 /// The prefill attention kernels checked on `arch`, each with its check: every
 /// [`FLASH_CHECKS`] shape on `mma.sync`, and on Hopper those `wgmma` takes on it too, in both
-/// schedules.
+/// schedules; on the B200 those `tcgen05` takes.
 fn flash_attention_kernels(arch: &str) -> Vec<(Kernel, FlashCheck)> {
     use kernels_gen::templates::cache_layout::CacheLayout;
     use kernels_gen::templates::flash_attention::flash_attention;
+    use kernels_gen::templates::flash_attention_tcgen05;
     use kernels_gen::templates::flash_attention_wgmma::{flash_attention_wgmma, supports as wgmma_supports, Schedule};
     let layout = |paged: bool| match paged {
         true => CacheLayout::Paged,
@@ -368,7 +369,18 @@ fn flash_attention_kernels(arch: &str) -> Vec<(Kernel, FlashCheck)> {
                 )
             })
         });
-    mma.chain(wgmma).collect()
+    let tcgen05 = FLASH_CHECKS
+        .iter()
+        .filter(|check| arch == "sm_100a" && flash_attention_tcgen05::supports(check.4))
+        .map(|&check| {
+            let (head_dim, paged) = (check.4, check.5);
+            let name = format!("flash_attention_tcgen05_{head_dim}");
+            (
+                flash_attention_tcgen05::flash_attention_tcgen05(&name, "gpu-check", layout(paged), head_dim),
+                check,
+            )
+        });
+    mma.chain(wgmma).chain(tcgen05).collect()
 }
 
 /// The `checks`' attentions on `device` over random bf16 queries, keys and values, the same
@@ -831,19 +843,28 @@ mod tests {
     use super::*;
 
     /// What the prefill attention check launches on Hopper (`mma.sync` and `wgmma` in both
-    /// schedules) binds and runs on the emulator, and gives the reference's attention (to
-    /// bf16's precision: probabilities meet values in bf16), the forms the same on the same
-    /// inputs.
+    /// schedules) and on the B200 (`mma.sync` and `tcgen05`) binds and runs on the emulator,
+    /// and gives the reference's attention (to bf16's precision: probabilities meet values in
+    /// bf16), the `wgmma` forms the same as `mma.sync` on the same inputs.
     #[test]
     fn the_flash_attention_check_runs_its_launches() {
-        let checks = flash_attention_kernels("sm_90a");
-        assert_eq!(checks.len(), FLASH_CHECKS.len() + 2);
-        let mut device = EmulatorDevice::new(checks.iter().map(|(kernel, _)| kernel.clone()).collect());
-        let results = run_flash_attention(&mut device, &checks).unwrap();
+        let hopper = flash_attention_kernels("sm_90a");
+        assert_eq!(hopper.len(), FLASH_CHECKS.len() + 2);
+        let blackwell = flash_attention_kernels("sm_100a");
+        assert_eq!(blackwell.len(), FLASH_CHECKS.len() + 1);
+        let mut device = EmulatorDevice::new(hopper.iter().map(|(kernel, _)| kernel.clone()).collect());
+        let results = run_flash_attention(&mut device, &hopper).unwrap();
         // On the same inputs the `wgmma` forms compute what the `mma.sync` one does.
         assert_eq!(results[FLASH_CHECKS.len()], results[0]);
         assert_eq!(results[FLASH_CHECKS.len() + 1], results[0]);
-        for ([q, k, v, out], (_, (tokens, first, heads, kv_heads, head_dim, _))) in results.iter().zip(&checks) {
+        check_flash_results(&results, &hopper);
+        let mut device = EmulatorDevice::new(blackwell.iter().map(|(kernel, _)| kernel.clone()).collect());
+        check_flash_results(&run_flash_attention(&mut device, &blackwell).unwrap(), &blackwell);
+    }
+
+    /// Each of `results` (of `checks`) within bf16's precision of the reference's attention.
+    fn check_flash_results(results: &[[Vec<f32>; 4]], checks: &[(Kernel, FlashCheck)]) {
+        for ([q, k, v, out], (_, (tokens, first, heads, kv_heads, head_dim, _))) in results.iter().zip(checks) {
             let (tokens, first, heads, kv_heads, head_dim) = (*tokens, *first, *heads, *kv_heads, *head_dim);
             let spec = ir::AttentionSpec {
                 heads,

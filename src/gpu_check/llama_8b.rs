@@ -60,26 +60,33 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
         print_prefill(name, &other, &run)?;
     }
     print_long_prefill(name, &exec, &run, &config)?;
-    // On Hopper, prompts attending on `wgmma` too, in both its schedules: the 8 192-token
-    // prefill where attention weighs most.
-    let wgmma = [
+    // On Hopper, prompts attending on `wgmma` too, in both its schedules, and on the B200 on
+    // `tcgen05`: the 8 192-token prefill where attention weighs most.
+    let wide = [
         (
+            "sm_90a",
             "Llama-8B-shaped, wgmma prefill attention",
             codegen::gpu::PrefillAttention::Wgmma,
         ),
         (
+            "sm_90a",
             "Llama-8B-shaped, warp-specialised wgmma prefill attention",
             codegen::gpu::PrefillAttention::WgmmaSpecialised,
         ),
+        (
+            "sm_100a",
+            "Llama-8B-shaped, tcgen05 prefill attention",
+            codegen::gpu::PrefillAttention::Tcgen05,
+        ),
     ];
-    for (name, attention) in wgmma.into_iter().filter(|_| arch == "sm_90a") {
+    for (_, name, attention) in wide.into_iter().filter(|(on, ..)| *on == arch) {
         let kernels = codegen::gpu::PlanKernels {
             prefill_attention: attention,
             ..Default::default()
         };
-        let wgmma = serving_executor(name, &config, (target, arch), served, kernels)?;
-        print_prefill(name, &wgmma, &run)?;
-        print_long_prefill(name, &wgmma, &run, &config)?;
+        let executor = serving_executor(name, &config, (target, arch), served, kernels)?;
+        print_prefill(name, &executor, &run)?;
+        print_long_prefill(name, &executor, &run, &config)?;
     }
     let timings = time_decode(&exec, &run)?;
     // Batch 1 again without each of the two ways a step overlaps its kernels, side by side in

@@ -123,17 +123,29 @@ pub enum PrefillAttention {
     /// consumer warpgroups through mbarriers.
     #[serde(rename = "wgmma-specialised")]
     WgmmaSpecialised,
+    /// `templates::flash_attention_tcgen05`: both products on the B200's `tcgen05` into
+    /// tensor memory, for heads up to 128 dims (the others, and other targets, as `Mma`).
+    Tcgen05,
+}
+
+/// The flash kernel a plan's prompts attend on, on its target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FlashForm {
+    Mma,
+    Wgmma(kernels_gen::templates::flash_attention_wgmma::Schedule),
+    Tcgen05,
 }
 
 impl PrefillAttention {
-    /// The schedule of the `wgmma` flash kernel this choice takes on `target` (Hopper's
-    /// `wgmma` forms), or `None` for the `mma.sync` one.
-    pub fn wgmma_schedule(self, target: Target) -> Option<kernels_gen::templates::flash_attention_wgmma::Schedule> {
+    /// The flash kernel this choice takes on `target`: each tensor-core form on the
+    /// architecture that has it, `mma.sync` elsewhere.
+    pub fn flash_form(self, target: Target) -> FlashForm {
         use kernels_gen::templates::flash_attention_wgmma::Schedule;
         match (self, target.cuda_arch()) {
-            (PrefillAttention::Wgmma, Some("sm_90a")) => Some(Schedule::Lockstep),
-            (PrefillAttention::WgmmaSpecialised, Some("sm_90a")) => Some(Schedule::Specialised),
-            _ => None,
+            (PrefillAttention::Wgmma, Some("sm_90a")) => FlashForm::Wgmma(Schedule::Lockstep),
+            (PrefillAttention::WgmmaSpecialised, Some("sm_90a")) => FlashForm::Wgmma(Schedule::Specialised),
+            (PrefillAttention::Tcgen05, Some("sm_100a")) => FlashForm::Tcgen05,
+            _ => FlashForm::Mma,
         }
     }
 }

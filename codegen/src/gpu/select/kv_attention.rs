@@ -2,20 +2,21 @@
 //! `templates::flash_attention`): the step's keys and values appended to the node's cache slot
 //! (rotating q and k on the way for `rope_attention`), then the attention over the cache:
 //! split across blocks and merged, or, in steps of prompts over a bf16 cache, on the tensor
-//! cores, a tile of 64 query rows a block (128 on Hopper's `wgmma`; see
-//! [`FLASH_ROWS_PER_SEQUENCE`]). A
+//! cores, a tile of 64 query rows a block (128 on Hopper's `wgmma` and the B200's `tcgen05`;
+//! see [`FLASH_ROWS_PER_SEQUENCE`]). A
 //! `shared_kv_attention` appends nothing: it attends over the slot an earlier layer filled, and
 //! may do so for the sampled rows only (each sequence's last, after `last_token`): their
 //! tables and positions are then the step's `sampled_row_table` and `sampled_row_pos` (a
 //! batched step), or the step's last position (one sequence's).
 
 use super::{next_matmul_weights, prefetch_bytes, scalar, Alternatives, Operands, Selected};
-use crate::gpu::{DecodeAttention, GpuCodegenError, KvLayout, LaunchArg};
+use crate::gpu::{DecodeAttention, FlashForm, GpuCodegenError, KvLayout, LaunchArg};
 use ir::{AttentionSpec, DType, Op};
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::{
-    attention, attention_vector, flash_attention, flash_attention_wgmma, kv_append, rope, step_gate, weight_prefetch,
+    attention, attention_vector, flash_attention, flash_attention_tcgen05, flash_attention_wgmma, kv_append, rope,
+    step_gate, weight_prefetch,
 };
 
 /// Steps whose sequences average this many rows or more attend on the tensor cores
@@ -33,9 +34,8 @@ const GATE: &str = "active";
 pub(super) struct AttentionKernels {
     /// The split pass's form (the vector one where the head and cache allow).
     pub split: DecodeAttention,
-    /// Hopper's `wgmma` flash kernel's schedule, where prompts attend on it (for heads it
-    /// takes); `None`: the `mma.sync` one.
-    pub wgmma_flash: Option<flash_attention_wgmma::Schedule>,
+    /// The flash kernel prompts attend on (for heads it takes; `mma.sync` for the others).
+    pub flash: FlashForm,
 }
 
 /// Pushes the append (where the op appends) and the split attention (and the tensor-core
@@ -324,11 +324,8 @@ fn attend(
     args.push(scalar(GATE, &split_step));
     s.launches
         .push((i, step_gate::gated(split, GATE), Alternatives::default(), args));
-    let wgmma = kernels
-        .wgmma_flash
-        .filter(|_| flash_attention_wgmma::supports(spec.head_dim));
-    let (kernel, tile_rows) = match wgmma {
-        Some(schedule) => (
+    let (kernel, tile_rows) = match kernels.flash {
+        FlashForm::Wgmma(schedule) if flash_attention_wgmma::supports(spec.head_dim) => (
             flash_attention_wgmma::flash_attention_wgmma(
                 match schedule {
                     flash_attention_wgmma::Schedule::Lockstep => "flash_attention_wgmma",
@@ -341,7 +338,16 @@ fn attend(
             ),
             flash_attention_wgmma::QUERY_TILE_ROWS,
         ),
-        None => (
+        FlashForm::Tcgen05 if flash_attention_tcgen05::supports(spec.head_dim) => (
+            flash_attention_tcgen05::flash_attention_tcgen05(
+                "flash_attention_tcgen05",
+                &graph.name,
+                cache.layout,
+                spec.head_dim,
+            ),
+            flash_attention_tcgen05::QUERY_TILE_ROWS,
+        ),
+        _ => (
             flash_attention::flash_attention("flash_attention", &graph.name, cache.layout, spec.head_dim),
             flash_attention::QUERY_TILE_ROWS,
         ),

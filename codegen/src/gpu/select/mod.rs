@@ -142,8 +142,7 @@ pub(crate) fn select(
     };
     let attention = kv_attention::AttentionKernels {
         split: chosen.decode_attention,
-        // Hopper's `wgmma` flash attention where asked for.
-        wgmma_flash: chosen.prefill_attention.wgmma_schedule(target),
+        flash: chosen.prefill_attention.flash_form(target),
     };
     let mut s = Selected {
         launches: Vec::new(),
