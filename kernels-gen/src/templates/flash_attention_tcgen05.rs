@@ -10,9 +10,9 @@
 //!
 //! 1. thread 0 issues the scores `S = Q·K` (m128n64, a `tcgen05.mma` a 16-dim slice, both
 //!    operands K-major) into TMEM columns 0..64 and commits them (`scores`);
-//! 2. every thread loads its row's 64 scores and runs the online softmax over the whole row
-//!    (both of a row's threads alike), then stores its half of the row's probabilities, bf16,
-//!    into shared memory as the next product's A;
+//! 2. every thread runs the online softmax over its row's 64 scores (both of a row's threads
+//!    alike), reading them from TMEM 8 at a time, and stores its half of the row's
+//!    probabilities, bf16, into shared memory as the next product's A;
 //! 3. past a barrier thread 0 issues `P·V` (m128n{head_dim}, the value tile MN-major) into a
 //!    fresh accumulator at columns 64.. and commits it (`values`);
 //! 4. every thread loads its half of its row's dims of that product and folds them into its
@@ -70,7 +70,7 @@ fn tc(op: Tcgen05) -> Stmt {
 }
 
 /// This thread's row's TMEM cells from column `column` on, `names.len()` of them, 8 a load,
-/// waited for.
+/// all issued before one wait.
 fn load_row(column: Expr, names: &[String]) -> Vec<Stmt> {
     let mut out: Vec<Stmt> = names
         .chunks(LOAD_COLUMNS)
@@ -166,15 +166,15 @@ fn issue_values(head_dim: usize) -> Stmt {
     if_(eq(tid(), int(0)), issue)
 }
 
-/// Scale and mask the row's scores (keys past the block's, after the row's position, or
-/// before its window: −∞), update its running max `m` (the `correction` the earlier sums and
-/// outputs take) and make the scores `exp(s − max)` (P), their sum added to `l`; as
-/// `flash_attention`'s softmax does for its rows.
-fn online_softmax() -> Vec<Stmt> {
+/// The scores of key group `group` of the tile (keys `j0 + 8·group + e`) of this thread's
+/// row, loaded from TMEM into `s0..s8`, scaled and masked: −∞ past the block's keys, after the
+/// row's position or before its window.
+fn group_scores(group: Expr) -> Vec<Stmt> {
+    let names: Vec<String> = (0..LOAD_COLUMNS).map(score).collect();
+    let mut out = load_row(int(SCORES_COLUMN) + group.clone() * int(LOAD_COLUMNS as i64), &names);
     let query = var("pos0") + var("query_row");
-    let mut out = vec![let_("tile_max", Ty::F32, f(f32::NEG_INFINITY))];
-    for k in 0..TILE_KEYS as usize {
-        let key = var("j0") + int(k as i64);
+    for (e, s) in names.iter().enumerate() {
+        let key = var("j0") + group.clone() * int(LOAD_COLUMNS as i64) + int(e as i64);
         let visible = and(
             and(lt(key.clone(), var("hi")), bin(BinOp::Le, key.clone(), query.clone())),
             or(
@@ -182,14 +182,53 @@ fn online_softmax() -> Vec<Stmt> {
                 bin(BinOp::Gt, key, query.clone() - var("window")),
             ),
         );
-        let s = score(k);
-        out.push(assign(
-            &s,
-            select(visible, var(&s) * var("scale"), f(f32::NEG_INFINITY)),
-        ));
-        out.push(assign("tile_max", bin(BinOp::Max, var("tile_max"), var(&s))));
+        out.push(assign(s, select(visible, var(s) * var("scale"), f(f32::NEG_INFINITY))));
     }
-    out.extend([
+    out
+}
+
+/// The online softmax of this thread's row over the tile, as `flash_attention`'s: its running
+/// max `m` updated (`correction`: what the earlier sum and outputs are rescaled by), the
+/// probabilities `exp(s − max)` summed into `l`, and this thread's half of them (keys
+/// `32·half..+32`) stored, bf16, into `ps` (row r, key k at `r / 8 · 512 + k / 8 · 64 +
+/// r % 8 · 8 + k % 8`). Two passes over the scores in TMEM, 8 at a time (the max, then the
+/// probabilities), so a thread holds 8 scores, not 64: what leaves the registers for two
+/// blocks an SM.
+fn online_softmax() -> Vec<Stmt> {
+    let groups = TILE_KEYS / LOAD_COLUMNS as i64;
+    let names: Vec<String> = (0..LOAD_COLUMNS).map(score).collect();
+    let group_max = names
+        .iter()
+        .fold(var("tile_max"), |max, s| bin(BinOp::Max, max, var(s)));
+    let mut probabilities = group_scores(var("group"));
+    for s in &names {
+        probabilities.push(assign(s, un(UnOp::Exp, var(s) - var("m_use"))));
+        probabilities.push(assign("l", var("l") + var(s)));
+    }
+    let row_group = var("row_in_tile") / int(8) * int(8 * TILE_KEYS) + rem(var("row_in_tile"), int(8)) * int(8);
+    probabilities.push(if_(
+        eq(var("group") / int(groups / 2), var("half")),
+        names
+            .iter()
+            .enumerate()
+            .map(|(e, s)| {
+                store(
+                    "ps",
+                    row_group.clone() + var("group") * int(CORE) + int(e as i64),
+                    var(s),
+                )
+            })
+            .collect(),
+    ));
+    vec![
+        let_("tile_max", Ty::F32, f(f32::NEG_INFINITY)),
+        for_(
+            "group",
+            int(0),
+            int(groups),
+            int(1),
+            [group_scores(var("group")), vec![assign("tile_max", group_max)]].concat(),
+        ),
         let_("m_new", Ty::F32, bin(BinOp::Max, var("m"), var("tile_max"))),
         // A row with no visible key yet keeps max −∞: exponents against 0 give zeros, not NaN.
         let_(
@@ -200,30 +239,26 @@ fn online_softmax() -> Vec<Stmt> {
         let_("correction", Ty::F32, un(UnOp::Exp, var("m") - var("m_use"))),
         assign("m", var("m_new")),
         assign("l", var("l") * var("correction")),
-    ]);
-    for k in 0..TILE_KEYS as usize {
-        let s = score(k);
-        out.push(assign(&s, un(UnOp::Exp, var(&s) - var("m_use"))));
-        out.push(assign("l", var("l") + var(&s)));
-    }
-    out
+        for_("group", int(0), int(groups), int(1), probabilities),
+    ]
 }
 
-/// This thread's half of its row's probabilities (keys `32·half..+32`) into `ps`, row r, key
-/// k at `r / 8 · 512 + k / 8 · 64 + r % 8 · 8 + k % 8`.
-fn store_probabilities() -> Vec<Stmt> {
-    let half_keys = TILE_KEYS as usize / 2;
-    (0..half_keys)
-        .map(|k| {
-            let key = var("half") * int(half_keys as i64) + int(k as i64);
-            let at = var("row_in_tile") / int(8) * int(8 * TILE_KEYS)
-                + key.clone() / int(8) * int(CORE)
-                + rem(var("row_in_tile"), int(8)) * int(8)
-                + rem(key, int(8));
-            let value = select(eq(var("half"), int(0)), var(&score(k)), var(&score(k + half_keys)));
-            store("ps", at, value)
-        })
-        .collect()
+/// This thread's half of its row's dims of the tile's `P·V`, 16 columns at a time, folded into
+/// its outputs: `o = o · correction + P·V`.
+fn fold_values(head_dims: usize) -> Vec<Stmt> {
+    let mut out = Vec::new();
+    for first in (0..head_dims).step_by(2 * LOAD_COLUMNS) {
+        let columns: Vec<usize> = (first..(first + 2 * LOAD_COLUMNS).min(head_dims)).collect();
+        let names: Vec<String> = columns.iter().map(|d| format!("pv{d}")).collect();
+        out.extend(load_row(
+            int(VALUES_COLUMN) + var("half") * int(head_dims as i64) + int(first as i64),
+            &names,
+        ));
+        for (d, pv) in columns.iter().zip(&names) {
+            out.push(assign(&output(*d), var(&output(*d)) * var("correction") + var(pv)));
+        }
+    }
+    out
 }
 
 /// The key tile at index `i` of the block's (at `j0`), every thread copying: this tile landed
@@ -231,9 +266,6 @@ fn store_probabilities() -> Vec<Stmt> {
 /// other buffer (whose products completed last step), then the products and the softmax.
 fn tile_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
     let next = var("j0") + int(TILE_KEYS);
-    let dims = head_dim / 2;
-    let products: Vec<String> = (0..dims).map(|d| format!("pv{d}")).collect();
-    let scores: Vec<String> = (0..TILE_KEYS as usize).map(score).collect();
     let parity = rem(var("i"), int(2));
     let wait = |barrier: &str| {
         vec![
@@ -266,9 +298,7 @@ fn tile_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
             issue_scores(head_dim),
         ],
         wait("scores"),
-        load_row(int(SCORES_COLUMN), &scores),
         online_softmax(),
-        store_probabilities(),
         vec![
             // The probabilities, for the tensor cores; every thread's, for thread 0.
             Stmt::FenceProxyAsync,
@@ -277,10 +307,7 @@ fn tile_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
             issue_values(head_dim),
         ],
         wait("values"),
-        load_row(int(VALUES_COLUMN) + var("half") * int(dims as i64), &products),
-        (0..dims)
-            .map(|d| assign(&output(d), var(&output(d)) * var("correction") + var(&products[d])))
-            .collect(),
+        fold_values(head_dim / 2),
         vec![
             tc(Tcgen05::FenceBeforeSync),
             Stmt::Mbarrier(Box::new(Mbarrier::Arrive {
@@ -323,10 +350,7 @@ pub fn flash_attention_tcgen05(name: &str, origin: &str, layout: CacheLayout, he
             (var("hi") - var("first_tile") + int(TILE_KEYS - 1)) / int(TILE_KEYS),
         ),
     ];
-    let locals = (0..dims)
-        .map(|d| let_(&output(d), Ty::F32, f(0.0)))
-        .chain((0..TILE_KEYS as usize).map(|k| let_(&score(k), Ty::F32, f(0.0))))
-        .collect();
+    let locals = (0..dims).map(|d| let_(&output(d), Ty::F32, f(0.0))).collect();
     let store_outputs = vec![if_(
         lt(var("query_row"), var("rows_end")),
         (0..dims)
