@@ -240,8 +240,30 @@ fn check_block(body: &[Stmt], scope: &mut Scope) -> Result<(), String> {
     check_block_declaring(body, scope, std::collections::HashSet::new())
 }
 
-/// C++ rejects a second declaration of a name in one block (an inner block may shadow it); a
-/// `for` loop's variable counts as declared in its body's block. `declared` starts with the
+/// Declare local `name` of type `ty` in the block whose declarations so far are `declared`.
+/// C++ rejects a second declaration of a name in one block; an inner block may shadow an
+/// outer name in C++, but not here: the emulator keeps one variable a name (only a loop's own
+/// variable is restored after its loop), so a shadowing declaration would change the outer
+/// variable there and not on the device.
+fn declare<'a>(
+    name: &'a String,
+    ty: Ty,
+    scope: &mut Scope,
+    declared: &mut std::collections::HashSet<&'a String>,
+) -> Result<(), String> {
+    if !declared.insert(name) {
+        return Err(format!("`{name}` is declared twice in one block"));
+    }
+    if scope.vars.contains_key(name) {
+        return Err(format!(
+            "`{name}` is declared in an inner block while an enclosing one declares it (shadowing)"
+        ));
+    }
+    scope.vars.insert(name.clone(), ty);
+    Ok(())
+}
+
+/// A `for` loop's variable counts as declared in its body's block. `declared` starts with the
 /// names the enclosing construct declares there.
 fn check_block_declaring<'a>(
     body: &'a [Stmt],
@@ -255,11 +277,8 @@ fn check_block_declaring<'a>(
                 if t != ty.compute() {
                     return Err(format!("`{name}`: {ty:?} initialised with {t:?}"));
                 }
-                if !declared.insert(name) {
-                    return Err(format!("`{name}` is declared twice in one block"));
-                }
                 not_an_array(name, scope)?;
-                scope.vars.insert(name.clone(), *ty);
+                declare(name, *ty, scope, &mut declared)?;
             }
             Stmt::Assign { name, value } => {
                 let want = *scope.vars.get(name).ok_or_else(|| format!("`{name}` is not defined"))?;
@@ -395,10 +414,7 @@ fn check_block_declaring<'a>(
                 }
                 scope.int(index)?;
                 for name in names {
-                    if !declared.insert(name) {
-                        return Err(format!("`{name}` is declared twice in one block"));
-                    }
-                    scope.vars.insert(name.clone(), Ty::F32);
+                    declare(name, Ty::F32, scope, &mut declared)?;
                 }
             }
             Stmt::Tcgen05(op) => check_tcgen05(op, scope, &mut declared)?,
@@ -464,10 +480,7 @@ fn check_tcgen05<'a>(
             }
             scope.int(address)?;
             for name in names {
-                if !declared.insert(name) {
-                    return Err(format!("`{name}` is declared twice in one block"));
-                }
-                scope.vars.insert(name.clone(), Ty::F32);
+                declare(name, Ty::F32, scope, declared)?;
             }
         }
         Tcgen05::WaitLd | Tcgen05::FenceBeforeSync | Tcgen05::FenceAfterSync => {}

@@ -203,12 +203,16 @@ fn type_errors_are_caught_before_running() {
 }
 
 /// What NVRTC would reject is rejected before any kernel runs: a name declared twice in one
-/// block, or a loop's variable declared again in its body (an inner block may shadow a name).
+/// block, or a loop's variable declared again in its body. So is a name an inner block
+/// declares again (C++ would shadow the outer one there; the emulator keeps one variable a
+/// name, and would read 2 where the device reads 1 below), while blocks side by side may each
+/// declare it.
 #[test]
 fn a_name_declared_twice_in_one_block_or_hiding_a_buffer_is_a_type_error() {
     let twice = vec![let_("v", Ty::F32, f(1.0)), let_("v", Ty::F32, f(2.0))];
-    let shadowed = vec![
-        let_("v", Ty::F32, f(1.0)),
+    let shadowed = shadowed_v();
+    let side_by_side = vec![
+        if_(Expr::Bool(true), vec![let_("v", Ty::F32, f(1.0))]),
         if_(Expr::Bool(true), vec![let_("v", Ty::F32, f(2.0))]),
     ];
     // A local named like a buffer hides it in C (at any depth), though the DSL means the array.
@@ -216,7 +220,8 @@ fn a_name_declared_twice_in_one_block_or_hiding_a_buffer_is_a_type_error() {
     let loop_hides_a_buffer = vec![for_("x", int(0), int(1), int(1), vec![])];
     for (body, ok) in [
         (twice, false),
-        (shadowed, true),
+        (shadowed, false),
+        (side_by_side, true),
         (hides_a_buffer, false),
         (loop_hides_a_buffer, false),
     ] {
@@ -229,6 +234,18 @@ fn a_name_declared_twice_in_one_block_or_hiding_a_buffer_is_a_type_error() {
         let result = run(&kernel(body, vec![]), &mut bufs, &HashMap::new());
         assert_eq!(result.is_ok(), ok, "{result:?}");
     }
+    let shadowing = kernel(shadowed_v(), vec![]);
+    let message = kernels_gen::types::check(&shadowing).unwrap_err().to_string();
+    assert!(message.contains("`v` is declared in an inner block"), "{message}");
+}
+
+/// `v` declared, then again in an inner block.
+fn shadowed_v() -> Vec<Stmt> {
+    vec![
+        let_("v", Ty::F32, f(1.0)),
+        if_(Expr::Bool(true), vec![let_("v", Ty::F32, f(2.0))]),
+        store("out", tid(), var("v")),
+    ]
 }
 
 #[test]

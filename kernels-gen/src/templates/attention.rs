@@ -410,10 +410,11 @@ pub fn attention_combine(name: &str, origin: &str, head_dim: usize) -> Kernel {
             ]
         },
         &|u, _| {
+            let wt = named("wt", u);
             vec![
-                let_("wt", Ty::F32, weight_of(var(&named("m", u)), var("top"))),
-                assign("sum", var("sum") + var(&named("l", u)) * var("wt")),
-                assign("acc", var("acc") + var(&named("a", u)) * var("wt")),
+                let_(&wt, Ty::F32, weight_of(var(&named("m", u)), var("top"))),
+                assign("sum", var("sum") + var(&named("l", u)) * var(&wt)),
+                assign("acc", var("acc") + var(&named("a", u)) * var(&wt)),
             ]
         },
     );

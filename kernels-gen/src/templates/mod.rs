@@ -459,8 +459,8 @@ pub fn loads_in_flight(
         let assigned = values.into_iter().map(|(name, value)| assign(&name, value)).collect();
         step.extend(below_end(u, assigned));
     }
-    // The first merge in the step's scope, each later one in its own (merges may declare
-    // locals).
+    // The first merge in the step's scope, each later one in its own: locals a merge declares
+    // are named by `u` (the type checker refuses shadowing).
     for u in 0..count {
         step.extend(below_end(u, merge(u, at(u))));
     }

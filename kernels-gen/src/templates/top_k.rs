@@ -34,7 +34,7 @@ fn round() -> Vec<Stmt> {
         bdim(),
         LOADS_IN_FLIGHT,
         &|u, at| vec![(format!("x{u}"), load("logits", var("base") + at))],
-        &|u, at| consider(var(&format!("x{u}")), at),
+        &|u, at| consider(u, var(&format!("x{u}")), at),
     );
     let mut body = vec![
         let_("best", Ty::F32, f(f32::NEG_INFINITY)),
@@ -76,33 +76,35 @@ fn round() -> Vec<Stmt> {
     body
 }
 
-/// Element `i` (value `x`) becomes the thread's best where it ranks after the previous
-/// round's winner and before the best so far; NaN ranks as −∞.
-fn consider(x: Expr, i: Expr) -> Vec<Stmt> {
+/// Element `i` (value `x`, the `u`-th of a step's loads, naming its locals) becomes the
+/// thread's best where it ranks after the previous round's winner and before the best so far;
+/// NaN ranks as −∞.
+fn consider(u: i64, x: Expr, i: Expr) -> Vec<Stmt> {
+    let (key, after_prev) = (format!("key{u}"), format!("after_prev{u}"));
     vec![
         // x == x is false for NaN.
         let_(
-            "key",
+            &key,
             Ty::F32,
             select(bin(BinOp::Eq, x.clone(), x.clone()), x, f(f32::NEG_INFINITY)),
         ),
         let_(
-            "after_prev",
+            &after_prev,
             Ty::Bool,
             or(
-                bin(BinOp::Lt, var("key"), var("prev")),
+                bin(BinOp::Lt, var(&key), var("prev")),
                 and(
-                    bin(BinOp::Eq, var("key"), var("prev")),
+                    bin(BinOp::Eq, var(&key), var("prev")),
                     bin(BinOp::Gt, i.clone(), var("prev_i")),
                 ),
             ),
         ),
         if_(
             and(
-                var("after_prev"),
-                ranks_before(var("key"), i.clone(), var("best"), var("best_i")),
+                var(&after_prev),
+                ranks_before(var(&key), i.clone(), var("best"), var("best_i")),
             ),
-            vec![assign("best", var("key")), assign("best_i", i)],
+            vec![assign("best", var(&key)), assign("best_i", i)],
         ),
     ]
 }
