@@ -2178,23 +2178,9 @@ fn wgmma_prefill_attention_computes_what_the_mma_sync_one_does() {
 /// attention).
 #[test]
 fn batched_plans_attend_on_wgmma_as_on_mma_sync() {
-    use runtime::kv::BlockId;
     let model = open("llama", ComputeDtype::Bf16);
     let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
-    let cache = gpu::BatchedCache {
-        blocks: 24,
-        block_size: 16,
-        sequences: 2,
-    };
-    let tables: Vec<Vec<BlockId>> = (0..2u32)
-        .map(|s| (0..12).rev().map(|b| BlockId(2 * b + s)).collect())
-        .collect();
-    let prompt = |len: u32, seed: u32| -> Vec<u32> { (0..len).map(|i| (seed + 37 * i) % 300).collect() };
-    let steps: [Vec<(usize, Vec<u32>)>; 3] = [
-        vec![(0, prompt(130, 5)), (0, prompt(9, 11))],
-        vec![(130, prompt(40, 23)), (9, prompt(20, 29))],
-        vec![(170, vec![7]), (29, vec![9])],
-    ];
+    let (cache, steps) = (two_sequence_pool(), prompts_past_a_tile());
     let logits = |attention: gpu::PrefillAttention| {
         let kernels = gpu::PlanKernels {
             prefill_attention: attention,
@@ -2208,12 +2194,7 @@ fn batched_plans_attend_on_wgmma_as_on_mma_sync() {
             .count();
         assert_eq!(wgmma > 0, attention != gpu::PrefillAttention::Mma);
         let gpu = EmulatorBackend::emulated(plan, kernels, graph.clone(), &model.weights, &[], 256).unwrap();
-        let got: Vec<Vec<f32>> = steps
-            .iter()
-            .flat_map(|segments| gpu.step_batch(&batch_of(segments, &tables)).unwrap())
-            .map(|outputs| outputs["logits"].data.clone())
-            .collect();
-        got
+        pool_steps_logits(&gpu, &steps)
     };
     each_wgmma_attention_gives_the_mma_ones(logits);
 }
@@ -2224,11 +2205,10 @@ fn batched_plans_attend_on_wgmma_as_on_mma_sync() {
 /// `mma.sync` adds it to the output directly, and each row's sum taken in another order (the
 /// bf16 rounding of the activations after attention absorbs that here: the logits agree
 /// exactly on this model). One
-/// sequence's prompt (and a decode step after it), and a batched step of a prompt longer than
-/// a tile of 128 rows beside a short one, continued past their cached rows.
+/// sequence's prompt (and a decode step after it), and the batched steps of
+/// [`prompts_past_a_tile`].
 #[test]
 fn tcgen05_prefill_attention_computes_what_the_mma_sync_one_does() {
-    use runtime::kv::BlockId;
     let model = open("llama", ComputeDtype::Bf16);
     let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::B200);
     let kernels = |prefill_attention| gpu::PlanKernels {
@@ -2249,19 +2229,7 @@ fn tcgen05_prefill_attention_computes_what_the_mma_sync_one_does() {
         let next = gpu.step(&mut sequence, &[5]).unwrap()["logits"].data.clone();
         vec![first, next]
     };
-    let cache = gpu::BatchedCache {
-        blocks: 24,
-        block_size: 16,
-        sequences: 2,
-    };
-    let tables: Vec<Vec<BlockId>> = (0..2u32)
-        .map(|s| (0..12).rev().map(|b| BlockId(2 * b + s)).collect())
-        .collect();
-    let batch_prompt = |len: u32, seed: u32| -> Vec<u32> { (0..len).map(|i| (seed + 37 * i) % 300).collect() };
-    let steps: [Vec<(usize, Vec<u32>)>; 2] = [
-        vec![(0, batch_prompt(130, 5)), (0, batch_prompt(9, 11))],
-        vec![(130, batch_prompt(40, 23)), (9, batch_prompt(20, 29))],
-    ];
+    let (cache, steps) = (two_sequence_pool(), prompts_past_a_tile());
     let batched = |attention: gpu::PrefillAttention| {
         let (plan, compiled) = gpu::build_program(&graph, Target::B200, 176, Some(cache), kernels(attention)).unwrap();
         let tcgen05 = plan
@@ -2270,11 +2238,7 @@ fn tcgen05_prefill_attention_computes_what_the_mma_sync_one_does() {
             .filter(|k| k.name.starts_with("flash_attention_tcgen05"));
         assert_eq!(tcgen05.count() > 0, attention == gpu::PrefillAttention::Tcgen05);
         let gpu = EmulatorBackend::emulated(plan, compiled, graph.clone(), &model.weights, &[], 256).unwrap();
-        steps
-            .iter()
-            .flat_map(|segments| gpu.step_batch(&batch_of(segments, &tables)).unwrap())
-            .map(|outputs| outputs["logits"].data.clone())
-            .collect::<Vec<_>>()
+        pool_steps_logits(&gpu, &steps)
     };
     for run in [
         &one_sequence as &dyn Fn(gpu::PrefillAttention) -> Vec<Vec<f32>>,
@@ -2297,18 +2261,9 @@ fn tcgen05_prefill_attention_computes_what_the_mma_sync_one_does() {
 /// whose blocks lie in reverse order.
 #[test]
 fn batched_plans_decode_with_the_vector_split_pass_as_with_the_scalar_one() {
-    use runtime::kv::BlockId;
-    let cache = gpu::BatchedCache {
-        blocks: 24,
-        block_size: 16,
-        sequences: 2,
-    };
-    let tables: Vec<Vec<BlockId>> = (0..2u32)
-        .map(|s| (0..12).rev().map(|b| BlockId(2 * b + s)).collect())
-        .collect();
-    let prompt = |len: u32, seed: u32| -> Vec<u32> { (0..len).map(|i| (seed + 37 * i) % 300).collect() };
-    let steps: [Vec<(usize, Vec<u32>)>; 3] = [
-        vec![(0, prompt(40, 5)), (0, prompt(9, 11))],
+    let cache = two_sequence_pool();
+    let steps = [
+        vec![(0, pool_prompt(40, 5)), (0, pool_prompt(9, 11))],
         vec![(40, vec![7]), (9, vec![9])],
         vec![(41, vec![3]), (10, vec![4])],
     ];
@@ -2328,11 +2283,7 @@ fn batched_plans_decode_with_the_vector_split_pass_as_with_the_scalar_one() {
             let vector = plan.kernels.iter().filter(|k| k.name.starts_with("attention_vector"));
             assert_eq!(vector.count() > 0, decode_attention == gpu::DecodeAttention::Vector);
             let gpu = EmulatorBackend::emulated(plan, kernels, graph.clone(), &model.weights, &[], 64).unwrap();
-            steps
-                .iter()
-                .flat_map(|segments| gpu.step_batch(&batch_of(segments, &tables)).unwrap())
-                .map(|outputs| outputs["logits"].data.clone())
-                .collect::<Vec<_>>()
+            pool_steps_logits(&gpu, &steps)
         };
         let scalar = logits(gpu::DecodeAttention::Scalar);
         let vector = logits(gpu::DecodeAttention::Vector);
@@ -2341,6 +2292,45 @@ fn batched_plans_decode_with_the_vector_split_pass_as_with_the_scalar_one() {
             assert!(error <= 1e-5, "{family} {dtype:?}: output {i}: error {error}");
         }
     }
+}
+
+/// The pool the batched attention comparisons run over: 24 blocks of 16 positions for two
+/// sequences (see [`pool_steps_logits`] for their tables).
+fn two_sequence_pool() -> gpu::BatchedCache {
+    gpu::BatchedCache {
+        blocks: 24,
+        block_size: 16,
+        sequences: 2,
+    }
+}
+
+/// A prompt of `len` tokens, `seed` its first.
+fn pool_prompt(len: u32, seed: u32) -> Vec<u32> {
+    (0..len).map(|i| (seed + 37 * i) % 300).collect()
+}
+
+/// Steps of two sequences whose prompts are cut into tensor-core attention's tiles: a prompt
+/// longer than a tile of 128 rows beside a short one, then both continued past their cached
+/// rows, then a decode step of each (the split attention).
+fn prompts_past_a_tile() -> [Vec<(usize, Vec<u32>)>; 3] {
+    [
+        vec![(0, pool_prompt(130, 5)), (0, pool_prompt(9, 11))],
+        vec![(130, pool_prompt(40, 23)), (9, pool_prompt(20, 29))],
+        vec![(170, vec![7]), (29, vec![9])],
+    ]
+}
+
+/// Each step's logits, every sequence's, on `gpu` over [`two_sequence_pool`]: sequence s
+/// holds blocks 2b + s, in reverse order.
+fn pool_steps_logits(gpu: &EmulatorBackend, steps: &[Vec<(usize, Vec<u32>)>]) -> Vec<Vec<f32>> {
+    let tables: Vec<Vec<runtime::kv::BlockId>> = (0..2u32)
+        .map(|s| (0..12).rev().map(|b| runtime::kv::BlockId(2 * b + s)).collect())
+        .collect();
+    steps
+        .iter()
+        .flat_map(|segments| gpu.step_batch(&batch_of(segments, &tables)).unwrap())
+        .map(|outputs| outputs["logits"].data.clone())
+        .collect()
 }
 
 /// `logits` of a Hopper plan attending on each `wgmma` form equal to those on `mma.sync`.

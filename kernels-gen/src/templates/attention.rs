@@ -184,10 +184,20 @@ pub fn attention_split(
     }
     body.push(for_("j", var("start") + warp(), var("end"), int(WARPS as i64), key));
     body.extend(merge_warps(head_dim, group));
+    split_pass_kernel((name, origin, ""), (layout, head_dim, group, cache), body)
+}
+
+/// A split pass's kernel (either form's): `body`, its parameters, the warps' states in shared
+/// memory, and a block per (row, head group, split); `form` ends its description.
+pub(crate) fn split_pass_kernel(
+    (name, origin, form): (&str, &str, &str),
+    (layout, head_dim, group, cache): (CacheLayout, usize, usize, Ty),
+    body: Vec<Stmt>,
+) -> Kernel {
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: causal attention, split keys, online softmax, head_dim {head_dim}, {group} heads a block, {} cache, {}",
+            "{origin}: causal attention, split keys, online softmax, head_dim {head_dim}, {group} heads a block, {} cache, {}{form}",
             format!("{cache:?}").to_lowercase(),
             layout.describe()
         ),

@@ -17,9 +17,8 @@
 //! pass, which writes the same partials (`attention_combine` merges either). Keys past the
 //! span's end (its last iteration) load the span's last row and are masked out of the softmax.
 
-use super::attention::{merge_warp_states, rows_and_cache_params, shared_f32, split_keys, weight_of, WARPS};
+use super::attention::{merge_warp_states, split_keys, split_pass_kernel, weight_of, WARPS};
 use super::cache_layout::CacheLayout;
-use super::BLOCK;
 use crate::dsl::*;
 
 /// 16-byte loads of key rows a lane issues before it computes an iteration's scores (and as
@@ -231,30 +230,11 @@ pub fn attention_split_vector(
     body.push(if_(lt(lane(), int(cut.lanes as i64)), stores));
     body.extend(merge_warp_states(head_dim, group));
 
-    Kernel {
-        name: name.into(),
-        origin: format!(
-            "{origin}: causal attention, split keys, online softmax, head_dim {head_dim}, {group} heads a block, \
-             {} cache, {}, 16-byte loads ({} lanes a row, {keys_per_warp} keys a warp at once)",
-            format!("{cache:?}").to_lowercase(),
-            layout.describe(),
-            cut.lanes,
-        ),
-        params: [
-            rows_and_cache_params(cache, "partial"),
-            vec![scalar("splits", Ty::I32)],
-            layout.params(),
-        ]
-        .concat(),
-        shared: vec![
-            shared_f32("warp_m", WARPS as usize * group),
-            shared_f32("warp_l", WARPS as usize * group),
-            shared_f32("warp_acc", WARPS as usize * group * head_dim),
-        ],
-        block_dim: BLOCK,
-        grid: var("tokens") * (var("heads") / int(group as i64)) * var("splits"),
-        body,
-    }
+    let form = format!(
+        ", 16-byte loads ({} lanes a row, {keys_per_warp} keys a warp at once)",
+        cut.lanes
+    );
+    split_pass_kernel((name, origin, &form), (layout, head_dim, group, cache), body)
 }
 
 /// `value` summed over each aligned subgroup of `lanes` lanes (every lane of it ends with the

@@ -29,7 +29,7 @@ use super::cache_layout::CacheLayout;
 use super::flash_attention::{
     self as flash, block_keys, block_rows, copy_tile, guarded_by_rows, query_tiles_expr, TileOrder, TILE_KEYS,
 };
-use super::flash_attention_wgmma::load_queries;
+use super::flash_attention_wgmma::{load_queries, lockstep_tile_head};
 use super::tma_gemm;
 use crate::dsl::*;
 
@@ -87,11 +87,6 @@ fn load_row(column: Expr, names: &[String]) -> Vec<Stmt> {
         .collect();
     out.push(tc(Tcgen05::WaitLd));
     out
-}
-
-/// The buffer of tile `i` in the ring, as its first element.
-fn ring_buffer(head_dim: usize, i: Expr) -> Expr {
-    rem(i, int(BUFFERS)) * int(TILE_KEYS * head_dim as i64)
 }
 
 /// Thread 0 issues the scores of the key tile at `kv0` into the scores' columns once every
@@ -265,7 +260,6 @@ fn fold_values(head_dims: usize) -> Vec<Stmt> {
 /// (its copies the only group in flight), a barrier, the next tile's copies issued into the
 /// other buffer (whose products completed last step), then the products and the softmax.
 fn tile_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
-    let next = var("j0") + int(TILE_KEYS);
     let parity = rem(var("i"), int(2));
     let wait = |barrier: &str| {
         vec![
@@ -277,26 +271,9 @@ fn tile_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
         ]
     };
     [
-        vec![
-            let_("j0", Ty::I32, var("first_tile") + var("i") * int(TILE_KEYS)),
-            let_("kv0", Ty::I32, ring_buffer(head_dim, var("i"))),
-            // The tensor cores read the landed copies (and the queries' stores, the first
-            // time): the async proxy.
-            Stmt::CpAsyncWait(0),
-            Stmt::FenceProxyAsync,
-            Stmt::SyncThreads,
-            if_(
-                lt(next.clone(), var("hi")),
-                copy_tile(
-                    layout,
-                    (head_dim, TileOrder::CoreMatrices),
-                    (tid(), THREADS),
-                    next,
-                    ring_buffer(head_dim, var("i") + int(1)),
-                ),
-            ),
-            issue_scores(head_dim),
-        ],
+        // The other buffer's products completed in the step before the barrier.
+        lockstep_tile_head(layout, head_dim, THREADS, BUFFERS),
+        vec![issue_scores(head_dim)],
         wait("scores"),
         online_softmax(),
         vec![

@@ -196,7 +196,38 @@ impl Schedule {
 
 /// The buffer of tile `i` in the ring, as its first element.
 fn ring_buffer(head_dim: usize, i: Expr) -> Expr {
-    rem(i, int(BUFFERS)) * int(TILE_KEYS * head_dim as i64)
+    ring_slot(head_dim, i, BUFFERS)
+}
+
+/// The buffer of tile `i` in a ring of `buffers` key (or value) tiles, as its first element.
+pub(super) fn ring_slot(head_dim: usize, i: Expr, buffers: i64) -> Expr {
+    rem(i, int(buffers)) * int(TILE_KEYS * head_dim as i64)
+}
+
+/// The start of step `i` over the key tiles when all of a block's `threads` copy them into a
+/// ring of `buffers`: `j0` (the tile's first key) and `kv0` (its buffer); the tile landed (its
+/// copies the only group in flight) and fenced for the tensor cores (the queries' stores too,
+/// the first time); a barrier, past which every thread is done with the step before, so with
+/// the tile `buffers − 1` back; then the next tile's copies into that one's buffer.
+pub(super) fn lockstep_tile_head(layout: CacheLayout, head_dim: usize, threads: i64, buffers: i64) -> Vec<Stmt> {
+    let next = var("j0") + int(TILE_KEYS);
+    vec![
+        let_("j0", Ty::I32, var("first_tile") + var("i") * int(TILE_KEYS)),
+        let_("kv0", Ty::I32, ring_slot(head_dim, var("i"), buffers)),
+        Stmt::CpAsyncWait(0),
+        Stmt::FenceProxyAsync,
+        Stmt::SyncThreads,
+        if_(
+            lt(next.clone(), var("hi")),
+            copy_tile(
+                layout,
+                (head_dim, TileOrder::CoreMatrices),
+                (tid(), threads),
+                next,
+                ring_slot(head_dim, var("i") + int(1), buffers),
+            ),
+        ),
+    ]
 }
 
 /// The key tile at `j0` in `kv0`: its products and softmax, and the previous tile's values
@@ -256,30 +287,11 @@ fn take_turn() -> (Vec<Stmt>, Vec<Stmt>) {
 /// this tile landed (its copies the only group in flight), a barrier, then the next tile's
 /// copies issued into the ring before the products.
 fn lockstep_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
-    let next = var("j0") + int(TILE_KEYS);
     let (products, hand_on) = tile_products(head_dim, false);
+    // The tile two back had its values multiplied in the step before the barrier: the next
+    // tile takes its buffer.
     [
-        vec![
-            let_("j0", Ty::I32, var("first_tile") + var("i") * int(TILE_KEYS)),
-            let_("kv0", Ty::I32, ring_buffer(head_dim, var("i"))),
-            // The tensor cores read the landed copies (and the queries' stores, the first
-            // time): the async proxy.
-            Stmt::CpAsyncWait(0),
-            Stmt::FenceProxyAsync,
-            // Past it every warpgroup is done with the previous step, so with the tile two
-            // back (its values were multiplied there): the next tile takes its buffer.
-            Stmt::SyncThreads,
-            if_(
-                lt(next.clone(), var("hi")),
-                copy_tile(
-                    layout,
-                    (head_dim, TileOrder::CoreMatrices),
-                    (tid(), CONSUMERS),
-                    next,
-                    ring_buffer(head_dim, var("i") + int(1)),
-                ),
-            ),
-        ],
+        lockstep_tile_head(layout, head_dim, CONSUMERS, BUFFERS),
         products,
         hand_on,
     ]
