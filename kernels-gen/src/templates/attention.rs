@@ -303,16 +303,10 @@ pub(crate) fn weight_of(m: Expr, top: Expr) -> Expr {
 /// heads' partials, lane `l` holding dims `l, l + 32, …` of each accumulator.
 pub(crate) fn merge_warps(head_dim: usize, group: usize) -> Vec<Stmt> {
     let hd = int(head_dim as i64);
-    let slot = |g: usize| warp() * int(group as i64) + int(g as i64);
+    let slot = |g: usize| warp_slot(g, group);
     let mut s = Vec::new();
     for g in 0..group {
-        s.push(if_(
-            eq(lane(), int(0)),
-            vec![
-                store("warp_m", slot(g), var(&format!("m{g}"))),
-                store("warp_l", slot(g), var(&format!("l{g}"))),
-            ],
-        ));
+        s.push(store_max_and_sum(g, group));
         for i in 0..dims_per_lane(head_dim) {
             s.extend(guarded(
                 head_dim,
@@ -327,6 +321,22 @@ pub(crate) fn merge_warps(head_dim: usize, group: usize) -> Vec<Stmt> {
     }
     s.extend(merge_warp_states(head_dim, group));
     s
+}
+
+/// This warp's slot for head `g` of the block's `group` in the shared states.
+pub(crate) fn warp_slot(g: usize, group: usize) -> Expr {
+    warp() * int(group as i64) + int(g as i64)
+}
+
+/// Lane 0 stores this warp's max `m{g}` and sum `l{g}` of head `g` into its slot.
+pub(crate) fn store_max_and_sum(g: usize, group: usize) -> Stmt {
+    if_(
+        eq(lane(), int(0)),
+        vec![
+            store("warp_m", warp_slot(g, group), var(&format!("m{g}"))),
+            store("warp_l", warp_slot(g, group), var(&format!("l{g}"))),
+        ],
+    )
 }
 
 /// What follows each warp's storing its state of each head `g` (max in `warp_m`, sum in

@@ -17,7 +17,9 @@
 //! pass, which writes the same partials (`attention_combine` merges either). Keys past the
 //! span's end (its last iteration) load the span's last row and are masked out of the softmax.
 
-use super::attention::{merge_warp_states, split_keys, split_pass_kernel, weight_of, WARPS};
+use super::attention::{
+    merge_warp_states, split_keys, split_pass_kernel, store_max_and_sum, warp_slot, weight_of, WARPS,
+};
 use super::cache_layout::CacheLayout;
 use crate::dsl::*;
 
@@ -209,20 +211,13 @@ pub fn attention_split_vector(
         }
         mask *= 2;
     }
-    let slot = |g: usize| warp() * int(group as i64) + int(g as i64);
     let mut stores = Vec::new();
     for g in 0..group {
-        stores.push(if_(
-            eq(lane(), int(0)),
-            vec![
-                store("warp_m", slot(g), var(&format!("m{g}"))),
-                store("warp_l", slot(g), var(&format!("l{g}"))),
-            ],
-        ));
+        stores.push(store_max_and_sum(g, group));
         for d in each_dim() {
             stores.push(store(
                 "warp_acc",
-                slot(g) * hd.clone() + cut.dim(d.0, d.1),
+                warp_slot(g, group) * hd.clone() + cut.dim(d.0, d.1),
                 var(&acc(g, d)),
             ));
         }
