@@ -568,6 +568,102 @@ fn the_complete_tcgen05_program_runs() {
     assert_eq!(run_tcgen05(tcgen05_program()).unwrap(), vec![8.0; 128 * 16]);
 }
 
+/// `tcgen05.mma` reads B MN-major as `wgmma` does (`b_major`): with A's row i picking
+/// k = i % 16 and B[k][n] = 16k + n stored MN-major (core matrices of 8 k by 8 n, the next 8
+/// k 128 bytes on, the next 8 n 256), row i of D is B's row i % 16; a swizzled MN-major B is a
+/// type error.
+#[test]
+fn tcgen05_reads_b_mn_major() {
+    let mut steps: Vec<(&'static str, Stmt)> = tcgen05_program();
+    let at = |label: &str, steps: &[(&str, Stmt)]| steps.iter().position(|(l, _)| *l == label).unwrap();
+    let fill_a = at("fill a", &steps);
+    steps[fill_a].1 = for_(
+        "i",
+        int(0),
+        int(16),
+        int(1),
+        vec![store(
+            "as",
+            tid() / int(8) * int(64)
+                + var("i") / int(8) * int(1024)
+                + bin(BinOp::Rem, tid(), int(8)) * int(8)
+                + bin(BinOp::Rem, var("i"), int(8)),
+            select(
+                bin(BinOp::Eq, var("i"), bin(BinOp::Rem, tid(), int(16))),
+                f(1.0),
+                f(0.0),
+            ),
+        )],
+    );
+    let fill_b = at("fill b", &steps);
+    steps[fill_b].1 = for_(
+        "j",
+        int(0),
+        int(2),
+        int(1),
+        vec![
+            let_("e", Ty::I32, tid() * int(2) + var("j")),
+            let_("k", Ty::I32, var("e") / int(16)),
+            let_("n", Ty::I32, bin(BinOp::Rem, var("e"), int(16))),
+            store(
+                "bs",
+                var("n") / int(8) * int(128)
+                    + var("k") / int(8) * int(64)
+                    + bin(BinOp::Rem, var("k"), int(8)) * int(8)
+                    + bin(BinOp::Rem, var("n"), int(8)),
+                cast(Ty::F32, var("e")),
+            ),
+        ],
+    );
+    let with_b = |steps: &[(&'static str, Stmt)], swizzle: Swizzle| -> Vec<(&'static str, Stmt)> {
+        let mut steps = steps.to_vec();
+        let mma = at("mma", &steps);
+        let Stmt::If {
+            cond,
+            mut then,
+            otherwise,
+        } = steps[mma].1.clone()
+        else {
+            unreachable!()
+        };
+        let Stmt::Tcgen05(op) = &then[0] else { unreachable!() };
+        let Tcgen05::Mma(m) = &**op else { unreachable!() };
+        let mut m = (**m).clone();
+        m.b = SmemMatrix {
+            array: "bs".into(),
+            start: int(0),
+            lbo: 128,
+            sbo: 256,
+            swizzle,
+        };
+        m.b_major = Major::MN;
+        then[0] = tc(Tcgen05::Mma(Box::new(m)));
+        steps[mma].1 = Stmt::If { cond, then, otherwise };
+        steps
+    };
+    let want: Vec<f32> = (0..128 * 16).map(|e| ((e / 16) % 16 * 16 + e % 16) as f32).collect();
+    assert_eq!(run_tcgen05(with_b(&steps, Swizzle::None)).unwrap(), want);
+    let swizzled = Kernel {
+        name: "k".into(),
+        origin: "test".into(),
+        params: vec![buffer("out", Ty::F32, true)],
+        shared: vec![
+            shared("as", Ty::Bf16, 128 * 16),
+            shared("bs", Ty::Bf16, 16 * 16),
+            shared("bar", Ty::U32, 2),
+            shared("slot", Ty::I32, 1),
+        ],
+        block_dim: 128,
+        grid: int(1),
+        body: with_b(&steps, Swizzle::B128).into_iter().map(|(_, s)| s).collect(),
+    };
+    let message = kernels_gen::types::check(&swizzled).unwrap_err().to_string();
+    assert!(
+        message.contains("MN-major tcgen05.mma operand under a swizzle"),
+        "{message}"
+    );
+}
+
 #[test]
 fn tcgen05_races_and_leaks_are_reported() {
     let without = |label: &str| -> Vec<(&'static str, Stmt)> {
