@@ -914,12 +914,13 @@ fn wgmma_flash_for_faults(schedule: flash_attention_wgmma::Schedule) -> Kernel {
 
 /// The `tcgen05` flash attention hands its tensor memory and shared buffers between thread 0's
 /// MMAs and the block's threads through mbarriers and barriers, and the emulator says why when
-/// one is missing: without thread 0's wait on `free` the next tile's scores overwrite what
-/// other warps were reading; without the waits on `scores` or `values` a warp reads TMEM an MMA
-/// is still writing; without `tcgen05.wait::ld` a thread uses registers still loading; without
-/// the proxy fences the tensor cores read copies or probabilities the async proxy may not see;
-/// without the barriers thread 0 multiplies probabilities other threads are still storing; and
-/// without the deallocation the block exits holding its columns.
+/// one is missing: without thread 0's wait on `free` a tile's `P·V` overwrites what other warps
+/// were reading; without the waits on `scores` or `values` a warp reads TMEM an MMA is still
+/// writing; without `tcgen05.wait::ld` a thread uses registers still loading; without the
+/// waits for the copies the tensor cores read a tile still landing; without the proxy fences
+/// they read copies or probabilities the async proxy may not see; without the barriers thread
+/// 0 multiplies probabilities other threads are still storing; and without the deallocation
+/// the block exits holding its columns.
 #[test]
 fn the_tcgen05_flash_attention_fails_without_its_hand_overs() {
     use kernels_gen::templates::cache_layout::CacheLayout;
@@ -932,7 +933,7 @@ fn the_tcgen05_flash_attention_fails_without_its_hand_overs() {
         (
             "the wait on `free`",
             &dropping(|s| waits_on(s, "free")) as Edit,
-            "tcgen05.mma writes TMEM lane 0, column 0 that warp 4 read",
+            "tcgen05.mma writes TMEM lane 0, column 144 that warp 4 read",
         ),
         (
             "the wait on `scores`",
@@ -948,6 +949,11 @@ fn the_tcgen05_flash_attention_fails_without_its_hand_overs() {
             "the waits for TMEM loads",
             &dropping(|s| matches!(s, Stmt::Tcgen05(op) if matches!(&**op, dsl::Tcgen05::WaitLd))),
             "before tcgen05.wait::ld",
+        ),
+        (
+            "the waits for the copies",
+            &dropping(|s| matches!(s, Stmt::CpAsyncWait(_))),
+            "while a cp.async into it is in flight",
         ),
         (
             "the proxy fences",

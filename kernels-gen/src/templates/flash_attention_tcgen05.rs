@@ -5,19 +5,21 @@
 //! block is lane r of tensor memory, which warps w and w + 4 read (warp w reads lanes
 //! 32·(w % 4)..+32), so each row has a thread in each warpgroup. The queries, rounded to
 //! bf16, sit in shared memory in 8×8 core matrices; the key and value tiles land there by
-//! 16-byte `cp.async` copies in a ring of two, the next tile's in flight while the block works
-//! on this one. For each 64-key tile:
+//! 16-byte `cp.async` copies in a ring of two. For each 64-key tile i:
 //!
-//! 1. thread 0 issues the scores `S = Q·K` (m128n64, a `tcgen05.mma` a 16-dim slice, both
-//!    operands K-major) into TMEM columns 0..64 and commits them (`scores`);
-//! 2. every thread runs the online softmax over its row's 64 scores (both of a row's threads
-//!    alike), reading them from TMEM 8 at a time, and stores its half of the row's
-//!    probabilities, bf16, into shared memory as the next product's A;
-//! 3. past a barrier thread 0 issues `P·V` (m128n{head_dim}, the value tile MN-major) into a
-//!    fresh accumulator at columns 64.. and commits it (`values`);
-//! 4. every thread loads its half of its row's dims of that product and folds them into its
-//!    output registers, the earlier ones rescaled by the softmax's correction, then arrives on
-//!    `free`, which thread 0 waits on before the next tile's products overwrite what it read.
+//! 1. every thread runs the online softmax over its row's 64 scores (both of a row's threads
+//!    alike), reading them from TMEM 8 at a time (tile i's columns, 64·(i % 2)..), and stores
+//!    its half of the row's probabilities, bf16, into shared memory as `P·V`'s A;
+//! 2. past a barrier (the probabilities stored, tile i + 1's copies landed) thread 0 issues
+//!    `P·V` (m128n{head_dim}, the value tile MN-major) into a fresh accumulator at columns
+//!    128.. and commits it (`values`), then tile i + 1's scores `S = Q·K` (m128n64, a
+//!    `tcgen05.mma` a 16-dim slice, both operands K-major) into the other scores columns,
+//!    committed (`scores`), so they run while the block goes on;
+//! 3. every thread loads its half of its row's dims of `P·V` and folds them into its output
+//!    registers, the earlier ones rescaled by the softmax's correction;
+//! 4. tile i's buffer, its products done, takes tile i + 2's copies, which land during the
+//!    next softmax; every thread arrives on `free`, which thread 0 waits on before the next
+//!    `P·V` and scores overwrite what it read.
 //!
 //! The output accumulates in registers, tensor memory holding one tile's products: rescaling
 //! an accumulator kept there would need `tcgen05.st`, which the DSL does not have.
@@ -29,7 +31,7 @@ use super::cache_layout::CacheLayout;
 use super::flash_attention::{
     self as flash, block_keys, block_rows, copy_tile, guarded_by_rows, query_tiles_expr, TileOrder, TILE_KEYS,
 };
-use super::flash_attention_wgmma::{load_queries, lockstep_tile_head};
+use super::flash_attention_wgmma::{load_queries, ring_slot};
 use super::tma_gemm;
 use crate::dsl::*;
 
@@ -44,11 +46,10 @@ const BUFFERS: i64 = 2;
 /// Elements of one 8×8 core matrix of bf16 (8 rows of 16 bytes) and its bytes.
 const CORE: i64 = 64;
 const CORE_BYTES: u32 = 128;
-/// TMEM columns allocated: the scores' 64, then a tile's `P·V` (up to 128).
+/// TMEM columns allocated: two tiles' scores, 64 each, then a tile's `P·V` (up to 128).
 const TMEM_COLUMNS: u32 = 256;
-/// Where a tile's products sit in the block's TMEM columns.
-const SCORES_COLUMN: i64 = 0;
-const VALUES_COLUMN: i64 = TILE_KEYS;
+/// Where a tile's `P·V` sits in the block's TMEM columns (tile i's scores at 64·(i % 2)).
+const VALUES_COLUMN: i64 = 2 * TILE_KEYS;
 /// TMEM columns a `tcgen05.ld` takes at once.
 const LOAD_COLUMNS: usize = 8;
 
@@ -89,20 +90,11 @@ fn load_row(column: Expr, names: &[String]) -> Vec<Stmt> {
     out
 }
 
-/// Thread 0 issues the scores of the key tile at `kv0` into the scores' columns once every
-/// thread is done with the previous tile's products (`free`), and commits them.
-fn issue_scores(head_dim: usize) -> Stmt {
+/// The scores of key tile `tile` (its keys in the ring's buffer for it) into that tile's
+/// scores columns (`64 · (tile % 2)`), committed: for thread 0.
+fn issue_scores(head_dim: usize, tile: Expr) -> Vec<Stmt> {
     let hd = head_dim as u32;
-    let mut issue = vec![
-        if_(
-            bin(BinOp::Gt, var("i"), int(0)),
-            vec![Stmt::Mbarrier(Box::new(Mbarrier::Wait {
-                barrier: tma_gemm::barrier("free", int(0)),
-                parity: rem(var("i") + int(1), int(2)),
-            }))],
-        ),
-        tc(Tcgen05::FenceAfterSync),
-    ];
+    let mut issue = Vec::new();
     for step in 0..head_dim as i64 / 16 {
         let slice = int(2 * CORE * step);
         let operand = |array: &str, start: Expr| SmemMatrix {
@@ -113,9 +105,9 @@ fn issue_scores(head_dim: usize) -> Stmt {
             swizzle: Swizzle::None,
         };
         issue.push(tc(Tcgen05::Mma(Box::new(TmemMma {
-            tmem: var("tmem") + int(SCORES_COLUMN),
+            tmem: var("tmem") + scores_column(tile.clone()),
             a: operand("qs", slice.clone()),
-            b: operand("ks", var("kv0") + slice),
+            b: operand("ks", ring_slot(head_dim, tile.clone(), BUFFERS) + slice),
             b_major: Major::K,
             n: TILE_KEYS as u32,
             accumulate: Expr::Bool(step > 0),
@@ -124,15 +116,20 @@ fn issue_scores(head_dim: usize) -> Stmt {
     issue.push(tc(Tcgen05::Commit {
         barrier: tma_gemm::barrier("scores", int(0)),
     }));
-    if_(eq(tid(), int(0)), issue)
+    issue
 }
 
-/// Thread 0 issues `P·V` for the value tile at `kv0` into the values' columns, the keys in 4
-/// slices of 16: A the probabilities in `ps` (K-major, 8-row groups 1 KiB apart), B the value
-/// tile MN-major (a core matrix 8 keys of 8 dims: the next 8 keys `8 × head_dim` elements on,
-/// the next 8 dims a core matrix on); committed.
-fn issue_values(head_dim: usize) -> Stmt {
-    let mut issue = vec![tc(Tcgen05::FenceAfterSync)];
+/// The first of key tile `tile`'s scores columns: the tiles alternate between two.
+fn scores_column(tile: Expr) -> Expr {
+    rem(tile, int(2)) * int(TILE_KEYS)
+}
+
+/// `P·V` for the value tile at `kv0` into the values' columns, the keys in 4 slices of 16: A
+/// the probabilities in `ps` (K-major, 8-row groups 1 KiB apart), B the value tile MN-major (a
+/// core matrix 8 keys of 8 dims: the next 8 keys `8 × head_dim` elements on, the next 8 dims a
+/// core matrix on); committed: for thread 0.
+fn issue_values(head_dim: usize) -> Vec<Stmt> {
+    let mut issue = Vec::new();
     for u in 0..TILE_KEYS / 16 {
         issue.push(tc(Tcgen05::Mma(Box::new(TmemMma {
             tmem: var("tmem") + int(VALUES_COLUMN),
@@ -158,7 +155,7 @@ fn issue_values(head_dim: usize) -> Stmt {
     issue.push(tc(Tcgen05::Commit {
         barrier: tma_gemm::barrier("values", int(0)),
     }));
-    if_(eq(tid(), int(0)), issue)
+    issue
 }
 
 /// The scores of key group `group` of the tile (keys `j0 + 8·group + e`) of this thread's
@@ -166,7 +163,10 @@ fn issue_values(head_dim: usize) -> Stmt {
 /// row's position or before its window.
 fn group_scores(group: Expr) -> Vec<Stmt> {
     let names: Vec<String> = (0..LOAD_COLUMNS).map(score).collect();
-    let mut out = load_row(int(SCORES_COLUMN) + group.clone() * int(LOAD_COLUMNS as i64), &names);
+    let mut out = load_row(
+        scores_column(var("i")) + group.clone() * int(LOAD_COLUMNS as i64),
+        &names,
+    );
     let query = var("pos0") + var("query_row");
     for (e, s) in names.iter().enumerate() {
         let key = var("j0") + group.clone() * int(LOAD_COLUMNS as i64) + int(e as i64);
@@ -256,9 +256,13 @@ fn fold_values(head_dims: usize) -> Vec<Stmt> {
     out
 }
 
-/// The key tile at index `i` of the block's (at `j0`), every thread copying: this tile landed
-/// (its copies the only group in flight), a barrier, the next tile's copies issued into the
-/// other buffer (whose products completed last step), then the products and the softmax.
+/// Step `i` over the key tiles (tile i at `j0`, in the ring's buffer `kv0`), its scores
+/// issued by the step before (or before the loop): the softmax; past a barrier (the
+/// probabilities stored, tile i + 1's copies landed) thread 0 issues tile i's `P·V`, then tile
+/// i + 1's scores, which run while the block folds `P·V` into its outputs; then tile i's
+/// buffer, its products done, takes tile i + 2's copies, which land during the next softmax.
+/// Thread 0 overwrites the `P·V` columns and tile i + 1's scores columns once every warp has
+/// read them (the last step's `free`).
 fn tile_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
     let parity = rem(var("i"), int(2));
     let wait = |barrier: &str| {
@@ -270,22 +274,52 @@ fn tile_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
             tc(Tcgen05::FenceAfterSync),
         ]
     };
+    let ahead = |tiles: i64| var("j0") + int(tiles * TILE_KEYS);
+    let products = [
+        vec![
+            tc(Tcgen05::FenceAfterSync),
+            if_(
+                bin(BinOp::Gt, var("i"), int(0)),
+                vec![Stmt::Mbarrier(Box::new(Mbarrier::Wait {
+                    barrier: tma_gemm::barrier("free", int(0)),
+                    parity: rem(var("i") + int(1), int(2)),
+                }))],
+            ),
+            tc(Tcgen05::FenceAfterSync),
+        ],
+        issue_values(head_dim),
+        vec![if_(lt(ahead(1), var("hi")), issue_scores(head_dim, var("i") + int(1)))],
+    ]
+    .concat();
     [
-        // The other buffer's products completed in the step before the barrier.
-        lockstep_tile_head(layout, head_dim, THREADS, BUFFERS),
-        vec![issue_scores(head_dim)],
+        vec![
+            let_("j0", Ty::I32, var("first_tile") + var("i") * int(TILE_KEYS)),
+            let_("kv0", Ty::I32, ring_slot(head_dim, var("i"), BUFFERS)),
+        ],
         wait("scores"),
         online_softmax(),
         vec![
-            // The probabilities, for the tensor cores; every thread's, for thread 0.
+            Stmt::CpAsyncWait(0),
+            // The probabilities and the landed copies, for the tensor cores; every thread's,
+            // for thread 0.
             Stmt::FenceProxyAsync,
             tc(Tcgen05::FenceBeforeSync),
             Stmt::SyncThreads,
-            issue_values(head_dim),
+            if_(eq(tid(), int(0)), products),
         ],
         wait("values"),
         fold_values(head_dim / 2),
         vec![
+            if_(
+                lt(ahead(2), var("hi")),
+                copy_tile(
+                    layout,
+                    (head_dim, TileOrder::CoreMatrices),
+                    (tid(), THREADS),
+                    ahead(2),
+                    var("kv0"),
+                ),
+            ),
             tc(Tcgen05::FenceBeforeSync),
             Stmt::Mbarrier(Box::new(Mbarrier::Arrive {
                 barrier: tma_gemm::barrier("free", int(0)),
@@ -365,7 +399,27 @@ pub fn flash_attention_tcgen05(name: &str, origin: &str, layout: CacheLayout, he
             var("first_tile"),
             int(0),
         ),
-        vec![for_("i", int(0), var("tiles"), int(1), tile_step(layout, head_dim))],
+        vec![
+            if_(
+                lt(var("first_tile") + int(TILE_KEYS), var("hi")),
+                copy_tile(
+                    layout,
+                    (head_dim, TileOrder::CoreMatrices),
+                    (tid(), THREADS),
+                    var("first_tile") + int(TILE_KEYS),
+                    ring_slot(head_dim, int(1), BUFFERS),
+                ),
+            ),
+            // The first tiles and the queries, for the tensor cores: the first tile's scores.
+            Stmt::CpAsyncWait(0),
+            Stmt::FenceProxyAsync,
+            Stmt::SyncThreads,
+            if_(
+                eq(tid(), int(0)),
+                [vec![tc(Tcgen05::FenceAfterSync)], issue_scores(head_dim, int(0))].concat(),
+            ),
+            for_("i", int(0), var("tiles"), int(1), tile_step(layout, head_dim)),
+        ],
         store_outputs,
         teardown,
     ]

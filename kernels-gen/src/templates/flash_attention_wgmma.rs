@@ -209,7 +209,7 @@ pub(super) fn ring_slot(head_dim: usize, i: Expr, buffers: i64) -> Expr {
 /// copies the only group in flight) and fenced for the tensor cores (the queries' stores too,
 /// the first time); a barrier, past which every thread is done with the step before, so with
 /// the tile `buffers − 1` back; then the next tile's copies into that one's buffer.
-pub(super) fn lockstep_tile_head(layout: CacheLayout, head_dim: usize, threads: i64, buffers: i64) -> Vec<Stmt> {
+fn lockstep_tile_head(layout: CacheLayout, head_dim: usize, threads: i64, buffers: i64) -> Vec<Stmt> {
     let next = var("j0") + int(TILE_KEYS);
     vec![
         let_("j0", Ty::I32, var("first_tile") + var("i") * int(TILE_KEYS)),
