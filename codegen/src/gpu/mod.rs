@@ -131,8 +131,11 @@ pub enum PrefillAttention {
 /// The flash kernel a plan's prompts attend on, on its target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FlashForm {
+    /// `templates::flash_attention`, on `mma.sync`.
     Mma,
+    /// `templates::flash_attention_wgmma`, in this schedule.
     Wgmma(kernels_gen::templates::flash_attention_wgmma::Schedule),
+    /// `templates::flash_attention_tcgen05`.
     Tcgen05,
 }
 

@@ -8,8 +8,8 @@
 //! waits for them before its score's reduction and its online softmax. A decode step of
 //! many sequences over long caches is bound by how many bytes are in flight (Little's law:
 //! an H200's 4.8 TB/s at ~0.7 µs of latency wants ~25 KB in flight per multiprocessor);
-//! here each warp has 4 keys and 4 values (2 KB) in flight at a 128-dim bf16 head, from
-//! one 16-byte load per row chunk instead of eight 2-byte ones, and rescales its
+//! here each warp has 4 keys and 4 values (2 KB) in flight at a 128-dim bf16 head, each 16
+//! bytes of a row one load instead of eight 2-byte ones, and rescales its
 //! accumulators once per 2 keys a lane rather than once per key.
 //!
 //! Each lane keeps the online-softmax state of the keys its subgroup took; the subgroups of a

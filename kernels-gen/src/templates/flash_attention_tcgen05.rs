@@ -159,7 +159,7 @@ fn issue_values(head_dim: usize) -> Vec<Stmt> {
 }
 
 /// The scores of key group `group` of the tile (keys `j0 + 8·group + e`) of this thread's
-/// row, loaded from TMEM into `s0..s8`, scaled and masked: −∞ past the block's keys, after the
+/// row, loaded from TMEM into `s0`..`s7`, scaled and masked: −∞ past the block's keys, after the
 /// row's position or before its window.
 fn group_scores(group: Expr) -> Vec<Stmt> {
     let names: Vec<String> = (0..LOAD_COLUMNS).map(score).collect();
