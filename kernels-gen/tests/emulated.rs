@@ -683,17 +683,8 @@ fn flash_attention_matches_reference() {
             let mut scalars = scalars.clone();
             match layout {
                 CacheLayout::Paged => {
-                    // Blocks of 16 positions in reverse order, one spare block first.
                     let block_size = 16;
-                    let blocks = len.div_ceil(block_size);
-                    let table: Vec<i64> = (0..blocks).map(|b| (blocks - b) as i64).collect();
-                    let mut paged_k = vec![0f32; (blocks + 1) * block_size * row];
-                    let mut paged_v = paged_k.clone();
-                    for p in 0..len {
-                        let at = (table[p / block_size] as usize * block_size + p % block_size) * row;
-                        paged_k[at..at + row].copy_from_slice(&k[p * row..(p + 1) * row]);
-                        paged_v[at..at + row].copy_from_slice(&v[p * row..(p + 1) * row]);
-                    }
+                    let (table, paged_k, paged_v) = reversed_pages((&k, &v), row, block_size);
                     bufs.insert("k".into(), bf16_array(&paged_k));
                     bufs.insert("v".into(), bf16_array(&paged_v));
                     bufs.insert("block_table".into(), Array::ints(Ty::I32, &table));
@@ -1128,17 +1119,7 @@ fn vector_split_attention_matches_reference_on_bf16_caches() {
             round(&rng.vec(len * row)),
         );
         let want = attention_reference((&q, &k, &v), (first, heads, kv_heads, head_dim, window));
-        let blocks = len.div_ceil(block_size);
-        let table: Vec<i64> = (0..blocks).map(|b| (blocks - b) as i64).collect();
-        let (mut paged_k, mut paged_v) = (
-            vec![0f32; (blocks + 1) * block_size * row],
-            vec![0f32; (blocks + 1) * block_size * row],
-        );
-        for p in 0..len {
-            let at = (table[p / block_size] as usize * block_size + p % block_size) * row;
-            paged_k[at..at + row].copy_from_slice(&k[p * row..(p + 1) * row]);
-            paged_v[at..at + row].copy_from_slice(&v[p * row..(p + 1) * row]);
-        }
+        let (table, paged_k, paged_v) = reversed_pages((&k, &v), row, block_size);
         let mut scalars = ints(&[
             ("tokens", tokens as i64),
             ("q_stride", (heads * head_dim) as i64),
@@ -1174,6 +1155,22 @@ fn vector_split_attention_matches_reference_on_bf16_caches() {
             );
         }
     }
+}
+
+/// Keys and values of `row` elements a position, paged in blocks of `block_size` positions in
+/// reverse order behind one spare block: the block table and the two pools.
+fn reversed_pages((k, v): (&[f32], &[f32]), row: usize, block_size: usize) -> (Vec<i64>, Vec<f32>, Vec<f32>) {
+    let len = k.len() / row;
+    let blocks = len.div_ceil(block_size);
+    let table: Vec<i64> = (0..blocks).map(|b| (blocks - b) as i64).collect();
+    let mut paged_k = vec![0f32; (blocks + 1) * block_size * row];
+    let mut paged_v = paged_k.clone();
+    for p in 0..len {
+        let at = (table[p / block_size] as usize * block_size + p % block_size) * row;
+        paged_k[at..at + row].copy_from_slice(&k[p * row..(p + 1) * row]);
+        paged_v[at..at + row].copy_from_slice(&v[p * row..(p + 1) * row]);
+    }
+    (table, paged_k, paged_v)
 }
 
 /// Run attention's split pass (`split`, over `bufs` and `scalars`, which lack the partials and
