@@ -267,3 +267,52 @@ fn merge_with_lane(g: usize, mask: u32, accs: Vec<String>) -> Vec<Stmt> {
     s.push(assign(&m, var(&top)));
     s
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Every head the vector pass takes is cut into whole 16-byte loads across a power of
+        /// two of lanes that tile the warp, each lane loading at least `LOADS_PER_LANE` of keys
+        /// an iteration, and a block's heads fit the register budget and divide their KV
+        /// head's group.
+        #[test]
+        fn rows_are_cut_into_whole_loads_and_groups_fit(
+            loads_log2 in 0u32..8,
+            f32_cache in any::<bool>(),
+            kv_heads in 1usize..9,
+            group_heads in 1usize..13,
+        ) {
+            let cache = if f32_cache { Ty::F32 } else { Ty::Bf16 };
+            let width = 16 / cache.bytes();
+            let head_dim = width << loads_log2;
+            prop_assume!(head_dim <= super::super::attention::MAX_HEAD_DIM);
+            prop_assert!(supports(head_dim, cache));
+            let cut = RowCut::of(head_dim, cache).unwrap();
+            prop_assert!(cut.lanes.is_power_of_two() && cut.lanes <= 32);
+            prop_assert_eq!(cut.lanes * cut.chunks * cut.width, head_dim);
+            prop_assert_eq!(cut.keys_per_load() * cut.lanes, 32);
+            prop_assert!(cut.keys_per_lane() >= 1 && cut.keys_per_lane() * cut.chunks >= LOADS_PER_LANE);
+            let heads = kv_heads * group_heads;
+            let group = heads_per_block(heads, kv_heads, head_dim, cache);
+            prop_assert!(group_heads % group == 0);
+            prop_assert!(group == 1 || group * cut.dims_per_lane() <= 32);
+        }
+    }
+
+    /// Heads that are not a power of two of 16-byte loads, half caches and heads past the
+    /// largest keep the scalar pass; Llama 3 8B's takes its whole group of 4 a block.
+    #[test]
+    fn the_vector_pass_takes_what_it_cuts() {
+        assert!(!supports(80, Ty::Bf16));
+        assert!(!supports(96, Ty::F32));
+        assert!(!supports(128, Ty::F16));
+        assert!(!supports(1024, Ty::Bf16));
+        assert!(supports(64, Ty::Bf16) && supports(512, Ty::Bf16) && supports(256, Ty::F32));
+        assert_eq!(heads_per_block(32, 8, 128, Ty::Bf16), 4);
+        // Two loads a lane at 512 dims: 16 dims a lane, two heads a block.
+        assert_eq!(heads_per_block(16, 2, 512, Ty::Bf16), 2);
+    }
+}
