@@ -87,7 +87,8 @@ pub fn supports(head_dim: usize, cache: Ty) -> bool {
 }
 
 /// Query heads one block takes: as `attention::heads_per_block`, against this pass's dims per
-/// lane (`heads_per_block × dims per lane` ≤ 32 of each of queries and accumulators).
+/// lane (`heads_per_block × dims per lane` ≤ 32 of each of queries and accumulators). Panics
+/// where [`supports`] is false.
 pub fn heads_per_block(heads: usize, kv_heads: usize, head_dim: usize, cache: Ty) -> usize {
     let cut = RowCut::of(head_dim, cache).expect("a head the vector split pass supports");
     super::attention::largest_group(heads, kv_heads, cut.dims_per_lane())
