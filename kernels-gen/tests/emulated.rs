@@ -1120,16 +1120,13 @@ fn vector_split_attention_matches_reference_on_bf16_caches() {
         );
         let want = attention_reference((&q, &k, &v), (first, heads, kv_heads, head_dim, window));
         let (table, paged_k, paged_v) = reversed_pages((&k, &v), row, block_size);
-        let mut scalars = ints(&[
-            ("tokens", tokens as i64),
-            ("q_stride", (heads * head_dim) as i64),
-            ("first", first as i64),
-            ("heads", heads as i64),
-            ("kv_heads", kv_heads as i64),
-            ("window", window as i64),
-            ("block_size", block_size as i64),
-        ]);
-        scalars.insert("scale".into(), Scalar::F32(0.3));
+        // The reference's scale and window.
+        let spec = ir::AttentionSpec {
+            scale: 0.3,
+            window: (window > 0).then_some(window),
+            ..cache_test_spec(heads, kv_heads, head_dim)
+        };
+        let scalars = attention_scalars(&spec, tokens, first, block_size);
         let group = attention_vector::heads_per_block(heads, kv_heads, head_dim, Ty::Bf16);
         let kernel = attention_vector::attention_split_vector(
             "attention_vector",
