@@ -411,7 +411,8 @@ pub struct AsyncCopy {
 /// elements, with `lbo`/`sbo` the leading/stride byte offsets given here in bytes. With the
 /// 128-byte swizzle (wgmma only): rows of 128 bytes, 8-row groups `sbo` bytes apart, element
 /// (row, k) at the swizzled address of `start + (row / 8)·sbo + (row % 8)·64 + k` (`lbo`
-/// unused); `start` steps along K inside a row (32 bytes a 16-wide k slice).
+/// unused); `start` steps along K inside a row (32 bytes a 16-wide k slice). Read MN-major,
+/// see [`Major::MN`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct SmemMatrix {
     pub array: String,
@@ -429,9 +430,13 @@ pub struct SmemMatrix {
 pub enum Major {
     /// Each core matrix 8 rows (N) of 8 consecutive k: `SmemMatrix`'s offsets as written there.
     K,
-    /// Each core matrix 8 rows (k) of 8 consecutive N (`imm-trans-b` = 1): a row-major K×N
-    /// matrix copied 16 bytes at a time. The leading byte offset steps 8 k, the stride byte
-    /// offset 8 N. Unswizzled only.
+    /// N contiguous (`imm-trans-b` = 1): a row-major K×N matrix. Unswizzled, each core
+    /// matrix is 8 rows (k) of 8 consecutive N, copied 16 bytes at a time: the leading byte
+    /// offset steps 8 k, the stride byte offset 8 N. Under the 128-byte swizzle (`wgmma`
+    /// only), each 128-byte row holds 64 consecutive N of one k, as a TMA box of 64 columns
+    /// lands: element (n, k) at the swizzled address of `start + (n / 64)·lbo + (k / 8)·sbo +
+    /// (k % 8)·64 + n % 64`, so the leading byte offset steps 64 N and the stride byte offset
+    /// 8 k (roles the other way round from unswizzled), and `start` is a 1024-byte atom's.
     MN,
 }
 

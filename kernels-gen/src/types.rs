@@ -366,9 +366,6 @@ fn check_block_declaring<'a>(
                     WgmmaA::Shared(a) => scope.operand("wgmma", a)?,
                 }
                 scope.operand("wgmma", &w.b)?;
-                if w.b_major == Major::MN && w.b.swizzle != Swizzle::None {
-                    return Err("an MN-major wgmma operand under a swizzle (only unswizzled ones are built)".into());
-                }
             }
             Stmt::Mbarrier(op) => match &**op {
                 Mbarrier::Init { barrier, count } => {

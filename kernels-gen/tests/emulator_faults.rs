@@ -370,42 +370,22 @@ fn the_complete_wgmma_program_runs() {
     assert_eq!(run_wgmma(wgmma_program()).unwrap(), vec![8.0; 512]);
 }
 
-/// B read MN-major (`imm-trans-b`) runs (the uniform operand gives the K-major product; the
-/// flash attention's values check the layout itself); under a swizzle the type checker
-/// refuses it: only the unswizzled layout is built and modelled.
+/// B read MN-major (`imm-trans-b`) unswizzled runs (the uniform operand gives the K-major
+/// product; the flash attention's values check the layout itself, the swizzled layout
+/// `a_tma_copy_feeds_an_mn_major_swizzled_wgmma`).
 #[test]
-fn mn_major_operands_are_unswizzled() {
-    let with = |swizzle: Swizzle| -> Vec<(&'static str, Stmt)> {
-        wgmma_program()
-            .into_iter()
-            .map(|(label, s)| match s {
-                Stmt::Wgmma(mut w) => {
-                    w.b_major = Major::MN;
-                    w.b.swizzle = swizzle;
-                    (label, Stmt::Wgmma(w))
-                }
-                other => (label, other),
-            })
-            .collect()
-    };
-    assert_eq!(run_wgmma(with(Swizzle::None)).unwrap(), vec![8.0; 512]);
-    let k = Kernel {
-        name: "k".into(),
-        origin: "test".into(),
-        params: vec![buffer("w", Ty::Bf16, false), buffer("out", Ty::F32, true)],
-        shared: vec![shared("ws", Ty::Bf16, 1024)],
-        block_dim: 128,
-        grid: int(1),
-        body: with(Swizzle::B128).into_iter().map(|(_, s)| s).collect(),
-    };
-    let mut bufs = HashMap::from([
-        ("w".into(), Array::bf16(&[half::bf16::from_f32(0.5); 1024])),
-        ("out".into(), Array::poisoned(Ty::F32, 512)),
-    ]);
-    match run(&k, &mut bufs, &HashMap::new()) {
-        Err(EmuError::Type(e)) => assert!(e.to_string().contains("MN-major wgmma operand under a swizzle"), "{e}"),
-        other => panic!("{other:?}"),
-    }
+fn mn_major_operands_run() {
+    let steps = wgmma_program()
+        .into_iter()
+        .map(|(label, s)| match s {
+            Stmt::Wgmma(mut w) => {
+                w.b_major = Major::MN;
+                (label, Stmt::Wgmma(w))
+            }
+            other => (label, other),
+        })
+        .collect();
+    assert_eq!(run_wgmma(steps).unwrap(), vec![8.0; 512]);
 }
 
 #[test]
@@ -971,6 +951,134 @@ fn a_tma_copy_feeds_a_swizzled_wgmma() {
         })
         .collect();
     assert_eq!(got, want);
+}
+
+/// A 64×128 source copied as two boxes of 64 columns, the second 8 KiB on, read as an
+/// MN-major swizzled B (`Major::MN` under `Swizzle::B128`: a row's 64 columns of one k, `lbo`
+/// on to the next 64 columns, `sbo` to the next 8 k): two k slices of 16 (A the source's rows,
+/// K-major) make `out[r][c] = Σ_k<32 x[r][k]·x[k][c]` over all 128 columns. The same bytes
+/// read K-major or unswizzled are other elements, and a start inside an atom is reported.
+#[test]
+fn a_tma_copy_feeds_an_mn_major_swizzled_wgmma() {
+    let source: Vec<f32> = (0..64 * 128)
+        .map(|i| ((i / 128 * 5 + i % 128 * 3) % 13) as f32 / 4.0 - 1.5)
+        .collect();
+    let want: Vec<f32> = (0..64 * 128)
+        .map(|i| {
+            (0..32)
+                .map(|k| source[i / 128 * 128 + k] * source[k * 128 + i % 128])
+                .sum()
+        })
+        .collect();
+    let bf16_source: Vec<half::bf16> = source.iter().map(|&v| half::bf16::from_f32(v)).collect();
+    let d: Vec<String> = (0..64).map(|j| format!("d{j}")).collect();
+    let run_with = |b: &dyn Fn(i64) -> SmemMatrix, b_major: Major, second: i64| -> Result<Vec<f32>, String> {
+        let first_thread = |body: Vec<Stmt>| if_(eq(tid(), int(0)), body);
+        let copy = |col: i64, dst: i64| {
+            Stmt::TmaLoad(Box::new(TmaLoad {
+                map: "x_map".into(),
+                dst: "xs".into(),
+                dst_index: int(dst),
+                row: int(0),
+                col: int(col),
+                barrier: bar(),
+            }))
+        };
+        let wgmma = |a: i64, b: SmemMatrix| {
+            Stmt::Wgmma(Box::new(WgmmaOp {
+                n: 128,
+                a: WgmmaA::Shared(swizzled(a)),
+                b,
+                b_major,
+                d: d.clone(),
+            }))
+        };
+        let mut body = vec![
+            first_thread(vec![mbarrier(Mbarrier::Init {
+                barrier: bar(),
+                count: 1,
+            })]),
+            Stmt::SyncThreads,
+            first_thread(vec![
+                mbarrier(Mbarrier::ArriveExpectTx {
+                    barrier: bar(),
+                    bytes: 16384,
+                }),
+                copy(0, 0),
+                copy(64, 4096),
+            ]),
+            mbarrier(Mbarrier::Wait {
+                barrier: bar(),
+                parity: int(0),
+            }),
+        ];
+        body.extend(d.iter().map(|n| let_(n, Ty::F32, f(0.0))));
+        body.extend([
+            Stmt::WgmmaFence,
+            wgmma(0, b(0)),
+            wgmma(16, b(second)),
+            Stmt::WgmmaCommit,
+            Stmt::WgmmaWait(0),
+        ]);
+        for (j, name) in d.iter().enumerate() {
+            let row = warp() * int(16) + lane() / int(4) + int(if j % 4 >= 2 { 8 } else { 0 });
+            let col = int(8 * (j as i64 / 4)) + rem(lane(), int(4)) * int(2) + int(j as i64 % 2);
+            body.push(store("out", row * int(128) + col, var(name)));
+        }
+        let k = Kernel {
+            name: "k".into(),
+            origin: "test".into(),
+            params: vec![
+                buffer("x", Ty::Bf16, false),
+                buffer("out", Ty::F32, true),
+                Param::TensorMap(Box::new(TensorMap {
+                    name: "x_map".into(),
+                    buffer: "x".into(),
+                    rows: int(64),
+                    cols: int(128),
+                    stride: int(128),
+                    box_rows: 64,
+                    box_cols: 64,
+                    swizzle: Swizzle::B128,
+                })),
+            ],
+            shared: vec![shared("xs", Ty::Bf16, 64 * 128), shared("bar", Ty::U32, 2)],
+            block_dim: 128,
+            grid: int(1),
+            body,
+        };
+        let mut bufs = HashMap::from([
+            ("x".into(), Array::bf16(&bf16_source)),
+            ("out".into(), Array::poisoned(Ty::F32, 64 * 128)),
+        ]);
+        match run(&k, &mut bufs, &HashMap::new()) {
+            Ok(()) => Ok(bufs["out"].to_f32().unwrap()),
+            Err(EmuError::Fault { message, .. }) => Err(message),
+            Err(e) => Err(e.to_string()),
+        }
+    };
+    let mn_major = |swizzle: Swizzle, lbo: u32, sbo: u32| {
+        move |start: i64| SmemMatrix {
+            array: "xs".into(),
+            start: int(start),
+            lbo,
+            sbo,
+            swizzle,
+        }
+    };
+    // k rows 16..32 are the atoms 2 and 3 of each 64-column half: 1024 elements on.
+    assert_eq!(
+        run_with(&mn_major(Swizzle::B128, 8192, 1024), Major::MN, 1024).unwrap(),
+        want
+    );
+    assert_ne!(
+        run_with(&mn_major(Swizzle::None, 128, 256), Major::MN, 1024).unwrap(),
+        want
+    );
+    // K-major, rows 512 bytes apart to stay inside the array.
+    assert_ne!(run_with(&mn_major(Swizzle::B128, 16, 512), Major::K, 16).unwrap(), want);
+    let inside = run_with(&mn_major(Swizzle::B128, 8192, 1024), Major::MN, 1024 + 64).unwrap_err();
+    assert!(inside.contains("starts at a 1024-byte atom"), "{inside}");
 }
 
 #[test]

@@ -345,7 +345,7 @@ impl Block<'_> {
                     self.gather_a(names, first)?
                 }
                 WgmmaA::Shared(matrix) => {
-                    let start = self.operand_start(matrix, mask, global, first)?;
+                    let start = self.operand_start(matrix, Major::K, mask, global, first)?;
                     let (values, indices) = self.read_operand("wgmma", matrix, Major::K, start, 64, first)?;
                     footprint
                         .shared
@@ -357,7 +357,7 @@ impl Block<'_> {
                     a
                 }
             };
-            let start = self.operand_start(&op.b, mask, global, first)?;
+            let start = self.operand_start(&op.b, op.b_major, mask, global, first)?;
             let (b, b_indices) = self.read_operand("wgmma", &op.b, op.b_major, start, n, first)?;
             footprint
                 .shared
@@ -401,10 +401,12 @@ impl Block<'_> {
     }
 
     /// The first element of a shared wgmma operand, the same across the warpgroup starting at
-    /// `first`, 16-byte aligned, and under the 128-byte swizzle a k slice inside one row.
+    /// `first`, 16-byte aligned, and under the 128-byte swizzle a k slice inside one row
+    /// (K-major) or a whole atom (MN-major).
     fn operand_start(
         &self,
         matrix: &SmemMatrix,
+        major: Major,
         mask: &[bool],
         global: &HashMap<String, super::Array>,
         first: usize,
@@ -420,7 +422,16 @@ impl Block<'_> {
                 format!("wgmma operand at {}[{s}] is not 16-byte aligned", matrix.array),
             ));
         }
-        if matrix.swizzle == Swizzle::B128 && s % 64 > 48 {
+        if major == Major::MN && matrix.swizzle == Swizzle::B128 && s % 512 != 0 {
+            return Err((
+                first,
+                format!(
+                    "wgmma operand at {}[{s}]: an MN-major swizzled operand starts at a 1024-byte atom",
+                    matrix.array
+                ),
+            ));
+        }
+        if major == Major::K && matrix.swizzle == Swizzle::B128 && s % 64 > 48 {
             return Err((
                 first,
                 format!(
@@ -527,8 +538,10 @@ fn operand_element(matrix: &SmemMatrix, major: Major, start: usize, row: usize, 
     match (major, matrix.swizzle) {
         (Major::K, Swizzle::None) => start + (row / 8) * sbo + (k / 8) * lbo + (row % 8) * 8 + k % 8,
         (Major::K, Swizzle::B128) => Swizzle::B128.bf16_element(start + (row / 8) * sbo + (row % 8) * 64 + k),
-        // The type checker refuses a swizzled MN-major operand.
-        (Major::MN, _) => start + (row / 8) * sbo + (k / 8) * lbo + (k % 8) * 8 + row % 8,
+        (Major::MN, Swizzle::None) => start + (row / 8) * sbo + (k / 8) * lbo + (k % 8) * 8 + row % 8,
+        (Major::MN, Swizzle::B128) => {
+            Swizzle::B128.bf16_element(start + (row / 64) * lbo + (k / 8) * sbo + (k % 8) * 64 + row % 64)
+        }
     }
 }
 
