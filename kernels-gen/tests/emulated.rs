@@ -689,10 +689,12 @@ fn flash_attention_matches_reference() {
                     bufs.insert("v".into(), bf16_array(&paged_v));
                     bufs.insert("block_table".into(), Array::ints(Ty::I32, &table));
                     scalars.insert("block_size".into(), Scalar::Int(block_size as i64));
+                    scalars.insert("cache_rows".into(), Scalar::Int((paged_k.len() / row) as i64));
                 }
                 _ => {
                     bufs.insert("k".into(), bf16_array(&k));
                     bufs.insert("v".into(), bf16_array(&v));
+                    scalars.insert("cache_rows".into(), Scalar::Int(len as i64));
                 }
             }
             run(&kernel, &mut bufs, &scalars)
@@ -723,7 +725,7 @@ fn flash_attention_over_a_batched_step_matches_reference() {
     let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
     // (rows this step, positions cached before them)
     let sequences = [(150usize, 37usize), (1, 20), (16, 0), (5, 100)];
-    for (heads, kv_heads, head_dim, window) in [(4, 2, 32, 0), (2, 1, 16, 24)] {
+    for (heads, kv_heads, head_dim, window) in [(4, 2, 32, 0), (2, 1, 16, 24), (2, 1, 64, 0)] {
         let row = kv_heads * head_dim;
         let block_size = 16;
         let (mut pool_k, mut pool_v) = (Vec::new(), Vec::new());
@@ -776,6 +778,7 @@ fn flash_attention_over_a_batched_step_matches_reference() {
             ("window", window as i64),
             ("block_size", block_size as i64),
             ("seqs", sequences.len() as i64),
+            ("cache_rows", (pool_k.len() / row) as i64),
         ]);
         scalars.insert("scale".into(), Scalar::F32(0.3));
         for (kernel, tile_rows) in flash_kernels(CacheLayout::Batched, head_dim) {
@@ -896,11 +899,62 @@ fn the_specialised_wgmma_flash_attention_fails_without_its_hand_overs() {
     }
 }
 
-/// The `wgmma` flash attention on `schedule` for the fault tests: one head of 32 dims over a
-/// contiguous cache, long enough (4 key tiles) for the ring to wrap.
+/// The `wgmma` flash attention loading its tiles by TMA hands them over through mbarriers
+/// whose phases count the copies' bytes, and the emulator says why when a hand-over is
+/// missing: without the consumers' wait on `full` their tensor cores read a buffer before its
+/// copies land; without the bytes announced the phase never completes; without the
+/// producer's wait on `empty` its copies overwrite a buffer the consumers' tensor cores read,
+/// ordered by nothing; without the consumers' release on `empty` both roles wait forever.
+#[test]
+fn the_tma_wgmma_flash_attention_fails_without_its_hand_overs() {
+    let kernel = wgmma_flash_for_faults(flash_attention_wgmma::Schedule::Tma);
+    fn barrier_op(s: &Stmt, array: &str, wait: bool) -> bool {
+        matches!(s, Stmt::Mbarrier(m) if match &**m {
+            Mbarrier::Wait { barrier, .. } => wait && barrier.array == array,
+            Mbarrier::Arrive { barrier } => !wait && barrier.array == array,
+            _ => false,
+        })
+    }
+    let dropping = |drop: fn(&Stmt) -> bool| move |s: &Stmt| (!drop(s)).then(|| s.clone());
+    let consumers_wait = dropping(|s| barrier_op(s, "full", true));
+    let announced = dropping(|s| matches!(s, Stmt::Mbarrier(m) if matches!(&**m, Mbarrier::ArriveExpectTx { .. })));
+    let producers_wait = dropping(|s| barrier_op(s, "empty", true));
+    let release = dropping(|s| barrier_op(s, "empty", false));
+    for (what, edit, expected) in [
+        (
+            "the consumers' wait",
+            &consumers_wait as Edit,
+            "wgmma reads ks[0], which was never written",
+        ),
+        (
+            "the bytes announced",
+            &announced,
+            "of mbarrier full[0], which never completes (0 of 1 arrivals, -16384 transaction bytes",
+        ),
+        (
+            "the producer's wait for a buffer",
+            &producers_wait,
+            "TMA copy overwrites ks[0], read by warpgroup 0's tensor cores",
+        ),
+        (
+            "the consumers' release",
+            &release,
+            "of mbarrier full[0], which never completes",
+        ),
+    ] {
+        flash_fails_without(&kernel, (what, edit, expected));
+    }
+}
+
+/// The `wgmma` flash attention on `schedule` for the fault tests: one head over a contiguous
+/// cache (32 dims, 64 by TMA), long enough (4 key tiles) for the ring to wrap.
 fn wgmma_flash_for_faults(schedule: flash_attention_wgmma::Schedule) -> Kernel {
     use kernels_gen::templates::cache_layout::CacheLayout;
-    flash_attention_wgmma::flash_attention_wgmma("flash", "test", CacheLayout::Contiguous, 32, schedule)
+    let head_dim = match schedule {
+        flash_attention_wgmma::Schedule::Tma => 64,
+        _ => 32,
+    };
+    flash_attention_wgmma::flash_attention_wgmma("flash", "test", CacheLayout::Contiguous, head_dim, schedule)
 }
 
 /// The `tcgen05` flash attention hands its tensor memory and shared buffers between thread 0's
@@ -966,12 +1020,14 @@ fn the_tcgen05_flash_attention_fails_without_its_hand_overs() {
     }
 }
 
-/// `kernel` (a flash attention over a contiguous cache, one head of 32 dims) runs as it is,
-/// and with `edit` applied (leaving out `what`) into a fault whose message contains `expected`:
-/// 200 rows, so two tiles of 128 rows and four key tiles, enough for a ring to wrap.
+/// `kernel` (a flash attention over a contiguous cache, one head of 32 dims, or of 64 where
+/// it loads by TMA) runs as it is, and with `edit` applied (leaving out `what`) into a fault
+/// whose message contains `expected`: 200 rows, so two tiles of 128 rows and four key tiles,
+/// enough for a ring to wrap.
 fn flash_fails_without(kernel: &Kernel, (what, edit, expected): (&str, Edit, &str)) {
     let mut rng = Rng(53);
-    let (tokens, head_dim) = (200, 32);
+    let tma = kernel.tensor_maps().next().is_some();
+    let (tokens, head_dim) = (200, if tma { 64 } else { 32 });
     let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
     let (q, k, v) = (
         round(&rng.vec(tokens * head_dim)),
@@ -985,6 +1041,7 @@ fn flash_fails_without(kernel: &Kernel, (what, edit, expected): (&str, Edit, &st
         ("heads", 1),
         ("kv_heads", 1),
         ("window", 0),
+        ("cache_rows", tokens as i64),
     ]);
     scalars.insert("scale".into(), Scalar::F32(0.3));
     let run_with = |body: Vec<Stmt>| {
@@ -1006,13 +1063,16 @@ fn flash_fails_without(kernel: &Kernel, (what, edit, expected): (&str, Edit, &st
 }
 
 /// The tensor-core prefill attention kernels for `head_dim` over `layout`, each with the rows
-/// of its query tiles: on `mma.sync`, and on `wgmma` (both schedules) and `tcgen05` where they
+/// of its query tiles: on `mma.sync`, and on `wgmma` (every schedule) and `tcgen05` where they
 /// take the head.
 fn flash_kernels(layout: kernels_gen::templates::cache_layout::CacheLayout, head_dim: usize) -> Vec<(Kernel, usize)> {
     use flash_attention_wgmma::Schedule;
-    let wgmma = [Schedule::Lockstep, Schedule::Specialised]
+    let wgmma = [Schedule::Lockstep, Schedule::Specialised, Schedule::Tma]
         .into_iter()
-        .filter(|_| flash_attention_wgmma::supports(head_dim))
+        .filter(|&schedule| match schedule {
+            Schedule::Tma => flash_attention_wgmma::supports_tma(head_dim),
+            _ => flash_attention_wgmma::supports(head_dim),
+        })
         .map(|schedule| {
             (
                 flash_attention_wgmma::flash_attention_wgmma("flash_wgmma", "test", layout, head_dim, schedule),

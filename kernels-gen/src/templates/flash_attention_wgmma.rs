@@ -18,13 +18,17 @@
 //! tile's probabilities wait a tile in registers (`p…`) for their product with the values;
 //! the last tile's get it after the loop.
 //!
-//! Two schedules ([`Schedule`]): every thread copying, a `__syncthreads()` a tile; or
+//! Three schedules ([`Schedule`]): every thread copying, a `__syncthreads()` a tile; or
 //! FlashAttention-3's warp specialisation, a producer warp filling the ring through mbarriers
 //! while the two warpgroups ping-pong, each issuing its products only once the other has
-//! issued its own, so one's softmax runs under the other's products.
+//! issued its own, so one's softmax runs under the other's products; and the same with the
+//! tiles loaded by TMA, as FlashAttention-3 loads them: one thread issues a tile's copies, 16
+//! keys' rows of 64 dims a box, which land 128-byte swizzled (the keys read K-major, the
+//! values MN-major), and the `full` barrier counts their bytes.
 //!
-//! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 128 ([`supports`]);
-//! the cache bf16.
+//! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 128 ([`supports`]),
+//! 64 or 128 for TMA ([`supports_tma`], whose paged caches also need blocks of a multiple of
+//! [`TMA_KEYS`] positions); the cache bf16.
 
 use super::cache_layout::CacheLayout;
 use super::flash_attention::{
@@ -55,6 +59,17 @@ const CORE_BYTES: u32 = 128;
 /// scores in registers.
 pub fn supports(head_dim: usize) -> bool {
     flash::supports(head_dim) && head_dim <= flash::QUERIES_IN_REGISTERS
+}
+
+/// Keys a TMA box of the [`Schedule::Tma`] kernel holds: a paged cache's blocks must hold a
+/// multiple of them, so no box crosses a block.
+pub const TMA_KEYS: i64 = 16;
+/// Dims a TMA box holds: one 128-byte swizzled row of bf16.
+const TMA_DIMS: i64 = 64;
+
+/// Whether [`Schedule::Tma`] takes a head of `head_dim`: whole boxes of [`TMA_DIMS`].
+pub fn supports_tma(head_dim: usize) -> bool {
+    supports(head_dim) && head_dim % TMA_DIMS as usize == 0
 }
 
 fn p_name(j: usize, i: usize) -> String {
@@ -115,30 +130,42 @@ pub(super) fn load_queries(head_dim: usize, threads: i64) -> Vec<Stmt> {
     )]
 }
 
-/// Issue this warpgroup's 64×64 scores of the key tile at `kv0`: A its rows of `qs`, B the
-/// key tile, both in core matrices read K-major, one m64n64k16 a 16-dim slice; one group.
-fn issue_scores(head_dim: usize) -> Vec<Stmt> {
+/// Issue this warpgroup's 64×64 scores of the key tile at `kv0`: A its rows of `qs` in core
+/// matrices, B the key tile read K-major, one m64n64k16 a 16-dim slice; one group. The key
+/// tile is in core matrices too, or with `swizzled` as TMA lands it: [`TMA_DIMS`]-dim halves
+/// one after the other, each 64 rows of 128 bytes (a slice 16 dims into its half's rows).
+fn issue_scores(head_dim: usize, swizzled: bool) -> Vec<Stmt> {
     let hd = head_dim as u32;
     let mut out: Vec<Stmt> = tile_registers(s_name).iter().map(|s| assign(s, f(0.0))).collect();
     out.push(Stmt::WgmmaFence);
     for step in 0..head_dim as i64 / 16 {
         let slice = int(2 * CORE * step);
-        out.push(Stmt::Wgmma(Box::new(WgmmaOp {
-            n: TILE_KEYS as u32,
-            a: WgmmaA::Shared(SmemMatrix {
-                array: "qs".into(),
-                start: warp() / int(4) * int(64 * head_dim as i64) + slice.clone(),
-                lbo: CORE_BYTES,
-                sbo: 16 * hd,
-                swizzle: Swizzle::None,
-            }),
-            b: SmemMatrix {
+        let b = match swizzled {
+            false => SmemMatrix {
                 array: "ks".into(),
-                start: var("kv0") + slice,
+                start: var("kv0") + slice.clone(),
                 lbo: CORE_BYTES,
                 sbo: 16 * hd,
                 swizzle: Swizzle::None,
             },
+            true => SmemMatrix {
+                array: "ks".into(),
+                start: var("kv0") + int(step / 4 * TILE_KEYS * TMA_DIMS + step % 4 * 16),
+                lbo: 16,
+                sbo: tma_gemm::ATOM_BYTES,
+                swizzle: Swizzle::B128,
+            },
+        };
+        out.push(Stmt::Wgmma(Box::new(WgmmaOp {
+            n: TILE_KEYS as u32,
+            a: WgmmaA::Shared(SmemMatrix {
+                array: "qs".into(),
+                start: warp() / int(4) * int(64 * head_dim as i64) + slice,
+                lbo: CORE_BYTES,
+                sbo: 16 * hd,
+                swizzle: Swizzle::None,
+            }),
+            b,
             b_major: Major::K,
             d: tile_registers(s_name),
         })));
@@ -148,22 +175,35 @@ fn issue_scores(head_dim: usize) -> Vec<Stmt> {
 }
 
 /// Issue `O += P·V` for the value tile at `v0`: the keys in 4 slices of 16, A the
-/// probabilities' fragments (blocks 2u and 2u + 1), B the value tile read MN-major (a core
-/// matrix 8 keys of 8 dims: the next 8 keys `8 × head_dim` elements on, the next 8 dims a core
-/// matrix on), uncommitted.
-fn issue_values(head_dim: usize) -> Vec<Stmt> {
+/// probabilities' fragments (blocks 2u and 2u + 1), B the value tile read MN-major,
+/// uncommitted. In core matrices, one is 8 keys of 8 dims: the next 8 keys `8 × head_dim`
+/// elements on, the next 8 dims a core matrix on. With `swizzled`, as TMA lands it: a row of
+/// 128 bytes is a key's [`TMA_DIMS`] dims, the next 8 keys an atom on, the next half of the
+/// dims a half-tile on.
+fn issue_values(head_dim: usize, swizzled: bool) -> Vec<Stmt> {
     let mut out = vec![Stmt::WgmmaFence];
-    for u in 0..(TILE_KEYS / 16) as usize {
-        out.push(Stmt::Wgmma(Box::new(WgmmaOp {
-            n: head_dim as u32,
-            a: WgmmaA::Registers(std::array::from_fn(|i| p_name(2 * u + i / 4, i % 4))),
-            b: SmemMatrix {
+    for u in 0..TILE_KEYS / 16 {
+        let b = match swizzled {
+            false => SmemMatrix {
                 array: "vs".into(),
-                start: var("v0") + int(16 * (head_dim * u) as i64),
+                start: var("v0") + int(16 * head_dim as i64 * u),
                 lbo: 16 * head_dim as u32,
                 sbo: CORE_BYTES,
                 swizzle: Swizzle::None,
             },
+            true => SmemMatrix {
+                array: "vs".into(),
+                start: var("v0") + int(16 * TMA_DIMS * u),
+                lbo: (2 * TILE_KEYS * TMA_DIMS) as u32,
+                sbo: tma_gemm::ATOM_BYTES,
+                swizzle: Swizzle::B128,
+            },
+        };
+        let u = u as usize;
+        out.push(Stmt::Wgmma(Box::new(WgmmaOp {
+            n: head_dim as u32,
+            a: WgmmaA::Registers(std::array::from_fn(|i| p_name(2 * u + i / 4, i % 4))),
+            b,
             b_major: Major::MN,
             d: output_registers(head_dim),
         })));
@@ -182,6 +222,10 @@ pub enum Schedule {
     /// spends issue slots on copies; the warpgroups take turns issuing their products
     /// ([`take_turn`]).
     Specialised,
+    /// As `Specialised`, the producer warp's first lane loading each tile by TMA
+    /// ([`tma_producer`]): 128-byte swizzled boxes, their bytes counted by `full`, no copy
+    /// instructions of the block's own. Heads of [`supports_tma`].
+    Tma,
 }
 
 impl Schedule {
@@ -189,8 +233,13 @@ impl Schedule {
     fn threads(self) -> i64 {
         match self {
             Schedule::Lockstep => CONSUMERS,
-            Schedule::Specialised => CONSUMERS + 32,
+            Schedule::Specialised | Schedule::Tma => CONSUMERS + 32,
         }
+    }
+
+    /// Whether the tiles land by TMA, 128-byte swizzled.
+    fn tma(self) -> bool {
+        self == Schedule::Tma
     }
 }
 
@@ -237,12 +286,13 @@ fn lockstep_tile_head(layout: CacheLayout, head_dim: usize, threads: i64, buffer
 /// becomes this tile's buffer. The first tile multiplies zero probabilities (`p…` start at
 /// zero) by its own values, adding nothing: a `wgmma` under a branch would be serialised by
 /// ptxas. With `turns`, the warpgroups issue in turn (see [`take_turn`]).
-fn tile_products(head_dim: usize, turns: bool) -> (Vec<Stmt>, Vec<Stmt>) {
-    let (take, pass) = match turns {
-        true => take_turn(),
-        false => (vec![], vec![]),
+fn tile_products(head_dim: usize, schedule: Schedule) -> (Vec<Stmt>, Vec<Stmt>) {
+    let (take, pass) = match schedule {
+        Schedule::Lockstep => (vec![], vec![]),
+        Schedule::Specialised | Schedule::Tma => take_turn(),
     };
-    let mut products = [take, issue_scores(head_dim), issue_values(head_dim)].concat();
+    let swizzled = schedule.tma();
+    let mut products = [take, issue_scores(head_dim, swizzled), issue_values(head_dim, swizzled)].concat();
     products.push(Stmt::WgmmaCommit);
     products.extend(pass);
     products.push(Stmt::WgmmaWait(1));
@@ -287,7 +337,7 @@ fn take_turn() -> (Vec<Stmt>, Vec<Stmt>) {
 /// this tile landed (its copies the only group in flight), a barrier, then the next tile's
 /// copies issued into the ring before the products.
 fn lockstep_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
-    let (products, hand_on) = tile_products(head_dim, false);
+    let (products, hand_on) = tile_products(head_dim, Schedule::Lockstep);
     // The tile two back had its values multiplied in the step before the barrier: the next
     // tile takes its buffer.
     [
@@ -338,10 +388,106 @@ fn producer(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
     .concat()
 }
 
+/// The producer warp's loop when tiles land by TMA: tile i's buffer given back as in
+/// [`producer`], then its first lane announces the tile's bytes on `full` and issues its
+/// boxes, each [`TMA_KEYS`] keys' rows (one cache block's, or part of one) of [`TMA_DIMS`]
+/// dims of the block's KV head, keys into `ks` and values into `vs`, a half of the dims a
+/// half-tile. Boxes past the block's last key copy the box holding it again (a paged
+/// sequence's table has no block there); the rows past it in a box are cache rows the pool
+/// holds, zero or another position's, which the causal mask leaves out.
+fn tma_producer(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
+    let halves = head_dim as i64 / TMA_DIMS;
+    let boxes = |map: &str, dst: &str| -> Vec<Stmt> {
+        (0..halves)
+            .map(|half| {
+                Stmt::TmaLoad(Box::new(TmaLoad {
+                    map: map.into(),
+                    dst: dst.into(),
+                    dst_index: ring_buffer(head_dim, var("i"))
+                        + int(half * TILE_KEYS * TMA_DIMS)
+                        + var("b") * int(TMA_KEYS * TMA_DIMS),
+                    row: var("box_row"),
+                    col: var("kvh") * int(head_dim as i64) + int(half * TMA_DIMS),
+                    barrier: tma_gemm::barrier("full", rem(var("i"), int(BUFFERS))),
+                }))
+            })
+            .collect()
+    };
+    let copies = [
+        vec![Stmt::Mbarrier(Box::new(Mbarrier::ArriveExpectTx {
+            barrier: tma_gemm::barrier("full", rem(var("i"), int(BUFFERS))),
+            bytes: (2 * TILE_KEYS * head_dim as i64 * 2) as u32,
+        }))],
+        vec![for_(
+            "b",
+            int(0),
+            int(TILE_KEYS / TMA_KEYS),
+            int(1),
+            [
+                vec![
+                    let_(
+                        "box_key",
+                        Ty::I32,
+                        bin(
+                            BinOp::Min,
+                            var("first_tile") + var("i") * int(TILE_KEYS) + var("b") * int(TMA_KEYS),
+                            var("last_box"),
+                        ),
+                    ),
+                    let_("box_row", Ty::I32, layout.row(var("box_key"))),
+                ],
+                boxes("k_map", "ks"),
+                boxes("v_map", "vs"),
+            ]
+            .concat(),
+        )],
+    ]
+    .concat();
+    let step = vec![
+        if_(
+            bin(BinOp::Ge, var("i"), int(BUFFERS)),
+            vec![Stmt::Mbarrier(Box::new(Mbarrier::Wait {
+                barrier: tma_gemm::barrier("empty", rem(var("i"), int(BUFFERS))),
+                parity: rem(var("i") / int(BUFFERS) + int(1), int(2)),
+            }))],
+        ),
+        if_(eq(lane(), int(0)), copies),
+    ];
+    vec![
+        let_(
+            "last_box",
+            Ty::I32,
+            (var("hi") - int(1)) / int(TMA_KEYS) * int(TMA_KEYS),
+        ),
+        for_("i", int(0), var("tiles"), int(1), step),
+    ]
+}
+
+/// The tensor maps the TMA schedule reads the cache through: `k_map` over `k` and `v_map`
+/// over `v`, `cache_rows` positions of `kv_heads · head_dim` bf16, boxes of [`TMA_KEYS`] ×
+/// [`TMA_DIMS`], 128-byte swizzled.
+fn cache_maps(head_dim: usize) -> Vec<Param> {
+    ["k", "v"]
+        .into_iter()
+        .map(|buffer| {
+            Param::TensorMap(Box::new(TensorMap {
+                name: format!("{buffer}_map"),
+                buffer: buffer.into(),
+                rows: var("cache_rows"),
+                cols: var("kv_heads") * int(head_dim as i64),
+                stride: var("kv_heads") * int(head_dim as i64),
+                box_rows: TMA_KEYS as u32,
+                box_cols: TMA_DIMS as u32,
+                swizzle: Swizzle::B128,
+            }))
+        })
+        .collect()
+}
+
 /// A consumer warpgroup's step for tile i: its buffer handed over (`full`), the products,
 /// and the previous tile's buffer given back (`empty`) once its values' product is done.
-fn consumer_step(head_dim: usize) -> Vec<Stmt> {
-    let (products, hand_on) = tile_products(head_dim, true);
+fn consumer_step(head_dim: usize, schedule: Schedule) -> Vec<Stmt> {
+    let (products, hand_on) = tile_products(head_dim, schedule);
     [
         vec![
             let_("j0", Ty::I32, var("first_tile") + var("i") * int(TILE_KEYS)),
@@ -374,6 +520,7 @@ pub fn flash_attention_wgmma(
     schedule: Schedule,
 ) -> Kernel {
     assert!(supports(head_dim), "head_dim {head_dim}");
+    assert!(!schedule.tma() || supports_tma(head_dim), "head_dim {head_dim} by TMA");
     let threads = schedule.threads();
     let locals = output_registers(head_dim)
         .into_iter()
@@ -382,7 +529,7 @@ pub fn flash_attention_wgmma(
         .map(|n| let_(&n, Ty::F32, f(0.0)));
     // The last tile's probabilities by its values, and the outputs stored.
     let finish = [
-        issue_values(head_dim),
+        issue_values(head_dim, schedule.tma()),
         vec![Stmt::WgmmaCommit, Stmt::WgmmaWait(0)],
         store_outputs(head_dim),
     ]
@@ -413,8 +560,15 @@ pub fn flash_attention_wgmma(
             finish,
         ]
         .concat(),
-        Schedule::Specialised => vec![
-            tma_gemm::init_barriers(&[("full", 32), ("empty", CONSUMERS as u32)], BUFFERS),
+        Schedule::Specialised | Schedule::Tma => vec![
+            // The producer's lanes arrive for their copies, or its first lane for the boxes.
+            tma_gemm::init_barriers(
+                &[
+                    ("full", if schedule.tma() { 1 } else { 32 }),
+                    ("empty", CONSUMERS as u32),
+                ],
+                BUFFERS,
+            ),
             tma_gemm::init_barriers(&[("turn", WARPGROUP as u32)], 2),
             // The queries' stores, for the tensor cores; the barriers, for every warp.
             Stmt::FenceProxyAsync,
@@ -426,7 +580,7 @@ pub fn flash_attention_wgmma(
                         body: [
                             vec![
                                 let_("wg", Ty::I32, warp() / int(WARPGROUP / 32)),
-                                for_("i", int(0), var("tiles"), int(1), consumer_step(head_dim)),
+                                for_("i", int(0), var("tiles"), int(1), consumer_step(head_dim, schedule)),
                             ],
                             finish,
                         ]
@@ -434,7 +588,10 @@ pub fn flash_attention_wgmma(
                     },
                     Role {
                         cond: bin(BinOp::Ge, tid(), int(CONSUMERS)),
-                        body: producer(layout, head_dim),
+                        body: match schedule {
+                            Schedule::Tma => tma_producer(layout, head_dim),
+                            _ => producer(layout, head_dim),
+                        },
                     },
                 ],
             })),
@@ -448,7 +605,7 @@ pub fn flash_attention_wgmma(
     };
     let barriers = match schedule {
         Schedule::Lockstep => vec![],
-        Schedule::Specialised => vec![
+        Schedule::Specialised | Schedule::Tma => vec![
             shared("full", Ty::U32, 2 * BUFFERS as usize),
             shared("empty", Ty::U32, 2 * BUFFERS as usize),
             shared("turn", Ty::U32, 4),
@@ -457,6 +614,16 @@ pub fn flash_attention_wgmma(
     let warps = match schedule {
         Schedule::Lockstep => "two warpgroups copying and computing",
         Schedule::Specialised => "two consumer warpgroups taking turns and a producer warp",
+        Schedule::Tma => "two consumer warpgroups taking turns and a producer warp issuing TMA",
+    };
+    let params = match schedule {
+        Schedule::Tma => [
+            flash::params(layout),
+            vec![scalar("cache_rows", Ty::I32)],
+            cache_maps(head_dim),
+        ]
+        .concat(),
+        _ => flash::params(layout),
     };
     Kernel {
         name: name.into(),
@@ -467,7 +634,7 @@ pub fn flash_attention_wgmma(
              {head_dim}, bf16 {}",
             layout.describe()
         ),
-        params: flash::params(layout),
+        params,
         shared: [
             vec![
                 shared("qs", Ty::Bf16, TILE_Q as usize * head_dim),

@@ -997,6 +997,13 @@ pub fn catalog() -> Vec<Kernel> {
             128,
             flash_attention_wgmma::Schedule::Specialised,
         ),
+        flash_attention_wgmma::flash_attention_wgmma(
+            "flash_attention_wgmma_tma_d128",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            128,
+            flash_attention_wgmma::Schedule::Tma,
+        ),
         flash_attention_tcgen05::flash_attention_tcgen05(
             "flash_attention_tcgen05_d128",
             "catalog",
