@@ -69,7 +69,7 @@ const TMA_DIMS: i64 = 64;
 
 /// Whether [`Schedule::Tma`] takes a head of `head_dim`: whole boxes of [`TMA_DIMS`].
 pub fn supports_tma(head_dim: usize) -> bool {
-    supports(head_dim) && head_dim % TMA_DIMS as usize == 0
+    supports(head_dim) && head_dim.is_multiple_of(TMA_DIMS as usize)
 }
 
 fn p_name(j: usize, i: usize) -> String {
