@@ -64,8 +64,10 @@ enum Command {
         /// GPU targets: the tensor-core attention prompts attend with: `mma`,
         /// FlashAttention-2's schedule on `mma.sync`; `wgmma`, both products on `wgmma`
         /// (Hopper, heads up to 128 dims; elsewhere as `mma`); `wgmma-specialised`, that one
-        /// with a producer warp copying the tiles; `tcgen05`, both products on `tcgen05` into
-        /// tensor memory (B200, heads up to 128 dims; elsewhere as `mma`).
+        /// with a producer warp copying the tiles; `wgmma-tma`, the producer loading them by
+        /// TMA (heads of 64 or 128 dims; KV blocks a multiple of 16 positions); `tcgen05`,
+        /// both products on `tcgen05` into tensor memory (B200, heads up to 128 dims;
+        /// elsewhere as `mma`).
         #[arg(long, value_enum, default_value_t = commands::compile::PrefillAttention::Mma)]
         prefill_attention: commands::compile::PrefillAttention,
         /// GPU targets: the split attention decode steps attend with: `scalar`, a warp

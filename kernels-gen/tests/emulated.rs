@@ -690,11 +690,13 @@ fn flash_attention_matches_reference() {
                     bufs.insert("block_table".into(), Array::ints(Ty::I32, &table));
                     scalars.insert("block_size".into(), Scalar::Int(block_size as i64));
                     scalars.insert("cache_rows".into(), Scalar::Int((paged_k.len() / row) as i64));
+                    scalars.insert("cache_width".into(), Scalar::Int(row as i64));
                 }
                 _ => {
                     bufs.insert("k".into(), bf16_array(&k));
                     bufs.insert("v".into(), bf16_array(&v));
                     scalars.insert("cache_rows".into(), Scalar::Int(len as i64));
+                    scalars.insert("cache_width".into(), Scalar::Int(row as i64));
                 }
             }
             run(&kernel, &mut bufs, &scalars)
@@ -779,6 +781,7 @@ fn flash_attention_over_a_batched_step_matches_reference() {
             ("block_size", block_size as i64),
             ("seqs", sequences.len() as i64),
             ("cache_rows", (pool_k.len() / row) as i64),
+            ("cache_width", row as i64),
         ]);
         scalars.insert("scale".into(), Scalar::F32(0.3));
         for (kernel, tile_rows) in flash_kernels(CacheLayout::Batched, head_dim) {
@@ -1042,6 +1045,7 @@ fn flash_fails_without(kernel: &Kernel, (what, edit, expected): (&str, Edit, &st
         ("kv_heads", 1),
         ("window", 0),
         ("cache_rows", tokens as i64),
+        ("cache_width", head_dim as i64),
     ]);
     scalars.insert("scale".into(), Scalar::F32(0.3));
     let run_with = |body: Vec<Stmt>| {

@@ -59,6 +59,9 @@ pub enum PrefillAttention {
     Wgmma,
     /// The same, a producer warp copying the tiles for the two consumer warpgroups.
     WgmmaSpecialised,
+    /// The same, the producer loading the tiles by TMA (heads of 64 or 128 dims; others as
+    /// `wgmma-specialised`). Blocks of the KV cache then hold a multiple of 16 positions.
+    WgmmaTma,
     /// Both products on `tcgen05` into tensor memory (B200, heads up to 128 dims; elsewhere
     /// as `mma`).
     Tcgen05,
@@ -70,6 +73,7 @@ impl From<PrefillAttention> for codegen::gpu::PrefillAttention {
             PrefillAttention::Mma => Self::Mma,
             PrefillAttention::Wgmma => Self::Wgmma,
             PrefillAttention::WgmmaSpecialised => Self::WgmmaSpecialised,
+            PrefillAttention::WgmmaTma => Self::WgmmaTma,
             PrefillAttention::Tcgen05 => Self::Tcgen05,
         }
     }

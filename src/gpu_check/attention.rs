@@ -2,7 +2,7 @@
 //! dims, bf16 cache with random contents made on the device): one sequence's prefill at 512,
 //! 2 048 and 8 192 tokens by the tensor-core kernel (`flash_attention`) over a contiguous cache
 //! and over the paged pool as the serving plans launch it (the step's query tiles), on Hopper
-//! also on `wgmma` (`flash_attention_wgmma`) both ways, on the B200 also on `tcgen05`
+//! also on `wgmma` (`flash_attention_wgmma`, each schedule) both ways, on the B200 also on `tcgen05`
 //! (`flash_attention_tcgen05`) both ways, and by
 //! the split attention (split pass and merge, what decode steps take; the scalar pass and the
 //! vector one), in µs and TFLOP/s; and a decode step of 64 sequences at 4 096 positions over
@@ -31,8 +31,8 @@ const DECODE: (usize, usize) = (64, 4096);
 const BLOCK_SIZE: usize = 16;
 
 /// The `wgmma` prefill's kernels (Hopper): each schedule's over a contiguous cache and over
-/// the pool, with the table's label.
-const WGMMA_FLASH: [(&str, &str, Schedule, bool); 4] = [
+/// the pool (by TMA too), with the table's label.
+const WGMMA_FLASH: [(&str, &str, Schedule, bool); 6] = [
     (
         "flash_attention_wgmma",
         "wgmma (flash_attention_wgmma)",
@@ -55,6 +55,18 @@ const WGMMA_FLASH: [(&str, &str, Schedule, bool); 4] = [
         "flash_attention_wgmma_specialised_pool",
         "wgmma, warp-specialised, over the pool",
         Schedule::Specialised,
+        true,
+    ),
+    (
+        "flash_attention_wgmma_tma",
+        "wgmma, warp-specialised, loading by TMA",
+        Schedule::Tma,
+        false,
+    ),
+    (
+        "flash_attention_wgmma_tma_pool",
+        "wgmma, loading by TMA, over the pool",
+        Schedule::Tma,
         true,
     ),
 ];
@@ -211,6 +223,7 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
         row_pos: (&row_pos, sequences * 4),
         query_tiles: None,
         seqs: sequences,
+        cache_rows,
     };
     let mut table = String::from(
         "| attention | rows | kernel | µs | TFLOP/s | cache GB/s | % of copy bandwidth |\n|---|---|---|---|---|---|---|\n",
@@ -305,6 +318,8 @@ struct AttentionBuffers<'a, B> {
     row_pos: (&'a B, usize),
     query_tiles: Option<(&'a B, usize)>,
     seqs: usize,
+    /// Positions the cache buffers hold.
+    cache_rows: usize,
 }
 
 impl<'a, B> AttentionBuffers<'a, B> {
@@ -325,6 +340,8 @@ impl<'a, B> AttentionBuffers<'a, B> {
             "query_tiles" => buffer(self.query_tiles?),
             "seqs" => int(self.seqs),
             "block_size" => int(BLOCK_SIZE),
+            "cache_rows" => int(self.cache_rows),
+            "cache_width" => int(KV_HEADS * HEAD_DIM),
             "tokens" => int(rows),
             "q_stride" => int(HEADS * HEAD_DIM),
             "first" | "window" => int(0),
@@ -382,6 +399,7 @@ mod tests {
             row_pos: (&b, 4),
             query_tiles: Some((&b, 4)),
             seqs: 1,
+            cache_rows: 16,
         };
         let (hopper, blackwell) = (kernels("sm_90a"), kernels("sm_100a"));
         assert_eq!(hopper.len(), kernels("sm_120a").len() + WGMMA_FLASH.len());

@@ -306,7 +306,7 @@ const TMA_CHECK: (usize, usize, usize, usize) = (130, 300, 264, 272);
 /// The kernels no plan launches yet, in lockstep with the emulator: the target's TMA GEMMs
 /// ([`tma_gemm_kernels`]) on [`TMA_CHECK`]'s shape, in one piece and K split in three with the
 /// reduction; on every target the tensor-core prefill attention ([`FLASH_CHECKS`]), on Hopper
-/// also on `wgmma` (both schedules), on the B200 on `tcgen05`. Prints each kernel's max
+/// also on `wgmma` (each schedule), on the B200 on `tcgen05`. Prints each kernel's max
 /// relative error and returns the worst.
 pub fn unplanned_kernel_errors(arch: &str) -> Result<f64> {
     let gemms = tma_gemm_kernels(arch);
@@ -340,13 +340,15 @@ type FlashCheck = (usize, usize, usize, usize, usize, bool);
 const FLASH_BLOCK: usize = 16;
 
 /// The prefill attention kernels checked on `arch`, each with its check: every
-/// [`FLASH_CHECKS`] shape on `mma.sync`, and on Hopper those `wgmma` takes on it too, in both
-/// schedules; on the B200 those `tcgen05` takes.
+/// [`FLASH_CHECKS`] shape on `mma.sync`, and on Hopper those `wgmma` takes on it too, in each
+/// schedule (loading by TMA where the head is whole boxes); on the B200 those `tcgen05` takes.
 fn flash_attention_kernels(arch: &str) -> Vec<(Kernel, FlashCheck)> {
     use kernels_gen::templates::cache_layout::CacheLayout;
     use kernels_gen::templates::flash_attention::flash_attention;
     use kernels_gen::templates::flash_attention_tcgen05;
-    use kernels_gen::templates::flash_attention_wgmma::{flash_attention_wgmma, supports as wgmma_supports, Schedule};
+    use kernels_gen::templates::flash_attention_wgmma::{
+        flash_attention_wgmma, supports as wgmma_supports, supports_tma, Schedule,
+    };
     let layout = |paged: bool| match paged {
         true => CacheLayout::Paged,
         false => CacheLayout::Contiguous,
@@ -361,7 +363,14 @@ fn flash_attention_kernels(arch: &str) -> Vec<(Kernel, FlashCheck)> {
         .filter(|check| arch == "sm_90a" && wgmma_supports(check.4))
         .flat_map(|&check| {
             let (head_dim, paged) = (check.4, check.5);
-            [("", Schedule::Lockstep), ("_specialised", Schedule::Specialised)].map(|(form, schedule)| {
+            [
+                ("", Schedule::Lockstep),
+                ("_specialised", Schedule::Specialised),
+                ("_tma", Schedule::Tma),
+            ]
+            .into_iter()
+            .filter(move |&(_, schedule)| schedule != Schedule::Tma || supports_tma(head_dim))
+            .map(move |(form, schedule)| {
                 let name = format!("flash_attention_wgmma{form}_{head_dim}");
                 (
                     flash_attention_wgmma(&name, "gpu-check", layout(paged), head_dim, schedule),
@@ -428,6 +437,8 @@ fn run_flash_attention<D: PlanDevice>(device: &mut D, checks: &[(Kernel, FlashCh
                 "out" => DeviceArg::Buffer(&out, 0..q.len() * 4),
                 "block_table" => DeviceArg::Buffer(&table_buffer, 0..table.len()),
                 "block_size" => int(FLASH_BLOCK),
+                "cache_rows" => int(rows),
+                "cache_width" => int(row),
                 "tokens" => int(tokens),
                 "q_stride" => int(heads * head_dim),
                 "first" => int(first),
@@ -842,21 +853,22 @@ pub fn serve_first_then_rest<B: runtime::serving::PagedBackend>(
 mod tests {
     use super::*;
 
-    /// What the prefill attention check launches on Hopper (`mma.sync` and `wgmma` in both
-    /// schedules) and on the B200 (`mma.sync` and `tcgen05`) binds and runs on the emulator,
+    /// What the prefill attention check launches on Hopper (`mma.sync` and `wgmma` in each
+    /// schedule) and on the B200 (`mma.sync` and `tcgen05`) binds and runs on the emulator,
     /// and gives the reference's attention (to bf16's precision: probabilities meet values in
     /// bf16), the `wgmma` forms the same as `mma.sync` on the same inputs.
     #[test]
     fn the_flash_attention_check_runs_its_launches() {
         let hopper = flash_attention_kernels("sm_90a");
-        assert_eq!(hopper.len(), FLASH_CHECKS.len() + 2);
+        assert_eq!(hopper.len(), FLASH_CHECKS.len() + 3);
         let blackwell = flash_attention_kernels("sm_100a");
         assert_eq!(blackwell.len(), FLASH_CHECKS.len() + 1);
         let mut device = EmulatorDevice::new(hopper.iter().map(|(kernel, _)| kernel.clone()).collect());
         let results = run_flash_attention(&mut device, &hopper).unwrap();
         // On the same inputs the `wgmma` forms compute what the `mma.sync` one does.
-        assert_eq!(results[FLASH_CHECKS.len()], results[0]);
-        assert_eq!(results[FLASH_CHECKS.len() + 1], results[0]);
+        for wgmma in &results[FLASH_CHECKS.len()..] {
+            assert_eq!(*wgmma, results[0]);
+        }
         check_flash_results(&results, &hopper);
         let mut device = EmulatorDevice::new(blackwell.iter().map(|(kernel, _)| kernel.clone()).collect());
         check_flash_results(&run_flash_attention(&mut device, &blackwell).unwrap(), &blackwell);

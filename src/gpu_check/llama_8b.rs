@@ -60,7 +60,7 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
         print_prefill(name, &other, &run)?;
     }
     print_long_prefill(name, &exec, &run, &config)?;
-    // On Hopper, prompts attending on `wgmma` too, in both its schedules, and on the B200 on
+    // On Hopper, prompts attending on `wgmma` too, in each of its schedules, and on the B200 on
     // `tcgen05`: the 8 192-token prefill where attention weighs most.
     let wide = [
         (
@@ -72,6 +72,11 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
             "sm_90a",
             "Llama-8B-shaped, warp-specialised wgmma prefill attention",
             codegen::gpu::PrefillAttention::WgmmaSpecialised,
+        ),
+        (
+            "sm_90a",
+            "Llama-8B-shaped, wgmma prefill attention loading by TMA",
+            codegen::gpu::PrefillAttention::WgmmaTma,
         ),
         (
             "sm_100a",

@@ -341,6 +341,19 @@ pub struct GpuPlan {
     /// a step is rows `first..first + tokens` of one sequence in a contiguous cache.
     #[serde(default)]
     pub batched: Option<BatchedCache>,
+    /// What a batched plan's KV blocks must hold a multiple of, in positions: a kernel that
+    /// copies a block's rows in boxes of fixed size (the TMA flash attention's 16) needs
+    /// whole boxes in a block.
+    #[serde(default = "one_position", skip_serializing_if = "is_one_position")]
+    pub block_multiple: usize,
+}
+
+fn one_position() -> usize {
+    1
+}
+
+fn is_one_position(n: &usize) -> bool {
+    *n == 1
 }
 
 /// The nodes of a batched step with a row per sampled row: `last_token` (each sequence's last

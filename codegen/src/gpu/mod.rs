@@ -123,6 +123,11 @@ pub enum PrefillAttention {
     /// consumer warpgroups through mbarriers.
     #[serde(rename = "wgmma-specialised")]
     WgmmaSpecialised,
+    /// The same with the tiles loaded by TMA (FlashAttention-3's loads), for heads of 64 or
+    /// 128 dims (the others as `WgmmaSpecialised`); a batched plan's KV blocks then hold a
+    /// multiple of 16 positions.
+    #[serde(rename = "wgmma-tma")]
+    WgmmaTma,
     /// `templates::flash_attention_tcgen05`: both products on the B200's `tcgen05` into
     /// tensor memory, for heads up to 128 dims (the others, and other targets, as `Mma`).
     Tcgen05,
@@ -147,6 +152,7 @@ impl PrefillAttention {
         match (self, target.cuda_arch()) {
             (PrefillAttention::Wgmma, Some("sm_90a")) => FlashForm::Wgmma(Schedule::Lockstep),
             (PrefillAttention::WgmmaSpecialised, Some("sm_90a")) => FlashForm::Wgmma(Schedule::Specialised),
+            (PrefillAttention::WgmmaTma, Some("sm_90a")) => FlashForm::Wgmma(Schedule::Tma),
             (PrefillAttention::Tcgen05, Some("sm_100a")) => FlashForm::Tcgen05,
             _ => FlashForm::Mma,
         }
@@ -287,6 +293,7 @@ pub fn build_program(
         constants: selected.constants,
         position_scores: selected.position_scores,
         batched,
+        block_multiple: selected.block_multiple,
     };
     Ok((plan, programs))
 }

@@ -463,24 +463,26 @@ fn tma_producer(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
     ]
 }
 
-/// The tensor maps the TMA schedule reads the cache through: `k_map` over `k` and `v_map`
-/// over `v`, `cache_rows` positions of `kv_heads · head_dim` bf16, boxes of [`TMA_KEYS`] ×
-/// [`TMA_DIMS`], 128-byte swizzled.
-fn cache_maps(head_dim: usize) -> Vec<Param> {
-    ["k", "v"]
+/// The TMA schedule's parameters past the others': the cache's positions (`cache_rows`) and
+/// a position's elements (`cache_width`, `kv_heads · head_dim`), and the tensor maps it reads
+/// the cache through, `k_map` over `k` and `v_map` over `v`, sized by those, in boxes of
+/// [`TMA_KEYS`] × [`TMA_DIMS`], 128-byte swizzled.
+fn cache_maps() -> Vec<Param> {
+    let maps = ["k", "v"].into_iter().map(|buffer| {
+        Param::TensorMap(Box::new(TensorMap {
+            name: format!("{buffer}_map"),
+            buffer: buffer.into(),
+            rows: var("cache_rows"),
+            cols: var("cache_width"),
+            stride: var("cache_width"),
+            box_rows: TMA_KEYS as u32,
+            box_cols: TMA_DIMS as u32,
+            swizzle: Swizzle::B128,
+        }))
+    });
+    [scalar("cache_rows", Ty::I32), scalar("cache_width", Ty::I32)]
         .into_iter()
-        .map(|buffer| {
-            Param::TensorMap(Box::new(TensorMap {
-                name: format!("{buffer}_map"),
-                buffer: buffer.into(),
-                rows: var("cache_rows"),
-                cols: var("kv_heads") * int(head_dim as i64),
-                stride: var("kv_heads") * int(head_dim as i64),
-                box_rows: TMA_KEYS as u32,
-                box_cols: TMA_DIMS as u32,
-                swizzle: Swizzle::B128,
-            }))
-        })
+        .chain(maps)
         .collect()
 }
 
@@ -617,12 +619,7 @@ pub fn flash_attention_wgmma(
         Schedule::Tma => "two consumer warpgroups taking turns and a producer warp issuing TMA",
     };
     let params = match schedule {
-        Schedule::Tma => [
-            flash::params(layout),
-            vec![scalar("cache_rows", Ty::I32)],
-            cache_maps(head_dim),
-        ]
-        .concat(),
+        Schedule::Tma => [flash::params(layout), cache_maps()].concat(),
         _ => flash::params(layout),
     };
     Kernel {

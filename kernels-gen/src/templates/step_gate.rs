@@ -8,10 +8,16 @@
 
 use crate::dsl::*;
 
-/// `kernel` launched only where its scalar `gate` (added last to its parameters) is 1.
+/// `kernel` launched only where its scalar `gate` (added last to its launch parameters,
+/// before any tensor maps, which the launcher derives) is 1.
 pub fn gated(mut kernel: Kernel, gate: &str) -> Kernel {
     kernel.grid = kernel.grid * var(gate);
-    kernel.params.push(scalar(gate, Ty::I32));
+    let maps = kernel
+        .params
+        .iter()
+        .position(|p| matches!(p, Param::TensorMap(_)))
+        .unwrap_or(kernel.params.len());
+    kernel.params.insert(maps, scalar(gate, Ty::I32));
     kernel
         .origin
         .push_str(&format!("; launched in the steps whose `{gate}` is 1"));

@@ -387,6 +387,7 @@ impl<D: PlanDevice> PlanExecutor<D> {
             ("sampled", Value::Int(sampled_rows.len() as i64)),
             ("first", Value::Int(0)),
             ("block_size", Value::Int(cache.block_size as i64)),
+            ("cache_rows", Value::Int((cache.blocks * cache.block_size) as i64)),
             ("context", Value::Int(self.context_length as i64)),
             ("prefetch", Value::Int(device.prefetches_weights() as i64)),
         ]);

@@ -306,6 +306,13 @@ impl<D: PlanDevice> PlanExecutor<D> {
         let launches = launch::prepare(&plan)?;
         // A batched plan's cache is the block pool; a one-sequence plan's, its context.
         let cache_rows = plan.batched.map_or(context_length, |c| c.blocks * c.block_size);
+        if let Some(cache) = plan.batched.filter(|c| c.block_size % plan.block_multiple.max(1) != 0) {
+            return Err(RuntimeError::Input(format!(
+                "this plan's kernels copy KV blocks {m} positions at a time: blocks of {} positions do not hold whole copies (give a block size that is a multiple of {m})",
+                cache.block_size,
+                m = plan.block_multiple
+            )));
+        }
         // Kernels index the cache with 32-bit integers (f32 elements): refuse before uploading.
         if let Some(layout) = plan
             .kv_cache

@@ -14,6 +14,7 @@ use crate::gpu::{DecodeAttention, FlashForm, GpuCodegenError, KvLayout, LaunchAr
 use ir::{AttentionSpec, DType, Op};
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::cache_layout::CacheLayout;
+use kernels_gen::templates::flash_attention_wgmma::Schedule;
 use kernels_gen::templates::{
     attention, attention_vector, flash_attention, flash_attention_tcgen05, flash_attention_wgmma, kv_append, rope,
     step_gate, weight_prefetch,
@@ -324,12 +325,20 @@ fn attend(
     args.push(scalar(GATE, &split_step));
     s.launches
         .push((i, step_gate::gated(split, GATE), Alternatives::default(), args));
-    let (kernel, tile_rows) = match kernels.flash {
+    let flash_form = match kernels.flash {
+        // Heads TMA's boxes do not tile copy their tiles themselves.
+        FlashForm::Wgmma(Schedule::Tma) if !flash_attention_wgmma::supports_tma(spec.head_dim) => {
+            FlashForm::Wgmma(Schedule::Specialised)
+        }
+        form => form,
+    };
+    let (kernel, tile_rows) = match flash_form {
         FlashForm::Wgmma(schedule) if flash_attention_wgmma::supports(spec.head_dim) => (
             flash_attention_wgmma::flash_attention_wgmma(
                 match schedule {
-                    flash_attention_wgmma::Schedule::Lockstep => "flash_attention_wgmma",
-                    flash_attention_wgmma::Schedule::Specialised => "flash_attention_wgmma_specialised",
+                    Schedule::Lockstep => "flash_attention_wgmma",
+                    Schedule::Specialised => "flash_attention_wgmma_specialised",
+                    Schedule::Tma => "flash_attention_wgmma_tma",
                 },
                 &graph.name,
                 cache.layout,
@@ -364,14 +373,37 @@ fn attend(
             ],
             _ => vec![],
         },
+        cache_sizes(&kernel, cache),
         vec![scalar(GATE, &flash)],
     ]
     .concat();
+    if kernel.tensor_maps().next().is_some() && cache.layout != CacheLayout::Contiguous {
+        s.block_multiple = s.block_multiple.max(flash_attention_wgmma::TMA_KEYS as usize);
+    }
     s.launches
         .push((i, step_gate::gated(kernel, GATE), Alternatives::default(), flash_args));
     let (merge, mut merge_args) = merge;
     merge_args.push(scalar(GATE, split_step));
     (step_gate::gated(merge, GATE), merge_args)
+}
+
+/// The sizes of the cache a kernel reading it by TMA maps (its `cache_rows` and
+/// `cache_width`): the pool's positions in a batched step, the context for one sequence's,
+/// and the elements of a position's row.
+fn cache_sizes(kernel: &Kernel, cache: &Cache) -> Vec<LaunchArg> {
+    match kernel.tensor_maps().next() {
+        None => vec![],
+        Some(_) => vec![
+            scalar(
+                "cache_rows",
+                match cache.layout {
+                    CacheLayout::Batched => "cache_rows",
+                    _ => "context",
+                },
+            ),
+            scalar("cache_width", cache.spec.kv_heads * cache.spec.head_dim),
+        ],
+    }
 }
 
 /// Where the attention over `cache` can run on the tensor cores (a bf16 cache, a head the

@@ -38,6 +38,8 @@ pub(crate) struct Selected {
     pub hidden_states: Option<usize>,
     /// Whether a launch ranks cached positions through the plan's position scores.
     pub position_scores: bool,
+    /// What the KV blocks' positions must be a multiple of (`GpuPlan::block_multiple`).
+    pub block_multiple: usize,
 }
 
 impl Selected {
@@ -155,6 +157,7 @@ pub(crate) fn select(
         positions: None,
         hidden_states: None,
         position_scores: false,
+        block_multiple: 1,
     };
     let outputs: BTreeSet<usize> = graph.outputs().iter().map(|(_, id)| id.0).collect();
     for (i, node) in graph.nodes().iter().enumerate() {
