@@ -432,9 +432,8 @@ pub enum Major {
     K,
     /// N contiguous (`imm-trans-b` = 1): a row-major K×N matrix. Unswizzled, each core
     /// matrix is 8 rows (k) of 8 consecutive N, copied 16 bytes at a time: the leading byte
-    /// offset steps 8 k, the stride byte offset 8 N. Under the 128-byte swizzle (`wgmma`
-    /// only), each 128-byte row holds 64 consecutive N of one k, as a TMA box of 64 columns
-    /// lands: element (n, k) at the swizzled address of `start + (n / 64)·lbo + (k / 8)·sbo +
+    /// offset steps 8 k, the stride byte offset 8 N. Under the 128-byte swizzle, each
+    /// 128-byte row holds 64 consecutive N of one k, as a TMA box of 64 columns lands: element (n, k) at the swizzled address of `start + (n / 64)·lbo + (k / 8)·sbo +
     /// (k % 8)·64 + n % 64`, so the leading byte offset steps 64 N and the stride byte offset
     /// 8 k (roles the other way round from unswizzled), and `start` is a 1024-byte atom's.
     MN,
@@ -468,8 +467,8 @@ pub struct WgmmaOp {
 
 /// `tcgen05.mma.cta_group::1.kind::f16`: D (f32, in TMEM at `tmem`) = A·B, plus D when
 /// `accumulate`; A is 128×16 and B is N×16 (the transpose of the K×N operand), bf16 in shared
-/// memory (`SmemMatrix`), A K-major and B laid out as `b_major` says (as `wgmma`'s B: MN-major
-/// unswizzled only). Row i of D is TMEM lane i, column j is column `tmem + j`.
+/// memory (`SmemMatrix`), A K-major and B laid out as `b_major` says (as `wgmma`'s B). Row i
+/// of D is TMEM lane i, column j is column `tmem + j`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TmemMma {
     pub tmem: Expr,

@@ -448,13 +448,10 @@ fn check_tcgen05<'a>(
                 tmem,
                 a,
                 b,
-                b_major,
+                b_major: _,
                 n,
                 accumulate,
             } = &**mma;
-            if *b_major == Major::MN && b.swizzle != Swizzle::None {
-                return Err("an MN-major tcgen05.mma operand under a swizzle (only unswizzled ones are built)".into());
-            }
             if *n < 16 || *n > 256 || n % 16 != 0 {
                 return Err(format!(
                     "tcgen05.mma with M = 128 takes N = 16..=256 in steps of 16, not {n}"

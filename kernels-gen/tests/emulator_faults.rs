@@ -550,8 +550,8 @@ fn the_complete_tcgen05_program_runs() {
 
 /// `tcgen05.mma` reads B MN-major as `wgmma` does (`b_major`): with A's row i picking
 /// k = i % 16 and B[k][n] = 16k + n stored MN-major (core matrices of 8 k by 8 n, the next 8
-/// k 128 bytes on, the next 8 n 256), row i of D is B's row i % 16; a swizzled MN-major B is a
-/// type error.
+/// k 128 bytes on, the next 8 n 256; or under the 128-byte swizzle a k's 16 n at the start of
+/// a 128-byte row, the next 8 k an atom on), row i of D is B's row i % 16.
 #[test]
 fn tcgen05_reads_b_mn_major() {
     let mut steps: Vec<(&'static str, Stmt)> = tcgen05_program();
@@ -576,27 +576,46 @@ fn tcgen05_reads_b_mn_major() {
         )],
     );
     let fill_b = at("fill b", &steps);
-    steps[fill_b].1 = for_(
-        "j",
-        int(0),
-        int(2),
-        int(1),
-        vec![
-            let_("e", Ty::I32, tid() * int(2) + var("j")),
-            let_("k", Ty::I32, var("e") / int(16)),
-            let_("n", Ty::I32, bin(BinOp::Rem, var("e"), int(16))),
-            store(
-                "bs",
+    // Element (n, k)'s place, unswizzled or swizzled (bits 4–6 of its byte address XOR 7–9).
+    let place = |swizzle: Swizzle| -> Expr {
+        match swizzle {
+            Swizzle::None => {
                 var("n") / int(8) * int(128)
                     + var("k") / int(8) * int(64)
                     + bin(BinOp::Rem, var("k"), int(8)) * int(8)
-                    + bin(BinOp::Rem, var("n"), int(8)),
-                cast(Ty::F32, var("e")),
-            ),
-        ],
-    );
+                    + bin(BinOp::Rem, var("n"), int(8))
+            }
+            Swizzle::B128 => {
+                let linear = var("k") / int(8) * int(512) + bin(BinOp::Rem, var("k"), int(8)) * int(64) + var("n");
+                bin(
+                    BinOp::BitXor,
+                    linear.clone(),
+                    bin(
+                        BinOp::Shl,
+                        bin(BinOp::BitAnd, bin(BinOp::Shr, linear, int(6)), int(7)),
+                        int(3),
+                    ),
+                )
+            }
+        }
+    };
+    let fill = |swizzle: Swizzle| {
+        for_(
+            "j",
+            int(0),
+            int(2),
+            int(1),
+            vec![
+                let_("e", Ty::I32, tid() * int(2) + var("j")),
+                let_("k", Ty::I32, var("e") / int(16)),
+                let_("n", Ty::I32, bin(BinOp::Rem, var("e"), int(16))),
+                store("bs", place(swizzle), cast(Ty::F32, var("e"))),
+            ],
+        )
+    };
     let with_b = |steps: &[(&'static str, Stmt)], swizzle: Swizzle| -> Vec<(&'static str, Stmt)> {
         let mut steps = steps.to_vec();
+        steps[fill_b].1 = fill(swizzle);
         let mma = at("mma", &steps);
         let Stmt::If {
             cond,
@@ -612,8 +631,8 @@ fn tcgen05_reads_b_mn_major() {
         m.b = SmemMatrix {
             array: "bs".into(),
             start: int(0),
-            lbo: 128,
-            sbo: 256,
+            lbo: if swizzle == Swizzle::None { 128 } else { 2048 },
+            sbo: if swizzle == Swizzle::None { 256 } else { 1024 },
             swizzle,
         };
         m.b_major = Major::MN;
@@ -623,25 +642,19 @@ fn tcgen05_reads_b_mn_major() {
     };
     let want: Vec<f32> = (0..128 * 16).map(|e| ((e / 16) % 16 * 16 + e % 16) as f32).collect();
     assert_eq!(run_tcgen05(with_b(&steps, Swizzle::None)).unwrap(), want);
-    let swizzled = Kernel {
-        name: "k".into(),
-        origin: "test".into(),
-        params: vec![buffer("out", Ty::F32, true)],
-        shared: vec![
+    // Swizzled: two atoms of 8 k, the array 1024-byte aligned.
+    let swizzled = run_steps(
+        vec![buffer("out", Ty::F32, true)],
+        vec![
             shared("as", Ty::Bf16, 128 * 16),
-            shared("bs", Ty::Bf16, 16 * 16),
+            shared("bs", Ty::Bf16, 1024),
             shared("bar", Ty::U32, 2),
             shared("slot", Ty::I32, 1),
         ],
-        block_dim: 128,
-        grid: int(1),
-        body: with_b(&steps, Swizzle::B128).into_iter().map(|(_, s)| s).collect(),
-    };
-    let message = kernels_gen::types::check(&swizzled).unwrap_err().to_string();
-    assert!(
-        message.contains("MN-major tcgen05.mma operand under a swizzle"),
-        "{message}"
+        with_b(&steps, Swizzle::B128),
+        HashMap::from([("out".into(), Array::poisoned(Ty::F32, 128 * 16))]),
     );
+    assert_eq!(swizzled.unwrap(), want);
 }
 
 #[test]

@@ -416,31 +416,10 @@ impl Block<'_> {
         if let Some(t) = (first..first + WARPGROUP).find(|&t| start[t].i() != s) {
             return Err((t, "wgmma descriptor differs across the warpgroup".into()));
         }
-        if s < 0 || s % 8 != 0 {
-            return Err((
-                first,
-                format!("wgmma operand at {}[{s}] is not 16-byte aligned", matrix.array),
-            ));
+        match misplaced_operand("wgmma", matrix, major, s) {
+            Some(fault) => Err((first, fault)),
+            None => Ok(s as usize),
         }
-        if major == Major::MN && matrix.swizzle == Swizzle::B128 && s % 512 != 0 {
-            return Err((
-                first,
-                format!(
-                    "wgmma operand at {}[{s}]: an MN-major swizzled operand starts at a 1024-byte atom",
-                    matrix.array
-                ),
-            ));
-        }
-        if major == Major::K && matrix.swizzle == Swizzle::B128 && s % 64 > 48 {
-            return Err((
-                first,
-                format!(
-                    "wgmma operand at {}[{s}]: a 16-wide k slice crosses its 128-byte swizzled row",
-                    matrix.array
-                ),
-            ));
-        }
-        Ok(s as usize)
     }
 
     /// A wgmma operand. Wgmmas in flight may share it: the device orders wgmmas on the same
@@ -528,6 +507,25 @@ impl Block<'_> {
         for &i in indices {
             counts[i] = counts[i].saturating_add_signed(by as i32);
         }
+    }
+}
+
+/// Why a tensor-core instruction (`what`) cannot read a shared operand laid out as `major`
+/// says from element `s`: not 16-byte aligned, or under the 128-byte swizzle a k slice
+/// crossing its row (K-major) or a start inside an atom (MN-major).
+pub(super) fn misplaced_operand(what: &str, matrix: &SmemMatrix, major: Major, s: i64) -> Option<String> {
+    let array = &matrix.array;
+    if s < 0 || s % 8 != 0 {
+        return Some(format!("{what} operand at {array}[{s}] is not 16-byte aligned"));
+    }
+    match (major, matrix.swizzle) {
+        (Major::MN, Swizzle::B128) if s % 512 != 0 => Some(format!(
+            "{what} operand at {array}[{s}]: an MN-major swizzled operand starts at a 1024-byte atom"
+        )),
+        (Major::K, Swizzle::B128) if s % 64 > 48 => Some(format!(
+            "{what} operand at {array}[{s}]: a 16-wide k slice crosses its 128-byte swizzled row"
+        )),
+        _ => None,
     }
 }
 

@@ -212,22 +212,10 @@ impl Block<'_> {
             ));
         }
         let mut starts = Vec::new();
-        for operand in [a, b] {
+        for (operand, major) in [(a, Major::K), (b, *b_major)] {
             let s = self.eval(&operand.start, mask, global)?[t].i();
-            if s < 0 || s % 8 != 0 {
-                return Err((
-                    t,
-                    format!("tcgen05.mma operand at {}[{s}] is not 16-byte aligned", operand.array),
-                ));
-            }
-            if operand.swizzle == crate::dsl::Swizzle::B128 && s % 64 > 48 {
-                return Err((
-                    t,
-                    format!(
-                        "tcgen05.mma operand at {}[{s}]: a 16-wide k slice crosses its 128-byte swizzled row",
-                        operand.array
-                    ),
-                ));
+            if let Some(fault) = super::asynchronous::misplaced_operand("tcgen05.mma", operand, major, s) {
+                return Err((t, fault));
             }
             starts.push(s as usize);
         }
