@@ -67,7 +67,8 @@ enum Command {
         /// with a producer warp copying the tiles; `wgmma-tma`, the producer loading them by
         /// TMA (heads of 64 or 128 dims; KV blocks a multiple of 16 positions); `tcgen05`,
         /// both products on `tcgen05` into tensor memory (B200, heads up to 128 dims;
-        /// elsewhere as `mma`).
+        /// elsewhere as `mma`); `tcgen05-tma`, that one loading the tiles by TMA (as
+        /// `wgmma-tma`).
         #[arg(long, value_enum, default_value_t = commands::compile::PrefillAttention::Mma)]
         prefill_attention: commands::compile::PrefillAttention,
         /// GPU targets: the split attention decode steps attend with: `scalar`, a warp

@@ -606,6 +606,7 @@ fn compile_chooses_the_prefill_attention() {
         ("h200", Some("wgmma-tma"), "flash_attention_wgmma_specialised"),
         ("b200", Some("wgmma"), "flash_attention"),
         ("b200", Some("tcgen05"), "flash_attention_tcgen05"),
+        ("b200", Some("tcgen05-tma"), "flash_attention_tcgen05"),
         ("h200", Some("tcgen05"), "flash_attention"),
     ] {
         let (artifact, out) = compile(target, choice);
@@ -632,6 +633,7 @@ fn compile_chooses_the_prefill_attention() {
                     "flash_attention_wgmma_specialised",
                     "flash_attention_wgmma_tma",
                     "flash_attention_wgmma",
+                    "flash_attention_tcgen05_tma",
                     "flash_attention_tcgen05",
                     "flash_attention",
                 ]

@@ -2199,14 +2199,15 @@ fn batched_plans_attend_on_wgmma_as_on_mma_sync() {
     each_wgmma_attention_gives_the_mma_ones(logits);
 }
 
-/// Hopper plans whose prompts attend on `wgmma` loading the tiles by TMA (`--prefill-attention
-/// wgmma-tma`) compute what those on `mma.sync` do, bit for bit: a Llama with heads of 64 dims
-/// (whole TMA boxes; the fixtures' 16-dim heads take the copying schedule) and random
-/// weights, one sequence's prompt and a decode step after it, and the batched steps of
-/// [`prompts_past_a_tile`] over blocks in reverse order. The batched plan asks for blocks of a
-/// multiple of 16 positions, and a pool of blocks of 8 is refused with the reason.
+/// Plans whose prompts attend loading the tiles by TMA compute what those copying them do,
+/// bit for bit: on Hopper `wgmma` by TMA (`--prefill-attention wgmma-tma`) as `mma.sync`, on
+/// the B200 `tcgen05` by TMA (`tcgen05-tma`) as `tcgen05` copying. A Llama with heads of 64
+/// dims (whole TMA boxes; the fixtures' 16-dim heads take the copying forms) and random
+/// weights: one sequence's prompt and a decode step after it, and the batched steps of
+/// [`prompts_past_a_tile`] over blocks in reverse order. The batched plans by TMA ask for
+/// blocks of a multiple of 16 positions, and a pool of blocks of 8 is refused with the reason.
 #[test]
-fn wgmma_prefill_attention_by_tma_computes_what_the_mma_sync_one_does() {
+fn prefill_attention_by_tma_computes_what_the_copying_one_does() {
     let scratch = common::scratch_dir("bbc-tma-attention-");
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixture("hf-tiny/llama/config.json")).unwrap()).unwrap();
@@ -2224,59 +2225,53 @@ fn wgmma_prefill_attention_by_tma_computes_what_the_mma_sync_one_does() {
     let model = bbc::model_ref::load(config_path.to_str().unwrap(), options)
         .unwrap()
         .model;
-    let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
-    let kernels = |prefill_attention| gpu::PlanKernels {
-        prefill_attention,
-        ..Default::default()
-    };
-    let by_tma = |plan: &gpu::GpuPlan| {
-        plan.launches
-            .iter()
-            .any(|l| l.kernel.starts_with("flash_attention_wgmma_tma"))
-    };
-    let prompt: Vec<u32> = (0..PREFILL_TOKENS as u32 + 3).map(|i| (7 + 13 * i) % 300).collect();
-    let one_sequence = |attention: gpu::PrefillAttention| {
-        let (plan, compiled) = gpu::build_program(&graph, Target::H200, 64, None, kernels(attention)).unwrap();
-        assert_eq!(by_tma(&plan), attention == gpu::PrefillAttention::WgmmaTma);
-        let gpu = EmulatorBackend::emulated(plan, compiled, graph.clone(), &model.weights, &[], 64).unwrap();
-        let mut sequence = gpu.new_sequence();
-        let first = gpu.step(&mut sequence, &prompt).unwrap()["logits"].data.clone();
-        let next = gpu.step(&mut sequence, &[5]).unwrap()["logits"].data.clone();
-        vec![first, next]
-    };
-    let (cache, steps) = (two_sequence_pool(), prompts_past_a_tile());
-    let batched = |attention: gpu::PrefillAttention| {
-        let (plan, compiled) = gpu::build_program(&graph, Target::H200, 176, Some(cache), kernels(attention)).unwrap();
-        let tma = attention == gpu::PrefillAttention::WgmmaTma;
-        assert_eq!(by_tma(&plan), tma);
-        assert_eq!(plan.block_multiple, if tma { 16 } else { 1 });
-        let gpu = EmulatorBackend::emulated(plan, compiled, graph.clone(), &model.weights, &[], 256).unwrap();
-        pool_steps_logits(&gpu, &steps)
-    };
-    for run in [
-        &one_sequence as &dyn Fn(gpu::PrefillAttention) -> Vec<Vec<f32>>,
-        &batched,
+    use gpu::PrefillAttention::{Mma, Tcgen05, Tcgen05Tma, WgmmaTma};
+    for (target, tma, copying, tma_kernel) in [
+        (Target::H200, WgmmaTma, Mma, "flash_attention_wgmma_tma"),
+        (Target::B200, Tcgen05Tma, Tcgen05, "flash_attention_tcgen05_tma"),
     ] {
-        assert_eq!(run(gpu::PrefillAttention::WgmmaTma), run(gpu::PrefillAttention::Mma));
+        let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), target);
+        let kernels = |prefill_attention| gpu::PlanKernels {
+            prefill_attention,
+            ..Default::default()
+        };
+        let by_tma = |plan: &gpu::GpuPlan| plan.launches.iter().any(|l| l.kernel.starts_with(tma_kernel));
+        let prompt: Vec<u32> = (0..PREFILL_TOKENS as u32 + 3).map(|i| (7 + 13 * i) % 300).collect();
+        let one_sequence = |attention: gpu::PrefillAttention| {
+            let (plan, compiled) = gpu::build_program(&graph, target, 64, None, kernels(attention)).unwrap();
+            assert_eq!(by_tma(&plan), attention == tma);
+            let gpu = EmulatorBackend::emulated(plan, compiled, graph.clone(), &model.weights, &[], 64).unwrap();
+            let mut sequence = gpu.new_sequence();
+            let first = gpu.step(&mut sequence, &prompt).unwrap()["logits"].data.clone();
+            let next = gpu.step(&mut sequence, &[5]).unwrap()["logits"].data.clone();
+            vec![first, next]
+        };
+        let (cache, steps) = (two_sequence_pool(), prompts_past_a_tile());
+        let batched = |attention: gpu::PrefillAttention| {
+            let (plan, compiled) = gpu::build_program(&graph, target, 176, Some(cache), kernels(attention)).unwrap();
+            assert_eq!(by_tma(&plan), attention == tma);
+            assert_eq!(plan.block_multiple, if attention == tma { 16 } else { 1 });
+            let gpu = EmulatorBackend::emulated(plan, compiled, graph.clone(), &model.weights, &[], 256).unwrap();
+            pool_steps_logits(&gpu, &steps)
+        };
+        for run in [
+            &one_sequence as &dyn Fn(gpu::PrefillAttention) -> Vec<Vec<f32>>,
+            &batched,
+        ] {
+            assert_eq!(run(tma), run(copying), "{}", target.name());
+        }
+        let eights = gpu::BatchedCache {
+            blocks: 48,
+            block_size: 8,
+            sequences: 2,
+        };
+        let (plan, compiled) = gpu::build_program(&graph, target, 176, Some(eights), kernels(tma)).unwrap();
+        let refused = EmulatorBackend::emulated(plan, compiled, graph.clone(), &model.weights, &[], 256)
+            .err()
+            .expect("blocks of 8 refused")
+            .to_string();
+        assert!(refused.contains("a multiple of 16"), "{refused}");
     }
-    let eights = gpu::BatchedCache {
-        blocks: 48,
-        block_size: 8,
-        sequences: 2,
-    };
-    let (plan, compiled) = gpu::build_program(
-        &graph,
-        Target::H200,
-        176,
-        Some(eights),
-        kernels(gpu::PrefillAttention::WgmmaTma),
-    )
-    .unwrap();
-    let refused = EmulatorBackend::emulated(plan, compiled, graph.clone(), &model.weights, &[], 256)
-        .err()
-        .expect("blocks of 8 refused")
-        .to_string();
-    assert!(refused.contains("a multiple of 16"), "{refused}");
 }
 
 /// B200 plans whose prompts attend on `tcgen05` (`--prefill-attention tcgen05`) compute what

@@ -972,7 +972,13 @@ fn wgmma_flash_for_faults(schedule: flash_attention_wgmma::Schedule) -> Kernel {
 #[test]
 fn the_tcgen05_flash_attention_fails_without_its_hand_overs() {
     use kernels_gen::templates::cache_layout::CacheLayout;
-    let kernel = flash_attention_tcgen05::flash_attention_tcgen05("flash", "test", CacheLayout::Contiguous, 32);
+    let kernel = flash_attention_tcgen05::flash_attention_tcgen05(
+        "flash",
+        "test",
+        CacheLayout::Contiguous,
+        32,
+        flash_attention_tcgen05::Loads::Copies,
+    );
     fn waits_on(s: &Stmt, array: &str) -> bool {
         matches!(s, Stmt::Mbarrier(m) if matches!(&**m, Mbarrier::Wait { barrier, .. } if barrier.array == array))
     }
@@ -1017,6 +1023,40 @@ fn the_tcgen05_flash_attention_fails_without_its_hand_overs() {
             "the deallocation",
             &dropping(|s| matches!(s, Stmt::Tcgen05(op) if matches!(&**op, dsl::Tcgen05::Dealloc { .. }))),
             "still allocated when the block exits",
+        ),
+    ] {
+        flash_fails_without(&kernel, (what, edit, expected));
+    }
+}
+
+/// The `tcgen05` flash attention loading its tiles by TMA hands them to thread 0's MMAs through
+/// mbarriers counting their bytes, and the emulator says why when a hand-over is missing:
+/// without thread 0's waits on `landed` its MMAs read a buffer before the boxes land; without
+/// the bytes announced the phase never completes.
+#[test]
+fn the_tma_tcgen05_flash_attention_fails_without_its_hand_overs() {
+    use kernels_gen::templates::cache_layout::CacheLayout;
+    let kernel = flash_attention_tcgen05::flash_attention_tcgen05(
+        "flash",
+        "test",
+        CacheLayout::Contiguous,
+        64,
+        flash_attention_tcgen05::Loads::Tma,
+    );
+    fn waits_on(s: &Stmt, array: &str) -> bool {
+        matches!(s, Stmt::Mbarrier(m) if matches!(&**m, Mbarrier::Wait { barrier, .. } if barrier.array == array))
+    }
+    let dropping = |drop: fn(&Stmt) -> bool| move |s: &Stmt| (!drop(s)).then(|| s.clone());
+    for (what, edit, expected) in [
+        (
+            "the waits on `landed`",
+            &dropping(|s| waits_on(s, "landed")) as Edit,
+            "tcgen05.mma reads ks[0] before waiting for phase 0 of mbarrier landed[0]",
+        ),
+        (
+            "the bytes announced",
+            &dropping(|s| matches!(s, Stmt::Mbarrier(m) if matches!(&**m, Mbarrier::ArriveExpectTx { .. }))),
+            "of mbarrier landed[0], which never completes (0 of 1 arrivals, -16384 transaction bytes",
         ),
     ] {
         flash_fails_without(&kernel, (what, edit, expected));
@@ -1074,7 +1114,7 @@ fn flash_kernels(layout: kernels_gen::templates::cache_layout::CacheLayout, head
     let wgmma = [Schedule::Lockstep, Schedule::Specialised, Schedule::Tma]
         .into_iter()
         .filter(|&schedule| match schedule {
-            Schedule::Tma => flash_attention_wgmma::supports_tma(head_dim),
+            Schedule::Tma => flash_tma::supports(head_dim),
             _ => flash_attention_wgmma::supports(head_dim),
         })
         .map(|schedule| {
@@ -1083,12 +1123,19 @@ fn flash_kernels(layout: kernels_gen::templates::cache_layout::CacheLayout, head
                 flash_attention_wgmma::QUERY_TILE_ROWS,
             )
         });
-    let tcgen05 = flash_attention_tcgen05::supports(head_dim).then(|| {
-        (
-            flash_attention_tcgen05::flash_attention_tcgen05("flash_tcgen05", "test", layout, head_dim),
-            flash_attention_tcgen05::QUERY_TILE_ROWS,
-        )
-    });
+    use flash_attention_tcgen05::Loads;
+    let tcgen05 = [Loads::Copies, Loads::Tma]
+        .into_iter()
+        .filter(|&loads| match loads {
+            Loads::Copies => flash_attention_tcgen05::supports(head_dim),
+            Loads::Tma => flash_tma::supports(head_dim),
+        })
+        .map(|loads| {
+            (
+                flash_attention_tcgen05::flash_attention_tcgen05("flash_tcgen05", "test", layout, head_dim, loads),
+                flash_attention_tcgen05::QUERY_TILE_ROWS,
+            )
+        });
     [(
         flash_attention::flash_attention("flash", "test", layout, head_dim),
         flash_attention::QUERY_TILE_ROWS,

@@ -65,6 +65,9 @@ pub enum PrefillAttention {
     /// Both products on `tcgen05` into tensor memory (B200, heads up to 128 dims; elsewhere
     /// as `mma`).
     Tcgen05,
+    /// The same, thread 0 loading the tiles by TMA (heads of 64 or 128 dims; others as
+    /// `tcgen05`). Blocks of the KV cache then hold a multiple of 16 positions.
+    Tcgen05Tma,
 }
 
 impl From<PrefillAttention> for codegen::gpu::PrefillAttention {
@@ -75,6 +78,7 @@ impl From<PrefillAttention> for codegen::gpu::PrefillAttention {
             PrefillAttention::WgmmaSpecialised => Self::WgmmaSpecialised,
             PrefillAttention::WgmmaTma => Self::WgmmaTma,
             PrefillAttention::Tcgen05 => Self::Tcgen05,
+            PrefillAttention::Tcgen05Tma => Self::Tcgen05Tma,
         }
     }
 }

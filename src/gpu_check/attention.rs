@@ -3,7 +3,7 @@
 //! 2 048 and 8 192 tokens by the tensor-core kernel (`flash_attention`) over a contiguous cache
 //! and over the paged pool as the serving plans launch it (the step's query tiles), on Hopper
 //! also on `wgmma` (`flash_attention_wgmma`, each schedule) both ways, on the B200 also on `tcgen05`
-//! (`flash_attention_tcgen05`) both ways, and by
+//! (`flash_attention_tcgen05`, copying or loading by TMA) both ways, and by
 //! the split attention (split pass and merge, what decode steps take; the scalar pass and the
 //! vector one), in µs and TFLOP/s; and a decode step of 64 sequences at 4 096 positions over
 //! the paged pool, as the serving plans run it (either pass), in GB/s of cache read and its
@@ -15,7 +15,7 @@ use kernels_gen::templates::attention::{self, attention_combine, attention_split
 use kernels_gen::templates::attention_vector::{self, attention_split_vector};
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::flash_attention::{self, flash_attention};
-use kernels_gen::templates::flash_attention_tcgen05::flash_attention_tcgen05;
+use kernels_gen::templates::flash_attention_tcgen05::{flash_attention_tcgen05, Loads};
 use kernels_gen::templates::flash_attention_wgmma::{self, flash_attention_wgmma, Schedule};
 use runtime::plan_exec::{DeviceArg, PlanDevice};
 use runtime::random_weights::{fill_kernels, fill_on_device, Fill};
@@ -75,11 +75,33 @@ const WGMMA_FLASH: [(&str, &str, Schedule, bool); 6] = [
 const WIDE_TILE_ROWS: usize = flash_attention_wgmma::QUERY_TILE_ROWS;
 const _: () = assert!(kernels_gen::templates::flash_attention_tcgen05::QUERY_TILE_ROWS == WIDE_TILE_ROWS);
 
-/// The `tcgen05` prefill's kernels (the B200): over a contiguous cache and over the pool, with
-/// the table's label.
-const TCGEN05_FLASH: [(&str, &str, bool); 2] = [
-    ("flash_attention_tcgen05", "tcgen05 (flash_attention_tcgen05)", false),
-    ("flash_attention_tcgen05_pool", "tcgen05 over the pool", true),
+/// The `tcgen05` prefill's kernels (the B200): over a contiguous cache and over the pool, the
+/// tiles copied or loaded by TMA, with the table's label.
+const TCGEN05_FLASH: [(&str, &str, Loads, bool); 4] = [
+    (
+        "flash_attention_tcgen05",
+        "tcgen05 (flash_attention_tcgen05)",
+        Loads::Copies,
+        false,
+    ),
+    (
+        "flash_attention_tcgen05_pool",
+        "tcgen05 over the pool",
+        Loads::Copies,
+        true,
+    ),
+    (
+        "flash_attention_tcgen05_tma",
+        "tcgen05, loading by TMA",
+        Loads::Tma,
+        false,
+    ),
+    (
+        "flash_attention_tcgen05_tma_pool",
+        "tcgen05, loading by TMA, over the pool",
+        Loads::Tma,
+        true,
+    ),
 ];
 
 /// The kernels timed on `arch`: the tensor-core prefill over a contiguous cache and over the
@@ -97,7 +119,9 @@ fn kernels(arch: &str) -> Vec<Kernel> {
     let tcgen05 = TCGEN05_FLASH
         .iter()
         .filter(|_| arch == "sm_100a")
-        .map(|&(name, _, pooled)| flash_attention_tcgen05(name, "gpu-check", pool_or_not(pooled), HEAD_DIM));
+        .map(|&(name, _, loads, pooled)| {
+            flash_attention_tcgen05(name, "gpu-check", pool_or_not(pooled), HEAD_DIM, loads)
+        });
     let mut kernels = vec![
         flash_attention("flash_attention", "gpu-check", CacheLayout::Contiguous, HEAD_DIM),
         flash_attention("flash_attention_pool", "gpu-check", CacheLayout::Batched, HEAD_DIM),
@@ -266,7 +290,11 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
         let wide = WGMMA_FLASH
             .iter()
             .map(|&(name, label, _, pooled)| (name, label, pooled))
-            .chain(TCGEN05_FLASH);
+            .chain(
+                TCGEN05_FLASH
+                    .iter()
+                    .map(|&(name, label, _, pooled)| (name, label, pooled)),
+            );
         for (name, label, pooled) in wide {
             if let Ok(kernel) = find(name) {
                 let value: Value = match pooled {

@@ -346,9 +346,8 @@ fn flash_attention_kernels(arch: &str) -> Vec<(Kernel, FlashCheck)> {
     use kernels_gen::templates::cache_layout::CacheLayout;
     use kernels_gen::templates::flash_attention::flash_attention;
     use kernels_gen::templates::flash_attention_tcgen05;
-    use kernels_gen::templates::flash_attention_wgmma::{
-        flash_attention_wgmma, supports as wgmma_supports, supports_tma, Schedule,
-    };
+    use kernels_gen::templates::flash_attention_wgmma::{flash_attention_wgmma, supports as wgmma_supports, Schedule};
+    use kernels_gen::templates::flash_tma::supports as supports_tma;
     let layout = |paged: bool| match paged {
         true => CacheLayout::Paged,
         false => CacheLayout::Contiguous,
@@ -381,13 +380,25 @@ fn flash_attention_kernels(arch: &str) -> Vec<(Kernel, FlashCheck)> {
     let tcgen05 = FLASH_CHECKS
         .iter()
         .filter(|check| arch == "sm_100a" && flash_attention_tcgen05::supports(check.4))
-        .map(|&check| {
+        .flat_map(|&check| {
+            use flash_attention_tcgen05::Loads;
             let (head_dim, paged) = (check.4, check.5);
-            let name = format!("flash_attention_tcgen05_{head_dim}");
-            (
-                flash_attention_tcgen05::flash_attention_tcgen05(&name, "gpu-check", layout(paged), head_dim),
-                check,
-            )
+            [("", Loads::Copies), ("_tma", Loads::Tma)]
+                .into_iter()
+                .filter(move |&(_, loads)| loads == Loads::Copies || supports_tma(head_dim))
+                .map(move |(form, loads)| {
+                    let name = format!("flash_attention_tcgen05{form}_{head_dim}");
+                    (
+                        flash_attention_tcgen05::flash_attention_tcgen05(
+                            &name,
+                            "gpu-check",
+                            layout(paged),
+                            head_dim,
+                            loads,
+                        ),
+                        check,
+                    )
+                })
         });
     mma.chain(wgmma).chain(tcgen05).collect()
 }
@@ -862,7 +873,7 @@ mod tests {
         let hopper = flash_attention_kernels("sm_90a");
         assert_eq!(hopper.len(), FLASH_CHECKS.len() + 3);
         let blackwell = flash_attention_kernels("sm_100a");
-        assert_eq!(blackwell.len(), FLASH_CHECKS.len() + 1);
+        assert_eq!(blackwell.len(), FLASH_CHECKS.len() + 2);
         let mut device = EmulatorDevice::new(hopper.iter().map(|(kernel, _)| kernel.clone()).collect());
         let results = run_flash_attention(&mut device, &hopper).unwrap();
         // On the same inputs the `wgmma` forms compute what the `mma.sync` one does.
@@ -871,7 +882,10 @@ mod tests {
         }
         check_flash_results(&results, &hopper);
         let mut device = EmulatorDevice::new(blackwell.iter().map(|(kernel, _)| kernel.clone()).collect());
-        check_flash_results(&run_flash_attention(&mut device, &blackwell).unwrap(), &blackwell);
+        let results = run_flash_attention(&mut device, &blackwell).unwrap();
+        // Loaded by TMA, the same products in the same order as copied.
+        assert_eq!(results[FLASH_CHECKS.len() + 1], results[FLASH_CHECKS.len()]);
+        check_flash_results(&results, &blackwell);
     }
 
     /// Each of `results` (of `checks`) within bf16's precision of the reference's attention.

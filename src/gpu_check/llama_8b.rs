@@ -83,6 +83,11 @@ pub fn decode(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
             "Llama-8B-shaped, tcgen05 prefill attention",
             codegen::gpu::PrefillAttention::Tcgen05,
         ),
+        (
+            "sm_100a",
+            "Llama-8B-shaped, tcgen05 prefill attention loading by TMA",
+            codegen::gpu::PrefillAttention::Tcgen05Tma,
+        ),
     ];
     for (_, name, attention) in wide.into_iter().filter(|(on, ..)| *on == arch) {
         let kernels = codegen::gpu::PlanKernels {

@@ -131,6 +131,10 @@ pub enum PrefillAttention {
     /// `templates::flash_attention_tcgen05`: both products on the B200's `tcgen05` into
     /// tensor memory, for heads up to 128 dims (the others, and other targets, as `Mma`).
     Tcgen05,
+    /// The same with the tiles loaded by TMA, for heads of 64 or 128 dims (the others as
+    /// `Tcgen05`); a batched plan's KV blocks then hold a multiple of 16 positions.
+    #[serde(rename = "tcgen05-tma")]
+    Tcgen05Tma,
 }
 
 /// The flash kernel a plan's prompts attend on, on its target.
@@ -140,20 +144,22 @@ pub enum FlashForm {
     Mma,
     /// `templates::flash_attention_wgmma`, in this schedule.
     Wgmma(kernels_gen::templates::flash_attention_wgmma::Schedule),
-    /// `templates::flash_attention_tcgen05`.
-    Tcgen05,
+    /// `templates::flash_attention_tcgen05`, its tiles loaded so.
+    Tcgen05(kernels_gen::templates::flash_attention_tcgen05::Loads),
 }
 
 impl PrefillAttention {
     /// The flash kernel this choice takes on `target`: each tensor-core form on the
     /// architecture that has it, `mma.sync` elsewhere.
     pub fn flash_form(self, target: Target) -> FlashForm {
+        use kernels_gen::templates::flash_attention_tcgen05::Loads;
         use kernels_gen::templates::flash_attention_wgmma::Schedule;
         match (self, target.cuda_arch()) {
             (PrefillAttention::Wgmma, Some("sm_90a")) => FlashForm::Wgmma(Schedule::Lockstep),
             (PrefillAttention::WgmmaSpecialised, Some("sm_90a")) => FlashForm::Wgmma(Schedule::Specialised),
             (PrefillAttention::WgmmaTma, Some("sm_90a")) => FlashForm::Wgmma(Schedule::Tma),
-            (PrefillAttention::Tcgen05, Some("sm_100a")) => FlashForm::Tcgen05,
+            (PrefillAttention::Tcgen05, Some("sm_100a")) => FlashForm::Tcgen05(Loads::Copies),
+            (PrefillAttention::Tcgen05Tma, Some("sm_100a")) => FlashForm::Tcgen05(Loads::Tma),
             _ => FlashForm::Mma,
         }
     }

@@ -24,15 +24,20 @@
 //! The output accumulates in registers, tensor memory holding one tile's products: rescaling
 //! an accumulator kept there would need `tcgen05.st`, which the DSL does not have.
 //!
-//! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 128 ([`supports`]);
-//! the cache bf16.
+//! The tiles may instead load by TMA ([`Loads::Tma`], `flash_tma`): thread 0 issues tile
+//! i + 2's boxes once tile i's `P·V` is done, announcing their bytes on the buffer's `landed`
+//! mbarrier, and waits on it before it issues the tile's scores; no other thread copies.
+//!
+//! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 128 ([`supports`]),
+//! 64 or 128 by TMA (`flash_tma::supports`, whose paged caches also need blocks of a multiple
+//! of `flash_tma::TMA_KEYS` positions); the cache bf16.
 
 use super::cache_layout::CacheLayout;
 use super::flash_attention::{
     self as flash, block_keys, block_rows, copy_tile, guarded_by_rows, query_tiles_expr, TileOrder, TILE_KEYS,
 };
 use super::flash_attention_wgmma::{load_queries, ring_slot};
-use super::tma_gemm;
+use super::{flash_tma, tma_gemm};
 use crate::dsl::*;
 
 /// Two warpgroups: a thread of each for every row.
@@ -56,6 +61,50 @@ const LOAD_COLUMNS: usize = 8;
 /// Whether the kernel takes a head of `head_dim`: half its dims in each thread's registers.
 pub fn supports(head_dim: usize) -> bool {
     flash::supports(head_dim) && head_dim <= flash::QUERIES_IN_REGISTERS
+}
+
+/// How the key and value tiles reach shared memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loads {
+    /// Every thread's 16-byte `cp.async` copies, in core matrices.
+    Copies,
+    /// Thread 0's TMA boxes, 128-byte swizzled (`flash_tma`; heads it takes).
+    Tma,
+}
+
+/// The mbarrier tile `tile`'s boxes land on (its buffer's), and the parity of its phase.
+fn landed(tile: Expr) -> (MbarrierRef, Expr) {
+    (
+        tma_gemm::barrier("landed", rem(tile.clone(), int(BUFFERS))),
+        rem(tile / int(BUFFERS), int(2)),
+    )
+}
+
+/// Thread 0's wait for tile `tile`'s boxes.
+fn wait_landed(tile: Expr) -> Stmt {
+    let (barrier, parity) = landed(tile);
+    Stmt::Mbarrier(Box::new(Mbarrier::Wait { barrier, parity }))
+}
+
+/// Tile `tile`'s keys and values (from key `first_key`) into the ring's buffer at `buffer`:
+/// every thread's copies, or thread 0's boxes (for thread 0 alone).
+fn load_tile(
+    layout: CacheLayout,
+    head_dim: usize,
+    loads: Loads,
+    tile: Expr,
+    (first_key, buffer): (Expr, Expr),
+) -> Vec<Stmt> {
+    match loads {
+        Loads::Copies => copy_tile(
+            layout,
+            (head_dim, TileOrder::CoreMatrices),
+            (tid(), THREADS),
+            first_key,
+            buffer,
+        ),
+        Loads::Tma => flash_tma::load_tile(layout, head_dim, (first_key, buffer), landed(tile).0),
+    }
 }
 
 fn score(k: usize) -> String {
@@ -90,9 +139,9 @@ fn load_row(column: Expr, names: &[String]) -> Vec<Stmt> {
     out
 }
 
-/// The scores of key tile `tile` (its keys in the ring's buffer for it) into that tile's
-/// scores columns (`64 · (tile % 2)`), committed: for thread 0.
-fn issue_scores(head_dim: usize, tile: Expr) -> Vec<Stmt> {
+/// The scores of key tile `tile` (its keys in the ring's buffer for it, as `loads` lays them)
+/// into that tile's scores columns (`64 · (tile % 2)`), committed: for thread 0.
+fn issue_scores(head_dim: usize, loads: Loads, tile: Expr) -> Vec<Stmt> {
     let hd = head_dim as u32;
     let mut issue = Vec::new();
     for step in 0..head_dim as i64 / 16 {
@@ -104,10 +153,15 @@ fn issue_scores(head_dim: usize, tile: Expr) -> Vec<Stmt> {
             sbo: 16 * hd,
             swizzle: Swizzle::None,
         };
+        let buffer = ring_slot(head_dim, tile.clone(), BUFFERS);
+        let keys = match loads {
+            Loads::Copies => operand("ks", buffer + slice.clone()),
+            Loads::Tma => flash_tma::key_slice(buffer, step),
+        };
         issue.push(tc(Tcgen05::Mma(Box::new(TmemMma {
             tmem: var("tmem") + scores_column(tile.clone()),
             a: operand("qs", slice.clone()),
-            b: operand("ks", ring_slot(head_dim, tile.clone(), BUFFERS) + slice),
+            b: keys,
             b_major: Major::K,
             n: TILE_KEYS as u32,
             accumulate: Expr::Bool(step > 0),
@@ -125,12 +179,22 @@ fn scores_column(tile: Expr) -> Expr {
 }
 
 /// `P·V` for the value tile at `kv0` into the values' columns, the keys in 4 slices of 16: A
-/// the probabilities in `ps` (K-major, 8-row groups 1 KiB apart), B the value tile MN-major (a
-/// core matrix 8 keys of 8 dims: the next 8 keys `8 × head_dim` elements on, the next 8 dims a
-/// core matrix on); committed: for thread 0.
-fn issue_values(head_dim: usize) -> Vec<Stmt> {
+/// the probabilities in `ps` (K-major, 8-row groups 1 KiB apart), B the value tile MN-major
+/// (copied, a core matrix 8 keys of 8 dims: the next 8 keys `8 × head_dim` elements on, the
+/// next 8 dims a core matrix on; or as TMA lands it); committed: for thread 0.
+fn issue_values(head_dim: usize, loads: Loads) -> Vec<Stmt> {
     let mut issue = Vec::new();
     for u in 0..TILE_KEYS / 16 {
+        let values = match loads {
+            Loads::Copies => SmemMatrix {
+                array: "vs".into(),
+                start: var("kv0") + int(16 * head_dim as i64 * u),
+                lbo: 16 * head_dim as u32,
+                sbo: CORE_BYTES,
+                swizzle: Swizzle::None,
+            },
+            Loads::Tma => flash_tma::value_slice(var("kv0"), u),
+        };
         issue.push(tc(Tcgen05::Mma(Box::new(TmemMma {
             tmem: var("tmem") + int(VALUES_COLUMN),
             a: SmemMatrix {
@@ -140,13 +204,7 @@ fn issue_values(head_dim: usize) -> Vec<Stmt> {
                 sbo: (2 * 8 * TILE_KEYS) as u32,
                 swizzle: Swizzle::None,
             },
-            b: SmemMatrix {
-                array: "vs".into(),
-                start: var("kv0") + int(16 * head_dim as i64 * u),
-                lbo: 16 * head_dim as u32,
-                sbo: CORE_BYTES,
-                swizzle: Swizzle::None,
-            },
+            b: values,
             b_major: Major::MN,
             n: head_dim as u32,
             accumulate: Expr::Bool(u > 0),
@@ -259,11 +317,12 @@ fn fold_values(head_dims: usize) -> Vec<Stmt> {
 /// Step `i` over the key tiles (tile i at `j0`, in the ring's buffer `kv0`), its scores
 /// issued by the step before (or before the loop): the softmax; past a barrier (the
 /// probabilities stored, tile i + 1's copies landed) thread 0 issues tile i's `P·V`, then tile
-/// i + 1's scores, which run while the block folds `P·V` into its outputs; then tile i's
-/// buffer, its products done, takes tile i + 2's copies, which land during the next softmax.
-/// Thread 0 overwrites the `P·V` columns and tile i + 1's scores columns once every warp has
-/// read them (the last step's `free`).
-fn tile_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
+/// i + 1's scores (by TMA: once its boxes landed), which run while the block folds `P·V` into
+/// its outputs; then tile i's buffer, its products done, takes tile i + 2's copies (by TMA:
+/// thread 0's boxes, as soon as `P·V` is done), which land during the next softmax. Thread 0
+/// overwrites the `P·V` columns and tile i + 1's scores columns once every warp has read them
+/// (the last step's `free`).
+fn tile_step(layout: CacheLayout, head_dim: usize, loads: Loads) -> Vec<Stmt> {
     let parity = rem(var("i"), int(2));
     let wait = |barrier: &str| {
         vec![
@@ -287,10 +346,30 @@ fn tile_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
             ),
             tc(Tcgen05::FenceAfterSync),
         ],
-        issue_values(head_dim),
-        vec![if_(lt(ahead(1), var("hi")), issue_scores(head_dim, var("i") + int(1)))],
+        issue_values(head_dim, loads),
+        vec![if_(
+            lt(ahead(1), var("hi")),
+            [
+                match loads {
+                    Loads::Copies => vec![],
+                    Loads::Tma => vec![wait_landed(var("i") + int(1))],
+                },
+                issue_scores(head_dim, loads, var("i") + int(1)),
+            ]
+            .concat(),
+        )],
     ]
     .concat();
+    let next_copies = if_(
+        lt(ahead(2), var("hi")),
+        load_tile(layout, head_dim, loads, var("i") + int(2), (ahead(2), var("kv0"))),
+    );
+    // By TMA thread 0 loads the tile after next as soon as `P·V` has read this buffer; copies
+    // go out after the outputs are folded, each thread's registers free again.
+    let (boxes, copies) = match loads {
+        Loads::Copies => (vec![], vec![next_copies]),
+        Loads::Tma => (vec![if_(eq(tid(), int(0)), vec![next_copies])], vec![]),
+    };
     [
         vec![
             let_("j0", Ty::I32, var("first_tile") + var("i") * int(TILE_KEYS)),
@@ -298,9 +377,12 @@ fn tile_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
         ],
         wait("scores"),
         online_softmax(),
+        match loads {
+            Loads::Copies => vec![Stmt::CpAsyncWait(0)],
+            Loads::Tma => vec![],
+        },
         vec![
-            Stmt::CpAsyncWait(0),
-            // The probabilities and the landed copies, for the tensor cores; every thread's,
+            // The probabilities (and the landed copies), for the tensor cores; every thread's,
             // for thread 0.
             Stmt::FenceProxyAsync,
             tc(Tcgen05::FenceBeforeSync),
@@ -308,18 +390,10 @@ fn tile_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
             if_(eq(tid(), int(0)), products),
         ],
         wait("values"),
+        boxes,
         fold_values(head_dim / 2),
+        copies,
         vec![
-            if_(
-                lt(ahead(2), var("hi")),
-                copy_tile(
-                    layout,
-                    (head_dim, TileOrder::CoreMatrices),
-                    (tid(), THREADS),
-                    ahead(2),
-                    var("kv0"),
-                ),
-            ),
             tc(Tcgen05::FenceBeforeSync),
             Stmt::Mbarrier(Box::new(Mbarrier::Arrive {
                 barrier: tma_gemm::barrier("free", int(0)),
@@ -329,26 +403,38 @@ fn tile_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
     .concat()
 }
 
-/// [`flash::flash_attention`] on `tcgen05`, heads up to 128 dims ([`supports`]): the same
-/// parameters, rows and results, a batched step's `query_tiles` cut in tiles of
-/// [`QUERY_TILE_ROWS`].
-pub fn flash_attention_tcgen05(name: &str, origin: &str, layout: CacheLayout, head_dim: usize) -> Kernel {
+/// [`flash::flash_attention`] on `tcgen05`, heads up to 128 dims ([`supports`]), its tiles
+/// loaded as `loads` says: the same parameters (by TMA, also `flash_tma`'s), rows and results,
+/// a batched step's `query_tiles` cut in tiles of [`QUERY_TILE_ROWS`].
+pub fn flash_attention_tcgen05(name: &str, origin: &str, layout: CacheLayout, head_dim: usize, loads: Loads) -> Kernel {
     assert!(supports(head_dim), "head_dim {head_dim}");
+    assert!(
+        loads == Loads::Copies || flash_tma::supports(head_dim),
+        "head_dim {head_dim} by TMA"
+    );
     let dims = head_dim / 2;
-    let setup = vec![
-        if_(
-            eq(warp(), int(0)),
-            vec![tc(Tcgen05::Alloc {
-                columns: TMEM_COLUMNS,
-                slot: "tmem_slot".into(),
-            })],
-        ),
-        tma_gemm::init_barriers(&[("scores", 1), ("values", 1), ("free", THREADS as u32)], 1),
-        tc(Tcgen05::FenceBeforeSync),
-        Stmt::SyncThreads,
-        tc(Tcgen05::FenceAfterSync),
-        let_("tmem", Ty::I32, load("tmem_slot", int(0))),
-    ];
+    let landed_init = match loads {
+        Loads::Copies => vec![],
+        Loads::Tma => vec![tma_gemm::init_barriers(&[("landed", 1)], BUFFERS)],
+    };
+    let setup = [
+        landed_init,
+        vec![
+            if_(
+                eq(warp(), int(0)),
+                vec![tc(Tcgen05::Alloc {
+                    columns: TMEM_COLUMNS,
+                    slot: "tmem_slot".into(),
+                })],
+            ),
+            tma_gemm::init_barriers(&[("scores", 1), ("values", 1), ("free", THREADS as u32)], 1),
+            tc(Tcgen05::FenceBeforeSync),
+            Stmt::SyncThreads,
+            tc(Tcgen05::FenceAfterSync),
+            let_("tmem", Ty::I32, load("tmem_slot", int(0))),
+        ],
+    ]
+    .concat();
     let rows = vec![
         let_("half", Ty::I32, warp() / int(4)),
         let_("row_in_tile", Ty::I32, rem(warp(), int(4)) * int(32) + lane()),
@@ -386,39 +472,49 @@ pub fn flash_attention_tcgen05(name: &str, origin: &str, layout: CacheLayout, he
             ],
         ),
     ];
+    // The first two tiles, into the ring's two buffers.
+    let first_two = [
+        load_tile(layout, head_dim, loads, int(0), (var("first_tile"), int(0))),
+        vec![if_(
+            lt(var("first_tile") + int(TILE_KEYS), var("hi")),
+            load_tile(
+                layout,
+                head_dim,
+                loads,
+                int(1),
+                (var("first_tile") + int(TILE_KEYS), ring_slot(head_dim, int(1), BUFFERS)),
+            ),
+        )],
+    ]
+    .concat();
+    let first_tiles = match loads {
+        Loads::Copies => [first_two, vec![Stmt::CpAsyncWait(0)]].concat(),
+        Loads::Tma => vec![flash_tma::last_box(), if_(eq(tid(), int(0)), first_two)],
+    };
     let work = [
         block_keys(TILE_Q),
         rows,
         setup,
         load_queries(head_dim, THREADS),
         locals,
-        copy_tile(
-            layout,
-            (head_dim, TileOrder::CoreMatrices),
-            (tid(), THREADS),
-            var("first_tile"),
-            int(0),
-        ),
+        first_tiles,
         vec![
-            if_(
-                lt(var("first_tile") + int(TILE_KEYS), var("hi")),
-                copy_tile(
-                    layout,
-                    (head_dim, TileOrder::CoreMatrices),
-                    (tid(), THREADS),
-                    var("first_tile") + int(TILE_KEYS),
-                    ring_slot(head_dim, int(1), BUFFERS),
-                ),
-            ),
             // The first tiles and the queries, for the tensor cores: the first tile's scores.
-            Stmt::CpAsyncWait(0),
             Stmt::FenceProxyAsync,
             Stmt::SyncThreads,
             if_(
                 eq(tid(), int(0)),
-                [vec![tc(Tcgen05::FenceAfterSync)], issue_scores(head_dim, int(0))].concat(),
+                [
+                    vec![tc(Tcgen05::FenceAfterSync)],
+                    match loads {
+                        Loads::Copies => vec![],
+                        Loads::Tma => vec![wait_landed(int(0))],
+                    },
+                    issue_scores(head_dim, loads, int(0)),
+                ]
+                .concat(),
             ),
-            for_("i", int(0), var("tiles"), int(1), tile_step(layout, head_dim)),
+            for_("i", int(0), var("tiles"), int(1), tile_step(layout, head_dim, loads)),
         ],
         store_outputs,
         teardown,
@@ -436,20 +532,34 @@ pub fn flash_attention_tcgen05(name: &str, origin: &str, layout: CacheLayout, he
             "{origin}: causal prefill attention on tcgen05 (m128n64 scores and m128n{head_dim} P·V into tensor \
              memory, both operands from shared memory; {TILE_Q} query rows a block of two warpgroups, a thread of \
              each a row; {TILE_KEYS}-key tiles through a ring of {BUFFERS}; online softmax in f32, the output in \
-             registers), head_dim {head_dim}, bf16 {}",
+             registers{}), head_dim {head_dim}, bf16 {}",
+            match loads {
+                Loads::Copies => "",
+                Loads::Tma => "; the tiles loaded by TMA",
+            },
             layout.describe()
         ),
-        params: flash::params(layout),
-        shared: vec![
-            shared("qs", Ty::Bf16, TILE_Q as usize * head_dim),
-            shared("ks", Ty::Bf16, tile_elements),
-            shared("vs", Ty::Bf16, tile_elements),
-            shared("ps", Ty::Bf16, (TILE_Q * TILE_KEYS) as usize),
-            shared("scores", Ty::U32, 2),
-            shared("values", Ty::U32, 2),
-            shared("free", Ty::U32, 2),
-            shared("tmem_slot", Ty::I32, 1),
-        ],
+        params: match loads {
+            Loads::Copies => flash::params(layout),
+            Loads::Tma => [flash::params(layout), flash_tma::params()].concat(),
+        },
+        shared: [
+            vec![
+                shared("qs", Ty::Bf16, TILE_Q as usize * head_dim),
+                shared("ks", Ty::Bf16, tile_elements),
+                shared("vs", Ty::Bf16, tile_elements),
+                shared("ps", Ty::Bf16, (TILE_Q * TILE_KEYS) as usize),
+                shared("scores", Ty::U32, 2),
+                shared("values", Ty::U32, 2),
+                shared("free", Ty::U32, 2),
+                shared("tmem_slot", Ty::I32, 1),
+            ],
+            match loads {
+                Loads::Copies => vec![],
+                Loads::Tma => vec![shared("landed", Ty::U32, 2 * BUFFERS as usize)],
+            },
+        ]
+        .concat(),
         block_dim: THREADS as u32,
         grid: var("heads") * query_tiles_expr(layout, TILE_Q),
         body: guarded_by_rows(layout, block_rows(layout, (head_dim, 1), TILE_Q), work),

@@ -22,20 +22,19 @@
 //! FlashAttention-3's warp specialisation, a producer warp filling the ring through mbarriers
 //! while the two warpgroups ping-pong, each issuing its products only once the other has
 //! issued its own, so one's softmax runs under the other's products; and the same with the
-//! tiles loaded by TMA, as FlashAttention-3 loads them: one thread issues a tile's copies, 16
-//! keys' rows of 64 dims a box, which land 128-byte swizzled (the keys read K-major, the
-//! values MN-major), and the `full` barrier counts their bytes.
+//! tiles loaded by TMA, as FlashAttention-3 loads them (`flash_tma`), the `full` barrier
+//! counting their bytes.
 //!
 //! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 128 ([`supports`]),
-//! 64 or 128 for TMA ([`supports_tma`], whose paged caches also need blocks of a multiple of
-//! [`TMA_KEYS`] positions); the cache bf16.
+//! 64 or 128 for TMA (`flash_tma::supports`, whose paged caches also need blocks of a
+//! multiple of `flash_tma::TMA_KEYS` positions); the cache bf16.
 
 use super::cache_layout::CacheLayout;
 use super::flash_attention::{
     self as flash, block_rows, copy_tile, guarded_by_rows, o_name, online_softmax, query_tiles_expr, row_state, s_name,
     store_outputs, TileOrder, TILE_KEYS,
 };
-use super::tma_gemm;
+use super::{flash_tma, tma_gemm};
 use crate::dsl::*;
 
 /// A warpgroup's threads.
@@ -59,17 +58,6 @@ const CORE_BYTES: u32 = 128;
 /// scores in registers.
 pub fn supports(head_dim: usize) -> bool {
     flash::supports(head_dim) && head_dim <= flash::QUERIES_IN_REGISTERS
-}
-
-/// Keys a TMA box of the [`Schedule::Tma`] kernel holds: a paged cache's blocks must hold a
-/// multiple of them, so no box crosses a block.
-pub const TMA_KEYS: i64 = 16;
-/// Dims a TMA box holds: one 128-byte swizzled row of bf16.
-const TMA_DIMS: i64 = 64;
-
-/// Whether [`Schedule::Tma`] takes a head of `head_dim`: whole boxes of [`TMA_DIMS`].
-pub fn supports_tma(head_dim: usize) -> bool {
-    supports(head_dim) && head_dim.is_multiple_of(TMA_DIMS as usize)
 }
 
 fn p_name(j: usize, i: usize) -> String {
@@ -132,8 +120,7 @@ pub(super) fn load_queries(head_dim: usize, threads: i64) -> Vec<Stmt> {
 
 /// Issue this warpgroup's 64×64 scores of the key tile at `kv0`: A its rows of `qs` in core
 /// matrices, B the key tile read K-major, one m64n64k16 a 16-dim slice; one group. The key
-/// tile is in core matrices too, or with `swizzled` as TMA lands it: [`TMA_DIMS`]-dim halves
-/// one after the other, each 64 rows of 128 bytes (a slice 16 dims into its half's rows).
+/// tile is in core matrices too, or with `swizzled` as TMA lands it (`flash_tma`).
 fn issue_scores(head_dim: usize, swizzled: bool) -> Vec<Stmt> {
     let hd = head_dim as u32;
     let mut out: Vec<Stmt> = tile_registers(s_name).iter().map(|s| assign(s, f(0.0))).collect();
@@ -148,13 +135,7 @@ fn issue_scores(head_dim: usize, swizzled: bool) -> Vec<Stmt> {
                 sbo: 16 * hd,
                 swizzle: Swizzle::None,
             },
-            true => SmemMatrix {
-                array: "ks".into(),
-                start: var("kv0") + int(step / 4 * TILE_KEYS * TMA_DIMS + step % 4 * 16),
-                lbo: 16,
-                sbo: tma_gemm::ATOM_BYTES,
-                swizzle: Swizzle::B128,
-            },
+            true => flash_tma::key_slice(var("kv0"), step),
         };
         out.push(Stmt::Wgmma(Box::new(WgmmaOp {
             n: TILE_KEYS as u32,
@@ -177,9 +158,8 @@ fn issue_scores(head_dim: usize, swizzled: bool) -> Vec<Stmt> {
 /// Issue `O += P·V` for the value tile at `v0`: the keys in 4 slices of 16, A the
 /// probabilities' fragments (blocks 2u and 2u + 1), B the value tile read MN-major,
 /// uncommitted. In core matrices, one is 8 keys of 8 dims: the next 8 keys `8 × head_dim`
-/// elements on, the next 8 dims a core matrix on. With `swizzled`, as TMA lands it: a row of
-/// 128 bytes is a key's [`TMA_DIMS`] dims, the next 8 keys an atom on, the next half of the
-/// dims a half-tile on.
+/// elements on, the next 8 dims a core matrix on; or with `swizzled` as TMA lands it
+/// (`flash_tma`).
 fn issue_values(head_dim: usize, swizzled: bool) -> Vec<Stmt> {
     let mut out = vec![Stmt::WgmmaFence];
     for u in 0..TILE_KEYS / 16 {
@@ -191,13 +171,7 @@ fn issue_values(head_dim: usize, swizzled: bool) -> Vec<Stmt> {
                 sbo: CORE_BYTES,
                 swizzle: Swizzle::None,
             },
-            true => SmemMatrix {
-                array: "vs".into(),
-                start: var("v0") + int(16 * TMA_DIMS * u),
-                lbo: (2 * TILE_KEYS * TMA_DIMS) as u32,
-                sbo: tma_gemm::ATOM_BYTES,
-                swizzle: Swizzle::B128,
-            },
+            true => flash_tma::value_slice(var("v0"), u),
         };
         let u = u as usize;
         out.push(Stmt::Wgmma(Box::new(WgmmaOp {
@@ -224,7 +198,7 @@ pub enum Schedule {
     Specialised,
     /// As `Specialised`, the producer warp's first lane loading each tile by TMA
     /// ([`tma_producer`]): 128-byte swizzled boxes, their bytes counted by `full`, no copy
-    /// instructions of the block's own. Heads of [`supports_tma`].
+    /// instructions of the block's own. Heads `flash_tma::supports` takes.
     Tma,
 }
 
@@ -390,59 +364,8 @@ fn producer(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
 
 /// The producer warp's loop when tiles land by TMA: tile i's buffer given back as in
 /// [`producer`], then its first lane announces the tile's bytes on `full` and issues its
-/// boxes, each [`TMA_KEYS`] keys' rows (one cache block's, or part of one) of [`TMA_DIMS`]
-/// dims of the block's KV head, keys into `ks` and values into `vs`, a half of the dims a
-/// half-tile. Boxes past the block's last key copy the box holding it again (a paged
-/// sequence's table has no block there); the rows past it in a box are cache rows the pool
-/// holds, zero or another position's, which the causal mask leaves out.
+/// boxes (`flash_tma::load_tile`).
 fn tma_producer(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
-    let halves = head_dim as i64 / TMA_DIMS;
-    let boxes = |map: &str, dst: &str| -> Vec<Stmt> {
-        (0..halves)
-            .map(|half| {
-                Stmt::TmaLoad(Box::new(TmaLoad {
-                    map: map.into(),
-                    dst: dst.into(),
-                    dst_index: ring_buffer(head_dim, var("i"))
-                        + int(half * TILE_KEYS * TMA_DIMS)
-                        + var("b") * int(TMA_KEYS * TMA_DIMS),
-                    row: var("box_row"),
-                    col: var("kvh") * int(head_dim as i64) + int(half * TMA_DIMS),
-                    barrier: tma_gemm::barrier("full", rem(var("i"), int(BUFFERS))),
-                }))
-            })
-            .collect()
-    };
-    let copies = [
-        vec![Stmt::Mbarrier(Box::new(Mbarrier::ArriveExpectTx {
-            barrier: tma_gemm::barrier("full", rem(var("i"), int(BUFFERS))),
-            bytes: (2 * TILE_KEYS * head_dim as i64 * 2) as u32,
-        }))],
-        vec![for_(
-            "b",
-            int(0),
-            int(TILE_KEYS / TMA_KEYS),
-            int(1),
-            [
-                vec![
-                    let_(
-                        "box_key",
-                        Ty::I32,
-                        bin(
-                            BinOp::Min,
-                            var("first_tile") + var("i") * int(TILE_KEYS) + var("b") * int(TMA_KEYS),
-                            var("last_box"),
-                        ),
-                    ),
-                    let_("box_row", Ty::I32, layout.row(var("box_key"))),
-                ],
-                boxes("k_map", "ks"),
-                boxes("v_map", "vs"),
-            ]
-            .concat(),
-        )],
-    ]
-    .concat();
     let step = vec![
         if_(
             bin(BinOp::Ge, var("i"), int(BUFFERS)),
@@ -451,39 +374,20 @@ fn tma_producer(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
                 parity: rem(var("i") / int(BUFFERS) + int(1), int(2)),
             }))],
         ),
-        if_(eq(lane(), int(0)), copies),
-    ];
-    vec![
-        let_(
-            "last_box",
-            Ty::I32,
-            (var("hi") - int(1)) / int(TMA_KEYS) * int(TMA_KEYS),
+        if_(
+            eq(lane(), int(0)),
+            flash_tma::load_tile(
+                layout,
+                head_dim,
+                (
+                    var("first_tile") + var("i") * int(TILE_KEYS),
+                    ring_buffer(head_dim, var("i")),
+                ),
+                tma_gemm::barrier("full", rem(var("i"), int(BUFFERS))),
+            ),
         ),
-        for_("i", int(0), var("tiles"), int(1), step),
-    ]
-}
-
-/// The TMA schedule's parameters past the others': the cache's positions (`cache_rows`) and
-/// a position's elements (`cache_width`, `kv_heads · head_dim`), and the tensor maps it reads
-/// the cache through, `k_map` over `k` and `v_map` over `v`, sized by those, in boxes of
-/// [`TMA_KEYS`] × [`TMA_DIMS`], 128-byte swizzled.
-fn cache_maps() -> Vec<Param> {
-    let maps = ["k", "v"].into_iter().map(|buffer| {
-        Param::TensorMap(Box::new(TensorMap {
-            name: format!("{buffer}_map"),
-            buffer: buffer.into(),
-            rows: var("cache_rows"),
-            cols: var("cache_width"),
-            stride: var("cache_width"),
-            box_rows: TMA_KEYS as u32,
-            box_cols: TMA_DIMS as u32,
-            swizzle: Swizzle::B128,
-        }))
-    });
-    [scalar("cache_rows", Ty::I32), scalar("cache_width", Ty::I32)]
-        .into_iter()
-        .chain(maps)
-        .collect()
+    ];
+    vec![flash_tma::last_box(), for_("i", int(0), var("tiles"), int(1), step)]
 }
 
 /// A consumer warpgroup's step for tile i: its buffer handed over (`full`), the products,
@@ -522,7 +426,10 @@ pub fn flash_attention_wgmma(
     schedule: Schedule,
 ) -> Kernel {
     assert!(supports(head_dim), "head_dim {head_dim}");
-    assert!(!schedule.tma() || supports_tma(head_dim), "head_dim {head_dim} by TMA");
+    assert!(
+        !schedule.tma() || flash_tma::supports(head_dim),
+        "head_dim {head_dim} by TMA"
+    );
     let threads = schedule.threads();
     let locals = output_registers(head_dim)
         .into_iter()
@@ -619,7 +526,7 @@ pub fn flash_attention_wgmma(
         Schedule::Tma => "two consumer warpgroups taking turns and a producer warp issuing TMA",
     };
     let params = match schedule {
-        Schedule::Tma => [flash::params(layout), cache_maps()].concat(),
+        Schedule::Tma => [flash::params(layout), flash_tma::params()].concat(),
         _ => flash::params(layout),
     };
     Kernel {

@@ -12,6 +12,7 @@ pub mod fill;
 pub mod flash_attention;
 pub mod flash_attention_tcgen05;
 pub mod flash_attention_wgmma;
+pub mod flash_tma;
 pub mod gather;
 pub mod gemm_mma;
 pub mod gemm_tcgen05;
@@ -1009,6 +1010,14 @@ pub fn catalog() -> Vec<Kernel> {
             "catalog",
             cache_layout::CacheLayout::Batched,
             128,
+            flash_attention_tcgen05::Loads::Copies,
+        ),
+        flash_attention_tcgen05::flash_attention_tcgen05(
+            "flash_attention_tcgen05_tma_d128",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            128,
+            flash_attention_tcgen05::Loads::Tma,
         ),
         flash_attention::flash_attention(
             "flash_attention_d256",

@@ -14,10 +14,11 @@ use crate::gpu::{DecodeAttention, FlashForm, GpuCodegenError, KvLayout, LaunchAr
 use ir::{AttentionSpec, DType, Op};
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::cache_layout::CacheLayout;
+use kernels_gen::templates::flash_attention_tcgen05::Loads;
 use kernels_gen::templates::flash_attention_wgmma::Schedule;
 use kernels_gen::templates::{
-    attention, attention_vector, flash_attention, flash_attention_tcgen05, flash_attention_wgmma, kv_append, rope,
-    step_gate, weight_prefetch,
+    attention, attention_vector, flash_attention, flash_attention_tcgen05, flash_attention_wgmma, flash_tma, kv_append,
+    rope, step_gate, weight_prefetch,
 };
 
 /// Steps whose sequences average this many rows or more attend on the tensor cores
@@ -325,11 +326,11 @@ fn attend(
     args.push(scalar(GATE, &split_step));
     s.launches
         .push((i, step_gate::gated(split, GATE), Alternatives::default(), args));
+    // Heads TMA's boxes do not tile copy their tiles themselves.
+    let by_tma = flash_tma::supports(spec.head_dim);
     let flash_form = match kernels.flash {
-        // Heads TMA's boxes do not tile copy their tiles themselves.
-        FlashForm::Wgmma(Schedule::Tma) if !flash_attention_wgmma::supports_tma(spec.head_dim) => {
-            FlashForm::Wgmma(Schedule::Specialised)
-        }
+        FlashForm::Wgmma(Schedule::Tma) if !by_tma => FlashForm::Wgmma(Schedule::Specialised),
+        FlashForm::Tcgen05(Loads::Tma) if !by_tma => FlashForm::Tcgen05(Loads::Copies),
         form => form,
     };
     let (kernel, tile_rows) = match flash_form {
@@ -347,12 +348,16 @@ fn attend(
             ),
             flash_attention_wgmma::QUERY_TILE_ROWS,
         ),
-        FlashForm::Tcgen05 if flash_attention_tcgen05::supports(spec.head_dim) => (
+        FlashForm::Tcgen05(loads) if flash_attention_tcgen05::supports(spec.head_dim) => (
             flash_attention_tcgen05::flash_attention_tcgen05(
-                "flash_attention_tcgen05",
+                match loads {
+                    Loads::Copies => "flash_attention_tcgen05",
+                    Loads::Tma => "flash_attention_tcgen05_tma",
+                },
                 &graph.name,
                 cache.layout,
                 spec.head_dim,
+                loads,
             ),
             flash_attention_tcgen05::QUERY_TILE_ROWS,
         ),
@@ -378,7 +383,7 @@ fn attend(
     ]
     .concat();
     if kernel.tensor_maps().next().is_some() && cache.layout != CacheLayout::Contiguous {
-        s.block_multiple = s.block_multiple.max(flash_attention_wgmma::TMA_KEYS as usize);
+        s.block_multiple = s.block_multiple.max(flash_tma::TMA_KEYS as usize);
     }
     s.launches
         .push((i, step_gate::gated(kernel, GATE), Alternatives::default(), flash_args));
