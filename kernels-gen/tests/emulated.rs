@@ -635,7 +635,8 @@ fn attention_matches_reference_with_windows_groups_and_long_caches() {
 /// The tensor-core prefill attention against the reference on bf16-rounded queries, keys and
 /// values: one and several query tiles (ragged), a cached prefix before the chunk, grouped KV
 /// heads, a window, head dims 16 to 256, the cache contiguous and paged (blocks shuffled); on
-/// `mma.sync` and, for heads up to 128 dims, on Hopper's `wgmma`. Its probabilities meet the
+/// `mma.sync` and, for heads up to 128 dims, on Hopper's `wgmma` and the B200's `tcgen05`
+/// (by TMA at 64 and 128). Its probabilities meet the
 /// values rounded to bf16 (the tensor cores' operand), so it agrees to bf16's precision
 /// (errors up to 1.2e-3 of the largest output here), not f32's.
 #[test]
@@ -649,6 +650,8 @@ fn flash_attention_matches_reference() {
         (130, 0, 2, 2, 32, 50),
         (9, 100, 2, 1, 128, 0),
         (17, 3, 2, 1, 256, 0),
+        // 12 chunks of 16 bytes a row: the row-major tiles permute them in groups of 4.
+        (33, 5, 2, 1, 96, 0),
     ] {
         let len = first + tokens;
         let (q, k, v) = (

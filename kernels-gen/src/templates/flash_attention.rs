@@ -76,16 +76,26 @@ pub fn supports(head_dim: usize) -> bool {
 /// How a key or value tile lies in shared memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum TileOrder {
-    /// A key's dims in turn (`mma.sync` loads its fragments itself).
+    /// A key's dims in turn (`mma.sync` loads its fragments itself), keys [`row_pitch`]
+    /// elements apart.
     RowMajor,
     /// 8×8 core matrices (`wgmma`'s unit): key `k`, dim `d` at element
     /// `k / 8 · 8·head_dim + d / 8 · 64 + k % 8 · 8 + d % 8`.
     CoreMatrices,
 }
 
+/// Elements between keys of a row-major tile ([`TileOrder::RowMajor`]): the head, and 16
+/// bytes more. A fragment load reads a dim pair of 8 keys (or a dim of 4 keys' pairs) at
+/// once; with rows of 128 to 512 bytes those would all fall in one bank, 16 bytes more a row
+/// puts each key 4 banks on from the one before, and the loads keep constant offsets from one
+/// address a lane (a permutation of the chunks would not).
+fn row_pitch(head_dim: usize) -> i64 {
+    head_dim as i64 + CHUNK
+}
+
 /// Key and value tiles a block keeps: two (the next tile's copies in flight while the warps
 /// work on one) where the head fits, one for heads past 128 dims (whose queries take shared
-/// memory too: 96 KiB in all, within the RTX PRO 6000's 99 KiB a block).
+/// memory too: 98 KiB in all at 256 dims, within the RTX PRO 6000's 99 KiB a block).
 fn tile_buffers(head_dim: usize) -> i64 {
     match head_dim > QUERIES_IN_REGISTERS {
         true => 1,
@@ -96,8 +106,9 @@ fn tile_buffers(head_dim: usize) -> i64 {
 /// The cooperative copy of the key tile at `j0` into `ks` and the value tile into `vs` from
 /// element `at` on (zeros past `hi`): 16-byte chunks, `64 × head_dim / 8` of each, `threads`
 /// copying, each from chunk `first` (its index among them) on; committed as one group. Copy
-/// `c` writes the tile's `c`-th 16 bytes. Row-major, a key's chunks go in turn. In core matrices a chunk is a core matrix's
-/// row (8 dims of one key), the 8-key groups `16 · head_dim` bytes apart and a group's core
+/// `c` writes the tile's `c`-th 16 bytes of keys and values. Row-major, a key's chunks go in
+/// turn, keys [`row_pitch`] apart. In core matrices a chunk is a core matrix's row (8 dims of
+/// one key), the 8-key groups `16 · head_dim` bytes apart and a group's core
 /// matrices adjacent along the dims, which `wgmma` reads K-major for the keys and MN-major for
 /// the values; copy `c` takes key `c % 8` of its group, so a warp's copies fill 512
 /// contiguous bytes (no bank conflicts) from 8 keys' 64-byte runs.
@@ -116,10 +127,16 @@ pub(super) fn copy_tile(
             rem(var("c") / int(8), int(chunks_per_row)),
         ),
     };
+    let dst_index = match order {
+        TileOrder::RowMajor => {
+            at.clone() + var("c") / int(chunks_per_row) * int(row_pitch(head_dim)) + var("chunk") * int(CHUNK)
+        }
+        TileOrder::CoreMatrices => at.clone() + var("c") * int(CHUNK),
+    };
     let copy = |dst: &str, src: &str| {
         Stmt::CpAsync(Box::new(AsyncCopy {
             dst: dst.into(),
-            dst_index: at.clone() + var("c") * int(CHUNK),
+            dst_index: dst_index.clone(),
             src: src.into(),
             src_index: var("base") + var("chunk") * int(CHUNK),
             valid: lt(var("key"), var("hi")),
@@ -153,7 +170,7 @@ pub(super) fn copy_tile(
 /// (`kv0`: its buffer's first element). With two buffers the next tile's copies are issued
 /// first (the first tile's went before the loop) and stay in flight.
 fn tile_head(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
-    let tile = TILE_KEYS * head_dim as i64;
+    let tile = TILE_KEYS * row_pitch(head_dim);
     let mut out = vec![let_(
         "buf",
         Ty::I32,
@@ -268,7 +285,7 @@ fn scores(head_dim: usize) -> Vec<Stmt> {
             let b: [String; 4] = std::array::from_fn(|i| format!("kb{i}"));
             for (i, name) in b.iter().enumerate() {
                 let dim = int(16 * step as i64 + (i % 2) as i64 + if i >= 2 { 8 } else { 0 }) + var("t2");
-                let at = var("kv0") + (int(8 * j as i64) + var("g")) * hd.clone() + dim;
+                let at = var("kv0") + (int(8 * j as i64) + var("g")) * int(row_pitch(head_dim)) + dim;
                 out.push(assign(name, load("ks", at)));
             }
             out.push(Stmt::MmaBf16(Box::new(MmaFragments {
@@ -355,7 +372,6 @@ pub(super) fn online_softmax() -> Vec<Stmt> {
 /// Rescale the output accumulators by `c_lo`/`c_hi`, then add P·V: the keys in 4 steps of 16,
 /// P's fragments the scores' accumulators (blocks 2u and 2u + 1), V's read from `vs`.
 fn accumulate(head_dim: usize) -> Vec<Stmt> {
-    let hd = int(head_dim as i64);
     let part_dims = head_dim / parts(head_dim);
     let mut out = Vec::new();
     for v in 0..part_dims / 8 {
@@ -373,7 +389,7 @@ fn accumulate(head_dim: usize) -> Vec<Stmt> {
             let b: [String; 4] = std::array::from_fn(|i| format!("vb{i}"));
             for (i, name) in b.iter().enumerate() {
                 let key = int(16 * u as i64 + (i % 2) as i64 + if i >= 2 { 8 } else { 0 }) + var("t2");
-                let at = var("kv0") + key * hd.clone() + var("d0") + int(8 * v as i64) + var("g");
+                let at = var("kv0") + key * int(row_pitch(head_dim)) + var("d0") + int(8 * v as i64) + var("g");
                 out.push(assign(name, load("vs", at)));
             }
             out.push(Stmt::MmaBf16(Box::new(MmaFragments {
@@ -617,7 +633,7 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         store_outputs(head_dim),
     ]
     .concat();
-    let tile_elements = (TILE_KEYS as usize) * head_dim * tile_buffers(head_dim) as usize;
+    let tile_elements = (TILE_KEYS * row_pitch(head_dim) * tile_buffers(head_dim)) as usize;
     let queries = (head_dim > QUERIES_IN_REGISTERS).then(|| SharedArray {
         name: "qs".into(),
         ty: Ty::Bf16,
