@@ -13,8 +13,8 @@ use std::collections::HashMap;
 
 mod common;
 use common::{
-    bf16_array, close, edited, ints, residual_reference, rows_of, run_gemv, run_norm_gemv, try_run_matmul,
-    try_run_residual_matmul, try_run_split_matmul, Residual, Rng,
+    bf16_array, close, edited, ints, profile_matmul, residual_reference, rows_of, run_gemv, run_norm_gemv,
+    try_run_matmul, try_run_residual_matmul, try_run_split_matmul, Residual, Rng,
 };
 
 #[test]
@@ -805,6 +805,75 @@ fn flash_attention_over_a_batched_step_matches_reference() {
                 ),
             );
         }
+    }
+}
+
+/// The `mma.sync` kernels load their fragments from shared memory without bank conflicts, as
+/// the emulator counts them (`run_profiled`: every warp's access one wavefront a phase): the
+/// flash attention's key and value tiles at 64, 128 and 256 dims (rows 16 bytes longer than
+/// the head; rows of 256 bytes took 8 wavefronts a key load), and the GEMMs' activation and
+/// weight tiles (staged with padding, or read from TMA's swizzled boxes).
+#[test]
+fn mma_sync_fragment_loads_meet_no_bank_conflicts() {
+    use kernels_gen::emulator::{run_profiled, SharedTraffic};
+    use kernels_gen::templates::cache_layout::CacheLayout;
+    let conflict_free = |traffic: &SharedTraffic, arrays: &[&str], what: &str| {
+        for array in arrays {
+            let t = traffic
+                .0
+                .get(*array)
+                .unwrap_or_else(|| panic!("{what}: no traffic on {array}"));
+            assert_eq!(t.worst, 1, "{what}, {array}: {t:?}");
+        }
+    };
+    let mut rng = Rng(5);
+    let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+    for head_dim in [64, 128, 256] {
+        let (tokens, heads) = (70, 2);
+        let (q, k, v) = (
+            round(&rng.vec(tokens * heads * head_dim)),
+            round(&rng.vec(tokens * head_dim)),
+            round(&rng.vec(tokens * head_dim)),
+        );
+        let mut scalars = ints(&[
+            ("tokens", tokens as i64),
+            ("q_stride", (heads * head_dim) as i64),
+            ("first", 0),
+            ("heads", heads as i64),
+            ("kv_heads", 1),
+            ("window", 0),
+        ]);
+        scalars.insert("scale".into(), Scalar::F32(0.3));
+        let kernel = flash_attention::flash_attention("flash", "test", CacheLayout::Contiguous, head_dim);
+        let mut bufs = HashMap::from([
+            ("q".into(), Array::f32(&q)),
+            ("k".into(), bf16_array(&k)),
+            ("v".into(), bf16_array(&v)),
+            ("out".into(), Array::poisoned(Ty::F32, tokens * heads * head_dim)),
+        ]);
+        let traffic = run_profiled(&kernel, &mut bufs, &scalars).unwrap();
+        conflict_free(
+            &traffic,
+            &["ks", "vs"],
+            &format!("flash attention, head_dim {head_dim}"),
+        );
+    }
+    let (tokens, n, k) = (64, 128, 256);
+    let (x, w) = (rng.vec(tokens * k), bf16_array(&rng.vec(n * k)));
+    let gemms = [
+        (
+            gemm_mma::gemm_mma("gemm", "test", gemm_mma::WeightStaging::CpAsync),
+            Array::f32(&x),
+        ),
+        (
+            gemm_mma::gemm_mma("gemm", "test", gemm_mma::WeightStaging::Registers),
+            Array::f32(&x),
+        ),
+        (gemm_tma_mma::gemm_tma_mma_bf16("gemm", "test"), bf16_array(&x)),
+    ];
+    for (gemm, x) in gemms {
+        let traffic = profile_matmul(&gemm, x, w.clone(), (tokens, n, k, k)).unwrap();
+        conflict_free(&traffic, &["xs", "ws"], &gemm.origin);
     }
 }
 

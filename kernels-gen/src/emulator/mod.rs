@@ -9,6 +9,7 @@
 //! `__syncthreads`; the second is invisible to lockstep execution, so it is tracked).
 
 mod asynchronous;
+mod banks;
 mod mbarrier;
 mod roles;
 mod tcgen05;
@@ -17,6 +18,7 @@ mod tma;
 use crate::dsl::*;
 use crate::types::{check, Scope};
 use asynchronous::AsyncState;
+pub use banks::{ArrayTraffic, SharedTraffic};
 use half::bf16;
 use mbarrier::Barriers;
 use std::borrow::Cow;
@@ -259,6 +261,10 @@ struct Block<'k> {
     maps: HashMap<String, ResolvedMap>,
     /// Which TMA copy wrote each shared element, and which tcgen05 commit covers an MMA reading it.
     landings: Landings,
+    /// Shared-memory traffic by array, where the run is profiled ([`run_profiled`]).
+    traffic: Option<std::cell::RefCell<SharedTraffic>>,
+    /// Set while a vector load's elements are read one by one (the load counted once).
+    traffic_paused: std::cell::Cell<bool>,
 }
 
 /// A hasher for element indices: one multiply (Fibonacci hashing).
@@ -362,6 +368,26 @@ pub fn run(
     buffers: &mut HashMap<String, Array>,
     scalars: &HashMap<String, Scalar>,
 ) -> Result<(), EmuError> {
+    run_counting(kernel, buffers, scalars, false).map(|_| ())
+}
+
+/// [`run`], counting each shared array's accesses and the bank conflicts they meet (see
+/// [`SharedTraffic`]): what the device would spend on them, which runs no slower for being
+/// wrong.
+pub fn run_profiled(
+    kernel: &Kernel,
+    buffers: &mut HashMap<String, Array>,
+    scalars: &HashMap<String, Scalar>,
+) -> Result<SharedTraffic, EmuError> {
+    run_counting(kernel, buffers, scalars, true)
+}
+
+fn run_counting(
+    kernel: &Kernel,
+    buffers: &mut HashMap<String, Array>,
+    scalars: &HashMap<String, Scalar>,
+    profiled: bool,
+) -> Result<SharedTraffic, EmuError> {
     check(kernel)?;
     let launch = |message: String| EmuError::Launch {
         kernel: kernel.name.clone(),
@@ -415,10 +441,14 @@ pub fn run(
     if grid < 0 {
         return Err(launch(format!("grid of {grid} blocks")));
     }
+    let mut traffic = SharedTraffic::default();
     for block in 0..grid as usize {
         let mut b = Block::new(kernel, block, kernel.block_dim as usize);
         b.set_scalars(&scalar_vals);
         b.maps = maps.clone();
+        if profiled {
+            b.traffic = Some(Default::default());
+        }
         let mask = vec![true; b.threads];
         b.exec(&kernel.body, &mask, buffers)
             .and_then(|()| b.tmem.check_freed())
@@ -428,8 +458,11 @@ pub fn run(
                 thread,
                 message,
             })?;
+        if let Some(counted) = &b.traffic {
+            traffic.add(&counted.borrow());
+        }
     }
-    Ok(())
+    Ok(traffic)
 }
 
 type Fault = (usize, String);
@@ -472,6 +505,8 @@ impl<'k> Block<'k> {
             tmem: TensorMemory::new(threads),
             barriers: Barriers::new(threads),
             maps: HashMap::new(),
+            traffic: None,
+            traffic_paused: std::cell::Cell::new(false),
             landings: Landings::new(
                 &kernel
                     .shared
@@ -533,17 +568,27 @@ impl<'k> Block<'k> {
                         format!("vector load of {width} from {buf}[{}] is misaligned{place}", idx[t].i()),
                     ));
                 }
+                if let Some(array) = self.shared.get(buf) {
+                    let bytes = array.ty.bytes();
+                    self.count_traffic(buf, &idx, mask, (bytes, names.len() * bytes));
+                }
                 // Element by element through `Load`, which checks bounds, initialisation and
-                // shared-memory ordering.
+                // shared-memory ordering (and counts nothing more).
+                self.traffic_paused.set(true);
                 for (j, name) in names.iter().enumerate() {
                     let element = Expr::Load {
                         buf: buf.clone(),
                         index: Box::new(index.clone() + int(j as i64)),
                     };
-                    let v = self.eval(&element, mask, global)?;
+                    let v = self.eval(&element, mask, global);
+                    if v.is_err() {
+                        self.traffic_paused.set(false);
+                    }
+                    let v = v?;
                     self.touch(name, mask)?;
                     self.declare(name, Ty::F32, &v, mask);
                 }
+                self.traffic_paused.set(false);
             }
             Stmt::For {
                 var,
@@ -758,6 +803,9 @@ impl<'k> Block<'k> {
             true => (self.shared[buf].len(), self.shared[buf].ty),
             false => (global[buf].len(), global[buf].ty),
         };
+        if is_shared {
+            self.count_traffic(buf, idx, mask, (ty.bytes(), ty.bytes()));
+        }
         // Each index this statement stored to: (thread, value). Keyed by small integers, so
         // hashed by a multiply, not SipHash: every thread of every store looks itself up.
         let mut this_stmt: HashMap<usize, (usize, f64), std::hash::BuildHasherDefault<IndexHasher>> =
@@ -807,6 +855,25 @@ impl<'k> Block<'k> {
 
     /// `buf[idx[t]]` for every active thread, widened to its compute type: bounds,
     /// initialisation and shared-memory ordering checked.
+    /// Where the run is profiled: an access of `buf` at element `idx[t]` by each active thread,
+    /// `width` bytes a lane from elements of `element` bytes, counted a warp at a time.
+    fn count_traffic(&self, buf: &str, idx: &[Val], mask: &[bool], (element, width): (usize, usize)) {
+        let Some(traffic) = &self.traffic else { return };
+        if self.traffic_paused.get() {
+            return;
+        }
+        let mut traffic = traffic.borrow_mut();
+        for warp in (0..mask.len()).step_by(32) {
+            let lanes: Vec<Option<usize>> = (warp..(warp + 32).min(mask.len()))
+                .map(|t| match (mask[t], idx[t]) {
+                    (true, Val::I(i)) if i >= 0 => Some(i as usize * element),
+                    _ => None,
+                })
+                .collect();
+            traffic.record(buf, width, &lanes);
+        }
+    }
+
     fn load_at(
         &self,
         buf: &str,
@@ -819,6 +886,9 @@ impl<'k> Block<'k> {
             Some(a) => (a, self.shared_writer.get(buf)),
             None => (global.get(buf).expect("type-checked"), None),
         };
+        if writers.is_some() {
+            self.count_traffic(buf, idx, mask, (array.ty.bytes(), array.ty.bytes()));
+        }
         // A shared array's bookkeeping, looked up once for all the threads.
         let in_flight = writers.map(|_| (self.asynch.copy_targets(buf), self.landed_copies(buf)));
         let mut all_readers = writers.map(|_| self.shared_readers.borrow_mut());

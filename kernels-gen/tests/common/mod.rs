@@ -4,7 +4,7 @@
 
 use half::bf16;
 use kernels_gen::dsl::{Kernel, Role, Roles, Stmt, Ty};
-use kernels_gen::emulator::{run, Array, EmuError, Scalar};
+use kernels_gen::emulator::{run, run_profiled, Array, EmuError, Scalar, SharedTraffic};
 use kernels_gen::templates::prologue_norms;
 use std::collections::HashMap;
 
@@ -72,8 +72,32 @@ pub fn try_run_matmul(
     x: Array,
     g: Option<&[f32]>,
     w: Array,
-    (tokens, n, k, x_stride): (usize, usize, usize, usize),
+    dims: (usize, usize, usize, usize),
 ) -> Result<Array, EmuError> {
+    let (mut bufs, scalars) = matmul_launch(kernel, x, g, w, dims);
+    run(kernel, &mut bufs, &scalars)?;
+    Ok(bufs.remove("out").expect("an out buffer"))
+}
+
+/// [`try_run_matmul`]'s launch, profiled: each shared array's traffic.
+pub fn profile_matmul(
+    kernel: &Kernel,
+    x: Array,
+    w: Array,
+    dims: (usize, usize, usize, usize),
+) -> Result<SharedTraffic, EmuError> {
+    let (mut bufs, scalars) = matmul_launch(kernel, x, None, w, dims);
+    run_profiled(kernel, &mut bufs, &scalars)
+}
+
+/// The buffers and scalars [`try_run_matmul`] launches with.
+fn matmul_launch(
+    kernel: &Kernel,
+    x: Array,
+    g: Option<&[f32]>,
+    w: Array,
+    (tokens, n, k, x_stride): (usize, usize, usize, usize),
+) -> (HashMap<String, Array>, HashMap<String, Scalar>) {
     let mut bufs = HashMap::from([
         ("x".into(), x),
         ("w".into(), w),
@@ -93,8 +117,7 @@ pub fn try_run_matmul(
         scalars.insert("splits".into(), Scalar::Int(1));
         bufs.insert("partial".into(), Array::poisoned(Ty::F32, 1));
     }
-    run(kernel, &mut bufs, &scalars)?;
-    Ok(bufs.remove("out").expect("an out buffer"))
+    (bufs, scalars)
 }
 
 /// A split-K GEMM in `splits` pieces and the reduction after it (`reduce`): the output. `g`:
