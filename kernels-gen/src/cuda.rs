@@ -240,8 +240,13 @@ pub fn emit(kernel: &Kernel) -> String {
         kernel.name,
         params.join(",\n    ")
     );
-    // cp.async destinations, wgmma/tcgen05 operands and mbarriers need aligned shared memory.
-    let align = if copies_async || uses_wgmma || uses_tcgen05 {
+    // cp.async destinations, wgmma/tcgen05 operands, mbarriers and vector accesses need
+    // aligned shared memory.
+    let shared_vectors = any_stmt(&kernel.body, &|s| match s {
+        Stmt::LoadVec { buf, .. } | Stmt::StoreVec { buf, .. } => kernel.shared.iter().any(|a| a.name == *buf),
+        _ => false,
+    });
+    let align = if copies_async || uses_wgmma || uses_tcgen05 || shared_vectors {
         "__align__(16) "
     } else {
         ""
@@ -327,6 +332,7 @@ fn uses_op(body: &[Stmt], op: UnOp) -> bool {
     any_stmt(body, &|s| match s {
         Stmt::Let { value, .. } | Stmt::Assign { value, .. } => in_expr(value, op),
         Stmt::Store { index, value, .. } => in_expr(index, op) || in_expr(value, op),
+        Stmt::StoreVec { index, values, .. } => in_expr(index, op) || values.iter().any(|v| in_expr(v, op)),
         Stmt::For { start, end, step, .. } => [start, end, step].iter().any(|e| in_expr(e, op)),
         Stmt::If { cond, .. } => in_expr(cond, op),
         Stmt::Roles(r) => r.roles.iter().any(|role| in_expr(&role.cond, op)),
@@ -353,7 +359,7 @@ fn stores_half(kernel: &Kernel) -> bool {
         .collect();
     any_stmt(
         &kernel.body,
-        &|s| matches!(s, Stmt::Store { buf, .. } if halves.contains(&buf.as_str())),
+        &|s| matches!(s, Stmt::Store { buf, .. } | Stmt::StoreVec { buf, .. } if halves.contains(&buf.as_str())),
     )
 }
 
@@ -460,6 +466,10 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
                 );
             }
             Stmt::LoadVec { buf, index, names } => vector_load(out, buf, &expr(index, scope), names, scope, depth),
+            Stmt::StoreVec { buf, index, values } => {
+                let values: Vec<String> = values.iter().map(|v| expr(v, scope)).collect();
+                vector_store(out, buf, &expr(index, scope), &values, scope);
+            }
             Stmt::CpAsync(c) => {
                 let (src, valid) = (&c.src, expr(&c.valid, scope));
                 let _ = writeln!(
@@ -738,6 +748,40 @@ fn vector_load(out: &mut String, buf: &str, index: &str, names: &[String], scope
         let _ = writeln!(out, "float {name} = {value};");
         scope.vars.insert(name.clone(), Ty::F32);
     }
+}
+
+/// `buf[index + j] = values[j]` as one vector store (see `Stmt::StoreVec`): halves packed two
+/// a 32-bit word, the low one first.
+fn vector_store(out: &mut String, buf: &str, index: &str, values: &[String], scope: &Scope) {
+    let ty = scope.arrays[buf].0;
+    let words: Vec<String> = match ty {
+        Ty::Bf16 => values
+            .chunks(2)
+            .map(|pair| format!("bbc_pack_bf16x2({}, {})", pair[0], pair[1]))
+            .collect(),
+        Ty::F16 => values
+            .chunks(2)
+            .map(|pair| {
+                format!(
+                    "((unsigned int)bbc_f32_to_f16({}) | ((unsigned int)bbc_f32_to_f16({}) << 16))",
+                    pair[0], pair[1]
+                )
+            })
+            .collect(),
+        _ => values.to_vec(),
+    };
+    let (vector, make) = match (ty, words.len()) {
+        (Ty::Bf16 | Ty::F16, 1) => ("unsigned int", ""),
+        (Ty::Bf16 | Ty::F16, 2) => ("uint2", "make_uint2"),
+        (Ty::Bf16 | Ty::F16, _) => ("uint4", "make_uint4"),
+        (_, 2) => ("float2", "make_float2"),
+        _ => ("float4", "make_float4"),
+    };
+    let _ = writeln!(
+        out,
+        "*reinterpret_cast<{vector}*>({buf} + ({index})) = {make}({});",
+        words.join(", ")
+    );
 }
 
 fn float_literal(v: f32) -> String {

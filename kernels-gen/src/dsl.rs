@@ -208,6 +208,15 @@ pub enum Stmt {
         index: Expr,
         names: Vec<String>,
     },
+    /// `buf[index + j] = values[j]` as one 4-, 8- or 16-byte store (as `LoadVec`'s widths;
+    /// `index` a multiple of `values.len()`): a lane writes a row's 16 bytes in one access, so
+    /// 8 lanes fill 128 bytes together where 2-byte stores 16 bytes apart would queue on a
+    /// quarter of the banks.
+    StoreVec {
+        buf: String,
+        index: Expr,
+        values: Vec<Expr>,
+    },
     /// `prefetch.global.L2`: start bringing the line holding `buf[index]` (a global buffer)
     /// into L2 and go on. Nothing waits for it and nothing reads it: a later load of the line
     /// finds it nearer. What gives a warp more loads in flight than the registers it loads
@@ -764,6 +773,15 @@ pub fn load_vec(buf: &str, index: Expr, names: &[String]) -> Stmt {
 /// Bring the line of global `buf[index]` into L2 (see `Stmt::PrefetchL2`).
 pub fn prefetch_l2(buf: &str, index: Expr) -> Stmt {
     Stmt::PrefetchL2 { buf: buf.into(), index }
+}
+
+/// `buf[index + j] = values[j]` as one vector store (see `Stmt::StoreVec`).
+pub fn store_vec(buf: &str, index: Expr, values: Vec<Expr>) -> Stmt {
+    Stmt::StoreVec {
+        buf: buf.into(),
+        index,
+        values,
+    }
 }
 
 pub fn store(buf: &str, index: Expr, value: Expr) -> Stmt {

@@ -301,6 +301,25 @@ fn check_block_declaring<'a>(
                     return Err(format!("store of {got:?} into {ty:?} `{buf}`"));
                 }
             }
+            Stmt::StoreVec { buf, index, values } => {
+                let (ty, writable) = *scope
+                    .arrays
+                    .get(buf)
+                    .ok_or_else(|| format!("`{buf}` is not an array"))?;
+                if !writable {
+                    return Err(format!("`{buf}` is read-only"));
+                }
+                if !vector_widths(ty).contains(&values.len()) {
+                    return Err(format!("a vector store of {} {ty:?} into `{buf}`", values.len()));
+                }
+                scope.int(index)?;
+                for value in values {
+                    let got = scope.type_of(value)?;
+                    if got != Ty::F32 {
+                        return Err(format!("vector store of {got:?} into {ty:?} `{buf}`"));
+                    }
+                }
+            }
             Stmt::For {
                 var,
                 start,
@@ -401,12 +420,7 @@ fn check_block_declaring<'a>(
                     .arrays
                     .get(buf)
                     .ok_or_else(|| format!("`{buf}` is not an array"))?;
-                let widths: &[usize] = match ty {
-                    Ty::Bf16 | Ty::F16 => &[2, 4, 8],
-                    Ty::F32 => &[2, 4],
-                    _ => &[],
-                };
-                if !widths.contains(&names.len()) {
+                if !vector_widths(ty).contains(&names.len()) {
                     return Err(format!("a vector load of {} {ty:?} from `{buf}`", names.len()));
                 }
                 scope.int(index)?;
@@ -497,5 +511,14 @@ fn tmem_columns(columns: u32) -> Result<(), String> {
         false => Err(format!(
             "TMEM allocations are 32..=512 columns, a power of two: {columns}"
         )),
+    }
+}
+
+/// The elements a vector load or store of `ty` takes: 4, 8 or 16 bytes.
+fn vector_widths(ty: Ty) -> &'static [usize] {
+    match ty {
+        Ty::Bf16 | Ty::F16 => &[2, 4, 8],
+        Ty::F32 => &[2, 4],
+        _ => &[],
     }
 }

@@ -1,7 +1,7 @@
 //! The emulator reports what a GPU would silently get wrong.
 
 use kernels_gen::dsl::*;
-use kernels_gen::emulator::{run, Array, EmuError, Scalar};
+use kernels_gen::emulator::{run, run_profiled, Array, EmuError, Scalar};
 use std::collections::HashMap;
 
 fn kernel(body: Vec<Stmt>, shared: Vec<SharedArray>) -> Kernel {
@@ -119,6 +119,66 @@ fn a_misaligned_vector_load_is_reported() {
     ]);
     run(&kernel(body(4), vec![]), &mut bufs, &HashMap::new()).unwrap();
     assert_eq!(bufs["out"].to_f32().unwrap()[..3], [7.0, 11.0, 15.0]);
+}
+
+/// A vector store writes its values where scalar stores would (a bf16 array's through a
+/// shared array, then f32 straight to `out`), counted as one access of its width (8 lanes of
+/// 16 bytes one after another: one wavefront a phase); off its width's boundary it is
+/// reported, as are widths the device has no store of and stores into read-only buffers.
+#[test]
+fn a_vector_store_writes_as_scalar_stores_do() {
+    let bf16_rows = |vector: bool| -> Vec<Stmt> {
+        let values: Vec<Expr> = (0..8).map(|e| load("x", tid()) * f(0.5) + f(e as f32)).collect();
+        let stores = match vector {
+            true => vec![store_vec("h", tid() * int(8), values)],
+            false => values
+                .into_iter()
+                .enumerate()
+                .map(|(e, v)| store("h", tid() * int(8) + int(e as i64), v))
+                .collect(),
+        };
+        [
+            stores,
+            vec![
+                Stmt::SyncThreads,
+                store_vec(
+                    "out",
+                    tid() * int(4),
+                    (0..4).map(|e| load("h", tid() * int(8) + int(e))).collect(),
+                ),
+            ],
+        ]
+        .concat()
+    };
+    let halves = vec![SharedArray {
+        name: "h".into(),
+        ty: Ty::Bf16,
+        len: 512,
+    }];
+    let x: Vec<f32> = (0..64).map(|i| i as f32 - 20.25).collect();
+    let outputs = |body: Vec<Stmt>| {
+        let mut bufs = HashMap::from([
+            ("x".into(), Array::f32(&x)),
+            ("out".into(), Array::poisoned(Ty::F32, 256)),
+        ]);
+        let traffic = run_profiled(&kernel(body, halves.clone()), &mut bufs, &HashMap::new()).unwrap();
+        (bufs["out"].to_f32().unwrap(), traffic.0["h"])
+    };
+    let (vector, traffic) = outputs(bf16_rows(true));
+    let (scalar, _) = outputs(bf16_rows(false));
+    assert_eq!(vector, scalar);
+    let rounded = |v: f32| half::bf16::from_f32(v).to_f32();
+    assert_eq!(vector[4 * 3 + 2], rounded(x[3] * 0.5 + 2.0));
+    // Two warps' 16-byte stores (4 phases each), then their 2-byte loads, 4 of them.
+    assert_eq!((traffic.accesses, traffic.phases, traffic.worst), (2 + 8, 8 + 8, 4));
+    let misaligned = vec![store_vec("out", tid() * int(4) + int(2), vec![f(1.0); 4])];
+    assert!(fault(&kernel(misaligned, vec![]), 300).contains("vector store of 4 at out[2] is misaligned"));
+    let three = kernel(vec![store_vec("out", tid() * int(4), vec![f(1.0); 3])], vec![]);
+    let message = kernels_gen::types::check(&three).unwrap_err().to_string();
+    assert!(message.contains("a vector store of 3 F32 into `out`"), "{message}");
+    let read_only = kernel(vec![store_vec("x", tid() * int(4), vec![f(1.0); 4])], vec![]);
+    let message = kernels_gen::types::check(&read_only).unwrap_err().to_string();
+    assert!(message.contains("`x` is read-only"), "{message}");
 }
 
 #[test]

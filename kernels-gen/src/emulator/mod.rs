@@ -467,6 +467,36 @@ fn run_counting(
 
 type Fault = (usize, String);
 
+/// A vector `access` (a load or store) of `width` elements of `buf` at each active thread's
+/// index in `idx` lands on a multiple of its width, in the address (a global buffer may start
+/// past an aligned address).
+fn vector_aligned(
+    (access, buf): (&str, &str),
+    idx: &[Val],
+    mask: &[bool],
+    width: usize,
+    global: &HashMap<String, Array>,
+) -> Result<(), Fault> {
+    let width = width as i64;
+    let start = global.get(buf).map_or(0, |a| a.start as i64);
+    match (0..mask.len()).find(|&t| mask[t] && (start + idx[t].i()) % width != 0) {
+        None => Ok(()),
+        Some(t) => {
+            let place = match start {
+                0 => String::new(),
+                s => format!(" (the array starts {s} elements past an aligned address)"),
+            };
+            Err((
+                t,
+                format!(
+                    "vector {access} of {width} at {buf}[{}] is misaligned{place}",
+                    idx[t].i()
+                ),
+            ))
+        }
+    }
+}
+
 impl<'k> Block<'k> {
     fn new(kernel: &'k Kernel, block: usize, threads: usize) -> Self {
         let shared = kernel
@@ -554,20 +584,37 @@ impl<'k> Block<'k> {
                 let (idx, v) = (self.eval(index, mask, global)?, self.eval(value, mask, global)?);
                 self.store(buf, &idx, &v, mask, global)?;
             }
-            Stmt::LoadVec { buf, index, names } => {
-                let width = names.len() as i64;
+            Stmt::StoreVec { buf, index, values } => {
                 let idx = self.eval(index, mask, global)?;
-                let start = global.get(buf).map_or(0, |a| a.start as i64);
-                if let Some(t) = (0..mask.len()).find(|&t| mask[t] && (start + idx[t].i()) % width != 0) {
-                    let place = match start {
-                        0 => String::new(),
-                        s => format!(" (the array starts {s} elements past an aligned address)"),
-                    };
-                    return Err((
-                        t,
-                        format!("vector load of {width} from {buf}[{}] is misaligned{place}", idx[t].i()),
-                    ));
+                vector_aligned(("store", buf), &idx, mask, values.len(), global)?;
+                // Every value before any store: the device writes them at once.
+                let values = values
+                    .iter()
+                    .map(|v| self.eval(v, mask, global))
+                    .collect::<Result<Vec<_>, _>>()?;
+                if let Some(array) = self.shared.get(buf) {
+                    let bytes = array.ty.bytes();
+                    self.count_traffic(buf, &idx, mask, (bytes, values.len() * bytes));
                 }
+                // Element by element through `store`, which checks bounds, races and
+                // shared-memory ordering (and counts nothing more).
+                self.traffic_paused.set(true);
+                let stored = values.iter().enumerate().try_for_each(|(j, v)| {
+                    let at: Vec<Val> = idx
+                        .iter()
+                        .map(|i| match i {
+                            Val::I(i) => Val::I(i + j as i64),
+                            other => *other,
+                        })
+                        .collect();
+                    self.store(buf, &at, v, mask, global)
+                });
+                self.traffic_paused.set(false);
+                stored?;
+            }
+            Stmt::LoadVec { buf, index, names } => {
+                let idx = self.eval(index, mask, global)?;
+                vector_aligned(("load", buf), &idx, mask, names.len(), global)?;
                 if let Some(array) = self.shared.get(buf) {
                     let bytes = array.ty.bytes();
                     self.count_traffic(buf, &idx, mask, (bytes, names.len() * bytes));

@@ -259,19 +259,14 @@ fn online_softmax() -> Vec<Stmt> {
         probabilities.push(assign("l", var("l") + var(s)));
     }
     let row_group = var("row_in_tile") / int(8) * int(8 * TILE_KEYS) + rem(var("row_in_tile"), int(8)) * int(8);
+    // A core matrix's row: 16 bytes in one store, so 8 lanes (rows) fill 128 bytes at once.
     probabilities.push(if_(
         eq(var("group") / int(groups / 2), var("half")),
-        names
-            .iter()
-            .enumerate()
-            .map(|(e, s)| {
-                store(
-                    "ps",
-                    row_group.clone() + var("group") * int(CORE) + int(e as i64),
-                    var(s),
-                )
-            })
-            .collect(),
+        vec![store_vec(
+            "ps",
+            row_group + var("group") * int(CORE),
+            names.iter().map(|s| var(s)).collect(),
+        )],
     ));
     vec![
         let_("tile_max", Ty::F32, f(f32::NEG_INFINITY)),

@@ -81,40 +81,36 @@ fn output_registers(head_dim: usize) -> Vec<String> {
 
 /// The block's queries, zero past `rows_end`, rounded to bf16 into `qs` in core matrices
 /// (row `r`, dim `d` at `r / 8 · 8·head_dim + d / 8 · 64 + r % 8 · 8 + d % 8`): each thread
-/// a run of 8 dims of one row, 8 rows of the same dims a warp's neighbours; the block's
-/// `threads` share them.
+/// a run of 8 dims of one row, stored as one 16-byte core-matrix row (8 lanes fill 128 bytes
+/// at once), 8 rows of the same dims a warp's neighbours; the block's `threads` share them.
 pub(super) fn load_queries(head_dim: usize, threads: i64) -> Vec<Stmt> {
     let hd = head_dim as i64;
+    let names: Vec<String> = (0..8).map(|e| format!("query_dim{e}")).collect();
+    let at = |e: i64| (var("q0") + var("row")) * var("q_stride") + var("h") * int(hd) + var("dim") + int(e);
     vec![for_(
         "c",
         tid(),
         int(TILE_Q * hd / 8),
         int(threads),
-        vec![
-            let_("row", Ty::I32, var("c") / int(hd) * int(8) + rem(var("c"), int(8))),
-            let_("dim", Ty::I32, rem(var("c") / int(8), int(hd / 8)) * int(8)),
-            let_("inside", Ty::Bool, lt(var("q0") + var("row"), var("rows_end"))),
-            for_(
-                "e",
-                int(0),
-                int(8),
-                int(1),
-                vec![
-                    let_("value", Ty::F32, f(0.0)),
-                    if_(
-                        var("inside"),
-                        vec![assign(
-                            "value",
-                            load(
-                                "q",
-                                (var("q0") + var("row")) * var("q_stride") + var("h") * int(hd) + var("dim") + var("e"),
-                            ),
-                        )],
-                    ),
-                    store("qs", var("c") * int(8) + var("e"), var("value")),
-                ],
-            ),
-        ],
+        [
+            vec![
+                let_("row", Ty::I32, var("c") / int(hd) * int(8) + rem(var("c"), int(8))),
+                let_("dim", Ty::I32, rem(var("c") / int(8), int(hd / 8)) * int(8)),
+            ],
+            names.iter().map(|n| let_(n, Ty::F32, f(0.0))).collect(),
+            vec![
+                if_(
+                    lt(var("q0") + var("row"), var("rows_end")),
+                    names
+                        .iter()
+                        .enumerate()
+                        .map(|(e, n)| assign(n, load("q", at(e as i64))))
+                        .collect(),
+                ),
+                store_vec("qs", var("c") * int(8), names.iter().map(|n| var(n)).collect()),
+            ],
+        ]
+        .concat(),
     )]
 }
 
