@@ -813,10 +813,11 @@ fn flash_attention_over_a_batched_step_matches_reference() {
 /// prefill attention at 64, 128 and 256 dims, the `mma.sync` one's key and value fragment
 /// loads (rows 16 bytes longer than the head; rows of 256 bytes took 8 wavefronts a key load),
 /// the queries the `wgmma` and `tcgen05` ones store and the probabilities `tcgen05`'s stores
-/// (16-byte stores; 2-byte ones 16 bytes apart took 4); and the `mma.sync` GEMMs' activation
-/// and weight tiles (staged with padding, or read from TMA's swizzled boxes). Not yet: the
-/// `mma.sync` attention's queries past 128 dims, read from shared memory once a 16-dim step
-/// (up to 8).
+/// (16-byte stores; 2-byte ones 16 bytes apart took 4); the decode split passes' merges of
+/// their warps' states (the vector pass's accumulators 2, below); and the `mma.sync` GEMMs'
+/// activation and weight tiles (staged with padding, or read from TMA's swizzled boxes). Not
+/// yet: the `mma.sync` attention's queries past 128 dims, read from shared memory once a
+/// 16-dim step (up to 8).
 #[test]
 fn shared_memory_accesses_meet_no_bank_conflicts() {
     use kernels_gen::emulator::{run_profiled, SharedTraffic};
@@ -860,6 +861,44 @@ fn shared_memory_accesses_meet_no_bank_conflicts() {
             }
             conflict_free(&traffic, &format!("head_dim {head_dim}: {}", kernel.origin));
         }
+    }
+    // The decode steps' split passes over a 128-dim bf16 cache: their warps' states merged
+    // through shared memory. The vector pass's accumulators leave each lane in 16-byte stores
+    // of a lane's 8 floats, 32 bytes on from the next lane's: a phase's 8 lanes span 256
+    // bytes, 2 wavefronts.
+    let (heads, kv_heads, head_dim, tokens, first) = (8, 2, 128, 2, 300);
+    let len = first + tokens;
+    let (q, k, v) = (
+        rng.vec(tokens * heads * head_dim),
+        round(&rng.vec(len * kv_heads * head_dim)),
+        round(&rng.vec(len * kv_heads * head_dim)),
+    );
+    let mut scalars = ints(&[
+        ("tokens", tokens as i64),
+        ("q_stride", (heads * head_dim) as i64),
+        ("first", first as i64),
+        ("heads", heads as i64),
+        ("kv_heads", kv_heads as i64),
+        ("window", 0),
+        ("splits", 4),
+    ]);
+    scalars.insert("scale".into(), Scalar::F32(0.1));
+    for pass in split_passes(CacheLayout::Contiguous, head_dim, 4, Ty::Bf16) {
+        let mut bufs = HashMap::from([
+            ("q".into(), Array::f32(&q)),
+            ("k".into(), bf16_array(&k)),
+            ("v".into(), bf16_array(&v)),
+            (
+                "partial".into(),
+                Array::poisoned(Ty::F32, tokens * heads * 4 * (head_dim + 2)),
+            ),
+        ]);
+        let mut traffic = run_profiled(&pass, &mut bufs, &scalars).unwrap();
+        if pass.name == "attention_vector" {
+            let acc = traffic.0.remove("warp_acc").expect("the accumulators' traffic");
+            assert_eq!(acc.worst, 2, "{acc:?}");
+        }
+        conflict_free(&traffic, &pass.origin);
     }
     let (tokens, n, k) = (64, 128, 256);
     let (x, w) = (rng.vec(tokens * k), bf16_array(&rng.vec(n * k)));

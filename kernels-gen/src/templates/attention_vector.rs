@@ -212,15 +212,18 @@ pub fn attention_split_vector(
         }
         mask *= 2;
     }
+    // A lane's accumulators of a load are consecutive dims: 16-byte stores, 4 floats each.
     let mut stores = Vec::new();
     for g in 0..group {
         stores.push(store_max_and_sum(g, group));
-        for d in each_dim() {
-            stores.push(store(
-                "warp_acc",
-                warp_slot(g, group) * hd.clone() + cut.dim(d.0, d.1),
-                var(&acc(g, d)),
-            ));
+        for c in 0..cut.chunks {
+            for first in (0..cut.width).step_by(4) {
+                stores.push(store_vec(
+                    "warp_acc",
+                    warp_slot(g, group) * hd.clone() + cut.dim(c, first),
+                    (first..first + 4).map(|e| var(&acc(g, (c, e)))).collect(),
+                ));
+            }
         }
     }
     body.push(if_(lt(lane(), int(cut.lanes as i64)), stores));
