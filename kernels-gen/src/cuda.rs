@@ -211,8 +211,8 @@ pub fn emit(kernel: &Kernel) -> String {
     if layout.dynamic {
         let _ = writeln!(
             out,
-            "// Shared memory asked for at launch ({} bytes), its base aligned to {SHARED_ALIGNMENT} in the kernel.\nextern __shared__ unsigned char bbc_dynamic_shared[];\n",
-            layout.bytes
+            "// Shared memory asked for at launch ({} bytes), its base aligned to {} in the kernel.\nextern __shared__ unsigned char bbc_dynamic_shared[];\n",
+            layout.bytes, layout.alignment
         );
     }
     let params: Vec<String> = kernel
@@ -261,8 +261,8 @@ pub fn emit(kernel: &Kernel) -> String {
         let _ = writeln!(
             out,
             "    unsigned char* const bbc_shared_base = (unsigned char*)(((unsigned long long)bbc_dynamic_shared + {}ull) & ~{}ull);",
-            SHARED_ALIGNMENT - 1,
-            SHARED_ALIGNMENT - 1
+            layout.alignment - 1,
+            layout.alignment - 1
         );
         for (a, offset) in kernel.shared.iter().zip(&layout.offsets) {
             let _ = writeln!(

@@ -556,19 +556,25 @@ pub struct SharedArray {
 pub const SHARED_LIMIT: usize = 227 * 1024;
 /// The most shared memory a kernel may declare statically.
 pub const STATIC_SHARED_LIMIT: usize = 48 * 1024;
-/// Alignment of each shared array in dynamic shared memory: the 128-byte swizzle's period,
-/// which TMA destinations and swizzled operands assume of their addresses.
+/// Alignment of each shared array in dynamic shared memory where TMA writes it or tensor cores
+/// read it swizzled: the 128-byte swizzle's period, which they assume of their addresses.
 pub const SHARED_ALIGNMENT: usize = 1024;
+/// Alignment of each shared array in dynamic shared memory otherwise: a 16-byte access's (and
+/// the least the device guarantees the allocation).
+pub const VECTOR_ALIGNMENT: usize = 16;
 
 /// How a kernel's shared arrays are placed. Static arrays (16-byte aligned) while they fit in
 /// 48 KiB and nothing needs more alignment; otherwise one dynamic allocation of `bytes`
-/// (asked for at launch) in which array i starts at byte `offsets[i]` past a 1024-byte
-/// aligned base (`bytes` includes the 1 KiB the kernel may skip to align it).
+/// (asked for at launch) in which array i starts at byte `offsets[i]` past a base aligned to
+/// `alignment` ([`SHARED_ALIGNMENT`] for TMA and swizzled operands, `bytes` then including
+/// the 1 KiB the kernel may skip to align it; else [`VECTOR_ALIGNMENT`], which the
+/// allocation has).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SharedLayout {
     pub dynamic: bool,
     pub offsets: Vec<usize>,
     pub bytes: usize,
+    pub alignment: usize,
 }
 
 /// Whether any statement of `body`, nested ones included, satisfies `pred`.
@@ -626,18 +632,25 @@ impl Kernel {
                 dynamic: false,
                 offsets: vec![],
                 bytes: declared,
+                alignment: VECTOR_ALIGNMENT,
             };
         }
+        let alignment = match aligned {
+            true => SHARED_ALIGNMENT,
+            false => VECTOR_ALIGNMENT,
+        };
         let mut offsets = Vec::new();
         let mut end = 0;
         for a in &self.shared {
             offsets.push(end);
-            end += (a.len * a.ty.bytes()).next_multiple_of(SHARED_ALIGNMENT);
+            end += (a.len * a.ty.bytes()).next_multiple_of(alignment);
         }
         SharedLayout {
             dynamic: true,
             offsets,
-            bytes: end + SHARED_ALIGNMENT,
+            // Room to skip to an aligned base where the allocation's own alignment is less.
+            bytes: end + if alignment > VECTOR_ALIGNMENT { alignment } else { 0 },
+            alignment,
         }
     }
 

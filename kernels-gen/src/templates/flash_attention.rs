@@ -84,18 +84,19 @@ pub(super) enum TileOrder {
     CoreMatrices,
 }
 
-/// Elements between keys of a row-major tile ([`TileOrder::RowMajor`]): the head, and 16
-/// bytes more. A fragment load reads a dim pair of 8 keys (or a dim of 4 keys' pairs) at
-/// once; with rows of 128 to 512 bytes those would all fall in one bank, 16 bytes more a row
-/// puts each key 4 banks on from the one before, and the loads keep constant offsets from one
-/// address a lane (a permutation of the chunks would not).
+/// Elements between keys of a row-major tile ([`TileOrder::RowMajor`]), and between the rows
+/// of the queries a large head keeps in shared memory: the head, and 16 bytes more. A
+/// fragment load reads a dim pair of 8 keys or rows (or a dim of 4 keys' pairs) at once; with
+/// rows of 128 to 512 bytes those would all fall in one bank, 16 bytes more a row puts each 4
+/// banks on from the one before, and the loads keep constant offsets from one address a lane
+/// (a permutation of the chunks would not).
 fn row_pitch(head_dim: usize) -> i64 {
     head_dim as i64 + CHUNK
 }
 
 /// Key and value tiles a block keeps: two (the next tile's copies in flight while the warps
 /// work on one) where the head fits, one for heads past 128 dims (whose queries take shared
-/// memory too: 98 KiB in all at 256 dims, within the RTX PRO 6000's 99 KiB a block).
+/// memory too: 99 KiB in all at 256 dims, the RTX PRO 6000's most a block).
 fn tile_buffers(head_dim: usize) -> i64 {
     match head_dim > QUERIES_IN_REGISTERS {
         true => 1,
@@ -240,7 +241,11 @@ fn load_queries(head_dim: usize) -> Vec<Stmt> {
                         lt(var("row"), var("rows_end")),
                         vec![assign("value", load("q", at(var("row"), rem(var("e"), hd.clone()))))],
                     ),
-                    store("qs", var("e"), var("value")),
+                    store(
+                        "qs",
+                        var("e") / hd.clone() * int(row_pitch(head_dim)) + rem(var("e"), hd.clone()),
+                        var("value"),
+                    ),
                 ],
             ),
             Stmt::SyncThreads,
@@ -263,7 +268,6 @@ fn load_queries(head_dim: usize) -> Vec<Stmt> {
 /// The warp's 16×64 scores: the head in 16-wide steps (a large head's query fragments of the
 /// step read from `qs` once), each over 8 blocks of 8 keys.
 fn scores(head_dim: usize) -> Vec<Stmt> {
-    let hd = int(head_dim as i64);
     let blocks = (TILE_KEYS / 8) as usize;
     let mut out: Vec<Stmt> = (0..blocks)
         .flat_map(|j| (0..4).map(move |i| assign(&s_name(j, i), f(0.0))))
@@ -273,7 +277,7 @@ fn scores(head_dim: usize) -> Vec<Stmt> {
             true => {
                 for i in 0..8 {
                     let (row, dim) = query_element(head_dim, step, i);
-                    let at = (row - var("q0")) * hd.clone() + dim;
+                    let at = (row - var("q0")) * int(row_pitch(head_dim)) + dim;
                     out.push(assign(&q_name(0, i), load("qs", at)));
                 }
                 0
@@ -637,7 +641,7 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
     let queries = (head_dim > QUERIES_IN_REGISTERS).then(|| SharedArray {
         name: "qs".into(),
         ty: Ty::Bf16,
-        len: TILE_Q as usize * head_dim,
+        len: (TILE_Q * row_pitch(head_dim)) as usize,
     });
     Kernel {
         name: name.into(),
