@@ -1282,6 +1282,31 @@ fn shared_memory_past_what_a_block_may_have_is_refused() {
     assert!(k.shared_layout().dynamic);
 }
 
+/// Shared arrays past the static 48 KiB go into one dynamic allocation, each 16-byte aligned
+/// (the device's own alignment of it, so nothing is added); where TMA writes or swizzled
+/// operands read them, each is 1 KiB aligned and the allocation has 1 KiB more to reach an
+/// aligned base. Small kernels keep static arrays.
+#[test]
+fn dynamic_shared_memory_aligns_as_its_kernel_needs() {
+    let arrays = || vec![shared("a", Ty::F32, 12_289), shared("b", Ty::Bf16, 3)];
+    let plain = kernel(vec![], arrays());
+    let layout = plain.shared_layout();
+    assert!(layout.dynamic);
+    assert_eq!((layout.alignment, layout.offsets.clone()), (16, vec![0, 49_168]));
+    assert_eq!(layout.bytes, 49_168 + 16);
+    let mut tma = kernel(vec![], arrays());
+    tma.params.push(tma_map(64, 64, 64));
+    let layout = tma.shared_layout();
+    assert_eq!(
+        (layout.alignment, layout.offsets.clone()),
+        (1024, vec![0, 49_152 + 1024])
+    );
+    assert_eq!(layout.bytes, 49_152 + 1024 + 1024 + 1024);
+    let small = kernel(vec![], vec![shared("a", Ty::F32, 64)]).shared_layout();
+    assert!(!small.dynamic);
+    assert_eq!(small.bytes, 256);
+}
+
 /// Warp-specialised roles each run their body: each role's threads store every iteration of
 /// their loop, the second role declaring before its loop what the loop and what follows use.
 /// Roles take whole warps and a thread one role: a warp split between roles, or a thread in
