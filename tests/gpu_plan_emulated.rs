@@ -2150,7 +2150,6 @@ fn warp_specialised_prefill_gemms_compute_what_the_others_do() {
 fn wgmma_prefill_attention_computes_what_the_mma_sync_one_does() {
     let model = open("llama", ComputeDtype::Bf16);
     let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
-    let prompt: Vec<u32> = (0..PREFILL_TOKENS as u32 + 3).map(|i| (7 + 13 * i) % 300).collect();
     let logits = |attention: gpu::PrefillAttention| {
         let kernels = gpu::PlanKernels {
             prefill_attention: attention,
@@ -2163,10 +2162,7 @@ fn wgmma_prefill_attention_computes_what_the_mma_sync_one_does() {
             .filter(|l| l.kernel.starts_with("flash_attention_wgmma"));
         assert_eq!(wgmma.count() > 0, attention != gpu::PrefillAttention::Mma);
         let gpu = EmulatorBackend::emulated(plan, kernels, graph.clone(), &model.weights, &[], 64).unwrap();
-        let mut sequence = gpu.new_sequence();
-        let first = gpu.step(&mut sequence, &prompt).unwrap()["logits"].data.clone();
-        let next = gpu.step(&mut sequence, &[5]).unwrap()["logits"].data.clone();
-        [first, next]
+        prompt_then_decode(&gpu)
     };
     each_wgmma_attention_gives_the_mma_ones(logits);
 }
@@ -2236,15 +2232,11 @@ fn prefill_attention_by_tma_computes_what_the_copying_one_does() {
             ..Default::default()
         };
         let by_tma = |plan: &gpu::GpuPlan| plan.launches.iter().any(|l| l.kernel.starts_with(tma_kernel));
-        let prompt: Vec<u32> = (0..PREFILL_TOKENS as u32 + 3).map(|i| (7 + 13 * i) % 300).collect();
         let one_sequence = |attention: gpu::PrefillAttention| {
             let (plan, compiled) = gpu::build_program(&graph, target, 64, None, kernels(attention)).unwrap();
             assert_eq!(by_tma(&plan), attention == tma);
             let gpu = EmulatorBackend::emulated(plan, compiled, graph.clone(), &model.weights, &[], 64).unwrap();
-            let mut sequence = gpu.new_sequence();
-            let first = gpu.step(&mut sequence, &prompt).unwrap()["logits"].data.clone();
-            let next = gpu.step(&mut sequence, &[5]).unwrap()["logits"].data.clone();
-            vec![first, next]
+            prompt_then_decode(&gpu)
         };
         let (cache, steps) = (two_sequence_pool(), prompts_past_a_tile());
         let batched = |attention: gpu::PrefillAttention| {
@@ -2290,7 +2282,6 @@ fn tcgen05_prefill_attention_computes_what_the_mma_sync_one_does() {
         prefill_attention,
         ..Default::default()
     };
-    let prompt: Vec<u32> = (0..PREFILL_TOKENS as u32 + 3).map(|i| (7 + 13 * i) % 300).collect();
     let one_sequence = |attention: gpu::PrefillAttention| {
         let (plan, compiled) = gpu::build_program(&graph, Target::B200, 64, None, kernels(attention)).unwrap();
         let tcgen05 = plan
@@ -2299,10 +2290,7 @@ fn tcgen05_prefill_attention_computes_what_the_mma_sync_one_does() {
             .filter(|l| l.kernel.starts_with("flash_attention_tcgen05"));
         assert_eq!(tcgen05.count() > 0, attention == gpu::PrefillAttention::Tcgen05);
         let gpu = EmulatorBackend::emulated(plan, compiled, graph.clone(), &model.weights, &[], 64).unwrap();
-        let mut sequence = gpu.new_sequence();
-        let first = gpu.step(&mut sequence, &prompt).unwrap()["logits"].data.clone();
-        let next = gpu.step(&mut sequence, &[5]).unwrap()["logits"].data.clone();
-        vec![first, next]
+        prompt_then_decode(&gpu)
     };
     let (cache, steps) = (two_sequence_pool(), prompts_past_a_tile());
     let batched = |attention: gpu::PrefillAttention| {
@@ -2367,6 +2355,16 @@ fn batched_plans_decode_with_the_vector_split_pass_as_with_the_scalar_one() {
             assert!(error <= 1e-5, "{family} {dtype:?}: output {i}: error {error}");
         }
     }
+}
+
+/// One sequence's logits on `gpu` (a one-sequence plan): after a prompt past the GEMV's rows,
+/// then after a decode step.
+fn prompt_then_decode(gpu: &EmulatorBackend) -> Vec<Vec<f32>> {
+    let prompt: Vec<u32> = (0..PREFILL_TOKENS as u32 + 3).map(|i| (7 + 13 * i) % 300).collect();
+    let mut sequence = gpu.new_sequence();
+    let first = gpu.step(&mut sequence, &prompt).unwrap()["logits"].data.clone();
+    let next = gpu.step(&mut sequence, &[5]).unwrap()["logits"].data.clone();
+    vec![first, next]
 }
 
 /// The pool the batched attention comparisons run over: 24 blocks of 16 positions for two

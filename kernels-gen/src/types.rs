@@ -145,6 +145,15 @@ impl Scope {
         self.int(&barrier.slot)
     }
 
+    /// The element type of `buf`, an array a kernel may write.
+    fn writable_array(&self, buf: &str) -> Result<Ty, String> {
+        match self.arrays.get(buf) {
+            None => Err(format!("`{buf}` is not an array")),
+            Some((_, false)) => Err(format!("`{buf}` is read-only")),
+            Some(&(ty, true)) => Ok(ty),
+        }
+    }
+
     /// A K-major operand of a tensor-core instruction (see `SmemMatrix`).
     fn operand(&self, what: &str, m: &SmemMatrix) -> Result<(), String> {
         self.bf16_array(&m.array, true)?;
@@ -288,13 +297,7 @@ fn check_block_declaring<'a>(
                 }
             }
             Stmt::Store { buf, index, value } => {
-                let (ty, writable) = *scope
-                    .arrays
-                    .get(buf)
-                    .ok_or_else(|| format!("`{buf}` is not an array"))?;
-                if !writable {
-                    return Err(format!("`{buf}` is read-only"));
-                }
+                let ty = scope.writable_array(buf)?;
                 scope.int(index)?;
                 let got = scope.type_of(value)?;
                 if got != ty.compute() {
@@ -302,13 +305,7 @@ fn check_block_declaring<'a>(
                 }
             }
             Stmt::StoreVec { buf, index, values } => {
-                let (ty, writable) = *scope
-                    .arrays
-                    .get(buf)
-                    .ok_or_else(|| format!("`{buf}` is not an array"))?;
-                if !writable {
-                    return Err(format!("`{buf}` is read-only"));
-                }
+                let ty = scope.writable_array(buf)?;
                 if !vector_widths(ty).contains(&values.len()) {
                     return Err(format!("a vector store of {} {ty:?} into `{buf}`", values.len()));
                 }

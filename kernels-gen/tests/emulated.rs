@@ -924,7 +924,6 @@ fn shared_memory_accesses_meet_no_bank_conflicts() {
 #[test]
 fn the_wgmma_flash_attention_fails_without_its_fences_and_waits() {
     let kernel = wgmma_flash_for_faults(flash_attention_wgmma::Schedule::Lockstep);
-    let dropping = |drop: fn(&Stmt) -> bool| move |s: &Stmt| (!drop(s)).then(|| s.clone());
     let waiting = |from: u32, to: u32| {
         move |s: &Stmt| match s {
             Stmt::WgmmaWait(n) if *n == from => Some(Stmt::WgmmaWait(to)),
@@ -964,18 +963,10 @@ fn the_wgmma_flash_attention_fails_without_its_fences_and_waits() {
 #[test]
 fn the_specialised_wgmma_flash_attention_fails_without_its_hand_overs() {
     let kernel = wgmma_flash_for_faults(flash_attention_wgmma::Schedule::Specialised);
-    fn barrier_op(s: &Stmt, array: &str, wait: bool) -> bool {
-        matches!(s, Stmt::Mbarrier(m) if match &**m {
-            Mbarrier::Wait { barrier, .. } => wait && barrier.array == array,
-            Mbarrier::Arrive { barrier } => !wait && barrier.array == array,
-            _ => false,
-        })
-    }
-    let dropping = |drop: fn(&Stmt) -> bool| move |s: &Stmt| (!drop(s)).then(|| s.clone());
-    let consumers_wait = dropping(|s| barrier_op(s, "full", true));
-    let producers_wait = dropping(|s| barrier_op(s, "empty", true));
-    let release = dropping(|s| barrier_op(s, "empty", false));
-    let turn_passed = dropping(|s| barrier_op(s, "turn", false));
+    let consumers_wait = dropping(|s| waits_on(s, "full"));
+    let producers_wait = dropping(|s| waits_on(s, "empty"));
+    let release = dropping(|s| arrives_on(s, "empty"));
+    let turn_passed = dropping(|s| arrives_on(s, "turn"));
     let landing = dropping(|s| matches!(s, Stmt::CpAsyncWait(_)));
     let fence = dropping(|s| matches!(s, Stmt::FenceProxyAsync));
     for (what, edit, expected) in [
@@ -1021,18 +1012,10 @@ fn the_specialised_wgmma_flash_attention_fails_without_its_hand_overs() {
 #[test]
 fn the_tma_wgmma_flash_attention_fails_without_its_hand_overs() {
     let kernel = wgmma_flash_for_faults(flash_attention_wgmma::Schedule::Tma);
-    fn barrier_op(s: &Stmt, array: &str, wait: bool) -> bool {
-        matches!(s, Stmt::Mbarrier(m) if match &**m {
-            Mbarrier::Wait { barrier, .. } => wait && barrier.array == array,
-            Mbarrier::Arrive { barrier } => !wait && barrier.array == array,
-            _ => false,
-        })
-    }
-    let dropping = |drop: fn(&Stmt) -> bool| move |s: &Stmt| (!drop(s)).then(|| s.clone());
-    let consumers_wait = dropping(|s| barrier_op(s, "full", true));
-    let announced = dropping(|s| matches!(s, Stmt::Mbarrier(m) if matches!(&**m, Mbarrier::ArriveExpectTx { .. })));
-    let producers_wait = dropping(|s| barrier_op(s, "empty", true));
-    let release = dropping(|s| barrier_op(s, "empty", false));
+    let consumers_wait = dropping(|s| waits_on(s, "full"));
+    let announced = dropping(announces_bytes);
+    let producers_wait = dropping(|s| waits_on(s, "empty"));
+    let release = dropping(|s| arrives_on(s, "empty"));
     for (what, edit, expected) in [
         (
             "the consumers' wait",
@@ -1089,10 +1072,6 @@ fn the_tcgen05_flash_attention_fails_without_its_hand_overs() {
         32,
         flash_attention_tcgen05::Loads::Copies,
     );
-    fn waits_on(s: &Stmt, array: &str) -> bool {
-        matches!(s, Stmt::Mbarrier(m) if matches!(&**m, Mbarrier::Wait { barrier, .. } if barrier.array == array))
-    }
-    let dropping = |drop: fn(&Stmt) -> bool| move |s: &Stmt| (!drop(s)).then(|| s.clone());
     for (what, edit, expected) in [
         (
             "the wait on `free`",
@@ -1153,10 +1132,6 @@ fn the_tma_tcgen05_flash_attention_fails_without_its_hand_overs() {
         64,
         flash_attention_tcgen05::Loads::Tma,
     );
-    fn waits_on(s: &Stmt, array: &str) -> bool {
-        matches!(s, Stmt::Mbarrier(m) if matches!(&**m, Mbarrier::Wait { barrier, .. } if barrier.array == array))
-    }
-    let dropping = |drop: fn(&Stmt) -> bool| move |s: &Stmt| (!drop(s)).then(|| s.clone());
     for (what, edit, expected) in [
         (
             "the waits on `landed`",
@@ -1165,7 +1140,7 @@ fn the_tma_tcgen05_flash_attention_fails_without_its_hand_overs() {
         ),
         (
             "the bytes announced",
-            &dropping(|s| matches!(s, Stmt::Mbarrier(m) if matches!(&**m, Mbarrier::ArriveExpectTx { .. }))),
+            &dropping(announces_bytes),
             "of mbarrier landed[0], which never completes (0 of 1 arrivals, -16384 transaction bytes",
         ),
     ] {
@@ -2424,6 +2399,26 @@ fn the_persistent_tma_gemm_fails_without_its_ring_across_tiles() {
 
 /// A statement-by-statement edit of a kernel's body (`None` drops the statement).
 type Edit<'a> = &'a dyn Fn(&Stmt) -> Option<Stmt>;
+
+/// The edit leaving out every statement `drop` picks.
+fn dropping(drop: fn(&Stmt) -> bool) -> impl Fn(&Stmt) -> Option<Stmt> {
+    move |s| (!drop(s)).then(|| s.clone())
+}
+
+/// Whether `s` waits on an mbarrier of `array`.
+fn waits_on(s: &Stmt, array: &str) -> bool {
+    matches!(s, Stmt::Mbarrier(m) if matches!(&**m, Mbarrier::Wait { barrier, .. } if barrier.array == array))
+}
+
+/// Whether `s` arrives on an mbarrier of `array` (a plain arrival).
+fn arrives_on(s: &Stmt, array: &str) -> bool {
+    matches!(s, Stmt::Mbarrier(m) if matches!(&**m, Mbarrier::Arrive { barrier } if barrier.array == array))
+}
+
+/// Whether `s` announces transaction bytes on an mbarrier.
+fn announces_bytes(s: &Stmt) -> bool {
+    matches!(s, Stmt::Mbarrier(m) if matches!(&**m, Mbarrier::ArriveExpectTx { .. }))
+}
 
 /// `gemm`'s body with `edit` applied (leaving out `what`) runs on `x` and `w` (`tokens × k`,
 /// `n × k`) into a fault whose message contains `expected`.
