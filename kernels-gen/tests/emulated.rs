@@ -650,8 +650,9 @@ fn flash_attention_matches_reference() {
         (130, 0, 2, 2, 32, 50),
         (9, 100, 2, 1, 128, 0),
         (17, 3, 2, 1, 256, 0),
-        // 12 chunks of 16 bytes a row: the row-major tiles permute them in groups of 4.
         (33, 5, 2, 1, 96, 0),
+        // A window past a tile at a head TMA's boxes take: the blocks' first tiles past 0.
+        (150, 20, 2, 1, 128, 100),
     ] {
         let len = first + tokens;
         let (q, k, v) = (
