@@ -6,7 +6,9 @@
 //! divergent code, a shuffle with inactive lanes, two threads storing different values to one
 //! address in one statement, reading shared memory another thread wrote since the last barrier,
 //! and overwriting shared memory another thread read since the last barrier (both a missing
-//! `__syncthreads`; the second is invisible to lockstep execution, so it is tracked).
+//! `__syncthreads`; the second is invisible to lockstep execution, so it is tracked). What a
+//! GPU gets right but slowly, shared-memory bank conflicts, a profiled run counts
+//! ([`run_profiled`], `banks`).
 
 mod asynchronous;
 mod banks;
