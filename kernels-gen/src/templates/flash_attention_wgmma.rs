@@ -193,7 +193,7 @@ pub enum Schedule {
     /// ([`take_turn`]).
     Specialised,
     /// As `Specialised`, the producer warp's first lane loading each tile by TMA
-    /// ([`tma_producer`]): 128-byte swizzled boxes, their bytes counted by `full`, no copy
+    /// (`tma_producer`): 128-byte swizzled boxes, their bytes counted by `full`, no copy
     /// instructions of the block's own. Heads `flash_tma::supports` takes.
     Tma,
 }

@@ -1,11 +1,11 @@
 //! What the prefill attention kernels loading their key and value tiles by TMA share
 //! (`flash_attention_wgmma`'s `Schedule::Tma`, `flash_attention_tcgen05`'s `Loads::Tma`),
 //! FlashAttention-3's loads: one thread announces a 64-key tile's bytes on an mbarrier and
-//! issues its boxes, each [`TMA_KEYS`] keys' rows of [`TMA_DIMS`] dims of the block's KV head
+//! issues its boxes, each [`TMA_KEYS`] keys' rows of `TMA_DIMS` dims of the block's KV head
 //! (a cache block's rows, or part of one), which land 128-byte swizzled: a buffer holds its
-//! tile's dims in halves of [`TMA_DIMS`], each half 64 rows of 128 bytes, a key a row. The
-//! tensor cores read the keys from it K-major ([`key_slice`]) and the values MN-major
-//! ([`value_slice`]), and no thread spends an instruction on a 16-byte copy.
+//! tile's dims in halves of `TMA_DIMS`, each half 64 rows of 128 bytes, a key a row. The
+//! tensor cores read the keys from it K-major (`key_slice`) and the values MN-major
+//! (`value_slice`), and no thread spends an instruction on a 16-byte copy.
 //!
 //! Boxes past the block's last key copy the box holding it again (a paged sequence's table
 //! has no block there); the rows past it in a box are other positions of the cache (zeroed
@@ -22,7 +22,7 @@ pub const TMA_KEYS: i64 = 16;
 /// Dims a box holds: one 128-byte swizzled row of bf16.
 const TMA_DIMS: i64 = 64;
 
-/// Whether the kernels loading by TMA take a head of `head_dim`: whole boxes of [`TMA_DIMS`],
+/// Whether the kernels loading by TMA take a head of `head_dim`: whole boxes of `TMA_DIMS`,
 /// up to the 128 dims their outputs keep in registers.
 pub fn supports(head_dim: usize) -> bool {
     flash::supports(head_dim) && head_dim <= flash::QUERIES_IN_REGISTERS && head_dim.is_multiple_of(TMA_DIMS as usize)
