@@ -334,13 +334,7 @@ fn producer(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
         ]
     };
     let step = [
-        vec![if_(
-            bin(BinOp::Ge, var("i"), int(BUFFERS)),
-            vec![Stmt::Mbarrier(Box::new(Mbarrier::Wait {
-                barrier: tma_gemm::barrier("empty", rem(var("i"), int(BUFFERS))),
-                parity: rem(var("i") / int(BUFFERS) + int(1), int(2)),
-            }))],
-        )],
+        vec![wait_for_buffer()],
         copy_tile(
             layout,
             (head_dim, TileOrder::CoreMatrices),
@@ -358,18 +352,24 @@ fn producer(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
     .concat()
 }
 
+/// The producer's wait before filling tile i's buffer: from the fourth tile on, for the
+/// consumers to give it back (`empty`'s phase for tile i − 3).
+fn wait_for_buffer() -> Stmt {
+    if_(
+        bin(BinOp::Ge, var("i"), int(BUFFERS)),
+        vec![Stmt::Mbarrier(Box::new(Mbarrier::Wait {
+            barrier: tma_gemm::barrier("empty", rem(var("i"), int(BUFFERS))),
+            parity: rem(var("i") / int(BUFFERS) + int(1), int(2)),
+        }))],
+    )
+}
+
 /// The producer warp's loop when tiles land by TMA: tile i's buffer given back as in
 /// [`producer`], then its first lane announces the tile's bytes on `full` and issues its
 /// boxes (`flash_tma::load_tile`).
 fn tma_producer(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
     let step = vec![
-        if_(
-            bin(BinOp::Ge, var("i"), int(BUFFERS)),
-            vec![Stmt::Mbarrier(Box::new(Mbarrier::Wait {
-                barrier: tma_gemm::barrier("empty", rem(var("i"), int(BUFFERS))),
-                parity: rem(var("i") / int(BUFFERS) + int(1), int(2)),
-            }))],
-        ),
+        wait_for_buffer(),
         if_(
             eq(lane(), int(0)),
             flash_tma::load_tile(
