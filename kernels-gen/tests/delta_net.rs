@@ -1,14 +1,15 @@
-//! The Gated DeltaNet kernels (convolution, window, delta rule) on the emulator against the IR
-//! reference, step after step over each sequence's state: one sequence, and batched steps whose
-//! sequences start, continue with fewer rows than the window, and sit in any state slot.
+//! The Gated DeltaNet kernels (convolution, window, delta rule: recurrent, or in chunks) on the
+//! emulator against the IR reference, step after step over each sequence's state: one sequence,
+//! and batched steps whose sequences start, continue with fewer rows than the window, sit in
+//! any state slot, and span several chunks.
 
 use ir::reference::ops;
 use ir::{DecayRate, DeltaNetSpec, ValueHeadOrder};
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::emulator::{run, Array, Scalar};
 use kernels_gen::templates::cache_layout::CacheLayout;
-use kernels_gen::templates::delta_net;
 use kernels_gen::templates::quant::WeightFormat;
+use kernels_gen::templates::{delta_chunks, delta_net, flash_attention};
 use std::collections::HashMap;
 
 mod common;
@@ -75,12 +76,21 @@ impl Layer {
         )
     }
 
-    fn kernels(&self, layout: CacheLayout) -> [Kernel; 3] {
-        [
-            delta_net::conv("conv", "test", layout, &self.spec, self.weights),
-            delta_net::conv_window("window", "test", layout, &self.spec),
-            delta_net::delta_rule("rule", "test", layout, &self.spec),
-        ]
+    /// The convolution, the window, then the delta rule in `form`'s launches.
+    fn kernels(&self, layout: CacheLayout, form: Form) -> (Kernel, Kernel, Vec<Kernel>) {
+        let spec = &self.spec;
+        let rule = match form {
+            Form::Recurrent => vec![delta_net::delta_rule("rule", "test", layout, spec)],
+            Form::Chunked => vec![
+                delta_chunks::chunk_prepare("prepare", "test", layout, spec),
+                delta_chunks::chunk_state("state", "test", layout, spec),
+            ],
+        };
+        (
+            delta_net::conv("conv", "test", layout, spec, self.weights),
+            delta_net::conv_window("window", "test", layout, spec),
+            rule,
+        )
     }
 
     /// The three launches over a step of `segments` (each a sequence's rows) with `state`
@@ -89,7 +99,7 @@ impl Layer {
     /// step's output rows.
     fn step(
         &self,
-        layout: CacheLayout,
+        (layout, form): (CacheLayout, Form),
         segments: &[&Rows],
         (state, checkpoints): (&mut Vec<f32>, &mut Vec<f32>),
         step: HashMap<String, Array>,
@@ -139,14 +149,23 @@ impl Layer {
             ("first", first),
         ]);
         scalars.insert("unused".into(), Scalar::Int(0));
-        let [conv, window, rule] = self.kernels(layout);
+        let (conv, window, rule) = self.kernels(layout, form);
         run(&conv, &mut bufs, &scalars).unwrap();
         run(&window, &mut bufs, &scalars).unwrap();
         let convolved = bufs.remove("out").unwrap();
         bufs.insert("conv".into(), convolved);
         let width = vh * self.spec.value_dim;
         bufs.insert("out".into(), Array::poisoned(Ty::F32, tokens * width));
-        run(&rule, &mut bufs, &scalars).unwrap();
+        for (name, width) in delta_chunks::scratch(&self.spec) {
+            bufs.insert(name.into(), Array::poisoned(Ty::F32, tokens * width));
+        }
+        let lens: Vec<usize> = segments.iter().map(|rows| rows.x.len() / c).collect();
+        let tiles = flash_attention::query_tiles(&lens, delta_chunks::CHUNK);
+        let tiles: Vec<i64> = tiles.iter().map(|&t| t as i64).collect();
+        bufs.insert("query_tiles".into(), Array::ints(Ty::I32, &tiles));
+        for kernel in &rule {
+            run(kernel, &mut bufs, &scalars).unwrap();
+        }
         *state = bufs["state"].to_f32().unwrap();
         *checkpoints = bufs["checkpoints"].to_f32().unwrap();
         bufs["out"].to_f32().unwrap()
@@ -206,121 +225,182 @@ fn specs() -> [DeltaNetSpec; 3] {
     ]
 }
 
-/// One sequence over steps of 5, 1 and 2 rows (fewer than the window's 3), the state kept
-/// between steps: outputs and the state after each step equal the reference's.
+/// How the delta rule runs: a row at a time, or in chunks.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Form {
+    Recurrent,
+    Chunked,
+}
+
+const FORMS: [Form; 2] = [Form::Recurrent, Form::Chunked];
+
+/// One sequence over steps of 5, 1 and 2 rows (fewer than the window's 3), then 150 (two
+/// whole chunks and part of a third) and 64 (one whole chunk), the state kept between steps:
+/// outputs and the state after each step equal the reference's, in either form.
 #[test]
 fn one_sequence_continues_its_state_across_steps() {
     let mut rng = Rng(41);
     for spec in specs() {
         for weights in [WeightFormat::Dense(Ty::F32), WeightFormat::Dense(Ty::Bf16)] {
             let layer = Layer::random(&mut rng, spec, weights);
-            let mut state = vec![0f32; spec.state_len()];
-            let mut want_state = state.clone();
-            let mut first = 0;
-            for n in [5, 1, 2] {
-                let rows = layer.rows(&mut rng, n);
-                let want = layer.reference(&rows, &mut want_state);
-                let got = layer.step(
-                    CacheLayout::Contiguous,
-                    &[&rows],
-                    (&mut state, &mut Vec::new()),
-                    HashMap::new(),
-                    first,
-                );
-                let what = format!("{spec:?} {weights:?}, {n} rows at {first}");
-                close(&got, &want, 1e-4, &what);
-                close(
-                    &layer.device_state(&state, false),
-                    &want_state,
-                    1e-4,
-                    &format!("{what}: state"),
-                );
-                first += n as i64;
+            let steps: Vec<Vec<Rows>> = [5, 1, 2, 150, 64]
+                .into_iter()
+                .map(|n| vec![layer.rows(&mut rng, n)])
+                .collect();
+            for form in FORMS {
+                let mut state = vec![0f32; spec.state_len()];
+                let mut want_state = state.clone();
+                let mut first = 0;
+                for rows in &steps {
+                    let n = rows[0].b.len() / spec.value_heads;
+                    let want = layer.reference(&rows[0], &mut want_state);
+                    let got = layer.step(
+                        (CacheLayout::Contiguous, form),
+                        &[&rows[0]],
+                        (&mut state, &mut Vec::new()),
+                        HashMap::new(),
+                        first,
+                    );
+                    let what = format!("{form:?} {spec:?} {weights:?}, {n} rows at {first}");
+                    close(&got, &want, 1e-4, &what);
+                    close(
+                        &layer.device_state(&state, false),
+                        &want_state,
+                        1e-4,
+                        &format!("{what}: state"),
+                    );
+                    first += n as i64;
+                }
             }
         }
     }
 }
 
-/// A batched step: a sequence starting (its slot holding an earlier sequence's state, which it
-/// must not read), one continuing with one row and one with two, each in its own slot. The
-/// states after rows other than a sequence's last are kept where `row_checkpoint` asks (the
-/// starting sequence's first two rows, the two-row sequence's first: its window reaching back
-/// into its state), each the reference's state after that row.
+/// A batched step of `seqs` (each its state slot, rows and the position of its first row;
+/// slots hold states of earlier steps over as many rows as that position, and an earlier
+/// sequence's in the slot of one starting, which it must not read), keeping the states after
+/// the rows `kept` names (sequence, row among its rows): outputs, checkpoints and each slot's
+/// state after the step equal the reference's.
+fn check_batched(
+    rng: &mut Rng,
+    spec: DeltaNetSpec,
+    form: Form,
+    seqs: &[(usize, usize, usize)],
+    kept: &[(usize, usize)],
+) {
+    let layer = Layer::random(rng, spec, WeightFormat::Dense(Ty::F32));
+    let len = spec.state_len();
+    let slots = seqs.iter().map(|s| s.0 + 1).max().unwrap_or(0);
+    let mut state = rng.vec(slots * len);
+    let mut before: Vec<Vec<f32>> = Vec::new();
+    for &(slot, _, pos) in seqs {
+        let mut s = vec![0f32; len];
+        if pos > 0 {
+            layer.reference(&layer.rows(rng, pos), &mut s);
+            state[slot * len..(slot + 1) * len].copy_from_slice(&layer.device_state(&s, true));
+        }
+        before.push(s);
+    }
+    let rows: Vec<Rows> = seqs.iter().map(|&(_, n, _)| layer.rows(rng, n)).collect();
+    let (c, vh) = (spec.conv_channels(), spec.value_heads);
+    let want_checkpoints: Vec<Vec<f32>> = kept
+        .iter()
+        .map(|&(seq, row)| {
+            let r = &rows[seq];
+            let n = row + 1;
+            let first = Rows {
+                x: r.x[..n * c].to_vec(),
+                b: r.b[..n * vh].to_vec(),
+                a: r.a[..n * vh].to_vec(),
+            };
+            let mut s = before[seq].clone();
+            layer.reference(&first, &mut s);
+            s
+        })
+        .collect();
+    let mut want = Vec::new();
+    let mut after = before.clone();
+    for (r, s) in rows.iter().zip(&mut after) {
+        want.extend(layer.reference(r, s));
+    }
+    let (mut last_rows, mut row_pos, mut row_seq, mut row_checkpoint) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut at = 0i64;
+    for (s, &(_, n, pos)) in seqs.iter().enumerate() {
+        at += n as i64;
+        last_rows.push(at - 1);
+        row_pos.extend((pos..pos + n).map(|p| p as i64));
+        row_seq.extend(std::iter::repeat_n(s as i64, n));
+        row_checkpoint.extend((0..n).map(|row| {
+            kept.iter()
+                .position(|&k| k == (s, row))
+                .map_or(-1, |place| place as i64)
+        }));
+    }
+    let slot_of: Vec<i64> = seqs.iter().map(|s| s.0 as i64).collect();
+    let step = HashMap::from([
+        ("last_rows".to_string(), Array::ints(Ty::I32, &last_rows)),
+        ("row_pos".to_string(), Array::ints(Ty::I32, &row_pos)),
+        ("row_seq".to_string(), Array::ints(Ty::I32, &row_seq)),
+        ("state_slots".to_string(), Array::ints(Ty::I32, &slot_of)),
+        ("row_checkpoint".to_string(), Array::ints(Ty::I32, &row_checkpoint)),
+    ]);
+    let segments: Vec<&Rows> = rows.iter().collect();
+    let mut checkpoints = vec![f32::NAN; kept.len().max(1) * len];
+    let got = layer.step(
+        (CacheLayout::Batched, form),
+        &segments,
+        (&mut state, &mut checkpoints),
+        step,
+        0,
+    );
+    let what = format!("{form:?} {spec:?}");
+    close(&got, &want, 1e-4, &format!("{what}: batched outputs"));
+    for (place, want) in want_checkpoints.iter().enumerate() {
+        let got = layer.device_state(&checkpoints[place * len..(place + 1) * len], false);
+        close(&got, want, 1e-4, &format!("{what}: checkpoint {place}"));
+    }
+    for (&(slot, _, _), want) in seqs.iter().zip(&after) {
+        let got = layer.device_state(&state[slot * len..(slot + 1) * len], false);
+        close(&got, want, 1e-4, &format!("{what}: slot {slot}"));
+    }
+}
+
+/// A batched step: a sequence starting in slot 1, one continuing with one row and one with
+/// two. The states after rows other than a sequence's last are kept where asked (the starting
+/// sequence's first two rows, the two-row sequence's first: its window reaching back into its
+/// state).
 #[test]
 fn batched_sequences_keep_their_own_states() {
     let mut rng = Rng(42);
     for spec in specs() {
-        let layer = Layer::random(&mut rng, spec, WeightFormat::Dense(Ty::F32));
-        let len = spec.state_len();
-        // Slots 0..3; earlier steps of the continuing sequences made their states.
-        let mut state = rng.vec(3 * len);
-        let mut want_states: Vec<Vec<f32>> = Vec::new();
-        for (slot, before) in [(2usize, 6usize), (0, 4)] {
-            let mut s = vec![0f32; len];
-            layer.reference(&layer.rows(&mut rng, before), &mut s);
-            state[slot * len..(slot + 1) * len].copy_from_slice(&layer.device_state(&s, true));
-            want_states.push(s);
+        for form in FORMS {
+            check_batched(
+                &mut rng,
+                spec,
+                form,
+                &[(1, 3, 0), (2, 1, 6), (0, 2, 4)],
+                &[(0, 0), (0, 1), (2, 0)],
+            );
         }
-        // (slot, rows, position of its first row)
-        let seqs = [(1usize, 3usize, 0usize), (2, 1, 6), (0, 2, 4)];
-        let rows: Vec<Rows> = seqs.iter().map(|&(_, n, _)| layer.rows(&mut rng, n)).collect();
-        // The states each checkpoint should hold: (sequence, its state before the step, rows).
-        let kept = [
-            (0usize, vec![0f32; len], 1usize),
-            (0, vec![0f32; len], 2),
-            (2, want_states[1].clone(), 1),
-        ];
-        let want_checkpoints: Vec<Vec<f32>> = kept
-            .into_iter()
-            .map(|(seq, mut before, n)| {
-                let r = &rows[seq];
-                let (c, vh) = (spec.conv_channels(), spec.value_heads);
-                let first = Rows {
-                    x: r.x[..n * c].to_vec(),
-                    b: r.b[..n * vh].to_vec(),
-                    a: r.a[..n * vh].to_vec(),
-                };
-                layer.reference(&first, &mut before);
-                before
-            })
-            .collect();
-        let mut want = Vec::new();
-        let mut fresh = vec![0f32; len];
-        want.extend(layer.reference(&rows[0], &mut fresh));
-        want.extend(layer.reference(&rows[1], &mut want_states[0]));
-        want.extend(layer.reference(&rows[2], &mut want_states[1]));
-        let (mut last_rows, mut row_pos, mut row_seq) = (Vec::new(), Vec::new(), Vec::new());
-        let mut at = 0i64;
-        for (s, &(_, n, pos)) in seqs.iter().enumerate() {
-            at += n as i64;
-            last_rows.push(at - 1);
-            row_pos.extend((pos..pos + n).map(|p| p as i64));
-            row_seq.extend(std::iter::repeat_n(s as i64, n));
-        }
-        let step = HashMap::from([
-            ("last_rows".to_string(), Array::ints(Ty::I32, &last_rows)),
-            ("row_pos".to_string(), Array::ints(Ty::I32, &row_pos)),
-            ("row_seq".to_string(), Array::ints(Ty::I32, &row_seq)),
-            (
-                "state_slots".to_string(),
-                Array::ints(Ty::I32, &seqs.map(|s| s.0 as i64)),
-            ),
-            (
-                "row_checkpoint".to_string(),
-                Array::ints(Ty::I32, &[0, 1, -1, -1, 2, -1]),
-            ),
-        ]);
-        let segments: Vec<&Rows> = rows.iter().collect();
-        let mut checkpoints = vec![f32::NAN; 3 * len];
-        let got = layer.step(CacheLayout::Batched, &segments, (&mut state, &mut checkpoints), step, 0);
-        close(&got, &want, 1e-4, &format!("{spec:?}: batched outputs"));
-        for (place, want) in want_checkpoints.iter().enumerate() {
-            let got = layer.device_state(&checkpoints[place * len..(place + 1) * len], false);
-            close(&got, want, 1e-4, &format!("{spec:?}: checkpoint {place}"));
-        }
-        for (slot, s) in [(1, &fresh), (2, &want_states[0]), (0, &want_states[1])] {
-            let got = layer.device_state(&state[slot * len..(slot + 1) * len], false);
-            close(&got, s, 1e-4, &format!("{spec:?}: slot {slot}"));
+    }
+}
+
+/// A batched step of sequences spanning chunks: one starting over 130 rows (two whole chunks
+/// and two rows), one continuing over 65, one over a single row; states kept after a chunk's
+/// last row, the next chunk's first, rows inside chunks and a sequence's first.
+#[test]
+fn batched_sequences_span_chunks() {
+    let mut rng = Rng(43);
+    for spec in specs() {
+        for form in FORMS {
+            check_batched(
+                &mut rng,
+                spec,
+                form,
+                &[(1, 130, 0), (2, 65, 7), (0, 1, 4)],
+                &[(0, 63), (0, 64), (0, 100), (1, 0), (1, 40)],
+            );
         }
     }
 }

@@ -46,7 +46,7 @@ use ir::{DecayRate, DeltaNetSpec, ValueHeadOrder};
 const COLUMNS: usize = 32;
 
 /// The layout's parameters: what locates a sequence's rows and state.
-fn sequence_params(layout: CacheLayout) -> Vec<Param> {
+pub(super) fn sequence_params(layout: CacheLayout) -> Vec<Param> {
     match layout {
         CacheLayout::Batched => vec![
             buffer("last_rows", Ty::I32, false),
@@ -60,7 +60,7 @@ fn sequence_params(layout: CacheLayout) -> Vec<Param> {
 
 /// The batched layout's checkpoint parameters (see the module's description): where states
 /// after rows other than a sequence's last are kept.
-fn checkpoint_params(layout: CacheLayout) -> Vec<Param> {
+pub(super) fn checkpoint_params(layout: CacheLayout) -> Vec<Param> {
     match layout {
         CacheLayout::Batched => vec![
             buffer("checkpoints", Ty::F32, true),
@@ -71,14 +71,14 @@ fn checkpoint_params(layout: CacheLayout) -> Vec<Param> {
 }
 
 /// `stores` (which write `checkpoints` at `place`) where `place` is one, and `also` holds.
-fn at_checkpoint(also: Option<Expr>, stores: Vec<Stmt>) -> Stmt {
+pub(super) fn at_checkpoint(also: Option<Expr>, stores: Vec<Stmt>) -> Stmt {
     let kept = bin(BinOp::Ge, var("place"), int(0));
     if_(also.map_or(kept.clone(), |also| and(also, kept)), stores)
 }
 
 /// Statements declaring, for sequence `s` of the step: `first_row`, `last_row` (its rows),
 /// `fresh` (whether its first row is position 0) and `slot` (its state's).
-fn locate_sequence(layout: CacheLayout, s: Expr) -> Vec<Stmt> {
+pub(super) fn locate_sequence(layout: CacheLayout, s: Expr) -> Vec<Stmt> {
     match layout {
         CacheLayout::Batched => vec![
             let_("first_row", Ty::I32, int(0)),
@@ -135,7 +135,7 @@ fn input_at(value: &str, src: Expr, kept: i64, channels: i64) -> Vec<Stmt> {
 /// `terms` summed pairwise (a balanced tree): the recurrence waits on the sums over a
 /// thread's state entries once a row, and a tree is `log2` additions deep where a running sum
 /// is one per entry (floating-point addition is not reassociated by the compiler).
-fn tree_sum(mut terms: Vec<Expr>) -> Expr {
+pub(super) fn tree_sum(mut terms: Vec<Expr>) -> Expr {
     while terms.len() > 1 {
         let mut pairs = Vec::with_capacity(terms.len().div_ceil(2));
         let mut rest = terms.into_iter();
@@ -151,22 +151,31 @@ fn tree_sum(mut terms: Vec<Expr>) -> Expr {
 }
 
 /// The key head value head `h` reads ([`DeltaNetSpec::key_head`]).
-fn key_head(spec: &DeltaNetSpec, h: Expr) -> Expr {
+pub(super) fn key_head(spec: &DeltaNetSpec, h: Expr) -> Expr {
     match spec.value_head_order {
         ValueHeadOrder::Grouped => h / int((spec.value_heads / spec.key_heads) as i64),
         ValueHeadOrder::Tiled => rem(h, int(spec.key_heads as i64)),
     }
 }
 
+/// softplus as PyTorch's: `ln(1 + eˣ)`, linear past 20.
+pub(super) fn softplus(x: Expr) -> Expr {
+    select(
+        bin(BinOp::Gt, x.clone(), f(20.0)),
+        x.clone(),
+        un(UnOp::Log1p, un(UnOp::Exp, x)),
+    )
+}
+
 /// The decay rate `A < 0` from what the spec's decay input holds.
-fn decay_rate(spec: &DeltaNetSpec, stored: Expr) -> Expr {
+pub(super) fn decay_rate(spec: &DeltaNetSpec, stored: Expr) -> Expr {
     match spec.decay_rate {
         DecayRate::Log => un(UnOp::Neg, un(UnOp::Exp, stored)),
         DecayRate::Value => stored,
     }
 }
 
-fn spec_text(spec: &DeltaNetSpec) -> String {
+pub(super) fn spec_text(spec: &DeltaNetSpec) -> String {
     format!(
         "{} key heads × {}, {} value heads × {}, convolution of {}",
         spec.key_heads, spec.key_dim, spec.value_heads, spec.value_dim, spec.conv_kernel
@@ -440,17 +449,8 @@ pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNet
             un(UnOp::Rsqrt, var("qq") + f(1e-6)) * f(1.0 / (spec.key_dim as f32).sqrt()),
         ),
         let_("k_scale", Ty::F32, un(UnOp::Rsqrt, var("kk") + f(1e-6))),
-        // softplus as PyTorch's: linear past 20.
         let_("x", Ty::F32, var("a_in") + var("bias")),
-        let_(
-            "softplus",
-            Ty::F32,
-            select(
-                bin(BinOp::Gt, var("x"), f(20.0)),
-                var("x"),
-                un(UnOp::Log1p, un(UnOp::Exp, var("x"))),
-            ),
-        ),
+        let_("softplus", Ty::F32, softplus(var("x"))),
         let_("decay", Ty::F32, un(UnOp::Exp, var("neg_a") * var("softplus"))),
         let_("beta", Ty::F32, super::elementwise::sigmoid(var("b_in"))),
     ]);

@@ -5,6 +5,7 @@ pub mod attention;
 pub mod attention_vector;
 pub mod bf16_rows;
 pub mod cache_layout;
+pub mod delta_chunks;
 pub mod delta_net;
 pub mod elementwise;
 pub mod embedding;

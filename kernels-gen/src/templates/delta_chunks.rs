@@ -1,0 +1,863 @@
+//! The gated delta rule over a prompt in chunks (the WY form of Yang et al.'s Gated DeltaNet,
+//! as FLA's `chunk_gated_delta_rule` and HF's `torch_chunk_gated_delta_rule` compute it): a
+//! sequence's rows cut into chunks of [`CHUNK`], what depends only on a chunk's own rows
+//! computed for every chunk at once, and only the hand-over of the state from chunk to chunk
+//! left in order. [`delta_net::delta_rule`] walks the rows one after another instead.
+//!
+//! Within a chunk of rows `t` (from 0) with state `S₀` before it, `Γ_t = g_0 ⋯ g_t` (as
+//! `b_t = Σ ln g`, so ratios `Γ_t / Γ_i = e^{b_t − b_i}` never overflow), normalised `q̂`, `k̂`
+//! and the update `δ_t` the recurrence adds (`S_t = g_t S_{t−1} + k̂_t δ_tᵀ`):
+//! - `δ = U − W·S₀`, where `(I + A)·W = diag(βΓ)·K̂` and `(I + A)·U = diag(β)·V` with `A`
+//!   strictly lower triangular, `A[t, i] = β_t (Γ_t / Γ_i) k̂_t·k̂_i`;
+//! - `o_t = Γ_t q̂_t·S₀ + Σ_{i ≤ t} (Γ_t / Γ_i)(q̂_t·k̂_i) δ_i`;
+//! - `S_t = Γ_t S₀ + Σ_{i ≤ t} (Γ_t / Γ_i) k̂_i δ_iᵀ` (the state after the chunk at its last row).
+//!
+//! Two launches after the convolution and window of [`delta_net`]:
+//! 1. [`chunk_prepare`], a block per (chunk, value head): the scores `P[t, i] = (Γ_t / Γ_i)
+//!    q̂_t·k̂_i` (`i ≤ t`, else 0), `A`, then `W` and `U` by forward substitution (each thread
+//!    solving columns of its own), written to scratch with each row's decay and scales.
+//! 2. [`chunk_state`], a block per (sequence, value head, tile of value columns) as the
+//!    recurrent kernel's: the state's columns in registers, eight lanes a column, walking the
+//!    sequence's chunks: `δ`, the outputs, states after rows a batched step keeps
+//!    (checkpoints), the state after the chunk. Each is a sum over the key dimension split
+//!    across a column's lanes (three shuffles) or over the chunk's rows.
+//!
+//! Everything is f32, as the state is and as HF's chunked form computes. The sums run in
+//! another order than the recurrence's, so results agree with it to f32 rounding.
+
+use super::attention::shared_f32;
+use super::cache_layout::CacheLayout;
+use super::delta_net::{
+    at_checkpoint, checkpoint_params, decay_rate, key_head, locate_sequence, sequence_params, softplus, spec_text,
+    tree_sum,
+};
+use super::elementwise::sigmoid;
+use super::flash_attention::{self, query_tiles_expr};
+use crate::dsl::*;
+use ir::DeltaNetSpec;
+
+/// Rows a chunk: a batched step's `query_tiles` input cuts each sequence's rows so.
+pub const CHUNK: usize = flash_attention::QUERY_TILE_ROWS;
+/// Threads of a [`chunk_prepare`] block.
+const PREPARE_THREADS: u32 = 256;
+/// Lanes sharing a column of the state in [`chunk_state`] (neighbouring lanes).
+const GROUPS: i64 = 8;
+/// Value columns a [`chunk_state`] block takes (fewer where the heads are narrower).
+const COLUMNS: usize = 32;
+/// Per row and value head: `b_t`, `q_mult_t` (`q`'s norm scale times `Γ_t`), `k_mult_t` (`k`'s
+/// norm scale) and `Γ_last / Γ_t`.
+const SCALES: i64 = 4;
+
+/// Whether the chunked form takes `spec`'s heads: key heads a multiple of [`GROUPS`] and up to
+/// 128 wide (what the blocks' shared memory holds on every target), value heads up to 128.
+pub fn supports(spec: &DeltaNetSpec) -> bool {
+    spec.key_dim.is_multiple_of(GROUPS as usize) && spec.key_dim <= 128 && spec.value_dim <= 128
+}
+
+/// The scratch [`chunk_prepare`] writes and [`chunk_state`] reads: each buffer's name and its
+/// f32 elements a step row.
+pub fn scratch(spec: &DeltaNetSpec) -> [(&'static str, usize); 4] {
+    let vh = spec.value_heads;
+    [
+        ("chunk_w", vh * spec.key_dim),
+        ("chunk_u", vh * spec.value_dim),
+        ("chunk_p", vh * CHUNK),
+        ("chunk_scales", vh * SCALES as usize),
+    ]
+}
+
+/// `body` for each `e` in `tid, tid + blockDim, …` below `count`.
+fn strided(e: &str, count: Expr, body: Vec<Stmt>) -> Stmt {
+    for_(e, tid(), count, bdim(), body)
+}
+
+/// Where row `t` of the chunk starting at step row `first`, value head `h`, keeps `width`
+/// elements a head in a scratch buffer.
+fn scratch_row(first: Expr, t: Expr, vh: i64, width: i64) -> Expr {
+    ((first + t) * int(vh) + var("h")) * int(width)
+}
+
+/// The chunk a [`chunk_prepare`] block takes: `h`, `q0` (its first step row) and `n` (its rows).
+fn chunk_rows(layout: CacheLayout, vh: i64) -> Vec<Stmt> {
+    let tile = bid() / int(vh);
+    let mut out = vec![let_("h", Ty::I32, rem(bid(), int(vh)))];
+    match layout {
+        CacheLayout::Batched => out.extend([
+            let_("q0", Ty::I32, load("query_tiles", tile.clone() * int(2))),
+            let_("n", Ty::I32, load("query_tiles", tile * int(2) + int(1))),
+        ]),
+        _ => out.extend([
+            let_("q0", Ty::I32, tile * int(CHUNK as i64)),
+            let_(
+                "n",
+                Ty::I32,
+                bin(BinOp::Min, int(CHUNK as i64), var("tokens") - var("q0")),
+            ),
+        ]),
+    }
+    out
+}
+
+/// For each chunk of the step's sequences and value head: its scores `P`, `W`, `U` and row
+/// scales into scratch (see the module's description). `conv` holds the convolved `[q | k |
+/// v]` rows; `b` and `a` rows are `b_stride` and `a_stride` apart. Grid: the step's chunks
+/// (a batched step's `query_tiles`) × value heads.
+pub fn chunk_prepare(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNetSpec) -> Kernel {
+    assert!(
+        supports(spec),
+        "the chunked delta rule does not take {}",
+        spec_text(spec)
+    );
+    let (dk, dv, vh) = (spec.key_dim as i64, spec.value_dim as i64, spec.value_heads as i64);
+    let key_width = (spec.key_heads * spec.key_dim) as i64;
+    let channels = spec.conv_channels() as i64;
+    let chunk = CHUNK as i64;
+    // Rows of `xs` and `ys` one element longer than their data, so rows read together sit in
+    // different banks.
+    let (xs, ys, a_stride) = (dk + 1, dk.max(dv) + 1, chunk + 1);
+    let conv_at = |offset: Expr| (var("q0") + var("t")) * int(channels) + offset;
+    let row = |t: &str| var("q0") + var(t);
+
+    let mut body = vec![
+        let_("key_head", Ty::I32, key_head(spec, var("h"))),
+        let_("neg_a", Ty::F32, decay_rate(spec, load("a_log", var("h")))),
+        let_("bias", Ty::F32, load("dt_bias", var("h"))),
+        // The chunk's q and k rows, zero past its last.
+        strided(
+            "e",
+            int(chunk * dk),
+            vec![
+                let_("t", Ty::I32, var("e") / int(dk)),
+                let_("k", Ty::I32, rem(var("e"), int(dk))),
+                let_("q_in", Ty::F32, f(0.0)),
+                let_("k_in", Ty::F32, f(0.0)),
+                if_(
+                    lt(var("t"), var("n")),
+                    vec![
+                        assign("q_in", load("conv", conv_at(var("key_head") * int(dk) + var("k")))),
+                        assign(
+                            "k_in",
+                            load("conv", conv_at(int(key_width) + var("key_head") * int(dk) + var("k"))),
+                        ),
+                    ],
+                ),
+                store("xs", var("t") * int(xs) + var("k"), var("q_in")),
+                store("ys", var("t") * int(ys) + var("k"), var("k_in")),
+            ],
+        ),
+        // Each row's β and ln g (zero past the last row).
+        if_(
+            lt(tid(), int(chunk)),
+            vec![
+                let_("t", Ty::I32, tid()),
+                let_("beta", Ty::F32, f(0.0)),
+                let_("log_decay", Ty::F32, f(0.0)),
+                if_(
+                    lt(var("t"), var("n")),
+                    vec![
+                        assign("beta", sigmoid(load("b", row("t") * var("b_stride") + var("h")))),
+                        let_(
+                            "x",
+                            Ty::F32,
+                            load("a", row("t") * var("a_stride") + var("h")) + var("bias"),
+                        ),
+                        assign("log_decay", var("neg_a") * softplus(var("x"))),
+                    ],
+                ),
+                store("beta_sh", var("t"), var("beta")),
+                store("log_decay_sh", var("t"), var("log_decay")),
+            ],
+        ),
+        Stmt::SyncThreads,
+    ];
+    // The rows' norm scales, a warp a row: as FLA and HF, x / √(Σx² + 1e-6), q also by
+    // key_dim^−½ (zero past the last row).
+    let warps = PREPARE_THREADS as i64 / 32;
+    let mut norms = vec![
+        let_("t", Ty::I32, warp() + var("v") * int(warps)),
+        let_("qq", Ty::F32, f(0.0)),
+        let_("kk", Ty::F32, f(0.0)),
+        // Warp-uniform: every lane of a warp takes the same row.
+        if_(
+            lt(var("t"), var("n")),
+            vec![for_(
+                "k",
+                lane(),
+                int(dk),
+                int(32),
+                vec![
+                    let_("q_in", Ty::F32, load("xs", var("t") * int(xs) + var("k"))),
+                    let_("k_in", Ty::F32, load("ys", var("t") * int(ys) + var("k"))),
+                    assign("qq", var("qq") + var("q_in") * var("q_in")),
+                    assign("kk", var("kk") + var("k_in") * var("k_in")),
+                ],
+            )],
+        ),
+    ];
+    for mask in [16, 8, 4, 2, 1] {
+        norms.push(assign("qq", var("qq") + shfl_xor(var("qq"), mask)));
+        norms.push(assign("kk", var("kk") + shfl_xor(var("kk"), mask)));
+    }
+    let live = lt(var("t"), var("n"));
+    norms.push(if_(
+        eq(lane(), int(0)),
+        vec![
+            store(
+                "q_scale_sh",
+                var("t"),
+                select(
+                    live.clone(),
+                    un(UnOp::Rsqrt, var("qq") + f(1e-6)) * f(1.0 / (spec.key_dim as f32).sqrt()),
+                    f(0.0),
+                ),
+            ),
+            store(
+                "k_scale_sh",
+                var("t"),
+                select(live, un(UnOp::Rsqrt, var("kk") + f(1e-6)), f(0.0)),
+            ),
+        ],
+    ));
+    body.push(for_("v", int(0), int(chunk / warps), int(1), norms));
+    body.extend([
+        // b_t, the running sum of ln g over the chunk (constant past its last row): 64 adds.
+        if_(
+            eq(tid(), int(0)),
+            vec![
+                let_("running", Ty::F32, f(0.0)),
+                for_(
+                    "t",
+                    int(0),
+                    int(chunk),
+                    int(1),
+                    vec![
+                        assign("running", var("running") + load("log_decay_sh", var("t"))),
+                        store("b_sh", var("t"), var("running")),
+                    ],
+                ),
+            ],
+        ),
+        Stmt::SyncThreads,
+        // The row scales `chunk_state` applies.
+        if_(
+            lt(tid(), var("n")),
+            vec![
+                let_("t", Ty::I32, tid()),
+                let_("at", Ty::I32, scratch_row(var("q0"), var("t"), vh, SCALES)),
+                let_("b_t", Ty::F32, load("b_sh", var("t"))),
+                store("chunk_scales", var("at"), var("b_t")),
+                store(
+                    "chunk_scales",
+                    var("at") + int(1),
+                    load("q_scale_sh", var("t")) * un(UnOp::Exp, var("b_t")),
+                ),
+                store("chunk_scales", var("at") + int(2), load("k_scale_sh", var("t"))),
+                store(
+                    "chunk_scales",
+                    var("at") + int(3),
+                    un(UnOp::Exp, load("b_sh", var("n") - int(1)) - var("b_t")),
+                ),
+            ],
+        ),
+    ]);
+    body.extend(scores(spec, (xs, ys, a_stride), vh));
+    body.extend([
+        Stmt::SyncThreads,
+        // The right-hand sides: β_t Γ_t k̂_t for W (over the queries, no longer needed)…
+        strided(
+            "e",
+            var("n") * int(dk),
+            vec![
+                let_("t", Ty::I32, var("e") / int(dk)),
+                let_("k", Ty::I32, rem(var("e"), int(dk))),
+                store(
+                    "xs",
+                    var("t") * int(xs) + var("k"),
+                    load("beta_sh", var("t"))
+                        * un(UnOp::Exp, load("b_sh", var("t")))
+                        * load("k_scale_sh", var("t"))
+                        * load("ys", var("t") * int(ys) + var("k")),
+                ),
+            ],
+        ),
+        Stmt::SyncThreads,
+        // … and β_t v_t for U (over the keys).
+        strided(
+            "e",
+            var("n") * int(dv),
+            vec![
+                let_("t", Ty::I32, var("e") / int(dv)),
+                let_("c", Ty::I32, rem(var("e"), int(dv))),
+                store(
+                    "ys",
+                    var("t") * int(ys) + var("c"),
+                    load("beta_sh", var("t"))
+                        * load("conv", conv_at(int(2 * key_width) + var("h") * int(dv) + var("c"))),
+                ),
+            ],
+        ),
+        Stmt::SyncThreads,
+        // (I + A)·X = rhs by forward substitution, a column a thread: row t needs rows before
+        // it of the same column only, which this thread solved itself.
+        strided(
+            "column",
+            int(dk + dv),
+            vec![if_else(
+                lt(var("column"), int(dk)),
+                substitute("xs", xs, var("column"), a_stride),
+                substitute("ys", ys, var("column") - int(dk), a_stride),
+            )],
+        ),
+        Stmt::SyncThreads,
+        strided(
+            "e",
+            var("n") * int(dk),
+            vec![
+                let_("t", Ty::I32, var("e") / int(dk)),
+                let_("k", Ty::I32, rem(var("e"), int(dk))),
+                store(
+                    "chunk_w",
+                    scratch_row(var("q0"), var("t"), vh, dk) + var("k"),
+                    load("xs", var("t") * int(xs) + var("k")),
+                ),
+            ],
+        ),
+        strided(
+            "e",
+            var("n") * int(dv),
+            vec![
+                let_("t", Ty::I32, var("e") / int(dv)),
+                let_("c", Ty::I32, rem(var("e"), int(dv))),
+                store(
+                    "chunk_u",
+                    scratch_row(var("q0"), var("t"), vh, dv) + var("c"),
+                    load("ys", var("t") * int(ys) + var("c")),
+                ),
+            ],
+        ),
+    ]);
+    let mut all = chunk_rows(layout, vh);
+    // An empty tile (a batched step lists as many as its rows could make) has nothing to do.
+    all.push(if_(bin(BinOp::Gt, var("n"), int(0)), body));
+    let mut params = vec![
+        buffer("conv", Ty::F32, false),
+        buffer("b", Ty::F32, false),
+        buffer("a", Ty::F32, false),
+        buffer("a_log", Ty::F32, false),
+        buffer("dt_bias", Ty::F32, false),
+    ];
+    params.extend(scratch(spec).map(|(name, _)| buffer(name, Ty::F32, true)));
+    params.extend([
+        scalar("tokens", Ty::I32),
+        scalar("b_stride", Ty::I32),
+        scalar("a_stride", Ty::I32),
+    ]);
+    if layout == CacheLayout::Batched {
+        params.extend([buffer("query_tiles", Ty::I32, false), scalar("seqs", Ty::I32)]);
+    }
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: gated delta rule, chunks of {CHUNK} rows prepared ({}), {}",
+            spec_text(spec),
+            layout.describe()
+        ),
+        params,
+        shared: vec![
+            shared_f32("xs", CHUNK * xs as usize),
+            shared_f32("ys", CHUNK * ys as usize),
+            shared_f32("a_sh", CHUNK * a_stride as usize),
+            shared_f32("beta_sh", CHUNK),
+            shared_f32("log_decay_sh", CHUNK),
+            shared_f32("b_sh", CHUNK),
+            shared_f32("q_scale_sh", CHUNK),
+            shared_f32("k_scale_sh", CHUNK),
+        ],
+        block_dim: PREPARE_THREADS,
+        grid: query_tiles_expr(layout, CHUNK as i64) * int(vh),
+        body: all,
+    }
+}
+
+/// The chunk's `P` rows (to scratch) and `A` (to shared `a_sh`) from the q and k rows in `xs`
+/// and `ys`: thread `tid` takes row `t = tid / 4` against rows `i = tid % 4 + 4u`, the two
+/// products over the key dimension side by side (16 of each a thread).
+fn scores(spec: &DeltaNetSpec, (xs, ys, a_stride): (i64, i64, i64), vh: i64) -> Vec<Stmt> {
+    let chunk = CHUNK as i64;
+    let lanes_a_row = PREPARE_THREADS as i64 / chunk;
+    let partners = chunk / lanes_a_row;
+    let (qk, kk) = (|u: i64| format!("qk{u}"), |u: i64| format!("kk{u}"));
+    let partner = |u: i64| var("first_partner") + int(lanes_a_row * u);
+    let mut out = vec![
+        let_("row", Ty::I32, tid() / int(lanes_a_row)),
+        let_("first_partner", Ty::I32, rem(tid(), int(lanes_a_row))),
+    ];
+    for u in 0..partners {
+        out.push(let_(&qk(u), Ty::F32, f(0.0)));
+        out.push(let_(&kk(u), Ty::F32, f(0.0)));
+    }
+    let mut step = vec![
+        let_("q_t", Ty::F32, load("xs", var("row") * int(xs) + var("k"))),
+        let_("k_t", Ty::F32, load("ys", var("row") * int(ys) + var("k"))),
+    ];
+    for u in 0..partners {
+        let k_i = format!("k_i{u}");
+        step.extend([
+            let_(&k_i, Ty::F32, load("ys", partner(u) * int(ys) + var("k"))),
+            assign(&qk(u), var(&qk(u)) + var("q_t") * var(&k_i)),
+            assign(&kk(u), var(&kk(u)) + var("k_t") * var(&k_i)),
+        ]);
+    }
+    out.push(for_("k", int(0), int(spec.key_dim as i64), int(1), step));
+    out.extend([
+        let_("b_row", Ty::F32, load("b_sh", var("row"))),
+        let_("q_scale_row", Ty::F32, load("q_scale_sh", var("row"))),
+        let_("k_scale_row", Ty::F32, load("k_scale_sh", var("row"))),
+        let_("beta_row", Ty::F32, load("beta_sh", var("row"))),
+    ]);
+    for u in 0..partners {
+        let i = format!("partner{u}");
+        let ratio = format!("ratio{u}");
+        out.extend([
+            let_(&i, Ty::I32, partner(u)),
+            // Γ_t / Γ_i · k̂_i's scale; only i ≤ t is kept (past it the exponent may overflow).
+            let_(
+                &ratio,
+                Ty::F32,
+                un(UnOp::Exp, var("b_row") - load("b_sh", var(&i))) * load("k_scale_sh", var(&i)),
+            ),
+            if_(
+                lt(var("row"), var("n")),
+                vec![store(
+                    "chunk_p",
+                    scratch_row(var("q0"), var("row"), vh, chunk) + var(&i),
+                    select(
+                        bin(BinOp::Le, var(&i), var("row")),
+                        var(&qk(u)) * var("q_scale_row") * var(&ratio),
+                        f(0.0),
+                    ),
+                )],
+            ),
+            store(
+                "a_sh",
+                var("row") * int(a_stride) + var(&i),
+                select(
+                    lt(var(&i), var("row")),
+                    var(&kk(u)) * var("beta_row") * var("k_scale_row") * var(&ratio),
+                    f(0.0),
+                ),
+            ),
+        ]);
+    }
+    out
+}
+
+/// Forward substitution down `column` of shared `array` (rows `stride` apart): row t less
+/// `A[t, i]` times row i for each i < t, for the chunk's rows in order.
+fn substitute(array: &str, stride: i64, column: Expr, a_stride: i64) -> Vec<Stmt> {
+    let at = |row: Expr| row * int(stride) + var("col");
+    vec![
+        let_("col", Ty::I32, column),
+        for_(
+            "t",
+            int(1),
+            var("n"),
+            int(1),
+            vec![
+                let_("solved", Ty::F32, load(array, at(var("t")))),
+                for_(
+                    "i",
+                    int(0),
+                    var("t"),
+                    int(1),
+                    vec![assign(
+                        "solved",
+                        var("solved") - load("a_sh", var("t") * int(a_stride) + var("i")) * load(array, at(var("i"))),
+                    )],
+                ),
+                store(array, at(var("t")), var("solved")),
+            ],
+        ),
+    ]
+}
+
+/// How [`chunk_state`] splits a head: value columns a block (eight lanes each).
+pub fn state_columns(spec: &DeltaNetSpec) -> usize {
+    // Whole warps: at least 4 columns, idle past the head's.
+    COLUMNS
+        .min(spec.value_dim.next_power_of_two())
+        .max(32 / GROUPS as usize)
+}
+
+/// Blocks of [`chunk_state`] per sequence.
+pub fn chunk_state_blocks_per_sequence(spec: &DeltaNetSpec) -> usize {
+    spec.value_heads * spec.value_dim.div_ceil(state_columns(spec))
+}
+
+/// The key-dimension indices of a [`chunk_state`] thread's state entries, from its lane group
+/// `g` (0..8): four consecutive ones every 32 where the head is a multiple of 32 wide (one
+/// 16-byte load of a row each, the eight groups reading 128 consecutive bytes), else every
+/// eighth.
+struct Entries {
+    count: i64,
+    vector: bool,
+}
+
+impl Entries {
+    fn of(spec: &DeltaNetSpec) -> Self {
+        Self {
+            count: spec.key_dim as i64 / GROUPS,
+            vector: spec.key_dim.is_multiple_of(32),
+        }
+    }
+
+    fn key(&self, m: i64) -> Expr {
+        match self.vector {
+            true => int(4) * var("g") + int(32 * (m / 4) + m % 4),
+            false => var("g") + int(GROUPS * m),
+        }
+    }
+
+    fn names(&self, prefix: &str) -> Vec<String> {
+        (0..self.count).map(|m| format!("{prefix}{m}")).collect()
+    }
+
+    /// Declares `r0, r1, …`: this thread's entries of row `row` of shared `rows_sh`.
+    fn load_row(&self, row: Expr, dk: i64) -> Vec<Stmt> {
+        let names = self.names("r");
+        match self.vector {
+            true => names
+                .chunks(4)
+                .enumerate()
+                .map(|(p, four)| load_vec("rows_sh", row.clone() * int(dk) + self.key(4 * p as i64), four))
+                .collect(),
+            false => names
+                .iter()
+                .enumerate()
+                .map(|(m, r)| let_(r, Ty::F32, load("rows_sh", row.clone() * int(dk) + self.key(m as i64))))
+                .collect(),
+        }
+    }
+
+    /// `Σ_m r_m · s_m` over this thread's entries.
+    fn dot(&self, s: &str) -> Expr {
+        tree_sum(
+            self.names("r")
+                .iter()
+                .zip(self.names(s))
+                .map(|(r, s)| var(r) * var(&s))
+                .collect(),
+        )
+    }
+}
+
+/// The state's walk over each sequence's chunks (see the module's description): per chunk `δ =
+/// U − W·S`, the outputs, the states a batched step keeps after rows (`row_checkpoint`), the
+/// state after the chunk; the state after the step into its slot. The chunks are `CHUNK` rows
+/// of the sequence from its first row of the step, as [`chunk_prepare`] took them. Grid: `seqs`
+/// × [`chunk_state_blocks_per_sequence`].
+pub fn chunk_state(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNetSpec) -> Kernel {
+    assert!(
+        supports(spec),
+        "the chunked delta rule does not take {}",
+        spec_text(spec)
+    );
+    let columns = state_columns(spec) as i64;
+    let (dk, dv, vh) = (spec.key_dim as i64, spec.value_dim as i64, spec.value_heads as i64);
+    let tiles = spec.value_dim.div_ceil(columns as usize) as i64;
+    let key_width = (spec.key_heads * spec.key_dim) as i64;
+    let channels = spec.conv_channels() as i64;
+    let chunk = CHUNK as i64;
+    // δ's rows: 4 more than its columns, so the lanes of a warp (8 rows, 4 columns) reading it
+    // fall in 32 different banks.
+    let ds = columns + 4;
+    let entries = Entries::of(spec);
+    let states = entries.names("s");
+    let batched = layout == CacheLayout::Batched;
+    let column_sum = |value: &str| -> Vec<Stmt> {
+        [4, 2, 1]
+            .map(|mask| assign(value, var(value) + shfl_xor(var(value), mask)))
+            .to_vec()
+    };
+    let delta = |row: Expr| load("delta_sh", row * int(ds) + var("col"));
+    let scale = |t: Expr, which: i64| load("chunk_scales", scratch_row(var("c0"), t, vh, SCALES) + int(which));
+    // Rows of the chunk's q or k (`offset` into a conv row), each times its scale, into
+    // `rows_sh`.
+    let stage_conv = |offset: i64, multiplier: &str| {
+        strided(
+            "e",
+            var("n") * int(dk),
+            vec![
+                let_("t", Ty::I32, var("e") / int(dk)),
+                let_("k", Ty::I32, rem(var("e"), int(dk))),
+                store(
+                    "rows_sh",
+                    var("e"),
+                    load(
+                        "conv",
+                        (var("c0") + var("t")) * int(channels) + int(offset) + var("key_head") * int(dk) + var("k"),
+                    ) * load(multiplier, var("t")),
+                ),
+            ],
+        )
+    };
+
+    let mut body = vec![
+        let_("s", Ty::I32, bid() / int(vh * tiles)),
+        let_("h", Ty::I32, rem(bid() / int(tiles), int(vh))),
+        let_("col", Ty::I32, tid() / int(GROUPS)),
+        let_("col0", Ty::I32, rem(bid(), int(tiles)) * int(columns)),
+        let_("j", Ty::I32, var("col0") + var("col")),
+        let_("g", Ty::I32, rem(tid(), int(GROUPS))),
+        let_("active", Ty::Bool, lt(var("j"), int(dv))),
+    ];
+    body.extend(locate_sequence(layout, var("s")));
+    body.extend([
+        let_("key_head", Ty::I32, key_head(spec, var("h"))),
+        let_(
+            "head_matrix",
+            Ty::I32,
+            int((spec.conv_kernel as i64 - 1) * channels) + var("h") * int(dk * dv),
+        ),
+        let_(
+            "matrix",
+            Ty::I32,
+            var("slot") * int(spec.state_len() as i64) + var("head_matrix"),
+        ),
+    ]);
+    // The state's column j at this thread's keys (stored by columns, `[value_heads, value_dim,
+    // key_dim]`): zero for a fresh sequence.
+    for (m, s) in states.iter().enumerate() {
+        body.push(let_(s, Ty::F32, f(0.0)));
+        body.push(if_(
+            and(var("active"), un(UnOp::Not, var("fresh"))),
+            vec![assign(
+                s,
+                load("state", var("matrix") + var("j") * int(dk) + entries.key(m as i64)),
+            )],
+        ));
+    }
+
+    let mut chunk_body = vec![
+        let_(
+            "n",
+            Ty::I32,
+            bin(BinOp::Min, int(chunk), var("last_row") + int(1) - var("c0")),
+        ),
+        // W's rows, U's columns of this block, P's rows and the rows' scales.
+        strided(
+            "e",
+            var("n") * int(dk),
+            vec![
+                let_("t", Ty::I32, var("e") / int(dk)),
+                store(
+                    "rows_sh",
+                    var("e"),
+                    load(
+                        "chunk_w",
+                        scratch_row(var("c0"), var("t"), vh, dk) + rem(var("e"), int(dk)),
+                    ),
+                ),
+            ],
+        ),
+        strided(
+            "e",
+            var("n") * int(columns),
+            vec![
+                let_("t", Ty::I32, var("e") / int(columns)),
+                let_("c", Ty::I32, rem(var("e"), int(columns))),
+                let_("u_in", Ty::F32, f(0.0)),
+                if_(
+                    lt(var("col0") + var("c"), int(dv)),
+                    vec![assign(
+                        "u_in",
+                        load(
+                            "chunk_u",
+                            scratch_row(var("c0"), var("t"), vh, dv) + var("col0") + var("c"),
+                        ),
+                    )],
+                ),
+                store("u_sh", var("e"), var("u_in")),
+            ],
+        ),
+        strided(
+            "e",
+            var("n") * int(chunk),
+            vec![
+                let_("t", Ty::I32, var("e") / int(chunk)),
+                store(
+                    "p_sh",
+                    var("e"),
+                    load(
+                        "chunk_p",
+                        scratch_row(var("c0"), var("t"), vh, chunk) + rem(var("e"), int(chunk)),
+                    ),
+                ),
+            ],
+        ),
+        if_(
+            lt(tid(), var("n")),
+            vec![
+                store("b_sh", tid(), scale(tid(), 0)),
+                store("q_mult_sh", tid(), scale(tid(), 1)),
+                store("k_mult_sh", tid(), scale(tid(), 2)),
+                store("to_end_sh", tid(), scale(tid(), 3)),
+            ],
+        ),
+        Stmt::SyncThreads,
+    ];
+    // δ_t = U_t − W_t·S₀ (zero past the chunk's rows, which the outputs' sums read).
+    let mut deltas = entries.load_row(var("t"), dk);
+    deltas.push(let_("part", Ty::F32, entries.dot("s")));
+    deltas.extend(column_sum("part"));
+    deltas.push(if_(
+        eq(var("g"), int(0)),
+        vec![store(
+            "delta_sh",
+            var("t") * int(ds) + var("col"),
+            load("u_sh", var("t") * int(columns) + var("col")) - var("part"),
+        )],
+    ));
+    chunk_body.extend([
+        for_("t", int(0), var("n"), int(1), deltas),
+        if_(
+            eq(var("g"), int(0)),
+            vec![for_(
+                "t",
+                var("n"),
+                int(chunk),
+                int(1),
+                vec![store("delta_sh", var("t") * int(ds) + var("col"), f(0.0))],
+            )],
+        ),
+        Stmt::SyncThreads,
+        stage_conv(0, "q_mult_sh"),
+        Stmt::SyncThreads,
+    ]);
+    // o_t = Γ_t q̂_t·S₀ + Σ_{i ≤ t} P[t, i] δ_i, this lane taking the rows i ≡ g (mod 8).
+    let mut outputs = entries.load_row(var("t"), dk);
+    let earlier: Vec<Expr> = (0..chunk / GROUPS)
+        .map(|u| {
+            let i = var("g") + int(GROUPS * u);
+            load("p_sh", var("t") * int(chunk) + i.clone()) * delta(i)
+        })
+        .collect();
+    outputs.push(let_("part", Ty::F32, entries.dot("s") + tree_sum(earlier)));
+    outputs.extend(column_sum("part"));
+    outputs.push(if_(
+        and(var("active"), eq(var("g"), int(0))),
+        vec![store(
+            "out",
+            (var("c0") + var("t")) * int(vh * dv) + var("h") * int(dv) + var("j"),
+            var("part"),
+        )],
+    ));
+    chunk_body.extend([
+        for_("t", int(0), var("n"), int(1), outputs),
+        Stmt::SyncThreads,
+        stage_conv(key_width, "k_mult_sh"),
+        Stmt::SyncThreads,
+    ]);
+    if batched {
+        // S_t = Γ_t S₀ + Σ_{i ≤ t} (Γ_t / Γ_i) k̂_i δ_iᵀ where the step keeps the state after row t.
+        let kept = entries.names("kept");
+        let mut sum = entries.load_row(var("i"), dk);
+        sum.push(let_(
+            "weight",
+            Ty::F32,
+            delta(var("i")) * un(UnOp::Exp, var("b_t") - load("b_sh", var("i"))),
+        ));
+        for (kept, r) in kept.iter().zip(entries.names("r")) {
+            sum.push(assign(kept, var(kept) + var(&r) * var("weight")));
+        }
+        let mut at_row = vec![let_("b_t", Ty::F32, load("b_sh", var("t")))];
+        for (kept, s) in kept.iter().zip(&states) {
+            at_row.push(let_(kept, Ty::F32, un(UnOp::Exp, var("b_t")) * var(s)));
+        }
+        at_row.push(for_("i", int(0), var("t") + int(1), int(1), sum));
+        let stores = kept
+            .iter()
+            .enumerate()
+            .map(|(m, kept)| {
+                let at = var("place") * int(spec.state_len() as i64) + var("head_matrix");
+                store(
+                    "checkpoints",
+                    at + var("j") * int(dk) + entries.key(m as i64),
+                    var(kept),
+                )
+            })
+            .collect();
+        at_row.push(at_checkpoint(Some(var("active")), stores));
+        chunk_body.push(for_(
+            "t",
+            int(0),
+            var("n"),
+            int(1),
+            vec![
+                // Block-uniform: every thread reads the same row's place.
+                let_("place", Ty::I32, load("row_checkpoint", var("c0") + var("t"))),
+                if_(bin(BinOp::Ge, var("place"), int(0)), at_row),
+            ],
+        ));
+    }
+    // S = Γ_last S₀ + Σ_i (Γ_last / Γ_i) k̂_i δ_iᵀ.
+    chunk_body.push(let_("to_end", Ty::F32, un(UnOp::Exp, load("b_sh", var("n") - int(1)))));
+    for s in &states {
+        chunk_body.push(assign(s, var(s) * var("to_end")));
+    }
+    let mut update = entries.load_row(var("i"), dk);
+    update.push(let_("weight", Ty::F32, delta(var("i")) * load("to_end_sh", var("i"))));
+    for (s, r) in states.iter().zip(entries.names("r")) {
+        update.push(assign(s, var(s) + var(&r) * var("weight")));
+    }
+    chunk_body.extend([for_("i", int(0), var("n"), int(1), update), Stmt::SyncThreads]);
+    body.push(for_(
+        "c0",
+        var("first_row"),
+        var("last_row") + int(1),
+        int(chunk),
+        chunk_body,
+    ));
+    let keep = states
+        .iter()
+        .enumerate()
+        .map(|(m, s)| {
+            store(
+                "state",
+                var("matrix") + var("j") * int(dk) + entries.key(m as i64),
+                var(s),
+            )
+        })
+        .collect();
+    body.push(if_(var("active"), keep));
+    let mut params = vec![buffer("conv", Ty::F32, false)];
+    params.extend(scratch(spec).map(|(name, _)| buffer(name, Ty::F32, false)));
+    params.extend([
+        buffer("state", Ty::F32, true),
+        buffer("out", Ty::F32, true),
+        scalar("seqs", Ty::I32),
+        scalar("tokens", Ty::I32),
+    ]);
+    Kernel {
+        name: name.into(),
+        origin: format!(
+            "{origin}: gated delta rule over chunks of {CHUNK} rows ({}), {GROUPS} lanes a column, {columns} columns a block, {}",
+            spec_text(spec),
+            layout.describe()
+        ),
+        params: [params, sequence_params(layout), checkpoint_params(layout)].concat(),
+        shared: vec![
+            shared_f32("rows_sh", CHUNK * dk as usize),
+            shared_f32("u_sh", CHUNK * columns as usize),
+            shared_f32("p_sh", CHUNK * CHUNK),
+            shared_f32("delta_sh", CHUNK * ds as usize),
+            shared_f32("b_sh", CHUNK),
+            shared_f32("q_mult_sh", CHUNK),
+            shared_f32("k_mult_sh", CHUNK),
+            shared_f32("to_end_sh", CHUNK),
+        ],
+        block_dim: (GROUPS * columns) as u32,
+        grid: var("seqs") * int(chunk_state_blocks_per_sequence(spec) as i64),
+        body,
+    }
+}
