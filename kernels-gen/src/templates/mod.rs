@@ -868,6 +868,19 @@ pub fn catalog() -> Vec<Kernel> {
             cache_layout::CacheLayout::Batched,
             &QWEN3_5_DELTA_NET,
         ),
+        // The same over a prompt, in chunks.
+        delta_chunks::chunk_prepare(
+            "delta_chunk_prepare_batched",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            &QWEN3_5_DELTA_NET,
+        ),
+        delta_chunks::chunk_state(
+            "delta_chunk_state_batched",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            &QWEN3_5_DELTA_NET,
+        ),
         elementwise::add_bias("add_bias", "catalog"),
         elementwise::scale_rows("scale_rows", "catalog"),
         // GLM-4.5-Air's MoE layers (128 experts, 8 a token, 1408 hidden units) in bf16.

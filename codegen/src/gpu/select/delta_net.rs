@@ -1,12 +1,24 @@
 //! A Gated DeltaNet layer's launches (`templates::delta_net`): the convolution into scratch,
 //! the window shift, then the delta rule into the node's value, each sequence's state in its
-//! slot of the layer's recurrent state buffer.
+//! slot of the layer's recurrent state buffer. The delta rule comes in two forms, each launch
+//! gated by the step's shape (`templates::step_gate`): in chunks (`templates::delta_chunks`)
+//! in the steps whose sequences average [`CHUNKED_ROWS_PER_SEQUENCE`] rows or more (prompts),
+//! a row at a time in the others (decode rows, drafts being verified).
 
 use super::{scalar, Alternatives, Operands, Selected};
 use crate::gpu::{GpuCodegenError, LaunchArg, StateLayout};
 use kernels_gen::dsl::Kernel;
 use kernels_gen::templates::cache_layout::CacheLayout;
-use kernels_gen::templates::delta_net;
+use kernels_gen::templates::{delta_chunks, delta_net, flash_attention, step_gate};
+
+/// Rows a sequence from which a step's delta rule runs in chunks: below it a chunk's fixed
+/// work (its 64-row products, a second launch) outweighs walking the rows, which the
+/// recurrent form does at the recurrence's latency a row. Prefill attention switches to the
+/// tensor cores at the same count.
+pub const CHUNKED_ROWS_PER_SEQUENCE: usize = 16;
+
+/// The scalar gating the two forms' launches.
+const GATE: &str = "launched";
 
 /// Records the layer's state and pushes the convolution and window launches; returns the last
 /// (the delta rule) for the caller to push as the node's own.
@@ -83,8 +95,68 @@ pub(super) fn launches(
         scalar("b_stride", b_stride),
         scalar("a_stride", a_stride),
     ];
-    Ok((
-        delta_net::delta_rule("delta_rule", origin, layout, spec),
-        [rule_args, sequences, checkpoints].concat(),
-    ))
+    let recurrent = delta_net::delta_rule("delta_rule", origin, layout, spec);
+    if !delta_chunks::supports(spec) {
+        return Ok((recurrent, [rule_args, sequences, checkpoints].concat()));
+    }
+    let per_sequence = CHUNKED_ROWS_PER_SEQUENCE;
+    let chunked = match layout {
+        CacheLayout::Batched => format!("min(1,({rows})/({per_sequence}*seqs))"),
+        _ => format!("min(1,({rows})/{per_sequence})"),
+    };
+    let scratch: Vec<LaunchArg> = delta_chunks::scratch(spec)
+        .into_iter()
+        .map(|(name, per_row)| operands.scratch(name, per_row, max_tokens))
+        .collect();
+    let [convolved, b, a, a_log, dt_bias, state, out, seqs_arg, tokens, b_stride, a_stride] =
+        <[LaunchArg; 11]>::try_from(rule_args).expect("the delta rule's eleven arguments");
+    let tiles = match layout {
+        CacheLayout::Batched => vec![
+            step_input(&flash_attention::query_tiles_input(delta_chunks::CHUNK)),
+            seqs_arg.clone(),
+        ],
+        _ => vec![],
+    };
+    let prepare_args = [
+        vec![convolved.clone(), b.clone(), a.clone(), a_log.clone(), dt_bias.clone()],
+        scratch.clone(),
+        vec![tokens.clone(), b_stride.clone(), a_stride.clone()],
+        tiles,
+        vec![scalar(GATE, &chunked)],
+    ]
+    .concat();
+    let state_args = [
+        vec![convolved.clone()],
+        scratch,
+        vec![state.clone(), out.clone(), seqs_arg.clone(), tokens.clone()],
+        sequences.clone(),
+        checkpoints.clone(),
+        vec![scalar(GATE, &chunked)],
+    ]
+    .concat();
+    for (kernel, args) in [
+        (
+            delta_chunks::chunk_prepare("delta_chunk_prepare", origin, layout, spec),
+            prepare_args,
+        ),
+        (
+            delta_chunks::chunk_state("delta_chunk_state", origin, layout, spec),
+            state_args,
+        ),
+    ] {
+        s.launches.push((
+            operands.node,
+            step_gate::gated(kernel, GATE),
+            Alternatives::default(),
+            args,
+        ));
+    }
+    let recurrent_args = [
+        vec![convolved, b, a, a_log, dt_bias, state, out, seqs_arg, tokens, b_stride, a_stride],
+        sequences,
+        checkpoints,
+        vec![scalar(GATE, &format!("1-{chunked}"))],
+    ]
+    .concat();
+    Ok((step_gate::gated(recurrent, GATE), recurrent_args))
 }
