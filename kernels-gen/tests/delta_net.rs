@@ -6,7 +6,7 @@
 use ir::reference::ops;
 use ir::{DecayRate, DeltaNetSpec, ValueHeadOrder};
 use kernels_gen::dsl::{Kernel, Ty};
-use kernels_gen::emulator::{run, Array, Scalar};
+use kernels_gen::emulator::{run, run_profiled, Array, Scalar, SharedTraffic};
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::{delta_chunks, delta_net, flash_attention};
@@ -29,6 +29,8 @@ struct Layer {
     a_log: Vec<f32>,
     dt_bias: Vec<f32>,
     weights: WeightFormat,
+    /// The delta rule's kernels' shared-memory traffic in each step run, in order.
+    traffic: std::cell::RefCell<Vec<(String, SharedTraffic)>>,
 }
 
 impl Layer {
@@ -50,6 +52,7 @@ impl Layer {
                 .collect(),
             spec,
             weights,
+            traffic: Default::default(),
         }
     }
 
@@ -164,7 +167,8 @@ impl Layer {
         let tiles: Vec<i64> = tiles.iter().map(|&t| t as i64).collect();
         bufs.insert("query_tiles".into(), Array::ints(Ty::I32, &tiles));
         for kernel in &rule {
-            run(kernel, &mut bufs, &scalars).unwrap();
+            let traffic = run_profiled(kernel, &mut bufs, &scalars).unwrap();
+            self.traffic.borrow_mut().push((kernel.name.clone(), traffic));
         }
         *state = bufs["state"].to_f32().unwrap();
         *checkpoints = bufs["checkpoints"].to_f32().unwrap();
@@ -401,6 +405,32 @@ fn batched_sequences_span_chunks() {
                 &[(1, 130, 0), (2, 65, 7), (0, 1, 4)],
                 &[(0, 63), (0, 64), (0, 100), (1, 0), (1, 40)],
             );
+        }
+    }
+}
+
+/// A prompt's chunks at Qwen3.5's head widths (128): every shared access of the chunked form
+/// takes one wavefront a phase (the recurrent form has no shared memory).
+#[test]
+fn chunks_meet_no_bank_conflicts() {
+    let mut rng = Rng(44);
+    let spec = specs()[1];
+    let layer = Layer::random(&mut rng, spec, WeightFormat::Dense(Ty::F32));
+    let rows = layer.rows(&mut rng, 70);
+    let mut state = vec![0f32; spec.state_len()];
+    layer.step(
+        (CacheLayout::Contiguous, Form::Chunked),
+        &[&rows],
+        (&mut state, &mut Vec::new()),
+        HashMap::new(),
+        0,
+    );
+    let traffic = layer.traffic.borrow();
+    assert_eq!(traffic.len(), 2);
+    for (kernel, traffic) in traffic.iter() {
+        assert!(!traffic.0.is_empty(), "{kernel}: no shared traffic");
+        for (array, t) in &traffic.0 {
+            assert_eq!(t.worst, 1, "{kernel}, {array}: {t:?}");
         }
     }
 }

@@ -112,9 +112,10 @@ pub fn chunk_prepare(name: &str, origin: &str, layout: CacheLayout, spec: &Delta
     let key_width = (spec.key_heads * spec.key_dim) as i64;
     let channels = spec.conv_channels() as i64;
     let chunk = CHUNK as i64;
-    // Rows of `xs` and `ys` one element longer than their data, so rows read together sit in
-    // different banks.
-    let (xs, ys, a_stride) = (dk + 1, dk.max(dv) + 1, chunk + 1);
+    // Rows of `xs` and `ys` one element longer than their data, so the rows a warp reads
+    // together sit in different banks; `A`'s 4 longer, so a warp's stores (8 rows, 4 columns)
+    // do.
+    let (xs, ys, a_stride) = (dk + 1, dk.max(dv) + 1, chunk + 4);
     let conv_at = |offset: Expr| (var("q0") + var("t")) * int(channels) + offset;
     let row = |t: &str| var("q0") + var(t);
 
