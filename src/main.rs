@@ -77,6 +77,12 @@ enum Command {
         /// others as `scalar`).
         #[arg(long, value_enum, default_value_t = commands::compile::DecodeAttention::Scalar)]
         decode_attention: commands::compile::DecodeAttention,
+        /// GPU targets: how prompts go through Gated DeltaNet layers' delta rule: `chunked`,
+        /// in chunks of 64 rows, most of the work for every chunk at once (key heads a
+        /// multiple of 8 up to 128 wide, value heads up to 128; others as `recurrent`);
+        /// `recurrent`, a row after another.
+        #[arg(long, value_enum, default_value_t = commands::compile::PrefillDeltaRule::Chunked)]
+        prefill_delta_rule: commands::compile::PrefillDeltaRule,
     },
     /// Generate text from an artifact, a model.toml, a weights path or a model name.
     Run(commands::run::RunArgs),
@@ -133,6 +139,7 @@ fn run(cli: Cli) -> Result<()> {
             prefill_gemm,
             prefill_attention,
             decode_attention,
+            prefill_delta_rule,
         } => commands::compile::compile(&commands::compile::CompileArgs {
             model: &model,
             target: &target,
@@ -145,6 +152,7 @@ fn run(cli: Cli) -> Result<()> {
             prefill_gemm,
             prefill_attention,
             decode_attention,
+            prefill_delta_rule,
         }),
         Command::Run(args) => commands::run::run(&args),
         Command::Perplexity(args) => commands::perplexity::perplexity(&args),

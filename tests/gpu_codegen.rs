@@ -303,6 +303,7 @@ fn compile_every_plan(model: &std::path::Path, target: Target, output: &std::pat
         prefill_gemm: Default::default(),
         prefill_attention: Default::default(),
         decode_attention: Default::default(),
+        prefill_delta_rule: Default::default(),
     };
     bbc::commands::compile::compile(&args)
         .unwrap_or_else(|e| panic!("{} on {}: {e:#}", model.display(), target.name()));
@@ -651,6 +652,46 @@ fn compile_chooses_the_prefill_attention() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && stderr.contains("mma") && stderr.contains("wgmma"),
+        "{stderr}"
+    );
+}
+
+/// `bbc compile --prefill-delta-rule`: by default (`chunked`) the plans hold both forms of
+/// each Gated DeltaNet layer's delta rule (the chunked kernels for prompts, the recurrent one
+/// for the other steps, each launch gated by the step's shape); `recurrent`, the recurrent
+/// one alone; the manifest records the choice, and an unknown one is refused.
+#[test]
+fn compile_chooses_the_prefill_delta_rule() {
+    if !nvrtc_present() {
+        return;
+    }
+    let scratch = common::scratch_dir("bbc-gpu-delta-rule-");
+    let toml = scratch.path().join("qwen3_5.toml");
+    let weights = common::fixture("hf-tiny/qwen3_5");
+    std::fs::write(&toml, format!("[model]\nweights = {weights:?}\n")).unwrap();
+    let compile =
+        |choice: Option<&str>| compile_choosing(&toml, "h200", scratch.path(), ("--prefill-delta-rule", choice));
+    for (choice, chunked) in [(None, true), (Some("recurrent"), false), (Some("chunked"), true)] {
+        let (artifact, out) = compile(choice);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let manifest = codegen::read_manifest(&artifact).unwrap();
+        let recorded = serde_json::to_value(manifest.prefill_delta_rule).unwrap();
+        assert_eq!(recorded, serde_json::json!(choice.unwrap_or("chunked")), "{choice:?}");
+        for file in [manifest.plan, manifest.serving_plan].iter().flatten() {
+            let plan: gpu::GpuPlan =
+                serde_json::from_str(&std::fs::read_to_string(artifact.join(file)).unwrap()).unwrap();
+            let count = |name: &str| plan.launches.iter().filter(|l| l.kernel.starts_with(name)).count();
+            // The fixture's three Gated DeltaNet layers.
+            assert_eq!(count("delta_rule"), 3, "{choice:?} {file}");
+            let chunk_launches = if chunked { 3 } else { 0 };
+            assert_eq!(count("delta_chunk_prepare"), chunk_launches, "{choice:?} {file}");
+            assert_eq!(count("delta_chunk_state"), chunk_launches, "{choice:?} {file}");
+        }
+    }
+    let (_, out) = compile(Some("parallel"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("chunked") && stderr.contains("recurrent"),
         "{stderr}"
     );
 }

@@ -26,6 +26,28 @@ pub struct CompileArgs<'a> {
     pub prefill_attention: PrefillAttention,
     /// The split attention the GPU plans' decode steps attend with.
     pub decode_attention: DecodeAttention,
+    /// How the GPU plans' prompts go through Gated DeltaNet layers' delta rule.
+    pub prefill_delta_rule: PrefillDeltaRule,
+}
+
+/// How GPU plans' prompts go through the delta rule (`codegen::gpu::PrefillDeltaRule`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PrefillDeltaRule {
+    /// In chunks of 64 rows, most of the work for every chunk at once (key heads a multiple
+    /// of 8 up to 128 wide, value heads up to 128; others as `recurrent`).
+    #[default]
+    Chunked,
+    /// A row after another, as decode steps.
+    Recurrent,
+}
+
+impl From<PrefillDeltaRule> for codegen::gpu::PrefillDeltaRule {
+    fn from(rule: PrefillDeltaRule) -> Self {
+        match rule {
+            PrefillDeltaRule::Chunked => Self::Chunked,
+            PrefillDeltaRule::Recurrent => Self::Recurrent,
+        }
+    }
 }
 
 /// The split attention GPU plans' decode steps attend with (`codegen::gpu::DecodeAttention`).
@@ -196,6 +218,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         prefill_gemm: args.prefill_gemm.into(),
         prefill_attention: args.prefill_attention.into(),
         decode_attention: args.decode_attention.into(),
+        prefill_delta_rule: args.prefill_delta_rule.into(),
     };
     let manifest = codegen::compile_with(&loaded.model, graphs, target, args.output, kernels)?;
     if args.emit == Some("kernel-report") {

@@ -214,7 +214,9 @@ pub(super) fn print_profiles(timings: &[DecodeTiming], bandwidth: f64) {
 /// each kernel's share: what the DeltaNet kernels (convolution, window, delta rule over each
 /// sequence's f32 state) cost beside the matmuls. Then the same batches verifying 3 drafted
 /// tokens a sequence (4 rows each, the states after the first 3 kept as checkpoints, 150 MiB
-/// each a sequence): what a speculating step costs against a decode step.
+/// each a sequence): what a speculating step costs against a decode step. Then an 8 192-token
+/// prompt's prefill, each kernel's share, with the delta rule in chunks (the plans' default)
+/// and again a row at a time (`gpu::PrefillDeltaRule::Recurrent`).
 pub fn hybrid(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) -> Result<()> {
     let name = "Qwen3.5-27B-shaped";
     let run = DecodeRun {
@@ -234,7 +236,7 @@ pub fn hybrid(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
         name,
         &config,
         (target, arch),
-        (&verifying, 0),
+        (&verifying, LONG_PROMPT),
         gpu::PrefillGemm::default(),
     )?;
     print_prefill(name, &exec, &run)?;
@@ -243,7 +245,17 @@ pub fn hybrid(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize) 
     print_profiles(&timings, bandwidth);
     let verified = time_decode(&exec, &verifying)?;
     print_verifying(&verifying, &timings, &verified);
-    Ok(())
+    print_long_prefill(name, &exec, &run, &config)?;
+    // The weights of one executor at a time: 54 GB each.
+    drop(exec);
+    let recurrent = "Qwen3.5-27B-shaped, recurrent delta rule";
+    let kernels = gpu::PlanKernels {
+        prefill_delta_rule: gpu::PrefillDeltaRule::Recurrent,
+        ..Default::default()
+    };
+    let exec = serving_executor(recurrent, &config, (target, arch), (&run, LONG_PROMPT), kernels)?;
+    print_prefill(recurrent, &exec, &run)?;
+    print_long_prefill(recurrent, &exec, &run, &config)
 }
 
 /// Each batch size's verifying step against its decode step (ids read back, as greedy serving

@@ -127,6 +127,7 @@ pub(super) fn compile_shape(
         prefill_gemm: Default::default(),
         prefill_attention: Default::default(),
         decode_attention: Default::default(),
+        prefill_delta_rule: Default::default(),
     })?;
     println!("compiled {stem} in {:.1} s", started.elapsed().as_secs_f64());
     Ok(artifact)

@@ -180,13 +180,28 @@ pub enum DecodeAttention {
     Vector,
 }
 
-/// The kernels a plan's steps take where it has a choice: its prefill steps' tensor-core GEMM
-/// and attention, and its other steps' split attention.
+/// How a plan's prompts go through a Gated DeltaNet layer's delta rule (steps whose sequences
+/// average 16 rows or more; the others walk their rows, see `select::delta_net`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefillDeltaRule {
+    /// `templates::delta_chunks`: in chunks of 64 rows, what depends on a chunk's rows alone
+    /// computed for every chunk at once, for key heads a multiple of 8 up to 128 wide and
+    /// value heads up to 128 (others as `Recurrent`).
+    #[default]
+    Chunked,
+    /// `templates::delta_net::delta_rule`: a row after another, as decode steps.
+    Recurrent,
+}
+
+/// The kernels a plan's steps take where it has a choice: its prefill steps' tensor-core GEMM,
+/// attention and delta rule, and its other steps' split attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PlanKernels {
     pub prefill_gemm: PrefillGemm,
     pub prefill_attention: PrefillAttention,
     pub decode_attention: DecodeAttention,
+    pub prefill_delta_rule: PrefillDeltaRule,
 }
 
 impl From<PrefillGemm> for PlanKernels {

@@ -6,7 +6,7 @@
 //! a row at a time in the others (decode rows, drafts being verified).
 
 use super::{scalar, Alternatives, Operands, Selected};
-use crate::gpu::{GpuCodegenError, LaunchArg, StateLayout};
+use crate::gpu::{GpuCodegenError, LaunchArg, PrefillDeltaRule, StateLayout};
 use kernels_gen::dsl::Kernel;
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::{delta_chunks, delta_net, flash_attention, step_gate};
@@ -25,7 +25,7 @@ const GATE: &str = "launched";
 pub(super) fn launches(
     s: &mut Selected,
     operands: &Operands,
-    spec: &ir::DeltaNetSpec,
+    (spec, prefill): (&ir::DeltaNetSpec, PrefillDeltaRule),
     layout: CacheLayout,
     rows: &str,
     max_tokens: usize,
@@ -96,7 +96,7 @@ pub(super) fn launches(
         scalar("a_stride", a_stride),
     ];
     let recurrent = delta_net::delta_rule("delta_rule", origin, layout, spec);
-    if !delta_chunks::supports(spec) {
+    if prefill == PrefillDeltaRule::Recurrent || !delta_chunks::supports(spec) {
         return Ok((recurrent, [rule_args, sequences, checkpoints].concat()));
     }
     let per_sequence = CHUNKED_ROWS_PER_SEQUENCE;
@@ -152,10 +152,12 @@ pub(super) fn launches(
         ));
     }
     let recurrent_args = [
-        vec![convolved, b, a, a_log, dt_bias, state, out, seqs_arg, tokens, b_stride, a_stride],
+        vec![
+            convolved, b, a, a_log, dt_bias, state, out, seqs_arg, tokens, b_stride, a_stride,
+        ],
         sequences,
         checkpoints,
-        vec![scalar(GATE, &format!("1-{chunked}"))],
+        vec![scalar(GATE, format!("1-{chunked}"))],
     ]
     .concat();
     Ok((step_gate::gated(recurrent, GATE), recurrent_args))

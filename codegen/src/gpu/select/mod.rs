@@ -472,7 +472,10 @@ pub(crate) fn select(
                         ];
                         (gather::concat_columns("concat_columns", &graph.name), args)
                     }
-                    Op::GatedDeltaNet(spec) => delta_net::launches(&mut s, &operands, spec, layout, &rows, max_tokens)?,
+                    Op::GatedDeltaNet(spec) => {
+                        let form = chosen.prefill_delta_rule;
+                        delta_net::launches(&mut s, &operands, (spec, form), layout, &rows, max_tokens)?
+                    },
                     Op::Glu { act: a } => {
                         let (x, stride) = act(&s, 0);
                         let args = vec![
