@@ -314,6 +314,17 @@ fn plans_match_hf_at_every_row_and_step() {
     }
 }
 
+/// Qwen3.5's held-out model (a 72-id prompt) against HF's logits at every prompt row and
+/// cached step and its greedy ids: the prompt in one step (the delta rule in chunks: 64 rows,
+/// then 8) and in steps of 5 rows (a row at a time).
+#[test]
+fn qwen3_5_plans_match_hf_in_chunks_and_row_by_row() {
+    let reference = Reference::of("qwen3_5_held_out");
+    for rows_a_step in [72, 5] {
+        check_plan_against_hf(&reference, "qwen3_5_held_out", Target::H200, rows_a_step);
+    }
+}
+
 /// Llama 3.1's RoPE scaling: the rotations read the rescaled frequencies the plan carries as
 /// a constant, in f32 and bf16 on H200.
 #[test]

@@ -20,7 +20,8 @@
 //! 6. attention alone in a Llama-8B-shaped layer: one sequence's prefill at 512 to 8 192
 //!    tokens on the tensor cores and as the plans run it, and a paged decode step of 64
 //!    sequences at 4 096 positions against the copy bandwidth (`attention`);
-//! 7. a Qwen3.5-27B-shaped hybrid the same way at batch 1 and 16 (`hybrid`);
+//! 7. a Qwen3.5-27B-shaped hybrid the same way at batch 1 and 16, and an 8 192-token prefill
+//!    with the delta rule in chunks and a row at a time (`hybrid`);
 //! 8. a drafter's vocabulary projection: the full bf16 head against the 4-bit shortlist, at
 //!    three vocabularies (`draft-heads`, [`draft_head`]);
 //! 9. the Llama-3-8B shape with random weights served as `bbc serve` serves it, and the

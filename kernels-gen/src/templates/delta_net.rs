@@ -30,10 +30,10 @@
 //! Where the drafts after a row are refused, the runtime copies that place back into the
 //! sequence's slot, as if the refused rows had never run.
 //!
-//! Prefill walks a chunk's rows one after another in (3), each row's inputs loaded during the
-//! row before (they do not depend on the state), so the walk waits on the recurrence's
-//! arithmetic rather than on memory (untimed: no GPU has run it). The chunked (WY) form that
-//! turns the recurrence into matmuls is what long prompts would want, and is not built.
+//! (3) walks a step's rows one after another, each row's inputs loaded during the row before
+//! (they do not depend on the state), so the walk waits on the recurrence's arithmetic rather
+//! than on memory. Over prompts, plans take the chunked form instead ([`super::delta_chunks`]),
+//! which reads the same convolved rows and states.
 
 use super::cache_layout::CacheLayout;
 use super::elementwise::silu;
