@@ -1969,12 +1969,14 @@ fn tma_gemm_matches_reference(gemm: &Kernel, seed: u64) {
 /// block's first thread refilling after a block barrier, or a producer warp as the consumer
 /// warps release each buffer (warp specialisation), a block a tile or in persistent schedules
 /// of 2 and 3 blocks taking up to four tiles each through one ring (which wraps inside a
-/// tile and across tiles).
+/// tile and across tiles); and with the weights as wgmma's M (128 rows a tile) and 16, 32 or
+/// 64 tokens its N, block-driven and persistent.
 #[test]
 fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
     let tiles = [
         gemm_tma_wgmma::TmaTile {
             tile_n: 128,
+            tokens: 128,
             stages: 2,
             overlapped: false,
             specialised: false,
@@ -1982,6 +1984,7 @@ fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
         },
         gemm_tma_wgmma::TmaTile {
             tile_n: 128,
+            tokens: 128,
             stages: 3,
             overlapped: true,
             specialised: false,
@@ -1990,6 +1993,7 @@ fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
         gemm_tma_wgmma::TmaTile::WIDEST,
         gemm_tma_wgmma::TmaTile {
             tile_n: 128,
+            tokens: 128,
             stages: 2,
             overlapped: false,
             specialised: true,
@@ -2002,6 +2006,7 @@ fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
         gemm_tma_wgmma::TmaTile::SPECIALISED_WIDEST,
         gemm_tma_wgmma::TmaTile {
             tile_n: 128,
+            tokens: 128,
             stages: 3,
             overlapped: false,
             specialised: true,
@@ -2013,6 +2018,18 @@ fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
         }
         .persistent(3),
         gemm_tma_wgmma::TmaTile::SPECIALISED_WIDEST.persistent(2),
+        // The weights as wgmma's M, 16 to 64 tokens its N.
+        gemm_tma_wgmma::TmaTile::few_rows(16),
+        gemm_tma_wgmma::TmaTile {
+            stages: 2,
+            overlapped: false,
+            ..gemm_tma_wgmma::TmaTile::few_rows(64)
+        },
+        gemm_tma_wgmma::TmaTile {
+            stages: 3,
+            ..gemm_tma_wgmma::TmaTile::few_rows(32)
+        }
+        .persistent(2),
     ];
     for (i, tile) in tiles.into_iter().enumerate() {
         tma_gemm_matches_reference(
@@ -2055,6 +2072,15 @@ fn tma_gemms_gate_their_own_products() {
             GluAct::GeluTanh,
         ),
         hopper(TmaTile::SPECIALISED_WIDEST.persistent(2), GluAct::Silu),
+        // The weights as M: 8 gate rows then their 8 up rows, a thread's rows r and r + 8.
+        hopper(TmaTile::few_rows(16), GluAct::Silu),
+        hopper(
+            TmaTile {
+                specialised: true,
+                ..TmaTile::few_rows(64)
+            },
+            GluAct::GeluTanh,
+        ),
         b200(
             TcgenTile {
                 tile_tokens: 64,
@@ -2255,6 +2281,7 @@ fn the_tma_gemm_fails_without_any_of_its_synchronisations() {
     let strip = |body: &[Stmt], drop: &dyn Fn(&Stmt) -> bool| edited(body, &|s| (!drop(s)).then(|| s.clone()));
     let tile = gemm_tma_wgmma::TmaTile {
         tile_n: 128,
+        tokens: 128,
         stages: 2,
         overlapped: false,
         specialised: false,

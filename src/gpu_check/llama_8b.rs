@@ -312,7 +312,8 @@ const EARLIER_HOPPER_SCHEDULES: [(&str, Schedule); 2] = [
 /// ([`EARLIER_HOPPER_SCHEDULES`]) and the TMA GEMMs on bf16 activations: 128-row weight
 /// tiles with each step's MMAs overlapping the next step (`gemm_tma`, the plans') or waited
 /// for in their step, and 256-row tiles, each also warp-specialised, a block a tile and in a
-/// persistent schedule of a block for each of the `sms` multiprocessors; on Blackwell the
+/// persistent schedule of a block for each of the `sms` multiprocessors, and with the weights
+/// as wgmma's M over tiles of 16 and 64 tokens; on Blackwell the
 /// TMA-fed tcgen05 GEMM, also warp-specialised and persistent, and on the RTX PRO 6000 the
 /// TMA-fed `mma.sync` GEMM, on bf16 activations.
 fn tensor_core_gemms(
@@ -351,6 +352,9 @@ fn tensor_core_gemms(
             ("gemm_tma_specialised_n256", TmaTile::SPECIALISED_WIDEST),
             ("gemm_tma_persistent", TmaTile::SPECIALISED.persistent(sms)),
             ("gemm_tma_persistent_n256", TmaTile::SPECIALISED_WIDEST.persistent(sms)),
+            // The weights as wgmma's M: no tensor-core work on absent rows at 16 and 64.
+            ("gemm_tma_few_rows_16", TmaTile::few_rows(16)),
+            ("gemm_tma_few_rows_64", TmaTile::few_rows(64)),
         ];
         for (name, tile) in tma {
             out.push((gemm_tma_wgmma_bf16(name, "gpu-check", tile), tile.tiles()));

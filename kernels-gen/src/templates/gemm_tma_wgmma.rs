@@ -55,8 +55,10 @@ use ir::GluAct;
 const CONSUMERS: i64 = 256;
 /// Consumer warps: the arrivals each `empty` barrier's phase waits for.
 const CONSUMER_WARPS: u32 = CONSUMERS as u32 / 32;
-/// Tokens per block tile: two warpgroups of wgmma's M = 64.
+/// Tokens per block tile where they are wgmma's M: two warpgroups of M = 64.
 const TILE_M: i64 = 128;
+/// Weight rows per block tile where they are wgmma's M ([`TmaTile::tokens`] below 128).
+const WEIGHTS_AS_M: u32 = 128;
 /// 16-wide k slices per step.
 const K_SLICES: i64 = TILE_K / 16;
 
@@ -64,8 +66,14 @@ const K_SLICES: i64 = TILE_K / 16;
 /// of buffers, and whether a step's MMAs still run while the next step begins.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TmaTile {
-    /// 128 or 256: accumulators (`tile_n / 2` a thread) and the weight box's rows.
+    /// 128 or 256: accumulators (`tile_n / 2` a thread) and the weight box's rows. 128 where
+    /// the weights are wgmma's M (`tokens` below 128).
     pub tile_n: u32,
+    /// Tokens a tile: 128, wgmma's M over the two warpgroups (64 each); or 16, 32 or 64,
+    /// wgmma's N, the weights then its M (64 rows a warpgroup, as FlashInfer's and TRT-LLM's
+    /// swapped small-batch GEMMs take them), so a step of few rows spends no tensor-core work
+    /// on rows that are not there and a block's activations are one small box.
+    pub tokens: u32,
     /// 2..=8 buffers, each `(128 + tile_n) × 128` bytes of shared memory.
     pub stages: u32,
     /// Whether each step waits only for the previous step's MMAs (`wgmma.wait_group 1`) and
@@ -88,6 +96,7 @@ impl TmaTile {
     /// overlapping the next step.
     pub const WIDE: TmaTile = TmaTile {
         tile_n: 128,
+        tokens: 128,
         stages: 4,
         overlapped: true,
         specialised: false,
@@ -96,6 +105,7 @@ impl TmaTile {
     /// 128×256 tiles, four buffers (192 KiB), for GEMMs with tiles enough for every SM.
     pub const WIDEST: TmaTile = TmaTile {
         tile_n: 256,
+        tokens: 128,
         stages: 4,
         overlapped: true,
         specialised: false,
@@ -111,6 +121,18 @@ impl TmaTile {
         specialised: true,
         ..Self::WIDEST
     };
+    /// 128 weight rows × `tokens` (16, 32 or 64) tiles, the weights wgmma's M: six buffers
+    /// (108 KiB at 64 tokens), MMAs overlapping the next step.
+    pub const fn few_rows(tokens: u32) -> TmaTile {
+        TmaTile {
+            tile_n: WEIGHTS_AS_M,
+            tokens,
+            stages: 6,
+            overlapped: true,
+            specialised: false,
+            persistent: None,
+        }
+    }
 
     /// `self`, warp-specialised, in a persistent schedule of at most `blocks` blocks.
     pub fn persistent(self, blocks: u32) -> Self {
@@ -123,11 +145,28 @@ impl TmaTile {
 
     /// The tile sizes, for the split-K expression: (tokens, weight rows, K step).
     pub fn tiles(self) -> (usize, usize, usize) {
-        (TILE_M as usize, self.tile_n as usize, TILE_K as usize)
+        (self.tile_m() as usize, self.tile_n as usize, TILE_K as usize)
+    }
+
+    /// Whether the weights are wgmma's M and the tokens its N.
+    pub fn weights_as_m(self) -> bool {
+        self.tokens < TILE_M as u32
+    }
+
+    fn tile_m(self) -> i64 {
+        self.tokens as i64
+    }
+
+    /// Accumulators a thread: half of wgmma's N.
+    fn accumulators(self) -> usize {
+        match self.weights_as_m() {
+            true => self.tokens as usize / 2,
+            false => self.tile_n as usize / 2,
+        }
     }
 
     fn x_elements(self) -> i64 {
-        TILE_M * TILE_K
+        self.tile_m() * TILE_K
     }
 
     fn w_elements(self) -> i64 {
@@ -149,9 +188,19 @@ fn d_name(i: usize) -> String {
 fn weight_boxes(tile: TmaTile, form: tma_gemm::ResultForm) -> tma_gemm::WeightBoxes {
     match form.1 {
         Some(_) => tma_gemm::WeightBoxes::GateAndUp {
-            group: tile.tile_n as i64 / 2,
+            group: gate_rows_a_box(tile),
         },
         None => tma_gemm::WeightBoxes::Rows,
+    }
+}
+
+/// A GLU's gate rows a box (each followed by the same outputs' up rows): half the tile where
+/// the weights are wgmma's N (accumulator columns c and c + `tile_n / 2` one thread's); 8
+/// where they are its M (a thread's accumulator rows r and r + 8 of each 16-row slab).
+fn gate_rows_a_box(tile: TmaTile) -> i64 {
+    match tile.weights_as_m() {
+        true => 8,
+        false => tile.tile_n as i64 / 2,
     }
 }
 
@@ -164,17 +213,23 @@ fn fill(tile: TmaTile, form: tma_gemm::ResultForm, s: Expr, step: Expr) -> Vec<S
 /// the previous step's).
 fn multiply(tile: TmaTile) -> Vec<Stmt> {
     let swizzled = swizzled_operand;
+    // wgmma's M operand (the warpgroup's 64 rows of it) and N operand: the activations and
+    // the weights, or the other way round.
+    let (m, n) = match tile.weights_as_m() {
+        true => (("ws", tile.w_elements()), ("xs", tile.x_elements(), tile.tokens)),
+        false => (("xs", tile.x_elements()), ("ws", tile.w_elements(), tile.tile_n)),
+    };
     let mut out = vec![Stmt::WgmmaFence];
     for slice in 0..K_SLICES {
         out.push(Stmt::Wgmma(Box::new(WgmmaOp {
-            n: tile.tile_n,
+            n: n.2,
             a: WgmmaA::Shared(swizzled(
-                "xs",
-                var("s") * int(tile.x_elements()) + var("wg") * int(64 * TILE_K) + int(16 * slice),
+                m.0,
+                var("s") * int(m.1) + var("wg") * int(64 * TILE_K) + int(16 * slice),
             )),
-            b: swizzled("ws", var("s") * int(tile.w_elements()) + int(16 * slice)),
+            b: swizzled(n.0, var("s") * int(n.1) + int(16 * slice)),
             b_major: Major::K,
-            d: (0..tile.tile_n as usize / 2).map(d_name).collect(),
+            d: (0..tile.accumulators()).map(d_name).collect(),
         })));
     }
     out.extend([Stmt::WgmmaCommit, Stmt::WgmmaWait(tile.overlapped as u32)]);
@@ -188,13 +243,18 @@ fn multiply(tile: TmaTile) -> Vec<Stmt> {
 /// the same thread: with one split it stores `act(gate)·up`, with several both in the
 /// partials where the joined rows put them, for the reduction to sum and gate.
 fn store_accumulators(tile: TmaTile, form: tma_gemm::ResultForm) -> Vec<Stmt> {
-    // Accumulator `i`'s token, and its column from the tile's first, `first`.
-    let place = |i: usize, first: Expr| {
+    // Accumulator `i`'s row of wgmma's M (within the block's 128) and its column of N.
+    let m_row = |i: usize| {
         let upper = i % 4 >= 2;
-        let row = var("m0") + var("wg") * int(64) + var("wrow") + var("gr") + int(if upper { 8 } else { 0 });
-        (row, first + int(8 * (i / 4) as i64 + (i % 2) as i64) + var("t2"))
+        var("wg") * int(64) + var("wrow") + var("gr") + int(if upper { 8 } else { 0 })
     };
-    let accumulators = tile.tile_n as usize / 2;
+    let n_col = |i: usize| int(8 * (i / 4) as i64 + (i % 2) as i64) + var("t2");
+    // Accumulator `i`'s token, and its column from the tile's first, `first`.
+    let place = |i: usize, first: Expr| match tile.weights_as_m() {
+        false => (var("m0") + m_row(i), first + n_col(i)),
+        true => (var("m0") + n_col(i), first + m_row(i)),
+    };
+    let accumulators = tile.accumulators();
     let Some(act) = form.1 else {
         return (0..accumulators)
             .map(|i| {
@@ -203,11 +263,29 @@ fn store_accumulators(tile: TmaTile, form: tma_gemm::ResultForm) -> Vec<Stmt> {
             })
             .collect();
     };
+    // (gate, up, token, output column): accumulators i and i + N / 4 of a thread where the
+    // weights are N; where they are M, i and i + 2 (rows r and r + 8 of a 16-row slab, 8 gate
+    // rows then the same outputs' 8 up rows), slab q's outputs 8q.. of the tile's.
+    let pairs: Vec<(usize, usize, Expr, Expr)> = match tile.weights_as_m() {
+        false => (0..accumulators / 2)
+            .map(|i| {
+                let (row, col) = place(i, var("n0") / int(2));
+                (i, i + accumulators / 2, row, col)
+            })
+            .collect(),
+        true => (0..accumulators)
+            .filter(|i| i % 4 < 2)
+            .map(|i| {
+                let col = var("n0") / int(2) + (var("wg") * int(64) + var("wrow")) / int(2) + var("gr");
+                (i, i + 2, var("m0") + n_col(i), col)
+            })
+            .collect(),
+    };
     let half = var("n") / int(2);
-    (0..accumulators / 2)
-        .map(|i| {
-            let (row, col) = place(i, var("n0") / int(2));
-            let (gate, up) = (var(&d_name(i)), var(&d_name(i + accumulators / 2)));
+    pairs
+        .into_iter()
+        .map(|(gate, up, row, col)| {
+            let (gate, up) = (var(&d_name(gate)), var(&d_name(up)));
             let partial = |col: Expr, value: Expr| {
                 store(
                     "partial",
@@ -237,7 +315,7 @@ pub fn gemm_tma_wgmma_bf16(name: &str, origin: &str, tile: TmaTile) -> Kernel {
         name,
         origin,
         tile,
-        tma_gemm::params(TILE_M, tile.tile_n as i64),
+        tma_gemm::params(tile.tile_m(), tile.tile_n as i64),
         (None, None),
     )
 }
@@ -250,7 +328,7 @@ pub fn gemm_tma_wgmma_bf16_gated(name: &str, origin: &str, tile: TmaTile, act: G
         name,
         origin,
         tile,
-        tma_gemm::params(TILE_M, tile.tile_n as i64 / 2),
+        tma_gemm::params(tile.tile_m(), gate_rows_a_box(tile)),
         (None, Some(act)),
     )
 }
@@ -267,14 +345,23 @@ pub fn gemm_tma_wgmma_bf16_prologued(
     prologue: Option<NormPrologue>,
     glu: Option<GluAct>,
 ) -> Kernel {
-    // A GLU's weight tile is two boxes of half its rows (`WeightBoxes::GateAndUp`).
-    let w_box_rows = tile.tile_n as i64 / (1 + glu.is_some() as i64);
-    let params = tma_gemm::prologued_params(prologue, TILE_M, w_box_rows);
+    // A GLU's weight tile is boxes of gate rows and up rows (`WeightBoxes::GateAndUp`).
+    let w_box_rows = match glu {
+        Some(_) => gate_rows_a_box(tile),
+        None => tile.tile_n as i64,
+    };
+    let params = tma_gemm::prologued_params(prologue, tile.tile_m(), w_box_rows);
     gemm(name, origin, tile, params, (prologue, glu))
 }
 
 fn gemm(name: &str, origin: &str, tile: TmaTile, params: Vec<Param>, form: tma_gemm::ResultForm) -> Kernel {
     assert!(matches!(tile.tile_n, 128 | 256), "tile_n {}", tile.tile_n);
+    assert!(
+        tile.tokens == TILE_M as u32 || (matches!(tile.tokens, 16 | 32 | 64) && tile.tile_n == WEIGHTS_AS_M),
+        "tokens {} with tile_n {}",
+        tile.tokens,
+        tile.tile_n
+    );
     assert!((2..=8).contains(&tile.stages), "stages {}", tile.stages);
     assert!(
         tile.specialised || tile.persistent.is_none(),
@@ -304,6 +391,10 @@ fn gemm(name: &str, origin: &str, tile: TmaTile, params: Vec<Param>, form: tma_g
         ty: Ty::U32,
         len: 2 * stages as usize,
     });
+    let shape = match tile.weights_as_m() {
+        true => format!("wgmma m64n{}k16 bf16, the weights as M", tile.tokens),
+        false => format!("wgmma m64n{tile_n}k16 bf16"),
+    };
     let specialisation = match (tile.specialised, tile.persistent) {
         (true, Some(blocks)) => format!(
             ", a producer warp refilling each buffer as the consumer warps release it, at most \
@@ -319,7 +410,8 @@ fn gemm(name: &str, origin: &str, tile: TmaTile, params: Vec<Param>, form: tma_g
         ),
         None => String::new(),
     };
-    let tiles = tma_gemm::grid(TILE_M, tile_n);
+    let tile_m = tile.tile_m();
+    let tiles = tma_gemm::grid(tile_m, tile_n);
     let grid = match tile.persistent {
         Some(blocks) => bin(BinOp::Min, tiles, int(blocks as i64)),
         None => tiles,
@@ -327,9 +419,9 @@ fn gemm(name: &str, origin: &str, tile: TmaTile, params: Vec<Param>, form: tma_g
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: matmul x·Wᵀ on Hopper tensor cores (wgmma m64n{tile_n}k16 bf16, both operands \
-             from shared memory, fed by TMA through a {stages}-buffer ring of 128-byte-swizzled \
-             {TILE_M}×{TILE_K} and {tile_n}×{TILE_K} boxes with mbarrier transaction counts{specialisation}, \
+            "{origin}: matmul x·Wᵀ on Hopper tensor cores ({shape}, both operands from shared \
+             memory, fed by TMA through a {stages}-buffer ring of 128-byte-swizzled \
+             {tile_m}×{TILE_K} and {tile_n}×{TILE_K} boxes with mbarrier transaction counts{specialisation}, \
              K split in `splits`{gating})"
         ),
         params,
@@ -397,7 +489,7 @@ fn block_synchronised(tile: TmaTile, form: tma_gemm::ResultForm, setup: Vec<Stmt
     ]
     .concat();
     [
-        tma_gemm::tile_coordinates(TILE_M, tile.tile_n as i64, bid()),
+        tma_gemm::tile_coordinates(tile.tile_m(), tile.tile_n as i64, bid()),
         setup,
         vec![tma_gemm::fill_ring(
             0,
@@ -422,7 +514,7 @@ fn block_synchronised(tile: TmaTile, form: tma_gemm::ResultForm, setup: Vec<Stmt
 /// reading it retire, and store a tile's results while the producer loads the next.
 fn specialised(tile: TmaTile, form: tma_gemm::ResultForm, setup: Vec<Stmt>) -> Vec<Stmt> {
     let stages = tile.stages as i64;
-    let tiles = tma_gemm::grid(TILE_M, tile.tile_n as i64);
+    let tiles = tma_gemm::grid(tile.tile_m(), tile.tile_n as i64);
     let launched = match tile.persistent {
         Some(blocks) => bin(BinOp::Min, tiles.clone(), int(blocks as i64)),
         None => tiles.clone(),
@@ -436,7 +528,7 @@ fn specialised(tile: TmaTile, form: tma_gemm::ResultForm, setup: Vec<Stmt>) -> V
                 var("tiles"),
                 var("launched"),
                 [
-                    tma_gemm::tile_coordinates(TILE_M, tile.tile_n as i64, var("tile")),
+                    tma_gemm::tile_coordinates(tile.tile_m(), tile.tile_n as i64, var("tile")),
                     body,
                 ]
                 .concat(),
@@ -533,7 +625,7 @@ fn wait_full(it: Expr, stages: i64) -> Stmt {
 }
 
 fn zeroed_accumulators(tile: TmaTile) -> Vec<Stmt> {
-    (0..tile.tile_n as usize / 2)
+    (0..tile.accumulators())
         .map(|i| let_(&d_name(i), Ty::F32, f(0.0)))
         .collect()
 }

@@ -958,6 +958,19 @@ pub fn catalog() -> Vec<Kernel> {
             Some(gemv::NormPrologue::new(1e-5, 0.0).with_residual()),
             Some(ir::GluAct::Silu),
         ),
+        // The same for a decode batch, the weights as wgmma's M and 16 tokens its N.
+        gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(
+            "add_rms_norm_swiglu_gemm_tma_few_rows",
+            "catalog",
+            gemm_tma_wgmma::TmaTile::few_rows(16),
+            Some(gemv::NormPrologue::new(1e-5, 0.0).with_residual()),
+            Some(ir::GluAct::Silu),
+        ),
+        gemm_tma_wgmma::gemm_tma_wgmma_bf16(
+            "gemm_tma_wgmma_few_rows_64_bf16",
+            "catalog",
+            gemm_tma_wgmma::TmaTile::few_rows(64),
+        ),
         gemm_tma_tcgen05::gemm_tma_tcgen05_bf16_prologued(
             "add_rms_norm_swiglu_gemm_tma_tcgen05",
             "catalog",
