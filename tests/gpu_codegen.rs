@@ -101,7 +101,7 @@ fn plans_for_every_gpu_target_are_complete_and_never_overlap() {
                 // takes the first of them, and one of the two takes all (a GEMM that splits K
                 // takes two more than the GEMV).
                 let mut widest = 0;
-                let variants = [&launch.prefill_kernel, &launch.few_rows_kernel];
+                let variants = [&launch.prefill_kernel, &launch.few_rows_kernel, &launch.batch_kernel];
                 for kernel in std::iter::once(&launch.kernel).chain(variants.into_iter().flatten()) {
                     assert!(kernels.contains(kernel.as_str()), "{kernel}");
                     let params = &plan.kernels.iter().find(|k| &k.name == kernel).unwrap().params;

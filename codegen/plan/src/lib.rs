@@ -113,6 +113,11 @@ pub struct Launch {
     /// rows (the GEMV carrying 4 rows per pass over the weights); `kernel` where absent.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub few_rows_kernel: Option<String>,
+    /// A kernel with the same arguments for steps of [`PREFILL_TOKENS`] to [`BATCH_ROWS`] rows
+    /// (a tensor-core GEMM whose tiles fit a decode batch); `prefill_kernel` where absent.
+    /// Its K splits are the prefill kernel's at those rows: the split count argument is one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_kernel: Option<String>,
     pub node: usize,
     pub args: Vec<LaunchArg>,
 }
@@ -122,6 +127,10 @@ pub const PREFILL_TOKENS: usize = 16;
 
 /// From this many rows a step's matmuls take their few-rows kernel, if any.
 pub const FEW_ROWS: usize = 2;
+
+/// Up to this many rows (from [`PREFILL_TOKENS`]) a step's matmuls take their batch kernel,
+/// if any.
+pub const BATCH_ROWS: usize = 64;
 
 /// The derived tensor holding a head's Q4_0 copy (`LaunchArg::Derived`), which a drafter's
 /// `shortlist_top_k` scores every vocabulary row with: made from the head where the plan

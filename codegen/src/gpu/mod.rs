@@ -17,7 +17,7 @@ mod select;
 pub use gpu_plan::memory as plan;
 pub use gpu_plan::{
     expr, per_sequence_nodes, BatchedCache, GpuPlan, KernelEntry, KernelParam, KvLayout, Launch, LaunchArg,
-    StateLayout, Transposed, WeightPart, WeightUse, FEW_ROWS, PREFILL_TOKENS,
+    StateLayout, Transposed, WeightPart, WeightUse, BATCH_ROWS, FEW_ROWS, PREFILL_TOKENS,
 };
 
 use crate::target::Target;
@@ -273,10 +273,12 @@ pub fn build_program(
         let kernel = intern(kernel);
         let prefill_kernel = alternatives.prefill.map(&mut intern);
         let few_rows_kernel = alternatives.few_rows.map(&mut intern);
+        let batch_kernel = alternatives.batch.map(&mut intern);
         launches.push(Launch {
             kernel,
             prefill_kernel,
             few_rows_kernel,
+            batch_kernel,
             node,
             args,
         });

@@ -155,6 +155,36 @@ pub fn tma_prefill_gemm(
     Some(PrefillGemm { kernel, tiles, gates })
 }
 
+/// Hopper's TMA GEMM for a decode batch of up to `tokens` rows (16, 32 or 64), a plan's
+/// alternative to [`tma_prefill_gemm`]'s for such steps: the weights as `wgmma`'s M and the
+/// tokens its N, on `schedule`, the same result form and weight tiles (so the same K splits at
+/// those rows: one token tile either way). None on other architectures, whose TMA GEMMs take
+/// few rows as they are (the B200's has the weights as M already).
+pub fn tma_batch_gemm(
+    arch: &str,
+    (norm, glu): (Option<gemv::NormPrologue>, Option<ir::GluAct>),
+    schedule: TmaSchedule,
+    tokens: u32,
+    (name, origin): (&str, &str),
+) -> Option<Kernel> {
+    use gemm_tma_wgmma::TmaTile;
+    if arch != "sm_90a" {
+        return None;
+    }
+    let few = TmaTile::few_rows(tokens);
+    let tile = match schedule {
+        TmaSchedule::BlockDriven => few,
+        TmaSchedule::Specialised => TmaTile {
+            specialised: true,
+            ..few
+        },
+        TmaSchedule::Persistent { blocks } => few.persistent(blocks),
+    };
+    Some(gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(
+        name, origin, tile, norm, glu,
+    ))
+}
+
 /// How a TMA GEMM's warps share its work, where the target's GEMM has the forms (Hopper's and
 /// the B200's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

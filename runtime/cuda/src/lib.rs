@@ -85,7 +85,14 @@ impl CudaDevice {
         let launched: std::collections::HashSet<&str> = plan
             .launches
             .iter()
-            .flat_map(|l| [Some(&l.kernel), l.prefill_kernel.as_ref(), l.few_rows_kernel.as_ref()])
+            .flat_map(|l| {
+                [
+                    Some(&l.kernel),
+                    l.prefill_kernel.as_ref(),
+                    l.few_rows_kernel.as_ref(),
+                    l.batch_kernel.as_ref(),
+                ]
+            })
             .flatten()
             .map(String::as_str)
             .collect();

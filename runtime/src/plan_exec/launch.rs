@@ -11,7 +11,7 @@
 use super::{BufferKey, Buffers, DeviceArg, LaunchProfile, PlanDevice, PlanExecutor};
 use crate::error::{Result, RuntimeError};
 use gpu_plan::expr::{Compiled, ExprError, Value};
-use gpu_plan::{GpuPlan, LaunchArg, FEW_ROWS, PREFILL_TOKENS};
+use gpu_plan::{GpuPlan, LaunchArg, BATCH_ROWS, FEW_ROWS, PREFILL_TOKENS};
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -25,6 +25,7 @@ pub(super) struct PreparedLaunch {
     kernel: Variant,
     few_rows: Option<Variant>,
     prefill: Option<Variant>,
+    batch: Option<Variant>,
     args: Vec<Arg>,
 }
 
@@ -105,6 +106,7 @@ pub(super) fn prepare(plan: &GpuPlan) -> Result<Vec<PreparedLaunch>> {
                 kernel: variant(&launch.kernel)?,
                 few_rows: launch.few_rows_kernel.as_deref().map(variant).transpose()?,
                 prefill: launch.prefill_kernel.as_deref().map(variant).transpose()?,
+                batch: launch.batch_kernel.as_deref().map(variant).transpose()?,
                 args: launch.args.iter().map(arg).collect::<Result<_>>()?,
             };
             // Each kernel binds the first of the arguments: there must be one per parameter.
@@ -112,6 +114,7 @@ pub(super) fn prepare(plan: &GpuPlan) -> Result<Vec<PreparedLaunch>> {
                 Some(&prepared.kernel),
                 prepared.few_rows.as_ref(),
                 prepared.prefill.as_ref(),
+                prepared.batch.as_ref(),
             ];
             if let Some(short) = kernels
                 .into_iter()
@@ -147,11 +150,13 @@ impl<D: PlanDevice> PlanExecutor<D> {
                 Some(rows) => rows.eval(&lookup).map_err(artifact)?.as_i64(),
                 None => step_tokens,
             };
-            // The prefill variant pays for launches of many rows, the few-rows one for a
-            // small batch.
-            let kernel = match (&launch.prefill, &launch.few_rows) {
-                (Some(p), _) if rows >= PREFILL_TOKENS as i64 => p,
-                (_, Some(f)) if rows >= FEW_ROWS as i64 => f,
+            // The prefill variant pays for launches of many rows (the batch one, where there
+            // is one, up to a decode batch's), the few-rows one for a small batch.
+            let tensor_cores = PREFILL_TOKENS as i64..;
+            let kernel = match (&launch.prefill, &launch.batch, &launch.few_rows) {
+                (_, Some(b), _) if (PREFILL_TOKENS as i64..=BATCH_ROWS as i64).contains(&rows) => b,
+                (Some(p), _, _) if tensor_cores.contains(&rows) => p,
+                (_, _, Some(f)) if rows >= FEW_ROWS as i64 => f,
                 _ => &launch.kernel,
             };
             let mut args = Vec::with_capacity(kernel.params.len());

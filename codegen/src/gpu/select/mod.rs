@@ -9,7 +9,7 @@ mod moe;
 mod sparse_mla;
 mod top_k_rows;
 
-use super::{rows, width, GpuCodegenError, KvLayout, LaunchArg, StateLayout, View, WeightUse};
+use super::{rows, width, GpuCodegenError, KvLayout, LaunchArg, StateLayout, View, WeightUse, BATCH_ROWS};
 use ir::reference::ops::rope_inv_freq;
 use ir::{DType, Expr as IrExpr, GluAct, Graph, InputKind, Op};
 use kernels_gen::dsl::{Kernel, Ty};
@@ -74,6 +74,8 @@ impl Selected {
 pub(crate) struct Alternatives {
     pub few_rows: Option<Kernel>,
     pub prefill: Option<Kernel>,
+    /// For steps of `PREFILL_TOKENS` to `BATCH_ROWS` rows, in place of `prefill`.
+    pub batch: Option<Kernel>,
 }
 
 fn scalar(name: &str, value: impl ToString) -> LaunchArg {
@@ -829,7 +831,11 @@ impl MatMul {
     /// the GEMV carrying 4 rows a pass, and for prefill the target's tensor-core GEMM (with
     /// the tiles its K splits count in, and whether it gates a GLU's products itself) where it
     /// has one for these weights (and this prologue and epilogue), else that GEMV.
-    fn kernels(&self, plan: &PlanTarget, aligned: bool) -> (Kernel, Kernel, Kernel, Option<(Tiles, bool)>) {
+    fn kernels(
+        &self,
+        plan: &PlanTarget,
+        aligned: bool,
+    ) -> (Kernel, Kernel, Kernel, Option<Kernel>, Option<(Tiles, bool)>) {
         let (arch, origin) = (plan.target.cuda_arch().unwrap_or_default(), plan.origin);
         let sms = plan.target.multiprocessors();
         let mut spec = gemv::GemvSpec::decode(self.weights, self.k);
@@ -846,7 +852,7 @@ impl MatMul {
         let cols = if self.glu.is_some() { self.n / 2 } else { self.n };
         let few_rows = gemv::gemv(&gemv_name, origin, gemv_tuning::shaped(spec.prefill(), cols, sms));
         let gemm_name = format!("{}gemm", self.stem());
-        let gemm = match self.takes_tma(plan) {
+        let (gemm, batch) = match self.takes_tma(plan) {
             true => {
                 use templates::TmaSchedule;
                 let schedule = match plan.prefill {
@@ -857,16 +863,24 @@ impl MatMul {
                 // The name says where a block takes tiles in turn.
                 let persistent = matches!(schedule, TmaSchedule::Persistent { .. }) && TmaSchedule::has_forms(arch);
                 let name = format!("{gemm_name}_tma{}", if persistent { "_persistent" } else { "" });
-                templates::tma_prefill_gemm(arch, (self.norm, self.glu), schedule, &name, origin)
+                let form = (self.norm, self.glu);
+                let batch_name = format!("{name}_batch");
+                (
+                    templates::tma_prefill_gemm(arch, form, schedule, &name, origin),
+                    templates::tma_batch_gemm(arch, form, schedule, BATCH_ROWS as u32, (&batch_name, origin)),
+                )
             }
-            false => templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin),
+            false => (
+                templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin),
+                None,
+            ),
         };
         let (prefill, tiles) = match gemm {
             Some(gemm) => (gemm.kernel, Some((gemm.tiles, gemm.gates))),
             None => (few_rows.clone(), None),
         };
         let decode = gemv::gemv(&gemv_name, origin, gemv_tuning::shaped(spec, cols, sms));
-        (decode, few_rows, prefill, tiles)
+        (decode, few_rows, prefill, batch, tiles)
     }
 
     /// Whether its prefill GEMM is the target's TMA GEMM (bf16 weights, rows of whole
@@ -890,10 +904,11 @@ impl MatMul {
         let i = self.node;
         let sms = plan.target.multiprocessors();
         let tma = self.takes_tma(plan);
-        let (kernel, few_rows, prefill, tiles) = self.kernels(plan, aligned);
+        let (kernel, few_rows, prefill, batch, tiles) = self.kernels(plan, aligned);
         let alternatives = Alternatives {
             few_rows: Some(few_rows),
             prefill: Some(prefill),
+            batch,
         };
         let Some((tiles, gates)) = tiles else {
             s.launches.push((i, kernel, alternatives, args));

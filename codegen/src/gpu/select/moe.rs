@@ -58,6 +58,7 @@ pub(super) fn launches(
     // down projections leave each pair's product in `ys`, which a last launch (empty in other
     // steps) sums into the value as the row-by-row kernel does.
     let prefill_only = |kernel| Alternatives {
+        batch: None,
         few_rows: None,
         prefill: Some(kernel),
     };
