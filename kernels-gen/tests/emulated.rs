@@ -2019,15 +2019,15 @@ fn hopper_tma_gemm_matches_reference_on_bf16_inputs() {
         .persistent(3),
         gemm_tma_wgmma::TmaTile::SPECIALISED_WIDEST.persistent(2),
         // The weights as wgmma's M, 16 to 64 tokens its N.
-        gemm_tma_wgmma::TmaTile::few_rows(16),
+        gemm_tma_wgmma::TmaTile::batch(16),
         gemm_tma_wgmma::TmaTile {
             stages: 2,
             overlapped: false,
-            ..gemm_tma_wgmma::TmaTile::few_rows(64)
+            ..gemm_tma_wgmma::TmaTile::batch(64)
         },
         gemm_tma_wgmma::TmaTile {
             stages: 3,
-            ..gemm_tma_wgmma::TmaTile::few_rows(32)
+            ..gemm_tma_wgmma::TmaTile::batch(32)
         }
         .persistent(2),
     ];
@@ -2073,11 +2073,11 @@ fn tma_gemms_gate_their_own_products() {
         ),
         hopper(TmaTile::SPECIALISED_WIDEST.persistent(2), GluAct::Silu),
         // The weights as M: 8 gate rows then their 8 up rows, a thread's rows r and r + 8.
-        hopper(TmaTile::few_rows(16), GluAct::Silu),
+        hopper(TmaTile::batch(16), GluAct::Silu),
         hopper(
             TmaTile {
                 specialised: true,
-                ..TmaTile::few_rows(64)
+                ..TmaTile::batch(64)
             },
             GluAct::GeluTanh,
         ),

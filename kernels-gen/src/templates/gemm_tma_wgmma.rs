@@ -70,9 +70,9 @@ pub struct TmaTile {
     /// the weights are wgmma's M (`tokens` below 128).
     pub tile_n: u32,
     /// Tokens a tile: 128, wgmma's M over the two warpgroups (64 each); or 16, 32 or 64,
-    /// wgmma's N, the weights then its M (64 rows a warpgroup, as FlashInfer's and TRT-LLM's
-    /// swapped small-batch GEMMs take them), so a step of few rows spends no tensor-core work
-    /// on rows that are not there and a block's activations are one small box.
+    /// wgmma's N, the weights then its M (64 rows a warpgroup: the operands swapped), so a
+    /// decode batch spends no tensor-core work on rows that are not there and a block's
+    /// activations are one small box.
     pub tokens: u32,
     /// 2..=8 buffers, each `(128 + tile_n) × 128` bytes of shared memory.
     pub stages: u32,
@@ -123,7 +123,7 @@ impl TmaTile {
     };
     /// 128 weight rows × `tokens` (16, 32 or 64) tiles, the weights wgmma's M: six buffers
     /// (108 KiB at 64 tokens), MMAs overlapping the next step.
-    pub const fn few_rows(tokens: u32) -> TmaTile {
+    pub const fn batch(tokens: u32) -> TmaTile {
         TmaTile {
             tile_n: WEIGHTS_AS_M,
             tokens,

@@ -171,7 +171,7 @@ pub fn tma_batch_gemm(
     if arch != "sm_90a" {
         return None;
     }
-    let few = TmaTile::few_rows(tokens);
+    let few = TmaTile::batch(tokens);
     let tile = match schedule {
         TmaSchedule::BlockDriven => few,
         TmaSchedule::Specialised => TmaTile {
@@ -990,16 +990,16 @@ pub fn catalog() -> Vec<Kernel> {
         ),
         // The same for a decode batch, the weights as wgmma's M and 16 tokens its N.
         gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(
-            "add_rms_norm_swiglu_gemm_tma_few_rows",
+            "add_rms_norm_swiglu_gemm_tma_batch",
             "catalog",
-            gemm_tma_wgmma::TmaTile::few_rows(16),
+            gemm_tma_wgmma::TmaTile::batch(16),
             Some(gemv::NormPrologue::new(1e-5, 0.0).with_residual()),
             Some(ir::GluAct::Silu),
         ),
         gemm_tma_wgmma::gemm_tma_wgmma_bf16(
-            "gemm_tma_wgmma_few_rows_64_bf16",
+            "gemm_tma_wgmma_batch_64_bf16",
             "catalog",
-            gemm_tma_wgmma::TmaTile::few_rows(64),
+            gemm_tma_wgmma::TmaTile::batch(64),
         ),
         gemm_tma_tcgen05::gemm_tma_tcgen05_bf16_prologued(
             "add_rms_norm_swiglu_gemm_tma_tcgen05",

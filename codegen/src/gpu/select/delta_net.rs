@@ -108,30 +108,32 @@ pub(super) fn launches(
         .into_iter()
         .map(|(name, per_row)| operands.scratch(name, per_row, max_tokens))
         .collect();
-    let [convolved, b, a, a_log, dt_bias, state, out, seqs_arg, tokens, b_stride, a_stride] =
-        <[LaunchArg; 11]>::try_from(rule_args).expect("the delta rule's eleven arguments");
+    // `rule_args` as the recurrent kernel takes them: the convolved rows, b, a, a_log and
+    // dt_bias (0..5), the state and the output (5..7), seqs and tokens (7, 8), the strides of
+    // b and a (9..11).
     let tiles = match layout {
         CacheLayout::Batched => vec![
             step_input(&flash_attention::query_tiles_input(delta_chunks::CHUNK)),
-            seqs_arg.clone(),
+            rule_args[7].clone(),
         ],
         _ => vec![],
     };
     let prepare_args = [
-        vec![convolved.clone(), b.clone(), a.clone(), a_log.clone(), dt_bias.clone()],
-        scratch.clone(),
-        vec![tokens.clone(), b_stride.clone(), a_stride.clone()],
-        tiles,
-        vec![scalar(GATE, &chunked)],
+        &rule_args[..5],
+        &scratch,
+        &[rule_args[8].clone()],
+        &rule_args[9..11],
+        &tiles,
+        &[scalar(GATE, &chunked)],
     ]
     .concat();
     let state_args = [
-        vec![convolved.clone()],
-        scratch,
-        vec![state.clone(), out.clone(), seqs_arg.clone(), tokens.clone()],
-        sequences.clone(),
-        checkpoints.clone(),
-        vec![scalar(GATE, &chunked)],
+        &rule_args[..1],
+        &scratch,
+        &rule_args[5..9],
+        &sequences,
+        &checkpoints,
+        &[scalar(GATE, &chunked)],
     ]
     .concat();
     for (kernel, args) in [
@@ -152,9 +154,7 @@ pub(super) fn launches(
         ));
     }
     let recurrent_args = [
-        vec![
-            convolved, b, a, a_log, dt_bias, state, out, seqs_arg, tokens, b_stride, a_stride,
-        ],
+        rule_args,
         sequences,
         checkpoints,
         vec![scalar(GATE, format!("1-{chunked}"))],
