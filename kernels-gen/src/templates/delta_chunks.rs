@@ -28,8 +28,8 @@
 use super::attention::shared_f32;
 use super::cache_layout::CacheLayout;
 use super::delta_net::{
-    at_checkpoint, checkpoint_params, decay_rate, key_head, locate_sequence, sequence_params, softplus, spec_text,
-    tree_sum,
+    at_checkpoint, checkpoint_params, decay_rate, head_matrix, key_head, locate_sequence, sequence_params, softplus,
+    spec_text, tree_sum,
 };
 use super::elementwise::sigmoid;
 use super::flash_attention::{self, query_tiles_expr};
@@ -69,6 +69,16 @@ pub fn scratch(spec: &DeltaNetSpec) -> [(&'static str, usize); 4] {
 /// `body` for each `e` in `tid, tid + blockDim, …` below `count`.
 fn strided(e: &str, count: Expr, body: Vec<Stmt>) -> Stmt {
     for_(e, tid(), count, bdim(), body)
+}
+
+/// `body` for each element `e` of `rows` rows of `width`, a thread an element in turn, with
+/// its row `t` and its place in the row `column` declared.
+fn over_rows(rows: Expr, width: i64, column: &str, body: Vec<Stmt>) -> Stmt {
+    let located = vec![
+        let_("t", Ty::I32, var("e") / int(width)),
+        let_(column, Ty::I32, rem(var("e"), int(width))),
+    ];
+    strided("e", rows * int(width), [located, body].concat())
 }
 
 /// Where row `t` of the chunk starting at step row `first`, value head `h`, keeps `width`
@@ -124,12 +134,11 @@ pub fn chunk_prepare(name: &str, origin: &str, layout: CacheLayout, spec: &Delta
         let_("neg_a", Ty::F32, decay_rate(spec, load("a_log", var("h")))),
         let_("bias", Ty::F32, load("dt_bias", var("h"))),
         // The chunk's q and k rows, zero past its last.
-        strided(
-            "e",
-            int(chunk * dk),
+        over_rows(
+            int(chunk),
+            dk,
+            "k",
             vec![
-                let_("t", Ty::I32, var("e") / int(dk)),
-                let_("k", Ty::I32, rem(var("e"), int(dk))),
                 let_("q_in", Ty::F32, f(0.0)),
                 let_("k_in", Ty::F32, f(0.0)),
                 if_(
@@ -265,37 +274,30 @@ pub fn chunk_prepare(name: &str, origin: &str, layout: CacheLayout, spec: &Delta
     body.extend([
         Stmt::SyncThreads,
         // The right-hand sides: β_t Γ_t k̂_t for W (over the queries, no longer needed)…
-        strided(
-            "e",
-            var("n") * int(dk),
-            vec![
-                let_("t", Ty::I32, var("e") / int(dk)),
-                let_("k", Ty::I32, rem(var("e"), int(dk))),
-                store(
-                    "xs",
-                    var("t") * int(xs) + var("k"),
-                    load("beta_sh", var("t"))
-                        * un(UnOp::Exp, load("b_sh", var("t")))
-                        * load("k_scale_sh", var("t"))
-                        * load("ys", var("t") * int(ys) + var("k")),
-                ),
-            ],
+        over_rows(
+            var("n"),
+            dk,
+            "k",
+            vec![store(
+                "xs",
+                var("t") * int(xs) + var("k"),
+                load("beta_sh", var("t"))
+                    * un(UnOp::Exp, load("b_sh", var("t")))
+                    * load("k_scale_sh", var("t"))
+                    * load("ys", var("t") * int(ys) + var("k")),
+            )],
         ),
         Stmt::SyncThreads,
         // … and β_t v_t for U (over the keys).
-        strided(
-            "e",
-            var("n") * int(dv),
-            vec![
-                let_("t", Ty::I32, var("e") / int(dv)),
-                let_("c", Ty::I32, rem(var("e"), int(dv))),
-                store(
-                    "ys",
-                    var("t") * int(ys) + var("c"),
-                    load("beta_sh", var("t"))
-                        * load("conv", conv_at(int(2 * key_width) + var("h") * int(dv) + var("c"))),
-                ),
-            ],
+        over_rows(
+            var("n"),
+            dv,
+            "c",
+            vec![store(
+                "ys",
+                var("t") * int(ys) + var("c"),
+                load("beta_sh", var("t")) * load("conv", conv_at(int(2 * key_width) + var("h") * int(dv) + var("c"))),
+            )],
         ),
         Stmt::SyncThreads,
         // (I + A)·X = rhs by forward substitution, a column a thread: row t needs rows before
@@ -310,31 +312,25 @@ pub fn chunk_prepare(name: &str, origin: &str, layout: CacheLayout, spec: &Delta
             )],
         ),
         Stmt::SyncThreads,
-        strided(
-            "e",
-            var("n") * int(dk),
-            vec![
-                let_("t", Ty::I32, var("e") / int(dk)),
-                let_("k", Ty::I32, rem(var("e"), int(dk))),
-                store(
-                    "chunk_w",
-                    scratch_row(var("q0"), var("t"), vh, dk) + var("k"),
-                    load("xs", var("t") * int(xs) + var("k")),
-                ),
-            ],
+        over_rows(
+            var("n"),
+            dk,
+            "k",
+            vec![store(
+                "chunk_w",
+                scratch_row(var("q0"), var("t"), vh, dk) + var("k"),
+                load("xs", var("t") * int(xs) + var("k")),
+            )],
         ),
-        strided(
-            "e",
-            var("n") * int(dv),
-            vec![
-                let_("t", Ty::I32, var("e") / int(dv)),
-                let_("c", Ty::I32, rem(var("e"), int(dv))),
-                store(
-                    "chunk_u",
-                    scratch_row(var("q0"), var("t"), vh, dv) + var("c"),
-                    load("ys", var("t") * int(ys) + var("c")),
-                ),
-            ],
+        over_rows(
+            var("n"),
+            dv,
+            "c",
+            vec![store(
+                "chunk_u",
+                scratch_row(var("q0"), var("t"), vh, dv) + var("c"),
+                load("ys", var("t") * int(ys) + var("c")),
+            )],
         ),
     ]);
     let mut all = chunk_rows(layout, vh);
@@ -585,21 +581,18 @@ pub fn chunk_state(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNe
     // Rows of the chunk's q or k (`offset` into a conv row), each times its scale, into
     // `rows_sh`.
     let stage_conv = |offset: i64, multiplier: &str| {
-        strided(
-            "e",
-            var("n") * int(dk),
-            vec![
-                let_("t", Ty::I32, var("e") / int(dk)),
-                let_("k", Ty::I32, rem(var("e"), int(dk))),
-                store(
-                    "rows_sh",
-                    var("e"),
-                    load(
-                        "conv",
-                        (var("c0") + var("t")) * int(channels) + int(offset) + var("key_head") * int(dk) + var("k"),
-                    ) * load(multiplier, var("t")),
-                ),
-            ],
+        over_rows(
+            var("n"),
+            dk,
+            "k",
+            vec![store(
+                "rows_sh",
+                var("e"),
+                load(
+                    "conv",
+                    (var("c0") + var("t")) * int(channels) + int(offset) + var("key_head") * int(dk) + var("k"),
+                ) * load(multiplier, var("t")),
+            )],
         )
     };
 
@@ -613,19 +606,7 @@ pub fn chunk_state(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNe
         let_("active", Ty::Bool, lt(var("j"), int(dv))),
     ];
     body.extend(locate_sequence(layout, var("s")));
-    body.extend([
-        let_("key_head", Ty::I32, key_head(spec, var("h"))),
-        let_(
-            "head_matrix",
-            Ty::I32,
-            int((spec.conv_kernel as i64 - 1) * channels) + var("h") * int(dk * dv),
-        ),
-        let_(
-            "matrix",
-            Ty::I32,
-            var("slot") * int(spec.state_len() as i64) + var("head_matrix"),
-        ),
-    ]);
+    body.extend(head_matrix(spec));
     // The state's column j at this thread's keys (stored by columns, `[value_heads, value_dim,
     // key_dim]`): zero for a fresh sequence.
     for (m, s) in states.iter().enumerate() {
@@ -646,27 +627,21 @@ pub fn chunk_state(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNe
             bin(BinOp::Min, int(chunk), var("last_row") + int(1) - var("c0")),
         ),
         // W's rows, U's columns of this block, P's rows and the rows' scales.
-        strided(
-            "e",
-            var("n") * int(dk),
-            vec![
-                let_("t", Ty::I32, var("e") / int(dk)),
-                store(
-                    "rows_sh",
-                    var("e"),
-                    load(
-                        "chunk_w",
-                        scratch_row(var("c0"), var("t"), vh, dk) + rem(var("e"), int(dk)),
-                    ),
-                ),
-            ],
+        over_rows(
+            var("n"),
+            dk,
+            "k",
+            vec![store(
+                "rows_sh",
+                var("e"),
+                load("chunk_w", scratch_row(var("c0"), var("t"), vh, dk) + var("k")),
+            )],
         ),
-        strided(
-            "e",
-            var("n") * int(columns),
+        over_rows(
+            var("n"),
+            columns,
+            "c",
             vec![
-                let_("t", Ty::I32, var("e") / int(columns)),
-                let_("c", Ty::I32, rem(var("e"), int(columns))),
                 let_("u_in", Ty::F32, f(0.0)),
                 if_(
                     lt(var("col0") + var("c"), int(dv)),
@@ -681,20 +656,15 @@ pub fn chunk_state(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNe
                 store("u_sh", var("e"), var("u_in")),
             ],
         ),
-        strided(
-            "e",
-            var("n") * int(chunk),
-            vec![
-                let_("t", Ty::I32, var("e") / int(chunk)),
-                store(
-                    "p_sh",
-                    var("e"),
-                    load(
-                        "chunk_p",
-                        scratch_row(var("c0"), var("t"), vh, chunk) + rem(var("e"), int(chunk)),
-                    ),
-                ),
-            ],
+        over_rows(
+            var("n"),
+            chunk,
+            "i",
+            vec![store(
+                "p_sh",
+                var("e"),
+                load("chunk_p", scratch_row(var("c0"), var("t"), vh, chunk) + var("i")),
+            )],
         ),
         if_(
             lt(tid(), var("n")),

@@ -150,6 +150,26 @@ pub(super) fn tree_sum(mut terms: Vec<Expr>) -> Expr {
     terms.pop().unwrap_or_else(|| f(0.0))
 }
 
+/// Statements declaring, for value head `h` of the sequence whose state is in `slot`:
+/// `key_head` (the key head it reads) and where its delta-rule matrix is, `head_matrix` within
+/// a state and `matrix` within the buffer of states.
+pub(super) fn head_matrix(spec: &DeltaNetSpec) -> Vec<Stmt> {
+    let channels = spec.conv_channels() as i64;
+    vec![
+        let_("key_head", Ty::I32, key_head(spec, var("h"))),
+        let_(
+            "head_matrix",
+            Ty::I32,
+            int((spec.conv_kernel as i64 - 1) * channels) + var("h") * int((spec.key_dim * spec.value_dim) as i64),
+        ),
+        let_(
+            "matrix",
+            Ty::I32,
+            var("slot") * int(spec.state_len() as i64) + var("head_matrix"),
+        ),
+    ]
+}
+
 /// The key head value head `h` reads ([`DeltaNetSpec::key_head`]).
 pub(super) fn key_head(spec: &DeltaNetSpec, h: Expr) -> Expr {
     match spec.value_head_order {
@@ -351,20 +371,7 @@ pub fn delta_rule(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNet
         let_("active", Ty::Bool, lt(var("j"), int(dv))),
     ];
     body.extend(locate_sequence(layout, var("s")));
-    body.extend([
-        let_("key_head", Ty::I32, key_head(spec, var("h"))),
-        // The head's matrix within a state, and within the sequence's slot.
-        let_(
-            "head_matrix",
-            Ty::I32,
-            int((spec.conv_kernel as i64 - 1) * channels) + var("h") * int(dk * dv),
-        ),
-        let_(
-            "matrix",
-            Ty::I32,
-            var("slot") * int(spec.state_len() as i64) + var("head_matrix"),
-        ),
-    ]);
+    body.extend(head_matrix(spec));
     // The state's column j, rows rg + R·m: zero for a fresh sequence. Stored by columns
     // (`[value_heads, value_dim, key_dim]`), so a warp's lanes read whole sectors.
     for (m, s) in names("s").enumerate() {
