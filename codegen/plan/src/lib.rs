@@ -114,8 +114,8 @@ pub struct Launch {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub few_rows_kernel: Option<String>,
     /// A kernel with the same arguments for steps of [`PREFILL_TOKENS`] to [`BATCH_ROWS`] rows
-    /// (a tensor-core GEMM whose tiles fit a decode batch); `prefill_kernel` where absent.
-    /// Its K splits are the prefill kernel's at those rows: the split count argument is one.
+    /// (a tensor-core GEMM whose tiles fit a decode batch); `prefill_kernel` where absent. It
+    /// takes the split count the prefill kernel does: at those rows both have one token tile.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch_kernel: Option<String>,
     pub node: usize,

@@ -171,14 +171,14 @@ pub fn tma_batch_gemm(
     if arch != "sm_90a" {
         return None;
     }
-    let few = TmaTile::batch(tokens);
+    let batch = TmaTile::batch(tokens);
     let tile = match schedule {
-        TmaSchedule::BlockDriven => few,
+        TmaSchedule::BlockDriven => batch,
         TmaSchedule::Specialised => TmaTile {
             specialised: true,
-            ..few
+            ..batch
         },
-        TmaSchedule::Persistent { blocks } => few.persistent(blocks),
+        TmaSchedule::Persistent { blocks } => batch.persistent(blocks),
     };
     Some(gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(
         name, origin, tile, norm, glu,
