@@ -577,6 +577,19 @@ pub fn chunk_state(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNe
             .to_vec()
     };
     let delta = |row: Expr| load("delta_sh", row * int(ds) + var("col"));
+    // The chunk's rows of a scratch buffer of `width` a head into shared `dst`, `width` apart.
+    let copy_rows = |src: &str, dst: &str, width: i64| {
+        over_rows(
+            var("n"),
+            width,
+            "k",
+            vec![store(
+                dst,
+                var("e"),
+                load(src, scratch_row(var("c0"), var("t"), vh, width) + var("k")),
+            )],
+        )
+    };
     let scale = |t: Expr, which: i64| load("chunk_scales", scratch_row(var("c0"), t, vh, SCALES) + int(which));
     // Rows of the chunk's q or k (`offset` into a conv row), each times its scale, into
     // `rows_sh`.
@@ -627,16 +640,7 @@ pub fn chunk_state(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNe
             bin(BinOp::Min, int(chunk), var("last_row") + int(1) - var("c0")),
         ),
         // W's rows, U's columns of this block, P's rows and the rows' scales.
-        over_rows(
-            var("n"),
-            dk,
-            "k",
-            vec![store(
-                "rows_sh",
-                var("e"),
-                load("chunk_w", scratch_row(var("c0"), var("t"), vh, dk) + var("k")),
-            )],
-        ),
+        copy_rows("chunk_w", "rows_sh", dk),
         over_rows(
             var("n"),
             columns,
@@ -656,16 +660,7 @@ pub fn chunk_state(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNe
                 store("u_sh", var("e"), var("u_in")),
             ],
         ),
-        over_rows(
-            var("n"),
-            chunk,
-            "i",
-            vec![store(
-                "p_sh",
-                var("e"),
-                load("chunk_p", scratch_row(var("c0"), var("t"), vh, chunk) + var("i")),
-            )],
-        ),
+        copy_rows("chunk_p", "p_sh", chunk),
         if_(
             lt(tid(), var("n")),
             vec![

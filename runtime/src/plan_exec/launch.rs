@@ -152,10 +152,9 @@ impl<D: PlanDevice> PlanExecutor<D> {
             };
             // The prefill variant pays for launches of many rows (the batch one, where there
             // is one, up to a decode batch's), the few-rows one for a small batch.
-            let tensor_cores = PREFILL_TOKENS as i64..;
             let kernel = match (&launch.prefill, &launch.batch, &launch.few_rows) {
                 (_, Some(b), _) if (PREFILL_TOKENS as i64..=BATCH_ROWS as i64).contains(&rows) => b,
-                (Some(p), _, _) if tensor_cores.contains(&rows) => p,
+                (Some(p), _, _) if rows >= PREFILL_TOKENS as i64 => p,
                 (_, _, Some(f)) if rows >= FEW_ROWS as i64 => f,
                 _ => &launch.kernel,
             };
