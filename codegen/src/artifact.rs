@@ -343,9 +343,7 @@ fn write_gpu_program(
             k.source = built.source;
             write(&kernels, &cu, k.source.as_bytes())?;
         }
-        let ptx = crate::nvrtc::compile_ptx(&k.name, &k.source, &plan.arch)
-            .map_err(|source| ArtifactError::Nvrtc { target: name, source })?;
-        write(&kernels, &format!("{}.ptx", k.name), ptx.as_bytes())?;
+        write(&kernels, &format!("{}.ptx", k.name), built.ptx.as_bytes())?;
         write(&kernels, &format!("{}.cubin", k.name), &built.cubin)?;
         k.ptx = Some(format!("{kernel_dir}/{}.ptx", k.name));
         k.cubin = Some(format!("{kernel_dir}/{}.cubin", k.name));

@@ -144,36 +144,24 @@ fn compile(kernel: &str, source: &str, options: &[String]) -> Result<(Program, S
     }
 }
 
-/// PTX of `source` for `arch` (`sm_90a` → `compute_90a`), cached on disk.
-pub fn compile_ptx(kernel: &str, source: &str, arch: &str) -> Result<String, NvrtcError> {
-    let version = ensure_loaded()?;
-    let virtual_arch = arch.replace("sm_", "compute_");
-    let options = vec![format!("--gpu-architecture={virtual_arch}"), "--std=c++17".to_string()];
-    let key = cache_key(source, &options, version);
-    if let Some(ptx) = cached(&key, "ptx").and_then(|bytes| String::from_utf8(bytes).ok()) {
-        return Ok(ptx);
-    }
-    let (prog, _) = compile(kernel, source, &options)?;
-    // SAFETY: the program compiled successfully.
-    let ptx = unsafe { result::get_ptx(prog.0) }.map_err(|e| NvrtcError::Api(format!("{e:?}")))?;
-    let ptx: String = ptx
-        .iter()
-        .map(|&c| c as u8 as char)
-        .collect::<String>()
-        .trim_end_matches('\0')
-        .to_string();
-    store(&key, &[("ptx", ptx.as_bytes())]);
-    Ok(ptx)
+/// What one NVRTC compile for a real architecture gives: the machine code (a cubin), the PTX
+/// it was assembled from (the same text a compile for the virtual architecture gives), and
+/// what ptxas reported.
+#[derive(Debug, Clone)]
+pub struct MachineCode {
+    pub cubin: Vec<u8>,
+    pub ptx: String,
+    /// `None` where ptxas's log held none even on a second try: the H200 run of 2026-11-30
+    /// saw NVRTC 13.0 return an empty log once for a kernel that builds with a report
+    /// elsewhere. The cubin is still good; only callers that check resources need the report.
+    pub resources: Option<Resources>,
 }
 
-/// Machine code of `source` for the real architecture `arch` (a cubin), and what ptxas
-/// reported. A cubin loads without the driver compiling anything, so it also loads on a
-/// driver older than this NVRTC (within the CUDA major version), which refuses its PTX.
-///
-/// The report is `None` where ptxas's log held none even on a second try: the H200 run of
-/// 2026-11-30 saw NVRTC 13.0 return an empty log once for a kernel that builds with a report
-/// elsewhere. The cubin is still good; only callers that check resources need the report.
-pub fn compile_cubin(kernel: &str, source: &str, arch: &str) -> Result<(Vec<u8>, Option<Resources>), NvrtcError> {
+/// Machine code of `source` for the real architecture `arch` (a cubin, with its PTX), and what
+/// ptxas reported, cached on disk. A cubin loads without the driver compiling anything, so it
+/// also loads on a driver older than this NVRTC (within the CUDA major version), which
+/// refuses its PTX.
+pub fn compile_cubin(kernel: &str, source: &str, arch: &str) -> Result<MachineCode, NvrtcError> {
     let version = ensure_loaded()?;
     let options = vec![
         format!("--gpu-architecture={arch}"),
@@ -182,30 +170,42 @@ pub fn compile_cubin(kernel: &str, source: &str, arch: &str) -> Result<(Vec<u8>,
     ];
     // Cached with ptxas's log, which the resources are read from; only with a report.
     let key = cache_key(source, &options, version);
-    let hit = cached(&key, "cubin")
-        .zip(cached(&key, "ptxas"))
-        .and_then(|(cubin, log)| {
-            let resources = parse_resources(arch, std::str::from_utf8(&log).ok()?)?;
-            Some((cubin, resources))
-        });
-    if let Some((cubin, resources)) = hit {
-        return Ok((cubin, Some(resources)));
+    let hit = (|| {
+        let cubin = cached(&key, "cubin")?;
+        let ptx = String::from_utf8(cached(&key, "ptx")?).ok()?;
+        let log = cached(&key, "ptxas")?;
+        let resources = parse_resources(arch, std::str::from_utf8(&log).ok()?)?;
+        Some(MachineCode {
+            cubin,
+            ptx,
+            resources: Some(resources),
+        })
+    })();
+    if let Some(code) = hit {
+        return Ok(code);
     }
     let mut built = build_cubin(kernel, source, &options)?;
     if parse_resources(arch, &built.1).is_none() {
         built = build_cubin(kernel, source, &options)?;
     }
-    let (cubin, log) = built;
+    let (code, log) = built;
     let resources = parse_resources(arch, &log);
     if resources.is_some() {
-        // The log last: an entry counts only when both files are there.
-        store(&key, &[("cubin", &cubin), ("ptxas", log.as_bytes())]);
+        // The log last: an entry counts only when every file is there.
+        store(
+            &key,
+            &[
+                ("cubin", &code.cubin),
+                ("ptx", code.ptx.as_bytes()),
+                ("ptxas", log.as_bytes()),
+            ],
+        );
     }
-    Ok((cubin, resources))
+    Ok(MachineCode { resources, ..code })
 }
 
-/// One NVRTC compile to a cubin: the image and ptxas's log.
-fn build_cubin(kernel: &str, source: &str, options: &[String]) -> Result<(Vec<u8>, String), NvrtcError> {
+/// One NVRTC compile to a cubin: the image and its PTX (no resources yet), and ptxas's log.
+fn build_cubin(kernel: &str, source: &str, options: &[String]) -> Result<(MachineCode, String), NvrtcError> {
     let (prog, log) = compile(kernel, source, options)?;
     let mut size = 0usize;
     // SAFETY: the program compiled for a real architecture, so it holds a cubin; `size` is
@@ -218,7 +218,20 @@ fn build_cubin(kernel: &str, source: &str, options: &[String]) -> Result<(Vec<u8
     unsafe { sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr().cast()) }
         .result()
         .map_err(|e| NvrtcError::Api(format!("{e:?}")))?;
-    Ok((cubin, log))
+    // SAFETY: the program compiled successfully.
+    let ptx = unsafe { result::get_ptx(prog.0) }.map_err(|e| NvrtcError::Api(format!("{e:?}")))?;
+    let ptx = ptx
+        .iter()
+        .map(|&c| c as u8 as char)
+        .collect::<String>()
+        .trim_end_matches('\0')
+        .to_string();
+    let code = MachineCode {
+        cubin,
+        ptx,
+        resources: None,
+    };
+    Ok((code, log))
 }
 
 /// From lines like `ptxas info : Used 16 registers, …` and `0 bytes spill stores, 0 bytes spill loads`.

@@ -13,12 +13,13 @@
 
 use crate::nvrtc::{self, NvrtcError, Resources};
 
-/// A cubin, the source it was built from and what ptxas reported.
+/// A cubin and its PTX, the source they were built from and what ptxas reported.
 #[derive(Debug)]
 pub struct Built {
     pub source: String,
     pub cubin: Vec<u8>,
-    /// `None` where ptxas's log held no report (see [`nvrtc::compile_cubin`]).
+    pub ptx: String,
+    /// `None` where ptxas's log held no report (see [`nvrtc::MachineCode`]).
     pub resources: Option<Resources>,
     /// The blocks per SM ptxas was asked to fit, where its own choice spilled.
     pub min_blocks_per_sm: Option<u32>,
@@ -39,11 +40,12 @@ impl Built {
 /// [`Built::spills`]).
 pub fn build(kernel: &str, source: &str, block: u32, arch: &str) -> Result<Built, NvrtcError> {
     let build_one = |source: String, min_blocks_per_sm| -> Result<Built, NvrtcError> {
-        let (cubin, resources) = nvrtc::compile_cubin(kernel, &source, arch)?;
+        let code = nvrtc::compile_cubin(kernel, &source, arch)?;
         Ok(Built {
             source,
-            cubin,
-            resources,
+            cubin: code.cubin,
+            ptx: code.ptx,
+            resources: code.resources,
             min_blocks_per_sm,
         })
     };

@@ -24,14 +24,13 @@ fn every_kernel_compiles_for_every_target_without_spills() {
             .into_iter()
             .filter(|&arch| cuda::required_arch(&kernel).is_none_or(|a| a == arch));
         for arch in archs {
-            let ptx = nvrtc::compile_ptx(&kernel.name, &source, arch).unwrap_or_else(|e| panic!("{e}"));
+            let built =
+                spill_free::build(&kernel.name, &source, kernel.block_dim, arch).unwrap_or_else(|e| panic!("{e}"));
             assert!(
-                ptx.contains(&format!(".entry {}", kernel.name)),
+                built.ptx.contains(&format!(".entry {}", kernel.name)),
                 "{} PTX for {arch} lacks its entry",
                 kernel.name
             );
-            let built =
-                spill_free::build(&kernel.name, &source, kernel.block_dim, arch).unwrap_or_else(|e| panic!("{e}"));
             let r = built
                 .resources
                 .as_ref()
@@ -51,7 +50,7 @@ fn a_compile_error_carries_the_log_and_the_source() {
     if nvrtc::ensure_loaded().is_err() {
         return;
     }
-    let err = nvrtc::compile_ptx(
+    let err = nvrtc::compile_cubin(
         "broken",
         "extern \"C\" __global__ void broken() { undefined_thing(); }",
         "sm_90a",

@@ -246,7 +246,8 @@ pub fn build_program(
         None => BTreeSet::new(),
     };
     let selected = select::select(graph, layout, target, &per_sequence, max_tokens, chosen)?;
-    // One file per distinct kernel source, named in order of first use.
+    // One file per distinct kernel source, named by its template and its source (so that a
+    // kernel is named alike in every plan and model, and compiles once for all of them).
     let mut kernels: Vec<(Kernel, String)> = Vec::new();
     let mut launches = Vec::new();
     let mut intern = |kernel: Kernel| -> String {
@@ -257,7 +258,11 @@ pub fn build_program(
         match kernels.iter().find(|(_, s)| *s == source) {
             Some((k, _)) => k.name.clone(),
             None => {
-                let name = format!("{}_{}", kernel.name, kernels.len());
+                let mut name = format!("{}_{}", kernel.name, source_digest(&source));
+                if kernels.iter().any(|(k, _)| k.name == name) {
+                    // Another source with the same digest: told apart by its place in the plan.
+                    name = format!("{name}_{}", kernels.len());
+                }
                 kernels.push((
                     Kernel {
                         name: name.clone(),
@@ -319,6 +324,15 @@ pub fn build_program(
         block_multiple: selected.block_multiple,
     };
     Ok((plan, programs))
+}
+
+/// The first 8 hex digits of the SHA-256 of a kernel's source (emitted without its name).
+fn source_digest(source: &str) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(source.as_bytes())[..4]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// A plan's entry for `k`: its source (compiled later, into the artifact), block, grid and
