@@ -64,7 +64,7 @@ enum Command {
         /// GPU targets: the tensor-core attention prompts attend with: `mma`,
         /// FlashAttention-2's schedule on `mma.sync`; `wgmma`, both products on `wgmma`
         /// (Hopper, heads up to 128 dims; elsewhere as `mma`); `wgmma-specialised`, that one
-        /// with a producer warp copying the tiles; `wgmma-tma`, the producer loading them by
+        /// with a producer warpgroup copying the tiles; `wgmma-tma`, the producer loading them by
         /// TMA (heads of 64 or 128 dims; KV blocks a multiple of 16 positions); `tcgen05`,
         /// both products on `tcgen05` into tensor memory (B200, heads up to 128 dims;
         /// elsewhere as `mma`); `tcgen05-tma`, that one loading the tiles by TMA (as

@@ -2221,8 +2221,8 @@ fn warp_specialised_prefill_gemms_compute_what_the_others_do() {
 }
 
 /// A Hopper plan whose prompts attend on `wgmma` (`--prefill-attention wgmma` and
-/// `wgmma-specialised`) computes what the plan on the `mma.sync` flash kernel does, bit for
-/// bit: the same products of bf16 operands summed in f32, on other tensor cores.
+/// `wgmma-specialised`) computes what the plan on the `mma.sync` flash kernel does, within
+/// rounding ([`each_wgmma_attention_gives_the_mma_ones`]).
 #[test]
 fn wgmma_prefill_attention_computes_what_the_mma_sync_one_does() {
     let model = open("llama", ComputeDtype::Bf16);
@@ -2245,7 +2245,7 @@ fn wgmma_prefill_attention_computes_what_the_mma_sync_one_does() {
 }
 
 /// A batched Hopper plan attending on `wgmma` (either schedule) computes what the one on
-/// `mma.sync` does, bit for bit, its prompts cut into the wgmma kernel's tiles of 128 rows
+/// `mma.sync` does within rounding, its prompts cut into the wgmma kernel's tiles of 128 rows
 /// (the step input the runtime writes for it): a prompt longer than a tile beside a short
 /// one, then both continued past their cached rows, then a decode step (the split
 /// attention).
@@ -2273,8 +2273,9 @@ fn batched_plans_attend_on_wgmma_as_on_mma_sync() {
 }
 
 /// Plans whose prompts attend loading the tiles by TMA compute what those copying them do,
-/// bit for bit: on Hopper `wgmma` by TMA (`--prefill-attention wgmma-tma`) as `mma.sync`, on
-/// the B200 `tcgen05` by TMA (`tcgen05-tma`) as `tcgen05` copying. A Llama with heads of 64
+/// bit for bit: on Hopper `wgmma` by TMA (`--prefill-attention wgmma-tma`) as `wgmma`'s
+/// producer copying (`wgmma-specialised`), on the B200 `tcgen05` by TMA (`tcgen05-tma`) as
+/// `tcgen05` copying. A Llama with heads of 64
 /// dims (whole TMA boxes; the fixtures' 16-dim heads take the copying forms) and random
 /// weights: one sequence's prompt and a decode step after it, and the batched steps of
 /// [`prompts_past_a_tile`] over blocks in reverse order. The batched plans by TMA ask for
@@ -2298,9 +2299,9 @@ fn prefill_attention_by_tma_computes_what_the_copying_one_does() {
     let model = bbc::model_ref::load(config_path.to_str().unwrap(), options)
         .unwrap()
         .model;
-    use gpu::PrefillAttention::{Mma, Tcgen05, Tcgen05Tma, WgmmaTma};
+    use gpu::PrefillAttention::{Tcgen05, Tcgen05Tma, WgmmaSpecialised, WgmmaTma};
     for (target, tma, copying, tma_kernel) in [
-        (Target::H200, WgmmaTma, Mma, "flash_attention_wgmma_tma"),
+        (Target::H200, WgmmaTma, WgmmaSpecialised, "flash_attention_wgmma_tma"),
         (Target::B200, Tcgen05Tma, Tcgen05, "flash_attention_tcgen05_tma"),
     ] {
         let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), target);
@@ -2483,13 +2484,20 @@ fn pool_steps_logits(gpu: &EmulatorBackend, steps: &[Vec<(usize, Vec<u32>)>]) ->
         .collect()
 }
 
-/// `logits` of a Hopper plan attending on each `wgmma` form equal to those on `mma.sync`.
-fn each_wgmma_attention_gives_the_mma_ones<T: PartialEq + std::fmt::Debug>(
-    logits: impl Fn(gpu::PrefillAttention) -> T,
-) {
+/// `logits` of a Hopper plan attending on each `wgmma` form as on `mma.sync`, within the
+/// rounding of the activations to bf16: the same bf16 products summed in f32, but over key
+/// tiles of 128 where `mma.sync` takes 64, so a row's exponents past its 64th key are taken
+/// against its running max once, not twice, and its sum added up in another order. The
+/// attention outputs then differ in f32's last bits, which flips the bf16 rounding of some
+/// activations the next GEMMs read (a step of 2⁻⁸ relative), so the logits agree within
+/// 4e-3 of their largest (1.7e-3 on the batched steps past a tile).
+fn each_wgmma_attention_gives_the_mma_ones(logits: impl Fn(gpu::PrefillAttention) -> Vec<Vec<f32>>) {
     let mma = logits(gpu::PrefillAttention::Mma);
     for attention in [gpu::PrefillAttention::Wgmma, gpu::PrefillAttention::WgmmaSpecialised] {
-        assert_eq!(logits(attention), mma, "{attention:?}");
+        for (i, (w, m)) in logits(attention).iter().zip(&mma).enumerate() {
+            let error = relative_error(w, m);
+            assert!(error <= 4e-3, "{attention:?}: output {i}: error {error}");
+        }
     }
 }
 

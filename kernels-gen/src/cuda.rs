@@ -236,7 +236,7 @@ pub fn emit(kernel: &Kernel) -> String {
     let _ = writeln!(
         out,
         "extern \"C\" __global__ void {} {}(\n    {}\n) {{",
-        launch_bounds(kernel.block_dim, None),
+        launch_bounds(kernel.block_dim, moves_registers(kernel).then_some(1)),
         kernel.name,
         params.join(",\n    ")
     );
@@ -291,6 +291,13 @@ pub fn emit(kernel: &Kernel) -> String {
     block(&mut out, &kernel.body, &mut scope, 1);
     out.push_str("}\n");
     out
+}
+
+/// Whether the kernel moves registers between warpgroups (`setmaxnreg`): it is then built for
+/// one block a multiprocessor, so each thread starts with the registers the emulator counts
+/// (`emulator` checks the warpgroups' claims against them), and no build asks for more blocks.
+pub fn moves_registers(kernel: &Kernel) -> bool {
+    any_stmt(&kernel.body, &|s| matches!(s, Stmt::SetMaxRegisters { .. }))
 }
 
 /// The kernel's `__launch_bounds__`: its block size, and optionally the blocks ptxas must fit
@@ -502,6 +509,16 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
                 let _ = writeln!(
                     out,
                     "asm volatile(\"wgmma.wait_group.sync.aligned {n};\\n\" ::: \"memory\");"
+                );
+            }
+            Stmt::SetMaxRegisters { change, count } => {
+                let action = match change {
+                    RegisterChange::Release => "dec",
+                    RegisterChange::Claim => "inc",
+                };
+                let _ = writeln!(
+                    out,
+                    "asm volatile(\"setmaxnreg.{action}.sync.aligned.u32 {count};\\n\" ::: \"memory\");"
                 );
             }
             Stmt::Wgmma(w) => wgmma(out, w, scope, depth),

@@ -257,7 +257,28 @@ pub enum Stmt {
     Mbarrier(Box<Mbarrier>),
     /// The Tensor Memory Accelerator (sm_90 and later): see `TmaLoad`.
     TmaLoad(Box<TmaLoad>),
+    /// `setmaxnreg.{inc,dec}.sync.aligned.u32 count` (sm_90a and later): the registers a thread
+    /// of the executing warpgroup may use become `count` (a multiple of 8 from 24 to 256),
+    /// released to the block's pool or taken from it; an increase waits until the pool holds
+    /// them. Every thread of the warpgroup executes it together. What lets a warp-specialised
+    /// block give a producer that needs few registers' share to consumers holding
+    /// accumulators: a block's registers a thread are otherwise what its most crowded quarter
+    /// of the multiprocessor leaves (168 with 9 to 12 warps). A kernel using it is built for
+    /// one block a multiprocessor, so each thread starts with that many.
+    SetMaxRegisters {
+        change: RegisterChange,
+        count: u32,
+    },
     Comment(String),
+}
+
+/// Which way a `Stmt::SetMaxRegisters` moves a warpgroup's registers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RegisterChange {
+    /// `.dec`: release registers to the block's pool.
+    Release,
+    /// `.inc`: take registers from the pool, waiting until it holds them.
+    Claim,
 }
 
 /// An mbarrier (sm_80 and later): 8 bytes of shared memory, slot `slot` of a shared `u32`
@@ -568,7 +589,8 @@ pub const VECTOR_ALIGNMENT: usize = 16;
 /// (asked for at launch) in which array i starts at byte `offsets[i]` past a base aligned to
 /// `alignment` ([`SHARED_ALIGNMENT`] for TMA and swizzled operands, `bytes` then including
 /// the 1 KiB the kernel may skip to align it; else [`VECTOR_ALIGNMENT`], which the
-/// allocation has).
+/// allocation has). Arrays TMA writes or swizzled operands read start 1 KiB aligned, the
+/// others 16 bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SharedLayout {
     pub dynamic: bool,
@@ -642,16 +664,33 @@ impl Kernel {
         let mut offsets = Vec::new();
         let mut end = 0;
         for a in &self.shared {
+            let own = match aligned && self.swizzled_or_tma_written(&a.name) {
+                true => SHARED_ALIGNMENT,
+                false => VECTOR_ALIGNMENT,
+            };
+            end = usize::next_multiple_of(end, own);
             offsets.push(end);
-            end += (a.len * a.ty.bytes()).next_multiple_of(alignment);
+            end += a.len * a.ty.bytes();
         }
         SharedLayout {
             dynamic: true,
             offsets,
             // Room to skip to an aligned base where the allocation's own alignment is less.
-            bytes: end + if alignment > VECTOR_ALIGNMENT { alignment } else { 0 },
+            bytes: end.next_multiple_of(VECTOR_ALIGNMENT) + if alignment > VECTOR_ALIGNMENT { alignment } else { 0 },
             alignment,
         }
+    }
+
+    /// Whether shared array `name` is a TMA copy's destination or a swizzled tensor-core
+    /// operand: its swizzle pattern repeats every 1 KiB of address, so it starts 1 KiB aligned.
+    fn swizzled_or_tma_written(&self, name: &str) -> bool {
+        let swizzled = |m: &SmemMatrix| m.swizzle != Swizzle::None && m.array == name;
+        any_stmt(&self.body, &|s| match s {
+            Stmt::Wgmma(w) => swizzled(&w.b) || matches!(&w.a, WgmmaA::Shared(a) if swizzled(a)),
+            Stmt::Tcgen05(op) => matches!(&**op, Tcgen05::Mma(m) if swizzled(&m.a) || swizzled(&m.b)),
+            Stmt::TmaLoad(copy) => copy.dst == name,
+            _ => false,
+        })
     }
 
     /// The tensor maps the launcher derives (see `TensorMap`).

@@ -426,6 +426,13 @@ fn check_block_declaring<'a>(
                 }
             }
             Stmt::Tcgen05(op) => check_tcgen05(op, scope, &mut declared)?,
+            Stmt::SetMaxRegisters { count, .. } => {
+                if count % 8 != 0 || !(24..=256).contains(count) {
+                    return Err(format!(
+                        "setmaxnreg to {count} registers: a count is a multiple of 8 from 24 to 256"
+                    ));
+                }
+            }
             Stmt::SyncThreads
             | Stmt::CpAsyncCommit
             | Stmt::CpAsyncWait(_)

@@ -5,7 +5,7 @@
 use half::bf16;
 use ir::reference::ops;
 use ir::{GluAct, RopeLayout, RopeSpec};
-use kernels_gen::dsl::{self, Kernel, Mbarrier, Stmt, Ty};
+use kernels_gen::dsl::{self, Kernel, Mbarrier, RegisterChange, Stmt, Ty};
 use kernels_gen::emulator::{run, Array, Scalar};
 use kernels_gen::templates::gemv::GemvSpec;
 use kernels_gen::templates::*;
@@ -960,10 +960,20 @@ fn the_wgmma_flash_attention_fails_without_its_fences_and_waits() {
 /// its copies, or its fence, it hands over what has not landed or what the async proxy may
 /// not see; without its wait on `empty` it refills a buffer the consumers' tensor cores read,
 /// ordered by nothing; without the consumers' release on `empty` both roles wait forever, and
-/// without a warpgroup passing the turn on, the other waits forever for its turn.
+/// without a warpgroup passing the turn on, the other waits forever for its turn; without the
+/// producer's release of its registers the consumers' claim waits forever.
 #[test]
 fn the_specialised_wgmma_flash_attention_fails_without_its_hand_overs() {
     let kernel = wgmma_flash_for_faults(flash_attention_wgmma::Schedule::Specialised);
+    let registers_released = dropping(|s| {
+        matches!(
+            s,
+            Stmt::SetMaxRegisters {
+                change: RegisterChange::Release,
+                ..
+            }
+        )
+    });
     let consumers_wait = dropping(|s| waits_on(s, "full"));
     let producers_wait = dropping(|s| waits_on(s, "empty"));
     let release = dropping(|s| arrives_on(s, "empty"));
@@ -999,6 +1009,11 @@ fn the_specialised_wgmma_flash_attention_fails_without_its_hand_overs() {
             &turn_passed,
             "of mbarrier turn[0], which never completes",
         ),
+        (
+            "the producer's registers released",
+            &registers_released,
+            "setmaxnreg.inc to 232 waits for 8192 registers, and the block's pool holds 0",
+        ),
     ] {
         flash_fails_without(&kernel, (what, edit, expected));
     }
@@ -1026,7 +1041,7 @@ fn the_tma_wgmma_flash_attention_fails_without_its_hand_overs() {
         (
             "the bytes announced",
             &announced,
-            "of mbarrier full[0], which never completes (0 of 1 arrivals, -16384 transaction bytes",
+            "of mbarrier full[0], which never completes (0 of 1 arrivals, -32768 transaction bytes",
         ),
         (
             "the producer's wait for a buffer",
@@ -1151,26 +1166,27 @@ fn the_tma_tcgen05_flash_attention_fails_without_its_hand_overs() {
 
 /// `kernel` (a flash attention over a contiguous cache, one head of 32 dims, or of 64 where
 /// it loads by TMA) runs as it is, and with `edit` applied (leaving out `what`) into a fault
-/// whose message contains `expected`: 200 rows, so two tiles of 128 rows and four key tiles,
-/// enough for a ring to wrap.
+/// whose message contains `expected`: 16 rows at positions 400.., one block whose keys are
+/// four tiles of 128 keys (seven of 64), enough for a ring to wrap.
 fn flash_fails_without(kernel: &Kernel, (what, edit, expected): (&str, Edit, &str)) {
     let mut rng = Rng(53);
     let tma = kernel.tensor_maps().next().is_some();
-    let (tokens, head_dim) = (200, if tma { 64 } else { 32 });
+    let (tokens, first, head_dim) = (16, 400, if tma { 64 } else { 32 });
+    let positions = first + tokens;
     let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
     let (q, k, v) = (
         round(&rng.vec(tokens * head_dim)),
-        round(&rng.vec(tokens * head_dim)),
-        round(&rng.vec(tokens * head_dim)),
+        round(&rng.vec(positions * head_dim)),
+        round(&rng.vec(positions * head_dim)),
     );
     let mut scalars = ints(&[
         ("tokens", tokens as i64),
         ("q_stride", head_dim as i64),
-        ("first", 0),
+        ("first", first as i64),
         ("heads", 1),
         ("kv_heads", 1),
         ("window", 0),
-        ("cache_rows", tokens as i64),
+        ("cache_rows", positions as i64),
         ("cache_width", head_dim as i64),
     ]);
     scalars.insert("scale".into(), Scalar::F32(0.3));

@@ -1283,9 +1283,10 @@ fn shared_memory_past_what_a_block_may_have_is_refused() {
 }
 
 /// Shared arrays past the static 48 KiB go into one dynamic allocation, each 16-byte aligned
-/// (the device's own alignment of it, so nothing is added); where TMA writes or swizzled
-/// operands read them, each is 1 KiB aligned and the allocation has 1 KiB more to reach an
-/// aligned base. Small kernels keep static arrays.
+/// (the device's own alignment of it, so nothing is added); in a kernel with TMA or swizzled
+/// operands the allocation has 1 KiB more to reach a 1 KiB-aligned base, and the arrays TMA
+/// writes (or swizzled operands read) start 1 KiB aligned, the others 16 bytes. Small kernels
+/// keep static arrays.
 #[test]
 fn dynamic_shared_memory_aligns_as_its_kernel_needs() {
     let arrays = || vec![shared("a", Ty::F32, 12_289), shared("b", Ty::Bf16, 3)];
@@ -1297,11 +1298,22 @@ fn dynamic_shared_memory_aligns_as_its_kernel_needs() {
     let mut tma = kernel(vec![], arrays());
     tma.params.push(tma_map(64, 64, 64));
     let layout = tma.shared_layout();
+    assert_eq!((layout.alignment, layout.offsets.clone()), (1024, vec![0, 49_168]));
+    assert_eq!(layout.bytes, 49_184 + 1024);
+    tma.body.push(Stmt::TmaLoad(Box::new(TmaLoad {
+        map: "x_map".into(),
+        dst: "b".into(),
+        dst_index: int(0),
+        row: int(0),
+        col: int(0),
+        barrier: bar(),
+    })));
+    let layout = tma.shared_layout();
     assert_eq!(
         (layout.alignment, layout.offsets.clone()),
         (1024, vec![0, 49_152 + 1024])
     );
-    assert_eq!(layout.bytes, 49_152 + 1024 + 1024 + 1024);
+    assert_eq!(layout.bytes, 49_152 + 1024 + 16 + 1024);
     let small = kernel(vec![], vec![shared("a", Ty::F32, 64)]).shared_layout();
     assert!(!small.dynamic);
     assert_eq!(small.bytes, 256);
@@ -1676,4 +1688,109 @@ fn a_roles_warpgroups_take_turns_through_mbarriers() {
         .map(|i| (i / 256 * 2 + i % 256 / 128) as f32)
         .collect();
     assert_eq!(bufs["out"].to_f32().unwrap(), want);
+}
+
+/// A block of three warpgroups whose first (a producer) releases registers that the other two
+/// (consumers) claim, as FlashAttention-3 moves them (`producer` and `consumers` their
+/// statements), each thread storing its index after them. The consumers' role runs first.
+fn moving_registers(producer: Vec<Stmt>, consumers: Vec<Stmt>) -> Kernel {
+    let stored = || store("out", tid(), cast(Ty::F32, tid()));
+    Kernel {
+        block_dim: 384,
+        ..kernel(
+            vec![Stmt::Roles(Box::new(Roles {
+                roles: vec![
+                    Role {
+                        cond: lt(tid(), int(256)),
+                        body: [consumers, vec![stored()]].concat(),
+                    },
+                    Role {
+                        cond: bin(BinOp::Ge, tid(), int(256)),
+                        body: [producer, vec![stored()]].concat(),
+                    },
+                ],
+            }))],
+            vec![],
+        )
+    }
+}
+
+fn set_registers(change: RegisterChange, count: u32) -> Stmt {
+    Stmt::SetMaxRegisters { change, count }
+}
+
+fn run_moving_registers(k: &Kernel) -> Result<Vec<f32>, String> {
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&[1.0; 64])),
+        ("out".into(), Array::poisoned(Ty::F32, 384)),
+    ]);
+    match run(k, &mut bufs, &HashMap::new()) {
+        Ok(_) => Ok(bufs["out"].to_f32().unwrap()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// `setmaxnreg`: consumers claiming what a producer releases run, the consumers' claims
+/// waiting for the release (the consumers' role takes the first turn);
+/// claims beyond what the block holds (168 a thread at launch for 384 threads: 24 + 2 × 240
+/// is all of it), a warpgroup part of which executes it, moves the wrong way and counts the
+/// instruction cannot take are reported (the second consumer warpgroup finds what the first
+/// left: 18 432 released, 10 240 claimed).
+#[test]
+fn registers_move_between_warpgroups_within_the_block() {
+    use RegisterChange::{Claim, Release};
+    let fitting = moving_registers(vec![set_registers(Release, 24)], vec![set_registers(Claim, 240)]);
+    let want: Vec<f32> = (0..384).map(|t| t as f32).collect();
+    assert_eq!(run_moving_registers(&fitting), Ok(want));
+    assert!(kernels_gen::cuda::emit(&fitting).contains("__launch_bounds__(384, 1)"));
+
+    let too_many = moving_registers(vec![set_registers(Release, 24)], vec![set_registers(Claim, 248)]);
+    let err = run_moving_registers(&too_many).unwrap_err();
+    assert!(
+        err.contains("thread 128: setmaxnreg.inc to 248 waits for 10240 registers, and the block's pool holds 8192"),
+        "{err}"
+    );
+    let nothing_released = moving_registers(vec![], vec![set_registers(Claim, 176)]);
+    let err = run_moving_registers(&nothing_released).unwrap_err();
+    assert!(
+        err.contains("pool holds 0 (168 a thread at launch for 384 threads)"),
+        "{err}"
+    );
+
+    let one_warp = moving_registers(vec![if_(lt(tid(), int(288)), vec![set_registers(Release, 24)])], vec![]);
+    let err = run_moving_registers(&one_warp).unwrap_err();
+    assert!(
+        err.contains("setmaxnreg by part of warpgroup 2: thread 288 does not execute it"),
+        "{err}"
+    );
+    let partial_block = Kernel {
+        block_dim: 288,
+        ..moving_registers(vec![set_registers(Release, 24)], vec![])
+    };
+    let err = run_moving_registers(&partial_block).unwrap_err();
+    assert!(err.contains("thread 288 is not in the block"), "{err}");
+
+    let up_by_release = moving_registers(vec![set_registers(Release, 176)], vec![]);
+    let err = run_moving_registers(&up_by_release).unwrap_err();
+    assert!(
+        err.contains("setmaxnreg.dec to 176 registers, more than the 168"),
+        "{err}"
+    );
+    let down_by_claim = moving_registers(vec![set_registers(Release, 24), set_registers(Claim, 16 + 8)], vec![]);
+    assert_eq!(run_moving_registers(&down_by_claim).map(|_| ()), Ok(()));
+    let down_by_claim = moving_registers(vec![set_registers(Release, 40), set_registers(Claim, 32)], vec![]);
+    let err = run_moving_registers(&down_by_claim).unwrap_err();
+    assert!(
+        err.contains("setmaxnreg.inc to 32 registers, fewer than the 40"),
+        "{err}"
+    );
+
+    for count in [16, 100, 264] {
+        let odd = moving_registers(vec![set_registers(Release, count)], vec![]);
+        let err = run_moving_registers(&odd).unwrap_err();
+        assert!(
+            err.contains(&format!("setmaxnreg to {count} registers: a count is a multiple of 8")),
+            "{err}"
+        );
+    }
 }

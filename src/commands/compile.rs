@@ -79,7 +79,7 @@ pub enum PrefillAttention {
     Mma,
     /// FlashAttention-3's schedule on `wgmma` (Hopper, heads up to 128 dims; elsewhere as `mma`).
     Wgmma,
-    /// The same, a producer warp copying the tiles for the two consumer warpgroups.
+    /// The same, a producer warpgroup copying the tiles for the two consumer warpgroups.
     WgmmaSpecialised,
     /// The same, the producer loading the tiles by TMA (heads of 64 or 128 dims; others as
     /// `wgmma-specialised`). Blocks of the KV cache then hold a multiple of 16 positions.

@@ -13,6 +13,7 @@
 mod asynchronous;
 mod banks;
 mod mbarrier;
+mod registers;
 mod roles;
 mod tcgen05;
 mod tma;
@@ -259,6 +260,8 @@ struct Block<'k> {
     tmem: TensorMemory,
     /// mbarriers, and the phases each thread has waited for.
     barriers: Barriers,
+    /// What a thread of each warpgroup holds of the block's registers (`setmaxnreg`).
+    registers: registers::RegisterFile,
     /// The tensor maps, resolved at launch.
     maps: HashMap<String, ResolvedMap>,
     /// Which TMA copy wrote each shared element, and which tcgen05 commit covers an MMA reading it.
@@ -536,6 +539,7 @@ impl<'k> Block<'k> {
             ),
             tmem: TensorMemory::new(threads),
             barriers: Barriers::new(threads),
+            registers: registers::RegisterFile::new(threads),
             maps: HashMap::new(),
             traffic: None,
             traffic_paused: std::cell::Cell::new(false),
@@ -708,6 +712,15 @@ impl<'k> Block<'k> {
             Stmt::Tcgen05(op) => self.tcgen05(op, mask, global)?,
             Stmt::Mbarrier(op) => self.mbarrier(op, mask, global)?,
             Stmt::TmaLoad(op) => self.tma_load(op, mask, global)?,
+            Stmt::SetMaxRegisters { change, count } => {
+                for wg in self.registers.warpgroups(mask)? {
+                    let count = *count as usize;
+                    if !self.registers.can_set(wg, *change, count)? {
+                        return Err(self.registers.shortfall(wg, count));
+                    }
+                    self.registers.set(wg, count);
+                }
+            }
             Stmt::Comment(_) => {}
         }
         Ok(())

@@ -7,11 +7,12 @@
 //! epilogue between) run as the device may run them, a wait resuming once another role's
 //! arrivals or copies complete its phase. Lockstep iterations (a step of each role in turn)
 //! are the schedule where the loops match, which puts a refill as close behind the reads it
-//! must follow as the device may. Roles that all wait on phases nothing can complete are
-//! reported, as a wait in lockstep code is.
+//! must follow as the device may. A role's `setmaxnreg.inc` waits the same way for registers
+//! another role releases. Roles that all wait on what nothing can bring are reported, as a
+//! wait in lockstep code is.
 
 use super::{Array, Block, Fault, Val};
-use crate::dsl::{Expr, Mbarrier, Roles, Stmt, Ty};
+use crate::dsl::{Expr, Mbarrier, RegisterChange, Roles, Stmt, Ty};
 use std::collections::HashMap;
 
 /// `mask`'s threads a warpgroup at a time, the warpgroups holding none left out.
@@ -161,12 +162,18 @@ impl<'k> Block<'k> {
                         continue;
                     }
                     let (s, mask) = (&stmts[*next], mask.clone());
-                    if let Stmt::Mbarrier(m) = s {
-                        if let Mbarrier::Wait { barrier, parity } = &**m {
-                            if !self.wait_completes(barrier, parity, &mask, global)? {
-                                return Ok((Turn::Waiting, progressed));
+                    let ready = match s {
+                        Stmt::Mbarrier(m) => match &**m {
+                            Mbarrier::Wait { barrier, parity } => {
+                                self.wait_completes(barrier, parity, &mask, global)?
                             }
-                        }
+                            _ => true,
+                        },
+                        Stmt::SetMaxRegisters { change, count } => self.registers_free(*change, *count, &mask)?,
+                        _ => true,
+                    };
+                    if !ready {
+                        return Ok((Turn::Waiting, progressed));
                     }
                     *next += 1;
                     progressed = true;
@@ -242,6 +249,17 @@ impl<'k> Block<'k> {
                 }
             }
         }
+    }
+
+    /// Whether every warpgroup of `mask` may move to `count` registers now: a claim waits for
+    /// the pool to hold what it asks.
+    fn registers_free(&self, change: RegisterChange, count: u32, mask: &[bool]) -> Result<bool, Fault> {
+        for wg in self.registers.warpgroups(mask)? {
+            if !self.registers.can_set(wg, change, count as usize)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// A `for` loop's frame, its variable set to `start` on `mask`'s threads.

@@ -105,9 +105,9 @@ fn tile_buffers(head_dim: usize) -> i64 {
 }
 
 /// The cooperative copy of the key tile at `j0` into `ks` and the value tile into `vs` from
-/// element `at` on (zeros past `hi`): 16-byte chunks, `64 × head_dim / 8` of each, `threads`
-/// copying, each from chunk `first` (its index among them) on; committed as one group. Copy
-/// `c` writes the tile's `c`-th 16 bytes of keys and values. Row-major, a key's chunks go in
+/// element `at` on (zeros past `hi`), `keys` keys: 16-byte chunks, `keys × head_dim / 8` of
+/// each, `threads` copying, each from chunk `first` (its index among them) on; committed as
+/// one group. Copy `c` writes the tile's `c`-th 16 bytes of keys and values. Row-major, a key's chunks go in
 /// turn, keys [`row_pitch`] apart. In core matrices a chunk is a core matrix's row (8 dims of
 /// one key), the 8-key groups `16 · head_dim` bytes apart and a group's core
 /// matrices adjacent along the dims, which `wgmma` reads K-major for the keys and MN-major for
@@ -115,7 +115,7 @@ fn tile_buffers(head_dim: usize) -> i64 {
 /// contiguous bytes (no bank conflicts) from 8 keys' 64-byte runs.
 pub(super) fn copy_tile(
     layout: CacheLayout,
-    (head_dim, order): (usize, TileOrder),
+    (head_dim, keys, order): (usize, i64, TileOrder),
     (first, threads): (Expr, i64),
     j0: Expr,
     at: Expr,
@@ -147,7 +147,7 @@ pub(super) fn copy_tile(
         for_(
             "c",
             first,
-            int(TILE_KEYS * chunks_per_row),
+            int(keys * chunks_per_row),
             int(threads),
             vec![
                 let_("key", Ty::I32, j0 + key),
@@ -184,7 +184,7 @@ fn tile_head(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
         1 => {
             out.extend(copy_tile(
                 layout,
-                (head_dim, TileOrder::RowMajor),
+                (head_dim, TILE_KEYS, TileOrder::RowMajor),
                 (tid(), THREADS),
                 var("j0"),
                 int(0),
@@ -197,7 +197,7 @@ fn tile_head(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
                 lt(next.clone(), var("hi")),
                 copy_tile(
                     layout,
-                    (head_dim, TileOrder::RowMajor),
+                    (head_dim, TILE_KEYS, TileOrder::RowMajor),
                     (tid(), THREADS),
                     next,
                     (int(1) - var("buf")) * int(tile),
@@ -305,12 +305,12 @@ fn scores(head_dim: usize) -> Vec<Stmt> {
 /// Scale and mask the scores, and update the running max `m_lo`/`m_hi` of the lane's two
 /// rows; `c_lo`/`c_hi` what the earlier accumulators and sums are rescaled by; the scores
 /// become `exp(s − max)` (P), their sums added to `l_lo`/`l_hi`.
-pub(super) fn online_softmax() -> Vec<Stmt> {
+pub(super) fn online_softmax(keys: i64) -> Vec<Stmt> {
     let mut out = Vec::new();
     for half in ["lo", "hi"] {
         out.push(let_(&format!("tile_max_{half}"), Ty::F32, f(f32::NEG_INFINITY)));
     }
-    for j in 0..(TILE_KEYS / 8) as usize {
+    for j in 0..(keys / 8) as usize {
         for i in 0..4 {
             let (half, row_offset) = if i >= 2 { ("hi", 8) } else { ("lo", 0) };
             let key = var("j0") + int(8 * j as i64 + (i % 2) as i64) + var("t2");
@@ -361,7 +361,7 @@ pub(super) fn online_softmax() -> Vec<Stmt> {
         out.push(assign(&m, var(&format!("m_new_{half}"))));
         out.push(assign(&format!("l_{half}"), var(&format!("l_{half}")) * var(&c)));
     }
-    for j in 0..(TILE_KEYS / 8) as usize {
+    for j in 0..(keys / 8) as usize {
         for i in 0..4 {
             let half = if i >= 2 { "hi" } else { "lo" };
             let s = s_name(j, i);
@@ -613,7 +613,7 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         // last) only helps copy the keys and values.
         vec![if_(
             lt(var("q0") + warp() * int(16), var("rows_end")),
-            [scores(head_dim), online_softmax(), accumulate(head_dim)].concat(),
+            [scores(head_dim), online_softmax(TILE_KEYS), accumulate(head_dim)].concat(),
         )],
         // Nobody refills the tiles before every warp is done with them.
         vec![Stmt::SyncThreads],
@@ -627,7 +627,7 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
             1 => vec![],
             _ => copy_tile(
                 layout,
-                (head_dim, TileOrder::RowMajor),
+                (head_dim, TILE_KEYS, TileOrder::RowMajor),
                 (tid(), THREADS),
                 var("first_tile"),
                 int(0),

@@ -98,12 +98,12 @@ fn load_tile(
     match loads {
         Loads::Copies => copy_tile(
             layout,
-            (head_dim, TileOrder::CoreMatrices),
+            (head_dim, TILE_KEYS, TileOrder::CoreMatrices),
             (tid(), THREADS),
             first_key,
             buffer,
         ),
-        Loads::Tma => flash_tma::load_tile(layout, head_dim, (first_key, buffer), landed(tile).0),
+        Loads::Tma => flash_tma::load_tile(layout, (head_dim, TILE_KEYS), (first_key, buffer), landed(tile).0),
     }
 }
 
@@ -153,10 +153,10 @@ fn issue_scores(head_dim: usize, loads: Loads, tile: Expr) -> Vec<Stmt> {
             sbo: 16 * hd,
             swizzle: Swizzle::None,
         };
-        let buffer = ring_slot(head_dim, tile.clone(), BUFFERS);
+        let buffer = ring_slot((head_dim, TILE_KEYS), tile.clone(), BUFFERS);
         let keys = match loads {
             Loads::Copies => operand("ks", buffer + slice.clone()),
-            Loads::Tma => flash_tma::key_slice(buffer, step),
+            Loads::Tma => flash_tma::key_slice(buffer, TILE_KEYS, step),
         };
         issue.push(tc(Tcgen05::Mma(Box::new(TmemMma {
             tmem: var("tmem") + scores_column(tile.clone()),
@@ -193,7 +193,7 @@ fn issue_values(head_dim: usize, loads: Loads) -> Vec<Stmt> {
                 sbo: CORE_BYTES,
                 swizzle: Swizzle::None,
             },
-            Loads::Tma => flash_tma::value_slice(var("kv0"), u),
+            Loads::Tma => flash_tma::value_slice(var("kv0"), TILE_KEYS, u),
         };
         issue.push(tc(Tcgen05::Mma(Box::new(TmemMma {
             tmem: var("tmem") + int(VALUES_COLUMN),
@@ -368,7 +368,7 @@ fn tile_step(layout: CacheLayout, head_dim: usize, loads: Loads) -> Vec<Stmt> {
     [
         vec![
             let_("j0", Ty::I32, var("first_tile") + var("i") * int(TILE_KEYS)),
-            let_("kv0", Ty::I32, ring_slot(head_dim, var("i"), BUFFERS)),
+            let_("kv0", Ty::I32, ring_slot((head_dim, TILE_KEYS), var("i"), BUFFERS)),
         ],
         wait("scores"),
         online_softmax(),
@@ -477,7 +477,10 @@ pub fn flash_attention_tcgen05(name: &str, origin: &str, layout: CacheLayout, he
                 head_dim,
                 loads,
                 int(1),
-                (var("first_tile") + int(TILE_KEYS), ring_slot(head_dim, int(1), BUFFERS)),
+                (
+                    var("first_tile") + int(TILE_KEYS),
+                    ring_slot((head_dim, TILE_KEYS), int(1), BUFFERS),
+                ),
             ),
         )],
     ]

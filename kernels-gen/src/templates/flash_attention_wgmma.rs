@@ -5,11 +5,11 @@
 //! so each key and value tile crosses from L2 once for 128 rows: a block of 64 rows (as
 //! `mma.sync`'s) would ask twice the L2 bandwidth, about all the GPU has at
 //! FlashAttention-3's speed. The queries, rounded to bf16, sit in shared memory in 8×8 core
-//! matrices; each key tile's scores are m64n64k16 `wgmma`s with both operands in shared
+//! matrices; each 128-key tile's scores are m64n128k16 `wgmma`s with both operands in shared
 //! memory, and `P·V` is m64n{head_dim}k16 with P's fragments as A from registers (the scores'
 //! accumulator layout is A's) and the value tile as an MN-major B. The tiles land by 16-byte
-//! `cp.async` copies in a ring of three buffers, the next tile's copies in flight while the
-//! warpgroups work on this one.
+//! `cp.async` copies in a ring of three buffers (224 KiB of shared memory with the queries at
+//! 128 dims), the next tile's copies in flight while the warpgroups work on this one.
 //!
 //! Each warpgroup overlaps its softmax with the tensor cores (FlashAttention-3's
 //! intra-warpgroup pipelining): for tile j it issues the scores `S_j = Q·K_j` and then the
@@ -19,11 +19,13 @@
 //! the last tile's get it after the loop.
 //!
 //! Three schedules ([`Schedule`]): every thread copying, a `__syncthreads()` a tile; or
-//! FlashAttention-3's warp specialisation, a producer warp filling the ring through mbarriers
-//! while the two warpgroups ping-pong, each issuing its products only once the other has
-//! issued its own, so one's softmax runs under the other's products; and the same with the
-//! tiles loaded by TMA, as FlashAttention-3 loads them (`flash_tma`), the `full` barrier
-//! counting their bytes.
+//! FlashAttention-3's warp specialisation, a producer warpgroup filling the ring through
+//! mbarriers while the two consumer warpgroups ping-pong, each issuing its products only once
+//! the other has issued its own, so one's softmax runs under the other's products; and the
+//! same with the tiles loaded by TMA, as FlashAttention-3 loads them (`flash_tma`), the `full`
+//! barrier counting their bytes. As FlashAttention-3's, the producer gives up its registers
+//! (`setmaxnreg`, `Schedule::registers`) for the consumers to claim: as launched, a block of
+//! twelve warps (or nine) leaves each thread 168, too few for a 128-key tile's registers.
 //!
 //! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 128 ([`supports`]),
 //! 64 or 128 for TMA (`flash_tma::supports`, whose paged caches also need blocks of a
@@ -32,7 +34,7 @@
 use super::cache_layout::CacheLayout;
 use super::flash_attention::{
     self as flash, block_rows, copy_tile, guarded_by_rows, o_name, online_softmax, query_tiles_expr, row_state, s_name,
-    store_outputs, TileOrder, TILE_KEYS,
+    store_outputs, TileOrder,
 };
 use super::{flash_tma, tma_gemm};
 use crate::dsl::*;
@@ -45,6 +47,9 @@ const CONSUMERS: i64 = 2 * WARPGROUP;
 const TILE_Q: i64 = 128;
 /// Query rows per block, as batched steps' `query_tiles` cut them.
 pub const QUERY_TILE_ROWS: usize = TILE_Q as usize;
+/// Keys a tile: FlashAttention-3's 128 for causal heads up to 128 dims (half the hand-overs,
+/// waits and softmax reductions of 64, and the scores one m64n128k16 a slice).
+const KEYS: i64 = 128;
 /// Key and value tiles in the ring: tile j + 1 lands while tile j's scores and tile j − 1's
 /// values are read.
 const BUFFERS: i64 = 3;
@@ -64,9 +69,9 @@ fn p_name(j: usize, i: usize) -> String {
     format!("p{j}_{i}")
 }
 
-/// The scores' and probabilities' registers: 8 blocks of 8 keys, 4 a lane each.
+/// The scores' and probabilities' registers: 16 blocks of 8 keys, 4 a lane each.
 fn tile_registers(name: fn(usize, usize) -> String) -> Vec<String> {
-    (0..(TILE_KEYS / 8) as usize)
+    (0..(KEYS / 8) as usize)
         .flat_map(|j| (0..4).map(move |i| (j, i)))
         .map(|(j, i)| name(j, i))
         .collect()
@@ -131,10 +136,10 @@ fn issue_scores(head_dim: usize, swizzled: bool) -> Vec<Stmt> {
                 sbo: 16 * hd,
                 swizzle: Swizzle::None,
             },
-            true => flash_tma::key_slice(var("kv0"), step),
+            true => flash_tma::key_slice(var("kv0"), KEYS, step),
         };
         out.push(Stmt::Wgmma(Box::new(WgmmaOp {
-            n: TILE_KEYS as u32,
+            n: KEYS as u32,
             a: WgmmaA::Shared(SmemMatrix {
                 array: "qs".into(),
                 start: warp() / int(4) * int(64 * head_dim as i64) + slice,
@@ -158,7 +163,7 @@ fn issue_scores(head_dim: usize, swizzled: bool) -> Vec<Stmt> {
 /// (`flash_tma`).
 fn issue_values(head_dim: usize, swizzled: bool) -> Vec<Stmt> {
     let mut out = vec![Stmt::WgmmaFence];
-    for u in 0..TILE_KEYS / 16 {
+    for u in 0..KEYS / 16 {
         let b = match swizzled {
             false => SmemMatrix {
                 array: "vs".into(),
@@ -167,7 +172,7 @@ fn issue_values(head_dim: usize, swizzled: bool) -> Vec<Stmt> {
                 sbo: CORE_BYTES,
                 swizzle: Swizzle::None,
             },
-            true => flash_tma::value_slice(var("v0"), u),
+            true => flash_tma::value_slice(var("v0"), KEYS, u),
         };
         let u = u as usize;
         out.push(Stmt::Wgmma(Box::new(WgmmaOp {
@@ -186,24 +191,38 @@ fn issue_values(head_dim: usize, swizzled: bool) -> Vec<Stmt> {
 pub enum Schedule {
     /// Every thread copies the tiles, and the warpgroups meet at a `__syncthreads()` a tile.
     Lockstep,
-    /// Warp specialisation (FlashAttention-3's): a producer warp copies the tiles into the
+    /// Warp specialisation (FlashAttention-3's): a producer warpgroup copies the tiles into the
     /// ring, handing each to the consumer warpgroups through an mbarrier (`full`) and taking
     /// its buffer back through another (`empty`) once both are done with it, so no warpgroup
     /// spends issue slots on copies; the warpgroups take turns issuing their products
     /// ([`take_turn`]).
     Specialised,
-    /// As `Specialised`, the producer warp's first lane loading each tile by TMA
+    /// As `Specialised`, the producer warpgroup's first thread loading each tile by TMA
     /// (`tma_producer`): 128-byte swizzled boxes, their bytes counted by `full`, no copy
     /// instructions of the block's own. Heads `flash_tma::supports` takes.
     Tma,
 }
 
 impl Schedule {
-    /// The block's threads: two warpgroups, and a producer warp where specialised.
+    /// Where specialised: the registers a thread of the producer warpgroup keeps
+    /// (`setmaxnreg`), and what each consumer thread then claims, out of the 168 each holds as
+    /// launched (a block of 384 threads, 64 512 registers): a tile's scores, the previous
+    /// tile's probabilities and the outputs (64 registers each at 128 dims) need more. A TMA
+    /// producer, one thread issuing boxes, keeps 24 (FlashAttention-3's), leaving the
+    /// consumers 240; copying producers, 16 copies a tile a thread at 128 dims, keep 40 (at
+    /// 24 ptxas spills), leaving 232.
+    fn registers(self) -> (u32, u32) {
+        match self {
+            Schedule::Tma => (24, 240),
+            Schedule::Specialised | Schedule::Lockstep => (40, 232),
+        }
+    }
+
+    /// The block's threads: two warpgroups, and a producer warpgroup where specialised.
     fn threads(self) -> i64 {
         match self {
             Schedule::Lockstep => CONSUMERS,
-            Schedule::Specialised | Schedule::Tma => CONSUMERS + 32,
+            Schedule::Specialised | Schedule::Tma => CONSUMERS + WARPGROUP,
         }
     }
 
@@ -215,12 +234,13 @@ impl Schedule {
 
 /// The buffer of tile `i` in the ring, as its first element.
 fn ring_buffer(head_dim: usize, i: Expr) -> Expr {
-    ring_slot(head_dim, i, BUFFERS)
+    ring_slot((head_dim, KEYS), i, BUFFERS)
 }
 
-/// The buffer of tile `i` in a ring of `buffers` key (or value) tiles, as its first element.
-pub(super) fn ring_slot(head_dim: usize, i: Expr, buffers: i64) -> Expr {
-    rem(i, int(buffers)) * int(TILE_KEYS * head_dim as i64)
+/// The buffer of tile `i` in a ring of `buffers` key (or value) tiles of `keys` keys, as its
+/// first element.
+pub(super) fn ring_slot((head_dim, keys): (usize, i64), i: Expr, buffers: i64) -> Expr {
+    rem(i, int(buffers)) * int(keys * head_dim as i64)
 }
 
 /// The start of step `i` over the key tiles when all of a block's `threads` copy them into a
@@ -229,10 +249,10 @@ pub(super) fn ring_slot(head_dim: usize, i: Expr, buffers: i64) -> Expr {
 /// the first time); a barrier, past which every thread is done with the step before, so with
 /// the tile `buffers − 1` back; then the next tile's copies into that one's buffer.
 fn lockstep_tile_head(layout: CacheLayout, head_dim: usize, threads: i64, buffers: i64) -> Vec<Stmt> {
-    let next = var("j0") + int(TILE_KEYS);
+    let next = var("j0") + int(KEYS);
     vec![
-        let_("j0", Ty::I32, var("first_tile") + var("i") * int(TILE_KEYS)),
-        let_("kv0", Ty::I32, ring_slot(head_dim, var("i"), buffers)),
+        let_("j0", Ty::I32, var("first_tile") + var("i") * int(KEYS)),
+        let_("kv0", Ty::I32, ring_slot((head_dim, KEYS), var("i"), buffers)),
         Stmt::CpAsyncWait(0),
         Stmt::FenceProxyAsync,
         Stmt::SyncThreads,
@@ -240,10 +260,10 @@ fn lockstep_tile_head(layout: CacheLayout, head_dim: usize, threads: i64, buffer
             lt(next.clone(), var("hi")),
             copy_tile(
                 layout,
-                (head_dim, TileOrder::CoreMatrices),
+                (head_dim, KEYS, TileOrder::CoreMatrices),
                 (tid(), threads),
                 next,
-                ring_slot(head_dim, var("i") + int(1), buffers),
+                ring_slot((head_dim, KEYS), var("i") + int(1), buffers),
             ),
         ),
     ]
@@ -266,7 +286,7 @@ fn tile_products(head_dim: usize, schedule: Schedule) -> (Vec<Stmt>, Vec<Stmt>) 
     products.push(Stmt::WgmmaCommit);
     products.extend(pass);
     products.push(Stmt::WgmmaWait(1));
-    products.extend(online_softmax());
+    products.extend(online_softmax(KEYS));
     products.push(Stmt::WgmmaWait(0));
     for v in 0..head_dim / 8 {
         for i in 0..4 {
@@ -318,10 +338,10 @@ fn lockstep_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
     .concat()
 }
 
-/// The producer warp's loop: tile i's copies go into its buffer once the consumers gave it
+/// The producer warpgroup's loop: tile i's copies go into its buffer once the consumers gave it
 /// back (from the fourth tile on: `empty`'s phase for tile i − 3), then tile i − 1's, issued a
 /// step before, are waited for and handed over (`full`), so two tiles' copies are in flight
-/// while the consumers work. Each lane arrives for its own copies.
+/// while the consumers work. Each thread arrives for its own copies.
 fn producer(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
     let hand_over = |i: Expr, pending: u32| {
         vec![
@@ -337,9 +357,9 @@ fn producer(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
         vec![wait_for_buffer()],
         copy_tile(
             layout,
-            (head_dim, TileOrder::CoreMatrices),
-            (lane(), 32),
-            var("first_tile") + var("i") * int(TILE_KEYS),
+            (head_dim, KEYS, TileOrder::CoreMatrices),
+            (tid() - int(CONSUMERS), WARPGROUP),
+            var("first_tile") + var("i") * int(KEYS),
             ring_buffer(head_dim, var("i")),
         ),
         vec![if_(bin(BinOp::Gt, var("i"), int(0)), hand_over(var("i") - int(1), 1))],
@@ -364,19 +384,19 @@ fn wait_for_buffer() -> Stmt {
     )
 }
 
-/// The producer warp's loop when tiles land by TMA: tile i's buffer given back as in
-/// [`producer`], then its first lane announces the tile's bytes on `full` and issues its
+/// The producer warpgroup's loop when tiles land by TMA: tile i's buffer given back as in
+/// [`producer`], then its first thread announces the tile's bytes on `full` and issues its
 /// boxes (`flash_tma::load_tile`).
 fn tma_producer(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
     let step = vec![
         wait_for_buffer(),
         if_(
-            eq(lane(), int(0)),
+            eq(tid(), int(CONSUMERS)),
             flash_tma::load_tile(
                 layout,
-                head_dim,
+                (head_dim, KEYS),
                 (
-                    var("first_tile") + var("i") * int(TILE_KEYS),
+                    var("first_tile") + var("i") * int(KEYS),
                     ring_buffer(head_dim, var("i")),
                 ),
                 tma_gemm::barrier("full", rem(var("i"), int(BUFFERS))),
@@ -392,7 +412,7 @@ fn consumer_step(head_dim: usize, schedule: Schedule) -> Vec<Stmt> {
     let (products, hand_on) = tile_products(head_dim, schedule);
     [
         vec![
-            let_("j0", Ty::I32, var("first_tile") + var("i") * int(TILE_KEYS)),
+            let_("j0", Ty::I32, var("first_tile") + var("i") * int(KEYS)),
             let_("kv0", Ty::I32, ring_buffer(head_dim, var("i"))),
             Stmt::Mbarrier(Box::new(Mbarrier::Wait {
                 barrier: tma_gemm::barrier("full", rem(var("i"), int(BUFFERS))),
@@ -444,7 +464,7 @@ pub fn flash_attention_wgmma(
         vec![let_(
             "tiles",
             Ty::I32,
-            (var("hi") - var("first_tile") + int(TILE_KEYS - 1)) / int(TILE_KEYS),
+            (var("hi") - var("first_tile") + int(KEYS - 1)) / int(KEYS),
         )],
         load_queries(head_dim, threads),
         locals.collect(),
@@ -456,7 +476,7 @@ pub fn flash_attention_wgmma(
         Schedule::Lockstep => [
             copy_tile(
                 layout,
-                (head_dim, TileOrder::CoreMatrices),
+                (head_dim, KEYS, TileOrder::CoreMatrices),
                 (tid(), CONSUMERS),
                 var("first_tile"),
                 int(0),
@@ -469,7 +489,7 @@ pub fn flash_attention_wgmma(
             // The producer's lanes arrive for their copies, or its first lane for the boxes.
             tma_gemm::init_barriers(
                 &[
-                    ("full", if schedule.tma() { 1 } else { 32 }),
+                    ("full", if schedule.tma() { 1 } else { WARPGROUP as u32 }),
                     ("empty", CONSUMERS as u32),
                 ],
                 BUFFERS,
@@ -484,6 +504,10 @@ pub fn flash_attention_wgmma(
                         cond: lt(tid(), int(CONSUMERS)),
                         body: [
                             vec![
+                                Stmt::SetMaxRegisters {
+                                    change: RegisterChange::Claim,
+                                    count: schedule.registers().1,
+                                },
                                 let_("wg", Ty::I32, warp() / int(WARPGROUP / 32)),
                                 for_("i", int(0), var("tiles"), int(1), consumer_step(head_dim, schedule)),
                             ],
@@ -493,16 +517,23 @@ pub fn flash_attention_wgmma(
                     },
                     Role {
                         cond: bin(BinOp::Ge, tid(), int(CONSUMERS)),
-                        body: match schedule {
-                            Schedule::Tma => tma_producer(layout, head_dim),
-                            _ => producer(layout, head_dim),
-                        },
+                        body: [
+                            vec![Stmt::SetMaxRegisters {
+                                change: RegisterChange::Release,
+                                count: schedule.registers().0,
+                            }],
+                            match schedule {
+                                Schedule::Tma => tma_producer(layout, head_dim),
+                                _ => producer(layout, head_dim),
+                            },
+                        ]
+                        .concat(),
                     },
                 ],
             })),
         ],
     };
-    let tile_elements = (BUFFERS * TILE_KEYS) as usize * head_dim;
+    let tile_elements = (BUFFERS * KEYS) as usize * head_dim;
     let shared = |name: &str, ty: Ty, len: usize| SharedArray {
         name: name.into(),
         ty,
@@ -518,8 +549,8 @@ pub fn flash_attention_wgmma(
     };
     let warps = match schedule {
         Schedule::Lockstep => "two warpgroups copying and computing",
-        Schedule::Specialised => "two consumer warpgroups taking turns and a producer warp",
-        Schedule::Tma => "two consumer warpgroups taking turns and a producer warp issuing TMA",
+        Schedule::Specialised => "two consumer warpgroups taking turns and a producer warpgroup",
+        Schedule::Tma => "two consumer warpgroups taking turns and a producer warpgroup issuing TMA",
     };
     let params = match schedule {
         Schedule::Tma => [flash::params(layout), flash_tma::params()].concat(),
@@ -528,9 +559,9 @@ pub fn flash_attention_wgmma(
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: causal prefill attention on wgmma (m64n64k16 scores from shared memory, m64n{head_dim}k16 \
+            "{origin}: causal prefill attention on wgmma (m64n{KEYS}k16 scores from shared memory, m64n{head_dim}k16 \
              P·V from registers, FlashAttention-3's intra-warpgroup overlap: {TILE_Q} query rows a block of \
-             {warps}, {TILE_KEYS}-key tiles through a ring of {BUFFERS}, online softmax in f32), head_dim \
+             {warps}, {KEYS}-key tiles through a ring of {BUFFERS}, online softmax in f32), head_dim \
              {head_dim}, bf16 {}",
             layout.describe()
         ),

@@ -1,10 +1,10 @@
 //! What the prefill attention kernels loading their key and value tiles by TMA share
 //! (`flash_attention_wgmma`'s `Schedule::Tma`, `flash_attention_tcgen05`'s `Loads::Tma`),
-//! FlashAttention-3's loads: one thread announces a 64-key tile's bytes on an mbarrier and
-//! issues its boxes, each [`TMA_KEYS`] keys' rows of `TMA_DIMS` dims of the block's KV head
-//! (a cache block's rows, or part of one), which land 128-byte swizzled: a buffer holds its
-//! tile's dims in halves of `TMA_DIMS`, each half 64 rows of 128 bytes, a key a row. The
-//! tensor cores read the keys from it K-major (`key_slice`) and the values MN-major
+//! FlashAttention-3's loads: one thread announces a key tile's bytes (64 or 128 keys) on an
+//! mbarrier and issues its boxes, each [`TMA_KEYS`] keys' rows of `TMA_DIMS` dims of the
+//! block's KV head (a cache block's rows, or part of one), which land 128-byte swizzled: a
+//! buffer holds its tile's dims in halves of `TMA_DIMS`, each half a row of 128 bytes a key.
+//! The tensor cores read the keys from it K-major (`key_slice`) and the values MN-major
 //! (`value_slice`), and no thread spends an instruction on a 16-byte copy.
 //!
 //! Boxes past the block's last key copy the box holding it again (a paged sequence's table
@@ -13,7 +13,7 @@
 //! of a paged cache, whose blocks therefore hold a multiple of [`TMA_KEYS`] positions.
 
 use super::cache_layout::CacheLayout;
-use super::flash_attention::{self as flash, TILE_KEYS};
+use super::flash_attention as flash;
 use super::tma_gemm;
 use crate::dsl::*;
 
@@ -60,12 +60,12 @@ pub(super) fn last_box() -> Stmt {
     )
 }
 
-/// For the one thread loading: the bytes of the key tile from key `first_key` announced on
-/// `barrier`, then its boxes issued, keys into `ks` and values into `vs`, the buffer from
-/// element `buffer` of each (needs [`last_box`]).
+/// For the one thread loading: the bytes of the tile of `keys` keys from key `first_key`
+/// announced on `barrier`, then its boxes issued, keys into `ks` and values into `vs`, the
+/// buffer from element `buffer` of each (needs [`last_box`]).
 pub(super) fn load_tile(
     layout: CacheLayout,
-    head_dim: usize,
+    (head_dim, keys): (usize, i64),
     (first_key, buffer): (Expr, Expr),
     barrier: MbarrierRef,
 ) -> Vec<Stmt> {
@@ -75,7 +75,7 @@ pub(super) fn load_tile(
                 Stmt::TmaLoad(Box::new(TmaLoad {
                     map: map.into(),
                     dst: dst.into(),
-                    dst_index: buffer.clone() + int(half * TILE_KEYS * TMA_DIMS) + var("b") * int(TMA_KEYS * TMA_DIMS),
+                    dst_index: buffer.clone() + int(half * keys * TMA_DIMS) + var("b") * int(TMA_KEYS * TMA_DIMS),
                     row: var("box_row"),
                     col: var("kvh") * int(head_dim as i64) + int(half * TMA_DIMS),
                     barrier: barrier.clone(),
@@ -86,12 +86,12 @@ pub(super) fn load_tile(
     vec![
         Stmt::Mbarrier(Box::new(Mbarrier::ArriveExpectTx {
             barrier: barrier.clone(),
-            bytes: (2 * TILE_KEYS * head_dim as i64 * 2) as u32,
+            bytes: (2 * keys * head_dim as i64 * 2) as u32,
         })),
         for_(
             "b",
             int(0),
-            int(TILE_KEYS / TMA_KEYS),
+            int(keys / TMA_KEYS),
             int(1),
             [
                 vec![
@@ -110,26 +110,26 @@ pub(super) fn load_tile(
     ]
 }
 
-/// Dims `16·step..+16` of every key of the tile in the buffer at `buffer`, as a K-major
+/// Dims `16·step..+16` of every key of the tile (of `keys`) in the buffer at `buffer`, as a K-major
 /// operand (a slice 32 bytes into its half's rows, 8-row atoms 1 KiB apart).
-pub(super) fn key_slice(buffer: Expr, step: i64) -> SmemMatrix {
+pub(super) fn key_slice(buffer: Expr, keys: i64, step: i64) -> SmemMatrix {
     SmemMatrix {
         array: "ks".into(),
-        start: buffer + int(step / 4 * TILE_KEYS * TMA_DIMS + step % 4 * 16),
+        start: buffer + int(step / 4 * keys * TMA_DIMS + step % 4 * 16),
         lbo: 16,
         sbo: tma_gemm::ATOM_BYTES,
         swizzle: Swizzle::B128,
     }
 }
 
-/// Keys `16·u..+16` of the value tile in the buffer at `buffer`, every dim, as an MN-major
+/// Keys `16·u..+16` of the value tile (of `keys`) in the buffer at `buffer`, every dim, as an MN-major
 /// operand: a row of 128 bytes a key's [`TMA_DIMS`] dims, the next 8 keys an atom on, the
 /// next half of the dims a half-tile on.
-pub(super) fn value_slice(buffer: Expr, u: i64) -> SmemMatrix {
+pub(super) fn value_slice(buffer: Expr, keys: i64, u: i64) -> SmemMatrix {
     SmemMatrix {
         array: "vs".into(),
         start: buffer + int(16 * TMA_DIMS * u),
-        lbo: (2 * TILE_KEYS * TMA_DIMS) as u32,
+        lbo: (2 * keys * TMA_DIMS) as u32,
         sbo: tma_gemm::ATOM_BYTES,
         swizzle: Swizzle::B128,
     }
