@@ -653,6 +653,11 @@ fn flash_attention_matches_reference() {
         (33, 5, 2, 1, 96, 0),
         // A window past a tile at a head TMA's boxes take: the blocks' first tiles past 0.
         (150, 20, 2, 1, 128, 100),
+        // Rows past two 128-key tiles, which every row sees whole (no mask), then one that
+        // the causal mask cuts; and behind a window, tiles it cuts, one it leaves whole, one
+        // the causal mask cuts.
+        (9, 300, 2, 1, 64, 0),
+        (20, 400, 2, 1, 32, 200),
     ] {
         let len = first + tokens;
         let (q, k, v) = (

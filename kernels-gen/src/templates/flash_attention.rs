@@ -302,35 +302,60 @@ fn scores(head_dim: usize) -> Vec<Stmt> {
     out
 }
 
-/// Scale and mask the scores, and update the running max `m_lo`/`m_hi` of the lane's two
-/// rows; `c_lo`/`c_hi` what the earlier accumulators and sums are rescaled by; the scores
-/// become `exp(s − max)` (P), their sums added to `l_lo`/`l_hi`.
-pub(super) fn online_softmax(keys: i64) -> Vec<Stmt> {
-    let mut out = Vec::new();
-    for half in ["lo", "hi"] {
-        out.push(let_(&format!("tile_max_{half}"), Ty::F32, f(f32::NEG_INFINITY)));
+/// Scale and mask the scores of the tile of `keys` keys at `j0`, and update the running max
+/// `m_lo`/`m_hi` of the lane's two rows; `c_lo`/`c_hi` what the earlier accumulators and sums
+/// are rescaled by; the scores become `exp(s − max)` (P), their sums added to `l_lo`/`l_hi`.
+/// With `skip_whole_tiles`, a tile every row of the block sees whole (before the block's
+/// first row, inside its last row's window: all but the last tile or two of a long prompt's)
+/// skips the mask, whose compares and selects are as many instructions as the rest of the
+/// softmax. (The `mma.sync` kernel keeps the mask everywhere: with the branch, ptxas spills
+/// it on sm_120a at 128 dims.)
+pub(super) fn online_softmax(keys: i64, skip_whole_tiles: bool) -> Vec<Stmt> {
+    let scores = || (0..(keys / 8) as usize).flat_map(|j| (0..4).map(move |i| (j, i)));
+    let (mut scaled, mut masked) = (Vec::new(), Vec::new());
+    for (j, i) in scores() {
+        let row_offset = if i >= 2 { 8 } else { 0 };
+        let key = var("j0") + int(8 * j as i64 + (i % 2) as i64) + var("t2");
+        let query = var("pos0") + var("r0") + int(row_offset);
+        let visible = and(
+            and(lt(key.clone(), var("hi")), bin(BinOp::Le, key.clone(), query.clone())),
+            or(
+                bin(BinOp::Le, var("window"), int(0)),
+                bin(BinOp::Gt, key, query - var("window")),
+            ),
+        );
+        let s = s_name(j, i);
+        scaled.push(assign(&s, var(&s) * var("scale")));
+        masked.push(assign(
+            &s,
+            select(visible, var(&s) * var("scale"), f(f32::NEG_INFINITY)),
+        ));
     }
-    for j in 0..(keys / 8) as usize {
-        for i in 0..4 {
-            let (half, row_offset) = if i >= 2 { ("hi", 8) } else { ("lo", 0) };
-            let key = var("j0") + int(8 * j as i64 + (i % 2) as i64) + var("t2");
-            let query = var("pos0") + var("r0") + int(row_offset);
-            let visible = and(
-                and(lt(key.clone(), var("hi")), bin(BinOp::Le, key.clone(), query.clone())),
-                or(
-                    bin(BinOp::Le, var("window"), int(0)),
-                    bin(BinOp::Gt, key, query - var("window")),
-                ),
-            );
-            let s = s_name(j, i);
-            out.push(assign(
-                &s,
-                select(visible, var(&s) * var("scale"), f(f32::NEG_INFINITY)),
-            ));
-            let max = format!("tile_max_{half}");
-            out.push(assign(&max, bin(BinOp::Max, var(&max), var(&s))));
-        }
-    }
+    let tile_visible = and(
+        bin(BinOp::Le, var("j0") + int(keys - 1), var("pos0") + var("q0")),
+        or(
+            bin(BinOp::Le, var("window"), int(0)),
+            bin(BinOp::Gt, var("j0"), var("hi") - int(1) - var("window")),
+        ),
+    );
+    let tile_max = |(j, i): (usize, usize)| {
+        let max = format!("tile_max_{}", if i >= 2 { "hi" } else { "lo" });
+        assign(&max, bin(BinOp::Max, var(&max), var(&s_name(j, i))))
+    };
+    let maxima = ["lo", "hi"].map(|half| let_(&format!("tile_max_{half}"), Ty::F32, f(f32::NEG_INFINITY)));
+    let mut out = match skip_whole_tiles {
+        true => [
+            vec![if_else(tile_visible, scaled, masked)],
+            maxima.to_vec(),
+            scores().map(tile_max).collect(),
+        ]
+        .concat(),
+        // Each score's max taken as it is masked.
+        false => maxima
+            .into_iter()
+            .chain(masked.into_iter().zip(scores()).flat_map(|(s, at)| [s, tile_max(at)]))
+            .collect(),
+    };
     for half in ["lo", "hi"] {
         let (max, m, m_use, c) = (
             format!("tile_max_{half}"),
@@ -613,7 +638,7 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         // last) only helps copy the keys and values.
         vec![if_(
             lt(var("q0") + warp() * int(16), var("rows_end")),
-            [scores(head_dim), online_softmax(TILE_KEYS), accumulate(head_dim)].concat(),
+            [scores(head_dim), online_softmax(TILE_KEYS, false), accumulate(head_dim)].concat(),
         )],
         // Nobody refills the tiles before every warp is done with them.
         vec![Stmt::SyncThreads],

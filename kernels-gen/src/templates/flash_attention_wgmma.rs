@@ -286,7 +286,7 @@ fn tile_products(head_dim: usize, schedule: Schedule) -> (Vec<Stmt>, Vec<Stmt>) 
     products.push(Stmt::WgmmaCommit);
     products.extend(pass);
     products.push(Stmt::WgmmaWait(1));
-    products.extend(online_softmax(KEYS));
+    products.extend(online_softmax(KEYS, true));
     products.push(Stmt::WgmmaWait(0));
     for v in 0..head_dim / 8 {
         for i in 0..4 {
