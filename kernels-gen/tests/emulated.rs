@@ -1214,9 +1214,10 @@ fn flash_fails_without(kernel: &Kernel, (what, edit, expected): (&str, Edit, &st
 }
 
 /// The tensor-core prefill attention kernels for `head_dim` over `layout`, each with the rows
-/// of its query tiles: on `mma.sync`, and on `wgmma` (every schedule) and `tcgen05` where they
-/// take the head.
+/// of its query tiles: on `mma.sync` (masking every tile, and only those the block's rows do
+/// not see whole), and on `wgmma` (every schedule) and `tcgen05` where they take the head.
 fn flash_kernels(layout: kernels_gen::templates::cache_layout::CacheLayout, head_dim: usize) -> Vec<(Kernel, usize)> {
+    use flash_attention::Masking;
     use flash_attention_wgmma::Schedule;
     let wgmma = [Schedule::Lockstep, Schedule::Specialised, Schedule::Tma]
         .into_iter()
@@ -1243,14 +1244,13 @@ fn flash_kernels(layout: kernels_gen::templates::cache_layout::CacheLayout, head
                 flash_attention_tcgen05::QUERY_TILE_ROWS,
             )
         });
-    [(
-        flash_attention::flash_attention("flash", "test", layout, head_dim),
-        flash_attention::QUERY_TILE_ROWS,
-    )]
-    .into_iter()
-    .chain(wgmma)
-    .chain(tcgen05)
-    .collect()
+    let mma = [Masking::EveryTile, Masking::CutTiles].map(|masking| {
+        (
+            flash_attention::flash_attention("flash", "test", layout, head_dim, masking),
+            flash_attention::QUERY_TILE_ROWS,
+        )
+    });
+    mma.into_iter().chain(wgmma).chain(tcgen05).collect()
 }
 
 /// The IR reference's causal attention (scale 0.3) of the rows `first..` of one sequence, its

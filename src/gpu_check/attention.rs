@@ -14,7 +14,7 @@ use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::attention::{self, attention_combine, attention_split};
 use kernels_gen::templates::attention_vector::{self, attention_split_vector};
 use kernels_gen::templates::cache_layout::CacheLayout;
-use kernels_gen::templates::flash_attention::{self, flash_attention};
+use kernels_gen::templates::flash_attention::{self, flash_attention, Masking};
 use kernels_gen::templates::flash_attention_tcgen05::{flash_attention_tcgen05, Loads};
 use kernels_gen::templates::flash_attention_wgmma::{self, flash_attention_wgmma, Schedule};
 use runtime::plan_exec::{DeviceArg, PlanDevice};
@@ -123,8 +123,20 @@ fn kernels(arch: &str) -> Vec<Kernel> {
             flash_attention_tcgen05(name, "gpu-check", pool_or_not(pooled), HEAD_DIM, loads)
         });
     let mut kernels = vec![
-        flash_attention("flash_attention", "gpu-check", CacheLayout::Contiguous, HEAD_DIM),
-        flash_attention("flash_attention_pool", "gpu-check", CacheLayout::Batched, HEAD_DIM),
+        flash_attention(
+            "flash_attention",
+            "gpu-check",
+            CacheLayout::Contiguous,
+            HEAD_DIM,
+            Masking::on(arch),
+        ),
+        flash_attention(
+            "flash_attention_pool",
+            "gpu-check",
+            CacheLayout::Batched,
+            HEAD_DIM,
+            Masking::on(arch),
+        ),
         attention_split(
             "attention",
             "gpu-check",

@@ -302,15 +302,34 @@ fn scores(head_dim: usize) -> Vec<Stmt> {
     out
 }
 
-/// Scale and mask the scores of the tile of `keys` keys at `j0`, and update the running max
-/// `m_lo`/`m_hi` of the lane's two rows; `c_lo`/`c_hi` what the earlier accumulators and sums
-/// are rescaled by; the scores become `exp(s − max)` (P), their sums added to `l_lo`/`l_hi`.
-/// With `skip_whole_tiles`, a tile every row of the block sees whole (before the block's
-/// first row, inside its last row's window: all but the last tile or two of a long prompt's)
-/// skips the mask, whose compares and selects are as many instructions as the rest of the
-/// softmax. (The `mma.sync` kernel keeps the mask everywhere: with the branch, ptxas spills
-/// it on sm_120a at 128 dims.)
-pub(super) fn online_softmax(keys: i64, skip_whole_tiles: bool) -> Vec<Stmt> {
+/// Which key tiles' scores the causal and window mask goes over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Masking {
+    /// Every tile's.
+    EveryTile,
+    /// Only those of tiles some row of the block does not see whole: a tile before the
+    /// block's first row and inside its last row's window (all but the last tile or two of a
+    /// long prompt's) skips the mask, whose compares and selects are as many instructions as
+    /// the rest of the softmax.
+    CutTiles,
+}
+
+impl Masking {
+    /// The masking the `mma.sync` kernel takes on `arch`: cut tiles only, but on sm_120a,
+    /// where ptxas spills the 128-dim kernel with the branch (255 registers and 8 bytes).
+    pub fn on(arch: &str) -> Masking {
+        match arch {
+            "sm_120a" => Masking::EveryTile,
+            _ => Masking::CutTiles,
+        }
+    }
+}
+
+/// Scale and mask (as `masking` says) the scores of the tile of `keys` keys at `j0`, and
+/// update the running max `m_lo`/`m_hi` of the lane's two rows; `c_lo`/`c_hi` what the
+/// earlier accumulators and sums are rescaled by; the scores become `exp(s − max)` (P), their
+/// sums added to `l_lo`/`l_hi`.
+pub(super) fn online_softmax(keys: i64, masking: Masking) -> Vec<Stmt> {
     let scores = || (0..(keys / 8) as usize).flat_map(|j| (0..4).map(move |i| (j, i)));
     let (mut scaled, mut masked) = (Vec::new(), Vec::new());
     for (j, i) in scores() {
@@ -343,15 +362,15 @@ pub(super) fn online_softmax(keys: i64, skip_whole_tiles: bool) -> Vec<Stmt> {
         assign(&max, bin(BinOp::Max, var(&max), var(&s_name(j, i))))
     };
     let maxima = ["lo", "hi"].map(|half| let_(&format!("tile_max_{half}"), Ty::F32, f(f32::NEG_INFINITY)));
-    let mut out = match skip_whole_tiles {
-        true => [
+    let mut out = match masking {
+        Masking::CutTiles => [
             vec![if_else(tile_visible, scaled, masked)],
             maxima.to_vec(),
             scores().map(tile_max).collect(),
         ]
         .concat(),
         // Each score's max taken as it is masked.
-        false => maxima
+        Masking::EveryTile => maxima
             .into_iter()
             .chain(masked.into_iter().zip(scores()).flat_map(|(s, at)| [s, tile_max(at)]))
             .collect(),
@@ -620,8 +639,9 @@ pub(super) fn guarded_by_rows(layout: CacheLayout, block_rows: Vec<Stmt>, work: 
 /// sequence's, at positions `first..`; batched (the serving plans' paged pool), the rows of
 /// `seqs` sequences, each sequence's consecutive, cut into the tiles `query_tiles` lists (see
 /// [`query_tiles`], tiles of [`QUERY_TILE_ROWS`]), each row's table and position from
-/// `row_table`/`row_pos`. `window` ≤ 0 means none; `scale` multiplies q·k.
-pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: usize) -> Kernel {
+/// `row_table`/`row_pos`. `window` ≤ 0 means none; `scale` multiplies q·k. The mask goes
+/// over the tiles `masking` says.
+pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: usize, masking: Masking) -> Kernel {
     assert!(supports(head_dim), "head_dim {head_dim}");
     let parts = parts(head_dim) as i64;
     let locals = (0..head_dim / parts as usize / 8)
@@ -638,7 +658,12 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         // last) only helps copy the keys and values.
         vec![if_(
             lt(var("q0") + warp() * int(16), var("rows_end")),
-            [scores(head_dim), online_softmax(TILE_KEYS, false), accumulate(head_dim)].concat(),
+            [
+                scores(head_dim),
+                online_softmax(TILE_KEYS, masking),
+                accumulate(head_dim),
+            ]
+            .concat(),
         )],
         // Nobody refills the tiles before every warp is done with them.
         vec![Stmt::SyncThreads],
@@ -672,8 +697,12 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         name: name.into(),
         origin: format!(
             "{origin}: causal prefill attention on tensor cores (mma.sync m16n8k16 bf16, FlashAttention-2's schedule: \
-             {TILE_Q} query rows a block, {TILE_KEYS}-key tiles through shared memory, online softmax in f32), \
+             {TILE_Q} query rows a block, {TILE_KEYS}-key tiles through shared memory, online softmax in f32{}), \
              head_dim {head_dim}, bf16 {}",
+            match masking {
+                Masking::EveryTile => "",
+                Masking::CutTiles => ", the mask on tiles the block's rows do not see whole",
+            },
             layout.describe()
         ),
         params: params(layout),

@@ -34,7 +34,7 @@
 use super::cache_layout::CacheLayout;
 use super::flash_attention::{
     self as flash, block_rows, copy_tile, guarded_by_rows, o_name, online_softmax, query_tiles_expr, row_state, s_name,
-    store_outputs, TileOrder,
+    store_outputs, Masking, TileOrder,
 };
 use super::{flash_tma, tma_gemm};
 use crate::dsl::*;
@@ -286,7 +286,7 @@ fn tile_products(head_dim: usize, schedule: Schedule) -> (Vec<Stmt>, Vec<Stmt>) 
     products.push(Stmt::WgmmaCommit);
     products.extend(pass);
     products.push(Stmt::WgmmaWait(1));
-    products.extend(online_softmax(KEYS, true));
+    products.extend(online_softmax(KEYS, Masking::CutTiles));
     products.push(Stmt::WgmmaWait(0));
     for v in 0..head_dim / 8 {
         for i in 0..4 {

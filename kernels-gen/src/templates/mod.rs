@@ -1040,6 +1040,7 @@ pub fn catalog() -> Vec<Kernel> {
             "catalog",
             cache_layout::CacheLayout::Batched,
             128,
+            flash_attention::Masking::EveryTile,
         ),
         flash_attention_wgmma::flash_attention_wgmma(
             "flash_attention_wgmma_d128",
@@ -1081,6 +1082,7 @@ pub fn catalog() -> Vec<Kernel> {
             "catalog",
             cache_layout::CacheLayout::Contiguous,
             256,
+            flash_attention::Masking::CutTiles,
         ),
         gemv::gemv(
             "rms_norm_gemv_bf16",

@@ -361,8 +361,19 @@ fn attend(
             ),
             flash_attention_tcgen05::QUERY_TILE_ROWS,
         ),
-        _ => (
-            flash_attention::flash_attention("flash_attention", &graph.name, cache.layout, spec.head_dim),
+        form => (
+            flash_attention::flash_attention(
+                "flash_attention",
+                &graph.name,
+                cache.layout,
+                spec.head_dim,
+                match form {
+                    FlashForm::Mma(masking) => masking,
+                    // A wgmma or tcgen05 form that does not take the head: on Hopper or the
+                    // B200, which take cut tiles' masks only (`Masking::on`).
+                    _ => flash_attention::Masking::CutTiles,
+                },
+            ),
             flash_attention::QUERY_TILE_ROWS,
         ),
     };
