@@ -140,8 +140,8 @@ pub enum PrefillAttention {
 /// The flash kernel a plan's prompts attend on, on its target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FlashForm {
-    /// `templates::flash_attention`, on `mma.sync`, masking as the target takes it.
-    Mma(kernels_gen::templates::flash_attention::Masking),
+    /// `templates::flash_attention`, on `mma.sync`.
+    Mma,
     /// `templates::flash_attention_wgmma`, in this schedule.
     Wgmma(kernels_gen::templates::flash_attention_wgmma::Schedule),
     /// `templates::flash_attention_tcgen05`, its tiles loaded so.
@@ -160,9 +160,7 @@ impl PrefillAttention {
             (PrefillAttention::WgmmaTma, Some("sm_90a")) => FlashForm::Wgmma(Schedule::Tma),
             (PrefillAttention::Tcgen05, Some("sm_100a")) => FlashForm::Tcgen05(Loads::Copies),
             (PrefillAttention::Tcgen05Tma, Some("sm_100a")) => FlashForm::Tcgen05(Loads::Tma),
-            (_, arch) => FlashForm::Mma(kernels_gen::templates::flash_attention::Masking::on(
-                arch.unwrap_or_default(),
-            )),
+            _ => FlashForm::Mma,
         }
     }
 }

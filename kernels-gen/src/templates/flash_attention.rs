@@ -107,8 +107,8 @@ fn tile_buffers(head_dim: usize) -> i64 {
 /// The cooperative copy of the key tile at `j0` into `ks` and the value tile into `vs` from
 /// element `at` on (zeros past `hi`), `keys` keys: 16-byte chunks, `keys × head_dim / 8` of
 /// each, `threads` copying, each from chunk `first` (its index among them) on; committed as
-/// one group. Copy `c` writes the tile's `c`-th 16 bytes of keys and values. Row-major, a key's chunks go in
-/// turn, keys [`row_pitch`] apart. In core matrices a chunk is a core matrix's row (8 dims of
+/// one group. Copy `c` writes the tile's `c`-th 16 bytes of keys and values. Row-major, a
+/// key's chunks go in turn, keys [`row_pitch`] apart. In core matrices a chunk is a core matrix's row (8 dims of
 /// one key), the 8-key groups `16 · head_dim` bytes apart and a group's core
 /// matrices adjacent along the dims, which `wgmma` reads K-major for the keys and MN-major for
 /// the values; copy `c` takes key `c % 8` of its group, so a warp's copies fill 512

@@ -38,6 +38,8 @@ pub(super) struct AttentionKernels {
     pub split: DecodeAttention,
     /// The flash kernel prompts attend on (for heads it takes; `mma.sync` for the others).
     pub flash: FlashForm,
+    /// The tiles the `mma.sync` flash kernel masks on the plan's target.
+    pub masking: flash_attention::Masking,
 }
 
 /// Pushes the append (where the op appends) and the split attention (and the tensor-core
@@ -361,18 +363,13 @@ fn attend(
             ),
             flash_attention_tcgen05::QUERY_TILE_ROWS,
         ),
-        form => (
+        _ => (
             flash_attention::flash_attention(
                 "flash_attention",
                 &graph.name,
                 cache.layout,
                 spec.head_dim,
-                match form {
-                    FlashForm::Mma(masking) => masking,
-                    // A wgmma or tcgen05 form that does not take the head: on Hopper or the
-                    // B200, which take cut tiles' masks only (`Masking::on`).
-                    _ => flash_attention::Masking::CutTiles,
-                },
+                kernels.masking,
             ),
             flash_attention::QUERY_TILE_ROWS,
         ),
