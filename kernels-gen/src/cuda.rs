@@ -478,14 +478,22 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
                 vector_store(out, buf, &expr(index, scope), &values, scope);
             }
             Stmt::CpAsync(c) => {
-                let (src, valid) = (&c.src, expr(&c.valid, scope));
-                let _ = writeln!(
-                    out,
-                    "bbc_cp_async_16(&{}[{}], ({valid}) ? (const void*)({src} + ({})) : (const void*){src}, {valid});",
-                    c.dst,
-                    expr(&c.dst_index, scope),
-                    expr(&c.src_index, scope),
-                );
+                let (dst, src) = (&c.dst, &c.src);
+                let (dst_index, src_index) = (expr(&c.dst_index, scope), expr(&c.src_index, scope));
+                // An invalid copy reads nothing: it is handed the buffer's start.
+                let _ = match &c.valid {
+                    Expr::Bool(true) => writeln!(
+                        out,
+                        "bbc_cp_async_16(&{dst}[{dst_index}], {src} + ({src_index}), true);"
+                    ),
+                    valid => {
+                        let valid = expr(valid, scope);
+                        writeln!(
+                            out,
+                            "bbc_cp_async_16(&{dst}[{dst_index}], ({valid}) ? (const void*)({src} + ({src_index})) : (const void*){src}, {valid});"
+                        )
+                    }
+                };
             }
             Stmt::PrefetchL2 { buf, index } => {
                 let _ = writeln!(

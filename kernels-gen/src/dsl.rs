@@ -226,11 +226,11 @@ pub enum Stmt {
         buf: String,
         index: Expr,
     },
-    /// `cp.async.cg.shared.global` (sm_80 and later): copy 16 bytes (8 bf16) from the global
-    /// `src[src_index..+8]` to the shared `dst[dst_index..+8]` without passing through
-    /// registers, or 16 zero bytes when `valid` is false. The copy lands at a later
-    /// `CpAsyncWait`; until then the destination must not be touched. Both indices are
-    /// multiples of 8 (16-byte aligned).
+    /// `cp.async.cg.shared.global` (sm_80 and later): copy 16 bytes (8 bf16 or 4 f32, the
+    /// arrays' common type) from the global `src[src_index..]` to the shared
+    /// `dst[dst_index..]` without passing through registers, or 16 zero bytes when `valid` is
+    /// false. The copy lands at a later `CpAsyncWait`; until then the destination must not be
+    /// touched. Both places are 16-byte aligned.
     CpAsync(Box<AsyncCopy>),
     /// `cp.async.commit_group`: the thread's copies issued since the last commit form a group.
     CpAsyncCommit,
@@ -425,7 +425,7 @@ pub enum Tcgen05 {
     FenceAfterSync,
 }
 
-/// One `cp.async` of 16 bytes (see `Stmt::CpAsync`).
+/// One `cp.async` of 16 bytes (see `Stmt::CpAsync`); indices in elements.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AsyncCopy {
     pub dst: String,

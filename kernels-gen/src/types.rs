@@ -131,6 +131,21 @@ impl Scope {
         }
     }
 
+    /// `dst` (shared) and `src` (global) hold the same element type, bf16 or f32: what one
+    /// 16-byte `cp.async` copies between them.
+    fn copy_arrays(&self, dst: &str, src: &str) -> Result<(), String> {
+        let ty = match self.arrays.get(src) {
+            Some((ty @ (Ty::Bf16 | Ty::F32), _)) if !self.shared.contains_key(src) => *ty,
+            _ => return Err(format!("cp.async source `{src}` must be a global bf16 or f32 array")),
+        };
+        match self.arrays.get(dst) {
+            Some((t, _)) if *t == ty && self.shared.contains_key(dst) => Ok(()),
+            _ => Err(format!(
+                "cp.async destination `{dst}` must be a shared {ty:?} array, as its source"
+            )),
+        }
+    }
+
     /// `name` is a shared array of `ty` with at least `len` elements.
     fn shared_array(&self, name: &str, ty: Ty, len: usize, what: &str) -> Result<(), String> {
         match (self.arrays.get(name), self.shared.get(name)) {
@@ -356,8 +371,7 @@ fn check_block_declaring<'a>(
                 scope.int(index)?;
             }
             Stmt::CpAsync(c) => {
-                scope.bf16_array(&c.dst, true)?;
-                scope.bf16_array(&c.src, false)?;
+                scope.copy_arrays(&c.dst, &c.src)?;
                 scope.int(&c.dst_index)?;
                 scope.int(&c.src_index)?;
                 if scope.type_of(&c.valid)? != Ty::Bool {

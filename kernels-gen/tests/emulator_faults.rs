@@ -121,6 +121,67 @@ fn a_misaligned_vector_load_is_reported() {
     assert_eq!(bufs["out"].to_f32().unwrap()[..3], [7.0, 11.0, 15.0]);
 }
 
+/// `cp.async` of f32 copies 4 elements a thread (16 bytes) and lands at its wait, zeros
+/// where it is not valid; a copy off a 16-byte boundary (in the address: a buffer handed
+/// from an offset), reading the destination before the wait, and arrays of different types
+/// are reported.
+#[test]
+fn f32_async_copies_land_four_elements_at_their_wait() {
+    let copy = |src: Expr, valid: Expr| {
+        Stmt::CpAsync(Box::new(AsyncCopy {
+            dst: "s".into(),
+            dst_index: tid() * int(4),
+            src: "x".into(),
+            src_index: src,
+            valid,
+        }))
+    };
+    let program = |src: Expr, wait: bool| {
+        let mut body = vec![
+            if_(
+                bin(BinOp::Lt, tid(), int(16)),
+                vec![copy(src, bin(BinOp::Lt, tid(), int(15))), Stmt::CpAsyncCommit],
+            ),
+            Stmt::CpAsyncWait(0),
+            Stmt::SyncThreads,
+        ];
+        if !wait {
+            body.remove(1);
+        }
+        body.push(store("out", tid(), load("s", tid())));
+        kernel(body, scratch())
+    };
+    let input: Vec<f32> = (0..64).map(|i| i as f32).collect();
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&input)),
+        ("out".into(), Array::poisoned(Ty::F32, 64)),
+    ]);
+    run(&program(tid() * int(4), true), &mut bufs, &HashMap::new()).unwrap();
+    let want: Vec<f32> = (0..64).map(|i| if i < 60 { i as f32 } else { 0.0 }).collect();
+    assert_eq!(bufs["out"].to_f32().unwrap(), want);
+
+    assert!(fault(&program(tid() * int(4) + int(2), true), 64).contains("not 16-byte aligned"));
+    let mut placed = HashMap::from([
+        ("x".into(), Array::f32(&input).placed_at(2)),
+        ("out".into(), Array::poisoned(Ty::F32, 64)),
+    ]);
+    match run(&program(tid() * int(4), true), &mut placed, &HashMap::new()) {
+        Err(EmuError::Fault { message, .. }) => assert!(message.contains("not 16-byte aligned"), "{message}"),
+        other => panic!("expected a fault, got {other:?}"),
+    }
+    assert!(fault(&program(tid() * int(4), false), 64).contains("while a cp.async into it is in flight"));
+
+    let mut bf16_dst = program(tid() * int(4), true);
+    bf16_dst.shared[0].ty = Ty::Bf16;
+    let mut bufs = HashMap::from([
+        ("x".into(), Array::f32(&input)),
+        ("out".into(), Array::poisoned(Ty::F32, 64)),
+    ]);
+    assert!(
+        matches!(run(&bf16_dst, &mut bufs, &HashMap::new()), Err(EmuError::Type(m)) if m.to_string().contains("cp.async destination"))
+    );
+}
+
 /// A vector store writes its values where scalar stores would (a bf16 array's through a
 /// shared array, then f32 straight to `out`), counted as one access of its width (8 lanes of
 /// 16 bytes one after another: one wavefront a phase); off its width's boundary it is

@@ -16,13 +16,14 @@ use std::collections::{HashMap, HashSet, VecDeque};
 
 /// Threads in a warpgroup, the unit that issues `wgmma`.
 pub(super) const WARPGROUP: usize = 128;
-/// Elements of one 16-byte `cp.async` of bf16.
-const COPY_ELEMENTS: usize = 8;
+/// Bytes of one `cp.async`.
+const COPY_BYTES: usize = 16;
 
 struct PendingCopy {
     array: String,
     index: usize,
-    values: [f64; COPY_ELEMENTS],
+    /// The copy's elements (8 bf16 or 4 f32), in order.
+    values: Vec<f64>,
 }
 
 /// What one `wgmma` keeps busy until its group retires.
@@ -144,9 +145,14 @@ impl Block<'_> {
         let dst_index = self.eval(&copy.dst_index, mask, global)?;
         let src_index = self.eval(&copy.src_index, mask, global)?;
         let valid = self.eval(&copy.valid, mask, global)?;
+        // 16 bytes of the arrays' element type (the type checker made both alike).
+        let elements = COPY_BYTES / self.shared[&copy.dst].ty.bytes();
+        let width = elements as i64;
+        // A global buffer may start past an aligned address: the address must be aligned.
+        let src_start = global.get(&copy.src).map_or(0, |a| a.start as i64);
         for t in (0..mask.len()).filter(|&t| mask[t]) {
             let (d, s) = (dst_index[t].i(), src_index[t].i());
-            if d % COPY_ELEMENTS as i64 != 0 || (valid[t].b() && s % COPY_ELEMENTS as i64 != 0) {
+            if d % width != 0 || (valid[t].b() && (src_start + s) % width != 0) {
                 return Err((
                     t,
                     format!(
@@ -156,20 +162,23 @@ impl Block<'_> {
                 ));
             }
             let dst_len = self.shared[&copy.dst].len() as i64;
-            if d < 0 || d + COPY_ELEMENTS as i64 > dst_len {
+            if d < 0 || d + width > dst_len {
                 return Err((
                     t,
-                    format!("cp.async to {}[{d}..+8] out of bounds (length {dst_len})", copy.dst),
+                    format!(
+                        "cp.async to {}[{d}..+{width}] out of bounds (length {dst_len})",
+                        copy.dst
+                    ),
                 ));
             }
-            let mut values = [0.0; COPY_ELEMENTS];
+            let mut values = vec![0.0; elements];
             if valid[t].b() {
                 let src = &global[&copy.src];
-                if s < 0 || s + COPY_ELEMENTS as i64 > src.len() as i64 {
+                if s < 0 || s + width > src.len() as i64 {
                     return Err((
                         t,
                         format!(
-                            "cp.async from {}[{s}..+8] out of bounds (length {})",
+                            "cp.async from {}[{s}..+{width}] out of bounds (length {})",
                             copy.src,
                             src.len()
                         ),
@@ -184,7 +193,7 @@ impl Block<'_> {
                 }
             }
             let d = d as usize;
-            for i in d..d + COPY_ELEMENTS {
+            for i in d..d + elements {
                 let knows = self.barriers.knowledge(t);
                 if let Some(reader) = self.shared_readers.get_mut()[&copy.dst][i].unordered_before(t, knows) {
                     return Err((

@@ -20,7 +20,8 @@
 //!    recurrent kernel's: the state's columns in registers, eight lanes a column, walking the
 //!    sequence's chunks: `δ`, the outputs, states after rows a batched step keeps
 //!    (checkpoints), the state after the chunk. Each is a sum over the key dimension split
-//!    across a column's lanes (three shuffles) or over the chunk's rows.
+//!    across a column's lanes (three shuffles) or over the chunk's rows. The rows each phase
+//!    reads arrive by `cp.async` while the phase before it computes.
 //!
 //! Everything is f32, as the state is and as HF's chunked form computes. The sums run in
 //! another order than the recurrence's, so results agree with it to f32 rounding.
@@ -49,9 +50,13 @@ const COLUMNS: usize = 32;
 const SCALES: i64 = 4;
 
 /// Whether the chunked form takes `spec`'s heads: key heads a multiple of [`GROUPS`] and up to
-/// 128 wide (what the blocks' shared memory holds on every target), value heads up to 128.
+/// 128 wide (what the blocks' shared memory holds on every target), value heads a multiple of
+/// 4 (rows of 16-byte copies) and up to 128.
 pub fn supports(spec: &DeltaNetSpec) -> bool {
-    spec.key_dim.is_multiple_of(GROUPS as usize) && spec.key_dim <= 128 && spec.value_dim <= 128
+    spec.key_dim.is_multiple_of(GROUPS as usize)
+        && spec.key_dim <= 128
+        && spec.value_dim.is_multiple_of(4)
+        && spec.value_dim <= 128
 }
 
 /// The scratch [`chunk_prepare`] writes and [`chunk_state`] reads: each buffer's name and its
@@ -519,19 +524,21 @@ impl Entries {
         (0..self.count).map(|m| format!("{prefix}{m}")).collect()
     }
 
-    /// Declares `r0, r1, …`: this thread's entries of row `row` of shared `rows_sh`.
-    fn load_row(&self, row: Expr, dk: i64) -> Vec<Stmt> {
+    /// Declares `r0, r1, …`: this thread's entries of row `row` of the rows in shared
+    /// `rows_sh` from `base` on.
+    fn load_row(&self, base: &str, row: Expr, dk: i64) -> Vec<Stmt> {
         let names = self.names("r");
+        let at = |m: i64| var(base) + row.clone() * int(dk) + self.key(m);
         match self.vector {
             true => names
                 .chunks(4)
                 .enumerate()
-                .map(|(p, four)| load_vec("rows_sh", row.clone() * int(dk) + self.key(4 * p as i64), four))
+                .map(|(p, four)| load_vec("rows_sh", at(4 * p as i64), four))
                 .collect(),
             false => names
                 .iter()
                 .enumerate()
-                .map(|(m, r)| let_(r, Ty::F32, load("rows_sh", row.clone() * int(dk) + self.key(m as i64))))
+                .map(|(m, r)| let_(r, Ty::F32, load("rows_sh", at(m as i64))))
                 .collect(),
         }
     }
@@ -548,11 +555,54 @@ impl Entries {
     }
 }
 
+/// Issues the `cp.async`s (4 f32 each) of `rows` rows of `width` elements (a multiple of 4):
+/// row `t`'s from `src[src_row(t) + k]` to `dst[dst_at + t·width + k]`, zeros where `valid(k)`
+/// is false. `t` and `k` are declared for `src_row` and `valid`.
+fn copy_rows_async(
+    (dst, dst_at): (&str, Expr),
+    (src, src_row): (&str, Expr),
+    rows: Expr,
+    width: i64,
+    valid: Expr,
+) -> Stmt {
+    let pieces = width / 4;
+    let (t, k) = match pieces {
+        1 => (var("e"), int(0)),
+        _ => (var("e") / int(pieces), rem(var("e"), int(pieces)) * int(4)),
+    };
+    let row_at = match dst_at {
+        Expr::Int(0) => var("t") * int(width),
+        at => at + var("t") * int(width),
+    };
+    strided(
+        "e",
+        rows * int(pieces),
+        vec![
+            let_("t", Ty::I32, t),
+            let_("k", Ty::I32, k),
+            Stmt::CpAsync(Box::new(AsyncCopy {
+                dst: dst.into(),
+                dst_index: row_at + var("k"),
+                src: src.into(),
+                src_index: src_row + var("k"),
+                valid,
+            })),
+        ],
+    )
+}
+
 /// The state's walk over each sequence's chunks (see the module's description): per chunk `δ =
 /// U − W·S`, the outputs, the states a batched step keeps after rows (`row_checkpoint`), the
 /// state after the chunk; the state after the step into its slot. The chunks are `CHUNK` rows
 /// of the sequence from its first row of the step, as [`chunk_prepare`] took them. Grid: `seqs`
 /// × [`chunk_state_blocks_per_sequence`].
+///
+/// Each phase's rows come in by `cp.async` while the phase before computes, through two halves
+/// of `rows_sh`: while `δ` reads W from one half the chunk's q rows land in the other; while
+/// the outputs read q, its k rows land over W; while the state update reads k, the next
+/// chunk's W lands over q, with its P, U and row scales (two halves too, as the update reads
+/// this chunk's). q and k land as the convolution left them, their scales applied to each
+/// row's sum instead.
 pub fn chunk_state(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNetSpec) -> Kernel {
     assert!(
         supports(spec),
@@ -577,37 +627,58 @@ pub fn chunk_state(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNe
             .to_vec()
     };
     let delta = |row: Expr| load("delta_sh", row * int(ds) + var("col"));
-    // The chunk's rows of a scratch buffer of `width` a head into shared `dst`, `width` apart.
-    let copy_rows = |src: &str, dst: &str, width: i64| {
-        over_rows(
-            var("n"),
-            width,
-            "k",
-            vec![store(
-                dst,
-                var("e"),
-                load(src, scratch_row(var("c0"), var("t"), vh, width) + var("k")),
-            )],
-        )
+    // Row `t`'s scale `which` of this chunk (see `SCALES`).
+    let scale = |t: Expr, which: i64| load("scales_sh", var("scales_here") + t * int(SCALES) + int(which));
+    let rows_of = |from: Expr, width: i64| scratch_row(from, var("t"), vh, width);
+    // The W, U (this block's columns), P rows and row scales of the chunk of `rows` rows from
+    // step row `from`, into `rows_sh` from `rows_at` and `scales_sh` from `scales_at`.
+    let prepared = |from: Expr, rows: Expr, rows_at: Expr, scales_at: Expr| {
+        vec![
+            copy_rows_async(
+                ("rows_sh", rows_at),
+                ("chunk_w", rows_of(from.clone(), dk)),
+                rows.clone(),
+                dk,
+                Expr::Bool(true),
+            ),
+            copy_rows_async(
+                ("u_sh", int(0)),
+                ("chunk_u", rows_of(from.clone(), dv) + var("col0")),
+                rows.clone(),
+                columns,
+                lt(var("col0") + var("k"), int(dv)),
+            ),
+            copy_rows_async(
+                ("p_sh", int(0)),
+                ("chunk_p", rows_of(from.clone(), chunk)),
+                rows.clone(),
+                chunk,
+                Expr::Bool(true),
+            ),
+            copy_rows_async(
+                ("scales_sh", scales_at),
+                ("chunk_scales", rows_of(from, SCALES)),
+                rows,
+                SCALES,
+                Expr::Bool(true),
+            ),
+        ]
     };
-    let scale = |t: Expr, which: i64| load("chunk_scales", scratch_row(var("c0"), t, vh, SCALES) + int(which));
-    // Rows of the chunk's q or k (`offset` into a conv row), each times its scale, into
-    // `rows_sh`.
-    let stage_conv = |offset: i64, multiplier: &str| {
-        over_rows(
+    // The chunk's q or k rows (`offset` into a conv row) into `rows_sh` from `rows_at`.
+    let conv_rows = |offset: i64, rows_at: &str| {
+        copy_rows_async(
+            ("rows_sh", var(rows_at)),
+            (
+                "conv",
+                (var("c0") + var("t")) * int(channels) + int(offset) + var("key_head") * int(dk),
+            ),
             var("n"),
             dk,
-            "k",
-            vec![store(
-                "rows_sh",
-                var("e"),
-                load(
-                    "conv",
-                    (var("c0") + var("t")) * int(channels) + int(offset) + var("key_head") * int(dk) + var("k"),
-                ) * load(multiplier, var("t")),
-            )],
+            Expr::Bool(true),
         )
     };
+    // Rows of the chunk from step row `from` (the sequence's last row is `last_row`).
+    let rows_from = |from: Expr| bin(BinOp::Min, int(chunk), var("last_row") + int(1) - from);
 
     let mut body = vec![
         let_("s", Ty::I32, bid() / int(vh * tiles)),
@@ -632,48 +703,31 @@ pub fn chunk_state(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNe
             )],
         ));
     }
+    // The first chunk's W, U, P and scales, into the first halves.
+    body.extend(prepared(var("first_row"), rows_from(var("first_row")), int(0), int(0)));
+    body.push(Stmt::CpAsyncCommit);
 
     let mut chunk_body = vec![
+        let_("n", Ty::I32, rows_from(var("c0"))),
+        // This chunk's W, k and scales are in the halves `half` of `rows_sh` and `scales_sh`,
+        // its q and the next chunk's W and scales in the others.
         let_(
-            "n",
+            "half",
             Ty::I32,
-            bin(BinOp::Min, int(chunk), var("last_row") + int(1) - var("c0")),
+            rem((var("c0") - var("first_row")) / int(chunk), int(2)),
         ),
-        // W's rows, U's columns of this block, P's rows and the rows' scales.
-        copy_rows("chunk_w", "rows_sh", dk),
-        over_rows(
-            var("n"),
-            columns,
-            "c",
-            vec![
-                let_("u_in", Ty::F32, f(0.0)),
-                if_(
-                    lt(var("col0") + var("c"), int(dv)),
-                    vec![assign(
-                        "u_in",
-                        load(
-                            "chunk_u",
-                            scratch_row(var("c0"), var("t"), vh, dv) + var("col0") + var("c"),
-                        ),
-                    )],
-                ),
-                store("u_sh", var("e"), var("u_in")),
-            ],
-        ),
-        copy_rows("chunk_p", "p_sh", chunk),
-        if_(
-            lt(tid(), var("n")),
-            vec![
-                store("b_sh", tid(), scale(tid(), 0)),
-                store("q_mult_sh", tid(), scale(tid(), 1)),
-                store("k_mult_sh", tid(), scale(tid(), 2)),
-                store("to_end_sh", tid(), scale(tid(), 3)),
-            ],
-        ),
+        let_("here", Ty::I32, var("half") * int(chunk * dk)),
+        let_("there", Ty::I32, (int(1) - var("half")) * int(chunk * dk)),
+        let_("scales_here", Ty::I32, var("half") * int(chunk * SCALES)),
+        let_("scales_there", Ty::I32, (int(1) - var("half")) * int(chunk * SCALES)),
+        conv_rows(0, "there"),
+        Stmt::CpAsyncCommit,
+        // All but the q rows just asked for: W, U, P and the scales.
+        Stmt::CpAsyncWait(1),
         Stmt::SyncThreads,
     ];
     // δ_t = U_t − W_t·S₀ (zero past the chunk's rows, which the outputs' sums read).
-    let mut deltas = entries.load_row(var("t"), dk);
+    let mut deltas = entries.load_row("here", var("t"), dk);
     deltas.push(let_("part", Ty::F32, entries.dot("s")));
     deltas.extend(column_sum("part"));
     deltas.push(if_(
@@ -697,18 +751,25 @@ pub fn chunk_state(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNe
             )],
         ),
         Stmt::SyncThreads,
-        stage_conv(0, "q_mult_sh"),
+        // k over W.
+        conv_rows(key_width, "here"),
+        Stmt::CpAsyncCommit,
+        Stmt::CpAsyncWait(1),
         Stmt::SyncThreads,
     ]);
     // o_t = Γ_t q̂_t·S₀ + Σ_{i ≤ t} P[t, i] δ_i, this lane taking the rows i ≡ g (mod 8).
-    let mut outputs = entries.load_row(var("t"), dk);
+    let mut outputs = entries.load_row("there", var("t"), dk);
     let earlier: Vec<Expr> = (0..chunk / GROUPS)
         .map(|u| {
             let i = var("g") + int(GROUPS * u);
             load("p_sh", var("t") * int(chunk) + i.clone()) * delta(i)
         })
         .collect();
-    outputs.push(let_("part", Ty::F32, entries.dot("s") + tree_sum(earlier)));
+    outputs.push(let_(
+        "part",
+        Ty::F32,
+        scale(var("t"), 1) * entries.dot("s") + tree_sum(earlier),
+    ));
     outputs.extend(column_sum("part"));
     outputs.push(if_(
         and(var("active"), eq(var("g"), int(0))),
@@ -718,25 +779,34 @@ pub fn chunk_state(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNe
             var("part"),
         )],
     ));
+    let next = var("c0") + int(chunk);
     chunk_body.extend([
         for_("t", int(0), var("n"), int(1), outputs),
         Stmt::SyncThreads,
-        stage_conv(key_width, "k_mult_sh"),
+        // The next chunk's over q (block-uniform; an empty group after the last chunk).
+        if_(
+            bin(BinOp::Le, next.clone(), var("last_row")),
+            prepared(next.clone(), rows_from(next), var("there"), var("scales_there")),
+        ),
+        Stmt::CpAsyncCommit,
+        Stmt::CpAsyncWait(1),
         Stmt::SyncThreads,
     ]);
+    // k̂_i's scale with the weight of δ_i in a state after the chunk's row `i`.
+    let key_weight = |decay: Expr| delta(var("i")) * decay * scale(var("i"), 2);
     if batched {
         // S_t = Γ_t S₀ + Σ_{i ≤ t} (Γ_t / Γ_i) k̂_i δ_iᵀ where the step keeps the state after row t.
         let kept = entries.names("kept");
-        let mut sum = entries.load_row(var("i"), dk);
+        let mut sum = entries.load_row("here", var("i"), dk);
         sum.push(let_(
             "weight",
             Ty::F32,
-            delta(var("i")) * un(UnOp::Exp, var("b_t") - load("b_sh", var("i"))),
+            key_weight(un(UnOp::Exp, var("b_t") - scale(var("i"), 0))),
         ));
         for (kept, r) in kept.iter().zip(entries.names("r")) {
             sum.push(assign(kept, var(kept) + var(&r) * var("weight")));
         }
-        let mut at_row = vec![let_("b_t", Ty::F32, load("b_sh", var("t")))];
+        let mut at_row = vec![let_("b_t", Ty::F32, scale(var("t"), 0))];
         for (kept, s) in kept.iter().zip(&states) {
             at_row.push(let_(kept, Ty::F32, un(UnOp::Exp, var("b_t")) * var(s)));
         }
@@ -767,12 +837,12 @@ pub fn chunk_state(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNe
         ));
     }
     // S = Γ_last S₀ + Σ_i (Γ_last / Γ_i) k̂_i δ_iᵀ.
-    chunk_body.push(let_("to_end", Ty::F32, un(UnOp::Exp, load("b_sh", var("n") - int(1)))));
+    chunk_body.push(let_("to_end", Ty::F32, un(UnOp::Exp, scale(var("n") - int(1), 0))));
     for s in &states {
         chunk_body.push(assign(s, var(s) * var("to_end")));
     }
-    let mut update = entries.load_row(var("i"), dk);
-    update.push(let_("weight", Ty::F32, delta(var("i")) * load("to_end_sh", var("i"))));
+    let mut update = entries.load_row("here", var("i"), dk);
+    update.push(let_("weight", Ty::F32, key_weight(scale(var("i"), 3))));
     for (s, r) in states.iter().zip(entries.names("r")) {
         update.push(assign(s, var(s) + var(&r) * var("weight")));
     }
@@ -813,14 +883,11 @@ pub fn chunk_state(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNe
         ),
         params: [params, sequence_params(layout), checkpoint_params(layout)].concat(),
         shared: vec![
-            shared_f32("rows_sh", CHUNK * dk as usize),
+            shared_f32("rows_sh", 2 * CHUNK * dk as usize),
             shared_f32("u_sh", CHUNK * columns as usize),
             shared_f32("p_sh", CHUNK * CHUNK),
             shared_f32("delta_sh", CHUNK * ds as usize),
-            shared_f32("b_sh", CHUNK),
-            shared_f32("q_mult_sh", CHUNK),
-            shared_f32("k_mult_sh", CHUNK),
-            shared_f32("to_end_sh", CHUNK),
+            shared_f32("scales_sh", 2 * CHUNK * SCALES as usize),
         ],
         block_dim: (GROUPS * columns) as u32,
         grid: var("seqs") * int(chunk_state_blocks_per_sequence(spec) as i64),
