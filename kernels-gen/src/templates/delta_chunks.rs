@@ -15,7 +15,8 @@
 //! Two launches after the convolution and window of [`delta_net`]:
 //! 1. [`chunk_prepare`], a block per (chunk, value head): the scores `P[t, i] = (Γ_t / Γ_i)
 //!    q̂_t·k̂_i` (`i ≤ t`, else 0), `A`, then `W` and `U` by forward substitution (each thread
-//!    solving columns of its own), written to scratch with each row's decay and scales.
+//!    solving a column of its own in registers), written to scratch with each row's decay and
+//!    scales.
 //! 2. [`chunk_state`], a block per (sequence, value head, tile of value columns) as the
 //!    recurrent kernel's: the state's columns in registers, eight lanes a column, walking the
 //!    sequence's chunks: `δ`, the outputs, states after rows a batched step keeps
@@ -305,38 +306,7 @@ pub fn chunk_prepare(name: &str, origin: &str, layout: CacheLayout, spec: &Delta
             )],
         ),
         Stmt::SyncThreads,
-        // (I + A)·X = rhs by forward substitution, a column a thread: row t needs rows before
-        // it of the same column only, which this thread solved itself.
-        strided(
-            "column",
-            int(dk + dv),
-            vec![if_else(
-                lt(var("column"), int(dk)),
-                substitute("xs", xs, var("column"), a_stride),
-                substitute("ys", ys, var("column") - int(dk), a_stride),
-            )],
-        ),
-        Stmt::SyncThreads,
-        over_rows(
-            var("n"),
-            dk,
-            "k",
-            vec![store(
-                "chunk_w",
-                scratch_row(var("q0"), var("t"), vh, dk) + var("k"),
-                load("xs", var("t") * int(xs) + var("k")),
-            )],
-        ),
-        over_rows(
-            var("n"),
-            dv,
-            "c",
-            vec![store(
-                "chunk_u",
-                scratch_row(var("q0"), var("t"), vh, dv) + var("c"),
-                load("ys", var("t") * int(ys) + var("c")),
-            )],
-        ),
+        substitute((dk, dv), (xs, ys, a_stride), vh),
     ]);
     let mut all = chunk_rows(layout, vh);
     // An empty tile (a batched step lists as many as its rows could make) has nothing to do.
@@ -454,33 +424,68 @@ fn scores(spec: &DeltaNetSpec, (xs, ys, a_stride): (i64, i64, i64), vh: i64) -> 
     out
 }
 
-/// Forward substitution down `column` of shared `array` (rows `stride` apart): row t less
-/// `A[t, i]` times row i for each i < t, for the chunk's rows in order.
-fn substitute(array: &str, stride: i64, column: Expr, a_stride: i64) -> Vec<Stmt> {
-    let at = |row: Expr| row * int(stride) + var("col");
-    vec![
-        let_("col", Ty::I32, column),
-        for_(
-            "t",
-            int(1),
-            var("n"),
-            int(1),
-            vec![
-                let_("solved", Ty::F32, load(array, at(var("t")))),
-                for_(
-                    "i",
-                    int(0),
-                    var("t"),
-                    int(1),
-                    vec![assign(
-                        "solved",
-                        var("solved") - load("a_sh", var("t") * int(a_stride) + var("i")) * load(array, at(var("i"))),
+/// `(I + A)·X = rhs` by forward substitution, a column of X a thread (W's `dk`, then U's `dv`,
+/// their right-hand sides in shared `xs` and `ys`), written to `chunk_w` and `chunk_u`. Row t
+/// needs the rows before it of its own column only, so the column's rows stay in the thread's
+/// registers, unrolled over the chunk, and the threads read each row of `A` together (a
+/// broadcast, 16 bytes at a time). Rows past the chunk's last are zero on both sides (their β
+/// is), so every chunk solves all [`CHUNK`] rows.
+fn substitute((dk, dv): (i64, i64), (xs, ys, a_stride): (i64, i64, i64), vh: i64) -> Stmt {
+    let chunk = CHUNK as i64;
+    let x = |t: i64| format!("x{t}");
+    let mut body: Vec<Stmt> = (0..chunk).map(|t| let_(&x(t), Ty::F32, f(0.0))).collect();
+    let column_of = |array: &str, stride: i64, column: Expr| -> Vec<Stmt> {
+        (0..chunk)
+            .map(|t| assign(&x(t), load(array, int(t * stride) + column.clone())))
+            .collect()
+    };
+    body.push(if_else(
+        lt(var("column"), int(dk)),
+        column_of("xs", xs, var("column")),
+        column_of("ys", ys, var("column") - int(dk)),
+    ));
+    for t in 1..chunk {
+        // A[t, i] for i below `whole` in 16-byte loads, the rest one at a time.
+        let whole = t / 4 * 4;
+        let a = |i: i64| format!("a{t}_{i}");
+        for first in (0..whole).step_by(4) {
+            let names: Vec<String> = (first..first + 4).map(a).collect();
+            body.push(load_vec("a_sh", int(t * a_stride + first), &names));
+        }
+        let term = |i: i64| {
+            let a_ti = match i < whole {
+                true => var(&a(i)),
+                false => load("a_sh", int(t * a_stride + i)),
+            };
+            a_ti * var(&x(i))
+        };
+        // The row just solved last, so its wait is one product and two subtractions.
+        let solved = match t {
+            1 => var(&x(t)) - term(0),
+            _ => var(&x(t)) - tree_sum((0..t - 1).map(term).collect()) - term(t - 1),
+        };
+        body.push(assign(&x(t), solved));
+    }
+    let column_to = |buf: &str, width: i64, column: Expr| -> Vec<Stmt> {
+        (0..chunk)
+            .map(|t| {
+                if_(
+                    lt(int(t), var("n")),
+                    vec![store(
+                        buf,
+                        scratch_row(var("q0"), int(t), vh, width) + column.clone(),
+                        var(&x(t)),
                     )],
-                ),
-                store(array, at(var("t")), var("solved")),
-            ],
-        ),
-    ]
+                )
+            })
+            .collect()
+    };
+    body.push(if_else(
+        lt(var("column"), int(dk)),
+        column_to("chunk_w", dk, var("column")),
+        column_to("chunk_u", dv, var("column") - int(dk)),
+    ));
+    strided("column", int(dk + dv), body)
 }
 
 /// How [`chunk_state`] splits a head: value columns a block (eight lanes each).
