@@ -15,8 +15,8 @@
 //! Two launches after the convolution and window of [`delta_net`]:
 //! 1. [`chunk_prepare`], a block per (chunk, value head): the scores `P[t, i] = (Γ_t / Γ_i)
 //!    q̂_t·k̂_i` (`i ≤ t`, else 0), `A`, then `W` and `U` by forward substitution (each thread
-//!    solving a column of its own in registers), written to scratch with each row's decay and
-//!    scales.
+//!    solving a column of its own, 16 rows at a time in registers), written to scratch with
+//!    each row's decay and scales.
 //! 2. [`chunk_state`], a block per (sequence, value head, tile of value columns) as the
 //!    recurrent kernel's: the state's columns in registers, eight lanes a column, walking the
 //!    sequence's chunks: `δ`, the outputs, states after rows a batched step keeps
@@ -129,9 +129,10 @@ pub fn chunk_prepare(name: &str, origin: &str, layout: CacheLayout, spec: &Delta
     let channels = spec.conv_channels() as i64;
     let chunk = CHUNK as i64;
     // Rows of `xs` and `ys` one element longer than their data, so the rows a warp reads
-    // together sit in different banks; `A`'s 4 longer, so a warp's stores (8 rows, 4 columns)
-    // do.
-    let (xs, ys, a_stride) = (dk + 1, dk.max(dv) + 1, chunk + 4);
+    // together sit in different banks. `a_sh` holds `A` transposed (`A[t, i]` at `i·a_pitch +
+    // t`), its rows 8 longer, so a warp's stores (4 of its rows, 8 columns) fall in different
+    // banks and 16-byte reads stay aligned.
+    let (xs, ys, a_pitch) = (dk + 1, dk.max(dv) + 1, chunk + 8);
     let conv_at = |offset: Expr| (var("q0") + var("t")) * int(channels) + offset;
     let row = |t: &str| var("q0") + var(t);
 
@@ -276,7 +277,7 @@ pub fn chunk_prepare(name: &str, origin: &str, layout: CacheLayout, spec: &Delta
             ],
         ),
     ]);
-    body.extend(scores(spec, (xs, ys, a_stride), vh));
+    body.extend(scores(spec, (xs, ys, a_pitch), vh));
     body.extend([
         Stmt::SyncThreads,
         // The right-hand sides: β_t Γ_t k̂_t for W (over the queries, no longer needed)…
@@ -306,7 +307,7 @@ pub fn chunk_prepare(name: &str, origin: &str, layout: CacheLayout, spec: &Delta
             )],
         ),
         Stmt::SyncThreads,
-        substitute((dk, dv), (xs, ys, a_stride), vh),
+        substitute((dk, dv), (xs, ys, a_pitch), vh),
     ]);
     let mut all = chunk_rows(layout, vh);
     // An empty tile (a batched step lists as many as its rows could make) has nothing to do.
@@ -338,7 +339,7 @@ pub fn chunk_prepare(name: &str, origin: &str, layout: CacheLayout, spec: &Delta
         shared: vec![
             shared_f32("xs", CHUNK * xs as usize),
             shared_f32("ys", CHUNK * ys as usize),
-            shared_f32("a_sh", CHUNK * a_stride as usize),
+            shared_f32("a_sh", CHUNK * a_pitch as usize),
             shared_f32("beta_sh", CHUNK),
             shared_f32("log_decay_sh", CHUNK),
             shared_f32("b_sh", CHUNK),
@@ -351,10 +352,10 @@ pub fn chunk_prepare(name: &str, origin: &str, layout: CacheLayout, spec: &Delta
     }
 }
 
-/// The chunk's `P` rows (to scratch) and `A` (to shared `a_sh`) from the q and k rows in `xs`
-/// and `ys`: thread `tid` takes row `t = tid / 4` against rows `i = tid % 4 + 4u`, the two
-/// products over the key dimension side by side (16 of each a thread).
-fn scores(spec: &DeltaNetSpec, (xs, ys, a_stride): (i64, i64, i64), vh: i64) -> Vec<Stmt> {
+/// The chunk's `P` rows (to scratch) and `A` (transposed, to shared `a_sh`) from the q and k
+/// rows in `xs` and `ys`: thread `tid` takes row `t = tid / 4` against rows `i = tid % 4 +
+/// 4u`, the two products over the key dimension side by side (16 of each a thread).
+fn scores(spec: &DeltaNetSpec, (xs, ys, a_pitch): (i64, i64, i64), vh: i64) -> Vec<Stmt> {
     let chunk = CHUNK as i64;
     let lanes_a_row = PREPARE_THREADS as i64 / chunk;
     let partners = chunk / lanes_a_row;
@@ -412,7 +413,7 @@ fn scores(spec: &DeltaNetSpec, (xs, ys, a_stride): (i64, i64, i64), vh: i64) -> 
             ),
             store(
                 "a_sh",
-                var("row") * int(a_stride) + var(&i),
+                var(&i) * int(a_pitch) + var("row"),
                 select(
                     lt(var(&i), var("row")),
                     var(&kk(u)) * var("beta_row") * var("k_scale_row") * var(&ratio),
@@ -424,68 +425,89 @@ fn scores(spec: &DeltaNetSpec, (xs, ys, a_stride): (i64, i64, i64), vh: i64) -> 
     out
 }
 
+/// Rows of X a thread holds in registers at once in [`substitute`].
+const SOLVE_ROWS: i64 = 16;
+
 /// `(I + A)·X = rhs` by forward substitution, a column of X a thread (W's `dk`, then U's `dv`,
-/// their right-hand sides in shared `xs` and `ys`), written to `chunk_w` and `chunk_u`. Row t
-/// needs the rows before it of its own column only, so the column's rows stay in the thread's
-/// registers, unrolled over the chunk, and the threads read each row of `A` together (a
-/// broadcast, 16 bytes at a time). Rows past the chunk's last are zero on both sides (their β
-/// is), so every chunk solves all [`CHUNK`] rows.
-fn substitute((dk, dv): (i64, i64), (xs, ys, a_stride): (i64, i64, i64), vh: i64) -> Stmt {
-    let chunk = CHUNK as i64;
-    let x = |t: i64| format!("x{t}");
-    let mut body: Vec<Stmt> = (0..chunk).map(|t| let_(&x(t), Ty::F32, f(0.0))).collect();
-    let column_of = |array: &str, stride: i64, column: Expr| -> Vec<Stmt> {
-        (0..chunk)
-            .map(|t| assign(&x(t), load(array, int(t * stride) + column.clone())))
-            .collect()
-    };
-    body.push(if_else(
-        lt(var("column"), int(dk)),
-        column_of("xs", xs, var("column")),
-        column_of("ys", ys, var("column") - int(dk)),
-    ));
-    for t in 1..chunk {
-        // A[t, i] for i below `whole` in 16-byte loads, the rest one at a time.
-        let whole = t / 4 * 4;
-        let a = |i: i64| format!("a{t}_{i}");
-        for first in (0..whole).step_by(4) {
-            let names: Vec<String> = (first..first + 4).map(a).collect();
-            body.push(load_vec("a_sh", int(t * a_stride + first), &names));
-        }
-        let term = |i: i64| {
-            let a_ti = match i < whole {
-                true => var(&a(i)),
-                false => load("a_sh", int(t * a_stride + i)),
-            };
-            a_ti * var(&x(i))
-        };
-        // The row just solved last, so its wait is one product and two subtractions.
-        let solved = match t {
-            1 => var(&x(t)) - term(0),
-            _ => var(&x(t)) - tree_sum((0..t - 1).map(term).collect()) - term(t - 1),
-        };
-        body.push(assign(&x(t), solved));
-    }
-    let column_to = |buf: &str, width: i64, column: Expr| -> Vec<Stmt> {
-        (0..chunk)
-            .map(|t| {
-                if_(
-                    lt(int(t), var("n")),
-                    vec![store(
-                        buf,
-                        scratch_row(var("q0"), int(t), vh, width) + column.clone(),
-                        var(&x(t)),
-                    )],
+/// their right-hand sides in shared `xs` and `ys`, solved in place), each solved row also
+/// written to `chunk_w` or `chunk_u`. Row t needs the rows before it of its own column only,
+/// so a thread takes [`SOLVE_ROWS`] rows at a time into registers: first less what each row
+/// solved before them contributes (a loop over those rows, each read once), then solved among
+/// themselves (unrolled). Both read `A` by columns, which `a_sh` holds as rows: every thread
+/// reads the same 16 bytes at once (a broadcast). Rows past the chunk's last are zero on both
+/// sides (their β is).
+fn substitute((dk, dv): (i64, i64), (xs, ys, a_pitch): (i64, i64, i64), vh: i64) -> Stmt {
+    let rows = SOLVE_ROWS;
+    let y = |j: i64| format!("y{j}");
+    // `A[first + j, i]` for the block's rows j from `from` on: 16-byte loads where 4 are
+    // whole (declared `{prefix}{j}`), the rest one at a time.
+    let a_column = |i: Expr, from: i64, prefix: &str| -> (Vec<Stmt>, Vec<Expr>) {
+        let at = |j: i64| i.clone() * int(a_pitch) + var("first") + int(j);
+        let whole = (from + 3) / 4 * 4;
+        let loads = (whole..rows)
+            .step_by(4)
+            .map(|j| {
+                load_vec(
+                    "a_sh",
+                    at(j),
+                    &(j..j + 4).map(|j| format!("{prefix}{j}")).collect::<Vec<_>>(),
                 )
             })
-            .collect()
+            .collect();
+        let values = (0..rows)
+            .map(|j| match j < whole {
+                true => load("a_sh", at(j)),
+                false => var(&format!("{prefix}{j}")),
+            })
+            .collect();
+        (loads, values)
     };
-    body.push(if_else(
-        lt(var("column"), int(dk)),
-        column_to("chunk_w", dk, var("column")),
-        column_to("chunk_u", dv, var("column") - int(dk)),
-    ));
-    strided("column", int(dk + dv), body)
+    let solve = |array: &str, stride: i64, column: Expr, (out, width): (&str, i64)| -> Vec<Stmt> {
+        let at = |row: Expr| row * int(stride) + column.clone();
+        let mut block: Vec<Stmt> = (0..rows)
+            .map(|j| let_(&y(j), Ty::F32, load(array, at(var("first") + int(j)))))
+            .collect();
+        // Less the rows solved before the block.
+        let (loads, a) = a_column(var("i"), 0, "a");
+        let mut earlier = vec![let_("x_i", Ty::F32, load(array, at(var("i"))))];
+        earlier.extend(loads);
+        for (j, a) in a.into_iter().enumerate() {
+            earlier.push(assign(&y(j as i64), var(&y(j as i64)) - a * var("x_i")));
+        }
+        block.push(for_("i", int(0), var("first"), int(1), earlier));
+        // The block's own rows, each taken from the rows after it once solved.
+        for i in 0..rows - 1 {
+            let (loads, a) = a_column(var("first") + int(i), i + 1, &format!("d{i}_"));
+            block.extend(loads);
+            for (j, a) in a.into_iter().enumerate().skip(i as usize + 1) {
+                block.push(assign(&y(j as i64), var(&y(j as i64)) - a * var(&y(i))));
+            }
+        }
+        for j in 0..rows {
+            let row = var("first") + int(j);
+            block.extend([
+                store(array, at(row.clone()), var(&y(j))),
+                if_(
+                    lt(row.clone(), var("n")),
+                    vec![store(
+                        out,
+                        scratch_row(var("q0"), row, vh, width) + column.clone(),
+                        var(&y(j)),
+                    )],
+                ),
+            ]);
+        }
+        vec![for_("first", int(0), var("n"), int(rows), block)]
+    };
+    strided(
+        "column",
+        int(dk + dv),
+        vec![if_else(
+            lt(var("column"), int(dk)),
+            solve("xs", xs, var("column"), ("chunk_w", dk)),
+            solve("ys", ys, var("column") - int(dk), ("chunk_u", dv)),
+        )],
+    )
 }
 
 /// How [`chunk_state`] splits a head: value columns a block (eight lanes each).
