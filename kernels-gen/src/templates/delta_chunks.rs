@@ -128,11 +128,11 @@ pub fn chunk_prepare(name: &str, origin: &str, layout: CacheLayout, spec: &Delta
     let key_width = (spec.key_heads * spec.key_dim) as i64;
     let channels = spec.conv_channels() as i64;
     let chunk = CHUNK as i64;
-    // Rows of `xs` and `ys` one element longer than their data, so the rows a warp reads
-    // together sit in different banks. `a_sh` holds `A` transposed (`A[t, i]` at `i·a_pitch +
-    // t`), its rows 8 longer, so a warp's stores (4 of its rows, 8 columns) fall in different
-    // banks and 16-byte reads stay aligned.
-    let (xs, ys, a_pitch) = (dk + 1, dk.max(dv) + 1, chunk + 8);
+    // Rows of `xs` and `ys` 4 elements longer than their data: 16-byte aligned, and the 16
+    // bytes each of the 8 rows a warp reads together fall in different banks. `a_sh` holds `A`
+    // transposed (`A[t, i]` at `i·a_pitch + t`), its rows 8 longer, so a warp's stores (4 of
+    // its rows, 8 columns) fall in different banks and 16-byte reads stay aligned.
+    let (xs, ys, a_pitch) = (dk + 4, dk.max(dv) + 4, chunk + 8);
     let conv_at = |offset: Expr| (var("q0") + var("t")) * int(channels) + offset;
     let row = |t: &str| var("q0") + var(t);
 
@@ -354,7 +354,8 @@ pub fn chunk_prepare(name: &str, origin: &str, layout: CacheLayout, spec: &Delta
 
 /// The chunk's `P` rows (to scratch) and `A` (transposed, to shared `a_sh`) from the q and k
 /// rows in `xs` and `ys`: thread `tid` takes row `t = tid / 4` against rows `i = tid % 4 +
-/// 4u`, the two products over the key dimension side by side (16 of each a thread).
+/// 4u`, the two products over the key dimension side by side (16 of each a thread), reading
+/// 4 dims of each row at once.
 fn scores(spec: &DeltaNetSpec, (xs, ys, a_pitch): (i64, i64, i64), vh: i64) -> Vec<Stmt> {
     let chunk = CHUNK as i64;
     let lanes_a_row = PREPARE_THREADS as i64 / chunk;
@@ -369,19 +370,23 @@ fn scores(spec: &DeltaNetSpec, (xs, ys, a_pitch): (i64, i64, i64), vh: i64) -> V
         out.push(let_(&qk(u), Ty::F32, f(0.0)));
         out.push(let_(&kk(u), Ty::F32, f(0.0)));
     }
+    let four = |prefix: &str| -> Vec<String> { (0..4).map(|j| format!("{prefix}{j}")).collect() };
+    let (q_t, k_t) = (four("q_t"), four("k_t"));
     let mut step = vec![
-        let_("q_t", Ty::F32, load("xs", var("row") * int(xs) + var("k"))),
-        let_("k_t", Ty::F32, load("ys", var("row") * int(ys) + var("k"))),
+        load_vec("xs", var("row") * int(xs) + var("k"), &q_t),
+        load_vec("ys", var("row") * int(ys) + var("k"), &k_t),
     ];
     for u in 0..partners {
-        let k_i = format!("k_i{u}");
-        step.extend([
-            let_(&k_i, Ty::F32, load("ys", partner(u) * int(ys) + var("k"))),
-            assign(&qk(u), var(&qk(u)) + var("q_t") * var(&k_i)),
-            assign(&kk(u), var(&kk(u)) + var("k_t") * var(&k_i)),
-        ]);
+        let k_i = four(&format!("k_i{u}_"));
+        step.push(load_vec("ys", partner(u) * int(ys) + var("k"), &k_i));
+        for j in 0..4 {
+            step.extend([
+                assign(&qk(u), var(&qk(u)) + var(&q_t[j]) * var(&k_i[j])),
+                assign(&kk(u), var(&kk(u)) + var(&k_t[j]) * var(&k_i[j])),
+            ]);
+        }
     }
-    out.push(for_("k", int(0), int(spec.key_dim as i64), int(1), step));
+    out.push(for_("k", int(0), int(spec.key_dim as i64), int(4), step));
     out.extend([
         let_("b_row", Ty::F32, load("b_sh", var("row"))),
         let_("q_scale_row", Ty::F32, load("q_scale_sh", var("row"))),
