@@ -94,8 +94,8 @@ fn check_within(
     if dtype == ComputeDtype::Bf16 {
         // bf16 prefill runs the target's own TMA-fed tensor-core GEMM: wgmma on Hopper and
         // tcgen05 on B200 (each only there; plain, with the norm prologue, with the residual
-        // add before the norm, and that with the gated MLP's GLU after; on Hopper each also
-        // with the weights as M for steps of up to 64 rows), mma.sync on the RTX PRO 6000.
+        // add before the norm, and that with the gated MLP's GLU after; each also in tiles of
+        // 64 tokens for steps of up to 64 rows), mma.sync on the RTX PRO 6000.
         // Qwen3-Next's MLPs are MoE layers (no GLU epilogue GEMM); no Gemma 4 layer adds the
         // residual before a norm without a GLU after it (no plain residual-prologue GEMM).
         let special: Vec<_> = kernels.iter().filter_map(kernels_gen::cuda::required_arch).collect();
@@ -105,7 +105,7 @@ fn check_within(
         };
         let expected = match target {
             Target::H200 => vec!["sm_90a"; 2 * variants],
-            Target::B200 => vec!["sm_100a"; variants],
+            Target::B200 => vec!["sm_100a"; 2 * variants],
             _ => vec![],
         };
         assert_eq!(special, expected, "{family} on {}", target.name());
@@ -314,29 +314,37 @@ fn plans_match_hf_at_every_row_and_step() {
     }
 }
 
-/// Hopper's bf16 plans prefill steps of 16 to 64 rows through the TMA GEMM with the weights as
-/// wgmma's M (the launches' batch kernels) and longer ones through the 128-token tiles: a
-/// step of 40 rows launches the former for every TMA matmul and none of the latter, one of 80
-/// the other way round, and both agree with the CPU backend.
+/// Hopper's and the B200's bf16 plans prefill steps of 16 to 64 rows through the TMA GEMM in
+/// 64-token tiles (the launches' batch kernels: on Hopper with the weights as wgmma's M) and
+/// longer ones through the 128-token tiles: a step of 40 rows launches the former for every
+/// TMA matmul and none of the latter, one of 80 the other way round, and both agree with the
+/// CPU backend.
 #[test]
-fn hopper_plans_take_the_batch_gemm_up_to_64_rows() {
-    use runtime::kv::{BlockId, Segment, StateSnapshots};
+fn plans_take_the_batch_gemm_up_to_64_rows() {
     let model = open("llama", ComputeDtype::Bf16);
     let graph = model.lower(LogitsFor::LastToken).unwrap();
-    let gpu_graph = fused_for(&graph, Target::H200);
-    let cache = gpu::BatchedCache {
-        blocks: 8,
-        block_size: 16,
-        sequences: 1,
-    };
-    let (plan, kernels) = gpu::build_batched(&gpu_graph, Target::H200, 128, cache).unwrap();
-    let gpu = EmulatorBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 128).unwrap();
     let cpu = CpuBackend::new(
         passes::optimized(&graph, passes::CostModel::CPU).unwrap(),
         &model.weights,
         128,
     )
     .unwrap();
+    for target in [Target::H200, Target::B200] {
+        batch_gemm_up_to_64_rows(&model, &graph, &cpu, target);
+    }
+}
+
+fn batch_gemm_up_to_64_rows(model: &Model, graph: &ir::Graph, cpu: &CpuBackend, target: Target) {
+    use runtime::kv::{BlockId, Segment, StateSnapshots};
+    let gpu_graph = fused_for(graph, target);
+    let cache = gpu::BatchedCache {
+        blocks: 8,
+        block_size: 16,
+        sequences: 1,
+    };
+    let (plan, kernels) = gpu::build_batched(&gpu_graph, target, 128, cache).unwrap();
+    let gpu = EmulatorBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], 128).unwrap();
+    let target = target.name();
     let table: Vec<BlockId> = (0..cache.blocks as u32).rev().map(BlockId).collect();
     for (rows, batch) in [(40u32, true), (80, false)] {
         let ids: Vec<u32> = (0..rows).map(|i| (7 + 13 * i) % 300).collect();
@@ -362,7 +370,10 @@ fn hopper_plans_take_the_batch_gemm_up_to_64_rows() {
                 .filter(|k| k.contains("gemm_tma") && k.contains("_batch") == batch)
                 .count()
         };
-        assert!(tma(batch) > 0 && tma(!batch) == 0, "{rows} rows: {launched:?}");
+        assert!(
+            tma(batch) > 0 && tma(!batch) == 0,
+            "{target}, {rows} rows: {launched:?}"
+        );
         // The same step again (its keys written again, the same), against the CPU backend.
         let got = gpu
             .step_batch(&[segment()])
@@ -376,7 +387,7 @@ fn hopper_plans_take_the_batch_gemm_up_to_64_rows() {
             .remove("logits")
             .unwrap();
         let error = relative_error(&got.data, want.row(want.rows() - 1));
-        assert!(error <= 2e-2, "{rows} rows: error {error}");
+        assert!(error <= 2e-2, "{target}, {rows} rows: error {error}");
     }
 }
 

@@ -2112,6 +2112,14 @@ fn tma_gemms_gate_their_own_products() {
         ),
         b200(TcgenTile::SPECIALISED, GluAct::Silu),
         b200(TcgenTile::WIDE.persistent(2), GluAct::Silu),
+        b200(TcgenTile::batch(16), GluAct::Silu),
+        b200(
+            TcgenTile {
+                specialised: true,
+                ..TcgenTile::batch(64)
+            },
+            GluAct::GeluTanh,
+        ),
     ];
     for (act, gemm) in gemms {
         let reduce = split_k::reduce_after_gating("reduce", "test", 16, act);
@@ -2148,10 +2156,10 @@ fn tma_gemms_gate_their_own_products() {
     }
 }
 
-/// Blackwell's TMA GEMM (tcgen05 into tensor memory): tiles of 64, 128 and 256 tokens, rings
-/// of 2 (refilled every other step), 3 and 4 buffers; one thread driving the ring, or a
-/// producer, an MMA and four epilogue warps (warp specialisation), a block a tile or in
-/// persistent schedules of 2 and 3 blocks taking up to four tiles each through one ring and
+/// Blackwell's TMA GEMM (tcgen05 into tensor memory): tiles of 16, 32, 64, 128 and 256
+/// tokens, rings of 2 (refilled every other step), 3, 4 and 6 buffers; one thread driving the
+/// ring, or a producer, an MMA and four epilogue warps (warp specialisation), a block a tile or
+/// in persistent schedules of 2 and 3 blocks taking up to four tiles each through one ring and
 /// two accumulators.
 #[test]
 fn blackwell_tma_gemm_matches_reference_on_bf16_inputs() {
@@ -2180,6 +2188,14 @@ fn blackwell_tma_gemm_matches_reference_on_bf16_inputs() {
             ..TcgenTile::WIDE
         }
         .persistent(3),
+        // Decode batches' tiles: 16 tokens (a 32-column allocation for its 16), and 32 in a
+        // persistent schedule (its two accumulators side by side in 64 columns).
+        TcgenTile::batch(16),
+        TcgenTile {
+            stages: 3,
+            ..TcgenTile::batch(32)
+        }
+        .persistent(2),
     ];
     for (i, tile) in tiles.into_iter().enumerate() {
         tma_gemm_matches_reference(

@@ -314,8 +314,8 @@ const EARLIER_HOPPER_SCHEDULES: [(&str, Schedule); 2] = [
 /// for in their step, and 256-row tiles, each also warp-specialised, a block a tile and in a
 /// persistent schedule of a block for each of the `sms` multiprocessors, and with the weights
 /// as wgmma's M over tiles of 16 and 64 tokens; on Blackwell the
-/// TMA-fed tcgen05 GEMM, also warp-specialised and persistent, and on the RTX PRO 6000 the
-/// TMA-fed `mma.sync` GEMM, on bf16 activations.
+/// TMA-fed tcgen05 GEMM, also warp-specialised and persistent, and over tiles of 16 and 64
+/// tokens, and on the RTX PRO 6000 the TMA-fed `mma.sync` GEMM, on bf16 activations.
 fn tensor_core_gemms(
     arch: &str,
     sms: u32,
@@ -327,6 +327,9 @@ fn tensor_core_gemms(
             ("gemm_tma", TcgenTile::WIDE),
             ("gemm_tma_specialised", TcgenTile::SPECIALISED),
             ("gemm_tma_persistent", TcgenTile::WIDE.persistent(sms)),
+            // Decode batches' tiles: the tensor cores' work sized to 16 and 64 tokens.
+            ("gemm_tma_batch_16", TcgenTile::batch(16)),
+            ("gemm_tma_batch_64", TcgenTile::batch(64)),
         ];
         for (name, tile) in tiles {
             out.push((gemm_tma_tcgen05_bf16(name, "gpu-check", tile), tile.tiles()));

@@ -2,7 +2,7 @@
 //! bf16 activations and weights, f32 accumulation in tensor memory.
 //!
 //! Roles as in `gemm_tcgen05`: the MMA's M (128) is weight rows (A), its N the tile's tokens
-//! (B, 64 to 256), D[i][j] = out[m0 + j][n0 + i]. K advances 64 at a time through a ring of
+//! (B, 16 to 256: [`TcgenTile::batch`] sizes decode batches' tiles), D[i][j] = out[m0 + j][n0 + i]. K advances 64 at a time through a ring of
 //! `stages` buffers in dynamic shared memory, each holding the step's weight box (128 × 64)
 //! and activation box (`tile_tokens` × 64) as TMA writes them under the 128-byte swizzle,
 //! which the MMAs' descriptors read (stride byte offset 1 KiB, each 16-wide k slice 32 bytes
@@ -57,7 +57,8 @@ const GLU_GROUP: i64 = 16;
 /// The shape of one TMA tcgen05 GEMM.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TcgenTile {
-    /// Tokens per tile: the MMA's N and the TMEM columns allocated (64, 128 or 256).
+    /// Tokens per tile: the MMA's N and an accumulator's TMEM columns (16, 32, 64, 128 or
+    /// 256).
     pub tile_tokens: u32,
     /// 2..=8 buffers of `(128 + tile_tokens) × 128` bytes.
     pub stages: u32,
@@ -84,6 +85,30 @@ impl TcgenTile {
         ..Self::WIDE
     };
 
+    /// 128 weight rows × `tokens` (16, 32 or 64) tiles for decode batches, the tensor cores'
+    /// work sized to the step's rows: six buffers (144 KiB at 64 tokens).
+    pub const fn batch(tokens: u32) -> TcgenTile {
+        TcgenTile {
+            tile_tokens: tokens,
+            stages: 6,
+            specialised: false,
+            persistent: None,
+        }
+    }
+
+    /// `self` on `schedule`: as it is, warp-specialised, or persistent.
+    pub fn scheduled(self, schedule: super::TmaSchedule) -> Self {
+        use super::TmaSchedule;
+        match schedule {
+            TmaSchedule::BlockDriven => self,
+            TmaSchedule::Specialised => Self {
+                specialised: true,
+                ..self
+            },
+            TmaSchedule::Persistent { blocks } => self.persistent(blocks),
+        }
+    }
+
     /// `self`, warp-specialised, in a persistent schedule of at most `blocks` blocks.
     pub fn persistent(self, blocks: u32) -> Self {
         Self {
@@ -99,9 +124,10 @@ impl TcgenTile {
         1 + self.persistent.is_some() as i64
     }
 
-    /// TMEM columns allocated: an accumulator is a column a token.
+    /// TMEM columns allocated: an accumulator is a column a token (an allocation at least 32,
+    /// a power of two).
     fn columns(self) -> u32 {
-        self.tile_tokens * self.accumulators() as u32
+        (self.tile_tokens * self.accumulators() as u32).max(32)
     }
 
     /// The tile sizes, for the split-K expression: (tokens, weight rows, K step).
@@ -329,7 +355,7 @@ pub fn gemm_tma_tcgen05_bf16_prologued(
 
 fn gemm(name: &str, origin: &str, tile: TcgenTile, params: Vec<Param>, form: tma_gemm::ResultForm) -> Kernel {
     assert!(
-        matches!(tile.tile_tokens, 64 | 128 | 256),
+        matches!(tile.tile_tokens, 16 | 32 | 64 | 128 | 256),
         "tile_tokens {}",
         tile.tile_tokens
     );

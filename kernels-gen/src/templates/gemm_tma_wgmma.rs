@@ -134,6 +134,19 @@ impl TmaTile {
         }
     }
 
+    /// `self` on `schedule`: as it is, warp-specialised, or persistent.
+    pub fn scheduled(self, schedule: super::TmaSchedule) -> Self {
+        use super::TmaSchedule;
+        match schedule {
+            TmaSchedule::BlockDriven => self,
+            TmaSchedule::Specialised => Self {
+                specialised: true,
+                ..self
+            },
+            TmaSchedule::Persistent { blocks } => self.persistent(blocks),
+        }
+    }
+
     /// `self`, warp-specialised, in a persistent schedule of at most `blocks` blocks.
     pub fn persistent(self, blocks: u32) -> Self {
         Self {

@@ -124,22 +124,12 @@ pub fn tma_prefill_gemm(
 ) -> Option<PrefillGemm> {
     let (kernel, tiles) = match arch {
         "sm_90a" => {
-            use gemm_tma_wgmma::TmaTile;
-            let tile = match schedule {
-                TmaSchedule::BlockDriven => TmaTile::WIDE,
-                TmaSchedule::Specialised => TmaTile::SPECIALISED,
-                TmaSchedule::Persistent { blocks } => TmaTile::SPECIALISED.persistent(blocks),
-            };
+            let tile = gemm_tma_wgmma::TmaTile::WIDE.scheduled(schedule);
             let kernel = gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(name, origin, tile, norm, glu);
             (kernel, tile.tiles())
         }
         "sm_100a" => {
-            use gemm_tma_tcgen05::TcgenTile;
-            let tile = match schedule {
-                TmaSchedule::BlockDriven => TcgenTile::WIDE,
-                TmaSchedule::Specialised => TcgenTile::SPECIALISED,
-                TmaSchedule::Persistent { blocks } => TcgenTile::WIDE.persistent(blocks),
-            };
+            let tile = gemm_tma_tcgen05::TcgenTile::WIDE.scheduled(schedule);
             let kernel = gemm_tma_tcgen05::gemm_tma_tcgen05_bf16_prologued(name, origin, tile, norm, glu);
             (kernel, tile.tiles())
         }
@@ -155,11 +145,12 @@ pub fn tma_prefill_gemm(
     Some(PrefillGemm { kernel, tiles, gates })
 }
 
-/// Hopper's TMA GEMM for a decode batch of up to `tokens` rows (16, 32 or 64), a plan's
-/// alternative to [`tma_prefill_gemm`]'s for such steps: the weights as `wgmma`'s M and the
-/// tokens its N, on `schedule`, the same result form and weight tiles (so the same K splits at
-/// those rows: one token tile either way). None on other architectures, whose TMA GEMMs take
-/// few rows as they are (the B200's has the weights as M already).
+/// The TMA GEMM for a decode batch of up to `tokens` rows (16, 32 or 64), a plan's
+/// alternative to [`tma_prefill_gemm`]'s for such steps, on `schedule`, the same result form
+/// and weight tiles (so the same K splits at those rows: one token tile either way): on Hopper
+/// the weights as `wgmma`'s M and the tokens its N, on the B200 `tcgen05` tiles of `tokens`
+/// (its weights are M already). None on the RTX PRO 6000, whose TMA GEMM takes few rows as it
+/// is.
 pub fn tma_batch_gemm(
     arch: &str,
     (norm, glu): (Option<gemv::NormPrologue>, Option<ir::GluAct>),
@@ -167,22 +158,21 @@ pub fn tma_batch_gemm(
     tokens: u32,
     (name, origin): (&str, &str),
 ) -> Option<Kernel> {
-    use gemm_tma_wgmma::TmaTile;
-    if arch != "sm_90a" {
-        return None;
+    match arch {
+        "sm_90a" => {
+            let tile = gemm_tma_wgmma::TmaTile::batch(tokens).scheduled(schedule);
+            Some(gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(
+                name, origin, tile, norm, glu,
+            ))
+        }
+        "sm_100a" => {
+            let tile = gemm_tma_tcgen05::TcgenTile::batch(tokens).scheduled(schedule);
+            Some(gemm_tma_tcgen05::gemm_tma_tcgen05_bf16_prologued(
+                name, origin, tile, norm, glu,
+            ))
+        }
+        _ => None,
     }
-    let batch = TmaTile::batch(tokens);
-    let tile = match schedule {
-        TmaSchedule::BlockDriven => batch,
-        TmaSchedule::Specialised => TmaTile {
-            specialised: true,
-            ..batch
-        },
-        TmaSchedule::Persistent { blocks } => batch.persistent(blocks),
-    };
-    Some(gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(
-        name, origin, tile, norm, glu,
-    ))
 }
 
 /// How a TMA GEMM's warps share its work, where the target's GEMM has the forms (Hopper's and
