@@ -588,8 +588,9 @@ impl Entries {
 }
 
 /// Issues the `cp.async`s (4 f32 each) of `rows` rows of `width` elements (a multiple of 4):
-/// row `t`'s from `src[src_row(t) + k]` to `dst[dst_at + t·width + k]`, zeros where `valid(k)`
-/// is false. `t` and `k` are declared for `src_row` and `valid`.
+/// for row `t` and each 4 elements from `k`, `src[src_row + k]` to `dst[dst_at + t·width +
+/// k]`, or zeros where `valid` is false; `src_row` and `valid` are expressions of `t` and `k`,
+/// which this declares.
 fn copy_rows_async(
     (dst, dst_at): (&str, Expr),
     (src, src_row): (&str, Expr),
@@ -815,7 +816,8 @@ pub fn chunk_state(name: &str, origin: &str, layout: CacheLayout, spec: &DeltaNe
     chunk_body.extend([
         for_("t", int(0), var("n"), int(1), outputs),
         Stmt::SyncThreads,
-        // The next chunk's over q (block-uniform; an empty group after the last chunk).
+        // The next chunk's W (over q), U, P and scales (block-uniform; after the last chunk an
+        // empty group).
         if_(
             bin(BinOp::Le, next.clone(), var("last_row")),
             prepared(next.clone(), rows_from(next), var("there"), var("scales_there")),

@@ -2,7 +2,8 @@
 //! bf16 activations and weights, f32 accumulation in tensor memory.
 //!
 //! Roles as in `gemm_tcgen05`: the MMA's M (128) is weight rows (A), its N the tile's tokens
-//! (B, 16 to 256: [`TcgenTile::batch`] sizes decode batches' tiles), D[i][j] = out[m0 + j][n0 + i]. K advances 64 at a time through a ring of
+//! (B, 16 to 256: [`TcgenTile::batch`] sizes decode batches' tiles), D[i][j] = out[m0 +
+//! j][n0 + i]. K advances 64 at a time through a ring of
 //! `stages` buffers in dynamic shared memory, each holding the step's weight box (128 × 64)
 //! and activation box (`tile_tokens` × 64) as TMA writes them under the 128-byte swizzle,
 //! which the MMAs' descriptors read (stride byte offset 1 KiB, each 16-wide k slice 32 bytes
