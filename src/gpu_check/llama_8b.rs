@@ -682,7 +682,7 @@ mod tests {
             let gemms = tensor_core_gemms(arch, 132, (gemm, (0, 0, 0)));
             let expected = match arch {
                 "sm_90a" => 12,
-                "sm_100a" => 4,
+                "sm_100a" => 6,
                 _ => 2,
             };
             assert_eq!(gemms.len(), expected, "{arch}");
