@@ -3,7 +3,7 @@
 //! emitter and the emulator ask it the type of an expression.
 
 use crate::dsl::*;
-use std::collections::HashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum TypeError {
@@ -11,18 +11,19 @@ pub enum TypeError {
     Invalid { kernel: String, message: String },
 }
 
-/// Types of names in scope: parameters, shared arrays (element types) and locals.
+/// Types of names in scope: parameters, shared arrays (element types) and locals. The
+/// emulator looks names up here on every read, hence the fast hash.
 #[derive(Debug, Clone, Default)]
 pub struct Scope {
-    pub vars: HashMap<String, Ty>,
-    pub arrays: HashMap<String, (Ty, bool)>,
+    pub vars: FxHashMap<String, Ty>,
+    pub arrays: FxHashMap<String, (Ty, bool)>,
     /// The shared-memory arrays and their lengths (the other arrays are global buffers).
-    pub shared: HashMap<String, usize>,
+    pub shared: FxHashMap<String, usize>,
     /// Buffers the CUDA emitter reads through `__ldg` (those the kernel also prefetches:
     /// see `cuda::emit`).
-    pub ldg: std::collections::HashSet<String>,
+    pub ldg: FxHashSet<String>,
     /// The tensor maps (TMA views of global buffers).
-    pub maps: HashMap<String, TensorMap>,
+    pub maps: FxHashMap<String, TensorMap>,
 }
 
 impl Scope {

@@ -24,6 +24,7 @@ use asynchronous::AsyncState;
 pub use banks::{ArrayTraffic, SharedTraffic};
 use half::bf16;
 use mbarrier::Barriers;
+use rustc_hash::FxHashMap;
 use std::borrow::Cow;
 use std::collections::HashMap;
 use tcgen05::TensorMemory;
@@ -248,7 +249,8 @@ struct Block<'k> {
     block: usize,
     threads: usize,
     scope: Scope,
-    vars: HashMap<String, Vec<Val>>,
+    /// Each local's value on every thread (looked up on every read: a fast hash).
+    vars: FxHashMap<String, Vec<Val>>,
     shared: HashMap<String, Array>,
     /// For each shared element: its write since the last barrier.
     shared_writer: HashMap<String, Vec<Option<SharedWrite>>>,
@@ -519,7 +521,7 @@ impl<'k> Block<'k> {
             block,
             threads,
             scope: Scope::of(kernel),
-            vars: HashMap::new(),
+            vars: FxHashMap::default(),
             shared_readers: std::cell::RefCell::new(
                 kernel
                     .shared
@@ -776,16 +778,19 @@ impl<'k> Block<'k> {
 
     /// Declare local `name` of type `ty`, set to `values` on the active threads.
     fn declare(&mut self, name: &str, ty: Ty, values: &[Val], mask: &[bool]) {
-        let slot = self
-            .vars
-            .entry(name.to_string())
-            .or_insert_with(|| vec![Val::Undef; mask.len()]);
+        // A loop's body declares its locals again each time round: no new key then.
+        if !self.vars.contains_key(name) {
+            self.vars.insert(name.to_string(), vec![Val::Undef; mask.len()]);
+        }
+        let slot = self.vars.get_mut(name).expect("just inserted");
         for (t, &m) in mask.iter().enumerate() {
             if m {
                 slot[t] = values[t];
             }
         }
-        self.scope.vars.insert(name.to_string(), ty);
+        if self.scope.vars.get(name) != Some(&ty) {
+            self.scope.vars.insert(name.to_string(), ty);
+        }
     }
 
     /// One m16n8k16 bf16 MMA per warp: gather the fragments from the lanes (PTX layout, see
