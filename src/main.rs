@@ -79,7 +79,8 @@ enum Command {
         decode_attention: commands::compile::DecodeAttention,
         /// GPU targets: how prompts go through Gated DeltaNet layers' delta rule: `chunked`,
         /// in chunks of 64 rows, most of the work for every chunk at once (key heads a
-        /// multiple of 8 up to 128 wide, value heads up to 128; others as `recurrent`);
+        /// multiple of 8 up to 128 wide, value heads a multiple of 4 up to 128; others as
+        /// `recurrent`);
         /// `recurrent`, a row after another.
         #[arg(long, value_enum, default_value_t = commands::compile::PrefillDeltaRule::Chunked)]
         prefill_delta_rule: commands::compile::PrefillDeltaRule,

@@ -34,7 +34,7 @@ pub struct CompileArgs<'a> {
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PrefillDeltaRule {
     /// In chunks of 64 rows, most of the work for every chunk at once (key heads a multiple
-    /// of 8 up to 128 wide, value heads up to 128; others as `recurrent`).
+    /// of 8 up to 128 wide, value heads a multiple of 4 up to 128; others as `recurrent`).
     #[default]
     Chunked,
     /// A row after another, as decode steps.

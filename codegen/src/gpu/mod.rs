@@ -187,7 +187,7 @@ pub enum DecodeAttention {
 pub enum PrefillDeltaRule {
     /// `templates::delta_chunks`: in chunks of 64 rows, what depends on a chunk's rows alone
     /// computed for every chunk at once, for key heads a multiple of 8 up to 128 wide and
-    /// value heads up to 128 (others as `Recurrent`).
+    /// value heads a multiple of 4 up to 128 (others as `Recurrent`).
     #[default]
     Chunked,
     /// `templates::delta_net::delta_rule`: a row after another, as decode steps.
