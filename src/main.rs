@@ -84,6 +84,11 @@ enum Command {
         /// `recurrent`, a row after another.
         #[arg(long, value_enum, default_value_t = commands::compile::PrefillDeltaRule::Chunked)]
         prefill_delta_rule: commands::compile::PrefillDeltaRule,
+        /// What the KV caches store keys and values as, over model.toml's `kv_cache_dtype`:
+        /// auto, f32, bf16, f16 or fp8 (E4M3 as vLLM's `--kv-cache-dtype fp8`: a quarter of
+        /// f32's bytes, so twice bf16's positions in the same memory).
+        #[arg(long, value_parser = commands::run::parse_kv_cache_dtype)]
+        kv_cache_dtype: Option<models::KvCacheDtype>,
     },
     /// Generate text from an artifact, a model.toml, a weights path or a model name.
     Run(commands::run::RunArgs),
@@ -141,6 +146,7 @@ fn run(cli: Cli) -> Result<()> {
             prefill_attention,
             decode_attention,
             prefill_delta_rule,
+            kv_cache_dtype,
         } => commands::compile::compile(&commands::compile::CompileArgs {
             model: &model,
             target: &target,
@@ -154,6 +160,7 @@ fn run(cli: Cli) -> Result<()> {
             prefill_attention,
             decode_attention,
             prefill_delta_rule,
+            kv_cache_dtype,
         }),
         Command::Run(args) => commands::run::run(&args),
         Command::Perplexity(args) => commands::perplexity::perplexity(&args),

@@ -304,6 +304,7 @@ fn compile_every_plan(model: &std::path::Path, target: Target, output: &std::pat
         prefill_attention: Default::default(),
         decode_attention: Default::default(),
         prefill_delta_rule: Default::default(),
+        kv_cache_dtype: None,
     };
     bbc::commands::compile::compile(&args)
         .unwrap_or_else(|e| panic!("{} on {}: {e:#}", model.display(), target.name()));
@@ -739,6 +740,92 @@ fn compile_chooses_the_decode_attention() {
         !out.status.success() && stderr.contains("scalar") && stderr.contains("vector"),
         "{stderr}"
     );
+}
+
+/// A model whose caches hold FP8 (model.toml's `kv_cache_dtype = "fp8"`, or `bbc compile
+/// --kv-cache-dtype fp8` over a model.toml without it) compiles for every GPU target, its
+/// decode steps' vector split pass included (built spill-free with the rest): each layer's
+/// cache takes a byte an element, its appends and split passes read and write FP8 codes, and
+/// prompts attend through the split pass (the tensor-core attentions read bf16 tiles).
+#[test]
+fn fp8_kv_caches_compile_for_every_gpu_target() {
+    if !nvrtc_present() {
+        return;
+    }
+    let scratch = common::scratch_dir("bbc-gpu-fp8-cache-");
+    let weights = common::fixture("hf-tiny/llama");
+    let model = format!("[model]\nweights = {weights:?}\ndtype = \"bf16\"\n");
+    let (in_toml, plain) = (scratch.path().join("llama-fp8.toml"), scratch.path().join("llama.toml"));
+    std::fs::write(&in_toml, format!("{model}kv_cache_dtype = \"fp8\"\n")).unwrap();
+    std::fs::write(&plain, model).unwrap();
+    for (target, toml, flag) in [
+        ("h200", &in_toml, &[][..]),
+        ("b200", &plain, &["--kv-cache-dtype", "fp8"][..]),
+        ("rtx-pro-6000", &plain, &["--kv-cache-dtype", "fp8"][..]),
+    ] {
+        let artifact = scratch.path().join(target);
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"))
+            .args(["compile", toml.to_str().unwrap(), "--target", target, "-o"])
+            .arg(&artifact)
+            .args(["--decode-attention", "vector"])
+            .args(flag)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{target}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let manifest = codegen::read_manifest(&artifact).unwrap();
+        for file in [manifest.plan, manifest.serving_plan].iter().flatten() {
+            let plan: gpu::GpuPlan =
+                serde_json::from_str(&std::fs::read_to_string(artifact.join(file)).unwrap()).unwrap();
+            assert!(!plan.kv_cache.is_empty(), "{target} {file}");
+            for layout in &plan.kv_cache {
+                assert_eq!(layout.bytes_per_token, layout.kv_dim, "{target} {file}: {layout:?}");
+            }
+            let attention: Vec<&str> = plan
+                .launches
+                .iter()
+                .map(|l| l.kernel.as_str())
+                .filter(|k| k.contains("attention") && !k.starts_with("attention_combine"))
+                .collect();
+            assert_eq!(
+                attention.len(),
+                3,
+                "{target} {file}: a split pass a layer: {attention:?}"
+            );
+            assert!(
+                attention.iter().all(|k| k.starts_with("attention_vector")),
+                "{target} {file}: {attention:?}"
+            );
+            // A kernel's source lies beside its PTX (the serving plan's in a folder of its own).
+            let source = |kernel: &str| {
+                let entry = plan.kernels.iter().find(|k| k.name == kernel).unwrap();
+                let ptx = artifact.join(entry.ptx.as_ref().unwrap());
+                std::fs::read_to_string(ptx.with_extension("cu")).unwrap()
+            };
+            for kernel in &attention {
+                assert!(
+                    source(kernel).contains("const unsigned char* __restrict__ k,"),
+                    "{target} {kernel}"
+                );
+            }
+            let appends: Vec<&str> = plan
+                .launches
+                .iter()
+                .map(|l| l.kernel.as_str())
+                .filter(|k| k.contains("kv_append"))
+                .collect();
+            assert_eq!(appends.len(), 3, "{target} {file}: {appends:?}");
+            for kernel in appends {
+                assert!(
+                    source(kernel).contains("k_cache[(at + kc)] = bbc_f32_to_fp8("),
+                    "{target} {kernel}"
+                );
+            }
+        }
+    }
 }
 
 /// In the 8B-shaped serving plan every attention split pass prefetches the weights of the

@@ -38,6 +38,31 @@ static __device__ __forceinline__ unsigned short bbc_f32_to_f16(float f) {
 }
 "#;
 
+const FP8_HELPERS: &str = r#"// FP8 E4M3 codes (an FP8 KV cache) -> f32, exactly: each code to a half (every E4M3 value is
+// one), then to f32. The pair form takes two codes, the lower-addressed one in the low byte.
+static __device__ __forceinline__ float2 bbc_fp8x2_to_f32x2(unsigned int codes) {
+    unsigned int halves;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"((unsigned short)codes));
+    float2 f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f.x) : "h"((unsigned short)halves));
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f.y) : "h"((unsigned short)(halves >> 16)));
+    return f;
+}
+static __device__ __forceinline__ float bbc_fp8_to_f32(unsigned int code) {
+    return bbc_fp8x2_to_f32x2(code & 0xffu).x;
+}
+"#;
+
+const FP8_STORE_HELPER: &str = r#"// f32 -> FP8 E4M3, rounded to nearest even and saturated to +-448 (an FP8 KV cache's stores,
+// as vLLM's cache kernels convert); the instruction converts a pair, the second operand into
+// the low byte.
+static __device__ __forceinline__ unsigned char bbc_f32_to_fp8(float f) {
+    unsigned short pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(f));
+    return (unsigned char)pair;
+}
+"#;
+
 const ORDERED_BITS_HELPER: &str = r#"// An f32 as a u32 that orders as bbc's rankings order floats (total order, NaN as -inf): the
 // sign bit set for positives, every bit flipped for negatives.
 static __device__ __forceinline__ unsigned int bbc_ordered_bits(float f) {
@@ -177,8 +202,14 @@ pub fn emit(kernel: &Kernel) -> String {
     if uses_op(&kernel.body, UnOp::HalfToFloat) || has_buffer_of(kernel, Ty::F16) {
         let _ = writeln!(out, "{F16_HELPER}");
     }
-    if stores_half(kernel) {
+    if stores_to(kernel, Ty::F16) {
         let _ = writeln!(out, "{F16_STORE_HELPER}");
+    }
+    if has_buffer_of(kernel, Ty::F8E4M3) {
+        let _ = writeln!(out, "{FP8_HELPERS}");
+    }
+    if stores_to(kernel, Ty::F8E4M3) {
+        let _ = writeln!(out, "{FP8_STORE_HELPER}");
     }
     if uses_op(&kernel.body, UnOp::OrderedBits) {
         let _ = writeln!(out, "{ORDERED_BITS_HELPER}");
@@ -354,19 +385,19 @@ fn has_buffer_of(kernel: &Kernel, element: Ty) -> bool {
         .any(|p| matches!(p, Param::Buffer { ty, .. } if *ty == element))
 }
 
-/// Whether the kernel writes a buffer of halves (a half KV cache).
-fn stores_half(kernel: &Kernel) -> bool {
-    let halves: Vec<&str> = kernel
+/// Whether the kernel writes a buffer of `element`s (a half or FP8 KV cache).
+fn stores_to(kernel: &Kernel, element: Ty) -> bool {
+    let buffers: Vec<&str> = kernel
         .params
         .iter()
         .filter_map(|p| match p {
-            Param::Buffer { name, ty: Ty::F16, .. } => Some(name.as_str()),
+            Param::Buffer { name, ty, .. } if *ty == element => Some(name.as_str()),
             _ => None,
         })
         .collect();
     any_stmt(
         &kernel.body,
-        &|s| matches!(s, Stmt::Store { buf, .. } | Stmt::StoreVec { buf, .. } if halves.contains(&buf.as_str())),
+        &|s| matches!(s, Stmt::Store { buf, .. } | Stmt::StoreVec { buf, .. } if buffers.contains(&buf.as_str())),
     )
 }
 
@@ -399,6 +430,7 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
                 let v = match ty {
                     Ty::Bf16 => format!("bbc_f32_to_bf16({v})"),
                     Ty::F16 => format!("bbc_f32_to_f16({v})"),
+                    Ty::F8E4M3 => format!("bbc_f32_to_fp8({v})"),
                     Ty::I8 | Ty::U8 => format!("({ty})({v})"),
                     _ => v,
                 };
@@ -745,13 +777,14 @@ fn tcgen05(out: &mut String, op: &Tcgen05, scope: &mut Scope, depth: usize) {
 
 /// One aligned 4/8/16-byte load into a CUDA vector, then its lanes as f32 locals (a bf16 is
 /// the top half of an f32: the low element shifted up, the high one masked; an IEEE half
-/// goes through `bbc_f16_to_f32`).
+/// goes through `bbc_f16_to_f32`; FP8 codes widen two at a time).
 fn vector_load(out: &mut String, buf: &str, index: &str, names: &[String], scope: &mut Scope, depth: usize) {
     let ty = scope.arrays[buf].0;
-    let (vector, parts): (&str, &[&str]) = match (ty, names.len()) {
-        (Ty::Bf16 | Ty::F16, 2) => ("unsigned int", &[""]),
-        (Ty::Bf16 | Ty::F16, 4) => ("uint2", &[".x", ".y"]),
-        (Ty::Bf16 | Ty::F16, _) => ("uint4", &[".x", ".y", ".z", ".w"]),
+    let words = names.len() * ty.bytes() / 4;
+    let (vector, parts): (&str, &[&str]) = match (ty, words) {
+        (Ty::Bf16 | Ty::F16 | Ty::F8E4M3, 1) => ("unsigned int", &[""]),
+        (Ty::Bf16 | Ty::F16 | Ty::F8E4M3, 2) => ("uint2", &[".x", ".y"]),
+        (Ty::Bf16 | Ty::F16 | Ty::F8E4M3, _) => ("uint4", &[".x", ".y", ".z", ".w"]),
         (_, 2) => ("float2", &[".x", ".y"]),
         _ => ("float4", &[".x", ".y", ".z", ".w"]),
     };
@@ -768,6 +801,17 @@ fn vector_load(out: &mut String, buf: &str, index: &str, names: &[String], scope
             Ty::Bf16 => format!("__uint_as_float({v}{} & 0xffff0000u)", parts[j / 2]),
             Ty::F16 if j % 2 == 0 => format!("bbc_f16_to_f32({v}{} & 0xffffu)", parts[j / 2]),
             Ty::F16 => format!("bbc_f16_to_f32({v}{} >> 16)", parts[j / 2]),
+            Ty::F8E4M3 if j % 2 == 0 => {
+                // Codes j and j + 1: the low or high half of word j / 4.
+                let codes = match j / 2 % 2 {
+                    0 => format!("{v}{}", parts[j / 4]),
+                    _ => format!("{v}{} >> 16", parts[j / 4]),
+                };
+                let _ = writeln!(out, "const float2 {v}_{j} = bbc_fp8x2_to_f32x2({codes});");
+                indent(out, depth);
+                format!("{v}_{j}.x")
+            }
+            Ty::F8E4M3 => format!("{v}_{}.y", j - 1),
             _ => format!("{v}{}", parts[j]),
         };
         let _ = writeln!(out, "float {name} = {value};");
@@ -776,7 +820,7 @@ fn vector_load(out: &mut String, buf: &str, index: &str, names: &[String], scope
 }
 
 /// `buf[index + j] = values[j]` as one vector store (see `Stmt::StoreVec`): halves packed two
-/// a 32-bit word, the low one first.
+/// a 32-bit word and FP8 codes four, the lowest-indexed in the low bits.
 fn vector_store(out: &mut String, buf: &str, index: &str, values: &[String], scope: &Scope) {
     let ty = scope.arrays[buf].0;
     let words: Vec<String> = match ty {
@@ -793,12 +837,23 @@ fn vector_store(out: &mut String, buf: &str, index: &str, values: &[String], sco
                 )
             })
             .collect(),
+        Ty::F8E4M3 => values
+            .chunks(4)
+            .map(|four| {
+                let codes: Vec<String> = four
+                    .iter()
+                    .enumerate()
+                    .map(|(k, x)| format!("((unsigned int)bbc_f32_to_fp8({x}) << {})", 8 * k))
+                    .collect();
+                format!("({})", codes.join(" | "))
+            })
+            .collect(),
         _ => values.to_vec(),
     };
     let (vector, make) = match (ty, words.len()) {
-        (Ty::Bf16 | Ty::F16, 1) => ("unsigned int", ""),
-        (Ty::Bf16 | Ty::F16, 2) => ("uint2", "make_uint2"),
-        (Ty::Bf16 | Ty::F16, _) => ("uint4", "make_uint4"),
+        (Ty::Bf16 | Ty::F16 | Ty::F8E4M3, 1) => ("unsigned int", ""),
+        (Ty::Bf16 | Ty::F16 | Ty::F8E4M3, 2) => ("uint2", "make_uint2"),
+        (Ty::Bf16 | Ty::F16 | Ty::F8E4M3, _) => ("uint4", "make_uint4"),
         (_, 2) => ("float2", "make_float2"),
         _ => ("float4", "make_float4"),
     };
@@ -831,6 +886,7 @@ fn load_expr(buf: &str, i: &str, scope: &Scope) -> String {
     match scope.arrays.get(buf).map(|a| a.0) {
         Some(Ty::Bf16) => format!("bbc_bf16_to_f32({buf}[{i}])"),
         Some(Ty::F16) => format!("bbc_f16_to_f32({buf}[{i}])"),
+        Some(Ty::F8E4M3) => format!("bbc_fp8_to_f32({buf}[{i}])"),
         Some(Ty::I8 | Ty::U8) => format!("(int){buf}[{i}]"),
         _ => format!("{buf}[{i}]"),
     }

@@ -5,13 +5,14 @@
 use std::fmt;
 
 /// Element and value types. `Bf16` and `F16` (IEEE half) values are stored as 16-bit patterns
-/// and computed in f32; `F16` is for weights only (read, never written: the type check refuses
-/// stores).
+/// and `F8E4M3` (FP8, as KV caches store it: [`ir::F8E4M3`]) as 8-bit codes, all computed in
+/// f32: loads widen them exactly, stores round to nearest even (FP8 saturating at ±448).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Ty {
     F32,
     Bf16,
     F16,
+    F8E4M3,
     I32,
     U32,
     I8,
@@ -25,14 +26,14 @@ impl Ty {
         match self {
             Ty::F32 | Ty::I32 | Ty::U32 => 4,
             Ty::Bf16 | Ty::F16 => 2,
-            Ty::I8 | Ty::U8 | Ty::Bool => 1,
+            Ty::F8E4M3 | Ty::I8 | Ty::U8 | Ty::Bool => 1,
         }
     }
 
-    /// The type a loaded element computes in (16-bit floats widen to f32, small ints to i32).
+    /// The type a loaded element computes in (16- and 8-bit floats widen to f32, small ints to i32).
     pub fn compute(self) -> Ty {
         match self {
-            Ty::Bf16 | Ty::F16 => Ty::F32,
+            Ty::Bf16 | Ty::F16 | Ty::F8E4M3 => Ty::F32,
             Ty::I8 | Ty::U8 => Ty::I32,
             t => t,
         }
@@ -881,7 +882,7 @@ impl fmt::Display for Ty {
             Ty::I32 => "int",
             Ty::U32 => "unsigned int",
             Ty::I8 => "signed char",
-            Ty::U8 => "unsigned char",
+            Ty::U8 | Ty::F8E4M3 => "unsigned char",
             Ty::Bool => "bool",
         })
     }

@@ -536,6 +536,7 @@ fn tmem_columns(columns: u32) -> Result<(), String> {
 /// The elements a vector load or store of `ty` takes: 4, 8 or 16 bytes.
 fn vector_widths(ty: Ty) -> &'static [usize] {
     match ty {
+        Ty::F8E4M3 => &[4, 8, 16],
         Ty::Bf16 | Ty::F16 => &[2, 4, 8],
         Ty::F32 => &[2, 4],
         _ => &[],

@@ -553,7 +553,7 @@ fn shortlist_rescores_candidates_and_picks_the_best_lowest_id_first() {
 #[test]
 fn fill_uniform_makes_the_hosts_values_from_any_base() {
     let (n, base, seed, offset, scale) = (1000usize, 7_000_000i64, 42i64, 0.5f32, 0.25f32);
-    for ty in [Ty::F32, Ty::Bf16] {
+    for ty in [Ty::F32, Ty::Bf16, Ty::F8E4M3] {
         let mut bufs = HashMap::from([("out".to_string(), Array::poisoned(ty, n))]);
         let mut scalars = ints(&[("n", n as i64), ("base", base), ("seed", seed)]);
         scalars.insert("offset".into(), Scalar::F32(offset));
@@ -562,7 +562,11 @@ fn fill_uniform_makes_the_hosts_values_from_any_base() {
         let got = bufs["out"].to_f32().unwrap();
         let want: Vec<f32> = (0..n)
             .map(|i| fill::uniform(seed as u32, (base as usize + i) as u32, offset, scale))
-            .map(|v| if ty == Ty::Bf16 { bf16::from_f32(v).to_f32() } else { v })
+            .map(|v| match ty {
+                Ty::Bf16 => bf16::from_f32(v).to_f32(),
+                Ty::F8E4M3 => ir::F8E4M3::from_f32(v).to_f32(),
+                _ => v,
+            })
             .collect();
         assert_eq!(got, want, "{ty:?}");
         assert!(want.iter().all(|v| (offset - scale..=offset + scale).contains(v)));
@@ -2712,11 +2716,11 @@ fn paged_attention_and_append_match_the_contiguous_cache() {
 /// a 3-token prompt) in one launch, their blocks interleaved in one pool, each row with its own
 /// position and block table: every row attends to its own sequence only, and every appended
 /// key lands in its sequence's block.
-/// In an f32 cache and in a bf16 one (what a bf16 model's plan keeps: keys and values rounded
-/// as appended, widened as read).
+/// In an f32 cache, a bf16 one (what a bf16 model's plan keeps), a half one and an FP8 one:
+/// keys and values rounded as appended, widened as read.
 #[test]
 fn batched_attention_and_append_keep_sequences_apart() {
-    for cache in [Ty::F32, Ty::Bf16] {
+    for cache in [Ty::F32, Ty::Bf16, Ty::F16, Ty::F8E4M3] {
         batched_step_matches_reference(cache);
     }
 }
@@ -2725,14 +2729,26 @@ fn batched_step_matches_reference(cache: Ty) {
     use kernels_gen::templates::cache_layout::CacheLayout;
     let dtype = match cache {
         Ty::Bf16 => ir::DType::BF16,
+        Ty::F16 => ir::DType::F16,
+        Ty::F8E4M3 => ir::DType::F8E4M3,
         _ => ir::DType::F32,
     };
-    let pool = |values: &[f32]| match cache {
-        Ty::Bf16 => bf16_array(values),
-        _ => Array::f32(values),
+    let pool = |values: &[f32]| {
+        let bytes: Vec<u8> = match cache {
+            Ty::Bf16 => values.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect(),
+            Ty::F16 => values
+                .iter()
+                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
+                .collect(),
+            Ty::F8E4M3 => values.iter().map(|&x| ir::F8E4M3::from_f32(x).0).collect(),
+            _ => values.iter().flat_map(|&x| x.to_le_bytes()).collect(),
+        };
+        Array::from_le_bytes(cache, &bytes)
     };
     let mut rng = Rng(15);
-    let (heads, kv_heads, head_dim, block_size) = (4, 2, 8, 4);
+    // A 16-byte load of FP8 is 16 elements: the vector pass needs a head that wide.
+    let head_dim = if cache == Ty::F8E4M3 { 16 } else { 8 };
+    let (heads, kv_heads, block_size) = (4, 2, 4);
     let kv_dim = kv_heads * head_dim;
     // (cached positions, new rows, physical blocks)
     let seqs = [(9usize, 1usize, vec![5i64, 0, 3]), (0, 3, vec![2])];

@@ -180,9 +180,10 @@ pub(crate) fn make_weight<D: PlanDevice>(
     Ok((buffer, elements * width))
 }
 
-/// Fill `elements` elements of type `ty` (f32 or bf16) of `buffer` from byte `at` as `fill`
+/// Fill `elements` elements of type `ty` (f32, bf16 or FP8) of `buffer` from byte `at` as `fill`
 /// says (element `i` is [`uniform`](fill::uniform)'s value at index `i`), in launches of at
-/// most [`FILL_CHUNK`] elements. The device must have loaded [`fill_kernels`].
+/// most [`FILL_CHUNK`] elements. The device must have loaded [`fill_kernels`] (for FP8, the
+/// kernel [`fill_kernel`](fill::fill_kernel) names).
 pub fn fill_on_device<D: PlanDevice>(
     device: &mut D,
     buffer: &D::Buffer,

@@ -28,6 +28,8 @@ pub struct CompileArgs<'a> {
     pub decode_attention: DecodeAttention,
     /// How the GPU plans' prompts go through Gated DeltaNet layers' delta rule.
     pub prefill_delta_rule: PrefillDeltaRule,
+    /// Overrides the model's KV cache type (model.toml's `kv_cache_dtype`).
+    pub kv_cache_dtype: Option<models::KvCacheDtype>,
 }
 
 /// How GPU plans' prompts go through the delta rule (`codegen::gpu::PrefillDeltaRule`).
@@ -147,6 +149,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         greedy: true,
         fuse: false,
         tokenizer: args.tokenizer.map(str::to_string),
+        kv_cache_dtype: args.kv_cache_dtype,
         ..model_ref::LoadOptions::default()
     };
     let loaded = model_ref::load(args.model, options)?;

@@ -6,14 +6,15 @@
 //! (`flash_attention_tcgen05`, copying or loading by TMA) both ways, and by
 //! the split attention (split pass and merge, what decode steps take; the scalar pass and the
 //! vector one), in µs and TFLOP/s; and a decode step of 64 sequences at 4 096 positions over
-//! the paged pool, as the serving plans run it (either pass), in GB/s of cache read and its
-//! share of the copy bandwidth.
+//! the paged pool, as the serving plans run it (either pass, over the bf16 cache and over an
+//! FP8 one), in GB/s of cache read and its share of the copy bandwidth.
 
 use anyhow::{anyhow, Result};
 use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::attention::{self, attention_combine, attention_split};
 use kernels_gen::templates::attention_vector::{self, attention_split_vector};
 use kernels_gen::templates::cache_layout::CacheLayout;
+use kernels_gen::templates::fill::{fill_kernel, fill_uniform};
 use kernels_gen::templates::flash_attention::{self, flash_attention, Masking};
 use kernels_gen::templates::flash_attention_tcgen05::{flash_attention_tcgen05, Loads};
 use kernels_gen::templates::flash_attention_wgmma::{self, flash_attention_wgmma, Schedule};
@@ -170,6 +171,23 @@ fn kernels(arch: &str) -> Vec<Kernel> {
             Ty::Bf16,
         ),
         attention_combine("attention_combine", "gpu-check", HEAD_DIM),
+        // The decode step over an FP8 pool (`--kv-cache-dtype fp8`).
+        attention_split(
+            "attention_batched_fp8",
+            "gpu-check",
+            CacheLayout::Batched,
+            HEAD_DIM,
+            group,
+            Ty::F8E4M3,
+        ),
+        attention_split_vector(
+            "attention_vector_batched_fp8",
+            "gpu-check",
+            CacheLayout::Batched,
+            HEAD_DIM,
+            attention_vector::heads_per_block(HEADS, KV_HEADS, HEAD_DIM, Ty::F8E4M3),
+            Ty::F8E4M3,
+        ),
     ];
     kernels.extend(wgmma);
     kernels.extend(tcgen05);
@@ -187,7 +205,11 @@ fn pool_or_not(pooled: bool) -> CacheLayout {
 /// The timings as markdown.
 pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
     let kernels = kernels(arch);
-    let mut device = super::compile_device(&[kernels.clone(), fill_kernels()].concat(), arch)?;
+    let fills = [
+        fill_kernels(),
+        vec![fill_uniform(fill_kernel(Ty::F8E4M3), "gpu-check", Ty::F8E4M3)],
+    ];
+    let mut device = super::compile_device(&[kernels.clone(), fills.concat()].concat(), arch)?;
     device.set_programmatic_launch(false);
     let find = |name: &str| {
         kernels
@@ -327,20 +349,47 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
     }
     let value = |name: &str| buffers.value(name, sequences);
     // Every sequence's keys and values, once.
-    let bytes = (sequences * positions * KV_HEADS * HEAD_DIM * 2 * 2) as f64;
+    let elements = sequences * positions * KV_HEADS * HEAD_DIM * 2;
     for (label, pass) in [
         ("split pass + merge (the plans')", "attention_batched"),
         ("vector split pass + merge", "attention_vector_batched"),
     ] {
         let seconds = time_launches(&mut device, &[find(pass)?, combine], &value)?;
-        table += &format!(
-            "| decode, {sequences} sequences × {positions} positions, paged | {sequences} | {label} | {:.1} | – | {:.0} | {:.0}% |\n",
-            seconds * 1e6,
-            bytes / seconds / 1e9,
-            100.0 * bytes / seconds / bandwidth
-        );
+        table += &decode_row(DECODE, label, seconds, (elements * 2) as f64, bandwidth);
+    }
+    // The same step over an FP8 pool: a byte a cached element, so half the bytes to read.
+    let fp8_elements = sequences * positions * KV_HEADS * HEAD_DIM;
+    let (k8, v8) = (device.alloc(fp8_elements)?, device.alloc(fp8_elements)?);
+    for (buffer, seed, name) in [(&k8, 5, "k"), (&v8, 6, "v")] {
+        let fill = Fill::of(seed, name, &[sequences * positions, KV_HEADS * HEAD_DIM]);
+        fill_on_device(&mut device, buffer, 0, fp8_elements, Ty::F8E4M3, fill)?;
+    }
+    let fp8 = AttentionBuffers {
+        k: (&k8, fp8_elements),
+        v: (&v8, fp8_elements),
+        cache_rows: sequences * positions,
+        ..buffers
+    };
+    let value = |name: &str| fp8.value(name, sequences);
+    for (label, pass) in [
+        ("split pass + merge, FP8 cache", "attention_batched_fp8"),
+        ("vector split pass + merge, FP8 cache", "attention_vector_batched_fp8"),
+    ] {
+        let seconds = time_launches(&mut device, &[find(pass)?, combine], &value)?;
+        table += &decode_row(DECODE, label, seconds, elements as f64, bandwidth);
     }
     Ok(table)
+}
+
+/// A decode step's row of the table: `bytes` of cache read in `seconds`, and as a share of
+/// the copy `bandwidth`.
+fn decode_row((sequences, positions): (usize, usize), label: &str, seconds: f64, bytes: f64, bandwidth: f64) -> String {
+    format!(
+        "| decode, {sequences} sequences × {positions} positions, paged | {sequences} | {label} | {:.1} | – | {:.0} | {:.0}% |\n",
+        seconds * 1e6,
+        bytes / seconds / 1e9,
+        100.0 * bytes / seconds / bandwidth
+    )
 }
 
 /// The buffers the timed attentions read and write, each with its length in bytes (the

@@ -75,17 +75,33 @@ pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64>
             }
         }
     }
-    // Half caches: the appends' f32 -> half stores and attention's half loads on hardware.
-    for family in ["llama", "gemma3"] {
+    // Half and FP8 caches: the appends' f32 -> half / E4M3 conversions and attention's loads
+    // widening them, on hardware; FP8's through the vector split pass of a serving plan too.
+    for (cache, family) in [
+        (models::KvCacheDtype::F16, "llama"),
+        (models::KvCacheDtype::F16, "gemma3"),
+        (models::KvCacheDtype::Fp8, "llama"),
+        (models::KvCacheDtype::Fp8, "gemma3"),
+    ] {
         let mut spec = ModelSpec::for_weights(&fixtures.join(family));
         spec.dtype = ComputeDtype::F32;
-        spec.kv_cache_dtype = models::KvCacheDtype::F16;
+        spec.kv_cache_dtype = cache;
+        let model = Model::open(spec)?;
         worst = worst.max(lockstep(
-            &format!("{family} F32, f16 KV cache"),
-            &Model::open(spec)?,
+            &format!("{family} F32, {} KV cache", cache.name()),
+            &model,
             target,
             arch,
         )?);
+        if cache == models::KvCacheDtype::Fp8 {
+            let name = format!("{family} F32, fp8 KV cache, batched, vector decode attention");
+            let errors =
+                batched_kernel_errors(&model, (target, vector), |kernels| super::compile_device(kernels, arch))?;
+            for (kernel, launches, error) in errors {
+                println!("| {name} | {kernel} | {launches} | {error:.2e} |");
+                worst = worst.max(error);
+            }
+        }
     }
     worst = worst.max(mtp_kernel_errors(target, fixtures, |kernels| {
         super::compile_device(kernels, arch)

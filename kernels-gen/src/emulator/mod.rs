@@ -139,6 +139,7 @@ impl Array {
                 .chunks_exact(2)
                 .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32() as f64)
                 .collect(),
+            Ty::F8E4M3 => bytes.iter().map(|&b| ir::F8E4M3(b).to_f32() as f64).collect(),
             Ty::I32 => bytes
                 .chunks_exact(4)
                 .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
@@ -175,6 +176,7 @@ impl Array {
                 Ty::F32 => out.extend((v as f32).to_le_bytes()),
                 Ty::Bf16 => out.extend(bf16::from_f64(v).to_le_bytes()),
                 Ty::F16 => out.extend(half::f16::from_f64(v).to_le_bytes()),
+                Ty::F8E4M3 => out.push(ir::F8E4M3::from_f32(v as f32).0),
                 Ty::I32 => out.extend((v as i32).to_le_bytes()),
                 Ty::U32 => out.extend((v as u32).to_le_bytes()),
                 Ty::I8 => out.push(v as i8 as u8),
@@ -228,6 +230,7 @@ fn narrow(ty: Ty, v: Val) -> f64 {
         Ty::F32 => v.f() as f64,
         Ty::Bf16 => bf16::from_f32(v.f()).to_f32() as f64,
         Ty::F16 => half::f16::from_f32(v.f()).to_f32() as f64,
+        Ty::F8E4M3 => ir::F8E4M3::from_f32(v.f()).to_f32() as f64,
         Ty::I32 => v.i() as i32 as f64,
         Ty::U32 => v.i() as u32 as f64,
         Ty::I8 => v.i() as i8 as f64,

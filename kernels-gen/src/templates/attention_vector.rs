@@ -1,7 +1,8 @@
 //! The split pass of [`super::attention`] reading the cache 16 bytes a lane: each lane loads 8
-//! consecutive bf16 (4 f32) of a key or value row at once, the lanes of a subgroup cover one
-//! row (16 lanes at a 128-dim bf16 head, 256 bytes), and a warp takes as many keys at once as
-//! it has subgroups, [`LOADS_PER_LANE`] loads of keys and as many of values before it computes.
+//! consecutive bf16 or halves (4 f32, 16 FP8 codes) of a key or value row at once, the lanes
+//! of a subgroup cover one row (16 lanes at a 128-dim bf16 head, 256 bytes; 8 over FP8), and a
+//! warp takes as many keys at once as it has subgroups, [`LOADS_PER_LANE`] loads of keys and
+//! as many of values before it computes.
 //!
 //! Why: the split pass's warp walks one key at a time, each lane reading 2 bytes of the row,
 //! so a warp has one key and one value row (512 bytes at a 128-dim bf16 head) in flight and
@@ -43,7 +44,7 @@ impl RowCut {
     fn of(head_dim: usize, cache: Ty) -> Option<Self> {
         let width = 16 / cache.bytes();
         let loads = head_dim / width;
-        let fits = matches!(cache, Ty::F32 | Ty::Bf16)
+        let fits = matches!(cache, Ty::F32 | Ty::Bf16 | Ty::F16 | Ty::F8E4M3)
             && head_dim.is_multiple_of(width)
             && loads.is_power_of_two()
             && head_dim <= super::attention::MAX_HEAD_DIM;
@@ -80,8 +81,8 @@ impl RowCut {
 }
 
 /// Whether the vector split pass takes a `head_dim` head over a cache of `cache` elements
-/// (f32 or bf16, the row a power of two of 16-byte loads, at most `MAX_HEAD_DIM`); the
-/// others take `attention::attention_split`.
+/// (f32, bf16, half or FP8, the row a power of two of 16-byte loads, at most
+/// `MAX_HEAD_DIM`); the others take `attention::attention_split`.
 pub fn supports(head_dim: usize, cache: Ty) -> bool {
     RowCut::of(head_dim, cache).is_some()
 }
@@ -285,11 +286,10 @@ mod tests {
         #[test]
         fn rows_are_cut_into_whole_loads_and_groups_fit(
             loads_log2 in 0u32..8,
-            f32_cache in any::<bool>(),
+            cache in prop_oneof![Just(Ty::F32), Just(Ty::Bf16), Just(Ty::F16), Just(Ty::F8E4M3)],
             kv_heads in 1usize..9,
             group_heads in 1usize..13,
         ) {
-            let cache = if f32_cache { Ty::F32 } else { Ty::Bf16 };
             let width = 16 / cache.bytes();
             let head_dim = width << loads_log2;
             prop_assume!(head_dim <= super::super::attention::MAX_HEAD_DIM);
@@ -306,16 +306,20 @@ mod tests {
         }
     }
 
-    /// Heads that are not a power of two of 16-byte loads, half caches and heads past the
-    /// largest keep the scalar pass; Llama 3 8B's takes its whole group of 4 a block.
+    /// Heads that are not a power of two of 16-byte loads and heads past the largest keep the
+    /// scalar pass; Llama 3 8B's takes its whole group of 4 a block over bf16 and half caches,
+    /// 2 over FP8 (16 codes a load: 16 dims a lane).
     #[test]
     fn the_vector_pass_takes_what_it_cuts() {
         assert!(!supports(80, Ty::Bf16));
         assert!(!supports(96, Ty::F32));
-        assert!(!supports(128, Ty::F16));
+        assert!(!supports(8, Ty::F8E4M3) && !supports(96, Ty::F16));
+        assert!(supports(128, Ty::F16) && supports(128, Ty::F8E4M3) && supports(16, Ty::F8E4M3));
         assert!(!supports(1024, Ty::Bf16));
         assert!(supports(64, Ty::Bf16) && supports(512, Ty::Bf16) && supports(256, Ty::F32));
         assert_eq!(heads_per_block(32, 8, 128, Ty::Bf16), 4);
+        assert_eq!(heads_per_block(32, 8, 128, Ty::F16), 4);
+        assert_eq!(heads_per_block(32, 8, 128, Ty::F8E4M3), 2);
         // Two loads a lane at 512 dims: 16 dims a lane, two heads a block.
         assert_eq!(heads_per_block(16, 2, 512, Ty::Bf16), 2);
     }

@@ -80,7 +80,7 @@ pub enum KvCacheDtype {
     /// FP8 E4M3 (vLLM's `--kv-cache-dtype fp8`, also read as `fp8_e4m3`): a quarter of f32's
     /// bytes, so at long contexts, where decode is bound by reading the cache, attention reads
     /// half what it reads at f16; three mantissa bits (values off by up to 1/16), and values
-    /// past ±448 saturate (unscaled: no calibrated scales are read). The CPU backend only.
+    /// past ±448 saturate (unscaled: no calibrated scales are read).
     Fp8,
 }
 

@@ -73,9 +73,10 @@ pub(super) fn launches(
         DType::F32 => Ty::F32,
         DType::BF16 => Ty::Bf16,
         DType::F16 => Ty::F16,
+        DType::F8E4M3 => Ty::F8E4M3,
         other => {
             return Err(unsupported(format!(
-                "a {other} KV cache: the GPU attention templates read f32, bf16 or f16 rows (the CPU backend reads {other})"
+                "a {other} KV cache: the GPU attention templates read f32, bf16, f16 or FP8 rows"
             )))
         }
     };
