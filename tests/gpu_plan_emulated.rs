@@ -568,39 +568,57 @@ fn weights_converted_on_the_device_equal_those_converted_on_the_host() {
 /// rounded to bf16, would fail.
 #[test]
 fn plans_with_half_kv_caches_agree_with_the_cpu_backend() {
-    check_kv_cache(models::KvCacheDtype::F16, &[("llama", 1e-4), ("gemma3", 2e-4)]);
+    check_kv_cache(
+        models::KvCacheDtype::F16,
+        &[("llama", 1e-4, 1e-4), ("gemma3", 2e-4, 2e-4)],
+    );
 }
 
 /// FP8 KV caches (`kv_cache_dtype = "fp8"`, vLLM's E4M3 without scales): the plans' appends
 /// round keys and values to FP8 as the CPU backend's pages do (nearest even, saturating), and
-/// attention widens them exactly, on every target: within 1e-5 (measured 2.1e-7 and below),
-/// where the FP8 rounding itself moves the logits 2.8e-2 (Llama) and 9.5e-2 (Gemma 3) from an
-/// f32 cache's, so a plan that kept wider keys, or truncated instead of rounding, would fail.
-/// Fewer f32 values lie a last bit from an FP8 rounding boundary than from a half's, so the
-/// bound is tighter than the half caches' (a key landing on the neighbouring code would move
-/// a logit by up to 2⁻⁴ of that key's share).
+/// attention widens them exactly, on every target. A 5-token prompt and the steps after it
+/// attend through the split pass in f32: within 1e-5 (measured 5.6e-7 and below). A 19-token
+/// prompt attends on the tensor cores, whose queries and probabilities are bf16 (1.0e-3 and
+/// 5.0e-3 from the CPU's f32 over a bf16 cache); from the second layer on the keys it appends
+/// then differ in f32's last bits, and some land on the neighbouring FP8 code (a step of 2⁻³
+/// relative), so those steps agree within 4e-3 (Llama, measured 2.9e-3) and 3e-2 (Gemma 3,
+/// 2.4e-2). The FP8 rounding itself moves the logits 2.8e-2 and 9.5e-2 from an f32 cache's,
+/// more than 1.5 times either bound, so a plan that kept wider keys would fail.
 #[test]
 fn plans_with_fp8_kv_caches_agree_with_the_cpu_backend() {
-    check_kv_cache(models::KvCacheDtype::Fp8, &[("llama", 1e-5), ("gemma3", 1e-5)]);
+    check_kv_cache(
+        models::KvCacheDtype::Fp8,
+        &[("llama", 4e-3, 1e-5), ("gemma3", 3e-2, 1e-5)],
+    );
 }
 
-/// Batched plans over FP8 caches (what `bbc serve --kv-cache-dtype fp8` runs): two sequences'
-/// prompts in one step over a paged pool, then decode steps of both, every row's logits as the
-/// CPU backend's over FP8 pages, with decode steps through the scalar split pass and through
-/// the vector one (16 codes a load: one lane a row at Llama's 16 dims, two at Gemma 3's 32,
-/// whose sliding window masks its local layers).
+/// Batched plans over FP8 caches (what `bbc serve` runs from an FP8 artifact) against the
+/// CPU backend over FP8 pages, every row's logits, decode steps through the scalar split pass
+/// and through the vector one (16 codes a load: one lane a row at Llama's 16 dims, two at
+/// Gemma 3's 32, whose sliding window masks its local layers). Two short prompts in one step
+/// (7 rows a sequence: the split pass) and a decode step agree within 1e-5; then both
+/// continue by prompts of 34 and 26 rows over their cached ones (on the tensor cores, the
+/// codes widened to bf16: bf16 queries and probabilities, and keys from the second layer on
+/// landing on neighbouring codes, as `plans_with_fp8_kv_caches_agree_with_the_cpu_backend`
+/// says) and decode again: within 1e-2 (Llama, measured 6.9e-3, where a bf16 cache's plan
+/// gives 1.1e-3) and 6e-2 (Gemma 3, 4.4e-2), bounds that catch a wrong table, position or
+/// code (errors of the logits' own size); the tensor-core kernel over FP8 pools is checked
+/// against the reference to bf16's precision on the emulator.
 #[test]
 fn batched_plans_over_fp8_caches_agree_with_the_cpu_backend() {
     let cache = two_sequence_pool();
     let steps = [
-        vec![(0, pool_prompt(40, 5)), (0, pool_prompt(9, 11))],
-        vec![(40, vec![7]), (9, vec![9])],
-        vec![(41, vec![3]), (10, vec![4])],
+        vec![(0, pool_prompt(9, 5)), (0, pool_prompt(5, 11))],
+        vec![(9, vec![7]), (5, vec![9])],
+        vec![(10, pool_prompt(34, 23)), (6, pool_prompt(26, 29))],
+        vec![(44, vec![3]), (32, vec![4])],
     ];
+    // Each step's bound: the split pass's, then the tensor cores' (and what follows them).
+    let split_steps = 2;
     let tables: Vec<Vec<runtime::kv::BlockId>> = (0..2u32)
         .map(|s| (0..12).rev().map(|b| runtime::kv::BlockId(2 * b + s)).collect())
         .collect();
-    for family in ["llama", "gemma3"] {
+    for (family, flash_tolerance) in [("llama", 1e-2), ("gemma3", 6e-2)] {
         let mut spec = ModelSpec::for_weights(&fixture(&format!("hf-tiny/{family}")));
         spec.dtype = ComputeDtype::F32;
         spec.kv_cache_dtype = models::KvCacheDtype::Fp8;
@@ -620,16 +638,24 @@ fn batched_plans_over_fp8_caches_agree_with_the_cpu_backend() {
                 ..Default::default()
             };
             let (plan, kernels) = gpu::build_program(&gpu_graph, Target::H200, 64, Some(cache), kernels).unwrap();
-            let vector = plan.kernels.iter().filter(|k| k.name.starts_with("attention_vector"));
-            assert_eq!(vector.count() > 0, decode_attention == gpu::DecodeAttention::Vector);
+            let launched = |stem: &str| plan.kernels.iter().any(|k| k.name.starts_with(stem));
+            assert!(launched("flash_attention"), "{family}");
+            assert_eq!(
+                launched("attention_vector"),
+                decode_attention == gpu::DecodeAttention::Vector
+            );
             let gpu = EmulatorBackend::emulated(plan, kernels, gpu_graph.clone(), &model.weights, &[], 64).unwrap();
             let got = pool_steps_logits(&gpu, &steps);
             assert_eq!(got.len(), want.len());
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let tolerance = match i / 2 < split_steps {
+                    true => 1e-5,
+                    false => flash_tolerance,
+                };
                 let error = relative_error(g, w);
                 assert!(
-                    error <= 1e-5,
-                    "{family} {decode_attention:?}: output {i}: error {error}"
+                    error <= tolerance,
+                    "{family} {decode_attention:?}: output {i}: error {error} > {tolerance}"
                 );
             }
         }
@@ -637,10 +663,11 @@ fn batched_plans_over_fp8_caches_agree_with_the_cpu_backend() {
 }
 
 /// `families`' f32 plans over caches of `cache` against the CPU backend over the same caches,
-/// on every target, each within its tolerance, which must be below what the cache's rounding
-/// moves the logits.
-fn check_kv_cache(cache: models::KvCacheDtype, families: &[(&str, f32)]) {
-    for &(family, tolerance) in families {
+/// on every target, each within its tolerances (after a prompt of [`PREFILL_TOKENS`] or more,
+/// and after a shorter one: see [`check_within`]), which must be below what the cache's
+/// rounding moves the logits.
+fn check_kv_cache(cache: models::KvCacheDtype, families: &[(&str, f32, f32)]) {
+    for &(family, prefill_tolerance, step_tolerance) in families {
         let mut spec = ModelSpec::for_weights(&fixture(&format!("hf-tiny/{family}")));
         spec.dtype = ComputeDtype::F32;
         spec.kv_cache_dtype = cache;
@@ -666,11 +693,11 @@ fn check_kv_cache(cache: models::KvCacheDtype, families: &[(&str, f32)]) {
         };
         let moved = relative_error(&logits(&model), &logits(&exact));
         assert!(
-            moved > 1.5 * tolerance,
+            moved > 1.5 * prefill_tolerance.max(step_tolerance),
             "{family}: the {stored} cache moves the logits {moved}"
         );
         for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-            check_within(family, &model, &model, target, tolerance, tolerance);
+            check_within(family, &model, &model, target, prefill_tolerance, step_tolerance);
         }
     }
 }
@@ -2613,7 +2640,7 @@ fn the_gpu_checks_batched_lockstep_runs_on_the_emulator() {
         );
     }
     // Over an FP8 cache (as the check runs it: f32 weights, the vector split pass) the prompts
-    // attend through the split pass too: a launch a layer each step, no tensor-core attention.
+    // attend on the tensor cores too, the decode steps through the vector pass.
     let mut spec = ModelSpec::for_weights(&fixture("hf-tiny/llama"));
     spec.dtype = ComputeDtype::F32;
     spec.kv_cache_dtype = models::KvCacheDtype::Fp8;
@@ -2634,6 +2661,6 @@ fn the_gpu_checks_batched_lockstep_runs_on_the_emulator() {
             .map(|(_, launches, _)| launches)
             .sum()
     };
-    assert_eq!(launches("flash_attention"), 0, "{errors:?}");
-    assert_eq!(launches("attention_vector"), 4 * model.config.layers, "{errors:?}");
+    assert_eq!(launches("flash_attention"), model.config.layers, "{errors:?}");
+    assert_eq!(launches("attention_vector"), 3 * model.config.layers, "{errors:?}");
 }

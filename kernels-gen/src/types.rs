@@ -132,12 +132,16 @@ impl Scope {
         }
     }
 
-    /// `dst` (shared) and `src` (global) hold the same element type, bf16 or f32: what one
-    /// 16-byte `cp.async` copies between them.
+    /// `dst` (shared) and `src` (global) hold the same element type, bf16, f32 or FP8: what
+    /// one 16-byte `cp.async` copies between them.
     fn copy_arrays(&self, dst: &str, src: &str) -> Result<(), String> {
         let ty = match self.arrays.get(src) {
-            Some((ty @ (Ty::Bf16 | Ty::F32), _)) if !self.shared.contains_key(src) => *ty,
-            _ => return Err(format!("cp.async source `{src}` must be a global bf16 or f32 array")),
+            Some((ty @ (Ty::Bf16 | Ty::F32 | Ty::F8E4M3), _)) if !self.shared.contains_key(src) => *ty,
+            _ => {
+                return Err(format!(
+                    "cp.async source `{src}` must be a global bf16, f32 or FP8 array"
+                ))
+            }
         };
         match self.arrays.get(dst) {
             Some((t, _)) if *t == ty && self.shared.contains_key(dst) => Ok(()),

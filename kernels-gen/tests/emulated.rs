@@ -727,20 +727,117 @@ fn flash_attention_matches_reference() {
     }
 }
 
+/// FP8 codes, as an FP8 KV cache stores them (each value rounded as `ir::F8E4M3` rounds).
+fn fp8_array(values: &[f32]) -> Array {
+    let codes: Vec<u8> = values.iter().map(|&x| ir::F8E4M3::from_f32(x).0).collect();
+    Array::from_le_bytes(Ty::F8E4M3, &codes)
+}
+
+/// The `mma.sync` prefill attention over an FP8 cache (`flash_attention_over`: its tiles
+/// copied as codes, 16 a copy, and widened to bf16 as the fragments load) against the
+/// reference over the same codes: contiguous and paged, heads of 16 to 256 (a 16-dim head's
+/// rows padded to 48 bytes), a cached prefix, a window, several query tiles. Within bf16's
+/// precision, as the bf16 kernel (queries and probabilities are rounded to bf16), and its
+/// shared memory meets no bank conflicts, as the emulator counts them.
+#[test]
+fn flash_attention_over_fp8_caches_matches_reference() {
+    use flash_attention::Masking;
+    use kernels_gen::emulator::run_profiled;
+    use kernels_gen::templates::cache_layout::CacheLayout;
+    let mut rng = Rng(47);
+    let bf16_round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+    let fp8_round = |v: &[f32]| v.iter().map(|&a| ir::F8E4M3::from_f32(a).to_f32()).collect::<Vec<_>>();
+    for (tokens, first, heads, kv_heads, head_dim, window) in [
+        (20, 0, 2, 1, 16, 0),
+        (70, 37, 4, 2, 64, 0),
+        (9, 100, 2, 1, 128, 50),
+        (17, 3, 2, 1, 256, 0),
+    ] {
+        let len = first + tokens;
+        let row = kv_heads * head_dim;
+        let q = bf16_round(&rng.vec(tokens * heads * head_dim));
+        let (k, v) = (fp8_round(&rng.vec(len * row)), fp8_round(&rng.vec(len * row)));
+        let want = attention_reference((&q, &k, &v), (first, heads, kv_heads, head_dim, window));
+        let mut scalars = ints(&[
+            ("tokens", tokens as i64),
+            ("q_stride", (heads * head_dim) as i64),
+            ("first", first as i64),
+            ("heads", heads as i64),
+            ("kv_heads", kv_heads as i64),
+            ("window", window as i64),
+        ]);
+        scalars.insert("scale".into(), Scalar::F32(0.3));
+        for layout in [CacheLayout::Contiguous, CacheLayout::Paged] {
+            let kernel = flash_attention::flash_attention_over(
+                "flash_fp8",
+                "test",
+                layout,
+                (head_dim, Ty::F8E4M3),
+                Masking::CutTiles,
+            );
+            let mut bufs = HashMap::from([
+                ("q".into(), Array::f32(&q)),
+                ("out".into(), Array::poisoned(Ty::F32, tokens * heads * head_dim)),
+            ]);
+            let mut scalars = scalars.clone();
+            match layout {
+                CacheLayout::Paged => {
+                    let block_size = 16;
+                    let (table, paged_k, paged_v) = reversed_pages((&k, &v), row, block_size);
+                    bufs.insert("k".into(), fp8_array(&paged_k));
+                    bufs.insert("v".into(), fp8_array(&paged_v));
+                    bufs.insert("block_table".into(), Array::ints(Ty::I32, &table));
+                    scalars.insert("block_size".into(), Scalar::Int(block_size as i64));
+                }
+                _ => {
+                    bufs.insert("k".into(), fp8_array(&k));
+                    bufs.insert("v".into(), fp8_array(&v));
+                }
+            }
+            let traffic = run_profiled(&kernel, &mut bufs, &scalars)
+                .unwrap_or_else(|e| panic!("{tokens}×{head_dim} {layout:?}: {e}\n{}", kernel.origin));
+            close(
+                &bufs["out"].to_f32().unwrap(),
+                &want,
+                2e-3,
+                &format!(
+                    "FP8 flash attention, head_dim {head_dim}, {layout:?}\n{}",
+                    kernel.origin
+                ),
+            );
+            assert!(!traffic.0.is_empty());
+            for (array, t) in &traffic.0 {
+                assert_eq!(t.worst, 1, "head_dim {head_dim}, {array}: {t:?}");
+            }
+        }
+    }
+}
+
 /// The tensor-core attention over a batched step (the serving plans' paged pool): sequences
 /// with a cached prefix and without, one of a single row (a decode row beside prompt chunks),
 /// one longer than a query tile (of either kernel), each with its own shuffled blocks in one
 /// pool; the rows concatenated as a step orders them. Each sequence's rows against the
 /// reference over its own cache; the spare tiles of the grid write nothing (the output starts
-/// poisoned but for the rows, which all must be written). On `mma.sync` and Hopper's `wgmma`.
+/// poisoned but for the rows, which all must be written). On `mma.sync` and Hopper's `wgmma`
+/// over a bf16 pool, and on `mma.sync` over an FP8 one.
 #[test]
 fn flash_attention_over_a_batched_step_matches_reference() {
     use kernels_gen::templates::cache_layout::CacheLayout;
     let mut rng = Rng(43);
     let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+    let fp8_round = |v: &[f32]| v.iter().map(|&a| ir::F8E4M3::from_f32(a).to_f32()).collect::<Vec<_>>();
     // (rows this step, positions cached before them)
     let sequences = [(150usize, 37usize), (1, 20), (16, 0), (5, 100)];
-    for (heads, kv_heads, head_dim, window) in [(4, 2, 32, 0), (2, 1, 16, 24), (2, 1, 64, 0)] {
+    let shapes = [(4, 2, 32, 0), (2, 1, 16, 24), (2, 1, 64, 0)];
+    let caches = shapes
+        .map(|s| (s, Ty::Bf16))
+        .into_iter()
+        .chain([((4, 2, 32, 0), Ty::F8E4M3), ((2, 1, 16, 24), Ty::F8E4M3)]);
+    for ((heads, kv_heads, head_dim, window), cache) in caches {
+        let stored = |v: &[f32]| match cache {
+            Ty::F8E4M3 => fp8_round(v),
+            _ => round(v),
+        };
         let row = kv_heads * head_dim;
         let block_size = 16;
         let (mut pool_k, mut pool_v) = (Vec::new(), Vec::new());
@@ -750,8 +847,8 @@ fn flash_attention_over_a_batched_step_matches_reference() {
             let len = first + rows;
             let (q, k, v) = (
                 round(&rng.vec(rows * heads * head_dim)),
-                round(&rng.vec(len * row)),
-                round(&rng.vec(len * row)),
+                stored(&rng.vec(len * row)),
+                stored(&rng.vec(len * row)),
             );
             want.extend(attention_reference(
                 (&q, &k, &v),
@@ -775,10 +872,14 @@ fn flash_attention_over_a_batched_step_matches_reference() {
         }
         let tokens: usize = sequences.iter().map(|s| s.0).sum();
         let segment_rows: Vec<usize> = sequences.iter().map(|s| s.0).collect();
+        let pool = |values: &[f32]| match cache {
+            Ty::F8E4M3 => fp8_array(values),
+            _ => bf16_array(values),
+        };
         let bufs = HashMap::from([
             ("q".into(), Array::f32(&q_rows)),
-            ("k".into(), bf16_array(&pool_k)),
-            ("v".into(), bf16_array(&pool_v)),
+            ("k".into(), pool(&pool_k)),
+            ("v".into(), pool(&pool_v)),
             ("out".into(), Array::poisoned(Ty::F32, tokens * heads * head_dim)),
             ("block_tables".into(), Array::ints(Ty::I32, &tables)),
             ("row_table".into(), Array::ints(Ty::I32, &row_table)),
@@ -797,7 +898,20 @@ fn flash_attention_over_a_batched_step_matches_reference() {
             ("cache_width", row as i64),
         ]);
         scalars.insert("scale".into(), Scalar::F32(0.3));
-        for (kernel, tile_rows) in flash_kernels(CacheLayout::Batched, head_dim) {
+        let kernels = match cache {
+            Ty::F8E4M3 => vec![(
+                flash_attention::flash_attention_over(
+                    "flash_fp8",
+                    "test",
+                    CacheLayout::Batched,
+                    (head_dim, cache),
+                    flash_attention::Masking::CutTiles,
+                ),
+                flash_attention::QUERY_TILE_ROWS,
+            )],
+            _ => flash_kernels(CacheLayout::Batched, head_dim),
+        };
+        for (kernel, tile_rows) in kernels {
             let mut bufs = bufs.clone();
             let tiles: Vec<i64> = flash_attention::query_tiles(&segment_rows, tile_rows)
                 .iter()
@@ -2733,17 +2847,11 @@ fn batched_step_matches_reference(cache: Ty) {
         Ty::F8E4M3 => ir::DType::F8E4M3,
         _ => ir::DType::F32,
     };
-    let pool = |values: &[f32]| {
-        let bytes: Vec<u8> = match cache {
-            Ty::Bf16 => values.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect(),
-            Ty::F16 => values
-                .iter()
-                .flat_map(|&x| half::f16::from_f32(x).to_le_bytes())
-                .collect(),
-            Ty::F8E4M3 => values.iter().map(|&x| ir::F8E4M3::from_f32(x).0).collect(),
-            _ => values.iter().flat_map(|&x| x.to_le_bytes()).collect(),
-        };
-        Array::from_le_bytes(cache, &bytes)
+    let pool = |values: &[f32]| match cache {
+        Ty::Bf16 => bf16_array(values),
+        Ty::F16 => Array::f16(&values.iter().map(|&x| half::f16::from_f32(x)).collect::<Vec<_>>()),
+        Ty::F8E4M3 => fp8_array(values),
+        _ => Array::f32(values),
     };
     let mut rng = Rng(15);
     // A 16-byte load of FP8 is 16 elements: the vector pass needs a head that wide.

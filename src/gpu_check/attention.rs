@@ -1,7 +1,8 @@
 //! Attention alone on the GPU, a Llama-8B-shaped layer (32 query heads, 8 KV heads of 128
 //! dims, bf16 cache with random contents made on the device): one sequence's prefill at 512,
 //! 2 048 and 8 192 tokens by the tensor-core kernel (`flash_attention`) over a contiguous cache
-//! and over the paged pool as the serving plans launch it (the step's query tiles), on Hopper
+//! (and over an FP8 one) and over the paged pool as the serving plans launch it (the step's
+//! query tiles), on Hopper
 //! also on `wgmma` (`flash_attention_wgmma`, each schedule) both ways, on the B200 also on `tcgen05`
 //! (`flash_attention_tcgen05`, copying or loading by TMA) both ways, and by
 //! the split attention (split pass and merge, what decode steps take; the scalar pass and the
@@ -15,7 +16,7 @@ use kernels_gen::templates::attention::{self, attention_combine, attention_split
 use kernels_gen::templates::attention_vector::{self, attention_split_vector};
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::fill::{fill_kernel, fill_uniform};
-use kernels_gen::templates::flash_attention::{self, flash_attention, Masking};
+use kernels_gen::templates::flash_attention::{self, flash_attention, flash_attention_over, Masking};
 use kernels_gen::templates::flash_attention_tcgen05::{flash_attention_tcgen05, Loads};
 use kernels_gen::templates::flash_attention_wgmma::{self, flash_attention_wgmma, Schedule};
 use runtime::plan_exec::{DeviceArg, PlanDevice};
@@ -171,7 +172,14 @@ fn kernels(arch: &str) -> Vec<Kernel> {
             Ty::Bf16,
         ),
         attention_combine("attention_combine", "gpu-check", HEAD_DIM),
-        // The decode step over an FP8 pool (`--kv-cache-dtype fp8`).
+        // Prompts and the decode step over an FP8 cache (`--kv-cache-dtype fp8`).
+        flash_attention_over(
+            "flash_attention_fp8",
+            "gpu-check",
+            CacheLayout::Contiguous,
+            (HEAD_DIM, Ty::F8E4M3),
+            Masking::on(arch),
+        ),
         attention_split(
             "attention_batched_fp8",
             "gpu-check",
@@ -283,6 +291,18 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
         seqs: sequences,
         cache_rows,
     };
+    // The same cache in FP8 (`--kv-cache-dtype fp8`).
+    let fp8_elements = kv;
+    let (k8, v8) = (device.alloc(fp8_elements)?, device.alloc(fp8_elements)?);
+    for (buffer, seed, name) in [(&k8, 5, "k"), (&v8, 6, "v")] {
+        let fill = Fill::of(seed, name, &[cache_rows, KV_HEADS * HEAD_DIM]);
+        fill_on_device(&mut device, buffer, 0, fp8_elements, Ty::F8E4M3, fill)?;
+    }
+    let fp8 = AttentionBuffers {
+        k: (&k8, fp8_elements),
+        v: (&v8, fp8_elements),
+        ..buffers
+    };
     let mut table = String::from(
         "| attention | rows | kernel | µs | TFLOP/s | cache GB/s | % of copy bandwidth |\n|---|---|---|---|---|---|---|\n",
     );
@@ -311,6 +331,7 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
             pool((&wide_query_tiles, wide_tiles.len())),
         );
         let over_pool = |name: &str| pool.value(name, tokens);
+        let over_fp8 = |name: &str| fp8.value(name, tokens);
         let over_wide_pool = |name: &str| wide_pool.value(name, tokens);
         type Value<'a, 'b> =
             &'b dyn Fn(&str) -> Option<DeviceArg<'a, <runtime_cuda::CudaDevice as PlanDevice>::Buffer>>;
@@ -320,6 +341,11 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
             ("tensor cores over the pool (the plans')", vec![flash_pool], &over_pool),
             ("split pass + merge (decode steps')", vec![split, combine], &value),
             ("vector split pass + merge", vec![vector, combine], &value),
+            (
+                "tensor cores over an FP8 cache",
+                vec![find("flash_attention_fp8")?],
+                &over_fp8,
+            ),
         ];
         let wide = WGMMA_FLASH
             .iter()
@@ -357,19 +383,7 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
         let seconds = time_launches(&mut device, &[find(pass)?, combine], &value)?;
         table += &decode_row(DECODE, label, seconds, (elements * 2) as f64, bandwidth);
     }
-    // The same step over an FP8 pool: a byte a cached element, so half the bytes to read.
-    let fp8_elements = sequences * positions * KV_HEADS * HEAD_DIM;
-    let (k8, v8) = (device.alloc(fp8_elements)?, device.alloc(fp8_elements)?);
-    for (buffer, seed, name) in [(&k8, 5, "k"), (&v8, 6, "v")] {
-        let fill = Fill::of(seed, name, &[sequences * positions, KV_HEADS * HEAD_DIM]);
-        fill_on_device(&mut device, buffer, 0, fp8_elements, Ty::F8E4M3, fill)?;
-    }
-    let fp8 = AttentionBuffers {
-        k: (&k8, fp8_elements),
-        v: (&v8, fp8_elements),
-        cache_rows: sequences * positions,
-        ..buffers
-    };
+    // The same step over the FP8 cache: a byte a cached element, so half the bytes to read.
     let value = |name: &str| fp8.value(name, sequences);
     for (label, pass) in [
         ("split pass + merge, FP8 cache", "attention_batched_fp8"),

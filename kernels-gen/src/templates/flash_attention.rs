@@ -28,7 +28,9 @@
 //! and stores, and does the products on `wgmma`, two warpgroups a block; the B200's
 //! (`flash_attention_tcgen05`) shares its copies and the block's keys.
 //!
-//! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 256; the cache bf16.
+//! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 256; the cache bf16,
+//! or FP8 ([`flash_attention_over`]: its codes copied as stored, widened to bf16 exactly as
+//! the fragments are loaded).
 
 use super::cache_layout::CacheLayout;
 use crate::dsl::*;
@@ -40,8 +42,10 @@ const TILE_Q: i64 = 64;
 pub const QUERY_TILE_ROWS: usize = TILE_Q as usize;
 /// Keys per tile.
 pub(super) const TILE_KEYS: i64 = 64;
-/// bf16 elements per 16-byte copy.
-const CHUNK: i64 = 8;
+/// Elements of `ty` per 16-byte copy: 8 bf16, 16 FP8 codes.
+fn chunk(ty: Ty) -> i64 {
+    16 / ty.bytes() as i64
+}
 
 /// The largest head it takes (registers: the output accumulators grow with it).
 pub const MAX_HEAD_DIM: usize = 256;
@@ -84,14 +88,20 @@ pub(super) enum TileOrder {
     CoreMatrices,
 }
 
-/// Elements between keys of a row-major tile ([`TileOrder::RowMajor`]), and between the rows
-/// of the queries a large head keeps in shared memory: the head, and 16 bytes more. A
-/// fragment load reads a dim pair of 8 keys or rows (or a dim of 4 keys' pairs) at once; with
-/// rows of 128 to 512 bytes those would all fall in one bank, 16 bytes more a row puts each 4
-/// banks on from the one before, and the loads keep constant offsets from one address a lane
-/// (a permutation of the chunks would not).
-fn row_pitch(head_dim: usize) -> i64 {
-    head_dim as i64 + CHUNK
+/// Elements of `ty` between keys of a row-major tile ([`TileOrder::RowMajor`]), and between
+/// the rows of the queries a large head keeps in shared memory: the head, and 16 bytes more
+/// (32 where that leaves a row a multiple of 32 bytes: FP8 heads of 16, 48, …). A fragment
+/// load reads a dim pair of 8 keys or rows (or a dim of 4 keys' pairs) at once; with rows of
+/// 128 to 512 bytes those would all fall in one bank, a row of 4 words past a multiple of 8
+/// puts each 4 banks on from the one before, and the loads keep constant offsets from one
+/// address a lane (a permutation of the chunks would not).
+fn row_pitch(head_dim: usize, ty: Ty) -> i64 {
+    let bytes = head_dim * ty.bytes() + 16;
+    let bytes = match bytes / 4 % 8 {
+        4 => bytes,
+        _ => bytes + 16,
+    };
+    (bytes / ty.bytes()) as i64
 }
 
 /// Key and value tiles a block keeps: two (the next tile's copies in flight while the warps
@@ -115,12 +125,25 @@ fn tile_buffers(head_dim: usize) -> i64 {
 /// contiguous bytes (no bank conflicts) from 8 keys' 64-byte runs.
 pub(super) fn copy_tile(
     layout: CacheLayout,
+    tile: (usize, i64, TileOrder),
+    threads: (Expr, i64),
+    j0: Expr,
+    at: Expr,
+) -> Vec<Stmt> {
+    copy_tile_of(Ty::Bf16, layout, tile, threads, j0, at)
+}
+
+/// [`copy_tile`] from a cache of `cache` elements (bf16, or FP8 codes 16 a copy, row-major).
+fn copy_tile_of(
+    cache: Ty,
+    layout: CacheLayout,
     (head_dim, keys, order): (usize, i64, TileOrder),
     (first, threads): (Expr, i64),
     j0: Expr,
     at: Expr,
 ) -> Vec<Stmt> {
-    let chunks_per_row = head_dim as i64 / CHUNK;
+    let chunk_len = chunk(cache);
+    let chunks_per_row = head_dim as i64 / chunk_len;
     let (key, chunk) = match order {
         TileOrder::RowMajor => (var("c") / int(chunks_per_row), rem(var("c"), int(chunks_per_row))),
         TileOrder::CoreMatrices => (
@@ -130,16 +153,18 @@ pub(super) fn copy_tile(
     };
     let dst_index = match order {
         TileOrder::RowMajor => {
-            at.clone() + var("c") / int(chunks_per_row) * int(row_pitch(head_dim)) + var("chunk") * int(CHUNK)
+            at.clone()
+                + var("c") / int(chunks_per_row) * int(row_pitch(head_dim, cache))
+                + var("chunk") * int(chunk_len)
         }
-        TileOrder::CoreMatrices => at.clone() + var("c") * int(CHUNK),
+        TileOrder::CoreMatrices => at.clone() + var("c") * int(chunk_len),
     };
     let copy = |dst: &str, src: &str| {
         Stmt::CpAsync(Box::new(AsyncCopy {
             dst: dst.into(),
             dst_index: dst_index.clone(),
             src: src.into(),
-            src_index: var("base") + var("chunk") * int(CHUNK),
+            src_index: var("base") + var("chunk") * int(chunk_len),
             valid: lt(var("key"), var("hi")),
         }))
     };
@@ -170,8 +195,8 @@ pub(super) fn copy_tile(
 /// The start of a key tile's loop step: its tile in shared memory, landed and published
 /// (`kv0`: its buffer's first element). With two buffers the next tile's copies are issued
 /// first (the first tile's went before the loop) and stay in flight.
-fn tile_head(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
-    let tile = TILE_KEYS * row_pitch(head_dim);
+fn tile_head(layout: CacheLayout, head_dim: usize, cache: Ty) -> Vec<Stmt> {
+    let tile = TILE_KEYS * row_pitch(head_dim, cache);
     let mut out = vec![let_(
         "buf",
         Ty::I32,
@@ -182,7 +207,8 @@ fn tile_head(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
     )];
     match tile_buffers(head_dim) {
         1 => {
-            out.extend(copy_tile(
+            out.extend(copy_tile_of(
+                cache,
                 layout,
                 (head_dim, TILE_KEYS, TileOrder::RowMajor),
                 (tid(), THREADS),
@@ -195,7 +221,8 @@ fn tile_head(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
             let next = var("j0") + int(TILE_KEYS);
             out.push(if_(
                 lt(next.clone(), var("hi")),
-                copy_tile(
+                copy_tile_of(
+                    cache,
                     layout,
                     (head_dim, TILE_KEYS, TileOrder::RowMajor),
                     (tid(), THREADS),
@@ -243,7 +270,7 @@ fn load_queries(head_dim: usize) -> Vec<Stmt> {
                     ),
                     store(
                         "qs",
-                        var("e") / hd.clone() * int(row_pitch(head_dim)) + rem(var("e"), hd.clone()),
+                        var("e") / hd.clone() * int(row_pitch(head_dim, Ty::Bf16)) + rem(var("e"), hd.clone()),
                         var("value"),
                     ),
                 ],
@@ -267,7 +294,7 @@ fn load_queries(head_dim: usize) -> Vec<Stmt> {
 
 /// The warp's 16×64 scores: the head in 16-wide steps (a large head's query fragments of the
 /// step read from `qs` once), each over 8 blocks of 8 keys.
-fn scores(head_dim: usize) -> Vec<Stmt> {
+fn scores(head_dim: usize, cache: Ty) -> Vec<Stmt> {
     let blocks = (TILE_KEYS / 8) as usize;
     let mut out: Vec<Stmt> = (0..blocks)
         .flat_map(|j| (0..4).map(move |i| assign(&s_name(j, i), f(0.0))))
@@ -277,7 +304,7 @@ fn scores(head_dim: usize) -> Vec<Stmt> {
             true => {
                 for i in 0..8 {
                     let (row, dim) = query_element(head_dim, step, i);
-                    let at = (row - var("q0")) * int(row_pitch(head_dim)) + dim;
+                    let at = (row - var("q0")) * int(row_pitch(head_dim, Ty::Bf16)) + dim;
                     out.push(assign(&q_name(0, i), load("qs", at)));
                 }
                 0
@@ -289,7 +316,7 @@ fn scores(head_dim: usize) -> Vec<Stmt> {
             let b: [String; 4] = std::array::from_fn(|i| format!("kb{i}"));
             for (i, name) in b.iter().enumerate() {
                 let dim = int(16 * step as i64 + (i % 2) as i64 + if i >= 2 { 8 } else { 0 }) + var("t2");
-                let at = var("kv0") + (int(8 * j as i64) + var("g")) * int(row_pitch(head_dim)) + dim;
+                let at = var("kv0") + (int(8 * j as i64) + var("g")) * int(row_pitch(head_dim, cache)) + dim;
                 out.push(assign(name, load("ks", at)));
             }
             out.push(Stmt::MmaBf16(Box::new(MmaFragments {
@@ -419,7 +446,7 @@ pub(super) fn online_softmax(keys: i64, masking: Masking) -> Vec<Stmt> {
 
 /// Rescale the output accumulators by `c_lo`/`c_hi`, then add P·V: the keys in 4 steps of 16,
 /// P's fragments the scores' accumulators (blocks 2u and 2u + 1), V's read from `vs`.
-fn accumulate(head_dim: usize) -> Vec<Stmt> {
+fn accumulate(head_dim: usize, cache: Ty) -> Vec<Stmt> {
     let part_dims = head_dim / parts(head_dim);
     let mut out = Vec::new();
     for v in 0..part_dims / 8 {
@@ -437,7 +464,7 @@ fn accumulate(head_dim: usize) -> Vec<Stmt> {
             let b: [String; 4] = std::array::from_fn(|i| format!("vb{i}"));
             for (i, name) in b.iter().enumerate() {
                 let key = int(16 * u as i64 + (i % 2) as i64 + if i >= 2 { 8 } else { 0 }) + var("t2");
-                let at = var("kv0") + key * int(row_pitch(head_dim)) + var("d0") + int(8 * v as i64) + var("g");
+                let at = var("kv0") + key * int(row_pitch(head_dim, cache)) + var("d0") + int(8 * v as i64) + var("g");
                 out.push(assign(name, load("vs", at)));
             }
             out.push(Stmt::MmaBf16(Box::new(MmaFragments {
@@ -608,12 +635,17 @@ pub fn query_tile_rows(name: &str) -> Option<usize> {
 /// from `q` (rows `q_stride` apart) and the bf16 cache `k`/`v`, the rows and the head's
 /// shape, the cache's layout, and a batched step's `query_tiles` and `seqs`.
 pub(super) fn params(layout: CacheLayout) -> Vec<Param> {
+    params_over(layout, Ty::Bf16)
+}
+
+/// [`params`] over a cache of `cache` elements.
+fn params_over(layout: CacheLayout, cache: Ty) -> Vec<Param> {
     let tiles_input = match layout {
         CacheLayout::Batched => vec![buffer("query_tiles", Ty::I32, false), scalar("seqs", Ty::I32)],
         _ => vec![],
     };
     [
-        super::attention::rows_and_cache_params(Ty::Bf16, "out"),
+        super::attention::rows_and_cache_params(cache, "out"),
         layout.params(),
         tiles_input,
     ]
@@ -642,7 +674,26 @@ pub(super) fn guarded_by_rows(layout: CacheLayout, block_rows: Vec<Stmt>, work: 
 /// `row_table`/`row_pos`. `window` ≤ 0 means none; `scale` multiplies q·k. The mask goes
 /// over the tiles `masking` says.
 pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: usize, masking: Masking) -> Kernel {
+    flash_attention_over(name, origin, layout, (head_dim, Ty::Bf16), masking)
+}
+
+/// Whether [`flash_attention_over`] reads a cache of `cache` elements: bf16, or FP8 codes,
+/// which widen exactly to the bf16 the tensor cores take (a half would round).
+pub fn supports_cache(cache: Ty) -> bool {
+    matches!(cache, Ty::Bf16 | Ty::F8E4M3)
+}
+
+/// [`flash_attention`] over a cache of `cache` elements ([`supports_cache`]): the tiles copied
+/// as stored (an FP8 tile half a bf16 one's bytes) and widened as the fragments are loaded.
+pub fn flash_attention_over(
+    name: &str,
+    origin: &str,
+    layout: CacheLayout,
+    (head_dim, cache): (usize, Ty),
+    masking: Masking,
+) -> Kernel {
     assert!(supports(head_dim), "head_dim {head_dim}");
+    assert!(supports_cache(cache), "a {cache:?} cache");
     let parts = parts(head_dim) as i64;
     let locals = (0..head_dim / parts as usize / 8)
         .flat_map(|v| (0..4).map(move |i| o_name(v, i)))
@@ -653,15 +704,15 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         .chain((0..8).map(|i| q_name(0, i)).filter(|_| head_dim > QUERIES_IN_REGISTERS))
         .map(|n| let_(&n, Ty::F32, f(0.0)));
     let tile = [
-        tile_head(layout, head_dim),
+        tile_head(layout, head_dim, cache),
         // A warp whose 16 rows all lie past the tile's (a short sequence's tile, a chunk's
         // last) only helps copy the keys and values.
         vec![if_(
             lt(var("q0") + warp() * int(16), var("rows_end")),
             [
-                scores(head_dim),
+                scores(head_dim, cache),
                 online_softmax(TILE_KEYS, masking),
-                accumulate(head_dim),
+                accumulate(head_dim, cache),
             ]
             .concat(),
         )],
@@ -675,7 +726,8 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         locals.collect(),
         match tile_buffers(head_dim) {
             1 => vec![],
-            _ => copy_tile(
+            _ => copy_tile_of(
+                cache,
                 layout,
                 (head_dim, TILE_KEYS, TileOrder::RowMajor),
                 (tid(), THREADS),
@@ -687,34 +739,38 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
         store_outputs(head_dim),
     ]
     .concat();
-    let tile_elements = (TILE_KEYS * row_pitch(head_dim) * tile_buffers(head_dim)) as usize;
+    let tile_elements = (TILE_KEYS * row_pitch(head_dim, cache) * tile_buffers(head_dim)) as usize;
     let queries = (head_dim > QUERIES_IN_REGISTERS).then(|| SharedArray {
         name: "qs".into(),
         ty: Ty::Bf16,
-        len: (TILE_Q * row_pitch(head_dim)) as usize,
+        len: (TILE_Q * row_pitch(head_dim, Ty::Bf16)) as usize,
     });
     Kernel {
         name: name.into(),
         origin: format!(
             "{origin}: causal prefill attention on tensor cores (mma.sync m16n8k16 bf16, FlashAttention-2's schedule: \
              {TILE_Q} query rows a block, {TILE_KEYS}-key tiles through shared memory, online softmax in f32{}), \
-             head_dim {head_dim}, bf16 {}",
+             head_dim {head_dim}, {} {}",
             match masking {
                 Masking::EveryTile => "",
                 Masking::CutTiles => ", the mask on tiles the block's rows do not see whole",
             },
+            match cache {
+                Ty::F8E4M3 => "FP8 E4M3 (widened to bf16 as loaded)",
+                _ => "bf16",
+            },
             layout.describe()
         ),
-        params: params(layout),
+        params: params_over(layout, cache),
         shared: [
             SharedArray {
                 name: "ks".into(),
-                ty: Ty::Bf16,
+                ty: cache,
                 len: tile_elements,
             },
             SharedArray {
                 name: "vs".into(),
-                ty: Ty::Bf16,
+                ty: cache,
                 len: tile_elements,
             },
         ]

@@ -1050,6 +1050,14 @@ pub fn catalog() -> Vec<Kernel> {
             128,
             flash_attention::Masking::EveryTile,
         ),
+        // Over an FP8 pool: its codes copied 16 at a time, widened as the fragments load.
+        flash_attention::flash_attention_over(
+            "flash_attention_fp8_d128",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            (128, Ty::F8E4M3),
+            flash_attention::Masking::CutTiles,
+        ),
         flash_attention_wgmma::flash_attention_wgmma(
             "flash_attention_wgmma_d128",
             "catalog",

@@ -1,9 +1,9 @@
 //! An attention node's launches (`templates::kv_append`, `templates::attention`,
 //! `templates::flash_attention`): the step's keys and values appended to the node's cache slot
 //! (rotating q and k on the way for `rope_attention`), then the attention over the cache:
-//! split across blocks and merged, or, in steps of prompts over a bf16 cache, on the tensor
-//! cores, a tile of 64 query rows a block (128 on Hopper's `wgmma` and the B200's `tcgen05`;
-//! see [`FLASH_ROWS_PER_SEQUENCE`]). A
+//! split across blocks and merged, or, in steps of prompts over a bf16 or FP8 cache, on the
+//! tensor cores, a tile of 64 query rows a block (128 on Hopper's `wgmma` and the B200's
+//! `tcgen05`, over bf16; see [`FLASH_ROWS_PER_SEQUENCE`]). A
 //! `shared_kv_attention` appends nothing: it attends over the slot an earlier layer filled, and
 //! may do so for the sampled rows only (each sequence's last, after `last_token`): their
 //! tables and positions are then the step's `sampled_row_table` and `sampled_row_pos` (a
@@ -332,6 +332,8 @@ fn attend(
     // Heads TMA's boxes do not tile copy their tiles themselves.
     let by_tma = flash_tma::supports(spec.head_dim);
     let flash_form = match kernels.flash {
+        // `wgmma` and `tcgen05` read bf16 tiles: an FP8 cache's are widened on `mma.sync`.
+        _ if cache.ty != Ty::Bf16 => FlashForm::Mma,
         FlashForm::Wgmma(Schedule::Tma) if !by_tma => FlashForm::Wgmma(Schedule::Specialised),
         FlashForm::Tcgen05(Loads::Tma) if !by_tma => FlashForm::Tcgen05(Loads::Copies),
         form => form,
@@ -365,11 +367,11 @@ fn attend(
             flash_attention_tcgen05::QUERY_TILE_ROWS,
         ),
         _ => (
-            flash_attention::flash_attention(
+            flash_attention::flash_attention_over(
                 "flash_attention",
                 &graph.name,
                 cache.layout,
-                spec.head_dim,
+                (spec.head_dim, cache.ty),
                 kernels.masking,
             ),
             flash_attention::QUERY_TILE_ROWS,
@@ -420,11 +422,11 @@ fn cache_sizes(kernel: &Kernel, cache: &Cache) -> Vec<LaunchArg> {
     }
 }
 
-/// Where the attention over `cache` can run on the tensor cores (a bf16 cache, a head the
+/// Where the attention over `cache` can run on the tensor cores (a bf16 or FP8 cache, a head the
 /// flash kernel takes, every row attending rather than the sampled alone), the expression
 /// that is 1 in the steps that take it and 0 in the others (see [`FLASH_ROWS_PER_SEQUENCE`]).
 fn flash_step(cache: &Cache, rows: &str) -> Option<String> {
-    if cache.ty != Ty::Bf16 || !flash_attention::supports(cache.spec.head_dim) || cache.sampled {
+    if !flash_attention::supports_cache(cache.ty) || !flash_attention::supports(cache.spec.head_dim) || cache.sampled {
         return None;
     }
     let per_sequence = FLASH_ROWS_PER_SEQUENCE;
