@@ -1632,8 +1632,10 @@ fn strided_inputs_read_slices_in_place() {
 
 /// `rope_kv_append` against the reference: queries rotated into `q_out`, keys rotated and
 /// values copied into a paged cache (the new rows straddle a block edge; the cached rows stay
-/// as they were), both rope layouts, whole and partial rotation, f32 and bf16 caches, each
-/// source read in place from rows of its own width.
+/// as they were), both rope layouts, whole and partial rotation, f32, bf16 and FP8 caches,
+/// each source read in place from rows of its own width. A rotated key a last f32 bit from the
+/// reference's can round to the neighbouring bf16 (hence 8e-3 there); FP8's boundaries are
+/// 2¹⁶ times sparser, and its codes here all equal the reference's.
 #[test]
 fn rope_kv_append_rotates_queries_and_keys_and_appends_keys_and_values() {
     let mut rng = Rng(21);
@@ -1647,9 +1649,11 @@ fn rope_kv_append_rotates_queries_and_keys_and_appends_keys_and_values() {
         (RopeLayout::RotateHalf, head_dim, Ty::F32),
         (RopeLayout::AdjacentPairs, head_dim / 2, Ty::F32),
         (RopeLayout::RotateHalf, head_dim / 2, Ty::Bf16),
+        (RopeLayout::AdjacentPairs, head_dim, Ty::F8E4M3),
     ] {
         let dtype = match cache {
             Ty::Bf16 => ir::DType::BF16,
+            Ty::F8E4M3 => ir::DType::F8E4M3,
             _ => ir::DType::F32,
         };
         let spec = |heads| RopeSpec {
@@ -1674,6 +1678,7 @@ fn rope_kv_append_rotates_queries_and_keys_and_appends_keys_and_values() {
         let pool = |values: &[f32]| -> Vec<f32> { values.iter().map(|&e| ops::stored_as(e, dtype)).collect() };
         let array = |values: &[f32]| match cache {
             Ty::Bf16 => bf16_array(values),
+            Ty::F8E4M3 => fp8_array(values),
             _ => Array::f32(values),
         };
         let mut bufs = HashMap::from([
