@@ -1037,16 +1037,26 @@ fn batched_plans_keep_sequences_apart_like_the_cpu_backend() {
 /// tokens it generates on the CPU backend: `bbc serve` on a GPU artifact, without the GPU. With
 /// the serving plan `bbc compile` writes (`next_token` beside the logits), steps whose requests
 /// are all plain greedy read back only token ids; requests that want log-probabilities read the
-/// logits, with the same tokens.
+/// logits, with the same tokens. Over the model's f32 caches and over FP8 ones (both sides'
+/// pages, and the prefix cache's blocks, holding FP8 codes; the prompts, shorter than 16 rows,
+/// attend through the split pass in f32).
 #[test]
 fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu() {
+    for cache in [models::KvCacheDtype::Auto, models::KvCacheDtype::Fp8] {
+        let mut spec = ModelSpec::for_weights(&fixture("hf-tiny/llama"));
+        spec.dtype = ComputeDtype::F32;
+        spec.kv_cache_dtype = cache;
+        serving_engine_generates_on_a_batched_plan_what_it_generates_on_the_cpu(&Model::open(spec).unwrap());
+    }
+}
+
+fn serving_engine_generates_on_a_batched_plan_what_it_generates_on_the_cpu(model: &Model) {
     use runtime::serving::ServingEngine;
-    let model = open("llama", ComputeDtype::F32);
     let graph = model.lower(LogitsFor::AllTokens).unwrap();
     // A token budget above the 32 rows the plan is built for: the engine lowers it to 32 for
     // the GPU backend (else its first step, four prompts at once, would be refused).
     let config = serving_config(100, 24);
-    let (gpu_graph, plan, kernels) = serving_plan(&model, &config, config.max_running);
+    let (gpu_graph, plan, kernels) = serving_plan(model, &config, config.max_running);
     let prompts: Vec<Vec<u32>> = (0..5u32)
         .map(|i| {
             [9, 8, 7, 6, 5, 4, 3, 2]
@@ -1065,7 +1075,7 @@ fn the_serving_engine_on_a_batched_plan_generates_what_it_generates_on_the_cpu()
     let want = serve_all(&mut on_cpu, &prompts, plain);
     for (params, greedy_steps) in [(plain, true), (with_logprobs, false)] {
         // Decode batches run as graphs, as `bbc serve` runs them on a GPU.
-        let gpu = emulated_serving(&model, &gpu_graph, &plan, &kernels).capture_graphs_up_to(config.max_running);
+        let gpu = emulated_serving(model, &gpu_graph, &plan, &kernels).capture_graphs_up_to(config.max_running);
         let mut on_gpu = ServingEngine::new(Counted::new(gpu), config);
         assert_eq!(serve_all(&mut on_gpu, &prompts, params), want, "{params:?}");
         let (greedy, full) = on_gpu.backend().counts();
