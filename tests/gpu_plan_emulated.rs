@@ -615,9 +615,7 @@ fn batched_plans_over_fp8_caches_agree_with_the_cpu_backend() {
     ];
     // Each step's bound: the split pass's, then the tensor cores' (and what follows them).
     let split_steps = 2;
-    let tables: Vec<Vec<runtime::kv::BlockId>> = (0..2u32)
-        .map(|s| (0..12).rev().map(|b| runtime::kv::BlockId(2 * b + s)).collect())
-        .collect();
+    let tables = pool_tables();
     for (family, flash_tolerance) in [("llama", 1e-2), ("gemma3", 6e-2)] {
         let mut spec = ModelSpec::for_weights(&fixture(&format!("hf-tiny/{family}")));
         spec.dtype = ComputeDtype::F32;
@@ -2574,12 +2572,17 @@ fn prompts_past_a_tile() -> [Vec<(usize, Vec<u32>)>; 3] {
     ]
 }
 
-/// Each step's logits, every sequence's, on `gpu` over [`two_sequence_pool`]: sequence s
-/// holds blocks 2b + s, in reverse order.
-fn pool_steps_logits(gpu: &EmulatorBackend, steps: &[Vec<(usize, Vec<u32>)>]) -> Vec<Vec<f32>> {
-    let tables: Vec<Vec<runtime::kv::BlockId>> = (0..2u32)
+/// The block tables of [`two_sequence_pool`]'s sequences: sequence s holds blocks 2b + s, in
+/// reverse order.
+fn pool_tables() -> Vec<Vec<runtime::kv::BlockId>> {
+    (0..2u32)
         .map(|s| (0..12).rev().map(|b| runtime::kv::BlockId(2 * b + s)).collect())
-        .collect();
+        .collect()
+}
+
+/// Each step's logits, every sequence's, on `gpu` over [`two_sequence_pool`] ([`pool_tables`]).
+fn pool_steps_logits(gpu: &EmulatorBackend, steps: &[Vec<(usize, Vec<u32>)>]) -> Vec<Vec<f32>> {
+    let tables = pool_tables();
     steps
         .iter()
         .flat_map(|segments| gpu.step_batch(&batch_of(segments, &tables)).unwrap())

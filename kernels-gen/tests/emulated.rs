@@ -640,15 +640,16 @@ fn attention_matches_reference_with_windows_groups_and_long_caches() {
 /// values: one and several query tiles (ragged), a cached prefix before the chunk, grouped KV
 /// heads, a window, head dims 16 to 256, the cache contiguous and paged (blocks shuffled); on
 /// `mma.sync` and, for heads up to 128 dims, on Hopper's `wgmma` and the B200's `tcgen05`
-/// (by TMA at 64 and 128). Its probabilities meet the
-/// values rounded to bf16 (the tensor cores' operand), so it agrees to bf16's precision
-/// (errors up to 1.2e-3 of the largest output here), not f32's.
+/// (by TMA at 64 and 128); and on `mma.sync` over FP8 caches (`flash_attention_over`: the
+/// codes copied as stored, widened to bf16 as the fragments load), heads of 16 to 256. Its
+/// probabilities meet the values rounded to bf16 (the tensor cores' operand), so it agrees to
+/// bf16's precision (errors up to 1.2e-3 of the largest output here), not f32's.
 #[test]
 fn flash_attention_matches_reference() {
     use kernels_gen::templates::cache_layout::CacheLayout;
     let mut rng = Rng(41);
     let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
-    for (tokens, first, heads, kv_heads, head_dim, window) in [
+    let bf16_cases = [
         (20, 0, 2, 1, 16, 0),
         (70, 37, 4, 2, 64, 0),
         (130, 0, 2, 2, 32, 50),
@@ -662,13 +663,35 @@ fn flash_attention_matches_reference() {
         // the causal mask cuts.
         (9, 300, 2, 1, 64, 0),
         (20, 400, 2, 1, 32, 200),
-    ] {
+    ];
+    let fp8_cases = [
+        (20, 0, 2, 1, 16, 0),
+        (70, 37, 4, 2, 64, 0),
+        (9, 100, 2, 1, 128, 50),
+        (17, 3, 2, 1, 256, 0),
+    ];
+    let cases = bf16_cases
+        .map(|c| (c, Ty::Bf16))
+        .into_iter()
+        .chain(fp8_cases.map(|c| (c, Ty::F8E4M3)));
+    for ((tokens, first, heads, kv_heads, head_dim, window), cache) in cases {
         let len = first + tokens;
+        let stored = |v: &[f32]| -> Vec<f32> {
+            let dtype = match cache {
+                Ty::F8E4M3 => ir::DType::F8E4M3,
+                _ => ir::DType::BF16,
+            };
+            v.iter().map(|&a| ops::stored_as(a, dtype)).collect()
+        };
         let (q, k, v) = (
             round(&rng.vec(tokens * heads * head_dim)),
-            round(&rng.vec(len * kv_heads * head_dim)),
-            round(&rng.vec(len * kv_heads * head_dim)),
+            stored(&rng.vec(len * kv_heads * head_dim)),
+            stored(&rng.vec(len * kv_heads * head_dim)),
         );
+        let pool = |values: &[f32]| match cache {
+            Ty::F8E4M3 => fp8_array(values),
+            _ => bf16_array(values),
+        };
         let want = attention_reference((&q, &k, &v), (first, heads, kv_heads, head_dim, window));
         let q_stride = heads * head_dim + 8;
         let q_rows: Vec<f32> = q
@@ -686,7 +709,11 @@ fn flash_attention_matches_reference() {
         scalars.insert("scale".into(), Scalar::F32(0.3));
         for (layout, (kernel, _)) in [CacheLayout::Contiguous, CacheLayout::Paged]
             .into_iter()
-            .flat_map(|layout| flash_kernels(layout, head_dim).into_iter().map(move |k| (layout, k)))
+            .flat_map(|layout| {
+                flash_kernels_over(layout, (head_dim, cache))
+                    .into_iter()
+                    .map(move |k| (layout, k))
+            })
         {
             let row = kv_heads * head_dim;
             let mut bufs = HashMap::from([
@@ -698,16 +725,16 @@ fn flash_attention_matches_reference() {
                 CacheLayout::Paged => {
                     let block_size = 16;
                     let (table, paged_k, paged_v) = reversed_pages((&k, &v), row, block_size);
-                    bufs.insert("k".into(), bf16_array(&paged_k));
-                    bufs.insert("v".into(), bf16_array(&paged_v));
+                    bufs.insert("k".into(), pool(&paged_k));
+                    bufs.insert("v".into(), pool(&paged_v));
                     bufs.insert("block_table".into(), Array::ints(Ty::I32, &table));
                     scalars.insert("block_size".into(), Scalar::Int(block_size as i64));
                     scalars.insert("cache_rows".into(), Scalar::Int((paged_k.len() / row) as i64));
                     scalars.insert("cache_width".into(), Scalar::Int(row as i64));
                 }
                 _ => {
-                    bufs.insert("k".into(), bf16_array(&k));
-                    bufs.insert("v".into(), bf16_array(&v));
+                    bufs.insert("k".into(), pool(&k));
+                    bufs.insert("v".into(), pool(&v));
                     scalars.insert("cache_rows".into(), Scalar::Int(len as i64));
                     scalars.insert("cache_width".into(), Scalar::Int(row as i64));
                 }
@@ -731,86 +758,6 @@ fn flash_attention_matches_reference() {
 fn fp8_array(values: &[f32]) -> Array {
     let codes: Vec<u8> = values.iter().map(|&x| ir::F8E4M3::from_f32(x).0).collect();
     Array::from_le_bytes(Ty::F8E4M3, &codes)
-}
-
-/// The `mma.sync` prefill attention over an FP8 cache (`flash_attention_over`: its tiles
-/// copied as codes, 16 a copy, and widened to bf16 as the fragments load) against the
-/// reference over the same codes: contiguous and paged, heads of 16 to 256 (a 16-dim head's
-/// rows padded to 48 bytes), a cached prefix, a window, several query tiles. Within bf16's
-/// precision, as the bf16 kernel (queries and probabilities are rounded to bf16), and its
-/// shared memory meets no bank conflicts, as the emulator counts them.
-#[test]
-fn flash_attention_over_fp8_caches_matches_reference() {
-    use flash_attention::Masking;
-    use kernels_gen::emulator::run_profiled;
-    use kernels_gen::templates::cache_layout::CacheLayout;
-    let mut rng = Rng(47);
-    let bf16_round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
-    let fp8_round = |v: &[f32]| v.iter().map(|&a| ir::F8E4M3::from_f32(a).to_f32()).collect::<Vec<_>>();
-    for (tokens, first, heads, kv_heads, head_dim, window) in [
-        (20, 0, 2, 1, 16, 0),
-        (70, 37, 4, 2, 64, 0),
-        (9, 100, 2, 1, 128, 50),
-        (17, 3, 2, 1, 256, 0),
-    ] {
-        let len = first + tokens;
-        let row = kv_heads * head_dim;
-        let q = bf16_round(&rng.vec(tokens * heads * head_dim));
-        let (k, v) = (fp8_round(&rng.vec(len * row)), fp8_round(&rng.vec(len * row)));
-        let want = attention_reference((&q, &k, &v), (first, heads, kv_heads, head_dim, window));
-        let mut scalars = ints(&[
-            ("tokens", tokens as i64),
-            ("q_stride", (heads * head_dim) as i64),
-            ("first", first as i64),
-            ("heads", heads as i64),
-            ("kv_heads", kv_heads as i64),
-            ("window", window as i64),
-        ]);
-        scalars.insert("scale".into(), Scalar::F32(0.3));
-        for layout in [CacheLayout::Contiguous, CacheLayout::Paged] {
-            let kernel = flash_attention::flash_attention_over(
-                "flash_fp8",
-                "test",
-                layout,
-                (head_dim, Ty::F8E4M3),
-                Masking::CutTiles,
-            );
-            let mut bufs = HashMap::from([
-                ("q".into(), Array::f32(&q)),
-                ("out".into(), Array::poisoned(Ty::F32, tokens * heads * head_dim)),
-            ]);
-            let mut scalars = scalars.clone();
-            match layout {
-                CacheLayout::Paged => {
-                    let block_size = 16;
-                    let (table, paged_k, paged_v) = reversed_pages((&k, &v), row, block_size);
-                    bufs.insert("k".into(), fp8_array(&paged_k));
-                    bufs.insert("v".into(), fp8_array(&paged_v));
-                    bufs.insert("block_table".into(), Array::ints(Ty::I32, &table));
-                    scalars.insert("block_size".into(), Scalar::Int(block_size as i64));
-                }
-                _ => {
-                    bufs.insert("k".into(), fp8_array(&k));
-                    bufs.insert("v".into(), fp8_array(&v));
-                }
-            }
-            let traffic = run_profiled(&kernel, &mut bufs, &scalars)
-                .unwrap_or_else(|e| panic!("{tokens}×{head_dim} {layout:?}: {e}\n{}", kernel.origin));
-            close(
-                &bufs["out"].to_f32().unwrap(),
-                &want,
-                2e-3,
-                &format!(
-                    "FP8 flash attention, head_dim {head_dim}, {layout:?}\n{}",
-                    kernel.origin
-                ),
-            );
-            assert!(!traffic.0.is_empty());
-            for (array, t) in &traffic.0 {
-                assert_eq!(t.worst, 1, "head_dim {head_dim}, {array}: {t:?}");
-            }
-        }
-    }
 }
 
 /// The tensor-core attention over a batched step (the serving plans' paged pool): sequences
@@ -898,20 +845,7 @@ fn flash_attention_over_a_batched_step_matches_reference() {
             ("cache_width", row as i64),
         ]);
         scalars.insert("scale".into(), Scalar::F32(0.3));
-        let kernels = match cache {
-            Ty::F8E4M3 => vec![(
-                flash_attention::flash_attention_over(
-                    "flash_fp8",
-                    "test",
-                    CacheLayout::Batched,
-                    (head_dim, cache),
-                    flash_attention::Masking::CutTiles,
-                ),
-                flash_attention::QUERY_TILE_ROWS,
-            )],
-            _ => flash_kernels(CacheLayout::Batched, head_dim),
-        };
-        for (kernel, tile_rows) in kernels {
+        for (kernel, tile_rows) in flash_kernels_over(CacheLayout::Batched, (head_dim, cache)) {
             let mut bufs = bufs.clone();
             let tiles: Vec<i64> = flash_attention::query_tiles(&segment_rows, tile_rows)
                 .iter()
@@ -936,7 +870,8 @@ fn flash_attention_over_a_batched_step_matches_reference() {
 /// emulator counts them (`run_profiled`: every warp's access one wavefront a phase): each
 /// prefill attention at 64, 128 and 256 dims, the `mma.sync` one's key, value and (past 128
 /// dims) query fragment loads (rows 16 bytes longer than the head; rows of 256 bytes took 8
-/// wavefronts a key load),
+/// wavefronts a key load), also over FP8 caches from 16 dims (a 16-code row 32 bytes longer:
+/// 16 took 2),
 /// the queries the `wgmma` and `tcgen05` ones store and the probabilities `tcgen05`'s stores
 /// (16-byte stores; 2-byte ones 16 bytes apart took 4); the decode split passes' merges of
 /// their warps' states (the vector pass's accumulators 2, below); and the `mma.sync` GEMMs'
@@ -953,13 +888,21 @@ fn shared_memory_accesses_meet_no_bank_conflicts() {
     };
     let mut rng = Rng(5);
     let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
-    for head_dim in [64, 128, 256] {
+    let caches = [64, 128, 256]
+        .map(|d| (d, Ty::Bf16))
+        .into_iter()
+        .chain([16, 64, 128, 256].map(|d| (d, Ty::F8E4M3)));
+    for (head_dim, cache) in caches {
         let (tokens, heads) = (70, 2);
         let (q, k, v) = (
             round(&rng.vec(tokens * heads * head_dim)),
             round(&rng.vec(tokens * head_dim)),
             round(&rng.vec(tokens * head_dim)),
         );
+        let pool = |values: &[f32]| match cache {
+            Ty::F8E4M3 => fp8_array(values),
+            _ => bf16_array(values),
+        };
         let mut scalars = ints(&[
             ("tokens", tokens as i64),
             ("q_stride", (heads * head_dim) as i64),
@@ -971,11 +914,11 @@ fn shared_memory_accesses_meet_no_bank_conflicts() {
             ("cache_width", head_dim as i64),
         ]);
         scalars.insert("scale".into(), Scalar::F32(0.3));
-        for (kernel, _) in flash_kernels(CacheLayout::Contiguous, head_dim) {
+        for (kernel, _) in flash_kernels_over(CacheLayout::Contiguous, (head_dim, cache)) {
             let mut bufs = HashMap::from([
                 ("q".into(), Array::f32(&q)),
-                ("k".into(), bf16_array(&k)),
-                ("v".into(), bf16_array(&v)),
+                ("k".into(), pool(&k)),
+                ("v".into(), pool(&v)),
                 ("out".into(), Array::poisoned(Ty::F32, tokens * heads * head_dim)),
             ]);
             let traffic = run_profiled(&kernel, &mut bufs, &scalars).unwrap();
@@ -1369,6 +1312,26 @@ fn flash_kernels(layout: kernels_gen::templates::cache_layout::CacheLayout, head
         )
     });
     mma.into_iter().chain(wgmma).chain(tcgen05).collect()
+}
+
+/// [`flash_kernels`] over a cache of `cache` elements: over FP8, the `mma.sync` kernel alone
+/// (masking both ways; `wgmma` and `tcgen05` read bf16 tiles).
+fn flash_kernels_over(
+    layout: kernels_gen::templates::cache_layout::CacheLayout,
+    (head_dim, cache): (usize, Ty),
+) -> Vec<(Kernel, usize)> {
+    use flash_attention::Masking;
+    match cache {
+        Ty::Bf16 => flash_kernels(layout, head_dim),
+        _ => [Masking::EveryTile, Masking::CutTiles]
+            .map(|masking| {
+                (
+                    flash_attention::flash_attention_over("flash", "test", layout, (head_dim, cache), masking),
+                    flash_attention::QUERY_TILE_ROWS,
+                )
+            })
+            .into(),
+    }
 }
 
 /// The IR reference's causal attention (scale 0.3) of the rows `first..` of one sequence, its
