@@ -15,9 +15,12 @@ static __device__ __forceinline__ unsigned short bbc_f32_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (unsigned short)(u >> 16);
 }
-// Two bf16 in one register, the lower-indexed element in the low half (the mma operand layout).
+// Two bf16 in one register, the lower-indexed element in the low half (the mma operand
+// layout), rounded to nearest even by one conversion instruction (the first operand goes high).
 static __device__ __forceinline__ unsigned int bbc_pack_bf16x2(float lo, float hi) {
-    return (unsigned int)bbc_f32_to_bf16(lo) | ((unsigned int)bbc_f32_to_bf16(hi) << 16);
+    unsigned int packed;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+    return packed;
 }
 "#;
 
@@ -289,10 +292,11 @@ pub fn emit(kernel: &Kernel) -> String {
     }
     out.push_str(AWAIT_PRIOR_KERNEL);
     if layout.dynamic {
+        // Aligned by an offset from the shared array itself (not through an integer cast),
+        // so the compiler still knows the arrays' state space and reads them with LDS.
         let _ = writeln!(
             out,
-            "    unsigned char* const bbc_shared_base = (unsigned char*)(((unsigned long long)bbc_dynamic_shared + {}ull) & ~{}ull);",
-            layout.alignment - 1,
+            "    unsigned char* const bbc_shared_base = bbc_dynamic_shared + ((0u - (unsigned int)__cvta_generic_to_shared(bbc_dynamic_shared)) & {}u);",
             layout.alignment - 1
         );
         for (a, offset) in kernel.shared.iter().zip(&layout.offsets) {
