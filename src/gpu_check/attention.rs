@@ -130,14 +130,14 @@ fn kernels(arch: &str) -> Vec<Kernel> {
             "gpu-check",
             CacheLayout::Contiguous,
             HEAD_DIM,
-            Masking::on(arch),
+            Masking::CutTiles,
         ),
         flash_attention(
             "flash_attention_pool",
             "gpu-check",
             CacheLayout::Batched,
             HEAD_DIM,
-            Masking::on(arch),
+            Masking::CutTiles,
         ),
         attention_split(
             "attention",
@@ -178,7 +178,7 @@ fn kernels(arch: &str) -> Vec<Kernel> {
             "gpu-check",
             CacheLayout::Contiguous,
             (HEAD_DIM, Ty::F8E4M3),
-            Masking::on(arch),
+            Masking::CutTiles,
         ),
         attention_split(
             "attention_batched_fp8",

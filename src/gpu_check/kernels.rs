@@ -372,7 +372,7 @@ fn flash_attention_kernels(arch: &str) -> Vec<(Kernel, FlashCheck)> {
         let (head_dim, paged) = (check.4, check.5);
         let name = format!("flash_attention_{head_dim}");
         (
-            flash_attention(&name, "gpu-check", layout(paged), head_dim, Masking::on(arch)),
+            flash_attention(&name, "gpu-check", layout(paged), head_dim, Masking::CutTiles),
             check,
         )
     });

@@ -341,17 +341,6 @@ pub enum Masking {
     CutTiles,
 }
 
-impl Masking {
-    /// The masking the `mma.sync` kernel takes on `arch`: cut tiles only, but on sm_120a,
-    /// where ptxas spills the 128-dim kernel with the branch (255 registers and 8 bytes).
-    pub fn on(arch: &str) -> Masking {
-        match arch {
-            "sm_120a" => Masking::EveryTile,
-            _ => Masking::CutTiles,
-        }
-    }
-}
-
 /// Scale and mask (as `masking` says) the scores of the tile of `keys` keys at `j0`, and
 /// update the running max `m_lo`/`m_hi` of the lane's two rows; `c_lo`/`c_hi` what the
 /// earlier accumulators and sums are rescaled by; the scores become `exp(s − max)` (P), their

@@ -38,8 +38,6 @@ pub(super) struct AttentionKernels {
     pub split: DecodeAttention,
     /// The flash kernel prompts attend on (for heads it takes; `mma.sync` for the others).
     pub flash: FlashForm,
-    /// The tiles the `mma.sync` flash kernel masks on the plan's target.
-    pub masking: flash_attention::Masking,
 }
 
 /// Pushes the append (where the op appends) and the split attention (and the tensor-core
@@ -372,7 +370,7 @@ fn attend(
                 &graph.name,
                 cache.layout,
                 (spec.head_dim, cache.ty),
-                kernels.masking,
+                flash_attention::Masking::CutTiles,
             ),
             flash_attention::QUERY_TILE_ROWS,
         ),

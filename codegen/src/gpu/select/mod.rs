@@ -147,7 +147,6 @@ pub(crate) fn select(
     let attention = kv_attention::AttentionKernels {
         split: chosen.decode_attention,
         flash: chosen.prefill_attention.flash_form(target),
-        masking: flash_attention::Masking::on(target.cuda_arch().unwrap_or_default()),
     };
     let mut s = Selected {
         launches: Vec::new(),
