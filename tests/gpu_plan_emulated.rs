@@ -631,19 +631,8 @@ fn batched_plans_over_fp8_caches_agree_with_the_cpu_backend() {
             .collect();
         let gpu_graph = fused_for(&graph, Target::H200);
         for decode_attention in [gpu::DecodeAttention::Scalar, gpu::DecodeAttention::Vector] {
-            let kernels = gpu::PlanKernels {
-                decode_attention,
-                ..Default::default()
-            };
-            let (plan, kernels) = gpu::build_program(&gpu_graph, Target::H200, 64, Some(cache), kernels).unwrap();
-            let launched = |stem: &str| plan.kernels.iter().any(|k| k.name.starts_with(stem));
-            assert!(launched("flash_attention"), "{family}");
-            assert_eq!(
-                launched("attention_vector"),
-                decode_attention == gpu::DecodeAttention::Vector
-            );
-            let gpu = EmulatorBackend::emulated(plan, kernels, gpu_graph.clone(), &model.weights, &[], 64).unwrap();
-            let got = pool_steps_logits(&gpu, &steps);
+            let (got, kernels) = pool_steps_on(&model, &gpu_graph, decode_attention, &steps);
+            assert!(kernels.iter().any(|k| k.starts_with("flash_attention")), "{family}");
             assert_eq!(got.len(), want.len());
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 let tolerance = match i / 2 < split_steps {
@@ -2503,7 +2492,6 @@ fn tcgen05_prefill_attention_computes_what_the_mma_sync_one_does() {
 /// whose blocks lie in reverse order.
 #[test]
 fn batched_plans_decode_with_the_vector_split_pass_as_with_the_scalar_one() {
-    let cache = two_sequence_pool();
     let steps = [
         vec![(0, pool_prompt(40, 5)), (0, pool_prompt(9, 11))],
         vec![(40, vec![7]), (9, vec![9])],
@@ -2516,17 +2504,7 @@ fn batched_plans_decode_with_the_vector_split_pass_as_with_the_scalar_one() {
     ] {
         let model = open(family, dtype);
         let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
-        let logits = |decode_attention: gpu::DecodeAttention| {
-            let kernels = gpu::PlanKernels {
-                decode_attention,
-                ..Default::default()
-            };
-            let (plan, kernels) = gpu::build_program(&graph, Target::H200, 64, Some(cache), kernels).unwrap();
-            let vector = plan.kernels.iter().filter(|k| k.name.starts_with("attention_vector"));
-            assert_eq!(vector.count() > 0, decode_attention == gpu::DecodeAttention::Vector);
-            let gpu = EmulatorBackend::emulated(plan, kernels, graph.clone(), &model.weights, &[], 64).unwrap();
-            pool_steps_logits(&gpu, &steps)
-        };
+        let logits = |decode_attention| pool_steps_on(&model, &graph, decode_attention, &steps).0;
         let scalar = logits(gpu::DecodeAttention::Scalar);
         let vector = logits(gpu::DecodeAttention::Vector);
         for (i, (v, s)) in vector.iter().zip(&scalar).enumerate() {
@@ -2534,6 +2512,27 @@ fn batched_plans_decode_with_the_vector_split_pass_as_with_the_scalar_one() {
             assert!(error <= 1e-5, "{family} {dtype:?}: output {i}: error {error}");
         }
     }
+}
+
+/// Each step's logits ([`pool_steps_logits`]) on `graph`'s batched H200 plan over
+/// [`two_sequence_pool`], its decode steps through `decode_attention`'s split pass (checked
+/// to be the plan's), and the names of the plan's kernels.
+fn pool_steps_on(
+    model: &Model,
+    graph: &ir::Graph,
+    decode_attention: gpu::DecodeAttention,
+    steps: &[Vec<(usize, Vec<u32>)>],
+) -> (Vec<Vec<f32>>, Vec<String>) {
+    let kernels = gpu::PlanKernels {
+        decode_attention,
+        ..Default::default()
+    };
+    let (plan, kernels) = gpu::build_program(graph, Target::H200, 64, Some(two_sequence_pool()), kernels).unwrap();
+    let names: Vec<String> = plan.kernels.iter().map(|k| k.name.clone()).collect();
+    let vector = names.iter().any(|k| k.starts_with("attention_vector"));
+    assert_eq!(vector, decode_attention == gpu::DecodeAttention::Vector);
+    let gpu = EmulatorBackend::emulated(plan, kernels, graph.clone(), &model.weights, &[], 64).unwrap();
+    (pool_steps_logits(&gpu, steps), names)
 }
 
 /// One sequence's logits on `gpu` (a one-sequence plan): after a prompt past the GEMV's rows,
