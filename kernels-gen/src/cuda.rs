@@ -278,6 +278,7 @@ pub fn emit(kernel: &Kernel) -> String {
     // aligned shared memory.
     let shared_vectors = any_stmt(&kernel.body, &|s| match s {
         Stmt::LoadVec { buf, .. } | Stmt::StoreVec { buf, .. } => kernel.shared.iter().any(|a| a.name == *buf),
+        Stmt::LoadMatrix(_) => true,
         _ => false,
     });
     let align = if copies_async || uses_wgmma || uses_tcgen05 || shared_vectors {
@@ -491,8 +492,7 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
             }
             Stmt::SyncThreads => out.push_str("__syncthreads();\n"),
             Stmt::MmaBf16(m) => {
-                let (a, b, c) = (&m.a, &m.b, &m.c);
-                let pack = |x: &str, y: &str| format!("bbc_pack_bf16x2({x}, {y})");
+                let (a, b, c) = (mma_registers(&m.a), mma_registers(&m.b), &m.c);
                 let _ = writeln!(
                     out,
                     "asm volatile(\"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, {{%0,%1,%2,%3}};\" : \"+f\"({}), \"+f\"({}), \"+f\"({}), \"+f\"({}) : \"r\"({}), \"r\"({}), \"r\"({}), \"r\"({}), \"r\"({}), \"r\"({}));",
@@ -500,13 +500,33 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
                     c[1],
                     c[2],
                     c[3],
-                    pack(&a[0], &a[1]),
-                    pack(&a[2], &a[3]),
-                    pack(&a[4], &a[5]),
-                    pack(&a[6], &a[7]),
-                    pack(&b[0], &b[1]),
-                    pack(&b[2], &b[3]),
+                    a[0],
+                    a[1],
+                    a[2],
+                    a[3],
+                    b[0],
+                    b[1],
                 );
+            }
+            Stmt::LoadMatrix(m) => {
+                let outputs: Vec<String> = (0..m.names.len()).map(|i| format!("%{i}")).collect();
+                let written: Vec<String> = m.names.iter().map(|n| format!("\"=r\"({n})")).collect();
+                let _ = writeln!(out, "unsigned int {};", m.names.join(", "));
+                indent(out, depth);
+                let _ = writeln!(
+                    out,
+                    "asm volatile(\"ldmatrix.sync.aligned.m8n8.x{}{}.shared.b16 {{{}}}, [%{}];\" : {} : \"r\"((unsigned int)__cvta_generic_to_shared(&{}[{}])));",
+                    m.names.len(),
+                    if m.transpose { ".trans" } else { "" },
+                    outputs.join(", "),
+                    m.names.len(),
+                    written.join(", "),
+                    m.buf,
+                    expr(&m.row, scope),
+                );
+                for name in &m.names {
+                    scope.vars.insert(name.clone(), Ty::U32);
+                }
             }
             Stmt::LoadVec { buf, index, names } => vector_load(out, buf, &expr(index, scope), names, scope, depth),
             Stmt::StoreVec { buf, index, values } => {
@@ -782,6 +802,17 @@ fn tcgen05(out: &mut String, op: &Tcgen05, scope: &mut Scope, depth: usize) {
 /// One aligned 4/8/16-byte load into a CUDA vector, then its lanes as f32 locals (a bf16 is
 /// the top half of an f32: the low element shifted up, the high one masked; an IEEE half
 /// goes through `bbc_f16_to_f32`; FP8 codes widen two at a time).
+/// An `mma.sync` operand's 32-bit registers: f32 pairs packed to bf16, or the pairs as held.
+fn mma_registers(operand: &MmaOperand) -> Vec<String> {
+    match operand {
+        MmaOperand::F32(names) => names
+            .chunks(2)
+            .map(|pair| format!("bbc_pack_bf16x2({}, {})", pair[0], pair[1]))
+            .collect(),
+        MmaOperand::Bf16Pairs(names) => names.clone(),
+    }
+}
+
 fn vector_load(out: &mut String, buf: &str, index: &str, names: &[String], scope: &mut Scope, depth: usize) {
     let ty = scope.arrays[buf].0;
     let words = names.len() * ty.bytes() / 4;

@@ -195,9 +195,12 @@ pub enum Stmt {
     /// holds its fragments in f32 locals, in the PTX ISA's register layout (g = lane / 4,
     /// t = lane % 4): `a[0..2]` = A[g][2t, 2t+1], `a[2..4]` = A[g+8][2t, 2t+1], `a[4..6]` =
     /// A[g][2t+8, 2t+9], `a[6..8]` = A[g+8][2t+8, 2t+9]; `b[0..2]` = B[2t, 2t+1][g], `b[2..4]` =
-    /// B[2t+8, 2t+9][g]; `c[0..2]` = C[g][2t, 2t+1], `c[2..4]` = C[g+8][2t, 2t+1]. Every lane of
-    /// the warp must execute it together.
+    /// B[2t+8, 2t+9][g]; `c[0..2]` = C[g][2t, 2t+1], `c[2..4]` = C[g+8][2t, 2t+1]. A and B
+    /// may instead be held as bf16 pairs (see [`MmaOperand`]). Every lane of the warp must
+    /// execute it together.
     MmaBf16(Box<MmaFragments>),
+    /// `ldmatrix` (see [`LoadMatrix`]): a warp's `mma.sync` operands straight from shared memory.
+    LoadMatrix(Box<LoadMatrix>),
     /// Warp specialisation: the block's threads split into roles that each run on their own,
     /// meeting only at mbarriers (see [`Roles`]).
     Roles(Box<Roles>),
@@ -533,12 +536,55 @@ pub struct Role {
     pub body: Vec<Stmt>,
 }
 
-/// The fragment locals of one `mma.sync` (see `Stmt::MmaBf16`).
+/// The fragment locals of one `mma.sync` (see `Stmt::MmaBf16`): A's 8 elements a lane, B's 4,
+/// the accumulator's 4 f32.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MmaFragments {
-    pub a: [String; 8],
-    pub b: [String; 4],
+    pub a: MmaOperand,
+    pub b: MmaOperand,
     pub c: [String; 4],
+}
+
+/// How a lane holds an `mma.sync` operand's elements (in `Stmt::MmaBf16`'s order).
+#[derive(Debug, Clone, PartialEq)]
+pub enum MmaOperand {
+    /// An f32 local an element, rounded to bf16 (nearest even) as the MMA takes them.
+    F32(Vec<String>),
+    /// A U32 local a pair of elements, their bf16 bits (the first in the low half), as
+    /// `Stmt::LoadMatrix` gives them: handed to the MMA as they are, nothing converted.
+    Bf16Pairs(Vec<String>),
+}
+
+impl MmaOperand {
+    /// The operand of `names`, f32 locals.
+    pub fn f32<const N: usize>(names: [String; N]) -> Self {
+        MmaOperand::F32(names.to_vec())
+    }
+
+    /// Elements it holds a lane.
+    pub fn elements(&self) -> usize {
+        match self {
+            MmaOperand::F32(names) => names.len(),
+            MmaOperand::Bf16Pairs(names) => 2 * names.len(),
+        }
+    }
+}
+
+/// `ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16`: the warp reads `names.len()` (1, 2
+/// or 4) 8×8 matrices of the bf16 shared array `buf`, lane `8i + r` giving at `row` the index of
+/// matrix i's row r (8 elements in turn, 16-byte aligned; lanes past the last matrix's give
+/// none). Each lane declares U32 locals `names[i]`, a pair of matrix i's elements (g = lane / 4,
+/// t = lane % 4): row g, columns 2t and 2t + 1; with `transpose`, column g, rows 2t and 2t + 1.
+/// Those are `mma.sync`'s A and B fragments ([`MmaOperand::Bf16Pairs`]) where the rows are
+/// along K (A's rows, or a B stored a column of B a row), and B's where the rows are B's own
+/// (transposed). One instruction for what would take 8 loads and 8 conversions a lane. Every
+/// lane of the warp executes it together.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadMatrix {
+    pub buf: String,
+    pub row: Expr,
+    pub names: Vec<String>,
+    pub transpose: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -821,6 +867,17 @@ pub fn load_vec(buf: &str, index: Expr, names: &[String]) -> Stmt {
         index,
         names: names.to_vec(),
     }
+}
+
+/// `let names[i]` = this lane's pair of matrix i of `buf`, lane `8i + r` giving the index of
+/// its row r at `row` (see `Stmt::LoadMatrix`).
+pub fn load_matrix(buf: &str, row: Expr, names: &[String], transpose: bool) -> Stmt {
+    Stmt::LoadMatrix(Box::new(LoadMatrix {
+        buf: buf.into(),
+        row,
+        names: names.to_vec(),
+        transpose,
+    }))
 }
 
 /// Bring the line of global `buf[index]` into L2 (see `Stmt::PrefetchL2`).

@@ -198,6 +198,25 @@ impl Scope {
         Ok(())
     }
 
+    /// `operand` holds `elements` bf16 a lane: f32 locals, or U32 locals of pairs.
+    fn mma_operand(&self, which: &str, operand: &MmaOperand, elements: usize) -> Result<(), String> {
+        if operand.elements() != elements {
+            return Err(format!(
+                "mma operand {which} holds {} elements a lane, needs {elements}",
+                operand.elements()
+            ));
+        }
+        match operand {
+            MmaOperand::F32(names) => self.f32_locals(&format!("mma operand {which}"), names),
+            MmaOperand::Bf16Pairs(names) => names.iter().try_for_each(|name| match self.vars.get(name) {
+                Some(Ty::U32) => Ok(()),
+                other => Err(format!(
+                    "mma operand {which}'s pair `{name}` must be a U32 local, is {other:?}"
+                )),
+            }),
+        }
+    }
+
     fn int(&self, e: &Expr) -> Result<(), String> {
         match self.type_of(e)? {
             Ty::I32 | Ty::U32 => Ok(()),
@@ -368,7 +387,21 @@ fn check_block_declaring<'a>(
                     check_block(&role.body, &mut scope.clone())?;
                 }
             }
-            Stmt::MmaBf16(m) => scope.f32_locals("mma fragment", m.a.iter().chain(&m.b).chain(&m.c))?,
+            Stmt::MmaBf16(m) => {
+                scope.mma_operand("A", &m.a, 8)?;
+                scope.mma_operand("B", &m.b, 4)?;
+                scope.f32_locals("mma accumulator", &m.c)?;
+            }
+            Stmt::LoadMatrix(m) => {
+                scope.bf16_array(&m.buf, true)?;
+                if ![1, 2, 4].contains(&m.names.len()) {
+                    return Err(format!("ldmatrix of {} matrices (1, 2 or 4)", m.names.len()));
+                }
+                scope.int(&m.row)?;
+                for name in &m.names {
+                    declare(name, Ty::U32, scope, &mut declared)?;
+                }
+            }
             Stmt::PrefetchL2 { buf, index } => {
                 if !scope.arrays.contains_key(buf) || scope.shared.contains_key(buf) {
                     return Err(format!("a prefetch into L2 from `{buf}`, which is not a global buffer"));

@@ -377,8 +377,8 @@ fn an_mma_with_inactive_lanes_is_reported() {
     body.push(if_(
         bin(BinOp::Lt, lane(), int(31)),
         vec![Stmt::MmaBf16(Box::new(MmaFragments {
-            a: a.try_into().unwrap(),
-            b: b.try_into().unwrap(),
+            a: MmaOperand::F32(a),
+            b: MmaOperand::F32(b),
             c: c.try_into().unwrap(),
         }))],
     ));

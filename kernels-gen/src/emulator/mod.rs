@@ -13,6 +13,7 @@
 mod asynchronous;
 mod banks;
 mod mbarrier;
+mod mma;
 mod registers;
 mod roles;
 mod tcgen05;
@@ -694,7 +695,8 @@ impl<'k> Block<'k> {
                     r.fill(Readers::None);
                 }
             }
-            Stmt::MmaBf16(m) => self.mma_bf16(&m.a, &m.b, &m.c, mask)?,
+            Stmt::MmaBf16(m) => self.mma_bf16(m, mask)?,
+            Stmt::LoadMatrix(m) => self.load_matrix(m, mask, global)?,
             Stmt::CpAsync(copy) => self.cp_async(copy, mask, global)?,
             Stmt::CpAsyncCommit => self.cp_async_commit(mask),
             // No effect but where it points: a prefetch outside its buffer is a mistake.
@@ -794,61 +796,6 @@ impl<'k> Block<'k> {
         if self.scope.vars.get(name) != Some(&ty) {
             self.scope.vars.insert(name.to_string(), ty);
         }
-    }
-
-    /// One m16n8k16 bf16 MMA per warp: gather the fragments from the lanes (PTX layout, see
-    /// `Stmt::MmaBf16`), multiply with bf16-rounded operands and f32 accumulation, scatter back.
-    fn mma_bf16(&mut self, a: &[String; 8], b: &[String; 4], c: &[String; 4], mask: &[bool]) -> Result<(), Fault> {
-        let bf = |v: f32| bf16::from_f32(v).to_f32();
-        for warp_start in (0..mask.len()).step_by(32) {
-            let lanes = warp_start..(warp_start + 32).min(mask.len());
-            if !lanes.clone().any(|l| mask[l]) {
-                continue;
-            }
-            if let Some(l) = lanes.clone().find(|&l| !mask[l]) {
-                return Err((
-                    l,
-                    "mma.sync with an inactive lane: the whole warp must take part".into(),
-                ));
-            }
-            if lanes.len() < 32 {
-                return Err((warp_start, "mma.sync needs a full warp".into()));
-            }
-            let value = |name: &str, lane: usize| -> Result<f32, Fault> {
-                match self.vars.get(name).map(|v| v[lane]) {
-                    Some(Val::Undef) | None => Err((lane, format!("mma fragment `{name}` is not set"))),
-                    Some(v) => Ok(v.f()),
-                }
-            };
-            let (mut ma, mut mb, mut mc) = ([[0f32; 16]; 16], [[0f32; 8]; 16], [[0f32; 8]; 16]);
-            for lane in 0..32 {
-                let (g, t, l) = (lane / 4, lane % 4, warp_start + lane);
-                for (i, name) in a.iter().enumerate() {
-                    let row = g + if i % 4 >= 2 { 8 } else { 0 };
-                    let col = 2 * t + (i % 2) + if i >= 4 { 8 } else { 0 };
-                    ma[row][col] = bf(value(name, l)?);
-                }
-                for (i, name) in b.iter().enumerate() {
-                    mb[2 * t + (i % 2) + if i >= 2 { 8 } else { 0 }][g] = bf(value(name, l)?);
-                }
-                for (i, name) in c.iter().enumerate() {
-                    mc[g + if i >= 2 { 8 } else { 0 }][2 * t + (i % 2)] = value(name, l)?;
-                }
-            }
-            for (row, acc) in mc.iter_mut().enumerate() {
-                for (col, out) in acc.iter_mut().enumerate() {
-                    *out += (0..16).map(|k| ma[row][k] * mb[k][col]).sum::<f32>();
-                }
-            }
-            for lane in 0..32 {
-                let (g, t, l) = (lane / 4, lane % 4, warp_start + lane);
-                for (i, name) in c.iter().enumerate() {
-                    let v = mc[g + if i >= 2 { 8 } else { 0 }][2 * t + (i % 2)];
-                    self.vars.get_mut(name).expect("type-checked")[l] = Val::F(v);
-                }
-            }
-        }
-        Ok(())
     }
 
     /// A generic write of shared memory by thread `t`, now.

@@ -33,6 +33,7 @@
 //! the fragments are loaded).
 
 use super::cache_layout::CacheLayout;
+use super::mma_operands::{b_block, lane_offset, x4_names, Quad};
 use crate::dsl::*;
 
 const THREADS: i64 = 128;
@@ -292,35 +293,74 @@ fn load_queries(head_dim: usize) -> Vec<Stmt> {
     out
 }
 
+/// The lane offsets of the `ldmatrix` rows (see `mma_operands`): `key_row` over a key tile
+/// (a key's dims are B's column), `value_row` over a value tile (a key is a row of B,
+/// transposed) and `query_row` over a large head's `qs` (A): bf16 tiles' fragments and the
+/// queries load so.
+fn matrix_rows(head_dim: usize, cache: Ty) -> Vec<Stmt> {
+    let pitch = row_pitch(head_dim, Ty::Bf16);
+    let mut out = Vec::new();
+    if cache == Ty::Bf16 {
+        out.push(let_("key_row", Ty::I32, lane_offset(Quad::ColumnsThenRows, pitch)));
+        out.push(let_("value_row", Ty::I32, lane_offset(Quad::RowsThenColumns, pitch)));
+    }
+    if head_dim > QUERIES_IN_REGISTERS {
+        out.push(let_(
+            "query_row",
+            Ty::I32,
+            warp() * int(16 * pitch) + lane_offset(Quad::RowsThenColumns, pitch),
+        ));
+    }
+    out
+}
+
 /// The warp's 16×64 scores: the head in 16-wide steps (a large head's query fragments of the
-/// step read from `qs` once), each over 8 blocks of 8 keys.
+/// step read from `qs` once), each over 8 blocks of 8 keys. A bf16 tile's key fragments come
+/// two blocks at a time by `ldmatrix` (a key's dims are B's columns); an FP8 tile's code by
+/// code, widened.
 fn scores(head_dim: usize, cache: Ty) -> Vec<Stmt> {
     let blocks = (TILE_KEYS / 8) as usize;
+    let pitch = row_pitch(head_dim, cache);
     let mut out: Vec<Stmt> = (0..blocks)
         .flat_map(|j| (0..4).map(move |i| assign(&s_name(j, i), f(0.0))))
         .collect();
     for step in 0..head_dim / 16 {
-        let a_step = match head_dim > QUERIES_IN_REGISTERS {
+        let a = match head_dim > QUERIES_IN_REGISTERS {
             true => {
-                for i in 0..8 {
-                    let (row, dim) = query_element(head_dim, step, i);
-                    let at = (row - var("q0")) * int(row_pitch(head_dim, Ty::Bf16)) + dim;
-                    out.push(assign(&q_name(0, i), load("qs", at)));
-                }
-                0
+                let names = x4_names("qf", &step.to_string());
+                out.push(load_matrix(
+                    "qs",
+                    var("query_row") + int(16 * step as i64),
+                    &names,
+                    false,
+                ));
+                MmaOperand::Bf16Pairs(names)
             }
-            false => step,
+            false => MmaOperand::F32((0..8).map(|i| q_name(step, i)).collect()),
         };
         for j in 0..blocks {
-            // B[k][n] = K[key 8j + n][dim k]: this lane's key g, dims 2t, 2t + 1 (and + 8).
-            let b: [String; 4] = std::array::from_fn(|i| format!("kb{i}"));
-            for (i, name) in b.iter().enumerate() {
-                let dim = int(16 * step as i64 + (i % 2) as i64 + if i >= 2 { 8 } else { 0 }) + var("t2");
-                let at = var("kv0") + (int(8 * j as i64) + var("g")) * int(row_pitch(head_dim, cache)) + dim;
-                out.push(assign(name, load("ks", at)));
-            }
+            let b = match cache {
+                Ty::Bf16 => {
+                    let names = x4_names("kf", &format!("{step}_{}", j / 2));
+                    if j % 2 == 0 {
+                        let at = var("kv0") + var("key_row") + int(8 * j as i64 * pitch + 16 * step as i64);
+                        out.push(load_matrix("ks", at, &names, false));
+                    }
+                    b_block(&names, j % 2)
+                }
+                _ => {
+                    // B[k][n] = K[key 8j + n][dim k]: this lane's key g, dims 2t, 2t + 1 (and + 8).
+                    let b: Vec<String> = (0..4).map(|i| format!("kb{i}")).collect();
+                    for (i, name) in b.iter().enumerate() {
+                        let dim = int(16 * step as i64 + (i % 2) as i64 + if i >= 2 { 8 } else { 0 }) + var("t2");
+                        let at = var("kv0") + (int(8 * j as i64) + var("g")) * int(pitch) + dim;
+                        out.push(assign(name, load("ks", at)));
+                    }
+                    MmaOperand::F32(b)
+                }
+            };
             out.push(Stmt::MmaBf16(Box::new(MmaFragments {
-                a: std::array::from_fn(|i| q_name(a_step, i)),
+                a: a.clone(),
                 b,
                 c: std::array::from_fn(|i| s_name(j, i)),
             })));
@@ -434,9 +474,12 @@ pub(super) fn online_softmax(keys: i64, masking: Masking) -> Vec<Stmt> {
 }
 
 /// Rescale the output accumulators by `c_lo`/`c_hi`, then add P·V: the keys in 4 steps of 16,
-/// P's fragments the scores' accumulators (blocks 2u and 2u + 1), V's read from `vs`.
+/// P's fragments the scores' accumulators (blocks 2u and 2u + 1), V's read from `vs`: a bf16
+/// tile's two blocks of dims at a time by `ldmatrix`, transposed (a key is a row of B); an FP8
+/// tile's code by code, widened.
 fn accumulate(head_dim: usize, cache: Ty) -> Vec<Stmt> {
     let part_dims = head_dim / parts(head_dim);
+    let pitch = row_pitch(head_dim, cache);
     let mut out = Vec::new();
     for v in 0..part_dims / 8 {
         for i in 0..4 {
@@ -446,16 +489,29 @@ fn accumulate(head_dim: usize, cache: Ty) -> Vec<Stmt> {
     }
     for u in 0..(TILE_KEYS / 16) as usize {
         // A = P[g or g + 8][16u + 2t, +1, +8, +9]: the accumulators of blocks 2u, 2u + 1.
-        let a: [String; 8] = std::array::from_fn(|i| s_name(2 * u + i / 4, i % 4));
+        let a = MmaOperand::F32((0..8).map(|i| s_name(2 * u + i / 4, i % 4)).collect());
         for v in 0..part_dims / 8 {
-            // B[k][n] = V[key 16u + k][dim 8v + n] (of the block's part): keys 2t, 2t + 1 (and
-            // + 8), dim g.
-            let b: [String; 4] = std::array::from_fn(|i| format!("vb{i}"));
-            for (i, name) in b.iter().enumerate() {
-                let key = int(16 * u as i64 + (i % 2) as i64 + if i >= 2 { 8 } else { 0 }) + var("t2");
-                let at = var("kv0") + key * int(row_pitch(head_dim, cache)) + var("d0") + int(8 * v as i64) + var("g");
-                out.push(assign(name, load("vs", at)));
-            }
+            // B[k][n] = V[key 16u + k][dim 8v + n] (of the block's part).
+            let b = match cache {
+                Ty::Bf16 => {
+                    let names = x4_names("vf", &format!("{u}_{}", v / 2));
+                    if v % 2 == 0 {
+                        let at = var("kv0") + var("value_row") + var("d0") + int(16 * u as i64 * pitch + 8 * v as i64);
+                        out.push(load_matrix("vs", at, &names, true));
+                    }
+                    b_block(&names, v % 2)
+                }
+                _ => {
+                    // Keys 2t, 2t + 1 (and + 8), dim g.
+                    let b: Vec<String> = (0..4).map(|i| format!("vb{i}")).collect();
+                    for (i, name) in b.iter().enumerate() {
+                        let key = int(16 * u as i64 + (i % 2) as i64 + if i >= 2 { 8 } else { 0 }) + var("t2");
+                        let at = var("kv0") + key * int(pitch) + var("d0") + int(8 * v as i64) + var("g");
+                        out.push(assign(name, load("vs", at)));
+                    }
+                    MmaOperand::F32(b)
+                }
+            };
             out.push(Stmt::MmaBf16(Box::new(MmaFragments {
                 a: a.clone(),
                 b,
@@ -687,10 +743,9 @@ pub fn flash_attention_over(
     let locals = (0..head_dim / parts as usize / 8)
         .flat_map(|v| (0..4).map(move |i| o_name(v, i)))
         .chain((0..(TILE_KEYS / 8) as usize).flat_map(|j| (0..4).map(move |i| s_name(j, i))))
-        .chain((0..4).map(|i| format!("kb{i}")))
-        .chain((0..4).map(|i| format!("vb{i}")))
-        // Large heads: one step's query fragments at a time, from `qs`.
-        .chain((0..8).map(|i| q_name(0, i)).filter(|_| head_dim > QUERIES_IN_REGISTERS))
+        // FP8 tiles' key and value fragments, widened as they are read.
+        .chain((0..4).map(|i| format!("kb{i}")).filter(|_| cache != Ty::Bf16))
+        .chain((0..4).map(|i| format!("vb{i}")).filter(|_| cache != Ty::Bf16))
         .map(|n| let_(&n, Ty::F32, f(0.0)));
     let tile = [
         tile_head(layout, head_dim, cache),
@@ -713,6 +768,7 @@ pub fn flash_attention_over(
         row_state(TILE_Q),
         load_queries(head_dim),
         locals.collect(),
+        matrix_rows(head_dim, cache),
         match tile_buffers(head_dim) {
             1 => vec![],
             _ => copy_tile_of(

@@ -33,6 +33,7 @@
 //! gates).
 
 use super::gemv::{self, NormPrologue};
+use super::mma_operands::{b_block, lane_offset, x4_names, Quad};
 use super::{prologue_norms, quant, split_k};
 use crate::dsl::*;
 use ir::GluAct;
@@ -144,41 +145,32 @@ fn name(prefix: &str, tile: usize, i: usize) -> String {
     format!("{prefix}{tile}_{i}")
 }
 
-/// The fragment locals of one k slice, declared once for the kernel.
-fn fragments() -> Vec<Stmt> {
-    let a = (0..WARP_M_TILES).flat_map(|mi| (0..8).map(move |i| name("a", mi, i)));
-    let b = (0..WARP_N_TILES).flat_map(|ni| (0..4).map(move |i| name("b", ni, i)));
-    a.chain(b).map(|n| let_(&n, Ty::F32, f(0.0))).collect()
-}
-
-/// One 16-wide k slice of the warp's quarter: load its fragments from shared memory (the
-/// weights from the buffer starting at element `weights`) and issue the 2×4 `mma`s (fragment
-/// layout in `Stmt::MmaBf16`).
+/// One 16-wide k slice of the warp's quarter: its fragments by `ldmatrix` from shared memory
+/// (an activation tile's four pairs a load, two weight tiles' a load; the weights from the
+/// buffer starting at element `weights`), then the 2×4 `mma`s (fragment layout in
+/// `Stmt::MmaBf16`). Each thread's rows: `a_row`, `b_row` (see `mma_operands`).
 fn warp_k_slice(kk: i64, weights: &Expr) -> Vec<Stmt> {
     let mut out = Vec::new();
-    for mi in 0..WARP_M_TILES {
-        for i in 0..8 {
-            let row = var("wm") + int(16 * mi as i64) + var("gr") + int(if i % 4 >= 2 { 8 } else { 0 });
-            let col = var("t2") + int(kk + (i % 2) as i64 + if i >= 4 { 8 } else { 0 });
-            out.push(assign(&name("a", mi, i), load("xs", row * int(STAGE_STRIDE) + col)));
-        }
+    let a: Vec<Vec<String>> = (0..WARP_M_TILES)
+        .map(|mi| x4_names("a", &format!("{kk}_{mi}")))
+        .collect();
+    for (mi, names) in a.iter().enumerate() {
+        let at = var("a_row") + int(16 * mi as i64 * STAGE_STRIDE + kk);
+        out.push(load_matrix("xs", at, names, false));
     }
-    for ni in 0..WARP_N_TILES {
-        for i in 0..4 {
-            let row = var("wn") + int(8 * ni as i64) + var("gr");
-            let col = var("t2") + int(kk + (i % 2) as i64 + if i >= 2 { 8 } else { 0 });
-            out.push(assign(
-                &name("b", ni, i),
-                load("ws", weights.clone() + row * int(STAGE_STRIDE) + col),
-            ));
-        }
+    let b: Vec<Vec<String>> = (0..WARP_N_TILES / 2)
+        .map(|pair| x4_names("b", &format!("{kk}_{pair}")))
+        .collect();
+    for (pair, names) in b.iter().enumerate() {
+        let at = weights.clone() + var("b_row") + int(16 * pair as i64 * STAGE_STRIDE + kk);
+        out.push(load_matrix("ws", at, names, false));
     }
-    for mi in 0..WARP_M_TILES {
+    for (mi, a) in a.iter().enumerate() {
         for ni in 0..WARP_N_TILES {
             let tile = mi * WARP_N_TILES + ni;
             out.push(Stmt::MmaBf16(Box::new(MmaFragments {
-                a: std::array::from_fn(|i| name("a", mi, i)),
-                b: std::array::from_fn(|i| name("b", ni, i)),
+                a: MmaOperand::Bf16Pairs(a.clone()),
+                b: b_block(&b[ni / 2], ni % 2),
                 c: std::array::from_fn(|i| name("c", tile, i)),
             })));
         }
@@ -288,10 +280,19 @@ pub fn gemm_mma_with(
             let_("wn", Ty::I32, rem(warp(), int(2)) * int(8 * WARP_N_TILES as i64)),
             let_("gr", Ty::I32, lane() / int(4)),
             let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
+            let_(
+                "a_row",
+                Ty::I32,
+                var("wm") * int(STAGE_STRIDE) + lane_offset(Quad::RowsThenColumns, STAGE_STRIDE),
+            ),
+            let_(
+                "b_row",
+                Ty::I32,
+                var("wn") * int(STAGE_STRIDE) + lane_offset(Quad::ColumnsThenRows, STAGE_STRIDE),
+            ),
         ],
         split_k::k_span(var("split"), TILE_K),
         accumulators,
-        fragments(),
         prologue,
         norm.map(|_| vec![prologue_norms::zero_staged_squares(TILE_M * TILE_K, 32 * WARPS)])
             .unwrap_or_default(),

@@ -17,6 +17,7 @@
 //! K splits as the other GEMMs (`split_k`). Requirements, checked by the caller: `k` and
 //! `x_stride` multiples of 8 (TMA's 16-byte row pitches).
 
+use super::mma_operands::{b_block, lane_row, x4_names, Quad};
 use super::tma_gemm::{self, barrier, TILE_K};
 use crate::dsl::*;
 
@@ -58,32 +59,35 @@ fn fill(s: Expr, step: Expr) -> Vec<Stmt> {
     tma_gemm::fill(s, step, BOX, BOX, tma_gemm::WeightBoxes::Rows)
 }
 
-/// The warp's multiplies of buffer `s`: per 16-wide k slice, its A fragments (4 token tiles)
-/// and B fragments (4 row tiles) read at swizzled addresses, then 16 `mma`s.
+/// The warp's multiplies of buffer `s`: per 16-wide k slice, its fragments by `ldmatrix` at
+/// swizzled addresses (each lane's 16-byte row stays whole under the swizzle: 4 loads of
+/// A's four pairs, 2 of two row tiles' B; each lane's row and column from `a_row`,
+/// `a_column`, `b_row`, `b_column`, see `mma_operands`), then 16 `mma`s.
 fn multiply() -> Vec<Stmt> {
     let mut out = Vec::new();
     for slice in 0..(TILE_K / 16) as usize {
-        for mi in 0..WARP_M_TILES {
-            for i in 0..8 {
-                let row = var("wm") + int(16 * mi as i64 + if i % 4 >= 2 { 8 } else { 0 }) + var("group");
-                let kk = int(16 * slice as i64 + (i % 2) as i64 + if i >= 4 { 8 } else { 0 }) + var("t2");
-                let at = var("s") * int(BOX) + swizzled(row * int(TILE_K) + kk);
-                out.push(assign(&format!("a{mi}_{i}"), load("xs", at)));
-            }
+        let kk = int(16 * slice as i64);
+        let a: Vec<Vec<String>> = (0..WARP_M_TILES)
+            .map(|mi| x4_names("a", &format!("{slice}_{mi}")))
+            .collect();
+        for (mi, names) in a.iter().enumerate() {
+            let row = var("a_row") + int(16 * mi as i64);
+            let at = var("s") * int(BOX) + swizzled(row * int(TILE_K) + kk.clone() + var("a_column"));
+            out.push(load_matrix("xs", at, names, false));
         }
-        for ni in 0..WARP_N_TILES {
-            for i in 0..4 {
-                let row = var("wn") + int(8 * ni as i64) + var("group");
-                let kk = int(16 * slice as i64 + (i % 2) as i64 + if i >= 2 { 8 } else { 0 }) + var("t2");
-                let at = var("s") * int(BOX) + swizzled(row * int(TILE_K) + kk);
-                out.push(assign(&format!("b{ni}_{i}"), load("ws", at)));
-            }
+        let b: Vec<Vec<String>> = (0..WARP_N_TILES / 2)
+            .map(|pair| x4_names("b", &format!("{slice}_{pair}")))
+            .collect();
+        for (pair, names) in b.iter().enumerate() {
+            let row = var("b_row") + int(16 * pair as i64);
+            let at = var("s") * int(BOX) + swizzled(row * int(TILE_K) + kk.clone() + var("b_column"));
+            out.push(load_matrix("ws", at, names, false));
         }
-        for mi in 0..WARP_M_TILES {
+        for (mi, a) in a.iter().enumerate() {
             for ni in 0..WARP_N_TILES {
                 out.push(Stmt::MmaBf16(Box::new(MmaFragments {
-                    a: std::array::from_fn(|i| format!("a{mi}_{i}")),
-                    b: std::array::from_fn(|i| format!("b{ni}_{i}")),
+                    a: MmaOperand::Bf16Pairs(a.clone()),
+                    b: b_block(&b[ni / 2], ni % 2),
                     c: std::array::from_fn(|i| acc(mi, ni, i)),
                 })));
             }
@@ -117,8 +121,6 @@ fn gemm(name: &str, origin: &str, params: Vec<Param>, form: tma_gemm::ResultForm
     let first_thread = eq(tid(), int(0));
     let locals = (0..WARP_M_TILES)
         .flat_map(|mi| (0..WARP_N_TILES).flat_map(move |ni| (0..4).map(move |i| acc(mi, ni, i))))
-        .chain((0..WARP_M_TILES).flat_map(|mi| (0..8).map(move |i| format!("a{mi}_{i}"))))
-        .chain((0..WARP_N_TILES).flat_map(|ni| (0..4).map(move |i| format!("b{ni}_{i}"))))
         .map(|n| let_(&n, Ty::F32, f(0.0)));
     let step = [
         vec![
@@ -155,6 +157,10 @@ fn gemm(name: &str, origin: &str, params: Vec<Param>, form: tma_gemm::ResultForm
             let_("wn", Ty::I32, rem(warp(), int(4)) * int(32)),
             let_("group", Ty::I32, lane() / int(4)),
             let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
+            let_("a_row", Ty::I32, var("wm") + lane_row(Quad::RowsThenColumns).0),
+            let_("a_column", Ty::I32, lane_row(Quad::RowsThenColumns).1),
+            let_("b_row", Ty::I32, var("wn") + lane_row(Quad::ColumnsThenRows).0),
+            let_("b_column", Ty::I32, lane_row(Quad::ColumnsThenRows).1),
             tma_gemm::init_barriers(&[("full", 1)], STAGES),
             // The barriers are initialised before anyone waits on them.
             Stmt::SyncThreads,

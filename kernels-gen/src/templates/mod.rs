@@ -25,6 +25,7 @@ pub mod gemv;
 pub mod glu;
 pub mod int8_head;
 pub mod kv_append;
+pub mod mma_operands;
 pub mod moe;
 pub mod prologue_norms;
 pub mod quant;
