@@ -21,7 +21,7 @@
 #      BBC_FULL_SWEEP=1; reports and charts in gpu-check-results/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-sections="kernels,smollm2,graphs,matmuls,attention,decode,hybrid,draft-heads,serve"
+sections="kernels,smollm2,graphs,matmuls,attention,decode,hybrid,experts,draft-heads,serve"
 if [ "${1:-}" = "--sections" ]; then sections="$2"; fi
 export BBC_HOME="${BBC_HOME:-$HOME/.cache/bbc}"
 target="${BBC_GPU_TARGET:-h200}"

@@ -84,6 +84,12 @@ enum Command {
         /// `recurrent`, a row after another.
         #[arg(long, value_enum, default_value_t = commands::compile::PrefillDeltaRule::Chunked)]
         prefill_delta_rule: commands::compile::PrefillDeltaRule,
+        /// GPU targets: how prompts run MoE layers' experts: `tensor-cores`, each expert's rows
+        /// gathered into tiles and multiplied on the tensor cores (bf16 experts over sizes that
+        /// are multiples of 8; others as `cuda-cores`); `cuda-cores`, expert by expert, a warp
+        /// a row and output.
+        #[arg(long, value_enum, default_value_t = commands::compile::PrefillExperts::TensorCores)]
+        prefill_experts: commands::compile::PrefillExperts,
         /// What the KV caches store keys and values as, over model.toml's `kv_cache_dtype`:
         /// auto, f32, bf16, f16 or fp8 (E4M3 as vLLM's `--kv-cache-dtype fp8`: a quarter of
         /// f32's bytes, so twice bf16's positions in the same memory).
@@ -146,6 +152,7 @@ fn run(cli: Cli) -> Result<()> {
             prefill_attention,
             decode_attention,
             prefill_delta_rule,
+            prefill_experts,
             kv_cache_dtype,
         } => commands::compile::compile(&commands::compile::CompileArgs {
             model: &model,
@@ -160,6 +167,7 @@ fn run(cli: Cli) -> Result<()> {
             prefill_attention,
             decode_attention,
             prefill_delta_rule,
+            prefill_experts,
             kv_cache_dtype,
         }),
         Command::Run(args) => commands::run::run(&args),

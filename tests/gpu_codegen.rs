@@ -304,6 +304,7 @@ fn compile_every_plan(model: &std::path::Path, target: Target, output: &std::pat
         prefill_attention: Default::default(),
         decode_attention: Default::default(),
         prefill_delta_rule: Default::default(),
+        prefill_experts: Default::default(),
         kv_cache_dtype: None,
     };
     bbc::commands::compile::compile(&args)
@@ -693,6 +694,65 @@ fn compile_chooses_the_prefill_delta_rule() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && stderr.contains("chunked") && stderr.contains("recurrent"),
+        "{stderr}"
+    );
+}
+
+/// `bbc compile --prefill-experts`: by default (`tensor-cores`) a bf16 MoE model's plans list
+/// each expert's pairs and prefill its experts on the tensor cores (the decode kernels beside
+/// them, each launch gated by the step's shape); `cuda-cores`, expert by expert on the CUDA
+/// cores, no lists; the manifest records the choice, and an unknown one is refused.
+#[test]
+fn compile_chooses_the_prefill_experts() {
+    if !nvrtc_present() {
+        return;
+    }
+    let scratch = common::scratch_dir("bbc-gpu-experts-");
+    let toml = scratch.path().join("glm4_moe.toml");
+    let weights = common::fixture("hf-tiny/glm4_moe");
+    std::fs::write(&toml, format!("[model]\nweights = {weights:?}\ndtype = \"bf16\"\n")).unwrap();
+    let compile = |choice: Option<&str>| compile_choosing(&toml, "h200", scratch.path(), ("--prefill-experts", choice));
+    for (choice, tensor_cores) in [(None, true), (Some("cuda-cores"), false), (Some("tensor-cores"), true)] {
+        let (artifact, out) = compile(choice);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let manifest = codegen::read_manifest(&artifact).unwrap();
+        let recorded = serde_json::to_value(manifest.prefill_experts).unwrap();
+        assert_eq!(
+            recorded,
+            serde_json::json!(choice.unwrap_or("tensor-cores")),
+            "{choice:?}"
+        );
+        let plans = [(manifest.plan, "kernels"), (manifest.serving_plan, "kernels/serving")];
+        for (file, kernels) in plans.iter().filter_map(|(f, k)| Some((f.as_ref()?, k))) {
+            let plan: gpu::GpuPlan =
+                serde_json::from_str(&std::fs::read_to_string(artifact.join(file)).unwrap()).unwrap();
+            let moe: Vec<&gpu::Launch> = plan
+                .launches
+                .iter()
+                .filter(|l| l.kernel.starts_with("moe_gate_up"))
+                .collect();
+            assert!(!moe.is_empty(), "{choice:?} {file}");
+            let lists = plan
+                .launches
+                .iter()
+                .filter(|l| l.kernel.starts_with("moe_group_pairs"))
+                .count();
+            assert_eq!(lists, if tensor_cores { moe.len() } else { 0 }, "{choice:?} {file}");
+            for launch in moe {
+                let prefill = launch.prefill_kernel.as_deref().expect("a prefill kernel");
+                let source = std::fs::read_to_string(artifact.join(kernels).join(format!("{prefill}.cu"))).unwrap();
+                assert_eq!(
+                    source.contains("mma.sync"),
+                    tensor_cores,
+                    "{choice:?} {file}: {prefill}"
+                );
+            }
+        }
+    }
+    let (_, out) = compile(Some("tensor"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("tensor-cores") && stderr.contains("cuda-cores"),
         "{stderr}"
     );
 }

@@ -110,6 +110,9 @@ pub struct Manifest {
     /// GPU targets: how the plans' prompts go through Gated DeltaNet layers' delta rule.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_delta_rule: Option<crate::gpu::PrefillDeltaRule>,
+    /// GPU targets: how the plans' prompts run MoE layers' experts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_experts: Option<crate::gpu::PrefillExperts>,
     /// GPU targets, a model whose checkpoint carries multi-token prediction layers: their
     /// graph (`mtp.*`: a draft step, its greedy token and the hidden state the next one reads),
     /// whose batched plan (`mtp_plan.json`) drafts for the serving plan, which then also
@@ -241,6 +244,7 @@ pub fn compile_with(
         prefill_attention: target.cuda_arch().is_some().then_some(kernels.prefill_attention),
         decode_attention: target.cuda_arch().is_some().then_some(kernels.decode_attention),
         prefill_delta_rule: target.cuda_arch().is_some().then_some(kernels.prefill_delta_rule),
+        prefill_experts: target.cuda_arch().is_some().then_some(kernels.prefill_experts),
         mtp_graph_json: mtp.map(|_| MTP_GRAPH_JSON.into()),
         mtp_plan,
         int8_heads,

@@ -261,3 +261,106 @@ fn experts_one_by_one_equal_rows_one_by_one() {
         }
     }
 }
+
+/// The tensor-core prefill kernels against the row-by-row ones given the same bf16 inputs:
+/// `group_pairs` lists each expert's pairs in order (exactly); `moe_mma::gate_up` writes what
+/// `moe::gate_up` does for rows rounded to bf16 (the tensor cores' operand), `moe_mma::down`
+/// what `moe::down_by_expert` does for hidden units rounded to bf16, within f32 rounding (the
+/// sums go in another order). Shapes: one expert chosen by every row (two tiles of pairs),
+/// hidden sizes and expert widths below, across and past a 64-wide tile and a 32-wide K step.
+#[test]
+fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
+    use kernels_gen::emulator::Scalar;
+    use kernels_gen::templates::moe_mma;
+    let mut rng = Rng(54);
+    let bf16 = WeightFormat::Dense(Ty::Bf16);
+    let round = |v: &[f32]| {
+        v.iter()
+            .map(|&a| half::bf16::from_f32(a).to_f32())
+            .collect::<Vec<f32>>()
+    };
+    for (spec, d, i) in [(specs()[0], 48, 40), (specs()[1], 72, 96), (specs()[4], 136, 24)] {
+        let spec = MoeSpec {
+            intermediate: i,
+            ..spec
+        };
+        assert!(moe_mma::supports(&spec, d, bf16));
+        let (rows, e, k) = (80, spec.experts, spec.experts_per_token);
+        let x = rng.vec(rows * d);
+        let mut logits = rng.vec(rows * e);
+        // Every row chooses expert 3 (its score bias too, under a grouped router): 80 pairs,
+        // two tiles of them.
+        for r in 0..rows {
+            logits[r * e + 3] = 9.0;
+        }
+        let (gate_up, down) = (rng.vec(e * 2 * i * d), rng.vec(e * d * i));
+        let mut vector = rng.vec(e);
+        vector[3] = 5.0;
+        let mut bufs = HashMap::from([
+            ("logits".into(), Array::f32(&logits)),
+            ("score_bias".into(), Array::f32(&vector)),
+            ("expert_scale".into(), Array::f32(&vector)),
+            ("routes".into(), Array::poisoned(Ty::I32, rows * k)),
+            ("route_weights".into(), Array::poisoned(Ty::F32, rows * k)),
+            // Places past an expert's count are never written.
+            ("expert_pairs".into(), Array::ints(Ty::I32, &vec![-7; e * rows])),
+            ("expert_counts".into(), Array::poisoned(Ty::I32, e)),
+        ]);
+        let mut scalars = ints(&[
+            ("tokens", rows as i64),
+            ("logits_stride", e as i64),
+            ("x_stride", d as i64),
+        ]);
+        scalars.insert("active".into(), Scalar::Int(1));
+        run(&moe::route("route", "test", &spec), &mut bufs, &scalars).unwrap();
+        run(&moe_mma::group_pairs("group", "test", &spec), &mut bufs, &scalars).unwrap();
+        let routes = bufs["routes"].to_i64().unwrap();
+        let (listed, counts) = (
+            bufs["expert_pairs"].to_i64().unwrap(),
+            bufs["expert_counts"].to_i64().unwrap(),
+        );
+        for expert in 0..e {
+            let want: Vec<i64> = (0..rows * k)
+                .filter(|&p| routes[p] == expert as i64)
+                .map(|p| p as i64)
+                .collect();
+            assert_eq!(counts[expert], want.len() as i64, "{spec:?}: expert {expert}");
+            assert_eq!(
+                &listed[expert * rows..expert * rows + want.len()],
+                &want[..],
+                "{spec:?}: expert {expert}"
+            );
+        }
+        assert_eq!(counts[3], rows as i64);
+        // Gate/up: the tensor cores' over x, the row kernel's over x rounded.
+        let mut hidden = Vec::new();
+        for (kernel, x) in [
+            (moe_mma::gate_up("mma", "test", &spec, d), x.clone()),
+            (moe::gate_up("rows", "test", &spec, d, bf16), round(&x)),
+        ] {
+            bufs.insert("x".into(), Array::f32(&x));
+            bufs.insert("w".into(), bf16_array(&gate_up));
+            bufs.insert("hidden".into(), Array::poisoned(Ty::F32, rows * k * i));
+            run(&kernel, &mut bufs, &scalars).unwrap();
+            hidden.push(bufs["hidden"].to_f32().unwrap());
+        }
+        close(&hidden[0], &hidden[1], 1e-5, &format!("{spec:?} d={d}: gate/up"));
+        // Down: the tensor cores' over the hidden units, the expert kernel's over them rounded.
+        let mut ys = Vec::new();
+        for (kernel, hidden) in [
+            (moe_mma::down("mma", "test", &spec, d), hidden[0].clone()),
+            (
+                moe::down_by_expert("experts", "test", &spec, d, bf16),
+                round(&hidden[0]),
+            ),
+        ] {
+            bufs.insert("hidden".into(), Array::f32(&hidden));
+            bufs.insert("w".into(), bf16_array(&down));
+            bufs.insert("out".into(), Array::poisoned(Ty::F32, rows * d));
+            bufs.insert("ys".into(), Array::poisoned(Ty::F32, rows * k * d));
+            run(&kernel, &mut bufs, &scalars).unwrap();
+            ys.push(bufs["ys"].to_f32().unwrap());
+        }
+        close(&ys[0], &ys[1], 1e-5, &format!("{spec:?} d={d}: down"));
+    }
+}

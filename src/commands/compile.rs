@@ -28,6 +28,8 @@ pub struct CompileArgs<'a> {
     pub decode_attention: DecodeAttention,
     /// How the GPU plans' prompts go through Gated DeltaNet layers' delta rule.
     pub prefill_delta_rule: PrefillDeltaRule,
+    /// How the GPU plans' prompts run MoE layers' experts.
+    pub prefill_experts: PrefillExperts,
     /// Overrides the model's KV cache type (model.toml's `kv_cache_dtype`).
     pub kv_cache_dtype: Option<models::KvCacheDtype>,
 }
@@ -48,6 +50,26 @@ impl From<PrefillDeltaRule> for codegen::gpu::PrefillDeltaRule {
         match rule {
             PrefillDeltaRule::Chunked => Self::Chunked,
             PrefillDeltaRule::Recurrent => Self::Recurrent,
+        }
+    }
+}
+
+/// How GPU plans' prompts run MoE layers' experts (`codegen::gpu::PrefillExperts`).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PrefillExperts {
+    /// Each expert's rows gathered into tiles on the tensor cores (bf16 experts over sizes
+    /// that are multiples of 8; others as `cuda-cores`).
+    #[default]
+    TensorCores,
+    /// Expert by expert on the CUDA cores, a warp a row and output.
+    CudaCores,
+}
+
+impl From<PrefillExperts> for codegen::gpu::PrefillExperts {
+    fn from(experts: PrefillExperts) -> Self {
+        match experts {
+            PrefillExperts::TensorCores => Self::TensorCores,
+            PrefillExperts::CudaCores => Self::CudaCores,
         }
     }
 }
@@ -222,6 +244,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         prefill_attention: args.prefill_attention.into(),
         decode_attention: args.decode_attention.into(),
         prefill_delta_rule: args.prefill_delta_rule.into(),
+        prefill_experts: args.prefill_experts.into(),
     };
     let manifest = codegen::compile_with(&loaded.model, graphs, target, args.output, kernels)?;
     if args.emit == Some("kernel-report") {

@@ -22,14 +22,17 @@
 //!    sequences at 4 096 positions against the copy bandwidth (`attention`);
 //! 7. a Qwen3.5-27B-shaped hybrid the same way at batch 1 and 16, and an 8 192-token prefill
 //!    with the delta rule in chunks and a row at a time (`hybrid`);
-//! 8. a drafter's vocabulary projection: the full bf16 head against the 4-bit shortlist, at
+//! 8. a GLM-4.5-Air-shaped MoE model (8 of its layers) prefilling 512 and 2 048 tokens with
+//!    its experts on the tensor cores and on the CUDA cores, each kernel's share, and decoding
+//!    at batch 1, 16 and 64 (`experts`, [`experts`]);
+//! 9. a drafter's vocabulary projection: the full bf16 head against the 4-bit shortlist, at
 //!    three vocabularies (`draft-heads`, [`draft_head`]);
-//! 9. the Llama-3-8B shape with random weights served as `bbc serve` serves it, and the
-//!    InferenceX sweep run against it (`serve`, [`serve`]).
-//! 10. outside the default sections: the Llama-3-8B shape served with a draft model drafting
+//! 10. the Llama-3-8B shape with random weights served as `bbc serve` serves it, and the
+//!     InferenceX sweep run against it (`serve`, [`serve`]).
+//! 11. outside the default sections: the Llama-3-8B shape served with a draft model drafting
 //!     3 tokens a step, itself (every draft accepted) and its first layer (drafts refused),
 //!     against no drafts (`speculation`, [`serve::speculation`]);
-//! 11. outside the default sections: the Llama-3-8B shape written as a bf16 safetensors
+//! 12. outside the default sections: the Llama-3-8B shape written as a bf16 safetensors
 //!     checkpoint and as an f16 GGUF, each compiled and served, timed from `bbc serve` to its
 //!     first answer (`load`, [`load`]).
 //!
@@ -39,6 +42,7 @@
 pub mod attention;
 pub mod decode;
 pub mod draft_head;
+pub mod experts;
 pub mod kernels;
 pub mod llama_8b;
 pub mod load;
@@ -73,7 +77,7 @@ pub struct GpuCheckArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "kernels,smollm2,graphs,matmuls,attention,decode,hybrid,draft-heads,serve"
+        default_value = "kernels,smollm2,graphs,matmuls,attention,decode,hybrid,experts,draft-heads,serve"
     )]
     pub sections: Vec<Section>,
     /// Prompt rows per prefill step of the decode sections (at most 512); under 16 the
@@ -98,6 +102,7 @@ pub enum Section {
     Attention,
     Decode,
     Hybrid,
+    Experts,
     DraftHeads,
     Serve,
     Speculation,
@@ -154,6 +159,7 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
             Section::Attention => attention::attention_timings(arch, bandwidth).map(|table| println!("\n{table}")),
             Section::Decode => llama_8b::decode(target, arch, bandwidth, args.decode_prefill_chunk),
             Section::Hybrid => decode::hybrid(target, arch, bandwidth, args.decode_prefill_chunk),
+            Section::Experts => experts::experts(target, arch, bandwidth, args.decode_prefill_chunk),
             Section::DraftHeads => draft_head::draft_head_timings(arch).map(|table| println!("\n{table}")),
             Section::Serve => smollm2_weights(&args.model).and_then(|tokenizer| {
                 let size = match args.quick {

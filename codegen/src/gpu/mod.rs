@@ -194,14 +194,29 @@ pub enum PrefillDeltaRule {
     Recurrent,
 }
 
+/// How a plan's prompts (steps of 16 rows or more) run MoE layers' experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PrefillExperts {
+    /// `templates::moe_mma`: each expert's rows gathered into tiles and multiplied on the
+    /// tensor cores, for bf16 experts over hidden sizes and expert widths that are multiples
+    /// of 8 (others as `CudaCores`).
+    #[default]
+    TensorCores,
+    /// `templates::moe`'s expert-by-expert kernels: a warp dots a row with an output's weights
+    /// in f32, each expert's weights read once a step.
+    CudaCores,
+}
+
 /// The kernels a plan's steps take where it has a choice: its prefill steps' tensor-core GEMM,
-/// attention and delta rule, and its other steps' split attention.
+/// attention, delta rule and experts, and its other steps' split attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct PlanKernels {
     pub prefill_gemm: PrefillGemm,
     pub prefill_attention: PrefillAttention,
     pub decode_attention: DecodeAttention,
     pub prefill_delta_rule: PrefillDeltaRule,
+    pub prefill_experts: PrefillExperts,
 }
 
 impl From<PrefillGemm> for PlanKernels {

@@ -27,6 +27,7 @@ pub mod int8_head;
 pub mod kv_append;
 pub mod mma_operands;
 pub mod moe;
+pub mod moe_mma;
 pub mod prologue_norms;
 pub mod quant;
 pub mod rms_norm;
@@ -949,6 +950,10 @@ pub fn catalog() -> Vec<Kernel> {
             Dense(Ty::Bf16),
         ),
         moe::combine("moe_combine", "catalog", &GLM_4_5_AIR_MOE, 4096),
+        // The same experts in prefill on tensor cores.
+        moe_mma::group_pairs("moe_group_pairs", "catalog", &GLM_4_5_AIR_MOE),
+        moe_mma::gate_up("moe_gate_up_mma_bf16", "catalog", &GLM_4_5_AIR_MOE, 4096),
+        moe_mma::down("moe_down_mma_bf16", "catalog", &GLM_4_5_AIR_MOE, 4096),
         split_k::reduce("split_k_reduce", "catalog", 16, None, None),
         split_k::reduce("split_k_reduce_swiglu", "catalog", 16, Some(GluAct::Silu), None),
         // After a residual-norm GEMM with the GLU (`add_rms_norm_swiglu_gemm`): each token's

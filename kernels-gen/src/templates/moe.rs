@@ -342,7 +342,7 @@ fn weigh_and_sort(spec: &MoeSpec) -> Vec<Stmt> {
     out
 }
 
-fn describe(spec: &MoeSpec) -> String {
+pub(super) fn describe(spec: &MoeSpec) -> String {
     let router = match spec.router {
         MoeRouter::Softmax => "softmax router".to_string(),
         MoeRouter::SoftmaxExpertScale => "softmax router with experts' scales".to_string(),
@@ -387,7 +387,7 @@ fn gate_up_unit(spec: &MoeSpec, hidden: usize, weights: WeightFormat) -> Vec<Stm
 }
 
 /// The parameters both gate/up kernels take, in the launch's order.
-fn gate_up_params(weights: WeightFormat) -> Vec<Param> {
+pub(super) fn gate_up_params(weights: WeightFormat) -> Vec<Param> {
     vec![
         buffer("x", Ty::F32, false),
         buffer("routes", Ty::I32, false),
@@ -529,7 +529,7 @@ pub fn gate_up_by_expert(name: &str, origin: &str, spec: &MoeSpec, hidden: usize
 
 /// `scan[tid]` = the sum of `value` (an i32 local) over threads `0..=tid` (Hillis and Steele's
 /// doubling, a barrier around each step), every thread's written before the last barrier.
-fn block_prefix_sum(value: &str, scan: &str) -> Vec<Stmt> {
+pub(super) fn block_prefix_sum(value: &str, scan: &str) -> Vec<Stmt> {
     let mut out = vec![store(scan, tid(), var(value))];
     let mut offset = 1;
     while offset < BLOCK as i64 {
@@ -567,7 +567,7 @@ fn down_dot(spec: &MoeSpec, hidden: usize, weights: WeightFormat, pair: Expr) ->
 
 /// The parameters both down kernels take, in the launch's order (the expert-by-expert one
 /// takes `ys` after them).
-fn down_params(weights: WeightFormat) -> Vec<Param> {
+pub(super) fn down_params(weights: WeightFormat) -> Vec<Param> {
     vec![
         buffer("hidden", Ty::F32, false),
         buffer("routes", Ty::I32, false),

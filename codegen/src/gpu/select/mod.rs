@@ -431,7 +431,9 @@ pub(crate) fn select(
                         ];
                         (elementwise::scale_rows("scale_rows", &graph.name), args)
                     }
-                    Op::Moe(spec) => moe::launches(&mut s, &operands, spec, &rows, max_tokens)?,
+                    Op::Moe(spec) => {
+                        moe::launches(&mut s, &operands, (spec, chosen.prefill_experts), &rows, max_tokens)?
+                    }
                     Op::Slice { start, len } => {
                         let (x, stride) = act(&s, 0);
                         let args = vec![

@@ -1,18 +1,19 @@
 //! A MoE layer's launches (`templates::moe`): routing, the experts' gate/up with their GLU and
 //! the weighted down projections into the node's value, row by row; prefill steps run both
-//! expert by expert, and a last launch (empty in other steps) sums the down products.
+//! expert by expert (bf16 experts on tensor cores, `templates::moe_mma`, after a launch that
+//! lists each expert's pairs), and a last launch (empty in other steps) sums the down products.
 
 use super::{scalar, Alternatives, Operands, Selected};
-use crate::gpu::{width, GpuCodegenError, LaunchArg};
+use crate::gpu::{width, GpuCodegenError, LaunchArg, PrefillExperts};
 use kernels_gen::dsl::Kernel;
-use kernels_gen::templates::moe;
+use kernels_gen::templates::{moe, moe_mma};
 
 /// Pushes the routing and gate/up launches; returns the last (the down projections) for the
 /// caller to push as the node's own.
 pub(super) fn launches(
     s: &mut Selected,
     operands: &Operands,
-    spec: &ir::MoeSpec,
+    (spec, prefill): (&ir::MoeSpec, PrefillExperts),
     rows: &str,
     max_tokens: usize,
 ) -> Result<(Kernel, Vec<LaunchArg>), GpuCodegenError> {
@@ -62,11 +63,50 @@ pub(super) fn launches(
         few_rows: None,
         prefill: Some(kernel),
     };
+    // 1 in the steps that run the prefill kernels, else 0 (an empty grid).
+    let active = scalar("active", format!("min(1,({rows})/{})", crate::gpu::PREFILL_TOKENS));
+    // bf16 experts prefill on tensor cores, each expert's pairs listed first; the others
+    // expert by expert on the CUDA cores.
+    let tensor_cores = prefill == PrefillExperts::TensorCores
+        && moe_mma::supports(spec, d, gate_up_format)
+        && moe_mma::supports(spec, d, down_format);
+    let lists = match tensor_cores {
+        true => {
+            let lists = vec![
+                operands.scratch("expert_pairs", spec.experts, max_tokens),
+                operands.scratch("expert_counts", spec.experts, 1),
+            ];
+            let group = [
+                vec![routes.clone()],
+                lists.clone(),
+                vec![scalar("tokens", rows), active.clone()],
+            ]
+            .concat();
+            s.launches.push((
+                operands.node,
+                moe_mma::group_pairs("moe_group_pairs", origin, spec),
+                Alternatives::default(),
+                group,
+            ));
+            lists
+        }
+        false => vec![],
+    };
+    let (prefill_gate_up, prefill_down) = match tensor_cores {
+        true => (
+            moe_mma::gate_up("moe_gate_up", origin, spec, d),
+            moe_mma::down("moe_down", origin, spec, d),
+        ),
+        false => (
+            moe::gate_up_by_expert("moe_gate_up", origin, spec, d, gate_up_format),
+            moe::down_by_expert("moe_down", origin, spec, d, down_format),
+        ),
+    };
     s.launches.push((
         operands.node,
         moe::gate_up("moe_gate_up", origin, spec, d, gate_up_format),
-        prefill_only(moe::gate_up_by_expert("moe_gate_up", origin, spec, d, gate_up_format)),
-        gate_up_args,
+        prefill_only(prefill_gate_up),
+        [gate_up_args, lists.clone()].concat(),
     ));
     let ys = operands.scratch("ys", k * d, max_tokens);
     let down_args = vec![
@@ -81,16 +121,9 @@ pub(super) fn launches(
     s.launches.push((
         operands.node,
         moe::down("moe_down", origin, spec, d, down_format),
-        prefill_only(moe::down_by_expert("moe_down", origin, spec, d, down_format)),
-        down_args,
+        prefill_only(prefill_down),
+        [down_args, lists].concat(),
     ));
-    let combine = vec![
-        ys,
-        route_weights,
-        operands.out(),
-        scalar("tokens", rows),
-        // 1 in the steps that run the prefill kernels, else 0 (an empty grid).
-        scalar("active", format!("min(1,({rows})/{})", crate::gpu::PREFILL_TOKENS)),
-    ];
+    let combine = vec![ys, route_weights, operands.out(), scalar("tokens", rows), active];
     Ok((moe::combine("moe_combine", origin, spec, d), combine))
 }

@@ -1,0 +1,436 @@
+//! MoE prefill on tensor cores (bf16 experts): each expert's chosen rows gathered into tiles
+//! and multiplied by `mma.sync`, where `moe`'s expert-by-expert kernels dot one row at a time
+//! in f32 on the CUDA cores. Three launches in the steps that run them:
+//!
+//! 1. [`group_pairs`]: a block per expert lists the pairs (row t, choice p: `pair = t·k + p`)
+//!    that chose it, in order, at `expert_pairs[e·tokens..]` (a row chooses an expert once, so
+//!    `tokens` places hold them), and their count in `expert_counts[e]`.
+//! 2. [`gate_up`]: a block per (expert, 64 hidden units, 64 of its pairs): the pairs' rows of
+//!    `x` times the units' gate and up rows, both products in registers, `act(gate)·up` into
+//!    `hidden` where `moe::gate_up` writes it.
+//! 3. [`down`]: a block per (expert, 64 output columns, 64 of its pairs): the pairs' hidden
+//!    units times the expert's down rows, each pair's product unweighted into `ys`, as
+//!    `moe::down_by_expert` leaves it for `moe::combine`.
+//!
+//! The GEMMs are `gemm_mma`'s: 4 warps a 64×64 tile, K in steps of 32, the weights by
+//! `cp.async` into two buffers (the next step's copies in flight), the gathered rows rounded to
+//! bf16 as they are staged (as the dense tensor-core GEMMs round activations), operands by
+//! `ldmatrix`, f32 accumulation. Blocks of one expert's weight tile run next to each other, so
+//! its weights cross from memory once a step. Requirements ([`supports`]): bf16 weights, the
+//! hidden size and the experts' intermediate size multiples of 8 (whole 16-byte copies).
+
+use super::gemv::gated;
+use super::mma_operands::{b_block, lane_offset, x4_names, Quad};
+use super::moe::{block_prefix_sum, describe, down_params, gate_up_params};
+use super::quant::WeightFormat;
+use super::BLOCK;
+use crate::dsl::*;
+use ir::MoeSpec;
+
+const WARPS: i64 = 4;
+/// Pairs, and weight rows, a block tile.
+const TILE_M: i64 = 64;
+const TILE_N: i64 = 64;
+/// K a staged step.
+const TILE_K: i64 = 32;
+/// Row pitch of a staged slice: 16 bytes of padding keep `ldmatrix`'s rows on distinct banks.
+const STRIDE: i64 = TILE_K + 8;
+/// Elements of one staged slice.
+const STAGE: i64 = TILE_M * STRIDE;
+/// Weight buffers of the `cp.async` pipeline.
+const STAGES: i64 = 2;
+/// Each warp's 32 pairs × 32 weight rows: `mma` tiles of 16 pairs and of 8 rows.
+const WARP_M_TILES: usize = 2;
+const WARP_N_TILES: usize = 4;
+
+/// Whether the tensor-core kernels take a layer of `spec` over rows of `hidden` with weights
+/// of `format`.
+pub fn supports(spec: &MoeSpec, hidden: usize, format: WeightFormat) -> bool {
+    format == WeightFormat::Dense(Ty::Bf16) && hidden.is_multiple_of(8) && spec.intermediate.is_multiple_of(8)
+}
+
+/// List each expert's pairs: a block per expert scans the routes a block-wide chunk at a time,
+/// compacting its hits in order by a prefix sum; none where `active` is 0 (an empty grid: the
+/// steps that run `moe`'s row-by-row kernels).
+pub fn group_pairs(name: &str, origin: &str, spec: &MoeSpec) -> Kernel {
+    let k = spec.experts_per_token as i64;
+    let mut chunk = vec![
+        let_("at", Ty::I32, var("chunk") + tid()),
+        let_("hit", Ty::I32, int(0)),
+        if_(
+            lt(var("at"), var("pairs")),
+            vec![if_(
+                eq(load("routes", var("at")), var("e")),
+                vec![assign("hit", int(1))],
+            )],
+        ),
+    ];
+    chunk.extend(block_prefix_sum("hit", "scan"));
+    chunk.extend([
+        if_(
+            eq(var("hit"), int(1)),
+            vec![store(
+                "expert_pairs",
+                var("e") * var("tokens") + var("count") + load("scan", tid()) - int(1),
+                var("at"),
+            )],
+        ),
+        assign("count", var("count") + load("scan", int(BLOCK as i64 - 1))),
+        // Everyone has read the sums before the next chunk's overwrite them.
+        Stmt::SyncThreads,
+    ]);
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: MoE pairs listed expert by expert, {}", describe(spec)),
+        params: vec![
+            buffer("routes", Ty::I32, false),
+            buffer("expert_pairs", Ty::I32, true),
+            buffer("expert_counts", Ty::I32, true),
+            scalar("tokens", Ty::I32),
+            scalar("active", Ty::I32),
+        ],
+        shared: vec![SharedArray {
+            name: "scan".into(),
+            ty: Ty::I32,
+            len: BLOCK as usize,
+        }],
+        block_dim: BLOCK,
+        grid: int(spec.experts as i64) * var("active"),
+        body: vec![
+            let_("e", Ty::I32, bid()),
+            let_("pairs", Ty::I32, var("tokens") * int(k)),
+            let_("count", Ty::I32, int(0)),
+            for_("chunk", int(0), var("pairs"), int(BLOCK as i64), chunk),
+            if_(eq(tid(), int(0)), vec![store("expert_counts", var("e"), var("count"))]),
+        ],
+    }
+}
+
+/// The blocks of an expert's `outputs` outputs in 64-wide tiles, each tile over its pairs in
+/// tiles of 64 (as many as `tokens` could make): every expert's.
+fn grid(spec: &MoeSpec, outputs: i64) -> Expr {
+    int(spec.experts as i64 * tiles(outputs)) * row_tiles()
+}
+
+fn tiles(outputs: i64) -> i64 {
+    (outputs + TILE_N - 1) / TILE_N
+}
+
+fn row_tiles() -> Expr {
+    (var("tokens") + int(TILE_M - 1)) / int(TILE_M)
+}
+
+/// The block's expert `e`, its first output `n0` and first pair `m0` (pair tiles vary
+/// fastest: neighbouring blocks share a weight tile), the expert's `count` of pairs, and each
+/// warp's and lane's place in the tile (the `ldmatrix` rows `a_row`, `b_row`: `mma_operands`).
+fn block_place(outputs: i64) -> Vec<Stmt> {
+    vec![
+        let_("m0", Ty::I32, rem(bid(), row_tiles()) * int(TILE_M)),
+        let_(
+            "n0",
+            Ty::I32,
+            rem(bid() / row_tiles(), int(tiles(outputs))) * int(TILE_N),
+        ),
+        let_("e", Ty::I32, bid() / row_tiles() / int(tiles(outputs))),
+        let_("count", Ty::I32, load("expert_counts", var("e"))),
+        let_("wm", Ty::I32, warp() / int(2) * int(16 * WARP_M_TILES as i64)),
+        let_("wn", Ty::I32, rem(warp(), int(2)) * int(8 * WARP_N_TILES as i64)),
+        let_("g", Ty::I32, lane() / int(4)),
+        let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
+        let_(
+            "a_row",
+            Ty::I32,
+            var("wm") * int(STRIDE) + lane_offset(Quad::RowsThenColumns, STRIDE),
+        ),
+        let_(
+            "b_row",
+            Ty::I32,
+            var("wn") * int(STRIDE) + lane_offset(Quad::ColumnsThenRows, STRIDE),
+        ),
+    ]
+}
+
+/// The tile's pairs in shared `tile_pairs` (−1 past the expert's count), then a barrier.
+fn tile_pairs() -> Vec<Stmt> {
+    vec![
+        if_(
+            lt(tid(), int(TILE_M)),
+            vec![
+                let_("listed", Ty::I32, int(-1)),
+                if_(
+                    lt(var("m0") + tid(), var("count")),
+                    vec![assign(
+                        "listed",
+                        load("expert_pairs", var("e") * var("tokens") + var("m0") + tid()),
+                    )],
+                ),
+                store("tile_pairs", tid(), var("listed")),
+            ],
+        ),
+        Stmt::SyncThreads,
+    ]
+}
+
+/// Stage the tile's 64×32 slice of gathered rows at `k0` into `xs`, rounded to bf16: row r is
+/// `source(pair)`'s elements from `k0` (`source` gives the index of a pair's first), zero for
+/// rows past the count and columns past `k_len`. A warp takes 32 consecutive columns of a row.
+fn stage_rows(src: &str, source: &dyn Fn(Expr) -> Expr, k_len: i64) -> Vec<Stmt> {
+    let threads = 32 * WARPS;
+    vec![for_(
+        "i",
+        int(0),
+        int(TILE_M * TILE_K / threads),
+        int(1),
+        vec![
+            let_("r", Ty::I32, (tid() + var("i") * int(threads)) / int(TILE_K)),
+            let_("c", Ty::I32, rem(tid(), int(TILE_K))),
+            let_("pair", Ty::I32, load("tile_pairs", var("r"))),
+            let_("value", Ty::F32, f(0.0)),
+            if_(
+                and(
+                    bin(BinOp::Ge, var("pair"), int(0)),
+                    lt(var("k0") + var("c"), int(k_len)),
+                ),
+                vec![assign("value", load(src, source(var("pair")) + var("k0") + var("c")))],
+            ),
+            store("xs", var("r") * int(STRIDE) + var("c"), var("value")),
+        ],
+    )]
+}
+
+/// A weight tile's `cp.async` copies into `dst`'s buffer `buffer`: 64 rows from `first_row`
+/// (those from `valid_rows` on zero-filled), 32 columns at `k0` of rows `k_len` long. Copy
+/// `c = tid + 128·i` is row `c / 4`, its 8-element chunk `c % 4`.
+fn copy_weights(dst: &str, (first_row, valid_rows): (Expr, Expr), k_len: i64, (buffer, k0): (Expr, Expr)) -> Stmt {
+    let threads = 32 * WARPS;
+    for_(
+        "i",
+        int(0),
+        int(TILE_N * TILE_K / 8 / threads),
+        int(1),
+        vec![
+            let_("copy", Ty::I32, tid() + var("i") * int(threads)),
+            let_("row", Ty::I32, var("copy") / int(TILE_K / 8)),
+            let_("column", Ty::I32, k0 + rem(var("copy"), int(TILE_K / 8)) * int(8)),
+            Stmt::CpAsync(Box::new(AsyncCopy {
+                dst: dst.into(),
+                dst_index: buffer * int(STAGE) + var("row") * int(STRIDE) + rem(var("copy"), int(TILE_K / 8)) * int(8),
+                src: "w".into(),
+                src_index: (first_row + var("row")) * int(k_len) + var("column"),
+                valid: and(lt(var("row"), valid_rows), lt(var("column"), int(k_len))),
+            })),
+        ],
+    )
+}
+
+fn acc(prefix: &str, mi: usize, ni: usize, i: usize) -> String {
+    format!("{prefix}{mi}_{ni}_{i}")
+}
+
+/// One 16-wide k slice of the warp's quarter at `kk`: A's fragments from `xs`, then for each
+/// weight tile (`weights`: its shared array and its accumulators' prefix) B's from buffer `s`
+/// and the 2×4 `mma`s.
+fn k_slice(kk: i64, weights: &[(&str, &str)]) -> Vec<Stmt> {
+    let mut out = Vec::new();
+    let a: Vec<Vec<String>> = (0..WARP_M_TILES)
+        .map(|mi| x4_names("a", &format!("{kk}_{mi}")))
+        .collect();
+    for (mi, names) in a.iter().enumerate() {
+        let at = var("a_row") + int(16 * mi as i64 * STRIDE + kk);
+        out.push(load_matrix("xs", at, names, false));
+    }
+    for &(array, prefix) in weights {
+        let b: Vec<Vec<String>> = (0..WARP_N_TILES / 2)
+            .map(|pair| x4_names(&format!("{prefix}b"), &format!("{kk}_{pair}")))
+            .collect();
+        for (pair, names) in b.iter().enumerate() {
+            let at = var("s") * int(STAGE) + var("b_row") + int(16 * pair as i64 * STRIDE + kk);
+            out.push(load_matrix(array, at, names, false));
+        }
+        for (mi, a) in a.iter().enumerate() {
+            for ni in 0..WARP_N_TILES {
+                out.push(Stmt::MmaBf16(Box::new(MmaFragments {
+                    a: MmaOperand::Bf16Pairs(a.clone()),
+                    b: b_block(&b[ni / 2], ni % 2),
+                    c: std::array::from_fn(|i| acc(prefix, mi, ni, i)),
+                })));
+            }
+        }
+    }
+    out
+}
+
+/// The GEMM over the tile's pairs: K (`k_len` long) in steps, `copy(buffer, k0)` the weight
+/// tiles' copies, `stage` the gathered rows, `weights` the tiles multiplied; then `epilogue`
+/// for each accumulator place: (the pair's row in the tile, the output's column in the tile,
+/// which of a lane's 4).
+fn tile_gemm(
+    k_len: i64,
+    copy: &dyn Fn(Expr, Expr) -> Vec<Stmt>,
+    stage: Vec<Stmt>,
+    weights: &[(&str, &str)],
+    epilogue: &dyn Fn(usize, usize, usize) -> Vec<Stmt>,
+) -> Vec<Stmt> {
+    let accumulators = weights.iter().flat_map(|&(_, prefix)| {
+        (0..WARP_M_TILES).flat_map(move |mi| {
+            (0..WARP_N_TILES).flat_map(move |ni| (0..4).map(move |i| let_(&acc(prefix, mi, ni, i), Ty::F32, f(0.0))))
+        })
+    });
+    let step = [
+        super::pipeline_step_head(STAGES, TILE_K, int(k_len), copy),
+        stage,
+        vec![super::pipeline_wait(STAGES), Stmt::SyncThreads],
+        k_slice(0, weights),
+        k_slice(16, weights),
+        // Nobody restages until every warp has read this step's tiles.
+        vec![Stmt::SyncThreads],
+    ]
+    .concat();
+    let mut out: Vec<Stmt> = accumulators.collect();
+    out.extend(super::pipeline_prologue(STAGES, TILE_K, (int(0), int(k_len)), copy));
+    out.push(for_("k0", int(0), int(k_len), int(TILE_K), step));
+    // The empty groups committed past the end.
+    out.push(Stmt::CpAsyncWait(0));
+    for mi in 0..WARP_M_TILES {
+        for ni in 0..WARP_N_TILES {
+            for i in 0..4 {
+                out.extend(epilogue(mi, ni, i));
+            }
+        }
+    }
+    out
+}
+
+/// The accumulator place's pair (`pair_at`, −1 past the count) and output (`out_column`).
+fn place(mi: usize, ni: usize, i: usize) -> Vec<Stmt> {
+    let row = var("wm") + int(16 * mi as i64 + if i >= 2 { 8 } else { 0 }) + var("g");
+    vec![
+        assign("pair_at", load("tile_pairs", row)),
+        assign(
+            "out_column",
+            var("n0") + var("wn") + int(8 * ni as i64 + (i % 2) as i64) + var("t2"),
+        ),
+    ]
+}
+
+/// An expert tile's kernel over `outputs` outputs an expert: `work` (the tile's GEMM) where
+/// the expert has pairs in the tile, the same for every thread of the block; `weights` the
+/// shared arrays its weight tiles go through.
+fn expert_tile_kernel(
+    (name, origin): (&str, String),
+    params: Vec<Param>,
+    (spec, outputs): (&MoeSpec, i64),
+    weights: &[&str],
+    work: Vec<Stmt>,
+) -> Kernel {
+    let staged = |name: &str, buffers: i64| SharedArray {
+        name: name.into(),
+        ty: Ty::Bf16,
+        len: (buffers * STAGE) as usize,
+    };
+    let mut shared = vec![staged("xs", 1)];
+    shared.extend(weights.iter().map(|w| staged(w, STAGES)));
+    shared.push(SharedArray {
+        name: "tile_pairs".into(),
+        ty: Ty::I32,
+        len: TILE_M as usize,
+    });
+    let mut tile = tile_pairs();
+    tile.extend([let_("pair_at", Ty::I32, int(0)), let_("out_column", Ty::I32, int(0))]);
+    tile.extend(work);
+    let mut body = block_place(outputs);
+    body.push(if_(lt(var("m0"), var("count")), tile));
+    Kernel {
+        name: name.into(),
+        origin,
+        params,
+        shared,
+        block_dim: (32 * WARPS) as u32,
+        grid: grid(spec, outputs),
+        body,
+    }
+}
+
+/// Where the expert lists come from: [`group_pairs`]'s outputs, after the kernel's own.
+fn list_params() -> [Param; 2] {
+    [
+        buffer("expert_pairs", Ty::I32, false),
+        buffer("expert_counts", Ty::I32, false),
+    ]
+}
+
+/// `moe::gate_up`'s values (`hidden[pair·I + unit] = act(gate)·up`) on tensor cores, expert
+/// tile by expert tile: the parameters of `moe::gate_up` over bf16 weights, then the lists.
+pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, hidden: usize) -> Kernel {
+    let (d, i, k) = (hidden as i64, spec.intermediate as i64, spec.experts_per_token as i64);
+    let first = |part: i64| var("e") * int(2 * i) + int(part * i) + var("n0");
+    let copy = |buffer: Expr, k0: Expr| {
+        vec![
+            copy_weights("gs", (first(0), int(i) - var("n0")), d, (buffer.clone(), k0.clone())),
+            copy_weights("us", (first(1), int(i) - var("n0")), d, (buffer, k0)),
+        ]
+    };
+    let stage = stage_rows("x", &|pair| pair / int(k) * var("x_stride"), d);
+    let epilogue = |mi: usize, ni: usize, j: usize| {
+        let mut out = place(mi, ni, j);
+        out.push(if_(
+            and(bin(BinOp::Ge, var("pair_at"), int(0)), lt(var("out_column"), int(i))),
+            vec![store(
+                "hidden",
+                var("pair_at") * int(i) + var("out_column"),
+                gated(spec.act, var(&acc("g", mi, ni, j)), var(&acc("u", mi, ni, j))),
+            )],
+        ));
+        out
+    };
+    let work = tile_gemm(d, &copy, stage, &[("gs", "g"), ("us", "u")], &epilogue);
+    let origin = format!(
+        "{origin}: MoE experts' gate/up and {:?} over rows of {hidden} on tensor cores (mma.sync m16n8k16 bf16, \
+         each expert's pairs gathered into {TILE_M}-row tiles), {}",
+        spec.act,
+        describe(spec)
+    );
+    let params = [gate_up_params(WeightFormat::Dense(Ty::Bf16)), list_params().to_vec()].concat();
+    expert_tile_kernel((name, origin), params, (spec, i), &["gs", "us"], work)
+}
+
+/// `moe::down_by_expert`'s values (each pair's down projection unweighted, `ys[pair·d + n]`)
+/// on tensor cores, expert tile by expert tile: its parameters over bf16 weights, then the
+/// lists.
+pub fn down(name: &str, origin: &str, spec: &MoeSpec, hidden: usize) -> Kernel {
+    let (d, i) = (hidden as i64, spec.intermediate as i64);
+    let copy = |buffer: Expr, k0: Expr| {
+        vec![copy_weights(
+            "ws",
+            (var("e") * int(d) + var("n0"), int(d) - var("n0")),
+            i,
+            (buffer, k0),
+        )]
+    };
+    let stage = stage_rows("hidden", &|pair| pair * int(i), i);
+    let epilogue = |mi: usize, ni: usize, j: usize| {
+        let mut out = place(mi, ni, j);
+        out.push(if_(
+            and(bin(BinOp::Ge, var("pair_at"), int(0)), lt(var("out_column"), int(d))),
+            vec![store(
+                "ys",
+                var("pair_at") * int(d) + var("out_column"),
+                var(&acc("c", mi, ni, j)),
+            )],
+        ));
+        out
+    };
+    let work = tile_gemm(i, &copy, stage, &[("ws", "c")], &epilogue);
+    let origin = format!(
+        "{origin}: MoE experts' down projections to rows of {hidden} on tensor cores (mma.sync m16n8k16 bf16, \
+         each expert's pairs gathered into {TILE_M}-row tiles), {}",
+        describe(spec)
+    );
+    let params = [
+        down_params(WeightFormat::Dense(Ty::Bf16)),
+        vec![buffer("ys", Ty::F32, true)],
+        list_params().to_vec(),
+    ]
+    .concat();
+    expert_tile_kernel((name, origin), params, (spec, d), &["ws"], work)
+}
