@@ -173,7 +173,8 @@ fn tiny_qwen3_5_plans_agree_with_the_cpu_backend() {
 }
 
 /// Qwen3-Next with its matrices in Q8_0 (stacked experts kept in their blocks: picked per
-/// expert as the plan uploads them, dotted from blocks by the MoE kernels) against the CPU
+/// expert as the plan uploads them, dotted from blocks by the MoE decode kernels and decoded
+/// into tensor-core tiles in prefill) against the CPU
 /// backend on the same file dequantized to f32, on every GPU target: within 1e-4 but after a
 /// prefill through the tensor-core GEMM, whose bf16-rounded activations switch an expert of
 /// the tiny 4-expert router as in `check` (there 1e-1).

@@ -262,12 +262,49 @@ fn experts_one_by_one_equal_rows_one_by_one() {
     }
 }
 
-/// The tensor-core prefill kernels against the row-by-row ones given the same bf16 inputs:
-/// `group_pairs` lists each expert's pairs in order (exactly); `moe_mma::gate_up` writes what
-/// `moe::gate_up` does for rows rounded to bf16 (the tensor cores' operand), `moe_mma::down`
-/// what `moe::down_by_expert` does for hidden units rounded to bf16, within f32 rounding (the
-/// sums go in another order). Shapes: one expert chosen by every row (two tiles of pairs),
-/// hidden sizes and expert widths below, across and past a 64-wide tile and a 32-wide K step.
+/// Weights of `format` made from `values` (rows `row` wide): the buffer the kernels read, and
+/// the weights as the tensor cores take them (decoded, rounded to bf16). Q8_0 blocks: each 32
+/// values' largest over 127 as the scale (an f16), the codes rounded.
+fn expert_weights(values: &[f32], format: WeightFormat) -> (Array, Vec<f32>) {
+    let round = |v: &[f32]| {
+        v.iter()
+            .map(|&a| half::bf16::from_f32(a).to_f32())
+            .collect::<Vec<f32>>()
+    };
+    match format {
+        WeightFormat::Dense(Ty::Bf16) => (bf16_array(values), round(values)),
+        WeightFormat::Dense(Ty::F16) => {
+            let halves: Vec<half::f16> = values.iter().map(|&v| half::f16::from_f32(v)).collect();
+            let widened: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
+            (Array::f16(&halves), round(&widened))
+        }
+        WeightFormat::Blocks(ir::DType::Q8_0) => {
+            let mut bytes = Vec::new();
+            for block in values.chunks(32) {
+                let scale = half::f16::from_f32(block.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0);
+                bytes.extend(scale.to_le_bytes());
+                bytes.extend(
+                    block
+                        .iter()
+                        .map(|&v| (v / scale.to_f32()).round().clamp(-127.0, 127.0) as i8 as u8),
+                );
+            }
+            let mut decoded = vec![0f32; values.len()];
+            models::quant::GgmlType::Q8_0.dequantize(&bytes, &mut decoded);
+            (Array::u8(&bytes), round(&decoded))
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The tensor-core prefill kernels against the row-by-row ones given the same inputs as the
+/// tensor cores take them: `group_pairs` lists each expert's pairs in order (exactly);
+/// `moe_mma::gate_up` writes what `moe::gate_up` does for rows and weights rounded to bf16
+/// (bf16 weights copied, f16 and Q8_0 ones decoded into the tile), `moe_mma::down` what
+/// `moe::down_by_expert` does for hidden units and weights rounded to bf16, within f32
+/// rounding (the sums go in another order). Shapes: one expert chosen by every row (two tiles
+/// of pairs), hidden sizes and expert widths below, across and past a 64-wide tile and a
+/// 32-wide K step.
 #[test]
 fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
     use kernels_gen::emulator::Scalar;
@@ -279,12 +316,20 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
             .map(|&a| half::bf16::from_f32(a).to_f32())
             .collect::<Vec<f32>>()
     };
-    for (spec, d, i) in [(specs()[0], 48, 40), (specs()[1], 72, 96), (specs()[4], 136, 24)] {
+    for (spec, d, i, format) in [
+        (specs()[0], 48, 40, bf16),
+        (specs()[1], 72, 96, bf16),
+        (specs()[4], 136, 24, bf16),
+        (specs()[1], 40, 24, WeightFormat::Dense(Ty::F16)),
+        (specs()[0], 64, 32, WeightFormat::Blocks(ir::DType::Q8_0)),
+        (specs()[4], 96, 64, WeightFormat::Blocks(ir::DType::Q8_0)),
+    ] {
         let spec = MoeSpec {
             intermediate: i,
             ..spec
         };
-        assert!(moe_mma::supports(&spec, d, bf16));
+        assert!(moe_mma::supports(&spec, d, format));
+        let what = format!("{spec:?} {format:?} d={d}");
         let (rows, e, k) = (80, spec.experts, spec.experts_per_token);
         let x = rng.vec(rows * d);
         let mut logits = rng.vec(rows * e);
@@ -293,7 +338,8 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
         for r in 0..rows {
             logits[r * e + 3] = 9.0;
         }
-        let (gate_up, down) = (rng.vec(e * 2 * i * d), rng.vec(e * d * i));
+        let (gate_up, gate_up_taken) = expert_weights(&rng.vec(e * 2 * i * d), format);
+        let (down, down_taken) = expert_weights(&rng.vec(e * d * i), format);
         let mut vector = rng.vec(e);
         vector[3] = 5.0;
         let mut bufs = HashMap::from([
@@ -324,43 +370,57 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
                 .filter(|&p| routes[p] == expert as i64)
                 .map(|p| p as i64)
                 .collect();
-            assert_eq!(counts[expert], want.len() as i64, "{spec:?}: expert {expert}");
+            assert_eq!(counts[expert], want.len() as i64, "{what}: expert {expert}");
             assert_eq!(
                 &listed[expert * rows..expert * rows + want.len()],
                 &want[..],
-                "{spec:?}: expert {expert}"
+                "{what}: expert {expert}"
             );
         }
         assert_eq!(counts[3], rows as i64);
-        // Gate/up: the tensor cores' over x, the row kernel's over x rounded.
+        // Gate/up: the tensor cores' over x, the row kernel's over x and the weights rounded.
         let mut hidden = Vec::new();
-        for (kernel, x) in [
-            (moe_mma::gate_up("mma", "test", &spec, d), x.clone()),
-            (moe::gate_up("rows", "test", &spec, d, bf16), round(&x)),
+        for (kernel, x, w) in [
+            (
+                moe_mma::gate_up("mma", "test", &spec, d, format),
+                x.clone(),
+                gate_up.clone(),
+            ),
+            (
+                moe::gate_up("rows", "test", &spec, d, bf16),
+                round(&x),
+                bf16_array(&gate_up_taken),
+            ),
         ] {
             bufs.insert("x".into(), Array::f32(&x));
-            bufs.insert("w".into(), bf16_array(&gate_up));
+            bufs.insert("w".into(), w);
             bufs.insert("hidden".into(), Array::poisoned(Ty::F32, rows * k * i));
             run(&kernel, &mut bufs, &scalars).unwrap();
             hidden.push(bufs["hidden"].to_f32().unwrap());
         }
-        close(&hidden[0], &hidden[1], 1e-5, &format!("{spec:?} d={d}: gate/up"));
-        // Down: the tensor cores' over the hidden units, the expert kernel's over them rounded.
+        close(&hidden[0], &hidden[1], 1e-5, &format!("{what}: gate/up"));
+        // Down: the tensor cores' over the hidden units, the expert kernel's over them and the
+        // weights rounded.
         let mut ys = Vec::new();
-        for (kernel, hidden) in [
-            (moe_mma::down("mma", "test", &spec, d), hidden[0].clone()),
+        for (kernel, hidden, w) in [
+            (
+                moe_mma::down("mma", "test", &spec, d, format),
+                hidden[0].clone(),
+                down.clone(),
+            ),
             (
                 moe::down_by_expert("experts", "test", &spec, d, bf16),
                 round(&hidden[0]),
+                bf16_array(&down_taken),
             ),
         ] {
             bufs.insert("hidden".into(), Array::f32(&hidden));
-            bufs.insert("w".into(), bf16_array(&down));
+            bufs.insert("w".into(), w);
             bufs.insert("out".into(), Array::poisoned(Ty::F32, rows * d));
             bufs.insert("ys".into(), Array::poisoned(Ty::F32, rows * k * d));
             run(&kernel, &mut bufs, &scalars).unwrap();
             ys.push(bufs["ys"].to_f32().unwrap());
         }
-        close(&ys[0], &ys[1], 1e-5, &format!("{spec:?} d={d}: down"));
+        close(&ys[0], &ys[1], 1e-5, &format!("{what}: down"));
     }
 }

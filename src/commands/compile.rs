@@ -58,7 +58,7 @@ impl From<PrefillDeltaRule> for codegen::gpu::PrefillDeltaRule {
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PrefillExperts {
     /// Each expert's rows gathered into tiles on the tensor cores (bf16 experts over sizes
-    /// that are multiples of 8; others as `cuda-cores`).
+    /// that are multiples of 8, f16 and GGUF-block experts; f32 ones as `cuda-cores`).
     #[default]
     TensorCores,
     /// Expert by expert on the CUDA cores, a warp a row and output.

@@ -200,7 +200,7 @@ pub enum PrefillDeltaRule {
 pub enum PrefillExperts {
     /// `templates::moe_mma`: each expert's rows gathered into tiles and multiplied on the
     /// tensor cores, for bf16 experts over hidden sizes and expert widths that are multiples
-    /// of 8 (others as `CudaCores`).
+    /// of 8, f16 and GGUF-block experts (f32 ones as `CudaCores`).
     #[default]
     TensorCores,
     /// `templates::moe`'s expert-by-expert kernels: a warp dots a row with an output's weights

@@ -952,8 +952,21 @@ pub fn catalog() -> Vec<Kernel> {
         moe::combine("moe_combine", "catalog", &GLM_4_5_AIR_MOE, 4096),
         // The same experts in prefill on tensor cores.
         moe_mma::group_pairs("moe_group_pairs", "catalog", &GLM_4_5_AIR_MOE),
-        moe_mma::gate_up("moe_gate_up_mma_bf16", "catalog", &GLM_4_5_AIR_MOE, 4096),
-        moe_mma::down("moe_down_mma_bf16", "catalog", &GLM_4_5_AIR_MOE, 4096),
+        moe_mma::gate_up(
+            "moe_gate_up_mma_bf16",
+            "catalog",
+            &GLM_4_5_AIR_MOE,
+            4096,
+            Dense(Ty::Bf16),
+        ),
+        moe_mma::down("moe_down_mma_bf16", "catalog", &GLM_4_5_AIR_MOE, 4096, Dense(Ty::Bf16)),
+        moe_mma::gate_up(
+            "moe_gate_up_mma_q4_k",
+            "catalog",
+            &GLM_4_5_AIR_MOE,
+            4096,
+            Blocks(ir::DType::Q4K),
+        ),
         split_k::reduce("split_k_reduce", "catalog", 16, None, None),
         split_k::reduce("split_k_reduce_swiglu", "catalog", 16, Some(GluAct::Silu), None),
         // After a residual-norm GEMM with the GLU (`add_rms_norm_swiglu_gemm`): each token's

@@ -12,17 +12,19 @@
 //!    units times the expert's down rows, each pair's product unweighted into `ys`, as
 //!    `moe::down_by_expert` leaves it for `moe::combine`.
 //!
-//! The GEMMs are `gemm_mma`'s: 4 warps a 64×64 tile, K in steps of 32, the weights by
-//! `cp.async` into two buffers (the next step's copies in flight), the gathered rows rounded to
-//! bf16 as they are staged (as the dense tensor-core GEMMs round activations), operands by
-//! `ldmatrix`, f32 accumulation. Blocks of one expert's weight tile run next to each other, so
-//! its weights cross from memory once a step. Requirements ([`supports`]): bf16 weights, the
-//! hidden size and the experts' intermediate size multiples of 8 (whole 16-byte copies).
+//! The GEMMs are `gemm_mma`'s: 4 warps a 64×64 tile, K in steps of 32, bf16 weights by
+//! `cp.async` into two buffers (the next step's copies in flight), f16 weights and GGUF blocks
+//! decoded into them element by element and rounded to bf16 (as the decoding dense GEMM does),
+//! the gathered rows rounded to bf16 as they are staged (as the dense tensor-core GEMMs round
+//! activations), operands by `ldmatrix`, f32 accumulation. Blocks of one expert's weight tile
+//! run next to each other, so its weights cross from memory once a step. Requirements
+//! ([`supports`]): bf16 weights over a hidden size and expert width that are multiples of 8
+//! (whole 16-byte copies), f16 weights, or GGUF blocks (rows of whole blocks).
 
 use super::gemv::gated;
 use super::mma_operands::{b_block, lane_offset, x4_names, Quad};
 use super::moe::{block_prefix_sum, describe, down_params, gate_up_params};
-use super::quant::WeightFormat;
+use super::quant::{self, WeightFormat};
 use super::BLOCK;
 use crate::dsl::*;
 use ir::MoeSpec;
@@ -44,9 +46,17 @@ const WARP_M_TILES: usize = 2;
 const WARP_N_TILES: usize = 4;
 
 /// Whether the tensor-core kernels take a layer of `spec` over rows of `hidden` with weights
-/// of `format`.
+/// of `format` (f32 experts stay on the CUDA cores, in f32).
 pub fn supports(spec: &MoeSpec, hidden: usize, format: WeightFormat) -> bool {
-    format == WeightFormat::Dense(Ty::Bf16) && hidden.is_multiple_of(8) && spec.intermediate.is_multiple_of(8)
+    let whole = |unit: usize| hidden.is_multiple_of(unit) && spec.intermediate.is_multiple_of(unit);
+    match format {
+        WeightFormat::Dense(Ty::Bf16) => whole(8),
+        WeightFormat::Dense(Ty::F16) => true,
+        WeightFormat::Dense(_) => false,
+        WeightFormat::Blocks(format) => {
+            quant::block_layout(format).is_some_and(|(elements, _)| whole(elements as usize))
+        }
+    }
 }
 
 /// List each expert's pairs: a block per expert scans the routes a block-wide chunk at a time,
@@ -223,6 +233,67 @@ fn copy_weights(dst: &str, (first_row, valid_rows): (Expr, Expr), k_len: i64, (b
     )
 }
 
+/// A weight tile decoded element by element into `dst`'s buffer `s` (rounded to bf16 by the
+/// store): 64 rows from `first_row` (those from `valid_rows` on zero), 32 columns at `k0` of
+/// rows `k_len` long; a thread takes elements `tid + 128·i`, a warp 32 columns of a row.
+fn decode_weights(format: WeightFormat, dst: &str, (first_row, valid_rows): (Expr, Expr), k_len: i64) -> Stmt {
+    let threads = 32 * WARPS;
+    for_(
+        "i",
+        int(0),
+        int(TILE_N * TILE_K / threads),
+        int(1),
+        vec![
+            let_("wr", Ty::I32, (tid() + var("i") * int(threads)) / int(TILE_K)),
+            let_("wc", Ty::I32, rem(tid(), int(TILE_K))),
+            let_("wv", Ty::F32, f(0.0)),
+            if_(
+                and(lt(var("wr"), valid_rows), lt(var("k0") + var("wc"), int(k_len))),
+                [
+                    format.element("we", first_row + var("wr"), int(k_len), var("k0") + var("wc")),
+                    vec![assign("wv", var("we"))],
+                ]
+                .concat(),
+            ),
+            store(
+                dst,
+                var("s") * int(STAGE) + var("wr") * int(STRIDE) + var("wc"),
+                var("wv"),
+            ),
+        ],
+    )
+}
+
+/// A K step's copies into a buffer: `copy(buffer, k0)`.
+type StepCopies = Box<dyn Fn(Expr, Expr) -> Vec<Stmt>>;
+
+/// How an expert's weight tiles (`tiles`: each one's shared array, first row and rows before
+/// the expert's end) reach shared memory each K step: bf16 by `cp.async` a step ahead (the
+/// copies, for the pipeline to issue), others decoded in the step (statements staged with the
+/// rows).
+fn weight_tiles(format: WeightFormat, tiles: Vec<(&'static str, Expr, Expr)>, k_len: i64) -> (StepCopies, Vec<Stmt>) {
+    match format {
+        WeightFormat::Dense(Ty::Bf16) => (
+            Box::new(move |buffer: Expr, k0: Expr| {
+                tiles
+                    .iter()
+                    .map(|(dst, first, valid)| {
+                        copy_weights(dst, (first.clone(), valid.clone()), k_len, (buffer.clone(), k0.clone()))
+                    })
+                    .collect()
+            }),
+            vec![],
+        ),
+        _ => (
+            Box::new(|_, _| vec![]),
+            tiles
+                .into_iter()
+                .map(|(dst, first, valid)| decode_weights(format, dst, (first, valid), k_len))
+                .collect(),
+        ),
+    }
+}
+
 fn acc(prefix: &str, mi: usize, ni: usize, i: usize) -> String {
     format!("{prefix}{mi}_{ni}_{i}")
 }
@@ -261,7 +332,8 @@ fn k_slice(kk: i64, weights: &[(&str, &str)]) -> Vec<Stmt> {
 }
 
 /// The GEMM over the tile's pairs: K (`k_len` long) in steps, `copy(buffer, k0)` the weight
-/// tiles' copies, `stage` the gathered rows, `weights` the tiles multiplied; then `epilogue`
+/// tiles' copies, `stage` the step's staging (the gathered rows, weights decoded), `weights`
+/// the tiles multiplied; then `epilogue`
 /// for each accumulator place: (the pair's row in the tile, the output's column in the tile,
 /// which of a lane's 4).
 fn tile_gemm(
@@ -351,6 +423,14 @@ fn expert_tile_kernel(
     }
 }
 
+/// How the weights reach the tiles, for a kernel's origin line.
+fn staging(format: WeightFormat) -> &'static str {
+    match format {
+        WeightFormat::Dense(Ty::Bf16) => " through a 2-stage cp.async pipeline",
+        _ => " decoded into the tile",
+    }
+}
+
 /// Where the expert lists come from: [`group_pairs`]'s outputs, after the kernel's own.
 fn list_params() -> [Param; 2] {
     [
@@ -360,17 +440,17 @@ fn list_params() -> [Param; 2] {
 }
 
 /// `moe::gate_up`'s values (`hidden[pair·I + unit] = act(gate)·up`) on tensor cores, expert
-/// tile by expert tile: the parameters of `moe::gate_up` over bf16 weights, then the lists.
-pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, hidden: usize) -> Kernel {
+/// tile by expert tile: the parameters of `moe::gate_up` over weights of `format`
+/// ([`supports`]), then the lists.
+pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, format: WeightFormat) -> Kernel {
     let (d, i, k) = (hidden as i64, spec.intermediate as i64, spec.experts_per_token as i64);
     let first = |part: i64| var("e") * int(2 * i) + int(part * i) + var("n0");
-    let copy = |buffer: Expr, k0: Expr| {
-        vec![
-            copy_weights("gs", (first(0), int(i) - var("n0")), d, (buffer.clone(), k0.clone())),
-            copy_weights("us", (first(1), int(i) - var("n0")), d, (buffer, k0)),
-        ]
-    };
-    let stage = stage_rows("x", &|pair| pair / int(k) * var("x_stride"), d);
+    let tiles = vec![
+        ("gs", first(0), int(i) - var("n0")),
+        ("us", first(1), int(i) - var("n0")),
+    ];
+    let (copy, decoded) = weight_tiles(format, tiles, d);
+    let stage = [stage_rows("x", &|pair| pair / int(k) * var("x_stride"), d), decoded].concat();
     let epilogue = |mi: usize, ni: usize, j: usize| {
         let mut out = place(mi, ni, j);
         out.push(if_(
@@ -383,31 +463,27 @@ pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, hidden: usize) -> Kerne
         ));
         out
     };
-    let work = tile_gemm(d, &copy, stage, &[("gs", "g"), ("us", "u")], &epilogue);
+    let work = tile_gemm(d, &*copy, stage, &[("gs", "g"), ("us", "u")], &epilogue);
     let origin = format!(
         "{origin}: MoE experts' gate/up and {:?} over rows of {hidden} on tensor cores (mma.sync m16n8k16 bf16, \
-         each expert's pairs gathered into {TILE_M}-row tiles), {}",
+         each expert's pairs gathered into {TILE_M}-row tiles), {} weights{}, {}",
         spec.act,
+        format.describe(),
+        staging(format),
         describe(spec)
     );
-    let params = [gate_up_params(WeightFormat::Dense(Ty::Bf16)), list_params().to_vec()].concat();
+    let params = [gate_up_params(format), list_params().to_vec()].concat();
     expert_tile_kernel((name, origin), params, (spec, i), &["gs", "us"], work)
 }
 
 /// `moe::down_by_expert`'s values (each pair's down projection unweighted, `ys[pair·d + n]`)
-/// on tensor cores, expert tile by expert tile: its parameters over bf16 weights, then the
-/// lists.
-pub fn down(name: &str, origin: &str, spec: &MoeSpec, hidden: usize) -> Kernel {
+/// on tensor cores, expert tile by expert tile: its parameters over weights of `format`
+/// ([`supports`]), then the lists.
+pub fn down(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, format: WeightFormat) -> Kernel {
     let (d, i) = (hidden as i64, spec.intermediate as i64);
-    let copy = |buffer: Expr, k0: Expr| {
-        vec![copy_weights(
-            "ws",
-            (var("e") * int(d) + var("n0"), int(d) - var("n0")),
-            i,
-            (buffer, k0),
-        )]
-    };
-    let stage = stage_rows("hidden", &|pair| pair * int(i), i);
+    let tiles = vec![("ws", var("e") * int(d) + var("n0"), int(d) - var("n0"))];
+    let (copy, decoded) = weight_tiles(format, tiles, i);
+    let stage = [stage_rows("hidden", &|pair| pair * int(i), i), decoded].concat();
     let epilogue = |mi: usize, ni: usize, j: usize| {
         let mut out = place(mi, ni, j);
         out.push(if_(
@@ -420,14 +496,16 @@ pub fn down(name: &str, origin: &str, spec: &MoeSpec, hidden: usize) -> Kernel {
         ));
         out
     };
-    let work = tile_gemm(i, &copy, stage, &[("ws", "c")], &epilogue);
+    let work = tile_gemm(i, &*copy, stage, &[("ws", "c")], &epilogue);
     let origin = format!(
         "{origin}: MoE experts' down projections to rows of {hidden} on tensor cores (mma.sync m16n8k16 bf16, \
-         each expert's pairs gathered into {TILE_M}-row tiles), {}",
+         each expert's pairs gathered into {TILE_M}-row tiles), {} weights{}, {}",
+        format.describe(),
+        staging(format),
         describe(spec)
     );
     let params = [
-        down_params(WeightFormat::Dense(Ty::Bf16)),
+        down_params(format),
         vec![buffer("ys", Ty::F32, true)],
         list_params().to_vec(),
     ]

@@ -65,8 +65,8 @@ pub(super) fn launches(
     };
     // 1 in the steps that run the prefill kernels, else 0 (an empty grid).
     let active = scalar("active", format!("min(1,({rows})/{})", crate::gpu::PREFILL_TOKENS));
-    // bf16 experts prefill on tensor cores, each expert's pairs listed first; the others
-    // expert by expert on the CUDA cores.
+    // Experts prefill on tensor cores, each expert's pairs listed first (f32 ones, and any
+    // whose sizes the tiles do not take, expert by expert on the CUDA cores).
     let tensor_cores = prefill == PrefillExperts::TensorCores
         && moe_mma::supports(spec, d, gate_up_format)
         && moe_mma::supports(spec, d, down_format);
@@ -94,8 +94,8 @@ pub(super) fn launches(
     };
     let (prefill_gate_up, prefill_down) = match tensor_cores {
         true => (
-            moe_mma::gate_up("moe_gate_up", origin, spec, d),
-            moe_mma::down("moe_down", origin, spec, d),
+            moe_mma::gate_up("moe_gate_up", origin, spec, d, gate_up_format),
+            moe_mma::down("moe_down", origin, spec, d, down_format),
         ),
         false => (
             moe::gate_up_by_expert("moe_gate_up", origin, spec, d, gate_up_format),
