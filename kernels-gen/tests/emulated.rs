@@ -641,7 +641,8 @@ fn attention_matches_reference_with_windows_groups_and_long_caches() {
 /// heads, a window, head dims 16 to 256, the cache contiguous and paged (blocks shuffled); on
 /// `mma.sync` and, for heads up to 128 dims, on Hopper's `wgmma` and the B200's `tcgen05`
 /// (by TMA at 64 and 128); and on `mma.sync` over FP8 caches (`flash_attention_over`: the
-/// codes copied as stored, widened to bf16 as the fragments load), heads of 16 to 256. Its
+/// codes copied as stored and each tile widened to bf16 in shared memory, or past 128 dims
+/// loaded widened), heads of 16 to 256. Its
 /// probabilities meet the values rounded to bf16 (the tensor cores' operand), so it agrees to
 /// bf16's precision (errors up to 1.2e-3 of the largest output here), not f32's.
 #[test]
@@ -869,9 +870,9 @@ fn flash_attention_over_a_batched_step_matches_reference() {
 /// The tensor-core kernels move data through shared memory without bank conflicts, as the
 /// emulator counts them (`run_profiled`: every warp's access one wavefront a phase): each
 /// prefill attention at 64, 128 and 256 dims, the `mma.sync` one's key, value and (past 128
-/// dims) query fragment loads (rows 16 bytes longer than the head; rows of 256 bytes took 8
-/// wavefronts a key load), also over FP8 caches from 16 dims (a 16-code row 32 bytes longer:
-/// 16 took 2),
+/// dims) query `ldmatrix` loads (rows 16 bytes longer than the head; rows of 256 bytes took 8
+/// wavefronts a key load), also over FP8 caches from 16 dims (copied rows 16 or 32 bytes
+/// longer; the widening's 8-byte loads and 16-byte stores, 8 keys' same dims a phase),
 /// the queries the `wgmma` and `tcgen05` ones store and the probabilities `tcgen05`'s stores
 /// (16-byte stores; 2-byte ones 16 bytes apart took 4); the decode split passes' merges of
 /// their warps' states (the vector pass's accumulators 2, below); and the `mma.sync` GEMMs'

@@ -6,7 +6,8 @@
 //! by in tiles of 64: the block copies a tile's keys and values into shared memory
 //! (`cp.async`, 16 bytes a copy; the next tile's copies in flight while the warps work on
 //! this one, where two tiles fit), then each warp computes its 16×64 scores with
-//! `mma.sync.m16n8k16` (queries rounded to bf16 in registers as A, keys as B), masks them,
+//! `mma.sync.m16n8k16` (queries rounded to bf16 in registers as A, keys as B by `ldmatrix`,
+//! values too, transposed), masks them,
 //! updates each row's running max and sum (online softmax, in f32), rescales its output
 //! accumulators and adds `P·V` on the tensor cores: the scores' accumulator layout is the A
 //! operand's layout, so P (rounded to bf16) never leaves registers. Each lane keeps partial
@@ -29,8 +30,8 @@
 //! (`flash_attention_tcgen05`) shares its copies and the block's keys.
 //!
 //! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 256; the cache bf16,
-//! or FP8 ([`flash_attention_over`]: its codes copied as stored, widened to bf16 exactly as
-//! the fragments are loaded).
+//! or FP8 ([`flash_attention_over`]: its codes copied as stored, each tile widened to bf16
+//! exactly, once, into a tile the warps share).
 
 use super::cache_layout::CacheLayout;
 use super::mma_operands::{b_block, lane_offset, x4_names, Quad};
@@ -134,7 +135,17 @@ pub(super) fn copy_tile(
     copy_tile_of(Ty::Bf16, layout, tile, threads, j0, at)
 }
 
-/// [`copy_tile`] from a cache of `cache` elements (bf16, or FP8 codes 16 a copy, row-major).
+/// The shared array a tile of `cache` elements lands in: `ks`/`vs` for bf16, which the
+/// fragments read; `ks8`/`vs8` for FP8 codes, widened from there into `ks`/`vs`.
+fn staged(name: &str, cache: Ty) -> String {
+    match cache {
+        Ty::F8E4M3 => format!("{name}8"),
+        _ => name.to_string(),
+    }
+}
+
+/// [`copy_tile`] from a cache of `cache` elements (bf16, or FP8 codes 16 a copy, row-major)
+/// into its arrays ([`staged`]).
 fn copy_tile_of(
     cache: Ty,
     layout: CacheLayout,
@@ -160,9 +171,9 @@ fn copy_tile_of(
         }
         TileOrder::CoreMatrices => at.clone() + var("c") * int(chunk_len),
     };
-    let copy = |dst: &str, src: &str| {
+    let copy = |dst: String, src: &str| {
         Stmt::CpAsync(Box::new(AsyncCopy {
-            dst: dst.into(),
+            dst,
             dst_index: dst_index.clone(),
             src: src.into(),
             src_index: var("base") + var("chunk") * int(chunk_len),
@@ -185,8 +196,8 @@ fn copy_tile_of(
                     (layout.row(bin(BinOp::Min, var("key"), var("hi") - int(1))) * var("kv_heads") + var("kvh"))
                         * int(head_dim as i64),
                 ),
-                copy("ks", "k"),
-                copy("vs", "v"),
+                copy(staged("ks", cache), "k"),
+                copy(staged("vs", cache), "v"),
             ],
         ),
         Stmt::CpAsyncCommit,
@@ -195,7 +206,10 @@ fn copy_tile_of(
 
 /// The start of a key tile's loop step: its tile in shared memory, landed and published
 /// (`kv0`: its buffer's first element). With two buffers the next tile's copies are issued
-/// first (the first tile's went before the loop) and stay in flight.
+/// first (the first tile's went before the loop) and stay in flight. An FP8 tile is then
+/// widened into the bf16 tile the fragments read ([`widen_tile`]), or, with one buffer, loaded
+/// widened straight from the cache ([`load_widened`]); the fragments read the bf16 tile from
+/// the element [`tile_start`] says.
 fn tile_head(layout: CacheLayout, head_dim: usize, cache: Ty) -> Vec<Stmt> {
     let tile = TILE_KEYS * row_pitch(head_dim, cache);
     let mut out = vec![let_(
@@ -206,8 +220,9 @@ fn tile_head(layout: CacheLayout, head_dim: usize, cache: Ty) -> Vec<Stmt> {
             int(tile_buffers(head_dim)),
         ),
     )];
-    match tile_buffers(head_dim) {
-        1 => {
+    match (tile_buffers(head_dim), cache) {
+        (1, Ty::F8E4M3) => out.extend(load_widened(layout, head_dim)),
+        (1, _) => {
             out.extend(copy_tile_of(
                 cache,
                 layout,
@@ -238,7 +253,94 @@ fn tile_head(layout: CacheLayout, head_dim: usize, cache: Ty) -> Vec<Stmt> {
     }
     out.push(Stmt::SyncThreads);
     out.push(let_("kv0", Ty::I32, var("buf") * int(tile)));
+    if cache == Ty::F8E4M3 && tile_buffers(head_dim) > 1 {
+        out.extend(widen_tile(head_dim));
+    }
     out
+}
+
+/// Where the fragments find the tile: its buffer's start over a bf16 cache, the one widened
+/// tile's over FP8.
+fn tile_start(cache: Ty) -> Expr {
+    match cache {
+        Ty::F8E4M3 => int(0),
+        _ => var("kv0"),
+    }
+}
+
+/// Slot `c` of a tile's 8-element chunks as (key, first dim): a phase's 8 lanes take 8 keys'
+/// same dims, so their 16-byte bf16 stores (and 8-byte FP8 loads, two chunks a phase) fall on
+/// distinct banks at rows 4 words past a multiple of 8 apart, whatever the head.
+fn chunk_slot(head_dim: usize) -> [Stmt; 3] {
+    let chunks = head_dim as i64 / 8;
+    [
+        let_("group", Ty::I32, var("c") / int(8)),
+        let_(
+            "key",
+            Ty::I32,
+            var("group") / int(chunks) * int(8) + rem(var("c"), int(8)),
+        ),
+        let_("dim", Ty::I32, rem(var("group"), int(chunks)) * int(8)),
+    ]
+}
+
+fn codes(prefix: &str) -> Vec<String> {
+    (0..8).map(|i| format!("{prefix}{i}")).collect()
+}
+
+/// The FP8 tile at `kv0` of `ks8`/`vs8` widened (exactly) into the bf16 `ks`/`vs`, 8 codes a
+/// thread a step ([`chunk_slot`]), then a barrier.
+fn widen_tile(head_dim: usize) -> Vec<Stmt> {
+    let (from, to) = (row_pitch(head_dim, Ty::F8E4M3), row_pitch(head_dim, Ty::Bf16));
+    let mut body = chunk_slot(head_dim).to_vec();
+    for (src, dst, names) in [("ks8", "ks", codes("kc")), ("vs8", "vs", codes("vc"))] {
+        body.push(load_vec(src, var("kv0") + var("key") * int(from) + var("dim"), &names));
+        body.push(store_vec(
+            dst,
+            var("key") * int(to) + var("dim"),
+            names.iter().map(|n| var(n)).collect(),
+        ));
+    }
+    vec![
+        for_("c", tid(), int(TILE_KEYS * head_dim as i64 / 8), int(THREADS), body),
+        Stmt::SyncThreads,
+    ]
+}
+
+/// The FP8 tile at `j0` loaded from the cache and widened into the bf16 `ks`/`vs` on the way
+/// (one buffer: nothing to overlap), 8 codes a thread a step ([`chunk_slot`]), zeros past
+/// `hi`; the barrier after it is the caller's.
+fn load_widened(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
+    let to = row_pitch(head_dim, Ty::Bf16);
+    let mut body = chunk_slot(head_dim).to_vec();
+    body.extend([
+        let_("pos", Ty::I32, var("j0") + var("key")),
+        // Clamped inside the cache where the key is past the end (its values are zeroed).
+        let_(
+            "base",
+            Ty::I32,
+            (layout.row(bin(BinOp::Min, var("pos"), var("hi") - int(1))) * var("kv_heads") + var("kvh"))
+                * int(head_dim as i64),
+        ),
+    ]);
+    for (src, dst, names) in [("k", "ks", codes("kc")), ("v", "vs", codes("vc"))] {
+        body.push(load_vec(src, var("base") + var("dim"), &names));
+        body.push(store_vec(
+            dst,
+            var("key") * int(to) + var("dim"),
+            names
+                .iter()
+                .map(|n| select(lt(var("pos"), var("hi")), var(n), f(0.0)))
+                .collect(),
+        ));
+    }
+    vec![for_(
+        "c",
+        tid(),
+        int(TILE_KEYS * head_dim as i64 / 8),
+        int(THREADS),
+        body,
+    )]
 }
 
 /// The query element this lane holds at fragment `i` of 16-wide step `step` (rows g and g + 8
@@ -295,15 +397,13 @@ fn load_queries(head_dim: usize) -> Vec<Stmt> {
 
 /// The lane offsets of the `ldmatrix` rows (see `mma_operands`): `key_row` over a key tile
 /// (a key's dims are B's column), `value_row` over a value tile (a key is a row of B,
-/// transposed) and `query_row` over a large head's `qs` (A): bf16 tiles' fragments and the
-/// queries load so.
-fn matrix_rows(head_dim: usize, cache: Ty) -> Vec<Stmt> {
+/// transposed) and `query_row` over a large head's `qs` (A).
+fn matrix_rows(head_dim: usize) -> Vec<Stmt> {
     let pitch = row_pitch(head_dim, Ty::Bf16);
-    let mut out = Vec::new();
-    if cache == Ty::Bf16 {
-        out.push(let_("key_row", Ty::I32, lane_offset(Quad::ColumnsThenRows, pitch)));
-        out.push(let_("value_row", Ty::I32, lane_offset(Quad::RowsThenColumns, pitch)));
-    }
+    let mut out = vec![
+        let_("key_row", Ty::I32, lane_offset(Quad::ColumnsThenRows, pitch)),
+        let_("value_row", Ty::I32, lane_offset(Quad::RowsThenColumns, pitch)),
+    ];
     if head_dim > QUERIES_IN_REGISTERS {
         out.push(let_(
             "query_row",
@@ -315,12 +415,11 @@ fn matrix_rows(head_dim: usize, cache: Ty) -> Vec<Stmt> {
 }
 
 /// The warp's 16×64 scores: the head in 16-wide steps (a large head's query fragments of the
-/// step read from `qs` once), each over 8 blocks of 8 keys. A bf16 tile's key fragments come
-/// two blocks at a time by `ldmatrix` (a key's dims are B's columns); an FP8 tile's code by
-/// code, widened.
-fn scores(head_dim: usize, cache: Ty) -> Vec<Stmt> {
+/// step read from `qs` once), each over 8 blocks of 8 keys, their fragments two blocks at a
+/// time by `ldmatrix` from the bf16 tile at `tile0` (a key's dims are B's columns).
+fn scores(head_dim: usize, tile0: Expr) -> Vec<Stmt> {
     let blocks = (TILE_KEYS / 8) as usize;
-    let pitch = row_pitch(head_dim, cache);
+    let pitch = row_pitch(head_dim, Ty::Bf16);
     let mut out: Vec<Stmt> = (0..blocks)
         .flat_map(|j| (0..4).map(move |i| assign(&s_name(j, i), f(0.0))))
         .collect();
@@ -339,29 +438,14 @@ fn scores(head_dim: usize, cache: Ty) -> Vec<Stmt> {
             false => MmaOperand::F32((0..8).map(|i| q_name(step, i)).collect()),
         };
         for j in 0..blocks {
-            let b = match cache {
-                Ty::Bf16 => {
-                    let names = x4_names("kf", &format!("{step}_{}", j / 2));
-                    if j % 2 == 0 {
-                        let at = var("kv0") + var("key_row") + int(8 * j as i64 * pitch + 16 * step as i64);
-                        out.push(load_matrix("ks", at, &names, false));
-                    }
-                    b_block(&names, j % 2)
-                }
-                _ => {
-                    // B[k][n] = K[key 8j + n][dim k]: this lane's key g, dims 2t, 2t + 1 (and + 8).
-                    let b: Vec<String> = (0..4).map(|i| format!("kb{i}")).collect();
-                    for (i, name) in b.iter().enumerate() {
-                        let dim = int(16 * step as i64 + (i % 2) as i64 + if i >= 2 { 8 } else { 0 }) + var("t2");
-                        let at = var("kv0") + (int(8 * j as i64) + var("g")) * int(pitch) + dim;
-                        out.push(assign(name, load("ks", at)));
-                    }
-                    MmaOperand::F32(b)
-                }
-            };
+            let names = x4_names("kf", &format!("{step}_{}", j / 2));
+            if j % 2 == 0 {
+                let at = tile0.clone() + var("key_row") + int(8 * j as i64 * pitch + 16 * step as i64);
+                out.push(load_matrix("ks", at, &names, false));
+            }
             out.push(Stmt::MmaBf16(Box::new(MmaFragments {
                 a: a.clone(),
-                b,
+                b: b_block(&names, j % 2),
                 c: std::array::from_fn(|i| s_name(j, i)),
             })));
         }
@@ -474,12 +558,11 @@ pub(super) fn online_softmax(keys: i64, masking: Masking) -> Vec<Stmt> {
 }
 
 /// Rescale the output accumulators by `c_lo`/`c_hi`, then add P·V: the keys in 4 steps of 16,
-/// P's fragments the scores' accumulators (blocks 2u and 2u + 1), V's read from `vs`: a bf16
-/// tile's two blocks of dims at a time by `ldmatrix`, transposed (a key is a row of B); an FP8
-/// tile's code by code, widened.
-fn accumulate(head_dim: usize, cache: Ty) -> Vec<Stmt> {
+/// P's fragments the scores' accumulators (blocks 2u and 2u + 1), V's two blocks of dims at a
+/// time by `ldmatrix`, transposed (a key is a row of B), from the bf16 tile at `tile0`.
+fn accumulate(head_dim: usize, tile0: Expr) -> Vec<Stmt> {
     let part_dims = head_dim / parts(head_dim);
-    let pitch = row_pitch(head_dim, cache);
+    let pitch = row_pitch(head_dim, Ty::Bf16);
     let mut out = Vec::new();
     for v in 0..part_dims / 8 {
         for i in 0..4 {
@@ -492,29 +575,14 @@ fn accumulate(head_dim: usize, cache: Ty) -> Vec<Stmt> {
         let a = MmaOperand::F32((0..8).map(|i| s_name(2 * u + i / 4, i % 4)).collect());
         for v in 0..part_dims / 8 {
             // B[k][n] = V[key 16u + k][dim 8v + n] (of the block's part).
-            let b = match cache {
-                Ty::Bf16 => {
-                    let names = x4_names("vf", &format!("{u}_{}", v / 2));
-                    if v % 2 == 0 {
-                        let at = var("kv0") + var("value_row") + var("d0") + int(16 * u as i64 * pitch + 8 * v as i64);
-                        out.push(load_matrix("vs", at, &names, true));
-                    }
-                    b_block(&names, v % 2)
-                }
-                _ => {
-                    // Keys 2t, 2t + 1 (and + 8), dim g.
-                    let b: Vec<String> = (0..4).map(|i| format!("vb{i}")).collect();
-                    for (i, name) in b.iter().enumerate() {
-                        let key = int(16 * u as i64 + (i % 2) as i64 + if i >= 2 { 8 } else { 0 }) + var("t2");
-                        let at = var("kv0") + key * int(pitch) + var("d0") + int(8 * v as i64) + var("g");
-                        out.push(assign(name, load("vs", at)));
-                    }
-                    MmaOperand::F32(b)
-                }
-            };
+            let names = x4_names("vf", &format!("{u}_{}", v / 2));
+            if v % 2 == 0 {
+                let at = tile0.clone() + var("value_row") + var("d0") + int(16 * u as i64 * pitch + 8 * v as i64);
+                out.push(load_matrix("vs", at, &names, true));
+            }
             out.push(Stmt::MmaBf16(Box::new(MmaFragments {
                 a: a.clone(),
-                b,
+                b: b_block(&names, v % 2),
                 c: std::array::from_fn(|i| o_name(v, i)),
             })));
         }
@@ -728,8 +796,8 @@ pub fn supports_cache(cache: Ty) -> bool {
     matches!(cache, Ty::Bf16 | Ty::F8E4M3)
 }
 
-/// [`flash_attention`] over a cache of `cache` elements ([`supports_cache`]): the tiles copied
-/// as stored (an FP8 tile half a bf16 one's bytes) and widened as the fragments are loaded.
+/// [`flash_attention`] over a cache of `cache` elements ([`supports_cache`]): FP8 tiles copied
+/// as stored (half a bf16 tile's bytes) and widened once into a bf16 tile the warps share.
 pub fn flash_attention_over(
     name: &str,
     origin: &str,
@@ -743,9 +811,6 @@ pub fn flash_attention_over(
     let locals = (0..head_dim / parts as usize / 8)
         .flat_map(|v| (0..4).map(move |i| o_name(v, i)))
         .chain((0..(TILE_KEYS / 8) as usize).flat_map(|j| (0..4).map(move |i| s_name(j, i))))
-        // FP8 tiles' key and value fragments, widened as they are read.
-        .chain((0..4).map(|i| format!("kb{i}")).filter(|_| cache != Ty::Bf16))
-        .chain((0..4).map(|i| format!("vb{i}")).filter(|_| cache != Ty::Bf16))
         .map(|n| let_(&n, Ty::F32, f(0.0)));
     let tile = [
         tile_head(layout, head_dim, cache),
@@ -754,9 +819,9 @@ pub fn flash_attention_over(
         vec![if_(
             lt(var("q0") + warp() * int(16), var("rows_end")),
             [
-                scores(head_dim, cache),
+                scores(head_dim, tile_start(cache)),
                 online_softmax(TILE_KEYS, masking),
-                accumulate(head_dim, cache),
+                accumulate(head_dim, tile_start(cache)),
             ]
             .concat(),
         )],
@@ -768,7 +833,7 @@ pub fn flash_attention_over(
         row_state(TILE_Q),
         load_queries(head_dim),
         locals.collect(),
-        matrix_rows(head_dim, cache),
+        matrix_rows(head_dim),
         match tile_buffers(head_dim) {
             1 => vec![],
             _ => copy_tile_of(
@@ -784,7 +849,24 @@ pub fn flash_attention_over(
         store_outputs(head_dim),
     ]
     .concat();
-    let tile_elements = (TILE_KEYS * row_pitch(head_dim, cache) * tile_buffers(head_dim)) as usize;
+    // The tiles as copied (bf16 ones as the fragments read them); over FP8, the one widened
+    // bf16 tile the fragments read beside them.
+    let copied = match (cache, tile_buffers(head_dim)) {
+        (Ty::F8E4M3, 1) => vec![],
+        _ => vec![(cache, tile_buffers(head_dim))],
+    };
+    let widened = match cache {
+        Ty::F8E4M3 => vec![(Ty::Bf16, 1)],
+        _ => vec![],
+    };
+    let tiles = copied.into_iter().chain(widened).flat_map(|(ty, buffers)| {
+        let len = (TILE_KEYS * row_pitch(head_dim, ty) * buffers) as usize;
+        ["ks", "vs"].map(|n| SharedArray {
+            name: staged(n, ty),
+            ty,
+            len,
+        })
+    });
     let queries = (head_dim > QUERIES_IN_REGISTERS).then(|| SharedArray {
         name: "qs".into(),
         ty: Ty::Bf16,
@@ -801,27 +883,13 @@ pub fn flash_attention_over(
                 Masking::CutTiles => ", the mask on tiles the block's rows do not see whole",
             },
             match cache {
-                Ty::F8E4M3 => "FP8 E4M3 (widened to bf16 as loaded)",
+                Ty::F8E4M3 => "FP8 E4M3 (each tile widened to bf16 once in shared memory)",
                 _ => "bf16",
             },
             layout.describe()
         ),
         params: params_over(layout, cache),
-        shared: [
-            SharedArray {
-                name: "ks".into(),
-                ty: cache,
-                len: tile_elements,
-            },
-            SharedArray {
-                name: "vs".into(),
-                ty: cache,
-                len: tile_elements,
-            },
-        ]
-        .into_iter()
-        .chain(queries)
-        .collect(),
+        shared: tiles.chain(queries).collect(),
         block_dim: THREADS as u32,
         grid: var("heads") * query_tiles_expr(layout, TILE_Q) * int(parts),
         body: guarded_by_rows(layout, block_rows(layout, (head_dim, parts), TILE_Q), rows),
