@@ -799,9 +799,6 @@ fn tcgen05(out: &mut String, op: &Tcgen05, scope: &mut Scope, depth: usize) {
     let _ = writeln!(out, "{line}");
 }
 
-/// One aligned 4/8/16-byte load into a CUDA vector, then its lanes as f32 locals (a bf16 is
-/// the top half of an f32: the low element shifted up, the high one masked; an IEEE half
-/// goes through `bbc_f16_to_f32`; FP8 codes widen two at a time).
 /// An `mma.sync` operand's 32-bit registers: f32 pairs packed to bf16, or the pairs as held.
 fn mma_registers(operand: &MmaOperand) -> Vec<String> {
     match operand {
@@ -813,6 +810,9 @@ fn mma_registers(operand: &MmaOperand) -> Vec<String> {
     }
 }
 
+/// One aligned 4/8/16-byte load into a CUDA vector, then its lanes as f32 locals (a bf16 is
+/// the top half of an f32: the low element shifted up, the high one masked; an IEEE half
+/// goes through `bbc_f16_to_f32`; FP8 codes widen two at a time).
 fn vector_load(out: &mut String, buf: &str, index: &str, names: &[String], scope: &mut Scope, depth: usize) {
     let ty = scope.arrays[buf].0;
     let words = names.len() * ty.bytes() / 4;

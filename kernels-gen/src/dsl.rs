@@ -556,11 +556,6 @@ pub enum MmaOperand {
 }
 
 impl MmaOperand {
-    /// The operand of `names`, f32 locals.
-    pub fn f32<const N: usize>(names: [String; N]) -> Self {
-        MmaOperand::F32(names.to_vec())
-    }
-
     /// Elements it holds a lane.
     pub fn elements(&self) -> usize {
         match self {

@@ -8,7 +8,9 @@ use codegen::gpu;
 use codegen::Target;
 use kernels_gen::dsl::Kernel;
 use models::{ComputeDtype, LogitsFor};
-use runtime::decode_timing::{kernel_totals, profile_prefill, time_decode, time_prefill, DecodeRun, DecodeTiming};
+use runtime::decode_timing::{
+    kernel_totals, profile_prefill, time_decode, time_prefill, DecodeRun, DecodeTiming, KernelTotal,
+};
 use runtime::plan_exec::PlanExecutor;
 use runtime::serving::PagedBackend;
 use runtime_cuda::CudaDevice;
@@ -147,8 +149,14 @@ pub(super) fn print_long_prefill(
         100.0 * attention / device,
         flops / attention / 1e12
     );
-    println!("\n| kernel (long prefill) | launches | ms | % of the launches' time |\n|---|---|---|---|");
-    for k in &totals {
+    print_kernel_shares("long prefill", &totals, device);
+    Ok(())
+}
+
+/// Each kernel's launches, time and share of `device` seconds, as a table headed `what`.
+pub(super) fn print_kernel_shares(what: &str, totals: &[KernelTotal], device: f64) {
+    println!("\n| kernel ({what}) | launches | ms | % of the launches' time |\n|---|---|---|---|");
+    for k in totals {
         let seconds = k.seconds.unwrap_or(0.0);
         println!(
             "| {} | {} | {:.2} | {:.1}% |",
@@ -158,7 +166,6 @@ pub(super) fn print_long_prefill(
             100.0 * seconds / device
         );
     }
-    Ok(())
 }
 
 /// FLOPs of causal attention over a prompt of `tokens` in `config`'s softmax-attention

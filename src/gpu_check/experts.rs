@@ -6,7 +6,7 @@
 //! batch 1, 16 and 64 (the same kernels either way below 16 rows; from 16 rows the step's
 //! experts take the prefill kernels).
 
-use super::decode::{print_prefill, print_profiles, print_steps, serving_executor};
+use super::decode::{print_kernel_shares, print_prefill, print_profiles, print_steps, serving_executor};
 use anyhow::{Context, Result};
 use codegen::gpu;
 use codegen::Target;
@@ -69,16 +69,6 @@ fn print_expert_shares(name: &str, exec: &PlanExecutor<CudaDevice>, run: &Decode
         experts * 1e3,
         100.0 * experts / device
     );
-    println!("\n| kernel ({LONG}-token prefill) | launches | ms | % of the launches' time |\n|---|---|---|---|");
-    for k in &totals {
-        let seconds = k.seconds.unwrap_or(0.0);
-        println!(
-            "| {} | {} | {:.2} | {:.1}% |",
-            k.kernel,
-            k.launches,
-            seconds * 1e3,
-            100.0 * seconds / device
-        );
-    }
+    print_kernel_shares(&format!("{LONG}-token prefill"), &totals, device);
     Ok(())
 }

@@ -451,18 +451,7 @@ fn for_each_pair_of_expert(spec: &MoeSpec, outputs: i64, per_output: Vec<Stmt>) 
         let_("t", Ty::I32, var("pair") / int(k)),
         for_("u", int(0), int(OUTPUTS_PER_EXPERT_BLOCK / WARPS), int(1), per_out),
     ];
-    let mut chunk = vec![
-        let_("at", Ty::I32, var("chunk") + tid()),
-        let_("hit", Ty::I32, int(0)),
-        if_(
-            lt(var("at"), var("pairs")),
-            vec![if_(
-                eq(load("routes", var("at")), var("e")),
-                vec![assign("hit", int(1))],
-            )],
-        ),
-    ];
-    chunk.extend(block_prefix_sum("hit", "scan"));
+    let mut chunk = chunk_hits();
     chunk.extend([
         if_(
             eq(var("hit"), int(1)),
@@ -527,9 +516,28 @@ pub fn gate_up_by_expert(name: &str, origin: &str, spec: &MoeSpec, hidden: usize
     }
 }
 
+/// Whether the route at `chunk + tid` (`at`, counted below `pairs`) chose expert `e` (`hit`, 0
+/// or 1), and `scan[tid]` the hits of threads `0..=tid` ([`block_prefix_sum`]): where each
+/// hit goes when a chunk's are compacted in order.
+pub(super) fn chunk_hits() -> Vec<Stmt> {
+    let mut out = vec![
+        let_("at", Ty::I32, var("chunk") + tid()),
+        let_("hit", Ty::I32, int(0)),
+        if_(
+            lt(var("at"), var("pairs")),
+            vec![if_(
+                eq(load("routes", var("at")), var("e")),
+                vec![assign("hit", int(1))],
+            )],
+        ),
+    ];
+    out.extend(block_prefix_sum("hit", "scan"));
+    out
+}
+
 /// `scan[tid]` = the sum of `value` (an i32 local) over threads `0..=tid` (Hillis and Steele's
 /// doubling, a barrier around each step), every thread's written before the last barrier.
-pub(super) fn block_prefix_sum(value: &str, scan: &str) -> Vec<Stmt> {
+fn block_prefix_sum(value: &str, scan: &str) -> Vec<Stmt> {
     let mut out = vec![store(scan, tid(), var(value))];
     let mut offset = 1;
     while offset < BLOCK as i64 {

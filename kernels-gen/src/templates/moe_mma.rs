@@ -23,7 +23,7 @@
 
 use super::gemv::gated;
 use super::mma_operands::{b_block, lane_offset, x4_names, Quad};
-use super::moe::{block_prefix_sum, describe, down_params, gate_up_params};
+use super::moe::{chunk_hits, describe, down_params, gate_up_params};
 use super::quant::{self, WeightFormat};
 use super::BLOCK;
 use crate::dsl::*;
@@ -64,18 +64,7 @@ pub fn supports(spec: &MoeSpec, hidden: usize, format: WeightFormat) -> bool {
 /// steps that run `moe`'s row-by-row kernels).
 pub fn group_pairs(name: &str, origin: &str, spec: &MoeSpec) -> Kernel {
     let k = spec.experts_per_token as i64;
-    let mut chunk = vec![
-        let_("at", Ty::I32, var("chunk") + tid()),
-        let_("hit", Ty::I32, int(0)),
-        if_(
-            lt(var("at"), var("pairs")),
-            vec![if_(
-                eq(load("routes", var("at")), var("e")),
-                vec![assign("hit", int(1))],
-            )],
-        ),
-    ];
-    chunk.extend(block_prefix_sum("hit", "scan"));
+    let mut chunk = chunk_hits();
     chunk.extend([
         if_(
             eq(var("hit"), int(1)),
