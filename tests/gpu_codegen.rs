@@ -806,8 +806,9 @@ fn compile_chooses_the_decode_attention() {
 /// --kv-cache-dtype fp8` over a model.toml without it) compiles for every GPU target, its
 /// decode steps' vector split pass included (built spill-free with the rest): each layer's
 /// cache takes a byte an element, its appends, split passes and tensor-core attention read
-/// and write FP8 codes. Prompts attend on `mma.sync` even where `wgmma` or `tcgen05` is asked
-/// for (they read bf16 tiles).
+/// and write FP8 codes. Asked for `wgmma` in any schedule, Hopper's prompts attend on its
+/// lockstep one (which widens each tile to bf16); asked for `tcgen05`, the B200's on
+/// `mma.sync` (it reads bf16 tiles only).
 #[test]
 fn fp8_kv_caches_compile_for_every_gpu_target() {
     if !nvrtc_present() {
@@ -862,8 +863,19 @@ fn fp8_kv_caches_compile_for_every_gpu_target() {
                 (3, 3, 6),
                 "{target} {file}: {attention:?}"
             );
+            let wgmma = attention.iter().filter(|k| k.contains("wgmma")).count();
+            let lockstep = attention
+                .iter()
+                .filter(|k| k.contains("wgmma") && !k.contains("specialised") && !k.contains("wgmma_tma"))
+                .count();
+            let expected = if target == "h200" { 3 } else { 0 };
+            assert_eq!(
+                (wgmma, lockstep),
+                (expected, expected),
+                "{target} {file}: {attention:?}"
+            );
             assert!(
-                !attention.iter().any(|k| k.contains("wgmma") || k.contains("tcgen05")),
+                !attention.iter().any(|k| k.contains("tcgen05")),
                 "{target} {file}: {attention:?}"
             );
             // A kernel's source lies beside its PTX (the serving plan's in a folder of its own).

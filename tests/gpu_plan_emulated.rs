@@ -604,7 +604,8 @@ fn plans_with_fp8_kv_caches_agree_with_the_cpu_backend() {
 /// says) and decode again: within 1e-2 (Llama, measured 6.9e-3, where a bf16 cache's plan
 /// gives 1.1e-3) and 6e-2 (Gemma 3, 4.4e-2), bounds that catch a wrong table, position or
 /// code (errors of the logits' own size); the tensor-core kernel over FP8 pools is checked
-/// against the reference to bf16's precision on the emulator.
+/// against the reference to bf16's precision on the emulator. The prompts attend on
+/// `mma.sync`, and again on Hopper's `wgmma` (its lockstep schedule, asked for by TMA).
 #[test]
 fn batched_plans_over_fp8_caches_agree_with_the_cpu_backend() {
     let cache = two_sequence_pool();
@@ -631,9 +632,28 @@ fn batched_plans_over_fp8_caches_agree_with_the_cpu_backend() {
             .map(|outputs| outputs["logits"].data.clone())
             .collect();
         let gpu_graph = fused_for(&graph, Target::H200);
-        for decode_attention in [gpu::DecodeAttention::Scalar, gpu::DecodeAttention::Vector] {
-            let (got, kernels) = pool_steps_on(&model, &gpu_graph, decode_attention, &steps);
-            assert!(kernels.iter().any(|k| k.starts_with("flash_attention")), "{family}");
+        for (decode_attention, prefill_attention) in [
+            (gpu::DecodeAttention::Scalar, gpu::PrefillAttention::Mma),
+            (gpu::DecodeAttention::Vector, gpu::PrefillAttention::Mma),
+            (gpu::DecodeAttention::Scalar, gpu::PrefillAttention::WgmmaTma),
+        ] {
+            let kernels = gpu::PlanKernels {
+                decode_attention,
+                prefill_attention,
+                ..Default::default()
+            };
+            let (got, kernels) = pool_steps_on(&model, &gpu_graph, kernels, &steps);
+            // Asked for `wgmma` by TMA, prompts over FP8 take its lockstep schedule.
+            let flash = match prefill_attention {
+                gpu::PrefillAttention::Mma => "flash_attention",
+                _ => "flash_attention_wgmma",
+            };
+            assert!(kernels.iter().any(|k| k.starts_with(flash)), "{family}: {kernels:?}");
+            assert!(
+                !kernels.iter().any(|k| k.contains("wgmma_tma")),
+                "{family}: {kernels:?}"
+            );
+            let decode_attention = (decode_attention, prefill_attention);
             assert_eq!(got.len(), want.len());
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 let tolerance = match i / 2 < split_steps {
@@ -2505,7 +2525,13 @@ fn batched_plans_decode_with_the_vector_split_pass_as_with_the_scalar_one() {
     ] {
         let model = open(family, dtype);
         let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
-        let logits = |decode_attention| pool_steps_on(&model, &graph, decode_attention, &steps).0;
+        let logits = |decode_attention| {
+            let kernels = gpu::PlanKernels {
+                decode_attention,
+                ..Default::default()
+            };
+            pool_steps_on(&model, &graph, kernels, &steps).0
+        };
         let scalar = logits(gpu::DecodeAttention::Scalar);
         let vector = logits(gpu::DecodeAttention::Vector);
         for (i, (v, s)) in vector.iter().zip(&scalar).enumerate() {
@@ -2516,18 +2542,15 @@ fn batched_plans_decode_with_the_vector_split_pass_as_with_the_scalar_one() {
 }
 
 /// Each step's logits ([`pool_steps_logits`]) on `graph`'s batched H200 plan over
-/// [`two_sequence_pool`], its decode steps through `decode_attention`'s split pass (checked
+/// [`two_sequence_pool`] taking `kernels`, its decode steps through their split pass (checked
 /// to be the plan's), and the names of the plan's kernels.
 fn pool_steps_on(
     model: &Model,
     graph: &ir::Graph,
-    decode_attention: gpu::DecodeAttention,
+    kernels: gpu::PlanKernels,
     steps: &[Vec<(usize, Vec<u32>)>],
 ) -> (Vec<Vec<f32>>, Vec<String>) {
-    let kernels = gpu::PlanKernels {
-        decode_attention,
-        ..Default::default()
-    };
+    let decode_attention = kernels.decode_attention;
     let (plan, kernels) = gpu::build_program(graph, Target::H200, 64, Some(two_sequence_pool()), kernels).unwrap();
     let names: Vec<String> = plan.kernels.iter().map(|k| k.name.clone()).collect();
     let vector = names.iter().any(|k| k.starts_with("attention_vector"));

@@ -988,10 +988,19 @@ fn shared_memory_accesses_meet_no_bank_conflicts() {
 /// values the generic proxy wrote; without the waits the next step touches registers the
 /// tensor cores still use; waiting for one group too few, the softmax reads scores still
 /// being computed, or the rescaling outputs `P·V` still adds to; without the barrier a warp
-/// reads tiles other threads copied.
+/// reads tiles other threads copied. Over an FP8 cache too: there the fence also publishes
+/// each tile widened by the generic proxy, and a barrier the codes each thread copied.
 #[test]
 fn the_wgmma_flash_attention_fails_without_its_fences_and_waits() {
-    let kernel = wgmma_flash_for_faults(flash_attention_wgmma::Schedule::Lockstep);
+    use kernels_gen::templates::cache_layout::CacheLayout;
+    let lockstep = flash_attention_wgmma::Schedule::Lockstep;
+    let fp8 = flash_attention_wgmma::flash_attention_wgmma_over(
+        "flash",
+        "test",
+        CacheLayout::Contiguous,
+        (32, Ty::F8E4M3),
+        lockstep,
+    );
     let waiting = |from: u32, to: u32| {
         move |s: &Stmt| match s {
             Stmt::WgmmaWait(n) if *n == from => Some(Stmt::WgmmaWait(to)),
@@ -1017,7 +1026,9 @@ fn the_wgmma_flash_attention_fails_without_its_fences_and_waits() {
             "without a __syncthreads() between",
         ),
     ] {
-        flash_fails_without(&kernel, (what, edit, expected));
+        for kernel in [&wgmma_flash_for_faults(lockstep), &fp8] {
+            flash_fails_without(kernel, (what, edit, expected));
+        }
     }
 }
 
@@ -1257,13 +1268,18 @@ fn flash_fails_without(kernel: &Kernel, (what, edit, expected): (&str, Edit, &st
         ("cache_width", head_dim as i64),
     ]);
     scalars.insert("scale".into(), Scalar::F32(0.3));
+    // The cache as the kernel reads it: bf16, or FP8 codes.
+    let pool = |values: &[f32]| match kernel.param("k") {
+        Some(kernels_gen::dsl::Param::Buffer { ty: Ty::F8E4M3, .. }) => fp8_array(values),
+        _ => bf16_array(values),
+    };
     let run_with = |body: Vec<Stmt>| {
         let mut broken = kernel.clone();
         broken.body = body;
         let mut bufs = HashMap::from([
             ("q".into(), Array::f32(&q)),
-            ("k".into(), bf16_array(&k)),
-            ("v".into(), bf16_array(&v)),
+            ("k".into(), pool(&k)),
+            ("v".into(), pool(&v)),
             ("out".into(), Array::poisoned(Ty::F32, tokens * head_dim)),
         ]);
         run(&broken, &mut bufs, &scalars).map_err(|e| e.to_string())
@@ -1315,13 +1331,15 @@ fn flash_kernels(layout: kernels_gen::templates::cache_layout::CacheLayout, head
     mma.into_iter().chain(wgmma).chain(tcgen05).collect()
 }
 
-/// [`flash_kernels`] over a cache of `cache` elements: over FP8, the `mma.sync` kernel alone
-/// (masking both ways; `wgmma` and `tcgen05` read bf16 tiles).
+/// [`flash_kernels`] over a cache of `cache` elements: over FP8, the `mma.sync` kernel
+/// (masking both ways) and, for heads up to 128 dims, Hopper's `wgmma` one in its lockstep
+/// schedule (the others, and `tcgen05`, read bf16 tiles only).
 fn flash_kernels_over(
     layout: kernels_gen::templates::cache_layout::CacheLayout,
     (head_dim, cache): (usize, Ty),
 ) -> Vec<(Kernel, usize)> {
     use flash_attention::Masking;
+    use flash_attention_wgmma::Schedule;
     match cache {
         Ty::Bf16 => flash_kernels(layout, head_dim),
         _ => [Masking::EveryTile, Masking::CutTiles]
@@ -1331,7 +1349,20 @@ fn flash_kernels_over(
                     flash_attention::QUERY_TILE_ROWS,
                 )
             })
-            .into(),
+            .into_iter()
+            .chain(flash_attention_wgmma::supports(head_dim).then(|| {
+                (
+                    flash_attention_wgmma::flash_attention_wgmma_over(
+                        "flash_wgmma",
+                        "test",
+                        layout,
+                        (head_dim, cache),
+                        Schedule::Lockstep,
+                    ),
+                    flash_attention_wgmma::QUERY_TILE_ROWS,
+                )
+            }))
+            .collect(),
     }
 }
 

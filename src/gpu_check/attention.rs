@@ -3,7 +3,8 @@
 //! 2 048 and 8 192 tokens by the tensor-core kernel (`flash_attention`) over a contiguous cache
 //! (and over an FP8 one) and over the paged pool as the serving plans launch it (the step's
 //! query tiles), on Hopper
-//! also on `wgmma` (`flash_attention_wgmma`, each schedule) both ways, on the B200 also on `tcgen05`
+//! also on `wgmma` (`flash_attention_wgmma`, each schedule) both ways and in lockstep over the FP8
+//! cache, on the B200 also on `tcgen05`
 //! (`flash_attention_tcgen05`, copying or loading by TMA) both ways, and by
 //! the split attention (split pass and merge, what decode steps take; the scalar pass and the
 //! vector one), in µs and TFLOP/s; and a decode step of 64 sequences at 4 096 positions over
@@ -18,7 +19,9 @@ use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::fill::{fill_kernel, fill_uniform};
 use kernels_gen::templates::flash_attention::{self, flash_attention, flash_attention_over, Masking};
 use kernels_gen::templates::flash_attention_tcgen05::{flash_attention_tcgen05, Loads};
-use kernels_gen::templates::flash_attention_wgmma::{self, flash_attention_wgmma, Schedule};
+use kernels_gen::templates::flash_attention_wgmma::{
+    self, flash_attention_wgmma, flash_attention_wgmma_over, Schedule,
+};
 use runtime::plan_exec::{DeviceArg, PlanDevice};
 use runtime::random_weights::{fill_kernels, fill_on_device, Fill};
 
@@ -105,6 +108,9 @@ const TCGEN05_FLASH: [(&str, &str, Loads, bool); 4] = [
         true,
     ),
 ];
+
+/// The `wgmma` prompt attention over the FP8 cache, on Hopper.
+const WGMMA_FP8_FLASH: &str = "flash_attention_wgmma_fp8";
 
 /// The kernels timed on `arch`: the tensor-core prefill over a contiguous cache and over the
 /// batched paged pool (on Hopper also on `wgmma`, on the B200 on `tcgen05`), both split passes
@@ -198,6 +204,16 @@ fn kernels(arch: &str) -> Vec<Kernel> {
         ),
     ];
     kernels.extend(wgmma);
+    // Hopper's lockstep `wgmma` over the FP8 cache (its tiles widened to bf16 once).
+    if arch == "sm_90a" {
+        kernels.push(flash_attention_wgmma_over(
+            WGMMA_FP8_FLASH,
+            "gpu-check",
+            CacheLayout::Contiguous,
+            (HEAD_DIM, Ty::F8E4M3),
+            Schedule::Lockstep,
+        ));
+    }
     kernels.extend(tcgen05);
     kernels
 }
@@ -347,6 +363,9 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
                 &over_fp8,
             ),
         ];
+        if let Ok(kernel) = find(WGMMA_FP8_FLASH) {
+            launches.push(("wgmma over an FP8 cache", vec![kernel], &over_fp8));
+        }
         let wide = WGMMA_FLASH
             .iter()
             .map(|&(name, label, _, pooled)| (name, label, pooled))
@@ -505,7 +524,7 @@ mod tests {
             cache_rows: 16,
         };
         let (hopper, blackwell) = (kernels("sm_90a"), kernels("sm_100a"));
-        assert_eq!(hopper.len(), kernels("sm_120a").len() + WGMMA_FLASH.len());
+        assert_eq!(hopper.len(), kernels("sm_120a").len() + WGMMA_FLASH.len() + 1);
         assert_eq!(blackwell.len(), kernels("sm_120a").len() + TCGEN05_FLASH.len());
         for kernel in [hopper, blackwell].concat() {
             let value = |name: &str| buffers.value(name, 512);

@@ -97,7 +97,7 @@ pub(super) enum TileOrder {
 /// 128 to 512 bytes those would all fall in one bank, a row of 4 words past a multiple of 8
 /// puts each 4 banks on from the one before, and the loads keep constant offsets from one
 /// address a lane (a permutation of the chunks would not).
-fn row_pitch(head_dim: usize, ty: Ty) -> i64 {
+pub(super) fn row_pitch(head_dim: usize, ty: Ty) -> i64 {
     let bytes = head_dim * ty.bytes() + 16;
     let bytes = match bytes / 4 % 8 {
         4 => bytes,
@@ -137,7 +137,7 @@ pub(super) fn copy_tile(
 
 /// The shared array a tile of `cache` elements lands in: `ks`/`vs` for bf16, which the
 /// fragments read; `ks8`/`vs8` for FP8 codes, widened from there into `ks`/`vs`.
-fn staged(name: &str, cache: Ty) -> String {
+pub(super) fn staged(name: &str, cache: Ty) -> String {
     match cache {
         Ty::F8E4M3 => format!("{name}8"),
         _ => name.to_string(),
@@ -146,7 +146,7 @@ fn staged(name: &str, cache: Ty) -> String {
 
 /// [`copy_tile`] from a cache of `cache` elements (bf16, or FP8 codes 16 a copy, row-major)
 /// into its arrays ([`staged`]).
-fn copy_tile_of(
+pub(super) fn copy_tile_of(
     cache: Ty,
     layout: CacheLayout,
     (head_dim, keys, order): (usize, i64, TileOrder),
@@ -254,7 +254,12 @@ fn tile_head(layout: CacheLayout, head_dim: usize, cache: Ty) -> Vec<Stmt> {
     out.push(Stmt::SyncThreads);
     out.push(let_("kv0", Ty::I32, var("buf") * int(tile)));
     if cache == Ty::F8E4M3 && tile_buffers(head_dim) > 1 {
-        out.extend(widen_tile(head_dim));
+        out.extend(widen_tile(
+            (head_dim, TILE_KEYS, TileOrder::RowMajor),
+            THREADS,
+            (var("kv0"), int(0)),
+        ));
+        out.push(Stmt::SyncThreads);
     }
     out
 }
@@ -288,23 +293,37 @@ fn codes(prefix: &str) -> Vec<String> {
     (0..8).map(|i| format!("{prefix}{i}")).collect()
 }
 
-/// The FP8 tile at `kv0` of `ks8`/`vs8` widened (exactly) into the bf16 `ks`/`vs`, 8 codes a
-/// thread a step ([`chunk_slot`]), then a barrier.
-fn widen_tile(head_dim: usize) -> Vec<Stmt> {
-    let (from, to) = (row_pitch(head_dim, Ty::F8E4M3), row_pitch(head_dim, Ty::Bf16));
+/// The FP8 tile of `keys` keys at element `from` of `ks8`/`vs8` (row-major, as copied)
+/// widened (exactly) into the bf16 `ks`/`vs` from element `to`, laid out as `order` says, 8
+/// codes a thread of the block's `threads` a step ([`chunk_slot`]: a phase's 16-byte stores fill
+/// 8 rows of a row-major tile, or 128 contiguous bytes of one core matrix).
+pub(super) fn widen_tile(
+    (head_dim, keys, order): (usize, i64, TileOrder),
+    threads: i64,
+    (from, to): (Expr, Expr),
+) -> Vec<Stmt> {
+    let (pitch8, pitch16) = (row_pitch(head_dim, Ty::F8E4M3), row_pitch(head_dim, Ty::Bf16));
+    let place = match order {
+        TileOrder::RowMajor => var("key") * int(pitch16) + var("dim"),
+        TileOrder::CoreMatrices => {
+            var("key") / int(8) * int(8 * head_dim as i64) + var("dim") * int(8) + rem(var("key"), int(8)) * int(8)
+        }
+    };
+    // The tile's elements from `start` on (nothing added to a start of 0).
+    let at = |start: &Expr, e: Expr| match start {
+        Expr::Int(0) => e,
+        start => start.clone() + e,
+    };
     let mut body = chunk_slot(head_dim).to_vec();
     for (src, dst, names) in [("ks8", "ks", codes("kc")), ("vs8", "vs", codes("vc"))] {
-        body.push(load_vec(src, var("kv0") + var("key") * int(from) + var("dim"), &names));
+        body.push(load_vec(src, at(&from, var("key") * int(pitch8) + var("dim")), &names));
         body.push(store_vec(
             dst,
-            var("key") * int(to) + var("dim"),
+            at(&to, place.clone()),
             names.iter().map(|n| var(n)).collect(),
         ));
     }
-    vec![
-        for_("c", tid(), int(TILE_KEYS * head_dim as i64 / 8), int(THREADS), body),
-        Stmt::SyncThreads,
-    ]
+    vec![for_("c", tid(), int(keys * head_dim as i64 / 8), int(threads), body)]
 }
 
 /// The FP8 tile at `j0` loaded from the cache and widened into the bf16 `ks`/`vs` on the way
@@ -752,7 +771,7 @@ pub(super) fn params(layout: CacheLayout) -> Vec<Param> {
 }
 
 /// [`params`] over a cache of `cache` elements.
-fn params_over(layout: CacheLayout, cache: Ty) -> Vec<Param> {
+pub(super) fn params_over(layout: CacheLayout, cache: Ty) -> Vec<Param> {
     let tiles_input = match layout {
         CacheLayout::Batched => vec![buffer("query_tiles", Ty::I32, false), scalar("seqs", Ty::I32)],
         _ => vec![],

@@ -29,7 +29,9 @@
 //!
 //! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 128 ([`supports`]),
 //! 64 or 128 for TMA (`flash_tma::supports`, whose paged caches also need blocks of a
-//! multiple of `flash_tma::TMA_KEYS` positions); the cache bf16.
+//! multiple of `flash_tma::TMA_KEYS` positions); the cache bf16, or FP8 in the lockstep
+//! schedule (`flash_attention_wgmma_over`: each tile's codes land in a slot of their own and
+//! are widened to bf16 once, into a ring of two the tensor cores read).
 
 use super::cache_layout::CacheLayout;
 use super::flash_attention::{
@@ -53,6 +55,9 @@ const KEYS: i64 = 128;
 /// Key and value tiles in the ring: tile j + 1 lands while tile j's scores and tile j − 1's
 /// values are read.
 const BUFFERS: i64 = 3;
+/// The bf16 ring over an FP8 cache: tile i is widened into its slot once tile i − 2's values
+/// are multiplied, while tile i − 1's still are; its codes land in a slot of their own.
+const FP8_BUFFERS: i64 = 2;
 /// Elements of one 8×8 core matrix of bf16: the unit `wgmma` reads from shared memory, 8 rows
 /// of 16 bytes.
 const CORE: i64 = 64;
@@ -323,19 +328,57 @@ fn take_turn() -> (Vec<Stmt>, Vec<Stmt>) {
     (vec![take], vec![pass])
 }
 
+/// [`lockstep_tile_head`] over an FP8 cache: tile i's codes landed in `ks8`/`vs8` (one slot),
+/// a barrier, widened into its slot of a ring of [`FP8_BUFFERS`] bf16 tiles in core matrices
+/// (the slot of tile i − 2, whose values' product the step before waited for), fenced for the
+/// tensor cores, a barrier, then the next tile's codes copied into `ks8`/`vs8`.
+fn fp8_lockstep_tile_head(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
+    let next = var("j0") + int(KEYS);
+    [
+        vec![
+            let_("j0", Ty::I32, var("first_tile") + var("i") * int(KEYS)),
+            let_("kv0", Ty::I32, ring_slot((head_dim, KEYS), var("i"), FP8_BUFFERS)),
+            Stmt::CpAsyncWait(0),
+            Stmt::SyncThreads,
+        ],
+        flash::widen_tile(
+            (head_dim, KEYS, TileOrder::CoreMatrices),
+            CONSUMERS,
+            (int(0), var("kv0")),
+        ),
+        vec![
+            Stmt::FenceProxyAsync,
+            Stmt::SyncThreads,
+            if_(lt(next.clone(), var("hi")), fp8_copies(layout, head_dim, next)),
+        ],
+    ]
+    .concat()
+}
+
+/// The copies of the FP8 tile at `j0` into `ks8`/`vs8`, as stored (row-major).
+fn fp8_copies(layout: CacheLayout, head_dim: usize, j0: Expr) -> Vec<Stmt> {
+    flash::copy_tile_of(
+        Ty::F8E4M3,
+        layout,
+        (head_dim, KEYS, TileOrder::RowMajor),
+        (tid(), CONSUMERS),
+        j0,
+        int(0),
+    )
+}
+
 /// The key tile at index `i` of the block's (at `j0`), every thread of the block copying:
 /// this tile landed (its copies the only group in flight), a barrier, then the next tile's
 /// copies issued into the ring before the products.
-fn lockstep_step(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
+fn lockstep_step(layout: CacheLayout, (head_dim, cache): (usize, Ty)) -> Vec<Stmt> {
     let (products, hand_on) = tile_products(head_dim, Schedule::Lockstep);
     // The tile two back had its values multiplied in the step before the barrier: the next
-    // tile takes its buffer.
-    [
-        lockstep_tile_head(layout, head_dim, CONSUMERS, BUFFERS),
-        products,
-        hand_on,
-    ]
-    .concat()
+    // tile takes its buffer (or, over FP8, this tile is widened into it).
+    let head = match cache {
+        Ty::F8E4M3 => fp8_lockstep_tile_head(layout, head_dim),
+        _ => lockstep_tile_head(layout, head_dim, CONSUMERS, BUFFERS),
+    };
+    [head, products, hand_on].concat()
 }
 
 /// The producer warpgroup's loop: tile i's copies go into its buffer once the consumers gave it
@@ -441,7 +484,25 @@ pub fn flash_attention_wgmma(
     head_dim: usize,
     schedule: Schedule,
 ) -> Kernel {
+    flash_attention_wgmma_over(name, origin, layout, (head_dim, Ty::Bf16), schedule)
+}
+
+/// [`flash_attention_wgmma`] over a cache of `cache` elements: bf16, or FP8 codes in the
+/// lockstep schedule (copied as stored into a slot of their own, each tile widened to bf16
+/// once into a ring of [`FP8_BUFFERS`]; 196 KiB of shared memory at 128 dims), as
+/// `flash::flash_attention_over` widens them for `mma.sync`.
+pub fn flash_attention_wgmma_over(
+    name: &str,
+    origin: &str,
+    layout: CacheLayout,
+    (head_dim, cache): (usize, Ty),
+    schedule: Schedule,
+) -> Kernel {
     assert!(supports(head_dim), "head_dim {head_dim}");
+    assert!(
+        cache == Ty::Bf16 || (cache == Ty::F8E4M3 && schedule == Schedule::Lockstep),
+        "a {cache:?} cache in the {schedule:?} schedule"
+    );
     assert!(
         !schedule.tma() || flash_tma::supports(head_dim),
         "head_dim {head_dim} by TMA"
@@ -474,14 +535,23 @@ pub fn flash_attention_wgmma(
     .concat();
     let work = match schedule {
         Schedule::Lockstep => [
-            copy_tile(
-                layout,
-                (head_dim, KEYS, TileOrder::CoreMatrices),
-                (tid(), CONSUMERS),
-                var("first_tile"),
+            match cache {
+                Ty::F8E4M3 => fp8_copies(layout, head_dim, var("first_tile")),
+                _ => copy_tile(
+                    layout,
+                    (head_dim, KEYS, TileOrder::CoreMatrices),
+                    (tid(), CONSUMERS),
+                    var("first_tile"),
+                    int(0),
+                ),
+            },
+            vec![for_(
+                "i",
                 int(0),
-            ),
-            vec![for_("i", int(0), var("tiles"), int(1), lockstep_step(layout, head_dim))],
+                var("tiles"),
+                int(1),
+                lockstep_step(layout, (head_dim, cache)),
+            )],
             finish,
         ]
         .concat(),
@@ -533,7 +603,20 @@ pub fn flash_attention_wgmma(
             })),
         ],
     };
-    let tile_elements = (BUFFERS * KEYS) as usize * head_dim;
+    let ring = match cache {
+        Ty::F8E4M3 => FP8_BUFFERS,
+        _ => BUFFERS,
+    };
+    let tile_elements = (ring * KEYS) as usize * head_dim;
+    // Over FP8, the slot the codes land in.
+    let landing = (cache == Ty::F8E4M3).then(|| {
+        let len = KEYS as usize * flash::row_pitch(head_dim, Ty::F8E4M3) as usize;
+        ["ks", "vs"].map(|n| SharedArray {
+            name: flash::staged(n, cache),
+            ty: cache,
+            len,
+        })
+    });
     let shared = |name: &str, ty: Ty, len: usize| SharedArray {
         name: name.into(),
         ty,
@@ -554,15 +637,19 @@ pub fn flash_attention_wgmma(
     };
     let params = match schedule {
         Schedule::Tma => [flash::params(layout), flash_tma::params()].concat(),
-        _ => flash::params(layout),
+        _ => flash::params_over(layout, cache),
     };
     Kernel {
         name: name.into(),
         origin: format!(
             "{origin}: causal prefill attention on wgmma (m64n{KEYS}k16 scores from shared memory, m64n{head_dim}k16 \
              P·V from registers, FlashAttention-3's intra-warpgroup overlap: {TILE_Q} query rows a block of \
-             {warps}, {KEYS}-key tiles through a ring of {BUFFERS}, online softmax in f32), head_dim \
-             {head_dim}, bf16 {}",
+             {warps}, {KEYS}-key tiles through a ring of {ring}, online softmax in f32), head_dim \
+             {head_dim}, {} {}",
+            match cache {
+                Ty::F8E4M3 => "FP8 E4M3 (each tile widened to bf16 once in shared memory)",
+                _ => "bf16",
+            },
             layout.describe()
         ),
         params,
@@ -572,6 +659,7 @@ pub fn flash_attention_wgmma(
                 shared("ks", Ty::Bf16, tile_elements),
                 shared("vs", Ty::Bf16, tile_elements),
             ],
+            landing.into_iter().flatten().collect(),
             barriers,
         ]
         .concat(),

@@ -1069,7 +1069,7 @@ pub fn catalog() -> Vec<Kernel> {
             128,
             flash_attention::Masking::EveryTile,
         ),
-        // Over an FP8 pool: its codes copied 16 at a time, widened as the fragments load.
+        // Over an FP8 pool: its codes copied 16 at a time, each tile widened to bf16 once.
         flash_attention::flash_attention_over(
             "flash_attention_fp8_d128",
             "catalog",
@@ -1082,6 +1082,13 @@ pub fn catalog() -> Vec<Kernel> {
             "catalog",
             cache_layout::CacheLayout::Batched,
             128,
+            flash_attention_wgmma::Schedule::Lockstep,
+        ),
+        flash_attention_wgmma::flash_attention_wgmma_over(
+            "flash_attention_wgmma_fp8_d128",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            (128, Ty::F8E4M3),
             flash_attention_wgmma::Schedule::Lockstep,
         ),
         flash_attention_wgmma::flash_attention_wgmma(

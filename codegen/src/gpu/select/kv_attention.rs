@@ -330,7 +330,9 @@ fn attend(
     // Heads TMA's boxes do not tile copy their tiles themselves.
     let by_tma = flash_tma::supports(spec.head_dim);
     let flash_form = match kernels.flash {
-        // `wgmma` and `tcgen05` read bf16 tiles: an FP8 cache's are widened on `mma.sync`.
+        // Over FP8 `wgmma` takes its lockstep schedule (whose steps widen each tile to bf16);
+        // `tcgen05` reads bf16 tiles only: `mma.sync` widens them.
+        FlashForm::Wgmma(_) if cache.ty == Ty::F8E4M3 => FlashForm::Wgmma(Schedule::Lockstep),
         _ if cache.ty != Ty::Bf16 => FlashForm::Mma,
         FlashForm::Wgmma(Schedule::Tma) if !by_tma => FlashForm::Wgmma(Schedule::Specialised),
         FlashForm::Tcgen05(Loads::Tma) if !by_tma => FlashForm::Tcgen05(Loads::Copies),
@@ -338,7 +340,7 @@ fn attend(
     };
     let (kernel, tile_rows) = match flash_form {
         FlashForm::Wgmma(schedule) if flash_attention_wgmma::supports(spec.head_dim) => (
-            flash_attention_wgmma::flash_attention_wgmma(
+            flash_attention_wgmma::flash_attention_wgmma_over(
                 match schedule {
                     Schedule::Lockstep => "flash_attention_wgmma",
                     Schedule::Specialised => "flash_attention_wgmma_specialised",
@@ -346,7 +348,7 @@ fn attend(
                 },
                 &graph.name,
                 cache.layout,
-                spec.head_dim,
+                (spec.head_dim, cache.ty),
                 schedule,
             ),
             flash_attention_wgmma::QUERY_TILE_ROWS,
