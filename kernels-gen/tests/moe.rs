@@ -60,6 +60,19 @@ fn specs() -> Vec<MoeSpec> {
     ]
 }
 
+/// What the router reads and writes: its `logits`, its per-expert `vector` (as the score bias
+/// and as the experts' scales: each router reads the one it has), and room for `pairs` routes
+/// and weights.
+fn routing_buffers(logits: &[f32], vector: &[f32], pairs: usize) -> HashMap<String, Array> {
+    HashMap::from([
+        ("logits".into(), Array::f32(logits)),
+        ("score_bias".into(), Array::f32(vector)),
+        ("expert_scale".into(), Array::f32(vector)),
+        ("routes".into(), Array::poisoned(Ty::I32, pairs)),
+        ("route_weights".into(), Array::poisoned(Ty::F32, pairs)),
+    ])
+}
+
 /// Logits with ties (a few levels only) and a NaN, from `rng`.
 fn logits(rng: &mut Rng, rows: usize, experts: usize, stride: usize) -> Vec<f32> {
     let mut out = vec![9.0; rows * stride];
@@ -83,13 +96,7 @@ fn routing_matches_the_reference_with_ties_and_nan() {
         // A bias large enough to reorder scores, and to push most below the 0 that experts of
         // the groups not chosen count as (so some of those are chosen, as in HF).
         let bias: Vec<f32> = (0..e).map(|_| rng.next() * 1.5 - 1.2).collect();
-        let mut bufs = HashMap::from([
-            ("logits".into(), Array::f32(&logits)),
-            ("score_bias".into(), Array::f32(&bias)),
-            ("expert_scale".into(), Array::f32(&bias)),
-            ("routes".into(), Array::poisoned(Ty::I32, rows * k)),
-            ("route_weights".into(), Array::poisoned(Ty::F32, rows * k)),
-        ]);
+        let mut bufs = routing_buffers(&logits, &bias, rows * k);
         let scalars = ints(&[("tokens", rows as i64), ("logits_stride", stride as i64)]);
         run(&moe::route("route", "test", &spec), &mut bufs, &scalars).unwrap();
         let routes = bufs["routes"].to_i64().unwrap();
@@ -154,12 +161,8 @@ fn experts_match_the_reference_layer() {
             WeightFormat::Dense(Ty::Bf16) => bf16_array(w),
             _ => Array::f32(w),
         };
-        let mut bufs = HashMap::from([
-            ("logits".into(), Array::f32(&logits)),
-            ("score_bias".into(), Array::f32(&bias)),
-            ("expert_scale".into(), Array::f32(&bias)),
-            ("routes".into(), Array::poisoned(Ty::I32, rows * k)),
-            ("route_weights".into(), Array::poisoned(Ty::F32, rows * k)),
+        let mut bufs = routing_buffers(&logits, &bias, rows * k);
+        bufs.extend([
             ("x".into(), Array::f32(&x)),
             ("hidden".into(), Array::poisoned(Ty::F32, rows * k * i)),
             ("out".into(), Array::poisoned(Ty::F32, rows * d)),
@@ -210,15 +213,8 @@ fn experts_one_by_one_equal_rows_one_by_one() {
                 _ => Array::f32(&gate_up),
             };
             let vector = rng.vec(e);
-            let mut bufs = HashMap::from([
-                ("logits".into(), Array::f32(&logits)),
-                ("score_bias".into(), Array::f32(&vector)),
-                ("expert_scale".into(), Array::f32(&vector)),
-                ("routes".into(), Array::poisoned(Ty::I32, rows * k)),
-                ("route_weights".into(), Array::poisoned(Ty::F32, rows * k)),
-                ("x".into(), Array::f32(&x)),
-                ("w".into(), weights),
-            ]);
+            let mut bufs = routing_buffers(&logits, &vector, rows * k);
+            bufs.extend([("x".into(), Array::f32(&x)), ("w".into(), weights)]);
             let scalars = ints(&[
                 ("tokens", rows as i64),
                 ("logits_stride", e as i64),
@@ -342,12 +338,8 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
         let (down, down_taken) = expert_weights(&rng.vec(e * d * i), format);
         let mut vector = rng.vec(e);
         vector[3] = 5.0;
-        let mut bufs = HashMap::from([
-            ("logits".into(), Array::f32(&logits)),
-            ("score_bias".into(), Array::f32(&vector)),
-            ("expert_scale".into(), Array::f32(&vector)),
-            ("routes".into(), Array::poisoned(Ty::I32, rows * k)),
-            ("route_weights".into(), Array::poisoned(Ty::F32, rows * k)),
+        let mut bufs = routing_buffers(&logits, &vector, rows * k);
+        bufs.extend([
             // Places past an expert's count are never written.
             ("expert_pairs".into(), Array::ints(Ty::I32, &vec![-7; e * rows])),
             ("expert_counts".into(), Array::poisoned(Ty::I32, e)),
