@@ -38,22 +38,23 @@ use super::{prologue_norms, quant, split_k};
 use crate::dsl::*;
 use ir::GluAct;
 
-const WARPS: i64 = 4;
+pub(super) const WARPS: i64 = 4;
 /// Tokens per block tile.
-const TILE_M: i64 = 64;
+pub(super) const TILE_M: i64 = 64;
 /// Weight rows per block tile.
-const TILE_N: i64 = 64;
+pub(super) const TILE_N: i64 = 64;
 /// K per shared-memory stage.
-const TILE_K: i64 = 32;
-/// Row stride of the staged slices: 8 bf16 of padding shift successive rows across banks.
-const STAGE_STRIDE: i64 = TILE_K + 8;
+pub(super) const TILE_K: i64 = 32;
+/// Row stride of the staged slices: 8 bf16 of padding shift successive rows across banks
+/// (`ldmatrix`'s 8 rows a matrix on 8 distinct 4-bank groups).
+pub(super) const STAGE_STRIDE: i64 = TILE_K + 8;
 /// Elements of one staged slice.
-const STAGE: i64 = TILE_M * STAGE_STRIDE;
+pub(super) const STAGE: i64 = TILE_M * STAGE_STRIDE;
 /// Weight slices of the `cp.async` pipeline (`WeightStaging::CpAsync`).
-const STAGES: i64 = 2;
+pub(super) const STAGES: i64 = 2;
 /// Each warp's quarter: 2 `mma` tiles of 16 tokens by 4 of 8 rows.
-const WARP_M_TILES: usize = 2;
-const WARP_N_TILES: usize = 4;
+pub(super) const WARP_M_TILES: usize = 2;
+pub(super) const WARP_N_TILES: usize = 4;
 
 /// Stage a 64×32 slice (rows `row0..`, columns `k0..`) into shared `dst`: element (row, col)
 /// is what `fetch(row, col, value)` sets the f32 local `value` to, zero past `rows` and `k`;
@@ -139,6 +140,28 @@ fn copy_weights(buffer: Expr, k0: Expr) -> Vec<Stmt> {
             })),
         ],
     )]
+}
+
+/// Each warp's quarter of the tile (`wm` its first row, `wn` its first weight row), each
+/// lane's place in the fragments (`gr`, `t2`), and the rows its `ldmatrix` loads name in the
+/// staged slices (`a_row`, `b_row`: see `mma_operands`).
+pub(super) fn warp_places() -> Vec<Stmt> {
+    vec![
+        let_("wm", Ty::I32, (warp() / int(2)) * int(16 * WARP_M_TILES as i64)),
+        let_("wn", Ty::I32, rem(warp(), int(2)) * int(8 * WARP_N_TILES as i64)),
+        let_("gr", Ty::I32, lane() / int(4)),
+        let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
+        let_(
+            "a_row",
+            Ty::I32,
+            var("wm") * int(STAGE_STRIDE) + lane_offset(Quad::RowsThenColumns, STAGE_STRIDE),
+        ),
+        let_(
+            "b_row",
+            Ty::I32,
+            var("wn") * int(STAGE_STRIDE) + lane_offset(Quad::ColumnsThenRows, STAGE_STRIDE),
+        ),
+    ]
 }
 
 fn name(prefix: &str, tile: usize, i: usize) -> String {
@@ -276,21 +299,8 @@ pub fn gemm_mma_with(
             let_("m0", Ty::I32, rem(bid(), tiles_m.clone()) * int(TILE_M)),
             let_("split", Ty::I32, rem(bid() / tiles_m.clone(), var("splits"))),
             let_("n0", Ty::I32, bid() / tiles_m.clone() / var("splits") * int(TILE_N)),
-            let_("wm", Ty::I32, (warp() / int(2)) * int(16 * WARP_M_TILES as i64)),
-            let_("wn", Ty::I32, rem(warp(), int(2)) * int(8 * WARP_N_TILES as i64)),
-            let_("gr", Ty::I32, lane() / int(4)),
-            let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
-            let_(
-                "a_row",
-                Ty::I32,
-                var("wm") * int(STAGE_STRIDE) + lane_offset(Quad::RowsThenColumns, STAGE_STRIDE),
-            ),
-            let_(
-                "b_row",
-                Ty::I32,
-                var("wn") * int(STAGE_STRIDE) + lane_offset(Quad::ColumnsThenRows, STAGE_STRIDE),
-            ),
         ],
+        warp_places(),
         split_k::k_span(var("split"), TILE_K),
         accumulators,
         prologue,

@@ -12,7 +12,7 @@
 //!    units times the expert's down rows, each pair's product unweighted into `ys`, as
 //!    `moe::down_by_expert` leaves it for `moe::combine`.
 //!
-//! The GEMMs are `gemm_mma`'s: 4 warps a 64×64 tile, K in steps of 32, bf16 weights by
+//! The GEMMs are `gemm_mma`'s tile (its constants and warp places): 4 warps a 64×64 tile, K in steps of 32, bf16 weights by
 //! `cp.async` into two buffers (the next step's copies in flight), f16 weights and GGUF blocks
 //! decoded into them element by element and rounded to bf16 (as the decoding dense GEMM does),
 //! the gathered rows rounded to bf16 as they are staged (as the dense tensor-core GEMMs round
@@ -21,29 +21,14 @@
 //! ([`supports`]): bf16 weights over a hidden size and expert width that are multiples of 8
 //! (whole 16-byte copies), f16 weights, or GGUF blocks (rows of whole blocks).
 
+use super::gemm_mma::{self, STAGE, STAGES, STAGE_STRIDE, TILE_K, TILE_M, TILE_N, WARPS, WARP_M_TILES, WARP_N_TILES};
 use super::gemv::gated;
-use super::mma_operands::{b_block, lane_offset, x4_names, Quad};
+use super::mma_operands::{b_block, x4_names};
 use super::moe::{chunk_hits, describe, down_params, gate_up_params};
 use super::quant::{self, WeightFormat};
 use super::BLOCK;
 use crate::dsl::*;
 use ir::MoeSpec;
-
-const WARPS: i64 = 4;
-/// Pairs, and weight rows, a block tile.
-const TILE_M: i64 = 64;
-const TILE_N: i64 = 64;
-/// K a staged step.
-const TILE_K: i64 = 32;
-/// Row pitch of a staged slice: 16 bytes of padding keep `ldmatrix`'s rows on distinct banks.
-const STRIDE: i64 = TILE_K + 8;
-/// Elements of one staged slice.
-const STAGE: i64 = TILE_M * STRIDE;
-/// Weight buffers of the `cp.async` pipeline.
-const STAGES: i64 = 2;
-/// Each warp's 32 pairs × 32 weight rows: `mma` tiles of 16 pairs and of 8 rows.
-const WARP_M_TILES: usize = 2;
-const WARP_N_TILES: usize = 4;
 
 /// Whether the tensor-core kernels take a layer of `spec` over rows of `hidden` with weights
 /// of `format` (f32 experts stay on the CUDA cores, in f32).
@@ -121,7 +106,7 @@ fn row_tiles() -> Expr {
 
 /// The block's expert `e`, its first output `n0` and first pair `m0` (pair tiles vary
 /// fastest: neighbouring blocks share a weight tile), the expert's `count` of pairs, and each
-/// warp's and lane's place in the tile (the `ldmatrix` rows `a_row`, `b_row`: `mma_operands`).
+/// warp's and lane's place in the tile, as `gemm_mma`'s (`gemm_mma::warp_places`).
 fn block_place(outputs: i64) -> Vec<Stmt> {
     vec![
         let_("m0", Ty::I32, rem(bid(), row_tiles()) * int(TILE_M)),
@@ -132,21 +117,10 @@ fn block_place(outputs: i64) -> Vec<Stmt> {
         ),
         let_("e", Ty::I32, bid() / row_tiles() / int(tiles(outputs))),
         let_("count", Ty::I32, load("expert_counts", var("e"))),
-        let_("wm", Ty::I32, warp() / int(2) * int(16 * WARP_M_TILES as i64)),
-        let_("wn", Ty::I32, rem(warp(), int(2)) * int(8 * WARP_N_TILES as i64)),
-        let_("g", Ty::I32, lane() / int(4)),
-        let_("t2", Ty::I32, rem(lane(), int(4)) * int(2)),
-        let_(
-            "a_row",
-            Ty::I32,
-            var("wm") * int(STRIDE) + lane_offset(Quad::RowsThenColumns, STRIDE),
-        ),
-        let_(
-            "b_row",
-            Ty::I32,
-            var("wn") * int(STRIDE) + lane_offset(Quad::ColumnsThenRows, STRIDE),
-        ),
     ]
+    .into_iter()
+    .chain(gemm_mma::warp_places())
+    .collect()
 }
 
 /// The tile's pairs in shared `tile_pairs` (−1 past the expert's count), then a barrier.
@@ -170,31 +144,42 @@ fn tile_pairs() -> Vec<Stmt> {
     ]
 }
 
-/// Stage the tile's 64×32 slice of gathered rows at `k0` into `xs`, rounded to bf16: row r is
-/// `source(pair)`'s elements from `k0` (`source` gives the index of a pair's first), zero for
-/// rows past the count and columns past `k_len`. A warp takes 32 consecutive columns of a row.
-fn stage_rows(src: &str, source: &dyn Fn(Expr) -> Expr, k_len: i64) -> Vec<Stmt> {
+/// A 64×32 slice staged element by element into `dst` from element `at` on (rounded to bf16
+/// by the store), a thread taking elements `tid + 128·i` (a warp 32 consecutive columns of a
+/// row): row `r`'s element `c` is what `fetch` sets the f32 `value` to where `valid` holds
+/// and column `k0 + c` lies below `k_len`, else zero; `row` declares what both read of row `r`.
+fn stage_slice(dst: &str, at: Expr, k_len: i64, (row, valid, fetch): (Vec<Stmt>, Expr, Vec<Stmt>)) -> Stmt {
     let threads = 32 * WARPS;
-    vec![for_(
-        "i",
-        int(0),
-        int(TILE_M * TILE_K / threads),
-        int(1),
+    let place = var("r") * int(STAGE_STRIDE) + var("c");
+    // Nothing added to a start of 0.
+    let place = match at {
+        Expr::Int(0) => place,
+        at => at + place,
+    };
+    let body = [
         vec![
             let_("r", Ty::I32, (tid() + var("i") * int(threads)) / int(TILE_K)),
             let_("c", Ty::I32, rem(tid(), int(TILE_K))),
-            let_("pair", Ty::I32, load("tile_pairs", var("r"))),
-            let_("value", Ty::F32, f(0.0)),
-            if_(
-                and(
-                    bin(BinOp::Ge, var("pair"), int(0)),
-                    lt(var("k0") + var("c"), int(k_len)),
-                ),
-                vec![assign("value", load(src, source(var("pair")) + var("k0") + var("c")))],
-            ),
-            store("xs", var("r") * int(STRIDE) + var("c"), var("value")),
         ],
-    )]
+        row,
+        vec![
+            let_("value", Ty::F32, f(0.0)),
+            if_(and(valid, lt(var("k0") + var("c"), int(k_len))), fetch),
+            store(dst, place, var("value")),
+        ],
+    ]
+    .concat();
+    for_("i", int(0), int(TILE_M * TILE_K / threads), int(1), body)
+}
+
+/// Stage the tile's slice of gathered rows at `k0` into `xs` ([`stage_slice`]): row r is
+/// `source(pair)`'s elements (`source` gives the index of a pair's first), zero for rows past
+/// the count.
+fn stage_rows(src: &str, source: &dyn Fn(Expr) -> Expr, k_len: i64) -> Vec<Stmt> {
+    let row = vec![let_("pair", Ty::I32, load("tile_pairs", var("r")))];
+    let fetch = vec![assign("value", load(src, source(var("pair")) + var("k0") + var("c")))];
+    let valid = bin(BinOp::Ge, var("pair"), int(0));
+    vec![stage_slice("xs", int(0), k_len, (row, valid, fetch))]
 }
 
 /// A weight tile's `cp.async` copies into `dst`'s buffer `buffer`: 64 rows from `first_row`
@@ -213,7 +198,9 @@ fn copy_weights(dst: &str, (first_row, valid_rows): (Expr, Expr), k_len: i64, (b
             let_("column", Ty::I32, k0 + rem(var("copy"), int(TILE_K / 8)) * int(8)),
             Stmt::CpAsync(Box::new(AsyncCopy {
                 dst: dst.into(),
-                dst_index: buffer * int(STAGE) + var("row") * int(STRIDE) + rem(var("copy"), int(TILE_K / 8)) * int(8),
+                dst_index: buffer * int(STAGE)
+                    + var("row") * int(STAGE_STRIDE)
+                    + rem(var("copy"), int(TILE_K / 8)) * int(8),
                 src: "w".into(),
                 src_index: (first_row + var("row")) * int(k_len) + var("column"),
                 valid: and(lt(var("row"), valid_rows), lt(var("column"), int(k_len))),
@@ -222,35 +209,16 @@ fn copy_weights(dst: &str, (first_row, valid_rows): (Expr, Expr), k_len: i64, (b
     )
 }
 
-/// A weight tile decoded element by element into `dst`'s buffer `s` (rounded to bf16 by the
-/// store): 64 rows from `first_row` (those from `valid_rows` on zero), 32 columns at `k0` of
-/// rows `k_len` long; a thread takes elements `tid + 128·i`, a warp 32 columns of a row.
+/// A weight tile decoded element by element into `dst`'s buffer `s` ([`stage_slice`]): 64 rows
+/// from `first_row` (those from `valid_rows` on zero), 32 columns at `k0` of rows `k_len` long.
 fn decode_weights(format: WeightFormat, dst: &str, (first_row, valid_rows): (Expr, Expr), k_len: i64) -> Stmt {
-    let threads = 32 * WARPS;
-    for_(
-        "i",
-        int(0),
-        int(TILE_N * TILE_K / threads),
-        int(1),
-        vec![
-            let_("wr", Ty::I32, (tid() + var("i") * int(threads)) / int(TILE_K)),
-            let_("wc", Ty::I32, rem(tid(), int(TILE_K))),
-            let_("wv", Ty::F32, f(0.0)),
-            if_(
-                and(lt(var("wr"), valid_rows), lt(var("k0") + var("wc"), int(k_len))),
-                [
-                    format.element("we", first_row + var("wr"), int(k_len), var("k0") + var("wc")),
-                    vec![assign("wv", var("we"))],
-                ]
-                .concat(),
-            ),
-            store(
-                dst,
-                var("s") * int(STAGE) + var("wr") * int(STRIDE) + var("wc"),
-                var("wv"),
-            ),
-        ],
-    )
+    let fetch = [
+        format.element("we", first_row + var("r"), int(k_len), var("k0") + var("c")),
+        vec![assign("value", var("we"))],
+    ]
+    .concat();
+    let valid = lt(var("r"), valid_rows);
+    stage_slice(dst, var("s") * int(STAGE), k_len, (vec![], valid, fetch))
 }
 
 /// A K step's copies into a buffer: `copy(buffer, k0)`.
@@ -296,7 +264,7 @@ fn k_slice(kk: i64, weights: &[(&str, &str)]) -> Vec<Stmt> {
         .map(|mi| x4_names("a", &format!("{kk}_{mi}")))
         .collect();
     for (mi, names) in a.iter().enumerate() {
-        let at = var("a_row") + int(16 * mi as i64 * STRIDE + kk);
+        let at = var("a_row") + int(16 * mi as i64 * STAGE_STRIDE + kk);
         out.push(load_matrix("xs", at, names, false));
     }
     for &(array, prefix) in weights {
@@ -304,7 +272,7 @@ fn k_slice(kk: i64, weights: &[(&str, &str)]) -> Vec<Stmt> {
             .map(|pair| x4_names(&format!("{prefix}b"), &format!("{kk}_{pair}")))
             .collect();
         for (pair, names) in b.iter().enumerate() {
-            let at = var("s") * int(STAGE) + var("b_row") + int(16 * pair as i64 * STRIDE + kk);
+            let at = var("s") * int(STAGE) + var("b_row") + int(16 * pair as i64 * STAGE_STRIDE + kk);
             out.push(load_matrix(array, at, names, false));
         }
         for (mi, a) in a.iter().enumerate() {
@@ -364,7 +332,7 @@ fn tile_gemm(
 
 /// The accumulator place's pair (`pair_at`, −1 past the count) and output (`out_column`).
 fn place(mi: usize, ni: usize, i: usize) -> Vec<Stmt> {
-    let row = var("wm") + int(16 * mi as i64 + if i >= 2 { 8 } else { 0 }) + var("g");
+    let row = var("wm") + int(16 * mi as i64 + if i >= 2 { 8 } else { 0 }) + var("gr");
     vec![
         assign("pair_at", load("tile_pairs", row)),
         assign(
