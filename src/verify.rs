@@ -77,8 +77,12 @@ fn compare(want: &[(String, Vec<f32>)], got: &[(String, Vec<f32>)]) -> Option<St
             return Some(format!("output `{name}` changed shape or name"));
         }
         let scale = w.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
-        let worst = w.iter().zip(g).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-        // NaN fails too.
+        // A NaN difference is the worst (`f32::max` would pass it by), and fails.
+        let worst = w
+            .iter()
+            .zip(g)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, |m, d| if d > m || d.is_nan() { d } else { m });
         if worst.is_nan() || worst > TOLERANCE * scale {
             return Some(format!("output `{name}` differs by {worst} (largest value {scale})"));
         }

@@ -254,7 +254,8 @@ fn a_quantized_moe_gguf_compiles_for_every_gpu_target() {
 
 /// `bbc compile` of a GGUF into bf16 plans: each plan carries the kernels that convert the
 /// file's block formats on the device where it loads (with their cubins); kept in its blocks,
-/// none.
+/// none, but a plan taking steps of more than `BATCH_ROWS` rows carries the kernels decoding
+/// each format into a bf16 copy for such a step's GEMM.
 #[test]
 fn gguf_blocks_compiled_to_bf16_carry_their_conversions() {
     if !nvrtc_present() {
@@ -271,20 +272,36 @@ fn gguf_blocks_compiled_to_bf16_carry_their_conversions() {
         let output = scratch.path().join(dtype);
         compile_every_plan(&toml, Target::H200, &output);
         let manifest = codegen::read_manifest(&output).unwrap();
+        let mut wide_plans = 0;
         for file in [manifest.plan, manifest.greedy_plan, manifest.serving_plan]
             .iter()
             .flatten()
         {
             let plan: gpu::GpuPlan =
                 serde_json::from_str(&std::fs::read_to_string(output.join(file)).unwrap()).unwrap();
-            let carried: Vec<&str> = plan
+            let (for_prefill, carried): (Vec<&str>, Vec<&str>) = plan
                 .kernels
                 .iter()
                 .map(|k| k.name.as_str())
                 .filter(|name| name.starts_with("convert_"))
-                .collect();
+                .partition(|name| name.contains("_for_prefill"));
             assert_eq!(carried, conversions, "{dtype}: {file}");
+            let formats: Vec<&str> = for_prefill
+                .iter()
+                .map(|name| name.trim_start_matches("convert_").split("_to_").next().unwrap())
+                .collect();
+            let expected: &[&str] = match dtype == "native" && plan.max_tokens > gpu::BATCH_ROWS {
+                true => &["q8_0", "q4_0"],
+                false => &[],
+            };
+            assert_eq!(formats, expected, "{dtype}: {file} ({} rows)", plan.max_tokens);
+            wide_plans += usize::from(plan.max_tokens > gpu::BATCH_ROWS);
         }
+        assert!(
+            wide_plans > 0,
+            "{dtype}: no plan takes more than {} rows",
+            gpu::BATCH_ROWS
+        );
     }
 }
 

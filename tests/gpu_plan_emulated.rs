@@ -11,7 +11,7 @@
 
 use bbc::gpu_check::kernels::serve_first_then_rest;
 use bbc::gpu_check::tiny_gguf;
-use codegen::gpu::{self, PREFILL_TOKENS};
+use codegen::gpu::{self, BATCH_ROWS, PREFILL_TOKENS};
 use codegen::Target;
 use common::fixture;
 use common::hf_reference::Reference;
@@ -40,9 +40,13 @@ fn fused_for(graph: &ir::Graph, target: Target) -> ir::Graph {
     passes::optimized(graph, bbc::model_ref::cost_model(target)).unwrap()
 }
 
-/// Max |got − want| over max |want|.
+/// Max |got − want| over max |want|; infinite where a value is not finite (`f32::max` would
+/// pass a NaN by).
 fn relative_error(got: &[f32], want: &[f32]) -> f32 {
     assert_eq!(got.len(), want.len());
+    if !got.iter().chain(want).all(|v| v.is_finite()) {
+        return f32::INFINITY;
+    }
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
     got.iter().zip(want).map(|(g, w)| (g - w).abs()).fold(0f32, f32::max) / scale
 }
@@ -506,6 +510,120 @@ fn check_gguf(name: &str, make: fn(&std::path::Path) -> std::io::Result<std::pat
 #[test]
 fn tiny_quantized_llama_plans_agree_with_the_cpu_backend() {
     check_gguf("quantized llama", tiny_gguf::quantized_llama);
+}
+
+/// A GGUF model's prompts of more rows than a decode batch's: each matmul's blocks decoded
+/// into a bf16 copy for the step (a launch of its own, none at fewer rows), multiplied by the
+/// target's TMA GEMM as bf16 weights are; a chunk of batch rows then through the GEMM that
+/// decodes blocks into its tiles, then decode steps; on every GPU target against the CPU
+/// backend on the file dequantized to f32 (both round weights and activations to bf16 in the
+/// GEMMs: 2e-2, as `tiny_quantized_llama_plans_agree_with_the_cpu_backend`). Hidden 128, so
+/// that the normed projections' TMA GEMMs split K (their rows come normalised: the splits'
+/// reduction must not scale them again, where the decoding GEMM's must).
+#[test]
+fn quantized_prompts_of_many_rows_multiply_by_weights_converted_for_them() {
+    use tiny_gguf::{gguf_llama, q4_0, q8_0, LlamaShape};
+    let scratch = tempfile::Builder::new()
+        .prefix("bbc-converted-prefill-")
+        .tempdir()
+        .unwrap();
+    let path = scratch.path().join("quantized-llama.gguf");
+    let shape = LlamaShape {
+        hidden: 128,
+        heads: 8,
+        kv_heads: 4,
+        ..LlamaShape::TINY
+    };
+    gguf_llama(&path, &shape, &mut q8_0, &mut q4_0).unwrap();
+    let native = {
+        let mut spec = ModelSpec::for_weights(&path);
+        spec.dtype = ComputeDtype::Native;
+        spec.kv_cache_dtype = models::KvCacheDtype::F32;
+        Model::open(spec).unwrap()
+    };
+    let dequantized = open_at(&path, ComputeDtype::F32);
+    let context = native.config.context_length.min(256);
+    let rows = BATCH_ROWS + 6;
+    for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+        let label = target.name();
+        let graph = fused_for(&native.lower(LogitsFor::LastToken).unwrap(), target);
+        let (plan, kernels) = gpu::build_with_kernels(&graph, target, rows).unwrap();
+        let converting: Vec<String> = plan
+            .kernels
+            .iter()
+            .map(|k| k.name.clone())
+            .filter(|name| name.contains("_to_bf16_for_prefill"))
+            .collect();
+        for format in ["q8_0", "q4_0"] {
+            let named = format!("convert_{format}_to_bf16_for_prefill");
+            assert!(
+                converting.iter().any(|n| n.starts_with(&named)),
+                "{label}: no {named} in {converting:?}"
+            );
+        }
+        // A conversion before each GEMM over a copy, and every matmul's GEMM over one (the
+        // tiny model's matrices are all blocks, all small enough).
+        let conversions = plan.launches.iter().filter(|l| converting.contains(&l.kernel)).count();
+        let over_copies = plan
+            .launches
+            .iter()
+            .filter(|l| l.prefill_kernel.as_deref().is_some_and(|k| k.contains("_converted")))
+            .count();
+        let decoding = plan
+            .launches
+            .iter()
+            .filter(|l| l.batch_kernel.as_deref().is_some_and(|k| k.contains("gemm")))
+            .count();
+        assert!(conversions > 0, "{label}");
+        assert_eq!((over_copies, decoding), (conversions, conversions), "{label}");
+        // Those over every row of the step (all but the head's, over the rows sampled: one
+        // a step here, so its GEMV).
+        let over_every_row = plan
+            .launches
+            .iter()
+            .filter(|l| converting.contains(&l.kernel))
+            .filter(|l| {
+                l.args.iter().any(|a| {
+                    matches!(a, codegen::gpu::LaunchArg::Scalar { name, value } if name == "tokens" && value == "tokens")
+                })
+            })
+            .count();
+        assert_eq!(over_every_row, conversions - 1, "{label}");
+        let gpu = EmulatorBackend::emulated(plan, kernels, graph, &native.weights, &[], context).unwrap();
+        let cpu_graph = passes::optimized(
+            &dequantized.lower(LogitsFor::LastToken).unwrap(),
+            passes::CostModel::CPU,
+        )
+        .unwrap();
+        let cpu = CpuBackend::new(cpu_graph, &dequantized.weights, context).unwrap();
+        let launched = || -> usize {
+            converting
+                .iter()
+                .map(|n| gpu.with_device(|d| d.launches_of(n)).unwrap())
+                .sum()
+        };
+        let (mut g, mut c) = (gpu.new_sequence(), cpu.new_sequence());
+        let prompt: Vec<u32> = (0..rows as u32).map(|i| (11 + 29 * i) % 300).collect();
+        let chunk: Vec<u32> = (0..PREFILL_TOKENS as u32 + 4).map(|i| (5 + 7 * i) % 300).collect();
+        let mut ids = prompt;
+        for step in 0..4 {
+            let before = launched();
+            let (got, want) = (gpu.step(&mut g, &ids).unwrap(), cpu.step(&mut c, &ids).unwrap());
+            let error = relative_error(&got["logits"].data, &want["logits"].data);
+            assert!(
+                error <= 2e-2,
+                "{label}: step {step} of {} rows: error {error}",
+                ids.len()
+            );
+            let converted = launched() - before;
+            let expected = if ids.len() > BATCH_ROWS { over_every_row } else { 0 };
+            assert_eq!(converted, expected, "{label}: conversions at {} rows", ids.len());
+            ids = match step {
+                0 => chunk.clone(),
+                _ => vec![runtime::sampling::argmax(want["logits"].row(want["logits"].rows() - 1))],
+            };
+        }
+    }
 }
 
 /// An f16 model's plans (IEEE half weights: read exactly by the GEMVs, rounded to bf16 in the

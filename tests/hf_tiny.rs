@@ -22,7 +22,12 @@ fn assert_close(got: &[f32], want: &[f32], what: &str) {
 fn assert_close_within(got: &[f32], want: &[f32], tolerance: f32, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let worst = got.iter().zip(want).map(|(g, w)| (g - w).abs()).fold(0f32, f32::max);
+    // A NaN difference is the worst, and fails (`f32::max` would pass it by).
+    let worst = got
+        .iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs())
+        .fold(0f32, |m, d| if d > m || d.is_nan() { d } else { m });
     assert!(
         worst <= tolerance * scale,
         "{what}: max error {worst} exceeds {tolerance} × {scale}"
@@ -197,7 +202,14 @@ fn check_quantized_gguf_follows_hf(family: &str, tolerance: f32, steps: usize) {
             .data
             .iter()
             .zip(&reference.logits)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            .fold(0f32, |m, (a, b)| {
+                let d = (a - b).abs();
+                if d > m || d.is_nan() {
+                    d
+                } else {
+                    m
+                }
+            });
         assert!(
             worst <= tolerance * scale,
             "{family} {dtype:?}: prompt logits off by {worst} of {scale}"

@@ -8,7 +8,7 @@ use kernels_gen::emulator::{run, Array, Scalar};
 use kernels_gen::templates::embedding::embedding;
 use kernels_gen::templates::gemv::{gemv, GemvSpec, NormPrologue};
 use kernels_gen::templates::quant::{block_layout, WeightFormat};
-use kernels_gen::templates::weight_convert::{convert_kernel, CONVERTED_TO};
+use kernels_gen::templates::weight_convert::{blocks_to_bf16_for_prefill, convert_kernel, CONVERTED_TO};
 use kernels_gen::templates::QUANT_FORMATS;
 use models::quant::GgmlType;
 use std::collections::HashMap;
@@ -234,6 +234,43 @@ fn block_weights_convert_on_the_device_to_the_hosts_values() {
             assert_eq!(got, held_as(to, &want), "{format} to {to}");
         }
     }
+}
+
+/// The bf16 copy a step of many rows multiplies by holds what a bf16 plan's weights hold (the
+/// host's values, rounded alike), for every block format; a step of fewer rows converts
+/// nothing (its GEMM decodes the blocks).
+#[test]
+fn block_weights_convert_for_a_prefill_step_to_the_hosts_bf16_values() {
+    let min_tokens = 65;
+    for format in QUANT_FORMATS {
+        let (data, k, n) = two_block_rows(format);
+        let mut want = vec![0f32; n * k];
+        ggml(format).dequantize(&data, &mut want);
+        let kernel = blocks_to_bf16_for_prefill(format, min_tokens, "test").unwrap();
+        for tokens in [min_tokens - 1, min_tokens, 300] {
+            // A value no block decodes to, so an element left alone shows.
+            let untouched = half::bf16::from_f32(1e30);
+            let mut bufs = HashMap::from([
+                ("w".into(), Array::u8(&data)),
+                ("wb".into(), Array::bf16(&vec![untouched; n * k])),
+            ]);
+            let sizes = [("n", n as i64), ("k", k as i64), ("tokens", tokens as i64)];
+            run(&kernel, &mut bufs, &ints(&sizes)).unwrap();
+            let got = bufs["wb"].to_f32().unwrap();
+            match tokens < min_tokens {
+                true => assert!(
+                    got.iter().all(|&v| v == untouched.to_f32()),
+                    "{format}: converted at {tokens} rows"
+                ),
+                false => assert_eq!(
+                    got.into_iter().map(bits).collect::<Vec<_>>(),
+                    held_as(DType::BF16, &want),
+                    "{format} at {tokens} rows"
+                ),
+            }
+        }
+    }
+    assert!(blocks_to_bf16_for_prefill(DType::BF16, min_tokens, "test").is_none());
 }
 
 #[test]

@@ -179,7 +179,7 @@ const GEMM_ROWS: [usize; 5] = [16, 64, 256, 512, 2048];
 const MOST_ROWS: usize = 2048;
 
 /// Llama-3-8B's matmuls: (name, output rows, input width, count per decode step).
-const SHAPES: [(&str, usize, usize, usize); 5] = [
+pub(super) const SHAPES: [(&str, usize, usize, usize); 5] = [
     ("qkv", 6144, 4096, 32),
     ("o", 4096, 4096, 32),
     ("gate_up", 28672, 4096, 32),
@@ -251,22 +251,22 @@ fn fused_gemvs(name: &str, k: usize) -> Vec<(usize, Kernel)> {
 
 /// One timed case of the 8B matmul table: its buffers (each with its length in bytes) and
 /// sizes.
-struct MatmulCase<'a, B> {
-    x: (&'a B, usize),
-    b: (&'a B, usize),
-    g: (&'a B, usize),
-    w: (&'a B, usize),
-    out: (&'a B, usize),
-    partial: (&'a B, usize),
-    batch: usize,
-    n: usize,
-    k: usize,
-    splits: usize,
+pub(super) struct MatmulCase<'a, B> {
+    pub(super) x: (&'a B, usize),
+    pub(super) b: (&'a B, usize),
+    pub(super) g: (&'a B, usize),
+    pub(super) w: (&'a B, usize),
+    pub(super) out: (&'a B, usize),
+    pub(super) partial: (&'a B, usize),
+    pub(super) batch: usize,
+    pub(super) n: usize,
+    pub(super) k: usize,
+    pub(super) splits: usize,
 }
 
 impl<'a, B> MatmulCase<'a, B> {
     /// The argument for the parameter named `param` of any kernel the table times.
-    fn value(&self, param: &str) -> Option<DeviceArg<'a, B>> {
+    pub(super) fn value(&self, param: &str) -> Option<DeviceArg<'a, B>> {
         let buffer = |(b, len): (&'a B, usize)| DeviceArg::Buffer(b, 0..len);
         let int = |v: usize| DeviceArg::I32(v as i32);
         Some(match param {
@@ -590,7 +590,7 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
 
 /// Blocks for `kernel` over `batch` tokens, `n` rows, width `k` and `splits` K splits: its
 /// grid expression.
-fn grid_of(kernel: &Kernel, batch: usize, n: usize, k: usize, splits: usize) -> Result<u32> {
+pub(super) fn grid_of(kernel: &Kernel, batch: usize, n: usize, k: usize, splits: usize) -> Result<u32> {
     let scalars = [
         ("tokens", batch),
         ("n", n),

@@ -40,6 +40,7 @@
 //! can); the command fails if any did.
 
 pub mod attention;
+pub mod block_gemms;
 pub mod decode;
 pub mod draft_head;
 pub mod experts;
@@ -155,7 +156,12 @@ pub fn gpu_check(args: &GpuCheckArgs) -> Result<()> {
                     }
                 }
             }
-            Section::Matmuls => llama_8b::matmul_timings(target, arch, bandwidth).map(|table| println!("\n{table}")),
+            Section::Matmuls => llama_8b::matmul_timings(target, arch, bandwidth).and_then(|table| {
+                println!("\n{table}");
+                let blocks = block_gemms::block_matmul_timings(target, arch)?;
+                println!("\nQ4_K matrices at prompt sizes (plans take the decoding GEMM up to 64 rows):\n\n{blocks}");
+                Ok(())
+            }),
             Section::Attention => attention::attention_timings(arch, bandwidth).map(|table| println!("\n{table}")),
             Section::Decode => llama_8b::decode(target, arch, bandwidth, args.decode_prefill_chunk),
             Section::Hybrid => decode::hybrid(target, arch, bandwidth, args.decode_prefill_chunk),

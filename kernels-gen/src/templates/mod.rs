@@ -113,6 +113,11 @@ pub fn prefill_gemm(
     })
 }
 
+/// Whether architecture `arch` has a TMA-fed GEMM ([`tma_prefill_gemm`]).
+pub fn has_tma_gemm(arch: &str) -> bool {
+    matches!(arch, "sm_90a" | "sm_100a" | "sm_120a")
+}
+
 /// The target's TMA-fed GEMM as a plan launches it for a bf16 matmul of form `(norm, glu)`,
 /// after the `bf16_rows` launch making its rows (`tma_gemm::prologued_params`), with its
 /// tiles: Hopper's `wgmma` and the B200's `tcgen05` on `schedule`, the RTX PRO 6000's
@@ -1015,6 +1020,17 @@ pub fn catalog() -> Vec<Kernel> {
             Some(gemv::NormPrologue::new(1e-5, 0.0).with_residual()),
             Some(ir::GluAct::Silu),
         ),
+        // Over a bf16 copy of GGUF blocks made for the step, the rows normed before it.
+        tma_gemm::over_converted_weights(
+            gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(
+                "",
+                "catalog",
+                gemm_tma_wgmma::TmaTile::WIDE,
+                Some(gemv::NormPrologue::new(1e-5, 0.0)),
+                None,
+            ),
+            "rms_norm_gemm_tma_converted",
+        ),
         // The same for a decode batch, the weights as wgmma's M and 16 tokens its N.
         gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(
             "add_rms_norm_swiglu_gemm_tma_batch",
@@ -1303,5 +1319,11 @@ pub fn catalog() -> Vec<Kernel> {
             .filter_map(|f| weight_convert::convert_kernel(f, ir::DType::BF16)),
     )
     .chain(weight_convert::convert_kernel(ir::DType::Q4K, ir::DType::F32))
+    // Every block format decoded to bf16 for a prefill step's TMA GEMM.
+    .chain(
+        QUANT_FORMATS
+            .iter()
+            .filter_map(|&f| weight_convert::blocks_to_bf16_for_prefill(f, 65, "catalog")),
+    )
     .collect()
 }

@@ -431,6 +431,21 @@ pub fn k_sub_block_weights(format: DType, prefix: &str, base: Expr, sub: Expr) -
     s
 }
 
+/// Statements declaring f32 locals `{prefix}0..{prefix}31`: the 32 elements of run `run` in
+/// a stream of whole blocks of `format` from byte 0 (a 32-element format's block `run`, or
+/// sub-block `run mod 8` of super-block `run / 8`), through [`block_weights`] or
+/// [`k_sub_block_weights`]: scales decoded once for the 32.
+pub fn run_weights(format: DType, prefix: &str, run: Expr) -> Vec<Stmt> {
+    let (elements, bytes) = block_layout(format).expect("a block format");
+    match decodes_sub_blocks(format) {
+        true => {
+            let runs = int(elements / 32);
+            k_sub_block_weights(format, prefix, run.clone() / runs.clone() * int(bytes), rem(run, runs))
+        }
+        false => block_weights(format, prefix, run * int(bytes)),
+    }
+}
+
 /// Whether `k_sub_block_weights` decodes `format` (a 256-element super-block: a K-quant or
 /// IQ4_XS).
 pub fn decodes_sub_blocks(format: DType) -> bool {

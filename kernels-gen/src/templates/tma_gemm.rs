@@ -62,6 +62,28 @@ pub fn prologued_params(prologue: Option<super::gemv::NormPrologue>, x_box_rows:
     params
 }
 
+/// `kernel`, a GEMM on [`prologued_params`], as `name` reading its weights from `wb`: a
+/// bf16 copy of a matrix of GGUF blocks made for the step (after `xb_stride`; see
+/// `weight_convert::blocks_to_bf16_for_prefill`). `w` stays where the GEMV has it, as the
+/// blocks, which it does not read.
+pub fn over_converted_weights(mut kernel: Kernel, name: &str) -> Kernel {
+    let maps = kernel
+        .params
+        .iter()
+        .position(|p| matches!(p, Param::TensorMap(_)))
+        .expect("a TMA GEMM's tensor maps");
+    for p in &mut kernel.params {
+        match p {
+            Param::Buffer { name, ty, .. } if name == "w" => *ty = Ty::U8,
+            Param::TensorMap(map) if map.buffer == "w" => map.buffer = "wb".into(),
+            _ => {}
+        }
+    }
+    kernel.params.insert(maps, buffer("wb", Ty::Bf16, false));
+    kernel.name = name.into();
+    kernel
+}
+
 /// `x` `[tokens, k]` (rows `x_stride` apart) and `w` `[n, k]`, bf16, into `out` `[tokens, n]`
 /// f32, with the K splits' partials; the tensor maps over `x` and `w` with boxes of
 /// `x_box_rows` and `w_box_rows` rows.

@@ -1,15 +1,21 @@
 //! A stored weight converted to the plan's dtype on the device: `out[i] = value(w, i)` for the
 //! `n` elements of a run of whole rows, `w` holding them as the checkpoint stores them (f16 or
 //! bf16 values, or GGUF blocks, which are contiguous across rows because rows are whole blocks)
-//! and `out` taking them as f32 or bf16 (rounded to nearest even). A thread per element.
+//! and `out` taking them as f32 or bf16 (rounded to nearest even). A thread per element of
+//! f16 and bf16 values; a thread per 32 elements of blocks (a block, or a K-quant
+//! super-block's sub-block: its scales decoded once, the 32 stored in 16-byte runs).
 //!
 //! Loading a GGUF into a bf16 plan uploads the stored bytes (a quarter of the bf16 bytes for
 //! 4-bit blocks) and decodes them here, instead of on the host's cores. The values are the
 //! host's (`quant`'s dequantization, then the same rounding): every block format's value is
 //! a product of a half scale and small integers, exact in f32, and at most one rounded
 //! addition, so contracting it into an FMA changes nothing either.
+//!
+//! A plan that keeps a matrix in its blocks converts it again for each step of many rows
+//! ([`blocks_to_bf16_for_prefill`]): into a bf16 copy in scratch that the target's TMA GEMM
+//! reads as it reads bf16 weights.
 
-use super::quant::{block_layout, dequant};
+use super::quant::{block_layout, run_weights};
 use super::{blocks_for, per_element, BLOCK};
 use crate::dsl::*;
 use ir::DType;
@@ -31,17 +37,26 @@ pub fn convert_kernel_name(from: DType, to: DType) -> String {
 /// converts ([`converts`]) and `to` one of [`CONVERTED_TO`]. Parameters: `w` (the stored bytes
 /// of the run, from its first row), `out`, `n` (elements).
 pub fn convert_kernel(from: DType, to: DType) -> Option<Kernel> {
-    let (source, value) = match from {
-        DType::F16 | DType::BF16 => {
-            let ty = if from == DType::F16 { Ty::F16 } else { Ty::Bf16 };
-            (ty, vec![let_("v", Ty::F32, load("w", var("i")))])
-        }
-        format if block_layout(format).is_some() => (Ty::U8, dequant(format, "v", int(0), var("i"))),
-        _ => return None,
-    };
     let out = match to {
         DType::BF16 => Ty::Bf16,
         DType::F32 => Ty::F32,
+        _ => return None,
+    };
+    let (source, grid, body) = match from {
+        DType::F16 | DType::BF16 => {
+            let ty = if from == DType::F16 { Ty::F16 } else { Ty::Bf16 };
+            let value = let_("v", Ty::F32, load("w", var("i")));
+            let body = per_element(var("n"), vec![value, store("out", var("i"), var("v"))]);
+            (ty, blocks_for(var("n"), BLOCK as i64), body)
+        }
+        format if block_layout(format).is_some() => {
+            let runs = var("n") / int(RUN);
+            (
+                Ty::U8,
+                blocks_for(runs.clone(), BLOCK as i64),
+                decode_runs(format, runs, "out", out),
+            )
+        }
         _ => return None,
     };
     Some(Kernel {
@@ -54,7 +69,58 @@ pub fn convert_kernel(from: DType, to: DType) -> Option<Kernel> {
         ],
         shared: vec![],
         block_dim: BLOCK,
-        grid: blocks_for(var("n"), BLOCK as i64),
-        body: per_element(var("n"), [value, vec![store("out", var("i"), var("v"))]].concat()),
+        grid,
+        body,
+    })
+}
+
+/// Elements a thread of a block format's conversion decodes.
+const RUN: i64 = 32;
+
+/// A thread per run of 32 elements (`i`, of `runs`): decoded from `w`'s blocks, stored to
+/// `out` (of `ty`) as 16-byte vectors.
+fn decode_runs(format: DType, runs: Expr, out: &str, ty: Ty) -> Vec<Stmt> {
+    let per_store = match ty {
+        Ty::F32 => 4,
+        _ => 8,
+    };
+    let mut body = run_weights(format, "v", var("i"));
+    for first in (0..RUN).step_by(per_store) {
+        let values = (first..first + per_store as i64)
+            .map(|e| var(&format!("v{e}")))
+            .collect();
+        body.push(store_vec(out, var("i") * int(RUN) + int(first), values));
+    }
+    per_element(runs, body)
+}
+
+/// The name of the kernel converting a matrix of `from` blocks to bf16 for a step's GEMM.
+pub fn prefill_kernel_name(from: DType) -> String {
+    format!("convert_{}_to_bf16_for_prefill", from.name())
+}
+
+/// A matrix of GGUF blocks (`w`, `n` rows of `k`) decoded into the bf16 copy `wb` that a step
+/// of `min_tokens` rows or more multiplies by on the target's TMA GEMM, as the plan's
+/// conversion at loading decodes them (the same values, the same rounding); no blocks for
+/// steps of fewer rows (`tokens`), whose GEMMs decode the blocks themselves. None for a
+/// format that is not a block format.
+pub fn blocks_to_bf16_for_prefill(from: DType, min_tokens: usize, origin: &str) -> Option<Kernel> {
+    block_layout(from)?;
+    let runs = var("n") * var("k") / int(RUN);
+    let gate = bin(BinOp::Min, int(1), var("tokens") / int(min_tokens as i64));
+    Some(Kernel {
+        name: prefill_kernel_name(from),
+        origin: format!("{origin}: {from} weights decoded to bf16 for a step's GEMM"),
+        params: vec![
+            buffer("w", Ty::U8, false),
+            buffer("wb", Ty::Bf16, true),
+            scalar("n", Ty::I32),
+            scalar("k", Ty::I32),
+            scalar("tokens", Ty::I32),
+        ],
+        shared: vec![],
+        block_dim: BLOCK,
+        grid: blocks_for(runs.clone(), BLOCK as i64) * gate,
+        body: decode_runs(from, runs, "wb", Ty::Bf16),
     })
 }

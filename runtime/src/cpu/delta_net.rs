@@ -263,9 +263,18 @@ mod tests {
         }
     }
 
+    /// The larger of two differences, a NaN the larger (`f32::max` would pass it by).
+    fn worse(m: f32, d: f32) -> f32 {
+        if d > m || d.is_nan() {
+            d
+        } else {
+            m
+        }
+    }
+
     fn assert_close(got: &[f32], want: &[f32], what: &str) {
         let scale = want.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
-        let worst = got.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        let worst = got.iter().zip(want).fold(0f32, |m, (a, b)| worse(m, (a - b).abs()));
         assert!(
             got.len() == want.len() && worst <= 1e-5 * scale,
             "{what}: off by {worst} of {scale}"

@@ -775,6 +775,24 @@ struct PlanTarget<'a> {
     prefill: super::PrefillGemm,
 }
 
+/// The most bytes a matrix's bf16 copy for a prefill step may take (GGUF blocks decoded for
+/// the TMA GEMM; see `MatMul::converted_for_prefill`): the copy lives in the step's scratch,
+/// so this bounds what it takes from the KV cache. Every projection of a 70B model fits; a
+/// 128k-vocabulary head does not (its prompts compute a row or two a sequence).
+const CONVERTED_WEIGHTS_BYTES: usize = 512 << 20;
+
+/// A matmul's kernels (see `MatMul::kernels`).
+struct MatMulKernels {
+    decode: Kernel,
+    few_rows: Kernel,
+    prefill: Kernel,
+    batch: Option<Kernel>,
+    /// The prefill GEMM's tiles and whether it gates a GLU's products itself.
+    tiles: Option<(Tiles, bool)>,
+    /// The batch GEMM's tiles where they are not the prefill GEMM's.
+    batch_tiles: Option<Tiles>,
+}
+
 /// A matmul node as its kernels see it: the weights, the prologue (a norm, perhaps after a
 /// residual add) and epilogue (a GLU), K, and the weight rows `n` (a joined gate/up's under a
 /// GLU epilogue: twice the product's columns).
@@ -832,12 +850,10 @@ impl MatMul {
     /// The decode GEMV (16-byte activation loads where every activation row is `aligned`),
     /// the GEMV carrying 4 rows a pass, and for prefill the target's tensor-core GEMM (with
     /// the tiles its K splits count in, and whether it gates a GLU's products itself) where it
-    /// has one for these weights (and this prologue and epilogue), else that GEMV.
-    fn kernels(
-        &self,
-        plan: &PlanTarget,
-        aligned: bool,
-    ) -> (Kernel, Kernel, Kernel, Option<Kernel>, Option<(Tiles, bool)>) {
+    /// has one for these weights (and this prologue and epilogue), else that GEMV; over
+    /// weights converted for prefill, the GEMM that decodes the blocks for steps of up to
+    /// `BATCH_ROWS` rows, with its tiles.
+    fn kernels(&self, plan: &PlanTarget, aligned: bool) -> MatMulKernels {
         let (arch, origin) = (plan.target.cuda_arch().unwrap_or_default(), plan.origin);
         let sms = plan.target.multiprocessors();
         let mut spec = gemv::GemvSpec::decode(self.weights, self.k);
@@ -854,8 +870,9 @@ impl MatMul {
         let cols = if self.glu.is_some() { self.n / 2 } else { self.n };
         let few_rows = gemv::gemv(&gemv_name, origin, gemv_tuning::shaped(spec.prefill(), cols, sms));
         let gemm_name = format!("{}gemm", self.stem());
-        let (gemm, batch) = match self.takes_tma(plan) {
-            true => {
+        let decoding = || templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin);
+        let (gemm, batch, batch_tiles) = match (self.takes_tma(plan), self.converted_for_prefill(plan)) {
+            (true, _) | (_, Some(_)) => {
                 use templates::TmaSchedule;
                 let schedule = match plan.prefill {
                     super::PrefillGemm::Specialised => TmaSchedule::Specialised,
@@ -866,23 +883,44 @@ impl MatMul {
                 let persistent = matches!(schedule, TmaSchedule::Persistent { .. }) && TmaSchedule::has_forms(arch);
                 let name = format!("{gemm_name}_tma{}", if persistent { "_persistent" } else { "" });
                 let form = (self.norm, self.glu);
-                let batch_name = format!("{name}_batch");
-                (
-                    templates::tma_prefill_gemm(arch, form, schedule, &name, origin),
-                    templates::tma_batch_gemm(arch, form, schedule, BATCH_ROWS as u32, (&batch_name, origin)),
-                )
+                match self.converted_for_prefill(plan) {
+                    // Steps of many rows multiply by the step's bf16 copy; batches decode.
+                    Some(_) => {
+                        let converted = format!("{name}_converted");
+                        let gemm = templates::tma_prefill_gemm(arch, form, schedule, &converted, origin).map(|g| {
+                            PrefillGemm {
+                                kernel: tma_gemm::over_converted_weights(g.kernel, &converted),
+                                ..g
+                            }
+                        });
+                        let decoding = decoding().expect("block weights decode in the tensor-core GEMM");
+                        (gemm, Some(decoding.kernel), Some(decoding.tiles))
+                    }
+                    None => {
+                        let batch_name = format!("{name}_batch");
+                        (
+                            templates::tma_prefill_gemm(arch, form, schedule, &name, origin),
+                            templates::tma_batch_gemm(arch, form, schedule, BATCH_ROWS as u32, (&batch_name, origin)),
+                            None,
+                        )
+                    }
+                }
             }
-            false => (
-                templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin),
-                None,
-            ),
+            (false, None) => (decoding(), None, None),
         };
         let (prefill, tiles) = match gemm {
             Some(gemm) => (gemm.kernel, Some((gemm.tiles, gemm.gates))),
             None => (few_rows.clone(), None),
         };
         let decode = gemv::gemv(&gemv_name, origin, gemv_tuning::shaped(spec, cols, sms));
-        (decode, few_rows, prefill, batch, tiles)
+        MatMulKernels {
+            decode,
+            few_rows,
+            prefill,
+            batch,
+            tiles,
+            batch_tiles,
+        }
     }
 
     /// Whether its prefill GEMM is the target's TMA GEMM (bf16 weights, rows of whole
@@ -897,51 +935,125 @@ impl MatMul {
             && self.k.is_multiple_of(8)
     }
 
+    /// The block format of weights that steps of more than `BATCH_ROWS` rows decode into a
+    /// bf16 copy for the target's TMA GEMM (a `weight_convert` launch before it), where the
+    /// plan's prefill GEMM is a TMA one and the copy fits [`CONVERTED_WEIGHTS_BYTES`]. Such a
+    /// step multiplies each weight by as many rows as a bf16 model's prompt does, on the same
+    /// GEMM, for the copy's cost: writing and reading 2 bytes a weight. Fewer rows keep the
+    /// GEMM that decodes the blocks into its tiles.
+    fn converted_for_prefill(&self, plan: &PlanTarget) -> Option<DType> {
+        let WeightFormat::Blocks(format) = self.weights else {
+            return None;
+        };
+        let tma = matches!(
+            plan.prefill,
+            super::PrefillGemm::Tma | super::PrefillGemm::Specialised | super::PrefillGemm::Persistent
+        );
+        let fits = self.n * self.k * 2 <= CONVERTED_WEIGHTS_BYTES;
+        let arch = plan.target.cuda_arch().unwrap_or_default();
+        let many_rows = plan.max_tokens > BATCH_ROWS;
+        (tma && fits && self.glu.is_none() && many_rows && templates::has_tma_gemm(arch)).then_some(format)
+    }
+
+    /// The position of the weight matrix in its launches' arguments (the GEMV's: activations,
+    /// the residual, the norm's weight, then the matrix).
+    fn matrix_arg(&self) -> usize {
+        1 + usize::from(gemv::residual(self.norm)) + usize::from(self.norm.is_some())
+    }
+
     /// Its launches: the GEMV with its alternatives for steps of a few and of many rows, and
     /// after a GEMM that splits K the reduction of its partials. The GEMM
     /// takes the partials and the split count after the GEMV's arguments (which the GEMV does
     /// not read); the TMA GEMM then its bf16 rows, which a launch before it makes at steps
-    /// of its rows (the prologue's work, which the GEMM then does not do).
+    /// of its rows (the prologue's work, which the GEMM then does not do), and over converted
+    /// weights the copy a launch before that makes.
     fn push(self, s: &mut Selected, args: Vec<LaunchArg>, aligned: bool, rows: &str, plan: &PlanTarget) {
         let i = self.node;
         let sms = plan.target.multiprocessors();
+        let converted = self.converted_for_prefill(plan);
         let tma = self.takes_tma(plan);
-        let (kernel, few_rows, prefill, batch, tiles) = self.kernels(plan, aligned);
+        let kernels = self.kernels(plan, aligned);
         let alternatives = Alternatives {
-            few_rows: Some(few_rows),
-            prefill: Some(prefill),
-            batch,
+            few_rows: Some(kernels.few_rows),
+            prefill: Some(kernels.prefill),
+            batch: kernels.batch,
         };
-        let Some((tiles, gates)) = tiles else {
-            s.launches.push((i, kernel, alternatives, args));
+        let Some((tiles, gates)) = kernels.tiles else {
+            s.launches.push((i, kernels.decode, alternatives, args));
             return;
         };
         let (n, k) = (self.n, self.k);
-        let mut partial_len = split_k::partial_len(n, k, tiles, sms);
-        if self.glu.is_some() && !gates {
-            // Every product goes through the partials, in one split too: room for every row.
-            partial_len = partial_len.max(plan.max_tokens * n);
-        }
-        // The norm the GEMM's splits still scale by (the TMA GEMM's rows come normalised).
-        let norm = self.norm.filter(|_| !tma);
-        if norm.is_some() {
-            // The splits' sums of squares after the products.
-            partial_len = prologue_norms::partial_len(partial_len, n);
-        }
+        // The GEMMs' tilings: the TMA GEMM's alone, or over converted weights the decoding
+        // GEMM's too (its norm in its splits), up to `BATCH_ROWS` rows.
+        let tilings: Vec<(Tiles, bool)> = match kernels.batch_tiles {
+            Some(decoding) => vec![(tiles, false), (decoding, true)],
+            None => vec![(tiles, !tma)],
+        };
+        let partial_len = tilings
+            .iter()
+            .map(|&(tiles, scaled)| {
+                let mut len = split_k::partial_len(n, k, tiles, sms);
+                if self.glu.is_some() && !gates {
+                    // Every product goes through the partials, in one split too: room for every row.
+                    len = len.max(plan.max_tokens * n);
+                }
+                // The splits' sums of squares after the products, where the GEMM's rows are
+                // not normalised before it.
+                match self.norm.is_some() && scaled {
+                    true => prologue_norms::partial_len(len, n),
+                    false => len,
+                }
+            })
+            .max()
+            .expect("a tiling");
         let partial = LaunchArg::Scratch {
             node: i,
             name: "partial".into(),
             bytes: partial_len * 4,
         };
-        let splits = split_k::splits_expr(rows, n, k, tiles, sms);
+        let splits = match kernels.batch_tiles {
+            Some(decoding) => {
+                // The decoding GEMM's splits up to `BATCH_ROWS` rows, the TMA GEMM's beyond.
+                let beyond = format!("min(1, max(0, ({rows}) - {BATCH_ROWS}))");
+                format!(
+                    "{beyond} * ({}) + (1 - {beyond}) * ({})",
+                    split_k::splits_expr(rows, n, k, tiles, sms),
+                    split_k::splits_expr(rows, n, k, decoding, sms)
+                )
+            }
+            None => split_k::splits_expr(rows, n, k, tiles, sms),
+        };
         let mut args = [args, vec![partial.clone(), scalar("splits", &splits)]].concat();
-        if tma {
-            let (rows_launch, bf16_rows) = self.bf16_rows_launch(&args, rows, plan);
+        if let Some(format) = converted {
+            let wb = LaunchArg::Scratch {
+                node: i,
+                name: "wb".into(),
+                bytes: n * k * 2,
+            };
+            let convert = weight_convert::blocks_to_bf16_for_prefill(format, BATCH_ROWS + 1, plan.origin)
+                .expect("a block format");
+            let convert_args = vec![
+                args[self.matrix_arg()].clone(),
+                wb.clone(),
+                scalar("n", n),
+                scalar("k", k),
+                scalar("tokens", rows),
+            ];
+            s.launches.push((i, convert, Alternatives::default(), convert_args));
+            let (rows_launch, bf16_rows) = self.bf16_rows_launch(&args, rows, plan, BATCH_ROWS + 1);
+            s.launches.push(rows_launch);
+            args.extend(bf16_rows);
+            args.push(wb);
+        } else if tma {
+            let (rows_launch, bf16_rows) = self.bf16_rows_launch(&args, rows, plan, super::PREFILL_TOKENS);
             s.launches.push(rows_launch);
             args.extend(bf16_rows);
         }
-        s.launches.push((i, kernel, alternatives, args));
-        if split_k::most_splits(n, k, tiles, sms) == 1 && self.glu.is_none() {
+        s.launches.push((i, kernels.decode, alternatives, args));
+        let one_split = tilings
+            .iter()
+            .all(|&(tiles, _)| split_k::most_splits(n, k, tiles, sms) == 1);
+        if one_split && self.glu.is_none() {
             return;
         }
         // Into the product's columns of the output's rows: after the sum under a residual
@@ -962,25 +1074,46 @@ impl MatMul {
             scalar("out_stride", cols),
             scalar("out_col", out_col),
         ];
-        if norm.is_some() {
+        // The norm the GEMM's splits still scale by (the TMA GEMM's rows come normalised).
+        let scaled_norm = |scaled: bool| self.norm.filter(|_| scaled);
+        if tilings.iter().any(|&(_, scaled)| scaled_norm(scaled).is_some()) {
             reduce_args.push(scalar("k", k));
         }
-        let reduce = match (self.glu, gates) {
+        let reduce = |norm| match (self.glu, gates) {
             (Some(act), true) => {
                 split_k::reduce_after_gating("split_k_reduce", plan.origin, super::PREFILL_TOKENS, act)
             }
             _ => split_k::reduce("split_k_reduce", plan.origin, super::PREFILL_TOKENS, self.glu, norm),
         };
-        s.launches.push((i, reduce, Alternatives::default(), reduce_args));
+        let (kernel, alternatives) = match &tilings[..] {
+            // Over converted weights with a norm: the decoding GEMM's splits scale by it, the
+            // TMA GEMM's (beyond `BATCH_ROWS` rows) do not.
+            [_, _] if self.norm.is_some() => (
+                reduce(self.norm),
+                Alternatives {
+                    prefill: Some(reduce(None)),
+                    batch: Some(reduce(self.norm)),
+                    ..Alternatives::default()
+                },
+            ),
+            [(_, scaled), ..] => (reduce(scaled_norm(*scaled)), Alternatives::default()),
+            [] => unreachable!("a tiling"),
+        };
+        s.launches.push((i, kernel, alternatives, reduce_args));
     }
 
     /// The launch making the TMA GEMM's bf16 rows from the matmul's arguments `args` (the
     /// GEMV's: activations, the norm's weight, the matrix, `out`, the sizes and strides), and
     /// the arguments that hand them to the GEMM (the rows and their stride).
-    fn bf16_rows_launch(&self, args: &[LaunchArg], rows: &str, plan: &PlanTarget) -> (Launched, [LaunchArg; 2]) {
+    fn bf16_rows_launch(
+        &self,
+        args: &[LaunchArg],
+        rows: &str,
+        plan: &PlanTarget,
+        min_tokens: usize,
+    ) -> (Launched, [LaunchArg; 2]) {
         let residual = gemv::residual(self.norm);
-        // The activations, then the norm's weight, then the matrix (`gemv`'s parameters).
-        let matrix = 1 + usize::from(residual) + usize::from(self.norm.is_some());
+        let matrix = self.matrix_arg();
         let (out, x_stride) = (&args[matrix + 1], &args[matrix + 5]);
         let xb_stride = self.k.next_multiple_of(8);
         let xb = LaunchArg::Scratch {
@@ -1011,7 +1144,7 @@ impl MatMul {
             Some(_) => "rms_norm_bf16_rows",
             None => "bf16_rows",
         };
-        let kernel = bf16_rows::bf16_rows(name, plan.origin, self.norm, super::PREFILL_TOKENS);
+        let kernel = bf16_rows::bf16_rows(name, plan.origin, self.norm, min_tokens);
         let launch = (self.node, kernel, Alternatives::default(), launch_args);
         (launch, [xb, scalar("xb_stride", xb_stride)])
     }
