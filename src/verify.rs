@@ -89,3 +89,29 @@ fn compare(want: &[(String, Vec<f32>)], got: &[(String, Vec<f32>)]) -> Option<St
     }
     None
 }
+
+#[cfg(test)]
+mod tests {
+    use super::compare;
+
+    fn outputs(values: &[f32]) -> Vec<(String, Vec<f32>)> {
+        vec![("logits".to_string(), values.to_vec())]
+    }
+
+    /// Within the tolerance passes; past it, or a NaN where the input graph had a value (which
+    /// a maximum over differences by `f32::max` would skip), or a changed shape fails.
+    #[test]
+    fn a_pass_output_fails_on_a_difference_a_nan_or_a_shape() {
+        let want = outputs(&[1.0, -2.0, 4.0]);
+        assert_eq!(compare(&want, &outputs(&[1.001, -2.0, 4.0])), None);
+        let far = compare(&want, &outputs(&[1.0, -2.0, 4.1])).expect("0.1 of 4 is past 1e-3");
+        assert!(far.contains("differs by"), "{far}");
+        for nan_at in 0..3 {
+            let mut got = [1.0, -2.0, 4.0];
+            got[nan_at] = f32::NAN;
+            let nan = compare(&want, &outputs(&got)).expect("a NaN fails");
+            assert!(nan.contains("NaN"), "{nan}");
+        }
+        assert!(compare(&want, &outputs(&[1.0, -2.0])).is_some());
+    }
+}

@@ -67,7 +67,9 @@ use crate::dsl::*;
 /// GGUF blocks, every target: `mma.sync` with the blocks decoded into its shared-memory tile
 /// (`WeightStaging::Dequantize`); each weight is decoded once per 64 tokens instead of once
 /// per 4 as in the prefill GEMV. The wgmma/tcgen05 kernels take their weights by `cp.async`,
-/// which copies bytes and cannot decode.
+/// which copies bytes and cannot decode. (Plans take this GEMM for steps of up to a decode
+/// batch's rows; larger steps decode the blocks into a bf16 copy for the TMA GEMM:
+/// `weight_convert::blocks_to_bf16_for_prefill`, `tma_gemm::over_converted_weights`.)
 ///
 /// Every one of them takes an RMSNorm prologue (`rms_norm_matmul`, `add_rms_norm_matmul`) and
 /// a GLU epilogue over dense weights, and splits K at few rows (`split_k`). A GLU epilogue over
