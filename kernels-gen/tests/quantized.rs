@@ -104,6 +104,25 @@ fn quantized_tensor_core_gemm_matches_dequantize_then_matmul() {
     }
 }
 
+/// The decoding GEMM's tiles take each row's run as two 16-byte stores a lane, rows 80 bytes
+/// apart: no shared-memory bank conflicts, stores or `ldmatrix` reads (the emulator counts
+/// them), for a 32-element format and a K-quant.
+#[test]
+fn quantized_tensor_core_gemm_stages_its_tiles_without_bank_conflicts() {
+    use kernels_gen::templates::gemm_mma::{gemm_mma, WeightStaging};
+    for format in [DType::Q8_0, DType::Q4K] {
+        let (data, k, n) = two_block_rows(format);
+        let tokens = 20;
+        let x: Vec<f32> = (0..tokens * k).map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0).collect();
+        let kernel = gemm_mma("gemm_q", "test", WeightStaging::Dequantize(format));
+        let traffic = common::profile_matmul(&kernel, Array::f32(&x), Array::u8(&data), (tokens, n, k, k)).unwrap();
+        assert!(traffic.0.contains_key("ws"), "{format}: {traffic:?}");
+        for (array, t) in &traffic.0 {
+            assert_eq!(t.worst, 1, "{format}, {array}: {t:?}");
+        }
+    }
+}
+
 /// The GEMVs with the residual add and norm before them (`add_rms_norm_matmul` over GGUF
 /// weights at one and a few rows, as plans now fuse GGUF models too): `[x + b | product]` rows.
 #[test]

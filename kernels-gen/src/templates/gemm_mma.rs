@@ -97,23 +97,75 @@ pub enum WeightStaging {
     /// bf16 weights by `cp.async` into two buffers, the next step's copy overlapping this
     /// step's MMAs: `k` a multiple of 8 (each 16-byte copy wholly inside one aligned row).
     CpAsync,
-    /// GGUF blocks (raw bytes) decoded element by element (`quant::dequant`) and rounded to
-    /// bf16 on their way into shared memory: each weight is decoded once per 64-token tile,
-    /// where the prefill GEMV decodes it once per 4 tokens.
+    /// GGUF blocks (raw bytes) decoded a run of 16 a thread ([`decode_block_runs`]) and
+    /// rounded to bf16 on their way into shared memory: each weight is decoded once per
+    /// 64-token tile, where the prefill GEMV decodes it once per 4 tokens.
     Dequantize(ir::DType),
 }
 
-/// Stage the 64×32 weight slice of GGUF-block weights, decoding each element.
+/// Stage the 64×32 weight slice of GGUF-block weights ([`decode_block_runs`]).
 fn stage_blocks(format: ir::DType) -> Vec<Stmt> {
-    let (block_elements, block_bytes) = quant::block_layout(format).expect("a block format");
-    stage("ws", "n0", "n", move |row, col, value| {
-        let row_bytes = var("k") / int(block_elements) * int(block_bytes);
-        [
-            quant::dequant(format, "wq", row * row_bytes, col),
-            vec![assign(value, var("wq"))],
+    let valid_rows = var("n") - var("n0");
+    vec![decode_block_runs(
+        format,
+        "ws",
+        int(0),
+        (var("n0"), valid_rows),
+        var("k"),
+    )]
+}
+
+/// A 64×32 slice of weights stored as GGUF blocks, decoded into shared `dst` from element
+/// `at` (rows `STAGE_STRIDE` apart, rounded to bf16): slice row r is weight row
+/// `first_row + r` (zeros from `valid_rows` on), its 32 columns at `k0` one run of the blocks
+/// (a 32-element block or a K-quant's sub-block: `k`, the rows' length, is whole blocks).
+/// Warps 0 and 1 decode the first 16 of each row's run, a lane a row, warps 2 and 3 the last
+/// 16 (`quant::run_weights`: the run's scales decoded once, not once an element); each lane
+/// stores its 16 as two 16-byte vectors (rows 80 bytes apart: 8 lanes cover the 32 banks).
+pub(super) fn decode_block_runs(
+    format: ir::DType,
+    dst: &str,
+    at: Expr,
+    (first_row, valid_rows): (Expr, Expr),
+    k: Expr,
+) -> Stmt {
+    assert_eq!(WARPS * 32, 2 * TILE_N, "a thread for each half of each row");
+    assert_eq!(TILE_K, 32, "a K step is one run of 32");
+    let place = |first: i64| {
+        let place = var("run_row") * int(STAGE_STRIDE) + int(first);
+        // Nothing added to a start of 0.
+        match &at {
+            Expr::Int(0) => place,
+            at => at.clone() + place,
+        }
+    };
+    let half = |elements: std::ops::Range<usize>| {
+        let first = elements.start as i64;
+        let value = |e: i64| var(&format!("wr{e}"));
+        let decoded = [
+            vec![let_(
+                "run",
+                Ty::I32,
+                (first_row.clone() + var("run_row")) * (k.clone() / int(TILE_K)) + var("k0") / int(TILE_K),
+            )],
+            quant::run_weights(format, "wr", var("run"), elements),
+            vec![
+                store_vec(dst, place(first), (first..first + 8).map(value).collect()),
+                store_vec(dst, place(first + 8), (first + 8..first + 16).map(value).collect()),
+            ],
         ]
-        .concat()
-    })
+        .concat();
+        let zeros = vec![
+            store_vec(dst, place(first), vec![f(0.0); 8]),
+            store_vec(dst, place(first + 8), vec![f(0.0); 8]),
+        ];
+        vec![
+            let_("run_row", Ty::I32, rem(tid(), int(TILE_N))),
+            if_else(lt(var("run_row"), valid_rows.clone()), decoded, zeros),
+        ]
+    };
+    // Warp-uniform: each warp takes one half.
+    if_else(lt(tid(), int(TILE_N)), half(0..16), half(16..32))
 }
 
 /// Copy the 64×32 weight slice at `k0` into buffer `buffer` with `cp.async`: copy

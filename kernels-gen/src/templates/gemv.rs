@@ -557,9 +557,10 @@ fn row_weights(spec: &GemvSpec, row: Expr, w: &[String]) -> Vec<Stmt> {
             let base = (row * (var("k") / int(elements)) + var("i") / int(elements)) * int(bytes);
             match super::quant::decodes_sub_blocks(format) {
                 true => {
-                    super::quant::k_sub_block_weights(format, "w", base, rem(var("i") / int(32), int(elements / 32)))
+                    let sub = rem(var("i") / int(32), int(elements / 32));
+                    super::quant::k_sub_block_weights(format, "w", base, sub, 0..32)
                 }
-                false => super::quant::block_weights(format, "w", base),
+                false => super::quant::block_weights(format, "w", base, 0..32),
             }
         }
         _ if v > 1 => vec![load_vec("w", row * var("k") + var("i"), w)],

@@ -209,16 +209,21 @@ fn copy_weights(dst: &str, (first_row, valid_rows): (Expr, Expr), k_len: i64, (b
     )
 }
 
-/// A weight tile decoded element by element into `dst`'s buffer `s` ([`stage_slice`]): 64 rows
-/// from `first_row` (those from `valid_rows` on zero), 32 columns at `k0` of rows `k_len` long.
+/// A weight tile decoded into `dst`'s buffer `s`: 64 rows from `first_row` (those from
+/// `valid_rows` on zero), 32 columns at `k0` of rows `k_len` long; GGUF blocks a run a thread
+/// (`gemm_mma::decode_block_runs`), half weights element by element ([`stage_slice`]).
 fn decode_weights(format: WeightFormat, dst: &str, (first_row, valid_rows): (Expr, Expr), k_len: i64) -> Stmt {
+    let at = var("s") * int(STAGE);
+    if let WeightFormat::Blocks(blocks) = format {
+        return gemm_mma::decode_block_runs(blocks, dst, at, (first_row, valid_rows), int(k_len));
+    }
     let fetch = [
         format.element("we", first_row + var("r"), int(k_len), var("k0") + var("c")),
         vec![assign("value", var("we"))],
     ]
     .concat();
     let valid = lt(var("r"), valid_rows);
-    stage_slice(dst, var("s") * int(STAGE), k_len, (vec![], valid, fetch))
+    stage_slice(dst, at, k_len, (vec![], valid, fetch))
 }
 
 /// A K step's copies into a buffer: `copy(buffer, k0)`.

@@ -4,8 +4,9 @@
 //! and embedding gather are built on them.
 //!
 //! Element-wise dequantization (`dequant`) reads each block's scales once per element: correct
-//! for every format and shape (the embedding gather and the GEMM's tile staging use it). The
-//! GEMV decodes 32 elements per lane instead: a whole block of the 32-element formats
+//! for every format and shape (the embedding gather uses it). The GEMV, the tensor-core GEMMs'
+//! tile staging and the conversions decode up to 32 elements per lane instead (`run_weights`,
+//! any part of a run): a whole block of the 32-element formats
 //! (`block_weights`: its scale, and min or high bits, read once, each nibble byte giving two
 //! elements; IQ4_NL's nibbles through the IQ4 table, `UnOp::Iq4Value`), or one 32-element
 //! sub-block of a 256-element super-block (`k_sub_block_weights`: its scales and mins decoded
@@ -14,6 +15,7 @@
 
 use crate::dsl::*;
 use ir::DType;
+use std::ops::Range;
 
 /// (elements, bytes) of a block.
 pub fn block_layout(format: DType) -> Option<(i64, i64)> {
@@ -224,10 +226,10 @@ pub fn decodes_whole_blocks(format: DType) -> bool {
     )
 }
 
-/// Statements declaring f32 locals `{prefix}0..{prefix}31`: the 32 weights of the block at byte
-/// `base` of a 32-element format (see [`decodes_whole_blocks`]), each computed as `dequant`
-/// computes it.
-pub fn block_weights(format: DType, prefix: &str, base: Expr) -> Vec<Stmt> {
+/// Statements declaring f32 locals `{prefix}e` for `e` in `elements` (of `0..32`): those
+/// weights of the block at byte `base` of a 32-element format (see [`decodes_whole_blocks`]),
+/// each computed as `dequant` computes it.
+pub fn block_weights(format: DType, prefix: &str, base: Expr, elements: Range<usize>) -> Vec<Stmt> {
     assert!(
         decodes_whole_blocks(format),
         "{format} is not a 32-element block format"
@@ -268,7 +270,7 @@ pub fn block_weights(format: DType, prefix: &str, base: Expr) -> Vec<Stmt> {
         }
     };
     if format == DType::Q8_0 {
-        for e in 0..32 {
+        for e in elements.map(|e| e as i64) {
             s.push(let_(
                 &format!("{prefix}{e}"),
                 Ty::F32,
@@ -278,9 +280,15 @@ pub fn block_weights(format: DType, prefix: &str, base: Expr) -> Vec<Stmt> {
         return s;
     }
     for j in 0..16 {
+        if !elements.contains(&(j as usize)) && !elements.contains(&(j as usize + 16)) {
+            continue;
+        }
         let b = format!("blk_b{j}");
         s.push(let_(&b, Ty::I32, byte(at(qs + j))));
         for (e, nibble) in [(j, mask_bits(var(&b), 15)), (j + 16, shr(var(&b), int(4)))] {
+            if !elements.contains(&(e as usize)) {
+                continue;
+            }
             let q = match qh {
                 Some(_) => {
                     let word = if e < 16 { "blk_h0" } else { "blk_h1" };
@@ -294,10 +302,11 @@ pub fn block_weights(format: DType, prefix: &str, base: Expr) -> Vec<Stmt> {
     s
 }
 
-/// Statements declaring f32 locals `{prefix}0..{prefix}31`: the 32 weights of sub-block `sub`
-/// (0..8) of the K-quant super-block at byte `base`, each computed as `dequant` computes it
-/// (the same operations in the same order), with the sub-block's scales decoded once.
-pub fn k_sub_block_weights(format: DType, prefix: &str, base: Expr, sub: Expr) -> Vec<Stmt> {
+/// Statements declaring f32 locals `{prefix}e` for `e` in `elements` (of `0..32`): those
+/// weights of sub-block `sub` (0..8) of the K-quant super-block at byte `base`, each computed
+/// as `dequant` computes it (the same operations in the same order), with the sub-block's
+/// scales decoded once.
+pub fn k_sub_block_weights(format: DType, prefix: &str, base: Expr, sub: Expr, elements: Range<usize>) -> Vec<Stmt> {
     let at = |offset: Expr| var("blk_at") + offset;
     let mut s = vec![let_("blk_at", Ty::I32, base), let_("q_sub", Ty::I32, sub)];
     let weight = |e: usize| format!("{prefix}{e}");
@@ -310,7 +319,7 @@ pub fn k_sub_block_weights(format: DType, prefix: &str, base: Expr, sub: Expr) -
             s.push(let_("blk_shift", Ty::I32, mask_bits(var("q_sub"), 1) * int(4)));
             let qs = if format == DType::Q4K { 16 } else { 48 };
             s.push(let_("blk_qs", Ty::I32, at(int(qs)) + var("q_sub") / int(2) * int(32)));
-            for e in 0..32 {
+            for e in elements.clone().map(|e| e as i64) {
                 let mut q = mask_bits(shr(byte(var("blk_qs") + int(e)), var("blk_shift")), 15);
                 if format == DType::Q5K {
                     let high = mask_bits(shr(byte(at(int(16 + e))), var("q_sub")), 1);
@@ -338,7 +347,7 @@ pub fn k_sub_block_weights(format: DType, prefix: &str, base: Expr, sub: Expr) -
             ));
             s.push(let_("blk_nib", Ty::I32, select(lt(var("q_g"), int(2)), int(0), int(4))));
             s.push(let_("blk_qh", Ty::I32, at(int(128)) + var("q_h") * int(32)));
-            for e in 0..32 {
+            for e in elements.clone().map(|e| e as i64) {
                 let nib = mask_bits(shr(byte(var("blk_ql") + int(e)), var("blk_nib")), 15);
                 let qh = mask_bits(shr(byte(var("blk_qh") + int(e)), var("q_g") * int(2)), 3);
                 let q = nib + bin(BinOp::Shl, qh, int(4)) - int(32);
@@ -370,7 +379,7 @@ pub fn k_sub_block_weights(format: DType, prefix: &str, base: Expr, sub: Expr) -
             }
             s.push(let_("blk_qs", Ty::I32, at(int(16)) + var("q_sub") / int(4) * int(32)));
             s.push(let_("blk_shift", Ty::I32, rem(var("q_sub"), int(4)) * int(2)));
-            for e in 0..32 {
+            for e in elements.clone().map(|e| e as i64) {
                 let q = mask_bits(shr(byte(var("blk_qs") + int(e)), var("blk_shift")), 3);
                 let half_ = if e < 16 { 0 } else { 1 };
                 s.push(let_(
@@ -398,7 +407,7 @@ pub fn k_sub_block_weights(format: DType, prefix: &str, base: Expr, sub: Expr) -
                 Ty::I32,
                 var("q_sub") / int(4) * int(4) + rem(var("q_sub"), int(4)),
             ));
-            for e in 0..32 {
+            for e in elements.clone().map(|e| e as i64) {
                 let low = mask_bits(shr(byte(var("blk_qs") + int(e)), var("blk_shift")), 3);
                 let high = mask_bits(shr(byte(at(int(e))), var("blk_bit")), 1);
                 let q = low + high * int(4) - int(4);
@@ -415,9 +424,15 @@ pub fn k_sub_block_weights(format: DType, prefix: &str, base: Expr, sub: Expr) -
             ));
             s.push(let_("blk_qs", Ty::I32, at(int(8)) + var("q_sub") * int(16)));
             for j in 0..16 {
+                if !elements.contains(&(j as usize)) && !elements.contains(&(j as usize + 16)) {
+                    continue;
+                }
                 let b = format!("blk_b{j}");
                 s.push(let_(&b, Ty::I32, byte(var("blk_qs") + int(j))));
                 for (e, index) in [(j, mask_bits(var(&b), 15)), (j + 16, shr(var(&b), int(4)))] {
+                    if !elements.contains(&(e as usize)) {
+                        continue;
+                    }
                     s.push(let_(
                         &weight(e as usize),
                         Ty::F32,
@@ -431,18 +446,19 @@ pub fn k_sub_block_weights(format: DType, prefix: &str, base: Expr, sub: Expr) -
     s
 }
 
-/// Statements declaring f32 locals `{prefix}0..{prefix}31`: the 32 elements of run `run` in
-/// a stream of whole blocks of `format` from byte 0 (a 32-element format's block `run`, or
-/// sub-block `run mod 8` of super-block `run / 8`), through [`block_weights`] or
-/// [`k_sub_block_weights`]: scales decoded once for the 32.
-pub fn run_weights(format: DType, prefix: &str, run: Expr) -> Vec<Stmt> {
-    let (elements, bytes) = block_layout(format).expect("a block format");
+/// Statements declaring f32 locals `{prefix}e` for `e` in `elements` (of `0..32`): those
+/// elements of run `run` in a stream of whole blocks of `format` from byte 0 (a 32-element
+/// format's block `run`, or sub-block `run mod 8` of super-block `run / 8`), through
+/// [`block_weights`] or [`k_sub_block_weights`]: scales decoded once for them all.
+pub fn run_weights(format: DType, prefix: &str, run: Expr, elements: Range<usize>) -> Vec<Stmt> {
+    let (block_elements, bytes) = block_layout(format).expect("a block format");
     match decodes_sub_blocks(format) {
         true => {
-            let runs = int(elements / 32);
-            k_sub_block_weights(format, prefix, run.clone() / runs.clone() * int(bytes), rem(run, runs))
+            let runs = int(block_elements / 32);
+            let (base, sub) = (run.clone() / runs.clone() * int(bytes), rem(run, runs));
+            k_sub_block_weights(format, prefix, base, sub, elements)
         }
-        false => block_weights(format, prefix, run * int(bytes)),
+        false => block_weights(format, prefix, run * int(bytes), elements),
     }
 }
 

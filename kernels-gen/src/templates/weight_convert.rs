@@ -84,7 +84,7 @@ fn decode_runs(format: DType, runs: Expr, out: &str, ty: Ty) -> Vec<Stmt> {
         Ty::F32 => 4,
         _ => 8,
     };
-    let mut body = run_weights(format, "v", var("i"));
+    let mut body = run_weights(format, "v", var("i"), 0..RUN as usize);
     for first in (0..RUN).step_by(per_store) {
         let values = (first..first + per_store as i64)
             .map(|e| var(&format!("v{e}")))
