@@ -57,28 +57,40 @@ pub(super) const WARP_M_TILES: usize = 2;
 pub(super) const WARP_N_TILES: usize = 4;
 
 /// Stage a 64×32 slice (rows `row0..`, columns `k0..`) into shared `dst`: element (row, col)
-/// is what `fetch(row, col, value)` sets the f32 local `value` to, zero past `rows` and `k`;
-/// thread `tid` takes elements `tid + 128·i`, a warp 32 consecutive columns of one row.
+/// is what `fetch(row, col, value)` sets the f32 local `value` to, zero past `rows` and `k`.
+/// Thread (warp w, lane l) takes columns `2·(l mod 16)` and the next of rows
+/// `w + 4·(l / 16) + 8·i`, storing the two as one bf16 pair (one conversion instruction): a
+/// half-warp reads 32 consecutive elements of a row, and the two halves' stores land 4 rows
+/// (320 bytes, half the banks) apart, one wavefront a warp.
 fn stage(dst: &str, row0: &str, rows: &str, fetch: impl Fn(Expr, Expr, &str) -> Vec<Stmt>) -> Vec<Stmt> {
-    let per_thread = TILE_M * TILE_K / (32 * WARPS);
-    let e = tid() + var("i") * int(32 * WARPS);
-    let (r, c) = (e.clone() / int(TILE_K), rem(e, int(TILE_K)));
-    let (grow, gcol) = (var(row0) + r.clone(), var("k0") + c.clone());
-    let value = format!("{dst}_v");
-    vec![for_(
-        "i",
-        int(0),
-        int(per_thread),
-        int(1),
-        vec![
-            let_(&value, Ty::F32, f(0.0)),
-            if_(
-                and(lt(grow.clone(), var(rows)), lt(gcol.clone(), var("k"))),
-                fetch(grow, gcol, &value),
-            ),
-            store(dst, r * int(STAGE_STRIDE) + c, var(&value)),
-        ],
-    )]
+    const HALF: i64 = 16;
+    let rows_a_pass = 2 * WARPS;
+    let (r, c) = (format!("{dst}_r"), format!("{dst}_c"));
+    let (grow, gcol) = (var(row0) + var(&r), var("k0") + var(&c));
+    let mut body = vec![
+        let_(
+            &r,
+            Ty::I32,
+            warp() + lane() / int(HALF) * int(WARPS) + var("i") * int(rows_a_pass),
+        ),
+        let_(&c, Ty::I32, rem(lane(), int(HALF)) * int(2)),
+    ];
+    let values: Vec<String> = (0..2).map(|j| format!("{dst}_v{j}")).collect();
+    for (j, value) in values.iter().enumerate() {
+        let col = gcol.clone() + int(j as i64);
+        body.push(let_(value, Ty::F32, f(0.0)));
+        body.push(if_(
+            and(lt(grow.clone(), var(rows)), lt(col.clone(), var("k"))),
+            fetch(grow.clone(), col, value),
+        ));
+    }
+    body.push(store_vec(
+        dst,
+        var(&r) * int(STAGE_STRIDE) + var(&c),
+        values.iter().map(|v| var(v)).collect(),
+    ));
+    assert_eq!(TILE_K, 2 * HALF, "a half-warp's pairs span a row");
+    vec![for_("i", int(0), int(TILE_M / rows_a_pass), int(1), body)]
 }
 
 /// A row-major array's element (row, col), rows `row_stride` apart.
