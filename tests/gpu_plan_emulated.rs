@@ -515,11 +515,12 @@ fn tiny_quantized_llama_plans_agree_with_the_cpu_backend() {
 /// A GGUF model's prompts of more rows than a decode batch's: each matmul's blocks decoded
 /// into a bf16 copy for the step (a launch of its own, none at fewer rows), multiplied by the
 /// target's TMA GEMM as bf16 weights are; a chunk of batch rows then through the GEMM that
-/// decodes blocks into its tiles, then decode steps; on every GPU target against the CPU
-/// backend on the file dequantized to f32 (both round weights and activations to bf16 in the
-/// GEMMs: 2e-2, as `tiny_quantized_llama_plans_agree_with_the_cpu_backend`). Hidden 128, so
-/// that the normed projections' TMA GEMMs split K (their rows come normalised: the splits'
-/// reduction must not scale them again, where the decoding GEMM's must).
+/// decodes blocks into its tiles, over the same normed bf16 rows; then decode steps; on every
+/// GPU target against the CPU backend on the file dequantized to f32 (both round weights and
+/// activations to bf16 in the GEMMs: 2e-2, as
+/// `tiny_quantized_llama_plans_agree_with_the_cpu_backend`). Hidden 128, so that the normed
+/// projections' GEMMs split K (their rows come normalised: the splits' reduction must not
+/// scale them again).
 #[test]
 fn quantized_prompts_of_many_rows_multiply_by_weights_converted_for_them() {
     use tiny_gguf::{gguf_llama, q4_0, q8_0, LlamaShape};
@@ -572,7 +573,7 @@ fn quantized_prompts_of_many_rows_multiply_by_weights_converted_for_them() {
         let decoding = plan
             .launches
             .iter()
-            .filter(|l| l.batch_kernel.as_deref().is_some_and(|k| k.contains("gemm")))
+            .filter(|l| l.batch_kernel.as_deref().is_some_and(|k| k.contains("gemm_after_rows")))
             .count();
         assert!(conversions > 0, "{label}");
         assert_eq!((over_copies, decoding), (conversions, conversions), "{label}");

@@ -123,6 +123,69 @@ fn quantized_tensor_core_gemm_stages_its_tiles_without_bank_conflicts() {
     }
 }
 
+/// The decoding GEMM as plans launch it after the rows' launch: bf16 rows (`xb`, rows
+/// `xb_stride` apart) times the blocks, for every format, one ragged token tile and two;
+/// under a residual-and-norm form the products land after each row's sum, which it leaves
+/// as the rows' launch wrote it, unscaled (the rows come normed).
+#[test]
+fn quantized_tensor_core_gemm_multiplies_rows_made_before_it() {
+    use kernels_gen::templates::gemm_mma::{gemm_mma_after_rows, WeightStaging};
+    let round = |v: &[f32]| v.iter().map(|&a| half::bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+    let residual = NormPrologue::new(1e-6, 1.0).with_residual();
+    for format in QUANT_FORMATS {
+        let (data, k, n) = two_block_rows(format);
+        let mut w = vec![0f32; n * k];
+        ggml(format).dequantize(&data, &mut w);
+        for (norm, tokens) in [(None, 20), (None, 70), (Some(residual), 20)] {
+            let kernel = gemm_mma_after_rows("gemm_q_rows", "test", WeightStaging::Dequantize(format), norm);
+            let xb_stride = k + 8;
+            let xb: Vec<f32> = (0..tokens * xb_stride)
+                .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)
+                .collect();
+            let rows: Vec<f32> = (0..tokens)
+                .flat_map(|t| xb[t * xb_stride..t * xb_stride + k].to_vec())
+                .collect();
+            let mut want = vec![0f32; tokens * n];
+            ir::reference::ops::matmul(&round(&rows), &round(&w), k, &mut want);
+            // Under the residual form a row is `[sum | product]`: the sums stay as they were.
+            let (out_stride, product_col) = if norm.is_some() { (k + n, k) } else { (n, 0) };
+            let untouched = -12345.0f32;
+            let xb16: Vec<half::bf16> = xb.iter().map(|&v| half::bf16::from_f32(v)).collect();
+            let mut bufs = HashMap::from([
+                ("x".into(), Array::poisoned(Ty::F32, 1)),
+                ("b".into(), Array::poisoned(Ty::F32, 1)),
+                ("g".into(), Array::poisoned(Ty::F32, 1)),
+                ("w".into(), Array::u8(&data)),
+                ("out".into(), Array::f32(&vec![untouched; tokens * out_stride])),
+                ("partial".into(), Array::poisoned(Ty::F32, 1)),
+                ("xb".into(), Array::bf16(&xb16)),
+            ]);
+            let scalars = ints(&[
+                ("tokens", tokens as i64),
+                ("n", n as i64),
+                ("k", k as i64),
+                ("x_stride", k as i64),
+                ("b_stride", k as i64),
+                ("splits", 1),
+                ("xb_stride", xb_stride as i64),
+            ]);
+            run(&kernel, &mut bufs, &scalars).unwrap();
+            let out = bufs["out"].to_f32().unwrap();
+            let what = format!("{format} × {tokens} tokens, {norm:?}");
+            let products: Vec<f32> = (0..tokens)
+                .flat_map(|t| out[t * out_stride + product_col..t * out_stride + product_col + n].to_vec())
+                .collect();
+            close(&products, &want, 1e-5, &what);
+            let sums_kept = (0..tokens).all(|t| {
+                out[t * out_stride..t * out_stride + product_col]
+                    .iter()
+                    .all(|&v| v == untouched)
+            });
+            assert!(sums_kept, "{what}: wrote a sum");
+        }
+    }
+}
+
 /// The GEMVs with the residual add and norm before them (`add_rms_norm_matmul` over GGUF
 /// weights at one and a few rows, as plans now fuse GGUF models too): `[x + b | product]` rows.
 #[test]

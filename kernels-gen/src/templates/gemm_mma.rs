@@ -267,8 +267,9 @@ fn warp_k_slice(kk: i64, weights: &Expr) -> Vec<Stmt> {
 
 /// Store the warp's accumulators where they fall in the result (`out`, or with several K
 /// splits, or a GLU epilogue, which the reduction applies, this split's partial tile), scaled
-/// by each token's `1/rms` under a norm prologue. A split past the end of K stores zeros.
-fn store_accumulators(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
+/// by each token's `1/rms` where the GEMM applied a norm prologue itself (`scaled`). A split
+/// past the end of K stores zeros.
+fn store_accumulators(norm: Option<NormPrologue>, glu: Option<GluAct>, scaled: bool) -> Vec<Stmt> {
     let mut out = Vec::new();
     for mi in 0..WARP_M_TILES {
         for ni in 0..WARP_N_TILES {
@@ -277,9 +278,9 @@ fn store_accumulators(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<St
                 let row = var("m0") + in_tile.clone();
                 let col = var("n0") + var("wn") + int(8 * ni as i64) + var("t2") + int((i % 2) as i64);
                 let summed = var(&name("c", mi * WARP_N_TILES + ni, i));
-                let value = match norm {
-                    Some(_) => summed * load("row_scales", in_tile),
-                    None => summed,
+                let value = match scaled {
+                    true => summed * load("row_scales", in_tile),
+                    false => summed,
                 };
                 out.push(super::store_gemm_result(norm, glu, row, col, value));
             }
@@ -305,15 +306,77 @@ pub fn gemm_mma_with(
     norm: Option<NormPrologue>,
     glu: Option<GluAct>,
 ) -> Kernel {
-    let activations = match norm {
-        Some(norm) => {
+    build(name_, origin, staging, Activations::Staged(norm), glu)
+}
+
+/// The GEMM as a plan launches it after the `bf16_rows` launch made its activation rows
+/// (`xb`, `xb_stride` apart, the prologue `norm` applied there once for all its blocks, where
+/// each block of [`gemm_mma_with`] applies it to the slices it stages): the parameters of
+/// [`gemm_mma_with`]'s form then `xb` and `xb_stride` (as the TMA GEMMs', which it stands in
+/// for at fewer rows), its rows' slices copied by `cp.async` while the weights are staged
+/// (`k` a multiple of 8), the result laid out for `norm`'s form (after the sum under a
+/// residual prologue) and not scaled. Weights staged in the step (not `CpAsync`).
+pub fn gemm_mma_after_rows(name_: &str, origin: &str, staging: WeightStaging, norm: Option<NormPrologue>) -> Kernel {
+    assert!(
+        staging != WeightStaging::CpAsync,
+        "the rows' copies are the step's one cp.async group"
+    );
+    build(name_, origin, staging, Activations::Rows(norm), None)
+}
+
+/// Where a GEMM's activations come from, and the prologue of the matmul it computes.
+#[derive(Debug, Clone, Copy)]
+enum Activations {
+    /// `x` in f32, the prologue applied to each slice as it is staged (each token's `1/rms`
+    /// then scales the result).
+    Staged(Option<NormPrologue>),
+    /// `xb`, bf16 rows with the prologue applied.
+    Rows(Option<NormPrologue>),
+}
+
+/// The 64×32 slice of the bf16 rows `xb` at `k0` copied into `xs` by `cp.async`: copy
+/// `c = tid + 128·i` is row `c / 4`, its 8-element chunk `c % 4` (zero past `tokens` and `k`).
+fn copy_rows() -> Vec<Stmt> {
+    vec![for_(
+        "i",
+        int(0),
+        int(TILE_M * TILE_K / 8 / (32 * WARPS)),
+        int(1),
+        vec![
+            let_("c", Ty::I32, tid() + var("i") * int(32 * WARPS)),
+            let_("row", Ty::I32, var("c") / int(TILE_K / 8)),
+            let_("col", Ty::I32, var("k0") + rem(var("c"), int(TILE_K / 8)) * int(8)),
+            Stmt::CpAsync(Box::new(AsyncCopy {
+                dst: "xs".into(),
+                dst_index: var("row") * int(STAGE_STRIDE) + rem(var("c"), int(TILE_K / 8)) * int(8),
+                src: "xb".into(),
+                src_index: (var("m0") + var("row")) * var("xb_stride") + var("col"),
+                valid: and(lt(var("m0") + var("row"), var("tokens")), lt(var("col"), var("k"))),
+            })),
+        ],
+    )]
+}
+
+fn build(name_: &str, origin: &str, staging: WeightStaging, source: Activations, glu: Option<GluAct>) -> Kernel {
+    let (norm, scaled) = match source {
+        Activations::Staged(norm) => (norm, norm.is_some()),
+        Activations::Rows(norm) => (norm, false),
+    };
+    let activations = match source {
+        Activations::Staged(Some(norm)) => {
             let place = |(token, column): (Expr, Expr), value: &str| {
                 store("xs", token * int(STAGE_STRIDE) + column, var(value))
             };
             let threads = 32 * WARPS;
             super::stage_prologue_slice(norm, glu, (threads, TILE_M * TILE_K / threads), &place)
         }
-        None => stage("xs", "m0", "tokens", element_of("x", var("x_stride"))),
+        Activations::Staged(None) => stage("xs", "m0", "tokens", element_of("x", var("x_stride"))),
+        // Committed as their own group, landing while the weights are staged.
+        Activations::Rows(_) => [copy_rows(), vec![Stmt::CpAsyncCommit]].concat(),
+    };
+    let rows_landed = match source {
+        Activations::Rows(_) => vec![Stmt::CpAsyncWait(0)],
+        Activations::Staged(_) => vec![],
     };
     let tiles_m = (var("tokens") + int(TILE_M - 1)) / int(TILE_M);
     let tiles_n = (var("n") + int(TILE_N - 1)) / int(TILE_N);
@@ -338,6 +401,7 @@ pub fn gemm_mma_with(
                     WeightStaging::Dequantize(format) => stage_blocks(format),
                     _ => stage("ws", "n0", "n", element_of("w", var("k"))),
                 },
+                rows_landed,
                 vec![Stmt::SyncThreads],
                 multiply(int(0)),
             ]
@@ -368,17 +432,21 @@ pub fn gemm_mma_with(
         split_k::k_span(var("split"), TILE_K),
         accumulators,
         prologue,
-        norm.map(|_| vec![prologue_norms::zero_staged_squares(TILE_M * TILE_K, 32 * WARPS)])
-            .unwrap_or_default(),
+        match scaled {
+            true => vec![prologue_norms::zero_staged_squares(TILE_M * TILE_K, 32 * WARPS)],
+            false => vec![],
+        },
         vec![for_("k0", var("k_begin"), var("k_end"), int(TILE_K), k_step)],
         match staging {
             // A split past the end of K ran no step: its first copies (all zero-fill) land here.
             WeightStaging::CpAsync => vec![Stmt::CpAsyncWait(0)],
             _ => vec![],
         },
-        norm.map(|n| prologue_norms::staged_row_scales(n, TILE_M, WARPS))
-            .unwrap_or_default(),
-        store_accumulators(norm, glu),
+        match norm.filter(|_| scaled) {
+            Some(n) => prologue_norms::staged_row_scales(n, TILE_M, WARPS),
+            None => vec![],
+        },
+        store_accumulators(norm, glu, scaled),
     ]
     .concat();
     let staged = |name: &str, buffers: i64| SharedArray {
@@ -393,17 +461,29 @@ pub fn gemm_mma_with(
         WeightStaging::Dequantize(format) => (format!(", {format} weights decoded into the tile"), Ty::U8),
     };
     let mut shared = vec![staged("xs", 1), staged("ws", buffers)];
-    if norm.is_some() {
+    if scaled {
         shared.extend(prologue_norms::staged_arrays(TILE_M * TILE_K, TILE_M));
     }
+    let (rows, rows_params) = match source {
+        Activations::Rows(_) => (
+            " over bf16 rows made before it",
+            vec![buffer("xb", Ty::Bf16, false), scalar("xb_stride", Ty::I32)],
+        ),
+        Activations::Staged(_) => ("", vec![]),
+    };
     Kernel {
         name: name_.into(),
         origin: format!(
-            "{origin}: {}matmul x·Wᵀ on tensor cores (mma.sync m16n8k16 bf16, {TILE_M}×{TILE_N}×{TILE_K} \
+            "{origin}: {}matmul x·Wᵀ{rows} on tensor cores (mma.sync m16n8k16 bf16, {TILE_M}×{TILE_N}×{TILE_K} \
              shared-memory tiles{weights}, K split in `splits`)",
             gemv::describe(norm)
         ),
-        params: [super::prologue_gemm_params(norm, weight_ty), split_k::params()].concat(),
+        params: [
+            super::prologue_gemm_params(norm, weight_ty),
+            split_k::params(),
+            rows_params,
+        ]
+        .concat(),
         shared,
         block_dim: (32 * WARPS) as u32,
         grid: tiles_m * tiles_n * var("splits"),

@@ -1269,6 +1269,13 @@ pub fn catalog() -> Vec<Kernel> {
             Some(gemv::NormPrologue::new(1e-6, 1.0).with_residual()),
             None,
         ),
+        // As plans take it for batches over blocks: the rows normed before it.
+        gemm_mma::gemm_mma_after_rows(
+            "add_rms_norm_gemm_mma_q4_k_after_rows",
+            "catalog",
+            gemm_mma::WeightStaging::Dequantize(ir::DType::Q4K),
+            Some(gemv::NormPrologue::new(1e-6, 1.0).with_residual()),
+        ),
         // IEEE half weights (f16 GGUF and safetensors models): the decode GEMV, and the GEMM
         // converting them to bf16 in its tile.
         gemv::gemv(

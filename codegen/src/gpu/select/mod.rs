@@ -851,8 +851,9 @@ impl MatMul {
     /// the GEMV carrying 4 rows a pass, and for prefill the target's tensor-core GEMM (with
     /// the tiles its K splits count in, and whether it gates a GLU's products itself) where it
     /// has one for these weights (and this prologue and epilogue), else that GEMV; over
-    /// weights converted for prefill, the GEMM that decodes the blocks for steps of up to
-    /// `BATCH_ROWS` rows, with its tiles.
+    /// weights converted for prefill, for steps of up to `BATCH_ROWS` rows the GEMM that
+    /// decodes the blocks into its tiles, over the same bf16 rows as the TMA GEMM, with its
+    /// tiles.
     fn kernels(&self, plan: &PlanTarget, aligned: bool) -> MatMulKernels {
         let (arch, origin) = (plan.target.cuda_arch().unwrap_or_default(), plan.origin);
         let sms = plan.target.multiprocessors();
@@ -870,7 +871,6 @@ impl MatMul {
         let cols = if self.glu.is_some() { self.n / 2 } else { self.n };
         let few_rows = gemv::gemv(&gemv_name, origin, gemv_tuning::shaped(spec.prefill(), cols, sms));
         let gemm_name = format!("{}gemm", self.stem());
-        let decoding = || templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin);
         let (gemm, batch, batch_tiles) = match (self.takes_tma(plan), self.converted_for_prefill(plan)) {
             (true, _) | (_, Some(_)) => {
                 use templates::TmaSchedule;
@@ -893,8 +893,14 @@ impl MatMul {
                                 ..g
                             }
                         });
-                        let decoding = decoding().expect("block weights decode in the tensor-core GEMM");
-                        (gemm, Some(decoding.kernel), Some(decoding.tiles))
+                        // Over the same bf16 rows, the blocks decoded into its tiles.
+                        let WeightFormat::Blocks(format) = self.weights else {
+                            unreachable!("converted weights are blocks")
+                        };
+                        let staging = gemm_mma::WeightStaging::Dequantize(format);
+                        let decoding_name = format!("{gemm_name}_after_rows");
+                        let decoding = gemm_mma::gemm_mma_after_rows(&decoding_name, origin, staging, self.norm);
+                        (gemm, Some(decoding), Some(gemm_mma::TILES))
                     }
                     None => {
                         let batch_name = format!("{name}_batch");
@@ -906,7 +912,11 @@ impl MatMul {
                     }
                 }
             }
-            (false, None) => (decoding(), None, None),
+            (false, None) => (
+                templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin),
+                None,
+                None,
+            ),
         };
         let (prefill, tiles) = match gemm {
             Some(gemm) => (gemm.kernel, Some((gemm.tiles, gemm.gates))),
@@ -983,29 +993,26 @@ impl MatMul {
             return;
         };
         let (n, k) = (self.n, self.k);
-        // The GEMMs' tilings: the TMA GEMM's alone, or over converted weights the decoding
-        // GEMM's too (its norm in its splits), up to `BATCH_ROWS` rows.
-        let tilings: Vec<(Tiles, bool)> = match kernels.batch_tiles {
-            Some(decoding) => vec![(tiles, false), (decoding, true)],
-            None => vec![(tiles, !tma)],
-        };
-        let partial_len = tilings
+        // The GEMMs' tilings: the prefill GEMM's, and over converted weights the decoding
+        // GEMM's (up to `BATCH_ROWS` rows).
+        let tilings: Vec<Tiles> = [Some(tiles), kernels.batch_tiles].into_iter().flatten().collect();
+        let mut partial_len = tilings
             .iter()
-            .map(|&(tiles, scaled)| {
-                let mut len = split_k::partial_len(n, k, tiles, sms);
-                if self.glu.is_some() && !gates {
-                    // Every product goes through the partials, in one split too: room for every row.
-                    len = len.max(plan.max_tokens * n);
-                }
-                // The splits' sums of squares after the products, where the GEMM's rows are
-                // not normalised before it.
-                match self.norm.is_some() && scaled {
-                    true => prologue_norms::partial_len(len, n),
-                    false => len,
-                }
-            })
+            .map(|&tiles| split_k::partial_len(n, k, tiles, sms))
             .max()
             .expect("a tiling");
+        if self.glu.is_some() && !gates {
+            // Every product goes through the partials, in one split too: room for every row.
+            partial_len = partial_len.max(plan.max_tokens * n);
+        }
+        // The norm the GEMM's splits still scale by (rows made before the GEMM come
+        // normalised).
+        let after_rows = tma || converted.is_some();
+        let norm = self.norm.filter(|_| !after_rows);
+        if norm.is_some() {
+            // The splits' sums of squares after the products.
+            partial_len = prologue_norms::partial_len(partial_len, n);
+        }
         let partial = LaunchArg::Scratch {
             node: i,
             name: "partial".into(),
@@ -1040,19 +1047,17 @@ impl MatMul {
                 scalar("tokens", rows),
             ];
             s.launches.push((i, convert, Alternatives::default(), convert_args));
-            let (rows_launch, bf16_rows) = self.bf16_rows_launch(&args, rows, plan, BATCH_ROWS + 1);
+            let (rows_launch, bf16_rows) = self.bf16_rows_launch(&args, rows, plan);
             s.launches.push(rows_launch);
             args.extend(bf16_rows);
             args.push(wb);
         } else if tma {
-            let (rows_launch, bf16_rows) = self.bf16_rows_launch(&args, rows, plan, super::PREFILL_TOKENS);
+            let (rows_launch, bf16_rows) = self.bf16_rows_launch(&args, rows, plan);
             s.launches.push(rows_launch);
             args.extend(bf16_rows);
         }
         s.launches.push((i, kernels.decode, alternatives, args));
-        let one_split = tilings
-            .iter()
-            .all(|&(tiles, _)| split_k::most_splits(n, k, tiles, sms) == 1);
+        let one_split = tilings.iter().all(|&tiles| split_k::most_splits(n, k, tiles, sms) == 1);
         if one_split && self.glu.is_none() {
             return;
         }
@@ -1074,44 +1079,22 @@ impl MatMul {
             scalar("out_stride", cols),
             scalar("out_col", out_col),
         ];
-        // The norm the GEMM's splits still scale by (the TMA GEMM's rows come normalised).
-        let scaled_norm = |scaled: bool| self.norm.filter(|_| scaled);
-        if tilings.iter().any(|&(_, scaled)| scaled_norm(scaled).is_some()) {
+        if norm.is_some() {
             reduce_args.push(scalar("k", k));
         }
-        let reduce = |norm| match (self.glu, gates) {
+        let reduce = match (self.glu, gates) {
             (Some(act), true) => {
                 split_k::reduce_after_gating("split_k_reduce", plan.origin, super::PREFILL_TOKENS, act)
             }
             _ => split_k::reduce("split_k_reduce", plan.origin, super::PREFILL_TOKENS, self.glu, norm),
         };
-        let (kernel, alternatives) = match &tilings[..] {
-            // Over converted weights with a norm: the decoding GEMM's splits scale by it, the
-            // TMA GEMM's (beyond `BATCH_ROWS` rows) do not.
-            [_, _] if self.norm.is_some() => (
-                reduce(self.norm),
-                Alternatives {
-                    prefill: Some(reduce(None)),
-                    batch: Some(reduce(self.norm)),
-                    ..Alternatives::default()
-                },
-            ),
-            [(_, scaled), ..] => (reduce(scaled_norm(*scaled)), Alternatives::default()),
-            [] => unreachable!("a tiling"),
-        };
-        s.launches.push((i, kernel, alternatives, reduce_args));
+        s.launches.push((i, reduce, Alternatives::default(), reduce_args));
     }
 
     /// The launch making the TMA GEMM's bf16 rows from the matmul's arguments `args` (the
     /// GEMV's: activations, the norm's weight, the matrix, `out`, the sizes and strides), and
     /// the arguments that hand them to the GEMM (the rows and their stride).
-    fn bf16_rows_launch(
-        &self,
-        args: &[LaunchArg],
-        rows: &str,
-        plan: &PlanTarget,
-        min_tokens: usize,
-    ) -> (Launched, [LaunchArg; 2]) {
+    fn bf16_rows_launch(&self, args: &[LaunchArg], rows: &str, plan: &PlanTarget) -> (Launched, [LaunchArg; 2]) {
         let residual = gemv::residual(self.norm);
         let matrix = self.matrix_arg();
         let (out, x_stride) = (&args[matrix + 1], &args[matrix + 5]);
@@ -1144,7 +1127,7 @@ impl MatMul {
             Some(_) => "rms_norm_bf16_rows",
             None => "bf16_rows",
         };
-        let kernel = bf16_rows::bf16_rows(name, plan.origin, self.norm, min_tokens);
+        let kernel = bf16_rows::bf16_rows(name, plan.origin, self.norm, super::PREFILL_TOKENS);
         let launch = (self.node, kernel, Alternatives::default(), launch_args);
         (launch, [xb, scalar("xb_stride", xb_stride)])
     }
