@@ -749,12 +749,11 @@ fn compile_chooses_the_prefill_experts() {
                 .filter(|l| l.kernel.starts_with("moe_gate_up"))
                 .collect();
             assert!(!moe.is_empty(), "{choice:?} {file}");
-            let lists = plan
-                .launches
-                .iter()
-                .filter(|l| l.kernel.starts_with("moe_group_pairs"))
-                .count();
-            assert_eq!(lists, if tensor_cores { moe.len() } else { 0 }, "{choice:?} {file}");
+            let launches_of = |stem: &str| plan.launches.iter().filter(|l| l.kernel.starts_with(stem)).count();
+            // Each layer's pairs listed, then their tiles.
+            let lists = (launches_of("moe_group_pairs"), launches_of("moe_list_tiles"));
+            let expected = if tensor_cores { moe.len() } else { 0 };
+            assert_eq!(lists, (expected, expected), "{choice:?} {file}");
             for launch in moe {
                 let prefill = launch.prefill_kernel.as_deref().expect("a prefill kernel");
                 let source = std::fs::read_to_string(artifact.join(kernels).join(format!("{prefill}.cu"))).unwrap();

@@ -294,7 +294,8 @@ fn expert_weights(values: &[f32], format: WeightFormat) -> (Array, Vec<f32>) {
 }
 
 /// The tensor-core prefill kernels against the row-by-row ones given the same inputs as the
-/// tensor cores take them: `group_pairs` lists each expert's pairs in order (exactly);
+/// tensor cores take them: `group_pairs` lists each expert's pairs in order (exactly), and
+/// `list_tiles` their tiles of 64;
 /// `moe_mma::gate_up` writes what `moe::gate_up` does for rows and weights rounded to bf16
 /// (bf16 weights copied, f16 and Q8_0 ones decoded into the tile), `moe_mma::down` what
 /// `moe::down_by_expert` does for hidden units and weights rounded to bf16, within f32
@@ -370,6 +371,26 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
             );
         }
         assert_eq!(counts[3], rows as i64);
+        // Each expert's tiles of 64 pairs listed in order, −1 to the bound (poisoned first: each
+        // place is written).
+        let bound = moe_mma::tile_bound(&spec, kernels_gen::dsl::int(rows as i64))
+            .eval_int(&|_| None)
+            .unwrap() as usize;
+        bufs.insert("tiles".into(), Array::poisoned(Ty::I32, bound));
+        run(&moe_mma::list_tiles("tiles", "test", &spec), &mut bufs, &scalars).unwrap();
+        let row_tiles = rows.div_ceil(64) as i64;
+        let mut want: Vec<i64> = (0..e)
+            .flat_map(|expert| {
+                (0..(counts[expert] as usize).div_ceil(64) as i64).map(move |t| expert as i64 * row_tiles + t)
+            })
+            .collect();
+        assert!(
+            want.len() <= bound,
+            "{what}: {} tiles past the bound {bound}",
+            want.len()
+        );
+        want.resize(bound, -1);
+        assert_eq!(bufs["tiles"].to_i64().unwrap(), want, "{what}: tiles");
         // Gate/up: the tensor cores' over x, the row kernel's over x and the weights rounded.
         let mut hidden = Vec::new();
         for (kernel, x, w) in [
@@ -414,5 +435,50 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
             ys.push(bufs["ys"].to_f32().unwrap());
         }
         close(&ys[0], &ys[1], 1e-5, &format!("{what}: down"));
+    }
+}
+
+/// The tile list over more experts than the listing block has threads (Qwen3-Next's 512, in
+/// chunks of 256): each expert's tiles in order, carried across chunks, for counts of none,
+/// one pair, a whole tile and more; −1 to the bound; none listed in a step that is not active.
+#[test]
+fn pair_tiles_are_listed_across_chunks_of_experts() {
+    use kernels_gen::emulator::Scalar;
+    use kernels_gen::templates::moe_mma;
+    let spec = spec(512, 10, true, MoeRouter::Softmax);
+    let tokens = 1000;
+    // Counts cycling through none, one pair, a tile, a tile and one, and a few (9 088 of the
+    // 10 000 pairs).
+    let counts: Vec<i64> = (0..spec.experts).map(|e| [0, 1, 64, 65, 7, 2, 0, 3][e % 8]).collect();
+    assert!(counts.iter().sum::<i64>() <= (tokens * spec.experts_per_token) as i64);
+    let bound = moe_mma::tile_bound(&spec, kernels_gen::dsl::int(tokens as i64))
+        .eval_int(&|_| None)
+        .unwrap() as usize;
+    let row_tiles = tokens.div_ceil(64) as i64;
+    let mut want: Vec<i64> = counts
+        .iter()
+        .enumerate()
+        .flat_map(|(expert, &count)| {
+            (0..(count as usize).div_ceil(64) as i64).map(move |t| expert as i64 * row_tiles + t)
+        })
+        .collect();
+    assert!(
+        want.len() <= bound && want.iter().any(|&t| t >= 256 * row_tiles),
+        "tiles of the second chunk"
+    );
+    want.resize(bound, -1);
+    for active in [1, 0] {
+        let mut bufs = HashMap::from([
+            ("expert_counts".into(), Array::ints(Ty::I32, &counts)),
+            ("tiles".into(), Array::ints(Ty::I32, &vec![-7; bound])),
+        ]);
+        let mut scalars = ints(&[("tokens", tokens as i64)]);
+        scalars.insert("active".into(), Scalar::Int(active));
+        run(&moe_mma::list_tiles("tiles", "test", &spec), &mut bufs, &scalars).unwrap();
+        let got = bufs["tiles"].to_i64().unwrap();
+        match active {
+            1 => assert_eq!(got, want),
+            _ => assert!(got.iter().all(|&t| t == -7), "listed in an inactive step"),
+        }
     }
 }

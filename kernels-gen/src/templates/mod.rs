@@ -959,6 +959,7 @@ pub fn catalog() -> Vec<Kernel> {
         moe::combine("moe_combine", "catalog", &GLM_4_5_AIR_MOE, 4096),
         // The same experts in prefill on tensor cores.
         moe_mma::group_pairs("moe_group_pairs", "catalog", &GLM_4_5_AIR_MOE),
+        moe_mma::list_tiles("moe_list_tiles", "catalog", &GLM_4_5_AIR_MOE),
         moe_mma::gate_up(
             "moe_gate_up_mma_bf16",
             "catalog",

@@ -537,7 +537,7 @@ pub(super) fn chunk_hits() -> Vec<Stmt> {
 
 /// `scan[tid]` = the sum of `value` (an i32 local) over threads `0..=tid` (Hillis and Steele's
 /// doubling, a barrier around each step), every thread's written before the last barrier.
-fn block_prefix_sum(value: &str, scan: &str) -> Vec<Stmt> {
+pub(super) fn block_prefix_sum(value: &str, scan: &str) -> Vec<Stmt> {
     let mut out = vec![store(scan, tid(), var(value))];
     let mut offset = 1;
     while offset < BLOCK as i64 {

@@ -24,7 +24,7 @@
 use super::gemm_mma::{self, STAGE, STAGES, STAGE_STRIDE, TILE_K, TILE_M, TILE_N, WARPS, WARP_M_TILES, WARP_N_TILES};
 use super::gemv::gated;
 use super::mma_operands::{b_block, x4_names};
-use super::moe::{chunk_hits, describe, down_params, gate_up_params};
+use super::moe::{block_prefix_sum, chunk_hits, describe, down_params, gate_up_params};
 use super::quant::{self, WeightFormat};
 use super::BLOCK;
 use crate::dsl::*;
@@ -90,10 +90,85 @@ pub fn group_pairs(name: &str, origin: &str, spec: &MoeSpec) -> Kernel {
     }
 }
 
-/// The blocks of an expert's `outputs` outputs in 64-wide tiles, each tile over its pairs in
-/// tiles of 64 (as many as `tokens` could make): every expert's.
+/// The experts' pair tiles, listed in order by [`list_tiles`]: at most one partial tile an
+/// expert beyond the `tokens·k` pairs' whole tiles. What the tensor-core kernels' grids and
+/// the list's length are made of (`tokens` of the step; `rows` of a plan's scratch).
+pub fn tile_bound(spec: &MoeSpec, tokens: Expr) -> Expr {
+    (tokens * int(spec.experts_per_token as i64) + int(TILE_M - 1)) / int(TILE_M) + int(spec.experts as i64)
+}
+
+/// List every expert's pair tiles in order, expert by expert, for the tensor-core kernels'
+/// blocks to take one each: `tiles[j] = e·row_tiles + t` for expert `e`'s tile `t` (its pairs
+/// `64·t..`), −1 from the last to [`tile_bound`]. One block: each expert's tile count from
+/// its listed pairs, a block-wide chunk of experts at a time, placed by a prefix sum. None
+/// where `active` is 0 (the steps that run `moe`'s row-by-row kernels).
+pub fn list_tiles(name: &str, origin: &str, spec: &MoeSpec) -> Kernel {
+    let experts = spec.experts as i64;
+    let chunk = [
+        vec![
+            let_("e", Ty::I32, var("chunk") + tid()),
+            let_("mine", Ty::I32, int(0)),
+            if_(
+                lt(var("e"), int(experts)),
+                vec![assign(
+                    "mine",
+                    (load("expert_counts", var("e")) + int(TILE_M - 1)) / int(TILE_M),
+                )],
+            ),
+        ],
+        block_prefix_sum("mine", "scan"),
+        vec![
+            let_("first", Ty::I32, var("listed") + load("scan", tid()) - var("mine")),
+            for_(
+                "t",
+                int(0),
+                var("mine"),
+                int(1),
+                vec![store(
+                    "tiles",
+                    var("first") + var("t"),
+                    var("e") * row_tiles() + var("t"),
+                )],
+            ),
+            assign("listed", var("listed") + load("scan", int(BLOCK as i64 - 1))),
+            // Everyone has read the sums before the next chunk's overwrite them.
+            Stmt::SyncThreads,
+        ],
+    ]
+    .concat();
+    Kernel {
+        name: name.into(),
+        origin: format!("{origin}: MoE experts' pair tiles listed in order, {}", describe(spec)),
+        params: vec![
+            buffer("expert_counts", Ty::I32, false),
+            buffer("tiles", Ty::I32, true),
+            scalar("tokens", Ty::I32),
+            scalar("active", Ty::I32),
+        ],
+        shared: vec![SharedArray {
+            name: "scan".into(),
+            ty: Ty::I32,
+            len: BLOCK as usize,
+        }],
+        block_dim: BLOCK,
+        grid: var("active"),
+        body: vec![
+            let_("listed", Ty::I32, int(0)),
+            for_("chunk", int(0), int(experts), int(BLOCK as i64), chunk),
+            for_(
+                "j",
+                var("listed") + tid(),
+                tile_bound(spec, var("tokens")),
+                int(BLOCK as i64),
+                vec![store("tiles", var("j"), int(-1))],
+            ),
+        ],
+    }
+}
+
+/// A block for each of the listed pair tiles ([`tile_bound`]) of each 64 outputs.
 fn grid(spec: &MoeSpec, outputs: i64) -> Expr {
-    int(spec.experts as i64 * tiles(outputs)) * row_tiles()
+    int(tiles(outputs)) * tile_bound(spec, var("tokens"))
 }
 
 fn tiles(outputs: i64) -> i64 {
@@ -104,19 +179,26 @@ fn row_tiles() -> Expr {
     (var("tokens") + int(TILE_M - 1)) / int(TILE_M)
 }
 
-/// The block's expert `e`, its first output `n0` and first pair `m0` (pair tiles vary
-/// fastest: neighbouring blocks share a weight tile), the expert's `count` of pairs, and each
-/// warp's and lane's place in the tile, as `gemm_mma`'s (`gemm_mma::warp_places`).
-fn block_place(outputs: i64) -> Vec<Stmt> {
+/// The block's listed tile (listed tiles vary fastest: an expert's tiles are neighbours, and
+/// share a weight tile), its expert `e`, first pair `m0` and the expert's `count` of pairs
+/// (0 past the list: no work), its first output `n0`, and each warp's and lane's place in the
+/// tile, as `gemm_mma`'s (`gemm_mma::warp_places`).
+fn block_place(spec: &MoeSpec) -> Vec<Stmt> {
+    let bound = tile_bound(spec, var("tokens"));
     vec![
-        let_("m0", Ty::I32, rem(bid(), row_tiles()) * int(TILE_M)),
-        let_(
-            "n0",
-            Ty::I32,
-            rem(bid() / row_tiles(), int(tiles(outputs))) * int(TILE_N),
+        let_("tile", Ty::I32, load("tiles", rem(bid(), bound.clone()))),
+        let_("n0", Ty::I32, bid() / bound * int(TILE_N)),
+        let_("e", Ty::I32, int(0)),
+        let_("m0", Ty::I32, int(0)),
+        let_("count", Ty::I32, int(0)),
+        if_(
+            bin(BinOp::Ge, var("tile"), int(0)),
+            vec![
+                assign("e", var("tile") / row_tiles()),
+                assign("m0", rem(var("tile"), row_tiles()) * int(TILE_M)),
+                assign("count", load("expert_counts", var("e"))),
+            ],
         ),
-        let_("e", Ty::I32, bid() / row_tiles() / int(tiles(outputs))),
-        let_("count", Ty::I32, load("expert_counts", var("e"))),
     ]
     .into_iter()
     .chain(gemm_mma::warp_places())
@@ -372,7 +454,7 @@ fn expert_tile_kernel(
     let mut tile = tile_pairs();
     tile.extend([let_("pair_at", Ty::I32, int(0)), let_("out_column", Ty::I32, int(0))]);
     tile.extend(work);
-    let mut body = block_place(outputs);
+    let mut body = block_place(spec);
     body.push(if_(lt(var("m0"), var("count")), tile));
     Kernel {
         name: name.into(),
@@ -393,11 +475,13 @@ fn staging(format: WeightFormat) -> &'static str {
     }
 }
 
-/// Where the expert lists come from: [`group_pairs`]'s outputs, after the kernel's own.
-fn list_params() -> [Param; 2] {
+/// Where the expert lists come from: [`group_pairs`]'s and [`list_tiles`]'s outputs, after
+/// the kernel's own.
+fn list_params() -> [Param; 3] {
     [
         buffer("expert_pairs", Ty::I32, false),
         buffer("expert_counts", Ty::I32, false),
+        buffer("tiles", Ty::I32, false),
     ]
 }
 

@@ -72,23 +72,34 @@ pub(super) fn launches(
         && moe_mma::supports(spec, d, down_format);
     let lists = match tensor_cores {
         true => {
-            let lists = vec![
+            let (pairs, counts) = (
                 operands.scratch("expert_pairs", spec.experts, max_tokens),
                 operands.scratch("expert_counts", spec.experts, 1),
+            );
+            let bound = moe_mma::tile_bound(spec, kernels_gen::dsl::int(max_tokens as i64));
+            let bound = bound.eval_int(&|_| None).expect("a constant bound") as usize;
+            let tiles = operands.scratch("pair_tiles", bound, 1);
+            let group = vec![
+                routes.clone(),
+                pairs.clone(),
+                counts.clone(),
+                scalar("tokens", rows),
+                active.clone(),
             ];
-            let group = [
-                vec![routes.clone()],
-                lists.clone(),
-                vec![scalar("tokens", rows), active.clone()],
-            ]
-            .concat();
             s.launches.push((
                 operands.node,
                 moe_mma::group_pairs("moe_group_pairs", origin, spec),
                 Alternatives::default(),
                 group,
             ));
-            lists
+            let list = vec![counts.clone(), tiles.clone(), scalar("tokens", rows), active.clone()];
+            s.launches.push((
+                operands.node,
+                moe_mma::list_tiles("moe_list_tiles", origin, spec),
+                Alternatives::default(),
+                list,
+            ));
+            vec![pairs, counts, tiles]
         }
         false => vec![],
     };
