@@ -468,6 +468,15 @@ fn tiny_qwen3_next_plans_agree_with_the_cpu_backend() {
     check_everywhere("qwen3_next");
 }
 
+/// The GGUF model at `path` computed as stored (`Native`), its cache f32 rows: where what is
+/// checked is the weights' decoding.
+fn open_native_with_f32_cache(path: &std::path::Path) -> Model {
+    let mut spec = ModelSpec::for_weights(path);
+    spec.dtype = ComputeDtype::Native;
+    spec.kv_cache_dtype = models::KvCacheDtype::F32;
+    Model::open(spec).unwrap()
+}
+
 /// The plans of the GGUF model `make` writes into a scratch directory against the CPU backend
 /// on the same file dequantized to f32, on every GPU target, norms fused into the matmuls
 /// there.
@@ -480,12 +489,7 @@ fn check_gguf(name: &str, make: fn(&std::path::Path) -> std::io::Result<std::pat
     // What is checked is the weights' decoding, so both sides cache f32 rows (a native model's
     // cache is half by default, as llama.cpp's; `plans_with_half_kv_caches_agree_with_the_cpu_backend`
     // checks those).
-    let native = {
-        let mut spec = ModelSpec::for_weights(&path);
-        spec.dtype = ComputeDtype::Native;
-        spec.kv_cache_dtype = models::KvCacheDtype::F32;
-        Model::open(spec).unwrap()
-    };
+    let native = open_native_with_f32_cache(&path);
     let dequantized = open_at(&path, ComputeDtype::F32);
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
         let fused = fused_for(&native.lower(LogitsFor::LastToken).unwrap(), target);
@@ -536,12 +540,7 @@ fn quantized_prompts_of_many_rows_multiply_by_weights_converted_for_them() {
         ..LlamaShape::TINY
     };
     gguf_llama(&path, &shape, &mut q8_0, &mut q4_0).unwrap();
-    let native = {
-        let mut spec = ModelSpec::for_weights(&path);
-        spec.dtype = ComputeDtype::Native;
-        spec.kv_cache_dtype = models::KvCacheDtype::F32;
-        Model::open(spec).unwrap()
-    };
+    let native = open_native_with_f32_cache(&path);
     let dequantized = open_at(&path, ComputeDtype::F32);
     let context = native.config.context_length.min(256);
     let rows = BATCH_ROWS + 6;

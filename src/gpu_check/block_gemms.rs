@@ -179,18 +179,7 @@ mod tests {
     #[test]
     fn the_block_table_binds_every_kernel() {
         let buffer = 0usize;
-        let case = MatmulCase {
-            x: (&buffer, 4),
-            b: (&buffer, 4),
-            g: (&buffer, 4),
-            w: (&buffer, 4),
-            out: (&buffer, 4),
-            partial: (&buffer, 4),
-            batch: 512,
-            n: 6144,
-            k: 4096,
-            splits: 1,
-        };
+        let case = MatmulCase::every_buffer(&buffer, 512);
         for arch in ["sm_90a", "sm_100a", "sm_120a"] {
             let timed = kernels(arch).unwrap();
             for kernel in [&timed.decoding, &timed.tma.0, &timed.reduce] {

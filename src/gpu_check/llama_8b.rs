@@ -265,6 +265,23 @@ pub(super) struct MatmulCase<'a, B> {
 }
 
 impl<'a, B> MatmulCase<'a, B> {
+    /// A case binding `buffer` (4 bytes) to every buffer, for tests that bind kernels.
+    #[cfg(test)]
+    pub(super) fn every_buffer(buffer: &'a B, batch: usize) -> Self {
+        Self {
+            x: (buffer, 4),
+            b: (buffer, 4),
+            g: (buffer, 4),
+            w: (buffer, 4),
+            out: (buffer, 4),
+            partial: (buffer, 4),
+            batch,
+            n: 6144,
+            k: 4096,
+            splits: 1,
+        }
+    }
+
     /// The argument for the parameter named `param` of any kernel the table times.
     pub(super) fn value(&self, param: &str) -> Option<DeviceArg<'a, B>> {
         let buffer = |(b, len): (&'a B, usize)| DeviceArg::Buffer(b, 0..len);
@@ -653,18 +670,7 @@ mod tests {
     #[test]
     fn the_matmul_table_binds_every_kernel() {
         let buffer = 0usize;
-        let case = MatmulCase {
-            x: (&buffer, 4),
-            b: (&buffer, 4),
-            g: (&buffer, 4),
-            w: (&buffer, 4),
-            out: (&buffer, 4),
-            partial: (&buffer, 4),
-            batch: 1,
-            n: 6144,
-            k: 4096,
-            splits: 1,
-        };
+        let case = MatmulCase::every_buffer(&buffer, 1);
         for arch in ["sm_90a", "sm_100a", "sm_120a"] {
             let gemm = prefill_gemm(arch, WeightFormat::Dense(Ty::Bf16), 4096, None, None, "gemm", "test")
                 .unwrap()

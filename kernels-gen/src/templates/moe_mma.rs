@@ -73,11 +73,7 @@ pub fn group_pairs(name: &str, origin: &str, spec: &MoeSpec) -> Kernel {
             scalar("tokens", Ty::I32),
             scalar("active", Ty::I32),
         ],
-        shared: vec![SharedArray {
-            name: "scan".into(),
-            ty: Ty::I32,
-            len: BLOCK as usize,
-        }],
+        shared: vec![scan_array()],
         block_dim: BLOCK,
         grid: int(spec.experts as i64) * var("active"),
         body: vec![
@@ -87,6 +83,15 @@ pub fn group_pairs(name: &str, origin: &str, spec: &MoeSpec) -> Kernel {
             for_("chunk", int(0), var("pairs"), int(BLOCK as i64), chunk),
             if_(eq(tid(), int(0)), vec![store("expert_counts", var("e"), var("count"))]),
         ],
+    }
+}
+
+/// The listing kernels' block-wide prefix sums (`moe`'s `block_prefix_sum`).
+fn scan_array() -> SharedArray {
+    SharedArray {
+        name: "scan".into(),
+        ty: Ty::I32,
+        len: BLOCK as usize,
     }
 }
 
@@ -145,11 +150,7 @@ pub fn list_tiles(name: &str, origin: &str, spec: &MoeSpec) -> Kernel {
             scalar("tokens", Ty::I32),
             scalar("active", Ty::I32),
         ],
-        shared: vec![SharedArray {
-            name: "scan".into(),
-            ty: Ty::I32,
-            len: BLOCK as usize,
-        }],
+        shared: vec![scan_array()],
         block_dim: BLOCK,
         grid: var("active"),
         body: vec![
