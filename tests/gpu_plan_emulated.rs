@@ -527,25 +527,48 @@ fn tiny_quantized_llama_plans_agree_with_the_cpu_backend() {
 /// scale them again).
 #[test]
 fn quantized_prompts_of_many_rows_multiply_by_weights_converted_for_them() {
-    use tiny_gguf::{gguf_llama, q4_0, q8_0, LlamaShape};
+    use tiny_gguf::{q4_0, q8_0};
+    check_converted_prefill("quantized", (&mut q8_0, &mut q4_0), &["q8_0", "q4_0"], false);
+}
+
+/// The same with every matrix in IEEE half: converted 8 values a thread for the TMA GEMM,
+/// read through registers by the batch GEMM; the gated MLP's joined gate/up (a GLU epilogue)
+/// keeps the GEMM that takes half weights itself.
+#[test]
+fn half_prompts_of_many_rows_multiply_by_weights_converted_for_them() {
+    use tiny_gguf::f16_values;
+    check_converted_prefill("f16", (&mut f16_values, &mut f16_values), &["f16"], true);
+}
+
+/// A tiny Llama (hidden 128) as a GGUF file of `matrices` (attention and embedding, MLP)
+/// through [`quantized_prompts_of_many_rows_multiply_by_weights_converted_for_them`]'s
+/// checks: its plans carry the conversions of `formats`, one before each converted matmul's
+/// GEMMs (every matmul's, but a GLU epilogue's where `glu_kept`).
+fn check_converted_prefill(
+    name: &str,
+    matrices: (tiny_gguf::Matrix, tiny_gguf::Matrix),
+    formats: &[&str],
+    glu_kept: bool,
+) {
+    use tiny_gguf::{gguf_llama, LlamaShape};
     let scratch = tempfile::Builder::new()
         .prefix("bbc-converted-prefill-")
         .tempdir()
         .unwrap();
-    let path = scratch.path().join("quantized-llama.gguf");
+    let path = scratch.path().join(format!("{name}-llama.gguf"));
     let shape = LlamaShape {
         hidden: 128,
         heads: 8,
         kv_heads: 4,
         ..LlamaShape::TINY
     };
-    gguf_llama(&path, &shape, &mut q8_0, &mut q4_0).unwrap();
+    gguf_llama(&path, &shape, matrices.0, matrices.1).unwrap();
     let native = open_native_with_f32_cache(&path);
     let dequantized = open_at(&path, ComputeDtype::F32);
     let context = native.config.context_length.min(256);
     let rows = BATCH_ROWS + 6;
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
-        let label = target.name();
+        let label = format!("{name} on {}", target.name());
         let graph = fused_for(&native.lower(LogitsFor::LastToken).unwrap(), target);
         let (plan, kernels) = gpu::build_with_kernels(&graph, target, rows).unwrap();
         let converting: Vec<String> = plan
@@ -554,16 +577,23 @@ fn quantized_prompts_of_many_rows_multiply_by_weights_converted_for_them() {
             .map(|k| k.name.clone())
             .filter(|name| name.contains("_to_bf16_for_prefill"))
             .collect();
-        for format in ["q8_0", "q4_0"] {
+        for format in formats {
             let named = format!("convert_{format}_to_bf16_for_prefill");
             assert!(
                 converting.iter().any(|n| n.starts_with(&named)),
                 "{label}: no {named} in {converting:?}"
             );
         }
-        // A conversion before each GEMM over a copy, and every matmul's GEMM over one (the
-        // tiny model's matrices are all blocks, all small enough).
+        // A conversion before each GEMM over a copy, and every matmul's GEMM over one but a
+        // GLU epilogue's where it keeps its own (the tiny model's matrices are all small
+        // enough).
         let conversions = plan.launches.iter().filter(|l| converting.contains(&l.kernel)).count();
+        let gated = plan
+            .launches
+            .iter()
+            .filter(|l| l.prefill_kernel.as_deref().is_some_and(|k| k.contains("swiglu_gemm")))
+            .count();
+        assert_eq!(gated > 0, glu_kept, "{label}: {gated} GLU GEMMs");
         let over_copies = plan
             .launches
             .iter()

@@ -11,7 +11,7 @@ use kernels_gen::dsl::{Kernel, Ty};
 use kernels_gen::templates::gemm_mma::{gemm_mma_with, WeightStaging};
 use kernels_gen::templates::gemm_tma_tcgen05::{gemm_tma_tcgen05_bf16, TcgenTile};
 use kernels_gen::templates::gemm_tma_wgmma::{gemm_tma_wgmma_bf16, TmaTile};
-use kernels_gen::templates::weight_convert::blocks_to_bf16_for_prefill;
+use kernels_gen::templates::weight_convert::to_bf16_for_prefill;
 use kernels_gen::templates::{gemm_mma, gemm_tma_mma, quant, split_k, BLOCK};
 use runtime::plan_exec::{DeviceArg, PlanDevice};
 use runtime::random_weights::{fill_kernels, fill_on_device, Fill};
@@ -36,7 +36,7 @@ struct Timed {
 /// The kernels timed on `arch`.
 fn kernels(arch: &str) -> Result<Timed> {
     let decoding = gemm_mma_with("gemm_q4_k", "gpu-check", WeightStaging::Dequantize(FORMAT), None, None);
-    let convert = blocks_to_bf16_for_prefill(FORMAT, 1, "gpu-check").ok_or_else(|| anyhow!("a block format"))?;
+    let convert = to_bf16_for_prefill(FORMAT, 1, "gpu-check").ok_or_else(|| anyhow!("a block format"))?;
     let tma = match arch {
         "sm_90a" => (
             gemm_tma_wgmma_bf16("gemm_tma", "gpu-check", TmaTile::WIDE),

@@ -69,7 +69,7 @@ use crate::dsl::*;
 /// per 4 as in the prefill GEMV. The wgmma/tcgen05 kernels take their weights by `cp.async`,
 /// which copies bytes and cannot decode. (Plans take this GEMM for steps of up to a decode
 /// batch's rows; larger steps decode the blocks into a bf16 copy for the TMA GEMM:
-/// `weight_convert::blocks_to_bf16_for_prefill`, `tma_gemm::over_converted_weights`.)
+/// `weight_convert::to_bf16_for_prefill`, `tma_gemm::over_converted_weights`.)
 ///
 /// Every one of them takes an RMSNorm prologue (`rms_norm_matmul`, `add_rms_norm_matmul`) and
 /// a GLU epilogue over dense weights, and splits K at few rows (`split_k`). A GLU epilogue over
@@ -1329,11 +1329,12 @@ pub fn catalog() -> Vec<Kernel> {
             .filter_map(|f| weight_convert::convert_kernel(f, ir::DType::BF16)),
     )
     .chain(weight_convert::convert_kernel(ir::DType::Q4K, ir::DType::F32))
-    // Every block format decoded to bf16 for a prefill step's TMA GEMM.
+    // Every block format, and half values, converted to bf16 for a prefill step's TMA GEMM.
     .chain(
         QUANT_FORMATS
-            .iter()
-            .filter_map(|&f| weight_convert::blocks_to_bf16_for_prefill(f, 65, "catalog")),
+            .into_iter()
+            .chain([ir::DType::F16])
+            .filter_map(|f| weight_convert::to_bf16_for_prefill(f, 65, "catalog")),
     )
     .collect()
 }

@@ -64,7 +64,7 @@ pub fn prologued_params(prologue: Option<super::gemv::NormPrologue>, x_box_rows:
 
 /// `kernel`, a GEMM on [`prologued_params`], as `name` reading its weights from `wb`: a
 /// bf16 copy of a matrix of GGUF blocks made for the step (after `xb_stride`; see
-/// `weight_convert::blocks_to_bf16_for_prefill`). `w` stays where the GEMV has it, as the
+/// `weight_convert::to_bf16_for_prefill`). `w` stays where the GEMV has it, as the
 /// blocks, which it does not read.
 pub fn over_converted_weights(mut kernel: Kernel, name: &str) -> Kernel {
     let maps = kernel

@@ -11,9 +11,9 @@
 //! a product of a half scale and small integers, exact in f32, and at most one rounded
 //! addition, so contracting it into an FMA changes nothing either.
 //!
-//! A plan that keeps a matrix in its blocks converts it again for each step of many rows
-//! ([`blocks_to_bf16_for_prefill`]): into a bf16 copy in scratch that the target's TMA GEMM
-//! reads as it reads bf16 weights.
+//! A plan that keeps a matrix in its blocks (or in IEEE half) converts it again for each step
+//! of many rows ([`to_bf16_for_prefill`]): into a bf16 copy in scratch that the target's TMA
+//! GEMM reads as it reads bf16 weights.
 
 use super::quant::{block_layout, run_weights};
 use super::{blocks_for, per_element, BLOCK};
@@ -94,25 +94,44 @@ fn decode_runs(format: DType, runs: Expr, out: &str, ty: Ty) -> Vec<Stmt> {
     per_element(runs, body)
 }
 
-/// The name of the kernel converting a matrix of `from` blocks to bf16 for a step's GEMM.
+/// The name of the kernel converting a matrix of `from` to bf16 for a step's GEMM.
 pub fn prefill_kernel_name(from: DType) -> String {
     format!("convert_{}_to_bf16_for_prefill", from.name())
 }
 
-/// A matrix of GGUF blocks (`w`, `n` rows of `k`) decoded into the bf16 copy `wb` that a step
-/// of `min_tokens` rows or more multiplies by on the target's TMA GEMM, as the plan's
-/// conversion at loading decodes them (the same values, the same rounding); no blocks for
-/// steps of fewer rows (`tokens`), whose GEMMs decode the blocks themselves. None for a
-/// format that is not a block format.
-pub fn blocks_to_bf16_for_prefill(from: DType, min_tokens: usize, origin: &str) -> Option<Kernel> {
-    block_layout(from)?;
-    let runs = var("n") * var("k") / int(RUN);
+/// A matrix of GGUF blocks or IEEE half values (`w`, `n` rows of `k`) converted into the bf16
+/// copy `wb` that a step of `min_tokens` rows or more multiplies by on the target's TMA GEMM,
+/// as the plan's conversion at loading converts them (the same values, the same rounding):
+/// blocks a run of 32 a thread, half values 8 a thread (16-byte loads and stores: `n·k` a
+/// multiple of 8); no blocks for steps of fewer rows (`tokens`), whose GEMMs take the stored
+/// form themselves. None for other formats.
+pub fn to_bf16_for_prefill(from: DType, min_tokens: usize, origin: &str) -> Option<Kernel> {
     let gate = bin(BinOp::Min, int(1), var("tokens") / int(min_tokens as i64));
+    let (source, (units, per_unit), body) = match from {
+        DType::F16 => {
+            let units = var("n") * var("k") / int(HALVES);
+            let names: Vec<String> = (0..HALVES).map(|e| format!("v{e}")).collect();
+            let body = per_element(
+                units.clone(),
+                vec![
+                    load_vec("w", var("i") * int(HALVES), &names),
+                    store_vec("wb", var("i") * int(HALVES), names.iter().map(|n| var(n)).collect()),
+                ],
+            );
+            (Ty::F16, (units, "8 values"), body)
+        }
+        format if block_layout(format).is_some() => {
+            let runs = var("n") * var("k") / int(RUN);
+            let body = decode_runs(format, runs.clone(), "wb", Ty::Bf16);
+            (Ty::U8, (runs, "a run of 32"), body)
+        }
+        _ => return None,
+    };
     Some(Kernel {
         name: prefill_kernel_name(from),
-        origin: format!("{origin}: {from} weights decoded to bf16 for a step's GEMM"),
+        origin: format!("{origin}: {from} weights converted to bf16 for a step's GEMM, {per_unit} a thread"),
         params: vec![
-            buffer("w", Ty::U8, false),
+            buffer("w", source, false),
             buffer("wb", Ty::Bf16, true),
             scalar("n", Ty::I32),
             scalar("k", Ty::I32),
@@ -120,7 +139,10 @@ pub fn blocks_to_bf16_for_prefill(from: DType, min_tokens: usize, origin: &str) 
         ],
         shared: vec![],
         block_dim: BLOCK,
-        grid: blocks_for(runs.clone(), BLOCK as i64) * gate,
-        body: decode_runs(from, runs, "wb", Ty::Bf16),
+        grid: blocks_for(units, BLOCK as i64) * gate,
+        body,
     })
 }
+
+/// Half values a thread of [`to_bf16_for_prefill`] converts: one 16-byte load.
+const HALVES: i64 = 8;

@@ -893,11 +893,11 @@ impl MatMul {
                                 ..g
                             }
                         });
-                        // Over the same bf16 rows, the blocks decoded into its tiles.
-                        let WeightFormat::Blocks(format) = self.weights else {
-                            unreachable!("converted weights are blocks")
+                        // Over the same bf16 rows, the weights as stored into its tiles.
+                        let staging = match self.weights {
+                            WeightFormat::Blocks(format) => gemm_mma::WeightStaging::Dequantize(format),
+                            _ => gemm_mma::WeightStaging::HalfWeights,
                         };
-                        let staging = gemm_mma::WeightStaging::Dequantize(format);
                         let decoding_name = format!("{gemm_name}_after_rows");
                         let decoding = gemm_mma::gemm_mma_after_rows(&decoding_name, origin, staging, self.norm);
                         (gemm, Some(decoding), Some(gemm_mma::TILES))
@@ -945,15 +945,18 @@ impl MatMul {
             && self.k.is_multiple_of(8)
     }
 
-    /// The block format of weights that steps of more than `BATCH_ROWS` rows decode into a
-    /// bf16 copy for the target's TMA GEMM (a `weight_convert` launch before it), where the
-    /// plan's prefill GEMM is a TMA one and the copy fits [`CONVERTED_WEIGHTS_BYTES`]. Such a
-    /// step multiplies each weight by as many rows as a bf16 model's prompt does, on the same
-    /// GEMM, for the copy's cost: writing and reading 2 bytes a weight. Fewer rows keep the
-    /// GEMM that decodes the blocks into its tiles.
+    /// The stored format of weights that steps of more than `BATCH_ROWS` rows convert into a
+    /// bf16 copy for the target's TMA GEMM (a `weight_convert` launch before it): GGUF blocks,
+    /// or IEEE half values in rows of whole 16-byte chunks, where the plan's prefill GEMM is a
+    /// TMA one, the matmul has no GLU epilogue and the copy fits [`CONVERTED_WEIGHTS_BYTES`].
+    /// Such a step multiplies each weight by as many rows as a bf16 model's prompt does, on
+    /// the same GEMM, for the copy's cost: writing and reading 2 bytes a weight. Fewer rows
+    /// keep the GEMM that takes the stored form into its tiles.
     fn converted_for_prefill(&self, plan: &PlanTarget) -> Option<DType> {
-        let WeightFormat::Blocks(format) = self.weights else {
-            return None;
+        let format = match self.weights {
+            WeightFormat::Blocks(format) => format,
+            WeightFormat::Dense(Ty::F16) if self.k.is_multiple_of(8) => DType::F16,
+            _ => return None,
         };
         let tma = matches!(
             plan.prefill,
@@ -1037,8 +1040,8 @@ impl MatMul {
                 name: "wb".into(),
                 bytes: n * k * 2,
             };
-            let convert = weight_convert::blocks_to_bf16_for_prefill(format, BATCH_ROWS + 1, plan.origin)
-                .expect("a block format");
+            let convert = weight_convert::to_bf16_for_prefill(format, BATCH_ROWS + 1, plan.origin)
+                .expect("a format converted for prefill");
             let convert_args = vec![
                 args[self.matrix_arg()].clone(),
                 wb.clone(),
