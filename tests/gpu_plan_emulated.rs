@@ -532,8 +532,9 @@ fn quantized_prompts_of_many_rows_multiply_by_weights_converted_for_them() {
 }
 
 /// The same with every matrix in IEEE half: converted 8 values a thread for the TMA GEMM,
-/// read through registers by the batch GEMM; the gated MLP's joined gate/up (a GLU epilogue)
-/// keeps the GEMM that takes half weights itself.
+/// read through registers by the batch GEMM, the gated MLP's joined gate/up too (its GLU
+/// gated by the TMA GEMM itself on Hopper and the B200, by the reduction after the batch
+/// GEMM and on the RTX PRO 6000).
 #[test]
 fn half_prompts_of_many_rows_multiply_by_weights_converted_for_them() {
     use tiny_gguf::f16_values;
@@ -542,14 +543,9 @@ fn half_prompts_of_many_rows_multiply_by_weights_converted_for_them() {
 
 /// A tiny Llama (hidden 128) as a GGUF file of `matrices` (attention and embedding, MLP)
 /// through [`quantized_prompts_of_many_rows_multiply_by_weights_converted_for_them`]'s
-/// checks: its plans carry the conversions of `formats`, one before each converted matmul's
-/// GEMMs (every matmul's, but a GLU epilogue's where `glu_kept`).
-fn check_converted_prefill(
-    name: &str,
-    matrices: (tiny_gguf::Matrix, tiny_gguf::Matrix),
-    formats: &[&str],
-    glu_kept: bool,
-) {
+/// checks: its plans carry the conversions of `formats`, one before each matmul's GEMMs (a
+/// GLU epilogue's among them where `glu`: dense MLP weights, whose gate/up joins).
+fn check_converted_prefill(name: &str, matrices: (tiny_gguf::Matrix, tiny_gguf::Matrix), formats: &[&str], glu: bool) {
     use tiny_gguf::{gguf_llama, LlamaShape};
     let scratch = tempfile::Builder::new()
         .prefix("bbc-converted-prefill-")
@@ -584,16 +580,45 @@ fn check_converted_prefill(
                 "{label}: no {named} in {converting:?}"
             );
         }
-        // A conversion before each GEMM over a copy, and every matmul's GEMM over one but a
-        // GLU epilogue's where it keeps its own (the tiny model's matrices are all small
-        // enough).
+        // A conversion before each GEMM over a copy, and every matmul's GEMM over one (the
+        // tiny model's matrices are all small enough).
         let conversions = plan.launches.iter().filter(|l| converting.contains(&l.kernel)).count();
         let gated = plan
             .launches
             .iter()
-            .filter(|l| l.prefill_kernel.as_deref().is_some_and(|k| k.contains("swiglu_gemm")))
+            .filter(|l| {
+                l.prefill_kernel
+                    .as_deref()
+                    .is_some_and(|k| k.contains("swiglu_gemm_tma"))
+            })
             .count();
-        assert_eq!(gated > 0, glu_kept, "{label}: {gated} GLU GEMMs");
+        assert_eq!(gated > 0, glu, "{label}: {gated} GLU GEMMs over copies");
+        // Where the TMA GEMM gates its own products (Hopper, the B200), the reduction after it
+        // skips a single split, but the batch GEMM's single split still needs its GLU: the
+        // reduction has both forms. (The tiny shapes split K in both, where the two agree, so
+        // only the plan shows it.)
+        let source = |name: &str| &plan.kernels.iter().find(|k| k.name == name).unwrap().source;
+        let after_gating = |name: Option<&str>| name.is_some_and(|n| source(n).contains("gated its own products"));
+        for (at, launch) in plan.launches.iter().enumerate() {
+            let Some(gemm) = launch
+                .prefill_kernel
+                .as_deref()
+                .filter(|k| k.contains("swiglu_gemm_tma"))
+            else {
+                continue;
+            };
+            let reduce = &plan.launches[at + 1];
+            let gates_itself = matches!(target, Target::H200 | Target::B200);
+            assert_eq!(
+                (
+                    after_gating(reduce.prefill_kernel.as_deref()),
+                    after_gating(reduce.batch_kernel.as_deref()),
+                    after_gating(Some(&reduce.kernel))
+                ),
+                (gates_itself, false, false),
+                "{label}: the reduction after {gemm}"
+            );
+        }
         let over_copies = plan
             .launches
             .iter()

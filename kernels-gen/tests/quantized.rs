@@ -137,7 +137,7 @@ fn quantized_tensor_core_gemm_multiplies_rows_made_before_it() {
         let mut w = vec![0f32; n * k];
         ggml(format).dequantize(&data, &mut w);
         for (norm, tokens) in [(None, 20), (None, 70), (Some(residual), 20)] {
-            let kernel = gemm_mma_after_rows("gemm_q_rows", "test", WeightStaging::Dequantize(format), norm);
+            let kernel = gemm_mma_after_rows("gemm_q_rows", "test", WeightStaging::Dequantize(format), (norm, None));
             let xb_stride = k + 8;
             let xb: Vec<f32> = (0..tokens * xb_stride)
                 .map(|i| ((i * 37 % 23) as f32 - 11.0) / 7.0)

@@ -315,13 +315,19 @@ pub fn gemm_mma_with(
 /// [`gemm_mma_with`]'s form then `xb` and `xb_stride` (as the TMA GEMMs', which it stands in
 /// for at fewer rows), its rows' slices copied by `cp.async` while the weights are staged
 /// (`k` a multiple of 8), the result laid out for `norm`'s form (after the sum under a
-/// residual prologue) and not scaled. Weights staged in the step (not `CpAsync`).
-pub fn gemm_mma_after_rows(name_: &str, origin: &str, staging: WeightStaging, norm: Option<NormPrologue>) -> Kernel {
+/// residual prologue) and not scaled, a GLU's products through the partials (the reduction
+/// gates them). Weights staged in the step (not `CpAsync`).
+pub fn gemm_mma_after_rows(
+    name_: &str,
+    origin: &str,
+    staging: WeightStaging,
+    (norm, glu): (Option<NormPrologue>, Option<GluAct>),
+) -> Kernel {
     assert!(
         staging != WeightStaging::CpAsync,
         "the rows' copies are the step's one cp.async group"
     );
-    build(name_, origin, staging, Activations::Rows(norm), None)
+    build(name_, origin, staging, Activations::Rows(norm), glu)
 }
 
 /// Where a GEMM's activations come from, and the prologue of the matmul it computes.

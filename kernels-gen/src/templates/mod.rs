@@ -1275,7 +1275,17 @@ pub fn catalog() -> Vec<Kernel> {
             "add_rms_norm_gemm_mma_q4_k_after_rows",
             "catalog",
             gemm_mma::WeightStaging::Dequantize(ir::DType::Q4K),
-            Some(gemv::NormPrologue::new(1e-6, 1.0).with_residual()),
+            (Some(gemv::NormPrologue::new(1e-6, 1.0).with_residual()), None),
+        ),
+        // Half weights with the gated MLP's GLU (the reduction gates).
+        gemm_mma::gemm_mma_after_rows(
+            "add_rms_norm_swiglu_gemm_mma_f16_after_rows",
+            "catalog",
+            gemm_mma::WeightStaging::HalfWeights,
+            (
+                Some(gemv::NormPrologue::new(1e-6, 1.0).with_residual()),
+                Some(GluAct::Silu),
+            ),
         ),
         // IEEE half weights (f16 GGUF and safetensors models): the decode GEMV, and the GEMM
         // converting them to bf16 in its tile.

@@ -899,7 +899,7 @@ impl MatMul {
                             _ => gemm_mma::WeightStaging::HalfWeights,
                         };
                         let decoding_name = format!("{gemm_name}_after_rows");
-                        let decoding = gemm_mma::gemm_mma_after_rows(&decoding_name, origin, staging, self.norm);
+                        let decoding = gemm_mma::gemm_mma_after_rows(&decoding_name, origin, staging, form);
                         (gemm, Some(decoding), Some(gemm_mma::TILES))
                     }
                     None => {
@@ -948,7 +948,7 @@ impl MatMul {
     /// The stored format of weights that steps of more than `BATCH_ROWS` rows convert into a
     /// bf16 copy for the target's TMA GEMM (a `weight_convert` launch before it): GGUF blocks,
     /// or IEEE half values in rows of whole 16-byte chunks, where the plan's prefill GEMM is a
-    /// TMA one, the matmul has no GLU epilogue and the copy fits [`CONVERTED_WEIGHTS_BYTES`].
+    /// TMA one and the copy fits [`CONVERTED_WEIGHTS_BYTES`].
     /// Such a step multiplies each weight by as many rows as a bf16 model's prompt does, on
     /// the same GEMM, for the copy's cost: writing and reading 2 bytes a weight. Fewer rows
     /// keep the GEMM that takes the stored form into its tiles.
@@ -965,7 +965,7 @@ impl MatMul {
         let fits = self.n * self.k * 2 <= CONVERTED_WEIGHTS_BYTES;
         let arch = plan.target.cuda_arch().unwrap_or_default();
         let many_rows = plan.max_tokens > BATCH_ROWS;
-        (tma && fits && self.glu.is_none() && many_rows && templates::has_tma_gemm(arch)).then_some(format)
+        (tma && fits && many_rows && templates::has_tma_gemm(arch)).then_some(format)
     }
 
     /// The position of the weight matrix in its launches' arguments (the GEMV's: activations,
@@ -1007,6 +1007,10 @@ impl MatMul {
         if self.glu.is_some() && !gates {
             // Every product goes through the partials, in one split too: room for every row.
             partial_len = partial_len.max(plan.max_tokens * n);
+        }
+        if self.glu.is_some() && kernels.batch_tiles.is_some() {
+            // The batch GEMM's products too, whatever the TMA GEMM does with its own.
+            partial_len = partial_len.max(BATCH_ROWS.min(plan.max_tokens) * n);
         }
         // The norm the GEMM's splits still scale by (rows made before the GEMM come
         // normalised).
@@ -1085,13 +1089,26 @@ impl MatMul {
         if norm.is_some() {
             reduce_args.push(scalar("k", k));
         }
-        let reduce = match (self.glu, gates) {
+        let reduce = |gates: bool| match (self.glu, gates) {
             (Some(act), true) => {
                 split_k::reduce_after_gating("split_k_reduce", plan.origin, super::PREFILL_TOKENS, act)
             }
             _ => split_k::reduce("split_k_reduce", plan.origin, super::PREFILL_TOKENS, self.glu, norm),
         };
-        s.launches.push((i, reduce, Alternatives::default(), reduce_args));
+        // Where a batch GEMM beside a TMA GEMM that gates its own products leaves its GLU's to
+        // the reduction, steps of up to `BATCH_ROWS` rows gate in the reduction.
+        let (kernel, alternatives) = match kernels.batch_tiles.is_some() && gates && self.glu.is_some() {
+            true => (
+                reduce(false),
+                Alternatives {
+                    prefill: Some(reduce(true)),
+                    batch: Some(reduce(false)),
+                    ..Alternatives::default()
+                },
+            ),
+            false => (reduce(gates), Alternatives::default()),
+        };
+        s.launches.push((i, kernel, alternatives, reduce_args));
     }
 
     /// The launch making the TMA GEMM's bf16 rows from the matmul's arguments `args` (the
