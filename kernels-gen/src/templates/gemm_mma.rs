@@ -56,41 +56,58 @@ pub(super) const STAGES: i64 = 2;
 pub(super) const WARP_M_TILES: usize = 2;
 pub(super) const WARP_N_TILES: usize = 4;
 
-/// Stage a 64×32 slice (rows `row0..`, columns `k0..`) into shared `dst`: element (row, col)
-/// is what `fetch(row, col, value)` sets the f32 local `value` to, zero past `rows` and `k`.
-/// Thread (warp w, lane l) takes columns `2·(l mod 16)` and the next of rows
-/// `w + 4·(l / 16) + 8·i`, storing the two as one bf16 pair (one conversion instruction): a
-/// half-warp reads 32 consecutive elements of a row, and the two halves' stores land 4 rows
-/// (320 bytes, half the banks) apart, one wavefront a warp.
+/// Stage a 64×32 slice (rows `row0..`, columns `k0..`) into shared `dst` ([`stage_pairs`]):
+/// element (row, col) is what `fetch(row, col, value)` sets the f32 local `value` to, zero
+/// past `rows` and `k`.
 fn stage(dst: &str, row0: &str, rows: &str, fetch: impl Fn(Expr, Expr, &str) -> Vec<Stmt>) -> Vec<Stmt> {
+    let row = var(row0) + var("r");
+    let valid = lt(row.clone(), var(rows));
+    vec![stage_pairs(dst, int(0), var("k"), (vec![], valid), &|col, value| {
+        fetch(row.clone(), col, value)
+    })]
+}
+
+/// A 64×32 slice staged into shared `dst` from element `at` (rows `STAGE_STRIDE` apart), a
+/// bf16 pair a thread: thread (warp w, lane l) takes columns `c = 2·(l mod 16)` and the next
+/// of slice rows `r = w + 4·(l / 16) + 8·i` (locals `r` and `c`), storing the two as one pair
+/// (one conversion instruction). A half-warp reads 32 consecutive elements of a row, and the
+/// two halves' stores land 4 rows (320 bytes, half the banks) apart: one wavefront a warp.
+/// `row` declares what the pair reads of row `r`; where `valid` holds, `fetch(col, value)`
+/// sets the f32 local `value` to the element at column `col` (`k0 + c` and the next, each
+/// below `k`); elsewhere it is zero.
+pub(super) fn stage_pairs(
+    dst: &str,
+    at: Expr,
+    k: Expr,
+    (row, valid): (Vec<Stmt>, Expr),
+    fetch: &dyn Fn(Expr, &str) -> Vec<Stmt>,
+) -> Stmt {
     const HALF: i64 = 16;
+    assert_eq!(TILE_K, 2 * HALF, "a half-warp's pairs span a row");
     let rows_a_pass = 2 * WARPS;
-    let (r, c) = (format!("{dst}_r"), format!("{dst}_c"));
-    let (grow, gcol) = (var(row0) + var(&r), var("k0") + var(&c));
+    let place = var("r") * int(STAGE_STRIDE) + var("c");
+    // Nothing added to a start of 0.
+    let place = match at {
+        Expr::Int(0) => place,
+        at => at + place,
+    };
     let mut body = vec![
         let_(
-            &r,
+            "r",
             Ty::I32,
             warp() + lane() / int(HALF) * int(WARPS) + var("i") * int(rows_a_pass),
         ),
-        let_(&c, Ty::I32, rem(lane(), int(HALF)) * int(2)),
+        let_("c", Ty::I32, rem(lane(), int(HALF)) * int(2)),
     ];
+    body.extend(row);
     let values: Vec<String> = (0..2).map(|j| format!("{dst}_v{j}")).collect();
     for (j, value) in values.iter().enumerate() {
-        let col = gcol.clone() + int(j as i64);
+        let col = var("k0") + var("c") + int(j as i64);
         body.push(let_(value, Ty::F32, f(0.0)));
-        body.push(if_(
-            and(lt(grow.clone(), var(rows)), lt(col.clone(), var("k"))),
-            fetch(grow.clone(), col, value),
-        ));
+        body.push(if_(and(valid.clone(), lt(col.clone(), k.clone())), fetch(col, value)));
     }
-    body.push(store_vec(
-        dst,
-        var(&r) * int(STAGE_STRIDE) + var(&c),
-        values.iter().map(|v| var(v)).collect(),
-    ));
-    assert_eq!(TILE_K, 2 * HALF, "a half-warp's pairs span a row");
-    vec![for_("i", int(0), int(TILE_M / rows_a_pass), int(1), body)]
+    body.push(store_vec(dst, place, values.iter().map(|v| var(v)).collect()));
+    for_("i", int(0), int(TILE_M / rows_a_pass), int(1), body)
 }
 
 /// A row-major array's element (row, col), rows `row_stride` apart.

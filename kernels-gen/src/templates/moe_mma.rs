@@ -227,42 +227,15 @@ fn tile_pairs() -> Vec<Stmt> {
     ]
 }
 
-/// A 64×32 slice staged element by element into `dst` from element `at` on (rounded to bf16
-/// by the store), a thread taking elements `tid + 128·i` (a warp 32 consecutive columns of a
-/// row): row `r`'s element `c` is what `fetch` sets the f32 `value` to where `valid` holds
-/// and column `k0 + c` lies below `k_len`, else zero; `row` declares what both read of row `r`.
-fn stage_slice(dst: &str, at: Expr, k_len: i64, (row, valid, fetch): (Vec<Stmt>, Expr, Vec<Stmt>)) -> Stmt {
-    let threads = 32 * WARPS;
-    let place = var("r") * int(STAGE_STRIDE) + var("c");
-    // Nothing added to a start of 0.
-    let place = match at {
-        Expr::Int(0) => place,
-        at => at + place,
-    };
-    let body = [
-        vec![
-            let_("r", Ty::I32, (tid() + var("i") * int(threads)) / int(TILE_K)),
-            let_("c", Ty::I32, rem(tid(), int(TILE_K))),
-        ],
-        row,
-        vec![
-            let_("value", Ty::F32, f(0.0)),
-            if_(and(valid, lt(var("k0") + var("c"), int(k_len))), fetch),
-            store(dst, place, var("value")),
-        ],
-    ]
-    .concat();
-    for_("i", int(0), int(TILE_M * TILE_K / threads), int(1), body)
-}
-
-/// Stage the tile's slice of gathered rows at `k0` into `xs` ([`stage_slice`]): row r is
-/// `source(pair)`'s elements (`source` gives the index of a pair's first), zero for rows past
-/// the count.
+/// Stage the tile's slice of gathered rows at `k0` into `xs` (`gemm_mma::stage_pairs`): row
+/// r is `source(pair)`'s elements (`source` gives the index of a pair's first), zero for rows
+/// past the count.
 fn stage_rows(src: &str, source: &dyn Fn(Expr) -> Expr, k_len: i64) -> Vec<Stmt> {
     let row = vec![let_("pair", Ty::I32, load("tile_pairs", var("r")))];
-    let fetch = vec![assign("value", load(src, source(var("pair")) + var("k0") + var("c")))];
     let valid = bin(BinOp::Ge, var("pair"), int(0));
-    vec![stage_slice("xs", int(0), k_len, (row, valid, fetch))]
+    let first = source(var("pair"));
+    let fetch = |col: Expr, value: &str| vec![assign(value, load(src, first.clone() + col))];
+    vec![gemm_mma::stage_pairs("xs", int(0), int(k_len), (row, valid), &fetch)]
 }
 
 /// A weight tile's `cp.async` copies into `dst`'s buffer `buffer`: 64 rows from `first_row`
@@ -294,19 +267,23 @@ fn copy_weights(dst: &str, (first_row, valid_rows): (Expr, Expr), k_len: i64, (b
 
 /// A weight tile decoded into `dst`'s buffer `s`: 64 rows from `first_row` (those from
 /// `valid_rows` on zero), 32 columns at `k0` of rows `k_len` long; GGUF blocks a run a thread
-/// (`gemm_mma::decode_block_runs`), half weights element by element ([`stage_slice`]).
+/// (`gemm_mma::decode_block_runs`), half weights a pair a thread (`gemm_mma::stage_pairs`).
 fn decode_weights(format: WeightFormat, dst: &str, (first_row, valid_rows): (Expr, Expr), k_len: i64) -> Stmt {
     let at = var("s") * int(STAGE);
     if let WeightFormat::Blocks(blocks) = format {
         return gemm_mma::decode_block_runs(blocks, dst, at, (first_row, valid_rows), int(k_len));
     }
-    let fetch = [
-        format.element("we", first_row + var("r"), int(k_len), var("k0") + var("c")),
-        vec![assign("value", var("we"))],
-    ]
-    .concat();
+    let row = first_row + var("r");
+    let fetch = |col: Expr, value: &str| {
+        let element = format!("{value}_w");
+        [
+            format.element(&element, row.clone(), int(k_len), col),
+            vec![assign(value, var(&element))],
+        ]
+        .concat()
+    };
     let valid = lt(var("r"), valid_rows);
-    stage_slice(dst, at, k_len, (vec![], valid, fetch))
+    gemm_mma::stage_pairs(dst, at, int(k_len), (vec![], valid), &fetch)
 }
 
 /// A K step's copies into a buffer: `copy(buffer, k0)`.
