@@ -197,30 +197,56 @@ pub(super) fn decode_block_runs(
     if_else(lt(tid(), int(TILE_N)), half(0..16), half(16..32))
 }
 
-/// Copy the 64×32 weight slice at `k0` into buffer `buffer` with `cp.async`: copy
-/// `c = tid + 128·i` is row `c / 4`, 8-element chunk `c % 4` (a warp reads 8 whole 64-byte
-/// row slices), zero-filled past `n` and `k`.
+/// Copy the 64×32 weight slice at `k0` into buffer `buffer` with `cp.async` ([`copy_slice`]).
 fn copy_weights(buffer: Expr, k0: Expr) -> Vec<Stmt> {
-    vec![for_(
+    let source = Slice {
+        src: "w",
+        rows: ("n0", "n"),
+        stride: var("k"),
+    };
+    vec![copy_slice(("ws", buffer * int(STAGE)), source, k0)]
+}
+
+/// Where a slice is copied from: `src`'s rows `rows.0..rows.1` (scalars or locals), `stride`
+/// apart.
+struct Slice {
+    src: &'static str,
+    rows: (&'static str, &'static str),
+    stride: Expr,
+}
+
+/// Copy the 64×32 slice of `source` at column `k0` into shared `dst` from element `dst_at`
+/// with `cp.async`: copy `c = tid + 128·i` is row `c / 4`, 8-element chunk `c % 4` (a warp
+/// reads 8 whole 64-byte row slices), zero-filled past the rows and `k` (a multiple of 8, as
+/// the stride).
+fn copy_slice((dst, dst_at): (&str, Expr), source: Slice, k0: Expr) -> Stmt {
+    let (first, end) = source.rows;
+    let row = var(first) + var("row");
+    let chunk = rem(var("c"), int(TILE_K / 8)) * int(8);
+    // Nothing added to a start of 0.
+    let place = var("row") * int(STAGE_STRIDE) + chunk.clone();
+    let place = match dst_at {
+        Expr::Int(0) => place,
+        at => at + place,
+    };
+    for_(
         "i",
         int(0),
-        int(TILE_N * TILE_K / 8 / (32 * WARPS)),
+        int(TILE_M * TILE_K / 8 / (32 * WARPS)),
         int(1),
         vec![
             let_("c", Ty::I32, tid() + var("i") * int(32 * WARPS)),
             let_("row", Ty::I32, var("c") / int(TILE_K / 8)),
-            let_("col", Ty::I32, k0 + rem(var("c"), int(TILE_K / 8)) * int(8)),
+            let_("col", Ty::I32, k0 + chunk),
             Stmt::CpAsync(Box::new(AsyncCopy {
-                dst: "ws".into(),
-                dst_index: buffer * int(STAGE)
-                    + var("row") * int(STAGE_STRIDE)
-                    + rem(var("c"), int(TILE_K / 8)) * int(8),
-                src: "w".into(),
-                src_index: (var("n0") + var("row")) * var("k") + var("col"),
-                valid: and(lt(var("n0") + var("row"), var("n")), lt(var("col"), var("k"))),
+                dst: dst.into(),
+                dst_index: place,
+                src: source.src.into(),
+                src_index: row.clone() * source.stride + var("col"),
+                valid: and(lt(row, var(end)), lt(var("col"), var("k"))),
             })),
         ],
-    )]
+    )
 }
 
 /// Each warp's quarter of the tile (`wm` its first row, `wn` its first weight row), each
@@ -357,29 +383,18 @@ enum Activations {
     Rows(Option<NormPrologue>),
 }
 
-/// The 64×32 slice of the bf16 rows `xb` at `k0` copied into `xs` by `cp.async`: copy
-/// `c = tid + 128·i` is row `c / 4`, its 8-element chunk `c % 4` (zero past `tokens` and `k`).
+/// The 64×32 slice of the bf16 rows `xb` at `k0` copied into `xs` by `cp.async`
+/// ([`copy_slice`]).
 fn copy_rows() -> Vec<Stmt> {
-    vec![for_(
-        "i",
-        int(0),
-        int(TILE_M * TILE_K / 8 / (32 * WARPS)),
-        int(1),
-        vec![
-            let_("c", Ty::I32, tid() + var("i") * int(32 * WARPS)),
-            let_("row", Ty::I32, var("c") / int(TILE_K / 8)),
-            let_("col", Ty::I32, var("k0") + rem(var("c"), int(TILE_K / 8)) * int(8)),
-            Stmt::CpAsync(Box::new(AsyncCopy {
-                dst: "xs".into(),
-                dst_index: var("row") * int(STAGE_STRIDE) + rem(var("c"), int(TILE_K / 8)) * int(8),
-                src: "xb".into(),
-                src_index: (var("m0") + var("row")) * var("xb_stride") + var("col"),
-                valid: and(lt(var("m0") + var("row"), var("tokens")), lt(var("col"), var("k"))),
-            })),
-        ],
-    )]
+    let source = Slice {
+        src: "xb",
+        rows: ("m0", "tokens"),
+        stride: var("xb_stride"),
+    };
+    vec![copy_slice(("xs", int(0)), source, var("k0"))]
 }
 
+/// The GEMM over activations from `source` (see [`gemm_mma_with`], [`gemm_mma_after_rows`]).
 fn build(name_: &str, origin: &str, staging: WeightStaging, source: Activations, glu: Option<GluAct>) -> Kernel {
     let (norm, scaled) = match source {
         Activations::Staged(norm) => (norm, norm.is_some()),

@@ -63,9 +63,9 @@ pub fn prologued_params(prologue: Option<super::gemv::NormPrologue>, x_box_rows:
 }
 
 /// `kernel`, a GEMM on [`prologued_params`], as `name` reading its weights from `wb`: a
-/// bf16 copy of a matrix of GGUF blocks made for the step (after `xb_stride`; see
-/// `weight_convert::to_bf16_for_prefill`). `w` stays where the GEMV has it, as the
-/// blocks, which it does not read.
+/// bf16 copy made for the step of a matrix stored otherwise (GGUF blocks, half values; after
+/// `xb_stride`; see `weight_convert::to_bf16_for_prefill`). `w` stays where the GEMV has it,
+/// as stored (bytes to the kernel, which does not read it).
 pub fn over_converted_weights(mut kernel: Kernel, name: &str) -> Kernel {
     let maps = kernel
         .params

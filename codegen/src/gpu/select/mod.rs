@@ -775,8 +775,9 @@ struct PlanTarget<'a> {
     prefill: super::PrefillGemm,
 }
 
-/// The most bytes a matrix's bf16 copy for a prefill step may take (GGUF blocks decoded for
-/// the TMA GEMM; see `MatMul::converted_for_prefill`): the copy lives in the step's scratch,
+/// The most bytes a matrix's bf16 copy for a prefill step may take (GGUF blocks or half values
+/// converted for the TMA GEMM; see `MatMul::converted_for_prefill`): the copy lives in the
+/// step's scratch,
 /// so this bounds what it takes from the KV cache. Every projection of a 70B model fits; a
 /// 128k-vocabulary head does not (its prompts compute a row or two a sequence).
 const CONVERTED_WEIGHTS_BYTES: usize = 512 << 20;
@@ -852,7 +853,7 @@ impl MatMul {
     /// the tiles its K splits count in, and whether it gates a GLU's products itself) where it
     /// has one for these weights (and this prologue and epilogue), else that GEMV; over
     /// weights converted for prefill, for steps of up to `BATCH_ROWS` rows the GEMM that
-    /// decodes the blocks into its tiles, over the same bf16 rows as the TMA GEMM, with its
+    /// takes the stored form into its tiles, over the same bf16 rows as the TMA GEMM, with its
     /// tiles.
     fn kernels(&self, plan: &PlanTarget, aligned: bool) -> MatMulKernels {
         let (arch, origin) = (plan.target.cuda_arch().unwrap_or_default(), plan.origin);
