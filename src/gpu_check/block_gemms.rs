@@ -93,17 +93,7 @@ pub fn block_matmul_timings(target: Target, arch: &str) -> Result<String> {
             Fill::of(1, name, &[n, k]),
         )?;
         let wb = device.alloc(n * k * 2)?;
-        let x = device.alloc(rows * k * 4)?;
-        fill_on_device(&mut device, &x, 0, rows * k, Ty::F32, Fill::of(2, name, &[rows, k]))?;
-        let x_bf16 = device.alloc(rows * k * 2)?;
-        fill_on_device(
-            &mut device,
-            &x_bf16,
-            0,
-            rows * k,
-            Ty::Bf16,
-            Fill::of(2, name, &[rows, k]),
-        )?;
+        let (x, x_bf16) = super::llama_8b::random_activations(&mut device, name, rows, k)?;
         let out = device.alloc(rows * n * 4)?;
         let partial_len = [gemm_mma::TILES, tma_tiles]
             .map(|tiles| split_k::partial_len(n, k, tiles, sms))

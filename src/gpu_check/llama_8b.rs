@@ -462,17 +462,7 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
         let w = device.alloc(n * k * 2)?;
         fill_on_device(&mut device, &w, 0, n * k, Ty::Bf16, Fill::of(1, name, &[n, k]))?;
         let rows = MOST_ROWS;
-        let x = device.alloc(rows * k * 4)?;
-        fill_on_device(&mut device, &x, 0, rows * k, Ty::F32, Fill::of(2, name, &[rows, k]))?;
-        let x_bf16 = device.alloc(rows * k * 2)?;
-        fill_on_device(
-            &mut device,
-            &x_bf16,
-            0,
-            rows * k,
-            Ty::Bf16,
-            Fill::of(2, name, &[rows, k]),
-        )?;
+        let (x, x_bf16) = random_activations(&mut device, name, rows, k)?;
         // The residual and the norm weight of the fused GEMVs.
         let b = device.alloc(rows * k * 4)?;
         fill_on_device(&mut device, &b, 0, rows * k, Ty::F32, Fill::of(3, name, &[rows, k]))?;
@@ -603,6 +593,27 @@ pub fn matmul_timings(target: Target, arch: &str, bandwidth: f64) -> Result<Stri
         );
     }
     Ok(table)
+}
+
+/// A device buffer of the GPU check's.
+type DeviceBuffer = <runtime_cuda::CudaDevice as PlanDevice>::Buffer;
+/// The same activations in f32 and in bf16.
+type Activations = (DeviceBuffer, DeviceBuffer);
+
+/// `rows` × `k` random activations (never zeros: they can run faster than real data) for
+/// shape `name`, in f32 and the same values in bf16.
+pub(super) fn random_activations(
+    device: &mut runtime_cuda::CudaDevice,
+    name: &str,
+    rows: usize,
+    k: usize,
+) -> Result<Activations> {
+    let fill = Fill::of(2, name, &[rows, k]);
+    let x = device.alloc(rows * k * 4)?;
+    fill_on_device(device, &x, 0, rows * k, Ty::F32, fill)?;
+    let x_bf16 = device.alloc(rows * k * 2)?;
+    fill_on_device(device, &x_bf16, 0, rows * k, Ty::Bf16, fill)?;
+    Ok((x, x_bf16))
 }
 
 /// Blocks for `kernel` over `batch` tokens, `n` rows, width `k` and `splits` K splits: its
