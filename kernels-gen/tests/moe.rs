@@ -293,6 +293,21 @@ fn expert_weights(values: &[f32], format: WeightFormat) -> (Array, Vec<f32>) {
     }
 }
 
+/// Run `kernel`; its shared-memory accesses, where it has any, one wavefront each (the
+/// tensor-core kernels' tiles: rows staged a bf16 pair a thread, blocks decoded a run of 16,
+/// read by `ldmatrix`).
+fn shared_conflict_free(
+    kernel: &kernels_gen::dsl::Kernel,
+    bufs: &mut HashMap<String, Array>,
+    scalars: &HashMap<String, kernels_gen::emulator::Scalar>,
+    what: &str,
+) {
+    let traffic = kernels_gen::emulator::run_profiled(kernel, bufs, scalars).unwrap();
+    for (array, t) in &traffic.0 {
+        assert_eq!(t.worst, 1, "{what}: {}, {array}: {t:?}", kernel.name);
+    }
+}
+
 /// The tensor-core prefill kernels against the row-by-row ones given the same inputs as the
 /// tensor cores take them: `group_pairs` lists each expert's pairs in order (exactly), and
 /// `list_tiles` their tiles of 64;
@@ -301,7 +316,7 @@ fn expert_weights(values: &[f32], format: WeightFormat) -> (Array, Vec<f32>) {
 /// `moe::down_by_expert` does for hidden units and weights rounded to bf16, within f32
 /// rounding (the sums go in another order). Shapes: one expert chosen by every row (two tiles
 /// of pairs), hidden sizes and expert widths below, across and past a 64-wide tile and a
-/// 32-wide K step.
+/// 32-wide K step. The tensor-core kernels' shared memory without bank conflicts.
 #[test]
 fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
     use kernels_gen::emulator::Scalar;
@@ -408,7 +423,7 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
             bufs.insert("x".into(), Array::f32(&x));
             bufs.insert("w".into(), w);
             bufs.insert("hidden".into(), Array::poisoned(Ty::F32, rows * k * i));
-            run(&kernel, &mut bufs, &scalars).unwrap();
+            shared_conflict_free(&kernel, &mut bufs, &scalars, &what);
             hidden.push(bufs["hidden"].to_f32().unwrap());
         }
         close(&hidden[0], &hidden[1], 1e-5, &format!("{what}: gate/up"));
@@ -431,7 +446,7 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
             bufs.insert("w".into(), w);
             bufs.insert("out".into(), Array::poisoned(Ty::F32, rows * d));
             bufs.insert("ys".into(), Array::poisoned(Ty::F32, rows * k * d));
-            run(&kernel, &mut bufs, &scalars).unwrap();
+            shared_conflict_free(&kernel, &mut bufs, &scalars, &what);
             ys.push(bufs["ys"].to_f32().unwrap());
         }
         close(&ys[0], &ys[1], 1e-5, &format!("{what}: down"));
