@@ -1,22 +1,24 @@
 //! MoE prefill on tensor cores (bf16 experts): each expert's chosen rows gathered into tiles
 //! and multiplied by `mma.sync`, where `moe`'s expert-by-expert kernels dot one row at a time
-//! in f32 on the CUDA cores. Three launches in the steps that run them:
+//! in f32 on the CUDA cores. Four launches in the steps that run them:
 //!
 //! 1. [`group_pairs`]: a block per expert lists the pairs (row t, choice p: `pair = t·k + p`)
 //!    that chose it, in order, at `expert_pairs[e·tokens..]` (a row chooses an expert once, so
 //!    `tokens` places hold them), and their count in `expert_counts[e]`.
-//! 2. [`gate_up`]: a block per (expert, 64 hidden units, 64 of its pairs): the pairs' rows of
-//!    `x` times the units' gate and up rows, both products in registers, `act(gate)·up` into
-//!    `hidden` where `moe::gate_up` writes it.
-//! 3. [`down`]: a block per (expert, 64 output columns, 64 of its pairs): the pairs' hidden
-//!    units times the expert's down rows, each pair's product unweighted into `ys`, as
-//!    `moe::down_by_expert` leaves it for `moe::combine`.
+//! 2. [`list_tiles`]: one block lists the experts' tiles of 64 pairs, expert after expert.
+//! 3. [`gate_up`]: a block per (listed tile, 64 hidden units): the pairs' rows of `x` times the
+//!    units' gate and up rows, both products in registers, `act(gate)·up` into `hidden` where
+//!    `moe::gate_up` writes it.
+//! 4. [`down`]: a block per (listed tile, 64 output columns): the pairs' hidden units times the
+//!    expert's down rows, each pair's product unweighted into `ys`, as `moe::down_by_expert`
+//!    leaves it for `moe::combine`.
 //!
-//! The GEMMs are `gemm_mma`'s tile (its constants and warp places): 4 warps a 64×64 tile, K in steps of 32, bf16 weights by
-//! `cp.async` into two buffers (the next step's copies in flight), f16 weights and GGUF blocks
-//! decoded into them element by element and rounded to bf16 (as the decoding dense GEMM does),
-//! the gathered rows rounded to bf16 as they are staged (as the dense tensor-core GEMMs round
-//! activations), operands by `ldmatrix`, f32 accumulation. Blocks of one expert's weight tile
+//! The GEMMs are `gemm_mma`'s tile (its constants and warp places): 4 warps a 64×64 tile, K in
+//! steps of 32, bf16 weights by `cp.async` into two buffers (the next step's copies in flight),
+//! GGUF blocks decoded into them a run of 16 a thread and f16 weights a pair a thread, rounded
+//! to bf16 (as the decoding dense GEMM does), the gathered rows rounded to bf16 as they are
+//! staged a pair a thread (as the dense tensor-core GEMMs round activations), operands by
+//! `ldmatrix`, f32 accumulation. Blocks of one expert's weight tile
 //! run next to each other, so its weights cross from memory once a step. Requirements
 //! ([`supports`]): bf16 weights over a hidden size and expert width that are multiples of 8
 //! (whole 16-byte copies), f16 weights, or GGUF blocks (rows of whole blocks).
