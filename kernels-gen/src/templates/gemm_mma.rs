@@ -271,15 +271,26 @@ pub(super) fn warp_places() -> Vec<Stmt> {
     ]
 }
 
-fn name(prefix: &str, tile: usize, i: usize) -> String {
-    format!("{prefix}{tile}_{i}")
+/// The accumulator `i` (of a lane's 4) of the warp's `mma` tile (`mi`, `ni`) for the weight
+/// tile whose accumulators are named `prefix`.
+pub(super) fn accumulator(prefix: &str, mi: usize, ni: usize, i: usize) -> String {
+    format!("{prefix}{mi}_{ni}_{i}")
 }
 
-/// One 16-wide k slice of the warp's quarter: its fragments by `ldmatrix` from shared memory
-/// (an activation tile's four pairs a load, two weight tiles' a load; the weights from the
-/// buffer starting at element `weights`), then the 2×4 `mma`s (fragment layout in
-/// `Stmt::MmaBf16`). Each thread's rows: `a_row`, `b_row` (see `mma_operands`).
-fn warp_k_slice(kk: i64, weights: &Expr) -> Vec<Stmt> {
+/// A weight tile's accumulators (named `prefix`, see [`accumulator`]) declared zero.
+pub(super) fn declare_accumulators(prefix: &str) -> Vec<Stmt> {
+    (0..WARP_M_TILES)
+        .flat_map(|mi| (0..WARP_N_TILES).flat_map(move |ni| (0..4).map(move |i| (mi, ni, i))))
+        .map(|(mi, ni, i)| let_(&accumulator(prefix, mi, ni, i), Ty::F32, f(0.0)))
+        .collect()
+}
+
+/// One 16-wide k slice of the warp's quarter at `kk`: its fragments by `ldmatrix` from shared
+/// memory (an activation tile's four pairs a load, from `xs`; two weight tiles' a load), then
+/// for each weight tile (`weights`: its shared array, the element its buffer starts at, and
+/// its accumulators' prefix) the 2×4 `mma`s (fragment layout in `Stmt::MmaBf16`). Each
+/// thread's rows: `a_row`, `b_row` (see `mma_operands`).
+pub(super) fn warp_k_slice(kk: i64, weights: &[(&str, Expr, &str)]) -> Vec<Stmt> {
     let mut out = Vec::new();
     let a: Vec<Vec<String>> = (0..WARP_M_TILES)
         .map(|mi| x4_names("a", &format!("{kk}_{mi}")))
@@ -288,21 +299,22 @@ fn warp_k_slice(kk: i64, weights: &Expr) -> Vec<Stmt> {
         let at = var("a_row") + int(16 * mi as i64 * STAGE_STRIDE + kk);
         out.push(load_matrix("xs", at, names, false));
     }
-    let b: Vec<Vec<String>> = (0..WARP_N_TILES / 2)
-        .map(|pair| x4_names("b", &format!("{kk}_{pair}")))
-        .collect();
-    for (pair, names) in b.iter().enumerate() {
-        let at = weights.clone() + var("b_row") + int(16 * pair as i64 * STAGE_STRIDE + kk);
-        out.push(load_matrix("ws", at, names, false));
-    }
-    for (mi, a) in a.iter().enumerate() {
-        for ni in 0..WARP_N_TILES {
-            let tile = mi * WARP_N_TILES + ni;
-            out.push(Stmt::MmaBf16(Box::new(MmaFragments {
-                a: MmaOperand::Bf16Pairs(a.clone()),
-                b: b_block(&b[ni / 2], ni % 2),
-                c: std::array::from_fn(|i| name("c", tile, i)),
-            })));
+    for (array, buffer, prefix) in weights {
+        let b: Vec<Vec<String>> = (0..WARP_N_TILES / 2)
+            .map(|pair| x4_names(&format!("{prefix}b"), &format!("{kk}_{pair}")))
+            .collect();
+        for (pair, names) in b.iter().enumerate() {
+            let at = buffer.clone() + var("b_row") + int(16 * pair as i64 * STAGE_STRIDE + kk);
+            out.push(load_matrix(array, at, names, false));
+        }
+        for (mi, a) in a.iter().enumerate() {
+            for ni in 0..WARP_N_TILES {
+                out.push(Stmt::MmaBf16(Box::new(MmaFragments {
+                    a: MmaOperand::Bf16Pairs(a.clone()),
+                    b: b_block(&b[ni / 2], ni % 2),
+                    c: std::array::from_fn(|i| accumulator(prefix, mi, ni, i)),
+                })));
+            }
         }
     }
     out
@@ -320,7 +332,7 @@ fn store_accumulators(norm: Option<NormPrologue>, glu: Option<GluAct>, scaled: b
                 let in_tile = var("wm") + int(16 * mi as i64) + var("gr") + int(if i >= 2 { 8 } else { 0 });
                 let row = var("m0") + in_tile.clone();
                 let col = var("n0") + var("wn") + int(8 * ni as i64) + var("t2") + int((i % 2) as i64);
-                let summed = var(&name("c", mi * WARP_N_TILES + ni, i));
+                let summed = var(&accumulator("c", mi, ni, i));
                 let value = match scaled {
                     true => summed * load("row_scales", in_tile),
                     false => summed,
@@ -418,13 +430,12 @@ fn build(name_: &str, origin: &str, staging: WeightStaging, source: Activations,
     };
     let tiles_m = (var("tokens") + int(TILE_M - 1)) / int(TILE_M);
     let tiles_n = (var("n") + int(TILE_N - 1)) / int(TILE_N);
-    let accumulators = (0..WARP_M_TILES * WARP_N_TILES)
-        .flat_map(|tile| (0..4).map(move |i| let_(&name("c", tile, i), Ty::F32, f(0.0))))
-        .collect::<Vec<_>>();
+    let accumulators = declare_accumulators("c");
     let multiply = |weights: Expr| {
+        let tiles = [("ws", weights, "c")];
         [
-            warp_k_slice(0, &weights),
-            warp_k_slice(16, &weights),
+            warp_k_slice(0, &tiles),
+            warp_k_slice(16, &tiles),
             // Nobody restages until every warp has read this stage.
             vec![Stmt::SyncThreads],
         ]

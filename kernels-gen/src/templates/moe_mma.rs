@@ -23,9 +23,11 @@
 //! ([`supports`]): bf16 weights over a hidden size and expert width that are multiples of 8
 //! (whole 16-byte copies), f16 weights, or GGUF blocks (rows of whole blocks).
 
-use super::gemm_mma::{self, STAGE, STAGES, STAGE_STRIDE, TILE_K, TILE_M, TILE_N, WARPS, WARP_M_TILES, WARP_N_TILES};
+use super::gemm_mma::{
+    self, accumulator, declare_accumulators, warp_k_slice, STAGE, STAGES, STAGE_STRIDE, TILE_K, TILE_M, TILE_N, WARPS,
+    WARP_M_TILES, WARP_N_TILES,
+};
 use super::gemv::gated;
-use super::mma_operands::{b_block, x4_names};
 use super::moe::{block_prefix_sum, chunk_hits, describe, down_params, gate_up_params};
 use super::quant::{self, WeightFormat};
 use super::BLOCK;
@@ -318,43 +320,6 @@ fn weight_tiles(format: WeightFormat, tiles: Vec<(&'static str, Expr, Expr)>, k_
     }
 }
 
-fn acc(prefix: &str, mi: usize, ni: usize, i: usize) -> String {
-    format!("{prefix}{mi}_{ni}_{i}")
-}
-
-/// One 16-wide k slice of the warp's quarter at `kk`: A's fragments from `xs`, then for each
-/// weight tile (`weights`: its shared array and its accumulators' prefix) B's from buffer `s`
-/// and the 2×4 `mma`s.
-fn k_slice(kk: i64, weights: &[(&str, &str)]) -> Vec<Stmt> {
-    let mut out = Vec::new();
-    let a: Vec<Vec<String>> = (0..WARP_M_TILES)
-        .map(|mi| x4_names("a", &format!("{kk}_{mi}")))
-        .collect();
-    for (mi, names) in a.iter().enumerate() {
-        let at = var("a_row") + int(16 * mi as i64 * STAGE_STRIDE + kk);
-        out.push(load_matrix("xs", at, names, false));
-    }
-    for &(array, prefix) in weights {
-        let b: Vec<Vec<String>> = (0..WARP_N_TILES / 2)
-            .map(|pair| x4_names(&format!("{prefix}b"), &format!("{kk}_{pair}")))
-            .collect();
-        for (pair, names) in b.iter().enumerate() {
-            let at = var("s") * int(STAGE) + var("b_row") + int(16 * pair as i64 * STAGE_STRIDE + kk);
-            out.push(load_matrix(array, at, names, false));
-        }
-        for (mi, a) in a.iter().enumerate() {
-            for ni in 0..WARP_N_TILES {
-                out.push(Stmt::MmaBf16(Box::new(MmaFragments {
-                    a: MmaOperand::Bf16Pairs(a.clone()),
-                    b: b_block(&b[ni / 2], ni % 2),
-                    c: std::array::from_fn(|i| acc(prefix, mi, ni, i)),
-                })));
-            }
-        }
-    }
-    out
-}
-
 /// The GEMM over the tile's pairs: K (`k_len` long) in steps, `copy(buffer, k0)` the weight
 /// tiles' copies, `stage` the step's staging (the gathered rows, weights decoded), `weights`
 /// the tiles multiplied; then `epilogue`
@@ -367,17 +332,17 @@ fn tile_gemm(
     weights: &[(&str, &str)],
     epilogue: &dyn Fn(usize, usize, usize) -> Vec<Stmt>,
 ) -> Vec<Stmt> {
-    let accumulators = weights.iter().flat_map(|&(_, prefix)| {
-        (0..WARP_M_TILES).flat_map(move |mi| {
-            (0..WARP_N_TILES).flat_map(move |ni| (0..4).map(move |i| let_(&acc(prefix, mi, ni, i), Ty::F32, f(0.0))))
-        })
-    });
+    let accumulators = weights.iter().flat_map(|&(_, prefix)| declare_accumulators(prefix));
+    let tiles: Vec<(&str, Expr, &str)> = weights
+        .iter()
+        .map(|&(array, prefix)| (array, var("s") * int(STAGE), prefix))
+        .collect();
     let step = [
         super::pipeline_step_head(STAGES, TILE_K, int(k_len), copy),
         stage,
         vec![super::pipeline_wait(STAGES), Stmt::SyncThreads],
-        k_slice(0, weights),
-        k_slice(16, weights),
+        warp_k_slice(0, &tiles),
+        warp_k_slice(16, &tiles),
         // Nobody restages until every warp has read this step's tiles.
         vec![Stmt::SyncThreads],
     ]
@@ -484,7 +449,11 @@ pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, format: 
             vec![store(
                 "hidden",
                 var("pair_at") * int(i) + var("out_column"),
-                gated(spec.act, var(&acc("g", mi, ni, j)), var(&acc("u", mi, ni, j))),
+                gated(
+                    spec.act,
+                    var(&accumulator("g", mi, ni, j)),
+                    var(&accumulator("u", mi, ni, j)),
+                ),
             )],
         ));
         out
@@ -517,7 +486,7 @@ pub fn down(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, format: Wei
             vec![store(
                 "ys",
                 var("pair_at") * int(d) + var("out_column"),
-                var(&acc("c", mi, ni, j)),
+                var(&accumulator("c", mi, ni, j)),
             )],
         ));
         out
