@@ -108,6 +108,13 @@ pub enum PrefillGemm {
     Pipelined,
 }
 
+impl PrefillGemm {
+    /// Whether it is one of the TMA-fed GEMM's forms (not `Pipelined`).
+    pub fn is_tma(self) -> bool {
+        matches!(self, Self::Tma | Self::Specialised | Self::Persistent)
+    }
+}
+
 /// The tensor-core attention a plan's prompts attend with (steps whose sequences average 16
 /// rows or more; see `select::kv_attention`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]

@@ -95,7 +95,7 @@ fn decode_runs(format: DType, runs: Expr, out: &str, ty: Ty) -> Vec<Stmt> {
 }
 
 /// The name of the kernel converting a matrix of `from` to bf16 for a step's GEMM.
-pub fn prefill_kernel_name(from: DType) -> String {
+fn prefill_kernel_name(from: DType) -> String {
     format!("convert_{}_to_bf16_for_prefill", from.name())
 }
 

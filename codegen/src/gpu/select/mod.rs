@@ -938,10 +938,8 @@ impl MatMul {
     /// 16-byte chunks), its activation rows made bf16, prologue applied, by a `bf16_rows`
     /// launch before it.
     fn takes_tma(&self, plan: &PlanTarget) -> bool {
-        matches!(
-            plan.prefill,
-            super::PrefillGemm::Tma | super::PrefillGemm::Specialised | super::PrefillGemm::Persistent
-        ) && plan.target.cuda_arch().is_some()
+        plan.prefill.is_tma()
+            && plan.target.cuda_arch().is_some()
             && self.weights == WeightFormat::Dense(Ty::Bf16)
             && self.k.is_multiple_of(8)
     }
@@ -959,10 +957,7 @@ impl MatMul {
             WeightFormat::Dense(Ty::F16) if self.k.is_multiple_of(8) => DType::F16,
             _ => return None,
         };
-        let tma = matches!(
-            plan.prefill,
-            super::PrefillGemm::Tma | super::PrefillGemm::Specialised | super::PrefillGemm::Persistent
-        );
+        let tma = plan.prefill.is_tma();
         let fits = self.n * self.k * 2 <= CONVERTED_WEIGHTS_BYTES;
         let arch = plan.target.cuda_arch().unwrap_or_default();
         let many_rows = plan.max_tokens > BATCH_ROWS;
