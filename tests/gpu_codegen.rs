@@ -715,8 +715,8 @@ fn compile_chooses_the_prefill_delta_rule() {
     );
 }
 
-/// `bbc compile --prefill-experts`: by default (`tensor-cores`) a bf16 MoE model's plans list
-/// each expert's pairs and prefill its experts on the tensor cores (the decode kernels beside
+/// `bbc compile --prefill-experts`: by default (`tensor-cores`) a bf16 MoE model's plans make
+/// each layer's rows bf16, list each expert's pairs and prefill its experts on the tensor cores (the decode kernels beside
 /// them, each launch gated by the step's shape); `cuda-cores`, expert by expert on the CUDA
 /// cores, no lists; the manifest records the choice, and an unknown one is refused.
 #[test]
@@ -754,6 +754,25 @@ fn compile_chooses_the_prefill_experts() {
             let lists = (launches_of("moe_group_pairs"), launches_of("moe_list_tiles"));
             let expected = if tensor_cores { moe.len() } else { 0 };
             assert_eq!(lists, (expected, expected), "{choice:?} {file}");
+            // Before the lists, the rows made bf16: the buffer the tensor cores' gate/up gathers.
+            for (j, _) in plan
+                .launches
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.kernel.starts_with("moe_group_pairs"))
+            {
+                let rows = &plan.launches[j - 1];
+                assert!(
+                    rows.kernel.starts_with("bf16_rows"),
+                    "{choice:?} {file}: {}",
+                    rows.kernel
+                );
+                let gate_up = plan.launches[j..]
+                    .iter()
+                    .find(|l| l.kernel.starts_with("moe_gate_up"))
+                    .unwrap();
+                assert_eq!(gate_up.args[gate_up.args.len() - 2], rows.args[1], "{choice:?} {file}");
+            }
             for launch in moe {
                 let prefill = launch.prefill_kernel.as_deref().expect("a prefill kernel");
                 let source = std::fs::read_to_string(artifact.join(kernels).join(format!("{prefill}.cu"))).unwrap();

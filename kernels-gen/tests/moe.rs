@@ -312,9 +312,9 @@ fn shared_conflict_free(
 /// tensor cores take them: `group_pairs` lists each expert's pairs in order (exactly), and
 /// `list_tiles` their tiles of 64;
 /// `moe_mma::gate_up` writes what `moe::gate_up` does for rows and weights rounded to bf16
-/// (bf16 weights copied, f16 and Q8_0 ones decoded into the tile), `moe_mma::down` what
-/// `moe::down_by_expert` does for hidden units and weights rounded to bf16, within f32
-/// rounding (the sums go in another order). Shapes: one expert chosen by every row (two tiles
+/// (bf16 weights copied, f16 and Q8_0 ones decoded into the tile), rounded to bf16 itself
+/// ([`rounded_close`]), `moe_mma::down` what `moe::down_by_expert` does for those hidden units
+/// and weights rounded to bf16, within f32 rounding (the sums go in another order). Shapes: one expert chosen by every row (two tiles
 /// of pairs), hidden sizes and expert widths below, across and past a 64-wide tile and a
 /// 32-wide K step. The tensor-core kernels' shared memory without bank conflicts.
 #[test]
@@ -406,29 +406,48 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
         );
         want.resize(bound, -1);
         assert_eq!(bufs["tiles"].to_i64().unwrap(), want, "{what}: tiles");
-        // Gate/up: the tensor cores' over x, the row kernel's over x and the weights rounded.
+        // Gate/up: the tensor cores' over x's rows as bf16 (`bf16_rows`'s: rows padded to a
+        // wider stride whose padding is NaN, never read; `x` itself NaN, never read either), the
+        // row kernel's over x and the weights rounded.
+        let xb_stride = d + 8;
+        let xb: Vec<f32> = (0..rows * xb_stride)
+            .map(|at| match at % xb_stride {
+                c if c < d => x[at / xb_stride * d + c],
+                _ => f32::NAN,
+            })
+            .collect();
+        let mut scalars = scalars.clone();
+        scalars.insert("xb_stride".into(), Scalar::Int(xb_stride as i64));
+        bufs.insert("xb".into(), bf16_array(&xb));
         let mut hidden = Vec::new();
-        for (kernel, x, w) in [
+        for (kernel, x, w, hidden_ty) in [
             (
                 moe_mma::gate_up("mma", "test", &spec, d, format),
-                x.clone(),
+                vec![f32::NAN; x.len()],
                 gate_up.clone(),
+                Ty::Bf16,
             ),
             (
                 moe::gate_up("rows", "test", &spec, d, bf16),
                 round(&x),
                 bf16_array(&gate_up_taken),
+                Ty::F32,
             ),
         ] {
             bufs.insert("x".into(), Array::f32(&x));
             bufs.insert("w".into(), w);
-            bufs.insert("hidden".into(), Array::poisoned(Ty::F32, rows * k * i));
+            bufs.insert("hidden".into(), Array::poisoned(hidden_ty, rows * k * i));
             shared_conflict_free(&kernel, &mut bufs, &scalars, &what);
-            hidden.push(bufs["hidden"].to_f32().unwrap());
+            hidden.push(bufs["hidden"].clone());
         }
-        close(&hidden[0], &hidden[1], 1e-5, &format!("{what}: gate/up"));
-        // Down: the tensor cores' over the hidden units, the expert kernel's over them and the
-        // weights rounded.
+        rounded_close(
+            &hidden[0].to_f32().unwrap(),
+            &hidden[1].to_f32().unwrap(),
+            1e-5,
+            &format!("{what}: gate/up"),
+        );
+        // Down: the tensor cores' over the bf16 hidden units as gate/up left them, the expert
+        // kernel's over their values and the weights rounded.
         let mut ys = Vec::new();
         for (kernel, hidden, w) in [
             (
@@ -438,11 +457,11 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
             ),
             (
                 moe::down_by_expert("experts", "test", &spec, d, bf16),
-                round(&hidden[0]),
+                Array::f32(&hidden[0].to_f32().unwrap()),
                 bf16_array(&down_taken),
             ),
         ] {
-            bufs.insert("hidden".into(), Array::f32(&hidden));
+            bufs.insert("hidden".into(), hidden);
             bufs.insert("w".into(), w);
             bufs.insert("out".into(), Array::poisoned(Ty::F32, rows * d));
             bufs.insert("ys".into(), Array::poisoned(Ty::F32, rows * k * d));
@@ -450,6 +469,19 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
             ys.push(bufs["ys"].to_f32().unwrap());
         }
         close(&ys[0], &ys[1], 1e-5, &format!("{what}: down"));
+    }
+}
+
+/// Each of `got` (bf16 values) is `want`'s value rounded to bf16, `want` taken anywhere within
+/// `tol` of the largest (the f32 rounding of sums in another order, which may carry a value
+/// across a bf16 rounding boundary).
+fn rounded_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    let scale = want.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
+    let round = |v: f32| half::bf16::from_f32(v).to_f32();
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let (lo, hi) = (round(w - tol * scale), round(w + tol * scale));
+        assert!(lo <= g && g <= hi, "{what}[{i}]: {g} not {w} rounded to bf16");
     }
 }
 

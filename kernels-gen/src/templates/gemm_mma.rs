@@ -199,29 +199,40 @@ pub(super) fn decode_block_runs(
 
 /// Copy the 64×32 weight slice at `k0` into buffer `buffer` with `cp.async` ([`copy_slice`]).
 fn copy_weights(buffer: Expr, k0: Expr) -> Vec<Stmt> {
-    let source = Slice {
-        src: "w",
-        rows: ("n0", "n"),
-        stride: var("k"),
-    };
-    vec![copy_slice(("ws", buffer * int(STAGE)), source, k0)]
+    let source = Slice::rows("w", ("n0", "n"), var("k"), var("k"));
+    vec![copy_slice(("ws", buffer * int(STAGE)), &source, k0)]
 }
 
-/// Where a slice is copied from: `src`'s rows `rows.0..rows.1` (scalars or locals), `stride`
-/// apart.
-struct Slice {
-    src: &'static str,
-    rows: (&'static str, &'static str),
-    stride: Expr,
+/// Where a slice is copied from: row `row` (a local) of the tile at element `start` of `src`
+/// (`locate` declaring what `start` and `valid` read), copied where `valid` holds and
+/// zero-filled elsewhere; the rows `k` long (columns past it zero-filled).
+pub(super) struct Slice {
+    pub src: &'static str,
+    pub locate: Vec<Stmt>,
+    pub start: Expr,
+    pub valid: Expr,
+    pub k: Expr,
+}
+
+impl Slice {
+    /// `src`'s rows `rows.0..rows.1` (scalars or locals) in order, `stride` apart.
+    pub fn rows(src: &'static str, (first, end): (&str, &str), stride: Expr, k: Expr) -> Slice {
+        let row = var(first) + var("row");
+        Slice {
+            src,
+            locate: vec![],
+            start: row.clone() * stride,
+            valid: lt(row, var(end)),
+            k,
+        }
+    }
 }
 
 /// Copy the 64×32 slice of `source` at column `k0` into shared `dst` from element `dst_at`
 /// with `cp.async`: copy `c = tid + 128·i` is row `c / 4`, 8-element chunk `c % 4` (a warp
 /// reads 8 whole 64-byte row slices), zero-filled past the rows and `k` (a multiple of 8, as
-/// the stride).
-fn copy_slice((dst, dst_at): (&str, Expr), source: Slice, k0: Expr) -> Stmt {
-    let (first, end) = source.rows;
-    let row = var(first) + var("row");
+/// each row's start).
+pub(super) fn copy_slice((dst, dst_at): (&str, Expr), source: &Slice, k0: Expr) -> Stmt {
     let chunk = rem(var("c"), int(TILE_K / 8)) * int(8);
     // Nothing added to a start of 0.
     let place = var("row") * int(STAGE_STRIDE) + chunk.clone();
@@ -229,24 +240,20 @@ fn copy_slice((dst, dst_at): (&str, Expr), source: Slice, k0: Expr) -> Stmt {
         Expr::Int(0) => place,
         at => at + place,
     };
-    for_(
-        "i",
-        int(0),
-        int(TILE_M * TILE_K / 8 / (32 * WARPS)),
-        int(1),
-        vec![
-            let_("c", Ty::I32, tid() + var("i") * int(32 * WARPS)),
-            let_("row", Ty::I32, var("c") / int(TILE_K / 8)),
-            let_("col", Ty::I32, k0 + chunk),
-            Stmt::CpAsync(Box::new(AsyncCopy {
-                dst: dst.into(),
-                dst_index: place,
-                src: source.src.into(),
-                src_index: row.clone() * source.stride + var("col"),
-                valid: and(lt(row, var(end)), lt(var("col"), var("k"))),
-            })),
-        ],
-    )
+    let mut body = vec![
+        let_("c", Ty::I32, tid() + var("i") * int(32 * WARPS)),
+        let_("row", Ty::I32, var("c") / int(TILE_K / 8)),
+        let_("col", Ty::I32, k0 + chunk),
+    ];
+    body.extend(source.locate.iter().cloned());
+    body.push(Stmt::CpAsync(Box::new(AsyncCopy {
+        dst: dst.into(),
+        dst_index: place,
+        src: source.src.into(),
+        src_index: source.start.clone() + var("col"),
+        valid: and(source.valid.clone(), lt(var("col"), source.k.clone())),
+    })));
+    for_("i", int(0), int(TILE_M * TILE_K / 8 / (32 * WARPS)), int(1), body)
 }
 
 /// Each warp's quarter of the tile (`wm` its first row, `wn` its first weight row), each
@@ -286,17 +293,23 @@ pub(super) fn declare_accumulators(prefix: &str) -> Vec<Stmt> {
 }
 
 /// One 16-wide k slice of the warp's quarter at `kk`: its fragments by `ldmatrix` from shared
-/// memory (an activation tile's four pairs a load, from `xs`; two weight tiles' a load), then
+/// memory (an activation tile's four pairs a load, from `xs`'s buffer starting at element
+/// `rows`; two weight tiles' a load), then
 /// for each weight tile (`weights`: its shared array, the element its buffer starts at, and
 /// its accumulators' prefix) the 2×4 `mma`s (fragment layout in `Stmt::MmaBf16`). Each
 /// thread's rows: `a_row`, `b_row` (see `mma_operands`).
-pub(super) fn warp_k_slice(kk: i64, weights: &[(&str, Expr, &str)]) -> Vec<Stmt> {
+pub(super) fn warp_k_slice(kk: i64, rows: Expr, weights: &[(&str, Expr, &str)]) -> Vec<Stmt> {
     let mut out = Vec::new();
     let a: Vec<Vec<String>> = (0..WARP_M_TILES)
         .map(|mi| x4_names("a", &format!("{kk}_{mi}")))
         .collect();
     for (mi, names) in a.iter().enumerate() {
         let at = var("a_row") + int(16 * mi as i64 * STAGE_STRIDE + kk);
+        // Nothing added to a start of 0.
+        let at = match rows {
+            Expr::Int(0) => at,
+            ref rows => rows.clone() + at,
+        };
         out.push(load_matrix("xs", at, names, false));
     }
     for (array, buffer, prefix) in weights {
@@ -398,12 +411,8 @@ enum Activations {
 /// The 64×32 slice of the bf16 rows `xb` at `k0` copied into `xs` by `cp.async`
 /// ([`copy_slice`]).
 fn copy_rows() -> Vec<Stmt> {
-    let source = Slice {
-        src: "xb",
-        rows: ("m0", "tokens"),
-        stride: var("xb_stride"),
-    };
-    vec![copy_slice(("xs", int(0)), source, var("k0"))]
+    let source = Slice::rows("xb", ("m0", "tokens"), var("xb_stride"), var("k"));
+    vec![copy_slice(("xs", int(0)), &source, var("k0"))]
 }
 
 /// The GEMM over activations from `source` (see [`gemm_mma_with`], [`gemm_mma_after_rows`]).
@@ -434,8 +443,8 @@ fn build(name_: &str, origin: &str, staging: WeightStaging, source: Activations,
     let multiply = |weights: Expr| {
         let tiles = [("ws", weights, "c")];
         [
-            warp_k_slice(0, &tiles),
-            warp_k_slice(16, &tiles),
+            warp_k_slice(0, int(0), &tiles),
+            warp_k_slice(16, int(0), &tiles),
             // Nobody restages until every warp has read this stage.
             vec![Stmt::SyncThreads],
         ]

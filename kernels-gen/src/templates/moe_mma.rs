@@ -1,30 +1,33 @@
-//! MoE prefill on tensor cores (bf16 experts): each expert's chosen rows gathered into tiles
-//! and multiplied by `mma.sync`, where `moe`'s expert-by-expert kernels dot one row at a time
-//! in f32 on the CUDA cores. Four launches in the steps that run them:
+//! MoE prefill on tensor cores (bf16, f16 or GGUF-block experts, multiplied in bf16): each
+//! expert's chosen rows gathered into tiles and multiplied by `mma.sync`, where `moe`'s expert-by-expert kernels dot one row at a time
+//! in f32 on the CUDA cores. Four launches in the steps that run them, after `bf16_rows` has
+//! made the step's rows bf16 once:
 //!
 //! 1. [`group_pairs`]: a block per expert lists the pairs (row t, choice p: `pair = t·k + p`)
 //!    that chose it, in order, at `expert_pairs[e·tokens..]` (a row chooses an expert once, so
 //!    `tokens` places hold them), and their count in `expert_counts[e]`.
 //! 2. [`list_tiles`]: one block lists the experts' tiles of 64 pairs, expert after expert.
-//! 3. [`gate_up`]: a block per (listed tile, 64 hidden units): the pairs' rows of `x` times the
-//!    units' gate and up rows, both products in registers, `act(gate)·up` into `hidden` where
-//!    `moe::gate_up` writes it.
+//! 3. [`gate_up`]: a block per (listed tile, 64 hidden units): the pairs' bf16 rows times the
+//!    units' gate and up rows, both products in registers, `act(gate)·up` rounded to bf16 into
+//!    `hidden` where `moe::gate_up` writes it in f32.
 //! 4. [`down`]: a block per (listed tile, 64 output columns): the pairs' hidden units times the
 //!    expert's down rows, each pair's product unweighted into `ys`, as `moe::down_by_expert`
 //!    leaves it for `moe::combine`.
 //!
 //! The GEMMs are `gemm_mma`'s tile (its constants and warp places): 4 warps a 64×64 tile, K in
-//! steps of 32, bf16 weights by `cp.async` into two buffers (the next step's copies in flight),
-//! GGUF blocks decoded into them a run of 16 a thread and f16 weights a pair a thread, rounded
-//! to bf16 (as the decoding dense GEMM does), the gathered rows rounded to bf16 as they are
-//! staged a pair a thread (as the dense tensor-core GEMMs round activations), operands by
-//! `ldmatrix`, f32 accumulation. Blocks of one expert's weight tile
-//! run next to each other, so its weights cross from memory once a step. Requirements
-//! ([`supports`]): bf16 weights over a hidden size and expert width that are multiples of 8
-//! (whole 16-byte copies), f16 weights, or GGUF blocks (rows of whole blocks).
+//! steps of 32, f32 accumulation, operands by `ldmatrix`. Each step's gathered rows (the
+//! tile's pairs' rows, bf16 as the dense tensor-core GEMMs round activations) arrive by
+//! `cp.async` a step ahead into one of two buffers, with bf16 weights; GGUF blocks decode into
+//! their tile a run of 16 a thread and f16 weights a pair a thread, rounded to bf16 (as the
+//! decoding dense GEMM does), while the next step's rows land. `hidden` is rounded to bf16 by
+//! `gate_up` rather than by `down`'s staging (the same values, half the bytes each way). Blocks
+//! of one expert's weight tile run next to each other, so its weights cross from memory once a
+//! step. Requirements ([`supports`]): a hidden size and expert width that are multiples of 8
+//! (rows of whole 16-byte copies), and bf16 or f16 weights or GGUF blocks (rows of whole
+//! blocks).
 
 use super::gemm_mma::{
-    self, accumulator, declare_accumulators, warp_k_slice, STAGE, STAGES, STAGE_STRIDE, TILE_K, TILE_M, TILE_N, WARPS,
+    self, accumulator, declare_accumulators, warp_k_slice, Slice, STAGE, STAGES, TILE_K, TILE_M, TILE_N, WARPS,
     WARP_M_TILES, WARP_N_TILES,
 };
 use super::gemv::gated;
@@ -38,14 +41,13 @@ use ir::MoeSpec;
 /// of `format` (f32 experts stay on the CUDA cores, in f32).
 pub fn supports(spec: &MoeSpec, hidden: usize, format: WeightFormat) -> bool {
     let whole = |unit: usize| hidden.is_multiple_of(unit) && spec.intermediate.is_multiple_of(unit);
-    match format {
-        WeightFormat::Dense(Ty::Bf16) => whole(8),
-        WeightFormat::Dense(Ty::F16) => true,
-        WeightFormat::Dense(_) => false,
-        WeightFormat::Blocks(format) => {
-            quant::block_layout(format).is_some_and(|(elements, _)| whole(elements as usize))
+    whole(8)
+        && match format {
+            WeightFormat::Dense(ty) => matches!(ty, Ty::Bf16 | Ty::F16),
+            WeightFormat::Blocks(format) => {
+                quant::block_layout(format).is_some_and(|(elements, _)| whole(elements as usize))
+            }
         }
-    }
 }
 
 /// List each expert's pairs: a block per expert scans the routes a block-wide chunk at a time,
@@ -231,42 +233,32 @@ fn tile_pairs() -> Vec<Stmt> {
     ]
 }
 
-/// Stage the tile's slice of gathered rows at `k0` into `xs` (`gemm_mma::stage_pairs`): row
-/// r is `source(pair)`'s elements (`source` gives the index of a pair's first), zero for rows
-/// past the count.
-fn stage_rows(src: &str, source: &dyn Fn(Expr) -> Expr, k_len: i64) -> Vec<Stmt> {
-    let row = vec![let_("pair", Ty::I32, load("tile_pairs", var("r")))];
-    let valid = bin(BinOp::Ge, var("pair"), int(0));
-    let first = source(var("pair"));
-    let fetch = |col: Expr, value: &str| vec![assign(value, load(src, first.clone() + col))];
-    vec![gemm_mma::stage_pairs("xs", int(0), int(k_len), (row, valid), &fetch)]
+/// Copy the tile's slice of gathered bf16 rows at `k0` into `xs`'s buffer `buffer` by
+/// `cp.async` (`gemm_mma::copy_slice`): row r is the one `start(pair)` begins (the index of
+/// a pair's first element), zero-filled past the count.
+fn copy_rows(src: &'static str, start: &dyn Fn(Expr) -> Expr, k_len: i64, (buffer, k0): (Expr, Expr)) -> Stmt {
+    let source = Slice {
+        src,
+        locate: vec![let_("pair", Ty::I32, load("tile_pairs", var("row")))],
+        start: start(var("pair")),
+        valid: bin(BinOp::Ge, var("pair"), int(0)),
+        k: int(k_len),
+    };
+    gemm_mma::copy_slice(("xs", buffer * int(STAGE)), &source, k0)
 }
 
-/// A weight tile's `cp.async` copies into `dst`'s buffer `buffer`: 64 rows from `first_row`
-/// (those from `valid_rows` on zero-filled), 32 columns at `k0` of rows `k_len` long. Copy
-/// `c = tid + 128·i` is row `c / 4`, its 8-element chunk `c % 4`.
+/// A weight tile's `cp.async` copies into `dst`'s buffer `buffer` (`gemm_mma::copy_slice`):
+/// 64 rows from `first_row` (those from `valid_rows` on zero-filled), 32 columns at `k0` of
+/// rows `k_len` long.
 fn copy_weights(dst: &str, (first_row, valid_rows): (Expr, Expr), k_len: i64, (buffer, k0): (Expr, Expr)) -> Stmt {
-    let threads = 32 * WARPS;
-    for_(
-        "i",
-        int(0),
-        int(TILE_N * TILE_K / 8 / threads),
-        int(1),
-        vec![
-            let_("copy", Ty::I32, tid() + var("i") * int(threads)),
-            let_("row", Ty::I32, var("copy") / int(TILE_K / 8)),
-            let_("column", Ty::I32, k0 + rem(var("copy"), int(TILE_K / 8)) * int(8)),
-            Stmt::CpAsync(Box::new(AsyncCopy {
-                dst: dst.into(),
-                dst_index: buffer * int(STAGE)
-                    + var("row") * int(STAGE_STRIDE)
-                    + rem(var("copy"), int(TILE_K / 8)) * int(8),
-                src: "w".into(),
-                src_index: (first_row + var("row")) * int(k_len) + var("column"),
-                valid: and(lt(var("row"), valid_rows), lt(var("column"), int(k_len))),
-            })),
-        ],
-    )
+    let source = Slice {
+        src: "w",
+        locate: vec![],
+        start: (first_row + var("row")) * int(k_len),
+        valid: lt(var("row"), valid_rows),
+        k: int(k_len),
+    };
+    gemm_mma::copy_slice((dst, buffer * int(STAGE)), &source, k0)
 }
 
 /// A weight tile decoded into `dst`'s buffer `s`: 64 rows from `first_row` (those from
@@ -295,8 +287,7 @@ type StepCopies = Box<dyn Fn(Expr, Expr) -> Vec<Stmt>>;
 
 /// How an expert's weight tiles (`tiles`: each one's shared array, first row and rows before
 /// the expert's end) reach shared memory each K step: bf16 by `cp.async` a step ahead (the
-/// copies, for the pipeline to issue), others decoded in the step (statements staged with the
-/// rows).
+/// copies, for the pipeline to issue), others decoded in the step (statements for the step).
 fn weight_tiles(format: WeightFormat, tiles: Vec<(&'static str, Expr, Expr)>, k_len: i64) -> (StepCopies, Vec<Stmt>) {
     match format {
         WeightFormat::Dense(Ty::Bf16) => (
@@ -320,29 +311,40 @@ fn weight_tiles(format: WeightFormat, tiles: Vec<(&'static str, Expr, Expr)>, k_
     }
 }
 
-/// The GEMM over the tile's pairs: K (`k_len` long) in steps, `copy(buffer, k0)` the weight
-/// tiles' copies, `stage` the step's staging (the gathered rows, weights decoded), `weights`
-/// the tiles multiplied; then `epilogue`
-/// for each accumulator place: (the pair's row in the tile, the output's column in the tile,
-/// which of a lane's 4).
+/// A K step's copies: the tile's rows of `src` gathered by [`copy_rows`] (`start` of a pair),
+/// then the weight tiles' (`weights`).
+fn with_rows(src: &'static str, start: impl Fn(Expr) -> Expr + 'static, k_len: i64, weights: StepCopies) -> StepCopies {
+    Box::new(move |buffer: Expr, k0: Expr| {
+        let mut copies = vec![copy_rows(src, &start, k_len, (buffer.clone(), k0.clone()))];
+        copies.extend(weights(buffer, k0));
+        copies
+    })
+}
+
+/// The GEMM over the tile's pairs: K (`k_len` long) in steps, `copy(buffer, k0)` a step's
+/// copies (the gathered rows, bf16 weight tiles) issued a step ahead, `decode` the weights
+/// decoded in the step, `weights` the tiles multiplied; then `epilogue` for each pair of
+/// neighbouring accumulators (the pair's row in the tile, the outputs' columns in the tile,
+/// which of a lane's 4 the first is: 0 or 2).
 fn tile_gemm(
     k_len: i64,
     copy: &dyn Fn(Expr, Expr) -> Vec<Stmt>,
-    stage: Vec<Stmt>,
+    decode: Vec<Stmt>,
     weights: &[(&str, &str)],
     epilogue: &dyn Fn(usize, usize, usize) -> Vec<Stmt>,
 ) -> Vec<Stmt> {
     let accumulators = weights.iter().flat_map(|&(_, prefix)| declare_accumulators(prefix));
+    let buffer = var("s") * int(STAGE);
     let tiles: Vec<(&str, Expr, &str)> = weights
         .iter()
-        .map(|&(array, prefix)| (array, var("s") * int(STAGE), prefix))
+        .map(|&(array, prefix)| (array, buffer.clone(), prefix))
         .collect();
     let step = [
         super::pipeline_step_head(STAGES, TILE_K, int(k_len), copy),
-        stage,
+        decode,
         vec![super::pipeline_wait(STAGES), Stmt::SyncThreads],
-        warp_k_slice(0, &tiles),
-        warp_k_slice(16, &tiles),
+        warp_k_slice(0, buffer.clone(), &tiles),
+        warp_k_slice(16, buffer, &tiles),
         // Nobody restages until every warp has read this step's tiles.
         vec![Stmt::SyncThreads],
     ]
@@ -354,7 +356,7 @@ fn tile_gemm(
     out.push(Stmt::CpAsyncWait(0));
     for mi in 0..WARP_M_TILES {
         for ni in 0..WARP_N_TILES {
-            for i in 0..4 {
+            for i in [0, 2] {
                 out.extend(epilogue(mi, ni, i));
             }
         }
@@ -362,7 +364,8 @@ fn tile_gemm(
     out
 }
 
-/// The accumulator place's pair (`pair_at`, −1 past the count) and output (`out_column`).
+/// The accumulator place's pair (`pair_at`, −1 past the count) and output (`out_column`;
+/// accumulator `i + 1`'s is the next, for even `i`).
 fn place(mi: usize, ni: usize, i: usize) -> Vec<Stmt> {
     let row = var("wm") + int(16 * mi as i64 + if i >= 2 { 8 } else { 0 }) + var("gr");
     vec![
@@ -389,7 +392,7 @@ fn expert_tile_kernel(
         ty: Ty::Bf16,
         len: (buffers * STAGE) as usize,
     };
-    let mut shared = vec![staged("xs", 1)];
+    let mut shared = vec![staged("xs", STAGES)];
     shared.extend(weights.iter().map(|w| staged(w, STAGES)));
     shared.push(SharedArray {
         name: "tile_pairs".into(),
@@ -430,9 +433,22 @@ fn list_params() -> [Param; 3] {
     ]
 }
 
-/// `moe::gate_up`'s values (`hidden[pair·I + unit] = act(gate)·up`) on tensor cores, expert
-/// tile by expert tile: the parameters of `moe::gate_up` over weights of `format`
-/// ([`supports`]), then the lists.
+/// `params` with the pairs' hidden units (`hidden`) in bf16: what [`down`] rounds them to,
+/// so [`gate_up`] stores them so (half the bytes each way) and [`down`] copies them as they lie.
+fn bf16_hidden(params: Vec<Param>) -> Vec<Param> {
+    params
+        .into_iter()
+        .map(|param| match param {
+            Param::Buffer { name, writable, .. } if name == "hidden" => buffer(&name, Ty::Bf16, writable),
+            other => other,
+        })
+        .collect()
+}
+
+/// `moe::gate_up`'s values (`hidden[pair·I + unit] = act(gate)·up`, here rounded to bf16) on
+/// tensor cores, expert tile by expert tile: the parameters of `moe::gate_up` over weights of
+/// `format` ([`supports`]), then the lists, then `x`'s rows as bf16 (`xb`, rows `xb_stride`
+/// apart: `bf16_rows`'s), which the tiles gather by `cp.async` (`x` itself is not read).
 pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, format: WeightFormat) -> Kernel {
     let (d, i, k) = (hidden as i64, spec.intermediate as i64, spec.experts_per_token as i64);
     let first = |part: i64| var("e") * int(2 * i) + int(part * i) + var("n0");
@@ -440,67 +456,77 @@ pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, format: 
         ("gs", first(0), int(i) - var("n0")),
         ("us", first(1), int(i) - var("n0")),
     ];
-    let (copy, decoded) = weight_tiles(format, tiles, d);
-    let stage = [stage_rows("x", &|pair| pair / int(k) * var("x_stride"), d), decoded].concat();
+    let (weight_copies, decoded) = weight_tiles(format, tiles, d);
+    let copy = with_rows("xb", move |pair| pair / int(k) * var("xb_stride"), d, weight_copies);
     let epilogue = |mi: usize, ni: usize, j: usize| {
+        let gate = |j: usize| {
+            gated(
+                spec.act,
+                var(&accumulator("g", mi, ni, j)),
+                var(&accumulator("u", mi, ni, j)),
+            )
+        };
         let mut out = place(mi, ni, j);
+        // Both columns inside `I` or neither (`I` a multiple of 8).
         out.push(if_(
             and(bin(BinOp::Ge, var("pair_at"), int(0)), lt(var("out_column"), int(i))),
-            vec![store(
+            vec![store_vec(
                 "hidden",
                 var("pair_at") * int(i) + var("out_column"),
-                gated(
-                    spec.act,
-                    var(&accumulator("g", mi, ni, j)),
-                    var(&accumulator("u", mi, ni, j)),
-                ),
+                vec![gate(j), gate(j + 1)],
             )],
         ));
         out
     };
-    let work = tile_gemm(d, &*copy, stage, &[("gs", "g"), ("us", "u")], &epilogue);
+    let work = tile_gemm(d, &*copy, decoded, &[("gs", "g"), ("us", "u")], &epilogue);
     let origin = format!(
         "{origin}: MoE experts' gate/up and {:?} over rows of {hidden} on tensor cores (mma.sync m16n8k16 bf16, \
-         each expert's pairs gathered into {TILE_M}-row tiles), {} weights{}, {}",
+         each expert's pairs' bf16 rows gathered into {TILE_M}-row tiles by cp.async), {} weights{}, {}",
         spec.act,
         format.describe(),
         staging(format),
         describe(spec)
     );
-    let params = [gate_up_params(format), list_params().to_vec()].concat();
+    let params = [
+        bf16_hidden(gate_up_params(format)),
+        list_params().to_vec(),
+        vec![buffer("xb", Ty::Bf16, false), scalar("xb_stride", Ty::I32)],
+    ]
+    .concat();
     expert_tile_kernel((name, origin), params, (spec, i), &["gs", "us"], work)
 }
 
 /// `moe::down_by_expert`'s values (each pair's down projection unweighted, `ys[pair·d + n]`)
 /// on tensor cores, expert tile by expert tile: its parameters over weights of `format`
-/// ([`supports`]), then the lists.
+/// ([`supports`]) with [`gate_up`]'s bf16 `hidden`, then the lists.
 pub fn down(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, format: WeightFormat) -> Kernel {
     let (d, i) = (hidden as i64, spec.intermediate as i64);
     let tiles = vec![("ws", var("e") * int(d) + var("n0"), int(d) - var("n0"))];
-    let (copy, decoded) = weight_tiles(format, tiles, i);
-    let stage = [stage_rows("hidden", &|pair| pair * int(i), i), decoded].concat();
+    let (weight_copies, decoded) = weight_tiles(format, tiles, i);
+    let copy = with_rows("hidden", move |pair| pair * int(i), i, weight_copies);
     let epilogue = |mi: usize, ni: usize, j: usize| {
         let mut out = place(mi, ni, j);
+        // Both columns inside `d` or neither (`d` a multiple of 8).
         out.push(if_(
             and(bin(BinOp::Ge, var("pair_at"), int(0)), lt(var("out_column"), int(d))),
-            vec![store(
+            vec![store_vec(
                 "ys",
                 var("pair_at") * int(d) + var("out_column"),
-                var(&accumulator("c", mi, ni, j)),
+                (j..j + 2).map(|j| var(&accumulator("c", mi, ni, j))).collect(),
             )],
         ));
         out
     };
-    let work = tile_gemm(i, &*copy, stage, &[("ws", "c")], &epilogue);
+    let work = tile_gemm(i, &*copy, decoded, &[("ws", "c")], &epilogue);
     let origin = format!(
         "{origin}: MoE experts' down projections to rows of {hidden} on tensor cores (mma.sync m16n8k16 bf16, \
-         each expert's pairs gathered into {TILE_M}-row tiles), {} weights{}, {}",
+         each expert's pairs' bf16 hidden units gathered into {TILE_M}-row tiles by cp.async), {} weights{}, {}",
         format.describe(),
         staging(format),
         describe(spec)
     );
     let params = [
-        down_params(format),
+        bf16_hidden(down_params(format)),
         vec![buffer("ys", Ty::F32, true)],
         list_params().to_vec(),
     ]

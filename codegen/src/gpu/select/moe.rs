@@ -1,12 +1,13 @@
 //! A MoE layer's launches (`templates::moe`): routing, the experts' gate/up with their GLU and
 //! the weighted down projections into the node's value, row by row; prefill steps run both
-//! expert by expert (bf16 experts on tensor cores, `templates::moe_mma`, after a launch that
-//! lists each expert's pairs), and a last launch (empty in other steps) sums the down products.
+//! expert by expert (on tensor cores, `templates::moe_mma`, after launches that make the rows
+//! bf16 and list each expert's pairs and tiles), and a last launch (empty in other steps) sums
+//! the down products.
 
 use super::{scalar, Alternatives, Operands, Selected};
 use crate::gpu::{width, GpuCodegenError, LaunchArg, PrefillExperts};
 use kernels_gen::dsl::Kernel;
-use kernels_gen::templates::{moe, moe_mma};
+use kernels_gen::templates::{bf16_rows, moe, moe_mma};
 
 /// Pushes the routing and gate/up launches; returns the last (the down projections) for the
 /// caller to push as the node's own.
@@ -42,7 +43,7 @@ pub(super) fn launches(
         scalar("logits_stride", logits_stride),
     ];
     let gate_up_args = vec![
-        x,
+        x.clone(),
         routes.clone(),
         operands.weight(gate_up),
         hidden.clone(),
@@ -70,7 +71,9 @@ pub(super) fn launches(
     let tensor_cores = prefill == PrefillExperts::TensorCores
         && moe_mma::supports(spec, d, gate_up_format)
         && moe_mma::supports(spec, d, down_format);
-    let lists = match tensor_cores {
+    // The tensor cores' inputs after the lists: the rows as bf16 (made once a step, only in
+    // the steps that run them), which their tiles gather by `cp.async`.
+    let (lists, rows_bf16) = match tensor_cores {
         true => {
             let (pairs, counts) = (
                 operands.scratch("expert_pairs", spec.experts, max_tokens),
@@ -79,6 +82,24 @@ pub(super) fn launches(
             let bound = moe_mma::tile_bound(spec, kernels_gen::dsl::int(max_tokens as i64));
             let bound = bound.eval_int(&|_| None).expect("a constant bound") as usize;
             let tiles = operands.scratch("pair_tiles", bound, 1);
+            let xb = LaunchArg::Scratch {
+                node: operands.node,
+                name: "expert_rows".into(),
+                bytes: max_tokens * d * 2,
+            };
+            s.launches.push((
+                operands.node,
+                bf16_rows::bf16_rows("bf16_rows", origin, None, crate::gpu::PREFILL_TOKENS),
+                Alternatives::default(),
+                vec![
+                    x.clone(),
+                    xb.clone(),
+                    scalar("tokens", rows),
+                    scalar("k", d),
+                    scalar("x_stride", x_stride),
+                    scalar("xb_stride", d),
+                ],
+            ));
             let group = vec![
                 routes.clone(),
                 pairs.clone(),
@@ -99,9 +120,9 @@ pub(super) fn launches(
                 Alternatives::default(),
                 list,
             ));
-            vec![pairs, counts, tiles]
+            (vec![pairs, counts, tiles], vec![xb, scalar("xb_stride", d)])
         }
-        false => vec![],
+        false => (vec![], vec![]),
     };
     let (prefill_gate_up, prefill_down) = match tensor_cores {
         true => (
@@ -117,7 +138,7 @@ pub(super) fn launches(
         operands.node,
         moe::gate_up("moe_gate_up", origin, spec, d, gate_up_format),
         prefill_only(prefill_gate_up),
-        [gate_up_args, lists.clone()].concat(),
+        [gate_up_args, lists.clone(), rows_bf16].concat(),
     ));
     let ys = operands.scratch("ys", k * d, max_tokens);
     let down_args = vec![
