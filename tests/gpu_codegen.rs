@@ -255,7 +255,8 @@ fn a_quantized_moe_gguf_compiles_for_every_gpu_target() {
 /// `bbc compile` of a GGUF into bf16 plans: each plan carries the kernels that convert the
 /// file's block formats on the device where it loads (with their cubins); kept in its blocks,
 /// none, but a plan taking steps of more than `BATCH_ROWS` rows carries the kernels decoding
-/// each format into a bf16 copy for such a step's GEMM.
+/// each format into a bf16 copy for such a step's GEMM. Kept in blocks, every matmul's steps
+/// of many rows run a tensor-core GEMM over rows made bf16 before it.
 #[test]
 fn gguf_blocks_compiled_to_bf16_carry_their_conversions() {
     if !nvrtc_present() {
@@ -296,6 +297,24 @@ fn gguf_blocks_compiled_to_bf16_carry_their_conversions() {
             };
             assert_eq!(formats, expected, "{dtype}: {file} ({} rows)", plan.max_tokens);
             wide_plans += usize::from(plan.max_tokens > gpu::BATCH_ROWS);
+            // Kept in blocks, every matmul multiplies many rows on the tensor cores after the
+            // launch making its rows bf16: the decoding GEMM, or beyond a batch's rows the TMA
+            // GEMM over the copy.
+            for (i, launch) in plan.launches.iter().enumerate() {
+                if dtype != "native" || !launch.kernel.contains("gemv") {
+                    continue;
+                }
+                let gemm = |kernel: &Option<String>, stem: &str| kernel.as_deref().is_some_and(|k| k.contains(stem));
+                let wide = plan.max_tokens > gpu::BATCH_ROWS;
+                let (prefill, batch) = match wide {
+                    true => ("gemm_tma", "gemm_after_rows"),
+                    false => ("gemm_after_rows", "none"),
+                };
+                assert!(gemm(&launch.prefill_kernel, prefill), "{file}: {launch:?}");
+                assert_eq!(gemm(&launch.batch_kernel, batch), wide, "{file}: {launch:?}");
+                let before = &plan.launches[i - 1].kernel;
+                assert!(before.contains("bf16_rows"), "{file}: {} after {before}", launch.kernel);
+            }
         }
         assert!(
             wide_plans > 0,

@@ -503,6 +503,20 @@ fn check_gguf(name: &str, make: fn(&std::path::Path) -> std::io::Result<std::pat
             "{name} on {}: {fused_norms} norm-fused matmuls",
             target.name()
         );
+        // Plans of up to a decode batch's rows copy no weights: every matmul's steps of many
+        // rows decode its stored form into a tensor-core GEMM's tiles, over rows a launch
+        // before it made bf16 (the norm applied there once a step).
+        let (plan, _) = gpu::build_with_kernels(&fused, target, 64).unwrap();
+        let matmuls: Vec<usize> = (0..plan.launches.len())
+            .filter(|&i| plan.launches[i].kernel.contains("gemv"))
+            .collect();
+        assert!(matmuls.len() >= fused_norms, "{name} on {}", target.name());
+        for i in matmuls {
+            let (launch, before) = (&plan.launches[i], &plan.launches[i - 1].kernel);
+            let prefill = launch.prefill_kernel.as_deref().unwrap_or("");
+            assert!(prefill.contains("gemm_after_rows"), "{name}: {launch:?}");
+            assert!(before.contains("bf16_rows"), "{name}: {prefill} after {before}");
+        }
         check_against(name, &native, &dequantized, target, 2e-2);
     }
 }
@@ -510,7 +524,8 @@ fn check_gguf(name: &str, make: fn(&std::path::Path) -> std::io::Result<std::pat
 /// A GGUF model's plans (weights kept in their blocks, Q8_0 attention and embedding, Q4_0
 /// MLP; norms and residual adds fused into the matmuls on every GPU target) against the CPU
 /// backend on the same file dequantized to f32: the GEMVs decode blocks exactly (1e-4); a
-/// prefill through the decoding tensor-core GEMM rounds weights and activations to bf16 (2e-2).
+/// prefill through the decoding tensor-core GEMM, over rows made bf16 (normed) before it,
+/// rounds weights and activations to bf16 (2e-2).
 #[test]
 fn tiny_quantized_llama_plans_agree_with_the_cpu_backend() {
     check_gguf("quantized llama", tiny_gguf::quantized_llama);

@@ -1,14 +1,15 @@
 //! Llama-8B-shaped matmuls over Q4_K blocks at prompt sizes: the GEMM that decodes the blocks
-//! into its tensor-core tiles (what plans take up to `BATCH_ROWS` rows) against the blocks
-//! decoded into a bf16 copy and multiplied by the target's TMA GEMM (what they take beyond),
-//! each with its K splits' reduction: where the copy starts to pay.
+//! into its tensor-core tiles over bf16 rows (what plans take up to `BATCH_ROWS` rows, and at
+//! any rows for a matrix too large to copy) against the blocks decoded into a bf16 copy and
+//! multiplied by the target's TMA GEMM (what they take beyond), each with its K splits'
+//! reduction: where the copy starts to pay.
 
 use super::llama_8b::{bind, grid_of, MatmulCase, SHAPES};
 use anyhow::{anyhow, Result};
 use codegen::gpu::{self, expr};
 use codegen::Target;
 use kernels_gen::dsl::{Kernel, Ty};
-use kernels_gen::templates::gemm_mma::{gemm_mma_with, WeightStaging};
+use kernels_gen::templates::gemm_mma::{gemm_mma_after_rows, WeightStaging};
 use kernels_gen::templates::gemm_tma_tcgen05::{gemm_tma_tcgen05_bf16, TcgenTile};
 use kernels_gen::templates::gemm_tma_wgmma::{gemm_tma_wgmma_bf16, TmaTile};
 use kernels_gen::templates::weight_convert::to_bf16_for_prefill;
@@ -23,7 +24,7 @@ const ROWS: [usize; 6] = [16, 64, 128, 256, 512, 2048];
 
 /// The kernels the table times on one target.
 struct Timed {
-    /// The GEMM decoding the blocks into its tiles.
+    /// The GEMM decoding the blocks into its tiles, over bf16 rows.
     decoding: Kernel,
     /// The blocks decoded into a bf16 copy.
     convert: Kernel,
@@ -35,7 +36,12 @@ struct Timed {
 
 /// The kernels timed on `arch`.
 fn kernels(arch: &str) -> Result<Timed> {
-    let decoding = gemm_mma_with("gemm_q4_k", "gpu-check", WeightStaging::Dequantize(FORMAT), None, None);
+    let decoding = gemm_mma_after_rows(
+        "gemm_q4_k",
+        "gpu-check",
+        WeightStaging::Dequantize(FORMAT),
+        (None, None),
+    );
     let convert = to_bf16_for_prefill(FORMAT, 1, "gpu-check").ok_or_else(|| anyhow!("a block format"))?;
     let tma = match arch {
         "sm_90a" => (
@@ -59,6 +65,16 @@ fn kernels(arch: &str) -> Result<Timed> {
         tma,
         reduce,
     })
+}
+
+/// `case`'s argument for parameter `param`, and the activations as bf16 rows `k` apart (`xb`,
+/// its bytes), which the decoding GEMM reads (the TMA GEMM's `x` is bf16 already).
+fn with_rows<'a, B>(case: &MatmulCase<'a, B>, xb: (&'a B, usize), param: &str) -> Option<DeviceArg<'a, B>> {
+    match param {
+        "xb" => Some(DeviceArg::Buffer(xb.0, 0..xb.1)),
+        "xb_stride" => Some(DeviceArg::I32(case.k as i32)),
+        _ => case.value(param),
+    }
 }
 
 /// The table: for each shape but the head (whose prompts compute a row or two a sequence) and
@@ -121,7 +137,7 @@ pub fn block_matmul_timings(target: Target, arch: &str) -> Result<String> {
                     k,
                     splits,
                 };
-                let args = bind(program, |p| case.value(p))?;
+                let args = bind(program, |p| with_rows(&case, (&x_bf16, rows * k * 2), p))?;
                 let reduce_args = bind(&reduce, |p| case.value(p))?;
                 let grid = grid_of(program, batch, n, k, splits)?;
                 let reduce_grid = (batch * n).div_ceil(BLOCK as usize) as u32;
@@ -173,7 +189,7 @@ mod tests {
         for arch in ["sm_90a", "sm_100a", "sm_120a"] {
             let timed = kernels(arch).unwrap();
             for kernel in [&timed.decoding, &timed.tma.0, &timed.reduce] {
-                if let Err(e) = bind(kernel, |p| case.value(p)) {
+                if let Err(e) = bind(kernel, |p| with_rows(&case, (&buffer, 512), p)) {
                     panic!("{arch}: {e}");
                 }
             }

@@ -67,14 +67,16 @@ use crate::dsl::*;
 /// GGUF blocks, every target: `mma.sync` with the blocks decoded into its shared-memory tile
 /// (`WeightStaging::Dequantize`); each weight is decoded once per 64 tokens instead of once
 /// per 4 as in the prefill GEMV. The wgmma/tcgen05 kernels take their weights by `cp.async`,
-/// which copies bytes and cannot decode. (Plans take this GEMM for steps of up to a decode
-/// batch's rows; larger steps decode the blocks into a bf16 copy for the TMA GEMM:
+/// which copies bytes and cannot decode. (Plans prefilling through the TMA GEMMs take its
+/// form over rows made bf16 before it, `gemm_mma::gemm_mma_after_rows`, which also takes a
+/// GLU over blocks, for steps of up to a decode batch's rows and for matrices too large to
+/// copy; larger steps decode the blocks into a bf16 copy for the TMA GEMM:
 /// `weight_convert::to_bf16_for_prefill`, `tma_gemm::over_converted_weights`.)
 ///
 /// Every one of them takes an RMSNorm prologue (`rms_norm_matmul`, `add_rms_norm_matmul`) and
 /// a GLU epilogue over dense weights, and splits K at few rows (`split_k`). A GLU epilogue over
-/// GGUF blocks has no kernel (the decode GEMV's pairs a gate row and an up row of dense
-/// weights): `None`.
+/// GGUF blocks with the prologue inside has no kernel here (the decode GEMV's pairs a gate row
+/// and an up row of dense weights): `None`.
 pub fn prefill_gemm(
     arch: &str,
     weights: quant::WeightFormat,
@@ -1276,6 +1278,17 @@ pub fn catalog() -> Vec<Kernel> {
             "catalog",
             gemm_mma::WeightStaging::Dequantize(ir::DType::Q4K),
             (Some(gemv::NormPrologue::new(1e-6, 1.0).with_residual()), None),
+        ),
+        // GGUF blocks with the gated MLP's GLU (the reduction gates): a batch's gate/up, and
+        // every step's where the pair is too large to copy.
+        gemm_mma::gemm_mma_after_rows(
+            "add_rms_norm_swiglu_gemm_mma_q4_k_after_rows",
+            "catalog",
+            gemm_mma::WeightStaging::Dequantize(ir::DType::Q4K),
+            (
+                Some(gemv::NormPrologue::new(1e-6, 1.0).with_residual()),
+                Some(GluAct::Silu),
+            ),
         ),
         // Half weights with the gated MLP's GLU (the reduction gates).
         gemm_mma::gemm_mma_after_rows(

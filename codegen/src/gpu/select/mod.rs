@@ -894,14 +894,8 @@ impl MatMul {
                                 ..g
                             }
                         });
-                        // Over the same bf16 rows, the weights as stored into its tiles.
-                        let staging = match self.weights {
-                            WeightFormat::Blocks(format) => gemm_mma::WeightStaging::Dequantize(format),
-                            _ => gemm_mma::WeightStaging::HalfWeights,
-                        };
-                        let decoding_name = format!("{gemm_name}_after_rows");
-                        let decoding = gemm_mma::gemm_mma_after_rows(&decoding_name, origin, staging, form);
-                        (gemm, Some(decoding), Some(gemm_mma::TILES))
+                        let decoding = self.decoding_after_rows(plan, &gemm_name).map(|g| g.kernel);
+                        (gemm, decoding, Some(gemm_mma::TILES))
                     }
                     None => {
                         let batch_name = format!("{name}_batch");
@@ -912,6 +906,10 @@ impl MatMul {
                         )
                     }
                 }
+            }
+            // Weights not copied: every step of many rows decodes, after the rows.
+            (false, None) if self.decoding_staging(plan).is_some() => {
+                (self.decoding_after_rows(plan, &gemm_name), None, None)
             }
             (false, None) => (
                 templates::prefill_gemm(arch, self.weights, self.k, self.norm, self.glu, &gemm_name, origin),
@@ -934,6 +932,18 @@ impl MatMul {
         }
     }
 
+    /// The decoding GEMM over the rows `bf16_rows` makes ([`Self::decoding_staging`]), named
+    /// after `gemm_name`: its products through the partials (the reduction gates a GLU's).
+    fn decoding_after_rows(&self, plan: &PlanTarget, gemm_name: &str) -> Option<PrefillGemm> {
+        let staging = self.decoding_staging(plan)?;
+        let name = format!("{gemm_name}_after_rows");
+        Some(PrefillGemm {
+            kernel: gemm_mma::gemm_mma_after_rows(&name, plan.origin, staging, (self.norm, self.glu)),
+            tiles: gemm_mma::TILES,
+            gates: false,
+        })
+    }
+
     /// Whether its prefill GEMM is the target's TMA GEMM (bf16 weights, rows of whole
     /// 16-byte chunks), its activation rows made bf16, prologue applied, by a `bf16_rows`
     /// launch before it.
@@ -944,24 +954,38 @@ impl MatMul {
             && self.k.is_multiple_of(8)
     }
 
+    /// How the decoding GEMM over bf16 rows (`gemm_mma_after_rows`) takes these weights into
+    /// its tiles, where it is their tensor-core GEMM: GGUF blocks decoded, or IEEE half values
+    /// in rows of whole 16-byte chunks rounded to bf16, on a CUDA target whose plans make
+    /// activation rows bf16 for the TMA GEMMs. At up to `BATCH_ROWS` rows of weights
+    /// [`Self::converted_for_prefill`], and at any rows of others (too large to copy, or a
+    /// plan of few rows), it multiplies by the rows `bf16_rows` made, the prologue applied
+    /// once a step rather than by each block of columns.
+    fn decoding_staging(&self, plan: &PlanTarget) -> Option<gemm_mma::WeightStaging> {
+        let staging = match self.weights {
+            WeightFormat::Blocks(format) => gemm_mma::WeightStaging::Dequantize(format),
+            WeightFormat::Dense(Ty::F16) if self.k.is_multiple_of(8) => gemm_mma::WeightStaging::HalfWeights,
+            _ => return None,
+        };
+        (plan.prefill.is_tma() && plan.target.cuda_arch().is_some()).then_some(staging)
+    }
+
     /// The stored format of weights that steps of more than `BATCH_ROWS` rows convert into a
-    /// bf16 copy for the target's TMA GEMM (a `weight_convert` launch before it): GGUF blocks,
-    /// or IEEE half values in rows of whole 16-byte chunks, where the plan's prefill GEMM is a
-    /// TMA one and the copy fits [`CONVERTED_WEIGHTS_BYTES`].
+    /// bf16 copy for the target's TMA GEMM (a `weight_convert` launch before it): those the
+    /// decoding GEMM takes ([`Self::decoding_staging`]), where the target has a TMA GEMM and the
+    /// copy fits [`CONVERTED_WEIGHTS_BYTES`].
     /// Such a step multiplies each weight by as many rows as a bf16 model's prompt does, on
     /// the same GEMM, for the copy's cost: writing and reading 2 bytes a weight. Fewer rows
     /// keep the GEMM that takes the stored form into its tiles.
     fn converted_for_prefill(&self, plan: &PlanTarget) -> Option<DType> {
-        let format = match self.weights {
-            WeightFormat::Blocks(format) => format,
-            WeightFormat::Dense(Ty::F16) if self.k.is_multiple_of(8) => DType::F16,
-            _ => return None,
+        let format = match self.decoding_staging(plan)? {
+            gemm_mma::WeightStaging::Dequantize(format) => format,
+            _ => DType::F16,
         };
-        let tma = plan.prefill.is_tma();
         let fits = self.n * self.k * 2 <= CONVERTED_WEIGHTS_BYTES;
         let arch = plan.target.cuda_arch().unwrap_or_default();
         let many_rows = plan.max_tokens > BATCH_ROWS;
-        (tma && fits && many_rows && templates::has_tma_gemm(arch)).then_some(format)
+        (fits && many_rows && templates::has_tma_gemm(arch)).then_some(format)
     }
 
     /// The position of the weight matrix in its launches' arguments (the GEMV's: activations,
@@ -981,6 +1005,9 @@ impl MatMul {
         let sms = plan.target.multiprocessors();
         let converted = self.converted_for_prefill(plan);
         let tma = self.takes_tma(plan);
+        // Steps of many rows multiply by rows `bf16_rows` makes: the TMA GEMMs', and the
+        // decoding GEMM's over weights in a stored form.
+        let after_rows = tma || self.decoding_staging(plan).is_some();
         let kernels = self.kernels(plan, aligned);
         let alternatives = Alternatives {
             few_rows: Some(kernels.few_rows),
@@ -1010,7 +1037,6 @@ impl MatMul {
         }
         // The norm the GEMM's splits still scale by (rows made before the GEMM come
         // normalised).
-        let after_rows = tma || converted.is_some();
         let norm = self.norm.filter(|_| !after_rows);
         if norm.is_some() {
             // The splits' sums of squares after the products.
@@ -1054,7 +1080,7 @@ impl MatMul {
             s.launches.push(rows_launch);
             args.extend(bf16_rows);
             args.push(wb);
-        } else if tma {
+        } else if after_rows {
             let (rows_launch, bf16_rows) = self.bf16_rows_launch(&args, rows, plan);
             s.launches.push(rows_launch);
             args.extend(bf16_rows);
