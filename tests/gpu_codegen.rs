@@ -735,7 +735,8 @@ fn compile_chooses_the_prefill_delta_rule() {
 }
 
 /// `bbc compile --prefill-experts`: by default (`tensor-cores`) a bf16 MoE model's plans make
-/// each layer's rows bf16, list each expert's pairs and prefill its experts on the tensor cores (the decode kernels beside
+/// each layer's rows bf16, list each expert's pairs and prefill its experts on the tensor cores
+/// (on the H200 `wgmma`; `mma`, `mma.sync`) (the decode kernels beside
 /// them, each launch gated by the step's shape); `cuda-cores`, expert by expert on the CUDA
 /// cores, no lists; the manifest records the choice, and an unknown one is refused.
 #[test]
@@ -748,7 +749,12 @@ fn compile_chooses_the_prefill_experts() {
     let weights = common::fixture("hf-tiny/glm4_moe");
     std::fs::write(&toml, format!("[model]\nweights = {weights:?}\ndtype = \"bf16\"\n")).unwrap();
     let compile = |choice: Option<&str>| compile_choosing(&toml, "h200", scratch.path(), ("--prefill-experts", choice));
-    for (choice, tensor_cores) in [(None, true), (Some("cuda-cores"), false), (Some("tensor-cores"), true)] {
+    for (choice, tensor_cores) in [
+        (None, true),
+        (Some("cuda-cores"), false),
+        (Some("tensor-cores"), true),
+        (Some("mma"), true),
+    ] {
         let (artifact, out) = compile(choice);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let manifest = codegen::read_manifest(&artifact).unwrap();
@@ -792,12 +798,15 @@ fn compile_chooses_the_prefill_experts() {
                     .unwrap();
                 assert_eq!(gate_up.args[gate_up.args.len() - 2], rows.args[1], "{choice:?} {file}");
             }
+            // On the H200 bf16 experts take `wgmma`, unless asked for `mma.sync`.
+            let wgmma = tensor_cores && choice != Some("mma");
             for launch in moe {
                 let prefill = launch.prefill_kernel.as_deref().expect("a prefill kernel");
                 let source = std::fs::read_to_string(artifact.join(kernels).join(format!("{prefill}.cu"))).unwrap();
+                let instructions = (source.contains("wgmma.mma_async"), source.contains("mma.sync.aligned"));
                 assert_eq!(
-                    source.contains("mma.sync"),
-                    tensor_cores,
+                    instructions,
+                    (wgmma, tensor_cores && !wgmma),
                     "{choice:?} {file}: {prefill}"
                 );
             }

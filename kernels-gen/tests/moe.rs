@@ -320,7 +320,7 @@ fn shared_conflict_free(
 #[test]
 fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
     use kernels_gen::emulator::Scalar;
-    use kernels_gen::templates::moe_mma;
+    use kernels_gen::templates::{moe_mma, moe_wgmma};
     let mut rng = Rng(54);
     let bf16 = WeightFormat::Dense(Ty::Bf16);
     let round = |v: &[f32]| {
@@ -419,56 +419,58 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
         let mut scalars = scalars.clone();
         scalars.insert("xb_stride".into(), Scalar::Int(xb_stride as i64));
         bufs.insert("xb".into(), bf16_array(&xb));
-        let mut hidden = Vec::new();
-        for (kernel, x, w, hidden_ty) in [
-            (
-                moe_mma::gate_up("mma", "test", &spec, d, format),
-                vec![f32::NAN; x.len()],
-                gate_up.clone(),
-                Ty::Bf16,
-            ),
-            (
-                moe::gate_up("rows", "test", &spec, d, bf16),
-                round(&x),
-                bf16_array(&gate_up_taken),
-                Ty::F32,
-            ),
-        ] {
-            bufs.insert("x".into(), Array::f32(&x));
+        // The tensor-core kernels: `mma.sync`'s, and on Hopper bf16 experts' `wgmma` ones.
+        let mut kernels = vec![(
+            moe_mma::gate_up("mma", "test", &spec, d, format),
+            moe_mma::down("mma", "test", &spec, d, format),
+        )];
+        if moe_wgmma::supports(&spec, d, format) {
+            kernels.push((
+                moe_wgmma::gate_up("wgmma", "test", &spec, d),
+                moe_wgmma::down("wgmma", "test", &spec, d),
+            ));
+        }
+        let mut run_gate_up = |kernel: &kernels_gen::dsl::Kernel, x: &[f32], w: Array, hidden_ty: Ty| {
+            bufs.insert("x".into(), Array::f32(x));
             bufs.insert("w".into(), w);
             bufs.insert("hidden".into(), Array::poisoned(hidden_ty, rows * k * i));
-            shared_conflict_free(&kernel, &mut bufs, &scalars, &what);
-            hidden.push(bufs["hidden"].clone());
-        }
-        rounded_close(
-            &hidden[0].to_f32().unwrap(),
-            &hidden[1].to_f32().unwrap(),
-            1e-5,
-            &format!("{what}: gate/up"),
+            shared_conflict_free(kernel, &mut bufs, &scalars, &what);
+            bufs["hidden"].clone()
+        };
+        let want = run_gate_up(
+            &moe::gate_up("rows", "test", &spec, d, bf16),
+            &round(&x),
+            bf16_array(&gate_up_taken),
+            Ty::F32,
         );
-        // Down: the tensor cores' over the bf16 hidden units as gate/up left them, the expert
-        // kernel's over their values and the weights rounded.
-        let mut ys = Vec::new();
-        for (kernel, hidden, w) in [
-            (
-                moe_mma::down("mma", "test", &spec, d, format),
-                hidden[0].clone(),
-                down.clone(),
-            ),
-            (
-                moe::down_by_expert("experts", "test", &spec, d, bf16),
-                Array::f32(&hidden[0].to_f32().unwrap()),
-                bf16_array(&down_taken),
-            ),
-        ] {
+        let hidden: Vec<Array> = kernels
+            .iter()
+            .map(|(gate_up_kernel, _)| {
+                let got = run_gate_up(gate_up_kernel, &vec![f32::NAN; x.len()], gate_up.clone(), Ty::Bf16);
+                let what = format!("{what}: {} gate/up", gate_up_kernel.name);
+                rounded_close(&got.to_f32().unwrap(), &want.to_f32().unwrap(), 1e-5, &what);
+                got
+            })
+            .collect();
+        // Down: the tensor cores' over the bf16 hidden units as the first gate/up left them,
+        // the expert kernel's over their values and the weights rounded.
+        let mut run_down = |kernel: &kernels_gen::dsl::Kernel, hidden: Array, w: Array| {
             bufs.insert("hidden".into(), hidden);
             bufs.insert("w".into(), w);
             bufs.insert("out".into(), Array::poisoned(Ty::F32, rows * d));
             bufs.insert("ys".into(), Array::poisoned(Ty::F32, rows * k * d));
-            shared_conflict_free(&kernel, &mut bufs, &scalars, &what);
-            ys.push(bufs["ys"].to_f32().unwrap());
+            shared_conflict_free(kernel, &mut bufs, &scalars, &what);
+            bufs["ys"].to_f32().unwrap()
+        };
+        let want = run_down(
+            &moe::down_by_expert("experts", "test", &spec, d, bf16),
+            Array::f32(&hidden[0].to_f32().unwrap()),
+            bf16_array(&down_taken),
+        );
+        for (_, down_kernel) in &kernels {
+            let got = run_down(down_kernel, hidden[0].clone(), down.clone());
+            close(&got, &want, 1e-5, &format!("{what}: {} down", down_kernel.name));
         }
-        close(&ys[0], &ys[1], 1e-5, &format!("{what}: down"));
     }
 }
 

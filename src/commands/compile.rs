@@ -57,10 +57,13 @@ impl From<PrefillDeltaRule> for codegen::gpu::PrefillDeltaRule {
 /// How GPU plans' prompts run MoE layers' experts (`codegen::gpu::PrefillExperts`).
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PrefillExperts {
-    /// Each expert's rows gathered into tiles on the tensor cores (bf16 experts over sizes
-    /// that are multiples of 8, f16 and GGUF-block experts; f32 ones as `cuda-cores`).
+    /// Each expert's rows gathered into tiles on the target's tensor cores (bf16, f16 and
+    /// GGUF-block experts over sizes that are multiples of 8; others as `cuda-cores`): bf16
+    /// experts on `wgmma` on Hopper, `mma.sync` otherwise.
     #[default]
     TensorCores,
+    /// As `tensor-cores`, on `mma.sync` on every target.
+    Mma,
     /// Expert by expert on the CUDA cores, a warp a row and output.
     CudaCores,
 }
@@ -69,6 +72,7 @@ impl From<PrefillExperts> for codegen::gpu::PrefillExperts {
     fn from(experts: PrefillExperts) -> Self {
         match experts {
             PrefillExperts::TensorCores => Self::TensorCores,
+            PrefillExperts::Mma => Self::Mma,
             PrefillExperts::CudaCores => Self::CudaCores,
         }
     }

@@ -1,8 +1,9 @@
 //! The `experts` section: a GLM-4.5-Air-shaped MoE model (128 experts of 1 408 hidden units,
 //! 8 a token, a shared expert; its first layer dense) cut to [`LAYERS`] layers (about 34 GB
 //! of bf16 weights, one executor at a time), with random weights made on the device. Prompts of 512 and
-//! 2 048 tokens prefill with the experts on the tensor cores (the plans' default) and on the
-//! CUDA cores (`--prefill-experts cuda-cores`), each kernel's share; then decode steps at
+//! 2 048 tokens prefill with the experts on the tensor cores (the plans' default: `wgmma` on
+//! Hopper, where `mma.sync` is timed too, `--prefill-experts mma`) and on the CUDA cores
+//! (`--prefill-experts cuda-cores`), each kernel's share; then decode steps at
 //! batch 1, 16 and 64 (the same kernels either way below 16 rows; from 16 rows the step's
 //! experts take the prefill kernels).
 
@@ -31,7 +32,16 @@ pub fn experts(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize)
         prefill_chunk,
         drafts: 0,
     };
-    for experts in [gpu::PrefillExperts::TensorCores, gpu::PrefillExperts::CudaCores] {
+    // On Hopper the tensor cores' default is `wgmma`: `mma.sync` is timed beside it.
+    let choices = match arch {
+        "sm_90a" => vec![
+            gpu::PrefillExperts::TensorCores,
+            gpu::PrefillExperts::Mma,
+            gpu::PrefillExperts::CudaCores,
+        ],
+        _ => vec![gpu::PrefillExperts::TensorCores, gpu::PrefillExperts::CudaCores],
+    };
+    for experts in choices {
         let name = format!("GLM-4.5-Air-shaped ({LAYERS} layers), experts on {experts:?}");
         let kernels = gpu::PlanKernels {
             prefill_experts: experts,

@@ -205,11 +205,15 @@ pub enum PrefillDeltaRule {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum PrefillExperts {
-    /// `templates::moe_mma`: each expert's rows gathered into tiles and multiplied on the
-    /// tensor cores, for bf16 experts over hidden sizes and expert widths that are multiples
-    /// of 8, f16 and GGUF-block experts (f32 ones as `CudaCores`).
+    /// Each expert's rows gathered into tiles and multiplied on the target's tensor cores:
+    /// bf16 experts on Hopper's `wgmma` (`templates::moe_wgmma`), others and elsewhere on
+    /// `mma.sync` (`templates::moe_mma`: bf16, f16 and GGUF-block experts), over hidden sizes
+    /// and expert widths that are multiples of 8 (others as `CudaCores`).
     #[default]
     TensorCores,
+    /// As `TensorCores`, on `mma.sync` on every target (what Hopper's `wgmma` kernels are
+    /// timed against).
+    Mma,
     /// `templates::moe`'s expert-by-expert kernels: a warp dots a row with an output's weights
     /// in f32, each expert's weights read once a step.
     CudaCores,

@@ -35,18 +35,18 @@ const THREADS: i64 = 128;
 /// Tokens per block tile: wgmma's M.
 const TILE_M: i64 = 64;
 /// Weight rows per block tile: wgmma's N.
-const TILE_N: i64 = 128;
+pub(super) const TILE_N: i64 = 128;
 /// K per pipeline stage.
-const TILE_K: i64 = 64;
+pub(super) const TILE_K: i64 = 64;
 /// Elements of one stage's weight slice.
-const STAGE: i64 = TILE_N * TILE_K;
+pub(super) const STAGE: i64 = TILE_N * TILE_K;
 /// bf16 elements per 16-byte copy (one core-matrix row).
-const CHUNK: i64 = 8;
+pub(super) const CHUNK: i64 = 8;
 /// Bytes between core matrices adjacent along K, and between 8-row groups.
 const LEADING_BYTES: u32 = 128;
 const STRIDE_BYTES: u32 = (TILE_K * 16) as u32;
 /// 16-wide k slices per stage.
-const K_SLICES: usize = (TILE_K / 16) as usize;
+pub(super) const K_SLICES: usize = (TILE_K / 16) as usize;
 
 /// When a step's A fragments are loaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -164,8 +164,9 @@ fn fragment_element(
     ((row, col), locals)
 }
 
-/// The stage's four k slices on the tensor cores, waited for before returning.
-fn multiply_stage() -> Vec<Stmt> {
+/// The stage's four k slices on the tensor cores (A the registers `a{slice}_{i}`, the
+/// accumulators `d{i}`), waited for before returning.
+pub(super) fn multiply_stage() -> Vec<Stmt> {
     let mut out = vec![Stmt::WgmmaFence];
     for slice in 0..K_SLICES {
         out.push(Stmt::Wgmma(Box::new(WgmmaOp {

@@ -173,13 +173,9 @@ pub fn list_tiles(name: &str, origin: &str, spec: &MoeSpec) -> Kernel {
     }
 }
 
-/// A block for each of the listed pair tiles ([`tile_bound`]) of each 64 outputs.
-fn grid(spec: &MoeSpec, outputs: i64) -> Expr {
-    int(tiles(outputs)) * tile_bound(spec, var("tokens"))
-}
-
-fn tiles(outputs: i64) -> i64 {
-    (outputs + TILE_N - 1) / TILE_N
+/// A block for each of the listed pair tiles ([`tile_bound`]) of each `per_block` outputs.
+pub(super) fn grid(spec: &MoeSpec, outputs: i64, per_block: i64) -> Expr {
+    int((outputs + per_block - 1) / per_block) * tile_bound(spec, var("tokens"))
 }
 
 fn row_tiles() -> Expr {
@@ -188,13 +184,12 @@ fn row_tiles() -> Expr {
 
 /// The block's listed tile (listed tiles vary fastest: an expert's tiles are neighbours, and
 /// share a weight tile), its expert `e`, first pair `m0` and the expert's `count` of pairs
-/// (0 past the list: no work), its first output `n0`, and each warp's and lane's place in the
-/// tile, as `gemm_mma`'s (`gemm_mma::warp_places`).
-fn block_place(spec: &MoeSpec) -> Vec<Stmt> {
+/// (0 past the list: no work), and its first output `n0` (`per_block` outputs a block).
+pub(super) fn block_place(spec: &MoeSpec, per_block: i64) -> Vec<Stmt> {
     let bound = tile_bound(spec, var("tokens"));
     vec![
         let_("tile", Ty::I32, load("tiles", rem(bid(), bound.clone()))),
-        let_("n0", Ty::I32, bid() / bound * int(TILE_N)),
+        let_("n0", Ty::I32, bid() / bound * int(per_block)),
         let_("e", Ty::I32, int(0)),
         let_("m0", Ty::I32, int(0)),
         let_("count", Ty::I32, int(0)),
@@ -207,13 +202,11 @@ fn block_place(spec: &MoeSpec) -> Vec<Stmt> {
             ],
         ),
     ]
-    .into_iter()
-    .chain(gemm_mma::warp_places())
-    .collect()
 }
 
-/// The tile's pairs in shared `tile_pairs` (−1 past the expert's count), then a barrier.
-fn tile_pairs() -> Vec<Stmt> {
+/// The tile's pairs in shared `tile_pairs` ([`tile_pairs_array`]; −1 past the expert's
+/// count), then a barrier.
+pub(super) fn tile_pairs() -> Vec<Stmt> {
     vec![
         if_(
             lt(tid(), int(TILE_M)),
@@ -394,15 +387,12 @@ fn expert_tile_kernel(
     };
     let mut shared = vec![staged("xs", STAGES)];
     shared.extend(weights.iter().map(|w| staged(w, STAGES)));
-    shared.push(SharedArray {
-        name: "tile_pairs".into(),
-        ty: Ty::I32,
-        len: TILE_M as usize,
-    });
+    shared.push(tile_pairs_array());
     let mut tile = tile_pairs();
     tile.extend([let_("pair_at", Ty::I32, int(0)), let_("out_column", Ty::I32, int(0))]);
     tile.extend(work);
-    let mut body = block_place(spec);
+    let mut body = block_place(spec, TILE_N);
+    body.extend(gemm_mma::warp_places());
     body.push(if_(lt(var("m0"), var("count")), tile));
     Kernel {
         name: name.into(),
@@ -410,8 +400,17 @@ fn expert_tile_kernel(
         params,
         shared,
         block_dim: (32 * WARPS) as u32,
-        grid: grid(spec, outputs),
+        grid: grid(spec, outputs, TILE_N),
         body,
+    }
+}
+
+/// Shared memory for a tile's pairs ([`tile_pairs`]).
+pub(super) fn tile_pairs_array() -> SharedArray {
+    SharedArray {
+        name: "tile_pairs".into(),
+        ty: Ty::I32,
+        len: TILE_M as usize,
     }
 }
 
@@ -425,7 +424,7 @@ fn staging(format: WeightFormat) -> &'static str {
 
 /// Where the expert lists come from: [`group_pairs`]'s and [`list_tiles`]'s outputs, after
 /// the kernel's own.
-fn list_params() -> [Param; 3] {
+pub(super) fn list_params() -> [Param; 3] {
     [
         buffer("expert_pairs", Ty::I32, false),
         buffer("expert_counts", Ty::I32, false),
@@ -435,7 +434,7 @@ fn list_params() -> [Param; 3] {
 
 /// `params` with the pairs' hidden units (`hidden`) in bf16: what [`down`] rounds them to,
 /// so [`gate_up`] stores them so (half the bytes each way) and [`down`] copies them as they lie.
-fn bf16_hidden(params: Vec<Param>) -> Vec<Param> {
+pub(super) fn bf16_hidden(params: Vec<Param>) -> Vec<Param> {
     params
         .into_iter()
         .map(|param| match param {

@@ -432,7 +432,13 @@ pub(crate) fn select(
                         (elementwise::scale_rows("scale_rows", &graph.name), args)
                     }
                     Op::Moe(spec) => {
-                        moe::launches(&mut s, &operands, (spec, chosen.prefill_experts), &rows, max_tokens)?
+                        moe::launches(
+                        &mut s,
+                        &operands,
+                        (spec, chosen.prefill_experts),
+                        (&rows, target.cuda_arch().unwrap_or_default()),
+                        max_tokens,
+                    )?
                     }
                     Op::Slice { start, len } => {
                         let (x, stride) = act(&s, 0);

@@ -1,13 +1,13 @@
 //! A MoE layer's launches (`templates::moe`): routing, the experts' gate/up with their GLU and
 //! the weighted down projections into the node's value, row by row; prefill steps run both
-//! expert by expert (on tensor cores, `templates::moe_mma`, after launches that make the rows
-//! bf16 and list each expert's pairs and tiles), and a last launch (empty in other steps) sums
-//! the down products.
+//! expert by expert (on tensor cores, `templates::moe_mma`, or for bf16 experts on Hopper
+//! `templates::moe_wgmma`, after launches that make the rows bf16 and list each expert's pairs
+//! and tiles), and a last launch (empty in other steps) sums the down products.
 
 use super::{scalar, Alternatives, Operands, Selected};
 use crate::gpu::{width, GpuCodegenError, LaunchArg, PrefillExperts};
 use kernels_gen::dsl::Kernel;
-use kernels_gen::templates::{bf16_rows, moe, moe_mma};
+use kernels_gen::templates::{bf16_rows, moe, moe_mma, moe_wgmma};
 
 /// Pushes the routing and gate/up launches; returns the last (the down projections) for the
 /// caller to push as the node's own.
@@ -15,7 +15,7 @@ pub(super) fn launches(
     s: &mut Selected,
     operands: &Operands,
     (spec, prefill): (&ir::MoeSpec, PrefillExperts),
-    rows: &str,
+    (rows, arch): (&str, &str),
     max_tokens: usize,
 ) -> Result<(Kernel, Vec<LaunchArg>), GpuCodegenError> {
     // Inputs: x, the router's logits, its per-expert vector (grouped routers' score bias,
@@ -68,9 +68,14 @@ pub(super) fn launches(
     let active = scalar("active", format!("min(1,({rows})/{})", crate::gpu::PREFILL_TOKENS));
     // Experts prefill on tensor cores, each expert's pairs listed first (f32 ones, and any
     // whose sizes the tiles do not take, expert by expert on the CUDA cores).
-    let tensor_cores = prefill == PrefillExperts::TensorCores
+    let tensor_cores = matches!(prefill, PrefillExperts::TensorCores | PrefillExperts::Mma)
         && moe_mma::supports(spec, d, gate_up_format)
         && moe_mma::supports(spec, d, down_format);
+    // Hopper's own tensor-core instruction, where the experts are bf16.
+    let wgmma = prefill == PrefillExperts::TensorCores
+        && arch == "sm_90a"
+        && moe_wgmma::supports(spec, d, gate_up_format)
+        && moe_wgmma::supports(spec, d, down_format);
     // The tensor cores' inputs after the lists: the rows as bf16 (made once a step, only in
     // the steps that run them), which their tiles gather by `cp.async`.
     let (lists, rows_bf16) = match tensor_cores {
@@ -125,6 +130,10 @@ pub(super) fn launches(
         false => (vec![], vec![]),
     };
     let (prefill_gate_up, prefill_down) = match tensor_cores {
+        true if wgmma => (
+            moe_wgmma::gate_up("moe_gate_up", origin, spec, d),
+            moe_wgmma::down("moe_down", origin, spec, d),
+        ),
         true => (
             moe_mma::gate_up("moe_gate_up", origin, spec, d, gate_up_format),
             moe_mma::down("moe_down", origin, spec, d, down_format),
