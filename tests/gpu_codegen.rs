@@ -736,7 +736,7 @@ fn compile_chooses_the_prefill_delta_rule() {
 
 /// `bbc compile --prefill-experts`: by default (`tensor-cores`) a bf16 MoE model's plans make
 /// each layer's rows bf16, list each expert's pairs and prefill its experts on the tensor cores
-/// (on the H200 `wgmma`; `mma`, `mma.sync`) (the decode kernels beside
+/// (the H200's `wgmma`, the B200's `tcgen05`; `mma`, `mma.sync` on both) (the decode kernels beside
 /// them, each launch gated by the step's shape); `cuda-cores`, expert by expert on the CUDA
 /// cores, no lists; the manifest records the choice, and an unknown one is refused.
 #[test]
@@ -748,14 +748,18 @@ fn compile_chooses_the_prefill_experts() {
     let toml = scratch.path().join("glm4_moe.toml");
     let weights = common::fixture("hf-tiny/glm4_moe");
     std::fs::write(&toml, format!("[model]\nweights = {weights:?}\ndtype = \"bf16\"\n")).unwrap();
-    let compile = |choice: Option<&str>| compile_choosing(&toml, "h200", scratch.path(), ("--prefill-experts", choice));
-    for (choice, tensor_cores) in [
+    let compile =
+        |target, choice: Option<&str>| compile_choosing(&toml, target, scratch.path(), ("--prefill-experts", choice));
+    // Each target's own tensor-core instruction for bf16 experts.
+    let targets = [("h200", "wgmma.mma_async"), ("b200", "tcgen05.mma")];
+    let choices = [
         (None, true),
         (Some("cuda-cores"), false),
         (Some("tensor-cores"), true),
         (Some("mma"), true),
-    ] {
-        let (artifact, out) = compile(choice);
+    ];
+    for ((target, own), (choice, tensor_cores)) in targets.into_iter().flat_map(|t| choices.map(|c| (t, c))) {
+        let (artifact, out) = compile(target, choice);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let manifest = codegen::read_manifest(&artifact).unwrap();
         let recorded = serde_json::to_value(manifest.prefill_experts).unwrap();
@@ -798,21 +802,21 @@ fn compile_chooses_the_prefill_experts() {
                     .unwrap();
                 assert_eq!(gate_up.args[gate_up.args.len() - 2], rows.args[1], "{choice:?} {file}");
             }
-            // On the H200 bf16 experts take `wgmma`, unless asked for `mma.sync`.
-            let wgmma = tensor_cores && choice != Some("mma");
+            // bf16 experts take the target's own instruction, unless asked for `mma.sync`.
+            let owns = tensor_cores && choice != Some("mma");
             for launch in moe {
                 let prefill = launch.prefill_kernel.as_deref().expect("a prefill kernel");
                 let source = std::fs::read_to_string(artifact.join(kernels).join(format!("{prefill}.cu"))).unwrap();
-                let instructions = (source.contains("wgmma.mma_async"), source.contains("mma.sync.aligned"));
+                let instructions = (source.contains(own), source.contains("mma.sync.aligned"));
                 assert_eq!(
                     instructions,
-                    (wgmma, tensor_cores && !wgmma),
-                    "{choice:?} {file}: {prefill}"
+                    (owns, tensor_cores && !owns),
+                    "{target} {choice:?} {file}: {prefill}"
                 );
             }
         }
     }
-    let (_, out) = compile(Some("tensor"));
+    let (_, out) = compile("h200", Some("tensor"));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success() && stderr.contains("tensor-cores") && stderr.contains("cuda-cores"),

@@ -107,11 +107,11 @@ fn check_within(
             "qwen3_next" | "gemma4" | "gemma4_kv_shared" | "gemma4_moe" => 3,
             _ => 4,
         };
-        // Hopper's MoE layers prefill their bf16 experts on `wgmma` too (gate/up, down).
-        let moe = gpu_graph.nodes().iter().any(|n| matches!(n.op, ir::Op::Moe(_)));
+        // MoE layers prefill their bf16 experts on `wgmma` and `tcgen05` too (gate/up, down).
+        let moe = 2 * usize::from(gpu_graph.nodes().iter().any(|n| matches!(n.op, ir::Op::Moe(_))));
         let expected = match target {
-            Target::H200 => vec!["sm_90a"; 2 * variants + 2 * usize::from(moe)],
-            Target::B200 => vec!["sm_100a"; 2 * variants],
+            Target::H200 => vec!["sm_90a"; 2 * variants + moe],
+            Target::B200 => vec!["sm_100a"; 2 * variants + moe],
             _ => vec![],
         };
         assert_eq!(special, expected, "{family} on {}", target.name());

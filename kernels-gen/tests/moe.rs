@@ -320,7 +320,7 @@ fn shared_conflict_free(
 #[test]
 fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
     use kernels_gen::emulator::Scalar;
-    use kernels_gen::templates::{moe_mma, moe_wgmma};
+    use kernels_gen::templates::{moe_mma, moe_tcgen05, moe_wgmma};
     let mut rng = Rng(54);
     let bf16 = WeightFormat::Dense(Ty::Bf16);
     let round = |v: &[f32]| {
@@ -419,7 +419,8 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
         let mut scalars = scalars.clone();
         scalars.insert("xb_stride".into(), Scalar::Int(xb_stride as i64));
         bufs.insert("xb".into(), bf16_array(&xb));
-        // The tensor-core kernels: `mma.sync`'s, and on Hopper bf16 experts' `wgmma` ones.
+        // The tensor-core kernels: `mma.sync`'s, and bf16 experts' `wgmma` (Hopper) and
+        // `tcgen05` (B200) ones.
         let mut kernels = vec![(
             moe_mma::gate_up("mma", "test", &spec, d, format),
             moe_mma::down("mma", "test", &spec, d, format),
@@ -428,6 +429,12 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
             kernels.push((
                 moe_wgmma::gate_up("wgmma", "test", &spec, d),
                 moe_wgmma::down("wgmma", "test", &spec, d),
+            ));
+        }
+        if moe_tcgen05::supports(&spec, d, format) {
+            kernels.push((
+                moe_tcgen05::gate_up("tcgen05", "test", &spec, d),
+                moe_tcgen05::down("tcgen05", "test", &spec, d),
             ));
         }
         let mut run_gate_up = |kernel: &kernels_gen::dsl::Kernel, x: &[f32], w: Array, hidden_ty: Ty| {

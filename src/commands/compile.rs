@@ -59,7 +59,7 @@ impl From<PrefillDeltaRule> for codegen::gpu::PrefillDeltaRule {
 pub enum PrefillExperts {
     /// Each expert's rows gathered into tiles on the target's tensor cores (bf16, f16 and
     /// GGUF-block experts over sizes that are multiples of 8; others as `cuda-cores`): bf16
-    /// experts on `wgmma` on Hopper, `mma.sync` otherwise.
+    /// experts on `wgmma` on Hopper and `tcgen05` on the B200, `mma.sync` otherwise.
     #[default]
     TensorCores,
     /// As `tensor-cores`, on `mma.sync` on every target.

@@ -2,7 +2,8 @@
 //! 8 a token, a shared expert; its first layer dense) cut to [`LAYERS`] layers (about 34 GB
 //! of bf16 weights, one executor at a time), with random weights made on the device. Prompts of 512 and
 //! 2 048 tokens prefill with the experts on the tensor cores (the plans' default: `wgmma` on
-//! Hopper, where `mma.sync` is timed too, `--prefill-experts mma`) and on the CUDA cores
+//! Hopper, `tcgen05` on the B200, where `mma.sync` is timed too, `--prefill-experts mma`) and
+//! on the CUDA cores
 //! (`--prefill-experts cuda-cores`), each kernel's share; then decode steps at
 //! batch 1, 16 and 64 (the same kernels either way below 16 rows; from 16 rows the step's
 //! experts take the prefill kernels).
@@ -32,9 +33,10 @@ pub fn experts(target: Target, arch: &str, bandwidth: f64, prefill_chunk: usize)
         prefill_chunk,
         drafts: 0,
     };
-    // On Hopper the tensor cores' default is `wgmma`: `mma.sync` is timed beside it.
+    // On Hopper and the B200 the tensor cores' default is `wgmma` or `tcgen05`: `mma.sync` is
+    // timed beside it.
     let choices = match arch {
-        "sm_90a" => vec![
+        "sm_90a" | "sm_100a" => vec![
             gpu::PrefillExperts::TensorCores,
             gpu::PrefillExperts::Mma,
             gpu::PrefillExperts::CudaCores,

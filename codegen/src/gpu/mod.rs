@@ -206,13 +206,14 @@ pub enum PrefillDeltaRule {
 #[serde(rename_all = "kebab-case")]
 pub enum PrefillExperts {
     /// Each expert's rows gathered into tiles and multiplied on the target's tensor cores:
-    /// bf16 experts on Hopper's `wgmma` (`templates::moe_wgmma`), others and elsewhere on
-    /// `mma.sync` (`templates::moe_mma`: bf16, f16 and GGUF-block experts), over hidden sizes
-    /// and expert widths that are multiples of 8 (others as `CudaCores`).
+    /// bf16 experts on Hopper's `wgmma` (`templates::moe_wgmma`) and the B200's `tcgen05`
+    /// (`templates::moe_tcgen05`), others and elsewhere on `mma.sync` (`templates::moe_mma`:
+    /// bf16, f16 and GGUF-block experts), over hidden sizes and expert widths that are
+    /// multiples of 8 (others as `CudaCores`).
     #[default]
     TensorCores,
-    /// As `TensorCores`, on `mma.sync` on every target (what Hopper's `wgmma` kernels are
-    /// timed against).
+    /// As `TensorCores`, on `mma.sync` on every target (what the `wgmma` and `tcgen05`
+    /// kernels are timed against).
     Mma,
     /// `templates::moe`'s expert-by-expert kernels: a warp dots a row with an output's weights
     /// in f32, each expert's weights read once a step.

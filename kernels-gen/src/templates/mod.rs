@@ -28,6 +28,7 @@ pub mod kv_append;
 pub mod mma_operands;
 pub mod moe;
 pub mod moe_mma;
+pub mod moe_tcgen05;
 pub mod moe_wgmma;
 pub mod prologue_norms;
 pub mod quant;
@@ -981,6 +982,9 @@ pub fn catalog() -> Vec<Kernel> {
         // Hopper's, bf16 experts on `wgmma`.
         moe_wgmma::gate_up("moe_gate_up_wgmma_bf16", "catalog", &GLM_4_5_AIR_MOE, 4096),
         moe_wgmma::down("moe_down_wgmma_bf16", "catalog", &GLM_4_5_AIR_MOE, 4096),
+        // The B200's, on `tcgen05`.
+        moe_tcgen05::gate_up("moe_gate_up_tcgen05_bf16", "catalog", &GLM_4_5_AIR_MOE, 4096),
+        moe_tcgen05::down("moe_down_tcgen05_bf16", "catalog", &GLM_4_5_AIR_MOE, 4096),
         split_k::reduce("split_k_reduce", "catalog", 16, None, None),
         split_k::reduce("split_k_reduce_swiglu", "catalog", 16, Some(GluAct::Silu), None),
         // After a residual-norm GEMM with the GLU (`add_rms_norm_swiglu_gemm`): each token's

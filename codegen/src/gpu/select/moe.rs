@@ -1,13 +1,13 @@
 //! A MoE layer's launches (`templates::moe`): routing, the experts' gate/up with their GLU and
 //! the weighted down projections into the node's value, row by row; prefill steps run both
-//! expert by expert (on tensor cores, `templates::moe_mma`, or for bf16 experts on Hopper
-//! `templates::moe_wgmma`, after launches that make the rows bf16 and list each expert's pairs
+//! expert by expert (on tensor cores, `templates::moe_mma`, or for bf16 experts on Hopper and
+//! the B200 `templates::moe_wgmma` and `templates::moe_tcgen05`, after launches that make the rows bf16 and list each expert's pairs
 //! and tiles), and a last launch (empty in other steps) sums the down products.
 
 use super::{scalar, Alternatives, Operands, Selected};
 use crate::gpu::{width, GpuCodegenError, LaunchArg, PrefillExperts};
 use kernels_gen::dsl::Kernel;
-use kernels_gen::templates::{bf16_rows, moe, moe_mma, moe_wgmma};
+use kernels_gen::templates::{bf16_rows, moe, moe_mma, moe_tcgen05, moe_wgmma};
 
 /// Pushes the routing and gate/up launches; returns the last (the down projections) for the
 /// caller to push as the node's own.
@@ -71,11 +71,12 @@ pub(super) fn launches(
     let tensor_cores = matches!(prefill, PrefillExperts::TensorCores | PrefillExperts::Mma)
         && moe_mma::supports(spec, d, gate_up_format)
         && moe_mma::supports(spec, d, down_format);
-    // Hopper's own tensor-core instruction, where the experts are bf16.
-    let wgmma = prefill == PrefillExperts::TensorCores
-        && arch == "sm_90a"
-        && moe_wgmma::supports(spec, d, gate_up_format)
-        && moe_wgmma::supports(spec, d, down_format);
+    // Hopper's and the B200's own tensor-core instructions, where the experts are bf16.
+    let own = |supports: fn(&ir::MoeSpec, usize, _) -> bool| {
+        prefill == PrefillExperts::TensorCores && supports(spec, d, gate_up_format) && supports(spec, d, down_format)
+    };
+    let wgmma = arch == "sm_90a" && own(moe_wgmma::supports);
+    let tcgen05 = arch == "sm_100a" && own(moe_tcgen05::supports);
     // The tensor cores' inputs after the lists: the rows as bf16 (made once a step, only in
     // the steps that run them), which their tiles gather by `cp.async`.
     let (lists, rows_bf16) = match tensor_cores {
@@ -133,6 +134,10 @@ pub(super) fn launches(
         true if wgmma => (
             moe_wgmma::gate_up("moe_gate_up", origin, spec, d),
             moe_wgmma::down("moe_down", origin, spec, d),
+        ),
+        true if tcgen05 => (
+            moe_tcgen05::gate_up("moe_gate_up", origin, spec, d),
+            moe_tcgen05::down("moe_down", origin, spec, d),
         ),
         true => (
             moe_mma::gate_up("moe_gate_up", origin, spec, d, gate_up_format),
