@@ -795,7 +795,8 @@ fn plans_with_fp8_kv_caches_agree_with_the_cpu_backend() {
 /// gives 1.1e-3) and 6e-2 (Gemma 3, 4.4e-2), bounds that catch a wrong table, position or
 /// code (errors of the logits' own size); the tensor-core kernel over FP8 pools is checked
 /// against the reference to bf16's precision on the emulator. The prompts attend on
-/// `mma.sync`, and again on Hopper's `wgmma` (its lockstep schedule, asked for by TMA).
+/// `mma.sync`, and again on Hopper's `wgmma` (its lockstep schedule, asked for by TMA) and
+/// the B200's `tcgen05` (copying its tiles, asked for by TMA).
 #[test]
 fn batched_plans_over_fp8_caches_agree_with_the_cpu_backend() {
     let cache = two_sequence_pool();
@@ -821,29 +822,42 @@ fn batched_plans_over_fp8_caches_agree_with_the_cpu_backend() {
             .flat_map(|segments| cpu.step_batch(&mut pages, &batch_of(segments, &tables)).unwrap())
             .map(|outputs| outputs["logits"].data.clone())
             .collect();
-        let gpu_graph = fused_for(&graph, Target::H200);
-        for (decode_attention, prefill_attention) in [
-            (gpu::DecodeAttention::Scalar, gpu::PrefillAttention::Mma),
-            (gpu::DecodeAttention::Vector, gpu::PrefillAttention::Mma),
-            (gpu::DecodeAttention::Scalar, gpu::PrefillAttention::WgmmaTma),
+        for (target, decode_attention, prefill_attention) in [
+            (Target::H200, gpu::DecodeAttention::Scalar, gpu::PrefillAttention::Mma),
+            (Target::H200, gpu::DecodeAttention::Vector, gpu::PrefillAttention::Mma),
+            (
+                Target::H200,
+                gpu::DecodeAttention::Scalar,
+                gpu::PrefillAttention::WgmmaTma,
+            ),
+            (
+                Target::B200,
+                gpu::DecodeAttention::Scalar,
+                gpu::PrefillAttention::Tcgen05Tma,
+            ),
         ] {
             let kernels = gpu::PlanKernels {
                 decode_attention,
                 prefill_attention,
                 ..Default::default()
             };
-            let (got, kernels) = pool_steps_on(&model, &gpu_graph, kernels, &steps);
-            // Asked for `wgmma` by TMA, prompts over FP8 take its lockstep schedule.
+            let gpu_graph = fused_for(&graph, target);
+            let (got, kernels) = pool_steps_on(&model, (&gpu_graph, target), kernels, &steps);
+            // Asked for `wgmma` or `tcgen05` by TMA, prompts over FP8 take the schedule that
+            // copies their tiles.
             let flash = match prefill_attention {
                 gpu::PrefillAttention::Mma => "flash_attention",
-                _ => "flash_attention_wgmma",
+                gpu::PrefillAttention::WgmmaTma => "flash_attention_wgmma",
+                _ => "flash_attention_tcgen05",
             };
             assert!(kernels.iter().any(|k| k.starts_with(flash)), "{family}: {kernels:?}");
             assert!(
-                !kernels.iter().any(|k| k.contains("wgmma_tma")),
+                !kernels
+                    .iter()
+                    .any(|k| k.contains("wgmma_tma") || k.contains("tcgen05_tma")),
                 "{family}: {kernels:?}"
             );
-            let decode_attention = (decode_attention, prefill_attention);
+            let decode_attention = (target, decode_attention, prefill_attention);
             assert_eq!(got.len(), want.len());
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                 let tolerance = match i / 2 < split_steps {
@@ -2720,7 +2734,7 @@ fn batched_plans_decode_with_the_vector_split_pass_as_with_the_scalar_one() {
                 decode_attention,
                 ..Default::default()
             };
-            pool_steps_on(&model, &graph, kernels, &steps).0
+            pool_steps_on(&model, (&graph, Target::H200), kernels, &steps).0
         };
         let scalar = logits(gpu::DecodeAttention::Scalar);
         let vector = logits(gpu::DecodeAttention::Vector);
@@ -2731,17 +2745,17 @@ fn batched_plans_decode_with_the_vector_split_pass_as_with_the_scalar_one() {
     }
 }
 
-/// Each step's logits ([`pool_steps_logits`]) on `graph`'s batched H200 plan over
+/// Each step's logits ([`pool_steps_logits`]) on `graph`'s batched plan for `target` over
 /// [`two_sequence_pool`] taking `kernels`, its decode steps through their split pass (checked
 /// to be the plan's), and the names of the plan's kernels.
 fn pool_steps_on(
     model: &Model,
-    graph: &ir::Graph,
+    (graph, target): (&ir::Graph, Target),
     kernels: gpu::PlanKernels,
     steps: &[Vec<(usize, Vec<u32>)>],
 ) -> (Vec<Vec<f32>>, Vec<String>) {
     let decode_attention = kernels.decode_attention;
-    let (plan, kernels) = gpu::build_program(graph, Target::H200, 64, Some(two_sequence_pool()), kernels).unwrap();
+    let (plan, kernels) = gpu::build_program(graph, target, 64, Some(two_sequence_pool()), kernels).unwrap();
     let names: Vec<String> = plan.kernels.iter().map(|k| k.name.clone()).collect();
     let vector = names.iter().any(|k| k.starts_with("attention_vector"));
     assert_eq!(vector, decode_attention == gpu::DecodeAttention::Vector);

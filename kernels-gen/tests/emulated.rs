@@ -1333,7 +1333,8 @@ fn flash_kernels(layout: kernels_gen::templates::cache_layout::CacheLayout, head
 
 /// [`flash_kernels`] over a cache of `cache` elements: over FP8, the `mma.sync` kernel
 /// (masking both ways) and, for heads up to 128 dims, Hopper's `wgmma` one in its lockstep
-/// schedule (the others, and `tcgen05`, read bf16 tiles only).
+/// schedule and the B200's `tcgen05` one copying its tiles (the other schedules, and TMA,
+/// read bf16 tiles only).
 fn flash_kernels_over(
     layout: kernels_gen::templates::cache_layout::CacheLayout,
     (head_dim, cache): (usize, Ty),
@@ -1360,6 +1361,18 @@ fn flash_kernels_over(
                         Schedule::Lockstep,
                     ),
                     flash_attention_wgmma::QUERY_TILE_ROWS,
+                )
+            }))
+            .chain(flash_attention_tcgen05::supports(head_dim).then(|| {
+                (
+                    flash_attention_tcgen05::flash_attention_tcgen05_over(
+                        "flash_tcgen05",
+                        "test",
+                        layout,
+                        (head_dim, cache),
+                        flash_attention_tcgen05::Loads::Copies,
+                    ),
+                    flash_attention_tcgen05::QUERY_TILE_ROWS,
                 )
             }))
             .collect(),

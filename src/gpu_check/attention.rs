@@ -5,7 +5,8 @@
 //! query tiles), on Hopper
 //! also on `wgmma` (`flash_attention_wgmma`, each schedule) both ways and in lockstep over the FP8
 //! cache, on the B200 also on `tcgen05`
-//! (`flash_attention_tcgen05`, copying or loading by TMA) both ways, and by
+//! (`flash_attention_tcgen05`, copying or loading by TMA) both ways and copying over the FP8
+//! cache, and by
 //! the split attention (split pass and merge, what decode steps take; the scalar pass and the
 //! vector one), in µs and TFLOP/s; and a decode step of 64 sequences at 4 096 positions over
 //! the paged pool, as the serving plans run it (either pass, over the bf16 cache and over an
@@ -18,7 +19,7 @@ use kernels_gen::templates::attention_vector::{self, attention_split_vector};
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::fill::{fill_kernel, fill_uniform};
 use kernels_gen::templates::flash_attention::{self, flash_attention, flash_attention_over, Masking};
-use kernels_gen::templates::flash_attention_tcgen05::{flash_attention_tcgen05, Loads};
+use kernels_gen::templates::flash_attention_tcgen05::{flash_attention_tcgen05, flash_attention_tcgen05_over, Loads};
 use kernels_gen::templates::flash_attention_wgmma::{
     self, flash_attention_wgmma, flash_attention_wgmma_over, Schedule,
 };
@@ -111,6 +112,8 @@ const TCGEN05_FLASH: [(&str, &str, Loads, bool); 4] = [
 
 /// The `wgmma` prompt attention over the FP8 cache, on Hopper.
 const WGMMA_FP8_FLASH: &str = "flash_attention_wgmma_fp8";
+/// The `tcgen05` prompt attention over the FP8 cache, on the B200.
+const TCGEN05_FP8_FLASH: &str = "flash_attention_tcgen05_fp8";
 
 /// The kernels timed on `arch`: the tensor-core prefill over a contiguous cache and over the
 /// batched paged pool (on Hopper also on `wgmma`, on the B200 on `tcgen05`), both split passes
@@ -215,6 +218,16 @@ fn kernels(arch: &str) -> Vec<Kernel> {
         ));
     }
     kernels.extend(tcgen05);
+    // The B200's `tcgen05` over the FP8 cache, copying its tiles (each widened to bf16 once).
+    if arch == "sm_100a" {
+        kernels.push(flash_attention_tcgen05_over(
+            TCGEN05_FP8_FLASH,
+            "gpu-check",
+            CacheLayout::Contiguous,
+            (HEAD_DIM, Ty::F8E4M3),
+            Loads::Copies,
+        ));
+    }
     kernels
 }
 
@@ -365,6 +378,9 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
         ];
         if let Ok(kernel) = find(WGMMA_FP8_FLASH) {
             launches.push(("wgmma over an FP8 cache", vec![kernel], &over_fp8));
+        }
+        if let Ok(kernel) = find(TCGEN05_FP8_FLASH) {
+            launches.push(("tcgen05 over an FP8 cache", vec![kernel], &over_fp8));
         }
         let wide = WGMMA_FLASH
             .iter()

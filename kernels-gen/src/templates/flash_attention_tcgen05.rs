@@ -30,11 +30,14 @@
 //!
 //! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 128 ([`supports`]),
 //! 64 or 128 by TMA (`flash_tma::supports`, whose paged caches also need blocks of a multiple
-//! of `flash_tma::TMA_KEYS` positions); the cache bf16.
+//! of `flash_tma::TMA_KEYS` positions); the cache bf16, or FP8 where the tiles are copied
+//! ([`flash_attention_tcgen05_over`]: each tile's codes land in a slot of their own and are
+//! widened into the ring the step before its scores).
 
 use super::cache_layout::CacheLayout;
 use super::flash_attention::{
-    self as flash, block_keys, block_rows, copy_tile, guarded_by_rows, query_tiles_expr, TileOrder, TILE_KEYS,
+    self as flash, block_keys, block_rows, copy_tile, copy_tile_of, guarded_by_rows, query_tiles_expr, TileOrder,
+    TILE_KEYS,
 };
 use super::flash_attention_wgmma::{load_queries, ring_slot};
 use super::{flash_tma, tma_gemm};
@@ -87,24 +90,48 @@ fn wait_landed(tile: Expr) -> Stmt {
 }
 
 /// Tile `tile`'s keys and values (from key `first_key`) into the ring's buffer at `buffer`:
-/// every thread's copies, or thread 0's boxes (for thread 0 alone).
+/// every thread's copies, or thread 0's boxes (for thread 0 alone). Over FP8 the copies are
+/// of the codes, into the one slot they land in (`ks8`/`vs8`, row-major), whatever `buffer`:
+/// [`widen`] takes them on into the ring.
 fn load_tile(
     layout: CacheLayout,
-    head_dim: usize,
+    (head_dim, cache): (usize, Ty),
     loads: Loads,
     tile: Expr,
     (first_key, buffer): (Expr, Expr),
 ) -> Vec<Stmt> {
-    match loads {
-        Loads::Copies => copy_tile(
+    match (loads, cache) {
+        (Loads::Copies, Ty::F8E4M3) => copy_tile_of(
+            cache,
+            layout,
+            (head_dim, TILE_KEYS, TileOrder::RowMajor),
+            (tid(), THREADS),
+            first_key,
+            int(0),
+        ),
+        (Loads::Copies, _) => copy_tile(
             layout,
             (head_dim, TILE_KEYS, TileOrder::CoreMatrices),
             (tid(), THREADS),
             first_key,
             buffer,
         ),
-        Loads::Tma => flash_tma::load_tile(layout, (head_dim, TILE_KEYS), (first_key, buffer), landed(tile).0),
+        (Loads::Tma, _) => flash_tma::load_tile(layout, (head_dim, TILE_KEYS), (first_key, buffer), landed(tile).0),
     }
+}
+
+/// Over FP8: the codes landed (every thread's copies waited for, then a barrier) widened by
+/// the block into the ring's buffer at `buffer`, in core matrices (`flash::widen_tile`).
+fn widen(head_dim: usize, buffer: Expr) -> Vec<Stmt> {
+    [
+        vec![Stmt::CpAsyncWait(0), Stmt::SyncThreads],
+        flash::widen_tile(
+            (head_dim, TILE_KEYS, TileOrder::CoreMatrices),
+            THREADS,
+            (int(0), buffer),
+        ),
+    ]
+    .concat()
 }
 
 fn score(k: usize) -> String {
@@ -317,7 +344,7 @@ fn fold_values(head_dims: usize) -> Vec<Stmt> {
 /// thread 0's boxes, as soon as `P·V` is done), which land during the next softmax. Thread 0
 /// overwrites the `P·V` columns and tile i + 1's scores columns once every warp has read them
 /// (the last step's `free`).
-fn tile_step(layout: CacheLayout, head_dim: usize, loads: Loads) -> Vec<Stmt> {
+fn tile_step(layout: CacheLayout, (head_dim, cache): (usize, Ty), loads: Loads) -> Vec<Stmt> {
     let parity = rem(var("i"), int(2));
     let wait = |barrier: &str| {
         vec![
@@ -357,8 +384,24 @@ fn tile_step(layout: CacheLayout, head_dim: usize, loads: Loads) -> Vec<Stmt> {
     .concat();
     let next_copies = if_(
         lt(ahead(2), var("hi")),
-        load_tile(layout, head_dim, loads, var("i") + int(2), (ahead(2), var("kv0"))),
+        load_tile(
+            layout,
+            (head_dim, cache),
+            loads,
+            var("i") + int(2),
+            (ahead(2), var("kv0")),
+        ),
     );
+    // Over FP8, tile i + 1's codes (copied a step ago) widened into its buffer, which tile
+    // i − 1's products are done with; the barrier after it keeps the next copies from
+    // overwriting codes a thread is still widening.
+    let landed_copies = match cache {
+        Ty::F8E4M3 => vec![if_(
+            lt(ahead(1), var("hi")),
+            widen(head_dim, ring_slot((head_dim, TILE_KEYS), var("i") + int(1), BUFFERS)),
+        )],
+        _ => vec![Stmt::CpAsyncWait(0)],
+    };
     // By TMA thread 0 loads the tile after next as soon as `P·V` has read this buffer; copies
     // go out after the outputs are folded, each thread's registers free again.
     let (boxes, copies) = match loads {
@@ -373,7 +416,7 @@ fn tile_step(layout: CacheLayout, head_dim: usize, loads: Loads) -> Vec<Stmt> {
         wait("scores"),
         online_softmax(),
         match loads {
-            Loads::Copies => vec![Stmt::CpAsyncWait(0)],
+            Loads::Copies => landed_copies,
             Loads::Tma => vec![],
         },
         vec![
@@ -402,10 +445,28 @@ fn tile_step(layout: CacheLayout, head_dim: usize, loads: Loads) -> Vec<Stmt> {
 /// loaded as `loads` says: the same parameters (by TMA, also `flash_tma`'s), rows and results,
 /// a batched step's `query_tiles` cut in tiles of [`QUERY_TILE_ROWS`].
 pub fn flash_attention_tcgen05(name: &str, origin: &str, layout: CacheLayout, head_dim: usize, loads: Loads) -> Kernel {
+    flash_attention_tcgen05_over(name, origin, layout, (head_dim, Ty::Bf16), loads)
+}
+
+/// [`flash_attention_tcgen05`] over a cache of `cache` elements: bf16, or FP8 codes copied
+/// ([`Loads::Copies`]) as stored into a slot of their own, each tile widened to bf16 once
+/// into the ring, the step before its scores (as `flash::flash_attention_over` widens them
+/// for `mma.sync`).
+pub fn flash_attention_tcgen05_over(
+    name: &str,
+    origin: &str,
+    layout: CacheLayout,
+    (head_dim, cache): (usize, Ty),
+    loads: Loads,
+) -> Kernel {
     assert!(supports(head_dim), "head_dim {head_dim}");
     assert!(
         loads == Loads::Copies || flash_tma::supports(head_dim),
         "head_dim {head_dim} by TMA"
+    );
+    assert!(
+        cache == Ty::Bf16 || (cache == Ty::F8E4M3 && loads == Loads::Copies),
+        "a {cache:?} cache loaded by {loads:?}"
     );
     let dims = head_dim / 2;
     let landed_init = match loads {
@@ -467,27 +528,27 @@ pub fn flash_attention_tcgen05(name: &str, origin: &str, layout: CacheLayout, he
             ],
         ),
     ];
-    // The first two tiles, into the ring's two buffers.
-    let first_two = [
-        load_tile(layout, head_dim, loads, int(0), (var("first_tile"), int(0))),
-        vec![if_(
-            lt(var("first_tile") + int(TILE_KEYS), var("hi")),
-            load_tile(
-                layout,
-                head_dim,
-                loads,
-                int(1),
-                (
-                    var("first_tile") + int(TILE_KEYS),
-                    ring_slot((head_dim, TILE_KEYS), int(1), BUFFERS),
-                ),
+    // The first two tiles, into the ring's two buffers (over FP8 the first widened into its
+    // buffer, the second's codes left in flight for the first step to widen).
+    let first = load_tile(layout, (head_dim, cache), loads, int(0), (var("first_tile"), int(0)));
+    let second = vec![if_(
+        lt(var("first_tile") + int(TILE_KEYS), var("hi")),
+        load_tile(
+            layout,
+            (head_dim, cache),
+            loads,
+            int(1),
+            (
+                var("first_tile") + int(TILE_KEYS),
+                ring_slot((head_dim, TILE_KEYS), int(1), BUFFERS),
             ),
-        )],
-    ]
-    .concat();
-    let first_tiles = match loads {
-        Loads::Copies => [first_two, vec![Stmt::CpAsyncWait(0)]].concat(),
-        Loads::Tma => vec![flash_tma::last_box(), if_(eq(tid(), int(0)), first_two)],
+        ),
+    )];
+    let first_tiles = match (loads, cache) {
+        // Every thread done widening the first tile's codes before the second's land there.
+        (Loads::Copies, Ty::F8E4M3) => [first, widen(head_dim, int(0)), vec![Stmt::SyncThreads], second].concat(),
+        (Loads::Copies, _) => [first, second, vec![Stmt::CpAsyncWait(0)]].concat(),
+        (Loads::Tma, _) => vec![flash_tma::last_box(), if_(eq(tid(), int(0)), [first, second].concat())],
     };
     let work = [
         block_keys(TILE_Q),
@@ -512,7 +573,13 @@ pub fn flash_attention_tcgen05(name: &str, origin: &str, layout: CacheLayout, he
                 ]
                 .concat(),
             ),
-            for_("i", int(0), var("tiles"), int(1), tile_step(layout, head_dim, loads)),
+            for_(
+                "i",
+                int(0),
+                var("tiles"),
+                int(1),
+                tile_step(layout, (head_dim, cache), loads),
+            ),
         ],
         store_outputs,
         teardown,
@@ -530,15 +597,19 @@ pub fn flash_attention_tcgen05(name: &str, origin: &str, layout: CacheLayout, he
             "{origin}: causal prefill attention on tcgen05 (m128n64 scores and m128n{head_dim} P·V into tensor \
              memory, both operands from shared memory; {TILE_Q} query rows a block of two warpgroups, a thread of \
              each a row; {TILE_KEYS}-key tiles through a ring of {BUFFERS}; online softmax in f32, the output in \
-             registers{}), head_dim {head_dim}, bf16 {}",
+             registers{}), head_dim {head_dim}, {} {}",
             match loads {
                 Loads::Copies => "",
                 Loads::Tma => "; the tiles loaded by TMA",
             },
+            match cache {
+                Ty::F8E4M3 => "FP8 E4M3 (each tile widened to bf16 once in shared memory)",
+                _ => "bf16",
+            },
             layout.describe()
         ),
         params: match loads {
-            Loads::Copies => flash::params(layout),
+            Loads::Copies => flash::params_over(layout, cache),
             Loads::Tma => [flash::params(layout), flash_tma::params()].concat(),
         },
         shared: [
@@ -555,6 +626,16 @@ pub fn flash_attention_tcgen05(name: &str, origin: &str, layout: CacheLayout, he
             match loads {
                 Loads::Copies => vec![],
                 Loads::Tma => vec![shared("landed", Ty::U32, 2 * BUFFERS as usize)],
+            },
+            // Over FP8, the slot the codes land in.
+            match cache {
+                Ty::F8E4M3 => ["ks", "vs"]
+                    .map(|n| {
+                        let len = TILE_KEYS as usize * flash::row_pitch(head_dim, cache) as usize;
+                        shared(&flash::staged(n, cache), cache, len)
+                    })
+                    .to_vec(),
+                _ => vec![],
             },
         ]
         .concat(),

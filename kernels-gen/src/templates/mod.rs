@@ -1148,6 +1148,13 @@ pub fn catalog() -> Vec<Kernel> {
             128,
             flash_attention_tcgen05::Loads::Tma,
         ),
+        flash_attention_tcgen05::flash_attention_tcgen05_over(
+            "flash_attention_tcgen05_fp8_d128",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            (128, Ty::F8E4M3),
+            flash_attention_tcgen05::Loads::Copies,
+        ),
         flash_attention::flash_attention(
             "flash_attention_d256",
             "catalog",

@@ -330,9 +330,10 @@ fn attend(
     // Heads TMA's boxes do not tile copy their tiles themselves.
     let by_tma = flash_tma::supports(spec.head_dim);
     let flash_form = match kernels.flash {
-        // Over FP8 `wgmma` takes its lockstep schedule (whose steps widen each tile to bf16);
-        // `tcgen05` reads bf16 tiles only: `mma.sync` widens them.
+        // Over FP8 `wgmma` takes its lockstep schedule and `tcgen05` its copies (whose steps
+        // widen each tile to bf16); other caches `mma.sync`.
         FlashForm::Wgmma(_) if cache.ty == Ty::F8E4M3 => FlashForm::Wgmma(Schedule::Lockstep),
+        FlashForm::Tcgen05(_) if cache.ty == Ty::F8E4M3 => FlashForm::Tcgen05(Loads::Copies),
         _ if cache.ty != Ty::Bf16 => FlashForm::Mma,
         FlashForm::Wgmma(Schedule::Tma) if !by_tma => FlashForm::Wgmma(Schedule::Specialised),
         FlashForm::Tcgen05(Loads::Tma) if !by_tma => FlashForm::Tcgen05(Loads::Copies),
@@ -354,14 +355,14 @@ fn attend(
             flash_attention_wgmma::QUERY_TILE_ROWS,
         ),
         FlashForm::Tcgen05(loads) if flash_attention_tcgen05::supports(spec.head_dim) => (
-            flash_attention_tcgen05::flash_attention_tcgen05(
+            flash_attention_tcgen05::flash_attention_tcgen05_over(
                 match loads {
                     Loads::Copies => "flash_attention_tcgen05",
                     Loads::Tma => "flash_attention_tcgen05_tma",
                 },
                 &graph.name,
                 cache.layout,
-                spec.head_dim,
+                (spec.head_dim, cache.ty),
                 loads,
             ),
             flash_attention_tcgen05::QUERY_TILE_ROWS,
