@@ -540,8 +540,9 @@ mod tests {
             cache_rows: 16,
         };
         let (hopper, blackwell) = (kernels("sm_90a"), kernels("sm_100a"));
+        // Each also over the FP8 cache on its tensor cores.
         assert_eq!(hopper.len(), kernels("sm_120a").len() + WGMMA_FLASH.len() + 1);
-        assert_eq!(blackwell.len(), kernels("sm_120a").len() + TCGEN05_FLASH.len());
+        assert_eq!(blackwell.len(), kernels("sm_120a").len() + TCGEN05_FLASH.len() + 1);
         for kernel in [hopper, blackwell].concat() {
             let value = |name: &str| buffers.value(name, 512);
             if let Err(e) = super::super::llama_8b::bind(&kernel, value) {
