@@ -32,22 +32,22 @@ use super::{prologue_gemm_params, prologue_norms, split_k};
 use crate::dsl::*;
 use ir::GluAct;
 
-const THREADS: i64 = 128;
+pub(super) const THREADS: i64 = 128;
 /// Weight rows per tile: the MMA's M.
-const TILE_ROWS: i64 = 128;
+pub(super) const TILE_ROWS: i64 = 128;
 /// Tokens per tile: the MMA's N, and TMEM columns.
-const TILE_TOKENS: i64 = 64;
+pub(super) const TILE_TOKENS: i64 = 64;
 /// K per pipeline stage.
-const TILE_K: i64 = 32;
+pub(super) const TILE_K: i64 = 32;
 /// Elements of one stage's weight and activation slices.
-const W_STAGE: i64 = TILE_ROWS * TILE_K;
-const X_STAGE: i64 = TILE_TOKENS * TILE_K;
+pub(super) const W_STAGE: i64 = TILE_ROWS * TILE_K;
+pub(super) const X_STAGE: i64 = TILE_TOKENS * TILE_K;
 /// bf16 elements per 16-byte copy (one core-matrix row).
-const CHUNK: i64 = 8;
+pub(super) const CHUNK: i64 = 8;
 /// Stride byte offset (between 8-row groups) of both operands.
 const STRIDE_BYTES: u32 = 128;
 /// Stages of the pipeline: weight and activation slices each.
-const STAGES: i64 = 2;
+pub(super) const STAGES: i64 = 2;
 /// k16 MMAs per stage.
 const K_SLICES: i64 = TILE_K / 16;
 
@@ -127,14 +127,42 @@ fn stage_activations(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stm
     )]
 }
 
-/// Thread 0 issues the stage's k16 MMAs and commits them to the mbarrier.
-fn multiply_stage() -> Stmt {
-    let mut issue: Vec<Stmt> = (0..K_SLICES)
-        .map(|slice| {
+/// A K step's products once its copies are issued: the stage's copies landed and published to
+/// the tensor cores, [`multiply_stage`] (`weights`, `first`), and every thread waiting for the
+/// MMAs (their buffers are refilled next step).
+pub(super) fn multiply_landed_stage(weights: &[&str], first: Expr) -> Vec<Stmt> {
+    vec![
+        super::pipeline_wait(STAGES),
+        Stmt::FenceProxyAsync,
+        Stmt::SyncThreads,
+        tc(Tcgen05::FenceAfterSync),
+        multiply_stage(weights, first),
+        Stmt::Mbarrier(Box::new(Mbarrier::Wait {
+            barrier: MbarrierRef::whole("bar"),
+            parity: var("phase"),
+        })),
+        assign("phase", int(1) - var("phase")),
+        tc(Tcgen05::FenceAfterSync),
+    ]
+}
+
+/// Thread 0 issues the stage's k16 MMAs and commits them to the mbarrier: weight tile t of
+/// `weights` (its shared array) into the accumulator `TILE_TOKENS·t` columns on, the step at
+/// `first` (the split's first) starting each sum.
+fn multiply_stage(weights: &[&str], first: Expr) -> Stmt {
+    let mut issue: Vec<Stmt> = weights
+        .iter()
+        .enumerate()
+        .flat_map(|(t, &array)| (0..K_SLICES).map(move |slice| (t, array, slice)))
+        .map(|(t, array, slice)| {
             Stmt::Tcgen05(Box::new(Tcgen05::Mma(Box::new(TmemMma {
-                tmem: var("tmem"),
+                // Nothing added to the first accumulator's column.
+                tmem: match t {
+                    0 => var("tmem"),
+                    _ => var("tmem") + int(TILE_TOKENS * t as i64),
+                },
                 a: SmemMatrix {
-                    array: "ws".into(),
+                    array: array.into(),
                     start: var("s") * int(W_STAGE) + int(2 * slice * TILE_ROWS * 8),
                     lbo: (TILE_ROWS * 16) as u32,
                     sbo: STRIDE_BYTES,
@@ -151,7 +179,7 @@ fn multiply_stage() -> Stmt {
                 n: TILE_TOKENS as u32,
                 // The first MMA of the split's first step starts the sum.
                 accumulate: match slice {
-                    0 => bin(BinOp::Gt, var("k0"), var("k_begin")),
+                    0 => bin(BinOp::Gt, var("k0"), first.clone()),
                     _ => Expr::Bool(true),
                 },
             }))))
@@ -211,6 +239,33 @@ fn epilogue(norm: Option<NormPrologue>, glu: Option<GluAct>) -> Vec<Stmt> {
     ]
 }
 
+/// Warp 0 allocates `columns` of tensor memory (its address then `tmem`, from shared
+/// `tmem_slot`) and thread 0 sets up the mbarrier `bar` the MMAs commit to (its phase
+/// `phase`), published to every thread.
+pub(super) fn tmem_and_barrier(columns: u32) -> Vec<Stmt> {
+    vec![
+        if_(
+            eq(warp(), int(0)),
+            vec![tc(Tcgen05::Alloc {
+                columns,
+                slot: "tmem_slot".into(),
+            })],
+        ),
+        if_(
+            eq(tid(), int(0)),
+            vec![Stmt::Mbarrier(Box::new(Mbarrier::Init {
+                barrier: MbarrierRef::whole("bar"),
+                count: 1,
+            }))],
+        ),
+        tc(Tcgen05::FenceBeforeSync),
+        Stmt::SyncThreads,
+        tc(Tcgen05::FenceAfterSync),
+        let_("tmem", Ty::I32, load("tmem_slot", int(0))),
+        let_("phase", Ty::I32, int(0)),
+    ]
+}
+
 /// The tile sizes, for the split-K expression: (tokens, weight rows, K step).
 pub const TILES: (usize, usize, usize) = (TILE_TOKENS as usize, TILE_ROWS as usize, TILE_K as usize);
 
@@ -231,20 +286,7 @@ pub fn gemm_tcgen05_bf16_with(name: &str, origin: &str, norm: Option<NormPrologu
     let step = [
         super::pipeline_step_head(STAGES, TILE_K, var("k_end"), copy_weights),
         stage_activations(norm, glu),
-        vec![
-            super::pipeline_wait(STAGES),
-            Stmt::FenceProxyAsync,
-            Stmt::SyncThreads,
-            tc(Tcgen05::FenceAfterSync),
-            multiply_stage(),
-            // Everyone waits for the MMAs: their buffers are refilled next step.
-            Stmt::Mbarrier(Box::new(Mbarrier::Wait {
-                barrier: MbarrierRef::whole("bar"),
-                parity: var("phase"),
-            })),
-            assign("phase", int(1) - var("phase")),
-            tc(Tcgen05::FenceAfterSync),
-        ],
+        multiply_landed_stage(&["ws"], var("k_begin")),
     ]
     .concat();
     let body = [
@@ -254,26 +296,8 @@ pub fn gemm_tcgen05_bf16_with(name: &str, origin: &str, norm: Option<NormPrologu
             let_("m0", Ty::I32, rem(bid(), tiles_m.clone()) * int(TILE_TOKENS)),
             let_("split", Ty::I32, rem(bid() / tiles_m.clone(), var("splits"))),
             let_("n0", Ty::I32, bid() / tiles_m.clone() / var("splits") * int(TILE_ROWS)),
-            if_(
-                eq(warp(), int(0)),
-                vec![tc(Tcgen05::Alloc {
-                    columns: TILE_TOKENS as u32,
-                    slot: "tmem_slot".into(),
-                })],
-            ),
-            if_(
-                eq(tid(), int(0)),
-                vec![Stmt::Mbarrier(Box::new(Mbarrier::Init {
-                    barrier: MbarrierRef::whole("bar"),
-                    count: 1,
-                }))],
-            ),
-            tc(Tcgen05::FenceBeforeSync),
-            Stmt::SyncThreads,
-            tc(Tcgen05::FenceAfterSync),
-            let_("tmem", Ty::I32, load("tmem_slot", int(0))),
-            let_("phase", Ty::I32, int(0)),
         ],
+        tmem_and_barrier(TILE_TOKENS as u32),
         split_k::k_span(var("split"), TILE_K),
         super::pipeline_prologue(STAGES, TILE_K, (var("k_begin"), var("k_end")), copy_weights),
         norm.map(|_| vec![prologue_norms::zero_staged_squares(X_STAGE, THREADS)])

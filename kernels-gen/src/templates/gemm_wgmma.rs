@@ -61,15 +61,15 @@ pub enum ALoads {
 }
 
 /// The A fragment `i` of k slice `slice`: `a…` multiplied this step, `an…` the next step's.
-fn a_name(slice: usize, i: usize) -> String {
+pub(super) fn a_name(slice: usize, i: usize) -> String {
     format!("a{slice}_{i}")
 }
 
-fn next_a_name(slice: usize, i: usize) -> String {
+pub(super) fn next_a_name(slice: usize, i: usize) -> String {
     format!("an{slice}_{i}")
 }
 
-fn d_name(i: usize) -> String {
+pub(super) fn d_name(i: usize) -> String {
     format!("d{i}")
 }
 

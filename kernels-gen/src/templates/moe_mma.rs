@@ -174,7 +174,7 @@ pub fn list_tiles(name: &str, origin: &str, spec: &MoeSpec) -> Kernel {
 }
 
 /// A block for each of the listed pair tiles ([`tile_bound`]) of each `per_block` outputs.
-pub(super) fn grid(spec: &MoeSpec, outputs: i64, per_block: i64) -> Expr {
+fn grid(spec: &MoeSpec, outputs: i64, per_block: i64) -> Expr {
     int((outputs + per_block - 1) / per_block) * tile_bound(spec, var("tokens"))
 }
 
@@ -185,7 +185,7 @@ fn row_tiles() -> Expr {
 /// The block's listed tile (listed tiles vary fastest: an expert's tiles are neighbours, and
 /// share a weight tile), its expert `e`, first pair `m0` and the expert's `count` of pairs
 /// (0 past the list: no work), and its first output `n0` (`per_block` outputs a block).
-pub(super) fn block_place(spec: &MoeSpec, per_block: i64) -> Vec<Stmt> {
+fn block_place(spec: &MoeSpec, per_block: i64) -> Vec<Stmt> {
     let bound = tile_bound(spec, var("tokens"));
     vec![
         let_("tile", Ty::I32, load("tiles", rem(bid(), bound.clone()))),
@@ -206,7 +206,7 @@ pub(super) fn block_place(spec: &MoeSpec, per_block: i64) -> Vec<Stmt> {
 
 /// The tile's pairs in shared `tile_pairs` ([`tile_pairs_array`]; −1 past the expert's
 /// count), then a barrier.
-pub(super) fn tile_pairs() -> Vec<Stmt> {
+fn tile_pairs() -> Vec<Stmt> {
     vec![
         if_(
             lt(tid(), int(TILE_M)),
@@ -387,26 +387,41 @@ fn expert_tile_kernel(
     };
     let mut shared = vec![staged("xs", STAGES)];
     shared.extend(weights.iter().map(|w| staged(w, STAGES)));
-    shared.push(tile_pairs_array());
-    let mut tile = tile_pairs();
+    let mut tile = gemm_mma::warp_places();
     tile.extend([let_("pair_at", Ty::I32, int(0)), let_("out_column", Ty::I32, int(0))]);
     tile.extend(work);
-    let mut body = block_place(spec, TILE_N);
-    body.extend(gemm_mma::warp_places());
-    body.push(if_(lt(var("m0"), var("count")), tile));
+    let block = ((32 * WARPS) as u32, shared);
+    tile_kernel((name, origin), params, (spec, outputs, TILE_N), block, tile)
+}
+
+/// The kernel of a block a listed tile of pairs by `per_block` of the expert's `outputs`
+/// (this module's, `moe_wgmma`'s and `moe_tcgen05`'s): its place ([`block_place`]), then
+/// where the expert has pairs in the tile (the same for every thread of the block) the
+/// tile's pairs read ([`tile_pairs`]) and `work`; `threads` a block, `shared` its arrays
+/// besides the pairs'.
+pub(super) fn tile_kernel(
+    (name, origin): (&str, String),
+    params: Vec<Param>,
+    (spec, outputs, per_block): (&MoeSpec, i64, i64),
+    (threads, mut shared): (u32, Vec<SharedArray>),
+    work: Vec<Stmt>,
+) -> Kernel {
+    shared.push(tile_pairs_array());
+    let mut body = block_place(spec, per_block);
+    body.push(if_(lt(var("m0"), var("count")), [tile_pairs(), work].concat()));
     Kernel {
         name: name.into(),
         origin,
         params,
         shared,
-        block_dim: (32 * WARPS) as u32,
-        grid: grid(spec, outputs, TILE_N),
+        block_dim: threads,
+        grid: grid(spec, outputs, per_block),
         body,
     }
 }
 
 /// Shared memory for a tile's pairs ([`tile_pairs`]).
-pub(super) fn tile_pairs_array() -> SharedArray {
+fn tile_pairs_array() -> SharedArray {
     SharedArray {
         name: "tile_pairs".into(),
         ty: Ty::I32,
@@ -424,7 +439,7 @@ fn staging(format: WeightFormat) -> &'static str {
 
 /// Where the expert lists come from: [`group_pairs`]'s and [`list_tiles`]'s outputs, after
 /// the kernel's own.
-pub(super) fn list_params() -> [Param; 3] {
+fn list_params() -> [Param; 3] {
     [
         buffer("expert_pairs", Ty::I32, false),
         buffer("expert_counts", Ty::I32, false),
@@ -434,7 +449,7 @@ pub(super) fn list_params() -> [Param; 3] {
 
 /// `params` with the pairs' hidden units (`hidden`) in bf16: what [`down`] rounds them to,
 /// so [`gate_up`] stores them so (half the bytes each way) and [`down`] copies them as they lie.
-pub(super) fn bf16_hidden(params: Vec<Param>) -> Vec<Param> {
+fn bf16_hidden(params: Vec<Param>) -> Vec<Param> {
     params
         .into_iter()
         .map(|param| match param {
@@ -442,6 +457,30 @@ pub(super) fn bf16_hidden(params: Vec<Param>) -> Vec<Param> {
             other => other,
         })
         .collect()
+}
+
+/// The tensor-core gate/up kernels' parameters (this module's and `moe_wgmma`'s and
+/// `moe_tcgen05`'s, over weights of `format`): `moe::gate_up`'s with `hidden` in bf16
+/// ([`bf16_hidden`]), the lists ([`list_params`]), then `x`'s rows as bf16 (`xb`, rows
+/// `xb_stride` apart: `bf16_rows`'s), which the tiles gather (`x` itself is not read).
+pub(super) fn gate_up_tile_params(format: WeightFormat) -> Vec<Param> {
+    [
+        bf16_hidden(gate_up_params(format)),
+        list_params().to_vec(),
+        vec![buffer("xb", Ty::Bf16, false), scalar("xb_stride", Ty::I32)],
+    ]
+    .concat()
+}
+
+/// The tensor-core down kernels' parameters: `moe::down_by_expert`'s over weights of
+/// `format` with `hidden` in bf16 ([`bf16_hidden`]), then the lists ([`list_params`]).
+pub(super) fn down_tile_params(format: WeightFormat) -> Vec<Param> {
+    [
+        bf16_hidden(down_params(format)),
+        vec![buffer("ys", Ty::F32, true)],
+        list_params().to_vec(),
+    ]
+    .concat()
 }
 
 /// `moe::gate_up`'s values (`hidden[pair·I + unit] = act(gate)·up`, here rounded to bf16) on
@@ -486,13 +525,13 @@ pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, format: 
         staging(format),
         describe(spec)
     );
-    let params = [
-        bf16_hidden(gate_up_params(format)),
-        list_params().to_vec(),
-        vec![buffer("xb", Ty::Bf16, false), scalar("xb_stride", Ty::I32)],
-    ]
-    .concat();
-    expert_tile_kernel((name, origin), params, (spec, i), &["gs", "us"], work)
+    expert_tile_kernel(
+        (name, origin),
+        gate_up_tile_params(format),
+        (spec, i),
+        &["gs", "us"],
+        work,
+    )
 }
 
 /// `moe::down_by_expert`'s values (each pair's down projection unweighted, `ys[pair·d + n]`)
@@ -524,11 +563,5 @@ pub fn down(name: &str, origin: &str, spec: &MoeSpec, hidden: usize, format: Wei
         staging(format),
         describe(spec)
     );
-    let params = [
-        bf16_hidden(down_params(format)),
-        vec![buffer("ys", Ty::F32, true)],
-        list_params().to_vec(),
-    ]
-    .concat();
-    expert_tile_kernel((name, origin), params, (spec, d), &["ws"], work)
+    expert_tile_kernel((name, origin), down_tile_params(format), (spec, d), &["ws"], work)
 }

@@ -16,33 +16,22 @@
 //! every thread waits on before the buffers are refilled. Requirements ([`supports`]): bf16
 //! experts over a hidden size and expert width that are multiples of 8.
 
-use super::gemm_mma::TILE_M as PAIRS;
+use super::gemm_tcgen05::{
+    multiply_landed_stage, tmem_and_barrier, CHUNK, STAGES, THREADS, TILE_K, TILE_ROWS as ROWS, TILE_TOKENS as PAIRS,
+    W_STAGE, X_STAGE,
+};
 use super::gemv::gated;
-use super::moe::{describe, down_params, gate_up_params};
-use super::moe_mma::{self, bf16_hidden, block_place, list_params, tile_pairs};
+use super::moe::describe;
+use super::moe_mma::{self, down_tile_params, gate_up_tile_params};
 use super::quant::WeightFormat;
 use crate::dsl::*;
 use ir::MoeSpec;
 
-const THREADS: i64 = 128;
-/// Weight rows a tile: the MMA's M (hidden units for gate/up, output columns for down).
-const ROWS: i64 = 128;
-/// K per stage.
-const TILE_K: i64 = 32;
-/// Elements of one stage's weight tile and of its gathered rows.
-const W_STAGE: i64 = ROWS * TILE_K;
-const X_STAGE: i64 = PAIRS * TILE_K;
-/// bf16 elements per 16-byte copy (one core-matrix row).
-const CHUNK: i64 = 8;
-/// Stages of the pipeline.
-const STAGES: i64 = 2;
-/// k16 MMAs per stage and weight tile.
-const K_SLICES: i64 = TILE_K / 16;
-/// Bytes between 8-row groups of both operands.
-const STRIDE_BYTES: u32 = 128;
 /// A thread's copies of a weight tile and of the gathered rows a stage.
 const WEIGHT_COPIES: i64 = W_STAGE / CHUNK / THREADS;
 const ROW_COPIES: i64 = X_STAGE / CHUNK / THREADS;
+// The MMA's N is the listed tiles' pairs.
+const _: () = assert!(PAIRS == super::gemm_mma::TILE_M);
 
 /// Whether the kernels take a layer of `spec` over rows of `hidden` with weights of `format`.
 pub fn supports(spec: &MoeSpec, hidden: usize, format: WeightFormat) -> bool {
@@ -121,44 +110,6 @@ fn tc(op: Tcgen05) -> Stmt {
     Stmt::Tcgen05(Box::new(op))
 }
 
-/// Thread 0 issues the stage's MMAs, weight tile `weights[t]` into the accumulator at tensor
-/// memory column `64·t`, and commits them to the mbarrier.
-fn multiply_stage(weights: &[&str]) -> Stmt {
-    let mut issue = Vec::new();
-    for (t, array) in weights.iter().enumerate() {
-        for slice in 0..K_SLICES {
-            issue.push(tc(Tcgen05::Mma(Box::new(TmemMma {
-                tmem: var("tmem") + int(PAIRS * t as i64),
-                a: SmemMatrix {
-                    array: (*array).into(),
-                    start: var("s") * int(W_STAGE) + int(2 * slice * ROWS * 8),
-                    lbo: (ROWS * 16) as u32,
-                    sbo: STRIDE_BYTES,
-                    swizzle: Swizzle::None,
-                },
-                b: SmemMatrix {
-                    array: "xs".into(),
-                    start: var("s") * int(X_STAGE) + int(2 * slice * PAIRS * 8),
-                    lbo: (PAIRS * 16) as u32,
-                    sbo: STRIDE_BYTES,
-                    swizzle: Swizzle::None,
-                },
-                b_major: Major::K,
-                n: PAIRS as u32,
-                // The first MMA of the first step starts the sum.
-                accumulate: match slice {
-                    0 => bin(BinOp::Gt, var("k0"), int(0)),
-                    _ => Expr::Bool(true),
-                },
-            }))));
-        }
-    }
-    issue.push(tc(Tcgen05::Commit {
-        barrier: MbarrierRef::whole("bar"),
-    }));
-    if_(eq(tid(), int(0)), issue)
-}
-
 /// The tile's GEMM over K (`k_len` long): after this thread's copy places ([`copy_places`])
 /// the `starts` its weight copies read, each step's copies `copy(stage, k0)`, `weights` the
 /// weight tiles (shared arrays) multiplied into accumulators 64 columns apart; then
@@ -173,46 +124,13 @@ fn tile_gemm(
     let columns = (PAIRS * weights.len() as i64) as u32;
     let step = [
         super::pipeline_step_head(STAGES, TILE_K, int(k_len), copy),
-        vec![
-            super::pipeline_wait(STAGES),
-            Stmt::FenceProxyAsync,
-            Stmt::SyncThreads,
-            tc(Tcgen05::FenceAfterSync),
-            multiply_stage(weights),
-            // Everyone waits for the MMAs: their buffers are refilled next step.
-            Stmt::Mbarrier(Box::new(Mbarrier::Wait {
-                barrier: MbarrierRef::whole("bar"),
-                parity: var("phase"),
-            })),
-            assign("phase", int(1) - var("phase")),
-            tc(Tcgen05::FenceAfterSync),
-        ],
+        multiply_landed_stage(weights, int(0)),
     ]
     .concat();
     [
         copy_places(),
         starts,
-        vec![
-            if_(
-                eq(warp(), int(0)),
-                vec![tc(Tcgen05::Alloc {
-                    columns,
-                    slot: "tmem_slot".into(),
-                })],
-            ),
-            if_(
-                eq(tid(), int(0)),
-                vec![Stmt::Mbarrier(Box::new(Mbarrier::Init {
-                    barrier: MbarrierRef::whole("bar"),
-                    count: 1,
-                }))],
-            ),
-            tc(Tcgen05::FenceBeforeSync),
-            Stmt::SyncThreads,
-            tc(Tcgen05::FenceAfterSync),
-            let_("tmem", Ty::I32, load("tmem_slot", int(0))),
-            let_("phase", Ty::I32, int(0)),
-        ],
+        tmem_and_barrier(columns),
         super::pipeline_prologue(STAGES, TILE_K, (int(0), int(k_len)), copy),
         vec![
             for_("k0", int(0), int(k_len), int(TILE_K), step),
@@ -265,8 +183,8 @@ fn per_pair(c: Expr, write: &dyn Fn(Expr, usize) -> Vec<Stmt>) -> Vec<Stmt> {
         .collect()
 }
 
-/// A block's kernel: the expert tile's `work` where the expert has pairs in it, the same for
-/// every thread of the block; `weights` its weight tiles' shared arrays.
+/// A block's kernel ([`moe_mma::tile_kernel`]): the expert tile's `work`; `weights` its weight
+/// tiles' shared arrays.
 fn expert_tile_kernel(
     (name, origin): (&str, String),
     params: Vec<Param>,
@@ -284,21 +202,9 @@ fn expert_tile_kernel(
         shared("xs", Ty::Bf16, STAGES * X_STAGE),
         shared("bar", Ty::U32, 2),
         shared("tmem_slot", Ty::I32, 1),
-        moe_mma::tile_pairs_array(),
     ]);
-    let mut tile = tile_pairs();
-    tile.extend(work);
-    let mut body = block_place(spec, ROWS);
-    body.push(if_(lt(var("m0"), var("count")), tile));
-    Kernel {
-        name: name.into(),
-        origin,
-        params,
-        shared: arrays,
-        block_dim: THREADS as u32,
-        grid: moe_mma::grid(spec, outputs, ROWS),
-        body,
-    }
+    let block = (THREADS as u32, arrays);
+    moe_mma::tile_kernel((name, origin), params, (spec, outputs, ROWS), block, work)
 }
 
 /// `moe_mma::gate_up` on `tcgen05`: its parameters and values.
@@ -367,13 +273,7 @@ pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, hidden: usize) -> Kerne
         spec.act,
         describe(spec)
     );
-    let format = WeightFormat::Dense(Ty::Bf16);
-    let params = [
-        bf16_hidden(gate_up_params(format)),
-        list_params().to_vec(),
-        vec![buffer("xb", Ty::Bf16, false), scalar("xb_stride", Ty::I32)],
-    ]
-    .concat();
+    let params = gate_up_tile_params(WeightFormat::Dense(Ty::Bf16));
     expert_tile_kernel((name, origin), params, (spec, i), &["gs", "us"], work)
 }
 
@@ -410,12 +310,6 @@ pub fn down(name: &str, origin: &str, spec: &MoeSpec, hidden: usize) -> Kernel {
          2-stage pipeline), {}",
         describe(spec)
     );
-    let format = WeightFormat::Dense(Ty::Bf16);
-    let params = [
-        bf16_hidden(down_params(format)),
-        vec![buffer("ys", Ty::F32, true)],
-        list_params().to_vec(),
-    ]
-    .concat();
+    let params = down_tile_params(WeightFormat::Dense(Ty::Bf16));
     expert_tile_kernel((name, origin), params, (spec, d), &["ws"], work)
 }

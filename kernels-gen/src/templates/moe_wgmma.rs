@@ -16,10 +16,10 @@
 //! once. Requirements ([`supports`]): bf16 experts over a hidden size and expert width that
 //! are multiples of 8.
 
-use super::gemm_wgmma::{multiply_stage, CHUNK, K_SLICES, STAGE, TILE_K, TILE_N};
+use super::gemm_wgmma::{a_name, d_name, multiply_stage, next_a_name, CHUNK, K_SLICES, STAGE, TILE_K, TILE_N};
 use super::gemv::gated;
-use super::moe::{describe, down_params, gate_up_params};
-use super::moe_mma::{self, bf16_hidden, block_place, list_params, tile_pairs};
+use super::moe::describe;
+use super::moe_mma::{self, down_tile_params, gate_up_tile_params};
 use super::quant::WeightFormat;
 use crate::dsl::*;
 use ir::MoeSpec;
@@ -34,19 +34,6 @@ const UNITS: i64 = TILE_N / 2;
 /// Whether the kernels take a layer of `spec` over rows of `hidden` with weights of `format`.
 pub fn supports(spec: &MoeSpec, hidden: usize, format: WeightFormat) -> bool {
     format == WeightFormat::Dense(Ty::Bf16) && moe_mma::supports(spec, hidden, format)
-}
-
-/// A fragment register of k slice `slice`: `a…` multiplied this step, `an…` the next step's.
-fn a_name(slice: usize, i: usize) -> String {
-    format!("a{slice}_{i}")
-}
-
-fn next_a_name(slice: usize, i: usize) -> String {
-    format!("an{slice}_{i}")
-}
-
-fn d_name(i: usize) -> String {
-    format!("d{i}")
 }
 
 /// This lane's two rows of the tile (g and g + 8 of its warp's 16): their pairs (−1 past the
@@ -203,35 +190,22 @@ fn place(i: usize) -> (usize, Expr) {
     )
 }
 
-/// A block's kernel: the expert tile's `work` where the expert has pairs in it, the same for
-/// every thread of the block; `per_block` outputs a block.
+/// A block's kernel ([`moe_mma::tile_kernel`]): this lane's pairs, then the expert tile's
+/// `work`; `per_block` outputs a block.
 fn expert_tile_kernel(
     (name, origin): (&str, String),
     params: Vec<Param>,
     (spec, outputs, per_block): (&MoeSpec, i64, i64),
     work: Vec<Stmt>,
 ) -> Kernel {
-    let mut tile = tile_pairs();
-    tile.extend(lane_pairs());
-    tile.extend(work);
-    let mut body = block_place(spec, per_block);
-    body.push(if_(lt(var("m0"), var("count")), tile));
-    Kernel {
-        name: name.into(),
-        origin,
-        params,
-        shared: vec![
-            SharedArray {
-                name: "ws".into(),
-                ty: Ty::Bf16,
-                len: (STAGES * STAGE) as usize,
-            },
-            moe_mma::tile_pairs_array(),
-        ],
-        block_dim: THREADS as u32,
-        grid: moe_mma::grid(spec, outputs, per_block),
-        body,
-    }
+    let ring = SharedArray {
+        name: "ws".into(),
+        ty: Ty::Bf16,
+        len: (STAGES * STAGE) as usize,
+    };
+    let block = (THREADS as u32, vec![ring]);
+    let tile = [lane_pairs(), work].concat();
+    moe_mma::tile_kernel((name, origin), params, (spec, outputs, per_block), block, tile)
 }
 
 /// `moe_mma::gate_up` on `wgmma`: its parameters and values.
@@ -270,13 +244,7 @@ pub fn gate_up(name: &str, origin: &str, spec: &MoeSpec, hidden: usize) -> Kerne
         spec.act,
         describe(spec)
     );
-    let format = WeightFormat::Dense(Ty::Bf16);
-    let params = [
-        bf16_hidden(gate_up_params(format)),
-        list_params().to_vec(),
-        vec![buffer("xb", Ty::Bf16, false), scalar("xb_stride", Ty::I32)],
-    ]
-    .concat();
+    let params = gate_up_tile_params(WeightFormat::Dense(Ty::Bf16));
     expert_tile_kernel((name, origin), params, (spec, i, UNITS), work)
 }
 
@@ -313,12 +281,6 @@ pub fn down(name: &str, origin: &str, spec: &MoeSpec, hidden: usize) -> Kernel {
          {STAGES}-stage cp.async pipeline), {}",
         describe(spec)
     );
-    let format = WeightFormat::Dense(Ty::Bf16);
-    let params = [
-        bf16_hidden(down_params(format)),
-        vec![buffer("ys", Ty::F32, true)],
-        list_params().to_vec(),
-    ]
-    .concat();
+    let params = down_tile_params(WeightFormat::Dense(Ty::Bf16));
     expert_tile_kernel((name, origin), params, (spec, d, TILE_N), work)
 }
