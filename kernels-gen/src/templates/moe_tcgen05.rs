@@ -40,9 +40,9 @@ pub fn supports(spec: &MoeSpec, hidden: usize, format: WeightFormat) -> bool {
 
 /// This thread's copies as `gemm_tcgen05` lays them out (copy `c = tid + 128·i` is tile row
 /// `8·(c / 32) + c % 8`, k chunk `(c / 8) % 4`): rows `copy_row + 32·i`, one chunk
-/// (`copy_chunk`), so copy i lands `256·i` elements after the first in a K-major tile
-/// (`copy_at` for a tile `height` rows tall is `place(height)`); and the pairs of its rows of
-/// the gathered tile (`copy_pair{i}`, −1 past the expert's count).
+/// (`copy_chunk`), so copy i lands `256·i` elements after the first ([`place`]) in a K-major
+/// tile; and the pairs of its rows of the gathered tile (`copy_pair{i}`, −1 past the
+/// expert's count).
 fn copy_places() -> Vec<Stmt> {
     let mut out = vec![
         let_("copy_row", Ty::I32, tid() / int(32) * int(8) + rem(tid(), int(8))),
