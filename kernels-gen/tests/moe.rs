@@ -310,13 +310,14 @@ fn shared_conflict_free(
 
 /// The tensor-core prefill kernels against the row-by-row ones given the same inputs as the
 /// tensor cores take them: `group_pairs` lists each expert's pairs in order (exactly), and
-/// `list_tiles` their tiles of 64;
-/// `moe_mma::gate_up` writes what `moe::gate_up` does for rows and weights rounded to bf16
-/// (bf16 weights copied, f16 and Q8_0 ones decoded into the tile), rounded to bf16 itself
-/// ([`rounded_close`]), `moe_mma::down` what `moe::down_by_expert` does for those hidden units
-/// and weights rounded to bf16, within f32 rounding (the sums go in another order). Shapes: one expert chosen by every row (two tiles
-/// of pairs), hidden sizes and expert widths below, across and past a 64-wide tile and a
-/// 32-wide K step. The tensor-core kernels' shared memory without bank conflicts.
+/// `list_tiles` their tiles of 64; `moe_mma::gate_up` (and for bf16 experts `moe_wgmma`'s and
+/// `moe_tcgen05`'s) writes what `moe::gate_up` does for rows and weights rounded to bf16 (bf16
+/// weights copied, f16 and Q8_0 ones decoded into the tile), rounded to bf16 itself
+/// ([`rounded_close`]), `moe_mma::down` (and the others') what `moe::down_by_expert` does for
+/// those hidden units and weights rounded to bf16, within f32 rounding (the sums go in
+/// another order). Shapes: one expert chosen by every row (two tiles of pairs), hidden sizes
+/// and expert widths below, across and past a 64-, 128-wide tile and a K step. The
+/// tensor-core kernels' shared memory without bank conflicts.
 #[test]
 fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
     use kernels_gen::emulator::Scalar;

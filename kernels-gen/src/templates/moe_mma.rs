@@ -1,7 +1,8 @@
 //! MoE prefill on tensor cores (bf16, f16 or GGUF-block experts, multiplied in bf16): each
-//! expert's chosen rows gathered into tiles and multiplied by `mma.sync`, where `moe`'s expert-by-expert kernels dot one row at a time
-//! in f32 on the CUDA cores. Four launches in the steps that run them, after `bf16_rows` has
-//! made the step's rows bf16 once:
+//! expert's chosen rows gathered into tiles and multiplied by `mma.sync`, where `moe`'s
+//! expert-by-expert kernels dot one row at a time in f32 on the CUDA cores (`moe_wgmma` and
+//! `moe_tcgen05` run the same tiles for bf16 experts on Hopper and the B200). Four launches
+//! in the steps that run them, after `bf16_rows` has made the step's rows bf16 once:
 //!
 //! 1. [`group_pairs`]: a block per expert lists the pairs (row t, choice p: `pair = t·k + p`)
 //!    that chose it, in order, at `expert_pairs[e·tokens..]` (a row chooses an expert once, so

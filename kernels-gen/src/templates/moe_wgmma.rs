@@ -10,11 +10,10 @@
 //!
 //! K advances 64 a step: the weight slice (128 rows × 64) by `cp.async` into a three-stage
 //! ring in core-matrix layout (as `gemm_wgmma` copies it, each thread's rows' places worked
-//! out once: see [`CopyRows`]), the tile's gathered bf16
-//! rows (`bf16_rows`'s copy of the step's rows for gate/up, `hidden` for down) straight into
-//! registers as A a step ahead, two elements a load, each lane's two rows' pairs looked up
-//! once. Requirements ([`supports`]): bf16 experts over a hidden size and expert width that
-//! are multiples of 8.
+//! out once: see [`CopyRows`]), the tile's gathered bf16 rows (`bf16_rows`'s copy of the
+//! step's rows for gate/up, `hidden` for down) straight into registers as A a step ahead, two
+//! elements a load, each lane's two rows' pairs looked up once. Requirements ([`supports`]):
+//! bf16 experts over a hidden size and expert width that are multiples of 8.
 
 use super::gemm_wgmma::{a_name, d_name, multiply_stage, next_a_name, CHUNK, K_SLICES, STAGE, TILE_K, TILE_N};
 use super::gemv::gated;
@@ -90,8 +89,8 @@ fn load_rows(
 /// `row0 + 16·i` for `row0 = 8·(tid / 64) + tid % 8`, one k chunk, so each copy's place is
 /// the first's plus constants. The first copy's row starts at element `start` of `w` and the
 /// i-th `step·i` further on; it is inside the expert where `index + index_step·i < bound`.
-/// Worked out once a block, where a copy loop of each copy's divisions ran some 40
-/// instructions a copy.
+/// Worked out once a block: worked out for each copy in a loop, its signed divisions cost
+/// some 40 instructions a copy (ptxas neither unrolls that loop nor hoists them).
 struct CopyRows {
     start: Expr,
     step: i64,
@@ -101,7 +100,7 @@ struct CopyRows {
 }
 
 /// Copies a thread makes of a stage.
-const COPIES: i64 = STAGE / CHUNK / 128;
+const COPIES: i64 = STAGE / CHUNK / THREADS;
 
 /// This thread's first copy's tile row (`copy_row`), its k chunk (`copy_chunk`), and where
 /// the first copy goes in a stage (`copy_at`, core-matrix layout).

@@ -432,13 +432,9 @@ pub(crate) fn select(
                         (elementwise::scale_rows("scale_rows", &graph.name), args)
                     }
                     Op::Moe(spec) => {
-                        moe::launches(
-                        &mut s,
-                        &operands,
-                        (spec, chosen.prefill_experts),
-                        (&rows, target.cuda_arch().unwrap_or_default()),
-                        max_tokens,
-                    )?
+                        let arch = target.cuda_arch().unwrap_or_default();
+                        let chosen = (spec, chosen.prefill_experts);
+                        moe::launches(&mut s, &operands, chosen, (&rows, arch), max_tokens)?
                     }
                     Op::Slice { start, len } => {
                         let (x, stride) = act(&s, 0);

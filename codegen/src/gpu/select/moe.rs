@@ -1,8 +1,9 @@
 //! A MoE layer's launches (`templates::moe`): routing, the experts' gate/up with their GLU and
 //! the weighted down projections into the node's value, row by row; prefill steps run both
 //! expert by expert (on tensor cores, `templates::moe_mma`, or for bf16 experts on Hopper and
-//! the B200 `templates::moe_wgmma` and `templates::moe_tcgen05`, after launches that make the rows bf16 and list each expert's pairs
-//! and tiles), and a last launch (empty in other steps) sums the down products.
+//! the B200 `templates::moe_wgmma` and `templates::moe_tcgen05`, after launches that make the
+//! rows bf16 and list each expert's pairs and tiles), and a last launch (empty in other steps)
+//! sums the down products.
 
 use super::{scalar, Alternatives, Operands, Selected};
 use crate::gpu::{width, GpuCodegenError, LaunchArg, PrefillExperts};
