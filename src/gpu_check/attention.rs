@@ -207,27 +207,27 @@ fn kernels(arch: &str) -> Vec<Kernel> {
         ),
     ];
     kernels.extend(wgmma);
-    // Hopper's lockstep `wgmma` over the FP8 cache (its tiles widened to bf16 once).
-    if arch == "sm_90a" {
-        kernels.push(flash_attention_wgmma_over(
+    kernels.extend(tcgen05);
+    // Over the FP8 cache, the target's own tensor cores where they take it (each tile widened
+    // to bf16 once): Hopper's lockstep `wgmma`, the B200's `tcgen05` copying its tiles.
+    let fp8 = (HEAD_DIM, Ty::F8E4M3);
+    kernels.extend(match arch {
+        "sm_90a" => Some(flash_attention_wgmma_over(
             WGMMA_FP8_FLASH,
             "gpu-check",
             CacheLayout::Contiguous,
-            (HEAD_DIM, Ty::F8E4M3),
+            fp8,
             Schedule::Lockstep,
-        ));
-    }
-    kernels.extend(tcgen05);
-    // The B200's `tcgen05` over the FP8 cache, copying its tiles (each widened to bf16 once).
-    if arch == "sm_100a" {
-        kernels.push(flash_attention_tcgen05_over(
+        )),
+        "sm_100a" => Some(flash_attention_tcgen05_over(
             TCGEN05_FP8_FLASH,
             "gpu-check",
             CacheLayout::Contiguous,
-            (HEAD_DIM, Ty::F8E4M3),
+            fp8,
             Loads::Copies,
-        ));
-    }
+        )),
+        _ => None,
+    });
     kernels
 }
 
