@@ -41,6 +41,15 @@ static __device__ __forceinline__ unsigned short bbc_f32_to_f16(float f) {
 }
 "#;
 
+const F16_PACK_HELPER: &str = r#"// Two IEEE halves in one register, the lower-indexed element in the low half (the mma operand
+// layout), rounded to nearest even by one conversion instruction (the first operand goes high).
+static __device__ __forceinline__ unsigned int bbc_pack_f16x2(float lo, float hi) {
+    unsigned int packed;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+    return packed;
+}
+"#;
+
 const FP8_HELPERS: &str = r#"// FP8 E4M3 codes (an FP8 KV cache) -> f32, exactly: each code to a half (every E4M3 value is
 // one), then to f32. The pair form takes two codes, the lower-addressed one in the low byte.
 static __device__ __forceinline__ float2 bbc_fp8x2_to_f32x2(unsigned int codes) {
@@ -156,14 +165,17 @@ pub fn required_arch(kernel: &Kernel) -> Option<&'static str> {
     }
 }
 
-/// The `tcgen05.mma` instruction descriptor for bf16 A (K-major) and B (`b_major`), f32 D,
-/// M = 128: D type at bits 4-5, A and B types at 7-9 and 10-12, B transposed (MN-major) at
-/// bit 16, N >> 3 at 17-22, M >> 4 at 24-28.
-pub fn tcgen05_instruction_descriptor(n: u32, b_major: Major) -> u32 {
+/// The `tcgen05.mma` instruction descriptor for `element` A (K-major) and B (`b_major`), f32
+/// D, M = 128: D type at bits 4-5, A and B types at 7-9 and 10-12 (kind::f16's: 0 f16, 1
+/// bf16), B transposed (MN-major) at bit 16, N >> 3 at 17-22, M >> 4 at 24-28.
+pub fn tcgen05_instruction_descriptor(n: u32, b_major: Major, element: MmaElement) -> u32 {
     const F32: u32 = 1;
-    const BF16: u32 = 1;
+    let operands = match element {
+        MmaElement::F16 => 0,
+        MmaElement::Bf16 => 1,
+    };
     let transpose_b = u32::from(b_major == Major::MN);
-    (F32 << 4) | (BF16 << 7) | (BF16 << 10) | (transpose_b << 16) | ((n >> 3) << 17) | ((128 >> 4) << 24)
+    (F32 << 4) | (operands << 7) | (operands << 10) | (transpose_b << 16) | ((n >> 3) << 17) | ((128 >> 4) << 24)
 }
 
 /// The first statements of every kernel, for programmatic dependent launch (sm_90 and newer;
@@ -207,6 +219,9 @@ pub fn emit(kernel: &Kernel) -> String {
     }
     if stores_to(kernel, Ty::F16) {
         let _ = writeln!(out, "{F16_STORE_HELPER}");
+    }
+    if packs_f16(kernel) {
+        let _ = writeln!(out, "{F16_PACK_HELPER}");
     }
     if has_buffer_of(kernel, Ty::F8E4M3) {
         let _ = writeln!(out, "{FP8_HELPERS}");
@@ -390,7 +405,7 @@ fn has_buffer_of(kernel: &Kernel, element: Ty) -> bool {
         .any(|p| matches!(p, Param::Buffer { ty, .. } if *ty == element))
 }
 
-/// Whether the kernel writes a buffer of `element`s (a half or FP8 KV cache).
+/// Whether the kernel writes an array of `element`s (a half or FP8 KV cache, a shared tile).
 fn stores_to(kernel: &Kernel, element: Ty) -> bool {
     let buffers: Vec<&str> = kernel
         .params
@@ -399,6 +414,13 @@ fn stores_to(kernel: &Kernel, element: Ty) -> bool {
             Param::Buffer { name, ty, .. } if *ty == element => Some(name.as_str()),
             _ => None,
         })
+        .chain(
+            kernel
+                .shared
+                .iter()
+                .filter(|a| a.ty == element)
+                .map(|a| a.name.as_str()),
+        )
         .collect();
     any_stmt(
         &kernel.body,
@@ -409,7 +431,25 @@ fn stores_to(kernel: &Kernel, element: Ty) -> bool {
 fn uses_bf16(kernel: &Kernel) -> bool {
     has_buffer_of(kernel, Ty::Bf16)
         || kernel.shared.iter().any(|a| a.ty == Ty::Bf16)
-        || any_stmt(&kernel.body, &|s| matches!(s, Stmt::MmaBf16(_) | Stmt::Wgmma(_)))
+        || any_stmt(&kernel.body, &|s| match s {
+            Stmt::Mma(m) => m.element == MmaElement::Bf16,
+            Stmt::Wgmma(w) => mma_element(&w.b, &Scope::of(kernel)) == MmaElement::Bf16,
+            _ => false,
+        })
+}
+
+/// Whether the kernel packs f32 operands into halves: an f16 `mma.sync` or `wgmma`.
+fn packs_f16(kernel: &Kernel) -> bool {
+    any_stmt(&kernel.body, &|s| match s {
+        Stmt::Mma(m) => m.element == MmaElement::F16,
+        Stmt::Wgmma(w) => mma_element(&w.b, &Scope::of(kernel)) == MmaElement::F16,
+        _ => false,
+    })
+}
+
+/// The element type of a tensor-core operand in shared memory (type-checked: bf16 or f16).
+fn mma_element(m: &SmemMatrix, scope: &Scope) -> MmaElement {
+    MmaElement::of(scope.arrays[&m.array].0).expect("type-checked")
 }
 
 fn indent(out: &mut String, depth: usize) {
@@ -491,11 +531,11 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
                 out.push_str("}\n");
             }
             Stmt::SyncThreads => out.push_str("__syncthreads();\n"),
-            Stmt::MmaBf16(m) => {
-                let (a, b, c) = (mma_registers(&m.a), mma_registers(&m.b), &m.c);
+            Stmt::Mma(m) => {
+                let (a, b, c) = (mma_registers(&m.a, m.element), mma_registers(&m.b, m.element), &m.c);
                 let _ = writeln!(
                     out,
-                    "asm volatile(\"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, {{%0,%1,%2,%3}};\" : \"+f\"({}), \"+f\"({}), \"+f\"({}), \"+f\"({}) : \"r\"({}), \"r\"({}), \"r\"({}), \"r\"({}), \"r\"({}), \"r\"({}));",
+                    "asm volatile(\"mma.sync.aligned.m16n8k16.row.col.f32.{e}.{e}.f32 {{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, {{%0,%1,%2,%3}};\" : \"+f\"({}), \"+f\"({}), \"+f\"({}), \"+f\"({}) : \"r\"({}), \"r\"({}), \"r\"({}), \"r\"({}), \"r\"({}), \"r\"({}));",
                     c[0],
                     c[1],
                     c[2],
@@ -506,6 +546,7 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
                     a[3],
                     b[0],
                     b[1],
+                    e = m.element.ptx(),
                 );
             }
             Stmt::LoadMatrix(m) => {
@@ -609,7 +650,8 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
     }
 }
 
-/// One `wgmma.mma_async`, A from registers (packed to bf16 pairs) or through a descriptor, B
+/// One `wgmma.mma_async` of B's element type, A from registers (packed to pairs of it) or
+/// through a descriptor, B
 /// through a descriptor; the accumulators are read-write operands. scale-d is 1 (accumulate),
 /// so is the scale of A and B; A from shared memory is K-major, B as `b_major` says.
 fn wgmma(out: &mut String, w: &WgmmaOp, scope: &Scope, depth: usize) {
@@ -625,13 +667,14 @@ fn wgmma(out: &mut String, w: &WgmmaOp, scope: &Scope, depth: usize) {
         Major::K => 0,
         Major::MN => 1,
     };
+    let element = mma_element(&w.b, scope).ptx();
     let (a_operand, a_inputs, a_count, transposes) = match &w.a {
         WgmmaA::Registers(a) => (
             format!("{{{}}}", registers(accumulators, 4).join(", ")),
-            format!(
-                "\"r\"(bbc_pack_bf16x2({}, {})), \"r\"(bbc_pack_bf16x2({}, {})), \"r\"(bbc_pack_bf16x2({}, {})), \"r\"(bbc_pack_bf16x2({}, {})),",
-                a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]
-            ),
+            a.chunks(2)
+                .map(|pair| format!("\"r\"(bbc_pack_{element}x2({}, {})),", pair[0], pair[1]))
+                .collect::<Vec<_>>()
+                .join(" "),
             4,
             format!("{trans_b}"),
         ),
@@ -649,7 +692,7 @@ fn wgmma(out: &mut String, w: &WgmmaOp, scope: &Scope, depth: usize) {
     );
     let _ = writeln!(
         out,
-        "{pad}    \"wgmma.mma_async.sync.aligned.m64n{}k16.f32.bf16.bf16 {{{d_list}}},\\n\"",
+        "{pad}    \"wgmma.mma_async.sync.aligned.m64n{}k16.f32.{element}.{element} {{{d_list}}},\\n\"",
         w.n
     );
     let _ = writeln!(
@@ -754,6 +797,7 @@ fn tcgen05(out: &mut String, op: &Tcgen05, scope: &mut Scope, depth: usize) {
                 n,
                 accumulate,
             } = &**mma;
+            let element = mma_element(b, scope).ptx();
             let majors = match b_major {
                 Major::K => "both K-major",
                 Major::MN => "A K-major, B MN-major",
@@ -762,12 +806,12 @@ fn tcgen05(out: &mut String, op: &Tcgen05, scope: &mut Scope, depth: usize) {
             "asm volatile(\"{{\\n.reg .pred accumulate;\\nsetp.ne.b32 accumulate, %4, 0;\\n\"\n\
              {pad}    \"tcgen05.mma.cta_group::1.kind::f16 [%0], %1, %2, %3, accumulate;\\n}}\\n\"\n\
              {pad}    :: \"r\"({}), \"l\"({}), \"l\"({}),\n\
-             {pad}       \"r\"({:#010x}u /* bf16 x bf16 -> f32, M = 128, N = {n}, {majors} */), \"r\"((int)({}))\n\
+             {pad}       \"r\"({:#010x}u /* {element} x {element} -> f32, M = 128, N = {n}, {majors} */), \"r\"((int)({}))\n\
              {pad}    : \"memory\");",
             expr(tmem, scope),
             desc(a, scope),
             desc(b, scope),
-            tcgen05_instruction_descriptor(*n, *b_major),
+            tcgen05_instruction_descriptor(*n, *b_major, mma_element(b, scope)),
             expr(accumulate, scope)
         )
         }
@@ -799,14 +843,15 @@ fn tcgen05(out: &mut String, op: &Tcgen05, scope: &mut Scope, depth: usize) {
     let _ = writeln!(out, "{line}");
 }
 
-/// An `mma.sync` operand's 32-bit registers: f32 pairs packed to bf16, or the pairs as held.
-fn mma_registers(operand: &MmaOperand) -> Vec<String> {
+/// An `mma.sync` operand's 32-bit registers: f32 pairs packed to `element`s, or the pairs as
+/// held.
+fn mma_registers(operand: &MmaOperand, element: MmaElement) -> Vec<String> {
     match operand {
         MmaOperand::F32(names) => names
             .chunks(2)
-            .map(|pair| format!("bbc_pack_bf16x2({}, {})", pair[0], pair[1]))
+            .map(|pair| format!("bbc_pack_{}x2({}, {})", element.ptx(), pair[0], pair[1]))
             .collect(),
-        MmaOperand::Bf16Pairs(names) => names.clone(),
+        MmaOperand::Pairs(names) => names.clone(),
     }
 }
 
@@ -1030,14 +1075,22 @@ mod tests {
     }
 
     /// The `tcgen05.mma` instruction descriptor's fields where the PTX ISA puts them (kind::f16):
-    /// f32 D at bit 4, bf16 A and B at 7 and 10, B transposed (MN-major) at 16, N / 8 from bit 17
-    /// and M / 16 from 24.
+    /// f32 D at bit 4, bf16 A and B at 7 and 10 (f16's 0), B transposed (MN-major) at 16, N / 8
+    /// from bit 17 and M / 16 from 24.
     #[test]
     fn the_tcgen05_instruction_descriptor_has_the_ptx_fields() {
-        let common = (1 << 4) | (1 << 7) | (1 << 10) | ((128 / 16) << 24);
-        assert_eq!(tcgen05_instruction_descriptor(64, Major::K), common | ((64 / 8) << 17));
+        let common = (1 << 4) | ((128 / 16) << 24);
+        let bf16 = (1 << 7) | (1 << 10);
         assert_eq!(
-            tcgen05_instruction_descriptor(128, Major::MN),
+            tcgen05_instruction_descriptor(64, Major::K, MmaElement::Bf16),
+            common | bf16 | ((64 / 8) << 17)
+        );
+        assert_eq!(
+            tcgen05_instruction_descriptor(128, Major::MN, MmaElement::Bf16),
+            common | bf16 | (1 << 16) | ((128 / 8) << 17)
+        );
+        assert_eq!(
+            tcgen05_instruction_descriptor(128, Major::MN, MmaElement::F16),
             common | (1 << 16) | ((128 / 8) << 17)
         );
     }

@@ -190,15 +190,16 @@ pub enum Stmt {
     },
     /// `__syncthreads()`: every thread of the block must reach it together.
     SyncThreads,
-    /// Tensor cores, `mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32`: the warp multiplies
-    /// a 16×16 A by a 16×8 B (bf16 operands) into a 16×8 f32 accumulator, `c += a·b`. Each lane
+    /// Tensor cores, `mma.sync.aligned.m16n8k16.row.col.f32.{bf16,f16}.{bf16,f16}.f32`: the warp
+    /// multiplies a 16×16 A by a 16×8 B (bf16 or f16 operands, [`MmaFragments::element`]) into
+    /// a 16×8 f32 accumulator, `c += a·b`. Each lane
     /// holds its fragments in f32 locals, in the PTX ISA's register layout (g = lane / 4,
     /// t = lane % 4): `a[0..2]` = A[g][2t, 2t+1], `a[2..4]` = A[g+8][2t, 2t+1], `a[4..6]` =
     /// A[g][2t+8, 2t+9], `a[6..8]` = A[g+8][2t+8, 2t+9]; `b[0..2]` = B[2t, 2t+1][g], `b[2..4]` =
     /// B[2t+8, 2t+9][g]; `c[0..2]` = C[g][2t, 2t+1], `c[2..4]` = C[g+8][2t, 2t+1]. A and B
-    /// may instead be held as bf16 pairs (see [`MmaOperand`]). Every lane of the warp must
+    /// may instead be held as 16-bit pairs (see [`MmaOperand`]). Every lane of the warp must
     /// execute it together.
-    MmaBf16(Box<MmaFragments>),
+    Mma(Box<MmaFragments>),
     /// `ldmatrix` (see [`LoadMatrix`]): a warp's `mma.sync` operands straight from shared memory.
     LoadMatrix(Box<LoadMatrix>),
     /// Warp specialisation: the block's threads split into roles that each run on their own,
@@ -230,8 +231,8 @@ pub enum Stmt {
         buf: String,
         index: Expr,
     },
-    /// `cp.async.cg.shared.global` (sm_80 and later): copy 16 bytes (8 bf16 or 4 f32, the
-    /// arrays' common type) from the global `src[src_index..]` to the shared
+    /// `cp.async.cg.shared.global` (sm_80 and later): copy 16 bytes (8 bf16 or f16, 4 f32 or
+    /// 16 FP8 codes: the arrays' common type) from the global `src[src_index..]` to the shared
     /// `dst[dst_index..]` without passing through registers, or 16 zero bytes when `valid` is
     /// false. The copy lands at a later `CpAsyncWait`; until then the destination must not be
     /// touched. Both places are 16-byte aligned.
@@ -439,7 +440,8 @@ pub struct AsyncCopy {
     pub valid: Expr,
 }
 
-/// A K-major bf16 operand in shared memory, as a `wgmma`/`tcgen05` descriptor sees it.
+/// A K-major operand in shared memory, as a `wgmma`/`tcgen05` descriptor sees it: a bf16 or
+/// f16 array (its type is the instruction's, [`MmaElement`]; A's and B's the same).
 /// Without swizzling: 8×8 "core matrices" (8 rows of 16 bytes, 128 contiguous bytes);
 /// element (row, k) sits at `start + (row / 8)·sbo + (k / 8)·lbo + (row % 8)·8 + k % 8`
 /// elements, with `lbo`/`sbo` the leading/stride byte offsets given here in bytes. With the
@@ -476,14 +478,15 @@ pub enum Major {
 /// Where a `wgmma` takes A from.
 #[derive(Debug, Clone, PartialEq)]
 pub enum WgmmaA {
-    /// f32 locals, laid out as `mma.sync`'s A (see `Stmt::MmaBf16`), rounded to bf16 when
-    /// packed.
+    /// f32 locals, laid out as `mma.sync`'s A (see `Stmt::Mma`), rounded to B's element type
+    /// when packed.
     Registers([String; 8]),
     /// A 64×16 K-major operand in shared memory.
     Shared(SmemMatrix),
 }
 
-/// `wgmma.mma_async.sync.aligned.m64nNk16.f32.bf16.bf16`: the warpgroup (4 consecutive
+/// `wgmma.mma_async.sync.aligned.m64nNk16.f32.{bf16,f16}.{bf16,f16}` (the type of B's array,
+/// and of A's from shared memory): the warpgroup (4 consecutive
 /// warps, 128 threads) multiplies a 64×16 A by a 16×N B into a 64×N f32 accumulator,
 /// `d += a·b`. Warp w of the group holds rows 16w..16w+16 of D (and of A, from registers).
 /// Per lane (g = lane / 4, t = lane % 4, rows relative to 16w): `d[4j..4j+2]` =
@@ -500,8 +503,8 @@ pub struct WgmmaOp {
 }
 
 /// `tcgen05.mma.cta_group::1.kind::f16`: D (f32, in TMEM at `tmem`) = A·B, plus D when
-/// `accumulate`; A is 128×16 and B is N×16 (the transpose of the K×N operand), bf16 in shared
-/// memory (`SmemMatrix`), A K-major and B laid out as `b_major` says (as `wgmma`'s B). Row i
+/// `accumulate`; A is 128×16 and B is N×16 (the transpose of the K×N operand), both bf16 or
+/// both f16 in shared memory (`SmemMatrix`), A K-major and B laid out as `b_major` says (as `wgmma`'s B). Row i
 /// of D is TMEM lane i, column j is column `tmem + j`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TmemMma {
@@ -536,23 +539,64 @@ pub struct Role {
     pub body: Vec<Stmt>,
 }
 
-/// The fragment locals of one `mma.sync` (see `Stmt::MmaBf16`): A's 8 elements a lane, B's 4,
+/// The 16-bit float type a tensor-core multiply takes A and B as (f32 accumulation either
+/// way): what f32 operands round to (nearest even), what 16-bit pairs and shared operands
+/// hold. bf16 keeps f32's range; IEEE half keeps three more mantissa bits, exactly what an f16
+/// KV cache holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MmaElement {
+    Bf16,
+    F16,
+}
+
+impl MmaElement {
+    /// The element type of the arrays it reads.
+    pub fn ty(self) -> Ty {
+        match self {
+            MmaElement::Bf16 => Ty::Bf16,
+            MmaElement::F16 => Ty::F16,
+        }
+    }
+
+    /// The type arrays of `ty` hold as tensor-core operands, if any.
+    pub fn of(ty: Ty) -> Option<Self> {
+        match ty {
+            Ty::Bf16 => Some(MmaElement::Bf16),
+            Ty::F16 => Some(MmaElement::F16),
+            _ => None,
+        }
+    }
+
+    /// The PTX type's name (`bf16`, `f16`).
+    pub fn ptx(self) -> &'static str {
+        match self {
+            MmaElement::Bf16 => "bf16",
+            MmaElement::F16 => "f16",
+        }
+    }
+}
+
+/// The fragment locals of one `mma.sync` (see `Stmt::Mma`): A's 8 elements a lane, B's 4,
 /// the accumulator's 4 f32.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MmaFragments {
+    /// The operands' type.
+    pub element: MmaElement,
     pub a: MmaOperand,
     pub b: MmaOperand,
     pub c: [String; 4],
 }
 
-/// How a lane holds an `mma.sync` operand's elements (in `Stmt::MmaBf16`'s order).
+/// How a lane holds an `mma.sync` operand's elements (in `Stmt::Mma`'s order).
 #[derive(Debug, Clone, PartialEq)]
 pub enum MmaOperand {
-    /// An f32 local an element, rounded to bf16 (nearest even) as the MMA takes them.
+    /// An f32 local an element, rounded to the MMA's element type (nearest even) as it takes
+    /// them.
     F32(Vec<String>),
-    /// A U32 local a pair of elements, their bf16 bits (the first in the low half), as
-    /// `Stmt::LoadMatrix` gives them: handed to the MMA as they are, nothing converted.
-    Bf16Pairs(Vec<String>),
+    /// A U32 local a pair of elements, their 16 bits each (the first in the low half), as
+    /// `Stmt::LoadMatrix` gives them: handed to the MMA as they are, nothing converted, so of
+    /// the MMA's element type.
+    Pairs(Vec<String>),
 }
 
 impl MmaOperand {
@@ -560,17 +604,17 @@ impl MmaOperand {
     pub fn elements(&self) -> usize {
         match self {
             MmaOperand::F32(names) => names.len(),
-            MmaOperand::Bf16Pairs(names) => 2 * names.len(),
+            MmaOperand::Pairs(names) => 2 * names.len(),
         }
     }
 }
 
 /// `ldmatrix.sync.aligned.m8n8.x{1,2,4}[.trans].shared.b16`: the warp reads `names.len()` (1, 2
-/// or 4) 8×8 matrices of the bf16 shared array `buf`, lane `8i + r` giving at `row` the index of
+/// or 4) 8×8 matrices of the shared array `buf` (bf16 or f16: the pairs' bits), lane `8i + r` giving at `row` the index of
 /// matrix i's row r (8 elements in turn, 16-byte aligned; lanes past the last matrix's give
 /// none). Each lane declares U32 locals `names[i]`, a pair of matrix i's elements (g = lane / 4,
 /// t = lane % 4): row g, columns 2t and 2t + 1; with `transpose`, column g, rows 2t and 2t + 1.
-/// Those are `mma.sync`'s A and B fragments ([`MmaOperand::Bf16Pairs`]) where the rows are
+/// Those are `mma.sync`'s A and B fragments ([`MmaOperand::Pairs`]) where the rows are
 /// along K (A's rows, or a B stored a column of B a row), and B's where the rows are B's own
 /// (transposed). One instruction for what would take 8 loads and 8 conversions a lane. Every
 /// lane of the warp executes it together.

@@ -132,14 +132,23 @@ impl Scope {
         }
     }
 
-    /// `dst` (shared) and `src` (global) hold the same element type, bf16, f32 or FP8: what
+    /// `name` is a shared array of a tensor-core operand type (bf16 or f16): which.
+    fn operand_array(&self, name: &str, what: &str) -> Result<MmaElement, String> {
+        match self.arrays.get(name) {
+            Some((ty, _)) if self.shared.contains_key(name) => MmaElement::of(*ty),
+            _ => None,
+        }
+        .ok_or_else(|| format!("{what} `{name}` must be a shared bf16 or f16 array"))
+    }
+
+    /// `dst` (shared) and `src` (global) hold the same element type, bf16, f16, f32 or FP8: what
     /// one 16-byte `cp.async` copies between them.
     fn copy_arrays(&self, dst: &str, src: &str) -> Result<(), String> {
         let ty = match self.arrays.get(src) {
-            Some((ty @ (Ty::Bf16 | Ty::F32 | Ty::F8E4M3), _)) if !self.shared.contains_key(src) => *ty,
+            Some((ty @ (Ty::Bf16 | Ty::F16 | Ty::F32 | Ty::F8E4M3), _)) if !self.shared.contains_key(src) => *ty,
             _ => {
                 return Err(format!(
-                    "cp.async source `{src}` must be a global bf16, f32 or FP8 array"
+                    "cp.async source `{src}` must be a global bf16, f16, f32 or FP8 array"
                 ))
             }
         };
@@ -174,9 +183,9 @@ impl Scope {
         }
     }
 
-    /// A K-major operand of a tensor-core instruction (see `SmemMatrix`).
-    fn operand(&self, what: &str, m: &SmemMatrix) -> Result<(), String> {
-        self.bf16_array(&m.array, true)?;
+    /// A K-major operand of a tensor-core instruction (see `SmemMatrix`): its element type.
+    fn operand(&self, what: &str, m: &SmemMatrix) -> Result<MmaElement, String> {
+        let element = self.operand_array(&m.array, &format!("{what} operand"))?;
         self.int(&m.start)?;
         for (name, bytes) in [("leading", m.lbo), ("stride", m.sbo)] {
             if bytes % 16 != 0 || bytes >= 1 << 18 {
@@ -185,7 +194,7 @@ impl Scope {
                 ));
             }
         }
-        Ok(())
+        Ok(element)
     }
 
     fn f32_locals<'a>(&self, what: &str, names: impl IntoIterator<Item = &'a String>) -> Result<(), String> {
@@ -208,7 +217,7 @@ impl Scope {
         }
         match operand {
             MmaOperand::F32(names) => self.f32_locals(&format!("mma operand {which}"), names),
-            MmaOperand::Bf16Pairs(names) => names.iter().try_for_each(|name| match self.vars.get(name) {
+            MmaOperand::Pairs(names) => names.iter().try_for_each(|name| match self.vars.get(name) {
                 Some(Ty::U32) => Ok(()),
                 other => Err(format!(
                     "mma operand {which}'s pair `{name}` must be a U32 local, is {other:?}"
@@ -222,6 +231,14 @@ impl Scope {
             Ty::I32 | Ty::U32 => Ok(()),
             t => Err(format!("index of type {t:?}")),
         }
+    }
+}
+
+/// A tensor-core multiply's A and B of one element type.
+fn same_elements(what: &str, a: MmaElement, b: MmaElement) -> Result<(), String> {
+    match a == b {
+        true => Ok(()),
+        false => Err(format!("{what} with A of {} and B of {}", a.ptx(), b.ptx())),
     }
 }
 
@@ -387,13 +404,13 @@ fn check_block_declaring<'a>(
                     check_block(&role.body, &mut scope.clone())?;
                 }
             }
-            Stmt::MmaBf16(m) => {
+            Stmt::Mma(m) => {
                 scope.mma_operand("A", &m.a, 8)?;
                 scope.mma_operand("B", &m.b, 4)?;
                 scope.f32_locals("mma accumulator", &m.c)?;
             }
             Stmt::LoadMatrix(m) => {
-                scope.bf16_array(&m.buf, true)?;
+                scope.operand_array(&m.buf, "ldmatrix source")?;
                 if ![1, 2, 4].contains(&m.names.len()) {
                     return Err(format!("ldmatrix of {} matrices (1, 2 or 4)", m.names.len()));
                 }
@@ -429,11 +446,11 @@ fn check_block_declaring<'a>(
                     ));
                 }
                 scope.f32_locals("wgmma accumulator", &w.d)?;
+                let b = scope.operand("wgmma", &w.b)?;
                 match &w.a {
                     WgmmaA::Registers(a) => scope.f32_locals("wgmma operand", a)?,
-                    WgmmaA::Shared(a) => scope.operand("wgmma", a)?,
+                    WgmmaA::Shared(a) => same_elements("wgmma", scope.operand("wgmma", a)?, b)?,
                 }
-                scope.operand("wgmma", &w.b)?;
             }
             Stmt::Mbarrier(op) => match &**op {
                 Mbarrier::Init { barrier, count } => {
@@ -528,9 +545,11 @@ fn check_tcgen05<'a>(
                 ));
             }
             scope.int(tmem)?;
-            for operand in [a, b] {
-                scope.operand("tcgen05.mma", operand)?;
-            }
+            same_elements(
+                "tcgen05.mma",
+                scope.operand("tcgen05.mma", a)?,
+                scope.operand("tcgen05.mma", b)?,
+            )?;
             if scope.type_of(accumulate)? != Ty::Bool {
                 return Err("tcgen05.mma needs a bool `accumulate`".into());
             }

@@ -665,7 +665,7 @@ fn flash_attention_matches_reference() {
         (9, 300, 2, 1, 64, 0),
         (20, 400, 2, 1, 32, 200),
     ];
-    let fp8_cases = [
+    let narrow_cases = [
         (20, 0, 2, 1, 16, 0),
         (70, 37, 4, 2, 64, 0),
         (9, 100, 2, 1, 128, 50),
@@ -674,25 +674,21 @@ fn flash_attention_matches_reference() {
     let cases = bf16_cases
         .map(|c| (c, Ty::Bf16))
         .into_iter()
-        .chain(fp8_cases.map(|c| (c, Ty::F8E4M3)));
+        .chain(narrow_cases.map(|c| (c, Ty::F8E4M3)))
+        .chain(narrow_cases.map(|c| (c, Ty::F16)));
     for ((tokens, first, heads, kv_heads, head_dim, window), cache) in cases {
         let len = first + tokens;
-        let stored = |v: &[f32]| -> Vec<f32> {
-            let dtype = match cache {
-                Ty::F8E4M3 => ir::DType::F8E4M3,
-                _ => ir::DType::BF16,
-            };
-            v.iter().map(|&a| ops::stored_as(a, dtype)).collect()
+        let stored = |v: &[f32]| stored_in(cache, v);
+        // Queries as the tensor cores take them: a half cache's kernels round them to half.
+        let q = match cache {
+            Ty::F16 => stored(&rng.vec(tokens * heads * head_dim)),
+            _ => round(&rng.vec(tokens * heads * head_dim)),
         };
-        let (q, k, v) = (
-            round(&rng.vec(tokens * heads * head_dim)),
+        let (k, v) = (
             stored(&rng.vec(len * kv_heads * head_dim)),
             stored(&rng.vec(len * kv_heads * head_dim)),
         );
-        let pool = |values: &[f32]| match cache {
-            Ty::F8E4M3 => fp8_array(values),
-            _ => bf16_array(values),
-        };
+        let pool = |values: &[f32]| cache_array(cache, values);
         let want = attention_reference((&q, &k, &v), (first, heads, kv_heads, head_dim, window));
         let q_stride = heads * head_dim + 8;
         let q_rows: Vec<f32> = q
@@ -745,7 +741,7 @@ fn flash_attention_matches_reference() {
             close(
                 &bufs["out"].to_f32().unwrap(),
                 &want,
-                2e-3,
+                probabilities_tolerance(cache),
                 &format!(
                     "flash attention {tokens} rows from {first}, head_dim {head_dim}, window {window}, {layout:?}\n{}",
                     kernel.origin
@@ -761,6 +757,36 @@ fn fp8_array(values: &[f32]) -> Array {
     Array::from_le_bytes(Ty::F8E4M3, &codes)
 }
 
+/// A KV cache of `cache` elements (bf16, f16 or FP8) holding `values`, each rounded as stored.
+fn cache_array(cache: Ty, values: &[f32]) -> Array {
+    match cache {
+        Ty::F8E4M3 => fp8_array(values),
+        Ty::F16 => Array::f16(&values.iter().map(|&v| half::f16::from_f32(v)).collect::<Vec<_>>()),
+        _ => bf16_array(values),
+    }
+}
+
+/// `values` as a cache of `cache` elements holds them.
+fn stored_in(cache: Ty, values: &[f32]) -> Vec<f32> {
+    let dtype = match cache {
+        Ty::F8E4M3 => ir::DType::F8E4M3,
+        Ty::F16 => ir::DType::F16,
+        _ => ir::DType::BF16,
+    };
+    values.iter().map(|&a| ops::stored_as(a, dtype)).collect()
+}
+
+/// How far the tensor-core attention may stray from the reference, of the largest output:
+/// its probabilities meet the values rounded to bf16 (errors up to 1.2e-3 here), or over a
+/// half cache to half, whose three more bits hold it within 3e-4 (bf16 probabilities would
+/// stray past that).
+fn probabilities_tolerance(cache: Ty) -> f32 {
+    match cache {
+        Ty::F16 => 3e-4,
+        _ => 2e-3,
+    }
+}
+
 /// The tensor-core attention over a batched step (the serving plans' paged pool): sequences
 /// with a cached prefix and without, one of a single row (a decode row beside prompt chunks),
 /// one longer than a query tile (of either kernel), each with its own shuffled blocks in one
@@ -773,19 +799,16 @@ fn flash_attention_over_a_batched_step_matches_reference() {
     use kernels_gen::templates::cache_layout::CacheLayout;
     let mut rng = Rng(43);
     let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
-    let fp8_round = |v: &[f32]| v.iter().map(|&a| ir::F8E4M3::from_f32(a).to_f32()).collect::<Vec<_>>();
     // (rows this step, positions cached before them)
     let sequences = [(150usize, 37usize), (1, 20), (16, 0), (5, 100)];
     let shapes = [(4, 2, 32, 0), (2, 1, 16, 24), (2, 1, 64, 0)];
     let caches = shapes
         .map(|s| (s, Ty::Bf16))
         .into_iter()
-        .chain([((4, 2, 32, 0), Ty::F8E4M3), ((2, 1, 16, 24), Ty::F8E4M3)]);
+        .chain([((4, 2, 32, 0), Ty::F8E4M3), ((2, 1, 16, 24), Ty::F8E4M3)])
+        .chain([((4, 2, 32, 0), Ty::F16), ((2, 1, 16, 24), Ty::F16)]);
     for ((heads, kv_heads, head_dim, window), cache) in caches {
-        let stored = |v: &[f32]| match cache {
-            Ty::F8E4M3 => fp8_round(v),
-            _ => round(v),
-        };
+        let stored = |v: &[f32]| stored_in(cache, v);
         let row = kv_heads * head_dim;
         let block_size = 16;
         let (mut pool_k, mut pool_v) = (Vec::new(), Vec::new());
@@ -793,11 +816,11 @@ fn flash_attention_over_a_batched_step_matches_reference() {
         let (mut q_rows, mut want) = (Vec::new(), Vec::new());
         for &(rows, first) in &sequences {
             let len = first + rows;
-            let (q, k, v) = (
-                round(&rng.vec(rows * heads * head_dim)),
-                stored(&rng.vec(len * row)),
-                stored(&rng.vec(len * row)),
-            );
+            let q = match cache {
+                Ty::F16 => stored(&rng.vec(rows * heads * head_dim)),
+                _ => round(&rng.vec(rows * heads * head_dim)),
+            };
+            let (k, v) = (stored(&rng.vec(len * row)), stored(&rng.vec(len * row)));
             want.extend(attention_reference(
                 (&q, &k, &v),
                 (first, heads, kv_heads, head_dim, window),
@@ -820,10 +843,7 @@ fn flash_attention_over_a_batched_step_matches_reference() {
         }
         let tokens: usize = sequences.iter().map(|s| s.0).sum();
         let segment_rows: Vec<usize> = sequences.iter().map(|s| s.0).collect();
-        let pool = |values: &[f32]| match cache {
-            Ty::F8E4M3 => fp8_array(values),
-            _ => bf16_array(values),
-        };
+        let pool = |values: &[f32]| cache_array(cache, values);
         let bufs = HashMap::from([
             ("q".into(), Array::f32(&q_rows)),
             ("k".into(), pool(&pool_k)),
@@ -857,7 +877,7 @@ fn flash_attention_over_a_batched_step_matches_reference() {
             close(
                 &bufs["out"].to_f32().unwrap(),
                 &want,
-                2e-3,
+                probabilities_tolerance(cache),
                 &format!(
                     "batched flash attention, head_dim {head_dim}, window {window}\n{}",
                     kernel.origin
@@ -892,7 +912,8 @@ fn shared_memory_accesses_meet_no_bank_conflicts() {
     let caches = [64, 128, 256]
         .map(|d| (d, Ty::Bf16))
         .into_iter()
-        .chain([16, 64, 128, 256].map(|d| (d, Ty::F8E4M3)));
+        .chain([16, 64, 128, 256].map(|d| (d, Ty::F8E4M3)))
+        .chain([64, 128, 256].map(|d| (d, Ty::F16)));
     for (head_dim, cache) in caches {
         let (tokens, heads) = (70, 2);
         let (q, k, v) = (
@@ -900,10 +921,7 @@ fn shared_memory_accesses_meet_no_bank_conflicts() {
             round(&rng.vec(tokens * head_dim)),
             round(&rng.vec(tokens * head_dim)),
         );
-        let pool = |values: &[f32]| match cache {
-            Ty::F8E4M3 => fp8_array(values),
-            _ => bf16_array(values),
-        };
+        let pool = |values: &[f32]| cache_array(cache, values);
         let mut scalars = ints(&[
             ("tokens", tokens as i64),
             ("q_stride", (heads * head_dim) as i64),
@@ -1331,16 +1349,20 @@ fn flash_kernels(layout: kernels_gen::templates::cache_layout::CacheLayout, head
     mma.into_iter().chain(wgmma).chain(tcgen05).collect()
 }
 
-/// [`flash_kernels`] over a cache of `cache` elements: over FP8, the `mma.sync` kernel
+/// [`flash_kernels`] over a cache of `cache` elements: over FP8 or f16, the `mma.sync` kernel
 /// (masking both ways) and, for heads up to 128 dims, Hopper's `wgmma` one in its lockstep
-/// schedule and the B200's `tcgen05` one copying its tiles (the other schedules, and TMA,
-/// read bf16 tiles only).
+/// schedule (over f16 its warp-specialised one too) and the B200's `tcgen05` one copying its
+/// tiles (TMA, and over FP8 the specialised schedule, read bf16 tiles only).
 fn flash_kernels_over(
     layout: kernels_gen::templates::cache_layout::CacheLayout,
     (head_dim, cache): (usize, Ty),
 ) -> Vec<(Kernel, usize)> {
     use flash_attention::Masking;
     use flash_attention_wgmma::Schedule;
+    let schedules = match cache {
+        Ty::F16 => vec![Schedule::Lockstep, Schedule::Specialised],
+        _ => vec![Schedule::Lockstep],
+    };
     match cache {
         Ty::Bf16 => flash_kernels(layout, head_dim),
         _ => [Masking::EveryTile, Masking::CutTiles]
@@ -1351,18 +1373,23 @@ fn flash_kernels_over(
                 )
             })
             .into_iter()
-            .chain(flash_attention_wgmma::supports(head_dim).then(|| {
-                (
-                    flash_attention_wgmma::flash_attention_wgmma_over(
-                        "flash_wgmma",
-                        "test",
-                        layout,
-                        (head_dim, cache),
-                        Schedule::Lockstep,
-                    ),
-                    flash_attention_wgmma::QUERY_TILE_ROWS,
-                )
-            }))
+            .chain(
+                schedules
+                    .into_iter()
+                    .filter(|_| flash_attention_wgmma::supports(head_dim))
+                    .map(|schedule| {
+                        (
+                            flash_attention_wgmma::flash_attention_wgmma_over(
+                                "flash_wgmma",
+                                "test",
+                                layout,
+                                (head_dim, cache),
+                                schedule,
+                            ),
+                            flash_attention_wgmma::QUERY_TILE_ROWS,
+                        )
+                    }),
+            )
             .chain(flash_attention_tcgen05::supports(head_dim).then(|| {
                 (
                     flash_attention_tcgen05::flash_attention_tcgen05_over(

@@ -376,7 +376,8 @@ fn an_mma_with_inactive_lanes_is_reported() {
     let mut body: Vec<Stmt> = a.iter().chain(&b).chain(&c).map(|n| let_(n, Ty::F32, f(1.0))).collect();
     body.push(if_(
         bin(BinOp::Lt, lane(), int(31)),
-        vec![Stmt::MmaBf16(Box::new(MmaFragments {
+        vec![Stmt::Mma(Box::new(MmaFragments {
+            element: MmaElement::Bf16,
             a: MmaOperand::F32(a),
             b: MmaOperand::F32(b),
             c: c.try_into().unwrap(),

@@ -1,8 +1,8 @@
 //! `ldmatrix` on the emulator: the pairs each lane gets (the PTX ISA's layout, plain and
-//! transposed), `mma.sync` on those pairs against a plain product, and the misuse a GPU
-//! would run silently wrong.
+//! transposed), `mma.sync` on those pairs against a plain product (bf16 and f16 tiles), and the
+//! misuse a GPU would run silently wrong.
 
-use half::bf16;
+use half::{bf16, f16};
 use kernels_gen::dsl::*;
 use kernels_gen::emulator::{run, run_profiled, Array, EmuError};
 use kernels_gen::templates::mma_operands::{b_block, lane_offset, x4_names, Quad};
@@ -13,14 +13,24 @@ const ROWS: i64 = 16;
 const COLUMNS: i64 = 16;
 const PITCH: i64 = COLUMNS + 8;
 
-/// Element (r, c) of the tile: exact in bf16, distinct.
-fn element(r: i64, c: i64) -> f32 {
-    (r * COLUMNS + c) as f32
+/// Element (r, c) of a tile of `ty`: exact in it, distinct. Those of an f16 tile take an eighth
+/// more, which bf16's 8 bits would round off.
+fn element_of(ty: Ty, r: i64, c: i64) -> f32 {
+    let eighth = match ty {
+        Ty::F16 => 0.125,
+        _ => 0.0,
+    };
+    (r * COLUMNS + c) as f32 + eighth
 }
 
 /// One warp: the tile staged into shared `tile` from `x` (row-major, `COLUMNS` wide) at
 /// `PITCH`, a barrier, then `body`.
 fn tile_kernel(body: Vec<Stmt>, out: Ty) -> Kernel {
+    tile_kernel_of(Ty::Bf16, body, out)
+}
+
+/// [`tile_kernel`] with a tile of `ty` (bf16 or f16).
+fn tile_kernel_of(ty: Ty, body: Vec<Stmt>, out: Ty) -> Kernel {
     let staging = for_(
         "e",
         tid(),
@@ -38,7 +48,7 @@ fn tile_kernel(body: Vec<Stmt>, out: Ty) -> Kernel {
         params: vec![buffer("x", Ty::F32, false), buffer("out", out, true)],
         shared: vec![SharedArray {
             name: "tile".into(),
-            ty: Ty::Bf16,
+            ty,
             len: (ROWS * PITCH) as usize,
         }],
         block_dim: 32,
@@ -47,38 +57,45 @@ fn tile_kernel(body: Vec<Stmt>, out: Ty) -> Kernel {
     }
 }
 
-fn tile_values() -> Vec<f32> {
+fn tile_values(ty: Ty) -> Vec<f32> {
     (0..ROWS)
-        .flat_map(|r| (0..COLUMNS).map(move |c| element(r, c)))
+        .flat_map(|r| (0..COLUMNS).map(move |c| element_of(ty, r, c)))
         .collect()
 }
 
 fn run_tile(k: &Kernel, out: (Ty, usize)) -> Result<Array, EmuError> {
     let mut bufs = HashMap::from([
-        ("x".into(), Array::f32(&tile_values())),
+        ("x".into(), Array::f32(&tile_values(k.shared[0].ty))),
         ("out".into(), Array::poisoned(out.0, out.1)),
     ]);
     run(k, &mut bufs, &HashMap::new())?;
     Ok(bufs.remove("out").unwrap())
 }
 
-fn bits(v: f32) -> i64 {
-    bf16::from_f32(v).to_bits() as i64
+fn bits(ty: Ty, v: f32) -> i64 {
+    match ty {
+        Ty::F16 => f16::from_f32(v).to_bits() as i64,
+        _ => bf16::from_f32(v).to_bits() as i64,
+    }
 }
 
-/// Every lane's four pairs of an `ldmatrix.x4` over the tile, either quad, plain and
-/// transposed, against the PTX ISA's layout: lane (g = l / 4, t = l % 4) of matrix i gets
-/// row g, columns 2t, 2t + 1 of it, or transposed column g, rows 2t, 2t + 1.
+/// Every lane's four pairs of an `ldmatrix.x4` over the tile (bf16 and f16: the pairs are the
+/// elements' own bits), either quad, plain and transposed, against the PTX ISA's layout: lane
+/// (g = l / 4, t = l % 4) of matrix i gets row g, columns 2t, 2t + 1 of it, or transposed
+/// column g, rows 2t, 2t + 1.
 #[test]
 fn each_lane_gets_its_pairs() {
-    for quad in [Quad::RowsThenColumns, Quad::ColumnsThenRows] {
+    for (ty, quad) in [Ty::Bf16, Ty::F16]
+        .into_iter()
+        .flat_map(|ty| [(ty, Quad::RowsThenColumns), (ty, Quad::ColumnsThenRows)])
+    {
         for transpose in [false, true] {
             let names = x4_names("p", "");
             let mut body = vec![load_matrix("tile", lane_offset(quad, PITCH), &names, transpose)];
             for (i, n) in names.iter().enumerate() {
                 body.push(store("out", tid() * int(4) + int(i as i64), var(n)));
             }
-            let out = run_tile(&tile_kernel(body, Ty::U32), (Ty::U32, 128))
+            let out = run_tile(&tile_kernel_of(ty, body, Ty::U32), (Ty::U32, 128))
                 .unwrap()
                 .to_i64()
                 .unwrap();
@@ -95,12 +112,12 @@ fn each_lane_gets_its_pairs() {
                         false => [(g, 2 * t), (g, 2 * t + 1)],
                         true => [(2 * t, g), (2 * t + 1, g)],
                     };
-                    let at = |(r, c): (i64, i64)| bits(element(r0 + r, c0 + c));
+                    let at = |(r, c): (i64, i64)| bits(ty, element_of(ty, r0 + r, c0 + c));
                     let want = at(lo) | at(hi) << 16;
                     assert_eq!(
                         out[lane * 4 + i as usize],
                         want,
-                        "{quad:?} transposed {transpose}: lane {lane}, matrix {i}"
+                        "{ty:?} {quad:?} transposed {transpose}: lane {lane}, matrix {i}"
                     );
                 }
             }
@@ -110,12 +127,15 @@ fn each_lane_gets_its_pairs() {
 
 /// `mma.sync` on pairs from `ldmatrix` computes what it computes on f32 fragments: A the
 /// tile's 16×16, B (16×16, two 8-column blocks) the tile read K-major (`W[n, k]`, plain) and
-/// read as its own rows (`B[k, n]`, transposed); each against the product in f64.
+/// read as its own rows (`B[k, n]`, transposed); each against the product in f64, over a bf16
+/// tile and an f16 one (whose elements bf16 would round: the MMA takes them as halves).
 #[test]
 fn mma_on_loaded_pairs_multiplies_the_tile() {
     let a = x4_names("a", "");
     let b = x4_names("b", "");
-    for transposed_b in [false, true] {
+    let cases = [Ty::Bf16, Ty::F16].into_iter().flat_map(|ty| [(ty, false), (ty, true)]);
+    for (ty, transposed_b) in cases {
+        let element = |r: i64, c: i64| element_of(ty, r, c);
         let quad = match transposed_b {
             false => Quad::ColumnsThenRows,
             true => Quad::RowsThenColumns,
@@ -127,8 +147,9 @@ fn mma_on_loaded_pairs_multiplies_the_tile() {
         for block in 0..2 {
             let c: [String; 4] = std::array::from_fn(|i| format!("c{block}_{i}"));
             body.extend(c.iter().map(|n| let_(n, Ty::F32, f(0.0))));
-            body.push(Stmt::MmaBf16(Box::new(MmaFragments {
-                a: MmaOperand::Bf16Pairs(a.clone()),
+            body.push(Stmt::Mma(Box::new(MmaFragments {
+                element: MmaElement::of(ty).unwrap(),
+                a: MmaOperand::Pairs(a.clone()),
                 b: b_block(&b, block),
                 c: c.clone(),
             })));
@@ -139,7 +160,7 @@ fn mma_on_loaded_pairs_multiplies_the_tile() {
                 body.push(store("out", row * int(16) + col, var(n)));
             }
         }
-        let out = run_tile(&tile_kernel(body, Ty::F32), (Ty::F32, 256))
+        let out = run_tile(&tile_kernel_of(ty, body, Ty::F32), (Ty::F32, 256))
             .unwrap()
             .to_f32()
             .unwrap();
@@ -157,7 +178,7 @@ fn mma_on_loaded_pairs_multiplies_the_tile() {
                 let got = out[(m * 16 + n) as usize] as f64;
                 assert!(
                     (got - want).abs() <= want * 1e-6,
-                    "B transposed {transposed_b}: C[{m}][{n}] {got} vs {want}"
+                    "{ty:?}, B transposed {transposed_b}: C[{m}][{n}] {got} vs {want}"
                 );
             }
         }
@@ -190,7 +211,7 @@ fn bank_conflicts_are_counted_a_matrix_a_phase() {
             vec![store("tile", var("e"), f(1.0))],
         );
         let mut bufs = HashMap::from([
-            ("x".into(), Array::f32(&tile_values())),
+            ("x".into(), Array::f32(&tile_values(Ty::Bf16))),
             ("out".into(), Array::poisoned(Ty::U32, 1)),
         ]);
         run_profiled(&k, &mut bufs, &HashMap::new()).unwrap()
@@ -251,18 +272,25 @@ fn ill_typed_uses_are_refused_before_running() {
     // Three matrices; from a global buffer.
     let three = x4_names("p", "")[..3].to_vec();
     assert!(type_error(vec![load_matrix("tile", row(), &three, false)]).contains("1, 2 or 4"));
-    assert!(type_error(vec![load_matrix("x", row(), &x4_names("p", ""), false)]).contains("shared bf16"));
+    assert!(type_error(vec![load_matrix("x", row(), &x4_names("p", ""), false)]).contains("shared bf16 or f16"));
     // An operand of the wrong size, and f32 locals passed as pairs.
     let pairs = x4_names("p", "");
     let c: [String; 4] = std::array::from_fn(|i| format!("c{i}"));
     let locals: Vec<Stmt> = c.iter().map(|n| let_(n, Ty::F32, f(0.0))).collect();
-    let mma = |a: MmaOperand, b: MmaOperand| Stmt::MmaBf16(Box::new(MmaFragments { a, b, c: c.clone() }));
+    let mma = |a: MmaOperand, b: MmaOperand| {
+        Stmt::Mma(Box::new(MmaFragments {
+            element: MmaElement::Bf16,
+            a,
+            b,
+            c: c.clone(),
+        }))
+    };
     let loaded = load_matrix("tile", row(), &pairs, false);
     let short = [
         locals.clone(),
         vec![
             loaded.clone(),
-            mma(MmaOperand::Bf16Pairs(pairs[..2].to_vec()), b_block(&pairs, 0)),
+            mma(MmaOperand::Pairs(pairs[..2].to_vec()), b_block(&pairs, 0)),
         ],
     ]
     .concat();
@@ -271,10 +299,7 @@ fn ill_typed_uses_are_refused_before_running() {
         locals.clone(),
         vec![
             loaded,
-            mma(
-                MmaOperand::Bf16Pairs(pairs.clone()),
-                MmaOperand::Bf16Pairs(c[..2].to_vec()),
-            ),
+            mma(MmaOperand::Pairs(pairs.clone()), MmaOperand::Pairs(c[..2].to_vec())),
         ],
     ]
     .concat();

@@ -9,9 +9,9 @@
 //! (`fence.proxy.async`) and published with a barrier, and a `wgmma`'s operands overwritten
 //! by another warpgroup with no barrier since it retired.
 
+use super::mma::rounded;
 use super::{Block, Fault, Val};
-use crate::dsl::{AsyncCopy, Major, SmemMatrix, Swizzle, WgmmaA, WgmmaOp};
-use half::bf16;
+use crate::dsl::{AsyncCopy, Major, MmaElement, SmemMatrix, Swizzle, WgmmaA, WgmmaOp};
 use std::collections::{HashMap, HashSet, VecDeque};
 
 /// Threads in a warpgroup, the unit that issues `wgmma`.
@@ -330,8 +330,8 @@ impl Block<'_> {
         Ok(())
     }
 
-    /// One `wgmma.mma_async` per warpgroup (layouts in `WgmmaOp` and `SmemMatrix`): bf16
-    /// operands, f32 accumulation.
+    /// One `wgmma.mma_async` per warpgroup (layouts in `WgmmaOp` and `SmemMatrix`): bf16 or
+    /// f16 operands (B's array's type), f32 accumulation.
     pub(super) fn wgmma(
         &mut self,
         op: &WgmmaOp,
@@ -339,6 +339,7 @@ impl Block<'_> {
         global: &HashMap<String, super::Array>,
     ) -> Result<(), Fault> {
         let n = op.n as usize;
+        let element = self.element_of(&op.b.array);
         for wg in self.full_warpgroups("wgmma", mask)? {
             let first = wg * WARPGROUP;
             if !self.asynch.wgmma_fenced[wg] {
@@ -351,7 +352,7 @@ impl Block<'_> {
             let a = match &op.a {
                 WgmmaA::Registers(names) => {
                     footprint.registers.extend(names.iter().map(|name| (wg, name.clone())));
-                    self.gather_a(names, first)?
+                    self.gather_a(names, element, first)?
                 }
                 WgmmaA::Shared(matrix) => {
                     let start = self.operand_start(matrix, Major::K, mask, global, first)?;
@@ -361,7 +362,7 @@ impl Block<'_> {
                         .extend(indices.into_iter().map(|i| (matrix.array.clone(), i)));
                     let mut a = [[0f32; 16]; 64];
                     for (row, v) in a.iter_mut().zip(values) {
-                        *row = v.map(|x| bf16::from_f32(x).to_f32());
+                        *row = v.map(|x| rounded(element, x));
                     }
                     a
                 }
@@ -440,8 +441,9 @@ impl Block<'_> {
         }
     }
 
-    /// A (64×16, bf16-rounded) from the fragments of the warpgroup starting at thread `first`.
-    fn gather_a(&self, names: &[String; 8], first: usize) -> Result<[[f32; 16]; 64], Fault> {
+    /// A (64×16, rounded to `element`) from the fragments of the warpgroup starting at thread
+    /// `first`.
+    fn gather_a(&self, names: &[String; 8], element: MmaElement, first: usize) -> Result<[[f32; 16]; 64], Fault> {
         let mut a = [[0f32; 16]; 64];
         for warp in 0..4 {
             for lane in 0..32 {
@@ -449,7 +451,7 @@ impl Block<'_> {
                 for (i, name) in names.iter().enumerate() {
                     let row = 16 * warp + g + if i % 4 >= 2 { 8 } else { 0 };
                     let col = 2 * t + (i % 2) + if i >= 4 { 8 } else { 0 };
-                    a[row][col] = bf16::from_f32(self.register(name, first + 32 * warp + lane)?).to_f32();
+                    a[row][col] = rounded(element, self.register(name, first + 32 * warp + lane)?);
                 }
             }
         }

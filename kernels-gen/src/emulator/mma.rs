@@ -1,10 +1,10 @@
 //! The warp-wide tensor-core statements of `mma.sync` kernels: `mma.sync` itself and
 //! `ldmatrix`, which loads its operands. Both gather from and scatter to the lanes in the PTX
-//! ISA's register layouts (see `Stmt::MmaBf16` and `LoadMatrix`).
+//! ISA's register layouts (see `Stmt::Mma` and `LoadMatrix`).
 
 use super::{vector_aligned, Array, Block, Fault, Val};
 use crate::dsl::*;
-use half::bf16;
+use half::{bf16, f16};
 use std::collections::HashMap;
 use std::ops::Range;
 
@@ -31,6 +31,11 @@ fn whole_warps(mask: &[bool], what: &str) -> Result<Vec<Range<usize>>, Fault> {
 }
 
 impl Block<'_> {
+    /// The element type of `name`, a shared array of tensor-core operands (type-checked).
+    pub(super) fn element_of(&self, name: &str) -> MmaElement {
+        MmaElement::of(self.shared[name].ty).expect("type-checked")
+    }
+
     /// A fragment local's value on `lane`, which must be set.
     fn fragment(&self, name: &str, lane: usize) -> Result<Val, Fault> {
         match self.vars.get(name).map(|v| v[lane]) {
@@ -39,21 +44,26 @@ impl Block<'_> {
         }
     }
 
-    /// Element `i` of `operand` (in `Stmt::MmaBf16`'s order) on `lane`, as the MMA takes it:
-    /// rounded to bf16.
-    fn operand_element(&self, operand: &MmaOperand, i: usize, lane: usize) -> Result<f32, Fault> {
+    /// Element `i` of `operand` (in `Stmt::Mma`'s order) on `lane`, as an MMA of `element`s
+    /// takes it: rounded to that type, or its bits read as one.
+    fn operand_element(
+        &self,
+        (operand, element): (&MmaOperand, MmaElement),
+        i: usize,
+        lane: usize,
+    ) -> Result<f32, Fault> {
         Ok(match operand {
-            MmaOperand::F32(names) => bf16::from_f32(self.fragment(&names[i], lane)?.f()).to_f32(),
-            MmaOperand::Bf16Pairs(names) => {
+            MmaOperand::F32(names) => rounded(element, self.fragment(&names[i], lane)?.f()),
+            MmaOperand::Pairs(names) => {
                 let bits = self.fragment(&names[i / 2], lane)?.i() >> (16 * (i % 2));
-                bf16::from_bits(bits as u16).to_f32()
+                from_bits(element, bits as u16)
             }
         })
     }
 
-    /// One m16n8k16 bf16 MMA per warp: gather the fragments from the lanes, multiply with
-    /// bf16 operands and f32 accumulation, scatter back.
-    pub(super) fn mma_bf16(&mut self, m: &MmaFragments, mask: &[bool]) -> Result<(), Fault> {
+    /// One m16n8k16 MMA per warp: gather the fragments from the lanes, multiply with 16-bit
+    /// operands and f32 accumulation, scatter back.
+    pub(super) fn mma_sync(&mut self, m: &MmaFragments, mask: &[bool]) -> Result<(), Fault> {
         for lanes in whole_warps(mask, "mma.sync")? {
             let (mut ma, mut mb, mut mc) = ([[0f32; 16]; 16], [[0f32; 8]; 16], [[0f32; 8]; 16]);
             for lane in 0..32 {
@@ -61,10 +71,11 @@ impl Block<'_> {
                 for i in 0..8 {
                     let row = g + if i % 4 >= 2 { 8 } else { 0 };
                     let col = 2 * t + (i % 2) + if i >= 4 { 8 } else { 0 };
-                    ma[row][col] = self.operand_element(&m.a, i, l)?;
+                    ma[row][col] = self.operand_element((&m.a, m.element), i, l)?;
                 }
                 for i in 0..4 {
-                    mb[2 * t + (i % 2) + if i >= 2 { 8 } else { 0 }][g] = self.operand_element(&m.b, i, l)?;
+                    mb[2 * t + (i % 2) + if i >= 2 { 8 } else { 0 }][g] =
+                        self.operand_element((&m.b, m.element), i, l)?;
                 }
                 for (i, name) in m.c.iter().enumerate() {
                     mc[g + if i >= 2 { 8 } else { 0 }][2 * t + (i % 2)] = self.fragment(name, l)?.f();
@@ -113,6 +124,7 @@ impl Block<'_> {
             .collect();
         self.traffic_paused.set(false);
         let rows = rows?;
+        let element = self.element_of(&m.buf);
         let mut pairs = vec![vec![Val::Undef; mask.len()]; matrices];
         for lanes in warps {
             for lane in 0..32 {
@@ -123,7 +135,7 @@ impl Block<'_> {
                         false => [(g, 2 * t), (g, 2 * t + 1)],
                         true => [(2 * t, g), (2 * t + 1, g)],
                     };
-                    let bits = |(r, c): (usize, usize)| bf16::from_f32(rows[c][lanes.start + 8 * i + r].f()).to_bits();
+                    let bits = |(r, c): (usize, usize)| to_bits(element, rows[c][lanes.start + 8 * i + r].f());
                     pair[lanes.start + lane] = Val::I(bits(lo) as i64 | (bits(hi) as i64) << 16);
                 }
             }
@@ -133,5 +145,29 @@ impl Block<'_> {
             self.declare(name, Ty::U32, values, mask);
         }
         Ok(())
+    }
+}
+
+/// `v` rounded (nearest even) to `element`, as a tensor-core multiply of them takes an f32.
+pub(super) fn rounded(element: MmaElement, v: f32) -> f32 {
+    match element {
+        MmaElement::Bf16 => bf16::from_f32(v).to_f32(),
+        MmaElement::F16 => f16::from_f32(v).to_f32(),
+    }
+}
+
+/// The bits of `v` rounded to `element`.
+fn to_bits(element: MmaElement, v: f32) -> u16 {
+    match element {
+        MmaElement::Bf16 => bf16::from_f32(v).to_bits(),
+        MmaElement::F16 => f16::from_f32(v).to_bits(),
+    }
+}
+
+/// The value of an `element` given as its bits.
+fn from_bits(element: MmaElement, bits: u16) -> f32 {
+    match element {
+        MmaElement::Bf16 => bf16::from_bits(bits).to_f32(),
+        MmaElement::F16 => f16::from_bits(bits).to_f32(),
     }
 }

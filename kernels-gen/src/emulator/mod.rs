@@ -695,7 +695,7 @@ impl<'k> Block<'k> {
                     r.fill(Readers::None);
                 }
             }
-            Stmt::MmaBf16(m) => self.mma_bf16(m, mask)?,
+            Stmt::Mma(m) => self.mma_sync(m, mask)?,
             Stmt::LoadMatrix(m) => self.load_matrix(m, mask, global)?,
             Stmt::CpAsync(copy) => self.cp_async(copy, mask, global)?,
             Stmt::CpAsyncCommit => self.cp_async_commit(mask),

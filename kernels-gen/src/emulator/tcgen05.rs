@@ -11,9 +11,9 @@
 //! quarter, MMAs outside allocated columns, an allocation never freed, and every
 //! shared-memory rule `wgmma` has. The `tcgen05.fence` instructions order work around barriers on the device;
 //! lockstep execution has nothing to reorder, so they are accepted as written.
+use super::mma::rounded;
 use super::{Block, Fault, Val};
 use crate::dsl::{Expr, Major, Tcgen05, TmemMma};
-use half::bf16;
 use std::collections::{HashMap, HashSet};
 
 const LANES: usize = 128;
@@ -221,7 +221,8 @@ impl Block<'_> {
         }
         let (a_values, a_indices) = self.read_operand("tcgen05.mma", a, Major::K, starts[0], M, t)?;
         let (b_values, b_indices) = self.read_operand("tcgen05.mma", b, *b_major, starts[1], n, t)?;
-        let round = |v: f32| bf16::from_f32(v).to_f32();
+        let element = self.element_of(&b.array);
+        let round = |v: f32| rounded(element, v);
         let mut footprint = Footprint::default();
         for (row, a_row) in a_values.iter().enumerate() {
             for (col, b_row) in b_values.iter().enumerate() {

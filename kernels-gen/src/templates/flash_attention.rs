@@ -30,8 +30,9 @@
 //! (`flash_attention_tcgen05`) shares its copies and the block's keys.
 //!
 //! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 256; the cache bf16,
-//! or FP8 ([`flash_attention_over`]: its codes copied as stored, each tile widened to bf16
-//! exactly, once, into a tile the warps share).
+//! f16 or FP8 ([`flash_attention_over`]: FP8 codes copied as stored, each tile widened to bf16
+//! exactly, once, into a tile the warps share; a half cache's tiles multiplied as halves, the
+//! queries and probabilities rounded to half, as llama.cpp's kernels over its f16 caches).
 
 use super::cache_layout::CacheLayout;
 use super::mma_operands::{b_block, lane_offset, x4_names, Quad};
@@ -44,7 +45,7 @@ const TILE_Q: i64 = 64;
 pub const QUERY_TILE_ROWS: usize = TILE_Q as usize;
 /// Keys per tile.
 pub(super) const TILE_KEYS: i64 = 64;
-/// Elements of `ty` per 16-byte copy: 8 bf16, 16 FP8 codes.
+/// Elements of `ty` per 16-byte copy: 8 bf16 or f16, 16 FP8 codes.
 fn chunk(ty: Ty) -> i64 {
     16 / ty.bytes() as i64
 }
@@ -116,27 +117,8 @@ fn tile_buffers(head_dim: usize) -> i64 {
     }
 }
 
-/// The cooperative copy of the key tile at `j0` into `ks` and the value tile into `vs` from
-/// element `at` on (zeros past `hi`), `keys` keys: 16-byte chunks, `keys × head_dim / 8` of
-/// each, `threads` copying, each from chunk `first` (its index among them) on; committed as
-/// one group. Copy `c` writes the tile's `c`-th 16 bytes of keys and values. Row-major, a
-/// key's chunks go in turn, keys [`row_pitch`] apart. In core matrices a chunk is a core matrix's row (8 dims of
-/// one key), the 8-key groups `16 · head_dim` bytes apart and a group's core
-/// matrices adjacent along the dims, which `wgmma` reads K-major for the keys and MN-major for
-/// the values; copy `c` takes key `c % 8` of its group, so a warp's copies fill 512
-/// contiguous bytes (no bank conflicts) from 8 keys' 64-byte runs.
-pub(super) fn copy_tile(
-    layout: CacheLayout,
-    tile: (usize, i64, TileOrder),
-    threads: (Expr, i64),
-    j0: Expr,
-    at: Expr,
-) -> Vec<Stmt> {
-    copy_tile_of(Ty::Bf16, layout, tile, threads, j0, at)
-}
-
-/// The shared array a tile of `cache` elements lands in: `ks`/`vs` for bf16, which the
-/// fragments read; `ks8`/`vs8` for FP8 codes, widened from there into `ks`/`vs`.
+/// The shared array a tile of `cache` elements lands in: `ks`/`vs` for bf16 and f16, which
+/// the fragments read; `ks8`/`vs8` for FP8 codes, widened from there into `ks`/`vs`.
 pub(super) fn staged(name: &str, cache: Ty) -> String {
     match cache {
         Ty::F8E4M3 => format!("{name}8"),
@@ -144,9 +126,17 @@ pub(super) fn staged(name: &str, cache: Ty) -> String {
     }
 }
 
-/// [`copy_tile`] from a cache of `cache` elements (bf16, or FP8 codes 16 a copy, row-major)
-/// into its arrays ([`staged`]).
-pub(super) fn copy_tile_of(
+/// The cooperative copy of the key tile at `j0` into `ks` and the value tile into `vs` from
+/// element `at` on (zeros past `hi`), `keys` keys of a cache of `cache` elements (bf16 or f16;
+/// FP8 codes go into `ks8`/`vs8`, row-major: [`staged`]): 16-byte chunks, `threads` copying,
+/// each from chunk `first` (its index among them) on; committed as one group. Copy `c` writes
+/// the tile's `c`-th 16 bytes of keys and values. Row-major, a key's chunks go in turn, keys
+/// [`row_pitch`] apart. In core matrices a chunk is a core matrix's row (8 dims of one key),
+/// the 8-key groups `16 · head_dim` bytes apart and a group's core matrices adjacent along
+/// the dims, which `wgmma` reads K-major for the keys and MN-major for the values; copy `c`
+/// takes key `c % 8` of its group, so a warp's copies fill 512 contiguous bytes (no bank
+/// conflicts) from 8 keys' 64-byte runs.
+pub(super) fn copy_tile(
     cache: Ty,
     layout: CacheLayout,
     (head_dim, keys, order): (usize, i64, TileOrder),
@@ -223,7 +213,7 @@ fn tile_head(layout: CacheLayout, head_dim: usize, cache: Ty) -> Vec<Stmt> {
     match (tile_buffers(head_dim), cache) {
         (1, Ty::F8E4M3) => out.extend(load_widened(layout, head_dim)),
         (1, _) => {
-            out.extend(copy_tile_of(
+            out.extend(copy_tile(
                 cache,
                 layout,
                 (head_dim, TILE_KEYS, TileOrder::RowMajor),
@@ -237,7 +227,7 @@ fn tile_head(layout: CacheLayout, head_dim: usize, cache: Ty) -> Vec<Stmt> {
             let next = var("j0") + int(TILE_KEYS);
             out.push(if_(
                 lt(next.clone(), var("hi")),
-                copy_tile_of(
+                copy_tile(
                     cache,
                     layout,
                     (head_dim, TILE_KEYS, TileOrder::RowMajor),
@@ -372,7 +362,8 @@ fn query_element(head_dim: usize, step: usize, i: usize) -> (Expr, Expr) {
 }
 
 /// The queries, zero past `tokens`: this lane's fragments in registers, or for large heads
-/// the block's 64 rows in shared memory (`qs`, rounded to bf16 as the fragments would be).
+/// the block's 64 rows in shared memory (`qs`, rounded to the tiles' type as the fragments
+/// would be).
 fn load_queries(head_dim: usize) -> Vec<Stmt> {
     let at = |row: Expr, dim: Expr| row * var("q_stride") + var("h") * int(head_dim as i64) + dim;
     if head_dim > QUERIES_IN_REGISTERS {
@@ -435,8 +426,8 @@ fn matrix_rows(head_dim: usize) -> Vec<Stmt> {
 
 /// The warp's 16×64 scores: the head in 16-wide steps (a large head's query fragments of the
 /// step read from `qs` once), each over 8 blocks of 8 keys, their fragments two blocks at a
-/// time by `ldmatrix` from the bf16 tile at `tile0` (a key's dims are B's columns).
-fn scores(head_dim: usize, tile0: Expr) -> Vec<Stmt> {
+/// time by `ldmatrix` from the tile at `tile0` (a key's dims are B's columns), `element`s.
+fn scores((head_dim, element): (usize, MmaElement), tile0: Expr) -> Vec<Stmt> {
     let blocks = (TILE_KEYS / 8) as usize;
     let pitch = row_pitch(head_dim, Ty::Bf16);
     let mut out: Vec<Stmt> = (0..blocks)
@@ -452,7 +443,7 @@ fn scores(head_dim: usize, tile0: Expr) -> Vec<Stmt> {
                     &names,
                     false,
                 ));
-                MmaOperand::Bf16Pairs(names)
+                MmaOperand::Pairs(names)
             }
             false => MmaOperand::F32((0..8).map(|i| q_name(step, i)).collect()),
         };
@@ -462,7 +453,8 @@ fn scores(head_dim: usize, tile0: Expr) -> Vec<Stmt> {
                 let at = tile0.clone() + var("key_row") + int(8 * j as i64 * pitch + 16 * step as i64);
                 out.push(load_matrix("ks", at, &names, false));
             }
-            out.push(Stmt::MmaBf16(Box::new(MmaFragments {
+            out.push(Stmt::Mma(Box::new(MmaFragments {
+                element,
                 a: a.clone(),
                 b: b_block(&names, j % 2),
                 c: std::array::from_fn(|i| s_name(j, i)),
@@ -578,8 +570,8 @@ pub(super) fn online_softmax(keys: i64, masking: Masking) -> Vec<Stmt> {
 
 /// Rescale the output accumulators by `c_lo`/`c_hi`, then add P·V: the keys in 4 steps of 16,
 /// P's fragments the scores' accumulators (blocks 2u and 2u + 1), V's two blocks of dims at a
-/// time by `ldmatrix`, transposed (a key is a row of B), from the bf16 tile at `tile0`.
-fn accumulate(head_dim: usize, tile0: Expr) -> Vec<Stmt> {
+/// time by `ldmatrix`, transposed (a key is a row of B), from the tile at `tile0`, `element`s.
+fn accumulate((head_dim, element): (usize, MmaElement), tile0: Expr) -> Vec<Stmt> {
     let part_dims = head_dim / parts(head_dim);
     let pitch = row_pitch(head_dim, Ty::Bf16);
     let mut out = Vec::new();
@@ -599,7 +591,8 @@ fn accumulate(head_dim: usize, tile0: Expr) -> Vec<Stmt> {
                 let at = tile0.clone() + var("value_row") + var("d0") + int(16 * u as i64 * pitch + 8 * v as i64);
                 out.push(load_matrix("vs", at, &names, true));
             }
-            out.push(Stmt::MmaBf16(Box::new(MmaFragments {
+            out.push(Stmt::Mma(Box::new(MmaFragments {
+                element,
                 a: a.clone(),
                 b: b_block(&names, v % 2),
                 c: std::array::from_fn(|i| o_name(v, i)),
@@ -809,14 +802,34 @@ pub fn flash_attention(name: &str, origin: &str, layout: CacheLayout, head_dim: 
     flash_attention_over(name, origin, layout, (head_dim, Ty::Bf16), masking)
 }
 
-/// Whether [`flash_attention_over`] reads a cache of `cache` elements: bf16, or FP8 codes,
-/// which widen exactly to the bf16 the tensor cores take (a half would round).
+/// Whether [`flash_attention_over`] reads a cache of `cache` elements: bf16, f16, or FP8
+/// codes, which widen exactly to bf16.
 pub fn supports_cache(cache: Ty) -> bool {
-    matches!(cache, Ty::Bf16 | Ty::F8E4M3)
+    matches!(cache, Ty::Bf16 | Ty::F16 | Ty::F8E4M3)
+}
+
+/// The type the tensor cores take a cache of `cache` elements as: a half cache's own (an
+/// IEEE half does not widen to bf16 exactly; the queries and probabilities round to half
+/// too, keeping three more bits than bf16), bf16 for bf16 and FP8 ones.
+pub(super) fn tile_element(cache: Ty) -> MmaElement {
+    match cache {
+        Ty::F16 => MmaElement::F16,
+        _ => MmaElement::Bf16,
+    }
+}
+
+/// How the kernels' origins name a cache of `cache` elements.
+pub(super) fn describe_cache(cache: Ty) -> &'static str {
+    match cache {
+        Ty::F8E4M3 => "FP8 E4M3 (each tile widened to bf16 once in shared memory)",
+        Ty::F16 => "f16 (multiplied as halves)",
+        _ => "bf16",
+    }
 }
 
 /// [`flash_attention`] over a cache of `cache` elements ([`supports_cache`]): FP8 tiles copied
-/// as stored (half a bf16 tile's bytes) and widened once into a bf16 tile the warps share.
+/// as stored (half a bf16 tile's bytes) and widened once into a bf16 tile the warps share;
+/// half tiles multiplied as halves ([`tile_element`]).
 pub fn flash_attention_over(
     name: &str,
     origin: &str,
@@ -827,6 +840,7 @@ pub fn flash_attention_over(
     assert!(supports(head_dim), "head_dim {head_dim}");
     assert!(supports_cache(cache), "a {cache:?} cache");
     let parts = parts(head_dim) as i64;
+    let element = tile_element(cache);
     let locals = (0..head_dim / parts as usize / 8)
         .flat_map(|v| (0..4).map(move |i| o_name(v, i)))
         .chain((0..(TILE_KEYS / 8) as usize).flat_map(|j| (0..4).map(move |i| s_name(j, i))))
@@ -838,9 +852,9 @@ pub fn flash_attention_over(
         vec![if_(
             lt(var("q0") + warp() * int(16), var("rows_end")),
             [
-                scores(head_dim, tile_start(cache)),
+                scores((head_dim, element), tile_start(cache)),
                 online_softmax(TILE_KEYS, masking),
-                accumulate(head_dim, tile_start(cache)),
+                accumulate((head_dim, element), tile_start(cache)),
             ]
             .concat(),
         )],
@@ -855,7 +869,7 @@ pub fn flash_attention_over(
         matrix_rows(head_dim),
         match tile_buffers(head_dim) {
             1 => vec![],
-            _ => copy_tile_of(
+            _ => copy_tile(
                 cache,
                 layout,
                 (head_dim, TILE_KEYS, TileOrder::RowMajor),
@@ -888,23 +902,21 @@ pub fn flash_attention_over(
     });
     let queries = (head_dim > QUERIES_IN_REGISTERS).then(|| SharedArray {
         name: "qs".into(),
-        ty: Ty::Bf16,
+        ty: element.ty(),
         len: (TILE_Q * row_pitch(head_dim, Ty::Bf16)) as usize,
     });
     Kernel {
         name: name.into(),
         origin: format!(
-            "{origin}: causal prefill attention on tensor cores (mma.sync m16n8k16 bf16, FlashAttention-2's schedule: \
+            "{origin}: causal prefill attention on tensor cores (mma.sync m16n8k16 {}, FlashAttention-2's schedule: \
              {TILE_Q} query rows a block, {TILE_KEYS}-key tiles through shared memory, online softmax in f32{}), \
              head_dim {head_dim}, {} {}",
+            element.ptx(),
             match masking {
                 Masking::EveryTile => "",
                 Masking::CutTiles => ", the mask on tiles the block's rows do not see whole",
             },
-            match cache {
-                Ty::F8E4M3 => "FP8 E4M3 (each tile widened to bf16 once in shared memory)",
-                _ => "bf16",
-            },
+            describe_cache(cache),
             layout.describe()
         ),
         params: params_over(layout, cache),

@@ -36,8 +36,7 @@
 
 use super::cache_layout::CacheLayout;
 use super::flash_attention::{
-    self as flash, block_keys, block_rows, copy_tile, copy_tile_of, guarded_by_rows, query_tiles_expr, TileOrder,
-    TILE_KEYS,
+    self as flash, block_keys, block_rows, copy_tile, guarded_by_rows, query_tiles_expr, TileOrder, TILE_KEYS,
 };
 use super::flash_attention_wgmma::{load_queries, ring_slot};
 use super::{flash_tma, tma_gemm};
@@ -101,7 +100,7 @@ fn load_tile(
     (first_key, buffer): (Expr, Expr),
 ) -> Vec<Stmt> {
     match (loads, cache) {
-        (Loads::Copies, Ty::F8E4M3) => copy_tile_of(
+        (Loads::Copies, Ty::F8E4M3) => copy_tile(
             cache,
             layout,
             (head_dim, TILE_KEYS, TileOrder::RowMajor),
@@ -110,6 +109,7 @@ fn load_tile(
             int(0),
         ),
         (Loads::Copies, _) => copy_tile(
+            cache,
             layout,
             (head_dim, TILE_KEYS, TileOrder::CoreMatrices),
             (tid(), THREADS),
@@ -465,9 +465,10 @@ pub fn flash_attention_tcgen05_over(
         "head_dim {head_dim} by TMA"
     );
     assert!(
-        cache == Ty::Bf16 || (cache == Ty::F8E4M3 && loads == Loads::Copies),
+        cache == Ty::Bf16 || (matches!(cache, Ty::F16 | Ty::F8E4M3) && loads == Loads::Copies),
         "a {cache:?} cache loaded by {loads:?}"
     );
+    let element = flash::tile_element(cache).ty();
     let dims = head_dim / 2;
     let landed_init = match loads {
         Loads::Copies => vec![],
@@ -602,10 +603,7 @@ pub fn flash_attention_tcgen05_over(
                 Loads::Copies => "",
                 Loads::Tma => "; the tiles loaded by TMA",
             },
-            match cache {
-                Ty::F8E4M3 => "FP8 E4M3 (each tile widened to bf16 once in shared memory)",
-                _ => "bf16",
-            },
+            flash::describe_cache(cache),
             layout.describe()
         ),
         params: match loads {
@@ -614,10 +612,10 @@ pub fn flash_attention_tcgen05_over(
         },
         shared: [
             vec![
-                shared("qs", Ty::Bf16, TILE_Q as usize * head_dim),
-                shared("ks", Ty::Bf16, tile_elements),
-                shared("vs", Ty::Bf16, tile_elements),
-                shared("ps", Ty::Bf16, (TILE_Q * TILE_KEYS) as usize),
+                shared("qs", element, TILE_Q as usize * head_dim),
+                shared("ks", element, tile_elements),
+                shared("vs", element, tile_elements),
+                shared("ps", element, (TILE_Q * TILE_KEYS) as usize),
                 shared("scores", Ty::U32, 2),
                 shared("values", Ty::U32, 2),
                 shared("free", Ty::U32, 2),

@@ -253,7 +253,7 @@ pub(super) fn ring_slot((head_dim, keys): (usize, i64), i: Expr, buffers: i64) -
 /// copies the only group in flight) and fenced for the tensor cores (the queries' stores too,
 /// the first time); a barrier, past which every thread is done with the step before, so with
 /// the tile `buffers − 1` back; then the next tile's copies into that one's buffer.
-fn lockstep_tile_head(layout: CacheLayout, head_dim: usize, threads: i64, buffers: i64) -> Vec<Stmt> {
+fn lockstep_tile_head((layout, cache): (CacheLayout, Ty), head_dim: usize, threads: i64, buffers: i64) -> Vec<Stmt> {
     let next = var("j0") + int(KEYS);
     vec![
         let_("j0", Ty::I32, var("first_tile") + var("i") * int(KEYS)),
@@ -264,6 +264,7 @@ fn lockstep_tile_head(layout: CacheLayout, head_dim: usize, threads: i64, buffer
         if_(
             lt(next.clone(), var("hi")),
             copy_tile(
+                cache,
                 layout,
                 (head_dim, KEYS, TileOrder::CoreMatrices),
                 (tid(), threads),
@@ -357,7 +358,7 @@ fn fp8_lockstep_tile_head(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
 
 /// The copies of the FP8 tile at `j0` into `ks8`/`vs8`, as stored (row-major).
 fn fp8_copies(layout: CacheLayout, head_dim: usize, j0: Expr) -> Vec<Stmt> {
-    flash::copy_tile_of(
+    flash::copy_tile(
         Ty::F8E4M3,
         layout,
         (head_dim, KEYS, TileOrder::RowMajor),
@@ -376,7 +377,7 @@ fn lockstep_step(layout: CacheLayout, (head_dim, cache): (usize, Ty)) -> Vec<Stm
     // tile takes its buffer (or, over FP8, this tile is widened into it).
     let head = match cache {
         Ty::F8E4M3 => fp8_lockstep_tile_head(layout, head_dim),
-        _ => lockstep_tile_head(layout, head_dim, CONSUMERS, BUFFERS),
+        _ => lockstep_tile_head((layout, cache), head_dim, CONSUMERS, BUFFERS),
     };
     [head, products, hand_on].concat()
 }
@@ -385,7 +386,7 @@ fn lockstep_step(layout: CacheLayout, (head_dim, cache): (usize, Ty)) -> Vec<Stm
 /// back (from the fourth tile on: `empty`'s phase for tile i − 3), then tile i − 1's, issued a
 /// step before, are waited for and handed over (`full`), so two tiles' copies are in flight
 /// while the consumers work. Each thread arrives for its own copies.
-fn producer(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
+fn producer((layout, cache): (CacheLayout, Ty), head_dim: usize) -> Vec<Stmt> {
     let hand_over = |i: Expr, pending: u32| {
         vec![
             Stmt::CpAsyncWait(pending),
@@ -399,6 +400,7 @@ fn producer(layout: CacheLayout, head_dim: usize) -> Vec<Stmt> {
     let step = [
         vec![wait_for_buffer()],
         copy_tile(
+            cache,
             layout,
             (head_dim, KEYS, TileOrder::CoreMatrices),
             (tid() - int(CONSUMERS), WARPGROUP),
@@ -500,9 +502,15 @@ pub fn flash_attention_wgmma_over(
 ) -> Kernel {
     assert!(supports(head_dim), "head_dim {head_dim}");
     assert!(
-        cache == Ty::Bf16 || (cache == Ty::F8E4M3 && schedule == Schedule::Lockstep),
+        match cache {
+            Ty::Bf16 => true,
+            Ty::F16 => !schedule.tma(),
+            Ty::F8E4M3 => schedule == Schedule::Lockstep,
+            _ => false,
+        },
         "a {cache:?} cache in the {schedule:?} schedule"
     );
+    let element = flash::tile_element(cache).ty();
     assert!(
         !schedule.tma() || flash_tma::supports(head_dim),
         "head_dim {head_dim} by TMA"
@@ -538,6 +546,7 @@ pub fn flash_attention_wgmma_over(
             match cache {
                 Ty::F8E4M3 => fp8_copies(layout, head_dim, var("first_tile")),
                 _ => copy_tile(
+                    cache,
                     layout,
                     (head_dim, KEYS, TileOrder::CoreMatrices),
                     (tid(), CONSUMERS),
@@ -594,7 +603,7 @@ pub fn flash_attention_wgmma_over(
                             }],
                             match schedule {
                                 Schedule::Tma => tma_producer(layout, head_dim),
-                                _ => producer(layout, head_dim),
+                                _ => producer((layout, cache), head_dim),
                             },
                         ]
                         .concat(),
@@ -646,18 +655,15 @@ pub fn flash_attention_wgmma_over(
              P·V from registers, FlashAttention-3's intra-warpgroup overlap: {TILE_Q} query rows a block of \
              {warps}, {KEYS}-key tiles through a ring of {ring}, online softmax in f32), head_dim \
              {head_dim}, {} {}",
-            match cache {
-                Ty::F8E4M3 => "FP8 E4M3 (each tile widened to bf16 once in shared memory)",
-                _ => "bf16",
-            },
+            flash::describe_cache(cache),
             layout.describe()
         ),
         params,
         shared: [
             vec![
-                shared("qs", Ty::Bf16, TILE_Q as usize * head_dim),
-                shared("ks", Ty::Bf16, tile_elements),
-                shared("vs", Ty::Bf16, tile_elements),
+                shared("qs", element, TILE_Q as usize * head_dim),
+                shared("ks", element, tile_elements),
+                shared("vs", element, tile_elements),
             ],
             landing.into_iter().flatten().collect(),
             barriers,

@@ -296,7 +296,7 @@ pub(super) fn declare_accumulators(prefix: &str) -> Vec<Stmt> {
 /// memory (an activation tile's four pairs a load, from `xs`'s buffer starting at element
 /// `rows`; two weight tiles' a load), then
 /// for each weight tile (`weights`: its shared array, the element its buffer starts at, and
-/// its accumulators' prefix) the 2×4 `mma`s (fragment layout in `Stmt::MmaBf16`). Each
+/// its accumulators' prefix) the 2×4 `mma`s (fragment layout in `Stmt::Mma`). Each
 /// thread's rows: `a_row`, `b_row` (see `mma_operands`).
 pub(super) fn warp_k_slice(kk: i64, rows: Expr, weights: &[(&str, Expr, &str)]) -> Vec<Stmt> {
     let mut out = Vec::new();
@@ -322,8 +322,9 @@ pub(super) fn warp_k_slice(kk: i64, rows: Expr, weights: &[(&str, Expr, &str)]) 
         }
         for (mi, a) in a.iter().enumerate() {
             for ni in 0..WARP_N_TILES {
-                out.push(Stmt::MmaBf16(Box::new(MmaFragments {
-                    a: MmaOperand::Bf16Pairs(a.clone()),
+                out.push(Stmt::Mma(Box::new(MmaFragments {
+                    element: MmaElement::Bf16,
+                    a: MmaOperand::Pairs(a.clone()),
                     b: b_block(&b[ni / 2], ni % 2),
                     c: std::array::from_fn(|i| accumulator(prefix, mi, ni, i)),
                 })));

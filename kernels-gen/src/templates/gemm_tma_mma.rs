@@ -85,8 +85,9 @@ fn multiply() -> Vec<Stmt> {
         }
         for (mi, a) in a.iter().enumerate() {
             for ni in 0..WARP_N_TILES {
-                out.push(Stmt::MmaBf16(Box::new(MmaFragments {
-                    a: MmaOperand::Bf16Pairs(a.clone()),
+                out.push(Stmt::Mma(Box::new(MmaFragments {
+                    element: MmaElement::Bf16,
+                    a: MmaOperand::Pairs(a.clone()),
                     b: b_block(&b[ni / 2], ni % 2),
                     c: std::array::from_fn(|i| acc(mi, ni, i)),
                 })));

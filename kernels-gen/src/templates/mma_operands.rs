@@ -44,5 +44,5 @@ pub fn x4_names(prefix: &str, at: &str) -> Vec<String> {
 /// The two pairs of `x4`'s registers that make B's fragment of 8-column block `block` (0 or
 /// 1) in either quad: registers 2·block and 2·block + 1.
 pub fn b_block(x4: &[String], block: usize) -> MmaOperand {
-    MmaOperand::Bf16Pairs(x4[2 * block..2 * block + 2].to_vec())
+    MmaOperand::Pairs(x4[2 * block..2 * block + 2].to_vec())
 }

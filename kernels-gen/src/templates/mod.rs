@@ -1120,6 +1120,28 @@ pub fn catalog() -> Vec<Kernel> {
             (128, Ty::F8E4M3),
             flash_attention_wgmma::Schedule::Lockstep,
         ),
+        // Over a half pool: its tiles multiplied as halves.
+        flash_attention::flash_attention_over(
+            "flash_attention_f16_d128",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            (128, Ty::F16),
+            flash_attention::Masking::CutTiles,
+        ),
+        flash_attention_wgmma::flash_attention_wgmma_over(
+            "flash_attention_wgmma_specialised_f16_d128",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            (128, Ty::F16),
+            flash_attention_wgmma::Schedule::Specialised,
+        ),
+        flash_attention_tcgen05::flash_attention_tcgen05_over(
+            "flash_attention_tcgen05_f16_d128",
+            "catalog",
+            cache_layout::CacheLayout::Batched,
+            (128, Ty::F16),
+            flash_attention_tcgen05::Loads::Copies,
+        ),
         flash_attention_wgmma::flash_attention_wgmma(
             "flash_attention_wgmma_specialised_d128",
             "catalog",

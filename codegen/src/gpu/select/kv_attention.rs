@@ -331,12 +331,10 @@ fn attend(
     let by_tma = flash_tma::supports(spec.head_dim);
     let flash_form = match kernels.flash {
         // Over FP8 `wgmma` takes its lockstep schedule and `tcgen05` its copies (whose steps
-        // widen each tile to bf16); other caches `mma.sync`.
+        // widen each tile to bf16); over f16 neither loads by TMA (its tensor maps are bf16).
         FlashForm::Wgmma(_) if cache.ty == Ty::F8E4M3 => FlashForm::Wgmma(Schedule::Lockstep),
-        FlashForm::Tcgen05(_) if cache.ty == Ty::F8E4M3 => FlashForm::Tcgen05(Loads::Copies),
-        _ if cache.ty != Ty::Bf16 => FlashForm::Mma,
-        FlashForm::Wgmma(Schedule::Tma) if !by_tma => FlashForm::Wgmma(Schedule::Specialised),
-        FlashForm::Tcgen05(Loads::Tma) if !by_tma => FlashForm::Tcgen05(Loads::Copies),
+        FlashForm::Wgmma(Schedule::Tma) if cache.ty != Ty::Bf16 || !by_tma => FlashForm::Wgmma(Schedule::Specialised),
+        FlashForm::Tcgen05(Loads::Tma) if cache.ty != Ty::Bf16 || !by_tma => FlashForm::Tcgen05(Loads::Copies),
         form => form,
     };
     let (kernel, tile_rows) = match flash_form {
@@ -423,7 +421,7 @@ fn cache_sizes(kernel: &Kernel, cache: &Cache) -> Vec<LaunchArg> {
     }
 }
 
-/// Where the attention over `cache` can run on the tensor cores (a bf16 or FP8 cache, a head the
+/// Where the attention over `cache` can run on the tensor cores (a bf16, f16 or FP8 cache, a head the
 /// flash kernel takes, every row attending rather than the sampled alone), the expression
 /// that is 1 in the steps that take it and 0 in the others (see [`FLASH_ROWS_PER_SEQUENCE`]).
 fn flash_step(cache: &Cache, rows: &str) -> Option<String> {
