@@ -553,7 +553,7 @@ fn shortlist_rescores_candidates_and_picks_the_best_lowest_id_first() {
 #[test]
 fn fill_uniform_makes_the_hosts_values_from_any_base() {
     let (n, base, seed, offset, scale) = (1000usize, 7_000_000i64, 42i64, 0.5f32, 0.25f32);
-    for ty in [Ty::F32, Ty::Bf16, Ty::F8E4M3] {
+    for ty in [Ty::F32, Ty::Bf16, Ty::F16, Ty::F8E4M3] {
         let mut bufs = HashMap::from([("out".to_string(), Array::poisoned(ty, n))]);
         let mut scalars = ints(&[("n", n as i64), ("base", base), ("seed", seed)]);
         scalars.insert("offset".into(), Scalar::F32(offset));
@@ -564,6 +564,7 @@ fn fill_uniform_makes_the_hosts_values_from_any_base() {
             .map(|i| fill::uniform(seed as u32, (base as usize + i) as u32, offset, scale))
             .map(|v| match ty {
                 Ty::Bf16 => bf16::from_f32(v).to_f32(),
+                Ty::F16 => half::f16::from_f32(v).to_f32(),
                 Ty::F8E4M3 => ir::F8E4M3::from_f32(v).to_f32(),
                 _ => v,
             })

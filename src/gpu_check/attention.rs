@@ -1,12 +1,11 @@
 //! Attention alone on the GPU, a Llama-8B-shaped layer (32 query heads, 8 KV heads of 128
 //! dims, bf16 cache with random contents made on the device): one sequence's prefill at 512,
 //! 2 048 and 8 192 tokens by the tensor-core kernel (`flash_attention`) over a contiguous cache
-//! (and over an FP8 one) and over the paged pool as the serving plans launch it (the step's
-//! query tiles), on Hopper
-//! also on `wgmma` (`flash_attention_wgmma`, each schedule) both ways and in lockstep over the FP8
-//! cache, on the B200 also on `tcgen05`
-//! (`flash_attention_tcgen05`, copying or loading by TMA) both ways and copying over the FP8
-//! cache, and by
+//! (and over an FP8 one and a half one) and over the paged pool as the serving plans launch it
+//! (the step's query tiles), on Hopper also on `wgmma` (`flash_attention_wgmma`, each
+//! schedule) both ways, in lockstep over the FP8 cache and warp-specialised over the half
+//! one, on the B200 also on `tcgen05` (`flash_attention_tcgen05`, copying or loading by TMA)
+//! both ways and copying over the FP8 and half caches, and by
 //! the split attention (split pass and merge, what decode steps take; the scalar pass and the
 //! vector one), in µs and TFLOP/s; and a decode step of 64 sequences at 4 096 positions over
 //! the paged pool, as the serving plans run it (either pass, over the bf16 cache and over an
@@ -110,10 +109,15 @@ const TCGEN05_FLASH: [(&str, &str, Loads, bool); 4] = [
     ),
 ];
 
-/// The `wgmma` prompt attention over the FP8 cache, on Hopper.
-const WGMMA_FP8_FLASH: &str = "flash_attention_wgmma_fp8";
-/// The `tcgen05` prompt attention over the FP8 cache, on the B200.
-const TCGEN05_FP8_FLASH: &str = "flash_attention_tcgen05_fp8";
+/// The caches of other elements the prompts are timed over too (`--kv-cache-dtype`), each
+/// with its kernels' name suffix, its label and the `wgmma` schedule Hopper takes over it:
+/// FP8 codes (each tile widened to bf16 once; `wgmma` in lockstep, `tcgen05` copying) and
+/// halves (multiplied as halves; `wgmma` warp-specialised, `tcgen05` copying: their tiles
+/// are not loaded by TMA).
+const OTHER_CACHES: [(Ty, &str, &str, Schedule); 2] = [
+    (Ty::F8E4M3, "fp8", "an FP8 cache", Schedule::Lockstep),
+    (Ty::F16, "f16", "a half cache", Schedule::Specialised),
+];
 
 /// The kernels timed on `arch`: the tensor-core prefill over a contiguous cache and over the
 /// batched paged pool (on Hopper also on `wgmma`, on the B200 on `tcgen05`), both split passes
@@ -181,14 +185,7 @@ fn kernels(arch: &str) -> Vec<Kernel> {
             Ty::Bf16,
         ),
         attention_combine("attention_combine", "gpu-check", HEAD_DIM),
-        // Prompts and the decode step over an FP8 cache (`--kv-cache-dtype fp8`).
-        flash_attention_over(
-            "flash_attention_fp8",
-            "gpu-check",
-            CacheLayout::Contiguous,
-            (HEAD_DIM, Ty::F8E4M3),
-            Masking::CutTiles,
-        ),
+        // The decode step over an FP8 cache (`--kv-cache-dtype fp8`).
         attention_split(
             "attention_batched_fp8",
             "gpu-check",
@@ -208,26 +205,35 @@ fn kernels(arch: &str) -> Vec<Kernel> {
     ];
     kernels.extend(wgmma);
     kernels.extend(tcgen05);
-    // Over the FP8 cache, the target's own tensor cores where they take it (each tile widened
-    // to bf16 once): Hopper's lockstep `wgmma`, the B200's `tcgen05` copying its tiles.
-    let fp8 = (HEAD_DIM, Ty::F8E4M3);
-    kernels.extend(match arch {
-        "sm_90a" => Some(flash_attention_wgmma_over(
-            WGMMA_FP8_FLASH,
+    // Prompts over the other caches: on `mma.sync`, and on the target's own tensor cores.
+    for (cache, suffix, _, schedule) in OTHER_CACHES {
+        let (layout, head) = (CacheLayout::Contiguous, (HEAD_DIM, cache));
+        let name = |family: &str| format!("{family}_{suffix}");
+        kernels.push(flash_attention_over(
+            &name("flash_attention"),
             "gpu-check",
-            CacheLayout::Contiguous,
-            fp8,
-            Schedule::Lockstep,
-        )),
-        "sm_100a" => Some(flash_attention_tcgen05_over(
-            TCGEN05_FP8_FLASH,
-            "gpu-check",
-            CacheLayout::Contiguous,
-            fp8,
-            Loads::Copies,
-        )),
-        _ => None,
-    });
+            layout,
+            head,
+            Masking::CutTiles,
+        ));
+        kernels.extend(match arch {
+            "sm_90a" => Some(flash_attention_wgmma_over(
+                &name("flash_attention_wgmma"),
+                "gpu-check",
+                layout,
+                head,
+                schedule,
+            )),
+            "sm_100a" => Some(flash_attention_tcgen05_over(
+                &name("flash_attention_tcgen05"),
+                "gpu-check",
+                layout,
+                head,
+                Loads::Copies,
+            )),
+            _ => None,
+        });
+    }
     kernels
 }
 
@@ -244,7 +250,9 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
     let kernels = kernels(arch);
     let fills = [
         fill_kernels(),
-        vec![fill_uniform(fill_kernel(Ty::F8E4M3), "gpu-check", Ty::F8E4M3)],
+        OTHER_CACHES
+            .map(|(ty, ..)| fill_uniform(fill_kernel(ty), "gpu-check", ty))
+            .to_vec(),
     ];
     let mut device = super::compile_device(&[kernels.clone(), fills.concat()].concat(), arch)?;
     device.set_programmatic_launch(false);
@@ -320,18 +328,26 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
         seqs: sequences,
         cache_rows,
     };
-    // The same cache in FP8 (`--kv-cache-dtype fp8`).
-    let fp8_elements = kv;
-    let (k8, v8) = (device.alloc(fp8_elements)?, device.alloc(fp8_elements)?);
-    for (buffer, seed, name) in [(&k8, 5, "k"), (&v8, 6, "v")] {
-        let fill = Fill::of(seed, name, &[cache_rows, KV_HEADS * HEAD_DIM]);
-        fill_on_device(&mut device, buffer, 0, fp8_elements, Ty::F8E4M3, fill)?;
+    // The same cache in FP8 and in halves (`--kv-cache-dtype fp8`, `f16`).
+    let mut other_caches = Vec::new();
+    for (ty, ..) in OTHER_CACHES {
+        let (k, v) = (device.alloc(kv * ty.bytes())?, device.alloc(kv * ty.bytes())?);
+        for (buffer, seed, name) in [(&k, 5, "k"), (&v, 6, "v")] {
+            let fill = Fill::of(seed, name, &[cache_rows, KV_HEADS * HEAD_DIM]);
+            fill_on_device(&mut device, buffer, 0, kv, ty, fill)?;
+        }
+        other_caches.push((k, v));
     }
-    let fp8 = AttentionBuffers {
-        k: (&k8, fp8_elements),
-        v: (&v8, fp8_elements),
-        ..buffers
-    };
+    let other_buffers: Vec<_> = other_caches
+        .iter()
+        .zip(OTHER_CACHES)
+        .map(|((k, v), (ty, ..))| AttentionBuffers {
+            k: (k, kv * ty.bytes()),
+            v: (v, kv * ty.bytes()),
+            ..buffers
+        })
+        .collect();
+    let fp8 = &other_buffers[0];
     let mut table = String::from(
         "| attention | rows | kernel | µs | TFLOP/s | cache GB/s | % of copy bandwidth |\n|---|---|---|---|---|---|---|\n",
     );
@@ -360,27 +376,38 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
             pool((&wide_query_tiles, wide_tiles.len())),
         );
         let over_pool = |name: &str| pool.value(name, tokens);
-        let over_fp8 = |name: &str| fp8.value(name, tokens);
         let over_wide_pool = |name: &str| wide_pool.value(name, tokens);
         type Value<'a, 'b> =
             &'b dyn Fn(&str) -> Option<DeviceArg<'a, <runtime_cuda::CudaDevice as PlanDevice>::Buffer>>;
         // (label, kernels, their arguments)
-        let mut launches: Vec<(&str, Vec<&Kernel>, Value)> = vec![
-            ("tensor cores (flash_attention)", vec![flash], &value),
-            ("tensor cores over the pool (the plans')", vec![flash_pool], &over_pool),
-            ("split pass + merge (decode steps')", vec![split, combine], &value),
-            ("vector split pass + merge", vec![vector, combine], &value),
+        let mut launches: Vec<(String, Vec<&Kernel>, Value)> = vec![
+            ("tensor cores (flash_attention)".into(), vec![flash], &value),
             (
-                "tensor cores over an FP8 cache",
-                vec![find("flash_attention_fp8")?],
-                &over_fp8,
+                "tensor cores over the pool (the plans')".into(),
+                vec![flash_pool],
+                &over_pool,
             ),
+            (
+                "split pass + merge (decode steps')".into(),
+                vec![split, combine],
+                &value,
+            ),
+            ("vector split pass + merge".into(), vec![vector, combine], &value),
         ];
-        if let Ok(kernel) = find(WGMMA_FP8_FLASH) {
-            launches.push(("wgmma over an FP8 cache", vec![kernel], &over_fp8));
-        }
-        if let Ok(kernel) = find(TCGEN05_FP8_FLASH) {
-            launches.push(("tcgen05 over an FP8 cache", vec![kernel], &over_fp8));
+        let over_others: Vec<_> = other_buffers
+            .iter()
+            .map(|buffers| move |name: &str| buffers.value(name, tokens))
+            .collect();
+        for ((_, suffix, label, _), over) in OTHER_CACHES.iter().zip(&over_others) {
+            for (family, on) in [
+                ("flash_attention", "tensor cores"),
+                ("flash_attention_wgmma", "wgmma"),
+                ("flash_attention_tcgen05", "tcgen05"),
+            ] {
+                if let Ok(kernel) = find(&format!("{family}_{suffix}")) {
+                    launches.push((format!("{on} over {label}"), vec![kernel], over));
+                }
+            }
         }
         let wide = WGMMA_FLASH
             .iter()
@@ -396,7 +423,7 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
                     true => &over_wide_pool,
                     false => &value,
                 };
-                launches.push((label, vec![kernel], value));
+                launches.push((label.into(), vec![kernel], value));
             }
         }
         for (label, launched, value) in launches {
@@ -540,9 +567,10 @@ mod tests {
             cache_rows: 16,
         };
         let (hopper, blackwell) = (kernels("sm_90a"), kernels("sm_100a"));
-        // Each also over the FP8 cache on its tensor cores.
-        assert_eq!(hopper.len(), kernels("sm_120a").len() + WGMMA_FLASH.len() + 1);
-        assert_eq!(blackwell.len(), kernels("sm_120a").len() + TCGEN05_FLASH.len() + 1);
+        // Each also over the other caches on its tensor cores.
+        let others = OTHER_CACHES.len();
+        assert_eq!(hopper.len(), kernels("sm_120a").len() + WGMMA_FLASH.len() + others);
+        assert_eq!(blackwell.len(), kernels("sm_120a").len() + TCGEN05_FLASH.len() + others);
         for kernel in [hopper, blackwell].concat() {
             let value = |name: &str| buffers.value(name, 512);
             if let Err(e) = super::super::llama_8b::bind(&kernel, value) {

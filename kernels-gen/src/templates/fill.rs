@@ -20,17 +20,18 @@ pub fn fill_kernels() -> Vec<Kernel> {
         .collect()
 }
 
-/// The fill kernel's name for elements of `ty` (an FP8 cache's, `fill_uniform_fp8`, is built
-/// where a device fills one: the GPU check's attention timings).
+/// The fill kernel's name for elements of `ty` (an FP8 or half cache's, `fill_uniform_fp8` and
+/// `fill_uniform_f16`, are built where a device fills one: the GPU check's attention timings).
 pub fn fill_kernel(ty: Ty) -> &'static str {
     match ty {
         Ty::Bf16 => "fill_uniform_bf16",
+        Ty::F16 => "fill_uniform_f16",
         Ty::F8E4M3 => "fill_uniform_fp8",
         _ => "fill_uniform_f32",
     }
 }
 
-/// `out[i]` for `i` in `0..n` (`ty` is f32, bf16 or FP8; the narrower ones round the f32
+/// `out[i]` for `i` in `0..n` (`ty` is f32, bf16, f16 or FP8; the narrower ones round the f32
 /// value to nearest).
 pub fn fill_uniform(name: &str, origin: &str, ty: Ty) -> Kernel {
     let u32_of = |v: u32| cast(Ty::U32, int(v as i64));
