@@ -320,13 +320,13 @@ pub enum Mbarrier {
     Wait { barrier: MbarrierRef, parity: Expr },
 }
 
-/// How a bf16 tile's 16-byte chunks sit in shared memory.
+/// How a tile's 16-byte chunks sit in shared memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Swizzle {
     /// As addressed: a tensor-core operand is read as 8×8 core matrices placed by its leading
     /// and stride byte offsets (`SmemMatrix`), a TMA box is written row after row.
     None,
-    /// The 128-byte swizzle: rows of 128 bytes (64 bf16) whose 16-byte chunk `c` of row `r`
+    /// The 128-byte swizzle: rows of 128 bytes (64 bf16 or f16) whose 16-byte chunk `c` of row `r`
     /// lies at chunk `c ^ (r % 8)`, so the eight rows of a 1 KiB atom spread one column of
     /// chunks over all 32 banks. Applied to shared-memory address bits (bits 4–6 XOR bits
     /// 7–9), so arrays holding such tiles start 1024-byte aligned. What TMA writes and the
@@ -335,7 +335,8 @@ pub enum Swizzle {
 }
 
 impl Swizzle {
-    /// The element of a bf16 array (1024-byte aligned) that address `index` lands on.
+    /// The element of a 16-bit (bf16 or f16) array, 1024-byte aligned, that address `index`
+    /// lands on.
     pub fn bf16_element(self, index: usize) -> usize {
         match self {
             Swizzle::None => index,
@@ -344,7 +345,8 @@ impl Swizzle {
     }
 }
 
-/// A two-dimensional view of a global bf16 buffer for TMA (`CUtensorMap`): `rows` × `cols`
+/// A two-dimensional view of a global bf16 or f16 buffer for TMA (`CUtensorMap`, of the
+/// buffer's element type; the box lands in a shared array of the same): `rows` × `cols`
 /// elements, row-major with rows `stride` elements apart, copied in boxes of `box_rows` ×
 /// `box_cols`. Not a launch argument: the launcher derives it from `buffer` and the scalar
 /// parameters (`rows`, `cols`, `stride` are expressions of them) and passes it as a

@@ -123,13 +123,18 @@ impl Scope {
         })
     }
 
-    /// `name` is an array in shared memory (`true`) or a global buffer, of bf16 elements.
-    fn bf16_array(&self, name: &str, shared: bool) -> Result<(), String> {
-        let place = if shared { "shared" } else { "global" };
-        match self.arrays.get(name) {
-            Some((Ty::Bf16, _)) if self.shared.contains_key(name) == shared => Ok(()),
-            _ => Err(format!("`{name}` must be a {place} bf16 array")),
+    /// The element type of `map`'s buffer, a global bf16 or f16 array.
+    fn map_element(&self, map: &TensorMap) -> Result<MmaElement, String> {
+        match self.arrays.get(&map.buffer) {
+            Some((ty, _)) if !self.shared.contains_key(&map.buffer) => MmaElement::of(*ty),
+            _ => None,
         }
+        .ok_or_else(|| {
+            format!(
+                "tensor map `{}` over `{}`, not a global bf16 or f16 array",
+                map.name, map.buffer
+            )
+        })
     }
 
     /// `name` is a shared array of a tensor-core operand type (bf16 or f16): which.
@@ -255,12 +260,13 @@ pub fn check(kernel: &Kernel) -> Result<(), TypeError> {
     check_block(&kernel.body, &mut scope.clone()).map_err(err)
 }
 
-/// What `cuTensorMapEncodeTiled` accepts of a 2-D bf16 map, and the box widths bbc's layouts
-/// assume: box sides of 1..=256 elements, rows of whole 16-byte units, exactly one 128-byte
-/// row under the 128-byte swizzle. Its sizes are expressions of the scalar parameters.
+/// What `cuTensorMapEncodeTiled` accepts of a 2-D map of 16-bit floats (its buffer bf16 or
+/// f16), and the box widths bbc's layouts assume: box sides of 1..=256 elements, rows of whole
+/// 16-byte units, exactly one 128-byte row under the 128-byte swizzle. Its sizes are
+/// expressions of the scalar parameters.
 fn check_tensor_map(map: &TensorMap, scope: &Scope) -> Result<(), String> {
     let name = &map.name;
-    scope.bf16_array(&map.buffer, false)?;
+    scope.map_element(map)?;
     for size in [&map.rows, &map.cols, &map.stride] {
         scope.int(size)?;
         if !uses_scalars_only(size) {
@@ -282,7 +288,7 @@ fn check_tensor_map(map: &TensorMap, scope: &Scope) -> Result<(), String> {
     }
     if map.swizzle == Swizzle::B128 && map.box_cols != 64 {
         return Err(format!(
-            "tensor map `{name}`: a 128-byte swizzle takes boxes 64 bf16 wide, not {}",
+            "tensor map `{name}`: a 128-byte swizzle takes boxes 64 elements wide, not {}",
             map.box_cols
         ));
     }
@@ -472,10 +478,20 @@ fn check_block_declaring<'a>(
                 }
             },
             Stmt::TmaLoad(tma) => {
-                if !scope.maps.contains_key(&tma.map) {
+                let Some(map) = scope.maps.get(&tma.map) else {
                     return Err(format!("`{}` is not a tensor map", tma.map));
+                };
+                let element = scope.map_element(map)?;
+                match scope.arrays.get(&tma.dst) {
+                    Some((ty, _)) if *ty == element.ty() && scope.shared.contains_key(&tma.dst) => {}
+                    _ => {
+                        return Err(format!(
+                            "TMA destination `{}` must be a shared {} array, as its map's buffer",
+                            tma.dst,
+                            element.ptx()
+                        ))
+                    }
                 }
-                scope.bf16_array(&tma.dst, true)?;
                 for e in [&tma.dst_index, &tma.row, &tma.col] {
                     scope.int(e)?;
                 }

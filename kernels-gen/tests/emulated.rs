@@ -1310,101 +1310,64 @@ fn flash_fails_without(kernel: &Kernel, (what, edit, expected): (&str, Edit, &st
     assert!(message.contains(expected), "without {what}: {message}");
 }
 
-/// The tensor-core prefill attention kernels for `head_dim` over `layout`, each with the rows
-/// of its query tiles: on `mma.sync` (masking every tile, and only those the block's rows do
-/// not see whole), and on `wgmma` (every schedule) and `tcgen05` where they take the head.
-fn flash_kernels(layout: kernels_gen::templates::cache_layout::CacheLayout, head_dim: usize) -> Vec<(Kernel, usize)> {
+/// The tensor-core prefill attention kernels for `head_dim` over `layout` and a cache of
+/// `cache` elements, each with the rows of its query tiles: on `mma.sync` (masking every tile,
+/// and only those the block's rows do not see whole), and on `wgmma` (every schedule) and
+/// `tcgen05` (copying and by TMA) where they take the head; over FP8, `wgmma` in its lockstep
+/// schedule and `tcgen05` copying alone (their other forms read 16-bit tiles only).
+fn flash_kernels_over(
+    layout: kernels_gen::templates::cache_layout::CacheLayout,
+    (head_dim, cache): (usize, Ty),
+) -> Vec<(Kernel, usize)> {
     use flash_attention::Masking;
+    use flash_attention_tcgen05::Loads;
     use flash_attention_wgmma::Schedule;
+    let fp8 = cache == Ty::F8E4M3;
     let wgmma = [Schedule::Lockstep, Schedule::Specialised, Schedule::Tma]
         .into_iter()
+        .filter(|&schedule| !fp8 || schedule == Schedule::Lockstep)
         .filter(|&schedule| match schedule {
             Schedule::Tma => flash_tma::supports(head_dim),
             _ => flash_attention_wgmma::supports(head_dim),
         })
         .map(|schedule| {
             (
-                flash_attention_wgmma::flash_attention_wgmma("flash_wgmma", "test", layout, head_dim, schedule),
+                flash_attention_wgmma::flash_attention_wgmma_over(
+                    "flash_wgmma",
+                    "test",
+                    layout,
+                    (head_dim, cache),
+                    schedule,
+                ),
                 flash_attention_wgmma::QUERY_TILE_ROWS,
             )
         });
-    use flash_attention_tcgen05::Loads;
     let tcgen05 = [Loads::Copies, Loads::Tma]
         .into_iter()
+        .filter(|&loads| !fp8 || loads == Loads::Copies)
         .filter(|&loads| match loads {
             Loads::Copies => flash_attention_tcgen05::supports(head_dim),
             Loads::Tma => flash_tma::supports(head_dim),
         })
         .map(|loads| {
             (
-                flash_attention_tcgen05::flash_attention_tcgen05("flash_tcgen05", "test", layout, head_dim, loads),
+                flash_attention_tcgen05::flash_attention_tcgen05_over(
+                    "flash_tcgen05",
+                    "test",
+                    layout,
+                    (head_dim, cache),
+                    loads,
+                ),
                 flash_attention_tcgen05::QUERY_TILE_ROWS,
             )
         });
     let mma = [Masking::EveryTile, Masking::CutTiles].map(|masking| {
         (
-            flash_attention::flash_attention("flash", "test", layout, head_dim, masking),
+            flash_attention::flash_attention_over("flash", "test", layout, (head_dim, cache), masking),
             flash_attention::QUERY_TILE_ROWS,
         )
     });
     mma.into_iter().chain(wgmma).chain(tcgen05).collect()
-}
-
-/// [`flash_kernels`] over a cache of `cache` elements: over FP8 or f16, the `mma.sync` kernel
-/// (masking both ways) and, for heads up to 128 dims, Hopper's `wgmma` one in its lockstep
-/// schedule (over f16 its warp-specialised one too) and the B200's `tcgen05` one copying its
-/// tiles (TMA, and over FP8 the specialised schedule, read bf16 tiles only).
-fn flash_kernels_over(
-    layout: kernels_gen::templates::cache_layout::CacheLayout,
-    (head_dim, cache): (usize, Ty),
-) -> Vec<(Kernel, usize)> {
-    use flash_attention::Masking;
-    use flash_attention_wgmma::Schedule;
-    let schedules = match cache {
-        Ty::F16 => vec![Schedule::Lockstep, Schedule::Specialised],
-        _ => vec![Schedule::Lockstep],
-    };
-    match cache {
-        Ty::Bf16 => flash_kernels(layout, head_dim),
-        _ => [Masking::EveryTile, Masking::CutTiles]
-            .map(|masking| {
-                (
-                    flash_attention::flash_attention_over("flash", "test", layout, (head_dim, cache), masking),
-                    flash_attention::QUERY_TILE_ROWS,
-                )
-            })
-            .into_iter()
-            .chain(
-                schedules
-                    .into_iter()
-                    .filter(|_| flash_attention_wgmma::supports(head_dim))
-                    .map(|schedule| {
-                        (
-                            flash_attention_wgmma::flash_attention_wgmma_over(
-                                "flash_wgmma",
-                                "test",
-                                layout,
-                                (head_dim, cache),
-                                schedule,
-                            ),
-                            flash_attention_wgmma::QUERY_TILE_ROWS,
-                        )
-                    }),
-            )
-            .chain(flash_attention_tcgen05::supports(head_dim).then(|| {
-                (
-                    flash_attention_tcgen05::flash_attention_tcgen05_over(
-                        "flash_tcgen05",
-                        "test",
-                        layout,
-                        (head_dim, cache),
-                        flash_attention_tcgen05::Loads::Copies,
-                    ),
-                    flash_attention_tcgen05::QUERY_TILE_ROWS,
-                )
-            }))
-            .collect(),
-    }
 }
 
 /// The IR reference's causal attention (scale 0.3) of the rows `first..` of one sequence, its

@@ -1000,20 +1000,32 @@ fn tma_map(cols: i64, stride: i64, box_cols: u32) -> Param {
 
 /// Run a TMA program over `source` with map `map`: `out`, or the error's message.
 fn run_tma_with(steps: Vec<(&'static str, Stmt)>, map: Param, source: &[f32]) -> Result<Vec<f32>, String> {
+    run_tma_over(steps, map, source, (Ty::Bf16, Ty::Bf16))
+}
+
+/// [`run_tma_with`] with the mapped buffer `x` of `buffer` elements (bf16, f16 or f32) and the
+/// shared `xs` it lands in of `tile` elements.
+fn run_tma_over(
+    steps: Vec<(&'static str, Stmt)>,
+    map: Param,
+    source: &[f32],
+    (buffer_ty, tile): (Ty, Ty),
+) -> Result<Vec<f32>, String> {
     let k = Kernel {
         name: "k".into(),
         origin: "test".into(),
-        params: vec![buffer("x", Ty::Bf16, false), buffer("out", Ty::F32, true), map],
-        shared: vec![shared("xs", Ty::Bf16, 64 * 64), shared("bar", Ty::U32, 2)],
+        params: vec![buffer("x", buffer_ty, false), buffer("out", Ty::F32, true), map],
+        shared: vec![shared("xs", tile, 64 * 64), shared("bar", Ty::U32, 2)],
         block_dim: 128,
         grid: int(1),
         body: steps.into_iter().map(|(_, s)| s).collect(),
     };
-    let source: Vec<half::bf16> = source.iter().map(|&v| half::bf16::from_f32(v)).collect();
-    let mut bufs = HashMap::from([
-        ("x".into(), Array::bf16(&source)),
-        ("out".into(), Array::poisoned(Ty::F32, 64 * 8)),
-    ]);
+    let x = match buffer_ty {
+        Ty::F16 => Array::f16(&source.iter().map(|&v| half::f16::from_f32(v)).collect::<Vec<_>>()),
+        Ty::Bf16 => Array::bf16(&source.iter().map(|&v| half::bf16::from_f32(v)).collect::<Vec<_>>()),
+        _ => Array::f32(source),
+    };
+    let mut bufs = HashMap::from([("x".into(), x), ("out".into(), Array::poisoned(Ty::F32, 64 * 8))]);
     match run(&k, &mut bufs, &HashMap::new()) {
         Ok(()) => Ok(bufs["out"].to_f32().unwrap()),
         Err(EmuError::Fault { message, .. } | EmuError::Launch { message, .. }) => Err(message),
@@ -1325,7 +1337,30 @@ fn tensor_maps_the_driver_would_refuse_are_reported() {
     assert!(message.contains("over `x` of 4000 elements"), "{message}");
     let message = run_tma_with(tma_program(), tma_map(64, 64, 32), &source).unwrap_err();
     assert!(
-        message.contains("a 128-byte swizzle takes boxes 64 bf16 wide, not 32"),
+        message.contains("a 128-byte swizzle takes boxes 64 elements wide, not 32"),
+        "{message}"
+    );
+}
+
+/// A map over half elements copies them as they are into a half tile, which the `wgmma` reads
+/// as halves (values exact in f16 that bf16 would round: the product is the halves'); a map
+/// over f32, or a half map landing in a bf16 tile, is refused before running.
+#[test]
+fn tma_maps_copy_halves_and_their_misuse_is_refused() {
+    let halves: Vec<f32> = tma_source().iter().map(|v| v + 1.0 / 512.0).collect();
+    let as_bf16: Vec<f32> = halves.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+    assert_ne!(tma_product(&as_bf16), tma_product(&halves));
+    let (map, program) = (|| tma_map(64, 64, 64), tma_program);
+    let got = run_tma_over(program(), map(), &halves, (Ty::F16, Ty::F16)).unwrap();
+    let want = tma_product(&halves);
+    for (g, w) in got.iter().zip(&want) {
+        assert!((g - w).abs() <= 1e-6 * w.abs().max(1.0), "{g} vs {w}");
+    }
+    let message = run_tma_over(program(), map(), &halves, (Ty::F32, Ty::F32)).unwrap_err();
+    assert!(message.contains("not a global bf16 or f16 array"), "{message}");
+    let message = run_tma_over(program(), map(), &halves, (Ty::F16, Ty::Bf16)).unwrap_err();
+    assert!(
+        message.contains("must be a shared f16 array, as its map's buffer"),
         "{message}"
     );
 }

@@ -3,9 +3,9 @@
 //! 2 048 and 8 192 tokens by the tensor-core kernel (`flash_attention`) over a contiguous cache
 //! (and over an FP8 one and a half one) and over the paged pool as the serving plans launch it
 //! (the step's query tiles), on Hopper also on `wgmma` (`flash_attention_wgmma`, each
-//! schedule) both ways, in lockstep over the FP8 cache and warp-specialised over the half
-//! one, on the B200 also on `tcgen05` (`flash_attention_tcgen05`, copying or loading by TMA)
-//! both ways and copying over the FP8 and half caches, and by
+//! schedule) both ways, in lockstep over the FP8 cache and by TMA over the half one, on the
+//! B200 also on `tcgen05` (`flash_attention_tcgen05`, copying or loading by TMA) both ways,
+//! copying over the FP8 cache and by TMA over the half one, and by
 //! the split attention (split pass and merge, what decode steps take; the scalar pass and the
 //! vector one), in µs and TFLOP/s; and a decode step of 64 sequences at 4 096 positions over
 //! the paged pool, as the serving plans run it (either pass, over the bf16 cache and over an
@@ -110,13 +110,12 @@ const TCGEN05_FLASH: [(&str, &str, Loads, bool); 4] = [
 ];
 
 /// The caches of other elements the prompts are timed over too (`--kv-cache-dtype`), each
-/// with its kernels' name suffix, its label and the `wgmma` schedule Hopper takes over it:
-/// FP8 codes (each tile widened to bf16 once; `wgmma` in lockstep, `tcgen05` copying) and
-/// halves (multiplied as halves; `wgmma` warp-specialised, `tcgen05` copying: their tiles
-/// are not loaded by TMA).
-const OTHER_CACHES: [(Ty, &str, &str, Schedule); 2] = [
-    (Ty::F8E4M3, "fp8", "an FP8 cache", Schedule::Lockstep),
-    (Ty::F16, "f16", "a half cache", Schedule::Specialised),
+/// with its kernels' name suffix, its label, and how Hopper's `wgmma` and the B200's
+/// `tcgen05` run over it: FP8 codes (each tile widened to bf16 once; `wgmma` in lockstep,
+/// `tcgen05` copying) and halves (multiplied as halves, loaded by TMA).
+const OTHER_CACHES: [(Ty, &str, &str, Schedule, Loads); 2] = [
+    (Ty::F8E4M3, "fp8", "an FP8 cache", Schedule::Lockstep, Loads::Copies),
+    (Ty::F16, "f16", "a half cache", Schedule::Tma, Loads::Tma),
 ];
 
 /// The kernels timed on `arch`: the tensor-core prefill over a contiguous cache and over the
@@ -206,7 +205,7 @@ fn kernels(arch: &str) -> Vec<Kernel> {
     kernels.extend(wgmma);
     kernels.extend(tcgen05);
     // Prompts over the other caches: on `mma.sync`, and on the target's own tensor cores.
-    for (cache, suffix, _, schedule) in OTHER_CACHES {
+    for (cache, suffix, _, schedule, loads) in OTHER_CACHES {
         let (layout, head) = (CacheLayout::Contiguous, (HEAD_DIM, cache));
         let name = |family: &str| format!("{family}_{suffix}");
         kernels.push(flash_attention_over(
@@ -229,7 +228,7 @@ fn kernels(arch: &str) -> Vec<Kernel> {
                 "gpu-check",
                 layout,
                 head,
-                Loads::Copies,
+                loads,
             )),
             _ => None,
         });
@@ -398,7 +397,7 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
             .iter()
             .map(|buffers| move |name: &str| buffers.value(name, tokens))
             .collect();
-        for ((_, suffix, label, _), over) in OTHER_CACHES.iter().zip(&over_others) {
+        for ((_, suffix, label, ..), over) in OTHER_CACHES.iter().zip(&over_others) {
             for (family, on) in [
                 ("flash_attention", "tensor cores"),
                 ("flash_attention_wgmma", "wgmma"),

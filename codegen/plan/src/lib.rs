@@ -161,9 +161,9 @@ pub struct KernelEntry {
     pub tensor_maps: Vec<TensorMapEntry>,
 }
 
-/// A 2-D bf16 TMA tensor map a kernel takes: over the launch argument `buffer`, its `rows`,
-/// `cols` and row `stride` (elements) the launch's scalar arguments of those names, copied
-/// in boxes of `box_rows` × `box_cols`, 128-byte swizzled or not.
+/// A 2-D TMA tensor map a kernel takes: over the launch argument `buffer` (of `element`s), its
+/// `rows`, `cols` and row `stride` (elements) the launch's scalar arguments of those names,
+/// copied in boxes of `box_rows` × `box_cols`, 128-byte swizzled or not.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TensorMapEntry {
     pub name: String,
@@ -174,6 +174,17 @@ pub struct TensorMapEntry {
     pub box_rows: u32,
     pub box_cols: u32,
     pub swizzle_128b: bool,
+    /// The buffer's elements: `bf16` (where not given) or `f16`.
+    #[serde(default = "bf16", skip_serializing_if = "is_bf16")]
+    pub element: String,
+}
+
+fn bf16() -> String {
+    "bf16".into()
+}
+
+fn is_bf16(element: &str) -> bool {
+    element == "bf16"
 }
 
 /// A kernel parameter as the launcher needs it.

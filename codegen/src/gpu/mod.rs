@@ -398,7 +398,7 @@ pub fn kernel_entry(k: &Kernel) -> KernelEntry {
 /// `k`'s tensor maps as its plan entry states them. The templates put them after the launch
 /// parameters and size them by scalar parameters, which the entry names.
 fn tensor_map_entries(k: &Kernel) -> Vec<gpu_plan::TensorMapEntry> {
-    use kernels_gen::dsl::{Expr, Param, Swizzle};
+    use kernels_gen::dsl::{Expr, MmaElement, Param, Swizzle};
     let first_map = k.params.iter().position(|p| matches!(p, Param::TensorMap(_)));
     let maps = &k.params[first_map.unwrap_or(k.params.len())..];
     let scalar = |e: &Expr| match e {
@@ -416,6 +416,13 @@ fn tensor_map_entries(k: &Kernel) -> Vec<gpu_plan::TensorMapEntry> {
                 box_rows: map.box_rows,
                 box_cols: map.box_cols,
                 swizzle_128b: map.swizzle == Swizzle::B128,
+                element: match k.param(&map.buffer) {
+                    Some(Param::Buffer { ty, .. }) => MmaElement::of(*ty),
+                    _ => None,
+                }
+                .unwrap_or_else(|| panic!("{}: tensor map `{}` over no 16-bit buffer", k.name, map.name))
+                .ptx()
+                .to_string(),
             },
             _ => panic!("{}: a launch parameter after a tensor map", k.name),
         })

@@ -757,13 +757,8 @@ pub fn query_tile_rows(name: &str) -> Option<usize> {
 }
 
 /// The parameters every flash kernel over `layout` takes: `out` `[tokens, heads·head_dim]`
-/// from `q` (rows `q_stride` apart) and the bf16 cache `k`/`v`, the rows and the head's
-/// shape, the cache's layout, and a batched step's `query_tiles` and `seqs`.
-pub(super) fn params(layout: CacheLayout) -> Vec<Param> {
-    params_over(layout, Ty::Bf16)
-}
-
-/// [`params`] over a cache of `cache` elements.
+/// from `q` (rows `q_stride` apart) and the cache `k`/`v` of `cache` elements, the rows and
+/// the head's shape, the cache's layout, and a batched step's `query_tiles` and `seqs`.
 pub(super) fn params_over(layout: CacheLayout, cache: Ty) -> Vec<Param> {
     let tiles_input = match layout {
         CacheLayout::Batched => vec![buffer("query_tiles", Ty::I32, false), scalar("seqs", Ty::I32)],

@@ -465,7 +465,7 @@ pub fn flash_attention_tcgen05_over(
         "head_dim {head_dim} by TMA"
     );
     assert!(
-        cache == Ty::Bf16 || (matches!(cache, Ty::F16 | Ty::F8E4M3) && loads == Loads::Copies),
+        matches!(cache, Ty::Bf16 | Ty::F16) || (cache == Ty::F8E4M3 && loads == Loads::Copies),
         "a {cache:?} cache loaded by {loads:?}"
     );
     let element = flash::tile_element(cache).ty();
@@ -608,7 +608,7 @@ pub fn flash_attention_tcgen05_over(
         ),
         params: match loads {
             Loads::Copies => flash::params_over(layout, cache),
-            Loads::Tma => [flash::params(layout), flash_tma::params()].concat(),
+            Loads::Tma => [flash::params_over(layout, cache), flash_tma::params()].concat(),
         },
         shared: [
             vec![

@@ -503,8 +503,7 @@ pub fn flash_attention_wgmma_over(
     assert!(supports(head_dim), "head_dim {head_dim}");
     assert!(
         match cache {
-            Ty::Bf16 => true,
-            Ty::F16 => !schedule.tma(),
+            Ty::Bf16 | Ty::F16 => true,
             Ty::F8E4M3 => schedule == Schedule::Lockstep,
             _ => false,
         },
@@ -645,7 +644,7 @@ pub fn flash_attention_wgmma_over(
         Schedule::Tma => "two consumer warpgroups taking turns and a producer warpgroup issuing TMA",
     };
     let params = match schedule {
-        Schedule::Tma => [flash::params(layout), flash_tma::params()].concat(),
+        Schedule::Tma => [flash::params_over(layout, cache), flash_tma::params()].concat(),
         _ => flash::params_over(layout, cache),
     };
     Kernel {

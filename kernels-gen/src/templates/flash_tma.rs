@@ -19,7 +19,7 @@ use crate::dsl::*;
 
 /// Keys a box holds: a paged cache's blocks hold a multiple of them.
 pub const TMA_KEYS: i64 = 16;
-/// Dims a box holds: one 128-byte swizzled row of bf16.
+/// Dims a box holds: one 128-byte swizzled row of 16-bit elements (bf16 or f16).
 const TMA_DIMS: i64 = 64;
 
 /// Whether the kernels loading by TMA take a head of `head_dim`: whole boxes of `TMA_DIMS`,

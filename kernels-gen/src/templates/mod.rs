@@ -1129,18 +1129,18 @@ pub fn catalog() -> Vec<Kernel> {
             flash_attention::Masking::CutTiles,
         ),
         flash_attention_wgmma::flash_attention_wgmma_over(
-            "flash_attention_wgmma_specialised_f16_d128",
+            "flash_attention_wgmma_tma_f16_d128",
             "catalog",
             cache_layout::CacheLayout::Batched,
             (128, Ty::F16),
-            flash_attention_wgmma::Schedule::Specialised,
+            flash_attention_wgmma::Schedule::Tma,
         ),
         flash_attention_tcgen05::flash_attention_tcgen05_over(
-            "flash_attention_tcgen05_f16_d128",
+            "flash_attention_tcgen05_tma_f16_d128",
             "catalog",
             cache_layout::CacheLayout::Batched,
             (128, Ty::F16),
-            flash_attention_tcgen05::Loads::Copies,
+            flash_attention_tcgen05::Loads::Tma,
         ),
         flash_attention_wgmma::flash_attention_wgmma(
             "flash_attention_wgmma_specialised_d128",

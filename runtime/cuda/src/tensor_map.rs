@@ -4,7 +4,7 @@
 //! scalar arguments.
 
 use cudarc::driver::sys;
-use kernels_gen::dsl::{Kernel, Param, Swizzle, TensorMap};
+use kernels_gen::dsl::{Kernel, MmaElement, Param, Swizzle, TensorMap};
 use runtime::plan_exec::DeviceArg;
 use runtime::{Result, RuntimeError};
 
@@ -23,8 +23,8 @@ pub(crate) struct KernelParams {
     slots: Vec<Slot>,
     /// The launch parameters' names, in order (the scalars a map's sizes name).
     names: Vec<String>,
-    /// Each map with the launch argument of its buffer.
-    maps: Vec<(TensorMap, usize)>,
+    /// Each map with the launch argument of its buffer, and that buffer's elements.
+    maps: Vec<(TensorMap, usize, MmaElement)>,
 }
 
 impl KernelParams {
@@ -34,11 +34,19 @@ impl KernelParams {
         for p in &kernel.params {
             match p {
                 Param::TensorMap(map) => {
-                    let buffer = names.iter().position(|n| *n == map.buffer).ok_or_else(|| {
-                        RuntimeError::Artifact(format!("{}: tensor map `{}` over no buffer", kernel.name, map.name))
-                    })?;
+                    let buffer = names.iter().position(|n| *n == map.buffer);
+                    let element = match kernel.param(&map.buffer) {
+                        Some(Param::Buffer { ty, .. }) => MmaElement::of(*ty),
+                        _ => None,
+                    };
+                    let (Some(buffer), Some(element)) = (buffer, element) else {
+                        return Err(RuntimeError::Artifact(format!(
+                            "{}: tensor map `{}` over no bf16 or f16 buffer",
+                            kernel.name, map.name
+                        )));
+                    };
                     slots.push(Slot::Map(maps.len()));
-                    maps.push(((**map).clone(), buffer));
+                    maps.push(((**map).clone(), buffer, element));
                 }
                 _ => slots.push(Slot::Argument(slots.len() - maps.len())),
             }
@@ -55,6 +63,12 @@ impl KernelParams {
             let buffer = names.iter().position(|n| *n == map.buffer).ok_or_else(|| {
                 RuntimeError::Artifact(format!("{}: tensor map `{}` over no buffer", entry.name, map.name))
             })?;
+            let element = map_entry_element(map).ok_or_else(|| {
+                RuntimeError::Artifact(format!(
+                    "{}: tensor map `{}` of `{}` elements (bf16 or f16)",
+                    entry.name, map.name, map.element
+                ))
+            })?;
             let var = |name: &str| kernels_gen::dsl::Expr::Var(name.to_string());
             let map = TensorMap {
                 name: map.name.clone(),
@@ -67,7 +81,7 @@ impl KernelParams {
                 swizzle: if map.swizzle_128b { Swizzle::B128 } else { Swizzle::None },
             };
             slots.push(Slot::Map(maps.len()));
-            maps.push((map, buffer));
+            maps.push((map, buffer, element));
         }
         Ok(Self { slots, names, maps })
     }
@@ -93,7 +107,7 @@ impl KernelParams {
         };
         self.maps
             .iter()
-            .map(|(map, buffer)| Ok((encoding(map, &scalar)?, address(*buffer))))
+            .map(|(map, buffer, element)| Ok((encoding(map, *element, &scalar)?, address(*buffer))))
             .collect()
     }
 
@@ -113,9 +127,11 @@ impl KernelParams {
     }
 }
 
-/// `cuTensorMapEncodeTiled`'s arguments for a 2-D bf16 map (innermost dimension first).
+/// `cuTensorMapEncodeTiled`'s arguments for a 2-D map of 16-bit floats (innermost dimension
+/// first).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Encoding {
+    pub element: MmaElement,
     pub dims: [u64; 2],
     /// Bytes between rows (the outer dimension's stride; the inner one is the element).
     pub row_pitch: u64,
@@ -123,11 +139,21 @@ pub(crate) struct Encoding {
     pub swizzle: Swizzle,
 }
 
-/// The encoding of `map` with its sizes evaluated from the launch's scalars, or why the
+/// The element type a plan's map entry names.
+fn map_entry_element(entry: &gpu_plan::TensorMapEntry) -> Option<MmaElement> {
+    match entry.element.as_str() {
+        "bf16" => Some(MmaElement::Bf16),
+        "f16" => Some(MmaElement::F16),
+        _ => None,
+    }
+}
+
+/// The encoding of `map` (of `element`s) with its sizes evaluated from the launch's scalars, or why the
 /// driver would refuse it.
-pub(crate) fn encoding(map: &TensorMap, scalar: &dyn Fn(&str) -> Option<i64>) -> Result<Encoding> {
+pub(crate) fn encoding(map: &TensorMap, element: MmaElement, scalar: &dyn Fn(&str) -> Option<i64>) -> Result<Encoding> {
     let (rows, cols, stride) = map.sizes(scalar).map_err(RuntimeError::Artifact)?;
     Ok(Encoding {
+        element,
         dims: [cols as u64, rows as u64],
         row_pitch: 2 * stride as u64,
         box_dims: [map.box_cols, map.box_rows],
@@ -135,7 +161,7 @@ pub(crate) fn encoding(map: &TensorMap, scalar: &dyn Fn(&str) -> Option<i64>) ->
     })
 }
 
-/// The driver's tensor map for `encoding` over the bf16 tensor at device address `address`
+/// The driver's tensor map for `encoding` over the tensor at device address `address`
 /// (16-byte aligned); elements outside the tensor read as zeros.
 pub(crate) fn encode(encoding: &Encoding, address: u64) -> Result<sys::CUtensorMap> {
     if !address.is_multiple_of(16) {
@@ -147,6 +173,10 @@ pub(crate) fn encode(encoding: &Encoding, address: u64) -> Result<sys::CUtensorM
         Swizzle::None => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE,
         Swizzle::B128 => sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
     };
+    let data_type = match encoding.element {
+        MmaElement::Bf16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        MmaElement::F16 => sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+    };
     let strides = [encoding.row_pitch];
     let element_strides = [1u32, 1];
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
@@ -155,7 +185,7 @@ pub(crate) fn encode(encoding: &Encoding, address: u64) -> Result<sys::CUtensorM
     unsafe {
         sys::cuTensorMapEncodeTiled(
             &mut map,
-            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            data_type,
             2,
             address as *mut std::ffi::c_void,
             encoding.dims.as_ptr(),
@@ -179,15 +209,22 @@ mod tests {
     use kernels_gen::templates::gemm_tma_wgmma::{gemm_tma_wgmma_bf16, TmaTile};
 
     /// A plan's entry of a kernel says what the kernel itself says: its arguments, its maps
-    /// after them, over the same buffers, sized by the same scalars; for every TMA GEMM and
-    /// for a kernel without maps.
+    /// after them, over the same buffers of the same elements, sized by the same scalars; for
+    /// every TMA GEMM, the TMA-fed attention over a half cache (whose maps are f16) and a
+    /// kernel without maps. An entry naming elements a map cannot have is refused.
     #[test]
     fn a_plan_entry_gives_the_kernels_own_parameters() {
+        use kernels_gen::dsl::Ty;
+        use kernels_gen::templates::cache_layout::CacheLayout;
+        use kernels_gen::templates::flash_attention_wgmma::{flash_attention_wgmma_over, Schedule};
         use kernels_gen::templates::{gemm_tma_mma, gemm_tma_tcgen05};
+        let half_attention =
+            flash_attention_wgmma_over("flash", "test", CacheLayout::Batched, (128, Ty::F16), Schedule::Tma);
         let kernels = [
             gemm_tma_wgmma_bf16("gemm", "test", TmaTile::WIDEST),
             gemm_tma_tcgen05::gemm_tma_tcgen05_bf16("gemm", "test", gemm_tma_tcgen05::TcgenTile::WIDE),
             gemm_tma_mma::gemm_tma_mma_bf16("gemm", "test"),
+            half_attention.clone(),
             kernels_gen::templates::fill::fill_kernels().remove(0),
         ];
         for kernel in kernels {
@@ -197,6 +234,17 @@ mod tests {
                 KernelParams::of(&kernel).unwrap()
             );
         }
+        let mut entry = codegen::gpu::kernel_entry(&half_attention);
+        let elements: Vec<_> = KernelParams::of_entry(&entry)
+            .unwrap()
+            .maps
+            .into_iter()
+            .map(|m| m.2)
+            .collect();
+        assert_eq!(elements, [MmaElement::F16; 2]);
+        entry.tensor_maps[0].element = "f32".into();
+        let message = KernelParams::of_entry(&entry).unwrap_err().to_string();
+        assert!(message.contains("tensor map `k_map` of `f32` elements"), "{message}");
     }
 
     #[test]
@@ -209,7 +257,7 @@ mod tests {
             ["x", "w", "out", "tokens", "n", "k", "x_stride", "partial", "splits"]
         );
         assert_eq!(params.arguments(), 9);
-        let buffers: Vec<usize> = params.maps.iter().map(|(_, b)| *b).collect();
+        let buffers: Vec<usize> = params.maps.iter().map(|(_, b, _)| *b).collect();
         assert_eq!(buffers, [0, 1]);
         assert_eq!(params.slots[9..], [Slot::Map(0), Slot::Map(1)]);
         // tokens 20, n 300, k 136, rows of x `x_stride` apart.
@@ -228,12 +276,14 @@ mod tests {
         };
         let maps = params.encodings(&args(144), |i| 0x1000 * (i as u64 + 1)).unwrap();
         let x = Encoding {
+            element: MmaElement::Bf16,
             dims: [136, 20],
             row_pitch: 288,
             box_dims: [64, 128],
             swizzle: Swizzle::B128,
         };
         let w = Encoding {
+            element: MmaElement::Bf16,
             dims: [136, 300],
             row_pitch: 272,
             box_dims: [64, 128],

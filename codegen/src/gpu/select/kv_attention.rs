@@ -331,10 +331,11 @@ fn attend(
     let by_tma = flash_tma::supports(spec.head_dim);
     let flash_form = match kernels.flash {
         // Over FP8 `wgmma` takes its lockstep schedule and `tcgen05` its copies (whose steps
-        // widen each tile to bf16); over f16 neither loads by TMA (its tensor maps are bf16).
+        // widen each tile to bf16).
         FlashForm::Wgmma(_) if cache.ty == Ty::F8E4M3 => FlashForm::Wgmma(Schedule::Lockstep),
-        FlashForm::Wgmma(Schedule::Tma) if cache.ty != Ty::Bf16 || !by_tma => FlashForm::Wgmma(Schedule::Specialised),
-        FlashForm::Tcgen05(Loads::Tma) if cache.ty != Ty::Bf16 || !by_tma => FlashForm::Tcgen05(Loads::Copies),
+        FlashForm::Tcgen05(_) if cache.ty == Ty::F8E4M3 => FlashForm::Tcgen05(Loads::Copies),
+        FlashForm::Wgmma(Schedule::Tma) if !by_tma => FlashForm::Wgmma(Schedule::Specialised),
+        FlashForm::Tcgen05(Loads::Tma) if !by_tma => FlashForm::Tcgen05(Loads::Copies),
         form => form,
     };
     let (kernel, tile_rows) = match flash_form {
