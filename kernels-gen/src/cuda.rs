@@ -220,7 +220,7 @@ pub fn emit(kernel: &Kernel) -> String {
     if stores_to(kernel, Ty::F16) {
         let _ = writeln!(out, "{F16_STORE_HELPER}");
     }
-    if packs_f16(kernel) {
+    if packs(kernel, MmaElement::F16) {
         let _ = writeln!(out, "{F16_PACK_HELPER}");
     }
     if has_buffer_of(kernel, Ty::F8E4M3) {
@@ -429,20 +429,16 @@ fn stores_to(kernel: &Kernel, element: Ty) -> bool {
 }
 
 fn uses_bf16(kernel: &Kernel) -> bool {
-    has_buffer_of(kernel, Ty::Bf16)
-        || kernel.shared.iter().any(|a| a.ty == Ty::Bf16)
-        || any_stmt(&kernel.body, &|s| match s {
-            Stmt::Mma(m) => m.element == MmaElement::Bf16,
-            Stmt::Wgmma(w) => mma_element(&w.b, &Scope::of(kernel)) == MmaElement::Bf16,
-            _ => false,
-        })
+    has_buffer_of(kernel, Ty::Bf16) || kernel.shared.iter().any(|a| a.ty == Ty::Bf16) || packs(kernel, MmaElement::Bf16)
 }
 
-/// Whether the kernel packs f32 operands into halves: an f16 `mma.sync` or `wgmma`.
-fn packs_f16(kernel: &Kernel) -> bool {
+/// Whether the kernel packs f32 operands into pairs of `element`s: an `mma.sync` or `wgmma`
+/// of them.
+fn packs(kernel: &Kernel, element: MmaElement) -> bool {
+    let scope = Scope::of(kernel);
     any_stmt(&kernel.body, &|s| match s {
-        Stmt::Mma(m) => m.element == MmaElement::F16,
-        Stmt::Wgmma(w) => mma_element(&w.b, &Scope::of(kernel)) == MmaElement::F16,
+        Stmt::Mma(m) => m.element == element,
+        Stmt::Wgmma(w) => mma_element(&w.b, &scope) == element,
         _ => false,
     })
 }
@@ -651,9 +647,9 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
 }
 
 /// One `wgmma.mma_async` of B's element type, A from registers (packed to pairs of it) or
-/// through a descriptor, B
-/// through a descriptor; the accumulators are read-write operands. scale-d is 1 (accumulate),
-/// so is the scale of A and B; A from shared memory is K-major, B as `b_major` says.
+/// through a descriptor, B through a descriptor; the accumulators are read-write operands.
+/// scale-d is 1 (accumulate), so is the scale of A and B; A from shared memory is K-major, B
+/// as `b_major` says.
 fn wgmma(out: &mut String, w: &WgmmaOp, scope: &Scope, depth: usize) {
     let accumulators = w.d.len();
     let registers = |from: usize, count: usize| (from..from + count).map(|i| format!("%{i}")).collect::<Vec<_>>();
@@ -797,7 +793,8 @@ fn tcgen05(out: &mut String, op: &Tcgen05, scope: &mut Scope, depth: usize) {
                 n,
                 accumulate,
             } = &**mma;
-            let element = mma_element(b, scope).ptx();
+            let element = mma_element(b, scope);
+            let name = element.ptx();
             let majors = match b_major {
                 Major::K => "both K-major",
                 Major::MN => "A K-major, B MN-major",
@@ -806,12 +803,12 @@ fn tcgen05(out: &mut String, op: &Tcgen05, scope: &mut Scope, depth: usize) {
             "asm volatile(\"{{\\n.reg .pred accumulate;\\nsetp.ne.b32 accumulate, %4, 0;\\n\"\n\
              {pad}    \"tcgen05.mma.cta_group::1.kind::f16 [%0], %1, %2, %3, accumulate;\\n}}\\n\"\n\
              {pad}    :: \"r\"({}), \"l\"({}), \"l\"({}),\n\
-             {pad}       \"r\"({:#010x}u /* {element} x {element} -> f32, M = 128, N = {n}, {majors} */), \"r\"((int)({}))\n\
+             {pad}       \"r\"({:#010x}u /* {name} x {name} -> f32, M = 128, N = {n}, {majors} */), \"r\"((int)({}))\n\
              {pad}    : \"memory\");",
             expr(tmem, scope),
             desc(a, scope),
             desc(b, scope),
-            tcgen05_instruction_descriptor(*n, *b_major, mma_element(b, scope)),
+            tcgen05_instruction_descriptor(*n, *b_major, element),
             expr(accumulate, scope)
         )
         }
