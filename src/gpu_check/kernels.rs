@@ -10,7 +10,7 @@
 use anyhow::{bail, Result};
 use codegen::gpu;
 use codegen::Target;
-use kernels_gen::dsl::Kernel;
+use kernels_gen::dsl::{Kernel, Ty};
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
 use runtime::compare::CompareDevice;
 use runtime::emulator_device::EmulatorDevice;
@@ -314,6 +314,18 @@ fn random_bf16_values(seed: &mut u32, count: usize, range: f32) -> Vec<f32> {
         .collect()
 }
 
+/// `count` pseudo-random values uniform in ±`range`, each exactly an IEEE half (most of them
+/// not a bf16), from the generator state `seed`.
+fn random_half_values(seed: &mut u32, count: usize, range: f32) -> Vec<f32> {
+    (0..count)
+        .map(|_| {
+            *seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+            let unit = (*seed >> 8) as f32 / (1u32 << 24) as f32;
+            half::f16::from_f32(range * (2.0 * unit - 1.0)).to_f32()
+        })
+        .collect()
+}
+
 /// The shape the TMA GEMMs are checked on: 130 tokens, 300 weight rows, K 264 with
 /// activation rows 272 apart (partial tiles and a partial last K step, which TMA fills with
 /// zeros).
@@ -346,12 +358,53 @@ pub fn unplanned_kernel_errors(arch: &str) -> Result<f64> {
     Ok(worst)
 }
 
-/// The shapes the prefill attention is checked on: (rows, cached positions before them,
-/// query heads, KV heads, head dim, paged); ragged tiles, grouped heads, the split head.
-const FLASH_CHECKS: [FlashCheck; 2] = [(100, 30, 4, 2, 128, true), (70, 0, 2, 1, 256, false)];
+/// The shapes the prefill attention is checked on: ragged tiles, grouped heads, the split
+/// head; over a bf16 cache, and over a half one (the tensor cores multiplying halves).
+const FLASH_CHECKS: [FlashCheck; 3] = [
+    FlashCheck::new((100, 30), (4, 2, 128), true, Ty::Bf16),
+    FlashCheck::new((70, 0), (2, 1, 256), false, Ty::Bf16),
+    FlashCheck::new((100, 30), (4, 2, 128), true, Ty::F16),
+];
 
-/// One prefill attention check's shape (see [`FLASH_CHECKS`]).
-type FlashCheck = (usize, usize, usize, usize, usize, bool);
+/// One prefill attention check (see [`FLASH_CHECKS`]).
+#[derive(Debug, Clone, Copy)]
+struct FlashCheck {
+    /// Rows, and the positions cached before them.
+    tokens: usize,
+    first: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    /// A paged cache (blocks in reverse order), or a contiguous one.
+    paged: bool,
+    /// The cache's elements: bf16 or f16.
+    cache: Ty,
+}
+
+impl FlashCheck {
+    const fn new(
+        (tokens, first): (usize, usize),
+        (heads, kv_heads, head_dim): (usize, usize, usize),
+        paged: bool,
+        cache: Ty,
+    ) -> Self {
+        Self {
+            tokens,
+            first,
+            heads,
+            kv_heads,
+            head_dim,
+            paged,
+            cache,
+        }
+    }
+
+    /// Its kernels' name for `family`: the family, the head, and a half cache's `_f16`.
+    fn name(&self, family: &str) -> String {
+        let cache = if self.cache == Ty::F16 { "_f16" } else { "" };
+        format!("{family}_{}{cache}", self.head_dim)
+    }
+}
 /// Positions a block of the paged check's cache holds.
 const FLASH_BLOCK: usize = 16;
 
@@ -360,27 +413,34 @@ const FLASH_BLOCK: usize = 16;
 /// schedule (loading by TMA where the head is whole boxes); on the B200 those `tcgen05` takes.
 fn flash_attention_kernels(arch: &str) -> Vec<(Kernel, FlashCheck)> {
     use kernels_gen::templates::cache_layout::CacheLayout;
-    use kernels_gen::templates::flash_attention::{flash_attention, Masking};
+    use kernels_gen::templates::flash_attention::{flash_attention_over, Masking};
     use kernels_gen::templates::flash_attention_tcgen05;
-    use kernels_gen::templates::flash_attention_wgmma::{flash_attention_wgmma, supports as wgmma_supports, Schedule};
+    use kernels_gen::templates::flash_attention_wgmma::{
+        flash_attention_wgmma_over, supports as wgmma_supports, Schedule,
+    };
     use kernels_gen::templates::flash_tma::supports as supports_tma;
     let layout = |paged: bool| match paged {
         true => CacheLayout::Paged,
         false => CacheLayout::Contiguous,
     };
     let mma = FLASH_CHECKS.iter().map(|&check| {
-        let (head_dim, paged) = (check.4, check.5);
-        let name = format!("flash_attention_{head_dim}");
+        let head = (check.head_dim, check.cache);
         (
-            flash_attention(&name, "gpu-check", layout(paged), head_dim, Masking::CutTiles),
+            flash_attention_over(
+                &check.name("flash_attention"),
+                "gpu-check",
+                layout(check.paged),
+                head,
+                Masking::CutTiles,
+            ),
             check,
         )
     });
     let wgmma = FLASH_CHECKS
         .iter()
-        .filter(|check| arch == "sm_90a" && wgmma_supports(check.4))
+        .filter(|check| arch == "sm_90a" && wgmma_supports(check.head_dim))
         .flat_map(|&check| {
-            let (head_dim, paged) = (check.4, check.5);
+            let (head_dim, paged) = (check.head_dim, check.paged);
             [
                 ("", Schedule::Lockstep),
                 ("_specialised", Schedule::Specialised),
@@ -389,30 +449,31 @@ fn flash_attention_kernels(arch: &str) -> Vec<(Kernel, FlashCheck)> {
             .into_iter()
             .filter(move |&(_, schedule)| schedule != Schedule::Tma || supports_tma(head_dim))
             .map(move |(form, schedule)| {
-                let name = format!("flash_attention_wgmma{form}_{head_dim}");
+                let name = check.name(&format!("flash_attention_wgmma{form}"));
+                let head = (head_dim, check.cache);
                 (
-                    flash_attention_wgmma(&name, "gpu-check", layout(paged), head_dim, schedule),
+                    flash_attention_wgmma_over(&name, "gpu-check", layout(paged), head, schedule),
                     check,
                 )
             })
         });
     let tcgen05 = FLASH_CHECKS
         .iter()
-        .filter(|check| arch == "sm_100a" && flash_attention_tcgen05::supports(check.4))
+        .filter(|check| arch == "sm_100a" && flash_attention_tcgen05::supports(check.head_dim))
         .flat_map(|&check| {
             use flash_attention_tcgen05::Loads;
-            let (head_dim, paged) = (check.4, check.5);
+            let (head_dim, paged) = (check.head_dim, check.paged);
             [("", Loads::Copies), ("_tma", Loads::Tma)]
                 .into_iter()
                 .filter(move |&(_, loads)| loads == Loads::Copies || supports_tma(head_dim))
                 .map(move |(form, loads)| {
-                    let name = format!("flash_attention_tcgen05{form}_{head_dim}");
+                    let name = check.name(&format!("flash_attention_tcgen05{form}"));
                     (
-                        flash_attention_tcgen05::flash_attention_tcgen05(
+                        flash_attention_tcgen05::flash_attention_tcgen05_over(
                             &name,
                             "gpu-check",
                             layout(paged),
-                            head_dim,
+                            (head_dim, check.cache),
                             loads,
                         ),
                         check,
@@ -422,21 +483,35 @@ fn flash_attention_kernels(arch: &str) -> Vec<(Kernel, FlashCheck)> {
     mma.chain(wgmma).chain(tcgen05).collect()
 }
 
-/// The `checks`' attentions on `device` over random bf16 queries, keys and values, the same
-/// for each kernel of a shape (the paged cache's blocks in reverse order): for each, the queries, keys, values (as f32, keys
+/// The `checks`' attentions on `device` over random queries, keys and values exact in the
+/// cache's type (bf16, or halves bf16 would round), the same for each kernel of a check (the
+/// paged cache's blocks in reverse order): for each, the queries, keys, values (as f32, keys
 /// and values by position) and the output read back.
 fn run_flash_attention<D: PlanDevice>(device: &mut D, checks: &[(Kernel, FlashCheck)]) -> Result<Vec<[Vec<f32>; 4]>> {
     let mut results = Vec::new();
     let f32_bytes = |v: &[f32]| v.iter().flat_map(|e| e.to_le_bytes()).collect::<Vec<u8>>();
-    let bf16_bytes = |v: &[f32]| {
-        v.iter()
-            .flat_map(|&e| half::bf16::from_f32(e).to_le_bytes())
-            .collect::<Vec<u8>>()
-    };
-    for (kernel, (tokens, first, heads, kv_heads, head_dim, paged)) in checks.iter().map(|(k, c)| (k, *c)) {
+    for (kernel, check) in checks {
+        let FlashCheck {
+            tokens,
+            first,
+            heads,
+            kv_heads,
+            head_dim,
+            paged,
+            cache,
+        } = *check;
+        let cache_bytes = |v: &[f32]| -> Vec<u8> {
+            match cache {
+                Ty::F16 => v.iter().flat_map(|&e| half::f16::from_f32(e).to_le_bytes()).collect(),
+                _ => v.iter().flat_map(|&e| half::bf16::from_f32(e).to_le_bytes()).collect(),
+            }
+        };
         // The same inputs for each kernel checked on a shape.
         let mut seed = 0x2545_f491_u32 ^ (tokens * 1000 + head_dim) as u32;
-        let mut random = |count: usize| random_bf16_values(&mut seed, count, 1.0);
+        let mut random = |count: usize| match cache {
+            Ty::F16 => random_half_values(&mut seed, count, 1.0),
+            _ => random_bf16_values(&mut seed, count, 1.0),
+        };
         let (len, row) = (first + tokens, kv_heads * head_dim);
         let (q, k, v) = (random(tokens * heads * head_dim), random(len * row), random(len * row));
         let blocks = len.div_ceil(FLASH_BLOCK);
@@ -454,8 +529,8 @@ fn run_flash_attention<D: PlanDevice>(device: &mut D, checks: &[(Kernel, FlashCh
         }
         let table: Vec<u8> = (0..blocks).flat_map(|b| ((blocks - b) as i32).to_le_bytes()).collect();
         let q_buffer = device.upload(&f32_bytes(&q))?;
-        let k_buffer = device.upload(&bf16_bytes(&cache_k))?;
-        let v_buffer = device.upload(&bf16_bytes(&cache_v))?;
+        let k_buffer = device.upload(&cache_bytes(&cache_k))?;
+        let v_buffer = device.upload(&cache_bytes(&cache_v))?;
         let table_buffer = device.upload(&table)?;
         let out = device.alloc(q.len() * 4)?;
         let value = |name: &str| -> Option<DeviceArg<'_, D::Buffer>> {
@@ -885,33 +960,42 @@ mod tests {
 
     /// What the prefill attention check launches on Hopper (`mma.sync` and `wgmma` in each
     /// schedule) and on the B200 (`mma.sync` and `tcgen05`) binds and runs on the emulator,
-    /// and gives the reference's attention (to bf16's precision: probabilities meet values in
-    /// bf16), the `wgmma` forms the same as each other on the same inputs (the same 128-key
-    /// tiles; `mma.sync` takes 64, rescaling the softmax at other keys).
+    /// over bf16 and half caches, and gives the reference's attention (to bf16's precision:
+    /// probabilities meet values in bf16, or half), the `wgmma` forms the same as each other
+    /// on the same inputs (the same 128-key tiles; `mma.sync` takes 64, rescaling the softmax
+    /// at other keys), and so the `tcgen05` ones.
     #[test]
     fn the_flash_attention_check_runs_its_launches() {
+        // The checks `wgmma` and `tcgen05` take: heads of 128 dims, over each cache.
+        let wide = FLASH_CHECKS.iter().filter(|c| c.head_dim == 128).count();
         let hopper = flash_attention_kernels("sm_90a");
-        assert_eq!(hopper.len(), FLASH_CHECKS.len() + 3);
+        assert_eq!(hopper.len(), FLASH_CHECKS.len() + 3 * wide);
         let blackwell = flash_attention_kernels("sm_100a");
-        assert_eq!(blackwell.len(), FLASH_CHECKS.len() + 2);
-        let mut device = EmulatorDevice::new(hopper.iter().map(|(kernel, _)| kernel.clone()).collect());
-        let results = run_flash_attention(&mut device, &hopper).unwrap();
-        // On the same inputs the `wgmma` forms compute the same.
-        for wgmma in &results[FLASH_CHECKS.len() + 1..] {
-            assert_eq!(*wgmma, results[FLASH_CHECKS.len()]);
+        assert_eq!(blackwell.len(), FLASH_CHECKS.len() + 2 * wide);
+        for (kernels, forms) in [(hopper, 3), (blackwell, 2)] {
+            let mut device = EmulatorDevice::new(kernels.iter().map(|(kernel, _)| kernel.clone()).collect());
+            let results = run_flash_attention(&mut device, &kernels).unwrap();
+            // On the same inputs each check's `wgmma` forms compute the same, and its
+            // `tcgen05` ones (by TMA the same products in the same order as copied).
+            for group in results[FLASH_CHECKS.len()..].chunks(forms) {
+                assert!(group.iter().all(|r| *r == group[0]));
+            }
+            check_flash_results(&results, &kernels);
         }
-        check_flash_results(&results, &hopper);
-        let mut device = EmulatorDevice::new(blackwell.iter().map(|(kernel, _)| kernel.clone()).collect());
-        let results = run_flash_attention(&mut device, &blackwell).unwrap();
-        // Loaded by TMA, the same products in the same order as copied.
-        assert_eq!(results[FLASH_CHECKS.len() + 1], results[FLASH_CHECKS.len()]);
-        check_flash_results(&results, &blackwell);
     }
 
-    /// Each of `results` (of `checks`) within bf16's precision of the reference's attention.
+    /// Each of `results` (of `checks`) within bf16's precision of the reference's attention
+    /// (over the cache's values as stored).
     fn check_flash_results(results: &[[Vec<f32>; 4]], checks: &[(Kernel, FlashCheck)]) {
-        for ([q, k, v, out], (_, (tokens, first, heads, kv_heads, head_dim, _))) in results.iter().zip(checks) {
-            let (tokens, first, heads, kv_heads, head_dim) = (*tokens, *first, *heads, *kv_heads, *head_dim);
+        for ([q, k, v, out], (_, check)) in results.iter().zip(checks) {
+            let FlashCheck {
+                tokens,
+                first,
+                heads,
+                kv_heads,
+                head_dim,
+                ..
+            } = *check;
             let spec = ir::AttentionSpec {
                 heads,
                 kv_heads,
