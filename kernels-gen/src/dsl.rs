@@ -700,6 +700,23 @@ pub fn any_stmt(body: &[Stmt], pred: &dyn Fn(&Stmt) -> bool) -> bool {
     })
 }
 
+/// `edit` applied to every statement of `body`, nested ones included (each after those it
+/// holds).
+pub fn edit_stmts(body: &mut [Stmt], edit: &mut dyn FnMut(&mut Stmt)) {
+    for s in body {
+        match s {
+            Stmt::For { body, .. } => edit_stmts(body, edit),
+            Stmt::If { then, otherwise, .. } => {
+                edit_stmts(then, edit);
+                edit_stmts(otherwise, edit);
+            }
+            Stmt::Roles(r) => r.roles.iter_mut().for_each(|role| edit_stmts(&mut role.body, edit)),
+            _ => {}
+        }
+        edit(s);
+    }
+}
+
 /// One kernel: launched as `grid` blocks (a scalar expression of the parameters) of
 /// `block_dim` threads.
 #[derive(Debug, Clone, PartialEq)]

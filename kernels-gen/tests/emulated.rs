@@ -2086,14 +2086,23 @@ const TMA_SHAPES: [(usize, usize, usize, usize); 4] =
 fn tma_gemm_matches_reference(gemm: &Kernel, seed: u64) {
     let mut rng = Rng(seed);
     let reduce = split_k::reduce("reduce", "test", 16, None, None);
+    // Over halves (`tma_gemm::over_halves`) the operands are f16.
+    let halves = matches!(gemm.param("w"), Some(dsl::Param::Buffer { ty: Ty::F16, .. }));
+    let array = |v: &[f32]| match halves {
+        true => cache_array(Ty::F16, v),
+        false => bf16_array(v),
+    };
     for (tokens, n, k, pad) in TMA_SHAPES {
         let x_stride = k + pad;
         let (x, w) = (rng.vec(tokens * x_stride), rng.vec(n * k));
-        let round = |v: &[f32]| v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>();
+        let round = |v: &[f32]| match halves {
+            true => stored_in(Ty::F16, v),
+            false => v.iter().map(|&a| bf16::from_f32(a).to_f32()).collect::<Vec<_>>(),
+        };
         let dense_x: Vec<f32> = x.chunks(x_stride).flat_map(|row| round(&row[..k])).collect();
         let mut want = vec![0f32; tokens * n];
         ops::matmul(&dense_x, &round(&w), k, &mut want);
-        let (x, w) = (bf16_array(&x), bf16_array(&w));
+        let (x, w) = (array(&x), array(&w));
         let dims = (tokens, n, k, x_stride);
         let what = format!("{tokens}×{n}×{k}\n{}", gemm.origin);
         let whole = try_run_matmul(gemm, x.clone(), None, w.clone(), dims).unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -2104,6 +2113,29 @@ fn tma_gemm_matches_reference(gemm: &Kernel, seed: u64) {
         let split = try_run_split_matmul((gemm, &reduce), x, None, w, dims, 3)
             .unwrap_or_else(|e| panic!("{what}, 3 splits: {e}"));
         close(&split.to_f32().unwrap(), &want, 1e-5, &format!("{what}, 3 splits"));
+    }
+}
+
+/// Each target's TMA GEMM over IEEE halves (`tma_gemm::over_halves`: weights multiplied as
+/// stored, activations rounded to half) against the reference on the same halves, in one piece
+/// and K split: Hopper's block-driven and persistent warp-specialised tiles and its batch tile,
+/// the B200's wide, warp-specialised and batch tiles, the RTX PRO 6000's. A GEMM that took the
+/// halves as bf16 would read other values.
+#[test]
+fn tma_gemms_over_halves_match_reference() {
+    use gemm_tma_tcgen05::TcgenTile;
+    use gemm_tma_wgmma::TmaTile;
+    let gemms = [
+        gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm", "test", TmaTile::WIDE),
+        gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm", "test", TmaTile::SPECIALISED.persistent(2)),
+        gemm_tma_wgmma::gemm_tma_wgmma_bf16("gemm", "test", TmaTile::batch(16)),
+        gemm_tma_tcgen05::gemm_tma_tcgen05_bf16("gemm", "test", TcgenTile::WIDE),
+        gemm_tma_tcgen05::gemm_tma_tcgen05_bf16("gemm", "test", TcgenTile::SPECIALISED),
+        gemm_tma_tcgen05::gemm_tma_tcgen05_bf16("gemm", "test", TcgenTile::batch(16)),
+        gemm_tma_mma::gemm_tma_mma_bf16("gemm", "test"),
+    ];
+    for (seed, gemm) in gemms.into_iter().enumerate() {
+        tma_gemm_matches_reference(&tma_gemm::over_halves(gemm, "gemm_halves"), 60 + seed as u64);
     }
 }
 

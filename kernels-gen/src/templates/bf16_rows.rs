@@ -14,8 +14,14 @@ const WARPS: u32 = BLOCK / 32;
 /// `x_stride` apart) or, with `norm`, `rms_norm(x [+ b])·(g + offset)`; under a residual
 /// prologue the sum also goes to `out[t, c]` (rows `out_stride` apart).
 pub fn bf16_rows(name: &str, origin: &str, norm: Option<NormPrologue>, min_tokens: usize) -> Kernel {
+    rows_of(MmaElement::Bf16, name, origin, norm, min_tokens)
+}
+
+/// [`bf16_rows`] making rows of `element`s: halves for a TMA GEMM over half weights
+/// (`tma_gemm::over_halves`).
+pub fn rows_of(element: MmaElement, name: &str, origin: &str, norm: Option<NormPrologue>, min_tokens: usize) -> Kernel {
     let mut params = prologue_params(norm);
-    params.push(buffer("xb", Ty::Bf16, true));
+    params.push(buffer("xb", element.ty(), true));
     if residual(norm) {
         params.push(buffer("out", Ty::F32, true));
     }
@@ -72,7 +78,10 @@ pub fn bf16_rows(name: &str, origin: &str, norm: Option<NormPrologue>, min_token
     };
     Kernel {
         name: name.into(),
-        origin: format!("{origin}: a matmul's rows as bf16 for the TMA GEMM ({prologue})"),
+        origin: format!(
+            "{origin}: a matmul's rows as {} for the TMA GEMM ({prologue})",
+            element.ptx()
+        ),
         params,
         shared: match norm {
             Some(_) => vec![warp_scratch("partial", WARPS)],

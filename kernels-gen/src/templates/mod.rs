@@ -1090,6 +1090,29 @@ pub fn catalog() -> Vec<Kernel> {
             16,
         ),
         gemm_tma_tcgen05::gemm_tma_tcgen05_bf16("gemm_tma_tcgen05_bf16", "catalog", gemm_tma_tcgen05::TcgenTile::WIDE),
+        // Over half weights, multiplied as stored.
+        bf16_rows::rows_of(
+            MmaElement::F16,
+            "add_rms_norm_f16_rows",
+            "catalog",
+            Some(gemv::NormPrologue::new(1e-6, 1.0).with_residual()),
+            16,
+        ),
+        tma_gemm::over_halves(
+            gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(
+                "",
+                "catalog",
+                gemm_tma_wgmma::TmaTile::SPECIALISED,
+                None,
+                Some(GluAct::Silu),
+            ),
+            "swiglu_gemm_tma_wgmma_f16",
+        ),
+        tma_gemm::over_halves(
+            gemm_tma_tcgen05::gemm_tma_tcgen05_bf16("", "catalog", gemm_tma_tcgen05::TcgenTile::WIDE),
+            "gemm_tma_tcgen05_f16",
+        ),
+        tma_gemm::over_halves(gemm_tma_mma::gemm_tma_mma_bf16("", "catalog"), "gemm_tma_mma_f16"),
         gemm_tma_mma::gemm_tma_mma_bf16("gemm_tma_mma_bf16", "catalog"),
         flash_attention::flash_attention(
             "flash_attention_d128",
