@@ -12,7 +12,7 @@ mod top_k_rows;
 use super::{rows, width, GpuCodegenError, KvLayout, LaunchArg, StateLayout, View, WeightUse, BATCH_ROWS};
 use ir::reference::ops::rope_inv_freq;
 use ir::{DType, Expr as IrExpr, GluAct, Graph, InputKind, Op};
-use kernels_gen::dsl::{Kernel, Ty};
+use kernels_gen::dsl::{Kernel, MmaElement, Ty};
 use kernels_gen::templates::cache_layout::CacheLayout;
 use kernels_gen::templates::quant::WeightFormat;
 use kernels_gen::templates::{self, *};
@@ -777,9 +777,8 @@ struct PlanTarget<'a> {
     prefill: super::PrefillGemm,
 }
 
-/// The most bytes a matrix's bf16 copy for a prefill step may take (GGUF blocks or half values
-/// converted for the TMA GEMM; see `MatMul::converted_for_prefill`): the copy lives in the
-/// step's scratch,
+/// The most bytes a matrix's bf16 copy for a prefill step may take (GGUF blocks converted for
+/// the TMA GEMM; see `MatMul::converted_for_prefill`): the copy lives in the step's scratch,
 /// so this bounds what it takes from the KV cache. Every projection of a 70B model fits; a
 /// 128k-vocabulary head does not (its prompts compute a row or two a sequence).
 const CONVERTED_WEIGHTS_BYTES: usize = 512 << 20;
@@ -901,9 +900,21 @@ impl MatMul {
                     }
                     None => {
                         let batch_name = format!("{name}_batch");
+                        // Half weights multiplied as stored, over rows made half.
+                        let element = |kernel: Kernel| match self.element() {
+                            MmaElement::F16 => {
+                                let name = format!("{}_f16", kernel.name);
+                                tma_gemm::over_halves(kernel, &name)
+                            }
+                            MmaElement::Bf16 => kernel,
+                        };
                         (
-                            templates::tma_prefill_gemm(arch, form, schedule, &name, origin),
-                            templates::tma_batch_gemm(arch, form, schedule, BATCH_ROWS as u32, (&batch_name, origin)),
+                            templates::tma_prefill_gemm(arch, form, schedule, &name, origin).map(|g| PrefillGemm {
+                                kernel: element(g.kernel),
+                                ..g
+                            }),
+                            templates::tma_batch_gemm(arch, form, schedule, BATCH_ROWS as u32, (&batch_name, origin))
+                                .map(element),
                             None,
                         )
                     }
@@ -946,27 +957,35 @@ impl MatMul {
         })
     }
 
-    /// Whether its prefill GEMM is the target's TMA GEMM (bf16 weights, rows of whole
-    /// 16-byte chunks), its activation rows made bf16, prologue applied, by a `bf16_rows`
-    /// launch before it.
+    /// Whether its prefill GEMM is the target's TMA GEMM (bf16 or half weights, rows of whole
+    /// 16-byte chunks), its activation rows made of the weights' type ([`Self::element`]),
+    /// prologue applied, by a launch before it (`bf16_rows::rows_of`).
     fn takes_tma(&self, plan: &PlanTarget) -> bool {
         plan.prefill.is_tma()
             && plan.target.cuda_arch().is_some()
-            && self.weights == WeightFormat::Dense(Ty::Bf16)
+            && matches!(self.weights, WeightFormat::Dense(Ty::Bf16 | Ty::F16))
             && self.k.is_multiple_of(8)
     }
 
+    /// The type its tensor-core GEMMs multiply in: half weights as stored (their rows rounded
+    /// to half: `tma_gemm::over_halves`), bf16 for the others.
+    fn element(&self) -> MmaElement {
+        match self.weights {
+            WeightFormat::Dense(Ty::F16) => MmaElement::F16,
+            _ => MmaElement::Bf16,
+        }
+    }
+
     /// How the decoding GEMM over bf16 rows (`gemm_mma_after_rows`) takes these weights into
-    /// its tiles, where it is their tensor-core GEMM: GGUF blocks decoded, or IEEE half values
-    /// in rows of whole 16-byte chunks rounded to bf16, on a CUDA target whose plans make
-    /// activation rows bf16 for the TMA GEMMs. At up to `BATCH_ROWS` rows of weights
+    /// its tiles, where it is their tensor-core GEMM: GGUF blocks decoded, on a CUDA target
+    /// whose plans make activation rows bf16 for the TMA GEMMs (half weights go to the TMA
+    /// GEMMs as they are: [`Self::takes_tma`]). At up to `BATCH_ROWS` rows of weights
     /// [`Self::converted_for_prefill`], and at any rows of others (too large to copy, or a
     /// plan of few rows), it multiplies by the rows `bf16_rows` made, the prologue applied
     /// once a step rather than by each block of columns.
     fn decoding_staging(&self, plan: &PlanTarget) -> Option<gemm_mma::WeightStaging> {
         let staging = match self.weights {
             WeightFormat::Blocks(format) => gemm_mma::WeightStaging::Dequantize(format),
-            WeightFormat::Dense(Ty::F16) if self.k.is_multiple_of(8) => gemm_mma::WeightStaging::HalfWeights,
             _ => return None,
         };
         (plan.prefill.is_tma() && plan.target.cuda_arch().is_some()).then_some(staging)
@@ -980,9 +999,8 @@ impl MatMul {
     /// the same GEMM, for the copy's cost: writing and reading 2 bytes a weight. Fewer rows
     /// keep the GEMM that takes the stored form into its tiles.
     fn converted_for_prefill(&self, plan: &PlanTarget) -> Option<DType> {
-        let format = match self.decoding_staging(plan)? {
-            gemm_mma::WeightStaging::Dequantize(format) => format,
-            _ => DType::F16,
+        let gemm_mma::WeightStaging::Dequantize(format) = self.decoding_staging(plan)? else {
+            return None;
         };
         let fits = self.n * self.k * 2 <= CONVERTED_WEIGHTS_BYTES;
         let arch = plan.target.cuda_arch().unwrap_or_default();
@@ -1032,10 +1050,6 @@ impl MatMul {
         if self.glu.is_some() && !gates {
             // Every product goes through the partials, in one split too: room for every row.
             partial_len = partial_len.max(plan.max_tokens * n);
-        }
-        if self.glu.is_some() && kernels.batch_tiles.is_some() {
-            // The batch GEMM's products too, whatever the TMA GEMM does with its own.
-            partial_len = partial_len.max(BATCH_ROWS.min(plan.max_tokens) * n);
         }
         // The norm the GEMM's splits still scale by (rows made before the GEMM come
         // normalised).
@@ -1119,23 +1133,14 @@ impl MatMul {
             }
             _ => split_k::reduce("split_k_reduce", plan.origin, super::PREFILL_TOKENS, self.glu, norm),
         };
-        // Where a batch GEMM beside a TMA GEMM that gates its own products leaves its GLU's to
-        // the reduction, steps of up to `BATCH_ROWS` rows gate in the reduction.
-        let (kernel, alternatives) = match kernels.batch_tiles.is_some() && gates && self.glu.is_some() {
-            true => (
-                reduce(false),
-                Alternatives {
-                    prefill: Some(reduce(true)),
-                    batch: Some(reduce(false)),
-                    ..Alternatives::default()
-                },
-            ),
-            false => (reduce(gates), Alternatives::default()),
-        };
-        s.launches.push((i, kernel, alternatives, reduce_args));
+        // (Weights converted for prefill are GGUF blocks, which take no GLU epilogue: a batch
+        // GEMM beside a TMA GEMM never leaves a GLU's products to the reduction.)
+        s.launches
+            .push((i, reduce(gates), Alternatives::default(), reduce_args));
     }
 
-    /// The launch making the TMA GEMM's bf16 rows from the matmul's arguments `args` (the
+    /// The launch making the TMA GEMM's rows (bf16, or half for half weights) from the
+    /// matmul's arguments `args` (the
     /// GEMV's: activations, the norm's weight, the matrix, `out`, the sizes and strides), and
     /// the arguments that hand them to the GEMM (the rows and their stride).
     fn bf16_rows_launch(&self, args: &[LaunchArg], rows: &str, plan: &PlanTarget) -> (Launched, [LaunchArg; 2]) {
@@ -1165,13 +1170,16 @@ impl MatMul {
                 scalar("out_stride", self.k + self.product_cols()),
             ]);
         }
-        // Named for the prologue alone: the rows do not depend on the epilogue.
-        let name = match self.norm {
-            Some(norm) if norm.residual => "add_rms_norm_bf16_rows",
-            Some(_) => "rms_norm_bf16_rows",
-            None => "bf16_rows",
+        // Named for the prologue and the rows' type alone: the rows do not depend on the
+        // epilogue.
+        let prologue = match self.norm {
+            Some(norm) if norm.residual => "add_rms_norm_",
+            Some(_) => "rms_norm_",
+            None => "",
         };
-        let kernel = bf16_rows::bf16_rows(name, plan.origin, self.norm, super::PREFILL_TOKENS);
+        let element = self.element();
+        let name = format!("{prologue}{}_rows", element.ptx());
+        let kernel = bf16_rows::rows_of(element, &name, plan.origin, self.norm, super::PREFILL_TOKENS);
         let launch = (self.node, kernel, Alternatives::default(), launch_args);
         (launch, [xb, scalar("xb_stride", xb_stride)])
     }
