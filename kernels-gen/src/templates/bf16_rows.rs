@@ -1,5 +1,6 @@
-//! A matmul's activation rows as the TMA GEMM reads them: bf16, rows `xb_stride` apart (a
-//! multiple of 8, as TMA wants 16-byte row pitches), with the matmul's prologue applied first
+//! A matmul's activation rows as the TMA GEMM reads them: bf16 (or halves, for a GEMM over
+//! half weights: [`rows_of`]), rows `xb_stride` apart (a multiple of 8, as TMA wants 16-byte
+//! row pitches), with the matmul's prologue applied first
 //! (the RMSNorm, after the residual add whose sum it also writes to the first `k` columns of
 //! `out`'s rows, as the fused GEMV does). One block a row; no blocks for steps under
 //! `min_tokens` rows, which run the GEMV and its own prologue instead.

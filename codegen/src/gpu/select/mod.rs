@@ -1092,14 +1092,14 @@ impl MatMul {
                 scalar("tokens", rows),
             ];
             s.launches.push((i, convert, Alternatives::default(), convert_args));
-            let (rows_launch, bf16_rows) = self.bf16_rows_launch(&args, rows, plan);
+            let (rows_launch, gemm_rows) = self.rows_launch(&args, rows, plan);
             s.launches.push(rows_launch);
-            args.extend(bf16_rows);
+            args.extend(gemm_rows);
             args.push(wb);
         } else if after_rows {
-            let (rows_launch, bf16_rows) = self.bf16_rows_launch(&args, rows, plan);
+            let (rows_launch, gemm_rows) = self.rows_launch(&args, rows, plan);
             s.launches.push(rows_launch);
-            args.extend(bf16_rows);
+            args.extend(gemm_rows);
         }
         s.launches.push((i, kernels.decode, alternatives, args));
         let one_split = tilings.iter().all(|&tiles| split_k::most_splits(n, k, tiles, sms) == 1);
@@ -1140,10 +1140,10 @@ impl MatMul {
     }
 
     /// The launch making the TMA GEMM's rows (bf16, or half for half weights) from the
-    /// matmul's arguments `args` (the
-    /// GEMV's: activations, the norm's weight, the matrix, `out`, the sizes and strides), and
-    /// the arguments that hand them to the GEMM (the rows and their stride).
-    fn bf16_rows_launch(&self, args: &[LaunchArg], rows: &str, plan: &PlanTarget) -> (Launched, [LaunchArg; 2]) {
+    /// matmul's arguments `args` (the GEMV's: activations, the norm's weight, the matrix,
+    /// `out`, the sizes and strides), and the arguments that hand them to the GEMM (the rows
+    /// and their stride).
+    fn rows_launch(&self, args: &[LaunchArg], rows: &str, plan: &PlanTarget) -> (Launched, [LaunchArg; 2]) {
         let residual = gemv::residual(self.norm);
         let matrix = self.matrix_arg();
         let (out, x_stride) = (&args[matrix + 1], &args[matrix + 5]);
