@@ -305,23 +305,20 @@ pub fn mtp_kernel_errors<D: PlanDevice>(
 /// `count` pseudo-random values uniform in ±`range`, each exactly a bf16 (the operands the
 /// unplanned kernels' checks upload), from the generator state `seed`.
 fn random_bf16_values(seed: &mut u32, count: usize, range: f32) -> Vec<f32> {
-    (0..count)
-        .map(|_| {
-            *seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            let unit = (*seed >> 8) as f32 / (1u32 << 24) as f32;
-            half::bf16::from_f32(range * (2.0 * unit - 1.0)).to_f32()
-        })
-        .collect()
+    random_values(Ty::Bf16, seed, count, range)
 }
 
-/// `count` pseudo-random values uniform in ±`range`, each exactly an IEEE half (most of them
-/// not a bf16), from the generator state `seed`.
-fn random_half_values(seed: &mut u32, count: usize, range: f32) -> Vec<f32> {
+/// [`random_bf16_values`] exact in `ty`, bf16 or f16 (most halves are not bf16s).
+fn random_values(ty: Ty, seed: &mut u32, count: usize, range: f32) -> Vec<f32> {
     (0..count)
         .map(|_| {
             *seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
             let unit = (*seed >> 8) as f32 / (1u32 << 24) as f32;
-            half::f16::from_f32(range * (2.0 * unit - 1.0)).to_f32()
+            let value = range * (2.0 * unit - 1.0);
+            match ty {
+                Ty::F16 => half::f16::from_f32(value).to_f32(),
+                _ => half::bf16::from_f32(value).to_f32(),
+            }
         })
         .collect()
 }
@@ -508,10 +505,7 @@ fn run_flash_attention<D: PlanDevice>(device: &mut D, checks: &[(Kernel, FlashCh
         };
         // The same inputs for each kernel checked on a shape.
         let mut seed = 0x2545_f491_u32 ^ (tokens * 1000 + head_dim) as u32;
-        let mut random = |count: usize| match cache {
-            Ty::F16 => random_half_values(&mut seed, count, 1.0),
-            _ => random_bf16_values(&mut seed, count, 1.0),
-        };
+        let mut random = |count: usize| random_values(cache, &mut seed, count, 1.0);
         let (len, row) = (first + tokens, kv_heads * head_dim);
         let (q, k, v) = (random(tokens * heads * head_dim), random(len * row), random(len * row));
         let blocks = len.div_ceil(FLASH_BLOCK);
