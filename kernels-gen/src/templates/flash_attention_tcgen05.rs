@@ -30,9 +30,10 @@
 //!
 //! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 128 ([`supports`]),
 //! 64 or 128 by TMA (`flash_tma::supports`, whose paged caches also need blocks of a multiple
-//! of `flash_tma::TMA_KEYS` positions); the cache bf16, or FP8 where the tiles are copied
-//! ([`flash_attention_tcgen05_over`]: each tile's codes land in a slot of their own and are
-//! widened into the ring the step before its scores).
+//! of `flash_tma::TMA_KEYS` positions); the cache bf16 or f16 (multiplied as halves, copied or
+//! by TMA), or FP8 where the tiles are copied ([`flash_attention_tcgen05_over`]: each tile's
+//! codes land in a slot of their own and are widened into the ring the step before its
+//! scores).
 
 use super::cache_layout::CacheLayout;
 use super::flash_attention::{
@@ -448,10 +449,10 @@ pub fn flash_attention_tcgen05(name: &str, origin: &str, layout: CacheLayout, he
     flash_attention_tcgen05_over(name, origin, layout, (head_dim, Ty::Bf16), loads)
 }
 
-/// [`flash_attention_tcgen05`] over a cache of `cache` elements: bf16, or FP8 codes copied
-/// ([`Loads::Copies`]) as stored into a slot of their own, each tile widened to bf16 once
-/// into the ring, the step before its scores (as `flash::flash_attention_over` widens them
-/// for `mma.sync`).
+/// [`flash_attention_tcgen05`] over a cache of `cache` elements: bf16, f16 (multiplied as
+/// halves: `flash::tile_element`), or FP8 codes copied ([`Loads::Copies`]) as stored into a
+/// slot of their own, each tile widened to bf16 once into the ring, the step before its scores
+/// (as `flash::flash_attention_over` widens them for `mma.sync`).
 pub fn flash_attention_tcgen05_over(
     name: &str,
     origin: &str,

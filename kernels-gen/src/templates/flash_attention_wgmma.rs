@@ -29,9 +29,10 @@
 //!
 //! Requirements, checked by the caller: `head_dim` a multiple of 16 up to 128 ([`supports`]),
 //! 64 or 128 for TMA (`flash_tma::supports`, whose paged caches also need blocks of a
-//! multiple of `flash_tma::TMA_KEYS` positions); the cache bf16, or FP8 in the lockstep
-//! schedule (`flash_attention_wgmma_over`: each tile's codes land in a slot of their own and
-//! are widened to bf16 once, into a ring of two the tensor cores read).
+//! multiple of `flash_tma::TMA_KEYS` positions); the cache bf16 or f16 (multiplied as halves,
+//! every schedule), or FP8 in the lockstep schedule (`flash_attention_wgmma_over`: each
+//! tile's codes land in a slot of their own and are widened to bf16 once, into a ring of two
+//! the tensor cores read).
 
 use super::cache_layout::CacheLayout;
 use super::flash_attention::{
@@ -489,10 +490,11 @@ pub fn flash_attention_wgmma(
     flash_attention_wgmma_over(name, origin, layout, (head_dim, Ty::Bf16), schedule)
 }
 
-/// [`flash_attention_wgmma`] over a cache of `cache` elements: bf16, or FP8 codes in the
-/// lockstep schedule (copied as stored into a slot of their own, each tile widened to bf16
-/// once into a ring of [`FP8_BUFFERS`]; 196 KiB of shared memory at 128 dims), as
-/// `flash::flash_attention_over` widens them for `mma.sync`.
+/// [`flash_attention_wgmma`] over a cache of `cache` elements: bf16, f16 (its tiles, queries
+/// and probabilities halves: `flash::tile_element`), or FP8 codes in the lockstep schedule
+/// (copied as stored into a slot of their own, each tile widened to bf16 once into a ring of
+/// [`FP8_BUFFERS`]; 196 KiB of shared memory at 128 dims), as `flash::flash_attention_over`
+/// widens them for `mma.sync`.
 pub fn flash_attention_wgmma_over(
     name: &str,
     origin: &str,
