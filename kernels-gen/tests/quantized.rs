@@ -352,35 +352,8 @@ fn block_weights_convert_for_a_prefill_step_to_the_hosts_bf16_values() {
             }
         }
     }
-    assert!(to_bf16_for_prefill(DType::BF16, min_tokens, "test").is_none());
-}
-
-/// IEEE half weights' bf16 copy for a prefill step: every f16 value (zeros of both signs,
-/// subnormals, infinities, NaNs) rounded as the host rounds it, 8 a thread; nothing at fewer
-/// rows.
-#[test]
-fn half_weights_convert_for_a_prefill_step_as_the_host_rounds() {
-    let min_tokens = 65;
-    let f16s: Vec<half::f16> = (0..=u16::MAX).map(half::f16::from_bits).collect();
-    let want: Vec<f32> = f16s.iter().map(|v| v.to_f32()).collect();
-    let (n, k) = (f16s.len() / 64, 64);
-    let kernel = to_bf16_for_prefill(DType::F16, min_tokens, "test").unwrap();
-    for tokens in [min_tokens - 1, min_tokens] {
-        let untouched = half::bf16::from_f32(1e30);
-        let mut bufs = HashMap::from([
-            ("w".into(), Array::f16(&f16s)),
-            ("wb".into(), Array::bf16(&vec![untouched; n * k])),
-        ]);
-        let sizes = [("n", n as i64), ("k", k as i64), ("tokens", tokens as i64)];
-        run(&kernel, &mut bufs, &ints(&sizes)).unwrap();
-        let got: Vec<u32> = bufs["wb"].to_f32().unwrap().into_iter().map(bits).collect();
-        match tokens < min_tokens {
-            true => assert!(
-                got.iter().all(|&v| v == bits(untouched.to_f32())),
-                "converted at {tokens} rows"
-            ),
-            false => assert_eq!(got, held_as(DType::BF16, &want)),
-        }
+    for other in [DType::BF16, DType::F16] {
+        assert!(to_bf16_for_prefill(other, min_tokens, "test").is_none());
     }
 }
 

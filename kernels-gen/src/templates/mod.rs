@@ -1412,11 +1412,10 @@ pub fn catalog() -> Vec<Kernel> {
             .filter_map(|f| weight_convert::convert_kernel(f, ir::DType::BF16)),
     )
     .chain(weight_convert::convert_kernel(ir::DType::Q4K, ir::DType::F32))
-    // Every block format, and half values, converted to bf16 for a prefill step's TMA GEMM.
+    // Every block format converted to bf16 for a prefill step's TMA GEMM.
     .chain(
         QUANT_FORMATS
             .into_iter()
-            .chain([ir::DType::F16])
             .filter_map(|f| weight_convert::to_bf16_for_prefill(f, 65, "catalog")),
     )
     .collect()

@@ -99,39 +99,21 @@ fn prefill_kernel_name(from: DType) -> String {
     format!("convert_{}_to_bf16_for_prefill", from.name())
 }
 
-/// A matrix of GGUF blocks or IEEE half values (`w`, `n` rows of `k`) converted into the bf16
-/// copy `wb` that a step of `min_tokens` rows or more multiplies by on the target's TMA GEMM,
-/// as the plan's conversion at loading converts them (the same values, the same rounding):
-/// blocks a run of 32 a thread, half values 8 a thread (16-byte loads and stores: `n·k` a
-/// multiple of 8); no blocks for steps of fewer rows (`tokens`), whose GEMMs take the stored
-/// form themselves. None for other formats.
+/// A matrix of GGUF blocks (`w`, `n` rows of `k`) converted into the bf16 copy `wb` that a
+/// step of `min_tokens` rows or more multiplies by on the target's TMA GEMM, as the plan's
+/// conversion at loading converts them (the same values, the same rounding), a run of 32 a
+/// thread; no blocks for steps of fewer rows (`tokens`), whose GEMMs take the stored form
+/// themselves. None for other formats (half values need no copy: the TMA GEMMs take them as
+/// stored, `tma_gemm::over_halves`).
 pub fn to_bf16_for_prefill(from: DType, min_tokens: usize, origin: &str) -> Option<Kernel> {
+    block_layout(from)?;
     let gate = bin(BinOp::Min, int(1), var("tokens") / int(min_tokens as i64));
-    let (source, (units, per_unit), body) = match from {
-        DType::F16 => {
-            let units = var("n") * var("k") / int(HALVES);
-            let names: Vec<String> = (0..HALVES).map(|e| format!("v{e}")).collect();
-            let body = per_element(
-                units.clone(),
-                vec![
-                    load_vec("w", var("i") * int(HALVES), &names),
-                    store_vec("wb", var("i") * int(HALVES), names.iter().map(|n| var(n)).collect()),
-                ],
-            );
-            (Ty::F16, (units, "8 values"), body)
-        }
-        format if block_layout(format).is_some() => {
-            let runs = var("n") * var("k") / int(RUN);
-            let body = decode_runs(format, runs.clone(), "wb", Ty::Bf16);
-            (Ty::U8, (runs, "a run of 32"), body)
-        }
-        _ => return None,
-    };
+    let runs = var("n") * var("k") / int(RUN);
     Some(Kernel {
         name: prefill_kernel_name(from),
-        origin: format!("{origin}: {from} weights converted to bf16 for a step's GEMM, {per_unit} a thread"),
+        origin: format!("{origin}: {from} weights converted to bf16 for a step's GEMM, a run of 32 a thread"),
         params: vec![
-            buffer("w", source, false),
+            buffer("w", Ty::U8, false),
             buffer("wb", Ty::Bf16, true),
             scalar("n", Ty::I32),
             scalar("k", Ty::I32),
@@ -139,10 +121,7 @@ pub fn to_bf16_for_prefill(from: DType, min_tokens: usize, origin: &str) -> Opti
         ],
         shared: vec![],
         block_dim: BLOCK,
-        grid: blocks_for(units, BLOCK as i64) * gate,
-        body,
+        grid: blocks_for(runs.clone(), BLOCK as i64) * gate,
+        body: decode_runs(from, runs, "wb", Ty::Bf16),
     })
 }
-
-/// Half values a thread of [`to_bf16_for_prefill`] converts: one 16-byte load.
-const HALVES: i64 = 8;
