@@ -846,17 +846,12 @@ fn plans_with_fp8_kv_caches_agree_with_the_cpu_backend() {
 /// the B200's `tcgen05` (copying its tiles, asked for by TMA).
 #[test]
 fn batched_plans_over_fp8_caches_agree_with_the_cpu_backend() {
-    // Asked for `wgmma` or `tcgen05` by TMA, prompts over FP8 take the schedule that copies
-    // their tiles, widening them, never TMA.
-    let flash = |prefill: gpu::PrefillAttention| match prefill {
-        gpu::PrefillAttention::Mma => "flash_attention",
-        gpu::PrefillAttention::WgmmaTma => "flash_attention_wgmma",
-        _ => "flash_attention_tcgen05",
-    };
+    // Asked for `wgmma` by TMA, prompts over FP8 take its lockstep schedule, which widens
+    // each tile.
     check_batched_over(
         models::KvCacheDtype::Fp8,
         &[("llama", 1e-5, 1e-2), ("gemma3", 1e-5, 6e-2)],
-        flash,
+        "flash_attention_wgmma",
     );
 }
 
@@ -873,29 +868,21 @@ fn batched_plans_over_fp8_caches_agree_with_the_cpu_backend() {
 #[test]
 fn batched_plans_over_half_caches_agree_with_the_cpu_backend() {
     // Asked for by TMA, whose boxes do not tile these heads of 16 and 32 dims, `wgmma` is
-    // warp-specialised and `tcgen05` copies.
-    let flash = |prefill: gpu::PrefillAttention| match prefill {
-        gpu::PrefillAttention::Mma => "flash_attention",
-        gpu::PrefillAttention::WgmmaTma => "flash_attention_wgmma_specialised",
-        _ => "flash_attention_tcgen05",
-    };
+    // warp-specialised.
     check_batched_over(
         models::KvCacheDtype::F16,
         &[("llama", 1e-5, 2e-4), ("gemma3", 2e-4, 2e-3)],
-        flash,
+        "flash_attention_wgmma_specialised",
     );
 }
 
 /// Batched plans of `families` over caches of `cache` against the CPU backend over the same
 /// pages (see [`batched_plans_over_fp8_caches_agree_with_the_cpu_backend`]), the steps after
 /// the first two (the split pass's) within each family's first tolerance, the others within
-/// its second; the prompts on the tensor cores take the kernel `flash` names for the form
-/// asked for, and no other.
-fn check_batched_over(
-    cache_dtype: models::KvCacheDtype,
-    families: &[(&str, f32, f32)],
-    flash: impl Fn(gpu::PrefillAttention) -> &'static str,
-) {
+/// its second; the prompts on the tensor cores take one kernel: `mma.sync`'s where asked for,
+/// `wgmma_kernel` on Hopper asked for `wgmma` by TMA, and on the B200 asked for `tcgen05` by
+/// TMA the copying `tcgen05` one (these heads of 16 and 32 dims are not whole TMA boxes).
+fn check_batched_over(cache_dtype: models::KvCacheDtype, families: &[(&str, f32, f32)], wgmma_kernel: &str) {
     let cache = two_sequence_pool();
     let steps = [
         vec![(0, pool_prompt(9, 5)), (0, pool_prompt(5, 11))],
@@ -941,7 +928,11 @@ fn check_batched_over(
             let gpu_graph = fused_for(&graph, target);
             let (got, kernels) = pool_steps_on(&model, (&gpu_graph, target), kernels, &steps);
             // The one tensor-core attention the plan launches (named with its hash after).
-            let flash = flash(prefill_attention);
+            let flash = match prefill_attention {
+                gpu::PrefillAttention::Mma => "flash_attention",
+                gpu::PrefillAttention::WgmmaTma => wgmma_kernel,
+                _ => "flash_attention_tcgen05",
+            };
             let flashes: Vec<_> = kernels
                 .iter()
                 .filter(|k| k.starts_with("flash_attention"))

@@ -346,7 +346,12 @@ pub fn attention_timings(arch: &str, bandwidth: f64) -> Result<String> {
             ..buffers
         })
         .collect();
-    let fp8 = &other_buffers[0];
+    // The decode step's FP8 rows read the FP8 cache.
+    let fp8 = OTHER_CACHES
+        .iter()
+        .position(|(ty, ..)| *ty == Ty::F8E4M3)
+        .map(|at| &other_buffers[at])
+        .expect("an FP8 cache among the others");
     let mut table = String::from(
         "| attention | rows | kernel | µs | TFLOP/s | cache GB/s | % of copy bandwidth |\n|---|---|---|---|---|---|---|\n",
     );
