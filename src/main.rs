@@ -86,10 +86,10 @@ enum Command {
         prefill_delta_rule: commands::compile::PrefillDeltaRule,
         /// GPU targets: how prompts run MoE layers' experts: `tensor-cores`, each expert's rows
         /// gathered into tiles and multiplied on the tensor cores (bf16, f16 and GGUF-block
-        /// experts over sizes that are multiples of 8; others as `cuda-cores`), bf16 experts on
-        /// `wgmma` on Hopper and `tcgen05` on the B200; `mma`, the same on `mma.sync` on every
-        /// target; `cuda-cores`,
-        /// expert by expert, a warp a row and output.
+        /// experts over sizes that are multiples of 8; others as `cuda-cores`; half experts
+        /// multiplied as halves), bf16 and half experts on `wgmma` on Hopper and `tcgen05` on
+        /// the B200; `mma`, the same on `mma.sync` on every target; `cuda-cores`, expert by
+        /// expert, a warp a row and output.
         #[arg(long, value_enum, default_value_t = commands::compile::PrefillExperts::TensorCores)]
         prefill_experts: commands::compile::PrefillExperts,
         /// What the KV caches store keys and values as, over model.toml's `kv_cache_dtype`:

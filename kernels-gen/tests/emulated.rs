@@ -2086,7 +2086,7 @@ const TMA_SHAPES: [(usize, usize, usize, usize); 4] =
 fn tma_gemm_matches_reference(gemm: &Kernel, seed: u64) {
     let mut rng = Rng(seed);
     let reduce = split_k::reduce("reduce", "test", 16, None, None);
-    // Over halves (`tma_gemm::over_halves`) the operands are f16.
+    // Over halves (`halves::over_halves`) the operands are f16.
     let halves = matches!(gemm.param("w"), Some(dsl::Param::Buffer { ty: Ty::F16, .. }));
     let array = |v: &[f32]| match halves {
         true => cache_array(Ty::F16, v),
@@ -2116,7 +2116,7 @@ fn tma_gemm_matches_reference(gemm: &Kernel, seed: u64) {
     }
 }
 
-/// Each target's TMA GEMM over IEEE halves (`tma_gemm::over_halves`: weights multiplied as
+/// Each target's TMA GEMM over IEEE halves (`halves::over_halves`: weights multiplied as
 /// stored, activations rounded to half) against the reference on the same halves, in one piece
 /// and K split: Hopper's block-driven and persistent warp-specialised tiles and its batch tile,
 /// the B200's wide, warp-specialised and batch tiles, the RTX PRO 6000's. A GEMM that took the
@@ -2135,7 +2135,7 @@ fn tma_gemms_over_halves_match_reference() {
         gemm_tma_mma::gemm_tma_mma_bf16("gemm", "test"),
     ];
     for (seed, gemm) in gemms.into_iter().enumerate() {
-        tma_gemm_matches_reference(&tma_gemm::over_halves(gemm, "gemm_halves"), 60 + seed as u64);
+        tma_gemm_matches_reference(&halves::over_halves(gemm, "gemm_halves"), 60 + seed as u64);
     }
 }
 

@@ -4,7 +4,7 @@
 
 use ir::reference::ops;
 use ir::{GluAct, MoeRouter, MoeSpec};
-use kernels_gen::dsl::Ty;
+use kernels_gen::dsl::{MmaElement, Ty};
 use kernels_gen::emulator::{run, Array};
 use kernels_gen::templates::moe;
 use kernels_gen::templates::quant::WeightFormat;
@@ -258,15 +258,28 @@ fn experts_one_by_one_equal_rows_one_by_one() {
     }
 }
 
+/// `v` rounded (nearest even) to the tensor cores' `element`.
+fn rounded(element: MmaElement, v: f32) -> f32 {
+    match element {
+        MmaElement::Bf16 => half::bf16::from_f32(v).to_f32(),
+        MmaElement::F16 => half::f16::from_f32(v).to_f32(),
+    }
+}
+
+/// `values` as an array of `element`s.
+fn array_of(element: MmaElement, values: &[f32]) -> Array {
+    match element {
+        MmaElement::Bf16 => bf16_array(values),
+        MmaElement::F16 => Array::f16(&values.iter().map(|&v| half::f16::from_f32(v)).collect::<Vec<_>>()),
+    }
+}
+
 /// Weights of `format` made from `values` (rows `row` wide): the buffer the kernels read, and
-/// the weights as the tensor cores take them (decoded, rounded to bf16). Q8_0 blocks: each 32
-/// values' largest over 127 as the scale (an f16), the codes rounded.
-fn expert_weights(values: &[f32], format: WeightFormat) -> (Array, Vec<f32>) {
-    let round = |v: &[f32]| {
-        v.iter()
-            .map(|&a| half::bf16::from_f32(a).to_f32())
-            .collect::<Vec<f32>>()
-    };
+/// the weights as tensor cores multiplying `element`s take them (decoded, rounded to it: half
+/// weights multiplied as halves are exact). Q8_0 blocks: each 32 values' largest over 127 as
+/// the scale (an f16), the codes rounded.
+fn expert_weights(values: &[f32], format: WeightFormat, element: MmaElement) -> (Array, Vec<f32>) {
+    let round = |v: &[f32]| v.iter().map(|&a| rounded(element, a)).collect::<Vec<f32>>();
     match format {
         WeightFormat::Dense(Ty::Bf16) => (bf16_array(values), round(values)),
         WeightFormat::Dense(Ty::F16) => {
@@ -315,34 +328,64 @@ fn shared_conflict_free(
 /// weights copied, f16 and Q8_0 ones decoded into the tile), rounded to bf16 itself
 /// ([`rounded_close`]), `moe_mma::down` (and the others') what `moe::down_by_expert` does for
 /// those hidden units and weights rounded to bf16, within f32 rounding (the sums go in
-/// another order). Shapes: one expert chosen by every row (two tiles of pairs), hidden sizes
-/// and expert widths below, across and past a 64-, 128-wide tile and a K step. The
-/// tensor-core kernels' shared memory without bank conflicts.
+/// another order). Half experts multiplied as halves (the bf16 experts' kernels, all three,
+/// `halves::over_halves`) likewise for rows and hidden units rounded to half and the weights
+/// exact. Shapes: one expert chosen by every row (two tiles of pairs), hidden sizes and expert
+/// widths below, across and past a 64-, 128-wide tile and a K step. The tensor-core kernels'
+/// shared memory without bank conflicts.
 #[test]
 fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
     use kernels_gen::emulator::Scalar;
-    use kernels_gen::templates::{moe_mma, moe_tcgen05, moe_wgmma};
+    use kernels_gen::templates::{halves, moe_mma, moe_tcgen05, moe_wgmma};
     let mut rng = Rng(54);
-    let bf16 = WeightFormat::Dense(Ty::Bf16);
-    let round = |v: &[f32]| {
-        v.iter()
-            .map(|&a| half::bf16::from_f32(a).to_f32())
-            .collect::<Vec<f32>>()
-    };
-    for (spec, d, i, format) in [
-        (specs()[0], 48, 40, bf16),
-        (specs()[1], 72, 96, bf16),
-        (specs()[4], 136, 24, bf16),
-        (specs()[1], 40, 24, WeightFormat::Dense(Ty::F16)),
-        (specs()[0], 64, 32, WeightFormat::Blocks(ir::DType::Q8_0)),
-        (specs()[4], 96, 64, WeightFormat::Blocks(ir::DType::Q8_0)),
+    let (bf16, f16) = (WeightFormat::Dense(Ty::Bf16), WeightFormat::Dense(Ty::F16));
+    for (spec, d, i, format, element) in [
+        (specs()[0], 48, 40, bf16, MmaElement::Bf16),
+        (specs()[1], 72, 96, bf16, MmaElement::Bf16),
+        (specs()[4], 136, 24, bf16, MmaElement::Bf16),
+        (specs()[1], 40, 24, f16, MmaElement::Bf16),
+        (
+            specs()[0],
+            64,
+            32,
+            WeightFormat::Blocks(ir::DType::Q8_0),
+            MmaElement::Bf16,
+        ),
+        (
+            specs()[4],
+            96,
+            64,
+            WeightFormat::Blocks(ir::DType::Q8_0),
+            MmaElement::Bf16,
+        ),
+        (specs()[1], 72, 96, f16, MmaElement::F16),
+        (specs()[4], 136, 24, f16, MmaElement::F16),
     ] {
         let spec = MoeSpec {
             intermediate: i,
             ..spec
         };
         assert!(moe_mma::supports(&spec, d, format));
-        let what = format!("{spec:?} {format:?} d={d}");
+        let what = format!("{spec:?} {format:?} d={d} multiplied as {element:?}");
+        let round = |v: &[f32]| v.iter().map(|&a| rounded(element, a)).collect::<Vec<f32>>();
+        // The weights as the tensor cores' kernels take them: half weights multiplied as halves
+        // by the bf16 experts' kernels over halves.
+        let tiled = match element {
+            MmaElement::F16 => bf16,
+            MmaElement::Bf16 => format,
+        };
+        let over = |kernel: kernels_gen::dsl::Kernel| match element {
+            MmaElement::F16 => {
+                let name = format!("{}_f16", kernel.name);
+                halves::over_halves(kernel, &name)
+            }
+            MmaElement::Bf16 => kernel,
+        };
+        // The row kernels' weights: bf16 holds the bf16-rounded ones exactly, f16 the halves.
+        let (reference_format, reference_element) = match element {
+            MmaElement::F16 => (f16, MmaElement::F16),
+            MmaElement::Bf16 => (bf16, MmaElement::Bf16),
+        };
         let (rows, e, k) = (80, spec.experts, spec.experts_per_token);
         let x = rng.vec(rows * d);
         let mut logits = rng.vec(rows * e);
@@ -351,8 +394,8 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
         for r in 0..rows {
             logits[r * e + 3] = 9.0;
         }
-        let (gate_up, gate_up_taken) = expert_weights(&rng.vec(e * 2 * i * d), format);
-        let (down, down_taken) = expert_weights(&rng.vec(e * d * i), format);
+        let (gate_up, gate_up_taken) = expert_weights(&rng.vec(e * 2 * i * d), format, element);
+        let (down, down_taken) = expert_weights(&rng.vec(e * d * i), format, element);
         let mut vector = rng.vec(e);
         vector[3] = 5.0;
         let mut bufs = routing_buffers(&logits, &vector, rows * k);
@@ -407,7 +450,7 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
         );
         want.resize(bound, -1);
         assert_eq!(bufs["tiles"].to_i64().unwrap(), want, "{what}: tiles");
-        // Gate/up: the tensor cores' over x's rows as bf16 (`bf16_rows`'s: rows padded to a
+        // Gate/up: the tensor cores' over x's rows rounded (`bf16_rows`'s: rows padded to a
         // wider stride whose padding is NaN, never read; `x` itself NaN, never read either), the
         // row kernel's over x and the weights rounded.
         let xb_stride = d + 8;
@@ -419,25 +462,27 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
             .collect();
         let mut scalars = scalars.clone();
         scalars.insert("xb_stride".into(), Scalar::Int(xb_stride as i64));
-        bufs.insert("xb".into(), bf16_array(&xb));
+        bufs.insert("xb".into(), array_of(element, &xb));
         // The tensor-core kernels: `mma.sync`'s, and bf16 experts' `wgmma` (Hopper) and
         // `tcgen05` (B200) ones.
         let mut kernels = vec![(
-            moe_mma::gate_up("mma", "test", &spec, d, format),
-            moe_mma::down("mma", "test", &spec, d, format),
+            over(moe_mma::gate_up("mma", "test", &spec, d, tiled)),
+            over(moe_mma::down("mma", "test", &spec, d, tiled)),
         )];
-        if moe_wgmma::supports(&spec, d, format) {
+        if moe_wgmma::supports(&spec, d, tiled) {
             kernels.push((
-                moe_wgmma::gate_up("wgmma", "test", &spec, d),
-                moe_wgmma::down("wgmma", "test", &spec, d),
+                over(moe_wgmma::gate_up("wgmma", "test", &spec, d)),
+                over(moe_wgmma::down("wgmma", "test", &spec, d)),
             ));
         }
-        if moe_tcgen05::supports(&spec, d, format) {
+        if moe_tcgen05::supports(&spec, d, tiled) {
             kernels.push((
-                moe_tcgen05::gate_up("tcgen05", "test", &spec, d),
-                moe_tcgen05::down("tcgen05", "test", &spec, d),
+                over(moe_tcgen05::gate_up("tcgen05", "test", &spec, d)),
+                over(moe_tcgen05::down("tcgen05", "test", &spec, d)),
             ));
         }
+        // Half experts multiply as halves on every target's tensor cores.
+        assert_eq!(kernels.len() == 3, tiled == bf16, "{what}");
         let mut run_gate_up = |kernel: &kernels_gen::dsl::Kernel, x: &[f32], w: Array, hidden_ty: Ty| {
             bufs.insert("x".into(), Array::f32(x));
             bufs.insert("w".into(), w);
@@ -446,21 +491,21 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
             bufs["hidden"].clone()
         };
         let want = run_gate_up(
-            &moe::gate_up("rows", "test", &spec, d, bf16),
+            &moe::gate_up("rows", "test", &spec, d, reference_format),
             &round(&x),
-            bf16_array(&gate_up_taken),
+            array_of(reference_element, &gate_up_taken),
             Ty::F32,
         );
         let hidden: Vec<Array> = kernels
             .iter()
             .map(|(gate_up_kernel, _)| {
-                let got = run_gate_up(gate_up_kernel, &vec![f32::NAN; x.len()], gate_up.clone(), Ty::Bf16);
+                let got = run_gate_up(gate_up_kernel, &vec![f32::NAN; x.len()], gate_up.clone(), element.ty());
                 let what = format!("{what}: {} gate/up", gate_up_kernel.name);
-                rounded_close(&got.to_f32().unwrap(), &want.to_f32().unwrap(), 1e-5, &what);
+                rounded_close(&got.to_f32().unwrap(), &want.to_f32().unwrap(), (element, 1e-5), &what);
                 got
             })
             .collect();
-        // Down: the tensor cores' over the bf16 hidden units as the first gate/up left them,
+        // Down: the tensor cores' over the rounded hidden units as the first gate/up left them,
         // the expert kernel's over their values and the weights rounded.
         let mut run_down = |kernel: &kernels_gen::dsl::Kernel, hidden: Array, w: Array| {
             bufs.insert("hidden".into(), hidden);
@@ -471,9 +516,9 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
             bufs["ys"].to_f32().unwrap()
         };
         let want = run_down(
-            &moe::down_by_expert("experts", "test", &spec, d, bf16),
+            &moe::down_by_expert("experts", "test", &spec, d, reference_format),
             Array::f32(&hidden[0].to_f32().unwrap()),
-            bf16_array(&down_taken),
+            array_of(reference_element, &down_taken),
         );
         for (_, down_kernel) in &kernels {
             let got = run_down(down_kernel, hidden[0].clone(), down.clone());
@@ -482,16 +527,15 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
     }
 }
 
-/// Each of `got` (bf16 values) is `want`'s value rounded to bf16, `want` taken anywhere within
-/// `tol` of the largest (the f32 rounding of sums in another order, which may carry a value
-/// across a bf16 rounding boundary).
-fn rounded_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
+/// Each of `got` (values of `element`) is `want`'s value rounded to it, `want` taken anywhere
+/// within `tol` of the largest (the f32 rounding of sums in another order, which may carry a
+/// value across a rounding boundary).
+fn rounded_close(got: &[f32], want: &[f32], (element, tol): (MmaElement, f32), what: &str) {
     assert_eq!(got.len(), want.len(), "{what}");
     let scale = want.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
-    let round = |v: f32| half::bf16::from_f32(v).to_f32();
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let (lo, hi) = (round(w - tol * scale), round(w + tol * scale));
-        assert!(lo <= g && g <= hi, "{what}[{i}]: {g} not {w} rounded to bf16");
+        let (lo, hi) = (rounded(element, w - tol * scale), rounded(element, w + tol * scale));
+        assert!(lo <= g && g <= hi, "{what}[{i}]: {g} not {w} rounded to {element:?}");
     }
 }
 

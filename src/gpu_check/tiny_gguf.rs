@@ -182,3 +182,37 @@ pub fn f16_llama(dir: &Path) -> std::io::Result<PathBuf> {
     tiny_gguf_llama(&path, &mut f16_values, &mut f16_values)?;
     Ok(path)
 }
+
+/// The GGUF file at `src` written to `dst` with its f32 matrices stored as IEEE halves, as
+/// llama.cpp's F16 conversion writes a model: tensors of two dimensions or more whose names end
+/// in `.weight`, but for norms, convolutions and MoE routers (kept in f32, as llama.cpp keeps
+/// them); metadata and every other tensor as they are.
+pub fn with_half_matrices(src: &Path, dst: &Path) -> anyhow::Result<()> {
+    let file = models::gguf::GgufFile::open(src)?;
+    let mut out = GgufWriter::new();
+    for (key, value) in &file.metadata {
+        out = out.meta(key, value.clone());
+    }
+    let kept_f32 = ["norm", "conv1d", "ffn_gate_inp"];
+    for info in &file.tensors {
+        let data = file.tensor_data(info);
+        let halved = info.dtype == quant::GgmlType::F32
+            && info.dims.len() >= 2
+            && info.name.ends_with(".weight")
+            && !kept_f32.iter().any(|k| info.name.contains(k));
+        out = match halved {
+            true => {
+                let halves = data
+                    .chunks_exact(4)
+                    .flat_map(|v| half::f16::from_f32(f32::from_le_bytes([v[0], v[1], v[2], v[3]])).to_le_bytes())
+                    .collect();
+                out.tensor(&info.name, &info.dims, quant::GgmlType::F16 as u32, halves)
+            }
+            false => out.tensor(&info.name, &info.dims, info.dtype as u32, data.to_vec()),
+        };
+    }
+    let mut writer = std::io::BufWriter::new(std::fs::File::create(dst)?);
+    out.write_to(&mut writer)?;
+    std::io::Write::flush(&mut writer)?;
+    Ok(())
+}

@@ -206,10 +206,11 @@ pub enum PrefillDeltaRule {
 #[serde(rename_all = "kebab-case")]
 pub enum PrefillExperts {
     /// Each expert's rows gathered into tiles and multiplied on the target's tensor cores:
-    /// bf16 experts on Hopper's `wgmma` (`templates::moe_wgmma`) and the B200's `tcgen05`
-    /// (`templates::moe_tcgen05`), others and elsewhere on `mma.sync` (`templates::moe_mma`:
-    /// bf16, f16 and GGUF-block experts), over hidden sizes and expert widths that are
-    /// multiples of 8 (others as `CudaCores`).
+    /// bf16 and half experts on Hopper's `wgmma` (`templates::moe_wgmma`) and the B200's
+    /// `tcgen05` (`templates::moe_tcgen05`), others and elsewhere on `mma.sync`
+    /// (`templates::moe_mma`: bf16, f16 and GGUF-block experts; half ones multiplied as
+    /// halves), over hidden sizes and expert widths that are multiples of 8 (others as
+    /// `CudaCores`).
     #[default]
     TensorCores,
     /// As `TensorCores`, on `mma.sync` on every target (what the `wgmma` and `tcgen05`

@@ -19,7 +19,7 @@ pub fn bf16_rows(name: &str, origin: &str, norm: Option<NormPrologue>, min_token
 }
 
 /// [`bf16_rows`] making rows of `element`s: halves for a TMA GEMM over half weights
-/// (`tma_gemm::over_halves`).
+/// (`halves::over_halves`).
 pub fn rows_of(element: MmaElement, name: &str, origin: &str, norm: Option<NormPrologue>, min_tokens: usize) -> Kernel {
     let mut params = prologue_params(norm);
     params.push(buffer("xb", element.ty(), true));

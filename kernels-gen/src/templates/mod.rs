@@ -23,6 +23,7 @@ pub mod gemm_tma_wgmma;
 pub mod gemm_wgmma;
 pub mod gemv;
 pub mod glu;
+pub mod halves;
 pub mod int8_head;
 pub mod kv_append;
 pub mod mma_operands;
@@ -985,6 +986,19 @@ pub fn catalog() -> Vec<Kernel> {
         // The B200's, on `tcgen05`.
         moe_tcgen05::gate_up("moe_gate_up_tcgen05_bf16", "catalog", &GLM_4_5_AIR_MOE, 4096),
         moe_tcgen05::down("moe_down_tcgen05_bf16", "catalog", &GLM_4_5_AIR_MOE, 4096),
+        // Half experts multiplied as stored, on each target's tensor cores.
+        halves::over_halves(
+            moe_mma::gate_up("", "catalog", &GLM_4_5_AIR_MOE, 4096, Dense(Ty::Bf16)),
+            "moe_gate_up_mma_f16",
+        ),
+        halves::over_halves(
+            moe_wgmma::gate_up("", "catalog", &GLM_4_5_AIR_MOE, 4096),
+            "moe_gate_up_wgmma_f16",
+        ),
+        halves::over_halves(
+            moe_tcgen05::down("", "catalog", &GLM_4_5_AIR_MOE, 4096),
+            "moe_down_tcgen05_f16",
+        ),
         split_k::reduce("split_k_reduce", "catalog", 16, None, None),
         split_k::reduce("split_k_reduce_swiglu", "catalog", 16, Some(GluAct::Silu), None),
         // After a residual-norm GEMM with the GLU (`add_rms_norm_swiglu_gemm`): each token's
@@ -1098,7 +1112,7 @@ pub fn catalog() -> Vec<Kernel> {
             Some(gemv::NormPrologue::new(1e-6, 1.0).with_residual()),
             16,
         ),
-        tma_gemm::over_halves(
+        halves::over_halves(
             gemm_tma_wgmma::gemm_tma_wgmma_bf16_prologued(
                 "",
                 "catalog",
@@ -1108,11 +1122,11 @@ pub fn catalog() -> Vec<Kernel> {
             ),
             "swiglu_gemm_tma_wgmma_f16",
         ),
-        tma_gemm::over_halves(
+        halves::over_halves(
             gemm_tma_tcgen05::gemm_tma_tcgen05_bf16("", "catalog", gemm_tma_tcgen05::TcgenTile::WIDE),
             "gemm_tma_tcgen05_f16",
         ),
-        tma_gemm::over_halves(gemm_tma_mma::gemm_tma_mma_bf16("", "catalog"), "gemm_tma_mma_f16"),
+        halves::over_halves(gemm_tma_mma::gemm_tma_mma_bf16("", "catalog"), "gemm_tma_mma_f16"),
         gemm_tma_mma::gemm_tma_mma_bf16("gemm_tma_mma_bf16", "catalog"),
         flash_attention::flash_attention(
             "flash_attention_d128",

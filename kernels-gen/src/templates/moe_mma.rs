@@ -1,4 +1,5 @@
-//! MoE prefill on tensor cores (bf16, f16 or GGUF-block experts, multiplied in bf16): each
+//! MoE prefill on tensor cores (bf16, f16 or GGUF-block experts, multiplied in bf16; half
+//! experts multiplied as halves by the bf16 kernels over halves, `halves::over_halves`): each
 //! expert's chosen rows gathered into tiles and multiplied by `mma.sync`, where `moe`'s
 //! expert-by-expert kernels dot one row at a time in f32 on the CUDA cores (`moe_wgmma` and
 //! `moe_tcgen05` run the same tiles for bf16 experts on Hopper and the B200). Four launches

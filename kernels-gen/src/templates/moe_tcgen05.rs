@@ -1,4 +1,5 @@
-//! MoE prefill on Blackwell's `tcgen05` (sm_100a, bf16 experts): `moe_mma`'s launches, lists
+//! MoE prefill on Blackwell's `tcgen05` (sm_100a, bf16 experts, and half ones over halves:
+//! `halves::over_halves`): `moe_mma`'s launches, lists
 //! and results, each listed tile's GEMM as `gemm_tcgen05` runs a dense one. `tcgen05.mma`'s M
 //! (128) is the weights' rows and its N (64) the tile's pairs: D[row][pair], tensor memory
 //! lane `row` read by thread `row` of the block's four warps.

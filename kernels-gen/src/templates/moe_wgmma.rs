@@ -1,4 +1,5 @@
-//! MoE prefill on Hopper's `wgmma` (sm_90a, bf16 experts): `moe_mma`'s launches, lists and
+//! MoE prefill on Hopper's `wgmma` (sm_90a, bf16 experts, and half ones over halves:
+//! `halves::over_halves`): `moe_mma`'s launches, lists and
 //! results, each listed tile's GEMM as `gemm_wgmma` runs a dense one. A block of one
 //! warpgroup takes a tile of 64 pairs (wgmma's M) of one expert:
 //!

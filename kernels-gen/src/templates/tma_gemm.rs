@@ -84,31 +84,6 @@ pub fn over_converted_weights(mut kernel: Kernel, name: &str) -> Kernel {
     kernel
 }
 
-/// `kernel`, a TMA GEMM of bf16 operands, as `name` over IEEE halves: its activation rows and
-/// weights f16 (their tensor maps too), its shared tiles f16, its MMAs of halves. A weight
-/// stored as a half is multiplied as stored (no bf16 copy, no rounding), its activations
-/// rounded to half by the rows launch; the instructions move and read the same bytes.
-pub fn over_halves(mut kernel: Kernel, name: &str) -> Kernel {
-    for p in &mut kernel.params {
-        if let Param::Buffer { ty: ty @ Ty::Bf16, .. } = p {
-            *ty = Ty::F16;
-        }
-    }
-    for array in &mut kernel.shared {
-        if array.ty == Ty::Bf16 {
-            array.ty = Ty::F16;
-        }
-    }
-    edit_stmts(&mut kernel.body, &mut |s| {
-        if let Stmt::Mma(m) = s {
-            m.element = MmaElement::F16;
-        }
-    });
-    kernel.name = name.into();
-    kernel.origin = format!("{}, over halves", kernel.origin);
-    kernel
-}
-
 /// `x` `[tokens, k]` (rows `x_stride` apart) and `w` `[n, k]`, bf16, into `out` `[tokens, n]`
 /// f32, with the K splits' partials; the tensor maps over `x` and `w` with boxes of
 /// `x_box_rows` and `w_box_rows` rows.

@@ -104,7 +104,7 @@ fn prefill_kernel_name(from: DType) -> String {
 /// conversion at loading converts them (the same values, the same rounding), a run of 32 a
 /// thread; no blocks for steps of fewer rows (`tokens`), whose GEMMs take the stored form
 /// themselves. None for other formats (half values need no copy: the TMA GEMMs take them as
-/// stored, `tma_gemm::over_halves`).
+/// stored, `halves::over_halves`).
 pub fn to_bf16_for_prefill(from: DType, min_tokens: usize, origin: &str) -> Option<Kernel> {
     block_layout(from)?;
     let gate = bin(BinOp::Min, int(1), var("tokens") / int(min_tokens as i64));

@@ -904,7 +904,7 @@ impl MatMul {
                         let element = |kernel: Kernel| match self.element() {
                             MmaElement::F16 => {
                                 let name = format!("{}_f16", kernel.name);
-                                tma_gemm::over_halves(kernel, &name)
+                                halves::over_halves(kernel, &name)
                             }
                             MmaElement::Bf16 => kernel,
                         };
@@ -968,7 +968,7 @@ impl MatMul {
     }
 
     /// The type its tensor-core GEMMs multiply in: half weights as stored (their rows rounded
-    /// to half: `tma_gemm::over_halves`), bf16 for the others.
+    /// to half: `halves::over_halves`), bf16 for the others.
     fn element(&self) -> MmaElement {
         match self.weights {
             WeightFormat::Dense(Ty::F16) => MmaElement::F16,

@@ -1,14 +1,15 @@
 //! A MoE layer's launches (`templates::moe`): routing, the experts' gate/up with their GLU and
 //! the weighted down projections into the node's value, row by row; prefill steps run both
-//! expert by expert (on tensor cores, `templates::moe_mma`, or for bf16 experts on Hopper and
-//! the B200 `templates::moe_wgmma` and `templates::moe_tcgen05`, after launches that make the
-//! rows bf16 and list each expert's pairs and tiles), and a last launch (empty in other steps)
-//! sums the down products.
+//! expert by expert (on tensor cores, `templates::moe_mma`, or for bf16 and f16 experts on
+//! Hopper and the B200 `templates::moe_wgmma` and `templates::moe_tcgen05`, after launches
+//! that make the rows bf16, or half for half experts, and list each expert's pairs and tiles),
+//! and a last launch (empty in other steps) sums the down products.
 
 use super::{scalar, Alternatives, Operands, Selected};
 use crate::gpu::{width, GpuCodegenError, LaunchArg, PrefillExperts};
-use kernels_gen::dsl::Kernel;
-use kernels_gen::templates::{bf16_rows, moe, moe_mma, moe_tcgen05, moe_wgmma};
+use kernels_gen::dsl::{Kernel, MmaElement, Ty};
+use kernels_gen::templates::quant::WeightFormat;
+use kernels_gen::templates::{bf16_rows, halves, moe, moe_mma, moe_tcgen05, moe_wgmma};
 
 /// Pushes the routing and gate/up launches; returns the last (the down projections) for the
 /// caller to push as the node's own.
@@ -72,14 +73,25 @@ pub(super) fn launches(
     let tensor_cores = matches!(prefill, PrefillExperts::TensorCores | PrefillExperts::Mma)
         && moe_mma::supports(spec, d, gate_up_format)
         && moe_mma::supports(spec, d, down_format);
-    // Hopper's and the B200's own tensor-core instructions, where the experts are bf16.
+    // Half experts (both projections) are multiplied as stored: the bf16 experts' kernels over
+    // halves, their rows and hidden units half too. Others decode into bf16 tiles.
+    let element = match (gate_up_format, down_format) {
+        (WeightFormat::Dense(Ty::F16), WeightFormat::Dense(Ty::F16)) => MmaElement::F16,
+        _ => MmaElement::Bf16,
+    };
+    let tiled = |format: WeightFormat| match element {
+        MmaElement::F16 => WeightFormat::Dense(Ty::Bf16),
+        MmaElement::Bf16 => format,
+    };
+    let (gate_up_tiled, down_tiled) = (tiled(gate_up_format), tiled(down_format));
+    // Hopper's and the B200's own tensor-core instructions, where the experts are bf16 or half.
     let own = |supports: fn(&ir::MoeSpec, usize, _) -> bool| {
-        prefill == PrefillExperts::TensorCores && supports(spec, d, gate_up_format) && supports(spec, d, down_format)
+        prefill == PrefillExperts::TensorCores && supports(spec, d, gate_up_tiled) && supports(spec, d, down_tiled)
     };
     let wgmma = arch == "sm_90a" && own(moe_wgmma::supports);
     let tcgen05 = arch == "sm_100a" && own(moe_tcgen05::supports);
-    // The tensor cores' inputs after the lists: the rows as bf16 (made once a step, only in
-    // the steps that run them), which their tiles gather by `cp.async`.
+    // The tensor cores' inputs after the lists: the rows as bf16 or half (made once a step,
+    // only in the steps that run them), which their tiles gather by `cp.async`.
     let (lists, rows_bf16) = match tensor_cores {
         true => {
             let (pairs, counts) = (
@@ -94,9 +106,10 @@ pub(super) fn launches(
                 name: "expert_rows".into(),
                 bytes: max_tokens * d * 2,
             };
+            let rows_name = format!("{}_rows", element.ptx());
             s.launches.push((
                 operands.node,
-                bf16_rows::bf16_rows("bf16_rows", origin, None, crate::gpu::PREFILL_TOKENS),
+                bf16_rows::rows_of(element, &rows_name, origin, None, crate::gpu::PREFILL_TOKENS),
                 Alternatives::default(),
                 vec![
                     x.clone(),
@@ -131,18 +144,25 @@ pub(super) fn launches(
         }
         false => (vec![], vec![]),
     };
+    let over = |kernel: Kernel| match element {
+        MmaElement::F16 => {
+            let name = format!("{}_f16", kernel.name);
+            halves::over_halves(kernel, &name)
+        }
+        MmaElement::Bf16 => kernel,
+    };
     let (prefill_gate_up, prefill_down) = match tensor_cores {
         true if wgmma => (
-            moe_wgmma::gate_up("moe_gate_up", origin, spec, d),
-            moe_wgmma::down("moe_down", origin, spec, d),
+            over(moe_wgmma::gate_up("moe_gate_up", origin, spec, d)),
+            over(moe_wgmma::down("moe_down", origin, spec, d)),
         ),
         true if tcgen05 => (
-            moe_tcgen05::gate_up("moe_gate_up", origin, spec, d),
-            moe_tcgen05::down("moe_down", origin, spec, d),
+            over(moe_tcgen05::gate_up("moe_gate_up", origin, spec, d)),
+            over(moe_tcgen05::down("moe_down", origin, spec, d)),
         ),
         true => (
-            moe_mma::gate_up("moe_gate_up", origin, spec, d, gate_up_format),
-            moe_mma::down("moe_down", origin, spec, d, down_format),
+            over(moe_mma::gate_up("moe_gate_up", origin, spec, d, gate_up_tiled)),
+            over(moe_mma::down("moe_down", origin, spec, d, down_tiled)),
         ),
         false => (
             moe::gate_up_by_expert("moe_gate_up", origin, spec, d, gate_up_format),
