@@ -35,7 +35,7 @@ fn main() {
     let mut spec = ModelSpec::for_weights(&path);
     if let Ok(dtype) = std::env::var("BBC_BENCH_DTYPE") {
         spec.dtype = ComputeDtype::parse(&dtype)
-            .unwrap_or_else(|| panic!("BBC_BENCH_DTYPE: `{dtype}` is not f32, bf16 or native"));
+            .unwrap_or_else(|| panic!("BBC_BENCH_DTYPE: `{dtype}` is not one of {}", ComputeDtype::choices()));
     }
     if let Ok(dtype) = std::env::var("BBC_BENCH_KV_DTYPE") {
         spec.kv_cache_dtype = models::KvCacheDtype::parse(&dtype).unwrap_or_else(|| {

@@ -97,6 +97,10 @@ enum Command {
         /// f32's bytes, so twice bf16's positions in the same memory).
         #[arg(long, value_parser = commands::run::parse_kv_cache_dtype)]
         kv_cache_dtype: Option<models::KvCacheDtype>,
+        /// The compute dtype for matrices, over model.toml's `dtype`: f32, bf16, f16 or native
+        /// (vLLM's float32, bfloat16, float16/half and auto read too).
+        #[arg(long, value_parser = commands::run::parse_dtype)]
+        dtype: Option<models::ComputeDtype>,
     },
     /// Generate text from an artifact, a model.toml, a weights path or a model name.
     Run(commands::run::RunArgs),
@@ -156,6 +160,7 @@ fn run(cli: Cli) -> Result<()> {
             prefill_delta_rule,
             prefill_experts,
             kv_cache_dtype,
+            dtype,
         } => commands::compile::compile(&commands::compile::CompileArgs {
             model: &model,
             target: &target,
@@ -171,6 +176,7 @@ fn run(cli: Cli) -> Result<()> {
             prefill_delta_rule,
             prefill_experts,
             kv_cache_dtype,
+            dtype,
         }),
         Command::Run(args) => commands::run::run(&args),
         Command::Perplexity(args) => commands::perplexity::perplexity(&args),

@@ -80,6 +80,43 @@ fn half_and_fp8_kv_caches_keep_the_greedy_tokens() {
     assert!(err.contains("choose one of auto, f32, bf16, f16, fp8"), "{err}");
 }
 
+/// SmolLM2 computed in IEEE half (`--dtype half`, vLLM's spelling, or `float16`; compiled with
+/// `--dtype f16`) keeps the reference's first greedy tokens, its artifact the same; a dtype
+/// bbc does not compute in is refused naming the choices.
+#[test]
+fn half_compute_keeps_the_greedy_tokens() {
+    let reference = read_json("real/smollm2.json");
+    let case = &reference["raw"][0];
+    let model = smollm2();
+    let run = |m: &str, dtype: &[&str]| {
+        let args = [
+            "run",
+            m,
+            "--prompt",
+            case["prompt"].as_str().unwrap(),
+            "--max-tokens",
+            "8",
+            "--json",
+        ];
+        ids(&json(&[&args[..], dtype].concat())["ids"])
+    };
+    let want = &ids(&case["greedy_ids"])[..8];
+    for dtype in ["half", "float16", "f16"] {
+        assert_eq!(run(&model, &["--dtype", dtype]), want, "{dtype}");
+    }
+    let scratch = common::scratch_dir("bbc-half-artifact-");
+    let dir = scratch.path().join("artifact");
+    let dir = dir.to_str().unwrap();
+    bbc(&["compile", &model, "--target", "cpu", "--dtype", "f16", "-o", dir]);
+    assert_eq!(
+        codegen::read_manifest(std::path::Path::new(dir)).unwrap().dtype,
+        models::ComputeDtype::F16
+    );
+    assert_eq!(run(dir, &[]), want);
+    let err = refused(&["run", &model, "--prompt", "x", "--dtype", "fp8"]);
+    assert!(err.contains("choose one of f32, bf16, f16, native"), "{err}");
+}
+
 /// What `bbc compile` fixed (the compute dtype, the caches' element type, the context) is
 /// refused by name when `bbc run` is asked to change it on an artifact.
 #[test]

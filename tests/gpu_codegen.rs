@@ -342,6 +342,7 @@ fn compile_every_plan(model: &std::path::Path, target: Target, output: &std::pat
         prefill_delta_rule: Default::default(),
         prefill_experts: Default::default(),
         kv_cache_dtype: None,
+        dtype: None,
     };
     bbc::commands::compile::compile(&args)
         .unwrap_or_else(|e| panic!("{} on {}: {e:#}", model.display(), target.name()));

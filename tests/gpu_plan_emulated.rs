@@ -95,8 +95,8 @@ fn check_within(
     let context = model.config.context_length.min(256);
     let gpu_graph = fused_for(&graph, target);
     let (plan, kernels) = gpu::build_with_kernels(&gpu_graph, target, 64).unwrap();
-    if dtype == ComputeDtype::Bf16 {
-        // bf16 prefill runs the target's own TMA-fed tensor-core GEMM: wgmma on Hopper and
+    if matches!(dtype, ComputeDtype::Bf16 | ComputeDtype::F16) {
+        // bf16 and half prefill run the target's own TMA-fed tensor-core GEMM: wgmma on Hopper and
         // tcgen05 on B200 (each only there; plain, with the norm prologue, with the residual
         // add before the norm, and that with the gated MLP's GLU after; each also in tiles of
         // 64 tokens for steps of up to 64 rows), mma.sync on the RTX PRO 6000.
@@ -107,7 +107,8 @@ fn check_within(
             "qwen3_next" | "gemma4" | "gemma4_kv_shared" | "gemma4_moe" => 3,
             _ => 4,
         };
-        // MoE layers prefill their bf16 experts on `wgmma` and `tcgen05` too (gate/up, down).
+        // MoE layers prefill their bf16 or half experts on `wgmma` and `tcgen05` too (gate/up,
+        // down).
         let moe = 2 * usize::from(gpu_graph.nodes().iter().any(|n| matches!(n.op, ir::Op::Moe(_))));
         let expected = match target {
             Target::H200 => vec!["sm_90a"; 2 * variants + moe],
@@ -115,6 +116,17 @@ fn check_within(
             _ => vec![],
         };
         assert_eq!(special, expected, "{family} on {}", target.name());
+        // A half model's multiply its halves as stored, a bf16 model's none.
+        for k in kernels.iter().filter(|k| kernels_gen::cuda::required_arch(k).is_some()) {
+            let over_halves = k.name.contains("_f16");
+            assert_eq!(
+                over_halves,
+                dtype == ComputeDtype::F16,
+                "{family} on {}: {}",
+                target.name(),
+                k.name
+            );
+        }
     }
     let gpu = EmulatorBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], context).unwrap();
     let reference_graph = reference.lower(LogitsFor::LastToken).unwrap();
@@ -157,6 +169,23 @@ fn check_within(
                 target.name()
             );
             ids = vec![runtime::sampling::argmax(want.row(want.rows() - 1))];
+        }
+    }
+}
+
+/// Models computed in IEEE half (`--dtype half`: every matrix rounded to half; Gemma's
+/// embedding scale too; half KV caches) on every GPU target against the CPU backend computing
+/// the same: the target's TMA GEMMs over halves for prompts (the same own-instruction kernels
+/// as bf16's, asserted in `check_within`), GLM-4.5's experts multiplied as halves. After
+/// 19-token prompts within 5e-3 (measured 4.0e-4 Llama, 1.4e-3 Gemma 3, 2.4e-4 GLM-4.5,
+/// 2.1e-3 Qwen3.5: the CPU keeps the activations f32 where the GEMMs round them to half);
+/// steps after 5-token prompts (GEMVs, f32 activations) within 1e-4 (1.7e-5 measured).
+#[test]
+fn tiny_f16_plans_agree_with_the_cpu_backend() {
+    for family in ["llama", "gemma3", "glm4_moe", "qwen3_5"] {
+        let model = open(family, ComputeDtype::F16);
+        for target in [Target::H200, Target::B200, Target::RtxPro6000] {
+            check_within(family, &model, &model, target, 5e-3, 1e-4);
         }
     }
 }
@@ -1049,9 +1078,10 @@ fn check_kv_cache(cache: models::KvCacheDtype, families: &[(&str, f32, f32)]) {
     }
 }
 
-/// The greedy plan's `next_token` at every step equals the argmax of the CPU logits.
-fn check_greedy(family: &str, target: Target) {
-    let model = open(family, ComputeDtype::F32);
+/// The greedy plan's `next_token` at every step equals the argmax of the CPU logits, the model
+/// computed in `dtype` by both.
+fn check_greedy(family: &str, dtype: ComputeDtype, target: Target) {
+    let model = open(family, dtype);
     let context = model.config.context_length.min(256);
     let greedy = model.lower(LogitsFor::GreedyToken).unwrap();
     let greedy = fused_for(&greedy, target);
@@ -1078,7 +1108,7 @@ fn check_greedy(family: &str, target: Target) {
             assert_eq!(
                 got,
                 want,
-                "{family} on {}: step {step} of a {prompt_len}-token prompt",
+                "{family} {dtype:?} on {}: step {step} of a {prompt_len}-token prompt",
                 target.name()
             );
             ids = vec![want];
@@ -1086,13 +1116,18 @@ fn check_greedy(family: &str, target: Target) {
     }
 }
 
+/// Over f32 heads, and over bf16 and half ones (their INT8 rows quantized from the values the
+/// head holds, rounded from the f32 file, so the bounds hold for what is rescored).
 #[test]
 fn greedy_plans_with_the_int8_head_pick_the_exact_argmax() {
     // gemma4_kv_shared's logits are soft-capped: the head ranks the capped values.
     for family in ["llama", "gemma3", "gemma4_kv_shared"] {
-        check_greedy(family, Target::H200);
+        check_greedy(family, ComputeDtype::F32, Target::H200);
     }
-    check_greedy("llama", Target::RtxPro6000);
+    check_greedy("llama", ComputeDtype::F32, Target::RtxPro6000);
+    for dtype in [ComputeDtype::Bf16, ComputeDtype::F16] {
+        check_greedy("gemma3", dtype, Target::H200);
+    }
 }
 
 /// The emulated device, except that after launches of `kernel` it adds 1 to the first element
@@ -2242,12 +2277,12 @@ struct GeneratedAndUploaded {
     uploaded: EmulatorBackend,
 }
 
-fn generated_and_uploaded(family: &str, seed: u32, sequences: usize) -> GeneratedAndUploaded {
+fn generated_and_uploaded(family: &str, compute: ComputeDtype, seed: u32, sequences: usize) -> GeneratedAndUploaded {
     use runtime::random_weights::fill_kernels;
-    let config = open(family, ComputeDtype::Bf16).config;
+    let config = open(family, compute).config;
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,
-        compute: ComputeDtype::Bf16,
+        compute,
         kv_cache: models::KvCacheDtype::Auto,
     };
     let graph = fused_for(&models::lower_without_weights(&config, options).unwrap(), Target::H200);
@@ -2259,7 +2294,7 @@ fn generated_and_uploaded(family: &str, seed: u32, sequences: usize) -> Generate
     )
     .unwrap();
     runtime::random_weights::write_checkpoint(&graph, seed, &dir.join("model.safetensors")).unwrap();
-    let written = open_at(dir, ComputeDtype::Bf16);
+    let written = open_at(dir, compute);
     let cache = gpu::BatchedCache {
         blocks: 8,
         block_size: 8,
@@ -2315,12 +2350,22 @@ fn generated_steps_agree(both: &GeneratedAndUploaded) -> Vec<u32> {
 /// them uploaded.
 #[test]
 fn regrouped_weights_made_for_the_device_equal_their_host_values_uploaded() {
-    let both = generated_and_uploaded("glm_moe_dsa", 11, 2);
+    let both = generated_and_uploaded("glm_moe_dsa", ComputeDtype::Bf16, 11, 2);
     let regrouped = |w: &gpu::WeightUse| !w.parts.iter().all(|p| matches!(p, gpu::WeightPart::Whole(_)));
     assert!(
         both.plan.weights.iter().any(regrouped),
         "the plan regroups some weights"
     );
+    generated_steps_agree(&both);
+}
+
+/// A half model's random weights (no fill of halves on the device: made on the host from the
+/// bf16 values a checkpoint of them holds, rounded to half, and uploaded) compute bit for bit
+/// what that checkpoint loaded as half computes.
+#[test]
+fn half_weights_made_for_the_device_equal_their_host_values_uploaded() {
+    let both = generated_and_uploaded("llama", ComputeDtype::F16, 5, 2);
+    assert!(both.plan.weights.iter().any(|w| w.dtype == ir::DType::F16));
     generated_steps_agree(&both);
 }
 
@@ -2331,7 +2376,7 @@ fn regrouped_weights_made_for_the_device_equal_their_host_values_uploaded() {
 /// counts the weights each reads: every matrix once per step, one table row per token.
 #[test]
 fn weights_made_on_the_device_equal_their_host_values_uploaded() {
-    let both = generated_and_uploaded("llama", 7, 8);
+    let both = generated_and_uploaded("llama", ComputeDtype::Bf16, 7, 8);
     let prompt = generated_steps_agree(&both);
     let (config, graph, plan, generated) = (&both.config, &both.graph, &both.plan, &both.generated);
     let decode = [(prompt.len() + 1, vec![1]), (4, vec![2])];

@@ -1125,3 +1125,76 @@ fn gguf_fused_gate_up_experts_read_like_separate_ones() {
     let plain = fixture("gguf-tiny/qwen3_next.gguf");
     assert_eq!(prompt_logits("qwen3_next", &fused), prompt_logits("qwen3_next", &plain));
 }
+
+/// `--dtype half` computes in f32 over the weights rounded to half: the tiny Llama in f16
+/// gives, bit for bit, the logits that its HF directory rewritten with every matrix stored as
+/// halves gives as stored (both with half KV caches), over the prompt and cached steps.
+#[test]
+fn half_compute_is_f32_over_weights_rounded_to_half() {
+    let src = fixture("hf-tiny/llama");
+    let scratch = common::scratch_dir("bbc-half-llama-");
+    std::fs::copy(src.join("config.json"), scratch.path().join("config.json")).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut halved: Vec<(String, Vec<usize>, safetensors::Dtype, Vec<u8>)> = Vec::new();
+    for (name, view) in tensors.tensors() {
+        assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+        let (dtype, data) = match view.shape().len() {
+            2 => (
+                safetensors::Dtype::F16,
+                view.data()
+                    .chunks_exact(4)
+                    .flat_map(|b| half::f16::from_f32(f32::from_le_bytes([b[0], b[1], b[2], b[3]])).to_le_bytes())
+                    .collect(),
+            ),
+            _ => (safetensors::Dtype::F32, view.data().to_vec()),
+        };
+        halved.push((name, view.shape().to_vec(), dtype, data));
+    }
+    let views = halved.iter().map(|(name, shape, dtype, data)| {
+        (
+            name.clone(),
+            safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
+        )
+    });
+    safetensors::serialize_to_file(views, None, &scratch.path().join("model.safetensors")).unwrap();
+    let run = |weights: &std::path::Path, dtype: ComputeDtype| -> Vec<Vec<f32>> {
+        let mut spec = ModelSpec::for_weights(weights);
+        spec.dtype = dtype;
+        let model = Model::open(spec).unwrap();
+        let graph = model.lower(LogitsFor::AllTokens).unwrap();
+        let caches: Vec<ir::DType> = graph
+            .nodes()
+            .iter()
+            .filter_map(|n| n.op.appended_attention())
+            .map(|a| a.cache_dtype)
+            .collect();
+        assert!(caches.iter().all(|&c| c == ir::DType::F16), "{dtype:?}: {caches:?}");
+        let graph = passes::optimized(&graph, passes::CostModel::CPU).unwrap();
+        let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
+        let mut seq = backend.new_sequence();
+        let mut ids = Reference::of("llama").input_ids;
+        (0..4)
+            .map(|_| {
+                let logits = backend.step(&mut seq, &ids).unwrap()["logits"].clone();
+                ids = vec![argmax(logits.row(logits.rows() - 1))];
+                logits.data
+            })
+            .collect()
+    };
+    let (half, stored) = (run(&src, ComputeDtype::F16), run(scratch.path(), ComputeDtype::Native));
+    assert_eq!(half, stored);
+    // And not what f32 gives: the rounding is there to see.
+    assert_ne!(half[0], run_f32_logits(&src));
+}
+
+/// The tiny Llama's prompt logits computed in f32.
+fn run_f32_logits(dir: &std::path::Path) -> Vec<f32> {
+    let model = Model::open(ModelSpec::for_weights(dir)).unwrap();
+    let graph = model.lower(LogitsFor::AllTokens).unwrap();
+    let backend = CpuBackend::new(graph, &model.weights, model.config.context_length).unwrap();
+    let mut seq = backend.new_sequence();
+    backend.step(&mut seq, &Reference::of("llama").input_ids).unwrap()["logits"]
+        .data
+        .clone()
+}

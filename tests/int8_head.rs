@@ -194,3 +194,38 @@ fn greedy_graph_with_int8_head_generates_like_the_logits_graph() {
     let refused = runtime::generate(&greedy_only, &prompt, &sampling, |_| Ok(true)).unwrap_err();
     assert!(refused.to_string().contains("logits graph"), "{refused}");
 }
+
+/// A plan's INT8 head rows are quantized from the values its head holds: for a bf16 or half
+/// head of an f32 file, the file's values rounded to that type (a bound over the unrounded
+/// values would not bound the logits the plan rescores).
+#[test]
+fn plan_int8_rows_quantize_the_values_the_head_holds() {
+    let dir = common::fixture("hf-tiny/llama");
+    let f32_model = Model::open(ModelSpec::for_weights(&dir)).unwrap();
+    for (dtype, round) in [
+        (ComputeDtype::F32, (|v| v) as fn(f32) -> f32),
+        (ComputeDtype::Bf16, |v| half::bf16::from_f32(v).to_f32()),
+        (ComputeDtype::F16, |v| half::f16::from_f32(v).to_f32()),
+    ] {
+        let mut spec = ModelSpec::for_weights(&dir);
+        spec.dtype = dtype;
+        let model = Model::open(spec).unwrap();
+        let greedy = passes::optimized(&model.lower(LogitsFor::GreedyToken).unwrap(), passes::CostModel::H200).unwrap();
+        let heads = codegen::int8_heads(&greedy, &model.weights).unwrap();
+        let [(name, rows)] = &heads[..] else {
+            panic!(
+                "{dtype:?}: heads {:?}",
+                heads.iter().map(|(n, _)| n).collect::<Vec<_>>()
+            )
+        };
+        let head = f32_model.weights.get(name).unwrap();
+        let values = head.to_f32().data;
+        let cols = head.row_len();
+        let want = quant::int8_rows::Int8Rows::quantize(head.rows(), cols, |r, buf| {
+            for (b, &v) in buf.iter_mut().zip(&values[r * cols..(r + 1) * cols]) {
+                *b = round(v);
+            }
+        });
+        assert!(*rows == want, "{dtype:?}: rows of other values");
+    }
+}

@@ -143,7 +143,7 @@ fn gemma3_native_picks_transformers_greedy_tokens_where_they_are_clear() {
 
 /// The caches' element type under `kv_cache_dtype = "auto"` follows the weights: half for a
 /// native model of quantized blocks (as llama.cpp keeps them: both real files), f32 for an f32
-/// safetensors model read natively (exact), bf16 when computing in bf16.
+/// safetensors model read natively (exact), bf16 when computing in bf16, half in half.
 #[test]
 fn auto_caches_follow_the_weights() {
     let caches = |weights: std::path::PathBuf, dtype: ComputeDtype| {
@@ -168,6 +168,7 @@ fn auto_caches_follow_the_weights() {
     assert_eq!(caches(real_model("gemma3-270m"), ComputeDtype::Native), [F16]);
     assert_eq!(caches(real_model("smollm2"), ComputeDtype::F32), [F32]);
     assert_eq!(caches(real_model("smollm2"), ComputeDtype::Bf16), [BF16]);
+    assert_eq!(caches(real_model("smollm2"), ComputeDtype::F16), [F16]);
     let tiny_f32 = common::fixture("hf-tiny/llama");
     assert_eq!(caches(tiny_f32.clone(), ComputeDtype::Native), [F32]);
     assert_eq!(caches(tiny_f32, ComputeDtype::Bf16), [BF16]);

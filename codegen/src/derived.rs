@@ -28,14 +28,17 @@ fn invalid(path: &Path, what: String) -> ArtifactError {
     }
 }
 
-/// The INT8 rows of every head an `int8_bound_top_k` in `graph` reads, by weight name.
+/// The INT8 rows of every head an `int8_bound_top_k` in `graph` reads, by weight name: of the
+/// values the graph's head holds (the stored ones rounded to its bf16 or f16), so the bounds
+/// hold for the logits the full head rescores.
 pub fn int8_heads(graph: &Graph, weights: &WeightSource) -> Result<Vec<(String, Int8Rows)>, String> {
     let mut heads: Vec<(String, Int8Rows)> = Vec::new();
     for node in graph.nodes() {
         if !matches!(node.op, Op::Int8BoundTopK { .. }) {
             continue;
         }
-        let Op::Weight { name } = &graph.node(node.inputs[1]).op else {
+        let head = graph.node(node.inputs[1]);
+        let Op::Weight { name } = &head.op else {
             continue;
         };
         if heads.iter().any(|(n, _)| n == name) {
@@ -46,9 +49,15 @@ pub fn int8_heads(graph: &Graph, weights: &WeightSource) -> Result<Vec<(String, 
             .ok_or_else(|| format!("weight `{name}` is not in the model"))?;
         let (rows, cols) = (view.rows(), view.row_len());
         let row_bytes = view.row_bytes();
+        let round: fn(f32) -> f32 = match head.dtype {
+            ir::DType::BF16 => |v| half::bf16::from_f32(v).to_f32(),
+            ir::DType::F16 => |v| half::f16::from_f32(v).to_f32(),
+            _ => |v| v,
+        };
         let quantized = Int8Rows::quantize(rows, cols, |r, buf| {
             view.dtype
-                .dequantize(&view.bytes[r * row_bytes..(r + 1) * row_bytes], buf)
+                .dequantize(&view.bytes[r * row_bytes..(r + 1) * row_bytes], buf);
+            buf.iter_mut().for_each(|v| *v = round(*v));
         });
         heads.push((name.clone(), quantized));
     }

@@ -5,7 +5,7 @@
 //! weights = "SmolLM2-135M-Instruct.Q4_1.gguf"  # a GGUF file or an HF directory; relative
 //!                                              # paths are relative to this file
 //! architecture = "llama"                       # optional: llama | gemma3 (detected when omitted)
-//! dtype = "native"                             # optional: f32 | bf16 | native (default native)
+//! dtype = "native"                             # optional: f32 | bf16 | f16 | native (default)
 //! kv_cache_dtype = "auto"                      # optional: auto | f32 | bf16 | f16 | fp8 (auto: the
 //!                                              # dtype's; native: f16 for quantized blocks)
 //! context_length = 4096                        # optional: at most the model's own
@@ -147,7 +147,7 @@ impl ModelSpec {
         let dtype = match m.dtype.as_deref() {
             None => ComputeDtype::Native,
             Some(d) => ComputeDtype::parse(d)
-                .ok_or_else(|| bad(format!("model.dtype `{d}` is not one of: f32, bf16, native")))?,
+                .ok_or_else(|| bad(format!("model.dtype `{d}` is not one of: {}", ComputeDtype::choices())))?,
         };
         let kv_cache_dtype = match m.kv_cache_dtype.as_deref() {
             None => KvCacheDtype::Auto,
@@ -259,6 +259,32 @@ mod tests {
         assert_eq!(spec.kv_cache_dtype, KvCacheDtype::Auto);
         let half = parse("[model]\nweights = \"w.gguf\"\nkv_cache_dtype = \"f16\"\n").unwrap();
         assert_eq!(half.kv_cache_dtype, KvCacheDtype::F16);
+    }
+
+    /// Each compute dtype by bbc's name and by vLLM's `--dtype` spellings; anything else
+    /// refused with the choices.
+    #[test]
+    fn dtypes_are_read_by_either_name() {
+        for (name, want) in [
+            ("f32", ComputeDtype::F32),
+            ("float32", ComputeDtype::F32),
+            ("float", ComputeDtype::F32),
+            ("bf16", ComputeDtype::Bf16),
+            ("bfloat16", ComputeDtype::Bf16),
+            ("f16", ComputeDtype::F16),
+            ("float16", ComputeDtype::F16),
+            ("half", ComputeDtype::F16),
+            ("native", ComputeDtype::Native),
+            ("auto", ComputeDtype::Native),
+        ] {
+            let spec = parse(&format!("[model]\nweights = \"w.gguf\"\ndtype = \"{name}\"\n")).unwrap();
+            assert_eq!(spec.dtype, want, "{name}");
+            assert_eq!(ComputeDtype::parse(want.name()), Some(want));
+        }
+        let err = parse("[model]\nweights = \"w.gguf\"\ndtype = \"fp8\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`fp8`") && err.contains(ComputeDtype::choices()), "{err}");
     }
 
     #[test]

@@ -272,8 +272,8 @@ impl<'a> TargetCost<'a> {
             }
             _ if op.attention().is_some() => 4.0 * elements(&out_shape) * DECODE_KV_LEN as f64,
             Op::Elementwise { expr } => elements(&out_shape) * expr.ops() as f64,
-            // The int8 pass reads a quarter of the f32 head (a full-precision head is f32 or
-            // bf16); rescoring touches a handful of rows.
+            // The int8 pass reads a quarter of the f32 head (a full-precision head is f32, bf16
+            // or f16); rescoring touches a handful of rows.
             Op::Int8BoundTopK { .. } => {
                 let head = types[1].shape.0.iter().filter_map(|d| d.as_const()).product::<usize>() as f64;
                 return m.launch_us + head / m.bytes_per_us + 2.0 * head / m.flops_per_us;

@@ -119,9 +119,10 @@ pub fn write_checkpoint(graph: &Graph, seed: u32, path: &std::path::Path) -> Res
         .map_err(|e| RuntimeError::Weight(format!("{}: {e}", path.display())))
 }
 
-/// Weight `w` of the plan made on `device` from `seed`: whole tensors filled there; a weight
-/// whose parts regroup rows of its tensors (interleaved heads) made on the host from the same
-/// values, regrouped as a file's would be, and uploaded.
+/// Weight `w` of the plan made on `device` from `seed`: whole tensors of f32 or bf16 filled
+/// there; a weight whose parts regroup rows of its tensors (interleaved heads), or of another
+/// dtype (an f16 plan's, from the bf16 values as a checkpoint would hold them), made on the
+/// host from the same values, regrouped as a file's would be, and uploaded.
 pub(crate) fn make_weight<D: PlanDevice>(
     device: &mut D,
     graph: &Graph,
@@ -138,7 +139,8 @@ pub(crate) fn make_weight<D: PlanDevice>(
             })
             .ok_or_else(|| RuntimeError::Weight(format!("`{name}` is not a weight of the graph")))
     };
-    if !w.parts.iter().all(|p| matches!(p, gpu_plan::WeightPart::Whole(_))) {
+    let filled = matches!(w.dtype, DType::F32 | DType::BF16);
+    if !filled || !w.parts.iter().all(|p| matches!(p, gpu_plan::WeightPart::Whole(_))) {
         let mut tensors = quant::tensor::MemoryTensors::new();
         for part in &w.parts {
             let name = part.name();
@@ -149,12 +151,7 @@ pub(crate) fn make_weight<D: PlanDevice>(
     }
     let ty = match w.dtype {
         DType::F32 => Ty::F32,
-        DType::BF16 => Ty::Bf16,
-        other => {
-            return Err(RuntimeError::Weight(format!(
-                "weights made on the device are f32 or bf16, the plan wants {other}"
-            )))
-        }
+        _ => Ty::Bf16,
     };
     let (elements, width) = (w.shape.iter().product::<usize>(), ty.bytes());
     let buffer = device.alloc(elements * width)?;

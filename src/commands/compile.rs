@@ -32,6 +32,8 @@ pub struct CompileArgs<'a> {
     pub prefill_experts: PrefillExperts,
     /// Overrides the model's KV cache type (model.toml's `kv_cache_dtype`).
     pub kv_cache_dtype: Option<models::KvCacheDtype>,
+    /// Overrides the model's compute dtype (model.toml's `dtype`).
+    pub dtype: Option<models::ComputeDtype>,
 }
 
 /// How GPU plans' prompts go through the delta rule (`codegen::gpu::PrefillDeltaRule`).
@@ -176,6 +178,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         fuse: false,
         tokenizer: args.tokenizer.map(str::to_string),
         kv_cache_dtype: args.kv_cache_dtype,
+        dtype: args.dtype,
         ..model_ref::LoadOptions::default()
     };
     let loaded = model_ref::load(args.model, options)?;

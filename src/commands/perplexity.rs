@@ -27,7 +27,8 @@ pub struct PerplexityArgs {
     /// Score at most this many windows (default: every whole window of the text).
     #[arg(long)]
     pub windows: Option<usize>,
-    /// Compute dtype for matrices: f32, bf16 or native (the file's quantization).
+    /// Compute dtype for matrices: f32, bf16, f16 or native (the file's own storage, its
+    /// quantization kept); vLLM's float32, bfloat16, float16/half and auto read too.
     #[arg(long, value_parser = super::run::parse_dtype)]
     pub dtype: Option<ComputeDtype>,
     /// What the KV cache stores keys and values as (see `bbc run --help`).

@@ -59,7 +59,8 @@ pub struct RunArgs {
     /// Write the logits of the last prompt position and of every generated step (safetensors, `logits` [steps, vocab]).
     #[arg(long)]
     pub dump_logits: Option<PathBuf>,
-    /// Compute dtype for matrices: f32, bf16 or native (the file's quantization).
+    /// Compute dtype for matrices: f32, bf16, f16 or native (the file's own storage, its
+    /// quantization kept); vLLM's float32, bfloat16, float16/half and auto read too.
     #[arg(long, value_parser = parse_dtype)]
     pub dtype: Option<ComputeDtype>,
     /// What the KV cache stores keys and values as: auto (bf16 for a bf16 dtype, f32 for f32;
@@ -99,7 +100,7 @@ pub struct RunArgs {
 
 /// `--dtype` as clap reads it (shared by `run` and `serve`).
 pub fn parse_dtype(d: &str) -> std::result::Result<ComputeDtype, String> {
-    ComputeDtype::parse(d).ok_or_else(|| format!("--dtype {d}: choose f32, bf16 or native"))
+    ComputeDtype::parse(d).ok_or_else(|| format!("--dtype {d}: choose one of {}", ComputeDtype::choices()))
 }
 
 /// `--kv-cache-dtype` as clap reads it (shared by `run` and `serve`).

@@ -130,6 +130,7 @@ pub(super) fn compile_shape(
         prefill_delta_rule: Default::default(),
         prefill_experts: Default::default(),
         kv_cache_dtype: None,
+        dtype: None,
     })?;
     println!("compiled {stem} in {:.1} s", started.elapsed().as_secs_f64());
     Ok(artifact)

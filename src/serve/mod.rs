@@ -65,7 +65,8 @@ pub struct ServeArgs {
     /// The model id clients send (default: the model's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
-    /// Compute dtype for matrices: f32, bf16 or native (the file's quantization).
+    /// Compute dtype for matrices: f32, bf16, f16 or native (the file's own storage, its
+    /// quantization kept); vLLM's float32, bfloat16, float16/half and auto read too.
     #[arg(long, value_parser = crate::commands::run::parse_dtype)]
     pub dtype: Option<ComputeDtype>,
     /// What the KV cache stores keys and values as: auto (bf16 for a bf16 dtype, f32 for f32;
@@ -431,7 +432,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
 
 /// `loaded` (loaded with its greedy graph) on the CPU backend as serving runs it: its greedy
 /// graph beside the logits graph where that graph's head is a cheaper one (the INT8-bound
-/// head of an f32 or bf16 head, which it reads a fraction of the bytes of, or a drafter's
+/// head of an f32, bf16 or half head, which it reads a fraction of the bytes of, or a drafter's
 /// 4-bit shortlist); a quantized head's greedy graph computes what the logits graph does, so
 /// then the logits graph alone.
 pub(crate) fn cpu_serving(loaded: model_ref::Loaded) -> Result<runtime::serving::CpuGreedyServing> {

@@ -1,12 +1,12 @@
 //! A stored weight converted to the plan's dtype on the device: `out[i] = value(w, i)` for the
 //! `n` elements of a run of whole rows, `w` holding them as the checkpoint stores them (f16 or
 //! bf16 values, or GGUF blocks, which are contiguous across rows because rows are whole blocks)
-//! and `out` taking them as f32 or bf16 (rounded to nearest even). A thread per element of
+//! and `out` taking them as f32, bf16 or f16 (rounded to nearest even). A thread per element of
 //! f16 and bf16 values; a thread per 32 elements of blocks (a block, or a K-quant
 //! super-block's sub-block: its scales decoded once, the 32 stored in 16-byte runs).
 //!
-//! Loading a GGUF into a bf16 plan uploads the stored bytes (a quarter of the bf16 bytes for
-//! 4-bit blocks) and decodes them here, instead of on the host's cores. The values are the
+//! Loading a GGUF into a bf16 (or f16) plan uploads the stored bytes (a quarter of the bf16
+//! bytes for 4-bit blocks) and decodes them here, instead of on the host's cores. The values are the
 //! host's (`quant`'s dequantization, then the same rounding): every block format's value is
 //! a product of a half scale and small integers, exact in f32, and at most one rounded
 //! addition, so contracting it into an FMA changes nothing either.
@@ -26,7 +26,7 @@ pub fn converts(from: DType) -> bool {
 }
 
 /// The dtypes a converted weight is held in.
-pub const CONVERTED_TO: [DType; 2] = [DType::F32, DType::BF16];
+pub const CONVERTED_TO: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
 /// The name of the kernel converting `from` to `to` (one of [`CONVERTED_TO`]).
 pub fn convert_kernel_name(from: DType, to: DType) -> String {
@@ -34,11 +34,13 @@ pub fn convert_kernel_name(from: DType, to: DType) -> String {
 }
 
 /// The kernel converting weights stored as `from` to `to`, where `from` is one the device
-/// converts ([`converts`]) and `to` one of [`CONVERTED_TO`]. Parameters: `w` (the stored bytes
-/// of the run, from its first row), `out`, `n` (elements).
+/// converts ([`converts`]) and `to` another, one of [`CONVERTED_TO`]. Parameters: `w` (the
+/// stored bytes of the run, from its first row), `out`, `n` (elements).
 pub fn convert_kernel(from: DType, to: DType) -> Option<Kernel> {
     let out = match to {
+        _ if to == from => return None,
         DType::BF16 => Ty::Bf16,
+        DType::F16 => Ty::F16,
         DType::F32 => Ty::F32,
         _ => return None,
     };

@@ -72,9 +72,5 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
 
 /// `√hidden` rounded to the dtype HF computes it in (the weights' dtype: √640 is 25.25 in bf16).
 fn embedding_scale(hidden: usize, compute: ComputeDtype) -> f32 {
-    let s = (hidden as f32).sqrt();
-    match compute {
-        ComputeDtype::Bf16 => half::bf16::from_f32(s).to_f32(),
-        ComputeDtype::F32 | ComputeDtype::Native => s,
-    }
+    compute.round((hidden as f32).sqrt())
 }

@@ -23,7 +23,7 @@
 //! - with `enable_moe_block`, a mixture of experts runs beside each layer's MLP, on the
 //!   residual stream before it (see [`moe_block`]).
 
-use super::{moe, Builder, ComputeDtype, LayerTensor, LogitsFor, Naming, TensorNames};
+use super::{moe, Builder, LayerTensor, LogitsFor, Naming, TensorNames};
 use crate::config::{Gemma4Config, LayerAttention, ModelConfig, MoeConfig};
 use crate::error::{ModelError, Result};
 use ir::{AttentionSpec, GluAct, MoeSpec, NodeId, Op, RopeLayout, RopeSpec};
@@ -49,7 +49,8 @@ pub(super) fn lower(c: &ModelConfig, b: &mut Builder) -> Result<()> {
         what: "a gemma4 model needs its per-layer settings".into(),
     })?;
     let (ids, mut positions, x) = b.token_embeddings(c)?;
-    let scale = rounded((c.hidden as f32).sqrt(), b.options.compute);
+    // As HF holds it in the model's dtype (bf16 for a bf16 model: √640 becomes 25.25).
+    let scale = b.options.compute.round((c.hidden as f32).sqrt());
     let mut x = b.op(Op::Scale { factor: scale }, &[x])?;
     let mut per_layer = match g.per_layer_input {
         0 => None,
@@ -138,14 +139,6 @@ fn moe_block(c: &ModelConfig, moe: &MoeConfig, b: &mut Builder, i: usize, x: Nod
     b.rms_norm(out, &name(EXPERTS_POST_NORM), d, c.rms_eps, 0.0)
 }
 
-/// `x` as HF holds it in the model's dtype (bf16 for a bf16 model: √640 becomes 25.25).
-fn rounded(x: f32, compute: ComputeDtype) -> f32 {
-    match compute {
-        ComputeDtype::Bf16 => half::bf16::from_f32(x).to_f32(),
-        ComputeDtype::F32 | ComputeDtype::Native => x,
-    }
-}
-
 /// Every layer's input, `[t, layers · per_layer_input]`: `(rms_norm(x · Pᵀ / √hidden) +
 /// E_pl[ids] · √per_layer_input) / √2`, normed per layer's share.
 fn per_layer_inputs(c: &ModelConfig, g: &Gemma4Config, b: &mut Builder, ids: NodeId, x: NodeId) -> Result<NodeId> {
@@ -153,7 +146,7 @@ fn per_layer_inputs(c: &ModelConfig, g: &Gemma4Config, b: &mut Builder, ids: Nod
     let width = c.layers * p;
     let table = b.matrix(&b.naming.model_named(PER_LAYER_EMBEDDING), c.vocab_size, width)?;
     let tokens = b.op(Op::Embedding, &[table, ids])?;
-    let scale = rounded((p as f32).sqrt(), b.options.compute);
+    let scale = b.options.compute.round((p as f32).sqrt());
     let tokens = b.op(Op::Scale { factor: scale }, &[tokens])?;
     let w = b.matrix(&b.naming.model_named(PER_LAYER_PROJECTION), width, c.hidden)?;
     let projected = b.matmul(x, w)?;

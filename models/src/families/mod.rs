@@ -41,24 +41,49 @@ pub enum ComputeDtype {
     F32,
     /// Weights as bf16, activations f32, f32 accumulation.
     Bf16,
+    /// Weights as IEEE half (vLLM's `--dtype half`), activations f32, f32 accumulation: three
+    /// more mantissa bits than bf16, and a range that ends at 65 504.
+    F16,
     /// Keep the file's storage (quantized blocks stay quantized).
     Native,
 }
 
 impl ComputeDtype {
+    const ALL: [Self; 4] = [Self::F32, Self::Bf16, Self::F16, Self::Native];
+
+    /// A dtype by bbc's name, or by vLLM's `--dtype` spelling: `float32`/`float`, `bfloat16`,
+    /// `float16`/`half`, and `auto` (the file's own storage: `native`).
     pub fn parse(s: &str) -> Option<Self> {
         match s {
-            "f32" => Some(Self::F32),
-            "bf16" => Some(Self::Bf16),
-            "native" => Some(Self::Native),
-            _ => None,
+            "float32" | "float" => Some(Self::F32),
+            "bfloat16" => Some(Self::Bf16),
+            "float16" | "half" => Some(Self::F16),
+            "auto" => Some(Self::Native),
+            _ => Self::ALL.into_iter().find(|d| d.name() == s),
         }
     }
+
     pub fn name(self) -> &'static str {
         match self {
             Self::F32 => "f32",
             Self::Bf16 => "bf16",
+            Self::F16 => "f16",
             Self::Native => "native",
+        }
+    }
+
+    /// Every name [`parse`](Self::parse) reads, for messages.
+    pub fn choices() -> &'static str {
+        "f32, bf16, f16, native (or vLLM's float32, float, bfloat16, float16, half, auto)"
+    }
+
+    /// `x` as a matrix of this dtype holds it (bf16 and f16 round to nearest even; f32 and a
+    /// file's own storage keep it).
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            Self::Bf16 => half::bf16::from_f32(x).to_f32(),
+            Self::F16 => half::f16::from_f32(x).to_f32(),
+            Self::F32 | Self::Native => x,
         }
     }
 }
@@ -115,7 +140,7 @@ impl KvCacheDtype {
         match (self, compute) {
             (Self::Auto, ComputeDtype::Bf16) | (Self::Bf16, _) => DType::BF16,
             (Self::Auto, ComputeDtype::F32) | (Self::F32, _) => DType::F32,
-            (Self::F16, _) => DType::F16,
+            (Self::Auto, ComputeDtype::F16) | (Self::F16, _) => DType::F16,
             (Self::Fp8, _) => DType::F8E4M3,
             (Self::Auto, ComputeDtype::Native) => match matrices {
                 GgmlType::F32 => DType::F32,
@@ -466,6 +491,7 @@ impl<'w> Builder<'w> {
         let dtype = match self.options.compute {
             ComputeDtype::F32 => DType::F32,
             ComputeDtype::Bf16 => DType::BF16,
+            ComputeDtype::F16 => DType::F16,
             ComputeDtype::Native => ir_dtype(storage),
         };
         Ok(self.graph.weight(name, &[rows, cols], dtype))
@@ -658,5 +684,21 @@ impl<'w> Builder<'w> {
             LogitsFor::LastToken | LogitsFor::AllTokens => self.graph.set_output("logits", logits),
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ComputeDtype;
+
+    /// Values as a matrix of each dtype holds them: Gemma's embedding scale √640 is 25.25 in
+    /// bf16 and 25.296875 in half (HF computes it in the model's dtype), itself elsewhere.
+    #[test]
+    fn dtypes_round_as_they_store() {
+        let s = 640f32.sqrt();
+        assert_eq!(ComputeDtype::Bf16.round(s), 25.25);
+        assert_eq!(ComputeDtype::F16.round(s), 25.296875);
+        assert_eq!(ComputeDtype::F32.round(s), s);
+        assert_eq!(ComputeDtype::Native.round(s), s);
     }
 }

@@ -2,7 +2,8 @@
 //! which scores every vocabulary row with int8 weights and a rigorous per-row error bound and
 //! rescores in full precision only the rows whose upper bound reaches the k-th best lower
 //! bound — the exact top-k (ties to the lowest id) at a quarter of the weight traffic. Only a
-//! full-precision head (f32/bf16 weights) qualifies: a quantized head is already the cheap path.
+//! full-precision head (f32, bf16 or f16 weights) qualifies: a quantized head is already the
+//! cheap path.
 
 use super::{add_op, attr_op, ty, unite, var};
 use crate::analysis::{BbcGraph, TypeAnalysis};
@@ -28,7 +29,8 @@ pub fn int8_bound_top_k_soft_capped() -> Rewrite<Node, TypeAnalysis> {
 /// The INT8-bound head for a full-precision head `w`.
 fn int8_bound(egraph: &BbcGraph, w: Id, k: usize, soft_cap: Option<f32>) -> Option<Op> {
     let head = ty(egraph, w);
-    (head.constant && matches!(head.dtype, DType::F32 | DType::BF16)).then_some(Op::Int8BoundTopK { k, soft_cap })
+    (head.constant && matches!(head.dtype, DType::F32 | DType::BF16 | DType::F16))
+        .then_some(Op::Int8BoundTopK { k, soft_cap })
 }
 
 /// `top_k(h·Wᵀ)`, binding `?k`, `?h` and `?W`.

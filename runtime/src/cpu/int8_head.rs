@@ -47,7 +47,7 @@ pub struct TopK {
 }
 
 impl Int8Head {
-    /// Quantize the rows of a full-precision head (f32 or bf16 storage) now.
+    /// Quantize the rows of a full-precision head (f32, bf16 or half values) now.
     pub fn prepare(w: &Matrix) -> Self {
         Self::from_rows(&Int8Rows::quantize(w.rows, w.cols, |r, buf| {
             let row = w.row_f32(r, buf).to_vec();

@@ -1035,7 +1035,7 @@ fn prepare_int8_heads(
                 Some(CpuWeight::Matrix(m)) if !m.storage.is_block_quantized() => m,
                 _ => {
                     return Err(RuntimeError::Graph(format!(
-                        "int8_bound_top_k %{i} needs a full-precision (f32/bf16) head"
+                        "int8_bound_top_k %{i} needs a full-precision (f32, bf16 or f16) head"
                     )))
                 }
             };
@@ -1114,7 +1114,16 @@ fn load_weight(graph: &Graph, i: usize, source: &dyn Tensors) -> Result<CpuWeigh
     }
     let (rows, cols) = (shape[0], shape[1]);
     let storage = match node.dtype {
-        DType::F32 | DType::F16 => Storage::F32(view.to_f32().data),
+        DType::F32 => Storage::F32(view.to_f32().data),
+        // Half weights computed in f32 from their exact values: a file's halves as they are,
+        // others rounded to half (an f16 plan of a bf16 or f32 checkpoint).
+        DType::F16 => Storage::F32(
+            view.to_f32()
+                .data
+                .into_iter()
+                .map(|v| half::f16::from_f32(v).to_f32())
+                .collect(),
+        ),
         DType::BF16 => Storage::Bf16(view.to_f32().data.into_iter().map(bf16::from_f32).collect()),
         DType::I32 => return Err(RuntimeError::Weight(format!("`{name}`: i32 weights are not matrices"))),
         quant => {

@@ -1,5 +1,5 @@
-//! Weights made on the device from their stored bytes: a GGUF's blocks or an f16 checkpoint
-//! loaded into a bf16 (or f32) plan goes up as the file holds it (a 4-bit block is a quarter of
+//! Weights made on the device from their stored bytes: a GGUF's blocks or a half checkpoint
+//! loaded into a bf16 (or f32, or the other half type's) plan goes up as the file holds it (a 4-bit block is a quarter of
 //! the bf16 bytes) and is decoded there by the plan's conversion kernels
 //! (`kernels_gen::templates::weight_convert`, which `bbc compile` adds for the formats the
 //! weights have), into the values the host would have made. Runs the plan keeps as stored
@@ -18,7 +18,7 @@ use kernels_gen::templates::BLOCK;
 pub(super) const CONVERT_CHUNK: usize = 1 << 24;
 
 /// The weight of `dtype` that `runs` make, in order, on `device`: each run's rows uploaded
-/// `chunk` elements at a time, then converted (to f32 or bf16) or copied into place.
+/// `chunk` elements at a time, then converted (to f32, bf16 or f16) or copied into place.
 pub(super) fn make_on_device<D: PlanDevice>(
     device: &mut D,
     dtype: DType,
@@ -28,10 +28,10 @@ pub(super) fn make_on_device<D: PlanDevice>(
     // Bytes of a converted element (runs kept as stored need none: a stack of GGUF blocks).
     let width = match dtype {
         DType::F32 => 4,
-        DType::BF16 => 2,
+        DType::BF16 | DType::F16 => 2,
         other if runs.iter().any(|r| r.converted) => {
             return Err(RuntimeError::Weight(format!(
-                "weights converted on the device are f32 or bf16, not {other}"
+                "weights converted on the device are f32, bf16 or f16, not {other}"
             )))
         }
         _ => 0,
@@ -102,9 +102,9 @@ mod tests {
 
     proptest! {
         /// Two parts (whole, or row groups), each stored in any form the device converts or
-        /// the plan keeps, into an f32 or bf16 plan (or f16 or Q4_0 parts into a plan of
-        /// their own form), in launches of one to three rows: the device makes the bytes the
-        /// host makes, converting and stacking them in place.
+        /// the plan keeps, into an f32, bf16 or f16 plan (or Q4_0 parts into a plan of their
+        /// own form), in launches of one to three rows: the device makes the bytes the host
+        /// makes, converting and stacking them in place.
         #[test]
         fn the_device_makes_what_the_host_makes(
             stored in (0usize..4, 0usize..4),
@@ -114,9 +114,9 @@ mod tests {
             seed in any::<u32>(),
         ) {
             let dtypes = [GgmlType::F16, GgmlType::BF16, GgmlType::Q4_0, GgmlType::Q8_0];
-            // A plan of f16 values or Q4_0 blocks takes only its own form, stacked.
+            // A plan of Q4_0 blocks takes only its own form, stacked.
             let kept = |s: usize| quant::tensor::ir_dtype(dtypes[s]) == plan;
-            prop_assume!(matches!(plan, DType::F32 | DType::BF16) || (kept(stored.0) && kept(stored.1)));
+            prop_assume!(matches!(plan, DType::F32 | DType::BF16 | DType::F16) || (kept(stored.0) && kept(stored.1)));
             let source: MemoryTensors = [
                 ("a".to_string(), tensor(dtypes[stored.0], 12, seed)),
                 ("b".to_string(), tensor(dtypes[stored.1], 8, seed ^ 1)),

@@ -931,9 +931,14 @@ fn four_bit_copy(w: &gpu_plan::WeightUse, weights: &PlanWeights<'_>) -> Result<V
         PlanWeights::Generated { seed } => {
             let name = w.parts.first().map_or("", |p| p.name());
             let values = crate::random_weights::host_values(*seed, name, &w.shape);
+            // As `random_weights::make_weight` makes them (an f16 plan's from the bf16 values).
+            let bf16 = |v: f32| bf16::from_f32(v).to_f32();
             match w.dtype {
-                DType::BF16 => values.into_iter().map(|v| bf16::from_f32(v).to_f32()).collect(),
-                DType::F16 => values.into_iter().map(|v| half::f16::from_f32(v).to_f32()).collect(),
+                DType::BF16 => values.into_iter().map(bf16).collect(),
+                DType::F16 => values
+                    .into_iter()
+                    .map(|v| half::f16::from_f32(bf16(v)).to_f32())
+                    .collect(),
                 _ => values,
             }
         }

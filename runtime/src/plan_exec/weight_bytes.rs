@@ -1,5 +1,5 @@
 //! A weight as a plan's kernels read it: its parts (their rows) stacked by rows, converted to
-//! the plan's dtype (f32, bf16) or kept as stored (f16 values, GGUF blocks).
+//! the plan's dtype (f32, bf16, f16) or kept as stored (its own floats, GGUF blocks).
 //!
 //! Loading is most of the time from `bbc serve` to a first answer, so: a weight already in
 //! the plan's form and taken whole (a bf16 checkpoint's tensors into a bf16 plan, GGUF
@@ -40,12 +40,13 @@ struct PartView<'s> {
     transposed: Option<Vec<usize>>,
 }
 
-/// How the plan's dtype stores a source tensor: converted to f32 or bf16 (element widths),
-/// or kept as stored.
+/// How the plan's dtype stores a source tensor: converted to f32, bf16 or f16 (element
+/// widths), or kept as stored.
 #[derive(Clone, Copy, PartialEq)]
 enum Encoding {
     F32,
     Bf16,
+    F16,
     Stored,
 }
 
@@ -57,6 +58,7 @@ impl Encoding {
             DType::BF16 if stored == GgmlType::BF16 => Ok(Self::Stored),
             DType::BF16 => Ok(Self::Bf16),
             _ if quant::tensor::ir_dtype(stored) == plan => Ok(Self::Stored),
+            DType::F16 => Ok(Self::F16),
             other => Err(RuntimeError::Weight(format!(
                 "`{name}` is {} but the plan wants {other}",
                 stored.name()
@@ -70,7 +72,7 @@ impl<'s> PartView<'s> {
     fn out_row_bytes(&self) -> usize {
         match self.encoding {
             Encoding::F32 => self.row_elements * 4,
-            Encoding::Bf16 => self.row_elements * 2,
+            Encoding::Bf16 | Encoding::F16 => self.row_elements * 2,
             Encoding::Stored => self.row_bytes,
         }
     }
@@ -194,7 +196,7 @@ fn convert_rows(part: &PartView<'_>, from: &[u8], out: &mut [u8]) {
         .zip(from.par_chunks(rows_per_chunk * part.row_bytes))
         .for_each(|(out, from)| match encoding {
             Encoding::Stored => out.copy_from_slice(from),
-            Encoding::F32 | Encoding::Bf16 => SCRATCH.with_borrow_mut(|values| {
+            Encoding::F32 | Encoding::Bf16 | Encoding::F16 => SCRATCH.with_borrow_mut(|values| {
                 values.resize(out.len() / out_row * part.row_elements, 0.0);
                 part.view.dtype.dequantize(from, values);
                 encode(values, encoding, out);
@@ -202,12 +204,17 @@ fn convert_rows(part: &PartView<'_>, from: &[u8], out: &mut [u8]) {
         });
 }
 
-/// f32 `values` into `out` as `encoding` (f32 or bf16) stores them.
+/// f32 `values` into `out` as `encoding` (f32, bf16 or f16) stores them.
 fn encode(values: &[f32], encoding: Encoding, out: &mut [u8]) {
     match encoding {
         Encoding::F32 => {
             for (o, v) in out.chunks_exact_mut(4).zip(values) {
                 o.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        Encoding::F16 => {
+            for (o, v) in out.chunks_exact_mut(2).zip(values) {
+                o.copy_from_slice(&half::f16::from_f32(*v).to_le_bytes());
             }
         }
         _ => {
@@ -285,6 +292,7 @@ pub(super) mod tests {
             for i in order {
                 match dtype {
                     DType::F32 => out.extend_from_slice(&values[i].to_le_bytes()),
+                    DType::F16 => out.extend_from_slice(&half::f16::from_f32(values[i]).to_le_bytes()),
                     _ => out.extend_from_slice(&bf16::from_f32(values[i]).to_le_bytes()),
                 }
             }
@@ -363,7 +371,7 @@ pub(super) mod tests {
             seed in any::<u32>(),
         ) {
             let stored = quant::tensor::ir_dtype(source);
-            prop_assume!(matches!(plan, DType::F32 | DType::BF16) || plan == stored);
+            prop_assume!(matches!(plan, DType::F32 | DType::BF16 | DType::F16) || plan == stored);
             let blocks = !matches!(source, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
             let (group, cols) = (4, 64);
             // Tall enough for several tasks of CHUNK_BYTES.
@@ -416,7 +424,8 @@ pub(super) mod tests {
         .into();
         let error = |dtype, part: WeightPart| weight_bytes(dtype, &[part], &source).unwrap_err().to_string();
         assert!(error(DType::BF16, WeightPart::Whole("x".into())).contains("`x` is not in the weights"));
-        assert!(error(DType::F16, WeightPart::Whole("w".into())).contains("the plan wants f16"));
+        // Blocks are never made from floats.
+        assert!(error(DType::Q4_0, WeightPart::Whole("w".into())).contains("the plan wants q4_0"));
         assert!(error(DType::BF16, part("w", 1, 2, 3, 2)).contains("has 4 rows"));
         assert!(error(DType::Q4_0, part("q", 2, 2, 0, 1)).contains("GGUF blocks do not transpose"));
     }
