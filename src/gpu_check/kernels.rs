@@ -35,8 +35,9 @@ pub const GPU_FAMILIES: [&str; 9] = [
 ];
 
 /// Run the tiny models' plans in lockstep on the GPU and the emulator (the HF fixtures in f32
-/// and bf16, the tiny Llama and Gemma 3 also with half KV caches, tiny Llama GGUF files with
-/// GGUF-block and f16 weights); print each kernel's max relative error; the worst.
+/// and bf16, the MoE ones also in half, the tiny Llama and Gemma 3 also with half KV caches,
+/// tiny Llama GGUF files with GGUF-block and f16 weights); print each kernel's max relative
+/// error; the worst.
 pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64> {
     let mut worst = 0f64;
     println!("| model | kernel | launches | max relative error |");
@@ -106,6 +107,12 @@ pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64>
     worst = worst.max(mtp_kernel_errors(target, fixtures, |kernels| {
         super::compile_device(kernels, arch)
     })?);
+    // Half experts multiplied as stored (the tensor cores' MoE kernels over halves).
+    for family in ["glm4_moe", "gemma4_moe"] {
+        let mut spec = ModelSpec::for_weights(&fixtures.join(family));
+        spec.dtype = ComputeDtype::F16;
+        worst = worst.max(lockstep(&format!("{family} F16"), &Model::open(spec)?, target, arch)?);
+    }
     let scratch = super::scratch_dir("bbc-gpu-check-gguf-")?;
     for (name, path) in [
         ("llama Q8_0/Q4_0", super::tiny_gguf::quantized_llama(scratch.path())?),

@@ -1,5 +1,6 @@
-//! `x · Wᵀ` over dense weight rows (f32, or bf16 widened as they are loaded): the matmul of
-//! models run at `--dtype f32` or `bf16`, and of HF checkpoints' bf16 weights.
+//! `x · Wᵀ` over dense weight rows (f32, or bf16 or IEEE half widened as they are loaded): the
+//! matmul of models run at `--dtype f32`, `bf16` or `f16`, and of checkpoints' bf16 and half
+//! weights.
 //!
 //! A register tile holds the products of a few weight rows with a few tokens, so each 16-float
 //! chunk of a row or of a token is loaded once for the whole tile instead of once for every
@@ -12,7 +13,7 @@
 //! rescoring, which calls `simd::dot` on a widened row, gives the plain head's logit.
 
 use super::simd;
-use half::bf16;
+use half::{bf16, f16};
 use std::ops::Range;
 
 /// Weight rows of one dense kind, `cols` floats each, row after row.
@@ -20,6 +21,7 @@ use std::ops::Range;
 pub enum DenseRows<'a> {
     F32(&'a [f32]),
     Bf16(&'a [bf16]),
+    F16(&'a [f16]),
 }
 
 /// Which tile kernel runs: both give `simd::dot`'s bits (its FMA form, which every CPU with
@@ -53,7 +55,10 @@ impl DenseKernel {
     pub fn available() -> Vec<Self> {
         let mut kernels = Vec::new();
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+        {
             kernels.push(Self::Avx2);
             if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512vl") {
                 kernels.push(Self::Avx512);
@@ -130,6 +135,7 @@ impl Tile {
         match weights {
             DenseRows::F32(w) => self.compute_with(kernel, w, cols, x, values),
             DenseRows::Bf16(w) => self.compute_with(kernel, w, cols, x, values),
+            DenseRows::F16(w) => self.compute_with(kernel, w, cols, x, values),
         }
     }
 
@@ -210,6 +216,28 @@ impl Widen for bf16 {
             let halves = _mm_loadu_si128(p.cast());
             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16))
         }
+    }
+}
+
+/// An IEEE half widens exactly (`vcvtph2ps`, as `f16::to_f32`: subnormals, infinities and
+/// NaNs included), half the bytes of an f32 row.
+impl Widen for f16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load512(p: *const f16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's kernel has AVX-512F, and `p` has sixteen halves after it.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load256(p: *const f16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's kernel has F16C, and `p` has eight halves after it.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
     }
 }
 
@@ -358,7 +386,7 @@ mod x86 {
     /// `R` rows × `T` tokens with 256-bit registers: a product's lanes 0–7 in one accumulator
     /// and 8–15 in another. A row's two halves are loaded one after the other so that the
     /// accumulators, a half's weights and a token fit the sixteen registers.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile256<W: Widen, const R: usize, const T: usize>(
         rows: [*const W; R],
         tokens: [*const f32; T],
@@ -466,8 +494,8 @@ mod tests {
         }
     }
 
-    /// Each product is `simd::dot`'s bits for f32 and bf16 rows, whatever the tile it falls in
-    /// (ragged rows and tokens) and whether the width has a tail past the last whole chunk.
+    /// Each product is `simd::dot`'s bits for f32, bf16 and half rows, whatever the tile it falls
+    /// in (ragged rows and tokens) and whether the width has a tail past the last whole chunk.
     #[test]
     fn products_are_simd_dots_bit_for_bit() {
         let kernels = DenseKernel::available();
@@ -482,6 +510,14 @@ mod tests {
                 let halves: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
                 let widened: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
                 check_against_dot(kernel, DenseRows::Bf16(&halves), &widened, cols, rows);
+                // Halves of every kind: subnormal, large, and values bf16 would round.
+                let halves: Vec<f16> = w
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &v)| f16::from_f32(v * [1.0, 3e-5, 7e3][i % 3]))
+                    .collect();
+                let widened: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
+                check_against_dot(kernel, DenseRows::F16(&halves), &widened, cols, rows);
             }
         }
     }

@@ -27,6 +27,8 @@ use std::thread::LocalKey;
 pub enum Storage {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
+    /// IEEE halves: a half checkpoint's or GGUF's as stored, or a `--dtype f16` model's.
+    F16(Vec<half::f16>),
     /// A 32-weight block format with its rows interleaved for the int8 kernels.
     Interleaved(InterleavedRows),
     /// K-quant rows (Q2_K to Q6_K, IQ4_XS) interleaved for the int8 kernels.
@@ -75,6 +77,7 @@ impl Matrix {
         match &self.storage {
             Storage::F32(v) => v.len() * 4,
             Storage::Bf16(v) => v.len() * 2,
+            Storage::F16(v) => v.len() * 2,
             Storage::Interleaved(rows) => rows.bytes(),
             Storage::InterleavedSuper(rows) => rows.bytes(),
         }
@@ -91,6 +94,12 @@ impl Matrix {
                 }
                 out
             }
+            Storage::F16(v) => {
+                for (o, w) in out.iter_mut().zip(&v[r * c..(r + 1) * c]) {
+                    *o = w.to_f32();
+                }
+                out
+            }
             Storage::Interleaved(rows) => {
                 rows.dequantize_row(r, out);
                 out
@@ -102,11 +111,12 @@ impl Matrix {
         }
     }
 
-    /// The rows as the dense kernels read them, where they are f32 or bf16.
+    /// The rows as the dense kernels read them, where they are f32, bf16 or half.
     fn dense_rows(&self) -> Option<DenseRows<'_>> {
         match &self.storage {
             Storage::F32(v) => Some(DenseRows::F32(v)),
             Storage::Bf16(v) => Some(DenseRows::Bf16(v)),
+            Storage::F16(v) => Some(DenseRows::F16(v)),
             _ => None,
         }
     }
@@ -189,6 +199,16 @@ impl Matrix {
                     }
                 },
             )?),
+            Storage::F16(_) => Storage::F16(collect(
+                parts,
+                |s| {
+                    if let Storage::F16(v) = s {
+                        Some(v)
+                    } else {
+                        None
+                    }
+                },
+            )?),
             Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
                 let mut stacked: Option<(GgmlType, Vec<u8>, usize)> = None;
                 for part in parts {
@@ -219,6 +239,7 @@ impl Matrix {
         let storage = match &self.storage {
             Storage::F32(v) => Storage::F32(gather_rows(v, self.cols, &picked)),
             Storage::Bf16(v) => Storage::Bf16(gather_rows(v, self.cols, &picked)),
+            Storage::F16(v) => Storage::F16(gather_rows(v, self.cols, &picked)),
             Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
                 let (dtype, bytes, row_bytes) = self.storage.gguf_rows().expect("block storage");
                 Storage::block_rows(dtype, gather_rows(&bytes, row_bytes, &picked), row_bytes)?
@@ -232,7 +253,7 @@ impl Matrix {
     }
 
     /// Rows `start..start+len` of every group of `group` rows, each group's `[len, cols]` block
-    /// transposed (`TransposeRowGroups`): f32 and bf16 storage keep their values, GGUF blocks
+    /// transposed (`TransposeRowGroups`): f32, bf16 and half storage keep their values, GGUF blocks
     /// (which cannot be cut across rows) are widened to f32.
     pub fn transpose_row_groups(&self, group: usize, start: usize, len: usize) -> Result<Matrix, String> {
         self.check_row_groups(group, start, len)?;
@@ -241,6 +262,7 @@ impl Matrix {
         let storage = match &self.storage {
             Storage::F32(v) => Storage::F32(order().map(|i| v[i]).collect()),
             Storage::Bf16(v) => Storage::Bf16(order().map(|i| v[i]).collect()),
+            Storage::F16(v) => Storage::F16(order().map(|i| v[i]).collect()),
             Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
                 let mut row = vec![0f32; cols];
                 let widened: Vec<f32> = (0..self.rows)
@@ -463,6 +485,7 @@ mod tests {
             let storages = [
                 Storage::F32(w.clone()),
                 Storage::Bf16(w.iter().map(|&v| bf16::from_f32(v)).collect()),
+                Storage::F16(w.iter().map(|&v| half::f16::from_f32(v)).collect()),
             ];
             for storage in storages {
                 let m = Matrix {
@@ -606,8 +629,8 @@ mod tests {
         assert!(Matrix::stack_rows(&[&a, &other]).is_err());
     }
 
-    /// Picked rows with each group's block transposed are the reference's, in f32 and bf16
-    /// storage alike (values move, nothing rounds).
+    /// Picked rows with each group's block transposed are the reference's, in f32, bf16 and
+    /// half storage alike (values move, nothing rounds).
     #[test]
     fn transposed_row_groups_match_the_reference() {
         let (rows, cols) = (6, 4);
@@ -616,6 +639,7 @@ mod tests {
         let storages = [
             Storage::F32(w.clone()),
             Storage::Bf16(w.iter().map(|&v| bf16::from_f32(v)).collect()),
+            Storage::F16(w.iter().map(|&v| half::f16::from_f32(v)).collect()),
         ];
         for storage in storages {
             let m = Matrix { rows, cols, storage };

@@ -1115,15 +1115,16 @@ fn load_weight(graph: &Graph, i: usize, source: &dyn Tensors) -> Result<CpuWeigh
     let (rows, cols) = (shape[0], shape[1]);
     let storage = match node.dtype {
         DType::F32 => Storage::F32(view.to_f32().data),
-        // Half weights computed in f32 from their exact values: a file's halves as they are,
-        // others rounded to half (an f16 plan of a bf16 or f32 checkpoint).
-        DType::F16 => Storage::F32(
-            view.to_f32()
-                .data
-                .into_iter()
-                .map(|v| half::f16::from_f32(v).to_f32())
+        // A file's halves as they are, others rounded to half (`--dtype f16` of a bf16 or f32
+        // checkpoint); widened exactly as the kernels load them.
+        DType::F16 => Storage::F16(match view.dtype {
+            quant::GgmlType::F16 => view
+                .bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]))
                 .collect(),
-        ),
+            _ => view.to_f32().data.into_iter().map(half::f16::from_f32).collect(),
+        }),
         DType::BF16 => Storage::Bf16(view.to_f32().data.into_iter().map(bf16::from_f32).collect()),
         DType::I32 => return Err(RuntimeError::Weight(format!("`{name}`: i32 weights are not matrices"))),
         quant => {
