@@ -859,6 +859,58 @@ fn logprobs_report_the_greedy_token_as_the_most_likely() {
     assert!(plain["choices"][0]["logprobs"].is_null());
 }
 
+/// Requests that give no seed sample apart (each takes the next of the server's seeds), and a
+/// server started again with the same `--seed` gives them the same texts in the same order;
+/// another `--seed`, others.
+#[test]
+fn unseeded_requests_sample_apart_and_the_server_seed_repeats_them() {
+    let body = json!({"prompt": "My favourite animal is", "max_tokens": 12, "temperature": 1.0, "ignore_eos": true});
+    let texts = |seed: &str| -> Vec<String> {
+        let server = Server::start(&["--seed", seed]);
+        (0..3)
+            .map(|_| {
+                let (status, out) = server.post("/v1/completions", &body);
+                assert_eq!(status, 200, "{out}");
+                out["choices"][0]["text"].as_str().unwrap().to_string()
+            })
+            .collect()
+    };
+    let first = texts("7");
+    assert!(first[0] != first[1] && first[1] != first[2], "sampled alike: {first:?}");
+    assert_eq!(texts("7"), first);
+    assert_ne!(texts("8"), first);
+}
+
+/// vLLM's `--no-enable-prefix-caching` computes every prompt in full (no cached token found);
+/// by default, and with `--enable-prefix-caching` last, a repeated prompt's blocks are found.
+/// `--tensor-parallel-size` past 1 is refused by name.
+#[test]
+fn prefix_caching_follows_vllms_flags() {
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(8);
+    let body = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0});
+    let hits = |flags: &[&str]| {
+        let server = Server::start(flags);
+        for _ in 0..2 {
+            assert_eq!(server.post("/v1/completions", &body).0, 200);
+        }
+        server.wait_for_free_blocks();
+        server.metric("bbc_prefix_cache_hits_total")
+    };
+    assert_eq!(hits(&["--no-enable-prefix-caching"]), 0.0);
+    assert!(hits(&[]) >= 64.0);
+    assert!(hits(&["--no-enable-prefix-caching", "--enable-prefix-caching"]) >= 64.0);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_bbc"))
+        .args(["serve", "smollm2", "--tensor-parallel-size", "2", "--trust-remote-code"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--tensor-parallel-size 2: bbc serves a model on one GPU"),
+        "{err}"
+    );
+}
+
 #[test]
 fn n_choices_are_separate_sequences() {
     let server = Server::start(&[]);

@@ -8,7 +8,7 @@ mod mtp;
 mod speculation;
 
 use crate::model_ref;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use http_server::{metrics, reasoning, tool_parser, EngineSetup};
 use models::ComputeDtype;
 use runtime::serving::SchedulerConfig;
@@ -154,6 +154,24 @@ pub struct ServeArgs {
     /// priority other than 0 is refused.
     #[arg(long, value_enum, default_value_t = SchedulingPolicyArg::Fcfs)]
     pub scheduling_policy: SchedulingPolicyArg,
+    /// Where the seeds of requests that give none come from (vLLM's flag): each such request
+    /// samples with another seed, the same sequence of them each time the server starts.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Admitted requests start from the cached KV blocks of earlier prompts sharing their
+    /// prefix (the default, as vLLM's).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+    /// Every prompt computed in full, no cached prefix shared (vLLM's flag).
+    #[arg(long, overrides_with = "enable_prefix_caching")]
+    pub no_enable_prefix_caching: bool,
+    /// GPUs to split the model over (vLLM's flag): bbc serves on one.
+    #[arg(long, default_value_t = 1)]
+    pub tensor_parallel_size: usize,
+    /// Accepted for vLLM command lines: bbc runs no code a checkpoint ships (its families are
+    /// built in), so there is nothing to trust.
+    #[arg(long)]
+    pub trust_remote_code: bool,
 }
 
 /// `--draft-head`'s values.
@@ -192,6 +210,11 @@ impl SchedulingPolicyArg {
 }
 
 pub fn serve(args: &ServeArgs) -> Result<()> {
+    ensure!(
+        args.tensor_parallel_size == 1,
+        "--tensor-parallel-size {}: bbc serves a model on one GPU",
+        args.tensor_parallel_size
+    );
     let speculation_flags = speculation::SpeculationFlags::from_args(args)?;
     for (name, value) in [
         ("--max-queued", args.max_queued),
@@ -246,7 +269,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         block_size: args.block_size,
         context_length,
         // The engine turns it off for models with recurrent state.
-        prefix_caching: true,
+        prefix_caching: !args.no_enable_prefix_caching,
         // And this where the backend cannot verify drafts.
         speculation,
         // Set by the engine from the backend, which may also turn the snapshots off.
@@ -426,6 +449,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         tool_calls,
         generation_defaults,
         priority_scheduling: args.scheduling_policy == SchedulingPolicyArg::Priority,
+        seed: args.seed,
     };
     http_server::listen(&format!("{}:{}", args.host, args.port), options, requests, metrics)
 }

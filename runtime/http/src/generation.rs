@@ -462,6 +462,7 @@ mod tests {
             structured: crate::structured::LazyStructuredOutputs::new(tokenizer.clone()),
             generation_defaults: Default::default(),
             priority_scheduling: false,
+            seeds: crate::request::RequestSeeds::new(0),
             silent_special_tokens: Default::default(),
             requests,
             metrics: Default::default(),

@@ -46,6 +46,8 @@ pub struct AppState {
     pub generation_defaults: models::GenerationDefaults,
     /// Whether requests wait in order of their `priority` (`--scheduling-policy priority`).
     pub priority_scheduling: bool,
+    /// The seeds of requests that give none (`--seed`).
+    pub seeds: crate::request::RequestSeeds,
     /// The special tokens `skip_special_tokens` keeps out of output text.
     pub silent_special_tokens: Arc<std::collections::HashSet<u32>>,
     pub requests: mpsc::UnboundedSender<NewRequest>,
@@ -238,6 +240,9 @@ async fn admit(
     started: Instant,
 ) -> Result<Generation, ApiError> {
     request.fill_unset(&app.generation_defaults);
+    if request.unset.seed {
+        request.sampling.seed = app.seeds.next();
+    }
     if request.priority != 0 && !app.priority_scheduling {
         return Err(ApiError::invalid(
             "priority",

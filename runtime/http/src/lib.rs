@@ -115,6 +115,8 @@ pub struct ServerOptions {
     pub generation_defaults: models::GenerationDefaults,
     /// Whether requests wait in order of their `priority`.
     pub priority_scheduling: bool,
+    /// Where the seeds of requests that give none come from (vLLM's `--seed`).
+    pub seed: u64,
 }
 
 /// Serve HTTP on `address` (`host:port`; port 0 picks one, printed) until interrupted,
@@ -137,6 +139,7 @@ pub fn listen(
         tool_calls: options.tool_calls,
         generation_defaults: options.generation_defaults,
         priority_scheduling: options.priority_scheduling,
+        seeds: request::RequestSeeds::new(options.seed),
         requests,
         metrics,
         next_id: AtomicU64::new(0),

@@ -108,7 +108,8 @@ impl PromptTruncation {
     }
 }
 
-/// Which of the settings a model's generation config recommends a request left out.
+/// Which of the settings a model's generation config recommends a request left out, and
+/// whether it left out its seed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct UnsetSampling {
     pub temperature: bool,
@@ -116,6 +117,36 @@ pub struct UnsetSampling {
     pub top_k: bool,
     pub min_p: bool,
     pub repetition_penalty: bool,
+    pub seed: bool,
+}
+
+/// The seeds of requests that give none, as vLLM's `--seed` makes them: each request another
+/// (two such requests sample apart), the sequence fixed by the server's seed (a server started
+/// again with it gives its requests the same seeds in the same order).
+pub struct RequestSeeds {
+    seed: u64,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl RequestSeeds {
+    pub fn new(seed: u64) -> Self {
+        Self {
+            seed,
+            next: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// The next unseeded request's seed: SplitMix64 of the server's seed and the request's
+    /// place, so neighbouring requests' seeds share no bits.
+    pub fn next(&self) -> u64 {
+        let place = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut z = self
+            .seed
+            .wrapping_add(place.wrapping_add(1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
 }
 
 impl GenerationRequest {
@@ -493,6 +524,7 @@ fn sampling(fields: &Fields) -> Result<(SamplingParams, UnsetSampling), ApiError
         top_k: fields.get("top_k").is_none(),
         min_p: fields.get("min_p").is_none(),
         repetition_penalty: fields.get("repetition_penalty").is_none(),
+        seed: fields.get("seed").is_none(),
     };
     // The ranges a model's recommended settings keep to as well.
     let in_range = |name: &str, value: f64| match models::generation_defaults::out_of_range(name, value) {

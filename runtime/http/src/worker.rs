@@ -111,6 +111,9 @@ fn step<B: PagedBackend>(
             metrics.draft_tokens.fetch_add(out.drafted as u64, Relaxed);
             metrics.accepted_draft_tokens.fetch_add(out.accepted as u64, Relaxed);
             metrics.drafts.fetch_add(out.verified as u64, Relaxed);
+            // Before any client hears of the step: a client holding its answer reads metrics
+            // that count the step (its prompt's cache hits, its blocks given back).
+            publish(engine, metrics);
             let scores = out
                 .prompt_logprobs
                 .into_iter()
