@@ -179,36 +179,18 @@ impl Matrix {
         }
         let rows = parts.iter().map(|p| p.rows).sum();
         let storage = match &first.storage {
-            Storage::F32(_) => Storage::F32(collect(
-                parts,
-                |s| {
-                    if let Storage::F32(v) = s {
-                        Some(v)
-                    } else {
-                        None
-                    }
-                },
-            )?),
-            Storage::Bf16(_) => Storage::Bf16(collect(
-                parts,
-                |s| {
-                    if let Storage::Bf16(v) = s {
-                        Some(v)
-                    } else {
-                        None
-                    }
-                },
-            )?),
-            Storage::F16(_) => Storage::F16(collect(
-                parts,
-                |s| {
-                    if let Storage::F16(v) = s {
-                        Some(v)
-                    } else {
-                        None
-                    }
-                },
-            )?),
+            Storage::F32(_) => Storage::F32(collect(parts, |s| match s {
+                Storage::F32(v) => Some(v),
+                _ => None,
+            })?),
+            Storage::Bf16(_) => Storage::Bf16(collect(parts, |s| match s {
+                Storage::Bf16(v) => Some(v),
+                _ => None,
+            })?),
+            Storage::F16(_) => Storage::F16(collect(parts, |s| match s {
+                Storage::F16(v) => Some(v),
+                _ => None,
+            })?),
             Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
                 let mut stacked: Option<(GgmlType, Vec<u8>, usize)> = None;
                 for part in parts {
