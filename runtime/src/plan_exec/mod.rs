@@ -923,22 +923,28 @@ fn shortlisted_heads(plan: &GpuPlan) -> Vec<(String, &gpu_plan::WeightUse)> {
 /// The Q4_0 blocks of head `w`'s rows, as the plan holds its values (`ops::four_bit_row`'s
 /// rounding): from the host's weights, or the values the device makes for it.
 fn four_bit_copy(w: &gpu_plan::WeightUse, weights: &PlanWeights<'_>) -> Result<Vec<u8>> {
+    let bf16 = |v: f32| bf16::from_f32(v).to_f32();
+    let f16 = |v: f32| half::f16::from_f32(v).to_f32();
     let values: Vec<f32> = match weights {
-        PlanWeights::Host(source) => weight_bytes(DType::F32, &w.parts, *source)?
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
+        PlanWeights::Host(source) => {
+            let bytes = weight_bytes(DType::F32, &w.parts, *source)?;
+            let values = bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+            // The stored values rounded as the plan's head holds them.
+            match w.dtype {
+                DType::BF16 => values.map(bf16).collect(),
+                DType::F16 => values.map(f16).collect(),
+                _ => values.collect(),
+            }
+        }
         PlanWeights::Generated { seed } => {
             let name = w.parts.first().map_or("", |p| p.name());
             let values = crate::random_weights::host_values(*seed, name, &w.shape);
             // As `random_weights::make_weight` makes them (an f16 plan's from the bf16 values).
-            let bf16 = |v: f32| bf16::from_f32(v).to_f32();
             match w.dtype {
                 DType::BF16 => values.into_iter().map(bf16).collect(),
-                DType::F16 => values
-                    .into_iter()
-                    .map(|v| half::f16::from_f32(bf16(v)).to_f32())
-                    .collect(),
+                DType::F16 => values.into_iter().map(|v| f16(bf16(v))).collect(),
                 _ => values,
             }
         }
@@ -1018,4 +1024,39 @@ fn alloc_kv_cache<D: PlanDevice>(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::weight_bytes::tests::{spread_values, tensor};
+    use super::*;
+    use quant::tensor::MemoryTensors;
+    use quant::GgmlType;
+
+    /// A head's 4-bit copy (a drafter's shortlist) quantizes the values the plan's head holds:
+    /// for a bf16 or half head of an f32 file, the file's values rounded so.
+    #[test]
+    fn four_bit_copies_quantize_the_values_the_head_holds() {
+        let values = spread_values(3, 4 * 64);
+        let source: MemoryTensors = [("head".to_string(), tensor(GgmlType::F32, 4, 64, &values))].into();
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let round = |v: f32| match dtype {
+                DType::BF16 => bf16::from_f32(v).to_f32(),
+                DType::F16 => half::f16::from_f32(v).to_f32(),
+                _ => v,
+            };
+            let head = gpu_plan::WeightUse {
+                node: 0,
+                parts: vec![WeightPart::Whole("head".into())],
+                dtype,
+                shape: vec![4, 64],
+            };
+            let got = four_bit_copy(&head, &PlanWeights::Host(&source)).unwrap();
+            let want: Vec<u8> = values
+                .chunks(64)
+                .flat_map(|row| quant::q4_0::quantize_row(&row.iter().map(|&v| round(v)).collect::<Vec<_>>()))
+                .collect();
+            assert_eq!(got, want, "{dtype}");
+        }
+    }
 }
