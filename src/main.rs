@@ -101,6 +101,10 @@ enum Command {
         /// (vLLM's float32, bfloat16, float16/half and auto read too).
         #[arg(long, value_parser = commands::run::parse_dtype)]
         dtype: Option<models::ComputeDtype>,
+        /// Where the weights come from (vLLM's flag): `auto`, the model's files; `dummy`,
+        /// random weights of its shape (an HF directory's config.json), made where it runs.
+        #[arg(long, value_enum, default_value_t = bbc::model_ref::LoadFormat::Auto)]
+        load_format: bbc::model_ref::LoadFormat,
     },
     /// Generate text from an artifact, a model.toml, a weights path or a model name.
     Run(commands::run::RunArgs),
@@ -161,6 +165,7 @@ fn run(cli: Cli) -> Result<()> {
             prefill_experts,
             kv_cache_dtype,
             dtype,
+            load_format,
         } => commands::compile::compile(&commands::compile::CompileArgs {
             model: &model,
             target: &target,
@@ -177,6 +182,7 @@ fn run(cli: Cli) -> Result<()> {
             prefill_experts,
             kv_cache_dtype,
             dtype,
+            load_format,
         }),
         Command::Run(args) => commands::run::run(&args),
         Command::Perplexity(args) => commands::perplexity::perplexity(&args),

@@ -226,10 +226,23 @@ pub fn cost_model(target: Target) -> passes::CostModel {
     }
 }
 
+/// Where a model's weights come from (vLLM's `--load-format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LoadFormat {
+    /// The model's own files.
+    #[default]
+    Auto,
+    /// Random weights of the model's shape (its `config.json`), made where it runs, with its
+    /// tokenizer: as a config.json or named shape runs.
+    Dummy,
+}
+
 /// How to get from the model to the graph that runs.
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
     pub dtype: Option<ComputeDtype>,
+    /// Random weights in place of the model's (`--load-format dummy`).
+    pub load_format: LoadFormat,
     /// Overrides the KV caches' element type of anything but an artifact.
     pub kv_cache_dtype: Option<KvCacheDtype>,
     /// Caps the context (prompt and output, at most the model's own) of anything but an
@@ -253,6 +266,7 @@ impl Default for LoadOptions {
     fn default() -> Self {
         Self {
             dtype: None,
+            load_format: LoadFormat::Auto,
             kv_cache_dtype: None,
             max_model_len: None,
             logits: LogitsFor::LastToken,
@@ -305,6 +319,9 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
     let reference = ModelRef::parse(arg)?;
     match reference.spec(options.quiet)? {
         Some(mut spec) => {
+            if options.load_format == LoadFormat::Dummy {
+                spec = with_random_weights(spec)?;
+            }
             if let Some(d) = options.dtype {
                 spec.dtype = d;
             }
@@ -352,6 +369,9 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
             if options.dtype.is_some() {
                 bail!("--dtype does not apply to a compiled artifact: its dtype was fixed by `bbc compile`");
             }
+            if options.load_format == LoadFormat::Dummy {
+                bail!("--load-format dummy does not apply to a compiled artifact: its weights were fixed by `bbc compile`");
+            }
             if options.kv_cache_dtype.is_some() {
                 bail!("--kv-cache-dtype does not apply to a compiled artifact: its caches were fixed by `bbc compile` (model.toml's `kv_cache_dtype`)");
             }
@@ -364,6 +384,31 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
             load_artifact(&dir)
         }
     }
+}
+
+/// `spec` with random weights of its shape (`--load-format dummy`): an HF directory's (or a
+/// model.toml's) `config.json` read as a config.json is, the tokenizer beside it; a GGUF file
+/// states its shape otherwise and is refused.
+fn with_random_weights(spec: ModelSpec) -> Result<ModelSpec> {
+    if spec.random_weights.is_some() {
+        return Ok(spec);
+    }
+    let config = match spec.weights.is_dir() {
+        true => spec.weights.join("config.json"),
+        false => spec.weights.with_file_name("config.json"),
+    };
+    ensure!(
+        config.is_file(),
+        "--load-format dummy needs the model's config.json (an HF directory, or a config.json or named shape): {} has none beside it",
+        spec.weights.display()
+    );
+    Ok(ModelSpec {
+        // Random weights hold what a bf16 checkpoint does.
+        dtype: ComputeDtype::Bf16,
+        random_weights: Some(RANDOM_WEIGHTS_SEED),
+        weights: config,
+        ..spec
+    })
 }
 
 /// Whether every plan of the GPU artifact in `dir` carries the fill kernels that make random

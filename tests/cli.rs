@@ -117,6 +117,49 @@ fn half_compute_keeps_the_greedy_tokens() {
     assert!(err.contains("choose one of f32, bf16, f16, native"), "{err}");
 }
 
+/// `--load-format dummy` (vLLM's flag) runs an HF directory with random weights of its shape:
+/// what its config.json runs, not what its weights give; its artifact records the seed. A
+/// GGUF file, whose shape is no config.json, is refused by name, as is an artifact.
+#[test]
+fn dummy_load_format_runs_the_shape_with_random_weights() {
+    let dir = common::fixture("hf-tiny/llama");
+    let dir = dir.to_str().unwrap();
+    let config = format!("{dir}/config.json");
+    let run = |model: &str, extra: &[&str]| {
+        let args = [
+            "run",
+            model,
+            "--prompt-ids",
+            "5,6,7",
+            "--max-tokens",
+            "6",
+            "--ignore-eos",
+            "--json",
+        ];
+        ids(&json(&[&args[..], extra].concat())["ids"])
+    };
+    let dummy = run(dir, &["--load-format", "dummy"]);
+    assert_eq!(dummy, run(&config, &[]));
+    assert_ne!(dummy, run(dir, &[]));
+    let scratch = common::scratch_dir("bbc-dummy-artifact-");
+    let out = scratch.path().join("artifact");
+    let out = out.to_str().unwrap();
+    bbc(&["compile", dir, "--target", "cpu", "--load-format", "dummy", "-o", out]);
+    let manifest = codegen::read_manifest(std::path::Path::new(out)).unwrap();
+    assert!(manifest.random_weights.is_some());
+    assert_eq!(run(out, &[]), dummy);
+    let err = refused(&["run", &smollm2(), "--prompt", "x", "--load-format", "dummy"]);
+    assert!(
+        err.contains("--load-format dummy needs the model's config.json"),
+        "{err}"
+    );
+    let err = refused(&["run", out, "--prompt-ids", "1", "--load-format", "dummy"]);
+    assert!(
+        err.contains("--load-format dummy does not apply to a compiled artifact"),
+        "{err}"
+    );
+}
+
 /// What `bbc compile` fixed (the compute dtype, the caches' element type, the context) is
 /// refused by name when `bbc run` is asked to change it on an artifact.
 #[test]

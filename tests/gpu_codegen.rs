@@ -343,6 +343,7 @@ fn compile_every_plan(model: &std::path::Path, target: Target, output: &std::pat
         prefill_experts: Default::default(),
         kv_cache_dtype: None,
         dtype: None,
+        load_format: Default::default(),
     };
     bbc::commands::compile::compile(&args)
         .unwrap_or_else(|e| panic!("{} on {}: {e:#}", model.display(), target.name()));
@@ -1250,14 +1251,10 @@ fn a_random_weight_model_compiled_for_the_gpu_makes_its_weights_there() {
     let config = scratch.path().join("config.json");
     std::fs::copy(common::fixture("hf-tiny/llama/config.json"), &config).unwrap();
     let options = || bbc::model_ref::LoadOptions {
-        dtype: None,
-        kv_cache_dtype: None,
-        max_model_len: None,
-        logits: models::LogitsFor::LastToken,
         greedy: true,
         fuse: false,
         quiet: true,
-        tokenizer: None,
+        ..Default::default()
     };
     for (target, on_device) in [("h200", true), ("cpu", false)] {
         let artifact = scratch.path().join(target);

@@ -34,6 +34,8 @@ pub struct CompileArgs<'a> {
     pub kv_cache_dtype: Option<models::KvCacheDtype>,
     /// Overrides the model's compute dtype (model.toml's `dtype`).
     pub dtype: Option<models::ComputeDtype>,
+    /// Random weights of the model's shape in place of its files (`--load-format dummy`).
+    pub load_format: crate::model_ref::LoadFormat,
 }
 
 /// How GPU plans' prompts go through the delta rule (`codegen::gpu::PrefillDeltaRule`).
@@ -179,6 +181,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         tokenizer: args.tokenizer.map(str::to_string),
         kv_cache_dtype: args.kv_cache_dtype,
         dtype: args.dtype,
+        load_format: args.load_format,
         ..model_ref::LoadOptions::default()
     };
     let loaded = model_ref::load(args.model, options)?;

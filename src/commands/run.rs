@@ -77,6 +77,10 @@ pub struct RunArgs {
     /// tokenizer.json, a directory holding one, or a model name such as `smollm2`.
     #[arg(long)]
     pub tokenizer: Option<String>,
+    /// Where the weights come from (vLLM's flag): `auto`, the model's files; `dummy`, random
+    /// weights of its shape (an HF directory's config.json), its tokenizer kept.
+    #[arg(long, value_enum, default_value_t = model_ref::LoadFormat::Auto)]
+    pub load_format: model_ref::LoadFormat,
     /// With --chat: the chat template to use instead of the model's (a Jinja file, or the
     /// template itself).
     #[arg(long)]
@@ -127,6 +131,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let started = Instant::now();
     let options = model_ref::LoadOptions {
         dtype: args.dtype,
+        load_format: args.load_format,
         kv_cache_dtype: args.kv_cache_dtype,
         max_model_len: args.max_model_len,
         logits: LogitsFor::LastToken,

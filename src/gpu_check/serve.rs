@@ -131,6 +131,7 @@ pub(super) fn compile_shape(
         prefill_experts: Default::default(),
         kv_cache_dtype: None,
         dtype: None,
+        load_format: Default::default(),
     })?;
     println!("compiled {stem} in {:.1} s", started.elapsed().as_secs_f64());
     Ok(artifact)

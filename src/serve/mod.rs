@@ -88,6 +88,10 @@ pub struct ServeArgs {
     /// config.json or named shape served with random weights.
     #[arg(long)]
     pub tokenizer: Option<String>,
+    /// Where the weights come from (vLLM's flag): `auto`, the model's files; `dummy`, random
+    /// weights of its shape (an HF directory's config.json), its tokenizer kept.
+    #[arg(long, value_enum, default_value_t = model_ref::LoadFormat::Auto)]
+    pub load_format: model_ref::LoadFormat,
     /// Speculative decoding by prompt lookup: draft up to N tokens a step from earlier text
     /// of the request and verify them in the same pass (0: off; overrides a model.toml's
     /// `[speculative]`). Tokens are unchanged. On the GPU, a model with recurrent state
@@ -231,6 +235,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     }
     let options = model_ref::LoadOptions {
         dtype: args.dtype,
+        load_format: args.load_format,
         kv_cache_dtype: args.kv_cache_dtype,
         max_model_len: args.max_model_len,
         greedy: true,
