@@ -374,13 +374,7 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
             MmaElement::F16 => bf16,
             MmaElement::Bf16 => format,
         };
-        let over = |kernel: kernels_gen::dsl::Kernel| match element {
-            MmaElement::F16 => {
-                let name = format!("{}_f16", kernel.name);
-                halves::over_halves(kernel, &name)
-            }
-            MmaElement::Bf16 => kernel,
-        };
+        let over = |kernel| halves::multiplying(element, kernel);
         // The row kernels' weights: bf16 holds the bf16-rounded ones exactly, f16 the halves.
         let (reference_format, reference_element) = match element {
             MmaElement::F16 => (f16, MmaElement::F16),

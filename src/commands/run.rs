@@ -63,10 +63,11 @@ pub struct RunArgs {
     /// quantization kept); vLLM's float32, bfloat16, float16/half and auto read too.
     #[arg(long, value_parser = parse_dtype)]
     pub dtype: Option<ComputeDtype>,
-    /// What the KV cache stores keys and values as: auto (bf16 for a bf16 dtype, f32 for f32;
-    /// native: the weights' float type, or f16 for quantized blocks, as llama.cpp), f32,
-    /// bf16 or f16 (half the bytes of f32), or fp8 (E4M3, a quarter; vLLM's). A GPU
-    /// artifact's caches are fixed when compiled (`bbc compile --kv-cache-dtype`).
+    /// What the KV cache stores keys and values as: auto (bf16 for a bf16 dtype, half for
+    /// f16, f32 for f32; native: the weights' float type, or f16 for quantized blocks, as
+    /// llama.cpp), f32, bf16 or f16 (half the bytes of f32), or fp8 (E4M3, a quarter;
+    /// vLLM's). A GPU artifact's caches are fixed when compiled (`bbc compile
+    /// --kv-cache-dtype`).
     #[arg(long, value_parser = parse_kv_cache_dtype)]
     pub kv_cache_dtype: Option<KvCacheDtype>,
     /// The longest context (prompt and output tokens) to allow, at most the model's own

@@ -35,3 +35,15 @@ pub fn over_halves(mut kernel: Kernel, name: &str) -> Kernel {
     );
     kernel
 }
+
+/// `kernel`, of bf16 operands, multiplying `element`s: as it is for bf16, over halves for f16
+/// (its name then ending `_f16`).
+pub fn multiplying(element: MmaElement, kernel: Kernel) -> Kernel {
+    match element {
+        MmaElement::Bf16 => kernel,
+        MmaElement::F16 => {
+            let name = format!("{}_f16", kernel.name);
+            over_halves(kernel, &name)
+        }
+    }
+}

@@ -901,13 +901,7 @@ impl MatMul {
                     None => {
                         let batch_name = format!("{name}_batch");
                         // Half weights multiplied as stored, over rows made half.
-                        let element = |kernel: Kernel| match self.element() {
-                            MmaElement::F16 => {
-                                let name = format!("{}_f16", kernel.name);
-                                halves::over_halves(kernel, &name)
-                            }
-                            MmaElement::Bf16 => kernel,
-                        };
+                        let element = |kernel: Kernel| halves::multiplying(self.element(), kernel);
                         (
                             templates::tma_prefill_gemm(arch, form, schedule, &name, origin).map(|g| PrefillGemm {
                                 kernel: element(g.kernel),

@@ -144,13 +144,7 @@ pub(super) fn launches(
         }
         false => (vec![], vec![]),
     };
-    let over = |kernel: Kernel| match element {
-        MmaElement::F16 => {
-            let name = format!("{}_f16", kernel.name);
-            halves::over_halves(kernel, &name)
-        }
-        MmaElement::Bf16 => kernel,
-    };
+    let over = |kernel: Kernel| halves::multiplying(element, kernel);
     let (prefill_gate_up, prefill_down) = match tensor_cores {
         true if wgmma => (
             over(moe_wgmma::gate_up("moe_gate_up", origin, spec, d)),
