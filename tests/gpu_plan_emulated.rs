@@ -826,27 +826,39 @@ fn tiny_f16_llama_plans_agree_with_the_cpu_backend() {
     check_gguf("f16 llama", tiny_gguf::f16_llama, ("gemm_tma_f16", "f16_rows"));
 }
 
-/// A GGUF's blocks and an f16 file loaded into bf16 plans: the plan carries the kernels that
-/// convert their stored forms (`gpu::weight_conversions`, as `bbc compile` adds them), the
-/// executor uploads the stored bytes and converts them on the device, and the plan computes
-/// bit for bit what it computes on weights converted on the host.
+/// A GGUF's blocks and an f16 file loaded into bf16 plans, and the blocks into a half plan: the
+/// plan carries the kernels that convert their stored forms (`gpu::weight_conversions`, as
+/// `bbc compile` adds them), the executor uploads the stored bytes and converts them on the
+/// device, and the plan computes bit for bit what it computes on weights converted on the host.
 #[test]
 fn weights_converted_on_the_device_equal_those_converted_on_the_host() {
-    for (name, make, stored) in [
+    for (name, make, stored, dtype) in [
         (
             "quantized",
             tiny_gguf::quantized_llama as fn(&std::path::Path) -> _,
             ["q8_0", "q4_0"].as_slice(),
+            ComputeDtype::Bf16,
         ),
-        ("f16", tiny_gguf::f16_llama, ["f16"].as_slice()),
+        ("f16", tiny_gguf::f16_llama, ["f16"].as_slice(), ComputeDtype::Bf16),
+        // `--dtype f16` of the GGUF's blocks.
+        (
+            "quantized into half",
+            tiny_gguf::quantized_llama,
+            ["q8_0", "q4_0"].as_slice(),
+            ComputeDtype::F16,
+        ),
     ] {
         let scratch = tempfile::Builder::new().prefix("bbc-converted-").tempdir().unwrap();
-        let model = open_at(&make(scratch.path()).unwrap(), ComputeDtype::Bf16);
+        let model = open_at(&make(scratch.path()).unwrap(), dtype);
         let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), Target::H200);
         let (plan, kernels) = gpu::build_with_kernels(&graph, Target::H200, 32).unwrap();
         let conversions = gpu::weight_conversions(&plan, &model.weights);
         let names: Vec<&str> = conversions.iter().map(|k| k.name.as_str()).collect();
-        let expected: Vec<String> = stored.iter().map(|s| format!("convert_{s}_to_bf16")).collect();
+        let to = match dtype {
+            ComputeDtype::F16 => "f16",
+            _ => "bf16",
+        };
+        let expected: Vec<String> = stored.iter().map(|s| format!("convert_{s}_to_{to}")).collect();
         assert_eq!(names, expected, "{name}");
         let mut converting = plan.clone();
         converting.kernels.extend(conversions.iter().map(gpu::kernel_entry));
