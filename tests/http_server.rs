@@ -114,6 +114,13 @@ fn completions_and_chat_answer_streamed_and_whole() {
     assert_eq!(status, 200);
     assert!(models.contains("\"id\":\"smollm2\""), "{models}");
     assert_eq!(server.request("GET", "/health", &[], b"").0, 200);
+    // vLLM's liveness probe and version.
+    assert_eq!(server.request("GET", "/ping", &[], b"").0, 200);
+    assert_eq!(server.request("POST", "/ping", &[], b"").0, 200);
+    let (status, version) = server.request("GET", "/version", &[], b"");
+    assert_eq!(status, 200);
+    let version: Value = serde_json::from_str(&version).unwrap();
+    assert_eq!(version["version"], env!("CARGO_PKG_VERSION"));
 
     let body = json!({"model": "smollm2", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0});
     let (status, whole) = server.post("/v1/completions", &body);

@@ -58,6 +58,9 @@ pub struct AppState {
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/health", get(|| async { "ok" }))
+        // vLLM's: load balancers' liveness probe (SageMaker's), and the server's version.
+        .route("/ping", get(|| async { "ok" }).post(|| async { "ok" }))
+        .route("/version", get(version))
         .route("/metrics", get(metrics))
         .route("/v1/models", get(list_models))
         .route("/v1/completions", post(completions))
@@ -68,6 +71,11 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/tokenize", post(tokenize_prompt))
         .route("/detokenize", post(detokenize))
         .with_state(state)
+}
+
+async fn version() -> Response {
+    let body = serde_json::json!({"version": env!("CARGO_PKG_VERSION")}).to_string();
+    ([("content-type", "application/json")], body).into_response()
 }
 
 async fn metrics(State(app): State<Arc<AppState>>) -> Response {
