@@ -17,7 +17,7 @@ pub struct ShortlistHead {
 }
 
 impl ShortlistHead {
-    /// The 4-bit copy of `w` (f32, bf16 or blocks, rows of whole blocks of 32).
+    /// The 4-bit copy of `w` (f32, bf16, half or blocks, rows of whole blocks of 32).
     pub fn prepare(w: &Matrix) -> Result<Self, String> {
         if !w.cols.is_multiple_of(32) {
             return Err(format!(
