@@ -596,18 +596,10 @@ fn quantized_prompts_of_many_rows_multiply_by_weights_converted_for_them() {
 /// exact).
 #[test]
 fn half_prompts_multiply_the_halves_on_the_tma_gemms() {
-    use tiny_gguf::{f16_values, gguf_llama, LlamaShape};
+    use tiny_gguf::f16_values;
     let scratch = tempfile::Builder::new().prefix("bbc-half-prefill-").tempdir().unwrap();
     let path = scratch.path().join("f16-llama.gguf");
-    let shape = LlamaShape {
-        hidden: 128,
-        heads: 8,
-        kv_heads: 4,
-        ..LlamaShape::TINY
-    };
-    gguf_llama(&path, &shape, &mut f16_values, &mut f16_values).unwrap();
-    let native = open_native_with_f32_cache(&path);
-    let dequantized = open_at(&path, ComputeDtype::F32);
+    let (native, dequantized) = wide_llama(&path, (&mut f16_values, &mut f16_values));
     let context = native.config.context_length.min(256);
     let rows = BATCH_ROWS + 6;
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
@@ -716,25 +708,31 @@ fn half_experts_multiply_as_stored_on_the_tensor_cores() {
     }
 }
 
-/// A tiny Llama (hidden 128) as a GGUF file of `matrices` (attention and embedding, MLP)
-/// through [`quantized_prompts_of_many_rows_multiply_by_weights_converted_for_them`]'s
-/// checks: its plans carry the conversions of `formats`, one before each matmul's GEMMs.
-fn check_converted_prefill(name: &str, matrices: (tiny_gguf::Matrix, tiny_gguf::Matrix), formats: &[&str]) {
+/// The tiny Llama widened to hidden 128 (8 heads, 4 KV heads: rows enough for the TMA GEMMs'
+/// tiles) written to `path` as a GGUF file of `matrices` (attention and embedding, MLP): the
+/// file opened natively (f32 caches) and dequantized to f32.
+fn wide_llama(path: &std::path::Path, matrices: (tiny_gguf::Matrix, tiny_gguf::Matrix)) -> (Model, Model) {
     use tiny_gguf::{gguf_llama, LlamaShape};
-    let scratch = tempfile::Builder::new()
-        .prefix("bbc-converted-prefill-")
-        .tempdir()
-        .unwrap();
-    let path = scratch.path().join(format!("{name}-llama.gguf"));
     let shape = LlamaShape {
         hidden: 128,
         heads: 8,
         kv_heads: 4,
         ..LlamaShape::TINY
     };
-    gguf_llama(&path, &shape, matrices.0, matrices.1).unwrap();
-    let native = open_native_with_f32_cache(&path);
-    let dequantized = open_at(&path, ComputeDtype::F32);
+    gguf_llama(path, &shape, matrices.0, matrices.1).unwrap();
+    (open_native_with_f32_cache(path), open_at(path, ComputeDtype::F32))
+}
+
+/// A tiny Llama (hidden 128) as a GGUF file of `matrices` (attention and embedding, MLP)
+/// through [`quantized_prompts_of_many_rows_multiply_by_weights_converted_for_them`]'s
+/// checks: its plans carry the conversions of `formats`, one before each matmul's GEMMs.
+fn check_converted_prefill(name: &str, matrices: (tiny_gguf::Matrix, tiny_gguf::Matrix), formats: &[&str]) {
+    let scratch = tempfile::Builder::new()
+        .prefix("bbc-converted-prefill-")
+        .tempdir()
+        .unwrap();
+    let path = scratch.path().join(format!("{name}-llama.gguf"));
+    let (native, dequantized) = wide_llama(&path, matrices);
     let context = native.config.context_length.min(256);
     let rows = BATCH_ROWS + 6;
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
