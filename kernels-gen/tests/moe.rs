@@ -376,9 +376,9 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
         };
         let over = |kernel| halves::multiplying(element, kernel);
         // The row kernels' weights: bf16 holds the bf16-rounded ones exactly, f16 the halves.
-        let (reference_format, reference_element) = match element {
-            MmaElement::F16 => (f16, MmaElement::F16),
-            MmaElement::Bf16 => (bf16, MmaElement::Bf16),
+        let reference_format = match element {
+            MmaElement::F16 => f16,
+            MmaElement::Bf16 => bf16,
         };
         let (rows, e, k) = (80, spec.experts, spec.experts_per_token);
         let x = rng.vec(rows * d);
@@ -487,7 +487,7 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
         let want = run_gate_up(
             &moe::gate_up("rows", "test", &spec, d, reference_format),
             &round(&x),
-            array_of(reference_element, &gate_up_taken),
+            array_of(element, &gate_up_taken),
             Ty::F32,
         );
         let hidden: Vec<Array> = kernels
@@ -512,7 +512,7 @@ fn tensor_core_experts_match_the_row_kernels_on_rounded_inputs() {
         let want = run_down(
             &moe::down_by_expert("experts", "test", &spec, d, reference_format),
             Array::f32(&hidden[0].to_f32().unwrap()),
-            array_of(reference_element, &down_taken),
+            array_of(element, &down_taken),
         );
         for (_, down_kernel) in &kernels {
             let got = run_down(down_kernel, hidden[0].clone(), down.clone());
