@@ -15,6 +15,18 @@ pub struct DraftCache {
     pub block_size: usize,
     pub token_budget: usize,
     pub sequences: usize,
+    /// Whether a GPU drafter's passes replay CUDA graphs (not under `--enforce-eager`).
+    pub graphs: bool,
+}
+
+impl DraftCache {
+    /// The rows of a GPU drafter's passes that replay CUDA graphs: a row per sequence, or none.
+    pub fn graph_rows(&self) -> usize {
+        match self.graphs {
+            true => self.sequences,
+            false => 0,
+        }
+    }
 }
 
 /// The draft model `arg` names (an artifact, a model.toml, weights or a model name), ready
@@ -49,7 +61,7 @@ pub fn load(
             let backend =
                 runtime_cuda::load_batched_plan(&plans.dir, &plan, graph, weights, int8, context_length, plan_cache)?
                     // A drafting pass has a row per sequence.
-                    .capture_graphs_up_to(cache.sequences)
+                    .capture_graphs_up_to(cache.graph_rows())
                     // A model with recurrent state: a snapshot place per sequence, to go back to
                     // past the drafts the target refuses.
                     .keep_state_snapshots(cache.sequences)?;

@@ -177,6 +177,10 @@ pub struct ServeArgs {
     /// built in), so there is nothing to trust.
     #[arg(long)]
     pub trust_remote_code: bool,
+    /// A GPU artifact launches every step's kernels one by one, no decode step replayed from a
+    /// CUDA graph (vLLM's flag: for debugging; a graph spares the host a launch per kernel).
+    #[arg(long)]
+    pub enforce_eager: bool,
 }
 
 /// `--draft-head`'s values.
@@ -288,6 +292,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
         block_size: args.block_size,
         token_budget: args.token_budget.unwrap_or(CPU_TOKEN_BUDGET),
         sequences: args.max_num_seqs,
+        graphs: !args.enforce_eager,
     };
     // The multi-token prediction head, built beside the target on the CPU backend.
     let mut mtp_head = None;
@@ -328,8 +333,11 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
             let weights = loaded.plan_weights();
             let int8 = &loaded.int8_heads;
             // A decode step has a row per running sequence, and one per drafted token beside
-            // it: those row counts run as graphs.
-            let graph_rows = args.max_num_seqs * (1 + config.speculation.tokens);
+            // it: those row counts run as graphs (none under `--enforce-eager`).
+            let graph_rows = match args.enforce_eager {
+                true => 0,
+                false => args.max_num_seqs * (1 + config.speculation.tokens),
+            };
             let backend =
                 runtime_cuda::load_batched_plan(&plans.dir, &plan, graph, weights, int8, context_length, cache)?
                     .capture_graphs_up_to(graph_rows)

@@ -77,7 +77,7 @@ pub fn gpu_head(
         &beside,
     )
     .context("method `mtp`")?
-    .capture_graphs_up_to(cache.sequences))
+    .capture_graphs_up_to(cache.graph_rows()))
 }
 
 /// The drafter over the head's backend, with `cache`'s room.
