@@ -35,6 +35,13 @@ fn open_at(weights: &std::path::Path, dtype: ComputeDtype) -> Model {
     Model::open(spec).unwrap()
 }
 
+/// `model`'s logits graph, fused for the CPU, on the CPU backend with `context` positions: the
+/// reference the plans are checked against.
+fn cpu_backend(model: &Model, context: usize) -> CpuBackend {
+    let graph = passes::optimized(&model.lower(LogitsFor::LastToken).unwrap(), passes::CostModel::CPU).unwrap();
+    CpuBackend::new(graph, &model.weights, context).unwrap()
+}
+
 /// `graph` through the pass pipeline for `target`.
 fn fused_for(graph: &ir::Graph, target: Target) -> ir::Graph {
     passes::optimized(graph, bbc::model_ref::cost_model(target)).unwrap()
@@ -129,9 +136,7 @@ fn check_within(
         }
     }
     let gpu = EmulatorBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], context).unwrap();
-    let reference_graph = reference.lower(LogitsFor::LastToken).unwrap();
-    let cpu_graph = passes::optimized(&reference_graph, passes::CostModel::CPU).unwrap();
-    let cpu = CpuBackend::new(cpu_graph, &reference.weights, context).unwrap();
+    let cpu = cpu_backend(reference, context);
     // GLM-5's indexer keeps 8 of the tiny model's positions by their scores against the cached
     // index keys: after a bf16 prefill through the tensor cores those keys are rounded, the
     // choice differs where scores were close, and so do the logits (0.27 on H200), while with
@@ -601,6 +606,7 @@ fn half_prompts_multiply_the_halves_on_the_tma_gemms() {
     let path = scratch.path().join("f16-llama.gguf");
     let (native, dequantized) = wide_llama(&path, (&mut f16_values, &mut f16_values));
     let context = native.config.context_length.min(256);
+    let cpu = cpu_backend(&dequantized, context);
     let rows = BATCH_ROWS + 6;
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
         let label = format!("f16 on {}", target.name());
@@ -633,12 +639,6 @@ fn half_prompts_multiply_the_halves_on_the_tma_gemms() {
         }
         assert!(gated > 0 && matmuls.len() > gated, "{label}: {matmuls:?}");
         let gpu = EmulatorBackend::emulated(plan, kernels, graph, &native.weights, &[], context).unwrap();
-        let cpu_graph = passes::optimized(
-            &dequantized.lower(LogitsFor::LastToken).unwrap(),
-            passes::CostModel::CPU,
-        )
-        .unwrap();
-        let cpu = CpuBackend::new(cpu_graph, &dequantized.weights, context).unwrap();
         let (mut g, mut c) = (gpu.new_sequence(), cpu.new_sequence());
         let prompt: Vec<u32> = (0..rows as u32).map(|i| (11 + 29 * i) % 300).collect();
         let chunk: Vec<u32> = (0..PREFILL_TOKENS as u32 + 4).map(|i| (5 + 7 * i) % 300).collect();
@@ -734,6 +734,7 @@ fn check_converted_prefill(name: &str, matrices: (tiny_gguf::Matrix, tiny_gguf::
     let path = scratch.path().join(format!("{name}-llama.gguf"));
     let (native, dequantized) = wide_llama(&path, matrices);
     let context = native.config.context_length.min(256);
+    let cpu = cpu_backend(&dequantized, context);
     let rows = BATCH_ROWS + 6;
     for target in [Target::H200, Target::B200, Target::RtxPro6000] {
         let label = format!("{name} on {}", target.name());
@@ -781,12 +782,6 @@ fn check_converted_prefill(name: &str, matrices: (tiny_gguf::Matrix, tiny_gguf::
             .count();
         assert_eq!(over_every_row, conversions - 1, "{label}");
         let gpu = EmulatorBackend::emulated(plan, kernels, graph, &native.weights, &[], context).unwrap();
-        let cpu_graph = passes::optimized(
-            &dequantized.lower(LogitsFor::LastToken).unwrap(),
-            passes::CostModel::CPU,
-        )
-        .unwrap();
-        let cpu = CpuBackend::new(cpu_graph, &dequantized.weights, context).unwrap();
         let launched = || -> usize {
             converting
                 .iter()
