@@ -1121,6 +1121,16 @@ fn check_greedy(family: &str, dtype: ComputeDtype, target: Target) {
     }
 }
 
+/// FP8 checkpoints, read in bf16 where the plan computes in it, run their greedy plans as the
+/// CPU backend runs them: the dense layers and the Gated DeltaNet's projections, experts with
+/// a block of scales each, and one scale a row.
+#[test]
+fn fp8_checkpoints_run_greedy_plans_as_the_cpu_backend_does() {
+    for family in ["qwen3_next_fp8", "glm4_moe_fp8"] {
+        check_greedy(family, ComputeDtype::Bf16, Target::H200);
+    }
+}
+
 /// Over f32 heads, and over bf16 and half ones (their INT8 rows quantized from the values the
 /// head holds, rounded from the f32 file, so the bounds hold for what is rescored).
 #[test]

@@ -1198,3 +1198,64 @@ fn run_f32_logits(dir: &std::path::Path) -> Vec<f32> {
         .data
         .clone()
 }
+
+/// FP8 checkpoints (`make_fp8_variants.py`): the weights of `llama`, `qwen3_next` and
+/// `glm4_moe` stored as FP8 codes with scales, blocks of 16 × 32 and 16 × 16 (`weight_scale_inv`,
+/// every expert's own) and one scale a row (compressed-tensors' `weight_scale`). Read in f32,
+/// each weight is its code times its scale, as transformers reads it: its logits at every
+/// prompt row and cached step, and its greedy ids, through the interpreter and the CPU backend.
+#[test]
+fn fp8_checkpoints_match_hf() {
+    for name in ["llama_fp8", "qwen3_next_fp8", "glm4_moe_fp8"] {
+        check_reference_interpreter(name);
+        check_cpu_backend(name);
+    }
+}
+
+/// An FP8 checkpoint read for a 16-bit model holds each weight in 16 bits, rounded once from
+/// code × scale: its logits are, bit for bit, those of the weights read in f32 and rounded as
+/// the model computes; and bf16's rounding is there to see against transformers' f32 logits.
+#[test]
+fn fp8_weights_are_rounded_once_to_the_type_computed_in() {
+    let dir = fixture("hf-tiny/llama_fp8");
+    let fp8_weight = "model.layers.0.mlp.down_proj.weight";
+    let prompt = Reference::of("llama_fp8").input_ids;
+    let logits = |model: &Model| {
+        let backend = CpuBackend::new(model.lower(LogitsFor::AllTokens).unwrap(), &model.weights, 64).unwrap();
+        backend.step(&mut backend.new_sequence(), &prompt).unwrap()["logits"]
+            .data
+            .clone()
+    };
+    for (dtype, stored) in [
+        (ComputeDtype::Bf16, quant::GgmlType::BF16),
+        (ComputeDtype::F16, quant::GgmlType::F16),
+    ] {
+        let mut spec = ModelSpec::for_weights(&dir);
+        spec.dtype = dtype;
+        let sixteen = Model::open(spec).unwrap();
+        assert_eq!(sixteen.weights.require(fp8_weight).unwrap().dtype, stored);
+        let mut rounded_later = open("llama_fp8");
+        assert_eq!(
+            rounded_later.weights.require(fp8_weight).unwrap().dtype,
+            quant::GgmlType::F32
+        );
+        rounded_later.spec.dtype = dtype;
+        let got = logits(&sixteen);
+        assert_eq!(got, logits(&rounded_later), "{dtype:?}");
+        if dtype == ComputeDtype::Bf16 {
+            let f32_logits = logits(&open("llama_fp8"));
+            let scale = f32_logits.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let moved = got
+                .iter()
+                .zip(&f32_logits)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(moved > 1e-4 * scale, "bf16 moves the logits only {moved}");
+        }
+    }
+    // The checkpoint's own dtype where the model keeps the file's types.
+    let mut spec = ModelSpec::for_weights(&dir);
+    spec.dtype = ComputeDtype::Native;
+    let native = Model::open(spec).unwrap();
+    assert_eq!(native.weights.require(fp8_weight).unwrap().dtype, quant::GgmlType::F32);
+}

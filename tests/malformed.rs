@@ -537,3 +537,88 @@ proptest! {
         let _ = Model::open(ModelSpec::for_weights(&path));
     }
 }
+
+/// FP8 weights that cannot be read are refused naming the tensor and what is wrong: no scale
+/// beside them, a scale whose shape fits no layout, a block grid the config does not size, an
+/// FP8 type other than E4M3; so is a checkpoint quantized by any method but FP8.
+#[test]
+fn unreadable_fp8_checkpoints_are_named() {
+    let scratch = common::scratch_dir("bbc-malformed-fp8-");
+    let dir = scratch.path();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(common::fixture("hf-tiny/llama/config.json")).unwrap()).unwrap();
+    let fp8 = serde_json::json!({"quant_method": "fp8", "weight_block_size": [128, 128]});
+    let w = |dtype: &str, shape: &str, at: usize, len: usize| {
+        format!(
+            r#""w.weight":{{"dtype":"{dtype}","shape":{shape},"data_offsets":[{at},{}]}}"#,
+            at + len
+        )
+    };
+    let s = |name: &str, shape: &str, at: usize, len: usize| {
+        format!(
+            r#""w.weight_{name}":{{"dtype":"F32","shape":{shape},"data_offsets":[{at},{}]}}"#,
+            at + len
+        )
+    };
+    let cases = [
+        (
+            fp8.clone(),
+            format!("{{{}}}", w("F8_E4M3", "[4,8]", 0, 32)),
+            "no `w.weight_scale_inv`",
+        ),
+        (
+            fp8.clone(),
+            format!("{{{},{}}}", w("F8_E4M3", "[4,8]", 0, 32), s("scale_inv", "[3]", 32, 12)),
+            "[3] fits no layout",
+        ),
+        (
+            fp8.clone(),
+            format!(
+                "{{{},{}}}",
+                w("F8_E4M3", "[4,8]", 0, 32),
+                s("scale_inv", "[3,1]", 32, 12)
+            ),
+            "grid 3 × 1 does not divide 4 × 8",
+        ),
+        (
+            serde_json::json!({"quant_method": "fp8"}),
+            format!(
+                "{{{},{}}}",
+                w("F8_E4M3", "[4,8]", 0, 32),
+                s("scale_inv", "[2,2]", 32, 16)
+            ),
+            "`weight_block_size`",
+        ),
+        (
+            fp8.clone(),
+            format!(
+                "{{{},{}}}",
+                w("F8_E4M3", "[200,256]", 0, 51200),
+                s("scale_inv", "[1,2]", 51200, 8)
+            ),
+            "the config's 128 × 128",
+        ),
+        (fp8.clone(), format!("{{{}}}", w("F8_E5M2", "[4,8]", 0, 32)), "F8_E5M2"),
+        (
+            serde_json::json!({"quant_method": "awq", "bits": 4}),
+            format!("{{{}}}", w("F32", "[4,8]", 0, 128)),
+            "`quant_method` is `awq`",
+        ),
+    ];
+    for (quantization, header, needle) in cases {
+        let mut config = config.clone();
+        config["quantization_config"] = quantization;
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let data_len = serde_json::from_str::<serde_json::Value>(&header)
+            .unwrap()
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|t| t["data_offsets"][1].as_u64().unwrap() as usize)
+            .max()
+            .unwrap();
+        std::fs::write(dir.join("model.safetensors"), safetensors_bytes(&header, data_len)).unwrap();
+        let err = open_error(dir);
+        assert!(err.contains(needle), "{header}: {err}");
+    }
+}

@@ -4,6 +4,7 @@
 pub mod config;
 pub mod error;
 pub mod families;
+pub mod fp8_checkpoint;
 pub mod generation_defaults;
 pub mod gguf;
 pub mod model_toml;
@@ -43,7 +44,7 @@ impl Model {
         let path = spec.weights.clone();
         let (mut config, weights, tokenizer, generation_defaults) = if path.is_dir() {
             let config = ModelConfig::from_hf_config(&path.join("config.json"))?;
-            let weights = WeightSource::open_safetensors(&path)?;
+            let weights = WeightSource::open_safetensors_computing(&path, spec.dtype)?;
             let tokenizer = if path.join("tokenizer.json").exists() {
                 Some(Tokenizer::from_hf_dir(&path)?)
             } else {

@@ -1,48 +1,174 @@
 //! HF model directories: `config.json`, `*.safetensors` (memory-mapped; sharded through
-//! `model.safetensors.index.json`), tokenizer files.
+//! `model.safetensors.index.json`), tokenizer files. FP8 weights are read through their
+//! scales (`fp8_checkpoint`) in the type asked for, each converted the first time it is read.
 
 use crate::error::{io_error, ModelError, Result};
+use crate::fp8_checkpoint::{self, Fp8Config, ScaleGrid};
+use crate::quant::tensor::TensorView;
 use crate::quant::GgmlType;
 use crate::weights::matrix_shape;
 use memmap2::Mmap;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 #[derive(Debug, Clone)]
 pub struct SafetensorsEntry {
     pub shard: usize,
     pub dtype: GgmlType,
+    /// As bbc addresses it: a vector or a matrix (`matrix_shape`).
     pub shape: Vec<usize>,
+    /// As the file declares it.
+    pub stored_shape: Vec<usize>,
     /// Absolute byte range in the shard file.
     pub start: usize,
     pub end: usize,
 }
 
+/// A tensor as a file stores it: in a type bbc reads as it is, or as FP8 E4M3 codes (one byte
+/// an element, read through their scales).
+enum Stored {
+    Ggml(SafetensorsEntry),
+    F8E4M3(Fp8Codes),
+}
+
+#[derive(Debug, Clone)]
+struct Fp8Codes {
+    shard: usize,
+    shape: Vec<usize>,
+    stored_shape: Vec<usize>,
+    start: usize,
+    end: usize,
+}
+
+/// An FP8 weight: its codes, its scales and how they cover it, and its values once made.
+struct Fp8Weight {
+    codes: Fp8Codes,
+    scales: SafetensorsEntry,
+    grid: ScaleGrid,
+    values: OnceLock<Vec<u8>>,
+}
+
 pub struct SafetensorsDir {
     pub dir: PathBuf,
     shards: Vec<(PathBuf, Mmap)>,
+    /// The tensors read as they are stored.
     pub tensors: BTreeMap<String, SafetensorsEntry>,
+    /// The FP8 weights (their scale tensors are not listed in `tensors`), read as `fp8_as`.
+    fp8: BTreeMap<String, Fp8Weight>,
+    fp8_as: GgmlType,
 }
 
 impl SafetensorsDir {
-    pub fn open(dir: &Path) -> Result<Self> {
+    /// The directory's tensors, FP8 weights read as `fp8_as` (f32, bf16 or f16), else as
+    /// the checkpoint's `dtype`.
+    pub fn open(dir: &Path, fp8_as: Option<GgmlType>) -> Result<Self> {
         let files = shard_files(dir)?;
         let mut shards = Vec::with_capacity(files.len());
         let mut tensors = BTreeMap::new();
+        let mut fp8_codes = BTreeMap::new();
         for (i, path) in files.into_iter().enumerate() {
             let file = std::fs::File::open(&path).map_err(|e| io_error(&path, e))?;
             // SAFETY: read-only map of a weights file; see GgufFile::open.
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| io_error(&path, e))?;
             for (name, entry) in read_header(&mmap, &path, i)? {
-                tensors.insert(name, entry);
+                match entry {
+                    Stored::Ggml(entry) => {
+                        tensors.insert(name, entry);
+                    }
+                    Stored::F8E4M3(codes) => {
+                        fp8_codes.insert(name, codes);
+                    }
+                }
             }
             shards.push((path, mmap));
         }
-        Ok(Self {
+        let mut this = Self {
             dir: dir.to_path_buf(),
             shards,
             tensors,
+            fp8: BTreeMap::new(),
+            fp8_as: GgmlType::BF16,
+        };
+        let path = dir.join("config.json");
+        let config = match std::fs::read_to_string(&path) {
+            Ok(text) => serde_json::from_str(&text).map_err(|e| ModelError::Config {
+                path: path.clone(),
+                what: format!("invalid JSON: {e}"),
+            })?,
+            Err(_) => serde_json::Value::Null,
+        };
+        let scales = fp8_checkpoint::quantization_of(&config, &path)?;
+        this.fp8_as = fp8_as.unwrap_or_else(|| fp8_checkpoint::checkpoint_dtype(&config));
+        this.pair_scales(fp8_codes, scales.unwrap_or_default())?;
+        Ok(this)
+    }
+
+    /// Each FP8 weight `X` with its scales, `X_scale_inv` or `X_scale` (taken out of the
+    /// listing), and the grid they make over it.
+    fn pair_scales(&mut self, codes: BTreeMap<String, Fp8Codes>, config: Fp8Config) -> Result<()> {
+        for (name, codes) in codes {
+            let scale_name = [format!("{name}_scale_inv"), format!("{name}_scale")]
+                .into_iter()
+                .find(|s| self.tensors.contains_key(s));
+            let bad = |what: String| ModelError::Safetensors {
+                path: self.shard_path(codes.shard).to_path_buf(),
+                what: format!("tensor `{name}` is FP8 E4M3: {what}"),
+            };
+            let Some(scale_name) = scale_name else {
+                return Err(bad(format!("it has no `{name}_scale_inv` or `{name}_scale` beside it")));
+            };
+            let scales = self.tensors[&scale_name].clone();
+            if !matches!(scales.dtype, GgmlType::F32 | GgmlType::BF16 | GgmlType::F16) {
+                return Err(bad(format!(
+                    "its scale `{scale_name}` is {}, not a float",
+                    scales.dtype.name()
+                )));
+            }
+            let grid = ScaleGrid::of(&codes.stored_shape, &scales.stored_shape, config).map_err(bad)?;
+            self.tensors.remove(&scale_name);
+            let weight = Fp8Weight {
+                codes,
+                scales,
+                grid,
+                values: OnceLock::new(),
+            };
+            self.fp8.insert(name, weight);
+        }
+        Ok(())
+    }
+
+    /// The tensor `name` as bbc reads it: as stored, or an FP8 weight as `fp8_as`.
+    pub fn get(&self, name: &str) -> Option<TensorView<'_>> {
+        if let Some(entry) = self.tensors.get(name) {
+            return Some(TensorView {
+                shape: &entry.shape,
+                dtype: entry.dtype,
+                bytes: self.data(entry),
+            });
+        }
+        let weight = self.fp8.get(name)?;
+        let bytes = weight.values.get_or_init(|| {
+            let mut scales = vec![0f32; weight.grid.scales()];
+            weight.scales.dtype.dequantize(self.data(&weight.scales), &mut scales);
+            let codes = &self.shards[weight.codes.shard].1[weight.codes.start..weight.codes.end];
+            fp8_checkpoint::dequantize(codes, &scales, &weight.grid, self.fp8_as)
+        });
+        Some(TensorView {
+            shape: &weight.codes.shape,
+            dtype: self.fp8_as,
+            bytes,
         })
+    }
+
+    /// Every tensor's name, the type it is read as and its shape.
+    pub fn listing(&self) -> impl Iterator<Item = (&str, GgmlType, &[usize])> {
+        let stored = self.tensors.iter().map(|(n, e)| (n.as_str(), e.dtype, &e.shape[..]));
+        let fp8 = self
+            .fp8
+            .iter()
+            .map(|(n, w)| (n.as_str(), self.fp8_as, &w.codes.shape[..]));
+        stored.chain(fp8)
     }
 
     pub fn data(&self, entry: &SafetensorsEntry) -> &[u8] {
@@ -98,7 +224,7 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
 /// data_offsets: [begin, end]}}`; offsets are relative to the end of the header and must
 /// match shape × dtype size and lie inside the file. Each tensor is checked here first so an
 /// error names it; the safetensors crate then checks the layout as a whole.
-fn read_header(bytes: &[u8], path: &Path, shard: usize) -> Result<Vec<(String, SafetensorsEntry)>> {
+fn read_header(bytes: &[u8], path: &Path, shard: usize) -> Result<Vec<(String, Stored)>> {
     let bad = |what: String| ModelError::Safetensors {
         path: path.to_path_buf(),
         what,
@@ -140,14 +266,15 @@ fn header_entry(
     data_start: usize,
     data_len: usize,
     shard: usize,
-) -> std::result::Result<SafetensorsEntry, String> {
+) -> std::result::Result<Stored, String> {
     let dtype = match info.get("dtype").and_then(|d| d.as_str()) {
-        Some("F32") => GgmlType::F32,
-        Some("F16") => GgmlType::F16,
-        Some("BF16") => GgmlType::BF16,
+        Some("F32") => Some(GgmlType::F32),
+        Some("F16") => Some(GgmlType::F16),
+        Some("BF16") => Some(GgmlType::BF16),
+        Some("F8_E4M3") => None,
         other => {
             return Err(format!(
-                "tensor `{name}` has dtype {other:?}; bbc reads F32, F16 and BF16"
+                "tensor `{name}` has dtype {other:?}; bbc reads F32, F16, BF16 and F8_E4M3 (with its scales)"
             ))
         }
     };
@@ -163,14 +290,15 @@ fn header_entry(
         .filter(|o: &Vec<usize>| o.len() == 2)
         .ok_or_else(|| format!("tensor `{name}` has no valid data_offsets"))?;
     let (begin, end) = (offsets[0], offsets[1]);
-    let want = shape
-        .iter()
-        .try_fold(1usize, |a, &d| a.checked_mul(d))
-        .and_then(|e| dtype.bytes_for(e));
+    let elements = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    let want = match dtype {
+        Some(dtype) => elements.and_then(|e| dtype.bytes_for(e)),
+        None => elements,
+    };
     if begin > end || want != Some(end - begin) {
         return Err(format!(
             "tensor `{name}`: shape {shape:?} × {} does not match its byte range {begin}..{end}",
-            dtype.name()
+            dtype.map_or("F8_E4M3", GgmlType::name)
         ));
     }
     if end > data_len {
@@ -178,11 +306,22 @@ fn header_entry(
             "tensor `{name}` ends at byte {end} but the file has {data_len} bytes of data"
         ));
     }
-    Ok(SafetensorsEntry {
-        shard,
-        dtype,
-        shape: matrix_shape(shape),
-        start: data_start + begin,
-        end: data_start + end,
+    let (start, end) = (data_start + begin, data_start + end);
+    Ok(match dtype {
+        Some(dtype) => Stored::Ggml(SafetensorsEntry {
+            shard,
+            dtype,
+            shape: matrix_shape(shape.clone()),
+            stored_shape: shape,
+            start,
+            end,
+        }),
+        None => Stored::F8E4M3(Fp8Codes {
+            shard,
+            shape: matrix_shape(shape.clone()),
+            stored_shape: shape,
+            start,
+            end,
+        }),
     })
 }

@@ -1,6 +1,7 @@
 //! One view over weights from either source: a GGUF file or an HF safetensors directory.
 
 use crate::error::{ModelError, Result};
+use crate::families::ComputeDtype;
 use crate::gguf::GgufFile;
 use crate::quant::GgmlType;
 use crate::safetensors_dir::SafetensorsDir;
@@ -34,8 +35,21 @@ impl WeightSource {
         Self::Gguf(file, shapes)
     }
 
+    /// An HF directory's tensors, its FP8 weights (if any) read in the checkpoint's dtype.
     pub fn open_safetensors(dir: &Path) -> Result<Self> {
-        Ok(Self::Safetensors(SafetensorsDir::open(dir)?))
+        Ok(Self::Safetensors(SafetensorsDir::open(dir, None)?))
+    }
+
+    /// The same for a model that computes in `compute`: its FP8 weights read in that type
+    /// (one rounding from code × scale, as transformers loads them), or the checkpoint's.
+    pub fn open_safetensors_computing(dir: &Path, compute: ComputeDtype) -> Result<Self> {
+        let fp8_as = match compute {
+            ComputeDtype::F32 => Some(GgmlType::F32),
+            ComputeDtype::Bf16 => Some(GgmlType::BF16),
+            ComputeDtype::F16 => Some(GgmlType::F16),
+            ComputeDtype::Native => None,
+        };
+        Ok(Self::Safetensors(SafetensorsDir::open(dir, fp8_as)?))
     }
 
     pub fn get(&self, name: &str) -> Option<TensorView<'_>> {
@@ -49,11 +63,7 @@ impl WeightSource {
                     bytes: file.tensor_data(info),
                 })
             }
-            Self::Safetensors(dir) => dir.tensors.get(name).map(|e| TensorView {
-                shape: &e.shape,
-                dtype: e.dtype,
-                bytes: dir.data(e),
-            }),
+            Self::Safetensors(dir) => dir.get(name),
             Self::Memory(tensors) => tensors.get(name).map(|t| TensorView {
                 shape: &t.shape,
                 dtype: t.dtype,
@@ -83,7 +93,7 @@ impl WeightSource {
                 .zip(shapes)
                 .map(|(t, s)| (t.dtype, &s[..]))
                 .collect(),
-            Self::Safetensors(dir) => dir.tensors.values().map(|e| (e.dtype, &e.shape[..])).collect(),
+            Self::Safetensors(dir) => dir.listing().map(|(_, dtype, shape)| (dtype, shape)).collect(),
             Self::Memory(tensors) => tensors.values().map(|t| (t.dtype, &t.shape[..])).collect(),
         };
         let mut elements: Vec<(GgmlType, usize)> = Vec::new();
@@ -103,7 +113,7 @@ impl WeightSource {
     pub fn names(&self) -> Vec<&str> {
         match self {
             Self::Gguf(file, _) => file.tensors.iter().map(|t| t.name.as_str()).collect(),
-            Self::Safetensors(dir) => dir.tensors.keys().map(String::as_str).collect(),
+            Self::Safetensors(dir) => dir.listing().map(|(name, _, _)| name).collect(),
             Self::Memory(tensors) => tensors.keys().map(String::as_str).collect(),
         }
     }

@@ -1,0 +1,407 @@
+//! FP8 checkpoints: HF directories whose linear weights are FP8 E4M3 codes with scales beside
+//! them. `X.weight_scale_inv` is DeepSeek's and Qwen's layout (`quant_method: "fp8"`, blocks of
+//! `weight_block_size`, 128 × 128 in every release); `X.weight_scale` is compressed-tensors',
+//! FBGEMM's and ModelOpt's (one scale a tensor, a row, a group of a row or a block). Either way
+//! a weight is its code times its scale.
+//!
+//! bbc reads them as transformers does where it does not multiply FP8 (its `dequantize` path):
+//! each code widened to f32, multiplied in f32 by its scale, the product rounded once to the
+//! type the model computes in (the checkpoint's own, `config.json`'s `dtype`, where it keeps
+//! the file's types). Every other quantization method a `config.json` can name is refused by
+//! name.
+
+use crate::error::{ModelError, Result};
+use crate::quant::GgmlType;
+use half::{bf16, f16};
+use ir::F8E4M3;
+use rayon::prelude::*;
+use std::path::Path;
+
+/// What a checkpoint's `quantization_config` says about its FP8 scales: the block a 2-D scale
+/// covers where it names one (needed when a matrix's side is not a whole number of blocks).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Fp8Config {
+    pub block: Option<[usize; 2]>,
+}
+
+/// The methods whose weights are FP8 E4M3 codes with scales.
+const FP8_METHODS: &str = "fp8, compressed-tensors (float-quantized), fbgemm_fp8, modelopt (FP8)";
+
+/// The `quantization_config` of `config.json` (top level, or its `text_config`'s): `None` where
+/// it has none, its FP8 scales' block where it names an FP8 method, an error naming any other.
+pub fn quantization_of(config: &serde_json::Value, path: &Path) -> Result<Option<Fp8Config>> {
+    let Some(quant) = config
+        .get("quantization_config")
+        .or_else(|| config.get("text_config").and_then(|t| t.get("quantization_config")))
+    else {
+        return Ok(None);
+    };
+    let refuse = |what: String| {
+        ModelError::Config {
+        path: path.to_path_buf(),
+        what: format!("`quantization_config`: {what}; bbc reads {FP8_METHODS} checkpoints, and GGUF files for other quantized weights"),
+    }
+    };
+    let text = |v: Option<&serde_json::Value>| v.and_then(|v| v.as_str()).map(str::to_ascii_lowercase);
+    let method = text(quant.get("quant_method")).ok_or_else(|| refuse("has no `quant_method`".into()))?;
+    match method.as_str() {
+        "fp8" => {
+            if let Some(fmt) = text(quant.get("fmt")).filter(|f| f != "e4m3") {
+                return Err(refuse(format!("`fmt` is `{fmt}`, not `e4m3`")));
+            }
+            let block = match quant.get("weight_block_size") {
+                None | Some(serde_json::Value::Null) => None,
+                Some(size) => Some(
+                    block_size(size)
+                        .ok_or_else(|| refuse(format!("`weight_block_size` is {size}, not two positive integers")))?,
+                ),
+            };
+            Ok(Some(Fp8Config { block }))
+        }
+        "fbgemm_fp8" => Ok(Some(Fp8Config::default())),
+        "modelopt" => match text(quant.get("quant_algo")).as_deref() {
+            Some("fp8") => Ok(Some(Fp8Config::default())),
+            other => Err(refuse(format!("ModelOpt's `quant_algo` is {other:?}, not FP8"))),
+        },
+        "compressed-tensors" => compressed_tensors(quant).map(Some).map_err(refuse),
+        other => Err(refuse(format!("`quant_method` is `{other}`"))),
+    }
+}
+
+/// compressed-tensors' weights must be 8-bit floats in every group; a block strategy names its
+/// block, a group strategy its group of a row.
+fn compressed_tensors(quant: &serde_json::Value) -> std::result::Result<Fp8Config, String> {
+    if let Some(format) = quant.get("format").and_then(|f| f.as_str()) {
+        if !matches!(format, "float-quantized" | "naive-quantized") {
+            return Err(format!("compressed-tensors format `{format}` is not FP8 weights"));
+        }
+    }
+    let mut config = Fp8Config::default();
+    let groups = quant.get("config_groups").and_then(|g| g.as_object());
+    for (name, group) in groups.into_iter().flatten() {
+        let Some(weights) = group.get("weights").filter(|w| !w.is_null()) else {
+            continue;
+        };
+        let kind = weights.get("type").and_then(|t| t.as_str());
+        let bits = weights.get("num_bits").and_then(|b| b.as_u64());
+        if kind != Some("float") || bits != Some(8) {
+            return Err(format!(
+                "group `{name}` quantizes weights to {} bits of type {kind:?}, not 8-bit floats",
+                bits.map_or("?".into(), |b| b.to_string())
+            ));
+        }
+        let block = match weights.get("strategy").and_then(|s| s.as_str()) {
+            Some("block") => weights.get("block_structure").and_then(block_size),
+            Some("group") => weights
+                .get("group_size")
+                .and_then(|g| g.as_u64())
+                .filter(|&g| g > 0)
+                .map(|g| [1, g as usize]),
+            _ => None,
+        };
+        if block.is_some() {
+            config.block = block;
+        }
+    }
+    Ok(config)
+}
+
+fn block_size(size: &serde_json::Value) -> Option<[usize; 2]> {
+    match size.as_array()?.as_slice() {
+        [rows, cols] => {
+            let (rows, cols) = (rows.as_u64()? as usize, cols.as_u64()? as usize);
+            (rows > 0 && cols > 0).then_some([rows, cols])
+        }
+        _ => None,
+    }
+}
+
+/// How an FP8 weight's scales cover it: `matrices` matrices of `rows × cols` (a tensor's
+/// leading dims are its matrices), each scaled by a grid of `grid_rows × grid_cols` scales, one
+/// a `block_rows × block_cols` block; one grid shared by every matrix where `shared`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ScaleGrid {
+    pub matrices: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub grid_rows: usize,
+    pub grid_cols: usize,
+    pub block_rows: usize,
+    pub block_cols: usize,
+    pub shared: bool,
+}
+
+impl ScaleGrid {
+    /// The grid a scale of shape `scale` gives a weight of shape `weight`: one value (a
+    /// tensor's), one a row (`[rows]` or `[rows, 1]`), or a grid of blocks (`[⌈rows/br⌉,
+    /// ⌈cols/bc⌉]`, `config`'s block, else the one that divides the sides evenly), each with
+    /// the weight's leading dims before it.
+    pub fn of(weight: &[usize], scale: &[usize], config: Fp8Config) -> std::result::Result<Self, String> {
+        let (lead, rows, cols) = match weight {
+            [] => return Err("an FP8 weight must have a dim".into()),
+            [cols] => (&[][..], 1, *cols),
+            [lead @ .., rows, cols] => (lead, *rows, *cols),
+        };
+        let matrices: usize = lead.iter().product();
+        let scale_count: usize = scale.iter().product();
+        let grid = |grid_rows: usize, grid_cols: usize, shared: bool| -> std::result::Result<Self, String> {
+            // The config's blocks where they give this grid; else only the layouts a grid's
+            // shape tells apart: a tensor's scale, a row's, or groups of a row that divide it
+            // (a grid of 2 × 3 over 200 × 300 could be blocks of 100 or of 128).
+            let blocks = match config.block {
+                Some([br, bc]) if rows.div_ceil(br) == grid_rows && cols.div_ceil(bc) == grid_cols => Some((br, bc)),
+                _ if grid_rows == 1 && grid_cols == 1 => Some((rows, cols)),
+                _ if grid_rows == rows && cols % grid_cols == 0 => Some((1, cols / grid_cols)),
+                _ => None,
+            };
+            let (block_rows, block_cols) = blocks.ok_or_else(|| {
+                format!(
+                    "its scale grid {grid_rows} × {grid_cols} does not divide {rows} × {cols} into blocks{}",
+                    match config.block {
+                        Some([r, c]) => format!(" of the config's {r} × {c}"),
+                        None => " the config names (it has no `weight_block_size`)".into(),
+                    }
+                )
+            })?;
+            Ok(Self {
+                matrices,
+                rows,
+                cols,
+                grid_rows,
+                grid_cols,
+                block_rows,
+                block_cols,
+                shared,
+            })
+        };
+        if rows == 0 || cols == 0 {
+            return Err("an FP8 weight must not be empty".into());
+        }
+        if scale_count == 1 {
+            return grid(1, 1, true);
+        }
+        let (scale_lead, grid_dims) = match scale.len().checked_sub(lead.len()) {
+            Some(1) => (&scale[..lead.len()], [scale[lead.len()], 1]),
+            Some(2) => (&scale[..lead.len()], [scale[lead.len()], scale[lead.len() + 1]]),
+            _ => (scale, [0, 0]),
+        };
+        if scale_lead != lead
+            || grid_dims[0] == 0
+            || grid_dims[1] == 0
+            || (scale.len() == lead.len() + 1 && grid_dims[0] != rows)
+        {
+            return Err(format!(
+                "its scale's shape {scale:?} fits no layout of a weight of shape {weight:?}"
+            ));
+        }
+        grid(grid_dims[0], grid_dims[1], false)
+    }
+
+    /// Which scale element `(matrix, row, col)` takes.
+    fn scale_index(&self, matrix: usize, row: usize, col: usize) -> usize {
+        let grid = if self.shared { 0 } else { matrix };
+        (grid * self.grid_rows + row / self.block_rows) * self.grid_cols + col / self.block_cols
+    }
+
+    pub fn scales(&self) -> usize {
+        if self.shared {
+            self.grid_rows * self.grid_cols
+        } else {
+            self.matrices * self.grid_rows * self.grid_cols
+        }
+    }
+}
+
+/// The dtype a checkpoint's `config.json` names for its weights (`dtype`, or transformers 4's
+/// `torch_dtype`; a multimodal config's `text_config`'s): bf16 unless it names f32 or f16.
+pub fn checkpoint_dtype(config: &serde_json::Value) -> GgmlType {
+    let named = |c: &serde_json::Value| {
+        ["dtype", "torch_dtype"]
+            .into_iter()
+            .find_map(|key| c.get(key).and_then(|d| d.as_str()).map(str::to_string))
+    };
+    let name = named(config).or_else(|| config.get("text_config").and_then(named));
+    match name.as_deref() {
+        Some("float32") => GgmlType::F32,
+        Some("float16") => GgmlType::F16,
+        _ => GgmlType::BF16,
+    }
+}
+
+/// The weight's bytes as `dtype` (f32, bf16 or f16): each code widened, times its scale in
+/// f32, the product rounded to `dtype`.
+pub fn dequantize(codes: &[u8], scales: &[f32], grid: &ScaleGrid, dtype: GgmlType) -> Vec<u8> {
+    let widened: [f32; 256] = std::array::from_fn(|code| F8E4M3(code as u8).to_f32());
+    let size = match dtype {
+        GgmlType::F32 => 4,
+        GgmlType::BF16 | GgmlType::F16 => 2,
+        other => panic!("FP8 weights are read as f32, bf16 or f16, not {}", other.name()),
+    };
+    let mut out = vec![0u8; codes.len() * size];
+    out.par_chunks_mut(size * grid.cols)
+        .zip(codes.par_chunks(grid.cols))
+        .enumerate()
+        .for_each(|(at, (out, codes))| {
+            let (matrix, row) = (at / grid.rows, at % grid.rows);
+            for (col, (out, &code)) in out.chunks_exact_mut(size).zip(codes).enumerate() {
+                let value = widened[usize::from(code)] * scales[grid.scale_index(matrix, row, col)];
+                match dtype {
+                    GgmlType::F32 => out.copy_from_slice(&value.to_le_bytes()),
+                    GgmlType::F16 => out.copy_from_slice(&f16::from_f32(value).to_le_bytes()),
+                    _ => out.copy_from_slice(&bf16::from_f32(value).to_le_bytes()),
+                }
+            }
+        });
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn grid(weight: &[usize], scale: &[usize], block: Option<[usize; 2]>) -> std::result::Result<ScaleGrid, String> {
+        ScaleGrid::of(weight, scale, Fp8Config { block })
+    }
+
+    #[test]
+    fn scale_shapes_give_their_layouts() {
+        // A tensor's one scale, as a scalar or `[1]`.
+        for scale in [&[][..], &[1]] {
+            let g = grid(&[4, 6], scale, None).unwrap();
+            assert_eq!((g.block_rows, g.block_cols, g.shared), (4, 6, true));
+        }
+        // A row's, as `[rows, 1]` or `[rows]`.
+        for scale in [&[4, 1][..], &[4]] {
+            let g = grid(&[4, 6], scale, None).unwrap();
+            assert_eq!((g.grid_rows, g.grid_cols, g.block_rows, g.block_cols), (4, 1, 1, 6));
+        }
+        // Groups of a row, and the config's blocks, whole or past the edge.
+        assert_eq!(grid(&[4, 6], &[4, 3], None).unwrap().block_cols, 2);
+        let g = grid(&[256, 384], &[2, 3], Some([128, 128])).unwrap();
+        assert_eq!((g.block_rows, g.block_cols), (128, 128));
+        let g = grid(&[200, 300], &[2, 3], Some([128, 128])).unwrap();
+        assert_eq!((g.block_rows, g.block_cols), (128, 128));
+        // Stacked experts: a grid each, or one scale each.
+        let g = grid(&[3, 200, 300], &[3, 2, 3], Some([128, 128])).unwrap();
+        assert_eq!((g.matrices, g.shared, g.scales()), (3, false, 18));
+        let g = grid(&[3, 8, 6], &[3, 8, 1], None).unwrap();
+        assert_eq!((g.grid_rows, g.scales()), (8, 24));
+    }
+
+    #[test]
+    fn scale_shapes_that_fit_no_layout_are_refused() {
+        // Blocks need the config's block size, even where a size divides the sides.
+        for (weight, scale) in [([200, 300], [2, 3]), ([256, 384], [2, 3]), ([100, 300], [1, 3])] {
+            let err = grid(&weight, &scale, None).unwrap_err();
+            assert!(err.contains("weight_block_size"), "{err}");
+        }
+        // The config's block that does not give the grid.
+        assert!(grid(&[256, 384], &[2, 3], Some([64, 64])).is_err());
+        for scale in [&[5, 1][..], &[3], &[2, 4, 3], &[4, 0]] {
+            assert!(grid(&[4, 6], scale, None).is_err(), "{scale:?}");
+        }
+        assert!(grid(&[3, 8, 6], &[2, 8, 1], None).is_err());
+        assert!(grid(&[0, 6], &[1], None).is_err());
+    }
+
+    /// Every element takes its block's scale, its product rounded once to the type asked
+    /// for: a 5 × 7 weight in 2 × 3 blocks (the last ones short), two matrices, scales that
+    /// make products f16 and bf16 round.
+    #[test]
+    fn each_element_is_its_code_times_its_blocks_scale() {
+        let g = grid(&[2, 5, 7], &[2, 3, 3], Some([2, 3])).unwrap();
+        let codes: Vec<u8> = (0..70)
+            .map(|i| (i * 37 % 251) as u8 & 0x7e | (i as u8 & 1) << 7)
+            .collect();
+        let scales: Vec<f32> = (0..g.scales()).map(|i| 0.013 + i as f32 * 0.6173).collect();
+        let want =
+            |at: usize, m: usize, r: usize, c: usize| F8E4M3(codes[at]).to_f32() * scales[(m * 3 + r / 2) * 3 + c / 3];
+        let (f32s, bf16s, f16s) = (
+            dequantize(&codes, &scales, &g, GgmlType::F32),
+            dequantize(&codes, &scales, &g, GgmlType::BF16),
+            dequantize(&codes, &scales, &g, GgmlType::F16),
+        );
+        let mut rounded = 0;
+        for m in 0..2 {
+            for r in 0..5 {
+                for c in 0..7 {
+                    let at = (m * 5 + r) * 7 + c;
+                    let value = want(at, m, r, c);
+                    let word = |b: &[u8]| [b[2 * at], b[2 * at + 1]];
+                    assert_eq!(
+                        f32::from_le_bytes(f32s[4 * at..4 * at + 4].try_into().unwrap()).to_bits(),
+                        value.to_bits()
+                    );
+                    assert_eq!(
+                        bf16::from_le_bytes(word(&bf16s)),
+                        bf16::from_f32(value),
+                        "({m}, {r}, {c})"
+                    );
+                    assert_eq!(f16::from_le_bytes(word(&f16s)), f16::from_f32(value), "({m}, {r}, {c})");
+                    rounded += usize::from(bf16::from_f32(value).to_f32() != value);
+                }
+            }
+        }
+        assert!(rounded > 20, "only {rounded} products needed rounding");
+    }
+
+    #[test]
+    fn a_checkpoints_dtype_is_its_configs() {
+        assert_eq!(checkpoint_dtype(&json!({"dtype": "float32"})), GgmlType::F32);
+        assert_eq!(checkpoint_dtype(&json!({"torch_dtype": "float16"})), GgmlType::F16);
+        assert_eq!(
+            checkpoint_dtype(&json!({"text_config": {"dtype": "float32"}})),
+            GgmlType::F32
+        );
+        assert_eq!(checkpoint_dtype(&json!({"dtype": "bfloat16"})), GgmlType::BF16);
+        assert_eq!(checkpoint_dtype(&json!({})), GgmlType::BF16);
+    }
+
+    #[test]
+    fn quantization_methods_are_read_or_refused_by_name() {
+        let path = Path::new("config.json");
+        let of = |q: serde_json::Value| quantization_of(&json!({ "quantization_config": q }), path);
+        assert_eq!(quantization_of(&json!({}), path).unwrap(), None);
+        let fp8 = of(json!({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}));
+        assert_eq!(fp8.unwrap().unwrap().block, Some([128, 128]));
+        let nested = quantization_of(
+            &json!({"text_config": {"quantization_config": {"quant_method": "fp8"}}}),
+            path,
+        );
+        assert_eq!(nested.unwrap(), Some(Fp8Config::default()));
+        assert!(of(json!({"quant_method": "fbgemm_fp8"})).unwrap().is_some());
+        assert!(of(json!({"quant_method": "modelopt", "quant_algo": "FP8"}))
+            .unwrap()
+            .is_some());
+        let blocks = of(
+            json!({"quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"group_0": {"weights": {"type": "float", "num_bits": 8,
+            "strategy": "block", "block_structure": [128, 128]}}}}),
+        );
+        assert_eq!(blocks.unwrap().unwrap().block, Some([128, 128]));
+        for (q, named) in [
+            (json!({"quant_method": "gptq", "bits": 4}), "gptq"),
+            (json!({"quant_method": "awq"}), "awq"),
+            (json!({"quant_method": "fp8", "fmt": "e5m2"}), "e5m2"),
+            (
+                json!({"quant_method": "fp8", "weight_block_size": [128]}),
+                "weight_block_size",
+            ),
+            (json!({"quant_method": "modelopt", "quant_algo": "NVFP4"}), "nvfp4"),
+            (
+                json!({"quant_method": "compressed-tensors", "format": "pack-quantized"}),
+                "pack-quantized",
+            ),
+            (
+                json!({"quant_method": "compressed-tensors", "config_groups":
+                    {"g": {"weights": {"type": "int", "num_bits": 4}}}}),
+                "4 bits",
+            ),
+            (json!({"bits": 4}), "quant_method"),
+        ] {
+            let err = of(q).unwrap_err().to_string();
+            assert!(err.contains(named) && err.contains("fp8"), "{err}");
+        }
+    }
+}
