@@ -1259,3 +1259,32 @@ fn fp8_weights_are_rounded_once_to_the_type_computed_in() {
     let native = Model::open(spec).unwrap();
     assert_eq!(native.weights.require(fp8_weight).unwrap().dtype, quant::GgmlType::F32);
 }
+
+/// What reading an FP8 checkpoint converts is held until released, then made again alike
+/// when read again: a backend built before the release computes what one built after does.
+#[test]
+fn converted_fp8_weights_are_released_and_made_again_alike() {
+    let mut model = open("qwen3_next_fp8");
+    assert_eq!(
+        model.weights.converted_bytes(),
+        0,
+        "nothing is converted before it is read"
+    );
+    let prompt = Reference::of("qwen3_next_fp8").input_ids;
+    let logits = |model: &Model| {
+        let backend = CpuBackend::new(model.lower(LogitsFor::AllTokens).unwrap(), &model.weights, 64).unwrap();
+        backend.step(&mut backend.new_sequence(), &prompt).unwrap()["logits"]
+            .data
+            .clone()
+    };
+    let before = logits(&model);
+    let held = model.weights.converted_bytes();
+    let name = "model.layers.0.mlp.experts.3.down_proj.weight";
+    let bytes = model.weights.require(name).unwrap().bytes.to_vec();
+    // 4 experts × 3 projections × 32 × 64, plus the shared expert's and the layers' others, in f32.
+    assert!(held >= 4 * 3 * 32 * 64 * 4, "{held}");
+    model.weights.release_converted();
+    assert_eq!(model.weights.converted_bytes(), 0);
+    assert_eq!(model.weights.require(name).unwrap().bytes, &bytes[..]);
+    assert_eq!(logits(&model), before);
+}

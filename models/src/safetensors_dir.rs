@@ -161,6 +161,19 @@ impl SafetensorsDir {
         })
     }
 
+    /// The bytes of FP8 weights converted so far and held.
+    pub fn converted_bytes(&self) -> usize {
+        self.fp8.values().filter_map(|w| w.values.get()).map(Vec::len).sum()
+    }
+
+    /// Frees the FP8 weights' converted values (a backend that copied them holds its own); a
+    /// weight read again is converted again.
+    pub fn release_converted(&mut self) {
+        for weight in self.fp8.values_mut() {
+            weight.values.take();
+        }
+    }
+
     /// Every tensor's name, the type it is read as and its shape.
     pub fn listing(&self) -> impl Iterator<Item = (&str, GgmlType, &[usize])> {
         let stored = self.tensors.iter().map(|(n, e)| (n.as_str(), e.dtype, &e.shape[..]));

@@ -110,6 +110,23 @@ impl WeightSource {
         elements.into_iter().max_by_key(|&(_, count)| count).map(|(t, _)| t)
     }
 
+    /// Frees what reading converted (an FP8 checkpoint's weights in 16 or 32 bits), once the
+    /// backends that read it hold their own copies; the file's bytes stay mapped, and a weight
+    /// read again is converted again.
+    pub fn release_converted(&mut self) {
+        if let Self::Safetensors(dir) = self {
+            dir.release_converted();
+        }
+    }
+
+    /// The bytes reading has converted and holds (see [`Self::release_converted`]).
+    pub fn converted_bytes(&self) -> usize {
+        match self {
+            Self::Safetensors(dir) => dir.converted_bytes(),
+            _ => 0,
+        }
+    }
+
     pub fn names(&self) -> Vec<&str> {
         match self {
             Self::Gguf(file, _) => file.tensors.iter().map(|t| t.name.as_str()).collect(),

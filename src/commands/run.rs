@@ -184,6 +184,8 @@ pub fn run(args: &RunArgs) -> Result<()> {
         let (weights, int8) = (loaded.plan_weights(), &loaded.int8_heads);
         let backend = runtime_cuda::load_batched_plan(&plans.dir, &plan, graph, weights, int8, context, cache)?
             .capture_graphs_up_to(1);
+        // The plan holds the weights on the device now.
+        loaded.model.weights.release_converted();
         let engine = ServingEngine::new(backend, config);
         return stream(args, engine, &prompt, tokenizer, spec.as_ref(), started.elapsed());
     }

@@ -364,6 +364,8 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
                 }
                 None => None,
             };
+            // The plans hold the weights on the device now.
+            loaded.model.weights.release_converted();
             let head_block_bytes = head.as_ref().map_or(0, |h| block_size * h.kv_bytes_per_position());
             let backend = match args.kv_blocks {
                 Some(_) => backend,
