@@ -258,6 +258,9 @@ pub struct LoadOptions {
     /// [`tokenizer_file`]): for a model whose files have none, such as a shape run with random
     /// weights.
     pub tokenizer: Option<String>,
+    /// What the weights must be quantized as (vLLM's `--quantization`; see
+    /// [`check_quantization`]).
+    pub quantization: Option<String>,
 }
 
 impl Default for LoadOptions {
@@ -274,6 +277,7 @@ impl Default for LoadOptions {
             fuse: true,
             quiet: false,
             tokenizer: None,
+            quantization: None,
         }
     }
 }
@@ -316,6 +320,30 @@ pub fn tokenizer(arg: &str) -> Result<models::Tokenizer> {
 
 /// Open `arg`; `options.dtype` overrides the compute dtype of anything but an artifact.
 pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
+    let quantization = options.quantization.clone();
+    let loaded = load_unchecked(arg, options)?;
+    if let Some(asked) = quantization {
+        check_quantization(&asked, &loaded.model.weights)?;
+    }
+    Ok(loaded)
+}
+
+/// vLLM's `--quantization`: bbc reads how a checkpoint is quantized from its files, so the
+/// flag is a check that it names what they hold (vLLM makes the same check); nothing is
+/// quantized as it loads.
+fn check_quantization(asked: &str, weights: &models::WeightSource) -> Result<()> {
+    let named = asked.to_ascii_lowercase();
+    match weights.quantization() {
+        Some(held) if held == named => Ok(()),
+        Some(held) => bail!("--quantization {asked}: the model's weights are quantized as `{held}`"),
+        None => bail!(
+            "--quantization {asked}: the model's weights are not quantized, and bbc quantizes none as it \
+             loads (as vLLM's online `fp8` would): give it a quantized checkpoint (FP8) or a GGUF file"
+        ),
+    }
+}
+
+fn load_unchecked(arg: &str, options: LoadOptions) -> Result<Loaded> {
     let reference = ModelRef::parse(arg)?;
     match reference.spec(options.quiet)? {
         Some(mut spec) => {

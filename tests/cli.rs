@@ -858,3 +858,49 @@ fn a_config_without_weights_runs_with_random_weights() {
 fn read_json_file(path: &std::path::Path) -> serde_json::Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
+
+/// An FP8 checkpoint runs from the command line as transformers runs it (its greedy ids over
+/// the reference's prompt); vLLM's `--quantization` checks what the files hold: it passes where
+/// it names their method, and is refused naming what they hold otherwise, or that they hold
+/// unquantized weights (bbc quantizes nothing as it loads).
+#[test]
+fn fp8_checkpoints_run_and_quantization_names_what_the_files_hold() {
+    let dir = common::fixture("hf-tiny/llama_fp8");
+    let dir = dir.to_str().unwrap();
+    let reference = common::hf_reference::Reference::of("llama_fp8");
+    let prompt: Vec<String> = reference.input_ids.iter().map(u32::to_string).collect();
+    let prompt = prompt.join(",");
+    let steps = reference.greedy_ids.len().to_string();
+    let run = |model: &str, extra: &[&str]| {
+        let args = [
+            "run",
+            model,
+            "--prompt-ids",
+            &prompt,
+            "--max-tokens",
+            &steps,
+            "--ignore-eos",
+            "--json",
+        ];
+        ids(&json(&[&args[..], extra].concat())["ids"])
+    };
+    let want: Vec<u32> = reference.greedy_ids.clone();
+    assert_eq!(run(dir, &[]), want);
+    assert_eq!(run(dir, &["--quantization", "fp8"]), want);
+    assert_eq!(run(dir, &["-q", "FP8"]), want);
+    let err = refused(&["run", dir, "--prompt-ids", "1", "--quantization", "gguf"]);
+    assert!(err.contains("quantized as `fp8`"), "{err}");
+    let plain = common::fixture("hf-tiny/llama");
+    let err = refused(&[
+        "run",
+        plain.to_str().unwrap(),
+        "--prompt-ids",
+        "1",
+        "--quantization",
+        "fp8",
+    ]);
+    assert!(err.contains("not quantized"), "{err}");
+    let gguf = smollm2();
+    let err = refused(&["run", &gguf, "--prompt-ids", "1", "--quantization", "awq"]);
+    assert!(err.contains("quantized as `gguf`"), "{err}");
+}

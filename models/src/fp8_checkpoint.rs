@@ -19,9 +19,11 @@ use std::path::Path;
 
 /// What a checkpoint's `quantization_config` says about its FP8 scales: the block a 2-D scale
 /// covers where it names one (needed when a matrix's side is not a whole number of blocks).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Fp8Config {
     pub block: Option<[usize; 2]>,
+    /// The `quant_method` that named it, lowercased (vLLM's `--quantization` names the same).
+    pub method: Option<String>,
 }
 
 /// The methods whose weights are FP8 E4M3 codes with scales.
@@ -56,16 +58,22 @@ pub fn quantization_of(config: &serde_json::Value, path: &Path) -> Result<Option
                         .ok_or_else(|| refuse(format!("`weight_block_size` is {size}, not two positive integers")))?,
                 ),
             };
-            Ok(Some(Fp8Config { block }))
+            Ok(Fp8Config { block, method: None })
         }
-        "fbgemm_fp8" => Ok(Some(Fp8Config::default())),
+        "fbgemm_fp8" => Ok(Fp8Config::default()),
         "modelopt" => match text(quant.get("quant_algo")).as_deref() {
-            Some("fp8") => Ok(Some(Fp8Config::default())),
+            Some("fp8") => Ok(Fp8Config::default()),
             other => Err(refuse(format!("ModelOpt's `quant_algo` is {other:?}, not FP8"))),
         },
-        "compressed-tensors" => compressed_tensors(quant).map(Some).map_err(refuse),
+        "compressed-tensors" => compressed_tensors(quant).map_err(refuse),
         other => Err(refuse(format!("`quant_method` is `{other}`"))),
     }
+    .map(|config| {
+        Some(Fp8Config {
+            method: Some(method.clone()),
+            ..config
+        })
+    })
 }
 
 /// compressed-tensors' weights must be 8-bit floats in every group; a block strategy names its
@@ -134,9 +142,9 @@ pub struct ScaleGrid {
 impl ScaleGrid {
     /// The grid a scale of shape `scale` gives a weight of shape `weight`: one value (a
     /// tensor's), one a row (`[rows]` or `[rows, 1]`), or a grid of blocks (`[⌈rows/br⌉,
-    /// ⌈cols/bc⌉]`, `config`'s block, else the one that divides the sides evenly), each with
-    /// the weight's leading dims before it.
-    pub fn of(weight: &[usize], scale: &[usize], config: Fp8Config) -> std::result::Result<Self, String> {
+    /// ⌈cols/bc⌉]` of the config's `block`, or a row's groups), each with the weight's leading
+    /// dims before it.
+    pub fn of(weight: &[usize], scale: &[usize], block: Option<[usize; 2]>) -> std::result::Result<Self, String> {
         let (lead, rows, cols) = match weight {
             [] => return Err("an FP8 weight must have a dim".into()),
             [cols] => (&[][..], 1, *cols),
@@ -148,7 +156,7 @@ impl ScaleGrid {
             // The config's blocks where they give this grid; else only the layouts a grid's
             // shape tells apart: a tensor's scale, a row's, or groups of a row that divide it
             // (a grid of 2 × 3 over 200 × 300 could be blocks of 100 or of 128).
-            let blocks = match config.block {
+            let blocks = match block {
                 Some([br, bc]) if rows.div_ceil(br) == grid_rows && cols.div_ceil(bc) == grid_cols => Some((br, bc)),
                 _ if grid_rows == 1 && grid_cols == 1 => Some((rows, cols)),
                 _ if grid_rows == rows && cols % grid_cols == 0 => Some((1, cols / grid_cols)),
@@ -157,7 +165,7 @@ impl ScaleGrid {
             let (block_rows, block_cols) = blocks.ok_or_else(|| {
                 format!(
                     "its scale grid {grid_rows} × {grid_cols} does not divide {rows} × {cols} into blocks{}",
-                    match config.block {
+                    match block {
                         Some([r, c]) => format!(" of the config's {r} × {c}"),
                         None => " the config names (it has no `weight_block_size`)".into(),
                     }
@@ -261,7 +269,7 @@ mod tests {
     use serde_json::json;
 
     fn grid(weight: &[usize], scale: &[usize], block: Option<[usize; 2]>) -> std::result::Result<ScaleGrid, String> {
-        ScaleGrid::of(weight, scale, Fp8Config { block })
+        ScaleGrid::of(weight, scale, block)
     }
 
     #[test]
@@ -369,7 +377,7 @@ mod tests {
             &json!({"text_config": {"quantization_config": {"quant_method": "fp8"}}}),
             path,
         );
-        assert_eq!(nested.unwrap(), Some(Fp8Config::default()));
+        assert_eq!(nested.unwrap().unwrap().method.as_deref(), Some("fp8"));
         assert!(of(json!({"quant_method": "fbgemm_fp8"})).unwrap().is_some());
         assert!(of(json!({"quant_method": "modelopt", "quant_algo": "FP8"}))
             .unwrap()

@@ -3,7 +3,7 @@
 //! scales (`fp8_checkpoint`) in the type asked for, each converted the first time it is read.
 
 use crate::error::{io_error, ModelError, Result};
-use crate::fp8_checkpoint::{self, Fp8Config, ScaleGrid};
+use crate::fp8_checkpoint::{self, ScaleGrid};
 use crate::quant::tensor::TensorView;
 use crate::quant::GgmlType;
 use crate::weights::matrix_shape;
@@ -57,6 +57,8 @@ pub struct SafetensorsDir {
     /// The FP8 weights (their scale tensors are not listed in `tensors`), read as `fp8_as`.
     fp8: BTreeMap<String, Fp8Weight>,
     fp8_as: GgmlType,
+    /// The checkpoint's `quantization_config.quant_method`, lowercased.
+    pub quant_method: Option<String>,
 }
 
 impl SafetensorsDir {
@@ -89,6 +91,7 @@ impl SafetensorsDir {
             tensors,
             fp8: BTreeMap::new(),
             fp8_as: GgmlType::BF16,
+            quant_method: None,
         };
         let path = dir.join("config.json");
         let config = match std::fs::read_to_string(&path) {
@@ -99,14 +102,16 @@ impl SafetensorsDir {
             Err(_) => serde_json::Value::Null,
         };
         let scales = fp8_checkpoint::quantization_of(&config, &path)?;
+        let block = scales.as_ref().and_then(|s| s.block);
+        this.quant_method = scales.and_then(|s| s.method);
         this.fp8_as = fp8_as.unwrap_or_else(|| fp8_checkpoint::checkpoint_dtype(&config));
-        this.pair_scales(fp8_codes, scales.unwrap_or_default())?;
+        this.pair_scales(fp8_codes, block)?;
         Ok(this)
     }
 
     /// Each FP8 weight `X` with its scales, `X_scale_inv` or `X_scale` (taken out of the
     /// listing), and the grid they make over it.
-    fn pair_scales(&mut self, codes: BTreeMap<String, Fp8Codes>, config: Fp8Config) -> Result<()> {
+    fn pair_scales(&mut self, codes: BTreeMap<String, Fp8Codes>, block: Option<[usize; 2]>) -> Result<()> {
         for (name, codes) in codes {
             let scale_name = [format!("{name}_scale_inv"), format!("{name}_scale")]
                 .into_iter()
@@ -125,7 +130,7 @@ impl SafetensorsDir {
                     scales.dtype.name()
                 )));
             }
-            let grid = ScaleGrid::of(&codes.stored_shape, &scales.stored_shape, config).map_err(bad)?;
+            let grid = ScaleGrid::of(&codes.stored_shape, &scales.stored_shape, block).map_err(bad)?;
             self.tensors.remove(&scale_name);
             let weight = Fp8Weight {
                 codes,

@@ -110,6 +110,16 @@ impl WeightSource {
         elements.into_iter().max_by_key(|&(_, count)| count).map(|(t, _)| t)
     }
 
+    /// How the weights are quantized, by vLLM's `--quantization` names: `gguf` for a GGUF
+    /// file, an HF checkpoint's `quant_method`; `None` for a checkpoint of plain floats.
+    pub fn quantization(&self) -> Option<&str> {
+        match self {
+            Self::Gguf(..) => Some("gguf"),
+            Self::Safetensors(dir) => dir.quant_method.as_deref(),
+            Self::Memory(_) => None,
+        }
+    }
+
     /// Frees what reading converted (an FP8 checkpoint's weights in 16 or 32 bits), once the
     /// backends that read it hold their own copies; the file's bytes stay mapped, and a weight
     /// read again is converted again.

@@ -82,6 +82,11 @@ pub struct RunArgs {
     /// weights of its shape (an HF directory's config.json), its tokenizer kept.
     #[arg(long, value_enum, default_value_t = model_ref::LoadFormat::Auto)]
     pub load_format: model_ref::LoadFormat,
+    /// How the weights are quantized (vLLM's flag), checked against what their files say:
+    /// `fp8`, `compressed-tensors`, `fbgemm_fp8`, `modelopt` (FP8 checkpoints), `gguf`. bbc
+    /// quantizes nothing as it loads.
+    #[arg(long, short = 'q')]
+    pub quantization: Option<String>,
     /// With --chat: the chat template to use instead of the model's (a Jinja file, or the
     /// template itself).
     #[arg(long)]
@@ -133,6 +138,7 @@ pub fn run(args: &RunArgs) -> Result<()> {
     let options = model_ref::LoadOptions {
         dtype: args.dtype,
         load_format: args.load_format,
+        quantization: args.quantization.clone(),
         kv_cache_dtype: args.kv_cache_dtype,
         max_model_len: args.max_model_len,
         logits: LogitsFor::LastToken,

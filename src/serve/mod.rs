@@ -93,6 +93,11 @@ pub struct ServeArgs {
     /// weights of its shape (an HF directory's config.json), its tokenizer kept.
     #[arg(long, value_enum, default_value_t = model_ref::LoadFormat::Auto)]
     pub load_format: model_ref::LoadFormat,
+    /// How the weights are quantized (vLLM's flag), checked against what their files say:
+    /// `fp8`, `compressed-tensors`, `fbgemm_fp8`, `modelopt` (FP8 checkpoints), `gguf`. bbc
+    /// quantizes nothing as it loads.
+    #[arg(long, short = 'q')]
+    pub quantization: Option<String>,
     /// Speculative decoding by prompt lookup: draft up to N tokens a step from earlier text
     /// of the request and verify them in the same pass (0: off; overrides a model.toml's
     /// `[speculative]`). Tokens are unchanged. On the GPU, a model with recurrent state
@@ -241,6 +246,7 @@ pub fn serve(args: &ServeArgs) -> Result<()> {
     let options = model_ref::LoadOptions {
         dtype: args.dtype,
         load_format: args.load_format,
+        quantization: args.quantization.clone(),
         kv_cache_dtype: args.kv_cache_dtype,
         max_model_len: args.max_model_len,
         greedy: true,
