@@ -25,6 +25,9 @@ pub enum DType {
     Q3K,
     IQ4NL,
     IQ4XS,
+    /// FP8 E4M3 weights in blocks of 32 with an f32 scale each: an FP8 checkpoint's
+    /// (`quant::fp8_blocks`), each weight its code times its block's scale.
+    F8E4M3B32,
 }
 
 impl DType {
@@ -47,6 +50,7 @@ impl DType {
             Self::Q3K => "q3_k",
             Self::IQ4NL => "iq4_nl",
             Self::IQ4XS => "iq4_xs",
+            Self::F8E4M3B32 => "f8_e4m3_b32",
         }
     }
 
@@ -69,6 +73,7 @@ impl DType {
             Self::Q3K,
             Self::IQ4NL,
             Self::IQ4XS,
+            Self::F8E4M3B32,
         ]
         .into_iter()
         .find(|d| d.name() == s)

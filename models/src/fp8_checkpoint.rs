@@ -159,7 +159,7 @@ impl ScaleGrid {
             let blocks = match block {
                 Some([br, bc]) if rows.div_ceil(br) == grid_rows && cols.div_ceil(bc) == grid_cols => Some((br, bc)),
                 _ if grid_rows == 1 && grid_cols == 1 => Some((rows, cols)),
-                _ if grid_rows == rows && cols % grid_cols == 0 => Some((1, cols / grid_cols)),
+                _ if grid_rows == rows && cols.is_multiple_of(grid_cols) => Some((1, cols / grid_cols)),
                 _ => None,
             };
             let (block_rows, block_cols) = blocks.ok_or_else(|| {
@@ -211,6 +211,13 @@ impl ScaleGrid {
         (grid * self.grid_rows + row / self.block_rows) * self.grid_cols + col / self.block_cols
     }
 
+    /// Whether every 32 columns of a row lie under one scale: the weight can be held as
+    /// [`GgmlType::F8E4M3B32`] blocks.
+    pub fn fits_blocks_of_32(&self) -> bool {
+        self.cols.is_multiple_of(quant::fp8_blocks::BLOCK_ELEMS)
+            && self.block_cols.is_multiple_of(quant::fp8_blocks::BLOCK_ELEMS)
+    }
+
     pub fn scales(&self) -> usize {
         if self.shared {
             self.grid_rows * self.grid_cols
@@ -234,6 +241,30 @@ pub fn checkpoint_dtype(config: &serde_json::Value) -> GgmlType {
         Some("float16") => GgmlType::F16,
         _ => GgmlType::BF16,
     }
+}
+
+/// The weight as blocks of 32 codes with their scale ([`quant::fp8_blocks`]); the grid must
+/// [fit them](ScaleGrid::fits_blocks_of_32).
+pub fn blocks_of_32(codes: &[u8], scales: &[f32], grid: &ScaleGrid) -> Vec<u8> {
+    use quant::fp8_blocks::{block, BLOCK_BYTES, BLOCK_ELEMS};
+    assert!(grid.fits_blocks_of_32(), "{grid:?} does not fit blocks of 32");
+    let row_bytes = grid.cols / BLOCK_ELEMS * BLOCK_BYTES;
+    let mut out = vec![0u8; codes.len() / BLOCK_ELEMS * BLOCK_BYTES];
+    out.par_chunks_mut(row_bytes)
+        .zip(codes.par_chunks(grid.cols))
+        .enumerate()
+        .for_each(|(at, (out, codes))| {
+            let (matrix, row) = (at / grid.rows, at % grid.rows);
+            for (b, (out, codes)) in out
+                .chunks_exact_mut(BLOCK_BYTES)
+                .zip(codes.chunks_exact(BLOCK_ELEMS))
+                .enumerate()
+            {
+                let scale = scales[grid.scale_index(matrix, row, b * BLOCK_ELEMS)];
+                out.copy_from_slice(&block(scale, codes.try_into().expect("32 codes")));
+            }
+        });
+    out
 }
 
 /// The weight's bytes as `dtype` (f32, bf16 or f16): each code widened, times its scale in
@@ -352,6 +383,30 @@ mod tests {
             }
         }
         assert!(rounded > 20, "only {rounded} products needed rounding");
+    }
+
+    /// Held as blocks of 32, each weight is the same f32 product; grids whose scales change
+    /// within 32 columns do not fit.
+    #[test]
+    fn blocks_of_32_hold_the_same_products() {
+        let g = grid(&[2, 3, 128], &[2, 2, 2], Some([2, 64])).unwrap();
+        assert!(g.fits_blocks_of_32());
+        let codes: Vec<u8> = (0..768)
+            .map(|i| (i * 91 % 253) as u8 & 0x7e | (i as u8 & 2) << 6)
+            .collect();
+        let scales: Vec<f32> = (0..g.scales()).map(|i| 0.25 + i as f32 * 0.37).collect();
+        let blocks = blocks_of_32(&codes, &scales, &g);
+        let mut widened = vec![0f32; codes.len()];
+        GgmlType::F8E4M3B32.dequantize(&blocks, &mut widened);
+        let products = dequantize(&codes, &scales, &g, GgmlType::F32);
+        let products: Vec<f32> = products
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+            .collect();
+        assert_eq!(widened, products);
+        assert!(!grid(&[4, 48], &[4, 1], None).unwrap().fits_blocks_of_32());
+        assert!(!grid(&[4, 64], &[4, 4], None).unwrap().fits_blocks_of_32());
+        assert!(grid(&[4, 64], &[4, 1], None).unwrap().fits_blocks_of_32());
     }
 
     #[test]

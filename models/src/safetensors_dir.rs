@@ -1,6 +1,7 @@
 //! HF model directories: `config.json`, `*.safetensors` (memory-mapped; sharded through
 //! `model.safetensors.index.json`), tokenizer files. FP8 weights are read through their
-//! scales (`fp8_checkpoint`) in the type asked for, each converted the first time it is read.
+//! scales (`fp8_checkpoint`) in the type asked for, or held as FP8 blocks, each converted the
+//! first time it is read.
 
 use crate::error::{io_error, ModelError, Result};
 use crate::fp8_checkpoint::{self, ScaleGrid};
@@ -41,11 +42,13 @@ struct Fp8Codes {
     end: usize,
 }
 
-/// An FP8 weight: its codes, its scales and how they cover it, and its values once made.
+/// An FP8 weight: its codes, its scales and how they cover it, the type it is read as, and its
+/// values once made.
 struct Fp8Weight {
     codes: Fp8Codes,
     scales: SafetensorsEntry,
     grid: ScaleGrid,
+    read_as: GgmlType,
     values: OnceLock<Vec<u8>>,
 }
 
@@ -54,16 +57,16 @@ pub struct SafetensorsDir {
     shards: Vec<(PathBuf, Mmap)>,
     /// The tensors read as they are stored.
     pub tensors: BTreeMap<String, SafetensorsEntry>,
-    /// The FP8 weights (their scale tensors are not listed in `tensors`), read as `fp8_as`.
+    /// The FP8 weights (their scale tensors are not listed in `tensors`).
     fp8: BTreeMap<String, Fp8Weight>,
-    fp8_as: GgmlType,
     /// The checkpoint's `quantization_config.quant_method`, lowercased.
     pub quant_method: Option<String>,
 }
 
 impl SafetensorsDir {
-    /// The directory's tensors, FP8 weights read as `fp8_as` (f32, bf16 or f16), else as
-    /// the checkpoint's `dtype`.
+    /// The directory's tensors, FP8 weights read as `fp8_as` (f32, bf16 or f16), else held as
+    /// they are stored (blocks of 32 codes with their scale, where every 32 columns of a row
+    /// lie under one scale; else as the checkpoint's `dtype`).
     pub fn open(dir: &Path, fp8_as: Option<GgmlType>) -> Result<Self> {
         let files = shard_files(dir)?;
         let mut shards = Vec::with_capacity(files.len());
@@ -90,7 +93,6 @@ impl SafetensorsDir {
             shards,
             tensors,
             fp8: BTreeMap::new(),
-            fp8_as: GgmlType::BF16,
             quant_method: None,
         };
         let path = dir.join("config.json");
@@ -104,14 +106,23 @@ impl SafetensorsDir {
         let scales = fp8_checkpoint::quantization_of(&config, &path)?;
         let block = scales.as_ref().and_then(|s| s.block);
         this.quant_method = scales.and_then(|s| s.method);
-        this.fp8_as = fp8_as.unwrap_or_else(|| fp8_checkpoint::checkpoint_dtype(&config));
-        this.pair_scales(fp8_codes, block)?;
+        let checkpoint_dtype = fp8_checkpoint::checkpoint_dtype(&config);
+        this.pair_scales(fp8_codes, block, |grid| match fp8_as {
+            Some(dtype) => dtype,
+            None if grid.fits_blocks_of_32() => GgmlType::F8E4M3B32,
+            None => checkpoint_dtype,
+        })?;
         Ok(this)
     }
 
     /// Each FP8 weight `X` with its scales, `X_scale_inv` or `X_scale` (taken out of the
     /// listing), and the grid they make over it.
-    fn pair_scales(&mut self, codes: BTreeMap<String, Fp8Codes>, block: Option<[usize; 2]>) -> Result<()> {
+    fn pair_scales(
+        &mut self,
+        codes: BTreeMap<String, Fp8Codes>,
+        block: Option<[usize; 2]>,
+        read_as: impl Fn(&ScaleGrid) -> GgmlType,
+    ) -> Result<()> {
         for (name, codes) in codes {
             let scale_name = [format!("{name}_scale_inv"), format!("{name}_scale")]
                 .into_iter()
@@ -135,6 +146,7 @@ impl SafetensorsDir {
             let weight = Fp8Weight {
                 codes,
                 scales,
+                read_as: read_as(&grid),
                 grid,
                 values: OnceLock::new(),
             };
@@ -143,7 +155,7 @@ impl SafetensorsDir {
         Ok(())
     }
 
-    /// The tensor `name` as bbc reads it: as stored, or an FP8 weight as `fp8_as`.
+    /// The tensor `name` as bbc reads it: as stored, or an FP8 weight as it was opened to.
     pub fn get(&self, name: &str) -> Option<TensorView<'_>> {
         if let Some(entry) = self.tensors.get(name) {
             return Some(TensorView {
@@ -157,11 +169,14 @@ impl SafetensorsDir {
             let mut scales = vec![0f32; weight.grid.scales()];
             weight.scales.dtype.dequantize(self.data(&weight.scales), &mut scales);
             let codes = &self.shards[weight.codes.shard].1[weight.codes.start..weight.codes.end];
-            fp8_checkpoint::dequantize(codes, &scales, &weight.grid, self.fp8_as)
+            match weight.read_as {
+                GgmlType::F8E4M3B32 => fp8_checkpoint::blocks_of_32(codes, &scales, &weight.grid),
+                dtype => fp8_checkpoint::dequantize(codes, &scales, &weight.grid, dtype),
+            }
         });
         Some(TensorView {
             shape: &weight.codes.shape,
-            dtype: self.fp8_as,
+            dtype: weight.read_as,
             bytes,
         })
     }
@@ -185,7 +200,7 @@ impl SafetensorsDir {
         let fp8 = self
             .fp8
             .iter()
-            .map(|(n, w)| (n.as_str(), self.fp8_as, &w.codes.shape[..]));
+            .map(|(n, w)| (n.as_str(), w.read_as, &w.codes.shape[..]));
         stored.chain(fp8)
     }
 

@@ -35,13 +35,15 @@ impl WeightSource {
         Self::Gguf(file, shapes)
     }
 
-    /// An HF directory's tensors, its FP8 weights (if any) read in the checkpoint's dtype.
+    /// An HF directory's tensors, its FP8 weights (if any) held as FP8 blocks (see
+    /// [`SafetensorsDir::open`]).
     pub fn open_safetensors(dir: &Path) -> Result<Self> {
         Ok(Self::Safetensors(SafetensorsDir::open(dir, None)?))
     }
 
     /// The same for a model that computes in `compute`: its FP8 weights read in that type
-    /// (one rounding from code × scale, as transformers loads them), or the checkpoint's.
+    /// (one rounding from code × scale, as transformers loads them), or held as stored where
+    /// the model keeps the file's types.
     pub fn open_safetensors_computing(dir: &Path, compute: ComputeDtype) -> Result<Self> {
         let fp8_as = match compute {
             ComputeDtype::F32 => Some(GgmlType::F32),
@@ -82,7 +84,8 @@ impl WeightSource {
     }
 
     /// The storage type holding the most elements of the tensors of two or more dims (the
-    /// matrices; norms and biases are vectors), `None` without any.
+    /// matrices; norms and biases are vectors), `None` without any. FP8 blocks are passed over
+    /// where other matrices remain: an FP8 checkpoint's embeddings and heads keep its own type.
     pub fn matrix_storage(&self) -> Option<GgmlType> {
         // Each tensor's type and shape straight from the listing (`get` finds a GGUF tensor
         // by a search of its names).
@@ -107,7 +110,12 @@ impl WeightSource {
                 None => elements.push((dtype, count)),
             }
         }
-        elements.into_iter().max_by_key(|&(_, count)| count).map(|(t, _)| t)
+        let fp8 = |t: &(GgmlType, usize)| t.0 == GgmlType::F8E4M3B32;
+        let counted = match elements.iter().all(fp8) {
+            true => elements,
+            false => elements.into_iter().filter(|t| !fp8(t)).collect(),
+        };
+        counted.into_iter().max_by_key(|&(_, count)| count).map(|(t, _)| t)
     }
 
     /// How the weights are quantized, by vLLM's `--quantization` names: `gguf` for a GGUF

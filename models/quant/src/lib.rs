@@ -7,6 +7,7 @@
 //! [`GgmlType`] is the run-time tag read from a GGUF tensor info and dispatches to the formats.
 //! The CPU backend's integer kernels over these blocks live with it (`runtime::cpu::quant`).
 
+pub mod fp8_blocks;
 pub mod int8_rows;
 pub mod iq4;
 pub mod q2_k;
@@ -58,7 +59,8 @@ pub trait BlockFormat {
     }
 }
 
-/// Element types of GGUF tensors that bbc reads. Discriminants are ggml's type ids.
+/// Element types of GGUF tensors that bbc reads (discriminants are ggml's type ids), and FP8
+/// checkpoints' weights as bbc holds them ([`GgmlType::F8E4M3B32`], in no GGUF file).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum GgmlType {
     F32 = 0,
@@ -76,6 +78,9 @@ pub enum GgmlType {
     IQ4NL = 20,
     IQ4XS = 23,
     BF16 = 30,
+    /// bbc's own ([`fp8_blocks`]): FP8 E4M3 codes in blocks of 32 with an f32 scale. Its id
+    /// is none of ggml's, and no GGUF file is read as it.
+    F8E4M3B32 = 1000,
 }
 
 impl GgmlType {
@@ -160,6 +165,7 @@ impl GgmlType {
             Self::Q6K => "Q6_K",
             Self::IQ4NL => "IQ4_NL",
             Self::IQ4XS => "IQ4_XS",
+            Self::F8E4M3B32 => "F8_E4M3 (blocks of 32)",
         }
     }
 
@@ -180,6 +186,7 @@ impl GgmlType {
             Self::Q3K => (Q3K::BLOCK_ELEMS, Q3K::BLOCK_BYTES),
             Self::IQ4NL => (IQ4NL::BLOCK_ELEMS, IQ4NL::BLOCK_BYTES),
             Self::IQ4XS => (IQ4XS::BLOCK_ELEMS, IQ4XS::BLOCK_BYTES),
+            Self::F8E4M3B32 => (fp8_blocks::BLOCK_ELEMS, fp8_blocks::BLOCK_BYTES),
         }
     }
 
@@ -231,6 +238,14 @@ impl GgmlType {
             Self::Q3K => dequantize_blocks::<Q3K>(data, out),
             Self::IQ4NL => dequantize_blocks::<IQ4NL>(data, out),
             Self::IQ4XS => dequantize_blocks::<IQ4XS>(data, out),
+            Self::F8E4M3B32 => {
+                for (block, out) in data
+                    .chunks_exact(fp8_blocks::BLOCK_BYTES)
+                    .zip(out.chunks_exact_mut(fp8_blocks::BLOCK_ELEMS))
+                {
+                    fp8_blocks::dequantize_block(block, out);
+                }
+            }
         }
     }
 
@@ -249,7 +264,7 @@ impl GgmlType {
             Self::Q3K => dot_blocks::<Q3K>(data, x),
             Self::IQ4NL => dot_blocks::<IQ4NL>(data, x),
             Self::IQ4XS => dot_blocks::<IQ4XS>(data, x),
-            Self::F32 | Self::F16 | Self::BF16 => {
+            Self::F32 | Self::F16 | Self::BF16 | Self::F8E4M3B32 => {
                 let mut row = vec![0f32; x.len()];
                 self.dequantize(data, &mut row);
                 row.iter().zip(x).map(|(a, b)| a * b).sum()

@@ -33,12 +33,27 @@ pub enum Storage {
     Interleaved(InterleavedRows),
     /// K-quant rows (Q2_K to Q6_K, IQ4_XS) interleaved for the int8 kernels.
     InterleavedSuper(InterleavedSuperRows),
+    /// An FP8 checkpoint's weights as held (`quant::fp8_blocks`: 32 codes and their f32 scale
+    /// a block), each row widened to f32 as it is multiplied.
+    Fp8Blocks(Vec<u8>),
 }
 
 impl Storage {
     /// GGUF rows of `row_bytes` each, interleaved for the int8 kernels (every block format bbc
     /// reads has a layout; rows of no whole number of blocks are refused).
     pub fn block_rows(dtype: GgmlType, bytes: Vec<u8>, row_bytes: usize) -> Result<Self, String> {
+        if dtype == GgmlType::F8E4M3B32 {
+            return match row_bytes > 0
+                && row_bytes.is_multiple_of(quant::fp8_blocks::BLOCK_BYTES)
+                && bytes.len().is_multiple_of(row_bytes)
+            {
+                true => Ok(Storage::Fp8Blocks(bytes)),
+                false => Err(format!(
+                    "{} rows of {row_bytes} bytes are not whole blocks",
+                    dtype.name()
+                )),
+            };
+        }
         if let Some(rows) = InterleavedRows::new(dtype, &bytes, row_bytes) {
             return Ok(Storage::Interleaved(rows));
         }
@@ -58,6 +73,11 @@ impl Storage {
             Storage::InterleavedSuper(rows) => Some((rows.dtype(), Cow::Owned(rows.gguf_bytes()), rows.row_bytes())),
             _ => None,
         }
+    }
+
+    /// Bytes a row of FP8 blocks `cols` wide.
+    fn fp8_row_bytes(cols: usize) -> usize {
+        cols / quant::fp8_blocks::BLOCK_ELEMS * quant::fp8_blocks::BLOCK_BYTES
     }
 
     /// Whether it holds GGUF blocks (in either layout).
@@ -80,6 +100,7 @@ impl Matrix {
             Storage::F16(v) => v.len() * 2,
             Storage::Interleaved(rows) => rows.bytes(),
             Storage::InterleavedSuper(rows) => rows.bytes(),
+            Storage::Fp8Blocks(bytes) => bytes.len(),
         }
     }
 
@@ -106,6 +127,11 @@ impl Matrix {
             }
             Storage::InterleavedSuper(rows) => {
                 rows.dequantize_row(r, out);
+                out
+            }
+            Storage::Fp8Blocks(bytes) => {
+                let row_bytes = Storage::fp8_row_bytes(c);
+                GgmlType::F8E4M3B32.dequantize(&bytes[r * row_bytes..(r + 1) * row_bytes], out);
                 out
             }
         }
@@ -159,7 +185,8 @@ impl Matrix {
                     interleaved.products(run, &acts, kernel, scratch, write)
                 });
             }),
-            // Dense rows on a CPU without AVX2 and FMA.
+            // FP8 blocks, and dense rows on a CPU without AVX2 and FMA: each row widened once
+            // and dotted with every token's activation.
             _ => for_row_runs(out, n, tokens, rows_per_task, |row_buf: &mut Vec<f32>, r, dst| {
                 row_buf.resize(k, 0.0);
                 let w = self.row_f32(base + r, row_buf);
@@ -189,6 +216,10 @@ impl Matrix {
             })?),
             Storage::F16(_) => Storage::F16(collect(parts, |s| match s {
                 Storage::F16(v) => Some(v),
+                _ => None,
+            })?),
+            Storage::Fp8Blocks(_) => Storage::Fp8Blocks(collect(parts, |s| match s {
+                Storage::Fp8Blocks(v) => Some(v),
                 _ => None,
             })?),
             Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
@@ -222,6 +253,7 @@ impl Matrix {
             Storage::F32(v) => Storage::F32(gather_rows(v, self.cols, &picked)),
             Storage::Bf16(v) => Storage::Bf16(gather_rows(v, self.cols, &picked)),
             Storage::F16(v) => Storage::F16(gather_rows(v, self.cols, &picked)),
+            Storage::Fp8Blocks(v) => Storage::Fp8Blocks(gather_rows(v, Storage::fp8_row_bytes(self.cols), &picked)),
             Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
                 let (dtype, bytes, row_bytes) = self.storage.gguf_rows().expect("block storage");
                 Storage::block_rows(dtype, gather_rows(&bytes, row_bytes, &picked), row_bytes)?
@@ -235,8 +267,8 @@ impl Matrix {
     }
 
     /// Rows `start..start+len` of every group of `group` rows, each group's `[len, cols]` block
-    /// transposed (`TransposeRowGroups`): f32, bf16 and half storage keep their values, GGUF blocks
-    /// (which cannot be cut across rows) are widened to f32.
+    /// transposed (`TransposeRowGroups`): f32, bf16 and half storage keep their values, GGUF and
+    /// FP8 blocks (which cannot be cut across rows) are widened to f32.
     pub fn transpose_row_groups(&self, group: usize, start: usize, len: usize) -> Result<Matrix, String> {
         self.check_row_groups(group, start, len)?;
         let cols = self.cols;
@@ -245,7 +277,7 @@ impl Matrix {
             Storage::F32(v) => Storage::F32(order().map(|i| v[i]).collect()),
             Storage::Bf16(v) => Storage::Bf16(order().map(|i| v[i]).collect()),
             Storage::F16(v) => Storage::F16(order().map(|i| v[i]).collect()),
-            Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
+            Storage::Interleaved(_) | Storage::InterleavedSuper(_) | Storage::Fp8Blocks(_) => {
                 let mut row = vec![0f32; cols];
                 let widened: Vec<f32> = (0..self.rows)
                     .flat_map(|r| self.row_f32(r, &mut row).to_vec())
@@ -482,6 +514,51 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// FP8 blocks: every (row, token) product is the dot product of the row's f32 weights
+    /// (code × scale) with the token, bit for bit (`simd::dot`), whichever rows a step asks for;
+    /// stacking, picking and transposing rows keep the weights.
+    #[test]
+    fn fp8_block_rows_multiply_their_products() {
+        let (rows, cols, tokens) = (6, 96, 5);
+        let blocks: Vec<u8> = (0..rows * cols / 32)
+            .flat_map(|b| {
+                let codes: [u8; 32] = std::array::from_fn(|i| (((b * 32 + i) * 2654435761usize) >> 11) as u8 & 0xf7);
+                quant::fp8_blocks::block(0.01 + b as f32 * 0.003, &codes)
+            })
+            .collect();
+        let row_bytes = cols / 32 * 36;
+        assert!(Storage::block_rows(GgmlType::F8E4M3B32, blocks.clone(), row_bytes - 1).is_err());
+        let storage = Storage::block_rows(GgmlType::F8E4M3B32, blocks.clone(), row_bytes).unwrap();
+        let m = Matrix { rows, cols, storage };
+        assert_eq!(m.bytes(), blocks.len());
+        let mut weights = vec![0f32; rows * cols];
+        GgmlType::F8E4M3B32.dequantize(&blocks, &mut weights);
+        let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0).collect();
+        let mut got = vec![f32::NAN; tokens * 4];
+        m.matmul_rows(1..5, &x, tokens, &mut got);
+        for t in 0..tokens {
+            for r in 1..5 {
+                let want = simd::dot(&weights[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
+                assert_eq!(got[t * 4 + r - 1].to_bits(), want.to_bits(), "token {t}, row {r}");
+            }
+        }
+        let widened = |m: &Matrix| -> Vec<f32> {
+            let mut row = vec![0f32; m.cols];
+            (0..m.rows).flat_map(|r| m.row_f32(r, &mut row).to_vec()).collect()
+        };
+        let stacked = Matrix::stack_rows(&[&m, &m]).unwrap();
+        assert_eq!(widened(&stacked), [weights.clone(), weights.clone()].concat());
+        let picked = m.row_group_slice(3, 1, 2).unwrap();
+        let want: Vec<f32> = [1, 2, 4, 5]
+            .iter()
+            .flat_map(|&r| weights[r * cols..(r + 1) * cols].to_vec())
+            .collect();
+        assert_eq!(widened(&picked), want);
+        let transposed = m.transpose_row_groups(3, 0, 3).unwrap();
+        assert!(matches!(transposed.storage, Storage::F32(_)));
+        assert_eq!(widened(&transposed)[1], weights[cols]);
     }
 
     /// `rows` rows of `cols` weights of `dtype` (Q5_1, a K-quant or IQ4_XS): random quants,

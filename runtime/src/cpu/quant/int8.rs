@@ -395,7 +395,8 @@ pub struct UnpackedRow {
 }
 
 impl UnpackedRow {
-    /// Unpack a row of `dtype` blocks; `None` for plain float types.
+    /// Unpack a row of `dtype` blocks; `None` for float types (FP8 blocks among them: their
+    /// weights are no integers under a scale).
     pub fn unpack(&mut self, dtype: GgmlType, row: &[u8]) -> Option<()> {
         match dtype {
             GgmlType::Q4_0 => self.unpack_with::<Q4_0>(row),
@@ -410,7 +411,7 @@ impl UnpackedRow {
             GgmlType::Q3K => self.unpack_with::<Q3K>(row),
             GgmlType::IQ4NL => self.unpack_with::<IQ4NL>(row),
             GgmlType::IQ4XS => self.unpack_with::<IQ4XS>(row),
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => return None,
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::F8E4M3B32 => return None,
         }
         Some(())
     }
