@@ -50,7 +50,7 @@ static __device__ __forceinline__ unsigned int bbc_pack_f16x2(float lo, float hi
 }
 "#;
 
-const FP8_HELPERS: &str = r#"// FP8 E4M3 codes (an FP8 KV cache) -> f32, exactly: each code to a half (every E4M3 value is
+const FP8_HELPERS: &str = r#"// FP8 E4M3 codes (an FP8 KV cache, FP8 weights) -> f32, exactly: each code to a half (every E4M3 value is
 // one), then to f32. The pair form takes two codes, the lower-addressed one in the low byte.
 static __device__ __forceinline__ float2 bbc_fp8x2_to_f32x2(unsigned int codes) {
     unsigned int halves;
@@ -223,7 +223,7 @@ pub fn emit(kernel: &Kernel) -> String {
     if packs(kernel, MmaElement::F16) {
         let _ = writeln!(out, "{F16_PACK_HELPER}");
     }
-    if has_buffer_of(kernel, Ty::F8E4M3) {
+    if has_buffer_of(kernel, Ty::F8E4M3) || uses_op(&kernel.body, UnOp::Fp8ToFloat) {
         let _ = writeln!(out, "{FP8_HELPERS}");
     }
     if stores_to(kernel, Ty::F8E4M3) {
@@ -1038,6 +1038,8 @@ fn expr(e: &Expr, scope: &Scope) -> String {
                 UnOp::HalfToFloat => format!("bbc_f16_to_f32((unsigned int)({x}))"),
                 UnOp::OrderedBits => format!("bbc_ordered_bits({x})"),
                 UnOp::Iq4Value => format!("bbc_iq4_value((unsigned int)({x}))"),
+                UnOp::Fp8ToFloat => format!("bbc_fp8_to_f32((unsigned int)({x}))"),
+                UnOp::BitsToFloat => format!("__uint_as_float((unsigned int)({x}))"),
                 UnOp::Abs if scope.type_of(a) == Ok(Ty::F32) => format!("fabsf({x})"),
                 UnOp::Abs => format!("abs({x})"),
             }

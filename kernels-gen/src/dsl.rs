@@ -97,6 +97,12 @@ pub enum UnOp {
     /// The value a 4-bit index (an integer, 0..16) stands for in the IQ4 formats' table,
     /// [`IQ4_VALUES`]: IQ4_NL/IQ4_XS weights.
     Iq4Value,
+    /// The f32 value of an FP8 E4M3 code given as an integer (its low 8 bits), exactly: an
+    /// FP8 checkpoint's weights.
+    Fp8ToFloat,
+    /// The f32 whose bits an integer holds (its low 32 bits): a block's f32 scale read as
+    /// four bytes.
+    BitsToFloat,
 }
 
 /// ggml's `kvalues_iq4nl`: the values of IQ4_NL's and IQ4_XS's 4-bit indices.

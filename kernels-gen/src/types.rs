@@ -94,6 +94,8 @@ impl Scope {
                     UnOp::OrderedBits => return Err(format!("ordered bits of {t:?}")),
                     UnOp::Iq4Value if matches!(t, Ty::I32 | Ty::U32) => Ty::I32,
                     UnOp::Iq4Value => return Err(format!("an IQ4 table index of type {t:?}")),
+                    UnOp::Fp8ToFloat | UnOp::BitsToFloat if matches!(t, Ty::I32 | Ty::U32) => Ty::F32,
+                    UnOp::Fp8ToFloat | UnOp::BitsToFloat => return Err(format!("{op:?} of {t:?}")),
                     UnOp::Not if t == Ty::Bool => Ty::Bool,
                     UnOp::Neg | UnOp::Abs => t,
                     _ if t == Ty::F32 => Ty::F32,

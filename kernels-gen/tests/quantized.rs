@@ -31,11 +31,30 @@ fn ggml(format: DType) -> GgmlType {
         DType::Q3K => GgmlType::Q3K,
         DType::IQ4NL => GgmlType::IQ4NL,
         DType::IQ4XS => GgmlType::IQ4XS,
+        DType::F8E4M3B32 => GgmlType::F8E4M3B32,
         other => panic!("{other}"),
     }
 }
 
+/// The fixture's blocks of a GGUF format; FP8 blocks (which no GGUF file holds) made here: 64
+/// of them, every finite code, scales of either sign and several magnitudes.
 fn blocks(format: DType) -> Vec<u8> {
+    if format == DType::F8E4M3B32 {
+        return (0..64usize)
+            .flat_map(|b| {
+                let codes: [u8; 32] = std::array::from_fn(|i| {
+                    let code = ((b * 32 + i) * 167 % 256) as u8;
+                    if code & 0x7f == 0x7f {
+                        code ^ 1
+                    } else {
+                        code
+                    }
+                });
+                let scale = (1.0 + b as f32 / 7.0) * 2f32.powi(b as i32 % 9 - 12) * if b % 5 == 0 { -1.0 } else { 1.0 };
+                models::quant::fp8_blocks::block(scale, &codes)
+            })
+            .collect();
+    }
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join(format!("../tests/fixtures/gguf-blocks/{}.bin", ggml(format).name()));
     std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))

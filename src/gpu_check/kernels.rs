@@ -36,8 +36,8 @@ pub const GPU_FAMILIES: [&str; 9] = [
 
 /// Run the tiny models' plans in lockstep on the GPU and the emulator (the HF fixtures in f32
 /// and bf16, the MoE ones also in half, the tiny Llama and Gemma 3 also with half KV caches,
-/// tiny Llama GGUF files with GGUF-block and f16 weights); print each kernel's max relative
-/// error; the worst.
+/// FP8 checkpoints held as FP8, tiny Llama GGUF files with GGUF-block and f16 weights); print
+/// each kernel's max relative error; the worst.
 pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64> {
     let mut worst = 0f64;
     println!("| model | kernel | launches | max relative error |");
@@ -112,6 +112,17 @@ pub fn kernel_errors(target: Target, arch: &str, fixtures: &Path) -> Result<f64>
         let mut spec = ModelSpec::for_weights(&fixtures.join(family));
         spec.dtype = ComputeDtype::F16;
         worst = worst.max(lockstep(&format!("{family} F16"), &Model::open(spec)?, target, arch)?);
+    }
+    // FP8 checkpoints held as FP8 blocks (their codes widened on the device, dense and experts).
+    for family in ["llama_fp8", "glm4_moe_fp8"] {
+        let mut spec = ModelSpec::for_weights(&fixtures.join(family));
+        spec.dtype = ComputeDtype::Native;
+        worst = worst.max(lockstep(
+            &format!("{family} as stored"),
+            &Model::open(spec)?,
+            target,
+            arch,
+        )?);
     }
     let scratch = super::scratch_dir("bbc-gpu-check-gguf-")?;
     for (name, path) in [

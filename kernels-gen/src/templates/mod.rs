@@ -625,8 +625,8 @@ pub fn warp_scratch(name: &str, warps: u32) -> SharedArray {
     }
 }
 
-/// The GGUF block formats the GPU templates read.
-pub const QUANT_FORMATS: [ir::DType; 12] = [
+/// The block formats the GPU templates read: GGUF's, and FP8 checkpoints' blocks of 32.
+pub const QUANT_FORMATS: [ir::DType; 13] = [
     ir::DType::Q4_0,
     ir::DType::Q4_1,
     ir::DType::Q5_0,
@@ -639,6 +639,7 @@ pub const QUANT_FORMATS: [ir::DType; 12] = [
     ir::DType::Q6K,
     ir::DType::IQ4NL,
     ir::DType::IQ4XS,
+    ir::DType::F8E4M3B32,
 ];
 
 /// Qwen3.5-27B's Gated DeltaNet layers (16 key heads, 48 value heads, heads of 128).

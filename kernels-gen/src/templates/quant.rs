@@ -32,6 +32,7 @@ pub fn block_layout(format: DType) -> Option<(i64, i64)> {
         DType::Q2K => (256, 84),
         DType::Q3K => (256, 110),
         DType::IQ4XS => (256, 136),
+        DType::F8E4M3B32 => (32, 36),
         _ => return None,
     })
 }
@@ -52,6 +53,21 @@ fn half(i: Expr) -> Expr {
             int(0xffff),
         ),
     )
+}
+/// The little-endian f32 at byte `i` (an FP8 block's scale), its bytes joined as unsigned.
+fn f32_at(i: Expr) -> Expr {
+    let b = |k: i64| {
+        bin(
+            BinOp::Shl,
+            cast(Ty::U32, byte(i.clone() + int(k))),
+            cast(Ty::U32, int(8 * k)),
+        )
+    };
+    un(UnOp::BitsToFloat, b(0) + b(1) + b(2) + b(3))
+}
+/// The value of the FP8 E4M3 code at byte `i`.
+fn fp8(i: Expr) -> Expr {
+    un(UnOp::Fp8ToFloat, byte(i))
 }
 /// The IQ4 table's value at a 4-bit index.
 fn iq4_value(i: Expr) -> Expr {
@@ -131,6 +147,7 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
     };
     let value = match format {
         DType::Q8_0 => half(base()) * f32_of(s8(base() + int(2) + j())),
+        DType::F8E4M3B32 => fp8(base() + int(4) + j()) * f32_at(base()),
         DType::Q4_0 => half(base()) * f32_of(nibble(base() + int(2)) - int(8)),
         DType::IQ4NL => half(base()) * f32_of(iq4_value(nibble(base() + int(2)))),
         DType::Q4_1 => half(base()) * f32_of(nibble(base() + int(4))) + half(base() + int(2)),
@@ -222,7 +239,7 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
 pub fn decodes_whole_blocks(format: DType) -> bool {
     matches!(
         format,
-        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::IQ4NL
+        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::IQ4NL | DType::F8E4M3B32
     )
 }
 
@@ -235,6 +252,14 @@ pub fn block_weights(format: DType, prefix: &str, base: Expr, elements: Range<us
         "{format} is not a 32-element block format"
     );
     let at = |offset: i64| var("blk_at") + int(offset);
+    if format == DType::F8E4M3B32 {
+        // Its scale an f32, each code after it one weight.
+        let mut s = vec![let_("blk_at", Ty::I32, base), let_("blk_d", Ty::F32, f32_at(at(0)))];
+        for e in elements.map(|e| e as i64) {
+            s.push(let_(&format!("{prefix}{e}"), Ty::F32, fp8(at(4 + e)) * var("blk_d")));
+        }
+        return s;
+    }
     let mut s = vec![let_("blk_at", Ty::I32, base), let_("blk_d", Ty::F32, half(at(0)))];
     let (qs, offset, with_min, qh) = match format {
         DType::Q4_0 => (2, 8, false, None),

@@ -165,7 +165,7 @@ impl GgmlType {
             Self::Q6K => "Q6_K",
             Self::IQ4NL => "IQ4_NL",
             Self::IQ4XS => "IQ4_XS",
-            Self::F8E4M3B32 => "F8_E4M3 (blocks of 32)",
+            Self::F8E4M3B32 => "F8_E4M3_B32",
         }
     }
 
