@@ -13,6 +13,7 @@
 //! unpacked a row at a time.
 
 use super::dense::{self, DenseKernel, DenseRows};
+use super::fp8_rows;
 use super::pool;
 use super::simd;
 use crate::cpu::quant::int8::{ActivationRow, Int8Kernel, Q8KRow, Q8Row};
@@ -170,6 +171,24 @@ impl Matrix {
             });
             return;
         }
+        if let (Storage::Fp8Blocks(blocks), Some(kernel)) = (&self.storage, DenseKernel::detected()) {
+            // A few rows at a time widened to f32 and multiplied by the dense tiles while they
+            // are in cache: the weights stream as FP8.
+            let row_bytes = Storage::fp8_row_bytes(k);
+            products_by_runs(rows, out, |run, widened, write| {
+                for first in run.clone().step_by(fp8_rows::WIDENED_ROWS) {
+                    let chunk = first..(first + fp8_rows::WIDENED_ROWS).min(run.end);
+                    widened.resize(chunk.len() * k, 0.0);
+                    fp8_rows::widen(kernel, &blocks[chunk.start * row_bytes..chunk.end * row_bytes], widened);
+                    let offset = chunk.start - run.start;
+                    let weights = DenseRows::F32(widened);
+                    dense::products(kernel, weights, k, 0..chunk.len(), x, tokens, &mut |t, r, values| {
+                        write(t, offset + r, values)
+                    });
+                }
+            });
+            return;
+        }
         match &self.storage {
             Storage::Interleaved(interleaved) => with_quantized_rows(&Q8_ROWS, x, k, |acts| {
                 let acts = interleaved.activations(acts).expect("activations cover the rows");
@@ -185,7 +204,7 @@ impl Matrix {
                     interleaved.products(run, &acts, kernel, scratch, write)
                 });
             }),
-            // FP8 blocks, and dense rows on a CPU without AVX2 and FMA: each row widened once
+            // FP8 blocks and dense rows on a CPU without AVX2 and FMA: each row widened once
             // and dotted with every token's activation.
             _ => for_row_runs(out, n, tokens, rows_per_task, |row_buf: &mut Vec<f32>, r, dst| {
                 row_buf.resize(k, 0.0);
@@ -517,11 +536,12 @@ mod tests {
     }
 
     /// FP8 blocks: every (row, token) product is the dot product of the row's f32 weights
-    /// (code × scale) with the token, bit for bit (`simd::dot`), whichever rows a step asks for;
-    /// stacking, picking and transposing rows keep the weights.
+    /// (code × scale) with the token, bit for bit (`simd::dot`), whichever rows a step asks for
+    /// (runs cut across the widened chunks of rows); stacking, picking and transposing rows
+    /// keep the weights.
     #[test]
     fn fp8_block_rows_multiply_their_products() {
-        let (rows, cols, tokens) = (6, 96, 5);
+        let (rows, cols, tokens) = (40, 96, 5);
         let blocks: Vec<u8> = (0..rows * cols / 32)
             .flat_map(|b| {
                 let codes: [u8; 32] = std::array::from_fn(|i| (((b * 32 + i) * 2654435761usize) >> 11) as u8 & 0xf7);
@@ -536,12 +556,17 @@ mod tests {
         let mut weights = vec![0f32; rows * cols];
         GgmlType::F8E4M3B32.dequantize(&blocks, &mut weights);
         let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0).collect();
-        let mut got = vec![f32::NAN; tokens * 4];
-        m.matmul_rows(1..5, &x, tokens, &mut got);
+        let picked = 3..37;
+        let mut got = vec![f32::NAN; tokens * picked.len()];
+        m.matmul_rows(picked.clone(), &x, tokens, &mut got);
         for t in 0..tokens {
-            for r in 1..5 {
+            for (i, r) in picked.clone().enumerate() {
                 let want = simd::dot(&weights[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
-                assert_eq!(got[t * 4 + r - 1].to_bits(), want.to_bits(), "token {t}, row {r}");
+                assert_eq!(
+                    got[t * picked.len() + i].to_bits(),
+                    want.to_bits(),
+                    "token {t}, row {r}"
+                );
             }
         }
         let widened = |m: &Matrix| -> Vec<f32> {
@@ -550,13 +575,13 @@ mod tests {
         };
         let stacked = Matrix::stack_rows(&[&m, &m]).unwrap();
         assert_eq!(widened(&stacked), [weights.clone(), weights.clone()].concat());
-        let picked = m.row_group_slice(3, 1, 2).unwrap();
-        let want: Vec<f32> = [1, 2, 4, 5]
+        let picked = m.row_group_slice(20, 1, 2).unwrap();
+        let want: Vec<f32> = [1, 2, 21, 22]
             .iter()
             .flat_map(|&r| weights[r * cols..(r + 1) * cols].to_vec())
             .collect();
         assert_eq!(widened(&picked), want);
-        let transposed = m.transpose_row_groups(3, 0, 3).unwrap();
+        let transposed = m.transpose_row_groups(4, 0, 3).unwrap();
         assert!(matches!(transposed.storage, Storage::F32(_)));
         assert_eq!(widened(&transposed)[1], weights[cols]);
     }

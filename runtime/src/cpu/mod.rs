@@ -10,6 +10,7 @@ pub(crate) mod activation;
 mod attention;
 pub mod delta_net;
 mod dense;
+mod fp8_rows;
 pub mod int8_head;
 mod int8_scores;
 pub mod kv_element;

@@ -1,0 +1,137 @@
+//! An FP8 checkpoint's rows held as stored (`quant::fp8_blocks`: 32 E4M3 codes and their f32
+//! scale a block) widened to their f32 weights a few rows at a time, for the dense tile
+//! kernels to multiply where the rows are still in cache: each weight is its code's value
+//! times its block's scale, the number `GgmlType::F8E4M3B32.dequantize` gives.
+
+use super::dense::DenseKernel;
+use quant::fp8_blocks::{BLOCK_BYTES, BLOCK_ELEMS};
+
+/// Rows widened at once: a multiple of every tile's rows; 16 rows of 8 192 weights are 512 KiB
+/// of f32, which an L2 cache holds beside the activations.
+pub const WIDENED_ROWS: usize = 16;
+
+/// `blocks` (whole blocks) widened into `out` (32 weights a block), with `kernel`'s vectors.
+pub fn widen(kernel: DenseKernel, blocks: &[u8], out: &mut [f32]) {
+    debug_assert_eq!(blocks.len() / BLOCK_BYTES * BLOCK_ELEMS, out.len());
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: `kernel` is one this CPU runs (its features detected).
+    unsafe {
+        match kernel {
+            DenseKernel::Avx512 => widen_avx512(blocks, out),
+            DenseKernel::Avx2 => widen_avx2(blocks, out),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = kernel;
+        quant::GgmlType::F8E4M3B32.dequantize(blocks, out);
+    }
+}
+
+/// Each code as an IEEE half 2⁸ times too small, in three vector operations: sign-extended to
+/// 16 bits and shifted left by 7, its exponent and mantissa bits land in a half's (bias 15
+/// against E4M3's 7), its sign in bits 14 and 15, and the mask keeps bit 15 and the magnitude.
+/// Subnormal codes become subnormal halves alike. Widened to f32 and multiplied by 2⁸ times
+/// the scale (exact: a power of two), each weight is the code's value times the scale, rounded
+/// once, as `dequantize` computes it. A block holding a NaN code (`S.1111.111`, which this
+/// reads as 480), or whose scale 2⁸ times over would overflow, is widened by the table
+/// instead: `None` then, else the sixteen codes at `at` of the block as halves and the scale.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn halves_of(block: &[u8]) -> Option<(impl Fn(usize) -> std::arch::x86_64::__m256i + '_, f32)> {
+    use std::arch::x86_64::*;
+    const HALF_FIELDS: i16 = 0xBF80u16 as i16;
+    let scale = quant::fp8_blocks::scale(block) * 256.0;
+    let codes = &block[4..BLOCK_BYTES];
+    // SAFETY: the caller's function has AVX2; the block holds 32 codes after its scale.
+    unsafe {
+        let magnitudes = _mm256_and_si256(_mm256_loadu_si256(codes.as_ptr().cast()), _mm256_set1_epi8(0x7f));
+        let nan = _mm256_movemask_epi8(_mm256_cmpeq_epi8(magnitudes, _mm256_set1_epi8(0x7f))) != 0;
+        if nan || !scale.is_finite() {
+            return None;
+        }
+    }
+    let halves = move |at: usize| {
+        // SAFETY: as above; `at` is 0 or 16.
+        unsafe {
+            let words = _mm256_cvtepi8_epi16(_mm_loadu_si128(codes[at..].as_ptr().cast()));
+            _mm256_and_si256(_mm256_slli_epi16::<7>(words), _mm256_set1_epi16(HALF_FIELDS))
+        }
+    };
+    Some((halves, scale))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,f16c")]
+unsafe fn widen_avx512(blocks: &[u8], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    for (block, out) in blocks.chunks_exact(BLOCK_BYTES).zip(out.chunks_exact_mut(BLOCK_ELEMS)) {
+        // SAFETY: this function has AVX-512F, AVX2 and F16C; `out` holds 32 floats.
+        unsafe {
+            let Some((halves, scale)) = halves_of(block) else {
+                quant::fp8_blocks::dequantize_block(block, out);
+                continue;
+            };
+            for at in [0, 16] {
+                let widened = _mm512_mul_ps(_mm512_cvtph_ps(halves(at)), _mm512_set1_ps(scale));
+                _mm512_storeu_ps(out.as_mut_ptr().add(at), widened);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn widen_avx2(blocks: &[u8], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    for (block, out) in blocks.chunks_exact(BLOCK_BYTES).zip(out.chunks_exact_mut(BLOCK_ELEMS)) {
+        // SAFETY: this function has AVX2 and F16C; `out` holds 32 floats.
+        unsafe {
+            let Some((halves, scale)) = halves_of(block) else {
+                quant::fp8_blocks::dequantize_block(block, out);
+                continue;
+            };
+            for at in [0, 16] {
+                let words = halves(at);
+                for (i, eight) in [_mm256_castsi256_si128(words), _mm256_extracti128_si256::<1>(words)]
+                    .into_iter()
+                    .enumerate()
+                {
+                    let widened = _mm256_mul_ps(_mm256_cvtph_ps(eight), _mm256_set1_ps(scale));
+                    _mm256_storeu_ps(out.as_mut_ptr().add(at + 8 * i), widened);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use quant::GgmlType;
+
+    /// Every kernel gives `dequantize`'s bits for every code (NaN codes as NaN), under scales
+    /// of both signs and of every magnitude a product keeps normal or makes subnormal.
+    #[test]
+    fn every_kernel_widens_as_dequantize_does() {
+        let blocks: Vec<u8> = (0..16usize)
+            .flat_map(|b| {
+                let codes: [u8; 32] = std::array::from_fn(|i| (b * 32 + i) as u8);
+                let scale = [-0.75, 1.0 / (b + 1) as f32, 3.0e-36, 1.7e35, 3.0e38][b % 5];
+                quant::fp8_blocks::block(scale, &codes)
+            })
+            .collect();
+        let mut want = vec![0f32; 16 * 32];
+        GgmlType::F8E4M3B32.dequantize(&blocks, &mut want);
+        for kernel in DenseKernel::available() {
+            let mut got = vec![0f32; want.len()];
+            widen(kernel, &blocks, &mut got);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                    "{kernel:?} {i}: {g} vs {w}"
+                );
+            }
+        }
+    }
+}
