@@ -854,14 +854,14 @@ fn mma_registers(operand: &MmaOperand, element: MmaElement) -> Vec<String> {
 
 /// One aligned 4/8/16-byte load into a CUDA vector, then its lanes as f32 locals (a bf16 is
 /// the top half of an f32: the low element shifted up, the high one masked; an IEEE half
-/// goes through `bbc_f16_to_f32`; FP8 codes widen two at a time).
+/// goes through `bbc_f16_to_f32`; FP8 codes widen two at a time), or bytes as int locals.
 fn vector_load(out: &mut String, buf: &str, index: &str, names: &[String], scope: &mut Scope, depth: usize) {
     let ty = scope.arrays[buf].0;
     let words = names.len() * ty.bytes() / 4;
     let (vector, parts): (&str, &[&str]) = match (ty, words) {
-        (Ty::Bf16 | Ty::F16 | Ty::F8E4M3, 1) => ("unsigned int", &[""]),
-        (Ty::Bf16 | Ty::F16 | Ty::F8E4M3, 2) => ("uint2", &[".x", ".y"]),
-        (Ty::Bf16 | Ty::F16 | Ty::F8E4M3, _) => ("uint4", &[".x", ".y", ".z", ".w"]),
+        (Ty::Bf16 | Ty::F16 | Ty::F8E4M3 | Ty::U8, 1) => ("unsigned int", &[""]),
+        (Ty::Bf16 | Ty::F16 | Ty::F8E4M3 | Ty::U8, 2) => ("uint2", &[".x", ".y"]),
+        (Ty::Bf16 | Ty::F16 | Ty::F8E4M3 | Ty::U8, _) => ("uint4", &[".x", ".y", ".z", ".w"]),
         (_, 2) => ("float2", &[".x", ".y"]),
         _ => ("float4", &[".x", ".y", ".z", ".w"]),
     };
@@ -889,6 +889,17 @@ fn vector_load(out: &mut String, buf: &str, index: &str, names: &[String], scope
                 format!("{v}_{j}.x")
             }
             Ty::F8E4M3 => format!("{v}_{}.y", j - 1),
+            Ty::U8 => {
+                // Byte j: bits 8·(j mod 4) of word j / 4.
+                let _ = writeln!(
+                    out,
+                    "int {name} = (int)(({v}{} >> {}) & 0xffu);",
+                    parts[j / 4],
+                    8 * (j % 4)
+                );
+                scope.vars.insert(name.clone(), Ty::I32);
+                continue;
+            }
             _ => format!("{v}{}", parts[j]),
         };
         let _ = writeln!(out, "float {name} = {value};");

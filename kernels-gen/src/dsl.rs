@@ -211,9 +211,10 @@ pub enum Stmt {
     /// Warp specialisation: the block's threads split into roles that each run on their own,
     /// meeting only at mbarriers (see [`Roles`]).
     Roles(Box<Roles>),
-    /// Declare f32 locals `names[j] = buf[index + j]`, read as one 4-, 8- or 16-byte load (2, 4
-    /// or 8 bf16; 2 or 4 f32). `index` must be a multiple of `names.len()`: buffers start
-    /// 16-byte aligned, so the load is aligned. What lets a warp read 512 bytes at once.
+    /// Declare locals `names[j] = buf[index + j]` of the buffer's compute type (f32, or i32
+    /// for bytes), read as one 4-, 8- or 16-byte load (2, 4 or 8 bf16; 2 or 4 f32; 4, 8 or 16
+    /// FP8 codes or bytes). `index` must be a multiple of `names.len()`: buffers start 16-byte
+    /// aligned, so the load is aligned. What lets a warp read 512 bytes at once.
     LoadVec {
         buf: String,
         index: Expr,

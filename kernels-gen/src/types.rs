@@ -370,7 +370,8 @@ fn check_block_declaring<'a>(
             }
             Stmt::StoreVec { buf, index, values } => {
                 let ty = scope.writable_array(buf)?;
-                if !vector_widths(ty).contains(&values.len()) {
+                // Bytes are loaded four to sixteen at once, never stored so.
+                if ty == Ty::U8 || !vector_widths(ty).contains(&values.len()) {
                     return Err(format!("a vector store of {} {ty:?} into `{buf}`", values.len()));
                 }
                 scope.int(index)?;
@@ -509,7 +510,7 @@ fn check_block_declaring<'a>(
                 }
                 scope.int(index)?;
                 for name in names {
-                    declare(name, Ty::F32, scope, &mut declared)?;
+                    declare(name, ty.compute(), scope, &mut declared)?;
                 }
             }
             Stmt::Tcgen05(op) => check_tcgen05(op, scope, &mut declared)?,
@@ -610,7 +611,7 @@ fn tmem_columns(columns: u32) -> Result<(), String> {
 /// The elements a vector load or store of `ty` takes: 4, 8 or 16 bytes.
 fn vector_widths(ty: Ty) -> &'static [usize] {
     match ty {
-        Ty::F8E4M3 => &[4, 8, 16],
+        Ty::F8E4M3 | Ty::U8 => &[4, 8, 16],
         Ty::Bf16 | Ty::F16 => &[2, 4, 8],
         Ty::F32 => &[2, 4],
         _ => &[],

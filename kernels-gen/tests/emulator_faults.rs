@@ -1891,3 +1891,58 @@ fn registers_move_between_warpgroups_within_the_block() {
         );
     }
 }
+
+/// Bytes load four, eight or sixteen at once as integers, each the byte at its place; such a
+/// load off its width's boundary is reported, and a vector store of bytes is a type error.
+#[test]
+fn bytes_load_as_words_and_are_never_stored_so() {
+    let bytes_kernel = |start: i64, body_after: Vec<Stmt>| Kernel {
+        name: "k".into(),
+        origin: "test".into(),
+        params: vec![buffer("w", Ty::U8, false), buffer("out", Ty::F32, true)],
+        shared: vec![],
+        block_dim: 4,
+        grid: int(1),
+        body: [
+            vec![load_vec(
+                "w",
+                tid() * int(4) + int(start),
+                &["b0".into(), "b1".into(), "b2".into(), "b3".into()],
+            )],
+            body_after,
+        ]
+        .concat(),
+    };
+    let store_all = vec![
+        store("out", tid() * int(4), cast(Ty::F32, var("b0"))),
+        store("out", tid() * int(4) + int(1), cast(Ty::F32, var("b1"))),
+        store("out", tid() * int(4) + int(2), cast(Ty::F32, var("b2"))),
+        store("out", tid() * int(4) + int(3), cast(Ty::F32, var("b3"))),
+    ];
+    let bytes: Vec<u8> = (0..20).map(|i| 200 + i as u8 * 3).collect();
+    let buffers = || {
+        HashMap::from([
+            ("w".to_string(), Array::u8(&bytes)),
+            ("out".to_string(), Array::poisoned(Ty::F32, 16)),
+        ])
+    };
+    let mut bufs = buffers();
+    run(&bytes_kernel(0, store_all.clone()), &mut bufs, &HashMap::new()).unwrap();
+    let want: Vec<f32> = bytes[..16].iter().map(|&b| f32::from(b)).collect();
+    assert_eq!(bufs["out"].to_f32().unwrap(), want);
+    match run(&bytes_kernel(2, store_all), &mut buffers(), &HashMap::new()) {
+        Err(EmuError::Fault { message, .. }) => assert!(message.contains("misaligned"), "{message}"),
+        other => panic!("expected a fault, got {other:?}"),
+    }
+    let mut storing = bytes_kernel(0, vec![]);
+    storing.params[1] = buffer("out", Ty::U8, true);
+    storing.body.push(store_vec(
+        "out",
+        tid() * int(4),
+        vec![var("b0"), var("b1"), var("b2"), var("b3")],
+    ));
+    assert!(matches!(
+        run(&storing, &mut buffers(), &HashMap::new()),
+        Err(EmuError::Type(_))
+    ));
+}

@@ -627,6 +627,7 @@ impl<'k> Block<'k> {
             Stmt::LoadVec { buf, index, names } => {
                 let idx = self.eval(index, mask, global)?;
                 vector_aligned(("load", buf), &idx, mask, names.len(), global)?;
+                let ty = self.array_type(buf, global);
                 if let Some(array) = self.shared.get(buf) {
                     let bytes = array.ty.bytes();
                     self.count_traffic(buf, &idx, mask, (bytes, names.len() * bytes));
@@ -645,7 +646,7 @@ impl<'k> Block<'k> {
                     }
                     let v = v?;
                     self.touch(name, mask)?;
-                    self.declare(name, Ty::F32, &v, mask);
+                    self.declare(name, ty, &v, mask);
                 }
                 self.traffic_paused.set(false);
             }
