@@ -138,11 +138,17 @@ fn check_within(
     let gpu = EmulatorBackend::emulated(plan, kernels, gpu_graph, &model.weights, &[], context).unwrap();
     let cpu = cpu_backend(reference, context);
     // GLM-5's indexer keeps 8 of the tiny model's positions by their scores against the cached
-    // index keys: after a bf16 prefill through the tensor cores those keys are rounded, the
-    // choice differs where scores were close, and so do the logits (0.27 on H200), while with
-    // every position kept (`index_topk` 64) the steps agree within 2e-2. So after that prefill
-    // only its own logits are compared; the short prompt's steps, which choose too, still are.
-    let choice_follows_rounding = family.starts_with("glm_moe_dsa") && dtype == ComputeDtype::Bf16;
+    // index keys: after a bf16 prefill through the tensor cores (bf16 matrices, and FP8 or GGUF
+    // blocks converted to bf16 for it) those keys are rounded, the choice differs where scores
+    // were close, and so do the logits (0.27 on H200 in bf16, 0.17 over FP8 blocks), while
+    // with every position kept (`index_topk` 64) the steps agree within 2e-2. So after that
+    // prefill only its own logits are compared; the short prompt's steps, which choose too,
+    // still are.
+    let rounded_prompt = graph
+        .nodes()
+        .iter()
+        .any(|n| matches!(n.op, ir::Op::Weight { .. }) && n.dtype != ir::DType::F32);
+    let choice_follows_rounding = family.starts_with("glm_moe_dsa") && rounded_prompt;
     for prompt_len in [PREFILL_TOKENS + 3, 5] {
         let prompt: Vec<u32> = (0..prompt_len as u32).map(|i| (7 + 13 * i) % 300).collect();
         let (mut g, mut c) = (gpu.new_sequence(), cpu.new_sequence());
@@ -1125,9 +1131,10 @@ fn check_greedy(family: &str, dtype: ComputeDtype, target: Target) {
 /// layers and the Gated DeltaNet's projections, experts with a block of scales each, one scale
 /// a row): greedy plans pick the CPU's argmax. Held as FP8 blocks of 32 on every target: steps
 /// after a short prompt (GEMVs over the blocks, each weight code × scale in f32 as the CPU
-/// widens it) within 1e-5 (4e-7 measured); after a 19-token prompt, which multiplies on the
-/// tensor cores in bf16 (weights and activations rounded, where the CPU keeps f32), within
-/// 2e-2 (8e-3 Llama, 4.6e-3 GLM-4.5 measured).
+/// widens it; GLM-5.2's latent up-projection transposed into f32) within 1e-5 (5e-7
+/// measured); after a 19-token prompt, which multiplies on the tensor cores in bf16 (weights
+/// and activations rounded, where the CPU keeps f32), within 2e-2 (8e-3 Llama, 4.6e-3
+/// GLM-4.5 measured).
 #[test]
 fn fp8_checkpoints_run_their_plans_as_the_cpu_backend_does() {
     for family in ["qwen3_next_fp8", "glm4_moe_fp8"] {
@@ -1135,6 +1142,7 @@ fn fp8_checkpoints_run_their_plans_as_the_cpu_backend_does() {
     }
     for (family, target) in [
         ("llama_fp8", Target::H200),
+        ("glm_moe_dsa_fp8", Target::H200),
         ("glm4_moe_fp8", Target::B200),
         ("glm4_moe_fp8", Target::RtxPro6000),
     ] {
@@ -1157,7 +1165,13 @@ fn fp8_checkpoints_run_their_plans_as_the_cpu_backend_does() {
             "{family} on {}: {reads_codes} kernels read FP8 codes",
             target.name()
         );
-        check_within(family, &held, &held, target, 2e-2, 1e-5);
+        // GLM-5.2's prompt logits also follow which positions its indexer keeps, and which
+        // experts its routers pick, after the rounding (6.2e-2 measured).
+        let prefill_tolerance = match family {
+            "glm_moe_dsa_fp8" => 1e-1,
+            _ => 2e-2,
+        };
+        check_within(family, &held, &held, target, prefill_tolerance, 1e-5);
     }
 }
 

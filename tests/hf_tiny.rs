@@ -1199,18 +1199,20 @@ fn run_f32_logits(dir: &std::path::Path) -> Vec<f32> {
         .clone()
 }
 
-/// FP8 checkpoints (`make_fp8_variants.py`): the weights of `llama`, `qwen3_next` and
-/// `glm4_moe` stored as FP8 codes with scales, blocks of 16 × 32 and 16 × 16 (`weight_scale_inv`,
-/// every expert's own) and one scale a row (compressed-tensors' `weight_scale`). Each weight is
-/// its code times its scale in f32, as transformers reads it, whether read in f32 or held as
-/// FP8 blocks of 32 (Llama's and GLM's; Qwen3-Next's 16-column blocks do not fit them, so it
-/// keeps its checkpoint's f32): logits at every prompt row and cached step, and greedy ids,
-/// through the interpreter and the CPU backend.
+/// FP8 checkpoints (`make_fp8_variants.py`): the weights of `llama`, `qwen3_next`, GLM-5.2's
+/// `glm_moe_dsa_shared` and `glm4_moe` stored as FP8 codes with scales, blocks of 16 × 32 and
+/// 16 × 16 (`weight_scale_inv`, every expert's own; GLM-5.2's latent projections too) and one
+/// scale a row (compressed-tensors' `weight_scale`). Each weight is its code times its scale
+/// in f32, as transformers reads it, whether read in f32 or held as FP8 blocks of 32 (all but
+/// Qwen3-Next's, whose 16-column blocks do not fit them, so it keeps its checkpoint's f32):
+/// logits at every prompt row and cached step, and greedy ids, through the interpreter and the
+/// CPU backend.
 #[test]
 fn fp8_checkpoints_match_hf() {
     for (name, held) in [
         ("llama_fp8", quant::GgmlType::F8E4M3B32),
         ("qwen3_next_fp8", quant::GgmlType::F32),
+        ("glm_moe_dsa_fp8", quant::GgmlType::F8E4M3B32),
         ("glm4_moe_fp8", quant::GgmlType::F8E4M3B32),
     ] {
         check_reference_interpreter(name);

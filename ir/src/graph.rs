@@ -308,4 +308,34 @@ mod tests {
         let err = interp.step(&g, &[2, 0], &[0, 1]).unwrap_err().to_string();
         assert!(err.contains("0 hidden-state values for 2 tokens"), "{err}");
     }
+
+    /// Transposed row groups keep a float weight's type; blocks hold runs of a row, so block-
+    /// quantized rows transpose into f32. Picked row groups stay as they are stored.
+    #[test]
+    fn transposed_blocks_are_f32() {
+        let transposed = Op::TransposeRowGroups {
+            group: 4,
+            start: 0,
+            len: 2,
+        };
+        let picked = Op::RowGroupSlice {
+            group: 4,
+            start: 0,
+            len: 2,
+        };
+        for (stored, want) in [
+            (DType::BF16, DType::BF16),
+            (DType::F16, DType::F16),
+            (DType::Q8_0, DType::F32),
+            (DType::F8E4M3B32, DType::F32),
+        ] {
+            let mut g = Graph::new("t");
+            let w = g.weight("w", &[8, 64], stored);
+            let t = g.add(transposed.clone(), &[w]).unwrap();
+            assert_eq!(g.node(t).dtype, want, "{stored}");
+            assert_eq!(g.node(t).shape, Shape::new([Dim::Const(128), Dim::Const(2)]));
+            let p = g.add(picked.clone(), &[w]).unwrap();
+            assert_eq!(g.node(p).dtype, stored);
+        }
+    }
 }

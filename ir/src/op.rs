@@ -826,9 +826,15 @@ impl Op {
             Self::TransposeRowGroups { group, start, len } => {
                 let (n, k) = f32_rows(inputs[0].0)?;
                 let groups = n.as_const().filter(|n| *group > 0 && n % group == 0).map(|n| n / group);
+                // Blocks hold a row's run of weights, so transposed they are no blocks:
+                // block-quantized rows transpose into f32 (float rows keep their type).
+                let dtype = match inputs[0].1 {
+                    quantized if quantized.is_quantized() => DType::F32,
+                    float => float,
+                };
                 match (groups, k.as_const()) {
                     (Some(g), Some(k)) if *len > 0 && start + len <= *group => {
-                        Ok((Shape::new([Dim::Const(g * k), Dim::Const(*len)]), inputs[0].1))
+                        Ok((Shape::new([Dim::Const(g * k), Dim::Const(*len)]), dtype))
                     }
                     _ => Err(format!(
                         "transpose_row_groups {start}..{} of groups of {group} in {}",
