@@ -5,10 +5,11 @@
 //! a weight is its code times its scale.
 //!
 //! bbc reads them as transformers does where it does not multiply FP8 (its `dequantize` path):
-//! each code widened to f32, multiplied in f32 by its scale, the product rounded once to the
-//! type the model computes in (the checkpoint's own, `config.json`'s `dtype`, where it keeps
-//! the file's types). Every other quantization method a `config.json` can name is refused by
-//! name.
+//! each code widened to f32, multiplied in f32 by its scale. A model that keeps the file's types
+//! holds them as FP8 blocks of 32 with their scale ([`blocks_of_32`], where every 32 columns of
+//! a row lie under one scale), whose weights are those products; one that computes in f32,
+//! bf16 or f16 rounds each product once to that type ([`dequantize`]). Every other
+//! quantization method a `config.json` can name is refused by name.
 
 use crate::error::{ModelError, Result};
 use crate::quant::GgmlType;
@@ -28,6 +29,8 @@ pub struct Fp8Config {
 
 /// The methods whose weights are FP8 E4M3 codes with scales.
 const FP8_METHODS: &str = "fp8, compressed-tensors (float-quantized), fbgemm_fp8, modelopt (FP8)";
+/// Where other quantized weights can come from.
+const OTHERWISE: &str = "and GGUF files for other quantized weights";
 
 /// The `quantization_config` of `config.json` (top level, or its `text_config`'s): `None` where
 /// it has none, its FP8 scales' block where it names an FP8 method, an error naming any other.
@@ -38,11 +41,9 @@ pub fn quantization_of(config: &serde_json::Value, path: &Path) -> Result<Option
     else {
         return Ok(None);
     };
-    let refuse = |what: String| {
-        ModelError::Config {
+    let refuse = |what: String| ModelError::Config {
         path: path.to_path_buf(),
-        what: format!("`quantization_config`: {what}; bbc reads {FP8_METHODS} checkpoints, and GGUF files for other quantized weights"),
-    }
+        what: format!("`quantization_config`: {what}; bbc reads {FP8_METHODS} checkpoints, {OTHERWISE}"),
     };
     let text = |v: Option<&serde_json::Value>| v.and_then(|v| v.as_str()).map(str::to_ascii_lowercase);
     let method = text(quant.get("quant_method")).ok_or_else(|| refuse("has no `quant_method`".into()))?;
