@@ -1238,12 +1238,7 @@ fn fp8_weights_are_rounded_once_to_the_type_computed_in() {
     let dir = fixture("hf-tiny/llama_fp8");
     let fp8_weight = "model.layers.0.mlp.down_proj.weight";
     let prompt = Reference::of("llama_fp8").input_ids;
-    let logits = |model: &Model| {
-        let backend = CpuBackend::new(model.lower(LogitsFor::AllTokens).unwrap(), &model.weights, 64).unwrap();
-        backend.step(&mut backend.new_sequence(), &prompt).unwrap()["logits"]
-            .data
-            .clone()
-    };
+    let logits = |model: &Model| cpu_prompt_logits(model, &prompt);
     for (dtype, stored) in [
         (ComputeDtype::Bf16, quant::GgmlType::BF16),
         (ComputeDtype::F16, quant::GgmlType::F16),
@@ -1284,12 +1279,7 @@ fn converted_fp8_weights_are_released_and_made_again_alike() {
         "nothing is converted before it is read"
     );
     let prompt = Reference::of("qwen3_next_fp8").input_ids;
-    let logits = |model: &Model| {
-        let backend = CpuBackend::new(model.lower(LogitsFor::AllTokens).unwrap(), &model.weights, 64).unwrap();
-        backend.step(&mut backend.new_sequence(), &prompt).unwrap()["logits"]
-            .data
-            .clone()
-    };
+    let logits = |model: &Model| cpu_prompt_logits(model, &prompt);
     let before = logits(&model);
     let held = model.weights.converted_bytes();
     let name = "model.layers.0.mlp.experts.3.down_proj.weight";
@@ -1300,4 +1290,12 @@ fn converted_fp8_weights_are_released_and_made_again_alike() {
     assert_eq!(model.weights.converted_bytes(), 0);
     assert_eq!(model.weights.require(name).unwrap().bytes, &bytes[..]);
     assert_eq!(logits(&model), before);
+}
+
+/// `model`'s logits at every row of `prompt` on the CPU backend, its graph as lowered.
+fn cpu_prompt_logits(model: &Model, prompt: &[u32]) -> Vec<f32> {
+    let backend = CpuBackend::new(model.lower(LogitsFor::AllTokens).unwrap(), &model.weights, 64).unwrap();
+    backend.step(&mut backend.new_sequence(), prompt).unwrap()["logits"]
+        .data
+        .clone()
 }

@@ -554,11 +554,13 @@ fn unreadable_fp8_checkpoints_are_named() {
             at + len
         )
     };
-    let s = |name: &str, shape: &str, at: usize, len: usize| {
-        format!(
-            r#""w.weight_{name}":{{"dtype":"F32","shape":{shape},"data_offsets":[{at},{}]}}"#,
-            at + len
-        )
+    // An FP8 weight of `shape` (`len` codes) and its f32 `weight_scale_inv` of `scales`.
+    let scaled = |shape: &str, len: usize, scales: &str, count: usize| {
+        let scale = format!(
+            r#""w.weight_scale_inv":{{"dtype":"F32","shape":{scales},"data_offsets":[{len},{}]}}"#,
+            len + 4 * count
+        );
+        format!("{{{},{scale}}}", w("F8_E4M3", shape, 0, len))
     };
     let cases = [
         (
@@ -566,36 +568,20 @@ fn unreadable_fp8_checkpoints_are_named() {
             format!("{{{}}}", w("F8_E4M3", "[4,8]", 0, 32)),
             "no `w.weight_scale_inv`",
         ),
+        (fp8.clone(), scaled("[4,8]", 32, "[3]", 3), "[3] fits no layout"),
         (
             fp8.clone(),
-            format!("{{{},{}}}", w("F8_E4M3", "[4,8]", 0, 32), s("scale_inv", "[3]", 32, 12)),
-            "[3] fits no layout",
-        ),
-        (
-            fp8.clone(),
-            format!(
-                "{{{},{}}}",
-                w("F8_E4M3", "[4,8]", 0, 32),
-                s("scale_inv", "[3,1]", 32, 12)
-            ),
+            scaled("[4,8]", 32, "[3,1]", 3),
             "grid 3 × 1 does not divide 4 × 8",
         ),
         (
             serde_json::json!({"quant_method": "fp8"}),
-            format!(
-                "{{{},{}}}",
-                w("F8_E4M3", "[4,8]", 0, 32),
-                s("scale_inv", "[2,2]", 32, 16)
-            ),
+            scaled("[4,8]", 32, "[2,2]", 4),
             "`weight_block_size`",
         ),
         (
             fp8.clone(),
-            format!(
-                "{{{},{}}}",
-                w("F8_E4M3", "[200,256]", 0, 51200),
-                s("scale_inv", "[1,2]", 51200, 8)
-            ),
+            scaled("[200,256]", 51200, "[1,2]", 2),
             "the config's 128 × 128",
         ),
         (fp8.clone(), format!("{{{}}}", w("F8_E5M2", "[4,8]", 0, 32)), "F8_E5M2"),
