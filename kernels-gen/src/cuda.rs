@@ -223,7 +223,8 @@ pub fn emit(kernel: &Kernel) -> String {
     if packs(kernel, MmaElement::F16) {
         let _ = writeln!(out, "{F16_PACK_HELPER}");
     }
-    if has_buffer_of(kernel, Ty::F8E4M3) || uses_op(&kernel.body, UnOp::Fp8ToFloat) {
+    let reads_codes = any_stmt(&kernel.body, &|s| matches!(s, Stmt::LoadVec { fp8_codes: true, .. }));
+    if has_buffer_of(kernel, Ty::F8E4M3) || uses_op(&kernel.body, UnOp::Fp8ToFloat) || reads_codes {
         let _ = writeln!(out, "{FP8_HELPERS}");
     }
     if stores_to(kernel, Ty::F8E4M3) {
@@ -565,7 +566,18 @@ fn block(out: &mut String, body: &[Stmt], scope: &mut Scope, depth: usize) {
                     scope.vars.insert(name.clone(), Ty::U32);
                 }
             }
-            Stmt::LoadVec { buf, index, names } => vector_load(out, buf, &expr(index, scope), names, scope, depth),
+            Stmt::LoadVec {
+                buf,
+                index,
+                names,
+                fp8_codes,
+            } => {
+                let ty = match fp8_codes {
+                    true => Ty::F8E4M3,
+                    false => scope.arrays[buf.as_str()].0,
+                };
+                vector_load(out, (buf, ty), &expr(index, scope), names, scope, depth)
+            }
             Stmt::StoreVec { buf, index, values } => {
                 let values: Vec<String> = values.iter().map(|v| expr(v, scope)).collect();
                 vector_store(out, buf, &expr(index, scope), &values, scope);
@@ -855,8 +867,15 @@ fn mma_registers(operand: &MmaOperand, element: MmaElement) -> Vec<String> {
 /// One aligned 4/8/16-byte load into a CUDA vector, then its lanes as f32 locals (a bf16 is
 /// the top half of an f32: the low element shifted up, the high one masked; an IEEE half
 /// goes through `bbc_f16_to_f32`; FP8 codes widen two at a time), or bytes as int locals.
-fn vector_load(out: &mut String, buf: &str, index: &str, names: &[String], scope: &mut Scope, depth: usize) {
-    let ty = scope.arrays[buf].0;
+/// `ty` is the buffer's element type, or FP8 for bytes read as codes.
+fn vector_load(
+    out: &mut String,
+    (buf, ty): (&str, Ty),
+    index: &str,
+    names: &[String],
+    scope: &mut Scope,
+    depth: usize,
+) {
     let words = names.len() * ty.bytes() / 4;
     let (vector, parts): (&str, &[&str]) = match (ty, words) {
         (Ty::Bf16 | Ty::F16 | Ty::F8E4M3 | Ty::U8, 1) => ("unsigned int", &[""]),

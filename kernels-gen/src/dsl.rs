@@ -219,6 +219,9 @@ pub enum Stmt {
         buf: String,
         index: Expr,
         names: Vec<String>,
+        /// Bytes read as FP8 E4M3 codes, each widened to an f32 local (two a conversion
+        /// instruction): an FP8 checkpoint's weights inside its blocks.
+        fp8_codes: bool,
     },
     /// `buf[index + j] = values[j]` as one 4-, 8- or 16-byte store (as `LoadVec`'s widths;
     /// `index` a multiple of `values.len()`): a lane writes a row's 16 bytes in one access, so
@@ -931,6 +934,17 @@ pub fn load_vec(buf: &str, index: Expr, names: &[String]) -> Stmt {
         buf: buf.into(),
         index,
         names: names.to_vec(),
+        fp8_codes: false,
+    }
+}
+/// `let names[j] = e4m3(buf[index + j])`: bytes of a `u8` buffer as FP8 codes, widened, in
+/// one vector load (see `Stmt::LoadVec`).
+pub fn load_fp8_codes(buf: &str, index: Expr, names: &[String]) -> Stmt {
+    Stmt::LoadVec {
+        buf: buf.into(),
+        index,
+        names: names.to_vec(),
+        fp8_codes: true,
     }
 }
 

@@ -500,7 +500,12 @@ fn check_block_declaring<'a>(
                 }
                 scope.mbarrier(&tma.barrier)?;
             }
-            Stmt::LoadVec { buf, index, names } => {
+            Stmt::LoadVec {
+                buf,
+                index,
+                names,
+                fp8_codes,
+            } => {
                 let (ty, _) = *scope
                     .arrays
                     .get(buf)
@@ -508,9 +513,13 @@ fn check_block_declaring<'a>(
                 if !vector_widths(ty).contains(&names.len()) {
                     return Err(format!("a vector load of {} {ty:?} from `{buf}`", names.len()));
                 }
+                if *fp8_codes && ty != Ty::U8 {
+                    return Err(format!("FP8 codes read from `{buf}`, an array of {ty:?}, not bytes"));
+                }
                 scope.int(index)?;
+                let local = if *fp8_codes { Ty::F32 } else { ty.compute() };
                 for name in names {
-                    declare(name, ty.compute(), scope, &mut declared)?;
+                    declare(name, local, scope, &mut declared)?;
                 }
             }
             Stmt::Tcgen05(op) => check_tcgen05(op, scope, &mut declared)?,

@@ -1892,8 +1892,9 @@ fn registers_move_between_warpgroups_within_the_block() {
     }
 }
 
-/// Bytes load four, eight or sixteen at once as integers, each the byte at its place; such a
-/// load off its width's boundary is reported, and a vector store of bytes is a type error.
+/// Bytes load four, eight or sixteen at once as integers, each the byte at its place, or as
+/// FP8 codes, each its value; such a load off its width's boundary is reported, codes read
+/// from anything but bytes and a vector store of bytes are type errors.
 #[test]
 fn bytes_load_as_words_and_are_never_stored_so() {
     let bytes_kernel = |start: i64, body_after: Vec<Stmt>| Kernel {
@@ -1919,7 +1920,7 @@ fn bytes_load_as_words_and_are_never_stored_so() {
         store("out", tid() * int(4) + int(2), cast(Ty::F32, var("b2"))),
         store("out", tid() * int(4) + int(3), cast(Ty::F32, var("b3"))),
     ];
-    let bytes: Vec<u8> = (0..20).map(|i| 200 + i as u8 * 3).collect();
+    let bytes: Vec<u8> = (0..20usize).map(|i| (200 + 3 * i) as u8).collect();
     let buffers = || {
         HashMap::from([
             ("w".to_string(), Array::u8(&bytes)),
@@ -1934,6 +1935,34 @@ fn bytes_load_as_words_and_are_never_stored_so() {
         Err(EmuError::Fault { message, .. }) => assert!(message.contains("misaligned"), "{message}"),
         other => panic!("expected a fault, got {other:?}"),
     }
+    // Read as FP8 codes, each byte is its E4M3 value; only bytes are read so.
+    let mut codes = bytes_kernel(0, vec![]);
+    codes.body = vec![
+        load_fp8_codes(
+            "w",
+            tid() * int(4),
+            &["c0".into(), "c1".into(), "c2".into(), "c3".into()],
+        ),
+        store("out", tid() * int(4), var("c0")),
+        store("out", tid() * int(4) + int(1), var("c1")),
+        store("out", tid() * int(4) + int(2), var("c2")),
+        store("out", tid() * int(4) + int(3), var("c3")),
+    ];
+    let mut bufs = buffers();
+    run(&codes, &mut bufs, &HashMap::new()).unwrap();
+    let got = bufs["out"].to_f32().unwrap();
+    for (g, &b) in got.iter().zip(&bytes) {
+        let want = ir::F8E4M3(b).to_f32();
+        assert!(
+            g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+            "{b:#x}: {g}"
+        );
+    }
+    codes.params[0] = buffer("w", Ty::F32, false);
+    assert!(matches!(
+        run(&codes, &mut buffers(), &HashMap::new()),
+        Err(EmuError::Type(_))
+    ));
     let mut storing = bytes_kernel(0, vec![]);
     storing.params[1] = buffer("out", Ty::U8, true);
     storing.body.push(store_vec(

@@ -624,10 +624,18 @@ impl<'k> Block<'k> {
                 self.traffic_paused.set(false);
                 stored?;
             }
-            Stmt::LoadVec { buf, index, names } => {
+            Stmt::LoadVec {
+                buf,
+                index,
+                names,
+                fp8_codes,
+            } => {
                 let idx = self.eval(index, mask, global)?;
                 vector_aligned(("load", buf), &idx, mask, names.len(), global)?;
-                let ty = self.array_type(buf, global);
+                let ty = match fp8_codes {
+                    true => Ty::F32,
+                    false => self.array_type(buf, global),
+                };
                 if let Some(array) = self.shared.get(buf) {
                     let bytes = array.ty.bytes();
                     self.count_traffic(buf, &idx, mask, (bytes, names.len() * bytes));
@@ -644,7 +652,12 @@ impl<'k> Block<'k> {
                     if v.is_err() {
                         self.traffic_paused.set(false);
                     }
-                    let v = v?;
+                    let mut v = v?;
+                    if *fp8_codes {
+                        for v in v.iter_mut().filter(|v| !matches!(v, Val::Undef)) {
+                            *v = Val::F(ir::F8E4M3(v.i() as u8).to_f32());
+                        }
+                    }
                     self.touch(name, mask)?;
                     self.declare(name, ty, &v, mask);
                 }

@@ -324,34 +324,35 @@ pub fn block_weights(format: DType, prefix: &str, base: Expr, elements: Range<us
 
 /// [`block_weights`] of an FP8 block: its f32 scale, then each code one weight, read four bytes
 /// a load (a block is 36 bytes, so every word of it is aligned) where a byte at a time would
-/// take nine times the loads; each code widened exactly, times the scale.
+/// take nine times the loads, the codes widened two a conversion; each code's value times the
+/// scale.
 fn fp8_block_weights(prefix: &str, base: Expr, elements: Range<usize>) -> Vec<Stmt> {
     let at = |offset: i64| var("blk_at") + int(offset);
-    let word = |w: usize| -> Vec<String> { (0..4).map(|b| format!("blk_b{w}_{b}")).collect() };
-    let mut s = vec![let_("blk_at", Ty::I32, base), load_vec("w", at(0), &word(0))];
+    let bytes: Vec<String> = (0..4).map(|b| format!("blk_s{b}")).collect();
+    let mut s = vec![let_("blk_at", Ty::I32, base), load_vec("w", at(0), &bytes)];
     let scale = (0..4)
         .map(|b| {
             bin(
                 BinOp::Shl,
-                cast(Ty::U32, var(&word(0)[b])),
+                cast(Ty::U32, var(&bytes[b])),
                 cast(Ty::U32, int(8 * b as i64)),
             )
         })
         .reduce(|a, b| a + b)
         .expect("four bytes");
     s.push(let_("blk_d", Ty::F32, un(UnOp::BitsToFloat, scale)));
-    for w in 1..=8 {
-        let codes = (w - 1) * 4..w * 4;
+    for word in 0..8 {
+        let codes = 4 * word..4 * word + 4;
         if !codes.clone().any(|e| elements.contains(&e)) {
             continue;
         }
-        s.push(load_vec("w", at(4 * w as i64), &word(w)));
+        let values: Vec<String> = codes.clone().map(|e| format!("blk_c{e}")).collect();
+        s.push(load_fp8_codes("w", at(4 + 4 * word as i64), &values));
         for e in codes.filter(|e| elements.contains(e)) {
-            let code = var(&word(w)[e % 4]);
             s.push(let_(
                 &format!("{prefix}{e}"),
                 Ty::F32,
-                un(UnOp::Fp8ToFloat, code) * var("blk_d"),
+                var(&format!("blk_c{e}")) * var("blk_d"),
             ));
         }
     }
