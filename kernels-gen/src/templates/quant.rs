@@ -54,16 +54,18 @@ fn half(i: Expr) -> Expr {
         ),
     )
 }
-/// The little-endian f32 at byte `i` (an FP8 block's scale), its bytes joined as unsigned.
+/// The little-endian f32 at byte `i` (an FP8 block's scale).
 fn f32_at(i: Expr) -> Expr {
-    let b = |k: i64| {
-        bin(
-            BinOp::Shl,
-            cast(Ty::U32, byte(i.clone() + int(k))),
-            cast(Ty::U32, int(8 * k)),
-        )
-    };
-    un(UnOp::BitsToFloat, b(0) + b(1) + b(2) + b(3))
+    f32_of_bytes((0..4).map(|k| byte(i.clone() + int(k))))
+}
+/// The f32 whose little-endian bytes are `bytes` (four integers), joined as unsigned.
+fn f32_of_bytes(bytes: impl Iterator<Item = Expr>) -> Expr {
+    let word = bytes
+        .enumerate()
+        .map(|(k, b)| bin(BinOp::Shl, cast(Ty::U32, b), cast(Ty::U32, int(8 * k as i64))))
+        .reduce(|a, b| a + b)
+        .expect("four bytes");
+    un(UnOp::BitsToFloat, word)
 }
 /// The value of the FP8 E4M3 code at byte `i`.
 fn fp8(i: Expr) -> Expr {
@@ -330,17 +332,7 @@ fn fp8_block_weights(prefix: &str, base: Expr, elements: Range<usize>) -> Vec<St
     let at = |offset: i64| var("blk_at") + int(offset);
     let bytes: Vec<String> = (0..4).map(|b| format!("blk_s{b}")).collect();
     let mut s = vec![let_("blk_at", Ty::I32, base), load_vec("w", at(0), &bytes)];
-    let scale = (0..4)
-        .map(|b| {
-            bin(
-                BinOp::Shl,
-                cast(Ty::U32, var(&bytes[b])),
-                cast(Ty::U32, int(8 * b as i64)),
-            )
-        })
-        .reduce(|a, b| a + b)
-        .expect("four bytes");
-    s.push(let_("blk_d", Ty::F32, un(UnOp::BitsToFloat, scale)));
+    s.push(let_("blk_d", Ty::F32, f32_of_bytes(bytes.iter().map(|b| var(b)))));
     for word in 0..8 {
         let codes = 4 * word..4 * word + 4;
         if !codes.clone().any(|e| elements.contains(&e)) {

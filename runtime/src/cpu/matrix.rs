@@ -1,6 +1,8 @@
 //! Weight matrices as the CPU kernels consume them, and `x · Wᵀ` over them.
 //!
-//! A matrix keeps the storage its graph node asks for: f32, bf16, or a GGML block format.
+//! A matrix keeps the storage its graph node asks for: f32, bf16, half, a GGML block format,
+//! or an FP8 checkpoint's blocks (widened a few rows at a time for the dense tiles,
+//! `fp8_rows`).
 //! The product walks W's rows in parallel runs, so prefill reads the weights once per step and
 //! decode is a pass over the weights. Dense rows (f32, bf16) are multiplied in register tiles
 //! of rows × tokens (`dense`; where the CPU lacks AVX2 and FMA, each row is widened to f32 once
@@ -41,7 +43,8 @@ pub enum Storage {
 
 impl Storage {
     /// GGUF rows of `row_bytes` each, interleaved for the int8 kernels (every block format bbc
-    /// reads has a layout; rows of no whole number of blocks are refused).
+    /// reads has a layout; rows of no whole number of blocks are refused); FP8 blocks as they
+    /// are.
     pub fn block_rows(dtype: GgmlType, bytes: Vec<u8>, row_bytes: usize) -> Result<Self, String> {
         if dtype == GgmlType::F8E4M3B32 {
             return match row_bytes > 0
