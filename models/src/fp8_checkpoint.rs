@@ -410,6 +410,73 @@ mod tests {
         assert!(grid(&[4, 64], &[4, 1], None).unwrap().fits_blocks_of_32());
     }
 
+    /// The checks of one grid: every element takes a scale the file holds, every scale covers
+    /// an element, and blocks of 32 are chosen only where each 32 columns of a row share one.
+    fn check_covers(g: &ScaleGrid, count: usize) -> std::result::Result<(), String> {
+        if g.scales() != count {
+            return Err(format!("{} scales for {count}", g.scales()));
+        }
+        let mut used = vec![false; count];
+        for m in 0..g.matrices {
+            for r in 0..g.rows {
+                for c in 0..g.cols {
+                    let at = g.scale_index(m, r, c);
+                    if at >= count {
+                        return Err(format!("({m}, {r}, {c}) takes scale {at} of {count}"));
+                    }
+                    used[at] = true;
+                    if g.fits_blocks_of_32() && at != g.scale_index(m, r, c / 32 * 32) {
+                        return Err(format!("({m}, {r}, {c}): two scales in a block of 32"));
+                    }
+                }
+            }
+        }
+        match used.iter().all(|&u| u) {
+            true => Ok(()),
+            false => Err("a scale no element takes".into()),
+        }
+    }
+
+    proptest::proptest! {
+        /// Whatever shapes a file declares, a grid is refused or covers the weight (see
+        /// `check_covers`); the layouts files use (a tensor's scale, a row's, groups of a row,
+        /// the config's blocks) are accepted.
+        #[test]
+        fn a_grid_covers_its_weight_with_the_scales_it_has(
+            lead in proptest::collection::vec(1usize..4, 0..2),
+            rows in 1usize..40,
+            cols in 1usize..100,
+            scale in proptest::collection::vec(0usize..40, 0..4),
+            block in proptest::option::of((1usize..40, 1usize..100)),
+            group in 1usize..8,
+        ) {
+            let weight: Vec<usize> = lead.iter().copied().chain([rows, cols]).collect();
+            let with_lead = |tail: &[usize]| -> Vec<usize> { lead.iter().chain(tail).copied().collect() };
+            let group = (1..=group).rev().find(|g| cols % g == 0).unwrap_or(1);
+            let mut used = vec![
+                (scale.clone(), None, false),
+                (vec![], None, true),
+                (with_lead(&[rows]), None, true),
+                (with_lead(&[rows, 1]), None, true),
+                (with_lead(&[rows, cols / group]), None, true),
+            ];
+            if let Some((br, bc)) = block {
+                used.push((with_lead(&[rows.div_ceil(br), cols.div_ceil(bc)]), Some([br, bc]), true));
+                used.push((scale.clone(), Some([br, bc]), false));
+            }
+            for (scale, block, accepted) in used {
+                match grid(&weight, &scale, block) {
+                    Ok(g) => {
+                        let count: usize = scale.iter().product();
+                        let covered = check_covers(&g, count);
+                        proptest::prop_assert!(covered.is_ok(), "{weight:?} by {scale:?}: {covered:?}");
+                    }
+                    Err(e) => proptest::prop_assert!(!accepted, "{weight:?} by {scale:?} ({block:?}): {e}"),
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_checkpoints_dtype_is_its_configs() {
         assert_eq!(checkpoint_dtype(&json!({"dtype": "float32"})), GgmlType::F32);
