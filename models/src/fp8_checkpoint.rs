@@ -14,7 +14,6 @@
 use crate::error::{ModelError, Result};
 use crate::quant::GgmlType;
 use half::{bf16, f16};
-use ir::F8E4M3;
 use rayon::prelude::*;
 use std::path::Path;
 
@@ -271,7 +270,7 @@ pub fn blocks_of_32(codes: &[u8], scales: &[f32], grid: &ScaleGrid) -> Vec<u8> {
 /// The weight's bytes as `dtype` (f32, bf16 or f16): each code widened, times its scale in
 /// f32, the product rounded to `dtype`.
 pub fn dequantize(codes: &[u8], scales: &[f32], grid: &ScaleGrid, dtype: GgmlType) -> Vec<u8> {
-    let widened: [f32; 256] = std::array::from_fn(|code| F8E4M3(code as u8).to_f32());
+    let widened = quant::fp8_blocks::code_values();
     let size = match dtype {
         GgmlType::F32 => 4,
         GgmlType::BF16 | GgmlType::F16 => 2,
@@ -298,6 +297,7 @@ pub fn dequantize(codes: &[u8], scales: &[f32], grid: &ScaleGrid, dtype: GgmlTyp
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ir::F8E4M3;
     use serde_json::json;
 
     fn grid(weight: &[usize], scale: &[usize], block: Option<[usize; 2]>) -> std::result::Result<ScaleGrid, String> {

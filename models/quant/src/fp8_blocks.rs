@@ -8,8 +8,8 @@ use ir::F8E4M3;
 pub const BLOCK_ELEMS: usize = 32;
 pub const BLOCK_BYTES: usize = 36;
 
-/// Every code's value (NaN for the two NaN codes).
-fn widened() -> &'static [f32; 256] {
+/// Every code's value, exactly (NaN for the two NaN codes), made once.
+pub fn code_values() -> &'static [f32; 256] {
     static TABLE: std::sync::OnceLock<[f32; 256]> = std::sync::OnceLock::new();
     TABLE.get_or_init(|| std::array::from_fn(|code| F8E4M3(code as u8).to_f32()))
 }
@@ -21,7 +21,7 @@ pub fn scale(block: &[u8]) -> f32 {
 
 /// One block's 32 weights.
 pub fn dequantize_block(block: &[u8], out: &mut [f32]) {
-    let (table, d) = (widened(), scale(block));
+    let (table, d) = (code_values(), scale(block));
     for (o, &code) in out.iter_mut().zip(&block[4..BLOCK_BYTES]) {
         *o = table[usize::from(code)] * d;
     }
