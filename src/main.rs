@@ -105,6 +105,13 @@ enum Command {
         /// random weights of its shape (an HF directory's config.json), made where it runs.
         #[arg(long, value_enum, default_value_t = bbc::model_ref::LoadFormat::Auto)]
         load_format: bbc::model_ref::LoadFormat,
+        /// How the weights are quantized (vLLM's flag): `fp8` quantizes a checkpoint of floats as
+        /// it loads (linear layers' weights into FP8 blocks of 32, the rest as `--dtype` says);
+        /// over quantized files it is checked against what they say: `fp8`,
+        /// `compressed-tensors`, `fbgemm_fp8`, `modelopt` (FP8 checkpoints, then held as FP8
+        /// whatever `--dtype`), `gguf`.
+        #[arg(long, short = 'q')]
+        quantization: Option<String>,
     },
     /// Generate text from an artifact, a model.toml, a weights path or a model name.
     Run(commands::run::RunArgs),
@@ -166,6 +173,7 @@ fn run(cli: Cli) -> Result<()> {
             kv_cache_dtype,
             dtype,
             load_format,
+            quantization,
         } => commands::compile::compile(&commands::compile::CompileArgs {
             model: &model,
             target: &target,
@@ -183,6 +191,7 @@ fn run(cli: Cli) -> Result<()> {
             kv_cache_dtype,
             dtype,
             load_format,
+            quantization: quantization.as_deref(),
         }),
         Command::Run(args) => commands::run::run(&args),
         Command::Perplexity(args) => commands::perplexity::perplexity(&args),

@@ -116,7 +116,11 @@ fn open_model(spec: ModelSpec, host_weights: bool) -> Result<Model> {
         }
         false => Default::default(),
     };
-    let weights = models::WeightSource::Memory(weights);
+    let mut weights = models::WeightSource::Memory(weights);
+    // Weights left for the device are made there as the artifact's plans read them.
+    if let (Some(asked), true) = (&spec.quantization, host_weights) {
+        weights.quantize_as(asked)?;
+    }
     // A tokenizer given, else one beside the config (an HF directory without weights).
     let beside = spec.weights.with_file_name("tokenizer.json");
     let tokenizer = match (&spec.tokenizer, beside.is_file()) {
@@ -258,8 +262,8 @@ pub struct LoadOptions {
     /// [`tokenizer_file`]): for a model whose files have none, such as a shape run with random
     /// weights.
     pub tokenizer: Option<String>,
-    /// What the weights must be quantized as (vLLM's `--quantization`; see
-    /// [`check_quantization`]).
+    /// What the weights must be quantized as (vLLM's `--quantization`; checked, or done as they
+    /// load: `models::WeightSource::quantize_as`).
     pub quantization: Option<String>,
 }
 
@@ -320,98 +324,64 @@ pub fn tokenizer(arg: &str) -> Result<models::Tokenizer> {
 
 /// Open `arg`; `options.dtype` overrides the compute dtype of anything but an artifact.
 pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
-    let quantization = options.quantization.clone();
-    let loaded = load_unchecked(arg, options)?;
-    if let Some(asked) = quantization {
-        check_quantization(&asked, &loaded.model.weights)?;
-    }
-    Ok(loaded)
-}
-
-/// vLLM's `--quantization`: bbc reads how a checkpoint is quantized from its files, so the
-/// flag is a check that it names what they hold (vLLM makes the same check); nothing is
-/// quantized as it loads.
-fn check_quantization(asked: &str, weights: &models::WeightSource) -> Result<()> {
-    let named = asked.to_ascii_lowercase();
-    match weights.quantization() {
-        Some(held) if held == named => Ok(()),
-        Some(held) => bail!("--quantization {asked}: the model's weights are quantized as `{held}`"),
-        None => bail!(
-            "--quantization {asked}: the model's weights are not quantized, and bbc quantizes none as it \
-             loads (as vLLM's online `fp8` would): give it a quantized checkpoint (FP8) or a GGUF file"
-        ),
-    }
-}
-
-fn load_unchecked(arg: &str, options: LoadOptions) -> Result<Loaded> {
     let reference = ModelRef::parse(arg)?;
     match reference.spec(options.quiet)? {
-        Some(mut spec) => {
-            if options.load_format == LoadFormat::Dummy {
-                spec = with_random_weights(spec)?;
-            }
-            if let Some(d) = options.dtype {
-                spec.dtype = d;
-            }
-            if let Some(k) = options.kv_cache_dtype {
-                spec.kv_cache_dtype = k;
-            }
-            if let Some(n) = options.max_model_len {
-                ensure!(n >= 1, "--max-model-len must be at least 1");
-                spec.context_length = Some(n);
-            }
-            if let Some(arg) = &options.tokenizer {
-                spec.tokenizer = Some(tokenizer_file(arg)?);
-            }
-            let speculative = spec.speculative.clone();
-            let model = match options.max_model_len {
-                Some(n) => open_model(spec, true).with_context(|| format!("--max-model-len {n}"))?,
-                None => open_model(spec, true)?,
-            };
-            let fuse = |graph: Graph| -> Result<Graph> {
-                if !options.fuse {
-                    return Ok(graph);
-                }
-                let stages = passes::optimize(&graph, passes::CostModel::CPU, None)?;
-                Ok(stages.into_iter().last().map_or(graph, |s| s.graph))
-            };
-            let graph = fuse(model.lower(options.logits)?)?;
-            let greedy = match options.greedy {
-                true => Some(fuse(model.lower(LogitsFor::GreedyToken)?)?),
-                false => None,
-            };
-            Ok(Loaded {
-                model,
-                graph,
-                greedy,
-                int8_heads: Vec::new(),
-                gpu_plan: None,
-                generated_weights: None,
-                speculative,
-            })
-        }
+        Some(spec) => load_spec(spec, options),
         None => {
             let ModelRef::Artifact(dir) = reference else {
                 unreachable!("only artifacts have no spec")
             };
-            if options.dtype.is_some() {
-                bail!("--dtype does not apply to a compiled artifact: its dtype was fixed by `bbc compile`");
-            }
-            if options.load_format == LoadFormat::Dummy {
-                bail!("--load-format dummy does not apply to a compiled artifact: its weights were fixed by `bbc compile`");
-            }
-            if options.kv_cache_dtype.is_some() {
-                bail!("--kv-cache-dtype does not apply to a compiled artifact: its caches were fixed by `bbc compile` (model.toml's `kv_cache_dtype`)");
-            }
-            if options.max_model_len.is_some() {
-                bail!("--max-model-len does not apply to a compiled artifact: its context was fixed by `bbc compile` (model.toml's `context_length`)");
-            }
-            if options.tokenizer.is_some() {
-                bail!("--tokenizer does not apply to a compiled artifact: its tokenizer was fixed by `bbc compile`");
-            }
-            load_artifact(&dir)
+            load_artifact(&dir, options)
         }
     }
+}
+
+fn load_spec(mut spec: ModelSpec, options: LoadOptions) -> Result<Loaded> {
+    if options.load_format == LoadFormat::Dummy {
+        spec = with_random_weights(spec)?;
+    }
+    if let Some(d) = options.dtype {
+        spec.dtype = d;
+    }
+    if let Some(k) = options.kv_cache_dtype {
+        spec.kv_cache_dtype = k;
+    }
+    if let Some(n) = options.max_model_len {
+        ensure!(n >= 1, "--max-model-len must be at least 1");
+        spec.context_length = Some(n);
+    }
+    if let Some(arg) = &options.tokenizer {
+        spec.tokenizer = Some(tokenizer_file(arg)?);
+    }
+    if let Some(q) = &options.quantization {
+        spec.quantization = Some(q.clone());
+    }
+    let speculative = spec.speculative.clone();
+    let model = match options.max_model_len {
+        Some(n) => open_model(spec, true).with_context(|| format!("--max-model-len {n}"))?,
+        None => open_model(spec, true)?,
+    };
+    let fuse = |graph: Graph| -> Result<Graph> {
+        if !options.fuse {
+            return Ok(graph);
+        }
+        let stages = passes::optimize(&graph, passes::CostModel::CPU, None)?;
+        Ok(stages.into_iter().last().map_or(graph, |s| s.graph))
+    };
+    let graph = fuse(model.lower(options.logits)?)?;
+    let greedy = match options.greedy {
+        true => Some(fuse(model.lower(LogitsFor::GreedyToken)?)?),
+        false => None,
+    };
+    Ok(Loaded {
+        model,
+        graph,
+        greedy,
+        int8_heads: Vec::new(),
+        gpu_plan: None,
+        generated_weights: None,
+        speculative,
+    })
 }
 
 /// `spec` with random weights of its shape (`--load-format dummy`): an HF directory's (or a
@@ -461,7 +431,24 @@ fn carries_fill_kernels(dir: &Path, manifest: &codegen::Manifest) -> bool {
     })
 }
 
-fn load_artifact(dir: &Path) -> Result<Loaded> {
+/// Open the artifact in `dir`: the options a compiled artifact fixed are refused, a
+/// `--quantization` checked against what it was compiled with.
+fn load_artifact(dir: &Path, options: LoadOptions) -> Result<Loaded> {
+    if options.dtype.is_some() {
+        bail!("--dtype does not apply to a compiled artifact: its dtype was fixed by `bbc compile`");
+    }
+    if options.load_format == LoadFormat::Dummy {
+        bail!("--load-format dummy does not apply to a compiled artifact: its weights were fixed by `bbc compile`");
+    }
+    if options.kv_cache_dtype.is_some() {
+        bail!("--kv-cache-dtype does not apply to a compiled artifact: its caches were fixed by `bbc compile` (model.toml's `kv_cache_dtype`)");
+    }
+    if options.max_model_len.is_some() {
+        bail!("--max-model-len does not apply to a compiled artifact: its context was fixed by `bbc compile` (model.toml's `context_length`)");
+    }
+    if options.tokenizer.is_some() {
+        bail!("--tokenizer does not apply to a compiled artifact: its tokenizer was fixed by `bbc compile`");
+    }
     let manifest = codegen::read_manifest(dir)?;
     let spec = ModelSpec {
         weights: manifest.weights.clone(),
@@ -473,12 +460,25 @@ fn load_artifact(dir: &Path) -> Result<Loaded> {
         tokenizer: manifest.tokenizer.clone(),
         speculative: None,
         random_weights: manifest.random_weights,
+        quantization: manifest.quantization.clone(),
     };
     let on_device = manifest
         .random_weights
         .filter(|_| manifest.target != Target::Cpu && carries_fill_kernels(dir, &manifest));
     let model = open_model(spec, on_device.is_none())
         .with_context(|| format!("opening the weights {} names", dir.display()))?;
+    if let Some(asked) = &options.quantization {
+        // Weights made on the device are not held here: the manifest says what they are.
+        let held = model.weights.quantization().or(manifest.quantization.as_deref());
+        ensure!(
+            held.is_some_and(|h| h.eq_ignore_ascii_case(asked)),
+            "--quantization {asked} does not apply to this artifact: {}",
+            match held {
+                Some(held) => format!("its weights are quantized as `{held}`"),
+                None => "its weights are not quantized (`bbc compile --quantization` quantizes them)".into(),
+            }
+        );
+    }
     let graphs = codegen::read_graphs(dir, &manifest)?;
     Ok(Loaded {
         model,

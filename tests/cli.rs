@@ -860,9 +860,10 @@ fn read_json_file(path: &std::path::Path) -> serde_json::Value {
 }
 
 /// An FP8 checkpoint runs from the command line as transformers runs it (its greedy ids over
-/// the reference's prompt); vLLM's `--quantization` checks what the files hold: it passes where
-/// it names their method, and is refused naming what they hold otherwise, or that they hold
-/// unquantized weights (bbc quantizes nothing as it loads).
+/// the reference's prompt); vLLM's `--quantization` checks what quantized files hold: it passes
+/// where it names their method, and is refused naming what they hold otherwise. Over a
+/// checkpoint of floats `fp8` quantizes it as it loads (transformers' greedy ids over the same
+/// weights quantized by torch), kept by an artifact compiled so; other methods are refused.
 #[test]
 fn fp8_checkpoints_run_and_quantization_names_what_the_files_hold() {
     let dir = common::fixture("hf-tiny/llama_fp8");
@@ -890,17 +891,97 @@ fn fp8_checkpoints_run_and_quantization_names_what_the_files_hold() {
     assert_eq!(run(dir, &["-q", "FP8"]), want);
     let err = refused(&["run", dir, "--prompt-ids", "1", "--quantization", "gguf"]);
     assert!(err.contains("quantized as `fp8`"), "{err}");
-    let plain = common::fixture("hf-tiny/llama");
-    let err = refused(&[
-        "run",
-        plain.to_str().unwrap(),
-        "--prompt-ids",
-        "1",
-        "--quantization",
-        "fp8",
-    ]);
-    assert!(err.contains("not quantized"), "{err}");
     let gguf = smollm2();
     let err = refused(&["run", &gguf, "--prompt-ids", "1", "--quantization", "awq"]);
     assert!(err.contains("quantized as `gguf`"), "{err}");
+
+    let plain = common::fixture("hf-tiny/llama");
+    let plain = plain.to_str().unwrap();
+    let on_load = common::hf_reference::Reference::of("llama_fp8_on_load");
+    assert_eq!(on_load.input_ids, reference.input_ids);
+    assert_eq!(run(plain, &["--quantization", "fp8"]), on_load.greedy_ids);
+    assert_eq!(run(plain, &["-q", "fp8", "--dtype", "bfloat16"]), on_load.greedy_ids);
+    let err = refused(&["run", plain, "--prompt-ids", "1", "--quantization", "awq"]);
+    assert!(err.contains("not quantized") && err.contains("`fp8` only"), "{err}");
+
+    let scratch = common::scratch_dir("bbc-fp8-on-load-");
+    let artifact = scratch.path().join("fp8");
+    let out = artifact.to_str().unwrap();
+    bbc(&["compile", plain, "--target", "cpu", "-q", "fp8", "-o", out]);
+    let manifest = codegen::read_manifest(&artifact).unwrap();
+    assert_eq!(manifest.quantization.as_deref(), Some("fp8"));
+    assert!(std::fs::read_to_string(artifact.join("graph.ir"))
+        .unwrap()
+        .contains("f8_e4m3_b32"));
+    assert_eq!(run(out, &[]), on_load.greedy_ids);
+    assert_eq!(run(out, &["-q", "fp8"]), on_load.greedy_ids);
+    let err = refused(&["run", out, "--prompt-ids", "1", "-q", "gguf"]);
+    assert!(err.contains("quantized as `fp8`"), "{err}");
+    let floats = scratch.path().join("floats");
+    bbc(&["compile", plain, "--target", "cpu", "-o", floats.to_str().unwrap()]);
+    let err = refused(&["run", floats.to_str().unwrap(), "--prompt-ids", "1", "-q", "fp8"]);
+    assert!(err.contains("not quantized"), "{err}");
+}
+
+/// Random weights (`--load-format dummy`) quantize as a checkpoint's do: every tensor is that
+/// of a checkpoint holding the same random weights, quantized as it loads; an artifact
+/// compiled so records it and its graph reads FP8 blocks.
+#[test]
+fn dummy_weights_quantize_as_they_load() {
+    let scratch = common::scratch_dir("bbc-fp8-dummy-");
+    let config = scratch.path().join("config.json");
+    std::fs::copy(common::fixture("hf-tiny/llama/config.json"), &config).unwrap();
+    let load = |model: &std::path::Path, dtype: Option<models::ComputeDtype>| {
+        let options = bbc::model_ref::LoadOptions {
+            quantization: Some("fp8".into()),
+            dtype,
+            quiet: true,
+            fuse: false,
+            ..Default::default()
+        };
+        bbc::model_ref::load(model.to_str().unwrap(), options).unwrap()
+    };
+    let dummy = load(&config, None);
+    let dir = scratch.path().join("checkpoint");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::copy(&config, dir.join("config.json")).unwrap();
+    let seed = bbc::model_ref::RANDOM_WEIGHTS_SEED;
+    runtime::random_weights::write_checkpoint(&dummy.graph, seed, &dir.join("model.safetensors")).unwrap();
+    let checkpoint = load(&dir, Some(models::ComputeDtype::Bf16));
+    let mut names = dummy.model.weights.names();
+    names.sort_unstable();
+    let mut fp8 = 0;
+    for name in names {
+        let (a, b) = (
+            dummy.model.weights.require(name).unwrap(),
+            checkpoint.model.weights.require(name).unwrap(),
+        );
+        assert!(a.dtype == b.dtype && a.shape == b.shape && a.bytes == b.bytes, "{name}");
+        fp8 += usize::from(a.dtype == quant::GgmlType::F8E4M3B32);
+    }
+    assert_eq!(fp8, 21, "7 projections a layer");
+    let artifact = scratch.path().join("artifact");
+    let out = artifact.to_str().unwrap();
+    bbc(&[
+        "compile",
+        config.to_str().unwrap(),
+        "--target",
+        "cpu",
+        "-q",
+        "fp8",
+        "-o",
+        out,
+    ]);
+    assert_eq!(
+        codegen::read_manifest(&artifact).unwrap().quantization.as_deref(),
+        Some("fp8")
+    );
+    assert!(std::fs::read_to_string(artifact.join("graph.ir"))
+        .unwrap()
+        .contains("f8_e4m3_b32"));
+    let run = |model: &str, extra: &[&str]| {
+        let args = ["run", model, "--prompt-ids", "1,5,9", "--max-tokens", "4", "--json"];
+        json(&[&args[..], extra].concat())["ids"].clone()
+    };
+    assert_eq!(run(out, &[]), run(config.to_str().unwrap(), &["-q", "fp8"]));
 }

@@ -344,6 +344,7 @@ fn compile_every_plan(model: &std::path::Path, target: Target, output: &std::pat
         kv_cache_dtype: None,
         dtype: None,
         load_format: Default::default(),
+        quantization: None,
     };
     bbc::commands::compile::compile(&args)
         .unwrap_or_else(|e| panic!("{} on {}: {e:#}", model.display(), target.name()));

@@ -1292,6 +1292,132 @@ fn converted_fp8_weights_are_released_and_made_again_alike() {
     assert_eq!(logits(&model), before);
 }
 
+/// The hf-tiny model `name` quantized to FP8 as it loads (`--quantization fp8`), in `dtype`.
+fn open_quantized(name: &str, dtype: ComputeDtype) -> Model {
+    let mut spec = ModelSpec::for_weights(&fixture(&format!("hf-tiny/{name}")));
+    spec.dtype = dtype;
+    spec.quantization = Some("fp8".into());
+    Model::open(spec).unwrap()
+}
+
+/// `--quantization fp8` over float checkpoints, against `make_fp8_variants.py`'s
+/// `*_fp8_on_load`, the same weights quantized by torch where bbc quantizes them (blocks of
+/// 1 × 32): bbc's quantization gives those checkpoints' scales and codes bit for bit, every
+/// other tensor as stored; the model then matches transformers running the checkpoint at
+/// every prompt row and cached step, greedy ids equal, through the interpreter and the CPU
+/// backend. Llama; Qwen3-Next (experts, Gated DeltaNet); GLM-5.2 (latent attention, indexer).
+#[test]
+fn fp8_quantization_on_load_is_torchs_and_matches_hf() {
+    for (base, checkpoint, least_quantized) in [
+        ("llama", "llama_fp8_on_load", 21),
+        ("qwen3_next", "qwen3_next_fp8_on_load", 69),
+        ("glm_moe_dsa_shared", "glm_moe_dsa_fp8_on_load", 104),
+    ] {
+        let quantized = open_quantized(base, ComputeDtype::Native);
+        assert_eq!(quantized.weights.quantization(), Some("fp8"));
+        let mut spec = ModelSpec::for_weights(&fixture(&format!("hf-tiny/{checkpoint}")));
+        spec.dtype = ComputeDtype::Native;
+        let stored = Model::open(spec).unwrap();
+        let mut names = quantized.weights.names();
+        names.sort_unstable();
+        let mut stored_names = stored.weights.names();
+        stored_names.sort_unstable();
+        assert_eq!(names, stored_names, "{base}");
+        let mut fp8 = 0;
+        for name in names {
+            let (ours, torchs) = (
+                quantized.weights.require(name).unwrap(),
+                stored.weights.require(name).unwrap(),
+            );
+            assert_eq!((ours.dtype, ours.shape), (torchs.dtype, torchs.shape), "{base}: {name}");
+            assert!(ours.bytes == torchs.bytes, "{base}: {name} is not the checkpoint's");
+            fp8 += usize::from(ours.dtype == quant::GgmlType::F8E4M3B32);
+        }
+        assert_eq!(fp8, least_quantized, "{base}: weights quantized");
+        let reference = Reference::of(checkpoint);
+        check_interpreter_against(&quantized, &reference, &format!("{base} fp8 on load"));
+        check_cpu_backend_against(&quantized, &reference, &format!("{base} fp8 on load"));
+    }
+}
+
+/// Under `--dtype bf16` (or f16) the quantized weights stay FP8 blocks and the dtype types the
+/// rest (embeddings, heads): the graph's weights say so, and the logits stay within 1e-2 of
+/// the largest of transformers' over the checkpoint in f32 (bf16's rounding of the embeddings
+/// and activations moves them 3.6e-3), greedy ids equal.
+#[test]
+fn fp8_quantization_on_load_keeps_its_blocks_under_a_16_bit_dtype() {
+    let reference = Reference::of("llama_fp8_on_load");
+    for (dtype, rest) in [
+        (ComputeDtype::Bf16, ir::DType::BF16),
+        (ComputeDtype::F16, ir::DType::F16),
+    ] {
+        let model = open_quantized("llama", dtype);
+        let graph = model.lower(LogitsFor::AllTokens).unwrap();
+        let weight_dtype = |name: &str| {
+            graph
+                .nodes()
+                .iter()
+                .find(|n| matches!(&n.op, ir::Op::Weight { name: m } if m == name))
+                .map(|n| n.dtype)
+                .unwrap()
+        };
+        assert_eq!(
+            weight_dtype("model.layers.2.mlp.down_proj.weight"),
+            ir::DType::F8E4M3B32
+        );
+        assert_eq!(weight_dtype("model.embed_tokens.weight"), rest);
+        check_cpu_graph_within(&model, graph, &reference, 1e-2, &format!("fp8 on load, {dtype:?}"));
+    }
+}
+
+/// Every family quantized as it loads runs on the CPU backend as the reference interpreter
+/// runs the same FP8 weights (the interpreter widens each block; the backend multiplies the
+/// blocks): every prompt row, and cached greedy steps.
+#[test]
+fn every_family_quantized_on_load_runs_on_the_cpu_as_the_interpreter_does() {
+    for family in [
+        "llama",
+        "gemma3",
+        "gemma4",
+        "gemma4_moe",
+        "glm4_moe",
+        "glm_moe_dsa",
+        "qwen3_5",
+        "qwen3_next",
+    ] {
+        let model = open_quantized(family, ComputeDtype::Native);
+        let reference = interpreter_reference(&model, &Reference::of(family).input_ids, 6);
+        check_cpu_backend_against(&model, &reference, &format!("{family} fp8 on load"));
+    }
+}
+
+/// The reference interpreter's run of `model` over `prompt` and `steps` greedy steps, in the
+/// hf-tiny references' layout.
+fn interpreter_reference(model: &Model, prompt: &[u32], steps: usize) -> Reference {
+    let graph = model.lower(LogitsFor::AllTokens).unwrap();
+    let weights = models::weights::DequantizedWeights::new(&model.weights);
+    let mut interp = ir::reference::Interpreter::new(&weights);
+    let n = prompt.len();
+    let out = interp.step(&graph, prompt, &(0..n).collect::<Vec<_>>()).unwrap();
+    let logits = out["logits"].data.clone();
+    let vocab = logits.len() / n;
+    let mut last = logits[(n - 1) * vocab..].to_vec();
+    let (mut greedy_ids, mut step_logits) = (Vec::new(), Vec::new());
+    for step in 0..steps {
+        let id = argmax(&last);
+        step_logits.extend_from_slice(&last);
+        greedy_ids.push(id);
+        last = interp.step(&graph, &[id], &[n + step]).unwrap()["logits"].data.clone();
+    }
+    Reference {
+        input_ids: prompt.to_vec(),
+        logits,
+        greedy_ids,
+        step_logits,
+        vocab,
+    }
+}
+
 /// `model`'s logits at every row of `prompt` on the CPU backend, its graph as lowered.
 fn cpu_prompt_logits(model: &Model, prompt: &[u32]) -> Vec<f32> {
     let backend = CpuBackend::new(model.lower(LogitsFor::AllTokens).unwrap(), &model.weights, 64).unwrap();

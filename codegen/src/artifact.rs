@@ -78,6 +78,10 @@ pub struct Manifest {
     /// The seed of the model's random weights, where it runs without a weights file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub random_weights: Option<u32>,
+    /// What the weights were asked to be quantized as (`--quantization`): checked against a
+    /// quantized checkpoint, or done as they load over one of floats; the graphs read them so.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantization: Option<String>,
     /// Where the tokenizer comes from: the weights themselves unless a model.toml overrode it.
     pub tokenizer: Option<PathBuf>,
     pub context_length: usize,
@@ -231,6 +235,7 @@ pub fn compile_with(
         weights,
         weights_sha256,
         random_weights: model.spec.random_weights,
+        quantization: model.spec.quantization.clone(),
         tokenizer: model.spec.tokenizer.clone(),
         context_length: model.config.context_length,
         graph_text: GRAPH_TEXT.into(),

@@ -40,6 +40,8 @@ pub enum ModelError {
     MissingTensor(String),
     #[error("tensor `{name}`: {what}")]
     TensorShape { name: String, what: String },
+    #[error("quantization `{asked}`: {what}")]
+    Quantization { asked: String, what: String },
     #[error("tokenizer: {0}")]
     Tokenizer(String),
     #[error("chat template: {0}")]

@@ -5,6 +5,7 @@ pub mod config;
 pub mod error;
 pub mod families;
 pub mod fp8_checkpoint;
+pub mod fp8_on_load;
 pub mod generation_defaults;
 pub mod gguf;
 pub mod model_toml;
@@ -44,7 +45,16 @@ impl Model {
         let path = spec.weights.clone();
         let (mut config, weights, tokenizer, generation_defaults) = if path.is_dir() {
             let config = ModelConfig::from_hf_config(&path.join("config.json"))?;
-            let weights = WeightSource::open_safetensors_computing(&path, spec.dtype)?;
+            // Quantized weights asked for: an FP8 checkpoint's held as FP8 whatever the
+            // compute dtype (it then types the rest, as vLLM's `--dtype` does).
+            let fp8_as = match spec.quantization {
+                Some(_) => ComputeDtype::Native,
+                None => spec.dtype,
+            };
+            let mut weights = WeightSource::open_safetensors_computing(&path, fp8_as)?;
+            if let Some(asked) = &spec.quantization {
+                weights.quantize_as(asked)?;
+            }
             let tokenizer = if path.join("tokenizer.json").exists() {
                 Some(Tokenizer::from_hf_dir(&path)?)
             } else {
@@ -59,7 +69,11 @@ impl Model {
                 None => None,
             };
             let generation_defaults = GenerationDefaults::from_gguf(&file)?;
-            (config, WeightSource::from_gguf(file), tokenizer, generation_defaults)
+            let mut weights = WeightSource::from_gguf(file);
+            if let Some(asked) = &spec.quantization {
+                weights.quantize_as(asked)?;
+            }
+            (config, weights, tokenizer, generation_defaults)
         };
         if let Some(family) = spec.architecture {
             if family != config.family {

@@ -10,6 +10,9 @@
 //!                                              # dtype's; native: f16 for quantized blocks)
 //! context_length = 4096                        # optional: at most the model's own
 //! tokenizer = "tokenizer.json"                 # optional: overrides the weights' tokenizer
+//! quantization = "fp8"                         # optional: what the weights must be quantized
+//!                                              # as; a checkpoint of floats is quantized as it
+//!                                              # loads (fp8 only; vLLM's `--quantization`)
 //!
 //! [speculative]                                # optional: speculative decoding in `bbc serve`
 //! method = "ngram"                             # prompt lookup, "draft_model", or "mtp" (the
@@ -102,6 +105,7 @@ pub struct ModelSection {
     pub kv_cache_dtype: Option<String>,
     pub context_length: Option<usize>,
     pub tokenizer: Option<PathBuf>,
+    pub quantization: Option<String>,
 }
 
 /// A checked `model.toml` with paths resolved.
@@ -113,6 +117,9 @@ pub struct ModelSpec {
     pub kv_cache_dtype: KvCacheDtype,
     pub context_length: Option<usize>,
     pub tokenizer: Option<PathBuf>,
+    /// What the weights must be quantized as (vLLM's `--quantization`, checked or done as they
+    /// load: `WeightSource::quantize_as`).
+    pub quantization: Option<String>,
     /// `[speculative]`, where the file has it.
     pub speculative: Option<Speculative>,
     /// Where `weights` is a `config.json`: the model runs with random weights made from this
@@ -222,6 +229,7 @@ impl ModelSpec {
             kv_cache_dtype,
             context_length: m.context_length,
             tokenizer: m.tokenizer.map(|t| base.join(t)),
+            quantization: m.quantization,
             speculative,
             random_weights: None,
         })
@@ -236,6 +244,7 @@ impl ModelSpec {
             kv_cache_dtype: KvCacheDtype::Auto,
             context_length: None,
             tokenizer: None,
+            quantization: None,
             speculative: None,
             random_weights: None,
         }

@@ -1,10 +1,12 @@
 //! HF model directories: `config.json`, `*.safetensors` (memory-mapped; sharded through
 //! `model.safetensors.index.json`), tokenizer files. FP8 weights are read through their
-//! scales (`fp8_checkpoint`) in the type asked for, or held as FP8 blocks, each converted the
-//! first time it is read.
+//! scales (`fp8_checkpoint`) in the type asked for, or held as FP8 blocks; float weights can
+//! be quantized to FP8 blocks as they load (`fp8_on_load`). Each is converted the first time
+//! it is read.
 
 use crate::error::{io_error, ModelError, Result};
 use crate::fp8_checkpoint::{self, ScaleGrid};
+use crate::fp8_on_load;
 use crate::quant::tensor::TensorView;
 use crate::quant::GgmlType;
 use crate::weights::matrix_shape;
@@ -52,6 +54,12 @@ struct Fp8Weight {
     values: OnceLock<Vec<u8>>,
 }
 
+/// A float weight quantized to FP8 blocks as it loads, once made.
+struct QuantizedOnLoad {
+    stored: SafetensorsEntry,
+    values: OnceLock<Vec<u8>>,
+}
+
 pub struct SafetensorsDir {
     pub dir: PathBuf,
     shards: Vec<(PathBuf, Mmap)>,
@@ -59,6 +67,8 @@ pub struct SafetensorsDir {
     pub tensors: BTreeMap<String, SafetensorsEntry>,
     /// The FP8 weights (their scale tensors are not listed in `tensors`).
     fp8: BTreeMap<String, Fp8Weight>,
+    /// The float weights quantized to FP8 blocks as they load (not listed in `tensors`).
+    quantized: BTreeMap<String, QuantizedOnLoad>,
     /// The checkpoint's `quantization_config.quant_method`, lowercased.
     pub quant_method: Option<String>,
 }
@@ -93,6 +103,7 @@ impl SafetensorsDir {
             shards,
             tensors,
             fp8: BTreeMap::new(),
+            quantized: BTreeMap::new(),
             quant_method: None,
         };
         let path = dir.join("config.json");
@@ -155,13 +166,48 @@ impl SafetensorsDir {
         Ok(())
     }
 
-    /// The tensor `name` as bbc reads it: as stored, or an FP8 weight as it was opened to.
+    /// Quantizes the linear layers' float weights to FP8 blocks as they are read
+    /// (`fp8_on_load`), and names the checkpoint's method `fp8`; the count of weights.
+    pub fn quantize_fp8_on_load(&mut self) -> usize {
+        let names: Vec<String> = self
+            .tensors
+            .iter()
+            .filter(|(name, e)| fp8_on_load::quantizes(name, e.dtype, &e.shape))
+            .map(|(name, _)| name.clone())
+            .collect();
+        for name in &names {
+            if let Some(stored) = self.tensors.remove(name) {
+                let values = OnceLock::new();
+                self.quantized.insert(name.clone(), QuantizedOnLoad { stored, values });
+            }
+        }
+        self.quant_method = Some(fp8_on_load::METHOD.to_string());
+        names.len()
+    }
+
+    /// The tensor `name` as bbc reads it: as stored, an FP8 weight as it was opened to, or a
+    /// float weight quantized as it loads.
     pub fn get(&self, name: &str) -> Option<TensorView<'_>> {
         if let Some(entry) = self.tensors.get(name) {
             return Some(TensorView {
                 shape: &entry.shape,
                 dtype: entry.dtype,
                 bytes: self.data(entry),
+            });
+        }
+        if let Some(weight) = self.quantized.get(name) {
+            let stored = &weight.stored;
+            let bytes = weight.values.get_or_init(|| {
+                fp8_on_load::quantize(&TensorView {
+                    shape: &stored.shape,
+                    dtype: stored.dtype,
+                    bytes: self.data(stored),
+                })
+            });
+            return Some(TensorView {
+                shape: &stored.shape,
+                dtype: GgmlType::F8E4M3B32,
+                bytes,
             });
         }
         let weight = self.fp8.get(name)?;
@@ -181,15 +227,20 @@ impl SafetensorsDir {
         })
     }
 
-    /// The bytes of FP8 weights converted so far and held.
+    /// The bytes of FP8 weights converted (or quantized) so far and held.
     pub fn converted_bytes(&self) -> usize {
-        self.fp8.values().filter_map(|w| w.values.get()).map(Vec::len).sum()
+        let fp8 = self.fp8.values().filter_map(|w| w.values.get());
+        let quantized = self.quantized.values().filter_map(|w| w.values.get());
+        fp8.chain(quantized).map(Vec::len).sum()
     }
 
-    /// Frees the FP8 weights' converted values (a backend that copied them holds its own); a
-    /// weight read again is converted again.
+    /// Frees the FP8 weights' converted (or quantized) values (a backend that copied them holds
+    /// its own); a weight read again is converted again.
     pub fn release_converted(&mut self) {
         for weight in self.fp8.values_mut() {
+            weight.values.take();
+        }
+        for weight in self.quantized.values_mut() {
             weight.values.take();
         }
     }
@@ -201,7 +252,11 @@ impl SafetensorsDir {
             .fp8
             .iter()
             .map(|(n, w)| (n.as_str(), w.read_as, &w.codes.shape[..]));
-        stored.chain(fp8)
+        let quantized = self
+            .quantized
+            .iter()
+            .map(|(n, w)| (n.as_str(), GgmlType::F8E4M3B32, &w.stored.shape[..]));
+        stored.chain(fp8).chain(quantized)
     }
 
     pub fn data(&self, entry: &SafetensorsEntry) -> &[u8] {

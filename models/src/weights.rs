@@ -119,12 +119,67 @@ impl WeightSource {
     }
 
     /// How the weights are quantized, by vLLM's `--quantization` names: `gguf` for a GGUF
-    /// file, an HF checkpoint's `quant_method`; `None` for a checkpoint of plain floats.
+    /// file, an HF checkpoint's `quant_method` (`fp8` where quantized as it loads); `None` for
+    /// plain floats.
     pub fn quantization(&self) -> Option<&str> {
         match self {
             Self::Gguf(..) => Some("gguf"),
             Self::Safetensors(dir) => dir.quant_method.as_deref(),
-            Self::Memory(_) => None,
+            Self::Memory(tensors) => tensors
+                .values()
+                .any(|t| t.dtype == GgmlType::F8E4M3B32)
+                .then_some(crate::fp8_on_load::METHOD),
+        }
+    }
+
+    /// Makes the weights quantized as `asked` (vLLM's `--quantization`): weights already
+    /// quantized so are taken as they are; a checkpoint of floats is quantized as it loads
+    /// where bbc knows how (`fp8`: [`fp8_on_load`](crate::fp8_on_load)). Anything else is
+    /// refused, naming what the weights hold.
+    pub fn quantize_as(&mut self, asked: &str) -> Result<()> {
+        let named = asked.to_ascii_lowercase();
+        let refused = |what: String| ModelError::Quantization {
+            asked: asked.to_string(),
+            what,
+        };
+        match self.quantization() {
+            Some(held) if held == named => return Ok(()),
+            Some(held) => return Err(refused(format!("the model's weights are quantized as `{held}`"))),
+            None if named != crate::fp8_on_load::METHOD => {
+                return Err(refused(format!(
+                    "the model's weights are not quantized, and bbc quantizes them as they load as `{}` only \
+                     (else give it a checkpoint quantized so, or a GGUF file)",
+                    crate::fp8_on_load::METHOD
+                )))
+            }
+            None => {}
+        }
+        let quantized = match self {
+            Self::Gguf(..) => unreachable!("a GGUF file's weights are quantized as `gguf`"),
+            Self::Safetensors(dir) => dir.quantize_fp8_on_load(),
+            Self::Memory(tensors) => {
+                let mut count = 0;
+                for (name, tensor) in tensors.iter_mut() {
+                    if crate::fp8_on_load::quantizes(name, tensor.dtype, &tensor.shape) {
+                        let view = TensorView {
+                            shape: &tensor.shape,
+                            dtype: tensor.dtype,
+                            bytes: &tensor.bytes,
+                        };
+                        tensor.bytes = crate::fp8_on_load::quantize(&view);
+                        tensor.dtype = GgmlType::F8E4M3B32;
+                        count += 1;
+                    }
+                }
+                count
+            }
+        };
+        match quantized {
+            0 => Err(refused(
+                "none of the model's weights is a float matrix of a linear layer with rows of whole blocks of 32"
+                    .into(),
+            )),
+            _ => Ok(()),
         }
     }
 

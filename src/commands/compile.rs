@@ -36,6 +36,8 @@ pub struct CompileArgs<'a> {
     pub dtype: Option<models::ComputeDtype>,
     /// Random weights of the model's shape in place of its files (`--load-format dummy`).
     pub load_format: crate::model_ref::LoadFormat,
+    /// What the weights must be quantized as (`--quantization`; `fp8` quantizes floats).
+    pub quantization: Option<&'a str>,
 }
 
 /// How GPU plans' prompts go through the delta rule (`codegen::gpu::PrefillDeltaRule`).
@@ -182,6 +184,7 @@ pub fn compile(args: &CompileArgs) -> Result<()> {
         kv_cache_dtype: args.kv_cache_dtype,
         dtype: args.dtype,
         load_format: args.load_format,
+        quantization: args.quantization.map(str::to_string),
         ..model_ref::LoadOptions::default()
     };
     let loaded = model_ref::load(args.model, options)?;

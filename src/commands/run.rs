@@ -82,9 +82,11 @@ pub struct RunArgs {
     /// weights of its shape (an HF directory's config.json), its tokenizer kept.
     #[arg(long, value_enum, default_value_t = model_ref::LoadFormat::Auto)]
     pub load_format: model_ref::LoadFormat,
-    /// How the weights are quantized (vLLM's flag), checked against what their files say:
-    /// `fp8`, `compressed-tensors`, `fbgemm_fp8`, `modelopt` (FP8 checkpoints), `gguf`. bbc
-    /// quantizes nothing as it loads.
+    /// How the weights are quantized (vLLM's flag): `fp8` quantizes a checkpoint of floats as
+    /// it loads (linear layers' weights into FP8 blocks of 32, the rest as `--dtype` says);
+    /// over quantized files it is checked against what they say: `fp8`,
+    /// `compressed-tensors`, `fbgemm_fp8`, `modelopt` (FP8 checkpoints, then held as FP8
+    /// whatever `--dtype`), `gguf`.
     #[arg(long, short = 'q')]
     pub quantization: Option<String>,
     /// With --chat: the chat template to use instead of the model's (a Jinja file, or the

@@ -132,6 +132,7 @@ pub(super) fn compile_shape(
         kv_cache_dtype: None,
         dtype: None,
         load_format: Default::default(),
+        quantization: None,
     })?;
     println!("compiled {stem} in {:.1} s", started.elapsed().as_secs_f64());
     Ok(artifact)
