@@ -2366,8 +2366,7 @@ fn serve_all<B: runtime::serving::PagedBackend>(
 /// A tiny family's shape lowered without weights for the H200, its batched plan (room for
 /// `sequences`) on the emulator twice: with weights made on the device from a seed, and with
 /// the same values written as a checkpoint (matrices bf16, norm gains f32) and uploaded.
-/// Where `quantization` is given, both quantize as they load (the graph is lowered over the
-/// seed's values quantized on the host, as `bbc compile` of a shape does).
+/// Where `quantization` is given, both quantize as they load.
 struct GeneratedAndUploaded {
     config: models::ModelConfig,
     graph: ir::Graph,
@@ -2394,15 +2393,7 @@ fn generated_and_uploaded_quantized(
         compute,
         kv_cache: models::KvCacheDtype::Auto,
     };
-    let skeleton = models::lower_without_weights(&config, options).unwrap();
-    let lowered = match quantization {
-        None => skeleton,
-        Some(asked) => {
-            let mut host = models::WeightSource::Memory(runtime::random_weights::host_weights(&skeleton, seed));
-            host.quantize_as(asked).unwrap();
-            models::lower(&config, &host, options).unwrap()
-        }
-    };
+    let lowered = models::lower_without_weights_quantized(&config, options, quantization).unwrap();
     let graph = fused_for(&lowered, Target::H200);
     let scratch = tempfile::Builder::new().prefix("bbc-generated-").tempdir().unwrap();
     let dir = scratch.path();

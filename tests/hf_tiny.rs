@@ -873,7 +873,8 @@ fn sharded_safetensors_load_like_one_file() {
 }
 
 /// A model lowered from its config alone (no weights; what the GPU check's 8B-shaped decode
-/// and the compile-time benchmark use) is the graph its weights give, for every family.
+/// and the compile-time benchmark use) is the graph its weights give, for every family; so is
+/// one quantized to FP8 as it loads.
 #[test]
 fn lowering_without_weights_gives_the_graph_the_weights_give() {
     for family in [
@@ -898,8 +899,20 @@ fn lowering_without_weights_gives_the_graph_the_weights_give() {
             };
             let implied = models::lower_without_weights(&model.config, options).unwrap();
             assert_eq!(implied.to_text(), model.lower(logits).unwrap().to_text(), "{family}");
+            let quantized = open_quantized(family, ComputeDtype::Bf16);
+            let implied = models::lower_without_weights_quantized(&model.config, options, Some("fp8")).unwrap();
+            let lowered = quantized.lower(logits).unwrap().to_text();
+            assert!(lowered.contains("f8_e4m3_b32"), "{family}");
+            assert_eq!(implied.to_text(), lowered, "{family} quantized");
         }
     }
+    let options = models::LowerOptions {
+        logits: LogitsFor::LastToken,
+        compute: ComputeDtype::Bf16,
+        kv_cache: models::KvCacheDtype::Auto,
+    };
+    let err = models::lower_without_weights_quantized(&models::ModelConfig::llama3_8b(), options, Some("awq"));
+    assert!(err.unwrap_err().to_string().contains("`fp8` only"));
     let eight_b = models::ModelConfig::llama3_8b();
     let options = models::LowerOptions {
         logits: LogitsFor::LastToken,

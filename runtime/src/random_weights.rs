@@ -47,9 +47,12 @@ impl Fill {
 /// The values the device makes for the tensor `name` of `shape` (f32, before rounding to the
 /// plan's dtype).
 pub fn host_values(seed: u32, name: &str, shape: &[usize]) -> Vec<f32> {
+    use rayon::prelude::*;
     let fill = Fill::of(seed, name, shape);
     let elements: usize = shape.iter().product();
+    // On the pool: an 8B-shaped model's matrices hold billions.
     (0..elements as u32)
+        .into_par_iter()
         .map(|i| fill::uniform(fill.seed, i, fill.offset, fill.scale))
         .collect()
 }

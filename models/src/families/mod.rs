@@ -169,13 +169,38 @@ pub fn lower(config: &ModelConfig, weights: &WeightSource, options: LowerOptions
 /// shape-only graphs whose weights are made where they run (the GPU check's Llama-8B-shaped
 /// decode fills them on the device).
 pub fn lower_without_weights(config: &ModelConfig, options: LowerOptions) -> Result<Graph> {
-    build(config, Catalog::Implied, options)
+    build(config, Catalog::Implied { fp8: false }, options)
+}
+
+/// [`lower_without_weights`] for a model quantized as it loads (`quantization` as
+/// `WeightSource::quantize_as` takes it; `None` quantizes nothing): the weights a checkpoint
+/// of them would have quantized (`fp8_on_load::quantizes`) are FP8 blocks. For timing a
+/// quantized model's shape with weights made where it runs.
+pub fn lower_without_weights_quantized(
+    config: &ModelConfig,
+    options: LowerOptions,
+    quantization: Option<&str>,
+) -> Result<Graph> {
+    let fp8 = match quantization {
+        None => false,
+        Some(q) if q.eq_ignore_ascii_case(crate::fp8_on_load::METHOD) => true,
+        Some(q) => {
+            return Err(ModelError::Quantization {
+                asked: q.to_string(),
+                what: format!(
+                    "a model without weights is quantized as `{}` only",
+                    crate::fp8_on_load::METHOD
+                ),
+            })
+        }
+    };
+    build(config, Catalog::Implied { fp8 }, options)
 }
 
 fn build(config: &ModelConfig, weights: Catalog<'_>, options: LowerOptions) -> Result<Graph> {
     let naming = match weights {
         Catalog::Source(source) => Naming::detect(source),
-        Catalog::Implied => Naming::Hf(HfPrefix::Text),
+        Catalog::Implied { .. } => Naming::Hf(HfPrefix::Text),
     };
     let mut b = Builder::new(config.family.name(), weights, naming, options);
     match config.family {
@@ -430,8 +455,9 @@ impl Naming {
 enum Catalog<'w> {
     /// A file's or directory's tensors, named as it names them.
     Source(&'w WeightSource),
-    /// No weights: see [`lower_without_weights`].
-    Implied,
+    /// No weights: see [`lower_without_weights`]; with `fp8`, those quantized as they load
+    /// are FP8 blocks ([`lower_without_weights_quantized`]).
+    Implied { fp8: bool },
 }
 
 impl Catalog<'_> {
@@ -448,7 +474,10 @@ impl Catalog<'_> {
                 }
                 Ok(view.dtype)
             }
-            Self::Implied => Ok(Self::IMPLIED_STORAGE),
+            Self::Implied { fp8: true } if crate::fp8_on_load::quantizes(name, Self::IMPLIED_STORAGE, shape) => {
+                Ok(GgmlType::F8E4M3B32)
+            }
+            Self::Implied { .. } => Ok(Self::IMPLIED_STORAGE),
         }
     }
 
@@ -473,7 +502,7 @@ impl<'w> Builder<'w> {
     fn new(name: &str, weights: Catalog<'w>, naming: Naming, options: LowerOptions) -> Self {
         let matrices = match weights {
             Catalog::Source(source) => source.matrix_storage().unwrap_or(GgmlType::F32),
-            Catalog::Implied => Catalog::IMPLIED_STORAGE,
+            Catalog::Implied { .. } => Catalog::IMPLIED_STORAGE,
         };
         Self {
             graph: Graph::new(name),
@@ -504,7 +533,7 @@ impl<'w> Builder<'w> {
     pub fn has_weight(&self, name: &str) -> bool {
         match self.weights {
             Catalog::Source(weights) => weights.contains(name),
-            Catalog::Implied => false,
+            Catalog::Implied { .. } => false,
         }
     }
 
@@ -666,7 +695,7 @@ impl<'w> Builder<'w> {
         // tensor the config names.
         let has = |b: &Self, name: &str| match b.weights {
             Catalog::Source(weights) => weights.contains(name),
-            Catalog::Implied => true,
+            Catalog::Implied { .. } => true,
         };
         let head = match head.filter(|h| has(self, h)) {
             Some(own) => own.to_string(),
