@@ -8,6 +8,7 @@
 //! in the same run. `cargo bench --bench batched_step`; `BBC_BENCH_BATCHES=1,16` picks the decode
 //! batches (empty: the prefill chunk alone, e.g. to profile it); `BBC_BENCH_DTYPE=f32` (or
 //! `bf16`) runs the matrices widened to that type instead of the file's blocks;
+//! `BBC_BENCH_QUANTIZATION=fp8` quantizes a checkpoint of floats to FP8 as it loads;
 //! `BBC_BENCH_KV_DTYPE=f32` (or `bf16`, `f16`) keeps the KV cache in that type.
 
 use models::{ComputeDtype, LogitsFor, Model, ModelSpec};
@@ -37,6 +38,7 @@ fn main() {
         spec.dtype = ComputeDtype::parse(&dtype)
             .unwrap_or_else(|| panic!("BBC_BENCH_DTYPE: `{dtype}` is not one of {}", ComputeDtype::choices()));
     }
+    spec.quantization = std::env::var("BBC_BENCH_QUANTIZATION").ok().filter(|q| !q.is_empty());
     if let Ok(dtype) = std::env::var("BBC_BENCH_KV_DTYPE") {
         spec.kv_cache_dtype = models::KvCacheDtype::parse(&dtype).unwrap_or_else(|| {
             panic!(

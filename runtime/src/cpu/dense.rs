@@ -1,6 +1,6 @@
-//! `x · Wᵀ` over dense weight rows (f32, or bf16 or IEEE half widened as they are loaded): the
-//! matmul of models run at `--dtype f32`, `bf16` or `f16`, and of checkpoints' bf16 and half
-//! weights.
+//! `x · Wᵀ` over dense weight rows (f32, or bf16, IEEE half or FP8 blocks widened as they are
+//! loaded): the matmul of models run at `--dtype f32`, `bf16` or `f16`, of checkpoints' bf16
+//! and half weights, and of FP8 weights for steps of few tokens.
 //!
 //! A register tile holds the products of a few weight rows with a few tokens, so each 16-float
 //! chunk of a row or of a token is loaded once for the whole tile instead of once for every
@@ -22,6 +22,22 @@ pub enum DenseRows<'a> {
     F32(&'a [f32]),
     Bf16(&'a [bf16]),
     F16(&'a [f16]),
+    /// FP8 blocks (`quant::fp8_blocks`, `cols` a multiple of 32) that all widen by halves
+    /// (`fp8_rows::widens_by_halves`): each weight its code's value times its block's scale.
+    Fp8(&'a [Fp8Byte]),
+}
+
+/// A byte of FP8 blocks (a scale's or a code's), as the tile kernels address them.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct Fp8Byte(u8);
+
+impl Fp8Byte {
+    /// FP8 blocks as the tile kernels read them.
+    pub fn of(blocks: &[u8]) -> &[Fp8Byte] {
+        // SAFETY: `Fp8Byte` is a transparent `u8`.
+        unsafe { std::slice::from_raw_parts(blocks.as_ptr().cast(), blocks.len()) }
+    }
 }
 
 /// Which tile kernel runs: both give `simd::dot`'s bits (its FMA form, which every CPU with
@@ -136,6 +152,10 @@ impl Tile {
             DenseRows::F32(w) => self.compute_with(kernel, w, cols, x, values),
             DenseRows::Bf16(w) => self.compute_with(kernel, w, cols, x, values),
             DenseRows::F16(w) => self.compute_with(kernel, w, cols, x, values),
+            DenseRows::Fp8(w) => {
+                assert!(cols.is_multiple_of(quant::fp8_blocks::BLOCK_ELEMS));
+                self.compute_with(kernel, w, cols, x, values)
+            }
         }
     }
 
@@ -147,8 +167,9 @@ impl Tile {
         x: &[f32],
         values: &mut [f32; MAX_TILE],
     ) {
-        assert!(self.rows.end * cols <= w.len() && self.tokens.end * cols <= x.len());
-        let row = |i: usize| w[(self.rows.start + i) * cols..].as_ptr();
+        let stride = W::stride(cols);
+        assert!(self.rows.end * stride <= w.len() && self.tokens.end * cols <= x.len());
+        let row = |i: usize| w[(self.rows.start + i) * stride..].as_ptr();
         let token = |j: usize| x[(self.tokens.start + j) * cols..].as_ptr();
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `kernel` came from `DenseKernel::available`, so the CPU has its features; every
@@ -161,32 +182,49 @@ impl Tile {
     }
 }
 
-/// A weight element the kernels widen to f32 as they load it.
+/// What weight rows are stored as, which the kernels widen to f32 as they load them: an
+/// element a weight, or (FP8 blocks) bytes of blocks.
 trait Widen: Copy {
-    fn widen(self) -> f32;
-    /// Sixteen elements from `p` widened, in one 512-bit register.
+    /// Elements of `Self` a row of `cols` weights takes.
+    #[inline(always)]
+    fn stride(cols: usize) -> usize {
+        cols
+    }
+    /// Where weight `c` of a row lies, in elements of `Self` from the row's start.
+    #[inline(always)]
+    fn index(c: usize) -> usize {
+        c
+    }
+    /// Weight `c` of the row at `row`.
+    ///
+    /// # Safety
+    /// `row` has a row of at least `c + 1` weights after it.
+    unsafe fn weight(row: *const Self, c: usize) -> f32;
+    /// Sixteen weights from column `at` (a multiple of 16) of the row at `row`, widened, in
+    /// one 512-bit register.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn load512(p: *const Self) -> std::arch::x86_64::__m512;
-    /// Eight elements from `p` widened, in one 256-bit register.
+    unsafe fn load512(row: *const Self, at: usize) -> std::arch::x86_64::__m512;
+    /// Eight weights from column `at` (a multiple of 8), widened, in one 256-bit register.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn load256(p: *const Self) -> std::arch::x86_64::__m256;
+    unsafe fn load256(row: *const Self, at: usize) -> std::arch::x86_64::__m256;
 }
 
 impl Widen for f32 {
-    fn widen(self) -> f32 {
-        self
+    unsafe fn weight(row: *const f32, c: usize) -> f32 {
+        // SAFETY: as the caller promises.
+        unsafe { *row.add(c) }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load512(p: *const f32) -> std::arch::x86_64::__m512 {
-        // SAFETY: the caller's kernel has AVX-512F, and `p` has sixteen floats after it.
-        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+    unsafe fn load512(row: *const f32, at: usize) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's kernel has AVX-512F, and the row has sixteen floats from `at`.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(row.add(at)) }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load256(p: *const f32) -> std::arch::x86_64::__m256 {
-        // SAFETY: the caller's kernel has AVX, and `p` has eight floats after it.
-        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    unsafe fn load256(row: *const f32, at: usize) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's kernel has AVX, and the row has eight floats from `at`.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(row.add(at)) }
     }
 }
 
@@ -194,26 +232,27 @@ impl Widen for f32 {
 /// That is `bf16::to_f32` for every number (NaNs aside, whose payload `to_f32` may quieten; a
 /// NaN weight gives a NaN product either way).
 impl Widen for bf16 {
-    fn widen(self) -> f32 {
-        f32::from_bits((self.to_bits() as u32) << 16)
+    unsafe fn weight(row: *const bf16, c: usize) -> f32 {
+        // SAFETY: as the caller promises.
+        f32::from_bits((unsafe { *row.add(c) }.to_bits() as u32) << 16)
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load512(p: *const bf16) -> std::arch::x86_64::__m512 {
+    unsafe fn load512(row: *const bf16, at: usize) -> std::arch::x86_64::__m512 {
         use std::arch::x86_64::*;
-        // SAFETY: the caller's kernel has AVX-512F, and `p` has sixteen bf16s after it.
+        // SAFETY: the caller's kernel has AVX-512F, and the row has sixteen bf16s from `at`.
         unsafe {
-            let halves = _mm256_loadu_si256(p.cast());
+            let halves = _mm256_loadu_si256(row.add(at).cast());
             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16))
         }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load256(p: *const bf16) -> std::arch::x86_64::__m256 {
+    unsafe fn load256(row: *const bf16, at: usize) -> std::arch::x86_64::__m256 {
         use std::arch::x86_64::*;
-        // SAFETY: the caller's kernel has AVX2, and `p` has eight bf16s after it.
+        // SAFETY: the caller's kernel has AVX2, and the row has eight bf16s from `at`.
         unsafe {
-            let halves = _mm_loadu_si128(p.cast());
+            let halves = _mm_loadu_si128(row.add(at).cast());
             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16))
         }
     }
@@ -222,22 +261,73 @@ impl Widen for bf16 {
 /// An IEEE half widens exactly (`vcvtph2ps`, as `f16::to_f32`: subnormals, infinities and
 /// NaNs included), half the bytes of an f32 row.
 impl Widen for f16 {
-    fn widen(self) -> f32 {
-        self.to_f32()
+    unsafe fn weight(row: *const f16, c: usize) -> f32 {
+        // SAFETY: as the caller promises.
+        unsafe { *row.add(c) }.to_f32()
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load512(p: *const f16) -> std::arch::x86_64::__m512 {
+    unsafe fn load512(row: *const f16, at: usize) -> std::arch::x86_64::__m512 {
         use std::arch::x86_64::*;
-        // SAFETY: the caller's kernel has AVX-512F, and `p` has sixteen halves after it.
-        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+        // SAFETY: the caller's kernel has AVX-512F, and the row has sixteen halves from `at`.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(row.add(at).cast())) }
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load256(p: *const f16) -> std::arch::x86_64::__m256 {
+    unsafe fn load256(row: *const f16, at: usize) -> std::arch::x86_64::__m256 {
         use std::arch::x86_64::*;
-        // SAFETY: the caller's kernel has F16C, and `p` has eight halves after it.
-        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+        // SAFETY: the caller's kernel has F16C, and the row has eight halves from `at`.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(row.add(at).cast())) }
+    }
+}
+
+/// FP8 blocks widen as `fp8_rows` widens them: a chunk's codes as halves 2⁸ times too small,
+/// times 2⁸ times their block's scale (exact), so each weight is `dequantize`'s. Rows are
+/// whole blocks, so a chunk of 8 or 16 weights lies in one block.
+impl Widen for Fp8Byte {
+    #[inline(always)]
+    fn stride(cols: usize) -> usize {
+        cols / quant::fp8_blocks::BLOCK_ELEMS * quant::fp8_blocks::BLOCK_BYTES
+    }
+    #[inline(always)]
+    fn index(c: usize) -> usize {
+        Self::stride(c / 32 * 32) + 4 + c % 32
+    }
+    unsafe fn weight(row: *const Fp8Byte, c: usize) -> f32 {
+        let block_at = Self::stride(c / 32 * 32);
+        // SAFETY: as the caller promises: the block holding weight `c` lies there.
+        let block =
+            unsafe { std::slice::from_raw_parts(row.add(block_at).cast::<u8>(), quant::fp8_blocks::BLOCK_BYTES) };
+        quant::fp8_blocks::code_values()[usize::from(block[4 + c % 32])] * quant::fp8_blocks::scale(block)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load512(row: *const Fp8Byte, at: usize) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's kernel has AVX-512F and AVX2; the chunk's block lies within
+        // the row.
+        unsafe {
+            let block = std::slice::from_raw_parts(row.add(Self::stride(at / 32 * 32)).cast::<u8>(), 36);
+            let halves = super::fp8_rows::halves16(block.as_ptr().add(4 + at % 32));
+            _mm512_mul_ps(
+                _mm512_cvtph_ps(halves),
+                _mm512_set1_ps(super::fp8_rows::half_scale(block)),
+            )
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load256(row: *const Fp8Byte, at: usize) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's kernel has AVX2 and F16C; as above.
+        unsafe {
+            let block = std::slice::from_raw_parts(row.add(Self::stride(at / 32 * 32)).cast::<u8>(), 36);
+            let halves = super::fp8_rows::halves8(block.as_ptr().add(4 + at % 32));
+            _mm256_mul_ps(
+                _mm256_cvtph_ps(halves),
+                _mm256_set1_ps(super::fp8_rows::half_scale(block)),
+            )
+        }
     }
 }
 
@@ -261,7 +351,7 @@ unsafe fn finish_with_tails<W: Widen>(
             for c in cols / 16 * 16..cols {
                 // SAFETY: c < cols, and both pointers have `cols` elements after them (the
                 // caller's promise).
-                let (wc, xc) = unsafe { ((*w.add(c)).widen(), *x.add(c)) };
+                let (wc, xc) = unsafe { (W::weight(w, c), *x.add(c)) };
                 lanes[c % 16] += wc * xc;
             }
             values[j * rows.len() + i] = simd::reduce(lanes);
@@ -333,7 +423,7 @@ mod x86 {
     /// AVX-512VL, though no instruction here needs it, lets LLVM zero a register above the
     /// sixteenth: without it every accumulator starts from a VEX `vxorps` and so is held in
     /// the first sixteen registers, which with the weights spills one to the stack.
-    #[target_feature(enable = "avx512f,avx512vl")]
+    #[target_feature(enable = "avx512f,avx512vl,avx2,f16c")]
     unsafe fn tile512<W: Widen, const R: usize, const T: usize>(
         rows: [*const W; R],
         tokens: [*const f32; T],
@@ -352,9 +442,9 @@ mod x86 {
                 // costs less than a branch. Measured on SmolLM2 (bf16, batch 1 and 4, +42% and
                 // +53%; f32 +0% and +33%) and a 1B Llama shape (bf16, +9% and +11%).
                 for row in rows {
-                    prefetch::line(row.wrapping_add(at + R * cols).cast::<u8>());
+                    prefetch::line(row.wrapping_add(W::index(at) + R * W::stride(cols)).cast::<u8>());
                 }
-                let w: [__m512; R] = std::array::from_fn(|i| W::load512(rows[i].add(at)));
+                let w: [__m512; R] = std::array::from_fn(|i| W::load512(rows[i], at));
                 for (j, token) in tokens.iter().enumerate() {
                     let x = _mm512_loadu_ps(token.add(at));
                     for (i, &w) in w.iter().enumerate() {
@@ -398,13 +488,13 @@ mod x86 {
         for at in (0..cols / 16).map(|c| c * 16) {
             // As in `tile512`.
             for row in rows {
-                prefetch::line(row.wrapping_add(at + R * cols).cast::<u8>());
+                prefetch::line(row.wrapping_add(W::index(at) + R * W::stride(cols)).cast::<u8>());
             }
             for half in 0..2 {
                 let at = at + half * 8;
                 // SAFETY: at + 8 ≤ cols, within every row and token (the caller's promise).
                 unsafe {
-                    let w: [__m256; R] = std::array::from_fn(|i| W::load256(rows[i].add(at)));
+                    let w: [__m256; R] = std::array::from_fn(|i| W::load256(rows[i], at));
                     for (j, token) in tokens.iter().enumerate() {
                         let x = _mm256_loadu_ps(token.add(at));
                         for (i, &w) in w.iter().enumerate() {
@@ -518,6 +608,32 @@ mod tests {
                     .collect();
                 let widened: Vec<f32> = halves.iter().map(|h| h.to_f32()).collect();
                 check_against_dot(kernel, DenseRows::F16(&halves), &widened, cols, rows);
+            }
+        }
+    }
+
+    /// FP8 blocks widened as the tiles load them: each product is `simd::dot`'s bits over the
+    /// blocks' weights (code × scale), for every code but NaN's, under scales of both signs
+    /// and of magnitudes that keep products normal or make them subnormal.
+    #[test]
+    fn fp8_products_are_simd_dots_bit_for_bit() {
+        let rows = 11;
+        for kernel in DenseKernel::available() {
+            for cols in [32, 96] {
+                let blocks: Vec<u8> = (0..rows * cols / 32)
+                    .flat_map(|b| {
+                        let codes: [u8; 32] = std::array::from_fn(|i| match ((b * 32 + i) * 37 % 256) as u8 {
+                            c if c & 0x7f == 0x7f => 0,
+                            c => c,
+                        });
+                        let scale = [0.013, -2.5, 3.0e-36, 1.7e35, 1.0 / (b + 3) as f32][b % 5];
+                        quant::fp8_blocks::block(scale, &codes)
+                    })
+                    .collect();
+                assert!(crate::cpu::fp8_rows::widens_by_halves(&blocks));
+                let mut widened = vec![0f32; rows * cols];
+                quant::GgmlType::F8E4M3B32.dequantize(&blocks, &mut widened);
+                check_against_dot(kernel, DenseRows::Fp8(Fp8Byte::of(&blocks)), &widened, cols, rows);
             }
         }
     }

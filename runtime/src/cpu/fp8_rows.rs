@@ -33,32 +33,73 @@ pub fn widen(kernel: DenseKernel, blocks: &[u8], out: &mut [f32]) {
 /// against E4M3's 7), its sign in bits 14 and 15, and the mask keeps bit 15 and the magnitude.
 /// Subnormal codes become subnormal halves alike. Widened to f32 and multiplied by 2⁸ times
 /// the scale (exact: a power of two), each weight is the code's value times the scale, rounded
-/// once, as `dequantize` computes it. A block holding a NaN code (`S.1111.111`, which this
-/// reads as 480), or whose scale 2⁸ times over would overflow, is widened by the table
-/// instead: `None` then, else the sixteen codes at `at` of the block as halves and the scale.
+/// once, as `dequantize` computes it. A NaN code (`S.1111.111`) reads as 480, and a scale 2⁸
+/// times over may overflow: blocks holding either are widened by the table
+/// ([`widens_by_halves`] says which).
+const HALF_FIELDS: i16 = 0xBF80u16 as i16;
+
+/// Sixteen codes from `codes` as halves 2⁸ times too small (see [`HALF_FIELDS`]).
+///
+/// # Safety
+/// The CPU has AVX2; `codes` has sixteen bytes after it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) unsafe fn halves16(codes: *const u8) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // SAFETY: as the caller promises.
+    unsafe {
+        let words = _mm256_cvtepi8_epi16(_mm_loadu_si128(codes.cast()));
+        _mm256_and_si256(_mm256_slli_epi16::<7>(words), _mm256_set1_epi16(HALF_FIELDS))
+    }
+}
+
+/// Eight codes from `codes` as halves 2⁸ times too small.
+///
+/// # Safety
+/// The CPU has AVX2; `codes` has eight bytes after it.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) unsafe fn halves8(codes: *const u8) -> std::arch::x86_64::__m128i {
+    use std::arch::x86_64::*;
+    // SAFETY: as the caller promises.
+    unsafe {
+        let words = _mm_cvtepi8_epi16(_mm_loadl_epi64(codes.cast()));
+        _mm_and_si128(_mm_slli_epi16::<7>(words), _mm_set1_epi16(HALF_FIELDS))
+    }
+}
+
+/// A block's scale times 2⁸, which its codes read as halves are multiplied by.
+#[inline(always)]
+pub(super) fn half_scale(block: &[u8]) -> f32 {
+    quant::fp8_blocks::scale(block) * 256.0
+}
+
+/// Whether a block widens by halves: no NaN code, and its scale finite 2⁸ times over.
+fn block_widens_by_halves(block: &[u8]) -> bool {
+    // A fold without an early exit, which LLVM vectorises.
+    let nan = block[4..BLOCK_BYTES]
+        .iter()
+        .fold(false, |nan, &c| nan | (c & 0x7f == 0x7f));
+    half_scale(block).is_finite() && !nan
+}
+
+/// Whether every block of `blocks` widens by halves (else the table widens some).
+pub fn widens_by_halves(blocks: &[u8]) -> bool {
+    blocks.chunks_exact(BLOCK_BYTES).all(block_widens_by_halves)
+}
+
+/// The block's sixteen codes at `at` (0 or 16) as halves, and its scale times 2⁸; `None`
+/// where the table widens it.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn halves_of(block: &[u8]) -> Option<(impl Fn(usize) -> std::arch::x86_64::__m256i + '_, f32)> {
-    use std::arch::x86_64::*;
-    const HALF_FIELDS: i16 = 0xBF80u16 as i16;
-    let scale = quant::fp8_blocks::scale(block) * 256.0;
-    let codes = &block[4..BLOCK_BYTES];
-    // SAFETY: the caller's function has AVX2; the block holds 32 codes after its scale.
-    unsafe {
-        let magnitudes = _mm256_and_si256(_mm256_loadu_si256(codes.as_ptr().cast()), _mm256_set1_epi8(0x7f));
-        let nan = _mm256_movemask_epi8(_mm256_cmpeq_epi8(magnitudes, _mm256_set1_epi8(0x7f))) != 0;
-        if nan || !scale.is_finite() {
-            return None;
-        }
+    if !block_widens_by_halves(block) {
+        return None;
     }
-    let halves = move |at: usize| {
-        // SAFETY: as above; `at` is 0 or 16.
-        unsafe {
-            let words = _mm256_cvtepi8_epi16(_mm_loadu_si128(codes[at..].as_ptr().cast()));
-            _mm256_and_si256(_mm256_slli_epi16::<7>(words), _mm256_set1_epi16(HALF_FIELDS))
-        }
-    };
-    Some((halves, scale))
+    let codes = block[4..BLOCK_BYTES].as_ptr();
+    // SAFETY: the caller's function has AVX2; `at` is 0 or 16, within the block's 32 codes.
+    let halves = move |at: usize| unsafe { halves16(codes.add(at)) };
+    Some((halves, half_scale(block)))
 }
 
 #[cfg(target_arch = "x86_64")]
