@@ -336,6 +336,7 @@ pub fn load(arg: &str, options: LoadOptions) -> Result<Loaded> {
     }
 }
 
+/// Open the model `spec` names, `options` over its settings.
 fn load_spec(mut spec: ModelSpec, options: LoadOptions) -> Result<Loaded> {
     if options.load_format == LoadFormat::Dummy {
         spec = with_random_weights(spec)?;

@@ -1160,12 +1160,7 @@ fn fp8_checkpoints_run_their_plans_as_the_cpu_backend_does() {
                 .dtype,
             quant::GgmlType::F8E4M3B32
         );
-        let graph = fused_for(&held.lower(LogitsFor::LastToken).unwrap(), target);
-        let (_, kernels) = gpu::build_with_kernels(&graph, target, 64).unwrap();
-        let reads_codes = kernels
-            .iter()
-            .filter(|k| kernels_gen::cuda::emit(k).contains("bbc_fp8_to_f32("))
-            .count();
+        let reads_codes = kernels_reading_fp8_codes(&held, target);
         assert!(
             reads_codes >= 2,
             "{family} on {}: {reads_codes} kernels read FP8 codes",
@@ -1179,6 +1174,16 @@ fn fp8_checkpoints_run_their_plans_as_the_cpu_backend_does() {
         };
         check_within(family, &held, &held, target, prefill_tolerance, 1e-5);
     }
+}
+
+/// How many kernels of `model`'s plan for `target` widen FP8 codes.
+fn kernels_reading_fp8_codes(model: &Model, target: Target) -> usize {
+    let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), target);
+    let (_, kernels) = gpu::build_with_kernels(&graph, target, 64).unwrap();
+    kernels
+        .iter()
+        .filter(|k| kernels_gen::cuda::emit(k).contains("bbc_fp8_to_f32("))
+        .count()
 }
 
 /// Models quantized to FP8 as they load (`--quantization fp8`) run their plans as the CPU
@@ -1202,12 +1207,7 @@ fn fp8_quantized_on_load_models_run_their_plans_as_the_cpu_backend_does() {
             model.weights.require(quantized).unwrap().dtype,
             quant::GgmlType::F8E4M3B32
         );
-        let graph = fused_for(&model.lower(LogitsFor::LastToken).unwrap(), target);
-        let (_, kernels) = gpu::build_with_kernels(&graph, target, 64).unwrap();
-        let reads_codes = kernels
-            .iter()
-            .filter(|k| kernels_gen::cuda::emit(k).contains("bbc_fp8_to_f32("))
-            .count();
+        let reads_codes = kernels_reading_fp8_codes(&model, target);
         assert!(reads_codes >= 2, "{family}: {reads_codes} kernels read FP8 codes");
         check_within(family, &model, &model, target, prefill_tolerance, 1e-5);
     }
