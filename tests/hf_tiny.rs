@@ -1281,28 +1281,45 @@ fn fp8_weights_are_rounded_once_to_the_type_computed_in() {
     }
 }
 
-/// What reading an FP8 checkpoint converts is held until released, then made again alike
-/// when read again: a backend built before the release computes what one built after does.
+/// What reading converts (an FP8 checkpoint's weights, or floats quantized as they load) is
+/// made afresh for the CPU backend, which keeps its own copy, so the source holds none after
+/// the backend is built; a weight read through the source is held until released, then made
+/// again alike, and a backend built then computes the same.
 #[test]
-fn converted_fp8_weights_are_released_and_made_again_alike() {
-    let mut model = open("qwen3_next_fp8");
-    assert_eq!(
-        model.weights.converted_bytes(),
-        0,
-        "nothing is converted before it is read"
-    );
-    let prompt = Reference::of("qwen3_next_fp8").input_ids;
-    let logits = |model: &Model| cpu_prompt_logits(model, &prompt);
-    let before = logits(&model);
-    let held = model.weights.converted_bytes();
-    let name = "model.layers.0.mlp.experts.3.down_proj.weight";
-    let bytes = model.weights.require(name).unwrap().bytes.to_vec();
-    // 4 experts × 3 projections × 32 × 64, plus the shared expert's and the layers' others, in f32.
-    assert!(held >= 4 * 3 * 32 * 64 * 4, "{held}");
-    model.weights.release_converted();
-    assert_eq!(model.weights.converted_bytes(), 0);
-    assert_eq!(model.weights.require(name).unwrap().bytes, &bytes[..]);
-    assert_eq!(logits(&model), before);
+fn converted_weights_are_handed_over_or_held_until_released() {
+    for (mut model, name) in [
+        (open("qwen3_next_fp8"), "model.layers.0.mlp.experts.3.down_proj.weight"),
+        (
+            open_quantized("qwen3_next", ComputeDtype::Native),
+            "model.layers.0.mlp.experts.3.down_proj.weight",
+        ),
+    ] {
+        assert_eq!(
+            model.weights.converted_bytes(),
+            0,
+            "nothing is converted before it is read"
+        );
+        let prompt = Reference::of("qwen3_next").input_ids;
+        let logits = |model: &Model| cpu_prompt_logits(model, &prompt);
+        let before = logits(&model);
+        assert_eq!(
+            model.weights.converted_bytes(),
+            0,
+            "the backend took what was made for it"
+        );
+        let made = quant::tensor::Tensors::made_afresh(&model.weights, name).unwrap();
+        let bytes = model.weights.require(name).unwrap().bytes.to_vec();
+        assert_eq!(made.bytes, bytes);
+        assert_eq!(model.weights.converted_bytes(), bytes.len());
+        assert!(
+            quant::tensor::Tensors::made_afresh(&model.weights, name).is_none(),
+            "a weight held is read where it is held"
+        );
+        model.weights.release_converted();
+        assert_eq!(model.weights.converted_bytes(), 0);
+        assert_eq!(model.weights.require(name).unwrap().bytes, &bytes[..]);
+        assert_eq!(logits(&model), before);
+    }
 }
 
 /// The hf-tiny model `name` quantized to FP8 as it loads (`--quantization fp8`), in `dtype`.

@@ -7,7 +7,7 @@
 use crate::error::{io_error, ModelError, Result};
 use crate::fp8_checkpoint::{self, ScaleGrid};
 use crate::fp8_on_load;
-use crate::quant::tensor::TensorView;
+use crate::quant::tensor::{MemoryTensor, TensorView};
 use crate::quant::GgmlType;
 use crate::weights::matrix_shape;
 use memmap2::Mmap;
@@ -196,35 +196,71 @@ impl SafetensorsDir {
             });
         }
         if let Some(weight) = self.quantized.get(name) {
-            let stored = &weight.stored;
-            let bytes = weight.values.get_or_init(|| {
-                fp8_on_load::quantize(&TensorView {
-                    shape: &stored.shape,
-                    dtype: stored.dtype,
-                    bytes: self.data(stored),
-                })
-            });
+            let bytes = weight.values.get_or_init(|| self.quantized_values(weight));
             return Some(TensorView {
-                shape: &stored.shape,
+                shape: &weight.stored.shape,
                 dtype: GgmlType::F8E4M3B32,
                 bytes,
             });
         }
         let weight = self.fp8.get(name)?;
-        let bytes = weight.values.get_or_init(|| {
-            let mut scales = vec![0f32; weight.grid.scales()];
-            weight.scales.dtype.dequantize(self.data(&weight.scales), &mut scales);
-            let codes = &self.shards[weight.codes.shard].1[weight.codes.start..weight.codes.end];
-            match weight.read_as {
-                GgmlType::F8E4M3B32 => fp8_checkpoint::blocks_of_32(codes, &scales, &weight.grid),
-                dtype => fp8_checkpoint::dequantize(codes, &scales, &weight.grid, dtype),
-            }
-        });
+        let bytes = weight.values.get_or_init(|| self.fp8_values(weight));
         Some(TensorView {
             shape: &weight.codes.shape,
             dtype: weight.read_as,
             bytes,
         })
+    }
+
+    /// The type tensor `name` is read as and its shape, without converting it.
+    pub fn describe(&self, name: &str) -> Option<(GgmlType, &[usize])> {
+        if let Some(entry) = self.tensors.get(name) {
+            return Some((entry.dtype, &entry.shape));
+        }
+        if let Some(weight) = self.quantized.get(name) {
+            return Some((GgmlType::F8E4M3B32, &weight.stored.shape));
+        }
+        let weight = self.fp8.get(name)?;
+        Some((weight.read_as, &weight.codes.shape))
+    }
+
+    /// An FP8 or quantized weight not made yet, made and handed over rather than held (see
+    /// `Tensors::made_afresh`); `None` for every other tensor.
+    pub fn made_afresh(&self, name: &str) -> Option<MemoryTensor> {
+        if let Some(weight) = self.quantized.get(name).filter(|w| w.values.get().is_none()) {
+            return Some(MemoryTensor {
+                shape: weight.stored.shape.clone(),
+                dtype: GgmlType::F8E4M3B32,
+                bytes: self.quantized_values(weight),
+            });
+        }
+        let weight = self.fp8.get(name).filter(|w| w.values.get().is_none())?;
+        Some(MemoryTensor {
+            shape: weight.codes.shape.clone(),
+            dtype: weight.read_as,
+            bytes: self.fp8_values(weight),
+        })
+    }
+
+    /// A float weight's FP8 blocks.
+    fn quantized_values(&self, weight: &QuantizedOnLoad) -> Vec<u8> {
+        let stored = &weight.stored;
+        fp8_on_load::quantize(&TensorView {
+            shape: &stored.shape,
+            dtype: stored.dtype,
+            bytes: self.data(stored),
+        })
+    }
+
+    /// An FP8 weight in the type it is read as.
+    fn fp8_values(&self, weight: &Fp8Weight) -> Vec<u8> {
+        let mut scales = vec![0f32; weight.grid.scales()];
+        weight.scales.dtype.dequantize(self.data(&weight.scales), &mut scales);
+        let codes = &self.shards[weight.codes.shard].1[weight.codes.start..weight.codes.end];
+        match weight.read_as {
+            GgmlType::F8E4M3B32 => fp8_checkpoint::blocks_of_32(codes, &scales, &weight.grid),
+            dtype => fp8_checkpoint::dequantize(codes, &scales, &weight.grid, dtype),
+        }
     }
 
     /// The bytes of FP8 weights converted (or quantized) so far and held.

@@ -22,6 +22,13 @@ impl Tensors for WeightSource {
     fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
         self.get(name)
     }
+
+    fn made_afresh(&self, name: &str) -> Option<MemoryTensor> {
+        match self {
+            Self::Safetensors(dir) => dir.made_afresh(name),
+            _ => None,
+        }
+    }
 }
 
 impl WeightSource {
@@ -80,7 +87,16 @@ impl WeightSource {
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.get(name).is_some()
+        self.describe(name).is_some()
+    }
+
+    /// The type tensor `name` is read as and its shape, without converting it (lowering asks
+    /// for no more; a backend reads the weight itself).
+    pub fn describe(&self, name: &str) -> Option<(GgmlType, &[usize])> {
+        match self {
+            Self::Safetensors(dir) => dir.describe(name),
+            _ => self.get(name).map(|view| (view.dtype, view.shape)),
+        }
     }
 
     /// The storage type holding the most elements of the tensors of two or more dims (the

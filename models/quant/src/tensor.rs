@@ -37,6 +37,14 @@ impl TensorView<'_> {
 /// Where weights come from, by name.
 pub trait Tensors: Sync {
     fn tensor(&self, name: &str) -> Option<TensorView<'_>>;
+
+    /// The tensor `name` made afresh and handed over, where the source makes it as it is read
+    /// (a weight converted or quantized as it loads) rather than holding it: a reader that
+    /// keeps its own copy takes it so, and the source never holds a second one. `None` where
+    /// [`tensor`](Self::tensor) is the way to read it.
+    fn made_afresh(&self, _name: &str) -> Option<MemoryTensor> {
+        None
+    }
 }
 
 /// A tensor held in memory: row-major `shape`, stored as `dtype` in `bytes`.

@@ -465,14 +465,16 @@ impl Catalog<'_> {
     fn storage(&self, name: &str, shape: &[usize]) -> Result<GgmlType> {
         match self {
             Self::Source(weights) => {
-                let view = weights.require(name)?;
-                if view.shape != shape {
+                let (dtype, stored) = weights
+                    .describe(name)
+                    .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+                if stored != shape {
                     return Err(ModelError::TensorShape {
                         name: name.into(),
-                        what: format!("has shape {:?}, the config implies {shape:?}", view.shape),
+                        what: format!("has shape {stored:?}, the config implies {shape:?}"),
                     });
                 }
-                Ok(view.dtype)
+                Ok(dtype)
             }
             Self::Implied { fp8: true } if crate::fp8_on_load::quantizes(name, Self::IMPLIED_STORAGE, shape) => {
                 Ok(GgmlType::F8E4M3B32)

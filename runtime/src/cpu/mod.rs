@@ -1098,9 +1098,18 @@ fn load_weight(graph: &Graph, i: usize, source: &dyn Tensors) -> Result<CpuWeigh
     let Op::Weight { name } = &node.op else {
         unreachable!("only weight nodes are loaded")
     };
-    let view = source
-        .tensor(name)
-        .ok_or_else(|| RuntimeError::Weight(format!("`{name}` is not in the weights")))?;
+    // A weight the source makes as it is read is taken as made, never held twice.
+    let made = source.made_afresh(name);
+    let view = match &made {
+        Some(t) => quant::tensor::TensorView {
+            shape: &t.shape,
+            dtype: t.dtype,
+            bytes: &t.bytes,
+        },
+        None => source
+            .tensor(name)
+            .ok_or_else(|| RuntimeError::Weight(format!("`{name}` is not in the weights")))?,
+    };
     let shape = node.shape.resolve(0, 0);
     if view.shape != shape.as_slice() {
         return Err(RuntimeError::Weight(format!(
@@ -1135,8 +1144,12 @@ fn load_weight(graph: &Graph, i: usize, source: &dyn Tensors) -> Result<CpuWeigh
                     view.dtype.name()
                 )));
             }
-            Storage::block_rows(view.dtype, view.bytes.to_vec(), view.row_bytes())
-                .map_err(|e| RuntimeError::Weight(format!("`{name}`: {e}")))?
+            let (dtype, row_bytes) = (view.dtype, view.row_bytes());
+            let bytes = match made {
+                Some(t) => t.bytes,
+                None => view.bytes.to_vec(),
+            };
+            Storage::block_rows(dtype, bytes, row_bytes).map_err(|e| RuntimeError::Weight(format!("`{name}`: {e}")))?
         }
     };
     Ok(CpuWeight::Matrix(Matrix { rows, cols, storage }))
