@@ -1133,7 +1133,8 @@ fn check_greedy(family: &str, dtype: ComputeDtype, target: Target) {
     }
 }
 
-/// FP8 checkpoints run their plans as the CPU backend runs them. Read in bf16 (the dense
+/// FP8 checkpoints run their plans as the CPU backend runs them, each taking the weights as
+/// they are made (the source holds none after). Read in bf16 (the dense
 /// layers and the Gated DeltaNet's projections, experts with a block of scales each, one scale
 /// a row): greedy plans pick the CPU's argmax. Held as FP8 blocks of 32 on every target: steps
 /// after a short prompt (GEMVs over the blocks, each weight code × scale in f32 as the CPU
@@ -1153,13 +1154,8 @@ fn fp8_checkpoints_run_their_plans_as_the_cpu_backend_does() {
         ("glm4_moe_fp8", Target::RtxPro6000),
     ] {
         let held = open(family, ComputeDtype::Native);
-        assert_eq!(
-            held.weights
-                .require("model.layers.0.mlp.down_proj.weight")
-                .unwrap()
-                .dtype,
-            quant::GgmlType::F8E4M3B32
-        );
+        let (stored, _) = held.weights.describe("model.layers.0.mlp.down_proj.weight").unwrap();
+        assert_eq!(stored, quant::GgmlType::F8E4M3B32);
         let reads_codes = kernels_reading_fp8_codes(&held, target);
         assert!(
             reads_codes >= 2,
@@ -1173,6 +1169,11 @@ fn fp8_checkpoints_run_their_plans_as_the_cpu_backend_does() {
             _ => 2e-2,
         };
         check_within(family, &held, &held, target, prefill_tolerance, 1e-5);
+        assert_eq!(
+            held.weights.converted_bytes(),
+            0,
+            "{family}: the plan and the CPU backend took the weights as made"
+        );
     }
 }
 
@@ -1191,7 +1192,7 @@ fn kernels_reading_fp8_codes(model: &Model, target: Target) -> usize {
 /// Gemma 4's stacked experts, as FP8 blocks of 32 under a bf16 model (embeddings and head
 /// bf16): steps after a short prompt within 1e-5; after a 19-token prompt (bf16 tensor cores)
 /// within 2e-2, Qwen3-Next's within 1e-1 (its router's choices follow the rounding, as in
-/// [`check`]: 6.6e-2 measured, as there).
+/// [`check`]: 6.6e-2 measured, as there). The source holds no quantized copy after.
 #[test]
 fn fp8_quantized_on_load_models_run_their_plans_as_the_cpu_backend_does() {
     let qkvz = "model.layers.0.linear_attn.in_proj_qkvz.weight";
@@ -1203,13 +1204,11 @@ fn fp8_quantized_on_load_models_run_their_plans_as_the_cpu_backend_does() {
         spec.dtype = ComputeDtype::Bf16;
         spec.quantization = Some("fp8".into());
         let model = Model::open(spec).unwrap();
-        assert_eq!(
-            model.weights.require(quantized).unwrap().dtype,
-            quant::GgmlType::F8E4M3B32
-        );
+        assert_eq!(model.weights.describe(quantized).unwrap().0, quant::GgmlType::F8E4M3B32);
         let reads_codes = kernels_reading_fp8_codes(&model, target);
         assert!(reads_codes >= 2, "{family}: {reads_codes} kernels read FP8 codes");
         check_within(family, &model, &model, target, prefill_tolerance, 1e-5);
+        assert_eq!(model.weights.converted_bytes(), 0, "{family}: nothing held twice");
     }
 }
 

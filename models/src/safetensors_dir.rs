@@ -224,6 +224,12 @@ impl SafetensorsDir {
         Some((weight.read_as, &weight.codes.shape))
     }
 
+    /// Whether `name` is an FP8 or quantized weight not made yet ([`Self::made_afresh`]).
+    pub fn made_as_read(&self, name: &str) -> bool {
+        let quantized = self.quantized.get(name).is_some_and(|w| w.values.get().is_none());
+        quantized || self.fp8.get(name).is_some_and(|w| w.values.get().is_none())
+    }
+
     /// An FP8 or quantized weight not made yet, made and handed over rather than held (see
     /// `Tensors::made_afresh`); `None` for every other tensor.
     pub fn made_afresh(&self, name: &str) -> Option<MemoryTensor> {

@@ -29,6 +29,13 @@ impl Tensors for WeightSource {
             _ => None,
         }
     }
+
+    fn made_as_read(&self, name: &str) -> bool {
+        match self {
+            Self::Safetensors(dir) => dir.made_as_read(name),
+            _ => false,
+        }
+    }
 }
 
 impl WeightSource {

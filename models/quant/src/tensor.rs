@@ -45,6 +45,11 @@ pub trait Tensors: Sync {
     fn made_afresh(&self, _name: &str) -> Option<MemoryTensor> {
         None
     }
+
+    /// Whether [`made_afresh`](Self::made_afresh) would make `name` (without making it).
+    fn made_as_read(&self, _name: &str) -> bool {
+        false
+    }
 }
 
 /// A tensor held in memory: row-major `shape`, stored as `dtype` in `bytes`.

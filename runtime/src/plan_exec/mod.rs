@@ -974,6 +974,14 @@ fn upload_weights<D: PlanDevice>(
         // How weight `i` is made: its stored runs, or its bytes on a thread of the scope.
         let make = |i: usize| -> Result<Option<Making<'_, '_>>> {
             let Some(w) = weights.get(i) else { return Ok(None) };
+            // Parts the source makes as they are read: made on the thread, uploaded and
+            // dropped, never held by the source.
+            if w.parts.iter().any(|p| source.made_as_read(p.name())) {
+                return Ok(Some(Making::OnHost(scope.spawn(move || {
+                    let made = weight_bytes::MadeAfresh::of(source, w.parts.iter().map(|p| p.name()));
+                    weight_bytes(w.dtype, &w.parts, &made).map(|bytes| std::borrow::Cow::Owned(bytes.into_owned()))
+                }))));
+            }
             let on_device = |stored: DType| converts(stored, w.dtype);
             Ok(Some(
                 match weight_bytes::stored_runs(w.dtype, &w.parts, source, &on_device)? {

@@ -27,6 +27,38 @@ thread_local! {
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// `source` with the tensors it makes as they are read (`Tensors::made_afresh`: weights
+/// converted or quantized as they load) made here and held only as long as this is: a weight
+/// is made from it and uploaded, and the source never holds a converted copy.
+pub(crate) struct MadeAfresh<'s> {
+    source: &'s dyn Tensors,
+    made: quant::tensor::MemoryTensors,
+}
+
+impl<'s> MadeAfresh<'s> {
+    /// `names`' tensors made afresh where `source` makes them so.
+    pub(crate) fn of<'n>(source: &'s dyn Tensors, names: impl IntoIterator<Item = &'n str>) -> Self {
+        let made = names
+            .into_iter()
+            .filter_map(|name| source.made_afresh(name).map(|t| (name.to_string(), t)))
+            .collect();
+        Self { source, made }
+    }
+}
+
+impl Tensors for MadeAfresh<'_> {
+    fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
+        match self.made.get(name) {
+            Some(t) => Some(TensorView {
+                shape: &t.shape,
+                dtype: t.dtype,
+                bytes: &t.bytes,
+            }),
+            None => self.source.tensor(name),
+        }
+    }
+}
+
 /// One part as read: its tensor, the rows it takes, how the plan holds them, and its rows'
 /// geometry.
 struct PartView<'s> {
