@@ -393,6 +393,27 @@ fn refused_mtp_drafts_change_no_token() {
     }
 }
 
+/// Quantized to FP8 as they load (`--quantization fp8`: the MTP layer's projections and `fc`
+/// too), the targets still serve their own tokens with the head drafting for them: its drafts
+/// mostly refused, the cache too small for every sequence (preemption), prompts found in the
+/// prefix cache.
+#[test]
+fn mtp_drafts_over_weights_quantized_as_they_load_change_no_token() {
+    for family in ["qwen3_5", "qwen3_next", "glm4_moe", "glm_moe_dsa"] {
+        let mut model = with_mtp(family, Head::Copied);
+        model.weights.quantize_as("fp8").unwrap();
+        let names = mtp_names(&model.config);
+        let (fc, _) = model.weights.describe(&names.fc).unwrap();
+        assert_eq!(fc, models::quant::GgmlType::F8E4M3B32, "{family}");
+        let requests = requests(model.config.vocab_size as u32, true);
+        let plain = serve(&model, None, config(9, 0), &requests, 24);
+        let drafting = serve(&model, Some(DraftHead::Exact), config(9, 3), &requests, 24);
+        assert_eq!(drafting.tokens, plain.tokens, "{family}");
+        assert!(drafting.drafted > drafting.accepted, "{family}: every draft accepted");
+        assert!(drafting.prefix_hits > 0 && drafting.cache_full, "{family}");
+    }
+}
+
 /// A head that guesses exactly what the target chooses (see [`Head::Exact`]) has every
 /// greedy draft accepted, three a step, and changes no token beside sampled requests, with
 /// preemption and prefix-cache hits as above; its 4-bit shortlist (64 of 320 rows) keeps
