@@ -863,7 +863,8 @@ fn read_json_file(path: &std::path::Path) -> serde_json::Value {
 /// the reference's prompt); vLLM's `--quantization` checks what quantized files hold: it passes
 /// where it names their method, and is refused naming what they hold otherwise. Over a
 /// checkpoint of floats `fp8` quantizes it as it loads (transformers' greedy ids over the same
-/// weights quantized by torch), kept by an artifact compiled so; other methods are refused.
+/// weights quantized by torch), as model.toml's `quantization` asks too, kept by an artifact
+/// compiled so; other methods are refused.
 #[test]
 fn fp8_checkpoints_run_and_quantization_names_what_the_files_hold() {
     let dir = common::fixture("hf-tiny/llama_fp8");
@@ -905,6 +906,13 @@ fn fp8_checkpoints_run_and_quantization_names_what_the_files_hold() {
     assert!(err.contains("not quantized") && err.contains("`fp8` only"), "{err}");
 
     let scratch = common::scratch_dir("bbc-fp8-on-load-");
+    // model.toml's `quantization` asks the same, `--quantization` over it.
+    let toml = scratch.path().join("model.toml");
+    std::fs::write(&toml, format!("[model]\nweights = {plain:?}\nquantization = \"fp8\"\n")).unwrap();
+    let toml = toml.to_str().unwrap();
+    assert_eq!(run(toml, &[]), on_load.greedy_ids);
+    let err = refused(&["run", toml, "--prompt-ids", "1", "-q", "awq"]);
+    assert!(err.contains("quantization `awq`"), "{err}");
     let artifact = scratch.path().join("fp8");
     let out = artifact.to_str().unwrap();
     bbc(&["compile", plain, "--target", "cpu", "-q", "fp8", "-o", out]);

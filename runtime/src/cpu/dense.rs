@@ -14,6 +14,7 @@
 
 use super::simd;
 use half::{bf16, f16};
+use quant::fp8_blocks::{BLOCK_BYTES, BLOCK_ELEMS};
 use std::ops::Range;
 
 /// Weight rows of one dense kind, `cols` floats each, row after row.
@@ -153,7 +154,7 @@ impl Tile {
             DenseRows::Bf16(w) => self.compute_with(kernel, w, cols, x, values),
             DenseRows::F16(w) => self.compute_with(kernel, w, cols, x, values),
             DenseRows::Fp8(w) => {
-                assert!(cols.is_multiple_of(quant::fp8_blocks::BLOCK_ELEMS));
+                assert!(cols.is_multiple_of(BLOCK_ELEMS));
                 self.compute_with(kernel, w, cols, x, values)
             }
         }
@@ -287,18 +288,16 @@ impl Widen for f16 {
 impl Widen for Fp8Byte {
     #[inline(always)]
     fn stride(cols: usize) -> usize {
-        cols / quant::fp8_blocks::BLOCK_ELEMS * quant::fp8_blocks::BLOCK_BYTES
+        Self::block_start(cols)
     }
     #[inline(always)]
     fn index(c: usize) -> usize {
-        Self::stride(c / 32 * 32) + 4 + c % 32
+        Self::block_start(c) + 4 + c % BLOCK_ELEMS
     }
     unsafe fn weight(row: *const Fp8Byte, c: usize) -> f32 {
-        let block_at = Self::stride(c / 32 * 32);
         // SAFETY: as the caller promises: the block holding weight `c` lies there.
-        let block =
-            unsafe { std::slice::from_raw_parts(row.add(block_at).cast::<u8>(), quant::fp8_blocks::BLOCK_BYTES) };
-        quant::fp8_blocks::code_values()[usize::from(block[4 + c % 32])] * quant::fp8_blocks::scale(block)
+        let block = unsafe { Self::block(row, c) };
+        quant::fp8_blocks::code_values()[usize::from(block[4 + c % BLOCK_ELEMS])] * quant::fp8_blocks::scale(block)
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
@@ -307,8 +306,8 @@ impl Widen for Fp8Byte {
         // SAFETY: the caller's kernel has AVX-512F and AVX2; the chunk's block lies within
         // the row.
         unsafe {
-            let block = std::slice::from_raw_parts(row.add(Self::stride(at / 32 * 32)).cast::<u8>(), 36);
-            let halves = super::fp8_rows::halves16(block.as_ptr().add(4 + at % 32));
+            let block = Self::block(row, at);
+            let halves = super::fp8_rows::halves16(block.as_ptr().add(4 + at % BLOCK_ELEMS));
             _mm512_mul_ps(
                 _mm512_cvtph_ps(halves),
                 _mm512_set1_ps(super::fp8_rows::half_scale(block)),
@@ -321,13 +320,31 @@ impl Widen for Fp8Byte {
         use std::arch::x86_64::*;
         // SAFETY: the caller's kernel has AVX2 and F16C; as above.
         unsafe {
-            let block = std::slice::from_raw_parts(row.add(Self::stride(at / 32 * 32)).cast::<u8>(), 36);
-            let halves = super::fp8_rows::halves8(block.as_ptr().add(4 + at % 32));
+            let block = Self::block(row, at);
+            let halves = super::fp8_rows::halves8(block.as_ptr().add(4 + at % BLOCK_ELEMS));
             _mm256_mul_ps(
                 _mm256_cvtph_ps(halves),
                 _mm256_set1_ps(super::fp8_rows::half_scale(block)),
             )
         }
+    }
+}
+
+impl Fp8Byte {
+    /// Where the block holding weight `c` of a row starts, in bytes from the row's start.
+    #[inline(always)]
+    fn block_start(c: usize) -> usize {
+        c / BLOCK_ELEMS * BLOCK_BYTES
+    }
+
+    /// The block holding weight `c` of the row at `row`.
+    ///
+    /// # Safety
+    /// The row holds that block.
+    #[inline(always)]
+    unsafe fn block<'a>(row: *const Fp8Byte, c: usize) -> &'a [u8] {
+        // SAFETY: as the caller promises.
+        unsafe { std::slice::from_raw_parts(row.add(Self::block_start(c)).cast::<u8>(), BLOCK_BYTES) }
     }
 }
 
