@@ -630,6 +630,9 @@ fn perplexity_tells_a_repeated_text_from_a_scrambled_one() {
     let message = refused(&["perplexity", &model, "--file", short.to_str().unwrap()]);
     assert!(message.contains("shorter than one window"), "{message}");
     assert!(refused(&["perplexity", &model, "--file", "/nonexistent.txt"]).contains("/nonexistent.txt"));
+    // `--quantization` as `bbc run` takes it: the GGUF file's blocks are not FP8's.
+    let message = refused(&["perplexity", &model, "--file", path, "-q", "fp8"]);
+    assert!(message.contains("quantized as `gguf`"), "{message}");
 }
 
 /// Special tokens the answer takes past `--ignore-eos` (SmolLM2 ends its turn with

@@ -34,6 +34,10 @@ pub struct PerplexityArgs {
     /// What the KV cache stores keys and values as (see `bbc run --help`).
     #[arg(long, value_parser = super::run::parse_kv_cache_dtype)]
     pub kv_cache_dtype: Option<KvCacheDtype>,
+    /// How the weights are quantized (see `bbc run --help`): `fp8` quantizes a checkpoint of
+    /// floats as it loads, so its cost shows beside the floats' perplexity.
+    #[arg(long, short = 'q')]
+    pub quantization: Option<String>,
     /// Print one JSON object instead of a line.
     #[arg(long)]
     pub json: bool,
@@ -63,6 +67,7 @@ pub fn perplexity(args: &PerplexityArgs) -> Result<()> {
     let options = model_ref::LoadOptions {
         dtype: args.dtype,
         kv_cache_dtype: args.kv_cache_dtype,
+        quantization: args.quantization.clone(),
         quiet: args.json,
         ..model_ref::LoadOptions::default()
     };
