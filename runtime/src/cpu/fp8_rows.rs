@@ -1,7 +1,8 @@
-//! An FP8 checkpoint's rows held as stored (`quant::fp8_blocks`: 32 E4M3 codes and their f32
-//! scale a block) widened to their f32 weights a few rows at a time, for the dense tile
-//! kernels to multiply where the rows are still in cache: each weight is its code's value
-//! times its block's scale, the number `GgmlType::F8E4M3B32.dequantize` gives.
+//! FP8 rows held as stored (`quant::fp8_blocks`: 32 E4M3 codes and their f32 scale a block)
+//! widened to their f32 weights a few rows at a time, for the dense tile kernels to multiply
+//! where the rows are still in cache (the tiles also widen chunks of them as they load them,
+//! with the same vector steps): each weight is its code's value times its block's scale, the
+//! number `GgmlType::F8E4M3B32.dequantize` gives.
 
 use super::dense::DenseKernel;
 use quant::fp8_blocks::{BLOCK_BYTES, BLOCK_ELEMS};
@@ -10,20 +11,23 @@ use quant::fp8_blocks::{BLOCK_BYTES, BLOCK_ELEMS};
 /// of f32, which an L2 cache holds beside the activations.
 pub const WIDENED_ROWS: usize = 16;
 
-/// `blocks` (whole blocks) widened into `out` (32 weights a block), with `kernel`'s vectors.
-pub fn widen(kernel: DenseKernel, blocks: &[u8], out: &mut [f32]) {
+/// `blocks` (whole blocks) widened into `out` (32 weights a block), with `kernel`'s vectors;
+/// `by_halves`: every block is known to widen by halves ([`widens_by_halves`]), so none is
+/// checked again.
+pub fn widen(kernel: DenseKernel, blocks: &[u8], out: &mut [f32], by_halves: bool) {
     debug_assert_eq!(blocks.len() / BLOCK_BYTES * BLOCK_ELEMS, out.len());
+    debug_assert!(!by_halves || widens_by_halves(blocks));
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `kernel` is one this CPU runs (its features detected).
     unsafe {
         match kernel {
-            DenseKernel::Avx512 => widen_avx512(blocks, out),
-            DenseKernel::Avx2 => widen_avx2(blocks, out),
+            DenseKernel::Avx512 => widen_avx512(blocks, out, by_halves),
+            DenseKernel::Avx2 => widen_avx2(blocks, out, by_halves),
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        let _ = kernel;
+        let _ = (kernel, by_halves);
         quant::GgmlType::F8E4M3B32.dequantize(blocks, out);
     }
 }
@@ -89,11 +93,11 @@ pub fn widens_by_halves(blocks: &[u8]) -> bool {
 }
 
 /// The block's sixteen codes at `at` (0 or 16) as halves, and its scale times 2⁸; `None`
-/// where the table widens it.
+/// where the table widens it (never where `by_halves` says every block widens by halves).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn halves_of(block: &[u8]) -> Option<(impl Fn(usize) -> std::arch::x86_64::__m256i + '_, f32)> {
-    if !block_widens_by_halves(block) {
+unsafe fn halves_of(block: &[u8], by_halves: bool) -> Option<(impl Fn(usize) -> std::arch::x86_64::__m256i + '_, f32)> {
+    if !by_halves && !block_widens_by_halves(block) {
         return None;
     }
     let codes = block[4..BLOCK_BYTES].as_ptr();
@@ -104,12 +108,12 @@ unsafe fn halves_of(block: &[u8]) -> Option<(impl Fn(usize) -> std::arch::x86_64
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,f16c")]
-unsafe fn widen_avx512(blocks: &[u8], out: &mut [f32]) {
+unsafe fn widen_avx512(blocks: &[u8], out: &mut [f32], by_halves: bool) {
     use std::arch::x86_64::*;
     for (block, out) in blocks.chunks_exact(BLOCK_BYTES).zip(out.chunks_exact_mut(BLOCK_ELEMS)) {
         // SAFETY: this function has AVX-512F, AVX2 and F16C; `out` holds 32 floats.
         unsafe {
-            let Some((halves, scale)) = halves_of(block) else {
+            let Some((halves, scale)) = halves_of(block, by_halves) else {
                 quant::fp8_blocks::dequantize_block(block, out);
                 continue;
             };
@@ -123,12 +127,12 @@ unsafe fn widen_avx512(blocks: &[u8], out: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn widen_avx2(blocks: &[u8], out: &mut [f32]) {
+unsafe fn widen_avx2(blocks: &[u8], out: &mut [f32], by_halves: bool) {
     use std::arch::x86_64::*;
     for (block, out) in blocks.chunks_exact(BLOCK_BYTES).zip(out.chunks_exact_mut(BLOCK_ELEMS)) {
         // SAFETY: this function has AVX2 and F16C; `out` holds 32 floats.
         unsafe {
-            let Some((halves, scale)) = halves_of(block) else {
+            let Some((halves, scale)) = halves_of(block, by_halves) else {
                 quant::fp8_blocks::dequantize_block(block, out);
                 continue;
             };
@@ -152,26 +156,38 @@ mod tests {
     use quant::GgmlType;
 
     /// Every kernel gives `dequantize`'s bits for every code (NaN codes as NaN), under scales
-    /// of both signs and of every magnitude a product keeps normal or makes subnormal.
+    /// of both signs and of every magnitude a product keeps normal or makes subnormal: blocks
+    /// checked one by one (some hold NaN codes or overflow 2⁸ times over, and take the table),
+    /// and blocks known to widen by halves, unchecked.
     #[test]
     fn every_kernel_widens_as_dequantize_does() {
-        let blocks: Vec<u8> = (0..16usize)
-            .flat_map(|b| {
-                let codes: [u8; 32] = std::array::from_fn(|i| (b * 32 + i) as u8);
-                let scale = [-0.75, 1.0 / (b + 1) as f32, 3.0e-36, 1.7e35, 3.0e38][b % 5];
-                quant::fp8_blocks::block(scale, &codes)
-            })
-            .collect();
-        let mut want = vec![0f32; 16 * 32];
-        GgmlType::F8E4M3B32.dequantize(&blocks, &mut want);
-        for kernel in DenseKernel::available() {
-            let mut got = vec![0f32; want.len()];
-            widen(kernel, &blocks, &mut got);
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert!(
-                    g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
-                    "{kernel:?} {i}: {g} vs {w}"
-                );
+        let blocks = |known: bool| -> Vec<u8> {
+            (0..16usize)
+                .flat_map(|b| {
+                    let codes: [u8; 32] = std::array::from_fn(|i| match (b * 32 + i) as u8 {
+                        c if known && c & 0x7f == 0x7f => c ^ 1,
+                        c => c,
+                    });
+                    let largest = if known { 1.0e30 } else { 3.0e38 };
+                    let scale = [-0.75, 1.0 / (b + 1) as f32, 3.0e-36, 1.7e35, largest][b % 5];
+                    quant::fp8_blocks::block(scale, &codes)
+                })
+                .collect()
+        };
+        for known in [false, true] {
+            let blocks = blocks(known);
+            assert_eq!(widens_by_halves(&blocks), known);
+            let mut want = vec![0f32; 16 * 32];
+            GgmlType::F8E4M3B32.dequantize(&blocks, &mut want);
+            for kernel in DenseKernel::available() {
+                let mut got = vec![0f32; want.len()];
+                widen(kernel, &blocks, &mut got, known);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan()),
+                        "{kernel:?}, known {known}, {i}: {g} vs {w}"
+                    );
+                }
             }
         }
     }

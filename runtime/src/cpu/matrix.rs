@@ -207,13 +207,14 @@ impl Matrix {
             }
             // Else a few rows at a time widened to f32 and multiplied by the dense tiles while
             // they are in cache: the weights stream as FP8, each widened once a step.
-            let blocks = &blocks.bytes;
+            let (by_halves, blocks) = (blocks.by_halves, &blocks.bytes);
             let row_bytes = Storage::fp8_row_bytes(k);
             products_by_runs(rows, out, |run, widened, write| {
                 for first in run.clone().step_by(fp8_rows::WIDENED_ROWS) {
                     let chunk = first..(first + fp8_rows::WIDENED_ROWS).min(run.end);
                     widened.resize(chunk.len() * k, 0.0);
-                    fp8_rows::widen(kernel, &blocks[chunk.start * row_bytes..chunk.end * row_bytes], widened);
+                    let chunk_blocks = &blocks[chunk.start * row_bytes..chunk.end * row_bytes];
+                    fp8_rows::widen(kernel, chunk_blocks, widened, by_halves);
                     let offset = chunk.start - run.start;
                     let weights = DenseRows::F32(widened);
                     dense::products(kernel, weights, k, 0..chunk.len(), x, tokens, &mut |t, r, values| {
