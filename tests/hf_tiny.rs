@@ -1243,6 +1243,73 @@ fn fp8_checkpoints_match_hf() {
     }
 }
 
+/// Integer checkpoints (`make_int_variants.py`): the weights of `llama` and `qwen3_next`
+/// stored as packed integer levels with scales (and zero points) by compressed-tensors
+/// (`pack-quantized`: 4 bits symmetric and asymmetric in groups of 32, 8 bits a scale a row;
+/// Qwen3-Next's experts, Gated DeltaNet and attention at 4 bits a scale a row), GPTQ (4 bits in
+/// groups of 32, also with act-order) and AWQ (its GEMM layout). Each weight is `(q − z) · s` in
+/// f32 whether read in f32 or held, as FP8 blocks of 32 where its levels have 4 bits and its
+/// groups are whole blocks, else as the checkpoint's f32 (8 bits, act-order, and Qwen3-Next's
+/// shared-expert down projection of 48 columns): logits at every prompt row and cached step,
+/// and greedy ids, through the interpreter and the CPU backend. compressed-tensors' references
+/// are transformers reading the checkpoints; GPTQ's and AWQ's transformers over the products.
+#[test]
+fn integer_checkpoints_match_hf() {
+    use quant::GgmlType::{F32, F8E4M3B32};
+    let down = "model.layers.1.mlp.down_proj.weight";
+    for (name, method, weight, held) in [
+        ("llama_w4a16", "compressed-tensors", down, F8E4M3B32),
+        ("llama_w4a16_asym", "compressed-tensors", down, F8E4M3B32),
+        ("llama_w8a16", "compressed-tensors", down, F32),
+        ("llama_gptq", "gptq", down, F8E4M3B32),
+        ("llama_gptq_act_order", "gptq", down, F32),
+        ("llama_awq", "awq", down, F8E4M3B32),
+        (
+            "qwen3_next_w4a16",
+            "compressed-tensors",
+            "model.layers.1.mlp.experts.0.down_proj.weight",
+            F8E4M3B32,
+        ),
+    ] {
+        check_reference_interpreter(name);
+        check_cpu_backend(name);
+        let mut spec = ModelSpec::for_weights(&fixture(&format!("hf-tiny/{name}")));
+        spec.dtype = ComputeDtype::Native;
+        let native = Model::open(spec).unwrap();
+        assert_eq!(native.weights.quantization(), Some(method), "{name}");
+        assert_eq!(native.weights.require(weight).unwrap().dtype, held, "{name}");
+        check_interpreter_against(&native, &Reference::of(name), &format!("{name} as stored"));
+        check_cpu_backend_against(&native, &Reference::of(name), &format!("{name} as stored"));
+    }
+    let shared_down = "model.layers.1.mlp.shared_expert.down_proj.weight";
+    let native = Model::open(ModelSpec {
+        dtype: ComputeDtype::Native,
+        ..ModelSpec::for_weights(&fixture("hf-tiny/qwen3_next_w4a16"))
+    })
+    .unwrap();
+    assert_eq!(native.weights.require(shared_down).unwrap().dtype, F32);
+}
+
+/// vLLM's names for the kernels that run the same checkpoints (`gptq_marlin`, `awq_marlin`)
+/// are taken as the methods; another method is refused naming the checkpoint's.
+#[test]
+fn integer_checkpoints_take_vllms_names_for_their_methods() {
+    for (name, asked) in [
+        ("llama_gptq", "gptq_marlin"),
+        ("llama_awq", "awq_marlin"),
+        ("llama_awq", "AWQ"),
+        ("llama_w4a16", "compressed-tensors"),
+    ] {
+        let mut spec = ModelSpec::for_weights(&fixture(&format!("hf-tiny/{name}")));
+        spec.quantization = Some(asked.into());
+        Model::open(spec).unwrap_or_else(|e| panic!("{name} -q {asked}: {e}"));
+    }
+    let mut spec = ModelSpec::for_weights(&fixture("hf-tiny/llama_awq"));
+    spec.quantization = Some("gptq".into());
+    let err = Model::open(spec).err().expect("awq is not gptq").to_string();
+    assert!(err.contains("quantized as `awq`"), "{err}");
+}
+
 /// An FP8 checkpoint read for a 16-bit model holds each weight in 16 bits, rounded once from
 /// code × scale: its logits are, bit for bit, those of the weights read in f32 and rounded as
 /// the model computes; and bf16's rounding is there to see against the f32 logits.

@@ -8,83 +8,51 @@
 //! each code widened to f32, multiplied in f32 by its scale. A model that keeps the file's types
 //! holds them as FP8 blocks of 32 with their scale ([`blocks_of_32`], where every 32 columns of
 //! a row lie under one scale), whose weights are those products; one that computes in f32,
-//! bf16 or f16 rounds each product once to that type ([`dequantize`]). Every other
-//! quantization method a `config.json` can name is refused by name.
+//! bf16 or f16 rounds each product once to that type ([`dequantize`]).
 
-use crate::error::{ModelError, Result};
 use crate::quant::GgmlType;
 use half::{bf16, f16};
 use rayon::prelude::*;
-use std::path::Path;
-
-/// What a checkpoint's `quantization_config` says about its FP8 scales: the block a 2-D scale
-/// covers where it names one (needed when a matrix's side is not a whole number of blocks).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Fp8Config {
-    pub block: Option<[usize; 2]>,
-    /// The `quant_method` that named it, lowercased (vLLM's `--quantization` names the same).
-    pub method: Option<String>,
-}
 
 /// The methods whose weights are FP8 E4M3 codes with scales.
-const FP8_METHODS: &str = "fp8, compressed-tensors (float-quantized), fbgemm_fp8, modelopt (FP8)";
-/// Where other quantized weights can come from.
-const OTHERWISE: &str = "and GGUF files for other quantized weights";
+pub const FP8_METHODS: &str = "fp8, compressed-tensors (float-quantized), fbgemm_fp8, modelopt (FP8)";
 
-/// The `quantization_config` of `config.json` (top level, or its `text_config`'s): `None` where
-/// it has none, its FP8 scales' block where it names an FP8 method, an error naming any other.
-pub fn quantization_of(config: &serde_json::Value, path: &Path) -> Result<Option<Fp8Config>> {
-    let Some(quant) = config
-        .get("quantization_config")
-        .or_else(|| config.get("text_config").and_then(|t| t.get("quantization_config")))
-    else {
-        return Ok(None);
-    };
-    let refuse = |what: String| ModelError::Config {
-        path: path.to_path_buf(),
-        what: format!("`quantization_config`: {what}; bbc reads {FP8_METHODS} checkpoints, {OTHERWISE}"),
-    };
+/// The block an FP8 method's scales cover where its config names one (needed when a matrix's
+/// side is not a whole number of blocks); `None` where `method` names no FP8 method, an error
+/// where its config is not FP8 weights.
+pub fn fp8_block(method: &str, quant: &serde_json::Value) -> Option<std::result::Result<Option<[usize; 2]>, String>> {
     let text = |v: Option<&serde_json::Value>| v.and_then(|v| v.as_str()).map(str::to_ascii_lowercase);
-    let method = text(quant.get("quant_method")).ok_or_else(|| refuse("has no `quant_method`".into()))?;
-    match method.as_str() {
-        "fp8" => {
+    Some(match method {
+        "fp8" => (|| {
             if let Some(fmt) = text(quant.get("fmt")).filter(|f| f != "e4m3") {
-                return Err(refuse(format!("`fmt` is `{fmt}`, not `e4m3`")));
+                return Err(format!("`fmt` is `{fmt}`, not `e4m3`"));
             }
-            let block = match quant.get("weight_block_size") {
-                None | Some(serde_json::Value::Null) => None,
-                Some(size) => Some(
-                    block_size(size)
-                        .ok_or_else(|| refuse(format!("`weight_block_size` is {size}, not two positive integers")))?,
-                ),
-            };
-            Ok(Fp8Config { block, method: None })
-        }
-        "fbgemm_fp8" => Ok(Fp8Config::default()),
+            match quant.get("weight_block_size") {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(size) => block_size(size)
+                    .map(Some)
+                    .ok_or_else(|| format!("`weight_block_size` is {size}, not two positive integers")),
+            }
+        })(),
+        "fbgemm_fp8" => Ok(None),
         "modelopt" => match text(quant.get("quant_algo")).as_deref() {
-            Some("fp8") => Ok(Fp8Config::default()),
-            other => Err(refuse(format!("ModelOpt's `quant_algo` is {other:?}, not FP8"))),
+            Some("fp8") => Ok(None),
+            other => Err(format!("ModelOpt's `quant_algo` is {other:?}, not FP8")),
         },
-        "compressed-tensors" => compressed_tensors(quant).map_err(refuse),
-        other => Err(refuse(format!("`quant_method` is `{other}`"))),
-    }
-    .map(|config| {
-        Some(Fp8Config {
-            method: Some(method.clone()),
-            ..config
-        })
+        "compressed-tensors" => compressed_tensors(quant),
+        _ => return None,
     })
 }
 
 /// compressed-tensors' weights must be 8-bit floats in every group; a block strategy names its
 /// block, a group strategy its group of a row.
-fn compressed_tensors(quant: &serde_json::Value) -> std::result::Result<Fp8Config, String> {
+fn compressed_tensors(quant: &serde_json::Value) -> std::result::Result<Option<[usize; 2]>, String> {
     if let Some(format) = quant.get("format").and_then(|f| f.as_str()) {
         if !matches!(format, "float-quantized" | "naive-quantized") {
             return Err(format!("compressed-tensors format `{format}` is not FP8 weights"));
         }
     }
-    let mut config = Fp8Config::default();
+    let mut block = None;
     let groups = quant.get("config_groups").and_then(|g| g.as_object());
     for (name, group) in groups.into_iter().flatten() {
         let Some(weights) = group.get("weights").filter(|w| !w.is_null()) else {
@@ -98,7 +66,7 @@ fn compressed_tensors(quant: &serde_json::Value) -> std::result::Result<Fp8Confi
                 bits.map_or("?".into(), |b| b.to_string())
             ));
         }
-        let block = match weights.get("strategy").and_then(|s| s.as_str()) {
+        let named = match weights.get("strategy").and_then(|s| s.as_str()) {
             Some("block") => weights.get("block_structure").and_then(block_size),
             Some("group") => weights
                 .get("group_size")
@@ -107,11 +75,11 @@ fn compressed_tensors(quant: &serde_json::Value) -> std::result::Result<Fp8Confi
                 .map(|g| [1, g as usize]),
             _ => None,
         };
-        if block.is_some() {
-            config.block = block;
+        if named.is_some() {
+            block = named;
         }
     }
-    Ok(config)
+    Ok(block)
 }
 
 fn block_size(size: &serde_json::Value) -> Option<[usize; 2]> {
@@ -227,22 +195,6 @@ impl ScaleGrid {
     }
 }
 
-/// The dtype a checkpoint's `config.json` names for its weights (`dtype`, or transformers 4's
-/// `torch_dtype`; a multimodal config's `text_config`'s): bf16 unless it names f32 or f16.
-pub fn checkpoint_dtype(config: &serde_json::Value) -> GgmlType {
-    let named = |c: &serde_json::Value| {
-        ["dtype", "torch_dtype"]
-            .into_iter()
-            .find_map(|key| c.get(key).and_then(|d| d.as_str()).map(str::to_string))
-    };
-    let name = named(config).or_else(|| config.get("text_config").and_then(named));
-    match name.as_deref() {
-        Some("float32") => GgmlType::F32,
-        Some("float16") => GgmlType::F16,
-        _ => GgmlType::BF16,
-    }
-}
-
 /// The weight as blocks of 32 codes with their scale ([`quant::fp8_blocks`]); the grid must
 /// [fit them](ScaleGrid::fits_blocks_of_32).
 pub fn blocks_of_32(codes: &[u8], scales: &[f32], grid: &ScaleGrid) -> Vec<u8> {
@@ -298,7 +250,6 @@ pub fn dequantize(codes: &[u8], scales: &[f32], grid: &ScaleGrid, dtype: GgmlTyp
 mod tests {
     use super::*;
     use ir::F8E4M3;
-    use serde_json::json;
 
     fn grid(weight: &[usize], scale: &[usize], block: Option<[usize; 2]>) -> std::result::Result<ScaleGrid, String> {
         ScaleGrid::of(weight, scale, block)
@@ -474,65 +425,6 @@ mod tests {
                     Err(e) => proptest::prop_assert!(!accepted, "{weight:?} by {scale:?} ({block:?}): {e}"),
                 }
             }
-        }
-    }
-
-    #[test]
-    fn a_checkpoints_dtype_is_its_configs() {
-        assert_eq!(checkpoint_dtype(&json!({"dtype": "float32"})), GgmlType::F32);
-        assert_eq!(checkpoint_dtype(&json!({"torch_dtype": "float16"})), GgmlType::F16);
-        assert_eq!(
-            checkpoint_dtype(&json!({"text_config": {"dtype": "float32"}})),
-            GgmlType::F32
-        );
-        assert_eq!(checkpoint_dtype(&json!({"dtype": "bfloat16"})), GgmlType::BF16);
-        assert_eq!(checkpoint_dtype(&json!({})), GgmlType::BF16);
-    }
-
-    #[test]
-    fn quantization_methods_are_read_or_refused_by_name() {
-        let path = Path::new("config.json");
-        let of = |q: serde_json::Value| quantization_of(&json!({ "quantization_config": q }), path);
-        assert_eq!(quantization_of(&json!({}), path).unwrap(), None);
-        let fp8 = of(json!({"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}));
-        assert_eq!(fp8.unwrap().unwrap().block, Some([128, 128]));
-        let nested = quantization_of(
-            &json!({"text_config": {"quantization_config": {"quant_method": "fp8"}}}),
-            path,
-        );
-        assert_eq!(nested.unwrap().unwrap().method.as_deref(), Some("fp8"));
-        assert!(of(json!({"quant_method": "fbgemm_fp8"})).unwrap().is_some());
-        assert!(of(json!({"quant_method": "modelopt", "quant_algo": "FP8"}))
-            .unwrap()
-            .is_some());
-        let blocks = of(
-            json!({"quant_method": "compressed-tensors", "format": "float-quantized",
-            "config_groups": {"group_0": {"weights": {"type": "float", "num_bits": 8,
-            "strategy": "block", "block_structure": [128, 128]}}}}),
-        );
-        assert_eq!(blocks.unwrap().unwrap().block, Some([128, 128]));
-        for (q, named) in [
-            (json!({"quant_method": "gptq", "bits": 4}), "gptq"),
-            (json!({"quant_method": "awq"}), "awq"),
-            (json!({"quant_method": "fp8", "fmt": "e5m2"}), "e5m2"),
-            (
-                json!({"quant_method": "fp8", "weight_block_size": [128]}),
-                "weight_block_size",
-            ),
-            (json!({"quant_method": "modelopt", "quant_algo": "NVFP4"}), "nvfp4"),
-            (
-                json!({"quant_method": "compressed-tensors", "format": "pack-quantized"}),
-                "pack-quantized",
-            ),
-            (
-                json!({"quant_method": "compressed-tensors", "config_groups":
-                    {"g": {"weights": {"type": "int", "num_bits": 4}}}}),
-                "4 bits",
-            ),
-            (json!({"bits": 4}), "quant_method"),
-        ] {
-            let err = of(q).unwrap_err().to_string();
-            assert!(err.contains(named) && err.contains("fp8"), "{err}");
         }
     }
 }

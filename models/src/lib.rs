@@ -1,6 +1,7 @@
 //! Models: `model.toml`, weight sources (GGUF with its quant blocks, safetensors), tokenizers,
 //! and one lowering per architecture family.
 
+pub mod checkpoint_quantization;
 pub mod config;
 pub mod error;
 pub mod families;
@@ -8,6 +9,7 @@ pub mod fp8_checkpoint;
 pub mod fp8_on_load;
 pub mod generation_defaults;
 pub mod gguf;
+pub mod int_checkpoint;
 pub mod model_toml;
 pub use ::quant;
 pub mod safetensors_dir;

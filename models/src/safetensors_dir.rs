@@ -1,12 +1,15 @@
 //! HF model directories: `config.json`, `*.safetensors` (memory-mapped; sharded through
 //! `model.safetensors.index.json`), tokenizer files. FP8 weights are read through their
-//! scales (`fp8_checkpoint`) in the type asked for, or held as FP8 blocks; float weights can
-//! be quantized to FP8 blocks as they load (`fp8_on_load`). Each is converted the first time
-//! it is read.
+//! scales (`fp8_checkpoint`) and packed integer weights through their zero points and scales
+//! (`int_checkpoint`), in the type asked for or held as FP8 blocks; float weights can be
+//! quantized to FP8 blocks as they load (`fp8_on_load`). Each is made the first time it is
+//! read.
 
+use crate::checkpoint_quantization;
 use crate::error::{io_error, ModelError, Result};
 use crate::fp8_checkpoint::{self, ScaleGrid};
 use crate::fp8_on_load;
+use crate::int_checkpoint::{IntScheme, PackedLayout, PackedParts, PartShapes};
 use crate::quant::tensor::{MemoryTensor, TensorView};
 use crate::quant::GgmlType;
 use crate::weights::matrix_shape;
@@ -28,36 +31,50 @@ pub struct SafetensorsEntry {
     pub end: usize,
 }
 
-/// A tensor as a file stores it: in a type bbc reads as it is, or as FP8 E4M3 codes (one byte
-/// an element, read through their scales).
+/// A tensor as a file stores it: in a type bbc reads as it is, as FP8 E4M3 codes (one byte an
+/// element, read through their scales), or as integers (a packed weight's parts).
 enum Stored {
     Ggml(SafetensorsEntry),
-    F8E4M3(Fp8Codes),
+    F8E4M3(RawEntry),
+    Int(RawEntry),
 }
 
+/// A tensor bbc does not read as it is: its place, its declared shape, and its element's bytes
+/// (FP8 codes 1; integers 4 for I32, 8 for I64).
 #[derive(Debug, Clone)]
-struct Fp8Codes {
+struct RawEntry {
     shard: usize,
-    shape: Vec<usize>,
     stored_shape: Vec<usize>,
+    element_bytes: usize,
     start: usize,
     end: usize,
 }
 
-/// An FP8 weight: its codes, its scales and how they cover it, the type it is read as, and its
-/// values once made.
-struct Fp8Weight {
-    codes: Fp8Codes,
-    scales: SafetensorsEntry,
-    grid: ScaleGrid,
+/// A weight made from what the file stores the first time it is read, and held until released:
+/// its shape, the type it is read as, what it is made from, and its values once made.
+struct MadeWeight {
+    shape: Vec<usize>,
     read_as: GgmlType,
+    from: MadeFrom,
     values: OnceLock<Vec<u8>>,
 }
 
-/// A float weight quantized to FP8 blocks as it loads, once made.
-struct QuantizedOnLoad {
-    stored: SafetensorsEntry,
-    values: OnceLock<Vec<u8>>,
+enum MadeFrom {
+    /// FP8 codes through their scales (`fp8_checkpoint`).
+    Fp8 {
+        codes: RawEntry,
+        scales: SafetensorsEntry,
+        grid: ScaleGrid,
+    },
+    /// Packed integer levels through their zero points and scales (`int_checkpoint`).
+    Packed {
+        layout: PackedLayout,
+        levels: RawEntry,
+        zeros: Option<RawEntry>,
+        scales: SafetensorsEntry,
+    },
+    /// A float weight quantized to FP8 blocks as it loads (`fp8_on_load`).
+    QuantizedOnLoad(SafetensorsEntry),
 }
 
 pub struct SafetensorsDir {
@@ -65,23 +82,23 @@ pub struct SafetensorsDir {
     shards: Vec<(PathBuf, Mmap)>,
     /// The tensors read as they are stored.
     pub tensors: BTreeMap<String, SafetensorsEntry>,
-    /// The FP8 weights (their scale tensors are not listed in `tensors`).
-    fp8: BTreeMap<String, Fp8Weight>,
-    /// The float weights quantized to FP8 blocks as they load (not listed in `tensors`).
-    quantized: BTreeMap<String, QuantizedOnLoad>,
+    /// The weights made as they are read (their parts are not listed in `tensors`).
+    made: BTreeMap<String, MadeWeight>,
     /// The checkpoint's `quantization_config.quant_method`, lowercased.
     pub quant_method: Option<String>,
 }
 
 impl SafetensorsDir {
-    /// The directory's tensors, FP8 weights read as `fp8_as` (f32, bf16 or f16), else held as
-    /// they are stored (blocks of 32 codes with their scale, where every 32 columns of a row
-    /// lie under one scale; else as the checkpoint's `dtype`).
-    pub fn open(dir: &Path, fp8_as: Option<GgmlType>) -> Result<Self> {
+    /// The directory's tensors, FP8 and packed integer weights read as `convert_to` (f32, bf16
+    /// or f16), else held as FP8 blocks of 32 where they fit them (see
+    /// `ScaleGrid::fits_blocks_of_32`, `PackedLayout::fits_blocks_of_32`) and as the
+    /// checkpoint's `dtype` where not.
+    pub fn open(dir: &Path, convert_to: Option<GgmlType>) -> Result<Self> {
         let files = shard_files(dir)?;
         let mut shards = Vec::with_capacity(files.len());
         let mut tensors = BTreeMap::new();
         let mut fp8_codes = BTreeMap::new();
+        let mut ints = BTreeMap::new();
         for (i, path) in files.into_iter().enumerate() {
             let file = std::fs::File::open(&path).map_err(|e| io_error(&path, e))?;
             // SAFETY: read-only map of a weights file; see GgufFile::open.
@@ -94,6 +111,9 @@ impl SafetensorsDir {
                     Stored::F8E4M3(codes) => {
                         fp8_codes.insert(name, codes);
                     }
+                    Stored::Int(entry) => {
+                        ints.insert(name, entry);
+                    }
                 }
             }
             shards.push((path, mmap));
@@ -102,8 +122,7 @@ impl SafetensorsDir {
             dir: dir.to_path_buf(),
             shards,
             tensors,
-            fp8: BTreeMap::new(),
-            quantized: BTreeMap::new(),
+            made: BTreeMap::new(),
             quant_method: None,
         };
         let path = dir.join("config.json");
@@ -114,15 +133,18 @@ impl SafetensorsDir {
             })?,
             Err(_) => serde_json::Value::Null,
         };
-        let scales = fp8_checkpoint::quantization_of(&config, &path)?;
-        let block = scales.as_ref().and_then(|s| s.block);
-        this.quant_method = scales.and_then(|s| s.method);
-        let checkpoint_dtype = fp8_checkpoint::checkpoint_dtype(&config);
-        this.pair_scales(fp8_codes, block, |grid| match fp8_as {
+        let quantization = checkpoint_quantization::quantization_of(&config, &path)?;
+        let block = quantization.as_ref().and_then(|q| q.block);
+        let integers = quantization.as_ref().and_then(|q| q.integers);
+        this.quant_method = quantization.map(|q| q.method);
+        let checkpoint_dtype = checkpoint_quantization::checkpoint_dtype(&config);
+        let read_as = |fits_blocks_of_32: bool| match convert_to {
             Some(dtype) => dtype,
-            None if grid.fits_blocks_of_32() => GgmlType::F8E4M3B32,
+            None if fits_blocks_of_32 => GgmlType::F8E4M3B32,
             None => checkpoint_dtype,
-        })?;
+        };
+        this.pair_scales(fp8_codes, block, |grid| read_as(grid.fits_blocks_of_32()))?;
+        this.pair_packed(ints, integers, |layout| read_as(layout.fits_blocks_of_32()))?;
         Ok(this)
     }
 
@@ -130,7 +152,7 @@ impl SafetensorsDir {
     /// listing), and the grid they make over it.
     fn pair_scales(
         &mut self,
-        codes: BTreeMap<String, Fp8Codes>,
+        codes: BTreeMap<String, RawEntry>,
         block: Option<[usize; 2]>,
         read_as: impl Fn(&ScaleGrid) -> GgmlType,
     ) -> Result<()> {
@@ -146,24 +168,114 @@ impl SafetensorsDir {
                 return Err(bad(format!("it has no `{name}_scale_inv` or `{name}_scale` beside it")));
             };
             let scales = self.tensors[&scale_name].clone();
-            if !matches!(scales.dtype, GgmlType::F32 | GgmlType::BF16 | GgmlType::F16) {
-                return Err(bad(format!(
-                    "its scale `{scale_name}` is {}, not a float",
-                    scales.dtype.name()
-                )));
-            }
             let grid = ScaleGrid::of(&codes.stored_shape, &scales.stored_shape, block).map_err(bad)?;
             self.tensors.remove(&scale_name);
-            let weight = Fp8Weight {
-                codes,
-                scales,
+            let weight = MadeWeight {
+                shape: matrix_shape(codes.stored_shape.clone()),
                 read_as: read_as(&grid),
-                grid,
+                from: MadeFrom::Fp8 { codes, scales, grid },
                 values: OnceLock::new(),
             };
-            self.fp8.insert(name, weight);
+            self.made.insert(name, weight);
         }
         Ok(())
+    }
+
+    /// Each packed integer weight `X.weight` with its parts beside it (`int_checkpoint`: for
+    /// GPTQ `X.qweight`, `X.qzeros`, `X.scales`, `X.g_idx`), taken out of the listing. Integer
+    /// tensors that are no weight's part are refused.
+    fn pair_packed(
+        &mut self,
+        mut ints: BTreeMap<String, RawEntry>,
+        scheme: Option<IntScheme>,
+        read_as: impl Fn(&PackedLayout) -> GgmlType,
+    ) -> Result<()> {
+        if let Some(scheme) = scheme {
+            let names = scheme.part_names();
+            let levels_end = format!(".{}", names.levels);
+            let packed: Vec<String> = ints.keys().filter(|n| n.ends_with(&levels_end)).cloned().collect();
+            for levels_name in packed {
+                let prefix = &levels_name[..levels_name.len() - names.levels.len()];
+                let levels = ints.remove(&levels_name).expect("listed");
+                let part = |end: &str| format!("{prefix}{end}");
+                let path = self.shard_path(levels.shard).to_path_buf();
+                let bad = |what: String| ModelError::Safetensors {
+                    path: path.clone(),
+                    what: format!("packed weight `{prefix}weight`: {what}"),
+                };
+                let scales = self
+                    .tensors
+                    .remove(&part(names.scales))
+                    .ok_or_else(|| bad(format!("it has no float `{}` beside it", part(names.scales))))?;
+                let zeros = ints.remove(&part(names.zeros));
+                let group_index = ints.remove(&part(names.group_index));
+                let shape = match names.shape {
+                    Some(end) => {
+                        let entry = ints
+                            .remove(&part(end))
+                            .ok_or_else(|| bad(format!("it has no `{}`", part(end))))?;
+                        let dims = self.integers(&entry);
+                        Some(dims.iter().map(|&d| usize::try_from(d).unwrap_or(usize::MAX)).collect())
+                    }
+                    None => None,
+                };
+                for (what, entry) in [("levels", Some(&levels)), ("zero points", zeros.as_ref())] {
+                    if entry.is_some_and(|e| e.element_bytes != 4) {
+                        return Err(bad(format!("its {what} are not 32-bit words")));
+                    }
+                }
+                let listed = group_index.as_ref().map(|g| self.integers(g));
+                let shapes = PartShapes {
+                    levels: &levels.stored_shape,
+                    zeros: zeros.as_ref().map(|z| &z.stored_shape[..]),
+                    scales: &scales.stored_shape,
+                    group_index: group_index.as_ref().map(|g| &g.stored_shape[..]),
+                    shape,
+                };
+                let layout = PackedLayout::of(scheme, &shapes, listed.as_deref()).map_err(bad)?;
+                let weight = MadeWeight {
+                    shape: matrix_shape(layout.shape()),
+                    read_as: read_as(&layout),
+                    from: MadeFrom::Packed {
+                        layout,
+                        levels,
+                        zeros,
+                        scales,
+                    },
+                    values: OnceLock::new(),
+                };
+                self.made.insert(part("weight"), weight);
+            }
+        }
+        match ints.into_iter().next() {
+            Some((name, entry)) => Err(ModelError::Safetensors {
+                path: self.shard_path(entry.shard).to_path_buf(),
+                what: format!(
+                    "tensor `{name}` holds integers; bbc reads them only as the parts of packed weights beside \
+                     the scales a GPTQ, AWQ or compressed-tensors `pack-quantized` checkpoint names{}",
+                    match scheme {
+                        Some(_) => "",
+                        None => " (this one's config.json names no such quantization)",
+                    }
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// An integer tensor's values.
+    fn integers(&self, entry: &RawEntry) -> Vec<i64> {
+        let bytes = &self.shards[entry.shard].1[entry.start..entry.end];
+        match entry.element_bytes {
+            4 => bytes
+                .chunks_exact(4)
+                .map(|b| i64::from(i32::from_le_bytes(b.try_into().expect("4 bytes"))))
+                .collect(),
+            _ => bytes
+                .chunks_exact(8)
+                .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+                .collect(),
+        }
     }
 
     /// Quantizes the linear layers' float weights to FP8 blocks as they are read
@@ -177,16 +289,20 @@ impl SafetensorsDir {
             .collect();
         for name in &names {
             if let Some(stored) = self.tensors.remove(name) {
-                let values = OnceLock::new();
-                self.quantized.insert(name.clone(), QuantizedOnLoad { stored, values });
+                let weight = MadeWeight {
+                    shape: stored.shape.clone(),
+                    read_as: GgmlType::F8E4M3B32,
+                    from: MadeFrom::QuantizedOnLoad(stored),
+                    values: OnceLock::new(),
+                };
+                self.made.insert(name.clone(), weight);
             }
         }
         self.quant_method = Some(fp8_on_load::METHOD.to_string());
         names.len()
     }
 
-    /// The tensor `name` as bbc reads it: as stored, an FP8 weight as it was opened to, or a
-    /// float weight quantized as it loads.
+    /// The tensor `name` as bbc reads it: as stored, or made (once) and held.
     pub fn get(&self, name: &str) -> Option<TensorView<'_>> {
         if let Some(entry) = self.tensors.get(name) {
             return Some(TensorView {
@@ -195,20 +311,11 @@ impl SafetensorsDir {
                 bytes: self.data(entry),
             });
         }
-        if let Some(weight) = self.quantized.get(name) {
-            let bytes = weight.values.get_or_init(|| self.quantized_values(weight));
-            return Some(TensorView {
-                shape: &weight.stored.shape,
-                dtype: GgmlType::F8E4M3B32,
-                bytes,
-            });
-        }
-        let weight = self.fp8.get(name)?;
-        let bytes = weight.values.get_or_init(|| self.fp8_values(weight));
+        let weight = self.made.get(name)?;
         Some(TensorView {
-            shape: &weight.codes.shape,
+            shape: &weight.shape,
             dtype: weight.read_as,
-            bytes,
+            bytes: weight.values.get_or_init(|| self.make(weight)),
         })
     }
 
@@ -217,72 +324,76 @@ impl SafetensorsDir {
         if let Some(entry) = self.tensors.get(name) {
             return Some((entry.dtype, &entry.shape));
         }
-        if let Some(weight) = self.quantized.get(name) {
-            return Some((GgmlType::F8E4M3B32, &weight.stored.shape));
-        }
-        let weight = self.fp8.get(name)?;
-        Some((weight.read_as, &weight.codes.shape))
+        let weight = self.made.get(name)?;
+        Some((weight.read_as, &weight.shape))
     }
 
-    /// Whether `name` is an FP8 or quantized weight not made yet ([`Self::made_afresh`]).
+    /// Whether `name` is a weight made as it is read and not made yet ([`Self::made_afresh`]).
     pub fn made_as_read(&self, name: &str) -> bool {
-        let quantized = self.quantized.get(name).is_some_and(|w| w.values.get().is_none());
-        quantized || self.fp8.get(name).is_some_and(|w| w.values.get().is_none())
+        self.made.get(name).is_some_and(|w| w.values.get().is_none())
     }
 
-    /// An FP8 or quantized weight not made yet, made and handed over rather than held (see
-    /// `Tensors::made_afresh`); `None` for every other tensor.
+    /// A weight made as it is read and not made yet, made and handed over rather than held
+    /// (see `Tensors::made_afresh`); `None` for every other tensor.
     pub fn made_afresh(&self, name: &str) -> Option<MemoryTensor> {
-        if let Some(weight) = self.quantized.get(name).filter(|w| w.values.get().is_none()) {
-            return Some(MemoryTensor {
-                shape: weight.stored.shape.clone(),
-                dtype: GgmlType::F8E4M3B32,
-                bytes: self.quantized_values(weight),
-            });
-        }
-        let weight = self.fp8.get(name).filter(|w| w.values.get().is_none())?;
+        let weight = self.made.get(name).filter(|w| w.values.get().is_none())?;
         Some(MemoryTensor {
-            shape: weight.codes.shape.clone(),
+            shape: weight.shape.clone(),
             dtype: weight.read_as,
-            bytes: self.fp8_values(weight),
+            bytes: self.make(weight),
         })
     }
 
-    /// A float weight's FP8 blocks.
-    fn quantized_values(&self, weight: &QuantizedOnLoad) -> Vec<u8> {
-        let stored = &weight.stored;
-        fp8_on_load::quantize(&TensorView {
-            shape: &stored.shape,
-            dtype: stored.dtype,
-            bytes: self.data(stored),
-        })
-    }
-
-    /// An FP8 weight in the type it is read as.
-    fn fp8_values(&self, weight: &Fp8Weight) -> Vec<u8> {
-        let mut scales = vec![0f32; weight.grid.scales()];
-        weight.scales.dtype.dequantize(self.data(&weight.scales), &mut scales);
-        let codes = &self.shards[weight.codes.shard].1[weight.codes.start..weight.codes.end];
-        match weight.read_as {
-            GgmlType::F8E4M3B32 => fp8_checkpoint::blocks_of_32(codes, &scales, &weight.grid),
-            dtype => fp8_checkpoint::dequantize(codes, &scales, &weight.grid, dtype),
+    /// A weight's values in the type it is read as.
+    fn make(&self, weight: &MadeWeight) -> Vec<u8> {
+        let scales_of = |entry: &SafetensorsEntry| {
+            let mut scales = vec![0f32; entry.stored_shape.iter().product()];
+            entry.dtype.dequantize(self.data(entry), &mut scales);
+            scales
+        };
+        match &weight.from {
+            MadeFrom::Fp8 { codes, scales, grid } => {
+                let scales = scales_of(scales);
+                let codes = self.raw(codes);
+                match weight.read_as {
+                    GgmlType::F8E4M3B32 => fp8_checkpoint::blocks_of_32(codes, &scales, grid),
+                    dtype => fp8_checkpoint::dequantize(codes, &scales, grid, dtype),
+                }
+            }
+            MadeFrom::Packed {
+                layout,
+                levels,
+                zeros,
+                scales,
+            } => {
+                let scales = scales_of(scales);
+                let parts = PackedParts {
+                    levels: self.raw(levels),
+                    zeros: zeros.as_ref().map(|z| self.raw(z)),
+                    scales: &scales,
+                };
+                match weight.read_as {
+                    GgmlType::F8E4M3B32 => layout.blocks_of_32(&parts),
+                    dtype => layout.dequantize(&parts, dtype),
+                }
+            }
+            MadeFrom::QuantizedOnLoad(stored) => fp8_on_load::quantize(&TensorView {
+                shape: &stored.shape,
+                dtype: stored.dtype,
+                bytes: self.data(stored),
+            }),
         }
     }
 
-    /// The bytes of FP8 weights converted (or quantized) so far and held.
+    /// The bytes of weights made so far and held.
     pub fn converted_bytes(&self) -> usize {
-        let fp8 = self.fp8.values().filter_map(|w| w.values.get());
-        let quantized = self.quantized.values().filter_map(|w| w.values.get());
-        fp8.chain(quantized).map(Vec::len).sum()
+        self.made.values().filter_map(|w| w.values.get()).map(Vec::len).sum()
     }
 
-    /// Frees the FP8 weights' converted (or quantized) values (a backend that copied them holds
-    /// its own); a weight read again is converted again.
+    /// Frees the values of weights made so far (a backend that copied them holds its own); a
+    /// weight read again is made again.
     pub fn release_converted(&mut self) {
-        for weight in self.fp8.values_mut() {
-            weight.values.take();
-        }
-        for weight in self.quantized.values_mut() {
+        for weight in self.made.values_mut() {
             weight.values.take();
         }
     }
@@ -290,15 +401,12 @@ impl SafetensorsDir {
     /// Every tensor's name, the type it is read as and its shape.
     pub fn listing(&self) -> impl Iterator<Item = (&str, GgmlType, &[usize])> {
         let stored = self.tensors.iter().map(|(n, e)| (n.as_str(), e.dtype, &e.shape[..]));
-        let fp8 = self
-            .fp8
-            .iter()
-            .map(|(n, w)| (n.as_str(), w.read_as, &w.codes.shape[..]));
-        let quantized = self
-            .quantized
-            .iter()
-            .map(|(n, w)| (n.as_str(), GgmlType::F8E4M3B32, &w.stored.shape[..]));
-        stored.chain(fp8).chain(quantized)
+        let made = self.made.iter().map(|(n, w)| (n.as_str(), w.read_as, &w.shape[..]));
+        stored.chain(made)
+    }
+
+    fn raw(&self, entry: &RawEntry) -> &[u8] {
+        &self.shards[entry.shard].1[entry.start..entry.end]
     }
 
     pub fn data(&self, entry: &SafetensorsEntry) -> &[u8] {
@@ -397,14 +505,18 @@ fn header_entry(
     data_len: usize,
     shard: usize,
 ) -> std::result::Result<Stored, String> {
-    let dtype = match info.get("dtype").and_then(|d| d.as_str()) {
-        Some("F32") => Some(GgmlType::F32),
-        Some("F16") => Some(GgmlType::F16),
-        Some("BF16") => Some(GgmlType::BF16),
-        Some("F8_E4M3") => None,
+    // Floats bbc reads as they are, or the bytes of an element read otherwise.
+    let (dtype, element_bytes) = match info.get("dtype").and_then(|d| d.as_str()) {
+        Some("F32") => (Some(GgmlType::F32), 4),
+        Some("F16") => (Some(GgmlType::F16), 2),
+        Some("BF16") => (Some(GgmlType::BF16), 2),
+        Some("F8_E4M3") => (None, 1),
+        Some("I32") => (None, 4),
+        Some("I64") => (None, 8),
         other => {
             return Err(format!(
-                "tensor `{name}` has dtype {other:?}; bbc reads F32, F16, BF16 and F8_E4M3 (with its scales)"
+                "tensor `{name}` has dtype {other:?}; bbc reads F32, F16, BF16, F8_E4M3 (with its scales) \
+                 and I32 and I64 (a packed integer weight's parts)"
             ))
         }
     };
@@ -423,12 +535,15 @@ fn header_entry(
     let elements = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
     let want = match dtype {
         Some(dtype) => elements.and_then(|e| dtype.bytes_for(e)),
-        None => elements,
+        None => elements.and_then(|e| e.checked_mul(element_bytes)),
     };
     if begin > end || want != Some(end - begin) {
         return Err(format!(
             "tensor `{name}`: shape {shape:?} × {} does not match its byte range {begin}..{end}",
-            dtype.map_or("F8_E4M3", GgmlType::name)
+            dtype.map_or_else(
+                || info["dtype"].as_str().unwrap_or("?").to_string(),
+                |d| d.name().to_string()
+            )
         ));
     }
     if end > data_len {
@@ -446,12 +561,18 @@ fn header_entry(
             start,
             end,
         }),
-        None => Stored::F8E4M3(Fp8Codes {
-            shard,
-            shape: matrix_shape(shape.clone()),
-            stored_shape: shape,
-            start,
-            end,
-        }),
+        None => {
+            let raw = RawEntry {
+                shard,
+                stored_shape: shape,
+                element_bytes,
+                start,
+                end,
+            };
+            match element_bytes {
+                1 => Stored::F8E4M3(raw),
+                _ => Stored::Int(raw),
+            }
+        }
     })
 }

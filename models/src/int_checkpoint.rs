@@ -1,0 +1,820 @@
+//! Integer checkpoints: linear weights stored as packed integer levels `q` with a scale `s`
+//! (and a zero point `z`) for each group of a row, as GPTQ (`quant_method: "gptq"`), AWQ
+//! (`"awq"`, its GEMM layout) and compressed-tensors (`"compressed-tensors"`,
+//! `pack-quantized`) save them. A weight is `(q − z) · s`.
+//!
+//! bbc reads them as those libraries dequantize them, each product in f32. Where levels have
+//! at most 4 bits and every 32 columns of a row lie in one group, `q − z` (at most 16 in
+//! magnitude) is exactly an E4M3 code, so each 32 columns of a row become an FP8 block with
+//! their group's scale (`quant::fp8_blocks`): the same products at 9 bits a weight, which every
+//! FP8 kernel runs. Wider levels, act-order groups and groups that split a block of 32 are
+//! dequantized into a float type instead, as is everything when the model is read into one.
+
+use crate::quant::GgmlType;
+use half::{bf16, f16};
+use ir::F8E4M3;
+use quant::fp8_blocks::{block, BLOCK_BYTES, BLOCK_ELEMS};
+use rayon::prelude::*;
+
+/// How a method packs its levels and zero points.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Packing {
+    /// GPTQ: levels packed `32 / bits` to a word along the input dim (`qweight`
+    /// `[cols·bits/32, rows]`), zero points along the output dim (`qzeros` `[groups,
+    /// rows·bits/32]`) stored less `zero_offset` (1 in GPTQ's first format, 0 in `gptq_v2`),
+    /// scales `[groups, rows]`, and `g_idx`, each column's group.
+    Gptq { zero_offset: i32 },
+    /// AWQ's GEMM layout: 4-bit levels and zero points packed eight to a word along the output
+    /// dim in the order 0, 2, 4, 6, 1, 3, 5, 7 (`qweight` `[cols, rows/8]`, `qzeros`
+    /// `[groups, rows/8]`), scales `[groups, rows]`.
+    Awq,
+    /// compressed-tensors' `pack-quantized`: signed levels offset by `2^(bits−1)`, packed
+    /// densely along the input dim (`weight_packed` `[rows, ⌈cols·bits/32⌉]`, a row's element
+    /// `c` at bit `c·bits`), zero points the same way along the output dim
+    /// (`weight_zero_point` `[⌈rows·bits/32⌉, groups]`, asymmetric schemes only), scales
+    /// `[rows, groups]`, the weight's shape (`weight_shape`) and with act-order
+    /// `weight_g_idx`. Stacked experts lead every part with their dim.
+    CompressedTensors,
+}
+
+/// What a checkpoint's `quantization_config` says of its integer weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IntScheme {
+    pub packing: Packing,
+    pub bits: u32,
+}
+
+/// The tensors that hold one weight `X.weight`, by their names' ends after `X.`.
+pub struct PartNames {
+    pub levels: &'static str,
+    pub zeros: &'static str,
+    pub scales: &'static str,
+    pub group_index: &'static str,
+    /// compressed-tensors records the weight's shape (a packed row may end in padding).
+    pub shape: Option<&'static str>,
+}
+
+/// The order AWQ packs eight outputs into a word: output `j` of a group of eight is the
+/// word's nibble `AWQ_NIBBLE[j]`.
+const AWQ_NIBBLE: [u32; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
+
+impl IntScheme {
+    pub fn part_names(&self) -> PartNames {
+        match self.packing {
+            Packing::Gptq { .. } | Packing::Awq => PartNames {
+                levels: "qweight",
+                zeros: "qzeros",
+                scales: "scales",
+                group_index: "g_idx",
+                shape: None,
+            },
+            Packing::CompressedTensors => PartNames {
+                levels: "weight_packed",
+                zeros: "weight_zero_point",
+                scales: "weight_scale",
+                group_index: "weight_g_idx",
+                shape: Some("weight_shape"),
+            },
+        }
+    }
+
+    fn mask(&self) -> u64 {
+        (1u64 << self.bits) - 1
+    }
+
+    /// What compressed-tensors adds to a signed level to store it.
+    fn offset(&self) -> i32 {
+        match self.packing {
+            Packing::CompressedTensors => 1 << (self.bits - 1),
+            _ => 0,
+        }
+    }
+}
+
+/// The integer scheme `quant_method` names, `None` where it names none (FP8 or unknown: the
+/// caller decides); an error says why a named one is not read.
+pub fn scheme_of(method: &str, quant: &serde_json::Value) -> Option<Result<IntScheme, String>> {
+    let text = |key: &str| quant.get(key).and_then(|v| v.as_str()).map(str::to_ascii_lowercase);
+    let bits = |keys: &[&str]| keys.iter().find_map(|k| quant.get(*k).and_then(|b| b.as_u64()));
+    match method {
+        "gptq" => Some((|| {
+            let bits = bits(&["bits"]).ok_or("GPTQ's config has no `bits`")?;
+            if !matches!(bits, 2 | 4 | 8) {
+                return Err(format!("{bits}-bit GPTQ weights are not read (2, 4 and 8 bits are)"));
+            }
+            if quant.get("is_marlin_format").and_then(|m| m.as_bool()) == Some(true) {
+                return Err("GPTQ weights repacked for Marlin are not read".into());
+            }
+            let zero_offset = match text("checkpoint_format").as_deref() {
+                None | Some("gptq") => 1,
+                Some("gptq_v2") => 0,
+                Some(other) => return Err(format!("GPTQ's `checkpoint_format` `{other}` is not read")),
+            };
+            Ok(IntScheme {
+                packing: Packing::Gptq { zero_offset },
+                bits: bits as u32,
+            })
+        })()),
+        "awq" => Some((|| {
+            let bits = bits(&["bits", "w_bit"]).ok_or("AWQ's config has no `bits`")?;
+            if bits != 4 {
+                return Err(format!("{bits}-bit AWQ weights are not read (4 bits are)"));
+            }
+            match text("version").as_deref() {
+                None | Some("gemm") => {}
+                Some(other) => return Err(format!("AWQ's `{other}` layout is not read (its GEMM layout is)")),
+            }
+            if quant.get("zero_point").and_then(|z| z.as_bool()) == Some(false) {
+                return Err("AWQ weights without zero points are not read".into());
+            }
+            Ok(IntScheme {
+                packing: Packing::Awq,
+                bits: 4,
+            })
+        })()),
+        "compressed-tensors" if text("format").as_deref() == Some("pack-quantized") => {
+            Some(compressed_tensors_bits(quant).map(|bits| IntScheme {
+                packing: Packing::CompressedTensors,
+                bits,
+            }))
+        }
+        _ => None,
+    }
+}
+
+/// compressed-tensors' integer weights must have the same width in every group.
+fn compressed_tensors_bits(quant: &serde_json::Value) -> Result<u32, String> {
+    let groups = quant.get("config_groups").and_then(|g| g.as_object());
+    let mut width = None;
+    for (name, group) in groups.into_iter().flatten() {
+        let Some(weights) = group.get("weights").filter(|w| !w.is_null()) else {
+            continue;
+        };
+        let kind = weights.get("type").and_then(|t| t.as_str());
+        let bits = weights.get("num_bits").and_then(|b| b.as_u64()).unwrap_or(0);
+        if kind != Some("int") || !(1..=8).contains(&bits) {
+            return Err(format!(
+                "group `{name}` packs weights of {bits} bits of type {kind:?}, not integers of 1 to 8 bits"
+            ));
+        }
+        if width.is_some_and(|w| w != bits) {
+            return Err("its groups pack weights of different widths".into());
+        }
+        width = Some(bits);
+    }
+    width
+        .map(|w| w as u32)
+        .ok_or_else(|| "`pack-quantized` with no group of weights".into())
+}
+
+/// The shapes of one weight's parts as the file declares them.
+pub struct PartShapes<'a> {
+    pub levels: &'a [usize],
+    pub zeros: Option<&'a [usize]>,
+    pub scales: &'a [usize],
+    pub group_index: Option<&'a [usize]>,
+    /// compressed-tensors' `weight_shape`, read.
+    pub shape: Option<Vec<usize>>,
+}
+
+/// How one packed weight lies in its parts: `matrices` matrices of `rows × cols` (outputs ×
+/// inputs), `groups` groups of each row, each a scale (and zero point) per row; a column's
+/// group is `group_index[c]` where the checkpoint lists them, else `c / group_cols`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PackedLayout {
+    pub scheme: IntScheme,
+    pub matrices: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub groups: usize,
+    pub group_cols: usize,
+    /// Scales (and zero points) for every row, or one row of them broadcast.
+    scale_rows: usize,
+    /// Words of a packed row of levels (compressed-tensors) or of zero points.
+    row_words: usize,
+    zero_words: usize,
+    /// The listed groups, where they are not `c / group_cols` (act-order).
+    pub group_index: Option<Vec<u32>>,
+}
+
+impl PackedLayout {
+    /// The layout the parts' shapes give (`group_index`: the values of the listed groups),
+    /// or why they fit none.
+    pub fn of(scheme: IntScheme, parts: &PartShapes<'_>, group_index: Option<&[i64]>) -> Result<Self, String> {
+        let per = (32 / scheme.bits) as usize;
+        let (matrices, rows, cols, row_words) = match (scheme.packing, parts.levels, &parts.shape) {
+            (Packing::Gptq { .. }, &[packed, rows], _) => (1, rows, packed * per, 0),
+            (Packing::Awq, &[cols, packed], _) => (1, packed * 8, cols, 0),
+            (Packing::CompressedTensors, levels, Some(shape)) => {
+                let (lead, rows, cols) = match shape[..] {
+                    [rows, cols] => (1, rows, cols),
+                    [experts, rows, cols] => (experts, rows, cols),
+                    _ => {
+                        return Err(format!(
+                            "its `weight_shape` {shape:?} is not a matrix or a stack of them"
+                        ))
+                    }
+                };
+                let words = (cols * scheme.bits as usize).div_ceil(32);
+                let want: Vec<usize> = match shape.len() {
+                    2 => vec![rows, words],
+                    _ => vec![lead, rows, words],
+                };
+                if levels != want {
+                    return Err(format!(
+                        "its packed levels are {levels:?}, not {want:?} for a weight of {shape:?} at {} bits",
+                        scheme.bits
+                    ));
+                }
+                (lead, rows, cols, words)
+            }
+            (Packing::CompressedTensors, _, None) => return Err("it has no `weight_shape`".into()),
+            (_, levels, _) => return Err(format!("its packed levels are {levels:?}, not a matrix")),
+        };
+        if rows == 0 || cols == 0 {
+            return Err("the weight is empty".into());
+        }
+        let lead = |dims: &[usize]| -> Result<Vec<usize>, String> {
+            match (matrices, dims.len()) {
+                (1, _) => Ok(dims.to_vec()),
+                (m, n) if n > 1 && dims[0] == m => Ok(dims[1..].to_vec()),
+                _ => Err(format!(
+                    "a part of shape {dims:?} does not lead with the {matrices} experts"
+                )),
+            }
+        };
+        let (scale_rows, groups) = match (scheme.packing, &lead(parts.scales)?[..]) {
+            (Packing::CompressedTensors, &[r, g]) if r == rows || r == 1 => (r, g),
+            (Packing::CompressedTensors, &[n]) if n == rows || n == 1 => (n, 1),
+            (Packing::Gptq { .. } | Packing::Awq, &[g, r]) if r == rows => (rows, g),
+            (_, dims) => return Err(format!("its scales {dims:?} fit no layout of {rows} × {cols}")),
+        };
+        if groups == 0 || groups > cols {
+            return Err(format!("its scales have {groups} groups for {cols} columns"));
+        }
+        let zero_words = match (scheme.packing, parts.zeros.map(lead).transpose()?) {
+            (Packing::Gptq { .. }, Some(z)) if z == [groups, rows / per] && rows.is_multiple_of(per) => 0,
+            (Packing::Awq, Some(z)) if z == [groups, rows / 8] && rows.is_multiple_of(8) => 0,
+            (Packing::CompressedTensors, Some(z)) if z == [(rows * scheme.bits as usize).div_ceil(32), groups] => z[0],
+            (Packing::CompressedTensors, None) => 0,
+            (_, None) => return Err("it has no zero points".into()),
+            (_, Some(z)) => {
+                return Err(format!(
+                    "its zero points {z:?} fit no layout of {rows} rows in {groups} groups"
+                ))
+            }
+        };
+        let listed = match (parts.group_index, group_index) {
+            (Some(dims), Some(values)) => {
+                if dims != [cols] {
+                    return Err(format!("its group index {dims:?} does not list {cols} columns"));
+                }
+                if let Some(bad) = values.iter().find(|&&g| g < 0 || g as usize >= groups) {
+                    return Err(format!("its group index names group {bad} of {groups}"));
+                }
+                Some(values.iter().map(|&g| g as u32).collect::<Vec<u32>>())
+            }
+            _ => None,
+        };
+        let group_cols = cols / groups;
+        let listed = listed.filter(|g| g.iter().enumerate().any(|(c, &g)| g as usize != c / group_cols));
+        if listed.is_none() && !cols.is_multiple_of(groups) {
+            return Err(format!("{groups} groups do not divide {cols} columns evenly"));
+        }
+        Ok(Self {
+            scheme,
+            matrices,
+            rows,
+            cols,
+            groups,
+            group_cols,
+            scale_rows,
+            row_words,
+            zero_words,
+            group_index: listed,
+        })
+    }
+
+    /// Whether the weight can be held as FP8 blocks of 32 (see the module's notes).
+    pub fn fits_blocks_of_32(&self) -> bool {
+        self.scheme.bits <= 4
+            && self.group_index.is_none()
+            && self.cols.is_multiple_of(BLOCK_ELEMS)
+            && (self.groups == 1 || self.group_cols.is_multiple_of(BLOCK_ELEMS))
+    }
+
+    /// The weight's shape as bbc addresses it.
+    pub fn shape(&self) -> Vec<usize> {
+        match self.matrices {
+            1 => vec![self.rows, self.cols],
+            m => vec![m, self.rows, self.cols],
+        }
+    }
+
+    fn group(&self, col: usize) -> usize {
+        match &self.group_index {
+            Some(listed) => listed[col] as usize,
+            None => col / self.group_cols,
+        }
+    }
+
+    /// Row `row` of matrix `matrix`: its levels less their zero points into `diff`, and each
+    /// group's scale into `scales`.
+    fn row(&self, parts: &PackedParts<'_>, matrix: usize, row: usize, diff: &mut [i32], scales: &mut [f32]) {
+        let scheme = self.scheme;
+        let (mask, offset) = (scheme.mask(), scheme.offset());
+        let bits = scheme.bits as usize;
+        let per = 32 / bits;
+        let word = |bytes: &[u8], at: usize| u32::from_le_bytes(bytes[at * 4..at * 4 + 4].try_into().expect("4 bytes"));
+        // `bits` bits at bit `bit` of a dense stream of words, `stride` words apart.
+        let dense = |bytes: &[u8], first: usize, stride: usize, bit: usize| {
+            let at = first + bit / 32 * stride;
+            let low = u64::from(word(bytes, at));
+            let high = match bit % 32 + bits > 32 {
+                true => u64::from(word(bytes, at + stride)) << 32,
+                false => 0,
+            };
+            (((low | high) >> (bit % 32)) & mask) as i32
+        };
+        let scale_row = if self.scale_rows == 1 { 0 } else { row };
+        // compressed-tensors' scales lie `[rows, groups]`, GPTQ's and AWQ's `[groups, rows]`.
+        let scale_at = |group: usize| match scheme.packing {
+            Packing::CompressedTensors => (matrix * self.scale_rows + scale_row) * self.groups + group,
+            _ => group * self.rows + row,
+        };
+        let zero = |group: usize| -> i32 {
+            let Some(zeros) = parts.zeros else { return 0 };
+            match scheme.packing {
+                Packing::Gptq { zero_offset } => {
+                    let w = word(zeros, group * (self.rows / per) + row / per);
+                    ((u64::from(w) >> (row % per * bits)) & mask) as i32 + zero_offset
+                }
+                Packing::Awq => {
+                    let w = word(zeros, group * (self.rows / 8) + row / 8);
+                    ((w >> (AWQ_NIBBLE[row % 8] * 4)) & 0xF) as i32
+                }
+                Packing::CompressedTensors => {
+                    let first = matrix * self.zero_words * self.groups + group;
+                    dense(zeros, first, self.groups, row * bits) - offset
+                }
+            }
+        };
+        let zeros: Vec<i32> = (0..self.groups).map(zero).collect();
+        for (g, s) in scales.iter_mut().enumerate() {
+            *s = parts.scales[scale_at(g)];
+        }
+        for (col, d) in diff.iter_mut().enumerate() {
+            let level = match scheme.packing {
+                Packing::Gptq { .. } => {
+                    let w = word(parts.levels, col / per * self.rows + row);
+                    ((u64::from(w) >> (col % per * bits)) & mask) as i32
+                }
+                Packing::Awq => {
+                    let w = word(parts.levels, col * (self.rows / 8) + row / 8);
+                    ((w >> (AWQ_NIBBLE[row % 8] * 4)) & 0xF) as i32
+                }
+                Packing::CompressedTensors => {
+                    let first = (matrix * self.rows + row) * self.row_words;
+                    dense(parts.levels, first, 1, col * bits) - offset
+                }
+            };
+            *d = level - zeros[self.group(col)];
+        }
+    }
+
+    /// The weight as FP8 blocks of 32 (`quant::fp8_blocks`): each block's codes its levels less
+    /// their zero points, its scale their group's. The layout must
+    /// [fit them](Self::fits_blocks_of_32).
+    pub fn blocks_of_32(&self, parts: &PackedParts<'_>) -> Vec<u8> {
+        assert!(self.fits_blocks_of_32(), "{self:?} does not fit blocks of 32");
+        let row_bytes = self.cols / BLOCK_ELEMS * BLOCK_BYTES;
+        let mut out = vec![0u8; self.matrices * self.rows * row_bytes];
+        out.par_chunks_mut(row_bytes).enumerate().for_each_init(
+            || (vec![0i32; self.cols], vec![0f32; self.groups]),
+            |(diff, scales), (at, out)| {
+                self.row(parts, at / self.rows, at % self.rows, diff, scales);
+                for (b, (out, diff)) in out
+                    .chunks_exact_mut(BLOCK_BYTES)
+                    .zip(diff.chunks_exact(BLOCK_ELEMS))
+                    .enumerate()
+                {
+                    let codes = std::array::from_fn(|i| F8E4M3::from_f32(diff[i] as f32).0);
+                    out.copy_from_slice(&block(scales[self.group(b * BLOCK_ELEMS)], &codes));
+                }
+            },
+        );
+        out
+    }
+
+    /// The weight's bytes as `dtype` (f32, bf16 or f16): each level less its zero point, times
+    /// its scale in f32, the product rounded to `dtype`.
+    pub fn dequantize(&self, parts: &PackedParts<'_>, dtype: GgmlType) -> Vec<u8> {
+        let size = match dtype {
+            GgmlType::F32 => 4,
+            GgmlType::BF16 | GgmlType::F16 => 2,
+            other => panic!(
+                "packed integer weights are read as f32, bf16 or f16, not {}",
+                other.name()
+            ),
+        };
+        let mut out = vec![0u8; self.matrices * self.rows * self.cols * size];
+        out.par_chunks_mut(self.cols * size).enumerate().for_each_init(
+            || (vec![0i32; self.cols], vec![0f32; self.groups]),
+            |(diff, scales), (at, out)| {
+                self.row(parts, at / self.rows, at % self.rows, diff, scales);
+                for (col, (out, &d)) in out.chunks_exact_mut(size).zip(diff.iter()).enumerate() {
+                    let value = d as f32 * scales[self.group(col)];
+                    match dtype {
+                        GgmlType::F32 => out.copy_from_slice(&value.to_le_bytes()),
+                        GgmlType::F16 => out.copy_from_slice(&f16::from_f32(value).to_le_bytes()),
+                        _ => out.copy_from_slice(&bf16::from_f32(value).to_le_bytes()),
+                    }
+                }
+            },
+        );
+        out
+    }
+}
+
+/// One packed weight's bytes: its levels and zero points as the file stores them (little-endian
+/// 32-bit words), its scales widened to f32.
+pub struct PackedParts<'a> {
+    pub levels: &'a [u8],
+    pub zeros: Option<&'a [u8]>,
+    pub scales: &'a [f32],
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A weight's parts packed as `scheme` packs them, from its levels `q[m][r][c]`, zero
+    /// points `z[m][r][g]` (levels as stored: unsigned) and scales, groups of `group_cols`.
+    struct Packed {
+        levels: Vec<u8>,
+        levels_shape: Vec<usize>,
+        zeros: Option<(Vec<u8>, Vec<usize>)>,
+        scales_shape: Vec<usize>,
+        scales: Vec<f32>,
+        shape: Option<Vec<usize>>,
+    }
+
+    fn words(values: &[u32]) -> Vec<u8> {
+        values.iter().flat_map(|w| w.to_le_bytes()).collect()
+    }
+
+    /// `values` (`bits` each) packed densely, `stride` words apart from `first`.
+    fn pack_dense(out: &mut [u32], first: usize, stride: usize, bits: usize, values: impl Iterator<Item = u32>) {
+        for (i, v) in values.enumerate() {
+            let bit = i * bits;
+            let at = first + bit / 32 * stride;
+            let wide = u64::from(v) << (bit % 32);
+            out[at] |= wide as u32;
+            if bit % 32 + bits > 32 {
+                out[at + stride] |= (wide >> 32) as u32;
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn pack(
+        scheme: IntScheme,
+        matrices: usize,
+        rows: usize,
+        cols: usize,
+        group_cols: usize,
+        q: &[u32],
+        z: Option<&[u32]>,
+        s: &[f32],
+    ) -> Packed {
+        let bits = scheme.bits as usize;
+        let per = 32 / bits;
+        let groups = cols / group_cols;
+        let at = |m: usize, r: usize, c: usize| (m * rows + r) * cols + c;
+        let zat = |m: usize, r: usize, g: usize| (m * rows + r) * groups + g;
+        match scheme.packing {
+            Packing::Gptq { zero_offset } => {
+                assert_eq!(matrices, 1);
+                let mut lw = vec![0u32; cols / per * rows];
+                for r in 0..rows {
+                    for c in 0..cols {
+                        lw[c / per * rows + r] |= q[at(0, r, c)] << (c % per * bits);
+                    }
+                }
+                let mut zw = vec![0u32; groups * rows / per];
+                let z = z.expect("GPTQ has zero points");
+                for r in 0..rows {
+                    for g in 0..groups {
+                        let stored = (z[zat(0, r, g)] as i32 - zero_offset) as u32 & ((1 << bits) - 1);
+                        zw[g * rows / per + r / per] |= stored << (r % per * bits);
+                    }
+                }
+                let scales = (0..groups)
+                    .flat_map(|g| (0..rows).map(move |r| s[zat(0, r, g)]))
+                    .collect();
+                Packed {
+                    levels: words(&lw),
+                    levels_shape: vec![cols / per, rows],
+                    zeros: Some((words(&zw), vec![groups, rows / per])),
+                    scales_shape: vec![groups, rows],
+                    scales,
+                    shape: None,
+                }
+            }
+            Packing::Awq => {
+                let order = [0, 2, 4, 6, 1, 3, 5, 7];
+                let mut lw = vec![0u32; cols * rows / 8];
+                for c in 0..cols {
+                    for w in 0..rows / 8 {
+                        for (i, &j) in order.iter().enumerate() {
+                            lw[c * rows / 8 + w] |= q[at(0, w * 8 + j, c)] << (i * 4);
+                        }
+                    }
+                }
+                let z = z.expect("AWQ has zero points");
+                let mut zw = vec![0u32; groups * rows / 8];
+                for g in 0..groups {
+                    for w in 0..rows / 8 {
+                        for (i, &j) in order.iter().enumerate() {
+                            zw[g * rows / 8 + w] |= z[zat(0, w * 8 + j, g)] << (i * 4);
+                        }
+                    }
+                }
+                let scales = (0..groups)
+                    .flat_map(|g| (0..rows).map(move |r| s[zat(0, r, g)]))
+                    .collect();
+                Packed {
+                    levels: words(&lw),
+                    levels_shape: vec![cols, rows / 8],
+                    zeros: Some((words(&zw), vec![groups, rows / 8])),
+                    scales_shape: vec![groups, rows],
+                    scales,
+                    shape: None,
+                }
+            }
+            Packing::CompressedTensors => {
+                let row_words = (cols * bits).div_ceil(32);
+                let mut lw = vec![0u32; matrices * rows * row_words];
+                for m in 0..matrices {
+                    for r in 0..rows {
+                        let first = (m * rows + r) * row_words;
+                        pack_dense(&mut lw, first, 1, bits, (0..cols).map(|c| q[at(m, r, c)]));
+                    }
+                }
+                let zero_words = (rows * bits).div_ceil(32);
+                let zeros = z.map(|z| {
+                    let mut zw = vec![0u32; matrices * zero_words * groups];
+                    for m in 0..matrices {
+                        for g in 0..groups {
+                            let first = m * zero_words * groups + g;
+                            pack_dense(&mut zw, first, groups, bits, (0..rows).map(|r| z[zat(m, r, g)]));
+                        }
+                    }
+                    (words(&zw), lead(matrices, vec![zero_words, groups]))
+                });
+                Packed {
+                    levels: words(&lw),
+                    levels_shape: lead(matrices, vec![rows, row_words]),
+                    zeros,
+                    scales_shape: lead(matrices, vec![rows, groups]),
+                    scales: s.to_vec(),
+                    shape: Some(lead(matrices, vec![rows, cols])),
+                }
+            }
+        }
+    }
+
+    fn lead(matrices: usize, dims: Vec<usize>) -> Vec<usize> {
+        match matrices {
+            1 => dims,
+            m => [vec![m], dims].concat(),
+        }
+    }
+
+    fn layout(scheme: IntScheme, p: &Packed) -> PackedLayout {
+        let parts = PartShapes {
+            levels: &p.levels_shape,
+            zeros: p.zeros.as_ref().map(|z| &z.1[..]),
+            scales: &p.scales_shape,
+            group_index: None,
+            shape: p.shape.clone(),
+        };
+        PackedLayout::of(scheme, &parts, None).expect("a layout")
+    }
+
+    fn schemes() -> Vec<IntScheme> {
+        let s = |packing, bits| IntScheme { packing, bits };
+        vec![
+            s(Packing::Gptq { zero_offset: 1 }, 4),
+            s(Packing::Gptq { zero_offset: 0 }, 4),
+            s(Packing::Gptq { zero_offset: 1 }, 2),
+            s(Packing::Gptq { zero_offset: 1 }, 8),
+            s(Packing::Awq, 4),
+            s(Packing::CompressedTensors, 4),
+            s(Packing::CompressedTensors, 3),
+            s(Packing::CompressedTensors, 8),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// Whatever the levels, zero points and scales, every element read back is
+        /// `(q − z) · s` of its own row and group (compressed-tensors' signed levels less the
+        /// offset), and the FP8 blocks hold the same products bit for bit.
+        #[test]
+        fn every_element_is_its_level_less_its_zero_times_its_scale(
+            which in 0usize..8,
+            experts in 1usize..3,
+            row_octets in 1usize..3,
+            col_blocks in 1usize..4,
+            groups_per_block in prop::sample::select(vec![0usize, 1, 2]),
+            asymmetric in any::<bool>(),
+            seed in any::<u64>(),
+        ) {
+            let scheme = schemes()[which];
+            let matrices = if scheme.packing == Packing::CompressedTensors { experts } else { 1 };
+            let (rows, cols) = (row_octets * 8 * (32 / scheme.bits as usize).max(8) / 8, col_blocks * 32);
+            // Groups of 64 columns, 32, or 16 (which split a block).
+            let group_cols = match groups_per_block { 0 if cols % 64 == 0 => 64, 2 => 16, _ => 32 };
+            let groups = cols / group_cols;
+            let mut state = seed | 1;
+            let mut next = move || { state ^= state << 13; state ^= state >> 7; state ^= state << 17; state };
+            let top = 1u32 << scheme.bits;
+            let q: Vec<u32> = (0..matrices * rows * cols).map(|_| (next() % u64::from(top)) as u32).collect();
+            let with_zeros = asymmetric || scheme.packing != Packing::CompressedTensors;
+            let z: Vec<u32> = (0..matrices * rows * groups).map(|_| (next() % u64::from(top)) as u32).collect();
+            let z_values: Vec<u32> = match scheme.packing {
+                // GPTQ's first format stores `z − 1`: a stored 0 is a zero point of 1.
+                Packing::Gptq { zero_offset } => z.iter().map(|&z| z.max(zero_offset as u32)).collect(),
+                _ => z.clone(),
+            };
+            let s: Vec<f32> = (0..matrices * rows * groups).map(|_| (next() % 1000) as f32 / 4096.0 + 1e-3).collect();
+            let packed = pack(scheme, matrices, rows, cols, group_cols, &q, with_zeros.then_some(&z_values[..]), &s);
+            let layout = layout(scheme, &packed);
+            prop_assert_eq!(layout.shape(), lead(matrices, vec![rows, cols]));
+            let parts = PackedParts {
+                levels: &packed.levels,
+                zeros: packed.zeros.as_ref().map(|z| &z.0[..]),
+                scales: &packed.scales,
+            };
+            let values: Vec<f32> = layout
+                .dequantize(&parts, GgmlType::F32)
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+                .collect();
+            let offset = scheme.offset();
+            for m in 0..matrices {
+                for r in 0..rows {
+                    for c in 0..cols {
+                        let g = c / group_cols;
+                        let zero = if with_zeros { z_values[(m * rows + r) * groups + g] as i32 } else { offset };
+                        let want = (q[(m * rows + r) * cols + c] as i32 - zero) as f32 * s[(m * rows + r) * groups + g];
+                        prop_assert_eq!(values[(m * rows + r) * cols + c].to_bits(), want.to_bits(), "{:?} ({}, {}, {})", scheme, m, r, c);
+                    }
+                }
+            }
+            prop_assert_eq!(layout.fits_blocks_of_32(), scheme.bits <= 4 && group_cols % 32 == 0);
+            if layout.fits_blocks_of_32() {
+                let blocks = layout.blocks_of_32(&parts);
+                let mut widened = vec![0f32; values.len()];
+                for (b, out) in blocks.chunks_exact(BLOCK_BYTES).zip(widened.chunks_exact_mut(BLOCK_ELEMS)) {
+                    quant::fp8_blocks::dequantize_block(b, out);
+                }
+                prop_assert!(widened.iter().zip(&values).all(|(a, b)| a.to_bits() == b.to_bits()));
+            }
+        }
+    }
+
+    #[test]
+    fn act_order_groups_are_read_from_the_index_and_dequantized() {
+        let scheme = IntScheme {
+            packing: Packing::Gptq { zero_offset: 1 },
+            bits: 4,
+        };
+        let (rows, cols, group_cols) = (8, 64, 32);
+        let q: Vec<u32> = (0..rows * cols).map(|i| (i * 7 % 16) as u32).collect();
+        let z: Vec<u32> = (0..rows * 2).map(|i| 1 + (i % 15) as u32).collect();
+        let s: Vec<f32> = (0..rows * 2).map(|i| 0.5 + i as f32).collect();
+        let packed = pack(scheme, 1, rows, cols, group_cols, &q, Some(&z), &s);
+        // Columns alternate between the two groups.
+        let index: Vec<i64> = (0..cols as i64).map(|c| c % 2).collect();
+        let parts = PartShapes {
+            levels: &packed.levels_shape,
+            zeros: packed.zeros.as_ref().map(|z| &z.1[..]),
+            scales: &packed.scales_shape,
+            group_index: Some(&[64]),
+            shape: None,
+        };
+        let layout = PackedLayout::of(scheme, &parts, Some(&index)).unwrap();
+        assert!(!layout.fits_blocks_of_32());
+        let bytes = PackedParts {
+            levels: &packed.levels,
+            zeros: Some(&packed.zeros.as_ref().unwrap().0),
+            scales: &packed.scales,
+        };
+        let values = layout.dequantize(&bytes, GgmlType::F32);
+        for r in 0..rows {
+            for c in 0..cols {
+                let g = c % 2;
+                let want = (q[r * cols + c] as i32 - z[r * 2 + g] as i32) as f32 * s[r * 2 + g];
+                let at = (r * cols + c) * 4;
+                assert_eq!(f32::from_le_bytes(values[at..at + 4].try_into().unwrap()), want);
+            }
+        }
+        // An index in order is no index.
+        let in_order: Vec<i64> = (0..cols as i64).map(|c| c / 32).collect();
+        assert!(PackedLayout::of(scheme, &parts, Some(&in_order))
+            .unwrap()
+            .fits_blocks_of_32());
+        let beyond: Vec<i64> = (0..cols as i64).map(|c| c / 16).collect();
+        assert!(PackedLayout::of(scheme, &parts, Some(&beyond))
+            .unwrap_err()
+            .contains("names group 2 of 2"));
+    }
+
+    #[test]
+    fn parts_that_fit_no_layout_are_refused() {
+        let gptq = IntScheme {
+            packing: Packing::Gptq { zero_offset: 1 },
+            bits: 4,
+        };
+        let ct = IntScheme {
+            packing: Packing::CompressedTensors,
+            bits: 4,
+        };
+        let of = |scheme, levels: &[usize], zeros: Option<&[usize]>, scales: &[usize], shape: Option<Vec<usize>>| {
+            let parts = PartShapes {
+                levels,
+                zeros,
+                scales,
+                group_index: None,
+                shape,
+            };
+            PackedLayout::of(scheme, &parts, None).unwrap_err()
+        };
+        assert!(of(gptq, &[8, 64], None, &[2, 64], None).contains("no zero points"));
+        assert!(of(gptq, &[8, 64], Some(&[2, 4]), &[2, 64], None).contains("zero points [2, 4]"));
+        assert!(of(gptq, &[8, 64], Some(&[2, 8]), &[2, 32], None).contains("scales [2, 32]"));
+        assert!(of(gptq, &[8, 64], Some(&[3, 8]), &[3, 64], None).contains("do not divide"));
+        assert!(of(gptq, &[64], None, &[2, 64], None).contains("not a matrix"));
+        assert!(of(ct, &[64, 8], None, &[64, 2], None).contains("no `weight_shape`"));
+        assert!(of(ct, &[64, 7], None, &[64, 2], Some(vec![64, 64])).contains("not [64, 8]"));
+        assert!(of(ct, &[64, 8], None, &[64, 2], Some(vec![64])).contains("not a matrix"));
+        assert!(of(ct, &[2, 64, 8], None, &[3, 64, 2], Some(vec![2, 64, 64])).contains("experts"));
+        assert!(of(ct, &[64, 8], None, &[64, 128], Some(vec![64, 64])).contains("128 groups"));
+    }
+
+    #[test]
+    fn schemes_are_read_or_refused_by_name() {
+        use serde_json::json;
+        let read = |method: &str, quant: serde_json::Value| scheme_of(method, &quant);
+        assert_eq!(
+            read("gptq", json!({"bits": 4})).unwrap().unwrap(),
+            IntScheme {
+                packing: Packing::Gptq { zero_offset: 1 },
+                bits: 4
+            }
+        );
+        assert_eq!(
+            read("gptq", json!({"bits": 8, "checkpoint_format": "gptq_v2"}))
+                .unwrap()
+                .unwrap()
+                .packing,
+            Packing::Gptq { zero_offset: 0 }
+        );
+        assert!(read("gptq", json!({"bits": 3})).unwrap().unwrap_err().contains("3-bit"));
+        assert!(read("gptq", json!({"bits": 4, "checkpoint_format": "marlin"}))
+            .unwrap()
+            .unwrap_err()
+            .contains("marlin"));
+        assert!(read("gptq", json!({"bits": 4, "is_marlin_format": true}))
+            .unwrap()
+            .is_err());
+        assert_eq!(
+            read("awq", json!({"bits": 4, "version": "GEMM"}))
+                .unwrap()
+                .unwrap()
+                .packing,
+            Packing::Awq
+        );
+        assert!(read("awq", json!({"bits": 4, "version": "gemv"}))
+            .unwrap()
+            .unwrap_err()
+            .contains("gemv"));
+        assert!(read("awq", json!({"bits": 4, "zero_point": false})).unwrap().is_err());
+        let ct = |weights: serde_json::Value| json!({"format": "pack-quantized", "config_groups": {"group_0": {"weights": weights}}});
+        assert_eq!(
+            read("compressed-tensors", ct(json!({"type": "int", "num_bits": 4})))
+                .unwrap()
+                .unwrap()
+                .bits,
+            4
+        );
+        assert!(read("compressed-tensors", ct(json!({"type": "float", "num_bits": 4})))
+            .unwrap()
+            .is_err());
+        assert!(read("compressed-tensors", json!({"format": "float-quantized"})).is_none());
+        assert!(read("fp8", json!({})).is_none());
+    }
+}
