@@ -472,7 +472,7 @@ fn load_artifact(dir: &Path, options: LoadOptions) -> Result<Loaded> {
         // Weights made on the device are not held here: the manifest says what they are.
         let held = model.weights.quantization().or(manifest.quantization.as_deref());
         ensure!(
-            held.is_some_and(|h| h.eq_ignore_ascii_case(asked)),
+            held.is_some_and(|h| h == models::checkpoint_quantization::method_named(asked)),
             "--quantization {asked} does not apply to this artifact: {}",
             match held {
                 Some(held) => format!("its weights are quantized as `{held}`"),

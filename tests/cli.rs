@@ -934,6 +934,59 @@ fn fp8_checkpoints_run_and_quantization_names_what_the_files_hold() {
     assert!(err.contains("not quantized"), "{err}");
 }
 
+/// GPTQ and AWQ checkpoints run from the command line as the reference runs their products
+/// (its greedy ids over its prompt), also under vLLM's names for their kernels and with a bf16
+/// model around their blocks; another method is refused naming theirs. A CPU artifact of one
+/// records the method asked for, reads FP8 blocks, runs the same, and takes the method by
+/// either name.
+#[test]
+fn integer_checkpoints_run_and_compile() {
+    for (name, method, marlin) in [
+        ("llama_gptq", "gptq", "gptq_marlin"),
+        ("llama_awq", "awq", "awq_marlin"),
+    ] {
+        let dir = common::fixture(&format!("hf-tiny/{name}"));
+        let dir = dir.to_str().unwrap();
+        let reference = common::hf_reference::Reference::of(name);
+        let prompt: Vec<String> = reference.input_ids.iter().map(u32::to_string).collect();
+        let prompt = prompt.join(",");
+        let steps = reference.greedy_ids.len().to_string();
+        let run = |model: &str, extra: &[&str]| {
+            let args = [
+                "run",
+                model,
+                "--prompt-ids",
+                &prompt,
+                "--max-tokens",
+                &steps,
+                "--ignore-eos",
+                "--json",
+            ];
+            ids(&json(&[&args[..], extra].concat())["ids"])
+        };
+        let want = reference.greedy_ids.clone();
+        assert_eq!(run(dir, &[]), want, "{name}");
+        assert_eq!(run(dir, &["-q", marlin]), want, "{name}");
+        assert_eq!(run(dir, &["-q", method, "--dtype", "bfloat16"]), want, "{name}");
+        let err = refused(&["run", dir, "--prompt-ids", "1", "-q", "fp8"]);
+        assert!(err.contains(&format!("quantized as `{method}`")), "{err}");
+
+        let scratch = common::scratch_dir("bbc-int-artifact-");
+        let artifact = scratch.path().join(name);
+        let out = artifact.to_str().unwrap();
+        bbc(&["compile", dir, "--target", "cpu", "-q", marlin, "-o", out]);
+        let manifest = codegen::read_manifest(&artifact).unwrap();
+        assert_eq!(manifest.quantization.as_deref(), Some(marlin));
+        assert!(std::fs::read_to_string(artifact.join("graph.ir"))
+            .unwrap()
+            .contains("f8_e4m3_b32"));
+        assert_eq!(run(out, &[]), want, "{name} artifact");
+        assert_eq!(run(out, &["-q", method]), want, "{name} artifact");
+        let err = refused(&["run", out, "--prompt-ids", "1", "-q", "fp8"]);
+        assert!(err.contains(&format!("quantized as `{method}`")), "{err}");
+    }
+}
+
 /// Random weights (`--load-format dummy`) quantize as a checkpoint's do: every tensor is that
 /// of a checkpoint holding the same random weights, quantized as it loads; an artifact
 /// compiled so records it and its graph reads FP8 blocks.

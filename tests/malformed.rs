@@ -540,7 +540,7 @@ proptest! {
 
 /// FP8 weights that cannot be read are refused naming the tensor and what is wrong: no scale
 /// beside them, a scale whose shape fits no layout, a block grid the config does not size, an
-/// FP8 type other than E4M3; so is a checkpoint quantized by any method but FP8.
+/// FP8 type other than E4M3; so is a checkpoint quantized by a method bbc does not read.
 #[test]
 fn unreadable_fp8_checkpoints_are_named() {
     let scratch = common::scratch_dir("bbc-malformed-fp8-");
@@ -586,9 +586,9 @@ fn unreadable_fp8_checkpoints_are_named() {
         ),
         (fp8.clone(), format!("{{{}}}", w("F8_E5M2", "[4,8]", 0, 32)), "F8_E5M2"),
         (
-            serde_json::json!({"quant_method": "awq", "bits": 4}),
+            serde_json::json!({"quant_method": "bitsandbytes", "load_in_4bit": true}),
             format!("{{{}}}", w("F32", "[4,8]", 0, 128)),
-            "`quant_method` is `awq`",
+            "`quant_method` is `bitsandbytes`",
         ),
     ];
     for (quantization, header, needle) in cases {
@@ -606,5 +606,116 @@ fn unreadable_fp8_checkpoints_are_named() {
         std::fs::write(dir.join("model.safetensors"), safetensors_bytes(&header, data_len)).unwrap();
         let err = open_error(dir);
         assert!(err.contains(needle), "{header}: {err}");
+    }
+}
+
+/// Packed integer weights that cannot be read are refused naming the weight and what is wrong:
+/// integers in a checkpoint whose config names no integer method, or beside no weight; a
+/// weight without its scales or zero points, levels that are not 32-bit words, a group index
+/// naming a group the scales lack, compressed-tensors' levels without their shape or of
+/// another; and a GPTQ width bbc does not unpack.
+#[test]
+fn unreadable_integer_checkpoints_are_named() {
+    let scratch = common::scratch_dir("bbc-malformed-int-");
+    let dir = scratch.path();
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(common::fixture("hf-tiny/llama/config.json")).unwrap()).unwrap();
+    let gptq = serde_json::json!({"quant_method": "gptq", "bits": 4, "group_size": 32});
+    let packed = serde_json::json!({"quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": {"weights": {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 32}}}});
+    use safetensors::Dtype::{F16, I32, I64};
+    // A tensor of the file: its name, type, shape and bytes.
+    type Tensor = (&'static str, safetensors::Dtype, Vec<usize>, Vec<u8>);
+    // A 16 × 64 weight in GPTQ's layout: 8 × 16 words of levels, two groups of 16 scales and
+    // of zero points (two words a group), and each column's group.
+    let qweight = ("w.qweight", I32, vec![8, 16], vec![0u8; 8 * 16 * 4]);
+    let scales = ("w.scales", F16, vec![2, 16], vec![0u8; 2 * 16 * 2]);
+    let qzeros = ("w.qzeros", I32, vec![2, 2], vec![0u8; 2 * 2 * 4]);
+    let g_idx = |group: i32| {
+        let values: Vec<u8> = (0..64).flat_map(|c| (c / 32 * group).to_le_bytes()).collect();
+        ("w.g_idx", I32, vec![64], values)
+    };
+    let cases: Vec<(serde_json::Value, Vec<Tensor>, &str)> = vec![
+        (
+            serde_json::Value::Null,
+            vec![qweight.clone()],
+            "names no such quantization",
+        ),
+        (
+            gptq.clone(),
+            vec![qweight.clone()],
+            "packed weight `w.weight`: it has no float `w.scales`",
+        ),
+        (gptq.clone(), vec![qweight.clone(), scales.clone()], "no zero points"),
+        (
+            gptq.clone(),
+            vec![
+                ("w.qweight", I64, vec![8, 16], vec![0u8; 8 * 16 * 8]),
+                scales.clone(),
+                qzeros.clone(),
+            ],
+            "levels are not 32-bit words",
+        ),
+        (
+            gptq.clone(),
+            vec![qweight.clone(), scales.clone(), qzeros.clone(), g_idx(2)],
+            "names group 2 of 2",
+        ),
+        (
+            gptq.clone(),
+            vec![
+                qweight.clone(),
+                scales.clone(),
+                qzeros.clone(),
+                g_idx(1),
+                ("stray", I32, vec![2], vec![0u8; 8]),
+            ],
+            "tensor `stray` holds integers",
+        ),
+        (
+            serde_json::json!({"quant_method": "gptq", "bits": 3}),
+            vec![qweight.clone(), scales.clone(), qzeros.clone()],
+            "3-bit GPTQ",
+        ),
+        (
+            packed.clone(),
+            vec![
+                ("w.weight_packed", I32, vec![16, 8], vec![0u8; 16 * 8 * 4]),
+                ("w.weight_scale", F16, vec![16, 2], vec![0u8; 64]),
+            ],
+            "it has no `w.weight_shape`",
+        ),
+        (
+            packed.clone(),
+            vec![
+                ("w.weight_packed", I32, vec![16, 8], vec![0u8; 16 * 8 * 4]),
+                ("w.weight_scale", F16, vec![16, 2], vec![0u8; 64]),
+                (
+                    "w.weight_shape",
+                    I64,
+                    vec![2],
+                    [16i64, 96].iter().flat_map(|d| d.to_le_bytes()).collect(),
+                ),
+            ],
+            "not [16, 12] for a weight of [16, 96]",
+        ),
+    ];
+    for (quantization, tensors, needle) in cases {
+        let mut config = config.clone();
+        if quantization.is_null() {
+            config.as_object_mut().unwrap().remove("quantization_config");
+        } else {
+            config["quantization_config"] = quantization;
+        }
+        std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+        let views = tensors.iter().map(|(name, dtype, shape, data)| {
+            (
+                name.to_string(),
+                safetensors::tensor::TensorView::new(*dtype, shape.clone(), data).unwrap(),
+            )
+        });
+        safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+        let err = open_error(dir);
+        assert!(err.contains(needle), "{needle}: {err}");
     }
 }

@@ -24,6 +24,17 @@ const INT_METHODS: &str = "gptq, awq (GEMM) and compressed-tensors (pack-quantiz
 /// Where other quantized weights can come from.
 const OTHERWISE: &str = "and GGUF files for other quantized weights";
 
+/// The method vLLM's `--quantization` names, lowercased: its names for the Marlin kernels it
+/// runs GPTQ's and AWQ's checkpoints with (`gptq_marlin`, `awq_marlin`) name those methods.
+pub fn method_named(asked: &str) -> String {
+    let named = asked.to_ascii_lowercase();
+    match named.as_str() {
+        "gptq_marlin" => "gptq".into(),
+        "awq_marlin" => "awq".into(),
+        _ => named,
+    }
+}
+
 /// The `quantization_config` of `config.json` (top level, or its `text_config`'s): `None` where
 /// it has none, what it says where it names a method bbc reads, an error naming any other.
 pub fn quantization_of(config: &serde_json::Value, path: &Path) -> Result<Option<CheckpointQuantization>> {

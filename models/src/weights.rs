@@ -160,13 +160,7 @@ impl WeightSource {
     /// where bbc knows how (`fp8`: [`fp8_on_load`](crate::fp8_on_load)). Anything else is
     /// refused, naming what the weights hold.
     pub fn quantize_as(&mut self, asked: &str) -> Result<()> {
-        let named = asked.to_ascii_lowercase();
-        // vLLM names the Marlin kernels it runs GPTQ's and AWQ's checkpoints with as methods.
-        let named = match named.as_str() {
-            "gptq_marlin" => "gptq".to_string(),
-            "awq_marlin" => "awq".to_string(),
-            _ => named,
-        };
+        let named = crate::checkpoint_quantization::method_named(asked);
         let refused = |what: String| ModelError::Quantization {
             asked: asked.to_string(),
             what,
