@@ -937,7 +937,7 @@ fn fp8_checkpoints_run_and_quantization_names_what_the_files_hold() {
 /// GPTQ and AWQ checkpoints run from the command line as the reference runs their products
 /// (its greedy ids over its prompt), also under vLLM's names for their kernels and with a bf16
 /// model around their blocks; another method is refused naming theirs. A CPU artifact of one
-/// records the method asked for, reads FP8 blocks, runs the same, and takes the method by
+/// records the method asked for, reads 4-bit blocks, runs the same, and takes the method by
 /// either name.
 #[test]
 fn integer_checkpoints_run_and_compile() {
@@ -979,7 +979,7 @@ fn integer_checkpoints_run_and_compile() {
         assert_eq!(manifest.quantization.as_deref(), Some(marlin));
         assert!(std::fs::read_to_string(artifact.join("graph.ir"))
             .unwrap()
-            .contains("f8_e4m3_b32"));
+            .contains("u4_b32"));
         assert_eq!(run(out, &[]), want, "{name} artifact");
         assert_eq!(run(out, &["-q", method]), want, "{name} artifact");
         let err = refused(&["run", out, "--prompt-ids", "1", "-q", "fp8"]);

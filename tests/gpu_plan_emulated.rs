@@ -1177,17 +1177,20 @@ fn fp8_checkpoints_run_their_plans_as_the_cpu_backend_does() {
     }
 }
 
-/// Integer checkpoints held as FP8 blocks of 32 (their levels less zero points times their
-/// groups' scales) run their plans as the CPU backend runs them: AWQ's Llama on Hopper, and
-/// compressed-tensors' Qwen3-Next (experts, Gated DeltaNet, attention; its shared expert's
-/// down projection dequantized to f32) on the RTX PRO 6000. Steps after a short prompt within
-/// 1e-5; after a 19-token prompt (bf16 tensor cores) within 2e-2, Qwen3-Next's within 1e-1 (its
-/// router follows the rounding, as in [`fp8_quantized_on_load_models_run_their_plans_as_the_cpu_backend_does`]).
+/// Integer checkpoints held as blocks of 32 (their levels with their groups' scales and zero
+/// points) run their plans as the CPU backend runs them: AWQ's Llama (4-bit blocks) and
+/// compressed-tensors' symmetric one (FP8 blocks) on Hopper, and compressed-tensors' Qwen3-Next
+/// (experts, Gated DeltaNet, attention in 4-bit blocks; its shared expert's down projection
+/// dequantized to f32) on the RTX PRO 6000. Steps after a short prompt within 1e-5; after a
+/// 19-token prompt (bf16 tensor cores) within 2e-2, Qwen3-Next's within 1e-1 (its router
+/// follows the rounding, as in [`fp8_quantized_on_load_models_run_their_plans_as_the_cpu_backend_does`]).
 #[test]
 fn integer_checkpoints_run_their_plans_as_the_cpu_backend_does() {
-    for (family, target, prefill_tolerance) in [
-        ("llama_awq", Target::H200, 2e-2),
-        ("qwen3_next_w4a16", Target::RtxPro6000, 1e-1),
+    use quant::GgmlType::{F8E4M3B32, U4B32};
+    for (family, target, held_as, prefill_tolerance) in [
+        ("llama_awq", Target::H200, U4B32, 2e-2),
+        ("llama_w4a16", Target::H200, F8E4M3B32, 2e-2),
+        ("qwen3_next_w4a16", Target::RtxPro6000, U4B32, 1e-1),
     ] {
         let held = open(family, ComputeDtype::Native);
         let (stored, _) = held
@@ -1195,9 +1198,18 @@ fn integer_checkpoints_run_their_plans_as_the_cpu_backend_does() {
             .describe("model.layers.0.mlp.down_proj.weight")
             .or_else(|| held.weights.describe("model.layers.0.mlp.experts.0.down_proj.weight"))
             .unwrap();
-        assert_eq!(stored, quant::GgmlType::F8E4M3B32, "{family}");
-        let reads_codes = kernels_reading_fp8_codes(&held, target);
-        assert!(reads_codes >= 2, "{family}: {reads_codes} kernels read FP8 codes");
+        assert_eq!(stored, held_as, "{family}");
+        let graph = fused_for(&held.lower(LogitsFor::LastToken).unwrap(), target);
+        let format = quant::tensor::ir_dtype(held_as);
+        let blocks = graph
+            .nodes()
+            .iter()
+            .filter(|n| matches!(n.op, ir::Op::Weight { .. }) && n.dtype == format)
+            .count();
+        assert!(
+            blocks >= 2,
+            "{family}: the plan's graph has {blocks} weights of {format}"
+        );
         check_within(family, &held, &held, target, prefill_tolerance, 1e-5);
         assert_eq!(held.weights.converted_bytes(), 0, "{family}: nothing held twice");
     }

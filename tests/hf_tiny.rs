@@ -1248,27 +1248,29 @@ fn fp8_checkpoints_match_hf() {
 /// (`pack-quantized`: 4 bits symmetric and asymmetric in groups of 32, 8 bits a scale a row;
 /// Qwen3-Next's experts, Gated DeltaNet and attention at 4 bits a scale a row), GPTQ (4 bits in
 /// groups of 32, also with act-order) and AWQ (its GEMM layout). Each weight is `(q − z) · s` in
-/// f32 whether read in f32 or held, as FP8 blocks of 32 where its levels have 4 bits and its
-/// groups are whole blocks, else as the checkpoint's f32 (8 bits, act-order, and Qwen3-Next's
-/// shared-expert down projection of 48 columns): logits at every prompt row and cached step,
-/// and greedy ids, through the interpreter and the CPU backend. compressed-tensors' references
-/// are transformers reading the checkpoints; GPTQ's and AWQ's transformers over the products.
+/// f32 whether read in f32 or held: as 4-bit blocks where its levels have 4 bits, its groups
+/// are whole blocks and its scales have at most 20 significant bits (f16's in GPTQ and AWQ,
+/// f32 ones of bf16's precision), as FP8 blocks where the scales are f32's (`llama_w4a16`),
+/// else as the checkpoint's f32 (8 bits, act-order, and Qwen3-Next's shared-expert down
+/// projection of 48 columns): logits at every prompt row and cached step, and greedy ids,
+/// through the interpreter and the CPU backend. compressed-tensors' references are
+/// transformers reading the checkpoints; GPTQ's and AWQ's transformers over the products.
 #[test]
 fn integer_checkpoints_match_hf() {
-    use quant::GgmlType::{F32, F8E4M3B32};
+    use quant::GgmlType::{F32, F8E4M3B32, U4B32};
     let down = "model.layers.1.mlp.down_proj.weight";
     for (name, method, weight, held) in [
         ("llama_w4a16", "compressed-tensors", down, F8E4M3B32),
-        ("llama_w4a16_asym", "compressed-tensors", down, F8E4M3B32),
+        ("llama_w4a16_asym", "compressed-tensors", down, U4B32),
         ("llama_w8a16", "compressed-tensors", down, F32),
-        ("llama_gptq", "gptq", down, F8E4M3B32),
+        ("llama_gptq", "gptq", down, U4B32),
         ("llama_gptq_act_order", "gptq", down, F32),
-        ("llama_awq", "awq", down, F8E4M3B32),
+        ("llama_awq", "awq", down, U4B32),
         (
             "qwen3_next_w4a16",
             "compressed-tensors",
             "model.layers.1.mlp.experts.0.down_proj.weight",
-            F8E4M3B32,
+            U4B32,
         ),
     ] {
         check_reference_interpreter(name);

@@ -28,6 +28,9 @@ pub enum DType {
     /// FP8 E4M3 weights in blocks of 32 with an f32 scale each: an FP8 checkpoint's
     /// (`quant::fp8_blocks`), each weight its code times its block's scale.
     F8E4M3B32,
+    /// 4-bit levels in blocks of 32 with an f32 scale and offset each: an integer checkpoint's
+    /// 4-bit weights (`quant::u4_blocks`), each weight its level times the scale plus the offset.
+    U4B32,
 }
 
 impl DType {
@@ -51,6 +54,7 @@ impl DType {
             Self::IQ4NL => "iq4_nl",
             Self::IQ4XS => "iq4_xs",
             Self::F8E4M3B32 => "f8_e4m3_b32",
+            Self::U4B32 => "u4_b32",
         }
     }
 
@@ -74,6 +78,7 @@ impl DType {
             Self::IQ4NL,
             Self::IQ4XS,
             Self::F8E4M3B32,
+            Self::U4B32,
         ]
         .into_iter()
         .find(|d| d.name() == s)

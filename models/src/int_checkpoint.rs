@@ -4,16 +4,20 @@
 //! `pack-quantized`) save them. A weight is `(q − z) · s`.
 //!
 //! bbc reads them as those libraries dequantize them, each product in f32. Where levels have
-//! at most 4 bits and every 32 columns of a row lie in one group, `q − z` (at most 16 in
-//! magnitude) is exactly an E4M3 code, so each 32 columns of a row become an FP8 block with
-//! their group's scale (`quant::fp8_blocks`): the same products at 9 bits a weight, which every
-//! FP8 kernel runs. Wider levels, act-order groups and groups that split a block of 32 are
-//! dequantized into a float type instead, as is everything when the model is read into one.
+//! at most 4 bits and every 32 columns of a row lie in one group, each 32 columns of a row
+//! become a block of 32 with their group's scale: 4-bit blocks (`quant::u4_blocks`: the
+//! levels, the scale and `−z · s`, 6 bits a weight) where the scales make `q · s − z · s`
+//! exact (every f16 and bf16 scale does), else FP8 blocks (`quant::fp8_blocks`: `q − z`, at
+//! most 16 in magnitude, is exactly an E4M3 code; 9 bits a weight). Either way the products
+//! are the same, run by kernels every such block has. Wider levels, act-order groups and groups
+//! that split a block of 32 are dequantized into a float type instead, as is everything when
+//! the model is read into one.
 
 use crate::quant::GgmlType;
 use half::{bf16, f16};
 use ir::F8E4M3;
 use quant::fp8_blocks::{block, BLOCK_BYTES, BLOCK_ELEMS};
+use quant::u4_blocks;
 use rayon::prelude::*;
 
 /// How a method packs its levels and zero points.
@@ -318,9 +322,10 @@ impl PackedLayout {
         }
     }
 
-    /// Row `row` of matrix `matrix`: its levels less their zero points into `diff`, and each
-    /// group's scale into `scales`.
-    fn row(&self, parts: &PackedParts<'_>, matrix: usize, row: usize, diff: &mut [i32], scales: &mut [f32]) {
+    /// Row `row` of matrix `matrix` into `out`: its levels and each group's zero point as
+    /// stored, unsigned (compressed-tensors' signed ones plus their offset, a symmetric
+    /// scheme's zero point the offset: the differences are the same), and each group's scale.
+    fn row(&self, parts: &PackedParts<'_>, matrix: usize, row: usize, out: &mut Row) {
         let scheme = self.scheme;
         let (mask, offset) = (scheme.mask(), scheme.offset());
         let bits = scheme.bits as usize;
@@ -343,7 +348,7 @@ impl PackedLayout {
             _ => group * self.rows + row,
         };
         let zero = |group: usize| -> i32 {
-            let Some(zeros) = parts.zeros else { return 0 };
+            let Some(zeros) = parts.zeros else { return offset };
             match scheme.packing {
                 Packing::Gptq { zero_offset } => {
                     let w = word(zeros, group * (self.rows / per) + row / per);
@@ -355,16 +360,16 @@ impl PackedLayout {
                 }
                 Packing::CompressedTensors => {
                     let first = matrix * self.zero_words * self.groups + group;
-                    dense(zeros, first, self.groups, row * bits) - offset
+                    dense(zeros, first, self.groups, row * bits)
                 }
             }
         };
-        let zeros: Vec<i32> = (0..self.groups).map(zero).collect();
-        for (g, s) in scales.iter_mut().enumerate() {
+        for (g, (z, s)) in out.zeros.iter_mut().zip(&mut out.scales).enumerate() {
+            *z = zero(g);
             *s = parts.scales[scale_at(g)];
         }
-        for (col, d) in diff.iter_mut().enumerate() {
-            let level = match scheme.packing {
+        for (col, level) in out.levels.iter_mut().enumerate() {
+            *level = match scheme.packing {
                 Packing::Gptq { .. } => {
                     let w = word(parts.levels, col / per * self.rows + row);
                     ((u64::from(w) >> (col % per * bits)) & mask) as i32
@@ -375,10 +380,18 @@ impl PackedLayout {
                 }
                 Packing::CompressedTensors => {
                     let first = (matrix * self.rows + row) * self.row_words;
-                    dense(parts.levels, first, 1, col * bits) - offset
+                    dense(parts.levels, first, 1, col * bits)
                 }
             };
-            *d = level - zeros[self.group(col)];
+        }
+    }
+
+    /// Scratch for [`Self::row`].
+    fn scratch(&self) -> Row {
+        Row {
+            levels: vec![0; self.cols],
+            zeros: vec![0; self.groups],
+            scales: vec![0.0; self.groups],
         }
     }
 
@@ -390,16 +403,52 @@ impl PackedLayout {
         let row_bytes = self.cols / BLOCK_ELEMS * BLOCK_BYTES;
         let mut out = vec![0u8; self.matrices * self.rows * row_bytes];
         out.par_chunks_mut(row_bytes).enumerate().for_each_init(
-            || (vec![0i32; self.cols], vec![0f32; self.groups]),
-            |(diff, scales), (at, out)| {
-                self.row(parts, at / self.rows, at % self.rows, diff, scales);
-                for (b, (out, diff)) in out
+            || self.scratch(),
+            |row, (at, out)| {
+                self.row(parts, at / self.rows, at % self.rows, row);
+                for (b, (out, levels)) in out
                     .chunks_exact_mut(BLOCK_BYTES)
-                    .zip(diff.chunks_exact(BLOCK_ELEMS))
+                    .zip(row.levels.chunks_exact(BLOCK_ELEMS))
                     .enumerate()
                 {
-                    let codes = std::array::from_fn(|i| F8E4M3::from_f32(diff[i] as f32).0);
-                    out.copy_from_slice(&block(scales[self.group(b * BLOCK_ELEMS)], &codes));
+                    let group = self.group(b * BLOCK_ELEMS);
+                    let zero = row.zeros[group];
+                    let codes = std::array::from_fn(|i| F8E4M3::from_f32((levels[i] - zero) as f32).0);
+                    out.copy_from_slice(&block(row.scales[group], &codes));
+                }
+            },
+        );
+        out
+    }
+
+    /// Whether the weight can be held as 4-bit blocks ([`Self::u4_blocks`]) with scales
+    /// `scales`: it [fits blocks](Self::fits_blocks_of_32), its levels are whole nibbles, and
+    /// every scale makes the products exact (`u4_blocks::exact`).
+    pub fn fits_u4_blocks(&self, scales: &[f32]) -> bool {
+        self.fits_blocks_of_32() && scales.iter().all(|&s| u4_blocks::exact(s))
+    }
+
+    /// The weight as 4-bit blocks of 32 (`quant::u4_blocks`): each block's levels as stored,
+    /// its scale its group's, its offset the group's zero point times the scale, negated, so
+    /// each weight is `level · scale − zero · scale`, exactly `(q − z) · s`. The layout must
+    /// [fit them](Self::fits_u4_blocks).
+    pub fn u4_blocks(&self, parts: &PackedParts<'_>) -> Vec<u8> {
+        assert!(self.fits_blocks_of_32(), "{self:?} does not fit blocks of 32");
+        let row_bytes = self.cols / u4_blocks::BLOCK_ELEMS * u4_blocks::BLOCK_BYTES;
+        let mut out = vec![0u8; self.matrices * self.rows * row_bytes];
+        out.par_chunks_mut(row_bytes).enumerate().for_each_init(
+            || self.scratch(),
+            |row, (at, out)| {
+                self.row(parts, at / self.rows, at % self.rows, row);
+                for (b, (out, levels)) in out
+                    .chunks_exact_mut(u4_blocks::BLOCK_BYTES)
+                    .zip(row.levels.chunks_exact(u4_blocks::BLOCK_ELEMS))
+                    .enumerate()
+                {
+                    let group = self.group(b * u4_blocks::BLOCK_ELEMS);
+                    let scale = row.scales[group];
+                    let levels = std::array::from_fn(|i| levels[i] as u8);
+                    out.copy_from_slice(&u4_blocks::block(scale, -(row.zeros[group] as f32) * scale, &levels));
                 }
             },
         );
@@ -419,11 +468,12 @@ impl PackedLayout {
         };
         let mut out = vec![0u8; self.matrices * self.rows * self.cols * size];
         out.par_chunks_mut(self.cols * size).enumerate().for_each_init(
-            || (vec![0i32; self.cols], vec![0f32; self.groups]),
-            |(diff, scales), (at, out)| {
-                self.row(parts, at / self.rows, at % self.rows, diff, scales);
-                for (col, (out, &d)) in out.chunks_exact_mut(size).zip(diff.iter()).enumerate() {
-                    let value = d as f32 * scales[self.group(col)];
+            || self.scratch(),
+            |row, (at, out)| {
+                self.row(parts, at / self.rows, at % self.rows, row);
+                for (col, (out, &level)) in out.chunks_exact_mut(size).zip(&row.levels).enumerate() {
+                    let group = self.group(col);
+                    let value = (level - row.zeros[group]) as f32 * row.scales[group];
                     match dtype {
                         GgmlType::F32 => out.copy_from_slice(&value.to_le_bytes()),
                         GgmlType::F16 => out.copy_from_slice(&f16::from_f32(value).to_le_bytes()),
@@ -434,6 +484,13 @@ impl PackedLayout {
         );
         out
     }
+}
+
+/// One row of a packed weight as [`PackedLayout::row`] reads it.
+struct Row {
+    levels: Vec<i32>,
+    zeros: Vec<i32>,
+    scales: Vec<f32>,
 }
 
 /// One packed weight's bytes: its levels and zero points as the file stores them (little-endian
@@ -649,7 +706,12 @@ mod tests {
                 Packing::Gptq { zero_offset } => z.iter().map(|&z| z.max(zero_offset as u32)).collect(),
                 _ => z.clone(),
             };
-            let s: Vec<f32> = (0..matrices * rows * groups).map(|_| (next() % 1000) as f32 / 4096.0 + 1e-3).collect();
+            // Scales of f16's precision, as checkpoints' are, or of f32's.
+            let short = next() % 2 == 0;
+            let s: Vec<f32> = (0..matrices * rows * groups)
+                .map(|_| (next() % 1000) as f32 / 4096.0 + 1e-3)
+                .map(|s| if short { half::f16::from_f32(s).to_f32() } else { s })
+                .collect();
             let packed = pack(scheme, matrices, rows, cols, group_cols, &q, with_zeros.then_some(&z_values[..]), &s);
             let layout = layout(scheme, &packed);
             prop_assert_eq!(layout.shape(), lead(matrices, vec![rows, cols]));
@@ -682,6 +744,15 @@ mod tests {
                     quant::fp8_blocks::dequantize_block(b, out);
                 }
                 prop_assert!(widened.iter().zip(&values).all(|(a, b)| a.to_bits() == b.to_bits()));
+            }
+            let any_long = s.iter().any(|&s| !u4_blocks::exact(s));
+            prop_assert_eq!(layout.fits_u4_blocks(&s), layout.fits_blocks_of_32() && !any_long);
+            if layout.fits_u4_blocks(&s) {
+                let blocks = layout.u4_blocks(&parts);
+                let mut widened = vec![0f32; values.len()];
+                GgmlType::U4B32.dequantize(&blocks, &mut widened);
+                // Equal as numbers: a zero weight may be either zero.
+                prop_assert!(widened.iter().zip(&values).all(|(a, b)| a == b));
             }
         }
     }

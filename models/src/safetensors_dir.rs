@@ -90,9 +90,9 @@ pub struct SafetensorsDir {
 
 impl SafetensorsDir {
     /// The directory's tensors, FP8 and packed integer weights read as `convert_to` (f32, bf16
-    /// or f16), else held as FP8 blocks of 32 where they fit them (see
-    /// `ScaleGrid::fits_blocks_of_32`, `PackedLayout::fits_blocks_of_32`) and as the
-    /// checkpoint's `dtype` where not.
+    /// or f16), else held as blocks of 32 where they fit them (FP8 blocks, or 4-bit blocks for
+    /// integer weights whose scales allow them: `ScaleGrid::fits_blocks_of_32`,
+    /// `PackedLayout::fits_u4_blocks`) and as the checkpoint's `dtype` where not.
     pub fn open(dir: &Path, convert_to: Option<GgmlType>) -> Result<Self> {
         let files = shard_files(dir)?;
         let mut shards = Vec::with_capacity(files.len());
@@ -144,7 +144,12 @@ impl SafetensorsDir {
             None => checkpoint_dtype,
         };
         this.pair_scales(fp8_codes, block, |grid| read_as(grid.fits_blocks_of_32()))?;
-        this.pair_packed(ints, integers, |layout| read_as(layout.fits_blocks_of_32()))?;
+        this.pair_packed(ints, integers, |layout, scales| {
+            match read_as(layout.fits_blocks_of_32()) {
+                GgmlType::F8E4M3B32 if layout.fits_u4_blocks(scales) => GgmlType::U4B32,
+                read_as => read_as,
+            }
+        })?;
         Ok(this)
     }
 
@@ -188,7 +193,7 @@ impl SafetensorsDir {
         &mut self,
         mut ints: BTreeMap<String, RawEntry>,
         scheme: Option<IntScheme>,
-        read_as: impl Fn(&PackedLayout) -> GgmlType,
+        read_as: impl Fn(&PackedLayout, &[f32]) -> GgmlType,
     ) -> Result<()> {
         if let Some(scheme) = scheme {
             let names = scheme.part_names();
@@ -235,7 +240,7 @@ impl SafetensorsDir {
                 let layout = PackedLayout::of(scheme, &shapes, listed.as_deref()).map_err(bad)?;
                 let weight = MadeWeight {
                     shape: matrix_shape(layout.shape()),
-                    read_as: read_as(&layout),
+                    read_as: read_as(&layout, &self.floats(&scales)),
                     from: MadeFrom::Packed {
                         layout,
                         levels,
@@ -261,6 +266,13 @@ impl SafetensorsDir {
             }),
             None => Ok(()),
         }
+    }
+
+    /// A float tensor's values, widened to f32.
+    fn floats(&self, entry: &SafetensorsEntry) -> Vec<f32> {
+        let mut values = vec![0f32; entry.stored_shape.iter().product()];
+        entry.dtype.dequantize(self.data(entry), &mut values);
+        values
     }
 
     /// An integer tensor's values.
@@ -346,14 +358,9 @@ impl SafetensorsDir {
 
     /// A weight's values in the type it is read as.
     fn make(&self, weight: &MadeWeight) -> Vec<u8> {
-        let scales_of = |entry: &SafetensorsEntry| {
-            let mut scales = vec![0f32; entry.stored_shape.iter().product()];
-            entry.dtype.dequantize(self.data(entry), &mut scales);
-            scales
-        };
         match &weight.from {
             MadeFrom::Fp8 { codes, scales, grid } => {
-                let scales = scales_of(scales);
+                let scales = self.floats(scales);
                 let codes = self.raw(codes);
                 match weight.read_as {
                     GgmlType::F8E4M3B32 => fp8_checkpoint::blocks_of_32(codes, &scales, grid),
@@ -366,13 +373,14 @@ impl SafetensorsDir {
                 zeros,
                 scales,
             } => {
-                let scales = scales_of(scales);
+                let scales = self.floats(scales);
                 let parts = PackedParts {
                     levels: self.raw(levels),
                     zeros: zeros.as_ref().map(|z| self.raw(z)),
                     scales: &scales,
                 };
                 match weight.read_as {
+                    GgmlType::U4B32 => layout.u4_blocks(&parts),
                     GgmlType::F8E4M3B32 => layout.blocks_of_32(&parts),
                     dtype => layout.dequantize(&parts, dtype),
                 }

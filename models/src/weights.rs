@@ -107,8 +107,9 @@ impl WeightSource {
     }
 
     /// The storage type holding the most elements of the tensors of two or more dims (the
-    /// matrices; norms and biases are vectors), `None` without any. FP8 blocks are passed over
-    /// where other matrices remain: an FP8 checkpoint's embeddings and heads keep its own type.
+    /// matrices; norms and biases are vectors), `None` without any. FP8 and 4-bit blocks are
+    /// passed over where other matrices remain: a quantized checkpoint's embeddings and heads
+    /// keep its own type.
     pub fn matrix_storage(&self) -> Option<GgmlType> {
         // Each tensor's type and shape straight from the listing (`get` finds a GGUF tensor
         // by a search of its names).
@@ -133,7 +134,7 @@ impl WeightSource {
                 None => elements.push((dtype, count)),
             }
         }
-        let fp8 = |t: &(GgmlType, usize)| t.0 == GgmlType::F8E4M3B32;
+        let fp8 = |t: &(GgmlType, usize)| matches!(t.0, GgmlType::F8E4M3B32 | GgmlType::U4B32);
         let counted = match elements.iter().all(fp8) {
             true => elements,
             false => elements.into_iter().filter(|t| !fp8(t)).collect(),

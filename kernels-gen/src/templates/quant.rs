@@ -33,6 +33,7 @@ pub fn block_layout(format: DType) -> Option<(i64, i64)> {
         DType::Q3K => (256, 110),
         DType::IQ4XS => (256, 136),
         DType::F8E4M3B32 => (32, 36),
+        DType::U4B32 => (32, 24),
         _ => return None,
     })
 }
@@ -150,6 +151,7 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
     let value = match format {
         DType::Q8_0 => half(base()) * f32_of(s8(base() + int(2) + j())),
         DType::F8E4M3B32 => fp8(base() + int(4) + j()) * f32_at(base()),
+        DType::U4B32 => f32_at(base()) * f32_of(nibble(base() + int(8))) + f32_at(base() + int(4)),
         DType::Q4_0 => half(base()) * f32_of(nibble(base() + int(2)) - int(8)),
         DType::IQ4NL => half(base()) * f32_of(iq4_value(nibble(base() + int(2)))),
         DType::Q4_1 => half(base()) * f32_of(nibble(base() + int(4))) + half(base() + int(2)),
@@ -241,7 +243,14 @@ pub fn dequant(format: DType, out: &str, row: Expr, e: Expr) -> Vec<Stmt> {
 pub fn decodes_whole_blocks(format: DType) -> bool {
     matches!(
         format,
-        DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::IQ4NL | DType::F8E4M3B32
+        DType::Q4_0
+            | DType::Q4_1
+            | DType::Q5_0
+            | DType::Q5_1
+            | DType::Q8_0
+            | DType::IQ4NL
+            | DType::F8E4M3B32
+            | DType::U4B32
     )
 }
 
@@ -256,6 +265,9 @@ pub fn block_weights(format: DType, prefix: &str, base: Expr, elements: Range<us
     let at = |offset: i64| var("blk_at") + int(offset);
     if format == DType::F8E4M3B32 {
         return fp8_block_weights(prefix, base, elements);
+    }
+    if format == DType::U4B32 {
+        return u4_block_weights(prefix, base, elements);
     }
     let mut s = vec![let_("blk_at", Ty::I32, base), let_("blk_d", Ty::F32, half(at(0)))];
     let (qs, offset, with_min, qh) = match format {
@@ -346,6 +358,46 @@ fn fp8_block_weights(prefix: &str, base: Expr, elements: Range<usize>) -> Vec<St
                 Ty::F32,
                 var(&format!("blk_c{e}")) * var("blk_d"),
             ));
+        }
+    }
+    s
+}
+
+/// [`block_weights`] of a block of 4-bit levels (`quant::u4_blocks`): its f32 scale and
+/// offset, then four bytes of levels a load (a block is 24 bytes, so every word of it is
+/// aligned), each byte two weights, element `j`'s level and element `j + 16`'s; each weight its
+/// level times the scale plus the offset.
+fn u4_block_weights(prefix: &str, base: Expr, elements: Range<usize>) -> Vec<Stmt> {
+    let at = |offset: i64| var("blk_at") + int(offset);
+    let words = |name: &str| (0..4).map(|b| format!("blk_{name}{b}")).collect::<Vec<String>>();
+    let (scale, offset) = (words("s"), words("m"));
+    let mut s = vec![
+        let_("blk_at", Ty::I32, base),
+        load_vec("w", at(0), &scale),
+        load_vec("w", at(4), &offset),
+    ];
+    s.push(let_("blk_d", Ty::F32, f32_of_bytes(scale.iter().map(|b| var(b)))));
+    s.push(let_("blk_m", Ty::F32, f32_of_bytes(offset.iter().map(|b| var(b)))));
+    for word in 0..4 {
+        let bytes = 4 * word..4 * word + 4;
+        if !bytes
+            .clone()
+            .any(|j| elements.contains(&j) || elements.contains(&(j + 16)))
+        {
+            continue;
+        }
+        let names: Vec<String> = bytes.clone().map(|j| format!("blk_b{j}")).collect();
+        s.push(load_vec("w", at(8 + 4 * word as i64), &names));
+        for (j, b) in bytes.zip(&names) {
+            for (e, level) in [(j, mask_bits(var(b), 15)), (j + 16, shr(var(b), int(4)))] {
+                if elements.contains(&e) {
+                    s.push(let_(
+                        &format!("{prefix}{e}"),
+                        Ty::F32,
+                        var("blk_d") * f32_of(level) + var("blk_m"),
+                    ));
+                }
+            }
         }
     }
     s

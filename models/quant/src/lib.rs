@@ -21,6 +21,7 @@ mod q5_k;
 mod q6_k;
 mod q8_0;
 pub mod tensor;
+pub mod u4_blocks;
 
 pub use iq4::{IQ4NL, IQ4XS};
 pub use q2_k::Q2K;
@@ -60,7 +61,8 @@ pub trait BlockFormat {
 }
 
 /// Element types of GGUF tensors that bbc reads (discriminants are ggml's type ids), and FP8
-/// checkpoints' weights as bbc holds them ([`GgmlType::F8E4M3B32`], in no GGUF file).
+/// and integer checkpoints' weights as bbc holds them ([`GgmlType::F8E4M3B32`],
+/// [`GgmlType::U4B32`], in no GGUF file).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum GgmlType {
     F32 = 0,
@@ -81,6 +83,9 @@ pub enum GgmlType {
     /// bbc's own ([`fp8_blocks`]): FP8 E4M3 codes in blocks of 32 with an f32 scale. Its id
     /// is none of ggml's, and no GGUF file is read as it.
     F8E4M3B32 = 1000,
+    /// bbc's own ([`u4_blocks`]): 4-bit levels in blocks of 32 with an f32 scale and offset,
+    /// as an integer checkpoint's 4-bit weights are held. In no GGUF file either.
+    U4B32 = 1001,
 }
 
 impl GgmlType {
@@ -166,6 +171,7 @@ impl GgmlType {
             Self::IQ4NL => "IQ4_NL",
             Self::IQ4XS => "IQ4_XS",
             Self::F8E4M3B32 => "F8_E4M3_B32",
+            Self::U4B32 => "U4_B32",
         }
     }
 
@@ -187,6 +193,7 @@ impl GgmlType {
             Self::IQ4NL => (IQ4NL::BLOCK_ELEMS, IQ4NL::BLOCK_BYTES),
             Self::IQ4XS => (IQ4XS::BLOCK_ELEMS, IQ4XS::BLOCK_BYTES),
             Self::F8E4M3B32 => (fp8_blocks::BLOCK_ELEMS, fp8_blocks::BLOCK_BYTES),
+            Self::U4B32 => (u4_blocks::BLOCK_ELEMS, u4_blocks::BLOCK_BYTES),
         }
     }
 
@@ -246,6 +253,14 @@ impl GgmlType {
                     fp8_blocks::dequantize_block(block, out);
                 }
             }
+            Self::U4B32 => {
+                for (block, out) in data
+                    .chunks_exact(u4_blocks::BLOCK_BYTES)
+                    .zip(out.chunks_exact_mut(u4_blocks::BLOCK_ELEMS))
+                {
+                    u4_blocks::dequantize_block(block, out);
+                }
+            }
         }
     }
 
@@ -264,7 +279,7 @@ impl GgmlType {
             Self::Q3K => dot_blocks::<Q3K>(data, x),
             Self::IQ4NL => dot_blocks::<IQ4NL>(data, x),
             Self::IQ4XS => dot_blocks::<IQ4XS>(data, x),
-            Self::F32 | Self::F16 | Self::BF16 | Self::F8E4M3B32 => {
+            Self::F32 | Self::F16 | Self::BF16 | Self::F8E4M3B32 | Self::U4B32 => {
                 let mut row = vec![0f32; x.len()];
                 self.dequantize(data, &mut row);
                 row.iter().zip(x).map(|(a, b)| a * b).sum()

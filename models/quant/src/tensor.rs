@@ -92,5 +92,6 @@ pub fn ir_dtype(t: GgmlType) -> ir::DType {
         GgmlType::IQ4NL => ir::DType::IQ4NL,
         GgmlType::IQ4XS => ir::DType::IQ4XS,
         GgmlType::F8E4M3B32 => ir::DType::F8E4M3B32,
+        GgmlType::U4B32 => ir::DType::U4B32,
     }
 }

@@ -516,13 +516,13 @@ impl<'w> Builder<'w> {
         }
     }
 
-    /// A matrix weight `[rows, cols]`, typed as the compute dtype asks; FP8 blocks stay FP8
-    /// blocks (a source holds them only where the model runs FP8 weights: quantized as it
-    /// loads, or an FP8 checkpoint not read into another type).
+    /// A matrix weight `[rows, cols]`, typed as the compute dtype asks; FP8 and 4-bit blocks
+    /// stay as they are (a source holds them only where the model runs such weights: quantized
+    /// as it loads, or an FP8 or integer checkpoint not read into another type).
     pub fn matrix(&mut self, name: &str, rows: usize, cols: usize) -> Result<NodeId> {
         let storage = self.weights.storage(name, &[rows, cols])?;
         let dtype = match self.options.compute {
-            _ if storage == GgmlType::F8E4M3B32 => DType::F8E4M3B32,
+            _ if matches!(storage, GgmlType::F8E4M3B32 | GgmlType::U4B32) => ir_dtype(storage),
             ComputeDtype::F32 => DType::F32,
             ComputeDtype::Bf16 => DType::BF16,
             ComputeDtype::F16 => DType::F16,

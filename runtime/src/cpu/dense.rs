@@ -1,6 +1,7 @@
-//! `x · Wᵀ` over dense weight rows (f32, or bf16, IEEE half or FP8 blocks widened as they are
-//! loaded): the matmul of models run at `--dtype f32`, `bf16` or `f16`, of checkpoints' bf16
-//! and half weights, and of FP8 weights for steps of few tokens.
+//! `x · Wᵀ` over dense weight rows (f32, or bf16, IEEE half, FP8 blocks or 4-bit blocks widened
+//! as they are loaded): the matmul of models run at `--dtype f32`, `bf16` or `f16`, of
+//! checkpoints' bf16 and half weights, and of FP8 and 4-bit blocks for steps of few tokens
+//! (more widen a few rows at a time first: [`widen_rows`]).
 //!
 //! A register tile holds the products of a few weight rows with a few tokens, so each 16-float
 //! chunk of a row or of a token is loaded once for the whole tile instead of once for every
@@ -15,6 +16,7 @@
 use super::simd;
 use half::{bf16, f16};
 use quant::fp8_blocks::{BLOCK_BYTES, BLOCK_ELEMS};
+use quant::u4_blocks;
 use std::ops::Range;
 
 /// Weight rows of one dense kind, `cols` floats each, row after row.
@@ -26,6 +28,9 @@ pub enum DenseRows<'a> {
     /// FP8 blocks (`quant::fp8_blocks`, `cols` a multiple of 32) that all widen by halves
     /// (`fp8_rows::widens_by_halves`): each weight its code's value times its block's scale.
     Fp8(&'a [Fp8Byte]),
+    /// 4-bit blocks (`quant::u4_blocks`, `cols` a multiple of 32): each weight its level times
+    /// its block's scale plus its offset.
+    U4(&'a [U4Byte]),
 }
 
 /// A byte of FP8 blocks (a scale's or a code's), as the tile kernels address them.
@@ -37,6 +42,20 @@ impl Fp8Byte {
     /// FP8 blocks as the tile kernels read them.
     pub fn of(blocks: &[u8]) -> &[Fp8Byte] {
         // SAFETY: `Fp8Byte` is a transparent `u8`.
+        unsafe { std::slice::from_raw_parts(blocks.as_ptr().cast(), blocks.len()) }
+    }
+}
+
+/// A byte of 4-bit blocks (a scale's, an offset's or two levels), as the tile kernels address
+/// them.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct U4Byte(u8);
+
+impl U4Byte {
+    /// 4-bit blocks as the tile kernels read them.
+    pub fn of(blocks: &[u8]) -> &[U4Byte] {
+        // SAFETY: `U4Byte` is a transparent `u8`.
         unsafe { std::slice::from_raw_parts(blocks.as_ptr().cast(), blocks.len()) }
     }
 }
@@ -155,6 +174,10 @@ impl Tile {
             DenseRows::F16(w) => self.compute_with(kernel, w, cols, x, values),
             DenseRows::Fp8(w) => {
                 assert!(cols.is_multiple_of(BLOCK_ELEMS));
+                self.compute_with(kernel, w, cols, x, values)
+            }
+            DenseRows::U4(w) => {
+                assert!(cols.is_multiple_of(u4_blocks::BLOCK_ELEMS));
                 self.compute_with(kernel, w, cols, x, values)
             }
         }
@@ -345,6 +368,132 @@ impl Fp8Byte {
     unsafe fn block<'a>(row: *const Fp8Byte, c: usize) -> &'a [u8] {
         // SAFETY: as the caller promises.
         unsafe { std::slice::from_raw_parts(row.add(Self::block_start(c)).cast::<u8>(), BLOCK_BYTES) }
+    }
+}
+
+/// 4-bit blocks widen each level to f32, times the block's scale, plus its offset, as
+/// `u4_blocks::dequantize_block` computes them (a product and a sum, each rounded). Rows are
+/// whole blocks, so a chunk of 8 or 16 weights lies in one block: 16 are the low or the high
+/// nibbles of its 16 level bytes, 8 half of those.
+impl Widen for U4Byte {
+    #[inline(always)]
+    fn stride(cols: usize) -> usize {
+        Self::block_start(cols)
+    }
+    #[inline(always)]
+    fn index(c: usize) -> usize {
+        Self::block_start(c) + u4_blocks::LEVELS_AT + c % 16
+    }
+    unsafe fn weight(row: *const U4Byte, c: usize) -> f32 {
+        // SAFETY: as the caller promises: the block holding weight `c` lies there.
+        let block = unsafe { Self::block(row, c) };
+        let (scale, offset) = u4_blocks::scale_offset(block);
+        f32::from(u4_blocks::level(block, c % u4_blocks::BLOCK_ELEMS)) * scale + offset
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load512(row: *const U4Byte, at: usize) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's kernel has AVX-512F; the chunk's block lies within the row.
+        unsafe {
+            let block = Self::block(row, at);
+            let (scale, offset) = u4_blocks::scale_offset(block);
+            let bytes = _mm_loadu_si128(block.as_ptr().add(u4_blocks::LEVELS_AT).cast());
+            let wide = _mm512_cvtepu8_epi32(bytes);
+            let levels = match at % u4_blocks::BLOCK_ELEMS {
+                0 => _mm512_and_si512(wide, _mm512_set1_epi32(15)),
+                _ => _mm512_srli_epi32(wide, 4),
+            };
+            _mm512_add_ps(
+                _mm512_mul_ps(_mm512_cvtepi32_ps(levels), _mm512_set1_ps(scale)),
+                _mm512_set1_ps(offset),
+            )
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load256(row: *const U4Byte, at: usize) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's kernel has AVX2; as above.
+        unsafe {
+            let block = Self::block(row, at);
+            let (scale, offset) = u4_blocks::scale_offset(block);
+            let chunk = at % u4_blocks::BLOCK_ELEMS;
+            let bytes = _mm_loadl_epi64(block.as_ptr().add(u4_blocks::LEVELS_AT + chunk % 16).cast());
+            let wide = _mm256_cvtepu8_epi32(bytes);
+            let levels = match chunk < 16 {
+                true => _mm256_and_si256(wide, _mm256_set1_epi32(15)),
+                false => _mm256_srli_epi32(wide, 4),
+            };
+            _mm256_add_ps(
+                _mm256_mul_ps(_mm256_cvtepi32_ps(levels), _mm256_set1_ps(scale)),
+                _mm256_set1_ps(offset),
+            )
+        }
+    }
+}
+
+impl U4Byte {
+    /// Where the block holding weight `c` of a row starts, in bytes from the row's start.
+    #[inline(always)]
+    fn block_start(c: usize) -> usize {
+        c / u4_blocks::BLOCK_ELEMS * u4_blocks::BLOCK_BYTES
+    }
+
+    /// The block holding weight `c` of the row at `row`.
+    ///
+    /// # Safety
+    /// The row holds that block.
+    #[inline(always)]
+    unsafe fn block<'a>(row: *const U4Byte, c: usize) -> &'a [u8] {
+        // SAFETY: as the caller promises.
+        unsafe { std::slice::from_raw_parts(row.add(Self::block_start(c)).cast::<u8>(), u4_blocks::BLOCK_BYTES) }
+    }
+}
+
+/// Rows `rows` of `weights` (`cols` wide, a multiple of 16) widened to f32 into `out`, each
+/// weight as the tiles widen it (so products over the widened rows are the same bits).
+pub fn widen_rows(kernel: DenseKernel, weights: DenseRows<'_>, cols: usize, rows: Range<usize>, out: &mut [f32]) {
+    match weights {
+        DenseRows::F32(w) => widen_rows_of(kernel, w, cols, rows, out),
+        DenseRows::Bf16(w) => widen_rows_of(kernel, w, cols, rows, out),
+        DenseRows::F16(w) => widen_rows_of(kernel, w, cols, rows, out),
+        DenseRows::Fp8(w) => widen_rows_of(kernel, w, cols, rows, out),
+        DenseRows::U4(w) => widen_rows_of(kernel, w, cols, rows, out),
+    }
+}
+
+fn widen_rows_of<W: Widen>(kernel: DenseKernel, w: &[W], cols: usize, rows: Range<usize>, out: &mut [f32]) {
+    let stride = W::stride(cols);
+    assert!(cols.is_multiple_of(16) && rows.end * stride <= w.len() && out.len() >= rows.len() * cols);
+    for (r, out) in rows.zip(out.chunks_exact_mut(cols)) {
+        let row = w[r * stride..].as_ptr();
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `kernel` came from `DenseKernel::detected`, so the CPU has its features; the
+        // row has `cols` weights (asserted above), loaded sixteen or eight at a time.
+        unsafe {
+            use std::arch::x86_64::*;
+            match kernel {
+                DenseKernel::Avx512 => {
+                    for at in (0..cols).step_by(16) {
+                        _mm512_storeu_ps(out.as_mut_ptr().add(at), W::load512(row, at));
+                    }
+                }
+                DenseKernel::Avx2 => {
+                    for at in (0..cols).step_by(8) {
+                        _mm256_storeu_ps(out.as_mut_ptr().add(at), W::load256(row, at));
+                    }
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = kernel;
+            for (c, o) in out.iter_mut().enumerate() {
+                // SAFETY: c < cols, within the row.
+                *o = unsafe { W::weight(row, c) };
+            }
+        }
     }
 }
 
@@ -651,6 +800,33 @@ mod tests {
                 let mut widened = vec![0f32; rows * cols];
                 quant::GgmlType::F8E4M3B32.dequantize(&blocks, &mut widened);
                 check_against_dot(kernel, DenseRows::Fp8(Fp8Byte::of(&blocks)), &widened, cols, rows);
+            }
+        }
+    }
+
+    /// 4-bit blocks widened as the tiles load them, or rows widened first: each product is
+    /// `simd::dot`'s bits over the blocks' weights (level × scale + offset), for every level,
+    /// under scales of both signs, offsets of every zero point, and magnitudes that keep
+    /// products normal or make them subnormal.
+    #[test]
+    fn u4_products_are_simd_dots_bit_for_bit() {
+        let rows = 11;
+        for kernel in DenseKernel::available() {
+            for cols in [32, 96] {
+                let blocks: Vec<u8> = (0..rows * cols / 32)
+                    .flat_map(|b| {
+                        let levels: [u8; 32] = std::array::from_fn(|i| ((b * 32 + i) * 7 % 16) as u8);
+                        let scale = [0.013, -2.5, 3.0e-38, 1.7e35, 1.0 / (b + 3) as f32][b % 5];
+                        quant::u4_blocks::block(scale, -((b % 17) as f32) * scale, &levels)
+                    })
+                    .collect();
+                let mut widened = vec![0f32; rows * cols];
+                quant::GgmlType::U4B32.dequantize(&blocks, &mut widened);
+                let weights = DenseRows::U4(U4Byte::of(&blocks));
+                check_against_dot(kernel, weights, &widened, cols, rows);
+                let mut first = vec![0f32; rows * cols];
+                widen_rows(kernel, weights, cols, 0..rows, &mut first);
+                assert!(first.iter().zip(&widened).all(|(a, b)| a.to_bits() == b.to_bits()));
             }
         }
     }

@@ -1,8 +1,8 @@
 //! Weight matrices as the CPU kernels consume them, and `x · Wᵀ` over them.
 //!
 //! A matrix keeps the storage its graph node asks for: f32, bf16, half, a GGML block format,
-//! or FP8 blocks (widened by the dense tiles as they load them for steps of few tokens, else a
-//! few rows at a time for them, `fp8_rows`).
+//! FP8 blocks or 4-bit blocks (widened by the dense tiles as they load them for steps of few
+//! tokens, else a few rows at a time for them: `fp8_rows`, `dense::widen_rows`).
 //! The product walks W's rows in parallel runs, so prefill reads the weights once per step and
 //! decode is a pass over the weights. Dense rows (f32, bf16) are multiplied in register tiles
 //! of rows × tokens (`dense`; where the CPU lacks AVX2 and FMA, each row is widened to f32 once
@@ -33,6 +33,8 @@ use std::thread::LocalKey;
 /// cores: 24 and 32 sequences 12% and 6% faster tiled, 64 and a 128-token prompt 5% and 7%
 /// slower.
 const FP8_TILED_TOKENS: usize = 32;
+/// The same for 4-bit blocks.
+const U4_TILED_TOKENS: usize = 32;
 
 pub enum Storage {
     F32(Vec<f32>),
@@ -46,6 +48,9 @@ pub enum Storage {
     /// FP8 weights as held (`quant::fp8_blocks`: 32 codes and their f32 scale a block), each
     /// row widened to f32 as it is multiplied.
     Fp8Blocks(Fp8Blocks),
+    /// 4-bit weights as held (`quant::u4_blocks`: 32 levels, their f32 scale and offset a
+    /// block), widened to f32 as they are multiplied.
+    U4Blocks(Vec<u8>),
 }
 
 /// FP8 blocks, and whether every one widens by halves (`fp8_rows::widens_by_halves`: no NaN
@@ -79,6 +84,18 @@ impl Storage {
                 )),
             };
         }
+        if dtype == GgmlType::U4B32 {
+            return match row_bytes > 0
+                && row_bytes.is_multiple_of(quant::u4_blocks::BLOCK_BYTES)
+                && bytes.len().is_multiple_of(row_bytes)
+            {
+                true => Ok(Storage::U4Blocks(bytes)),
+                false => Err(format!(
+                    "{} rows of {row_bytes} bytes are not whole blocks",
+                    dtype.name()
+                )),
+            };
+        }
         if let Some(rows) = InterleavedRows::new(dtype, &bytes, row_bytes) {
             return Ok(Storage::Interleaved(rows));
         }
@@ -105,6 +122,11 @@ impl Storage {
         cols / quant::fp8_blocks::BLOCK_ELEMS * quant::fp8_blocks::BLOCK_BYTES
     }
 
+    /// Bytes a row of 4-bit blocks `cols` wide.
+    fn u4_row_bytes(cols: usize) -> usize {
+        cols / quant::u4_blocks::BLOCK_ELEMS * quant::u4_blocks::BLOCK_BYTES
+    }
+
     /// Whether it holds GGUF blocks (in either layout).
     pub fn is_block_quantized(&self) -> bool {
         matches!(self, Storage::Interleaved(_) | Storage::InterleavedSuper(_))
@@ -126,6 +148,7 @@ impl Matrix {
             Storage::Interleaved(rows) => rows.bytes(),
             Storage::InterleavedSuper(rows) => rows.bytes(),
             Storage::Fp8Blocks(blocks) => blocks.bytes.len(),
+            Storage::U4Blocks(blocks) => blocks.len(),
         }
     }
 
@@ -157,6 +180,11 @@ impl Matrix {
             Storage::Fp8Blocks(blocks) => {
                 let row_bytes = Storage::fp8_row_bytes(c);
                 GgmlType::F8E4M3B32.dequantize(&blocks.bytes[r * row_bytes..(r + 1) * row_bytes], out);
+                out
+            }
+            Storage::U4Blocks(blocks) => {
+                let row_bytes = Storage::u4_row_bytes(c);
+                GgmlType::U4B32.dequantize(&blocks[r * row_bytes..(r + 1) * row_bytes], out);
                 out
             }
         }
@@ -224,6 +252,33 @@ impl Matrix {
             });
             return;
         }
+        if let (Storage::U4Blocks(blocks), Some(kernel)) = (&self.storage, DenseKernel::detected()) {
+            let weights = DenseRows::U4(dense::U4Byte::of(blocks));
+            if tokens <= U4_TILED_TOKENS {
+                products_by_runs(rows, out, |run, _, write| {
+                    dense::products(kernel, weights, k, run, x, tokens, write)
+                });
+                return;
+            }
+            products_by_runs(rows, out, |run, widened, write| {
+                for first in run.clone().step_by(fp8_rows::WIDENED_ROWS) {
+                    let chunk = first..(first + fp8_rows::WIDENED_ROWS).min(run.end);
+                    widened.resize(chunk.len() * k, 0.0);
+                    dense::widen_rows(kernel, weights, k, chunk.clone(), widened);
+                    let offset = chunk.start - run.start;
+                    dense::products(
+                        kernel,
+                        DenseRows::F32(widened),
+                        k,
+                        0..chunk.len(),
+                        x,
+                        tokens,
+                        &mut |t, r, values| write(t, offset + r, values),
+                    );
+                }
+            });
+            return;
+        }
         match &self.storage {
             Storage::Interleaved(interleaved) => with_quantized_rows(&Q8_ROWS, x, k, |acts| {
                 let acts = interleaved.activations(acts).expect("activations cover the rows");
@@ -239,8 +294,8 @@ impl Matrix {
                     interleaved.products(run, &acts, kernel, scratch, write)
                 });
             }),
-            // FP8 blocks and dense rows on a CPU without AVX2 and FMA: each row widened once
-            // and dotted with every token's activation.
+            // FP8 and 4-bit blocks and dense rows on a CPU without AVX2 and FMA: each row
+            // widened once and dotted with every token's activation.
             _ => for_row_runs(out, n, tokens, rows_per_task, |row_buf: &mut Vec<f32>, r, dst| {
                 row_buf.resize(k, 0.0);
                 let w = self.row_f32(base + r, row_buf);
@@ -276,6 +331,10 @@ impl Matrix {
                 Storage::Fp8Blocks(blocks) => Some(&blocks.bytes),
                 _ => None,
             })?)),
+            Storage::U4Blocks(_) => Storage::U4Blocks(collect(parts, |s| match s {
+                Storage::U4Blocks(blocks) => Some(blocks),
+                _ => None,
+            })?),
             Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
                 let mut stacked: Option<(GgmlType, Vec<u8>, usize)> = None;
                 for part in parts {
@@ -312,6 +371,9 @@ impl Matrix {
                 Storage::fp8_row_bytes(self.cols),
                 &picked,
             ))),
+            Storage::U4Blocks(blocks) => {
+                Storage::U4Blocks(gather_rows(blocks, Storage::u4_row_bytes(self.cols), &picked))
+            }
             Storage::Interleaved(_) | Storage::InterleavedSuper(_) => {
                 let (dtype, bytes, row_bytes) = self.storage.gguf_rows().expect("block storage");
                 Storage::block_rows(dtype, gather_rows(&bytes, row_bytes, &picked), row_bytes)?
@@ -335,7 +397,7 @@ impl Matrix {
             Storage::F32(v) => Storage::F32(order().map(|i| v[i]).collect()),
             Storage::Bf16(v) => Storage::Bf16(order().map(|i| v[i]).collect()),
             Storage::F16(v) => Storage::F16(order().map(|i| v[i]).collect()),
-            Storage::Interleaved(_) | Storage::InterleavedSuper(_) | Storage::Fp8Blocks(_) => {
+            Storage::Interleaved(_) | Storage::InterleavedSuper(_) | Storage::Fp8Blocks(_) | Storage::U4Blocks(_) => {
                 let mut row = vec![0f32; cols];
                 let widened: Vec<f32> = (0..self.rows)
                     .flat_map(|r| self.row_f32(r, &mut row).to_vec())
@@ -620,6 +682,57 @@ mod tests {
         let m = Matrix { rows, cols, storage };
         let mut weights = vec![0f32; rows * cols];
         GgmlType::F8E4M3B32.dequantize(&blocks, &mut weights);
+        let widened = |m: &Matrix| -> Vec<f32> {
+            let mut row = vec![0f32; m.cols];
+            (0..m.rows).flat_map(|r| m.row_f32(r, &mut row).to_vec()).collect()
+        };
+        let stacked = Matrix::stack_rows(&[&m, &m]).unwrap();
+        assert_eq!(widened(&stacked), [weights.clone(), weights.clone()].concat());
+        let picked = m.row_group_slice(20, 1, 2).unwrap();
+        let want: Vec<f32> = [1, 2, 21, 22]
+            .iter()
+            .flat_map(|&r| weights[r * cols..(r + 1) * cols].to_vec())
+            .collect();
+        assert_eq!(widened(&picked), want);
+        let transposed = m.transpose_row_groups(4, 0, 3).unwrap();
+        assert!(matches!(transposed.storage, Storage::F32(_)));
+        assert_eq!(widened(&transposed)[1], weights[cols]);
+    }
+
+    /// 4-bit blocks: every (row, token) product is the dot product of the row's f32 weights
+    /// (level × scale + offset) with the token, bit for bit (`simd::dot`), whichever rows a
+    /// step asks for, for few tokens (widened by the tiles) and many (widened a few rows at a
+    /// time); stacking, picking and transposing rows keep the weights.
+    #[test]
+    fn u4_block_rows_multiply_their_products() {
+        let (rows, cols) = (40, 96);
+        let blocks: Vec<u8> = (0..rows * cols / 32)
+            .flat_map(|b| {
+                let levels: [u8; 32] = std::array::from_fn(|i| ((((b * 32 + i) * 2654435761usize) >> 11) % 16) as u8);
+                let scale = half::f16::from_f32(0.01 + b as f32 * 0.003).to_f32();
+                quant::u4_blocks::block(scale, -((b % 17) as f32) * scale, &levels)
+            })
+            .collect();
+        let row_bytes = cols / 32 * 24;
+        assert!(Storage::block_rows(GgmlType::U4B32, blocks.clone(), row_bytes - 1).is_err());
+        let storage = Storage::block_rows(GgmlType::U4B32, blocks.clone(), row_bytes).unwrap();
+        let m = Matrix { rows, cols, storage };
+        assert_eq!(m.bytes(), blocks.len());
+        let mut weights = vec![0f32; rows * cols];
+        GgmlType::U4B32.dequantize(&blocks, &mut weights);
+        for tokens in [1, 5, U4_TILED_TOKENS, U4_TILED_TOKENS + 3] {
+            let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0).collect();
+            let picked = 3..37;
+            let mut got = vec![f32::NAN; tokens * picked.len()];
+            m.matmul_rows(picked.clone(), &x, tokens, &mut got);
+            for t in 0..tokens {
+                for (i, r) in picked.clone().enumerate() {
+                    let want = simd::dot(&weights[r * cols..(r + 1) * cols], &x[t * cols..(t + 1) * cols]);
+                    let got = got[t * picked.len() + i];
+                    assert_eq!(got.to_bits(), want.to_bits(), "{tokens} tokens: token {t}, row {r}");
+                }
+            }
+        }
         let widened = |m: &Matrix| -> Vec<f32> {
             let mut row = vec![0f32; m.cols];
             (0..m.rows).flat_map(|r| m.row_f32(r, &mut row).to_vec()).collect()
